@@ -1,0 +1,41 @@
+"""megacompile: train large LLMs at full precision on one GPU.
+
+    engine = megacompile.compile(model, hbm_budget=80)   # GiB of device memory the plan may use
+    loss = engine.step(input_ids=ids, labels=ids)        # forward + backward + host AdamW
+    print(engine.plan)                                   # the schedule, readable
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .engine import Engine
+from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, InputMismatchError, LossError,
+                     MegacompileError, OptimizerInputError, PlanVerificationError)
+from .optim import AdamW
+from .plan import Plan
+
+__version__ = "0.1.0"
+
+
+def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
+            compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+            loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None) -> Engine:
+    """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
+
+    optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
+    compute_dtype: torch.float32 or torch.bfloat16, the dtype of the device copies
+    device:        "cuda" if available, else "cpu" (a simulated device with the budget enforced)
+    loss_fn:       loss_fn(output, *args, **kwargs) when the model's output is not the loss
+    retrace:       build a new plan when step() gets inputs of new shapes (else InputMismatchError)
+    dump_dir:      write the schedule after every pass there (also: MEGACOMPILE_DUMP_DIR)
+    """
+    return Engine(model, hbm_budget, optimizer=optimizer, compute_dtype=compute_dtype, device=device,
+                  loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir)
+
+
+__all__ = ["compile", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError",
+           "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
+           "OptimizerInputError"]

@@ -1,0 +1,71 @@
+"""Capture: the model's forward and backward as ATen graphs, one template per distinct stage."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from ..errors import CaptureError
+from .blocks import BlockStack, find_block_stack
+from .loss import LossFn, extract_loss
+from .model_graph import CapturedModel, Port, StageInstance, StateEntry
+from .segment import build_stages
+from .stage import ParamSlot, StageTemplate, TensorMeta
+from .top import trace_top
+
+__all__ = ["capture", "CapturedModel", "StageInstance", "StageTemplate", "TensorMeta", "ParamSlot",
+           "Port", "StateEntry", "find_block_stack", "extract_loss", "BlockStack"]
+
+
+def model_state(model: nn.Module) -> dict[str, StateEntry]:
+    """Parameters then buffers, by the model's own (deduplicated) names."""
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    state = {n: StateEntry(tuple(p.shape), p.dtype, p.requires_grad, False) for n, p in model.named_parameters()}
+    for n, b in model.named_buffers():
+        state[n] = StateEntry(tuple(b.shape), b.dtype, False, True, n in persistent)
+    return state
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device,
+            compute_dtype: torch.dtype, loss_fn: LossFn | None = None, train: bool = True) -> CapturedModel:
+    """Trace `model(*args, **kwargs)` into stage templates, with fake tensors only.
+
+    Floating parameters and buffers are traced in `compute_dtype` on `device`, as the device will
+    hold them; the model's own tensors are never read, so a model on the meta device works.
+    """
+    start = time.perf_counter()
+    state = model_state(model)
+    if not any(e.trainable for e in state.values()):
+        raise CaptureError(f"{type(model).__name__} has no trainable parameters: there is nothing to "
+                           "train (check requires_grad, or that the model builds its layers in __init__)")
+    stack = find_block_stack(model)
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    tensor_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if not tensor_leaves:
+        raise CaptureError("the model's inputs hold no tensor: call step()/forward with tensors such as input_ids")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    def cast(dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype if dtype.is_floating_point else dtype
+
+    with fake_mode:
+        fakes = {n: torch.empty(e.shape, dtype=cast(e.dtype), device=device).requires_grad_(e.trainable and train)
+                 for n, e in state.items()}
+        input_fakes = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensor_leaves]
+    fake_leaves, it = [], iter(input_fakes)
+    for x in leaves:
+        fake_leaves.append(next(it) if isinstance(x, torch.Tensor) else x)
+    fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
+    top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
+    with fake_mode:
+        stages, outputs = build_stages(top, model, stack, fakes, {n: e.trainable for n, e in state.items()},
+                                       input_fakes, train)
+    return CapturedModel(
+        stages=stages, state=state, inputs=[TensorMeta.of(t, False) for t in tensor_leaves],
+        input_spec=spec, input_constants=[None if isinstance(x, torch.Tensor) else x for x in leaves],
+        outputs=outputs, out_spec=top.out_spec, out_constants=top.out_constants,
+        out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
+        block_path=stack.path if stack else None, trace_seconds=time.perf_counter() - start)

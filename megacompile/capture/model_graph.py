@@ -1,0 +1,87 @@
+"""What capture hands to the passes: the model as a chain of stage instances over templates."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .stage import StageTemplate, TensorMeta
+
+
+@dataclass(frozen=True)
+class Port:
+    """Where a stage input comes from: a model input (stage == -1) or a stage's output."""
+    stage: int
+    index: int
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    shape: tuple[int, ...]
+    dtype: torch.dtype        # the model's own dtype (the host copy keeps it; masters are float32)
+    trainable: bool
+    is_buffer: bool
+    persistent: bool = True   # buffers only: part of state_dict()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class StageInstance:
+    name: str                 # "prologue", "block.3", "epilogue", "whole"
+    template: StageTemplate
+    params: list[str]         # model state names, aligned with template.params
+    inputs: list[Port]        # aligned with template.acts
+    origin: str               # module path the stage came from
+
+
+@dataclass
+class CapturedModel:
+    stages: list[StageInstance]
+    state: dict[str, StateEntry]
+    inputs: list[TensorMeta]          # the model's input tensors, flattened from (args, kwargs)
+    input_spec: pytree.TreeSpec
+    input_constants: list[Any]        # non-tensor input leaves (None at tensor positions)
+    outputs: list[Port]               # training: [loss]; inference: the output's tensors
+    out_spec: pytree.TreeSpec | None = None
+    out_constants: list[Any] = field(default_factory=list)
+    out_is_tensor: list[bool] = field(default_factory=list)
+    train: bool = True
+    compute_dtype: torch.dtype = torch.float32
+    block_path: str | None = None
+    trace_seconds: float = 0.0
+
+    @property
+    def templates(self) -> list[StageTemplate]:
+        seen: dict[int, StageTemplate] = {}
+        for s in self.stages:
+            seen.setdefault(id(s.template), s.template)
+        return list(seen.values())
+
+    def rebuild_output(self, tensors: list[torch.Tensor]) -> Any:
+        it = iter(tensors)
+        leaves = [next(it) if is_t else c for is_t, c in zip(self.out_is_tensor, self.out_constants)]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def owners(captured: CapturedModel) -> tuple[dict[str, int], dict[int, set[int]]]:
+    """Which stage owns each trainable parameter (the first to use it in the forward), and for
+    each owning stage, the stages whose backward produces gradients for its parameters."""
+    owner: dict[str, int] = {}
+    for s, stage in enumerate(captured.stages):
+        for name, slot in zip(stage.params, stage.template.params):
+            if slot.trainable:
+                owner.setdefault(name, s)
+    contributors: dict[int, set[int]] = {s: set() for s in set(owner.values())}
+    for s, stage in enumerate(captured.stages):
+        for name, slot in zip(stage.params, stage.template.params):
+            if slot.trainable:
+                contributors[owner[name]].add(s)
+    return owner, contributors

@@ -1,0 +1,201 @@
+"""Cut the top-level graph into stages: prologue, one block template, epilogue.
+
+The prologue holds what runs before the first block (embeddings, rotary tables, masks), the
+epilogue what runs after the last (final norm, lm head, loss). Values the prologue makes for
+every block (rotary cos/sin, the causal mask) are "side inputs": they stay on the device
+for the whole step. The block template is traced from the block module itself.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from ..errors import CaptureError
+from .blocks import BlockStack
+from .model_graph import Port, StageInstance
+from .stage import ParamSlot, StageTemplate, TensorMeta, trace_stage
+from .top import TopGraph
+
+BLOCK_CALL = torch.ops.megacompile.block_call.default
+
+
+class _Segment:
+    """A run of top-level nodes turned into its own GraphModule (params first, then acts)."""
+
+    def __init__(self, top: fx.GraphModule, members: list[fx.Node], outputs: list[fx.Node],
+                 state_ph: dict[fx.Node, str]):
+        member_set = set(members)
+        externals: list[fx.Node] = []
+        for n in members:
+            for a in n.all_input_nodes:
+                if a not in member_set and a.op != "get_attr" and a not in externals:
+                    externals.append(a)
+        for o in outputs:
+            if o not in member_set and o not in externals:
+                externals.append(o)
+        self.param_inputs = [a for a in externals if a in state_ph]
+        self.act_inputs = [a for a in externals if a not in state_ph]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for a in self.param_inputs + self.act_inputs:
+            env[a] = graph.placeholder(a.name)
+            env[a].meta = dict(a.meta)
+
+        def load(a: fx.Node) -> fx.Node:
+            if a not in env and a.op == "get_attr":   # constants are copied into every user
+                env[a] = graph.node_copy(a)
+            return env[a]
+        for n in members:
+            env[n] = graph.node_copy(n, load)
+        graph.output([env[o] for o in outputs])
+        self.gm = fx.GraphModule(top, graph)
+        self.outputs = outputs
+
+    def __call__(self, params: list[torch.Tensor], acts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(self.gm(*params, *acts))
+
+
+def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None,
+                 fakes: dict[str, torch.Tensor], trainable: dict[str, bool],
+                 input_fakes: list[torch.Tensor], train: bool) -> tuple[list[StageInstance], list[Port]]:
+    gm = top.gm
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    state_ph = dict(zip(placeholders[:len(top.state_names)], top.state_names))
+    input_ph = {n: i for i, n in enumerate(placeholders[len(top.state_names):])}
+    out_node = next(n for n in nodes if n.op == "output")
+    graph_outputs = list(pytree.tree_leaves(out_node.args[0]))
+
+    calls = [n for n in nodes if n.target is BLOCK_CALL]
+    produced_by: dict[fx.Node, tuple[int, int]] = {}   # getitem of a block call -> (block, output)
+    for b, c in enumerate(calls):
+        for u in c.users:
+            if u.target is operator.getitem:
+                produced_by[u] = (b, u.args[1])
+    downstream: set[fx.Node] = set()
+    frontier = list(calls)
+    while frontier:
+        n = frontier.pop()
+        for u in n.users:
+            if u not in downstream:
+                downstream.add(u)
+                frontier.append(u)
+    feeds_blocks: set[fx.Node] = set()
+    frontier = [a for c in calls for a in c.args[0]]
+    while frontier:
+        n = frontier.pop()
+        if n not in feeds_blocks:
+            feeds_blocks.add(n)
+            frontier.extend(n.all_input_nodes)
+    computed = [n for n in nodes if n.op == "call_function" and n.target is not BLOCK_CALL and n not in produced_by]
+    prologue = [n for n in computed if n in feeds_blocks and n not in downstream]
+    epilogue = [n for n in computed if n not in set(prologue)]
+
+    stages: list[StageInstance] = []
+    where: dict[fx.Node, Port] = {n: Port(-1, i) for n, i in input_ph.items()}
+    metas: dict[fx.Node, TensorMeta] = {}
+
+    def fake_act(n: fx.Node) -> torch.Tensor:
+        if n in input_ph:
+            return input_fakes[input_ph[n]]
+        meta = metas[n]
+        return torch.empty(meta.shape, dtype=meta.dtype, device=input_fakes[0].device).requires_grad_(meta.requires_grad)
+
+    def add_segment(kind: str, members: list[fx.Node], outputs: list[fx.Node], origin: str) -> None:
+        seg = _Segment(gm, members, outputs, state_ph)
+        for a in seg.act_inputs:
+            if a in state_ph or (a not in where):
+                raise CaptureError(f"the {kind} reads '{a.name}', which no earlier stage produces")
+        names = [state_ph[p] for p in seg.param_inputs]
+        slots = [ParamSlot(n, TensorMeta.of(fakes[n], False), trainable[n]) for n in names]
+        template = trace_stage(kind, seg, slots, [fakes[n] for n in names],
+                               [fake_act(a) for a in seg.act_inputs], train, origin)
+        index = len(stages)
+        stages.append(StageInstance(kind, template, names, [where[a] for a in seg.act_inputs], origin))
+        for k, o in enumerate(outputs):
+            where[o] = Port(index, k)
+            metas[o] = template.outputs[k]
+
+    if calls:
+        boundary = set(a for c in calls for a in c.args[0]) | set(graph_outputs)
+        p_out = [n for n in prologue if any(u not in set(prologue) for u in n.users) or n in boundary]
+        if prologue:
+            add_segment("prologue", prologue, p_out, type(model).__name__)
+        _add_blocks(stages, calls, top, stack, fakes, trainable, where, metas, train, fake_act)
+    e_out = list(graph_outputs)
+    if epilogue or not calls:
+        add_segment("epilogue" if calls else "whole", epilogue, e_out, type(model).__name__)
+    if train:
+        for stage in stages:
+            _check_no_grad_bypass(stage, stages)
+    return stages, [where[o] for o in e_out]
+
+
+def _add_blocks(stages, calls, top: TopGraph, stack: BlockStack, fakes, trainable, where, metas,
+                train, fake_act) -> None:
+    first = top.calls[0]
+    for i, call in enumerate(top.calls[1:], start=1):
+        same = (call.in_spec == first.in_spec and call.tensor_positions == first.tensor_positions
+                and call.out_spec == first.out_spec and _equal(call.constants, first.constants))
+        if not same:
+            raise CaptureError(
+                f"block {stack.block_path(i)} is called with other non-tensor arguments than "
+                f"{stack.block_path(0)}; blocks share one traced template, so every block must be "
+                "called the same way")
+    block0 = stack.blocks[0]
+    local = [n for n, _ in block0.named_parameters()] + [n for n, _ in block0.named_buffers()]
+    prefix0 = stack.block_path(0) + "."
+    slots = [ParamSlot(n, TensorMeta.of(fakes[prefix0 + n], False), trainable[prefix0 + n]) for n in local]
+
+    def source(params, acts):
+        args, kwargs = first.rebuild_args(acts)
+        out = functional_call(block0, dict(zip(local, params)), args, kwargs, strict=False)
+        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+    inputs0 = list(calls[0].args[0])
+    template = trace_stage("block", source, slots, [fakes[prefix0 + n] for n in local],
+                           [fake_act(a) for a in inputs0], train, stack.block_path(0))
+    for b, call in enumerate(calls):
+        ports = []
+        for k, a in enumerate(call.args[0]):
+            if a not in where:
+                raise CaptureError(f"input {k} of block {stack.block_path(b)} ('{a.name}') is not made "
+                                   "by the prologue or the previous block")
+            port = where[a]
+            meta = template.acts[k]
+            if train and meta.requires_grad and b > 0 and port.stage != len(stages) - 1:
+                raise CaptureError(
+                    f"input {k} of block {stack.block_path(b)} needs a gradient but does not come from the "
+                    "previous block; megacompile streams blocks as a chain (block i feeds block i+1)")
+            ports.append(port)
+        prefix = stack.block_path(b) + "."
+        stages.append(StageInstance(f"block.{b}", template, [prefix + n for n in local], ports,
+                                    stack.block_path(b)))
+        for u in calls[b].users:
+            if u.target is operator.getitem:
+                where[u] = Port(len(stages) - 1, u.args[1])
+                metas[u] = template.outputs[u.args[1]]
+
+
+def _check_no_grad_bypass(stage: StageInstance, stages: list[StageInstance]) -> None:
+    """A gradient may only flow back along the chain; a shared input needing one is not supported."""
+    for k, port in enumerate(stage.inputs):
+        if port.stage < 0 or not stage.template.acts[k].requires_grad:
+            continue
+        producer = stages[port.stage]
+        index = stages.index(stage)
+        if port.stage != index - 1:
+            raise CaptureError(
+                f"the {stage.name} reads output {port.index} of {producer.name}, which needs a gradient "
+                "and skips the blocks in between; only the block chain may carry gradients")
+
+
+def _equal(a: list, b: list) -> bool:
+    try:
+        return all(x is y or x == y for x, y in zip(a, b)) and len(a) == len(b)
+    except Exception:  # noqa: BLE001 - uncomparable constants count as different
+        return False

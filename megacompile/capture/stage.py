@@ -1,0 +1,135 @@
+"""Trace one stage (prologue, the block template, epilogue) as a joint forward+backward graph.
+
+A stage is a function of (parameters, activations) -> outputs. Its joint graph comes from
+make_fx over the function and torch.autograd.grad, with fake tensors, so no weight needs memory;
+it is then split into the forward and backward graphs that the schedule runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..errors import CaptureError, MegacompileError
+from ..ir.stage_program import GraphMemory, StageProgram
+from .split import split_joint
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+    @staticmethod
+    def of(t: torch.Tensor, requires_grad: bool | None = None) -> "TensorMeta":
+        rg = t.requires_grad if requires_grad is None else requires_grad
+        return TensorMeta(tuple(t.shape), t.dtype, bool(rg))
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str          # name inside the stage (block-local for the template)
+    meta: TensorMeta
+    trainable: bool    # False for buffers and frozen parameters
+
+
+@dataclass
+class StageTemplate:
+    kind: str                       # "prologue" | "block" | "epilogue" | "whole"
+    params: list[ParamSlot]
+    acts: list[TensorMeta]          # activation inputs, requires_grad where a gradient flows back
+    outputs: list[TensorMeta]
+    forward: StageProgram | None = None     # (params, acts) -> (outputs, saved)
+    backward: StageProgram | None = None    # (bwd params, bwd acts, saved, tangents) -> grads
+    inference: StageProgram | None = None   # (params, acts) -> outputs, nothing saved
+    saved: list[TensorMeta] = field(default_factory=list)
+    bwd_params: list[int] = field(default_factory=list)
+    bwd_acts: list[int] = field(default_factory=list)
+    fwd_memory: GraphMemory | None = None
+    bwd_memory: GraphMemory | None = None
+    inf_memory: GraphMemory | None = None
+    n_fx_nodes: int = 0
+
+    @property
+    def grad_params(self) -> list[int]:
+        return [i for i, p in enumerate(self.params) if p.trainable]
+
+    @property
+    def grad_acts(self) -> list[int]:
+        return [i for i, a in enumerate(self.acts) if a.requires_grad]
+
+    @property
+    def tangent_outputs(self) -> list[int]:
+        return [i for i, o in enumerate(self.outputs) if o.requires_grad]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.meta.nbytes for p in self.params)
+
+    @property
+    def random(self) -> bool:
+        return self.forward is not None and self.forward.random
+
+
+SourceFn = Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
+
+
+def trace_stage(kind: str, source: SourceFn, params: list[ParamSlot], fake_params: list[torch.Tensor],
+                fake_acts: list[torch.Tensor], train: bool, origin: str) -> StageTemplate:
+    """Trace `source(params, acts) -> outputs` for training (joint, split) or inference."""
+    try:
+        probe = source(fake_params, fake_acts)
+        outputs = [TensorMeta.of(o, None if train else False) for o in probe]
+        template = StageTemplate(kind, params, [TensorMeta.of(a, a.requires_grad and train) for a in fake_acts], outputs)
+        if not train:
+            gm = make_fx(lambda p, a: list(source(p, a)), tracing_mode="fake")(fake_params, fake_acts)
+            template.inference = StageProgram(gm)
+            template.inf_memory = template.inference.simulate()
+            template.n_fx_nodes = len(gm.graph.nodes)
+            return template
+        device = (list(fake_acts) + list(fake_params))[0].device
+        tangents = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in outputs if o.requires_grad]
+        joint = make_fx(_joint(source, template), tracing_mode="fake")(fake_params, fake_acts, tangents)
+    except MegacompileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CaptureError(f"cannot trace the {kind} stage ({origin}): {type(e).__name__}: {first}") from e
+    split = split_joint(joint, len(params), len(fake_acts), len(outputs))
+    template.forward = StageProgram(split.forward)
+    template.backward = StageProgram(split.backward)
+    saved_nodes = list(template.forward.output_node.args[0])[len(outputs):]
+    template.saved = [TensorMeta.of(n.meta["val"], False) for n in saved_nodes]
+    template.bwd_params, template.bwd_acts = split.bwd_params, split.bwd_acts
+    template.fwd_memory = template.forward.simulate()
+    template.bwd_memory = template.backward.simulate()
+    template.n_fx_nodes = len(joint.graph.nodes)
+    return template
+
+
+def _joint(source: SourceFn, template: StageTemplate):
+    wrt_params = template.grad_params
+    wrt_acts = template.grad_acts
+    tangent_outputs = template.tangent_outputs
+
+    def joint(params, acts, tangents):
+        outputs = list(source(params, acts))
+        wrt = [params[i] for i in wrt_params] + [acts[i] for i in wrt_acts]
+        if wrt and tangent_outputs:
+            grads = torch.autograd.grad([outputs[i] for i in tangent_outputs], wrt, tangents,
+                                        allow_unused=True, materialize_grads=True)
+        else:
+            grads = [torch.zeros_like(w) for w in wrt]
+        return outputs + list(grads)
+    return joint

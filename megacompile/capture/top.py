@@ -1,0 +1,117 @@
+"""Trace the model's forward once at ATen level, with each decoder block as one leaf call."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from ..errors import CaptureError, MegacompileError
+from .blocks import BlockStack
+from .leaf import BlockCall, clear_out_meta, set_out_meta
+from .loss import LossFn, extract_loss
+
+
+@dataclass
+class TopGraph:
+    gm: fx.GraphModule
+    state_names: list[str]         # placeholders 0..len-1: parameters then buffers, by model name
+    n_inputs: int                  # then the model's input tensors (flattened args, kwargs)
+    calls: list[BlockCall]         # one per block, in call order
+    out_spec: pytree.TreeSpec | None  # eval mode: the model output's tree (loss mode: None)
+    out_constants: list[Any]
+    out_is_tensor: list[bool]
+
+
+@contextlib.contextmanager
+def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall]):
+    """Patch each block's forward to record its call and emit one megacompile::block_call."""
+    if stack is None:
+        yield
+        return
+    originals = [b.forward for b in stack.blocks]
+
+    def make_leaf(index: int, original: Callable):
+        def leaf(*args, **kwargs):
+            leaves, in_spec = pytree.tree_flatten((args, kwargs))
+            positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+            with disable_proxy_modes_tracing(), torch.no_grad():
+                out = original(*args, **kwargs)   # fake tensors only: gives the output's shapes
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            meta = [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in out_leaves]
+            out_constants = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+            calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants))
+            set_out_meta(index, [m for m in meta if m is not None])
+            tensors = torch.ops.megacompile.block_call([leaves[i] for i in positions], index)
+            return calls[-1].rebuild_output(tensors)
+        return leaf
+
+    try:
+        for i, (block, original) in enumerate(zip(stack.blocks, originals)):
+            block.forward = make_leaf(i, original)
+        yield
+    finally:
+        for block in stack.blocks:
+            del block.forward   # back to the class's forward
+        clear_out_meta()
+
+
+def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch.Tensor],
+              args: tuple, kwargs: dict, loss_fn: LossFn | None, train: bool) -> TopGraph:
+    """ATen forward graph of `model` on the fake tensors `state` (parameters and buffers).
+
+    In training the graph returns the scalar loss; otherwise the model's output tensors.
+    """
+    names = list(state)
+    in_leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    tensor_pos = [i for i, x in enumerate(in_leaves) if isinstance(x, torch.Tensor)]
+    calls: list[BlockCall] = []
+    out_info: dict[str, Any] = {}
+
+    def forward(state_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor]):
+        leaves = list(in_leaves)
+        for pos, t in zip(tensor_pos, input_tensors):
+            leaves[pos] = t
+        a, kw = pytree.tree_unflatten(leaves, in_spec)
+        output = functional_call(model, dict(zip(names, state_tensors)), a, kw, strict=False)
+        if train:
+            return [extract_loss(output, loss_fn, a, kw)]
+        out_leaves, out_info["spec"] = pytree.tree_flatten(output)
+        out_info["is_tensor"] = [isinstance(x, torch.Tensor) for x in out_leaves]
+        out_info["constants"] = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+    try:
+        with _blocks_as_leaves(stack, calls):
+            gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
+    except MegacompileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
+        raise CaptureError(_describe_trace_failure(model, e)) from e
+    return TopGraph(gm, names, len(tensor_pos), calls, out_info.get("spec"),
+                    out_info.get("constants", []), out_info.get("is_tensor", []))
+
+
+def _describe_trace_failure(model: nn.Module, e: Exception) -> str:
+    """Name the innermost module and the op the trace stopped at, from the traceback."""
+    module_path, op = "<top level>", type(e).__name__
+    tb = e.__traceback__
+    modules = {id(m): n for n, m in model.named_modules()}
+    while tb is not None:
+        self_obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(self_obj, nn.Module) and id(self_obj) in modules:
+            module_path = modules[id(self_obj)] or type(model).__name__
+            op = f"{type(self_obj).__name__}.{tb.tb_frame.f_code.co_name} line {tb.tb_lineno}"
+        tb = tb.tb_next
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"cannot capture the model: module '{module_path}' ({op}) failed while tracing: "
+            f"{type(e).__name__}: {first_line}. megacompile traces with fake tensors; code that "
+            "reads tensor values in Python (.item(), data-dependent control flow, numpy) cannot be "
+            "captured: compute it with torch ops, or move it out of forward()")

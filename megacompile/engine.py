@@ -1,0 +1,205 @@
+"""The Engine that compile() returns: step() trains, calling it runs the forward only.
+
+The engine captures the model lazily, at the first call with real inputs (it needs their shapes),
+and keeps one plan per input signature: a call with other shapes builds and verifies a new plan
+(or, with retrace=False, raises InputMismatchError). Host state (fp32 masters, AdamW moments,
+gradients) is shared by every plan.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from .capture import CapturedModel, capture
+from .capture.loss import LossFn
+from .errors import InputMismatchError, MegacompileError
+from .optim import AdamW
+from .optim.fused_adamw import adamw_update_
+from .plan import Plan
+from .planner import make_plan
+from .runtime import Executor, HostState, make_backend
+
+GiB = 2 ** 30
+
+
+@dataclass
+class _Compiled:
+    captured: CapturedModel
+    plan: Plan
+    executor: Executor
+
+
+class Engine:
+    def __init__(self, model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
+                 compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+                 loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None):
+        if not isinstance(model, nn.Module):
+            raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
+        if not isinstance(hbm_budget, (int, float)) or not hbm_budget > 0:
+            raise MegacompileError(f"hbm_budget is the device memory the plan may use, in GiB (2**30 bytes), "
+                                   f"and must be a positive number; got {hbm_budget!r}")
+        if compute_dtype not in (torch.float32, torch.bfloat16):
+            raise MegacompileError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}; "
+                                   "masters are always float32")
+        if not any(True for _ in model.parameters()):
+            raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
+        self.model = model
+        self.budget_bytes = int(hbm_budget * GiB)
+        self.optimizer = optimizer or AdamW()
+        self.compute_dtype = compute_dtype
+        self.loss_fn = loss_fn
+        self.retrace = retrace
+        self.dump_dir = dump_dir
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False   # a KV cache has no place in a training step
+        self.backend = make_backend(device, self.budget_bytes)
+        self.device = self.backend.device
+        self.host: HostState | None = None
+        self._materialized = not any(p.is_meta for p in model.parameters())
+        self._compiled: dict[tuple, _Compiled] = {}
+        self._last: _Compiled | None = None
+        self._last_train: _Compiled | None = None
+        self.steps_done = 0
+
+    # -- compiling -----------------------------------------------------------------------
+    def _signature(self, args: tuple, kwargs: dict, train: bool) -> tuple:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        shape = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", repr(x))
+                      for x in leaves)
+        return (train, self.model.training, str(spec), shape)
+
+    def _compile(self, args: tuple, kwargs: dict, train: bool) -> _Compiled:
+        key = self._signature(args, kwargs, train)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled
+        previous = next((c for k, c in self._compiled.items() if k[0] == train), None)
+        if previous is not None and not self.retrace:
+            raise InputMismatchError(
+                f"{'step()' if train else 'the forward'} got inputs {_describe(args, kwargs)}, but the plan was "
+                f"built for {_describe_meta(previous.captured)}; pass inputs of the traced shapes, or "
+                "compile(..., retrace=True) to build a plan per input shape")
+        captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
+                           loss_fn=self.loss_fn, train=train)
+        if self.host is None:
+            self.host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda")
+            if self._materialized:
+                self.host.load_module(self.model)
+        plan = make_plan(captured, self.budget_bytes, backend=self.backend.name, host_bytes=self.host.nbytes,
+                         dump_dir=self.dump_dir)
+        executor = Executor(captured, plan.program, self.backend, self.host, self._adamw if train else None)
+        compiled = _Compiled(captured, plan, executor)
+        self._compiled[key] = compiled
+        return compiled
+
+    def _adamw(self, stage: int) -> None:
+        buffers = self.host.owners[stage]
+        opt, step = self.optimizer, self.steps_done + 1
+        adamw_update_(buffers.master, buffers.grad, buffers.exp_avg, buffers.exp_avg_sq,
+                      lr=opt.lr_at(step), beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
+                      weight_decay=opt.weight_decay, step=step,
+                      out=None if buffers.compute is buffers.master else buffers.compute)
+
+    def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+
+    def _require_weights(self) -> None:
+        if not self._materialized:
+            raise MegacompileError(
+                "the model was built on the meta device and has no weights: load them with "
+                "engine.load_state_dict(state_dict) before step() or a forward")
+
+    # -- running -------------------------------------------------------------------------
+    def step(self, *args, **kwargs) -> float:
+        """One optimizer step: forward, backward and host AdamW over the fp32 masters; returns the loss."""
+        compiled = self._compile(args, kwargs, train=True)
+        self._require_weights()
+        self.host.begin_step()
+        (loss,) = compiled.executor.run(self._inputs(args, kwargs))
+        self.steps_done += 1
+        compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes
+        self._last = self._last_train = compiled
+        return float(loss)
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs) -> Any:
+        """The model's forward under the same budget, without gradients; returns its output."""
+        compiled = self._compile(args, kwargs, train=False)
+        self._require_weights()
+        outputs = compiled.executor.run(self._inputs(args, kwargs))
+        compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes
+        self._last = compiled
+        return compiled.captured.rebuild_output(outputs)
+
+    # -- reading -------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The training plan (the last one used, if there are several)."""
+        compiled = self._last_train or self._last
+        if compiled is None:
+            raise MegacompileError("no plan yet: the plan is built at the first step() or forward call, "
+                                   "from the inputs' shapes (megacompile.plan(...) plans without running)")
+        return compiled.plan
+
+    @property
+    def timeline(self):
+        return self.backend.timeline
+
+    def memory_stats(self) -> dict:
+        """Device peak measured in the last run beside the predicted one, and host bytes."""
+        compiled = self._last
+        return {
+            "device_peak_bytes": self.backend.memory.peak_bytes if compiled else None,
+            "predicted_device_peak_bytes": compiled.plan.predicted_peak_bytes if compiled else None,
+            "device_budget_bytes": self.budget_bytes,
+            "device_live_bytes": self.backend.memory.live_bytes,
+            "host_bytes": self.host.nbytes if self.host else None,
+        }
+
+    def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
+        """float32 masters (and buffers) under the model's own names, tied names included."""
+        if self.host is None:
+            raise MegacompileError("no state yet: run step() once (or load_state_dict) first")
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        canonical = {id(t): n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            name = canonical.get(id(t), key)
+            if name in self.host.slots:
+                out[key] = self.host.master(name).clone()
+            elif name in self.host.consts:
+                out[key] = self.host.consts[name].clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights into the masters; checks every name and shape before writing anything."""
+        if self.host is None:
+            raise MegacompileError("load_state_dict needs a plan: run one step()/forward first, or "
+                                   "build the model with weights")
+        known = {**{n: s.shape for n, s in self.host.slots.items()},
+                 **{n: tuple(t.shape) for n, t in self.host.consts.items()}}
+        missing = [n for n in self.host.slots if n not in state]
+        bad = [f"{n}: {tuple(t.shape)} (expected {known[n]})" for n, t in state.items()
+               if n in known and tuple(t.shape) != tuple(known[n])]
+        if missing or bad:
+            raise MegacompileError(f"load_state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}; "
+                                   f"wrong shapes {bad[:5]}; nothing was loaded")
+        self.host.load({n: t for n, t in state.items() if n in known})
+        self._materialized = True
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _describe(args: tuple, kwargs: dict) -> str:
+    leaves, _ = pytree.tree_flatten((args, kwargs))
+    return ", ".join(f"{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}" for x in leaves
+                     if isinstance(x, torch.Tensor))
+
+
+def _describe_meta(captured: CapturedModel) -> str:
+    return ", ".join(f"{m.shape}:{str(m.dtype).replace('torch.', '')}" for m in captured.inputs)

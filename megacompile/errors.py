@@ -1,0 +1,37 @@
+"""The project's own errors: each names what is wrong and how to fix it."""
+
+
+class MegacompileError(Exception):
+    """Base class of every error megacompile raises on purpose."""
+
+
+class BudgetTooSmallError(MegacompileError):
+    """No schedule fits the device-memory budget."""
+
+    def __init__(self, message: str, minimum_bytes: int):
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
+class BudgetExceededError(MegacompileError):
+    """The runtime was asked to hold more device bytes than the budget allows."""
+
+
+class CaptureError(MegacompileError):
+    """The model could not be captured as a graph."""
+
+
+class LossError(MegacompileError):
+    """The model's output does not give a scalar loss."""
+
+
+class InputMismatchError(MegacompileError):
+    """step() or forward was called with inputs unlike the ones the plan was built for."""
+
+
+class PlanVerificationError(MegacompileError):
+    """A schedule broke an invariant (use before definition, read after evict, peak over budget)."""
+
+
+class OptimizerInputError(MegacompileError, ValueError):
+    """Bad arguments or buffers given to the host optimizer."""

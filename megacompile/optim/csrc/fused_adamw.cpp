@@ -1,0 +1,277 @@
+// Host-side fused AdamW over flat FP32 masters.
+//
+// One pass over memory per parameter: read grad (2 or 4 B), master, exp_avg, exp_avg_sq (12 B);
+// write master, exp_avg, exp_avg_sq (12 B) and optionally the new master in the compute dtype
+// (2 or 4 B). With a bf16 grad and a bf16 copy-out that is 28 B per parameter.
+//
+// The arithmetic repeats torch.optim.AdamW (_single_tensor_adam, decoupled weight decay) operation
+// by operation in float32, with a fused multiply-add exactly where ATen's CPU kernels have one
+// (lerp, addcmul). Built with -ffp-contract=off so the compiler adds no others: the vector body
+// and the scalar tail round identically, and both round like torch. (torch's float32 sqrt on CPU
+// comes from MKL and is not always correctly rounded; ours is, so masters may differ by an ulp.)
+//
+// Built at first use by megacompile/optim/fused_adamw.py and called through ctypes.
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct AdamScalars {
+  float decay;          // 1 - lr * weight_decay
+  float lerp_coeff;     // torch's lerp: weight if weight < 0.5 else weight - 1
+  bool lerp_from_m;     // torch's lerp: base is exp_avg (weight < 0.5) or grad
+  float beta2;
+  float one_minus_beta2;
+  float bc2_sqrt;       // sqrt(1 - beta2**step); divided by, as torch does, not multiplied by 1/x
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1**step)
+  float grad_scale;
+};
+
+struct NoOut {};
+
+// ---- scalar element: the reference for the vector bodies and the code for tails -------------
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(uint16_t bf16) {
+  uint32_t bits = uint32_t(bf16) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline void put(float* dst, float x) { *dst = x; }
+inline void put(NoOut*, float) {}
+
+// Round to nearest even, as torch's .to(torch.bfloat16); a NaN stays a quiet NaN with its sign.
+inline void put(uint16_t* dst, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  *dst = uint16_t((bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+}
+
+template <typename Grad, typename Out>
+inline void update_one(float* master, const Grad* grad, float* exp_avg, float* exp_avg_sq,
+                       Out* out, int64_t i, const AdamScalars& s) {
+  float g = to_float(grad[i]) * s.grad_scale;
+  float p = master[i] * s.decay;
+  float m = exp_avg[i];
+  m = std::fmaf(s.lerp_coeff, g - m, s.lerp_from_m ? m : g);
+  float v = std::fmaf(s.one_minus_beta2 * g, g, exp_avg_sq[i] * s.beta2);
+  float denom = std::sqrt(v) / s.bc2_sqrt + s.eps;
+  p = p + s.neg_step_size * m / denom;
+  exp_avg[i] = m;
+  exp_avg_sq[i] = v;
+  master[i] = p;
+  put(out + i, p);
+}
+
+// ---- vector element: the same operations, kLanes at a time ----------------------------------
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using VecF = __m512;
+
+inline VecF vset(float x) { return _mm512_set1_ps(x); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vload(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, VecF x) { _mm512_storeu_ps(p, x); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm512_div_ps(a, b); }
+inline VecF vsqrt(VecF a) { return _mm512_sqrt_ps(a); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+
+// The staging buffer is written, never read: streaming stores skip reading its lines first
+// (2 B per param saved) and keep it out of the cache. `p` must be 32-byte aligned.
+inline void vstream(uint16_t* p, VecF x) {
+  __m512i bits = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  __m512i half = _mm512_mask_blend_epi32(is_nan, rounded, quiet_nan);
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(half));
+}
+inline void vstream(float* p, VecF x) { _mm512_stream_ps(p, x); }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using VecF = __m256;
+
+inline VecF vset(float x) { return _mm256_set1_ps(x); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vload(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, VecF x) { _mm256_storeu_ps(p, x); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm256_div_ps(a, b); }
+inline VecF vsqrt(VecF a) { return _mm256_sqrt_ps(a); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+
+// See the AVX-512 version. `p` must be 16-byte aligned.
+inline void vstream(uint16_t* p, VecF x) {
+  __m256i bits = _mm256_castps_si256(x);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  __m256i half = _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
+  // packus interleaves the two 128-bit halves; the permute puts the 8 results in order.
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(half, half), 0xD8);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void vstream(float* p, VecF x) { _mm256_stream_ps(p, x); }
+
+#else
+constexpr int64_t kLanes = 0;  // no vector body: the scalar loop does everything
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+template <typename Grad, typename Out>
+inline void update_vec(float* master, const Grad* grad, float* exp_avg, float* exp_avg_sq,
+                       Out* out, int64_t i, const AdamScalars& s, VecF lerp_coeff, VecF beta2,
+                       VecF one_minus_beta2, VecF bc2_sqrt, VecF eps, VecF neg_step_size,
+                       VecF decay, VecF grad_scale) {
+  VecF g = vmul(vload(grad + i), grad_scale);
+  VecF p = vmul(vload(master + i), decay);
+  VecF m = vload(exp_avg + i);
+  m = vfma(lerp_coeff, vsub(g, m), s.lerp_from_m ? m : g);
+  VecF v = vfma(vmul(one_minus_beta2, g), g, vmul(vload(exp_avg_sq + i), beta2));
+  VecF denom = vadd(vdiv(vsqrt(v), bc2_sqrt), eps);
+  p = vadd(p, vdiv(vmul(neg_step_size, m), denom));
+  vstore(exp_avg + i, m);
+  vstore(exp_avg_sq + i, v);
+  vstore(master + i, p);
+  if constexpr (!std::is_same_v<Out, NoOut>) vstream(out + i, p);
+}
+#endif
+
+// Elements [begin, end): scalar until `out` is aligned for streaming stores, whole vectors, then
+// a scalar tail.
+template <typename Grad, typename Out>
+void update_range(float* __restrict master, const Grad* __restrict grad,
+                  float* __restrict exp_avg, float* __restrict exp_avg_sq, Out* __restrict out,
+                  int64_t begin, int64_t end, const AdamScalars& s) {
+  int64_t i = begin;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if constexpr (!std::is_same_v<Out, NoOut>) {
+    constexpr uintptr_t kAlign = kLanes * sizeof(Out);
+    while (i < end && reinterpret_cast<uintptr_t>(out + i) % kAlign != 0)
+      update_one(master, grad, exp_avg, exp_avg_sq, out, i++, s);
+  }
+  const VecF lerp_coeff = vset(s.lerp_coeff), beta2 = vset(s.beta2),
+             one_minus_beta2 = vset(s.one_minus_beta2), bc2_sqrt = vset(s.bc2_sqrt),
+             eps = vset(s.eps), neg_step_size = vset(s.neg_step_size), decay = vset(s.decay),
+             grad_scale = vset(s.grad_scale);
+  for (; i + kLanes <= end; i += kLanes)
+    update_vec(master, grad, exp_avg, exp_avg_sq, out, i, s, lerp_coeff, beta2, one_minus_beta2,
+               bc2_sqrt, eps, neg_step_size, decay, grad_scale);
+  _mm_sfence();  // streaming stores are weakly ordered: make them visible before returning
+#endif
+  for (; i < end; ++i) update_one(master, grad, exp_avg, exp_avg_sq, out, i, s);
+}
+
+// Contiguous slices, one per thread, each a multiple of 64 elements so no two threads write
+// into the same cache line of any buffer.
+template <typename Grad, typename Out>
+void update(float* master, const Grad* grad, float* exp_avg, float* exp_avg_sq, Out* out,
+            int64_t n, const AdamScalars& s, int num_threads) {
+  constexpr int64_t kLine = 64;
+  int64_t per_thread = ((n + num_threads - 1) / num_threads + kLine - 1) / kLine * kLine;
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+  for (int t = 0; t < num_threads; ++t) {
+    int64_t begin = int64_t(t) * per_thread;
+    int64_t end = begin + per_thread < n ? begin + per_thread : n;
+    if (begin < end) update_range(master, grad, exp_avg, exp_avg_sq, out, begin, end, s);
+  }
+}
+
+template <typename Grad>
+void dispatch_out(float* master, const Grad* grad, float* exp_avg, float* exp_avg_sq, void* out,
+                  int out_kind, int64_t n, const AdamScalars& s, int num_threads) {
+  switch (out_kind) {
+    case 1:
+      update(master, grad, exp_avg, exp_avg_sq, static_cast<uint16_t*>(out), n, s, num_threads);
+      break;
+    case 2:
+      update(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(out), n, s, num_threads);
+      break;
+    default:
+      update(master, grad, exp_avg, exp_avg_sq, static_cast<NoOut*>(nullptr), n, s, num_threads);
+  }
+}
+
+template <typename Grad>
+double sq_norm(const Grad* __restrict grad, int64_t n, int num_threads) {
+  double total = 0.0;
+#pragma omp parallel for simd num_threads(num_threads) schedule(static) reduction(+ : total)
+  for (int64_t i = 0; i < n; ++i) {
+    double g = to_float(grad[i]);
+    total += g * g;
+  }
+  return total;
+}
+
+}  // namespace
+
+extern "C" {
+
+// grad_kind: 0 float32, 1 bfloat16. out_kind: 0 none, 1 bfloat16, 2 float32.
+// The scalars arrive in double, computed by the caller with torch's Python expressions; they are
+// rounded to float here, as ATen rounds a Python scalar applied to a float32 tensor.
+void megacompile_adamw_update(float* master, const void* grad, int grad_kind, float* exp_avg,
+                              float* exp_avg_sq, void* out, int out_kind, int64_t n,
+                              double decay, double lerp_weight, double beta2,
+                              double one_minus_beta2, double bias_correction2_sqrt, double eps,
+                              double neg_step_size, double grad_scale, int num_threads) {
+  AdamScalars s;
+  float weight = float(lerp_weight);
+  s.decay = float(decay);
+  s.lerp_from_m = std::fabs(weight) < 0.5f;
+  s.lerp_coeff = s.lerp_from_m ? weight : weight - 1.0f;
+  s.beta2 = float(beta2);
+  s.one_minus_beta2 = float(one_minus_beta2);
+  s.bc2_sqrt = float(bias_correction2_sqrt);
+  s.eps = float(eps);
+  s.neg_step_size = float(neg_step_size);
+  s.grad_scale = float(grad_scale);
+  if (num_threads < 1) num_threads = 1;
+
+  if (grad_kind == 1)
+    dispatch_out(master, static_cast<const uint16_t*>(grad), exp_avg, exp_avg_sq, out, out_kind,
+                 n, s, num_threads);
+  else
+    dispatch_out(master, static_cast<const float*>(grad), exp_avg, exp_avg_sq, out, out_kind, n,
+                 s, num_threads);
+}
+
+double megacompile_grad_sq_norm(const void* grad, int grad_kind, int64_t n, int num_threads) {
+  if (num_threads < 1) num_threads = 1;
+  if (grad_kind == 1) return sq_norm(static_cast<const uint16_t*>(grad), n, num_threads);
+  return sq_norm(static_cast<const float*>(grad), n, num_threads);
+}
+
+}  // extern "C"

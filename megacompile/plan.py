@@ -1,0 +1,124 @@
+"""A compiled plan: the schedule, its memory curve, and what it costs in host memory and transfers.
+
+`print(plan)` gives the summary and the schedule line by line; `plan.dump(dir)` writes the same
+text and a JSON form. The measured device peak of the last run sits beside the predicted one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .capture import CapturedModel
+from .ir.printer import fmt_bytes, format_program
+from .ir.program import Op, Program
+from .ir.simulate import MemoryCurve, simulate
+
+
+@dataclass
+class Plan:
+    program: Program
+    captured: CapturedModel
+    budget_bytes: int
+    host_bytes: int
+    backend: str
+    minimum_budget_bytes: int
+    measured_peak_bytes: int | None = None
+    curve: MemoryCurve = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.curve = simulate(self.program)
+
+    # -- numbers -------------------------------------------------------------------------
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.curve.peak
+
+    @property
+    def h2d_bytes_per_step(self) -> int:
+        inputs = sum(m.nbytes for m in self.captured.inputs)
+        return inputs + sum(self.program.values[n.writes[0]].nbytes for n in self.program.nodes
+                            if n.op is Op.PREFETCH)
+
+    @property
+    def d2h_bytes_per_step(self) -> int:
+        return sum(self.program.values[n.reads[0]].nbytes for n in self.program.nodes
+                   if n.op in (Op.OFFLOAD, Op.OUTPUT))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Device bytes of every parameter and buffer once, in the compute dtype."""
+        return sum(e.numel * (self.captured.compute_dtype.itemsize if e.dtype.is_floating_point
+                              else e.dtype.itemsize) for e in self.captured.state.values())
+
+    @property
+    def recomputed(self) -> list[str]:
+        return [self.program.stage_names[n.stage] for n in self.program.nodes if n.op is Op.RECOMPUTE]
+
+    def to_json(self) -> dict:
+        choice = self.program.facts.get("choice")
+        return {
+            "mode": "train" if self.captured.train else "inference",
+            "backend": self.backend,
+            "compute_dtype": str(self.captured.compute_dtype).replace("torch.", ""),
+            "budget_bytes": self.budget_bytes,
+            "fits": self.predicted_peak_bytes <= self.budget_bytes,
+            "device_peak_bytes": self.predicted_peak_bytes,
+            "measured_device_peak_bytes": self.measured_peak_bytes,
+            "minimum_budget_bytes": self.minimum_budget_bytes,
+            "host_bytes": self.host_bytes,
+            "h2d_bytes_per_step": self.h2d_bytes_per_step,
+            "d2h_bytes_per_step": self.d2h_bytes_per_step,
+            "prefetch_depth": choice.prefetch_depth if choice else None,
+            "recompute": self.recomputed,
+            "passes": self.program.passes,
+            "pass_seconds": self.program.facts.get("pass_seconds", {}),
+            "trace_seconds": self.captured.trace_seconds,
+            "stages": self.program.stage_names,
+            "schedule": [
+                {"op": n.op.value, "stage": None if n.stage is None else self.program.stage_names[n.stage],
+                 "reads": list(n.reads), "writes": list(n.writes), "frees": list(n.frees),
+                 "stream": n.stream, "origin": n.origin, "note": n.note,
+                 "device_bytes_during": self.curve.peak_during[i]}
+                for i, n in enumerate(self.program.nodes)],
+        }
+
+    # -- text ----------------------------------------------------------------------------
+    def summary(self) -> str:
+        c = self.captured
+        n_params = sum(e.numel for e in c.state.values() if e.trainable)
+        blocks = sum(1 for s in c.stages if s.template.kind == "block")
+        choice = self.program.facts.get("choice")
+        measured = ("not run yet" if self.measured_peak_bytes is None
+                    else f"{fmt_bytes(self.measured_peak_bytes)} measured in the last run")
+        lines = [
+            f"megacompile plan ({'training step' if c.train else 'forward only'}, {self.backend} backend, "
+            f"compute {str(c.compute_dtype).replace('torch.', '')}, fp32 masters)",
+            f"  model          {n_params:,} trainable parameters, {len(c.stages)} stages "
+            f"({blocks} blocks of {c.block_path or 'none'} share one template)",
+            f"  device peak    {fmt_bytes(self.predicted_peak_bytes)} predicted of {fmt_bytes(self.budget_bytes)} "
+            f"budget ({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}",
+            f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, no prefetch overlap)",
+            f"  host memory    {fmt_bytes(self.host_bytes)} (fp32 masters, exp_avg, exp_avg_sq, grads"
+            f"{', compute copies' if c.compute_dtype != torch.float32 else ''}, buffers)",
+            f"  moved per step {fmt_bytes(self.h2d_bytes_per_step)} host->device, "
+            f"{fmt_bytes(self.d2h_bytes_per_step)} device->host",
+        ]
+        if choice is not None:
+            lines.append(f"  schedule       prefetch depth {choice.prefetch_depth}; recompute "
+                         f"{', '.join(self.recomputed) if self.recomputed else 'none'}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return format_program(self.program, header=[f"# {line}" for line in self.summary().splitlines()])
+
+    def dump(self, path: str) -> None:
+        """Write `path`/plan.txt (the printed plan) and `path`/plan.json, atomically."""
+        os.makedirs(path, exist_ok=True)
+        for name, text in (("plan.txt", str(self) + "\n"), ("plan.json", json.dumps(self.to_json(), indent=1))):
+            tmp = os.path.join(path, f".{name}.tmp")
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, os.path.join(path, name))

@@ -1,0 +1,96 @@
+"""What the runtime needs from a device: streams, events, copies, memory, random state.
+
+Everything above this interface (the executor, the host state, the optimizer) is shared by the
+`cpu` and `cuda` backends. A stream runs its work in order; an Event marks the end of one
+piece of work and can be waited on by the compute stream.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .memory import DeviceMemory
+
+
+@dataclass
+class Span:
+    stream: str      # compute | h2d | d2h | host
+    what: str        # e.g. "prefetch block.3"
+    start: float     # seconds, time.perf_counter()
+    end: float
+
+
+class Timeline:
+    """When each node ran, on which stream: the record that shows overlap (or its absence)."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
+
+    def add(self, stream: str, what: str, start: float, end: float) -> None:
+        with self._lock:
+            self.spans.append(Span(stream, what, start, end))
+
+    def clear(self) -> None:
+        with self._lock:
+            self.spans = []
+
+    def on(self, stream: str) -> list[Span]:
+        return [s for s in self.spans if s.stream == stream]
+
+
+class Event(ABC):
+    @abstractmethod
+    def wait(self) -> None:
+        """Block the compute stream until the work this event marks is done."""
+
+
+class Backend(ABC):
+    name: str
+    device: torch.device
+
+    def __init__(self, budget_bytes: int):
+        self.memory = DeviceMemory(budget_bytes)
+        self.timeline = Timeline()
+
+    @abstractmethod
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised device tensor (the caller holds it in self.memory)."""
+
+    @abstractmethod
+    def prefetch(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], what: str) -> Event:
+        """Copy host tensors into device tensors on the host-to-device stream."""
+
+    @abstractmethod
+    def offload(self, srcs: list[torch.Tensor], sink: Callable[[list[torch.Tensor]], None], what: str) -> Event:
+        """Copy device tensors to host memory on the device-to-host stream, then hand the host
+        copies to `sink` (which accumulates them into the fp32 gradients) off the compute thread."""
+
+    @abstractmethod
+    def host_task(self, work: Callable[[], None], what: str) -> Event:
+        """Run host work (the optimizer) on the host stream, in order, off the compute thread."""
+
+    @abstractmethod
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A synchronous copy of a (small) host tensor to the device: the model inputs."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for every stream."""
+
+    @abstractmethod
+    def get_rng_state(self) -> torch.Tensor: ...
+
+    @abstractmethod
+    def set_rng_state(self, state: torch.Tensor) -> None: ...
+
+    def compute_span(self, what: str, start: float) -> None:
+        self.timeline.add("compute", what, start, time.perf_counter())
+
+    def close(self) -> None:
+        """Stop worker threads."""

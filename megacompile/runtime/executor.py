@@ -1,0 +1,180 @@
+"""Run a schedule: one pass over its nodes per step, doing exactly what each node says.
+
+Compute nodes run their stage graph op by op (ir/stage_program.py) on the compute thread;
+PREFETCH and OFFLOAD go to the copy streams and OPTIMIZER_STEP to the host stream, each
+returning an event that the matching WAIT (or the end of the step) blocks on. Every device
+tensor is held in the backend's DeviceMemory under the schedule's value names, so the budget
+is enforced and the peak measured with the same rule the plan was simulated with.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..capture import CapturedModel
+from ..ir.program import SEED, Node, Op, Program, act_grad, grads, saved, weights
+from .backend import Backend, Event
+from .host import HostState
+
+
+class Executor:
+    def __init__(self, captured: CapturedModel, program: Program, backend: Backend, host: HostState,
+                 optimizer_step: Callable[[int], None] | None):
+        self.captured, self.program, self.backend, self.host = captured, program, backend, host
+        self.optimizer_step = optimizer_step
+        self.memory = backend.memory
+        self._env: dict[str, Any] = {}
+        self._events: dict[str, Event] = {}
+        self._host_events: list[Event] = []
+        self._rng: dict[int, torch.Tensor] = {}
+        self._outputs: list[torch.Tensor] = []
+
+    # -- one step ------------------------------------------------------------------------
+    def run(self, inputs: list[torch.Tensor], seed: float = 1.0) -> list[torch.Tensor]:
+        """Execute the schedule once; returns the OUTPUT node's values on the host."""
+        self._inputs, self._seed = inputs, seed
+        self.memory.reset_peak()
+        try:
+            for node in self.program.nodes:
+                getattr(self, "_" + node.op.value)(node)
+            for e in self._host_events:
+                e.wait()
+        finally:
+            self._release_all()
+        return self._outputs
+
+    def _release_all(self) -> None:
+        """Leave no device value or in-flight work behind, even after an error."""
+        self.backend.synchronize()
+        for name, value in self._env.items():
+            self.memory.drop(name, value)
+        self._env.clear()
+        self._events.clear()
+        self._host_events = []
+
+    def _put(self, name: str, value: Any) -> None:
+        self._env[name] = value
+        self.memory.hold(name, value, what=name)
+
+    # -- nodes ---------------------------------------------------------------------------
+    def _input(self, node: Node) -> None:
+        names = [w for w in node.writes if w != SEED]
+        for name, t in zip(names, self._inputs):
+            self._put(name, self.backend.to_device(t))
+        if SEED in node.writes:
+            loss_meta = self.captured.stages[self.captured.outputs[0].stage].template.outputs[0]
+            seed = self.backend.empty((), loss_meta.dtype)
+            seed.fill_(self._seed)
+            self._put(SEED, seed)
+
+    def _prefetch(self, node: Node) -> None:
+        stage = self.captured.stages[node.stage]
+        slot = [self.backend.empty(p.meta.shape, p.meta.dtype) for p in stage.template.params]
+        self._put(weights(node.stage), slot)
+        srcs = [self.host.source(name) for name in stage.params]
+        self._events[weights(node.stage)] = self.backend.prefetch(slot, srcs, f"prefetch {stage.name}")
+
+    def _wait(self, node: Node) -> None:
+        self._events.pop(node.reads[0]).wait()
+
+    def _free(self, node: Node) -> None:
+        for name in node.frees:
+            self.memory.drop(name, self._env.pop(name))
+
+    def _run_graph(self, program, inputs: list[Any], what: str) -> list[Any]:
+        memory = self.memory
+        start = time.perf_counter()
+        outs = program.run(inputs, lambda n, v: memory.hold(n, v, what=f"{what}: {n.name}"),
+                           lambda n, v: memory.drop(n, v))
+        self.backend.compute_span(what, start)
+        return outs
+
+    def _adopt(self, program, outs: list[Any], names: list[str | list]) -> None:
+        """Move graph outputs from their graph-node holders to the schedule's value names."""
+        nodes = list(program.output_node.args[0])
+        for name, value in zip(names, outs):
+            if name is not None:
+                self.memory.hold(name, value, what=name)
+        for n, value in zip(nodes, outs):
+            if hasattr(n, "op") and n.op != "placeholder":
+                self.memory.drop(n, value)
+
+    def _forward(self, node: Node, recompute: bool = False) -> None:
+        s = node.stage
+        stage = self.captured.stages[s]
+        t = stage.template
+        inputs = list(self._env[weights(s)]) + [self._env[r] for r in node.reads[1:]]
+        if recompute:
+            current = self.backend.get_rng_state()
+            self.backend.set_rng_state(self._rng[s])
+        elif t.random:
+            self._rng[s] = self.backend.get_rng_state()
+        try:
+            outs = self._run_graph(t.forward, inputs, f"{'recompute' if recompute else 'forward'} {stage.name}")
+        finally:
+            if recompute:
+                self.backend.set_rng_state(current)
+        n_out = len(t.outputs)
+        bundle = outs[n_out:]
+        if recompute:
+            holders = [None] * n_out + [node.writes[0]] * len(bundle)
+        else:
+            holders = list(node.writes[:n_out]) + [saved(s)] * len(bundle)
+        self._adopt(t.forward, outs, holders)
+        if not recompute:
+            for name, value in zip(node.writes[:n_out], outs[:n_out]):
+                self._env[name] = value
+        self._env[node.writes[-1] if recompute else saved(s)] = bundle
+
+    def _recompute(self, node: Node) -> None:
+        self._forward(node, recompute=True)
+
+    def _infer(self, node: Node) -> None:
+        s = node.stage
+        stage = self.captured.stages[s]
+        inputs = list(self._env[weights(s)]) + [self._env[r] for r in node.reads[1:]]
+        outs = self._run_graph(stage.template.inference, inputs, f"infer {stage.name}")
+        self._adopt(stage.template.inference, outs, list(node.writes))
+        for name, value in zip(node.writes, outs):
+            self._env[name] = value
+
+    def _backward(self, node: Node) -> None:
+        s = node.stage
+        stage = self.captured.stages[s]
+        t = stage.template
+        w = self._env[weights(s)]
+        n_acts = len(t.bwd_acts)
+        acts = [self._env[r] for r in node.reads[1:1 + n_acts]]
+        bundle = self._env[node.reads[1 + n_acts]]
+        tangents = [self._env[r] for r in node.reads[2 + n_acts:]]
+        inputs = [w[i] for i in t.bwd_params] + acts + list(bundle) + tangents
+        outs = self._run_graph(t.backward, inputs, f"backward {stage.name}")
+        n_pg = len(t.grad_params)
+        holders = [grads(s)] * n_pg + [act_grad(s, k) for k in t.grad_acts]
+        self._adopt(t.backward, outs, holders)
+        if n_pg:
+            self._env[grads(s)] = outs[:n_pg]
+        for k, value in zip(t.grad_acts, outs[n_pg:]):
+            self._env[act_grad(s, k)] = value
+
+    def _offload(self, node: Node) -> None:
+        s = node.stage
+        stage = self.captured.stages[s]
+        names = [stage.params[i] for i in stage.template.grad_params]
+        host = self.host
+
+        def sink(host_grads: list[torch.Tensor]) -> None:
+            for name, g in zip(names, host_grads):
+                host.accumulate_grad(name, g)
+        self._events[grads(s)] = self.backend.offload(list(self._env[grads(s)]), sink, f"offload {stage.name}")
+
+    def _optimizer_step(self, node: Node) -> None:
+        if self.optimizer_step is None:
+            return
+        s, step = node.stage, self.optimizer_step
+        self._host_events.append(self.backend.host_task(lambda: step(s), f"adamw {self.program.stage_names[s]}"))
+
+    def _output(self, node: Node) -> None:
+        self._outputs = [self._env[r].detach().to("cpu", copy=True) for r in node.reads]

@@ -1,0 +1,107 @@
+"""Host memory: float32 masters, AdamW state, gradients, and what the device copies in.
+
+Each stage owns the trainable parameters it is the first to use; they sit in flat buffers per
+owner (master, exp_avg, exp_avg_sq, grad: 16 B/param, plus 2 B/param for the bf16 copy the
+device fetches when compute is bf16), so the optimizer makes one pass over each block.
+Buffers and frozen parameters are kept once, in the compute dtype, and never updated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..capture import CapturedModel
+from ..capture.model_graph import owners
+
+
+@dataclass(frozen=True)
+class Slot:
+    owner: int
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+class OwnerBuffers:
+    def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool):
+        def empty(dtype):
+            return torch.empty(numel, dtype=dtype, pin_memory=pin)
+        self.master = empty(torch.float32)
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
+        self.grad = torch.zeros(numel, dtype=torch.float32)
+        # fp32 compute reads the masters themselves; bf16 gets its own copy, written by AdamW.
+        self.compute = self.master if compute_dtype == torch.float32 else empty(compute_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(t.untyped_storage().nbytes() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
+        return n + (0 if self.compute is self.master else self.compute.untyped_storage().nbytes())
+
+
+class HostState:
+    def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, pin: bool = False):
+        self.compute_dtype = compute_dtype
+        owner_of, self.contributors = owners(captured)
+        self.slots: dict[str, Slot] = {}
+        sizes: dict[int, int] = {}
+        for name, s in owner_of.items():   # insertion order = order of first use
+            entry = captured.state[name]
+            self.slots[name] = Slot(s, sizes.get(s, 0), entry.numel, entry.shape)
+            sizes[s] = sizes.get(s, 0) + entry.numel
+        self.owners = {s: OwnerBuffers(n, compute_dtype, pin) for s, n in sizes.items()}
+        self.consts: dict[str, torch.Tensor] = {}
+        for name, entry in captured.state.items():
+            if name not in self.slots:
+                dtype = compute_dtype if entry.dtype.is_floating_point else entry.dtype
+                self.consts[name] = torch.zeros(entry.shape, dtype=dtype)
+        self._fresh: set[str] = set()
+
+    # -- views ---------------------------------------------------------------------------
+    def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        slot = self.slots[name]
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def master(self, name: str) -> torch.Tensor:
+        return self._view(self.owners[self.slots[name].owner].master, name)
+
+    def source(self, name: str) -> torch.Tensor:
+        """The host tensor a prefetch copies to the device, already in the compute dtype."""
+        if name in self.consts:
+            return self.consts[name]
+        return self._view(self.owners[self.slots[name].owner].compute, name)
+
+    @property
+    def nbytes(self) -> int:
+        return (sum(b.nbytes for b in self.owners.values())
+                + sum(t.untyped_storage().nbytes() for t in self.consts.values()))
+
+    # -- values in and out ---------------------------------------------------------------
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy parameters into the masters (and the compute copies) and buffers into consts."""
+        with torch.no_grad():
+            for name, t in tensors.items():
+                if name in self.slots:
+                    self.master(name).copy_(t)
+                    if self.owners[self.slots[name].owner].compute is not self.owners[self.slots[name].owner].master:
+                        self.source(name).copy_(t)
+                elif name in self.consts:
+                    self.consts[name].copy_(t)
+
+    def load_module(self, model: nn.Module) -> None:
+        self.load(dict(model.named_parameters()) | dict(model.named_buffers()))
+
+    # -- gradients -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """The first gradient each parameter receives in a step overwrites; later ones add."""
+        self._fresh = set(self.slots)
+
+    def accumulate_grad(self, name: str, g: torch.Tensor) -> None:
+        dst = self._view(self.owners[self.slots[name].owner].grad, name)
+        if name in self._fresh:
+            self._fresh.discard(name)
+            dst.copy_(g)
+        else:
+            dst.add_(g)

@@ -1,0 +1,65 @@
+"""A host thread that runs work in order: the cpu backend's copy streams and the optimizer stream."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+from .backend import Event, Timeline
+
+
+class ThreadEvent(Event):
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class ThreadStream:
+    """Work submitted here runs on one thread, in submission order; torch copies and math
+    release the GIL, so it really runs beside the compute thread."""
+
+    def __init__(self, name: str, timeline: Timeline):
+        self.name, self.timeline = name, timeline
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"megacompile-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[], None], what: str) -> ThreadEvent:
+        event = ThreadEvent()
+        self._queue.put((work, what, event))
+        return event
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, what, event = item
+            start = time.perf_counter()
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event
+                event.set(e)
+            else:
+                event.set()
+            self.timeline.add(self.name, what, start, time.perf_counter())
+
+    def synchronize(self) -> None:
+        self.submit(lambda: None, "").wait()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)

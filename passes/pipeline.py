@@ -1,0 +1,83 @@
+"""The pass pipeline: one list, run in order, with timing, verification and dumps in one place.
+
+Why this order:
+  lower        every stage's forward, then every backward: the dataflow, nothing else;
+  remat        drops saved activations of the chosen blocks and adds their RECOMPUTE, before
+               transfers, because a recompute needs the block's weights on the device too;
+  transfers    weight prefetch/evict and gradient offload around the compute nodes as they now
+               stand, so a recompute and its backward share one fetch;
+  optimizer    host AdamW after the last offload feeding each stage's masters (needs the WAITs);
+  lifetimes    frees every remaining device value after its last use; it must see every read;
+  (memory)     the simulator over the finished schedule gives the curve and the peak.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from megacompile.capture import CapturedModel
+from megacompile.capture.model_graph import owners
+from megacompile.ir.printer import format_program
+from megacompile.ir.program import Program
+from megacompile.ir.verify import verify
+
+from .lifetimes import lifetimes
+from .lower import lower
+from .optimizer import place_optimizer
+from .remat import remat
+from .transfers import transfers
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """What the solver decides: how far ahead to prefetch and which stages to recompute."""
+    prefetch_depth: int = 1
+    recompute: frozenset[int] = field(default_factory=frozenset)
+
+
+Pass = Callable[[Program, CapturedModel, ScheduleChoice], Program]
+
+TRAINING_PASSES: list[tuple[str, Pass]] = [
+    ("remat", lambda p, c, ch: remat(p, ch.recompute)),
+    ("transfers", lambda p, c, ch: transfers(p, ch.prefetch_depth)),
+    ("optimizer", lambda p, c, ch: place_optimizer(p, owners(c)[1])),
+    ("lifetimes", lambda p, c, ch: lifetimes(p)),
+]
+
+INFERENCE_PASSES: list[tuple[str, Pass]] = [
+    ("transfers", lambda p, c, ch: transfers(p, ch.prefetch_depth)),
+    ("lifetimes", lambda p, c, ch: lifetimes(p)),
+]
+
+
+def build_schedule(captured: CapturedModel, choice: ScheduleChoice, *, check: bool = True,
+                   dump_dir: str | None = None) -> Program:
+    """Run the pipeline; verify after every pass when `check`; write each pass's output to `dump_dir`."""
+    dump_dir = dump_dir or os.environ.get("MEGACOMPILE_DUMP_DIR")
+    contributors = owners(captured)[1] if captured.train else None
+    start = time.perf_counter()
+    program = lower(captured)
+    seconds = {"lower": time.perf_counter() - start}
+    passes = TRAINING_PASSES if captured.train else INFERENCE_PASSES
+    _after_pass(program, "lower", 0, check, dump_dir, None)
+    for k, (name, run) in enumerate(passes, start=1):
+        start = time.perf_counter()
+        program = run(program, captured, choice)
+        seconds[name] = time.perf_counter() - start
+        program.passes.append(name)
+        _after_pass(program, name, k, check, dump_dir, contributors if name in ("optimizer", "lifetimes") else None)
+    program.facts["pass_seconds"] = seconds
+    program.facts["choice"] = choice
+    return program
+
+
+def _after_pass(program: Program, name: str, k: int, check: bool, dump_dir: str | None,
+                contributors: dict | None) -> None:
+    if check:
+        verify(program, owners=contributors, weights_resident=name in ("lower", "remat"))
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        with open(os.path.join(dump_dir, f"{k:02d}_{name}.txt"), "w") as f:
+            f.write(format_program(program) + "\n")
