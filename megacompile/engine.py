@@ -61,6 +61,9 @@ class Engine:
         self.device = self.backend.device
         self.host: HostState | None = None
         self._materialized = not any(p.is_meta for p in model.parameters())
+        # state_dict key -> the parameter/buffer name it stands for (tied weights share one)
+        first = {id(t): n for n, t in reversed(list(model.named_parameters()) + list(model.named_buffers()))}
+        self._canonical = {k: first.get(id(t), k) for k, t in model.state_dict(keep_vars=True).items()}
         self._compiled: dict[tuple, _Compiled] = {}
         self._last: _Compiled | None = None
         self._last_train: _Compiled | None = None
@@ -95,6 +98,8 @@ class Engine:
         executor = Executor(captured, plan.program, self.backend, self.host, self._adamw if train else None)
         compiled = _Compiled(captured, plan, executor)
         self._compiled[key] = compiled
+        if train:
+            self._last_train = compiled
         return compiled
 
     def _adamw(self, stage: int) -> None:
@@ -166,9 +171,7 @@ class Engine:
         if self.host is None:
             raise MegacompileError("no state yet: run step() once (or load_state_dict) first")
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
-        canonical = {id(t): n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())}
-        for key, t in self.model.state_dict(keep_vars=True).items():
-            name = canonical.get(id(t), key)
+        for key, name in self._canonical.items():
             if name in self.host.slots:
                 out[key] = self.host.master(name).clone()
             elif name in self.host.consts:
@@ -182,13 +185,18 @@ class Engine:
                                    "build the model with weights")
         known = {**{n: s.shape for n, s in self.host.slots.items()},
                  **{n: tuple(t.shape) for n, t in self.host.consts.items()}}
-        missing = [n for n in self.host.slots if n not in state]
-        bad = [f"{n}: {tuple(t.shape)} (expected {known[n]})" for n, t in state.items()
-               if n in known and tuple(t.shape) != tuple(known[n])]
-        if missing or bad:
-            raise MegacompileError(f"load_state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}; "
-                                   f"wrong shapes {bad[:5]}; nothing was loaded")
-        self.host.load({n: t for n, t in state.items() if n in known})
+        names = {key: self._canonical.get(key, key) for key in state}
+        unexpected = [k for k, n in names.items() if n not in known]
+        # Buffers are already on the host unless the model had no weights (built on meta).
+        required = list(self.host.slots) + ([] if self._materialized else list(self.host.consts))
+        missing = sorted(set(required) - set(names.values()))
+        bad = [f"{k}: {tuple(t.shape)} (expected {tuple(known[names[k]])})" for k, t in state.items()
+               if names[k] in known and tuple(t.shape) != tuple(known[names[k]])]
+        if missing or bad or unexpected:
+            raise MegacompileError(
+                f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shapes {bad[:5]}; "
+                "nothing was loaded (non-persistent buffers of a meta model must be passed too)")
+        self.host.load({names[k]: t for k, t in state.items()})
         self._materialized = True
 
     def close(self) -> None:
