@@ -1,0 +1,72 @@
+"""Passes and the solver: what each adds, and that the choice is monotone in the budget."""
+from __future__ import annotations
+
+import torch
+
+from megacompile.capture import capture
+from megacompile.ir.program import Op
+from megacompile.ir.simulate import simulate
+from megacompile.passes import ScheduleChoice, build_schedule, solve
+from tests import models
+
+
+def _captured(layers=4):
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=layers, d=64)
+    ids = models.batch(96, 2, 16)
+    return capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
+                   compute_dtype=torch.float32)
+
+
+def _blocks(captured):
+    return [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
+
+
+def test_weights_cross_the_link_at_most_twice_per_step():
+    captured = _captured()
+    program = build_schedule(captured, ScheduleChoice(1, frozenset(_blocks(captured))))
+    fetches = [n.stage for n in program.nodes if n.op is Op.PREFETCH]
+    for s in range(len(captured.stages)):
+        assert 1 <= fetches.count(s) <= 2
+    # the epilogue runs forward then backward back to back: one fetch serves both
+    assert fetches.count(len(captured.stages) - 1) == 1
+
+
+def test_prefetch_depth_one_issues_each_fetch_before_the_previous_compute():
+    captured = _captured()
+    program = build_schedule(captured, ScheduleChoice(1))
+    nodes = program.nodes
+    for i, n in enumerate(nodes):
+        if n.op is Op.PREFETCH and n.stage > 0 and n.stage < len(captured.stages) - 1:
+            following = next(m for m in nodes[i:] if m.op in (Op.FORWARD, Op.BACKWARD, Op.RECOMPUTE))
+            assert following.stage != n.stage, "a depth-1 prefetch must overlap another stage's compute"
+
+
+def test_recompute_lowers_the_peak_and_adds_one_forward_per_block():
+    captured = _captured()
+    blocks = _blocks(captured)
+    keep = build_schedule(captured, ScheduleChoice(1))
+    again = build_schedule(captured, ScheduleChoice(1, frozenset(blocks)))
+    assert sum(n.op is Op.RECOMPUTE for n in again.nodes) == len(blocks)
+    assert simulate(again).peak < simulate(keep).peak
+
+
+def test_solver_is_monotone_in_the_budget():
+    captured = _captured(layers=6)
+    blocks = _blocks(captured)
+
+    def peak_of(choice):
+        return simulate(build_schedule(captured, choice, check=False)).peak
+
+    lowest = peak_of(ScheduleChoice(0, frozenset(blocks)))
+    highest = peak_of(ScheduleChoice(1))
+    assert solve(blocks, lowest - 1, peak_of)[0] is None
+    previous = None
+    for budget in range(lowest, highest + 2, max(1, (highest - lowest) // 25)):
+        choice, _ = solve(blocks, budget, peak_of)
+        assert choice is not None and peak_of(choice) <= budget
+        rank = (1 - choice.prefetch_depth, len(choice.recompute))   # lower is faster
+        if previous is not None:
+            assert rank <= previous, "more budget gave a slower choice"
+        previous = rank
+    assert solve(blocks, highest, peak_of)[0] == ScheduleChoice(1)
