@@ -119,6 +119,11 @@ class Engine:
                 "the model was built on the meta device and has no weights: load them with "
                 "engine.load_state_dict(state_dict) before step() or a forward")
 
+    def prepare(self, *args, train: bool = True, **kwargs) -> Plan:
+        """Build (and verify) the plan for these inputs without running it: says whether the model
+        fits before the first step. The inputs only lend their shapes; nothing is computed."""
+        return self._compile(args, kwargs, train=train).plan
+
     # -- running -------------------------------------------------------------------------
     def step(self, *args, **kwargs) -> float:
         """One optimizer step: forward, backward and host AdamW over the fp32 masters; returns the loss."""

@@ -1,0 +1,66 @@
+"""`megacompile` / `python -m megacompile`: the command line."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from .errors import MegacompileError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .models import LlamaConfig
+    from .train import train
+    config = LlamaConfig(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn)
+    run_dir = args.run_dir or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
+    train(steps=args.steps, batch=args.batch, seq=args.seq, config=config, hbm_budget=args.hbm_budget,
+          budget_fraction=args.budget_fraction, lr=args.lr, device=args.device, compute_dtype=DTYPES[args.dtype],
+          run_dir=run_dir, seed=args.seed, log_every=args.log_every)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megacompile", description="Full-precision LLM training on one GPU.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the bundled small Llama on the bundled byte-level corpus")
+    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--batch", type=int, default=4)
+    t.add_argument("--seq", type=int, default=128)
+    t.add_argument("--dim", type=int, default=384)
+    t.add_argument("--layers", type=int, default=6)
+    t.add_argument("--heads", type=int, default=6)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--ffn", type=int, default=1024)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--hbm-budget", type=float, default=None,
+                   help="GiB of device memory the plan may use (default: --budget-fraction of the weights, or the smallest budget that fits if that is more)")
+    t.add_argument("--budget-fraction", type=float, default=0.5,
+                   help="with no --hbm-budget, the budget as a fraction of the weights' bytes (default 0.5)")
+    t.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available, else cpu")
+    t.add_argument("--dtype", choices=list(DTYPES), default="float32", help="compute dtype; masters are float32")
+    t.add_argument("--run-dir", default=None, help="default: runs/train-<time>")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--log-every", type=int, default=10, help="progress line interval when not on a terminal")
+    t.set_defaults(run=_train)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except MegacompileError as e:
+        print(f"megacompile: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
