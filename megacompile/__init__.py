@@ -22,7 +22,8 @@ __version__ = "0.1.0"
 
 def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
             compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
-            loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None) -> Engine:
+            loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None,
+            grad_accum: int = 1) -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -31,9 +32,13 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
     loss_fn:       loss_fn(output, *args, **kwargs) when the model's output is not the loss
     retrace:       build a new plan when step() gets inputs of new shapes (else InputMismatchError)
     dump_dir:      write the schedule after every pass there (also: MEGACOMPILE_DUMP_DIR)
+    grad_accum:    micro-batches per optimizer step: each step() call is one micro-batch, and
+                   every grad_accum-th call updates the masters
+
+    torch LR schedulers attach to `engine.torch_optimizer`.
     """
     return Engine(model, hbm_budget, optimizer=optimizer, compute_dtype=compute_dtype, device=device,
-                  loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir)
+                  loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir, grad_accum=grad_accum)
 
 
 __all__ = ["compile", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError",

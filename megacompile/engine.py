@@ -19,6 +19,8 @@ from .capture import CapturedModel, capture
 from .capture.loss import LossFn
 from .errors import InputMismatchError, MegacompileError
 from .optim import AdamW
+from .optim.lr_handle import LearningRateHandle
+from .passes import StepKind
 from .optim.fused_adamw import adamw_update_
 from .plan import Plan
 from .planner import make_plan
@@ -37,7 +39,8 @@ class _Compiled:
 class Engine:
     def __init__(self, model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
                  compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
-                 loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None):
+                 loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
+                 grad_accum: int = 1):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         if not isinstance(hbm_budget, (int, float)) or not hbm_budget > 0:
@@ -46,6 +49,9 @@ class Engine:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise MegacompileError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}; "
                                    "masters are always float32")
+        if not isinstance(grad_accum, int) or grad_accum < 1:
+            raise MegacompileError(f"grad_accum is the number of micro-batches per optimizer step, an int >= 1; "
+                                   f"got {grad_accum!r}")
         if not any(True for _ in model.parameters()):
             raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
         self.model = model
@@ -55,6 +61,8 @@ class Engine:
         self.loss_fn = loss_fn
         self.retrace = retrace
         self.dump_dir = dump_dir
+        self.grad_accum = grad_accum
+        self.torch_optimizer = LearningRateHandle(self.optimizer)
         if getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False   # a KV cache has no place in a training step
         self.backend = make_backend(device, self.budget_bytes)
@@ -64,10 +72,12 @@ class Engine:
         # state_dict key -> the parameter/buffer name it stands for (tied weights share one)
         first = {id(t): n for n, t in reversed(list(model.named_parameters()) + list(model.named_buffers()))}
         self._canonical = {k: first.get(id(t), k) for k, t in model.state_dict(keep_vars=True).items()}
+        self._captured: dict[tuple, CapturedModel] = {}
         self._compiled: dict[tuple, _Compiled] = {}
         self._last: _Compiled | None = None
         self._last_train: _Compiled | None = None
-        self.steps_done = 0
+        self.steps_done = 0          # optimizer steps
+        self.micro_batches = 0       # step() calls
 
     # -- compiling -----------------------------------------------------------------------
     def _signature(self, args: tuple, kwargs: dict, train: bool) -> tuple:
@@ -76,39 +86,58 @@ class Engine:
                       for x in leaves)
         return (train, self.model.training, str(spec), shape)
 
-    def _compile(self, args: tuple, kwargs: dict, train: bool) -> _Compiled:
-        key = self._signature(args, kwargs, train)
-        compiled = self._compiled.get(key)
+    def _compile(self, args: tuple, kwargs: dict, train: bool, update: bool = True) -> _Compiled:
+        signature = self._signature(args, kwargs, train)
+        kind = StepKind(update=update and train, clip=self.optimizer.max_grad_norm is not None)
+        compiled = self._compiled.get((signature, kind))
         if compiled is not None:
             return compiled
-        previous = next((c for k, c in self._compiled.items() if k[0] == train), None)
-        if previous is not None and not self.retrace:
-            raise InputMismatchError(
-                f"{'step()' if train else 'the forward'} got inputs {_describe(args, kwargs)}, but the plan was "
-                f"built for {_describe_meta(previous.captured)}; pass inputs of the traced shapes, or "
-                "compile(..., retrace=True) to build a plan per input shape")
-        captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
-                           loss_fn=self.loss_fn, train=train)
+        captured = self._captured.get(signature)
+        if captured is None:
+            previous = next((c for k, c in self._captured.items() if k[0] == train), None)
+            if previous is not None and not self.retrace:
+                raise InputMismatchError(
+                    f"{'step()' if train else 'the forward'} got inputs {_describe(args, kwargs)}, but the plan "
+                    f"was built for {_describe_meta(previous)}; pass inputs of the traced shapes, or "
+                    "compile(..., retrace=True) to build a plan per input shape")
+            captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
+                               loss_fn=self.loss_fn, train=train)
+            self._captured[signature] = captured
         if self.host is None:
             self.host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda")
             if self._materialized:
                 self.host.load_module(self.model)
-        plan = make_plan(captured, self.budget_bytes, backend=self.backend.name, host_bytes=self.host.nbytes,
-                         dump_dir=self.dump_dir)
-        executor = Executor(captured, plan.program, self.backend, self.host, self._adamw if train else None)
+        plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
+                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir)
+        executor = Executor(captured, plan.program, self.backend, self.host, self._adamw, self._clip)
         compiled = _Compiled(captured, plan, executor)
-        self._compiled[key] = compiled
+        self._compiled[(signature, kind)] = compiled
         if train:
             self._last_train = compiled
         return compiled
 
-    def _adamw(self, stage: int) -> None:
+    def _step_context(self) -> dict:
+        """Fixed when a step starts, read by its updates on the host stream (which may still be
+        running while the next step begins)."""
+        step = self.steps_done + 1
+        opt = self.optimizer
+        lr = opt.lr_at(step) if callable(opt.lr) else float(self.torch_optimizer.param_groups[0]["lr"])
+        return {"step": step, "lr": lr, "grad_scale": 1.0}
+
+    def _clip(self, context: dict) -> None:
+        norm = self.host.grad_sq_norm() ** 0.5
+        context["grad_norm"] = norm
+        # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), at most 1
+        context["grad_scale"] = min(1.0, self.optimizer.max_grad_norm / (norm + 1e-6))
+
+    def _adamw(self, stage: int, context: dict) -> None:
         buffers = self.host.owners[stage]
-        opt, step = self.optimizer, self.steps_done + 1
+        opt = self.optimizer
         adamw_update_(buffers.master, buffers.grad, buffers.exp_avg, buffers.exp_avg_sq,
-                      lr=opt.lr_at(step), beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
-                      weight_decay=opt.weight_decay, step=step,
-                      out=None if buffers.compute is buffers.master else buffers.compute)
+                      lr=context["lr"], beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
+                      weight_decay=opt.weight_decay, step=context["step"], grad_scale=context["grad_scale"],
+                      out=None if buffers.compute is buffers.master else buffers.compute,
+                      **({"backend": "torch"} if opt.kernel == "torch" else {}))
 
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -126,15 +155,33 @@ class Engine:
 
     # -- running -------------------------------------------------------------------------
     def step(self, *args, **kwargs) -> float:
-        """One optimizer step: forward, backward and host AdamW over the fp32 masters; returns the loss."""
-        compiled = self._compile(args, kwargs, train=True)
+        """Forward and backward of one micro-batch; returns its loss.
+
+        With grad_accum=k (compile), gradients of k consecutive calls add up (each scaled by 1/k,
+        as eager code does with (loss / k).backward()) and the k-th call runs host AdamW over the
+        fp32 masters. With k=1 (the default) every call is a full optimizer step.
+        """
+        micro = self.micro_batches % self.grad_accum
+        last = micro == self.grad_accum - 1
+        compiled = self._compile(args, kwargs, train=True, update=last)
         self._require_weights()
-        self.host.begin_step()
-        (loss,) = compiled.executor.run(self._inputs(args, kwargs))
-        self.steps_done += 1
+        # The last step's updates may still be running: the plan waits for each owner's update
+        # before its first prefetch, so they finish before this step's offloads touch the grads.
+        self.host.begin_micro_batch(first=micro == 0)
+        (loss,) = compiled.executor.run(self._inputs(args, kwargs), seed=1.0 / self.grad_accum,
+                                        context=self._step_context())
+        self.micro_batches += 1
+        if last:
+            self.steps_done += 1
+            self.torch_optimizer.step()   # tells attached torch LR schedulers a step happened
         compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes
         self._last = self._last_train = compiled
         return float(loss)
+
+    def synchronize(self) -> None:
+        """Wait for host updates still running (state_dict and load_state_dict do this)."""
+        if self.host is not None:
+            self.host.wait_updates()
 
     @torch.no_grad()
     def __call__(self, *args, **kwargs) -> Any:
@@ -175,6 +222,7 @@ class Engine:
         """float32 masters (and buffers) under the model's own names, tied names included."""
         if self.host is None:
             raise MegacompileError("no state yet: run step() once (or load_state_dict) first")
+        self.synchronize()
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for key, name in self._canonical.items():
             if name in self.host.slots:
@@ -188,6 +236,7 @@ class Engine:
         if self.host is None:
             raise MegacompileError("load_state_dict needs a plan: run one step()/forward first, or "
                                    "build the model with weights")
+        self.synchronize()
         known = {**{n: s.shape for n, s in self.host.slots.items()},
                  **{n: tuple(t.shape) for n, t in self.host.consts.items()}}
         names = {key: self._canonical.get(key, key) for key in state}
@@ -205,6 +254,7 @@ class Engine:
         self._materialized = True
 
     def close(self) -> None:
+        self.synchronize()
         self.backend.close()
 
 

@@ -7,14 +7,14 @@ from .ir.printer import fmt_bytes
 from .ir.simulate import simulate
 from .ir.verify import verify
 from .capture.model_graph import owners
-from .passes import ScheduleChoice, build_schedule, solve
+from .passes import ScheduleChoice, StepKind, build_schedule, solve
 from .plan import Plan
 
 GiB = 2 ** 30
 
 
-def make_plan(captured: CapturedModel, budget_bytes: int, *, backend: str, host_bytes: int,
-              dump_dir: str | None = None) -> Plan:
+def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
+              host_bytes: int, dump_dir: str | None = None) -> Plan:
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     peaks: dict[ScheduleChoice, int] = {}
 
@@ -32,7 +32,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, *, backend: str, host_
             f"recomputed and no prefetch overlap (the largest stage, {largest.name}, holds "
             f"{fmt_bytes(largest.template.weight_bytes)} of weights). Raise hbm_budget to at least "
             f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
-    program = build_schedule(captured, choice, check=True, dump_dir=dump_dir)
+    program = build_schedule(captured, choice, kind, check=True, dump_dir=dump_dir)
     verify(program, budget_bytes=budget_bytes, owners=owners(captured)[1] if captured.train else None)
     minimum = peak_of(ScheduleChoice(0, frozenset(blocks))) if captured.train else peak_of(ScheduleChoice(0))
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum)

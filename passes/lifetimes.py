@@ -27,9 +27,11 @@ def lifetimes(program: Program) -> Program:
                 last_read.pop(v, None)
             continue
         for v in n.reads:
-            if n.op is not Op.OFFLOAD:
+            if n.op is not Op.OFFLOAD and v in live_from:
                 last_read[v] = i
         for v in n.writes:
+            if program.values[v].kind == "host":
+                continue      # host masters are not device values
             if v in live_from:
                 close(v)
             live_from[v] = i

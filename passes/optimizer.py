@@ -1,32 +1,71 @@
-"""Place each stage's host optimizer step right after the last gradient for its masters lands.
+"""Place the host optimizer: its steps, the gradient clipping before them, and the waits after.
 
 A stage owns the parameters it is the first to use in the forward. A tied parameter (GPT-2's
 embedding, reused as the lm head) gets gradients from two stages; its owner's step waits for
 both offloads, so the update sees the full gradient.
+
+Without clipping, each owner's OPTIMIZER_STEP goes right after the last offload feeding it, so
+updates run on the host while the device works on earlier blocks' backward. With clipping the
+global norm is known only after the whole backward: CLIP_GRADS then the updates follow the last
+offload, in forward order, and run on the host while the next step's forward begins.
+
+Either way an update may still be running when the step ends; the next step reads a stage's
+masters only after a WAIT on them, placed before the stage's first prefetch. Plans that only
+accumulate (every micro-batch but the last) have no optimizer nodes, but keep the waits.
 """
 from __future__ import annotations
 
-from megacompile.ir.program import Node, Op, Program, grads
+from dataclasses import replace
+
+from megacompile.ir.program import Node, Op, Program, Value, grads, masters
 
 
-def place_optimizer(program: Program, owners: dict[int, set[int]]) -> Program:
-    """`owners[s]`: the stages whose gradients touch parameters that stage s owns."""
+def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers: dict[int, set[int]],
+                    *, update: bool, clip: bool) -> Program:
+    """`owner_stages[s]`: stages whose gradients touch masters stage s owns;
+    `readers[s]`: owners whose masters stage s's weights are copied from."""
+    values = dict(program.values)
+    for s in owner_stages:
+        values[masters(s)] = Value(masters(s), (), "host")
     waited_at: dict[int, int] = {}
     for i, n in enumerate(program.nodes):
         if n.op is Op.WAIT and grads(n.stage) in n.reads:
             waited_at[n.stage] = i
     after: dict[int, list[Node]] = {}
-    for s, contributors in sorted(owners.items()):
-        if not contributors:
-            continue
-        missing = [c for c in contributors if c not in waited_at]
-        if missing:
-            raise ValueError(f"stage {s}'s gradients from stages {missing} are never offloaded")
-        at = max(waited_at[c] for c in contributors)
-        after.setdefault(at, []).append(Node(Op.OPTIMIZER_STEP, s, origin=program.stage_names[s],
-                                             note="AdamW on the host fp32 masters"))
+    if update:
+        for s, contributors in owner_stages.items():
+            missing = [c for c in contributors if c not in waited_at]
+            if missing:
+                raise ValueError(f"stage {s}'s gradients from stages {missing} are never offloaded")
+        if clip:
+            last = max(waited_at.values())
+            after[last] = [Node(Op.CLIP_GRADS, origin="all gradients", note="global norm, then one scale for every update")]
+            after[last] += [_step(program, s, "clipped; overlaps the next step's forward") for s in sorted(owner_stages)]
+        else:
+            for s, contributors in sorted(owner_stages.items()):
+                at = max(waited_at[c] for c in contributors)
+                after.setdefault(at, []).append(_step(program, s, "as soon as its gradients landed"))
+    # Before each prefetch, wait for the masters it copies unless already waited for since
+    # their last update.
+    fresh: set[int] = set()
     nodes: list[Node] = []
     for i, n in enumerate(program.nodes):
+        if n.op is Op.PREFETCH:
+            for owner in sorted(readers[n.stage] - fresh):
+                nodes.append(Node(Op.WAIT, owner, reads=(masters(owner),), origin=program.stage_names[owner],
+                                  note="the last update of these masters"))
+                fresh.add(owner)
+            n = replace(n, reads=tuple(masters(o) for o in sorted(readers[n.stage])))
         nodes.append(n)
-        nodes.extend(after.get(i, []))
-    return program.copy(nodes)
+        for m in after.get(i, []):
+            nodes.append(m)
+            if m.op is Op.OPTIMIZER_STEP:
+                fresh.discard(m.stage)
+    out = program.copy(nodes)
+    out.values = values
+    return out
+
+
+def _step(program: Program, s: int, note: str) -> Node:
+    return Node(Op.OPTIMIZER_STEP, s, writes=(masters(s),), origin=program.stage_names[s],
+                note=f"AdamW on the host fp32 masters, {note}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megacompile.capture import CapturedModel
-from megacompile.capture.model_graph import owners
+from megacompile.capture.model_graph import owners, readers
 from megacompile.ir.printer import format_program
 from megacompile.ir.program import Program
 from megacompile.ir.verify import verify
@@ -31,29 +31,42 @@ from .transfers import transfers
 
 
 @dataclass(frozen=True)
+class StepKind:
+    """What a step does besides forward and backward (set by the user, not the solver)."""
+    update: bool = True     # run the optimizer (False: a micro-batch that only accumulates)
+    clip: bool = False      # global-norm clipping before the updates
+
+
+@dataclass(frozen=True)
 class ScheduleChoice:
     """What the solver decides: how far ahead to prefetch and which stages to recompute."""
     prefetch_depth: int = 1
     recompute: frozenset[int] = field(default_factory=frozenset)
 
 
-Pass = Callable[[Program, CapturedModel, ScheduleChoice], Program]
+Pass = Callable[[Program, CapturedModel, ScheduleChoice, StepKind], Program]
+
+
+def _optimizer(p: Program, c: CapturedModel, ch: ScheduleChoice, kind: StepKind) -> Program:
+    return place_optimizer(p, owners(c)[1], readers(c), update=kind.update and c.train, clip=kind.clip)
+
 
 TRAINING_PASSES: list[tuple[str, Pass]] = [
-    ("remat", lambda p, c, ch: remat(p, ch.recompute)),
-    ("transfers", lambda p, c, ch: transfers(p, ch.prefetch_depth)),
-    ("optimizer", lambda p, c, ch: place_optimizer(p, owners(c)[1])),
-    ("lifetimes", lambda p, c, ch: lifetimes(p)),
+    ("remat", lambda p, c, ch, k: remat(p, ch.recompute)),
+    ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth)),
+    ("optimizer", _optimizer),
+    ("lifetimes", lambda p, c, ch, k: lifetimes(p)),
 ]
 
 INFERENCE_PASSES: list[tuple[str, Pass]] = [
-    ("transfers", lambda p, c, ch: transfers(p, ch.prefetch_depth)),
-    ("lifetimes", lambda p, c, ch: lifetimes(p)),
+    ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth)),
+    ("optimizer", _optimizer),     # no updates, only the waits for the last ones
+    ("lifetimes", lambda p, c, ch, k: lifetimes(p)),
 ]
 
 
-def build_schedule(captured: CapturedModel, choice: ScheduleChoice, *, check: bool = True,
-                   dump_dir: str | None = None) -> Program:
+def build_schedule(captured: CapturedModel, choice: ScheduleChoice, kind: StepKind = StepKind(), *,
+                   check: bool = True, dump_dir: str | None = None) -> Program:
     """Run the pipeline; verify after every pass when `check`; write each pass's output to `dump_dir`."""
     dump_dir = dump_dir or os.environ.get("MEGACOMPILE_DUMP_DIR")
     contributors = owners(captured)[1] if captured.train else None
@@ -64,12 +77,13 @@ def build_schedule(captured: CapturedModel, choice: ScheduleChoice, *, check: bo
     _after_pass(program, "lower", 0, check, dump_dir, None)
     for k, (name, run) in enumerate(passes, start=1):
         start = time.perf_counter()
-        program = run(program, captured, choice)
+        program = run(program, captured, choice, kind)
         seconds[name] = time.perf_counter() - start
         program.passes.append(name)
         _after_pass(program, name, k, check, dump_dir, contributors if name in ("optimizer", "lifetimes") else None)
     program.facts["pass_seconds"] = seconds
     program.facts["choice"] = choice
+    program.facts["step_kind"] = kind
     return program
 
 

@@ -85,3 +85,9 @@ def owners(captured: CapturedModel) -> tuple[dict[str, int], dict[int, set[int]]
             if slot.trainable:
                 contributors[owner[name]].add(s)
     return owner, contributors
+
+
+def readers(captured: CapturedModel) -> dict[int, set[int]]:
+    """For each stage, the owners whose masters its weights are copied from."""
+    owner = owners(captured)[0]
+    return {s: {owner[n] for n in stage.params if n in owner} for s, stage in enumerate(captured.stages)}

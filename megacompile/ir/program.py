@@ -21,12 +21,13 @@ class Op(enum.Enum):
     BACKWARD = "backward"        # run a stage's backward graph (gradients)
     INFER = "infer"              # forward without saving anything (inference plans)
     OFFLOAD = "offload"          # gradients device -> host, accumulated into the fp32 grads (d2h stream)
+    CLIP_GRADS = "clip_grads"    # global gradient norm over all owners -> the scale every update uses
     OPTIMIZER_STEP = "optimizer_step"  # host AdamW over one stage's fp32 masters
     OUTPUT = "output"            # the loss / outputs device -> host
     FREE = "free"                # drop a device value (weights: an eviction)
 
 
-STREAM_OF = {Op.PREFETCH: "h2d", Op.OFFLOAD: "d2h", Op.OPTIMIZER_STEP: "host"}
+STREAM_OF = {Op.PREFETCH: "h2d", Op.OFFLOAD: "d2h", Op.OPTIMIZER_STEP: "host", Op.CLIP_GRADS: "host"}
 COMPUTE_OPS = (Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.INFER)
 
 
@@ -77,4 +78,5 @@ def saved(s: int) -> str: return f"saved{s}"
 def grads(s: int) -> str: return f"g{s}"
 def act_grad(s: int, k: int) -> str: return f"dx{s}.{k}"
 def model_input(k: int) -> str: return f"in{k}"
+def masters(s: int) -> str: return f"m{s}"      # host: owner s's fp32 masters (no device bytes)
 SEED = "seed"

@@ -6,6 +6,8 @@
 - every transfer is waited for before the schedule ends;
 - a recompute comes after the forward whose random state it replays;
 - an optimizer step comes after the wait of every offload that feeds its masters;
+- a prefetch reads host masters only after a WAIT on them in this step (an update of the
+  previous step, or an earlier one in this step, may still be running on the host);
 - with a budget, the simulated peak is within it.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ def verify(program: Program, budget_bytes: int | None = None,
     state: dict[str, str] = {}         # value -> "ready" | "arriving" | "leaving"
     if weights_resident:
         state.update({v.name: "ready" for v in program.values.values() if v.kind == "weights"})
+    # Host masters may still be updating from the previous step until waited for.
+    state.update({v.name: "updating" for v in program.values.values() if v.kind == "host"})
     forwarded: set[int] = set()
     offloaded: set[int] = set()
 
@@ -40,7 +44,7 @@ def verify(program: Program, budget_bytes: int | None = None,
             continue
         if n.op is Op.WAIT:
             (v,) = n.reads
-            if state.get(v) == "arriving":
+            if state.get(v) in ("arriving", "updating"):
                 state[v] = "ready"
             elif state.get(v) == "leaving":
                 state[v] = "ready"
@@ -66,8 +70,8 @@ def verify(program: Program, budget_bytes: int | None = None,
         for v in n.writes:
             if state.get(v) in ("arriving", "leaving"):
                 fail(i, f"writes {v} while a transfer on it is in flight")
-            state[v] = "arriving" if n.op is Op.PREFETCH else "ready"
-    in_flight = [v for v, s in state.items() if s != "ready"]
+            state[v] = {Op.PREFETCH: "arriving", Op.OPTIMIZER_STEP: "updating"}.get(n.op, "ready")
+    in_flight = [v for v, s in state.items() if s not in ("ready", "updating")]
     if in_flight:
         raise PlanVerificationError(f"the schedule ends with transfers in flight: {in_flight}")
     if budget_bytes is not None:

@@ -15,12 +15,18 @@ class AdamW:
     """AdamW as torch.optim.AdamW defines it (decoupled weight decay, bias correction).
 
     `lr` is a number or a function of the 1-based step that returns the rate for that step
-    (a schedule); defaults match torch.optim.AdamW.
+    (a schedule); torch LR schedulers attach to `engine.torch_optimizer` instead. Defaults
+    match torch.optim.AdamW. `max_grad_norm` clips the global gradient norm first, exactly as
+    torch.nn.utils.clip_grad_norm_. `kernel`: "fused" (the native one-pass kernel; a torch
+    fallback when no compiler is found) or "torch" (torch's own ops in torch's order, which
+    round as torch.optim.AdamW does; slower).
     """
     lr: LearningRate = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2
+    max_grad_norm: float | None = None
+    kernel: str = "fused"
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
@@ -30,6 +36,10 @@ class AdamW:
             raise OptimizerInputError(f"AdamW eps must be a positive number, got {self.eps}")
         if self.weight_decay < 0:
             raise OptimizerInputError(f"AdamW weight_decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise OptimizerInputError(f"AdamW max_grad_norm must be > 0 (or None), got {self.max_grad_norm}")
+        if self.kernel not in ("fused", "torch"):
+            raise OptimizerInputError(f"AdamW kernel must be 'fused' or 'torch', got {self.kernel!r}")
         if not callable(self.lr) and not (self.lr >= 0 and math.isfinite(self.lr)):
             raise OptimizerInputError(f"AdamW lr must be >= 0 or a function of the step, got {self.lr}")
 

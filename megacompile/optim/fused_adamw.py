@@ -35,8 +35,8 @@ from megacompile.errors import OptimizerInputError
 _SOURCE = Path(__file__).parent / "csrc" / "fused_adamw.cpp"
 # -ffp-contract=off: no fused multiply-add except the one the source writes (torch's lerp has it).
 # -fno-math-errno: lets sqrtf vectorize; it changes no value.
-_CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
-             "-shared", "-fPIC", "-std=c++17"]
+_CXXFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-ffp-contract=off",
+             "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
 _GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_KINDS = {torch.bfloat16: 1, torch.float32: 2}
 # The torch fallback works in slices of this many elements so its temporaries stay small.
@@ -126,6 +126,7 @@ def _native() -> ctypes.CDLL | None:
         except Exception as error:  # noqa: BLE001 -- any failure means: use the fallback
             warnings.warn(f"megacompile: the native host AdamW kernel is unavailable, using the "
                           f"slower torch fallback: {error}", RuntimeWarning, stacklevel=3)
+        _library_tried = True
     return _library
 
 

@@ -80,8 +80,8 @@ class Backend(ABC):
         """A synchronous copy of a (small) host tensor to the device: the model inputs."""
 
     @abstractmethod
-    def synchronize(self) -> None:
-        """Wait for every stream."""
+    def synchronize(self, host: bool = True) -> None:
+        """Wait for the copy streams, and with `host` for the host (optimizer) stream too."""
 
     @abstractmethod
     def get_rng_state(self) -> torch.Tensor: ...

@@ -47,8 +47,8 @@ class CpuBackend(Backend):
         self.timeline.add("h2d", "inputs", start, time.perf_counter())
         return out
 
-    def synchronize(self) -> None:
-        for s in (self.h2d, self.d2h, self.host):
+    def synchronize(self, host: bool = True) -> None:
+        for s in (self.h2d, self.d2h) + ((self.host,) if host else ()):
             s.synchronize()
 
     def get_rng_state(self) -> torch.Tensor:

@@ -98,10 +98,11 @@ class CudaBackend(Backend):
         self.timeline.add("h2d", "inputs", start, time.perf_counter())
         return out
 
-    def synchronize(self) -> None:
+    def synchronize(self, host: bool = True) -> None:
         torch.cuda.synchronize(self.device)
         self.d2h.synchronize()
-        self.host.synchronize()
+        if host:
+            self.host.synchronize()
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device)

@@ -15,44 +15,52 @@ import torch
 
 from ..capture import CapturedModel
 from ..ir.program import SEED, Node, Op, Program, act_grad, grads, saved, weights
+
+# The host work of one optimizer step: update(stage, context) and clip(context), where context
+# is a dict made when the step starts (step number, learning rate) that clip adds its scale to.
+UpdateFn = Callable[[int, dict], None]
+ClipFn = Callable[[dict], None]
 from .backend import Backend, Event
 from .host import HostState
 
 
 class Executor:
     def __init__(self, captured: CapturedModel, program: Program, backend: Backend, host: HostState,
-                 optimizer_step: Callable[[int], None] | None):
+                 update: UpdateFn | None = None, clip: ClipFn | None = None):
         self.captured, self.program, self.backend, self.host = captured, program, backend, host
-        self.optimizer_step = optimizer_step
+        self.update, self.clip = update, clip
         self.memory = backend.memory
         self._env: dict[str, Any] = {}
         self._events: dict[str, Event] = {}
-        self._host_events: list[Event] = []
         self._rng: dict[int, torch.Tensor] = {}
         self._outputs: list[torch.Tensor] = []
+        self._context: dict = {}
 
     # -- one step ------------------------------------------------------------------------
-    def run(self, inputs: list[torch.Tensor], seed: float = 1.0) -> list[torch.Tensor]:
-        """Execute the schedule once; returns the OUTPUT node's values on the host."""
-        self._inputs, self._seed = inputs, seed
+    def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None) -> list[torch.Tensor]:
+        """Execute the schedule once; returns the OUTPUT node's values on the host.
+
+        `seed` is the loss gradient (1/k for one of k accumulated micro-batches). Optimizer
+        updates may still be running on the host stream when this returns (HostState.pending).
+        """
+        self._inputs, self._seed, self._context = inputs, seed, context or {}
         self.memory.reset_peak()
+        failed = True
         try:
             for node in self.program.nodes:
                 getattr(self, "_" + node.op.value)(node)
-            for e in self._host_events:
-                e.wait()
+            failed = False
         finally:
-            self._release_all()
+            self._release_all(drain_host=failed)
         return self._outputs
 
-    def _release_all(self) -> None:
-        """Leave no device value or in-flight work behind, even after an error."""
-        self.backend.synchronize()
+    def _release_all(self, drain_host: bool) -> None:
+        """Leave no device value or copy in flight behind, even after an error."""
+        self.backend.synchronize(host=drain_host)
         for name, value in self._env.items():
             self.memory.drop(name, value)
         self._env.clear()
         self._events.clear()
-        self._host_events = []
 
     def _put(self, name: str, value: Any) -> None:
         self._env[name] = value
@@ -77,7 +85,11 @@ class Executor:
         self._events[weights(node.stage)] = self.backend.prefetch(slot, srcs, f"prefetch {stage.name}")
 
     def _wait(self, node: Node) -> None:
-        self._events.pop(node.reads[0]).wait()
+        (value,) = node.reads
+        if self.program.values[value].kind == "host":
+            self.host.wait_update(node.stage)
+        else:
+            self._events.pop(value).wait()
 
     def _free(self, node: Node) -> None:
         for name in node.frees:
@@ -170,11 +182,14 @@ class Executor:
                 host.accumulate_grad(name, g)
         self._events[grads(s)] = self.backend.offload(list(self._env[grads(s)]), sink, f"offload {stage.name}")
 
+    def _clip_grads(self, node: Node) -> None:
+        clip, context = self.clip, self._context
+        self.host.pending[-1] = self.backend.host_task(lambda: clip(context), "clip gradients")
+
     def _optimizer_step(self, node: Node) -> None:
-        if self.optimizer_step is None:
-            return
-        s, step = node.stage, self.optimizer_step
-        self._host_events.append(self.backend.host_task(lambda: step(s), f"adamw {self.program.stage_names[s]}"))
+        s, update, context = node.stage, self.update, self._context
+        self.host.pending[s] = self.backend.host_task(lambda: update(s, context),
+                                                      f"adamw {self.program.stage_names[s]}")
 
     def _output(self, node: Node) -> None:
         self._outputs = [self._env[r].detach().to("cpu", copy=True) for r in node.reads]

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..capture import CapturedModel
 from ..capture.model_graph import owners
+from ..optim.fused_adamw import grad_sq_norm
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,30 @@ class HostState:
             if name not in self.slots:
                 dtype = compute_dtype if entry.dtype.is_floating_point else entry.dtype
                 self.consts[name] = torch.zeros(entry.shape, dtype=dtype)
+        # How many stages produce a gradient for each parameter (2 for a tied embedding).
+        self.uses: dict[str, int] = {}
+        for stage in captured.stages:
+            for name in stage.params:
+                if name in self.slots:
+                    self.uses[name] = self.uses.get(name, 0) + 1
         self._fresh: set[str] = set()
+        self._partial: dict[str, tuple[int, torch.Tensor]] = {}
+        # Updates still running on the host stream, per owner: the next read of those masters
+        # (a prefetch, state_dict) waits for them first.
+        self.pending: dict[int, object] = {}
+
+    def wait_update(self, owner: int) -> None:
+        event = self.pending.pop(owner, None)
+        if event is not None:
+            event.wait()
+
+    def wait_updates(self) -> None:
+        for owner in list(self.pending):
+            self.wait_update(owner)
+
+    def grad_sq_norm(self) -> float:
+        """Sum of squares of every owner's accumulated fp32 gradient (float64 accumulation)."""
+        return sum(grad_sq_norm(b.grad) for b in self.owners.values())
 
     # -- views ---------------------------------------------------------------------------
     def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
@@ -94,14 +118,32 @@ class HostState:
         self.load(dict(model.named_parameters()) | dict(model.named_buffers()))
 
     # -- gradients -----------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """The first gradient each parameter receives in a step overwrites; later ones add."""
-        self._fresh = set(self.slots)
+    def begin_micro_batch(self, first: bool) -> None:
+        """Gradients of the first micro-batch of a step overwrite the fp32 grads; later ones add."""
+        if first:
+            self._fresh = set(self.slots)
+        self._partial = {}
 
     def accumulate_grad(self, name: str, g: torch.Tensor) -> None:
+        """Add one stage's gradient for `name`. A parameter used by several stages (tied
+        weights) sums its contributions of the micro-batch first, then adds that sum to the
+        accumulated gradient: the order eager autograd rounds in."""
+        uses = self.uses[name]
+        if uses > 1:
+            seen, partial = self._partial.get(name, (0, None))
+            if partial is None:
+                partial = g.to(torch.float32, copy=True)
+            else:
+                partial.add_(g)
+            if seen + 1 < uses:
+                self._partial[name] = (seen + 1, partial)
+                return
+            self._partial.pop(name, None)
+            g = partial
         dst = self._view(self.owners[self.slots[name].owner].grad, name)
         if name in self._fresh:
             self._fresh.discard(name)
             dst.copy_(g)
         else:
             dst.add_(g)
+

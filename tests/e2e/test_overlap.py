@@ -27,9 +27,11 @@ def test_host_optimizer_runs_beside_device_compute():
     engine = megacompile.compile(model, hbm_budget=64.0, device="cpu")
     overlapped = 0
     for seed in range(3):
+        engine.synchronize()
         engine.timeline.clear()
         ids = models.batch(96, 4, 32, seed=seed)
         engine.step(idx=ids, targets=ids)
+        engine.synchronize()        # updates may still run after step() returns
         compute = engine.timeline.on("compute")
         updates = engine.timeline.on("host")
         assert len([u for u in updates if u.what.startswith("adamw")]) == 8   # one per owning stage

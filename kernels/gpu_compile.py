@@ -1,0 +1,159 @@
+"""Compile every kernel for real GPUs without one: the second witness next to the interpreter.
+
+`record_launches()` notes each kernel launch (argument types, constexprs, num_warps) while the
+kernels run under the interpreter; `compile_launches()` then builds exactly those specializations
+with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` for sm_80 and sm_90 and
+checks that each produced PTX. The compile runs in child processes (one per architecture) with
+TRITON_INTERPRET=0, because `triton.jit` picks the interpreter when a kernel is decorated, and the
+code generator cannot read interpreted functions.
+
+    python -m megacompile.kernels.gpu_compile < launches.json   # the child: JSON in, JSON out
+"""
+import contextlib
+import importlib
+import inspect
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+ARCHS = (80, 90)  # A100, H100/H200
+
+_POINTER_TYPES = {
+    torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+    torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.uint8: "*u8", torch.bool: "*i1",
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel specialization as launched: enough to compile it again without running it."""
+    module: str  # e.g. "rms_norm"
+    kernel: str  # e.g. "rms_norm_forward_kernel"
+    signature: dict  # argument name -> Triton type ("*fp32", "i32", "fp32", "constexpr")
+    constexprs: dict  # constexpr argument name -> value
+    num_warps: int
+
+    @property
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def kernels():
+    """(module name, kernel name, kernel) for every launchable kernel (a jit function named `*_kernel`)
+    defined in any module of this package."""
+    package = importlib.import_module(__package__)
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("__"):
+            continue
+        module = importlib.import_module(f"{__package__}.{info.name}")
+        for name, obj in vars(module).items():
+            defined_here = getattr(getattr(obj, "fn", None), "__module__", None) == module.__name__
+            if name.endswith("_kernel") and defined_here and hasattr(obj, "run"):
+                yield info.name, name, obj
+
+
+def _constexpr_names(fn) -> set[str]:
+    return {
+        name for name, p in inspect.signature(fn).parameters.items()
+        if p.annotation is tl.constexpr or "constexpr" in str(p.annotation)
+    }
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return _POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for a kernel argument of type {type(value).__name__}")
+
+
+def _launch(module_name, kernel_name, kernel, args, kwargs) -> Launch:
+    params = inspect.signature(kernel.fn).parameters
+    bound = inspect.signature(kernel.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params})
+    constexpr_names = _constexpr_names(kernel.fn)
+    signature, constexprs = {}, {}
+    for name, value in bound.arguments.items():
+        if name in constexpr_names:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        else:
+            signature[name] = _arg_type(value)
+    return Launch(module_name, kernel_name, signature, constexprs, int(kwargs.get("num_warps", 4)))
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Yield a dict that fills with {Launch.key: Launch} for every kernel launched inside the block."""
+    launches: dict[str, Launch] = {}
+    patched = []  # (kernel, the instance's own `run` before this block, if an outer block set one)
+    for module_name, kernel_name, kernel in kernels():
+        def run(*args, grid, warmup, _names=(module_name, kernel_name), _kernel=kernel, _run=kernel.run, **kwargs):
+            launch = _launch(*_names, _kernel, args, kwargs)
+            launches.setdefault(launch.key, launch)
+            return _run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        patched.append((kernel, vars(kernel).get("run")))
+        kernel.run = run  # `kernel[grid](...)` calls self.run: the instance attribute shadows the method
+    try:
+        yield launches
+    finally:
+        for kernel, previous in patched:
+            if previous is None:
+                del kernel.run
+            else:
+                kernel.run = previous
+
+
+def compile_one(launch: Launch, arch: int) -> str:
+    """'ok', or why it failed; run only where TRITON_INTERPRET is off."""
+    module = importlib.import_module(f"{__package__}.{launch.module}")
+    kernel = getattr(module, launch.kernel)
+    try:
+        src = triton.compiler.ASTSource(fn=kernel, signature=launch.signature, constexprs=launch.constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": launch.num_warps})
+        return "ok" if ".entry" in compiled.asm.get("ptx", "") else "no PTX"
+    except Exception as e:  # report every failure, not only the first
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+
+
+def compile_launches(launches, archs=ARCHS, timeout: float = 600) -> dict[str, dict[int, str]]:
+    """{Launch.key: {arch: 'ok' or the error}}, compiled with the interpreter off, one child process per arch."""
+    launches = list(launches)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+
+    def child(arch: int) -> list[str]:
+        payload = json.dumps({"arch": arch, "launches": [asdict(x) for x in launches]})
+        proc = subprocess.run(
+            [sys.executable, "-m", f"{__package__}.gpu_compile"],
+            input=payload, capture_output=True, text=True, env=env, timeout=timeout,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"sm_{arch} compile child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(len(archs)) as pool:
+        per_arch = dict(zip(archs, pool.map(child, archs)))
+    return {x.key: {arch: per_arch[arch][i] for arch in archs} for i, x in enumerate(launches)}
+
+
+def _child() -> None:
+    request = json.loads(sys.stdin.read())
+    print(json.dumps([compile_one(Launch(**spec), request["arch"]) for spec in request["launches"]]))
+
+
+if __name__ == "__main__":
+    _child()

@@ -1,0 +1,79 @@
+"""One eager PyTorch reference per kernel, shared by the tests, `--check` and the benchmarks.
+
+Each computes in fp32 from the same inputs and returns the kernel's output dtype, so a bf16
+comparison measures the kernel, not a different order of bf16 roundings. The one exception is the
+lm-head: its logits are made in the input dtype before the fp32 loss, as HF models do, and as the
+fused kernel does per chunk.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def layer_norm_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return F.layer_norm(x.float(), (x.shape[-1],), w.float(), b.float(), eps).to(x.dtype)
+
+
+def swiglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (F.silu(a.float()) * b.float()).to(a.dtype)
+
+
+def gelu_ref(a: torch.Tensor, b: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
+    c = F.gelu(a.float(), approximate=approximate)
+    return (c * b.float() if b is not None else c).to(a.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """HF's apply_rotary_pos_emb (unsqueeze_dim=1) in fp32."""
+    if cos.dim() == 2:  # [S, D] -> [1, 1, S, D]
+        cos, sin = cos[None, None], sin[None, None]
+    elif cos.dim() == 3:  # [B, S, D] -> [B, 1, S, D]
+        cos, sin = cos[:, None], sin[:, None]
+    cos, sin = cos.float(), sin.float()
+    qf, kf = q.float(), k.float()
+    return (qf * cos + _rotate_half(qf) * sin).to(q.dtype), (kf * cos + _rotate_half(kf) * sin).to(k.dtype)
+
+
+def softmax_ref(x: torch.Tensor, scale: float = 1.0, causal: bool = False) -> torch.Tensor:
+    z = x.float() * scale
+    if causal:
+        q, k = x.shape[-2], x.shape[-1]
+        z = z.masked_fill(torch.ones(q, k, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+    return torch.softmax(z, dim=-1).to(x.dtype)
+
+
+def fused_linear_cross_entropy_ref(h, w, labels, bias=None, ignore_index: int = -100) -> torch.Tensor:
+    logits = h @ w.T if bias is None else h @ w.T + bias  # in h.dtype, as an HF lm_head makes them
+    return F.cross_entropy(logits.float().reshape(-1, w.shape[0]), labels.reshape(-1), ignore_index=ignore_index)
+
+
+def adamw_ref(p, g, m, v, *, step: int, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+    """(p, m, v) after one torch.optim.AdamW step from the given state (step counts from 1)."""
+    param = torch.nn.Parameter(p.detach().clone())
+    param.grad = g.detach().float().clone()
+    opt = torch.optim.AdamW([param], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    opt.state[param] = {
+        "step": torch.tensor(float(step - 1)),
+        "exp_avg": m.detach().clone(),
+        "exp_avg_sq": v.detach().clone(),
+    }
+    opt.step()
+    state = opt.state[param]
+    return param.detach(), state["exp_avg"], state["exp_avg_sq"]
+
+
+def cast_ref(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return x.to(dtype)
+
+
+def accumulate_ref(acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return acc + g.float()
