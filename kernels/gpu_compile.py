@@ -126,7 +126,10 @@ def compile_one(launch: Launch, arch: int) -> str:
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": launch.num_warps})
         return "ok" if ".entry" in compiled.asm.get("ptx", "") else "no PTX"
     except Exception as e:  # report every failure, not only the first
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        while (e.__cause__ or e.__context__) is not None:  # a CompilationError wraps the real reason
+            e = e.__cause__ or e.__context__
+        lines = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def compile_launches(launches, archs=ARCHS, timeout: float = 600) -> dict[str, dict[int, str]]:
