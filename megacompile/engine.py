@@ -40,7 +40,7 @@ class Engine:
     def __init__(self, model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
                  compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
                  loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
-                 grad_accum: int = 1):
+                 grad_accum: int = 1, fuse: bool = False):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         if not isinstance(hbm_budget, (int, float)) or not hbm_budget > 0:
@@ -62,6 +62,7 @@ class Engine:
         self.retrace = retrace
         self.dump_dir = dump_dir
         self.grad_accum = grad_accum
+        self.fuse = fuse
         self.torch_optimizer = LearningRateHandle(self.optimizer)
         if getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False   # a KV cache has no place in a training step
@@ -108,9 +109,9 @@ class Engine:
             if self._materialized:
                 self.host.load_module(self.model)
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
-                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir)
-        executor = Executor(captured, plan.program, self.backend, self.host, self._adamw, self._clip)
-        compiled = _Compiled(captured, plan, executor)
+                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse)
+        executor = Executor(plan.captured, plan.program, self.backend, self.host, self._adamw, self._clip)
+        compiled = _Compiled(plan.captured, plan, executor)
         self._compiled[(signature, kind)] = compiled
         if train:
             self._last_train = compiled

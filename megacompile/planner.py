@@ -14,7 +14,12 @@ GiB = 2 ** 30
 
 
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
-              host_bytes: int, dump_dir: str | None = None) -> Plan:
+              host_bytes: int, dump_dir: str | None = None, fuse: bool = False) -> Plan:
+    """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
+    rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs."""
+    if fuse:
+        from .passes.fusion import fuse as fuse_stages
+        captured = fuse_stages(captured)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     peaks: dict[ScheduleChoice, int] = {}
 

@@ -1,0 +1,70 @@
+"""Measure the `cpu` profile: the simulated device is this machine, so its numbers are measured.
+
+A short routine (about a second) times a matmul, a large copy, an in-place update and the host
+AdamW on this machine, and caches the profile in MEGACOMPILE_CACHE_DIR (default
+~/.cache/megacompile) keyed by the CPU and torch's thread count.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from .hardware import HardwareProfile
+
+
+def _median_seconds(fn, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _cache_path() -> Path:
+    root = Path(os.environ.get("MEGACOMPILE_CACHE_DIR", Path.home() / ".cache" / "megacompile"))
+    key = f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}-t{torch.get_num_threads()}"
+    return root / f"cpu_profile-{key.replace(' ', '_').replace('/', '_')}.json"
+
+
+def measure() -> HardwareProfile:
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    matmul = 2 * n**3 / _median_seconds(lambda: a @ b)
+    big = torch.empty(32 * 2**20 // 4)
+    other = torch.empty_like(big)
+    copy_bw = 2 * big.numel() * 4 / _median_seconds(lambda: other.copy_(big))
+    inplace_bw = 2 * big.numel() * 4 / _median_seconds(lambda: big.mul_(1.0))
+    from ..optim.fused_adamw import adamw_update_
+    numel = 4 * 2**20
+    master, grad, m, v = (torch.zeros(numel) for _ in range(4))
+    adam = numel / _median_seconds(lambda: adamw_update_(master, grad, m, v, lr=1e-3, beta1=0.9, beta2=0.999,
+                                                         eps=1e-8, weight_decay=0.0, step=1), repeat=3)
+    small = torch.randn(8, 8)
+    overhead = _median_seconds(lambda: [small.add(small) for _ in range(100)]) / 100
+    # The simulated device is host memory: "device" bandwidth and both link directions are
+    # host memory copies; each op also pays the runtime's interpretation overhead (~4x a bare op).
+    return HardwareProfile("cpu (simulated device, measured)", 2**40, inplace_bw, matmul, matmul, copy_bw, copy_bw,
+                           inplace_bw, adam, 4 * overhead, matmul_efficiency=1.0, memory_efficiency=1.0)
+
+
+def cpu_profile(refresh: bool = False) -> HardwareProfile:
+    path = _cache_path()
+    if not refresh and path.exists():
+        try:
+            return HardwareProfile(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass   # a stale or foreign file: measure again
+    profile = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profile.to_dict()))
+    os.replace(tmp, path)
+    return profile

@@ -1,0 +1,72 @@
+"""Hardware profiles as data: what the cost model needs to know about a device and its host.
+
+Datasheet values are starting points (dense, without sparsity); `efficiency` says how much of
+a peak a well-tuned kernel reaches. The `cpu` profile, for the simulated device, is measured on
+the machine itself (calibrate.py).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    device_bytes: int            # device memory
+    device_bw: float             # device memory bandwidth, B/s
+    peak_bf16: float             # dense matmul FLOP/s in bf16
+    peak_fp32: float             # FLOP/s in fp32 (no TF32: full-precision compute)
+    h2d_bw: float                # host -> device, B/s (per direction; links are full duplex)
+    d2h_bw: float                # device -> host, B/s
+    host_bw: float               # host memory bandwidth, B/s
+    host_adam_params_per_s: float  # host AdamW throughput, the full update path (about 28 B/param)
+    op_overhead_s: float         # fixed cost per launched op (kernel launch, or interpreter step)
+    matmul_efficiency: float = 0.7   # share of peak FLOP/s real matmuls reach
+    memory_efficiency: float = 0.8   # share of bandwidth elementwise kernels reach
+
+    def peak_flops(self, dtype: torch.dtype) -> float:
+        return self.peak_bf16 if dtype in (torch.bfloat16, torch.float16) else self.peak_fp32
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _host(bw: float) -> tuple[float, float]:
+    """A server host: memory bandwidth and the AdamW rate it sustains (28 B/param at 85%)."""
+    return bw, 0.85 * bw / 28
+
+
+_H100_HOST = _host(300 * GB)
+
+PROFILES: dict[str, HardwareProfile] = {
+    "h100": HardwareProfile("h100 (SXM, 80 GB, PCIe Gen5 host link)", 80 * 10**9, 3.35e12, 989 * TFLOPS,
+                            67 * TFLOPS, 55 * GB, 55 * GB, *_H100_HOST, 5e-6),
+    "h100-pcie": HardwareProfile("h100 (PCIe, 80 GB)", 80 * 10**9, 2.0e12, 756 * TFLOPS, 51 * TFLOPS,
+                                 55 * GB, 55 * GB, *_H100_HOST, 5e-6),
+    "h200": HardwareProfile("h200 (141 GB, PCIe Gen5 host link)", 141 * 10**9, 4.8e12, 989 * TFLOPS,
+                            67 * TFLOPS, 55 * GB, 55 * GB, *_H100_HOST, 5e-6),
+    "gh200": HardwareProfile("gh200 (96 GB HBM3, NVLink-C2C to LPDDR5X)", 96 * 10**9, 4.0e12, 989 * TFLOPS,
+                             67 * TFLOPS, 450 * GB, 450 * GB, *_host(500 * GB), 5e-6),
+    "a100": HardwareProfile("a100 (SXM, 80 GB, PCIe Gen4 host link)", 80 * 10**9, 2.0e12, 312 * TFLOPS,
+                            19.5 * TFLOPS, 25 * GB, 25 * GB, *_host(200 * GB), 5e-6),
+}
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """A named profile; "cpu" is measured on this machine (once, then cached)."""
+    key = name.lower()
+    if key == "cpu":
+        from .calibrate import cpu_profile
+        return cpu_profile()
+    if key not in PROFILES:
+        from ..errors import MegacompileError
+        raise MegacompileError(f"unknown hardware '{name}': choose one of {', '.join(sorted(PROFILES) + ['cpu'])}")
+    return PROFILES[key]
+
+
+__all__ = ["HardwareProfile", "PROFILES", "get_profile", "replace"]
