@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture import CapturedModel
+from .cost import HardwareProfile, StepPrediction
 from .ir.printer import fmt_bytes, format_program
 from .ir.program import Op, Program
 from .ir.simulate import MemoryCurve, simulate
@@ -26,6 +27,8 @@ class Plan:
     backend: str
     minimum_budget_bytes: int
     measured_peak_bytes: int | None = None
+    hardware: HardwareProfile | None = None
+    prediction: StepPrediction | None = None
     curve: MemoryCurve = field(init=False)
 
     def __post_init__(self) -> None:
@@ -57,6 +60,19 @@ class Plan:
     def recomputed(self) -> list[str]:
         return [self.program.stage_names[n.stage] for n in self.program.nodes if n.op is Op.RECOMPUTE]
 
+    def recompute_why(self) -> list[dict]:
+        """For each recomputed block: the device bytes it frees between its passes, the seconds it costs."""
+        out = []
+        for n in self.program.nodes:
+            if n.op is Op.RECOMPUTE:
+                seconds = None
+                if self.hardware is not None:
+                    from .cost.predict import compute_seconds
+                    seconds = compute_seconds(self.captured, n, self.hardware)[0]
+                out.append({"stage": self.program.stage_names[n.stage],
+                            "saved_bytes": self.program.values[n.writes[0]].nbytes, "seconds": seconds})
+        return out
+
     def to_json(self) -> dict:
         choice = self.program.facts.get("choice")
         return {
@@ -73,6 +89,9 @@ class Plan:
             "d2h_bytes_per_step": self.d2h_bytes_per_step,
             "prefetch_depth": choice.prefetch_depth if choice else None,
             "recompute": self.recomputed,
+            "recompute_why": self.recompute_why(),
+            "hardware": self.hardware.name if self.hardware else None,
+            **(self.prediction.to_dict() if self.prediction else {}),
             "passes": self.program.passes,
             "pass_seconds": self.program.facts.get("pass_seconds", {}),
             "trace_seconds": self.captured.trace_seconds,
@@ -109,6 +128,17 @@ class Plan:
         if choice is not None:
             lines.append(f"  schedule       prefetch depth {choice.prefetch_depth}; recompute "
                          f"{', '.join(self.recomputed) if self.recomputed else 'none'}")
+        why = self.recompute_why()
+        if why:
+            per = why[0]
+            lines.append(f"  recompute why  each recomputed block frees {fmt_bytes(per['saved_bytes'])} of saved "
+                         f"activations between its passes and costs "
+                         f"{per['seconds'] * 1e3:.3g} ms of forward" if per["seconds"] is not None else "")
+        p = self.prediction
+        if p is not None:
+            lines.append(f"  predicted      {p.step_s * 1e3:.4g} ms/step on {self.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "
+                         f"{p.tflops_6nd:.3g} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
+                         f"per model FLOP, {p.exposed_s * 1e3:.3g} ms waiting on transfers")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -7,6 +7,8 @@ from .ir.printer import fmt_bytes
 from .ir.simulate import simulate
 from .ir.verify import verify
 from .capture.model_graph import owners
+from .cost import HardwareProfile, get_profile, predict
+from .ir.program import Program
 from .passes import ScheduleChoice, StepKind, build_schedule, solve
 from .plan import Plan
 
@@ -14,21 +16,29 @@ GiB = 2 ** 30
 
 
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
-              host_bytes: int, dump_dir: str | None = None, fuse: bool = False) -> Plan:
+              host_bytes: int, dump_dir: str | None = None, fuse: bool = False,
+              hardware: HardwareProfile | None = None) -> Plan:
     """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
     rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs."""
     if fuse:
         from .passes.fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
-    peaks: dict[ScheduleChoice, int] = {}
+    hardware = hardware or default_profile(backend)
+    built: dict[ScheduleChoice, Program] = {}
+
+    def schedule(choice: ScheduleChoice) -> Program:
+        if choice not in built:
+            built[choice] = build_schedule(captured, choice, kind, check=False)
+        return built[choice]
 
     def peak_of(choice: ScheduleChoice) -> int:
-        if choice not in peaks:
-            peaks[choice] = simulate(build_schedule(captured, choice, check=False)).peak
-        return peaks[choice]
+        return simulate(schedule(choice)).peak
 
-    choice, minimum = solve(blocks, budget_bytes, peak_of)
+    def seconds_of(choice: ScheduleChoice) -> float:
+        return predict(schedule(choice), captured, hardware).step_s
+
+    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of)
     if choice is None:
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
         raise BudgetTooSmallError(
@@ -39,5 +49,17 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
             f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
     program = build_schedule(captured, choice, kind, check=True, dump_dir=dump_dir)
     verify(program, budget_bytes=budget_bytes, owners=owners(captured)[1] if captured.train else None)
-    minimum = peak_of(ScheduleChoice(0, frozenset(blocks))) if captured.train else peak_of(ScheduleChoice(0))
-    return Plan(program, captured, budget_bytes, host_bytes, backend, minimum)
+    return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
+                prediction=predict(program, captured, hardware))
+
+
+def default_profile(backend: str) -> HardwareProfile:
+    """The measured profile for the simulated device; for a GPU, the profile its name matches."""
+    if backend == "cpu":
+        return get_profile("cpu")
+    import torch
+    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+    for key in ("gh200", "h200", "h100", "a100"):
+        if key in name:
+            return get_profile("h100-pcie" if key == "h100" and "pcie" in name else key)
+    return get_profile("h100")

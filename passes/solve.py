@@ -1,10 +1,14 @@
-"""Choose the schedule: the first candidate, in order of expected speed, whose peak fits.
+"""Choose the schedule: the fastest predicted choice whose simulated peak fits the budget.
 
-Candidates: prefetch depth 1 (weights double-buffered, copies hidden behind compute) before
-depth 0; within a depth, recompute the first k blocks for k = 0, 1, ..., n (the earliest
-blocks' saved activations live longest, so dropping them lowers the peak most). The peak does
-not rise with k, so k is found by bisection. The solver sees only a function from choice to
-peak bytes: it knows nothing of graphs.
+Choices: how many compute nodes ahead weights are prefetched (depth 0, 1, 2) and which blocks
+are recomputed. For a depth, recomputing the first k blocks (the earliest blocks' saved
+activations live longest, so dropping them lowers the peak most) never raises the peak and
+never speeds the step up, so the best k is the smallest that fits, found by bisection. The
+solver then takes the fastest depth. It sees two functions, choice -> peak bytes and choice ->
+predicted seconds, and knows nothing of graphs.
+
+Monotone in the budget: a larger budget only adds feasible choices, so the chosen step is never
+slower, and its peak is within the budget by construction.
 """
 from __future__ import annotations
 
@@ -12,27 +16,36 @@ from typing import Callable, Sequence
 
 from .pipeline import ScheduleChoice
 
+DEPTHS = (2, 1, 0)
+
 
 def candidates(blocks: Sequence[int], depth: int) -> list[ScheduleChoice]:
     return [ScheduleChoice(depth, frozenset(blocks[:k])) for k in range(len(blocks) + 1)]
 
 
-def solve(blocks: Sequence[int], budget_bytes: int,
-          peak_of: Callable[[ScheduleChoice], int]) -> tuple[ScheduleChoice | None, int]:
-    """The fastest choice that fits (None if none does) and the smallest peak any choice reaches."""
-    minimum = None
-    for depth in (1, 0):
-        options = candidates(blocks, depth)
-        lo, hi = 0, len(options) - 1
-        if peak_of(options[hi]) > budget_bytes:
-            low_peak = peak_of(options[hi])
-            minimum = low_peak if minimum is None else min(minimum, low_peak)
-            continue
-        while lo < hi:   # first k whose peak fits
-            mid = (lo + hi) // 2
-            if peak_of(options[mid]) <= budget_bytes:
-                hi = mid
-            else:
-                lo = mid + 1
-        return options[lo], peak_of(options[-1])
-    return None, minimum
+def smallest_fit(options: list[ScheduleChoice], budget_bytes: int,
+                 peak_of: Callable[[ScheduleChoice], int]) -> ScheduleChoice | None:
+    if peak_of(options[-1]) > budget_bytes:
+        return None
+    lo, hi = 0, len(options) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if peak_of(options[mid]) <= budget_bytes:
+            hi = mid
+        else:
+            lo = mid + 1
+    return options[lo]
+
+
+def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
+          seconds_of: Callable[[ScheduleChoice], float] | None = None) -> tuple[ScheduleChoice | None, int]:
+    """The fastest choice that fits (None if none does), and the smallest peak any choice reaches.
+
+    Without `seconds_of`, deeper prefetch and fewer recomputed blocks count as faster."""
+    fits = [c for c in (smallest_fit(candidates(blocks, d), budget_bytes, peak_of) for d in DEPTHS) if c]
+    minimum = min(peak_of(candidates(blocks, d)[-1]) for d in DEPTHS)
+    if not fits:
+        return None, minimum
+    if seconds_of is None:
+        return min(fits, key=lambda c: (len(c.recompute), -c.prefetch_depth)), minimum
+    return min(fits, key=lambda c: (seconds_of(c), len(c.recompute), -c.prefetch_depth)), minimum

@@ -8,7 +8,7 @@ from tests import models
 def test_prefetch_runs_concurrently_with_compute():
     model = models.NanoGPT(vocab=96, d=256, layers=6, heads=4)
     engine = megacompile.compile(model, hbm_budget=64.0, device="cpu")
-    assert engine_plan_depth(engine) == 1
+    assert engine_plan_depth(engine) >= 1
     overlapped = 0
     for seed in range(3):
         engine.timeline.clear()

@@ -1,0 +1,82 @@
+"""Time of one stage graph on a hardware profile: a roofline per ATen op, summed.
+
+FLOPs come from torch's flop counter formulas (torch.utils.flop_counter), applied to the traced
+fake values; bytes are what each op reads and writes. An op takes the longer of its compute and
+its memory time, plus the profile's fixed per-op overhead; view ops move nothing.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from ..ir.stage_program import StageProgram, tensors_of
+from .hardware import HardwareProfile
+
+aten = torch.ops.aten
+VIEWS = {aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute, aten.expand, aten.unsqueeze,
+         aten.squeeze, aten.slice, aten.select, aten.alias, aten.detach, aten.split, aten.unbind,
+         aten.as_strided, aten.split_with_sizes, aten.view_as_real, aten.view_as_complex}
+
+
+@dataclass(frozen=True)
+class GraphCost:
+    seconds: float
+    flops: float
+    bytes_moved: float
+    ops: int
+
+
+def _val(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def node_flops(node: fx.Node) -> float:
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet not in flop_registry:
+        return 0.0
+    args = fx.node.map_arg(node.args, _val)
+    kwargs = fx.node.map_arg(node.kwargs, _val)
+    try:
+        return float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # noqa: BLE001 - a formula that cannot read these arguments counts nothing
+        return 0.0
+
+
+def node_bytes(node: fx.Node) -> float:
+    if getattr(node.target, "overloadpacket", None) in VIEWS or node.target is operator.getitem:
+        return 0.0
+    seen = set()
+    total = 0
+    for t in [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))] + tensors_of(node.meta.get("val")):
+        key = id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return float(total)
+
+
+def graph_cost(program: StageProgram, hw: HardwareProfile, dtype: torch.dtype) -> GraphCost:
+    """Cached on the program per (profile, dtype): a template's graphs are shared by every block."""
+    cache = program.__dict__.setdefault("_costs", {})
+    key = (hw, dtype)
+    if key in cache:
+        return cache[key]
+    peak = hw.peak_flops(dtype) * hw.matmul_efficiency
+    bandwidth = hw.device_bw * hw.memory_efficiency
+    seconds = flops = moved = 0.0
+    ops = 0
+    for node in program.body:
+        if node.op != "call_function":
+            continue
+        f, b = node_flops(node), node_bytes(node)
+        flops += f
+        moved += b
+        ops += 1
+        seconds += max(f / peak, b / bandwidth) + hw.op_overhead_s
+    cache[key] = GraphCost(seconds, flops, moved, ops)
+    return cache[key]

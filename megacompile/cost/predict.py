@@ -1,0 +1,117 @@
+"""Predict a step's time by playing the schedule on its streams.
+
+Four streams run side by side: compute (stage graphs), h2d (prefetches), d2h (offloads) and
+host (optimizer updates, clipping). Each node starts when its stream is free and what it waits
+for is done; a WAIT stalls the compute stream until its transfer or update ends. The schedule is
+played twice and the second step is reported, so updates left running by one step delay the
+next one's prefetches as they do in a real run (the steady state).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..capture import CapturedModel
+from ..ir.program import COMPUTE_OPS, Op, Program
+from .estimate import graph_cost
+from .hardware import HardwareProfile
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    step_s: float               # steady-state time of one step
+    compute_s: float            # time the compute stream is busy
+    exposed_s: float            # time the compute stream waits on transfers and updates
+    h2d_s: float                # busy time of each other stream
+    d2h_s: float
+    host_s: float
+    hardware_flops: float       # FLOPs the device executes, recompute included
+    model_flops: float          # 6 * N * tokens
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def tflops_6nd(self) -> float:
+        return self.model_flops / self.step_s / 1e12
+
+    @property
+    def hardware_tflops(self) -> float:
+        return self.hardware_flops / self.step_s / 1e12
+
+    @property
+    def hardware_flops_per_model_flop(self) -> float:
+        return self.hardware_flops / self.model_flops if self.model_flops else float("nan")
+
+    def to_dict(self) -> dict:
+        return {"predicted_step_s": self.step_s, "predicted_compute_s": self.compute_s,
+                "predicted_exposed_transfer_s": self.exposed_s, "predicted_tokens_per_s": self.tokens_per_s,
+                "predicted_tflops_6nd": self.tflops_6nd, "predicted_hardware_tflops": self.hardware_tflops,
+                "hardware_flops_per_model_flops": self.hardware_flops_per_model_flop,
+                "h2d_busy_s": self.h2d_s, "d2h_busy_s": self.d2h_s, "host_busy_s": self.host_s}
+
+
+def compute_seconds(captured: CapturedModel, node, hw: HardwareProfile) -> tuple[float, float]:
+    t = captured.stages[node.stage].template
+    program = {Op.FORWARD: t.forward, Op.RECOMPUTE: t.forward, Op.BACKWARD: t.backward,
+               Op.INFER: t.inference}[node.op]
+    cost = graph_cost(program, hw, captured.compute_dtype)
+    return cost.seconds, cost.flops
+
+
+def predict(program: Program, captured: CapturedModel, hw: HardwareProfile) -> StepPrediction:
+    owned = _owned_params(captured)
+    free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
+    busy = {k: 0.0 for k in free}
+    ready: dict[str, float] = {}
+    exposed = flops = 0.0
+    ends = []
+    for _ in range(2):
+        busy = {k: 0.0 for k in free}
+        exposed = flops = 0.0
+        start_of_step = free["compute"]
+        for n in program.nodes:
+            if n.op in COMPUTE_OPS:
+                seconds, f = compute_seconds(captured, n, hw)
+                free["compute"] += seconds
+                busy["compute"] += seconds
+                flops += f
+            elif n.op is Op.WAIT:
+                until = ready.get(n.reads[0], 0.0)
+                if until > free["compute"]:
+                    exposed += until - free["compute"]
+                    free["compute"] = until
+            elif n.op in (Op.PREFETCH, Op.OFFLOAD, Op.OPTIMIZER_STEP, Op.CLIP_GRADS):
+                stream = n.stream
+                if n.op is Op.PREFETCH:
+                    seconds = program.values[n.writes[0]].nbytes / hw.h2d_bw
+                elif n.op is Op.OFFLOAD:
+                    seconds = program.values[n.reads[0]].nbytes / hw.d2h_bw
+                elif n.op is Op.OPTIMIZER_STEP:
+                    seconds = owned.get(n.stage, 0) / hw.host_adam_params_per_s
+                else:
+                    seconds = 4 * sum(owned.values()) / hw.host_bw
+                begin = max(free["compute"], free[stream])
+                free[stream] = begin + seconds
+                busy[stream] += seconds
+                for v in n.writes + n.reads:
+                    ready[v] = free[stream]
+            elif n.op is Op.INPUT:
+                seconds = sum(m.nbytes for m in captured.inputs) / hw.h2d_bw
+                free["compute"] += seconds
+        ends.append(free["compute"] - start_of_step)
+    trainable = sum(e.numel for e in captured.state.values() if e.trainable)
+    tokens = captured.inputs[0].shape[0] * (captured.inputs[0].shape[1] if len(captured.inputs[0].shape) > 1 else 1)
+    model_flops = (6 if captured.train else 2) * trainable * tokens
+    return StepPrediction(ends[-1], busy["compute"], exposed, busy["h2d"], busy["d2h"], busy["host"],
+                          flops, model_flops, tokens)
+
+
+def _owned_params(captured: CapturedModel) -> dict[int, int]:
+    from ..capture.model_graph import owners
+    owner = owners(captured)[0]
+    counts: dict[int, int] = {}
+    for name, s in owner.items():
+        counts[s] = counts.get(s, 0) + captured.state[name].numel
+    return counts
