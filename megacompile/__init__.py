@@ -16,6 +16,7 @@ from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, Inp
                      MegacompileError, OptimizerInputError, PlanVerificationError)
 from .optim import AdamW
 from .plan import Plan
+from .planning import plan
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,6 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                   fuse=fuse)
 
 
-__all__ = ["compile", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError",
+__all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
            "OptimizerInputError"]

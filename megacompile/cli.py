@@ -24,6 +24,31 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .errors import BudgetTooSmallError
+    from .ir.printer import fmt_bytes
+    from .planning import plan
+    kwargs = dict(hardware=args.hardware, batch=args.batch, seq=args.seq, compute_dtype=DTYPES[args.dtype])
+    try:
+        result, fits = plan(args.config, args.hbm_budget, **kwargs), True
+    except BudgetTooSmallError as e:
+        # Show the smallest plan, so the reader sees what it would take.
+        result, fits = plan(args.config, e.minimum_bytes / 2**30 * 1.0001, **kwargs), False
+    print(result.summary())
+    verdict = ("fits" if fits else f"does NOT fit: needs {fmt_bytes(result.minimum_budget_bytes)} of device memory, "
+               f"{args.hbm_budget:g} GiB given")
+    print(f"  verdict        {verdict}")
+    print("  at the peak    " + "; ".join(f"{name} {fmt_bytes(b)}" for name, b in result.peak_breakdown(5)))
+    if args.json:
+        summary = {k: v for k, v in result.to_json().items() if k != "schedule"}
+        summary["fits"] = fits
+        summary["budget_bytes"] = int(args.hbm_budget * 2**30)
+        print(json.dumps(summary))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megacompile", description="Full-precision LLM training on one GPU.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -47,6 +72,16 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--log-every", type=int, default=10, help="progress line interval when not on a terminal")
     t.set_defaults(run=_train)
+
+    q = sub.add_parser("plan", help="plan a model from its Hugging Face config.json without weights or a GPU")
+    q.add_argument("--config", required=True, help="config.json (or its folder) of a causal LM")
+    q.add_argument("--hbm-budget", type=float, required=True, help="GiB of device memory the plan may use")
+    q.add_argument("--hardware", default="h100", help="h100, h100-pcie, h200, gh200, a100, or cpu")
+    q.add_argument("--batch", type=int, default=1)
+    q.add_argument("--seq", type=int, default=2048)
+    q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
+    q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    q.set_defaults(run=_plan)
     return p
 
 

@@ -60,6 +60,23 @@ class Plan:
     def recomputed(self) -> list[str]:
         return [self.program.stage_names[n.stage] for n in self.program.nodes if n.op is Op.RECOMPUTE]
 
+    def peak_breakdown(self, top: int = 6) -> list[tuple[str, int]]:
+        """What the device holds at the peak: the largest live values, and the running node's
+        transient working set."""
+        i = self.curve.peak_index
+        live: dict[str, int] = {}
+        for n in self.program.nodes[:i]:
+            if n.op is Op.FREE:
+                for v in n.frees:
+                    live.pop(v, None)
+            else:
+                for v in n.writes:
+                    live[v] = self.program.values[v].nbytes
+        node = self.program.nodes[i]
+        stage = self.program.stage_names[node.stage] if node.stage is not None else ""
+        items = sorted(live.items(), key=lambda kv: -kv[1])[:top]
+        return items + [(f"{node.op.value} {stage} working set", node.transient)]
+
     def recompute_why(self) -> list[dict]:
         """For each recomputed block: the device bytes it frees between its passes, the seconds it costs."""
         out = []
@@ -126,8 +143,11 @@ class Plan:
             f"{fmt_bytes(self.d2h_bytes_per_step)} device->host",
         ]
         if choice is not None:
+            names = self.recomputed
+            listed = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])}, ... {names[-1]}"
+            blocks = sum(1 for s in c.stages if s.template.kind == "block")
             lines.append(f"  schedule       prefetch depth {choice.prefetch_depth}; recompute "
-                         f"{', '.join(self.recomputed) if self.recomputed else 'none'}")
+                         f"{f'{len(names)} of {blocks} blocks ({listed})' if names else 'none'}")
         why = self.recompute_why()
         if why:
             per = why[0]

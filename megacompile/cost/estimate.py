@@ -34,9 +34,18 @@ def _val(a):
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
+# The CPU flash-attention kernels take the GPU flash kernels' leading arguments and do the same
+# work; torch's counter knows only the GPU ones.
+SAME_FLOPS_AS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
+
+
 def node_flops(node: fx.Node) -> float:
     target = node.target
     packet = getattr(target, "overloadpacket", None)
+    packet = SAME_FLOPS_AS.get(packet, packet)
     if packet not in flop_registry:
         return 0.0
     args = fx.node.map_arg(node.args, _val)

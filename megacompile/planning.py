@@ -1,0 +1,93 @@
+"""Plan without running: from a model (possibly on the meta device) or a Hugging Face config to a
+plan that says whether the model fits the device and host, and how fast it should train.
+
+No weight is ever allocated: the model is built on the meta device, traced with fake tensors, and
+host memory is counted, not allocated.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .capture import capture
+from .cost import HardwareProfile, get_profile
+from .errors import MegacompileError
+from .optim import AdamW
+from .passes import StepKind
+from .plan import Plan
+from .planner import make_plan
+
+GiB = 2 ** 30
+
+
+def host_bytes_of(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """fp32 master, exp_avg, exp_avg_sq and grad (16 B/param), a compute copy for bf16 (2 B/param),
+    and buffers in the compute dtype: what HostState allocates."""
+    per_param = 16 + (0 if compute_dtype == torch.float32 else compute_dtype.itemsize)
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * (per_param if p.requires_grad else compute_dtype.itemsize)
+    for b in model.buffers():
+        total += b.numel() * (compute_dtype.itemsize if b.is_floating_point() else b.element_size())
+    return total
+
+
+def model_from_config(config: Any) -> nn.Module:
+    """A causal LM on the meta device from a Hugging Face config (a path to config.json or its
+    folder, a dict, or a PretrainedConfig). Needs the `transformers` package."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise MegacompileError(f"cannot read the model config {path}: {e}") from e
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    except ImportError as e:
+        raise MegacompileError("planning from a config needs `pip install transformers` (or pass an nn.Module "
+                               "built on the meta device)") from e
+    if isinstance(config, dict):
+        config = dict(config)
+        model_type = config.pop("model_type", None)
+        if model_type is None:
+            raise MegacompileError("the config has no model_type (e.g. \"llama\", \"qwen2\")")
+        config = AutoConfig.for_model(model_type, **config)
+    if not isinstance(config, PretrainedConfig):
+        raise MegacompileError(f"expected a config path, dict or PretrainedConfig, got {type(config).__name__}")
+    config.use_cache = False
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwareProfile = "h100", batch: int = 1,
+         seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
+         optimizer: AdamW | None = None, loss_fn=None, train: bool = True) -> Plan:
+    """The plan megacompile.compile() would run, built without weights or a device.
+
+    `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
+    their shapes (meta tensors are fine). Raises BudgetTooSmallError, naming the smallest budget,
+    when nothing fits.
+    """
+    model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False
+    profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware)
+    if inputs is None:
+        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+        inputs = {"input_ids": ids, "labels": ids}
+    # Trace for a GPU when torch has one (attention then lowers to the GPU kernels); a CPU-only
+    # torch cannot run autograd on fake CUDA tensors, so it traces the CPU kernels instead.
+    gpu = torch.cuda.is_available() and not profile.name.startswith("cpu")
+    device = torch.device("cuda" if gpu else "cpu")
+    captured = capture(model, (), inputs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
+    opt = optimizer or AdamW()
+    kind = StepKind(update=train, clip=opt.max_grad_norm is not None)
+    return make_plan(captured, int(hbm_budget * GiB), kind, backend=f"planned for {profile.name}",
+                     host_bytes=host_bytes_of(model, compute_dtype), hardware=profile)
