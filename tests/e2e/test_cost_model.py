@@ -1,0 +1,107 @@
+"""The cost model and planning without weights.
+
+Prediction against measurement lives in benchmarks/budget_sweep.py with exact figures; the test
+here only holds it within a factor that noise on a shared 2-core machine cannot break.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+import megacompile
+from megacompile.cli import main
+from megacompile.cost import get_profile
+from tests import models
+
+GiB = 2 ** 30
+SMALL_LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256}
+
+
+def _measure(engine, ids, steps=5) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step(idx=ids, targets=ids)
+        engine.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+@pytest.mark.parametrize("tight", [False, True])
+def test_predicted_step_time_tracks_the_cpu_backend(tight):
+    torch.manual_seed(0)
+    ids = models.batch(96, 8, 32)
+    budget = 64.0
+    if tight:
+        probe = megacompile.compile(models.NanoGPT(vocab=96, d=256, layers=6), hbm_budget=64.0, device="cpu")
+        budget = probe.prepare(idx=ids, targets=ids).minimum_budget_bytes * 1.01 / GiB
+    engine = megacompile.compile(models.NanoGPT(vocab=96, d=256, layers=6), hbm_budget=budget, device="cpu")
+    predicted = engine.prepare(idx=ids, targets=ids).prediction.step_s
+    measured = _measure(engine, ids)
+    assert 0.5 < measured / predicted < 2.0, (measured, predicted)
+
+
+def test_more_budget_never_predicts_a_slower_step():
+    model = models.hf_llama(layers=6, d=64)
+    ids = models.batch(96, 4, 32)
+    minimum = megacompile.plan(model, 64.0, hardware="cpu", inputs={"input_ids": ids, "labels": ids}).minimum_budget_bytes
+    previous = None
+    for factor in (1.0, 1.2, 1.5, 2.0, 3.0, 5.0):
+        plan = megacompile.plan(model, minimum * factor / GiB, hardware="cpu", inputs={"input_ids": ids, "labels": ids})
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
+        if previous is not None:
+            assert plan.prediction.step_s <= previous + 1e-12
+        previous = plan.prediction.step_s
+
+
+def test_plan_from_a_config_allocates_no_weights():
+    plan = megacompile.plan(SMALL_LLAMA, hbm_budget=1.0, hardware="h100", batch=2, seq=64)
+    params = sum(e.numel for e in plan.captured.state.values() if e.trainable)
+    buffers = sum(e.numel * 2 for e in plan.captured.state.values() if e.is_buffer)   # bf16
+    assert plan.host_bytes == params * (16 + 2) + buffers   # fp32 master, m, v, grad + bf16 copy
+    assert plan.prediction.step_s > 0 and plan.prediction.tflops_6nd > 0
+    assert plan.prediction.hardware_flops_per_model_flop > 1.0      # attention is not in 6ND
+    weights = sum(n.op.value == "prefetch" for n in plan.program.nodes)
+    assert weights <= 2 * len(plan.captured.stages)                  # at most twice over the link
+
+
+def test_plan_command_prints_a_summary_and_json(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    assert main(["plan", "--config", str(config), "--hbm-budget", "1", "--hardware", "h200", "--batch", "2",
+                 "--seq", "64", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(out[-1])
+    for key in ("fits", "device_peak_bytes", "host_bytes", "h2d_bytes_per_step", "d2h_bytes_per_step",
+                "predicted_step_s", "predicted_tflops_6nd", "hardware_flops_per_model_flops"):
+        assert key in data
+    assert data["fits"] is True and data["device_peak_bytes"] <= GiB
+    assert any("verdict        fits" in line for line in out)
+
+
+def test_plan_command_says_when_it_does_not_fit(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    assert main(["plan", "--config", str(config), "--hbm-budget", "0.0001", "--batch", "2", "--seq", "64",
+                 "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1])["fits"] is False
+    assert any("does NOT fit" in line for line in out)
+
+
+def test_cpu_profile_is_measured_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGACOMPILE_CACHE_DIR", str(tmp_path))
+    first = get_profile("cpu")
+    assert first.peak_fp32 > 1e8 and first.h2d_bw > 1e8 and first.op_overhead_s > 0
+    assert list(tmp_path.glob("cpu_profile-*.json"))
+    assert get_profile("cpu") == first
+
+
+def test_unknown_hardware_is_named():
+    with pytest.raises(megacompile.MegacompileError, match="unknown hardware 'tpu'.*h100"):
+        get_profile("tpu")
