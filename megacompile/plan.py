@@ -57,6 +57,10 @@ class Plan:
                               else e.dtype.itemsize) for e in self.captured.state.values())
 
     @property
+    def fits(self) -> bool:
+        return self.predicted_peak_bytes <= self.budget_bytes
+
+    @property
     def recomputed(self) -> list[str]:
         return [self.program.stage_names[n.stage] for n in self.program.nodes if n.op is Op.RECOMPUTE]
 

@@ -10,6 +10,7 @@ from .capture.model_graph import owners
 from .cost import HardwareProfile, get_profile, predict
 from .ir.program import Program
 from .passes import ScheduleChoice, StepKind, build_schedule, solve
+from .passes.baselines import baseline_choice
 from .plan import Plan
 
 GiB = 2 ** 30
@@ -63,3 +64,15 @@ def default_profile(backend: str) -> HardwareProfile:
         if key in name:
             return get_profile("h100-pcie" if key == "h100" and "pcie" in name else key)
     return get_profile("h100")
+
+
+def make_baseline_plan(captured: CapturedModel, budget_bytes: int, style: str, *, backend: str, host_bytes: int,
+                       hardware: HardwareProfile) -> Plan:
+    """Another system's schedule (passes/baselines.py) for the same graphs, timed by the same cost
+    model; it is not held to the budget (Plan.fits says whether it would fit)."""
+    blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
+    program = build_schedule(captured, baseline_choice(style, blocks), check=True)
+    program.passes.append(f"style={style}")
+    minimum = simulate(program).peak
+    return Plan(program, captured, budget_bytes, host_bytes, f"{style}-style schedule on {hardware.name}", minimum,
+                hardware=hardware, prediction=predict(program, captured, hardware))

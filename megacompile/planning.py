@@ -19,7 +19,7 @@ from .errors import MegacompileError
 from .optim import AdamW
 from .passes import StepKind
 from .plan import Plan
-from .planner import make_plan
+from .planner import make_baseline_plan, make_plan
 
 GiB = 2 ** 30
 
@@ -68,12 +68,13 @@ def model_from_config(config: Any) -> nn.Module:
 
 def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwareProfile = "h100", batch: int = 1,
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
-         optimizer: AdamW | None = None, loss_fn=None, train: bool = True) -> Plan:
+         optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
     their shapes (meta tensors are fine). Raises BudgetTooSmallError, naming the smallest budget,
-    when nothing fits.
+    when nothing fits. `style` ("megatrain", "zero3") plans another system's schedule instead, for
+    comparison, timed by the same cost model.
     """
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     if getattr(getattr(model, "config", None), "use_cache", False):
@@ -89,5 +90,8 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     captured = capture(model, (), inputs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
     opt = optimizer or AdamW()
     kind = StepKind(update=train, clip=opt.max_grad_norm is not None)
+    if style is not None:
+        return make_baseline_plan(captured, int(hbm_budget * GiB), style, host_bytes=host_bytes_of(model, compute_dtype),
+                                  backend=f"planned for {profile.name}", hardware=profile)
     return make_plan(captured, int(hbm_budget * GiB), kind, backend=f"planned for {profile.name}",
                      host_bytes=host_bytes_of(model, compute_dtype), hardware=profile)

@@ -21,7 +21,7 @@ from megacompile.ir.program import Node, Op, Program, Value, grads, masters
 
 
 def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers: dict[int, set[int]],
-                    *, update: bool, clip: bool) -> Program:
+                    *, update: bool, clip: bool, serial: bool = False) -> Program:
     """`owner_stages[s]`: stages whose gradients touch masters stage s owns;
     `readers[s]`: owners whose masters stage s's weights are copied from."""
     values = dict(program.values)
@@ -37,10 +37,11 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
             missing = [c for c in contributors if c not in waited_at]
             if missing:
                 raise ValueError(f"stage {s}'s gradients from stages {missing} are never offloaded")
-        if clip:
+        if clip or serial:
             last = max(waited_at.values())
-            after[last] = [Node(Op.CLIP_GRADS, origin="all gradients", note="global norm, then one scale for every update")]
-            after[last] += [_step(program, s, "clipped; overlaps the next step's forward") for s in sorted(owner_stages)]
+            after[last] = [Node(Op.CLIP_GRADS, origin="all gradients",
+                                note="global norm, then one scale for every update")] if clip else []
+            after[last] += [_step(program, s, "after the whole backward") for s in sorted(owner_stages)]
         else:
             for s, contributors in sorted(owner_stages.items()):
                 at = max(waited_at[c] for c in contributors)
@@ -49,6 +50,11 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
     # their last update.
     fresh: set[int] = set()
     nodes: list[Node] = []
+    if serial:   # nothing of the next step starts before every update is done
+        for owner in sorted(owner_stages):
+            nodes.append(Node(Op.WAIT, owner, reads=(masters(owner),), origin=program.stage_names[owner],
+                              note="serial optimizer: all updates first"))
+            fresh.add(owner)
     for i, n in enumerate(program.nodes):
         if n.op is Op.PREFETCH:
             for owner in sorted(readers[n.stage] - fresh):

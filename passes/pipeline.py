@@ -39,21 +39,29 @@ class StepKind:
 
 @dataclass(frozen=True)
 class ScheduleChoice:
-    """What the solver decides: how far ahead to prefetch and which stages to recompute."""
+    """What the solver decides: how far ahead to prefetch and which stages to recompute.
+
+    The last three fields are never chosen by the solver; they express other systems' schedules
+    (passes/baselines.py) in the same IR, so the cost model can compare them.
+    """
     prefetch_depth: int = 1
     recompute: frozenset[int] = field(default_factory=frozenset)
+    extra_forwards: int = 0            # forwards run and thrown away before each recompute
+    refetch_per_pass: bool = False     # fetch weights again for every recompute
+    serial_optimizer: bool = False     # updates after the whole backward; the next step waits for all
 
 
 Pass = Callable[[Program, CapturedModel, ScheduleChoice, StepKind], Program]
 
 
 def _optimizer(p: Program, c: CapturedModel, ch: ScheduleChoice, kind: StepKind) -> Program:
-    return place_optimizer(p, owners(c)[1], readers(c), update=kind.update and c.train, clip=kind.clip)
+    return place_optimizer(p, owners(c)[1], readers(c), update=kind.update and c.train, clip=kind.clip,
+                           serial=ch.serial_optimizer)
 
 
 TRAINING_PASSES: list[tuple[str, Pass]] = [
-    ("remat", lambda p, c, ch, k: remat(p, ch.recompute)),
-    ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth)),
+    ("remat", lambda p, c, ch, k: remat(p, ch.recompute, ch.extra_forwards)),
+    ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth, ch.refetch_per_pass)),
     ("optimizer", _optimizer),
     ("lifetimes", lambda p, c, ch, k: lifetimes(p)),
 ]

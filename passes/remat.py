@@ -14,7 +14,13 @@ def resaved(s: int) -> str:
     return f"rsaved{s}"
 
 
-def remat(program: Program, recompute: frozenset[int]) -> Program:
+def thrown_away(s: int) -> str:
+    return f"xsaved{s}"
+
+
+def remat(program: Program, recompute: frozenset[int], extra_forwards: int = 0) -> Program:
+    """`extra_forwards` > 0 runs that many more forwards, discarded, before each recompute (the
+    three-forwards-per-step schedule some systems use; here only to compare against it)."""
     if not recompute:
         return program
     nodes: list[Node] = []
@@ -28,6 +34,13 @@ def remat(program: Program, recompute: frozenset[int]) -> Program:
             parts = tuple((("r" + k[1:]) if k.startswith(f"f{s}.") else k, b) for k, b in old.parts)
             values[resaved(s)] = Value(resaved(s), parts, "saved")
             f = forwards[s]
+            if extra_forwards:
+                values[thrown_away(s)] = Value(thrown_away(s), tuple(
+                    (("x" + k[1:]) if k.startswith(f"f{s}.") else k, b) for k, b in old.parts), "saved")
+            for _ in range(extra_forwards):
+                nodes.append(Node(Op.RECOMPUTE, s, f.reads, (thrown_away(s),), origin=f.origin,
+                                  note="an extra forward, thrown away", transient=f.transient))
+                nodes.append(Node(Op.FREE, s, frees=(thrown_away(s),), origin=f.origin))
             nodes.append(Node(Op.RECOMPUTE, s, f.reads, (resaved(s),), origin=f.origin,
                               note=f"keeps {old.nbytes} B of saved activations off the device between passes",
                               transient=f.transient))

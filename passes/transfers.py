@@ -14,26 +14,36 @@ from __future__ import annotations
 from megacompile.ir.program import COMPUTE_OPS, Node, Op, Program, grads, weights
 
 
-def transfers(program: Program, depth: int) -> Program:
+def transfers(program: Program, depth: int, refetch_per_pass: bool = False) -> Program:
+    """`refetch_per_pass`: every recompute fetches the weights again (a backward still shares the
+    fetch of the recompute right before it), as schedules that stream each pass separately do."""
     nodes = program.nodes
     compute_at = [i for i, n in enumerate(nodes) if n.op in COMPUTE_OPS]
     # Runs of back-to-back uses of the same weights: (stage, first compute index, last compute index)
     runs: list[list[int]] = []
     for rank, i in enumerate(compute_at):
         s = nodes[i].stage
-        if runs and runs[-1][0] == s and runs[-1][2] == compute_at[rank - 1]:
+        split = refetch_per_pass and nodes[i].op is Op.RECOMPUTE
+        if runs and runs[-1][0] == s and runs[-1][2] == compute_at[rank - 1] and not split:
             runs[-1][2] = i
         else:
             runs.append([s, i, i])
     before: dict[int, list[Node]] = {}
     after: dict[int, list[Node]] = {}
     rank_of = {i: r for r, i in enumerate(compute_at)}
+    last_use: dict[int, int] = {}     # stage -> compute index where its previous run ended
     for s, first, last in runs:
         issue_at = compute_at[max(rank_of[first] - depth, 0)]
-        note = (f"overlaps {nodes[issue_at].op.value} {program.stage_names[nodes[issue_at].stage]}"
-                if issue_at != first else "not overlapped")
-        before.setdefault(issue_at, []).append(Node(Op.PREFETCH, s, writes=(weights(s),),
-                                                    origin=nodes[first].origin, note=note))
+        prefetch = Node(Op.PREFETCH, s, writes=(weights(s),), origin=nodes[first].origin,
+                        note=(f"overlaps {nodes[issue_at].op.value} {program.stage_names[nodes[issue_at].stage]}"
+                              if issue_at != first else "not overlapped"))
+        if s in last_use and rank_of[last_use[s]] >= rank_of[issue_at]:
+            # The same weights are still in use by the previous run: fetch again right after
+            # that run evicts them, never into a buffer still being read.
+            after.setdefault(last_use[s], []).append(prefetch)
+        else:
+            before.setdefault(issue_at, []).append(prefetch)
+        last_use[s] = last
         before.setdefault(first, []).append(Node(Op.WAIT, s, reads=(weights(s),), origin=nodes[first].origin))
         after.setdefault(last, []).append(Node(Op.FREE, s, frees=(weights(s),), origin=nodes[last].origin,
                                                note="evict"))

@@ -73,10 +73,10 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(wanted)))
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: list[str] = _CXXFLAGS) -> Path:
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join(
-        [source, compiler.encode(), " ".join(_CXXFLAGS).encode(), _cpu_signature().encode()]
+        [source, compiler.encode(), " ".join(flags).encode(), _cpu_signature().encode()]
     )).hexdigest()[:20]
     target = _cache_dir() / f"fused_adamw_{key}.so"
     if target.exists():
@@ -87,7 +87,7 @@ def _build(compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.partial", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *_CXXFLAGS, "-o", partial, str(_SOURCE)],
+        result = subprocess.run([compiler, *flags, "-o", partial, str(_SOURCE)],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{result.stderr.strip()[-2000:]}")
@@ -267,7 +267,7 @@ def _update_torch(master, grad, exp_avg, exp_avg_sq, out, *, decay, weight, beta
         param, m, v = master[block], exp_avg[block], exp_avg_sq[block]
         g = grad[block].to(torch.float32)
         if grad_scale != 1.0:
-            g = g.mul(grad_scale)  # never in place: g may be the caller's grad
+            g = g  # never in place: g may be the caller's grad
         if weight_decay != 0:
             param.mul_(decay)
         m.lerp_(g, weight)

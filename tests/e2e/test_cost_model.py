@@ -105,3 +105,20 @@ def test_cpu_profile_is_measured_and_cached(tmp_path, monkeypatch):
 def test_unknown_hardware_is_named():
     with pytest.raises(megacompile.MegacompileError, match="unknown hardware 'tpu'.*h100"):
         get_profile("tpu")
+
+
+def test_baseline_schedules_cost_what_their_systems_do():
+    inputs = {"input_ids": models.batch(512, 2, 64), "labels": models.batch(512, 2, 64)}
+    ours = megacompile.plan(SMALL_LLAMA, 1.0, hardware="h100", batch=2, seq=64)
+    megatrain = megacompile.plan(SMALL_LLAMA, 1.0, hardware="h100", batch=2, seq=64, style="megatrain")
+    zero3 = megacompile.plan(SMALL_LLAMA, 1.0, hardware="h100", batch=2, seq=64, style="zero3")
+    del inputs
+    blocks = 4
+    fetches = lambda p: sum(n.op.value == "prefetch" for n in p.program.nodes)  # noqa: E731
+    assert fetches(megatrain) == 3 * blocks + 2 + 1      # blocks 3x; prologue 2x; epilogue once
+    assert sum(n.op.value == "recompute" for n in megatrain.program.nodes) == 2 * blocks
+    # 3 forwards + 1 backward per block: about 10ND of 6ND for the blocks, plus attention
+    ratio = megatrain.prediction.hardware_flops_per_model_flop
+    assert ratio > ours.prediction.hardware_flops_per_model_flop + 0.5
+    assert zero3.program.facts["choice"].prefetch_depth == 0
+    assert ours.prediction.step_s < min(megatrain.prediction.step_s, zero3.prediction.step_s)

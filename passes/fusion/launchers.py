@@ -1,0 +1,96 @@
+"""Node targets for the hand-written kernels in megacompile.kernels, each with its fake-tensor meta.
+
+A launcher takes the tensors the matched ATen group read, in the layout the graph has them, and
+returns what the kernel returns; its meta makes the same outputs (shape, dtype, strides, one storage
+each) on fake tensors, mirroring the allocations in the kernel's host function. Statistics saved in
+the ATen layout ([..., 1]) are flattened to the kernels' [M] here, so the graphs keep their shapes.
+"""
+from __future__ import annotations
+
+import torch
+
+from megacompile.kernels.gelu import gelu_backward, gelu_forward
+from megacompile.kernels.layer_norm import layer_norm_backward, layer_norm_forward
+from megacompile.kernels.rms_norm import rms_norm_backward, rms_norm_forward
+from megacompile.kernels.rope import rope_rotate
+from megacompile.kernels.softmax import softmax_forward
+from megacompile.kernels.swiglu import swiglu_backward, swiglu_forward
+
+from .graph import launcher
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() else 1
+
+
+def _like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
+
+
+def _stat(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(_rows(x), dtype=torch.float32, device=x.device)
+
+
+# -- RMSNorm ------------------------------------------------------------------------------------
+@launcher("rms_norm", lambda x, w, eps: (_like(x), _stat(x)))
+def rms_norm_fwd(x, w, eps):
+    """(y [..., N] in x.dtype, rstd [M] fp32)."""
+    return rms_norm_forward(x, w, eps)
+
+
+@launcher("rms_norm_backward", lambda dy, x, w, rstd: (_like(x), _like(w)))
+def rms_norm_bwd(dy, x, w, rstd):
+    """(dx [..., N] in x.dtype, dw [N] in w.dtype); rstd in any shape with M elements."""
+    return rms_norm_backward(dy, x, w, rstd.reshape(-1))
+
+
+# -- LayerNorm ----------------------------------------------------------------------------------
+@launcher("layer_norm", lambda x, w, b, eps: (_like(x), _stat(x), _stat(x)))
+def layer_norm_fwd(x, w, b, eps):
+    """(y [..., N] in x.dtype, mean [M] fp32, rstd [M] fp32)."""
+    return layer_norm_forward(x, w, b, eps)
+
+
+@launcher("layer_norm_backward", lambda dy, x, w, mean, rstd: (_like(x), _like(w), _like(w)))
+def layer_norm_bwd(dy, x, w, mean, rstd):
+    """(dx, dw, db); mean and rstd in any shape with M elements, any float dtype."""
+    return layer_norm_backward(dy, x, w, mean.reshape(-1).float(), rstd.reshape(-1).float())
+
+
+# -- SwiGLU, GELU, softmax ----------------------------------------------------------------------
+@launcher("swiglu", lambda a, b: _like(a))
+def swiglu_fwd(a, b):
+    return swiglu_forward(a, b)
+
+
+@launcher("swiglu_backward", lambda dc, a, b: (_like(a), _like(b)))
+def swiglu_bwd(dc, a, b):
+    return swiglu_backward(dc, a, b)
+
+
+@launcher("gelu", lambda a, approximate: _like(a))
+def gelu_fwd(a, approximate):
+    return gelu_forward(a, None, approximate)
+
+
+@launcher("gelu_backward", lambda dc, a, approximate: _like(a))
+def gelu_bwd(dc, a, approximate):
+    return gelu_backward(dc, a, None, approximate)[0]
+
+
+@launcher("softmax", lambda x: _like(x))
+def softmax_fwd(x):
+    """Row softmax over the last dim (no scale, no mask: those stay in the graph)."""
+    return softmax_forward(x, 1.0, False)
+
+
+# -- RoPE ---------------------------------------------------------------------------------------
+def _rope_meta(x, cos, sin, backward):
+    y = torch.empty_like(x)
+    return y if y.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@launcher("rope", _rope_meta)
+def rope_fwd(x, cos, sin, backward):
+    """x * cos + rotate_half(x) * sin for x [B, H, S, D] (by -theta when backward)."""
+    return rope_rotate(x, cos, sin, backward=backward)
