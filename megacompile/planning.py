@@ -68,7 +68,8 @@ def model_from_config(config: Any) -> nn.Module:
 
 def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwareProfile = "h100", batch: int = 1,
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
-         optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None) -> Plan:
+         optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,
+         fuse: bool = False) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
@@ -90,6 +91,9 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     captured = capture(model, (), inputs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
     opt = optimizer or AdamW()
     kind = StepKind(update=train, clip=opt.max_grad_norm is not None)
+    if fuse:
+        from .passes.fusion import fuse as fuse_stages
+        captured = fuse_stages(captured)
     if style is not None:
         return make_baseline_plan(captured, int(hbm_budget * GiB), style, host_bytes=host_bytes_of(model, compute_dtype),
                                   backend=f"planned for {profile.name}", hardware=profile)

@@ -1,0 +1,129 @@
+"""Predicted training throughput of Llama/Qwen-architecture models on one GPU, planned without weights.
+
+For each model and GPU: megacompile's plan, and the same graphs under a MegaTrain-style and a
+ZeRO-3-offload-style schedule (passes/baselines.py), all timed by one cost model. The batch is
+16 x 4096 tokens where megacompile's plan fits, else the largest power of two that does.
+
+    python benchmarks/plan_table.py [--models 7b,14b] [--hardware h100,h200,gh200] [--markdown docs/table.md]
+
+Writes benchmarks/results/plan_table.csv (long format) and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import subprocess
+import time
+
+import torch
+
+import megacompile
+from megacompile.errors import BudgetTooSmallError
+
+MODELS = {
+    "7b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
+    "14b": {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,
+            "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064},
+    "32b": {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
+            "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064},
+    "70b": {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256},
+    "100b": {"model_type": "llama", "hidden_size": 10240, "intermediate_size": 28672, "num_hidden_layers": 88,
+             "num_attention_heads": 80, "num_key_value_heads": 8, "vocab_size": 128256},
+}
+# GiB the plan may use: the card's memory less headroom for the CUDA context and fragmentation.
+BUDGETS = {"h100": 72, "h200": 128, "gh200": 86}
+SEQ = 4096
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def plan_row(name: str, hardware: str, fuse: bool) -> list[dict]:
+    config = {**MODELS[name], "max_position_embeddings": SEQ}
+    budget = BUDGETS[hardware]
+    start = time.perf_counter()
+    for batch in (16, 8, 4, 2, 1):
+        try:
+            ours = megacompile.plan(config, budget, hardware=hardware, batch=batch, seq=SEQ, fuse=fuse)
+            break
+        except BudgetTooSmallError:
+            continue
+    else:
+        return [{"model": name, "hardware": hardware, "system": "megacompile", "fits": False}]
+    seconds = time.perf_counter() - start
+    rows = []
+    for system, plan in (("megacompile", ours),
+                         ("megatrain-style", megacompile.plan(config, budget, hardware=hardware, batch=batch, seq=SEQ,
+                                                              style="megatrain", fuse=fuse)),
+                         ("zero3-style", megacompile.plan(config, budget, hardware=hardware, batch=batch, seq=SEQ,
+                                                          style="zero3", fuse=fuse))):
+        p = plan.prediction
+        rows.append({"model": name, "hardware": hardware, "system": system, "batch": batch, "seq": SEQ,
+                     "fits": plan.fits, "params": sum(e.numel for e in plan.captured.state.values() if e.trainable),
+                     "budget_gib": budget, "device_peak_gib": plan.predicted_peak_bytes / 2**30,
+                     "host_gib": plan.host_bytes / 2**30, "h2d_gib_per_step": plan.h2d_bytes_per_step / 2**30,
+                     "d2h_gib_per_step": plan.d2h_bytes_per_step / 2**30, "step_s": p.step_s,
+                     "tokens_per_s": p.tokens_per_s, "tflops_6nd": p.tflops_6nd,
+                     "hw_flops_per_model_flop": p.hardware_flops_per_model_flop,
+                     "recomputed_blocks": len(plan.recomputed), "plan_seconds": seconds if system == "megacompile" else None,
+                     "machine": platform.node(), "torch": torch.__version__, "git_sha": git_sha(), "fuse": fuse})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    by = {(r["model"], r["hardware"], r["system"]): r for r in rows}
+    lines = ["| model | GPU | batch x seq | megacompile TFLOPS (6ND) | tokens/s | HW/model FLOPs | recomputed | "
+             "link GiB/step (in/out) | host RAM GiB | MegaTrain-style TFLOPS | ZeRO-3-style TFLOPS | vs MegaTrain-style |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (model, hw, system), r in by.items():
+        if system != "megacompile":
+            continue
+        if not r.get("fits", True) or "tflops_6nd" not in r:
+            lines.append(f"| {model} | {hw} | - | does not fit | | | | | | | | |")
+            continue
+        mt, z3 = by[(model, hw, "megatrain-style")], by[(model, hw, "zero3-style")]
+        lines.append(
+            f"| {model} | {hw} | {r['batch']} x {r['seq']} | {r['tflops_6nd']:.0f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['hw_flops_per_model_flop']:.2f} | {r['recomputed_blocks']} | {r['h2d_gib_per_step']:.0f} / "
+            f"{r['d2h_gib_per_step']:.0f} | {r['host_gib']:.0f} | {mt['tflops_6nd']:.0f} | {z3['tflops_6nd']:.0f} | "
+            f"{r['tflops_6nd'] / mt['tflops_6nd']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--hardware", default=",".join(BUDGETS))
+    ap.add_argument("--fuse", action="store_true", help="plan with the fused kernels (fused lm-head cross-entropy)")
+    ap.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "results", "plan_table.csv"))
+    ap.add_argument("--markdown", default=None, help="also write the table to this file")
+    args = ap.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        for hw in args.hardware.split(","):
+            rows += plan_row(name, hw, args.fuse)
+            print(f"planned {name} on {hw}", flush=True)
+    os.makedirs(os.path.dirname(args.csv), exist_ok=True)
+    keys = sorted({k for r in rows for k in r})
+    with open(args.csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    table = markdown(rows)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
