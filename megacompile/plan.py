@@ -81,6 +81,37 @@ class Plan:
         items = sorted(live.items(), key=lambda kv: -kv[1])[:top]
         return items + [(f"{node.op.value} {stage} working set", node.transient)]
 
+    def block_decisions(self) -> list[str]:
+        """Per block: kept or recomputed, the device bytes at stake and the seconds paid, grouped
+        over runs of blocks with the same decision (blocks share one template, so one size)."""
+        if not self.captured.train:
+            return []
+        recomputed = {n.stage for n in self.program.nodes if n.op is Op.RECOMPUTE}
+        seconds = {}
+        for n in self.program.nodes:
+            if n.op is Op.FORWARD and self.hardware is not None:
+                from .cost.predict import compute_seconds
+                seconds[n.stage] = compute_seconds(self.captured, n, self.hardware)[0]
+        names = self.program.stage_names
+        blocks = [s for s, st in enumerate(self.captured.stages) if st.template.kind == "block"]
+        groups: list[list[int]] = []
+        for s in blocks:
+            if groups and (groups[-1][-1] in recomputed) == (s in recomputed) and groups[-1][-1] == s - 1:
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+        lines = []
+        for g in groups:
+            span = names[g[0]] if len(g) == 1 else f"{names[g[0]]}..{names[g[-1]]}"
+            held = fmt_bytes(self.program.values[f"saved{g[0]}"].nbytes)
+            cost = f", costs {seconds[g[0]] * 1e3:.3g} ms of forward each" if g[0] in seconds else ""
+            if g[0] in recomputed:
+                lines.append(f"  {span:<14} recompute: frees {held} each between forward and backward{cost}")
+            else:
+                lines.append(f"  {span:<14} keep: holds {held} each from forward to backward (recompute would "
+                             f"save that{cost})")
+        return lines
+
     def recompute_why(self) -> list[dict]:
         """For each recomputed block: the device bytes it frees between its passes, the seconds it costs."""
         out = []
@@ -152,12 +183,7 @@ class Plan:
             blocks = sum(1 for s in c.stages if s.template.kind == "block")
             lines.append(f"  schedule       prefetch depth {choice.prefetch_depth}; recompute "
                          f"{f'{len(names)} of {blocks} blocks ({listed})' if names else 'none'}")
-        why = self.recompute_why()
-        if why:
-            per = why[0]
-            lines.append(f"  recompute why  each recomputed block frees {fmt_bytes(per['saved_bytes'])} of saved "
-                         f"activations between its passes and costs "
-                         f"{per['seconds'] * 1e3:.3g} ms of forward" if per["seconds"] is not None else "")
+        lines += self.block_decisions()
         p = self.prediction
         if p is not None:
             lines.append(f"  predicted      {p.step_s * 1e3:.4g} ms/step on {self.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "

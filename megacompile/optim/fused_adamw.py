@@ -267,7 +267,7 @@ def _update_torch(master, grad, exp_avg, exp_avg_sq, out, *, decay, weight, beta
         param, m, v = master[block], exp_avg[block], exp_avg_sq[block]
         g = grad[block].to(torch.float32)
         if grad_scale != 1.0:
-            g = g  # never in place: g may be the caller's grad
+            g = g.mul(grad_scale)  # never in place: g may be the caller's grad
         if weight_decay != 0:
             param.mul_(decay)
         m.lerp_(g, weight)

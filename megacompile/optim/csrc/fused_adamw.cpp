@@ -56,7 +56,6 @@ inline float to_float(uint16_t bf16) {
 }
 
 inline void put(float* dst, float x) { *dst = x; }
-inline void put(NoOut*, float) {}
 
 // Round to nearest even, as torch's .to(torch.bfloat16); a NaN stays a quiet NaN with its sign.
 inline void put(uint16_t* dst, float x) {
@@ -80,12 +79,13 @@ inline void update_one(float* master, const Grad* grad, float* exp_avg, float* e
   exp_avg[i] = m;
   exp_avg_sq[i] = v;
   master[i] = p;
-  put(out + i, p);
+  if constexpr (!std::is_same_v<Out, NoOut>) put(out + i, p);
 }
 
 // ---- vector element: the same operations, kLanes at a time ----------------------------------
 
 #if defined(__AVX512F__)
+#define MEGACOMPILE_VECTOR 1
 constexpr int64_t kLanes = 16;
 using VecF = __m512;
 
@@ -103,21 +103,29 @@ inline VecF vdiv(VecF a, VecF b) { return _mm512_div_ps(a, b); }
 inline VecF vsqrt(VecF a) { return _mm512_sqrt_ps(a); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 
-// The staging buffer is written, never read: streaming stores skip reading its lines first
-// (2 B per param saved) and keep it out of the cache. `p` must be 32-byte aligned.
-inline void vstream(uint16_t* p, VecF x) {
+// As put(uint16_t*, float), 16 at a time.
+inline __m256i to_bf16(VecF x) {
   __m512i bits = _mm512_castps_si512(x);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(
       _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
   __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  __m512i half = _mm512_mask_blend_epi32(is_nan, rounded, quiet_nan);
-  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(half));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet_nan));
 }
-inline void vstream(float* p, VecF x) { _mm512_stream_ps(p, x); }
+
+// Two vectors of results into a 64-byte-aligned `p`, one whole line per store.
+inline void stream2(uint16_t* p, VecF a, VecF b) {
+  __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(a)), to_bf16(b), 1);
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(p), line);
+}
+inline void stream2(float* p, VecF a, VecF b) {
+  _mm512_stream_ps(p, a);
+  _mm512_stream_ps(p + kLanes, b);
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
+#define MEGACOMPILE_VECTOR 1
 constexpr int64_t kLanes = 8;
 using VecF = __m256;
 
@@ -135,8 +143,7 @@ inline VecF vdiv(VecF a, VecF b) { return _mm256_div_ps(a, b); }
 inline VecF vsqrt(VecF a) { return _mm256_sqrt_ps(a); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 
-// See the AVX-512 version. `p` must be 16-byte aligned.
-inline void vstream(uint16_t* p, VecF x) {
+inline __m128i to_bf16(VecF x) {
   __m256i bits = _mm256_castps_si256(x);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   __m256i rounded = _mm256_srli_epi32(
@@ -146,69 +153,82 @@ inline void vstream(uint16_t* p, VecF x) {
   __m256i half = _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
   // packus interleaves the two 128-bit halves; the permute puts the 8 results in order.
   __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(half, half), 0xD8);
-  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_si128(packed);
 }
-inline void vstream(float* p, VecF x) { _mm256_stream_ps(p, x); }
 
-#else
-constexpr int64_t kLanes = 0;  // no vector body: the scalar loop does everything
+inline void stream2(uint16_t* p, VecF a, VecF b) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm256_set_m128i(to_bf16(b), to_bf16(a)));
+}
+inline void stream2(float* p, VecF a, VecF b) {
+  _mm256_stream_ps(p, a);
+  _mm256_stream_ps(p + kLanes, b);
+}
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef MEGACOMPILE_VECTOR
+struct VecScalars {
+  VecF decay, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size, grad_scale;
+  bool lerp_from_m;
+  explicit VecScalars(const AdamScalars& s)
+      : decay(vset(s.decay)), lerp_coeff(vset(s.lerp_coeff)), beta2(vset(s.beta2)),
+        one_minus_beta2(vset(s.one_minus_beta2)), bc2_sqrt(vset(s.bc2_sqrt)), eps(vset(s.eps)),
+        neg_step_size(vset(s.neg_step_size)), grad_scale(vset(s.grad_scale)),
+        lerp_from_m(s.lerp_from_m) {}
+};
+
+// Returns the new master; the caller stores its compute-dtype copy.
+template <typename Grad>
+inline VecF update_vec(float* master, const Grad* grad, float* exp_avg, float* exp_avg_sq,
+                       int64_t i, const VecScalars& s) {
+  VecF g = vmul(vload(grad + i), s.grad_scale);
+  VecF p = vmul(vload(master + i), s.decay);
+  VecF m = vload(exp_avg + i);
+  m = vfma(s.lerp_coeff, vsub(g, m), s.lerp_from_m ? m : g);
+  VecF v = vfma(vmul(s.one_minus_beta2, g), g, vmul(vload(exp_avg_sq + i), s.beta2));
+  VecF denom = vadd(vdiv(vsqrt(v), s.bc2_sqrt), s.eps);
+  p = vadd(p, vdiv(vmul(s.neg_step_size, m), denom));
+  vstore(exp_avg + i, m);
+  vstore(exp_avg_sq + i, v);
+  vstore(master + i, p);
+  return p;
+}
+
 // The hardware prefetchers stop at every 4 KiB page; asking for each input stream 8 KiB ahead
 // keeps the next page's lines in flight (a few percent here, more when bandwidth is plentiful).
 constexpr int64_t kPrefetchAhead = 2048;
 
 template <typename T>
-inline void prefetch(const T* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
-
-template <typename Grad, typename Out>
-inline void update_vec(float* master, const Grad* grad, float* exp_avg, float* exp_avg_sq,
-                       Out* out, int64_t i, const AdamScalars& s, VecF lerp_coeff, VecF beta2,
-                       VecF one_minus_beta2, VecF bc2_sqrt, VecF eps, VecF neg_step_size,
-                       VecF decay, VecF grad_scale) {
-  VecF g = vmul(vload(grad + i), grad_scale);
-  VecF p = vmul(vload(master + i), decay);
-  VecF m = vload(exp_avg + i);
-  m = vfma(lerp_coeff, vsub(g, m), s.lerp_from_m ? m : g);
-  VecF v = vfma(vmul(one_minus_beta2, g), g, vmul(vload(exp_avg_sq + i), beta2));
-  VecF denom = vadd(vdiv(vsqrt(v), bc2_sqrt), eps);
-  p = vadd(p, vdiv(vmul(neg_step_size, m), denom));
-  vstore(exp_avg + i, m);
-  vstore(exp_avg_sq + i, v);
-  vstore(master + i, p);
-  if constexpr (!std::is_same_v<Out, NoOut>) vstream(out + i, p);
+inline void prefetch_lines(const T* p, int64_t count) {
+  for (int64_t k = 0; k < count; k += 64 / sizeof(T))
+    _mm_prefetch(reinterpret_cast<const char*>(p + k), _MM_HINT_T0);
 }
 #endif
 
-// Elements [begin, end): scalar until `out` is aligned for streaming stores, whole vectors, then
-// a scalar tail.
+// Elements [begin, end): scalar until `out` sits on a cache-line boundary, then two vectors at a
+// time, so that each line of the staging buffer is written by one streaming store (or two
+// adjacent ones): the staging buffer is written, never read, and streaming stores neither read
+// its lines first (2 B per param saved) nor leave them in the cache. Then a scalar tail.
 template <typename Grad, typename Out>
 void update_range(float* __restrict master, const Grad* __restrict grad,
                   float* __restrict exp_avg, float* __restrict exp_avg_sq, Out* __restrict out,
                   int64_t begin, int64_t end, const AdamScalars& s) {
   int64_t i = begin;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef MEGACOMPILE_VECTOR
   if constexpr (!std::is_same_v<Out, NoOut>) {
-    constexpr uintptr_t kAlign = kLanes * sizeof(Out);
-    while (i < end && reinterpret_cast<uintptr_t>(out + i) % kAlign != 0)
+    while (i < end && reinterpret_cast<uintptr_t>(out + i) % 64 != 0)
       update_one(master, grad, exp_avg, exp_avg_sq, out, i++, s);
   }
-  const VecF lerp_coeff = vset(s.lerp_coeff), beta2 = vset(s.beta2),
-             one_minus_beta2 = vset(s.one_minus_beta2), bc2_sqrt = vset(s.bc2_sqrt),
-             eps = vset(s.eps), neg_step_size = vset(s.neg_step_size), decay = vset(s.decay),
-             grad_scale = vset(s.grad_scale);
-  for (; i + kLanes <= end; i += kLanes) {
+  const VecScalars vs(s);
+  for (; i + 2 * kLanes <= end; i += 2 * kLanes) {
     if (i + kPrefetchAhead < end) {
-      prefetch(grad + i + kPrefetchAhead);
-      prefetch(master + i + kPrefetchAhead);
-      prefetch(exp_avg + i + kPrefetchAhead);
-      prefetch(exp_avg_sq + i + kPrefetchAhead);
+      prefetch_lines(grad + i + kPrefetchAhead, 2 * kLanes);
+      prefetch_lines(master + i + kPrefetchAhead, 2 * kLanes);
+      prefetch_lines(exp_avg + i + kPrefetchAhead, 2 * kLanes);
+      prefetch_lines(exp_avg_sq + i + kPrefetchAhead, 2 * kLanes);
     }
-    update_vec(master, grad, exp_avg, exp_avg_sq, out, i, s, lerp_coeff, beta2, one_minus_beta2,
-               bc2_sqrt, eps, neg_step_size, decay, grad_scale);
+    VecF first = update_vec(master, grad, exp_avg, exp_avg_sq, i, vs);
+    VecF second = update_vec(master, grad, exp_avg, exp_avg_sq, i + kLanes, vs);
+    if constexpr (!std::is_same_v<Out, NoOut>) stream2(out + i, first, second);
   }
   _mm_sfence();  // streaming stores are weakly ordered: make them visible before returning
 #endif
