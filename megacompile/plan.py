@@ -181,8 +181,10 @@ class Plan:
             names = self.recomputed
             listed = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])}, ... {names[-1]}"
             blocks = sum(1 for s in c.stages if s.template.kind == "block")
+            resident = ", ".join(self.program.stage_names[s] for s in sorted(choice.resident)) or "none"
             lines.append(f"  schedule       prefetch depth {choice.prefetch_depth}; recompute "
-                         f"{f'{len(names)} of {blocks} blocks ({listed})' if names else 'none'}")
+                         f"{f'{len(names)} of {blocks} blocks ({listed})' if names else 'none'}; "
+                         f"resident for the step: {resident}")
         lines += self.block_decisions()
         p = self.prediction
         if p is not None:

@@ -39,7 +39,10 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     def seconds_of(choice: ScheduleChoice) -> float:
         return predict(schedule(choice), captured, hardware).step_s
 
-    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of)
+    # The prologue (embeddings) may stay on the device for the whole step instead of coming twice.
+    small = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind == "prologue")
+    residents = (frozenset(), small) if small and captured.train else (frozenset(),)
+    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of, residents)
     if choice is None:
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
         raise BudgetTooSmallError(

@@ -46,6 +46,7 @@ class ScheduleChoice:
     """
     prefetch_depth: int = 1
     recompute: frozenset[int] = field(default_factory=frozenset)
+    resident: frozenset[int] = field(default_factory=frozenset)   # fetched once, kept the whole step
     extra_forwards: int = 0            # forwards run and thrown away before each recompute
     refetch_per_pass: bool = False     # fetch weights again for every recompute
     serial_optimizer: bool = False     # updates after the whole backward; the next step waits for all
@@ -61,7 +62,7 @@ def _optimizer(p: Program, c: CapturedModel, ch: ScheduleChoice, kind: StepKind)
 
 TRAINING_PASSES: list[tuple[str, Pass]] = [
     ("remat", lambda p, c, ch, k: remat(p, ch.recompute, ch.extra_forwards)),
-    ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth, ch.refetch_per_pass)),
+    ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth, ch.refetch_per_pass, ch.resident)),
     ("optimizer", _optimizer),
     ("lifetimes", lambda p, c, ch, k: lifetimes(p)),
 ]

@@ -14,9 +14,11 @@ from __future__ import annotations
 from megacompile.ir.program import COMPUTE_OPS, Node, Op, Program, grads, weights
 
 
-def transfers(program: Program, depth: int, refetch_per_pass: bool = False) -> Program:
+def transfers(program: Program, depth: int, refetch_per_pass: bool = False,
+              resident: frozenset[int] = frozenset()) -> Program:
     """`refetch_per_pass`: every recompute fetches the weights again (a backward still shares the
-    fetch of the recompute right before it), as schedules that stream each pass separately do."""
+    fetch of the recompute right before it), as schedules that stream each pass separately do.
+    `resident`: stages whose weights are fetched once and stay from first use to last use."""
     nodes = program.nodes
     compute_at = [i for i, n in enumerate(nodes) if n.op in COMPUTE_OPS]
     # Runs of back-to-back uses of the same weights: (stage, first compute index, last compute index)
@@ -26,6 +28,8 @@ def transfers(program: Program, depth: int, refetch_per_pass: bool = False) -> P
         split = refetch_per_pass and nodes[i].op is Op.RECOMPUTE
         if runs and runs[-1][0] == s and runs[-1][2] == compute_at[rank - 1] and not split:
             runs[-1][2] = i
+        elif s in resident and any(r[0] == s for r in runs):
+            next(r for r in runs if r[0] == s)[2] = i
         else:
             runs.append([s, i, i])
     before: dict[int, list[Node]] = {}

@@ -9,8 +9,9 @@ The arithmetic is torch.optim.AdamW's (decoupled weight decay, amsgrad off), app
 grad * grad_scale, in torch's operation order so the two round alike.
 
 The native kernel (csrc/fused_adamw.cpp) is compiled with the system C++ compiler at first use into
-a cache folder (MEGACOMPILE_CACHE_DIR, default ~/.cache/megacompile) and loaded with ctypes. Without
-a compiler, or with MEGACOMPILE_HOST_ADAM=torch, the same update runs as torch ops.
+a cache folder (MEGACOMPILE_CACHE_DIR, default ~/.cache/megacompile) and loaded with ctypes; a call
+runs without the GIL on set_num_threads() threads. Without a compiler, or with
+MEGACOMPILE_HOST_ADAM=torch, the same update runs as torch ops.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import torch
 from megacompile.errors import OptimizerInputError
 
 _SOURCE = Path(__file__).parent / "csrc" / "fused_adamw.cpp"
-# -ffp-contract=off: no fused multiply-add except the one the source writes (torch's lerp has it).
-# -fno-math-errno: lets sqrtf vectorize; it changes no value.
+# -ffp-contract=off: no fused multiply-add but those the source writes, where torch's kernels round
+# once (lerp, addcmul). -fno-math-errno lets sqrt vectorize and changes no value. -fopenmp-simd:
+# the `omp simd` pragmas only, no OpenMP runtime (the kernel has its own helper threads).
 _CXXFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-ffp-contract=off",
              "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
 _GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -84,7 +86,8 @@ def _build(compiler: str, flags: list[str] = _CXXFLAGS) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compile under a private name and rename: another process may load `target` at any moment,
     # and must never see a half-written file.
-    fd, partial = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.partial", dir=target.parent)
+    fd, partial = tempfile.mkstemp(prefix=f"{target.stem}.", suffix=".so.partial",
+                                   dir=target.parent)
     os.close(fd)
     try:
         result = subprocess.run([compiler, *flags, "-o", partial, str(_SOURCE)],
@@ -148,7 +151,7 @@ def get_num_threads() -> int:
 
 
 def _threads_for(numel: int) -> int:
-    # Below ~64K elements a parallel region costs more than it saves.
+    # The kernel hands out chunks of 64K elements; more threads than chunks would only wait.
     return max(1, min(get_num_threads(), numel // (1 << 16)))
 
 
@@ -174,13 +177,15 @@ def _check_disjoint(named: dict[str, torch.Tensor]) -> None:
                    for name, t in named.items() if t.numel() > 0)
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         if start < end:
-            raise OptimizerInputError(f"{first} and {second} share memory; each buffer must be its own")
+            raise OptimizerInputError(f"{first} and {second} share memory; each buffer must be "
+                                      f"its own")
 
 
-def _check_number(name: str, value, ok: bool, rule: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok:
+def _check_scalar(name: str, value, *, below: float = math.inf) -> None:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or not 0 <= value < below):
+        rule = "a finite number >= 0" if below == math.inf else f"in [0, {below})"
         raise OptimizerInputError(f"{name} must be {rule}, got {value!r}")
-    return float(value)
 
 
 def _check_update(master, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps, weight_decay,
@@ -199,17 +204,11 @@ def _check_update(master, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps,
             raise OptimizerInputError(f"{name} has {t.numel()} elements, master has {numel}")
     _check_disjoint(named)
 
-    def finite(x):
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-    _check_number("lr", lr, finite(lr) and lr >= 0, "a finite number >= 0")
-    _check_number("beta1", beta1, finite(beta1) and 0 <= beta1 < 1, "in [0, 1)")
-    _check_number("beta2", beta2, finite(beta2) and 0 <= beta2 < 1, "in [0, 1)")
-    _check_number("eps", eps, finite(eps) and eps >= 0, "a finite number >= 0")
-    _check_number("weight_decay", weight_decay, finite(weight_decay) and weight_decay >= 0,
-                  "a finite number >= 0")
-    _check_number("grad_scale", grad_scale, finite(grad_scale) and grad_scale >= 0,
-                  "a finite number >= 0")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
+                        ("grad_scale", grad_scale)):
+        _check_scalar(name, value)
+    _check_scalar("beta1", beta1, below=1)
+    _check_scalar("beta2", beta2, below=1)
     try:
         if isinstance(step, bool):
             raise TypeError

@@ -20,7 +20,7 @@ from megacompile.capture.stage import StageTemplate, TensorMeta
 from megacompile.ir.stage_program import StageProgram
 
 from .graph import GraphEdit, copy_module
-from .match import peel
+from .match import first_match, peel
 
 
 class StagePair:
@@ -84,6 +84,17 @@ class StagePair:
                 if self._input_index(k) == index:
                     return ph
         return None
+
+    def holds(self, pattern, node: fx.Node, bound: dict) -> bool:
+        """`node` (in the backward) is `pattern` over the `bound` nodes: computed so in the backward
+        itself, or received from a forward node computed so over the bound nodes' forward values."""
+        if first_match(pattern, node, bound) is not None:
+            return True
+        f_node = self.forward_of(node)
+        f_bound = {k: self.forward_of(v) if isinstance(v, fx.Node) else v for k, v in bound.items()}
+        if f_node is None or any(v is None for v in f_bound.values()):
+            return False
+        return first_match(pattern, f_node, f_bound) is not None
 
     # -- changing the contract -------------------------------------------------------------
     def add_saved(self, name: str, fake) -> fx.Node:

@@ -112,7 +112,7 @@ class GraphEdit:
         place of replaces[i]. Refuses (None) when a matched node that is neither replaced nor in
         `keep` is read outside the group, or when no position is after every input and before
         every reader. Returns the kernel node and one node per output."""
-        matched = list(dict.fromkeys(matched))
+        matched = [n for n in dict.fromkeys(matched) if not _erased(n)]   # pruning may have taken some
         group = set(matched)
         replaced = set(replaces.values())
         keep = set(keep)
@@ -140,8 +140,11 @@ class GraphEdit:
             items = [kernel] if n_out == 1 and not isinstance(outs, (tuple, list)) else [
                 self.call(operator.getitem, (kernel, i)) for i in range(n_out)]
             for i, original in replaces.items():
-                original.replace_all_uses_with(self.adapt(items[i], original))
+                if any(u not in group for u in original.users):
+                    original.replace_all_uses_with(self.adapt(items[i], original))
         self.touched.extend(matched)
+        if len(items) > 1:
+            self.touched.extend(items)   # a getitem nobody reads goes; the kernel stays while one is read
         self.kernels.append(kernel)
         return kernel, items
 
@@ -175,7 +178,9 @@ class GraphEdit:
             for o in others[1:]:
                 rest = self.call(aten.add.Tensor, (rest, o))
         common.args = (rest, both)
-        self.touched.extend(n for n in tree if n is not common)
+        for n in reversed(tree):   # the partial sums below common: nothing reads them now
+            if n is not common and not n.users:
+                self.graph.erase_node(n)
         return both
 
     # -- cleaning up -----------------------------------------------------------------------
@@ -187,14 +192,14 @@ class GraphEdit:
             n = work.pop()
             if n.graph is not self.graph or n.users or n.op != "call_function" or is_random(n):
                 continue
-            if _erased(n, self.graph):
+            if _erased(n):
                 continue
             inputs = n.all_input_nodes
             self.graph.erase_node(n)
             work.extend(inputs)
 
 
-def _erased(n: fx.Node, graph: fx.Graph) -> bool:
+def _erased(n: fx.Node) -> bool:
     return getattr(n, "_erased", False)
 
 

@@ -85,12 +85,18 @@ def softmax_fwd(x):
 
 
 # -- RoPE ---------------------------------------------------------------------------------------
-def _rope_meta(x, cos, sin, backward):
+def _rope_meta(x, cos, sin):
     y = torch.empty_like(x)
     return y if y.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @launcher("rope", _rope_meta)
-def rope_fwd(x, cos, sin, backward):
-    """x * cos + rotate_half(x) * sin for x [B, H, S, D] (by -theta when backward)."""
-    return rope_rotate(x, cos, sin, backward=backward)
+def rope_fwd(x, cos, sin):
+    """x * cos + rotate_half(x) * sin for x [B, H, S, D]."""
+    return rope_rotate(x, cos, sin)
+
+
+@launcher("rope_backward", _rope_meta)
+def rope_bwd(dy, cos, sin):
+    """The rotation by -theta: the gradient of rope_fwd."""
+    return rope_rotate(dy, cos, sin, backward=True)

@@ -154,6 +154,9 @@ ANY = _Any()
 def _match(pattern: Any, value: Any, b: Binding) -> Iterator[Binding]:
     if isinstance(pattern, Pattern):
         yield from pattern.match(value, b)
+    elif isinstance(pattern, (list, tuple)) and any(isinstance(p, Pattern) for p in pattern):
+        if isinstance(value, (list, tuple)) and len(value) == len(pattern):
+            yield from _match_all(list(pattern), list(value), b)
     elif not isinstance(value, fx.Node) and _same_constant(pattern, value):
         yield b
 
@@ -181,12 +184,13 @@ def _match_kwargs(patterns: dict, values: dict, b: Binding) -> Iterator[Binding]
     yield from _match_all([patterns[n] for n in names], [values[n] for n in names], b)
 
 
-def matches(pattern: Pattern, node: fx.Node) -> Iterator[Binding]:
-    yield from _match(pattern, node, Binding())
+def matches(pattern: Pattern, node: Any, bound: dict | None = None) -> Iterator[Binding]:
+    """Every way `pattern` matches at `node`, starting from the names in `bound`."""
+    yield from _match(pattern, node, Binding(bound or {}))
 
 
-def first_match(pattern: Pattern, node: fx.Node) -> Binding | None:
-    return next(matches(pattern, node), None)
+def first_match(pattern: Pattern, node: Any, bound: dict | None = None) -> Binding | None:
+    return next(matches(pattern, node, bound), None)
 
 
 # -- predicates used by the patterns --------------------------------------------------------

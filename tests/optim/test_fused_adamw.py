@@ -6,9 +6,10 @@ Sizes are odd on purpose: none is a multiple of a vector width, so every vector 
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
+import signal
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -129,21 +130,31 @@ def test_out_is_the_new_master_cast(backend, numel, out_dtype):
     assert torch.equal(bits(out), bits(new_master.to(out_dtype)))
 
 
-def test_out_bf16_rounds_to_nearest_even(backend):
-    # lr = 0 leaves every master as it was, so `out` is the bf16 cast of these chosen bit patterns:
-    # ties to even in both directions, the largest finite float (rounds to inf), subnormals,
-    # infinities and signed zeros.
+def rounding_cases() -> torch.Tensor:
+    """Float32 bit patterns whose bf16 cast is easy to get wrong: ties to even in both directions,
+    the largest finite float (rounds to inf), subnormals, infinities and signed zeros."""
     patterns = [0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0xBF808000, 0xBF818000,
                 0x7F7FFFFF, 0xFF7FFFFF, 0x00008000, 0x00018000, 0x007FFFFF, 0x80000001,
                 0x7F800000, 0xFF800000, 0x00000000, 0x80000000, 0x3DCCCCCD, 0x40490FDB]
     pattern_bits = torch.tensor(patterns, dtype=torch.int64).repeat(61)[:1097]  # odd length
-    master = (pattern_bits - (pattern_bits >= 2**31).long() * 2**32).to(torch.int32).view(torch.float32)
+    signed = pattern_bits - (pattern_bits >= 2**31).long() * 2**32
+    return signed.to(torch.int32).view(torch.float32)
+
+
+def cast_through_update(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(master after the update, out) for lr = 0: the masters stay as they are."""
     grad = torch.rand(master.numel()) + 0.1  # m > 0, so lr * m is -0.0 and keeps a -0.0 master
     out = torch.empty(master.numel(), dtype=torch.bfloat16)
     updated = master.clone()
     fused_adamw.adamw_update_(updated, grad, torch.zeros_like(master), torch.zeros_like(master),
                               lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
                               out=out)
+    return updated, out
+
+
+def test_out_bf16_rounds_to_nearest_even(backend):
+    master = rounding_cases()
+    updated, out = cast_through_update(master)
     assert torch.equal(bits(updated), bits(master))
     assert torch.equal(bits(out), bits(master.to(torch.bfloat16)))
 
@@ -182,17 +193,40 @@ def test_slices_match_the_whole(backend):
 
 def test_thread_count_does_not_change_the_result(monkeypatch):
     master, grads = make_block(300007, steps=1, grad_dtype=torch.bfloat16)
-    results = []
+    results, norms = [], []
     for threads in (1, 2, 3):
         monkeypatch.setattr(fused_adamw, "_num_threads", None)
         fused_adamw.set_num_threads(threads)
         assert fused_adamw.get_num_threads() == threads
         results.append(fused(master, grads, weight_decay=0.1, **HYPER))
+        norms.append(fused_adamw.grad_sq_norm(grads[0]))
     for other in results[1:]:
         for a, e in zip(other, results[0]):
             assert torch.equal(bits(a), bits(e))
+    assert norms[1:] == norms[:-1]  # partial sums are added in a fixed order
     with pytest.raises(OptimizerInputError):
         fused_adamw.set_num_threads(0)
+
+
+@pytest.mark.parametrize("narrower", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]],
+                         ids=["avx2", "scalar"])
+def test_narrower_instruction_sets_give_the_same_bits(monkeypatch, narrower):
+    # This machine's -march=native build runs one vector body; building without it runs the
+    # others here too.
+    compiler = fused_adamw._compiler()
+    if compiler is None or "avx512f" not in fused_adamw._cpu_signature():
+        pytest.skip("needs a C++ compiler and an AVX-512 machine")
+    master, grads = make_block(10007, steps=2, grad_dtype=torch.bfloat16)
+    results = []
+    for flags in ([], narrower):
+        library = fused_adamw._load(fused_adamw._build(compiler, [*fused_adamw._CXXFLAGS, *flags]))
+        monkeypatch.setattr(fused_adamw, "_library", library)
+        monkeypatch.setattr(fused_adamw, "_library_tried", True)
+        out = torch.empty(10007, dtype=torch.bfloat16)
+        results.append([*fused(master, grads, out=out, weight_decay=0.1, **HYPER), out,
+                        *cast_through_update(rounding_cases())])
+    for a, e in zip(*results):
+        assert torch.equal(bits(a), bits(e))
 
 
 def test_concurrent_callers_each_get_a_correct_update():
@@ -219,23 +253,30 @@ def test_concurrent_callers_each_get_a_correct_update():
             assert torch.equal(bits(a), bits(e))
 
 
-def _update_in_child(queue):
-    master, grads = make_block(200003, steps=1)
-    queue.put(fused(master, grads, weight_decay=0.1, **HYPER)[0])
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_a_forked_child_can_update():
-    master, grads = make_block(200003, steps=1)
-    expected = fused(master, grads, weight_decay=0.1, **HYPER)[0]  # helper threads now exist
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_update_in_child, args=(queue,))
-    child.start()
-    got = queue.get(timeout=60)
-    child.join(timeout=60)
-    assert child.exitcode == 0
-    assert torch.equal(bits(got), bits(expected))
+    # The parent's helper threads do not exist in a forked child; the child must neither wait for
+    # them nor hang on a lock one of them held. (The child avoids torch's own parallel ops, which
+    # hang after fork in libgomp.)
+    fused_adamw.set_num_threads(2)
+    try:
+        master, grads = make_block(200003, steps=1)
+        expected = fused(master, grads, weight_decay=0.1, **HYPER)[0]  # helpers now exist
+        buffers = [master.clone(), grads[0], torch.zeros(200003), torch.zeros(200003)]
+        pid = os.fork()
+        if pid == 0:  # child: update, then report through the exit status alone
+            fused_adamw.adamw_update_(*buffers, step=1, weight_decay=0.1, **HYPER)
+            os._exit(0 if buffers[0].numpy().tobytes() == expected.numpy().tobytes() else 1)
+        deadline = time.monotonic() + 60
+        while (finished := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if finished[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        assert os.waitstatus_to_exitcode(finished[1]) == 0
+    finally:
+        fused_adamw.set_num_threads(None)
 
 
 def test_empty_block_is_a_no_op(backend):
@@ -291,7 +332,8 @@ def _bad_cases():
 @pytest.mark.parametrize("case", list(_bad_cases()))
 def test_bad_input_raises_and_touches_nothing(backend, case):
     kwargs = _bad_cases()[case]()
-    before = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"}
+    before = {k: v.clone() for k, v in kwargs.items()
+              if isinstance(v, torch.Tensor) and v.device.type == "cpu"}
     buffers = [kwargs.pop(k) for k in ("master", "grad", "exp_avg", "exp_avg_sq")]
     with pytest.raises(OptimizerInputError):
         fused_adamw.adamw_update_(*buffers, **kwargs)

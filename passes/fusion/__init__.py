@@ -1,0 +1,96 @@
+"""The fusion pass: captured ATen stage graphs rewritten onto megacompile's fused Triton kernels.
+
+    captured = fuse(captured)          # a new CapturedModel; blocks still share one template
+    print(fusion_report(captured))     # which kernel covers which original nodes, per template
+
+Each training template's forward and backward graphs are rewritten as a pair (contract.py), in
+this order, for these reasons:
+
+  fused_linear_cross_entropy  first: it changes what the forward saves (dh and dW instead of the
+                              log-softmax), and the later rewrites should see the final contract;
+  backward patterns           before the forward ones: a fused backward reads only what its
+                              kernel needs (x, rstd; gate, up), so the values eager saved for
+                              its own backward (xhat, silu(gate), tanh(...)) stop being saved ...
+  prune                       ... and are dropped from both graphs here, which frees the
+                              forward groups that computed them to become one kernel each;
+  forward patterns            RMSNorm, LayerNorm, SwiGLU, GELU, RoPE, softmax;
+  elementwise                 last, over what is left: chains of elementwise ops become
+                              generated kernels (elementwise.py).
+
+Everything that no rewrite claims stays eager ATen. An inference template gets the forward
+patterns and the elementwise kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from megacompile.capture import CapturedModel, StageTemplate
+from megacompile.ir.stage_program import StageProgram
+
+from . import activations, norms, rope
+from .contract import StagePair
+from .cross_entropy import fused_linear_cross_entropy
+from .elementwise import fuse_elementwise
+from .graph import GraphEdit, copy_module
+from .report import fusion_report, kernel_counts
+
+__all__ = ["fuse", "fusion_report", "kernel_counts", "REWRITES"]
+
+Rewrite = Callable[[StagePair], int]
+
+# (name, rewrite), in the order they run; names are what `fuse(only=...)` selects
+REWRITES: list[tuple[str, Rewrite]] = [
+    ("fused_linear_cross_entropy", fused_linear_cross_entropy),
+    ("rms_norm_backward", norms.rms_norm_backward),
+    ("layer_norm_backward", lambda p: norms.layer_norm_backward(p.bwd)),
+    ("swiglu_backward", activations.swiglu_backward),
+    ("gelu_backward", activations.gelu_backward),
+    ("rope_backward", lambda p: rope.rope_backward(p.bwd)),
+    ("prune", lambda p: p.prune() or 0),
+    ("rms_norm", lambda p: norms.rms_norm_forward(p.fwd)),
+    ("layer_norm", lambda p: norms.layer_norm_forward(p.fwd)),
+    ("swiglu", lambda p: activations.swiglu_forward(p.fwd)),
+    ("gelu", lambda p: activations.gelu_forward(p.fwd)),
+    ("rope", lambda p: rope.rope_forward(p.fwd)),
+    ("softmax", lambda p: activations.softmax_forward(p.fwd)),
+    ("elementwise", lambda p: fuse_elementwise(p.fwd) + fuse_elementwise(p.bwd)),
+]
+
+FORWARD_ONLY: dict[str, Callable[[GraphEdit], int]] = {
+    "rms_norm": norms.rms_norm_forward, "layer_norm": norms.layer_norm_forward,
+    "swiglu": activations.swiglu_forward, "gelu": activations.gelu_forward, "rope": rope.rope_forward,
+    "softmax": activations.softmax_forward, "elementwise": fuse_elementwise,
+}
+
+
+def fuse(captured: CapturedModel, *, only: set[str] | None = None) -> CapturedModel:
+    """A new CapturedModel whose stages run the fused graphs; `only` limits the rewrites by name."""
+    new: dict[int, StageTemplate] = {}
+    for t in captured.templates:
+        new[id(t)] = fuse_template(t, only)
+    stages = [dataclasses.replace(s, template=new[id(s.template)]) for s in captured.stages]
+    return dataclasses.replace(captured, stages=stages)
+
+
+def fuse_template(t: StageTemplate, only: set[str] | None = None) -> StageTemplate:
+    wanted = lambda name: only is None or name in only or name == "prune"  # noqa: E731
+    if t.forward is not None and t.backward is not None:
+        pair = StagePair(t)
+        for name, rewrite in REWRITES:
+            if wanted(name):
+                rewrite(pair)
+                pair.fwd.dce()
+                pair.bwd.dce()
+        return pair.template()
+    if t.inference is not None:
+        edit = GraphEdit(copy_module(t.inference.gm))
+        for name, rewrite in FORWARD_ONLY.items():
+            if wanted(name):
+                rewrite(edit)
+                edit.dce()
+        edit.graph.lint()
+        edit.gm.recompile()
+        inference = StageProgram(edit.gm)
+        return dataclasses.replace(t, inference=inference, inf_memory=inference.simulate())
+    return t

@@ -1,0 +1,232 @@
+"""The lm head and its loss onto one chunked kernel: the [N, V] logits never exist.
+
+Forward group (the epilogue):   logits = h @ W.T ; [views, cast to fp32] ; _log_softmax ; nll_loss_forward (mean)
+Backward group:                 nll_loss_backward ; _log_softmax_backward_data ; [views, cast] -> dlogits
+                                dW = dlogits.T @ h          dh = dlogits @ W
+
+Eager keeps the logits, their log-softmax (saved for the backward) and, in the backward, two more
+[N, V] gradients: three to four times N * V * 4 bytes. The loss ends the graph, so the fused forward
+computes the loss and both gradients in one pass over token chunks (kernels/fused_linear_cross_entropy.py:
+per chunk a [chunk, V] logits tile, turned in place into d loss / d logits by a Triton kernel, then
+two matmuls), and saves dh [N, H] and an fp32 dW [V, H] instead of the log-softmax. The backward
+only scales them by the loss tangent. The chunk tile is returned as a fourth output that nothing
+reads, so the plan and the runtime both count it while the kernel runs.
+
+The rewrite changes the saved values, so it edits both graphs of the pair together and checks
+both groups completely before it changes either.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import triton
+
+from megacompile.kernels.fused_linear_cross_entropy import BLOCK_V_MAX, cross_entropy_grad_kernel, default_chunk_size
+from megacompile.kernels.tiling import row_tile
+
+from .contract import StagePair
+from .graph import launcher
+from .match import is_call, peel, val
+
+aten = torch.ops.aten
+RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
+            aten.detach.default}
+
+
+# -- launchers ----------------------------------------------------------------------------------
+def _forward_meta(h, w, labels, ignore_index, chunk_size):
+    n, hidden = h.shape
+    return (torch.empty((), dtype=torch.float32, device=h.device),
+            torch.empty((n, hidden), dtype=h.dtype, device=h.device),
+            torch.empty(w.shape, dtype=torch.float32, device=w.device),
+            torch.empty((min(chunk_size, n), w.shape[0]), dtype=h.dtype, device=h.device))
+
+
+@launcher("fused_linear_cross_entropy", _forward_meta)
+def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
+    """(loss [] fp32, dh [N, H] in h.dtype, dw [V, H] fp32, the [chunk, V] logits tile) for
+    h [N, H], w [V, H], labels [N]: mean cross-entropy of h @ w.T over non-ignored labels, with
+    its gradients for an upstream gradient of 1. One tile is reused by every chunk."""
+    n, hidden = h.shape
+    vocab = w.shape[0]
+    h, labels = h.contiguous(), labels.contiguous()
+    n_valid = (labels != ignore_index).sum().to(torch.float32).reshape(1)
+    loss_rows = torch.empty(n, dtype=torch.float32, device=h.device)
+    dh = torch.empty((n, hidden), dtype=h.dtype, device=h.device)
+    dw = torch.zeros((vocab, hidden), dtype=torch.float32, device=w.device)
+    tile = torch.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
+    block_m, block_v, num_warps = row_tile(chunk_size, min(vocab, BLOCK_V_MAX), tile=4 * BLOCK_V_MAX)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        h_chunk, logits = h[start:end], tile[:end - start]           # [c, H], [c, V]
+        torch.mm(h_chunk, w.T, out=logits)
+        cross_entropy_grad_kernel[(triton.cdiv(end - start, block_m),)](
+            logits, labels[start:end], loss_rows[start:end], n_valid,
+            logits.stride(0), end - start, vocab, ignore_index,
+            BLOCK_M=block_m, BLOCK_V=block_v, num_warps=num_warps,
+        )
+        torch.mm(logits, w, out=dh[start:end])                       # logits now hold d loss / d logits
+        if dw.dtype == logits.dtype:
+            dw.addmm_(logits.T, h_chunk)
+        else:
+            dw += logits.T @ h_chunk                                 # product in h.dtype, sum in fp32
+    return loss_rows.sum() / n_valid[0], dh, dw, tile
+
+
+def _backward_meta(tangent, dh, dw, w_dtype):
+    return torch.empty_like(dh), torch.empty(dw.shape, dtype=w_dtype, device=dw.device)
+
+
+@launcher("fused_linear_cross_entropy_backward", _backward_meta)
+def linear_cross_entropy_backward(tangent, dh, dw, w_dtype):
+    """(dh * tangent, dw * tangent in w_dtype): new tensors, the saved ones are left as they are."""
+    return dh * tangent.to(dh.dtype), (dw * tangent).to(w_dtype)
+
+
+# -- matching -----------------------------------------------------------------------------------
+def _single_user(n: fx.Node) -> bool:
+    return len(n.users) == 1
+
+
+def _up_to_matmul(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """From the log-softmax input up through reshapes and an fp32 cast to the lm-head mm."""
+    chain = []
+    while True:
+        if not _single_user(x):
+            return None
+        if is_call(x, aten.mm.default):
+            return x, chain
+        if is_call(x, RESHAPES) or (is_call(x, aten._to_copy.default) and set(x.kwargs) <= {"dtype", "layout", "device"}
+                                    and x.kwargs.get("dtype") == torch.float32):
+            chain.append(x)
+            x = x.args[0]
+            continue
+        return None
+
+
+def _down_from(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """From _log_softmax_backward_data down through reshapes and a cast to the 2-d dlogits."""
+    chain = []
+    while _single_user(x):
+        (u,) = x.users
+        if is_call(u, RESHAPES) or (is_call(u, aten._to_copy.default) and set(u.kwargs) <= {"dtype", "layout", "device"}):
+            chain.append(u)
+            x = u
+            continue
+        break
+    return x, chain
+
+
+def _getitems(node: fx.Node) -> dict[int, fx.Node]:
+    return {u.args[1]: u for u in node.users if is_call(u, operator.getitem)}
+
+
+def _is_transpose_of(x: fx.Node, w: fx.Node, times: int) -> bool:
+    for _ in range(times):
+        x = peel(x)
+        if not is_call(x, aten.t.default):
+            return False
+        x = x.args[0]
+    return peel(x) is w
+
+
+def _forward_group(pair: StagePair):
+    """(nll node, mm, h, W, labels, ignore_index, group nodes) of the lm-head loss, or None."""
+    out = pair._fwd_output
+    for node in pair.fwd.graph.nodes:
+        if not is_call(node, aten.nll_loss_forward.default):
+            continue
+        logsm, labels, weight, reduction, ignore_index = node.args
+        if weight is not None or reduction != 1 or not is_call(logsm, aten._log_softmax.default):
+            continue
+        x, dim, half_to_float = logsm.args
+        if half_to_float or dim not in (1, -1) or val(x).dim() != 2 or set(logsm.users) - {node, out}:
+            continue
+        found = _up_to_matmul(x)
+        if found is None:
+            continue
+        mm, chain = found
+        h, wt = mm.args
+        w = peel(wt)
+        w = peel(w.args[0]) if is_call(w, aten.t.default) else None
+        if w is None or w.op != "placeholder" or val(w).dim() != 2 or val(h).dim() != 2:
+            continue
+        if val(h).dtype != val(w).dtype or val(labels).dim() != 1 or val(labels).shape[0] != val(h).shape[0]:
+            continue
+        items = _getitems(node)
+        if 0 not in items or (1 in items and set(items[1].users) - {out}) or len(items) != len(node.users):
+            continue
+        group = [mm, *chain, logsm, node, *items.values()]
+        if _single_user(peel(wt)):
+            group.append(peel(wt))
+        return node, mm, h, w, labels, ignore_index, group
+    return None
+
+
+def _backward_group(pair: StagePair, fwd):
+    """(tangent, dh mm, dW mm, group nodes) of the loss backward for the forward group, or None."""
+    nll, mm, h, w, labels, ignore_index, _ = fwd
+    logsm = nll.args[0]
+    for node in pair.bwd.graph.nodes:
+        if not is_call(node, aten.nll_loss_backward.default):
+            continue
+        tangent, s_logsm, s_labels, weight, reduction, ignore, _total = node.args
+        if (pair.forward_of(s_logsm) is not logsm or pair.forward_of(s_labels) is not labels or weight is not None
+                or reduction != 1 or ignore != ignore_index or peel(tangent) not in pair.tangents):
+            continue
+        (back,) = node.users if _single_user(node) else (None,)
+        if back is None or not is_call(back, aten._log_softmax_backward_data.default) or peel(back.args[1]) is not peel(s_logsm):
+            continue
+        dlogits, chain = _down_from(back)
+        if val(dlogits).dim() != 2:
+            continue
+        dh = dw = None
+        transposes = []
+        for u in dlogits.users:
+            if is_call(u, aten.mm.default) and u.args[0] is dlogits and _is_transpose_of(u.args[1], _bwd_weight(pair, w), 2):
+                dh = u
+            elif is_call(u, aten.t.default) and _single_user(u):
+                (v,) = u.users
+                if is_call(v, aten.mm.default) and v.args[0] is u and pair.forward_of(v.args[1]) is h:
+                    dw, transposes = v, [u]
+        if dh is None or dw is None or len(dlogits.users) != 2:
+            continue
+        return peel(tangent), dh, dw, [node, back, *chain, *transposes, dh, dw]
+    return None
+
+
+def _bwd_weight(pair: StagePair, w: fx.Node) -> fx.Node | None:
+    return pair.backward_of(w)
+
+
+# -- the rewrite --------------------------------------------------------------------------------
+def fused_linear_cross_entropy(pair: StagePair) -> int:
+    fwd = _forward_group(pair)
+    if fwd is None:
+        return 0
+    bwd = _backward_group(pair, fwd)
+    if bwd is None:
+        return 0
+    nll, mm, h, w, labels, ignore_index, group = fwd
+    tangent, dh_mm, dw_mm, bwd_group = bwd
+    n_tokens, hidden = val(h).shape
+    chunk = default_chunk_size(n_tokens, hidden, val(w).shape[0])
+    args, kwargs = (h, w, labels), {"ignore_index": int(ignore_index), "chunk_size": int(chunk)}
+    fake = pair.fwd.fake(linear_cross_entropy_forward, args, kwargs)
+
+    saved_dh = pair.add_saved("saved_ce_dh", fake[1])
+    saved_dw = pair.add_saved("saved_ce_dw", fake[2])
+    done = pair.bwd.replace(linear_cross_entropy_backward, (tangent, saved_dh, saved_dw, val(w).dtype), {},
+                            {0: dh_mm, 1: dw_mm}, bwd_group)
+    assert done, "the loss backward group was checked but could not be replaced"
+    pair.prune()   # the log-softmax, the labels' total weight and h leave the saved values
+
+    loss = _getitems(nll)[0]
+    done = pair.fwd.replace(linear_cross_entropy_forward, args, kwargs, {0: loss}, group)
+    assert done, "the lm-head group was checked but could not be replaced"
+    _, items = done
+    pair.set_saved(saved_dh, items[1])
+    pair.set_saved(saved_dw, items[2])
+    return 1
