@@ -30,13 +30,24 @@ def _plan(args: argparse.Namespace) -> int:
     from .errors import BudgetTooSmallError
     from .ir.printer import fmt_bytes
     from .planning import plan
-    kwargs = dict(hardware=args.hardware, batch=args.batch, seq=args.seq, compute_dtype=DTYPES[args.dtype])
+    from .planning import plan_global_batch
+    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype])
+    accumulate = 1
     try:
-        result, fits = plan(args.config, args.hbm_budget, **kwargs), True
+        if args.global_batch:
+            result, accumulate = plan_global_batch(args.config, args.hbm_budget, args.global_batch, **kwargs)
+        else:
+            result = plan(args.config, args.hbm_budget, batch=args.batch, **kwargs)
+        fits = True
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take.
-        result, fits = plan(args.config, e.minimum_bytes / 2**30 * 1.0001, **kwargs), False
+        batch = 1 if args.global_batch else args.batch
+        result, fits = plan(args.config, e.minimum_bytes / 2**30 * 1.0001, batch=batch, **kwargs), False
     print(result.summary())
+    if args.global_batch and fits:
+        micro = args.global_batch // accumulate
+        print(f"  micro-batch    {micro} x {accumulate} accumulated = {args.global_batch} "
+              f"(compile(..., grad_accum={accumulate})), the fastest split that fits")
     verdict = ("fits" if fits else f"does NOT fit: needs {fmt_bytes(result.minimum_budget_bytes)} of device memory, "
                f"{args.hbm_budget:g} GiB given")
     print(f"  verdict        {verdict}")
@@ -45,6 +56,7 @@ def _plan(args: argparse.Namespace) -> int:
         summary = {k: v for k, v in result.to_json().items() if k != "schedule"}
         summary["fits"] = fits
         summary["budget_bytes"] = int(args.hbm_budget * 2**30)
+        summary["grad_accum"] = accumulate
         print(json.dumps(summary))
     return 0
 
@@ -77,7 +89,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--config", required=True, help="config.json (or its folder) of a causal LM")
     q.add_argument("--hbm-budget", type=float, required=True, help="GiB of device memory the plan may use")
     q.add_argument("--hardware", default="h100", help="h100, h100-pcie, h200, gh200, a100, or cpu")
-    q.add_argument("--batch", type=int, default=1)
+    q.add_argument("--batch", type=int, default=1, help="sequences per step")
+    q.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step: choose the micro-batch and accumulation that train fastest")
     q.add_argument("--seq", type=int, default=2048)
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")

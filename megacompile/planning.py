@@ -66,6 +66,29 @@ def model_from_config(config: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
+def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int, **kwargs) -> tuple[Plan, int]:
+    """Choose the micro-batch for a global batch: every power-of-two divisor that fits is planned
+    and the one with the highest predicted tokens/s wins. Returns the plan of one micro-batch
+    step and the number of micro-batches to accumulate (compile(..., grad_accum=k))."""
+    from .errors import BudgetTooSmallError
+    model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
+    best, smallest = None, None
+    micro = global_batch
+    while micro >= 1:
+        if global_batch % micro == 0:
+            try:
+                candidate = plan(model, hbm_budget, batch=micro, **kwargs)
+            except BudgetTooSmallError as e:
+                smallest = e
+            else:
+                if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
+                    best = (candidate, global_batch // micro)
+        micro //= 2
+    if best is None:
+        raise smallest
+    return best
+
+
 def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwareProfile = "h100", batch: int = 1,
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
          optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,

@@ -121,3 +121,24 @@ def test_baseline_schedules_cost_what_their_systems_do():
     assert ratio > ours.prediction.hardware_flops_per_model_flop + 0.5
     assert zero3.program.facts["choice"].prefetch_depth == 0
     assert ours.prediction.step_s < min(megatrain.prediction.step_s, zero3.prediction.step_s)
+
+
+def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    assert main(["plan", "--config", str(config), "--hbm-budget", "0.01", "--global-batch", "8", "--seq", "64",
+                 "--hardware", "h100", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(out[-1])
+    micro = data["grad_accum"]
+    assert data["fits"] and 8 % micro == 0
+    assert any(line.strip().startswith("micro-batch") for line in out)
+    # the chosen split is the fastest of those that fit
+    from megacompile.planning import plan_global_batch
+    best, accumulate = plan_global_batch(SMALL_LLAMA, 0.01, 8, hardware="h100", seq=64)
+    for batch in (8, 4, 2, 1):
+        try:
+            other = megacompile.plan(SMALL_LLAMA, 0.01, hardware="h100", batch=batch, seq=64)
+        except megacompile.BudgetTooSmallError:
+            continue
+        assert other.prediction.tokens_per_s <= best.prediction.tokens_per_s

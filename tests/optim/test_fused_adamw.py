@@ -75,10 +75,11 @@ def torch_reference(master, grads, *, weight_decay, grad_scale=1.0, lr, beta1, b
     return param.detach(), state["exp_avg"], state["exp_avg_sq"]
 
 
-def fused(master, grads, *, out=None, first_step=1, **hyper):
+def fused(master, grads, *, out=None, **hyper):
+    """megacompile's update from zero state over `grads`: returns master, m, v."""
     master = master.clone()
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
-    for step, grad in enumerate(grads, start=first_step):
+    for step, grad in enumerate(grads, start=1):
         grad_before = grad.clone()
         fused_adamw.adamw_update_(master, grad, exp_avg, exp_avg_sq, step=step, out=out, **hyper)
         assert torch.equal(grad, grad_before), "the update wrote into the caller's grad"

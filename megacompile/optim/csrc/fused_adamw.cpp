@@ -348,7 +348,7 @@ void for_each_chunk(int64_t n, int threads, const Body& body) {
 template <typename Grad, typename Out>
 void update(float* master, const Grad* grad, float* exp_avg, float* exp_avg_sq, Out* out,
             int64_t n, const AdamScalars& s, int num_threads) {
-  // Chunks are multiples of 64 elements: no two threads write into one cache line.
+  // Chunks are multiples of 64 elements: in line-aligned buffers no two threads share a line.
   for_each_chunk(n, num_threads, [&](int64_t begin, int64_t end) {
     update_range(master, grad, exp_avg, exp_avg_sq, out, begin, end, s);
   });
