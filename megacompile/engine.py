@@ -254,6 +254,21 @@ class Engine:
         self.host.load({names[k]: t for k, t in state.items()})
         self._materialized = True
 
+    def _host_or_error(self) -> HostState:
+        if self.host is None:
+            raise MegacompileError("no host state yet: the first step() or prepare(...) builds it")
+        return self.host
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write masters, AdamW moments, step counters and the random state to `path`, atomically."""
+        from .checkpoint import save
+        save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from `path`: training continues exactly where the saved run left off."""
+        from .checkpoint import load
+        load(self, path)
+
     def close(self) -> None:
         self.synchronize()
         self.backend.close()

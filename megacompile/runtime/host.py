@@ -88,6 +88,10 @@ class HostState:
         slot = self.slots[name]
         return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
+    def view(self, buffer: str, name: str) -> torch.Tensor:
+        """One parameter's slice of its owner's flat `buffer` (master, exp_avg, exp_avg_sq, grad)."""
+        return self._view(getattr(self.owners[self.slots[name].owner], buffer), name)
+
     def master(self, name: str) -> torch.Tensor:
         return self._view(self.owners[self.slots[name].owner].master, name)
 

@@ -1,0 +1,83 @@
+"""Checkpoints: the fp32 masters, AdamW moments and step counters, written atomically.
+
+One file per checkpoint, holding tensors by the model's parameter names (not by megacompile's
+flat per-stage buffers), so a checkpoint outlives a change of plan, budget or input shape. The
+file is written under a temporary name and renamed into place: a crash mid-write leaves the
+previous checkpoint intact, never a half-written one.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import MegacompileError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT = "megacompile-checkpoint/1"
+
+
+def save(engine: "Engine", path: str) -> None:
+    host = engine._host_or_error()
+    engine.synchronize()
+    moments = {}
+    for name in host.slots:
+        moments[name] = (host.view("exp_avg", name).clone(), host.view("exp_avg_sq", name).clone())
+    payload = {
+        "format": FORMAT,
+        "masters": {name: host.master(name).clone() for name in host.slots},
+        "buffers": {name: t.clone() for name, t in host.consts.items()},
+        "exp_avg": {name: m for name, (m, _) in moments.items()},
+        "exp_avg_sq": {name: v for name, (_, v) in moments.items()},
+        "steps_done": engine.steps_done,
+        "micro_batches": engine.micro_batches,
+        "lr_handle": engine.torch_optimizer.state_dict()["param_groups"][0]["lr"],
+        "rng": torch.get_rng_state(),
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load(engine: "Engine", path: str) -> None:
+    """Restore a checkpoint; checks every name and shape before changing anything."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unreadable, truncated or foreign: one clear error
+        raise MegacompileError(f"cannot read the checkpoint {path}: {e}") from e
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise MegacompileError(f"{path} is not a megacompile checkpoint ({FORMAT})")
+    host = engine._host_or_error()
+    engine.synchronize()
+    problems = []
+    for table in ("masters", "exp_avg", "exp_avg_sq"):
+        names = set(payload[table])
+        missing, unexpected = set(host.slots) - names, names - set(host.slots)
+        if missing or unexpected:
+            problems.append(f"{table}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        for name in names & set(host.slots):
+            if tuple(payload[table][name].shape) != host.slots[name].shape:
+                problems.append(f"{table}[{name}] has shape {tuple(payload[table][name].shape)}, "
+                                f"the model has {host.slots[name].shape}")
+    if problems:
+        raise MegacompileError(f"the checkpoint {path} does not match this model: {'; '.join(problems[:4])}; "
+                               "nothing was loaded")
+    with torch.no_grad():
+        host.load({**payload["masters"], **payload["buffers"]})
+        for name in host.slots:
+            host.view("exp_avg", name).copy_(payload["exp_avg"][name])
+            host.view("exp_avg_sq", name).copy_(payload["exp_avg_sq"][name])
+    engine.steps_done = payload["steps_done"]
+    engine.micro_batches = payload["micro_batches"]
+    engine.torch_optimizer.param_groups[0]["lr"] = payload["lr_handle"]
+    torch.set_rng_state(payload["rng"])
+    engine._materialized = True
