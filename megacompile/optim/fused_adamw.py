@@ -225,14 +225,22 @@ def _check_update(master, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps,
 
 
 def adamw_update_(master, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                  grad_scale=1.0, out=None) -> None:
+                  grad_scale=1.0, out=None, backend=None) -> None:
     """One AdamW step in place on a block's flat buffers, as torch.optim.AdamW on grad*grad_scale.
 
     step is the 1-based count after this update. out, if given, receives the new master cast to
-    out.dtype (round to nearest even for bfloat16).
+    out.dtype (round to nearest even for bfloat16). backend: None for the native kernel when it
+    is available, "torch" for torch's own ops (they round exactly as torch.optim.AdamW does),
+    "cpp" to insist on the native kernel.
     """
     step = _check_update(master, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps,
                          weight_decay, step, grad_scale)
+    if backend not in (None, "cpp", "torch"):
+        raise OptimizerInputError(f"backend must be None, 'cpp' or 'torch', got {backend!r}")
+    library = None if backend == "torch" else _native()
+    if backend == "cpp" and library is None:
+        raise OptimizerInputError("backend='cpp' was asked for, but the native kernel is "
+                                  "unavailable (see the warning, or MEGACOMPILE_HOST_ADAM)")
     numel = master.numel()
     if numel == 0:
         return
@@ -243,7 +251,6 @@ def adamw_update_(master, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, w
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2 ** 0.5
 
-    library = _native()
     if library is None:
         _update_torch(master, grad, exp_avg, exp_avg_sq, out, decay=decay, weight=1 - beta1,
                       beta2=beta2, bias_correction2_sqrt=bias_correction2_sqrt, eps=eps,

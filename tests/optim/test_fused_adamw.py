@@ -114,6 +114,24 @@ def test_other_hyperparameters(backend):
     assert_state_close(actual, expected, hyper["lr"])
 
 
+def test_backend_argument_picks_the_implementation(monkeypatch):
+    monkeypatch.delenv("MEGACOMPILE_HOST_ADAM", raising=False)
+    if fused_adamw.backend() != "cpp":
+        pytest.skip("no native kernel on this machine")
+    master, grads = make_block(100003, steps=2)
+    native = fused(master, grads, weight_decay=0.1, **HYPER)
+    as_cpp = fused(master, grads, weight_decay=0.1, backend="cpp", **HYPER)
+    as_torch = fused(master, grads, weight_decay=0.1, backend="torch", **HYPER)
+    monkeypatch.setenv("MEGACOMPILE_HOST_ADAM", "torch")
+    forced = fused(master, grads, weight_decay=0.1, **HYPER)
+    for pair in [*zip(as_cpp, native), *zip(as_torch, forced)]:
+        assert torch.equal(*(bits(t) for t in pair))
+    with pytest.raises(OptimizerInputError, match="native kernel is unavailable"):
+        fused(master, grads, weight_decay=0.1, backend="cpp", **HYPER)
+    with pytest.raises(OptimizerInputError, match="backend"):
+        fused(master, grads, weight_decay=0.1, backend="numpy", **HYPER)
+
+
 def test_bf16_grad_is_read_exactly(backend):
     master, grads = make_block(1023, steps=2, grad_dtype=torch.bfloat16)
     from_bf16 = fused(master, grads, weight_decay=0.1, **HYPER)
@@ -176,7 +194,7 @@ def test_out_bf16_keeps_nan(backend):
 
 def test_slices_match_the_whole(backend):
     # Updating a block in short, misaligned slices runs the scalar prologue and tail where the
-    # whole-block call runs vectors and threads: all paths must round identically.
+    # whole-block call runs vectors: both must round identically.
     master, grads = make_block(10007, steps=2, grad_dtype=torch.bfloat16)
     out_whole = torch.empty(10007, dtype=torch.bfloat16)
     whole = fused(master, grads, out=out_whole, weight_decay=0.1, **HYPER)
