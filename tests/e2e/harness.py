@@ -40,9 +40,11 @@ class Run:
     predicted: int
 
 
-def megacompile_run(model, batches, kind: str, budget_gib: float, **kw) -> Run:
-    engine = megacompile.compile(model, hbm_budget=budget_gib, device="cpu",
-                                 optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD), **kw)
+def megacompile_run(model, batches, kind: str, budget_gib: float, kernel: str = "torch", **kw) -> Run:
+    """kernel="torch": the host AdamW that rounds as torch.optim.AdamW does (docs/decisions.md)."""
+    engine = megacompile.compile(model, hbm_budget=budget_gib, device="cpu", **kw,
+                                 optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                                             kernel=kernel))
     losses, peaks = [], []
     for ids in batches:
         losses.append(engine.step(**make_inputs(kind, ids)))

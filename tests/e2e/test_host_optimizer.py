@@ -38,7 +38,7 @@ def test_clipping_is_exact_and_updates_follow_the_whole_backward():
         eager.append(loss.item())
     assert min(norms) > max_norm, "the test must actually clip"
     engine = megacompile.compile(model, hbm_budget=1.0, device="cpu",
-                                 optimizer=megacompile.AdamW(lr=LR, max_grad_norm=max_norm))
+                                 optimizer=megacompile.AdamW(lr=LR, max_grad_norm=max_norm, kernel="torch"))
     ours = [engine.step(idx=ids, targets=ids) for ids in batches]
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(eager), rtol=1e-5, atol=0)
     assert_same_weights(engine, reference)
@@ -62,7 +62,7 @@ def test_gradient_accumulation_matches_eager_accumulation():
             opt.step()
             opt.zero_grad()
     engine = megacompile.compile(model, hbm_budget=1.0, device="cpu", grad_accum=k,
-                                 optimizer=megacompile.AdamW(lr=LR))
+                                 optimizer=megacompile.AdamW(lr=LR, kernel="torch"))
     ours = [engine.step(idx=ids, targets=ids) for ids in batches]
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(eager), rtol=1e-5, atol=0)
     assert engine.steps_done == 2 and engine.micro_batches == 8
@@ -80,14 +80,14 @@ def test_learning_rate_schedules_callable_and_torch_scheduler():
         loss.backward()
         opt.step()
         sched.step()
-    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu", optimizer=megacompile.AdamW(lr=LR))
+    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu", optimizer=megacompile.AdamW(lr=LR, kernel="torch"))
     ours_sched = torch.optim.lr_scheduler.StepLR(engine.torch_optimizer, step_size=2, gamma=0.3)
     for ids in batches:
         engine.step(idx=ids, targets=ids)
         ours_sched.step()
     assert_same_weights(engine, reference)
     by_callable = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu",
-                                      optimizer=megacompile.AdamW(lr=lambda step: LR * 0.3 ** ((step - 1) // 2)))
+                                      optimizer=megacompile.AdamW(lr=lambda step: LR * 0.3 ** ((step - 1) // 2), kernel="torch"))
     for ids in batches:
         by_callable.step(idx=ids, targets=ids)
     assert_same_weights(by_callable, reference)
