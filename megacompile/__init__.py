@@ -6,10 +6,17 @@
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
 import torch.nn as nn
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels (compile(..., fuse=True)) can only run in Triton's interpreter,
+    # which Triton chooses when a function is decorated, its own library included: decide before
+    # anything below imports triton (torch's flop counter does).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .engine import Engine
 from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, InputMismatchError, LossError,

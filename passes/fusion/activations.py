@@ -1,7 +1,9 @@
 """SwiGLU, GELU and softmax onto kernels/swiglu.py, kernels/gelu.py and kernels/softmax.py.
 
-    SwiGLU   forward  silu(gate) * up                      backward  silu_backward(dc * up, gate), dc * silu(gate)
-    GELU     forward  gelu(x[, approximate])               backward  gelu_backward(dy, x[, approximate])
+    SwiGLU   forward  silu(gate) * up
+             backward silu_backward(dc * up, gate), dc * silu(gate)
+    GELU     forward  gelu(x[, approximate])
+             backward gelu_backward(dy, x[, approximate])
              or HF's NewGELUActivation, decomposed:
                       0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
                       with autograd's backward through tanh_backward (dy * 0.5x, tanh) and the chain rule
@@ -19,9 +21,9 @@ import torch
 import torch.fx as fx
 
 from .contract import StagePair
-from .graph import GraphEdit
+from .graph import GraphEdit, alive
 from .launchers import gelu_bwd, gelu_fwd, softmax_fwd, swiglu_bwd, swiglu_fwd
-from .match import ANY, Const, Op, Var, close_to, equals, first_match, is_call, matches, val
+from .match import Const, Op, Var, close_to, equals, first_match, is_call, matches, val
 
 aten = torch.ops.aten
 MUL = {aten.mul.Tensor, aten.mul.Scalar}
@@ -30,8 +32,10 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def _same(*nodes: fx.Node) -> bool:
+    """One floating shape and dtype: what the elementwise kernels take."""
     first = val(nodes[0])
-    return all(val(n).shape == first.shape and val(n).dtype == first.dtype for n in nodes) and first.dtype.is_floating_point
+    return first.dtype.is_floating_point and all(val(n).shape == first.shape and val(n).dtype == first.dtype
+                                                 for n in nodes)
 
 
 # -- SwiGLU -------------------------------------------------------------------------------------
@@ -44,7 +48,7 @@ SWIGLU_DB = Op(aten.mul.Tensor, Var("dc"), Var("s"), name="db")
 def swiglu_forward(edit: GraphEdit) -> int:
     count = 0
     for node in list(edit.graph.nodes):
-        if node.graph is not edit.graph or not is_call(node, aten.mul.Tensor):
+        if not alive(node) or not is_call(node, aten.mul.Tensor):
             continue
         b = first_match(SWIGLU, node)
         if b is None or not _same(b["a"], b["b"], b["c"]):
@@ -57,12 +61,11 @@ def swiglu_forward(edit: GraphEdit) -> int:
 def swiglu_backward(pair: StagePair) -> int:
     edit, count = pair.bwd, 0
     for node in list(edit.graph.nodes):
-        if node.graph is not edit.graph or not is_call(node, aten.silu_backward.default):
+        if not alive(node) or not is_call(node, aten.silu_backward.default):
             continue
         for m in matches(SWIGLU_DA, node):
             dc, a, b = m["dc"], m["a"], m["b"]
-            db = next((u for u in dc.users if u not in m.nodes and first_match(SWIGLU_DB, u, {"dc": dc})
-                       and pair.holds(SILU, first_match(SWIGLU_DB, u, {"dc": dc})["s"], {"a": a})), None)
+            db = next((u for u in dc.users if u not in m.nodes and _is_db(pair, u, dc, a)), None)
             if db is None or not _same(dc, a, b):
                 continue
             if edit.replace(swiglu_bwd, (dc, a, b), {}, {0: node, 1: db}, [*m.nodes, db]):
@@ -71,10 +74,16 @@ def swiglu_backward(pair: StagePair) -> int:
     return count
 
 
+def _is_db(pair: StagePair, node: fx.Node, dc: fx.Node, a: fx.Node) -> bool:
+    """node is dc * silu(a): silu computed here, or saved by the forward from a's forward value."""
+    b = first_match(SWIGLU_DB, node, {"dc": dc})
+    return b is not None and pair.holds(SILU, b["s"], {"a": a})
+
+
 # -- GELU ---------------------------------------------------------------------------------------
+_CUBIC = Op(MUL, Op(POW, Var("x"), Const(equals(3))), Const(close_to(0.044715)))
 TANH_INNER = Op(aten.tanh.default,
-                Op(MUL, Op(aten.add.Tensor, Var("x"), Op(MUL, Op(POW, Var("x"), Const(equals(3))), Const(close_to(0.044715)))),
-                   Const(close_to(SQRT_2_OVER_PI))),
+                Op(MUL, Op(aten.add.Tensor, Var("x"), _CUBIC), Const(close_to(SQRT_2_OVER_PI))),
                 name="tanh")
 HALF_X = Op(MUL, Var("x"), Const(equals(0.5)), name="half")
 ONE_PLUS = Op(aten.add.Tensor, TANH_INNER, Const(equals(1)), name="onep")
@@ -94,12 +103,14 @@ GELU_TANH_BACKWARD = Op(
 def gelu_forward(edit: GraphEdit) -> int:
     count = 0
     for node in list(edit.graph.nodes):
-        if node.graph is not edit.graph:
+        if not alive(node):
             continue
         if is_call(node, aten.gelu.default) and _same(node.args[0]):
             approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
             done = edit.replace(gelu_fwd, (node.args[0], approximate), {}, {0: node}, [node])
-        elif is_call(node, aten.mul.Tensor) and (b := first_match(GELU_TANH, node)) is not None and _same(b["x"], node):
+        elif is_call(node, aten.mul.Tensor) and (b := first_match(GELU_TANH, node)) is not None:
+            if not _same(b["x"], node):
+                continue
             done = edit.replace(gelu_fwd, (b["x"], "tanh"), {}, {0: node}, b.nodes)
         else:
             continue
@@ -110,7 +121,7 @@ def gelu_forward(edit: GraphEdit) -> int:
 def gelu_backward(pair: StagePair) -> int:
     edit, count = pair.bwd, 0
     for node in list(edit.graph.nodes):
-        if node.graph is not edit.graph:
+        if not alive(node):
             continue
         if is_call(node, aten.gelu_backward.default) and _same(node.args[0], node.args[1]):
             approximate = node.kwargs.get("approximate", node.args[2] if len(node.args) > 2 else "none")

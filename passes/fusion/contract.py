@@ -111,6 +111,33 @@ class StagePair:
         self.pending.append(ph)
         return ph
 
+    def input_for(self, node: fx.Node) -> fx.Node:
+        """A backward placeholder receiving forward value `node`: the one there is, else a new act or
+        param input (node is a forward placeholder) or a new saved value (any other forward node)."""
+        found = self.backward_of(node)
+        if found is not None:
+            return found
+        assert not self.pending, "promised saved values come first"
+        if node not in self.fwd_inputs:
+            ph = self.add_saved(f"saved_{node.name}", node.meta["val"])
+            self.set_saved(ph, node)
+            return ph
+        index = self.fwd_inputs.index(node)
+        is_param = index < self.n_params
+        n_bp = len(self.bwd_params)
+        section = self.inputs_in[:n_bp] if is_param else self.inputs_in
+        graph = self.bwd.graph
+        with (graph.inserting_after(section[-1]) if section else graph.inserting_before(next(iter(graph.nodes)))):
+            ph = graph.placeholder(node.name)
+        ph.meta = dict(node.meta)
+        if is_param:
+            self.bwd_params.append(index)
+            self.inputs_in.insert(n_bp, ph)
+        else:
+            self.bwd_acts.append(index - self.n_params)
+            self.inputs_in.append(ph)
+        return ph
+
     def set_saved(self, placeholder: fx.Node, node: fx.Node) -> None:
         assert self.pending and self.pending[0] is placeholder, "saved values are made in the order promised"
         self.pending.pop(0)

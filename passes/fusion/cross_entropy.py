@@ -90,6 +90,10 @@ def _single_user(n: fx.Node) -> bool:
     return len(n.users) == 1
 
 
+def _plain_cast(n: fx.Node) -> bool:
+    return is_call(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype", "layout", "device"}
+
+
 def _up_to_matmul(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """From the log-softmax input up through reshapes and an fp32 cast to the lm-head mm."""
     chain = []
@@ -98,8 +102,7 @@ def _up_to_matmul(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
             return None
         if is_call(x, aten.mm.default):
             return x, chain
-        if is_call(x, RESHAPES) or (is_call(x, aten._to_copy.default) and set(x.kwargs) <= {"dtype", "layout", "device"}
-                                    and x.kwargs.get("dtype") == torch.float32):
+        if is_call(x, RESHAPES) or (_plain_cast(x) and x.kwargs.get("dtype") == torch.float32):
             chain.append(x)
             x = x.args[0]
             continue
@@ -111,7 +114,7 @@ def _down_from(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     chain = []
     while _single_user(x):
         (u,) = x.users
-        if is_call(u, RESHAPES) or (is_call(u, aten._to_copy.default) and set(u.kwargs) <= {"dtype", "layout", "device"}):
+        if is_call(u, RESHAPES) or _plain_cast(u):
             chain.append(u)
             x = u
             continue
@@ -168,7 +171,7 @@ def _forward_group(pair: StagePair):
 def _backward_group(pair: StagePair, fwd):
     """(tangent, dh mm, dW mm, group nodes) of the loss backward for the forward group, or None."""
     nll, mm, h, w, labels, ignore_index, _ = fwd
-    logsm = nll.args[0]
+    logsm, w_in = nll.args[0], pair.backward_of(w)
     for node in pair.bwd.graph.nodes:
         if not is_call(node, aten.nll_loss_backward.default):
             continue
@@ -177,15 +180,18 @@ def _backward_group(pair: StagePair, fwd):
                 or reduction != 1 or ignore != ignore_index or peel(tangent) not in pair.tangents):
             continue
         (back,) = node.users if _single_user(node) else (None,)
-        if back is None or not is_call(back, aten._log_softmax_backward_data.default) or peel(back.args[1]) is not peel(s_logsm):
+        if (back is None or not is_call(back, aten._log_softmax_backward_data.default)
+                or peel(back.args[1]) is not peel(s_logsm)):
             continue
+        if not (_only_read_by(peel(s_logsm), {node, back}) and _only_read_by(peel(_total), {node})):
+            continue   # the log-softmax must leave the saved values, or the forward keeps making it
         dlogits, chain = _down_from(back)
         if val(dlogits).dim() != 2:
             continue
         dh = dw = None
         transposes = []
         for u in dlogits.users:
-            if is_call(u, aten.mm.default) and u.args[0] is dlogits and _is_transpose_of(u.args[1], _bwd_weight(pair, w), 2):
+            if is_call(u, aten.mm.default) and u.args[0] is dlogits and _is_transpose_of(u.args[1], w_in, 2):
                 dh = u
             elif is_call(u, aten.t.default) and _single_user(u):
                 (v,) = u.users
@@ -197,8 +203,15 @@ def _backward_group(pair: StagePair, fwd):
     return None
 
 
-def _bwd_weight(pair: StagePair, w: fx.Node) -> fx.Node | None:
-    return pair.backward_of(w)
+def _only_read_by(node: fx.Node, readers: set[fx.Node]) -> bool:
+    """Every reader of node, looking through detach/alias, is in `readers`."""
+    for u in node.users:
+        if is_call(u, {aten.detach.default, aten.alias.default}):
+            if not _only_read_by(u, readers):
+                return False
+        elif u not in readers:
+            return False
+    return True
 
 
 # -- the rewrite --------------------------------------------------------------------------------

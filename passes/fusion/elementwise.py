@@ -54,7 +54,7 @@ def _unary(fmt: str) -> Callable:
 
 def _pow(node: fx.Node, a: list[str]) -> str | None:
     exponent = node.args[1]
-    forms = {0.0: "({0} * 0.0 + 1.0)", 0.5: "tl.sqrt({0})", -0.5: "tl.rsqrt({0})", 1.0: "{0}", 2.0: "({0} * {0})",
+    forms = {0.5: "tl.sqrt({0})", -0.5: "tl.rsqrt({0})", 1.0: "{0}", 2.0: "({0} * {0})",
              3.0: "({0} * {0} * {0})", -1.0: "(1.0 / {0})", -2.0: "(1.0 / ({0} * {0}))"}
     return forms[float(exponent)].format(a[0]) if number(exponent) and float(exponent) in forms else None
 
@@ -66,9 +66,13 @@ def _where(node: fx.Node, a: list[str]) -> str:
 def _copy(node: fx.Node, a: list[str]) -> str | None:
     kwargs = set(node.kwargs) - {"dtype", "layout", "device", "memory_format"}
     fmt = node.kwargs.get("memory_format")
-    if kwargs or fmt not in (None, torch.contiguous_format, torch.preserve_format) or not val(node).dtype.is_floating_point:
+    if kwargs or fmt not in (None, torch.contiguous_format, torch.preserve_format):
         return None
-    return a[0]
+    return a[0] if val(node).dtype.is_floating_point else None   # the value; the store rounds it
+
+
+def _silu_backward(node: fx.Node, a: list[str]) -> str:
+    return f"({a[0]} * tl.sigmoid({a[1]}) * (1.0 + {a[1]} * (1.0 - tl.sigmoid({a[1]}))))"
 
 
 def _threshold_backward(node: fx.Node, a: list[str]) -> str:
@@ -93,7 +97,7 @@ OPS: dict = {
     aten.pow.Tensor_Scalar: _pow,
     aten.where.self: _where,
     aten._to_copy.default: _copy, aten.clone.default: _copy,
-    aten.silu_backward.default: lambda n, a: f"({a[0]} * tl.sigmoid({a[1]}) * (1.0 + {a[1]} * (1.0 - tl.sigmoid({a[1]}))))",
+    aten.silu_backward.default: _silu_backward,
     aten.tanh_backward.default: lambda n, a: f"({a[0]} * (1.0 - {a[1]} * {a[1]}))",
     aten.sigmoid_backward.default: lambda n, a: f"({a[0]} * {a[1]} * (1.0 - {a[1]}))",
     aten.threshold_backward.default: _threshold_backward,
@@ -152,6 +156,8 @@ def _candidate(node: fx.Node) -> bool:
     out = val(node)
     if not _tensor_dtype_ok(out) or not out.is_contiguous() or out.numel() == 0:
         return False
+    if any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+        return False
     for a in node.args:
         if isinstance(a, fx.Node):
             t = val(a)
@@ -184,31 +190,39 @@ def _depends_on(start: fx.Node, group: set[fx.Node], floor: int, pos: dict) -> b
 
 
 def find_groups(graph: fx.Graph) -> list[list[fx.Node]]:
-    """Connected groups (producer -> consumer) of >= 2 candidate nodes with one output shape."""
+    """Connected groups (producer -> consumer) of >= 2 candidate nodes with one output shape. A node
+    joins, and so merges, the groups of its producers of its shape, as many as can be merged without
+    a path from the group back into it through a node outside (which would make a cycle)."""
     pos = {n: i for i, n in enumerate(graph.nodes)}
     group_of: dict[fx.Node, int] = {}
-    groups: list[list[fx.Node]] = []
+    groups: dict[int, list[fx.Node]] = {}
     for node in graph.nodes:
         if not _candidate(node):
             continue
         shape = tuple(val(node).shape)
-        home = None
+        merged = [node]
+        homes = []
         for p in reversed(node.all_input_nodes):
             g = group_of.get(p)
-            if g is None or tuple(val(groups[g][0]).shape) != shape:
+            if g is None or g in homes or tuple(val(groups[g][0]).shape) != shape:
                 continue
-            members = set(groups[g])
-            floor = min(pos[m] for m in members)
-            if not any(_depends_on(i, members, floor, pos) for i in node.all_input_nodes if i not in members):
-                home = g
-                break
-        if home is None:
-            group_of[node] = len(groups)
-            groups.append([node])
-        else:
-            group_of[node] = home
-            groups[home].append(node)
-    return [g for g in groups if len(g) >= 2]
+            trial = groups[g] + merged
+            if _closed(trial, pos):
+                merged, homes = trial, homes + [g]
+        key = homes[0] if homes else len(pos) + pos[node]
+        for g in homes:
+            groups.pop(g)
+        groups[key] = sorted(merged, key=pos.__getitem__)
+        for n in merged:
+            group_of[n] = key
+    return [g for g in sorted(groups.values(), key=lambda g: pos[g[0]]) if len(g) >= 2]
+
+
+def _closed(members: list[fx.Node], pos: dict) -> bool:
+    """No input of the group from outside it depends on a member (the group can be one node)."""
+    group = set(members)
+    floor = min(pos[m] for m in members)
+    return not any(_depends_on(i, group, floor, pos) for m in members for i in m.all_input_nodes if i not in group)
 
 
 # -- code generation ------------------------------------------------------------------------

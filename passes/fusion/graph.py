@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from megacompile.capture.split import is_random
+from megacompile.ir.stage_program import fake_storage_key
 
 from .match import is_call, val
 
@@ -28,6 +29,11 @@ def launcher(kernel: str, meta: Callable):
         fn.kernel, fn.meta = kernel, meta
         return fn
     return wrap
+
+
+def alive(node: fx.Node) -> bool:
+    """Not erased by an earlier rewrite of the loop that is visiting it."""
+    return not getattr(node, "_erased", False)
 
 
 def is_kernel(node: fx.Node) -> bool:
@@ -102,9 +108,6 @@ class GraphEdit:
             src = self.call(aten._to_copy.default, (src,), {"dtype": o.dtype})
         return src
 
-    def position(self) -> dict[fx.Node, int]:
-        return {n: i for i, n in enumerate(self.graph.nodes)}
-
     # -- replacing a group -----------------------------------------------------------------
     def replace(self, target, args: tuple, kwargs: dict, replaces: dict[int, fx.Node],
                 matched: Iterable[fx.Node], keep: Iterable[fx.Node] = ()) -> tuple[fx.Node, list[fx.Node]] | None:
@@ -112,7 +115,7 @@ class GraphEdit:
         place of replaces[i]. Refuses (None) when a matched node that is neither replaced nor in
         `keep` is read outside the group, or when no position is after every input and before
         every reader. Returns the kernel node and one node per output."""
-        matched = [n for n in dict.fromkeys(matched) if not _erased(n)]   # pruning may have taken some
+        matched = [n for n in dict.fromkeys(matched) if alive(n)]   # pruning may have taken some
         group = set(matched)
         replaced = set(replaces.values())
         keep = set(keep)
@@ -140,13 +143,46 @@ class GraphEdit:
             items = [kernel] if n_out == 1 and not isinstance(outs, (tuple, list)) else [
                 self.call(operator.getitem, (kernel, i)) for i in range(n_out)]
             for i, original in replaces.items():
+                kernel.meta["fused_from"] += self._skip_round_trip(items[i], original, group)
                 if any(u not in group for u in original.users):
-                    original.replace_all_uses_with(self.adapt(items[i], original))
+                    adapted = self.adapt(items[i], original)
+                    original.replace_all_uses_with(adapted)
+                    self._refresh_views(adapted, _storages(val(original)))
         self.touched.extend(matched)
         if len(items) > 1:
             self.touched.extend(items)   # a getitem nobody reads goes; the kernel stays while one is read
         self.kernels.append(kernel)
         return kernel, items
+
+    def _skip_round_trip(self, src: fx.Node, original: fx.Node, group: set) -> list[str]:
+        """Readers that cast `original` back to src's dtype read src itself when src -> original's
+        dtype widens exactly (bf16 -> fp32): the kernel already rounded to what they want. Returns
+        the names of the casts so skipped."""
+        s, o = val(src), val(original)
+        if (s.shape != o.shape or s.dtype == o.dtype or not (s.dtype.is_floating_point and o.dtype.is_floating_point)
+                or torch.finfo(s.dtype).bits >= torch.finfo(o.dtype).bits):
+            return []
+        skipped = []
+        for u in list(original.users):
+            if (u not in group and is_call(u, aten._to_copy.default) and u.kwargs.get("dtype") == s.dtype
+                    and set(u.kwargs) <= {"dtype", "layout", "device"}):
+                u.replace_all_uses_with(src)
+                self.touched.append(u)
+                skipped.append(u.name)
+        return skipped
+
+    def _refresh_views(self, node: fx.Node, old: set) -> None:
+        """Readers of a replaced node that were views of its storage still carry fake values over
+        the old storage; trace them again over the new one, so each storage is counted once."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                if u.op != "call_function" or hasattr(u.target, "kernel"):
+                    continue
+                if _storages(val(u)) & old:
+                    u.meta["val"] = self.fake(u.target, u.args, u.kwargs)
+                    stack.append(u)
 
     def sum_of(self, a: fx.Node, b: fx.Node) -> fx.Node | None:
         """A node holding a + b, made by reassociating the add tree that sums a and b with other
@@ -190,17 +226,15 @@ class GraphEdit:
         self.touched = []
         while work:
             n = work.pop()
-            if n.graph is not self.graph or n.users or n.op != "call_function" or is_random(n):
-                continue
-            if _erased(n):
+            if not alive(n) or n.graph is not self.graph or n.users or n.op != "call_function" or is_random(n):
                 continue
             inputs = n.all_input_nodes
             self.graph.erase_node(n)
             work.extend(inputs)
 
 
-def _erased(n: fx.Node) -> bool:
-    return getattr(n, "_erased", False)
+def _storages(value: Any) -> set:
+    return {fake_storage_key(t) for t in _tensors(value)}
 
 
 def _plain_add(n: fx.Node) -> bool:

@@ -25,9 +25,9 @@ import torch
 import torch.fx as fx
 
 from .contract import StagePair
-from .graph import GraphEdit
+from .graph import GraphEdit, alive
 from .launchers import layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
-from .match import (ANY, Const, Op, Var, equals, first_match, is_call, matches, maybe_cast, number, val)
+from .match import ANY, Const, Op, Var, equals, first_match, is_call, matches, maybe_cast, number, val
 
 aten = torch.ops.aten
 MUL = {aten.mul.Tensor, aten.mul.Scalar}
@@ -43,32 +43,27 @@ def _is_last(node: fx.Node, dims) -> bool:
     return dims[0] in (-1, val(node).dim() - 1)
 
 
-RSTD = Op(aten.rsqrt.default,
-          Op(aten.add.Tensor, Op(aten.mean.dim, Op(POW, Var("xf"), Const(equals(2))), Const(_dims, "dims"), True),
-             Const(number, "eps")),
-          name="rstd")
+_MEAN_SQUARE = Op(aten.mean.dim, Op(POW, Var("xf"), Const(equals(2))), Const(_dims, "dims"), True)
+RSTD = Op(aten.rsqrt.default, Op(aten.add.Tensor, _MEAN_SQUARE, Const(number, "eps")), name="rstd")
 RMS_FORWARD = Op(aten.mul.Tensor, Var("w"), maybe_cast(Op(aten.mul.Tensor, Var("xf"), RSTD, name="xhat")), name="y")
 XHAT = maybe_cast(Op(aten.mul.Tensor, Var("xf"), Var("rstd")))
 
 WDY = maybe_cast(Op(aten.mul.Tensor, Var("dy"), Var("w")), torch.float32)
 TERM_A = Op(aten.mul.Tensor, Var("c"), Var("rstd"))
+_ROW_SUM = Op(aten.sum.dim_IntList, Op(aten.mul.Tensor, Var("c"), Var("xf")), Const(_dims, "dims"), True)
+_D_RSTD = Op(aten.mul.Tensor, Op(MUL, _ROW_SUM, Const(equals(-0.5))), Op(POW, Var("rstd"), Const(equals(3))))
 TERM_B = Op(aten.mul.Tensor,
-            Op(DIV, Op(aten.expand.default,
-                       Op(aten.mul.Tensor,
-                          Op(MUL, Op(aten.sum.dim_IntList, Op(aten.mul.Tensor, Var("c"), Var("xf")), Const(_dims, "dims"), True),
-                             Const(equals(-0.5))),
-                          Op(POW, Var("rstd"), Const(equals(3)))),
-                       ANY),
-               Const(number, "n")),
+            Op(DIV, Op(aten.expand.default, _D_RSTD, ANY), Const(number, "n")),
             Op(MUL, Op(POW, Var("xf"), Const(equals(1))), Const(equals(2))))
-DW = Op(aten.view.default, Op(aten.sum.dim_IntList, Op(aten.mul.Tensor, Var("dy"), Var("xhat")), Const(list), True), ANY)
+DW = Op(aten.view.default,
+        Op(aten.sum.dim_IntList, Op(aten.mul.Tensor, Var("dy"), Var("xhat")), Const(list), True), ANY)
 
 
 # -- RMSNorm ------------------------------------------------------------------------------------
 def rms_norm_forward(edit: GraphEdit) -> int:
     count = 0
     for node in list(edit.graph.nodes):
-        if node.graph is not edit.graph or not is_call(node, aten.mul.Tensor):
+        if not alive(node) or not is_call(node, aten.mul.Tensor):
             continue
         for b in matches(RMS_FORWARD, node):
             xf, w = b["xf"], b["w"]
@@ -89,13 +84,14 @@ def rms_norm_backward(pair: StagePair) -> int:
     edit = pair.bwd
     count = 0
     for node in list(edit.graph.nodes):
-        if node.graph is not edit.graph or not is_call(node, aten.mul.Tensor):
+        if not alive(node) or not is_call(node, aten.mul.Tensor):
             continue
         b = first_match(TERM_B, node)
         if b is None or not _is_last(b["xf"], b["dims"]) or float(b["n"]) != val(b["xf"]).shape[-1]:
             continue
         c, rstd, xf = b["c"], b["rstd"], b["xf"]
-        wdy = first_match(WDY, c)
+        wdy = next((m for m in matches(WDY, c) if val(m["w"]).dim() == 1 and val(m["dy"]).shape == val(xf).shape),
+                   None)   # dy * w in either order: w is the [N] one
         if wdy is None:
             continue
         dy, w = wdy["dy"], wdy["w"]
@@ -110,9 +106,20 @@ def rms_norm_backward(pair: StagePair) -> int:
         if dx is None:
             continue
         group = list(b.nodes) + list(wdy.nodes) + [term_a] + list(dw.nodes) + [dx]
-        if edit.replace(rms_norm_bwd, (dy, xf, w, rstd), {}, {0: dx, 1: dw.nodes[0]}, group):
+        if edit.replace(rms_norm_bwd, (dy, _narrow(pair, xf), w, rstd), {}, {0: dx, 1: dw.nodes[0]}, group):
             count += 1
     return count
+
+
+def _narrow(pair: StagePair, xf: fx.Node) -> fx.Node:
+    """The kernel reads x in its own dtype: where the forward saved HF's fp32 copy of a bf16/fp16 x,
+    read x itself (a block input, or saved at half the bytes) and let the fp32 copy leave the saved
+    values. The kernel computes in fp32 from the same values, so only the bytes change."""
+    f_xf = pair.forward_of(xf)
+    if (f_xf is None or pair.pending or not is_call(f_xf, aten._to_copy.default) or val(f_xf).dtype != torch.float32
+            or val(f_xf.args[0]).dtype not in (torch.bfloat16, torch.float16)):
+        return xf
+    return pair.input_for(f_xf.args[0])
 
 
 def _dw(pair: StagePair, dy: fx.Node, wdy_mul: fx.Node, xf: fx.Node, rstd: fx.Node):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph import GraphEdit
+from .graph import GraphEdit, alive
 from .launchers import rope_bwd, rope_fwd
 from .match import ANY, Const, Op, Var, equals, is_call, matches, val
 
@@ -64,7 +64,7 @@ def _tables_fit(x: fx.Node, cos: fx.Node, sin: fx.Node) -> bool:
 def rope_forward(edit: GraphEdit) -> int:
     count = 0
     for node in list(edit.graph.nodes):
-        if node.graph is not edit.graph or not is_call(node, aten.add.Tensor):
+        if not alive(node) or not is_call(node, aten.add.Tensor):
             continue
         for b in matches(ROPE, node):
             x, ndim = b["x"], val(b["x"]).dim()
@@ -82,7 +82,7 @@ def rope_forward(edit: GraphEdit) -> int:
 def rope_backward(edit: GraphEdit) -> int:
     count = 0
     for node in list(edit.graph.nodes):
-        if node.graph is not edit.graph or not is_call(node, aten.add.Tensor):
+        if not alive(node) or not is_call(node, aten.add.Tensor):
             continue
         for b in matches(ROPE_BACKWARD, node):
             dy, ndim = b["dy"], val(b["dy"]).dim()
