@@ -103,7 +103,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--hardware", default=",".join(BUDGETS))
-    ap.add_argument("--fuse", action="store_true", help="plan with the fused kernels (fused lm-head cross-entropy)")
+    ap.add_argument("--no-fuse", dest="fuse", action="store_false",
+                    help="plan without the fused kernels (compile() uses them on a GPU)")
     ap.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "results", "plan_table.csv"))
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
     args = ap.parse_args()

@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
             compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
             loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None,
-            grad_accum: int = 1, fuse: bool = False) -> Engine:
+            grad_accum: int = 1, fuse: bool | None = None) -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -42,7 +42,8 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
     dump_dir:      write the schedule after every pass there (also: MEGACOMPILE_DUMP_DIR)
     grad_accum:    micro-batches per optimizer step: each step() call is one micro-batch, and
                    every grad_accum-th call updates the masters
-    fuse:          rewrite the stage graphs onto megacompile's fused Triton kernels (passes/fusion)
+    fuse:          rewrite the stage graphs onto megacompile's fused Triton kernels (passes/fusion);
+                   default: on for cuda, off for cpu (where Triton runs in its slow interpreter)
 
     torch LR schedulers attach to `engine.torch_optimizer`.
     """

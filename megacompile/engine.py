@@ -40,7 +40,7 @@ class Engine:
     def __init__(self, model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
                  compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
                  loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
-                 grad_accum: int = 1, fuse: bool = False):
+                 grad_accum: int = 1, fuse: bool | None = None):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         if not isinstance(hbm_budget, (int, float)) or not hbm_budget > 0:
@@ -62,11 +62,13 @@ class Engine:
         self.retrace = retrace
         self.dump_dir = dump_dir
         self.grad_accum = grad_accum
-        self.fuse = fuse
+        self.backend = make_backend(device, self.budget_bytes)
+        # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
+        # far slower than ATen, so only when asked for.
+        self.fuse = (self.backend.name == "cuda") if fuse is None else fuse
         self.torch_optimizer = LearningRateHandle(self.optimizer)
         if getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False   # a KV cache has no place in a training step
-        self.backend = make_backend(device, self.budget_bytes)
         self.device = self.backend.device
         self.host: HostState | None = None
         self._materialized = not any(p.is_meta for p in model.parameters())

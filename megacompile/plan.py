@@ -196,10 +196,20 @@ class Plan:
     def __str__(self) -> str:
         return format_program(self.program, header=[f"# {line}" for line in self.summary().splitlines()])
 
+    @property
+    def fused(self) -> bool:
+        return any("kernel" in n.meta for t in self.captured.templates
+                   for prog in (t.forward, t.backward, t.inference) if prog is not None for n in prog.body)
+
     def dump(self, path: str) -> None:
-        """Write `path`/plan.txt (the printed plan) and `path`/plan.json, atomically."""
+        """Write `path`/plan.txt (the printed plan) and `path`/plan.json, and with fusion
+        `path`/fusion.txt (which kernel covers which original nodes), atomically."""
         os.makedirs(path, exist_ok=True)
-        for name, text in (("plan.txt", str(self) + "\n"), ("plan.json", json.dumps(self.to_json(), indent=1))):
+        files = [("plan.txt", str(self) + "\n"), ("plan.json", json.dumps(self.to_json(), indent=1))]
+        if self.fused:
+            from .passes.fusion import fusion_report
+            files.append(("fusion.txt", fusion_report(self.captured) + "\n"))
+        for name, text in files:
             tmp = os.path.join(path, f".{name}.tmp")
             with open(tmp, "w") as f:
                 f.write(text)

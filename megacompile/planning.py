@@ -92,13 +92,14 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
 def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwareProfile = "h100", batch: int = 1,
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
          optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,
-         fuse: bool = False) -> Plan:
+         fuse: bool | None = None) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
     their shapes (meta tensors are fine). Raises BudgetTooSmallError, naming the smallest budget,
     when nothing fits. `style` ("megatrain", "zero3") plans another system's schedule instead, for
-    comparison, timed by the same cost model.
+    comparison, timed by the same cost model. `fuse` defaults to what compile() does on that
+    hardware: the fused kernels on a GPU, none on the cpu backend.
     """
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     if getattr(getattr(model, "config", None), "use_cache", False):
@@ -114,6 +115,8 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     captured = capture(model, (), inputs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
     opt = optimizer or AdamW()
     kind = StepKind(update=train, clip=opt.max_grad_norm is not None)
+    if fuse is None:   # as compile() would on that hardware: fused kernels on a GPU
+        fuse = not profile.name.startswith("cpu")
     if fuse:
         from .passes.fusion import fuse as fuse_stages
         captured = fuse_stages(captured)

@@ -42,7 +42,19 @@ SAME_FLOPS_AS = {
 }
 
 
+# Fused kernel nodes (passes/fusion) are Python launchers torch's counter does not know. Only the
+# fused lm-head cross-entropy does matmul work: logits, and the hidden and weight gradients, for
+# N tokens of width H over V classes: 3 x 2NHV.
+KERNEL_FLOPS = {
+    "fused_linear_cross_entropy": lambda h, w, *rest: 6.0 * h.numel() * w.shape[0],
+}
+
+
 def node_flops(node: fx.Node) -> float:
+    kernel = node.meta.get("kernel")
+    if kernel is not None:
+        formula = KERNEL_FLOPS.get(kernel)
+        return formula(*fx.node.map_arg(node.args, _val)) if formula else 0.0
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     packet = SAME_FLOPS_AS.get(packet, packet)

@@ -98,3 +98,17 @@ def test_bf16_compute_keeps_fp32_masters_and_tracks_eager_bf16():
     assert loss == pytest.approx(expected, rel=1e-2)
     assert all(v.dtype == torch.float32 for v in engine.state_dict().values() if v.is_floating_point())
     assert engine.plan.captured.compute_dtype == torch.bfloat16
+
+
+def test_fused_plan_dump_names_the_kernels(tmp_path):
+    torch.manual_seed(0)
+    engine = megacompile.compile(models.hf_llama(layers=2, d=32), hbm_budget=1.0, device="cpu", fuse=True)
+    ids = models.batch(96, 2, 8)
+    engine.step(input_ids=ids, labels=ids)
+    engine.plan.dump(str(tmp_path))
+    report = (tmp_path / "fusion.txt").read_text()
+    for kernel in ("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy"):
+        assert kernel in report
+    unfused = megacompile.compile(models.hf_llama(layers=2, d=32), hbm_budget=1.0, device="cpu")
+    unfused.step(input_ids=ids, labels=ids)
+    assert not unfused.plan.fused and engine.plan.fused
