@@ -51,6 +51,12 @@ class Plan:
                    if n.op in (Op.OFFLOAD, Op.OUTPUT))
 
     @property
+    def stash_bytes(self) -> int:
+        """Host memory for offloaded saved activations: all of them are there at the end of the forward."""
+        return sum(self.program.values[n.reads[0]].nbytes for n in self.program.nodes
+                   if n.op is Op.OFFLOAD and self.program.values[n.reads[0]].kind == "saved")
+
+    @property
     def weight_bytes(self) -> int:
         """Device bytes of every parameter and buffer once, in the compute dtype."""
         return sum(e.numel * (self.captured.compute_dtype.itemsize if e.dtype.is_floating_point
@@ -87,6 +93,7 @@ class Plan:
         if not self.captured.train:
             return []
         recomputed = {n.stage for n in self.program.nodes if n.op is Op.RECOMPUTE}
+        offloaded = set(self.program.facts.get("offload", []))
         seconds = {}
         for n in self.program.nodes:
             if n.op is Op.FORWARD and self.hardware is not None:
@@ -96,7 +103,8 @@ class Plan:
         blocks = [s for s, st in enumerate(self.captured.stages) if st.template.kind == "block"]
         groups: list[list[int]] = []
         for s in blocks:
-            if groups and (groups[-1][-1] in recomputed) == (s in recomputed) and groups[-1][-1] == s - 1:
+            decision = lambda b: (b in recomputed, b in offloaded)  # noqa: E731
+            if groups and decision(groups[-1][-1]) == decision(s) and groups[-1][-1] == s - 1:
                 groups[-1].append(s)
             else:
                 groups.append([s])
@@ -107,6 +115,12 @@ class Plan:
             cost = f", costs {seconds[g[0]] * 1e3:.3g} ms of forward each" if g[0] in seconds else ""
             if g[0] in recomputed:
                 lines.append(f"  {span:<14} recompute: frees {held} each between forward and backward{cost}")
+            elif g[0] in offloaded:
+                link = ""
+                if self.hardware is not None:
+                    link = (f", {self.program.values[f'saved{g[0]}'].nbytes / self.hardware.d2h_bw * 1e3:.3g} ms "
+                            "over the link each way, beside compute")
+                lines.append(f"  {span:<14} offload: {held} each waits in host memory between forward and backward{link}")
             else:
                 lines.append(f"  {span:<14} keep: holds {held} each from forward to backward (recompute would "
                              f"save that{cost})")
@@ -136,7 +150,9 @@ class Plan:
             "device_peak_bytes": self.predicted_peak_bytes,
             "measured_device_peak_bytes": self.measured_peak_bytes,
             "minimum_budget_bytes": self.minimum_budget_bytes,
-            "host_bytes": self.host_bytes,
+            "host_bytes": self.host_bytes + self.stash_bytes,
+            "host_state_bytes": self.host_bytes,
+            "host_activation_bytes": self.stash_bytes,
             "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step,
             "prefetch_depth": choice.prefetch_depth if choice else None,
@@ -172,8 +188,9 @@ class Plan:
             f"  device peak    {fmt_bytes(self.predicted_peak_bytes)} predicted of {fmt_bytes(self.budget_bytes)} "
             f"budget ({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}",
             f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, no prefetch overlap)",
-            f"  host memory    {fmt_bytes(self.host_bytes)} (fp32 masters, exp_avg, exp_avg_sq, grads"
-            f"{', compute copies' if c.compute_dtype != torch.float32 else ''}, buffers)",
+            f"  host memory    {fmt_bytes(self.host_bytes + self.stash_bytes)}: {fmt_bytes(self.host_bytes)} of fp32 "
+            f"masters, exp_avg, exp_avg_sq, grads{', compute copies' if c.compute_dtype != torch.float32 else ''}, "
+            f"buffers" + (f"; {fmt_bytes(self.stash_bytes)} of offloaded activations" if self.stash_bytes else ""),
             f"  moved per step {fmt_bytes(self.h2d_bytes_per_step)} host->device, "
             f"{fmt_bytes(self.d2h_bytes_per_step)} device->host",
         ]
@@ -183,8 +200,8 @@ class Plan:
             blocks = sum(1 for s in c.stages if s.template.kind == "block")
             resident = ", ".join(self.program.stage_names[s] for s in sorted(choice.resident)) or "none"
             lines.append(f"  schedule       prefetch depth {choice.prefetch_depth}; recompute "
-                         f"{f'{len(names)} of {blocks} blocks ({listed})' if names else 'none'}; "
-                         f"resident for the step: {resident}")
+                         f"{f'{len(names)} of {blocks} blocks ({listed})' if names else 'none'}; offload "
+                         f"{len(choice.offload)} blocks' saved activations; resident for the step: {resident}")
         lines += self.block_decisions()
         p = self.prediction
         if p is not None:

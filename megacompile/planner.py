@@ -42,7 +42,11 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     # The prologue (embeddings) may stay on the device for the whole step instead of coming twice.
     small = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind == "prologue")
     residents = (frozenset(), small) if small and captured.train else (frozenset(),)
-    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of, residents)
+    # Offloading saved activations trades link time for recompute time: try none, some, all.
+    n = len(blocks)
+    offload_counts = sorted({0, n // 4, n // 2, (3 * n) // 4, n}) if captured.train and n else (0,)
+    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of, residents, offload_counts,
+                            _offload_lag(captured, blocks, hardware))
     if choice is None:
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
         raise BudgetTooSmallError(
@@ -55,6 +59,19 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     verify(program, budget_bytes=budget_bytes, owners=owners(captured)[1] if captured.train else None)
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
                 prediction=predict(program, captured, hardware))
+
+
+def _offload_lag(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile) -> int:
+    """How many block computes one saved-activation copy spans on this hardware (1 to 8)."""
+    if not blocks or not captured.train:
+        return 1
+    import math
+
+    from .cost import graph_cost
+    t = captured.stages[blocks[0]].template
+    saved_bytes = sum(m.nbytes for m in t.saved)
+    compute = graph_cost(t.forward, hardware, captured.compute_dtype).seconds
+    return max(1, min(8, math.ceil(saved_bytes / hardware.d2h_bw / max(compute, 1e-9))))
 
 
 def default_profile(backend: str) -> HardwareProfile:

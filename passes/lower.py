@@ -8,7 +8,7 @@ from __future__ import annotations
 from megacompile.capture import CapturedModel, Port, StageInstance
 from megacompile.errors import CaptureError
 from megacompile.ir.program import (SEED, Node, Op, Program, Value, act, act_grad, grads, model_input,
-                                    saved, weights)
+                                    restored, saved, weights)
 from megacompile.ir.stage_program import GraphMemory
 
 
@@ -56,6 +56,9 @@ def lower(captured: CapturedModel) -> Program:
         if captured.train:
             saved_parts = tuple(dict.fromkeys(p for ps in parts[len(outs):] for p in ps))
             values[saved(s)] = Value(saved(s), saved_parts, "saved")
+            # Offloaded saved values come back as one contiguous tensor each (offload pass).
+            values[restored(s)] = Value(restored(s), tuple((f"h{s}.{j}", m.nbytes) for j, m in enumerate(t.saved)),
+                                        "saved")
             writes += (saved(s),)
         op = Op.FORWARD if captured.train else Op.INFER
         nodes.append(Node(op, s, (weights(s), *inputs), writes, origin=stage.origin,

@@ -56,7 +56,7 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
                               note="serial optimizer: all updates first"))
             fresh.add(owner)
     for i, n in enumerate(program.nodes):
-        if n.op is Op.PREFETCH:
+        if n.op is Op.PREFETCH and program.values[n.writes[0]].kind == "weights":
             for owner in sorted(readers[n.stage] - fresh):
                 nodes.append(Node(Op.WAIT, owner, reads=(masters(owner),), origin=program.stage_names[owner],
                                   note="the last update of these masters"))

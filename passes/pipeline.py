@@ -4,6 +4,7 @@ Why this order:
   lower        every stage's forward, then every backward: the dataflow, nothing else;
   remat        drops saved activations of the chosen blocks and adds their RECOMPUTE, before
                transfers, because a recompute needs the block's weights on the device too;
+  offload      sends other chosen blocks' saved activations to host memory and back;
   transfers    weight prefetch/evict and gradient offload around the compute nodes as they now
                stand, so a recompute and its backward share one fetch;
   optimizer    host AdamW after the last offload feeding each stage's masters (needs the WAITs);
@@ -25,6 +26,7 @@ from megacompile.ir.verify import verify
 
 from .lifetimes import lifetimes
 from .lower import lower
+from .offload import offload_saved
 from .optimizer import place_optimizer
 from .remat import remat
 from .transfers import transfers
@@ -47,6 +49,8 @@ class ScheduleChoice:
     prefetch_depth: int = 1
     recompute: frozenset[int] = field(default_factory=frozenset)
     resident: frozenset[int] = field(default_factory=frozenset)   # fetched once, kept the whole step
+    offload: frozenset[int] = field(default_factory=frozenset)    # saved values kept in host memory
+    offload_lag: int = 1          # compute nodes an offload (or restore) runs beside before it is needed
     extra_forwards: int = 0            # forwards run and thrown away before each recompute
     refetch_per_pass: bool = False     # fetch weights again for every recompute
     serial_optimizer: bool = False     # updates after the whole backward; the next step waits for all
@@ -62,6 +66,7 @@ def _optimizer(p: Program, c: CapturedModel, ch: ScheduleChoice, kind: StepKind)
 
 TRAINING_PASSES: list[tuple[str, Pass]] = [
     ("remat", lambda p, c, ch, k: remat(p, ch.recompute, ch.extra_forwards)),
+    ("offload", lambda p, c, ch, k: offload_saved(p, ch.offload, ch.offload_lag)),
     ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth, ch.refetch_per_pass, ch.resident)),
     ("optimizer", _optimizer),
     ("lifetimes", lambda p, c, ch, k: lifetimes(p)),
@@ -99,7 +104,7 @@ def build_schedule(captured: CapturedModel, choice: ScheduleChoice, kind: StepKi
 def _after_pass(program: Program, name: str, k: int, check: bool, dump_dir: str | None,
                 contributors: dict | None) -> None:
     if check:
-        verify(program, owners=contributors, weights_resident=name in ("lower", "remat"))
+        verify(program, owners=contributors, weights_resident=name in ("lower", "remat", "offload"))
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         with open(os.path.join(dump_dir, f"{k:02d}_{name}.txt"), "w") as f:

@@ -48,7 +48,8 @@ def verify(program: Program, budget_bytes: int | None = None,
                 state[v] = "ready"
             elif state.get(v) == "leaving":
                 state[v] = "ready"
-                offloaded.add(n.stage)
+                if program.values[v].kind == "grads":
+                    offloaded.add(n.stage)
             else:
                 fail(i, f"waits for {v}, which has no transfer in flight")
             continue

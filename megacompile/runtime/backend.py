@@ -44,6 +44,15 @@ class Timeline:
         return [s for s in self.spans if s.stream == stream]
 
 
+def dense_like(t: torch.Tensor, device: torch.device | str = "cpu", pin: bool = False) -> torch.Tensor:
+    """An empty tensor with t's layout when t is dense (a transpose keeps its strides, so kernels
+    read it exactly as before), else contiguous: numel * itemsize bytes either way."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+    if is_non_overlapping_and_dense_or_false(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin)
+    return torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+
+
 class Event(ABC):
     @abstractmethod
     def wait(self) -> None:
@@ -67,9 +76,12 @@ class Backend(ABC):
         """Copy host tensors into device tensors on the host-to-device stream."""
 
     @abstractmethod
-    def offload(self, srcs: list[torch.Tensor], sink: Callable[[list[torch.Tensor]], None], what: str) -> Event:
+    def offload(self, srcs: list[torch.Tensor], sink: Callable[[list[torch.Tensor]], None], what: str,
+                keep: bool = False) -> Event:
         """Copy device tensors to host memory on the device-to-host stream, then hand the host
-        copies to `sink` (which accumulates them into the fp32 gradients) off the compute thread."""
+        copies to `sink` off the compute thread. With `keep` the copies are the sink's to keep
+        (stashed activations); otherwise they are only valid during the call (gradients, added
+        into the fp32 grads)."""
 
     @abstractmethod
     def host_task(self, work: Callable[[], None], what: str) -> Event:

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .backend import Backend, Event
+from .backend import Backend, Event, dense_like
 from .stream import ThreadStream
 
 
@@ -34,8 +34,11 @@ class CpuBackend(Backend):
                 d.copy_(s)
         return self.h2d.submit(copy, what)
 
-    def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what) -> Event:
-        # The simulated device is host memory: the sink reads the device tensors directly.
+    def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False) -> Event:
+        # The simulated device is host memory: the sink reads the device tensors directly, or,
+        # to keep them, gets real host copies (the transfer).
+        if keep:
+            return self.d2h.submit(lambda: sink([dense_like(t).copy_(t) for t in srcs]), what)
         return self.d2h.submit(lambda: sink(srcs), what)
 
     def host_task(self, work: Callable[[], None], what: str) -> Event:

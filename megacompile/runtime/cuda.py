@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .backend import Backend, Event
+from .backend import Backend, Event, dense_like
 from .stream import ThreadStream
 
 
@@ -68,14 +68,14 @@ class CudaBackend(Backend):
         pool = self._staging.setdefault((tuple(t.shape), t.dtype), [])
         return pool.pop() if pool else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
-    def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what) -> Event:
+    def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False) -> Event:
         produced = torch.cuda.Event()
         produced.record()
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
             staged = []
             for s in srcs:
-                h = self._pinned(s)
+                h = dense_like(s, pin=True) if keep else self._pinned(s)
                 h.copy_(s, non_blocking=True)
                 s.record_stream(self.d2h_stream)
                 staged.append(h)
@@ -85,8 +85,9 @@ class CudaBackend(Backend):
         def land() -> None:
             done.synchronize()
             sink(staged)
-            for h in staged:
-                self._staging[(tuple(h.shape), h.dtype)].append(h)
+            if not keep:
+                for h in staged:
+                    self._staging[(tuple(h.shape), h.dtype)].append(h)
         return HostAfterDevice(self.d2h.submit(land, what))
 
     def host_task(self, work: Callable[[], None], what: str) -> Event:

@@ -20,7 +20,7 @@ from ..ir.program import SEED, Node, Op, Program, act_grad, grads, saved, weight
 # is a dict made when the step starts (step number, learning rate) that clip adds its scale to.
 UpdateFn = Callable[[int, dict], None]
 ClipFn = Callable[[dict], None]
-from .backend import Backend, Event
+from .backend import Backend, Event, dense_like
 from .host import HostState
 
 
@@ -35,6 +35,7 @@ class Executor:
         self._rng: dict[int, torch.Tensor] = {}
         self._outputs: list[torch.Tensor] = []
         self._context: dict = {}
+        self._stash: dict[int, list[torch.Tensor]] = {}   # host copies of offloaded saved values
 
     # -- one step ------------------------------------------------------------------------
     def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None) -> list[torch.Tensor]:
@@ -61,6 +62,7 @@ class Executor:
             self.memory.drop(name, value)
         self._env.clear()
         self._events.clear()
+        self._stash.clear()
 
     def _put(self, name: str, value: Any) -> None:
         self._env[name] = value
@@ -78,6 +80,8 @@ class Executor:
             self._put(SEED, seed)
 
     def _prefetch(self, node: Node) -> None:
+        if self.program.values[node.writes[0]].kind == "saved":
+            return self._restore(node)
         stage = self.captured.stages[node.stage]
         slot = [self.backend.empty(p.meta.shape, p.meta.dtype) for p in stage.template.params]
         self._put(weights(node.stage), slot)
@@ -171,7 +175,17 @@ class Executor:
         for k, value in zip(t.grad_acts, outs[n_pg:]):
             self._env[act_grad(s, k)] = value
 
+    def _restore(self, node: Node) -> None:
+        """Saved activations back from host memory, one contiguous tensor each."""
+        s, name = node.stage, node.writes[0]
+        host = self._stash.pop(s)
+        dst = [dense_like(h, self.backend.device) for h in host]
+        self._put(name, dst)
+        self._events[name] = self.backend.prefetch(dst, host, f"restore {self.program.stage_names[s]}")
+
     def _offload(self, node: Node) -> None:
+        if self.program.values[node.reads[0]].kind == "saved":
+            return self._stash_saved(node)
         s = node.stage
         stage = self.captured.stages[s]
         names = [stage.params[i] for i in stage.template.grad_params]
@@ -181,6 +195,16 @@ class Executor:
             for name, g in zip(names, host_grads):
                 host.accumulate_grad(name, g)
         self._events[grads(s)] = self.backend.offload(list(self._env[grads(s)]), sink, f"offload {stage.name}")
+
+    def _stash_saved(self, node: Node) -> None:
+        """Saved activations to host memory until the backward brings them back."""
+        s, name = node.stage, node.reads[0]
+        stash = self._stash
+
+        def sink(host_copies: list[torch.Tensor]) -> None:
+            stash[s] = host_copies
+        self._events[name] = self.backend.offload(list(self._env[name]), sink, f"stash {self.program.stage_names[s]}",
+                                                  keep=True)
 
     def _clip_grads(self, node: Node) -> None:
         clip, context = self.clip, self._context

@@ -1,0 +1,47 @@
+"""Offload saved activations: send a block's saved values to host memory after its forward and
+bring them back before its backward, instead of keeping them on the device or recomputing them.
+
+The copy out starts right after the forward and is waited for `lag` compute nodes later, so it
+runs beside the next blocks' forwards (the device memory is released only when the copy is
+done); the copy back is issued `lag` compute nodes before the backward that reads it. The planner
+sets `lag` from the cost model: the copy's time over a block's compute time. Both ride the same links as the weights and the gradients, which is why the solver
+weighs this against recompute with the cost model rather than choosing it by habit.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megacompile.ir.program import COMPUTE_OPS, Node, Op, Program, restored, saved
+
+
+def offload_saved(program: Program, offload: frozenset[int], lag: int = 1) -> Program:
+    if not offload:
+        return program
+    nodes = program.nodes
+    compute_at = [i for i, n in enumerate(nodes) if n.op in COMPUTE_OPS]
+    rank_of = {i: r for r, i in enumerate(compute_at)}
+    before: dict[int, list[Node]] = {}
+    after: dict[int, list[Node]] = {}
+    for i, n in enumerate(nodes):
+        if n.stage not in offload:
+            continue
+        s = n.stage
+        if n.op is Op.FORWARD:
+            out = Node(Op.OFFLOAD, s, reads=(saved(s),), origin=n.origin, note="saved activations to host memory")
+            nxt = compute_at[min(rank_of[i] + lag, len(compute_at) - 1)]
+            after.setdefault(i, []).append(out)
+            after.setdefault(nxt, []).extend([Node(Op.WAIT, s, reads=(saved(s),), origin=n.origin),
+                                              Node(Op.FREE, s, frees=(saved(s),), origin=n.origin)])
+        elif n.op is Op.BACKWARD:
+            issue = compute_at[max(rank_of[i] - lag, 0)]
+            before.setdefault(issue, []).append(Node(Op.PREFETCH, s, writes=(restored(s),), origin=n.origin,
+                                                     note="saved activations back from host memory"))
+            before.setdefault(i, []).append(Node(Op.WAIT, s, reads=(restored(s),), origin=n.origin))
+    out: list[Node] = []
+    for i, n in enumerate(nodes):
+        out.extend(before.get(i, []))
+        if n.op is Op.BACKWARD and n.stage in offload:
+            n = replace(n, reads=tuple(restored(n.stage) if r == saved(n.stage) else r for r in n.reads))
+        out.append(n)
+        out.extend(after.get(i, []))
+    return program.copy(out, offload=sorted(offload))
