@@ -70,7 +70,8 @@ def plan_row(name: str, hardware: str, fuse: bool) -> list[dict]:
         rows.append({"model": name, "hardware": hardware, "system": system, "batch": batch, "seq": SEQ,
                      "fits": plan.fits, "params": sum(e.numel for e in plan.captured.state.values() if e.trainable),
                      "budget_gib": budget, "device_peak_gib": plan.predicted_peak_bytes / 2**30,
-                     "host_gib": plan.host_bytes / 2**30, "h2d_gib_per_step": plan.h2d_bytes_per_step / 2**30,
+                     "host_gib": (plan.host_bytes + plan.stash_bytes) / 2**30,
+                     "host_activation_gib": plan.stash_bytes / 2**30, "h2d_gib_per_step": plan.h2d_bytes_per_step / 2**30,
                      "d2h_gib_per_step": plan.d2h_bytes_per_step / 2**30, "step_s": p.step_s,
                      "tokens_per_s": p.tokens_per_s, "tflops_6nd": p.tflops_6nd,
                      "hw_flops_per_model_flop": p.hardware_flops_per_model_flop,
@@ -82,7 +83,7 @@ def plan_row(name: str, hardware: str, fuse: bool) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     by = {(r["model"], r["hardware"], r["system"]): r for r in rows}
     lines = ["| model | GPU | batch x seq | megacompile TFLOPS (6ND) | tokens/s | HW/model FLOPs | recomputed | "
-             "link GiB/step (in/out) | host RAM GiB | MegaTrain-style TFLOPS | ZeRO-3-style TFLOPS | vs MegaTrain-style |",
+             "link GiB/step (in/out) | host RAM GiB (of it activations) | MegaTrain-style TFLOPS | ZeRO-3-style TFLOPS | vs MegaTrain-style |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (model, hw, system), r in by.items():
         if system != "megacompile":
