@@ -95,7 +95,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {model} | {hw} | {r['batch']} x {r['seq']} | {r['tflops_6nd']:.0f} | {r['tokens_per_s']:,.0f} | "
             f"{r['hw_flops_per_model_flop']:.2f} | {r['recomputed_blocks']} | {r['h2d_gib_per_step']:.0f} / "
-            f"{r['d2h_gib_per_step']:.0f} | {r['host_gib']:.0f} | {mt['tflops_6nd']:.0f} | {z3['tflops_6nd']:.0f} | "
+            f"{r['d2h_gib_per_step']:.0f} | {r['host_gib']:.0f} ({r['host_activation_gib']:.0f}) | {mt['tflops_6nd']:.0f} | {z3['tflops_6nd']:.0f} | "
             f"{r['tflops_6nd'] / mt['tflops_6nd']:.2f}x |")
     return "\n".join(lines)
 
