@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -23,17 +21,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import megacompile  # noqa: E402
+from provenance import machine_facts  # noqa: E402
 from tests import models  # noqa: E402
 
 GiB = 2 ** 30
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -72,8 +63,7 @@ def main() -> None:
               f"{predicted * 1e3:>8.1f} {measured * 1e3:>8.1f} {times[0] * 1e3:>7.1f} {times[-1] * 1e3:>7.1f} "
               f"{(predicted - measured) / measured:>+6.0%}  {schedule}")
         base = {"budget_bytes": int(budget), "prefetch_depth": choice.prefetch_depth,
-                "recomputed_blocks": len(choice.recompute), "machine": platform.node(),
-                "cpu": platform.processor(), "torch": torch.__version__, "git_sha": git_sha()}
+                "recomputed_blocks": len(choice.recompute), **machine_facts()}
         for metric, value in (("predicted_step_s", predicted), ("measured_step_s", measured),
                               ("measured_step_s_p10", times[0]), ("measured_step_s_p90", times[-1]),
                               ("predicted_peak_bytes", plan.predicted_peak_bytes), ("measured_peak_bytes", peak)):

@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
@@ -139,24 +138,7 @@ def timed(run) -> float:
 
 
 def machine_facts() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        sha = "unknown"
-    return {"machine": platform.node(), "cpu_model": cpu, "torch_version": torch.__version__,
-            "git_sha": sha, "threads": torch.get_num_threads(),
-            "host_adam_backend": fused_adamw.backend(),
-            # Other work on the machine moves every figure: say how busy it was.
-            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else ""}
+    return {**provenance.machine_facts(), "host_adam_backend": fused_adamw.backend()}
 
 
 def measure(runs: dict, rounds: int, per_round: int) -> dict[str, list[float]]:

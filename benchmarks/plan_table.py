@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
-import subprocess
 import time
-
-import torch
 
 import megacompile
 from megacompile.errors import BudgetTooSmallError
+from provenance import machine_facts
 
 MODELS = {
     "7b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -37,14 +34,6 @@ MODELS = {
 # GiB the plan may use: the card's memory less headroom for the CUDA context and fragmentation.
 BUDGETS = {"h100": 72, "h200": 128, "gh200": 86}
 SEQ = 4096
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def plan_row(name: str, hardware: str, fuse: bool) -> list[dict]:
@@ -76,7 +65,7 @@ def plan_row(name: str, hardware: str, fuse: bool) -> list[dict]:
                      "tokens_per_s": p.tokens_per_s, "tflops_6nd": p.tflops_6nd,
                      "hw_flops_per_model_flop": p.hardware_flops_per_model_flop,
                      "recomputed_blocks": len(plan.recomputed), "plan_seconds": seconds if system == "megacompile" else None,
-                     "machine": platform.node(), "torch": torch.__version__, "git_sha": git_sha(), "fuse": fuse})
+                     "fuse": fuse, **machine_facts()})
     return rows
 
 

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError
 from .blocks import BlockStack
 from .model_graph import Port, StageInstance
-from .stage import ParamSlot, StageTemplate, TensorMeta, trace_stage
+from .stage import ParamSlot, TensorMeta, trace_stage
 from .top import TopGraph
 
 BLOCK_CALL = torch.ops.megacompile.block_call.default

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import CaptureError, MegacompileError

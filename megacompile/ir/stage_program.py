@@ -5,7 +5,6 @@ simulator, so the transient peak the plan predicts is the one the runtime produc
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 

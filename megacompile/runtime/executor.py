@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..capture import CapturedModel
-from ..ir.program import SEED, Node, Op, Program, act_grad, grads, saved, weights
+from ..ir.program import SEED, Node, Program, act_grad, grads, saved, weights
 
 # The host work of one optimizer step: update(stage, context) and clip(context), where context
 # is a dict made when the step starts (step number, learning rate) that clip adds its scale to.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
-import torch
 
 from ..errors import BudgetExceededError
 from ..ir.ledger import StorageLedger

@@ -333,7 +333,7 @@ def generate(group: list[fx.Node]) -> tuple[ElementwiseKernel, list[fx.Node], li
         else:
             kinds.append("strided")
     ndim = len(shape)
-    lines, params = [], []
+    params = []
     for i, n in enumerate(outputs):
         params.append(f"    out{i}_ptr,  # *{DTYPES[val(n).dtype]} [n] contiguous")
     for i, (a, kind) in enumerate(zip(inputs, kinds)):

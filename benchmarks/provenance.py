@@ -1,0 +1,37 @@
+"""Where a benchmark figure came from: machine, CPU, versions, commit, and how busy the machine was.
+Every benchmark writes these beside its numbers in its long-format CSV."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_facts() -> dict:
+    return {"machine": platform.node(), "cpu_model": cpu_model(), "torch_version": torch.__version__,
+            "git_sha": git_sha(), "threads": torch.get_num_threads(),
+            # Other work on the machine moves every figure: say how busy it was.
+            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else ""}
