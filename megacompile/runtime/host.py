@@ -7,6 +7,7 @@ Buffers and frozen parameters are kept once, in the compute dtype, and never upd
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,24 @@ import torch.nn as nn
 from ..capture import CapturedModel
 from ..capture.model_graph import owners
 from ..optim.fused_adamw import grad_sq_norm
+
+
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of exactly numel elements: the buffers the device copies from.
+
+    torch's pinned allocator rounds each block up to a power of two (a 4.5 GB block would take
+    8 GB), so the memory is allocated pageable and registered with CUDA at its exact size; if
+    registration fails, the pinned allocator is used instead.
+    """
+    t = torch.empty(numel, dtype=dtype)
+    if t.numel() and torch.cuda.is_available():
+        status = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)
+        if int(status) == 0:
+            # Unregister when the tensor goes away (views keep it alive through ._base), before
+            # its memory returns to the allocator.
+            weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
+            return t
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
 @dataclass(frozen=True)
@@ -28,7 +47,7 @@ class Slot:
 class OwnerBuffers:
     def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool):
         def empty(dtype):
-            return torch.empty(numel, dtype=dtype, pin_memory=pin)
+            return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
         self.master = empty(torch.float32)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
