@@ -26,15 +26,15 @@ GiB = 2 ** 30
 
 def host_bytes_of(model: nn.Module, compute_dtype: torch.dtype) -> int:
     """fp32 master, exp_avg, exp_avg_sq and grad (16 B/param), a compute copy for bf16 (2 B/param),
-    and buffers in the compute dtype: what HostState allocates."""
+    and frozen weights and buffers in their own dtype: what HostState allocates."""
     per_param = 16 + (0 if compute_dtype == torch.float32 else compute_dtype.itemsize)
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            total += p.numel() * (per_param if p.requires_grad else compute_dtype.itemsize)
+            total += p.numel() * (per_param if p.requires_grad else p.element_size())
     for b in model.buffers():
-        total += b.numel() * (compute_dtype.itemsize if b.is_floating_point() else b.element_size())
+        total += b.numel() * b.element_size()
     return total
 
 

@@ -3,7 +3,7 @@
 Each stage owns the trainable parameters it is the first to use; they sit in flat buffers per
 owner (master, exp_avg, exp_avg_sq, grad: 16 B/param, plus 2 B/param for the bf16 copy the
 device fetches when compute is bf16), so the optimizer makes one pass over each block.
-Buffers and frozen parameters are kept once, in the compute dtype, and never updated.
+Buffers and frozen parameters are kept once, in the model's own dtype, and never updated.
 """
 from __future__ import annotations
 
@@ -75,8 +75,9 @@ class HostState:
         self.consts: dict[str, torch.Tensor] = {}
         for name, entry in captured.state.items():
             if name not in self.slots:
-                dtype = compute_dtype if entry.dtype.is_floating_point else entry.dtype
-                self.consts[name] = torch.zeros(entry.shape, dtype=dtype)
+                # Kept in the model's own dtype (a frozen fp32 weight stays exact); the prefetch
+                # casts to the compute dtype as it copies.
+                self.consts[name] = torch.zeros(entry.shape, dtype=entry.dtype)
         # How many stages produce a gradient for each parameter (2 for a tied embedding).
         self.uses: dict[str, int] = {}
         for stage in captured.stages:
@@ -115,7 +116,8 @@ class HostState:
         return self._view(self.owners[self.slots[name].owner].master, name)
 
     def source(self, name: str) -> torch.Tensor:
-        """The host tensor a prefetch copies to the device, already in the compute dtype."""
+        """The host tensor a prefetch copies to the device (trainable: already in the compute
+        dtype; buffers and frozen weights: in their own dtype, cast by the copy)."""
         if name in self.consts:
             return self.consts[name]
         return self._view(self.owners[self.slots[name].owner].compute, name)

@@ -112,3 +112,28 @@ def test_fused_plan_dump_names_the_kernels(tmp_path):
     unfused = megacompile.compile(models.hf_llama(layers=2, d=32), hbm_budget=1.0, device="cpu")
     unfused.step(input_ids=ids, labels=ids)
     assert not unfused.plan.fused and engine.plan.fused
+
+
+def test_frozen_parameters_stay_put_and_the_rest_trains_as_eager():
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=3, d=64)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    reference = clone(model)
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3)
+    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu",
+                                 optimizer=megacompile.AdamW(lr=1e-3, kernel="torch"))
+    for seed in range(3):
+        ids = _ids(seed=seed)
+        ours = engine.step(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        assert ours == pytest.approx(loss.item(), rel=1e-5)
+    state = engine.state_dict()
+    frozen = model.model.embed_tokens.weight
+    assert torch.equal(state["model.embed_tokens.weight"], frozen.detach())
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-7)
