@@ -61,6 +61,25 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .cost.calibrate import measure, measure_gpu
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise MegacompileError("--device cuda: torch sees no GPU here; calibrate the cpu profile with --device cpu")
+    profile = measure_gpu() if args.device == "cuda" else measure()
+    for key, value in profile.to_dict().items():
+        print(f"  {key:<24} {value:.4g}" if isinstance(value, float) else f"  {key:<24} {value}")
+    tmp = f"{args.out}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(profile.to_dict(), f, indent=1)
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}: use it with `megacompile plan --hardware {args.out}`")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megacompile", description="Full-precision LLM training on one GPU.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -88,7 +107,8 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser("plan", help="plan a model from its Hugging Face config.json without weights or a GPU")
     q.add_argument("--config", required=True, help="config.json (or its folder) of a causal LM")
     q.add_argument("--hbm-budget", type=float, required=True, help="GiB of device memory the plan may use")
-    q.add_argument("--hardware", default="h100", help="h100, h100-pcie, h200, gh200, a100, or cpu")
+    q.add_argument("--hardware", default="h100",
+                   help="h100, h100-pcie, h200, gh200, a100, cpu, or a profile.json from `megacompile calibrate`")
     q.add_argument("--batch", type=int, default=1, help="sequences per step")
     q.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step: choose the micro-batch and accumulation that train fastest")
@@ -96,6 +116,11 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     q.set_defaults(run=_plan)
+
+    c = sub.add_parser("calibrate", help="measure this machine's GPU and host into a hardware profile")
+    c.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    c.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+    c.set_defaults(run=_calibrate)
     return p
 
 

@@ -142,3 +142,15 @@ def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys)
         except megacompile.BudgetTooSmallError:
             continue
         assert other.prediction.tokens_per_s <= best.prediction.tokens_per_s
+
+
+def test_a_calibrated_profile_plans(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    assert main(["calibrate", "--device", "cpu", "--out", str(profile)]) == 0
+    measured = json.loads(profile.read_text())
+    assert measured["peak_fp32"] > 0 and measured["h2d_bw"] > 0
+    plan = megacompile.plan(SMALL_LLAMA, 1.0, hardware=str(profile), batch=2, seq=64)
+    assert plan.hardware.name == measured["name"] and plan.prediction.step_s > 0
+    (tmp_path / "broken.json").write_text("{}")
+    with pytest.raises(megacompile.MegacompileError, match="cannot read the hardware profile"):
+        get_profile(str(tmp_path / "broken.json"))
