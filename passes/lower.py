@@ -56,7 +56,7 @@ def lower(captured: CapturedModel) -> Program:
         if captured.train:
             saved_parts = tuple(dict.fromkeys(p for ps in parts[len(outs):] for p in ps))
             values[saved(s)] = Value(saved(s), saved_parts, "saved")
-            # Offloaded saved values come back as one contiguous tensor each (offload pass).
+            # Offloaded saved values come back as one dense tensor each (offload pass): its own bytes.
             values[restored(s)] = Value(restored(s), tuple((f"h{s}.{j}", m.nbytes) for j, m in enumerate(t.saved)),
                                         "saved")
             writes += (saved(s),)

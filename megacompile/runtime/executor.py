@@ -15,13 +15,13 @@ import torch
 
 from ..capture import CapturedModel
 from ..ir.program import SEED, Node, Program, act_grad, grads, saved, weights
+from .backend import Backend, Event, dense_like
+from .host import HostState
 
 # The host work of one optimizer step: update(stage, context) and clip(context), where context
 # is a dict made when the step starts (step number, learning rate) that clip adds its scale to.
 UpdateFn = Callable[[int, dict], None]
 ClipFn = Callable[[dict], None]
-from .backend import Backend, Event, dense_like
-from .host import HostState
 
 
 class Executor:
@@ -176,7 +176,8 @@ class Executor:
             self._env[act_grad(s, k)] = value
 
     def _restore(self, node: Node) -> None:
-        """Saved activations back from host memory, one contiguous tensor each."""
+        """Saved activations back from host memory, one dense tensor each (a transpose keeps its
+        layout, so the backward's kernels read it as they would have)."""
         s, name = node.stage, node.writes[0]
         host = self._stash.pop(s)
         dst = [dense_like(h, self.backend.device) for h in host]
