@@ -88,22 +88,26 @@ class Plan:
         return items + [(f"{node.op.value} {stage} working set", node.transient)]
 
     def block_decisions(self) -> list[str]:
-        """Per block: kept or recomputed, the device bytes at stake and the seconds paid, grouped
-        over runs of blocks with the same decision (blocks share one template, so one size)."""
+        """Per block: kept, offloaded or recomputed, and whether it saves selectively; the device
+        bytes at stake and the seconds paid, grouped over runs of blocks with the same decision."""
         if not self.captured.train:
             return []
+        from .cost.predict import compute_seconds
         recomputed = {n.stage for n in self.program.nodes if n.op is Op.RECOMPUTE}
         offloaded = set(self.program.facts.get("offload", []))
         seconds = {}
         for n in self.program.nodes:
             if n.op is Op.FORWARD and self.hardware is not None:
-                from .cost.predict import compute_seconds
                 seconds[n.stage] = compute_seconds(self.captured, n, self.hardware)[0]
         names = self.program.stage_names
-        blocks = [s for s, st in enumerate(self.captured.stages) if st.template.kind == "block"]
+        stages = self.captured.stages
+        blocks = [s for s, st in enumerate(stages) if st.template.kind == "block"]
+
+        def decision(b: int) -> tuple:
+            return b in recomputed, b in offloaded, stages[b].template.full is not None
+
         groups: list[list[int]] = []
         for s in blocks:
-            decision = lambda b: (b in recomputed, b in offloaded)  # noqa: E731
             if groups and decision(groups[-1][-1]) == decision(s) and groups[-1][-1] == s - 1:
                 groups[-1].append(s)
             else:
@@ -111,20 +115,34 @@ class Plan:
         lines = []
         for g in groups:
             span = names[g[0]] if len(g) == 1 else f"{names[g[0]]}..{names[g[-1]]}"
-            held = fmt_bytes(self.program.values[f"saved{g[0]}"].nbytes)
+            saved_bytes = self.program.values[f"saved{g[0]}"].nbytes
+            held = fmt_bytes(saved_bytes)
             cost = f", costs {seconds[g[0]] * 1e3:.3g} ms of forward each" if g[0] in seconds else ""
             if g[0] in recomputed:
-                lines.append(f"  {span:<14} recompute: frees {held} each between forward and backward{cost}")
+                line = f"recompute: frees {held} each between forward and backward{cost}"
             elif g[0] in offloaded:
                 link = ""
                 if self.hardware is not None:
-                    link = (f", {self.program.values[f'saved{g[0]}'].nbytes / self.hardware.d2h_bw * 1e3:.3g} ms "
-                            "over the link each way, beside compute")
-                lines.append(f"  {span:<14} offload: {held} each waits in host memory between forward and backward{link}")
+                    link = f", {saved_bytes / self.hardware.d2h_bw * 1e3:.3g} ms over the link each way, beside compute"
+                line = f"offload: {held} each waits in host memory between forward and backward{link}"
             else:
-                lines.append(f"  {span:<14} keep: holds {held} each from forward to backward (recompute would "
-                             f"save that{cost})")
+                line = f"keep: holds {held} each from forward to backward (recompute would save that{cost})"
+            lines.append(f"  {span:<14} {line}{self._selective_note(stages[g[0]].template)}")
         return lines
+
+    def _selective_note(self, template) -> str:
+        """For a block on its selective variant: the bytes it does not save, the seconds that costs."""
+        full = template.full
+        if full is None:
+            return ""
+        note = f"; saves only matmul and attention outputs, {fmt_bytes(full.saved_bytes - template.saved_bytes)} less"
+        if self.hardware is not None:
+            from .cost import graph_cost
+            dtype = self.captured.compute_dtype
+            extra = (graph_cost(template.backward, self.hardware, dtype).seconds
+                     - graph_cost(full.backward, self.hardware, dtype).seconds)
+            note += f", for {extra * 1e3:.3g} ms of cheap ops redone in its backward"
+        return note
 
     def recompute_why(self) -> list[dict]:
         """For each recomputed block: the device bytes it frees between its passes, the seconds it costs."""
@@ -158,6 +176,8 @@ class Plan:
             "prefetch_depth": choice.prefetch_depth if choice else None,
             "recompute": self.recomputed,
             "recompute_why": self.recompute_why(),
+            "offload": [self.program.stage_names[s] for s in sorted(choice.offload)] if choice else [],
+            "selective": [self.program.stage_names[s] for s in sorted(choice.selective)] if choice else [],
             "hardware": self.hardware.name if self.hardware else None,
             **(self.prediction.to_dict() if self.prediction else {}),
             "passes": self.program.passes,
@@ -201,7 +221,8 @@ class Plan:
             resident = ", ".join(self.program.stage_names[s] for s in sorted(choice.resident)) or "none"
             lines.append(f"  schedule       prefetch depth {choice.prefetch_depth}; recompute "
                          f"{f'{len(names)} of {blocks} blocks ({listed})' if names else 'none'}; offload "
-                         f"{len(choice.offload)} blocks' saved activations; resident for the step: {resident}")
+                         f"{len(choice.offload)} blocks' saved activations; {len(choice.selective)} blocks save "
+                         f"only matmul and attention outputs; resident for the step: {resident}")
         lines += self.block_decisions()
         p = self.prediction
         if p is not None:

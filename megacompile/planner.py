@@ -10,6 +10,9 @@ from .capture.model_graph import owners
 from .cost import HardwareProfile, get_profile, predict
 from .ir.program import Program
 from .passes import ScheduleChoice, StepKind, build_schedule, solve
+from .passes.lower import lower
+from .passes.selective import with_selective
+from .passes.solve import Family, Selective, families
 from .passes.baselines import baseline_choice
 from .plan import Plan
 
@@ -27,26 +30,27 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     hardware = hardware or default_profile(backend)
     built: dict[ScheduleChoice, Program] = {}
+    lowered: dict[tuple, Program] = {}
+
+    def lower_once(c: CapturedModel) -> Program:
+        # Keyed by the templates the stages run (the selective set); passes never edit their input.
+        key = tuple(id(st.template) for st in c.stages)
+        if key not in lowered:
+            lowered[key] = lower(c)
+        return lowered[key].copy()
 
     def schedule(choice: ScheduleChoice) -> Program:
         if choice not in built:
-            built[choice] = build_schedule(captured, choice, kind, check=False)
+            built[choice] = build_schedule(captured, choice, kind, check=False, lowered=lower_once)
         return built[choice]
 
     def peak_of(choice: ScheduleChoice) -> int:
         return simulate(schedule(choice)).peak
 
     def seconds_of(choice: ScheduleChoice) -> float:
-        return predict(schedule(choice), captured, hardware).step_s
+        return predict(schedule(choice), with_selective(captured, choice.selective), hardware).step_s
 
-    # The prologue (embeddings) may stay on the device for the whole step instead of coming twice.
-    small = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind == "prologue")
-    residents = (frozenset(), small) if small and captured.train else (frozenset(),)
-    # Offloading saved activations trades link time for recompute time: try none, some, all.
-    n = len(blocks)
-    offload_counts = sorted({0, n // 4, n // 2, (3 * n) // 4, n}) if captured.train and n else (0,)
-    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of, residents, offload_counts,
-                            _offload_lag(captured, blocks, hardware))
+    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of, search_space(captured, blocks, hardware))
     if choice is None:
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
         raise BudgetTooSmallError(
@@ -57,21 +61,36 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
             f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
     program = build_schedule(captured, choice, kind, check=True, dump_dir=dump_dir)
     verify(program, budget_bytes=budget_bytes, owners=owners(captured)[1] if captured.train else None)
+    captured = with_selective(captured, choice.selective)
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
                 prediction=predict(program, captured, hardware))
 
 
-def _offload_lag(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile) -> int:
+def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile) -> list[Family]:
+    """The candidate families the solver searches for this model."""
+    if not captured.train or not blocks:
+        return families()
+    # The prologue (embeddings) may stay on the device for the whole step instead of coming twice.
+    small = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind == "prologue")
+    residents = (frozenset(), small) if small else (frozenset(),)
+    # Offloading saved activations trades link time for recompute time: the first 0, n/8, .., n.
+    n = len(blocks)
+    offload_counts = sorted({round(n * i / 8) for i in range(9)})
+    template = captured.stages[blocks[0]].template
+    selective = (Selective.NONE,) if template.selective is None else tuple(Selective)
+    return families(residents, offload_counts, selective,
+                    lambda mode: _offload_lag(captured, blocks[0], mode is not Selective.NONE, hardware))
+
+
+def _offload_lag(captured: CapturedModel, block: int, selective: bool, hardware: HardwareProfile) -> int:
     """How many block computes one saved-activation copy spans on this hardware (1 to 8)."""
-    if not blocks or not captured.train:
-        return 1
     import math
 
     from .cost import graph_cost
-    t = captured.stages[blocks[0]].template
-    saved_bytes = sum(m.nbytes for m in t.saved)
+    t = captured.stages[block].template
+    t = t.selective if selective and t.selective is not None else t
     compute = graph_cost(t.forward, hardware, captured.compute_dtype).seconds
-    return max(1, min(8, math.ceil(saved_bytes / hardware.d2h_bw / max(compute, 1e-9))))
+    return max(1, min(8, math.ceil(t.saved_bytes / hardware.d2h_bw / max(compute, 1e-9))))
 
 
 def default_profile(backend: str) -> HardwareProfile:

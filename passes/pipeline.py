@@ -29,6 +29,7 @@ from .lower import lower
 from .offload import offload_saved
 from .optimizer import place_optimizer
 from .remat import remat
+from .selective import with_selective
 from .transfers import transfers
 
 
@@ -43,7 +44,8 @@ class StepKind:
 class ScheduleChoice:
     """What the solver decides: how far ahead to prefetch and which stages to recompute.
 
-    The last three fields are never chosen by the solver; they express other systems' schedules
+    `selective` blocks run their template's variant that saves only the outputs of matmuls and
+    attention and recomputes the cheap ops in the backward (capture/split.py). The last three fields are never chosen by the solver; they express other systems' schedules
     (passes/baselines.py) in the same IR, so the cost model can compare them.
     """
     prefetch_depth: int = 1
@@ -51,6 +53,7 @@ class ScheduleChoice:
     resident: frozenset[int] = field(default_factory=frozenset)   # fetched once, kept the whole step
     offload: frozenset[int] = field(default_factory=frozenset)    # saved values kept in host memory
     offload_lag: int = 1          # compute nodes an offload (or restore) runs beside before it is needed
+    selective: frozenset[int] = field(default_factory=frozenset)  # blocks that save only costly values
     extra_forwards: int = 0            # forwards run and thrown away before each recompute
     refetch_per_pass: bool = False     # fetch weights again for every recompute
     serial_optimizer: bool = False     # updates after the whole backward; the next step waits for all
@@ -80,12 +83,17 @@ INFERENCE_PASSES: list[tuple[str, Pass]] = [
 
 
 def build_schedule(captured: CapturedModel, choice: ScheduleChoice, kind: StepKind = StepKind(), *,
-                   check: bool = True, dump_dir: str | None = None) -> Program:
-    """Run the pipeline; verify after every pass when `check`; write each pass's output to `dump_dir`."""
+                   check: bool = True, dump_dir: str | None = None,
+                   lowered: Callable[[CapturedModel], Program] = lower) -> Program:
+    """Run the pipeline; verify after every pass when `check`; write each pass's output to `dump_dir`.
+
+    `lowered` makes the first program; the solver passes a cached `lower` (it builds hundreds of
+    schedules over a few distinct sets of templates)."""
     dump_dir = dump_dir or os.environ.get("MEGACOMPILE_DUMP_DIR")
+    captured = with_selective(captured, choice.selective)
     contributors = owners(captured)[1] if captured.train else None
     start = time.perf_counter()
-    program = lower(captured)
+    program = lowered(captured)
     seconds = {"lower": time.perf_counter() - start}
     passes = TRAINING_PASSES if captured.train else INFERENCE_PASSES
     _after_pass(program, "lower", 0, check, dump_dir, None)

@@ -1,11 +1,18 @@
 """Choose the schedule: the fastest predicted choice whose simulated peak fits the budget.
 
-Choices: how many compute nodes ahead weights are prefetched (depth 0, 1, 2), which blocks keep
-their saved activations in host memory (offload) and which are recomputed, and whether the small
-stages (embeddings, head) stay resident for the step. For a depth, recomputing the first k blocks (the earliest blocks' saved
-activations live longest, so dropping them lowers the peak most) never raises the peak and
-never speeds the step up, so the best k is the smallest that fits, found by bisection. The
-solver then takes the fastest depth. It sees two functions, choice -> peak bytes and choice ->
+Per block there are four ways to hold what its backward needs, from fastest and largest to
+slowest and smallest: keep every saved value on the device; keep only the costly ones (matmul
+and attention outputs) and recompute the cheap ops in the backward ("selective", see
+capture/split.py); send the saved values to host memory and bring them back (offload: free on
+the device, paid in link time); recompute the whole block forward (one block input kept).
+
+The solver also picks how many compute nodes ahead weights are prefetched (depth 0, 1, 2) and
+whether the small stages (embeddings) stay resident for the step. Families of candidates fix
+depth, residents, how many of the first blocks are offloaded and which blocks save selectively;
+within a family, recomputing the first k of the remaining blocks (the earliest blocks' saved
+values live longest, so dropping them lowers the peak most) never raises the peak and never
+speeds the step up, so the best k is the smallest that fits, found by bisection. The solver then
+takes the fastest family's choice. It sees two functions, choice -> peak bytes and choice ->
 predicted seconds, and knows nothing of graphs.
 
 Monotone in the budget: a larger budget only adds feasible choices, so the chosen step is never
@@ -13,6 +20,8 @@ slower, and its peak is within the budget by construction.
 """
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .pipeline import ScheduleChoice
@@ -20,17 +29,39 @@ from .pipeline import ScheduleChoice
 DEPTHS = (2, 1, 0)
 
 
-def candidates(blocks: Sequence[int], depth: int, resident: frozenset[int] = frozenset(),
-               offloaded: int = 0, lag: int = 1) -> list[ScheduleChoice]:
-    """The first `offloaded` blocks keep their saved values in host memory; of the rest, the
-    first k are recomputed, for k = 0 .. all."""
-    stash, rest = frozenset(blocks[:offloaded]), blocks[offloaded:]
-    return [ScheduleChoice(depth, frozenset(rest[:k]), resident, offload=stash, offload_lag=lag)
-            for k in range(len(rest) + 1)]
+class Selective(enum.Enum):
+    """Which blocks run the template variant that saves only costly values."""
+    NONE = "none"
+    KEPT = "kept"    # the blocks not recomputed: their saved values are what selective shrinks
+    ALL = "all"      # recomputed blocks too: a smaller saved set during their backward
+
+
+@dataclass(frozen=True)
+class Family:
+    depth: int
+    resident: frozenset[int] = frozenset()
+    offloaded: int = 0                   # the first blocks whose saved values go to host memory
+    selective: Selective = Selective.NONE
+    lag: int = 1                         # compute nodes an activation copy runs beside
+
+
+def candidates(blocks: Sequence[int], family: Family) -> list[ScheduleChoice]:
+    """The family's choices, k = 0 .. all of the blocks not offloaded recomputed, in order."""
+    stash, rest = frozenset(blocks[:family.offloaded]), blocks[family.offloaded:]
+    out = []
+    for k in range(len(rest) + 1):
+        recompute = frozenset(rest[:k])
+        selective = {Selective.NONE: frozenset(), Selective.ALL: frozenset(blocks),
+                     Selective.KEPT: frozenset(blocks) - recompute}[family.selective]
+        out.append(ScheduleChoice(family.depth, recompute, family.resident, offload=stash,
+                                  offload_lag=family.lag if stash else 1, selective=selective))
+    return out
 
 
 def smallest_fit(options: list[ScheduleChoice], budget_bytes: int,
                  peak_of: Callable[[ScheduleChoice], int]) -> ScheduleChoice | None:
+    if peak_of(options[0]) <= budget_bytes:
+        return options[0]
     if peak_of(options[-1]) > budget_bytes:
         return None
     lo, hi = 0, len(options) - 1
@@ -43,22 +74,38 @@ def smallest_fit(options: list[ScheduleChoice], budget_bytes: int,
     return options[lo]
 
 
+def families(residents: Sequence[frozenset[int]] = (frozenset(),), offload_counts: Sequence[int] = (0,),
+             selective: Sequence[Selective] = (Selective.NONE,),
+             lag_of: Callable[[Selective], int] = lambda _: 1) -> list[Family]:
+    return [Family(d, r, j, s, lag_of(s)) for d in DEPTHS for r in residents for j in offload_counts
+            for s in selective]
+
+
 def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
           seconds_of: Callable[[ScheduleChoice], float] | None = None,
-          residents: Sequence[frozenset[int]] = (frozenset(),),
-          offload_counts: Sequence[int] = (0,), offload_lag: int = 1) -> tuple[ScheduleChoice | None, int]:
+          options: Sequence[Family] | None = None) -> tuple[ScheduleChoice | None, int]:
     """The fastest choice that fits (None if none does), and the smallest peak any choice reaches.
 
-    `residents`: sets of stages that may be kept on the device for the whole step (fetched once,
-    not twice). `offload_counts`: how many of the first blocks may keep their saved activations in
-    host memory instead (each count is a family of candidates). Without `seconds_of`, deeper
-    prefetch and fewer recomputed blocks count as faster."""
-    fits = [c for c in (smallest_fit(candidates(blocks, d, r, j, offload_lag), budget_bytes, peak_of)
-                        for d in DEPTHS for r in residents for j in offload_counts) if c]
-    minimum = min(peak_of(candidates(blocks, d)[-1]) for d in DEPTHS)
+    `options`: the families to search (default: the three depths, nothing else). Without
+    `seconds_of`, deeper prefetch and fewer recomputed blocks count as faster."""
+    options = list(options or families())
+    fits: list[ScheduleChoice] = []
+    settled: set[tuple] = set()
+    for f in options:
+        # Once a depth and resident set fit with every block kept whole, the other families of
+        # that pair only add work (offload traffic, recompute, redone cheap ops): skip them.
+        if (f.depth, f.resident) in settled:
+            continue
+        choice = smallest_fit(candidates(blocks, f), budget_bytes, peak_of)
+        if choice is None:
+            continue
+        fits.append(choice)
+        if not (choice.recompute or choice.offload or choice.selective):
+            settled.add((f.depth, f.resident))
+    minimum = min(peak_of(candidates(blocks, Family(f.depth, selective=f.selective))[-1]) for f in options)
     if not fits:
         return None, minimum
     if seconds_of is None:
         return min(fits, key=lambda c: (len(c.recompute), -c.prefetch_depth)), minimum
     return min(fits, key=lambda c: (seconds_of(c), len(c.recompute), len(c.offload), -c.prefetch_depth,
-                                    len(c.resident))), minimum
+                                    len(c.resident), len(c.selective))), minimum

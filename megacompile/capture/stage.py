@@ -6,6 +6,7 @@ it is then split into the forward and backward graphs that the schedule runs.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -59,6 +60,10 @@ class StageTemplate:
     bwd_memory: GraphMemory | None = None
     inf_memory: GraphMemory | None = None
     n_fx_nodes: int = 0
+    # The same stage with its cheap ops recomputed in the backward (split.py, `selective`): it
+    # saves fewer bytes. None where that saves nothing, and on every stage but the block.
+    selective: "StageTemplate | None" = field(default=None, repr=False, compare=False)
+    full: "StageTemplate | None" = field(default=None, repr=False, compare=False)  # on a variant: what it replaces
 
     @property
     def grad_params(self) -> list[int]:
@@ -75,6 +80,10 @@ class StageTemplate:
     @property
     def weight_bytes(self) -> int:
         return sum(p.meta.nbytes for p in self.params)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(m.nbytes for m in self.saved)
 
     @property
     def random(self) -> bool:
@@ -105,16 +114,24 @@ def trace_stage(kind: str, source: SourceFn, params: list[ParamSlot], fake_param
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CaptureError(f"cannot trace the {kind} stage ({origin}): {type(e).__name__}: {first}") from e
-    split = split_joint(joint, len(params), len(fake_acts), len(outputs))
+    _adopt_split(template, split_joint(joint, len(params), len(fake_acts), len(outputs)))
+    template.n_fx_nodes = len(joint.graph.nodes)
+    if kind == "block":
+        variant = dataclasses.replace(template)
+        _adopt_split(variant, split_joint(joint, len(params), len(fake_acts), len(outputs), selective=True))
+        if variant.saved_bytes < template.saved_bytes:
+            template.selective, variant.full = variant, template
+    return template
+
+
+def _adopt_split(template: StageTemplate, split) -> None:
     template.forward = StageProgram(split.forward)
     template.backward = StageProgram(split.backward)
-    saved_nodes = list(template.forward.output_node.args[0])[len(outputs):]
+    saved_nodes = list(template.forward.output_node.args[0])[len(template.outputs):]
     template.saved = [TensorMeta.of(n.meta["val"], False) for n in saved_nodes]
     template.bwd_params, template.bwd_acts = split.bwd_params, split.bwd_acts
     template.fwd_memory = template.forward.simulate()
     template.bwd_memory = template.backward.simulate()
-    template.n_fx_nodes = len(joint.graph.nodes)
-    return template
 
 
 def _joint(source: SourceFn, template: StageTemplate):

@@ -82,7 +82,11 @@ def fuse_template(t: StageTemplate, only: set[str] | None = None) -> StageTempla
                 rewrite(pair)
                 pair.fwd.dce()
                 pair.bwd.dce()
-        return pair.template()
+        fused = pair.template()
+        if t.selective is not None:
+            fused.selective = fuse_template(t.selective, only)
+            fused.selective.full = fused
+        return fused
     if t.inference is not None:
         edit = GraphEdit(copy_module(t.inference.gm))
         for name, rewrite in FORWARD_ONLY.items():
