@@ -20,23 +20,25 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         sys.exit("plotting needs matplotlib: pip install matplotlib")
-    series = defaultdict(list)
+    series = defaultdict(lambda: defaultdict(list))     # model -> metric -> [(MiB, value)]
     with open(path) as f:
         for row in csv.DictReader(f):
-            series[row["metric"]].append((int(row["budget_bytes"]) / 2**20, float(row["value"])))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for metric, style in (("predicted_step_s", "--o"), ("measured_step_s", "-o")):
-        xs, ys = zip(*sorted(series[metric]))
-        left.plot(xs, [y * 1e3 for y in ys], style, label=metric.replace("_", " "))
-    left.set(xlabel="budget (MiB)", ylabel="step time (ms)", title="step time")
-    for metric, style in (("predicted_peak_bytes", "--o"), ("measured_peak_bytes", "-o")):
-        xs, ys = zip(*sorted(series[metric]))
-        right.plot(xs, [y / 2**20 for y in ys], style, label=metric.replace("_", " "))
-    xs = sorted(x for x, _ in series["predicted_peak_bytes"])
-    right.plot(xs, xs, ":", color="gray", label="budget")
-    right.set(xlabel="budget (MiB)", ylabel="device peak (MiB)", title="device peak")
-    for ax in (left, right):
-        ax.legend()
+            series[row.get("model", "nanogpt")][row["metric"]].append((int(row["budget_bytes"]) / 2**20,
+                                                                      float(row["value"])))
+    fig, axes = plt.subplots(len(series), 2, figsize=(11, 4 * len(series)), squeeze=False)
+    for (model, metrics), (left, right) in zip(series.items(), axes):
+        for metric, style in (("predicted_step_s", "--o"), ("measured_step_s", "-o")):
+            xs, ys = zip(*sorted(metrics[metric]))
+            left.plot(xs, [y * 1e3 for y in ys], style, label=metric.replace("_", " "))
+        left.set(xlabel="budget (MiB)", ylabel="step time (ms)", title=f"{model}: step time")
+        for metric, style in (("predicted_peak_bytes", "--o"), ("measured_peak_bytes", "-o")):
+            xs, ys = zip(*sorted(metrics[metric]))
+            right.plot(xs, [y / 2**20 for y in ys], style, label=metric.replace("_", " "))
+        xs = sorted(x for x, _ in metrics["predicted_peak_bytes"])
+        right.plot(xs, xs, ":", color="gray", label="budget")
+        right.set(xlabel="budget (MiB)", ylabel="device peak (MiB)", title=f"{model}: device peak")
+        for ax in (left, right):
+            ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")

@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .engine import Engine
-from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, InputMismatchError, LossError,
-                     MegacompileError, OptimizerInputError, PlanVerificationError)
+from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, HostMemoryError, InputMismatchError,
+                     LossError, MegacompileError, OptimizerInputError, PlanVerificationError)
 from .optim import AdamW
 from .plan import Plan
 from .planning import plan
@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
             compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
             loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None,
-            grad_accum: int = 1, fuse: bool | None = None) -> Engine:
+            grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None) -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -44,14 +44,16 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                    every grad_accum-th call updates the masters
     fuse:          rewrite the stage graphs onto megacompile's fused Triton kernels (passes/fusion);
                    default: on for cuda, off for cpu (where Triton runs in its slow interpreter)
+    host_budget:   GiB of host RAM for masters, AdamW state and offloaded activations; default: 90%
+                   of this machine's RAM. Too little for the masters raises HostMemoryError.
 
     torch LR schedulers attach to `engine.torch_optimizer`.
     """
     return Engine(model, hbm_budget, optimizer=optimizer, compute_dtype=compute_dtype, device=device,
                   loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir, grad_accum=grad_accum,
-                  fuse=fuse)
+                  fuse=fuse, host_budget=host_budget)
 
 
-__all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError",
+__all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
            "OptimizerInputError"]

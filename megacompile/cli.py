@@ -27,11 +27,11 @@ def _train(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from .errors import BudgetTooSmallError
+    from .errors import BudgetTooSmallError, HostMemoryError
     from .ir.printer import fmt_bytes
     from .planning import plan
     from .planning import plan_global_batch
-    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype])
+    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget)
     accumulate = 1
     try:
         if args.global_batch:
@@ -39,6 +39,11 @@ def _plan(args: argparse.Namespace) -> int:
         else:
             result = plan(args.config, args.hbm_budget, batch=args.batch, **kwargs)
         fits = True
+    except HostMemoryError as e:    # the masters alone do not fit the host: nothing else matters
+        print(f"  verdict        does NOT fit: {e}")
+        if args.json:
+            print(json.dumps({"fits": False, "host_budget_bytes": int(args.host_budget * 2**30), "error": str(e)}))
+        return 0
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take.
         batch = 1 if args.global_batch else args.batch
@@ -114,6 +119,8 @@ def parser() -> argparse.ArgumentParser:
                    help="sequences per optimizer step: choose the micro-batch and accumulation that train fastest")
     q.add_argument("--seq", type=int, default=2048)
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
+    q.add_argument("--host-budget", type=float, default=None,
+                   help="GiB of host RAM for masters, AdamW state and offloaded activations (default: not limited)")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     q.set_defaults(run=_plan)
 

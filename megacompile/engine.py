@@ -7,6 +7,7 @@ gradients) is shared by every plan.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,8 @@ from .optim.lr_handle import LearningRateHandle
 from .passes import StepKind
 from .optim.fused_adamw import adamw_update_
 from .plan import Plan
-from .planner import make_plan
+from .planner import make_plan, require_host_room
+from .planning import host_bytes_of
 from .runtime import Executor, HostState, make_backend
 
 GiB = 2 ** 30
@@ -40,7 +42,7 @@ class Engine:
     def __init__(self, model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
                  compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
                  loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
-                 grad_accum: int = 1, fuse: bool | None = None):
+                 grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         if not isinstance(hbm_budget, (int, float)) or not hbm_budget > 0:
@@ -54,8 +56,12 @@ class Engine:
                                    f"got {grad_accum!r}")
         if not any(True for _ in model.parameters()):
             raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
+        if host_budget is not None and (not isinstance(host_budget, (int, float)) or not host_budget > 0):
+            raise MegacompileError(f"host_budget is the host RAM the plan may use, in GiB, and must be a positive "
+                                   f"number (or None for 90% of this machine's RAM); got {host_budget!r}")
         self.model = model
         self.budget_bytes = int(hbm_budget * GiB)
+        self.host_budget_bytes = int(host_budget * GiB) if host_budget is not None else int(0.9 * physical_ram())
         self.optimizer = optimizer or AdamW()
         self.compute_dtype = compute_dtype
         self.loss_fn = loss_fn
@@ -107,11 +113,14 @@ class Engine:
                                loss_fn=self.loss_fn, train=train)
             self._captured[signature] = captured
         if self.host is None:
+            # Before allocating: too little host RAM must fail here, not in the allocator.
+            require_host_room(host_bytes_of(self.model, self.compute_dtype), self.host_budget_bytes)
             self.host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda")
             if self._materialized:
                 self.host.load_module(self.model)
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
-                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse)
+                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse,
+                         host_budget_bytes=self.host_budget_bytes)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self._adamw, self._clip)
         compiled = _Compiled(plan.captured, plan, executor)
         self._compiled[(signature, kind)] = compiled
@@ -284,3 +293,8 @@ def _describe(args: tuple, kwargs: dict) -> str:
 
 def _describe_meta(captured: CapturedModel) -> str:
     return ", ".join(f"{m.shape}:{str(m.dtype).replace('torch.', '')}" for m in captured.inputs)
+
+
+def physical_ram() -> int:
+    """Bytes of RAM this machine has."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

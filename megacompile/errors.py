@@ -13,6 +13,10 @@ class BudgetTooSmallError(MegacompileError):
         self.minimum_bytes = minimum_bytes
 
 
+class HostMemoryError(MegacompileError):
+    """The host RAM budget cannot hold the fp32 masters and AdamW state."""
+
+
 class BudgetExceededError(MegacompileError):
     """The runtime was asked to hold more device bytes than the budget allows."""
 

@@ -29,6 +29,7 @@ class Plan:
     measured_peak_bytes: int | None = None
     hardware: HardwareProfile | None = None
     prediction: StepPrediction | None = None
+    host_budget_bytes: int | None = None     # host RAM the plan may use; None: not limited
     curve: MemoryCurve = field(init=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +172,7 @@ class Plan:
             "host_bytes": self.host_bytes + self.stash_bytes,
             "host_state_bytes": self.host_bytes,
             "host_activation_bytes": self.stash_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
             "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step,
             "prefetch_depth": choice.prefetch_depth if choice else None,
@@ -210,7 +212,8 @@ class Plan:
             f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, no prefetch overlap)",
             f"  host memory    {fmt_bytes(self.host_bytes + self.stash_bytes)}: {fmt_bytes(self.host_bytes)} of fp32 "
             f"masters, exp_avg, exp_avg_sq, grads{', compute copies' if c.compute_dtype != torch.float32 else ''}, "
-            f"buffers" + (f"; {fmt_bytes(self.stash_bytes)} of offloaded activations" if self.stash_bytes else ""),
+            f"buffers" + (f"; {fmt_bytes(self.stash_bytes)} of offloaded activations" if self.stash_bytes else "")
+            + (f" (host budget {fmt_bytes(self.host_budget_bytes)})" if self.host_budget_bytes is not None else ""),
             f"  moved per step {fmt_bytes(self.h2d_bytes_per_step)} host->device, "
             f"{fmt_bytes(self.d2h_bytes_per_step)} device->host",
         ]

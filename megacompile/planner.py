@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .capture import CapturedModel
-from .errors import BudgetTooSmallError
+from .errors import BudgetTooSmallError, HostMemoryError
 from .ir.printer import fmt_bytes
 from .ir.simulate import simulate
 from .ir.verify import verify
@@ -21,9 +21,13 @@ GiB = 2 ** 30
 
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
               host_bytes: int, dump_dir: str | None = None, fuse: bool = False,
-              hardware: HardwareProfile | None = None) -> Plan:
+              hardware: HardwareProfile | None = None, host_budget_bytes: int | None = None) -> Plan:
     """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
-    rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs."""
+    rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs.
+
+    `host_bytes`: host RAM the masters and AdamW state take; with `host_budget_bytes`, activations
+    are offloaded only as far as the rest of that budget holds them."""
+    require_host_room(host_bytes, host_budget_bytes)
     if fuse:
         from .passes.fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
@@ -50,7 +54,9 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     def seconds_of(choice: ScheduleChoice) -> float:
         return predict(schedule(choice), with_selective(captured, choice.selective), hardware).step_s
 
-    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of, search_space(captured, blocks, hardware))
+    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of, search_space(captured, blocks, hardware,
+                                                                          None if host_budget_bytes is None
+                                                                          else host_budget_bytes - host_bytes))
     if choice is None:
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
         raise BudgetTooSmallError(
@@ -63,11 +69,22 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     verify(program, budget_bytes=budget_bytes, owners=owners(captured)[1] if captured.train else None)
     captured = with_selective(captured, choice.selective)
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
-                prediction=predict(program, captured, hardware))
+                prediction=predict(program, captured, hardware), host_budget_bytes=host_budget_bytes)
 
 
-def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile) -> list[Family]:
-    """The candidate families the solver searches for this model."""
+def require_host_room(host_bytes: int, host_budget_bytes: int | None) -> None:
+    """HostMemoryError unless the masters and AdamW state fit the host budget."""
+    if host_budget_bytes is not None and host_bytes > host_budget_bytes:
+        raise HostMemoryError(
+            f"the host RAM budget of {host_budget_bytes / GiB:.4g} GiB cannot hold the fp32 masters, AdamW "
+            f"moments, gradients and compute copies, which take {host_bytes / GiB:.4g} GiB "
+            f"({fmt_bytes(host_bytes)}); raise the host budget, or train a smaller model")
+
+
+def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile,
+                 host_room: int | None = None) -> list[Family]:
+    """The candidate families the solver searches for this model; `host_room`: host bytes left for
+    offloaded activations (None: no limit)."""
     if not captured.train or not blocks:
         return families()
     # The prologue (embeddings) may stay on the device for the whole step instead of coming twice.
@@ -78,8 +95,15 @@ def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareP
     offload_counts = sorted({round(n * i / 8) for i in range(9)})
     template = captured.stages[blocks[0]].template
     selective = (Selective.NONE,) if template.selective is None else tuple(Selective)
-    return families(residents, offload_counts, selective,
-                    lambda mode: _offload_lag(captured, blocks[0], mode is not Selective.NONE, hardware))
+    options = families(residents, offload_counts, selective,
+                       lambda mode: _offload_lag(captured, blocks[0], mode is not Selective.NONE, hardware))
+    if host_room is None:
+        return options
+
+    def stash(f: Family) -> int:    # offloaded blocks never recompute, so KEPT offloads the variant
+        t = template if f.selective is Selective.NONE or template.selective is None else template.selective
+        return f.offloaded * t.saved_bytes
+    return [f for f in options if stash(f) <= host_room]
 
 
 def _offload_lag(captured: CapturedModel, block: int, selective: bool, hardware: HardwareProfile) -> int:

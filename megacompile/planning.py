@@ -92,12 +92,14 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
 def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwareProfile = "h100", batch: int = 1,
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
          optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,
-         fuse: bool | None = None) -> Plan:
+         fuse: bool | None = None, host_budget: float | None = None) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
     their shapes (meta tensors are fine). Raises BudgetTooSmallError, naming the smallest budget,
-    when nothing fits. `style` ("megatrain", "zero3") plans another system's schedule instead, for
+    when nothing fits, and HostMemoryError when `host_budget` (GiB of host RAM; default: not
+    limited) cannot hold the masters and AdamW state; offloaded activations are kept within it.
+    `style` ("megatrain", "zero3") plans another system's schedule instead, for
     comparison, timed by the same cost model. `fuse` defaults to what compile() does on that
     hardware: the fused kernels on a GPU, none on the cpu backend.
     """
@@ -124,4 +126,5 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
         return make_baseline_plan(captured, int(hbm_budget * GiB), style, host_bytes=host_bytes_of(model, compute_dtype),
                                   backend=f"planned for {profile.name}", hardware=profile)
     return make_plan(captured, int(hbm_budget * GiB), kind, backend=f"planned for {profile.name}",
-                     host_bytes=host_bytes_of(model, compute_dtype), hardware=profile)
+                     host_bytes=host_bytes_of(model, compute_dtype), hardware=profile,
+                     host_budget_bytes=None if host_budget is None else int(host_budget * GiB))

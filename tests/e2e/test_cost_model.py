@@ -154,3 +154,38 @@ def test_a_calibrated_profile_plans(tmp_path, capsys):
     (tmp_path / "broken.json").write_text("{}")
     with pytest.raises(megacompile.MegacompileError, match="cannot read the hardware profile"):
         get_profile(str(tmp_path / "broken.json"))
+
+
+MID_LLAMA = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+             "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 4096, "max_position_embeddings": 2048}
+
+
+def test_host_budget_bounds_the_offloaded_activations():
+    free = megacompile.plan(MID_LLAMA, 3, hardware="gh200", batch=8, seq=2048)
+    assert free.stash_bytes > 0, "the budget must make offloading worth it for this test to mean anything"
+    room = free.stash_bytes // 2
+    host_budget = (free.host_bytes + room) / GiB
+    held = megacompile.plan(MID_LLAMA, 3, hardware="gh200", batch=8, seq=2048, host_budget=host_budget)
+    assert 0 < held.host_bytes + held.stash_bytes <= held.host_budget_bytes
+    assert held.stash_bytes <= room
+    assert held.prediction.step_s >= free.prediction.step_s     # fewer choices never predict faster
+    assert held.to_json()["host_budget_bytes"] == int(host_budget * GiB)
+
+
+def test_host_budget_below_the_masters_is_named(tmp_path, capsys):
+    with pytest.raises(megacompile.HostMemoryError, match="host RAM budget of 0.001 GiB cannot hold the fp32 masters"):
+        megacompile.plan(SMALL_LLAMA, 1.0, hardware="h100", batch=2, seq=64, host_budget=0.001)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    assert main(["plan", "--config", str(config), "--hbm-budget", "1", "--batch", "2", "--seq", "64",
+                 "--host-budget", "0.001", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit: the host RAM budget" in out
+    assert json.loads(out.strip().splitlines()[-1])["fits"] is False
+    with pytest.raises(megacompile.MegacompileError, match="host_budget is the host RAM"):
+        megacompile.compile(models.NanoGPT(), hbm_budget=1.0, device="cpu", host_budget=-1)
+    engine = megacompile.compile(models.NanoGPT(), hbm_budget=1.0, device="cpu", host_budget=1e-4)
+    ids = models.batch(96, 2, 16)
+    with pytest.raises(megacompile.HostMemoryError, match="cannot hold the fp32 masters"):
+        engine.step(idx=ids, targets=ids)
+    assert engine.host is None, "nothing is allocated for a plan that cannot fit"
