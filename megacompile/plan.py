@@ -88,62 +88,68 @@ class Plan:
         items = sorted(live.items(), key=lambda kv: -kv[1])[:top]
         return items + [(f"{node.op.value} {stage} working set", node.transient)]
 
-    def block_decisions(self) -> list[str]:
-        """Per block: kept, offloaded or recomputed, and whether it saves selectively; the device
-        bytes at stake and the seconds paid, grouped over runs of blocks with the same decision."""
+    def blocks(self) -> list[dict]:
+        """Per block, what the solver decided and why: how its saved values are held between the
+        passes ("keep", "offload" or "recompute"), whether it saves only the costly ones, the
+        device bytes at stake and the seconds paid (with a hardware profile)."""
         if not self.captured.train:
             return []
+        from .cost import graph_cost
         from .cost.predict import compute_seconds
         recomputed = {n.stage for n in self.program.nodes if n.op is Op.RECOMPUTE}
         offloaded = set(self.program.facts.get("offload", []))
-        seconds = {}
-        for n in self.program.nodes:
-            if n.op is Op.FORWARD and self.hardware is not None:
-                seconds[n.stage] = compute_seconds(self.captured, n, self.hardware)[0]
-        names = self.program.stage_names
-        stages = self.captured.stages
-        blocks = [s for s, st in enumerate(stages) if st.template.kind == "block"]
+        forwards = {n.stage: n for n in self.program.nodes if n.op is Op.FORWARD}
+        records = []
+        for s, stage in enumerate(self.captured.stages):
+            t = stage.template
+            if t.kind != "block":
+                continue
+            hold = "recompute" if s in recomputed else "offload" if s in offloaded else "keep"
+            saved_bytes = self.program.values[f"saved{s}"].nbytes
+            r = {"stage": self.program.stage_names[s], "hold": hold, "saved_bytes": saved_bytes,
+                 "selective": t.full is not None}
+            if t.full is not None:
+                r["selective_bytes_not_saved"] = t.full.saved_bytes - t.saved_bytes
+            if self.hardware is not None:
+                hw, dtype = self.hardware, self.captured.compute_dtype
+                r["forward_s"] = compute_seconds(self.captured, forwards[s], hw)[0]   # what recompute pays
+                if hold == "offload":
+                    r["link_s_each_way"] = saved_bytes / hw.d2h_bw
+                if t.full is not None:
+                    r["selective_backward_s"] = (graph_cost(t.backward, hw, dtype).seconds
+                                                 - graph_cost(t.full.backward, hw, dtype).seconds)
+            records.append(r)
+        return records
 
-        def decision(b: int) -> tuple:
-            return b in recomputed, b in offloaded, stages[b].template.full is not None
-
-        groups: list[list[int]] = []
-        for s in blocks:
-            if groups and decision(groups[-1][-1]) == decision(s) and groups[-1][-1] == s - 1:
-                groups[-1].append(s)
+    def block_decisions(self) -> list[str]:
+        """blocks() as text, grouped over runs of blocks with the same decision."""
+        groups: list[list[dict]] = []
+        for r in self.blocks():
+            if groups and (groups[-1][-1]["hold"], groups[-1][-1]["selective"]) == (r["hold"], r["selective"]):
+                groups[-1].append(r)
             else:
-                groups.append([s])
+                groups.append([r])
         lines = []
         for g in groups:
-            span = names[g[0]] if len(g) == 1 else f"{names[g[0]]}..{names[g[-1]]}"
-            saved_bytes = self.program.values[f"saved{g[0]}"].nbytes
-            held = fmt_bytes(saved_bytes)
-            cost = f", costs {seconds[g[0]] * 1e3:.3g} ms of forward each" if g[0] in seconds else ""
-            if g[0] in recomputed:
+            r = g[0]
+            span = r["stage"] if len(g) == 1 else f"{r['stage']}..{g[-1]['stage']}"
+            held = fmt_bytes(r["saved_bytes"])
+            cost = f", costs {r['forward_s'] * 1e3:.3g} ms of forward each" if "forward_s" in r else ""
+            if r["hold"] == "recompute":
                 line = f"recompute: frees {held} each between forward and backward{cost}"
-            elif g[0] in offloaded:
-                link = ""
-                if self.hardware is not None:
-                    link = f", {saved_bytes / self.hardware.d2h_bw * 1e3:.3g} ms over the link each way, beside compute"
+            elif r["hold"] == "offload":
+                link = (f", {r['link_s_each_way'] * 1e3:.3g} ms over the link each way, beside compute"
+                        if "link_s_each_way" in r else "")
                 line = f"offload: {held} each waits in host memory between forward and backward{link}"
             else:
                 line = f"keep: holds {held} each from forward to backward (recompute would save that{cost})"
-            lines.append(f"  {span:<14} {line}{self._selective_note(stages[g[0]].template)}")
+            if r["selective"]:
+                line += (f"; saves only matmul and attention outputs, {fmt_bytes(r['selective_bytes_not_saved'])} "
+                         "less")
+                if "selective_backward_s" in r:
+                    line += f", for {r['selective_backward_s'] * 1e3:.3g} ms of cheap ops redone in its backward"
+            lines.append(f"  {span:<14} {line}")
         return lines
-
-    def _selective_note(self, template) -> str:
-        """For a block on its selective variant: the bytes it does not save, the seconds that costs."""
-        full = template.full
-        if full is None:
-            return ""
-        note = f"; saves only matmul and attention outputs, {fmt_bytes(full.saved_bytes - template.saved_bytes)} less"
-        if self.hardware is not None:
-            from .cost import graph_cost
-            dtype = self.captured.compute_dtype
-            extra = (graph_cost(template.backward, self.hardware, dtype).seconds
-                     - graph_cost(full.backward, self.hardware, dtype).seconds)
-            note += f", for {extra * 1e3:.3g} ms of cheap ops redone in its backward"
-        return note
 
     def recompute_why(self) -> list[dict]:
         """For each recomputed block: the device bytes it frees between its passes, the seconds it costs."""
@@ -180,6 +186,7 @@ class Plan:
             "recompute_why": self.recompute_why(),
             "offload": [self.program.stage_names[s] for s in sorted(choice.offload)] if choice else [],
             "selective": [self.program.stage_names[s] for s in sorted(choice.selective)] if choice else [],
+            "blocks": self.blocks(),
             "hardware": self.hardware.name if self.hardware else None,
             **(self.prediction.to_dict() if self.prediction else {}),
             "passes": self.program.passes,

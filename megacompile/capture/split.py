@@ -161,7 +161,7 @@ def split_joint(joint: fx.GraphModule, n_params: int, n_acts: int, n_outputs: in
             stack.extend(a for a in n.all_input_nodes if a in forward_set)
         else:
             saved_set.add(n)
-    backward_nodes = _lazy_order(backward_only, recomputed)
+    backward_nodes = _lazy_order(backward_only + [g for g in grads if g in recomputed], recomputed)
     saved = [n for n in nodes if n in saved_set]
 
     # Forward graph.

@@ -37,6 +37,9 @@ def test_selective_variant_saves_only_costly_values_and_fewer_bytes(kind):
     saved = list(variant.forward.output_node.args[0])[n_out:]
     assert saved and all(is_costly(n) for n in saved), [n.name for n in saved if not is_costly(n)]
     assert (variant.params, variant.acts, variant.outputs) == (full.params, full.acts, full.outputs)
+    # Redone ops live only from their first reader on, so the backward's high-water mark drops too.
+    assert (variant.saved_bytes + variant.bwd_memory.transient_peak
+            < full.saved_bytes + full.bwd_memory.transient_peak)
 
 
 @pytest.mark.parametrize("kind", ["llama", "nanogpt"])
@@ -86,5 +89,11 @@ def test_plan_says_which_blocks_save_selectively():
     assert plan.h2d_bytes_per_step - plan.stash_bytes <= 2 * weight_bytes
     text = plan.summary()
     assert "saves only matmul and attention outputs" in text
-    assert set(plan.to_json()["selective"]) == {plan.program.stage_names[s] for s in choice.selective}
+    names = plan.program.stage_names
+    assert set(plan.to_json()["selective"]) == {names[s] for s in choice.selective}
+    blocks = plan.to_json()["blocks"]
+    assert {r["stage"] for r in blocks if r["hold"] == "offload"} == {names[s] for s in choice.offload}
+    assert {r["stage"] for r in blocks if r["hold"] == "recompute"} == {names[s] for s in choice.recompute}
+    assert {r["stage"] for r in blocks if r["selective"]} == {names[s] for s in choice.selective}
+    assert all(r["selective_backward_s"] > 0 and r["selective_bytes_not_saved"] > 0 for r in blocks if r["selective"])
 

@@ -70,3 +70,47 @@ def test_solver_is_monotone_in_the_budget():
             assert rank <= previous, "more budget gave a slower choice"
         previous = rank
     assert solve(blocks, highest, peak_of)[0] == ScheduleChoice(1)
+
+
+def test_solver_finds_the_fastest_fitting_choice_of_its_whole_search_space():
+    """Bisection within a family and skipping dominated families lose nothing: the choice is as
+    fast as the fastest of every candidate, each one built and timed."""
+    from megacompile.cost import get_profile, predict
+    from megacompile.passes.selective import with_selective
+    from megacompile.passes.solve import candidates
+    from megacompile.planner import search_space
+
+    captured = _captured(layers=3)
+    blocks = _blocks(captured)
+    hardware = get_profile("h100")
+    built = {}
+
+    def schedule(choice):
+        if choice not in built:
+            built[choice] = build_schedule(captured, choice, check=False)
+        return built[choice]
+
+    def peak_of(choice):
+        return simulate(schedule(choice)).peak
+
+    def seconds_of(choice):
+        return predict(schedule(choice), with_selective(captured, choice.selective), hardware).step_s
+
+    space = search_space(captured, blocks, hardware)
+    assert any(f.selective.value != "none" for f in space) and any(f.offloaded for f in space)
+    everything = {c for f in space for c in candidates(blocks, f)}
+    peaks = sorted({peak_of(c) for c in everything})
+    for budget in peaks[:: max(1, len(peaks) // 6)] + [peaks[-1]]:
+        choice, _ = solve(blocks, budget, peak_of, seconds_of, space)
+        best = min(seconds_of(c) for c in everything if peak_of(c) <= budget)
+        assert peak_of(choice) <= budget
+        assert seconds_of(choice) <= best * (1 + 1e-9), (budget, choice)
+
+
+def test_selective_saving_lowers_the_peak_of_every_way_to_hold_a_block():
+    captured = _captured()
+    blocks = frozenset(_blocks(captured))
+    for recompute, offload in ((frozenset(), frozenset()), (blocks, frozenset()), (frozenset(), blocks)):
+        peaks = [simulate(build_schedule(captured, ScheduleChoice(0, recompute, offload=offload, selective=sel))).peak
+                 for sel in (frozenset(), blocks)]
+        assert peaks[1] < peaks[0], (recompute, offload)
