@@ -107,5 +107,7 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
         return None, minimum
     if seconds_of is None:
         return min(fits, key=lambda c: (len(c.recompute), -c.prefetch_depth)), minimum
-    return min(fits, key=lambda c: (seconds_of(c), len(c.recompute), len(c.offload), -c.prefetch_depth,
+    # Predictions equal to the nanosecond are ties (float noise must not pick the schedule): then
+    # less recompute, less offload, deeper prefetch, fewer residents and selective blocks win.
+    return min(fits, key=lambda c: (round(seconds_of(c), 9), len(c.recompute), len(c.offload), -c.prefetch_depth,
                                     len(c.resident), len(c.selective))), minimum

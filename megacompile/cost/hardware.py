@@ -28,6 +28,10 @@ class HardwareProfile:
     op_overhead_s: float         # fixed cost per launched op (kernel launch, or interpreter step)
     matmul_efficiency: float = 0.7   # share of peak FLOP/s real matmuls reach
     memory_efficiency: float = 0.8   # share of bandwidth elementwise kernels reach
+    # The runtime's fixed cost per schedule node, paid by the issuing (compute) thread: Python
+    # dispatch, stream handoffs, ledger updates. Negligible at GPU block sizes; on the cpu
+    # backend, where several streams share a few cores, it is fitted from a measured step.
+    node_overhead_s: float = 10e-6
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         return self.peak_bf16 if dtype in (torch.bfloat16, torch.float16) else self.peak_fp32

@@ -1,7 +1,8 @@
 """Predict a step's time by playing the schedule on its streams.
 
 Four streams run side by side: compute (stage graphs), h2d (prefetches), d2h (offloads) and
-host (optimizer updates, clipping). Each node starts when its stream is free and what it waits
+host (optimizer updates, clipping). Issuing any node costs the compute stream the profile's
+fixed per-node overhead. Each node starts when its stream is free and what it waits
 for is done; a WAIT stalls the compute stream until its transfer or update ends. The schedule is
 played twice and the second step is reported, so updates left running by one step delay the
 next one's prefetches as they do in a real run (the steady state).
@@ -72,6 +73,7 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile) -> S
         exposed = flops = 0.0
         start_of_step = free["compute"]
         for n in program.nodes:
+            free["compute"] += hw.node_overhead_s
             if n.op in COMPUTE_OPS:
                 seconds, f = compute_seconds(captured, n, hw)
                 free["compute"] += seconds

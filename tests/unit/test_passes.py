@@ -104,7 +104,7 @@ def test_solver_finds_the_fastest_fitting_choice_of_its_whole_search_space():
         choice, _ = solve(blocks, budget, peak_of, seconds_of, space)
         best = min(seconds_of(c) for c in everything if peak_of(c) <= budget)
         assert peak_of(choice) <= budget
-        assert seconds_of(choice) <= best * (1 + 1e-9), (budget, choice)
+        assert seconds_of(choice) <= best + 1e-9, (budget, choice)    # ties are to the nanosecond
 
 
 def test_selective_saving_lowers_the_peak_of_every_way_to_hold_a_block():
