@@ -97,3 +97,16 @@ def test_plan_says_which_blocks_save_selectively():
     assert {r["stage"] for r in blocks if r["selective"]} == {names[s] for s in choice.selective}
     assert all(r["selective_backward_s"] > 0 and r["selective_bytes_not_saved"] > 0 for r in blocks if r["selective"])
 
+
+
+def test_fused_selective_blocks_train_as_unfused_ones(monkeypatch):
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=3, d=64)
+    batches = [models.batch(96, 2, 16, seed=i) for i in range(3)]
+    monkeypatch.setattr(planner, "solve", lambda blocks, *a, **k: (
+        ScheduleChoice(1, frozenset(blocks[:1]), selective=frozenset(blocks)), 0))
+    runs = [megacompile_run(clone(model), batches, "llama", 1.0, fuse=fuse) for fuse in (False, True)]
+    fused_blocks = [st.template for st in runs[1].engine.plan.captured.stages if st.template.kind == "block"]
+    assert all(t.full is not None and any("kernel" in n.meta for n in t.backward.body) for t in fused_blocks)
+    torch.testing.assert_close(torch.tensor(runs[1].losses), torch.tensor(runs[0].losses), rtol=1e-5, atol=0)
+    assert all(peak == runs[1].predicted for peak in runs[1].peaks)
