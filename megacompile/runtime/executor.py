@@ -122,7 +122,10 @@ class Executor:
         stage = self.captured.stages[s]
         t = stage.template
         inputs = list(self._env[weights(s)]) + [self._env[r] for r in node.reads[1:]]
-        if recompute:
+        # Only a stage with random ops has a random state to replay: the forward of any other
+        # stage records none.
+        replay = recompute and t.random
+        if replay:
             current = self.backend.get_rng_state()
             self.backend.set_rng_state(self._rng[s])
         elif t.random:
@@ -130,7 +133,7 @@ class Executor:
         try:
             outs = self._run_graph(t.forward, inputs, f"{'recompute' if recompute else 'forward'} {stage.name}")
         finally:
-            if recompute:
+            if replay:
                 self.backend.set_rng_state(current)
         n_out = len(t.outputs)
         bundle = outs[n_out:]
