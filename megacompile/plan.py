@@ -125,7 +125,8 @@ class Plan:
         """blocks() as text, grouped over runs of blocks with the same decision."""
         groups: list[list[dict]] = []
         for r in self.blocks():
-            if groups and (groups[-1][-1]["hold"], groups[-1][-1]["selective"]) == (r["hold"], r["selective"]):
+            last = groups[-1][-1] if groups else None
+            if last and (last["hold"], last["selective"], last["saved_bytes"]) == (r["hold"], r["selective"], r["saved_bytes"]):
                 groups[-1].append(r)
             else:
                 groups.append([r])
@@ -206,6 +207,7 @@ class Plan:
         c = self.captured
         n_params = sum(e.numel for e in c.state.values() if e.trainable)
         blocks = sum(1 for s in c.stages if s.template.kind == "block")
+        shared = len({id(s.template.full or s.template) for s in c.stages if s.template.kind == "block"})
         choice = self.program.facts.get("choice")
         measured = ("not run yet" if self.measured_peak_bytes is None
                     else f"{fmt_bytes(self.measured_peak_bytes)} measured in the last run")
@@ -213,7 +215,7 @@ class Plan:
             f"megacompile plan ({'training step' if c.train else 'forward only'}, {self.backend} backend, "
             f"compute {str(c.compute_dtype).replace('torch.', '')}, fp32 masters)",
             f"  model          {n_params:,} trainable parameters, {len(c.stages)} stages "
-            f"({blocks} blocks of {c.block_path or 'none'} share one template)",
+            f"({blocks} blocks of {c.block_path or 'none'} on {shared} template{'s' if shared != 1 else ''})",
             f"  device peak    {fmt_bytes(self.predicted_peak_bytes)} predicted of {fmt_bytes(self.budget_bytes)} "
             f"budget ({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}",
             f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, no prefetch overlap)",

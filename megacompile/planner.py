@@ -93,10 +93,13 @@ def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareP
     # Offloading saved activations trades link time for recompute time: the first 0, n/8, .., n.
     n = len(blocks)
     offload_counts = sorted({round(n * i / 8) for i in range(9)})
-    template = captured.stages[blocks[0]].template
+    # Blocks differ where some are frozen (a frozen block with nothing trainable before it saves
+    # nothing): the one saving the most stands for all, so the host stash is bounded from above.
+    largest = max(blocks, key=lambda s: captured.stages[s].template.saved_bytes)
+    template = captured.stages[largest].template
     selective = (Selective.NONE,) if template.selective is None else tuple(Selective)
     options = families(residents, offload_counts, selective,
-                       lambda mode: _offload_lag(captured, blocks[0], mode is not Selective.NONE, hardware))
+                       lambda mode: _offload_lag(captured, largest, mode is not Selective.NONE, hardware))
     if host_room is None:
         return options
 

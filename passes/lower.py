@@ -71,6 +71,8 @@ def lower(captured: CapturedModel) -> Program:
     tangent_of = _tangent_sources(captured)
     for s in reversed(range(len(stages))):
         stage, t = stages[s], stages[s].template
+        if not t.grad_params and not t.grad_acts:
+            continue   # frozen, and nothing before it trains: no backward to run
         inputs = [_port_value(p) for p in stage.inputs]
         reads = [weights(s)] + [inputs[i] for i in t.bwd_acts] + [saved(s)]
         reads += [tangent_of[(s, k)] for k in t.tangent_outputs]

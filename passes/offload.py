@@ -15,9 +15,11 @@ from megacompile.ir.program import COMPUTE_OPS, Node, Op, Program, restored, sav
 
 
 def offload_saved(program: Program, offload: frozenset[int], lag: int = 1) -> Program:
+    nodes = program.nodes
+    # A stage with no backward (frozen, nothing before it trains) saves nothing to send.
+    offload = offload & {n.stage for n in nodes if n.op is Op.BACKWARD}
     if not offload:
         return program
-    nodes = program.nodes
     compute_at = [i for i, n in enumerate(nodes) if n.op in COMPUTE_OPS]
     rank_of = {i: r for r, i in enumerate(compute_at)}
     before: dict[int, list[Node]] = {}

@@ -16,8 +16,9 @@ class BlockStack:
 
 
 def _signature(module: nn.Module) -> tuple:
-    """What must agree for two blocks to share one traced template."""
-    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
+    """What must agree for two blocks to share one traced template. Which parameters train may
+    differ: segment.py gives blocks with other trainable parameters their own template."""
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
     buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
     classes = tuple(type(m).__name__ for m in module.modules())
     return type(module), params, buffers, classes

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError
 from .blocks import BlockStack
 from .model_graph import Port, StageInstance
-from .stage import ParamSlot, TensorMeta, trace_stage
+from .stage import ParamSlot, StageTemplate, TensorMeta, trace_stage
 from .top import TopGraph
 
 BLOCK_CALL = torch.ops.megacompile.block_call.default
@@ -92,7 +92,11 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
             feeds_blocks.add(n)
             frontier.extend(n.all_input_nodes)
     computed = [n for n in nodes if n.op == "call_function" and n.target is not BLOCK_CALL and n not in produced_by]
-    prologue = [n for n in computed if n in feeds_blocks and n not in downstream]
+    prologue = set(n for n in computed if n in feeds_blocks and n not in downstream)
+    # An element of a multi-output prologue op that no block reads (a layer norm's mean and
+    # rstd) stays beside the op: the prologue cannot hand out a tuple.
+    prologue |= {n for n in computed if n.target is operator.getitem and n.args[0] in prologue}
+    prologue = [n for n in computed if n in prologue]
     epilogue = [n for n in computed if n not in set(prologue)]
 
     stages: list[StageInstance] = []
@@ -148,37 +152,56 @@ def _add_blocks(stages, calls, top: TopGraph, stack: BlockStack, fakes, trainabl
                 "called the same way")
     block0 = stack.blocks[0]
     local = [n for n, _ in block0.named_parameters()] + [n for n, _ in block0.named_buffers()]
-    prefix0 = stack.block_path(0) + "."
-    slots = [ParamSlot(n, TensorMeta.of(fakes[prefix0 + n], False), trainable[prefix0 + n]) for n in local]
 
     def source(params, acts):
         args, kwargs = first.rebuild_args(acts)
         out = functional_call(block0, dict(zip(local, params)), args, kwargs, strict=False)
         return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
 
-    inputs0 = list(calls[0].args[0])
-    template = trace_stage("block", source, slots, [fakes[prefix0 + n] for n in local],
-                           [fake_act(a) for a in inputs0], train, stack.block_path(0))
+    # Blocks share a template only where the same gradients flow: which of their parameters are
+    # trainable, which inputs carry a gradient, which outputs a later stage differentiates.
+    # A frozen block still passes the gradient of its output back to its input when an earlier
+    # stage trains; a block output nothing reads (GPT-J's attention weights) gets no gradient.
+    templates: dict[tuple, StageTemplate] = {}
     for b, call in enumerate(calls):
-        ports = []
-        for k, a in enumerate(call.args[0]):
+        inputs = list(call.args[0])
+        for k, a in enumerate(inputs):
             if a not in where:
                 raise CaptureError(f"input {k} of block {stack.block_path(b)} ('{a.name}') is not made "
                                    "by the prologue or the previous block")
+        prefix = stack.block_path(b) + "."
+        names = [prefix + n for n in local]
+        acts = [fake_act(a) for a in inputs]
+        read = _outputs_read(call, len(top.calls[b].out_meta))
+        key = (tuple(trainable[n] for n in names), tuple(a.requires_grad for a in acts), read)
+        template = templates.get(key)
+        if template is None:
+            slots = [ParamSlot(n, TensorMeta.of(fakes[prefix + n], False), trainable[prefix + n]) for n in local]
+            template = trace_stage("block", source, slots, [fakes[n] for n in names], acts, train,
+                                   stack.block_path(b), differentiable=list(read))
+            templates[key] = template
+        ports = []
+        for k, a in enumerate(inputs):
             port = where[a]
-            meta = template.acts[k]
-            if train and meta.requires_grad and b > 0 and port.stage != len(stages) - 1:
+            if train and template.acts[k].requires_grad and b > 0 and port.stage != len(stages) - 1:
                 raise CaptureError(
                     f"input {k} of block {stack.block_path(b)} needs a gradient but does not come from the "
                     "previous block; megacompile streams blocks as a chain (block i feeds block i+1)")
             ports.append(port)
-        prefix = stack.block_path(b) + "."
-        stages.append(StageInstance(f"block.{b}", template, [prefix + n for n in local], ports,
-                                    stack.block_path(b)))
-        for u in calls[b].users:
+        stages.append(StageInstance(f"block.{b}", template, names, ports, stack.block_path(b)))
+        for u in call.users:
             if u.target is operator.getitem:
                 where[u] = Port(len(stages) - 1, u.args[1])
                 metas[u] = template.outputs[u.args[1]]
+
+
+def _outputs_read(call: fx.Node, n_outputs: int) -> tuple[bool, ...]:
+    """Which of a block call's tensor outputs the rest of the model reads."""
+    read = [False] * n_outputs
+    for u in call.users:
+        if u.target is operator.getitem and u.users:
+            read[u.args[1]] = True
+    return tuple(read)
 
 
 def _check_no_grad_bypass(stage: StageInstance, stages: list[StageInstance]) -> None:

@@ -94,11 +94,18 @@ SourceFn = Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]
 
 
 def trace_stage(kind: str, source: SourceFn, params: list[ParamSlot], fake_params: list[torch.Tensor],
-                fake_acts: list[torch.Tensor], train: bool, origin: str) -> StageTemplate:
-    """Trace `source(params, acts) -> outputs` for training (joint, split) or inference."""
+                fake_acts: list[torch.Tensor], train: bool, origin: str,
+                differentiable: list[bool] | None = None) -> StageTemplate:
+    """Trace `source(params, acts) -> outputs` for training (joint, split) or inference.
+
+    An output gets a gradient (a tangent input of the backward) where it depends on something
+    trainable and `differentiable` (default: all) allows it: an output no later stage reads
+    needs none.
+    """
     try:
         probe = source(fake_params, fake_acts)
-        outputs = [TensorMeta.of(o, None if train else False) for o in probe]
+        wanted = differentiable or [True] * len(probe)
+        outputs = [TensorMeta.of(o, bool(train and w and o.requires_grad)) for o, w in zip(probe, wanted)]
         template = StageTemplate(kind, params, [TensorMeta.of(a, a.requires_grad and train) for a in fake_acts], outputs)
         if not train:
             gm = make_fx(lambda p, a: list(source(p, a)), tracing_mode="fake")(fake_params, fake_acts)
