@@ -12,6 +12,7 @@ from ..errors import CaptureError
 from .blocks import BlockStack, find_block_stack
 from .loss import LossFn, extract_loss
 from .model_graph import CapturedModel, Port, StageInstance, StateEntry
+from .refuse import refuse_unsupported
 from .segment import build_stages
 from .stage import ParamSlot, StageTemplate, TensorMeta
 from .top import trace_top
@@ -41,6 +42,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
     if not any(e.trainable for e in state.values()):
         raise CaptureError(f"{type(model).__name__} has no trainable parameters: there is nothing to "
                            "train (check requires_grad, or that the model builds its layers in __init__)")
+    refuse_unsupported(model)
     stack = find_block_stack(model)
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     tensor_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
