@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from .blocks import BlockStack, find_block_stack
+from .hf_masks import causal_attention_without_mask
 from .loss import LossFn, extract_loss
 from .model_graph import CapturedModel, Port, StageInstance, StateEntry
 from .refuse import refuse_unsupported
@@ -61,7 +62,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
     for x in leaves:
         fake_leaves.append(next(it) if isinstance(x, torch.Tensor) else x)
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
-    top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
+    with causal_attention_without_mask(model, args, kwargs):
+        top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
     with fake_mode:
         stages, outputs = build_stages(top, model, stack, fakes, {n: e.trainable for n, e in state.items()},
                                        input_fakes, train)

@@ -4,7 +4,10 @@ The forward computes the stage's outputs and the values the backward needs ("sav
 backward takes the saved values, the tangents of the outputs, and whatever parameters and
 inputs it reads, and returns the gradients. Values that depend on parameters alone (a weight's
 transpose, a cast) are not saved: the backward recomputes them from the re-fetched weights, so
-no saved value keeps a weight alive on the device between the two passes.
+no saved value keeps a weight alive on the device between the two passes. Cheap values made only
+from parameters and inputs that need no gradient are recomputed too: an attention mask that a
+block expands from the prologue's boolean mask ([B, 1, S, S] in bf16, 512 MiB at 16 x 4096) is
+rebuilt from that one shared input in the backward instead of being saved by every block.
 
 With `selective`, the backward also recomputes every cheap forward op it needs (elementwise ops,
 norms, reshapes, the rotary embedding, mask expansion), so the forward saves only what is costly
@@ -72,6 +75,15 @@ def _touched_in_place(nodes: list[fx.Node]) -> set[fx.Node]:
     return touched
 
 
+def _dependents(nodes: list[fx.Node], sources: set[fx.Node]) -> set[fx.Node]:
+    """`sources`, the nodes that read any of them, transitively, and every random op."""
+    found = set(sources)
+    for n in nodes:
+        if n.op == "call_function" and (is_random(n) or any(a in found for a in n.all_input_nodes)):
+            found.add(n)
+    return found
+
+
 def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     stack = [r for r in roots if isinstance(r, fx.Node)]
@@ -110,7 +122,9 @@ def _lazy_order(backward_only: list[fx.Node], recomputed: set[fx.Node]) -> list[
 
 
 def split_joint(joint: fx.GraphModule, n_params: int, n_acts: int, n_outputs: int,
-                selective: bool = False) -> SplitGraphs:
+                selective: bool = False, grad_acts: list[int] | None = None) -> SplitGraphs:
+    """`grad_acts`: the inputs a gradient flows back to (default: all of them); the others
+    (masks, rotary tables, positions) are constants of the step, as the parameters are."""
     nodes = list(joint.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     params, acts, tangents = (placeholders[:n_params], placeholders[n_params:n_params + n_acts],
@@ -127,25 +141,27 @@ def split_joint(joint: fx.GraphModule, n_params: int, n_acts: int, n_outputs: in
             forward_set.add(n)
     backward_need = _ancestors(grads) - set(placeholders)
 
-    # A node "depends on activations" if any input does, or if it draws random numbers.
-    act_dependent: set[fx.Node] = set(acts) | set(tangents)
-    for n in nodes:
-        if n.op == "call_function" and (is_random(n) or any(a in act_dependent for a in n.all_input_nodes)):
-            act_dependent.add(n)
+    # A node "depends on activations" if any input does, or if it draws random numbers; it
+    # "depends on gradient inputs" if it does so through an input that a gradient flows back to.
+    wrt_acts = [acts[i] for i in grad_acts] if grad_acts is not None else acts
+    act_dependent = _dependents(nodes, set(acts) | set(tangents))
+    grad_dependent = _dependents(nodes, set(wrt_acts) | set(tangents))
 
     # Walk back from what the backward-only nodes read: a forward node is recomputed in the
-    # backward if it depends on parameters alone (or, with `selective`, if it is cheap), else saved.
+    # backward if it depends on parameters alone, if it is cheap and depends on no input that
+    # needs a gradient (or, with `selective`, if it is cheap), else saved.
     # In-place ops (dropout's div_ on its mask) make a value differ before and after them: a
     # recompute could see the other version, or mutate a saved value twice. Values they touch
     # are never recomputed.
-    touched = _touched_in_place(nodes) if selective else set()
+    touched = _touched_in_place(nodes)
 
     def recomputable(n: fx.Node) -> bool:
         if n.op != "call_function":
             return False
         if n not in act_dependent:
             return True
-        return selective and not is_costly(n) and n not in touched and not touched.intersection(n.all_input_nodes)
+        cheap = not is_costly(n) and n not in touched and not touched.intersection(n.all_input_nodes)
+        return cheap and (selective or n not in grad_dependent)
 
     backward_only = [n for n in nodes if n in backward_need and n not in forward_set]
     recomputed: set[fx.Node] = set()

@@ -121,11 +121,16 @@ def trace_stage(kind: str, source: SourceFn, params: list[ParamSlot], fake_param
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CaptureError(f"cannot trace the {kind} stage ({origin}): {type(e).__name__}: {first}") from e
-    _adopt_split(template, split_joint(joint, len(params), len(fake_acts), len(outputs)))
+    # A block's inputs that need no gradient are the prologue's side inputs (masks, rotary
+    # tables), on the device for the whole step: what a block makes from them is redone in its
+    # backward, not saved once per block. Other stages save what they read, as they run once.
+    grad_acts = template.grad_acts if kind == "block" else None
+    _adopt_split(template, split_joint(joint, len(params), len(fake_acts), len(outputs), grad_acts=grad_acts))
     template.n_fx_nodes = len(joint.graph.nodes)
     if kind == "block":
         variant = dataclasses.replace(template)
-        _adopt_split(variant, split_joint(joint, len(params), len(fake_acts), len(outputs), selective=True))
+        _adopt_split(variant, split_joint(joint, len(params), len(fake_acts), len(outputs), selective=True,
+                                          grad_acts=grad_acts))
         if variant.saved_bytes < template.saved_bytes:
             template.selective, variant.full = variant, template
     return template

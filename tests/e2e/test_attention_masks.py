@@ -1,0 +1,84 @@
+"""Parity on every mask path capture takes for Hugging Face decoders: no mask (SDPA with
+is_causal), a sliding window (a mask from the prologue, redone in each block's backward) and a
+padding mask (the same, built from the caller's [B, S] attention_mask)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megacompile
+from tests import models
+from tests.e2e.harness import BETAS, EPS, LR, WD, assert_same_weights, clone
+
+STEPS, B, T = 3, 2, 24
+
+
+def _train_both(model, batches: list[dict]):
+    """Eager torch.optim.AdamW and megacompile at its smallest budget (every block recomputed),
+    on the same batches."""
+    reference = clone(model)
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    eager = []
+    for inputs in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = reference(**inputs).loss
+        loss.backward()
+        opt.step()
+        eager.append(loss.item())
+    optimizer = megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kernel="torch")
+    probe = megacompile.compile(clone(model), hbm_budget=64, device="cpu", optimizer=optimizer)
+    smallest = probe.prepare(**batches[0]).minimum_budget_bytes
+    engine = megacompile.compile(clone(model), hbm_budget=smallest / 2 ** 30, device="cpu", optimizer=optimizer)
+    ours = [engine.step(**inputs) for inputs in batches]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(eager), rtol=1e-5, atol=0)
+    assert_same_weights(engine, reference)
+    return engine
+
+
+def _block(engine):
+    """The block as captured, whichever variant the plan runs."""
+    template = next(s.template for s in engine.plan.captured.stages if s.template.kind == "block")
+    return template.full or template
+
+
+def _square(template) -> list[tuple]:
+    return [m.shape for m in template.saved if sum(d == T for d in m.shape) >= 2]
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return models.batch(96, b=B, t=T, seed=seed)
+
+
+@pytest.mark.slow   # test_parity trains these models without a mask too; this one also reads the graph
+def test_llama_without_a_mask_trains_on_is_causal_attention_as_eager():
+    torch.manual_seed(0)
+    engine = _train_both(models.hf_llama(layers=4, d=128), [{"input_ids": _ids(i), "labels": _ids(i)} for i in range(STEPS)])
+    block = _block(engine)
+    attention = [n for n in block.forward.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert attention and all(n.args[4] for n in attention)   # is_causal; no mask among the inputs
+    assert all(len(m.shape) < 4 for m in block.acts)
+
+
+def test_a_sliding_window_mask_is_exact_and_saved_by_no_block():
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                             max_position_embeddings=64, use_cache=False))
+    engine = _train_both(model, [{"input_ids": _ids(i), "labels": _ids(i)} for i in range(STEPS)])
+    block = _block(engine)
+    assert any(len(m.shape) == 4 for m in block.acts)      # the window needs a mask ...
+    assert not _square(block) and not _square(block.selective)   # ... that no block saves
+
+
+def test_a_padding_mask_is_exact_and_saved_by_no_block():
+    torch.manual_seed(0)
+    batches = []
+    for i in range(STEPS):
+        ids = _ids(i)
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[1, T - 5 - i:] = 0                            # right padding, a different length each step
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    engine = _train_both(models.hf_llama(layers=4, d=128), batches)
+    block = _block(engine)
+    assert not _square(block) and not _square(block.selective)

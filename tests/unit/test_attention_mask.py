@@ -1,0 +1,69 @@
+"""No block holds an S x S attention mask: capture traces Hugging Face decoders onto SDPA with
+is_causal when the model is called without a mask, and a block redoes what it derives from a
+mask it is given instead of saving it (capture/hf_masks.py, capture/split.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megacompile
+from megacompile.capture import capture
+from tests import models
+
+B, S = 16, 4096
+# Llama-2-13B's block shapes: the hidden size (5120) differs from S, so a tensor with two
+# dimensions of length S can only be attention scores or a mask.
+LLAMA_13B = dict(model_type="llama", hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+                 num_key_value_heads=40, num_hidden_layers=2, vocab_size=32000, max_position_embeddings=S)
+
+
+def _square(shape: tuple[int, ...], s: int) -> bool:
+    return sum(d == s for d in shape) >= 2
+
+
+def _block(plan_or_captured):
+    """The block as captured, whichever variant a plan runs."""
+    captured = getattr(plan_or_captured, "captured", plan_or_captured)
+    template = next(st.template for st in captured.stages if st.template.kind == "block")
+    return template.full or template
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_llama_block_at_16x4096_saves_and_reads_no_square_tensor(fuse):
+    plan = megacompile.plan(LLAMA_13B, 80, batch=B, seq=S, fuse=fuse)
+    block = _block(plan)
+    for variant in (block, block.selective):
+        square = [m.shape for m in variant.saved if _square(m.shape, S)]
+        assert not square, f"the block saves {square}"
+    side = [m.shape for m in block.acts if _square(m.shape, S)]
+    assert not side, f"the block reads {side} from the prologue"
+    prologue = next(st.template for st in plan.captured.stages if st.template.kind == "prologue")
+    assert not [m.shape for m in prologue.outputs if _square(m.shape, S)]
+
+
+def _attention_ops(template) -> list:
+    return [n for n in template.forward.gm.graph.nodes
+            if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+
+
+def test_without_a_mask_a_hf_block_attends_with_is_causal():
+    model = models.hf_llama(layers=2)
+    ids = torch.zeros(2, 24, dtype=torch.long)
+    captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
+                       compute_dtype=torch.float32)
+    block = _block(captured)
+    ops = _attention_ops(block)
+    assert ops and all(n.kwargs.get("is_causal", n.args[4] if len(n.args) > 4 else False) for n in ops)
+    assert all(len(m.shape) < 4 for m in block.acts)
+
+
+def test_a_padding_mask_is_read_by_every_block_and_saved_by_none():
+    model = models.hf_llama(layers=2)
+    ids = torch.zeros(2, 24, dtype=torch.long)
+    mask = torch.ones(2, 24, dtype=torch.long)
+    captured = capture(model, (), {"input_ids": ids, "attention_mask": mask, "labels": ids},
+                       device=torch.device("cpu"), compute_dtype=torch.float32)
+    block = _block(captured)
+    assert any(m.shape == (2, 1, 24, 24) for m in block.acts)
+    for variant in (block, block.selective):
+        assert not [m.shape for m in variant.saved if _square(m.shape, 24)]
