@@ -45,7 +45,8 @@ def snapshot(engine: megacompile.Engine) -> dict:
         for field in ("master", "exp_avg", "exp_avg_sq", "grad", "compute"):
             out[f"{field}{s}"] = getattr(b, field).clone()
     out["counters"] = (engine.steps_done, engine.micro_batches)
-    out["ledger"] = (engine.backend.memory.live_bytes, engine.backend.memory.ledger.snapshot())
+    ledger = engine.backend.memory.ledger
+    out["ledger"] = (ledger.live_bytes, {storage: frozenset(h) for storage, h in ledger._holders.items()})
     return out
 
 
