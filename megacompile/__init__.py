@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from .engine import Engine
 from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, HostMemoryError, InputMismatchError,
-                     LossError, MegacompileError, OptimizerInputError, PlanVerificationError)
+                     LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError)
 from .optim import AdamW
 from .plan import Plan
 from .planning import plan
@@ -31,7 +31,8 @@ __version__ = "0.1.0"
 def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
             compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
             loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None,
-            grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None) -> Engine:
+            grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
+            on_nonfinite: str = "skip") -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -46,14 +47,16 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                    default: on for cuda, off for cpu (where Triton runs in its slow interpreter)
     host_budget:   GiB of host RAM for masters, AdamW state and offloaded activations; default: 90%
                    of this machine's RAM. Too little for the masters raises HostMemoryError.
+    on_nonfinite:  a step whose loss or any gradient is inf or NaN updates nothing; "skip" (default)
+                   warns and goes on, "raise" raises NonFiniteError. `engine.last_step` says which.
 
     torch LR schedulers attach to `engine.torch_optimizer`.
     """
     return Engine(model, hbm_budget, optimizer=optimizer, compute_dtype=compute_dtype, device=device,
                   loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir, grad_accum=grad_accum,
-                  fuse=fuse, host_budget=host_budget)
+                  fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite)
 
 
 __all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
-           "OptimizerInputError"]
+           "OptimizerInputError", "NonFiniteError"]

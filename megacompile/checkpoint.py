@@ -1,5 +1,8 @@
 """Checkpoints: the fp32 masters, AdamW moments and step counters, written atomically.
 
+A checkpoint saved between the micro-batches of a step (grad_accum > 1) also holds their
+gradient sum, so the resumed step adds the remaining micro-batches to it.
+
 One file per checkpoint, holding tensors by the model's parameter names (not by megacompile's
 flat per-stage buffers), so a checkpoint outlives a change of plan, budget or input shape. The
 file is written under a temporary name and renamed into place: a crash mid-write leaves the
@@ -36,7 +39,11 @@ def save(engine: "Engine", path: str) -> None:
         "micro_batches": engine.micro_batches,
         "lr_handle": engine.torch_optimizer.state_dict()["param_groups"][0]["lr"],
         "rng": torch.get_rng_state(),
+        "grad_accum": engine.grad_accum,
     }
+    if engine.micro_batches % engine.grad_accum:
+        # Saved mid-step: the gradients of the step's micro-batches so far resume with it.
+        payload["grads"] = {name: host.view("grad", name).clone() for name in host.slots}
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
@@ -68,6 +75,8 @@ def load(engine: "Engine", path: str) -> None:
             if tuple(payload[table][name].shape) != host.slots[name].shape:
                 problems.append(f"{table}[{name}] has shape {tuple(payload[table][name].shape)}, "
                                 f"the model has {host.slots[name].shape}")
+    problems += _accumulation_problems(engine, payload, host)
+    problems += host.load_problems({**payload["masters"], **payload["buffers"]})
     if problems:
         raise MegacompileError(f"the checkpoint {path} does not match this model: {'; '.join(problems[:4])}; "
                                "nothing was loaded")
@@ -76,8 +85,28 @@ def load(engine: "Engine", path: str) -> None:
         for name in host.slots:
             host.view("exp_avg", name).copy_(payload["exp_avg"][name])
             host.view("exp_avg_sq", name).copy_(payload["exp_avg_sq"][name])
+            if "grads" in payload:
+                host.view("grad", name).copy_(payload["grads"][name])
     engine.steps_done = payload["steps_done"]
     engine.micro_batches = payload["micro_batches"]
     engine.torch_optimizer.param_groups[0]["lr"] = payload["lr_handle"]
     torch.set_rng_state(payload["rng"])
     engine._materialized = True
+
+
+def _accumulation_problems(engine: "Engine", payload: dict, host) -> list[str]:
+    """A checkpoint saved between the micro-batches of a step carries their gradient sum; it
+    resumes only where a step has the same number of micro-batches."""
+    saved_k = payload.get("grad_accum", 1)
+    if payload["micro_batches"] % saved_k == 0:
+        return []
+    if "grads" not in payload:
+        return [f"it was saved after micro-batch {payload['micro_batches'] % saved_k} of {saved_k} of a step "
+                "without their gradients (an older format): resume from a checkpoint saved at a step boundary"]
+    if saved_k != engine.grad_accum:
+        return [f"it was saved mid-step with grad_accum={saved_k}, this engine has grad_accum={engine.grad_accum}: "
+                f"compile with grad_accum={saved_k} to resume it"]
+    grads = payload["grads"]
+    return [f"grads[{name}] is missing" if name not in grads else
+            f"grads[{name}] has shape {tuple(grads[name].shape)}, the model has {host.slots[name].shape}"
+            for name in host.slots if name not in grads or tuple(grads[name].shape) != host.slots[name].shape]

@@ -8,7 +8,10 @@ gradients) is shared by every plan.
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import CapturedModel, capture
 from .capture.loss import LossFn
-from .errors import InputMismatchError, MegacompileError
+from .errors import InputMismatchError, MegacompileError, NonFiniteError
 from .optim import AdamW
 from .optim.lr_handle import LearningRateHandle
 from .passes import StepKind
@@ -27,6 +30,7 @@ from .plan import Plan
 from .planner import make_plan, require_host_room
 from .planning import host_bytes_of
 from .runtime import Executor, HostState, make_backend
+from .runtime.executor import NonFiniteLoss
 
 GiB = 2 ** 30
 
@@ -42,7 +46,8 @@ class Engine:
     def __init__(self, model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
                  compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
                  loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
-                 grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None):
+                 grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
+                 on_nonfinite: str = "skip"):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         if not isinstance(hbm_budget, (int, float)) or not hbm_budget > 0:
@@ -54,6 +59,9 @@ class Engine:
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise MegacompileError(f"grad_accum is the number of micro-batches per optimizer step, an int >= 1; "
                                    f"got {grad_accum!r}")
+        if on_nonfinite not in ("skip", "raise"):
+            raise MegacompileError(f"on_nonfinite says what a step with an inf or NaN loss or gradient does: "
+                                   f"'skip' (warn, update nothing) or 'raise' (NonFiniteError); got {on_nonfinite!r}")
         if not any(True for _ in model.parameters()):
             raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
         if host_budget is not None and (not isinstance(host_budget, (int, float)) or not host_budget > 0):
@@ -86,7 +94,12 @@ class Engine:
         self._last: _Compiled | None = None
         self._last_train: _Compiled | None = None
         self.steps_done = 0          # optimizer steps
-        self.micro_batches = 0       # step() calls
+        self.micro_batches = 0       # step() calls that committed
+        self.skipped_steps = 0       # steps dropped for an inf or NaN loss or gradient
+        self.on_nonfinite = on_nonfinite
+        self.last_step: StepRecord | None = None
+        self._busy = threading.Lock()
+        self._closed = False
 
     # -- compiling -----------------------------------------------------------------------
     def _signature(self, args: tuple, kwargs: dict, train: bool) -> tuple:
@@ -114,8 +127,9 @@ class Engine:
             self._captured[signature] = captured
         if self.host is None:
             # Before allocating: too little host RAM must fail here, not in the allocator.
-            require_host_room(host_bytes_of(self.model, self.compute_dtype), self.host_budget_bytes)
-            self.host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda")
+            require_host_room(host_bytes_of(self.model, self.compute_dtype, self.grad_accum), self.host_budget_bytes)
+            self.host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda",
+                                  grad_accum=self.grad_accum)
             if self._materialized:
                 self.host.load_module(self.model)
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
@@ -173,22 +187,77 @@ class Engine:
         as eager code does with (loss / k).backward()) and the k-th call runs host AdamW over the
         fp32 masters. With k=1 (the default) every call is a full optimizer step.
         """
+        with self._in_use("step()"):
+            return self._step(args, kwargs)
+
+    def _step(self, args: tuple, kwargs: dict) -> float:
+        """One micro-batch, all or nothing: until the final commit nothing but the running
+        micro-batch's own landing grads is written, so an exception anywhere (an op, the budget
+        guard, KeyboardInterrupt) leaves masters, moments, counters and the device ledger as
+        they were, and a non-finite loss or gradient skips the whole step."""
         micro = self.micro_batches % self.grad_accum
         last = micro == self.grad_accum - 1
         compiled = self._compile(args, kwargs, train=True, update=last)
         self._require_weights()
         # The last step's updates may still be running: the plan waits for each owner's update
         # before its first prefetch, so they finish before this step's offloads touch the grads.
-        self.host.begin_micro_batch(first=micro == 0)
-        (loss,) = compiled.executor.run(self._inputs(args, kwargs), seed=1.0 / self.grad_accum,
-                                        context=self._step_context())
+        self.host.begin_micro_batch(first=micro == 0, last=last)
+        context = self._step_context()
+        rng = self.backend.get_rng_state()
+        try:
+            (loss,) = compiled.executor.run(self._inputs(args, kwargs), seed=1.0 / self.grad_accum,
+                                            context=context, check_loss=True)
+        except NonFiniteLoss as e:
+            return self._skip(compiled, e.loss, "loss", f"the loss is {e.loss}", micro)
+        except BaseException:
+            self.backend.set_rng_state(rng)   # a retry draws the same dropout masks
+            raise
+        finally:
+            compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes
+            self._last = self._last_train = compiled
+        loss = float(loss)
+        bad = self.host.nonfinite_grads() if last else []
+        if bad:
+            return self._skip(compiled, loss, "gradient",
+                              f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})", micro)
+        self.host.commit_micro_batch()
+        compiled.executor.commit()
         self.micro_batches += 1
         if last:
             self.steps_done += 1
             self.torch_optimizer.step()   # tells attached torch LR schedulers a step happened
-        compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes
-        self._last = self._last_train = compiled
-        return float(loss)
+        self.last_step = StepRecord(context["step"], loss, micro, last, grad_norm=context.get("grad_norm"))
+        return loss
+
+    def _skip(self, compiled: _Compiled, loss: float, what: str, why: str, micro: int) -> float:
+        """Drop the step: no master, moment or counter changes, and the micro-batches already
+        accumulated in it go too (their sum may hold the inf or NaN)."""
+        compiled.executor.commit_nothing()
+        self.micro_batches -= micro
+        self.skipped_steps += 1
+        step = self.steps_done + 1
+        self.last_step = StepRecord(step, loss, micro, True, skipped=what, reason=why)
+        message = (f"step {step} skipped: {why}; masters, AdamW moments and counters are unchanged"
+                   + (f", and its {micro} earlier micro-batches dropped" if micro else ""))
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(message + " (compile(..., on_nonfinite='skip') skips such steps with a warning)")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return loss
+
+    @contextmanager
+    def _in_use(self, what: str):
+        """One caller at a time, and none after close(): a step's plans, events and host buffers
+        belong to a single walk."""
+        if self._closed:
+            raise MegacompileError(f"{what} on a closed engine: close() stopped its streams; "
+                                   "compile the model again to keep training")
+        if not self._busy.acquire(blocking=False):
+            raise MegacompileError(f"{what} was called while another call runs on this engine (another thread): "
+                                   "an engine runs one step or forward at a time; use one engine per thread")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     def synchronize(self) -> None:
         """Wait for host updates still running (state_dict and load_state_dict do this)."""
@@ -198,6 +267,10 @@ class Engine:
     @torch.no_grad()
     def __call__(self, *args, **kwargs) -> Any:
         """The model's forward under the same budget, without gradients; returns its output."""
+        with self._in_use("the forward"):
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         compiled = self._compile(args, kwargs, train=False)
         self._require_weights()
         outputs = compiled.executor.run(self._inputs(args, kwargs))
@@ -244,7 +317,8 @@ class Engine:
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load weights into the masters; checks every name and shape before writing anything."""
+        """Load weights into the masters; checks every name, shape, dtype and value (finite, not
+        on meta) before writing anything."""
         if self.host is None:
             raise MegacompileError("load_state_dict needs a plan: run one step()/forward first, or "
                                    "build the model with weights")
@@ -256,11 +330,10 @@ class Engine:
         # Buffers are already on the host unless the model had no weights (built on meta).
         required = list(self.host.slots) + ([] if self._materialized else list(self.host.consts))
         missing = sorted(set(required) - set(names.values()))
-        bad = [f"{k}: {tuple(t.shape)} (expected {tuple(known[names[k]])})" for k, t in state.items()
-               if names[k] in known and tuple(t.shape) != tuple(known[names[k]])]
+        bad = [p for k, t in state.items() if names[k] in known for p in self.host.load_problems({names[k]: t})]
         if missing or bad or unexpected:
             raise MegacompileError(
-                f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shapes {bad[:5]}; "
+                f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shapes, dtypes or values {bad[:5]}; "
                 "nothing was loaded (non-persistent buffers of a meta model must be passed too)")
         self.host.load({names[k]: t for k, t in state.items()})
         self._materialized = True
@@ -281,8 +354,36 @@ class Engine:
         load(self, path)
 
     def close(self) -> None:
-        self.synchronize()
-        self.backend.close()
+        """Stop the engine's streams (after the running updates finish); the host state stays
+        readable (state_dict, save_checkpoint). Closing twice is harmless."""
+        if self._closed:
+            return
+        with self._in_use("close()"):
+            self.synchronize()
+            self._closed = True
+            self.backend.close()
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the last step() did: `engine.last_step`.
+
+    step: the 1-based optimizer step the micro-batch belonged to; loss: its loss; micro_batch:
+    its index in the step (0 .. grad_accum-1); updated: the masters were updated (the step's last
+    micro-batch committed); skipped: None, "loss" or "gradient" (inf or NaN found; nothing was
+    updated); reason: why, in words; grad_norm: the global norm when clipping.
+    """
+    step: int
+    loss: float
+    micro_batch: int
+    updated: bool
+    skipped: str | None = None
+    reason: str | None = None
+    grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.skipped:
+            object.__setattr__(self, "updated", False)
 
 
 def _describe(args: tuple, kwargs: dict) -> str:

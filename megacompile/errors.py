@@ -39,3 +39,8 @@ class PlanVerificationError(MegacompileError):
 
 class OptimizerInputError(MegacompileError, ValueError):
     """Bad arguments or buffers given to the host optimizer."""
+
+
+class NonFiniteError(MegacompileError):
+    """A step's loss or a gradient is inf or NaN (with compile(..., on_nonfinite="raise")); nothing
+    was updated."""

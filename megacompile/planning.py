@@ -24,10 +24,11 @@ from .planner import make_baseline_plan, make_plan
 GiB = 2 ** 30
 
 
-def host_bytes_of(model: nn.Module, compute_dtype: torch.dtype) -> int:
+def host_bytes_of(model: nn.Module, compute_dtype: torch.dtype, grad_accum: int = 1) -> int:
     """fp32 master, exp_avg, exp_avg_sq and grad (16 B/param), a compute copy for bf16 (2 B/param),
-    and frozen weights and buffers in their own dtype: what HostState allocates."""
-    per_param = 16 + (0 if compute_dtype == torch.float32 else compute_dtype.itemsize)
+    the landing grads of a micro-batch with grad_accum > 1 (4 B/param), and frozen weights and
+    buffers in their own dtype: what HostState allocates."""
+    per_param = 16 + (0 if compute_dtype == torch.float32 else compute_dtype.itemsize) + (4 if grad_accum > 1 else 0)
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:

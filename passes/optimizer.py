@@ -4,14 +4,15 @@ A stage owns the parameters it is the first to use in the forward. A tied parame
 embedding, reused as the lm head) gets gradients from two stages; its owner's step waits for
 both offloads, so the update sees the full gradient.
 
-Without clipping, each owner's OPTIMIZER_STEP goes right after the last offload feeding it, so
-updates run on the host while the device works on earlier blocks' backward. With clipping the
-global norm is known only after the whole backward: CLIP_GRADS then the updates follow the last
-offload, in forward order, and run on the host while the next step's forward begins.
+No update may start before the step is known to be sound: every gradient landed and finite, and
+no node of the step failed (docs/decisions.md, "A step either happens completely or not at
+all"). So the updates (after CLIP_GRADS when clipping) follow the last gradient offload, in
+forward order; the runtime hands them to the host stream when the step commits, and they run
+while the next step's forward begins, block 0's first.
 
-Either way an update may still be running when the step ends; the next step reads a stage's
-masters only after a WAIT on them, placed before the stage's first prefetch. Plans that only
-accumulate (every micro-batch but the last) have no optimizer nodes, but keep the waits.
+An update may still be running when the step ends; the next step reads a stage's masters only
+after a WAIT on them, placed before the stage's first prefetch. Plans that only accumulate
+(every micro-batch but the last) have no optimizer nodes, but keep the waits.
 """
 from __future__ import annotations
 
@@ -37,15 +38,10 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
             missing = [c for c in contributors if c not in waited_at]
             if missing:
                 raise ValueError(f"stage {s}'s gradients from stages {missing} are never offloaded")
-        if clip or serial:
-            last = max(waited_at.values())
-            after[last] = [Node(Op.CLIP_GRADS, origin="all gradients",
-                                note="global norm, then one scale for every update")] if clip else []
-            after[last] += [_step(program, s, "after the whole backward") for s in sorted(owner_stages)]
-        else:
-            for s, contributors in sorted(owner_stages.items()):
-                at = max(waited_at[c] for c in contributors)
-                after.setdefault(at, []).append(_step(program, s, "as soon as its gradients landed"))
+        last = max(waited_at.values())
+        after[last] = [Node(Op.CLIP_GRADS, origin="all gradients",
+                            note="global norm, then one scale for every update")] if clip else []
+        after[last] += [_step(program, s, "once the step is known finite") for s in sorted(owner_stages)]
     # Before each prefetch, wait for the masters it copies unless already waited for since
     # their last update.
     fresh: set[int] = set()

@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..errors import CaptureError, MegacompileError
 from ..ir.stage_program import GraphMemory, StageProgram
 from .split import split_joint
+from .state_writes import refuse_state_writes
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def trace_stage(kind: str, source: SourceFn, params: list[ParamSlot], fake_param
         template = StageTemplate(kind, params, [TensorMeta.of(a, a.requires_grad and train) for a in fake_acts], outputs)
         if not train:
             gm = make_fx(lambda p, a: list(source(p, a)), tracing_mode="fake")(fake_params, fake_acts)
+            refuse_state_writes(gm, [p.name for p in params], f"the {kind} stage ({origin})")
             template.inference = StageProgram(gm)
             template.inf_memory = template.inference.simulate()
             template.n_fx_nodes = len(gm.graph.nodes)
@@ -116,6 +118,7 @@ def trace_stage(kind: str, source: SourceFn, params: list[ParamSlot], fake_param
         device = (list(fake_acts) + list(fake_params))[0].device
         tangents = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in outputs if o.requires_grad]
         joint = make_fx(_joint(source, template), tracing_mode="fake")(fake_params, fake_acts, tangents)
+        refuse_state_writes(joint, [p.name for p in params], f"the {kind} stage ({origin})")
     except MegacompileError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error

@@ -16,6 +16,7 @@ from ..errors import CaptureError, MegacompileError
 from .blocks import BlockStack
 from .leaf import BlockCall, clear_out_meta, set_out_meta
 from .loss import LossFn, extract_loss
+from .state_writes import refuse_state_writes
 
 
 @dataclass
@@ -95,6 +96,7 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
         raise CaptureError(_describe_trace_failure(model, e)) from e
+    refuse_state_writes(gm, names, f"{type(model).__name__}")
     return TopGraph(gm, names, len(tensor_pos), calls, out_info.get("spec"),
                     out_info.get("constants", []), out_info.get("is_tensor", []))
 

@@ -45,5 +45,15 @@ class StorageLedger:
     def holds(self, storage: Hashable) -> bool:
         return storage in self._holders
 
+    def snapshot(self) -> dict[Hashable, frozenset]:
+        """Who holds what now, for restore()."""
+        return {storage: frozenset(holders) for storage, holders in self._holders.items()}
+
+    def restore(self, snapshot: dict[Hashable, frozenset]) -> None:
+        """Drop every hold taken since `snapshot` (a step that failed gives back what it took)."""
+        for storage, holders in list(self._holders.items()):
+            for holder in holders - snapshot.get(storage, frozenset()):
+                self.drop(holder, storage)
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes

@@ -1,10 +1,15 @@
 """Run a schedule: one pass over its nodes per step, doing exactly what each node says.
 
 Compute nodes run their stage graph op by op (ir/stage_program.py) on the compute thread;
-PREFETCH and OFFLOAD go to the copy streams and OPTIMIZER_STEP to the host stream, each
-returning an event that the matching WAIT (or the end of the step) blocks on. Every device
-tensor is held in the backend's DeviceMemory under the schedule's value names, so the budget
-is enforced and the peak measured with the same rule the plan was simulated with.
+PREFETCH and OFFLOAD go to the copy streams, each returning an event that the matching WAIT
+(or the end of the step) blocks on. Every device tensor is held in the backend's DeviceMemory
+under the schedule's value names, so the budget is enforced and the peak measured with the
+same rule the plan was simulated with.
+
+A step either happens completely or not at all. CLIP_GRADS and OPTIMIZER_STEP are staged, not
+started: `commit()` hands them to the host stream once the caller knows the step is sound (the
+walk finished, loss and gradients finite). A step that raises anywhere commits nothing, and
+leaves the device ledger as it found it.
 """
 from __future__ import annotations
 
@@ -24,6 +29,14 @@ UpdateFn = Callable[[int, dict], None]
 ClipFn = Callable[[dict], None]
 
 
+class NonFiniteLoss(Exception):
+    """The loss of a training step is inf or NaN: raised at the OUTPUT node, before the backward."""
+
+    def __init__(self, loss: float):
+        super().__init__(f"the loss is {loss}")
+        self.loss = loss
+
+
 class Executor:
     def __init__(self, captured: CapturedModel, program: Program, backend: Backend, host: HostState,
                  update: UpdateFn | None = None, clip: ClipFn | None = None):
@@ -36,16 +49,23 @@ class Executor:
         self._outputs: list[torch.Tensor] = []
         self._context: dict = {}
         self._stash: dict[int, list[torch.Tensor]] = {}   # host copies of offloaded saved values
+        self._clip_staged = False
+        self._staged: list[int] = []      # owners whose update waits for commit()
 
     # -- one step ------------------------------------------------------------------------
-    def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None) -> list[torch.Tensor]:
+    def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None,
+            check_loss: bool = False) -> list[torch.Tensor]:
         """Execute the schedule once; returns the OUTPUT node's values on the host.
 
-        `seed` is the loss gradient (1/k for one of k accumulated micro-batches). Optimizer
-        updates may still be running on the host stream when this returns (HostState.pending).
+        `seed` is the loss gradient (1/k for one of k accumulated micro-batches). With
+        `check_loss`, a non-finite loss raises NonFiniteLoss before the backward starts. The
+        updates this step stages start only at `commit()`.
         """
         self._inputs, self._seed, self._context = inputs, seed, context or {}
+        self._check_loss = check_loss
+        self._clip_staged, self._staged = False, []
         self.memory.reset_peak()
+        held = self.memory.ledger.snapshot()
         failed = True
         try:
             for node in self.program.nodes:
@@ -53,7 +73,26 @@ class Executor:
             failed = False
         finally:
             self._release_all(drain_host=failed)
+            if failed:
+                self.commit_nothing()
+                # Values a stage graph held when an op raised inside it are named by graph node,
+                # not in the schedule's env: give back everything the step took.
+                self.memory.ledger.restore(held)
         return self._outputs
+
+    def commit(self) -> None:
+        """Start the staged host work, in schedule order: the clip scale, then each update."""
+        if self._clip_staged:
+            self.clip(self._context)   # a sum of the norms taken as gradients landed: no pass
+        context = self._context
+        for s in self._staged:
+            self.host.pending[s] = self.backend.host_task(
+                lambda s=s: self.update(s, context), f"adamw {self.program.stage_names[s]}")
+        self._clip_staged, self._staged = False, []
+
+    def commit_nothing(self) -> None:
+        """The step was dropped: forget what it staged."""
+        self._clip_staged, self._staged = False, []
 
     def _release_all(self, drain_host: bool) -> None:
         """Leave no device value or copy in flight behind, even after an error."""
@@ -211,13 +250,12 @@ class Executor:
                                                   keep=True)
 
     def _clip_grads(self, node: Node) -> None:
-        clip, context = self.clip, self._context
-        self.host.pending[-1] = self.backend.host_task(lambda: clip(context), "clip gradients")
+        self._clip_staged = True
 
     def _optimizer_step(self, node: Node) -> None:
-        s, update, context = node.stage, self.update, self._context
-        self.host.pending[s] = self.backend.host_task(lambda: update(s, context),
-                                                      f"adamw {self.program.stage_names[s]}")
+        self._staged.append(node.stage)
 
     def _output(self, node: Node) -> None:
         self._outputs = [self._env[r].detach().to("cpu", copy=True) for r in node.reads]
+        if self._check_loss and not torch.isfinite(self._outputs[0]).all():
+            raise NonFiniteLoss(float(self._outputs[0].float().sum()))

@@ -7,6 +7,7 @@ Buffers and frozen parameters are kept once, in the model's own dtype, and never
 """
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -45,24 +46,31 @@ class Slot:
 
 
 class OwnerBuffers:
-    def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool):
+    def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool, grad_accum: int = 1):
         def empty(dtype):
             return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
         self.master = empty(torch.float32)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
+        # grad: the sum of the committed micro-batches of this step (what AdamW reads).
+        # landing: where the running micro-batch's sum lands. With grad_accum > 1 it is a second
+        # buffer (4 B/param), swapped in when the micro-batch commits, so a failed micro-batch
+        # leaves the earlier ones' sum untouched; with one micro-batch per step nothing earlier
+        # needs keeping and the two are one.
         self.grad = torch.zeros(numel, dtype=torch.float32)
+        self.landing = self.grad if grad_accum == 1 else torch.zeros(numel, dtype=torch.float32)
         # fp32 compute reads the masters themselves; bf16 gets its own copy, written by AdamW.
         self.compute = self.master if compute_dtype == torch.float32 else empty(compute_dtype)
 
     @property
     def nbytes(self) -> int:
         n = sum(t.untyped_storage().nbytes() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
+        n += 0 if self.landing is self.grad else self.landing.untyped_storage().nbytes()
         return n + (0 if self.compute is self.master else self.compute.untyped_storage().nbytes())
 
 
 class HostState:
-    def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, pin: bool = False):
+    def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, pin: bool = False, grad_accum: int = 1):
         self.compute_dtype = compute_dtype
         owner_of, self.contributors = owners(captured)
         self.slots: dict[str, Slot] = {}
@@ -71,7 +79,7 @@ class HostState:
             entry = captured.state[name]
             self.slots[name] = Slot(s, sizes.get(s, 0), entry.numel, entry.shape)
             sizes[s] = sizes.get(s, 0) + entry.numel
-        self.owners = {s: OwnerBuffers(n, compute_dtype, pin) for s, n in sizes.items()}
+        self.owners = {s: OwnerBuffers(n, compute_dtype, pin, grad_accum) for s, n in sizes.items()}
         self.consts: dict[str, torch.Tensor] = {}
         for name, entry in captured.state.items():
             if name not in self.slots:
@@ -84,8 +92,12 @@ class HostState:
             for name in stage.params:
                 if name in self.slots:
                     self.uses[name] = self.uses.get(name, 0) + 1
-        self._fresh: set[str] = set()
+        self._first = True          # the running micro-batch is the first of its step
+        self._check = True          # ... and the last: its sums are what AdamW will read
         self._partial: dict[str, tuple[int, torch.Tensor]] = {}
+        # Sum of squares (float64) of each landed gradient, when the micro-batch is the step's
+        # last: the global norm for clipping and the finiteness check of the whole step.
+        self._sq: dict[str, float] = {}
         # Updates still running on the host stream, per owner: the next read of those masters
         # (a prefetch, state_dict) waits for them first.
         self.pending: dict[int, object] = {}
@@ -100,8 +112,14 @@ class HostState:
             self.wait_update(owner)
 
     def grad_sq_norm(self) -> float:
-        """Sum of squares of every owner's accumulated fp32 gradient (float64 accumulation)."""
-        return sum(grad_sq_norm(b.grad) for b in self.owners.values())
+        """Sum of squares of the step's accumulated fp32 gradients (float64 accumulation), read
+        from the sums taken as they landed in the step's last micro-batch."""
+        return sum(self._sq.values())
+
+    def nonfinite_grads(self) -> list[str]:
+        """Parameters whose accumulated gradient holds an inf or NaN. In float64 a sum of squares
+        of float32 values cannot overflow, so it is finite exactly when every value is."""
+        return [name for name, sq in self._sq.items() if not math.isfinite(sq)]
 
     # -- views ---------------------------------------------------------------------------
     def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
@@ -128,6 +146,28 @@ class HostState:
                 + sum(t.untyped_storage().nbytes() for t in self.consts.values()))
 
     # -- values in and out ---------------------------------------------------------------
+    def load_problems(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Everything that would make load() fail or load nonsense, found before it writes: not a
+        tensor, on the meta device, a wrong shape, a dtype that does not cast (an integer tensor
+        for a float weight), an inf or NaN."""
+        problems = []
+        for name, t in tensors.items():
+            own = self.master(name) if name in self.slots else self.consts.get(name)
+            if own is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                problems.append(f"{name} is a {type(t).__name__}, not a tensor")
+            elif t.is_meta:
+                problems.append(f"{name} is on the meta device and holds no values")
+            elif tuple(t.shape) != tuple(own.shape):
+                problems.append(f"{name} has shape {tuple(t.shape)}, expected {tuple(own.shape)}")
+            elif (t.is_floating_point() or t.is_complex()) != own.is_floating_point() or t.is_complex() \
+                    or (t.dtype == torch.bool) != (own.dtype == torch.bool):
+                problems.append(f"{name} has dtype {t.dtype}, expected {own.dtype}")
+            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                problems.append(f"{name} holds inf or NaN")
+        return problems
+
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy parameters into the masters (and the compute copies) and buffers into consts."""
         with torch.no_grad():
@@ -143,11 +183,18 @@ class HostState:
         self.load(dict(model.named_parameters()) | dict(model.named_buffers()))
 
     # -- gradients -----------------------------------------------------------------------
-    def begin_micro_batch(self, first: bool) -> None:
-        """Gradients of the first micro-batch of a step overwrite the fp32 grads; later ones add."""
-        if first:
-            self._fresh = set(self.slots)
+    def begin_micro_batch(self, first: bool, last: bool = True) -> None:
+        """Gradients of the first micro-batch of a step overwrite the fp32 grads; later ones add.
+        In the last one every landed sum is also checked (one more read of what was just
+        written): inf and NaN survive every later addition, so checking once per step is enough."""
+        self._first, self._check = first, last
         self._partial = {}
+        self._sq = {}
+
+    def commit_micro_batch(self) -> None:
+        """The micro-batch succeeded: its sums become the step's gradients."""
+        for b in self.owners.values():
+            b.grad, b.landing = b.landing, b.grad
 
     def accumulate_grad(self, name: str, g: torch.Tensor) -> None:
         """Add one stage's gradient for `name`. A parameter used by several stages (tied
@@ -165,10 +212,13 @@ class HostState:
                 return
             self._partial.pop(name, None)
             g = partial
-        dst = self._view(self.owners[self.slots[name].owner].grad, name)
-        if name in self._fresh:
-            self._fresh.discard(name)
+        slot = self.slots[name]
+        buffers = self.owners[slot.owner]
+        flat = buffers.landing[slot.offset:slot.offset + slot.numel]
+        dst = flat.view(slot.shape)
+        if self._first:
             dst.copy_(g)
-        else:
-            dst.add_(g)
-
+        else:   # landing = grad + g: the committed sum is only read, never written
+            torch.add(self._view(buffers.grad, name), g, out=dst)
+        if self._check:
+            self._sq[name] = grad_sq_norm(flat)

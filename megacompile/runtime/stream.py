@@ -40,6 +40,8 @@ class ThreadStream:
         self._thread.start()
 
     def submit(self, work: Callable[[], None], what: str) -> ThreadEvent:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"the {self.name} stream is closed: no thread would run {what or 'this work'}")
         event = ThreadEvent()
         self._queue.put((work, what, event))
         return event

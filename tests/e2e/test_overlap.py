@@ -22,21 +22,27 @@ def test_prefetch_runs_concurrently_with_compute():
     assert overlapped > 0, "no prefetch ever ran while a stage computed"
 
 
-def test_host_optimizer_runs_beside_device_compute():
+def test_host_optimizer_runs_beside_the_next_forward():
+    """Updates start when the step commits (after its whole backward) and run while the next
+    step's forward computes."""
     model = models.NanoGPT(vocab=96, d=256, layers=6, heads=4)
     engine = megacompile.compile(model, hbm_budget=64.0, device="cpu")
+    ids = models.batch(96, 4, 32, seed=0)
+    engine.step(idx=ids, targets=ids)
     overlapped = 0
-    for seed in range(3):
-        engine.synchronize()
+    for seed in range(1, 4):
         engine.timeline.clear()
         ids = models.batch(96, 4, 32, seed=seed)
-        engine.step(idx=ids, targets=ids)
-        engine.synchronize()        # updates may still run after step() returns
+        engine.step(idx=ids, targets=ids)       # the previous step's updates overlap this forward
         compute = engine.timeline.on("compute")
-        updates = engine.timeline.on("host")
-        assert len([u for u in updates if u.what.startswith("adamw")]) == 8   # one per owning stage
-        overlapped += sum(1 for u in updates if any(c.start < u.end and u.start < c.end for c in compute))
-    assert overlapped > 0, "no host AdamW update ever ran while a stage computed"
+        updates = [u for u in engine.timeline.on("host") if u.what.startswith("adamw")]
+        forwards = [c for c in compute if c.what.startswith("forward")]
+        backward_end = max(c.end for c in compute if c.what.startswith("backward"))
+        engine.synchronize()
+        this_step = [u for u in engine.timeline.on("host") if u.what.startswith("adamw") and u.start >= backward_end]
+        assert len(this_step) == 8   # one per owning stage, none before the backward ended
+        overlapped += sum(1 for u in updates if any(c.start < u.end and u.start < c.end for c in forwards))
+    assert overlapped > 0, "no host AdamW update ever ran while the next step's forward computed"
 
 
 def engine_plan_depth(engine) -> int:
