@@ -172,7 +172,7 @@ def _add_blocks(stages, calls, top: TopGraph, stack: BlockStack, fakes, trainabl
         prefix = stack.block_path(b) + "."
         names = [prefix + n for n in local]
         acts = [fake_act(a) for a in inputs]
-        read = _outputs_read(call, len(top.calls[b].out_meta))
+        read = _outputs_read(call, sum(m is not None for m in top.calls[b].out_meta))
         key = (tuple(trainable[n] for n in names), tuple(a.requires_grad for a in acts), read)
         template = templates.get(key)
         if template is None:
