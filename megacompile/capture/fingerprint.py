@@ -23,9 +23,11 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import BackwardCFunction
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 Fingerprint = tuple
+_CONSTANT_NUMEL = 4096     # real constants up to this size are compared by value
 
 
 class _OpLog(TorchDispatchMode):
@@ -42,9 +44,20 @@ class _OpLog(TorchDispatchMode):
         self.keep.append(t)
 
     def token(self, t: torch.Tensor) -> tuple:
-        # A tensor from outside the block (a global constant, a closure) is known by its identity:
-        # two blocks reading different such tensors must not share a template.
-        return (self.names.get(id(t)) or ("outside", id(t)), t.shape, t.dtype)
+        name = self.names.get(id(t))
+        if name is None:
+            name = self._outside(t)
+        return (name, t.shape, t.dtype)
+
+    @staticmethod
+    def _outside(t: torch.Tensor) -> tuple:
+        # A real tensor made in forward (`torch.tensor(2.0)`, new in every block) is known by its
+        # values; any other tensor from outside the block (a closure, a large global) by its
+        # identity: two blocks reading different ones must not share a template.
+        if not isinstance(t, FakeTensor) and t.device.type != "meta" and t.numel() <= _CONSTANT_NUMEL:
+            with _disable_current_modes():
+                return ("constant", tuple(t.detach().flatten().tolist()))
+        return ("outside", id(t))
 
     def describe(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
