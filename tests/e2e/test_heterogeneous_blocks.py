@@ -273,3 +273,33 @@ def test_fusion_rewrites_each_block_template_on_its_own():
     for name, ref in unfused.weights.items():
         err = (fused.weights[name] - ref).abs().max().item()
         assert err <= 1e-5 * ref.abs().max().item(), name
+
+
+@pytest.mark.slow
+def test_baselines_and_exact_resume_with_several_templates(tmp_path):
+    import megacompile
+    torch.manual_seed(0)
+    model = MODELS["scalar"][0]()
+    batches = [models.batch(VOCAB, b=2, t=T, seed=i) for i in range(4)]
+    inputs = {"input_ids": batches[0], "labels": batches[0]}
+    for style in ("megatrain", "zero3"):
+        plan = megacompile.plan(clone(model), 1.0, hardware="cpu", inputs=inputs, style=style,
+                                compute_dtype=torch.float32)
+        assert "4 blocks of h run 4 templates" in plan.summary()
+        assert {b["template"] for b in plan.blocks()} == {0, 1, 2, 3}
+
+    def engine():
+        return megacompile.compile(clone(model), hbm_budget=64.0, device="cpu",
+                                   optimizer=megacompile.AdamW(lr=1e-3, max_grad_norm=1.0))
+    straight, first = engine(), engine()
+    expected = [straight.step(input_ids=ids, labels=ids) for ids in batches]
+    for ids in batches[:2]:
+        first.step(input_ids=ids, labels=ids)
+    path = str(tmp_path / "ckpt.pt")
+    first.save_checkpoint(path)
+    resumed = engine()
+    resumed.prepare(input_ids=batches[0], labels=batches[0])
+    resumed.load_checkpoint(path)
+    assert [resumed.step(input_ids=ids, labels=ids) for ids in batches[2:]] == expected[2:]
+    for name, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
