@@ -42,6 +42,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
         raise CaptureError(f"{type(model).__name__} has no trainable parameters: there is nothing to "
                            "train (check requires_grad, or that the model builds its layers in __init__)")
     stack = find_block_stack(model)
+    if stack is not None:
+        stack.refuse_backward_hooks()
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     tensor_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
     if not tensor_leaves:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..errors import CaptureError
 from .leaf import BlockCall
 
 
@@ -18,6 +19,16 @@ class BlockStack:
 
     def block_path(self, i: int) -> str:
         return f"{self.path}.{i}" if self.path else str(i)
+
+    def refuse_backward_hooks(self) -> None:
+        """A backward hook on a block module itself wraps the block's call, outside what its
+        template traces: it would never run. Hooks on modules inside a block are traced."""
+        for i, block in enumerate(self.blocks):
+            if block._backward_hooks or block._backward_pre_hooks:
+                raise CaptureError(
+                    f"{self.block_path(i)} has a backward hook on the block module itself, which megacompile "
+                    "cannot run (each block is traced as one unit from inside its forward): register the "
+                    "hook on a module inside the block, or remove it")
 
 
 def _signature(module: nn.Module) -> tuple:

@@ -7,8 +7,8 @@ entry indexed by the layer number. The top-level trace already runs every block'
 fake tensors (to learn its output shapes); `record()` watches that run below autograd and logs
 each ATen op with its non-tensor arguments, and each tensor argument as where it comes from (a
 block input, a block-local parameter or buffer, an earlier op's output) with its shape and dtype.
-In training the block's backward runs too (autograd.grad on fake tangents), so what a custom
-autograd.Function or a gradient hook computes is compared as well.
+Where a block's backward runs Python the forward ops do not show (a custom autograd.Function, a
+gradient hook), the backward runs under the log too, on fake tangents.
 
 Attributes that change nothing the block computes (Hugging Face's per-layer `layer_idx`, read only
 by a KV cache that training does not use) leave the fingerprint alone, so a stack of identical
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import BackwardCFunction
 from torch.utils import _pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 Fingerprint = tuple
@@ -33,9 +33,9 @@ _CONSTANT_NUMEL = 4096     # real constants up to this size are compared by valu
 class _OpLog(TorchDispatchMode):
     """Every ATen op below autograd, with each tensor named by where it comes from."""
 
-    def __init__(self, names: dict[int, tuple]):
+    def __init__(self):
         super().__init__()
-        self.names = names            # id(tensor) -> token
+        self.names: dict[int, tuple] = {}    # id(tensor) -> where it comes from
         self.keep: list[torch.Tensor] = []   # holds every named tensor, so no id is reused
         self.ops: list[tuple] = []
 
@@ -91,7 +91,7 @@ def record(block: nn.Module, run, tensors: list[torch.Tensor], train: bool) -> t
     holds a custom autograd.Function or a gradient hook, Python code that the forward ops do not
     show runs in the backward, and the backward runs under the log too. Otherwise the backward is
     the derivative of the logged ops and adds nothing to compare."""
-    log = _OpLog({})
+    log = _OpLog()
     for kind, named in (("param", block.named_parameters()), ("buffer", block.named_buffers())):
         for n, p in named:
             log.name(p, (kind, n))

@@ -117,6 +117,12 @@ def _gpt2_inverse_layer_idx(layers: int = 4):
                                       scale_attn_by_inverse_layer_idx=True))
 
 
+def _module_hook_in_one_layer():
+    model = Stack([Block() for _ in range(4)])
+    model.h[2].down.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 3.0,))
+    return model
+
+
 # kind -> (builder, block templates it needs)
 MODELS = {
     # rotary off in every fourth layer, as some small Llama-style models configure it
@@ -128,6 +134,7 @@ MODELS = {
     "extra_module": (lambda: Stack([NormedBlock() if i == 1 else Block() for i in range(4)]), 2),
     "backward_only": (lambda: Stack([Block(grad_factor=0.5 if i == 3 else 2.0) for i in range(4)]), 2),
     "hook": (lambda: Stack([Block(hook_factor=0.5 if i == 3 else 2.0) for i in range(4)]), 2),
+    "module_hook": (_module_hook_in_one_layer, 2),
     "gpt2_inverse_layer_idx": (_gpt2_inverse_layer_idx, 4),
     "tensor_constant": (lambda: Stack([ConstantBlock(3.0 if i == 2 else 1.0) for i in range(4)]), 2),
 }
@@ -186,6 +193,16 @@ def test_heterogeneous_blocks_train_as_eager_on_their_own_templates(kind):
     assert choice.recompute or choice.offload or choice.selective
     assert max(small.peaks) <= budget
     assert _block_templates(small.engine) == n_templates
+
+
+def test_a_backward_hook_on_a_block_module_itself_is_refused():
+    import megacompile
+    model = Stack([Block() for _ in range(4)])
+    model.h[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    ids = models.batch(VOCAB, b=2, t=T)
+    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu")
+    with pytest.raises(megacompile.CaptureError, match=r"h\.2 has a backward hook on the block module itself"):
+        engine.step(input_ids=ids, labels=ids)
 
 
 def test_the_plan_names_the_layer_and_what_differs():
