@@ -225,7 +225,7 @@ class Plan:
         n_params = sum(e.numel for e in c.state.values() if e.trainable)
         blocks = sum(1 for s in c.stages if s.template.kind == "block")
         n_templates = len(set(self._block_template_index().values()))
-        shared = "share one template" if n_templates == 1 else f"run {n_templates} templates"
+        shared = "share one template" if n_templates <= 1 else f"run {n_templates} templates"
         choice = self.program.facts.get("choice")
         measured = ("not run yet" if self.measured_peak_bytes is None
                     else f"{fmt_bytes(self.measured_peak_bytes)} measured in the last run")

@@ -14,8 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import megacompile
+from megacompile.capture import capture
 from tests import models
-from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run
+from tests.e2e.harness import BETAS, EPS, LR, WD, assert_same_weights, clone, eager_losses, megacompile_run
 
 GiB = 2 ** 30
 STEPS = 3
@@ -143,7 +145,6 @@ MODELS = {
 def _eager(model, batches, kind: str) -> list[float]:
     if kind.startswith("gpt2"):
         return eager_losses(model, batches, "hf")
-    from tests.e2e.harness import BETAS, EPS, LR, WD
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     losses = []
     for ids in batches:
@@ -196,7 +197,6 @@ def test_heterogeneous_blocks_train_as_eager_on_their_own_templates(kind):
 
 
 def test_a_backward_hook_on_a_block_module_itself_is_refused():
-    import megacompile
     model = Stack([Block() for _ in range(4)])
     model.h[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
     ids = models.batch(VOCAB, b=2, t=T)
@@ -218,7 +218,6 @@ def test_the_plan_names_the_layer_and_what_differs():
 
 
 def _capture(model, ids):
-    from megacompile.capture import capture
     return capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
                    compute_dtype=torch.float32)
 
@@ -263,7 +262,6 @@ def test_identical_layers_share_one_template(kind):
     if kind == "tensor_constant":
         captured = _capture(Stack([ConstantBlock(2.0) for _ in range(4)]), ids)
     elif build is None:
-        from megacompile.capture import capture
         captured = capture(models.NanoGPT(vocab=VOCAB, d=32, layers=8), (), {"idx": ids, "targets": ids},
                            device=torch.device("cpu"), compute_dtype=torch.float32)
     else:
@@ -294,7 +292,6 @@ def test_fusion_rewrites_each_block_template_on_its_own():
 
 @pytest.mark.slow
 def test_baselines_and_exact_resume_with_several_templates(tmp_path):
-    import megacompile
     torch.manual_seed(0)
     model = MODELS["scalar"][0]()
     batches = [models.batch(VOCAB, b=2, t=T, seed=i) for i in range(4)]
