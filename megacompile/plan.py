@@ -99,6 +99,7 @@ class Plan:
         recomputed = {n.stage for n in self.program.nodes if n.op is Op.RECOMPUTE}
         offloaded = set(self.program.facts.get("offload", []))
         forwards = {n.stage: n for n in self.program.nodes if n.op is Op.FORWARD}
+        template_of = self._block_template_index()
         records = []
         for s, stage in enumerate(self.captured.stages):
             t = stage.template
@@ -106,8 +107,8 @@ class Plan:
                 continue
             hold = "recompute" if s in recomputed else "offload" if s in offloaded else "keep"
             saved_bytes = self.program.values[f"saved{s}"].nbytes
-            r = {"stage": self.program.stage_names[s], "hold": hold, "saved_bytes": saved_bytes,
-                 "selective": t.full is not None}
+            r = {"stage": self.program.stage_names[s], "template": template_of[s], "hold": hold,
+                 "saved_bytes": saved_bytes, "selective": t.full is not None}
             if t.full is not None:
                 r["selective_bytes_not_saved"] = t.full.saved_bytes - t.saved_bytes
             if self.hardware is not None:
@@ -121,16 +122,28 @@ class Plan:
             records.append(r)
         return records
 
+    def _block_template_index(self) -> dict[int, int]:
+        """Per block stage, which of the distinct block templates it runs (0, 1, ..., in the order
+        of their first block); a selective variant counts as the template it replaces."""
+        index: dict[int, int] = {}
+        order: dict[int, int] = {}
+        for s, stage in enumerate(self.captured.stages):
+            if stage.template.kind == "block":
+                full = stage.template.full or stage.template
+                index[s] = order.setdefault(id(full), len(order))
+        return index
+
     def block_decisions(self) -> list[str]:
         """blocks() as text, grouped over runs of blocks with the same decision."""
         groups: list[list[dict]] = []
         for r in self.blocks():
-            last = groups[-1][-1] if groups else None
-            if last and (last["hold"], last["selective"], last["saved_bytes"]) == (r["hold"], r["selective"], r["saved_bytes"]):
+            key = ("hold", "selective", "template", "saved_bytes")
+            if groups and all(groups[-1][-1][k] == r[k] for k in key):
                 groups[-1].append(r)
             else:
                 groups.append([r])
         lines = []
+        several = len({r["template"] for g in groups for r in g}) > 1
         for g in groups:
             r = g[0]
             span = r["stage"] if len(g) == 1 else f"{r['stage']}..{g[-1]['stage']}"
@@ -149,6 +162,8 @@ class Plan:
                          "less")
                 if "selective_backward_s" in r:
                     line += f", for {r['selective_backward_s'] * 1e3:.3g} ms of cheap ops redone in its backward"
+            if several:
+                line = f"[template {r['template']}] {line}"
             lines.append(f"  {span:<14} {line}")
         return lines
 
@@ -188,6 +203,8 @@ class Plan:
             "offload": [self.program.stage_names[s] for s in sorted(choice.offload)] if choice else [],
             "selective": [self.program.stage_names[s] for s in sorted(choice.selective)] if choice else [],
             "blocks": self.blocks(),
+            "block_templates": len(set(self._block_template_index().values())),
+            "template_notes": dict(self.captured.template_notes),
             "hardware": self.hardware.name if self.hardware else None,
             **(self.prediction.to_dict() if self.prediction else {}),
             "passes": self.program.passes,
@@ -207,7 +224,8 @@ class Plan:
         c = self.captured
         n_params = sum(e.numel for e in c.state.values() if e.trainable)
         blocks = sum(1 for s in c.stages if s.template.kind == "block")
-        shared = len({id(s.template.full or s.template) for s in c.stages if s.template.kind == "block"})
+        n_templates = len(set(self._block_template_index().values()))
+        shared = "share one template" if n_templates <= 1 else f"run {n_templates} templates"
         choice = self.program.facts.get("choice")
         measured = ("not run yet" if self.measured_peak_bytes is None
                     else f"{fmt_bytes(self.measured_peak_bytes)} measured in the last run")
@@ -215,7 +233,7 @@ class Plan:
             f"megacompile plan ({'training step' if c.train else 'forward only'}, {self.backend} backend, "
             f"compute {str(c.compute_dtype).replace('torch.', '')}, fp32 masters)",
             f"  model          {n_params:,} trainable parameters, {len(c.stages)} stages "
-            f"({blocks} blocks of {c.block_path or 'none'} on {shared} template{'s' if shared != 1 else ''})",
+            f"({blocks} blocks of {c.block_path or 'none'} {shared})",
             f"  device peak    {fmt_bytes(self.predicted_peak_bytes)} predicted of {fmt_bytes(self.budget_bytes)} "
             f"budget ({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}",
             f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, no prefetch overlap)",
@@ -226,6 +244,7 @@ class Plan:
             f"  moved per step {fmt_bytes(self.h2d_bytes_per_step)} host->device, "
             f"{fmt_bytes(self.d2h_bytes_per_step)} device->host",
         ]
+        lines += [f"  own template   {note}" for note in c.template_notes.values()]
         if choice is not None:
             names = self.recomputed
             listed = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])}, ... {names[-1]}"

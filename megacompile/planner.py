@@ -93,29 +93,28 @@ def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareP
     # Offloading saved activations trades link time for recompute time: the first 0, n/8, .., n.
     n = len(blocks)
     offload_counts = sorted({round(n * i / 8) for i in range(9)})
-    # Blocks differ where some are frozen (a frozen block with nothing trainable before it saves
-    # nothing): the one saving the most stands for all, so the host stash is bounded from above.
-    largest = max(blocks, key=lambda s: captured.stages[s].template.saved_bytes)
-    template = captured.stages[largest].template
-    selective = (Selective.NONE,) if template.selective is None else tuple(Selective)
+    # Blocks may run several templates (blocks.py): each is asked for its own variant and lag.
+    def held(s: int, selective: Selective):
+        t = captured.stages[s].template
+        return t if selective is Selective.NONE or t.selective is None else t.selective
+    any_selective = any(captured.stages[s].template.selective is not None for s in blocks)
+    selective = tuple(Selective) if any_selective else (Selective.NONE,)
+    distinct = {id(captured.stages[s].template): s for s in blocks}.values()
     options = families(residents, offload_counts, selective,
-                       lambda mode: _offload_lag(captured, largest, mode is not Selective.NONE, hardware))
+                       lambda mode: max(_offload_lag(captured, held(s, mode), hardware) for s in distinct))
     if host_room is None:
         return options
 
     def stash(f: Family) -> int:    # offloaded blocks never recompute, so KEPT offloads the variant
-        t = template if f.selective is Selective.NONE or template.selective is None else template.selective
-        return f.offloaded * t.saved_bytes
+        return sum(held(s, f.selective).saved_bytes for s in blocks[:f.offloaded])
     return [f for f in options if stash(f) <= host_room]
 
 
-def _offload_lag(captured: CapturedModel, block: int, selective: bool, hardware: HardwareProfile) -> int:
-    """How many block computes one saved-activation copy spans on this hardware (1 to 8)."""
+def _offload_lag(captured: CapturedModel, t, hardware: HardwareProfile) -> int:
+    """How many block computes one saved-activation copy of template `t` spans on this hardware (1 to 8)."""
     import math
 
     from .cost import graph_cost
-    t = captured.stages[block].template
-    t = t.selective if selective and t.selective is not None else t
     compute = graph_cost(t.forward, hardware, captured.compute_dtype).seconds
     return max(1, min(8, math.ceil(t.saved_bytes / hardware.d2h_bw / max(compute, 1e-9))))
 

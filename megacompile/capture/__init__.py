@@ -45,6 +45,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
                            "train (check requires_grad, or that the model builds its layers in __init__)")
     refuse_unsupported(model)
     stack = find_block_stack(model)
+    if stack is not None:
+        stack.refuse_backward_hooks()
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     tensor_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
     if not tensor_leaves:
@@ -65,11 +67,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
     with causal_attention_without_mask(model, args, kwargs):
         top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
     with fake_mode:
-        stages, outputs = build_stages(top, model, stack, fakes, {n: e.trainable for n, e in state.items()},
-                                       input_fakes, train)
+        stages, outputs, notes = build_stages(top, model, stack, fakes,
+                                              {n: e.trainable for n, e in state.items()}, input_fakes, train)
     return CapturedModel(
         stages=stages, state=state, inputs=[TensorMeta.of(t, False) for t in tensor_leaves],
         input_spec=spec, input_constants=[None if isinstance(x, torch.Tensor) else x for x in leaves],
         outputs=outputs, out_spec=top.out_spec, out_constants=top.out_constants,
         out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
-        block_path=stack.path if stack else None, trace_seconds=time.perf_counter() - start)
+        block_path=stack.path if stack else None, template_notes=notes,
+        trace_seconds=time.perf_counter() - start)

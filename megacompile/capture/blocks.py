@@ -1,9 +1,15 @@
-"""Find the model's repeated decoder blocks: the stack that is traced once as a template."""
+"""Find the model's decoder blocks, and which of them can share one traced template."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.nn as nn
+
+from ..errors import CaptureError
+from .leaf import BlockCall
 
 
 @dataclass(frozen=True)
@@ -14,30 +20,119 @@ class BlockStack:
     def block_path(self, i: int) -> str:
         return f"{self.path}.{i}" if self.path else str(i)
 
+    def refuse_backward_hooks(self) -> None:
+        """A backward hook on a block module itself wraps the block's call, outside what its
+        template traces: it would never run. Hooks on modules inside a block are traced."""
+        for i, block in enumerate(self.blocks):
+            if block._backward_hooks or block._backward_pre_hooks:
+                raise CaptureError(
+                    f"{self.block_path(i)} has a backward hook on the block module itself, which megacompile "
+                    "cannot run (each block is traced as one unit from inside its forward): register the "
+                    "hook on a module inside the block, or remove it")
+
 
 def _signature(module: nn.Module) -> tuple:
-    """What must agree for two blocks to share one traced template. Which parameters train may
-    differ: segment.py gives blocks with other trainable parameters their own template."""
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    """The structure two blocks must share to share a template: the same parameter slots."""
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
     buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
     classes = tuple(type(m).__name__ for m in module.modules())
     return type(module), params, buffers, classes
 
 
 def find_block_stack(model: nn.Module) -> BlockStack | None:
-    """The nn.ModuleList of identical modules holding the most parameters, or None.
+    """The nn.ModuleList of blocks holding the most parameters, or None.
 
-    Blocks are identical when their class, submodule classes and parameter/buffer names,
-    shapes and dtypes agree. A list of one module is no stack.
+    A list is a stack when at least two of its modules are of one class: its blocks may differ
+    (another class in one layer, an extra module, a per-layer flag), and those that differ get
+    their own template (`share_templates`). A list of modules all of different classes (an
+    embedding, a body, a head) is no stack; a list of one module neither.
     """
     best, best_params = None, 0
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
-        first = _signature(module[0])
-        if any(_signature(m) != first for m in module[1:]):
+        if max(Counter(type(m) for m in module).values()) < 2:
             continue
         n = sum(p.numel() for m in module for p in m.parameters())
         if n > best_params:
             best, best_params = BlockStack(path, tuple(module)), n
     return best
+
+
+class TemplateGroups:
+    """Which block calls share a template: those that compute the same thing, i.e. the same
+    structure, the same non-tensor arguments, the same fingerprint (fingerprint.py) and the same
+    inputs needing a gradient. One template is traced per group, from its first block."""
+
+    def __init__(self, stack: BlockStack, calls: list[BlockCall]):
+        self.stack, self.calls = stack, calls
+        self.firsts: list[tuple[int, tuple[bool, ...]]] = []
+        self.why: dict[int, str] = {}    # per group after the first: how its first block differs
+
+    def source(self, i: int, grads: tuple[bool, ...]) -> int:
+        """The call whose template call `i` runs (`i` itself when it starts a group); `grads`:
+        which of its tensor inputs need a gradient, known only once the earlier stages are traced."""
+        for j, g in self.firsts:
+            if g == grads and _difference(self.stack, self.calls[j], self.calls[i]) is None:
+                return j
+        if self.firsts:
+            j, g = self.firsts[0]
+            self.why[i] = (_difference(self.stack, self.calls[j], self.calls[i])
+                           or f"which inputs need a gradient and which outputs are read ({list(grads)} where the other has {list(g)})")
+        self.firsts.append((i, grads))
+        return i
+
+
+def _difference(stack: BlockStack, a: BlockCall, b: BlockCall) -> str | None:
+    """None when the calls can share a template, else the first difference, in words."""
+    ma, mb = stack.blocks[a.index], stack.blocks[b.index]
+    sa, sb = _signature(ma), _signature(mb)
+    if sa[0] is not sb[0] or sa[3] != sb[3]:
+        return f"module classes ({_classes(sa, sb)})"
+    if sa[1:3] != sb[1:3]:
+        return "parameters or buffers (names, shapes, dtypes or requires_grad)"
+    if not (a.in_spec == b.in_spec and a.tensor_positions == b.tensor_positions and a.out_spec == b.out_spec
+            and _equal(a.constants, b.constants)):
+        return "non-tensor call arguments"
+    if a.fingerprint != b.fingerprint:
+        return f"what it computes ({_first_op_difference(a.fingerprint, b.fingerprint)})"
+    return None
+
+
+def _classes(sa: tuple, sb: tuple) -> str:
+    for x, y in zip(sa[3], sb[3]):
+        if x != y:
+            return f"{y} where the other has {x}"
+    return f"{len(sb[3])} submodules where the other has {len(sa[3])}"
+
+
+def _first_op_difference(fa: tuple, fb: tuple) -> str:
+    ops_a, ops_b = fa[0], fb[0]
+    for k, (x, y) in enumerate(zip(ops_a, ops_b)):
+        if x != y:
+            return f"op {k} is {_show(y)} where the other runs {_show(x)}"
+    if len(ops_a) != len(ops_b):
+        return f"{len(ops_b)} ops where the other runs {len(ops_a)}"
+    return "its outputs or gradients come from other ops"
+
+
+def _show(entry: tuple) -> str:
+    func, args, kwargs = entry
+
+    def show(x: Any) -> str:
+        if isinstance(x, tuple) and len(x) == 3 and isinstance(x[2], torch.dtype):
+            return f"tensor{list(x[1])}"
+        if isinstance(x, tuple) and len(x) == 2 and x[0] == "float":
+            return str(float.fromhex(x[1])) if x[1].startswith(("0x", "-0x")) else x[1]
+        if isinstance(x, tuple):
+            return "[" + ", ".join(show(y) for y in x) + "]"
+        return repr(x)
+    text = ", ".join([show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs])
+    return f"{func}({text})"
+
+
+def _equal(a: list, b: list) -> bool:
+    try:
+        return all(x is y or x == y for x, y in zip(a, b)) and len(a) == len(b)
+    except Exception:  # noqa: BLE001 - uncomparable constants count as different
+        return False

@@ -24,6 +24,8 @@ class BlockCall:
     out_spec: pytree.TreeSpec
     out_meta: list[tuple[torch.Size, torch.dtype, torch.device] | None]  # None: non-tensor leaf
     out_constants: list[Any]
+    index: int = 0                # which block of the stack was called
+    fingerprint: tuple = ()       # what the block computed (fingerprint.py)
 
     def rebuild_args(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
         leaves = list(self.constants)

@@ -56,7 +56,14 @@ class CapturedModel:
     train: bool = True
     compute_dtype: torch.dtype = torch.float32
     block_path: str | None = None
+    # For each block stage that starts a template of its own: how it differs from the first block.
+    template_notes: dict[str, str] = field(default_factory=dict)
     trace_seconds: float = 0.0
+
+    @property
+    def block_templates(self) -> list[StageTemplate]:
+        """The distinct templates the blocks run, in the order of their first block."""
+        return [t for t in self.templates if t.kind == "block"]
 
     @property
     def templates(self) -> list[StageTemplate]:

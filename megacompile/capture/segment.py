@@ -1,9 +1,10 @@
-"""Cut the top-level graph into stages: prologue, one block template, epilogue.
+"""Cut the top-level graph into stages: prologue, the block templates, epilogue.
 
 The prologue holds what runs before the first block (embeddings, rotary tables, masks), the
 epilogue what runs after the last (final norm, lm head, loss). Values the prologue makes for
 every block (rotary cos/sin, the causal mask) are "side inputs": they stay on the device
-for the whole step. The block template is traced from the block module itself.
+for the whole step. Block templates are traced from the block modules themselves: one per group
+of blocks that compute the same thing (blocks.py), from the group's first block.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from .blocks import BlockStack
+from .blocks import BlockStack, TemplateGroups
+from .leaf import BlockCall
 from .model_graph import Port, StageInstance
 from .stage import ParamSlot, StageTemplate, TensorMeta, trace_stage
 from .top import TopGraph
@@ -60,8 +62,10 @@ class _Segment:
 
 
 def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None,
-                 fakes: dict[str, torch.Tensor], trainable: dict[str, bool],
-                 input_fakes: list[torch.Tensor], train: bool) -> tuple[list[StageInstance], list[Port]]:
+                 fakes: dict[str, torch.Tensor], trainable: dict[str, bool], input_fakes: list[torch.Tensor],
+                 train: bool) -> tuple[list[StageInstance], list[Port], dict[str, str]]:
+    """The stages in order, the ports of the graph's outputs, and for each block stage that starts
+    a template of its own, why it could not share the first block's."""
     gm = top.gm
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -100,6 +104,7 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
     epilogue = [n for n in computed if n not in set(prologue)]
 
     stages: list[StageInstance] = []
+    notes: dict[str, str] = {}
     where: dict[fx.Node, Port] = {n: Port(-1, i) for n, i in input_ph.items()}
     metas: dict[fx.Node, TensorMeta] = {}
 
@@ -129,70 +134,73 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
         p_out = [n for n in prologue if any(u not in set(prologue) for u in n.users) or n in boundary]
         if prologue:
             add_segment("prologue", prologue, p_out, type(model).__name__)
-        _add_blocks(stages, calls, top, stack, fakes, trainable, where, metas, train, fake_act)
+        notes = _add_blocks(stages, calls, top, stack, fakes, trainable, where, metas, train, fake_act)
     e_out = list(graph_outputs)
     if epilogue or not calls:
         add_segment("epilogue" if calls else "whole", epilogue, e_out, type(model).__name__)
     if train:
         for stage in stages:
             _check_no_grad_bypass(stage, stages)
-    return stages, [where[o] for o in e_out]
+    return stages, [where[o] for o in e_out], notes
 
 
 def _add_blocks(stages, calls, top: TopGraph, stack: BlockStack, fakes, trainable, where, metas,
-                train, fake_act) -> None:
-    first = top.calls[0]
-    for i, call in enumerate(top.calls[1:], start=1):
-        same = (call.in_spec == first.in_spec and call.tensor_positions == first.tensor_positions
-                and call.out_spec == first.out_spec and _equal(call.constants, first.constants))
-        if not same:
-            raise CaptureError(
-                f"block {stack.block_path(i)} is called with other non-tensor arguments than "
-                f"{stack.block_path(0)}; blocks share one traced template, so every block must be "
-                "called the same way")
-    block0 = stack.blocks[0]
-    local = [n for n, _ in block0.named_parameters()] + [n for n, _ in block0.named_buffers()]
+                train, fake_act) -> dict[str, str]:
+    """One stage per block call; one template per group of calls that compute the same thing and
+    pass the same gradients, traced from the group's first block. Returns, for each block that
+    starts a new template, how it differs from the first block.
 
-    def source(params, acts):
-        args, kwargs = first.rebuild_args(acts)
-        out = functional_call(block0, dict(zip(local, params)), args, kwargs, strict=False)
-        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
-
-    # Blocks share a template only where the same gradients flow: which of their parameters are
-    # trainable, which inputs carry a gradient, which outputs a later stage differentiates.
-    # A frozen block still passes the gradient of its output back to its input when an earlier
-    # stage trains; a block output nothing reads (GPT-J's attention weights) gets no gradient.
-    templates: dict[tuple, StageTemplate] = {}
-    for b, call in enumerate(calls):
-        inputs = list(call.args[0])
-        for k, a in enumerate(inputs):
-            if a not in where:
-                raise CaptureError(f"input {k} of block {stack.block_path(b)} ('{a.name}') is not made "
-                                   "by the prologue or the previous block")
-        prefix = stack.block_path(b) + "."
-        names = [prefix + n for n in local]
-        acts = [fake_act(a) for a in inputs]
-        read = _outputs_read(call, sum(m is not None for m in top.calls[b].out_meta))
-        key = (tuple(trainable[n] for n in names), tuple(a.requires_grad for a in acts), read)
-        template = templates.get(key)
-        if template is None:
-            slots = [ParamSlot(n, TensorMeta.of(fakes[prefix + n], False), trainable[prefix + n]) for n in local]
-            template = trace_stage("block", source, slots, [fakes[n] for n in names], acts, train,
-                                   stack.block_path(b), differentiable=list(read))
-            templates[key] = template
+    Which parameters train is part of a block's structure (blocks.py); which inputs carry a
+    gradient and which outputs a later stage differentiates is known only here. A frozen block
+    still passes the gradient of its output back to its input when an earlier stage trains; a
+    block output nothing reads (GPT-J's attention weights) gets no gradient."""
+    groups = TemplateGroups(stack, top.calls)
+    templates: dict[int, StageTemplate] = {}
+    notes: dict[str, str] = {}
+    for b, (node, call) in enumerate(zip(calls, top.calls)):
+        block, path = stack.blocks[call.index], stack.block_path(call.index)
+        local = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
+        acts = [fake_act(a) for a in node.args[0]]
+        read = _outputs_read(node, sum(m is not None for m in call.out_meta))
+        grads = tuple(bool(train and a.requires_grad) for a in acts) + read
+        source = groups.source(b, grads)
+        if source == b:
+            templates[b] = _trace_block(block, path, call, local, acts, fakes, trainable, train, read)
+            if b in groups.why:
+                notes[f"block.{b}"] = (f"{path} has its own template: it differs from "
+                                       f"{stack.block_path(top.calls[0].index)} in {groups.why[b]}")
+        template = templates[source]
         ports = []
-        for k, a in enumerate(inputs):
+        for k, a in enumerate(node.args[0]):
+            if a not in where:
+                raise CaptureError(f"input {k} of block {path} ('{a.name}') is not made "
+                                   "by the prologue or the previous block")
             port = where[a]
             if train and template.acts[k].requires_grad and b > 0 and port.stage != len(stages) - 1:
                 raise CaptureError(
-                    f"input {k} of block {stack.block_path(b)} needs a gradient but does not come from the "
+                    f"input {k} of block {path} needs a gradient but does not come from the "
                     "previous block; megacompile streams blocks as a chain (block i feeds block i+1)")
             ports.append(port)
-        stages.append(StageInstance(f"block.{b}", template, names, ports, stack.block_path(b)))
-        for u in call.users:
+        stages.append(StageInstance(f"block.{b}", template, [f"{path}.{n}" for n in local], ports, path))
+        for u in node.users:
             if u.target is operator.getitem:
                 where[u] = Port(len(stages) - 1, u.args[1])
                 metas[u] = template.outputs[u.args[1]]
+    return notes
+
+
+def _trace_block(block: torch.nn.Module, path: str, call: BlockCall, local: list[str],
+                 fake_acts: list[torch.Tensor], fakes, trainable, train: bool,
+                 read: tuple[bool, ...]) -> StageTemplate:
+    """The template of one block, traced from its own module and the way the model called it."""
+    slots = [ParamSlot(n, TensorMeta.of(fakes[f"{path}.{n}"], False), trainable[f"{path}.{n}"]) for n in local]
+
+    def source(params, acts):
+        args, kwargs = call.rebuild_args(acts)
+        out = functional_call(block, dict(zip(local, params)), args, kwargs, strict=False)
+        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    return trace_stage("block", source, slots, [fakes[f"{path}.{n}"] for n in local], fake_acts, train, path,
+                       differentiable=list(read))
 
 
 def _outputs_read(call: fx.Node, n_outputs: int) -> tuple[bool, ...]:
@@ -215,10 +223,3 @@ def _check_no_grad_bypass(stage: StageInstance, stages: list[StageInstance]) -> 
             raise CaptureError(
                 f"the {stage.name} reads output {port.index} of {producer.name}, which needs a gradient "
                 "and skips the blocks in between; only the block chain may carry gradients")
-
-
-def _equal(a: list, b: list) -> bool:
-    try:
-        return all(x is y or x == y for x, y in zip(a, b)) and len(a) == len(b)
-    except Exception:  # noqa: BLE001 - uncomparable constants count as different
-        return False

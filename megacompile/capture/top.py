@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, MegacompileError
 from .blocks import BlockStack
+from .fingerprint import record
 from .leaf import BlockCall, clear_out_meta, set_out_meta
 from .loss import LossFn, extract_loss
 from .state_writes import refuse_state_writes
@@ -31,7 +32,7 @@ class TopGraph:
 
 
 @contextlib.contextmanager
-def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall]):
+def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall], train: bool):
     """Patch each block's forward to record its call and emit one megacompile::block_call."""
     if stack is None:
         yield
@@ -43,12 +44,20 @@ def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall]):
             leaves, in_spec = pytree.tree_flatten((args, kwargs))
             positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
             constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-            with disable_proxy_modes_tracing(), torch.no_grad():
-                out = original(*args, **kwargs)   # fake tensors only: gives the output's shapes
+            block = stack.blocks[index]
+
+            def run(tensors: list[torch.Tensor]):
+                own = list(leaves)
+                for pos, t in zip(positions, tensors):
+                    own[pos] = t
+                a, kw = pytree.tree_unflatten(own, in_spec)
+                return original(*a, **kw)
+            with disable_proxy_modes_tracing():   # fake tensors only: the output's shapes, the fingerprint
+                out, fingerprint = record(block, run, [leaves[i] for i in positions], train)
             out_leaves, out_spec = pytree.tree_flatten(out)
             meta = [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in out_leaves]
             out_constants = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
-            calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants))
+            calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants, index, fingerprint))
             set_out_meta(index, [m for m in meta if m is not None])
             tensors = torch.ops.megacompile.block_call([leaves[i] for i in positions], index)
             return calls[-1].rebuild_output(tensors)
@@ -90,7 +99,7 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
     try:
-        with _blocks_as_leaves(stack, calls):
+        with _blocks_as_leaves(stack, calls, train):
             gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
     except MegacompileError:
         raise

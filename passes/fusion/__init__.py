@@ -1,6 +1,6 @@
 """The fusion pass: captured ATen stage graphs rewritten onto megacompile's fused Triton kernels.
 
-    captured = fuse(captured)          # a new CapturedModel; blocks still share one template
+    captured = fuse(captured)          # a new CapturedModel; blocks keep their templates
     print(fusion_report(captured))     # which kernel covers which original nodes, per template
 
 Each training template's forward and backward graphs are rewritten as a pair (contract.py), in
