@@ -25,14 +25,13 @@ import torch.nn as nn
 
 
 def _passes_position_ids(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    if kwargs.get("position_ids") is not None:
+        return True
     try:
-        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+        bound = inspect.signature(model.forward).bind_partial(*args).arguments
     except (TypeError, ValueError):
-        bound = kwargs
-    given = bound.get("position_ids")
-    if given is None:   # **kwargs of the forward may carry it too
-        given = bound.get("kwargs", {}).get("position_ids") if isinstance(bound.get("kwargs"), dict) else None
-    return given is not None
+        return bool(args)   # where the positional arguments go is unknown: they may be positions
+    return bound.get("position_ids") is not None
 
 
 @contextlib.contextmanager

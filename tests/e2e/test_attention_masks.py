@@ -82,3 +82,13 @@ def test_a_padding_mask_is_exact_and_saved_by_no_block():
     engine = _train_both(models.hf_llama(layers=4, d=128), batches)
     block = _block(engine)
     assert not _square(block) and not _square(block.selective)
+
+
+@pytest.mark.slow
+def test_packed_sequences_in_the_callers_position_ids_train_as_eager():
+    torch.manual_seed(0)
+    positions = torch.cat([torch.arange(10), torch.arange(T - 10)]).repeat(B, 1)   # two sequences per row
+    batches = [{"input_ids": _ids(i), "position_ids": positions, "labels": _ids(i)} for i in range(STEPS)]
+    engine = _train_both(models.hf_llama(layers=4, d=128), batches)
+    block = _block(engine)
+    assert not _square(block) and not _square(block.selective)

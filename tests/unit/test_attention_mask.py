@@ -67,3 +67,13 @@ def test_a_padding_mask_is_read_by_every_block_and_saved_by_none():
     assert any(m.shape == (2, 1, 24, 24) for m in block.acts)
     for variant in (block, block.selective):
         assert not [m.shape for m in variant.saved if _square(m.shape, 24)]
+
+
+def test_a_callers_position_ids_keep_the_mask():
+    """They may pack several sequences in a row, which only their values tell."""
+    model = models.hf_llama(layers=2)
+    ids = torch.zeros(2, 24, dtype=torch.long)
+    positions = torch.arange(24).repeat(2, 1)
+    captured = capture(model, (), {"input_ids": ids, "position_ids": positions, "labels": ids},
+                       device=torch.device("cpu"), compute_dtype=torch.float32)
+    assert any(m.shape == (2, 1, 24, 24) for m in _block(captured).acts)
