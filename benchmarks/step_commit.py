@@ -19,7 +19,6 @@ benchmarks/results/step_commit.csv (long format).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ from megacompile.capture.model_graph import owners  # noqa: E402
 from megacompile.cost.predict import predict  # noqa: E402
 from megacompile.ir.program import Op, grads  # noqa: E402
 from megacompile.runtime import Executor  # noqa: E402
-from provenance import machine_facts  # noqa: E402
+from provenance import machine_facts, write_rows  # noqa: E402
 from tests import models  # noqa: E402
 
 LLAMAS = {  # hidden, layers, intermediate, heads, kv heads
@@ -141,12 +140,7 @@ def main() -> None:
     if not (args.predict or args.measure):
         args.predict = args.measure = True
     rows = (predicted(args) if args.predict else []) + (measured(args) if args.measure else [])
-    os.makedirs(os.path.dirname(args.csv), exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.csv}")
+    write_rows(args.csv, rows)
 
 
 if __name__ == "__main__":
