@@ -13,7 +13,6 @@ tests/e2e/test_parity.py (12 layers, width 128) at the smallest and the largest 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import megacompile  # noqa: E402
-from provenance import machine_facts  # noqa: E402
+from provenance import machine_facts, write_rows  # noqa: E402
 from tests import models  # noqa: E402
 
 GiB = 2 ** 30
@@ -92,12 +91,7 @@ def main() -> None:
     print(f"{'model':>8} {'budget':>10} {'pred peak':>10} {'meas peak':>10} {'pred ms':>8} {'meas ms':>8} "
           f"{'p10':>7} {'p90':>7} {'err':>6}  schedule")
     rows = [row for kind in args.models.split(",") for row in sweep(kind, args)]
-    os.makedirs(os.path.dirname(args.csv), exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.csv}")
+    write_rows(args.csv, rows)
 
 
 if __name__ == "__main__":

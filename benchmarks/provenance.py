@@ -2,6 +2,7 @@
 Every benchmark writes these beside its numbers in its long-format CSV."""
 from __future__ import annotations
 
+import csv
 import os
 import platform
 import subprocess
@@ -35,3 +36,13 @@ def machine_facts() -> dict:
             "git_sha": git_sha(), "threads": torch.get_num_threads(),
             # Other work on the machine moves every figure: say how busy it was.
             "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else ""}
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    """The long-format CSV: one row per point, the columns of the first row."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")

@@ -201,7 +201,7 @@ class Engine:
         self._require_weights()
         # The last step's updates may still be running: the plan waits for each owner's update
         # before its first prefetch, so they finish before this step's offloads touch the grads.
-        self.host.begin_micro_batch(first=micro == 0, last=last)
+        self.host.begin_micro_batch(first=micro == 0, last=last, norms=self.optimizer.max_grad_norm is not None)
         context = self._step_context()
         rng = self.backend.get_rng_state()
         try:

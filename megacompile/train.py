@@ -60,18 +60,22 @@ def train(*, steps: int, batch: int, seq: int, config: LlamaConfig, hbm_budget: 
         dt = time.perf_counter() - t0
         tokens += ids.numel()
         peak = engine.memory_stats()["device_peak_bytes"]
-        log.append({"step": step, "loss": loss, "seconds": dt, "device_peak_bytes": peak})
+        record = engine.last_step
+        log.append({"step": step, "loss": loss, "seconds": dt, "device_peak_bytes": peak,
+                    "skipped": record.skipped, "grad_norm": record.grad_norm})
         line = (f"step {step:>5}/{steps} |{_bar(step, steps)}| loss {loss:.4f} | "
-                f"{ids.numel() / dt:,.0f} tok/s | device peak {fmt_bytes(peak)} / {fmt_bytes(plan.budget_bytes)}")
+                f"{ids.numel() / dt:,.0f} tok/s | device peak {fmt_bytes(peak)} / {fmt_bytes(plan.budget_bytes)}"
+                + (f" | skipped: {record.reason}" if record.skipped else ""))
         if tty:
             print("\r" + line, end="", flush=True)
-        elif step % log_every == 0 or step in (1, steps):
+        elif step % log_every == 0 or step in (1, steps) or record.skipped:
             print(line, flush=True)
         ids, labels = next(data)
     if tty:
         print()
     elapsed = time.perf_counter() - start
-    result = {"steps": steps, "final_loss": log[-1]["loss"], "first_loss": log[0]["loss"],
+    result = {"steps": steps, "skipped_steps": engine.skipped_steps,
+              "final_loss": log[-1]["loss"], "first_loss": log[0]["loss"],
               "tokens_per_s": tokens / elapsed, "predicted_device_peak_bytes": plan.predicted_peak_bytes,
               "measured_device_peak_bytes": max(r["device_peak_bytes"] for r in log),
               "budget_bytes": plan.budget_bytes, "config": asdict(config)}
