@@ -71,11 +71,14 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .arguments import folder
+    from .arguments import file_in_the_way
+    from .errors import ArgumentError
     from .cost.calibrate import measure, measure_gpu
     if args.device == "cuda" and not torch.cuda.is_available():
         raise MegacompileError("--device cuda: torch sees no GPU here; calibrate the cpu profile with --device cpu")
-    folder(f"the folder of --out {args.out}", os.path.dirname(os.path.abspath(args.out)), optional=False)
+    blocker = file_in_the_way(os.path.dirname(os.path.abspath(args.out)))
+    if blocker is not None:   # before measuring, which takes a while
+        raise ArgumentError(f"--out {args.out} lies under the file {blocker}; give a path in a folder")
     profile = measure_gpu() if args.device == "cuda" else measure()
     for key, value in profile.to_dict().items():
         print(f"  {key:<24} {value:.4g}" if isinstance(value, float) else f"  {key:<24} {value}")

@@ -61,10 +61,13 @@ def model_from_config(config: Any) -> nn.Module:
             raise ArgumentError("the config has no model_type (e.g. \"llama\", \"qwen2\")")
         try:
             config = AutoConfig.for_model(model_type, **config)
-        except Exception as e:  # noqa: BLE001 - transformers' own check, one per field: name it, once
-            known = "unknown to this transformers" if "Unrecognized model" in str(e) else "invalid"
-            raise ArgumentError(f"the config (model_type {model_type!r}) is {known}: "
-                                f"{str(e).splitlines()[-1].strip()[:300]}") from e
+        except Exception as e:  # noqa: BLE001 - transformers' own checks: one error that names the field
+            if "Unrecognized model" in str(e):
+                import transformers
+                raise ArgumentError(f"the config's model_type {model_type!r} is unknown to transformers "
+                                    f"{transformers.__version__} (causal LMs are e.g. 'llama', 'qwen2', 'gpt2', "
+                                    "'mistral')") from e
+            raise ArgumentError(f"the {model_type} config is invalid: {str(e).splitlines()[-1].strip()[:300]}") from e
     if not isinstance(config, PretrainedConfig):
         raise ArgumentError(f"expected a config path, dict or PretrainedConfig, got {type(config).__name__}")
     check_attention_shape(config)
@@ -143,10 +146,13 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     if compute_dtype not in (torch.float32, torch.bfloat16):
         raise ArgumentError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype!r}")
     optimizer = arguments.optimizer(optimizer)
+    if not isinstance(hardware, (str, os.PathLike, HardwareProfile)):
+        raise ArgumentError(f"hardware must be a profile name (e.g. \"h100\", \"cpu\"), a profile.json path or a "
+                            f"HardwareProfile; got {hardware!r}")
+    profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(os.fspath(hardware))
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     if getattr(getattr(model, "config", None), "use_cache", False):
         model.config.use_cache = False
-    profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware)
     if inputs is None:
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
         inputs = {"input_ids": ids, "labels": ids}
