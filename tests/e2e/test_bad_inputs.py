@@ -83,6 +83,14 @@ def _under_inference_mode(c):
         c.engine.step(idx=IDS, targets=IDS)
 
 
+def _train(*flags):
+    return lambda c: c.cli(*TINY_TRAIN, *flags, "--run-dir", os.path.join(c.tmp, "run"))
+
+
+def _cli_plan(*flags):
+    return lambda c: c.cli("plan", "--config", c.config, *flags)
+
+
 def _save(path_of):
     return lambda c: c.engine.save_checkpoint(path_of(c))
 
@@ -188,37 +196,37 @@ CASES = [
          lambda c: c.engine.load_checkpoint(c.file)),
     # the command line: exit status 2, one line naming the problem
     Case("cli plan --hbm-budget nan", SystemExit, r"hbm_budget.*nan",
-         lambda c: c.cli("plan", "--config", c.config, "--hbm-budget", "nan")),
+         _cli_plan("--hbm-budget", "nan")),
     Case("cli plan --hbm-budget -1", SystemExit, r"hbm_budget.*-1",
-         lambda c: c.cli("plan", "--config", c.config, "--hbm-budget", "-1")),
+         _cli_plan("--hbm-budget", "-1")),
     Case("cli plan --global-batch -4", SystemExit, r"global_batch.*-4",
-         lambda c: c.cli("plan", "--config", c.config, "--hbm-budget", "1", "--global-batch", "-4")),
+         _cli_plan("--hbm-budget", "1", "--global-batch", "-4")),
     Case("cli plan --seq 0", SystemExit, r"seq .*0",
-         lambda c: c.cli("plan", "--config", c.config, "--hbm-budget", "1", "--seq", "0")),
+         _cli_plan("--hbm-budget", "1", "--seq", "0")),
     Case("cli plan --host-budget nan", SystemExit, r"host_budget.*nan",
-         lambda c: c.cli("plan", "--config", c.config, "--hbm-budget", "1", "--host-budget", "nan")),
+         _cli_plan("--hbm-budget", "1", "--host-budget", "nan")),
     Case("cli plan --config missing", SystemExit, r"cannot read the model config",
          lambda c: c.cli("plan", "--config", os.path.join(c.tmp, "none.json"), "--hbm-budget", "1")),
     Case("cli train --steps 0", SystemExit, r"steps must be an int >= 1",
-         lambda c: c.cli(*TINY_TRAIN, "--steps", "0", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--steps", "0")),
     Case("cli train --batch 0", SystemExit, r"batch must be",
-         lambda c: c.cli(*TINY_TRAIN, "--batch", "0", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--batch", "0")),
     Case("cli train --seq 0", SystemExit, r"seq .*0",
-         lambda c: c.cli(*TINY_TRAIN, "--seq", "0", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--seq", "0")),
     Case("cli train --seq longer than the corpus", SystemExit, r"seq .*corpus",
-         lambda c: c.cli(*TINY_TRAIN, "--seq", "1000000000", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--seq", "1000000000")),
     Case("cli train --log-every 0", SystemExit, r"log_every",
-         lambda c: c.cli(*TINY_TRAIN, "--log-every", "0", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--log-every", "0")),
     Case("cli train --lr nan", SystemExit, r"lr must be a finite number",
-         lambda c: c.cli(*TINY_TRAIN, "--lr", "nan", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--lr", "nan")),
     Case("cli train --hbm-budget inf", SystemExit, r"hbm_budget.*inf",
-         lambda c: c.cli(*TINY_TRAIN, "--hbm-budget", "inf", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--hbm-budget", "inf")),
     Case("cli train --budget-fraction 0", SystemExit, r"budget_fraction must be a finite number > 0",
-         lambda c: c.cli(*TINY_TRAIN, "--budget-fraction", "0", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--budget-fraction", "0")),
     Case("cli train heads do not divide dim", SystemExit, r"num_attention_heads 4 does not divide hidden_size 30",
-         lambda c: c.cli(*TINY_TRAIN, "--dim", "30", "--heads", "4", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--dim", "30", "--heads", "4")),
     Case("cli train kv heads do not divide heads", SystemExit, r"num_key_value_heads 3 does not divide",
-         lambda c: c.cli(*TINY_TRAIN, "--kv-heads", "3", "--run-dir", os.path.join(c.tmp, "run"))),
+         _train("--kv-heads", "3")),
     Case("cli train --run-dir is a file", SystemExit, r"run_dir .*a_file is a file",
          lambda c: c.cli(*TINY_TRAIN, "--run-dir", c.file)),
     Case("cli calibrate --out under a file", SystemExit, r"--out .*lies under the file",
