@@ -139,10 +139,14 @@ class InputLimits:
     embedding and, with learned positions, the longest sequence."""
 
     def __init__(self, model: nn.Module):
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        try:
+            embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        except NotImplementedError:
+            embed = None
         named = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
         if not isinstance(embed, nn.Embedding):
-            embed = next((m for n, m in named if not _positional(n)), None)
+            # the token table is the largest one (a segment or type embedding is far smaller)
+            embed = max((m for n, m in named if not _positional(n)), key=lambda m: m.num_embeddings, default=None)
         self.vocab = embed.num_embeddings if isinstance(embed, nn.Embedding) else None
         positions = [m.num_embeddings for n, m in named if _positional(n) and m is not embed]
         self.max_seq = min(positions) if positions else None

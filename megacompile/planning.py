@@ -146,6 +146,9 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     if compute_dtype not in (torch.float32, torch.bfloat16):
         raise ArgumentError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype!r}")
     optimizer = arguments.optimizer(optimizer)
+    from .passes.baselines import STYLES
+    if style is not None and style not in STYLES:
+        raise ArgumentError(f"style must be one of {', '.join(STYLES)} (or None for megacompile's plan); got {style!r}")
     if not isinstance(hardware, (str, os.PathLike, HardwareProfile)):
         raise ArgumentError(f"hardware must be a profile name (e.g. \"h100\", \"cpu\"), a profile.json path or a "
                             f"HardwareProfile; got {hardware!r}")

@@ -164,6 +164,7 @@ CASES = [
          _plan(42)),
     Case("plan: unknown hardware", megacompile.MegacompileError, r"unknown hardware 'tpu'", _plan(hardware="tpu")),
     Case("plan: hardware=5", ArgumentError, r"hardware must be", _plan(hardware=5)),
+    Case("plan: style='deepspeed'", ArgumentError, r"style must be one of megatrain, zero3", _plan(style="deepspeed")),
     Case("plan: global_batch=-4", ArgumentError, r"global_batch.*-4",
          lambda c: megacompile.planning.plan_global_batch(CONFIG, 1.0, -4, seq=16)),
     # step() inputs, checked before anything runs
