@@ -166,13 +166,15 @@ class InputLimits:
                                          "batch has no loss to train on")
         if self.vocab is None:
             return
-        positional = [a for a in args if isinstance(a, torch.Tensor)]
+        # By name; positionally, only integer tensors (a float first input or a mask is not token ids).
+        positional = [a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()
+                      and a.dtype != torch.bool]
         ids = [(k, kwargs[k]) for k in IDS if isinstance(kwargs.get(k), torch.Tensor)]
         labels = [(k, kwargs[k]) for k in LABELS if isinstance(kwargs.get(k), torch.Tensor)]
         if positional:
             ids.append(("the first input", positional[0]))
-            if len(positional) > 1 and not positional[1].is_floating_point():
-                labels.append(("the second input", positional[1]))
+        if len(positional) > 1:
+            labels.append(("the second input", positional[1]))
         for name, t in ids:
             self._check_ids(name, t, allowed=())
             if self.max_seq is not None and t.dim() >= 2 and t.shape[1] > self.max_seq:
