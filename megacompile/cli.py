@@ -34,7 +34,7 @@ def _plan(args: argparse.Namespace) -> int:
     kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget)
     accumulate = 1
     try:
-        if args.global_batch:
+        if args.global_batch is not None:
             result, accumulate = plan_global_batch(args.config, args.hbm_budget, args.global_batch, **kwargs)
         else:
             result = plan(args.config, args.hbm_budget, batch=args.batch, **kwargs)

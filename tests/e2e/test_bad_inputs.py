@@ -202,6 +202,7 @@ CASES = [
          _cli_plan("--hbm-budget", "-1")),
     Case("cli plan --global-batch -4", SystemExit, r"global_batch.*-4",
          _cli_plan("--hbm-budget", "1", "--global-batch", "-4")),
+    Case("cli plan --global-batch 0", SystemExit, r"global_batch.*got 0", _cli_plan("--hbm-budget", "1", "--global-batch", "0")),
     Case("cli plan --seq 0", SystemExit, r"seq .*0",
          _cli_plan("--hbm-budget", "1", "--seq", "0")),
     Case("cli plan --host-budget nan", SystemExit, r"host_budget.*nan",
