@@ -100,8 +100,9 @@ def test_random_config_under_random_budget(seed):
     plan = engine.plan
     verify(plan.program, budget_bytes=engine.budget_bytes)
     assert plan.minimum_budget_bytes == minimum, f"{desc}: the minimum moved between two plans"
+    predicted = plan.predicted_peak_bytes
     for peak in peaks:
-        assert peak == plan.predicted_peak_bytes, f"{desc}: measured peak {peak} B, predicted {plan.predicted_peak_bytes} B"
+        assert peak == predicted, f"{desc}: measured peak {peak} B, predicted {predicted} B"
         assert peak <= engine.budget_bytes, f"{desc}: peak {peak} B over the budget {engine.budget_bytes} B"
     expected = eager_losses(clone(model), batches, kind)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0, msg=desc)
