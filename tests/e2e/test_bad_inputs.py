@@ -227,6 +227,7 @@ CASES = [
          _train("--budget-fraction", "0")),
     Case("cli train heads do not divide dim", SystemExit, r"num_attention_heads 4 does not divide hidden_size 30",
          _train("--dim", "30", "--heads", "4")),
+    Case("cli train odd head size", SystemExit, r"dim / heads = 15 .*even", _train("--dim", "30", "--heads", "2")),
     Case("cli train kv heads do not divide heads", SystemExit, r"num_key_value_heads 3 does not divide",
          _train("--kv-heads", "3")),
     Case("cli train --run-dir is a file", SystemExit, r"run_dir .*a_file is a file",
