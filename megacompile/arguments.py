@@ -20,14 +20,17 @@ GiB = 2 ** 30
 MAX_TOKENS = 2 ** 31 - 1
 
 
+BUDGETS = {"hbm_budget": "the device memory the plan may use", "host_budget": "the host RAM the plan may use"}
+
+
 def budget_bytes(name: str, gib: Any, *, optional: bool = False) -> int | None:
     """A memory budget given in GiB (2**30 bytes), as bytes: positive, finite, not a bool."""
     if gib is None and optional:
         return None
     if (isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not math.isfinite(gib) or gib <= 0
             or gib * GiB >= 2 ** 63):
-        raise ArgumentError(f"{name} is a memory budget in GiB (2**30 bytes) and must be a positive number, "
-                            f"finite and not a bool{' (or None)' if optional else ''}; got {gib!r}")
+        raise ArgumentError(f"{name} is {BUDGETS.get(name, 'a memory budget')}, in GiB (2**30 bytes), and must be "
+                            f"a positive number, finite and not a bool{' (or None)' if optional else ''}; got {gib!r}")
     return int(gib * GiB)
 
 
