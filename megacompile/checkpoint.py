@@ -10,12 +10,14 @@ previous checkpoint intact, never a half-written one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import MegacompileError
+from .arguments import file_in_the_way
+from .errors import CheckpointError, MegacompileError
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -44,14 +46,36 @@ def save(engine: "Engine", path: str) -> None:
     if engine.micro_batches % engine.grad_accum:
         # Saved mid-step: the gradients of the step's micro-batches so far resume with it.
         payload["grads"] = {name: host.view("grad", name).clone() for name in host.slots}
+    write_atomically(payload, path)
+
+
+def write_atomically(payload: dict, path: str) -> None:
+    """torch.save under a temporary name, then a rename: on any failure (the path is a folder or
+    lies under a file, no permission, disk full) a CheckpointError names the path and the cause,
+    the temporary file is gone and a previous checkpoint at `path` is untouched."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise CheckpointError(f"a checkpoint path must be a file path, got {path!r}")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CheckpointError(f"cannot write the checkpoint {path}: it is a folder; give a file path inside it")
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    blocker = file_in_the_way(directory)
+    if blocker is not None:
+        raise CheckpointError(f"cannot write the checkpoint {path}: it lies under the file {blocker}")
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
+        os.makedirs(directory, exist_ok=True)
         torch.save(payload, tmp)
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        # torch.save reports a failed write (ENOSPC, EIO) as a RuntimeError from its zip writer
+        cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        if isinstance(e, RuntimeError) and "write" in cause:
+            cause = f"the write failed (is the disk full?): {cause}"
+        previous = "the previous checkpoint there is untouched" if os.path.exists(path) else "nothing was written"
+        raise CheckpointError(f"cannot write the checkpoint {path}: {cause}; {previous}") from e
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
 
 

@@ -34,7 +34,7 @@ def _plan(args: argparse.Namespace) -> int:
     kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget)
     accumulate = 1
     try:
-        if args.global_batch:
+        if args.global_batch is not None:
             result, accumulate = plan_global_batch(args.config, args.hbm_budget, args.global_batch, **kwargs)
         else:
             result = plan(args.config, args.hbm_budget, batch=args.batch, **kwargs)
@@ -71,16 +71,27 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     import torch
 
+    from .arguments import file_in_the_way
+    from .errors import ArgumentError
     from .cost.calibrate import measure, measure_gpu
     if args.device == "cuda" and not torch.cuda.is_available():
         raise MegacompileError("--device cuda: torch sees no GPU here; calibrate the cpu profile with --device cpu")
+    blocker = file_in_the_way(os.path.dirname(os.path.abspath(args.out)))
+    if blocker is not None:   # before measuring, which takes a while
+        raise ArgumentError(f"--out {args.out} lies under the file {blocker}; give a path in a folder")
     profile = measure_gpu() if args.device == "cuda" else measure()
     for key, value in profile.to_dict().items():
         print(f"  {key:<24} {value:.4g}" if isinstance(value, float) else f"  {key:<24} {value}")
     tmp = f"{args.out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(profile.to_dict(), f, indent=1)
-    os.replace(tmp, args.out)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(profile.to_dict(), f, indent=1)
+        os.replace(tmp, args.out)
+    except OSError as e:
+        raise MegacompileError(f"cannot write the profile to {args.out}: {e.strerror or e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     print(f"wrote {args.out}: use it with `megacompile plan --hardware {args.out}`")
     return 0
 
@@ -138,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except MegacompileError as e:
         print(f"megacompile: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:    # a file the command reads or writes: say which and why, without a traceback
+        print(f"megacompile: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,12 +22,14 @@ from torch.utils import _pytree as pytree
 
 from .capture import CapturedModel, capture
 from .capture.loss import LossFn
-from .errors import InputMismatchError, MegacompileError, NonFiniteError
+from . import arguments
+from .errors import ArgumentError, InputMismatchError, MegacompileError, NonFiniteError
 from .optim import AdamW
 from .optim.lr_handle import LearningRateHandle
 from .passes import StepKind
 from .optim.fused_adamw import adamw_update_
 from .plan import Plan
+from .plan_cache import PlanCache, note_new_shape
 from .planner import make_plan, require_host_room
 from .planning import host_bytes_of
 from .runtime import Executor, HostState, make_backend
@@ -50,27 +53,26 @@ class Engine:
                  on_nonfinite: str = "skip"):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
-        if not isinstance(hbm_budget, (int, float)) or not hbm_budget > 0:
-            raise MegacompileError(f"hbm_budget is the device memory the plan may use, in GiB (2**30 bytes), "
-                                   f"and must be a positive number; got {hbm_budget!r}")
+        self.budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
         if compute_dtype not in (torch.float32, torch.bfloat16):
-            raise MegacompileError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}; "
-                                   "masters are always float32")
-        if not isinstance(grad_accum, int) or grad_accum < 1:
-            raise MegacompileError(f"grad_accum is the number of micro-batches per optimizer step, an int >= 1; "
-                                   f"got {grad_accum!r}")
+            raise ArgumentError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype!r}; "
+                                "masters are always float32")
+        arguments.count("grad_accum", grad_accum, what=" (micro-batches per optimizer step)")
         if on_nonfinite not in ("skip", "raise"):
-            raise MegacompileError(f"on_nonfinite says what a step with an inf or NaN loss or gradient does: "
-                                   f"'skip' (warn, update nothing) or 'raise' (NonFiniteError); got {on_nonfinite!r}")
+            raise ArgumentError(f"on_nonfinite says what a step with an inf or NaN loss or gradient does: "
+                                f"'skip' (warn, update nothing) or 'raise' (NonFiniteError); got {on_nonfinite!r}")
         if not any(True for _ in model.parameters()):
             raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
-        if host_budget is not None and (not isinstance(host_budget, (int, float)) or not host_budget > 0):
-            raise MegacompileError(f"host_budget is the host RAM the plan may use, in GiB, and must be a positive "
-                                   f"number (or None for 90% of this machine's RAM); got {host_budget!r}")
+        host_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
+        optimizer = arguments.optimizer(optimizer)
+        device = arguments.device(device)
+        arguments.callable_or_none("loss_fn", loss_fn)
+        arguments.flag("retrace", retrace)
+        arguments.flag("fuse", fuse, optional=True)
+        arguments.folder("dump_dir", dump_dir)
         self.model = model
-        self.budget_bytes = int(hbm_budget * GiB)
-        self.host_budget_bytes = int(host_budget * GiB) if host_budget is not None else int(0.9 * physical_ram())
-        self.optimizer = optimizer or AdamW()
+        self.host_budget_bytes = host_bytes if host_bytes is not None else int(0.9 * physical_ram())
+        self.optimizer = optimizer
         self.compute_dtype = compute_dtype
         self.loss_fn = loss_fn
         self.retrace = retrace
@@ -89,8 +91,10 @@ class Engine:
         # state_dict key -> the parameter/buffer name it stands for (tied weights share one)
         first = {id(t): n for n, t in reversed(list(model.named_parameters()) + list(model.named_buffers()))}
         self._canonical = {k: first.get(id(t), k) for k, t in model.state_dict(keep_vars=True).items()}
-        self._captured: dict[tuple, CapturedModel] = {}
-        self._compiled: dict[tuple, _Compiled] = {}
+        self._captured: dict[tuple, CapturedModel] = PlanCache()
+        self._compiled: dict[tuple, _Compiled] = PlanCache()
+        self._shapes_seen = 0
+        self._input_limits = arguments.InputLimits(model)
         self._last: _Compiled | None = None
         self._last_train: _Compiled | None = None
         self.steps_done = 0          # optimizer steps
@@ -114,7 +118,7 @@ class Engine:
         compiled = self._compiled.get((signature, kind))
         if compiled is not None:
             return compiled
-        captured = self._captured.get(signature)
+        captured, start = self._captured.get(signature), None
         if captured is None:
             previous = next((c for k, c in self._captured.items() if k[0] == train), None)
             if previous is not None and not self.retrace:
@@ -122,9 +126,11 @@ class Engine:
                     f"{'step()' if train else 'the forward'} got inputs {_describe(args, kwargs)}, but the plan "
                     f"was built for {_describe_meta(previous)}; pass inputs of the traced shapes, or "
                     "compile(..., retrace=True) to build a plan per input shape")
+            start = time.perf_counter()
             captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
                                loss_fn=self.loss_fn, train=train)
             self._captured[signature] = captured
+            self._shapes_seen += 1
         if self.host is None:
             # Before allocating: too little host RAM must fail here, not in the allocator.
             require_host_room(host_bytes_of(self.model, self.compute_dtype, self.grad_accum), self.host_budget_bytes)
@@ -138,6 +144,8 @@ class Engine:
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self._adamw, self._clip)
         compiled = _Compiled(plan.captured, plan, executor)
         self._compiled[(signature, kind)] = compiled
+        if start is not None:   # a new input signature: traced and planned just now
+            note_new_shape(self._shapes_seen, time.perf_counter() - start, _describe(args, kwargs))
         if train:
             self._last_train = compiled
         return compiled
@@ -187,6 +195,7 @@ class Engine:
         as eager code does with (loss / k).backward()) and the k-th call runs host AdamW over the
         fp32 masters. With k=1 (the default) every call is a full optimizer step.
         """
+        self._input_limits.check(args, kwargs, self.backend.name)
         with self._in_use("step()"):
             return self._step(args, kwargs)
 
@@ -265,8 +274,10 @@ class Engine:
             self.host.wait_updates()
 
     @torch.no_grad()
+    @torch.inference_mode(False)   # the copy streams write device tensors this thread makes
     def __call__(self, *args, **kwargs) -> Any:
         """The model's forward under the same budget, without gradients; returns its output."""
+        self._input_limits.check(args, kwargs, self.backend.name, train=False)
         with self._in_use("the forward"):
             return self._forward(args, kwargs)
 

@@ -30,7 +30,8 @@ class LossError(MegacompileError):
 
 
 class InputMismatchError(MegacompileError):
-    """step() or forward was called with inputs unlike the ones the plan was built for."""
+    """step() or forward was called with inputs unlike the ones the plan was built for, or that
+    the model cannot take (token ids outside the vocabulary, tensors on another device)."""
 
 
 class PlanVerificationError(MegacompileError):
@@ -44,3 +45,17 @@ class OptimizerInputError(MegacompileError, ValueError):
 class NonFiniteError(MegacompileError):
     """A step's loss or a gradient is inf or NaN (with compile(..., on_nonfinite="raise")); nothing
     was updated."""
+
+
+class ArgumentError(MegacompileError, ValueError):
+    """An argument of compile(), plan(), AdamW or the command line has the wrong type or lies out
+    of range (a budget of inf or True, a device "gpu", a sequence length of 0)."""
+
+
+class CheckpointError(MegacompileError, OSError):
+    """A checkpoint could not be written (the path is a folder, lies under a file, is not
+    writable, or the disk is full); the previous file at that path, if any, is untouched."""
+
+
+class RetraceWarning(UserWarning):
+    """Inputs keep changing shape, and each new shape is traced and planned again."""

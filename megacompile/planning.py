@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from .capture import capture
 from .cost import HardwareProfile, get_profile
-from .errors import MegacompileError
+from . import arguments
+from .errors import ArgumentError, MegacompileError
 from .optim import AdamW
 from .passes import StepKind
 from .plan import Plan
@@ -58,13 +59,44 @@ def model_from_config(config: Any) -> nn.Module:
         config = dict(config)
         model_type = config.pop("model_type", None)
         if model_type is None:
-            raise MegacompileError("the config has no model_type (e.g. \"llama\", \"qwen2\")")
-        config = AutoConfig.for_model(model_type, **config)
+            raise ArgumentError("the config has no model_type (e.g. \"llama\", \"qwen2\")")
+        try:
+            config = AutoConfig.for_model(model_type, **config)
+        except Exception as e:  # noqa: BLE001 - transformers' own checks: one error that names the field
+            if "Unrecognized model" in str(e):
+                import transformers
+                raise ArgumentError(f"the config's model_type {model_type!r} is unknown to transformers "
+                                    f"{transformers.__version__} (causal LMs are e.g. 'llama', 'qwen2', 'gpt2', "
+                                    "'mistral')") from e
+            raise ArgumentError(f"the {model_type} config is invalid: {str(e).splitlines()[-1].strip()[:300]}") from e
     if not isinstance(config, PretrainedConfig):
-        raise MegacompileError(f"expected a config path, dict or PretrainedConfig, got {type(config).__name__}")
+        raise ArgumentError(f"expected a config path, dict or PretrainedConfig, got {type(config).__name__}")
+    check_attention_shape(config)
     config.use_cache = False
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def check_attention_shape(config: Any) -> None:
+    """Heads must split the hidden size (unless head_dim is given) and KV heads the heads: caught
+    here, before a model is built and traced, with the numbers that do not divide."""
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (hidden, heads, kv)):
+        return
+    if heads < 1 or kv < 1 or hidden < 1:
+        raise ArgumentError(f"hidden_size {hidden}, num_attention_heads {heads} and num_key_value_heads {kv} "
+                            "must be positive")
+    if getattr(config, "head_dim", None) is None and hidden % heads:
+        raise ArgumentError(f"num_attention_heads {heads} does not divide hidden_size {hidden}: choose heads so "
+                            f"that hidden_size / heads is a whole head size, e.g. {_divisor_near(hidden, heads)}")
+    if heads % kv:
+        raise ArgumentError(f"num_key_value_heads {kv} does not divide num_attention_heads {heads}: each KV head "
+                            "serves a whole group of query heads")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
 
 
 def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int, **kwargs) -> tuple[Plan, int]:
@@ -72,6 +104,8 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
     and the one with the highest predicted tokens/s wins. Returns the plan of one micro-batch
     step and the number of micro-batches to accumulate (compile(..., grad_accum=k))."""
     from .errors import BudgetTooSmallError
+    global_batch = arguments.count("global_batch", global_batch, what=" (sequences per optimizer step)")
+    arguments.budget_bytes("hbm_budget", hbm_budget)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     best, smallest = None, None
     micro = global_batch
@@ -104,10 +138,25 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     comparison, timed by the same cost model. `fuse` defaults to what compile() does on that
     hardware: the fused kernels on a GPU, none on the cpu backend.
     """
+    budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
+    host_budget_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
+    if inputs is None:
+        batch, seq = arguments.tokens(batch, seq)
+    elif not isinstance(inputs, dict):
+        raise ArgumentError(f"inputs must be a dict of tensors (e.g. input_ids, labels), got {type(inputs).__name__}")
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        raise ArgumentError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype!r}")
+    optimizer = arguments.optimizer(optimizer)
+    from .passes.baselines import STYLES
+    if style is not None and style not in STYLES:
+        raise ArgumentError(f"style must be one of {', '.join(STYLES)} (or None for megacompile's plan); got {style!r}")
+    if not isinstance(hardware, (str, os.PathLike, HardwareProfile)):
+        raise ArgumentError(f"hardware must be a profile name (e.g. \"h100\", \"cpu\"), a profile.json path or a "
+                            f"HardwareProfile; got {hardware!r}")
+    profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(os.fspath(hardware))
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     if getattr(getattr(model, "config", None), "use_cache", False):
         model.config.use_cache = False
-    profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware)
     if inputs is None:
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
         inputs = {"input_ids": ids, "labels": ids}
@@ -116,16 +165,15 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     gpu = torch.cuda.is_available() and not profile.name.startswith("cpu")
     device = torch.device("cuda" if gpu else "cpu")
     captured = capture(model, (), inputs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
-    opt = optimizer or AdamW()
-    kind = StepKind(update=train, clip=opt.max_grad_norm is not None)
+    kind = StepKind(update=train, clip=optimizer.max_grad_norm is not None)
     if fuse is None:   # as compile() would on that hardware: fused kernels on a GPU
         fuse = not profile.name.startswith("cpu")
     if fuse:
         from .passes.fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     if style is not None:
-        return make_baseline_plan(captured, int(hbm_budget * GiB), style, host_bytes=host_bytes_of(model, compute_dtype),
+        return make_baseline_plan(captured, budget_bytes, style, host_bytes=host_bytes_of(model, compute_dtype),
                                   backend=f"planned for {profile.name}", hardware=profile)
-    return make_plan(captured, int(hbm_budget * GiB), kind, backend=f"planned for {profile.name}",
+    return make_plan(captured, budget_bytes, kind, backend=f"planned for {profile.name}",
                      host_bytes=host_bytes_of(model, compute_dtype), hardware=profile,
-                     host_budget_bytes=None if host_budget is None else int(host_budget * GiB))
+                     host_budget_bytes=host_budget_bytes)

@@ -11,14 +11,18 @@ import os
 import sys
 import time
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import torch
 
+from . import arguments
 from .corpus import batches, load_corpus
 from .engine import Engine
+from .errors import ArgumentError
 from .ir.printer import fmt_bytes
 from .models import LlamaConfig, TinyLlama
 from .optim import AdamW
+from .planning import check_attention_shape
 
 GiB = 2 ** 30
 
@@ -28,9 +32,31 @@ def _bar(done: int, total: int, width: int = 24) -> str:
     return "#" * filled + "." * (width - filled)
 
 
+def _check(*, steps: int, batch: int, seq: int, config: LlamaConfig, hbm_budget: float | None,
+           budget_fraction: float, lr: float, run_dir: str, log_every: int) -> None:
+    """Every argument, before a model is built or a file written."""
+    arguments.count("steps", steps)
+    arguments.count("batch", batch)
+    longest = len(load_corpus()) - 2
+    arguments.count("seq", seq, maximum=longest, what=" (tokens per sequence; the bundled corpus bounds it)")
+    arguments.count("log_every", log_every)
+    arguments.budget_bytes("hbm_budget", hbm_budget, optional=True)
+    arguments.number("budget_fraction", budget_fraction, strict=True)
+    arguments.number("lr", lr)
+    for name in ("dim", "layers", "heads", "kv_heads", "ffn"):
+        arguments.count(name, getattr(config, name))
+    check_attention_shape(SimpleNamespace(hidden_size=config.dim, num_attention_heads=config.heads,
+                                          num_key_value_heads=config.kv_heads, head_dim=None))
+    if config.head_dim % 2:
+        raise ArgumentError(f"dim / heads = {config.head_dim} is the head size, which rotary embeddings need even")
+    arguments.folder("run_dir", run_dir, optional=False)
+
+
 def train(*, steps: int, batch: int, seq: int, config: LlamaConfig, hbm_budget: float | None,
           budget_fraction: float, lr: float, device: str | None, compute_dtype: torch.dtype,
           run_dir: str, seed: int, log_every: int) -> dict:
+    _check(steps=steps, batch=batch, seq=seq, config=config, hbm_budget=hbm_budget,
+           budget_fraction=budget_fraction, lr=lr, run_dir=run_dir, log_every=log_every)
     torch.manual_seed(seed)
     model = TinyLlama(config)
     weight_bytes = sum(p.numel() * compute_dtype.itemsize for p in model.parameters())

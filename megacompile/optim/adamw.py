@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Union
 
@@ -29,22 +30,31 @@ class AdamW:
     kernel: str = "fused"
 
     def __post_init__(self) -> None:
-        b1, b2 = self.betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise OptimizerInputError(f"AdamW betas must lie in [0, 1), got {self.betas}")
-        if not (self.eps > 0 and math.isfinite(self.eps)):
-            raise OptimizerInputError(f"AdamW eps must be a positive number, got {self.eps}")
-        if self.weight_decay < 0:
-            raise OptimizerInputError(f"AdamW weight_decay must be >= 0, got {self.weight_decay}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise OptimizerInputError(f"AdamW max_grad_norm must be > 0 (or None), got {self.max_grad_norm}")
+        betas = self.betas
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(_real(b) and 0.0 <= b < 1.0 for b in betas)):
+            raise OptimizerInputError(f"AdamW betas must be two numbers in [0, 1), e.g. (0.9, 0.999); got {betas!r}")
+        if not (_real(self.eps) and self.eps > 0 and math.isfinite(self.eps)):
+            raise OptimizerInputError(f"AdamW eps must be a positive finite number, got {self.eps!r}")
+        if not (_real(self.weight_decay) and 0 <= self.weight_decay < math.inf):
+            raise OptimizerInputError(f"AdamW weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.max_grad_norm is not None and not (_real(self.max_grad_norm) and 0 < self.max_grad_norm < math.inf):
+            raise OptimizerInputError(f"AdamW max_grad_norm must be a finite number > 0 (or None), "
+                                      f"got {self.max_grad_norm!r}")
         if self.kernel not in ("fused", "torch"):
             raise OptimizerInputError(f"AdamW kernel must be 'fused' or 'torch', got {self.kernel!r}")
-        if not callable(self.lr) and not (self.lr >= 0 and math.isfinite(self.lr)):
-            raise OptimizerInputError(f"AdamW lr must be >= 0 or a function of the step, got {self.lr}")
+        if not callable(self.lr) and not (_real(self.lr) and 0 <= self.lr < math.inf):
+            raise OptimizerInputError(f"AdamW lr must be a finite number >= 0 or a function of the step, "
+                                      f"got {self.lr!r}")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
 
     def lr_at(self, step: int) -> float:
         lr = self.lr(step) if callable(self.lr) else self.lr
-        if not (lr >= 0 and math.isfinite(lr)):
+        if not (_real(lr) and 0 <= lr < math.inf):
             raise OptimizerInputError(f"the learning-rate schedule gave {lr} at step {step}; it must be >= 0")
         return float(lr)
+
+
+def _real(x: object) -> bool:
+    """A real number, not a bool (True would read as 1) nor a string."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from .backend import Event, Timeline
+from .delays import injected_delay
 
 
 class ThreadEvent(Event):
@@ -36,6 +37,7 @@ class ThreadStream:
     def __init__(self, name: str, timeline: Timeline):
         self.name, self.timeline = name, timeline
         self._queue: queue.Queue = queue.Queue()
+        self._delay = injected_delay(name)   # None unless MEGACOMPILE_INJECT_DELAYS is set
         self._thread = threading.Thread(target=self._loop, name=f"megacompile-{name}", daemon=True)
         self._thread.start()
 
@@ -56,6 +58,8 @@ class ThreadStream:
             if item is None:
                 return
             work, what, event = item
+            if self._delay is not None:
+                self._delay()
             start = time.perf_counter()
             try:
                 work()

@@ -25,7 +25,7 @@ def eager_losses(model, batches, kind: str) -> list[float]:
     for ids in batches:
         opt.zero_grad(set_to_none=True)
         out = model(**make_inputs(kind, ids))
-        loss = out[-1] if isinstance(out, tuple) else out.loss
+        loss = out if isinstance(out, torch.Tensor) else out[-1] if isinstance(out, tuple) else out.loss
         loss.backward()
         opt.step()
         losses.append(loss.item())

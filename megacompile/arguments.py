@@ -1,0 +1,207 @@
+"""What a user hands megacompile, checked where it comes in: compile()'s and plan()'s arguments
+and step()'s inputs. Each check names the argument, what it got and what it takes, before
+anything is built or written; nothing here reads more than a tensor's min and max.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from .errors import ArgumentError, InputMismatchError, MegacompileError
+
+GiB = 2 ** 30
+# Tokens in one step: int32 indexing in kernels, and no step of this size fits any device.
+MAX_TOKENS = 2 ** 31 - 1
+
+
+BUDGETS = {"hbm_budget": "the device memory the plan may use", "host_budget": "the host RAM the plan may use"}
+
+
+def budget_bytes(name: str, gib: Any, *, optional: bool = False) -> int | None:
+    """A memory budget given in GiB (2**30 bytes), as bytes: positive, finite, not a bool."""
+    if gib is None and optional:
+        return None
+    if (isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not math.isfinite(gib) or gib <= 0
+            or gib * GiB >= 2 ** 63):
+        raise ArgumentError(f"{name} is {BUDGETS.get(name, 'a memory budget')}, in GiB (2**30 bytes), and must be "
+                            f"a positive number, finite and not a bool{' (or None)' if optional else ''}; got {gib!r}")
+    return int(gib * GiB)
+
+
+def count(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None, what: str = "") -> int:
+    """An int (not a bool) in [minimum, maximum]."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum
+            or (maximum is not None and value > maximum)):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ArgumentError(f"{name}{what} must be an int {bound}; got {value!r}")
+    return int(value)
+
+
+def number(name: str, value: Any, *, minimum: float = 0.0, strict: bool = False) -> float:
+    """A finite real (not a bool, not a string) >= minimum (> with `strict`)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value < minimum or (strict and value == minimum)):
+        raise ArgumentError(f"{name} must be a finite number {'>' if strict else '>='} {minimum:g}; got {value!r}")
+    return float(value)
+
+
+def flag(name: str, value: Any, *, optional: bool = False) -> bool | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{name} must be True or False{' (or None)' if optional else ''}; got {value!r}")
+    return value
+
+
+def device(value: Any) -> torch.device | None:
+    """'cpu' (the simulated device), 'cuda' or 'cuda:N', or a torch.device of those."""
+    if value is None:
+        return None
+    message = f"device must be 'cuda', 'cuda:N' or 'cpu' (the simulated device), or None for the default; got {value!r}"
+    if not isinstance(value, (str, torch.device)):
+        raise ArgumentError(message)
+    try:
+        parsed = torch.device(value)
+    except RuntimeError as e:
+        raise ArgumentError(message) from e
+    if parsed.type not in ("cpu", "cuda"):
+        raise ArgumentError(message)
+    return parsed
+
+
+def optimizer(value: Any):
+    """megacompile.AdamW, or None for its defaults. A torch optimizer holds the module's own
+    parameters, which the engine does not update: it is refused, with the AdamW to write instead."""
+    from .optim import AdamW
+    if value is None:
+        return AdamW()
+    if isinstance(value, AdamW):
+        return value
+    if isinstance(value, torch.optim.Optimizer):
+        g = value.param_groups[0]
+        same = (f"megacompile.AdamW(lr={g.get('lr')!r}, betas={tuple(g.get('betas', (0.9, 0.999)))!r}, "
+                f"eps={g.get('eps')!r}, weight_decay={g.get('weight_decay')!r})")
+        raise ArgumentError(f"optimizer takes a megacompile.AdamW, got a {type(value).__module__}."
+                            f"{type(value).__name__}: the host AdamW updates megacompile's fp32 masters, not "
+                            f"the module's parameters; pass {same} (torch LR schedulers attach to "
+                            "engine.torch_optimizer)")
+    raise ArgumentError(f"optimizer takes a megacompile.AdamW (or None), got {type(value).__name__}")
+
+
+def callable_or_none(name: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise ArgumentError(f"{name} must be a function (or None); got {type(value).__name__} {value!r}")
+
+
+def folder(name: str, path: Any, *, optional: bool = True) -> str | None:
+    """A folder megacompile may create and write into: not an existing file, not under one."""
+    if path is None and optional:
+        return None
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ArgumentError(f"{name} must be a folder path; got {path!r}")
+    path = os.fspath(path)
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        where = "is a file" if blocker == path else f"lies under the file {blocker}"
+        raise ArgumentError(f"{name} {path} {where}; give a folder path")
+    return path
+
+
+def file_in_the_way(folder: str) -> str | None:
+    """The existing file that keeps `folder` from being created (itself or an ancestor), if any."""
+    parent = os.path.abspath(folder)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return None if os.path.isdir(parent) else (folder if parent == os.path.abspath(folder) else parent)
+
+
+def tokens(batch: Any, seq: Any) -> tuple[int, int]:
+    """plan()'s batch and seq: positive ints whose product a step can index."""
+    batch = count("batch", batch, what=" (sequences per step)")
+    seq = count("seq", seq, what=" (tokens per sequence)")
+    if batch * seq > MAX_TOKENS:
+        raise ArgumentError(f"batch x seq = {batch} x {seq} = {batch * seq:,} tokens in one step is more than "
+                            f"{MAX_TOKENS:,} (int32 indexing); lower batch or seq")
+    return batch, seq
+
+
+# -- step() inputs -------------------------------------------------------------------------
+IDS = ("input_ids", "idx", "ids", "tokens")
+LABELS = ("labels", "targets")
+IGNORED_LABELS = (-100, -1)   # torch's and Hugging Face's ignore_index, and nanoGPT's
+
+
+class InputLimits:
+    """What the model's embeddings accept, read once from the module: the vocabulary of its token
+    embedding and, with learned positions, the longest sequence."""
+
+    def __init__(self, model: nn.Module):
+        try:
+            embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        except NotImplementedError:
+            embed = None
+        named = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+        if not isinstance(embed, nn.Embedding):
+            # the token table is the largest one (a segment or type embedding is far smaller)
+            embed = max((m for n, m in named if not _positional(n)), key=lambda m: m.num_embeddings, default=None)
+        self.vocab = embed.num_embeddings if isinstance(embed, nn.Embedding) else None
+        positions = [m.num_embeddings for n, m in named if _positional(n) and m is not embed]
+        self.max_seq = min(positions) if positions else None
+
+    def check(self, args: tuple, kwargs: dict, device_type: str, train: bool = True) -> None:
+        if train and torch.is_inference_mode_enabled():
+            raise MegacompileError("step() trains, and was called under torch.inference_mode(), where no tensor "
+                                   "it makes may be updated later; leave inference mode, or call engine(...) "
+                                   "for the forward only")
+        leaves = pytree.tree_leaves((args, kwargs))
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.device.type not in ("cpu", device_type):
+                raise InputMismatchError(f"an input tensor {tuple(x.shape)} is on {x.device}; pass inputs on the "
+                                         f"host (cpu) or on the engine's device ({device_type})")
+            if isinstance(x, torch.Tensor) and x.numel() == 0:
+                raise InputMismatchError(f"an input tensor has shape {tuple(x.shape)}, with no elements: an empty "
+                                         "batch has no loss to train on")
+        if self.vocab is None:
+            return
+        # By name; positionally, only integer tensors (a float first input or a mask is not token ids).
+        positional = [a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()
+                      and a.dtype != torch.bool]
+        ids = [(k, kwargs[k]) for k in IDS if isinstance(kwargs.get(k), torch.Tensor)]
+        labels = [(k, kwargs[k]) for k in LABELS if isinstance(kwargs.get(k), torch.Tensor)]
+        if positional:
+            ids.append(("the first input", positional[0]))
+        if len(positional) > 1:
+            labels.append(("the second input", positional[1]))
+        for name, t in ids:
+            self._check_ids(name, t, allowed=())
+            if self.max_seq is not None and t.dim() >= 2 and t.shape[1] > self.max_seq:
+                raise InputMismatchError(f"{name} has {t.shape[1]} tokens per sequence, more than the model's "
+                                         f"{self.max_seq} learned positions; cut the sequences to {self.max_seq}")
+        for name, t in labels:
+            self._check_ids(name, t, allowed=IGNORED_LABELS)
+
+    def _check_ids(self, name: str, t: torch.Tensor, allowed: tuple[int, ...]) -> None:
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise InputMismatchError(f"{name} must hold integer token ids, got {str(t.dtype).replace('torch.', '')}")
+        low, high = (int(v) for v in torch.aminmax(t))
+        bad = high if high >= self.vocab else None
+        if bad is None and low < 0:
+            negative = t[t < 0]
+            for ignored in allowed:
+                negative = negative[negative != ignored]
+            bad = int(negative[0]) if negative.numel() else None
+        if bad is not None:
+            ignored = f" (or {' or '.join(map(str, allowed))}, ignored)" if allowed else ""
+            raise InputMismatchError(f"{name} holds token id {bad}, outside the model's vocabulary of {self.vocab}; "
+                                     f"ids must lie in [0, {self.vocab}){ignored}")
+
+
+def _positional(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in ("wpe", "pos_emb") or "position" in leaf or "positions" in leaf

@@ -1,0 +1,329 @@
+"""The bad-input catalogue: every misuse a user can make of compile(), AdamW, plan(), step(),
+checkpoints and the command line is answered with megacompile's own error, whose message names
+the problem; cases that could change state check that nothing was half-written.
+
+CASES is the catalogue; docs/errors.md holds it as a table, and the last test keeps the two in
+step (one row per case, with its error class).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import megacompile
+from megacompile import cli
+from megacompile.errors import ArgumentError, CheckpointError
+from tests import models
+
+GiB = 2 ** 30
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "errors.md")
+CONFIG = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 64}
+TINY_TRAIN = ["train", "--steps", "1", "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+              "--ffn", "64", "--seq", "16", "--batch", "1", "--device", "cpu"]
+
+
+@dataclass
+class Case:
+    id: str
+    error: type
+    match: str                      # regex the message must match: it names the problem
+    act: Callable                   # act(ctx) does the bad thing
+
+
+class Context:
+    """What the cases share: a folder, a file in it, and one engine that has run a step."""
+
+    def __init__(self, tmp, engine):
+        self.tmp, self.engine = tmp, engine
+        self.file = os.path.join(tmp, "a_file")
+        with open(self.file, "w") as f:
+            f.write("not a folder")
+        self.config = os.path.join(tmp, "config.json")
+        with open(self.config, "w") as f:
+            json.dump(CONFIG, f)
+
+    def cli(self, *argv):
+        """The command line's way of failing: exit status 2 and one line, no traceback."""
+        code = cli.main([str(a) for a in argv])
+        if code != 2:
+            raise AssertionError(f"megacompile {' '.join(map(str, argv))} exited {code}, not 2")
+
+
+def _tiny():
+    return models.NanoGPT(vocab=96, d=32, layers=2)
+
+
+IDS = models.batch(96, 2, 16)
+
+
+def _compile(**kw):
+    return lambda c: megacompile.compile(_tiny(), **{"hbm_budget": 1.0, "device": "cpu", **kw})
+
+
+def _plan(*args, **kw):
+    return lambda c: megacompile.plan(*(args or (CONFIG,)), **{"hbm_budget": 1.0, "seq": 16, "hardware": "h100",
+                                                              **kw})
+
+
+def _step(**inputs):
+    return lambda c: c.engine.step(**inputs)
+
+
+def _under_inference_mode(c):
+    with torch.inference_mode():
+        c.engine.step(idx=IDS, targets=IDS)
+
+
+def _train(*flags):
+    return lambda c: c.cli(*TINY_TRAIN, *flags, "--run-dir", os.path.join(c.tmp, "run"))
+
+
+def _cli_plan(*flags):
+    return lambda c: c.cli("plan", "--config", c.config, *flags)
+
+
+def _save(path_of):
+    return lambda c: c.engine.save_checkpoint(path_of(c))
+
+
+CASES = [
+    # compile()
+    Case("compile: hbm_budget=inf", ArgumentError, r"hbm_budget.*finite.*inf", _compile(hbm_budget=float("inf"))),
+    Case("compile: hbm_budget=nan", ArgumentError, r"hbm_budget.*nan", _compile(hbm_budget=float("nan"))),
+    Case("compile: hbm_budget=True", ArgumentError, r"hbm_budget.*not a bool.*True", _compile(hbm_budget=True)),
+    Case("compile: hbm_budget='8'", ArgumentError, r"hbm_budget.*'8'", _compile(hbm_budget="8")),
+    Case("compile: hbm_budget=0", ArgumentError, r"hbm_budget.*positive", _compile(hbm_budget=0)),
+    Case("compile: host_budget=inf", ArgumentError, r"host_budget.*inf", _compile(host_budget=float("inf"))),
+    Case("compile: device='gpu'", ArgumentError, r"device must be 'cuda'.*'gpu'", _compile(device="gpu")),
+    Case("compile: device=0", ArgumentError, r"device must be.*got 0", _compile(device=0)),
+    Case("compile: device='mps'", ArgumentError, r"device must be.*'mps'", _compile(device="mps")),
+    Case("compile: optimizer=torch.optim.AdamW", ArgumentError, r"megacompile\.AdamW\(lr=0\.001",
+         lambda c: megacompile.compile(_tiny(), 1.0, device="cpu",
+                                       optimizer=torch.optim.AdamW(nn.Linear(2, 2).parameters()))),
+    Case("compile: optimizer='adamw'", ArgumentError, r"megacompile\.AdamW.*str", _compile(optimizer="adamw")),
+    Case("compile: compute_dtype=float16", ArgumentError, r"compute_dtype.*float16",
+         _compile(compute_dtype=torch.float16)),
+    Case("compile: grad_accum=0", ArgumentError, r"grad_accum.*>= 1.*0", _compile(grad_accum=0)),
+    Case("compile: grad_accum=True", ArgumentError, r"grad_accum.*True", _compile(grad_accum=True)),
+    Case("compile: loss_fn=3", ArgumentError, r"loss_fn must be a function", _compile(loss_fn=3)),
+    Case("compile: retrace='no'", ArgumentError, r"retrace must be True or False", _compile(retrace="no")),
+    Case("compile: fuse='yes'", ArgumentError, r"fuse must be True or False", _compile(fuse="yes")),
+    Case("compile: dump_dir is a file", ArgumentError, r"dump_dir .* is a file",
+         lambda c: megacompile.compile(_tiny(), 1.0, device="cpu", dump_dir=c.file)),
+    Case("compile: not a module", megacompile.MegacompileError, r"nn\.Module, got str",
+         lambda c: megacompile.compile("llama", 1.0)),
+    Case("compile: no parameters", megacompile.MegacompileError, r"no parameters",
+         lambda c: megacompile.compile(nn.ReLU(), 1.0, device="cpu")),
+    # AdamW
+    Case("AdamW: betas=(0.9,)", megacompile.OptimizerInputError, r"betas must be two numbers",
+         lambda c: megacompile.AdamW(betas=(0.9,))),
+    Case("AdamW: betas=(0.9, 1.5)", megacompile.OptimizerInputError, r"betas.*\[0, 1\)",
+         lambda c: megacompile.AdamW(betas=(0.9, 1.5))),
+    Case("AdamW: lr='1e-3'", megacompile.OptimizerInputError, r"lr must be a finite number.*'1e-3'",
+         lambda c: megacompile.AdamW(lr="1e-3")),
+    Case("AdamW: lr=True", megacompile.OptimizerInputError, r"lr .*True", lambda c: megacompile.AdamW(lr=True)),
+    Case("AdamW: lr=nan", megacompile.OptimizerInputError, r"lr .*nan", lambda c: megacompile.AdamW(lr=float("nan"))),
+    Case("AdamW: eps='x'", megacompile.OptimizerInputError, r"eps must be", lambda c: megacompile.AdamW(eps="x")),
+    Case("AdamW: weight_decay=nan", megacompile.OptimizerInputError, r"weight_decay.*nan",
+         lambda c: megacompile.AdamW(weight_decay=float("nan"))),
+    Case("AdamW: max_grad_norm=inf", megacompile.OptimizerInputError, r"max_grad_norm.*inf",
+         lambda c: megacompile.AdamW(max_grad_norm=float("inf"))),
+    Case("AdamW: kernel='cuda'", megacompile.OptimizerInputError, r"kernel must be 'fused' or 'torch'",
+         lambda c: megacompile.AdamW(kernel="cuda")),
+    # megacompile.plan
+    Case("plan: hbm_budget=nan", ArgumentError, r"hbm_budget.*nan", _plan(hbm_budget=float("nan"))),
+    Case("plan: hbm_budget=inf", ArgumentError, r"hbm_budget.*inf", _plan(hbm_budget=float("inf"))),
+    Case("plan: hbm_budget=-1", ArgumentError, r"hbm_budget.*positive.*-1", _plan(hbm_budget=-1)),
+    Case("plan: host_budget=nan", ArgumentError, r"host_budget.*nan", _plan(host_budget=float("nan"))),
+    Case("plan: seq=-1", ArgumentError, r"seq .*>= 1.*-1", _plan(seq=-1)),
+    Case("plan: batch=0", ArgumentError, r"batch .*>= 1.*0", _plan(batch=0)),
+    Case("plan: seq=2**40", ArgumentError, r"tokens in one step", _plan(seq=2 ** 40)),
+    Case("plan: batch=2**40", ArgumentError, r"tokens in one step", _plan(batch=2 ** 40)),
+    Case("plan: seq=16.5", ArgumentError, r"seq .*16\.5", _plan(seq=16.5)),
+    Case("plan: unknown model_type", ArgumentError, r"model_type 'nosuch' is unknown", _plan({**CONFIG, "model_type": "nosuch"})),
+    Case("plan: no model_type", ArgumentError, r"no model_type",
+         _plan({k: v for k, v in CONFIG.items() if k != "model_type"})),
+    Case("plan: heads do not divide hidden", ArgumentError, r"hidden size \(32\).*attention heads \(5\)",
+         _plan({**CONFIG, "num_attention_heads": 5, "num_key_value_heads": 5})),
+    Case("plan: kv heads do not divide heads", ArgumentError, r"num_key_value_heads 3 does not divide",
+         _plan({**CONFIG, "num_key_value_heads": 3})),
+    Case("plan: config file missing", megacompile.MegacompileError, r"cannot read the model config",
+         lambda c: megacompile.plan(os.path.join(c.tmp, "nosuch.json"), 1.0)),
+    Case("plan: config is not JSON", megacompile.MegacompileError, r"cannot read the model config",
+         lambda c: megacompile.plan(c.file, 1.0)),
+    Case("plan: config of another type", ArgumentError, r"config path, dict or PretrainedConfig, got int",
+         _plan(42)),
+    Case("plan: unknown hardware", megacompile.MegacompileError, r"unknown hardware 'tpu'", _plan(hardware="tpu")),
+    Case("plan: hardware=5", ArgumentError, r"hardware must be", _plan(hardware=5)),
+    Case("plan: style='deepspeed'", ArgumentError, r"style must be one of megatrain, zero3", _plan(style="deepspeed")),
+    Case("plan: global_batch=-4", ArgumentError, r"global_batch.*-4",
+         lambda c: megacompile.planning.plan_global_batch(CONFIG, 1.0, -4, seq=16)),
+    # step() inputs, checked before anything runs
+    Case("step: token id >= vocab", megacompile.InputMismatchError, r"idx holds token id 2\d\d.*vocabulary of 96",
+         _step(idx=IDS + 200, targets=IDS)),
+    Case("step: negative token id", megacompile.InputMismatchError, r"idx holds token id -\d+",
+         _step(idx=IDS - 100, targets=IDS)),
+    Case("step: label >= vocab", megacompile.InputMismatchError, r"targets holds token id 1\d\d",
+         _step(idx=IDS, targets=IDS + 100)),
+    Case("step: label -5 (not an ignore index)", megacompile.InputMismatchError, r"targets holds token id -5",
+         _step(idx=IDS, targets=torch.where(IDS > 50, -5, IDS))),
+    Case("step: float token ids", megacompile.InputMismatchError, r"integer token ids, got float32",
+         _step(idx=IDS.float(), targets=IDS)),
+    Case("step: longer than learned positions", megacompile.InputMismatchError, r"40 tokens.*32 learned positions",
+         _step(idx=models.batch(96, 2, 40), targets=models.batch(96, 2, 40))),
+    Case("step: empty batch", megacompile.InputMismatchError, r"no elements", _step(idx=IDS[:0], targets=IDS[:0])),
+    Case("step: inputs on meta", megacompile.InputMismatchError, r"is on meta",
+         _step(idx=IDS.to("meta"), targets=IDS.to("meta"))),
+    Case("step: no tensor inputs", megacompile.CaptureError, r"hold no tensor",
+         lambda c: megacompile.compile(_tiny(), 1.0, device="cpu").step()),
+    Case("step: under torch.inference_mode()", megacompile.MegacompileError, r"inference_mode",
+         _under_inference_mode),
+    # checkpoints
+    Case("save_checkpoint: path is a folder", CheckpointError, r"is a folder", _save(lambda c: c.tmp)),
+    Case("save_checkpoint: path under a file", CheckpointError, r"lies under the file .*a_file",
+         _save(lambda c: os.path.join(c.file, "ck.pt"))),
+    Case("save_checkpoint: before any step", megacompile.MegacompileError, r"no host state yet",
+         lambda c: megacompile.compile(_tiny(), 1.0, device="cpu").save_checkpoint(os.path.join(c.tmp, "x.pt"))),
+    Case("load_checkpoint: not a checkpoint", megacompile.MegacompileError, r"cannot read the checkpoint",
+         lambda c: c.engine.load_checkpoint(c.file)),
+    # the command line: exit status 2, one line naming the problem
+    Case("cli plan --hbm-budget nan", SystemExit, r"hbm_budget.*nan",
+         _cli_plan("--hbm-budget", "nan")),
+    Case("cli plan --hbm-budget -1", SystemExit, r"hbm_budget.*-1",
+         _cli_plan("--hbm-budget", "-1")),
+    Case("cli plan --global-batch -4", SystemExit, r"global_batch.*-4",
+         _cli_plan("--hbm-budget", "1", "--global-batch", "-4")),
+    Case("cli plan --global-batch 0", SystemExit, r"global_batch.*got 0", _cli_plan("--hbm-budget", "1", "--global-batch", "0")),
+    Case("cli plan --seq 0", SystemExit, r"seq .*0",
+         _cli_plan("--hbm-budget", "1", "--seq", "0")),
+    Case("cli plan --host-budget nan", SystemExit, r"host_budget.*nan",
+         _cli_plan("--hbm-budget", "1", "--host-budget", "nan")),
+    Case("cli plan --config missing", SystemExit, r"cannot read the model config",
+         lambda c: c.cli("plan", "--config", os.path.join(c.tmp, "none.json"), "--hbm-budget", "1")),
+    Case("cli train --steps 0", SystemExit, r"steps must be an int >= 1",
+         _train("--steps", "0")),
+    Case("cli train --batch 0", SystemExit, r"batch must be",
+         _train("--batch", "0")),
+    Case("cli train --seq 0", SystemExit, r"seq .*0",
+         _train("--seq", "0")),
+    Case("cli train --seq longer than the corpus", SystemExit, r"seq .*corpus",
+         _train("--seq", "1000000000")),
+    Case("cli train --log-every 0", SystemExit, r"log_every",
+         _train("--log-every", "0")),
+    Case("cli train --lr nan", SystemExit, r"lr must be a finite number",
+         _train("--lr", "nan")),
+    Case("cli train --hbm-budget inf", SystemExit, r"hbm_budget.*inf",
+         _train("--hbm-budget", "inf")),
+    Case("cli train --budget-fraction 0", SystemExit, r"budget_fraction must be a finite number > 0",
+         _train("--budget-fraction", "0")),
+    Case("cli train heads do not divide dim", SystemExit, r"num_attention_heads 4 does not divide hidden_size 30",
+         _train("--dim", "30", "--heads", "4")),
+    Case("cli train odd head size", SystemExit, r"dim / heads = 15 .*even", _train("--dim", "30", "--heads", "2")),
+    Case("cli train kv heads do not divide heads", SystemExit, r"num_key_value_heads 3 does not divide",
+         _train("--kv-heads", "3")),
+    Case("cli train --run-dir is a file", SystemExit, r"run_dir .*a_file is a file",
+         lambda c: c.cli(*TINY_TRAIN, "--run-dir", c.file)),
+    Case("cli calibrate --out under a file", SystemExit, r"--out .*lies under the file",
+         lambda c: c.cli("calibrate", "--device", "cpu", "--out", os.path.join(c.file, "profile.json"))),
+]
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory):
+    engine = megacompile.compile(_tiny(), 1.0, device="cpu")
+    engine.step(idx=IDS, targets=IDS)
+    yield Context(str(tmp_path_factory.mktemp("bad-inputs")), engine)
+    engine.close()
+
+
+def _snapshot(ctx: Context) -> tuple:
+    """The engine's state and the folder's files: what a refused call must leave as it was."""
+    files = sorted((root, tuple(sorted(names))) for root, _, names in os.walk(ctx.tmp))
+    return ctx.engine.state_dict(), ctx.engine.steps_done, ctx.engine.micro_batches, files
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_gets_the_projects_error(case, context, capsys):
+    before = _snapshot(context)
+    if case.error is SystemExit:    # the command line prints the project's error and exits 2
+        case.act(context)
+        err = capsys.readouterr().err
+        assert err.startswith("megacompile: error: ") and "Traceback" not in err, err
+        assert re.search(case.match, err), err
+    else:
+        with pytest.raises(case.error) as info:
+            case.act(context)
+        assert isinstance(info.value, megacompile.MegacompileError), type(info.value)
+        assert re.search(case.match, str(info.value)), str(info.value)
+    state, steps, micro, files = _snapshot(context)
+    assert (steps, micro) == before[1:3], "a refused call counted a step"
+    assert files == before[3], "a refused call wrote files"
+    for name, value in before[0].items():
+        assert torch.equal(state[name], value), f"{name} changed by a refused call"
+
+
+def test_the_catalogue_is_in_the_docs():
+    """docs/errors.md has one row per case, with the error class the case raises."""
+    with open(DOC) as f:
+        rows = [line.split("|")[1:-1] for line in f if line.startswith("| ")]
+    documented = {cells[0].strip().strip("`"): cells[1].strip().strip("`") for cells in rows if len(cells) >= 4}
+    expected = {c.id: ("exit 2" if c.error is SystemExit else c.error.__name__) for c in CASES}
+    assert {k: documented.get(k) for k in expected} == expected
+
+
+def test_labels_may_hold_the_ignore_index():
+    """-100 (torch's and Hugging Face's ignore_index) is not refused as outside the vocabulary."""
+    model = models.hf_llama(layers=1, d=32)
+    engine = megacompile.compile(model, 1.0, device="cpu")
+    labels = IDS.clone()
+    labels[:, :4] = -100
+    expected = model(input_ids=IDS, labels=labels).loss.item()
+    assert engine.step(input_ids=IDS, labels=labels) == pytest.approx(expected, rel=1e-5)
+    engine.close()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_save_into_a_read_only_folder(context, tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    with pytest.raises(CheckpointError, match=r"ro/ck\.pt.*[Pp]ermission denied"):
+        context.engine.save_checkpoint(str(folder / "ck.pt"))
+    assert os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("failure", ["disk full", "permission denied"])
+def test_a_failed_write_keeps_the_previous_checkpoint(failure, context, tmp_path, monkeypatch):
+    """torch.save fails halfway (torch reports a full disk as a RuntimeError from its zip writer):
+    CheckpointError names the path and the cause, no temporary file is left, and the checkpoint
+    already at that path is byte for byte the one written before."""
+    path = str(tmp_path / "ck.pt")
+    context.engine.save_checkpoint(path)
+    with open(path, "rb") as f:
+        previous = f.read()
+
+    def failing_save(payload, target):
+        with open(target, "wb") as f:
+            f.write(b"PK\x03\x04 half a zip")
+        if failure == "disk full":
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing "
+                               "file data/3: file write failed")
+        raise PermissionError(13, "Permission denied", target)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    cause = r"disk full" if failure == "disk full" else r"Permission denied"
+    with pytest.raises(CheckpointError, match=rf"{re.escape(path)}: .*{cause}.*previous checkpoint there is untouched"):
+        context.engine.save_checkpoint(path)
+    assert os.listdir(tmp_path) == ["ck.pt"]
+    with open(path, "rb") as f:
+        assert f.read() == previous
+    assert isinstance(CheckpointError("x"), OSError)
