@@ -6,6 +6,7 @@ piece of work and can be waited on by the compute stream.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -100,6 +101,17 @@ class Backend(ABC):
 
     @abstractmethod
     def set_rng_state(self, state: torch.Tensor) -> None: ...
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Entered around a step: makes the backend's device current (kernels launch there)."""
+        return contextlib.nullcontext()
+
+    def allocator_stats(self) -> dict:
+        """The device allocator's own peaks, beside the ledger's (none on the simulated device)."""
+        return {}
+
+    def reset_allocator_peak(self) -> None:
+        pass
 
     def compute_span(self, what: str, start: float) -> None:
         self.timeline.add("compute", what, start, time.perf_counter())

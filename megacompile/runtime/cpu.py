@@ -23,7 +23,7 @@ class CpuBackend(Backend):
         self.device = torch.device("cpu")
         self.h2d = ThreadStream("h2d", self.timeline)
         self.d2h = ThreadStream("d2h", self.timeline)
-        self.host = ThreadStream("host", self.timeline)
+        self.host = ThreadStream("host", self.timeline, threads=None)   # the optimizer, on every core
 
     def empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)

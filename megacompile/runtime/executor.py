@@ -36,6 +36,7 @@ class Executor:
         self._outputs: list[torch.Tensor] = []
         self._context: dict = {}
         self._stash: dict[int, list[torch.Tensor]] = {}   # host copies of offloaded saved values
+        self._moved: dict[int, list[bool]] = {}           # which of them were device tensors
 
     # -- one step ------------------------------------------------------------------------
     def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None) -> list[torch.Tensor]:
@@ -46,13 +47,15 @@ class Executor:
         """
         self._inputs, self._seed, self._context = inputs, seed, context or {}
         self.memory.reset_peak()
+        self.backend.reset_allocator_peak()
         failed = True
-        try:
-            for node in self.program.nodes:
-                getattr(self, "_" + node.op.value)(node)
-            failed = False
-        finally:
-            self._release_all(drain_host=failed)
+        with self.backend.scope():
+            try:
+                for node in self.program.nodes:
+                    getattr(self, "_" + node.op.value)(node)
+                failed = False
+            finally:
+                self._release_all(drain_host=failed)
         return self._outputs
 
     def _release_all(self, drain_host: bool) -> None:
@@ -63,6 +66,7 @@ class Executor:
         self._env.clear()
         self._events.clear()
         self._stash.clear()
+        self._moved.clear()
 
     def _put(self, name: str, value: Any) -> None:
         self._env[name] = value
@@ -179,10 +183,13 @@ class Executor:
         """Saved activations back from host memory, one dense tensor each (a transpose keeps its
         layout, so the backward's kernels read it as they would have)."""
         s, name = node.stage, node.writes[0]
-        host = self._stash.pop(s)
-        dst = [dense_like(h, self.backend.device) for h in host]
+        host, moved = self._stash.pop(s), self._moved.pop(s)
+        # Values that never left (host tensors in the bundle, e.g. an SDPA philox seed) stay as they are.
+        dst = [dense_like(h, self.backend.device) if m else h for h, m in zip(host, moved)]
         self._put(name, dst)
-        self._events[name] = self.backend.prefetch(dst, host, f"restore {self.program.stage_names[s]}")
+        pairs = [(d, h) for d, h, m in zip(dst, host, moved) if m]
+        self._events[name] = self.backend.prefetch([d for d, _ in pairs], [h for _, h in pairs],
+                                                   f"restore {self.program.stage_names[s]}")
 
     def _offload(self, node: Node) -> None:
         if self.program.values[node.reads[0]].kind == "saved":
@@ -201,6 +208,7 @@ class Executor:
         """Saved activations to host memory until the backward brings them back."""
         s, name = node.stage, node.reads[0]
         stash = self._stash
+        self._moved[s] = [t.device == self.backend.device for t in self._env[name]]
 
         def sink(host_copies: list[torch.Tensor]) -> None:
             stash[s] = host_copies

@@ -27,13 +27,38 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """
     t = torch.empty(numel, dtype=dtype)
     if t.numel() and torch.cuda.is_available():
-        status = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)
-        if int(status) == 0:
-            # Unregister when the tensor goes away (views keep it alive through ._base), before
-            # its memory returns to the allocator.
-            weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
+        if register_host(t):
             return t
     return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+def register_host(t: torch.Tensor) -> bool:
+    """Page-lock t's memory in place; False (and CUDA's error state clean) when that fails."""
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)
+    if int(status) != 0:
+        # A failed runtime call leaves its error as CUDA's "last error", which the next kernel
+        # launch check would report as its own; read it here to clear it.
+        clear_cuda_error(cudart)
+        return False
+    # Unregister when the tensor goes away (views keep it alive through ._base), before its
+    # memory returns to the allocator.
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return True
+
+
+def clear_cuda_error(cudart) -> None:
+    """cudaGetLastError, which resets the calling thread's error state. torch's cudart module does
+    not bind it; the libcudart torch loaded does (found in this process's mappings)."""
+    get = getattr(cudart, "cudaGetLastError", None)
+    if get is None:
+        import ctypes
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        if not paths:
+            return    # cudart linked statically into torch: its state is out of reach
+        get = ctypes.CDLL(sorted(paths)[0]).cudaGetLastError
+    get()
 
 
 @dataclass(frozen=True)

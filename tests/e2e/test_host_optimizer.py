@@ -98,3 +98,29 @@ def test_a_schedule_that_returns_a_bad_rate_is_reported():
                                  optimizer=megacompile.AdamW(lr=lambda step: float("nan")))
     with pytest.raises(megacompile.OptimizerInputError, match="step 1"):
         engine.step(idx=_batches(1)[0], targets=_batches(1)[0])
+
+
+def test_the_host_optimizer_runs_on_every_core_it_is_given():
+    """The copy streams run one intra-op thread each, but the host stream's AdamW takes the threads
+    of the thread that made the engine, and nothing changes torch's default for later threads."""
+    import threading
+
+    from megacompile.optim import fused_adamw
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("needs torch.get_num_threads() >= 2")
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=256, layers=1)    # a block of 786k params: 12 chunks of 64K
+    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu", optimizer=megacompile.AdamW(lr=LR))
+    if fused_adamw.backend() != "cpp":
+        pytest.skip("the native host AdamW kernel is unavailable here")
+    ids = _batches(1)[0]
+    engine.step(idx=ids, targets=ids)
+    engine.synchronize()
+    assert fused_adamw.last_threads() == threads
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [threads], "a stream thread changed torch's process-wide thread count"
+    engine.close()

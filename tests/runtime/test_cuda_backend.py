@@ -1,0 +1,111 @@
+"""The cuda backend's setup and the runtime's handling of host tensors, on a stubbed torch.cuda:
+what can break before the first kernel runs is checked here, without a GPU."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megacompile.errors import MegacompileError
+from megacompile.runtime import make_backend, normalize_device
+from megacompile.runtime.executor import Executor
+from megacompile.runtime.host import register_host
+
+GiB = 2 ** 30
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Two 80 GiB GPUs, cuda:1 current; records the calls the backend makes."""
+    calls = SimpleNamespace(fraction=[], streams=[])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * GiB))
+
+    def fraction(f, device):
+        # torch refuses a device without an index here ("Expected a cuda device with a specified index")
+        if torch.device(device).index is None:
+            raise ValueError("Expected a cuda device with a specified index")
+        calls.fraction.append((f, torch.device(device)))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fraction)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: calls.streams.append(device) or SimpleNamespace())
+    return calls
+
+
+@pytest.mark.parametrize("asked, expected", [(None, "cuda:1"), ("cuda", "cuda:1"), (torch.device("cuda"), "cuda:1"),
+                                             ("cuda:0", "cuda:0"), ("cpu", "cpu")])
+def test_the_device_is_normalised_to_one_with_an_index(fake_cuda, asked, expected):
+    assert normalize_device(asked) == torch.device(expected)
+
+
+def test_a_missing_gpu_index_is_named(fake_cuda):
+    with pytest.raises(MegacompileError, match="cuda:5 does not exist.*2 GPU"):
+        normalize_device("cuda:5")
+
+
+def test_the_cuda_backend_is_made_for_the_current_gpu_with_its_index(fake_cuda):
+    backend = make_backend("cuda", 40 * GiB)
+    try:
+        assert backend.device == torch.device("cuda", 1)
+        assert fake_cuda.fraction == [(0.5, torch.device("cuda", 1))]
+        assert fake_cuda.streams == [torch.device("cuda", 1)] * 2
+    finally:
+        backend.close()
+
+
+def test_a_budget_above_the_device_memory_is_refused(fake_cuda):
+    with pytest.raises(MegacompileError, match="hbm_budget of 96 GiB .* more than cuda:1 has .*80 GiB"):
+        make_backend("cuda:1", 96 * GiB)
+    assert fake_cuda.fraction == [] and fake_cuda.streams == [], "nothing is set up for a refused budget"
+
+
+def test_a_failed_host_registration_clears_cuda_error_state():
+    calls = []
+    cudart = SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: calls.append("register") or 1,
+                             cudaGetLastError=lambda: calls.append("clear") or 0,
+                             cudaHostUnregister=lambda ptr: calls.append("unregister"))
+    original = torch.cuda.cudart
+    torch.cuda.cudart = lambda: cudart
+    try:
+        assert register_host(torch.empty(16)) is False
+    finally:
+        torch.cuda.cudart = original
+    assert calls == ["register", "clear"]
+
+
+class _StubBackend:
+    """Device tensors live on `meta`; records what each copy was asked to move."""
+    device = torch.device("meta")
+
+    def __init__(self):
+        self.offloaded, self.restored = [], []
+        self.memory = SimpleNamespace(hold=lambda *a, **k: None, drop=lambda *a, **k: None)
+
+    def offload(self, srcs, sink, what, keep=False):
+        self.offloaded = list(srcs)
+        sink([torch.empty(t.shape, dtype=t.dtype) if t.device == self.device else t for t in srcs])
+        return SimpleNamespace(wait=lambda: None)
+
+    def prefetch(self, dsts, srcs, what):
+        self.restored = list(zip(dsts, srcs))
+        return SimpleNamespace(wait=lambda: None)
+
+
+def test_stashed_activations_move_only_their_device_tensors():
+    """Memory-efficient SDPA with dropout returns its philox seed and offset as CPU tensors in the
+    saved bundle: they stay where they are, and the bundle comes back in its order."""
+    backend = _StubBackend()
+    program = SimpleNamespace(values={"saved.0": SimpleNamespace(kind="saved")}, stage_names=["block.0"])
+    executor = Executor(None, program, backend, None)
+    seed, offset = torch.tensor(7), torch.tensor(3)
+    act = torch.empty(4, 8, device="meta")
+    executor._env["saved.0"] = [act, seed, offset]
+    executor._stash_saved(SimpleNamespace(stage=0, reads=["saved.0"]))
+    executor._restore(SimpleNamespace(stage=0, writes=["saved.0"]))
+    bundle = executor._env["saved.0"]
+    assert bundle[1] is seed and bundle[2] is offset
+    assert bundle[0].device.type == "meta" and bundle[0].shape == act.shape
+    assert [s.device.type for s in backend.offloaded if s.device.type != "meta"] == ["cpu", "cpu"]
+    assert len(backend.restored) == 1 and backend.restored[0][0] is bundle[0]
