@@ -33,7 +33,7 @@ def _median_seconds(fn, repeat: int = 5) -> float:
 def _cache_path() -> Path:
     root = Path(os.environ.get("MEGACOMPILE_CACHE_DIR", Path.home() / ".cache" / "megacompile"))
     key = f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}-t{torch.get_num_threads()}"
-    return root / f"cpu_profile-v2-{key.replace(' ', '_').replace('/', '_')}.json"
+    return root / f"cpu_profile-v3-{key.replace(' ', '_').replace('/', '_')}.json"
 
 
 def measure() -> HardwareProfile:
@@ -53,7 +53,8 @@ def measure() -> HardwareProfile:
     # The simulated device is host memory: "device" bandwidth and both link directions are
     # host memory copies.
     return HardwareProfile("cpu (simulated device, measured)", 2**40, inplace_bw, matmul, matmul, copy_bw, copy_bw,
-                           inplace_bw, adam, overhead, matmul_efficiency=1.0, memory_efficiency=1.0)
+                           inplace_bw, adam, overhead, matmul_efficiency=1.0, memory_efficiency=1.0,
+                           workspace_bytes=0, fragmentation=0.0, hidden_scratch=False)
 
 
 def _interpreter_overhead(ops: int = 200) -> float:
