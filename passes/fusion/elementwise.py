@@ -279,7 +279,7 @@ class ElementwiseKernel:
         n = math.prod(shape)
         args.append(n)
         block, num_warps = flat_block(n)
-        # No FMA contraction: eager rounds every op (fusion.md, "Rounding on the device").
+        # No FMA contraction: eager rounds every op (kernels.md, "Rounding on the device").
         self.fn[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False)
         return outs
 
