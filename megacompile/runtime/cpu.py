@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .backend import Backend, Event, dense_like
+from .backend import Backend, Event, coalesce, dense_like
 from .stream import ThreadStream
 
 
@@ -30,7 +30,7 @@ class CpuBackend(Backend):
 
     def prefetch(self, dsts, srcs, what) -> Event:
         def copy() -> None:
-            for d, s in zip(dsts, srcs):
+            for d, s in coalesce(dsts, srcs):
                 d.copy_(s)
         return self.h2d.submit(copy, what)
 

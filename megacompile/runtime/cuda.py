@@ -20,7 +20,8 @@ import torch
 
 from ..errors import MegacompileError
 from ..ir.printer import fmt_bytes
-from .backend import Backend, Event, dense_like
+from .backend import Backend, Event, coalesce, dense_like
+from .host import pinned_empty
 from .stream import ThreadStream
 
 
@@ -85,7 +86,7 @@ class CudaBackend(Backend):
         ready = self._event_on(self._compute_stream())    # the slot was allocated on the compute stream
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(ready)
-            for d, s in zip(dsts, srcs):
+            for d, s in coalesce(dsts, srcs):
                 # No record_stream: the compute stream waits on `done` before it reads or frees
                 # the slot, so the allocator's compute-stream order already covers this copy.
                 d.copy_(s, non_blocking=True)
@@ -93,8 +94,10 @@ class CudaBackend(Backend):
         return CudaEvent(done, self.device)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        # Registered at its exact size (host.pinned_empty): torch's pinned allocator would round
+        # each staging buffer up to a power of two and keep it.
         pool = self._staging.setdefault((tuple(t.shape), t.dtype), [])
-        return pool.pop() if pool else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return pool.pop() if pool else pinned_empty(t.numel(), t.dtype).view(t.shape)
 
     def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False) -> Event:
         produced = self._event_on(self._compute_stream())

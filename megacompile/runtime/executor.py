@@ -15,7 +15,7 @@ import torch
 
 from ..capture import CapturedModel
 from ..ir.program import SEED, Node, Program, act_grad, grads, saved, weights
-from .backend import Backend, Event, dense_like
+from .backend import Backend, Event, dense_like, flat_empty
 from .host import HostState
 
 # The host work of one optimizer step: update(stage, context) and clip(context), where context
@@ -87,7 +87,7 @@ class Executor:
         if self.program.values[node.writes[0]].kind == "saved":
             return self._restore(node)
         stage = self.captured.stages[node.stage]
-        slot = [self.backend.empty(p.meta.shape, p.meta.dtype) for p in stage.template.params]
+        slot = flat_empty(self.backend, [p.meta for p in stage.template.params])
         self._put(weights(node.stage), slot)
         srcs = [self.host.source(name) for name in stage.params]
         self._events[weights(node.stage)] = self.backend.prefetch(slot, srcs, f"prefetch {stage.name}")

@@ -71,9 +71,12 @@ class Slot:
 
 class OwnerBuffers:
     def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool):
-        def empty(dtype):
-            return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
-        self.master = empty(torch.float32)
+        def empty(dtype, pinned=pin):
+            return pinned_empty(numel, dtype) if pinned else torch.empty(numel, dtype=dtype)
+        # Only what crosses the link is page-locked: the fp32 master only when compute is fp32 (with
+        # bf16 compute the device fetches the copy below; pinning the master would lock 4 B/param
+        # for nothing, 280 GB at 70B).
+        self.master = empty(torch.float32, pinned=pin and compute_dtype == torch.float32)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
         self.grad = torch.zeros(numel, dtype=torch.float32)
@@ -101,8 +104,10 @@ class HostState:
         for name, entry in captured.state.items():
             if name not in self.slots:
                 # Kept in the model's own dtype (a frozen fp32 weight stays exact); the prefetch
-                # casts to the compute dtype as it copies.
-                self.consts[name] = torch.zeros(entry.shape, dtype=entry.dtype)
+                # casts to the compute dtype as it copies. Page-locked like the masters: a
+                # non_blocking copy from pageable memory is a synchronous one.
+                const = pinned_empty(entry.numel, entry.dtype) if pin else torch.empty(entry.numel, dtype=entry.dtype)
+                self.consts[name] = const.zero_().view(entry.shape)
         # How many stages produce a gradient for each parameter (2 for a tied embedding).
         self.uses: dict[str, int] = {}
         for stage in captured.stages:

@@ -109,3 +109,36 @@ def test_stashed_activations_move_only_their_device_tensors():
     assert bundle[0].device.type == "meta" and bundle[0].shape == act.shape
     assert [s.device.type for s in backend.offloaded if s.device.type != "meta"] == ["cpu", "cpu"]
     assert len(backend.restored) == 1 and backend.restored[0][0] is bundle[0]
+
+
+def test_a_stage_slot_is_one_buffer_per_dtype_and_its_copies_coalesce():
+    from megacompile.capture.stage import TensorMeta
+    from megacompile.runtime.backend import coalesce, flat_empty
+    backend = SimpleNamespace(empty=lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    metas = [TensorMeta((4, 3), torch.bfloat16), TensorMeta((3,), torch.bfloat16), TensorMeta((2,), torch.int64),
+             TensorMeta((5,), torch.bfloat16)]
+    slot = flat_empty(backend, metas)
+    assert [tuple(t.shape) for t in slot] == [(4, 3), (3,), (2,), (5,)]
+    assert len({t.untyped_storage().data_ptr() for t in slot}) == 2
+    host = torch.arange(20, dtype=torch.bfloat16)               # an owner's flat compute buffer
+    srcs = [host[0:12].view(4, 3), host[12:15], torch.tensor([7, 8]), host[15:20]]
+    pairs = coalesce(slot, srcs)
+    # bf16 parameters 0, 1 are back to back on both sides; the int buffer breaks the run
+    assert [d.numel() for d, _ in pairs] == [15, 2, 5]
+    for d, s in pairs:
+        d.copy_(s)
+    for d, s in zip(slot, srcs):
+        assert torch.equal(d, s)
+    # a source that is not next to the previous one starts a new copy
+    assert len(coalesce(slot[:2], [host[0:12].view(4, 3), host[13:16]])) == 2
+
+
+def test_the_fp32_master_is_page_locked_only_when_the_device_reads_it(monkeypatch):
+    from megacompile.runtime import host
+    pinned = []
+    monkeypatch.setattr(host, "pinned_empty", lambda n, dtype: pinned.append(dtype) or torch.empty(n, dtype=dtype))
+    host.OwnerBuffers(8, torch.bfloat16, pin=True)
+    assert pinned == [torch.bfloat16]
+    pinned.clear()
+    buffers = host.OwnerBuffers(8, torch.float32, pin=True)
+    assert pinned == [torch.float32] and buffers.compute is buffers.master
