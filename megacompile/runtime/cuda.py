@@ -43,6 +43,18 @@ class HostAfterDevice(Event):
         self.done.wait()
 
 
+class CopiedThenLanded(Event):
+    """A gradient offload: wait() is stream-side, for the copy alone (after it the device tensors
+    may be freed); `landed` is the host work after it (the add into the fp32 grads), waited for by
+    what reads its result, the optimizer step on the host stream, not by the compute thread."""
+
+    def __init__(self, copied: CudaEvent, landed):
+        self.copied, self.landed = copied, landed
+
+    def wait(self) -> None:
+        self.copied.wait()
+
+
 class CudaBackend(Backend):
     name = "cuda"
 
@@ -122,7 +134,9 @@ class CudaBackend(Backend):
             sink(staged)
             for h in pooled:
                 self._staging[(tuple(h.shape), h.dtype)].append(h)
-        return HostAfterDevice(self.d2h.submit(land, what))
+        landed = self.d2h.submit(land, what)
+        # Stashed activations are read back by a later restore on this thread: it must find them.
+        return HostAfterDevice(landed) if keep else CopiedThenLanded(CudaEvent(done, self.device), landed)
 
     def host_task(self, work: Callable[[], None], what: str) -> Event:
         return self.host.submit(work, what)

@@ -2,7 +2,9 @@
 
 Compute nodes run their stage graph op by op (ir/stage_program.py) on the compute thread;
 PREFETCH and OFFLOAD go to the copy streams and OPTIMIZER_STEP to the host stream, each
-returning an event that the matching WAIT (or the end of the step) blocks on. Every device
+returning an event that the matching WAIT (or the end of the step) blocks on. On cuda the WAIT
+for a gradient offload is stream-side, for the copy alone; the host work after it (the add into
+the fp32 grads) is waited for by the optimizer step and the clip, on the host stream. Every device
 tensor is held in the backend's DeviceMemory under the schedule's value names, so the budget
 is enforced and the peak measured with the same rule the plan was simulated with.
 """
@@ -37,6 +39,7 @@ class Executor:
         self._context: dict = {}
         self._stash: dict[int, list[torch.Tensor]] = {}   # host copies of offloaded saved values
         self._moved: dict[int, list[bool]] = {}           # which of them were device tensors
+        self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
 
     # -- one step ------------------------------------------------------------------------
     def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None) -> list[torch.Tensor]:
@@ -67,6 +70,7 @@ class Executor:
         self._events.clear()
         self._stash.clear()
         self._moved.clear()
+        self._landed.clear()
 
     def _put(self, name: str, value: Any) -> None:
         self._env[name] = value
@@ -202,7 +206,10 @@ class Executor:
         def sink(host_grads: list[torch.Tensor]) -> None:
             for name, g in zip(names, host_grads):
                 host.accumulate_grad(name, g)
-        self._events[grads(s)] = self.backend.offload(list(self._env[grads(s)]), sink, f"offload {stage.name}")
+        event = self.backend.offload(list(self._env[grads(s)]), sink, f"offload {stage.name}")
+        self._events[grads(s)] = event
+        # The gradients' host side: on cuda the WAIT is stream-side, so the update waits for it.
+        self._landed[s] = getattr(event, "landed", event)
 
     def _stash_saved(self, node: Node) -> None:
         """Saved activations to host memory until the backward brings them back."""
@@ -216,13 +223,23 @@ class Executor:
                                                   keep=True)
 
     def _clip_grads(self, node: Node) -> None:
-        clip, context = self.clip, self._context
-        self.host.pending[-1] = self.backend.host_task(lambda: clip(context), "clip gradients")
+        clip, context, landed = self.clip, self._context, list(self._landed.values())
+
+        def work() -> None:
+            for event in landed:
+                event.wait()
+            clip(context)
+        self.host.pending[-1] = self.backend.host_task(work, "clip gradients")
 
     def _optimizer_step(self, node: Node) -> None:
         s, update, context = node.stage, self.update, self._context
-        self.host.pending[s] = self.backend.host_task(lambda: update(s, context),
-                                                      f"adamw {self.program.stage_names[s]}")
+        landed = [self._landed[c] for c in sorted(self.host.contributors[s]) if c in self._landed]
+
+        def work() -> None:
+            for event in landed:     # every gradient of these masters has been added in
+                event.wait()
+            update(s, context)
+        self.host.pending[s] = self.backend.host_task(work, f"adamw {self.program.stage_names[s]}")
 
     def _output(self, node: Node) -> None:
         self._outputs = [self._env[r].detach().to("cpu", copy=True) for r in node.reads]

@@ -142,3 +142,27 @@ def test_the_fp32_master_is_page_locked_only_when_the_device_reads_it(monkeypatc
     pinned.clear()
     buffers = host.OwnerBuffers(8, torch.float32, pin=True)
     assert pinned == [torch.float32] and buffers.compute is buffers.master
+
+
+def test_an_update_waits_on_the_host_for_every_gradient_of_its_masters():
+    """With stream-side gradient WAITs the compute thread never blocks on the host's add of a
+    gradient; the update of those masters must then wait for it on the host stream."""
+    import threading
+
+    from megacompile.runtime.backend import Timeline
+    from megacompile.runtime.stream import ThreadEvent, ThreadStream
+    host_stream = ThreadStream("host", Timeline())
+    backend = SimpleNamespace(host_task=host_stream.submit, memory=None)
+    seen = []
+    program = SimpleNamespace(stage_names=["prologue", "block.0", "epilogue"])
+    host = SimpleNamespace(contributors={0: {0, 2}}, pending={})
+    executor = Executor(None, program, backend, host, update=lambda s, c: seen.append([e.query() for e in landed]))
+    landed = [ThreadEvent(), ThreadEvent()]
+    executor._landed = {0: landed[0], 1: ThreadEvent(), 2: landed[1]}   # stage 1's gradients feed another owner
+    executor._optimizer_step(SimpleNamespace(stage=0))
+    timers = [threading.Timer(0.05 * (i + 1), e.set) for i, e in enumerate(landed)]
+    for t in timers:
+        t.start()
+    host.pending[0].wait()
+    host_stream.close()
+    assert seen == [[True, True]]
