@@ -28,7 +28,9 @@ class Span:
 
 
 class Timeline:
-    """When each node ran, on which stream: the record that shows overlap (or its absence)."""
+    """When each node ran, on which stream: the record that shows overlap (or its absence). It
+    holds the last step (the executor clears it when a step starts). Times are the host's: on cuda
+    a compute span is the enqueue of a stage's kernels, not their run on the device."""
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
@@ -145,6 +147,10 @@ class Backend(ABC):
 
     @abstractmethod
     def set_rng_state(self, state: torch.Tensor) -> None: ...
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of a (small) device tensor, the step's outputs: valid after synchronize()."""
+        return t.detach().to("cpu", copy=True)
 
     def scope(self) -> contextlib.AbstractContextManager:
         """Entered around a step: makes the backend's device current (kernels launch there)."""

@@ -75,6 +75,7 @@ class CudaBackend(Backend):
         self.d2h = ThreadStream("d2h", self.timeline, threads=None)
         self.host = ThreadStream("host", self.timeline, threads=None)   # the optimizer, on every core
         self._staging: dict[tuple, list[torch.Tensor]] = {}
+        self._outputs: list = []      # copy-done events of outputs on their way to the host
         # The caching allocator refuses past the budget too: a second, independent guard. The
         # plan fills only budget - reserve (cost/reserve.py), so the cap sits above the ledger's
         # peak by what the ledger cannot see (workspaces, op scratch, fragmentation).
@@ -147,10 +148,23 @@ class CudaBackend(Backend):
         self.timeline.add("h2d", "inputs", start, time.perf_counter())
         return out
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        # Queued on the compute stream: the loss comes back without stalling the step mid-way.
+        out = pinned_empty(t.numel(), t.dtype).view(t.shape)
+        out.copy_(t.detach(), non_blocking=True)
+        self._outputs.append(self._event_on(self._compute_stream()))
+        return out
+
     def synchronize(self, host: bool = True) -> None:
-        torch.cuda.synchronize(self.device)
+        """The end of a step: the outputs' copies and the gradients' host side (which waited for
+        their copies, so for the backward). Device work may still run; the caching allocator
+        orders reuse on the streams. After an error (host=True) the whole device is drained."""
+        for event in self._outputs:
+            event.synchronize()
+        self._outputs.clear()
         self.d2h.synchronize()
         if host:
+            torch.cuda.synchronize(self.device)
             self.host.synchronize()
 
     def allocator_stats(self) -> dict:

@@ -51,6 +51,7 @@ class Executor:
         self._inputs, self._seed, self._context = inputs, seed, context or {}
         self.memory.reset_peak()
         self.backend.reset_allocator_peak()
+        self.backend.timeline.clear()     # one step's record (updates still running from the last one land in it)
         failed = True
         with self.backend.scope():
             try:
@@ -242,4 +243,4 @@ class Executor:
         self.host.pending[s] = self.backend.host_task(work, f"adamw {self.program.stage_names[s]}")
 
     def _output(self, node: Node) -> None:
-        self._outputs = [self._env[r].detach().to("cpu", copy=True) for r in node.reads]
+        self._outputs = [self.backend.to_host(self._env[r]) for r in node.reads]
