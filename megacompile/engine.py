@@ -137,7 +137,7 @@ class Engine:
         return {"step": step, "lr": lr, "grad_scale": 1.0}
 
     def _clip(self, context: dict) -> None:
-        norm = self.host.grad_sq_norm() ** 0.5
+        norm = self.host.grad_sq_norm(context.pop("owner_sq_norms", None)) ** 0.5
         context["grad_norm"] = norm
         # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), at most 1
         context["grad_scale"] = min(1.0, self.optimizer.max_grad_norm / (norm + 1e-6))

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ..capture import CapturedModel
-from ..ir.program import SEED, Node, Program, act_grad, grads, saved, weights
+from ..ir.program import SEED, Node, Op, Program, act_grad, grads, saved, weights
 from .backend import Backend, Event, dense_like, flat_empty
 from .host import HostState
 
@@ -40,6 +40,9 @@ class Executor:
         self._stash: dict[int, list[torch.Tensor]] = {}   # host copies of offloaded saved values
         self._moved: dict[int, list[bool]] = {}           # which of them were device tensors
         self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
+        self._clips = any(n.op is Op.CLIP_GRADS for n in program.nodes)
+        self._norms: dict[int, float] = {}                # per owner: squared norm of its gradient
+        self._norming: set[int] = set()
 
     # -- one step ------------------------------------------------------------------------
     def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None) -> list[torch.Tensor]:
@@ -72,6 +75,8 @@ class Executor:
         self._stash.clear()
         self._moved.clear()
         self._landed.clear()
+        self._norming.clear()
+        self._norms = {}     # a new dict: a clip still running reads the one it was given
 
     def _put(self, name: str, value: Any) -> None:
         self._env[name] = value
@@ -211,6 +216,24 @@ class Executor:
         self._events[grads(s)] = event
         # The gradients' host side: on cuda the WAIT is stream-side, so the update waits for it.
         self._landed[s] = getattr(event, "landed", event)
+        if self._clips:
+            self._norm_complete_owners()
+
+    def _norm_complete_owners(self) -> None:
+        """With clipping, each owner's share of the global norm is taken on the host stream as soon
+        as all its gradients are in, beside the rest of the backward, not in one pass after it."""
+        host, norms = self.host, self._norms
+        for owner, contributors in host.contributors.items():
+            if owner in self._norming or not contributors <= self._landed.keys():
+                continue
+            self._norming.add(owner)
+            landed = [self._landed[c] for c in sorted(contributors)]
+
+            def work(owner=owner, landed=landed) -> None:
+                for event in landed:
+                    event.wait()
+                norms[owner] = host.owner_grad_sq_norm(owner)
+            self.backend.host_task(work, f"grad norm {self.program.stage_names[owner]}")
 
     def _stash_saved(self, node: Node) -> None:
         """Saved activations to host memory until the backward brings them back."""
@@ -224,11 +247,12 @@ class Executor:
                                                   keep=True)
 
     def _clip_grads(self, node: Node) -> None:
-        clip, context, landed = self.clip, self._context, list(self._landed.values())
+        clip, context, landed, norms = self.clip, self._context, list(self._landed.values()), self._norms
 
         def work() -> None:
             for event in landed:
                 event.wait()
+            context["owner_sq_norms"] = dict(norms)   # the host stream ran every norm task before this one
             clip(context)
         self.host.pending[-1] = self.backend.host_task(work, "clip gradients")
 

@@ -129,9 +129,15 @@ class HostState:
         for owner in list(self.pending):
             self.wait_update(owner)
 
-    def grad_sq_norm(self) -> float:
-        """Sum of squares of every owner's accumulated fp32 gradient (float64 accumulation)."""
-        return sum(grad_sq_norm(b.grad) for b in self.owners.values())
+    def grad_sq_norm(self, per_owner: dict[int, float] | None = None) -> float:
+        """Sum of squares of every owner's accumulated fp32 gradient (float64 accumulation), in
+        owner order; owners already in `per_owner` (measured as their gradients landed) are not
+        read again."""
+        per_owner = per_owner or {}
+        return sum(per_owner[o] if o in per_owner else self.owner_grad_sq_norm(o) for o in self.owners)
+
+    def owner_grad_sq_norm(self, owner: int) -> float:
+        return grad_sq_norm(self.owners[owner].grad)
 
     # -- views ---------------------------------------------------------------------------
     def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:

@@ -124,3 +124,19 @@ def test_the_host_optimizer_runs_on_every_core_it_is_given():
     thread.join()
     assert later == [threads], "a stream thread changed torch's process-wide thread count"
     engine.close()
+
+
+def test_with_clipping_each_owners_norm_is_taken_as_its_gradients_land():
+    """The global norm is summed from per-owner norms taken on the host stream during the
+    backward; the clip itself reads no gradient (exactness: test_clipping_is_exact...)."""
+    torch.manual_seed(0)
+    engine = megacompile.compile(_model(), hbm_budget=1.0, device="cpu",
+                                 optimizer=megacompile.AdamW(lr=LR, max_grad_norm=0.05))
+    ids = _batches(1)[0]
+    engine.step(idx=ids, targets=ids)
+    engine.synchronize()
+    host = [s.what for s in engine.timeline.on("host")]
+    norms = [w for w in host if w.startswith("grad norm")]
+    assert len(norms) == len(engine.host.owners)
+    assert max(host.index(w) for w in norms) < host.index("clip gradients")
+    engine.close()

@@ -97,7 +97,7 @@ def test_stashed_activations_move_only_their_device_tensors():
     """Memory-efficient SDPA with dropout returns its philox seed and offset as CPU tensors in the
     saved bundle: they stay where they are, and the bundle comes back in its order."""
     backend = _StubBackend()
-    program = SimpleNamespace(values={"saved.0": SimpleNamespace(kind="saved")}, stage_names=["block.0"])
+    program = SimpleNamespace(values={"saved.0": SimpleNamespace(kind="saved")}, stage_names=["block.0"], nodes=[])
     executor = Executor(None, program, backend, None)
     seed, offset = torch.tensor(7), torch.tensor(3)
     act = torch.empty(4, 8, device="meta")
@@ -154,7 +154,7 @@ def test_an_update_waits_on_the_host_for_every_gradient_of_its_masters():
     host_stream = ThreadStream("host", Timeline())
     backend = SimpleNamespace(host_task=host_stream.submit, memory=None)
     seen = []
-    program = SimpleNamespace(stage_names=["prologue", "block.0", "epilogue"])
+    program = SimpleNamespace(stage_names=["prologue", "block.0", "epilogue"], nodes=[])
     host = SimpleNamespace(contributors={0: {0, 2}}, pending={})
     executor = Executor(None, program, backend, host, update=lambda s, c: seen.append([e.query() for e in landed]))
     landed = [ThreadEvent(), ThreadEvent()]
