@@ -115,7 +115,8 @@ class Engine:
         if self.host is None:
             # Before allocating: too little host RAM must fail here, not in the allocator.
             require_host_room(host_bytes_of(self.model, self.compute_dtype), self.host_budget_bytes)
-            self.host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda")
+            self.host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda",
+                                  grad_accum=self.grad_accum)
             if self._materialized:
                 self.host.load_module(self.model)
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,

@@ -2,7 +2,9 @@
 
 Each stage owns the trainable parameters it is the first to use; they sit in flat buffers per
 owner (master, exp_avg, exp_avg_sq, grad: 16 B/param, plus 2 B/param for the bf16 copy the
-device fetches when compute is bf16), so the optimizer makes one pass over each block.
+device fetches when compute is bf16), so the optimizer makes one pass over each block. With
+bf16 compute and one micro-batch per step the grad is bf16 too (14 + 2 B/param) unless a tied
+parameter's contributions are summed into it.
 Buffers and frozen parameters are kept once, in the model's own dtype, and never updated.
 """
 from __future__ import annotations
@@ -70,7 +72,7 @@ class Slot:
 
 
 class OwnerBuffers:
-    def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool):
+    def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool, grad_dtype: torch.dtype = torch.float32):
         def empty(dtype, pinned=pin):
             return pinned_empty(numel, dtype) if pinned else torch.empty(numel, dtype=dtype)
         # Only what crosses the link is page-locked: the fp32 master only when compute is fp32 (with
@@ -79,7 +81,9 @@ class OwnerBuffers:
         self.master = empty(torch.float32, pinned=pin and compute_dtype == torch.float32)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
-        self.grad = torch.zeros(numel, dtype=torch.float32)
+        # The gradient as AdamW reads it: fp32 when micro-batches or tied uses add into it; else in
+        # the compute dtype, as it left the device (widening it first cost 6 B/param of host traffic).
+        self.grad = torch.zeros(numel, dtype=grad_dtype)
         # fp32 compute reads the masters themselves; bf16 gets its own copy, written by AdamW.
         self.compute = self.master if compute_dtype == torch.float32 else empty(compute_dtype)
 
@@ -90,7 +94,7 @@ class OwnerBuffers:
 
 
 class HostState:
-    def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, pin: bool = False):
+    def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, pin: bool = False, grad_accum: int = 1):
         self.compute_dtype = compute_dtype
         owner_of, self.contributors = owners(captured)
         self.slots: dict[str, Slot] = {}
@@ -99,7 +103,17 @@ class HostState:
             entry = captured.state[name]
             self.slots[name] = Slot(s, sizes.get(s, 0), entry.numel, entry.shape)
             sizes[s] = sizes.get(s, 0) + entry.numel
-        self.owners = {s: OwnerBuffers(n, compute_dtype, pin) for s, n in sizes.items()}
+        # How many stages produce a gradient for each parameter (2 for a tied embedding).
+        self.uses: dict[str, int] = {}
+        for stage in captured.stages:
+            for name in stage.params:
+                if name in self.slots:
+                    self.uses[name] = self.uses.get(name, 0) + 1
+        summed = {self.slots[name].owner for name, n in self.uses.items() if n > 1}
+
+        def grad_dtype(owner: int) -> torch.dtype:
+            return compute_dtype if grad_accum == 1 and owner not in summed else torch.float32
+        self.owners = {s: OwnerBuffers(n, compute_dtype, pin, grad_dtype(s)) for s, n in sizes.items()}
         self.consts: dict[str, torch.Tensor] = {}
         for name, entry in captured.state.items():
             if name not in self.slots:
@@ -108,12 +122,6 @@ class HostState:
                 # non_blocking copy from pageable memory is a synchronous one.
                 const = pinned_empty(entry.numel, entry.dtype) if pin else torch.empty(entry.numel, dtype=entry.dtype)
                 self.consts[name] = const.zero_().view(entry.shape)
-        # How many stages produce a gradient for each parameter (2 for a tied embedding).
-        self.uses: dict[str, int] = {}
-        for stage in captured.stages:
-            for name in stage.params:
-                if name in self.slots:
-                    self.uses[name] = self.uses.get(name, 0) + 1
         self._fresh: set[str] = set()
         self._partial: dict[str, tuple[int, torch.Tensor]] = {}
         # Updates still running on the host stream, per owner: the next read of those masters

@@ -140,3 +140,33 @@ def test_with_clipping_each_owners_norm_is_taken_as_its_gradients_land():
     assert len(norms) == len(engine.host.owners)
     assert max(host.index(w) for w in norms) < host.index("clip gradients")
     engine.close()
+
+
+def test_bf16_gradients_reach_adamw_unwidened_and_train_the_same():
+    """With bf16 compute and one micro-batch a step, owners whose gradients are not summed keep them
+    in bf16 (no fp32 copy); the values are the device's bf16 gradients either way, so training is
+    bit-identical to widening them first."""
+    from megacompile import engine as engine_module
+    model, batches = models.hf_llama(layers=2, d=32), _batches(3)
+
+    def run(widen: bool):
+        torch.manual_seed(0)
+        eng = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu", compute_dtype=torch.bfloat16,
+                                  optimizer=megacompile.AdamW(lr=LR))
+        real = engine_module.HostState
+        if widen:   # a HostState told of accumulation keeps fp32 grads
+            engine_module.HostState = lambda *a, **k: real(*a, **{**k, "grad_accum": 2})
+        try:
+            losses = [eng.step(input_ids=ids, labels=ids) for ids in batches]
+        finally:
+            engine_module.HostState = real
+        dtypes = {b.grad.dtype for b in eng.host.owners.values()}
+        state = eng.state_dict()
+        eng.close()
+        return losses, state, dtypes
+
+    losses, state, dtypes = run(widen=False)
+    widened_losses, widened_state, widened_dtypes = run(widen=True)
+    assert dtypes == {torch.bfloat16} and widened_dtypes == {torch.float32}
+    assert losses == widened_losses
+    assert all(torch.equal(state[k], widened_state[k]) for k in state)
