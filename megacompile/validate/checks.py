@@ -44,8 +44,9 @@ def parity_models(width: int = 128, layers: int = 4) -> dict:
 
 def parity_rows(device, width: int = 128, layers: int = 4, steps: int = 10, budget_fraction: float = 0.5,
                 dtypes=(torch.float32, torch.bfloat16), only: tuple[str, ...] | None = None) -> list[Row]:
-    """Each parity model trained `steps` steps through megacompile on `device` (a budget of half the
-    weights' bytes, so blocks stream) against eager torch.optim.AdamW in float32 on the host."""
+    """Each parity model trained `steps` steps through megacompile on `device` (the plan gets half
+    the weights' bytes beside the device reserve, so blocks stream) against eager
+    torch.optim.AdamW in float32 on the host."""
     from .models import batch
     rows = []
     for name, build in parity_models(width, layers).items():
@@ -56,12 +57,11 @@ def parity_rows(device, width: int = 128, layers: int = 4, steps: int = 10, budg
         batches = [batch(96, b=2, t=16, seed=i) for i in range(steps)]
         reference = clone(model)
         eager = eager_losses(reference, batches, name)
-        budget = max(weight_bytes(model) * budget_fraction / GiB, 1e-3)
         for dtype in dtypes:
             bf16 = dtype == torch.bfloat16
             try:
-                run = megacompile_run(clone(model), batches, name, budget + _reserve_room(device), device=device,
-                                      compute_dtype=dtype)
+                budget = _streaming_budget(model, name, batches[0], device, dtype, budget_fraction) / GiB
+                run = megacompile_run(clone(model), batches, name, budget, device=device, compute_dtype=dtype)
             except Exception as e:   # noqa: BLE001 - a failed model is a failed row, the others still run
                 rows.append(Row("parity", f"{name} {str(dtype).replace('torch.', '')}", math.inf,
                                 BF16_LOSS_RTOL if bf16 else FP32_RTOL, False, {"error": f"{type(e).__name__}: {e}"}))
@@ -73,8 +73,25 @@ def parity_rows(device, width: int = 128, layers: int = 4, steps: int = 10, budg
             ok = losses <= tol and (bf16 or weights <= FP32_RTOL)
             rows.append(Row("parity", f"{name} {str(dtype).replace('torch.', '')}", losses, tol, ok,
                             {"weight_error": weights, "steps": steps, "seconds": run.seconds,
-                             "budget_bytes": int((budget + _reserve_room(device)) * GiB)}))
+                             "budget_bytes": int(budget * GiB), "weight_bytes": weight_bytes(model),
+                             "predicted_peak_bytes": run.predicted}))
     return rows
+
+
+def _streaming_budget(model, kind: str, ids, device, dtype, fraction: float) -> int:
+    """The budget that leaves the plan `fraction` of the weights' bytes after the device reserve
+    (or the smallest budget, if more): blocks must stream, on a GPU as on the simulated device."""
+    from .. import compile as compile_model
+    from ..cost.reserve import smallest_budget
+    from .parity import make_inputs
+    probe = compile_model(clone(model), hbm_budget=64.0 if torch.device(device).type == "cpu" else 1.0,
+                          device=device, compute_dtype=dtype)
+    try:
+        plan = probe.prepare(**make_inputs(kind, ids))
+    finally:
+        probe.close()
+    target = smallest_budget(int(weight_bytes(model) * fraction), plan.captured, plan.hardware, plan.backend)
+    return max(target, plan.minimum_budget_bytes)
 
 
 def _empty_cache(device) -> None:
@@ -82,11 +99,6 @@ def _empty_cache(device) -> None:
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _reserve_room(device) -> float:
-    """GiB added to a small model's budget on a GPU for the reserve (workspaces, fragmentation)."""
-    return 0.0 if torch.device(device).type == "cpu" else 0.25
 
 
 def budget_rows(device, model=None, kind: str = "tinyllama", ids=None, factors=(1.5, 2.5, 4.0)) -> list[Row]:
