@@ -37,7 +37,9 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 def register_host(t: torch.Tensor) -> bool:
     """Page-lock t's memory in place; False (and CUDA's error state clean) when that fails."""
     cudart = torch.cuda.cudart()
-    status = cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)
+    # cudaHostRegisterPortable: page-locked for every device's context, not only the current one
+    # (host state is made before a step makes the engine's device current).
+    status = cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 1)
     if int(status) != 0:
         # A failed runtime call leaves its error as CUDA's "last error", which the next kernel
         # launch check would report as its own; read it here to clear it.
