@@ -44,11 +44,14 @@ def adamw_kernel(
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
 
+    # IEEE-rounded division and square root (tl.sqrt and `/` compile to approximations on sm_80+)
+    # and no contraction (launched with enable_fp_fusion=False): a fused multiply-add only where
+    # torch rounds once, as the host kernel does (csrc/fused_adamw.cpp).
     p = p * decay
-    m = m + one_minus_beta1 * (g - m)  # torch's lerp for a weight < 0.5
-    v = v * beta2 + one_minus_beta2 * g * g
-    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-    p = p - step_size * (m / denom)
+    m = tl.fma(one_minus_beta1, g - m, m)  # torch's lerp for a weight < 0.5
+    v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # addcmul
+    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - step_size * tl.math.div_rn(m, denom)
 
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
@@ -88,7 +91,7 @@ def adamw_step_(
     adamw_kernel[(triton.cdiv(n, block),)](
         p, g, m, v, out if out is not None else p, n,
         1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size, bias_correction2_sqrt,
-        WRITE_OUT=out is not None, BLOCK=block, num_warps=num_warps,
+        WRITE_OUT=out is not None, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False,
     )
 
 

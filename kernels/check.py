@@ -13,7 +13,7 @@ import triton
 
 from . import reference as ref
 from .adamw import adamw_step_
-from .cast import accumulate_, cast
+from .cast import accumulate_, cast, scale
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .gelu import geglu, gelu
 from .gpu_compile import ARCHS, compile_launches, kernels, record_launches
@@ -187,6 +187,14 @@ def case_accumulate(dtype, s, gen):
     return (0.0 if torch.equal(acc, expected) else math.inf), math.nan
 
 
+def case_scale(dtype, s, gen):
+    """x * (1/3) in fp32, rounded once to x's dtype: the bits must match torch's fp32 product cast."""
+    x = _randn(*s["rows"], dtype=dtype, gen=gen)
+    factor = torch.tensor(1 / 3, device=DEVICE)
+    same = torch.equal(scale(x, factor), (x.float() * factor).to(dtype))
+    return (0.0 if same else math.inf), math.nan
+
+
 # (table name, case, dtypes, tolerance per dtype)
 CASES = [
     ("rms_norm", case_rms_norm, DTYPES, TOLERANCE),
@@ -204,6 +212,7 @@ CASES = [
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),
     ("cast_fp32_to_bf16", case_cast, (torch.bfloat16,), {torch.bfloat16: EXACT}),
     ("accumulate_grad", case_accumulate, DTYPES, {torch.float32: EXACT, torch.bfloat16: EXACT}),
+    ("scale", case_scale, DTYPES, {torch.float32: EXACT, torch.bfloat16: EXACT}),
 ]
 
 

@@ -26,6 +26,11 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 ARCHS = (80, 90)  # A100, H100/H200
+# Kernels whose results the checks hold bit-exact (or to 1e-6) against torch: on the device they
+# must use IEEE-rounded division and square root, and launch with enable_fp_fusion=False. The
+# others may use the approximate forms (ex2.approx, div.full: within 2 ulp) under their tolerances.
+IEEE_KERNELS = {"adamw_kernel", "scale_kernel", "cast_kernel", "accumulate_kernel"}
+APPROXIMATE = ("div.full.f32", "div.approx", "sqrt.approx", "rcp.approx", "rsqrt.approx")
 
 _POINTER_TYPES = {
     torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
@@ -41,6 +46,7 @@ class Launch:
     signature: dict  # argument name -> Triton type ("*fp32", "i32", "fp32", "constexpr")
     constexprs: dict  # constexpr argument name -> value
     num_warps: int
+    fp_fusion: bool = True  # enable_fp_fusion as launched (False: no multiply-add contraction)
 
     @property
     def key(self) -> str:
@@ -91,7 +97,8 @@ def _launch(module_name, kernel_name, kernel, args, kwargs) -> Launch:
             constexprs[name] = value
         else:
             signature[name] = _arg_type(value)
-    return Launch(module_name, kernel_name, signature, constexprs, int(kwargs.get("num_warps", 4)))
+    return Launch(module_name, kernel_name, signature, constexprs, int(kwargs.get("num_warps", 4)),
+                  bool(kwargs.get("enable_fp_fusion", True)))
 
 
 @contextlib.contextmanager
@@ -123,8 +130,15 @@ def compile_one(launch: Launch, arch: int) -> str:
     kernel = getattr(module, launch.kernel)
     try:
         src = triton.compiler.ASTSource(fn=kernel, signature=launch.signature, constexprs=launch.constexprs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": launch.num_warps})
-        return "ok" if ".entry" in compiled.asm.get("ptx", "") else "no PTX"
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": launch.num_warps, "enable_fp_fusion": launch.fp_fusion})
+        ptx = compiled.asm.get("ptx", "")
+        if ".entry" not in ptx:
+            return "no PTX"
+        approximate = sorted({op for op in APPROXIMATE if op in ptx})
+        if launch.kernel in IEEE_KERNELS and (approximate or launch.fp_fusion):
+            return f"claims IEEE rounding but {'uses ' + ', '.join(approximate) if approximate else 'contracts FMAs'}"
+        return "ok"
     except Exception as e:  # report every failure, not only the first
         while (e.__cause__ or e.__context__) is not None:  # a CompilationError wraps the real reason
             e = e.__cause__ or e.__context__

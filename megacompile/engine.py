@@ -304,7 +304,10 @@ class Engine:
         return self.backend.timeline
 
     def memory_stats(self) -> dict:
-        """Device peak measured in the last run beside the predicted one, and host bytes."""
+        """Device peak measured in the last run beside the predicted one, and host bytes. The
+        device peak is the ledger's (equal to the prediction when the plan is right); on a GPU the
+        caching allocator's own peaks of the last run sit beside it (allocator_peak_allocated_bytes,
+        allocator_peak_reserved_bytes: what the device really gave, workspaces and scratch included)."""
         compiled = self._last
         return {
             "device_peak_bytes": self.backend.memory.peak_bytes if compiled else None,
@@ -312,6 +315,7 @@ class Engine:
             "device_budget_bytes": self.budget_bytes,
             "device_live_bytes": self.backend.memory.live_bytes,
             "host_bytes": self.host.nbytes if self.host else None,
+            **self.backend.allocator_stats(),
         }
 
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":

@@ -13,6 +13,7 @@ import torch
 
 from .capture import CapturedModel
 from .cost import HardwareProfile, StepPrediction
+from .cost.reserve import DeviceReserve
 from .ir.printer import fmt_bytes, format_program
 from .ir.program import Op, Program
 from .ir.simulate import MemoryCurve, simulate
@@ -30,6 +31,7 @@ class Plan:
     hardware: HardwareProfile | None = None
     prediction: StepPrediction | None = None
     host_budget_bytes: int | None = None     # host RAM the plan may use; None: not limited
+    reserve: DeviceReserve = field(default_factory=DeviceReserve)   # kept free for what the ledger cannot see
     curve: MemoryCurve = field(init=False)
 
     def __post_init__(self) -> None:
@@ -65,7 +67,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.predicted_peak_bytes <= self.budget_bytes
+        return self.predicted_peak_bytes + self.reserve.total <= self.budget_bytes
 
     @property
     def recomputed(self) -> list[str]:
@@ -187,7 +189,8 @@ class Plan:
             "backend": self.backend,
             "compute_dtype": str(self.captured.compute_dtype).replace("torch.", ""),
             "budget_bytes": self.budget_bytes,
-            "fits": self.predicted_peak_bytes <= self.budget_bytes,
+            "fits": self.fits,
+            **self.reserve.to_dict(),
             "device_peak_bytes": self.predicted_peak_bytes,
             "measured_device_peak_bytes": self.measured_peak_bytes,
             "minimum_budget_bytes": self.minimum_budget_bytes,
@@ -237,6 +240,7 @@ class Plan:
             f"  device peak    {fmt_bytes(self.predicted_peak_bytes)} predicted of {fmt_bytes(self.budget_bytes)} "
             f"budget ({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}",
             f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, no prefetch overlap)",
+            *self._reserve_line(),
             f"  host memory    {fmt_bytes(self.host_bytes + self.stash_bytes)}: {fmt_bytes(self.host_bytes)} of fp32 "
             f"masters, exp_avg, exp_avg_sq, grads{', compute copies' if c.compute_dtype != torch.float32 else ''}, "
             f"buffers" + (f"; {fmt_bytes(self.stash_bytes)} of offloaded activations" if self.stash_bytes else "")
@@ -261,6 +265,15 @@ class Plan:
                          f"{p.tflops_6nd:.3g} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
                          f"per model FLOP, {p.exposed_s * 1e3:.3g} ms waiting on transfers")
         return "\n".join(lines)
+
+    def _reserve_line(self) -> list[str]:
+        r = self.reserve
+        if not r.total:
+            return []
+        scratch = f"{fmt_bytes(r.scratch_bytes)} op scratch ({r.scratch_op}), " if r.scratch_bytes else ""
+        return [f"  reserve        {fmt_bytes(r.total)} kept free of the budget for what the ledger cannot see: "
+                f"{fmt_bytes(r.workspace_bytes)} workspaces, {scratch}{fmt_bytes(r.fragmentation_bytes)} "
+                f"fragmentation ({self.hardware.fragmentation:.0%} of the budget; HardwareProfile fields)"]
 
     def __str__(self) -> str:
         return format_program(self.program, header=[f"# {line}" for line in self.summary().splitlines()])

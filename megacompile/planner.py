@@ -8,6 +8,7 @@ from .ir.simulate import simulate
 from .ir.verify import verify
 from .capture.model_graph import owners
 from .cost import HardwareProfile, get_profile, predict
+from .cost.reserve import device_reserve, smallest_budget
 from .ir.program import Program
 from .passes import ScheduleChoice, StepKind, build_schedule, solve
 from .passes.lower import lower
@@ -54,22 +55,30 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     def seconds_of(choice: ScheduleChoice) -> float:
         return predict(schedule(choice), with_selective(captured, choice.selective), hardware).step_s
 
-    choice, minimum = solve(blocks, budget_bytes, peak_of, seconds_of, search_space(captured, blocks, hardware,
-                                                                          None if host_budget_bytes is None
-                                                                          else host_budget_bytes - host_bytes))
+    # The plan fills what the device reserve leaves (cost/reserve.py); the allocator's cap stays at
+    # the whole budget.
+    reserve = device_reserve(captured, budget_bytes, hardware, backend)
+    plan_bytes = max(0, budget_bytes - reserve.total)
+    choice, minimum = solve(blocks, plan_bytes, peak_of, seconds_of, search_space(captured, blocks, hardware,
+                                                                        None if host_budget_bytes is None
+                                                                        else host_budget_bytes - host_bytes))
+    ledger_minimum, minimum = minimum, smallest_budget(minimum, captured, hardware, backend)
     if choice is None:
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
+        reserved = (f"; that includes a device reserve of {fmt_bytes(minimum - ledger_minimum)} for workspaces, op "
+                    "scratch and fragmentation" if reserve.total else "")
         raise BudgetTooSmallError(
             f"hbm_budget of {budget_bytes / GiB:.4g} GiB is too small: the smallest budget that fits this model "
             f"at these input shapes is {minimum / GiB:.4g} GiB ({fmt_bytes(minimum)}), with every block "
             f"recomputed and no prefetch overlap (the largest stage, {largest.name}, holds "
-            f"{fmt_bytes(largest.template.weight_bytes)} of weights). Raise hbm_budget to at least "
+            f"{fmt_bytes(largest.template.weight_bytes)} of weights{reserved}). Raise hbm_budget to at least "
             f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
     program = build_schedule(captured, choice, kind, check=True, dump_dir=dump_dir)
-    verify(program, budget_bytes=budget_bytes, owners=owners(captured)[1] if captured.train else None)
+    verify(program, budget_bytes=plan_bytes, owners=owners(captured)[1] if captured.train else None)
     captured = with_selective(captured, choice.selective)
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
-                prediction=predict(program, captured, hardware), host_budget_bytes=host_budget_bytes)
+                prediction=predict(program, captured, hardware), host_budget_bytes=host_budget_bytes,
+                reserve=reserve)
 
 
 def require_host_room(host_bytes: int, host_budget_bytes: int | None) -> None:

@@ -8,6 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# The Hugging Face parity models and batches live in the package: `python -m megacompile.validate` trains them too.
+from megacompile.validate.models import batch, hf_gpt2, hf_llama, hf_qwen2  # noqa: F401
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d: int, heads: int, dropout: float):
@@ -67,27 +70,3 @@ class NanoGPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
-
-def hf_llama(layers: int = 6, d: int = 64, vocab: int = 96):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d,
-                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=64, use_cache=False))
-
-
-def hf_qwen2(layers: int = 6, d: int = 64, vocab: int = 96):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d,
-                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=64, use_cache=False, tie_word_embeddings=False))
-
-
-def hf_gpt2(layers: int = 6, d: int = 64, vocab: int = 96, dropout: float = 0.0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=d, n_layer=layers, n_head=4, n_positions=64,
-                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False))
-
-
-def batch(vocab: int = 96, b: int = 2, t: int = 16, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (b, t), generator=g)

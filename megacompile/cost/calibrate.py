@@ -1,8 +1,8 @@
 """Measure the `cpu` profile: the simulated device is this machine, so its numbers are measured.
 
 A short routine (a few seconds) times a matmul, a large copy, an in-place update and the host
-AdamW on this machine, then runs a small model on the cpu backend to fit the runtime's cost per
-schedule node, and caches the profile in MEGACOMPILE_CACHE_DIR (default ~/.cache/megacompile)
+AdamW on this machine (on a host stream thread, with the threads the engine gives it), then runs
+a small model on the cpu backend to fit the runtime's cost per schedule node, and caches the profile in MEGACOMPILE_CACHE_DIR (default ~/.cache/megacompile)
 keyed by the CPU and torch's thread count.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _median_seconds(fn, repeat: int = 5) -> float:
 def _cache_path() -> Path:
     root = Path(os.environ.get("MEGACOMPILE_CACHE_DIR", Path.home() / ".cache" / "megacompile"))
     key = f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}-t{torch.get_num_threads()}"
-    return root / f"cpu_profile-v2-{key.replace(' ', '_').replace('/', '_')}.json"
+    return root / f"cpu_profile-v3-{key.replace(' ', '_').replace('/', '_')}.json"
 
 
 def measure() -> HardwareProfile:
@@ -44,16 +44,38 @@ def measure() -> HardwareProfile:
     other = torch.empty_like(big)
     copy_bw = 2 * big.numel() * 4 / _median_seconds(lambda: other.copy_(big))
     inplace_bw = 2 * big.numel() * 4 / _median_seconds(lambda: big.mul_(1.0))
-    from ..optim.fused_adamw import adamw_update_
-    numel = 4 * 2**20
-    master, grad, m, v = (torch.zeros(numel) for _ in range(4))
-    adam = numel / _median_seconds(lambda: adamw_update_(master, grad, m, v, lr=1e-3, beta1=0.9, beta2=0.999,
-                                                         eps=1e-8, weight_decay=0.0, step=1), repeat=3)
+    adam = host_adam_rate()
     overhead = _interpreter_overhead()
     # The simulated device is host memory: "device" bandwidth and both link directions are
     # host memory copies.
     return HardwareProfile("cpu (simulated device, measured)", 2**40, inplace_bw, matmul, matmul, copy_bw, copy_bw,
-                           inplace_bw, adam, overhead, matmul_efficiency=1.0, memory_efficiency=1.0)
+                           inplace_bw, adam, overhead, matmul_efficiency=1.0, memory_efficiency=1.0,
+                           workspace_bytes=0, fragmentation=0.0, hidden_scratch=False)
+
+
+def host_adam_rate(numel: int = 4 * 2**20, compute_dtype: torch.dtype = torch.float32, repeat: int = 3) -> float:
+    """Params/s of the host AdamW as the engine runs it: on the host stream's thread with the
+    intra-op threads that stream gets, over one owner's flat fp32 master, m, v and accumulated
+    fp32 gradient, writing the compute copy when compute is not fp32 (Engine._adamw)."""
+    from ..optim.fused_adamw import adamw_update_
+    from ..runtime.backend import Timeline
+    from ..runtime.stream import ThreadStream
+    master, grad, m, v = (torch.zeros(numel) for _ in range(4))
+    out = None if compute_dtype == torch.float32 else torch.empty(numel, dtype=compute_dtype)
+    host = ThreadStream("host", Timeline(), threads=None)
+    seconds = []
+
+    def update() -> None:
+        start = time.perf_counter()
+        adamw_update_(master, grad, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+                      out=out)
+        seconds.append(time.perf_counter() - start)
+    try:
+        for _ in range(repeat + 1):
+            host.submit(update, "adamw").wait()
+    finally:
+        host.close()
+    return numel / sorted(seconds[1:])[len(seconds[1:]) // 2]
 
 
 def _interpreter_overhead(ops: int = 200) -> float:
@@ -133,7 +155,8 @@ def _fit_node_overhead(profile: HardwareProfile, steps: int = 7) -> float:
 def measure_gpu(device: torch.device | None = None) -> HardwareProfile:
     """A profile of this machine's GPU and host, measured: dense bf16 and fp32 matmuls, device
     memory bandwidth, pinned host<->device copies each way, host memory bandwidth and the host
-    AdamW. Efficiencies are 1.0: the peaks are what was reached, not datasheet figures."""
+    AdamW as the engine runs it (host stream, its threads, bf16 copy-out). Efficiencies are 1.0:
+    the peaks are what was reached, not datasheet figures."""
     device = device or torch.device("cuda", torch.cuda.current_device())
 
     def gpu_seconds(fn, repeat: int = 10) -> float:
@@ -162,4 +185,5 @@ def measure_gpu(device: torch.device | None = None) -> HardwareProfile:
     return HardwareProfile(f"{torch.cuda.get_device_name(device)} (measured)",
                            torch.cuda.get_device_properties(device).total_memory, device_bw,
                            peaks[torch.bfloat16], peaks[torch.float32], h2d, d2h, cpu.host_bw,
-                           cpu.host_adam_params_per_s, 5e-6, matmul_efficiency=1.0, memory_efficiency=1.0)
+                           host_adam_rate(compute_dtype=torch.bfloat16), 5e-6, matmul_efficiency=1.0,
+                           memory_efficiency=1.0)

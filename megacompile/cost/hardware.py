@@ -32,6 +32,12 @@ class HardwareProfile:
     # dispatch, stream handoffs, ledger updates. Negligible at GPU block sizes; on the cpu
     # backend, where several streams share a few cores, it is fitted from a measured step.
     node_overhead_s: float = 10e-6
+    # Device memory the ledger cannot see (cost/reserve.py): cuBLAS + cuBLASLt workspaces, and the
+    # share of the budget lost to allocator rounding and fragmentation. The simulated device
+    # reserves nothing.
+    workspace_bytes: int = 64 * 2**20
+    fragmentation: float = 0.05
+    hidden_scratch: bool = True      # ops allocate scratch the ledger does not see (a real device)
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         return self.peak_bf16 if dtype in (torch.bfloat16, torch.float16) else self.peak_fp32

@@ -48,6 +48,7 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _library_tried = False
 _num_threads: int | None = None
+_last_threads: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +149,11 @@ def set_num_threads(n: int | None) -> None:
 
 def get_num_threads() -> int:
     return _num_threads if _num_threads is not None else torch.get_num_threads()
+
+
+def last_threads() -> int | None:
+    """Threads the last update in this process ran on (None before the first)."""
+    return _last_threads
 
 
 def _threads_for(numel: int) -> int:
@@ -251,18 +257,20 @@ def adamw_update_(master, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, w
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2 ** 0.5
 
+    global _last_threads
     if library is None:
+        _last_threads = torch.get_num_threads()
         _update_torch(master, grad, exp_avg, exp_avg_sq, out, decay=decay, weight=1 - beta1,
                       beta2=beta2, bias_correction2_sqrt=bias_correction2_sqrt, eps=eps,
                       step_size=step_size, grad_scale=grad_scale, weight_decay=weight_decay)
         return
+    _last_threads = threads = _threads_for(numel)
     library.megacompile_adamw_update(
         master.data_ptr(), grad.data_ptr(), _GRAD_KINDS[grad.dtype], exp_avg.data_ptr(),
         exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(),
         0 if out is None else _OUT_KINDS[out.dtype], numel,
         float(decay), float(1 - beta1), float(beta2), float(1 - beta2),
-        float(bias_correction2_sqrt), float(eps), float(-step_size), float(grad_scale),
-        _threads_for(numel))
+        float(bias_correction2_sqrt), float(eps), float(-step_size), float(grad_scale), threads)
 
 
 @torch.no_grad()

@@ -6,6 +6,8 @@ piece of work and can be waited on by the compute stream.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -26,7 +28,9 @@ class Span:
 
 
 class Timeline:
-    """When each node ran, on which stream: the record that shows overlap (or its absence)."""
+    """When each node ran, on which stream: the record that shows overlap (or its absence). It
+    holds the last step (the executor clears it when a step starts). Times are the host's: on cuda
+    a compute span is the enqueue of a stage's kernels, not their run on the device."""
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
@@ -51,6 +55,49 @@ def dense_like(t: torch.Tensor, device: torch.device | str = "cpu", pin: bool = 
     if is_non_overlapping_and_dense_or_false(t):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin)
     return torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+
+
+def coalesce(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The copies dst <- src as few: runs of pairs that sit back to back in one storage on both
+    sides (a stage's weight slot is one flat buffer per dtype, its host source a slice of its
+    owner's flat buffer) become one flat copy each. One cudaMemcpyAsync per run, not per parameter."""
+    def flat(t: torch.Tensor, numel: int) -> torch.Tensor:
+        return t.as_strided((numel,), (1,), t.storage_offset())
+
+    def follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
+                and b.storage_offset() == a.storage_offset() + a.numel())
+
+    runs: list[list[tuple[torch.Tensor, torch.Tensor, bool]]] = []
+    for d, s in zip(dsts, srcs, strict=True):
+        flattens = d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()
+        last = runs[-1][-1] if runs else None
+        if flattens and last is not None and last[2] and follows(last[0], d) and follows(last[1], s):
+            runs[-1].append((d, s, True))
+        else:
+            runs.append([(d, s, flattens)])
+    out = []
+    for run in runs:
+        numel = sum(d.numel() for d, _, _ in run)
+        out.append(run[0][:2] if len(run) == 1 else (flat(run[0][0], numel), flat(run[0][1], numel)))
+    return out
+
+
+def flat_empty(backend: "Backend", metas: list) -> list[torch.Tensor]:
+    """Uninitialised device tensors of the metas' shapes and dtypes, as views of one flat buffer per
+    dtype (one allocation per stage, not per parameter; the ledger counts each buffer once, the
+    same bytes as the tensors one by one)."""
+    sizes: dict[torch.dtype, int] = {}
+    for m in metas:
+        sizes[m.dtype] = sizes.get(m.dtype, 0) + math.prod(m.shape)
+    buffers = {dtype: backend.empty((n,), dtype) for dtype, n in sizes.items()}
+    offsets = dict.fromkeys(sizes, 0)
+    out = []
+    for m in metas:
+        o, n = offsets[m.dtype], math.prod(m.shape)
+        out.append(buffers[m.dtype][o:o + n].view(m.shape))
+        offsets[m.dtype] = o + n
+    return out
 
 
 class Event(ABC):
@@ -100,6 +147,21 @@ class Backend(ABC):
 
     @abstractmethod
     def set_rng_state(self, state: torch.Tensor) -> None: ...
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of a (small) device tensor, the step's outputs: valid after synchronize()."""
+        return t.detach().to("cpu", copy=True)
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Entered around a step: makes the backend's device current (kernels launch there)."""
+        return contextlib.nullcontext()
+
+    def allocator_stats(self) -> dict:
+        """The device allocator's own peaks, beside the ledger's (none on the simulated device)."""
+        return {}
+
+    def reset_allocator_peak(self) -> None:
+        pass
 
     def compute_span(self, what: str, start: float) -> None:
         self.timeline.add("compute", what, start, time.perf_counter())

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .backend import Backend, Event, dense_like
+from .backend import Backend, Event, coalesce, dense_like
 from .stream import ThreadStream
 
 
@@ -23,14 +23,14 @@ class CpuBackend(Backend):
         self.device = torch.device("cpu")
         self.h2d = ThreadStream("h2d", self.timeline)
         self.d2h = ThreadStream("d2h", self.timeline)
-        self.host = ThreadStream("host", self.timeline)
+        self.host = ThreadStream("host", self.timeline, threads=None)   # the optimizer, on every core
 
     def empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
     def prefetch(self, dsts, srcs, what) -> Event:
         def copy() -> None:
-            for d, s in zip(dsts, srcs):
+            for d, s in coalesce(dsts, srcs):
                 d.copy_(s)
         return self.h2d.submit(copy, what)
 

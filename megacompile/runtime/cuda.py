@@ -1,27 +1,36 @@
 """The `cuda` backend: the same runtime over torch.cuda streams, events and pinned staging.
 
-Compute runs on the current stream; weights come in on an h2d stream and gradients leave on a
-d2h stream, and the compute stream waits only on the copies it needs (Event.wait is a
-stream-side wait, not a host sync). Host memory that crosses the link is pinned; the pinned
-buffers for gradients are pooled by shape and dtype, at exact size.
+Compute runs on the current stream of the engine's device; weights come in on an h2d stream and
+gradients leave on a d2h stream, and the compute stream waits only on the copies it needs
+(Event.wait is a stream-side wait, not a host sync). Every event is recorded on, and waited on
+by, a stream of that one device, and the executor runs a step under `scope()`, so Triton kernels
+launch there too: with device="cuda:1" nothing lands on cuda:0. Host memory that crosses the link
+is pinned; the pinned buffers for gradients are pooled by shape and dtype, at exact size.
+
+Only device tensors cross the link: a saved bundle may hold host tensors (memory-efficient SDPA
+returns its dropout philox seed and offset on the CPU); those are handed on as they are.
 """
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from typing import Callable
 
 import torch
 
-from .backend import Backend, Event, dense_like
+from ..errors import MegacompileError
+from ..ir.printer import fmt_bytes
+from .backend import Backend, Event, coalesce, dense_like
+from .host import pinned_empty
 from .stream import ThreadStream
 
 
 class CudaEvent(Event):
-    def __init__(self, event: "torch.cuda.Event"):
-        self.event = event
+    def __init__(self, event: "torch.cuda.Event", device: torch.device):
+        self.event, self.device = event, device
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 class HostAfterDevice(Event):
@@ -34,61 +43,101 @@ class HostAfterDevice(Event):
         self.done.wait()
 
 
+class CopiedThenLanded(Event):
+    """A gradient offload: wait() is stream-side, for the copy alone (after it the device tensors
+    may be freed); `landed` is the host work after it (the add into the fp32 grads), waited for by
+    what reads its result, the optimizer step on the host stream, not by the compute thread."""
+
+    def __init__(self, copied: CudaEvent, landed):
+        self.copied, self.landed = copied, landed
+
+    def wait(self) -> None:
+        self.copied.wait()
+
+
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, budget_bytes: int, device: torch.device | None = None):
+    def __init__(self, budget_bytes: int, device: torch.device):
+        if device.type != "cuda" or device.index is None:
+            raise MegacompileError(f"the cuda backend needs a device with its index (runtime.normalize_device), "
+                                   f"got {device}")
+        total = torch.cuda.get_device_properties(device).total_memory
+        if budget_bytes > total:
+            raise MegacompileError(
+                f"hbm_budget of {budget_bytes / 2**30:.4g} GiB ({fmt_bytes(budget_bytes)}) is more than {device} has "
+                f"({total / 2**30:.4g} GiB, {fmt_bytes(total)}); lower hbm_budget to at most {total / 2**30:.4g}")
         super().__init__(budget_bytes)
-        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
-        self.d2h = ThreadStream("d2h", self.timeline)     # host side of offloads
-        self.host = ThreadStream("host", self.timeline)   # the optimizer
+        # The host side of offloads: it adds landed gradients into the fp32 grads, host math.
+        self.d2h = ThreadStream("d2h", self.timeline, threads=None)
+        self.host = ThreadStream("host", self.timeline, threads=None)   # the optimizer, on every core
         self._staging: dict[tuple, list[torch.Tensor]] = {}
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        # The caching allocator refuses past the budget too: a second, independent guard.
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), self.device)
+        self._outputs: list = []      # copy-done events of outputs on their way to the host
+        # The caching allocator refuses past the budget too: a second, independent guard. The
+        # plan fills only budget - reserve (cost/reserve.py), so the cap sits above the ledger's
+        # peak by what the ledger cannot see (workspaces, op scratch, fragmentation).
+        torch.cuda.set_per_process_memory_fraction(budget_bytes / total, self.device)
+
+    def scope(self) -> AbstractContextManager:
+        return torch.cuda.device(self.device)
+
+    def _compute_stream(self) -> "torch.cuda.Stream":
+        return torch.cuda.current_stream(self.device)
+
+    def _event_on(self, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def prefetch(self, dsts, srcs, what) -> Event:
-        ready = torch.cuda.Event()
-        ready.record()                      # the slot was allocated on the compute stream
+        ready = self._event_on(self._compute_stream())    # the slot was allocated on the compute stream
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(ready)
-            for d, s in zip(dsts, srcs):
+            for d, s in coalesce(dsts, srcs):
+                # No record_stream: the compute stream waits on `done` before it reads or frees
+                # the slot, so the allocator's compute-stream order already covers this copy.
                 d.copy_(s, non_blocking=True)
-                d.record_stream(self.h2d_stream)
-            done = torch.cuda.Event()
-            done.record()
-        return CudaEvent(done)
+            done = self._event_on(self.h2d_stream)
+        return CudaEvent(done, self.device)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        # Registered at its exact size (host.pinned_empty): torch's pinned allocator would round
+        # each staging buffer up to a power of two and keep it.
         pool = self._staging.setdefault((tuple(t.shape), t.dtype), [])
-        return pool.pop() if pool else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return pool.pop() if pool else pinned_empty(t.numel(), t.dtype).view(t.shape)
 
     def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False) -> Event:
-        produced = torch.cuda.Event()
-        produced.record()
+        produced = self._event_on(self._compute_stream())
+        pooled = []
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
             staged = []
             for s in srcs:
+                if s.device != self.device:
+                    staged.append(s)        # already on the host (an SDPA philox seed): handed on as is
+                    continue
                 h = dense_like(s, pin=True) if keep else self._pinned(s)
                 h.copy_(s, non_blocking=True)
-                s.record_stream(self.d2h_stream)
+                s.record_stream(self.d2h_stream)   # the compute stream may free s before the copy ran
                 staged.append(h)
-            done = torch.cuda.Event()
-            done.record()
+                if not keep:
+                    pooled.append(h)
+            done = self._event_on(self.d2h_stream)
 
         def land() -> None:
             done.synchronize()
             sink(staged)
-            if not keep:
-                for h in staged:
-                    self._staging[(tuple(h.shape), h.dtype)].append(h)
-        return HostAfterDevice(self.d2h.submit(land, what))
+            for h in pooled:
+                self._staging[(tuple(h.shape), h.dtype)].append(h)
+        landed = self.d2h.submit(land, what)
+        # Stashed activations are read back by a later restore on this thread: it must find them.
+        return HostAfterDevice(landed) if keep else CopiedThenLanded(CudaEvent(done, self.device), landed)
 
     def host_task(self, work: Callable[[], None], what: str) -> Event:
         return self.host.submit(work, what)
@@ -99,11 +148,31 @@ class CudaBackend(Backend):
         self.timeline.add("h2d", "inputs", start, time.perf_counter())
         return out
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        # Queued on the compute stream: the loss comes back without stalling the step mid-way.
+        out = pinned_empty(t.numel(), t.dtype).view(t.shape)
+        out.copy_(t.detach(), non_blocking=True)
+        self._outputs.append(self._event_on(self._compute_stream()))
+        return out
+
     def synchronize(self, host: bool = True) -> None:
-        torch.cuda.synchronize(self.device)
+        """The end of a step: the outputs' copies and the gradients' host side (which waited for
+        their copies, so for the backward). Device work may still run; the caching allocator
+        orders reuse on the streams. After an error (host=True) the whole device is drained."""
+        for event in self._outputs:
+            event.synchronize()
+        self._outputs.clear()
         self.d2h.synchronize()
         if host:
+            torch.cuda.synchronize(self.device)
             self.host.synchronize()
+
+    def allocator_stats(self) -> dict:
+        return {"allocator_peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                "allocator_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device)}
+
+    def reset_allocator_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device)

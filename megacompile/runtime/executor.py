@@ -2,7 +2,9 @@
 
 Compute nodes run their stage graph op by op (ir/stage_program.py) on the compute thread;
 PREFETCH and OFFLOAD go to the copy streams, each returning an event that the matching WAIT
-(or the end of the step) blocks on. Every device tensor is held in the backend's DeviceMemory
+(or the end of the step) blocks on. On cuda the WAIT for a gradient offload is stream-side, for
+the copy alone; the host work after it (the add into the fp32 grads, which also checks them) is
+waited for once, when the walk ends. Every device tensor is held in the backend's DeviceMemory
 under the schedule's value names, so the budget is enforced and the peak measured with the
 same rule the plan was simulated with.
 
@@ -20,7 +22,7 @@ import torch
 
 from ..capture import CapturedModel
 from ..ir.program import SEED, Node, Program, act_grad, grads, saved, weights
-from .backend import Backend, Event, dense_like
+from .backend import Backend, Event, dense_like, flat_empty
 from .host import HostState
 
 # The host work of one optimizer step: update(stage, context) and clip(context), where context
@@ -30,7 +32,7 @@ ClipFn = Callable[[dict], None]
 
 
 class NonFiniteLoss(Exception):
-    """The loss of a training step is inf or NaN: raised at the OUTPUT node, before the backward."""
+    """The loss of a training step is inf or NaN: raised when the walk ends, before any commit."""
 
     def __init__(self, loss: float):
         super().__init__(f"the loss is {loss}")
@@ -51,6 +53,8 @@ class Executor:
         self._stash: dict[int, list[torch.Tensor]] = {}   # host copies of offloaded saved values
         self._clip_staged = False
         self._staged: list[int] = []      # owners whose update waits for commit()
+        self._moved: dict[int, list[bool]] = {}           # which stashed values were device tensors
+        self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
 
     # -- one step ------------------------------------------------------------------------
     def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None,
@@ -58,26 +62,36 @@ class Executor:
         """Execute the schedule once; returns the OUTPUT node's values on the host.
 
         `seed` is the loss gradient (1/k for one of k accumulated micro-batches). With
-        `check_loss`, a non-finite loss raises NonFiniteLoss before the backward starts. The
+        `check_loss`, a non-finite loss raises NonFiniteLoss once the walk ends. The
         updates this step stages start only at `commit()`.
         """
         self._inputs, self._seed, self._context = inputs, seed, context or {}
         self._check_loss = check_loss
         self._clip_staged, self._staged = False, []
         self.memory.reset_peak()
+        self.backend.reset_allocator_peak()
+        self.backend.timeline.clear()     # one step's record (updates still running from the last one land in it)
         held = self.memory.ledger.snapshot()
         failed = True
-        try:
-            for node in self.program.nodes:
-                getattr(self, "_" + node.op.value)(node)
-            failed = False
-        finally:
-            self._release_all(drain_host=failed)
-            if failed:
-                self.commit_nothing()
-                # Values a stage graph held when an op raised inside it are named by graph node,
-                # not in the schedule's env: give back everything the step took.
-                self.memory.ledger.restore(held)
+        with self.backend.scope():
+            try:
+                for node in self.program.nodes:
+                    getattr(self, "_" + node.op.value)(node)
+                # Every gradient added in (and checked) on the host before the caller decides.
+                for event in self._landed.values():
+                    event.wait()
+                failed = False
+            finally:
+                self._release_all(drain_host=failed)
+                if failed:
+                    self.commit_nothing()
+                    # Values a stage graph held when an op raised inside it are named by graph node,
+                    # not in the schedule's env: give back everything the step took.
+                    self.memory.ledger.restore(held)
+        # The loss is read once its copy has landed (the end of the walk waits for it): on a GPU a
+        # check at the OUTPUT node would stall the step mid-way. Nothing was committed yet.
+        if self._check_loss and not torch.isfinite(self._outputs[0]).all():
+            raise NonFiniteLoss(float(self._outputs[0].float().sum()))
         return self._outputs
 
     def commit(self) -> None:
@@ -102,6 +116,8 @@ class Executor:
         self._env.clear()
         self._events.clear()
         self._stash.clear()
+        self._moved.clear()
+        self._landed.clear()
 
     def _put(self, name: str, value: Any) -> None:
         self._env[name] = value
@@ -122,7 +138,7 @@ class Executor:
         if self.program.values[node.writes[0]].kind == "saved":
             return self._restore(node)
         stage = self.captured.stages[node.stage]
-        slot = [self.backend.empty(p.meta.shape, p.meta.dtype) for p in stage.template.params]
+        slot = flat_empty(self.backend, [p.meta for p in stage.template.params])
         self._put(weights(node.stage), slot)
         srcs = [self.host.source(name) for name in stage.params]
         self._events[weights(node.stage)] = self.backend.prefetch(slot, srcs, f"prefetch {stage.name}")
@@ -221,10 +237,13 @@ class Executor:
         """Saved activations back from host memory, one dense tensor each (a transpose keeps its
         layout, so the backward's kernels read it as they would have)."""
         s, name = node.stage, node.writes[0]
-        host = self._stash.pop(s)
-        dst = [dense_like(h, self.backend.device) for h in host]
+        host, moved = self._stash.pop(s), self._moved.pop(s)
+        # Values that never left (host tensors in the bundle, e.g. an SDPA philox seed) stay as they are.
+        dst = [dense_like(h, self.backend.device) if m else h for h, m in zip(host, moved)]
         self._put(name, dst)
-        self._events[name] = self.backend.prefetch(dst, host, f"restore {self.program.stage_names[s]}")
+        pairs = [(d, h) for d, h, m in zip(dst, host, moved) if m]
+        self._events[name] = self.backend.prefetch([d for d, _ in pairs], [h for _, h in pairs],
+                                                   f"restore {self.program.stage_names[s]}")
 
     def _offload(self, node: Node) -> None:
         if self.program.values[node.reads[0]].kind == "saved":
@@ -237,12 +256,16 @@ class Executor:
         def sink(host_grads: list[torch.Tensor]) -> None:
             for name, g in zip(names, host_grads):
                 host.accumulate_grad(name, g)
-        self._events[grads(s)] = self.backend.offload(list(self._env[grads(s)]), sink, f"offload {stage.name}")
+        event = self.backend.offload(list(self._env[grads(s)]), sink, f"offload {stage.name}")
+        self._events[grads(s)] = event
+        # The gradients' host side: on cuda the WAIT is stream-side; run() waits for it at the end.
+        self._landed[s] = getattr(event, "landed", event)
 
     def _stash_saved(self, node: Node) -> None:
         """Saved activations to host memory until the backward brings them back."""
         s, name = node.stage, node.reads[0]
         stash = self._stash
+        self._moved[s] = [t.device == self.backend.device for t in self._env[name]]
 
         def sink(host_copies: list[torch.Tensor]) -> None:
             stash[s] = host_copies
@@ -256,6 +279,4 @@ class Executor:
         self._staged.append(node.stage)
 
     def _output(self, node: Node) -> None:
-        self._outputs = [self._env[r].detach().to("cpu", copy=True) for r in node.reads]
-        if self._check_loss and not torch.isfinite(self._outputs[0]).all():
-            raise NonFiniteLoss(float(self._outputs[0].float().sum()))
+        self._outputs = [self.backend.to_host(self._env[r]) for r in node.reads]

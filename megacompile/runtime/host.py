@@ -2,7 +2,9 @@
 
 Each stage owns the trainable parameters it is the first to use; they sit in flat buffers per
 owner (master, exp_avg, exp_avg_sq, grad: 16 B/param, plus 2 B/param for the bf16 copy the
-device fetches when compute is bf16), so the optimizer makes one pass over each block.
+device fetches when compute is bf16), so the optimizer makes one pass over each block. With
+bf16 compute and one micro-batch per step the grad is bf16 too (14 + 2 B/param) unless a tied
+parameter's contributions are summed into it.
 Buffers and frozen parameters are kept once, in the model's own dtype, and never updated.
 """
 from __future__ import annotations
@@ -28,13 +30,40 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """
     t = torch.empty(numel, dtype=dtype)
     if t.numel() and torch.cuda.is_available():
-        status = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)
-        if int(status) == 0:
-            # Unregister when the tensor goes away (views keep it alive through ._base), before
-            # its memory returns to the allocator.
-            weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
+        if register_host(t):
             return t
     return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+def register_host(t: torch.Tensor) -> bool:
+    """Page-lock t's memory in place; False (and CUDA's error state clean) when that fails."""
+    cudart = torch.cuda.cudart()
+    # cudaHostRegisterPortable: page-locked for every device's context, not only the current one
+    # (host state is made before a step makes the engine's device current).
+    status = cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 1)
+    if int(status) != 0:
+        # A failed runtime call leaves its error as CUDA's "last error", which the next kernel
+        # launch check would report as its own; read it here to clear it.
+        clear_cuda_error(cudart)
+        return False
+    # Unregister when the tensor goes away (views keep it alive through ._base), before its
+    # memory returns to the allocator.
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return True
+
+
+def clear_cuda_error(cudart) -> None:
+    """cudaGetLastError, which resets the calling thread's error state. torch's cudart module does
+    not bind it; the libcudart torch loaded does (found in this process's mappings)."""
+    get = getattr(cudart, "cudaGetLastError", None)
+    if get is None:
+        import ctypes
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        if not paths:
+            return    # cudart linked statically into torch: its state is out of reach
+        get = ctypes.CDLL(sorted(paths)[0]).cudaGetLastError
+    get()
 
 
 @dataclass(frozen=True)
@@ -46,19 +75,25 @@ class Slot:
 
 
 class OwnerBuffers:
-    def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool, grad_accum: int = 1):
-        def empty(dtype):
-            return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
-        self.master = empty(torch.float32)
+    def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool, grad_accum: int = 1,
+                 grad_dtype: torch.dtype = torch.float32):
+        def empty(dtype, pinned=pin):
+            return pinned_empty(numel, dtype) if pinned else torch.empty(numel, dtype=dtype)
+        # Only what crosses the link is page-locked: the fp32 master only when compute is fp32 (with
+        # bf16 compute the device fetches the copy below; pinning the master would lock 4 B/param
+        # for nothing, 280 GB at 70B).
+        self.master = empty(torch.float32, pinned=pin and compute_dtype == torch.float32)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
-        # grad: the sum of the committed micro-batches of this step (what AdamW reads).
+        # grad: the sum of the committed micro-batches of this step (what AdamW reads): fp32 when
+        # micro-batches or tied uses add into it; else in the compute dtype, as it left the device
+        # (widening it first cost 6 B/param of host traffic).
         # landing: where the running micro-batch's sum lands. With grad_accum > 1 it is a second
         # buffer (4 B/param), swapped in when the micro-batch commits, so a failed micro-batch
         # leaves the earlier ones' sum untouched; with one micro-batch per step nothing earlier
         # needs keeping and the two are one.
-        self.grad = torch.zeros(numel, dtype=torch.float32)
-        self.landing = self.grad if grad_accum == 1 else torch.zeros(numel, dtype=torch.float32)
+        self.grad = torch.zeros(numel, dtype=grad_dtype)
+        self.landing = self.grad if grad_accum == 1 else torch.zeros(numel, dtype=grad_dtype)
         # fp32 compute reads the masters themselves; bf16 gets its own copy, written by AdamW.
         self.compute = self.master if compute_dtype == torch.float32 else empty(compute_dtype)
 
@@ -79,19 +114,25 @@ class HostState:
             entry = captured.state[name]
             self.slots[name] = Slot(s, sizes.get(s, 0), entry.numel, entry.shape)
             sizes[s] = sizes.get(s, 0) + entry.numel
-        self.owners = {s: OwnerBuffers(n, compute_dtype, pin, grad_accum) for s, n in sizes.items()}
-        self.consts: dict[str, torch.Tensor] = {}
-        for name, entry in captured.state.items():
-            if name not in self.slots:
-                # Kept in the model's own dtype (a frozen fp32 weight stays exact); the prefetch
-                # casts to the compute dtype as it copies.
-                self.consts[name] = torch.zeros(entry.shape, dtype=entry.dtype)
         # How many stages produce a gradient for each parameter (2 for a tied embedding).
         self.uses: dict[str, int] = {}
         for stage in captured.stages:
             for name in stage.params:
                 if name in self.slots:
                     self.uses[name] = self.uses.get(name, 0) + 1
+        summed = {self.slots[name].owner for name, n in self.uses.items() if n > 1}
+
+        def grad_dtype(owner: int) -> torch.dtype:
+            return compute_dtype if grad_accum == 1 and owner not in summed else torch.float32
+        self.owners = {s: OwnerBuffers(n, compute_dtype, pin, grad_accum, grad_dtype(s)) for s, n in sizes.items()}
+        self.consts: dict[str, torch.Tensor] = {}
+        for name, entry in captured.state.items():
+            if name not in self.slots:
+                # Kept in the model's own dtype (a frozen fp32 weight stays exact); the prefetch
+                # casts to the compute dtype as it copies. Page-locked like the masters: a
+                # non_blocking copy from pageable memory is a synchronous one.
+                const = pinned_empty(entry.numel, entry.dtype) if pin else torch.empty(entry.numel, dtype=entry.dtype)
+                self.consts[name] = const.zero_().view(entry.shape)
         self._first = True          # the running micro-batch is the first of its step
         self._check = True          # ... and the last: its sums are what AdamW will read
         self._partial: dict[str, tuple[int, torch.Tensor]] = {}

@@ -30,12 +30,35 @@ class ThreadEvent(Event):
         return self._done.is_set()
 
 
+def set_thread_intraop(threads: int) -> None:
+    """Intra-op threads of the calling thread only. torch.set_num_threads would also change torch's
+    process-wide default, which every thread started later (and the host optimizer's, through
+    torch.get_num_threads()) then inherits; the OpenMP call below changes this thread's alone."""
+    torch.get_num_threads()     # torch sets this thread's count once, lazily: let it happen first
+    omp = _openmp()
+    if omp is not None:
+        omp.omp_set_num_threads(threads)
+    elif threads != torch.get_num_threads():
+        torch.set_num_threads(threads)   # no OpenMP runtime found: torch's own call is the only one
+
+
+def _openmp():
+    import ctypes
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line})
+    return ctypes.CDLL(paths[0]) if paths else None
+
+
 class ThreadStream:
     """Work submitted here runs on one thread, in submission order; torch copies and math
-    release the GIL, so it really runs beside the compute thread."""
+    release the GIL, so it really runs beside the compute thread.
 
-    def __init__(self, name: str, timeline: Timeline):
+    `threads`: intra-op threads of that thread; None takes the creating thread's count (host
+    work: the optimizer, gradient accumulation)."""
+
+    def __init__(self, name: str, timeline: Timeline, threads: int | None = 1):
         self.name, self.timeline = name, timeline
+        self.threads = torch.get_num_threads() if threads is None else threads
         self._queue: queue.Queue = queue.Queue()
         self._delay = injected_delay(name)   # None unless MEGACOMPILE_INJECT_DELAYS is set
         self._thread = threading.Thread(target=self._loop, name=f"megacompile-{name}", daemon=True)
@@ -49,10 +72,10 @@ class ThreadStream:
         return event
 
     def _loop(self) -> None:
-        # One intra-op thread here: a copy engine is one agent, and OpenMP teams on these
-        # threads would fight the compute thread's team for the cores (on a 2-core machine that
-        # tripled the step time of small models).
-        torch.set_num_threads(1)
+        # A copy engine is one agent (threads=1): OpenMP teams on copy threads would fight the
+        # compute thread's team for the cores (on a 2-core machine that tripled the step time of
+        # small models). The host stream runs the optimizer on every core it is given.
+        set_thread_intraop(self.threads)
         while True:
             item = self._queue.get()
             if item is None:

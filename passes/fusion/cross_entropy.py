@@ -9,8 +9,9 @@ Eager keeps the logits, their log-softmax (saved for the backward) and, in the b
 computes the loss and both gradients in one pass over token chunks (kernels/fused_linear_cross_entropy.py:
 per chunk a [chunk, V] logits tile, turned in place into d loss / d logits by a Triton kernel, then
 two matmuls), and saves dh [N, H] and an fp32 dW [V, H] instead of the log-softmax. The backward
-only scales them by the loss tangent. The chunk tile is returned as a fourth output that nothing
-reads, so the plan and the runtime both count it while the kernel runs.
+only scales them by the loss tangent. The chunk tile (and, when dW's product is bf16, a [chunk, H]
+partial of it) are returned as outputs that nothing reads, so the plan and the runtime both count
+them while the kernel runs: the launchers allocate nothing their meta does not declare.
 
 The rewrite changes the saved values, so it edits both graphs of the pair together and checks
 both groups completely before it changes either.
@@ -23,6 +24,7 @@ import torch
 import torch.fx as fx
 import triton
 
+from megacompile.kernels.cast import scale
 from megacompile.kernels.fused_linear_cross_entropy import BLOCK_V_MAX, cross_entropy_grad_kernel, default_chunk_size
 from megacompile.kernels.tiling import row_tile
 
@@ -36,19 +38,29 @@ RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, 
 
 
 # -- launchers ----------------------------------------------------------------------------------
+def _dw_rows(chunk_size: int, n: int, vocab: int) -> int:
+    """Vocab rows per dW partial product when dW is fp32 and the product is not: the [rows, H]
+    partial in h.dtype is a declared output, as large as a chunk of dh, never a [V, H] temporary."""
+    return min(vocab, chunk_size, n)
+
+
 def _forward_meta(h, w, labels, ignore_index, chunk_size):
     n, hidden = h.shape
+    partial = _dw_rows(chunk_size, n, w.shape[0]) if w.dtype != torch.float32 else 0
     return (torch.empty((), dtype=torch.float32, device=h.device),
             torch.empty((n, hidden), dtype=h.dtype, device=h.device),
             torch.empty(w.shape, dtype=torch.float32, device=w.device),
-            torch.empty((min(chunk_size, n), w.shape[0]), dtype=h.dtype, device=h.device))
+            torch.empty((min(chunk_size, n), w.shape[0]), dtype=h.dtype, device=h.device),
+            torch.empty((partial, hidden), dtype=h.dtype, device=h.device))
 
 
 @launcher("fused_linear_cross_entropy", _forward_meta)
 def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
-    """(loss [] fp32, dh [N, H] in h.dtype, dw [V, H] fp32, the [chunk, V] logits tile) for
-    h [N, H], w [V, H], labels [N]: mean cross-entropy of h @ w.T over non-ignored labels, with
-    its gradients for an upstream gradient of 1. One tile is reused by every chunk."""
+    """(loss [] fp32, dh [N, H] in h.dtype, dw [V, H] fp32, the [chunk, V] logits tile, the
+    [rows, H] dW partial) for h [N, H], w [V, H], labels [N]: mean cross-entropy of h @ w.T over
+    non-ignored labels, with its gradients for an upstream gradient of 1. The tile and the partial
+    are reused by every chunk; nothing reads them after, they are outputs so that the plan and the
+    runtime count them. The small per-token loss and count live only while the kernel runs."""
     n, hidden = h.shape
     vocab = w.shape[0]
     h, labels = h.contiguous(), labels.contiguous()
@@ -57,6 +69,8 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
     dh = torch.empty((n, hidden), dtype=h.dtype, device=h.device)
     dw = torch.zeros((vocab, hidden), dtype=torch.float32, device=w.device)
     tile = torch.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
+    rows = _dw_rows(chunk_size, n, vocab) if w.dtype != torch.float32 else 0
+    partial = torch.empty((rows, hidden), dtype=h.dtype, device=h.device)
     block_m, block_v, num_warps = row_tile(chunk_size, min(vocab, BLOCK_V_MAX), tile=4 * BLOCK_V_MAX)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
@@ -70,9 +84,12 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
         torch.mm(logits, w, out=dh[start:end])                       # logits now hold d loss / d logits
         if dw.dtype == logits.dtype:
             dw.addmm_(logits.T, h_chunk)
-        else:
-            dw += logits.T @ h_chunk                                 # product in h.dtype, sum in fp32
-    return loss_rows.sum() / n_valid[0], dh, dw, tile
+            continue
+        for v in range(0, vocab, rows):                              # product in h.dtype, sum in fp32
+            part = partial[:min(rows, vocab - v)]
+            torch.mm(logits[:, v:v + rows].T, h_chunk, out=part)
+            dw[v:v + rows] += part                                   # casts as it adds: no fp32 copy
+    return loss_rows.sum() / n_valid[0], dh, dw, tile, partial
 
 
 def _backward_meta(tangent, dh, dw, w_dtype):
@@ -81,8 +98,10 @@ def _backward_meta(tangent, dh, dw, w_dtype):
 
 @launcher("fused_linear_cross_entropy_backward", _backward_meta)
 def linear_cross_entropy_backward(tangent, dh, dw, w_dtype):
-    """(dh * tangent, dw * tangent in w_dtype): new tensors, the saved ones are left as they are."""
-    return dh * tangent.to(dh.dtype), (dw * tangent).to(w_dtype)
+    """(dh * tangent, dw * tangent in w_dtype): new tensors, the saved ones are left as they are.
+    Each product is taken in fp32 and rounded once (a tangent of 1/k, with grad_accum=k, is not
+    rounded to bf16 first), straight into its output: no [V, H] fp32 temporary."""
+    return scale(dh, tangent), scale(dw, tangent, w_dtype)
 
 
 # -- matching -----------------------------------------------------------------------------------

@@ -5,7 +5,11 @@ become one generated kernel: one load per input, the ops in fp32 registers, one 
 rest of the graph reads. The intermediates never reach memory. Each group is printed as Triton
 source; the source is the cache key, so every block's residual add + cast (or any chain that repeats)
 compiles once. Eager rounding is kept: a node whose dtype is bf16/fp16 is rounded to it (to nearest
-even, kernels/cast.py round_to) before the next op reads it, as eager would store and reload it.
+even, kernels/cast.py round_to) before the next op reads it, as eager would store and reload it;
+division and square root are the IEEE-rounded forms (div_rn, sqrt_rn) and kernels launch without
+FMA contraction, so +, -, *, / and sqrt round as eager's do on the device too. exp, log, rsqrt,
+sigmoid, tanh and erf are the GPU's approximations (a few ulp, as CUDA's own expf is not exact
+either): tolerances, not bits, for those.
 
 Inputs a group accepts: the group's shape and contiguous (indexed by the flat offset), a single
 element (loaded once), or anything that broadcasts to the group's shape (indexed through the
@@ -54,8 +58,8 @@ def _unary(fmt: str) -> Callable:
 
 def _pow(node: fx.Node, a: list[str]) -> str | None:
     exponent = node.args[1]
-    forms = {0.5: "tl.sqrt({0})", -0.5: "tl.rsqrt({0})", 1.0: "{0}", 2.0: "({0} * {0})",
-             3.0: "({0} * {0} * {0})", -1.0: "(1.0 / {0})", -2.0: "(1.0 / ({0} * {0}))"}
+    forms = {0.5: "tl.math.sqrt_rn({0})", -0.5: "tl.rsqrt({0})", 1.0: "{0}", 2.0: "({0} * {0})",
+             3.0: "({0} * {0} * {0})", -1.0: "tl.math.div_rn(1.0, {0})", -2.0: "tl.math.div_rn(1.0, {0} * {0})"}
     return forms[float(exponent)].format(a[0]) if number(exponent) and float(exponent) in forms else None
 
 
@@ -84,12 +88,12 @@ OPS: dict = {
     aten.sub.Tensor: _binary("({0} - {1})"), aten.sub.Scalar: _binary("({0} - {1})"),
     aten.rsub.Scalar: _binary("({1} - {0})"),
     aten.mul.Tensor: _binary("({0} * {1})"), aten.mul.Scalar: _binary("({0} * {1})"),
-    aten.div.Tensor: _binary("({0} / {1})"), aten.div.Scalar: _binary("({0} / {1})"),
+    aten.div.Tensor: _binary("tl.math.div_rn({0}, {1})"), aten.div.Scalar: _binary("tl.math.div_rn({0}, {1})"),
     aten.maximum.default: _binary("tl.maximum({0}, {1})"), aten.minimum.default: _binary("tl.minimum({0}, {1})"),
     aten.neg.default: _unary("(-{0})"), aten.abs.default: _unary("tl.abs({0})"),
     aten.exp.default: _unary("tl.exp({0})"), aten.log.default: _unary("tl.log({0})"),
-    aten.sqrt.default: _unary("tl.sqrt({0})"), aten.rsqrt.default: _unary("tl.rsqrt({0})"),
-    aten.reciprocal.default: _unary("(1.0 / {0})"), aten.sigmoid.default: _unary("tl.sigmoid({0})"),
+    aten.sqrt.default: _unary("tl.math.sqrt_rn({0})"), aten.rsqrt.default: _unary("tl.rsqrt({0})"),
+    aten.reciprocal.default: _unary("tl.math.div_rn(1.0, {0})"), aten.sigmoid.default: _unary("tl.sigmoid({0})"),
     aten.tanh.default: _unary("_tanh({0})"), aten.sin.default: _unary("tl.sin({0})"),
     aten.cos.default: _unary("tl.cos({0})"), aten.erf.default: _unary("tl.math.erf({0})"),
     aten.silu.default: _unary("({0} * tl.sigmoid({0}))"),
@@ -275,7 +279,8 @@ class ElementwiseKernel:
         n = math.prod(shape)
         args.append(n)
         block, num_warps = flat_block(n)
-        self.fn[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=num_warps)
+        # No FMA contraction: eager rounds every op (kernels.md, "Rounding on the device").
+        self.fn[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False)
         return outs
 
     def signature(self) -> dict[str, str]:

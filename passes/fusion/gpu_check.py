@@ -49,7 +49,8 @@ def compile_one(path: str, signature: dict, arch: int) -> str:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         src = triton.compiler.ASTSource(fn=module.elementwise_kernel, signature=signature, constexprs={"BLOCK": BLOCK})
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS})
+        options = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}   # as the launcher runs it
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         return "ok" if ".entry" in compiled.asm.get("ptx", "") else "no PTX"
     except Exception as e:  # report every failure, not only the first
         while (e.__cause__ or e.__context__) is not None:

@@ -98,3 +98,75 @@ def test_a_schedule_that_returns_a_bad_rate_is_reported():
                                  optimizer=megacompile.AdamW(lr=lambda step: float("nan")))
     with pytest.raises(megacompile.OptimizerInputError, match="step 1"):
         engine.step(idx=_batches(1)[0], targets=_batches(1)[0])
+
+
+def test_the_host_optimizer_runs_on_every_core_it_is_given():
+    """The copy streams run one intra-op thread each, but the host stream's AdamW takes the threads
+    of the thread that made the engine, and nothing changes torch's default for later threads."""
+    import threading
+
+    from megacompile.optim import fused_adamw
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("needs torch.get_num_threads() >= 2")
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=256, layers=1)    # a block of 786k params: 12 chunks of 64K
+    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu", optimizer=megacompile.AdamW(lr=LR))
+    if fused_adamw.backend() != "cpp":
+        pytest.skip("the native host AdamW kernel is unavailable here")
+    ids = _batches(1)[0]
+    engine.step(idx=ids, targets=ids)
+    engine.synchronize()
+    assert fused_adamw.last_threads() == threads
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [threads], "a stream thread changed torch's process-wide thread count"
+    engine.close()
+
+
+def test_with_clipping_each_owners_norm_is_taken_as_its_gradients_land():
+    """The global norm is summed from per-owner norms taken on the host stream during the
+    backward; the clip itself reads no gradient (exactness: test_clipping_is_exact...)."""
+    torch.manual_seed(0)
+    engine = megacompile.compile(_model(), hbm_budget=1.0, device="cpu",
+                                 optimizer=megacompile.AdamW(lr=LR, max_grad_norm=0.05))
+    ids = _batches(1)[0]
+    engine.step(idx=ids, targets=ids)
+    engine.synchronize()
+    host = [s.what for s in engine.timeline.on("host")]
+    norms = [w for w in host if w.startswith("grad norm")]
+    assert len(norms) == len(engine.host.owners)
+    assert max(host.index(w) for w in norms) < host.index("clip gradients")
+    engine.close()
+
+
+def test_bf16_gradients_reach_adamw_unwidened_and_train_the_same():
+    """With bf16 compute and one micro-batch a step, owners whose gradients are not summed keep them
+    in bf16 (no fp32 copy); the values are the device's bf16 gradients either way, so training is
+    bit-identical to widening them first."""
+    from megacompile import engine as engine_module
+    model, batches = models.hf_llama(layers=2, d=32), _batches(3)
+
+    def run(widen: bool):
+        torch.manual_seed(0)
+        eng = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu", compute_dtype=torch.bfloat16,
+                                  optimizer=megacompile.AdamW(lr=LR))
+        real = engine_module.HostState
+        if widen:   # a HostState told of accumulation keeps fp32 grads
+            engine_module.HostState = lambda *a, **k: real(*a, **{**k, "grad_accum": 2})
+        try:
+            losses = [eng.step(input_ids=ids, labels=ids) for ids in batches]
+        finally:
+            engine_module.HostState = real
+        dtypes = {b.grad.dtype for b in eng.host.owners.values()}
+        state = eng.state_dict()
+        eng.close()
+        return losses, state, dtypes
+
+    losses, state, dtypes = run(widen=False)
+    widened_losses, widened_state, widened_dtypes = run(widen=True)
+    assert dtypes == {torch.bfloat16} and widened_dtypes == {torch.float32}
+    assert losses == widened_losses
+    assert all(torch.equal(state[k], widened_state[k]) for k in state)

@@ -1,0 +1,91 @@
+"""What the plan keeps free on a real device: the bytes the ledger cannot see.
+
+The ledger counts every tensor an op returns. A GPU also holds memory no op returns:
+  workspaces     cuBLAS and cuBLASLt take a workspace per handle and stream from the caching
+                 allocator (32 MiB each on sm_90 by default; CUBLAS_WORKSPACE_CONFIG changes it);
+  op scratch     what an op allocates inside itself and frees before it returns: SDPA's backward
+                 keeps a float32 dq accumulator and a row-sum buffer (FlashAttention: 4 B per
+                 query element, 1.25 GiB at 16 x 4096 tokens with 40 x 128 heads); a host->device
+                 copy that casts and lands in a non-contiguous slot stages a converted copy. Only
+                 one op runs at a time on the compute stream, so the largest one is reserved;
+  fragmentation  the caching allocator rounds blocks (to 512 B, 2 MiB segments) and cannot always
+                 reuse freed blocks for other sizes: a fraction of the budget.
+
+The plan fills `budget - reserve`; the allocator is capped at the budget itself, so its limit never
+sits on the ledger's peak. Workspaces and the fragmentation share come from the hardware profile
+(HardwareProfile.workspace_bytes, .fragmentation), which `megacompile calibrate` can overwrite and
+`python -m megacompile.validate` checks against torch's own peak. The simulated device (backend
+"cpu", and the measured cpu profile) counts exactly what it allocates, and reserves nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..capture import CapturedModel
+from .hardware import HardwareProfile
+
+# Attention backward ops with an fp32 accumulator the size of the query (float32 dq, [B, H, S, D])
+# plus one float per query row (softmax_d / delta, [B, H, S]).
+_ATTENTION_BACKWARD = ("_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward",
+                       "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_backward",
+                       "_efficient_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+@dataclass(frozen=True)
+class DeviceReserve:
+    workspace_bytes: int = 0
+    scratch_bytes: int = 0
+    scratch_op: str = ""           # which op needs the largest scratch
+    fragmentation_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.workspace_bytes + self.scratch_bytes + self.fragmentation_bytes
+
+    def to_dict(self) -> dict:
+        return {"reserve_bytes": self.total, "reserve_workspace_bytes": self.workspace_bytes,
+                "reserve_scratch_bytes": self.scratch_bytes, "reserve_scratch_op": self.scratch_op,
+                "reserve_fragmentation_bytes": self.fragmentation_bytes}
+
+
+def device_reserve(captured: CapturedModel, budget_bytes: int, hardware: HardwareProfile, backend: str) -> DeviceReserve:
+    if backend == "cpu":
+        return DeviceReserve()
+    scratch, op = largest_scratch(captured) if hardware.hidden_scratch else (0, "")
+    return DeviceReserve(hardware.workspace_bytes, scratch, op, int(hardware.fragmentation * budget_bytes))
+
+
+def smallest_budget(ledger_peak: int, captured: CapturedModel, hardware: HardwareProfile, backend: str) -> int:
+    """The budget whose reserve leaves exactly `ledger_peak` to the plan."""
+    fixed = device_reserve(captured, 0, hardware, backend)
+    if backend == "cpu":
+        return ledger_peak
+    return int(-(-(ledger_peak + fixed.total) // (1 - hardware.fragmentation)))
+
+
+def largest_scratch(captured: CapturedModel) -> tuple[int, str]:
+    """(bytes, what) of the temporaries ops allocate inside themselves: the largest attention
+    backward on the compute stream plus the largest casting prefetch on the h2d stream beside it."""
+    attention = max(((attention_backward_scratch(node), f"{node.target} in {stage.name}")
+                     for stage in captured.stages
+                     for program in (stage.template.forward, stage.template.backward, stage.template.inference)
+                     if program is not None for node in program.gm.graph.nodes), default=(0, ""))
+    # Frozen weights and buffers stay in their own dtype on the host; a non_blocking copy that
+    # casts stages the slot in the source dtype on the device first.
+    compute = captured.compute_dtype
+    cast = max(((e.numel * e.dtype.itemsize, f"casting prefetch of {key}") for key, e in captured.state.items()
+                if not e.trainable and e.dtype.is_floating_point and e.dtype != compute), default=(0, ""))
+    parts = [(n, what) for n, what in (attention, cast) if n]
+    return sum(n for n, _ in parts), " + ".join(what for _, what in parts)
+
+
+def attention_backward_scratch(node) -> int:
+    if node.op != "call_function" or not any(s in str(node.target) for s in _ATTENTION_BACKWARD):
+        return 0
+    query = node.args[1].meta.get("val") if hasattr(node.args[1], "meta") else None
+    if not isinstance(query, torch.Tensor):
+        return 0
+    rows = query.numel() // query.shape[-1]
+    return query.numel() * 4 + rows * 4
