@@ -126,19 +126,29 @@ def test_the_host_optimizer_runs_on_every_core_it_is_given():
     engine.close()
 
 
-def test_with_clipping_each_owners_norm_is_taken_as_its_gradients_land():
-    """The global norm is summed from per-owner norms taken on the host stream during the
-    backward; the clip itself reads no gradient (exactness: test_clipping_is_exact...)."""
+def test_with_clipping_each_gradients_norm_is_taken_as_it_lands(monkeypatch):
+    """The global norm is summed from the squared norms taken as each gradient lands, on the copy
+    thread, during the backward; the clip at commit reads no gradient (exactness:
+    test_clipping_is_exact...)."""
+    import threading
+
+    from megacompile.runtime import host as host_module
+    calls = []
+    real = host_module.grad_sq_norm
+
+    def counted(flat):
+        calls.append(threading.current_thread() is threading.main_thread())
+        return real(flat)
+    monkeypatch.setattr(host_module, "grad_sq_norm", counted)
     torch.manual_seed(0)
     engine = megacompile.compile(_model(), hbm_budget=1.0, device="cpu",
                                  optimizer=megacompile.AdamW(lr=LR, max_grad_norm=0.05))
     ids = _batches(1)[0]
     engine.step(idx=ids, targets=ids)
     engine.synchronize()
-    host = [s.what for s in engine.timeline.on("host")]
-    norms = [w for w in host if w.startswith("grad norm")]
-    assert len(norms) == len(engine.host.owners)
-    assert max(host.index(w) for w in norms) < host.index("clip gradients")
+    assert len(calls) == len(engine.host.slots)     # once per parameter, none again at the clip
+    assert not any(calls)                           # all on the thread the gradients land on
+    assert engine.last_step.grad_norm == pytest.approx(engine.host.grad_sq_norm() ** 0.5)
     engine.close()
 
 
