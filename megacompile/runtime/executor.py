@@ -19,7 +19,6 @@ from ..capture import CapturedModel
 from ..ir.program import SEED, Node, Op, Program, act_grad, grads, saved, weights
 from .backend import Backend, Event, dense_like, flat_empty
 from .host import HostState
-from .updates import UpdateQueue
 
 # The host work of one optimizer step: update(stage, context) and clip(context), where context
 # is a dict made when the step starts (step number, learning rate) that clip adds its scale to.
@@ -41,8 +40,6 @@ class Executor:
         self._stash: dict[int, list[torch.Tensor]] = {}   # host copies of offloaded saved values
         self._moved: dict[int, list[bool]] = {}           # which of them were device tensors
         self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
-        self._updates = UpdateQueue(backend.timeline)
-        self._step = 0
         self._clips = any(n.op is Op.CLIP_GRADS for n in program.nodes)
         self._norms: dict[int, float] = {}                # per owner: squared norm of its gradient
         self._norming: set[int] = set()
@@ -55,7 +52,6 @@ class Executor:
         updates may still be running on the host stream when this returns (HostState.pending).
         """
         self._inputs, self._seed, self._context = inputs, seed, context or {}
-        self._step += 1
         self.memory.reset_peak()
         self.backend.reset_allocator_peak()
         self.backend.timeline.clear()     # one step's record (updates still running from the last one land in it)
@@ -263,9 +259,12 @@ class Executor:
     def _optimizer_step(self, node: Node) -> None:
         s, update, context = node.stage, self.update, self._context
         landed = [self._landed[c] for c in sorted(self.host.contributors[s]) if c in self._landed]
-        self.host.pending[s] = self._updates.register(self._step, s, landed, lambda: update(s, context),
-                                                      f"adamw {self.program.stage_names[s]}")
-        self.backend.host_task(self._updates.run_most_urgent, "host update")
+
+        def work() -> None:
+            for event in landed:     # every gradient of these masters has been added in
+                event.wait()
+            update(s, context)
+        self.host.pending[s] = self.backend.host_task(work, f"adamw {self.program.stage_names[s]}")
 
     def _output(self, node: Node) -> None:
         self._outputs = [self.backend.to_host(self._env[r]) for r in node.reads]

@@ -80,8 +80,6 @@ class _StubBackend:
     device = torch.device("meta")
 
     def __init__(self):
-        from megacompile.runtime.backend import Timeline
-        self.timeline = Timeline()
         self.offloaded, self.restored = [], []
         self.memory = SimpleNamespace(hold=lambda *a, **k: None, drop=lambda *a, **k: None)
 
@@ -154,7 +152,7 @@ def test_an_update_waits_on_the_host_for_every_gradient_of_its_masters():
     from megacompile.runtime.backend import Timeline
     from megacompile.runtime.stream import ThreadEvent, ThreadStream
     host_stream = ThreadStream("host", Timeline())
-    backend = SimpleNamespace(host_task=host_stream.submit, memory=None, timeline=Timeline())
+    backend = SimpleNamespace(host_task=host_stream.submit, memory=None)
     seen = []
     program = SimpleNamespace(stage_names=["prologue", "block.0", "epilogue"], nodes=[])
     host = SimpleNamespace(contributors={0: {0, 2}}, pending={})
@@ -168,18 +166,3 @@ def test_an_update_waits_on_the_host_for_every_gradient_of_its_masters():
     host.pending[0].wait()
     host_stream.close()
     assert seen == [[True, True]]
-
-
-def test_pending_updates_run_in_the_order_the_next_forward_needs_them():
-    """Updates registered in backward order (block 3 first, the prologue last) run prologue first;
-    an earlier step's updates always before a later step's."""
-    from megacompile.runtime.backend import Timeline
-    from megacompile.runtime.updates import UpdateQueue
-    queue, ran = UpdateQueue(Timeline()), []
-    done = [queue.register(1, s, [], lambda s=s: ran.append((1, s)), f"adamw {s}") for s in (3, 2, 1, 0)]
-    later = queue.register(2, 0, [], lambda: ran.append((2, 0)), "adamw 0")
-    for _ in range(5):
-        queue.run_most_urgent()
-    assert ran == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)]
-    assert all(e.query() for e in done + [later])
-    assert [s.what for s in queue.timeline.on("host")] == ["adamw 0", "adamw 1", "adamw 2", "adamw 3", "adamw 0"]
