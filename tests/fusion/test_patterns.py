@@ -105,7 +105,10 @@ def test_bf16_norm_backward_reads_x_not_its_fp32_copy():
     width = 32
     copies = lambda t: [m for m in t.saved if m.dtype == torch.float32 and m.shape[-1] == width]  # noqa: E731
     assert len(copies(old)) == 2 and not copies(new)
-    assert new.bwd_acts == [0] and sum(m.nbytes for m in new.saved) < sum(m.nbytes for m in old.saved)
+    # the backward reads the block's input x, and otherwise only inputs that need no gradient
+    # (the rotary tables, which capture recomputes from rather than saves)
+    assert 0 in new.bwd_acts and all(not new.acts[i].requires_grad for i in new.bwd_acts if i != 0)
+    assert sum(m.nbytes for m in new.saved) < sum(m.nbytes for m in old.saved)
 
 
 def test_softmax_of_eager_attention():
