@@ -2,9 +2,9 @@
 of torch.optim.AdamW, at twice the weights' bytes and at the smallest budget the compiler reports.
 
 The default tier keeps the families that take their own path through capture and the runtime;
-the slow tier sweeps all of them. Families whose blocks differ in Python from block to block
-are skipped until heterogeneous blocks get their own templates; families megacompile refuses
-are checked to raise a clear error (docs/families.md lists both).
+the slow tier sweeps all of them, those whose blocks differ from layer to layer (and so run
+several templates) included; families megacompile refuses are checked to raise a clear error
+(docs/families.md lists both).
 """
 from __future__ import annotations
 
@@ -25,15 +25,6 @@ STEPS = 3
 # ALiBi bias). Llama, Qwen2 and GPT-2 are in test_parity.py.
 DEFAULT = {"gemma2", "gptj", "bloom"}
 
-# Each layer's forward differs in Python from block 0's, and blocks still share block 0's
-# template: these train wrong until heterogeneous blocks get their own templates.
-HETEROGENEOUS = {
-    "gpt2_layer_scaled": "attention scaled by 1/(layer_idx + 1) (scale_attn_by_inverse_layer_idx)",
-    "cohere2": "full-attention layers skip the rotary embedding",
-    "exaone4": "full-attention layers skip the rotary embedding",
-    "smollm3": "every other layer skips the rotary embedding (no_rope_layer_interval)",
-}
-
 # Families that cannot be captured yet, with the error they raise.
 REFUSED = {
     "mixtral": "mixture-of-experts",
@@ -42,9 +33,7 @@ REFUSED = {
 
 def _param(name: str):
     marks = []
-    if name in HETEROGENEOUS:
-        marks.append(pytest.mark.skip(reason=f"heterogeneous blocks: {HETEROGENEOUS[name]}"))
-    elif name not in DEFAULT:
+    if name not in DEFAULT:
         marks.append(pytest.mark.slow)
     return pytest.param(name, marks=marks)
 
