@@ -11,7 +11,6 @@ import copy
 import pytest
 import torch
 
-import megacompile
 from megacompile.errors import BudgetExceededError
 from megacompile.ir.program import Op
 from megacompile.runtime.executor import Executor

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 
 import megacompile
 import megacompile.plan_cache as plan_cache
