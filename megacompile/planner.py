@@ -61,7 +61,8 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     plan_bytes = max(0, budget_bytes - reserve.total)
     choice, minimum = solve(blocks, plan_bytes, peak_of, seconds_of, search_space(captured, blocks, hardware,
                                                                         None if host_budget_bytes is None
-                                                                        else host_budget_bytes - host_bytes))
+                                                                        else host_budget_bytes - host_bytes,
+                                                                        device_room=plan_bytes))
     ledger_minimum, minimum = minimum, smallest_budget(minimum, captured, hardware, backend)
     if choice is None:
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
@@ -91,14 +92,18 @@ def require_host_room(host_bytes: int, host_budget_bytes: int | None) -> None:
 
 
 def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile,
-                 host_room: int | None = None) -> list[Family]:
+                 host_room: int | None = None, device_room: int | None = None) -> list[Family]:
     """The candidate families the solver searches for this model; `host_room`: host bytes left for
-    offloaded activations (None: no limit)."""
+    offloaded activations (None: no limit); `device_room`: the bytes the plan may fill."""
     if not captured.train or not blocks:
         return families()
     # The prologue (embeddings) may stay on the device for the whole step instead of coming twice.
     small = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind == "prologue")
     residents = (frozenset(), small) if small else (frozenset(),)
+    # Weights that take at most half the room may all stay from their forward to their backward:
+    # each crosses the link once a step instead of twice (a small model is link-bound otherwise).
+    if device_room is not None and 2 * sum(st.template.weight_bytes for st in captured.stages) <= device_room:
+        residents += (frozenset(range(len(captured.stages))),)
     # Offloading saved activations trades link time for recompute time: the first 0, n/8, .., n.
     n = len(blocks)
     offload_counts = sorted({round(n * i / 8) for i in range(9)})

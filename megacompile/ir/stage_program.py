@@ -24,10 +24,6 @@ def fake_storage_key(t: torch.Tensor) -> Hashable:
     return StorageWeakRef(t.untyped_storage())
 
 
-def real_storage_key(t: torch.Tensor) -> Hashable:
-    return (t.device, t.untyped_storage().data_ptr())
-
-
 @dataclass
 class GraphMemory:
     transient_peak: int        # bytes above the inputs while the graph runs
@@ -61,10 +57,23 @@ class StageProgram:
                 self.free_after[i].append(n)
         self.random = any(isinstance(n.target, torch._ops.OpOverload)
                           and torch.Tag.nondeterministic_seeded in n.target.tags for n in self.body)
+        self._generated: Callable | None | bool = False     # False: not generated yet
 
     # -- running -------------------------------------------------------------------------
     def run(self, inputs: list[Any], on_alloc: Callable[[fx.Node, Any], None],
             on_free: Callable[[fx.Node, Any], None]) -> list[Any]:
+        """The graph on `inputs`; on_alloc(node, value) after each op, on_free(node, value) after
+        a value's last reader. Runs the generated straight-line code (stage_codegen.py), made at
+        the first run, or the interpreter where none could be made."""
+        if self._generated is False:
+            from .stage_codegen import generate
+            self._generated = generate(self)
+        if self._generated is None:
+            return self.interpret(inputs, on_alloc, on_free)
+        return self._generated(inputs, on_alloc, on_free)
+
+    def interpret(self, inputs: list[Any], on_alloc: Callable[[fx.Node, Any], None],
+                  on_free: Callable[[fx.Node, Any], None]) -> list[Any]:
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
         load = env.__getitem__
         for node, frees in zip(self.body, self.free_after):

@@ -124,11 +124,13 @@ class Backend(ABC):
 
     @abstractmethod
     def offload(self, srcs: list[torch.Tensor], sink: Callable[[list[torch.Tensor]], None], what: str,
-                keep: bool = False) -> Event:
+                keep: bool = False, dsts: list[torch.Tensor | None] | None = None) -> Event:
         """Copy device tensors to host memory on the device-to-host stream, then hand the host
         copies to `sink` off the compute thread. With `keep` the copies are the sink's to keep
-        (stashed activations); otherwise they are only valid during the call (gradients, added
-        into the fp32 grads)."""
+        (stashed activations, which only the device reads back: the sink may get them before
+        the copy has written them, for device work ordered after the returned event); otherwise they are only valid during the call (gradients, added
+        into the fp32 grads). `dsts`, where not None, are host tensors (page-locked on cuda)
+        the copies land in directly: a gradient lands in its final buffer, not in staging."""
 
     @abstractmethod
     def host_task(self, work: Callable[[], None], what: str) -> Event:

@@ -34,11 +34,14 @@ class CpuBackend(Backend):
                 d.copy_(s)
         return self.h2d.submit(copy, what)
 
-    def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False) -> Event:
+    def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False,
+                dsts=None) -> Event:
         # The simulated device is host memory: the sink reads the device tensors directly, or,
-        # to keep them, gets real host copies (the transfer).
+        # to keep them or where a destination is given, gets real host copies (the transfer).
         if keep:
             return self.d2h.submit(lambda: sink([dense_like(t).copy_(t) for t in srcs]), what)
+        if dsts is not None:
+            return self.d2h.submit(lambda: sink([t if d is None else d.copy_(t) for t, d in zip(srcs, dsts)]), what)
         return self.d2h.submit(lambda: sink(srcs), what)
 
     def host_task(self, work: Callable[[], None], what: str) -> Event:

@@ -25,22 +25,15 @@ from .host import pinned_empty
 from .stream import ThreadStream
 
 
+SMALL_OUTPUT_BYTES = 1 << 20
+
+
 class CudaEvent(Event):
     def __init__(self, event: "torch.cuda.Event", device: torch.device):
         self.event, self.device = event, device
 
     def wait(self) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.event)
-
-
-class HostAfterDevice(Event):
-    """Host work that ran after a device copy; waiting means both are done."""
-
-    def __init__(self, done):
-        self.done = done
-
-    def wait(self) -> None:
-        self.done.wait()
 
 
 class CopiedThenLanded(Event):
@@ -78,7 +71,9 @@ class CudaBackend(Backend):
         self._outputs: list = []      # copy-done events of outputs on their way to the host
         # The caching allocator refuses past the budget too: a second, independent guard. The
         # plan fills only budget - reserve (cost/reserve.py), so the cap sits above the ledger's
-        # peak by what the ledger cannot see (workspaces, op scratch, fragmentation).
+        # peak by what the ledger cannot see (workspaces, op scratch, fragmentation). The cap is
+        # process-wide: close() gives back the one that was there before.
+        self._fraction_before = _memory_fraction(self.device)
         torch.cuda.set_per_process_memory_fraction(budget_bytes / total, self.device)
 
     def scope(self) -> AbstractContextManager:
@@ -112,15 +107,21 @@ class CudaBackend(Backend):
         pool = self._staging.setdefault((tuple(t.shape), t.dtype), [])
         return pool.pop() if pool else pinned_empty(t.numel(), t.dtype).view(t.shape)
 
-    def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False) -> Event:
+    def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False,
+                dsts=None) -> Event:
         produced = self._event_on(self._compute_stream())
         pooled = []
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
             staged = []
-            for s in srcs:
+            for s, dst in zip(srcs, dsts if dsts is not None else [None] * len(srcs)):
                 if s.device != self.device:
                     staged.append(s)        # already on the host (an SDPA philox seed): handed on as is
+                    continue
+                if dst is not None:         # straight into its final (page-locked) buffer
+                    dst.copy_(s, non_blocking=True)
+                    s.record_stream(self.d2h_stream)
+                    staged.append(dst)
                     continue
                 h = dense_like(s, pin=True) if keep else self._pinned(s)
                 h.copy_(s, non_blocking=True)
@@ -129,15 +130,19 @@ class CudaBackend(Backend):
                 if not keep:
                     pooled.append(h)
             done = self._event_on(self.d2h_stream)
+        if keep:
+            # Stashed activations are read only by the device: a restore copies them back on the
+            # h2d stream after a compute-stream wait on `done`. So the sink takes the buffers now
+            # and the wait is stream-side; no host thread waits for the copy.
+            sink(staged)
+            return CudaEvent(done, self.device)
 
         def land() -> None:
             done.synchronize()
             sink(staged)
             for h in pooled:
                 self._staging[(tuple(h.shape), h.dtype)].append(h)
-        landed = self.d2h.submit(land, what)
-        # Stashed activations are read back by a later restore on this thread: it must find them.
-        return HostAfterDevice(landed) if keep else CopiedThenLanded(CudaEvent(done, self.device), landed)
+        return CopiedThenLanded(CudaEvent(done, self.device), self.d2h.submit(land, what))
 
     def host_task(self, work: Callable[[], None], what: str) -> Event:
         return self.host.submit(work, what)
@@ -150,7 +155,11 @@ class CudaBackend(Backend):
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         # Queued on the compute stream: the loss comes back without stalling the step mid-way.
-        out = pinned_empty(t.numel(), t.dtype).view(t.shape)
+        # A small output (the loss) comes from torch's caching pinned allocator: registering a
+        # fresh page-locked buffer costs milliseconds, every step.
+        small = t.numel() * t.element_size() <= SMALL_OUTPUT_BYTES
+        out = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if small
+               else pinned_empty(t.numel(), t.dtype).view(t.shape))
         out.copy_(t.detach(), non_blocking=True)
         self._outputs.append(self._event_on(self._compute_stream()))
         return out
@@ -183,3 +192,10 @@ class CudaBackend(Backend):
     def close(self) -> None:
         self.d2h.close()
         self.host.close()
+        torch.cuda.set_per_process_memory_fraction(self._fraction_before, self.device)
+
+
+def _memory_fraction(device: torch.device) -> float:
+    # torch.cuda.get_per_process_memory_fraction is recent; without it the cap was never set (1.0).
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return get(device) if get is not None else 1.0

@@ -157,8 +157,7 @@ class Executor:
     def _run_graph(self, program, inputs: list[Any], what: str) -> list[Any]:
         memory = self.memory
         start = time.perf_counter()
-        outs = program.run(inputs, lambda n, v: memory.hold(n, v, what=f"{what}: {n.name}"),
-                           lambda n, v: memory.drop(n, v))
+        outs = program.run(inputs, lambda n, v: memory.hold(n, v, what), memory.drop)
         self.backend.compute_span(what, start)
         return outs
 
@@ -256,7 +255,9 @@ class Executor:
         def sink(host_grads: list[torch.Tensor]) -> None:
             for name, g in zip(names, host_grads):
                 host.accumulate_grad(name, g)
-        event = self.backend.offload(list(self._env[grads(s)]), sink, f"offload {stage.name}")
+        device_grads = list(self._env[grads(s)])
+        dsts = [host.landing_view(name, g) for name, g in zip(names, device_grads)]
+        event = self.backend.offload(device_grads, sink, f"offload {stage.name}", dsts=dsts)
         self._events[grads(s)] = event
         # The gradients' host side: on cuda the WAIT is stream-side; run() waits for it at the end.
         self._landed[s] = getattr(event, "landed", event)

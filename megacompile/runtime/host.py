@@ -92,7 +92,9 @@ class OwnerBuffers:
         # buffer (4 B/param), swapped in when the micro-batch commits, so a failed micro-batch
         # leaves the earlier ones' sum untouched; with one micro-batch per step nothing earlier
         # needs keeping and the two are one.
-        self.grad = torch.zeros(numel, dtype=grad_dtype)
+        # With one micro-batch per step the device's gradients land in `grad` itself, so it is
+        # page-locked then: it crosses the link.
+        self.grad = empty(grad_dtype, pinned=pin and grad_accum == 1).zero_()
         self.landing = self.grad if grad_accum == 1 else torch.zeros(numel, dtype=grad_dtype)
         # fp32 compute reads the masters themselves; bf16 gets its own copy, written by AdamW.
         self.compute = self.master if compute_dtype == torch.float32 else empty(compute_dtype)
@@ -238,6 +240,19 @@ class HostState:
         for b in self.owners.values():
             b.grad, b.landing = b.landing, b.grad
 
+    def landing_view(self, name: str, g: torch.Tensor) -> torch.Tensor | None:
+        """Where the device gradient g of `name` may land as it is, with no host-side copy: its
+        slot of the owner's grad buffer, when this is the step's only micro-batch (the landed value
+        is the sum), the parameter has one use (a tied one sums its uses first), and the slot
+        has g's dtype and shape. None otherwise (the gradient is staged, then added)."""
+        slot = self.slots.get(name)
+        if slot is None or not self._first or self.uses[name] != 1:
+            return None
+        buffers = self.owners[slot.owner]
+        if buffers.landing is not buffers.grad or buffers.grad.dtype != g.dtype or tuple(g.shape) != slot.shape:
+            return None
+        return buffers.grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
     def accumulate_grad(self, name: str, g: torch.Tensor) -> None:
         """Add one stage's gradient for `name`. A parameter used by several stages (tied
         weights) sums its contributions of the micro-batch first, then adds that sum to the
@@ -259,7 +274,8 @@ class HostState:
         flat = buffers.landing[slot.offset:slot.offset + slot.numel]
         dst = flat.view(slot.shape)
         if self._first:
-            dst.copy_(g)
+            if g.data_ptr() != dst.data_ptr():      # else it landed in place (landing_view)
+                dst.copy_(g)
         else:   # landing = grad + g: the committed sum is only read, never written
             torch.add(self._view(buffers.grad, name), g, out=dst)
         if self._check:

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
+import torch
+import torch.fx as fx
 
 from ..errors import BudgetExceededError
 from ..ir.ledger import StorageLedger
 from ..ir.printer import fmt_bytes
-from ..ir.stage_program import real_storage_key, tensors_of
+from ..ir.stage_program import tensors_of
+
+
+def _tensors(value: Any):
+    # Most values are one tensor: no pytree walk for them (this runs after every op).
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    return () if value is None else tensors_of(value)
 
 
 class DeviceMemory:
@@ -22,21 +31,25 @@ class DeviceMemory:
         self.ledger = StorageLedger()
 
     def hold(self, holder: Hashable, value: Any, what: str = "") -> None:
-        for t in tensors_of(value):
-            nbytes = t.untyped_storage().nbytes()
+        """`what` names where it happens (a stage graph: the op's node is the holder)."""
+        for t in _tensors(value):
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
             if nbytes == 0:
                 continue
-            self.ledger.hold(holder, real_storage_key(t), nbytes)
+            self.ledger.hold(holder, (t.device, storage.data_ptr()), nbytes)
             if self.ledger.live_bytes > self.budget_bytes:
+                where = f"{what}: {holder.name}" if isinstance(holder, fx.Node) else (what or holder)
                 raise BudgetExceededError(
-                    f"device memory would reach {fmt_bytes(self.ledger.live_bytes)} with {what or holder}, "
+                    f"device memory would reach {fmt_bytes(self.ledger.live_bytes)} with {where}, "
                     f"over the budget of {fmt_bytes(self.budget_bytes)}; the plan predicted less, so "
                     "this is a planner bug: report it with the plan dump (engine.plan.dump(dir))")
 
     def drop(self, holder: Hashable, value: Any) -> None:
-        for t in tensors_of(value):
-            if t.untyped_storage().nbytes():
-                self.ledger.drop(holder, real_storage_key(t))
+        for t in _tensors(value):
+            storage = t.untyped_storage()
+            if storage.nbytes():
+                self.ledger.drop(holder, (t.device, storage.data_ptr()))
 
     @property
     def live_bytes(self) -> int:

@@ -70,7 +70,7 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
     dw = torch.zeros((vocab, hidden), dtype=torch.float32, device=w.device)
     tile = torch.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
     rows = _dw_rows(chunk_size, n, vocab) if w.dtype != torch.float32 else 0
-    partial = torch.empty((rows, hidden), dtype=h.dtype, device=h.device)
+    partial = torch.empty((rows, hidden), dtype=h.dtype, device=h.device)     # declared by the meta: kept on cuda too
     block_m, block_v, num_warps = row_tile(chunk_size, min(vocab, BLOCK_V_MAX), tile=4 * BLOCK_V_MAX)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
@@ -82,14 +82,29 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
             BLOCK_M=block_m, BLOCK_V=block_v, num_warps=num_warps,
         )
         torch.mm(logits, w, out=dh[start:end])                       # logits now hold d loss / d logits
-        if dw.dtype == logits.dtype:
-            dw.addmm_(logits.T, h_chunk)
-            continue
-        for v in range(0, vocab, rows):                              # product in h.dtype, sum in fp32
-            part = partial[:min(rows, vocab - v)]
+        _accumulate_dw(dw, logits, h_chunk, partial)
+    return loss_rows.sum() / n_valid[0], dh, dw, tile, partial
+
+
+def _accumulate_dw(dw: torch.Tensor, logits: torch.Tensor, h_chunk: torch.Tensor, partial: torch.Tensor) -> None:
+    """dw [V, H] fp32 += logits.T @ h_chunk. Same dtypes: one addmm. bf16 operands on cuda: one
+    cuBLAS GEMM that accumulates in fp32 and adds into dw (addmm's out_dtype). Elsewhere the product
+    goes through the [rows, H] partial in h.dtype, rows of the vocabulary at a time: on a GPU that
+    loop is V / rows small GEMMs per chunk (63 at a 32k vocabulary), launch-bound."""
+    if dw.dtype == logits.dtype:
+        dw.addmm_(logits.T, h_chunk)
+    elif logits.is_cuda and _FP32_OUT_GEMM:
+        torch.addmm(dw, logits.T, h_chunk, out_dtype=torch.float32, out=dw)
+    else:
+        rows = partial.shape[0]
+        for v in range(0, dw.shape[0], rows):                        # product in h.dtype, sum in fp32
+            part = partial[:min(rows, dw.shape[0] - v)]
             torch.mm(logits[:, v:v + rows].T, h_chunk, out=part)
             dw[v:v + rows] += part                                   # casts as it adds: no fp32 copy
-    return loss_rows.sum() / n_valid[0], dh, dw, tile, partial
+
+
+# addmm(..., out_dtype=float32) over bf16 operands: cuda only, in torch 2.8 and later.
+_FP32_OUT_GEMM = "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
 def _backward_meta(tangent, dh, dw, w_dtype):

@@ -31,6 +31,7 @@ def fake_cuda(monkeypatch):
             raise ValueError("Expected a cuda device with a specified index")
         calls.fraction.append((f, torch.device(device)))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fraction)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.75, raising=False)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: calls.streams.append(device) or SimpleNamespace())
     return calls
 
@@ -54,6 +55,8 @@ def test_the_cuda_backend_is_made_for_the_current_gpu_with_its_index(fake_cuda):
         assert fake_cuda.streams == [torch.device("cuda", 1)] * 2
     finally:
         backend.close()
+    # The cap is process-wide: once the engine is closed the one from before is back.
+    assert fake_cuda.fraction[-1] == (0.75, torch.device("cuda", 1))
 
 
 def test_a_budget_above_the_device_memory_is_refused(fake_cuda):
@@ -86,7 +89,7 @@ class _StubBackend:
         self.offloaded, self.restored = [], []
         self.memory = SimpleNamespace(hold=lambda *a, **k: None, drop=lambda *a, **k: None)
 
-    def offload(self, srcs, sink, what, keep=False):
+    def offload(self, srcs, sink, what, keep=False, dsts=None):
         self.offloaded = list(srcs)
         sink([torch.empty(t.shape, dtype=t.dtype) if t.device == self.device else t for t in srcs])
         return SimpleNamespace(wait=lambda: None)
@@ -136,15 +139,20 @@ def test_a_stage_slot_is_one_buffer_per_dtype_and_its_copies_coalesce():
     assert len(coalesce(slot[:2], [host[0:12].view(4, 3), host[13:16]])) == 2
 
 
-def test_the_fp32_master_is_page_locked_only_when_the_device_reads_it(monkeypatch):
+def test_only_what_crosses_the_link_is_page_locked(monkeypatch):
+    """The compute copy the device fetches, and with one micro-batch per step the gradient buffer
+    the device's gradients land in; the fp32 master only when the device reads it itself."""
     from megacompile.runtime import host
     pinned = []
     monkeypatch.setattr(host, "pinned_empty", lambda n, dtype: pinned.append(dtype) or torch.empty(n, dtype=dtype))
-    host.OwnerBuffers(8, torch.bfloat16, pin=True)
-    assert pinned == [torch.bfloat16]
+    host.OwnerBuffers(8, torch.bfloat16, pin=True, grad_dtype=torch.bfloat16)
+    assert sorted(map(str, pinned)) == ["torch.bfloat16", "torch.bfloat16"]      # grad, compute copy
     pinned.clear()
     buffers = host.OwnerBuffers(8, torch.float32, pin=True)
-    assert pinned == [torch.float32] and buffers.compute is buffers.master
+    assert pinned == [torch.float32, torch.float32] and buffers.compute is buffers.master   # master, grad
+    pinned.clear()
+    host.OwnerBuffers(8, torch.bfloat16, pin=True, grad_accum=2)    # sums of micro-batches stay pageable
+    assert pinned == [torch.bfloat16]
 
 
 def test_a_step_ends_only_once_every_gradient_is_added_on_the_host():
@@ -168,3 +176,47 @@ def test_a_step_ends_only_once_every_gradient_is_added_on_the_host():
     executor.run([])
     assert landed.query()
     timer.join()
+
+
+class _FakeStream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.stream = None
+
+    def record(self, stream):
+        self.stream = stream
+
+    def synchronize(self):
+        raise AssertionError("a host thread waited for a device copy")
+
+
+def test_a_stash_is_waited_for_on_the_compute_stream_not_on_a_host_thread(fake_cuda, monkeypatch):
+    """Stashed activations go to host memory for the device alone to read back: the executor gets
+    them at once, and its WAIT orders the compute stream after the copy without blocking a thread."""
+    from megacompile.runtime import cuda
+    compute = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(cuda, "dense_like", lambda t, pin=False: torch.empty_like(t))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    backend = make_backend("cuda:1", 40 * GiB)
+    try:
+        backend.device = torch.device("cpu")          # host tensors stand for device ones here
+        backend.d2h_stream = _FakeStream()
+        got = []
+        event = backend.offload([torch.ones(3), torch.zeros(2)], got.append, "stash block.0", keep=True)
+        assert len(got) == 1 and [t.shape for t in got[0]] == [(3,), (2,)], "the sink has the buffers at once"
+        assert torch.equal(got[0][0], torch.ones(3))
+        event.wait()
+        assert compute.waited == [event.event] and event.event.stream is backend.d2h_stream
+    finally:
+        backend.device = torch.device("cuda", 1)
+        backend.close()

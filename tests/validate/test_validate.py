@@ -26,12 +26,30 @@ def test_parity_rows_pass_for_a_right_run_and_fail_for_a_wrong_one(monkeypatch):
     assert {r.name for r in rows} == {"tinyllama float32", "tinyllama bfloat16"}
     assert all(r.passed for r in rows), [(r.name, r.value, r.detail) for r in rows]
     fp32 = [r for r in rows if "float32" in r.name]
-    assert all(r.value <= 1e-5 and r.detail["weight_error"] <= 1e-5 for r in fp32)
+    assert all(r.value <= 1e-5 and r.detail["weight_error"] <= 1e-5 and r.detail["first_grad_error"] <= 1e-5
+               for r in fp32)
+    # on the host eager is its own reference: no noise floor widens the weights' tolerance
+    assert all(r.detail["weight_tolerance"] == 1e-5 for r in fp32)
     # an eager run 0.1% off must read as a failure: the comparison is not vacuous
     real = checks.eager_losses
     monkeypatch.setattr(checks, "eager_losses", lambda *a, **k: [x * 1.001 for x in real(*a, **k)])
     wrong = checks.parity_rows("cpu", width=32, layers=2, steps=2, dtypes=(torch.float32,), only=("tinyllama",))
     assert [r.passed for r in wrong] == [False]
+
+
+def test_a_wrong_first_gradient_fails_the_parity_row(monkeypatch):
+    """The first step's gradients are compared on their own (a wrong one that the losses would
+    not show yet must fail the row)."""
+    real = checks.megacompile_run
+
+    def off(*a, first_moments=None, **k):
+        run = real(*a, first_moments=first_moments, **k)
+        name = next(iter(first_moments))
+        first_moments[name] = first_moments[name] * 1.001
+        return run
+    monkeypatch.setattr(checks, "megacompile_run", off)
+    rows = checks.parity_rows("cpu", width=32, layers=2, steps=2, dtypes=(torch.float32,), only=("tinyllama",))
+    assert [r.passed for r in rows] == [False] and rows[0].detail["first_grad_error"] > 1e-5
 
 
 @pytest.mark.slow
