@@ -24,6 +24,17 @@ BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 32
 
 
 @triton.jit
+def _dot_into(acc, a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    if IEEE:
+        acc += tl.dot(a, b, input_precision="ieee")
+    else:
+        acc += tl.dot(a, b)
+    return acc
+
+
+@triton.jit
 def grouped_gemm_kernel(
     y_ptr,  # *T [S, N] out, rows grouped by expert
     x_ptr,  # *T [S, K] rows grouped by expert
@@ -48,12 +59,7 @@ def grouped_gemm_kernel(
                         mask=(rows[:, None] < end) & (ks[None, :] < K), other=0.0)
             b = tl.load(w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
                         mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
-            if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            if IEEE:
-                acc += tl.dot(a, b, input_precision="ieee")
-            else:
-                acc += tl.dot(a, b)
+            acc = _dot_into(acc, a, b, UPCAST, IEEE)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ys + cols[None, :] * stride_yn,
                  round_to(acc, y_ptr.dtype.element_ty), mask=(rows[:, None] < end) & (cols[None, :] < N))
 
@@ -81,12 +87,7 @@ def grouped_gemm_weight_grad_kernel(
                     mask=(rows[None, :] < end) & (ks[:, None] < K), other=0.0)       # x^T tile [BK, BM]
         b = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_ys + cols[None, :] * stride_yn,
                     mask=(rows[:, None] < end) & (cols[None, :] < N), other=0.0)     # [BM, BN]
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        if IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc = _dot_into(acc, a, b, UPCAST, IEEE)
     tl.store(dw_ptr + e.to(tl.int64) * K * N + ks[:, None] * N + cols[None, :],
              round_to(acc, dw_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (cols[None, :] < N))
 
