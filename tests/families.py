@@ -119,10 +119,14 @@ FAMILIES = {
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=D, n_shared_experts=1,
         first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=8, **_AUX)),
-    # Hybrid: gated delta-net linear attention beside full attention (refused, docs/families.md).
+    # Hybrid: three gated delta-net (linear attention) layers, then a full-attention one; MoE with a shared expert.
     "qwen3_next": lambda: _hf("Qwen3NextConfig", "Qwen3NextForCausalLM", **_common(
         num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D,
-        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)),
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, **_AUX)),
+    # Hybrid with Mamba mixers (refused, docs/families.md).
+    "jamba": lambda: _hf("JambaConfig", "JambaForCausalLM", **_common(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=2, mamba_expand=2)),
     "llama4": lambda: _hf("Llama4TextConfig", "Llama4ForCausalLM", **_common(
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=2 * D)),
 }

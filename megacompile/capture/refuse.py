@@ -15,9 +15,10 @@ from ..moe.experts import is_hf_experts
 # DBRX's, Llama 4's, JetMoE's): their forward loops over the experts a batch hits (shapes that
 # depend on the routing) and has no static-shape counterpart here (moe/experts.py).
 _EXPERTS = re.compile(r"Experts(?![a-z])")
-# Linear-attention layers of hybrid decoders (Qwen3-Next's gated delta-net, Mamba mixers): their
-# chunked recurrences are not traced or checked for parity yet.
-_LINEAR_ATTENTION = re.compile(r"(GatedDeltaNet|Mamba\d*Mixer|LinearAttention)(?![a-z])")
+# Linear-attention layers of hybrid decoders (Mamba mixers, gated delta-nets, other linear
+# attentions): their recurrences are not checked for parity yet, but for Qwen3-Next's.
+_LINEAR_ATTENTION = re.compile(r"(Mamba\d*Mixer|BambaMixer|H1Mixer|LinearAttention|GatedDeltaNet|Rglru)(?![a-z])")
+_CHECKED_LINEAR_ATTENTION = {"Qwen3NextGatedDeltaNet"}
 
 
 def refuse_unsupported(model: nn.Module) -> None:
@@ -29,11 +30,11 @@ def refuse_unsupported(model: nn.Module) -> None:
                 "3D expert weights: megacompile captures experts as one grouped matmul over fused weights "
                 "(gate_up_proj, down_proj) and cannot capture this layout yet (docs/families.md lists the "
                 "families it trains)")
-        if _LINEAR_ATTENTION.search(name):
+        if _LINEAR_ATTENTION.search(name) and name not in _CHECKED_LINEAR_ATTENTION:
             raise CaptureError(
                 f"'{path}' ({name}) is a linear-attention layer of a hybrid decoder, which megacompile cannot "
-                "capture yet: its chunked recurrence is not checked against eager training. Decoders whose "
-                "layers all use softmax attention train (docs/families.md lists them)")
+                "capture yet: its recurrence is not checked against eager training. Decoders of softmax "
+                "attention, and Qwen3-Next's gated delta-net, train (docs/families.md lists them)")
 
 
 def _inside_hf_experts(model: nn.Module, path: str) -> bool:

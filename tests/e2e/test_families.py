@@ -29,7 +29,7 @@ DEFAULT = {"gemma2", "gptj", "bloom", "mixtral"}
 
 # Families that cannot be captured yet, with the error they raise.
 REFUSED = {
-    "qwen3_next": "linear-attention layer",
+    "jamba": "linear-attention layer",
     "llama4": "not transformers' fused 3D expert weights",
 }
 
