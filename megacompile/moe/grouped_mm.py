@@ -56,15 +56,16 @@ def grouped_mm_weight_grad_reference(x: torch.Tensor, dy: torch.Tensor, offs: to
     return dw
 
 
-def _cutlass(x: torch.Tensor) -> bool:
+def _cutlass(x: torch.Tensor, *dims: int) -> bool:
+    """torch._grouped_mm: bf16 on sm_90+, every row stride a multiple of 16 bytes (8 elements)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+            and all(d % 8 == 0 for d in dims) and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 @torch.library.custom_op("megacompile::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     _check(x, w, offs)
-    if _cutlass(x):
+    if _cutlass(x, x.size(1), w.size(1), w.size(2)):
         return torch._grouped_mm(x, w, offs=offs.to(torch.int32))
     if x.is_cuda:
         from ..kernels.grouped_gemm import grouped_gemm
@@ -80,7 +81,7 @@ def _grouped_mm_fake(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
 
 @torch.library.custom_op("megacompile::grouped_mm_weight_grad", mutates_args=())
 def grouped_mm_weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if _cutlass(x):
+    if _cutlass(x, x.size(1), dy.size(1)):
         return torch._grouped_mm(x.t(), dy, offs=offs.to(torch.int32))
     if x.is_cuda:
         from ..kernels.grouped_gemm import grouped_gemm_weight_grad
