@@ -16,6 +16,7 @@ from .adamw import adamw_step_
 from .cast import accumulate_, cast, scale
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .gelu import geglu, gelu
+from .grouped_gemm import grouped_matmul
 from .gpu_compile import ARCHS, compile_launches, kernels, record_launches
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
@@ -31,8 +32,10 @@ EXACT = 0.0
 
 # (name, odd shapes): "check" is the command line's size, "test" keeps pytest fast
 SHAPES = {
-    "check": dict(rows=(1823, 781), rope=(2, 7, 3, 301, 96), attn=(2, 3, 301, 301), lm=(1823, 781, 3001)),
-    "test": dict(rows=(37, 129), rope=(2, 3, 2, 19, 24), attn=(2, 2, 37, 37), lm=(67, 33, 257)),
+    "check": dict(rows=(1823, 781), rope=(2, 7, 3, 301, 96), attn=(2, 3, 301, 301), lm=(1823, 781, 3001),
+                  experts=((0, 1, 700, 0, 122), 96, 200)),
+    "test": dict(rows=(37, 129), rope=(2, 3, 2, 19, 24), attn=(2, 2, 37, 37), lm=(67, 33, 257),
+                 experts=((0, 1, 35, 0, 1), 24, 40)),
 }
 
 
@@ -153,6 +156,15 @@ def case_fused_linear_cross_entropy(dtype, s, gen):
     )
 
 
+def case_grouped_gemm(dtype, s, gen):
+    """Rows per expert with empty experts, a one-row expert and one that takes nearly all."""
+    counts, k, n = s["experts"]
+    x = _randn(sum(counts), k, dtype=dtype, gen=gen)
+    w = _randn(len(counts), k, n, dtype=dtype, gen=gen, scale=k**-0.5)
+    offs = torch.tensor(counts).cumsum(0).to(DEVICE, torch.int32)
+    return compare_autograd(grouped_matmul, ref.grouped_mm_ref, (x, w, offs), (0, 1))
+
+
 def case_adamw(dtype, s, gen, steps: int = 3):
     """dtype is the gradient's; three steps from a warm state, with the bf16 copy-out."""
     shape = s["rows"]
@@ -211,6 +223,7 @@ CASES = [
     ("softmax", _case_softmax(False), DTYPES, {torch.float32: 5e-5, torch.bfloat16: 1e-2}),
     ("softmax(causal)", _case_softmax(True), DTYPES, {torch.float32: 5e-5, torch.bfloat16: 1e-2}),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
+    ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),
     ("cast_fp32_to_bf16", case_cast, (torch.bfloat16,), {torch.bfloat16: EXACT}),
     ("accumulate_grad", case_accumulate, DTYPES, {torch.float32: EXACT, torch.bfloat16: EXACT}),

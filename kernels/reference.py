@@ -56,6 +56,15 @@ def fused_linear_cross_entropy_ref(h, w, labels, bias=None, ignore_index: int = 
     return F.cross_entropy(logits.float().reshape(-1, w.shape[0]), labels.reshape(-1), ignore_index=ignore_index)
 
 
+def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [S, K] grouped by expert, w [E, K, N], offs [E] (ends) -> [S, N]: each row times its expert's
+    weight, one row at a time (no grouping), in float32, cast back to x's dtype."""
+    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    expert_of_row = torch.repeat_interleave(torch.arange(w.size(0), device=x.device), counts)
+    y = torch.bmm(x.float().unsqueeze(1), w.float()[expert_of_row]).squeeze(1)
+    return y.to(x.dtype)
+
+
 def adamw_ref(p, g, m, v, *, step: int, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
     """(p, m, v) after one torch.optim.AdamW step from the given state (step counts from 1)."""
     param = torch.nn.Parameter(p.detach().clone())

@@ -226,6 +226,9 @@ class Plan:
     def summary(self) -> str:
         c = self.captured
         n_params = sum(e.numel for e in c.state.values() if e.trainable)
+        active = c.active_params
+        routed = (f" ({active:,} active per token: FLOPs count these, transfers all of them)"
+                  if active != n_params else "")
         blocks = sum(1 for s in c.stages if s.template.kind == "block")
         n_templates = len(set(self._block_template_index().values()))
         shared = "share one template" if n_templates <= 1 else f"run {n_templates} templates"
@@ -235,7 +238,7 @@ class Plan:
         lines = [
             f"megacompile plan ({'training step' if c.train else 'forward only'}, {self.backend} backend, "
             f"compute {str(c.compute_dtype).replace('torch.', '')}, fp32 masters)",
-            f"  model          {n_params:,} trainable parameters, {len(c.stages)} stages "
+            f"  model          {n_params:,} trainable parameters{routed}, {len(c.stages)} stages "
             f"({blocks} blocks of {c.block_path or 'none'} {shared})",
             f"  device peak    {fmt_bytes(self.predicted_peak_bytes)} predicted of {fmt_bytes(self.budget_bytes)} "
             f"budget ({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}",

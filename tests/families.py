@@ -20,6 +20,9 @@ def _hf(config_name: str, model_name: str, **kw):
     return getattr(transformers, model_name)(config)
 
 
+_AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+
+
 def _common(**extra) -> dict:
     base = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS,
                 num_attention_heads=4, max_position_embeddings=64)
@@ -98,8 +101,34 @@ FAMILIES = {
                                      scale_attn_by_inverse_layer_idx=True),
     "qwen2_sliding": lambda: _hf("Qwen2Config", "Qwen2ForCausalLM", **_common(num_key_value_heads=2, use_sliding_window=True,
                                                                              sliding_window=8, max_window_layers=2)),
+    # Mixture-of-experts: 4 experts, top-2, the load-balancing loss on (router logits reach the epilogue).
     "mixtral": lambda: _hf("MixtralConfig", "MixtralForCausalLM", **_common(num_key_value_heads=2, num_local_experts=4,
-                                                                           num_experts_per_tok=2)),
+                                                                           num_experts_per_tok=2, **_AUX)),
+    "qwen2_moe": lambda: _hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", **_common(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D,
+        shared_expert_intermediate_size=48, mlp_only_layers=[0], **_AUX)),
+    "qwen3_moe": lambda: _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **_common(
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D,
+        norm_topk_prob=True, **_AUX)),
+    "qwen3_moe_unnormalised": lambda: _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **_common(
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D,
+        norm_topk_prob=False, decoder_sparse_step=2, **_AUX)),
+    "gpt_oss": lambda: _hf("GptOssConfig", "GptOssForCausalLM", **_common(
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, **_AUX)),
+    "deepseek_v3": lambda: _hf("DeepseekV3Config", "DeepseekV3ForCausalLM", **_common(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=D, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, **_AUX)),
+    # Hybrid: three gated delta-net (linear attention) layers, then a full-attention one; MoE with a shared expert.
+    "qwen3_next": lambda: _hf("Qwen3NextConfig", "Qwen3NextForCausalLM", **_common(
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D,
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, **_AUX)),
+    # Hybrid with Mamba mixers (refused, docs/families.md).
+    "jamba": lambda: _hf("JambaConfig", "JambaForCausalLM", **_common(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=2, mamba_expand=2)),
+    "llama4": lambda: _hf("Llama4TextConfig", "Llama4ForCausalLM", **_common(
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=2 * D)),
 }
 
 

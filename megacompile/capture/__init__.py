@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from .blocks import BlockStack, find_block_stack
+from .experts import routed_fractions, static_experts
 from .hf_masks import causal_attention_without_mask
 from .loss import LossFn, extract_loss
 from .model_graph import CapturedModel, Port, StageInstance, StateEntry
@@ -64,15 +65,17 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
     for x in leaves:
         fake_leaves.append(next(it) if isinstance(x, torch.Tensor) else x)
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
-    with causal_attention_without_mask(model, args, kwargs):
-        top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
-    with fake_mode:
-        stages, outputs, notes = build_stages(top, model, stack, fakes,
-                                              {n: e.trainable for n, e in state.items()}, input_fakes, train)
+    with static_experts(model) as routed:
+        with causal_attention_without_mask(model, args, kwargs):
+            top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
+        with fake_mode:
+            stages, outputs, notes = build_stages(top, model, stack, fakes,
+                                                  {n: e.trainable for n, e in state.items()}, input_fakes, train)
     return CapturedModel(
         stages=stages, state=state, inputs=[TensorMeta.of(t, False) for t in tensor_leaves],
         input_spec=spec, input_constants=[None if isinstance(x, torch.Tensor) else x for x in leaves],
         outputs=outputs, out_spec=top.out_spec, out_constants=top.out_constants,
         out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
         block_path=stack.path if stack else None, template_notes=notes,
+        routed_fractions=routed_fractions(model, routed),
         trace_seconds=time.perf_counter() - start)

@@ -92,7 +92,7 @@ def _difference(stack: BlockStack, a: BlockCall, b: BlockCall) -> str | None:
     if sa[1:3] != sb[1:3]:
         return "parameters or buffers (names, shapes, dtypes or requires_grad)"
     if not (a.in_spec == b.in_spec and a.tensor_positions == b.tensor_positions and a.out_spec == b.out_spec
-            and _equal(a.constants, b.constants)):
+            and _equal(a.constants, b.constants) and a.side_keys == b.side_keys):
         return "non-tensor call arguments"
     if a.fingerprint != b.fingerprint:
         return f"what it computes ({_first_op_difference(a.fingerprint, b.fingerprint)})"

@@ -26,6 +26,10 @@ class BlockCall:
     out_constants: list[Any]
     index: int = 0                # which block of the stack was called
     fingerprint: tuple = ()       # what the block computed (fingerprint.py)
+    # Tensors the block's forward hooks recorded (side_outputs.py): extra outputs after the
+    # returned ones, with the collector keys active while it ran and the key of each tensor.
+    collect_keys: tuple[str, ...] = ()
+    side_keys: tuple[str, ...] = ()
 
     def rebuild_args(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
         leaves = list(self.constants)

@@ -59,6 +59,13 @@ class CapturedModel:
     # For each block stage that starts a template of its own: how it differs from the first block.
     template_notes: dict[str, str] = field(default_factory=dict)
     trace_seconds: float = 0.0
+    # Parameters of routed experts: the share of each that one token uses (top_k / experts).
+    routed_fractions: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def active_params(self) -> int:
+        """Trainable parameters one token uses: every expert's count scaled by top_k / experts."""
+        return round(sum(e.numel * self.routed_fractions.get(n, 1.0) for n, e in self.state.items() if e.trainable))
 
     @property
     def block_templates(self) -> list[StageTemplate]:

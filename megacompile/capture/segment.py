@@ -19,6 +19,7 @@ from ..errors import CaptureError
 from .blocks import BlockStack, TemplateGroups
 from .leaf import BlockCall
 from .model_graph import Port, StageInstance
+from .side_outputs import recording
 from .stage import ParamSlot, StageTemplate, TensorMeta, trace_stage
 from .top import TopGraph
 
@@ -139,8 +140,10 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
     if epilogue or not calls:
         add_segment("epilogue" if calls else "whole", epilogue, e_out, type(model).__name__)
     if train:
+        side = {Port(s, k) for s, st in enumerate(stages) if st.name.startswith("block.")
+                for k in range(_returned(top.calls[int(st.name.split(".")[1])]), len(st.template.outputs))}
         for stage in stages:
-            _check_no_grad_bypass(stage, stages)
+            _check_no_grad_bypass(stage, stages, side)
     return stages, [where[o] for o in e_out], notes
 
 
@@ -161,7 +164,7 @@ def _add_blocks(stages, calls, top: TopGraph, stack: BlockStack, fakes, trainabl
         block, path = stack.blocks[call.index], stack.block_path(call.index)
         local = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
         acts = [fake_act(a) for a in node.args[0]]
-        read = _outputs_read(node, sum(m is not None for m in call.out_meta))
+        read = _outputs_read(node, _returned(call) + len(call.side_keys))
         grads = tuple(bool(train and a.requires_grad) for a in acts) + read
         source = groups.source(b, grads)
         if source == b:
@@ -197,10 +200,16 @@ def _trace_block(block: torch.nn.Module, path: str, call: BlockCall, local: list
 
     def source(params, acts):
         args, kwargs = call.rebuild_args(acts)
-        out = functional_call(block, dict(zip(local, params)), args, kwargs, strict=False)
-        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        with recording(call.collect_keys) as side:
+            out = functional_call(block, dict(zip(local, params)), args, kwargs, strict=False)
+        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)] + side.tensors
     return trace_stage("block", source, slots, [fakes[f"{path}.{n}"] for n in local], fake_acts, train, path,
                        differentiable=list(read))
+
+
+def _returned(call: BlockCall) -> int:
+    """How many tensors the block returns; its side outputs (side_outputs.py) follow them."""
+    return sum(m is not None for m in call.out_meta)
 
 
 def _outputs_read(call: fx.Node, n_outputs: int) -> tuple[bool, ...]:
@@ -212,10 +221,12 @@ def _outputs_read(call: fx.Node, n_outputs: int) -> tuple[bool, ...]:
     return tuple(read)
 
 
-def _check_no_grad_bypass(stage: StageInstance, stages: list[StageInstance]) -> None:
-    """A gradient may only flow back along the chain; a shared input needing one is not supported."""
+def _check_no_grad_bypass(stage: StageInstance, stages: list[StageInstance], side: set[Port]) -> None:
+    """A gradient may only flow back along the chain, or to a block's side output (a layer's router
+    logits, which the epilogue's auxiliary loss reads): a few bytes per token, whose gradient waits
+    on the device from the epilogue's backward until that block's."""
     for k, port in enumerate(stage.inputs):
-        if port.stage < 0 or not stage.template.acts[k].requires_grad:
+        if port.stage < 0 or not stage.template.acts[k].requires_grad or port in side:
             continue
         producer = stages[port.stage]
         index = stages.index(stage)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 @dataclass
@@ -66,13 +67,74 @@ def _mutates(node: fx.Node) -> bool:
 
 
 def _touched_in_place(nodes: list[fx.Node]) -> set[fx.Node]:
-    """In-place ops and every value they write to."""
+    """In-place ops, every value they write to, and every value sharing storage with one (the
+    buffer a write through a slice fills)."""
     touched: set[fx.Node] = set()
     for n in nodes:
         if n.op == "call_function" and _mutates(n):
             touched.add(n)
             touched.update(n.all_input_nodes)
+    written = {_storage(n) for n in touched} - {None}
+    touched.update(n for n in nodes if _storage(n) in written)
     return touched
+
+
+def _read_before_written(nodes: list[fx.Node], forward_set: set[fx.Node]) -> set[fx.Node]:
+    """Nodes that read a value before a forward op writes it in place, with what they read.
+
+    Autograd copies the operand of an in-place op whose original value its backward needs (the
+    `clone` before Mixtral's router divides its top-k weights in place, `/=`). Only the gradient
+    reads that copy, but it must be made where it stands, in the forward: moved to the backward it
+    would copy the value already written."""
+    position = {n: i for i, n in enumerate(nodes)}
+    found: set[fx.Node] = set()
+    for m in nodes:
+        if m not in forward_set or m.op != "call_function" or not _mutates(m):
+            continue
+        schema = m.target._schema
+        written = [m.args[i] if i < len(m.args) else m.kwargs.get(a.name) for i, a in enumerate(schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        for value in written:
+            if not isinstance(value, fx.Node):
+                continue
+            for reader in value.users:
+                if position[reader] < position[m] and reader not in forward_set:
+                    found |= _ancestors([reader])
+    return found
+
+
+def _storage(node: fx.Node):
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    return StorageWeakRef(val.untyped_storage())
+
+
+def _writes_into_forward(nodes: list[fx.Node], forward_set: set[fx.Node]) -> set[fx.Node]:
+    """In-place writes into the storage of a forward value before a forward node reads it.
+
+    A write through a view (`k[..., :d] = x`: a slice, then copy_) is no ancestor of the value
+    read later (`k`), yet that value is what the write filled."""
+    position = {n: i for i, n in enumerate(nodes)}
+    found: set[fx.Node] = set()
+    changed = True
+    while changed:
+        changed = False
+        read_at: dict = {}     # storage -> last position a forward node holds it
+        for n in forward_set | found:
+            ref = _storage(n)
+            if ref is not None:
+                read_at[ref] = max(read_at.get(ref, -1), position[n])
+        for m in nodes:
+            if m in forward_set or m in found or m.op != "call_function" or not _mutates(m):
+                continue
+            schema = m.target._schema
+            written = [m.args[i] if i < len(m.args) else m.kwargs.get(a.name)
+                       for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+            if any(_storage(w) is not None and read_at.get(_storage(w), -1) > position[m] for w in written):
+                found |= _ancestors([m])
+                changed = True
+    return found
 
 
 def _dependents(nodes: list[fx.Node], sources: set[fx.Node]) -> set[fx.Node]:
@@ -134,6 +196,8 @@ def split_joint(joint: fx.GraphModule, n_params: int, n_acts: int, n_outputs: in
     outputs, grads = flat_out[:n_outputs], flat_out[n_outputs:]
 
     forward_set = _ancestors(outputs) - set(placeholders)
+    forward_set |= _read_before_written(nodes, forward_set) - set(placeholders)
+    forward_set |= _writes_into_forward(nodes, forward_set) - set(placeholders)
     # Tuple-valued forward ops: keep every getitem of them in the forward, so the backward
     # reads tensors, never the tuple.
     for n in nodes:

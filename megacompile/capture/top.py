@@ -17,6 +17,7 @@ from .blocks import BlockStack
 from .fingerprint import record
 from .leaf import BlockCall, clear_out_meta, set_out_meta
 from .loss import LossFn, extract_loss
+from .side_outputs import active_keys, hand_back, recording
 from .state_writes import refuse_state_writes
 
 
@@ -52,15 +53,20 @@ def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall], train: b
                     own[pos] = t
                 a, kw = pytree.tree_unflatten(own, in_spec)
                 return original(*a, **kw)
+            keys = active_keys()
             with disable_proxy_modes_tracing():   # fake tensors only: the output's shapes, the fingerprint
-                out, fingerprint = record(block, run, [leaves[i] for i in positions], train)
+                with recording(keys) as side:
+                    out, fingerprint = record(block, run, [leaves[i] for i in positions], train)
             out_leaves, out_spec = pytree.tree_flatten(out)
             meta = [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in out_leaves]
             out_constants = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
-            calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants, index, fingerprint))
-            set_out_meta(index, [m for m in meta if m is not None])
+            calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants, index, fingerprint,
+                                   keys, side.tensor_keys))
+            set_out_meta(index, [m for m in meta if m is not None] + [(x.shape, x.dtype, x.device) for x in side.tensors])
             tensors = torch.ops.megacompile.block_call([leaves[i] for i in positions], index)
-            return calls[-1].rebuild_output(tensors)
+            returned = sum(m is not None for m in meta)
+            hand_back(side, tensors[returned:])
+            return calls[-1].rebuild_output(tensors[:returned])
         return leaf
 
     try:

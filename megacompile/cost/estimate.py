@@ -50,7 +50,18 @@ KERNEL_FLOPS = {
 }
 
 
+# The grouped matmul of routed experts (megacompile/moe): every row meets one expert's [K, N]
+# weight, 2SKN whatever the routing; its weight gradient likewise.
+GROUPED_FLOPS = {
+    "grouped_mm": lambda x, w, offs: 2.0 * x.shape[0] * x.shape[1] * w.shape[2],
+    "grouped_mm_weight_grad": lambda x, dy, offs: 2.0 * x.shape[0] * x.shape[1] * dy.shape[1],
+}
+
+
 def node_flops(node: fx.Node) -> float:
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None and getattr(node.target, "namespace", None) == "megacompile" and packet.__name__ in GROUPED_FLOPS:
+        return GROUPED_FLOPS[packet.__name__](*fx.node.map_arg(node.args, _val))
     kernel = node.meta.get("kernel")
     if kernel is not None:
         formula = KERNEL_FLOPS.get(kernel)

@@ -26,7 +26,7 @@ class StepPrediction:
     d2h_s: float
     host_s: float
     hardware_flops: float       # FLOPs the device executes, recompute included
-    model_flops: float          # 6 * N * tokens
+    model_flops: float          # 6 * N * tokens, N the active (per-token) parameters
     tokens: int
 
     @property
@@ -103,7 +103,8 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile) -> S
                 seconds = sum(m.nbytes for m in captured.inputs) / hw.h2d_bw
                 free["compute"] += seconds
         ends.append(free["compute"] - start_of_step)
-    trainable = sum(e.numel for e in captured.state.values() if e.trainable)
+    # 6ND with N the parameters a token uses: a routed expert layer counts top_k of its experts.
+    trainable = captured.active_params
     tokens = captured.inputs[0].shape[0] * (captured.inputs[0].shape[1] if len(captured.inputs[0].shape) > 1 else 1)
     model_flops = (6 if captured.train else 2) * trainable * tokens
     return StepPrediction(ends[-1], busy["compute"], exposed, busy["h2d"], busy["d2h"], busy["host"],

@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+from .stage_program import runnable
+
 
 class _Unsupported(Exception):
     pass
@@ -60,7 +62,7 @@ def generate(program) -> Callable | None:
                 lines.append(f"    {var} = getattr({bind(program.gm, 'G')}, {node.target!r})")
             else:
                 call = [arg(a) for a in node.args] + [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
-                lines.append(f"    {var} = {bind(node.target, 'T')}({', '.join(call)})")
+                lines.append(f"    {var} = {bind(runnable(node.target), 'T')}({', '.join(call)})")
             lines.append(f"    on_alloc({bind(node, 'N')}, {var})")
             for dead in frees:
                 lines.append(f"    on_free({bind(dead, 'N')}, {names[dead]}); del {names[dead]}")

@@ -33,6 +33,26 @@ class GraphMemory:
     group_bytes: list[int]     # per storage group: bytes it holds (0 when it is an input's)
 
 
+_VIEW = torch.ops.aten.view.default
+
+
+def view_or_copy(*args, **kwargs):
+    """aten.view, or where the real input's strides allow none, a copy (reshape). Fake tensors
+    predicted strides that allow a view; the real op before it chose others (a cat of two
+    gradients laid out as transposes, in Qwen3-Next's gated delta-net backward). The copy holds
+    the same values; it would differ from a view only for a later in-place write through it. Its
+    bytes are counted where it is made, beyond what the plan predicted for a view."""
+    try:
+        return _VIEW(*args, **kwargs)
+    except RuntimeError:
+        return torch.ops.aten.reshape.default(*args, **kwargs)
+
+
+def runnable(target):
+    """What runs for a graph node's target."""
+    return view_or_copy if target is _VIEW else target
+
+
 class StageProgram:
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
@@ -82,7 +102,7 @@ class StageProgram:
             else:
                 args = fx.node.map_arg(node.args, load)
                 kwargs = fx.node.map_arg(node.kwargs, load)
-                value = node.target(*args, **kwargs)
+                value = runnable(node.target)(*args, **kwargs)
             env[node] = value
             on_alloc(node, value)
             for dead in frees:

@@ -1,0 +1,55 @@
+"""While capturing, every Hugging Face experts module runs the static-shape forward of moe/experts.py.
+
+Whatever `config._experts_implementation` the model selected ("eager", "grouped_mm",
+"batched_mm", ...), the traced graph runs the sorted, grouped computation: the same results, with
+shapes that do not depend on the routing. The model itself is left as it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch.nn as nn
+
+from ..errors import CaptureError
+from ..moe.experts import is_hf_experts, static_experts_forward
+
+
+def hf_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(path, m) for path, m in model.named_modules() if is_hf_experts(m)]
+
+
+def routed_fractions(model: nn.Module, routed: dict[str, int]) -> dict[str, float]:
+    """For each parameter of a routed experts module: the share of it one token uses (top_k / E).
+    `routed`: top_k per experts module path, as the trace saw it."""
+    fractions = {}
+    for path, module in hf_experts(model):
+        if path in routed:
+            for name, _ in module.named_parameters():
+                fractions[f"{path}.{name}"] = routed[path] / module.num_experts
+    return fractions
+
+
+@contextlib.contextmanager
+def static_experts(model: nn.Module):
+    """Yields {experts module path: top_k}, filled as the trace runs each experts module."""
+    patched = []
+    routed: dict[str, int] = {}
+
+    def traced(path: str):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            routed[path] = top_k_index.size(-1)
+            return static_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return forward
+    try:
+        for path, module in hf_experts(model):
+            if module._is_expert_parallel:
+                raise CaptureError(f"'{path}' ({type(module).__name__}) is sharded for expert parallelism; "
+                                   "megacompile trains every expert of a layer on one device: load the model "
+                                   "without an expert-parallel plan")
+            module.forward = types.MethodType(traced(path), module)
+            patched.append(module)
+        yield routed
+    finally:
+        for module in patched:
+            del module.forward   # back to the class's forward

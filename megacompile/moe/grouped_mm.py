@@ -1,0 +1,109 @@
+"""The grouped matmul of a mixture-of-experts layer, as two operators with static output shapes.
+
+Rows of `x` are sorted by expert; `offs[e]` is where expert e's rows end (offs[-1] == rows). Each
+expert's rows meet that expert's weight:
+
+    grouped_mm(x [S, K], w [E, K, N], offs [E]) -> y [S, N],    y[s_e:offs[e]] = x[s_e:offs[e]] @ w[e]
+    grouped_mm_weight_grad(x [S, K], dy [S, N], offs [E]) -> dw [E, K, N],  dw[e] = x_e^T @ dy_e
+
+How many rows each expert gets depends on the routing, which a fake-tensor trace cannot know, but
+the shapes of both results do not: the trace (capture) and the planner see [S, N] and [E, K, N].
+The backward of grouped_mm is grouped_mm on the transposed weights (dx) and the weight-gradient
+operator (dw); an expert that got no rows gets a zero gradient.
+
+Implementations, chosen when the graph runs:
+  - bf16 on an sm_90+ GPU: torch._grouped_mm (CUTLASS grouped GEMM);
+  - other CUDA cases (float32, GPUs before sm_90): the Triton grouped GEMM in kernels/grouped_gemm.py,
+    which never reads the offsets on the host;
+  - cpu: one torch.mm per expert over its slice, exact in float32 (the reference, also what
+    transformers' own grouped_mm computes on the cpu, sum for sum).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import CaptureError
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.size(0) != w.size(0) or x.size(1) != w.size(1):
+        raise CaptureError(f"grouped_mm takes x [S, K], w [E, K, N], offs [E]; got x {list(x.shape)}, "
+                           f"w {list(w.shape)}, offs {list(offs.shape)}")
+
+
+def _ends(offs: torch.Tensor) -> list[int]:
+    return offs.tolist()     # one device-to-host copy of E integers per call
+
+
+def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """One matmul per expert; rows past offs[-1] (none when every row is routed) are zero."""
+    y = x.new_zeros(x.size(0), w.size(2))
+    start = 0
+    for e, end in enumerate(_ends(offs)):
+        if end > start:
+            torch.mm(x[start:end], w[e], out=y[start:end])
+        start = end
+    return y
+
+
+def grouped_mm_weight_grad_reference(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    dw = x.new_zeros(offs.size(0), x.size(1), dy.size(1))
+    start = 0
+    for e, end in enumerate(_ends(offs)):
+        if end > start:
+            torch.mm(x[start:end].t(), dy[start:end], out=dw[e])
+        start = end
+    return dw
+
+
+def _cutlass(x: torch.Tensor, *dims: int) -> bool:
+    """torch._grouped_mm: bf16 on sm_90+, every row stride a multiple of 16 bytes (8 elements)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and all(d % 8 == 0 for d in dims) and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+@torch.library.custom_op("megacompile::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    _check(x, w, offs)
+    if _cutlass(x, x.size(1), w.size(1), w.size(2)):
+        return torch._grouped_mm(x, w, offs=offs.to(torch.int32))
+    if x.is_cuda:
+        from ..kernels.grouped_gemm import grouped_gemm
+        return grouped_gemm(x, w, offs)
+    return grouped_mm_reference(x, w, offs)
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    _check(x, w, offs)
+    return x.new_empty(x.size(0), w.size(2))
+
+
+@torch.library.custom_op("megacompile::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if _cutlass(x, x.size(1), dy.size(1)):
+        return torch._grouped_mm(x.t(), dy, offs=offs.to(torch.int32))
+    if x.is_cuda:
+        from ..kernels.grouped_gemm import grouped_gemm_weight_grad
+        return grouped_gemm_weight_grad(x, dy, offs)
+    return grouped_mm_weight_grad_reference(x, dy, offs)
+
+
+@grouped_mm_weight_grad.register_fake
+def _grouped_mm_weight_grad_fake(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(offs.size(0), x.size(1), dy.size(1))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _backward(ctx, dy: torch.Tensor):
+    x, w, offs = ctx.saved_tensors
+    dx = grouped_mm(dy, w.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    dw = grouped_mm_weight_grad(x, dy, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup_context)
