@@ -55,9 +55,10 @@ class Plan:
 
     @property
     def stash_bytes(self) -> int:
-        """Host memory for offloaded saved activations: all of them are there at the end of the forward."""
+        """Host memory for offloaded saved activations and block inputs: all of them are there at the
+        end of the forward."""
         return sum(self.program.values[n.reads[0]].nbytes for n in self.program.nodes
-                   if n.op is Op.OFFLOAD and self.program.values[n.reads[0]].kind == "saved")
+                   if n.op is Op.OFFLOAD and self.program.values[n.reads[0]].kind in ("saved", "activation"))
 
     @property
     def weight_bytes(self) -> int:

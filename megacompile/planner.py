@@ -109,14 +109,22 @@ def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareP
     any_selective = any(captured.stages[s].template.selective is not None for s in blocks)
     selective = tuple(Selective) if any_selective else (Selective.NONE,)
     distinct = {id(captured.stages[s].template): s for s in blocks}.values()
+    # A block that neither keeps nor saves may also send its input to host memory (boundary.py).
     options = families(residents, offload_counts, selective,
-                       lambda mode: max(_offload_lag(captured, held(s, mode), hardware) for s in distinct))
+                       lambda mode: max(_offload_lag(captured, held(s, mode), hardware) for s in distinct),
+                       (False, True))
     if host_room is None:
         return options
 
     def stash(f: Family) -> int:    # offloaded blocks never recompute, so KEPT offloads the variant
-        return sum(held(s, f.selective).saved_bytes for s in blocks[:f.offloaded])
+        inputs = sum(_input_bytes(captured, s) for s in blocks) if f.boundary else 0   # at most every block's
+        return inputs + sum(held(s, f.selective).saved_bytes for s in blocks[:f.offloaded])
     return [f for f in options if stash(f) <= host_room]
+
+
+def _input_bytes(captured: CapturedModel, s: int) -> int:
+    """Bytes of a block's inputs that carry a gradient: its boundary with the block before it."""
+    return sum(a.nbytes for a in captured.stages[s].template.acts if a.requires_grad)
 
 
 def _offload_lag(captured: CapturedModel, t, hardware: HardwareProfile) -> int:

@@ -4,7 +4,9 @@ Per block there are four ways to hold what its backward needs, from fastest and 
 slowest and smallest: keep every saved value on the device; keep only the costly ones (matmul
 and attention outputs) and recompute the cheap ops in the backward ("selective", see
 capture/split.py); send the saved values to host memory and bring them back (offload: free on
-the device, paid in link time); recompute the whole block forward (one block input kept).
+the device, paid in link time); recompute the whole block forward (one block input kept). A block offloaded or recomputed may also
+send that input to host memory until its backward half (passes/boundary.py): then it holds
+nothing on the device between its passes.
 
 The solver also picks how many compute nodes ahead weights are prefetched (depth 0, 1, 2) and
 whether the small stages (embeddings) stay resident for the step. Families of candidates fix
@@ -43,6 +45,7 @@ class Family:
     offloaded: int = 0                   # the first blocks whose saved values go to host memory
     selective: Selective = Selective.NONE
     lag: int = 1                         # compute nodes an activation copy runs beside
+    boundary: bool = False               # blocks offloaded or recomputed also send their input to host memory
 
 
 def candidates(blocks: Sequence[int], family: Family) -> list[ScheduleChoice]:
@@ -53,8 +56,10 @@ def candidates(blocks: Sequence[int], family: Family) -> list[ScheduleChoice]:
         recompute = frozenset(rest[:k])
         selective = {Selective.NONE: frozenset(), Selective.ALL: frozenset(blocks),
                      Selective.KEPT: frozenset(blocks) - recompute}[family.selective]
+        boundary = stash | recompute if family.boundary else frozenset()
         out.append(ScheduleChoice(family.depth, recompute, family.resident, offload=stash,
-                                  offload_lag=family.lag if stash else 1, selective=selective))
+                                  offload_lag=family.lag if stash or boundary else 1, selective=selective,
+                                  boundary=boundary))
     return out
 
 
@@ -76,9 +81,9 @@ def smallest_fit(options: list[ScheduleChoice], budget_bytes: int,
 
 def families(residents: Sequence[frozenset[int]] = (frozenset(),), offload_counts: Sequence[int] = (0,),
              selective: Sequence[Selective] = (Selective.NONE,),
-             lag_of: Callable[[Selective], int] = lambda _: 1) -> list[Family]:
-    return [Family(d, r, j, s, lag_of(s)) for d in DEPTHS for r in residents for j in offload_counts
-            for s in selective]
+             lag_of: Callable[[Selective], int] = lambda _: 1, boundaries: Sequence[bool] = (False,)) -> list[Family]:
+    return [Family(d, r, j, s, lag_of(s), b) for d in DEPTHS for r in residents for j in offload_counts
+            for s in selective for b in boundaries]
 
 
 def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
@@ -102,7 +107,8 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
         fits.append(choice)
         if not (choice.recompute or choice.offload or choice.selective):
             settled.add((f.depth, f.resident))
-    minimum = min(peak_of(candidates(blocks, Family(f.depth, selective=f.selective))[-1]) for f in options)
+    minimum = min(peak_of(candidates(blocks, Family(f.depth, selective=f.selective, lag=f.lag,
+                                                    boundary=f.boundary))[-1]) for f in options)
     if not fits:
         return None, minimum
     if seconds_of is None:
