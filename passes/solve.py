@@ -48,22 +48,38 @@ class Family:
     boundary: bool = False               # blocks offloaded or recomputed also send their input to host memory
 
 
-def candidates(blocks: Sequence[int], family: Family) -> list[ScheduleChoice]:
-    """The family's choices, k = 0 .. all of the blocks not offloaded recomputed, in order."""
-    stash, rest = frozenset(blocks[:family.offloaded]), blocks[family.offloaded:]
-    out = []
-    for k in range(len(rest) + 1):
-        recompute = frozenset(rest[:k])
-        selective = {Selective.NONE: frozenset(), Selective.ALL: frozenset(blocks),
-                     Selective.KEPT: frozenset(blocks) - recompute}[family.selective]
-        boundary = stash | recompute if family.boundary else frozenset()
-        out.append(ScheduleChoice(family.depth, recompute, family.resident, offload=stash,
-                                  offload_lag=family.lag if stash or boundary else 1, selective=selective,
-                                  boundary=boundary))
-    return out
+class Candidates(Sequence[ScheduleChoice]):
+    """The family's choices, k = 0 .. all of the blocks not offloaded recomputed, in order; each
+    made when asked for (bisection reads about log2(n) of them)."""
+
+    def __init__(self, blocks: Sequence[int], family: Family):
+        self.blocks, self.family = list(blocks), family
+        self.stash, self.rest = frozenset(self.blocks[:family.offloaded]), self.blocks[family.offloaded:]
+
+    def __len__(self) -> int:
+        return len(self.rest) + 1
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        f, stash = self.family, self.stash
+        recompute = frozenset(self.rest[:k])
+        selective = {Selective.NONE: frozenset(), Selective.ALL: frozenset(self.blocks),
+                     Selective.KEPT: frozenset(self.blocks) - recompute}[f.selective]
+        boundary = stash | recompute if f.boundary else frozenset()
+        return ScheduleChoice(f.depth, recompute, f.resident, offload=stash,
+                              offload_lag=f.lag if stash or boundary else 1, selective=selective, boundary=boundary)
 
 
-def smallest_fit(options: list[ScheduleChoice], budget_bytes: int,
+def candidates(blocks: Sequence[int], family: Family) -> Candidates:
+    return Candidates(blocks, family)
+
+
+def smallest_fit(options: Sequence[ScheduleChoice], budget_bytes: int,
                  peak_of: Callable[[ScheduleChoice], int]) -> ScheduleChoice | None:
     if peak_of(options[0]) <= budget_bytes:
         return options[0]
