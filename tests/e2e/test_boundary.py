@@ -47,3 +47,21 @@ def test_offloaded_block_inputs_train_exactly_and_peak_as_predicted(monkeypatch)
         if n.op is Op.OFFLOAD and program.values[n.reads[0]].kind == "saved")
     kept = build_schedule(plan.captured, dataclasses.replace(program.facts["choice"], boundary=frozenset()))
     assert run.predicted < simulate(kept).peak
+
+
+@pytest.mark.slow
+def test_smallest_budget_sends_block_inputs_to_host_and_trains_exactly():
+    """At the smallest budget the solver itself chooses to send the blocks' inputs away."""
+    import megacompile
+    torch.manual_seed(1)
+    model = models.hf_llama(layers=12, d=32)
+    batches = [models.batch(model.config.vocab_size, 8, 32, seed=i) for i in range(3)]
+    probe = megacompile.compile(clone(model), hbm_budget=64, device="cpu")
+    smallest = probe.prepare(input_ids=batches[0], labels=batches[0]).minimum_budget_bytes
+    reference = clone(model)
+    losses = eager_losses(reference, batches, "llama")
+    run = megacompile_run(clone(model), batches, "llama", smallest / 2 ** 30)
+    assert run.engine.plan.program.facts["boundary_values"], "the smallest plan keeps every block input"
+    torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=0)
+    assert_same_weights(run.engine, reference)
+    assert all(peak == run.predicted for peak in run.peaks)
