@@ -49,6 +49,12 @@ class Plan:
                             if n.op is Op.PREFETCH)
 
     @property
+    def weight_h2d_bytes_per_step(self) -> int:
+        """Weights over the link in one step (one micro-batch): each stage's prefetches."""
+        return sum(self.program.values[n.writes[0]].nbytes for n in self.program.nodes
+                   if n.op is Op.PREFETCH and self.program.values[n.writes[0]].kind == "weights")
+
+    @property
     def d2h_bytes_per_step(self) -> int:
         return sum(self.program.values[n.reads[0]].nbytes for n in self.program.nodes
                    if n.op in (Op.OFFLOAD, Op.OUTPUT))
@@ -205,6 +211,7 @@ class Plan:
             "host_activation_bytes": self.stash_bytes,
             "host_budget_bytes": self.host_budget_bytes,
             "h2d_bytes_per_step": self.h2d_bytes_per_step,
+            "weight_h2d_bytes_per_step": self.weight_h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step,
             "prefetch_depth": choice.prefetch_depth if choice else None,
             "recompute": self.recomputed,

@@ -87,11 +87,13 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
     """The solver's two functions, choice -> peak bytes and choice -> predicted seconds, judged on
     the stack with each run of like blocks cut short (passes/shorten.py): the peak exactly, the
     seconds as the short step plus each cut block's period (the busiest stream's time for one
-    block of its run). Stacks too short to cut are judged whole."""
+    block of its run). Stacks too short to cut, and forward-only plans, are judged whole."""
     judged: dict[tuple, _ShortJudge] = {}
     peaks: dict[ScheduleChoice, int] = {}
 
     def short(choice: ScheduleChoice) -> tuple[Short, "_ShortJudge | None"]:
+        if not captured.train:      # forward only: a few choices, no backward to bound a span
+            return Short(captured, choice, ()), None
         cut = shorten(captured, blocks, choice, max(choice.offload_lag, choice.prefetch_depth) + 1)
         if not cut.runs:
             return cut, None
