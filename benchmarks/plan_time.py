@@ -1,7 +1,8 @@
 """How long planning takes, by part: imports, the model on the meta device, capture, fusion, the solver.
 
-    python benchmarks/plan_time.py --config benchmarks/configs/llama-118b.json --hbm-budget 80 --hardware h100 --batch 16 --seq 4096
-    python benchmarks/plan_time.py --config benchmarks/configs/llama-118b.json --hbm-budget 80 --hardware h100 --global-batch 16 --seq 4096
+    cd benchmarks
+    python plan_time.py --config configs/llama-118b.json --hbm-budget 80 --hardware h100 --batch 16 --seq 4096
+    python plan_time.py --config configs/llama-118b.json --hbm-budget 80 --hardware h100 --global-batch 16
 
 The first line times one micro-batch part by part; with --global-batch it times the whole choice
 of a micro-batch (plan_global_batch: every power-of-two divisor captured and planned). Prints a

@@ -70,7 +70,8 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
         raise BudgetTooSmallError(
             f"hbm_budget of {budget_bytes / GiB:.4g} GiB is too small: the smallest budget that fits this model "
             f"at these input shapes is {minimum / GiB:.4g} GiB ({fmt_bytes(minimum)}), with every block "
-            f"recomputed (its input in host memory where the host budget allows) and no prefetch overlap (the largest stage, {largest.name}, holds "
+            f"recomputed (its input in host memory where the host budget allows) and no prefetch overlap (the "
+            f"largest stage, {largest.name}, holds "
             f"{fmt_bytes(largest.template.weight_bytes)} of weights{reserved}). Raise hbm_budget to at least "
             f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
     program = build_schedule(captured, choice, kind, check=True, dump_dir=dump_dir)

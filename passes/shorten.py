@@ -5,15 +5,17 @@ each run on one template, selective or not, its input in host memory or not. Ins
 block does the same thing at the same distance from its neighbours. Once a run is longer than
 the copies that overlap its computes (an activation copy spans `lag` compute nodes, a weight
 prefetch `depth`), one block more in the run's middle adds, to every node from the forward of
-the block after it to that block's backward, the bytes one block of the run holds across that span; and to
-the step, one block's share of it (its period). So the solver simulates the stack with each run
-cut to `keep` blocks, and adds the removed blocks back as bytes per node and seconds per block.
+the block after it to that block's backward, the bytes one block of the run holds across that
+span; and to the step, one block's share of it (its period). So the solver simulates the stack
+with each run cut to `keep` blocks at each end, and adds the cut blocks back as bytes per node
+and seconds per block.
 
 The cut blocks are the middle of each run: `keep` blocks stay at each end, so every remaining
 block has neighbours that do what its cut neighbours did, on both sides of the cut, in the
 forward and in the backward. The last block before the cut feeds the first one after it; only an
-output with the same shape, dtype and gradient may stand in (otherwise that run is left whole). The chosen schedule is always built, simulated,
-verified and timed on the whole stack; only the search uses the short one.
+output with the same shape, dtype and gradient may stand in (otherwise that run is left whole).
+The chosen schedule is always built, simulated, verified and timed on the whole stack; only the
+search uses the short one.
 """
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ Per block there are four ways to hold what its backward needs, from fastest and 
 slowest and smallest: keep every saved value on the device; keep only the costly ones (matmul
 and attention outputs) and recompute the cheap ops in the backward ("selective", see
 capture/split.py); send the saved values to host memory and bring them back (offload: free on
-the device, paid in link time); recompute the whole block forward (one block input kept). A block offloaded or recomputed may also
-send that input to host memory until its backward half (passes/boundary.py): then it holds
-nothing on the device between its passes.
+the device, paid in link time); recompute the whole block forward (one block input kept). A
+block offloaded or recomputed may also send that input to host memory until its backward half
+(passes/boundary.py): then it holds nothing on the device between its passes.
 
 The solver also picks how many compute nodes ahead weights are prefetched (depth 0, 1, 2) and
 whether the small stages (embeddings) stay resident for the step. Families of candidates fix

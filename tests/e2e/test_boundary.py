@@ -3,10 +3,12 @@ training against eager, the peak as predicted and lower than with the inputs kep
 bytes counted."""
 from __future__ import annotations
 
-import torch
-
 import dataclasses
 
+import pytest
+import torch
+
+import megacompile
 import megacompile.planner as planner
 from megacompile.ir.program import Op, restored_of
 from megacompile.ir.simulate import simulate
@@ -32,8 +34,9 @@ def test_offloaded_block_inputs_train_exactly_and_peak_as_predicted(monkeypatch)
     monkeypatch.setattr(planner, "solve", _forced)
     run = megacompile_run(clone(model), batches, "llama", 1.0)
     program = run.engine.plan.program
-    sent = [n.reads[0] for n in program.nodes if n.op is Op.OFFLOAD and program.values[n.reads[0]].kind == "activation"]
-    back = [n.writes[0] for n in program.nodes if n.op is Op.PREFETCH and program.values[n.writes[0]].kind == "activation"]
+    kind = {n: v.kind for n, v in program.values.items()}
+    sent = [n.reads[0] for n in program.nodes if n.op is Op.OFFLOAD and kind[n.reads[0]] == "activation"]
+    back = [n.writes[0] for n in program.nodes if n.op is Op.PREFETCH and kind[n.writes[0]] == "activation"]
     assert len(sent) >= 4 and sorted(back) == sorted(restored_of(v) for v in sent)
     # The recomputes and backwards read the copies from host memory, never the originals.
     readers = [n for n in program.nodes if n.op in (Op.RECOMPUTE, Op.BACKWARD)]
@@ -52,7 +55,6 @@ def test_offloaded_block_inputs_train_exactly_and_peak_as_predicted(monkeypatch)
 @pytest.mark.slow
 def test_smallest_budget_sends_block_inputs_to_host_and_trains_exactly():
     """At the smallest budget the solver itself chooses to send the blocks' inputs away."""
-    import megacompile
     torch.manual_seed(1)
     model = models.hf_llama(layers=12, d=32)
     batches = [models.batch(model.config.vocab_size, 8, 32, seed=i) for i in range(3)]
