@@ -90,20 +90,25 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
     seconds as the short step plus each cut block's period (the busiest stream's time for one
     block of its run). Stacks too short to cut, and forward-only plans, are judged whole."""
     judged: dict[tuple, _ShortJudge] = {}
+    cuts: dict[ScheduleChoice, tuple[Short, _ShortJudge | None]] = {}
     peaks: dict[ScheduleChoice, int] = {}
 
     def short(choice: ScheduleChoice) -> tuple[Short, "_ShortJudge | None"]:
         if not captured.train:      # forward only: a few choices, no backward to bound a span
             return Short(captured, choice, ()), None
+        if choice in cuts:
+            return cuts[choice]
         cut = shorten(captured, blocks, choice, max(choice.offload_lag, choice.prefetch_depth) + 1)
         if not cut.runs:
-            return cut, None
+            cuts[choice] = cut, None
+            return cuts[choice]
         # Choices that differ only in how many blocks each run loses share one short schedule.
         key = (len(cut.captured.stages), cut.choice, tuple((r.first, r.key) for r in cut.runs))
         if key not in judged:
             program = build_schedule(cut.captured, cut.choice, kind, check=False, lowered=lowered)
             judged[key] = _ShortJudge(program, with_selective(cut.captured, cut.choice.selective), cut.runs, hardware)
-        return cut, judged[key]
+        cuts[choice] = cut, judged[key]
+        return cuts[choice]
 
     def peak_of(choice: ScheduleChoice) -> int:
         if choice not in peaks:
