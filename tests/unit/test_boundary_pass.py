@@ -3,24 +3,16 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
-from megacompile.capture import capture
 from megacompile.ir.program import COMPUTE_OPS, Op, restored_of
 from megacompile.ir.verify import verify
 from megacompile.passes import ScheduleChoice, build_schedule
 from megacompile.passes.boundary import boundary_values
 from megacompile.passes.lower import lower
-from tests import models
+from tests.unit import test_passes
 
 
-@functools.cache
-def _captured(layers=6):
-    torch.manual_seed(0)
-    model = models.hf_llama(layers=layers, d=32)
-    ids = models.batch(96, 2, 16)
-    return capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
-                   compute_dtype=torch.float32)
+# One capture for both tests: the plainest one test_passes uses.
+_captured = functools.cache(test_passes._captured)
 
 
 def test_only_inputs_no_other_forward_reads_are_boundaries():
