@@ -55,10 +55,12 @@ class Executor:
         self._rng: dict[int, torch.Tensor] = {}
         self._outputs: list[torch.Tensor] = []
         self._context: dict = {}
-        self._stash: dict[str, list[torch.Tensor]] = {}   # host copies of offloaded values, by value name
+        # Host copies of offloaded values: a stage's saved bundle under the stage, a block input
+        # under its value name.
+        self._stash: dict[int | str, list[torch.Tensor]] = {}
         self._clip_staged = False
         self._staged: list[int] = []      # owners whose update waits for commit()
-        self._moved: dict[str, list[bool]] = {}           # which stashed tensors were device tensors
+        self._moved: dict[int | str, list[bool]] = {}     # which stashed tensors were device tensors
         self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
 
     # -- one step ------------------------------------------------------------------------
@@ -242,11 +244,12 @@ class Executor:
         """Saved activations (or a block's input) back from host memory, one dense tensor each (a
         transpose keeps its layout, so the backward's kernels read it as they would have)."""
         s, name = node.stage, node.writes[0]
-        source = next(v for v in self._stash if restored_of(v) == name)
-        host, moved = self._stash.pop(source), self._moved.pop(source)
+        bundle = self.program.values[name].kind == "saved"
+        key = s if bundle else next(v for v in self._stash if restored_of(v) == name)
+        host, moved = self._stash.pop(key), self._moved.pop(key)
         # Values that never left (host tensors in the bundle, e.g. an SDPA philox seed) stay as they are.
         dst = [dense_like(h, self.backend.device) if m else h for h, m in zip(host, moved)]
-        self._put(name, dst if self.program.values[name].kind == "saved" else dst[0])
+        self._put(name, dst if bundle else dst[0])
         pairs = [(d, h) for d, h, m in zip(dst, host, moved) if m]
         self._events[name] = self.backend.prefetch([d for d, _ in pairs], [h for _, h in pairs],
                                                    f"restore {self.program.stage_names[s]}")
@@ -273,11 +276,13 @@ class Executor:
         s, name = node.stage, node.reads[0]
         stash = self._stash
         value = self._env[name]
-        tensors = list(value) if isinstance(value, (list, tuple)) else [value]
-        self._moved[name] = [t.device == self.backend.device for t in tensors]
+        bundle = isinstance(value, (list, tuple))
+        key = s if bundle else name
+        tensors = list(value) if bundle else [value]
+        self._moved[key] = [t.device == self.backend.device for t in tensors]
 
         def sink(host_copies: list[torch.Tensor]) -> None:
-            stash[name] = host_copies
+            stash[key] = host_copies
         self._events[name] = self.backend.offload(tensors, sink, f"stash {name} of {self.program.stage_names[s]}",
                                                   keep=True)
 
