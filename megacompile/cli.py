@@ -62,6 +62,9 @@ def _plan(args: argparse.Namespace) -> int:
         summary["fits"] = fits
         summary["budget_bytes"] = int(args.hbm_budget * 2**30)
         summary["grad_accum"] = accumulate
+        # Micro-batch-major accumulation: every micro-batch fetches the weights again.
+        summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_step * accumulate
+        summary["weight_bytes"] = result.weight_bytes
         print(json.dumps(summary))
     return 0
 

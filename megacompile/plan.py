@@ -49,15 +49,22 @@ class Plan:
                             if n.op is Op.PREFETCH)
 
     @property
+    def weight_h2d_bytes_per_step(self) -> int:
+        """Weights over the link in one step (one micro-batch): each stage's prefetches."""
+        return sum(self.program.values[n.writes[0]].nbytes for n in self.program.nodes
+                   if n.op is Op.PREFETCH and self.program.values[n.writes[0]].kind == "weights")
+
+    @property
     def d2h_bytes_per_step(self) -> int:
         return sum(self.program.values[n.reads[0]].nbytes for n in self.program.nodes
                    if n.op in (Op.OFFLOAD, Op.OUTPUT))
 
     @property
     def stash_bytes(self) -> int:
-        """Host memory for offloaded saved activations: all of them are there at the end of the forward."""
+        """Host memory for offloaded saved activations and block inputs: all of them are there at the
+        end of the forward."""
         return sum(self.program.values[n.reads[0]].nbytes for n in self.program.nodes
-                   if n.op is Op.OFFLOAD and self.program.values[n.reads[0]].kind == "saved")
+                   if n.op is Op.OFFLOAD and self.program.values[n.reads[0]].kind in ("saved", "activation"))
 
     @property
     def weight_bytes(self) -> int:
@@ -100,6 +107,7 @@ class Plan:
         from .cost.predict import compute_seconds
         recomputed = {n.stage for n in self.program.nodes if n.op is Op.RECOMPUTE}
         offloaded = set(self.program.facts.get("offload", []))
+        sent = set(self.program.facts.get("boundary_values", []))
         forwards = {n.stage: n for n in self.program.nodes if n.op is Op.FORWARD}
         template_of = self._block_template_index()
         records = []
@@ -109,8 +117,10 @@ class Plan:
                 continue
             hold = "recompute" if s in recomputed else "offload" if s in offloaded else "keep"
             saved_bytes = self.program.values[f"saved{s}"].nbytes
+            forward = forwards[s]
+            input_bytes = sum(self.program.values[v].nbytes for v in forward.reads if v in sent)
             r = {"stage": self.program.stage_names[s], "template": template_of[s], "hold": hold,
-                 "saved_bytes": saved_bytes, "selective": t.full is not None}
+                 "saved_bytes": saved_bytes, "selective": t.full is not None, "input_to_host_bytes": input_bytes}
             if t.full is not None:
                 r["selective_bytes_not_saved"] = t.full.saved_bytes - t.saved_bytes
             if self.hardware is not None:
@@ -139,7 +149,7 @@ class Plan:
         """blocks() as text, grouped over runs of blocks with the same decision."""
         groups: list[list[dict]] = []
         for r in self.blocks():
-            key = ("hold", "selective", "template", "saved_bytes")
+            key = ("hold", "selective", "template", "saved_bytes", "input_to_host_bytes")
             if groups and all(groups[-1][-1][k] == r[k] for k in key):
                 groups[-1].append(r)
             else:
@@ -164,6 +174,8 @@ class Plan:
                          "less")
                 if "selective_backward_s" in r:
                     line += f", for {r['selective_backward_s'] * 1e3:.3g} ms of cheap ops redone in its backward"
+            if r["input_to_host_bytes"]:
+                line += f"; its input ({fmt_bytes(r['input_to_host_bytes'])}) waits in host memory too"
             if several:
                 line = f"[template {r['template']}] {line}"
             lines.append(f"  {span:<14} {line}")
@@ -199,12 +211,14 @@ class Plan:
             "host_activation_bytes": self.stash_bytes,
             "host_budget_bytes": self.host_budget_bytes,
             "h2d_bytes_per_step": self.h2d_bytes_per_step,
+            "weight_h2d_bytes_per_step": self.weight_h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step,
             "prefetch_depth": choice.prefetch_depth if choice else None,
             "recompute": self.recomputed,
             "recompute_why": self.recompute_why(),
             "offload": [self.program.stage_names[s] for s in sorted(choice.offload)] if choice else [],
             "selective": [self.program.stage_names[s] for s in sorted(choice.selective)] if choice else [],
+            "boundary_offload": [self.program.stage_names[s] for s in self.program.facts.get("boundary", [])],
             "blocks": self.blocks(),
             "block_templates": len(set(self._block_template_index().values())),
             "template_notes": dict(self.captured.template_notes),
@@ -242,7 +256,8 @@ class Plan:
             f"({blocks} blocks of {c.block_path or 'none'} {shared})",
             f"  device peak    {fmt_bytes(self.predicted_peak_bytes)} predicted of {fmt_bytes(self.budget_bytes)} "
             f"budget ({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}",
-            f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, no prefetch overlap)",
+            f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, their inputs in host "
+            "memory where the host budget allows, no prefetch overlap)",
             *self._reserve_line(),
             f"  host memory    {fmt_bytes(self.host_bytes + self.stash_bytes)}: {fmt_bytes(self.host_bytes)} of fp32 "
             f"masters, exp_avg, exp_avg_sq, grads{', compute copies' if c.compute_dtype != torch.float32 else ''}, "
@@ -259,7 +274,8 @@ class Plan:
             resident = ", ".join(self.program.stage_names[s] for s in sorted(choice.resident)) or "none"
             lines.append(f"  schedule       prefetch depth {choice.prefetch_depth}; recompute "
                          f"{f'{len(names)} of {blocks} blocks ({listed})' if names else 'none'}; offload "
-                         f"{len(choice.offload)} blocks' saved activations; {len(choice.selective)} blocks save "
+                         f"{len(choice.offload)} blocks' saved activations and {len(self.program.facts.get('boundary', []))} "
+                         f"blocks' inputs; {len(choice.selective)} blocks save "
                          f"only matmul and attention outputs; resident for the step: {resident}")
         lines += self.block_decisions()
         p = self.prediction

@@ -1,6 +1,8 @@
 """From a captured model and a budget to a verified plan, or an error naming the smallest budget."""
 from __future__ import annotations
 
+from typing import Callable
+
 from .capture import CapturedModel
 from .errors import BudgetTooSmallError, HostMemoryError
 from .ir.printer import fmt_bytes
@@ -8,11 +10,13 @@ from .ir.simulate import simulate
 from .ir.verify import verify
 from .capture.model_graph import owners
 from .cost import HardwareProfile, get_profile, predict
+from .cost.predict import compute_seconds
 from .cost.reserve import device_reserve, smallest_budget
-from .ir.program import Program
+from .ir.program import COMPUTE_OPS, Op, Program
 from .passes import ScheduleChoice, StepKind, build_schedule, solve
 from .passes.lower import lower
 from .passes.selective import with_selective
+from .passes.shorten import Short, held_bytes, peak_with_cut, shorten, span
 from .passes.solve import Family, Selective, families
 from .passes.baselines import baseline_choice
 from .plan import Plan
@@ -49,11 +53,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
             built[choice] = build_schedule(captured, choice, kind, check=False, lowered=lower_once)
         return built[choice]
 
-    def peak_of(choice: ScheduleChoice) -> int:
-        return simulate(schedule(choice)).peak
-
-    def seconds_of(choice: ScheduleChoice) -> float:
-        return predict(schedule(choice), with_selective(captured, choice.selective), hardware).step_s
+    peak_of, seconds_of = judges(captured, blocks, hardware, schedule, lower_once, kind)
 
     # The plan fills what the device reserve leaves (cost/reserve.py); the allocator's cap stays at
     # the whole budget.
@@ -71,7 +71,8 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
         raise BudgetTooSmallError(
             f"hbm_budget of {budget_bytes / GiB:.4g} GiB is too small: the smallest budget that fits this model "
             f"at these input shapes is {minimum / GiB:.4g} GiB ({fmt_bytes(minimum)}), with every block "
-            f"recomputed and no prefetch overlap (the largest stage, {largest.name}, holds "
+            f"recomputed (its input in host memory where the host budget allows) and no prefetch overlap (the "
+            f"largest stage, {largest.name}, holds "
             f"{fmt_bytes(largest.template.weight_bytes)} of weights{reserved}). Raise hbm_budget to at least "
             f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
     program = build_schedule(captured, choice, kind, check=True, dump_dir=dump_dir)
@@ -80,6 +81,88 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
                 prediction=predict(program, captured, hardware), host_budget_bytes=host_budget_bytes,
                 reserve=reserve)
+
+
+def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile,
+           schedule: Callable[[ScheduleChoice], Program], lowered: Callable[[CapturedModel], Program],
+           kind: StepKind) -> tuple[Callable[[ScheduleChoice], int], Callable[[ScheduleChoice], float]]:
+    """The solver's two functions, choice -> peak bytes and choice -> predicted seconds, judged on
+    the stack with each run of like blocks cut short (passes/shorten.py): the peak exactly, the
+    seconds as the short step plus each cut block's period (the busiest stream's time for one
+    block of its run). Stacks too short to cut, and forward-only plans, are judged whole."""
+    judged: dict[tuple, _ShortJudge] = {}
+    cuts: dict[ScheduleChoice, tuple[Short, _ShortJudge | None]] = {}
+    peaks: dict[ScheduleChoice, int] = {}
+
+    def short(choice: ScheduleChoice) -> tuple[Short, "_ShortJudge | None"]:
+        if not captured.train:      # forward only: a few choices, no backward to bound a span
+            return Short(captured, choice, ()), None
+        if choice in cuts:
+            return cuts[choice]
+        cut = shorten(captured, blocks, choice, max(choice.offload_lag, choice.prefetch_depth) + 1)
+        if not cut.runs:
+            cuts[choice] = cut, None
+            return cuts[choice]
+        # Choices that differ only in how many blocks each run loses share one short schedule.
+        key = (len(cut.captured.stages), cut.choice, tuple((r.first, r.key) for r in cut.runs))
+        if key not in judged:
+            program = build_schedule(cut.captured, cut.choice, kind, check=False, lowered=lowered)
+            judged[key] = _ShortJudge(program, with_selective(cut.captured, cut.choice.selective), cut.runs, hardware)
+        cuts[choice] = cut, judged[key]
+        return cuts[choice]
+
+    def peak_of(choice: ScheduleChoice) -> int:
+        if choice not in peaks:
+            cut, judge = short(choice)
+            peaks[choice] = simulate(schedule(choice)).peak if judge is None else judge.peak(cut.runs)
+        return peaks[choice]
+
+    def seconds_of(choice: ScheduleChoice) -> float:
+        cut, judge = short(choice)
+        if judge is None:
+            return predict(schedule(choice), with_selective(captured, choice.selective), hardware).step_s
+        return judge.seconds(cut.runs)
+    return peak_of, seconds_of
+
+
+class _ShortJudge:
+    """One short schedule and what each cut block of its runs adds: bytes over a span, seconds."""
+
+    def __init__(self, program: Program, captured: CapturedModel, runs: tuple, hardware: HardwareProfile):
+        self.program, self.captured, self.hardware = program, captured, hardware
+        self.peak_during = simulate(program).peak_during
+        middle = next(i for i, n in enumerate(program.nodes) if n.op is Op.BACKWARD)
+        self.spans = [span(program, r.first) for r in runs]
+        self.held = [held_bytes(program, middle, f"f{r.first}.") for r in runs]
+        self.periods = [_period(program, captured, r.first, hardware) for r in runs]
+        self._step_s: float | None = None
+
+    def peak(self, runs: tuple) -> int:
+        return peak_with_cut(self.peak_during, [(*sp, r.removed * b) for sp, r, b in zip(self.spans, runs, self.held)])
+
+    def seconds(self, runs: tuple) -> float:
+        if self._step_s is None:
+            self._step_s = predict(self.program, self.captured, self.hardware).step_s
+        return self._step_s + sum(r.removed * p for r, p in zip(runs, self.periods))
+
+
+def _period(program: Program, captured: CapturedModel, s: int, hw: HardwareProfile) -> float:
+    """One block's share of a long run's step: the busiest stream's seconds for stage `s`."""
+    busy = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
+    for n in program.nodes:
+        if n.stage != s:
+            continue
+        busy["compute"] += hw.node_overhead_s
+        if n.op in COMPUTE_OPS:
+            busy["compute"] += compute_seconds(captured, n, hw)[0]
+        elif n.op is Op.PREFETCH:
+            busy["h2d"] += program.values[n.writes[0]].nbytes / hw.h2d_bw
+        elif n.op is Op.OFFLOAD:
+            busy["d2h"] += program.values[n.reads[0]].nbytes / hw.d2h_bw
+        elif n.op is Op.OPTIMIZER_STEP:
+            busy["host"] += sum(p.meta.nbytes // p.meta.dtype.itemsize for p in captured.stages[s].template.params
+                                if p.trainable) / hw.host_adam_params_per_s
+    return max(busy.values())
 
 
 def require_host_room(host_bytes: int, host_budget_bytes: int | None) -> None:
@@ -114,14 +197,22 @@ def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareP
     any_selective = any(captured.stages[s].template.selective is not None for s in blocks)
     selective = tuple(Selective) if any_selective else (Selective.NONE,)
     distinct = {id(captured.stages[s].template): s for s in blocks}.values()
+    # A block that neither keeps nor saves may also send its input to host memory (boundary.py).
     options = families(residents, offload_counts, selective,
-                       lambda mode: max(_offload_lag(captured, held(s, mode), hardware) for s in distinct))
+                       lambda mode: max(_offload_lag(captured, held(s, mode), hardware) for s in distinct),
+                       (False, True))
     if host_room is None:
         return options
 
     def stash(f: Family) -> int:    # offloaded blocks never recompute, so KEPT offloads the variant
-        return sum(held(s, f.selective).saved_bytes for s in blocks[:f.offloaded])
+        inputs = sum(_input_bytes(captured, s) for s in blocks) if f.boundary else 0   # at most every block's
+        return inputs + sum(held(s, f.selective).saved_bytes for s in blocks[:f.offloaded])
     return [f for f in options if stash(f) <= host_room]
+
+
+def _input_bytes(captured: CapturedModel, s: int) -> int:
+    """Bytes of a block's inputs that carry a gradient: its boundary with the block before it."""
+    return sum(a.nbytes for a in captured.stages[s].template.acts if a.requires_grad)
 
 
 def _offload_lag(captured: CapturedModel, t, hardware: HardwareProfile) -> int:

@@ -5,6 +5,8 @@ Why this order:
   remat        drops saved activations of the chosen blocks and adds their RECOMPUTE, before
                transfers, because a recompute needs the block's weights on the device too;
   offload      sends other chosen blocks' saved activations to host memory and back;
+  boundary     sends chosen blocks' inputs to host memory and back; after remat, since a
+               recompute is the first node that reads a recomputed block's input again;
   transfers    weight prefetch/evict and gradient offload around the compute nodes as they now
                stand, so a recompute and its backward share one fetch;
   optimizer    host AdamW after the last offload feeding each stage's masters (needs the WAITs);
@@ -26,6 +28,7 @@ from megacompile.ir.verify import verify
 
 from .lifetimes import lifetimes
 from .lower import lower
+from .boundary import offload_boundaries
 from .offload import offload_saved
 from .optimizer import place_optimizer
 from .remat import remat
@@ -54,6 +57,7 @@ class ScheduleChoice:
     offload: frozenset[int] = field(default_factory=frozenset)    # saved values kept in host memory
     offload_lag: int = 1          # compute nodes an offload (or restore) runs beside before it is needed
     selective: frozenset[int] = field(default_factory=frozenset)  # blocks that save only costly values
+    boundary: frozenset[int] = field(default_factory=frozenset)   # blocks whose input waits in host memory
     extra_forwards: int = 0            # forwards run and thrown away before each recompute
     refetch_per_pass: bool = False     # fetch weights again for every recompute
     serial_optimizer: bool = False     # updates after the whole backward; the next step waits for all
@@ -70,6 +74,7 @@ def _optimizer(p: Program, c: CapturedModel, ch: ScheduleChoice, kind: StepKind)
 TRAINING_PASSES: list[tuple[str, Pass]] = [
     ("remat", lambda p, c, ch, k: remat(p, ch.recompute, ch.extra_forwards)),
     ("offload", lambda p, c, ch, k: offload_saved(p, ch.offload, ch.offload_lag)),
+    ("boundary", lambda p, c, ch, k: offload_boundaries(p, ch.boundary, ch.offload_lag)),
     ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth, ch.refetch_per_pass, ch.resident)),
     ("optimizer", _optimizer),
     ("lifetimes", lambda p, c, ch, k: lifetimes(p)),
@@ -112,7 +117,7 @@ def build_schedule(captured: CapturedModel, choice: ScheduleChoice, kind: StepKi
 def _after_pass(program: Program, name: str, k: int, check: bool, dump_dir: str | None,
                 contributors: dict | None) -> None:
     if check:
-        verify(program, owners=contributors, weights_resident=name in ("lower", "remat", "offload"))
+        verify(program, owners=contributors, weights_resident=name in ("lower", "remat", "offload", "boundary"))
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         with open(os.path.join(dump_dir, f"{k:02d}_{name}.txt"), "w") as f:

@@ -4,7 +4,9 @@ Per block there are four ways to hold what its backward needs, from fastest and 
 slowest and smallest: keep every saved value on the device; keep only the costly ones (matmul
 and attention outputs) and recompute the cheap ops in the backward ("selective", see
 capture/split.py); send the saved values to host memory and bring them back (offload: free on
-the device, paid in link time); recompute the whole block forward (one block input kept).
+the device, paid in link time); recompute the whole block forward (one block input kept). A
+block offloaded or recomputed may also send that input to host memory until its backward half
+(passes/boundary.py): then it holds nothing on the device between its passes.
 
 The solver also picks how many compute nodes ahead weights are prefetched (depth 0, 1, 2) and
 whether the small stages (embeddings) stay resident for the step. Families of candidates fix
@@ -43,22 +45,41 @@ class Family:
     offloaded: int = 0                   # the first blocks whose saved values go to host memory
     selective: Selective = Selective.NONE
     lag: int = 1                         # compute nodes an activation copy runs beside
+    boundary: bool = False               # blocks offloaded or recomputed also send their input to host memory
 
 
-def candidates(blocks: Sequence[int], family: Family) -> list[ScheduleChoice]:
-    """The family's choices, k = 0 .. all of the blocks not offloaded recomputed, in order."""
-    stash, rest = frozenset(blocks[:family.offloaded]), blocks[family.offloaded:]
-    out = []
-    for k in range(len(rest) + 1):
-        recompute = frozenset(rest[:k])
-        selective = {Selective.NONE: frozenset(), Selective.ALL: frozenset(blocks),
-                     Selective.KEPT: frozenset(blocks) - recompute}[family.selective]
-        out.append(ScheduleChoice(family.depth, recompute, family.resident, offload=stash,
-                                  offload_lag=family.lag if stash else 1, selective=selective))
-    return out
+class Candidates(Sequence[ScheduleChoice]):
+    """The family's choices, k = 0 .. all of the blocks not offloaded recomputed, in order; each
+    made when asked for (bisection reads about log2(n) of them)."""
+
+    def __init__(self, blocks: Sequence[int], family: Family):
+        self.blocks, self.family = list(blocks), family
+        self.stash, self.rest = frozenset(self.blocks[:family.offloaded]), self.blocks[family.offloaded:]
+
+    def __len__(self) -> int:
+        return len(self.rest) + 1
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        f, stash = self.family, self.stash
+        recompute = frozenset(self.rest[:k])
+        selective = {Selective.NONE: frozenset(), Selective.ALL: frozenset(self.blocks),
+                     Selective.KEPT: frozenset(self.blocks) - recompute}[f.selective]
+        boundary = stash | recompute if f.boundary else frozenset()
+        return ScheduleChoice(f.depth, recompute, f.resident, offload=stash,
+                              offload_lag=f.lag if stash or boundary else 1, selective=selective, boundary=boundary)
 
 
-def smallest_fit(options: list[ScheduleChoice], budget_bytes: int,
+def candidates(blocks: Sequence[int], family: Family) -> Candidates:
+    return Candidates(blocks, family)
+
+
+def smallest_fit(options: Sequence[ScheduleChoice], budget_bytes: int,
                  peak_of: Callable[[ScheduleChoice], int]) -> ScheduleChoice | None:
     if peak_of(options[0]) <= budget_bytes:
         return options[0]
@@ -76,9 +97,9 @@ def smallest_fit(options: list[ScheduleChoice], budget_bytes: int,
 
 def families(residents: Sequence[frozenset[int]] = (frozenset(),), offload_counts: Sequence[int] = (0,),
              selective: Sequence[Selective] = (Selective.NONE,),
-             lag_of: Callable[[Selective], int] = lambda _: 1) -> list[Family]:
-    return [Family(d, r, j, s, lag_of(s)) for d in DEPTHS for r in residents for j in offload_counts
-            for s in selective]
+             lag_of: Callable[[Selective], int] = lambda _: 1, boundaries: Sequence[bool] = (False,)) -> list[Family]:
+    return [Family(d, r, j, s, lag_of(s), b) for d in DEPTHS for r in residents for j in offload_counts
+            for s in selective for b in boundaries]
 
 
 def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
@@ -102,7 +123,8 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
         fits.append(choice)
         if not (choice.recompute or choice.offload or choice.selective):
             settled.add((f.depth, f.resident))
-    minimum = min(peak_of(candidates(blocks, Family(f.depth, selective=f.selective))[-1]) for f in options)
+    minimum = min(peak_of(candidates(blocks, Family(f.depth, selective=f.selective, lag=f.lag,
+                                                    boundary=f.boundary))[-1]) for f in options)
     if not fits:
         return None, minimum
     if seconds_of is None:

@@ -75,7 +75,8 @@ class Program:
 def weights(s: int) -> str: return f"w{s}"
 def act(s: int, k: int) -> str: return f"x{s}.{k}"
 def saved(s: int) -> str: return f"saved{s}"
-def restored(s: int) -> str: return f"hsaved{s}"   # saved values brought back from host memory
+def restored_of(v: str) -> str: return f"h{v}"    # a value brought back from host memory
+def restored(s: int) -> str: return restored_of(saved(s))
 def grads(s: int) -> str: return f"g{s}"
 def act_grad(s: int, k: int) -> str: return f"dx{s}.{k}"
 def model_input(k: int) -> str: return f"in{k}"

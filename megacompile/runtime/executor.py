@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..capture import CapturedModel
-from ..ir.program import SEED, Node, Program, act_grad, grads, saved, weights
+from ..ir.program import SEED, Node, Program, act_grad, grads, restored_of, saved, weights
 from .backend import Backend, Event, dense_like, flat_empty
 from .host import HostState
 
@@ -29,6 +29,11 @@ from .host import HostState
 # is a dict made when the step starts (step number, learning rate) that clip adds its scale to.
 UpdateFn = Callable[[int, dict], None]
 ClipFn = Callable[[dict], None]
+
+
+# Value kinds an OFFLOAD keeps in host memory until a PREFETCH brings them back (the rest of the
+# offloads are gradients, added into the fp32 grads).
+STASHED = ("saved", "activation")
 
 
 class NonFiniteLoss(Exception):
@@ -50,10 +55,12 @@ class Executor:
         self._rng: dict[int, torch.Tensor] = {}
         self._outputs: list[torch.Tensor] = []
         self._context: dict = {}
-        self._stash: dict[int, list[torch.Tensor]] = {}   # host copies of offloaded saved values
+        # Host copies of offloaded values: a stage's saved bundle under the stage, a block input
+        # under its value name.
+        self._stash: dict[int | str, list[torch.Tensor]] = {}
         self._clip_staged = False
         self._staged: list[int] = []      # owners whose update waits for commit()
-        self._moved: dict[int, list[bool]] = {}           # which stashed values were device tensors
+        self._moved: dict[int | str, list[bool]] = {}     # which stashed tensors were device tensors
         self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
 
     # -- one step ------------------------------------------------------------------------
@@ -135,7 +142,7 @@ class Executor:
             self._put(SEED, seed)
 
     def _prefetch(self, node: Node) -> None:
-        if self.program.values[node.writes[0]].kind == "saved":
+        if self.program.values[node.writes[0]].kind in STASHED:
             return self._restore(node)
         stage = self.captured.stages[node.stage]
         slot = flat_empty(self.backend, [p.meta for p in stage.template.params])
@@ -233,19 +240,21 @@ class Executor:
             self._env[act_grad(s, k)] = value
 
     def _restore(self, node: Node) -> None:
-        """Saved activations back from host memory, one dense tensor each (a transpose keeps its
-        layout, so the backward's kernels read it as they would have)."""
+        """Saved activations (or a block's input) back from host memory, one dense tensor each (a
+        transpose keeps its layout, so the backward's kernels read it as they would have)."""
         s, name = node.stage, node.writes[0]
-        host, moved = self._stash.pop(s), self._moved.pop(s)
+        bundle = self.program.values[name].kind == "saved"
+        key = s if bundle else next(v for v in self._stash if restored_of(v) == name)
+        host, moved = self._stash.pop(key), self._moved.pop(key)
         # Values that never left (host tensors in the bundle, e.g. an SDPA philox seed) stay as they are.
         dst = [dense_like(h, self.backend.device) if m else h for h, m in zip(host, moved)]
-        self._put(name, dst)
+        self._put(name, dst if bundle else dst[0])
         pairs = [(d, h) for d, h, m in zip(dst, host, moved) if m]
         self._events[name] = self.backend.prefetch([d for d, _ in pairs], [h for _, h in pairs],
                                                    f"restore {self.program.stage_names[s]}")
 
     def _offload(self, node: Node) -> None:
-        if self.program.values[node.reads[0]].kind == "saved":
+        if self.program.values[node.reads[0]].kind in STASHED:
             return self._stash_saved(node)
         s = node.stage
         stage = self.captured.stages[s]
@@ -263,14 +272,19 @@ class Executor:
         self._landed[s] = getattr(event, "landed", event)
 
     def _stash_saved(self, node: Node) -> None:
-        """Saved activations to host memory until the backward brings them back."""
+        """Saved activations (a bundle) or a block's input (one tensor) to host memory until the
+        backward half brings them back."""
         s, name = node.stage, node.reads[0]
         stash = self._stash
-        self._moved[s] = [t.device == self.backend.device for t in self._env[name]]
+        value = self._env[name]
+        bundle = isinstance(value, (list, tuple))
+        key = s if bundle else name
+        tensors = list(value) if bundle else [value]
+        self._moved[key] = [t.device == self.backend.device for t in tensors]
 
         def sink(host_copies: list[torch.Tensor]) -> None:
-            stash[s] = host_copies
-        self._events[name] = self.backend.offload(list(self._env[name]), sink, f"stash {self.program.stage_names[s]}",
+            stash[key] = host_copies
+        self._events[name] = self.backend.offload(tensors, sink, f"stash {name} of {self.program.stage_names[s]}",
                                                   keep=True)
 
     def _clip_grads(self, node: Node) -> None:

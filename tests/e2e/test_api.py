@@ -62,9 +62,10 @@ def test_plan_prints_and_dumps(tmp_path):
     data = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert data["device_peak_bytes"] == engine.plan.predicted_peak_bytes
     assert data["measured_device_peak_bytes"] == engine.memory_stats()["device_peak_bytes"]
-    assert data["passes"] == ["lower", "remat", "offload", "transfers", "optimizer", "lifetimes"]
+    assert data["passes"] == ["lower", "remat", "offload", "boundary", "transfers", "optimizer", "lifetimes"]
     assert sorted(p.name for p in (tmp_path / "passes").iterdir()) == [
-        "00_lower.txt", "01_remat.txt", "02_offload.txt", "03_transfers.txt", "04_optimizer.txt", "05_lifetimes.txt"]
+        "00_lower.txt", "01_remat.txt", "02_offload.txt", "03_boundary.txt", "04_transfers.txt", "05_optimizer.txt",
+        "06_lifetimes.txt"]
 
 
 def test_state_dict_has_the_models_names_tied_ones_included():

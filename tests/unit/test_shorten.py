@@ -1,0 +1,45 @@
+"""The solver judges choices on a short stack (passes/shorten.py): its peaks must be the whole
+stack's, exactly, and its step times close to the whole stack's prediction."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megacompile.capture import capture
+from megacompile.cost import get_profile, predict
+from megacompile.ir.simulate import simulate
+from megacompile.passes import StepKind, build_schedule
+from megacompile.passes.lower import lower
+from megacompile.passes.selective import with_selective
+from megacompile.passes.shorten import shorten
+from megacompile.passes.solve import candidates
+from megacompile.planner import judges, search_space
+from tests import models
+
+
+def test_short_stack_gives_the_whole_stacks_peak_for_every_kind_of_choice():
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=14, d=32)
+    ids = models.batch(96, 8, 32)
+    captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
+                       compute_dtype=torch.float32)
+    blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
+    hardware = get_profile("h100")
+
+    def whole(choice):
+        return build_schedule(captured, choice, check=False)
+    peak_of, seconds_of = judges(captured, blocks, hardware, whole, lower, StepKind())
+    # Every way to hold a block, and copies that span one or three compute nodes.
+    space = [f for f in search_space(captured, blocks, hardware) if f.depth and not f.resident]
+    space += [dataclasses.replace(f, lag=3) for f in space if f.offloaded or f.boundary]
+    cut = 0
+    for family in space:
+        for choice in candidates(blocks, family)[::6]:
+            short = shorten(captured, blocks, choice, max(choice.offload_lag, choice.prefetch_depth) + 1)
+            cut += bool(short.runs)
+            program = whole(choice)
+            assert peak_of(choice) == simulate(program).peak, choice
+            exact = predict(program, with_selective(captured, choice.selective), hardware).step_s
+            assert abs(seconds_of(choice) - exact) <= 0.02 * exact, choice
+    assert cut > len(space)     # most choices were judged on a short stack
