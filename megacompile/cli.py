@@ -31,7 +31,8 @@ def _plan(args: argparse.Namespace) -> int:
     from .ir.printer import fmt_bytes
     from .planning import plan
     from .planning import plan_global_batch
-    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget)
+    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget,
+                  nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth)
     accumulate = 1
     try:
         if args.global_batch is not None:
@@ -47,7 +48,9 @@ def _plan(args: argparse.Namespace) -> int:
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take.
         batch = 1 if args.global_batch else args.batch
-        result, fits = plan(args.config, e.minimum_bytes / 2**30 * 1.0001, batch=batch, **kwargs), False
+        result = plan(args.config, e.minimum_bytes / 2**30 * 1.0001, batch=batch,
+                      grad_accum=args.global_batch // batch if args.global_batch else 1, **kwargs)
+        fits = False
     print(result.summary())
     if args.global_batch and fits:
         micro = args.global_batch // accumulate
@@ -132,6 +135,11 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
     q.add_argument("--host-budget", type=float, default=None,
                    help="GiB of host RAM for masters, AdamW state and offloaded activations (default: not limited)")
+    q.add_argument("--nvme-budget", type=float, default=None,
+                   help="GiB of disk for a disk tier: when host RAM is short the AdamW moments, then the fp32 masters, "
+                        "go there (default: no disk tier)")
+    q.add_argument("--nvme-bandwidth", type=float, default=None,
+                   help="GB/s the disk tier's disk reads and writes (default: the hardware profile's disk)")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     q.set_defaults(run=_plan)
 

@@ -8,6 +8,7 @@ from .ir.simulate import simulate
 from .ir.verify import verify
 from .capture.model_graph import owners
 from .cost import HardwareProfile, get_profile, predict
+from .cost.host_memory import HostCost, choose_placement, host_costs, why_not
 from .cost.reserve import device_reserve, smallest_budget
 from .ir.program import Program
 from .passes import ScheduleChoice, StepKind, build_schedule, solve
@@ -22,7 +23,8 @@ GiB = 2 ** 30
 
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
               host_bytes: int, dump_dir: str | None = None, fuse: bool = False,
-              hardware: HardwareProfile | None = None, host_budget_bytes: int | None = None) -> Plan:
+              hardware: HardwareProfile | None = None, host_budget_bytes: int | None = None,
+              host_cost: HostCost | None = None) -> Plan:
     """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
     rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs.
 
@@ -34,6 +36,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
         captured = fuse_stages(captured)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     hardware = hardware or default_profile(backend)
+    disk_per_param = host_cost.disk_bytes / max(host_cost.params, 1) if host_cost is not None else 0.0
     built: dict[ScheduleChoice, Program] = {}
     lowered: dict[tuple, Program] = {}
 
@@ -53,7 +56,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
         return simulate(schedule(choice)).peak
 
     def seconds_of(choice: ScheduleChoice) -> float:
-        return predict(schedule(choice), with_selective(captured, choice.selective), hardware).step_s
+        return predict(schedule(choice), with_selective(captured, choice.selective), hardware, disk_per_param).step_s
 
     # The plan fills what the device reserve leaves (cost/reserve.py); the allocator's cap stays at
     # the whole budget.
@@ -77,17 +80,31 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     verify(program, budget_bytes=plan_bytes, owners=owners(captured)[1] if captured.train else None)
     captured = with_selective(captured, choice.selective)
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
-                prediction=predict(program, captured, hardware), host_budget_bytes=host_budget_bytes,
-                reserve=reserve)
+                prediction=predict(program, captured, hardware, disk_per_param), host_budget_bytes=host_budget_bytes,
+                reserve=reserve, host_cost=host_cost)
 
 
-def require_host_room(host_bytes: int, host_budget_bytes: int | None) -> None:
+def require_host_room(host_bytes: int, host_budget_bytes: int | None, detail: str = "") -> None:
     """HostMemoryError unless the masters and AdamW state fit the host budget."""
     if host_budget_bytes is not None and host_bytes > host_budget_bytes:
         raise HostMemoryError(
             f"the host RAM budget of {host_budget_bytes / GiB:.4g} GiB cannot hold the fp32 masters, AdamW "
             f"moments, gradients and compute copies, which take {host_bytes / GiB:.4g} GiB "
-            f"({fmt_bytes(host_bytes)}); raise the host budget, or train a smaller model")
+            f"({fmt_bytes(host_bytes)}); raise the host budget, or train a smaller model{detail}")
+
+
+def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, host_budget_bytes: int | None,
+                     nvme_budget_bytes: int | None) -> HostCost:
+    """Where the masters and AdamW state live: all in host RAM if they fit the host budget, else
+    the moments on disk, else the masters too (cost/host_memory.py); HostMemoryError, saying what
+    each placement needs, when none fits both budgets."""
+    costs = host_costs(captured, compute_dtype, grad_accum)
+    chosen = choose_placement(costs, host_budget_bytes, nvme_budget_bytes)
+    if chosen is None:
+        hint = ("" if nvme_budget_bytes is not None else
+                ", or give a disk tier (compile(..., nvme_dir=PATH), --nvme-budget GiB) for the AdamW moments and masters")
+        require_host_room(costs[0].ram_bytes, host_budget_bytes, f"{hint}. Placements: {why_not(costs, host_budget_bytes, nvme_budget_bytes)}")
+    return chosen
 
 
 def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile,
