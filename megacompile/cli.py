@@ -83,6 +83,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     if blocker is not None:   # before measuring, which takes a while
         raise ArgumentError(f"--out {args.out} lies under the file {blocker}; give a path in a folder")
     profile = measure_gpu() if args.device == "cuda" else measure()
+    if args.nvme_dir is not None:     # the disk tier's disk: sequential O_DIRECT, as the tier reads and writes
+        from .cost.hardware import replace
+        from .storage.bandwidth import measure_disk
+        disk = measure_disk(args.nvme_dir)
+        if not disk["direct"]:
+            print(f"  note: {args.nvme_dir} does not take O_DIRECT; the figures include the page cache")
+        profile = replace(profile, disk_read_bw=disk["read_bw"], disk_write_bw=disk["write_bw"])
     for key, value in profile.to_dict().items():
         print(f"  {key:<24} {value:.4g}" if isinstance(value, float) else f"  {key:<24} {value}")
     tmp = f"{args.out}.tmp"
@@ -146,6 +153,9 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure this machine's GPU and host into a hardware profile")
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     c.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+    c.add_argument("--nvme-dir", default=None,
+                   help="measure the disk tier's disk here (1 GiB written and read back); default: keep the "
+                        "profile's disk figures")
     c.set_defaults(run=_calibrate)
     return p
 

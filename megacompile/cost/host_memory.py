@@ -8,7 +8,9 @@ The gradient needs no buffer of its own with one micro-batch per step: it lands 
 compute copy, which the device does not read again until the update has overwritten it with the
 new weights (the kernel reads each element's gradient before writing its new weight). A tied
 owner (its gradients are summed in fp32), fp32 compute with the master in RAM, and accumulation
-(grad_accum > 1: an fp32 sum and a landing buffer, 8 B) keep their own.
+keep their own. With grad_accum > 1 that is the fp32 sum of the committed micro-batches (4 B) and
+a landing buffer in the compute dtype (bf16: 2 B) for the running micro-batch's gradient, which
+joins the sum only once its micro-batch commits (runtime/host.py).
 
 Tiers, in the order the planner spills them when host RAM is short: exp_avg + exp_avg_sq (8 B)
 first (read and written once per step each), then the fp32 masters (4 B).
@@ -67,6 +69,7 @@ class OwnerLayout:
     grad_dtype: torch.dtype
     grad_in_copy: bool           # the gradient lands in the compute copy (no buffer of its own)
     landing: bool                # a second gradient buffer (grad_accum > 1)
+    landing_dtype: torch.dtype = torch.float32
 
 
 def owner_layout(compute_dtype: torch.dtype, grad_accum: int, summed: bool, placement: Placement) -> OwnerLayout:
@@ -74,13 +77,14 @@ def owner_layout(compute_dtype: torch.dtype, grad_accum: int, summed: bool, plac
     own_grad = grad_accum > 1 or summed
     return OwnerLayout(master=not placement.masters_on_disk, moments=not placement.moments_on_disk,
                        compute_copy=copy, grad_dtype=torch.float32 if own_grad else compute_dtype,
-                       grad_in_copy=copy and not own_grad, landing=grad_accum > 1)
+                       grad_in_copy=copy and not own_grad, landing=grad_accum > 1,
+                       landing_dtype=torch.float32 if summed else compute_dtype)
 
 
 def owner_ram_bytes(numel: int, layout: OwnerLayout, compute_dtype: torch.dtype) -> int:
     per = 4 * layout.master + 8 * layout.moments + compute_dtype.itemsize * layout.compute_copy
     per += 0 if layout.grad_in_copy else layout.grad_dtype.itemsize
-    per += 4 * layout.landing
+    per += layout.landing_dtype.itemsize * layout.landing
     return numel * per
 
 
@@ -153,7 +157,7 @@ def host_cost(owner_numels: dict[int, int], summed: set[int], frozen_bytes: int,
         if layout.compute_copy:
             add("compute copies", "ram", compute_dtype.itemsize * numel)
         if not layout.grad_in_copy:
-            add("grads", "ram", (layout.grad_dtype.itemsize + 4 * layout.landing) * numel)
+            add("grads", "ram", (layout.grad_dtype.itemsize + layout.landing_dtype.itemsize * layout.landing) * numel)
     pool = pool_bytes(max(owner_numels.values(), default=0), placement)
     disk = sum(n for where, n in tiers.values() if where == "disk")
     return HostCost(placement, sum(owner_numels.values()), ram + pool, pool, disk,

@@ -98,12 +98,12 @@ class OwnerBuffers:
         # micro-batches or tied uses add into it; else in the compute dtype, as it left the device,
         # and then it lands in the compute copy itself (see host_memory.py), which AdamW reads it
         # from before writing the new weights over it.
-        # landing: where the running micro-batch's sum lands. With grad_accum > 1 it is a second
-        # buffer (4 B/param), swapped in when the micro-batch commits, so a failed micro-batch
-        # leaves the earlier ones' sum untouched; with one micro-batch per step nothing earlier
-        # needs keeping and the two are one.
+        # landing: with grad_accum > 1, where a later micro-batch's own gradient lands, as it left
+        # the device (bf16: 2 B/param; a tied owner's fp32 partial sums: 4). It joins `grad` only
+        # after its micro-batch commits, so a failed micro-batch leaves the earlier ones' sum
+        # untouched (HostState.accumulate_grad); with one micro-batch per step the two are one.
         self.grad = self.compute if layout.grad_in_copy else torch.zeros(numel, dtype=layout.grad_dtype)
-        self.landing = torch.zeros(numel, dtype=layout.grad_dtype) if layout.landing else self.grad
+        self.landing = torch.zeros(numel, dtype=layout.landing_dtype) if layout.landing else self.grad
         self.grad_in_copy = layout.grad_in_copy
 
     @property
@@ -138,6 +138,11 @@ class HostState:
                        for s, n in sizes.items()}
         self.disk = DiskState(sizes, placement, nvme_dir, verify) if placement.on_disk else None
         self._in_copy: set[int] = set()   # owners whose gradients landed in their compute copy
+        # grad_accum > 1: parameters whose gradient sits in `landing` -- landed by the running
+        # micro-batch; committed but not yet added to `grad`; and, per owner, to be added by its update.
+        self._landed: set[str] = set()
+        self._unfolded: set[str] = set()
+        self._fold_at_update: dict[int, list[str]] = {}
         self.consts: dict[str, torch.Tensor] = {}
         for name, entry in captured.state.items():
             if name not in self.slots:
@@ -185,6 +190,8 @@ class HostState:
         A buffer the disk tier holds is read from there, one owner at a time (DiskState.read);
         what is written into such a slice reaches the disk before the next update reads it."""
         owner = self.slots[name].owner
+        if buffer == "grad":
+            self._fold(name)      # the committed sum, whole
         if self.disk is not None and self.disk.holds(buffer):
             return self._view(self.disk.read(owner, buffer), name)
         return self._view(getattr(self.owners[owner], buffer), name)
@@ -261,11 +268,24 @@ class HostState:
         self._partial = {}
         self._sq = {}
         self._in_copy = set()
+        self._landed = set()
+        if first:    # a step dropped after some micro-batches committed leaves their names here
+            self._unfolded = set()
 
     def commit_micro_batch(self) -> None:
-        """The micro-batch succeeded: its sums become the step's gradients."""
-        for b in self.owners.values():
-            b.grad, b.landing = b.landing, b.grad
+        """The micro-batch succeeded: what it landed belongs to the step's gradients. The first
+        micro-batch wrote the sum itself; a later one's gradients wait in `landing` and are added
+        to the sum when the next micro-batch's gradient for the same parameter lands, or when the
+        update comes (update_owner), whichever is first."""
+        self._unfolded |= self._landed
+        self._landed = set()
+
+    def _fold(self, name: str) -> None:
+        """grad += landing for `name`, if a committed micro-batch's gradient still waits there."""
+        if name in self._unfolded:
+            self._unfolded.discard(name)
+            b = self.owners[self.slots[name].owner]
+            self._view(b.grad, name).add_(self._view(b.landing, name))
 
     def accumulate_grad(self, name: str, g: torch.Tensor) -> None:
         """Add one stage's gradient for `name`. A parameter used by several stages (tied
@@ -287,14 +307,22 @@ class HostState:
         buffers = self.owners[slot.owner]
         if buffers.grad_in_copy:
             self._in_copy.add(slot.owner)
-        flat = buffers.landing[slot.offset:slot.offset + slot.numel]
-        dst = flat.view(slot.shape)
         if self._first:
-            dst.copy_(g)
-        else:   # landing = grad + g: the committed sum is only read, never written
-            torch.add(self._view(buffers.grad, name), g, out=dst)
-        if self._check:
-            self._sq[name] = grad_sq_norm(flat) if self._norms else _finite_witness(flat)
+            # The sum itself: a failed first micro-batch leaves nothing worth keeping.
+            flat = buffers.grad[slot.offset:slot.offset + slot.numel]
+            flat.view(slot.shape).copy_(g)
+            if self._check:
+                self._sq[name] = grad_sq_norm(flat) if self._norms else _finite_witness(flat)
+            return
+        self._fold(name)        # the committed sum is complete before this micro-batch adds to it
+        self._view(buffers.landing, name).copy_(g)
+        self._landed.add(name)
+        if self._check:   # the sum this micro-batch makes, grad + landing, as AdamW will read it
+            grad = buffers.grad[slot.offset:slot.offset + slot.numel]
+            landing = buffers.landing[slot.offset:slot.offset + slot.numel]
+            check = grad_sq_norm if self._norms else _finite_witness
+            self._sq[name] = sum(check(torch.add(grad[i:i + _CHECK_SLICE], landing[i:i + _CHECK_SLICE]))
+                                 for i in range(0, slot.numel, _CHECK_SLICE))
 
 
     def restore_copies(self) -> None:
@@ -312,6 +340,10 @@ class HostState:
     def schedule_updates(self, owners: list[int]) -> None:
         """The host stream runs these owners' updates next, in this order: the disk tier reads ahead."""
         self._in_copy = set()    # committed: the updates overwrite the copies
+        staged = set(owners)
+        for name in [n for n in self._unfolded if self.slots[n].owner in staged]:
+            self._unfolded.discard(name)
+            self._fold_at_update.setdefault(self.slots[name].owner, []).append(name)
         if self.disk is not None:
             self.disk.schedule(owners)
 
@@ -319,11 +351,17 @@ class HostState:
         """fn(master, grad, exp_avg, exp_avg_sq, out) over the owner's flat buffers: once, or piece
         by piece through the disk tier."""
         b = self.owners[owner]
+        for name in self._fold_at_update.pop(owner, []):   # the last micro-batch's gradients join the sum
+            self._view(b.grad, name).add_(self._view(b.landing, name))
         out = None if b.compute is b.master else b.compute
         if self.disk is None:
             fn(b.master, b.grad, b.exp_avg, b.exp_avg_sq, out)
         else:
             self.disk.update(owner, b.master, b.grad, b.exp_avg, b.exp_avg_sq, out, fn)
+
+
+# The check of a later micro-batch's sum works in slices of this many elements (64 MiB of fp32).
+_CHECK_SLICE = 1 << 24
 
 
 def _finite_witness(flat: torch.Tensor) -> float:

@@ -130,6 +130,9 @@ def test_host_bytes_per_param_at_each_placement():
     assert costs[2].ram_bytes_per_param <= 2.5 and costs[2].disk_bytes == 12 * costs[2].params
     # fp32 compute keeps the master as the device's copy and a gradient of its own: 16 B/param.
     assert host_cost(owners, set(), 0, torch.float32, 1, LEVELS[0]).ram_bytes_per_param == 16
+    # Accumulating micro-batches: an fp32 sum (4 B) and a bf16 landing buffer (2 B) besides.
+    accumulating = host_cost(owners, set(), 0, torch.bfloat16, 4, LEVELS[2])
+    assert accumulating.ram_bytes - accumulating.pool_bytes == 8 * accumulating.params
 
 
 SMALL_LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
@@ -176,3 +179,20 @@ def test_a_118b_llama_fits_a_1_tib_host_with_a_disk_tier(tmp_path, capsys):
     assert summary["fits"], out
     assert summary["disk_bytes"] > 0 and summary["disk_bandwidth_needed"] > 0
     assert "hidden at >=" in out
+
+
+def test_accumulating_bf16_state_is_what_the_plan_counts(tmp_path, tier_env):
+    """grad_accum=2, bf16 compute, moments on disk: the fp32 sum and the bf16 landing buffer are
+    allocated as counted, and the run matches the same run all in RAM bit for bit."""
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=32, layers=2, heads=2)
+    batches = [models.batch(96, b=2, t=16, seed=i) for i in range(4)]
+    off = megacompile_run(clone(model), batches, "nanogpt", 64.0, compute_dtype=torch.bfloat16, grad_accum=2)
+    costs = host_costs(off.engine.plan.captured, torch.bfloat16, 2)
+    assert off.engine.host.nbytes == costs[0].ram_bytes and costs[1].ram_bytes < costs[0].ram_bytes
+    assert any(b.landing.dtype == torch.bfloat16 for b in off.engine.host.owners.values())
+    on = megacompile_run(clone(model), batches, "nanogpt", 64.0, compute_dtype=torch.bfloat16, grad_accum=2,
+                         nvme_dir=str(tmp_path), host_budget=costs[1].ram_bytes / GiB)
+    assert on.engine.host_cost.placement == LEVELS[1] and on.engine.host.nbytes == costs[1].ram_bytes
+    assert on.losses == off.losses
+    assert_bit_equal(masters(on.engine), masters(off.engine))

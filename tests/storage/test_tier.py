@@ -129,3 +129,10 @@ def test_a_filesystem_without_o_direct_falls_back_to_buffered_io_with_a_warning(
     _step(tier, 1)
     assert torch.equal(tier.read(2, "master"), torch.full((1,), 3.0))
     tier.close()
+
+
+def test_the_raw_disk_probe_measures_and_leaves_nothing(tmp_path):
+    from megacompile.storage.bandwidth import measure_disk
+    figures = measure_disk(str(tmp_path), nbytes=8 << 20, chunk=1 << 20, threads=2)
+    assert figures["read_bw"] > 0 and figures["write_bw"] > 0 and figures["bytes"] == 8 << 20
+    assert os.listdir(tmp_path) == []
