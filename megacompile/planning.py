@@ -136,8 +136,10 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     host_budget_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
     nvme_budget_bytes = arguments.budget_bytes("nvme_budget", nvme_budget, optional=True)
     grad_accum = arguments.count("grad_accum", grad_accum, what=" (micro-batches per optimizer step)")
-    if nvme_bandwidth is not None and not (arguments.budget_bytes("nvme_bandwidth", nvme_bandwidth) > 0):
-        raise ArgumentError(f"nvme_bandwidth is in GB/s and must be positive; got {nvme_bandwidth!r}")
+    if nvme_bandwidth is not None and (isinstance(nvme_bandwidth, bool) or not isinstance(nvme_bandwidth, (int, float))
+                                       or not 0 < nvme_bandwidth < float("inf")):
+        raise ArgumentError(f"nvme_bandwidth is the disk tier's disk bandwidth in GB/s, each way, and must be a "
+                            f"positive finite number; got {nvme_bandwidth!r}")
     if inputs is None:
         batch, seq = arguments.tokens(batch, seq)
     elif not isinstance(inputs, dict):

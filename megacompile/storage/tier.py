@@ -149,7 +149,8 @@ class DiskTier:
         regions = self._regions(piece)
         for kind, region in zip(self.kinds, regions):
             self.files[piece.owner, kind].read(region, offset)
-        self.bytes_read += sum(r.numel() for r in regions)
+        with self._idle:
+            self.bytes_read += sum(r.numel() for r in regions)
         if self.verify:
             for kind, region in zip(self.kinds, regions):
                 self._check(piece.owner, piece.index, kind, region)
@@ -190,7 +191,8 @@ class DiskTier:
                     self._crc[piece.owner, piece.index, kind] = checksum([region])
             for kind, region in zip(self.kinds, regions):
                 self.files[piece.owner, kind].write(region, offset)
-            self.bytes_written += sum(r.numel() for r in regions)
+            with self._idle:
+                self.bytes_written += sum(r.numel() for r in regions)
         except BaseException as e:
             self._error = self._error or e
             raise

@@ -196,3 +196,16 @@ def test_accumulating_bf16_state_is_what_the_plan_counts(tmp_path, tier_env):
     assert on.engine.host_cost.placement == LEVELS[1] and on.engine.host.nbytes == costs[1].ram_bytes
     assert on.losses == off.losses
     assert_bit_equal(masters(on.engine), masters(off.engine))
+
+
+def test_disk_tier_arguments_are_checked_before_anything_runs(tmp_path):
+    from megacompile.errors import ArgumentError
+    with pytest.raises(ArgumentError, match="nvme_bandwidth is the disk tier's disk bandwidth in GB/s"):
+        megacompile.plan(SMALL_LLAMA, 1.0, nvme_bandwidth=0)
+    with pytest.raises(ArgumentError, match="nvme_budget bounds the disk tier in nvme_dir: give nvme_dir"):
+        megacompile.compile(models.NanoGPT(), 1.0, device="cpu", nvme_budget=10)
+    with pytest.raises(ArgumentError, match="nvme_budget is the disk space"):
+        megacompile.compile(models.NanoGPT(), 1.0, device="cpu", nvme_dir=str(tmp_path), nvme_budget=-1)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ArgumentError, match="nvme_dir .* is a file"):
+        megacompile.compile(models.NanoGPT(), 1.0, device="cpu", nvme_dir=str(tmp_path / "file"))
