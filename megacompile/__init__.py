@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 
 from .engine import Engine
 from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, HostMemoryError, InputMismatchError,
-                     LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError)
+                     LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError,
+                     StorageError)
 from .optim import AdamW
 from .plan import Plan
 from .planning import plan
@@ -32,7 +33,7 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
             compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
             loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None,
             grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
-            on_nonfinite: str = "skip") -> Engine:
+            on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None) -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -49,14 +50,19 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                    of this machine's RAM. Too little for the masters raises HostMemoryError.
     on_nonfinite:  a step whose loss or any gradient is inf or NaN updates nothing; "skip" (default)
                    warns and goes on, "raise" raises NonFiniteError. `engine.last_step` says which.
+    nvme_dir:      a folder on a fast disk for the disk tier: when the host budget cannot hold the
+                   host state, the AdamW moments (8 B/param) go there first, then the fp32 masters
+                   (4 B/param), streamed past the host AdamW (megacompile/storage)
+    nvme_budget:   GiB the disk tier may take in nvme_dir; default: the disk's free space
 
     torch LR schedulers attach to `engine.torch_optimizer`.
     """
     return Engine(model, hbm_budget, optimizer=optimizer, compute_dtype=compute_dtype, device=device,
                   loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir, grad_accum=grad_accum,
-                  fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite)
+                  fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite, nvme_dir=nvme_dir,
+                  nvme_budget=nvme_budget)
 
 
 __all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
-           "OptimizerInputError", "NonFiniteError"]
+           "OptimizerInputError", "NonFiniteError", "StorageError"]

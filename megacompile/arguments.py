@@ -20,7 +20,8 @@ GiB = 2 ** 30
 MAX_TOKENS = 2 ** 31 - 1
 
 
-BUDGETS = {"hbm_budget": "the device memory the plan may use", "host_budget": "the host RAM the plan may use"}
+BUDGETS = {"hbm_budget": "the device memory the plan may use", "host_budget": "the host RAM the plan may use",
+           "nvme_budget": "the disk space the disk tier may take in nvme_dir"}
 
 
 def budget_bytes(name: str, gib: Any, *, optional: bool = False) -> int | None:

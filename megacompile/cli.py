@@ -31,7 +31,8 @@ def _plan(args: argparse.Namespace) -> int:
     from .ir.printer import fmt_bytes
     from .planning import plan
     from .planning import plan_global_batch
-    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget)
+    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget,
+                  nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth)
     accumulate = 1
     try:
         if args.global_batch is not None:
@@ -47,7 +48,9 @@ def _plan(args: argparse.Namespace) -> int:
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take.
         batch = 1 if args.global_batch else args.batch
-        result, fits = plan(args.config, e.minimum_bytes / 2**30 * 1.0001, batch=batch, **kwargs), False
+        result = plan(args.config, e.minimum_bytes / 2**30 * 1.0001, batch=batch,
+                      grad_accum=args.global_batch // batch if args.global_batch else 1, **kwargs)
+        fits = False
     print(result.summary())
     if args.global_batch and fits:
         micro = args.global_batch // accumulate
@@ -83,6 +86,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     if blocker is not None:   # before measuring, which takes a while
         raise ArgumentError(f"--out {args.out} lies under the file {blocker}; give a path in a folder")
     profile = measure_gpu() if args.device == "cuda" else measure()
+    if args.nvme_dir is not None:     # the disk tier's disk: sequential O_DIRECT, as the tier reads and writes
+        from .cost.hardware import replace
+        from .storage.bandwidth import measure_disk
+        disk = measure_disk(args.nvme_dir)
+        if not disk["direct"]:
+            print(f"  note: {args.nvme_dir} does not take O_DIRECT; the figures include the page cache")
+        profile = replace(profile, disk_read_bw=disk["read_bw"], disk_write_bw=disk["write_bw"])
     for key, value in profile.to_dict().items():
         print(f"  {key:<24} {value:.4g}" if isinstance(value, float) else f"  {key:<24} {value}")
     tmp = f"{args.out}.tmp"
@@ -135,12 +145,20 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
     q.add_argument("--host-budget", type=float, default=None,
                    help="GiB of host RAM for masters, AdamW state and offloaded activations (default: not limited)")
+    q.add_argument("--nvme-budget", type=float, default=None,
+                   help="GiB of disk for a disk tier: when host RAM is short the AdamW moments, then the fp32 masters, "
+                        "go there (default: no disk tier)")
+    q.add_argument("--nvme-bandwidth", type=float, default=None,
+                   help="GB/s the disk tier's disk reads and writes (default: the hardware profile's disk)")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     q.set_defaults(run=_plan)
 
     c = sub.add_parser("calibrate", help="measure this machine's GPU and host into a hardware profile")
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     c.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+    c.add_argument("--nvme-dir", default=None,
+                   help="measure the disk tier's disk here (1 GiB written and read back); default: keep the "
+                        "profile's disk figures")
     c.set_defaults(run=_calibrate)
     return p
 

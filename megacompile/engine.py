@@ -30,8 +30,8 @@ from .passes import StepKind
 from .optim.fused_adamw import adamw_update_
 from .plan import Plan
 from .plan_cache import PlanCache, note_new_shape
-from .planner import make_plan, require_host_room
-from .planning import host_bytes_of
+from .cost.host_memory import free_disk_bytes
+from .planner import make_plan, place_host_state
 from .runtime import Executor, HostState, make_backend
 from .runtime.executor import NonFiniteLoss
 
@@ -50,7 +50,7 @@ class Engine:
                  compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
                  loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
                  grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
-                 on_nonfinite: str = "skip"):
+                 on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         self.budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
@@ -70,6 +70,11 @@ class Engine:
         arguments.flag("retrace", retrace)
         arguments.flag("fuse", fuse, optional=True)
         arguments.folder("dump_dir", dump_dir)
+        self.nvme_dir = arguments.folder("nvme_dir", nvme_dir)
+        self.nvme_budget_bytes = arguments.budget_bytes("nvme_budget", nvme_budget, optional=True)
+        if self.nvme_budget_bytes is not None and nvme_dir is None:
+            raise ArgumentError("nvme_budget bounds the disk tier in nvme_dir: give nvme_dir=PATH too")
+        self.host_cost = None        # where the host state lives and what it takes (cost/host_memory.py)
         self.model = model
         self.host_budget_bytes = host_bytes if host_bytes is not None else int(0.9 * physical_ram())
         self.optimizer = optimizer
@@ -132,15 +137,17 @@ class Engine:
             self._captured[signature] = captured
             self._shapes_seen += 1
         if self.host is None:
-            # Before allocating: too little host RAM must fail here, not in the allocator.
-            require_host_room(host_bytes_of(self.model, self.compute_dtype, self.grad_accum), self.host_budget_bytes)
+            # Before allocating: too little host RAM (and disk) must fail here, not in the allocator.
+            self.host_cost = place_host_state(captured, self.compute_dtype, self.grad_accum, self.host_budget_bytes,
+                                              self._nvme_budget())
             self.host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda",
-                                  grad_accum=self.grad_accum)
+                                  grad_accum=self.grad_accum, placement=self.host_cost.placement,
+                                  nvme_dir=self.nvme_dir)
             if self._materialized:
                 self.host.load_module(self.model)
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
                          host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse,
-                         host_budget_bytes=self.host_budget_bytes)
+                         host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self._adamw, self._clip)
         compiled = _Compiled(plan.captured, plan, executor)
         self._compiled[(signature, kind)] = compiled
@@ -164,14 +171,24 @@ class Engine:
         # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), at most 1
         context["grad_scale"] = min(1.0, self.optimizer.max_grad_norm / (norm + 1e-6))
 
+    def _nvme_budget(self) -> int | None:
+        """Disk bytes the tier may take: nvme_budget, else the free space where nvme_dir is."""
+        if self.nvme_dir is None or self.nvme_budget_bytes is not None:
+            return self.nvme_budget_bytes
+        existing = os.path.abspath(self.nvme_dir)
+        while not os.path.isdir(existing):
+            existing = os.path.dirname(existing)
+        return free_disk_bytes(existing)
+
     def _adamw(self, stage: int, context: dict) -> None:
-        buffers = self.host.owners[stage]
         opt = self.optimizer
-        adamw_update_(buffers.master, buffers.grad, buffers.exp_avg, buffers.exp_avg_sq,
-                      lr=context["lr"], beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
-                      weight_decay=opt.weight_decay, step=context["step"], grad_scale=context["grad_scale"],
-                      out=None if buffers.compute is buffers.master else buffers.compute,
-                      **({"backend": "torch"} if opt.kernel == "torch" else {}))
+
+        def update(master, grad, exp_avg, exp_avg_sq, out) -> None:
+            adamw_update_(master, grad, exp_avg, exp_avg_sq,
+                          lr=context["lr"], beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
+                          weight_decay=opt.weight_decay, step=context["step"], grad_scale=context["grad_scale"],
+                          out=out, **({"backend": "torch"} if opt.kernel == "torch" else {}))
+        self.host.update_owner(stage, update)
 
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -220,6 +237,7 @@ class Engine:
             return self._skip(compiled, e.loss, "loss", f"the loss is {e.loss}", micro)
         except BaseException:
             self.backend.set_rng_state(rng)   # a retry draws the same dropout masks
+            self.host.restore_copies()
             raise
         finally:
             compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes
@@ -242,6 +260,7 @@ class Engine:
         """Drop the step: no master, moment or counter changes, and the micro-batches already
         accumulated in it go too (their sum may hold the inf or NaN)."""
         compiled.executor.commit_nothing()
+        self.host.restore_copies()
         self.micro_batches -= micro
         self.skipped_steps += 1
         step = self.steps_done + 1

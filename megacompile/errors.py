@@ -59,3 +59,9 @@ class CheckpointError(MegacompileError, OSError):
 
 class RetraceWarning(UserWarning):
     """Inputs keep changing shape, and each new shape is traced and planned again."""
+
+
+class StorageError(MegacompileError, OSError):
+    """The disk tier that holds AdamW state or masters failed: the disk is full, a state file was
+    deleted or truncated under the run, an I/O error, or a block read back does not match its
+    checksum. The message names the file; the run cannot go on from that state."""

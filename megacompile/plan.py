@@ -13,6 +13,7 @@ import torch
 
 from .capture import CapturedModel
 from .cost import HardwareProfile, StepPrediction
+from .cost.host_memory import HostCost
 from .cost.reserve import DeviceReserve
 from .ir.printer import fmt_bytes, format_program
 from .ir.program import Op, Program
@@ -32,6 +33,8 @@ class Plan:
     prediction: StepPrediction | None = None
     host_budget_bytes: int | None = None     # host RAM the plan may use; None: not limited
     reserve: DeviceReserve = field(default_factory=DeviceReserve)   # kept free for what the ledger cannot see
+    host_cost: HostCost | None = None        # where the host state lives: RAM and disk bytes per tier
+    grad_accum: int = 1                      # micro-batches per optimizer step (the disk tier's pace)
     curve: MemoryCurve = field(init=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +74,24 @@ class Plan:
         """Device bytes of every parameter and buffer once, in the compute dtype."""
         return sum(e.numel * (self.captured.compute_dtype.itemsize if e.dtype.is_floating_point
                               else e.dtype.itemsize) for e in self.captured.state.values())
+
+    @property
+    def disk_bytes_per_step(self) -> int:
+        """Bytes the disk tier reads per optimizer step; it writes as many."""
+        return self.host_cost.disk_bytes_per_step if self.host_cost is not None else 0
+
+    @property
+    def disk_bandwidth_needed(self) -> float | None:
+        """B/s of disk traffic (reads plus writes) that keeps the tier hidden: one optimizer step's
+        reads and writes within the time of the step's micro-batches. None without a prediction."""
+        if self.prediction is None:
+            return None
+        return 2 * self.disk_bytes_per_step / (self.prediction.step_s * self.grad_accum)
+
+    @property
+    def host_bytes_per_param(self) -> float | None:
+        """Host RAM of the state per trainable parameter (frozen weights and buffers aside)."""
+        return self.host_cost.ram_bytes_per_param if self.host_cost is not None else None
 
     @property
     def fits(self) -> bool:
@@ -210,6 +231,7 @@ class Plan:
             "host_state_bytes": self.host_bytes,
             "host_activation_bytes": self.stash_bytes,
             "host_budget_bytes": self.host_budget_bytes,
+            **self._disk_json(),
             "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "weight_h2d_bytes_per_step": self.weight_h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step,
@@ -259,10 +281,12 @@ class Plan:
             f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, their inputs in host "
             "memory where the host budget allows, no prefetch overlap)",
             *self._reserve_line(),
-            f"  host memory    {fmt_bytes(self.host_bytes + self.stash_bytes)}: {fmt_bytes(self.host_bytes)} of fp32 "
-            f"masters, exp_avg, exp_avg_sq, grads{', compute copies' if c.compute_dtype != torch.float32 else ''}, "
-            f"buffers" + (f"; {fmt_bytes(self.stash_bytes)} of offloaded activations" if self.stash_bytes else "")
+            f"  host memory    {fmt_bytes(self.host_bytes + self.stash_bytes)}: {fmt_bytes(self.host_bytes)} of "
+            + ("host state in RAM (tiers below)" if self.host_cost is not None else
+               f"fp32 masters, exp_avg, exp_avg_sq, grads{', compute copies' if c.compute_dtype != torch.float32 else ''}, "
+               "buffers") + (f"; {fmt_bytes(self.stash_bytes)} of offloaded activations" if self.stash_bytes else "")
             + (f" (host budget {fmt_bytes(self.host_budget_bytes)})" if self.host_budget_bytes is not None else ""),
+            *self._host_lines(),
             f"  moved per step {fmt_bytes(self.h2d_bytes_per_step)} host->device, "
             f"{fmt_bytes(self.d2h_bytes_per_step)} device->host",
         ]
@@ -284,6 +308,39 @@ class Plan:
                          f"{p.tflops_6nd:.3g} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
                          f"per model FLOP, {p.exposed_s * 1e3:.3g} ms waiting on transfers")
         return "\n".join(lines)
+
+    def _disk_json(self) -> dict:
+        c = self.host_cost
+        if c is None:
+            return {}
+        return {"host_placement": c.placement.describe(), "host_bytes_per_param": c.ram_bytes_per_param,
+                "host_tiers": {k: {"where": w, "bytes": n} for k, (w, n) in c.tiers.items()},
+                "disk_pool_bytes": c.pool_bytes, "disk_bytes": c.disk_bytes,
+                "disk_read_bytes_per_step": self.disk_bytes_per_step, "disk_write_bytes_per_step": self.disk_bytes_per_step,
+                "disk_bandwidth_needed": self.disk_bandwidth_needed}
+
+    def _host_lines(self) -> list[str]:
+        """Where the host state lives, per tier, and what the disk tier asks of the disk."""
+        c = self.host_cost
+        if c is None:
+            return []
+        def tier(where: str) -> str:
+            return ", ".join(f"{k} {fmt_bytes(n)}" for k, (w, n) in c.tiers.items() if w == where)
+        pool = f", disk tier pool {fmt_bytes(c.pool_bytes)}" if c.pool_bytes else ""
+        lines = [f"  host tiers     {c.placement.describe()}: {c.ram_bytes_per_param:.3g} B/param in RAM; "
+                 f"RAM: {tier('ram')}{pool}" + (f"; disk: {tier('disk')}" if c.disk_bytes else "")]
+        if c.disk_bytes:
+            need = self.disk_bandwidth_needed
+            line = (f"  disk tier      {fmt_bytes(c.disk_bytes)} on disk; reads {fmt_bytes(self.disk_bytes_per_step)} and "
+                    f"writes {fmt_bytes(self.disk_bytes_per_step)} per optimizer step")
+            if need is not None:
+                hw = self.hardware
+                have = 1 / (1 / hw.disk_read_bw + 1 / hw.disk_write_bw) * 2
+                line += (f"; hidden at >= {need / 1e9:.3g} GB/s of disk traffic (reads + writes over "
+                         f"{self.prediction.step_s * self.grad_accum * 1e3:.4g} ms of steps); the profile's disk gives "
+                         f"{have / 1e9:.3g} GB/s ({'hidden' if have >= need else 'the tier sets the pace'})")
+            lines.append(line)
+        return lines
 
     def _reserve_line(self) -> list[str]:
         r = self.reserve

@@ -11,6 +11,7 @@ from .ir.verify import verify
 from .capture.model_graph import owners
 from .cost import HardwareProfile, get_profile, predict
 from .cost.predict import compute_seconds
+from .cost.host_memory import HostCost, choose_placement, host_costs, why_not
 from .cost.reserve import device_reserve, smallest_budget
 from .ir.program import COMPUTE_OPS, Op, Program
 from .passes import ScheduleChoice, StepKind, build_schedule, solve
@@ -26,7 +27,8 @@ GiB = 2 ** 30
 
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
               host_bytes: int, dump_dir: str | None = None, fuse: bool = False,
-              hardware: HardwareProfile | None = None, host_budget_bytes: int | None = None) -> Plan:
+              hardware: HardwareProfile | None = None, host_budget_bytes: int | None = None,
+              host_cost: HostCost | None = None) -> Plan:
     """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
     rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs.
 
@@ -38,6 +40,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
         captured = fuse_stages(captured)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     hardware = hardware or default_profile(backend)
+    disk_per_param = host_cost.disk_bytes / max(host_cost.params, 1) if host_cost is not None else 0.0
     built: dict[ScheduleChoice, Program] = {}
     lowered: dict[tuple, Program] = {}
 
@@ -53,7 +56,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
             built[choice] = build_schedule(captured, choice, kind, check=False, lowered=lower_once)
         return built[choice]
 
-    peak_of, seconds_of = judges(captured, blocks, hardware, schedule, lower_once, kind)
+    peak_of, seconds_of = judges(captured, blocks, hardware, schedule, lower_once, kind, disk_per_param)
 
     # The plan fills what the device reserve leaves (cost/reserve.py); the allocator's cap stays at
     # the whole budget.
@@ -79,13 +82,14 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     verify(program, budget_bytes=plan_bytes, owners=owners(captured)[1] if captured.train else None)
     captured = with_selective(captured, choice.selective)
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
-                prediction=predict(program, captured, hardware), host_budget_bytes=host_budget_bytes,
-                reserve=reserve)
+                prediction=predict(program, captured, hardware, disk_per_param), host_budget_bytes=host_budget_bytes,
+                reserve=reserve, host_cost=host_cost)
 
 
 def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile,
            schedule: Callable[[ScheduleChoice], Program], lowered: Callable[[CapturedModel], Program],
-           kind: StepKind) -> tuple[Callable[[ScheduleChoice], int], Callable[[ScheduleChoice], float]]:
+           kind: StepKind, disk_per_param: float = 0.0
+           ) -> tuple[Callable[[ScheduleChoice], int], Callable[[ScheduleChoice], float]]:
     """The solver's two functions, choice -> peak bytes and choice -> predicted seconds, judged on
     the stack with each run of like blocks cut short (passes/shorten.py): the peak exactly, the
     seconds as the short step plus each cut block's period (the busiest stream's time for one
@@ -107,7 +111,8 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
         key = (len(cut.captured.stages), cut.choice, tuple((r.first, r.key) for r in cut.runs))
         if key not in judged:
             program = build_schedule(cut.captured, cut.choice, kind, check=False, lowered=lowered)
-            judged[key] = _ShortJudge(program, with_selective(cut.captured, cut.choice.selective), cut.runs, hardware)
+            judged[key] = _ShortJudge(program, with_selective(cut.captured, cut.choice.selective), cut.runs, hardware,
+                                      disk_per_param)
         cuts[choice] = cut, judged[key]
         return cuts[choice]
 
@@ -120,7 +125,8 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
     def seconds_of(choice: ScheduleChoice) -> float:
         cut, judge = short(choice)
         if judge is None:
-            return predict(schedule(choice), with_selective(captured, choice.selective), hardware).step_s
+            return predict(schedule(choice), with_selective(captured, choice.selective), hardware,
+                           disk_per_param).step_s
         return judge.seconds(cut.runs)
     return peak_of, seconds_of
 
@@ -128,13 +134,15 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
 class _ShortJudge:
     """One short schedule and what each cut block of its runs adds: bytes over a span, seconds."""
 
-    def __init__(self, program: Program, captured: CapturedModel, runs: tuple, hardware: HardwareProfile):
+    def __init__(self, program: Program, captured: CapturedModel, runs: tuple, hardware: HardwareProfile,
+                 disk_per_param: float = 0.0):
         self.program, self.captured, self.hardware = program, captured, hardware
+        self.disk_per_param = disk_per_param
         self.peak_during = simulate(program).peak_during
         middle = next(i for i, n in enumerate(program.nodes) if n.op is Op.BACKWARD)
         self.spans = [span(program, r.first) for r in runs]
         self.held = [held_bytes(program, middle, f"f{r.first}.") for r in runs]
-        self.periods = [_period(program, captured, r.first, hardware) for r in runs]
+        self.periods = [_period(program, captured, r.first, hardware, disk_per_param) for r in runs]
         self._step_s: float | None = None
 
     def peak(self, runs: tuple) -> int:
@@ -142,11 +150,12 @@ class _ShortJudge:
 
     def seconds(self, runs: tuple) -> float:
         if self._step_s is None:
-            self._step_s = predict(self.program, self.captured, self.hardware).step_s
+            self._step_s = predict(self.program, self.captured, self.hardware, self.disk_per_param).step_s
         return self._step_s + sum(r.removed * p for r, p in zip(runs, self.periods))
 
 
-def _period(program: Program, captured: CapturedModel, s: int, hw: HardwareProfile) -> float:
+def _period(program: Program, captured: CapturedModel, s: int, hw: HardwareProfile,
+            disk_per_param: float = 0.0) -> float:
     """One block's share of a long run's step: the busiest stream's seconds for stage `s`."""
     busy = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
     for n in program.nodes:
@@ -159,19 +168,35 @@ def _period(program: Program, captured: CapturedModel, s: int, hw: HardwareProfi
             busy["h2d"] += program.values[n.writes[0]].nbytes / hw.h2d_bw
         elif n.op is Op.OFFLOAD:
             busy["d2h"] += program.values[n.reads[0]].nbytes / hw.d2h_bw
-        elif n.op is Op.OPTIMIZER_STEP:
-            busy["host"] += sum(p.meta.nbytes // p.meta.dtype.itemsize for p in captured.stages[s].template.params
-                                if p.trainable) / hw.host_adam_params_per_s
+        elif n.op is Op.OPTIMIZER_STEP:    # as cost/predict.py times an update
+            params = sum(p.meta.nbytes // p.meta.dtype.itemsize for p in captured.stages[s].template.params
+                         if p.trainable)
+            disk = params * disk_per_param
+            busy["host"] += max(params / hw.host_adam_params_per_s, disk / hw.disk_read_bw + disk / hw.disk_write_bw)
     return max(busy.values())
 
 
-def require_host_room(host_bytes: int, host_budget_bytes: int | None) -> None:
+def require_host_room(host_bytes: int, host_budget_bytes: int | None, detail: str = "") -> None:
     """HostMemoryError unless the masters and AdamW state fit the host budget."""
     if host_budget_bytes is not None and host_bytes > host_budget_bytes:
         raise HostMemoryError(
             f"the host RAM budget of {host_budget_bytes / GiB:.4g} GiB cannot hold the fp32 masters, AdamW "
             f"moments, gradients and compute copies, which take {host_bytes / GiB:.4g} GiB "
-            f"({fmt_bytes(host_bytes)}); raise the host budget, or train a smaller model")
+            f"({fmt_bytes(host_bytes)}); raise the host budget, or train a smaller model{detail}")
+
+
+def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, host_budget_bytes: int | None,
+                     nvme_budget_bytes: int | None) -> HostCost:
+    """Where the masters and AdamW state live: all in host RAM if they fit the host budget, else
+    the moments on disk, else the masters too (cost/host_memory.py); HostMemoryError, saying what
+    each placement needs, when none fits both budgets."""
+    costs = host_costs(captured, compute_dtype, grad_accum)
+    chosen = choose_placement(costs, host_budget_bytes, nvme_budget_bytes)
+    if chosen is None:
+        hint = ("" if nvme_budget_bytes is not None else
+                ", or give a disk tier (compile(..., nvme_dir=PATH), --nvme-budget GiB) for the AdamW moments and masters")
+        require_host_room(costs[0].ram_bytes, host_budget_bytes, f"{hint}. Placements: {why_not(costs, host_budget_bytes, nvme_budget_bytes)}")
+    return chosen
 
 
 def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile,

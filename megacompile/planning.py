@@ -20,24 +20,11 @@ from .errors import ArgumentError, MegacompileError
 from .optim import AdamW
 from .passes import StepKind
 from .plan import Plan
-from .planner import make_baseline_plan, make_plan
+from .cost.hardware import replace
+from .cost.host_memory import host_costs
+from .planner import make_baseline_plan, make_plan, place_host_state
 
 GiB = 2 ** 30
-
-
-def host_bytes_of(model: nn.Module, compute_dtype: torch.dtype, grad_accum: int = 1) -> int:
-    """fp32 master, exp_avg, exp_avg_sq and grad (16 B/param), a compute copy for bf16 (2 B/param),
-    the landing grads of a micro-batch with grad_accum > 1 (4 B/param), and frozen weights and
-    buffers in their own dtype: what HostState allocates."""
-    per_param = 16 + (0 if compute_dtype == torch.float32 else compute_dtype.itemsize) + (4 if grad_accum > 1 else 0)
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * (per_param if p.requires_grad else p.element_size())
-    for b in model.buffers():
-        total += b.numel() * b.element_size()
-    return total
 
 
 def model_from_config(config: Any) -> nn.Module:
@@ -103,43 +90,56 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
     """Choose the micro-batch for a global batch: every power-of-two divisor that fits is planned
     and the one with the highest predicted tokens/s wins. Returns the plan of one micro-batch
     step and the number of micro-batches to accumulate (compile(..., grad_accum=k))."""
-    from .errors import BudgetTooSmallError
+    from .errors import BudgetTooSmallError, HostMemoryError
     global_batch = arguments.count("global_batch", global_batch, what=" (sequences per optimizer step)")
     arguments.budget_bytes("hbm_budget", hbm_budget)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
-    best, smallest = None, None
+    best, smallest, host_short = None, None, None
     micro = global_batch
     while micro >= 1:
         if global_batch % micro == 0:
             try:
-                candidate = plan(model, hbm_budget, batch=micro, **kwargs)
+                candidate = plan(model, hbm_budget, batch=micro, grad_accum=global_batch // micro, **kwargs)
             except BudgetTooSmallError as e:
                 smallest = e
+            except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
+                host_short = host_short or e
             else:
                 if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
                     best = (candidate, global_batch // micro)
         micro //= 2
     if best is None:
-        raise smallest
+        # Host RAM, when it stopped the micro-batches small enough for the device.
+        raise host_short or smallest
     return best
 
 
 def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwareProfile = "h100", batch: int = 1,
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
          optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,
-         fuse: bool | None = None, host_budget: float | None = None) -> Plan:
+         fuse: bool | None = None, host_budget: float | None = None, nvme_budget: float | None = None,
+         nvme_bandwidth: float | None = None, grad_accum: int = 1) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
     their shapes (meta tensors are fine). Raises BudgetTooSmallError, naming the smallest budget,
     when nothing fits, and HostMemoryError when `host_budget` (GiB of host RAM; default: not
     limited) cannot hold the masters and AdamW state; offloaded activations are kept within it.
+    `nvme_budget` (GiB of disk) lets the plan put the AdamW moments, then the fp32 masters, on a
+    disk tier when host RAM is short; `nvme_bandwidth` (GB/s, each way) replaces the profile's disk
+    bandwidth. `grad_accum` sizes the gradient buffers, and the time the disk tier has per step.
     `style` ("megatrain", "zero3") plans another system's schedule instead, for
     comparison, timed by the same cost model. `fuse` defaults to what compile() does on that
     hardware: the fused kernels on a GPU, none on the cpu backend.
     """
     budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
     host_budget_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
+    nvme_budget_bytes = arguments.budget_bytes("nvme_budget", nvme_budget, optional=True)
+    grad_accum = arguments.count("grad_accum", grad_accum, what=" (micro-batches per optimizer step)")
+    if nvme_bandwidth is not None and (isinstance(nvme_bandwidth, bool) or not isinstance(nvme_bandwidth, (int, float))
+                                       or not 0 < nvme_bandwidth < float("inf")):
+        raise ArgumentError(f"nvme_bandwidth is the disk tier's disk bandwidth in GB/s, each way, and must be a "
+                            f"positive finite number; got {nvme_bandwidth!r}")
     if inputs is None:
         batch, seq = arguments.tokens(batch, seq)
     elif not isinstance(inputs, dict):
@@ -154,6 +154,8 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
         raise ArgumentError(f"hardware must be a profile name (e.g. \"h100\", \"cpu\"), a profile.json path or a "
                             f"HardwareProfile; got {hardware!r}")
     profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(os.fspath(hardware))
+    if nvme_bandwidth is not None:
+        profile = replace(profile, disk_read_bw=nvme_bandwidth * 1e9, disk_write_bw=nvme_bandwidth * 1e9)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     if getattr(getattr(model, "config", None), "use_cache", False):
         model.config.use_cache = False
@@ -172,8 +174,11 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
         from .passes.fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     if style is not None:
-        return make_baseline_plan(captured, budget_bytes, style, host_bytes=host_bytes_of(model, compute_dtype),
+        return make_baseline_plan(captured, budget_bytes, style, host_bytes=host_costs(captured, compute_dtype)[0].ram_bytes,
                                   backend=f"planned for {profile.name}", hardware=profile)
-    return make_plan(captured, budget_bytes, kind, backend=f"planned for {profile.name}",
-                     host_bytes=host_bytes_of(model, compute_dtype), hardware=profile,
-                     host_budget_bytes=host_budget_bytes)
+    host_cost = place_host_state(captured, compute_dtype, grad_accum, host_budget_bytes, nvme_budget_bytes)
+    result = make_plan(captured, budget_bytes, kind, backend=f"planned for {profile.name}",
+                       host_bytes=host_cost.ram_bytes, hardware=profile, host_budget_bytes=host_budget_bytes,
+                       host_cost=host_cost)
+    result.grad_accum = grad_accum
+    return result

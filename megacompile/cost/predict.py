@@ -61,7 +61,11 @@ def compute_seconds(captured: CapturedModel, node, hw: HardwareProfile) -> tuple
     return cost.seconds, cost.flops
 
 
-def predict(program: Program, captured: CapturedModel, hw: HardwareProfile) -> StepPrediction:
+def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
+            disk_bytes_per_param: float = 0.0) -> StepPrediction:
+    """`disk_bytes_per_param`: host state the disk tier holds (8 B/param moments, 12 with masters),
+    read and written once per update; the update of an owner takes the longer of its AdamW and
+    its disk traffic (the tier reads ahead and writes behind, so the two overlap)."""
     owned = _owned_params(captured)
     free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
     busy = {k: 0.0 for k in free}
@@ -91,7 +95,9 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile) -> S
                 elif n.op is Op.OFFLOAD:
                     seconds = program.values[n.reads[0]].nbytes / hw.d2h_bw
                 elif n.op is Op.OPTIMIZER_STEP:
-                    seconds = owned.get(n.stage, 0) / hw.host_adam_params_per_s
+                    params = owned.get(n.stage, 0)
+                    disk = params * disk_bytes_per_param
+                    seconds = max(params / hw.host_adam_params_per_s, disk / hw.disk_read_bw + disk / hw.disk_write_bw)
                 else:
                     seconds = 4 * sum(owned.values()) / hw.host_bw
                 begin = max(free["compute"], free[stream])

@@ -187,6 +187,10 @@ def _check_disjoint(named: dict[str, torch.Tensor]) -> None:
                                       f"its own")
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+
+
 def _check_scalar(name: str, value, *, below: float = math.inf) -> None:
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
             or not 0 <= value < below):
@@ -203,7 +207,10 @@ def _check_update(master, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps,
     named = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if out is not None:
         _check_flat("out", out, tuple(_OUT_KINDS))
-        named["out"] = out
+        # out may be grad itself (the gradient landed in the compute copy): each element's
+        # gradient is read before its new weight is written. Any other overlap is refused.
+        if not _same_memory(out, grad):
+            named["out"] = out
     numel = master.numel()
     for name, t in named.items():
         if t.numel() != numel:

@@ -106,6 +106,7 @@ class Executor:
         if self._clip_staged:
             self.clip(self._context)   # a sum of the norms taken as gradients landed: no pass
         context = self._context
+        self.host.schedule_updates(self._staged)
         for s in self._staged:
             self.host.pending[s] = self.backend.host_task(
                 lambda s=s: self.update(s, context), f"adamw {self.program.stage_names[s]}")

@@ -1,10 +1,11 @@
 """Host memory: float32 masters, AdamW state, gradients, and what the device copies in.
 
 Each stage owns the trainable parameters it is the first to use; they sit in flat buffers per
-owner (master, exp_avg, exp_avg_sq, grad: 16 B/param, plus 2 B/param for the bf16 copy the
-device fetches when compute is bf16), so the optimizer makes one pass over each block. With
-bf16 compute and one micro-batch per step the grad is bf16 too (14 + 2 B/param) unless a tied
-parameter's contributions are summed into it.
+owner (master, exp_avg, exp_avg_sq, plus the bf16 copy the device fetches when compute is bf16),
+so the optimizer makes one pass over each block. Which buffers an owner has, and which the disk
+tier holds instead (megacompile/storage), is cost/host_memory.py's OwnerLayout: with one
+micro-batch per step the gradient lands in the compute copy (bf16: 14 B/param in RAM, 6 with the
+moments on disk, 2 with the masters there too).
 Buffers and frozen parameters are kept once, in the model's own dtype, and never updated.
 """
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch.nn as nn
 
 from ..capture import CapturedModel
 from ..capture.model_graph import owners
+from ..cost.host_memory import OwnerLayout, Placement, owner_layout
 from ..optim.fused_adamw import grad_sq_norm
+from ..storage.owner_state import DiskState, UpdateFn
 
 
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -75,40 +78,50 @@ class Slot:
 
 
 class OwnerBuffers:
-    def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool, grad_accum: int = 1,
-                 grad_dtype: torch.dtype = torch.float32):
+    """One owner's flat buffers in RAM, as its OwnerLayout says (cost/host_memory.py); a buffer
+    the disk tier holds is None here."""
+
+    def __init__(self, numel: int, compute_dtype: torch.dtype, pin: bool, layout: OwnerLayout | None = None):
+        layout = layout or owner_layout(compute_dtype, 1, False, Placement())
         def empty(dtype, pinned=pin):
             return pinned_empty(numel, dtype) if pinned else torch.empty(numel, dtype=dtype)
         # Only what crosses the link is page-locked: the fp32 master only when compute is fp32 (with
         # bf16 compute the device fetches the copy below; pinning the master would lock 4 B/param
         # for nothing, 280 GB at 70B).
-        self.master = empty(torch.float32, pinned=pin and compute_dtype == torch.float32)
-        self.exp_avg = torch.zeros(numel, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
+        self.master = empty(torch.float32, pinned=pin and not layout.compute_copy) if layout.master else None
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32) if layout.moments else None
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32) if layout.moments else None
+        # fp32 compute reads the masters themselves; bf16 (or a master on disk) gets its own copy,
+        # written by AdamW.
+        self.compute = empty(compute_dtype) if layout.compute_copy else self.master
         # grad: the sum of the committed micro-batches of this step (what AdamW reads): fp32 when
-        # micro-batches or tied uses add into it; else in the compute dtype, as it left the device
-        # (widening it first cost 6 B/param of host traffic).
-        # landing: where the running micro-batch's sum lands. With grad_accum > 1 it is a second
-        # buffer (4 B/param), swapped in when the micro-batch commits, so a failed micro-batch
-        # leaves the earlier ones' sum untouched; with one micro-batch per step nothing earlier
-        # needs keeping and the two are one.
-        # With one micro-batch per step the device's gradients land in `grad` itself, so it is
+        # micro-batches or tied uses add into it; else in the compute dtype, as it left the device,
+        # and then it lands in the compute copy itself (see host_memory.py), which AdamW reads it
+        # from before writing the new weights over it.
+        # landing: with grad_accum > 1, where a later micro-batch's own gradient lands, as it left
+        # the device (bf16: 2 B/param; a tied owner's fp32 partial sums: 4). It joins `grad` only
+        # after its micro-batch commits, so a failed micro-batch leaves the earlier ones' sum
+        # untouched (HostState.accumulate_grad); with one micro-batch per step the two are one,
+        # and the device's gradients land in it directly (HostState.landing_view), so it is
         # page-locked then: it crosses the link.
-        self.grad = empty(grad_dtype, pinned=pin and grad_accum == 1).zero_()
-        self.landing = self.grad if grad_accum == 1 else torch.zeros(numel, dtype=grad_dtype)
-        # fp32 compute reads the masters themselves; bf16 gets its own copy, written by AdamW.
-        self.compute = self.master if compute_dtype == torch.float32 else empty(compute_dtype)
+        self.grad = (self.compute if layout.grad_in_copy
+                     else empty(layout.grad_dtype,
+                                pinned=pin and not layout.landing and layout.grad_dtype == compute_dtype).zero_())
+        self.landing = torch.zeros(numel, dtype=layout.landing_dtype) if layout.landing else self.grad
+        self.grad_in_copy = layout.grad_in_copy
 
     @property
     def nbytes(self) -> int:
-        n = sum(t.untyped_storage().nbytes() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
-        n += 0 if self.landing is self.grad else self.landing.untyped_storage().nbytes()
-        return n + (0 if self.compute is self.master else self.compute.untyped_storage().nbytes())
+        tensors = (self.master, self.exp_avg, self.exp_avg_sq, self.grad, self.landing, self.compute)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+        return sum(storages.values())
 
 
 class HostState:
-    def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, pin: bool = False, grad_accum: int = 1):
+    def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, pin: bool = False, grad_accum: int = 1,
+                 placement: Placement = Placement(), nvme_dir: str | None = None, verify: bool | None = None):
         self.compute_dtype = compute_dtype
+        self.placement = placement
         owner_of, self.contributors = owners(captured)
         self.slots: dict[str, Slot] = {}
         sizes: dict[int, int] = {}
@@ -124,9 +137,16 @@ class HostState:
                     self.uses[name] = self.uses.get(name, 0) + 1
         summed = {self.slots[name].owner for name, n in self.uses.items() if n > 1}
 
-        def grad_dtype(owner: int) -> torch.dtype:
-            return compute_dtype if grad_accum == 1 and owner not in summed else torch.float32
-        self.owners = {s: OwnerBuffers(n, compute_dtype, pin, grad_accum, grad_dtype(s)) for s, n in sizes.items()}
+        self.owners = {s: OwnerBuffers(n, compute_dtype, pin, owner_layout(compute_dtype, grad_accum, s in summed,
+                                                                            placement))
+                       for s, n in sizes.items()}
+        self.disk = DiskState(sizes, placement, nvme_dir, verify) if placement.on_disk else None
+        self._in_copy: set[int] = set()   # owners whose gradients landed in their compute copy
+        # grad_accum > 1: parameters whose gradient sits in `landing` -- landed by the running
+        # micro-batch; committed but not yet added to `grad`; and, per owner, to be added by its update.
+        self._landed: set[str] = set()
+        self._unfolded: set[str] = set()
+        self._fold_at_update: dict[int, list[str]] = {}
         self.consts: dict[str, torch.Tensor] = {}
         for name, entry in captured.state.items():
             if name not in self.slots:
@@ -170,11 +190,18 @@ class HostState:
         return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def view(self, buffer: str, name: str) -> torch.Tensor:
-        """One parameter's slice of its owner's flat `buffer` (master, exp_avg, exp_avg_sq, grad)."""
-        return self._view(getattr(self.owners[self.slots[name].owner], buffer), name)
+        """One parameter's slice of its owner's flat `buffer` (master, exp_avg, exp_avg_sq, grad).
+        A buffer the disk tier holds is read from there, one owner at a time (DiskState.read);
+        what is written into such a slice reaches the disk before the next update reads it."""
+        owner = self.slots[name].owner
+        if buffer == "grad":
+            self._fold(name)      # the committed sum, whole
+        if self.disk is not None and self.disk.holds(buffer):
+            return self._view(self.disk.read(owner, buffer), name)
+        return self._view(getattr(self.owners[owner], buffer), name)
 
     def master(self, name: str) -> torch.Tensor:
-        return self._view(self.owners[self.slots[name].owner].master, name)
+        return self.view("master", name)
 
     def source(self, name: str) -> torch.Tensor:
         """The host tensor a prefetch copies to the device (trainable: already in the compute
@@ -185,8 +212,10 @@ class HostState:
 
     @property
     def nbytes(self) -> int:
+        """Host RAM of the state: owners' buffers, frozen weights and buffers, the disk tier's pool."""
         return (sum(b.nbytes for b in self.owners.values())
-                + sum(t.untyped_storage().nbytes() for t in self.consts.values()))
+                + sum(t.untyped_storage().nbytes() for t in self.consts.values())
+                + (self.disk.tier.pool.total_bytes if self.disk is not None else 0))
 
     # -- values in and out ---------------------------------------------------------------
     def load_problems(self, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -195,7 +224,8 @@ class HostState:
         for a float weight), an inf or NaN."""
         problems = []
         for name, t in tensors.items():
-            own = self.master(name) if name in self.slots else self.consts.get(name)
+            own = (torch.empty(self.slots[name].shape, device="meta") if name in self.slots
+                   else self.consts.get(name))
             if own is None:
                 continue
             if not isinstance(t, torch.Tensor):
@@ -213,14 +243,21 @@ class HostState:
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy parameters into the masters (and the compute copies) and buffers into consts."""
+        on_disk = self.disk is not None and self.disk.holds("master")
         with torch.no_grad():
+            masters: dict[int, torch.Tensor] = {}     # owners whose masters are on disk, read once
             for name, t in tensors.items():
                 if name in self.slots:
-                    self.master(name).copy_(t)
-                    if self.owners[self.slots[name].owner].compute is not self.owners[self.slots[name].owner].master:
+                    owner = self.slots[name].owner
+                    if on_disk and owner not in masters:
+                        masters[owner] = self.disk.read(owner, "master").clone()
+                    self._view(masters[owner] if on_disk else self.owners[owner].master, name).copy_(t)
+                    if self.owners[owner].compute is not self.owners[owner].master:
                         self.source(name).copy_(t)
                 elif name in self.consts:
                     self.consts[name].copy_(t)
+            for owner, flat in masters.items():
+                self.disk.write(owner, "master", flat)
 
     def load_module(self, model: nn.Module) -> None:
         self.load(dict(model.named_parameters()) | dict(model.named_buffers()))
@@ -234,11 +271,25 @@ class HostState:
         self._first, self._check, self._norms = first, last, norms
         self._partial = {}
         self._sq = {}
+        self._in_copy = set()
+        self._landed = set()
+        if first:    # a step dropped after some micro-batches committed leaves their names here
+            self._unfolded = set()
 
     def commit_micro_batch(self) -> None:
-        """The micro-batch succeeded: its sums become the step's gradients."""
-        for b in self.owners.values():
-            b.grad, b.landing = b.landing, b.grad
+        """The micro-batch succeeded: what it landed belongs to the step's gradients. The first
+        micro-batch wrote the sum itself; a later one's gradients wait in `landing` and are added
+        to the sum when the next micro-batch's gradient for the same parameter lands, or when the
+        update comes (update_owner), whichever is first."""
+        self._unfolded |= self._landed
+        self._landed = set()
+
+    def _fold(self, name: str) -> None:
+        """grad += landing for `name`, if a committed micro-batch's gradient still waits there."""
+        if name in self._unfolded:
+            self._unfolded.discard(name)
+            b = self.owners[self.slots[name].owner]
+            self._view(b.grad, name).add_(self._view(b.landing, name))
 
     def landing_view(self, name: str, g: torch.Tensor) -> torch.Tensor | None:
         """Where the device gradient g of `name` may land as it is, with no host-side copy: its
@@ -251,6 +302,8 @@ class HostState:
         buffers = self.owners[slot.owner]
         if buffers.landing is not buffers.grad or buffers.grad.dtype != g.dtype or tuple(g.shape) != slot.shape:
             return None
+        if buffers.grad_in_copy:     # from here the copy holds a gradient: a dropped step restores it
+            self._in_copy.add(slot.owner)
         return buffers.grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def accumulate_grad(self, name: str, g: torch.Tensor) -> None:
@@ -271,15 +324,64 @@ class HostState:
             g = partial
         slot = self.slots[name]
         buffers = self.owners[slot.owner]
-        flat = buffers.landing[slot.offset:slot.offset + slot.numel]
-        dst = flat.view(slot.shape)
+        if buffers.grad_in_copy:
+            self._in_copy.add(slot.owner)
         if self._first:
-            if g.data_ptr() != dst.data_ptr():      # else it landed in place (landing_view)
-                dst.copy_(g)
-        else:   # landing = grad + g: the committed sum is only read, never written
-            torch.add(self._view(buffers.grad, name), g, out=dst)
-        if self._check:
-            self._sq[name] = grad_sq_norm(flat) if self._norms else _finite_witness(flat)
+            # The sum itself: a failed first micro-batch leaves nothing worth keeping.
+            flat = buffers.grad[slot.offset:slot.offset + slot.numel]
+            if g.data_ptr() != flat.data_ptr():      # else it landed in place (landing_view)
+                flat.view(slot.shape).copy_(g)
+            if self._check:
+                self._sq[name] = grad_sq_norm(flat) if self._norms else _finite_witness(flat)
+            return
+        self._fold(name)        # the committed sum is complete before this micro-batch adds to it
+        self._view(buffers.landing, name).copy_(g)
+        self._landed.add(name)
+        if self._check:   # the sum this micro-batch makes, grad + landing, as AdamW will read it
+            grad = buffers.grad[slot.offset:slot.offset + slot.numel]
+            landing = buffers.landing[slot.offset:slot.offset + slot.numel]
+            check = grad_sq_norm if self._norms else _finite_witness
+            self._sq[name] = sum(check(torch.add(grad[i:i + _CHECK_SLICE], landing[i:i + _CHECK_SLICE]))
+                                 for i in range(0, slot.numel, _CHECK_SLICE))
+
+
+    def restore_copies(self) -> None:
+        """The micro-batch was dropped: the compute copies its gradients landed in get their
+        weights back from the masters (no update of those owners can be running: the plan waited
+        for each before the prefetch that preceded its gradients)."""
+        with torch.no_grad():
+            for owner in sorted(self._in_copy):
+                b = self.owners[owner]
+                master = self.disk.read(owner, "master") if b.master is None else b.master
+                b.compute.copy_(master)
+        self._in_copy = set()
+
+    # -- the update ----------------------------------------------------------------------
+    def schedule_updates(self, owners: list[int]) -> None:
+        """The host stream runs these owners' updates next, in this order: the disk tier reads ahead."""
+        self._in_copy = set()    # committed: the updates overwrite the copies
+        staged = set(owners)
+        for name in [n for n in self._unfolded if self.slots[n].owner in staged]:
+            self._unfolded.discard(name)
+            self._fold_at_update.setdefault(self.slots[name].owner, []).append(name)
+        if self.disk is not None:
+            self.disk.schedule(owners)
+
+    def update_owner(self, owner: int, fn: UpdateFn) -> None:
+        """fn(master, grad, exp_avg, exp_avg_sq, out) over the owner's flat buffers: once, or piece
+        by piece through the disk tier."""
+        b = self.owners[owner]
+        for name in self._fold_at_update.pop(owner, []):   # the last micro-batch's gradients join the sum
+            self._view(b.grad, name).add_(self._view(b.landing, name))
+        out = None if b.compute is b.master else b.compute
+        if self.disk is None:
+            fn(b.master, b.grad, b.exp_avg, b.exp_avg_sq, out)
+        else:
+            self.disk.update(owner, b.master, b.grad, b.exp_avg, b.exp_avg_sq, out, fn)
+
+
+# The check of a later micro-batch's sum works in slices of this many elements (64 MiB of fp32).
+_CHECK_SLICE = 1 << 24
 
 
 def _finite_witness(flat: torch.Tensor) -> float:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megacompile.ir.program import Op
-from megacompile.planning import host_bytes_of
+from megacompile.cost.host_memory import host_costs
 from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_bytes
 from tests.families import FAMILIES, LAYERS, batch
 
@@ -66,7 +66,7 @@ def test_frozen_parameters_get_no_optimizer_state_and_no_gradient_offload():
     assert frozen and not frozen & set(host.slots)          # no master, exp_avg, exp_avg_sq, grad
     assert sum(b.master.numel() for b in host.owners.values()) == sum(
         p.numel() for p in model.parameters() if p.requires_grad)
-    assert host.nbytes == host_bytes_of(model, torch.float32)   # what planning reports before the run
+    assert host.nbytes == host_costs(plan.captured, torch.float32)[0].ram_bytes   # what planning reports before the run
     stages = plan.captured.stages
     fully_frozen = {s for s, st in enumerate(stages) if not any(n in host.slots for n in st.params)}
     assert {st.name for s, st in enumerate(stages) if s in fully_frozen} == {"prologue", "block.0", "block.1"}

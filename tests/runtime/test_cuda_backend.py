@@ -140,19 +140,22 @@ def test_a_stage_slot_is_one_buffer_per_dtype_and_its_copies_coalesce():
 
 
 def test_only_what_crosses_the_link_is_page_locked(monkeypatch):
-    """The compute copy the device fetches, and with one micro-batch per step the gradient buffer
-    the device's gradients land in; the fp32 master only when the device reads it itself."""
+    """The compute copy the device fetches (bf16 gradients land in it), the fp32 master only when
+    the device reads it itself, and then its gradient buffer, which the device's gradients land in."""
+    from megacompile.cost.host_memory import Placement, owner_layout
     from megacompile.runtime import host
     pinned = []
     monkeypatch.setattr(host, "pinned_empty", lambda n, dtype: pinned.append(dtype) or torch.empty(n, dtype=dtype))
-    host.OwnerBuffers(8, torch.bfloat16, pin=True, grad_dtype=torch.bfloat16)
-    assert sorted(map(str, pinned)) == ["torch.bfloat16", "torch.bfloat16"]      # grad, compute copy
+    buffers = host.OwnerBuffers(8, torch.bfloat16, pin=True)
+    assert pinned == [torch.bfloat16] and buffers.grad is buffers.compute
     pinned.clear()
     buffers = host.OwnerBuffers(8, torch.float32, pin=True)
     assert pinned == [torch.float32, torch.float32] and buffers.compute is buffers.master   # master, grad
     pinned.clear()
-    host.OwnerBuffers(8, torch.bfloat16, pin=True, grad_accum=2)    # sums of micro-batches stay pageable
-    assert pinned == [torch.bfloat16]
+    # sums of micro-batches, and a tied owner's fp32 sum beside bf16 compute, stay pageable
+    host.OwnerBuffers(8, torch.bfloat16, pin=True, layout=owner_layout(torch.bfloat16, 2, False, Placement()))
+    host.OwnerBuffers(8, torch.bfloat16, pin=True, layout=owner_layout(torch.bfloat16, 1, True, Placement()))
+    assert pinned == [torch.bfloat16, torch.bfloat16]
 
 
 def test_a_step_ends_only_once_every_gradient_is_added_on_the_host():
