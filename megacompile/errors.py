@@ -59,3 +59,8 @@ class CheckpointError(MegacompileError, OSError):
 
 class RetraceWarning(UserWarning):
     """Inputs keep changing shape, and each new shape is traced and planned again."""
+
+
+class WeightsFileError(MegacompileError):
+    """A weights or checkpoint file is missing, truncated, corrupt, uncommitted or of another
+    model; nothing was loaded."""
