@@ -22,6 +22,7 @@ from .engine import Engine
 from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, HostMemoryError, InputMismatchError,
                      LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError)
 from .optim import AdamW
+from .io.hf_load import from_pretrained
 from .plan import Plan
 from .planning import plan
 
@@ -57,6 +58,6 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                   fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite)
 
 
-__all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
+__all__ = ["compile", "from_pretrained", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
            "OptimizerInputError", "NonFiniteError"]
