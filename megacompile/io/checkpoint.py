@@ -78,7 +78,7 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
         files.fsync_dir(path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, (OSError, RuntimeError, ValueError)) and not isinstance(e, MegacompileError):
+        if isinstance(e, Exception) and not isinstance(e, MegacompileError):
             raise files.write_failed("checkpoint", path, e) from e
         raise
     if keep_last is not None:

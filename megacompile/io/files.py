@@ -7,6 +7,7 @@ writer is gone (a live pid is another writer's, and is left alone).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -122,7 +123,7 @@ def prepare_parent(path: str, what: str) -> str:
 
 def write_failed(what: str, path: str, e: BaseException) -> CheckpointError:
     cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else type(e).__name__
-    if isinstance(e, OSError) and e.errno == 28:
+    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "os error 28" in str(e):
         cause = f"the disk is full ({cause})"
     elif not isinstance(e, OSError):
         cause = f"the write failed (is the disk full?): {cause}"

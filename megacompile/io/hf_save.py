@@ -93,7 +93,7 @@ def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.floa
         files.rename_into_place(tmp, path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, MegacompileError):
+        if isinstance(e, Exception) and not isinstance(e, MegacompileError):
             raise files.write_failed("model folder", path, e) from e
         raise
 
