@@ -25,12 +25,17 @@ def partial_path(path: str) -> str:
 
 
 def clean_leftovers(parent: str) -> list[str]:
-    """Remove the partial folders of writers that are gone (killed mid-save); returns them."""
+    """Remove the partial folders of writers that are gone (killed mid-save); returns them. A
+    folder moved aside for a replacement that never arrived goes back to its name."""
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.listdir(parent):
             m = _PARTIAL.match(entry)
             if m is None or (int(m["pid"]) != os.getpid() and _alive(int(m["pid"]))):
+                continue
+            final = os.path.join(parent, m["name"])
+            if entry.endswith(".old") and not os.path.lexists(final):
+                os.rename(os.path.join(parent, entry), final)   # killed between the two renames: put it back
                 continue
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
             removed.append(entry)

@@ -106,6 +106,9 @@ def plan_items(engine: Engine, model: nn.Module, path: str, shards: dict[str, li
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     items, loaded = [], set()
+    # Buffers the model computes and does not save (rotary inv_freq): older files still hold them,
+    # per layer; the model's own values are used, as transformers does.
+    computed = {n.rsplit(".", 1)[-1] for n in buffers if n not in engine._canonical}
     for file, listed in shards.items():
         if not os.path.isfile(file):
             raise WeightsFileError(f"the shard {file} is missing; {INDEX} places {len(listed or [])} tensors in it "
@@ -118,6 +121,8 @@ def plan_items(engine: Engine, model: nn.Module, path: str, shards: dict[str, li
             if listed is not None and key not in listed:
                 continue
             name = engine._canonical.get(key)
+            if name is None and key.rsplit(".", 1)[-1] in computed:
+                continue
             own = params.get(name) if name is not None else None
             own = own if own is not None else buffers.get(name) if name is not None else None
             if own is None:

@@ -12,7 +12,7 @@ the trace) keeps the load as pending and the engine runs it when it builds the h
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -40,7 +40,6 @@ class PendingLoad:
     own_buffers: bool = False
     needs: tuple[str, ...] = (MASTER,)   # the tables every trainable parameter must have
     describe: str = "the weights"
-    _done: bool = field(default=False, repr=False)
 
     def missing(self, host) -> list[str]:
         have = defaultdict(set)

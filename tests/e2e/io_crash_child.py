@@ -2,7 +2,7 @@
 checkpoint that loads, trains to the last step with dropout and a torch LR scheduler, and
 saves a checkpoint after every step (keep_last=2). Every line it logs is flushed at once:
 
-    resumed STEP | fresh          where it started
+    resumed STEP | fresh          where it starts, once traced and loaded
     loss STEP HEX                 each step's loss, as float.hex (bits, not digits)
     refused NAME                  a checkpoint that did not load (an unfinished save)
     saving STEP / saved STEP      around each save
@@ -47,6 +47,8 @@ def main(run_dir: str, steps: int, slow: float) -> None:
             log.write(f"refused {name}\n")
             continue
         break
+    ids = models.batch(96, 2, 16)
+    engine.prepare(idx=ids, targets=ids)      # trace and plan (and stream the checkpoint in) first
     log.write(f"resumed {start}\n" if start else "fresh\n")
     for step in range(start, steps):
         ids = models.batch(96, 2, 16, seed=step)

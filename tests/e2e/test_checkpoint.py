@@ -141,3 +141,13 @@ def test_a_killed_save_leaves_nothing_a_later_save_does_not_remove(tmp_path):
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     assert manifest["steps_done"] == 1 and set(manifest["files"]) == {
         f for f in os.listdir(tmp_path / "ck") if f.endswith(".safetensors")}
+
+
+def test_a_replacement_killed_between_its_renames_puts_the_old_checkpoint_back(tmp_path):
+    from megacompile.io import files
+    aside = tmp_path / ".ck.999999999.old"          # moved aside by a writer that is gone
+    aside.mkdir()
+    (aside / "COMMITTED").write_text("x")
+    (tmp_path / ".ck.999999999.partial").mkdir()    # its new folder, never renamed into place
+    files.clean_leftovers(str(tmp_path))
+    assert os.listdir(tmp_path) == ["ck"] and os.listdir(tmp_path / "ck") == ["COMMITTED"]
