@@ -106,11 +106,13 @@ def committed_beside(path: str) -> list[str]:
 
 
 def remove(path: str) -> None:
-    """The marker first: a removal cut short leaves an uncommitted folder, never a broken one
-    that reads as committed."""
-    os.remove(os.path.join(path, MARKER))
-    files.fsync_dir(path)
-    shutil.rmtree(path, ignore_errors=True)
+    """Renamed out of the way first (atomic), then deleted: a removal cut short leaves a
+    `.<name>.<pid>.removed` folder that the next save or load deletes, never a broken checkpoint."""
+    parent, name = os.path.split(os.path.abspath(path))
+    trash = os.path.join(parent, f".{name}.{os.getpid()}.removed")
+    os.rename(path, trash)
+    files.fsync_dir(parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _refuse(path: str, why: str) -> WeightsFileError:

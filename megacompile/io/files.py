@@ -1,8 +1,9 @@
 """Durable directories: written under a temporary name, fsynced, renamed into place.
 
-A folder being written is `.<name>.<pid>.partial` beside its final name. A process killed
-mid-write leaves one behind; the next save or load in that parent folder removes those whose
-writer is gone (a live pid is another writer's, and is left alone).
+A folder being written is `.<name>.<pid>.partial` beside its final name (`.old`: the folder it
+replaces, moved aside; `.removed`: one being deleted). A process killed mid-write leaves one
+behind; the next save or load in that parent folder removes those whose writer is gone (a live
+pid is another writer's, and is left alone).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import shutil
 
 from ..errors import CheckpointError
 
-_PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(partial|old)$")
+_PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(partial|old|removed)$")
 _CHUNK = 8 << 20     # bytes per read when hashing: a fixed buffer, so hashing adds no resident memory
 
 

@@ -63,17 +63,20 @@ def _kill_and_resume(run_dir: str, trials: int, rng: random.Random, step_seconds
 
 def _check(run_dir: str, expected: dict[int, str]) -> None:
     saved, begun = -1, -1           # the last save that finished / began, over every run so far
+    run, wrong = "fresh", []
     for line in _log(run_dir):
         if line[0] in ("fresh", "resumed"):
             start = int(line[1]) if line[0] == "resumed" else 0
+            run = " ".join(line)
             # A finished save is never lost; an unfinished one is never taken.
             assert saved + 1 <= start <= begun + 1, (start, saved, begun)
-        elif line[0] == "loss":
-            assert line[2] == expected[int(line[1])], f"step {line[1]}: {line[2]} != {expected[int(line[1])]}"
+        elif line[0] == "loss" and line[2] != expected[int(line[1])]:
+            wrong.append(f"step {line[1]} ({run}): {line[2]} != {expected[int(line[1])]}")
         elif line[0] == "saved":
             saved = int(line[1])
         elif line[0] == "saving":
             begun = int(line[1])
+    assert not wrong, wrong
     assert _log(run_dir)[-1] == ["done"]
     assert sorted(os.listdir(run_dir)) == ["log", f"step-{STEPS - 2}", f"step-{STEPS - 1}"]
 
