@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 
 from .engine import Engine
 from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, HostMemoryError, InputMismatchError,
-                     LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError)
+                     LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError,
+                     WeightsFileError)
 from .optim import AdamW
 from .io.hf_load import from_pretrained
 from .plan import Plan
@@ -58,6 +59,6 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                   fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite)
 
 
-__all__ = ["compile", "from_pretrained", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
+__all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
-           "OptimizerInputError", "NonFiniteError"]
+           "OptimizerInputError", "NonFiniteError", "from_pretrained", "WeightsFileError"]

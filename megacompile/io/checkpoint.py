@@ -39,7 +39,8 @@ MANIFEST, MARKER, BUFFERS = "manifest.json", "COMMITTED", "buffers.safetensors"
 
 def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None = None) -> None:
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-        raise CheckpointError(f"keep_last is how many checkpoints to keep in the folder, an int >= 1; got {keep_last!r}")
+        raise CheckpointError(f"keep_last is how many checkpoints to keep in the folder, an int >= 1; "
+                              f"got {keep_last!r}")
     extra = run_state.extra_json(extra)
     host = engine._host_or_error()
     parent = files.prepare_parent(path, "checkpoint")
@@ -118,7 +119,8 @@ def remove(path: str) -> None:
 def _refuse(path: str, why: str) -> WeightsFileError:
     good = [p for p in committed_beside(path) if os.path.abspath(p) != os.path.abspath(path)] \
         if os.path.isdir(os.path.dirname(os.path.abspath(path))) else []
-    hint = f"the last committed checkpoint beside it is {good[-1]}" if good else "no committed checkpoint lies beside it"
+    hint = (f"the last committed checkpoint beside it is {good[-1]}" if good
+            else "no committed checkpoint lies beside it")
     return WeightsFileError(f"cannot load the checkpoint {path}: {why}; nothing was loaded; {hint}")
 
 

@@ -128,7 +128,8 @@ def prepare_parent(path: str, what: str) -> str:
 
 
 def write_failed(what: str, path: str, e: BaseException) -> CheckpointError:
-    cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else type(e).__name__
+    cause = (e.strerror if isinstance(e, OSError) and e.strerror
+             else str(e).splitlines()[0] if str(e) else type(e).__name__)
     if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "os error 28" in str(e):
         cause = f"the disk is full ({cause})"
     elif not isinstance(e, OSError):

@@ -96,11 +96,9 @@ def _missing_tensor(w):
     folder = w.copy(w.model_dir)
     with open(os.path.join(folder, "model.safetensors.index.json")) as f:
         index = json.load(f)
-    del index["weight_map"]["model.norm.weight"]
-    file = os.path.join(folder, sorted(set(index["weight_map"].values()))[0])
+    del index["weight_map"]["model.norm.weight"]      # the index no longer places it in any shard
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
-    assert os.path.exists(file)
     w.load_model(folder)
 
 
@@ -198,7 +196,8 @@ CASES = [
     Case("from_pretrained: a tensor the model has no place for", WeightsFileError,
          r"model\.safetensors holds vision\.proj\.weight, which the LlamaForCausalLM .* has no place for",
          _foreign_tensor),
-    Case("from_pretrained: a parameter missing", WeightsFileError, r"lack 1 tensors of the model \(model\.norm\.weight\)",
+    Case("from_pretrained: a parameter missing", WeightsFileError,
+         r"lack 1 tensors of the model \(model\.norm\.weight\)",
          _missing_tensor),
     Case("from_pretrained: no config.json", WeightsFileError, r"has no config\.json", _no_config),
     Case("from_pretrained: no safetensors", WeightsFileError, r"has neither model\.safetensors nor", _no_weights),
