@@ -21,8 +21,9 @@ if not torch.cuda.is_available():
 from .engine import Engine
 from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, HostMemoryError, InputMismatchError,
                      LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError,
-                     StorageError)
+                     StorageError, WeightsFileError)
 from .optim import AdamW
+from .io.hf_load import from_pretrained
 from .plan import Plan
 from .planning import plan
 
@@ -65,4 +66,4 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
 
 __all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
-           "OptimizerInputError", "NonFiniteError", "StorageError"]
+           "OptimizerInputError", "NonFiniteError", "StorageError", "from_pretrained", "WeightsFileError"]

@@ -1,82 +1,22 @@
-"""Checkpoints: the fp32 masters, AdamW moments and step counters, written atomically.
+"""The loader of the one-file checkpoints (megacompile-checkpoint/1) written before checkpoints
+became folders (megacompile/io/checkpoint.py); kept so that those resume for one more release.
 
-A checkpoint saved between the micro-batches of a step (grad_accum > 1) also holds their
-gradient sum, so the resumed step adds the remaining micro-batches to it.
-
-One file per checkpoint, holding tensors by the model's parameter names (not by megacompile's
-flat per-stage buffers), so a checkpoint outlives a change of plan, budget or input shape. The
-file is written under a temporary name and renamed into place: a crash mid-write leaves the
-previous checkpoint intact, never a half-written one.
+The file holds the masters, moments and (saved mid-step) gradient sums by parameter name,
+counters, the learning rate and the CPU random state. It needs the engine's host state (a
+prepare() or step() first).
 """
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from .arguments import file_in_the_way
-from .errors import CheckpointError, MegacompileError
+from .errors import MegacompileError
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 FORMAT = "megacompile-checkpoint/1"
-
-
-def save(engine: "Engine", path: str) -> None:
-    host = engine._host_or_error()
-    engine.synchronize()
-    moments = {}
-    for name in host.slots:
-        moments[name] = (host.view("exp_avg", name).clone(), host.view("exp_avg_sq", name).clone())
-    payload = {
-        "format": FORMAT,
-        "masters": {name: host.master(name).clone() for name in host.slots},
-        "buffers": {name: t.clone() for name, t in host.consts.items()},
-        "exp_avg": {name: m for name, (m, _) in moments.items()},
-        "exp_avg_sq": {name: v for name, (_, v) in moments.items()},
-        "steps_done": engine.steps_done,
-        "micro_batches": engine.micro_batches,
-        "lr_handle": engine.torch_optimizer.state_dict()["param_groups"][0]["lr"],
-        "rng": torch.get_rng_state(),
-        "grad_accum": engine.grad_accum,
-    }
-    if engine.micro_batches % engine.grad_accum:
-        # Saved mid-step: the gradients of the step's micro-batches so far resume with it.
-        payload["grads"] = {name: host.view("grad", name).clone() for name in host.slots}
-    write_atomically(payload, path)
-
-
-def write_atomically(payload: dict, path: str) -> None:
-    """torch.save under a temporary name, then a rename: on any failure (the path is a folder or
-    lies under a file, no permission, disk full) a CheckpointError names the path and the cause,
-    the temporary file is gone and a previous checkpoint at `path` is untouched."""
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise CheckpointError(f"a checkpoint path must be a file path, got {path!r}")
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise CheckpointError(f"cannot write the checkpoint {path}: it is a folder; give a file path inside it")
-    directory = os.path.dirname(os.path.abspath(path))
-    blocker = file_in_the_way(directory)
-    if blocker is not None:
-        raise CheckpointError(f"cannot write the checkpoint {path}: it lies under the file {blocker}")
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        # torch.save reports a failed write (ENOSPC, EIO) as a RuntimeError from its zip writer
-        cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-        if isinstance(e, RuntimeError) and "write" in cause:
-            cause = f"the write failed (is the disk full?): {cause}"
-        previous = "the previous checkpoint there is untouched" if os.path.exists(path) else "nothing was written"
-        raise CheckpointError(f"cannot write the checkpoint {path}: {cause}; {previous}") from e
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
 
 
 def load(engine: "Engine", path: str) -> None:

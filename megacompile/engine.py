@@ -92,6 +92,8 @@ class Engine:
             model.config.use_cache = False   # a KV cache has no place in a training step
         self.device = self.backend.device
         self.host: HostState | None = None
+        self._pending_load = None    # io.source.PendingLoad: weights to stream in when host state is built
+        self.source_dir: str | None = None   # the Hugging Face folder from_pretrained read, if any
         self._materialized = not any(p.is_meta for p in model.parameters())
         # state_dict key -> the parameter/buffer name it stands for (tied weights share one)
         first = {id(t): n for n, t in reversed(list(model.named_parameters()) + list(model.named_buffers()))}
@@ -140,11 +142,16 @@ class Engine:
             # Before allocating: too little host RAM (and disk) must fail here, not in the allocator.
             self.host_cost = place_host_state(captured, self.compute_dtype, self.grad_accum, self.host_budget_bytes,
                                               self._nvme_budget())
-            self.host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda",
-                                  grad_accum=self.grad_accum, placement=self.host_cost.placement,
-                                  nvme_dir=self.nvme_dir)
-            if self._materialized:
-                self.host.load_module(self.model)
+            host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda",
+                             grad_accum=self.grad_accum, placement=self.host_cost.placement,
+                             nvme_dir=self.nvme_dir)
+            # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
+            # stream in now, one tensor at a time; a failure leaves the engine without host state.
+            if self._pending_load is not None:
+                self._pending_load.apply(host, self.model)
+            elif self._materialized:
+                host.load_module(self.model)
+            self.host, self._pending_load = host, None
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
                          host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse,
                          host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost)
@@ -377,15 +384,29 @@ class Engine:
             raise MegacompileError("no host state yet: the first step() or prepare(...) builds it")
         return self.host
 
-    def save_checkpoint(self, path: str) -> None:
-        """Write masters, AdamW moments, step counters and the random state to `path`, atomically."""
-        from .checkpoint import save
-        save(self, path)
+    def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
+        """Write a checkpoint folder at `path`: masters, AdamW moments, counters, optimizer settings,
+        LR-schedule state (attached torch schedulers too), random states and `extra` (JSON: e.g.
+        the data loader's position). Returns once it is durable. keep_last=N removes all but the N
+        latest committed checkpoints in the same parent folder."""
+        from .io import checkpoint
+        checkpoint.save(self, path, extra=extra, keep_last=keep_last)
 
-    def load_checkpoint(self, path: str) -> None:
-        """Resume from `path`: training continues exactly where the saved run left off."""
-        from .checkpoint import load
-        load(self, path)
+    def load_checkpoint(self, path: str, *, strict: bool = False) -> Any:
+        """Resume from a checkpoint folder (no prepare() needed): training continues exactly where
+        the saved run left off. Every file, name, shape and checksum is checked before any state
+        changes. Differing optimizer settings or grad_accum warn (raise with strict=True); the
+        engine's own are kept. Returns the `extra` state it was saved with."""
+        from .io import checkpoint
+        return checkpoint.load(self, path, strict=strict)
+
+    def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
+                        max_shard_size: int | str = "5GB") -> None:
+        """Export the masters as a Hugging Face model folder (sharded safetensors, index, config,
+        and the tokenizer and generation files of the folder from_pretrained read), streamed one
+        tensor at a time in `dtype`; AutoModelForCausalLM.from_pretrained loads it."""
+        from .io import hf_save
+        hf_save.save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def close(self) -> None:
         """Stop the engine's streams (after the running updates finish); the host state stays

@@ -65,3 +65,8 @@ class StorageError(MegacompileError, OSError):
     """The disk tier that holds AdamW state or masters failed: the disk is full, a state file was
     deleted or truncated under the run, an I/O error, or a block read back does not match its
     checksum. The message names the file; the run cannot go on from that state."""
+
+
+class WeightsFileError(MegacompileError):
+    """A weights or checkpoint file is missing, truncated, corrupt, uncommitted or of another
+    model; nothing was loaded."""

@@ -188,7 +188,8 @@ CASES = [
     Case("step: under torch.inference_mode()", megacompile.MegacompileError, r"inference_mode",
          _under_inference_mode),
     # checkpoints
-    Case("save_checkpoint: path is a folder", CheckpointError, r"is a folder", _save(lambda c: c.tmp)),
+    Case("save_checkpoint: a folder of other files", CheckpointError, r"folder of other files, not a checkpoint",
+         _save(lambda c: c.tmp)),
     Case("save_checkpoint: path under a file", CheckpointError, r"lies under the file .*a_file",
          _save(lambda c: os.path.join(c.file, "ck.pt"))),
     Case("save_checkpoint: before any step", megacompile.MegacompileError, r"no host state yet",
@@ -303,27 +304,25 @@ def test_save_into_a_read_only_folder(context, tmp_path):
 
 @pytest.mark.parametrize("failure", ["disk full", "permission denied"])
 def test_a_failed_write_keeps_the_previous_checkpoint(failure, context, tmp_path, monkeypatch):
-    """torch.save fails halfway (torch reports a full disk as a RuntimeError from its zip writer):
-    CheckpointError names the path and the cause, no temporary file is left, and the checkpoint
-    already at that path is byte for byte the one written before."""
-    path = str(tmp_path / "ck.pt")
+    """The safetensors writer fails halfway: CheckpointError names the path and the cause, no
+    temporary folder is left, and the checkpoint already at that path is byte for byte the one
+    written before."""
+    import safetensors.torch
+    path = str(tmp_path / "ck")
     context.engine.save_checkpoint(path)
-    with open(path, "rb") as f:
-        previous = f.read()
+    previous = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
 
-    def failing_save(payload, target):
+    def failing_save(tensors, target, metadata=None):
         with open(target, "wb") as f:
-            f.write(b"PK\x03\x04 half a zip")
+            f.write(b"half a file")
         if failure == "disk full":
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing "
-                               "file data/3: file write failed")
+            raise OSError(28, "No space left on device", target)
         raise PermissionError(13, "Permission denied", target)
 
-    monkeypatch.setattr(torch, "save", failing_save)
-    cause = r"disk full" if failure == "disk full" else r"Permission denied"
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    cause = r"disk is full" if failure == "disk full" else r"Permission denied"
     with pytest.raises(CheckpointError, match=rf"{re.escape(path)}: .*{cause}.*previous checkpoint there is untouched"):
         context.engine.save_checkpoint(path)
-    assert os.listdir(tmp_path) == ["ck.pt"]
-    with open(path, "rb") as f:
-        assert f.read() == previous
+    assert os.listdir(tmp_path) == ["ck"]
+    assert {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)} == previous
     assert isinstance(CheckpointError("x"), OSError)

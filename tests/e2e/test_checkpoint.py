@@ -1,12 +1,16 @@
-"""Resume is exact, and a checkpoint that does not fit leaves the engine as it was."""
+"""Checkpoint folders: resume is exact on a fresh engine (moments, counters, dropout masks, an
+attached torch LR scheduler, the user's extra state), and nothing that is not a complete,
+committed checkpoint of this model is ever loaded."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 
 import megacompile
+from megacompile.errors import WeightsFileError
 from tests import models
 from tests.e2e.harness import clone
 
@@ -15,39 +19,53 @@ def _batches(n):
     return [models.batch(96, 2, 16, seed=i) for i in range(n)]
 
 
-def _engine(model):
+def _engine(model, lr=1e-3):
     return megacompile.compile(model, hbm_budget=1.0, device="cpu",
-                               optimizer=megacompile.AdamW(lr=1e-3, max_grad_norm=1.0))
+                               optimizer=megacompile.AdamW(lr=lr, max_grad_norm=1.0))
 
 
-def test_resume_continues_exactly(tmp_path):
+def _with_scheduler(engine):
+    return torch.optim.lr_scheduler.LambdaLR(engine.torch_optimizer, lambda s: 1.0 / (1 + s))
+
+
+def _run(engine, scheduler, batches):
+    losses = []
+    for ids in batches:
+        losses.append(engine.step(idx=ids, targets=ids))
+        scheduler.step()
+    return losses
+
+
+def test_resume_on_a_fresh_engine_continues_exactly(tmp_path):
     torch.manual_seed(0)
     model = models.NanoGPT(vocab=96, d=64, layers=3, dropout=0.1)
     batches = _batches(6)
-    straight = _engine(clone(model))
-    first = _engine(clone(model))
+    straight, first = _engine(clone(model)), _engine(clone(model))
+    s_straight, s_first = _with_scheduler(straight), _with_scheduler(first)
     torch.manual_seed(7)
-    for ids in batches[:3]:
-        straight.step(idx=ids, targets=ids)
+    _run(straight, s_straight, batches[:3])
     torch.manual_seed(7)
-    for ids in batches[:3]:
-        first.step(idx=ids, targets=ids)
-    path = str(tmp_path / "ckpt.pt")
-    first.save_checkpoint(path)
-    expected = [straight.step(idx=ids, targets=ids) for ids in batches[3:]]
-    resumed = _engine(clone(model))
-    resumed.prepare(idx=batches[0], targets=batches[0])
-    resumed.load_checkpoint(path)        # also restores the random state the saved run had
-    got = [resumed.step(idx=ids, targets=ids) for ids in batches[3:]]
-    assert got == expected                       # dropout masks, moments, step count: all carried over
+    _run(first, s_first, batches[:3])
+    path = str(tmp_path / "ckpt")
+    first.save_checkpoint(path, extra={"data": {"position": 3}})
+    expected = _run(straight, s_straight, batches[3:])
+    resumed = _engine(clone(model))          # no prepare(): the weights stream in at the first step
+    s_resumed = _with_scheduler(resumed)
+    torch.manual_seed(123)                   # the random state comes from the checkpoint
+    assert resumed.load_checkpoint(path) == {"data": {"position": 3}}
+    assert s_resumed.last_epoch == s_first.last_epoch == 3
+    got = _run(resumed, s_resumed, batches[3:])
+    assert got == expected                   # dropout masks, moments, schedule, step count: carried over
     for name, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[name]), name
+    assert sorted(os.listdir(path)) == ["COMMITTED", "buffers.safetensors", "manifest.json"] + sorted(
+        f for f in os.listdir(path) if f.startswith("owner-"))
 
 
 def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path):
     small = _engine(models.NanoGPT(vocab=96, d=32, layers=2))
     small.step(idx=_batches(1)[0], targets=_batches(1)[0])
-    path = str(tmp_path / "small.pt")
+    path = str(tmp_path / "small")
     small.save_checkpoint(path)
     other = _engine(models.NanoGPT(vocab=96, d=64, layers=2))
     other.step(idx=_batches(1)[0], targets=_batches(1)[0])
@@ -61,19 +79,75 @@ def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path):
         other.load_checkpoint(str(tmp_path / "junk.pt"))
 
 
-def test_saving_never_leaves_a_half_written_file(tmp_path, monkeypatch):
+def _trained(steps=1):
     engine = _engine(models.NanoGPT(vocab=96, d=32, layers=2))
-    engine.step(idx=_batches(1)[0], targets=_batches(1)[0])
-    path = str(tmp_path / "ckpt.pt")
-    engine.save_checkpoint(path)
-    good = open(path, "rb").read()
+    for ids in _batches(steps):
+        engine.step(idx=ids, targets=ids)
+    return engine
 
-    def crash(obj, f, *a, **k):
-        with open(f, "wb") as out:
-            out.write(b"partial")
-        raise OSError("disk full")
-    monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
-        engine.save_checkpoint(path)
-    assert open(path, "rb").read() == good            # the previous checkpoint is intact
-    assert os.listdir(tmp_path) == ["ckpt.pt"]          # and no temporary file is left
+
+def test_keep_last_rotates_and_an_uncommitted_one_names_the_last_good(tmp_path):
+    engine = _trained()
+    for i in range(4):
+        engine.save_checkpoint(str(tmp_path / f"step-{i}"), keep_last=2)
+        engine.step(idx=_batches(1)[0], targets=_batches(1)[0])
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-3"]
+    os.remove(tmp_path / "step-3" / "COMMITTED")          # as if killed before the marker
+    fresh = _engine(models.NanoGPT(vocab=96, d=32, layers=2))
+    with pytest.raises(WeightsFileError, match=r"step-3: it is not committed.*last committed checkpoint beside it is "
+                                               r".*step-2"):
+        fresh.load_checkpoint(str(tmp_path / "step-3"))
+    assert fresh.host is None and fresh.steps_done == 0 and fresh._pending_load is None
+    fresh.load_checkpoint(str(tmp_path / "step-2"))
+    assert fresh.steps_done == 3
+
+
+def test_a_corrupted_file_is_refused_before_anything_changes(tmp_path):
+    engine = _trained()
+    path = tmp_path / "ck"
+    engine.save_checkpoint(str(path))
+    owner = sorted(f for f in os.listdir(path) if f.startswith("owner-"))[0]
+    data = bytearray((path / owner).read_bytes())
+    data[-3] ^= 0xFF                                           # one flipped bit in a moment
+    (path / owner).write_bytes(bytes(data))
+    other = _trained(2)
+    before = other.state_dict()
+    with pytest.raises(WeightsFileError, match=rf"{owner} does not match its sha256 checksum"):
+        other.load_checkpoint(str(path))
+    assert other.steps_done == 2
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_other_optimizer_settings_warn_or_refuse_with_strict(tmp_path):
+    engine = _trained()
+    path = str(tmp_path / "ck")
+    engine.save_checkpoint(path)
+    other = _engine(models.NanoGPT(vocab=96, d=32, layers=2), lr=5e-4)
+    with pytest.raises(megacompile.MegacompileError, match=r"lr: the checkpoint has 0.001, this engine 0.0005"):
+        other.load_checkpoint(path, strict=True)
+    assert other.steps_done == 0 and other._pending_load is None
+    with pytest.warns(RuntimeWarning, match=r"this engine's are kept: lr: the checkpoint has 0.001"):
+        other.load_checkpoint(path)
+    assert other.steps_done == 1 and other.torch_optimizer.param_groups[0]["lr"] == 5e-4
+
+
+def test_a_killed_save_leaves_nothing_a_later_save_does_not_remove(tmp_path):
+    engine = _trained()
+    dead = tmp_path / ".ck.999999999.partial"                # the pid of no living process
+    dead.mkdir()
+    (dead / "owner-0000.safetensors").write_bytes(b"half")
+    engine.save_checkpoint(str(tmp_path / "ck"))
+    assert os.listdir(tmp_path) == ["ck"]
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["steps_done"] == 1 and set(manifest["files"]) == {
+        f for f in os.listdir(tmp_path / "ck") if f.endswith(".safetensors")}
+
+
+def test_a_replacement_killed_between_its_renames_puts_the_old_checkpoint_back(tmp_path):
+    from megacompile.io import files
+    aside = tmp_path / ".ck.999999999.old"          # moved aside by a writer that is gone
+    aside.mkdir()
+    (aside / "COMMITTED").write_text("x")
+    (tmp_path / ".ck.999999999.partial").mkdir()    # its new folder, never renamed into place
+    files.clean_leftovers(str(tmp_path))
+    assert os.listdir(tmp_path) == ["ck"] and os.listdir(tmp_path / "ck") == ["COMMITTED"]

@@ -1,0 +1,230 @@
+"""Checkpoints as folders: everything training needs to continue exactly, written durably.
+
+    ckpt/step-1000/
+        owner-0003.safetensors   master/<name>, exp_avg/<name>, exp_avg_sq/<name> (and grad/<name>
+                                 when saved between the micro-batches of a step) for the
+                                 parameters stage 3 owns, written from the host buffers as they
+                                 are (no copy of the state)
+        buffers.safetensors      buffers and frozen parameters
+        manifest.json            counters, optimizer settings, LR schedule, random states, the
+                                 user's `extra`, and the size and sha256 of every file
+        COMMITTED                written last: the folder is complete and durable
+
+Tensors are stored under the model's parameter names, so a checkpoint outlives a change of plan,
+budget or input shape. The folder is written as `.<name>.<pid>.partial`, every file fsynced,
+renamed into place, and COMMITTED written and fsynced after that. A save returns once all of it
+is durable; it does not overlap the next step (it waits for running updates first).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import safetensors.torch
+
+from ..errors import CheckpointError, MegacompileError, WeightsFileError
+from . import files, run_state
+from .header import read_header
+from .source import CONST, MASTER, TABLES, Item, PendingLoad
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+FORMAT = "megacompile-checkpoint/2"
+MANIFEST, MARKER, BUFFERS = "manifest.json", "COMMITTED", "buffers.safetensors"
+
+
+def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise CheckpointError(f"keep_last is how many checkpoints to keep in the folder, an int >= 1; "
+                              f"got {keep_last!r}")
+    extra = run_state.extra_json(extra)
+    host = engine._host_or_error()
+    parent = files.prepare_parent(path, "checkpoint")
+    path = os.fspath(path)
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
+        raise CheckpointError(f"cannot write the checkpoint {path}: it is a folder of other files, not a checkpoint "
+                              "(which would be replaced); give a new path")
+    files.clean_leftovers(parent)
+    engine.synchronize()
+    manifest = {"format": FORMAT, "steps_done": engine.steps_done, "micro_batches": engine.micro_batches,
+                "skipped_steps": engine.skipped_steps, "optimizer": run_state.optimizer_settings(engine),
+                "schedule": run_state.schedule_state(engine), "rng": run_state.rng_state(), "extra": extra}
+    mid_step = engine.micro_batches % engine.grad_accum != 0
+    tmp = files.partial_path(path)
+    try:
+        os.makedirs(tmp)
+        written = {}
+        by_owner: dict[int, list[str]] = {}
+        for name, slot in host.slots.items():
+            by_owner.setdefault(slot.owner, []).append(name)
+        for owner, names in by_owner.items():
+            tables = ("master", "exp_avg", "exp_avg_sq") + (("grad",) if mid_step else ())
+            tensors = {f"{t}/{n}": host.view(t, n) for t in tables for n in names}
+            written[f"owner-{owner:04d}.safetensors"] = tensors
+        written[BUFFERS] = {f"{CONST}/{n}": t for n, t in host.consts.items()}
+        manifest["files"] = {}
+        for file, tensors in written.items():
+            target = os.path.join(tmp, file)
+            safetensors.torch.save_file(tensors, target)     # from the tensors' own memory: no copy
+            files.fsync_file(target)
+            manifest["files"][file] = {"bytes": os.path.getsize(target), "sha256": files.sha256_of(target)}
+        files.write_text(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        files.fsync_dir(tmp)
+        files.rename_into_place(tmp, path)
+        files.write_text(os.path.join(path, MARKER), files.sha256_of(os.path.join(path, MANIFEST)) + "\n")
+        files.fsync_dir(path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, MegacompileError):
+            raise files.write_failed("checkpoint", path, e) from e
+        raise
+    if keep_last is not None:
+        for old in committed_beside(path)[:-keep_last]:
+            remove(old)
+
+
+def committed_beside(path: str) -> list[str]:
+    """The committed checkpoints in `path`'s folder (it included, if committed), oldest first by
+    (step, micro-batch, time written)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    found = []
+    for entry in os.listdir(parent):
+        full = os.path.join(parent, entry)
+        if entry.startswith(".") or not os.path.isfile(os.path.join(full, MARKER)):
+            continue
+        try:
+            with open(os.path.join(full, MANIFEST)) as f:
+                m = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if m.get("format") == FORMAT:
+            found.append(((m["steps_done"], m["micro_batches"], os.path.getmtime(os.path.join(full, MARKER))), full))
+    return [p for _, p in sorted(found)]
+
+
+def remove(path: str) -> None:
+    """Renamed out of the way first (atomic), then deleted: a removal cut short leaves a
+    `.<name>.<pid>.removed` folder that the next save or load deletes, never a broken checkpoint."""
+    parent, name = os.path.split(os.path.abspath(path))
+    trash = os.path.join(parent, f".{name}.{os.getpid()}.removed")
+    os.rename(path, trash)
+    files.fsync_dir(parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _refuse(path: str, why: str) -> WeightsFileError:
+    good = [p for p in committed_beside(path) if os.path.abspath(p) != os.path.abspath(path)] \
+        if os.path.isdir(os.path.dirname(os.path.abspath(path))) else []
+    hint = (f"the last committed checkpoint beside it is {good[-1]}" if good
+            else "no committed checkpoint lies beside it")
+    return WeightsFileError(f"cannot load the checkpoint {path}: {why}; nothing was loaded; {hint}")
+
+
+def verified_manifest(path: str) -> dict:
+    """The manifest of a committed checkpoint whose every file has the size and sha256 it lists."""
+    if not os.path.isdir(path):
+        raise _refuse(path, "there is no checkpoint folder there")
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        raise _refuse(path, f"it is not committed (no {MARKER}: its save did not finish)")
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            text = f.read()
+        manifest = json.loads(text)
+        with open(marker) as f:
+            sealed = f.read().strip()
+    except (OSError, ValueError) as e:
+        raise _refuse(path, f"its manifest is unreadable ({e})") from e
+    if manifest.get("format") != FORMAT:
+        raise _refuse(path, f"it is not a {FORMAT} checkpoint")
+    if files.sha256_of(os.path.join(path, MANIFEST)) != sealed:
+        raise _refuse(path, "its manifest does not match its commit marker (changed after the save)")
+    for file, info in manifest["files"].items():
+        full = os.path.join(path, file)
+        if not os.path.isfile(full):
+            raise _refuse(path, f"{file} is missing")
+        size = os.path.getsize(full)
+        if size != info["bytes"]:
+            raise _refuse(path, f"{file} has {size} bytes, the manifest says {info['bytes']} (truncated?)")
+        if files.sha256_of(full) != info["sha256"]:
+            raise _refuse(path, f"{file} does not match its sha256 checksum (corrupted)")
+    return manifest
+
+
+def expected_state(engine: "Engine") -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(trainable parameters, buffers and frozen parameters) -> shape, by canonical name: the
+    host state's layout if it exists, else the model's."""
+    if engine.host is not None:
+        return ({n: tuple(s.shape) for n, s in engine.host.slots.items()},
+                {n: tuple(t.shape) for n, t in engine.host.consts.items()})
+    trainable, const = {}, {}
+    for name, p in engine.model.named_parameters():
+        (trainable if p.requires_grad else const)[name] = tuple(p.shape)
+    for name, b in engine.model.named_buffers():
+        const[name] = tuple(b.shape)
+    return trainable, const
+
+
+def load(engine: "Engine", path: str, strict: bool = False) -> Any:
+    if not isinstance(path, (str, os.PathLike)):
+        raise MegacompileError(f"load_checkpoint takes a checkpoint folder path, got {path!r}")
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        from ..checkpoint import load as load_single_file   # the one-file format written before folders
+        load_single_file(engine, path)
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(parent):
+        files.clean_leftovers(parent)
+    manifest = verified_manifest(path)
+    trainable, const = expected_state(engine)
+    items, problems = [], []
+    mid_step = manifest["micro_batches"] % manifest["optimizer"]["grad_accum"] != 0
+    tables = (MASTER,) + TABLES[:2] + (("grad",) if mid_step else ())
+    seen = set()
+    for file in manifest["files"]:
+        full = os.path.join(path, file)
+        for key, entry in read_header(full).items():
+            table, _, name = key.partition("/")
+            own = trainable.get(name) if table in tables else const.get(name) if table == CONST else None
+            if own is None:
+                problems.append(f"{file} holds {key}, which this model has no place for")
+            elif entry.shape != own:
+                problems.append(f"{key} has shape {entry.shape}, the model has {own}")
+            else:
+                items.append(Item(full, key, table, name))
+                seen.add(key)
+    problems += [f"{t}/{n} is missing" for t in tables for n in trainable if f"{t}/{n}" not in seen]
+    if mid_step and manifest["optimizer"]["grad_accum"] != engine.grad_accum:
+        k = manifest["optimizer"]["grad_accum"]
+        problems.append(f"it was saved mid-step with grad_accum={k}, this engine has grad_accum={engine.grad_accum}: "
+                        f"compile with grad_accum={k} to resume it")
+    if problems:
+        raise MegacompileError(f"the checkpoint {path} does not match this model: {'; '.join(problems[:4])}; "
+                               "nothing was loaded")
+    differences = run_state.setting_differences(manifest["optimizer"], engine)
+    if differences and strict:
+        raise MegacompileError(f"the checkpoint {path} was saved with other settings: {'; '.join(differences)}; "
+                               "nothing was loaded (strict=False loads it and keeps this engine's settings)")
+    pending = PendingLoad(items, needs=tables, describe=f"the checkpoint {path}")
+    if engine.host is not None:
+        engine.synchronize()
+        pending.apply(engine.host)
+        engine._pending_load = None
+    else:
+        engine._pending_load = pending       # streamed in when the first step builds the host state
+    engine._materialized = True
+    engine.steps_done = manifest["steps_done"]
+    engine.micro_batches = manifest["micro_batches"]
+    engine.skipped_steps = manifest.get("skipped_steps", 0)
+    lr_differs = any(d.startswith("lr:") for d in differences)
+    notes = run_state.restore_schedule(engine, manifest["schedule"], lr_differs)
+    run_state.restore_rng(manifest["rng"])
+    for message in [f"the checkpoint {path} was saved with other settings, this engine's are kept: "
+                    f"{'; '.join(differences)}"] * bool(differences) + notes:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return manifest.get("extra")

@@ -1,0 +1,143 @@
+"""megacompile.from_pretrained: a Hugging Face model folder straight into the host masters.
+
+The model is built from config.json with its parameters on the meta device (no weight memory)
+and its buffers real: buffers that are not saved (rotary `inv_freq`) are computed by the
+model's own constructor from the config, as in an eager build. The shards' headers are checked
+against the model (every parameter present, shapes, no tensor the model has no place for,
+no file cut short) before the engine exists; the tensors themselves stream into the masters
+when the first step builds the host state (io/source.py), one at a time, cast to fp32.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..engine import Engine
+from ..errors import MegacompileError, WeightsFileError
+from .header import read_header
+from .source import CONST, WEIGHT, Item, PendingLoad
+
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+
+
+def from_pretrained(path: str, hbm_budget: float, **compile_kwargs: Any) -> Engine:
+    """Compile the causal LM in the Hugging Face folder `path` (config.json and model.safetensors
+    or sharded model.safetensors.index.json); compile_kwargs as megacompile.compile."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise WeightsFileError(f"from_pretrained takes a local model folder (config.json + safetensors); {path!r} "
+                               "is not a folder")
+    path = os.fspath(path)
+    model = build_model(path)
+    shards = shard_map(path)
+    engine = Engine(model, hbm_budget, **compile_kwargs)
+    engine._pending_load = PendingLoad(plan_items(engine, model, path, shards), own_buffers=True,
+                                       describe=f"the weights in {path}")
+    engine._materialized = True
+    engine.source_dir = path
+    return engine
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter registered inside is moved to the meta device; buffers stay real. The
+    initializers are skipped (transformers' no_init_weights): an uninitialised CPU tensor is
+    only reserved address space, never touched, until it moves to meta."""
+    from transformers.initialization import no_init_weights
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+    nn.Module.register_parameter = on_meta
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_model(path: str) -> nn.Module:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise WeightsFileError(f"{path} has no config.json: from_pretrained builds the model from it")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from ..planning import check_attention_shape
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers' own message, with the file named
+        raise WeightsFileError(f"cannot read {config_path}: {str(e).splitlines()[0][:300]}") from e
+    check_attention_shape(config)
+    config.use_cache = False
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # no_init_weights also skips the tying that init_weights does (tie_word_embeddings)
+        model.tie_weights()
+    return model
+
+
+def shard_map(path: str) -> dict[str, list[str] | None]:
+    """file -> the tensor names the index places in it (None: the file's own header says)."""
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WeightsFileError(f"cannot read {index}: {e}") from e
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(os.path.join(path, file), []).append(name)
+        return files
+    single = os.path.join(path, SINGLE)
+    if os.path.isfile(single):
+        return {single: None}
+    raise WeightsFileError(f"{path} has neither {SINGLE} nor {INDEX}: no safetensors weights to load "
+                           "(.bin checkpoints are not read; convert them to safetensors)")
+
+
+def plan_items(engine: Engine, model: nn.Module, path: str, shards: dict[str, list[str] | None]) -> list[Item]:
+    """What to stream from where, after checking every file's header against the model."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    items, loaded = [], set()
+    # Buffers the model computes and does not save (rotary inv_freq): older files still hold them,
+    # per layer; the model's own values are used, as transformers does.
+    computed = {n.rsplit(".", 1)[-1] for n in buffers if n not in engine._canonical}
+    for file, listed in shards.items():
+        if not os.path.isfile(file):
+            raise WeightsFileError(f"the shard {file} is missing; {INDEX} places {len(listed or [])} tensors in it "
+                                   f"({', '.join((listed or [])[:3])}); nothing was loaded")
+        header = read_header(file)
+        for name in listed or []:
+            if name not in header:
+                raise WeightsFileError(f"{file} lacks {name}, which {INDEX} places in it")
+        for key, entry in header.items():
+            if listed is not None and key not in listed:
+                continue
+            name = engine._canonical.get(key)
+            if name is None and key.rsplit(".", 1)[-1] in computed:
+                continue
+            own = params.get(name) if name is not None else None
+            own = own if own is not None else buffers.get(name) if name is not None else None
+            if own is None:
+                raise WeightsFileError(f"{file} holds {key}, which the {type(model).__name__} built from "
+                                       f"{path}/config.json has no place for: the weights are of another model")
+            if entry.shape != tuple(own.shape):
+                raise WeightsFileError(f"{file}: {key} has shape {entry.shape}, the model built from config.json "
+                                       f"has {tuple(own.shape)}: the weights are of another model or config")
+            if entry.torch_dtype.is_floating_point != own.dtype.is_floating_point:
+                raise WeightsFileError(f"{file}: {key} has dtype {entry.dtype}, the model's is {own.dtype}")
+            items.append(Item(file, key, WEIGHT if name in params else CONST, name))
+            loaded.add(name)
+    missing = [n for n in params if n not in loaded]
+    missing += [n for n, b in buffers.items() if b.is_meta and n not in loaded]
+    if missing:
+        raise WeightsFileError(f"the weights in {path} lack {len(missing)} tensors of the model "
+                               f"({', '.join(missing[:4])}); nothing was loaded")
+    return items

@@ -1,0 +1,145 @@
+"""engine.save_pretrained: the masters as a Hugging Face model folder, one tensor at a time.
+
+Tensors go under the model's state_dict names, a tied weight once (under its first name, as
+transformers writes it), in shards of at most `max_shard_size` bytes (a tensor larger than that
+gets a shard of its own), each written in the safetensors layout (io/header.py) by this module:
+a tensor is cast to `dtype` into a buffer of its own size, written and dropped (an fp32 export
+writes the masters' own memory), so the export adds one tensor to the host's memory, never a
+shard. config.json says `dtype`; the tokenizer and generation files of the folder the engine was
+loaded from are copied. The folder is written as `.<name>.<pid>.partial` and renamed into place.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import struct
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import ArgumentError, CheckpointError, MegacompileError
+from . import files
+from .header import CODES
+from .hf_load import INDEX, SINGLE
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+          "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def shard_bytes(size: int | str) -> int:
+    """"5GB" (10**9 bytes, as transformers counts), "500MiB" (2**20) or a number of bytes."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper()) if isinstance(size, str) else None
+    if m is None or m[2] not in _UNITS or float(m[1]) <= 0:
+        raise ArgumentError(f"max_shard_size is a number of bytes or a size such as '5GB' or '500MiB'; got {size!r}")
+    return int(float(m[1]) * _UNITS[m[2]])
+
+
+def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.float32,
+                    max_shard_size: int | str = "5GB") -> None:
+    if dtype not in CODES or not dtype.is_floating_point:
+        raise ArgumentError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, torch.float16); "
+                            f"got {dtype!r}")
+    limit = shard_bytes(max_shard_size)
+    config = getattr(engine.model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        raise MegacompileError("save_pretrained writes a Hugging Face model folder and needs a transformers model "
+                               f"(one with a .config); {type(engine.model).__name__} has none: use save_checkpoint")
+    host = engine._host_or_error()
+    parent = files.prepare_parent(path, "model folder")
+    path = os.fspath(path)
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"cannot write the model folder {path}: it is a folder of other files (which would be "
+                              "replaced); give a new path")
+    files.clean_leftovers(parent)
+    engine.synchronize()
+    tensors = []   # (state_dict key, host tensor)
+    for key, name in engine._canonical.items():
+        if key != name:
+            continue   # a tied alias: transformers restores it from the first name
+        source = host.master(name) if name in host.slots else host.consts.get(name)
+        if source is not None:
+            tensors.append((key, source))
+    shards = _shards(tensors, dtype, limit)
+    tmp = files.partial_path(path)
+    try:
+        os.makedirs(tmp)
+        names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                  for i in range(len(shards))]
+        weight_map = {}
+        for file, shard in zip(names, shards):
+            _write_shard(os.path.join(tmp, file), shard, dtype)
+            weight_map.update({key: file for key, _ in shard})
+        if len(shards) > 1:
+            total = sum(t.numel() * dtype.itemsize for shard in shards for _, t in shard)
+            files.write_text(os.path.join(tmp, INDEX), json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        _write_config(engine, config, dtype, tmp)
+        for extra in COPIED if engine.source_dir else ():
+            src = os.path.join(engine.source_dir, extra)
+            if os.path.isfile(src) and not os.path.exists(os.path.join(tmp, extra)):
+                shutil.copyfile(src, os.path.join(tmp, extra))
+                files.fsync_file(os.path.join(tmp, extra))
+        files.fsync_dir(tmp)
+        files.rename_into_place(tmp, path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, MegacompileError):
+            raise files.write_failed("model folder", path, e) from e
+        raise
+
+
+def _shards(tensors: list, dtype: torch.dtype, limit: int) -> list[list]:
+    shards, current, size = [], [], 0
+    for key, t in tensors:
+        n = t.numel() * dtype.itemsize
+        if current and size + n > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append((key, t))
+        size += n
+    return shards + [current] if current else shards
+
+
+def _write_shard(target: str, shard: list, dtype: torch.dtype) -> None:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, t in shard:
+        n = t.numel() * dtype.itemsize
+        header[key] = {"dtype": CODES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)            # the data starts 8-byte aligned, as safetensors writes it
+    with open(target, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, t in shard:
+            out = t if t.dtype == dtype else t.to(dtype)       # one tensor's cast copy at most
+            f.write(memoryview(out.contiguous().view(-1).view(torch.uint8).numpy()))
+            del out
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_config(engine: "Engine", config, dtype: torch.dtype, folder: str) -> None:
+    config = copy.deepcopy(config)
+    source = os.path.join(engine.source_dir or "", "config.json")
+    use_cache = True
+    if engine.source_dir and os.path.isfile(source):
+        with open(source) as f:
+            use_cache = json.load(f).get("use_cache", True)
+    config.use_cache = use_cache           # the engine turned the KV cache off for training only
+    config.dtype = dtype
+    config.to_json_file(os.path.join(folder, "config.json"))
+    files.fsync_file(os.path.join(folder, "config.json"))
+    generation = getattr(engine.model, "generation_config", None)
+    if generation is not None and not (engine.source_dir and os.path.isfile(
+            os.path.join(engine.source_dir, "generation_config.json"))):
+        generation.to_json_file(os.path.join(folder, "generation_config.json"))

@@ -1,0 +1,131 @@
+"""What a checkpoint holds besides tensors, as JSON: counters, the optimizer's settings, the
+learning-rate schedule's state, random states, and the user's own `extra` state."""
+from __future__ import annotations
+
+import base64
+import gc
+import json
+import math
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import CheckpointError, MegacompileError
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+
+def optimizer_settings(engine: "Engine") -> dict:
+    opt = engine.optimizer
+    return {"lr": "callable" if callable(opt.lr) else opt.lr, "betas": list(opt.betas), "eps": opt.eps,
+            "weight_decay": opt.weight_decay, "max_grad_norm": opt.max_grad_norm, "kernel": opt.kernel,
+            "grad_accum": engine.grad_accum, "compute_dtype": str(engine.compute_dtype).replace("torch.", "")}
+
+
+def setting_differences(saved: dict, engine: "Engine") -> list[str]:
+    """Each setting in which the engine differs from the run that saved the checkpoint."""
+    own = optimizer_settings(engine)
+    return [f"{key}: the checkpoint has {saved.get(key)!r}, this engine {value!r}"
+            for key, value in own.items() if saved.get(key) != value]
+
+
+def lr_schedulers(engine: "Engine") -> list:
+    """The torch LR schedulers attached to `engine.torch_optimizer` and still alive, in a fixed
+    order (by class name). A scheduler holds the optimizer, never the other way round, so they
+    are found among its referrers (one hop further where the referrer is an instance's dict)."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+    handle = engine.torch_optimizer
+    found = {}
+    for ref in gc.get_referrers(handle):
+        owners = [ref] if not isinstance(ref, dict) else gc.get_referrers(ref)
+        for obj in owners:
+            if isinstance(obj, (LRScheduler, ReduceLROnPlateau)) and getattr(obj, "optimizer", None) is handle:
+                found[id(obj)] = obj
+    return sorted(found.values(), key=lambda s: type(s).__name__)
+
+
+def schedule_state(engine: "Engine") -> dict:
+    handle = engine.torch_optimizer
+    group = {k: v for k, v in handle.param_groups[0].items() if k != "params"}
+    schedulers = [{"class": type(s).__name__, "state": s.state_dict()} for s in lr_schedulers(engine)]
+    return {"param_group": _jsonable(group), "schedulers": _jsonable(schedulers)}
+
+
+def restore_schedule(engine: "Engine", saved: dict, lr_differs: bool) -> list[str]:
+    """Put the handle's learning rate and every attached scheduler back; returns notes on what
+    could not be matched."""
+    notes = []
+    group = engine.torch_optimizer.param_groups[0]
+    for key, value in saved["param_group"].items():
+        if key in ("lr", "initial_lr") and lr_differs:
+            continue      # the engine's own learning rate wins; the caller warned
+        if key in ("lr", "initial_lr"):
+            group[key] = value
+    attached = lr_schedulers(engine)
+    kept = list(saved["schedulers"])
+    for scheduler in attached:
+        match = next((s for s in kept if s["class"] == type(scheduler).__name__), None)
+        if match is None:
+            notes.append(f"the attached {type(scheduler).__name__} has no state in the checkpoint; it starts afresh")
+            continue
+        kept.remove(match)
+        scheduler.load_state_dict(match["state"])
+    for s in kept:
+        notes.append(f"the checkpoint holds the state of a {s['class']} LR scheduler, but none is attached to "
+                     "engine.torch_optimizer: make it before load_checkpoint so that it resumes where it was")
+    return notes
+
+
+def rng_state() -> dict:
+    out = {"cpu": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(saved: dict) -> None:
+    torch.set_rng_state(_unb64(saved["cpu"]))
+    if "cuda" in saved and torch.cuda.is_available():
+        states = [_unb64(s) for s in saved["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        else:
+            warnings.warn(f"the checkpoint holds the random states of {len(states)} GPUs, this machine has "
+                          f"{torch.cuda.device_count()}: dropout will not repeat the saved run's masks", stacklevel=4)
+
+
+def extra_json(extra: Any) -> Any:
+    """The user's extra state, checked to round-trip through JSON before anything is written."""
+    if extra is None:
+        return None
+    try:
+        text = json.dumps(extra, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"save_checkpoint(extra=...) must be JSON: {e} (numbers, strings, lists and "
+                              "dicts; turn tensors into lists)") from e
+    return json.loads(text)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return value   # json writes Infinity/NaN and reads them back
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise MegacompileError(f"an LR scheduler's state holds a {type(value).__name__}, which a checkpoint "
+                           "cannot keep (its lr functions are remade by its constructor, not saved)")
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)

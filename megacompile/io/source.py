@@ -1,0 +1,85 @@
+"""Streaming tensors from safetensors files into the host state, one tensor at a time.
+
+A load checks names, shapes and files first (the callers do), then streams: each tensor is read
+into a buffer of its own size (safetensors' pread backend: a memory map would keep every page
+it touched resident until the file closes, a whole shard), cast as it is copied into the fp32
+master and the compute copy, and dropped. Peak host memory is the host state plus the largest
+tensor.
+
+An engine that has no host state yet (nothing traced: the layout of the flat buffers comes from
+the trace) keeps the load as pending and the engine runs it when it builds the host state.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from ..errors import WeightsFileError
+
+# What a stored tensor becomes: a model weight (master and compute copy, or a buffer), or one of
+# a checkpoint's optimizer tables for a trainable parameter.
+WEIGHT, MASTER, TABLES, CONST = "weight", "master", ("exp_avg", "exp_avg_sq", "grad"), "const"
+
+
+@dataclass
+class Item:
+    path: str
+    key: str       # the tensor's name in the file
+    table: str     # WEIGHT, MASTER, CONST or one of TABLES
+    name: str      # the canonical parameter or buffer name
+
+
+@dataclass
+class PendingLoad:
+    items: list[Item]
+    # Buffers the model computed itself (non-persistent, e.g. rotary inv_freq rebuilt from the config).
+    own_buffers: bool = False
+    needs: tuple[str, ...] = (MASTER,)   # the tables every trainable parameter must have
+    describe: str = "the weights"
+
+    def missing(self, host) -> list[str]:
+        have = defaultdict(set)
+        for it in self.items:
+            have[MASTER if it.table == WEIGHT else it.table].add(it.name)
+        return [f"{table}/{name}" if table != MASTER else name for table in self.needs
+                for name in host.slots if name not in have[table]]
+
+    def apply(self, host, model: nn.Module | None = None) -> None:
+        missing = self.missing(host)
+        if missing:
+            raise WeightsFileError(f"{self.describe} lack {len(missing)} tensors the model needs "
+                                   f"({', '.join(missing[:4])}); nothing was loaded")
+        with torch.no_grad():
+            if self.own_buffers and model is not None:
+                host.load({n: b for n, b in model.named_buffers() if n in host.consts and not b.is_meta})
+            by_file: dict[str, list[Item]] = defaultdict(list)
+            for it in self.items:
+                by_file[it.path].append(it)
+            for path, items in by_file.items():
+                try:
+                    with safe_open(path, framework="pt", backend="pread") as f:
+                        for it in items:
+                            _write(host, it, f.get_tensor(it.key))
+                except WeightsFileError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - an unreadable shard: name it
+                    raise WeightsFileError(f"cannot read {path}: {e}") from e
+
+
+def _write(host, it: Item, t: torch.Tensor) -> None:
+    if it.table in (WEIGHT, MASTER, CONST):
+        if it.name not in host.slots and it.name not in host.consts:
+            raise WeightsFileError(f"{it.path}: {it.key} is no parameter or buffer of the traced model")
+        problems = host.load_problems({it.name: t})
+        if problems:
+            raise WeightsFileError(f"{it.path}: {it.key}: {problems[0]}; nothing was loaded")
+        host.load({it.name: t})
+    else:
+        dst = host.view(it.table, it.name)
+        if tuple(t.shape) != tuple(dst.shape):
+            raise WeightsFileError(f"{it.path}: {it.key} has shape {tuple(t.shape)}, the model {tuple(dst.shape)}")
+        dst.copy_(t)
