@@ -101,6 +101,10 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
     def short(choice: ScheduleChoice) -> tuple[Short, "_ShortJudge | None"]:
         if not captured.train:      # forward only: a few choices, no backward to bound a span
             return Short(captured, choice, ()), None
+        # Blocks resident for the step hold their weights outside any one block's span, which the
+        # cut accounts for; those choices (offered only when every weight fits twice) are judged whole.
+        if not choice.resident.isdisjoint(blocks):
+            return Short(captured, choice, ()), None
         if choice in cuts:
             return cuts[choice]
         cut = shorten(captured, blocks, choice, max(choice.offload_lag, choice.prefetch_depth) + 1)
