@@ -140,12 +140,11 @@ def run(c: RunConfig) -> dict:
             seconds = time.perf_counter() - t0
             if done == 0 and start_step == 0:
                 plan.dump(os.path.join(run_dir, "plan"))      # now with the measured peak beside the prediction
-            stats = engine.memory_stats()
             step = record.step
             row = {"step": step, "loss": sum(losses) / len(losses), "lr": record.lr, "grad_norm": record.grad_norm,
                    "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                   "device_peak_bytes": stats["device_peak_bytes"],
-                   "predicted_device_peak_bytes": stats["predicted_device_peak_bytes"], "skipped": record.skipped}
+                   "device_peak_bytes": record.device_peak_bytes,
+                   "predicted_device_peak_bytes": record.predicted_device_peak_bytes, "skipped": record.skipped}
             if record.skipped:
                 log.write(row)
                 continue
@@ -172,12 +171,11 @@ def run(c: RunConfig) -> dict:
         if not os.path.isfile(os.path.join(c.export, "tokenizer_config.json")):
             tokenizer.save_pretrained(c.export)
         print(f"  exported       {c.export}", flush=True)
-    stats = engine.memory_stats()
     result = {"steps": engine.steps_done, "skipped_steps": engine.skipped_steps, "run_dir": run_dir,
               "first_loss": losses_seen[0] if losses_seen else None,
               "final_loss": losses_seen[-1] if losses_seen else None,
               "seconds": elapsed, "last_checkpoint": saved_at, "budget_bytes": plan.budget_bytes,
-              "predicted_device_peak_bytes": stats["predicted_device_peak_bytes"],
+              "predicted_device_peak_bytes": plan.predicted_peak_bytes,
               "measured_device_peak_bytes": plan.measured_peak_bytes}
     if losses_seen:
         print(f"done: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {elapsed:.1f} s, measured "
