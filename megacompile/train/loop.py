@@ -133,8 +133,8 @@ def run(c: RunConfig) -> dict:
                 inputs = packing.batch(rows, consumed, setup.batch, shifted=shifted)
                 consumed += setup.batch
                 losses.append(engine.step(**inputs))
-                tokens += inputs["input_ids"].numel()
                 record = engine.last_step
+                tokens += record.tokens
                 if record.skipped:
                     break
             seconds = time.perf_counter() - t0

@@ -20,6 +20,9 @@ def test_train_command_runs_and_writes_its_run_directory(tmp_path, capsys):
     assert "tok/s" in out
     rows = log.read(str(run / "log.csv"))
     assert [r["step"] for r in rows] == ["1", "2", "3"]
+    # engine.last_step's figures: the embedded default warms up over 20 steps to 3e-3
+    assert [float(r["lr"]) for r in rows] == [3e-3 * s / 20 for s in (1, 2, 3)]
+    assert all(int(r["tokens"]) == 2 * 32 and float(r["seconds"]) > 0 for r in rows)
     assert all(int(r["device_peak_bytes"]) <= int(r["predicted_device_peak_bytes"]) for r in rows)
     plan = json.loads((run / "plan" / "plan.json").read_text())
     assert plan["device_peak_bytes"] == int(rows[0]["predicted_device_peak_bytes"])

@@ -1,6 +1,7 @@
 """run.yaml is checked key by key before anything is loaded or written."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -55,10 +56,10 @@ def test_the_embedded_default_is_a_valid_run():
     assert c.bundled and c.data == ["bundled"] and c.steps == 200 and c.packing is True
 
 
-def test_schedules_warm_up_then_decay_to_min_lr():
+def test_schedules_warm_up_then_decay_towards_min_lr():
     cosine = learning_rate(1.0, "cosine", 4, 0.1, 14)
-    assert [cosine(s) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
-    assert cosine(9) == pytest.approx(0.55) and cosine(14) == pytest.approx(0.1)
+    assert [cosine(s) for s in (1, 2, 4, 5)] == [0.25, 0.5, 1.0, 1.0]
+    assert cosine(10) == pytest.approx(0.55) and cosine(14) == pytest.approx(0.1 + 0.45 * (1 + math.cos(0.9 * math.pi)))
     linear = learning_rate(1.0, "linear", 0, 0.0, 10)
-    assert linear(5) == pytest.approx(0.5) and linear(10) == 0.0
+    assert linear(1) == 1.0 and linear(6) == pytest.approx(0.5) and linear(10) == pytest.approx(0.1)
     assert learning_rate(1.0, "constant", 2, 0.0, 10)(7) == 1.0
