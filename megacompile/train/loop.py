@@ -117,8 +117,9 @@ def run(c: RunConfig) -> dict:
     if resume_from is not None:
         extra = engine.load_checkpoint(resume_from) or {}
         if extra.get("data") != fingerprint:
-            raise ArgumentError(f"{resume_from} was saved by a run on other data or another tokenizer "
-                                f"(token file {extra.get('data')}, now {fingerprint}); resume it with the same data")
+            raise ArgumentError(f"{resume_from} was saved by a run on other tokens (token file {extra.get('data')}, "
+                                f"now {fingerprint}: the data, the tokenizer or train_on_prompt changed); resume it "
+                                "with the same data, or start a new run_dir")
         consumed = int(extra["rows"])
         print(f"  resumed        from {resume_from} at step {engine.steps_done}", flush=True)
     start_step = engine.steps_done
@@ -138,7 +139,7 @@ def run(c: RunConfig) -> dict:
                 if record.skipped:
                     break
             seconds = time.perf_counter() - t0
-            if done == 0 and start_step == 0:
+            if done == start_step:
                 plan.dump(os.path.join(run_dir, "plan"))      # now with the measured peak beside the prediction
             step = record.step
             row = {"step": step, "loss": sum(losses) / len(losses), "lr": record.lr, "grad_norm": record.grad_norm,

@@ -7,7 +7,9 @@
 
 The files are written under temporary names and renamed into place, the .json last: a run cut
 short while tokenising leaves nothing that a later run would take for a cache. A resumed run
-whose sources still match reuses the files without reading the data again.
+whose sources still match (paths, sizes, times, tokenizer files) reuses the files without
+reading the data again; one whose sources changed tokenises again, and may resume only if the
+tokens came out the same (the checkpoint holds their sha256).
 """
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ class TokenFile:
     ids: np.ndarray        # uint32 [n_tokens]
     targets: np.ndarray    # uint8  [n_tokens]
     docs: np.ndarray       # int64  [n_docs + 1]
-    fingerprint: str
+    fingerprint: str       # sha256 of the three files' bytes: what a checkpoint's data position refers to
 
     @property
     def n_docs(self) -> int:
@@ -127,23 +129,25 @@ def token_file(folder: str, split: str, paths: list[str], tokenizer, tokenizer_d
                train_on_prompt: bool) -> TokenFile:
     """The split's token file in `folder`, made now unless one made from the same sources is there."""
     sources = _sources(paths, tokenizer_dir, train_on_prompt)
-    fingerprint = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
+    made_from = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
     meta = os.path.join(folder, f"{split}.json")
     try:
         with open(meta) as f:
-            fresh = json.load(f).get("fingerprint") != fingerprint
-    except (OSError, ValueError):
-        fresh = True
-    if fresh:
-        _write(folder, split, paths, tokenizer, train_on_prompt, sources, fingerprint)
+            content = json.load(f)
+        content = content["content"] if content.get("made_from") == made_from else None
+    except (OSError, ValueError, KeyError):
+        content = None
+    if content is None:     # the sources changed (or were never read): their tokens may not
+        content = _write(folder, split, paths, tokenizer, train_on_prompt, sources, made_from)
     base = os.path.join(folder, split)
     return TokenFile(np.memmap(base + ".ids", dtype=np.uint32, mode="r"),
                      np.memmap(base + ".targets", dtype=np.uint8, mode="r"),
-                     np.fromfile(base + ".docs", dtype=np.int64), fingerprint)
+                     np.fromfile(base + ".docs", dtype=np.int64), content)
 
 
 def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt: bool, sources: dict,
-           fingerprint: str) -> None:
+           made_from: str) -> str:
+    """Tokenise into the three files; returns the sha256 of their contents."""
     from tqdm import tqdm
     os.makedirs(folder, exist_ok=True)
     base = os.path.join(folder, split)
@@ -151,7 +155,7 @@ def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt
     if os.path.exists(meta):
         os.remove(meta)                   # the old files stop counting as a cache before they change
     tmp = {ext: f"{base}.{ext}.tmp" for ext in ("ids", "targets", "docs")}
-    offsets, total = [0], 0
+    offsets, total, content = [0], 0, hashlib.sha256()
     try:
         with open(tmp["ids"], "wb") as ids_f, open(tmp["targets"], "wb") as tgt_f:
             for where, record in tqdm(records(paths), desc=f"tokenising {split}", unit=" docs", file=sys.stderr,
@@ -159,18 +163,23 @@ def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt
                 ids, targets = encode(tokenizer, record, train_on_prompt, where)
                 if not ids:
                     continue
-                ids_f.write(np.asarray(ids, dtype=np.uint32).tobytes())
-                tgt_f.write(np.asarray(targets, dtype=np.uint8).tobytes())
+                for f, data in ((ids_f, np.asarray(ids, dtype=np.uint32).tobytes()),
+                                (tgt_f, np.asarray(targets, dtype=np.uint8).tobytes())):
+                    f.write(data)
+                    content.update(data)
                 total += len(ids)
                 offsets.append(total)
         if total == 0:
             raise ArgumentError(f"{split} data ({', '.join(paths)}) holds no tokens")
         np.asarray(offsets, dtype=np.int64).tofile(tmp["docs"])
+        content.update(np.asarray(offsets, dtype=np.int64).tobytes())
         for ext, path in tmp.items():
             os.replace(path, f"{base}.{ext}")
         with open(meta + ".tmp", "w") as f:
-            json.dump({"fingerprint": fingerprint, "tokens": total, "docs": len(offsets) - 1, **sources}, f, indent=1)
+            json.dump({"made_from": made_from, "content": content.hexdigest()[:16], "tokens": total,
+                       "docs": len(offsets) - 1, **sources}, f, indent=1)
         os.replace(meta + ".tmp", meta)
+        return content.hexdigest()[:16]
     finally:
         for path in tmp.values():
             if os.path.exists(path):

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
 from tests.train import files
 
@@ -64,3 +65,10 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_result(tmp_path):
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
     assert all(torch.equal(model.state_dict()[k], ours[k]) for k in ours)
+
+    # Other tokens under the same run_dir: refused, not resumed on a different data stream.
+    with open(work["chats"], "a") as f:
+        f.write('{"text": "the dog sat on the cat"}\n')
+    with pytest.raises(ArgumentError, match="was saved by a run on other tokens"):
+        run(load(config, []))
+
