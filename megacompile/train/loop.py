@@ -22,7 +22,7 @@ from ..ir.printer import fmt_bytes
 from . import packing
 from .config import RunConfig
 from .log import Progress, RunLog
-from .model import build
+from .model import build, check_isolation, meta_model
 from .tokens import load_tokenizer, token_file
 
 CHECKPOINTS = "checkpoints"
@@ -95,13 +95,16 @@ def run(c: RunConfig) -> dict:
     resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
     if c.resume not in (None, "auto"):
         resume_from = c.resume
+    meta = meta_model(c)
+    if c.packing == "isolated":
+        check_isolation(meta)     # before the data is read: the model decides whether it can be done
     os.makedirs(run_dir, exist_ok=True)
     shifted = c.bundled
     tokenizer, fingerprint, rows, eval_rows = _data(c, run_dir, c.seq + shifted)
     per_step = c.global_batch or c.batch * c.grad_accum
     if c.steps is None:
         c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
-    setup = build(c, lambda b: packing.batch(rows, 0, b, shifted=shifted))
+    setup = build(c, meta, lambda b: packing.batch(rows, 0, b, shifted=shifted))
     engine = setup.engine
     first = packing.batch(rows, 0, setup.batch, shifted=shifted)
     plan = engine.prepare(**first)
@@ -133,6 +136,8 @@ def run(c: RunConfig) -> dict:
             while engine.steps_done == done:     # the micro-batches of one optimizer step
                 inputs = packing.batch(rows, consumed, setup.batch, shifted=shifted)
                 consumed += setup.batch
+                if packing.target_count(inputs, shifted=shifted) == 0:
+                    continue      # all prompt or padding: its loss would be 0/0; the next rows instead
                 losses.append(engine.step(**inputs))
                 record = engine.last_step
                 tokens += record.tokens

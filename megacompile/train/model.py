@@ -74,13 +74,10 @@ def device_budget(c: RunConfig, model: nn.Module, inputs: dict, device: str) -> 
     return max(weight_bytes * c.budget_fraction, smallest * 1.02) / GiB
 
 
-def build(c: RunConfig, first_inputs) -> Setup:
-    """first_inputs(batch) -> the inputs of one micro-batch, for their shapes."""
+def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
+    """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes."""
     device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, c.compute_dtype)
-    meta = meta_model(c)
-    if c.packing == "isolated":
-        check_isolation(meta)
     shifted = c.bundled
     batch, accumulate = c.batch, c.grad_accum
     probe = {k: v.to("meta") for k, v in first_inputs(1 if c.global_batch else batch).items()}

@@ -155,7 +155,7 @@ def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt
     if os.path.exists(meta):
         os.remove(meta)                   # the old files stop counting as a cache before they change
     tmp = {ext: f"{base}.{ext}.tmp" for ext in ("ids", "targets", "docs")}
-    offsets, total, content = [0], 0, hashlib.sha256()
+    offsets, total, counted, content = [0], 0, 0, hashlib.sha256()
     try:
         with open(tmp["ids"], "wb") as ids_f, open(tmp["targets"], "wb") as tgt_f:
             for where, record in tqdm(records(paths), desc=f"tokenising {split}", unit=" docs", file=sys.stderr,
@@ -168,9 +168,13 @@ def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt
                     f.write(data)
                     content.update(data)
                 total += len(ids)
+                counted += sum(targets)
                 offsets.append(total)
         if total == 0:
             raise ArgumentError(f"{split} data ({', '.join(paths)}) holds no tokens")
+        if not counted:
+            raise ArgumentError(f"no token of the {split} data ({', '.join(paths)}) is counted by the loss: every "
+                                "record is prompt only; add assistant turns or completions, or train_on_prompt: true")
         np.asarray(offsets, dtype=np.int64).tofile(tmp["docs"])
         content.update(np.asarray(offsets, dtype=np.int64).tobytes())
         for ext, path in tmp.items():

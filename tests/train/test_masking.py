@@ -51,3 +51,13 @@ def test_records_that_cannot_be_masked_are_refused_with_their_line():
     tok.chat_template = "{% for m in messages|reverse %}{{ m['content'] }} {% endfor %}"   # no prefix property
     with pytest.raises(ArgumentError, match="does not render the conversation up to turn 2 as a prefix"):
         tokens.encode(tok, {"messages": CHAT}, False, "x:5")
+
+
+def test_data_whose_loss_would_count_nothing_is_refused(tmp_path):
+    data = tmp_path / "asks.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hello there"}]}\n')
+    with pytest.raises(ArgumentError, match="no token of the train data .* is counted by the loss"):
+        tokens.token_file(str(tmp_path / "tokens"), "train", [str(data)], files.tokenizer(), None, False)
+    assert not (tmp_path / "tokens" / "train.json").exists()     # no cache is left to be taken for one
+    made = tokens.token_file(str(tmp_path / "tokens"), "train", [str(data)], files.tokenizer(), None, True)
+    assert made.targets.all() and made.n_docs == 1
