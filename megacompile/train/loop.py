@@ -105,7 +105,15 @@ def run(c: RunConfig) -> dict:
     if c.steps is None:
         c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
     setup = build(c, meta, lambda b: packing.batch(rows, 0, b, shifted=shifted))
-    engine = setup.engine
+    try:
+        return _train(c, setup, run_dir, resume_from, tokenizer, fingerprint, rows, eval_rows)
+    finally:
+        setup.engine.close()
+
+
+def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer, fingerprint: str,
+           rows: packing.Rows, eval_rows: packing.Rows | None) -> dict:
+    engine, shifted = setup.engine, setup.shifted
     first = packing.batch(rows, 0, setup.batch, shifted=shifted)
     plan = engine.prepare(**first)
     print(plan.summary(), flush=True)
@@ -187,5 +195,4 @@ def run(c: RunConfig) -> dict:
         print(f"done: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {elapsed:.1f} s, measured "
               f"device peak {fmt_bytes(plan.measured_peak_bytes or 0)} (predicted "
               f"{fmt_bytes(plan.predicted_peak_bytes)}); log in {os.path.join(run_dir, 'log.csv')}", flush=True)
-    engine.close()
     return result
