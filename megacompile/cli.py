@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -14,13 +13,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .models import LlamaConfig
-    from .train import train
-    config = LlamaConfig(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn)
-    run_dir = args.run_dir or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
-    train(steps=args.steps, batch=args.batch, seq=args.seq, config=config, hbm_budget=args.hbm_budget,
-          budget_fraction=args.budget_fraction, lr=args.lr, device=args.device, compute_dtype=DTYPES[args.dtype],
-          run_dir=run_dir, seed=args.seed, log_every=args.log_every)
+    from .train import load, run
+    run(load(args.config, args.overrides))
     return 0
 
 
@@ -112,25 +106,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megacompile", description="Full-precision LLM training on one GPU.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the bundled small Llama on the bundled byte-level corpus")
-    t.add_argument("--steps", type=int, default=200)
-    t.add_argument("--batch", type=int, default=4)
-    t.add_argument("--seq", type=int, default=128)
-    t.add_argument("--dim", type=int, default=384)
-    t.add_argument("--layers", type=int, default=6)
-    t.add_argument("--heads", type=int, default=6)
-    t.add_argument("--kv-heads", type=int, default=2)
-    t.add_argument("--ffn", type=int, default=1024)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--hbm-budget", type=float, default=None,
-                   help="GiB of device memory the plan may use (default: --budget-fraction of the weights, or the smallest budget that fits if that is more)")
-    t.add_argument("--budget-fraction", type=float, default=0.5,
-                   help="with no --hbm-budget, the budget as a fraction of the weights' bytes (default 0.5)")
-    t.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available, else cpu")
-    t.add_argument("--dtype", choices=list(DTYPES), default="float32", help="compute dtype; masters are float32")
-    t.add_argument("--run-dir", default=None, help="default: runs/train-<time>")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--log-every", type=int, default=10, help="progress line interval when not on a terminal")
+    t = sub.add_parser("train", help="fine-tune a local Hugging Face model on .jsonl/.txt files (docs/training.md); "
+                                     "with no --config, the bundled small Llama on the bundled corpus")
+    t.add_argument("--config", default=None, help="run.yaml (default: the embedded default run)")
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="settings laid over run.yaml, e.g. lr=2e-5 steps=500")
     t.set_defaults(run=_train)
 
     q = sub.add_parser("plan", help="plan a model from its Hugging Face config.json without weights or a GPU")

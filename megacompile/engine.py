@@ -228,6 +228,7 @@ class Engine:
         micro-batch's own landing grads is written, so an exception anywhere (an op, the budget
         guard, KeyboardInterrupt) leaves masters, moments, counters and the device ledger as
         they were, and a non-finite loss or gradient skips the whole step."""
+        started = time.perf_counter()
         micro = self.micro_batches % self.grad_accum
         last = micro == self.grad_accum - 1
         compiled = self._compile(args, kwargs, train=True, update=last)
@@ -260,7 +261,11 @@ class Engine:
         if last:
             self.steps_done += 1
             self.torch_optimizer.step()   # tells attached torch LR schedulers a step happened
-        self.last_step = StepRecord(context["step"], loss, micro, last, grad_norm=context.get("grad_norm"))
+        self.last_step = StepRecord(context["step"], loss, micro, last, grad_norm=context.get("grad_norm"),
+                                    lr=context["lr"], tokens=_tokens(args, kwargs),
+                                    seconds=time.perf_counter() - started,
+                                    device_peak_bytes=compiled.plan.measured_peak_bytes,
+                                    predicted_device_peak_bytes=compiled.plan.predicted_peak_bytes)
         return loss
 
     def _skip(self, compiled: _Compiled, loss: float, what: str, why: str, micro: int) -> float:
@@ -426,7 +431,10 @@ class StepRecord:
     step: the 1-based optimizer step the micro-batch belonged to; loss: its loss; micro_batch:
     its index in the step (0 .. grad_accum-1); updated: the masters were updated (the step's last
     micro-batch committed); skipped: None, "loss" or "gradient" (inf or NaN found; nothing was
-    updated); reason: why, in words; grad_norm: the global norm when clipping.
+    updated); reason: why, in words; grad_norm: the global norm when clipping (the whole step's,
+    on its last micro-batch); lr: the step's learning rate; tokens: elements of the micro-batch's
+    input_ids (or first input); seconds: the call's wall time; device_peak_bytes and
+    predicted_device_peak_bytes: the plan's measured and predicted device peaks.
     """
     step: int
     loss: float
@@ -435,10 +443,20 @@ class StepRecord:
     skipped: str | None = None
     reason: str | None = None
     grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int | None = None
+    seconds: float | None = None
+    device_peak_bytes: int | None = None
+    predicted_device_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.skipped:
             object.__setattr__(self, "updated", False)
+
+
+def _tokens(args: tuple, kwargs: dict) -> int | None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids.numel() if isinstance(ids, torch.Tensor) else None
 
 
 def _describe(args: tuple, kwargs: dict) -> str:

@@ -27,8 +27,8 @@ DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "errors.md")
 CONFIG = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 64}
-TINY_TRAIN = ["train", "--steps", "1", "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
-              "--ffn", "64", "--seq", "16", "--batch", "1", "--device", "cpu"]
+TINY_TRAIN = ["train", "steps=1", "bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2",
+              "bundled_model.kv_heads=1", "bundled_model.ffn=64", "seq=16", "batch=1", "device=cpu"]
 
 
 @dataclass
@@ -84,7 +84,7 @@ def _under_inference_mode(c):
 
 
 def _train(*flags):
-    return lambda c: c.cli(*TINY_TRAIN, *flags, "--run-dir", os.path.join(c.tmp, "run"))
+    return lambda c: c.cli(*TINY_TRAIN, *flags, f"run_dir={os.path.join(c.tmp, 'run')}")
 
 
 def _cli_plan(*flags):
@@ -210,29 +210,26 @@ CASES = [
          _cli_plan("--hbm-budget", "1", "--host-budget", "nan")),
     Case("cli plan --config missing", SystemExit, r"cannot read the model config",
          lambda c: c.cli("plan", "--config", os.path.join(c.tmp, "none.json"), "--hbm-budget", "1")),
-    Case("cli train --steps 0", SystemExit, r"steps must be an int >= 1",
-         _train("--steps", "0")),
-    Case("cli train --batch 0", SystemExit, r"batch must be",
-         _train("--batch", "0")),
-    Case("cli train --seq 0", SystemExit, r"seq .*0",
-         _train("--seq", "0")),
-    Case("cli train --seq longer than the corpus", SystemExit, r"seq .*corpus",
-         _train("--seq", "1000000000")),
-    Case("cli train --log-every 0", SystemExit, r"log_every",
-         _train("--log-every", "0")),
-    Case("cli train --lr nan", SystemExit, r"lr must be a finite number",
-         _train("--lr", "nan")),
-    Case("cli train --hbm-budget inf", SystemExit, r"hbm_budget.*inf",
-         _train("--hbm-budget", "inf")),
-    Case("cli train --budget-fraction 0", SystemExit, r"budget_fraction must be a finite number > 0",
-         _train("--budget-fraction", "0")),
-    Case("cli train heads do not divide dim", SystemExit, r"num_attention_heads 4 does not divide hidden_size 30",
-         _train("--dim", "30", "--heads", "4")),
-    Case("cli train odd head size", SystemExit, r"dim / heads = 15 .*even", _train("--dim", "30", "--heads", "2")),
-    Case("cli train kv heads do not divide heads", SystemExit, r"num_key_value_heads 3 does not divide",
-         _train("--kv-heads", "3")),
-    Case("cli train --run-dir is a file", SystemExit, r"run_dir .*a_file is a file",
-         lambda c: c.cli(*TINY_TRAIN, "--run-dir", c.file)),
+    Case("cli train steps=0", SystemExit, r"steps must be a whole number >= 1; got 0", _train("steps=0")),
+    Case("cli train batch=0", SystemExit, r"batch must be", _train("batch=0")),
+    Case("cli train seq=0", SystemExit, r"seq must be a whole number >= 2; got 0", _train("seq=0")),
+    Case("cli train unknown key", SystemExit, r"unknown key lr_max; the keys are model, ", _train("lr_max=1")),
+    Case("cli train override without =", SystemExit, r"overrides are key=value", _train("steps")),
+    Case("cli train --config missing", SystemExit, r"cannot read the run config",
+         lambda c: c.cli("train", "--config", os.path.join(c.tmp, "none.yaml"))),
+    Case("cli train log_every=0", SystemExit, r"log_every", _train("log_every=0")),
+    Case("cli train lr=nan", SystemExit, r"lr must be a number >= 0; got nan", _train("lr=nan")),
+    Case("cli train hbm_budget=inf", SystemExit, r"hbm_budget.*inf", _train("hbm_budget=inf")),
+    Case("cli train budget_fraction=0", SystemExit, r"budget_fraction must be a number > 0",
+         _train("budget_fraction=0")),
+    Case("cli train heads do not divide dim", SystemExit, r"heads 4 must split dim 30",
+         _train("bundled_model.dim=30", "bundled_model.heads=4")),
+    Case("cli train odd head size", SystemExit, r"heads 2 must split dim 30 into an even head size",
+         _train("bundled_model.dim=30", "bundled_model.heads=2")),
+    Case("cli train kv heads do not divide heads", SystemExit, r"kv_heads 3 must divide heads 2",
+         _train("bundled_model.kv_heads=3")),
+    Case("cli train run_dir is a file", SystemExit, r"run_dir .*a_file is a file",
+         lambda c: c.cli(*TINY_TRAIN, f"run_dir={c.file}")),
     Case("cli calibrate --out under a file", SystemExit, r"--out .*lies under the file",
          lambda c: c.cli("calibrate", "--device", "cpu", "--out", os.path.join(c.file, "profile.json"))),
 ]

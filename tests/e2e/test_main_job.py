@@ -4,29 +4,34 @@ from __future__ import annotations
 import json
 
 from megacompile.cli import main
+from megacompile.train import log
+
+TINY = ["bundled_model.dim=64", "bundled_model.layers=2", "bundled_model.heads=4", "bundled_model.kv_heads=2",
+        "bundled_model.ffn=128", "device=cpu"]
 
 
 def test_train_command_runs_and_writes_its_run_directory(tmp_path, capsys):
     run = tmp_path / "run"
-    code = main(["train", "--steps", "3", "--batch", "2", "--seq", "32", "--dim", "64", "--layers", "2",
-                 "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--device", "cpu", "--run-dir", str(run),
-                 "--log-every", "1"])
+    code = main(["train", "steps=3", "batch=2", "seq=32", *TINY, f"run_dir={run}", "log_every=1"])
     assert code == 0
     out = capsys.readouterr().out
     assert "device peak" in out and "host memory" in out and "moved per step" in out
     assert out.index("megacompile plan") < out.index("step     1/3")       # the plan comes first
     assert "tok/s" in out
-    log = json.loads((run / "train_log.json").read_text())
-    assert len(log["steps"]) == 3
-    result = log["result"]
-    assert result["measured_device_peak_bytes"] <= result["budget_bytes"]
+    rows = log.read(str(run / "log.csv"))
+    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    # engine.last_step's figures: the embedded default warms up over 20 steps to 3e-3
+    assert [float(r["lr"]) for r in rows] == [3e-3 * s / 20 for s in (1, 2, 3)]
+    assert all(int(r["tokens"]) == 2 * 32 and float(r["seconds"]) > 0 for r in rows)
+    assert all(int(r["device_peak_bytes"]) <= int(r["predicted_device_peak_bytes"]) for r in rows)
     plan = json.loads((run / "plan" / "plan.json").read_text())
-    assert plan["device_peak_bytes"] == result["predicted_device_peak_bytes"]
+    assert plan["device_peak_bytes"] == int(rows[0]["predicted_device_peak_bytes"])
+    assert plan["measured_device_peak_bytes"] == int(rows[0]["device_peak_bytes"])   # added after the first step
     assert (run / "plan" / "plan.txt").read_text().count("prefetch") >= 4
+    assert (run / "checkpoints" / "step-000003" / "COMMITTED").exists()
 
 
-def test_train_command_reports_a_budget_that_cannot_fit(capsys):
-    code = main(["train", "--steps", "1", "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-                 "--ffn", "128", "--device", "cpu", "--hbm-budget", "0.00001"])
+def test_train_command_reports_a_budget_that_cannot_fit(tmp_path, capsys):
+    code = main(["train", "steps=1", *TINY, "hbm_budget=0.00001", f"run_dir={tmp_path / 'run'}"])
     assert code == 2
     assert "smallest budget that fits" in capsys.readouterr().err

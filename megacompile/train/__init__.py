@@ -1,0 +1,16 @@
+"""Fine-tuning from files: `megacompile train --config run.yaml [key=value ...]` (docs/training.md).
+
+    config.py    run.yaml's keys, defaults and checks (before anything is loaded)
+    tokens.py    tokenisation, once, into a memory-mapped token file in the run folder
+    masking.py   which tokens the loss counts: assistant turns, completions, all of a text
+    packing.py   rows (packed, isolated or one document each) and micro-batches
+    schedule.py  learning-rate schedules
+    model.py     the model, engine, device budget and the planner's micro-batch choice
+    log.py       CSV rows per optimizer step, TensorBoard, progress
+    loop.py      the run: steps, eval, checkpoints, resume, export
+    default.yaml the embedded default: the bundled small Llama on the bundled corpus
+"""
+from .config import RunConfig, load
+from .loop import run
+
+__all__ = ["RunConfig", "load", "run"]

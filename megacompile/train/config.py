@@ -1,0 +1,309 @@
+"""run.yaml: every key, its default and its check. A run's settings are read from the file, the
+command line's `key=value` overrides are laid over them, and every key is checked (type, range,
+files that must exist, keys that exclude each other) before a model, tokenizer or data file is
+opened: a bad run fails in a second, naming the key, what it got and what it takes.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from typing import Any
+
+from .. import arguments
+from ..errors import ArgumentError
+
+SCHEDULES = ("constant", "linear", "cosine")
+PACKING = (False, True, "isolated")
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+LOGGERS = ("csv", "tensorboard")
+BUNDLED = "bundled"
+BUNDLED_MODEL = {"dim": 384, "layers": 6, "heads": 6, "kv_heads": 2, "ffn": 1024}
+
+
+@dataclass
+class RunConfig:
+    """One run's settings; docs/training.md explains each key."""
+    model: str = BUNDLED
+    tokenizer: str | None = None
+    bundled_model: dict = field(default_factory=lambda: dict(BUNDLED_MODEL))
+    data: list = field(default_factory=lambda: [BUNDLED])
+    eval: list = field(default_factory=list)
+    eval_fraction: float = 0.0
+    train_on_prompt: bool = False
+    seq: int = 512
+    packing: bool | str = True
+    global_batch: int | None = None
+    batch: int = 1
+    grad_accum: int = 1
+    lr: float = 2e-5
+    warmup: int = 0
+    schedule: str = "cosine"
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    hbm_budget: float | None = None
+    budget_fraction: float = 0.5
+    host_budget: float | None = None
+    compute_dtype: str = "float32"
+    device: str | None = None
+    steps: int | None = None
+    epochs: float | None = None
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    save_every: int | None = None
+    keep_last: int | None = 3
+    resume: str | None = None
+    run_dir: str | None = None
+    name: str = "train"
+    log: list = field(default_factory=lambda: ["csv"])
+    log_every: int = 10
+    export: str | None = None
+    export_dtype: str = "float32"
+    seed: int = 0
+
+    @property
+    def bundled(self) -> bool:
+        return self.model == BUNDLED
+
+
+KEYS = tuple(f.name for f in fields(RunConfig))
+
+
+def embedded_default_path() -> str:
+    """The run.yaml that `megacompile train` without --config runs: the bundled model and corpus."""
+    return str(resources.files("megacompile.train").joinpath("default.yaml"))
+
+
+def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
+    """Settings from `path` (the embedded default when None) with `key=value` overrides, checked."""
+    import yaml
+    path = path or embedded_default_path()
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ArgumentError(f"cannot read the run config {path}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        raise ArgumentError(f"{path} is not valid YAML: {e}") from e
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ArgumentError(f"{path} must hold a mapping of keys (model: ..., data: ...), not a "
+                            f"{type(raw).__name__}")
+    base = os.path.dirname(os.path.abspath(path))
+    raw = {k: _relative(k, v, base) for k, v in raw.items()}
+    for item in overrides:
+        key, value = _override(item)
+        if "." in key:      # bundled_model.dim=64
+            outer, inner = key.split(".", 1)
+            if not isinstance(raw.get(outer, {}), dict) and outer in KEYS:
+                raise ArgumentError(f"override {item!r}: {outer} is not a mapping")
+            raw.setdefault(outer, {})[inner] = value
+        else:
+            raw[key] = value
+    return check(raw, source=path)
+
+
+def _override(item: str) -> tuple[str, Any]:
+    import yaml
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ArgumentError(f"overrides are key=value (e.g. lr=2e-5 steps=500); got {item!r}")
+    try:
+        return key.strip(), yaml.safe_load(text) if text else None
+    except yaml.YAMLError as e:
+        raise ArgumentError(f"override {item!r}: the value is not valid YAML: {e}") from e
+
+
+PATH_KEYS = ("model", "tokenizer", "data", "eval", "run_dir", "export", "resume")
+
+
+def _relative(key: str, value: Any, base: str) -> Any:
+    """Paths in a run.yaml are relative to the file's folder."""
+    if key not in PATH_KEYS or value in (None, BUNDLED, "auto"):
+        return value
+    if isinstance(value, list):
+        return [_relative(key, v, base) for v in value]
+    if isinstance(value, str) and not os.path.isabs(value):
+        return os.path.join(base, value)
+    return value
+
+
+def check(raw: dict, source: str = "the run config") -> RunConfig:
+    unknown = sorted(set(raw) - set(KEYS))
+    if unknown:
+        raise ArgumentError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                            f"the keys are {', '.join(KEYS)} (docs/training.md)")
+    c = RunConfig(**{k: v for k, v in raw.items()})
+    c.model = _text("model", c.model)
+    if not c.bundled:
+        _folder_or_file("model", c.model, "a Hugging Face model folder (config.json, safetensors, tokenizer files), "
+                        "a config.json to train from scratch, or 'bundled'")
+    c.tokenizer = _text("tokenizer", c.tokenizer, optional=True)
+    if c.tokenizer is not None:
+        if c.bundled:
+            raise ArgumentError("tokenizer: the bundled model reads bytes and takes no tokenizer; leave it out")
+        _folder_or_file("tokenizer", c.tokenizer, "a folder with tokenizer.json / tokenizer_config.json")
+    elif not c.bundled and not os.path.isdir(c.model):
+        raise ArgumentError(f"tokenizer: model {c.model} is a config file, which holds no tokenizer; "
+                            "name a tokenizer folder")
+    c.bundled_model = _bundled_model(c.bundled_model)
+    c.data = _files("data", c.data, allow_bundled=True)
+    if not c.data:
+        raise ArgumentError("data: name at least one .txt or .jsonl file")
+    c.eval = _files("eval", c.eval if c.eval is not None else [], allow_bundled=False)
+    c.eval_fraction = _number("eval_fraction", c.eval_fraction, 0.0, below=1.0)
+    if c.eval and c.eval_fraction:
+        raise ArgumentError("eval and eval_fraction both choose the held-out data: give one of them")
+    c.train_on_prompt = _flag("train_on_prompt", c.train_on_prompt)
+    c.seq = _int("seq", c.seq, 2)
+    if c.packing not in PACKING or isinstance(c.packing, int) and not isinstance(c.packing, bool):
+        raise ArgumentError(f"packing must be false, true or isolated; got {c.packing!r}")
+    if c.packing == "isolated" and c.bundled:
+        raise ArgumentError("packing: isolated needs a model that takes position_ids (a Hugging Face decoder); "
+                            "the bundled model does not; use packing: true")
+    if c.global_batch is not None:
+        c.global_batch = _int("global_batch", c.global_batch)
+        if raw.get("batch") is not None or raw.get("grad_accum") is not None:
+            raise ArgumentError("global_batch lets the planner choose batch and grad_accum: give global_batch, "
+                                "or batch and grad_accum, not both")
+    c.batch, c.grad_accum = _int("batch", c.batch), _int("grad_accum", c.grad_accum)
+    c.lr = _number("lr", c.lr, 0.0)
+    c.warmup = _int("warmup", c.warmup, 0)
+    if c.schedule not in SCHEDULES:
+        raise ArgumentError(f"schedule must be one of {', '.join(SCHEDULES)}; got {c.schedule!r}")
+    c.min_lr = _number("min_lr", c.min_lr, 0.0)
+    if c.min_lr > c.lr:
+        raise ArgumentError(f"min_lr {c.min_lr:g} is above lr {c.lr:g}: the schedule decays from lr to min_lr")
+    c.weight_decay = _number("weight_decay", c.weight_decay, 0.0)
+    if not isinstance(c.betas, (list, tuple)) or len(c.betas) != 2:
+        raise ArgumentError(f"betas must be a list of two numbers in [0, 1), e.g. [0.9, 0.999]; got {c.betas!r}")
+    c.betas = [_number("betas", b, 0.0, below=1.0) for b in c.betas]
+    c.eps = _number("eps", c.eps, 0.0, strict=True)
+    c.max_grad_norm = None if c.max_grad_norm is None else _number("max_grad_norm", c.max_grad_norm, 0.0, strict=True)
+    c.hbm_budget = None if c.hbm_budget is None else _number("hbm_budget", c.hbm_budget, 0.0, strict=True)
+    c.budget_fraction = _number("budget_fraction", c.budget_fraction, 0.0, strict=True)
+    c.host_budget = None if c.host_budget is None else _number("host_budget", c.host_budget, 0.0, strict=True)
+    c.compute_dtype = _choice("compute_dtype", c.compute_dtype, DTYPES)
+    c.export_dtype = _choice("export_dtype", c.export_dtype, DTYPES)
+    c.device = None if c.device is None else _choice("device", c.device, DEVICES)
+    if (c.steps is None) == (c.epochs is None):
+        raise ArgumentError("give steps (optimizer steps) or epochs (passes over the training data), one of them; "
+                            f"got steps={c.steps!r}, epochs={c.epochs!r}")
+    c.steps = None if c.steps is None else _int("steps", c.steps)
+    c.epochs = None if c.epochs is None else _number("epochs", c.epochs, 0.0, strict=True)
+    for key in ("eval_every", "eval_batches", "save_every", "keep_last"):
+        if getattr(c, key) is not None:
+            setattr(c, key, _int(key, getattr(c, key)))
+    if c.eval_every is not None and not (c.eval or c.eval_fraction):
+        raise ArgumentError("eval_every needs held-out data: give eval (files) or eval_fraction")
+    c.log_every = _int("log_every", c.log_every)
+    c.resume = _text("resume", c.resume, optional=True)
+    if c.resume not in (None, "auto") and not os.path.isdir(c.resume):
+        raise ArgumentError(f"resume is 'auto' (the latest committed checkpoint in run_dir), a checkpoint folder, "
+                            f"or null; {c.resume} is not a folder")
+    c.run_dir = _text("run_dir", c.run_dir, optional=True)
+    if c.resume == "auto" and c.run_dir is None:
+        raise ArgumentError("resume: auto looks for checkpoints in run_dir: name the run_dir of the run to resume")
+    arguments.folder("run_dir", c.run_dir)
+    c.name = _text("name", c.name)
+    if not c.name or os.sep in c.name:
+        raise ArgumentError(f"name is the run's name (runs/NAME-TIME), one path component; got {c.name!r}")
+    logs = [c.log] if isinstance(c.log, str) else c.log
+    if not isinstance(logs, list) or any(x not in LOGGERS for x in logs):
+        raise ArgumentError(f"log is a list of {', '.join(LOGGERS)} (csv is always written); got {c.log!r}")
+    c.log = ["csv"] + [x for x in logs if x != "csv"]
+    if "tensorboard" in c.log:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as e:
+            raise ArgumentError("log: tensorboard needs `pip install tensorboard`; or leave it out") from e
+    c.export = _text("export", c.export, optional=True)
+    arguments.folder("export", c.export)
+    if c.export is not None and c.bundled:
+        raise ArgumentError("export writes a Hugging Face model folder, and the bundled model is not a Hugging Face "
+                            "model; leave export out (its checkpoints hold the weights)")
+    c.seed = _int("seed", c.seed, 0)
+    return c
+
+
+def _text(key: str, value: Any, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ArgumentError(f"{key} must be a string{' or null' if optional else ''}; got {value!r}")
+    return value
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{key} must be true or false; got {value!r}")
+    return value
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> str:
+    if value not in allowed:
+        raise ArgumentError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def _int(key: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ArgumentError(f"{key} must be a whole number >= {minimum}; got {value!r}")
+    return value
+
+
+def _number(key: str, value: Any, minimum: float, *, strict: bool = False, below: float | None = None) -> float:
+    """A number; YAML reads 2e-5 (no dot) as a string, so numeric strings are taken too."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > minimum if strict else value >= minimum) and (below is None or value < below))
+    if not ok:
+        bound = f"{'>' if strict else '>='} {minimum:g}" + (f" and < {below:g}" if below is not None else "")
+        raise ArgumentError(f"{key} must be a number {bound}; got {value!r}")
+    return float(value)
+
+
+def _folder_or_file(key: str, path: str, what: str) -> None:
+    if not os.path.exists(path):
+        raise ArgumentError(f"{key}: {path} does not exist; give {what}")
+
+
+def _files(key: str, value: Any, allow_bundled: bool) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise ArgumentError(f"{key} is a file or a list of files (.txt, .jsonl); got {value!r}")
+    for path in items:
+        if path == BUNDLED and allow_bundled:
+            continue
+        if not path.endswith((".txt", ".jsonl")):
+            raise ArgumentError(f"{key}: {path} is neither .txt (plain text) nor .jsonl (one JSON object a line, "
+                                "with text, messages, or prompt and completion)")
+        if not os.path.isfile(path):
+            raise ArgumentError(f"{key}: the file {path} does not exist")
+    return list(items)
+
+
+def _bundled_model(value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise ArgumentError(f"bundled_model is a mapping of {', '.join(BUNDLED_MODEL)}; got {value!r}")
+    unknown = sorted(set(value) - set(BUNDLED_MODEL))
+    if unknown:
+        raise ArgumentError(f"bundled_model: unknown key {', '.join(unknown)}; the keys are {', '.join(BUNDLED_MODEL)}")
+    merged = {**BUNDLED_MODEL, **value}
+    for k, v in merged.items():
+        _int(f"bundled_model.{k}", v)
+    if merged["dim"] % merged["heads"] or (merged["dim"] // merged["heads"]) % 2:
+        raise ArgumentError(f"bundled_model: heads {merged['heads']} must split dim {merged['dim']} into an even "
+                            "head size (rotary embeddings)")
+    if merged["heads"] % merged["kv_heads"]:
+        raise ArgumentError(f"bundled_model: kv_heads {merged['kv_heads']} must divide heads {merged['heads']}")
+    return merged

@@ -1,0 +1,100 @@
+"""Rows of training tokens from a token file, and micro-batches of model inputs from rows.
+
+Each epoch lays the documents (in an order shuffled by seed and epoch) end to end into one
+stream and cuts it into rows of `row_len` tokens; the rows are then visited in a shuffled order.
+With packing off, each document starts a row of its own: it takes ceil(len / row_len) rows, the
+last one padded. With packing on, documents share rows (the EOS each ends with separates them)
+and a document may continue in the next row. `isolated` packing also restarts the position ids
+at every document and at every row start, and never makes a document's first token the target
+of the previous document's last one; a decoder that builds its causal mask from position ids
+(transformers' packed-sequence masks) then keeps packed documents from attending to each other.
+
+Row r of the run is a pure function of (seed, r): the data position saved with a checkpoint is
+one number, the rows consumed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .tokens import TokenFile
+
+IGNORE = -100   # the label the loss skips (torch cross_entropy's ignore_index)
+
+
+class Rows:
+    def __init__(self, tokens: TokenFile, row_len: int, packing: bool | str, seed: int, *,
+                 docs: np.ndarray | None = None, shuffle: bool = True, pad_id: int = 0):
+        self.tokens, self.row_len, self.packing, self.seed = tokens, row_len, packing, seed
+        self.shuffle, self.pad_id = shuffle, pad_id
+        self.docs = np.arange(tokens.n_docs) if docs is None else np.asarray(docs)
+        lengths = self._lengths(self.docs)
+        self.rows_per_epoch = max(1, int(-(-lengths.sum() // row_len)))
+        self._epoch: tuple | None = None
+
+    def _lengths(self, docs: np.ndarray) -> np.ndarray:
+        lengths = self.tokens.docs[docs + 1] - self.tokens.docs[docs]
+        if not self.packing:     # whole rows per document
+            lengths = -(-lengths // self.row_len) * self.row_len
+        return lengths
+
+    def _layout(self, epoch: int) -> tuple:
+        """The epoch's document order, where each starts in the stream, and its row order."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            order = rng.permutation(self.docs) if self.shuffle else self.docs
+            starts = np.concatenate([[0], np.cumsum(self._lengths(order))])
+            rows = rng.permutation(self.rows_per_epoch) if self.shuffle else np.arange(self.rows_per_epoch)
+            self._epoch = (epoch, order, starts, rows)
+        return self._epoch[1:]
+
+    def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Row `index` of the run (epochs follow each other): tokens, targets, positions."""
+        order, starts, rows = self._layout(index // self.rows_per_epoch)
+        lo = int(rows[index % self.rows_per_epoch]) * self.row_len
+        hi = lo + self.row_len
+        ids = np.full(self.row_len, self.pad_id, dtype=np.int64)
+        targets = np.zeros(self.row_len, dtype=bool)
+        positions = np.arange(self.row_len, dtype=np.int64)
+        first = int(np.searchsorted(starts, lo, side="right")) - 1
+        for k in range(first, len(order)):
+            s = int(starts[k])
+            if s >= hi:
+                break
+            doc = int(order[k])
+            d0, d1 = int(self.tokens.docs[doc]), int(self.tokens.docs[doc + 1])
+            a, b = max(lo, s), min(hi, s + d1 - d0)        # stream span of this document in the row
+            if a >= b:
+                continue
+            ids[a - lo:b - lo] = self.tokens.ids[d0 + a - s:d0 + b - s]
+            targets[a - lo:b - lo] = self.tokens.targets[d0 + a - s:d0 + b - s]
+            if self.packing == "isolated":
+                positions[a - lo:b - lo] = np.arange(b - a)
+                if a == s and a > lo:
+                    targets[a - lo] = False    # no document is asked to predict the next one's start
+        return ids, targets, positions
+
+
+def batch(rows: Rows, start: int, size: int, *, shifted: bool) -> dict[str, torch.Tensor]:
+    """The model inputs for rows start .. start+size-1.
+
+    Hugging Face decoders take labels aligned with input_ids and shift them inside (the token at
+    i is the target of position i-1): rows are `seq` long. The bundled model takes labels already
+    shifted: rows are seq + 1 long and the last token is only a target.
+    """
+    got = [rows.row(start + i) for i in range(size)]
+    ids = torch.from_numpy(np.stack([g[0] for g in got]))
+    targets = torch.from_numpy(np.stack([g[1] for g in got]))
+    labels = ids.masked_fill(~targets, IGNORE)
+    if shifted:
+        return {"input_ids": ids[:, :-1].contiguous(), "labels": labels[:, 1:].contiguous()}
+    inputs = {"input_ids": ids, "labels": labels}
+    if rows.packing == "isolated":
+        inputs["position_ids"] = torch.from_numpy(np.stack([g[2] for g in got]))
+    return inputs
+
+
+def target_count(inputs: dict[str, torch.Tensor], *, shifted: bool) -> int:
+    """Tokens the loss of these inputs averages over."""
+    labels = inputs["labels"] if shifted else inputs["labels"][:, 1:]
+    return int((labels != IGNORE).sum())

@@ -1,0 +1,190 @@
+"""Tokenisation, once, into a token file in the run folder that every later read memory-maps.
+
+    RUN/tokens/train.ids       uint32, every document's tokens, one after another
+    RUN/tokens/train.targets   uint8, 1 where the loss counts the token (masking.py)
+    RUN/tokens/train.docs      int64, document starts and the end: n_docs + 1 offsets
+    RUN/tokens/train.json      what it was made from (files, sizes, times, tokenizer, settings)
+
+The files are written under temporary names and renamed into place, the .json last: a run cut
+short while tokenising leaves nothing that a later run would take for a cache. A resumed run
+whose sources still match (paths, sizes, times, tokenizer files) reuses the files without
+reading the data again; one whose sources changed tokenises again, and may resume only if the
+tokens came out the same (the checkpoint holds their sha256).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ArgumentError
+from . import masking
+from .config import BUNDLED
+
+CACHE_FORMAT = "megacompile-tokens/1"
+
+
+class ByteTokenizer:
+    """The bundled model's tokens: the text's UTF-8 bytes (vocab 256), no special tokens."""
+    eos_token_id = None
+    pad_token_id = 0
+    chat_template = None
+    vocab_size = 256
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+def load_tokenizer(path: str | None):
+    if path is None:
+        return ByteTokenizer()
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
+        raise ArgumentError(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0][:300]}") from e
+
+
+def _bundled_text() -> str:
+    from importlib import resources
+    return resources.files("megacompile").joinpath("data/corpus.txt").read_text(encoding="utf-8", errors="replace")
+
+
+def records(paths: list[str]):
+    """(where, record) for every document: a .txt file is one text; a .jsonl line is one record."""
+    for path in paths:
+        if path == BUNDLED:
+            yield "the bundled corpus", {"text": _bundled_text()}
+        elif path.endswith(".txt"):
+            with open(path, encoding="utf-8") as f:
+                yield path, {"text": f.read()}
+        else:
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except ValueError as e:
+                        raise ArgumentError(f"{path}:{n} is not a JSON object: {e}") from e
+                    if not isinstance(record, dict):
+                        raise ArgumentError(f"{path}:{n} is not a JSON object")
+                    yield f"{path}:{n}", record
+
+
+def encode(tokenizer, record: dict, train_on_prompt: bool, where: str) -> tuple[list[int], list[bool]]:
+    """One record's tokens and targets, with the tokenizer's EOS closing the document."""
+    if "messages" in record:
+        ids, targets = masking.chat(tokenizer, record["messages"], train_on_prompt, where)
+    elif "prompt" in record or "completion" in record:
+        if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
+            raise ArgumentError(f"{where}: a prompt/completion record needs both, as strings")
+        ids, targets = masking.prompt_completion(tokenizer, record["prompt"], record["completion"], train_on_prompt)
+    elif isinstance(record.get("text"), str):
+        ids, targets = masking.text(tokenizer, record["text"])
+    else:
+        raise ArgumentError(f"{where}: a record holds text, messages, or prompt and completion; this one has "
+                            f"{', '.join(sorted(record)) or 'no keys'}")
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids, targets = ids + [eos], targets + [targets[-1] if targets else True]
+    return ids, targets
+
+
+@dataclass
+class TokenFile:
+    """A memory-mapped token file: documents' tokens and targets, and where each starts."""
+    ids: np.ndarray        # uint32 [n_tokens]
+    targets: np.ndarray    # uint8  [n_tokens]
+    docs: np.ndarray       # int64  [n_docs + 1]
+    fingerprint: str       # sha256 of the three files' bytes: what a checkpoint's data position refers to
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.docs) - 1
+
+
+def _sources(paths: list[str], tokenizer_dir: str | None, train_on_prompt: bool) -> dict:
+    files = []
+    for path in paths:
+        if path == BUNDLED:
+            files.append({"path": BUNDLED})
+        else:
+            st = os.stat(path)
+            files.append({"path": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+    tokenizer = {}
+    if tokenizer_dir is not None:
+        for name in sorted(os.listdir(tokenizer_dir)):
+            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                with open(os.path.join(tokenizer_dir, name), "rb") as f:
+                    tokenizer[name] = hashlib.sha256(f.read()).hexdigest()
+    return {"format": CACHE_FORMAT, "files": files, "tokenizer": tokenizer, "train_on_prompt": train_on_prompt}
+
+
+def token_file(folder: str, split: str, paths: list[str], tokenizer, tokenizer_dir: str | None,
+               train_on_prompt: bool) -> TokenFile:
+    """The split's token file in `folder`, made now unless one made from the same sources is there."""
+    sources = _sources(paths, tokenizer_dir, train_on_prompt)
+    made_from = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
+    meta = os.path.join(folder, f"{split}.json")
+    try:
+        with open(meta) as f:
+            content = json.load(f)
+        content = content["content"] if content.get("made_from") == made_from else None
+    except (OSError, ValueError, KeyError):
+        content = None
+    if content is None:     # the sources changed (or were never read): their tokens may not
+        content = _write(folder, split, paths, tokenizer, train_on_prompt, sources, made_from)
+    base = os.path.join(folder, split)
+    return TokenFile(np.memmap(base + ".ids", dtype=np.uint32, mode="r"),
+                     np.memmap(base + ".targets", dtype=np.uint8, mode="r"),
+                     np.fromfile(base + ".docs", dtype=np.int64), content)
+
+
+def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt: bool, sources: dict,
+           made_from: str) -> str:
+    """Tokenise into the three files; returns the sha256 of their contents."""
+    from tqdm import tqdm
+    os.makedirs(folder, exist_ok=True)
+    base = os.path.join(folder, split)
+    meta = base + ".json"
+    if os.path.exists(meta):
+        os.remove(meta)                   # the old files stop counting as a cache before they change
+    tmp = {ext: f"{base}.{ext}.tmp" for ext in ("ids", "targets", "docs")}
+    offsets, total, counted, content = [0], 0, 0, hashlib.sha256()
+    try:
+        with open(tmp["ids"], "wb") as ids_f, open(tmp["targets"], "wb") as tgt_f:
+            for where, record in tqdm(records(paths), desc=f"tokenising {split}", unit=" docs", file=sys.stderr,
+                                      disable=not sys.stderr.isatty()):
+                ids, targets = encode(tokenizer, record, train_on_prompt, where)
+                if not ids:
+                    continue
+                for f, data in ((ids_f, np.asarray(ids, dtype=np.uint32).tobytes()),
+                                (tgt_f, np.asarray(targets, dtype=np.uint8).tobytes())):
+                    f.write(data)
+                    content.update(data)
+                total += len(ids)
+                counted += sum(targets)
+                offsets.append(total)
+        if total == 0:
+            raise ArgumentError(f"{split} data ({', '.join(paths)}) holds no tokens")
+        if not counted:
+            raise ArgumentError(f"no token of the {split} data ({', '.join(paths)}) is counted by the loss: every "
+                                "record is prompt only; add assistant turns or completions, or train_on_prompt: true")
+        np.asarray(offsets, dtype=np.int64).tofile(tmp["docs"])
+        content.update(np.asarray(offsets, dtype=np.int64).tobytes())
+        for ext, path in tmp.items():
+            os.replace(path, f"{base}.{ext}")
+        with open(meta + ".tmp", "w") as f:
+            json.dump({"made_from": made_from, "content": content.hexdigest()[:16], "tokens": total,
+                       "docs": len(offsets) - 1, **sources}, f, indent=1)
+        os.replace(meta + ".tmp", meta)
+        return content.hexdigest()[:16]
+    finally:
+        for path in tmp.values():
+            if os.path.exists(path):
+                os.remove(path)

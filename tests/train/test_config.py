@@ -1,0 +1,65 @@
+"""run.yaml is checked key by key before anything is loaded or written."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from megacompile.errors import ArgumentError
+from megacompile.train import load
+from megacompile.train.schedule import learning_rate
+from tests.train import files
+
+
+def _yaml(tmp_path, **settings) -> str:
+    (tmp_path / "d.jsonl").write_text('{"text": "a b"}\n')
+    base = dict(data="d.jsonl", steps=2, run_dir="run")
+    return files.run_yaml(str(tmp_path / "run.yaml"), **{**base, **settings})
+
+
+@pytest.mark.parametrize("settings, overrides, message", [
+    ({"learning_rate": 1e-3}, [], "unknown key learning_rate; the keys are model, tokenizer"),
+    ({"schedule": "exp"}, [], "schedule must be one of constant, linear, cosine; got 'exp'"),
+    ({}, ["packing=always"], "packing must be false, true or isolated; got 'always'"),
+    ({}, ["packing=isolated"], "packing: isolated needs a model that takes position_ids"),
+    ({"global_batch": 8, "batch": 2}, [], "give global_batch, or batch and grad_accum, not both"),
+    ({"epochs": 1}, [], "give steps (optimizer steps) or epochs"),
+    ({}, ["lr=fast"], "lr must be a number >= 0; got 'fast'"),
+    ({}, ["betas=[0.9, 1.0]"], "betas must be a number >= 0 and < 1; got 1.0"),
+    ({"data": "missing.jsonl"}, [], "the file"),
+    ({"data": "notes.csv"}, [], "is neither .txt"),
+    ({"eval_every": 5}, [], "eval_every needs held-out data"),
+    ({"model": "nowhere"}, [], "model: "),
+    ({}, ["log=[wandb]"], "log is a list of csv, tensorboard"),
+    ({}, ["steps"], "overrides are key=value"),
+    ({}, ["export=out"], "export writes a Hugging Face model folder"),
+    ({"resume": "auto", "run_dir": None}, [], "resume: auto looks for checkpoints in run_dir"),
+])
+def test_bad_settings_are_refused_by_name_before_anything_is_made(tmp_path, settings, overrides, message):
+    path = _yaml(tmp_path, **settings)
+    with pytest.raises(ArgumentError) as e:
+        load(path, overrides)
+    assert message in str(e.value)
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_overrides_win_and_numbers_in_e_notation_are_numbers(tmp_path):
+    c = load(_yaml(tmp_path, lr=2e-4), ["lr=2e-5", "steps=500", "bundled_model.dim=96"])
+    assert c.lr == 2e-5 and c.steps == 500 and c.bundled_model["dim"] == 96 and c.bundled_model["layers"] == 6
+    assert c.data == [str(tmp_path / "d.jsonl")]          # relative to the run.yaml's folder
+    assert c.log == ["csv"]
+
+
+def test_the_embedded_default_is_a_valid_run():
+    c = load(None)
+    assert c.bundled and c.data == ["bundled"] and c.steps == 200 and c.packing is True
+
+
+def test_schedules_warm_up_then_decay_towards_min_lr():
+    cosine = learning_rate(1.0, "cosine", 4, 0.1, 14)
+    assert [cosine(s) for s in (1, 2, 4, 5)] == [0.25, 0.5, 1.0, 1.0]
+    assert cosine(10) == pytest.approx(0.55) and cosine(14) == pytest.approx(0.1 + 0.45 * (1 + math.cos(0.9 * math.pi)))
+    linear = learning_rate(1.0, "linear", 0, 0.0, 10)
+    assert linear(1) == 1.0 and linear(6) == pytest.approx(0.5) and linear(10) == pytest.approx(0.1)
+    assert learning_rate(1.0, "constant", 2, 0.0, 10)(7) == 1.0

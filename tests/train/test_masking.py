@@ -1,0 +1,63 @@
+"""The loss counts the assistant's tokens of a conversation and a completion, checked against
+masks written out by hand."""
+from __future__ import annotations
+
+import pytest
+
+from megacompile.errors import ArgumentError
+from megacompile.train import tokens
+from tests.train import files
+
+CHAT = [{"role": "system", "content": "it is late"}, {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "i am fine"}, {"role": "user", "content": "what is the time now"},
+        {"role": "assistant", "content": "it is late"}]
+
+
+def _words(tok, ids):
+    return tok.convert_ids_to_tokens(ids)
+
+
+def test_only_assistant_turns_are_targets_of_a_conversation():
+    tok = files.tokenizer()
+    ids, targets = tokens.encode(tok, {"messages": CHAT}, False, "chats.jsonl:1")
+    expected = [  # (token, counted by the loss)
+        ("<|system|>", 0), ("it", 0), ("is", 0), ("late", 0), ("<|end|>", 0),
+        ("<|user|>", 0), ("hello", 0), ("there", 0), ("<|end|>", 0),
+        ("<|assistant|>", 0), ("i", 1), ("am", 1), ("fine", 1), ("<|end|>", 1),
+        ("<|user|>", 0), ("what", 0), ("is", 0), ("the", 0), ("time", 0), ("now", 0), ("<|end|>", 0),
+        ("<|assistant|>", 0), ("it", 1), ("is", 1), ("late", 1), ("<|end|>", 1),
+        ("</s>", 1)]    # the EOS that closes the document, learned with the last turn
+    assert list(zip(_words(tok, ids), map(int, targets))) == expected
+    _, everything = tokens.encode(tok, {"messages": CHAT}, True, "chats.jsonl:1")
+    assert all(everything)
+
+
+def test_a_completion_is_the_target_and_its_prompt_is_not():
+    tok = files.tokenizer()
+    ids, targets = tokens.encode(tok, {"prompt": "what is the time", "completion": "it is late"}, False, "x:1")
+    assert _words(tok, ids) == ["what", "is", "the", "time", "it", "is", "late", "</s>"]
+    assert list(map(int, targets)) == [0, 0, 0, 0, 1, 1, 1, 1]
+    _, targets = tokens.encode(tok, {"text": "the cat sat"}, False, "x:2")
+    assert all(targets)
+
+
+def test_records_that_cannot_be_masked_are_refused_with_their_line():
+    tok = files.tokenizer()
+    with pytest.raises(ArgumentError, match="x:3: a record holds text, messages, or prompt and completion"):
+        tokens.encode(tok, {"question": "?"}, False, "x:3")
+    tok.chat_template = None
+    with pytest.raises(ArgumentError, match="x:4: records with messages need the tokenizer's chat template"):
+        tokens.encode(tok, {"messages": CHAT}, False, "x:4")
+    tok.chat_template = "{% for m in messages|reverse %}{{ m['content'] }} {% endfor %}"   # no prefix property
+    with pytest.raises(ArgumentError, match="does not render the conversation up to turn 2 as a prefix"):
+        tokens.encode(tok, {"messages": CHAT}, False, "x:5")
+
+
+def test_data_whose_loss_would_count_nothing_is_refused(tmp_path):
+    data = tmp_path / "asks.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hello there"}]}\n')
+    with pytest.raises(ArgumentError, match="no token of the train data .* is counted by the loss"):
+        tokens.token_file(str(tmp_path / "tokens"), "train", [str(data)], files.tokenizer(), None, False)
+    assert not (tmp_path / "tokens" / "train.json").exists()     # no cache is left to be taken for one
+    made = tokens.token_file(str(tmp_path / "tokens"), "train", [str(data)], files.tokenizer(), None, True)
+    assert made.targets.all() and made.n_docs == 1
