@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,10 +36,39 @@ class Plan:
     reserve: DeviceReserve = field(default_factory=DeviceReserve)   # kept free for what the ledger cannot see
     host_cost: HostCost | None = None        # where the host state lives: RAM and disk bytes per tier
     grad_accum: int = 1                      # micro-batches per optimizer step (the disk tier's pace)
+    # The runtime's record of the last step of the engine that runs this plan (runtime/timeline.py);
+    # it holds this plan's step when its `program` is this plan's.
+    timeline: Any = field(default=None, repr=False, compare=False)
     curve: MemoryCurve = field(init=False)
 
     def __post_init__(self) -> None:
         self.curve = simulate(self.program)
+        self._spans: list[tuple[int, str, float, float]] | None = None
+
+    def predicted_spans(self) -> list[tuple[int, str, float, float]]:
+        """The cost model's timeline of the step: (node, stream, start s, end s), cost/predict.py."""
+        if self._spans is None:
+            from .cost.predict import predict
+            spans: list = []
+            disk = self.host_cost.disk_bytes / max(self.host_cost.params, 1) if self.host_cost is not None else 0.0
+            predict(self.program, self.captured, self.hardware, disk, spans=spans)
+            self._spans = spans
+        return self._spans
+
+    def measured_memory(self) -> list | None:
+        """The last step's device bytes per node (runtime MemorySample: live after, peak during), or
+        None when this plan has not run."""
+        t = self.timeline
+        if t is None or t.program is not self.program or len(t.memory) != len(self.program.nodes):
+            return None
+        return list(t.memory)
+
+    def plot_memory(self, path: str) -> None:
+        """The memory picture as a PNG: device bytes over the schedule stacked by kind, the budget,
+        the predicted curve and the measured one after a step; host RAM (and disk) below. Needs
+        matplotlib (`pip install megacompile[plot]`)."""
+        from .view.plot import plot_memory
+        plot_memory(self, path)
 
     # -- numbers -------------------------------------------------------------------------
     @property
