@@ -11,6 +11,7 @@ import torch
 from .errors import MegacompileError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DOES_NOT_FIT = 3     # `megacompile plan`'s exit status when the model does not fit (2: an error)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -20,7 +21,7 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
     train(steps=args.steps, batch=args.batch, seq=args.seq, config=config, hbm_budget=args.hbm_budget,
           budget_fraction=args.budget_fraction, lr=args.lr, device=args.device, compute_dtype=DTYPES[args.dtype],
-          run_dir=run_dir, seed=args.seed, log_every=args.log_every)
+          run_dir=run_dir, seed=args.seed, log_every=args.log_every, trace=args.trace)
     return 0
 
 
@@ -44,7 +45,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  verdict        does NOT fit: {e}")
         if args.json:
             print(json.dumps({"fits": False, "host_budget_bytes": int(args.host_budget * 2**30), "error": str(e)}))
-        return 0
+        return DOES_NOT_FIT
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take.
         batch = 1 if args.global_batch else args.batch
@@ -61,7 +62,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"  verdict        {verdict}")
     print("  at the peak    " + "; ".join(f"{name} {fmt_bytes(b)}" for name, b in result.peak_breakdown(5)))
     if args.json:
-        summary = {k: v for k, v in result.to_json().items() if k != "schedule"}
+        summary = {k: v for k, v in result.to_json().items() if k not in ("schedule", "values")}
         summary["fits"] = fits
         summary["budget_bytes"] = int(args.hbm_budget * 2**30)
         summary["grad_accum"] = accumulate
@@ -69,7 +70,9 @@ def _plan(args: argparse.Namespace) -> int:
         summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_step * accumulate
         summary["weight_bytes"] = result.weight_bytes
         print(json.dumps(summary))
-    return 0
+    from .view.files import write_plan_views
+    write_plan_views(result, trace=args.trace, plot_dir=args.plot)
+    return 0 if fits else DOES_NOT_FIT
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -131,6 +134,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="default: runs/train-<time>")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--log-every", type=int, default=10, help="progress line interval when not on a terminal")
+    t.add_argument("--trace", default=None, metavar="FILE",
+                   help="where the last step's Chrome trace goes (default: RUN_DIR/step.json)")
     t.set_defaults(run=_train)
 
     q = sub.add_parser("plan", help="plan a model from its Hugging Face config.json without weights or a GPU")
@@ -151,6 +156,10 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--nvme-bandwidth", type=float, default=None,
                    help="GB/s the disk tier's disk reads and writes (default: the hardware profile's disk)")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    q.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the predicted step as a Chrome trace (open it in Perfetto or chrome://tracing)")
+    q.add_argument("--plot", default=None, metavar="DIR",
+                   help="write DIR/memory.png, device and host memory over the schedule (needs matplotlib)")
     q.set_defaults(run=_plan)
 
     c = sub.add_parser("calibrate", help="measure this machine's GPU and host into a hardware profile")

@@ -54,7 +54,7 @@ def _check(*, steps: int, batch: int, seq: int, config: LlamaConfig, hbm_budget:
 
 def train(*, steps: int, batch: int, seq: int, config: LlamaConfig, hbm_budget: float | None,
           budget_fraction: float, lr: float, device: str | None, compute_dtype: torch.dtype,
-          run_dir: str, seed: int, log_every: int) -> dict:
+          run_dir: str, seed: int, log_every: int, trace: str | None = None) -> dict:
     _check(steps=steps, batch=batch, seq=seq, config=config, hbm_budget=hbm_budget,
            budget_fraction=budget_fraction, lr=lr, run_dir=run_dir, log_every=log_every)
     torch.manual_seed(seed)
@@ -110,5 +110,7 @@ def train(*, steps: int, batch: int, seq: int, config: LlamaConfig, hbm_budget: 
     print(f"done: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f}, "
           f"{result['tokens_per_s']:,.0f} tok/s, measured device peak {fmt_bytes(result['measured_device_peak_bytes'])} "
           f"(predicted {fmt_bytes(result['predicted_device_peak_bytes'])}); log in {run_dir}/train_log.json")
+    from .view.files import write_run_views     # the last step: step.json (or `trace`) and memory.png
+    write_run_views(engine, run_dir, trace)
     engine.close()
     return result

@@ -23,6 +23,9 @@ def test_train_command_runs_and_writes_its_run_directory(tmp_path, capsys):
     plan = json.loads((run / "plan" / "plan.json").read_text())
     assert plan["device_peak_bytes"] == result["predicted_device_peak_bytes"]
     assert (run / "plan" / "plan.txt").read_text().count("prefetch") >= 4
+    # the last step's pictures: its Chrome trace, and device and host memory against the budget
+    assert (run / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {e["pid"] for e in json.loads((run / "step.json").read_text())["traceEvents"]} == {1, 2}
 
 
 def test_train_command_reports_a_budget_that_cannot_fit(capsys):
