@@ -61,6 +61,8 @@ def _plan(args: argparse.Namespace) -> int:
                f"{args.hbm_budget:g} GiB given")
     print(f"  verdict        {verdict}")
     print("  at the peak    " + "; ".join(f"{name} {fmt_bytes(b)}" for name, b in result.peak_breakdown(5)))
+    from .view.files import write_plan_views
+    write_plan_views(result, trace=args.trace, plot_dir=args.plot)
     if args.json:
         summary = {k: v for k, v in result.to_json().items() if k not in ("schedule", "values")}
         summary["fits"] = fits
@@ -70,8 +72,6 @@ def _plan(args: argparse.Namespace) -> int:
         summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_step * accumulate
         summary["weight_bytes"] = result.weight_bytes
         print(json.dumps(summary))
-    from .view.files import write_plan_views
-    write_plan_views(result, trace=args.trace, plot_dir=args.plot)
     return 0 if fits else DOES_NOT_FIT
 
 
