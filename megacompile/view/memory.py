@@ -61,7 +61,7 @@ def host_by_kind(plan) -> tuple[dict[str, list[int]], dict[str, int]]:
                 ram[kind] = [nbytes] * n
         rest = cost.ram_bytes - sum(b for w, b in cost.tiers.values() if w == "ram")
         if rest > 0:
-            ram["disk tier pool, frozen weights, buffers"] = [rest] * n
+            ram[("disk tier pool, " if cost.pool_bytes else "") + "frozen weights, buffers"] = [rest] * n
     else:
         ram["host state"] = [plan.host_bytes] * n
     stash, waiting = [], 0
