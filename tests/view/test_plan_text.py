@@ -67,6 +67,17 @@ def test_the_folded_text_shows_every_node_once_and_the_full_text_every_node():
         list(range(len(program.nodes)))
 
 
+def test_a_long_values_column_wraps_onto_further_lines():
+    program = _stack(12)
+    dropped = tuple(f"saved{s}" for s in range(1, 13))
+    program.nodes.append(Node(Op.FREE, frees=dropped, origin="after last use"))
+    lines = format_program(program, fold=False).splitlines()
+    first = next(k for k, line in enumerate(lines) if NODE.match(line) and int(NODE.match(line).group(1)) == 49)
+    shown = " ".join(lines[first:])
+    assert all(re.search(rf"{name}(,|$| )", shown) for name in dropped)
+    assert len(lines) - first >= 3 and "after last use" in lines[first]
+
+
 @pytest.fixture(scope="module")
 def plan():
     model = models.NanoGPT(vocab=96, d=32, layers=8, heads=4)
