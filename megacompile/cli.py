@@ -19,6 +19,8 @@ def _train(args: argparse.Namespace) -> int:
     from .train import train
     config = LlamaConfig(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn)
     run_dir = args.run_dir or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
+    from .view.files import check_outputs
+    check_outputs(trace=args.trace)
     train(steps=args.steps, batch=args.batch, seq=args.seq, config=config, hbm_budget=args.hbm_budget,
           budget_fraction=args.budget_fraction, lr=args.lr, device=args.device, compute_dtype=DTYPES[args.dtype],
           run_dir=run_dir, seed=args.seed, log_every=args.log_every, trace=args.trace)
@@ -32,6 +34,8 @@ def _plan(args: argparse.Namespace) -> int:
     from .ir.printer import fmt_bytes
     from .planning import plan
     from .planning import plan_global_batch
+    from .view.files import check_outputs, write_plan_views
+    check_outputs(trace=args.trace, plot_dir=args.plot)
     kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget,
                   nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth)
     accumulate = 1
@@ -61,7 +65,6 @@ def _plan(args: argparse.Namespace) -> int:
                f"{args.hbm_budget:g} GiB given")
     print(f"  verdict        {verdict}")
     print("  at the peak    " + "; ".join(f"{name} {fmt_bytes(b)}" for name, b in result.peak_breakdown(5)))
-    from .view.files import write_plan_views
     write_plan_views(result, trace=args.trace, plot_dir=args.plot)
     if args.json:
         summary = {k: v for k, v in result.to_json().items() if k not in ("schedule", "values")}

@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import os
 
-from ..errors import MegacompileError
+from .. import arguments
+from ..errors import ArgumentError, MegacompileError
 from .trace import write_trace
+
+
+def check_outputs(trace: str | None = None, plot_dir: str | None = None) -> None:
+    """Before a long plan or run: the trace file's folder and the picture's folder can be written,
+    and the picture can be drawn."""
+    if trace is not None:
+        arguments.folder("--trace's folder", os.path.dirname(os.path.abspath(trace)), optional=False)
+        if os.path.isdir(trace):
+            raise ArgumentError(f"--trace {trace} is a folder; give a file path, e.g. {os.path.join(trace, 'step.json')}")
+    if plot_dir is not None:
+        arguments.folder("--plot", plot_dir, optional=False)
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            raise MegacompileError("--plot needs matplotlib: pip install 'megacompile[plot]' (or pip install matplotlib)")
 
 
 def write_plan_views(plan, trace: str | None = None, plot_dir: str | None = None, timeline=None) -> None:

@@ -125,3 +125,18 @@ def test_an_80_layer_plan_prints_in_at_most_200_lines():
     assert len(text.splitlines()) <= 200
     assert _covered(text) == list(range(len(plan.program.nodes)))
     assert len(plan.format(full=True).splitlines()) >= len(plan.program.nodes) > 1000
+
+
+def test_plan_command_refuses_output_paths_it_cannot_write_before_planning(tmp_path, capsys, monkeypatch):
+    from megacompile.cli import main
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = ["plan", "--config", str(tmp_path / "never-read.json"), "--hbm-budget", "1"]
+    assert main(args + ["--trace", str(blocker / "step.json")]) == 2
+    assert "--trace's folder" in capsys.readouterr().err
+    assert main(args + ["--plot", str(blocker)]) == 2
+    assert "is a file" in capsys.readouterr().err
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert main(args + ["--plot", str(tmp_path / "img")]) == 2
+    assert "pip install 'megacompile[plot]'" in capsys.readouterr().err
