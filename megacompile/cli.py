@@ -10,11 +10,14 @@ import torch
 from .errors import MegacompileError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DOES_NOT_FIT = 3     # `megacompile plan`'s exit status when the model does not fit (2: an error)
 
 
 def _train(args: argparse.Namespace) -> int:
     from .train import load, run
-    run(load(args.config, args.overrides))
+    from .view.files import check_outputs
+    check_outputs(trace=args.trace)
+    run(load(args.config, args.overrides), trace=args.trace)
     return 0
 
 
@@ -25,6 +28,8 @@ def _plan(args: argparse.Namespace) -> int:
     from .ir.printer import fmt_bytes
     from .planning import plan
     from .planning import plan_global_batch
+    from .view.files import check_outputs, write_plan_views
+    check_outputs(trace=args.trace, plot_dir=args.plot)
     kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget,
                   nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth)
     accumulate = 1
@@ -38,7 +43,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  verdict        does NOT fit: {e}")
         if args.json:
             print(json.dumps({"fits": False, "host_budget_bytes": int(args.host_budget * 2**30), "error": str(e)}))
-        return 0
+        return DOES_NOT_FIT
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take.
         batch = 1 if args.global_batch else args.batch
@@ -54,8 +59,9 @@ def _plan(args: argparse.Namespace) -> int:
                f"{args.hbm_budget:g} GiB given")
     print(f"  verdict        {verdict}")
     print("  at the peak    " + "; ".join(f"{name} {fmt_bytes(b)}" for name, b in result.peak_breakdown(5)))
+    write_plan_views(result, trace=args.trace, plot_dir=args.plot)
     if args.json:
-        summary = {k: v for k, v in result.to_json().items() if k != "schedule"}
+        summary = {k: v for k, v in result.to_json().items() if k not in ("schedule", "values")}
         summary["fits"] = fits
         summary["budget_bytes"] = int(args.hbm_budget * 2**30)
         summary["grad_accum"] = accumulate
@@ -63,7 +69,7 @@ def _plan(args: argparse.Namespace) -> int:
         summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_step * accumulate
         summary["weight_bytes"] = result.weight_bytes
         print(json.dumps(summary))
-    return 0
+    return 0 if fits else DOES_NOT_FIT
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -110,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
                                      "with no --config, the bundled small Llama on the bundled corpus")
     t.add_argument("--config", default=None, help="run.yaml (default: the embedded default run)")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="settings laid over run.yaml, e.g. lr=2e-5 steps=500")
+    t.add_argument("--trace", default=None, metavar="FILE",
+                   help="where the last step's Chrome trace goes (default: RUN_DIR/step.json)")
     t.set_defaults(run=_train)
 
     q = sub.add_parser("plan", help="plan a model from its Hugging Face config.json without weights or a GPU")
@@ -130,6 +138,10 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--nvme-bandwidth", type=float, default=None,
                    help="GB/s the disk tier's disk reads and writes (default: the hardware profile's disk)")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    q.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the predicted step as a Chrome trace (open it in Perfetto or chrome://tracing)")
+    q.add_argument("--plot", default=None, metavar="DIR",
+                   help="write DIR/memory.png, device and host memory over the schedule (needs matplotlib)")
     q.set_defaults(run=_plan)
 
     c = sub.add_parser("calibrate", help="measure this machine's GPU and host into a hardware profile")

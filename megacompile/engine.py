@@ -157,6 +157,7 @@ class Engine:
                          host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self._adamw, self._clip)
         compiled = _Compiled(plan.captured, plan, executor)
+        plan.timeline = self.backend.timeline     # its measured step, for traces and the memory picture
         self._compiled[(signature, kind)] = compiled
         if start is not None:   # a new input signature: traced and planned just now
             note_new_shape(self._shapes_seen, time.perf_counter() - start, _describe(args, kwargs))
@@ -333,6 +334,15 @@ class Engine:
     @property
     def timeline(self):
         return self.backend.timeline
+
+    def trace(self, path: str) -> None:
+        """Write the last step as a Chrome trace (Perfetto, chrome://tracing): the plan's predicted
+        timeline and the measured one, per stream, with device bytes and the budget (view/trace.py).
+        Before any step, the prediction alone. Waits for the step's host updates first."""
+        from .view import write_trace
+        plan = self._last.plan if self._last is not None else self.plan
+        self.synchronize()
+        write_trace(path, plan, self.backend.timeline)
 
     def memory_stats(self) -> dict:
         """Device peak measured in the last run beside the predicted one, and host bytes. The

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ from .capture import CapturedModel
 from .cost import HardwareProfile, StepPrediction
 from .cost.host_memory import HostCost
 from .cost.reserve import DeviceReserve
-from .ir.printer import fmt_bytes, format_program
+from .ir.printer import fmt_bytes, fmt_seconds, format_program
 from .ir.program import Op, Program
 from .ir.simulate import MemoryCurve, simulate
 
@@ -35,10 +36,39 @@ class Plan:
     reserve: DeviceReserve = field(default_factory=DeviceReserve)   # kept free for what the ledger cannot see
     host_cost: HostCost | None = None        # where the host state lives: RAM and disk bytes per tier
     grad_accum: int = 1                      # micro-batches per optimizer step (the disk tier's pace)
+    # The runtime's record of the last step of the engine that runs this plan (runtime/timeline.py);
+    # it holds this plan's step when its `program` is this plan's.
+    timeline: Any = field(default=None, repr=False, compare=False)
     curve: MemoryCurve = field(init=False)
 
     def __post_init__(self) -> None:
         self.curve = simulate(self.program)
+        self._spans: list[tuple[int, str, float, float]] | None = None
+
+    def predicted_spans(self) -> list[tuple[int, str, float, float]]:
+        """The cost model's timeline of the step: (node, stream, start s, end s), cost/predict.py."""
+        if self._spans is None:
+            from .cost.predict import predict
+            spans: list = []
+            disk = self.host_cost.disk_bytes / max(self.host_cost.params, 1) if self.host_cost is not None else 0.0
+            predict(self.program, self.captured, self.hardware, disk, spans=spans)
+            self._spans = spans
+        return self._spans
+
+    def measured_memory(self) -> list | None:
+        """The last step's device bytes per node (runtime MemorySample: live after, peak during), or
+        None when this plan has not run."""
+        t = self.timeline
+        if t is None or t.program is not self.program or len(t.memory) != len(self.program.nodes):
+            return None
+        return list(t.memory)
+
+    def plot_memory(self, path: str) -> None:
+        """The memory picture as a PNG: device bytes over the schedule stacked by kind, the budget,
+        the predicted curve and the measured one after a step; host RAM (and disk) below. Needs
+        matplotlib (`pip install megacompile[plot]`)."""
+        from .view.plot import plot_memory
+        plot_memory(self, path)
 
     # -- numbers -------------------------------------------------------------------------
     @property
@@ -181,11 +211,11 @@ class Plan:
             r = g[0]
             span = r["stage"] if len(g) == 1 else f"{r['stage']}..{g[-1]['stage']}"
             held = fmt_bytes(r["saved_bytes"])
-            cost = f", costs {r['forward_s'] * 1e3:.3g} ms of forward each" if "forward_s" in r else ""
+            cost = f", costs {fmt_seconds(r['forward_s'])} of forward each" if "forward_s" in r else ""
             if r["hold"] == "recompute":
                 line = f"recompute: frees {held} each between forward and backward{cost}"
             elif r["hold"] == "offload":
-                link = (f", {r['link_s_each_way'] * 1e3:.3g} ms over the link each way, beside compute"
+                link = (f", {fmt_seconds(r['link_s_each_way'])} over the link each way, beside compute"
                         if "link_s_each_way" in r else "")
                 line = f"offload: {held} each waits in host memory between forward and backward{link}"
             else:
@@ -194,7 +224,7 @@ class Plan:
                 line += (f"; saves only matmul and attention outputs, {fmt_bytes(r['selective_bytes_not_saved'])} "
                          "less")
                 if "selective_backward_s" in r:
-                    line += f", for {r['selective_backward_s'] * 1e3:.3g} ms of cheap ops redone in its backward"
+                    line += f", for {fmt_seconds(r['selective_backward_s'])} of cheap ops redone in its backward"
             if r["input_to_host_bytes"]:
                 line += f"; its input ({fmt_bytes(r['input_to_host_bytes'])}) waits in host memory too"
             if several:
@@ -217,6 +247,9 @@ class Plan:
 
     def to_json(self) -> dict:
         choice = self.program.facts.get("choice")
+        timing: dict[int, list] = {}     # per node, its predicted span on each stream it uses
+        for i, stream, start, end in self.predicted_spans():
+            timing.setdefault(i, []).append({"stream": stream, "start_s": start, "end_s": end})
         return {
             "mode": "train" if self.captured.train else "inference",
             "backend": self.backend,
@@ -250,13 +283,21 @@ class Plan:
             "pass_seconds": self.program.facts.get("pass_seconds", {}),
             "trace_seconds": self.captured.trace_seconds,
             "stages": self.program.stage_names,
+            "values": self.values_table(),
             "schedule": [
                 {"op": n.op.value, "stage": None if n.stage is None else self.program.stage_names[n.stage],
                  "reads": list(n.reads), "writes": list(n.writes), "frees": list(n.frees),
-                 "stream": n.stream, "origin": n.origin, "note": n.note,
-                 "device_bytes_during": self.curve.peak_during[i]}
+                 "stream": n.stream, "origin": n.origin, "note": n.note, "transient_bytes": n.transient,
+                 "device_bytes_during": self.curve.peak_during[i], "device_bytes_after": self.curve.live_after[i],
+                 "predicted": timing.get(i, [])}
                 for i, n in enumerate(self.program.nodes)],
         }
+
+    def values_table(self) -> list[dict]:
+        """Every value the schedule names: its kind, device bytes, and where it lives ("host": the fp32
+        masters an update writes, no device bytes; "device" for the rest)."""
+        return [{"name": v.name, "kind": v.kind, "bytes": v.nbytes, "home": "host" if v.kind == "host" else "device"}
+                for v in self.program.values.values()]
 
     # -- text ----------------------------------------------------------------------------
     def summary(self) -> str:
@@ -304,9 +345,9 @@ class Plan:
         lines += self.block_decisions()
         p = self.prediction
         if p is not None:
-            lines.append(f"  predicted      {p.step_s * 1e3:.4g} ms/step on {self.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "
+            lines.append(f"  predicted      {fmt_seconds(p.step_s)} per step on {self.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "
                          f"{p.tflops_6nd:.3g} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
-                         f"per model FLOP, {p.exposed_s * 1e3:.3g} ms waiting on transfers")
+                         f"per model FLOP, {fmt_seconds(p.exposed_s)} waiting on transfers")
         return "\n".join(lines)
 
     def _disk_json(self) -> dict:
@@ -337,7 +378,7 @@ class Plan:
                 hw = self.hardware
                 have = 1 / (1 / hw.disk_read_bw + 1 / hw.disk_write_bw) * 2
                 line += (f"; hidden at >= {need / 1e9:.3g} GB/s of disk traffic (reads + writes over "
-                         f"{self.prediction.step_s * self.grad_accum * 1e3:.4g} ms of steps); the profile's disk gives "
+                         f"{fmt_seconds(self.prediction.step_s * self.grad_accum)} of steps); the profile's disk gives "
                          f"{have / 1e9:.3g} GB/s ({'hidden' if have >= need else 'the tier sets the pace'})")
             lines.append(line)
         return lines
@@ -351,8 +392,13 @@ class Plan:
                 f"{fmt_bytes(r.workspace_bytes)} workspaces, {scratch}{fmt_bytes(r.fragmentation_bytes)} "
                 f"fragmentation ({self.hardware.fragmentation:.0%} of the budget; HardwareProfile fields)"]
 
+    def format(self, full: bool = False) -> str:
+        """The summary and the schedule; runs of blocks that do the same thing are folded unless `full`."""
+        return format_program(self.program, header=[f"# {line}" for line in self.summary().splitlines()],
+                              fold=not full)
+
     def __str__(self) -> str:
-        return format_program(self.program, header=[f"# {line}" for line in self.summary().splitlines()])
+        return self.format()
 
     @property
     def fused(self) -> bool:

@@ -62,21 +62,28 @@ def compute_seconds(captured: CapturedModel, node, hw: HardwareProfile) -> tuple
 
 
 def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
-            disk_bytes_per_param: float = 0.0) -> StepPrediction:
+            disk_bytes_per_param: float = 0.0, spans: list | None = None) -> StepPrediction:
     """`disk_bytes_per_param`: host state the disk tier holds (8 B/param moments, 12 with masters),
     read and written once per update; the update of an owner takes the longer of its AdamW and
-    its disk traffic (the tier reads ahead and writes behind, so the two overlap)."""
+    its disk traffic (the tier reads ahead and writes behind, so the two overlap).
+
+    `spans`, when given, receives the reported step's timeline: (node index, stream, start, end)
+    in seconds from the step's start, one per node on its stream ("compute" for the compute
+    thread's nodes, their issue overhead included), and a "disk" entry beside each update that
+    moves disk-tier bytes."""
     owned = _owned_params(captured)
     free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
     busy = {k: 0.0 for k in free}
     ready: dict[str, float] = {}
     exposed = flops = 0.0
     ends = []
-    for _ in range(2):
+    for play in range(2):
         busy = {k: 0.0 for k in free}
         exposed = flops = 0.0
         start_of_step = free["compute"]
-        for n in program.nodes:
+        record = spans if play == 1 else None
+        for i, n in enumerate(program.nodes):
+            issued = free["compute"]
             free["compute"] += hw.node_overhead_s
             if n.op in COMPUTE_OPS:
                 seconds, f = compute_seconds(captured, n, hw)
@@ -97,7 +104,8 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
                 elif n.op is Op.OPTIMIZER_STEP:
                     params = owned.get(n.stage, 0)
                     disk = params * disk_bytes_per_param
-                    seconds = max(params / hw.host_adam_params_per_s, disk / hw.disk_read_bw + disk / hw.disk_write_bw)
+                    disk_s = disk / hw.disk_read_bw + disk / hw.disk_write_bw
+                    seconds = max(params / hw.host_adam_params_per_s, disk_s)
                 else:
                     seconds = 4 * sum(owned.values()) / hw.host_bw
                 begin = max(free["compute"], free[stream])
@@ -105,9 +113,16 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
                 busy[stream] += seconds
                 for v in n.writes + n.reads:
                     ready[v] = free[stream]
+                if record is not None:
+                    record.append((i, stream, begin - start_of_step, free[stream] - start_of_step))
+                    if n.op is Op.OPTIMIZER_STEP and disk:
+                        record.append((i, "disk", begin - start_of_step, begin + disk_s - start_of_step))
+                continue
             elif n.op is Op.INPUT:
                 seconds = sum(m.nbytes for m in captured.inputs) / hw.h2d_bw
                 free["compute"] += seconds
+            if record is not None:
+                record.append((i, "compute", issued - start_of_step, free["compute"] - start_of_step))
         ends.append(free["compute"] - start_of_step)
     # 6ND with N the parameters a token uses: a routed expert layer counts top_k of its experts.
     trainable = captured.active_params

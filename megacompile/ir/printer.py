@@ -1,8 +1,35 @@
-"""Print a schedule the way a person reads a program: one node a line, device bytes beside it."""
+"""Print a schedule the way a person reads a program: one node a line, device bytes beside it.
+
+A legend of the value names the schedule uses comes first. Runs of blocks that do the same
+thing (ir/fold.py) are folded: the first and the last block of a run in full, one line for
+those between (`fold=False` prints every node). The values column wraps onto further lines
+rather than being cut.
+"""
 from __future__ import annotations
 
+import re
+import textwrap
+
+from .fold import Run, find_runs, window_label
 from .program import Op, Program
 from .simulate import simulate
+
+VALUES_WIDTH = 40
+# Value-name prefixes, in the order the legend lists them: what a name stands for (s: a stage).
+LEGEND = (
+    ("in", "in<k> model input k"),
+    ("seed", "seed the loss gradient"),
+    ("w", "w<s> stage s's weights on the device"),
+    ("m", "m<s> its fp32 masters in host memory (the update to wait for)"),
+    ("x", "x<s>.<k> its k-th output"),
+    ("saved", "saved<s> what its backward reads"),
+    ("rsaved", "rsaved<s> the same, recomputed"),
+    ("xsaved", "xsaved<s> an extra forward's, thrown away"),
+    ("hsaved", "h<v> value v back from host memory"),
+    ("g", "g<s> its parameters' gradients"),
+    ("dx", "dx<s>.<k> the gradient of x<s>.<k>"),
+)
+_PREFIX = re.compile(r"^([a-z]+?)\d")
 
 
 def fmt_bytes(n: float) -> str:
@@ -13,24 +40,90 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError
 
 
-def format_program(program: Program, header: list[str] | None = None) -> str:
+def fmt_seconds(s: float) -> str:
+    """Seconds as s, ms or us, three significant digits, never an exponent."""
+    if s == 0:
+        return "0 s"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if abs(s) >= scale * 0.9995 or unit == "us":
+            v = s / scale
+            return f"{v:,.0f} {unit}" if abs(v) >= 99.95 else f"{v:.3g} {unit}" if abs(v) >= 0.01 else f"0 {unit}"
+    raise AssertionError
+
+
+def legend(program: Program) -> list[str]:
+    """The value-name prefixes this schedule uses, and which stage each number names."""
+    used = set()
+    for v in program.values:
+        m = _PREFIX.match(v)
+        prefix = m.group(1) if m else v
+        used.add("hsaved" if prefix.startswith("h") else prefix)
+    parts = [text for prefix, text in LEGEND if prefix in used]
+    names = program.stage_names
+    stages = (f"stage s is the s-th of {len(names)}: "
+              + ", ".join(f"{s} {names[s]}" for s in range(min(2, len(names))))
+              + (f", ..., {len(names) - 1} {names[-1]}" if len(names) > 2 else ""))
+    return textwrap.wrap("values: " + "; ".join(parts) + "; " + stages, 110)
+
+
+def _values(n) -> str:
+    if n.op is Op.FREE:
+        return ", ".join(n.frees)
+    if n.writes and n.reads:
+        return f"{', '.join(n.reads)} -> {', '.join(n.writes)}"
+    return ", ".join(n.writes or n.reads)
+
+
+def _node_lines(program: Program, curve, i: int) -> list[str]:
+    n = program.nodes[i]
+    stage = program.stage_names[n.stage] if n.stage is not None else ""
+    values = textwrap.wrap(_values(n), VALUES_WIDTH, break_on_hyphens=False) or [""]
+    why = n.origin + (f"  # {n.note}" if n.note else "")
+    mark = "*" if i == curve.peak_index else " "
+    lines = [f"{mark}{i:>6}  {fmt_bytes(curve.peak_during[i]):>12}  {n.op.value:<15} {stage:<12} "
+             f"{values[0]:<{VALUES_WIDTH}} {why}"]
+    pad = " " * (1 + 6 + 2 + 12 + 2 + 15 + 1 + 12 + 1)
+    lines += [f"{pad}{more}" for more in values[1:]]
+    return lines
+
+
+def _fold_line(program: Program, curve, run: Run) -> str:
+    first, last = 1, run.count - 2
+    a, b = window_label(program, run, first), window_label(program, run, last)
+    start, end = run.start + run.period, run.start + (run.count - 1) * run.period - 1
+    # How device bytes move from one block to the next (constant in a run that holds more each block).
+    steps = {curve.peak_during[j + run.period] - curve.peak_during[j] for j in range(run.start, end + 1)}
+    moves = ""
+    if len(steps) == 1 and (step := steps.pop()):
+        moves = f"; {'+' if step > 0 else '-'}{fmt_bytes(abs(step))} live per block"
+    elif steps:
+        span = curve.peak_during[start:end + 1]
+        moves = f"; {fmt_bytes(min(span))} .. {fmt_bytes(max(span))} live"
+    peak = " (holds the peak, *)" if start <= curve.peak_index <= end else ""
+    shift = "offset by one" if run.shift > 0 else "offset by minus one"
+    return (f" {start:>6}  {'..' + str(end):>12}  {a} .. {b}: same as {window_label(program, run, 0)}, {shift} "
+            f"({run.period} node{'s' if run.period > 1 else ''} each, {end - start + 1} in all{moves}){peak}")
+
+
+def format_program(program: Program, header: list[str] | None = None, fold: bool = True) -> str:
     curve = simulate(program)
     lines = list(header or [])
+    lines += [f"# {line}" for line in legend(program)]
     lines.append(f"# built by: {' -> '.join(program.passes)}")
     lines.append(f"# predicted device peak {fmt_bytes(curve.peak)} at node {curve.peak_index}")
-    lines.append(f"# {'node':>5}  {'live during':>12}  {'op':<15} {'stage':<12} {'values':<40} origin / why")
-    for i, n in enumerate(program.nodes):
-        stage = program.stage_names[n.stage] if n.stage is not None else ""
-        if n.op is Op.FREE:
-            values = ", ".join(n.frees)
-        elif n.writes and n.reads:
-            values = f"{', '.join(n.reads)} -> {', '.join(n.writes)}"
-        else:
-            values = ", ".join(n.writes or n.reads)
-        if len(values) > 40:
-            values = values[:37] + "..."
-        why = n.origin + (f"  # {n.note}" if n.note else "")
-        mark = "*" if i == curve.peak_index else " "
-        lines.append(f"{mark}{i:>6}  {fmt_bytes(curve.peak_during[i]):>12}  {n.op.value:<15} {stage:<12} "
-                     f"{values:<40} {why}")
+    lines.append(f"# {'node':>5}  {'live during':>12}  {'op':<15} {'stage':<12} {'values':<{VALUES_WIDTH}} origin / why")
+    runs = {r.start: r for r in find_runs(program)} if fold else {}
+    i = 0
+    while i < len(program.nodes):
+        run = runs.get(i)
+        if run is None:
+            lines += _node_lines(program, curve, i)
+            i += 1
+            continue
+        for j in range(run.start, run.start + run.period):
+            lines += _node_lines(program, curve, j)
+        lines.append(_fold_line(program, curve, run))
+        for j in range(run.end - run.period, run.end):
+            lines += _node_lines(program, curve, j)
+        i = run.end
     return "\n".join(lines)

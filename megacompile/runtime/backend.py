@@ -8,44 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .memory import DeviceMemory
-
-
-@dataclass
-class Span:
-    stream: str      # compute | h2d | d2h | host
-    what: str        # e.g. "prefetch block.3"
-    start: float     # seconds, time.perf_counter()
-    end: float
-
-
-class Timeline:
-    """When each node ran, on which stream: the record that shows overlap (or its absence). It
-    holds the last step (the executor clears it when a step starts). Times are the host's: on cuda
-    a compute span is the enqueue of a stage's kernels, not their run on the device."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self._lock = threading.Lock()
-
-    def add(self, stream: str, what: str, start: float, end: float) -> None:
-        with self._lock:
-            self.spans.append(Span(stream, what, start, end))
-
-    def clear(self) -> None:
-        with self._lock:
-            self.spans = []
-
-    def on(self, stream: str) -> list[Span]:
-        return [s for s in self.spans if s.stream == stream]
+from .timeline import Span, Timeline  # noqa: F401 - Span is read through here too
 
 
 def dense_like(t: torch.Tensor, device: torch.device | str = "cpu", pin: bool = False) -> torch.Tensor:
@@ -165,7 +135,15 @@ class Backend(ABC):
     def reset_allocator_peak(self) -> None:
         pass
 
-    def compute_span(self, what: str, start: float) -> None:
+    def begin_step(self, program=None) -> None:
+        """A step starts: the timeline's record of the last one goes (runtime/timeline.py)."""
+        self.timeline.begin(program, time.perf_counter())
+
+    def clock(self):
+        """A mark before a stage's work, handed back to compute_span() after it."""
+        return time.perf_counter()
+
+    def compute_span(self, what: str, start) -> None:
         self.timeline.add("compute", what, start, time.perf_counter())
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from ..ir.printer import fmt_bytes
 from .backend import Backend, Event, coalesce, dense_like
 from .host import pinned_empty
 from .stream import ThreadStream
+from .timeline import DeviceClock
 
 
 SMALL_OUTPUT_BYTES = 1 << 20
@@ -65,10 +66,12 @@ class CudaBackend(Backend):
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
         # The host side of offloads: it adds landed gradients into the fp32 grads, host math.
-        self.d2h = ThreadStream("d2h", self.timeline, threads=None)
+        self.d2h = ThreadStream("d2h", self.timeline, threads=None, track="d2h host side")
         self.host = ThreadStream("host", self.timeline, threads=None)   # the optimizer, on every core
         self._staging: dict[tuple, list[torch.Tensor]] = {}
         self._outputs: list = []      # copy-done events of outputs on their way to the host
+        # The timeline's device spans: CUDA events with timing, around each stage's kernels and copy.
+        self.device_clock = DeviceClock(lambda: torch.cuda.Event(enable_timing=True))
         # The caching allocator refuses past the budget too: a second, independent guard. The
         # plan fills only budget - reserve (cost/reserve.py), so the cap sits above the ledger's
         # peak by what the ledger cannot see (workspaces, op scratch, fragmentation). The cap is
@@ -78,6 +81,16 @@ class CudaBackend(Backend):
 
     def scope(self) -> AbstractContextManager:
         return torch.cuda.device(self.device)
+
+    def begin_step(self, program=None) -> None:
+        super().begin_step(program)
+        self.device_clock.begin(self._compute_stream(), self.timeline.started)
+
+    def clock(self):
+        return self.device_clock.mark(self._compute_stream())
+
+    def compute_span(self, what: str, start) -> None:
+        self.timeline.add_device("compute", what, start, self.clock(), self.device_clock)
 
     def _compute_stream(self) -> "torch.cuda.Stream":
         return torch.cuda.current_stream(self.device)
@@ -94,11 +107,13 @@ class CudaBackend(Backend):
         ready = self._event_on(self._compute_stream())    # the slot was allocated on the compute stream
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(ready)
+            begun = self.device_clock.mark(self.h2d_stream)
             for d, s in coalesce(dsts, srcs):
                 # No record_stream: the compute stream waits on `done` before it reads or frees
                 # the slot, so the allocator's compute-stream order already covers this copy.
                 d.copy_(s, non_blocking=True)
             done = self._event_on(self.h2d_stream)
+            self.timeline.add_device("h2d", what, begun, self.device_clock.mark(self.h2d_stream), self.device_clock)
         return CudaEvent(done, self.device)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
@@ -113,6 +128,7 @@ class CudaBackend(Backend):
         pooled = []
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
+            begun = self.device_clock.mark(self.d2h_stream)
             staged = []
             for s, dst in zip(srcs, dsts if dsts is not None else [None] * len(srcs)):
                 if s.device != self.device:
@@ -130,6 +146,7 @@ class CudaBackend(Backend):
                 if not keep:
                     pooled.append(h)
             done = self._event_on(self.d2h_stream)
+            self.timeline.add_device("d2h", what, begun, self.device_clock.mark(self.d2h_stream), self.device_clock)
         if keep:
             # Stashed activations are read only by the device: a restore copies them back on the
             # h2d stream after a compute-stream wait on `done`. So the sink takes the buffers now

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..capture import CapturedModel
-from ..ir.program import SEED, Node, Program, act_grad, grads, restored_of, saved, weights
+from ..ir.program import COMPUTE_OPS, SEED, Node, Op, Program, act_grad, grads, restored_of, saved, weights
 from .backend import Backend, Event, dense_like, flat_empty
 from .host import HostState
 
@@ -62,6 +62,8 @@ class Executor:
         self._staged: list[int] = []      # owners whose update waits for commit()
         self._moved: dict[int | str, list[bool]] = {}     # which stashed tensors were device tensors
         self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
+        self._clip_node: int | None = None                # the staged nodes, for the timeline
+        self._update_node: dict[int, int | None] = {}
 
     # -- one step ------------------------------------------------------------------------
     def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None,
@@ -77,13 +79,13 @@ class Executor:
         self._clip_staged, self._staged = False, []
         self.memory.reset_peak()
         self.backend.reset_allocator_peak()
-        self.backend.timeline.clear()     # one step's record (updates still running from the last one land in it)
+        self.backend.begin_step(self.program)     # the timeline's record of this step (runtime/timeline.py)
         held = self.memory.ledger.snapshot()
         failed = True
         with self.backend.scope():
             try:
-                for node in self.program.nodes:
-                    getattr(self, "_" + node.op.value)(node)
+                for i, node in enumerate(self.program.nodes):
+                    self._node(i, node)
                 # Every gradient added in (and checked) on the host before the caller decides.
                 for event in self._landed.values():
                     event.wait()
@@ -101,15 +103,43 @@ class Executor:
             raise NonFiniteLoss(float(self._outputs[0].float().sum()))
         return self._outputs
 
+    def _node(self, i: int, node: Node) -> None:
+        """Run one node, recording it in the timeline: the span of the compute thread's part (a stage's
+        own span comes from the backend, device-timed on cuda; a transfer's from its stream) and the
+        device bytes live after it and at most while it ran."""
+        timeline, ledger = self.backend.timeline, self.memory.ledger
+        timeline.node = i
+        peak_so_far, ledger.peak_bytes = ledger.peak_bytes, ledger.live_bytes
+        start = time.perf_counter()
+        try:
+            getattr(self, "_" + node.op.value)(node)
+        finally:
+            end = time.perf_counter()
+            node_peak, ledger.peak_bytes = ledger.peak_bytes, max(peak_so_far, ledger.peak_bytes)
+            timeline.node = None
+        if node.stream == "compute" and node.op not in COMPUTE_OPS:
+            timeline.add("compute", self._label(node), start, end, (i, timeline.step))
+        # A FREE holds at most what it leaves (the simulator's rule), not what was there before it.
+        timeline.sample(i, end, ledger.live_bytes, ledger.live_bytes if node.op is Op.FREE else node_peak)
+
+    def _label(self, node: Node) -> str:
+        return node.op.value + ("" if node.stage is None else f" {self.program.stage_names[node.stage]}")
+
     def commit(self) -> None:
         """Start the staged host work, in schedule order: the clip scale, then each update."""
+        timeline = self.backend.timeline
         if self._clip_staged:
+            timeline.node = self._clip_node
+            start = time.perf_counter()
             self.clip(self._context)   # a sum of the norms taken as gradients landed: no pass
+            timeline.add("host", "clip_grads", start, time.perf_counter())
         context = self._context
         self.host.schedule_updates(self._staged)
         for s in self._staged:
+            timeline.node = self._update_node[s]
             self.host.pending[s] = self.backend.host_task(
                 lambda s=s: self.update(s, context), f"adamw {self.program.stage_names[s]}")
+        timeline.node = None
         self._clip_staged, self._staged = False, []
 
     def commit_nothing(self) -> None:
@@ -164,7 +194,7 @@ class Executor:
 
     def _run_graph(self, program, inputs: list[Any], what: str) -> list[Any]:
         memory = self.memory
-        start = time.perf_counter()
+        start = self.backend.clock()
         outs = program.run(inputs, lambda n, v: memory.hold(n, v, what), memory.drop)
         self.backend.compute_span(what, start)
         return outs
@@ -290,9 +320,11 @@ class Executor:
 
     def _clip_grads(self, node: Node) -> None:
         self._clip_staged = True
+        self._clip_node = self.backend.timeline.node
 
     def _optimizer_step(self, node: Node) -> None:
         self._staged.append(node.stage)
+        self._update_node[node.stage] = self.backend.timeline.node
 
     def _output(self, node: Node) -> None:
         self._outputs = [self.backend.to_host(self._env[r]) for r in node.reads]

@@ -54,10 +54,11 @@ class ThreadStream:
     release the GIL, so it really runs beside the compute thread.
 
     `threads`: intra-op threads of that thread; None takes the creating thread's count (host
-    work: the optimizer, gradient accumulation)."""
+    work: the optimizer, gradient accumulation). `track`: the timeline stream its spans go on
+    (default: its name)."""
 
-    def __init__(self, name: str, timeline: Timeline, threads: int | None = 1):
-        self.name, self.timeline = name, timeline
+    def __init__(self, name: str, timeline: Timeline, threads: int | None = 1, track: str | None = None):
+        self.name, self.timeline, self.track = name, timeline, track or name
         self.threads = torch.get_num_threads() if threads is None else threads
         self._queue: queue.Queue = queue.Queue()
         self._delay = injected_delay(name)   # None unless MEGACOMPILE_INJECT_DELAYS is set
@@ -68,7 +69,7 @@ class ThreadStream:
         if not self._thread.is_alive():
             raise RuntimeError(f"the {self.name} stream is closed: no thread would run {what or 'this work'}")
         event = ThreadEvent()
-        self._queue.put((work, what, event))
+        self._queue.put((work, what, event, self.timeline.tag()))
         return event
 
     def _loop(self) -> None:
@@ -80,7 +81,7 @@ class ThreadStream:
             item = self._queue.get()
             if item is None:
                 return
-            work, what, event = item
+            work, what, event, tag = item
             if self._delay is not None:
                 self._delay()
             start = time.perf_counter()
@@ -90,7 +91,8 @@ class ThreadStream:
                 event.set(e)
             else:
                 event.set()
-            self.timeline.add(self.name, what, start, time.perf_counter())
+            if what:
+                self.timeline.add(self.track, what, start, time.perf_counter(), tag)
 
     def synchronize(self) -> None:
         self.submit(lambda: None, "").wait()

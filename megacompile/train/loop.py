@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from ..view.files import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
 from . import packing
@@ -89,8 +90,9 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
     return mean, math.exp(min(mean, 700.0))
 
 
-def run(c: RunConfig) -> dict:
-    """Train as `c` says; returns the figures the final line prints."""
+def run(c: RunConfig, trace: str | None = None) -> dict:
+    """Train as `c` says; returns the figures the final line prints. After the last step the run dir
+    gets that step's Chrome trace (step.json, or `trace`) and memory.png (docs/plan-format.md)."""
     run_dir = _run_dir(c)
     resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
     if c.resume not in (None, "auto"):
@@ -106,7 +108,10 @@ def run(c: RunConfig) -> dict:
         c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
     setup = build(c, meta, lambda b: packing.batch(rows, 0, b, shifted=shifted))
     try:
-        return _train(c, setup, run_dir, resume_from, tokenizer, fingerprint, rows, eval_rows)
+        result = _train(c, setup, run_dir, resume_from, tokenizer, fingerprint, rows, eval_rows)
+        if result["first_loss"] is not None:      # a step ran here: its record is the one to show
+            write_run_views(setup.engine, run_dir, trace)
+        return result
     finally:
         setup.engine.close()
 

@@ -6,6 +6,7 @@ assert fails on a loaded machine whatever the code does, so none is here.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -63,10 +64,16 @@ def test_plan_command_says_when_it_does_not_fit(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL_LLAMA))
     assert main(["plan", "--config", str(config), "--hbm-budget", "0.0001", "--batch", "2", "--seq", "64",
-                 "--json"]) == 0
+                 "--trace", str(tmp_path / "step.json"), "--plot", str(tmp_path / "img"),
+                 "--json"]) == 3      # scripts can tell from the exit status
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1])["fits"] is False
     assert any("does NOT fit" in line for line in out)
+    # the smallest plan's predicted step and memory picture, for the reader to see what it would take
+    trace = json.loads((tmp_path / "step.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {1}
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "img" / "memory.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cpu_profile_is_measured_and_cached(tmp_path, monkeypatch):
@@ -154,7 +161,7 @@ def test_host_budget_below_the_masters_is_named(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL_LLAMA))
     assert main(["plan", "--config", str(config), "--hbm-budget", "1", "--batch", "2", "--seq", "64",
-                 "--host-budget", "0.001", "--json"]) == 0
+                 "--host-budget", "0.001", "--json"]) == 3
     out = capsys.readouterr().out
     assert "does NOT fit: the host RAM budget" in out
     assert json.loads(out.strip().splitlines()[-1])["fits"] is False

@@ -1,6 +1,7 @@
 """The main job: `megacompile train` plans, prints the summary, trains, and writes its run directory."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 from megacompile.cli import main
@@ -29,6 +30,12 @@ def test_train_command_runs_and_writes_its_run_directory(tmp_path, capsys):
     assert plan["measured_device_peak_bytes"] == int(rows[0]["device_peak_bytes"])   # added after the first step
     assert (run / "plan" / "plan.txt").read_text().count("prefetch") >= 4
     assert (run / "checkpoints" / "step-000003" / "COMMITTED").exists()
+    # the last step's pictures: its Chrome trace, and device and host memory against the budget
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "memory picture not written" in out and "pip install 'megacompile[plot]'" in out
+    else:
+        assert (run / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {e["pid"] for e in json.loads((run / "step.json").read_text())["traceEvents"]} == {1, 2}
 
 
 def test_train_command_reports_a_budget_that_cannot_fit(tmp_path, capsys):

@@ -146,7 +146,7 @@ def test_plan_puts_the_moments_on_disk_when_host_ram_is_short(tmp_path, capsys, 
     config.write_text(json.dumps(SMALL_LLAMA))
     args = ["plan", "--config", str(config), "--hbm-budget", "1", "--batch", "2", "--seq", "64",
             "--host-budget", "0.03", "--json"]
-    assert main(args) == 0
+    assert main(args) == 3
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "give a disk tier" in out and "exp_avg and exp_avg_sq on disk" in out
     assert main(args + ["--nvme-budget", "1", "--nvme-bandwidth", "2"]) == 0
@@ -170,7 +170,7 @@ def test_a_118b_llama_fits_a_1_tib_host_with_a_disk_tier(tmp_path, capsys):
                                   "tie_word_embeddings": False}))
     args = ["plan", "--config", str(config), "--hbm-budget", "80", "--hardware", "h100", "--global-batch", "16",
             "--seq", "4096", "--host-budget", "1024", "--json"]
-    assert main(args) == 0
+    assert main(args) == 3
     out = capsys.readouterr().out
     assert "does NOT fit: the host RAM budget of 1024 GiB" in out and "give a disk tier" in out
     assert main(args + ["--nvme-budget", "4096"]) == 0

@@ -167,10 +167,13 @@ def test_a_step_ends_only_once_every_gradient_is_added_on_the_host():
     from megacompile.runtime.backend import Timeline
     from megacompile.runtime.stream import ThreadEvent
     memory = SimpleNamespace(reset_peak=lambda: None, drop=lambda *a: None,
-                             ledger=SimpleNamespace(snapshot=lambda: None, restore=lambda held: None))
-    backend = SimpleNamespace(memory=memory, timeline=Timeline(), reset_allocator_peak=lambda: None,
-                              scope=contextlib.nullcontext, synchronize=lambda host: None)
-    program = SimpleNamespace(stage_names=["block.0"], nodes=[SimpleNamespace(op=SimpleNamespace(value="offload_mark"))])
+                             ledger=SimpleNamespace(snapshot=lambda: None, restore=lambda held: None,
+                                                    live_bytes=0, peak_bytes=0))
+    timeline = Timeline()
+    backend = SimpleNamespace(memory=memory, timeline=timeline, reset_allocator_peak=lambda: None,
+                              scope=contextlib.nullcontext, synchronize=lambda host: None,
+                              begin_step=timeline.begin)
+    program = SimpleNamespace(stage_names=["block.0"], nodes=[SimpleNamespace(op=SimpleNamespace(value="offload_mark"), stream="d2h")])
     executor = Executor(None, program, backend, SimpleNamespace(pending={}))
     landed = ThreadEvent()
     executor._offload_mark = lambda node: executor._landed.__setitem__(0, landed)
@@ -190,7 +193,7 @@ class _FakeStream:
 
 
 class _FakeEvent:
-    def __init__(self):
+    def __init__(self, enable_timing=False):
         self.stream = None
 
     def record(self, stream):
