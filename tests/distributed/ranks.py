@@ -68,10 +68,19 @@ def rank_slice(ids: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 
 def spawn(scenario: str, size: int, folder: str, **kw) -> None:
-    """Run `scenario` on `size` ranks; re-raise the first rank's error."""
+    """Run `scenario` on `size` ranks to the end of each (a failing rank does not stop the
+    others: they must find out themselves); raise the first failed rank's error."""
     import torch.multiprocessing as mp
     os.environ.setdefault("MEGACOMPILE_DIST_TIMEOUT", "60")
-    mp.start_processes(_entry, args=(scenario, size, folder, kw), nprocs=size, join=True, start_method="spawn")
+    context = mp.start_processes(_entry, args=(scenario, size, folder, kw), nprocs=size, join=False,
+                                 start_method="spawn")
+    for process in context.processes:
+        process.join(300)
+    for rank, process in enumerate(context.processes):
+        if process.exitcode != 0:
+            error = os.path.join(folder, f"rank{rank}.error")
+            raise RuntimeError(f"rank {rank} exited with {process.exitcode}: "
+                               + (open(error).read() if os.path.exists(error) else "no error written"))
 
 
 def _entry(rank: int, scenario: str, size: int, folder: str, kw: dict) -> None:
