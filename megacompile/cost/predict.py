@@ -62,10 +62,14 @@ def compute_seconds(captured: CapturedModel, node, hw: HardwareProfile) -> tuple
 
 
 def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
-            disk_bytes_per_param: float = 0.0) -> StepPrediction:
+            disk_bytes_per_param: float = 0.0, ranks: int = 1, network_bw: float = 0.0) -> StepPrediction:
     """`disk_bytes_per_param`: host state the disk tier holds (8 B/param moments, 12 with masters),
     read and written once per update; the update of an owner takes the longer of its AdamW and
-    its disk traffic (the tier reads ahead and writes behind, so the two overlap)."""
+    its disk traffic (the tier reads ahead and writes behind, so the two overlap).
+    `ranks` > 1: one rank of a data-parallel run (megacompile/distributed): each owner's update
+    covers 1/ranks of its parameters, after its fp32 gradients are reduce-scattered and before
+    its new compute copy is all-gathered, at `network_bw` B/s per rank (ring collectives)."""
+    exchange = (ranks - 1) / ranks * (4 + captured.compute_dtype.itemsize) / network_bw if ranks > 1 else 0.0
     owned = _owned_params(captured)
     free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
     busy = {k: 0.0 for k in free}
@@ -97,9 +101,10 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
                 elif n.op is Op.OPTIMIZER_STEP:
                     params = owned.get(n.stage, 0)
                     disk = params * disk_bytes_per_param
-                    seconds = max(params / hw.host_adam_params_per_s, disk / hw.disk_read_bw + disk / hw.disk_write_bw)
+                    seconds = max(params / ranks / hw.host_adam_params_per_s,
+                                  disk / hw.disk_read_bw + disk / hw.disk_write_bw) + params * exchange
                 else:
-                    seconds = 4 * sum(owned.values()) / hw.host_bw
+                    seconds = 4 * sum(owned.values()) / ranks / hw.host_bw
                 begin = max(free["compute"], free[stream])
                 free[stream] = begin + seconds
                 busy[stream] += seconds
