@@ -13,6 +13,8 @@ every collective has a timeout (MEGACOMPILE_DIST_TIMEOUT seconds, default 600).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 from datetime import timedelta
 from typing import Callable
@@ -45,6 +47,8 @@ class Ranks:
             self._store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, AttributeError, ValueError):
             self._store = None
+        # A rank whose script ends or raises outside a step says so too (a killed one cannot).
+        atexit.register(self._note_exit)
 
     def call(self, what: str, fn: Callable[[], object]):
         """Run one collective; a failure becomes a DistributedError naming the rank to blame."""
@@ -82,6 +86,12 @@ class Ranks:
             self._store.set(NOTE.format(self.rank), f"{type(e).__name__}: {e}"[:2000])
         except (RuntimeError, dist.DistStoreError):
             pass
+
+    def _note_exit(self) -> None:
+        if self._store is not None and not self.notes().get(self.rank):
+            with contextlib.suppress(Exception):
+                self._store.set(NOTE.format(self.rank), "its process exited (its script ended or raised "
+                                                        "outside a step) while others were still training")
 
     # -- collectives ---------------------------------------------------------------------
     def sum_(self, t: torch.Tensor, what: str) -> torch.Tensor:
