@@ -51,6 +51,12 @@ def _plan(args: argparse.Namespace) -> int:
                       grad_accum=args.global_batch // batch if args.global_batch else 1, **kwargs)
         fits = False
     print(result.summary())
+    scaled = None
+    if args.gpus > 1 or args.nodes > 1:      # data parallelism: per rank memory and the throughput of all
+        from .distributed.cost import scale_out
+        bw = args.network_bandwidth * 1e9 if args.network_bandwidth is not None else None
+        scaled = scale_out(result, args.gpus, args.nodes, bw)
+        print(scaled.summary())
     if args.global_batch and fits:
         micro = args.global_batch // accumulate
         print(f"  micro-batch    {micro} x {accumulate} accumulated = {args.global_batch} "
@@ -68,6 +74,8 @@ def _plan(args: argparse.Namespace) -> int:
         # Micro-batch-major accumulation: every micro-batch fetches the weights again.
         summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_step * accumulate
         summary["weight_bytes"] = result.weight_bytes
+        if scaled is not None:
+            summary["data_parallel"] = scaled.to_json()
         print(json.dumps(summary))
     return 0 if fits else DOES_NOT_FIT
 
@@ -137,6 +145,13 @@ def parser() -> argparse.ArgumentParser:
                         "go there (default: no disk tier)")
     q.add_argument("--nvme-bandwidth", type=float, default=None,
                    help="GB/s the disk tier's disk reads and writes (default: the hardware profile's disk)")
+    q.add_argument("--gpus", type=int, default=1,
+                   help="GPUs in all, each running the plan on its own batch (data parallel): per rank memory "
+                        "and the throughput of all")
+    q.add_argument("--nodes", type=int, default=1, help="machines the GPUs sit in (--gpus a multiple of it)")
+    q.add_argument("--network-bandwidth", type=float, default=None,
+                   help="GB/s per rank for the gradient and weight collectives (default: the hardware profile's "
+                        "intra-node figure, or inter-node with --nodes > 1)")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     q.add_argument("--trace", default=None, metavar="FILE",
                    help="write the predicted step as a Chrome trace (open it in Perfetto or chrome://tracing)")

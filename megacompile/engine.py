@@ -34,6 +34,7 @@ from .cost.host_memory import free_disk_bytes
 from .planner import make_plan, place_host_state
 from .runtime import Executor, HostState, make_backend
 from .runtime.executor import NonFiniteLoss
+from .distributed import data_parallel_for
 
 GiB = 2 ** 30
 
@@ -50,7 +51,8 @@ class Engine:
                  compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
                  loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
                  grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
-                 on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None):
+                 on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None,
+                 process_group=None):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         self.budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
@@ -65,6 +67,10 @@ class Engine:
             raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
         host_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
         optimizer = arguments.optimizer(optimizer)
+        # Data parallelism over torch.distributed (an initialised group of 2 or more, or process_group=).
+        self.data_parallel = data_parallel_for(process_group)
+        if device is None and self.data_parallel is not None:
+            device = self.data_parallel.default_device()
         device = arguments.device(device)
         arguments.callable_or_none("loss_fn", loss_fn)
         arguments.flag("retrace", retrace)
@@ -142,7 +148,8 @@ class Engine:
             # Before allocating: too little host RAM (and disk) must fail here, not in the allocator.
             self.host_cost = place_host_state(captured, self.compute_dtype, self.grad_accum, self.host_budget_bytes,
                                               self._nvme_budget())
-            host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda",
+            host = (HostState if self.data_parallel is None else self.data_parallel.host_state)(
+                captured, self.compute_dtype, pin=self.backend.name == "cuda",
                              grad_accum=self.grad_accum, placement=self.host_cost.placement,
                              nvme_dir=self.nvme_dir)
             # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
@@ -243,8 +250,12 @@ class Engine:
             (loss,) = compiled.executor.run(self._inputs(args, kwargs), seed=1.0 / self.grad_accum,
                                             context=context, check_loss=True)
         except NonFiniteLoss as e:
+            if self.data_parallel is not None:   # the other ranks wait for this one's word
+                self.data_parallel.agree(self.host, e.loss, last)
             return self._skip(compiled, e.loss, "loss", f"the loss is {e.loss}", micro)
-        except BaseException:
+        except BaseException as e:
+            if self.data_parallel is not None:
+                self.data_parallel.failed(e)
             self.backend.set_rng_state(rng)   # a retry draws the same dropout masks
             self.host.restore_copies()
             raise
@@ -252,6 +263,9 @@ class Engine:
             compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes
             self._last = self._last_train = compiled
         loss = float(loss)
+        skip = self.data_parallel.agree(self.host, loss, last) if self.data_parallel is not None else None
+        if skip is not None:
+            return self._skip(compiled, loss, *skip, micro)
         bad = self.host.nonfinite_grads() if last else []
         if bad:
             return self._skip(compiled, loss, "gradient",
@@ -405,6 +419,8 @@ class Engine:
         the data loader's position). Returns once it is durable. keep_last=N removes all but the N
         latest committed checkpoints in the same parent folder."""
         from .io import checkpoint
+        if self.data_parallel is not None:    # each rank writes its share
+            from .distributed import checkpoint
         checkpoint.save(self, path, extra=extra, keep_last=keep_last)
 
     def load_checkpoint(self, path: str, *, strict: bool = False) -> Any:
@@ -413,6 +429,8 @@ class Engine:
         changes. Differing optimizer settings or grad_accum warn (raise with strict=True); the
         engine's own are kept. Returns the `extra` state it was saved with."""
         from .io import checkpoint
+        if self.data_parallel is not None:    # each rank reads its share
+            from .distributed import checkpoint
         return checkpoint.load(self, path, strict=strict)
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
@@ -421,6 +439,9 @@ class Engine:
         and the tokenizer and generation files of the folder from_pretrained read), streamed one
         tensor at a time in `dtype`; AutoModelForCausalLM.from_pretrained loads it."""
         from .io import hf_save
+        if self.data_parallel is not None:    # rank 0 writes, the masters gathered
+            return self.data_parallel.on_rank_zero(self, lambda: hf_save.save_pretrained(
+                self, path, dtype=dtype, max_shard_size=max_shard_size))
         hf_save.save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def close(self) -> None:

@@ -70,3 +70,8 @@ class StorageError(MegacompileError, OSError):
 class WeightsFileError(MegacompileError):
     """A weights or checkpoint file is missing, truncated, corrupt, uncommitted or of another
     model; nothing was loaded."""
+
+
+class DistributedError(MegacompileError):
+    """A collective between the ranks of a data-parallel run failed: a rank raised, died or stopped
+    answering within the timeout. The message names the rank that failed first, when it said so."""

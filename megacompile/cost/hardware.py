@@ -42,6 +42,11 @@ class HardwareProfile:
     # Gen4 NVMe drive; `megacompile calibrate --nvme-dir PATH` measures the real one.
     disk_read_bw: float = 6.5 * 10**9
     disk_write_bw: float = 5.0 * 10**9
+    # Data parallelism (megacompile/distributed): B/s each rank's share of a ring collective moves
+    # at between ranks of one node (NVLink-class on a GPU server; NCCL's bus bandwidth) and across
+    # nodes (one 400 Gb/s NIC per GPU).
+    intra_node_bw: float = 360 * 10**9
+    inter_node_bw: float = 40 * 10**9
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         return self.peak_bf16 if dtype in (torch.bfloat16, torch.float16) else self.peak_fp32

@@ -62,7 +62,8 @@ def compute_seconds(captured: CapturedModel, node, hw: HardwareProfile) -> tuple
 
 
 def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
-            disk_bytes_per_param: float = 0.0, spans: list | None = None) -> StepPrediction:
+            disk_bytes_per_param: float = 0.0, spans: list | None = None, ranks: int = 1,
+            network_bw: float = 0.0) -> StepPrediction:
     """`disk_bytes_per_param`: host state the disk tier holds (8 B/param moments, 12 with masters),
     read and written once per update; the update of an owner takes the longer of its AdamW and
     its disk traffic (the tier reads ahead and writes behind, so the two overlap).
@@ -70,7 +71,12 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
     `spans`, when given, receives the reported step's timeline: (node index, stream, start, end)
     in seconds from the step's start, one per node on its stream ("compute" for the compute
     thread's nodes, their issue overhead included), and a "disk" entry beside each update that
-    moves disk-tier bytes."""
+    moves disk-tier bytes.
+
+    `ranks` > 1: one rank of a data-parallel run (megacompile/distributed): each owner's update
+    covers 1/ranks of its parameters, after its fp32 gradients are reduce-scattered and before
+    its new compute copy is all-gathered, at `network_bw` B/s per rank (ring collectives)."""
+    exchange = (ranks - 1) / ranks * (4 + captured.compute_dtype.itemsize) / network_bw if ranks > 1 else 0.0
     owned = _owned_params(captured)
     free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
     busy = {k: 0.0 for k in free}
@@ -105,9 +111,9 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
                     params = owned.get(n.stage, 0)
                     disk = params * disk_bytes_per_param
                     disk_s = disk / hw.disk_read_bw + disk / hw.disk_write_bw
-                    seconds = max(params / hw.host_adam_params_per_s, disk_s)
+                    seconds = max(params / ranks / hw.host_adam_params_per_s, disk_s) + params * exchange
                 else:
-                    seconds = 4 * sum(owned.values()) / hw.host_bw
+                    seconds = 4 * sum(owned.values()) / ranks / hw.host_bw
                 begin = max(free["compute"], free[stream])
                 free[stream] = begin + seconds
                 busy[stream] += seconds

@@ -137,8 +137,8 @@ class HostState:
                     self.uses[name] = self.uses.get(name, 0) + 1
         summed = {self.slots[name].owner for name, n in self.uses.items() if n > 1}
 
-        self.owners = {s: OwnerBuffers(n, compute_dtype, pin, owner_layout(compute_dtype, grad_accum, s in summed,
-                                                                            placement))
+        self.owners = {s: self._owner_buffers(s, n, compute_dtype, pin,
+                                              owner_layout(compute_dtype, grad_accum, s in summed, placement))
                        for s, n in sizes.items()}
         self.disk = DiskState(sizes, placement, nvme_dir, verify) if placement.on_disk else None
         self._in_copy: set[int] = set()   # owners whose gradients landed in their compute copy
@@ -165,6 +165,12 @@ class HostState:
         # Updates still running on the host stream, per owner: the next read of those masters
         # (a prefetch, state_dict) waits for them first.
         self.pending: dict[int, object] = {}
+
+    def _owner_buffers(self, owner: int, numel: int, compute_dtype: torch.dtype, pin: bool,
+                       layout: OwnerLayout) -> OwnerBuffers:
+        """One owner's buffers (data parallelism keeps only this rank's share of some:
+        megacompile/distributed/shard.py)."""
+        return OwnerBuffers(numel, compute_dtype, pin, layout)
 
     def wait_update(self, owner: int) -> None:
         event = self.pending.pop(owner, None)

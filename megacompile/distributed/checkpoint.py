@@ -1,0 +1,135 @@
+"""Checkpoints of a data-parallel run: each rank writes the masters and moments it holds, in the
+same folder format as one process (io/checkpoint.py), so any number of ranks, one included,
+loads it (each rank reads all masters, for its whole compute copy, and the moments of its share).
+
+    ckpt/step-1000/
+        rank-00000-of-00004.safetensors   master/<name>, exp_avg/<name>, exp_avg_sq/<name> of the
+        ...                               parameters rank 0 holds (whole tensors: shard.py)
+        buffers.safetensors               written by rank 0
+        manifest.json                     rank 0's, listing every rank's file with its sha256, and
+                                          every rank's random state (rng_ranks)
+        COMMITTED
+
+Rank 0 makes the partial folder and names it to the others; every rank writes and fsyncs its
+file; rank 0 writes the manifest once all have, renames the folder into place and commits it.
+On several nodes the folder must be on a file system they share.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+import safetensors.torch
+
+from ..errors import CheckpointError, MegacompileError
+from ..io import checkpoint, files, run_state
+from ..io.source import CONST, MASTER, WEIGHT, PendingLoad
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+
+def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+    dp, host = engine.data_parallel, engine._host_or_error()
+    ranks = dp.ranks
+    if engine.micro_batches % engine.grad_accum:
+        raise CheckpointError("a data-parallel checkpoint is written between optimizer steps: save after the "
+                              f"step's last micro-batch (micro-batch {engine.micro_batches % engine.grad_accum} "
+                              f"of {engine.grad_accum} now)")
+    extra = run_state.extra_json(extra)
+    path = os.fspath(path)
+    tmp = None
+    if ranks.rank == 0:
+        try:
+            parent = files.prepare_parent(path, "checkpoint")
+            if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, checkpoint.MANIFEST)):
+                raise CheckpointError(f"cannot write the checkpoint {path}: it is a folder of other files, not a "
+                                      "checkpoint (which would be replaced); give a new path")
+            files.clean_leftovers(parent)
+            tmp = files.partial_path(path)
+            os.makedirs(tmp)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            tmp = e
+    tmp = ranks.gather_objects(tmp, "starting the checkpoint")[0]
+    if isinstance(tmp, Exception):
+        raise tmp
+    engine.synchronize()
+    written, error = {}, None
+    try:
+        file = f"rank-{ranks.rank:05d}-of-{ranks.size:05d}.safetensors"
+        tables = {f"{t}/{n}": host.view(t, n) for n in host.slots if host.mine(n) for t in ("master", "exp_avg", "exp_avg_sq")}
+        written.update(_write(tmp, file, tables))
+        if ranks.rank == 0:
+            written.update(_write(tmp, checkpoint.BUFFERS, {f"{CONST}/{n}": t for n, t in host.consts.items()}))
+    except Exception as e:  # noqa: BLE001 - reported below, by every rank
+        error = f"rank {ranks.rank}: {type(e).__name__}: {e}"
+    reports = ranks.gather_objects((written, run_state.rng_state(), error), "writing the checkpoint")
+    failed = [r[2] for r in reports if r[2]]
+    outcome = None
+    if ranks.rank == 0:
+        try:
+            if failed:
+                raise CheckpointError(f"cannot write the checkpoint {path}: {'; '.join(failed)}")
+            manifest = {"format": checkpoint.FORMAT, "steps_done": engine.steps_done,
+                        "micro_batches": engine.micro_batches, "skipped_steps": engine.skipped_steps,
+                        "optimizer": run_state.optimizer_settings(engine), "schedule": run_state.schedule_state(engine),
+                        "rng": reports[0][1], "rng_ranks": [r[1] for r in reports], "extra": extra,
+                        "files": {k: v for r in reports for k, v in r[0].items()}}
+            files.write_text(os.path.join(tmp, checkpoint.MANIFEST), json.dumps(manifest, indent=1))
+            files.fsync_dir(tmp)
+            files.rename_into_place(tmp, path)
+            files.write_text(os.path.join(path, checkpoint.MARKER),
+                             files.sha256_of(os.path.join(path, checkpoint.MANIFEST)) + "\n")
+            files.fsync_dir(path)
+            if keep_last is not None:
+                for old in checkpoint.committed_beside(path)[:-keep_last]:
+                    checkpoint.remove(old)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = e if isinstance(e, MegacompileError) else files.write_failed("checkpoint", path, e)
+    outcome = ranks.gather_objects(outcome, "committing the checkpoint")[0]
+    if outcome is not None:
+        raise outcome
+
+
+def _write(folder: str, file: str, tensors: dict) -> dict:
+    target = os.path.join(folder, file)
+    safetensors.torch.save_file(tensors, target)
+    files.fsync_file(target)
+    return {file: {"bytes": os.path.getsize(target), "sha256": files.sha256_of(target)}}
+
+
+def load(engine: "Engine", path: str, strict: bool = False) -> Any:
+    """io/checkpoint.py's checks and counters; the tensors filtered to what this rank keeps."""
+    held, engine.host = engine.host, None       # the one-process loader then leaves the tensors pending
+    try:
+        extra = checkpoint.load(engine, path, strict=strict)
+    finally:
+        engine.host = held
+    share, engine._pending_load = ShareOfLoad(engine._pending_load), None
+    if held is not None:
+        engine.synchronize()
+        share.apply(held)
+    else:
+        engine._pending_load = share
+    with open(os.path.join(os.fspath(path), checkpoint.MANIFEST)) as f:
+        saved = json.load(f).get("rng_ranks", [])
+    if len(saved) == engine.data_parallel.size:     # else every rank keeps rank 0's, as loaded
+        run_state.restore_rng(saved[engine.data_parallel.rank])
+    return extra
+
+
+class ShareOfLoad:
+    """A pending load of which this rank applies every weight (its compute copy is whole) and the
+    optimizer tables of the parameters it holds."""
+
+    def __init__(self, pending: PendingLoad):
+        self.pending = pending
+
+    def apply(self, host, model=None) -> None:
+        p = self.pending
+        items = [it for it in p.items if it.table in (WEIGHT, MASTER, CONST) or host.mine(it.name)]
+        # every table was checked present for every parameter before this (io/checkpoint.py)
+        PendingLoad(items, own_buffers=p.own_buffers, needs=(MASTER,), describe=p.describe).apply(host, model)

@@ -1,0 +1,82 @@
+"""Data parallelism: every rank runs the same plan on its own micro-batch; the engine calls in here
+at three points of a step (runtime/host.py's HostState is replaced by ShardedHostState, which
+does the reduce and the sharded update).
+
+Loss semantics: each rank's loss is its own (a mean over its micro-batch, for the usual losses);
+the gradient the optimizer sees is the mean of the ranks' gradients. That equals one process on
+the whole global batch when the loss is a mean over examples or tokens and every rank's
+micro-batch holds the same number of them (equal batch shapes, no padding masked out unevenly).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .group import Ranks
+from .shard import ShardedHostState
+
+
+class DataParallel:
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def size(self) -> int:
+        return self.ranks.size
+
+    def default_device(self) -> str | None:
+        """On a machine with GPUs each rank takes its own: LOCAL_RANK (torchrun sets it)."""
+        if torch.cuda.is_available():
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank % torch.cuda.device_count()))}"
+        return None
+
+    def host_state(self, *args, **kwargs) -> ShardedHostState:
+        return ShardedHostState(*args, ranks=self.ranks, **kwargs)
+
+    def agree(self, host: ShardedHostState, loss: float, last: bool) -> tuple[str, str] | None:
+        """After every micro-batch, on every rank: (what, why) when the step must be skipped
+        everywhere (a rank's loss is inf or NaN); else, at a step's last micro-batch, the
+        gradients are summed over the ranks (host.nonfinite_grads() then speaks for all ranks)."""
+        bad = torch.zeros(self.size, dtype=torch.float64)
+        bad[self.rank] = 0.0 if math.isfinite(loss) else 1.0
+        self.ranks.sum_(bad, "agreeing on the step's losses")
+        if bad.any():
+            which = [r for r in range(self.size) if bad[r]]
+            return "loss", f"the loss is inf or NaN on rank{'s' * (len(which) > 1)} {', '.join(map(str, which))}"
+        if last:
+            host.reduce_grads()
+        return None
+
+    def on_rank_zero(self, engine, write) -> None:
+        """write() on rank 0 with every master readable there (gathered, with bf16 compute); every
+        rank returns when it is done, or raises its error."""
+        host = engine._host_or_error()
+        engine.synchronize()
+        host.gather_masters()
+        error = None
+        try:
+            if self.rank == 0:
+                write()
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            error = e
+        finally:
+            host.gathered.clear()
+        error = self.ranks.gather_objects(error, "exporting the weights")[0]
+        if error is not None:
+            raise error
+
+    def failed(self, e: BaseException) -> None:
+        self.ranks.note_failure(e)
+
+
+def data_parallel_for(process_group) -> DataParallel | None:
+    from .group import ranks_for
+    ranks = ranks_for(process_group)
+    return None if ranks is None else DataParallel(ranks)
+

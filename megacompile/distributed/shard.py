@@ -1,0 +1,185 @@
+"""Host state sharded across ranks: each rank keeps the fp32 masters and AdamW moments of its
+1/R of the parameters; every rank keeps the whole compute copy (what its device fetches) and the
+whole gradient buffer (where its device's gradients land).
+
+The shares are cut at parameter boundaries in the flat order of the owners' buffers (owner by
+owner, parameter by parameter), so a rank's share of each owner is one contiguous range of that
+owner's flat buffers (possibly empty), and a checkpoint keeps the model's own tensor names (each
+rank writes whole tensors: distributed/checkpoint.py). With many parameters per rank the shares
+are within one parameter of equal; a model of a few large tensors shares less evenly.
+
+Per trainable parameter and rank, in host RAM: compute copy (4 B fp32, 2 B bf16) + fp32 gradient
+(4 B) + (master 4 + exp_avg 4 + exp_avg_sq 4) / R.
+
+One optimizer step: after the backward every owner's gradient is summed over the ranks into the
+rank that holds each range (a reduce-scatter, one reduce per range) and divided by R; the global
+squared norm is the sum of the ranks' partial norms; each rank updates its range of the masters
+and moments, writes the new weights into its range of the compute copy, and the ranges are then
+broadcast to every rank, owner by owner, on the host stream, before the next step's prefetch of
+that owner (which waits for the owner's update).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from ..capture import CapturedModel
+from ..cost.host_memory import OwnerLayout, Placement
+from ..errors import ArgumentError, MegacompileError
+from ..optim.fused_adamw import grad_sq_norm
+from ..runtime.host import HostState, OwnerBuffers
+from ..storage.owner_state import UpdateFn
+from .group import Ranks
+
+SHARDED = ("master", "exp_avg", "exp_avg_sq")
+
+
+def shard_of(numels: list[int], ranks: int) -> list[int]:
+    """The rank holding each tensor of a flat sequence of tensors of these sizes: contiguous runs,
+    each rank's run as close to 1/ranks of the total as whole tensors allow (a tensor goes to the
+    rank its midpoint falls in)."""
+    total = sum(numels)
+    out, start = [], 0
+    for n in numels:
+        out.append(min(ranks - 1, int((start + n / 2) * ranks // max(total, 1))))
+        start += n
+    return out
+
+
+class ShardedHostState(HostState):
+    def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, *, ranks: Ranks, pin: bool = False,
+                 grad_accum: int = 1, placement: Placement = Placement(), nvme_dir: str | None = None):
+        if placement.on_disk:
+            raise ArgumentError("data parallelism keeps each rank's share of the host state in RAM; the disk tier "
+                                "(nvme_dir) is not sharded: drop nvme_dir, or give each rank more host RAM")
+        self.ranks = ranks
+        self.holder: dict[str, int] = {}              # parameter -> the rank that holds its master and moments
+        self.ranges: dict[int, list[tuple[int, int]]] = {}   # owner -> per rank, its [lo, hi) of the flat buffers
+        self._global_sq = 0.0
+        self.gathered: dict[str, torch.Tensor] = {}    # whole masters, while an export reads them
+        super().__init__(captured, compute_dtype, pin=pin, grad_accum=grad_accum, placement=placement,
+                         nvme_dir=nvme_dir)
+
+    def _cut(self) -> None:
+        names = sorted(self.slots, key=lambda n: (self.slots[n].owner, self.slots[n].offset))
+        holders = shard_of([self.slots[n].numel for n in names], self.ranks.size)
+        for name, rank in zip(names, holders):
+            self.holder[name] = rank
+        for owner in {s.owner for s in self.slots.values()}:
+            mine = [[math.inf, -math.inf] for _ in range(self.ranks.size)]
+            for name, slot in self.slots.items():
+                if slot.owner == owner:
+                    r = mine[self.holder[name]]
+                    r[0], r[1] = min(r[0], slot.offset), max(r[1], slot.offset + slot.numel)
+            # an empty range sits where the next one starts
+            ends = [0] * self.ranks.size
+            for r in range(self.ranks.size):
+                lo = mine[r][0] if mine[r][0] != math.inf else (ends[r - 1] if r else 0)
+                ends[r] = mine[r][1] if mine[r][1] != -math.inf else lo
+                mine[r] = (lo, ends[r])
+            self.ranges[owner] = [tuple(r) for r in mine]
+
+    def _owner_buffers(self, owner: int, numel: int, compute_dtype: torch.dtype, pin: bool,
+                       layout: OwnerLayout) -> OwnerBuffers:
+        if not self.ranges:
+            self._cut()
+        # The whole compute copy, an fp32 gradient of its own (the device's gradients land there
+        # and are summed over ranks in place), and no master or moments: this rank's share follows.
+        whole = replace(layout, master=False, moments=False, compute_copy=True, grad_dtype=torch.float32,
+                        grad_in_copy=False)
+        b = OwnerBuffers(numel, compute_dtype, pin, whole)
+        lo, hi = self.ranges[owner][self.ranks.rank]
+        b.master = torch.empty(hi - lo, dtype=torch.float32)
+        b.exp_avg = torch.zeros(hi - lo, dtype=torch.float32)
+        b.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32)
+        return b
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the fp32 masters and AdamW moments this rank holds."""
+        return sum(getattr(b, k).nbytes for b in self.owners.values() for k in SHARDED)
+
+    # -- views ---------------------------------------------------------------------------
+    def mine(self, name: str) -> bool:
+        return self.holder[name] == self.ranks.rank
+
+    def view(self, buffer: str, name: str) -> torch.Tensor:
+        """As HostState.view; masters and moments only of the parameters this rank holds."""
+        if buffer not in SHARDED:
+            return super().view(buffer, name)
+        if not self.mine(name):
+            raise MegacompileError(f"{buffer} of {name} is held by rank {self.holder[name]}, not by rank "
+                                   f"{self.ranks.rank}: read it there (or gathered: engine.state_dict())")
+        slot = self.slots[name]
+        lo = self.ranges[slot.owner][self.ranks.rank][0]
+        flat = getattr(self.owners[slot.owner], buffer)
+        return flat[slot.offset - lo:slot.offset - lo + slot.numel].view(slot.shape)
+
+    def master(self, name: str) -> torch.Tensor:
+        """The whole fp32 master of `name`: with fp32 compute the compute copy is the master, bit
+        for bit (AdamW writes both); with bf16 compute the holder broadcasts it (a collective:
+        every rank reads the same names in the same order, as engine.state_dict does)."""
+        if self.compute_dtype == torch.float32:
+            return self.source(name)
+        if name in self.gathered:
+            return self.gathered[name]
+        slot = self.slots[name]
+        out = self.view("master", name).clone() if self.mine(name) else torch.empty(slot.shape)
+        self.ranks.broadcast_(out, self.holder[name], f"gathering the master of {name}")
+        return out
+
+    def gather_masters(self) -> None:
+        """Every whole master into `gathered` (bf16 compute: fp32 compute reads the copies)."""
+        if self.compute_dtype != torch.float32:
+            self.gathered = {name: self.master(name) for name in self.slots}
+
+    # -- values in -----------------------------------------------------------------------
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Whole weights into the compute copies; this rank's share into its masters."""
+        with torch.no_grad():
+            for name, t in tensors.items():
+                if name in self.slots:
+                    self.source(name).copy_(t)
+                    if self.mine(name):
+                        self.view("master", name).copy_(t)
+                elif name in self.consts:
+                    self.consts[name].copy_(t)
+
+    # -- the step ------------------------------------------------------------------------
+    def reduce_grads(self) -> None:
+        """Sum the step's gradients over the ranks into each range's holder, divided by R, and
+        the global squared norm of the result (every rank gets it)."""
+        for name in self._landed | self._unfolded:   # grad_accum > 1: the last micro-batches join the sum
+            b = self.owners[self.slots[name].owner]
+            self._view(b.grad, name).add_(self._view(b.landing, name))
+        self._landed, self._unfolded = set(), set()
+        size, sq = self.ranks.size, 0.0
+        for owner, b in self.owners.items():
+            for rank, (lo, hi) in enumerate(self.ranges[owner]):
+                if hi > lo:
+                    self.ranks.reduce_(b.grad[lo:hi], rank, f"summing the gradients of owner {owner}")
+            lo, hi = self.ranges[owner][self.ranks.rank]
+            if hi > lo:
+                b.grad[lo:hi].div_(size)
+                sq += grad_sq_norm(b.grad[lo:hi])
+        total = self.ranks.sum_(torch.tensor([sq], dtype=torch.float64), "summing the gradient norm")
+        self._global_sq = float(total[0])
+
+    def grad_sq_norm(self) -> float:
+        return self._global_sq
+
+    def nonfinite_grads(self) -> list[str]:
+        return [] if math.isfinite(self._global_sq) else ["the gradients summed over the ranks"]
+
+    def update_owner(self, owner: int, fn: UpdateFn) -> None:
+        """AdamW over this rank's range, then every range of the new compute copy to every rank."""
+        b = self.owners[owner]
+        lo, hi = self.ranges[owner][self.ranks.rank]
+        if hi > lo:
+            fn(b.master, b.grad[lo:hi], b.exp_avg, b.exp_avg_sq, b.compute[lo:hi])
+        for rank, (lo, hi) in enumerate(self.ranges[owner]):
+            if hi > lo:
+                self.ranks.broadcast_(b.compute[lo:hi], rank, f"gathering the new weights of owner {owner}",
+                                      stream=True)

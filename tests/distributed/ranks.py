@@ -1,0 +1,154 @@
+"""What each rank of a data-parallel test runs (spawned by torch.multiprocessing, gloo, the cpu
+backend), and the single-process reference the ranks are held against."""
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+STEPS, GLOBAL_BATCH, SEQ, VOCAB = 10, 4, 16, 96
+CLIP = 0.05         # small enough that every step clips
+# AdamW moves a weight by about lr whatever its gradient's size, so a weight whose gradient is at
+# rounding-noise level (1e-8 against a typical 1e-3: a sum over tokens that cancels) moves by lr
+# in a direction the summation order decides, and splitting the batch over ranks changes that
+# order. An eps above that level keeps the comparison about the reduce, not that noise.
+EPS = 1e-6
+
+
+def model():
+    from tests.models import NanoGPT
+    torch.manual_seed(0)
+    return NanoGPT(vocab=VOCAB, d=64, layers=2, heads=4, block=SEQ)
+
+
+def batches(steps: int = STEPS) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps)]
+
+
+def optimizer(clip: float | None):
+    from megacompile import AdamW
+    from megacompile.validate.parity import BETAS, LR, WD
+    return AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kernel="torch", max_grad_norm=clip)
+
+
+def compiled(clip: float | None, **kw):
+    import megacompile
+    m = model()
+    return megacompile.compile(m, hbm_budget=_budget(m), device="cpu", optimizer=optimizer(clip), **kw)
+
+
+def _budget(m) -> float:
+    return 4 * sum(p.numel() * 4 for p in m.parameters()) / 2 ** 30
+
+
+def eager(clip: float | None, steps: int = STEPS) -> tuple[list[float], dict]:
+    """torch.optim.AdamW on the whole global batch: losses and final weights."""
+    from megacompile.validate.parity import BETAS, LR, WD
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses = []
+    for ids in batches(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = m(idx=ids, targets=ids)[-1]
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def rank_slice(ids: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    per = ids.shape[0] // size
+    return ids[rank * per:(rank + 1) * per]
+
+
+def spawn(scenario: str, size: int, folder: str, **kw) -> None:
+    """Run `scenario` on `size` ranks to the end of each (a failing rank does not stop the
+    others: they must find out themselves); raise the first failed rank's error."""
+    import torch.multiprocessing as mp
+    os.environ.setdefault("MEGACOMPILE_DIST_TIMEOUT", "60")
+    context = mp.start_processes(_entry, args=(scenario, size, folder, kw), nprocs=size, join=False,
+                                 start_method="spawn")
+    for process in context.processes:
+        process.join(300)
+    for rank, process in enumerate(context.processes):
+        if process.exitcode != 0:
+            error = os.path.join(folder, f"rank{rank}.error")
+            raise RuntimeError(f"rank {rank} exited with {process.exitcode}: "
+                               + (open(error).read() if os.path.exists(error) else "no error written"))
+
+
+def _entry(rank: int, scenario: str, size: int, folder: str, kw: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=size)
+    try:
+        out = SCENARIOS[scenario](rank, size, folder, **kw)
+        with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+    except BaseException:
+        with open(os.path.join(folder, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def train(rank: int, size: int, folder: str, clip: float | None = None, save: str | None = None,
+          resume: str | None = None) -> dict:
+    """10 steps on this rank's slice of each global batch (from the checkpoint `resume` on: the
+    steps after it). With `save`: a checkpoint after step 5, and this rank's masters and moments
+    as they were then (state-<rank>.pt). With `resume`: whether the masters and moments this
+    rank holds after the load equal, bit for bit, those the saving ranks held."""
+    engine = compiled(clip)
+    out = {}
+    first = 0
+    if resume is not None:
+        first = engine.load_checkpoint(resume)["next"]
+        engine.prepare(**_inputs(batches()[0], rank, size))     # builds the host state: the load lands
+        saved = {}
+        for f in os.listdir(os.path.dirname(resume)):
+            if f.startswith("state-"):
+                saved.update(torch.load(os.path.join(os.path.dirname(resume), f)))
+        host = engine.host
+        out["exact"] = all(torch.equal(host.view(t, n), saved[f"{t}/{n}"]) for n in host.slots if host.mine(n)
+                           for t in ("master", "exp_avg", "exp_avg_sq"))
+        out["held"] = sum(host.mine(n) for n in host.slots)
+    losses = []
+    for i, ids in enumerate(batches()[first:], start=first):
+        losses.append(engine.step(**_inputs(ids, rank, size)))
+        if save is not None and i + 1 == STEPS // 2:
+            engine.save_checkpoint(save, extra={"next": i + 1})
+            host = engine.host
+            torch.save({f"{t}/{n}": host.view(t, n).clone() for n in host.slots if host.mine(n)
+                        for t in ("master", "exp_avg", "exp_avg_sq")},
+                       os.path.join(os.path.dirname(save), f"state-{rank}.pt"))
+    weights = engine.state_dict()
+    if rank == 0:
+        torch.save(weights, os.path.join(folder, "weights.pt"))
+    return {**out, "losses": losses, "state_bytes": engine.host.state_bytes}
+
+
+def fail(rank: int, size: int, folder: str) -> dict:
+    """Rank 1 raises inside its second step; rank 0 must say so, not hang."""
+    engine = compiled(None)
+    ids = batches()[0]
+    engine.step(**_inputs(ids, rank, size))
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("out of paper")
+        engine._last_train.executor.run = broken
+    engine.step(**_inputs(ids, rank, size))
+    return {}
+
+
+def _inputs(ids: torch.Tensor, rank: int, size: int) -> dict:
+    mine = rank_slice(ids, rank, size)
+    return {"idx": mine, "targets": mine}
+
+
+SCENARIOS = {"train": train, "fail": fail}

@@ -1,0 +1,140 @@
+"""Data parallelism on gloo with the cpu backend: ranks spawned on this machine, each on its slice
+of the global batch, held against one process (eager torch.optim.AdamW) on the whole batch."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import megacompile
+from megacompile.distributed import shard_of
+
+from . import ranks
+
+TOL = 1e-5
+
+
+def _results(folder, size):
+    return [json.load(open(os.path.join(folder, f"rank{r}.json"))) for r in range(size)]
+
+
+def _weight_error(weights, reference) -> float:
+    assert set(weights) == set(reference)
+    return max((weights[k] - v).abs().max().item() / (v.abs().max().item() or 1.0) for k, v in reference.items())
+
+
+def _loss_error(results, reference) -> float:
+    # Equal micro-batches: the mean of the ranks' losses is the loss of the whole batch.
+    mean = [sum(losses) / len(losses) for losses in zip(*(r["losses"] for r in results))]
+    return max(abs(a - b) / abs(b) for a, b in zip(mean, reference, strict=True))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """2 ranks, 10 clipped steps, a checkpoint after step 5."""
+    folder = str(tmp_path_factory.mktemp("two"))
+    ckpt = os.path.join(folder, "ckpt", "step-5")
+    ranks.spawn("train", 2, folder, clip=ranks.CLIP, save=ckpt)
+    return folder, ckpt, _results(folder, 2)
+
+
+@pytest.fixture(scope="module")
+def eager_clipped():
+    return ranks.eager(ranks.CLIP)
+
+
+def test_two_ranks_train_as_one_process_on_the_whole_batch(two_ranks, eager_clipped):
+    folder, _, results = two_ranks
+    losses, weights = eager_clipped
+    assert _loss_error(results, losses) <= TOL
+    assert _weight_error(torch.load(os.path.join(folder, "weights.pt")), weights) <= TOL
+
+
+def test_each_rank_holds_its_share_of_masters_and_moments(two_ranks):
+    _, _, results = two_ranks
+    params = sum(p.numel() for p in ranks.model().parameters())
+    single = 12 * params          # one process: fp32 master, exp_avg, exp_avg_sq of every parameter
+    held = [r["state_bytes"] for r in results]
+    assert sum(held) == single
+    assert all(abs(b - single / 2) <= 0.1 * single / 2 for b in held), (held, single)
+
+
+def test_each_rank_writes_its_share_of_the_checkpoint(two_ranks):
+    _, ckpt, _ = two_ranks
+    keys = []
+    for r in range(2):
+        with safe_open(os.path.join(ckpt, f"rank-{r:05d}-of-00002.safetensors"), "pt") as f:
+            keys.append(set(f.keys()))
+    assert keys[0] and keys[1] and not keys[0] & keys[1]
+    names = {n for n, _ in ranks.model().named_parameters()}
+    assert {k.partition("/")[2] for k in keys[0] | keys[1]} == names
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one_process(two_ranks, eager_clipped):
+    folder, ckpt, _ = two_ranks
+    engine = ranks.compiled(ranks.CLIP)
+    start = engine.load_checkpoint(ckpt)["next"]
+    all_batches = ranks.batches()
+    engine.prepare(idx=all_batches[0], targets=all_batches[0])
+    saved = {}
+    for r in range(2):
+        saved.update(torch.load(os.path.join(os.path.dirname(ckpt), f"state-{r}.pt")))
+    for key, value in saved.items():          # the state the ranks held, bit for bit
+        table, _, name = key.partition("/")
+        assert torch.equal(engine.host.view(table, name), value), key
+    losses = [engine.step(idx=ids, targets=ids) for ids in all_batches[start:]]
+    reference_losses, reference = eager_clipped
+    assert max(abs(a - b) / b for a, b in zip(losses, reference_losses[start:])) <= TOL
+    assert _weight_error(engine.state_dict(), reference) <= TOL
+
+
+@pytest.mark.slow
+def test_four_ranks_and_resuming_two_ranks_checkpoint_on_four(two_ranks, eager_clipped, tmp_path):
+    _, ckpt, _ = two_ranks
+    ranks.spawn("train", 4, str(tmp_path), clip=ranks.CLIP, resume=ckpt)
+    results = _results(tmp_path, 4)
+    assert all(r["exact"] for r in results)
+    assert sum(r["held"] for r in results) == len(list(ranks.model().parameters()))
+    losses, weights = eager_clipped
+    assert _loss_error(results, losses[ranks.STEPS // 2:]) <= TOL
+    assert _weight_error(torch.load(tmp_path / "weights.pt"), weights) <= TOL
+
+
+@pytest.mark.slow
+def test_four_ranks_train_as_one_process_without_clipping(tmp_path):
+    ranks.spawn("train", 4, str(tmp_path))
+    losses, weights = ranks.eager(None)
+    results = _results(tmp_path, 4)
+    assert _loss_error(results, losses) <= TOL
+    assert _weight_error(torch.load(tmp_path / "weights.pt"), weights) <= TOL
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_is_named_by_the_others(tmp_path):
+    with pytest.raises(Exception):
+        ranks.spawn("fail", 2, str(tmp_path))
+    error = (tmp_path / "rank0.error").read_text()
+    assert "DistributedError" in error and "rank 1 failed first" in error and "out of paper" in error, error
+
+
+def test_shares_are_contiguous_and_even_to_within_a_tensor():
+    sizes = [7, 300, 5, 120, 120, 64, 64, 3, 250]
+    for n in (1, 2, 3, 4):
+        holders = shard_of(sizes, n)
+        assert holders == sorted(holders) and set(holders) <= set(range(n))
+        shares = [sum(s for s, h in zip(sizes, holders) if h == r) for r in range(n)]
+        assert max(shares) - sum(sizes) / n <= max(sizes) / 2 + 1, shares
+
+
+def test_no_group_and_a_group_of_one_train_as_one_process(tmp_path):
+    assert ranks.compiled(None).data_parallel is None
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert ranks.compiled(None).data_parallel is None
+        with pytest.raises(megacompile.errors.ArgumentError, match="ProcessGroup"):
+            ranks.compiled(None, process_group="world")
+    finally:
+        torch.distributed.destroy_process_group()
