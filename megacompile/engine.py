@@ -125,6 +125,13 @@ class Engine:
         compiled = self._compiled.get((signature, kind))
         if compiled is not None:
             return compiled
+        # Tracing and planning may draw random numbers (a first calibration of the cpu profile
+        # does): the user's random stream, which dropout reads and a checkpoint restores, must come
+        # out as it went in, or a run resumed on a fresh engine draws other masks.
+        with torch.random.fork_rng(devices=[self.device] if self.backend.name == "cuda" else []):
+            return self._build(args, kwargs, train, signature, kind)
+
+    def _build(self, args: tuple, kwargs: dict, train: bool, signature: tuple, kind: StepKind) -> _Compiled:
         captured, start = self._captured.get(signature), None
         if captured is None:
             previous = next((c for k, c in self._captured.items() if k[0] == train), None)

@@ -151,3 +151,30 @@ def test_a_replacement_killed_between_its_renames_puts_the_old_checkpoint_back(t
     (tmp_path / ".ck.999999999.partial").mkdir()    # its new folder, never renamed into place
     files.clean_leftovers(str(tmp_path))
     assert os.listdir(tmp_path) == ["ck"] and os.listdir(tmp_path / "ck") == ["COMMITTED"]
+
+
+def test_planning_after_a_resume_draws_nothing_from_the_random_state(tmp_path, monkeypatch):
+    """A fresh engine plans at its first step, after load_checkpoint restored the random state.
+    Planning that draws random numbers (the first calibration of the cpu profile does, on a cold
+    cache) must not shift the dropout masks: here every plan draws, as a cold cache would."""
+    import megacompile.engine as engine_module
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=32, layers=2, dropout=0.1)
+    batches = _batches(3)
+    make_plan = engine_module.make_plan
+
+    def drawing_plan(*args, **kwargs):
+        torch.randn(512, 512)
+        return make_plan(*args, **kwargs)
+    monkeypatch.setattr(engine_module, "make_plan", drawing_plan)
+    first = _engine(clone(model))
+    s_first = _with_scheduler(first)
+    torch.manual_seed(7)
+    _run(first, s_first, batches[:1])
+    path = str(tmp_path / "ckpt")
+    first.save_checkpoint(path)
+    expected = _run(first, s_first, batches[1:])
+    resumed = _engine(clone(model))
+    s_resumed = _with_scheduler(resumed)
+    resumed.load_checkpoint(path)
+    assert _run(resumed, s_resumed, batches[1:]) == expected
