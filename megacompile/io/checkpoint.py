@@ -218,6 +218,7 @@ def load(engine: "Engine", path: str, strict: bool = False) -> Any:
     else:
         engine._pending_load = pending       # streamed in when the first step builds the host state
     engine._materialized = True
+    engine._weight_parts = None         # partial loads before it are superseded
     engine.steps_done = manifest["steps_done"]
     engine.micro_batches = manifest["micro_batches"]
     engine.skipped_steps = manifest.get("skipped_steps", 0)
