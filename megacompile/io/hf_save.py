@@ -1,7 +1,8 @@
 """engine.save_pretrained: the masters as a Hugging Face model folder, one tensor at a time.
 
 Tensors go under the model's state_dict names, a tied weight once (under its first name, as
-transformers writes it), in shards of at most `max_shard_size` bytes (a tensor larger than that
+transformers writes it), fused experts one view per expert under the names transformers' own
+save_pretrained gives them (io/hf_layout.py), in shards of at most `max_shard_size` bytes (a tensor larger than that
 gets a shard of its own), each written in the safetensors layout (io/header.py) by this module:
 a tensor is cast to `dtype` into a buffer of its own size, written and dropped (an fp32 export
 writes the masters' own memory), so the export adds one tensor to the host's memory, never a
@@ -23,6 +24,7 @@ import torch
 from ..errors import ArgumentError, CheckpointError, MegacompileError
 from . import files
 from .header import CODES
+from .hf_layout import DiskLayout
 from .hf_load import INDEX, SINGLE
 
 if TYPE_CHECKING:
@@ -62,13 +64,14 @@ def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.floa
                               "replaced); give a new path")
     files.clean_leftovers(parent)
     engine.synchronize()
-    tensors = []   # (state_dict key, host tensor)
+    tensors = []   # (name on disk, host tensor)
+    layout = DiskLayout(engine.model)
     for key, name in engine._canonical.items():
         if key != name:
             continue   # a tied alias: transformers restores it from the first name
         source = host.master(name) if name in host.slots else host.consts.get(name)
         if source is not None:
-            tensors.append((key, source))
+            tensors += layout.on_disk(key, source)      # per-expert views of a fused weight, as transformers saves
     shards = _shards(tensors, dtype, limit)
     tmp = files.partial_path(path)
     try:
