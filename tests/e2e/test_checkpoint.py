@@ -178,3 +178,26 @@ def test_planning_after_a_resume_draws_nothing_from_the_random_state(tmp_path, m
     s_resumed = _with_scheduler(resumed)
     resumed.load_checkpoint(path)
     assert _run(resumed, s_resumed, batches[1:]) == expected
+
+
+def test_a_checkpoint_saved_before_the_first_step_resumes_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=32, layers=2, dropout=0.1)
+    batches = _batches(2)
+    first = _engine(clone(model))
+    s_first = _with_scheduler(first)
+    path = str(tmp_path / "step-0")
+    torch.manual_seed(7)
+    first.save_checkpoint(path)                  # no step, no prepare(): from the model's own weights
+    assert first.host is None
+    expected = _run(first, s_first, batches)
+    resumed = _engine(clone(model))
+    s_resumed = _with_scheduler(resumed)
+    torch.manual_seed(123)
+    resumed.load_checkpoint(path)
+    assert _run(resumed, s_resumed, batches) == expected
+    with torch.device("meta"):
+        empty = _engine(models.NanoGPT(vocab=96, d=32, layers=2))
+    with pytest.raises(megacompile.MegacompileError, match="no weights for .* before saving"):
+        empty.save_checkpoint(str(tmp_path / "empty"))
+    assert not os.path.exists(str(tmp_path / "empty"))

@@ -71,3 +71,21 @@ def test_a_folder_missing_one_expert_tensor_is_refused_naming_the_weight(tmp_pat
         json.dump(meta, f)
     with pytest.raises(WeightsFileError, match=r"model.layers.0.mlp.experts.down_proj \(3 of its 4 per-expert"):
         megacompile.from_pretrained(source, hbm_budget=1.0, device="cpu")
+
+
+def test_before_the_first_step_exports_and_checkpoints_come_from_the_files(tmp_path):
+    torch.manual_seed(0)
+    eager = FAMILIES["qwen3_moe"]()
+    source = str(tmp_path / "src")
+    eager.save_pretrained(source, max_shard_size="40KB")
+    engine = megacompile.from_pretrained(source, hbm_budget=1.0, device="cpu")
+    out = str(tmp_path / "out")
+    engine.save_pretrained(out, dtype=torch.bfloat16)     # the fused experts assembled once, then cut again
+    engine.save_checkpoint(str(tmp_path / "step-0"))
+    assert engine.host is None
+    half = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    for name, value in half.state_dict().items():
+        assert torch.equal(value, eager.state_dict()[name].to(torch.bfloat16)), name
+    resumed = megacompile.from_pretrained(out, hbm_budget=1.0, device="cpu")   # bf16 weights, then the fp32 masters
+    resumed.load_checkpoint(str(tmp_path / "step-0"))
+    assert resumed.step(input_ids=IDS, labels=IDS) == engine.step(input_ids=IDS, labels=IDS)
