@@ -63,9 +63,9 @@ def load(engine: "Engine", state: dict, strict: bool = True) -> None:
     trainable, const = _expected(engine)
     names = {key: engine._canonical.get(key, key) for key in state}
     unexpected = [k for k, n in names.items() if n not in trainable and n not in const]
-    checker = engine.host if engine.host is not None else _checker(engine, trainable)
+    own = engine.host if engine.host is not None else checker(engine, trainable)
     bad = [p for k, t in state.items() if names[k] not in unexpected
-           for p in HostState.load_problems(checker, {names[k]: t})]
+           for p in HostState.load_problems(own, {names[k]: t})]
     missing = sorted(set(required(engine, trainable, const)) - parts.loaded - set(names.values())) if strict else []
     if missing or bad or unexpected:
         raise MegacompileError(
@@ -122,7 +122,7 @@ def _expected(engine: "Engine") -> tuple[dict, dict]:
     return expected_state(engine)
 
 
-def _checker(engine: "Engine", trainable: dict) -> SimpleNamespace:
+def checker(engine: "Engine", trainable: dict) -> SimpleNamespace:
     """What HostState.load_problems reads, before host state exists: shapes of the trainable
     parameters, the model's own tensors (meta or not: only shape and dtype are read) for the rest."""
     consts = {engine._canonical.get(n, n): t for n, t in list(engine.model.named_parameters())

@@ -201,3 +201,31 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_exactly(tmp_path):
     with pytest.raises(megacompile.MegacompileError, match="no weights for .* before saving"):
         empty.save_checkpoint(str(tmp_path / "empty"))
     assert not os.path.exists(str(tmp_path / "empty"))
+
+
+def _one_file_checkpoint(engine, path):
+    """What the one-file format (megacompile-checkpoint/1) held, written as it was."""
+    from megacompile.checkpoint import FORMAT
+    host = engine.host
+    engine.synchronize()
+    table = lambda buffer: {n: host.view(buffer, n).clone() for n in host.slots}  # noqa: E731
+    torch.save({"format": FORMAT, "masters": table("master"), "exp_avg": table("exp_avg"),
+                "exp_avg_sq": table("exp_avg_sq"), "buffers": {n: t.clone() for n, t in host.consts.items()},
+                "steps_done": engine.steps_done, "micro_batches": engine.micro_batches, "grad_accum": 1,
+                "lr_handle": engine.torch_optimizer.param_groups[0]["lr"], "rng": torch.get_rng_state()}, path)
+
+
+def test_a_one_file_checkpoint_resumes_on_a_fresh_engine(tmp_path):
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=32, layers=2, dropout=0.1)
+    batches = _batches(3)
+    first = _engine(clone(model))
+    torch.manual_seed(7)
+    first.step(idx=batches[0], targets=batches[0])
+    path = str(tmp_path / "old.ckpt.pt")
+    _one_file_checkpoint(first, path)
+    expected = [first.step(idx=ids, targets=ids) for ids in batches[1:]]
+    resumed = _engine(clone(model))
+    resumed.load_checkpoint(path)                # no prepare(): the tensors wait for the first step
+    assert resumed.host is None and resumed.steps_done == 1
+    assert [resumed.step(idx=ids, targets=ids) for ids in batches[1:]] == expected
