@@ -30,6 +30,7 @@ class DiskLayout:
     def __init__(self, model: nn.Module):
         self.model = model
         self.renamings, self.converters = [], []
+        self._saves_converted = False       # transformers' save_pretrained converts this model's names
         try:
             from transformers import PreTrainedModel
             from transformers.conversion_mapping import get_model_conversion_mapping
@@ -83,7 +84,7 @@ class DiskLayout:
     def on_disk(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The stored tensors (views of `tensor`, no copies) and names transformers' save_pretrained
         writes for the model tensor `key`."""
-        if not self.converters and not self.renamings or not self._saves_converted:
+        if not self._saves_converted:
             return [(key, tensor)]
         from transformers.core_model_loading import revert_weight_conversion
         return list(revert_weight_conversion(self.model, {key: tensor}).items())
