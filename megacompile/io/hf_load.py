@@ -154,8 +154,8 @@ def plan_items(engine: Engine, model: nn.Module, path: str, shards: dict[str, li
         elif name not in loaded:
             torn.append(f"{name} ({len(got)} of its {whole} per-expert tensors)")
     if torn:
-        raise WeightsFileError(f"the weights in {path} hold only some of the per-expert tensors of {', '.join(torn[:3])}; "
-                               "nothing was loaded")
+        raise WeightsFileError(f"the weights in {path} hold only some of the per-expert tensors of "
+                               f"{', '.join(torn[:3])}; nothing was loaded")
     missing = [n for n in params if n not in loaded]
     missing += [n for n, b in buffers.items() if b.is_meta and n not in loaded]
     if missing:

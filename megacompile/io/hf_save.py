@@ -2,8 +2,8 @@
 
 Tensors go under the model's state_dict names, a tied weight once (under its first name, as
 transformers writes it), fused experts one view per expert under the names transformers' own
-save_pretrained gives them (io/hf_layout.py), in shards of at most `max_shard_size` bytes (a tensor larger than that
-gets a shard of its own), each written in the safetensors layout (io/header.py) by this module:
+save_pretrained gives them (io/hf_layout.py), in shards of at most `max_shard_size` bytes (a
+tensor larger than that gets a shard of its own), each written in the safetensors layout (io/header.py) by this module:
 a tensor is cast to `dtype` into a buffer of its own size, written and dropped (an fp32 export
 writes the masters' own memory), so the export adds one tensor to the host's memory, never a
 shard. config.json says `dtype`; the tokenizer and generation files of the folder the engine was

@@ -91,10 +91,11 @@ def _write(host, it: Item, t: torch.Tensor) -> None:
 def _write_part(host, it: Item, t: torch.Tensor) -> None:
     """One stored expert tensor into its slice of a fused master (and compute copy)."""
     from .hf_layout import part_of
-    if it.name not in host.slots:
-        raise WeightsFileError(f"{it.path}: {it.key} belongs to {it.name}, which is not trained here")
     if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
         raise WeightsFileError(f"{it.path}: {it.key} holds inf or NaN, or is not floating point; nothing was loaded")
+    if it.name in host.consts:      # a frozen expert weight
+        part_of(host.consts[it.name], it.part).copy_(t)
+        return
     part_of(host.view("master", it.name), it.part).copy_(t)
     buffers = host.owners[host.slots[it.name].owner]
     if buffers.compute is not buffers.master:
