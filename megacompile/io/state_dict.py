@@ -112,9 +112,10 @@ def missing_error(engine: "Engine") -> MegacompileError:
     if engine._weight_parts is None:
         return MegacompileError("the model was built on the meta device and has no weights: load them with "
                                 "engine.load_state_dict(state_dict) before step() or a forward")
+    const = _expected(engine)[1]
     return MegacompileError(f"the model was built on the meta device and {len(missing)} of its tensors were never "
                             f"loaded: {', '.join(missing[:5])}; pass them to engine.load_state_dict before step() "
-                            f"or a forward" + (f" ({META_HINT})" if len(missing) < len(_expected(engine)[0]) else ""))
+                            f"or a forward" + (f" ({META_HINT})" if any(n in const for n in missing) else ""))
 
 
 def _expected(engine: "Engine") -> tuple[dict, dict]:
