@@ -2,8 +2,8 @@
 became folders (megacompile/io/checkpoint.py); kept so that those resume for one more release.
 
 The file holds the masters, moments and (saved mid-step) gradient sums by parameter name,
-counters, the learning rate and the CPU random state. It needs the engine's host state (a
-prepare() or step() first).
+counters, the learning rate and the CPU random state. On an engine with no host state yet the
+tensors wait, in memory as torch.load read them, until the first step or prepare() builds it.
 """
 from __future__ import annotations
 
@@ -21,36 +21,40 @@ FORMAT = "megacompile-checkpoint/1"
 
 def load(engine: "Engine", path: str) -> None:
     """Restore a checkpoint; checks every name and shape before changing anything."""
+    from .io.checkpoint import expected_state
+    from .io.state_dict import checker
+    from .runtime import HostState
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unreadable, truncated or foreign: one clear error
         raise MegacompileError(f"cannot read the checkpoint {path}: {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise MegacompileError(f"{path} is not a megacompile checkpoint ({FORMAT})")
-    host = engine._host_or_error()
     engine.synchronize()
+    trainable, _ = expected_state(engine)
     problems = []
     for table in ("masters", "exp_avg", "exp_avg_sq"):
         names = set(payload[table])
-        missing, unexpected = set(host.slots) - names, names - set(host.slots)
+        missing, unexpected = set(trainable) - names, names - set(trainable)
         if missing or unexpected:
             problems.append(f"{table}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-        for name in names & set(host.slots):
-            if tuple(payload[table][name].shape) != host.slots[name].shape:
+        for name in names & set(trainable):
+            if tuple(payload[table][name].shape) != trainable[name]:
                 problems.append(f"{table}[{name}] has shape {tuple(payload[table][name].shape)}, "
-                                f"the model has {host.slots[name].shape}")
-    problems += _accumulation_problems(engine, payload, host)
-    problems += host.load_problems({**payload["masters"], **payload["buffers"]})
+                                f"the model has {trainable[name]}")
+    problems += _accumulation_problems(engine, payload, trainable)
+    weights = {**payload["masters"], **payload["buffers"]}
+    own = engine.host if engine.host is not None else checker(engine, trainable)
+    problems += HostState.load_problems(own, weights)
     if problems:
         raise MegacompileError(f"the checkpoint {path} does not match this model: {'; '.join(problems[:4])}; "
                                "nothing was loaded")
-    with torch.no_grad():
-        host.load({**payload["masters"], **payload["buffers"]})
-        for name in host.slots:
-            host.view("exp_avg", name).copy_(payload["exp_avg"][name])
-            host.view("exp_avg_sq", name).copy_(payload["exp_avg_sq"][name])
-            if "grads" in payload:
-                host.view("grad", name).copy_(payload["grads"][name])
+    pending = _Payload(payload)
+    if engine.host is not None:
+        pending.apply(engine.host)
+    else:
+        engine._pending_load = pending     # written when the first step builds the host state
+    engine._weight_parts = None
     engine.steps_done = payload["steps_done"]
     engine.micro_batches = payload["micro_batches"]
     engine.torch_optimizer.param_groups[0]["lr"] = payload["lr_handle"]
@@ -58,7 +62,24 @@ def load(engine: "Engine", path: str) -> None:
     engine._materialized = True
 
 
-def _accumulation_problems(engine: "Engine", payload: dict, host) -> list[str]:
+class _Payload:
+    """A checked payload, written into host state now or when it is built."""
+
+    def __init__(self, payload: dict):
+        self.payload = payload
+
+    def apply(self, host, model=None) -> None:
+        payload = self.payload
+        with torch.no_grad():
+            host.load({**payload["masters"], **payload["buffers"]})
+            for name in host.slots:
+                host.view("exp_avg", name).copy_(payload["exp_avg"][name])
+                host.view("exp_avg_sq", name).copy_(payload["exp_avg_sq"][name])
+                if "grads" in payload:
+                    host.view("grad", name).copy_(payload["grads"][name])
+
+
+def _accumulation_problems(engine: "Engine", payload: dict, trainable: dict) -> list[str]:
     """A checkpoint saved between the micro-batches of a step carries their gradient sum; it
     resumes only where a step has the same number of micro-batches."""
     saved_k = payload.get("grad_accum", 1)
@@ -72,5 +93,5 @@ def _accumulation_problems(engine: "Engine", payload: dict, host) -> list[str]:
                 f"compile with grad_accum={saved_k} to resume it"]
     grads = payload["grads"]
     return [f"grads[{name}] is missing" if name not in grads else
-            f"grads[{name}] has shape {tuple(grads[name].shape)}, the model has {host.slots[name].shape}"
-            for name in host.slots if name not in grads or tuple(grads[name].shape) != host.slots[name].shape]
+            f"grads[{name}] has shape {tuple(grads[name].shape)}, the model has {trainable[name]}"
+            for name in trainable if name not in grads or tuple(grads[name].shape) != trainable[name]]

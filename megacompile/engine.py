@@ -99,6 +99,7 @@ class Engine:
         self.device = self.backend.device
         self.host: HostState | None = None
         self._pending_load = None    # io.source.PendingLoad: weights to stream in when host state is built
+        self._weight_parts = None    # io.state_dict.LoadedParts: what load_state_dict calls have loaded
         self.source_dir: str | None = None   # the Hugging Face folder from_pretrained read, if any
         self._materialized = not any(p.is_meta for p in model.parameters())
         # state_dict key -> the parameter/buffer name it stands for (tied weights share one)
@@ -131,6 +132,13 @@ class Engine:
         compiled = self._compiled.get((signature, kind))
         if compiled is not None:
             return compiled
+        # Tracing and planning may draw random numbers (a first calibration of the cpu profile
+        # does): the user's random stream, which dropout reads and a checkpoint restores, must come
+        # out as it went in, or a run resumed on a fresh engine draws other masks.
+        with torch.random.fork_rng(devices=[self.device] if self.backend.name == "cuda" else []):
+            return self._build(args, kwargs, train, signature, kind)
+
+    def _build(self, args: tuple, kwargs: dict, train: bool, signature: tuple, kind: StepKind) -> _Compiled:
         captured, start = self._captured.get(signature), None
         if captured is None:
             previous = next((c for k, c in self._captured.items() if k[0] == train), None)
@@ -210,9 +218,8 @@ class Engine:
 
     def _require_weights(self) -> None:
         if not self._materialized:
-            raise MegacompileError(
-                "the model was built on the meta device and has no weights: load them with "
-                "engine.load_state_dict(state_dict) before step() or a forward")
+            from .io import state_dict
+            raise state_dict.missing_error(self)
 
     def prepare(self, *args, train: bool = True, **kwargs) -> Plan:
         """Build (and verify) the plan for these inputs without running it: says whether the model
@@ -386,27 +393,13 @@ class Engine:
                 out[key] = self.host.consts[name].clone()
         return out
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load weights into the masters; checks every name, shape, dtype and value (finite, not
-        on meta) before writing anything."""
-        if self.host is None:
-            raise MegacompileError("load_state_dict needs a plan: run one step()/forward first, or "
-                                   "build the model with weights")
-        self.synchronize()
-        known = {**{n: s.shape for n, s in self.host.slots.items()},
-                 **{n: tuple(t.shape) for n, t in self.host.consts.items()}}
-        names = {key: self._canonical.get(key, key) for key in state}
-        unexpected = [k for k, n in names.items() if n not in known]
-        # Buffers are already on the host unless the model had no weights (built on meta).
-        required = list(self.host.slots) + ([] if self._materialized else list(self.host.consts))
-        missing = sorted(set(required) - set(names.values()))
-        bad = [p for k, t in state.items() if names[k] in known for p in self.host.load_problems({names[k]: t})]
-        if missing or bad or unexpected:
-            raise MegacompileError(
-                f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shapes, dtypes or values {bad[:5]}; "
-                "nothing was loaded (non-persistent buffers of a meta model must be passed too)")
-        self.host.load({names[k]: t for k, t in state.items()})
-        self._materialized = True
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load weights into the masters, whole or one part (a shard) at a time with strict=False;
+        strict=True (the last part, or {}) checks that every weight has been loaded. Every name,
+        shape, dtype and value of a call is checked before it writes anything. A model built on
+        meta trains once its parts are complete (its first step names what is missing)."""
+        from .io import state_dict
+        state_dict.load(self, state, strict=strict)
 
     def _host_or_error(self) -> HostState:
         if self.host is None:

@@ -21,12 +21,12 @@ import json
 import os
 import shutil
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import safetensors.torch
 
 from ..errors import CheckpointError, MegacompileError, WeightsFileError
-from . import files, run_state
+from . import files, run_state, unbuilt
 from .header import read_header
 from .source import CONST, MASTER, TABLES, Item, PendingLoad
 
@@ -42,7 +42,7 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
         raise CheckpointError(f"keep_last is how many checkpoints to keep in the folder, an int >= 1; "
                               f"got {keep_last!r}")
     extra = run_state.extra_json(extra)
-    host = engine._host_or_error()
+    host = engine.host       # None before the first step: the tensors come from where they wait
     parent = files.prepare_parent(path, "checkpoint")
     path = os.fspath(path)
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
@@ -57,17 +57,9 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
     tmp = files.partial_path(path)
     try:
         os.makedirs(tmp)
-        written = {}
-        by_owner: dict[int, list[str]] = {}
-        for name, slot in host.slots.items():
-            by_owner.setdefault(slot.owner, []).append(name)
-        for owner, names in by_owner.items():
-            tables = ("master", "exp_avg", "exp_avg_sq") + (("grad",) if mid_step else ())
-            tensors = {f"{t}/{n}": host.view(t, n) for t in tables for n in names}
-            written[f"owner-{owner:04d}.safetensors"] = tensors
-        written[BUFFERS] = {f"{CONST}/{n}": t for n, t in host.consts.items()}
         manifest["files"] = {}
-        for file, tensors in written.items():
+        tables = ("master", "exp_avg", "exp_avg_sq") + (("grad",) if mid_step else ())
+        for file, tensors in (_owner_files(host, tables) if host is not None else _unbuilt_files(engine, tables)):
             target = os.path.join(tmp, file)
             safetensors.torch.save_file(tensors, target)     # from the tensors' own memory: no copy
             files.fsync_file(target)
@@ -85,6 +77,24 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
     if keep_last is not None:
         for old in committed_beside(path)[:-keep_last]:
             remove(old)
+
+
+def _owner_files(host, tables: tuple) -> Iterator[tuple[str, dict]]:
+    """One file per owner, of views of its flat buffers, and one of buffers and frozen weights."""
+    by_owner: dict[int, list[str]] = {}
+    for name, slot in host.slots.items():
+        by_owner.setdefault(slot.owner, []).append(name)
+    for owner, names in by_owner.items():
+        yield f"owner-{owner:04d}.safetensors", {f"{t}/{n}": host.view(t, n) for t in tables for n in names}
+    yield BUFFERS, {f"{CONST}/{n}": t for n, t in host.consts.items()}
+
+
+def _unbuilt_files(engine: "Engine", tables: tuple) -> Iterator[tuple[str, dict]]:
+    """Before host state exists: one file per parameter (its tensors made one table at a time)."""
+    trainable, consts = unbuilt.tables(engine)
+    for i, name in enumerate(trainable[MASTER]):
+        yield f"param-{i:05d}.safetensors", {f"{t}/{name}": trainable[t][name]() for t in tables}
+    yield BUFFERS, {f"{CONST}/{n}": lazy() for n, lazy in consts.items()}
 
 
 def committed_beside(path: str) -> list[str]:
@@ -218,6 +228,7 @@ def load(engine: "Engine", path: str, strict: bool = False) -> Any:
     else:
         engine._pending_load = pending       # streamed in when the first step builds the host state
     engine._materialized = True
+    engine._weight_parts = None         # partial loads before it are superseded
     engine.steps_done = manifest["steps_done"]
     engine.micro_batches = manifest["micro_batches"]
     engine.skipped_steps = manifest.get("skipped_steps", 0)

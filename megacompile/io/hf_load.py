@@ -20,6 +20,7 @@ import torch.nn as nn
 from ..engine import Engine
 from ..errors import MegacompileError, WeightsFileError
 from .header import read_header
+from .hf_layout import DiskLayout, part_shape
 from .source import CONST, WEIGHT, Item, PendingLoad
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -109,6 +110,9 @@ def plan_items(engine: Engine, model: nn.Module, path: str, shards: dict[str, li
     # Buffers the model computes and does not save (rotary inv_freq): older files still hold them,
     # per layer; the model's own values are used, as transformers does.
     computed = {n.rsplit(".", 1)[-1] for n in buffers if n not in engine._canonical}
+    layout = DiskLayout(model)        # per-expert tensors of fused experts, transformers' renamings
+    shapes = {n: tuple(t.shape) for n, t in list(params.items()) + list(buffers.items())}
+    parts: dict[str, set] = {}
     for file, listed in shards.items():
         if not os.path.isfile(file):
             raise WeightsFileError(f"the shard {file} is missing; {INDEX} places {len(listed or [])} tensors in it "
@@ -120,7 +124,9 @@ def plan_items(engine: Engine, model: nn.Module, path: str, shards: dict[str, li
         for key, entry in header.items():
             if listed is not None and key not in listed:
                 continue
-            name = engine._canonical.get(key)
+            name, part = engine._canonical.get(key), None
+            if name is None:
+                name, part = layout.place(key, shapes) or (None, None)
             if name is None and key.rsplit(".", 1)[-1] in computed:
                 continue
             own = params.get(name) if name is not None else None
@@ -128,13 +134,28 @@ def plan_items(engine: Engine, model: nn.Module, path: str, shards: dict[str, li
             if own is None:
                 raise WeightsFileError(f"{file} holds {key}, which the {type(model).__name__} built from "
                                        f"{path}/config.json has no place for: the weights are of another model")
-            if entry.shape != tuple(own.shape):
+            expected = tuple(own.shape) if part is None else part_shape(tuple(own.shape), part)
+            if entry.shape != expected:
                 raise WeightsFileError(f"{file}: {key} has shape {entry.shape}, the model built from config.json "
-                                       f"has {tuple(own.shape)}: the weights are of another model or config")
+                                       f"has {expected}" + (f" for it (a part of {name})" if part else "")
+                                       + ": the weights are of another model or config")
             if entry.torch_dtype.is_floating_point != own.dtype.is_floating_point:
                 raise WeightsFileError(f"{file}: {key} has dtype {entry.dtype}, the model's is {own.dtype}")
-            items.append(Item(file, key, WEIGHT if name in params else CONST, name))
+            items.append(Item(file, key, WEIGHT if name in params else CONST, name, part))
+            if part is None:
+                loaded.add(name)
+            else:
+                parts.setdefault(name, set()).add(part)
+    torn = []
+    for name, got in parts.items():
+        whole = layout.parts_of(name, shapes[name])
+        if len(got) == whole:
             loaded.add(name)
+        elif name not in loaded:
+            torn.append(f"{name} ({len(got)} of its {whole} per-expert tensors)")
+    if torn:
+        raise WeightsFileError(f"the weights in {path} hold only some of the per-expert tensors of "
+                               f"{', '.join(torn[:3])}; nothing was loaded")
     missing = [n for n in params if n not in loaded]
     missing += [n for n, b in buffers.items() if b.is_meta and n not in loaded]
     if missing:

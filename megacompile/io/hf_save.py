@@ -1,8 +1,9 @@
 """engine.save_pretrained: the masters as a Hugging Face model folder, one tensor at a time.
 
 Tensors go under the model's state_dict names, a tied weight once (under its first name, as
-transformers writes it), in shards of at most `max_shard_size` bytes (a tensor larger than that
-gets a shard of its own), each written in the safetensors layout (io/header.py) by this module:
+transformers writes it), fused experts one view per expert under the names transformers' own
+save_pretrained gives them (io/hf_layout.py), in shards of at most `max_shard_size` bytes (a
+tensor larger than that gets a shard of its own), each written in the safetensors layout (io/header.py) by this module:
 a tensor is cast to `dtype` into a buffer of its own size, written and dropped (an fp32 export
 writes the masters' own memory), so the export adds one tensor to the host's memory, never a
 shard. config.json says `dtype`; the tokenizer and generation files of the folder the engine was
@@ -21,8 +22,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ArgumentError, CheckpointError, MegacompileError
-from . import files
+from . import files, unbuilt
 from .header import CODES
+from .hf_layout import DiskLayout
 from .hf_load import INDEX, SINGLE
 
 if TYPE_CHECKING:
@@ -54,7 +56,7 @@ def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.floa
     if config is None or not hasattr(config, "to_json_string"):
         raise MegacompileError("save_pretrained writes a Hugging Face model folder and needs a transformers model "
                                f"(one with a .config); {type(engine.model).__name__} has none: use save_checkpoint")
-    host = engine._host_or_error()
+    host = engine.host       # None before the first step: the tensors come from where they wait
     parent = files.prepare_parent(path, "model folder")
     path = os.fspath(path)
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -62,13 +64,19 @@ def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.floa
                               "replaced); give a new path")
     files.clean_leftovers(parent)
     engine.synchronize()
-    tensors = []   # (state_dict key, host tensor)
+    tensors = []   # (name on disk, host tensor or unbuilt.Lazy)
+    layout = DiskLayout(engine.model)
+    if host is not None:
+        masters, consts = {n: host.master(n) for n in host.slots}, host.consts
+    else:
+        trainable, consts = unbuilt.tables(engine)
+        masters = trainable["master"]
     for key, name in engine._canonical.items():
         if key != name:
             continue   # a tied alias: transformers restores it from the first name
-        source = host.master(name) if name in host.slots else host.consts.get(name)
+        source = masters.get(name, consts.get(name))
         if source is not None:
-            tensors.append((key, source))
+            tensors += _pieces(layout, key, source)      # per-expert views of a fused weight, as transformers saves
     shards = _shards(tensors, dtype, limit)
     tmp = files.partial_path(path)
     try:
@@ -98,6 +106,26 @@ def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.floa
         raise
 
 
+def _pieces(layout: DiskLayout, key: str, source) -> list[tuple[str, object]]:
+    """layout.on_disk for a host tensor, or for a Lazy one: each piece made when written, the whole
+    tensor read once for all its pieces (they are written one after another)."""
+    if not isinstance(source, unbuilt.Lazy):
+        return layout.on_disk(key, source)
+    shapes = layout.on_disk(key, torch.empty(source.shape, device="meta"))
+    if [k for k, _ in shapes] == [key]:
+        return [(key, source)]
+    held: list = []
+
+    def piece(i: int) -> torch.Tensor:
+        if not held:
+            held.append(layout.on_disk(key, source()))
+        out = held[0][i][1]
+        if i == len(shapes) - 1:
+            held.clear()
+        return out
+    return [(k, unbuilt.Lazy(m.shape, source.dtype, lambda i=i: piece(i))) for i, (k, m) in enumerate(shapes)]
+
+
 def _shards(tensors: list, dtype: torch.dtype, limit: int) -> list[list]:
     shards, current, size = [], [], 0
     for key, t in tensors:
@@ -121,6 +149,7 @@ def _write_shard(target: str, shard: list, dtype: torch.dtype) -> None:
     with open(target, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for _, t in shard:
+            t = t() if isinstance(t, unbuilt.Lazy) else t
             out = t if t.dtype == dtype else t.to(dtype)       # one tensor's cast copy at most
             f.write(memoryview(out.contiguous().view(-1).view(torch.uint8).numpy()))
             del out

@@ -31,6 +31,7 @@ class Item:
     key: str       # the tensor's name in the file
     table: str     # WEIGHT, MASTER, CONST or one of TABLES
     name: str      # the canonical parameter or buffer name
+    part: tuple | None = None   # a slice of it (hf_layout.Part: one expert's share of a fused weight)
 
 
 @dataclass
@@ -71,7 +72,9 @@ class PendingLoad:
 
 
 def _write(host, it: Item, t: torch.Tensor) -> None:
-    if it.table in (WEIGHT, MASTER, CONST):
+    if it.part is not None:
+        _write_part(host, it, t)
+    elif it.table in (WEIGHT, MASTER, CONST):
         if it.name not in host.slots and it.name not in host.consts:
             raise WeightsFileError(f"{it.path}: {it.key} is no parameter or buffer of the traced model")
         problems = host.load_problems({it.name: t})
@@ -83,3 +86,17 @@ def _write(host, it: Item, t: torch.Tensor) -> None:
         if tuple(t.shape) != tuple(dst.shape):
             raise WeightsFileError(f"{it.path}: {it.key} has shape {tuple(t.shape)}, the model {tuple(dst.shape)}")
         dst.copy_(t)
+
+
+def _write_part(host, it: Item, t: torch.Tensor) -> None:
+    """One stored expert tensor into its slice of a fused master (and compute copy)."""
+    from .hf_layout import part_of
+    if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+        raise WeightsFileError(f"{it.path}: {it.key} holds inf or NaN, or is not floating point; nothing was loaded")
+    if it.name in host.consts:      # a frozen expert weight
+        part_of(host.consts[it.name], it.part).copy_(t)
+        return
+    part_of(host.view("master", it.name), it.part).copy_(t)
+    buffers = host.owners[host.slots[it.name].owner]
+    if buffers.compute is not buffers.master:
+        part_of(host.source(it.name), it.part).copy_(t)

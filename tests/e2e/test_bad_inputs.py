@@ -65,6 +65,18 @@ def _tiny():
 IDS = models.batch(96, 2, 16)
 
 
+def _meta_engine():
+    with torch.device("meta"):
+        model = _tiny()
+    return megacompile.compile(model, 1.0, device="cpu")
+
+
+def _partial_load(c):
+    engine = _meta_engine()
+    engine.load_state_dict({k: v for k, v in _tiny().state_dict().items() if k != "transformer.ln_f.bias"}, strict=False)
+    engine.load_state_dict({})
+
+
 def _compile(**kw):
     return lambda c: megacompile.compile(_tiny(), **{"hbm_budget": 1.0, "device": "cpu", **kw})
 
@@ -192,8 +204,12 @@ CASES = [
          _save(lambda c: c.tmp)),
     Case("save_checkpoint: path under a file", CheckpointError, r"lies under the file .*a_file",
          _save(lambda c: os.path.join(c.file, "ck.pt"))),
-    Case("save_checkpoint: before any step", megacompile.MegacompileError, r"no host state yet",
-         lambda c: megacompile.compile(_tiny(), 1.0, device="cpu").save_checkpoint(os.path.join(c.tmp, "x.pt"))),
+    Case("save_checkpoint: a meta model before its weights", megacompile.MegacompileError,
+         r"no weights for .*load them .*before saving", lambda c: _meta_engine().save_checkpoint(os.path.join(c.tmp, "x"))),
+    Case("load_state_dict: a part, then strict=True", megacompile.MegacompileError,
+         r"missing \['transformer.ln_f.bias'\].*nothing was loaded.*other parts", _partial_load),
+    Case("load_state_dict: unknown name", megacompile.MegacompileError, r"unexpected \['nope'\]",
+         lambda c: _meta_engine().load_state_dict({"nope": torch.zeros(1)}, strict=False)),
     Case("load_checkpoint: not a checkpoint", megacompile.MegacompileError, r"cannot read the checkpoint",
          lambda c: c.engine.load_checkpoint(c.file)),
     # the command line: exit status 2, one line naming the problem

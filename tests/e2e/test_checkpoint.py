@@ -151,3 +151,81 @@ def test_a_replacement_killed_between_its_renames_puts_the_old_checkpoint_back(t
     (tmp_path / ".ck.999999999.partial").mkdir()    # its new folder, never renamed into place
     files.clean_leftovers(str(tmp_path))
     assert os.listdir(tmp_path) == ["ck"] and os.listdir(tmp_path / "ck") == ["COMMITTED"]
+
+
+def test_planning_after_a_resume_draws_nothing_from_the_random_state(tmp_path, monkeypatch):
+    """A fresh engine plans at its first step, after load_checkpoint restored the random state.
+    Planning that draws random numbers (the first calibration of the cpu profile does, on a cold
+    cache) must not shift the dropout masks: here every plan draws, as a cold cache would."""
+    import megacompile.engine as engine_module
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=32, layers=2, dropout=0.1)
+    batches = _batches(3)
+    make_plan = engine_module.make_plan
+
+    def drawing_plan(*args, **kwargs):
+        torch.randn(512, 512)
+        return make_plan(*args, **kwargs)
+    monkeypatch.setattr(engine_module, "make_plan", drawing_plan)
+    first = _engine(clone(model))
+    s_first = _with_scheduler(first)
+    torch.manual_seed(7)
+    _run(first, s_first, batches[:1])
+    path = str(tmp_path / "ckpt")
+    first.save_checkpoint(path)
+    expected = _run(first, s_first, batches[1:])
+    resumed = _engine(clone(model))
+    s_resumed = _with_scheduler(resumed)
+    resumed.load_checkpoint(path)
+    assert _run(resumed, s_resumed, batches[1:]) == expected
+
+
+def test_a_checkpoint_saved_before_the_first_step_resumes_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=32, layers=2, dropout=0.1)
+    batches = _batches(2)
+    first = _engine(clone(model))
+    s_first = _with_scheduler(first)
+    path = str(tmp_path / "step-0")
+    torch.manual_seed(7)
+    first.save_checkpoint(path)                  # no step, no prepare(): from the model's own weights
+    assert first.host is None
+    expected = _run(first, s_first, batches)
+    resumed = _engine(clone(model))
+    s_resumed = _with_scheduler(resumed)
+    torch.manual_seed(123)
+    resumed.load_checkpoint(path)
+    assert _run(resumed, s_resumed, batches) == expected
+    with torch.device("meta"):
+        empty = _engine(models.NanoGPT(vocab=96, d=32, layers=2))
+    with pytest.raises(megacompile.MegacompileError, match="no weights for .* before saving"):
+        empty.save_checkpoint(str(tmp_path / "empty"))
+    assert not os.path.exists(str(tmp_path / "empty"))
+
+
+def _one_file_checkpoint(engine, path):
+    """What the one-file format (megacompile-checkpoint/1) held, written as it was."""
+    from megacompile.checkpoint import FORMAT
+    host = engine.host
+    engine.synchronize()
+    table = lambda buffer: {n: host.view(buffer, n).clone() for n in host.slots}  # noqa: E731
+    torch.save({"format": FORMAT, "masters": table("master"), "exp_avg": table("exp_avg"),
+                "exp_avg_sq": table("exp_avg_sq"), "buffers": {n: t.clone() for n, t in host.consts.items()},
+                "steps_done": engine.steps_done, "micro_batches": engine.micro_batches, "grad_accum": 1,
+                "lr_handle": engine.torch_optimizer.param_groups[0]["lr"], "rng": torch.get_rng_state()}, path)
+
+
+def test_a_one_file_checkpoint_resumes_on_a_fresh_engine(tmp_path):
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=32, layers=2, dropout=0.1)
+    batches = _batches(3)
+    first = _engine(clone(model))
+    torch.manual_seed(7)
+    first.step(idx=batches[0], targets=batches[0])
+    path = str(tmp_path / "old.ckpt.pt")
+    _one_file_checkpoint(first, path)
+    expected = [first.step(idx=ids, targets=ids) for ids in batches[1:]]
+    resumed = _engine(clone(model))
+    resumed.load_checkpoint(path)                # no prepare(): the tensors wait for the first step
+    assert resumed.host is None and resumed.steps_done == 1
+    assert [resumed.step(idx=ids, targets=ids) for ids in batches[1:]] == expected

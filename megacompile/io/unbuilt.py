@@ -1,0 +1,87 @@
+"""The state of an engine that has not built its host state yet (no step or prepare() so far: the
+flat buffers' layout comes from the first trace), one tensor at a time, for saves and exports.
+
+Each tensor is a `Lazy`: its shape and dtype now, its values when called, read from where they
+are -- the weight files of a pending from_pretrained or load_checkpoint (a fused expert weight
+assembled from its per-expert tensors), the parts given to load_state_dict, or the model's own
+tensors -- and cast to fp32 for the trainable ones, as the masters would hold them. AdamW's
+moments are zeros until a checkpoint says otherwise. Only the tensor being written is in memory.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from safetensors import safe_open
+
+from ..errors import MegacompileError
+from .source import CONST, MASTER, TABLES, WEIGHT, PendingLoad
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+
+class Lazy:
+    def __init__(self, shape: tuple, dtype: torch.dtype, produce: Callable[[], torch.Tensor]):
+        self.shape, self.dtype, self._produce = torch.Size(shape), dtype, produce
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __call__(self) -> torch.Tensor:
+        return self._produce()
+
+
+def tables(engine: "Engine") -> tuple[dict[str, dict[str, Lazy]], dict[str, Lazy]]:
+    """({master, exp_avg, exp_avg_sq, grad} -> {name: Lazy} for the trainable parameters,
+    {name: Lazy} for buffers and frozen weights)."""
+    from .checkpoint import expected_state
+    from .state_dict import LoadedParts
+    trainable, const = expected_state(engine)
+    own = {engine._canonical.get(n, n): t for n, t in list(engine.model.named_parameters())
+           + list(engine.model.named_buffers())}
+    sources: dict[str, dict[str, Callable]] = defaultdict(dict)
+    for name, t in own.items():
+        if not t.is_meta and (engine._materialized or name in const):
+            sources[MASTER][name] = lambda t=t: t.detach()
+    pending, kept = engine._pending_load, {}
+    if isinstance(pending, LoadedParts):
+        pending, kept = pending.before, pending.kept
+    if isinstance(pending, PendingLoad):
+        by_name = defaultdict(list)
+        for it in pending.items:
+            by_name[(MASTER if it.table in (WEIGHT, CONST) else it.table, it.name)].append(it)
+        for (table, name), items in by_name.items():
+            sources[table][name] = lambda items=items, name=name: _read(items, trainable.get(name) or const[name])
+    for name, t in kept.items():
+        sources[MASTER][name] = lambda t=t: t
+    out: dict[str, dict[str, Lazy]] = {}
+    missing = [n for n in trainable if n not in sources[MASTER]]
+    if missing:
+        raise MegacompileError(f"the model has no weights for {', '.join(missing[:4])} yet (built on meta): load "
+                               "them (load_state_dict, load_checkpoint) before saving")
+    for table in (MASTER,) + TABLES:
+        out[table] = {n: Lazy(shape, torch.float32, _fp32(sources[table].get(n), shape))
+                      for n, shape in trainable.items() if table != "grad" or n in sources["grad"]}
+    consts = {n: Lazy(shape, own[n].dtype, sources[MASTER][n]) for n, shape in const.items() if n in sources[MASTER]}
+    return out, consts
+
+
+def _fp32(produce: Callable | None, shape: tuple) -> Callable[[], torch.Tensor]:
+    if produce is None:   # a moment nothing has written: zero, as AdamW starts
+        return lambda: torch.zeros(shape)
+    return lambda: produce().to(torch.float32)
+
+
+def _read(items: list, shape: tuple) -> torch.Tensor:
+    """One tensor from its file, or a fused expert weight from its per-expert tensors."""
+    from .hf_layout import part_of
+    if len(items) == 1 and items[0].part is None:
+        with safe_open(items[0].path, framework="pt", backend="pread") as f:
+            return f.get_tensor(items[0].key)
+    out = torch.empty(shape, dtype=torch.float32)
+    for it in items:
+        with safe_open(it.path, framework="pt", backend="pread") as f:
+            part_of(out, it.part).copy_(f.get_tensor(it.key))
+    return out
