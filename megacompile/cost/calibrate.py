@@ -38,7 +38,8 @@ def _cache_path() -> Path:
 
 def measure() -> HardwareProfile:
     n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    own = torch.Generator().manual_seed(0)     # the global stream is the model's dropout's, not ours
+    a, b = torch.randn(n, n, generator=own), torch.randn(n, n, generator=own)
     matmul = 2 * n**3 / _median_seconds(lambda: a @ b)
     big = torch.empty(32 * 2**20 // 4)
     other = torch.empty_like(big)
@@ -171,9 +172,10 @@ def measure_gpu(device: torch.device | None = None) -> HardwareProfile:
         return start.elapsed_time(end) / 1e3 / repeat
 
     n = 8192
+    own = torch.Generator(device=device).manual_seed(0)     # leaves the global streams to the model
     peaks = {}
     for dtype in (torch.bfloat16, torch.float32):
-        a = torch.randn(n, n, device=device, dtype=dtype)
+        a = torch.empty(n, n, device=device, dtype=dtype).uniform_(-1, 1, generator=own)
         peaks[dtype] = 2 * n**3 / gpu_seconds(lambda: a @ a)
     big = torch.empty(2**28, dtype=torch.uint8, device=device)      # 256 MiB
     other = torch.empty_like(big)

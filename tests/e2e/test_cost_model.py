@@ -10,6 +10,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 import megacompile
 from megacompile.cli import main
@@ -129,7 +130,9 @@ def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys)
 
 def test_a_calibrated_profile_plans(tmp_path, capsys):
     profile = tmp_path / "profile.json"
+    before = torch.random.get_rng_state()
     assert main(["calibrate", "--device", "cpu", "--out", str(profile)]) == 0
+    assert torch.equal(torch.random.get_rng_state(), before), "calibrating drew from the model's random stream"
     measured = json.loads(profile.read_text())
     assert measured["peak_fp32"] > 0 and measured["h2d_bw"] > 0
     plan = megacompile.plan(SMALL_LLAMA, 1.0, hardware=str(profile), batch=2, seq=64)
