@@ -34,7 +34,8 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
             compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
             loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None,
             grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
-            on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None) -> Engine:
+            on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None,
+            accumulation: str = "micro") -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -55,13 +56,17 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                    host state, the AdamW moments (8 B/param) go there first, then the fp32 masters
                    (4 B/param), streamed past the host AdamW (megacompile/storage)
     nvme_budget:   GiB the disk tier may take in nvme_dir; default: the disk's free space
+    accumulation:  with grad_accum > 1, "micro" (default: each call through the whole model),
+                   "layer" (the step's micro-batches through each block together: weights cross
+                   the link once per direction per step; the first grad_accum-1 calls of a step
+                   return None and the last runs them all) or "auto" (the planner's choice)
 
     torch LR schedulers attach to `engine.torch_optimizer`.
     """
     return Engine(model, hbm_budget, optimizer=optimizer, compute_dtype=compute_dtype, device=device,
                   loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir, grad_accum=grad_accum,
                   fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite, nvme_dir=nvme_dir,
-                  nvme_budget=nvme_budget)
+                  nvme_budget=nvme_budget, accumulation=accumulation)
 
 
 __all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",

@@ -34,6 +34,7 @@ from .cost.host_memory import free_disk_bytes
 from .planner import make_plan, place_host_state
 from .runtime import Executor, HostState, make_backend
 from .runtime.executor import NonFiniteLoss
+from .accumulate import check_mode, layer_major_step
 
 GiB = 2 ** 30
 
@@ -50,7 +51,8 @@ class Engine:
                  compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
                  loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
                  grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
-                 on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None):
+                 on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None,
+                 accumulation: str = "micro"):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         self.budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
@@ -83,6 +85,7 @@ class Engine:
         self.retrace = retrace
         self.dump_dir = dump_dir
         self.grad_accum = grad_accum
+        self.accumulation = check_mode(accumulation)    # megacompile/accumulate
         self.backend = make_backend(device, self.budget_bytes)
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
@@ -140,10 +143,12 @@ class Engine:
             self._shapes_seen += 1
         if self.host is None:
             # Before allocating: too little host RAM (and disk) must fail here, not in the allocator.
-            self.host_cost = place_host_state(captured, self.compute_dtype, self.grad_accum, self.host_budget_bytes,
+            # Layer-major lands one gradient sum per step: no fp32 accumulator ('auto' keeps one).
+            host_accum = 1 if self.accumulation == "layer" else self.grad_accum
+            self.host_cost = place_host_state(captured, self.compute_dtype, host_accum, self.host_budget_bytes,
                                               self._nvme_budget())
             host = HostState(captured, self.compute_dtype, pin=self.backend.name == "cuda",
-                             grad_accum=self.grad_accum, placement=self.host_cost.placement,
+                             grad_accum=host_accum, placement=self.host_cost.placement,
                              nvme_dir=self.nvme_dir)
             # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
             # stream in now, one tensor at a time; a failure leaves the engine without host state.
@@ -154,7 +159,8 @@ class Engine:
             self.host, self._pending_load = host, None
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
                          host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse,
-                         host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost)
+                         host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
+                         grad_accum=self.grad_accum, accumulation=self.accumulation)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self._adamw, self._clip)
         compiled = _Compiled(plan.captured, plan, executor)
         self._compiled[(signature, kind)] = compiled
@@ -228,6 +234,10 @@ class Engine:
         micro-batch's own landing grads is written, so an exception anywhere (an op, the budget
         guard, KeyboardInterrupt) leaves masters, moments, counters and the device ledger as
         they were, and a non-finite loss or gradient skips the whole step."""
+        if self.grad_accum > 1 and self.accumulation != "micro":
+            loss = layer_major_step(self, args, kwargs)
+            if loss is not NotImplemented:
+                return loss
         micro = self.micro_batches % self.grad_accum
         last = micro == self.grad_accum - 1
         compiled = self._compile(args, kwargs, train=True, update=last)
