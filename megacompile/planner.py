@@ -67,13 +67,16 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     # the whole budget.
     reserve = device_reserve(captured, budget_bytes, hardware, backend)
     plan_bytes = max(0, budget_bytes - reserve.total)
-    space = search_space(captured, blocks, hardware,
-                         None if host_budget_bytes is None else host_budget_bytes - host_bytes, device_room=plan_bytes)
+    host_room = None if host_budget_bytes is None else host_budget_bytes - host_bytes
     layer = layer_major_k(captured, kind, grad_accum, accumulation)
     choice, minimum = None, None
     if accumulation != "layer" or layer == 1:
-        choice, minimum = solve(blocks, plan_bytes, peak_of, seconds_of, space)
+        choice, minimum = solve(blocks, plan_bytes, peak_of, seconds_of,
+                                search_space(captured, blocks, hardware, host_room, device_room=plan_bytes))
     if layer > 1:
+        # Every micro-batch of a layer-major step stashes what one would: k times the host bytes.
+        space = search_space(captured, blocks, hardware, None if host_room is None else host_room // layer,
+                             device_room=plan_bytes)
         choice, minimum = pick_accumulation(blocks, plan_bytes, peak_of, seconds_of, space, layer, choice, minimum)
     ledger_minimum, minimum = minimum, smallest_budget(minimum, captured, hardware, backend)
     if choice is None:
