@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from .capture import capture
+from .capture.top import blocks_grouped_once
 from .cost import HardwareProfile, get_profile
 from . import arguments
 from .errors import ArgumentError, MegacompileError
@@ -97,18 +98,19 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     best, smallest, host_short = None, None, None
     micro = global_batch
-    while micro >= 1:
-        if global_batch % micro == 0:
-            try:
-                candidate = plan(model, hbm_budget, batch=micro, grad_accum=global_batch // micro, **kwargs)
-            except BudgetTooSmallError as e:
-                smallest = e
-            except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
-                host_short = host_short or e
-            else:
-                if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
-                    best = (candidate, global_batch // micro)
-        micro //= 2
+    with blocks_grouped_once():    # blocks found alike at the first micro-batch size stay alike
+        while micro >= 1:
+            if global_batch % micro == 0:
+                try:
+                    candidate = plan(model, hbm_budget, batch=micro, grad_accum=global_batch // micro, **kwargs)
+                except BudgetTooSmallError as e:
+                    smallest = e
+                except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
+                    host_short = host_short or e
+                else:
+                    if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
+                        best = (candidate, global_batch // micro)
+            micro //= 2
     if best is None:
         # Host RAM, when it stopped the micro-batches small enough for the device.
         raise host_short or smallest
