@@ -162,7 +162,7 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
             return Short(captured, choice, ()), None
         if choice in cuts:
             return cuts[choice]
-        cut = shorten(captured, blocks, choice, max(choice.offload_lag, choice.prefetch_depth) + 1)
+        cut = shortened(choice)
         if not cut.runs:
             cuts[choice] = cut, None
             return cuts[choice]
@@ -174,6 +174,17 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
                                       disk_per_param)
         cuts[choice] = cut, judged[key]
         return cuts[choice]
+
+    by_blocks: dict[ScheduleChoice, Short] = {}
+
+    def shortened(choice: ScheduleChoice) -> Short:
+        # The cut depends on what the blocks do, not on how many micro-batches run through them.
+        base = dataclasses.replace(choice, micro_batches=1)
+        if base not in by_blocks:
+            by_blocks[base] = shorten(captured, blocks, base, max(base.offload_lag, base.prefetch_depth) + 1)
+        cut = by_blocks[base]
+        return cut if base == choice else Short(cut.captured, dataclasses.replace(
+            cut.choice, micro_batches=choice.micro_batches), cut.runs)
 
     def peak_of(choice: ScheduleChoice) -> int:
         if choice not in peaks:

@@ -20,9 +20,7 @@ micro-batch), so the planner offers this schedule only for stages without random
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
-from megacompile.ir.program import COMPUTE_OPS, Node, Op, Program, Value, base_name, grads, of_micro
+from megacompile.ir.program import COMPUTE_OPS, Node, Op, Program, Value, grads, of_micro
 
 SHARED = ("weights", "host")     # one copy for every micro-batch
 
@@ -82,24 +80,23 @@ def layer_major(program: Program, k: int) -> Program:
             return sum_name(stage_of_grads[v], m)
         return of_micro(v, m)
 
+    names = [{v: rename(v, m) for v in values} for m in range(k)]
     new_values: dict[str, Value] = {}
     for v, val in values.items():
+        own = [key for key, _ in val.parts if key not in shared_keys and key not in grad_keys]
         for m in range(k):
-            name = rename(v, m)
-            parts = tuple((key if key in shared_keys or key in grad_keys else of_micro(key, m), b)
-                          for key, b in val.parts)
-            new_values[name] = Value(name, parts, val.kind)
+            parts = tuple((of_micro(key, m) if key in own else key, b) for key, b in val.parts) if own else val.parts
+            new_values[names[m][v]] = Value(names[m][v], parts, val.kind)
 
     def copy(n: Node, m: int) -> Node:
-        reads = tuple(rename(v, m) for v in n.reads)
-        writes = tuple(rename(v, m) for v in n.writes)
-        frees = tuple(rename(v, m) for v in n.frees)
-        if n.op is Op.BACKWARD and grads(n.stage) in n.writes and m > 0:
+        name = names[m]
+        reads = tuple(name[v] for v in n.reads)
+        if n.op is Op.BACKWARD and m > 0 and grads(n.stage) in n.writes:
             # Adds into the running sum, read last. Its own fresh gradients are graph outputs, which
             # its transient already counts beside everything live (the sum included).
             reads += (sum_name(n.stage, m - 1),)
-        return replace(n, reads=reads, writes=writes, frees=frees, micro=m,
-                       note=(n.note + f" (micro-batch {m})").strip())
+        return Node(n.op, n.stage, reads, tuple(name[v] for v in n.writes), tuple(name[v] for v in n.frees),
+                    n.origin, f"{n.note} (micro-batch {m})".strip(), n.transient, m)
 
     head, units = _units(program.nodes)
     out = [copy(n, m) for m in range(k) for n in head]
@@ -109,10 +106,3 @@ def layer_major(program: Program, k: int) -> Program:
     result.values = new_values
     return result
 
-
-def micro_of(name: str) -> int:
-    """The micro-batch a renamed value belongs to (0 for a shared one)."""
-    return int(name.split("@", 1)[1]) if "@" in name else 0
-
-
-__all__ = ["layer_major", "micro_of", "base_name"]
