@@ -7,7 +7,8 @@ block by block, the backwards likewise, lands one gradient sum per parameter on 
 grad_accum=1: no fp32 accumulator), and updates the masters. It returns the last micro-batch's
 loss; `engine.accumulated_losses` holds all k. A step is all or nothing as before: an exception
 leaves the waiting micro-batches waiting (the failed one is not kept, so it can be retried), a
-non-finite loss or gradient drops the whole step.
+non-finite loss or gradient drops the whole step. The waiting micro-batches live in the engine
+only: a checkpoint saved while some wait does not hold them (save between optimizer steps).
 """
 from __future__ import annotations
 
