@@ -29,7 +29,7 @@ def one_micro_batch(args) -> dict[str, float]:
     from megacompile.errors import BudgetTooSmallError
     from megacompile.passes.fusion import fuse
     from megacompile.planner import make_plan
-    from megacompile.planning import host_bytes_of
+    from megacompile.cost.host_memory import host_costs
     seconds = {"imports": IMPORTS_S}
     t = time.perf_counter()
     model = model_from_config(args.config)
@@ -45,7 +45,7 @@ def one_micro_batch(args) -> dict[str, float]:
     t = time.perf_counter()
     try:
         plan = make_plan(captured, int(args.hbm_budget * 2**30), backend=f"planned for {args.hardware}",
-                         host_bytes=host_bytes_of(model, torch.bfloat16), hardware=get_profile(args.hardware))
+                         host_bytes=host_costs(captured, torch.bfloat16)[0].ram_bytes, hardware=get_profile(args.hardware))
         print(plan.summary())
     except BudgetTooSmallError as e:
         print(f"does not fit: {e}")

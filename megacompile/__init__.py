@@ -35,7 +35,7 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
             loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None,
             grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
             on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None,
-            process_group=None) -> Engine:
+            process_group=None, accumulation: str = "micro") -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -59,13 +59,17 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
     process_group: data parallelism over these torch.distributed ranks (default: the initialised
                    default group, if it has 2 or more): each rank steps on its own micro-batch and
                    holds 1/R of the masters and AdamW state (docs/distributed.md)
+    accumulation:  with grad_accum > 1, "micro" (default: each call through the whole model),
+                   "layer" (the step's micro-batches through each block together: weights cross
+                   the link once per direction per step; the first grad_accum-1 calls of a step
+                   return None and the last runs them all) or "auto" (the planner's choice)
 
     torch LR schedulers attach to `engine.torch_optimizer`.
     """
     return Engine(model, hbm_budget, optimizer=optimizer, compute_dtype=compute_dtype, device=device,
                   loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir, grad_accum=grad_accum,
                   fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite, nvme_dir=nvme_dir,
-                  nvme_budget=nvme_budget, process_group=process_group)
+                  nvme_budget=nvme_budget, process_group=process_group, accumulation=accumulation)
 
 
 __all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",

@@ -60,7 +60,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.global_batch and fits:
         micro = args.global_batch // accumulate
         print(f"  micro-batch    {micro} x {accumulate} accumulated = {args.global_batch} "
-              f"(compile(..., grad_accum={accumulate})), the fastest split that fits")
+              f"(compile(..., grad_accum={accumulate}"
+              + (", accumulation='layer'" if result.micro_batches_per_run > 1 else "") + ")), the fastest split that fits")
     verdict = ("fits" if fits else f"does NOT fit: needs {fmt_bytes(result.minimum_budget_bytes)} of device memory, "
                f"{args.hbm_budget:g} GiB given")
     print(f"  verdict        {verdict}")
@@ -71,8 +72,7 @@ def _plan(args: argparse.Namespace) -> int:
         summary["fits"] = fits
         summary["budget_bytes"] = int(args.hbm_budget * 2**30)
         summary["grad_accum"] = accumulate
-        # Micro-batch-major accumulation: every micro-batch fetches the weights again.
-        summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_step * accumulate
+        summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_optimizer_step
         summary["weight_bytes"] = result.weight_bytes
         if scaled is not None:
             summary["data_parallel"] = scaled.to_json()

@@ -35,6 +35,7 @@ from .planner import make_plan, place_host_state
 from .runtime import Executor, HostState, make_backend
 from .runtime.executor import NonFiniteLoss
 from .distributed import data_parallel_for
+from .accumulate import check_mode, layer_major_step
 
 GiB = 2 ** 30
 
@@ -52,7 +53,7 @@ class Engine:
                  loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
                  grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
                  on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None,
-                 process_group=None):
+                 process_group=None, accumulation: str = "micro"):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         self.budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
@@ -89,6 +90,10 @@ class Engine:
         self.retrace = retrace
         self.dump_dir = dump_dir
         self.grad_accum = grad_accum
+        self.accumulation = check_mode(accumulation)    # megacompile/accumulate
+        if self.accumulation != "micro" and self.data_parallel is not None:
+            raise ArgumentError(f"accumulation={accumulation!r} is not supported with data parallelism yet: "
+                                "use accumulation='micro' (the default) with process groups")
         self.backend = make_backend(device, self.budget_bytes)
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
@@ -154,12 +159,13 @@ class Engine:
             self._shapes_seen += 1
         if self.host is None:
             # Before allocating: too little host RAM (and disk) must fail here, not in the allocator.
-            self.host_cost = place_host_state(captured, self.compute_dtype, self.grad_accum, self.host_budget_bytes,
+            # Layer-major lands one gradient sum per step: no fp32 accumulator ('auto' keeps one).
+            host_accum = 1 if self.accumulation == "layer" else self.grad_accum
+            self.host_cost = place_host_state(captured, self.compute_dtype, host_accum, self.host_budget_bytes,
                                               self._nvme_budget())
             host = (HostState if self.data_parallel is None else self.data_parallel.host_state)(
                 captured, self.compute_dtype, pin=self.backend.name == "cuda",
-                             grad_accum=self.grad_accum, placement=self.host_cost.placement,
-                             nvme_dir=self.nvme_dir)
+                grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir)
             # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
             # stream in now, one tensor at a time; a failure leaves the engine without host state.
             if self._pending_load is not None:
@@ -169,7 +175,8 @@ class Engine:
             self.host, self._pending_load = host, None
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
                          host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse,
-                         host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost)
+                         host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
+                         grad_accum=self.grad_accum, accumulation=self.accumulation)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self._adamw, self._clip)
         compiled = _Compiled(plan.captured, plan, executor)
         plan.timeline = self.backend.timeline     # its measured step, for traces and the memory picture
@@ -244,6 +251,10 @@ class Engine:
         guard, KeyboardInterrupt) leaves masters, moments, counters and the device ledger as
         they were, and a non-finite loss or gradient skips the whole step."""
         started = time.perf_counter()
+        if self.grad_accum > 1 and self.accumulation != "micro":
+            loss = layer_major_step(self, args, kwargs)
+            if loss is not NotImplemented:
+                return loss
         micro = self.micro_batches % self.grad_accum
         last = micro == self.grad_accum - 1
         compiled = self._compile(args, kwargs, train=True, update=last)
@@ -406,14 +417,20 @@ class Engine:
             raise MegacompileError("no host state yet: the first step() or prepare(...) builds it")
         return self.host
 
+    def _checkpoint_room(self):
+        """io.checkpoint, or with data parallelism distributed.checkpoint (each rank its share)."""
+        if self.data_parallel is not None:
+            from .distributed import checkpoint as sharded
+            return sharded
+        from .io import checkpoint
+        return checkpoint
+
     def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
         """Write a checkpoint folder at `path`: masters, AdamW moments, counters, optimizer settings,
         LR-schedule state (attached torch schedulers too), random states and `extra` (JSON: e.g.
         the data loader's position). Returns once it is durable. keep_last=N removes all but the N
         latest committed checkpoints in the same parent folder."""
-        from .io import checkpoint
-        if self.data_parallel is not None:    # each rank writes its share
-            from .distributed import checkpoint
+        checkpoint = self._checkpoint_room()
         checkpoint.save(self, path, extra=extra, keep_last=keep_last)
 
     def load_checkpoint(self, path: str, *, strict: bool = False) -> Any:
@@ -421,10 +438,7 @@ class Engine:
         the saved run left off. Every file, name, shape and checksum is checked before any state
         changes. Differing optimizer settings or grad_accum warn (raise with strict=True); the
         engine's own are kept. Returns the `extra` state it was saved with."""
-        from .io import checkpoint
-        if self.data_parallel is not None:    # each rank reads its share
-            from .distributed import checkpoint
-        return checkpoint.load(self, path, strict=strict)
+        return self._checkpoint_room().load(self, path, strict=strict)
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
                         max_shard_size: int | str = "5GB") -> None:

@@ -17,7 +17,7 @@ from .cost import HardwareProfile, StepPrediction
 from .cost.host_memory import HostCost
 from .cost.reserve import DeviceReserve
 from .ir.printer import fmt_bytes, fmt_seconds, format_program
-from .ir.program import Op, Program
+from .ir.program import Op, Program, base_name
 from .ir.simulate import MemoryCurve, simulate
 
 
@@ -88,6 +88,17 @@ class Plan:
                    if n.op is Op.PREFETCH and self.program.values[n.writes[0]].kind == "weights")
 
     @property
+    def micro_batches_per_run(self) -> int:
+        """Micro-batches one run of the program takes: 1, or grad_accum for layer-major accumulation."""
+        return self.program.facts.get("micro_batches", 1)
+
+    @property
+    def weight_h2d_bytes_per_optimizer_step(self) -> int:
+        """Weights over the link per optimizer step: one run's for layer-major accumulation,
+        grad_accum runs' for micro-batch-major."""
+        return self.weight_h2d_bytes_per_step * max(1, self.grad_accum // self.micro_batches_per_run)
+
+    @property
     def d2h_bytes_per_step(self) -> int:
         return sum(self.program.values[n.reads[0]].nbytes for n in self.program.nodes
                    if n.op in (Op.OFFLOAD, Op.OUTPUT))
@@ -116,7 +127,7 @@ class Plan:
         reads and writes within the time of the step's micro-batches. None without a prediction."""
         if self.prediction is None:
             return None
-        return 2 * self.disk_bytes_per_step / (self.prediction.step_s * self.grad_accum)
+        return 2 * self.disk_bytes_per_step / (self.prediction.step_s * self.grad_accum / self.micro_batches_per_run)
 
     @property
     def host_bytes_per_param(self) -> float | None:
@@ -167,9 +178,10 @@ class Plan:
             if t.kind != "block":
                 continue
             hold = "recompute" if s in recomputed else "offload" if s in offloaded else "keep"
-            saved_bytes = self.program.values[f"saved{s}"].nbytes
+            # Per micro-batch: a layer-major program names micro-batch m's values `<name>@m`.
+            saved_bytes = self.program.values[next(w for w in forwards[s].writes if base_name(w) == f"saved{s}")].nbytes
             forward = forwards[s]
-            input_bytes = sum(self.program.values[v].nbytes for v in forward.reads if v in sent)
+            input_bytes = sum(self.program.values[v].nbytes for v in forward.reads if base_name(v) in sent)
             r = {"stage": self.program.stage_names[s], "template": template_of[s], "hold": hold,
                  "saved_bytes": saved_bytes, "selective": t.full is not None, "input_to_host_bytes": input_bytes}
             if t.full is not None:
@@ -267,6 +279,9 @@ class Plan:
             **self._disk_json(),
             "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "weight_h2d_bytes_per_step": self.weight_h2d_bytes_per_step,
+            "weight_h2d_bytes_per_optimizer_step": self.weight_h2d_bytes_per_optimizer_step,
+            "grad_accum": self.grad_accum,
+            "accumulation": "layer-major" if self.micro_batches_per_run > 1 else "micro-batch-major",
             "d2h_bytes_per_step": self.d2h_bytes_per_step,
             "prefetch_depth": choice.prefetch_depth if choice else None,
             "recompute": self.recomputed,

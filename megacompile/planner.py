@@ -1,10 +1,11 @@
 """From a captured model and a budget to a verified plan, or an error naming the smallest budget."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from .capture import CapturedModel
-from .errors import BudgetTooSmallError, HostMemoryError
+from .errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from .ir.printer import fmt_bytes
 from .ir.simulate import simulate
 from .ir.verify import verify
@@ -28,12 +29,16 @@ GiB = 2 ** 30
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
               host_bytes: int, dump_dir: str | None = None, fuse: bool = False,
               hardware: HardwareProfile | None = None, host_budget_bytes: int | None = None,
-              host_cost: HostCost | None = None) -> Plan:
+              host_cost: HostCost | None = None, grad_accum: int = 1, accumulation: str = "micro") -> Plan:
     """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
     rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs.
 
     `host_bytes`: host RAM the masters and AdamW state take; with `host_budget_bytes`, activations
-    are offloaded only as far as the rest of that budget holds them."""
+    are offloaded only as far as the rest of that budget holds them.
+
+    With `grad_accum` k > 1 and `accumulation` "layer", the plan runs the k micro-batches of a
+    step in one program, layer by layer (passes/layer_major.py); "auto" takes it when its predicted
+    step is shorter than k micro-batch-major steps."""
     require_host_room(host_bytes, host_budget_bytes)
     if fuse:
         from .passes.fusion import fuse as fuse_stages
@@ -62,10 +67,17 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     # the whole budget.
     reserve = device_reserve(captured, budget_bytes, hardware, backend)
     plan_bytes = max(0, budget_bytes - reserve.total)
-    choice, minimum = solve(blocks, plan_bytes, peak_of, seconds_of, search_space(captured, blocks, hardware,
-                                                                        None if host_budget_bytes is None
-                                                                        else host_budget_bytes - host_bytes,
-                                                                        device_room=plan_bytes))
+    host_room = None if host_budget_bytes is None else host_budget_bytes - host_bytes
+    layer = layer_major_k(captured, kind, grad_accum, accumulation)
+    choice, minimum = None, None
+    if accumulation != "layer" or layer == 1:
+        choice, minimum = solve(blocks, plan_bytes, peak_of, seconds_of,
+                                search_space(captured, blocks, hardware, host_room, device_room=plan_bytes))
+    if layer > 1:
+        # Every micro-batch of a layer-major step stashes what one would: k times the host bytes.
+        space = search_space(captured, blocks, hardware, None if host_room is None else host_room // layer,
+                             device_room=plan_bytes)
+        choice, minimum = pick_accumulation(blocks, plan_bytes, peak_of, seconds_of, space, layer, choice, minimum)
     ledger_minimum, minimum = minimum, smallest_budget(minimum, captured, hardware, backend)
     if choice is None:
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
@@ -83,7 +95,50 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     captured = with_selective(captured, choice.selective)
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
                 prediction=predict(program, captured, hardware, disk_per_param), host_budget_bytes=host_budget_bytes,
-                reserve=reserve, host_cost=host_cost)
+                reserve=reserve, host_cost=host_cost, grad_accum=grad_accum)
+
+
+def layer_major_k(captured: CapturedModel, kind: StepKind, grad_accum: int, accumulation: str) -> int:
+    """Micro-batches a layer-major program would take (1: micro-batch-major only). Random ops would
+    draw in another order than eager accumulation: 'layer' is refused for them, 'auto' never offers it."""
+    if grad_accum == 1 or accumulation == "micro" or not captured.train or not kind.update:
+        return 1
+    random = [st.name for st in captured.stages if st.template.random and _draws(st.template.forward.body)]
+    if random and accumulation == "layer":
+        raise ArgumentError(f"accumulation='layer' runs the micro-batches of a step block by block, so random ops "
+                        f"({', '.join(random[:3])}) would draw other values than eager accumulation; set dropout "
+                        "to 0 or use accumulation='micro'")
+    return 1 if random else grad_accum
+
+
+def _draws(body) -> bool:
+    """Whether a graph's random ops can change a result: SDPA and dropout with probability 0 carry
+    the random tag but give the same values whatever they draw."""
+    from .capture.split import is_random
+    for n in body:
+        if n.op != "call_function" or not is_random(n):
+            continue
+        names = [a.name for a in n.target._schema.arguments]
+        given = dict(zip(names, n.args)) | dict(n.kwargs)
+        p = given.get("dropout_p", given.get("p"))
+        if not isinstance(p, (int, float)) or p != 0:
+            return True
+    return False
+
+
+def pick_accumulation(blocks: list[int], plan_bytes: int, peak_of, seconds_of, space, k: int,
+                      micro_choice: ScheduleChoice | None, micro_minimum: int | None):
+    """The layer-major choice for k micro-batches, unless k micro-batch-major steps (`micro_choice`,
+    None when not offered or nothing fit) are predicted shorter."""
+    def lm(c: ScheduleChoice) -> ScheduleChoice:
+        return dataclasses.replace(c, micro_batches=k)
+    choice, minimum = solve(blocks, plan_bytes, lambda c: peak_of(lm(c)), lambda c: seconds_of(lm(c)), space)
+    minimum = minimum if micro_minimum is None else min(minimum, micro_minimum)
+    if choice is None:
+        return micro_choice, minimum
+    if micro_choice is not None and k * seconds_of(micro_choice) <= seconds_of(lm(choice)):
+        return micro_choice, minimum
+    return lm(choice), minimum
 
 
 def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile,
@@ -107,7 +162,7 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
             return Short(captured, choice, ()), None
         if choice in cuts:
             return cuts[choice]
-        cut = shorten(captured, blocks, choice, max(choice.offload_lag, choice.prefetch_depth) + 1)
+        cut = shortened(choice)
         if not cut.runs:
             cuts[choice] = cut, None
             return cuts[choice]
@@ -119,6 +174,17 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
                                       disk_per_param)
         cuts[choice] = cut, judged[key]
         return cuts[choice]
+
+    by_blocks: dict[ScheduleChoice, Short] = {}
+
+    def shortened(choice: ScheduleChoice) -> Short:
+        # The cut depends on what the blocks do, not on how many micro-batches run through them.
+        base = dataclasses.replace(choice, micro_batches=1)
+        if base not in by_blocks:
+            by_blocks[base] = shorten(captured, blocks, base, max(base.offload_lag, base.prefetch_depth) + 1)
+        cut = by_blocks[base]
+        return cut if base == choice else Short(cut.captured, dataclasses.replace(
+            cut.choice, micro_batches=choice.micro_batches), cut.runs)
 
     def peak_of(choice: ScheduleChoice) -> int:
         if choice not in peaks:

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from .capture import capture
+from .capture.top import blocks_grouped_once
 from .cost import HardwareProfile, get_profile
 from . import arguments
 from .errors import ArgumentError, MegacompileError
@@ -22,6 +23,7 @@ from .passes import StepKind
 from .plan import Plan
 from .cost.hardware import replace
 from .cost.host_memory import host_costs
+from .accumulate import check_mode
 from .planner import make_baseline_plan, make_plan, place_host_state
 
 GiB = 2 ** 30
@@ -96,18 +98,19 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     best, smallest, host_short = None, None, None
     micro = global_batch
-    while micro >= 1:
-        if global_batch % micro == 0:
-            try:
-                candidate = plan(model, hbm_budget, batch=micro, grad_accum=global_batch // micro, **kwargs)
-            except BudgetTooSmallError as e:
-                smallest = e
-            except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
-                host_short = host_short or e
-            else:
-                if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
-                    best = (candidate, global_batch // micro)
-        micro //= 2
+    with blocks_grouped_once():    # blocks found alike at the first micro-batch size stay alike
+        while micro >= 1:
+            if global_batch % micro == 0:
+                try:
+                    candidate = plan(model, hbm_budget, batch=micro, grad_accum=global_batch // micro, **kwargs)
+                except BudgetTooSmallError as e:
+                    smallest = e
+                except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
+                    host_short = host_short or e
+                else:
+                    if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
+                        best = (candidate, global_batch // micro)
+            micro //= 2
     if best is None:
         # Host RAM, when it stopped the micro-batches small enough for the device.
         raise host_short or smallest
@@ -118,7 +121,7 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
          optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,
          fuse: bool | None = None, host_budget: float | None = None, nvme_budget: float | None = None,
-         nvme_bandwidth: float | None = None, grad_accum: int = 1) -> Plan:
+         nvme_bandwidth: float | None = None, grad_accum: int = 1, accumulation: str = "auto") -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
@@ -127,7 +130,9 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     limited) cannot hold the masters and AdamW state; offloaded activations are kept within it.
     `nvme_budget` (GiB of disk) lets the plan put the AdamW moments, then the fp32 masters, on a
     disk tier when host RAM is short; `nvme_bandwidth` (GB/s, each way) replaces the profile's disk
-    bandwidth. `grad_accum` sizes the gradient buffers, and the time the disk tier has per step.
+    bandwidth. `grad_accum` sizes the gradient buffers, and the time the disk tier has per step;
+    `accumulation` ("auto", "micro", "layer", as compile()'s) whether its micro-batches may run
+    layer-major (passes/layer_major.py): "auto" takes it when predicted faster.
     `style` ("megatrain", "zero3") plans another system's schedule instead, for
     comparison, timed by the same cost model. `fuse` defaults to what compile() does on that
     hardware: the fused kernels on a GPU, none on the cpu backend.
@@ -136,6 +141,7 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     host_budget_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
     nvme_budget_bytes = arguments.budget_bytes("nvme_budget", nvme_budget, optional=True)
     grad_accum = arguments.count("grad_accum", grad_accum, what=" (micro-batches per optimizer step)")
+    check_mode(accumulation)
     if nvme_bandwidth is not None and (isinstance(nvme_bandwidth, bool) or not isinstance(nvme_bandwidth, (int, float))
                                        or not 0 < nvme_bandwidth < float("inf")):
         raise ArgumentError(f"nvme_bandwidth is the disk tier's disk bandwidth in GB/s, each way, and must be a "
@@ -176,9 +182,13 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     if style is not None:
         return make_baseline_plan(captured, budget_bytes, style, host_bytes=host_costs(captured, compute_dtype)[0].ram_bytes,
                                   backend=f"planned for {profile.name}", hardware=profile)
-    host_cost = place_host_state(captured, compute_dtype, grad_accum, host_budget_bytes, nvme_budget_bytes)
+    # Layer-major lands one gradient sum per step: its host state is that of grad_accum=1.
+    host_cost = place_host_state(captured, compute_dtype, 1 if accumulation == "layer" else grad_accum,
+                                 host_budget_bytes, nvme_budget_bytes)
     result = make_plan(captured, budget_bytes, kind, backend=f"planned for {profile.name}",
                        host_bytes=host_cost.ram_bytes, hardware=profile, host_budget_bytes=host_budget_bytes,
-                       host_cost=host_cost)
-    result.grad_accum = grad_accum
+                       host_cost=host_cost, grad_accum=grad_accum, accumulation=accumulation)
+    if result.micro_batches_per_run > 1 and accumulation == "auto":
+        result.host_cost = place_host_state(captured, compute_dtype, 1, host_budget_bytes, nvme_budget_bytes)
+        result.host_bytes = result.host_cost.ram_bytes
     return result

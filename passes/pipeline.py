@@ -7,6 +7,9 @@ Why this order:
   offload      sends other chosen blocks' saved activations to host memory and back;
   boundary     sends chosen blocks' inputs to host memory and back; after remat, since a
                recompute is the first node that reads a recomputed block's input again;
+  layer_major  with k micro-batches per program, copies each unit (a stage's back-to-back compute
+               nodes and the transfers placed for them) k times in place, after the passes that
+               place per-micro-batch transfers and before transfers, so weights come once per run;
   transfers    weight prefetch/evict and gradient offload around the compute nodes as they now
                stand, so a recompute and its backward share one fetch;
   optimizer    host AdamW after the last offload feeding each stage's masters (needs the WAITs);
@@ -27,6 +30,7 @@ from megacompile.ir.program import Program
 from megacompile.ir.verify import verify
 
 from .lifetimes import lifetimes
+from .layer_major import layer_major
 from .lower import lower
 from .boundary import offload_boundaries
 from .offload import offload_saved
@@ -61,6 +65,7 @@ class ScheduleChoice:
     extra_forwards: int = 0            # forwards run and thrown away before each recompute
     refetch_per_pass: bool = False     # fetch weights again for every recompute
     serial_optimizer: bool = False     # updates after the whole backward; the next step waits for all
+    micro_batches: int = 1             # >1: layer-major, this many micro-batches in one program
 
 
 Pass = Callable[[Program, CapturedModel, ScheduleChoice, StepKind], Program]
@@ -75,6 +80,7 @@ TRAINING_PASSES: list[tuple[str, Pass]] = [
     ("remat", lambda p, c, ch, k: remat(p, ch.recompute, ch.extra_forwards)),
     ("offload", lambda p, c, ch, k: offload_saved(p, ch.offload, ch.offload_lag)),
     ("boundary", lambda p, c, ch, k: offload_boundaries(p, ch.boundary, ch.offload_lag)),
+    ("layer_major", lambda p, c, ch, k: layer_major(p, ch.micro_batches)),
     ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth, ch.refetch_per_pass, ch.resident)),
     ("optimizer", _optimizer),
     ("lifetimes", lambda p, c, ch, k: lifetimes(p)),
@@ -117,7 +123,7 @@ def build_schedule(captured: CapturedModel, choice: ScheduleChoice, kind: StepKi
 def _after_pass(program: Program, name: str, k: int, check: bool, dump_dir: str | None,
                 contributors: dict | None) -> None:
     if check:
-        verify(program, owners=contributors, weights_resident=name in ("lower", "remat", "offload", "boundary"))
+        verify(program, owners=contributors, weights_resident=name in ("lower", "remat", "offload", "boundary", "layer_major"))
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         with open(os.path.join(dump_dir, f"{k:02d}_{name}.txt"), "w") as f:

@@ -129,9 +129,10 @@ def held_bytes(program: Program, upto: int, prefix: str) -> int:
 
 
 def span(program: Program, stage: int) -> tuple[int, int]:
-    """Node indices of `stage`'s forward and of its backward."""
-    at = {(n.op, n.stage): i for i, n in enumerate(program.nodes) if n.op in (Op.FORWARD, Op.BACKWARD)}
-    return at[(Op.FORWARD, stage)], at[(Op.BACKWARD, stage)]
+    """Node indices of `stage`'s first forward and of its last backward (with layer-major
+    accumulation a stage runs once per micro-batch in each pass)."""
+    at = [(n.op, i) for i, n in enumerate(program.nodes) if n.stage == stage and n.op in (Op.FORWARD, Op.BACKWARD)]
+    return (min(i for op, i in at if op is Op.FORWARD), max(i for op, i in at if op is Op.BACKWARD))
 
 
 def peak_with_cut(peak_during: list[int], added: list[tuple[int, int, int]]) -> int:

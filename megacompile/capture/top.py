@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +33,32 @@ class TopGraph:
     out_is_tensor: list[bool]
 
 
+# Within blocks_grouped_once(): per block stack, which earlier block each block computed the same
+# as (same fingerprint, call constants and input shapes) in the first capture.
+_GROUPS: ContextVar[dict | None] = ContextVar("megacompile_block_groups", default=None)
+
+
+@contextlib.contextmanager
+def blocks_grouped_once():
+    """Captures of one model at several input shapes (plan_global_batch: one per micro-batch size)
+    run every block's forward under the op log only in the first; later ones run it for the first
+    block of each group and give the others that block's fingerprint and output shapes, when their
+    call constants and input shapes agree with it again. Control flow that changes with the batch
+    size in some layers only would go unseen: planning uses it, never a training capture."""
+    token = _GROUPS.set({})
+    try:
+        yield
+    finally:
+        _GROUPS.reset(token)
+
+
+def _same_call(a: BlockCall, b: BlockCall) -> bool:
+    try:
+        return a.in_spec == b.in_spec and bool(a.constants == b.constants) and not a.collect_keys
+    except Exception:  # noqa: BLE001 - constants that do not compare are not the same call
+        return False
+
+
 @contextlib.contextmanager
 def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall], train: bool):
     """Patch each block's forward to record its call and emit one megacompile::block_call."""
@@ -54,25 +81,49 @@ def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall], train: b
                 a, kw = pytree.tree_unflatten(own, in_spec)
                 return original(*a, **kw)
             keys = active_keys()
-            with disable_proxy_modes_tracing():   # fake tensors only: the output's shapes, the fingerprint
-                with recording(keys) as side:
-                    out, fingerprint = record(block, run, [leaves[i] for i in positions], train)
-            out_leaves, out_spec = pytree.tree_flatten(out)
-            meta = [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in out_leaves]
-            out_constants = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
-            calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants, index, fingerprint,
-                                   keys, side.tensor_keys))
-            set_out_meta(index, [m for m in meta if m is not None] + [(x.shape, x.dtype, x.device) for x in side.tensors])
+            shapes[index] = [(leaves[i].shape, leaves[i].dtype, leaves[i].requires_grad) for i in positions]
+            j = known.get(index)
+            like = next((c for c in calls if c.index == j), None)
+            probe = BlockCall(in_spec, constants, positions, None, [], [], index, (), keys)
+            if like is not None and shapes[j] == shapes[index] and _same_call(probe, like):
+                calls.append(BlockCall(in_spec, constants, positions, like.out_spec, like.out_meta,
+                                       like.out_constants, index, like.fingerprint, keys, ()))
+                side = None
+            else:
+                with disable_proxy_modes_tracing():   # fake tensors only: the output's shapes, the fingerprint
+                    with recording(keys) as side:
+                        out, fingerprint = record(block, run, [leaves[i] for i in positions], train)
+                out_leaves, out_spec = pytree.tree_flatten(out)
+                meta = [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in out_leaves]
+                out_constants = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+                calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants, index,
+                                       fingerprint, keys, side.tensor_keys))
+            meta = calls[-1].out_meta
+            side_meta = [] if side is None else [(x.shape, x.dtype, x.device) for x in side.tensors]
+            set_out_meta(index, [m for m in meta if m is not None] + side_meta)
             tensors = torch.ops.megacompile.block_call([leaves[i] for i in positions], index)
             returned = sum(m is not None for m in meta)
-            hand_back(side, tensors[returned:])
+            if side is not None:
+                hand_back(side, tensors[returned:])
             return calls[-1].rebuild_output(tensors[:returned])
         return leaf
 
+    groups = _GROUPS.get()
+    stack_key = tuple(id(b) for b in stack.blocks)
+    known: dict[int, int] = {} if groups is None else groups.get(stack_key, {})
+    shapes: dict[int, list] = {}
     try:
         for i, (block, original) in enumerate(zip(stack.blocks, originals)):
             block.forward = make_leaf(i, original)
         yield
+        if groups is not None and stack_key not in groups:
+            first: dict[int, int] = {}
+            for c in calls:
+                like = next((d for d in calls if d.index < c.index and d.fingerprint == c.fingerprint
+                             and shapes[d.index] == shapes[c.index] and _same_call(c, d) and not d.side_keys), None)
+                if like is not None:
+                    first[c.index] = first.get(like.index, like.index)
+            groups[stack_key] = first
     finally:
         for block in stack.blocks:
             del block.forward   # back to the class's forward

@@ -74,9 +74,26 @@ def node_flops(node: fx.Node) -> float:
     args = fx.node.map_arg(node.args, _val)
     kwargs = fx.node.map_arg(node.kwargs, _val)
     try:
-        return float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+        flops = float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:  # noqa: BLE001 - a formula that cannot read these arguments counts nothing
         return 0.0
+    return flops * CAUSAL_SHARE if _causal(node) else flops
+
+
+# torch's attention formulas count every (query, key) pair; causal attention kernels skip the
+# blocks above the diagonal: about half of them at long sequences.
+CAUSAL_SHARE = 0.5
+
+
+def _causal(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    names = [a.name for a in schema.arguments]
+    if "is_causal" not in names:
+        return False
+    i = names.index("is_causal")
+    return bool(node.args[i] if i < len(node.args) else node.kwargs.get("is_causal", False))
 
 
 def node_bytes(node: fx.Node) -> float:

@@ -133,6 +133,7 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
     # 6ND with N the parameters a token uses: a routed expert layer counts top_k of its experts.
     trainable = captured.active_params
     tokens = captured.inputs[0].shape[0] * (captured.inputs[0].shape[1] if len(captured.inputs[0].shape) > 1 else 1)
+    tokens *= program.facts.get("micro_batches", 1)     # a layer-major program runs every micro-batch of a step
     model_flops = (6 if captured.train else 2) * trainable * tokens
     return StepPrediction(ends[-1], busy["compute"], exposed, busy["h2d"], busy["d2h"], busy["host"],
                           flops, model_flops, tokens)

@@ -54,6 +54,10 @@ def device_reserve(captured: CapturedModel, budget_bytes: int, hardware: Hardwar
     if backend == "cpu":
         return DeviceReserve()
     scratch, op = largest_scratch(captured) if hardware.hidden_scratch else (0, "")
+    # Planned for a GPU on a machine without one, attention was traced with the CPU kernel: the
+    # scratch is sized from the query alike, but the op the GPU runs is its flash/efficient backward.
+    op = op.replace("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+                    "attention backward (traced with the CPU kernel; sized as the GPU's)")
     return DeviceReserve(hardware.workspace_bytes, scratch, op, int(hardware.fragmentation * budget_bytes))
 
 

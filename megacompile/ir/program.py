@@ -52,6 +52,7 @@ class Node:
     origin: str = ""                     # the module path or stage the node came from
     note: str = ""                       # why the pass put it there
     transient: int = 0                   # compute: device bytes its graph needs above what is live
+    micro: int = 0                       # the micro-batch it works on (layer-major accumulation)
 
     @property
     def stream(self) -> str:
@@ -81,4 +82,6 @@ def grads(s: int) -> str: return f"g{s}"
 def act_grad(s: int, k: int) -> str: return f"dx{s}.{k}"
 def model_input(k: int) -> str: return f"in{k}"
 def masters(s: int) -> str: return f"m{s}"      # host: owner s's fp32 masters (no device bytes)
+def of_micro(v: str, m: int) -> str: return f"{v}@{m}"   # a value of micro-batch m (layer-major)
+def base_name(v: str) -> str: return v.split("@", 1)[0]
 SEED = "seed"

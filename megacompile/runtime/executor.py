@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..capture import CapturedModel
-from ..ir.program import COMPUTE_OPS, SEED, Node, Op, Program, act_grad, grads, restored_of, saved, weights
+from ..ir.program import COMPUTE_OPS, SEED, Node, Op, Program, base_name, restored_of, weights
 from .backend import Backend, Event, dense_like, flat_empty
 from .host import HostState
 
@@ -52,15 +52,14 @@ class Executor:
         self.memory = backend.memory
         self._env: dict[str, Any] = {}
         self._events: dict[str, Event] = {}
-        self._rng: dict[int, torch.Tensor] = {}
+        self._rng: dict[tuple[int, int], torch.Tensor] = {}     # (stage, micro-batch) -> state at its forward
         self._outputs: list[torch.Tensor] = []
         self._context: dict = {}
-        # Host copies of offloaded values: a stage's saved bundle under the stage, a block input
-        # under its value name.
-        self._stash: dict[int | str, list[torch.Tensor]] = {}
+        # Host copies of offloaded values (a stage's saved bundle, a block input), by value name.
+        self._stash: dict[str, list[torch.Tensor]] = {}
         self._clip_staged = False
         self._staged: list[int] = []      # owners whose update waits for commit()
-        self._moved: dict[int | str, list[bool]] = {}     # which stashed tensors were device tensors
+        self._moved: dict[str, list[bool]] = {}     # which stashed tensors were device tensors
         self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
         self._clip_node: int | None = None                # the staged nodes, for the timeline
         self._update_node: dict[int, int | None] = {}
@@ -70,13 +69,16 @@ class Executor:
             check_loss: bool = False) -> list[torch.Tensor]:
         """Execute the schedule once; returns the OUTPUT node's values on the host.
 
-        `seed` is the loss gradient (1/k for one of k accumulated micro-batches). With
+        `seed` is the loss gradient (1/k for one of k accumulated micro-batches). A layer-major
+        program (passes/layer_major.py) takes one list of inputs per micro-batch and returns the
+        outputs of each micro-batch in turn. With
         `check_loss`, a non-finite loss raises NonFiniteLoss once the walk ends. The
         updates this step stages start only at `commit()`.
         """
         self._inputs, self._seed, self._context = inputs, seed, context or {}
         self._check_loss = check_loss
         self._clip_staged, self._staged = False, []
+        self._outputs = []
         self.memory.reset_peak()
         self.backend.reset_allocator_peak()
         self.backend.begin_step(self.program)     # the timeline's record of this step (runtime/timeline.py)
@@ -99,8 +101,10 @@ class Executor:
                     self.memory.ledger.restore(held)
         # The loss is read once its copy has landed (the end of the walk waits for it): on a GPU a
         # check at the OUTPUT node would stall the step mid-way. Nothing was committed yet.
-        if self._check_loss and not torch.isfinite(self._outputs[0]).all():
-            raise NonFiniteLoss(float(self._outputs[0].float().sum()))
+        if self._check_loss:
+            for loss in self._outputs[::len(self.captured.outputs)]:    # each micro-batch's loss
+                if not torch.isfinite(loss).all():
+                    raise NonFiniteLoss(float(loss.float().sum()))
         return self._outputs
 
     def _node(self, i: int, node: Node) -> None:
@@ -163,14 +167,16 @@ class Executor:
 
     # -- nodes ---------------------------------------------------------------------------
     def _input(self, node: Node) -> None:
-        names = [w for w in node.writes if w != SEED]
-        for name, t in zip(names, self._inputs):
+        names = [w for w in node.writes if base_name(w) != SEED]
+        given = self._inputs[node.micro] if self.program.facts.get("micro_batches", 1) > 1 else self._inputs
+        for name, t in zip(names, given):
             self._put(name, self.backend.to_device(t))
-        if SEED in node.writes:
-            loss_meta = self.captured.stages[self.captured.outputs[0].stage].template.outputs[0]
-            seed = self.backend.empty((), loss_meta.dtype)
-            seed.fill_(self._seed)
-            self._put(SEED, seed)
+        for name in node.writes:
+            if base_name(name) == SEED:
+                loss_meta = self.captured.stages[self.captured.outputs[0].stage].template.outputs[0]
+                seed = self.backend.empty((), loss_meta.dtype)
+                seed.fill_(self._seed)
+                self._put(name, seed)
 
     def _prefetch(self, node: Node) -> None:
         if self.program.values[node.writes[0]].kind in STASHED:
@@ -219,9 +225,9 @@ class Executor:
         replay = recompute and t.random
         if replay:
             current = self.backend.get_rng_state()
-            self.backend.set_rng_state(self._rng[s])
+            self.backend.set_rng_state(self._rng[(s, node.micro)])
         elif t.random:
-            self._rng[s] = self.backend.get_rng_state()
+            self._rng[(s, node.micro)] = self.backend.get_rng_state()
         try:
             outs = self._run_graph(t.forward, inputs, f"{'recompute' if recompute else 'forward'} {stage.name}")
         finally:
@@ -232,12 +238,12 @@ class Executor:
         if recompute:
             holders = [None] * n_out + [node.writes[0]] * len(bundle)
         else:
-            holders = list(node.writes[:n_out]) + [saved(s)] * len(bundle)
+            holders = list(node.writes[:n_out]) + [node.writes[n_out]] * len(bundle)
         self._adopt(t.forward, outs, holders)
         if not recompute:
             for name, value in zip(node.writes[:n_out], outs[:n_out]):
                 self._env[name] = value
-        self._env[node.writes[-1] if recompute else saved(s)] = bundle
+        self._env[node.writes[-1]] = bundle
 
     def _recompute(self, node: Node) -> None:
         self._forward(node, recompute=True)
@@ -259,23 +265,38 @@ class Executor:
         n_acts = len(t.bwd_acts)
         acts = [self._env[r] for r in node.reads[1:1 + n_acts]]
         bundle = self._env[node.reads[1 + n_acts]]
-        tangents = [self._env[r] for r in node.reads[2 + n_acts:]]
+        n_tan = len(t.tangent_outputs)
+        tangents = [self._env[r] for r in node.reads[2 + n_acts:2 + n_acts + n_tan]]
+        running = node.reads[2 + n_acts + n_tan:]    # layer-major: the gradient sum this one adds into
         inputs = [w[i] for i in t.bwd_params] + acts + list(bundle) + tangents
         outs = self._run_graph(t.backward, inputs, f"backward {stage.name}")
         n_pg = len(t.grad_params)
-        holders = [grads(s)] * n_pg + [act_grad(s, k) for k in t.grad_acts]
+        names = list(node.writes)
+        holders = [names[0]] * n_pg + names[1 if n_pg else 0:]
         self._adopt(t.backward, outs, holders)
         if n_pg:
-            self._env[grads(s)] = outs[:n_pg]
-        for k, value in zip(t.grad_acts, outs[n_pg:]):
-            self._env[act_grad(s, k)] = value
+            self._env[names[0]] = outs[:n_pg]
+            if running:
+                self._add_into(running[0], names[0])
+        for name, value in zip(names[1 if n_pg else 0:], outs[n_pg:]):
+            self._env[name] = value
+
+    def _add_into(self, total: str, fresh: str) -> None:
+        """Add a micro-batch's gradients into the running sum, in place; the sum goes on as `fresh`
+        (the older name is freed after this node, the storage stays) and the fresh ones are dropped."""
+        sums, new = self._env[total], self._env[fresh]
+        for acc, g in zip(sums, new):
+            acc.add_(g)
+        self.memory.drop(fresh, new)
+        self._env[fresh] = sums
+        self.memory.hold(fresh, sums, what=fresh)
 
     def _restore(self, node: Node) -> None:
         """Saved activations (or a block's input) back from host memory, one dense tensor each (a
         transpose keeps its layout, so the backward's kernels read it as they would have)."""
         s, name = node.stage, node.writes[0]
         bundle = self.program.values[name].kind == "saved"
-        key = s if bundle else next(v for v in self._stash if restored_of(v) == name)
+        key = next(v for v in self._stash if restored_of(v) == name)
         host, moved = self._stash.pop(key), self._moved.pop(key)
         # Values that never left (host tensors in the bundle, e.g. an SDPA philox seed) stay as they are.
         dst = [dense_like(h, self.backend.device) if m else h for h, m in zip(host, moved)]
@@ -295,10 +316,10 @@ class Executor:
         def sink(host_grads: list[torch.Tensor]) -> None:
             for name, g in zip(names, host_grads):
                 host.accumulate_grad(name, g)
-        device_grads = list(self._env[grads(s)])
+        device_grads = list(self._env[node.reads[0]])
         dsts = [host.landing_view(name, g) for name, g in zip(names, device_grads)]
         event = self.backend.offload(device_grads, sink, f"offload {stage.name}", dsts=dsts)
-        self._events[grads(s)] = event
+        self._events[node.reads[0]] = event
         # The gradients' host side: on cuda the WAIT is stream-side; run() waits for it at the end.
         self._landed[s] = getattr(event, "landed", event)
 
@@ -309,7 +330,7 @@ class Executor:
         stash = self._stash
         value = self._env[name]
         bundle = isinstance(value, (list, tuple))
-        key = s if bundle else name
+        key = name
         tensors = list(value) if bundle else [value]
         self._moved[key] = [t.device == self.backend.device for t in tensors]
 
@@ -327,4 +348,4 @@ class Executor:
         self._update_node[node.stage] = self.backend.timeline.node
 
     def _output(self, node: Node) -> None:
-        self._outputs = [self.backend.to_host(self._env[r]) for r in node.reads]
+        self._outputs += [self.backend.to_host(self._env[r]) for r in node.reads]

@@ -62,10 +62,11 @@ def test_plan_prints_and_dumps(tmp_path):
     data = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert data["device_peak_bytes"] == engine.plan.predicted_peak_bytes
     assert data["measured_device_peak_bytes"] == engine.memory_stats()["device_peak_bytes"]
-    assert data["passes"] == ["lower", "remat", "offload", "boundary", "transfers", "optimizer", "lifetimes"]
+    assert data["passes"] == ["lower", "remat", "offload", "boundary", "layer_major", "transfers", "optimizer",
+                              "lifetimes"]
     assert sorted(p.name for p in (tmp_path / "passes").iterdir()) == [
-        "00_lower.txt", "01_remat.txt", "02_offload.txt", "03_boundary.txt", "04_transfers.txt", "05_optimizer.txt",
-        "06_lifetimes.txt"]
+        "00_lower.txt", "01_remat.txt", "02_offload.txt", "03_boundary.txt", "04_layer_major.txt", "05_transfers.txt",
+        "06_optimizer.txt", "07_lifetimes.txt"]
 
 
 def test_state_dict_has_the_models_names_tied_ones_included():

@@ -103,14 +103,15 @@ def test_stashed_activations_move_only_their_device_tensors():
     """Memory-efficient SDPA with dropout returns its philox seed and offset as CPU tensors in the
     saved bundle: they stay where they are, and the bundle comes back in its order."""
     backend = _StubBackend()
-    program = SimpleNamespace(values={"saved.0": SimpleNamespace(kind="saved")}, stage_names=["block.0"], nodes=[])
+    program = SimpleNamespace(values={"saved.0": SimpleNamespace(kind="saved"), "hsaved.0": SimpleNamespace(kind="saved")},
+                              stage_names=["block.0"], nodes=[])
     executor = Executor(None, program, backend, None)
     seed, offset = torch.tensor(7), torch.tensor(3)
     act = torch.empty(4, 8, device="meta")
     executor._env["saved.0"] = [act, seed, offset]
     executor._stash_saved(SimpleNamespace(stage=0, reads=["saved.0"]))
-    executor._restore(SimpleNamespace(stage=0, writes=["saved.0"]))
-    bundle = executor._env["saved.0"]
+    executor._restore(SimpleNamespace(stage=0, writes=["hsaved.0"]))     # comes back as h<name>
+    bundle = executor._env["hsaved.0"]
     assert bundle[1] is seed and bundle[2] is offset
     assert bundle[0].device.type == "meta" and bundle[0].shape == act.shape
     assert [s.device.type for s in backend.offloaded if s.device.type != "meta"] == ["cpu", "cpu"]
