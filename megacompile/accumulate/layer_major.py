@@ -12,7 +12,6 @@ only: a checkpoint saved while some wait does not hold them (save between optimi
 """
 from __future__ import annotations
 
-import torch
 
 from ..errors import ArgumentError
 

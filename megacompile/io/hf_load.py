@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..engine import Engine
-from ..errors import MegacompileError, WeightsFileError
+from ..errors import WeightsFileError
 from .header import read_header
 from .hf_layout import DiskLayout, part_shape
 from .source import CONST, WEIGHT, Item, PendingLoad
