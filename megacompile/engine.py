@@ -91,6 +91,7 @@ class Engine:
         self.dump_dir = dump_dir
         self.grad_accum = grad_accum
         self.accumulation = check_mode(accumulation)    # megacompile/accumulate
+        self.waiting_micro_batches: list[list[torch.Tensor]] = []   # a layer-major step's inputs so far
         if self.accumulation != "micro" and self.data_parallel is not None:
             raise ArgumentError(f"accumulation={accumulation!r} is not supported with data parallelism yet: "
                                 "use accumulation='micro' (the default) with process groups")

@@ -8,12 +8,12 @@ grad_accum=1: no fp32 accumulator), and updates the masters. It returns the last
 loss; `engine.accumulated_losses` holds all k. A step is all or nothing as before: an exception
 leaves the waiting micro-batches waiting (the failed one is not kept, so it can be retried), a
 non-finite loss or gradient drops the whole step. The waiting micro-batches live in the engine
-only: a checkpoint saved while some wait does not hold them (save between optimizer steps).
+only, so saving a checkpoint while some wait is refused (save between optimizer steps). All
+micro-batches of a step must have the same shapes: one program runs them together.
 """
 from __future__ import annotations
 
-
-from ..errors import ArgumentError
+from ..errors import ArgumentError, InputMismatchError
 
 MODES = ("micro", "layer", "auto")
 
@@ -38,8 +38,13 @@ def layer_major_step(engine, args: tuple, kwargs: dict):
     if k == 1:
         return NotImplemented
     engine._require_weights()
-    waiting = engine.__dict__.setdefault("_waiting_micro_batches", [])
+    waiting = engine.waiting_micro_batches
     inputs = [t.detach().to("cpu", copy=True) for t in engine._inputs(args, kwargs)]
+    if waiting and [t.shape for t in waiting[0]] != [t.shape for t in inputs]:
+        raise InputMismatchError(
+            f"micro-batch {len(waiting)} of a layer-major step has shapes {[tuple(t.shape) for t in inputs]}, its "
+            f"first {[tuple(t.shape) for t in waiting[0]]}: one program runs a step's micro-batches together, so "
+            "give them the same shapes (pad), or compile with accumulation='micro'")
     if len(waiting) < k - 1:
         waiting.append(inputs)
         engine.last_step = StepRecord(engine.steps_done + 1, None, len(waiting) - 1, False)

@@ -48,6 +48,10 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
         raise CheckpointError(f"cannot write the checkpoint {path}: it is a folder of other files, not a checkpoint "
                               "(which would be replaced); give a new path")
+    if engine.waiting_micro_batches:
+        raise CheckpointError(f"cannot save {path} now: {len(engine.waiting_micro_batches)} micro-batches of a "
+                              "layer-major step wait for the rest of the step and would not be in it; save after "
+                              "the step's last micro-batch")
     files.clean_leftovers(parent)
     engine.synchronize()
     manifest = {"format": FORMAT, "steps_done": engine.steps_done, "micro_batches": engine.micro_batches,

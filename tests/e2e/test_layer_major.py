@@ -10,7 +10,7 @@ import torch
 
 import megacompile
 import megacompile.planner as planner
-from megacompile.errors import ArgumentError
+from megacompile.errors import ArgumentError, CheckpointError, InputMismatchError
 from megacompile.ir.program import Op
 from megacompile.optim import AdamW
 from megacompile.passes import ScheduleChoice
@@ -130,3 +130,22 @@ def test_layer_major_refuses_dropout_and_bad_modes():
         engine.step(input_ids=ids, labels=ids)
     with pytest.raises(ArgumentError, match="accumulation.*'layer'.*got 'rows'"):
         megacompile.compile(model, hbm_budget=1.0, device="cpu", accumulation="rows")
+
+
+def test_a_layer_major_step_refuses_what_it_cannot_hold(tmp_path):
+    """Waiting micro-batches live in the engine only: a checkpoint taken among them would resume
+    without them, so it is refused; and one program runs a step's micro-batches, so they share shapes."""
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=2, d=64)
+    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu", grad_accum=2, accumulation="layer")
+    ids = models.batch(model.config.vocab_size, 2, 16)
+    assert engine.step(**make_inputs("llama", ids)) is None
+    with pytest.raises(CheckpointError, match="1 micro-batches of a layer-major step wait"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(InputMismatchError, match="same shapes"):
+        engine.step(**make_inputs("llama", models.batch(model.config.vocab_size, 2, 8)))
+    assert engine.step(**make_inputs("llama", ids)) is not None      # the step completes as it began
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "COMMITTED").exists()
+    engine.close()
