@@ -90,6 +90,11 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
     return mean, math.exp(min(mean, 700.0))
 
 
+def _rows_layout(c: RunConfig) -> dict:
+    """What decides which rows a data position counts (packing.py cuts rows from seed and row index)."""
+    return {"seq": c.seq, "packing": c.packing, "seed": c.seed}
+
+
 def run(c: RunConfig, trace: str | None = None) -> dict:
     """Train as `c` says; returns the figures the final line prints. After the last step the run dir
     gets that step's Chrome trace (step.json, or `trace`) and memory.png (docs/plan-format.md)."""
@@ -136,6 +141,12 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
             raise ArgumentError(f"{resume_from} was saved by a run on other tokens (token file {extra.get('data')}, "
                                 f"now {fingerprint}: the data, the tokenizer or train_on_prompt changed); resume it "
                                 "with the same data, or start a new run_dir")
+        layout = _rows_layout(c)
+        saved = extra.get("rows_layout", layout)
+        changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in layout.items() if saved.get(k) != v]
+        if changed:     # the rows a position counts would be other rows: the resumed run would see other data
+            raise ArgumentError(f"{resume_from} was saved by a run that cut its rows otherwise ({', '.join(changed)}); "
+                                "resume it with the same seq, packing and seed, or start a new run_dir")
         consumed = int(extra["rows"])
         print(f"  resumed        from {resume_from} at step {engine.steps_done}", flush=True)
     start_step = engine.steps_done
@@ -179,7 +190,7 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
                              "peak": fmt_bytes(row["device_peak_bytes"])})
             if (c.save_every and step % c.save_every == 0) or step == c.steps:
                 engine.save_checkpoint(os.path.join(checkpoints, f"step-{step:06d}"),
-                                       extra={"rows": consumed, "data": fingerprint}, keep_last=c.keep_last)
+                                       extra={"rows": consumed, "data": fingerprint, "rows_layout": _rows_layout(c)}, keep_last=c.keep_last)
                 saved_at = step
     finally:
         progress.close()

@@ -72,3 +72,15 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_result(tmp_path):
     with pytest.raises(ArgumentError, match="was saved by a run on other tokens"):
         run(load(config, []))
 
+
+
+def test_a_resume_that_would_cut_other_rows_is_refused(tmp_path):
+    """The data position is a count of rows, and seq, packing and seed decide which rows those are:
+    a resume under other values would silently train on other data."""
+    tiny = ["bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2", "bundled_model.kv_heads=1",
+            "bundled_model.ffn=64", "device=cpu", "batch=1", "seq=16", "save_every=1", "resume=auto",
+            f"run_dir={tmp_path / 'run'}"]
+    assert run(load(None, ["steps=1", *tiny]))["steps"] == 1
+    with pytest.raises(ArgumentError, match=r"cut its rows otherwise \(seed 0 -> 1\)"):
+        run(load(None, ["steps=2", "seed=1", *tiny]))
+    assert run(load(None, ["steps=2", *tiny]))["steps"] == 2      # the same rows: it resumes
