@@ -92,9 +92,11 @@ class Engine:
         self.grad_accum = grad_accum
         self.accumulation = check_mode(accumulation)    # megacompile/accumulate
         self.waiting_micro_batches: list[list[torch.Tensor]] = []   # a layer-major step's inputs so far
-        if self.accumulation != "micro" and self.data_parallel is not None:
+        if self.accumulation == "layer" and self.data_parallel is not None:
             raise ArgumentError(f"accumulation={accumulation!r} is not supported with data parallelism yet: "
-                                "use accumulation='micro' (the default) with process groups")
+                                "use accumulation='micro' (the default) or 'auto' with process groups")
+        if self.data_parallel is not None:
+            self.accumulation = "micro"     # 'auto' has one choice with process groups
         self.backend = make_backend(device, self.budget_bytes)
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
@@ -253,7 +255,7 @@ class Engine:
         they were, and a non-finite loss or gradient skips the whole step."""
         started = time.perf_counter()
         if self.grad_accum > 1 and self.accumulation != "micro":
-            loss = layer_major_step(self, args, kwargs)
+            loss = layer_major_step(self, args, kwargs, started)
             if loss is not NotImplemented:
                 return loss
         micro = self.micro_batches % self.grad_accum

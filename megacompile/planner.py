@@ -118,8 +118,10 @@ def _draws(body) -> bool:
     for n in body:
         if n.op != "call_function" or not is_random(n):
             continue
-        names = [a.name for a in n.target._schema.arguments]
-        given = dict(zip(names, n.args)) | dict(n.kwargs)
+        schema = n.target._schema.arguments
+        # An argument left out takes its schema default (SDPA's dropout_p is 0.0).
+        given = {a.name: a.default_value for a in schema if a.has_default_value()}
+        given |= dict(zip([a.name for a in schema], n.args)) | dict(n.kwargs)
         p = given.get("dropout_p", given.get("p"))
         if not isinstance(p, (int, float)) or p != 0:
             return True

@@ -13,6 +13,8 @@ micro-batches of a step must have the same shapes: one program runs them togethe
 """
 from __future__ import annotations
 
+import time
+
 from ..errors import ArgumentError, InputMismatchError
 
 MODES = ("micro", "layer", "auto")
@@ -27,11 +29,12 @@ def check_mode(accumulation: str) -> str:
     return accumulation
 
 
-def layer_major_step(engine, args: tuple, kwargs: dict):
+def layer_major_step(engine, args: tuple, kwargs: dict, started: float):
     """Run (or hold) one micro-batch of a layer-major step; NotImplemented when the plan for these
-    inputs is micro-batch-major (accumulation='auto' chose it), so the caller runs it that way."""
+    inputs is micro-batch-major (accumulation='auto' chose it), so the caller runs it that way.
+    started: the call's perf_counter() at entry, for the record's seconds."""
     from ..runtime.executor import NonFiniteLoss
-    from ..engine import StepRecord
+    from ..engine import StepRecord, _tokens
 
     compiled = engine._compile(args, kwargs, train=True, update=True)
     k = compiled.plan.program.facts.get("micro_batches", 1)
@@ -45,9 +48,12 @@ def layer_major_step(engine, args: tuple, kwargs: dict):
             f"micro-batch {len(waiting)} of a layer-major step has shapes {[tuple(t.shape) for t in inputs]}, its "
             f"first {[tuple(t.shape) for t in waiting[0]]}: one program runs a step's micro-batches together, so "
             "give them the same shapes (pad), or compile with accumulation='micro'")
+    lr = engine._step_context()["lr"]
     if len(waiting) < k - 1:
         waiting.append(inputs)
-        engine.last_step = StepRecord(engine.steps_done + 1, None, len(waiting) - 1, False)
+        # No loss and no peak yet: the micro-batch only waits. Its tokens count for the step.
+        engine.last_step = StepRecord(engine.steps_done + 1, None, len(waiting) - 1, False, lr=lr,
+                                      tokens=_tokens(args, kwargs), seconds=time.perf_counter() - started)
         return None
     batches = waiting + [inputs]
     engine.host.begin_micro_batch(first=True, last=True, norms=engine.optimizer.max_grad_norm is not None)
@@ -79,5 +85,11 @@ def layer_major_step(engine, args: tuple, kwargs: dict):
     engine.steps_done += 1
     engine.torch_optimizer.step()
     engine.accumulated_losses = losses
-    engine.last_step = StepRecord(context["step"], losses[-1], k - 1, True, grad_norm=context.get("grad_norm"))
+    # The k-th call ran the whole step: its seconds and peaks are the step's, its tokens its own
+    # micro-batch's (the waiting calls' records counted theirs), as with micro-batch-major steps.
+    engine.last_step = StepRecord(context["step"], losses[-1], k - 1, True, grad_norm=context.get("grad_norm"),
+                                  lr=context["lr"], tokens=_tokens(args, kwargs),
+                                  seconds=time.perf_counter() - started,
+                                  device_peak_bytes=compiled.plan.measured_peak_bytes,
+                                  predicted_device_peak_bytes=compiled.plan.predicted_peak_bytes)
     return losses[-1]

@@ -12,6 +12,7 @@ from importlib import resources
 from typing import Any
 
 from .. import arguments
+from ..accumulate import MODES as ACCUMULATION
 from ..errors import ArgumentError
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -38,6 +39,7 @@ class RunConfig:
     global_batch: int | None = None
     batch: int = 1
     grad_accum: int = 1
+    accumulation: str = "auto"
     lr: float = 2e-5
     warmup: int = 0
     schedule: str = "cosine"
@@ -172,6 +174,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
             raise ArgumentError("global_batch lets the planner choose batch and grad_accum: give global_batch, "
                                 "or batch and grad_accum, not both")
     c.batch, c.grad_accum = _int("batch", c.batch), _int("grad_accum", c.grad_accum)
+    c.accumulation = _choice("accumulation", c.accumulation, ACCUMULATION)
     c.lr = _number("lr", c.lr, 0.0)
     c.warmup = _int("warmup", c.warmup, 0)
     if c.schedule not in SCHEDULES:

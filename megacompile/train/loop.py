@@ -168,6 +168,8 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
                 if record.skipped:
                     break
             seconds = time.perf_counter() - t0
+            if None in losses:      # a layer-major step: its losses exist once its last micro-batch ran
+                losses = list(engine.accumulated_losses) if record.updated else [x for x in losses if x is not None]
             if done == start_step:
                 plan.dump(os.path.join(run_dir, "plan"))      # now with the measured peak beside the prediction
             step = record.step

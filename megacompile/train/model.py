@@ -68,7 +68,10 @@ def device_budget(c: RunConfig, model: nn.Module, inputs: dict, device: str) -> 
     dtype = getattr(torch, c.compute_dtype)
     weight_bytes = sum(p.numel() * dtype.itemsize for p in model.parameters())
     try:
-        smallest = plan(model, 1e-6, hardware="cpu", inputs=inputs, compute_dtype=dtype).minimum_budget_bytes
+        # With a global batch the accumulation is not chosen yet: the smallest micro-batch's plan.
+        accumulate = 1 if c.global_batch else c.grad_accum
+        smallest = plan(model, 1e-6, hardware="cpu", inputs=inputs, compute_dtype=dtype, grad_accum=accumulate,
+                        accumulation=c.accumulation).minimum_budget_bytes
     except BudgetTooSmallError as e:
         smallest = e.minimum_bytes
     return max(weight_bytes * c.budget_fraction, smallest * 1.02) / GiB
@@ -86,13 +89,13 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         from ..planning import plan_global_batch
         _, accumulate = plan_global_batch(meta, budget, c.global_batch, hardware="cpu" if device == "cpu" else "h100",
                                           seq=probe["input_ids"].shape[1], compute_dtype=dtype,
-                                          host_budget=c.host_budget)
+                                          host_budget=c.host_budget, accumulation=c.accumulation)
         batch = c.global_batch // accumulate
     from .schedule import learning_rate
     optimizer = AdamW(lr=learning_rate(c.lr, c.schedule, c.warmup, c.min_lr, c.steps), betas=tuple(c.betas),
                       eps=c.eps, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
     kwargs = dict(optimizer=optimizer, compute_dtype=dtype, device=device, grad_accum=accumulate,
-                  host_budget=c.host_budget)
+                  host_budget=c.host_budget, accumulation=c.accumulation)
     torch.manual_seed(c.seed)
     if c.bundled:
         from ..models import LlamaConfig, TinyLlama

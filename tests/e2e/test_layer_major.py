@@ -40,12 +40,16 @@ def _layer_major(model, batches, k, **kw):
     losses, peaks = [], []
     for i, ids in enumerate(batches):
         loss = engine.step(**make_inputs("llama", ids))
+        record = engine.last_step
+        assert record.lr == LR and record.tokens == ids.numel() and record.seconds > 0
         if i % k < k - 1:
-            assert loss is None and not engine.last_step.updated
+            assert loss is None and not record.updated and record.device_peak_bytes is None
         else:
-            assert loss == engine.accumulated_losses[-1] and engine.last_step.updated
+            assert loss == engine.accumulated_losses[-1] and record.updated
             losses += engine.accumulated_losses
             peaks.append(engine.memory_stats()["device_peak_bytes"])
+            assert record.device_peak_bytes == peaks[-1]
+            assert record.predicted_device_peak_bytes == engine.plan.predicted_peak_bytes
     engine.synchronize()
     return engine, losses, peaks
 

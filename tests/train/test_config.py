@@ -21,6 +21,7 @@ def _yaml(tmp_path, **settings) -> str:
 @pytest.mark.parametrize("settings, overrides, message", [
     ({"learning_rate": 1e-3}, [], "unknown key learning_rate; the keys are model, tokenizer"),
     ({"schedule": "exp"}, [], "schedule must be one of constant, linear, cosine; got 'exp'"),
+    ({"accumulation": "block"}, [], "accumulation must be one of micro, layer, auto; got 'block'"),
     ({}, ["packing=always"], "packing must be false, true or isolated; got 'always'"),
     ({}, ["packing=isolated"], "packing: isolated needs a model that takes position_ids"),
     ({"global_batch": 8, "batch": 2}, [], "give global_batch, or batch and grad_accum, not both"),
