@@ -18,7 +18,8 @@ class AdamW:
     `lr` is a number or a function of the 1-based step that returns the rate for that step
     (a schedule); torch LR schedulers attach to `engine.torch_optimizer` instead. Defaults
     match torch.optim.AdamW. `max_grad_norm` clips the global gradient norm first, exactly as
-    torch.nn.utils.clip_grad_norm_. `kernel`: "fused" (the native one-pass kernel; a torch
+    torch.nn.utils.clip_grad_norm_; `math.inf` measures the norm (engine.last_step.grad_norm)
+    and never clips, as clip_grad_norm_(max_norm=inf) does. `kernel`: "fused" (the native one-pass kernel; a torch
     fallback when no compiler is found) or "torch" (torch's own ops in torch's order, which
     round as torch.optim.AdamW does; slower).
     """
@@ -38,8 +39,9 @@ class AdamW:
             raise OptimizerInputError(f"AdamW eps must be a positive finite number, got {self.eps!r}")
         if not (_real(self.weight_decay) and 0 <= self.weight_decay < math.inf):
             raise OptimizerInputError(f"AdamW weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
-        if self.max_grad_norm is not None and not (_real(self.max_grad_norm) and 0 < self.max_grad_norm < math.inf):
-            raise OptimizerInputError(f"AdamW max_grad_norm must be a finite number > 0 (or None), "
+        if self.max_grad_norm is not None and not (_real(self.max_grad_norm) and 0 < self.max_grad_norm <= math.inf):
+            raise OptimizerInputError(f"AdamW max_grad_norm must be a number > 0 (inf measures the norm without "
+                                      f"clipping; None neither measures nor clips), "
                                       f"got {self.max_grad_norm!r}")
         if self.kernel not in ("fused", "torch"):
             raise OptimizerInputError(f"AdamW kernel must be 'fused' or 'torch', got {self.kernel!r}")

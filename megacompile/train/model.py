@@ -4,6 +4,7 @@ and, for global_batch, the micro-batch and accumulation the planner chooses."""
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -93,7 +94,9 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         batch = c.global_batch // accumulate
     from .schedule import learning_rate
     optimizer = AdamW(lr=learning_rate(c.lr, c.schedule, c.warmup, c.min_lr, c.steps), betas=tuple(c.betas),
-                      eps=c.eps, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
+                      eps=c.eps, weight_decay=c.weight_decay,
+                      # null: the norm is still measured for the log (clip_grad_norm_ at inf never clips)
+                      max_grad_norm=math.inf if c.max_grad_norm is None else c.max_grad_norm)
     kwargs = dict(optimizer=optimizer, compute_dtype=dtype, device=device, grad_accum=accumulate,
                   host_budget=c.host_budget, accumulation=c.accumulation)
     torch.manual_seed(c.seed)

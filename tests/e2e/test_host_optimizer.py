@@ -49,6 +49,34 @@ def test_clipping_is_exact_and_updates_follow_the_whole_backward():
     assert steps == sorted(steps), "clipped updates run in forward order, ready for the next forward"
 
 
+def test_an_infinite_max_norm_measures_the_norm_and_never_clips():
+    """clip_grad_norm_(max_norm=inf) returns the norm and leaves the gradients as they are: the
+    engine logs the same norm and trains bit for bit as it does without clipping."""
+    model, batches = _model(), _batches(3)
+    reference = clone(model)
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    norms = []
+    for ids in batches:
+        opt.zero_grad()
+        _, loss = reference(ids, ids)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item())
+        opt.step()
+    measured, plain = (megacompile.compile(clone(model), hbm_budget=1.0, device="cpu",
+                                           optimizer=megacompile.AdamW(lr=LR, max_grad_norm=m, kernel="torch"))
+                       for m in (float("inf"), None))
+    ours = []
+    for ids in batches:
+        measured.step(idx=ids, targets=ids)
+        plain.step(idx=ids, targets=ids)
+        ours.append(measured.last_step.grad_norm)
+        assert plain.last_step.grad_norm is None
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(norms), rtol=1e-5, atol=0)
+    assert_same_weights(measured, reference)
+    a, b = measured.state_dict(), plain.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_gradient_accumulation_matches_eager_accumulation():
     model, batches, k = _model(), _batches(8), 4
     reference = clone(model)
