@@ -169,6 +169,8 @@ class Engine:
             host = (HostState if self.data_parallel is None else self.data_parallel.host_state)(
                 captured, self.compute_dtype, pin=self.backend.name == "cuda",
                 grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir)
+            if host.disk is not None:
+                host.disk.record_into(self.backend.timeline)
             # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
             # stream in now, one tensor at a time; a failure leaves the engine without host state.
             if self._pending_load is not None:

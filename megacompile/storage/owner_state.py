@@ -41,6 +41,11 @@ class DiskState:
         self._cached: tuple[int, str, torch.Tensor, torch.Tensor] | None = None
         self._finalizer = weakref.finalize(self, _close, self.tier, self.folder)
 
+    def record_into(self, timeline) -> None:
+        """Each piece the tier reads or writes becomes a span on `timeline`'s disk track. The I/O
+        threads know no schedule node: the spans carry none, and the step running when they end."""
+        self.tier.on_io = lambda what, start, end: timeline.add("disk", what, start, end, (None, timeline.step))
+
     def holds(self, kind: str) -> bool:
         return kind in self.placement.kinds
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -84,6 +86,9 @@ class DiskTier:
         self._outstanding = 0            # pieces scheduled whose write has not finished
         self._closing = False
         self.bytes_read = self.bytes_written = 0
+        # on_io(what, start, end): told of each piece read or written (perf_counter seconds), for
+        # the runtime's timeline; called from the I/O threads.
+        self.on_io: Callable[[str, float, float], None] | None = None
         self._dispatcher = threading.Thread(target=self._dispatch, name="megacompile-disk-dispatch", daemon=True)
         self._dispatcher.start()
 
@@ -147,8 +152,10 @@ class DiskTier:
             previous.result()          # this piece's last write is on disk before it is read back
         offset, _ = self._extent(piece)
         regions = self._regions(piece)
+        start = time.perf_counter()
         for kind, region in zip(self.kinds, regions):
             self.files[piece.owner, kind].read(region, offset)
+        self._tell("read", piece, start, regions)
         with self._idle:
             self.bytes_read += sum(r.numel() for r in regions)
         if self.verify:
@@ -163,6 +170,12 @@ class DiskTier:
             a, b = self.pieces_of(owner)[index]
             raise StorageError(f"the state read back from {self.files[owner, kind].path} (parameters {a:,}..{b:,}) "
                                "does not match the checksum it was written with: the disk returned other bytes")
+
+    def _tell(self, what: str, piece: Piece, start: float, regions: list[torch.Tensor]) -> None:
+        if self.on_io is not None:
+            nbytes = sum(r.numel() for r in regions)
+            self.on_io(f"{what} owner {piece.owner} piece {piece.index} ({nbytes / 2**20:.1f} MiB, "
+                       f"{'+'.join(self.kinds)})", start, time.perf_counter())
 
     def next_piece(self, owner: int) -> Piece:
         """The next piece of `owner`'s update, its state read in; blocks until it is."""
@@ -189,8 +202,10 @@ class DiskTier:
             if self.verify:
                 for kind, region in zip(self.kinds, regions):
                     self._crc[piece.owner, piece.index, kind] = checksum([region])
+            start = time.perf_counter()
             for kind, region in zip(self.kinds, regions):
                 self.files[piece.owner, kind].write(region, offset)
+            self._tell("write", piece, start, regions)
             with self._idle:
                 self.bytes_written += sum(r.numel() for r in regions)
         except BaseException as e:

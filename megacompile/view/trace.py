@@ -4,7 +4,8 @@ Two processes in one file, on one time axis starting at 0 with the step: "predic
 model's play of the schedule on its streams (cost/predict.py), and "measured", the runtime's
 record of the last step (runtime/timeline.py). In each, one track (thread) per stream: compute,
 h2d (host -> device), d2h (device -> host), host (the optimizer), and disk where the plan has a
-disk tier (predicted only; the measured disk traffic runs inside the host track's updates).
+disk tier (measured: one slice per piece of state read or written, from the tier's I/O threads,
+which know no schedule node).
 Every schedule node is one complete ("X") slice on its stream's track, with `args.node` its
 index in the schedule and its op, stage, bytes and origin. Work a node started elsewhere (the
 host side of a gradient offload, the disk traffic of an update) and work from the step before
@@ -107,10 +108,11 @@ def _predicted(ev: _Events, plan) -> None:
 def _measured(ev: _Events, plan, timeline) -> None:
     program = plan.program
     ev.process(MEASURED, f"measured ({plan.backend} backend, last step)")
-    for track in TRACKS[:4]:
+    spans = sorted(timeline.spans, key=lambda s: s.start)
+    for track in TRACKS[:4] + (("disk",) if any(s.stream == "disk" for s in spans) else ()):
         ev.tid(MEASURED, track)
     zero = timeline.started
-    for span in sorted(timeline.spans, key=lambda s: s.start):
+    for span in spans:
         start, end = span.start - zero, span.end - zero
         if span.node is None:
             ev.slice(MEASURED, span.stream, span.what, start, end, {})

@@ -86,3 +86,33 @@ def test_the_trace_before_a_step_is_the_prediction_alone(tmp_path):
     assert {e["pid"] for e in trace["traceEvents"]} == {1}
     starts = {e["args"]["node"]: e["ts"] for e in _slices(trace, 1)}
     assert len(starts) == len(engine.plan.program.nodes)
+
+
+def test_the_disk_tier_reads_and_writes_each_piece_on_the_measured_disk_track(tmp_path, monkeypatch):
+    """With the moments on disk, every piece an update reads back and writes out is one slice on
+    the measured disk track, for every owner the step updated."""
+    import torch
+    from megacompile.cost.host_memory import host_costs
+    monkeypatch.setenv("MEGACOMPILE_TIER_PIECE", "4096")    # several pieces per owner
+    model = models.NanoGPT(vocab=96, d=32, layers=2, heads=2)
+    ids = models.batch(96, 2, 16)
+    probe = megacompile.compile(models.NanoGPT(vocab=96, d=32, layers=2, heads=2), 1.0, device="cpu")
+    probe.prepare(idx=ids, targets=ids)
+    ram = host_costs(probe.plan.captured, torch.float32)[1].ram_bytes     # the moments' level
+    probe.close()
+    engine = megacompile.compile(model, 1.0, device="cpu", nvme_dir=str(tmp_path / "tier"), host_budget=ram / 2**30)
+    try:
+        engine.step(idx=ids, targets=ids)
+        engine.synchronize()
+        tier = engine.host.disk.tier
+        engine.trace(str(tmp_path / "step.json"))
+    finally:
+        engine.close()
+    trace = json.loads((tmp_path / "step.json").read_text())
+    disk = {tid for tid, name in _tracks(trace, 2).items() if name == "disk"}
+    slices = [e["name"] for e in _slices(trace, 2) if e["tid"] in disk]
+    pieces = {(o, i) for o in tier.owners for i in range(len(tier.pieces_of(o)))}
+    assert len(pieces) > len(tier.owners)
+    for what in ("read", "write"):
+        seen = {tuple(int(x) for x in s.split()[2:5:2]) for s in slices if s.startswith(what)}
+        assert seen == pieces, what
