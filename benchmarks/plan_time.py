@@ -17,7 +17,7 @@ import time
 start = time.perf_counter()
 import torch  # noqa: E402
 
-from megacompile.planning import model_from_config, plan_global_batch  # noqa: E402
+from megacompile.plan.from_config import model_from_config, plan_global_batch  # noqa: E402
 from provenance import machine_facts, write_rows  # noqa: E402
 
 IMPORTS_S = time.perf_counter() - start
@@ -28,7 +28,7 @@ def one_micro_batch(args) -> dict[str, float]:
     from megacompile.cost import get_profile
     from megacompile.errors import BudgetTooSmallError
     from megacompile.passes.fusion import fuse
-    from megacompile.planner import make_plan
+    from megacompile.plan.search import make_plan
     from megacompile.cost.host_memory import host_costs
     seconds = {"imports": IMPORTS_S}
     t = time.perf_counter()

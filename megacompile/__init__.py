@@ -25,7 +25,7 @@ from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, Hos
 from .optim import AdamW
 from .io.hf_load import from_pretrained
 from .plan import Plan
-from .planning import plan
+from . import plan  # the room megacompile/plan/, callable: megacompile.plan(config, budget)
 
 __version__ = "0.1.0"
 

@@ -26,8 +26,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from .errors import BudgetTooSmallError, HostMemoryError
     from .ir.printer import fmt_bytes
-    from .planning import plan
-    from .planning import plan_global_batch
+    from .plan.from_config import plan
+    from .plan.from_config import plan_global_batch
     from .view.files import check_outputs, write_plan_views
     check_outputs(trace=args.trace, plot_dir=args.plot)
     kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget,

@@ -29,9 +29,9 @@ from .optim.lr_handle import LearningRateHandle
 from .passes import StepKind
 from .optim.fused_adamw import adamw_update_
 from .plan import Plan
-from .plan_cache import PlanCache, note_new_shape
+from .plan.cache import PlanCache, note_new_shape
 from .cost.host_memory import free_disk_bytes
-from .planner import make_plan, place_host_state
+from .plan.search import make_plan, place_host_state
 from .runtime import Executor, HostState, make_backend
 from .runtime.executor import NonFiniteLoss
 from .distributed import data_parallel_for

@@ -188,7 +188,7 @@ def load(engine: "Engine", path: str, strict: bool = False) -> Any:
         raise MegacompileError(f"load_checkpoint takes a checkpoint folder path, got {path!r}")
     path = os.fspath(path)
     if os.path.isfile(path):
-        from ..checkpoint import load as load_single_file   # the one-file format written before folders
+        from .legacy_checkpoint import load as load_single_file   # the one-file format written before folders
         load_single_file(engine, path)
         return None
     parent = os.path.dirname(os.path.abspath(path))

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return out
         section("calibrate", 0.5, calibrate)
         if profile is None:
-            from ..planner import default_profile
+            from ..plan.search import default_profile
             profile = default_profile("cuda")
         section("step", 1.5, lambda: step_rows(device, "llama-1b", args.layers_1b, profile))
         section("step", 2.0, lambda: step_rows(device, "llama-7b", args.layers_7b, profile))

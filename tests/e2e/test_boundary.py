@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megacompile
-import megacompile.planner as planner
+import megacompile.plan.search as planner
 from megacompile.ir.program import Op, restored_of
 from megacompile.ir.simulate import simulate
 from megacompile.passes import ScheduleChoice, build_schedule

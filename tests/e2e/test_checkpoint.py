@@ -205,7 +205,7 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_exactly(tmp_path):
 
 def _one_file_checkpoint(engine, path):
     """What the one-file format (megacompile-checkpoint/1) held, written as it was."""
-    from megacompile.checkpoint import FORMAT
+    from megacompile.io.legacy_checkpoint import FORMAT
     host = engine.host
     engine.synchronize()
     table = lambda buffer: {n: host.view(buffer, n).clone() for n in host.slots}  # noqa: E731

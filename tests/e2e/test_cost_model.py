@@ -121,7 +121,7 @@ def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys)
     assert data["fits"] and 8 % micro == 0
     assert any(line.strip().startswith("micro-batch") for line in out)
     # the chosen split is the fastest of those that fit
-    from megacompile.planning import plan_global_batch
+    from megacompile.plan.from_config import plan_global_batch
     best, accumulate = plan_global_batch(SMALL_LLAMA, 0.075, 8, hardware="h100", seq=64)
     for batch in (8, 4, 2, 1):
         try:

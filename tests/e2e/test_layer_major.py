@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megacompile
-import megacompile.planner as planner
+import megacompile.plan.search as planner
 from megacompile.errors import ArgumentError, CheckpointError, InputMismatchError
 from megacompile.ir.program import Op
 from megacompile.optim import AdamW

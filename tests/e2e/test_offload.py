@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import megacompile
-import megacompile.planner as planner
+import megacompile.plan.search as planner
 from megacompile.ir.program import Op
 from megacompile.passes import ScheduleChoice
 from tests import models

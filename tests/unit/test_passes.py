@@ -78,7 +78,7 @@ def test_solver_finds_the_fastest_fitting_choice_of_its_whole_search_space():
     from megacompile.cost import get_profile, predict
     from megacompile.passes.selective import with_selective
     from megacompile.passes.solve import candidates
-    from megacompile.planner import search_space
+    from megacompile.plan.search import search_space
 
     captured = _captured(layers=3)
     blocks = _blocks(captured)

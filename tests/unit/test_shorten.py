@@ -14,7 +14,7 @@ from megacompile.passes.lower import lower
 from megacompile.passes.selective import with_selective
 from megacompile.passes.shorten import shorten
 from megacompile.passes.solve import candidates
-from megacompile.planner import judges, search_space
+from megacompile.plan.search import judges, search_space
 from tests import models
 
 

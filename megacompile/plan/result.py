@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from .capture import CapturedModel
-from .cost import HardwareProfile, StepPrediction
-from .cost.host_memory import HostCost
-from .cost.reserve import DeviceReserve
-from .ir.printer import fmt_bytes, fmt_seconds, format_program
-from .ir.program import Op, Program, base_name
-from .ir.simulate import MemoryCurve, simulate
+from ..capture import CapturedModel
+from ..cost import HardwareProfile, StepPrediction
+from ..cost.host_memory import HostCost
+from ..cost.reserve import DeviceReserve
+from ..ir.printer import fmt_bytes, fmt_seconds, format_program
+from ..ir.program import Op, Program, base_name
+from ..ir.simulate import MemoryCurve, simulate
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Plan:
     def predicted_spans(self) -> list[tuple[int, str, float, float]]:
         """The cost model's timeline of the step: (node, stream, start s, end s), cost/predict.py."""
         if self._spans is None:
-            from .cost.predict import predict
+            from ..cost.predict import predict
             spans: list = []
             disk = self.host_cost.disk_bytes / max(self.host_cost.params, 1) if self.host_cost is not None else 0.0
             predict(self.program, self.captured, self.hardware, disk, spans=spans)
@@ -67,7 +67,7 @@ class Plan:
         """The memory picture as a PNG: device bytes over the schedule stacked by kind, the budget,
         the predicted curve and the measured one after a step; host RAM (and disk) below. Needs
         matplotlib (`pip install megacompile[plot]`)."""
-        from .view.plot import plot_memory
+        from ..view.plot import plot_memory
         plot_memory(self, path)
 
     # -- numbers -------------------------------------------------------------------------
@@ -165,8 +165,8 @@ class Plan:
         device bytes at stake and the seconds paid (with a hardware profile)."""
         if not self.captured.train:
             return []
-        from .cost import graph_cost
-        from .cost.predict import compute_seconds
+        from ..cost import graph_cost
+        from ..cost.predict import compute_seconds
         recomputed = {n.stage for n in self.program.nodes if n.op is Op.RECOMPUTE}
         offloaded = set(self.program.facts.get("offload", []))
         sent = set(self.program.facts.get("boundary_values", []))
@@ -251,7 +251,7 @@ class Plan:
             if n.op is Op.RECOMPUTE:
                 seconds = None
                 if self.hardware is not None:
-                    from .cost.predict import compute_seconds
+                    from ..cost.predict import compute_seconds
                     seconds = compute_seconds(self.captured, n, self.hardware)[0]
                 out.append({"stage": self.program.stage_names[n.stage],
                             "saved_bytes": self.program.values[n.writes[0]].nbytes, "seconds": seconds})
@@ -426,7 +426,7 @@ class Plan:
         os.makedirs(path, exist_ok=True)
         files = [("plan.txt", str(self) + "\n"), ("plan.json", json.dumps(self.to_json(), indent=1))]
         if self.fused:
-            from .passes.fusion import fusion_report
+            from ..passes.fusion import fusion_report
             files.append(("fusion.txt", fusion_report(self.captured) + "\n"))
         for name, text in files:
             tmp = os.path.join(path, f".{name}.tmp")

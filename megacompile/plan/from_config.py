@@ -13,18 +13,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .capture import capture
-from .capture.top import blocks_grouped_once
-from .cost import HardwareProfile, get_profile
-from . import arguments
-from .errors import ArgumentError, MegacompileError
-from .optim import AdamW
-from .passes import StepKind
-from .plan import Plan
-from .cost.hardware import replace
-from .cost.host_memory import host_costs
-from .accumulate import check_mode
-from .planner import make_baseline_plan, make_plan, place_host_state
+from ..capture import capture
+from ..capture.top import blocks_grouped_once
+from ..cost import HardwareProfile, get_profile
+from .. import arguments
+from ..errors import ArgumentError, MegacompileError
+from ..optim import AdamW
+from ..passes import StepKind
+from .result import Plan
+from ..cost.hardware import replace
+from ..cost.host_memory import host_costs
+from ..accumulate import check_mode
+from .search import make_baseline_plan, make_plan, place_host_state
 
 GiB = 2 ** 30
 
@@ -92,7 +92,7 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
     """Choose the micro-batch for a global batch: every power-of-two divisor that fits is planned
     and the one with the highest predicted tokens/s wins. Returns the plan of one micro-batch
     step and the number of micro-batches to accumulate (compile(..., grad_accum=k))."""
-    from .errors import BudgetTooSmallError, HostMemoryError
+    from ..errors import BudgetTooSmallError, HostMemoryError
     global_batch = arguments.count("global_batch", global_batch, what=" (sequences per optimizer step)")
     arguments.budget_bytes("hbm_budget", hbm_budget)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
@@ -153,7 +153,7 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     if compute_dtype not in (torch.float32, torch.bfloat16):
         raise ArgumentError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype!r}")
     optimizer = arguments.optimizer(optimizer)
-    from .passes.baselines import STYLES
+    from ..passes.baselines import STYLES
     if style is not None and style not in STYLES:
         raise ArgumentError(f"style must be one of {', '.join(STYLES)} (or None for megacompile's plan); got {style!r}")
     if not isinstance(hardware, (str, os.PathLike, HardwareProfile)):
@@ -177,7 +177,7 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     if fuse is None:   # as compile() would on that hardware: fused kernels on a GPU
         fuse = not profile.name.startswith("cpu")
     if fuse:
-        from .passes.fusion import fuse as fuse_stages
+        from ..passes.fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     if style is not None:
         return make_baseline_plan(captured, budget_bytes, style, host_bytes=host_costs(captured, compute_dtype)[0].ram_bytes,

@@ -12,7 +12,7 @@ import warnings
 from collections import OrderedDict
 from typing import Any
 
-from .errors import RetraceWarning
+from ..errors import RetraceWarning
 
 LIMIT = 8          # plans an engine keeps
 FIRST_WARNING = 4  # new input signatures before the first warning; then at every doubling

@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import MegacompileError
+from ..errors import MegacompileError
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 FORMAT = "megacompile-checkpoint/1"
 
 
 def load(engine: "Engine", path: str) -> None:
     """Restore a checkpoint; checks every name and shape before changing anything."""
-    from .io.checkpoint import expected_state
-    from .io.state_dict import checker
-    from .runtime import HostState
+    from .checkpoint import expected_state
+    from .state_dict import checker
+    from ..runtime import HostState
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unreadable, truncated or foreign: one clear error

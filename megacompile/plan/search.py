@@ -4,24 +4,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .capture import CapturedModel
-from .errors import ArgumentError, BudgetTooSmallError, HostMemoryError
-from .ir.printer import fmt_bytes
-from .ir.simulate import simulate
-from .ir.verify import verify
-from .capture.model_graph import owners
-from .cost import HardwareProfile, get_profile, predict
-from .cost.predict import compute_seconds
-from .cost.host_memory import HostCost, choose_placement, host_costs, why_not
-from .cost.reserve import device_reserve, smallest_budget
-from .ir.program import COMPUTE_OPS, Op, Program
-from .passes import ScheduleChoice, StepKind, build_schedule, solve
-from .passes.lower import lower
-from .passes.selective import with_selective
-from .passes.shorten import Short, held_bytes, peak_with_cut, shorten, span
-from .passes.solve import Family, Selective, families
-from .passes.baselines import baseline_choice
-from .plan import Plan
+from ..capture import CapturedModel
+from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
+from ..ir.printer import fmt_bytes
+from ..ir.simulate import simulate
+from ..ir.verify import verify
+from ..capture.model_graph import owners
+from ..cost import HardwareProfile, get_profile, predict
+from ..cost.predict import compute_seconds
+from ..cost.host_memory import HostCost, choose_placement, host_costs, why_not
+from ..cost.reserve import device_reserve, smallest_budget
+from ..ir.program import COMPUTE_OPS, Op, Program
+from ..passes import ScheduleChoice, StepKind, build_schedule, solve
+from ..passes.lower import lower
+from ..passes.selective import with_selective
+from ..passes.shorten import Short, held_bytes, peak_with_cut, shorten, span
+from ..passes.solve import Family, Selective, families
+from ..passes.baselines import baseline_choice
+from .result import Plan
 
 GiB = 2 ** 30
 
@@ -41,7 +41,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     step is shorter than k micro-batch-major steps."""
     require_host_room(host_bytes, host_budget_bytes)
     if fuse:
-        from .passes.fusion import fuse as fuse_stages
+        from ..passes.fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     hardware = hardware or default_profile(backend)
@@ -114,7 +114,7 @@ def layer_major_k(captured: CapturedModel, kind: StepKind, grad_accum: int, accu
 def _draws(body) -> bool:
     """Whether a graph's random ops can change a result: SDPA and dropout with probability 0 carry
     the random tag but give the same values whatever they draw."""
-    from .capture.split import is_random
+    from ..capture.split import is_random
     for n in body:
         if n.op != "call_function" or not is_random(n):
             continue
@@ -316,7 +316,7 @@ def _offload_lag(captured: CapturedModel, t, hardware: HardwareProfile) -> int:
     """How many block computes one saved-activation copy of template `t` spans on this hardware (1 to 8)."""
     import math
 
-    from .cost import graph_cost
+    from ..cost import graph_cost
     compute = graph_cost(t.forward, hardware, captured.compute_dtype).seconds
     return max(1, min(8, math.ceil(t.saved_bytes / hardware.d2h_bw / max(compute, 1e-9))))
 

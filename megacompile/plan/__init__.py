@@ -1,0 +1,31 @@
+"""Planning: from a model and an HBM budget to a verified schedule with its predicted figures.
+
+    result.py       Plan: the schedule, its memory curve, host bytes, bytes moved, predicted time
+    search.py       make_plan: from a captured model and a budget to a verified plan (the solver's
+                    judges, the host placement, the error naming the smallest budget)
+    from_config.py  plan(), plan_global_batch(): from a Hugging Face config or a meta model,
+                    without weights
+    cache.py        PlanCache: the engine's plans, one per input signature
+
+`megacompile.plan` is this package, and calling it calls from_config.plan: so both
+`megacompile.plan(config, 80)` and `from megacompile.plan import Plan` read as they always did.
+(Were the function bound to the name instead, `megacompile.plan.search` would not resolve.)
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+from .result import Plan
+from .search import make_plan
+from .from_config import model_from_config, plan, plan_global_batch
+
+
+class _CallablePackage(types.ModuleType):
+    def __call__(self, *args, **kwargs) -> Plan:
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
+
+__all__ = ["Plan", "make_plan", "model_from_config", "plan", "plan_global_batch"]
