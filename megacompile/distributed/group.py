@@ -43,6 +43,14 @@ class Ranks:
         # new_group is collective over the default group: every process calls compile().
         self.main = dist.new_group(self.members, backend="gloo", timeout=self.timeout)
         self.stream = dist.new_group(self.members, backend="gloo", timeout=self.timeout)
+        # Gradients are summed where the backward leaves them, on the network stream
+        # (distributed/grad_reduce.py): gloo for the cpu backend's device, NCCL for a GPU's (the
+        # user's group when it is NCCL, else one made here: new_group is collective, so now).
+        self.grads = dist.new_group(self.members, backend="gloo", timeout=self.timeout)
+        self.nccl = None
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            self.nccl = (group if dist.get_backend(group) == "nccl"
+                         else dist.new_group(self.members, backend="nccl", timeout=self.timeout))
         try:
             self._store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, AttributeError, ValueError):
@@ -92,6 +100,15 @@ class Ranks:
             with contextlib.suppress(Exception):
                 self._store.set(NOTE.format(self.rank), "its process exited (its script ended or raised "
                                                         "outside a step) while others were still training")
+
+    def device_group(self, device: torch.device) -> dist.ProcessGroup:
+        """The group that sums tensors on `device`."""
+        if device.type == "cpu":
+            return self.grads
+        if self.nccl is None:
+            raise DistributedError(f"rank {self.rank} of {self.size}: gradients on {device} are summed over NCCL, "
+                                   "which this torch build lacks; install a CUDA build of torch")
+        return self.nccl
 
     # -- collectives ---------------------------------------------------------------------
     def sum_(self, t: torch.Tensor, what: str) -> torch.Tensor:
