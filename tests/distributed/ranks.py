@@ -99,12 +99,13 @@ def _entry(rank: int, scenario: str, size: int, folder: str, kw: dict) -> None:
 
 
 def train(rank: int, size: int, folder: str, clip: float | None = None, save: str | None = None,
-          resume: str | None = None) -> dict:
+          resume: str | None = None, accum: int = 1) -> dict:
     """10 steps on this rank's slice of each global batch (from the checkpoint `resume` on: the
     steps after it). With `save`: a checkpoint after step 5, and this rank's masters and moments
     as they were then (state-<rank>.pt). With `resume`: whether the masters and moments this
-    rank holds after the load equal, bit for bit, those the saving ranks held."""
-    engine = compiled(clip)
+    rank holds after the load equal, bit for bit, those the saving ranks held. With `accum`, each
+    step is that many micro-batches of the rank's slice (the step's loss: their mean)."""
+    engine = compiled(clip, grad_accum=accum)
     out = {}
     first = 0
     if resume is not None:
@@ -122,7 +123,8 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
     for i, ids in enumerate(batches()[first:], start=first):
         if i == STEPS - 1:
             _record_issues(engine, issued)
-        losses.append(engine.step(**_inputs(ids, rank, size)))
+        parts = rank_slice(ids, rank, size).chunk(accum)
+        losses.append(sum(engine.step(idx=part, targets=part) for part in parts) / accum)
         if save is not None and i + 1 == STEPS // 2:
             engine.save_checkpoint(save, extra={"next": i + 1})
             host = engine.host

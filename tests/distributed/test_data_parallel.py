@@ -141,6 +141,16 @@ def test_four_ranks_train_as_one_process_without_clipping(tmp_path):
 
 
 @pytest.mark.slow
+def test_two_ranks_accumulating_micro_batches_train_as_one_process(eager_clipped, tmp_path):
+    """Two micro-batches per step on each rank: each micro-batch's gradients are reduced and
+    added into the holder's share of the sum."""
+    ranks.spawn("train", 2, str(tmp_path), clip=ranks.CLIP, accum=2)
+    losses, weights = eager_clipped
+    assert _loss_error(_results(tmp_path, 2), losses) <= TOL
+    assert _weight_error(torch.load(tmp_path / "weights.pt"), weights) <= TOL
+
+
+@pytest.mark.slow
 def test_a_rank_that_fails_is_named_by_the_others(tmp_path):
     with pytest.raises(Exception):
         ranks.spawn("fail", 2, str(tmp_path))
