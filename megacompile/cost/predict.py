@@ -1,7 +1,8 @@
 """Predict a step's time by playing the schedule on its streams.
 
 Four streams run side by side: compute (stage graphs), h2d (prefetches), d2h (offloads) and
-host (optimizer updates, clipping). Issuing any node costs the compute stream the profile's
+host (optimizer updates, clipping); a fifth, network, with data parallelism (the gradients'
+reduce, between the backward and the offload). Issuing any node costs the compute stream the profile's
 fixed per-node overhead. Each node starts when its stream is free and what it waits
 for is done; a WAIT stalls the compute stream until its transfer or update ends. The schedule is
 played twice and the second step is reported, so updates left running by one step delay the
@@ -28,6 +29,7 @@ class StepPrediction:
     hardware_flops: float       # FLOPs the device executes, recompute included
     model_flops: float          # 6 * N * tokens, N the active (per-token) parameters
     tokens: int
+    network_s: float = 0.0      # data parallelism: the gradients' reduce
 
     @property
     def tokens_per_s(self) -> float:
@@ -50,7 +52,8 @@ class StepPrediction:
                 "predicted_exposed_transfer_s": self.exposed_s, "predicted_tokens_per_s": self.tokens_per_s,
                 "predicted_tflops_6nd": self.tflops_6nd, "predicted_hardware_tflops": self.hardware_tflops,
                 "hardware_flops_per_model_flops": self.hardware_flops_per_model_flop,
-                "h2d_busy_s": self.h2d_s, "d2h_busy_s": self.d2h_s, "host_busy_s": self.host_s}
+                "h2d_busy_s": self.h2d_s, "d2h_busy_s": self.d2h_s, "host_busy_s": self.host_s,
+                "network_busy_s": self.network_s}
 
 
 def compute_seconds(captured: CapturedModel, node, hw: HardwareProfile) -> tuple[float, float]:
@@ -73,12 +76,16 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
     thread's nodes, their issue overhead included), and a "disk" entry beside each update that
     moves disk-tier bytes.
 
-    `ranks` > 1: one rank of a data-parallel run (megacompile/distributed): each owner's update
-    covers 1/ranks of its parameters, after its fp32 gradients are reduce-scattered and before
-    its new compute copy is all-gathered, at `network_bw` B/s per rank (ring collectives)."""
-    exchange = (ranks - 1) / ranks * (4 + captured.compute_dtype.itemsize) / network_bw if ranks > 1 else 0.0
+    `ranks` > 1: one rank of a data-parallel run (megacompile/distributed), at `network_bw` B/s
+    per rank (NCCL's bus bandwidth). A stage's gradients are summed over the ranks on the network
+    stream once its backward made them (distributed/grad_reduce.py: a reduce per tensor, to the
+    rank that holds it, so all of the bytes cross the ring's links, against (ranks-1)/ranks for
+    an even reduce-scatter), and 1/ranks of them then go to the host after that sum. Each
+    owner's update covers 1/ranks of its parameters and then all-gathers the new compute copy
+    ((ranks-1)/ranks of its bytes) on the host stream."""
+    gather = (ranks - 1) / ranks * captured.compute_dtype.itemsize / network_bw if ranks > 1 else 0.0
     owned = _owned_params(captured)
-    free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
+    free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "network": 0.0}
     busy = {k: 0.0 for k in free}
     ready: dict[str, float] = {}
     exposed = flops = 0.0
@@ -103,18 +110,27 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
                     free["compute"] = until
             elif n.op in (Op.PREFETCH, Op.OFFLOAD, Op.OPTIMIZER_STEP, Op.CLIP_GRADS):
                 stream = n.stream
+                after = 0.0
                 if n.op is Op.PREFETCH:
                     seconds = program.values[n.writes[0]].nbytes / hw.h2d_bw
+                elif n.op is Op.OFFLOAD and ranks > 1 and program.values[n.reads[0]].kind == "grads":
+                    nbytes = program.values[n.reads[0]].nbytes
+                    reduce_begin = max(free["compute"], free["network"])
+                    free["network"] = after = reduce_begin + nbytes / network_bw
+                    busy["network"] += nbytes / network_bw
+                    if record is not None:
+                        record.append((i, "network", reduce_begin - start_of_step, after - start_of_step))
+                    seconds = nbytes / ranks / hw.d2h_bw
                 elif n.op is Op.OFFLOAD:
                     seconds = program.values[n.reads[0]].nbytes / hw.d2h_bw
                 elif n.op is Op.OPTIMIZER_STEP:
                     params = owned.get(n.stage, 0)
                     disk = params * disk_bytes_per_param
                     disk_s = disk / hw.disk_read_bw + disk / hw.disk_write_bw
-                    seconds = max(params / ranks / hw.host_adam_params_per_s, disk_s) + params * exchange
+                    seconds = max(params / ranks / hw.host_adam_params_per_s, disk_s) + params * gather
                 else:
                     seconds = 4 * sum(owned.values()) / ranks / hw.host_bw
-                begin = max(free["compute"], free[stream])
+                begin = max(free["compute"], free[stream], after)
                 free[stream] = begin + seconds
                 busy[stream] += seconds
                 for v in n.writes + n.reads:
@@ -136,7 +152,7 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
     tokens *= program.facts.get("micro_batches", 1)     # a layer-major program runs every micro-batch of a step
     model_flops = (6 if captured.train else 2) * trainable * tokens
     return StepPrediction(ends[-1], busy["compute"], exposed, busy["h2d"], busy["d2h"], busy["host"],
-                          flops, model_flops, tokens)
+                          flops, model_flops, tokens, network_s=busy["network"])
 
 
 def _owned_params(captured: CapturedModel) -> dict[int, int]:

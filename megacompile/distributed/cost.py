@@ -1,11 +1,12 @@
 """What a plan costs per rank when R GPUs run it data-parallel, and the throughput it predicts.
 
 Every rank runs the same plan, so the device memory per rank is the plan's. Host RAM per rank:
-the whole compute copy and an fp32 gradient of every parameter, and 1/R of the masters and AdamW
-moments (12 B/param / R, shard.py); the node holds R/nodes ranks. The step is the single-GPU
-schedule played again (cost/predict.py) with each owner's update covering 1/R of its parameters
-behind the reduce-scatter of its gradients and ahead of the all-gather of its new weights, on
-the host stream beside compute: the intra-node bandwidth on one node, the inter-node one across
+the whole compute copy, and 1/R of the masters, AdamW moments and gradient sums ((12 + 4 [+ the
+landing buffer]) B/param / R, shard.py); the node holds R/nodes ranks. The step is the
+single-GPU schedule played again (cost/predict.py) with each stage's gradients summed over the
+ranks on a network stream as the backward makes them, 1/R of them offloaded after that, and each
+owner's update covering 1/R of its parameters ahead of the all-gather of its new weights, on the
+host stream beside compute: the intra-node bandwidth on one node, the inter-node one across
 several (a ring collective runs at its slowest link).
 """
 from __future__ import annotations
@@ -43,7 +44,8 @@ class ScaleOut:
             f"({fmt_bytes(per_node * self.host_bytes)} per node of {per_node})",
             f"  predicted      {p.step_s * 1e3:.4g} ms/step: {self.tokens_per_s:,.0f} tok/s in all, "
             f"{p.tokens_per_s:,.0f} per GPU, {p.tflops_6nd:.3g} TFLOPS per GPU (6ND); collectives at "
-            f"{self.network_bw / 1e9:.4g} GB/s per rank ({self.link})",
+            f"{self.network_bw / 1e9:.4g} GB/s per rank ({self.link}), the gradients' reduce "
+            f"{p.network_s * 1e3:.4g} ms of the step, beside the backward",
         ])
 
     def to_json(self) -> dict:
@@ -72,6 +74,6 @@ def scale_out(plan: Plan, gpus: int, nodes: int = 1, network_bw: float | None = 
     host = frozen + plan.stash_bytes
     for owner, numel in sizes.items():
         layout = owner_layout(dtype, plan.grad_accum, owner in summed, Placement())
-        host += numel * (dtype.itemsize + 4 + layout.landing_dtype.itemsize * layout.landing + 12 / gpus)
+        host += numel * (dtype.itemsize + (12 + 4 + layout.landing_dtype.itemsize * layout.landing) / gpus)
     prediction = predict(plan.program, plan.captured, hw, ranks=gpus, network_bw=network_bw)
     return ScaleOut(gpus, nodes, plan.predicted_peak_bytes, int(host), network_bw, link, prediction)

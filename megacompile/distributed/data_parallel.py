@@ -42,7 +42,8 @@ class DataParallel:
     def agree(self, host: ShardedHostState, loss: float, last: bool) -> tuple[str, str] | None:
         """After every micro-batch, on every rank: (what, why) when the step must be skipped
         everywhere (a rank's loss is inf or NaN); else, at a step's last micro-batch, the
-        gradients are summed over the ranks (host.nonfinite_grads() then speaks for all ranks)."""
+        gradients' norms are summed over the ranks (host.nonfinite_grads() then speaks for all
+        ranks; the gradients themselves were summed as the backward produced them)."""
         bad = torch.zeros(self.size, dtype=torch.float64)
         bad[self.rank] = 0.0 if math.isfinite(loss) else 1.0
         self.ranks.sum_(bad, "agreeing on the step's losses")
@@ -50,7 +51,7 @@ class DataParallel:
             which = [r for r in range(self.size) if bad[r]]
             return "loss", f"the loss is inf or NaN on rank{'s' * (len(which) > 1)} {', '.join(map(str, which))}"
         if last:
-            host.reduce_grads()
+            host.sum_grad_norms()
         return None
 
     def on_rank_zero(self, engine, write) -> None:

@@ -1,11 +1,12 @@
 """The ranks of a data-parallel run and the collectives between them, with failures named.
 
-Host state lives in host RAM, so its collectives (the gradient reduce, the all-gather of the
-updated compute copies, the clip norm) run on gloo groups over the ranks of the user's process
-group, whatever that group's own backend is (NCCL under torchrun on GPUs). Two such groups: one
-for the compute thread, one for the host stream, which gathers an owner's new weights while the
-next step already runs on the other; each group's collectives come in the same order on every
-rank because every rank runs the same plan.
+Host state lives in host RAM, so its collectives (the all-gather of the updated compute copies,
+the clip norm) run on gloo groups over the ranks of the user's process group, whatever that
+group's own backend is (NCCL under torchrun on GPUs). Two such groups: one for the compute
+thread, one for the host stream, which gathers an owner's new weights while the next step
+already runs on the other. The gradients are summed on the device, on a third group (gloo on the
+cpu backend, NCCL on GPUs) that only the network stream uses. Each group's collectives come in
+the same order on every rank because every rank runs the same plan.
 
 A rank that raises inside a step leaves a note in the process group's store before it goes; a
 rank waiting on it gets a DistributedError naming that rank and its error, rather than hanging:
@@ -43,6 +44,14 @@ class Ranks:
         # new_group is collective over the default group: every process calls compile().
         self.main = dist.new_group(self.members, backend="gloo", timeout=self.timeout)
         self.stream = dist.new_group(self.members, backend="gloo", timeout=self.timeout)
+        # Gradients are summed where the backward leaves them, on the network stream
+        # (distributed/grad_reduce.py): gloo for the cpu backend's device, NCCL for a GPU's (the
+        # user's group when it is NCCL, else one made here: new_group is collective, so now).
+        self.grads = dist.new_group(self.members, backend="gloo", timeout=self.timeout)
+        self.nccl = None
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            self.nccl = (group if dist.get_backend(group) == "nccl"
+                         else dist.new_group(self.members, backend="nccl", timeout=self.timeout))
         try:
             self._store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, AttributeError, ValueError):
@@ -93,14 +102,19 @@ class Ranks:
                 self._store.set(NOTE.format(self.rank), "its process exited (its script ended or raised "
                                                         "outside a step) while others were still training")
 
+    def device_group(self, device: torch.device) -> dist.ProcessGroup:
+        """The group that sums tensors on `device`."""
+        if device.type == "cpu":
+            return self.grads
+        if self.nccl is None:
+            raise DistributedError(f"rank {self.rank} of {self.size}: gradients on {device} are summed over NCCL, "
+                                   "which this torch build lacks; install a CUDA build of torch")
+        return self.nccl
+
     # -- collectives ---------------------------------------------------------------------
     def sum_(self, t: torch.Tensor, what: str) -> torch.Tensor:
         self.call(what, lambda: dist.all_reduce(t, group=self.main))
         return t
-
-    def reduce_(self, t: torch.Tensor, to: int, what: str) -> None:
-        """Sum t over the ranks into rank `to`'s t (the others' t is left undefined)."""
-        self.call(what, lambda: dist.reduce(t, dst=self.members[to], group=self.main))
 
     def broadcast_(self, t: torch.Tensor, src: int, what: str, stream: bool = False) -> None:
         # gloo moves bytes: a bfloat16 tensor travels as int16

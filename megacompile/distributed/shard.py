@@ -1,6 +1,6 @@
-"""Host state sharded across ranks: each rank keeps the fp32 masters and AdamW moments of its
-1/R of the parameters; every rank keeps the whole compute copy (what its device fetches) and the
-whole gradient buffer (where its device's gradients land).
+"""Host state sharded across ranks: each rank keeps the fp32 masters, AdamW moments and gradient
+sums of its 1/R of the parameters; every rank keeps the whole compute copy (what its device
+fetches).
 
 The shares are cut at parameter boundaries in the flat order of the owners' buffers (owner by
 owner, parameter by parameter), so a rank's share of each owner is one contiguous range of that
@@ -8,15 +8,16 @@ owner's flat buffers (possibly empty), and a checkpoint keeps the model's own te
 rank writes whole tensors: distributed/checkpoint.py). With many parameters per rank the shares
 are within one parameter of equal; a model of a few large tensors shares less evenly.
 
-Per trainable parameter and rank, in host RAM: compute copy (4 B fp32, 2 B bf16) + fp32 gradient
-(4 B) + (master 4 + exp_avg 4 + exp_avg_sq 4) / R.
+Per trainable parameter and rank, in host RAM: compute copy (4 B fp32, 2 B bf16) + (master 4 +
+exp_avg 4 + exp_avg_sq 4 + fp32 gradient sum 4 [+ a landing buffer with grad_accum > 1]) / R.
 
-One optimizer step: after the backward every owner's gradient is summed over the ranks into the
-rank that holds each range (a reduce-scatter, one reduce per range) and divided by R; the global
-squared norm is the sum of the ranks' partial norms; each rank updates its range of the masters
-and moments, writes the new weights into its range of the compute copy, and the ranges are then
-broadcast to every rank, owner by owner, on the host stream, before the next step's prefetch of
-that owner (which waits for the owner's update).
+One optimizer step: as the backward produces each stage's gradients they are summed over the
+ranks on the device into the rank that holds each tensor, and divided by R there
+(grad_reduce.py); only the holder's land on the host, in its range of the gradient buffers. The
+global squared norm is the sum of the ranks' partial norms; each rank updates its range of the
+masters and moments, writes the new weights into its range of the compute copy, and the ranges
+are then broadcast to every rank, owner by owner, on the host stream, before the next step's
+prefetch of that owner (which waits for the owner's update).
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ import torch
 from ..capture import CapturedModel
 from ..cost.host_memory import OwnerLayout, Placement
 from ..errors import ArgumentError, MegacompileError
-from ..optim.fused_adamw import grad_sq_norm
-from ..runtime.host import HostState, OwnerBuffers
+from ..runtime.host import HostState, OwnerBuffers, pinned_empty
 from ..storage.owner_state import UpdateFn
+from .grad_reduce import reduce_to_holders
 from .group import Ranks
 
 SHARDED = ("master", "exp_avg", "exp_avg_sq")
@@ -85,12 +86,14 @@ class ShardedHostState(HostState):
                        layout: OwnerLayout) -> OwnerBuffers:
         if not self.ranges:
             self._cut()
-        # The whole compute copy, an fp32 gradient of its own (the device's gradients land there
-        # and are summed over ranks in place), and no master or moments: this rank's share follows.
-        whole = replace(layout, master=False, moments=False, compute_copy=True, grad_dtype=torch.float32,
-                        grad_in_copy=False)
-        b = OwnerBuffers(numel, compute_dtype, pin, whole)
+        # This rank's range of the fp32 gradient sum (and landing buffer): the device's summed
+        # gradients of the tensors it holds land there (never in the compute copy, which every
+        # rank reads whole). Then the whole compute copy, and the share of masters and moments.
         lo, hi = self.ranges[owner][self.ranks.rank]
+        b = OwnerBuffers(hi - lo, compute_dtype, pin, replace(layout, master=False, moments=False, compute_copy=False,
+                                                              grad_dtype=torch.float32, grad_in_copy=False))
+        b.grad_lo = lo
+        b.compute = pinned_empty(numel, compute_dtype) if pin else torch.empty(numel, dtype=compute_dtype)
         b.master = torch.empty(hi - lo, dtype=torch.float32)
         b.exp_avg = torch.zeros(hi - lo, dtype=torch.float32)
         b.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32)
@@ -101,12 +104,20 @@ class ShardedHostState(HostState):
         """Bytes of the fp32 masters and AdamW moments this rank holds."""
         return sum(getattr(b, k).nbytes for b in self.owners.values() for k in SHARDED)
 
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the gradient buffers (the sum and the landing buffer) this rank holds."""
+        return grad_bytes(self)
+
     # -- views ---------------------------------------------------------------------------
     def mine(self, name: str) -> bool:
         return self.holder[name] == self.ranks.rank
 
     def view(self, buffer: str, name: str) -> torch.Tensor:
         """As HostState.view; masters and moments only of the parameters this rank holds."""
+        if buffer in ("grad", "landing") and not self.mine(name):
+            raise MegacompileError(f"the gradient of {name} is summed on rank {self.holder[name]}, not on rank "
+                                   f"{self.ranks.rank}: read it there")
         if buffer not in SHARDED:
             return super().view(buffer, name)
         if not self.mine(name):
@@ -148,23 +159,17 @@ class ShardedHostState(HostState):
                     self.consts[name].copy_(t)
 
     # -- the step ------------------------------------------------------------------------
-    def reduce_grads(self) -> None:
-        """Sum the step's gradients over the ranks into each range's holder, divided by R, and
-        the global squared norm of the result (every rank gets it)."""
-        for name in self._landed | self._unfolded:   # grad_accum > 1: the last micro-batches join the sum
-            b = self.owners[self.slots[name].owner]
-            self._view(b.grad, name).add_(self._view(b.landing, name))
-        self._landed, self._unfolded = set(), set()
-        size, sq = self.ranks.size, 0.0
-        for owner, b in self.owners.items():
-            for rank, (lo, hi) in enumerate(self.ranges[owner]):
-                if hi > lo:
-                    self.ranks.reduce_(b.grad[lo:hi], rank, f"summing the gradients of owner {owner}")
-            lo, hi = self.ranges[owner][self.ranks.rank]
-            if hi > lo:
-                b.grad[lo:hi].div_(size)
-                sq += grad_sq_norm(b.grad[lo:hi])
-        total = self.ranks.sum_(torch.tensor([sq], dtype=torch.float64), "summing the gradient norm")
+    def offload_grads(self, backend, names: list[str], grads: list[torch.Tensor], stage: str, after=None):
+        """Sum the stage's gradients over the ranks on the device, then offload this rank's."""
+        reduced, sent = reduce_to_holders(self.ranks, backend, grads, [self.holder[n] for n in names], stage)
+        mine = [i for i, n in enumerate(names) if self.mine(n)]
+        return super().offload_grads(backend, [names[i] for i in mine], [sent[i] for i in mine], stage, after=reduced)
+
+    def sum_grad_norms(self) -> None:
+        """The step's global squared gradient norm (clipping), or whether any gradient is inf or
+        NaN: the sum of every rank's over the sums it holds (taken as they landed), on every rank."""
+        total = self.ranks.sum_(torch.tensor([sum(self._sq.values())], dtype=torch.float64),
+                                "summing the gradient norm")
         self._global_sq = float(total[0])
 
     def grad_sq_norm(self) -> float:
@@ -177,9 +182,18 @@ class ShardedHostState(HostState):
         """AdamW over this rank's range, then every range of the new compute copy to every rank."""
         b = self.owners[owner]
         lo, hi = self.ranges[owner][self.ranks.rank]
-        if hi > lo:
-            fn(b.master, b.grad[lo:hi], b.exp_avg, b.exp_avg_sq, b.compute[lo:hi])
+        if hi > lo:     # HostState adds the last micro-batch's gradients into the sum first
+            super().update_owner(owner, lambda master, grad, exp_avg, exp_avg_sq, _: fn(
+                master, grad, exp_avg, exp_avg_sq, b.compute[lo:hi]))
         for rank, (lo, hi) in enumerate(self.ranges[owner]):
             if hi > lo:
                 self.ranks.broadcast_(b.compute[lo:hi], rank, f"gathering the new weights of owner {owner}",
                                       stream=True)
+
+
+def grad_bytes(host: HostState) -> int:
+    """Host bytes of a state's gradient buffers (the step's sums, and landing buffers apart from
+    them; a gradient that lands in the compute copy has none)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for b in host.owners.values() for t in (b.grad, b.landing) if t is not b.compute}
+    return sum(storages.values())

@@ -94,13 +94,23 @@ class Backend(ABC):
 
     @abstractmethod
     def offload(self, srcs: list[torch.Tensor], sink: Callable[[list[torch.Tensor]], None], what: str,
-                keep: bool = False, dsts: list[torch.Tensor | None] | None = None) -> Event:
+                keep: bool = False, dsts: list[torch.Tensor | None] | None = None, after: Event | None = None) -> Event:
         """Copy device tensors to host memory on the device-to-host stream, then hand the host
         copies to `sink` off the compute thread. With `keep` the copies are the sink's to keep
         (stashed activations, which only the device reads back: the sink may get them before
         the copy has written them, for device work ordered after the returned event); otherwise they are only valid during the call (gradients, added
         into the fp32 grads). `dsts`, where not None, are host tensors (page-locked on cuda)
-        the copies land in directly: a gradient lands in its final buffer, not in staging."""
+        the copies land in directly: a gradient lands in its final buffer, not in staging. With
+        `after` (an event of reduce()), the copies start once it is done."""
+
+    @abstractmethod
+    def reduce(self, tensors: list[torch.Tensor], issue: Callable[[list[torch.Tensor]], Callable[[], None]],
+               what: str) -> Event:
+        """A collective over device tensors (data parallelism: gradients summed across the ranks,
+        distributed/grad_reduce.py) on the communication stream, after the compute stream's work
+        so far: issue(tensors) starts it (async collectives) and returns what completes it (their
+        waits, then device work on the result). The event marks its end; offload(after=) orders
+        copies of the result behind it."""
 
     @abstractmethod
     def host_task(self, work: Callable[[], None], what: str) -> Event:

@@ -24,6 +24,7 @@ class CpuBackend(Backend):
         self.h2d = ThreadStream("h2d", self.timeline)
         self.d2h = ThreadStream("d2h", self.timeline)
         self.host = ThreadStream("host", self.timeline, threads=None)   # the optimizer, on every core
+        self.network: ThreadStream | None = None    # collectives (data parallelism), made at the first
 
     def empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
@@ -35,14 +36,28 @@ class CpuBackend(Backend):
         return self.h2d.submit(copy, what)
 
     def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False,
-                dsts=None) -> Event:
+                dsts=None, after: Event | None = None) -> Event:
         # The simulated device is host memory: the sink reads the device tensors directly, or,
         # to keep them or where a destination is given, gets real host copies (the transfer).
         if keep:
-            return self.d2h.submit(lambda: sink([dense_like(t).copy_(t) for t in srcs]), what)
-        if dsts is not None:
-            return self.d2h.submit(lambda: sink([t if d is None else d.copy_(t) for t, d in zip(srcs, dsts)]), what)
-        return self.d2h.submit(lambda: sink(srcs), what)
+            copy = lambda: sink([dense_like(t).copy_(t) for t in srcs])  # noqa: E731
+        elif dsts is not None:
+            copy = lambda: sink([t if d is None else d.copy_(t) for t, d in zip(srcs, dsts)])  # noqa: E731
+        else:
+            copy = lambda: sink(srcs)  # noqa: E731
+        if after is None:
+            return self.d2h.submit(copy, what)
+
+        def ordered() -> None:     # as a device stream waits on an event: later copies wait too
+            after.wait()
+            copy()
+        return self.d2h.submit(ordered, what)
+
+    def reduce(self, tensors, issue, what) -> Event:
+        # The compute thread made the tensors before this call: nothing more to wait for.
+        if self.network is None:
+            self.network = ThreadStream("network", self.timeline)
+        return self.network.submit(lambda: issue(tensors)(), what)
 
     def host_task(self, work: Callable[[], None], what: str) -> Event:
         return self.host.submit(work, what)
@@ -53,8 +68,11 @@ class CpuBackend(Backend):
         self.timeline.add("h2d", "inputs", start, time.perf_counter())
         return out
 
+    def _streams(self) -> tuple[ThreadStream, ...]:
+        return (self.h2d, self.d2h) + ((self.network,) if self.network is not None else ())
+
     def synchronize(self, host: bool = True) -> None:
-        for s in (self.h2d, self.d2h) + ((self.host,) if host else ()):
+        for s in self._streams() + ((self.host,) if host else ()):
             s.synchronize()
 
     def get_rng_state(self) -> torch.Tensor:
@@ -64,7 +82,7 @@ class CpuBackend(Backend):
         torch.set_rng_state(state)
 
     def close(self) -> None:
-        for s in (self.h2d, self.d2h, self.host):
+        for s in self._streams() + (self.host,):
             s.close()
 
 

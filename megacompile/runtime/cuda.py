@@ -65,6 +65,7 @@ class CudaBackend(Backend):
         self.device = device
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
+        self.network_stream = None     # collectives (data parallelism), made at the first
         # The host side of offloads: it adds landed gradients into the fp32 grads, host math.
         self.d2h = ThreadStream("d2h", self.timeline, threads=None, track="d2h host side")
         self.host = ThreadStream("host", self.timeline, threads=None)   # the optimizer, on every core
@@ -122,12 +123,33 @@ class CudaBackend(Backend):
         pool = self._staging.setdefault((tuple(t.shape), t.dtype), [])
         return pool.pop() if pool else pinned_empty(t.numel(), t.dtype).view(t.shape)
 
+    def reduce(self, tensors, issue, what) -> Event:
+        """NCCL collectives are issued with this stream current: the process group's own stream
+        waits on it, so on the gradients' producer; the works' wait() makes it wait on NCCL's
+        stream, so what `issue` queues after (the division) and the copies ordered behind the
+        returned event see the sums. Nothing here blocks the host."""
+        if self.network_stream is None:
+            self.network_stream = torch.cuda.Stream(self.device)
+        produced = self._event_on(self._compute_stream())
+        with torch.cuda.stream(self.network_stream):
+            self.network_stream.wait_event(produced)
+            begun = self.device_clock.mark(self.network_stream)
+            for t in tensors:
+                t.record_stream(self.network_stream)   # the compute stream frees them after the offload's copy
+            issue(tensors)()
+            done = self._event_on(self.network_stream)
+            self.timeline.add_device("network", what, begun, self.device_clock.mark(self.network_stream),
+                                     self.device_clock)
+        return CudaEvent(done, self.device)
+
     def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False,
-                dsts=None) -> Event:
+                dsts=None, after: Event | None = None) -> Event:
         produced = self._event_on(self._compute_stream())
         pooled = []
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
+            if after is not None:          # the reduced gradients: copied once the collective is done
+                self.d2h_stream.wait_event(after.event)
             begun = self.device_clock.mark(self.d2h_stream)
             staged = []
             for s, dst in zip(srcs, dsts if dsts is not None else [None] * len(srcs)):

@@ -311,14 +311,7 @@ class Executor:
         s = node.stage
         stage = self.captured.stages[s]
         names = [stage.params[i] for i in stage.template.grad_params]
-        host = self.host
-
-        def sink(host_grads: list[torch.Tensor]) -> None:
-            for name, g in zip(names, host_grads):
-                host.accumulate_grad(name, g)
-        device_grads = list(self._env[node.reads[0]])
-        dsts = [host.landing_view(name, g) for name, g in zip(names, device_grads)]
-        event = self.backend.offload(device_grads, sink, f"offload {stage.name}", dsts=dsts)
+        event = self.host.offload_grads(self.backend, names, list(self._env[node.reads[0]]), stage.name)
         self._events[node.reads[0]] = event
         # The gradients' host side: on cuda the WAIT is stream-side; run() waits for it at the end.
         self._landed[s] = getattr(event, "landed", event)

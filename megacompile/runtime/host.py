@@ -109,6 +109,9 @@ class OwnerBuffers:
                                 pinned=pin and not layout.landing and layout.grad_dtype == compute_dtype).zero_())
         self.landing = torch.zeros(numel, dtype=layout.landing_dtype) if layout.landing else self.grad
         self.grad_in_copy = layout.grad_in_copy
+        # The first element of the owner's flat order that grad and landing hold (data
+        # parallelism keeps only this rank's range of them: distributed/shard.py).
+        self.grad_lo = 0
 
     @property
     def nbytes(self) -> int:
@@ -195,6 +198,15 @@ class HostState:
         slot = self.slots[name]
         return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
+    def _grad_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """`name`'s slice, flat, of its owner's grad or landing buffer (which start at grad_lo)."""
+        slot = self.slots[name]
+        o = slot.offset - self.owners[slot.owner].grad_lo
+        return flat[o:o + slot.numel]
+
+    def _grad_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        return self._grad_flat(flat, name).view(self.slots[name].shape)
+
     def view(self, buffer: str, name: str) -> torch.Tensor:
         """One parameter's slice of its owner's flat `buffer` (master, exp_avg, exp_avg_sq, grad).
         A buffer the disk tier holds is read from there, one owner at a time (DiskState.read);
@@ -204,6 +216,8 @@ class HostState:
             self._fold(name)      # the committed sum, whole
         if self.disk is not None and self.disk.holds(buffer):
             return self._view(self.disk.read(owner, buffer), name)
+        if buffer in ("grad", "landing"):
+            return self._grad_view(getattr(self.owners[owner], buffer), name)
         return self._view(getattr(self.owners[owner], buffer), name)
 
     def master(self, name: str) -> torch.Tensor:
@@ -295,7 +309,7 @@ class HostState:
         if name in self._unfolded:
             self._unfolded.discard(name)
             b = self.owners[self.slots[name].owner]
-            self._view(b.grad, name).add_(self._view(b.landing, name))
+            self._grad_view(b.grad, name).add_(self._grad_view(b.landing, name))
 
     def landing_view(self, name: str, g: torch.Tensor) -> torch.Tensor | None:
         """Where the device gradient g of `name` may land as it is, with no host-side copy: its
@@ -310,7 +324,17 @@ class HostState:
             return None
         if buffers.grad_in_copy:     # from here the copy holds a gradient: a dropped step restores it
             self._in_copy.add(slot.owner)
-        return buffers.grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return self._grad_view(buffers.grad, name)
+
+    def offload_grads(self, backend, names: list[str], grads: list[torch.Tensor], stage: str, after=None):
+        """A stage's device gradients (of the parameters `names`) to the host, added into the step's
+        sums there; returns the offload's event. Data parallelism sums them across the ranks first
+        and offloads only this rank's (distributed/shard.py), `after` that sum."""
+        def sink(host_grads: list[torch.Tensor]) -> None:
+            for name, g in zip(names, host_grads):
+                self.accumulate_grad(name, g)
+        dsts = [self.landing_view(name, g) for name, g in zip(names, grads)]
+        return backend.offload(grads, sink, f"offload {stage}", dsts=dsts, after=after)
 
     def accumulate_grad(self, name: str, g: torch.Tensor) -> None:
         """Add one stage's gradient for `name`. A parameter used by several stages (tied
@@ -334,18 +358,18 @@ class HostState:
             self._in_copy.add(slot.owner)
         if self._first:
             # The sum itself: a failed first micro-batch leaves nothing worth keeping.
-            flat = buffers.grad[slot.offset:slot.offset + slot.numel]
+            flat = self._grad_flat(buffers.grad, name)
             if g.data_ptr() != flat.data_ptr():      # else it landed in place (landing_view)
                 flat.view(slot.shape).copy_(g)
             if self._check:
                 self._sq[name] = grad_sq_norm(flat) if self._norms else _finite_witness(flat)
             return
         self._fold(name)        # the committed sum is complete before this micro-batch adds to it
-        self._view(buffers.landing, name).copy_(g)
+        self._grad_view(buffers.landing, name).copy_(g)
         self._landed.add(name)
         if self._check:   # the sum this micro-batch makes, grad + landing, as AdamW will read it
-            grad = buffers.grad[slot.offset:slot.offset + slot.numel]
-            landing = buffers.landing[slot.offset:slot.offset + slot.numel]
+            grad = self._grad_flat(buffers.grad, name)
+            landing = self._grad_flat(buffers.landing, name)
             check = grad_sq_norm if self._norms else _finite_witness
             self._sq[name] = sum(check(torch.add(grad[i:i + _CHECK_SLICE], landing[i:i + _CHECK_SLICE]))
                                  for i in range(0, slot.numel, _CHECK_SLICE))
@@ -378,7 +402,7 @@ class HostState:
         by piece through the disk tier."""
         b = self.owners[owner]
         for name in self._fold_at_update.pop(owner, []):   # the last micro-batch's gradients join the sum
-            self._view(b.grad, name).add_(self._view(b.landing, name))
+            self._grad_view(b.grad, name).add_(self._grad_view(b.landing, name))
         out = None if b.compute is b.master else b.compute
         if self.disk is None:
             fn(b.master, b.grad, b.exp_avg, b.exp_avg_sq, out)

@@ -99,12 +99,13 @@ def _entry(rank: int, scenario: str, size: int, folder: str, kw: dict) -> None:
 
 
 def train(rank: int, size: int, folder: str, clip: float | None = None, save: str | None = None,
-          resume: str | None = None) -> dict:
+          resume: str | None = None, accum: int = 1) -> dict:
     """10 steps on this rank's slice of each global batch (from the checkpoint `resume` on: the
     steps after it). With `save`: a checkpoint after step 5, and this rank's masters and moments
     as they were then (state-<rank>.pt). With `resume`: whether the masters and moments this
-    rank holds after the load equal, bit for bit, those the saving ranks held."""
-    engine = compiled(clip)
+    rank holds after the load equal, bit for bit, those the saving ranks held. With `accum`, each
+    step is that many micro-batches of the rank's slice (the step's loss: their mean)."""
+    engine = compiled(clip, grad_accum=accum)
     out = {}
     first = 0
     if resume is not None:
@@ -118,9 +119,12 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
         out["exact"] = all(torch.equal(host.view(t, n), saved[f"{t}/{n}"]) for n in host.slots if host.mine(n)
                            for t in ("master", "exp_avg", "exp_avg_sq"))
         out["held"] = sum(host.mine(n) for n in host.slots)
-    losses = []
+    losses, issued = [], []
     for i, ids in enumerate(batches()[first:], start=first):
-        losses.append(engine.step(**_inputs(ids, rank, size)))
+        if i == STEPS - 1:
+            _record_issues(engine, issued)
+        parts = rank_slice(ids, rank, size).chunk(accum)
+        losses.append(sum(engine.step(idx=part, targets=part) for part in parts) / accum)
         if save is not None and i + 1 == STEPS // 2:
             engine.save_checkpoint(save, extra={"next": i + 1})
             host = engine.host
@@ -130,7 +134,31 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
     weights = engine.state_dict()
     if rank == 0:
         torch.save(weights, os.path.join(folder, "weights.pt"))
-    return {**out, "losses": losses, "state_bytes": engine.host.state_bytes}
+    return {**out, "losses": losses, "state_bytes": engine.host.state_bytes, "grad_bytes": engine.host.grad_bytes,
+            "issued": issued, **_reduce_spans(engine)}
+
+
+def _record_issues(engine, issued: list) -> None:
+    """The compute thread's order of issue from here on: each stage graph it runs and each
+    collective it hands to the network stream."""
+    backend = engine.backend
+    reduce, span = backend.reduce, backend.compute_span
+    backend.reduce = lambda tensors, issue, what: issued.append(what) or reduce(tensors, issue, what)
+    backend.compute_span = lambda what, start: issued.append(what) or span(what, start)
+
+
+def _reduce_spans(engine) -> dict:
+    """When the last step's gradient reduces ran, against its backward."""
+    from megacompile.ir.program import Op
+    engine.backend.synchronize()        # the network stream's last span is recorded
+    program, timeline = engine.plan.program, engine.timeline
+    backward = [s for s in timeline.on("compute") if program.nodes[s.node].op is Op.BACKWARD]
+    reduces = timeline.on("network")
+    return {"reduce_nodes": sorted(s.node for s in reduces),
+            "grad_offload_nodes": [i for i, n in enumerate(program.nodes) if n.op is Op.OFFLOAD
+                                   and program.values[n.reads[0]].kind == "grads"],
+            "backward_nodes": sorted(s.node for s in backward),
+            "first_reduce_start": min(s.start for s in reduces), "last_backward_end": max(s.end for s in backward)}
 
 
 def fail(rank: int, size: int, folder: str) -> dict:

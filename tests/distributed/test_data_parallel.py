@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 import megacompile
 from megacompile.distributed import shard_of
+from megacompile.distributed.shard import grad_bytes
 
 from . import ranks
 
@@ -62,6 +63,33 @@ def test_each_rank_holds_its_share_of_masters_and_moments(two_ranks):
     assert all(abs(b - single / 2) <= 0.1 * single / 2 for b in held), (held, single)
 
 
+def test_each_rank_holds_its_share_of_the_gradients(two_ranks):
+    _, _, results = two_ranks
+    engine = ranks.compiled(ranks.CLIP)
+    ids = ranks.batches()[0]
+    engine.prepare(idx=ids, targets=ids)
+    single = grad_bytes(engine.host)     # one process: an fp32 gradient of every parameter
+    assert single == 4 * sum(p.numel() for p in ranks.model().parameters())
+    held = [r["grad_bytes"] for r in results]
+    assert sum(held) == single
+    assert all(abs(b - single / 2) <= 0.1 * single / 2 for b in held), (held, single)
+
+
+def test_each_stage_gradients_are_reduced_as_the_backward_makes_them(two_ranks):
+    """Each stage's reduce is issued right after its backward, before the next stage's backward
+    (the earlier stage's): not after the backward. One reduce per gradient offload, on the
+    network stream."""
+    _, _, results = two_ranks
+    for r in results:
+        issued = r["issued"]
+        backward = [w.partition(" ")[2] for w in issued if w.startswith("backward ")]
+        assert len(backward) >= 3
+        for stage, before in zip(backward, backward[1:]):
+            assert issued.index(f"reduce {stage}") == issued.index(f"backward {stage}") + 1 < \
+                issued.index(f"backward {before}"), issued
+        assert r["reduce_nodes"] == r["grad_offload_nodes"]
+
+
 def test_each_rank_writes_its_share_of_the_checkpoint(two_ranks):
     _, ckpt, _ = two_ranks
     keys = []
@@ -109,6 +137,16 @@ def test_four_ranks_train_as_one_process_without_clipping(tmp_path):
     losses, weights = ranks.eager(None)
     results = _results(tmp_path, 4)
     assert _loss_error(results, losses) <= TOL
+    assert _weight_error(torch.load(tmp_path / "weights.pt"), weights) <= TOL
+
+
+@pytest.mark.slow
+def test_two_ranks_accumulating_micro_batches_train_as_one_process(eager_clipped, tmp_path):
+    """Two micro-batches per step on each rank: each micro-batch's gradients are reduced and
+    added into the holder's share of the sum."""
+    ranks.spawn("train", 2, str(tmp_path), clip=ranks.CLIP, accum=2)
+    losses, weights = eager_clipped
+    assert _loss_error(_results(tmp_path, 2), losses) <= TOL
     assert _weight_error(torch.load(tmp_path / "weights.pt"), weights) <= TOL
 
 

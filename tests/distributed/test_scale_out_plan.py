@@ -22,8 +22,8 @@ def test_each_rank_holds_its_share_of_the_host_state(plan):
     params = sum(e.numel for e in plan.captured.state.values() if e.trainable)
     buffers = sum(e.numel * e.dtype.itemsize for e in plan.captured.state.values() if e.is_buffer)
     eight = scale_out(plan, 8)
-    # whole bf16 copy (2 B) and fp32 gradient (4 B), 1/8 of master + moments (12 B)
-    assert eight.host_bytes == int(params * (2 + 4 + 12 / 8) + buffers + plan.stash_bytes)
+    # whole bf16 copy (2 B), 1/8 of master + moments (12 B) and of the fp32 gradient sum (4 B)
+    assert eight.host_bytes == int(params * (2 + (12 + 4) / 8) + buffers + plan.stash_bytes)
     assert eight.device_bytes == plan.predicted_peak_bytes
 
 
@@ -54,3 +54,27 @@ def test_plan_command_prints_per_rank_memory_and_throughput(tmp_path, capsys):
 def test_gpus_that_do_not_split_over_the_nodes_are_refused(plan):
     with pytest.raises(ArgumentError, match="multiple of --nodes"):
         scale_out(plan, 3, nodes=2)
+
+
+def test_the_gradients_reduce_on_a_network_stream_beside_the_backward(plan):
+    from megacompile.cost.predict import predict
+    from megacompile.ir.program import Op
+    program, bw = plan.program, 50e9
+    spans: list = []
+    prediction = predict(program, plan.captured, plan.hardware, spans=spans, ranks=8, network_bw=bw)
+    grads = {i: program.values[n.reads[0]].nbytes for i, n in enumerate(program.nodes)
+             if n.op is Op.OFFLOAD and program.values[n.reads[0]].kind == "grads"}
+    # every byte of every stage's gradients, once: a reduce to each tensor's holder
+    assert prediction.network_s == pytest.approx(sum(grads.values()) / bw)
+    network = {i: (start, end) for i, stream, start, end in spans if stream == "network"}
+    assert set(network) == set(grads)
+    d2h = {i: (start, end) for i, stream, start, end in spans if stream == "d2h" and i in grads}
+    assert all(d2h[i][0] >= network[i][1] for i in grads), "the shard goes to the host after its sum"
+    # 1/8 of each stage's gradient crosses to the host
+    assert all(d2h[i][1] - d2h[i][0] == pytest.approx(grads[i] / 8 / plan.hardware.d2h_bw) for i in grads)
+    backward_ends = [end for i, stream, start, end in spans
+                     if stream == "compute" and program.nodes[i].op is Op.BACKWARD]
+    first = min(network)
+    assert network[first][0] < max(backward_ends), "the first reduce runs while later stages' backward does"
+    one = predict(program, plan.captured, plan.hardware)
+    assert one.network_s == 0.0 and one.d2h_s > prediction.d2h_s
