@@ -1,6 +1,6 @@
 """Host state sharded across ranks: each rank keeps the fp32 masters and AdamW moments of its
-1/R of the parameters; every rank keeps the whole compute copy (what its device fetches) and the
-whole gradient buffer (where its device's gradients land).
+1/R of the parameters and the whole gradient buffer (where its device's gradients land); the
+ranks of a node share one whole compute copy (what their devices fetch: node.py).
 
 The shares are cut at parameter boundaries in the flat order of the owners' buffers (owner by
 owner, parameter by parameter), so a rank's share of each owner is one contiguous range of that
@@ -8,15 +8,15 @@ owner's flat buffers (possibly empty), and a checkpoint keeps the model's own te
 rank writes whole tensors: distributed/checkpoint.py). With many parameters per rank the shares
 are within one parameter of equal; a model of a few large tensors shares less evenly.
 
-Per trainable parameter and rank, in host RAM: compute copy (4 B fp32, 2 B bf16) + fp32 gradient
-(4 B) + (master 4 + exp_avg 4 + exp_avg_sq 4) / R.
+Per trainable parameter and rank, in host RAM: fp32 gradient (4 B) + (master 4 + exp_avg 4 +
+exp_avg_sq 4) / R; per node, once: the compute copy (4 B fp32, 2 B bf16).
 
 One optimizer step: after the backward every owner's gradient is summed over the ranks into the
 rank that holds each range (a reduce-scatter, one reduce per range) and divided by R; the global
 squared norm is the sum of the ranks' partial norms; each rank updates its range of the masters
-and moments, writes the new weights into its range of the compute copy, and the ranges are then
-broadcast to every rank, owner by owner, on the host stream, before the next step's prefetch of
-that owner (which waits for the owner's update).
+and moments, writes the new weights into its range of its node's compute copy, the ranges then
+cross to the other nodes, owner by owner, on the host stream, before the next step's prefetch of
+that owner (which waits for the owner's update: node.py).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from ..optim.fused_adamw import grad_sq_norm
 from ..runtime.host import HostState, OwnerBuffers
 from ..storage.owner_state import UpdateFn
 from .group import Ranks
+from .node import NodeCopy
 
 SHARDED = ("master", "exp_avg", "exp_avg_sq")
 
@@ -59,6 +60,7 @@ class ShardedHostState(HostState):
         self.ranges: dict[int, list[tuple[int, int]]] = {}   # owner -> per rank, its [lo, hi) of the flat buffers
         self._global_sq = 0.0
         self.gathered: dict[str, torch.Tensor] = {}    # whole masters, while an export reads them
+        self.node_copy: NodeCopy | None = None         # the compute copy this rank's node shares
         super().__init__(captured, compute_dtype, pin=pin, grad_accum=grad_accum, placement=placement,
                          nvme_dir=nvme_dir)
 
@@ -80,16 +82,23 @@ class ShardedHostState(HostState):
                 ends[r] = mine[r][1] if mine[r][1] != -math.inf else lo
                 mine[r] = (lo, ends[r])
             self.ranges[owner] = [tuple(r) for r in mine]
+        numels: dict[int, int] = {}
+        for slot in self.slots.values():
+            numels[slot.owner] = numels.get(slot.owner, 0) + slot.numel
+        self.node_copy = NodeCopy(self.ranks, numels, self.compute_dtype, self._pin)
 
     def _owner_buffers(self, owner: int, numel: int, compute_dtype: torch.dtype, pin: bool,
                        layout: OwnerLayout) -> OwnerBuffers:
         if not self.ranges:
+            self._pin = pin
             self._cut()
-        # The whole compute copy, an fp32 gradient of its own (the device's gradients land there
-        # and are summed over ranks in place), and no master or moments: this rank's share follows.
-        whole = replace(layout, master=False, moments=False, compute_copy=True, grad_dtype=torch.float32,
+        # An fp32 gradient of its own (the device's gradients land there and are summed over ranks
+        # in place), the compute copy in the node's segment, and no master or moments: this
+        # rank's share follows.
+        whole = replace(layout, master=False, moments=False, compute_copy=False, grad_dtype=torch.float32,
                         grad_in_copy=False)
         b = OwnerBuffers(numel, compute_dtype, pin, whole)
+        b.compute = self.node_copy.view(owner)
         lo, hi = self.ranges[owner][self.ranks.rank]
         b.master = torch.empty(hi - lo, dtype=torch.float32)
         b.exp_avg = torch.zeros(hi - lo, dtype=torch.float32)
@@ -100,6 +109,22 @@ class ShardedHostState(HostState):
     def state_bytes(self) -> int:
         """Bytes of the fp32 masters and AdamW moments this rank holds."""
         return sum(getattr(b, k).nbytes for b in self.owners.values() for k in SHARDED)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the compute copy this rank's node shares (once per node)."""
+        return self.node_copy.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """This rank's host RAM: its own buffers and its 1/L part of the node's shared copy (L ranks
+        per node), so that the ranks' figures add up to the node's."""
+        segment = self.node_copy.segment.untyped_storage().data_ptr()
+        own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in self.owners.values()
+               for t in (b.master, b.exp_avg, b.exp_avg_sq, b.grad, b.landing) if t is not None}
+        own.pop(segment, None)
+        consts = sum(t.untyped_storage().nbytes() for t in self.consts.values())
+        return sum(own.values()) + consts + self.shared_bytes // len(self.node_copy.local)
 
     # -- views ---------------------------------------------------------------------------
     def mine(self, name: str) -> bool:
@@ -174,12 +199,9 @@ class ShardedHostState(HostState):
         return [] if math.isfinite(self._global_sq) else ["the gradients summed over the ranks"]
 
     def update_owner(self, owner: int, fn: UpdateFn) -> None:
-        """AdamW over this rank's range, then every range of the new compute copy to every rank."""
+        """AdamW over this rank's range into the node's compute copy, then the other nodes' ranges."""
         b = self.owners[owner]
         lo, hi = self.ranges[owner][self.ranks.rank]
         if hi > lo:
             fn(b.master, b.grad[lo:hi], b.exp_avg, b.exp_avg_sq, b.compute[lo:hi])
-        for rank, (lo, hi) in enumerate(self.ranges[owner]):
-            if hi > lo:
-                self.ranks.broadcast_(b.compute[lo:hi], rank, f"gathering the new weights of owner {owner}",
-                                      stream=True)
+        self.node_copy.publish(owner, self.ranges[owner])

@@ -85,6 +85,10 @@ def spawn(scenario: str, size: int, folder: str, **kw) -> None:
 
 def _entry(rank: int, scenario: str, size: int, folder: str, kw: dict) -> None:
     torch.set_num_threads(1)
+    nodes = kw.pop("nodes", None)
+    if nodes is not None:       # several nodes on this machine: the ranks grouped by MEGACOMPILE_NODE
+        from megacompile.distributed.node import NODE_ENV
+        os.environ[NODE_ENV] = f"node-{rank * nodes // size}"
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=size)
     try:
         out = SCENARIOS[scenario](rank, size, folder, **kw)
@@ -130,7 +134,27 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
     weights = engine.state_dict()
     if rank == 0:
         torch.save(weights, os.path.join(folder, "weights.pt"))
-    return {**out, "losses": losses, "state_bytes": engine.host.state_bytes}
+    return {**out, "losses": losses, **host_figures(engine.host)}
+
+
+def host_figures(host) -> dict:
+    """What this rank holds in host RAM, and which segment its node's compute copy is."""
+    copy = host.node_copy
+    grads = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for b in host.owners.values() for t in (b.grad, b.landing)}
+    return {"state_bytes": host.state_bytes, "grad_bytes": sum(grads.values()), "shared_bytes": host.shared_bytes,
+            "nbytes": host.nbytes, "const_bytes": sum(t.untyped_storage().nbytes() for t in host.consts.values()),
+            "local": copy.local, "segment": copy.path,
+            "segment_left": os.path.exists(copy.path), "mapped": mapped_inode(copy.path)}
+
+
+def mapped_inode(path: str) -> int | None:
+    """The inode of this process's mapping of `path` (unlinked: the kernel keeps it while mapped)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if path in line:
+                return int(line.split()[4])
+    return None
 
 
 def fail(rank: int, size: int, folder: str) -> dict:
@@ -138,6 +162,8 @@ def fail(rank: int, size: int, folder: str) -> dict:
     engine = compiled(None)
     ids = batches()[0]
     engine.step(**_inputs(ids, rank, size))
+    with open(os.path.join(folder, f"segment{rank}"), "w") as f:
+        f.write(engine.host.node_copy.path)
     if rank == 1:
         def broken(*args, **kwargs):
             raise RuntimeError("out of paper")

@@ -62,6 +62,28 @@ def test_each_rank_holds_its_share_of_masters_and_moments(two_ranks):
     assert all(abs(b - single / 2) <= 0.1 * single / 2 for b in held), (held, single)
 
 
+def test_the_ranks_of_a_node_share_one_compute_copy(two_ranks):
+    _, _, results = two_ranks
+    # one segment, mapped by both ranks, its name already gone: a crash from here on leaks nothing
+    assert results[0]["mapped"] is not None and results[0]["mapped"] == results[1]["mapped"]
+    assert results[0]["segment"] == results[1]["segment"] and results[0]["local"] == [0, 1]
+    assert not any(r["segment_left"] for r in results)
+
+
+def test_a_node_holds_one_compute_copy_and_its_share_of_the_state(two_ranks):
+    _, _, results = two_ranks
+    model = ranks.model()
+    params = sum(p.numel() for p in model.parameters())
+    owners = 4                                  # embeddings, 2 blocks, head: each starts on its own page
+    shared = results[0]["shared_bytes"]
+    assert 4 * params <= shared <= 4 * params + owners * 4096      # one fp32 copy for the node
+    node = sum(r["nbytes"] for r in results)
+    private = sum(r["state_bytes"] + r["grad_bytes"] + r["const_bytes"] for r in results)
+    assert node == shared + private
+    # without the gradient buffers (each rank's whole, for now): one copy + one 12 B/param of state
+    assert sum(r["state_bytes"] for r in results) == 12 * params
+
+
 def test_each_rank_writes_its_share_of_the_checkpoint(two_ranks):
     _, ckpt, _ = two_ranks
     keys = []
@@ -104,10 +126,14 @@ def test_four_ranks_and_resuming_two_ranks_checkpoint_on_four(two_ranks, eager_c
 
 
 @pytest.mark.slow
-def test_four_ranks_train_as_one_process_without_clipping(tmp_path):
-    ranks.spawn("train", 4, str(tmp_path))
+def test_four_ranks_on_two_nodes_train_as_one_process_without_clipping(tmp_path):
+    ranks.spawn("train", 4, str(tmp_path), nodes=2)
     losses, weights = ranks.eager(None)
     results = _results(tmp_path, 4)
+    # a segment per node, shared by its two ranks; the weights cross between the nodes
+    mapped = [r["mapped"] for r in results]
+    assert None not in mapped and mapped[0] == mapped[1] != mapped[2] == mapped[3]
+    assert [r["local"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert _loss_error(results, losses) <= TOL
     assert _weight_error(torch.load(tmp_path / "weights.pt"), weights) <= TOL
 
@@ -117,6 +143,8 @@ def test_a_rank_that_fails_is_named_by_the_others(tmp_path):
     with pytest.raises(Exception):
         ranks.spawn("fail", 2, str(tmp_path))
     error = (tmp_path / "rank0.error").read_text()
+    segments = {(tmp_path / f"segment{r}").read_text() for r in range(2)}
+    assert len(segments) == 1 and not any(os.path.exists(s) for s in segments)
     assert "DistributedError" in error and "rank 1 failed first" in error and "out of paper" in error, error
 
 
