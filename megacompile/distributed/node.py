@@ -52,12 +52,20 @@ def group_by_node(names: list[str]) -> list[list[int]]:
     return list(nodes.values())
 
 
+def nodes_of(ranks: Ranks) -> list[list[int]]:
+    """The ranks of each node (a collective the first time; kept on `ranks`)."""
+    nodes = getattr(ranks, "nodes", None)
+    if nodes is None:
+        nodes = ranks.nodes = group_by_node(ranks.gather_objects(node_name(), "finding the ranks of each node"))
+    return nodes
+
+
 class NodeCopy:
     """The node's shared compute copy: `view(owner)` is an owner's flat buffer in it."""
 
     def __init__(self, ranks: Ranks, numels: dict[int, int], dtype: torch.dtype, pin: bool):
         self.ranks = ranks
-        self.nodes = group_by_node(ranks.gather_objects(node_name(), "finding the ranks of each node"))
+        self.nodes = nodes_of(ranks)
         sizes = {len(n) for n in self.nodes}
         if len(sizes) > 1:
             raise ArgumentError(f"data parallelism needs as many ranks on every node; the ranks' nodes hold "
