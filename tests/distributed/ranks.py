@@ -172,9 +172,33 @@ def fail(rank: int, size: int, folder: str) -> dict:
     return {}
 
 
+def llama_bf16(clip: float | None = CLIP):
+    """A 2-layer Llama (transformers) in bf16 compute: what the export and bf16 tests train."""
+    import megacompile
+    from tests.models import hf_llama
+    torch.manual_seed(0)
+    return megacompile.compile(hf_llama(layers=2, d=32, vocab=VOCAB), hbm_budget=1.0, device="cpu",
+                               compute_dtype=torch.bfloat16, optimizer=optimizer(clip))
+
+
+def bf16_export(rank: int, size: int, folder: str, steps: int = 4) -> dict:
+    """`steps` bf16 steps on this rank's slice, then save_pretrained (every rank calls it) and the
+    gathered masters (rank 0: weights.pt)."""
+    engine = llama_bf16()
+    losses = []
+    for ids in batches(steps):
+        mine = rank_slice(ids, rank, size)
+        losses.append(engine.step(input_ids=mine, labels=mine))
+    engine.save_pretrained(os.path.join(folder, "export"), max_shard_size="100KB")
+    weights = engine.state_dict()
+    if rank == 0:
+        torch.save(weights, os.path.join(folder, "weights.pt"))
+    return {"losses": losses, **host_figures(engine.host)}
+
+
 def _inputs(ids: torch.Tensor, rank: int, size: int) -> dict:
     mine = rank_slice(ids, rank, size)
     return {"idx": mine, "targets": mine}
 
 
-SCENARIOS = {"train": train, "fail": fail}
+SCENARIOS = {"train": train, "fail": fail, "bf16_export": bf16_export}
