@@ -109,7 +109,7 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
     as they were then (state-<rank>.pt). With `resume`: whether the masters and moments this
     rank holds after the load equal, bit for bit, those the saving ranks held."""
     engine = compiled(clip)
-    out = {}
+    out = {"nvme_refused": _refusal(lambda: compiled(clip, nvme_dir=folder))}
     first = 0
     if resume is not None:
         first = engine.load_checkpoint(resume)["next"]
@@ -135,6 +135,15 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
     if rank == 0:
         torch.save(weights, os.path.join(folder, "weights.pt"))
     return {**out, "losses": losses, **host_figures(engine.host)}
+
+
+def _refusal(make) -> str | None:
+    from megacompile.errors import ArgumentError
+    try:
+        make()
+    except ArgumentError as e:
+        return str(e)
+    return None
 
 
 def host_figures(host) -> dict:
@@ -196,9 +205,16 @@ def bf16_export(rank: int, size: int, folder: str, steps: int = 4) -> dict:
     return {"losses": losses, **host_figures(engine.host)}
 
 
+def measure(rank: int, size: int, folder: str, dtype: str = "float32") -> dict:
+    """The host state of one rank, built and not trained (benchmarks/dp_host_memory.py)."""
+    engine = compiled(None, compute_dtype=getattr(torch, dtype))
+    engine.prepare(**_inputs(batches(1)[0], rank, size))
+    return host_figures(engine.host)
+
+
 def _inputs(ids: torch.Tensor, rank: int, size: int) -> dict:
     mine = rank_slice(ids, rank, size)
     return {"idx": mine, "targets": mine}
 
 
-SCENARIOS = {"train": train, "fail": fail, "bf16_export": bf16_export}
+SCENARIOS = {"train": train, "fail": fail, "bf16_export": bf16_export, "measure": measure}

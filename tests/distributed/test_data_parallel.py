@@ -84,6 +84,11 @@ def test_a_node_holds_one_compute_copy_and_its_share_of_the_state(two_ranks):
     assert sum(r["state_bytes"] for r in results) == 12 * params
 
 
+def test_the_disk_tier_is_refused_with_data_parallelism(two_ranks):
+    _, _, results = two_ranks
+    assert all("nvme_dir" in r["nvme_refused"] and "not sharded" in r["nvme_refused"] for r in results)
+
+
 def test_each_rank_writes_its_share_of_the_checkpoint(two_ranks):
     _, ckpt, _ = two_ranks
     keys = []
