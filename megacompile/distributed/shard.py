@@ -61,6 +61,7 @@ class ShardedHostState(HostState):
         self._global_sq = 0.0
         self.gathered: dict[str, torch.Tensor] = {}    # whole masters, while an export reads them
         self.node_copy: NodeCopy | None = None         # the compute copy this rank's node shares
+        self._pin = pin                                # page-locked on the cuda backend
         super().__init__(captured, compute_dtype, pin=pin, grad_accum=grad_accum, placement=placement,
                          nvme_dir=nvme_dir)
 
@@ -90,7 +91,6 @@ class ShardedHostState(HostState):
     def _owner_buffers(self, owner: int, numel: int, compute_dtype: torch.dtype, pin: bool,
                        layout: OwnerLayout) -> OwnerBuffers:
         if not self.ranges:
-            self._pin = pin
             self._cut()
         # An fp32 gradient of its own (the device's gradients land there and are summed over ranks
         # in place), the compute copy in the node's segment, and no master or moments: this
