@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import traceback
 
 import torch
@@ -166,13 +167,16 @@ def mapped_inode(path: str) -> int | None:
     return None
 
 
-def fail(rank: int, size: int, folder: str) -> dict:
-    """Rank 1 raises inside its second step; rank 0 must say so, not hang."""
+def fail(rank: int, size: int, folder: str, kill: bool = False) -> dict:
+    """Rank 1 raises inside its second step (`kill`: is killed outright before it); rank 0 must
+    say so, not hang. Each rank writes which segment its node's compute copy was."""
     engine = compiled(None)
     ids = batches()[0]
     engine.step(**_inputs(ids, rank, size))
     with open(os.path.join(folder, f"segment{rank}"), "w") as f:
         f.write(engine.host.node_copy.path)
+    if rank == 1 and kill:
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank == 1:
         def broken(*args, **kwargs):
             raise RuntimeError("out of paper")

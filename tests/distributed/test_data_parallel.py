@@ -153,6 +153,16 @@ def test_a_rank_that_fails_is_named_by_the_others(tmp_path):
     assert "DistributedError" in error and "rank 1 failed first" in error and "out of paper" in error, error
 
 
+@pytest.mark.slow
+def test_a_killed_rank_leaves_no_shared_copy_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGACOMPILE_DIST_TIMEOUT", "15")
+    with pytest.raises(RuntimeError, match="rank 0 exited"):
+        ranks.spawn("fail", 2, str(tmp_path), kill=True)
+    assert "DistributedError" in (tmp_path / "rank0.error").read_text()
+    segment = (tmp_path / "segment1").read_text()
+    assert segment == (tmp_path / "segment0").read_text() and not os.path.exists(segment)
+
+
 def test_shares_are_contiguous_and_even_to_within_a_tensor():
     sizes = [7, 300, 5, 120, 120, 64, 64, 3, 250]
     for n in (1, 2, 3, 4):
