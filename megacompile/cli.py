@@ -33,6 +33,10 @@ def _plan(args: argparse.Namespace) -> int:
     kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget,
                   nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth)
     accumulate = 1
+    if args.gpus > 1 or args.nodes > 1:     # one rank's plan: its share of the host state, the node's budget
+        from .distributed.cost import check_gpus
+        check_gpus(args.gpus, args.nodes)
+        kwargs["ranks"] = (args.gpus, args.gpus // args.nodes)
     try:
         if args.global_batch is not None:
             result, accumulate = plan_global_batch(args.config, args.hbm_budget, args.global_batch, **kwargs)
@@ -139,7 +143,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--seq", type=int, default=2048)
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
     q.add_argument("--host-budget", type=float, default=None,
-                   help="GiB of host RAM for masters, AdamW state and offloaded activations (default: not limited)")
+                   help="GiB of host RAM for masters, AdamW state and offloaded activations (default: not limited); "
+                        "per node with --gpus")
     q.add_argument("--nvme-budget", type=float, default=None,
                    help="GiB of disk for a disk tier: when host RAM is short the AdamW moments, then the fp32 masters, "
                         "go there (default: no disk tier)")

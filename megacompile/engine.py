@@ -84,6 +84,8 @@ class Engine:
         self.host_cost = None        # where the host state lives and what it takes (cost/host_memory.py)
         self.model = model
         self.host_budget_bytes = host_bytes if host_bytes is not None else int(0.9 * physical_ram())
+        if self.data_parallel is not None:    # the budget is the node's: each of its ranks plans in its part
+            self.host_budget_bytes //= self.data_parallel.per_node
         self.optimizer = optimizer
         self.compute_dtype = compute_dtype
         self.loss_fn = loss_fn
@@ -97,6 +99,9 @@ class Engine:
                                 "use accumulation='micro' (the default) or 'auto' with process groups")
         if self.data_parallel is not None:
             self.accumulation = "micro"     # 'auto' has one choice with process groups
+        if self.nvme_dir is not None and self.data_parallel is not None:
+            raise ArgumentError("the disk tier (nvme_dir) is not sharded across ranks: drop nvme_dir with process "
+                                "groups (each rank keeps its share of the host state in RAM: docs/distributed.md)")
         self.backend = make_backend(device, self.budget_bytes)
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
@@ -165,7 +170,8 @@ class Engine:
             # Layer-major lands one gradient sum per step: no fp32 accumulator ('auto' keeps one).
             host_accum = 1 if self.accumulation == "layer" else self.grad_accum
             self.host_cost = place_host_state(captured, self.compute_dtype, host_accum, self.host_budget_bytes,
-                                              self._nvme_budget())
+                                              self._nvme_budget(),
+                                              ranks=None if self.data_parallel is None else self.data_parallel.shape)
             host = (HostState if self.data_parallel is None else self.data_parallel.host_state)(
                 captured, self.compute_dtype, pin=self.backend.name == "cuda",
                 grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir)

@@ -15,12 +15,15 @@ import os
 import torch
 
 from .group import Ranks
+from .node import nodes_of
 from .shard import ShardedHostState
 
 
 class DataParallel:
     def __init__(self, ranks: Ranks):
         self.ranks = ranks
+        nodes = nodes_of(ranks)
+        self.per_node = max(len(n) for n in nodes)    # ranks per node (node.py refuses unequal nodes)
 
     @property
     def rank(self) -> int:
@@ -35,6 +38,11 @@ class DataParallel:
         if torch.cuda.is_available():
             return f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank % torch.cuda.device_count()))}"
         return None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(ranks, ranks per node): what the host memory check needs (cost/host_shards.py)."""
+        return self.size, self.per_node
 
     def host_state(self, *args, **kwargs) -> ShardedHostState:
         return ShardedHostState(*args, ranks=self.ranks, **kwargs)

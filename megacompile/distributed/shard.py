@@ -1,6 +1,6 @@
 """Host state sharded across ranks: each rank keeps the fp32 masters, AdamW moments and gradient
-sums of its 1/R of the parameters; every rank keeps the whole compute copy (what its device
-fetches).
+sums of its 1/R of the parameters; the ranks of a node share one whole compute copy (what their
+devices fetch: node.py).
 
 The shares are cut at parameter boundaries in the flat order of the owners' buffers (owner by
 owner, parameter by parameter), so a rank's share of each owner is one contiguous range of that
@@ -8,16 +8,17 @@ owner's flat buffers (possibly empty), and a checkpoint keeps the model's own te
 rank writes whole tensors: distributed/checkpoint.py). With many parameters per rank the shares
 are within one parameter of equal; a model of a few large tensors shares less evenly.
 
-Per trainable parameter and rank, in host RAM: compute copy (4 B fp32, 2 B bf16) + (master 4 +
-exp_avg 4 + exp_avg_sq 4 + fp32 gradient sum 4 [+ a landing buffer with grad_accum > 1]) / R.
+Per trainable parameter and rank, in host RAM: (master 4 + exp_avg 4 + exp_avg_sq 4 + fp32
+gradient sum 4 [+ a landing buffer with grad_accum > 1]) / R; per node, once: the compute copy
+(4 B fp32, 2 B bf16).
 
 One optimizer step: as the backward produces each stage's gradients they are summed over the
 ranks on the device into the rank that holds each tensor, and divided by R there
 (grad_reduce.py); only the holder's land on the host, in its range of the gradient buffers. The
 global squared norm is the sum of the ranks' partial norms; each rank updates its range of the
-masters and moments, writes the new weights into its range of the compute copy, and the ranges
-are then broadcast to every rank, owner by owner, on the host stream, before the next step's
-prefetch of that owner (which waits for the owner's update).
+masters and moments, writes the new weights into its range of its node's compute copy, and the
+ranges then cross to the other nodes, owner by owner, on the host stream, before the next step's
+prefetch of that owner (which waits for the owner's update: node.py).
 """
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ import torch
 from ..capture import CapturedModel
 from ..cost.host_memory import OwnerLayout, Placement
 from ..errors import ArgumentError, MegacompileError
-from ..runtime.host import HostState, OwnerBuffers, pinned_empty
+from ..runtime.host import HostState, OwnerBuffers
 from ..storage.owner_state import UpdateFn
 from .grad_reduce import reduce_to_holders
 from .group import Ranks
+from .node import NodeCopy
 
 SHARDED = ("master", "exp_avg", "exp_avg_sq")
 
@@ -60,6 +62,8 @@ class ShardedHostState(HostState):
         self.ranges: dict[int, list[tuple[int, int]]] = {}   # owner -> per rank, its [lo, hi) of the flat buffers
         self._global_sq = 0.0
         self.gathered: dict[str, torch.Tensor] = {}    # whole masters, while an export reads them
+        self.node_copy: NodeCopy | None = None         # the compute copy this rank's node shares
+        self._pin = pin                                # page-locked on the cuda backend
         super().__init__(captured, compute_dtype, pin=pin, grad_accum=grad_accum, placement=placement,
                          nvme_dir=nvme_dir)
 
@@ -81,6 +85,10 @@ class ShardedHostState(HostState):
                 ends[r] = mine[r][1] if mine[r][1] != -math.inf else lo
                 mine[r] = (lo, ends[r])
             self.ranges[owner] = [tuple(r) for r in mine]
+        numels: dict[int, int] = {}
+        for slot in self.slots.values():
+            numels[slot.owner] = numels.get(slot.owner, 0) + slot.numel
+        self.node_copy = NodeCopy(self.ranks, numels, self.compute_dtype, self._pin)
 
     def _owner_buffers(self, owner: int, numel: int, compute_dtype: torch.dtype, pin: bool,
                        layout: OwnerLayout) -> OwnerBuffers:
@@ -88,12 +96,13 @@ class ShardedHostState(HostState):
             self._cut()
         # This rank's range of the fp32 gradient sum (and landing buffer): the device's summed
         # gradients of the tensors it holds land there (never in the compute copy, which every
-        # rank reads whole). Then the whole compute copy, and the share of masters and moments.
+        # rank reads whole). The compute copy is a view of the node's segment; then the share of
+        # masters and moments.
         lo, hi = self.ranges[owner][self.ranks.rank]
         b = OwnerBuffers(hi - lo, compute_dtype, pin, replace(layout, master=False, moments=False, compute_copy=False,
                                                               grad_dtype=torch.float32, grad_in_copy=False))
         b.grad_lo = lo
-        b.compute = pinned_empty(numel, compute_dtype) if pin else torch.empty(numel, dtype=compute_dtype)
+        b.compute = self.node_copy.view(owner)
         b.master = torch.empty(hi - lo, dtype=torch.float32)
         b.exp_avg = torch.zeros(hi - lo, dtype=torch.float32)
         b.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32)
@@ -108,6 +117,22 @@ class ShardedHostState(HostState):
     def grad_bytes(self) -> int:
         """Bytes of the gradient buffers (the sum and the landing buffer) this rank holds."""
         return grad_bytes(self)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the compute copy this rank's node shares (once per node)."""
+        return self.node_copy.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """This rank's host RAM: its own buffers and its 1/L part of the node's shared copy (L ranks
+        per node), so that the ranks' figures add up to the node's."""
+        segment = self.node_copy.segment.untyped_storage().data_ptr()
+        own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in self.owners.values()
+               for t in (b.master, b.exp_avg, b.exp_avg_sq, b.grad, b.landing) if t is not None}
+        own.pop(segment, None)
+        consts = sum(t.untyped_storage().nbytes() for t in self.consts.values())
+        return sum(own.values()) + consts + self.shared_bytes // len(self.node_copy.local)
 
     # -- views ---------------------------------------------------------------------------
     def mine(self, name: str) -> bool:
@@ -179,16 +204,13 @@ class ShardedHostState(HostState):
         return [] if math.isfinite(self._global_sq) else ["the gradients summed over the ranks"]
 
     def update_owner(self, owner: int, fn: UpdateFn) -> None:
-        """AdamW over this rank's range, then every range of the new compute copy to every rank."""
+        """AdamW over this rank's range into the node's compute copy, then the other nodes' ranges."""
         b = self.owners[owner]
         lo, hi = self.ranges[owner][self.ranks.rank]
         if hi > lo:     # HostState adds the last micro-batch's gradients into the sum first
             super().update_owner(owner, lambda master, grad, exp_avg, exp_avg_sq, _: fn(
                 master, grad, exp_avg, exp_avg_sq, b.compute[lo:hi]))
-        for rank, (lo, hi) in enumerate(self.ranges[owner]):
-            if hi > lo:
-                self.ranks.broadcast_(b.compute[lo:hi], rank, f"gathering the new weights of owner {owner}",
-                                      stream=True)
+        self.node_copy.publish(owner, self.ranges[owner])
 
 
 def grad_bytes(host: HostState) -> int:

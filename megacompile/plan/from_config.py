@@ -121,7 +121,8 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
          optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,
          fuse: bool | None = None, host_budget: float | None = None, nvme_budget: float | None = None,
-         nvme_bandwidth: float | None = None, grad_accum: int = 1, accumulation: str = "auto") -> Plan:
+         nvme_bandwidth: float | None = None, grad_accum: int = 1, accumulation: str = "auto",
+         ranks: tuple[int, int] | None = None) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
@@ -135,13 +136,20 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     layer-major (passes/layer_major.py): "auto" takes it when predicted faster.
     `style` ("megatrain", "zero3") plans another system's schedule instead, for
     comparison, timed by the same cost model. `fuse` defaults to what compile() does on that
-    hardware: the fused kernels on a GPU, none on the cpu backend.
+    hardware: the fused kernels on a GPU, none on the cpu backend. `ranks` (R, L): the plan of one
+    of R data-parallel ranks, L per node; `host_budget` is then the node's, and the host check is
+    the rank's sharded figure within 1/L of it (cost/host_shards.py).
     """
     budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
     host_budget_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
     nvme_budget_bytes = arguments.budget_bytes("nvme_budget", nvme_budget, optional=True)
     grad_accum = arguments.count("grad_accum", grad_accum, what=" (micro-batches per optimizer step)")
     check_mode(accumulation)
+    if ranks is not None:     # as compile() under data parallelism: micro-batches one by one
+        if accumulation == "layer":
+            raise ArgumentError("accumulation='layer' is not supported with data parallelism yet")
+        accumulation = "micro"
+        host_budget_bytes = None if host_budget_bytes is None else host_budget_bytes // ranks[1]
     if nvme_bandwidth is not None and (isinstance(nvme_bandwidth, bool) or not isinstance(nvme_bandwidth, (int, float))
                                        or not 0 < nvme_bandwidth < float("inf")):
         raise ArgumentError(f"nvme_bandwidth is the disk tier's disk bandwidth in GB/s, each way, and must be a "
@@ -184,7 +192,7 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
                                   backend=f"planned for {profile.name}", hardware=profile)
     # Layer-major lands one gradient sum per step: its host state is that of grad_accum=1.
     host_cost = place_host_state(captured, compute_dtype, 1 if accumulation == "layer" else grad_accum,
-                                 host_budget_bytes, nvme_budget_bytes)
+                                 host_budget_bytes, nvme_budget_bytes, ranks=ranks)
     result = make_plan(captured, budget_bytes, kind, backend=f"planned for {profile.name}",
                        host_bytes=host_cost.ram_bytes, hardware=profile, host_budget_bytes=host_budget_bytes,
                        host_cost=host_cost, grad_accum=grad_accum, accumulation=accumulation)

@@ -258,10 +258,17 @@ def require_host_room(host_bytes: int, host_budget_bytes: int | None, detail: st
 
 
 def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, host_budget_bytes: int | None,
-                     nvme_budget_bytes: int | None) -> HostCost:
+                     nvme_budget_bytes: int | None, ranks: tuple[int, int] | None = None) -> HostCost:
     """Where the masters and AdamW state live: all in host RAM if they fit the host budget, else
     the moments on disk, else the masters too (cost/host_memory.py); HostMemoryError, saying what
-    each placement needs, when none fits both budgets."""
+    each placement needs, when none fits both budgets. `ranks`: (R, L), data parallelism over R
+    ranks, L per node: the rank's sharded figure against its budget (cost/host_shards.py)."""
+    if ranks is not None:
+        from ..cost.host_shards import sharded_host_cost
+        cost = sharded_host_cost(captured, compute_dtype, grad_accum, *ranks)
+        require_host_room(cost.ram_bytes, host_budget_bytes, f" ({cost.describe()}; the budget is 1/{ranks[1]} "
+                          "of the node's host budget)")
+        return cost
     costs = host_costs(captured, compute_dtype, grad_accum)
     chosen = choose_placement(costs, host_budget_bytes, nvme_budget_bytes)
     if chosen is None:

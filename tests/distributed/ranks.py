@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import traceback
 
 import torch
@@ -85,6 +86,10 @@ def spawn(scenario: str, size: int, folder: str, **kw) -> None:
 
 def _entry(rank: int, scenario: str, size: int, folder: str, kw: dict) -> None:
     torch.set_num_threads(1)
+    nodes = kw.pop("nodes", None)
+    if nodes is not None:       # several nodes on this machine: the ranks grouped by MEGACOMPILE_NODE
+        from megacompile.distributed.node import NODE_ENV
+        os.environ[NODE_ENV] = f"node-{rank * nodes // size}"
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=size)
     try:
         out = SCENARIOS[scenario](rank, size, folder, **kw)
@@ -106,7 +111,7 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
     rank holds after the load equal, bit for bit, those the saving ranks held. With `accum`, each
     step is that many micro-batches of the rank's slice (the step's loss: their mean)."""
     engine = compiled(clip, grad_accum=accum)
-    out = {}
+    out = {"nvme_refused": _refusal(lambda: compiled(clip, nvme_dir=folder))}
     first = 0
     if resume is not None:
         first = engine.load_checkpoint(resume)["next"]
@@ -134,8 +139,7 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
     weights = engine.state_dict()
     if rank == 0:
         torch.save(weights, os.path.join(folder, "weights.pt"))
-    return {**out, "losses": losses, "state_bytes": engine.host.state_bytes, "grad_bytes": engine.host.grad_bytes,
-            "issued": issued, **_reduce_spans(engine)}
+    return {**out, "losses": losses, **host_figures(engine.host), "issued": issued, **_reduce_spans(engine)}
 
 
 def _record_issues(engine, issued: list) -> None:
@@ -161,11 +165,43 @@ def _reduce_spans(engine) -> dict:
             "first_reduce_start": min(s.start for s in reduces), "last_backward_end": max(s.end for s in backward)}
 
 
-def fail(rank: int, size: int, folder: str) -> dict:
-    """Rank 1 raises inside its second step; rank 0 must say so, not hang."""
+def _refusal(make) -> str | None:
+    from megacompile.errors import ArgumentError
+    try:
+        make()
+    except ArgumentError as e:
+        return str(e)
+    return None
+
+
+def host_figures(host) -> dict:
+    """What this rank holds in host RAM, and which segment its node's compute copy is."""
+    copy = host.node_copy
+    return {"state_bytes": host.state_bytes, "grad_bytes": host.grad_bytes, "shared_bytes": host.shared_bytes,
+            "nbytes": host.nbytes, "const_bytes": sum(t.untyped_storage().nbytes() for t in host.consts.values()),
+            "local": copy.local, "segment": copy.path,
+            "segment_left": os.path.exists(copy.path), "mapped": mapped_inode(copy.path)}
+
+
+def mapped_inode(path: str) -> int | None:
+    """The inode of this process's mapping of `path` (unlinked: the kernel keeps it while mapped)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if path in line:
+                return int(line.split()[4])
+    return None
+
+
+def fail(rank: int, size: int, folder: str, kill: bool = False) -> dict:
+    """Rank 1 raises inside its second step (`kill`: is killed outright before it); rank 0 must
+    say so, not hang. Each rank writes which segment its node's compute copy was."""
     engine = compiled(None)
     ids = batches()[0]
     engine.step(**_inputs(ids, rank, size))
+    with open(os.path.join(folder, f"segment{rank}"), "w") as f:
+        f.write(engine.host.node_copy.path)
+    if rank == 1 and kill:
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank == 1:
         def broken(*args, **kwargs):
             raise RuntimeError("out of paper")
@@ -174,9 +210,40 @@ def fail(rank: int, size: int, folder: str) -> dict:
     return {}
 
 
+def llama_bf16(clip: float | None = CLIP):
+    """A 2-layer Llama (transformers) in bf16 compute: what the export and bf16 tests train."""
+    import megacompile
+    from tests.models import hf_llama
+    torch.manual_seed(0)
+    return megacompile.compile(hf_llama(layers=2, d=32, vocab=VOCAB), hbm_budget=1.0, device="cpu",
+                               compute_dtype=torch.bfloat16, optimizer=optimizer(clip))
+
+
+def bf16_export(rank: int, size: int, folder: str, steps: int = 4) -> dict:
+    """`steps` bf16 steps on this rank's slice, then save_pretrained (every rank calls it) and the
+    gathered masters (rank 0: weights.pt)."""
+    engine = llama_bf16()
+    losses = []
+    for ids in batches(steps):
+        mine = rank_slice(ids, rank, size)
+        losses.append(engine.step(input_ids=mine, labels=mine))
+    engine.save_pretrained(os.path.join(folder, "export"), max_shard_size="100KB")
+    weights = engine.state_dict()
+    if rank == 0:
+        torch.save(weights, os.path.join(folder, "weights.pt"))
+    return {"losses": losses, **host_figures(engine.host)}
+
+
+def measure(rank: int, size: int, folder: str, dtype: str = "float32") -> dict:
+    """The host state of one rank, built and not trained (benchmarks/dp_host_memory.py)."""
+    engine = compiled(None, compute_dtype=getattr(torch, dtype))
+    engine.prepare(**_inputs(batches(1)[0], rank, size))
+    return host_figures(engine.host)
+
+
 def _inputs(ids: torch.Tensor, rank: int, size: int) -> dict:
     mine = rank_slice(ids, rank, size)
     return {"idx": mine, "targets": mine}
 
 
-SCENARIOS = {"train": train, "fail": fail}
+SCENARIOS = {"train": train, "fail": fail, "bf16_export": bf16_export, "measure": measure}

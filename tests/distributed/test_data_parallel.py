@@ -90,6 +90,34 @@ def test_each_stage_gradients_are_reduced_as_the_backward_makes_them(two_ranks):
         assert r["reduce_nodes"] == r["grad_offload_nodes"]
 
 
+def test_the_ranks_of_a_node_share_one_compute_copy(two_ranks):
+    _, _, results = two_ranks
+    # one segment, mapped by both ranks, its name already gone: a crash from here on leaks nothing
+    assert results[0]["mapped"] is not None and results[0]["mapped"] == results[1]["mapped"]
+    assert results[0]["segment"] == results[1]["segment"] and results[0]["local"] == [0, 1]
+    assert not any(r["segment_left"] for r in results)
+
+
+def test_a_node_holds_one_compute_copy_and_its_share_of_the_state(two_ranks):
+    _, _, results = two_ranks
+    model = ranks.model()
+    params = sum(p.numel() for p in model.parameters())
+    owners = 4                                  # embeddings, 2 blocks, head: each starts on its own page
+    shared = results[0]["shared_bytes"]
+    assert 4 * params <= shared <= 4 * params + owners * 4096      # one fp32 copy for the node
+    node = sum(r["nbytes"] for r in results)
+    private = sum(r["state_bytes"] + r["grad_bytes"] + r["const_bytes"] for r in results)
+    assert node == shared + private
+    # one copy + one 16 B/param of masters, moments and gradient sums across the node's ranks
+    assert sum(r["state_bytes"] for r in results) == 12 * params
+    assert sum(r["grad_bytes"] for r in results) == 4 * params
+
+
+def test_the_disk_tier_is_refused_with_data_parallelism(two_ranks):
+    _, _, results = two_ranks
+    assert all("nvme_dir" in r["nvme_refused"] and "not sharded" in r["nvme_refused"] for r in results)
+
+
 def test_each_rank_writes_its_share_of_the_checkpoint(two_ranks):
     _, ckpt, _ = two_ranks
     keys = []
@@ -132,10 +160,14 @@ def test_four_ranks_and_resuming_two_ranks_checkpoint_on_four(two_ranks, eager_c
 
 
 @pytest.mark.slow
-def test_four_ranks_train_as_one_process_without_clipping(tmp_path):
-    ranks.spawn("train", 4, str(tmp_path))
+def test_four_ranks_on_two_nodes_train_as_one_process_without_clipping(tmp_path):
+    ranks.spawn("train", 4, str(tmp_path), nodes=2)
     losses, weights = ranks.eager(None)
     results = _results(tmp_path, 4)
+    # a segment per node, shared by its two ranks; the weights cross between the nodes
+    mapped = [r["mapped"] for r in results]
+    assert None not in mapped and mapped[0] == mapped[1] != mapped[2] == mapped[3]
+    assert [r["local"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert _loss_error(results, losses) <= TOL
     assert _weight_error(torch.load(tmp_path / "weights.pt"), weights) <= TOL
 
@@ -155,7 +187,19 @@ def test_a_rank_that_fails_is_named_by_the_others(tmp_path):
     with pytest.raises(Exception):
         ranks.spawn("fail", 2, str(tmp_path))
     error = (tmp_path / "rank0.error").read_text()
+    segments = {(tmp_path / f"segment{r}").read_text() for r in range(2)}
+    assert len(segments) == 1 and not any(os.path.exists(s) for s in segments)
     assert "DistributedError" in error and "rank 1 failed first" in error and "out of paper" in error, error
+
+
+@pytest.mark.slow
+def test_a_killed_rank_leaves_no_shared_copy_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGACOMPILE_DIST_TIMEOUT", "15")
+    with pytest.raises(RuntimeError, match="rank 0 exited"):
+        ranks.spawn("fail", 2, str(tmp_path), kill=True)
+    assert "DistributedError" in (tmp_path / "rank0.error").read_text()
+    segment = (tmp_path / "segment1").read_text()
+    assert segment == (tmp_path / "segment0").read_text() and not os.path.exists(segment)
 
 
 def test_shares_are_contiguous_and_even_to_within_a_tensor():

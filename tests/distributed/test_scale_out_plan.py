@@ -4,11 +4,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import megacompile
 from megacompile.cli import main
+from megacompile.cost.host_memory import owner_sizes
 from megacompile.distributed.cost import scale_out
-from megacompile.errors import ArgumentError
+from megacompile.errors import ArgumentError, HostMemoryError
+from megacompile.plan.search import place_host_state
 
 from ..e2e.test_cost_model import SMALL_LLAMA
 
@@ -21,10 +24,25 @@ def plan():
 def test_each_rank_holds_its_share_of_the_host_state(plan):
     params = sum(e.numel for e in plan.captured.state.values() if e.trainable)
     buffers = sum(e.numel * e.dtype.itemsize for e in plan.captured.state.values() if e.is_buffer)
-    eight = scale_out(plan, 8)
-    # whole bf16 copy (2 B), 1/8 of master + moments (12 B) and of the fp32 gradient sum (4 B)
-    assert eight.host_bytes == int(params * (2 + (12 + 4) / 8) + buffers + plan.stash_bytes)
+    eight = scale_out(plan, 8, nodes=2)
+    # per node of 4: one bf16 copy (2 B) and buffers per rank; 4/8 of master + moments (12 B) and
+    # of the fp32 gradient sums (4 B, cut per owner)
+    sizes, _, _ = owner_sizes(plan.captured)
+    grads = sum(n * 4 // 8 for n in sizes.values())
+    node = 2 * params + 4 * (grads + buffers) + 12 * params * 4 // 8
+    assert eight.node_host_bytes == node + 4 * plan.stash_bytes
+    assert eight.host_bytes == -(-node // 4) + plan.stash_bytes
     assert eight.device_bytes == plan.predicted_peak_bytes
+
+
+def test_the_host_check_of_a_rank_is_its_node_figure(plan):
+    node = scale_out(plan, 8, nodes=2).node_host_bytes - 4 * plan.stash_bytes
+    # a rank's budget is 1/4 of the node's
+    cost = place_host_state(plan.captured, torch.bfloat16, 1, int(node * 1.001) // 4, None, ranks=(8, 4))
+    assert cost.node_bytes == node and 4 * cost.ram_bytes >= node
+    with pytest.raises(HostMemoryError, match="per node"):
+        megacompile.plan(SMALL_LLAMA, hbm_budget=1.0, hardware="h100", batch=2, seq=64, ranks=(8, 4),
+                         host_budget=node * 0.999 / 2**30)
 
 
 def test_more_gpus_train_faster_and_a_slower_network_slower(plan):
@@ -47,6 +65,7 @@ def test_plan_command_prints_per_rank_memory_and_throughput(tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     data = json.loads(out[-1])["data_parallel"]
     assert data["gpus"] == 16 and data["nodes"] == 2 and data["host_bytes_per_rank"] > 0
+    assert data["host_bytes_per_rank"] * 8 >= data["host_bytes_per_node"] > data["host_bytes_per_rank"]
     assert any(line.strip().startswith("per rank") for line in out)
     assert any("tok/s in all" in line for line in out)
 
