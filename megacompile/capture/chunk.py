@@ -61,7 +61,7 @@ def chunk_block(block: torch.nn.Module, local: list[str], fake_params: list[torc
     fakes = dict(zip(local, fake_params))
     calls = _first_calls(block, probe)
     chosen: list[str] = []
-    patched: list[torch.nn.Module] = []
+    patched: list[tuple[torch.nn.Module, object]] = []
     try:
         for path, (module, x) in calls.items():
             if any(path.startswith(c + ".") for c in chosen) or not _worth_chunking(module):
@@ -71,12 +71,15 @@ def chunk_block(block: torch.nn.Module, local: list[str], fake_params: list[torc
             if x.dim() < 2 or x.shape[1] < n or token_wise(module, names, x, ps, n) is not None:
                 continue
             chosen.append(path)
+            patched.append((module, module.__dict__.get("forward")))
             module.forward = _chunked_forward(module, names, n)
-            patched.append(module)
         yield chosen
     finally:
-        for m in patched:
-            del m.forward
+        for m, before in patched:   # a forward patched in by someone else stays theirs
+            if before is None:
+                del m.forward
+            else:
+                m.forward = before
 
 
 def _first_calls(block: torch.nn.Module, probe) -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
@@ -108,7 +111,7 @@ def _worth_chunking(module: torch.nn.Module) -> bool:
 
 
 def _chunked_forward(module: torch.nn.Module, names: list[str], n: int):
-    original = type(module).forward
+    original = module.forward
 
     def run(x, *ps):
         _state.inside = getattr(_state, "inside", 0) + 1
@@ -119,7 +122,7 @@ def _chunked_forward(module: torch.nn.Module, names: list[str], n: int):
 
     def forward(x, *args, **kwargs):
         if getattr(_state, "inside", 0) or args or kwargs:
-            return original(module, x, *args, **kwargs)
+            return original(x, *args, **kwargs)
         state = [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()]
         return _ChunkedCall.apply(run, n, x, *state)
     return forward
