@@ -32,6 +32,12 @@ def _trains_chunked(model, seq: int, budget_mib: float, steps: int = 2, weights:
     if weights:
         assert_same_weights(run.engine, reference)
     assert all(peak == run.predicted for peak in run.peaks)
+    # Attention stays one causal kernel: no [seq, seq] scores or mask anywhere in a block.
+    for t in plan.captured.block_templates:
+        for program in (t.forward, t.backward):
+            for node in program.gm.graph.nodes:
+                val = node.meta.get("val")
+                assert not (isinstance(val, torch.Tensor) and list(val.shape).count(seq) >= 2), node
     return plan
 
 
