@@ -72,7 +72,7 @@ def chunk_block(block: torch.nn.Module, local: list[str], fake_params: list[torc
                 continue
             chosen.append(path)
             patched.append((module, module.__dict__.get("forward")))
-            module.forward = _chunked_forward(module, names, n)
+            module.forward = _chunked_forward(module, names, n, x)
         yield chosen
     finally:
         for m, before in patched:   # a forward patched in by someone else stays theirs
@@ -110,7 +110,7 @@ def _worth_chunking(module: torch.nn.Module) -> bool:
     return not isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Dropout, torch.nn.Identity))
 
 
-def _chunked_forward(module: torch.nn.Module, names: list[str], n: int):
+def _chunked_forward(module: torch.nn.Module, names: list[str], n: int, seen: torch.Tensor):
     original = module.forward
 
     def run(x, *ps):
@@ -121,7 +121,10 @@ def _chunked_forward(module: torch.nn.Module, names: list[str], n: int):
             _state.inside -= 1
 
     def forward(x, *args, **kwargs):
-        if getattr(_state, "inside", 0) or args or kwargs:
+        # Only a call like the one shown token-wise is chunked (a module may be called again on
+        # other shapes).
+        like = isinstance(x, torch.Tensor) and x.shape == seen.shape and x.dtype == seen.dtype
+        if getattr(_state, "inside", 0) or args or kwargs or not like:
             return original(x, *args, **kwargs)
         state = [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()]
         return _ChunkedCall.apply(run, n, x, *state)
