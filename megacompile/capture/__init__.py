@@ -1,6 +1,7 @@
 """Capture: the model's forward and backward as ATen graphs, one template per distinct stage."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -10,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from .blocks import BlockStack, find_block_stack
+from .chunk import chunked
 from .experts import routed_fractions, static_experts
 from .hf_masks import causal_attention_without_mask
 from .loss import LossFn, extract_loss
@@ -71,11 +73,20 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
         with fake_mode:
             stages, outputs, notes = build_stages(top, model, stack, fakes,
                                                   {n: e.trainable for n, e in state.items()}, input_fakes, train)
-    return CapturedModel(
+
+    def rechunk(n: int) -> CapturedModel:
+        """The same capture with the blocks' token-wise parts run over n sequence chunks (chunk.py);
+        the top-level trace is reused, the stages are traced again."""
+        with static_experts(model), fake_mode, chunked(n):
+            again, _, _ = build_stages(top, model, stack, fakes, {k: e.trainable for k, e in state.items()},
+                                       input_fakes, train)
+        return dataclasses.replace(captured, stages=again, rechunk=None)
+    captured = CapturedModel(
         stages=stages, state=state, inputs=[TensorMeta.of(t, False) for t in tensor_leaves],
         input_spec=spec, input_constants=[None if isinstance(x, torch.Tensor) else x for x in leaves],
         outputs=outputs, out_spec=top.out_spec, out_constants=top.out_constants,
         out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
         block_path=stack.path if stack else None, template_notes=notes,
         routed_fractions=routed_fractions(model, routed),
-        trace_seconds=time.perf_counter() - start)
+        trace_seconds=time.perf_counter() - start, rechunk=rechunk if train and stack is not None else None)
+    return captured

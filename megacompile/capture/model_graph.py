@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -61,6 +61,9 @@ class CapturedModel:
     trace_seconds: float = 0.0
     # Parameters of routed experts: the share of each that one token uses (top_k / experts).
     routed_fractions: dict[str, float] = field(default_factory=dict)
+    # n -> this model captured again with its blocks run over n sequence chunks (capture/chunk.py);
+    # None where nothing could be chunked (inference, no block stack).
+    rechunk: Callable[[int], "CapturedModel"] | None = field(default=None, repr=False, compare=False)
 
     @property
     def active_params(self) -> int:

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from .blocks import BlockStack, TemplateGroups
+from .chunk import active_chunks, chunk_block
 from .leaf import BlockCall
 from .model_graph import Port, StageInstance
 from .side_outputs import recording
@@ -203,8 +204,15 @@ def _trace_block(block: torch.nn.Module, path: str, call: BlockCall, local: list
         with recording(call.collect_keys) as side:
             out = functional_call(block, dict(zip(local, params)), args, kwargs, strict=False)
         return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)] + side.tensors
-    return trace_stage("block", source, slots, [fakes[f"{path}.{n}"] for n in local], fake_acts, train, path,
-                       differentiable=list(read))
+    fake_params = [fakes[f"{path}.{n}"] for n in local]
+    with chunk_block(block, local, fake_params, lambda: source(fake_params, fake_acts)) as chunked:
+        template = trace_stage("block", source, slots, fake_params, fake_acts, train, path,
+                               differentiable=list(read))
+    if chunked:
+        template.chunks, template.chunked = active_chunks(), tuple(chunked)
+        if template.selective is not None:
+            template.selective.chunks, template.selective.chunked = template.chunks, template.chunked
+    return template
 
 
 def _returned(call: BlockCall) -> int:

@@ -65,6 +65,9 @@ class StageTemplate:
     # saves fewer bytes. None where that saves nothing, and on every stage but the block.
     selective: "StageTemplate | None" = field(default=None, repr=False, compare=False)
     full: "StageTemplate | None" = field(default=None, repr=False, compare=False)  # on a variant: what it replaces
+    # Sequence chunks of the token-wise submodules (capture/chunk.py) and their paths in the block.
+    chunks: int = 1
+    chunked: tuple[str, ...] = ()
 
     @property
     def grad_params(self) -> list[int]:

@@ -291,6 +291,8 @@ class Plan:
             "boundary_offload": [self.program.stage_names[s] for s in self.program.facts.get("boundary", [])],
             "blocks": self.blocks(),
             "block_templates": len(set(self._block_template_index().values())),
+            "sequence_chunks": max((t.chunks for t in self.captured.block_templates), default=1),
+            "chunked_modules": sorted({m for t in self.captured.block_templates for m in t.chunked}),
             "template_notes": dict(self.captured.template_notes),
             "hardware": self.hardware.name if self.hardware else None,
             **(self.prediction.to_dict() if self.prediction else {}),
@@ -347,6 +349,8 @@ class Plan:
             f"{fmt_bytes(self.d2h_bytes_per_step)} device->host",
         ]
         lines += [f"  own template   {note}" for note in c.template_notes.values()]
+        lines += [f"  chunked        {t.chunks} sequence chunks in each block for {', '.join(t.chunked)} (the "
+                  "token-wise parts; attention runs whole)" for t in c.block_templates[:1] if t.chunked]
         if choice is not None:
             names = self.recomputed
             listed = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])}, ... {names[-1]}"

@@ -21,6 +21,7 @@ from ..passes.selective import with_selective
 from ..passes.shorten import Short, held_bytes, peak_with_cut, shorten, span
 from ..passes.solve import Family, Selective, families
 from ..passes.baselines import baseline_choice
+from ..passes.chunk import plan_chunked
 from .result import Plan
 
 GiB = 2 ** 30
@@ -83,13 +84,20 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
         reserved = (f"; that includes a device reserve of {fmt_bytes(minimum - ledger_minimum)} for workspaces, op "
                     "scratch and fragmentation" if reserve.total else "")
-        raise BudgetTooSmallError(
+        refused = BudgetTooSmallError(
             f"hbm_budget of {budget_bytes / GiB:.4g} GiB is too small: the smallest budget that fits this model "
             f"at these input shapes is {minimum / GiB:.4g} GiB ({fmt_bytes(minimum)}), with every block "
             f"recomputed (its input in host memory where the host budget allows) and no prefetch overlap (the "
             f"largest stage, {largest.name}, holds "
             f"{fmt_bytes(largest.template.weight_bytes)} of weights{reserved}). Raise hbm_budget to at least "
             f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
+        if captured.rechunk is None:
+            raise refused
+        # Blocks run over sequence chunks (passes/chunk.py) when they do not fit whole.
+        return plan_chunked(captured, lambda c: make_plan(
+            c, budget_bytes, kind, backend=backend, host_bytes=host_bytes, dump_dir=dump_dir, hardware=hardware,
+            host_budget_bytes=host_budget_bytes, host_cost=host_cost, grad_accum=grad_accum,
+            accumulation=accumulation), refused)
     program = build_schedule(captured, choice, kind, check=True, dump_dir=dump_dir)
     verify(program, budget_bytes=plan_bytes, owners=owners(captured)[1] if captured.train else None)
     captured = with_selective(captured, choice.selective)

@@ -70,7 +70,9 @@ def fuse(captured: CapturedModel, *, only: set[str] | None = None) -> CapturedMo
     for t in captured.templates:
         new[id(t)] = fuse_template(t, only)
     stages = [dataclasses.replace(s, template=new[id(s.template)]) for s in captured.stages]
-    return dataclasses.replace(captured, stages=stages)
+    base = captured.rechunk   # a chunked capture is fused alike
+    return dataclasses.replace(captured, stages=stages,
+                               rechunk=None if base is None else (lambda n: fuse(base(n), only=only)))
 
 
 def fuse_template(t: StageTemplate, only: set[str] | None = None) -> StageTemplate:
