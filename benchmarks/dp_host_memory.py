@@ -39,7 +39,7 @@ def spawned(dtype: str, size: int, nodes: int) -> dict:
     results = [json.load(open(os.path.join(folder, f"rank{r}.json"))) for r in range(size)]
     node = [r for r in results if r["local"] == results[0]["local"]]
     return {"copy": node[0]["shared_bytes"], "state": max(r["state_bytes"] for r in results),
-            "grads": node[0]["grad_bytes"], "rank": max(r["nbytes"] for r in results),
+            "grads": max(r["grad_bytes"] for r in results), "rank": max(r["nbytes"] for r in results),
             "node": sum(r["nbytes"] for r in node)}
 
 
@@ -47,12 +47,12 @@ def main() -> None:
     params = sum(p.numel() for p in ranks.model().parameters())
     rows = []
     print(f"nanoGPT, {params:,} parameters; bytes per parameter (B/param)")
-    print("dtype    ranks x nodes  node copy  masters+moments (largest rank)  grads/rank  per rank  per node")
+    print("dtype    ranks x nodes  node copy  masters+moments (largest rank)  grads (largest)  per rank  per node")
     for dtype in ("float32", "bfloat16"):
         for size, nodes in ((1, 1), (2, 1), (4, 1), (4, 2)):
             f = one_process(dtype) if size == 1 else spawned(dtype, size, nodes)
             print(f"{dtype:8s} {size} x {nodes:<11d} {f['copy'] / params:9.2f}  {f['state'] / params:30.2f}  "
-                  f"{f['grads'] / params:10.2f}  {f['rank'] / params:8.2f}  {f['node'] / params:8.2f}")
+                  f"{f['grads'] / params:15.2f}  {f['rank'] / params:8.2f}  {f['node'] / params:8.2f}")
             rows += [{"dtype": dtype, "ranks": size, "nodes": nodes, "params": params, "figure": k, "bytes": v}
                      for k, v in f.items()]
     out = os.path.join(os.path.dirname(__file__), "results", "dp_host_memory.csv")
