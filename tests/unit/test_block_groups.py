@@ -38,3 +38,51 @@ def test_later_sizes_log_one_block_per_group_and_keep_the_groups(monkeypatch):
     logged[:] = []
     _capture(model, 2)
     assert logged == [0, 1, 2, 3]
+
+
+def _logging_record(monkeypatch, model) -> list[int]:
+    logged: list[int] = []
+    real = top.record
+
+    def counting(block, *a, **k):
+        logged.append(next(i for i, b in enumerate(model.model.layers) if b is block))
+        return real(block, *a, **k)
+    monkeypatch.setattr(top, "record", counting)
+    return logged
+
+
+def _block_templates(captured) -> list[int]:
+    return [id(st.template) for st in captured.stages if st.template.kind == "block"]
+
+
+def test_planning_logs_the_first_two_and_the_last_block_of_each_group_built_alike(monkeypatch):
+    model = models.hf_llama(layers=8, d=32).to("meta")
+    model.model.layers[3].mlp.act_fn = torch.nn.GELU()     # its modules differ: a group of its own
+    logged = _logging_record(monkeypatch, model)
+    with top.blocks_grouped_once():
+        captured = _capture(model, 2)
+    assert logged == [0, 1, 3, 7]
+    t = _block_templates(captured)
+    assert len({t[i] for i in (0, 1, 2, 4, 5, 6, 7)}) == 1 and t[3] != t[0]
+    # A training capture logs every block.
+    logged[:] = []
+    _capture(model, 2)
+    assert logged == list(range(8))
+
+
+def test_a_sampled_block_that_computes_otherwise_makes_planning_log_every_block(monkeypatch):
+    from transformers.models.llama import modeling_llama
+    model = models.hf_llama(layers=6, d=32).to("meta")
+    forward = modeling_llama.LlamaMLP.forward
+    last = model.model.layers[5].mlp
+
+    def doubled_in_the_last(self, x):      # alike in every module; the last block computes otherwise
+        out = forward(self, x)
+        return out * 2 if self is last else out
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", doubled_in_the_last)
+    logged = _logging_record(monkeypatch, model)
+    with top.blocks_grouped_once():
+        captured = _capture(model, 2)
+    assert logged == [0, 1, 5] + list(range(6))
+    t = _block_templates(captured)
+    assert len(set(t[:5])) == 1 and t[5] != t[0]
