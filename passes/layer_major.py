@@ -83,19 +83,20 @@ def layer_major(program: Program, k: int) -> Program:
     names = [{v: rename(v, m) for v in values} for m in range(k)]
     new_values: dict[str, Value] = {}
     for v, val in values.items():
-        own = [key for key, _ in val.parts if key not in shared_keys and key not in grad_keys]
+        own = [key not in shared_keys and key not in grad_keys for key, _ in val.parts]
         for m in range(k):
-            parts = tuple((of_micro(key, m) if key in own else key, b) for key, b in val.parts) if own else val.parts
+            parts = (tuple((of_micro(key, m) if o else key, b) for (key, b), o in zip(val.parts, own))
+                     if any(own) else val.parts)
             new_values[names[m][v]] = Value(names[m][v], parts, val.kind)
 
     def copy(n: Node, m: int) -> Node:
-        name = names[m]
-        reads = tuple(name[v] for v in n.reads)
+        name = names[m].__getitem__
+        reads = tuple(map(name, n.reads))
         if n.op is Op.BACKWARD and m > 0 and grads(n.stage) in n.writes:
             # Adds into the running sum, read last. Its own fresh gradients are graph outputs, which
             # its transient already counts beside everything live (the sum included).
             reads += (sum_name(n.stage, m - 1),)
-        return Node(n.op, n.stage, reads, tuple(name[v] for v in n.writes), tuple(name[v] for v in n.frees),
+        return Node(n.op, n.stage, reads, tuple(map(name, n.writes)), tuple(map(name, n.frees)),
                     n.origin, f"{n.note} (micro-batch {m})".strip(), n.transient, m)
 
     head, units = _units(program.nodes)

@@ -14,6 +14,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, MegacompileError
+from .alike import sampled_groups
 from .blocks import BlockStack
 from .fingerprint import record
 from .leaf import BlockCall, clear_out_meta, set_out_meta
@@ -40,11 +41,15 @@ _GROUPS: ContextVar[dict | None] = ContextVar("megacompile_block_groups", defaul
 
 @contextlib.contextmanager
 def blocks_grouped_once():
-    """Captures of one model at several input shapes (plan_global_batch: one per micro-batch size)
-    run every block's forward under the op log only in the first; later ones run it for the first
-    block of each group and give the others that block's fingerprint and output shapes, when their
-    call constants and input shapes agree with it again. Control flow that changes with the batch
-    size in some layers only would go unseen: planning uses it, never a training capture."""
+    """For planning, never a training capture. The first capture of a model runs the op log over
+    the first two and the last block of each group its modules tell apart (alike.py), and gives
+    the others the first's fingerprint and output shapes; later captures (plan_global_batch: one
+    per micro-batch size) run it only for the first block of each group, when the call constants
+    and input shapes agree with it again. Control flow that changes with the layer number or the
+    batch size in some unsampled layers only would go unseen. Nested, the outer groups hold."""
+    if _GROUPS.get() is not None:
+        yield
+        return
     token = _GROUPS.set({})
     try:
         yield
@@ -52,11 +57,21 @@ def blocks_grouped_once():
         _GROUPS.reset(token)
 
 
+class _LogEveryBlock(Exception):
+    """A sampled block computed otherwise than its group's first: capture again, logging all."""
+
+
 def _same_call(a: BlockCall, b: BlockCall) -> bool:
     try:
         return a.in_spec == b.in_spec and bool(a.constants == b.constants) and not a.collect_keys
     except Exception:  # noqa: BLE001 - constants that do not compare are not the same call
         return False
+
+
+def _alike(c: BlockCall, d: BlockCall, shapes: dict[int, list]) -> bool:
+    """Whether block call `c` computes what the earlier `d` does, so it may share its template."""
+    return (d.fingerprint == c.fingerprint and shapes[d.index] == shapes[c.index] and _same_call(c, d)
+            and not d.side_keys)
 
 
 @contextlib.contextmanager
@@ -110,17 +125,25 @@ def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall], train: b
 
     groups = _GROUPS.get()
     stack_key = tuple(id(b) for b in stack.blocks)
-    known: dict[int, int] = {} if groups is None else groups.get(stack_key, {})
+    known: dict[int, int] = {}
+    checks: dict[int, int] = {}    # logged blocks that check a group -> its first
+    if groups is not None and stack_key in groups:
+        known = groups[stack_key]
+    elif groups is not None and (stack_key, "log every block") not in groups:
+        known, checks = sampled_groups(stack.blocks)
     shapes: dict[int, list] = {}
     try:
         for i, (block, original) in enumerate(zip(stack.blocks, originals)):
             block.forward = make_leaf(i, original)
         yield
+        by_index = {c.index: c for c in calls}
+        if any(not _alike(by_index[i], by_index[j], shapes) for i, j in checks.items()):
+            groups[(stack_key, "log every block")] = True
+            raise _LogEveryBlock
         if groups is not None and stack_key not in groups:
             first: dict[int, int] = {}
             for c in calls:
-                like = next((d for d in calls if d.index < c.index and d.fingerprint == c.fingerprint
-                             and shapes[d.index] == shapes[c.index] and _same_call(c, d) and not d.side_keys), None)
+                like = next((d for d in calls if d.index < c.index and _alike(c, d, shapes)), None)
                 if like is not None:
                     first[c.index] = first.get(like.index, like.index)
             groups[stack_key] = first
@@ -156,8 +179,13 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
     try:
-        with _blocks_as_leaves(stack, calls, train):
-            gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
+        try:
+            with _blocks_as_leaves(stack, calls, train):
+                gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
+        except _LogEveryBlock:
+            calls.clear()
+            with _blocks_as_leaves(stack, calls, train):
+                gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
     except MegacompileError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error

@@ -72,10 +72,18 @@ def smallest_budget(ledger_peak: int, captured: CapturedModel, hardware: Hardwar
 def largest_scratch(captured: CapturedModel) -> tuple[int, str]:
     """(bytes, what) of the temporaries ops allocate inside themselves: the largest attention
     backward on the compute stream plus the largest casting prefetch on the h2d stream beside it."""
-    attention = max(((attention_backward_scratch(node), f"{node.target} in {stage.name}")
-                     for stage in captured.stages
-                     for program in (stage.template.forward, stage.template.backward, stage.template.inference)
-                     if program is not None for node in program.gm.graph.nodes), default=(0, ""))
+    # Read each template's graphs once, however many stages run it (104 blocks, one template).
+    per_template: dict[int, tuple[int, list[str]]] = {}
+    for stage in captured.stages:
+        t = stage.template
+        if id(t) not in per_template:
+            sizes = [(attention_backward_scratch(node), str(node.target))
+                     for program in (t.forward, t.backward, t.inference) if program is not None
+                     for node in program.gm.graph.nodes]
+            top = max((b for b, _ in sizes), default=0)
+            per_template[id(t)] = top, [target for b, target in sizes if b == top]
+    attention = max(((top, f"{target} in {stage.name}") for stage in captured.stages
+                     for top, targets in [per_template[id(stage.template)]] for target in targets), default=(0, ""))
     # Frozen weights and buffers stay in their own dtype on the host; a non_blocking copy that
     # casts stages the slot in the source dtype on the device first.
     compute = captured.compute_dtype

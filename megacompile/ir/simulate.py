@@ -22,18 +22,19 @@ class MemoryCurve:
 
 def simulate(program: Program) -> MemoryCurve:
     ledger = StorageLedger()
+    hold, drop, values = ledger.hold, ledger.drop, program.values    # the solver simulates thousands
     live_after, peak_during = [], []
     for n in program.nodes:
         if n.op is Op.FREE:
             for v in n.frees:
-                for key, _ in program.values[v].parts:
-                    ledger.drop(v, key)
+                for key, _ in values[v].parts:
+                    drop(v, key)
             peak_during.append(ledger.live_bytes)
         else:
             during = ledger.live_bytes + n.transient
             for v in n.writes:
-                for key, nbytes in program.values[v].parts:
-                    ledger.hold(v, key, nbytes)
+                for key, nbytes in values[v].parts:
+                    hold(v, key, nbytes)
             peak_during.append(max(during, ledger.live_bytes))
         live_after.append(ledger.live_bytes)
     peak = max(peak_during, default=0)

@@ -180,7 +180,9 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     # torch cannot run autograd on fake CUDA tensors, so it traces the CPU kernels instead.
     gpu = torch.cuda.is_available() and not profile.name.startswith("cpu")
     device = torch.device("cuda" if gpu else "cpu")
-    captured = capture(model, (), inputs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
+    with blocks_grouped_once():   # planning: the first blocks of each group stand for the rest
+        captured = capture(model, (), inputs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn,
+                           train=train)
     kind = StepKind(update=train, clip=optimizer.max_grad_norm is not None)
     if fuse is None:   # as compile() would on that hardware: fused kernels on a GPU
         fuse = not profile.name.startswith("cpu")

@@ -1,5 +1,5 @@
-"""Captures of one model at several micro-batch sizes (plan_global_batch) run each block's forward
-under the op log only at the first size; later sizes give a block its group's fingerprint."""
+"""Planning's captures log few blocks: the first logs the first two and the last of each group
+built alike (capture/alike.py), later sizes (plan_global_batch) one block per group."""
 from __future__ import annotations
 
 import torch
@@ -15,9 +15,7 @@ def _capture(model, batch):
                    compute_dtype=torch.float32)
 
 
-def test_later_sizes_log_one_block_per_group_and_keep_the_groups(monkeypatch):
-    model = models.hf_llama(layers=4, d=32).to("meta")
-    model.model.layers[2].mlp.act_fn = torch.nn.GELU()     # block 2 computes something else
+def _logging_record(monkeypatch, model) -> list[int]:
     logged: list[int] = []
     real = top.record
 
@@ -25,6 +23,17 @@ def test_later_sizes_log_one_block_per_group_and_keep_the_groups(monkeypatch):
         logged.append(next(i for i, b in enumerate(model.model.layers) if b is block))
         return real(block, *a, **k)
     monkeypatch.setattr(top, "record", counting)
+    return logged
+
+
+def _block_templates(captured) -> list[int]:
+    return [id(st.template) for st in captured.stages if st.template.kind == "block"]
+
+
+def test_later_sizes_log_one_block_per_group_and_keep_the_groups(monkeypatch):
+    model = models.hf_llama(layers=4, d=32).to("meta")
+    model.model.layers[2].mlp.act_fn = torch.nn.GELU()     # block 2 computes something else
+    logged = _logging_record(monkeypatch, model)
     with top.blocks_grouped_once():
         first = _capture(model, 4)
         n_first, logged[:] = list(logged), []
@@ -38,3 +47,36 @@ def test_later_sizes_log_one_block_per_group_and_keep_the_groups(monkeypatch):
     logged[:] = []
     _capture(model, 2)
     assert logged == [0, 1, 2, 3]
+
+
+def test_planning_logs_the_first_two_and_the_last_block_of_each_group_built_alike(monkeypatch):
+    model = models.hf_llama(layers=8, d=32).to("meta")
+    model.model.layers[3].mlp.act_fn = torch.nn.GELU()     # its modules differ: a group of its own
+    logged = _logging_record(monkeypatch, model)
+    with top.blocks_grouped_once():
+        captured = _capture(model, 2)
+    assert logged == [0, 1, 3, 7]
+    t = _block_templates(captured)
+    assert len({t[i] for i in (0, 1, 2, 4, 5, 6, 7)}) == 1 and t[3] != t[0]
+    # A training capture logs every block.
+    logged[:] = []
+    _capture(model, 2)
+    assert logged == list(range(8))
+
+
+def test_a_sampled_block_that_computes_otherwise_makes_planning_log_every_block(monkeypatch):
+    from transformers.models.llama import modeling_llama
+    model = models.hf_llama(layers=6, d=32).to("meta")
+    forward = modeling_llama.LlamaMLP.forward
+    last = model.model.layers[5].mlp
+
+    def doubled_in_the_last(self, x):      # alike in every module; the last block computes otherwise
+        out = forward(self, x)
+        return out * 2 if self is last else out
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", doubled_in_the_last)
+    logged = _logging_record(monkeypatch, model)
+    with top.blocks_grouped_once():
+        captured = _capture(model, 2)
+    assert logged == [0, 1, 5] + list(range(6))
+    t = _block_templates(captured)
+    assert len(set(t[:5])) == 1 and t[5] != t[0]
