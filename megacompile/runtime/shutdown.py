@@ -65,8 +65,3 @@ def _drain_and_close(backend: Backend) -> None:
 def end_all() -> None:
     for backend in list(_open):
         end(backend)
-
-
-def open_backends() -> int:
-    """How many backends are still open in this process (tests read it)."""
-    return len(_open)
