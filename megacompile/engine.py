@@ -11,6 +11,7 @@ import os
 import threading
 import warnings
 import time
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,12 +28,12 @@ from .errors import ArgumentError, InputMismatchError, MegacompileError, NonFini
 from .optim import AdamW
 from .optim.lr_handle import LearningRateHandle
 from .passes import StepKind
-from .optim.fused_adamw import adamw_update_
+from .optim.host_update import HostUpdate
 from .plan import Plan
 from .plan.cache import PlanCache, note_new_shape
 from .cost.host_memory import free_disk_bytes
 from .plan.search import make_plan, place_host_state
-from .runtime import Executor, HostState, make_backend
+from .runtime import Executor, HostState, make_backend, shutdown
 from .runtime.executor import NonFiniteLoss
 from .distributed import data_parallel_for
 from .accumulate import check_mode, layer_major_step
@@ -87,6 +88,9 @@ class Engine:
         if self.data_parallel is not None:    # the budget is the node's: each of its ranks plans in its part
             self.host_budget_bytes //= self.data_parallel.per_node
         self.optimizer = optimizer
+        # What the executors call on the host stream; it holds no reference back to the engine, so a
+        # dropped engine is freed (and its threads end) without waiting for the cyclic collector.
+        self._update = HostUpdate(optimizer)
         self.compute_dtype = compute_dtype
         self.loss_fn = loss_fn
         self.retrace = retrace
@@ -103,6 +107,9 @@ class Engine:
             raise ArgumentError("the disk tier (nvme_dir) is not sharded across ranks: drop nvme_dir with process "
                                 "groups (each rank keeps its share of the host state in RAM: docs/distributed.md)")
         self.backend = make_backend(device, self.budget_bytes)
+        # Its threads end at close(), when the engine is dropped, or at exit (runtime/shutdown.py).
+        shutdown.watch(self.backend)
+        self._end = weakref.finalize(self, shutdown.end, self.backend)
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
         self.fuse = (self.backend.name == "cuda") if fuse is None else fuse
@@ -110,7 +117,6 @@ class Engine:
         if getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False   # a KV cache has no place in a training step
         self.device = self.backend.device
-        self.host: HostState | None = None
         self._pending_load = None    # io.source.PendingLoad: weights to stream in when host state is built
         self._weight_parts = None    # io.state_dict.LoadedParts: what load_state_dict calls have loaded
         self.source_dir: str | None = None   # the Hugging Face folder from_pretrained read, if any
@@ -131,6 +137,15 @@ class Engine:
         self.last_step: StepRecord | None = None
         self._busy = threading.Lock()
         self._closed = False
+
+    @property
+    def host(self) -> HostState | None:
+        """The fp32 masters, AdamW moments and gradient sums; None until the first trace."""
+        return self._update.host
+
+    @host.setter
+    def host(self, host: HostState | None) -> None:
+        self._update.host = host
 
     # -- compiling -----------------------------------------------------------------------
     def _signature(self, args: tuple, kwargs: dict, train: bool) -> tuple:
@@ -188,7 +203,8 @@ class Engine:
                          host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse,
                          host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
                          grad_accum=self.grad_accum, accumulation=self.accumulation)
-        executor = Executor(plan.captured, plan.program, self.backend, self.host, self._adamw, self._clip)
+        executor = Executor(plan.captured, plan.program, self.backend, self.host, self._update.adamw,
+                            self._update.clip)
         compiled = _Compiled(plan.captured, plan, executor)
         plan.timeline = self.backend.timeline     # its measured step, for traces and the memory picture
         self._compiled[(signature, kind)] = compiled
@@ -206,12 +222,6 @@ class Engine:
         lr = opt.lr_at(step) if callable(opt.lr) else float(self.torch_optimizer.param_groups[0]["lr"])
         return {"step": step, "lr": lr, "grad_scale": 1.0}
 
-    def _clip(self, context: dict) -> None:
-        norm = self.host.grad_sq_norm() ** 0.5
-        context["grad_norm"] = norm
-        # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), at most 1
-        context["grad_scale"] = min(1.0, self.optimizer.max_grad_norm / (norm + 1e-6))
-
     def _nvme_budget(self) -> int | None:
         """Disk bytes the tier may take: nvme_budget, else the free space where nvme_dir is."""
         if self.nvme_dir is None or self.nvme_budget_bytes is not None:
@@ -220,16 +230,6 @@ class Engine:
         while not os.path.isdir(existing):
             existing = os.path.dirname(existing)
         return free_disk_bytes(existing)
-
-    def _adamw(self, stage: int, context: dict) -> None:
-        opt = self.optimizer
-
-        def update(master, grad, exp_avg, exp_avg_sq, out) -> None:
-            adamw_update_(master, grad, exp_avg, exp_avg_sq,
-                          lr=context["lr"], beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
-                          weight_decay=opt.weight_decay, step=context["step"], grad_scale=context["grad_scale"],
-                          out=out, **({"backend": "torch"} if opt.kernel == "torch" else {}))
-        self.host.update_owner(stage, update)
 
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -470,7 +470,7 @@ class Engine:
         with self._in_use("close()"):
             self.synchronize()
             self._closed = True
-            self.backend.close()
+            self._end()
 
 
 @dataclass(frozen=True)

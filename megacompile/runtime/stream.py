@@ -49,6 +49,14 @@ def _openmp():
     return ctypes.CDLL(paths[0]) if paths else None
 
 
+_here = threading.local()     # .stream: the ThreadStream whose thread this is, if any
+
+
+def on_stream_thread() -> bool:
+    """Whether the calling thread is a stream's (it must not wait for its own stream)."""
+    return getattr(_here, "stream", None) is not None
+
+
 class ThreadStream:
     """Work submitted here runs on one thread, in submission order; torch copies and math
     release the GIL, so it really runs beside the compute thread.
@@ -77,6 +85,7 @@ class ThreadStream:
         # compute thread's team for the cores (on a 2-core machine that tripled the step time of
         # small models). The host stream runs the optimizer on every core it is given.
         set_thread_intraop(self.threads)
+        _here.stream = self
         while True:
             item = self._queue.get()
             if item is None:
@@ -93,10 +102,16 @@ class ThreadStream:
                 event.set()
             if what:
                 self.timeline.add(self.track, what, start, time.perf_counter(), tag)
+            # The finished work must not stay referenced while the loop waits: its closure holds
+            # the engine, which could then never be collected (and these threads never end).
+            del item, work, event
 
     def synchronize(self) -> None:
         self.submit(lambda: None, "").wait()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
+        """The queued work finishes, then the thread ends. Closing twice is harmless."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)

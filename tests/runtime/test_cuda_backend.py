@@ -227,3 +227,23 @@ def test_a_stash_is_waited_for_on_the_compute_stream_not_on_a_host_thread(fake_c
     finally:
         backend.device = torch.device("cuda", 1)
         backend.close()
+
+
+def test_an_open_cuda_backend_is_drained_and_closed_at_exit(fake_cuda, monkeypatch):
+    # At interpreter exit (runtime/shutdown.py) the host work still queued runs to its end, the
+    # threads stop and the allocator cap from before comes back.
+    from megacompile.runtime import shutdown
+    drained = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: drained.append(device))
+    backend = make_backend("cuda", 40 * GiB)
+    shutdown.watch(backend)
+    threads = [backend.d2h._thread, backend.host._thread]
+    ran = []
+    backend.host_task(lambda: ran.append("update"), "update")
+    shutdown.end_all()
+    assert ran == ["update"]
+    assert not any(t.is_alive() for t in threads)
+    assert fake_cuda.fraction[-1] == (0.75, torch.device("cuda", 1))
+    assert drained == [torch.device("cuda", 1)]      # the device's own queue too
+    shutdown.end(backend)                               # once only
+    assert drained == [torch.device("cuda", 1)]
