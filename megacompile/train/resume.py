@@ -42,9 +42,10 @@ def read(path: str) -> Saved:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
         steps_done, extra = int(manifest["steps_done"]), manifest.get("extra") or {}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError) as e:
         verified_manifest(path)     # raises, naming what is wrong with the folder
-        raise
+        raise ArgumentError(f"resume: {path} is a committed checkpoint whose manifest holds no steps_done; "
+                            "resume from a checkpoint the trainer wrote, or start a new run_dir") from e
     return Saved(path, steps_done, extra if isinstance(extra, dict) else {})
 
 
@@ -66,6 +67,8 @@ def check_rows(c: RunConfig, saved: Saved) -> None:
     layout = rows_layout(c)
     before = saved.extra.get("rows_layout", {})
     changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in layout.items() if k in before and before[k] != v]
+    if before and "eval_fraction" not in before and c.eval_fraction:
+        changed.append("eval_fraction of the documents -> of the tokens")    # saved before split.py
     if changed:     # the rows a position counts would be other rows: the resumed run would see other data
         raise ArgumentError(f"{saved.path} was saved by a run that cut its rows otherwise ({', '.join(changed)}); "
                             "resume it with the same seq, packing, seed and eval_fraction, or start a new run_dir")

@@ -83,3 +83,42 @@ def test_a_refused_resume_leaves_the_run_folder_as_it_was(tmp_path, change, mess
         _run(tmp_path, "steps=2", change)
     assert _folder(tmp_path) == before
     assert not os.path.exists(tmp_path / "run" / "tokens.new")
+
+
+def test_a_checkpoint_that_held_out_documents_is_not_resumed_holding_out_tokens(tmp_path):
+    """Checkpoints written before eval_fraction counted tokens carry no eval_fraction in their
+    rows layout; their held-out documents are not the rows a resume would now hold out."""
+    import json
+    _run(tmp_path, "steps=1", "eval_fraction=0.2")
+    manifest = tmp_path / "run" / "checkpoints" / "step-000001" / "manifest.json"
+    saved = json.loads(manifest.read_text())
+    del saved["extra"]["rows_layout"]["eval_fraction"]
+    manifest.write_text(json.dumps(saved))
+    with pytest.raises(ArgumentError, match=r"cut its rows otherwise \(eval_fraction of the documents -> of the "
+                                            r"tokens\)"):
+        _run(tmp_path, "steps=2", "eval_fraction=0.2")
+
+
+def test_a_finished_run_with_an_export_names_it(tmp_path, capsys):
+    from tests.train import files
+    work = files.workspace(tmp_path)
+    settings = ["device=cpu", "seq=16", "batch=2", "steps=1", "resume=auto", f"model={work['model']}",
+                f"data={work['chats']}", f"run_dir={tmp_path / 'run'}", f"export={tmp_path / 'export'}"]
+    run(load(None, settings))
+    capsys.readouterr()
+    assert run(load(None, settings))["complete"]
+    out = capsys.readouterr().out
+    assert "already complete (step 1 of 1, checkpoint" in out and f"its export is in {tmp_path / 'export'}" in out
+
+
+def test_a_committed_checkpoint_without_a_step_count_is_refused_by_name(tmp_path):
+    import json
+
+    from megacompile.io import checkpoint, files
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    (folder / checkpoint.MANIFEST).write_text(json.dumps({"format": checkpoint.FORMAT, "files": {}}))
+    (folder / checkpoint.MARKER).write_text(files.sha256_of(str(folder / checkpoint.MANIFEST)))
+    with pytest.raises(ArgumentError, match="is a committed checkpoint whose manifest holds no steps_done"):
+        run(load(None, [*TINY, "steps=1", f"resume={folder}", f"run_dir={tmp_path / 'run'}"]))
+    assert not (tmp_path / "run").exists()
