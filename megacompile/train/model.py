@@ -63,8 +63,9 @@ def check_positions(c: RunConfig, model: nn.Module) -> None:
     train the rotary or learned positions past their range; refused before the data is read."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and c.seq > limit:
+        config = os.path.join(c.model, "config.json") if os.path.isdir(c.model) else c.model
         raise ArgumentError(f"seq {c.seq:,} is longer than the model's max_position_embeddings, {limit:,} "
-                            f"({c.model}/config.json): give seq <= {limit:,}")
+                            f"({config}): give seq <= {limit:,}")
 
 
 def device_budget(c: RunConfig, model: nn.Module, inputs: dict, device: str) -> float:
