@@ -364,10 +364,21 @@ class Plan:
         lines += self.block_decisions()
         p = self.prediction
         if p is not None:
-            lines.append(f"  predicted      {fmt_seconds(p.step_s)} per step on {self.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "
+            lines.append(f"  predicted      {self._per_step(p.step_s)} on {self.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "
                          f"{p.tflops_6nd:.3g} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
                          f"per model FLOP, {fmt_seconds(p.exposed_s)} waiting on transfers")
         return "\n".join(lines)
+
+    def _per_step(self, step_s: float) -> str:
+        """A run of the program's time, named for what it is: one micro-batch of grad_accum, or
+        (layer-major) all of an optimizer step's."""
+        runs = max(1, self.grad_accum // self.micro_batches_per_run)
+        if self.grad_accum == 1:
+            return f"{fmt_seconds(step_s)} per step"
+        if runs == 1:
+            return f"{fmt_seconds(step_s)} per optimizer step ({self.grad_accum} micro-batches)"
+        return (f"{fmt_seconds(step_s * runs)} per optimizer step ({self.grad_accum} micro-batches of "
+                f"{fmt_seconds(step_s)})")
 
     def _disk_json(self) -> dict:
         c = self.host_cost

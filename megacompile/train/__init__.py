@@ -2,11 +2,14 @@
 
     config.py    run.yaml's keys, defaults and checks (before anything is loaded)
     tokens.py    tokenisation, once, into a memory-mapped token file in the run folder
+    sharegpt.py  ShareGPT conversations ({from, value}, human/gpt) read as chat messages
+    split.py     eval_fraction: a fraction of the tokens held out
     masking.py   which tokens the loss counts: assistant turns, completions, all of a text
     packing.py   rows (packed, isolated or one document each) and micro-batches
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice
     log.py       CSV rows per optimizer step, TensorBoard, progress
+    resume.py    a resume checked against its checkpoint: refused, noted, or already complete
     loop.py      the run: steps, eval, checkpoints, resume, export
     default.yaml the embedded default: the bundled small Llama on the bundled corpus
 """

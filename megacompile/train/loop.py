@@ -1,8 +1,14 @@
 """`megacompile train`: a run from its settings to an exported model.
 
-    settings -> token files (once) -> engine (plan summary and dump) -> resume? -> steps
+    settings -> checks (seq against the model; a resume against its checkpoint: resume.py)
+             -> token files (once; staged) -> checks (seq against the data; the resume's tokens)
+             -> token files put in place -> complete already? -> engine -> resume? -> plan
+             summary and dump -> steps
              -> per step: CSV row, progress; eval every eval_every; checkpoint every save_every
              -> final checkpoint, export
+
+Nothing of the run folder is written before every check has passed: a refused run leaves it as
+it was (a new one leaves none).
 
 A checkpoint carries the data position (rows consumed) beside the engine's own state, so a
 resumed run feeds exactly the micro-batches the uninterrupted run would have, and writes the
@@ -12,7 +18,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -20,11 +28,11 @@ import torch
 from ..view.files import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import packing
+from . import packing, resume, split, tokens
 from .config import RunConfig
 from .log import Progress, RunLog
-from .model import build, check_isolation, meta_model
-from .tokens import load_tokenizer, token_file
+from .model import build, check_isolation, check_positions, meta_model
+from .tokens import TokenFile, load_tokenizer, token_file
 
 CHECKPOINTS = "checkpoints"
 
@@ -34,27 +42,46 @@ def _run_dir(c: RunConfig) -> str:
 
 
 def _data(c: RunConfig, run_dir: str, row_len: int):
-    """Training rows and eval rows (None without held-out data), from the token files."""
+    """The tokenizer, the token files (train, eval or None; made now if new, and not yet in place:
+    tokens.commit) and the training and eval rows (None without held-out data)."""
     tokenizer_dir = None if c.bundled else (c.tokenizer or c.model)
     tokenizer = load_tokenizer(tokenizer_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     folder = os.path.join(run_dir, "tokens")
     train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt)
-    docs, eval_rows = np.arange(train.n_docs), None
-    if c.eval:
-        held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt)
-        eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
-    elif c.eval_fraction:
-        if train.n_docs < 2:
-            raise ArgumentError(f"eval_fraction holds out whole documents, and the data has {train.n_docs}; "
-                                "give an eval file instead")
-        n_eval = min(train.n_docs - 1, max(1, round(c.eval_fraction * train.n_docs)))
-        picked = np.random.default_rng([c.seed, 1 << 20]).permutation(train.n_docs)
-        docs = np.sort(picked[n_eval:])
-        eval_rows = packing.Rows(train, row_len, c.packing, c.seed, docs=np.sort(picked[:n_eval]), shuffle=False,
-                                 pad_id=pad)
-    rows = packing.Rows(train, row_len, c.packing, c.seed, docs=docs, pad_id=pad)
-    return tokenizer, train.fingerprint, rows, eval_rows
+    held, eval_rows = None, None
+    try:
+        source, docs = train, np.arange(train.n_docs)
+        if c.eval:
+            held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt)
+            eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
+            print(f"  data           {_count(train, docs)} to train; {_count(held, np.arange(held.n_docs))} in "
+                  f"{', '.join(c.eval)} to evaluate", flush=True)
+        elif c.eval_fraction:
+            cut = split.hold_out(train, c.eval_fraction, c.seed)
+            source, docs = cut.tokens, cut.train
+            eval_rows = packing.Rows(cut.tokens, row_len, c.packing, c.seed, docs=cut.held, shuffle=False, pad_id=pad)
+            print(f"  data           {_count(cut.tokens, cut.train)} to train; {_count(cut.tokens, cut.held)} held "
+                  f"out to evaluate (eval_fraction {c.eval_fraction:g} of the tokens"
+                  + ("; one document cut between them)" if cut.cut else ")"), flush=True)
+        else:
+            print(f"  data           {_count(train, docs)} to train", flush=True)
+        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad)
+    except BaseException:
+        for made in (train, held):
+            if made is not None:
+                tokens.discard(made)
+        raise
+    return tokenizer, (train, held), rows, eval_rows
+
+
+def _count(tokens: TokenFile, docs: np.ndarray) -> str:
+    n = int((tokens.docs[docs + 1] - tokens.docs[docs]).sum())
+    return f"{n:,} tokens ({len(docs):,} document{'s' if len(docs) != 1 else ''})"
+
+
+def _training_tokens(rows: packing.Rows) -> int:
+    return int((rows.tokens.docs[rows.docs + 1] - rows.tokens.docs[rows.docs]).sum())
 
 
 def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
@@ -90,30 +117,60 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
     return mean, math.exp(min(mean, 700.0))
 
 
-def _rows_layout(c: RunConfig) -> dict:
-    """What decides which rows a data position counts (packing.py cuts rows from seed and row index)."""
-    return {"seq": c.seq, "packing": c.packing, "seed": c.seed}
-
-
 def run(c: RunConfig, trace: str | None = None) -> dict:
     """Train as `c` says; returns the figures the final line prints. After the last step the run dir
-    gets that step's Chrome trace (step.json, or `trace`) and memory.png (docs/plan-format.md)."""
+    gets that step's Chrome trace (step.json, or `trace`) and memory.png (docs/plan-format.md).
+    Every check (settings against the model and the data, a resume against its checkpoint) comes
+    before any file of the run folder is written and before the engine exists."""
     run_dir = _run_dir(c)
     resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
     if c.resume not in (None, "auto"):
         resume_from = c.resume
+    saved = resume.read(resume_from) if resume_from is not None else None
     meta = meta_model(c)
     if c.packing == "isolated":
         check_isolation(meta)     # before the data is read: the model decides whether it can be done
+    check_positions(c, meta)
+    if saved is not None:
+        resume.check_rows(c, saved)
+    fresh = not os.path.exists(run_dir)
+    shifted, made = c.bundled, (None, None)
+    try:
+        tokenizer, made, rows, eval_rows = _data(c, run_dir, c.seq + shifted)
+        available = _training_tokens(rows)
+        if c.seq > available:
+            raise ArgumentError(f"seq {c.seq:,} is longer than the training data, {available:,} tokens"
+                                f"{' (after eval_fraction)' if c.eval_fraction else ''}: every row would be mostly "
+                                f"padding; give seq <= {available:,}, or more data")
+        if saved is not None:
+            resume.check_data(saved, made[0].fingerprint)
+        per_step = c.global_batch or c.batch * c.grad_accum
+        if c.steps is None:
+            c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
+    except BaseException:
+        for tokens_made in made:
+            if tokens_made is not None:
+                tokens.discard(tokens_made)
+        if fresh:       # the run folder was made for this run alone: nothing of it is left
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     os.makedirs(run_dir, exist_ok=True)
-    shifted = c.bundled
-    tokenizer, fingerprint, rows, eval_rows = _data(c, run_dir, c.seq + shifted)
-    per_step = c.global_batch or c.batch * c.grad_accum
-    if c.steps is None:
-        c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
+    for tokens_made in made:
+        if tokens_made is not None:
+            tokens.commit(tokens_made, os.path.join(run_dir, "tokens"))
+    done = saved is not None and resume.complete(c, saved, run_dir)
+    if done:
+        print(f"  complete       {done}", flush=True)
+        if c.export is None or os.path.isdir(c.export):
+            return {"steps": saved.steps_done, "skipped_steps": None, "run_dir": run_dir, "first_loss": None,
+                    "final_loss": None, "seconds": 0.0, "last_checkpoint": saved.steps_done, "complete": True}
+    elif saved is not None:
+        for note in resume.notes(c, saved):
+            print(f"  resume note    {note}", flush=True)
     setup = build(c, meta, lambda b: packing.batch(rows, 0, b, shifted=shifted))
     try:
-        result = _train(c, setup, run_dir, resume_from, tokenizer, fingerprint, rows, eval_rows)
+        result = _train(c, setup, run_dir, resume_from, tokenizer, made[0].fingerprint, rows, eval_rows,
+                        saved_settings=saved is not None and isinstance(saved.extra.get("settings"), dict))
         if result["first_loss"] is not None:      # a step ran here: its record is the one to show
             write_run_views(setup.engine, run_dir, trace)
         return result
@@ -122,10 +179,24 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
 
 
 def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer, fingerprint: str,
-           rows: packing.Rows, eval_rows: packing.Rows | None) -> dict:
+           rows: packing.Rows, eval_rows: packing.Rows | None, saved_settings: bool = False) -> dict:
     engine, shifted = setup.engine, setup.shifted
     first = packing.batch(rows, 0, setup.batch, shifted=shifted)
     plan = engine.prepare(**first)
+    consumed = 0
+    if resume_from is not None:     # its own checks (model, files, checksums) before the plan is written
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            extra = engine.load_checkpoint(resume_from) or {}
+        consumed = int(extra["rows"])
+        said = set()
+        for w in caught:
+            message = str(w.message)
+            if saved_settings and "was saved with other settings" in message:
+                continue        # resume.notes said what each change does
+            if message not in said:
+                print(f"  resume note    {message}", flush=True)
+                said.add(message)
     print(plan.summary(), flush=True)
     print(f"  weights        {fmt_bytes(setup.weight_bytes)} in {c.compute_dtype}; budget is "
           f"{100 * plan.budget_bytes / setup.weight_bytes:.0f}% of them", flush=True)
@@ -133,21 +204,7 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
           f"{c.steps} steps, {rows.rows_per_epoch} rows an epoch", flush=True)
     plan.dump(os.path.join(run_dir, "plan"))
     print(f"  plan dump      {os.path.join(run_dir, 'plan')}/plan.txt, plan.json", flush=True)
-
-    consumed = 0
     if resume_from is not None:
-        extra = engine.load_checkpoint(resume_from) or {}
-        if extra.get("data") != fingerprint:
-            raise ArgumentError(f"{resume_from} was saved by a run on other tokens (token file {extra.get('data')}, "
-                                f"now {fingerprint}: the data, the tokenizer or train_on_prompt changed); resume it "
-                                "with the same data, or start a new run_dir")
-        layout = _rows_layout(c)
-        saved = extra.get("rows_layout", layout)
-        changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in layout.items() if saved.get(k) != v]
-        if changed:     # the rows a position counts would be other rows: the resumed run would see other data
-            raise ArgumentError(f"{resume_from} was saved by a run that cut its rows otherwise ({', '.join(changed)}); "
-                                "resume it with the same seq, packing and seed, or start a new run_dir")
-        consumed = int(extra["rows"])
         print(f"  resumed        from {resume_from} at step {engine.steps_done}", flush=True)
     start_step = engine.steps_done
     log = RunLog(run_dir, c.log, start_step)
@@ -192,7 +249,8 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
                              "peak": fmt_bytes(row["device_peak_bytes"])})
             if (c.save_every and step % c.save_every == 0) or step == c.steps:
                 engine.save_checkpoint(os.path.join(checkpoints, f"step-{step:06d}"),
-                                       extra={"rows": consumed, "data": fingerprint, "rows_layout": _rows_layout(c)}, keep_last=c.keep_last)
+                                       extra={"rows": consumed, "data": fingerprint, "rows_layout": resume.rows_layout(c),
+                                              "settings": resume.settings(c)}, keep_last=c.keep_last)
                 saved_at = step
     finally:
         progress.close()

@@ -27,7 +27,7 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str) -> tuple[
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
         raise ArgumentError(f"{where}: messages must be a non-empty list of {{role, content}} objects with string "
-                            "values")
+                            "values (ShareGPT's conversations: {from, value})")
     if not getattr(tokenizer, "chat_template", None):
         raise ArgumentError(f"{where}: records with messages need the tokenizer's chat template, and this tokenizer "
                             "has none (chat_template in tokenizer_config.json); use prompt/completion records")

@@ -58,6 +58,16 @@ def check_isolation(model: nn.Module) -> None:
                             "documents would attend to each other; use packing: true or packing: false")
 
 
+def check_positions(c: RunConfig, model: nn.Module) -> None:
+    """A row longer than the positions the model was trained with (max_position_embeddings) would
+    train the rotary or learned positions past their range; refused before the data is read."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and c.seq > limit:
+        config = os.path.join(c.model, "config.json") if os.path.isdir(c.model) else c.model
+        raise ArgumentError(f"seq {c.seq:,} is longer than the model's max_position_embeddings, {limit:,} "
+                            f"({config}): give seq <= {limit:,}")
+
+
 def device_budget(c: RunConfig, model: nn.Module, inputs: dict, device: str) -> float:
     """GiB: hbm_budget; else 90% of the GPU, or on the cpu backend budget_fraction of the
     weights (so the run streams), never less than the smallest plan."""

@@ -5,8 +5,9 @@
     RUN/tokens/train.docs      int64, document starts and the end: n_docs + 1 offsets
     RUN/tokens/train.json      what it was made from (files, sizes, times, tokenizer, settings)
 
-The files are written under temporary names and renamed into place, the .json last: a run cut
-short while tokenising leaves nothing that a later run would take for a cache. A resumed run
+The files are written under temporary names in RUN/tokens.new and renamed into place once the
+run's checks pass (commit), the .json last: a run cut short or refused after tokenising leaves
+nothing that a later run would take for a cache, and the token files it found as they were. A resumed run
 whose sources still match (paths, sizes, times, tokenizer files) reuses the files without
 reading the data again; one whose sources changed tokenises again, and may resume only if the
 tokens came out the same (the checkpoint holds their sha256).
@@ -17,12 +18,12 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import ArgumentError
-from . import masking
+from . import masking, sharegpt
 from .config import BUNDLED
 
 CACHE_FORMAT = "megacompile-tokens/1"
@@ -78,8 +79,9 @@ def records(paths: list[str]):
 
 def encode(tokenizer, record: dict, train_on_prompt: bool, where: str) -> tuple[list[int], list[bool]]:
     """One record's tokens and targets, with the tokenizer's EOS closing the document."""
-    if "messages" in record:
-        ids, targets = masking.chat(tokenizer, record["messages"], train_on_prompt, where)
+    if "messages" in record or "conversations" in record:
+        messages = sharegpt.messages(record)
+        ids, targets = masking.chat(tokenizer, messages, train_on_prompt, where)
     elif "prompt" in record or "completion" in record:
         if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
             raise ArgumentError(f"{where}: a prompt/completion record needs both, as strings")
@@ -102,6 +104,8 @@ class TokenFile:
     targets: np.ndarray    # uint8  [n_tokens]
     docs: np.ndarray       # int64  [n_docs + 1]
     fingerprint: str       # sha256 of the three files' bytes: what a checkpoint's data position refers to
+    split: str = "train"
+    staged: str | None = None    # made now, in this folder, until commit() puts it in place
 
     @property
     def n_docs(self) -> int:
@@ -127,7 +131,9 @@ def _sources(paths: list[str], tokenizer_dir: str | None, train_on_prompt: bool)
 
 def token_file(folder: str, split: str, paths: list[str], tokenizer, tokenizer_dir: str | None,
                train_on_prompt: bool) -> TokenFile:
-    """The split's token file in `folder`, made now unless one made from the same sources is there."""
+    """The split's token file in `folder`, when one made from the same sources is there; else made
+    now in `folder`.new and put in place by commit() (a run that is refused after tokenising, its
+    resume checks among them, leaves the run's own token files as they were)."""
     sources = _sources(paths, tokenizer_dir, train_on_prompt)
     made_from = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
     meta = os.path.join(folder, f"{split}.json")
@@ -137,12 +143,65 @@ def token_file(folder: str, split: str, paths: list[str], tokenizer, tokenizer_d
         content = content["content"] if content.get("made_from") == made_from else None
     except (OSError, ValueError, KeyError):
         content = None
+    staged = None
     if content is None:     # the sources changed (or were never read): their tokens may not
-        content = _write(folder, split, paths, tokenizer, train_on_prompt, sources, made_from)
-    base = os.path.join(folder, split)
+        staged = folder.rstrip(os.sep) + ".new"
+        content = _write(staged, split, paths, tokenizer, train_on_prompt, sources, made_from)
+    base = os.path.join(staged or folder, split)
     return TokenFile(np.memmap(base + ".ids", dtype=np.uint32, mode="r"),
                      np.memmap(base + ".targets", dtype=np.uint8, mode="r"),
-                     np.fromfile(base + ".docs", dtype=np.int64), content)
+                     np.fromfile(base + ".docs", dtype=np.int64), content, split, staged)
+
+
+def commit(tokens: TokenFile, folder: str) -> None:
+    """Put a token file made by token_file() in place in `folder`, the .json last (the old files
+    stop counting as a cache before they are replaced). The open memory maps follow the files."""
+    if tokens.staged is None:
+        return
+    os.makedirs(folder, exist_ok=True)
+    meta = os.path.join(folder, f"{tokens.split}.json")
+    if os.path.exists(meta):
+        os.remove(meta)
+    for ext in ("ids", "targets", "docs", "json"):
+        os.replace(os.path.join(tokens.staged, f"{tokens.split}.{ext}"), os.path.join(folder, f"{tokens.split}.{ext}"))
+    _remove_if_empty(tokens.staged)
+    tokens.staged = None
+
+
+def discard(tokens: TokenFile) -> None:
+    """Drop a token file made by token_file() and not committed."""
+    if tokens.staged is None:
+        return
+    for ext in ("ids", "targets", "docs", "json"):
+        path = os.path.join(tokens.staged, f"{tokens.split}.{ext}")
+        if os.path.exists(path):
+            os.remove(path)
+    _remove_if_empty(tokens.staged)
+    tokens.staged = None
+
+
+def _remove_if_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass        # the other split's files are still there
+
+
+@dataclass
+class _FileCount:
+    """What one data file gave: tokens, tokens the loss counts, and the roles of its chat turns."""
+    tokens: int = 0
+    counted: int = 0
+    roles: dict = field(default_factory=dict)
+
+    def why(self) -> str:
+        """Why none of the file's tokens counts, and the fix."""
+        if self.roles:
+            seen = ", ".join(f"{role} ({n:,} turn{'s' if n != 1 else ''})"
+                             for role, n in sorted(self.roles.items(), key=lambda x: -x[1]))
+            return (f"the loss counts the assistant's turns, and the roles seen are {seen}; name the model's "
+                    "turns assistant (ShareGPT's gpt, with from/value, is mapped), or train_on_prompt: true")
+        return "every record is prompt only; add assistant turns or completions, or train_on_prompt: true"
 
 
 def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt: bool, sources: dict,
@@ -155,26 +214,36 @@ def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt
     if os.path.exists(meta):
         os.remove(meta)                   # the old files stop counting as a cache before they change
     tmp = {ext: f"{base}.{ext}.tmp" for ext in ("ids", "targets", "docs")}
-    offsets, total, counted, content = [0], 0, 0, hashlib.sha256()
+    offsets, total, content = [0], 0, hashlib.sha256()
+    counts = {path: _FileCount() for path in paths}
     try:
         with open(tmp["ids"], "wb") as ids_f, open(tmp["targets"], "wb") as tgt_f:
-            for where, record in tqdm(records(paths), desc=f"tokenising {split}", unit=" docs", file=sys.stderr,
-                                      disable=not sys.stderr.isatty()):
-                ids, targets = encode(tokenizer, record, train_on_prompt, where)
-                if not ids:
-                    continue
-                for f, data in ((ids_f, np.asarray(ids, dtype=np.uint32).tobytes()),
-                                (tgt_f, np.asarray(targets, dtype=np.uint8).tobytes())):
-                    f.write(data)
-                    content.update(data)
-                total += len(ids)
-                counted += sum(targets)
-                offsets.append(total)
+            for path in paths:
+                count = counts[path]
+                for where, record in tqdm(records([path]), desc=f"tokenising {split}", unit=" docs",
+                                          file=sys.stderr, disable=not sys.stderr.isatty()):
+                    ids, targets = encode(tokenizer, record, train_on_prompt, where)
+                    for role in sharegpt.roles(record):
+                        count.roles[role] = count.roles.get(role, 0) + 1
+                    if not ids:
+                        continue
+                    for f, data in ((ids_f, np.asarray(ids, dtype=np.uint32).tobytes()),
+                                    (tgt_f, np.asarray(targets, dtype=np.uint8).tobytes())):
+                        f.write(data)
+                        content.update(data)
+                    total += len(ids)
+                    count.tokens += len(ids)
+                    count.counted += sum(targets)
+                    offsets.append(total)
         if total == 0:
             raise ArgumentError(f"{split} data ({', '.join(paths)}) holds no tokens")
-        if not counted:
-            raise ArgumentError(f"no token of the {split} data ({', '.join(paths)}) is counted by the loss: every "
-                                "record is prompt only; add assistant turns or completions, or train_on_prompt: true")
+        uncounted = [path for path, count in counts.items() if count.tokens and not count.counted]
+        if not any(count.counted for count in counts.values()):
+            raise ArgumentError(f"no token of the {split} data ({', '.join(paths)}) is counted by the loss: "
+                                + "; ".join(counts[path].why() for path in uncounted))
+        for path in uncounted:      # the others train; this one only fills rows
+            print(f"  warning        none of the {counts[path].tokens:,} tokens of {path} is counted by the loss: "
+                  f"{counts[path].why()}", flush=True)
         np.asarray(offsets, dtype=np.int64).tofile(tmp["docs"])
         content.update(np.asarray(offsets, dtype=np.int64).tobytes())
         for ext, path in tmp.items():
@@ -188,3 +257,5 @@ def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt
         for path in tmp.values():
             if os.path.exists(path):
                 os.remove(path)
+        if not os.path.exists(meta):
+            _remove_if_empty(folder)

@@ -1,0 +1,132 @@
+"""A resume checked against the run that saved the checkpoint, from its manifest alone: before the
+engine exists and before any file of the run folder is written.
+
+    refused   other tokens (data, tokenizer, train_on_prompt), seq, packing, seed, eval_fraction:
+              the saved data position (rows consumed) would count other rows
+    noted     steps, epochs, lr, warmup, schedule, min_lr: the learning rate from the next step is
+              the new schedule's (the note names the jump); batch, grad_accum, global_batch: the
+              data goes on from the saved row, with other rows per step; betas, eps,
+              weight_decay, max_grad_norm, compute_dtype: the AdamW state is kept, the new values
+              apply from the next step
+    complete  the checkpoint is at or past the last step: nothing to train
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from ..errors import ArgumentError
+from .config import RunConfig
+from .schedule import learning_rate
+
+SCHEDULE = ("steps", "lr", "warmup", "schedule", "min_lr")
+ROWS = ("batch", "grad_accum", "global_batch")
+OPTIMIZER = ("betas", "eps", "weight_decay", "max_grad_norm", "compute_dtype")
+
+
+@dataclass
+class Saved:
+    """What a checkpoint says about the run that wrote it."""
+    path: str
+    steps_done: int
+    extra: dict
+
+
+def read(path: str) -> Saved:
+    """The checkpoint's manifest; one that cannot be read is refused as load_checkpoint would."""
+    from ..io.checkpoint import MANIFEST, MARKER, verified_manifest
+    try:
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            raise ValueError
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        steps_done, extra = int(manifest["steps_done"]), manifest.get("extra") or {}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        verified_manifest(path)     # raises, naming what is wrong with the folder
+        raise ArgumentError(f"resume: {path} is a committed checkpoint whose manifest holds no steps_done; "
+                            "resume from a checkpoint the trainer wrote, or start a new run_dir") from e
+    return Saved(path, steps_done, extra if isinstance(extra, dict) else {})
+
+
+def rows_layout(c: RunConfig) -> dict:
+    """What decides which rows a data position counts (packing.py cuts rows from seed and row
+    index; split.py holds out eval_fraction of the tokens)."""
+    return {"seq": c.seq, "packing": c.packing, "seed": c.seed, "eval_fraction": c.eval_fraction}
+
+
+def settings(c: RunConfig) -> dict:
+    """The settings a resume compares, saved with every checkpoint (steps resolved from epochs)."""
+    keys = SCHEDULE + OPTIMIZER + ("epochs",)
+    return {**{k: getattr(c, k) for k in keys}, "batch": None if c.global_batch else c.batch,
+            "grad_accum": None if c.global_batch else c.grad_accum, "global_batch": c.global_batch}
+
+
+def check_rows(c: RunConfig, saved: Saved) -> None:
+    """Refuse a resume whose rows would be other rows (before the data is read)."""
+    layout = rows_layout(c)
+    before = saved.extra.get("rows_layout", {})
+    changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in layout.items() if k in before and before[k] != v]
+    if before and "eval_fraction" not in before and c.eval_fraction:
+        changed.append("eval_fraction of the documents -> of the tokens")    # saved before split.py
+    if changed:     # the rows a position counts would be other rows: the resumed run would see other data
+        raise ArgumentError(f"{saved.path} was saved by a run that cut its rows otherwise ({', '.join(changed)}); "
+                            "resume it with the same seq, packing, seed and eval_fraction, or start a new run_dir")
+
+
+def check_data(saved: Saved, fingerprint: str) -> None:
+    if saved.extra.get("data") != fingerprint:
+        raise ArgumentError(f"{saved.path} was saved by a run on other tokens (token file {saved.extra.get('data')}, "
+                            f"now {fingerprint}: the data, the tokenizer or train_on_prompt changed); resume it "
+                            "with the same data, or start a new run_dir")
+
+
+def notes(c: RunConfig, saved: Saved) -> list[str]:
+    """One line per group of changed settings, saying what the change does from the next step."""
+    before = saved.extra.get("settings")
+    if not isinstance(before, dict):
+        return []       # a checkpoint of a run that saved no settings: nothing to compare
+    now, step = settings(c), saved.steps_done + 1
+    out = []
+
+    def changed(keys: tuple) -> list[str]:
+        return [f"{k} {_show(before.get(k))} -> {_show(now[k])}" for k in keys if before.get(k) != now[k]]
+
+    schedule = changed(SCHEDULE + ("epochs",))
+    if schedule:
+        old = learning_rate(before["lr"], before["schedule"], before["warmup"], before["min_lr"], before["steps"])
+        new = learning_rate(c.lr, c.schedule, c.warmup, c.min_lr, c.steps)
+        a, b = old(step), new(step)
+        what = (f"the learning rate of step {step} jumps from {a:.3g} to {b:.3g}" if f"{a:.3g}" != f"{b:.3g}"
+                else f"the learning rate of step {step} stays {b:.3g}")
+        out.append(f"{', '.join(schedule)}: {what}, and follows the new schedule to step {c.steps}")
+    rows = changed(ROWS)
+    if rows:
+        was = before.get("global_batch") or before["batch"] * before["grad_accum"]
+        per = c.global_batch or c.batch * c.grad_accum
+        what = (f"the same {per} rows per optimizer step, in other micro-batches (the gradients agree to float "
+                "reassociation)" if was == per else
+                f"rows per optimizer step {was} -> {per}: each step from step {step} averages {per} rows")
+        out.append(f"{', '.join(rows)}: {what}; the data goes on from the saved row")
+    optimizer = changed(OPTIMIZER)
+    if optimizer:
+        out.append(f"{', '.join(optimizer)}: the AdamW state is kept, and the new values apply from step {step}")
+    return out
+
+
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def complete(c: RunConfig, saved: Saved, run_dir: str) -> str | None:
+    """The line that says the run is already complete, or None when steps are left to train."""
+    if saved.steps_done < c.steps:
+        return None
+    at = (f"step {saved.steps_done} of {c.steps}" if saved.steps_done == c.steps
+          else f"step {saved.steps_done}, past steps={c.steps}")
+    line = f"the run in {run_dir} is already complete ({at}, checkpoint {saved.path})"
+    if c.export is None:
+        return f"{line}; nothing to do (export: FOLDER writes its model)" if not c.bundled else f"{line}; nothing to do"
+    if os.path.isdir(c.export):
+        return f"{line}; its export is in {c.export}; nothing to do"
+    return f"{line}; its export {c.export} is not there: writing it from the checkpoint"
