@@ -147,3 +147,10 @@ def test_a_path_that_is_not_a_checkpoint_folder_says_what_to_pass(saved, given, 
     with pytest.raises(WeightsFileError, match=r"cannot load the checkpoint .*: " + message):
         engine.load_checkpoint(str(saved / given))
     assert engine.steps_done == 0 and engine._pending_load is None
+
+
+def test_strict_that_is_not_a_bool_is_refused(llama_checkpoint):
+    engine = _engine(_llama(1e4))
+    with pytest.raises(MegacompileError, match=r"load_checkpoint\(strict=...\) is True .* or False .*; got 'yes'"):
+        engine.load_checkpoint(llama_checkpoint, strict="yes")
+    assert engine.steps_done == 0 and engine._pending_load is None

@@ -75,3 +75,12 @@ def test_model_save_pretrained_after_training_writes_the_trained_weights(tmp_pat
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     trained = engine.state_dict()
     _assert_same({k: v for k, v in back.state_dict().items() if k in trained}, trained)
+
+
+def test_engine_state_dict_of_a_meta_model_before_its_weights_says_to_load_them():
+    with torch.device("meta"):
+        model = models.NanoGPT(vocab=96, d=32, layers=2)
+    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu")
+    with pytest.raises(MegacompileError, match=r"no weights yet: the model was built on the meta device; load them "
+                                               r"\(engine.load_state_dict, engine.load_checkpoint\)"):
+        engine.state_dict()
