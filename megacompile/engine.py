@@ -131,10 +131,10 @@ class Engine:
         self.last_step: StepRecord | None = None
         self._busy = threading.Lock()
         self._closed = False
-        # The module's parameters are brought up to date with the engine's state where the state
-        # changed since (io/model_params.py): each step and load counts one change.
-        self._state_version = 0
-        self._module_version = 0
+        # The module's parameters are brought up to date with the engine's state where it changed
+        # since (io/model_params.py): masters change at an optimizer step or a load.
+        self._loads = 0
+        self._module_version: tuple | None = None
         from .io import model_params
         model_params.attach(self)
 
@@ -308,7 +308,6 @@ class Engine:
         self.host.commit_micro_batch()
         compiled.executor.commit()
         self.micro_batches += 1
-        self._state_version += 1
         if last:
             self.steps_done += 1
             self.torch_optimizer.step()   # tells attached torch LR schedulers a step happened
@@ -451,7 +450,7 @@ class Engine:
         meta trains once its parts are complete (its first step names what is missing)."""
         from .io import state_dict
         state_dict.load(self, state, strict=strict)
-        self._state_version += 1
+        self._loads += 1
 
     def _host_or_error(self) -> HostState:
         if self.host is None:
@@ -483,7 +482,7 @@ class Engine:
         strict=False loads it keeping this engine's settings and the model's own buffers, with a
         warning naming them. Returns the `extra` state it was saved with."""
         extra = self._checkpoint_room().load(self, path, strict=strict)
-        self._state_version += 1
+        self._loads += 1
         return extra
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,

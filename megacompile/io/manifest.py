@@ -8,8 +8,11 @@ expected and what was found.
 """
 from __future__ import annotations
 
+import base64
 import os
 from typing import Any, Callable
+
+import torch
 
 # A check takes a value and returns what is wrong with it (None: nothing).
 Check = Callable[[Any], "str | None"]
@@ -58,6 +61,17 @@ def file_name(v: Any) -> str | None:
     return None if ok else "a file name inside the checkpoint folder"
 
 
+def rng_state(v: Any) -> str | None:
+    """torch's CPU generator state as base64: set_rng_state takes nothing else, and a load must
+    not fail there, after the weights and counters have changed."""
+    expected = torch.get_rng_state().numel()
+    try:
+        ok = isinstance(v, str) and len(base64.b64decode(v, validate=True)) == expected
+    except ValueError:
+        ok = False
+    return None if ok else f"a CPU random state ({expected} bytes in base64)"
+
+
 OPTIMIZER: dict[str, Check] = {
     "lr": lr, "betas": betas, "eps": number(0), "weight_decay": number(0), "max_grad_norm": number(0, optional=True),
     "kernel": of_type(str), "grad_accum": count(1), "compute_dtype": of_type(str),
@@ -65,7 +79,7 @@ OPTIMIZER: dict[str, Check] = {
 FILE: dict[str, Check] = {"bytes": count(0), "sha256": of_type(str)}
 SCHEDULE: dict[str, Check] = {"param_group": of_type(dict), "schedulers": of_type(list)}
 SCHEDULER: dict[str, Check] = {"class": of_type(str), "state": of_type(dict)}
-RNG: dict[str, Check] = {"cpu": of_type(str)}
+RNG: dict[str, Check] = {"cpu": rng_state}
 MANIFEST: dict[str, Check] = {
     "format": of_type(str), "steps_done": count(0), "micro_batches": count(0), "optimizer": of_type(dict),
     "schedule": of_type(dict), "rng": of_type(dict), "files": of_type(dict),

@@ -56,15 +56,16 @@ def check_readable(engine: "Engine") -> None:
 
 def write_back(engine: "Engine") -> None:
     """Copy the engine's masters (and buffers) into the module's real tensors, if they changed
-    since the last copy. The caller has waited for running updates (or the hook waits here)."""
-    if engine.data_parallel is not None or engine._module_version == engine._state_version:
+    since the last copy (reading them waits for the running updates first)."""
+    version = (engine.steps_done, engine._loads)     # what changes whenever the masters do
+    if engine.data_parallel is not None or engine._module_version == version:
         return
     if engine.host is None and engine._pending_load is None and engine._weight_parts is None:
-        engine._module_version = engine._state_version       # the module's own weights are the state
+        engine._module_version = version       # the module's own weights are the state
         return
     own = engine.model.state_dict(keep_vars=True)
     with torch.no_grad():
         for key, t in engine._state_tensors():      # one tensor at a time, no copy of the state
             if key in own and not own[key].is_meta:
                 own[key].copy_(t)
-    engine._module_version = engine._state_version
+    engine._module_version = version

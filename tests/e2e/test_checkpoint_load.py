@@ -108,9 +108,10 @@ def _resign(path: str, edit) -> None:
     (lambda m: m["optimizer"].update(grad_accum=0), r"optimizer.grad_accum: expected an int >= 1, found int 0"),
     (lambda m: m["optimizer"].update(betas=[0.9]), r"optimizer.betas: expected a list of two numbers in \[0, 1\)"),
     (lambda m: m.pop("rng"), r"rng: missing"),
+    (lambda m: m["rng"].update(cpu="AAAA"), r"rng.cpu: expected a CPU random state \(\d+ bytes in base64\)"),
     (lambda m: m["files"].update({"../outside": {"bytes": 0, "sha256": ""}}),
      r"files: expected a file name inside the checkpoint folder, found '../outside'"),
-], ids=["steps_done", "micro_batches", "skipped_steps", "grad_accum", "betas", "rng", "file_name"])
+], ids=["steps_done", "micro_batches", "skipped_steps", "grad_accum", "betas", "rng", "rng_cpu", "file_name"])
 def test_a_manifest_field_of_the_wrong_type_is_refused_naming_it(tmp_path, edit, message):
     engine = _engine(models.NanoGPT(vocab=96, d=32, layers=2))
     engine.step(idx=IDS, targets=IDS)

@@ -84,3 +84,13 @@ def test_engine_state_dict_of_a_meta_model_before_its_weights_says_to_load_them(
     with pytest.raises(MegacompileError, match=r"no weights yet: the model was built on the meta device; load them "
                                                r"\(engine.load_state_dict, engine.load_checkpoint\)"):
         engine.state_dict()
+
+
+def test_layer_major_steps_reach_the_models_parameters_too():
+    model = models.NanoGPT(vocab=96, d=32, layers=2)
+    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu", grad_accum=2, accumulation="layer",
+                                 optimizer=megacompile.AdamW(lr=1e-2))
+    for _ in range(4):                          # 2 optimizer steps of 2 micro-batches, walked layer by layer
+        engine.step(idx=IDS, targets=IDS)
+    assert engine.steps_done == 2
+    _assert_same(model.state_dict(), engine.state_dict())
