@@ -137,6 +137,12 @@ class Engine:
         self.last_step: StepRecord | None = None
         self._busy = threading.Lock()
         self._closed = False
+        # The module's parameters are brought up to date with the engine's state where it changed
+        # since (io/model_params.py): masters change at an optimizer step or a load.
+        self._loads = 0
+        self._module_version: tuple | None = None
+        from .io import model_params
+        model_params.attach(self)
 
     @property
     def host(self) -> HostState | None:
@@ -344,6 +350,14 @@ class Engine:
             self._busy.release()
 
     def synchronize(self) -> None:
+        """Wait for host updates still running, and bring the model's own parameters (where it holds
+        real ones) up to date with the trained masters: after it, `model.state_dict()` and
+        `model.save_pretrained()` see the trained weights (io/model_params.py)."""
+        from .io import model_params
+        self._wait_updates()
+        model_params.write_back(self)
+
+    def _wait_updates(self) -> None:
         """Wait for host updates still running (state_dict and load_state_dict do this)."""
         if self.host is not None:
             self.host.wait_updates()
@@ -384,7 +398,7 @@ class Engine:
         Before any step, the prediction alone. Waits for the step's host updates first."""
         from .view import write_trace
         plan = self._last.plan if self._last is not None else self.plan
-        self.synchronize()
+        self._wait_updates()
         write_trace(path, plan, self.backend.timeline)
 
     def memory_stats(self) -> dict:
@@ -403,17 +417,31 @@ class Engine:
         }
 
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
-        """float32 masters (and buffers) under the model's own names, tied names included."""
-        if self.host is None:
-            raise MegacompileError("no state yet: run step() once (or load_state_dict) first")
-        self.synchronize()
-        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        """float32 masters (and buffers) under the model's own names, tied names included: the
+        trained ones, or before the first step the ones it will start from (a checkpoint or weights
+        loaded, else the model's own)."""
+        return OrderedDict((key, t.clone()) for key, t in self._state_tensors())
+
+    def _state_tensors(self):
+        """(state_dict key, tensor), one at a time and not copied: views of the host state, or
+        before it exists, read from where the weights wait (io/unbuilt.py)."""
+        if self.host is not None:
+            self._wait_updates()
+            for key, name in self._canonical.items():
+                if name in self.host.slots:
+                    yield key, self.host.master(name)
+                elif name in self.host.consts:
+                    yield key, self.host.consts[name]
+            return
+        if not self._materialized:
+            raise MegacompileError("no weights yet: the model was built on the meta device; load them "
+                                   "(engine.load_state_dict, engine.load_checkpoint) before reading engine.state_dict()")
+        from .io import unbuilt
+        trainable, consts = unbuilt.tables(self)
         for key, name in self._canonical.items():
-            if name in self.host.slots:
-                out[key] = self.host.master(name).clone()
-            elif name in self.host.consts:
-                out[key] = self.host.consts[name].clone()
-        return out
+            lazy = trainable["master"].get(name) or consts.get(name)
+            if lazy is not None:
+                yield key, lazy()
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights into the masters, whole or one part (a shard) at a time with strict=False;
@@ -422,6 +450,7 @@ class Engine:
         meta trains once its parts are complete (its first step names what is missing)."""
         from .io import state_dict
         state_dict.load(self, state, strict=strict)
+        self._loads += 1
 
     def _host_or_error(self) -> HostState:
         if self.host is None:
@@ -444,12 +473,17 @@ class Engine:
         checkpoint = self._checkpoint_room()
         checkpoint.save(self, path, extra=extra, keep_last=keep_last)
 
-    def load_checkpoint(self, path: str, *, strict: bool = False) -> Any:
+    def load_checkpoint(self, path: str, *, strict: bool = True) -> Any:
         """Resume from a checkpoint folder (no prepare() needed): training continues exactly where
-        the saved run left off. Every file, name, shape and checksum is checked before any state
-        changes. Differing optimizer settings or grad_accum warn (raise with strict=True); the
-        engine's own are kept. Returns the `extra` state it was saved with."""
-        return self._checkpoint_room().load(self, path, strict=strict)
+        the saved run left off. Every file, name, shape, checksum and manifest field is checked
+        before any state changes. strict=True (the default): a checkpoint whose optimizer settings
+        or grad_accum differ from this engine's, or whose buffers differ from those the model built
+        itself (rotary inv_freq from another rope_theta), is refused, naming each difference.
+        strict=False loads it keeping this engine's settings and the model's own buffers, with a
+        warning naming them. Returns the `extra` state it was saved with."""
+        extra = self._checkpoint_room().load(self, path, strict=strict)
+        self._loads += 1
+        return extra
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
                         max_shard_size: int | str = "5GB") -> None:
@@ -468,7 +502,7 @@ class Engine:
         if self._closed:
             return
         with self._in_use("close()"):
-            self.synchronize()
+            self.synchronize()        # the model's own parameters get the trained weights
             self._closed = True
             self._end()
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import safetensors.torch
 
 from ..errors import CheckpointError, MegacompileError, WeightsFileError
-from . import files, run_state, unbuilt
+from . import checkpoint_path, files, manifest as schema, own_buffers, run_state, unbuilt
 from .header import read_header
 from .source import CONST, MASTER, TABLES, Item, PendingLoad
 
@@ -153,10 +153,13 @@ def verified_manifest(path: str) -> dict:
             sealed = f.read().strip()
     except (OSError, ValueError) as e:
         raise _refuse(path, f"its manifest is unreadable ({e})") from e
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise _refuse(path, f"it is not a {FORMAT} checkpoint")
     if files.sha256_of(os.path.join(path, MANIFEST)) != sealed:
         raise _refuse(path, "its manifest does not match its commit marker (changed after the save)")
+    wrong = schema.problems(manifest)
+    if wrong:
+        raise _refuse(path, f"its {MANIFEST} does not hold what a save writes: {'; '.join(wrong[:4])}")
     for file, info in manifest["files"].items():
         full = os.path.join(path, file)
         if not os.path.isfile(full):
@@ -183,10 +186,17 @@ def expected_state(engine: "Engine") -> tuple[dict[str, tuple], dict[str, tuple]
     return trainable, const
 
 
-def load(engine: "Engine", path: str, strict: bool = False) -> Any:
+def load(engine: "Engine", path: str, strict: bool = True) -> Any:
     if not isinstance(path, (str, os.PathLike)):
         raise MegacompileError(f"load_checkpoint takes a checkpoint folder path, got {path!r}")
+    if not isinstance(strict, bool):
+        raise MegacompileError(f"load_checkpoint(strict=...) is True (refuse a checkpoint whose settings or "
+                               f"model-built buffers differ from this engine's) or False (keep this engine's); "
+                               f"got {strict!r}")
     path = os.fspath(path)
+    wrong_path = checkpoint_path.refusal(path)
+    if wrong_path is not None:
+        raise wrong_path
     if os.path.isfile(path):
         from .legacy_checkpoint import load as load_single_file   # the one-file format written before folders
         load_single_file(engine, path)
@@ -221,13 +231,20 @@ def load(engine: "Engine", path: str, strict: bool = False) -> Any:
         raise MegacompileError(f"the checkpoint {path} does not match this model: {'; '.join(problems[:4])}; "
                                "nothing was loaded")
     differences = run_state.setting_differences(manifest["optimizer"], engine)
-    if differences and strict:
-        raise MegacompileError(f"the checkpoint {path} was saved with other settings: {'; '.join(differences)}; "
-                               "nothing was loaded (strict=False loads it and keeps this engine's settings)")
-    pending = PendingLoad(items, needs=tables, describe=f"the checkpoint {path}")
+    buffers = own_buffers.differing(engine, items)
+    if (differences or buffers) and strict:
+        raise MegacompileError(
+            f"the checkpoint {path} differs from this engine and model: "
+            f"{'; '.join(differences + [f'buffer {n}: {d}' for n, d in buffers.items()])}; nothing was loaded "
+            f"(strict=False loads it and keeps this engine's settings and the model's own buffers"
+            + (": a buffer the model computes from its config, such as rotary inv_freq from rope_theta, says "
+               "the config differs from the saving run's" if buffers else "") + ")")
+    # The model's own buffers win (strict=False): they are loaded first and nothing overwrites them.
+    items = [it for it in items if not (it.table == CONST and it.name in buffers)]
+    pending = PendingLoad(items, own_buffers=bool(buffers), needs=tables, describe=f"the checkpoint {path}")
     if engine.host is not None:
-        engine.synchronize()
-        pending.apply(engine.host)
+        engine._wait_updates()
+        pending.apply(engine.host, engine.model)
         engine._pending_load = None
     else:
         engine._pending_load = pending       # streamed in when the first step builds the host state
@@ -240,6 +257,8 @@ def load(engine: "Engine", path: str, strict: bool = False) -> Any:
     notes = run_state.restore_schedule(engine, manifest["schedule"], lr_differs)
     run_state.restore_rng(manifest["rng"])
     for message in [f"the checkpoint {path} was saved with other settings, this engine's are kept: "
-                    f"{'; '.join(differences)}"] * bool(differences) + notes:
+                    f"{'; '.join(differences)}"] * bool(differences) + [
+                    f"the checkpoint {path} holds other values of buffers the model built itself; the model's own "
+                    f"are kept: {'; '.join(f'{n}: {d}' for n, d in buffers.items())}"] * bool(buffers) + notes:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     return manifest.get("extra")

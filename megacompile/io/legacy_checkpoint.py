@@ -30,7 +30,7 @@ def load(engine: "Engine", path: str) -> None:
         raise MegacompileError(f"cannot read the checkpoint {path}: {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise MegacompileError(f"{path} is not a megacompile checkpoint ({FORMAT})")
-    engine.synchronize()
+    engine._wait_updates()
     trainable, _ = expected_state(engine)
     problems = []
     for table in ("masters", "exp_avg", "exp_avg_sq"):

@@ -76,7 +76,7 @@ def load(engine: "Engine", state: dict, strict: bool = True) -> None:
             + (f"; {META_HINT}" if any(n in const for n in missing) else ""))
     tensors = {names[k]: t for k, t in state.items()}
     if engine.host is not None:
-        engine.synchronize()
+        engine._wait_updates()
         if not engine._materialized and not parts.loaded:
             _own_tensors(engine.host, engine.model, parts)
         with torch.no_grad():

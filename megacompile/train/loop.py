@@ -187,7 +187,10 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
     if resume_from is not None:     # its own checks (model, files, checksums) before the plan is written
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            extra = engine.load_checkpoint(resume_from) or {}
+            # strict=False: resume.py has refused what would make the resume inexact and noted the
+            # rest; the engine keeps this run's settings and the model its config's own buffers
+            # (a difference there is one more note below).
+            extra = engine.load_checkpoint(resume_from, strict=False) or {}
         consumed = int(extra["rows"])
         said = set()
         for w in caught:

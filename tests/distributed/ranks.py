@@ -139,7 +139,18 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
     weights = engine.state_dict()
     if rank == 0:
         torch.save(weights, os.path.join(folder, "weights.pt"))
-    return {**out, "losses": losses, **host_figures(engine.host), "issued": issued, **_reduce_spans(engine)}
+    return {**out, "losses": losses, **host_figures(engine.host), "issued": issued, **_reduce_spans(engine),
+            "model_read": _model_read(engine)}
+
+
+def _model_read(engine) -> str | None:
+    """What model.state_dict() answers on a rank after training (None: it returned)."""
+    from megacompile.errors import MegacompileError
+    try:
+        engine.model.state_dict()
+    except MegacompileError as e:
+        return str(e)
+    return None
 
 
 def _record_issues(engine, issued: list) -> None:

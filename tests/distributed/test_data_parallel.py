@@ -54,6 +54,14 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(two_ranks, eager_clip
     assert _weight_error(torch.load(os.path.join(folder, "weights.pt")), weights) <= TOL
 
 
+def test_reading_the_models_own_parameters_on_a_rank_is_refused(two_ranks):
+    """Each rank holds a share of the trained masters: the module's parameters are not them."""
+    _, _, results = two_ranks
+    for r in results:
+        assert r["model_read"] is not None and "holds only its share of the trained ones: call " \
+            "engine.state_dict() on every rank" in r["model_read"], r["model_read"]
+
+
 def test_each_rank_holds_its_share_of_masters_and_moments(two_ranks):
     _, _, results = two_ranks
     params = sum(p.numel() for p in ranks.model().parameters())

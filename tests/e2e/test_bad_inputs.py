@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import megacompile
 from megacompile import cli
-from megacompile.errors import ArgumentError, CheckpointError
+from megacompile.errors import ArgumentError, CheckpointError, WeightsFileError
 from tests import models
 
 GiB = 2 ** 30
@@ -210,7 +210,7 @@ CASES = [
          r"missing \['transformer.ln_f.bias'\].*nothing was loaded.*other parts", _partial_load),
     Case("load_state_dict: unknown name", megacompile.MegacompileError, r"unexpected \['nope'\]",
          lambda c: _meta_engine().load_state_dict({"nope": torch.zeros(1)}, strict=False)),
-    Case("load_checkpoint: not a checkpoint", megacompile.MegacompileError, r"cannot read the checkpoint",
+    Case("load_checkpoint: not a checkpoint", WeightsFileError, r"cannot load the checkpoint .*a_file: it is a file, not a checkpoint",
          lambda c: c.engine.load_checkpoint(c.file)),
     # the command line: exit status 2, one line naming the problem
     Case("cli plan --hbm-budget nan", SystemExit, r"hbm_budget.*nan",

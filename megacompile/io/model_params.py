@@ -1,0 +1,71 @@
+"""The user's module and the engine's state: a stale copy must never pass as the trained model.
+
+The engine trains its own fp32 masters (runtime/host.py); the module's parameters are the values it
+was built with. Where the module holds real weights, they are brought up to date -- the masters
+copied into them, cast to their dtype -- at the points a user reads them: `engine.synchronize()`,
+`engine.close()`, and `model.state_dict()` itself (so `model.save_pretrained()` too), through a
+state_dict pre-hook. The module's tensors already take their bytes of host memory; updating them
+takes none, and it happens only where the state changed since the last update (a step, a load).
+Where the module has its parameters on meta (from_pretrained, or a model built without weights)
+there is nothing to update, and `model.state_dict()` is refused, naming the engine's own way. With
+data parallelism each rank holds only a share of the masters (and gathering one is a collective
+that every rank must join), so `model.state_dict()` is refused there too.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import MegacompileError
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+
+def attach(engine: "Engine") -> None:
+    """model.state_dict() reads the engine's state from now on (a weak reference: the hook does not
+    keep the engine alive, and does nothing once it is gone)."""
+    ref = weakref.ref(engine)
+
+    def before_state_dict(module, prefix, keep_vars) -> None:
+        owner = ref()
+        if owner is not None and owner.model is module and not keep_vars:
+            check_readable(owner)
+            write_back(owner)
+    engine.model.register_state_dict_pre_hook(before_state_dict)
+
+
+def check_readable(engine: "Engine") -> None:
+    """Refuse a read of the module's weights where they are not the engine's (keep_vars reads, which
+    the engine's own capture makes, pass: they take the parameter objects, not their values)."""
+    if engine.data_parallel is not None and (engine.host is not None or engine._pending_load is not None
+                                             or engine._weight_parts is not None):
+        raise MegacompileError(
+            "model.state_dict() reads the module's own parameters, and with data parallelism each rank's "
+            "engine holds only its share of the trained ones: call engine.state_dict() on every rank (it "
+            "gathers them) or engine.save_pretrained(path)")
+    meta = [n for n, p in engine.model.named_parameters() if p.is_meta]
+    if meta:
+        raise MegacompileError(
+            f"model.state_dict() reads the module's own parameters, and {len(meta)} of them ({', '.join(meta[:3])}) "
+            "are on the meta device: the weights live in the engine (the model was built without them); read "
+            "engine.state_dict(), or write a Hugging Face folder with engine.save_pretrained(path)")
+
+
+def write_back(engine: "Engine") -> None:
+    """Copy the engine's masters (and buffers) into the module's real tensors, if they changed
+    since the last copy (reading them waits for the running updates first)."""
+    version = (engine.steps_done, engine._loads)     # what changes whenever the masters do
+    if engine.data_parallel is not None or engine._module_version == version:
+        return
+    if engine.host is None and engine._pending_load is None and engine._weight_parts is None:
+        engine._module_version = version       # the module's own weights are the state
+        return
+    own = engine.model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key, t in engine._state_tensors():      # one tensor at a time, no copy of the state
+            if key in own and not own[key].is_meta:
+                own[key].copy_(t)
+    engine._module_version = version
