@@ -115,8 +115,10 @@ def committed_beside(path: str) -> list[str]:
                 m = json.load(f)
         except (OSError, ValueError):
             continue
-        if m.get("format") == FORMAT:
-            found.append(((m["steps_done"], m["micro_batches"], os.path.getmtime(os.path.join(full, MARKER))), full))
+        steps, micro = m.get("steps_done"), m.get("micro_batches")
+        # a manifest without its counts is no checkpoint to rank (load_checkpoint refuses it by name)
+        if m.get("format") == FORMAT and type(steps) is int and type(micro) is int:
+            found.append(((steps, micro, os.path.getmtime(os.path.join(full, MARKER))), full))
     return [p for _, p in sorted(found)]
 
 

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from megacompile.errors import ArgumentError
+from megacompile.errors import ArgumentError, WeightsFileError
 from megacompile.train import load, log, run
 from megacompile.train.schedule import learning_rate
 
@@ -119,6 +119,6 @@ def test_a_committed_checkpoint_without_a_step_count_is_refused_by_name(tmp_path
     folder.mkdir()
     (folder / checkpoint.MANIFEST).write_text(json.dumps({"format": checkpoint.FORMAT, "files": {}}))
     (folder / checkpoint.MARKER).write_text(files.sha256_of(str(folder / checkpoint.MANIFEST)))
-    with pytest.raises(ArgumentError, match="is a committed checkpoint whose manifest holds no steps_done"):
+    with pytest.raises(WeightsFileError, match="does not hold what a save writes: steps_done: missing"):
         run(load(None, [*TINY, "steps=1", f"resume={folder}", f"run_dir={tmp_path / 'run'}"]))
     assert not (tmp_path / "run").exists()
