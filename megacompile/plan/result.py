@@ -381,29 +381,6 @@ class Plan:
                          f"per model FLOP, {fmt_seconds(p.exposed_s)} waiting on transfers")
         return "\n".join(lines)
 
-    def _smallest_line(self) -> str:
-        how = "all blocks recomputed, their inputs in host memory where the host budget allows, no prefetch overlap"
-        line = f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)}"
-        if self.minimum_over_chunks:
-            return f"{line}: the smallest budget any plan fits ({how}; the blocks whole or over sequence chunks)"
-        if self.lowest_budget is None:
-            return f"{line} ({how})"
-        chunks = max((t.chunks for t in self.captured.block_templates), default=1)
-        blocks = "the blocks whole" if chunks == 1 else f"the blocks over {chunks} sequence chunks"
-        return (f"{line} with {blocks} ({how}); over more sequence chunks they may fit less: --smallest "
-                "(plan(..., smallest=True)) finds the smallest budget any plan fits")
-
-    def _peak_line(self, measured: str) -> str:
-        peak = fmt_bytes(self.predicted_peak_bytes)
-        given = self.given_budget_bytes
-        if given is None:
-            return (f"  device peak    {peak} predicted of {fmt_bytes(self.budget_bytes)} budget "
-                    f"({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}")
-        need = self.minimum_budget_bytes
-        return (f"  device peak    {peak} predicted + {fmt_bytes(self.reserve.total)} reserve: needs {fmt_bytes(need)}, "
-                f"{fmt_bytes(need - given)} more than the {fmt_bytes(given)} budget given (the plan shown is the one "
-                f"at {fmt_bytes(need)}); {measured}")
-
     def _disk_json(self) -> dict:
         c = self.host_cost
         if c is None:
@@ -445,6 +422,29 @@ class Plan:
         return [f"  reserve        {fmt_bytes(r.total)} kept free of the budget for what the ledger cannot see: "
                 f"{fmt_bytes(r.workspace_bytes)} workspaces, {scratch}{fmt_bytes(r.fragmentation_bytes)} "
                 f"fragmentation ({self.hardware.fragmentation:.0%} of the budget; HardwareProfile fields)"]
+
+    def _smallest_line(self) -> str:
+        how = "all blocks recomputed, their inputs in host memory where the host budget allows, no prefetch overlap"
+        line = f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)}"
+        if self.minimum_over_chunks:
+            return f"{line}: the smallest budget any plan fits ({how}; the blocks whole or over sequence chunks)"
+        if self.lowest_budget is None:
+            return f"{line} ({how})"
+        chunks = max((t.chunks for t in self.captured.block_templates), default=1)
+        blocks = "the blocks whole" if chunks == 1 else f"the blocks over {chunks} sequence chunks"
+        return (f"{line} with {blocks} ({how}); over more sequence chunks they may fit less: --smallest "
+                "(plan(..., smallest=True)) finds the smallest budget any plan fits")
+
+    def _peak_line(self, measured: str) -> str:
+        peak = fmt_bytes(self.predicted_peak_bytes)
+        given = self.given_budget_bytes
+        if given is None:
+            return (f"  device peak    {peak} predicted of {fmt_bytes(self.budget_bytes)} budget "
+                    f"({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}")
+        need = self.minimum_budget_bytes
+        return (f"  device peak    {peak} predicted + {fmt_bytes(self.reserve.total)} reserve: needs {fmt_bytes(need)}, "
+                f"{fmt_bytes(need - given)} more than the {fmt_bytes(given)} budget given (the plan shown is the one "
+                f"at {fmt_bytes(need)}); {measured}")
 
     def format(self, full: bool = False) -> str:
         """The summary and the schedule; runs of blocks that do the same thing are folded unless `full`."""
