@@ -82,7 +82,8 @@ def _plan(args: argparse.Namespace) -> int:
     verdict = ("fits" if fits else f"does NOT fit: needs {fmt_bytes(result.minimum_budget_bytes)} of device memory, "
                f"{fmt_bytes(given_bytes)} given: {fmt_bytes(result.minimum_budget_bytes - given_bytes)} short")
     print(f"  verdict        {verdict}")
-    print("  at the peak    " + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in result.peak_breakdown(5, described=True)))
+    peak = result.peak_breakdown(5, described=True)
+    print("  at the peak    " + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in peak))
     write_plan_views(result, trace=args.trace, plot_dir=args.plot)
     if args.json:
         summary = {k: v for k, v in result.to_json().items() if k not in ("schedule", "values")}
@@ -176,7 +177,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
     q.add_argument("--host-budget", type=float, default=None,
                    help="GiB of host RAM for masters, AdamW state and offloaded activations (default: 90%% of this "
-                        "machine's RAM, as compile() takes it; give it to plan for another machine); per node with --gpus")
+                        "machine's RAM, as compile() takes it; give it to plan for another machine); per node with "
+                        "--gpus")
     q.add_argument("--nvme-budget", type=float, default=None,
                    help="GiB of disk for a disk tier: when host RAM is short the AdamW moments, then the fp32 masters, "
                         "go there (default: no disk tier)")

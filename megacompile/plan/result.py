@@ -442,7 +442,8 @@ class Plan:
             return (f"  device peak    {peak} predicted of {fmt_bytes(self.budget_bytes)} budget "
                     f"({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}")
         need = self.minimum_budget_bytes
-        return (f"  device peak    {peak} predicted + {fmt_bytes(self.reserve.total)} reserve: needs {fmt_bytes(need)}, "
+        return (f"  device peak    {peak} predicted + {fmt_bytes(self.reserve.total)} reserve: needs "
+                f"{fmt_bytes(need)}, "
                 f"{fmt_bytes(need - given)} more than the {fmt_bytes(given)} budget given (the plan shown is the one "
                 f"at {fmt_bytes(need)}); {measured}")
 

@@ -85,7 +85,8 @@ def test_the_values_at_the_peak_are_named_by_their_modules(tmp_path, capsys):
     for part in parts[:-1]:     # "weights of model.layers.3 (w4) 288.50 KiB"
         assert re.fullmatch(r"(weights|saved activations|gradients|output|gradient)[^()]* of "
                             r"(model\.layers\.\d+|the prologue|the epilogue)[^()]*\((\w|\.)+\) [\d.]+ \w+", part), part
-    assert re.fullmatch(r"working set of the (forward|backward|recompute) of (\S+|the \w+) [\d.]+ \w+", parts[-1]), parts[-1]
+    assert re.fullmatch(r"working set of the (forward|backward|recompute) of (\S+|the \w+) [\d.]+ \w+",
+                        parts[-1]), parts[-1]
 
 
 def test_value_names_in_words():
