@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -22,17 +23,42 @@ MAX_TOKENS = 2 ** 31 - 1
 
 BUDGETS = {"hbm_budget": "the device memory the plan may use", "host_budget": "the host RAM the plan may use",
            "nvme_budget": "the disk space the disk tier may take in nvme_dir"}
+# The largest budget taken, in GiB: 1 PiB, more than any device, host or disk tier of one machine
+# holds (a figure above it is a slip, e.g. bytes given as GiB).
+MAX_BUDGET_GIB = 2 ** 20
+_HOLDER = {"hbm_budget": "device", "host_budget": "machine's RAM", "nvme_budget": "machine's disks"}
 
 
 def budget_bytes(name: str, gib: Any, *, optional: bool = False) -> int | None:
     """A memory budget given in GiB (2**30 bytes), as bytes: positive, finite, not a bool."""
     if gib is None and optional:
         return None
-    if (isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not math.isfinite(gib) or gib <= 0
-            or gib * GiB >= 2 ** 63):
+    if isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not math.isfinite(gib) or gib <= 0:
         raise ArgumentError(f"{name} is {BUDGETS.get(name, 'a memory budget')}, in GiB (2**30 bytes), and must be "
                             f"a positive number, finite and not a bool{' (or None)' if optional else ''}; got {gib!r}")
+    if gib > MAX_BUDGET_GIB:
+        raise ArgumentError(f"{name} of {gib:g} GiB is more than any {_HOLDER.get(name, 'machine')} holds: budgets "
+                            f"are at most {MAX_BUDGET_GIB:,} GiB (1 PiB). Give {BUDGETS.get(name, 'the budget')} in "
+                            f"GiB (2**30 bytes), e.g. 80 for an 80 GB device")
     return int(gib * GiB)
+
+
+def disk_folder(name: str, path: Any) -> str | None:
+    """folder(), for a disk tier: the nearest folder that exists must be writable and on a disk,
+    not on a filesystem with no space at all such as /proc or /sys."""
+    path = folder(name, path)
+    if path is None:
+        return None
+    existing = os.path.abspath(path)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    if shutil.disk_usage(existing).total == 0:
+        raise ArgumentError(f"{name} {path} is not on a disk: {existing} is on a filesystem of 0 bytes (such as "
+                            "/proc or /sys), where the disk tier cannot write; give a folder on an NVMe or other disk")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ArgumentError(f"{name} {path} is not writable: {existing} does not let this user create files; give "
+                            "a folder on a disk this user may write to")
+    return path
 
 
 def count(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None, what: str = "") -> int:

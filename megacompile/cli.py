@@ -29,9 +29,15 @@ def _plan(args: argparse.Namespace) -> int:
     from .plan.from_config import plan
     from .plan.from_config import plan_global_batch
     from .view.files import check_outputs, write_plan_views
+    from .arguments import budget_bytes
     check_outputs(trace=args.trace, plot_dir=args.plot)
-    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=args.host_budget,
+    given_bytes = budget_bytes("hbm_budget", args.hbm_budget)
+    budget_bytes("host_budget", args.host_budget, optional=True)
+    host_budget, host_source = _host_budget(args)
+    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
                   nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth)
+    lowest = dict(smallest=args.smallest)
+    host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
     accumulate = 1
     if args.gpus > 1 or args.nodes > 1:     # one rank's plan: its share of the host state, the node's budget
         from .distributed.cost import check_gpus
@@ -39,22 +45,29 @@ def _plan(args: argparse.Namespace) -> int:
         kwargs["ranks"] = (args.gpus, args.gpus // args.nodes)
     try:
         if args.global_batch is not None:
-            result, accumulate = plan_global_batch(args.config, args.hbm_budget, args.global_batch, **kwargs)
+            result, accumulate = plan_global_batch(args.config, args.hbm_budget, args.global_batch, **lowest, **kwargs)
         else:
-            result = plan(args.config, args.hbm_budget, batch=args.batch, **kwargs)
+            result = plan(args.config, args.hbm_budget, batch=args.batch, **lowest, **kwargs)
         fits = True
     except HostMemoryError as e:    # the masters alone do not fit the host: nothing else matters
+        print(host_line)
         print(f"  verdict        does NOT fit: {e}")
         if args.json:
-            print(json.dumps({"fits": False, "host_budget_bytes": int(args.host_budget * 2**30), "error": str(e)}))
+            print(json.dumps({"fits": False, "host_budget_bytes": int(host_budget * 2**30),
+                              "host_budget_source": "--host-budget" if args.host_budget is not None else "this machine",
+                              "error": str(e)}))
         return DOES_NOT_FIT
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take.
         batch = 1 if args.global_batch else args.batch
         result = plan(args.config, e.minimum_bytes / 2**30 * 1.0001, batch=batch,
-                      grad_accum=args.global_batch // batch if args.global_batch else 1, **kwargs)
+                      grad_accum=args.global_batch // batch if args.global_batch else 1, smallest=False, **kwargs)
+        # The refusal's smallest budget is already the lowest over the chunk counts.
+        result.minimum_budget_bytes, result.minimum_over_chunks = e.minimum_bytes, True
+        result.given_budget_bytes = given_bytes
         fits = False
     print(result.summary())
+    print(host_line)
     scaled = None
     if args.gpus > 1 or args.nodes > 1:      # data parallelism: per rank memory and the throughput of all
         from .distributed.cost import scale_out
@@ -67,14 +80,19 @@ def _plan(args: argparse.Namespace) -> int:
               f"(compile(..., grad_accum={accumulate}"
               + (", accumulation='layer'" if result.micro_batches_per_run > 1 else "") + ")), the fastest split that fits")
     verdict = ("fits" if fits else f"does NOT fit: needs {fmt_bytes(result.minimum_budget_bytes)} of device memory, "
-               f"{args.hbm_budget:g} GiB given")
+               f"{fmt_bytes(given_bytes)} given: {fmt_bytes(result.minimum_budget_bytes - given_bytes)} short")
     print(f"  verdict        {verdict}")
-    print("  at the peak    " + "; ".join(f"{name} {fmt_bytes(b)}" for name, b in result.peak_breakdown(5)))
+    peak = result.peak_breakdown(5, described=True)
+    print("  at the peak    " + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in peak))
     write_plan_views(result, trace=args.trace, plot_dir=args.plot)
     if args.json:
         summary = {k: v for k, v in result.to_json().items() if k not in ("schedule", "values")}
         summary["fits"] = fits
-        summary["budget_bytes"] = int(args.hbm_budget * 2**30)
+        summary["budget_bytes"] = given_bytes
+        summary["host_budget_bytes"] = int(host_budget * 2**30)
+        summary["host_budget_source"] = "--host-budget" if args.host_budget is not None else "this machine"
+        if not fits:
+            summary["shortfall_bytes"] = result.minimum_budget_bytes - given_bytes
         summary["grad_accum"] = accumulate
         summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_optimizer_step
         summary["weight_bytes"] = result.weight_bytes
@@ -82,6 +100,19 @@ def _plan(args: argparse.Namespace) -> int:
             summary["data_parallel"] = scaled.to_json()
         print(json.dumps(summary))
     return 0 if fits else DOES_NOT_FIT
+
+
+def _host_budget(args: argparse.Namespace) -> tuple[float, str]:
+    """GiB of host RAM the plan is checked against, and where that figure came from: --host-budget,
+    or as compile() takes it, a share of this machine's RAM."""
+    from .cost.host_memory import HOST_SHARE, default_host_budget_bytes, physical_ram
+    from .ir.printer import fmt_bytes
+    node = " per node" if args.gpus > 1 or args.nodes > 1 else ""
+    if args.host_budget is not None:
+        return args.host_budget, f"given with --host-budget{node}"
+    return (default_host_budget_bytes() / 2**30,
+            f"this machine's RAM ({HOST_SHARE:.0%} of {fmt_bytes(physical_ram())}, as compile() takes it){node}; "
+            "--host-budget GiB to plan for another machine")
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -94,6 +125,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .cost.calibrate import measure, measure_gpu
     if args.device == "cuda" and not torch.cuda.is_available():
         raise MegacompileError("--device cuda: torch sees no GPU here; calibrate the cpu profile with --device cpu")
+    from .arguments import disk_folder
+    disk_folder("--nvme-dir", args.nvme_dir)     # before measuring: a folder the disk tier could use
     blocker = file_in_the_way(os.path.dirname(os.path.abspath(args.out)))
     if blocker is not None:   # before measuring, which takes a while
         raise ArgumentError(f"--out {args.out} lies under the file {blocker}; give a path in a folder")
@@ -143,8 +176,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--seq", type=int, default=2048)
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
     q.add_argument("--host-budget", type=float, default=None,
-                   help="GiB of host RAM for masters, AdamW state and offloaded activations (default: not limited); "
-                        "per node with --gpus")
+                   help="GiB of host RAM for masters, AdamW state and offloaded activations (default: 90%% of this "
+                        "machine's RAM, as compile() takes it; give it to plan for another machine); per node with "
+                        "--gpus")
     q.add_argument("--nvme-budget", type=float, default=None,
                    help="GiB of disk for a disk tier: when host RAM is short the AdamW moments, then the fp32 masters, "
                         "go there (default: no disk tier)")
@@ -157,6 +191,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--network-bandwidth", type=float, default=None,
                    help="GB/s per rank for the gradient and weight collectives (default: the hardware profile's "
                         "intra-node figure, or inter-node with --nodes > 1)")
+    q.add_argument("--smallest", action="store_true",
+                   help="name the smallest budget any plan fits, the blocks whole or over sequence chunks (each "
+                        "chunk count is captured and solved: slower); default: the smallest for the plan's own blocks")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     q.add_argument("--trace", default=None, metavar="FILE",
                    help="write the predicted step as a Chrome trace (open it in Perfetto or chrome://tracing)")

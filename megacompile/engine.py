@@ -31,7 +31,7 @@ from .passes import StepKind
 from .optim.host_update import HostUpdate
 from .plan import Plan
 from .plan.cache import PlanCache, note_new_shape
-from .cost.host_memory import free_disk_bytes
+from .cost.host_memory import default_host_budget_bytes, free_disk_bytes
 from .plan.search import make_plan, place_host_state
 from .runtime import Executor, HostState, make_backend, shutdown
 from .runtime.executor import NonFiniteLoss
@@ -78,13 +78,13 @@ class Engine:
         arguments.flag("retrace", retrace)
         arguments.flag("fuse", fuse, optional=True)
         arguments.folder("dump_dir", dump_dir)
-        self.nvme_dir = arguments.folder("nvme_dir", nvme_dir)
+        self.nvme_dir = arguments.disk_folder("nvme_dir", nvme_dir)
         self.nvme_budget_bytes = arguments.budget_bytes("nvme_budget", nvme_budget, optional=True)
         if self.nvme_budget_bytes is not None and nvme_dir is None:
             raise ArgumentError("nvme_budget bounds the disk tier in nvme_dir: give nvme_dir=PATH too")
         self.host_cost = None        # where the host state lives and what it takes (cost/host_memory.py)
         self.model = model
-        self.host_budget_bytes = host_bytes if host_bytes is not None else int(0.9 * physical_ram())
+        self.host_budget_bytes = host_bytes if host_bytes is not None else default_host_budget_bytes()
         if self.data_parallel is not None:    # the budget is the node's: each of its ranks plans in its part
             self.host_budget_bytes //= self.data_parallel.per_node
         self.optimizer = optimizer
@@ -550,8 +550,3 @@ def _describe(args: tuple, kwargs: dict) -> str:
 
 def _describe_meta(captured: CapturedModel) -> str:
     return ", ".join(f"{m.shape}:{str(m.dtype).replace('torch.', '')}" for m in captured.inputs)
-
-
-def physical_ram() -> int:
-    """Bytes of RAM this machine has."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError
 from .blocks import BlockStack, find_block_stack
 from .chunk import chunked
-from .experts import routed_fractions, static_experts
+from .experts import routed_fractions, spread_over_templates, static_experts
 from .hf_masks import causal_attention_without_mask
 from .loss import LossFn, extract_loss
 from .model_graph import CapturedModel, Port, StageInstance, StateEntry
@@ -87,6 +87,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
         outputs=outputs, out_spec=top.out_spec, out_constants=top.out_constants,
         out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
         block_path=stack.path if stack else None, template_notes=notes,
-        routed_fractions=routed_fractions(model, routed),
+        routed_fractions=spread_over_templates(routed_fractions(model, routed), stages),
         trace_seconds=time.perf_counter() - start, rechunk=rechunk if train and stack is not None else None)
     return captured

@@ -30,6 +30,26 @@ def routed_fractions(model: nn.Module, routed: dict[str, int]) -> dict[str, floa
     return fractions
 
 
+def spread_over_templates(fractions: dict[str, float], stages: list) -> dict[str, float]:
+    """The fractions of every block that shares a template with a block the trace ran.
+
+    Planning traces only a few blocks of each group built alike (top.blocks_grouped_once; a later
+    micro-batch size, only the first), so only their experts report a top_k. Stages on one
+    template compute the same graph: the parameter in the same slot of another such stage is used
+    in the same share."""
+    spread = dict(fractions)
+    by_template: dict[int, list] = {}
+    for stage in stages:
+        by_template.setdefault(id(stage.template), []).append(stage)
+    for group in by_template.values():
+        for slot in range(len(group[0].params)):
+            known = next((fractions[s.params[slot]] for s in group if s.params[slot] in fractions), None)
+            if known is not None:
+                for s in group:
+                    spread.setdefault(s.params[slot], known)
+    return spread
+
+
 @contextlib.contextmanager
 def static_experts(model: nn.Module):
     """Yields {experts module path: top_k}, filled as the trace runs each experts module."""

@@ -194,3 +194,18 @@ def why_not(costs: list[HostCost], host_budget: int, nvme_budget: int | None) ->
 
 def free_disk_bytes(folder: str) -> int:
     return shutil.disk_usage(folder).free
+
+
+# Share of this machine's RAM a run may fill when no host budget is given: the rest is the
+# operating system's, the page cache's and the Python process's own.
+HOST_SHARE = 0.9
+
+
+def physical_ram() -> int:
+    """Bytes of RAM this machine has."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_host_budget_bytes() -> int:
+    """The host budget compile() and `megacompile plan` take when none is given."""
+    return int(HOST_SHARE * physical_ram())

@@ -27,9 +27,44 @@ LEGEND = (
     ("xsaved", "xsaved<s> an extra forward's, thrown away"),
     ("hsaved", "h<v> value v back from host memory"),
     ("g", "g<s> its parameters' gradients"),
-    ("dx", "dx<s>.<k> the gradient of x<s>.<k>"),
+    ("dx", "dx<s>.<k> the gradient of its k-th input"),
 )
 _PREFIX = re.compile(r"^([a-z]+?)\d")
+
+
+_NAME = re.compile(r"^(h?)([a-z]+?)(\d*)(?:\.(\d+))?(?:@(\d+))?$")
+# What a value of each prefix is, for a reader who has not seen the legend ({} the stage's module).
+_MEANING = {"w": "weights of {}", "m": "fp32 masters of {}", "saved": "saved activations of {}",
+            "rsaved": "recomputed saved activations of {}", "xsaved": "an extra forward's saved activations of {}",
+            "g": "gradients of {}'s parameters"}
+
+
+def describe_value(name: str, places: list[str]) -> str:
+    """A schedule value's name (w35, hsaved80, dx3.0@1) in words: what it is and whose, where
+    `places[s]` names stage s for a reader (a block's module path, "the prologue", ...)."""
+    m = _NAME.match(name)
+    if m is None:
+        return name
+    back, prefix, stage, index, micro = m.groups()
+    if prefix == "in":
+        text = f"model input {stage}"
+    elif prefix == "seed":
+        text = "the loss gradient"
+    elif not stage or int(stage) >= len(places):
+        return name
+    elif prefix in _MEANING:
+        text = _MEANING[prefix].format(places[int(stage)])
+    elif prefix == "x":
+        text = f"{'output' if index in (None, '0') else f'output {index}'} of {places[int(stage)]}"
+    elif prefix == "dx":    # what stage s's backward hands back for its k-th input
+        text = f"gradient of the {'input' if index in (None, '0') else f'input {index}'} of {places[int(stage)]}"
+    else:
+        return name
+    if back:
+        text += ", back from host memory"
+    if micro is not None:
+        text += f", micro-batch {micro}"
+    return text
 
 
 def fmt_bytes(n: float) -> str:

@@ -24,7 +24,7 @@ from .result import Plan
 from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
 from ..accumulate import check_mode
-from .search import make_baseline_plan, make_plan, place_host_state
+from .search import lowest_budget, make_baseline_plan, make_plan, place_host_state
 
 GiB = 2 ** 30
 
@@ -96,13 +96,15 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
     global_batch = arguments.count("global_batch", global_batch, what=" (sequences per optimizer step)")
     arguments.budget_bytes("hbm_budget", hbm_budget)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
+    search_lowest = kwargs.pop("smallest", False)
     best, smallest, host_short = None, None, None
     micro = global_batch
     with blocks_grouped_once():    # blocks found alike at the first micro-batch size stay alike
         while micro >= 1:
             if global_batch % micro == 0:
                 try:
-                    candidate = plan(model, hbm_budget, batch=micro, grad_accum=global_batch // micro, **kwargs)
+                    candidate = plan(model, hbm_budget, batch=micro, grad_accum=global_batch // micro,
+                                     smallest=False, **kwargs)
                 except BudgetTooSmallError as e:
                     smallest = e
                 except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
@@ -114,6 +116,10 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
     if best is None:
         # Host RAM, when it stopped the micro-batches small enough for the device.
         raise host_short or smallest
+    if search_lowest:
+        chosen = best[0]
+        chosen.minimum_budget_bytes = min(chosen.minimum_budget_bytes, chosen.lowest_budget())
+        chosen.minimum_over_chunks = True
     return best
 
 
@@ -122,7 +128,7 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
          optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,
          fuse: bool | None = None, host_budget: float | None = None, nvme_budget: float | None = None,
          nvme_bandwidth: float | None = None, grad_accum: int = 1, accumulation: str = "auto",
-         ranks: tuple[int, int] | None = None) -> Plan:
+         ranks: tuple[int, int] | None = None, smallest: bool = False) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
@@ -139,6 +145,10 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     hardware: the fused kernels on a GPU, none on the cpu backend. `ranks` (R, L): the plan of one
     of R data-parallel ranks, L per node; `host_budget` is then the node's, and the host check is
     the rank's sharded figure within 1/L of it (cost/host_shards.py).
+    `minimum_budget_bytes` is the smallest budget for the plan's own blocks (whole, or over the
+    sequence chunks it runs them in); below it the planner may still fit them over more chunks.
+    With `smallest` it is the smallest budget any plan fits (planning at it fits, a little below it
+    is refused): every chunk count is captured and solved, which can take as long again as the plan.
     """
     budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
     host_budget_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
@@ -195,9 +205,16 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     # Layer-major lands one gradient sum per step: its host state is that of grad_accum=1.
     host_cost = place_host_state(captured, compute_dtype, 1 if accumulation == "layer" else grad_accum,
                                  host_budget_bytes, nvme_budget_bytes, ranks=ranks)
-    result = make_plan(captured, budget_bytes, kind, backend=f"planned for {profile.name}",
-                       host_bytes=host_cost.ram_bytes, hardware=profile, host_budget_bytes=host_budget_bytes,
-                       host_cost=host_cost, grad_accum=grad_accum, accumulation=accumulation)
+    def plan_at(budget: int) -> Plan:
+        return make_plan(captured, budget, kind, backend=f"planned for {profile.name}",
+                         host_bytes=host_cost.ram_bytes, hardware=profile, host_budget_bytes=host_budget_bytes,
+                         host_cost=host_cost, grad_accum=grad_accum, accumulation=accumulation)
+    result = plan_at(budget_bytes)
+    if captured.rechunk is not None:
+        result.lowest_budget = lambda: lowest_budget(plan_at)
+    if smallest and result.lowest_budget is not None:
+        result.minimum_budget_bytes = min(result.minimum_budget_bytes, result.lowest_budget())
+    result.minimum_over_chunks = smallest
     if result.micro_batches_per_run > 1 and accumulation == "auto":
         result.host_cost = place_host_state(captured, compute_dtype, 1, host_budget_bytes, nvme_budget_bytes)
         result.host_bytes = result.host_cost.ram_bytes

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -16,7 +16,7 @@ from ..capture import CapturedModel
 from ..cost import HardwareProfile, StepPrediction
 from ..cost.host_memory import HostCost
 from ..cost.reserve import DeviceReserve
-from ..ir.printer import fmt_bytes, fmt_seconds, format_program
+from ..ir.printer import describe_value, fmt_bytes, fmt_seconds, format_program
 from ..ir.program import Op, Program, base_name
 from ..ir.simulate import MemoryCurve, simulate
 
@@ -39,6 +39,12 @@ class Plan:
     # The runtime's record of the last step of the engine that runs this plan (runtime/timeline.py);
     # it holds this plan's step when its `program` is this plan's.
     timeline: Any = field(default=None, repr=False, compare=False)
+    # Planning without weights (from_config.plan): the smallest budget any plan of this model and
+    # these shapes fits, searched on demand (search.lowest_budget).
+    lowest_budget: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+    minimum_over_chunks: bool = False      # minimum_budget_bytes is the lowest over every chunk count too
+    # Set where this plan is shown in place of one that did not fit: the budget the user gave.
+    given_budget_bytes: int | None = None
     curve: MemoryCurve = field(init=False)
 
     def __post_init__(self) -> None:
@@ -142,9 +148,17 @@ class Plan:
     def recomputed(self) -> list[str]:
         return [self.program.stage_names[n.stage] for n in self.program.nodes if n.op is Op.RECOMPUTE]
 
-    def peak_breakdown(self, top: int = 6) -> list[tuple[str, int]]:
+    def peak_breakdown(self, top: int = 6, described: bool = False) -> list[tuple[str, int]]:
         """What the device holds at the peak: the largest live values, and the running node's
-        transient working set."""
+        transient working set. `described`: each named for a reader, by the module it belongs to
+        ("saved activations of model.layers.3 (saved4)") rather than by its name alone."""
+        if described:
+            places = [st.origin if st.template.kind == "block" else f"the {st.name}" for st in self.captured.stages]
+            named = self.peak_breakdown(top)
+            node = self.program.nodes[self.curve.peak_index]
+            work = (f"working set of the {node.op.value} of {places[node.stage]}" if node.stage is not None
+                    else f"working set of {node.op.value}")
+            return [(f"{describe_value(v, places)} ({v})", b) for v, b in named[:-1]] + [(work, named[-1][1])]
         i = self.curve.peak_index
         live: dict[str, int] = {}
         for n in self.program.nodes[:i]:
@@ -334,10 +348,8 @@ class Plan:
             f"compute {str(c.compute_dtype).replace('torch.', '')}, fp32 masters)",
             f"  model          {n_params:,} trainable parameters{routed}, {len(c.stages)} stages "
             f"({blocks} blocks of {c.block_path or 'none'} {shared})",
-            f"  device peak    {fmt_bytes(self.predicted_peak_bytes)} predicted of {fmt_bytes(self.budget_bytes)} "
-            f"budget ({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}",
-            f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)} (all blocks recomputed, their inputs in host "
-            "memory where the host budget allows, no prefetch overlap)",
+            self._peak_line(measured),
+            self._smallest_line(),
             *self._reserve_line(),
             f"  host memory    {fmt_bytes(self.host_bytes + self.stash_bytes)}: {fmt_bytes(self.host_bytes)} of "
             + ("host state in RAM (tiers below)" if self.host_cost is not None else
@@ -421,6 +433,30 @@ class Plan:
         return [f"  reserve        {fmt_bytes(r.total)} kept free of the budget for what the ledger cannot see: "
                 f"{fmt_bytes(r.workspace_bytes)} workspaces, {scratch}{fmt_bytes(r.fragmentation_bytes)} "
                 f"fragmentation ({self.hardware.fragmentation:.0%} of the budget; HardwareProfile fields)"]
+
+    def _smallest_line(self) -> str:
+        how = "all blocks recomputed, their inputs in host memory where the host budget allows, no prefetch overlap"
+        line = f"  smallest fit   {fmt_bytes(self.minimum_budget_bytes)}"
+        if self.minimum_over_chunks:
+            return f"{line}: the smallest budget any plan fits ({how}; the blocks whole or over sequence chunks)"
+        if self.lowest_budget is None:
+            return f"{line} ({how})"
+        chunks = max((t.chunks for t in self.captured.block_templates), default=1)
+        blocks = "the blocks whole" if chunks == 1 else f"the blocks over {chunks} sequence chunks"
+        return (f"{line} with {blocks} ({how}); over more sequence chunks they may fit less: --smallest "
+                "(plan(..., smallest=True)) finds the smallest budget any plan fits")
+
+    def _peak_line(self, measured: str) -> str:
+        peak = fmt_bytes(self.predicted_peak_bytes)
+        given = self.given_budget_bytes
+        if given is None:
+            return (f"  device peak    {peak} predicted of {fmt_bytes(self.budget_bytes)} budget "
+                    f"({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}")
+        need = self.minimum_budget_bytes
+        return (f"  device peak    {peak} predicted + {fmt_bytes(self.reserve.total)} reserve: needs "
+                f"{fmt_bytes(need)}, "
+                f"{fmt_bytes(need - given)} more than the {fmt_bytes(given)} budget given (the plan shown is the one "
+                f"at {fmt_bytes(need)}); {measured}")
 
     def format(self, full: bool = False) -> str:
         """The summary and the schedule; runs of blocks that do the same thing are folded unless `full`."""

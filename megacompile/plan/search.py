@@ -106,6 +106,17 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
                 reserve=reserve, host_cost=host_cost, grad_accum=grad_accum)
 
 
+def lowest_budget(plan_at: Callable[[int], Plan]) -> int:
+    """The smallest budget any plan fits: planned at no budget, make_plan's refusal names the
+    lowest over the whole blocks and the sequence chunk counts it tries (passes/chunk.py). A plan's
+    own `minimum_budget_bytes` is that of its blocks as they are, which chunking may undercut."""
+    try:
+        plan_at(0)
+    except BudgetTooSmallError as e:
+        return e.minimum_bytes
+    raise AssertionError("a plan fitted in no device memory")
+
+
 def layer_major_k(captured: CapturedModel, kind: StepKind, grad_accum: int, accumulation: str) -> int:
     """Micro-batches a layer-major program would take (1: micro-batch-major only). Random ops would
     draw in another order than eager accumulation: 'layer' is refused for them, 'auto' never offers it."""
