@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..cost.host_shards import sharded_host_cost
 from ..cost.predict import StepPrediction, predict
 from ..errors import ArgumentError
-from ..ir.printer import fmt_bytes
+from ..ir.printer import fmt_bytes, fmt_rate
 from ..plan import Plan
 
 
@@ -45,7 +45,7 @@ class ScaleOut:
             f"  per rank       device {fmt_bytes(self.device_bytes)}; host {fmt_bytes(self.host_bytes)} "
             f"({fmt_bytes(self.node_host_bytes)} per node of {per_node}: one shared compute copy)",
             f"  predicted      {p.step_s * 1e3:.4g} ms/step: {self.tokens_per_s:,.0f} tok/s in all, "
-            f"{p.tokens_per_s:,.0f} per GPU, {p.tflops_6nd:.3g} TFLOPS per GPU (6ND); collectives at "
+            f"{p.tokens_per_s:,.0f} per GPU, {fmt_rate(p.tflops_6nd)} TFLOPS per GPU (6ND); collectives at "
             f"{self.network_bw / 1e9:.4g} GB/s per rank ({self.link}), the gradients' reduce "
             f"{p.network_s * 1e3:.4g} ms of the step, beside the backward",
         ])

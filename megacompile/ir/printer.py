@@ -7,6 +7,7 @@ rather than being cut.
 """
 from __future__ import annotations
 
+import math
 import re
 import textwrap
 
@@ -84,6 +85,15 @@ def fmt_seconds(s: float) -> str:
             v = s / scale
             return f"{v:,.0f} {unit}" if abs(v) >= 99.95 else f"{v:.3g} {unit}" if abs(v) >= 0.01 else f"0 {unit}"
     raise AssertionError
+
+
+def fmt_rate(x: float) -> str:
+    """A rate (TFLOPS, tok/s) to three significant digits, never an exponent: a tiny model on the
+    simulated device runs at 6.29e-05 TFLOPS, which reads as 0.0000629."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    decimals = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{decimals}f}"
 
 
 def legend(program: Program) -> list[str]:

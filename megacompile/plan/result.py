@@ -16,7 +16,7 @@ from ..capture import CapturedModel
 from ..cost import HardwareProfile, StepPrediction
 from ..cost.host_memory import HostCost
 from ..cost.reserve import DeviceReserve
-from ..ir.printer import describe_value, fmt_bytes, fmt_seconds, format_program
+from ..ir.printer import describe_value, fmt_bytes, fmt_rate, fmt_seconds, format_program
 from ..ir.program import Op, Program, base_name
 from ..ir.simulate import MemoryCurve, simulate
 
@@ -377,7 +377,7 @@ class Plan:
         p = self.prediction
         if p is not None:
             lines.append(f"  predicted      {self._per_step(p.step_s)} on {self.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "
-                         f"{p.tflops_6nd:.3g} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
+                         f"{fmt_rate(p.tflops_6nd)} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
                          f"per model FLOP, {fmt_seconds(p.exposed_s)} waiting on transfers")
         return "\n".join(lines)
 

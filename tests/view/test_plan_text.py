@@ -8,7 +8,7 @@ import pytest
 
 import megacompile
 from megacompile.ir.fold import find_runs
-from megacompile.ir.printer import fmt_seconds, format_program
+from megacompile.ir.printer import fmt_rate, fmt_seconds, format_program
 from megacompile.ir.program import Node, Op, Program, Value
 from tests import models
 
@@ -110,6 +110,8 @@ def test_times_print_as_s_ms_or_us_without_exponents(plan):
     for seconds, text in [(10380.0, "10,380 s"), (10.38, "10.4 s"), (0.9997, "1 s"), (0.12345, "123 ms"),
                           (5.82e-3, "5.82 ms"), (1.2e-4, "120 us"), (0.0, "0 s")]:
         assert fmt_seconds(seconds) == text
+    for rate, text in [(6.29e-05, "0.0000629"), (0.5, "0.500"), (41.23, "41.2"), (272.4, "272"), (1269.4, "1,269")]:
+        assert fmt_rate(rate) == text     # a tiny model on the simulated device runs at 6.29e-05 TFLOPS
     summary = plan.summary()
     assert "per step on" in summary
     assert not re.search(r"\de[+-]\d", summary)
