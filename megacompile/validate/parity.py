@@ -103,6 +103,17 @@ def weight_errors(engine: Engine | torch.nn.Module, reference: torch.nn.Module) 
     return errors
 
 
+def float64_noise(train, model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """The weights' noise floor: how far `reference` (`model` trained in float32 by `train`, a
+    function that trains a model in place) lands from the same training in float64, the largest
+    over tensors relative to each tensor's largest entry. AdamW's first steps move a weight whose
+    gradient is rounding noise by about lr in the direction the noise picks, so a float32 run that
+    sums in another order (other threads, chunks, blocks) lands this far away, correct or not."""
+    exact = clone(model).double()
+    train(exact)
+    return max(weight_errors(exact, reference).values())
+
+
 def moment_error(ours: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> float:
     """Largest per-tensor error of the first step's exp_avg, relative to the tensor's largest entry:
     the first gradients compared, through the same (1 - beta1) scaling on both sides."""
