@@ -9,7 +9,7 @@ import megacompile.plan.search as planner
 from megacompile.ir.program import Op
 from megacompile.passes import ScheduleChoice
 from tests import models
-from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run
+from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_noise
 
 
 def test_offloaded_blocks_train_exactly_and_peak_as_predicted(monkeypatch):
@@ -28,7 +28,7 @@ def test_offloaded_blocks_train_exactly_and_peak_as_predicted(monkeypatch):
     restored = [n.stage for n in nodes if n.op is Op.PREFETCH and n.writes[0].startswith("hsaved")]
     assert sorted(stashed) == sorted(restored) == [1, 2]
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=0)
-    assert_same_weights(run.engine, reference)
+    assert_same_weights(run.engine, reference, noise=weight_noise(model, batches, "nanogpt", reference))
     assert all(peak == run.predicted for peak in run.peaks)
     assert run.engine.plan.stash_bytes > 0
 
