@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import megacompile
 from megacompile.capture import capture
 from tests import models
-from tests.e2e.harness import BETAS, EPS, LR, WD, assert_same_weights, clone, eager_losses, float64_noise, megacompile_run
+from tests.e2e.harness import (BETAS, EPS, LR, WD, assert_same_weights, clone, eager_losses, float64_noise,
+                               megacompile_run)
 
 GiB = 2 ** 30
 STEPS = 3

@@ -2,8 +2,8 @@
 
 Models x budgets: unlimited, 50% and 25% of the weights' bytes, and the smallest budget the
 compiler reports. Losses and the first step's gradients agree to 1e-5, the weights after the
-steps to the noise floor measured beside them (harness.weight_noise). Each run also holds the budget: the measured device peak stays within it and
-within 10% of the predicted peak.
+steps to the noise floor measured beside them (harness.weight_noise). Each run also holds the
+budget: the measured device peak stays within it and within 10% of the predicted peak.
 """
 from __future__ import annotations
 
