@@ -11,3 +11,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 _TMP = tempfile.mkdtemp(prefix="megacompile-tests-")
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_TMP, "triton"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_TMP, "torch_extensions"))
+
+# torch's structured trace (the `torch.__trace` logger, read by tlparse) is always at DEBUG and
+# never propagates; torch writes a record to it whenever it has a handler, and its own handler
+# only sees that TORCH_TRACE is unset at the first record, and goes. pytest (9.1 on) attaches its
+# capture handlers to every logger that does not propagate, so the trace ran in every test: the
+# fake tensors of each capture, serialized, showed as empty `DEBUG torch.__trace` lines under a
+# failure. Without TORCH_TRACE the logger gets no handler and propagates, so pytest leaves it be.
+import logging  # noqa: E402
+
+import torch  # noqa: E402,F401 - torch sets the logger up at import
+
+if not os.environ.get("TORCH_TRACE"):
+    _trace = logging.getLogger("torch.__trace")
+    for _handler in list(_trace.handlers):
+        _trace.removeHandler(_handler)
+    _trace.propagate = True

@@ -5,7 +5,8 @@ the tests run it on the cpu backend, the validation on the GPU. Tolerances: floa
 with eager float32 on the same device to 1e-5 (relative) in the losses and in the first step's
 gradients (read as AdamW's first moment, (1 - beta1) * g, on both sides); the weights after
 several steps agree to 1e-5, or, on a GPU, to within WEIGHT_NOISE_FACTOR times how far eager
-float32 on the GPU lands from eager float32 on the host. AdamW's first steps move every weight by
+float32 on the GPU lands from eager float32 on the host (the tests, on the host, take that factor
+of how far it lands from eager float64: float64_noise). AdamW's first steps move every weight by
 about lr * sign(g): a weight whose true gradient is zero (a key bias under softmax, a token no
 batch holds) moves by lr in a direction set by rounding noise, which differs between any two
 devices or kernels, eager ones included (docs/gpu.md). bfloat16 compute (fp32 masters, bf16
@@ -101,6 +102,17 @@ def weight_errors(engine: Engine | torch.nn.Module, reference: torch.nn.Module) 
         scale = ref.abs().max().item() or 1.0
         errors[name] = (ours[name].float().cpu() - ref).abs().max().item() / scale
     return errors
+
+
+def float64_noise(train, model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """The weights' noise floor: how far `reference` (`model` trained in float32 by `train`, a
+    function that trains a model in place) lands from the same training in float64, the largest
+    over tensors relative to each tensor's largest entry. AdamW's first steps move a weight whose
+    gradient is rounding noise by about lr in the direction the noise picks, so a float32 run that
+    sums in another order (other threads, chunks, blocks) lands this far away, correct or not."""
+    exact = clone(model).double()
+    train(exact)
+    return max(weight_errors(exact, reference).values())
 
 
 def moment_error(ours: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> float:

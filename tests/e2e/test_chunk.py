@@ -8,13 +8,14 @@ import torch
 from megacompile.errors import BudgetTooSmallError
 from megacompile.validate.parity import moment_error
 from tests import models
-from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run
+from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_noise
 
 
-def _trains_chunked(model, seq: int, budget_mib: float, steps: int = 2, weights: bool = True):
-    """Losses and first-step gradients to 1e-5; with `weights`, the weights after the steps too.
-    AdamW's first steps move a weight with a near-zero gradient by about lr * sign(g), a direction
-    that rounding sets (parity.py): a reassociated sum can turn it where eager's does not."""
+def _trains_chunked(model, seq: int, budget_mib: float, steps: int = 2):
+    """Losses and first-step gradients to 1e-5, the weights after the steps to the noise floor
+    measured here. AdamW's first steps move a weight with a near-zero gradient by about
+    lr * sign(g), a direction that rounding sets (parity.py): the chunks' summed parameter gradients
+    can turn it where eager's do not, and so can eager's own thread count."""
     batches = [models.batch(96, 1, seq, seed=i) for i in range(steps)]
     reference = clone(model)
     eager_moments, moments = {}, {}
@@ -29,8 +30,7 @@ def _trains_chunked(model, seq: int, budget_mib: float, steps: int = 2, weights:
     assert plan.to_json()["sequence_chunks"] > 1
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=0)
     assert moment_error(moments, eager_moments) <= 1e-5
-    if weights:
-        assert_same_weights(run.engine, reference)
+    assert_same_weights(run.engine, reference, noise=weight_noise(model, batches, "llama", reference))
     assert all(peak == run.predicted for peak in run.peaks)
     # Attention stays one causal kernel: no [seq, seq] scores or mask anywhere in a block.
     for t in plan.captured.block_templates:
@@ -62,5 +62,5 @@ def test_the_solver_chunks_a_hf_llama_block_that_does_not_fit_whole_and_trains_e
 def test_the_solver_chunks_a_hf_qwen2_block_and_trains_exactly():
     torch.manual_seed(1)
     model = models.hf_qwen2(layers=2, d=64)
-    plan = _trains_chunked(model, 1024, 4.0, weights=False)
+    plan = _trains_chunked(model, 1024, 4.0)
     assert set(plan.to_json()["chunked_modules"]) == {"mlp", "input_layernorm", "post_attention_layernorm"}

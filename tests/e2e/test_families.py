@@ -13,7 +13,9 @@ import torch
 
 import megacompile
 from megacompile.errors import CaptureError
-from tests.e2e.harness import assert_same_weights, clone, eager_losses, make_inputs, megacompile_run, weight_bytes
+from megacompile.validate.parity import moment_error
+from tests.e2e.harness import (assert_same_weights, clone, eager_losses, make_inputs, megacompile_run, weight_bytes,
+                               weight_noise)
 from tests.families import FAMILIES, batch
 
 GiB = 2 ** 30
@@ -53,8 +55,9 @@ def eager():
             torch.manual_seed(0)
             model = FAMILIES[name]()
             batches = [batch(seed=i) for i in range(STEPS)]
-            reference = clone(model)
-            cache[name] = (model, batches, reference, eager_losses(reference, batches, "hf"))
+            reference, moments = clone(model), {}
+            cache[name] = (model, batches, reference, eager_losses(reference, batches, "hf", first_moments=moments),
+                           moments)
         return cache[name]
     return get
 
@@ -62,12 +65,15 @@ def eager():
 @pytest.mark.parametrize("name", [_param(f) for f in SUPPORTED])
 def test_family_parity_at_two_budgets(name, eager):
     """Twice the weights' bytes, then the smallest budget that plan reports."""
-    model, batches, reference, losses = eager(name)
+    model, batches, reference, losses, eager_moments = eager(name)
+    noise = weight_noise(model, batches, "hf", reference)
     budget_bytes = 2 * weight_bytes(model)
     for _ in range(2):
-        run = megacompile_run(clone(model), batches, "hf", budget_bytes / GiB)
+        moments = {}
+        run = megacompile_run(clone(model), batches, "hf", budget_bytes / GiB, first_moments=moments)
         torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=0)
-        assert_same_weights(run.engine, reference)
+        assert moment_error(moments, eager_moments) <= 1e-5
+        assert_same_weights(run.engine, reference, noise=noise)
         assert max(run.peaks) <= int(budget_bytes / GiB * GiB)
         budget_bytes = run.engine.plan.minimum_budget_bytes
 

@@ -10,7 +10,8 @@ import torch
 
 from megacompile.ir.program import Op
 from megacompile.cost.host_memory import host_costs
-from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_bytes
+from megacompile.validate.parity import moment_error
+from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_bytes, weight_noise
 from tests.families import FAMILIES, LAYERS, batch
 
 GiB = 2 ** 30
@@ -43,12 +44,16 @@ def test_partial_fine_tuning_parity(mode):
     model = frozen_model(mode)
     batches = [batch(seed=i) for i in range(STEPS)]
     reference = clone(model)
-    losses = eager_losses(reference, batches, "hf")
+    eager_moments = {}
+    losses = eager_losses(reference, batches, "hf", first_moments=eager_moments)
+    noise = weight_noise(model, batches, "hf", reference)
     budget_bytes = 2 * weight_bytes(model)
     for _ in range(2):   # twice the weights, then the smallest budget that plan reports
-        run = megacompile_run(clone(model), batches, "hf", budget_bytes / GiB)
+        moments = {}
+        run = megacompile_run(clone(model), batches, "hf", budget_bytes / GiB, first_moments=moments)
         torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=0)
-        assert_same_weights(run.engine, reference)
+        assert moment_error(moments, eager_moments) <= 1e-5
+        assert_same_weights(run.engine, reference, noise=noise)
         assert max(run.peaks) <= budget_bytes
         budget_bytes = run.engine.plan.minimum_budget_bytes
 
@@ -58,10 +63,13 @@ def test_frozen_parameters_get_no_optimizer_state_and_no_gradient_offload():
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     batches = [batch(seed=i) for i in range(STEPS)]
     reference = clone(model)
-    losses = eager_losses(reference, batches, "hf")
-    run = megacompile_run(clone(model), batches, "hf", 2 * weight_bytes(model) / GiB)
+    eager_moments = {}
+    losses = eager_losses(reference, batches, "hf", first_moments=eager_moments)
+    moments = {}
+    run = megacompile_run(clone(model), batches, "hf", 2 * weight_bytes(model) / GiB, first_moments=moments)
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=0)
-    assert_same_weights(run.engine, reference)
+    assert moment_error(moments, eager_moments) <= 1e-5
+    assert_same_weights(run.engine, reference, noise=weight_noise(model, batches, "hf", reference))
     host, plan = run.engine.host, run.engine.plan
     assert frozen and not frozen & set(host.slots)          # no master, exp_avg, exp_avg_sq, grad
     assert sum(b.master.numel() for b in host.owners.values()) == sum(
