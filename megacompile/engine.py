@@ -11,6 +11,7 @@ import os
 import threading
 import warnings
 import time
+import uuid
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -133,6 +134,9 @@ class Engine:
         self.steps_done = 0          # optimizer steps
         self.micro_batches = 0       # step() calls that committed
         self.skipped_steps = 0       # steps dropped for an inf or NaN loss or gradient
+        # Names the run in its checkpoints' manifests: keep_last rotates only this run's. A
+        # load_checkpoint takes over the saved run's, so a resumed run goes on rotating its own.
+        self.run_id = uuid.uuid4().hex
         self.on_nonfinite = on_nonfinite
         self.last_step: StepRecord | None = None
         self._busy = threading.Lock()
@@ -468,8 +472,11 @@ class Engine:
     def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
         """Write a checkpoint folder at `path`: masters, AdamW moments, counters, optimizer settings,
         LR-schedule state (attached torch schedulers too), random states and `extra` (JSON: e.g.
-        the data loader's position). Returns once it is durable. keep_last=N removes all but the N
-        latest committed checkpoints in the same parent folder."""
+        the data loader's position). Returns once it is durable; a checkpoint already at `path` is
+        replaced only then (until the new one is committed, the old one stays loadable). keep_last=N
+        keeps this run's N latest committed checkpoints in the same parent folder (the one just
+        written always among them) and removes its older ones; checkpoints of other runs there are
+        never touched (a run is this engine, or the run it resumed with load_checkpoint)."""
         checkpoint = self._checkpoint_room()
         checkpoint.save(self, path, extra=extra, keep_last=keep_last)
 
@@ -486,15 +493,24 @@ class Engine:
         return extra
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
-                        max_shard_size: int | str = "5GB") -> None:
+                        max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:
         """Export the masters as a Hugging Face model folder (sharded safetensors, index, config,
         and the tokenizer and generation files of the folder from_pretrained read), streamed one
-        tensor at a time in `dtype`; AutoModelForCausalLM.from_pretrained loads it."""
+        tensor at a time in `dtype`; AutoModelForCausalLM.from_pretrained loads it.
+
+        Only the export's own files are written; anything else in the folder (README.md, LICENSE,
+        .gitattributes, .git/, your files) is never touched, with or without overwrite. A folder
+        holding files this export would replace (weights, index, config, the tokenizer and
+        generation files it writes) or weights of another export is refused, naming them, unless
+        overwrite=True: then they are replaced, and the previous export's weights that the new one
+        does not have (shards of another count, a single file) are removed. The new files are staged in
+        the folder and swapped in once complete: a failed or killed export leaves the previous one
+        as it was (io/hf_save.py)."""
         from .io import hf_save
         if self.data_parallel is not None:    # rank 0 writes, the masters gathered
             return self.data_parallel.on_rank_zero(self, lambda: hf_save.save_pretrained(
-                self, path, dtype=dtype, max_shard_size=max_shard_size))
-        hf_save.save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
+                self, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))
+        hf_save.save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
 
     def close(self) -> None:
         """Stop the engine's streams (after the running updates finish); the host state stays

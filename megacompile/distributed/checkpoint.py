@@ -11,8 +11,10 @@ loads it (each rank reads all masters, for its whole compute copy, and the momen
         COMMITTED
 
 Rank 0 makes the partial folder and names it to the others; every rank writes and fsyncs its
-file; rank 0 writes the manifest once all have, renames the folder into place and commits it.
-On several nodes the folder must be on a file system they share.
+file; rank 0 writes the manifest once all have and commits the folder, and keep_last rotates the
+run's older ones, with the one-process writer's own functions (io/checkpoint.py commit and
+rotate): the same marker, renames and run identity, so the same guarantees. On several nodes the
+folder must be on a file system they share.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 
 
 def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+    checkpoint.check_keep_last(keep_last)
     dp, host = engine.data_parallel, engine._host_or_error()
     ranks = dp.ranks
     if engine.micro_batches % engine.grad_accum:
@@ -72,20 +75,13 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
         try:
             if failed:
                 raise CheckpointError(f"cannot write the checkpoint {path}: {'; '.join(failed)}")
-            manifest = {"format": checkpoint.FORMAT, "steps_done": engine.steps_done,
+            manifest = {"format": checkpoint.FORMAT, "run": engine.run_id, "steps_done": engine.steps_done,
                         "micro_batches": engine.micro_batches, "skipped_steps": engine.skipped_steps,
                         "optimizer": run_state.optimizer_settings(engine), "schedule": run_state.schedule_state(engine),
                         "rng": reports[0][1], "rng_ranks": [r[1] for r in reports], "extra": extra,
                         "files": {k: v for r in reports for k, v in r[0].items()}}
-            files.write_text(os.path.join(tmp, checkpoint.MANIFEST), json.dumps(manifest, indent=1))
-            files.fsync_dir(tmp)
-            files.rename_into_place(tmp, path)
-            files.write_text(os.path.join(path, checkpoint.MARKER),
-                             files.sha256_of(os.path.join(path, checkpoint.MANIFEST)) + "\n")
-            files.fsync_dir(path)
-            if keep_last is not None:
-                for old in checkpoint.committed_beside(path)[:-keep_last]:
-                    checkpoint.remove(old)
+            checkpoint.commit(tmp, path, manifest)
+            checkpoint.rotate(path, manifest["run"], keep_last)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = e if isinstance(e, MegacompileError) else files.write_failed("checkpoint", path, e)

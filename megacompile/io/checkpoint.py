@@ -12,8 +12,15 @@
 
 Tensors are stored under the model's parameter names, so a checkpoint outlives a change of plan,
 budget or input shape. The folder is written as `.<name>.<pid>.partial`, every file fsynced,
-renamed into place, and COMMITTED written and fsynced after that. A save returns once all of it
-is durable; it does not overlap the next step (it waits for running updates first).
+COMMITTED written and fsynced in it, and then renamed into place (commit): a checkpoint already
+at that path is moved aside, the new one renamed in, the old one deleted, so at every instant a
+committed checkpoint is at the path or, between the two renames, beside it, where the next load
+finds it (files.settle). A save returns once all of it is durable; it does not overlap the next
+step (it waits for running updates first).
+
+The manifest names the run that wrote it (`run`: engine.run_id, made with the engine and taken
+over by load_checkpoint, so a resumed run keeps it). keep_last=N removes older checkpoints of
+this run only, never the one just written nor another run's (rotate).
 """
 from __future__ import annotations
 
@@ -34,13 +41,18 @@ if TYPE_CHECKING:
     from ..engine import Engine
 
 FORMAT = "megacompile-checkpoint/2"
-MANIFEST, MARKER, BUFFERS = "manifest.json", "COMMITTED", "buffers.safetensors"
+MANIFEST, BUFFERS = "manifest.json", "buffers.safetensors"
+MARKER = files.MARKER
 
 
-def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+def check_keep_last(keep_last: int | None) -> None:
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise CheckpointError(f"keep_last is how many checkpoints to keep in the folder, an int >= 1; "
                               f"got {keep_last!r}")
+
+
+def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+    check_keep_last(keep_last)
     extra = run_state.extra_json(extra)
     host = engine.host       # None before the first step: the tensors come from where they wait
     parent = files.prepare_parent(path, "checkpoint")
@@ -54,7 +66,8 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
                               "the step's last micro-batch")
     files.clean_leftovers(parent)
     engine.synchronize()
-    manifest = {"format": FORMAT, "steps_done": engine.steps_done, "micro_batches": engine.micro_batches,
+    manifest = {"format": FORMAT, "run": engine.run_id, "steps_done": engine.steps_done,
+                "micro_batches": engine.micro_batches,
                 "skipped_steps": engine.skipped_steps, "optimizer": run_state.optimizer_settings(engine),
                 "schedule": run_state.schedule_state(engine), "rng": run_state.rng_state(), "extra": extra}
     mid_step = engine.micro_batches % engine.grad_accum != 0
@@ -68,19 +81,35 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
             safetensors.torch.save_file(tensors, target)     # from the tensors' own memory: no copy
             files.fsync_file(target)
             manifest["files"][file] = {"bytes": os.path.getsize(target), "sha256": files.sha256_of(target)}
-        files.write_text(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
-        files.fsync_dir(tmp)
-        files.rename_into_place(tmp, path)
-        files.write_text(os.path.join(path, MARKER), files.sha256_of(os.path.join(path, MANIFEST)) + "\n")
-        files.fsync_dir(path)
+        commit(tmp, path, manifest)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and not isinstance(e, MegacompileError):
             raise files.write_failed("checkpoint", path, e) from e
         raise
-    if keep_last is not None:
-        for old in committed_beside(path)[:-keep_last]:
-            remove(old)
+    rotate(path, manifest["run"], keep_last)
+
+
+def commit(tmp: str, path: str, manifest: dict) -> None:
+    """The end of every save (this module's and distributed/checkpoint.py's): the manifest, then
+    COMMITTED (the manifest's sha256), written and fsynced in the finished folder `tmp`, which then
+    takes the place of `path` (files.rename_into_place). The checkpoint it replaces stays committed
+    at `path`, or moved aside beside it, until the new one, already committed, is there."""
+    files.write_text(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+    files.write_text(os.path.join(tmp, MARKER), files.sha256_of(os.path.join(tmp, MANIFEST)) + "\n")
+    files.fsync_dir(tmp)
+    files.rename_into_place(tmp, path)
+
+
+def rotate(path: str, run: str, keep_last: int | None) -> None:
+    """keep_last: remove the older committed checkpoints of run `run` beside `path` (just written),
+    so that `path` and the keep_last - 1 latest others of the run remain. Checkpoints of other runs
+    (another run id, or none: written before checkpoints named their run) are never touched."""
+    if keep_last is None:
+        return
+    mine = [p for p in committed_beside(path, run=run) if os.path.abspath(p) != os.path.abspath(path)]
+    for old in mine[:len(mine) - (keep_last - 1)]:
+        remove(old)
 
 
 def _owner_files(host, tables: tuple) -> Iterator[tuple[str, dict]]:
@@ -101,10 +130,12 @@ def _unbuilt_files(engine: "Engine", tables: tuple) -> Iterator[tuple[str, dict]
     yield BUFFERS, {f"{CONST}/{n}": lazy() for n, lazy in consts.items()}
 
 
-def committed_beside(path: str) -> list[str]:
+def committed_beside(path: str, run: str | None = None) -> list[str]:
     """The committed checkpoints in `path`'s folder (it included, if committed), oldest first by
-    (step, micro-batch, time written)."""
+    (step, micro-batch, time written); with `run`, those of that run only. A replacement cut short
+    by a kill is undone first (files.clean_leftovers), so its committed checkpoint is listed."""
     parent = os.path.dirname(os.path.abspath(path))
+    files.clean_leftovers(parent)
     found = []
     for entry in os.listdir(parent):
         full = os.path.join(parent, entry)
@@ -117,7 +148,8 @@ def committed_beside(path: str) -> list[str]:
             continue
         steps, micro = m.get("steps_done"), m.get("micro_batches")
         # a manifest without its counts is no checkpoint to rank (load_checkpoint refuses it by name)
-        if m.get("format") == FORMAT and type(steps) is int and type(micro) is int:
+        if (m.get("format") == FORMAT and type(steps) is int and type(micro) is int
+                and (run is None or m.get("run") == run)):
             found.append(((steps, micro, os.path.getmtime(os.path.join(full, MARKER))), full))
     return [p for _, p in sorted(found)]
 
@@ -203,9 +235,8 @@ def load(engine: "Engine", path: str, strict: bool = True) -> Any:
         from .legacy_checkpoint import load as load_single_file   # the one-file format written before folders
         load_single_file(engine, path)
         return None
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(parent):
-        files.clean_leftovers(parent)
+    if os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        files.settle(path)      # a replacement cut short or under way: its committed checkpoint back at `path`
     manifest = verified_manifest(path)
     trainable, const = expected_state(engine)
     items, problems = [], []
@@ -255,6 +286,7 @@ def load(engine: "Engine", path: str, strict: bool = True) -> Any:
     engine.steps_done = manifest["steps_done"]
     engine.micro_batches = manifest["micro_batches"]
     engine.skipped_steps = manifest.get("skipped_steps", 0)
+    engine.run_id = manifest.get("run", engine.run_id)     # the resumed run's: keep_last rotates its checkpoints
     lr_differs = any(d.startswith("lr:") for d in differences)
     notes = run_state.restore_schedule(engine, manifest["schedule"], lr_differs)
     run_state.restore_rng(manifest["rng"])

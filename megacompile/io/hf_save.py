@@ -7,7 +7,20 @@ tensor larger than that gets a shard of its own), each written in the safetensor
 a tensor is cast to `dtype` into a buffer of its own size, written and dropped (an fp32 export
 writes the masters' own memory), so the export adds one tensor to the host's memory, never a
 shard. config.json says `dtype`; the tokenizer and generation files of the folder the engine was
-loaded from are copied. The folder is written as `.<name>.<pid>.partial` and renamed into place.
+loaded from are copied.
+
+What is the user's is never lost: an export writes its own files only (those above), and replaces
+only those. A new folder is written as `.<name>.<pid>.partial` beside it and renamed into place.
+In a folder that exists, whatever else it holds (README.md, LICENSE, .gitattributes, .git/, the
+user's files) is never touched, overwrite or not, and the export goes beside it, as transformers'
+save_pretrained writes into a clone of a Hub repository. If the folder holds files the export
+would replace (its weights, index, config, tokenizer or generation files), or weights of a
+previous export that it would remove (model.safetensors or model-*-of-*.safetensors and an index
+the new export does not have: stale, they would shadow or contradict it), it is refused before
+anything is written, naming them, unless overwrite=True. The new files are staged in the folder
+and swapped in once all are written (files.replace_files): a failure or a kill while writing
+leaves the previous export whole; a kill during the swap (a few renames) is finished by the next
+save_pretrained into the folder.
 """
 from __future__ import annotations
 
@@ -32,6 +45,7 @@ if TYPE_CHECKING:
 
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -46,8 +60,21 @@ def shard_bytes(size: int | str) -> int:
     return int(float(m[1]) * _UNITS[m[2]])
 
 
+def is_weights(name: str) -> bool:
+    """A weights file of a safetensors export: model.safetensors, a model-NNNNN-of-NNNNN shard, the index."""
+    return name in (SINGLE, INDEX) or _SHARD.fullmatch(name) is not None
+
+
+def export_files(path: str) -> list[str]:
+    """The files of a model export in the folder `path` (weights, index, config.json, tokenizer and
+    generation files): those an export into it might replace."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(f for f in os.listdir(path) if is_weights(f) or f in ("config.json",) + COPIED)
+
+
 def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.float32,
-                    max_shard_size: int | str = "5GB") -> None:
+                    max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:
     if dtype not in CODES or not dtype.is_floating_point:
         raise ArgumentError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, torch.float16); "
                             f"got {dtype!r}")
@@ -56,13 +83,16 @@ def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.floa
     if config is None or not hasattr(config, "to_json_string"):
         raise MegacompileError("save_pretrained writes a Hugging Face model folder and needs a transformers model "
                                f"(one with a .config); {type(engine.model).__name__} has none: use save_checkpoint")
+    if not isinstance(overwrite, bool):
+        raise ArgumentError(f"overwrite is True or False (replace the files of an export already in the folder); "
+                            f"got {overwrite!r}")
     host = engine.host       # None before the first step: the tensors come from where they wait
     parent = files.prepare_parent(path, "model folder")
     path = os.fspath(path)
-    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"cannot write the model folder {path}: it is a folder of other files (which would be "
-                              "replaced); give a new path")
     files.clean_leftovers(parent)
+    exists = os.path.isdir(path)
+    if exists:
+        files.recover_files(path)     # an export into it killed mid-swap: finished first
     engine.synchronize()
     tensors = []   # (name on disk, host tensor or unbuilt.Lazy)
     layout = DiskLayout(engine.model)
@@ -78,32 +108,52 @@ def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.floa
         if source is not None:
             tensors += _pieces(layout, key, source)      # per-expert views of a fused weight, as transformers saves
     shards = _shards(tensors, dtype, limit)
-    tmp = files.partial_path(path)
-    try:
-        os.makedirs(tmp)
-        names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                                  for i in range(len(shards))]
+    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                              for i in range(len(shards))]
+    copied = [f for f in COPIED if engine.source_dir and os.path.isfile(os.path.join(engine.source_dir, f))]
+    new = set(names + copied + ["config.json"] + [INDEX] * (len(shards) > 1)
+              + ["generation_config.json"] * (getattr(engine.model, "generation_config", None) is not None))
+    replaced = [f for f in export_files(path) if f in new or is_weights(f)]
+    if replaced and not overwrite:
+        raise CheckpointError(
+            f"cannot write the model folder {path}: it holds a model export whose files would be replaced or "
+            f"removed ({_listed(replaced)}); pass overwrite=True to replace them (the folder's other files are "
+            "kept either way), or give another path")
+
+    def write(folder: str) -> None:
         weight_map = {}
         for file, shard in zip(names, shards):
-            _write_shard(os.path.join(tmp, file), shard, dtype)
+            _write_shard(os.path.join(folder, file), shard, dtype)
             weight_map.update({key: file for key, _ in shard})
         if len(shards) > 1:
             total = sum(t.numel() * dtype.itemsize for shard in shards for _, t in shard)
-            files.write_text(os.path.join(tmp, INDEX), json.dumps(
+            files.write_text(os.path.join(folder, INDEX), json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        _write_config(engine, config, dtype, tmp)
-        for extra in COPIED if engine.source_dir else ():
-            src = os.path.join(engine.source_dir, extra)
-            if os.path.isfile(src) and not os.path.exists(os.path.join(tmp, extra)):
-                shutil.copyfile(src, os.path.join(tmp, extra))
-                files.fsync_file(os.path.join(tmp, extra))
-        files.fsync_dir(tmp)
-        files.rename_into_place(tmp, path)
+        _write_config(engine, config, dtype, folder)
+        for extra in copied:
+            if not os.path.exists(os.path.join(folder, extra)):
+                shutil.copyfile(os.path.join(engine.source_dir, extra), os.path.join(folder, extra))
+                files.fsync_file(os.path.join(folder, extra))
+        files.fsync_dir(folder)
+
+    tmp = files.partial_path(path)
+    try:
+        if exists:      # beside what else the folder holds: staged in it, then swapped in
+            files.replace_files(path, write, replaced)
+        else:
+            os.makedirs(tmp)
+            write(tmp)
+            os.rename(tmp, path)
+            files.fsync_dir(parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and not isinstance(e, MegacompileError):
             raise files.write_failed("model folder", path, e) from e
         raise
+
+
+def _listed(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _pieces(layout: DiskLayout, key: str, source) -> list[tuple[str, object]]:
@@ -172,3 +222,4 @@ def _write_config(engine: "Engine", config, dtype: torch.dtype, folder: str) -> 
     if generation is not None and not (engine.source_dir and os.path.isfile(
             os.path.join(engine.source_dir, "generation_config.json"))):
         generation.to_json_file(os.path.join(folder, "generation_config.json"))
+        files.fsync_file(os.path.join(folder, "generation_config.json"))

@@ -98,6 +98,21 @@ def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
     return c.resume
 
 
+def _check_export(c: RunConfig, resume_from: str | None) -> None:
+    """Before training: a new run does not replace an export it did not write. A resumed run owns
+    the export folder's model files (its first run found none there, or was refused here), and
+    replaces them at its end (overwrite=True); whatever else the folder holds is kept either way."""
+    from ..io.hf_save import export_files
+    if c.export is None or resume_from is not None:
+        return
+    found = export_files(c.export)
+    if found:
+        raise ArgumentError(f"export {c.export} already holds a model export ({', '.join(found[:6])}"
+                            f"{', ...' if len(found) > 6 else ''}), which this new run would replace: give another "
+                            "export folder, or remove those files (a run resumed from its checkpoints replaces "
+                            "its own export)")
+
+
 def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted: bool) -> tuple[float, float]:
     """Mean loss per target token over the held-out rows, and its perplexity (forward only)."""
     n_batches = -(-rows.rows_per_epoch // batch)
@@ -127,6 +142,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     if c.resume not in (None, "auto"):
         resume_from = c.resume
     saved = resume.read(resume_from) if resume_from is not None else None
+    _check_export(c, resume_from)
     meta = meta_model(c)
     if c.packing == "isolated":
         check_isolation(meta)     # before the data is read: the model decides whether it can be done
@@ -260,7 +276,8 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
         log.close()
     elapsed = time.perf_counter() - started
     if c.export is not None:
-        engine.save_pretrained(c.export, dtype=getattr(torch, c.export_dtype))
+        # overwrite: only a resumed run gets here with model files in the folder, its own (_check_export)
+        engine.save_pretrained(c.export, dtype=getattr(torch, c.export_dtype), overwrite=resume_from is not None)
         if not os.path.isfile(os.path.join(c.export, "tokenizer_config.json")):
             tokenizer.save_pretrained(c.export)
         print(f"  exported       {c.export}", flush=True)

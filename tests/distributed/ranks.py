@@ -131,7 +131,7 @@ def train(rank: int, size: int, folder: str, clip: float | None = None, save: st
         parts = rank_slice(ids, rank, size).chunk(accum)
         losses.append(sum(engine.step(idx=part, targets=part) for part in parts) / accum)
         if save is not None and i + 1 == STEPS // 2:
-            engine.save_checkpoint(save, extra={"next": i + 1})
+            engine.save_checkpoint(save, extra={"next": i + 1}, keep_last=1)     # rotates this run's only
             host = engine.host
             torch.save({f"{t}/{n}": host.view(t, n).clone() for n in host.slots if host.mine(n)
                         for t in ("master", "exp_avg", "exp_avg_sq")},

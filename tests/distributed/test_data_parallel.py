@@ -38,6 +38,7 @@ def two_ranks(tmp_path_factory):
     """2 ranks, 10 clipped steps, a checkpoint after step 5."""
     folder = str(tmp_path_factory.mktemp("two"))
     ckpt = os.path.join(folder, "ckpt", "step-5")
+    ranks.compiled(ranks.CLIP).save_checkpoint(os.path.join(folder, "ckpt", "other-run"))   # keep_last leaves it
     ranks.spawn("train", 2, folder, clip=ranks.CLIP, save=ckpt)
     return folder, ckpt, _results(folder, 2)
 
@@ -135,6 +136,18 @@ def test_each_rank_writes_its_share_of_the_checkpoint(two_ranks):
     assert keys[0] and keys[1] and not keys[0] & keys[1]
     names = {n for n, _ in ranks.model().named_parameters()}
     assert {k.partition("/")[2] for k in keys[0] | keys[1]} == names
+
+
+def test_the_ranks_rotate_their_own_checkpoints_only_and_a_resumed_run_is_theirs(two_ranks):
+    _, ckpt, _ = two_ranks
+    folder = os.path.dirname(ckpt)
+    assert sorted(f for f in os.listdir(folder) if not f.endswith(".pt")) == ["other-run", "step-5"]
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        run = json.load(f)["run"]
+    engine = ranks.compiled(ranks.CLIP)
+    assert engine.run_id != run
+    engine.load_checkpoint(ckpt)
+    assert engine.run_id == run
 
 
 def test_a_checkpoint_of_two_ranks_resumes_on_one_process(two_ranks, eager_clipped):

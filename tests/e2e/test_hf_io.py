@@ -59,7 +59,7 @@ def test_round_trip_keeps_weights_and_loss(source, tmp_path):
         assert torch.equal(value, trained[key]), key
     assert _loss(back) == engine(input_ids=IDS, labels=IDS).loss.item()
 
-    engine.save_pretrained(out, dtype=torch.bfloat16, max_shard_size="1MB")    # replaces the fp32 export
+    engine.save_pretrained(out, dtype=torch.bfloat16, max_shard_size="1MB", overwrite=True)    # replaces the fp32 export
     assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == ["model.safetensors"]
     half = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16

@@ -2,7 +2,9 @@
 a broken checkpoint, never loses a finished save, leaves nothing behind once it resumes, and its
 losses after every resume are the uninterrupted run's, bit for bit (dropout on, a torch LR
 scheduler attached). The run is tests/e2e/io_crash_child.py; one run folder is killed and
-resumed again and again, so each trial costs one process start."""
+resumed again and again, so each trial costs one process start. A save that replaces the
+checkpoint at a fixed path is killed at each point of its commit (tests/e2e/io_commit_child.py):
+the old or the new one loads, never none."""
 from __future__ import annotations
 
 import os
@@ -100,3 +102,25 @@ def test_twenty_kills_at_random_moments_resume_exactly(tmp_path):
     print({m: moments.count(m) for m in set(moments)})
     _check(run, expected)
     assert moments.count("mid-save") >= 3, moments      # the kills did land inside saves
+
+
+@pytest.mark.slow   # a process per kill point: ~3 s each
+@pytest.mark.parametrize("point", ["rename-1", "rename-2", "rmtree", "mid-rmtree", "none"])
+def test_a_save_to_a_fixed_path_killed_anywhere_in_its_commit_leaves_one_that_loads(tmp_path, point):
+    """The old checkpoint stays loadable until the new one, committed, has taken its place: a kill
+    at each point between the renames leaves the old or the new one, never none, and the load
+    that finds it leaves nothing else behind."""
+    import megacompile
+    from tests import models
+    folder = str(tmp_path)
+    engine = megacompile.compile(models.NanoGPT(vocab=96, d=32, layers=2), 1.0, device="cpu")
+    engine.save_checkpoint(os.path.join(folder, "ck"), extra={"v": 1})
+    child = subprocess.run([sys.executable, "-m", "tests.e2e.io_commit_child", folder, point], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == (0 if point == "none" else -signal.SIGKILL), child.stderr[-3000:]
+    expected = {"rename-1": 1, "rename-2": 1}.get(point, 2)
+    if point == "rename-2":
+        assert not os.path.exists(os.path.join(folder, "ck"))     # only the folder moved aside holds one
+    loaded = megacompile.compile(models.NanoGPT(vocab=96, d=32, layers=2), 1.0, device="cpu")
+    assert loaded.load_checkpoint(os.path.join(folder, "ck")) == {"v": expected}
+    assert os.listdir(folder) == ["ck"]

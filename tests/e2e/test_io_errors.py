@@ -178,6 +178,19 @@ def _not_json_extra(w):
     w.engine.save_checkpoint(os.path.join(w.tmp, "x"), extra={"ids": IDS})
 
 
+def _export_there(w):
+    """Into a folder that holds an export (its config, shards and index) and the user's README:
+    refused, naming the files, and nothing in it changes."""
+    folder = w.copy(w.model_dir)
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write("# card\n")
+    before = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)}
+    try:
+        w.engine.save_pretrained(folder)
+    finally:
+        assert {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)} == before
+
+
 @dataclass
 class Case:
     id: str
@@ -221,6 +234,11 @@ CASES = [
          lambda w: w.engine.save_pretrained(os.path.join(w.tmp, "e"), max_shard_size="5 apples")),
     Case("save_checkpoint: keep_last=0", CheckpointError, r"keep_last.*got 0",
          lambda w: w.engine.save_checkpoint(os.path.join(w.tmp, "k"), keep_last=0)),
+    Case("save_pretrained: a folder holding an export", CheckpointError,
+         r"holds a model export whose files would be replaced or removed \(config\.json, .*model-00001-of-\d+"
+         r"\.safetensors.*\); pass overwrite=True to replace them \(the folder's other files are kept", _export_there),
+    Case("save_pretrained: overwrite='yes'", ArgumentError, r"overwrite is True or False.*got 'yes'",
+         lambda w: w.engine.save_pretrained(os.path.join(w.tmp, "o"), overwrite="yes")),
 ]
 
 
