@@ -122,7 +122,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from .arguments import file_in_the_way
     from .errors import ArgumentError
-    from .cost.calibrate import measure, measure_gpu
+    from .calibrate import measure, measure_gpu
     if args.device == "cuda" and not torch.cuda.is_available():
         raise MegacompileError("--device cuda: torch sees no GPU here; calibrate the cpu profile with --device cpu")
     from .arguments import disk_folder

@@ -32,6 +32,7 @@ from .passes import StepKind
 from .optim.host_update import HostUpdate
 from .plan import Plan
 from .plan.cache import PlanCache, note_new_shape
+from .cost import HardwareProfile
 from .cost.host_memory import default_host_budget_bytes, free_disk_bytes
 from .plan.search import make_plan, place_host_state
 from .runtime import Executor, HostState, make_backend, shutdown
@@ -55,7 +56,7 @@ class Engine:
                  loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
                  grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
                  on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None,
-                 process_group=None, accumulation: str = "micro"):
+                 process_group=None, accumulation: str = "micro", hardware: HardwareProfile | None = None):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         self.budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
@@ -96,6 +97,8 @@ class Engine:
         self.loss_fn = loss_fn
         self.retrace = retrace
         self.dump_dir = dump_dir
+        # The profile plans are timed with; None: the backend's own (plan/search.py default_profile).
+        self.hardware = hardware
         self.grad_accum = grad_accum
         self.accumulation = check_mode(accumulation)    # megacompile/accumulate
         self.waiting_micro_batches: list[list[torch.Tensor]] = []   # a layer-major step's inputs so far
@@ -210,7 +213,7 @@ class Engine:
                 host.load_module(self.model)
             self.host, self._pending_load = host, None
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
-                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse,
+                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse, hardware=self.hardware,
                          host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
                          grad_accum=self.grad_accum, accumulation=self.accumulation)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self._update.adamw,

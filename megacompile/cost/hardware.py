@@ -2,7 +2,7 @@
 
 Datasheet values are starting points (dense, without sparsity); `efficiency` says how much of
 a peak a well-tuned kernel reaches. The `cpu` profile, for the simulated device, is measured on
-the machine itself (calibrate.py).
+the machine itself (megacompile/calibrate) and read from its cache (cpu_cache.py).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from .result import Plan
 from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
 from ..accumulate import check_mode
-from .search import lowest_budget, make_baseline_plan, make_plan, place_host_state
+from .search import default_profile, lowest_budget, make_baseline_plan, make_plan, place_host_state
 
 GiB = 2 ** 30
 
@@ -177,7 +177,12 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     if not isinstance(hardware, (str, os.PathLike, HardwareProfile)):
         raise ArgumentError(f"hardware must be a profile name (e.g. \"h100\", \"cpu\"), a profile.json path or a "
                             f"HardwareProfile; got {hardware!r}")
-    profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(os.fspath(hardware))
+    if isinstance(hardware, HardwareProfile):
+        profile = hardware
+    elif os.fspath(hardware).lower() == "cpu":
+        profile = default_profile("cpu")     # this machine's, measured when not cached yet
+    else:
+        profile = get_profile(os.fspath(hardware))
     if nvme_bandwidth is not None:
         profile = replace(profile, disk_read_bw=nvme_bandwidth * 1e9, disk_write_bw=nvme_bandwidth * 1e9)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)

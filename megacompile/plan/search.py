@@ -350,7 +350,10 @@ def _offload_lag(captured: CapturedModel, t, hardware: HardwareProfile) -> int:
 def default_profile(backend: str) -> HardwareProfile:
     """The measured profile for the simulated device; for a GPU, the profile its name matches."""
     if backend == "cpu":
-        return get_profile("cpu")
+        # Measured once on this machine and cached. The measuring room sits above the engine (it
+        # trains a small model, whose engine plans with an explicit profile and never comes back here).
+        from ..calibrate import cpu_profile
+        return cpu_profile()
     import torch
     name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
     for key in ("gh200", "h200", "h100", "a100"):

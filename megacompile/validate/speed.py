@@ -17,8 +17,8 @@ SHAPES = {
 
 
 def calibrate_rows(device) -> tuple[object, list[Row]]:
-    """The measured profile (cost/calibrate.py) and one row per figure in it."""
-    from ..cost.calibrate import measure, measure_gpu
+    """The measured profile (megacompile/calibrate) and one row per figure in it."""
+    from ..calibrate import measure, measure_gpu
     profile = measure_gpu(torch.device(device)) if torch.device(device).type == "cuda" else measure()
     rows = [Row("calibrate", key, float(value)) for key, value in profile.to_dict().items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)]

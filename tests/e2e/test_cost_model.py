@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import megacompile
+from megacompile.calibrate import cpu_profile
 from megacompile.cli import main
 from megacompile.cost import get_profile
 from tests import models
@@ -82,7 +83,7 @@ def test_plan_command_says_when_it_does_not_fit(tmp_path, capsys):
 
 def test_cpu_profile_is_measured_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGACOMPILE_CACHE_DIR", str(tmp_path))
-    first = get_profile("cpu")
+    first = cpu_profile()
     assert first.peak_fp32 > 1e8 and first.h2d_bw > 1e8 and first.op_overhead_s > 0
     assert list(tmp_path.glob("cpu_profile-*.json"))
     assert get_profile("cpu") == first

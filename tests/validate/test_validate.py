@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megacompile.cost import get_profile
+from megacompile.calibrate import cpu_profile
 from megacompile.validate import checks, main
 from megacompile.validate.report import Row, markdown, write
 from megacompile.validate.speed import step_rows
@@ -76,7 +76,7 @@ def test_kernel_rows_come_from_the_kernel_check():
 
 
 def test_a_step_row_reports_measured_beside_predicted():
-    (row,) = step_rows("cpu", "llama-1b", layers=2, profile=get_profile("cpu"), batch=1, seq=16, steps=1,
+    (row,) = step_rows("cpu", "llama-1b", layers=2, profile=cpu_profile(), batch=1, seq=16, steps=1,
                        dims=TINY)
     assert row.value > 0 and row.limit > 0
     for key in ("predicted_exposed_transfer_s", "measured_host_optimizer_s", "predicted_host_optimizer_s",

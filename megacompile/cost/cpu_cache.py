@@ -1,0 +1,33 @@
+"""Where the measured `cpu` profile is kept, and reading it back.
+
+The simulated device is this machine, so its profile is measured (megacompile/calibrate, which
+writes this file) and cached in MEGACOMPILE_CACHE_DIR (default ~/.cache/megacompile), keyed by
+the CPU and torch's thread count. The cost model only reads it: it never measures.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from .hardware import HardwareProfile
+
+
+def cpu_profile_path() -> Path:
+    root = Path(os.environ.get("MEGACOMPILE_CACHE_DIR", Path.home() / ".cache" / "megacompile"))
+    key = f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}-t{torch.get_num_threads()}"
+    return root / f"cpu_profile-v3-{key.replace(' ', '_').replace('/', '_')}.json"
+
+
+def cached_cpu_profile() -> HardwareProfile | None:
+    """This machine's measured profile, or None when none is cached (or the file is stale or foreign)."""
+    path = cpu_profile_path()
+    if not path.exists():
+        return None
+    try:
+        return HardwareProfile(**json.loads(path.read_text()))
+    except (ValueError, TypeError):
+        return None
