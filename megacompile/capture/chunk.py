@@ -21,6 +21,7 @@ those whole anyway.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import operator
 import threading
@@ -178,14 +179,28 @@ def token_wise(module: torch.nn.Module, names: list[str], x: torch.Tensor, state
     def fn(x, *ps):
         return functional_call(module, dict(zip(names, ps)), (x,), strict=False)
     try:
-        whole = make_fx(fn, tracing_mode="fake")(x, *state)
-        part = make_fx(fn, tracing_mode="fake")(_slices(x, n)[0], *state)
+        with _fake_tensor_log_quiet():
+            whole = make_fx(fn, tracing_mode="fake")(x, *state)
+            part = make_fx(fn, tracing_mode="fake")(_slices(x, n)[0], *state)
     except Exception as e:  # noqa: BLE001 - a module that cannot run on a slice is not chunked
         return f"it does not trace on a slice ({type(e).__name__})"
     why = _rows_kept(whole.graph, x) or _rows_kept(part.graph, _slices(x, n)[0])
     if why is None and _ops(whole.graph) != _ops(part.graph):
         why = "it runs other ops on a slice"
     return why
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_quiet():
+    """torch logs every meta kernel that raises at ERROR, with its traceback; here a module that
+    fails on a slice is an expected answer (not token-wise), which must not read as a crash."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    was = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
 def _ops(graph: fx.Graph) -> list:

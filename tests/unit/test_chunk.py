@@ -2,6 +2,8 @@
 does, outputs and gradients, and a submodule that mixes positions is never chunked."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -141,3 +143,26 @@ def test_a_block_that_mixes_positions_outside_attention_chunks_only_its_token_wi
     whole, part = _block(captured), _block(captured, 4)
     assert set(part.chunked) == {"norm", "mlp"}
     assert _same(_run(part), _run(whole))
+
+
+def test_a_module_that_fails_on_a_slice_is_refused_without_an_error_log():
+    # Tokens in the first dim only ([tokens, features], as an MoE MLP sees them): a slice of dim 1
+    # cuts the features and the matmul's meta kernel raises. That is the answer "not token-wise";
+    # torch's ERROR line with its traceback would read as a crash in `megacompile plan`.
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    keep = Keep()
+    log.addHandler(keep)
+    try:
+        linear = torch.nn.Linear(16, 8)
+        names, state = zip(*((n, p.detach()) for n, p in linear.named_parameters()))
+        why = token_wise(linear, list(names), torch.randn(32, 16), list(state), 2)
+    finally:
+        log.removeHandler(keep)
+    assert why == "it does not trace on a slice (RuntimeError)"
+    assert not records, [r.getMessage() for r in records]
+    assert not log.disabled
