@@ -34,19 +34,21 @@ class Saved:
 
 
 def read(path: str) -> Saved:
-    """The checkpoint's manifest; one that cannot be read is refused as load_checkpoint would."""
-    from ..io.checkpoint import MANIFEST, MARKER, verified_manifest
+    """The checkpoint's manifest, checked by the one schema load_checkpoint uses (io/manifest.py)
+    without hashing its files: one that is uncommitted or malformed is refused now, as load_checkpoint
+    would refuse it, before anything of the run folder is written."""
+    from ..io.checkpoint import FORMAT, MANIFEST, MARKER, verified_manifest
+    from ..io.manifest import problems
     try:
-        if not os.path.isfile(os.path.join(path, MARKER)):
-            raise ValueError
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
-        steps_done, extra = int(manifest["steps_done"]), manifest.get("extra") or {}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        verified_manifest(path)     # raises, naming what is wrong with the folder
-        raise ArgumentError(f"resume: {path} is a committed checkpoint whose manifest holds no steps_done; "
-                            "resume from a checkpoint the trainer wrote, or start a new run_dir") from e
-    return Saved(path, steps_done, extra if isinstance(extra, dict) else {})
+    except (OSError, ValueError):
+        manifest = None
+    if (not os.path.isfile(os.path.join(path, MARKER)) or not isinstance(manifest, dict)
+            or manifest.get("format") != FORMAT or problems(manifest)):
+        verified_manifest(path)     # raises, naming what is wrong with the folder or its manifest
+    extra = manifest.get("extra") or {}
+    return Saved(path, manifest["steps_done"], extra if isinstance(extra, dict) else {})
 
 
 def rows_layout(c: RunConfig) -> dict:
