@@ -98,6 +98,9 @@ class Engine:
         self.retrace = retrace
         self.dump_dir = dump_dir
         # The profile plans are timed with; None: the backend's own (plan/search.py default_profile).
+        if hardware is not None and not isinstance(hardware, HardwareProfile):
+            raise ArgumentError(f"hardware is a HardwareProfile to time plans with, or None for the device's own; "
+                                f"got {hardware!r}")
         self.hardware = hardware
         self.grad_accum = grad_accum
         self.accumulation = check_mode(accumulation)    # megacompile/accumulate

@@ -71,3 +71,15 @@ def test_a_cold_cache_is_measured_once(tmp_path, monkeypatch):
     assert list(tmp_path.glob("cpu_profile-*.json"))
     measured = get_profile("cpu")
     assert engine.plan.hardware == measured and measured.node_overhead_s != fits[0].node_overhead_s
+
+
+def test_an_engine_takes_a_profile_to_plan_with_and_refuses_anything_else():
+    from megacompile.engine import Engine
+    from megacompile.errors import ArgumentError
+    model = TinyLlama(LlamaConfig(vocab=64, dim=32, layers=1, heads=2, kv_heads=1, ffn=64))
+    with pytest.raises(ArgumentError, match="hardware is a HardwareProfile"):
+        Engine(model, 1.0, device="cpu", hardware="h100")
+    engine = Engine(model, 1.0, device="cpu", hardware=get_profile("h100"))
+    ids = torch.randint(0, 64, (2, 8))
+    assert engine.prepare(input_ids=ids, labels=ids).hardware == get_profile("h100")
+    engine.close()
