@@ -104,7 +104,7 @@ def measured(args) -> list[dict]:
         compiled = engine._last_train
         ours = compiled.executor
         theirs = _AtNode(compiled.captured, as_gradients_land(compiled.plan.program, compiled.captured),
-                         engine.backend, engine.host, engine._adamw, engine._clip)
+                         engine.backend, engine.host, engine.state.update.adamw, engine.state.update.clip)
         times = {"commit": [], "landing": []}
         for i in range(2 * args.steps + 2):
             which = "commit" if i % 2 else "landing"

@@ -23,7 +23,7 @@ from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, Hos
                      LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError,
                      StorageError, WeightsFileError)
 from .optim import AdamW
-from .io.hf_load import from_pretrained
+from .engine import from_pretrained
 from .plan import Plan
 from . import plan  # the room megacompile/plan/, callable: megacompile.plan(config, budget)
 

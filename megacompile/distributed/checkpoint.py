@@ -26,21 +26,32 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 
 from ..errors import CheckpointError, MegacompileError
-from ..io import checkpoint, files, run_state
+from ..io import checkpoint, files, model_params, run_state
 from ..io.source import CONST, MASTER, WEIGHT, PendingLoad
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..state import TrainingState
 
 
-def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+class ShardedCheckpoints:
+    """The checkpoint writer of a data-parallel run: io/checkpoint.py's LocalCheckpoints interface,
+    each rank writing and reading its share."""
+
+    def save(self, state: "TrainingState", path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
+        save(state, path, extra=extra, keep_last=keep_last)
+
+    def load(self, state: "TrainingState", path: str, *, strict: bool = True) -> Any:
+        return load(state, path, strict=strict)
+
+
+def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None) -> None:
     checkpoint.check_keep_last(keep_last)
-    dp, host = engine.data_parallel, engine._host_or_error()
+    dp, host = state.data_parallel, state.host_or_error()
     ranks = dp.ranks
-    if engine.micro_batches % engine.grad_accum:
+    if state.micro_batches % state.grad_accum:
         raise CheckpointError("a data-parallel checkpoint is written between optimizer steps: save after the "
-                              f"step's last micro-batch (micro-batch {engine.micro_batches % engine.grad_accum} "
-                              f"of {engine.grad_accum} now)")
+                              f"step's last micro-batch (micro-batch {state.micro_batches % state.grad_accum} "
+                              f"of {state.grad_accum} now)")
     extra = run_state.extra_json(extra)
     path = os.fspath(path)
     tmp = None
@@ -58,7 +69,7 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
     tmp = ranks.gather_objects(tmp, "starting the checkpoint")[0]
     if isinstance(tmp, Exception):
         raise tmp
-    engine.synchronize()
+    model_params.synchronize(state)
     written, error = {}, None
     try:
         file = f"rank-{ranks.rank:05d}-of-{ranks.size:05d}.safetensors"
@@ -75,9 +86,9 @@ def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None =
         try:
             if failed:
                 raise CheckpointError(f"cannot write the checkpoint {path}: {'; '.join(failed)}")
-            manifest = {"format": checkpoint.FORMAT, "run": engine.run_id, "steps_done": engine.steps_done,
-                        "micro_batches": engine.micro_batches, "skipped_steps": engine.skipped_steps,
-                        "optimizer": run_state.optimizer_settings(engine), "schedule": run_state.schedule_state(engine),
+            manifest = {"format": checkpoint.FORMAT, "run": state.run_id, "steps_done": state.steps_done,
+                        "micro_batches": state.micro_batches, "skipped_steps": state.skipped_steps,
+                        "optimizer": run_state.optimizer_settings(state), "schedule": run_state.schedule_state(state),
                         "rng": reports[0][1], "rng_ranks": [r[1] for r in reports], "extra": extra,
                         "files": {k: v for r in reports for k, v in r[0].items()}}
             checkpoint.commit(tmp, path, manifest)
@@ -97,23 +108,23 @@ def _write(folder: str, file: str, tensors: dict) -> dict:
     return {file: {"bytes": os.path.getsize(target), "sha256": files.sha256_of(target)}}
 
 
-def load(engine: "Engine", path: str, strict: bool = False) -> Any:
+def load(state: "TrainingState", path: str, strict: bool = False) -> Any:
     """io/checkpoint.py's checks and counters; the tensors filtered to what this rank keeps."""
-    held, engine.host = engine.host, None       # the one-process loader then leaves the tensors pending
+    held, state.host = state.host, None       # the one-process loader then leaves the tensors pending
     try:
-        extra = checkpoint.load(engine, path, strict=strict)
+        extra = checkpoint.load(state, path, strict=strict)
     finally:
-        engine.host = held
-    share, engine._pending_load = ShareOfLoad(engine._pending_load), None
+        state.host = held
+    share, state.pending_load = ShareOfLoad(state.pending_load), None
     if held is not None:
-        engine.synchronize()
+        model_params.synchronize(state)
         share.apply(held)
     else:
-        engine._pending_load = share
+        state.pending_load = share
     with open(os.path.join(os.fspath(path), checkpoint.MANIFEST)) as f:
         saved = json.load(f).get("rng_ranks", [])
-    if len(saved) == engine.data_parallel.size:     # else every rank keeps rank 0's, as loaded
-        run_state.restore_rng(saved[engine.data_parallel.rank])
+    if len(saved) == state.data_parallel.size:     # else every rank keeps rank 0's, as loaded
+        run_state.restore_rng(saved[state.data_parallel.rank])
     return extra
 
 

@@ -62,11 +62,10 @@ class DataParallel:
             host.sum_grad_norms()
         return None
 
-    def on_rank_zero(self, engine, write) -> None:
+    def on_rank_zero(self, host, write) -> None:
         """write() on rank 0 with every master readable there (gathered, with bf16 compute); every
         rank returns when it is done, or raises its error."""
-        host = engine._host_or_error()
-        engine.synchronize()
+        host.wait_updates()
         host.gather_masters()
         error = None
         try:

@@ -33,16 +33,28 @@ from typing import TYPE_CHECKING, Any, Iterator
 import safetensors.torch
 
 from ..errors import CheckpointError, MegacompileError, WeightsFileError
-from . import checkpoint_path, files, manifest as schema, own_buffers, run_state, unbuilt
+from . import checkpoint_path, files, manifest as schema, model_params, own_buffers, run_state, unbuilt
 from .header import read_header
+
 from .source import CONST, MASTER, TABLES, Item, PendingLoad
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..state import TrainingState
 
 FORMAT = "megacompile-checkpoint/2"
-MANIFEST, BUFFERS = "manifest.json", "buffers.safetensors"
+MANIFEST, BUFFERS = schema.NAME, "buffers.safetensors"
 MARKER = files.MARKER
+
+
+class LocalCheckpoints:
+    """The checkpoint writer of one process; distributed/checkpoint.py's ShardedCheckpoints is the
+    same interface for a data-parallel run (each rank writes its share into one folder)."""
+
+    def save(self, state: "TrainingState", path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
+        save(state, path, extra=extra, keep_last=keep_last)
+
+    def load(self, state: "TrainingState", path: str, *, strict: bool = True) -> Any:
+        return load(state, path, strict=strict)
 
 
 def check_keep_last(keep_last: int | None) -> None:
@@ -51,32 +63,32 @@ def check_keep_last(keep_last: int | None) -> None:
                               f"got {keep_last!r}")
 
 
-def save(engine: "Engine", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None) -> None:
     check_keep_last(keep_last)
     extra = run_state.extra_json(extra)
-    host = engine.host       # None before the first step: the tensors come from where they wait
+    host = state.host       # None before the first step: the tensors come from where they wait
     parent = files.prepare_parent(path, "checkpoint")
     path = os.fspath(path)
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
         raise CheckpointError(f"cannot write the checkpoint {path}: it is a folder of other files, not a checkpoint "
                               "(which would be replaced); give a new path")
-    if engine.waiting_micro_batches:
-        raise CheckpointError(f"cannot save {path} now: {len(engine.waiting_micro_batches)} micro-batches of a "
+    if state.waiting_micro_batches:
+        raise CheckpointError(f"cannot save {path} now: {len(state.waiting_micro_batches)} micro-batches of a "
                               "layer-major step wait for the rest of the step and would not be in it; save after "
                               "the step's last micro-batch")
     files.clean_leftovers(parent)
-    engine.synchronize()
-    manifest = {"format": FORMAT, "run": engine.run_id, "steps_done": engine.steps_done,
-                "micro_batches": engine.micro_batches,
-                "skipped_steps": engine.skipped_steps, "optimizer": run_state.optimizer_settings(engine),
-                "schedule": run_state.schedule_state(engine), "rng": run_state.rng_state(), "extra": extra}
-    mid_step = engine.micro_batches % engine.grad_accum != 0
+    model_params.synchronize(state)
+    manifest = {"format": FORMAT, "run": state.run_id, "steps_done": state.steps_done,
+                "micro_batches": state.micro_batches,
+                "skipped_steps": state.skipped_steps, "optimizer": run_state.optimizer_settings(state),
+                "schedule": run_state.schedule_state(state), "rng": run_state.rng_state(), "extra": extra}
+    mid_step = state.micro_batches % state.grad_accum != 0
     tmp = files.partial_path(path)
     try:
         os.makedirs(tmp)
         manifest["files"] = {}
         tables = ("master", "exp_avg", "exp_avg_sq") + (("grad",) if mid_step else ())
-        for file, tensors in (_owner_files(host, tables) if host is not None else _unbuilt_files(engine, tables)):
+        for file, tensors in (_owner_files(host, tables) if host is not None else _unbuilt_files(state, tables)):
             target = os.path.join(tmp, file)
             safetensors.torch.save_file(tensors, target)     # from the tensors' own memory: no copy
             files.fsync_file(target)
@@ -122,9 +134,9 @@ def _owner_files(host, tables: tuple) -> Iterator[tuple[str, dict]]:
     yield BUFFERS, {f"{CONST}/{n}": t for n, t in host.consts.items()}
 
 
-def _unbuilt_files(engine: "Engine", tables: tuple) -> Iterator[tuple[str, dict]]:
+def _unbuilt_files(state: "TrainingState", tables: tuple) -> Iterator[tuple[str, dict]]:
     """Before host state exists: one file per parameter (its tensors made one table at a time)."""
-    trainable, consts = unbuilt.tables(engine)
+    trainable, consts = unbuilt.tables(state)
     for i, name in enumerate(trainable[MASTER]):
         yield f"param-{i:05d}.safetensors", {f"{t}/{name}": trainable[t][name]() for t in tables}
     yield BUFFERS, {f"{CONST}/{n}": lazy() for n, lazy in consts.items()}
@@ -206,21 +218,8 @@ def verified_manifest(path: str) -> dict:
     return manifest
 
 
-def expected_state(engine: "Engine") -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """(trainable parameters, buffers and frozen parameters) -> shape, by canonical name: the
-    host state's layout if it exists, else the model's."""
-    if engine.host is not None:
-        return ({n: tuple(s.shape) for n, s in engine.host.slots.items()},
-                {n: tuple(t.shape) for n, t in engine.host.consts.items()})
-    trainable, const = {}, {}
-    for name, p in engine.model.named_parameters():
-        (trainable if p.requires_grad else const)[name] = tuple(p.shape)
-    for name, b in engine.model.named_buffers():
-        const[name] = tuple(b.shape)
-    return trainable, const
 
-
-def load(engine: "Engine", path: str, strict: bool = True) -> Any:
+def load(state: "TrainingState", path: str, strict: bool = True) -> Any:
     if not isinstance(path, (str, os.PathLike)):
         raise MegacompileError(f"load_checkpoint takes a checkpoint folder path, got {path!r}")
     if not isinstance(strict, bool):
@@ -233,12 +232,12 @@ def load(engine: "Engine", path: str, strict: bool = True) -> Any:
         raise wrong_path
     if os.path.isfile(path):
         from .legacy_checkpoint import load as load_single_file   # the one-file format written before folders
-        load_single_file(engine, path)
+        load_single_file(state, path)
         return None
     if os.path.isdir(os.path.dirname(os.path.abspath(path))):
         files.settle(path)      # a replacement cut short or under way: its committed checkpoint back at `path`
     manifest = verified_manifest(path)
-    trainable, const = expected_state(engine)
+    trainable, const = state.layout()
     items, problems = [], []
     mid_step = manifest["micro_batches"] % manifest["optimizer"]["grad_accum"] != 0
     tables = (MASTER,) + TABLES[:2] + (("grad",) if mid_step else ())
@@ -256,15 +255,15 @@ def load(engine: "Engine", path: str, strict: bool = True) -> Any:
                 items.append(Item(full, key, table, name))
                 seen.add(key)
     problems += [f"{t}/{n} is missing" for t in tables for n in trainable if f"{t}/{n}" not in seen]
-    if mid_step and manifest["optimizer"]["grad_accum"] != engine.grad_accum:
+    if mid_step and manifest["optimizer"]["grad_accum"] != state.grad_accum:
         k = manifest["optimizer"]["grad_accum"]
-        problems.append(f"it was saved mid-step with grad_accum={k}, this engine has grad_accum={engine.grad_accum}: "
+        problems.append(f"it was saved mid-step with grad_accum={k}, this engine has grad_accum={state.grad_accum}: "
                         f"compile with grad_accum={k} to resume it")
     if problems:
         raise MegacompileError(f"the checkpoint {path} does not match this model: {'; '.join(problems[:4])}; "
                                "nothing was loaded")
-    differences = run_state.setting_differences(manifest["optimizer"], engine)
-    buffers = own_buffers.differing(engine, items)
+    differences = run_state.setting_differences(manifest["optimizer"], state)
+    buffers = own_buffers.differing(state, items)
     if (differences or buffers) and strict:
         raise MegacompileError(
             f"the checkpoint {path} differs from this engine and model: "
@@ -275,20 +274,20 @@ def load(engine: "Engine", path: str, strict: bool = True) -> Any:
     # The model's own buffers win (strict=False): they are loaded first and nothing overwrites them.
     items = [it for it in items if not (it.table == CONST and it.name in buffers)]
     pending = PendingLoad(items, own_buffers=bool(buffers), needs=tables, describe=f"the checkpoint {path}")
-    if engine.host is not None:
-        engine._wait_updates()
-        pending.apply(engine.host, engine.model)
-        engine._pending_load = None
+    if state.host is not None:
+        state.wait_updates()
+        pending.apply(state.host, state.model)
+        state.pending_load = None
     else:
-        engine._pending_load = pending       # streamed in when the first step builds the host state
-    engine._materialized = True
-    engine._weight_parts = None         # partial loads before it are superseded
-    engine.steps_done = manifest["steps_done"]
-    engine.micro_batches = manifest["micro_batches"]
-    engine.skipped_steps = manifest.get("skipped_steps", 0)
-    engine.run_id = manifest.get("run", engine.run_id)     # the resumed run's: keep_last rotates its checkpoints
+        state.pending_load = pending       # streamed in when the first step builds the host state
+    state.materialized = True
+    state.weight_parts = None         # partial loads before it are superseded
+    state.steps_done = manifest["steps_done"]
+    state.micro_batches = manifest["micro_batches"]
+    state.skipped_steps = manifest.get("skipped_steps", 0)
+    state.run_id = manifest.get("run", state.run_id)     # the resumed run's: keep_last rotates its checkpoints
     lr_differs = any(d.startswith("lr:") for d in differences)
-    notes = run_state.restore_schedule(engine, manifest["schedule"], lr_differs)
+    notes = run_state.restore_schedule(state, manifest["schedule"], lr_differs)
     run_state.restore_rng(manifest["rng"])
     for message in [f"the checkpoint {path} was saved with other settings, this engine's are kept: "
                     f"{'; '.join(differences)}"] * bool(differences) + [

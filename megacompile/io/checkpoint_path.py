@@ -12,6 +12,9 @@ import os
 import zipfile
 
 from ..errors import WeightsFileError
+from .files import MARKER
+from .hf_layout import INDEX, SINGLE
+from .manifest import NAME as MANIFEST
 
 HF_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
 
@@ -19,8 +22,6 @@ HF_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
 def refusal(path: str) -> WeightsFileError | None:
     """Why `path` is no checkpoint load_checkpoint can read (None: a folder, or a one-file checkpoint
     of the earlier format, which their own checks take from here)."""
-    from .checkpoint import MANIFEST, MARKER
-    from .hf_load import INDEX, SINGLE
     folder, name = os.path.split(os.path.abspath(path))
     start = f"cannot load the checkpoint {path}: "
     if os.path.isdir(path):

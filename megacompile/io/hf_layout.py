@@ -21,6 +21,8 @@ import torch.nn as nn
 
 from ..errors import WeightsFileError
 
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"   # a sharded folder's index; one file
+
 # A stored tensor's place inside a model tensor: (expert, first row, end row) of dims 0 and 1;
 # rows None: the whole expert.
 Part = tuple[int, int | None, int | None]

@@ -1,4 +1,4 @@
-"""megacompile.from_pretrained: a Hugging Face model folder straight into the host masters.
+"""A Hugging Face model folder read for megacompile.from_pretrained (engine/from_pretrained.py).
 
 The model is built from config.json with its parameters on the meta device (no weight memory)
 and its buffers real: buffers that are not saved (rotary `inv_freq`) are computed by the
@@ -12,35 +12,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ..engine import Engine
 from ..errors import WeightsFileError
 from .header import read_header
-from .hf_layout import DiskLayout, part_shape
-from .source import CONST, WEIGHT, Item, PendingLoad
+from .hf_layout import INDEX, SINGLE, DiskLayout, part_shape
+from .source import CONST, WEIGHT, Item
 
-INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
-
-
-def from_pretrained(path: str, hbm_budget: float, **compile_kwargs: Any) -> Engine:
-    """Compile the causal LM in the Hugging Face folder `path` (config.json and model.safetensors
-    or sharded model.safetensors.index.json); compile_kwargs as megacompile.compile."""
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
-        raise WeightsFileError(f"from_pretrained takes a local model folder (config.json + safetensors); {path!r} "
-                               "is not a folder")
-    path = os.fspath(path)
-    model = build_model(path)
-    shards = shard_map(path)
-    engine = Engine(model, hbm_budget, **compile_kwargs)
-    engine._pending_load = PendingLoad(plan_items(engine, model, path, shards), own_buffers=True,
-                                       describe=f"the weights in {path}")
-    engine._materialized = True
-    engine.source_dir = path
-    return engine
 
 
 @contextlib.contextmanager
@@ -102,14 +82,16 @@ def shard_map(path: str) -> dict[str, list[str] | None]:
                            "(.bin checkpoints are not read; convert them to safetensors)")
 
 
-def plan_items(engine: Engine, model: nn.Module, path: str, shards: dict[str, list[str] | None]) -> list[Item]:
-    """What to stream from where, after checking every file's header against the model."""
+def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
+               shards: dict[str, list[str] | None]) -> list[Item]:
+    """What to stream from where, after checking every file's header against the model.
+    canonical: state_dict key -> the parameter or buffer it names (TrainingState.canonical)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     items, loaded = [], set()
     # Buffers the model computes and does not save (rotary inv_freq): older files still hold them,
     # per layer; the model's own values are used, as transformers does.
-    computed = {n.rsplit(".", 1)[-1] for n in buffers if n not in engine._canonical}
+    computed = {n.rsplit(".", 1)[-1] for n in buffers if n not in canonical}
     layout = DiskLayout(model)        # per-expert tensors of fused experts, transformers' renamings
     shapes = {n: tuple(t.shape) for n, t in list(params.items()) + list(buffers.items())}
     parts: dict[str, set] = {}
@@ -124,7 +106,7 @@ def plan_items(engine: Engine, model: nn.Module, path: str, shards: dict[str, li
         for key, entry in header.items():
             if listed is not None and key not in listed:
                 continue
-            name, part = engine._canonical.get(key), None
+            name, part = canonical.get(key), None
             if name is None:
                 name, part = layout.place(key, shapes) or (None, None)
             if name is None and key.rsplit(".", 1)[-1] in computed:

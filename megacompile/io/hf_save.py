@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ArgumentError, CheckpointError, MegacompileError
-from . import files, unbuilt
+from . import files, model_params, unbuilt
 from .header import CODES
-from .hf_layout import DiskLayout
-from .hf_load import INDEX, SINGLE
+from .hf_layout import INDEX, SINGLE, DiskLayout
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..state import TrainingState
 
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -73,35 +72,35 @@ def export_files(path: str) -> list[str]:
     return sorted(f for f in os.listdir(path) if is_weights(f) or f in ("config.json",) + COPIED)
 
 
-def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.float32,
+def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torch.float32,
                     max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:
     if dtype not in CODES or not dtype.is_floating_point:
         raise ArgumentError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, torch.float16); "
                             f"got {dtype!r}")
     limit = shard_bytes(max_shard_size)
-    config = getattr(engine.model, "config", None)
+    config = getattr(state.model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         raise MegacompileError("save_pretrained writes a Hugging Face model folder and needs a transformers model "
-                               f"(one with a .config); {type(engine.model).__name__} has none: use save_checkpoint")
+                               f"(one with a .config); {type(state.model).__name__} has none: use save_checkpoint")
     if not isinstance(overwrite, bool):
         raise ArgumentError(f"overwrite is True or False (replace the files of an export already in the folder); "
                             f"got {overwrite!r}")
-    host = engine.host       # None before the first step: the tensors come from where they wait
+    host = state.host       # None before the first step: the tensors come from where they wait
     parent = files.prepare_parent(path, "model folder")
     path = os.fspath(path)
     files.clean_leftovers(parent)
     exists = os.path.isdir(path)
     if exists:
         files.recover_files(path)     # an export into it killed mid-swap: finished first
-    engine.synchronize()
+    model_params.synchronize(state)
     tensors = []   # (name on disk, host tensor or unbuilt.Lazy)
-    layout = DiskLayout(engine.model)
+    layout = DiskLayout(state.model)
     if host is not None:
         masters, consts = {n: host.master(n) for n in host.slots}, host.consts
     else:
-        trainable, consts = unbuilt.tables(engine)
+        trainable, consts = unbuilt.tables(state)
         masters = trainable["master"]
-    for key, name in engine._canonical.items():
+    for key, name in state.canonical.items():
         if key != name:
             continue   # a tied alias: transformers restores it from the first name
         source = masters.get(name, consts.get(name))
@@ -110,9 +109,9 @@ def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.floa
     shards = _shards(tensors, dtype, limit)
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                               for i in range(len(shards))]
-    copied = [f for f in COPIED if engine.source_dir and os.path.isfile(os.path.join(engine.source_dir, f))]
+    copied = [f for f in COPIED if state.source_dir and os.path.isfile(os.path.join(state.source_dir, f))]
     new = set(names + copied + ["config.json"] + [INDEX] * (len(shards) > 1)
-              + ["generation_config.json"] * (getattr(engine.model, "generation_config", None) is not None))
+              + ["generation_config.json"] * (getattr(state.model, "generation_config", None) is not None))
     replaced = [f for f in export_files(path) if f in new or is_weights(f)]
     if replaced and not overwrite:
         raise CheckpointError(
@@ -129,10 +128,10 @@ def save_pretrained(engine: "Engine", path: str, dtype: torch.dtype = torch.floa
             total = sum(t.numel() * dtype.itemsize for shard in shards for _, t in shard)
             files.write_text(os.path.join(folder, INDEX), json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        _write_config(engine, config, dtype, folder)
+        _write_config(state, config, dtype, folder)
         for extra in copied:
             if not os.path.exists(os.path.join(folder, extra)):
-                shutil.copyfile(os.path.join(engine.source_dir, extra), os.path.join(folder, extra))
+                shutil.copyfile(os.path.join(state.source_dir, extra), os.path.join(folder, extra))
                 files.fsync_file(os.path.join(folder, extra))
         files.fsync_dir(folder)
 
@@ -207,19 +206,19 @@ def _write_shard(target: str, shard: list, dtype: torch.dtype) -> None:
         os.fsync(f.fileno())
 
 
-def _write_config(engine: "Engine", config, dtype: torch.dtype, folder: str) -> None:
+def _write_config(state: "TrainingState", config, dtype: torch.dtype, folder: str) -> None:
     config = copy.deepcopy(config)
-    source = os.path.join(engine.source_dir or "", "config.json")
+    source = os.path.join(state.source_dir or "", "config.json")
     use_cache = True
-    if engine.source_dir and os.path.isfile(source):
+    if state.source_dir and os.path.isfile(source):
         with open(source) as f:
             use_cache = json.load(f).get("use_cache", True)
     config.use_cache = use_cache           # the engine turned the KV cache off for training only
     config.dtype = dtype
     config.to_json_file(os.path.join(folder, "config.json"))
     files.fsync_file(os.path.join(folder, "config.json"))
-    generation = getattr(engine.model, "generation_config", None)
-    if generation is not None and not (engine.source_dir and os.path.isfile(
-            os.path.join(engine.source_dir, "generation_config.json"))):
+    generation = getattr(state.model, "generation_config", None)
+    if generation is not None and not (state.source_dir and os.path.isfile(
+            os.path.join(state.source_dir, "generation_config.json"))):
         generation.to_json_file(os.path.join(folder, "generation_config.json"))
         files.fsync_file(os.path.join(folder, "generation_config.json"))

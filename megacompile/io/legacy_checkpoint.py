@@ -14,14 +14,13 @@ import torch
 from ..errors import MegacompileError
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..state import TrainingState
 
 FORMAT = "megacompile-checkpoint/1"
 
 
-def load(engine: "Engine", path: str) -> None:
+def load(state: "TrainingState", path: str) -> None:
     """Restore a checkpoint; checks every name and shape before changing anything."""
-    from .checkpoint import expected_state
     from .state_dict import checker
     from ..runtime import HostState
     try:
@@ -30,8 +29,8 @@ def load(engine: "Engine", path: str) -> None:
         raise MegacompileError(f"cannot read the checkpoint {path}: {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise MegacompileError(f"{path} is not a megacompile checkpoint ({FORMAT})")
-    engine._wait_updates()
-    trainable, _ = expected_state(engine)
+    state.wait_updates()
+    trainable, _ = state.layout()
     problems = []
     for table in ("masters", "exp_avg", "exp_avg_sq"):
         names = set(payload[table])
@@ -42,24 +41,24 @@ def load(engine: "Engine", path: str) -> None:
             if tuple(payload[table][name].shape) != trainable[name]:
                 problems.append(f"{table}[{name}] has shape {tuple(payload[table][name].shape)}, "
                                 f"the model has {trainable[name]}")
-    problems += _accumulation_problems(engine, payload, trainable)
+    problems += _accumulation_problems(state, payload, trainable)
     weights = {**payload["masters"], **payload["buffers"]}
-    own = engine.host if engine.host is not None else checker(engine, trainable)
+    own = state.host if state.host is not None else checker(state, trainable)
     problems += HostState.load_problems(own, weights)
     if problems:
         raise MegacompileError(f"the checkpoint {path} does not match this model: {'; '.join(problems[:4])}; "
                                "nothing was loaded")
     pending = _Payload(payload)
-    if engine.host is not None:
-        pending.apply(engine.host)
+    if state.host is not None:
+        pending.apply(state.host)
     else:
-        engine._pending_load = pending     # written when the first step builds the host state
-    engine._weight_parts = None
-    engine.steps_done = payload["steps_done"]
-    engine.micro_batches = payload["micro_batches"]
-    engine.torch_optimizer.param_groups[0]["lr"] = payload["lr_handle"]
+        state.pending_load = pending     # written when the first step builds the host state
+    state.weight_parts = None
+    state.steps_done = payload["steps_done"]
+    state.micro_batches = payload["micro_batches"]
+    state.torch_optimizer.param_groups[0]["lr"] = payload["lr_handle"]
     torch.set_rng_state(payload["rng"])
-    engine._materialized = True
+    state.materialized = True
 
 
 class _Payload:
@@ -79,7 +78,7 @@ class _Payload:
                     host.view("grad", name).copy_(payload["grads"][name])
 
 
-def _accumulation_problems(engine: "Engine", payload: dict, trainable: dict) -> list[str]:
+def _accumulation_problems(state: "TrainingState", payload: dict, trainable: dict) -> list[str]:
     """A checkpoint saved between the micro-batches of a step carries their gradient sum; it
     resumes only where a step has the same number of micro-batches."""
     saved_k = payload.get("grad_accum", 1)
@@ -88,8 +87,8 @@ def _accumulation_problems(engine: "Engine", payload: dict, trainable: dict) -> 
     if "grads" not in payload:
         return [f"it was saved after micro-batch {payload['micro_batches'] % saved_k} of {saved_k} of a step "
                 "without their gradients (an older format): resume from a checkpoint saved at a step boundary"]
-    if saved_k != engine.grad_accum:
-        return [f"it was saved mid-step with grad_accum={saved_k}, this engine has grad_accum={engine.grad_accum}: "
+    if saved_k != state.grad_accum:
+        return [f"it was saved mid-step with grad_accum={saved_k}, this engine has grad_accum={state.grad_accum}: "
                 f"compile with grad_accum={saved_k} to resume it"]
     grads = payload["grads"]
     return [f"grads[{name}] is missing" if name not in grads else

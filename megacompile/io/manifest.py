@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+NAME = "manifest.json"     # the name of a checkpoint folder's manifest (io/checkpoint.py)
+
 # A check takes a value and returns what is wrong with it (None: nothing).
 Check = Callable[[Any], "str | None"]
 

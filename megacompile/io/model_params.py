@@ -19,34 +19,35 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import MegacompileError
+from . import unbuilt
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..state import TrainingState
 
 
-def attach(engine: "Engine") -> None:
+def attach(state: "TrainingState") -> None:
     """model.state_dict() reads the engine's state from now on (a weak reference: the hook does not
     keep the engine alive, and does nothing once it is gone)."""
-    ref = weakref.ref(engine)
+    ref = weakref.ref(state)
 
     def before_state_dict(module, prefix, keep_vars) -> None:
         owner = ref()
         if owner is not None and owner.model is module and not keep_vars:
             check_readable(owner)
             write_back(owner)
-    engine.model.register_state_dict_pre_hook(before_state_dict)
+    state.model.register_state_dict_pre_hook(before_state_dict)
 
 
-def check_readable(engine: "Engine") -> None:
+def check_readable(state: "TrainingState") -> None:
     """Refuse a read of the module's weights where they are not the engine's (keep_vars reads, which
     the engine's own capture makes, pass: they take the parameter objects, not their values)."""
-    if engine.data_parallel is not None and (engine.host is not None or engine._pending_load is not None
-                                             or engine._weight_parts is not None):
+    if state.data_parallel is not None and (state.host is not None or state.pending_load is not None
+                                            or state.weight_parts is not None):
         raise MegacompileError(
             "model.state_dict() reads the module's own parameters, and with data parallelism each rank's "
             "engine holds only its share of the trained ones: call engine.state_dict() on every rank (it "
             "gathers them) or engine.save_pretrained(path)")
-    meta = [n for n, p in engine.model.named_parameters() if p.is_meta]
+    meta = [n for n, p in state.model.named_parameters() if p.is_meta]
     if meta:
         raise MegacompileError(
             f"model.state_dict() reads the module's own parameters, and {len(meta)} of them ({', '.join(meta[:3])}) "
@@ -54,18 +55,24 @@ def check_readable(engine: "Engine") -> None:
             "engine.state_dict(), or write a Hugging Face folder with engine.save_pretrained(path)")
 
 
-def write_back(engine: "Engine") -> None:
+def synchronize(state: "TrainingState") -> None:
+    """Wait for host updates still running, and bring the module's own parameters up to date."""
+    state.wait_updates()
+    write_back(state)
+
+
+def write_back(state: "TrainingState") -> None:
     """Copy the engine's masters (and buffers) into the module's real tensors, if they changed
     since the last copy (reading them waits for the running updates first)."""
-    version = (engine.steps_done, engine._loads)     # what changes whenever the masters do
-    if engine.data_parallel is not None or engine._module_version == version:
+    version = (state.steps_done, state.loads)     # what changes whenever the masters do
+    if state.data_parallel is not None or state.module_version == version:
         return
-    if engine.host is None and engine._pending_load is None and engine._weight_parts is None:
-        engine._module_version = version       # the module's own weights are the state
+    if state.host is None and state.pending_load is None and state.weight_parts is None:
+        state.module_version = version       # the module's own weights are the state
         return
-    own = engine.model.state_dict(keep_vars=True)
+    own = state.model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for key, t in engine._state_tensors():      # one tensor at a time, no copy of the state
+        for key, t in unbuilt.state_tensors(state):      # one tensor at a time, no copy of the state
             if key in own and not own[key].is_meta:
                 own[key].copy_(t)
-    engine._module_version = version
+    state.module_version = version

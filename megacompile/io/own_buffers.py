@@ -20,17 +20,17 @@ from safetensors import safe_open
 from .source import CONST, Item
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..state import TrainingState
 
 # Two constructions of the same buffer agree to the last bit on one machine; this leaves room
 # for another build of torch rounding a transcendental function differently, and no more.
 RTOL, ATOL = 1e-6, 1e-12
 
 
-def differing(engine: "Engine", items: list[Item]) -> dict[str, str]:
+def differing(state: "TrainingState", items: list[Item]) -> dict[str, str]:
     """Canonical name -> 'the checkpoint has ..., the model ...' for each buffer the model built
     itself whose value in the checkpoint differs. Reads those buffers alone, one at a time."""
-    own = {engine._canonical.get(n, n): b for n, b in engine.model.named_buffers() if not b.is_meta}
+    own = {state.canonical.get(n, n): b for n, b in state.model.named_buffers() if not b.is_meta}
     by_file: dict[str, list[Item]] = defaultdict(list)
     for it in items:
         if it.table == CONST and it.name in own:

@@ -14,29 +14,29 @@ import torch
 from ..errors import CheckpointError, MegacompileError
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..state import TrainingState
 
 
-def optimizer_settings(engine: "Engine") -> dict:
-    opt = engine.optimizer
+def optimizer_settings(state: "TrainingState") -> dict:
+    opt = state.optimizer
     return {"lr": "callable" if callable(opt.lr) else opt.lr, "betas": list(opt.betas), "eps": opt.eps,
             "weight_decay": opt.weight_decay, "max_grad_norm": opt.max_grad_norm, "kernel": opt.kernel,
-            "grad_accum": engine.grad_accum, "compute_dtype": str(engine.compute_dtype).replace("torch.", "")}
+            "grad_accum": state.grad_accum, "compute_dtype": str(state.compute_dtype).replace("torch.", "")}
 
 
-def setting_differences(saved: dict, engine: "Engine") -> list[str]:
+def setting_differences(saved: dict, state: "TrainingState") -> list[str]:
     """Each setting in which the engine differs from the run that saved the checkpoint."""
-    own = optimizer_settings(engine)
+    own = optimizer_settings(state)
     return [f"{key}: the checkpoint has {saved.get(key)!r}, this engine {value!r}"
             for key, value in own.items() if saved.get(key) != value]
 
 
-def lr_schedulers(engine: "Engine") -> list:
+def lr_schedulers(state: "TrainingState") -> list:
     """The torch LR schedulers attached to `engine.torch_optimizer` and still alive, in a fixed
     order (by class name). A scheduler holds the optimizer, never the other way round, so they
     are found among its referrers (one hop further where the referrer is an instance's dict)."""
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-    handle = engine.torch_optimizer
+    handle = state.torch_optimizer
     found = {}
     for ref in gc.get_referrers(handle):
         owners = [ref] if not isinstance(ref, dict) else gc.get_referrers(ref)
@@ -46,24 +46,24 @@ def lr_schedulers(engine: "Engine") -> list:
     return sorted(found.values(), key=lambda s: type(s).__name__)
 
 
-def schedule_state(engine: "Engine") -> dict:
-    handle = engine.torch_optimizer
+def schedule_state(state: "TrainingState") -> dict:
+    handle = state.torch_optimizer
     group = {k: v for k, v in handle.param_groups[0].items() if k != "params"}
-    schedulers = [{"class": type(s).__name__, "state": s.state_dict()} for s in lr_schedulers(engine)]
+    schedulers = [{"class": type(s).__name__, "state": s.state_dict()} for s in lr_schedulers(state)]
     return {"param_group": _jsonable(group), "schedulers": _jsonable(schedulers)}
 
 
-def restore_schedule(engine: "Engine", saved: dict, lr_differs: bool) -> list[str]:
+def restore_schedule(state: "TrainingState", saved: dict, lr_differs: bool) -> list[str]:
     """Put the handle's learning rate and every attached scheduler back; returns notes on what
     could not be matched."""
     notes = []
-    group = engine.torch_optimizer.param_groups[0]
+    group = state.torch_optimizer.param_groups[0]
     for key, value in saved["param_group"].items():
         if key in ("lr", "initial_lr") and lr_differs:
             continue      # the engine's own learning rate wins; the caller warned
         if key in ("lr", "initial_lr"):
             group[key] = value
-    attached = lr_schedulers(engine)
+    attached = lr_schedulers(state)
     kept = list(saved["schedulers"])
     for scheduler in attached:
         match = next((s for s in kept if s["class"] == type(scheduler).__name__), None)

@@ -24,7 +24,7 @@ from ..errors import MegacompileError
 from ..runtime import HostState
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..state import TrainingState
 
 META_HINT = ("non-persistent buffers (rotary inv_freq) of a model built on meta must be passed too, or built "
              "real: construct the model with its parameters alone on meta (accelerate's init_empty_weights())")
@@ -50,23 +50,23 @@ class LoadedParts:
         self.kept = {}
 
 
-def load(engine: "Engine", state: dict, strict: bool = True) -> None:
-    if not isinstance(state, dict):
-        raise MegacompileError(f"load_state_dict takes a dict of tensors by parameter name, got {type(state).__name__}")
+def load(state: "TrainingState", weights: dict, strict: bool = True) -> None:
+    if not isinstance(weights, dict):
+        raise MegacompileError(f"load_state_dict takes a dict of tensors by parameter name, got {type(weights).__name__}")
     if not isinstance(strict, bool):
         raise MegacompileError(f"load_state_dict(strict=...) is True (the dict completes the weights) or False "
                                f"(one part of them); got {strict!r}")
-    parts = engine._weight_parts
+    parts = state.weight_parts
     if parts is None:
-        pending = engine._pending_load
+        pending = state.pending_load
         parts = LoadedParts(before=pending if pending is not None and not isinstance(pending, LoadedParts) else None)
-    trainable, const = _expected(engine)
-    names = {key: engine._canonical.get(key, key) for key in state}
+    trainable, const = _expected(state)
+    names = {key: state.canonical.get(key, key) for key in weights}
     unexpected = [k for k, n in names.items() if n not in trainable and n not in const]
-    own = engine.host if engine.host is not None else checker(engine, trainable)
-    bad = [p for k, t in state.items() if names[k] not in unexpected
+    own = state.host if state.host is not None else checker(state, trainable)
+    bad = [p for k, t in weights.items() if names[k] not in unexpected
            for p in HostState.load_problems(own, {names[k]: t})]
-    missing = sorted(set(required(engine, trainable, const)) - parts.loaded - set(names.values())) if strict else []
+    missing = sorted(set(required(state, trainable, const)) - parts.loaded - set(names.values())) if strict else []
     if missing or bad or unexpected:
         raise MegacompileError(
             f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shapes, dtypes or values "
@@ -74,60 +74,59 @@ def load(engine: "Engine", state: dict, strict: bool = True) -> None:
             + (f" (the {len(missing)} missing ones may come in other parts: load_state_dict(part, strict=False) "
                "for each but the last)" if missing else "")
             + (f"; {META_HINT}" if any(n in const for n in missing) else ""))
-    tensors = {names[k]: t for k, t in state.items()}
-    if engine.host is not None:
-        engine._wait_updates()
-        if not engine._materialized and not parts.loaded:
-            _own_tensors(engine.host, engine.model, parts)
+    tensors = {names[k]: t for k, t in weights.items()}
+    if state.host is not None:
+        state.wait_updates()
+        if not state.materialized and not parts.loaded:
+            _own_tensors(state.host, state.model, parts)
         with torch.no_grad():
-            engine.host.load(tensors)
+            state.host.load(tensors)
     else:
         parts.kept.update(tensors)
-        engine._pending_load = parts
+        state.pending_load = parts
     parts.loaded |= set(tensors)
-    engine._weight_parts = parts
-    if not engine._materialized and not missing_names(engine):
-        engine._materialized = True
+    state.weight_parts = parts
+    if not state.materialized and not missing_names(state):
+        state.materialized = True
 
 
-def required(engine: "Engine", trainable: dict, const: dict) -> list[str]:
+def required(state: "TrainingState", trainable: dict, const: dict) -> list[str]:
     """What a complete load holds: every trainable parameter; for a model built on meta, also
     every buffer or frozen weight that is on meta in the model."""
-    if engine._materialized:
+    if state.materialized:
         return list(trainable)
-    meta = {engine._canonical.get(n, n) for n, t in list(engine.model.named_parameters())
-            + list(engine.model.named_buffers()) if t.is_meta}
+    meta = {state.canonical.get(n, n) for n, t in list(state.model.named_parameters())
+            + list(state.model.named_buffers()) if t.is_meta}
     return list(trainable) + [n for n in const if n in meta]
 
 
-def missing_names(engine: "Engine") -> list[str]:
-    trainable, const = _expected(engine)
-    loaded = engine._weight_parts.loaded if engine._weight_parts is not None else set()
-    return sorted(set(required(engine, trainable, const)) - loaded)
+def missing_names(state: "TrainingState") -> list[str]:
+    trainable, const = _expected(state)
+    loaded = state.weight_parts.loaded if state.weight_parts is not None else set()
+    return sorted(set(required(state, trainable, const)) - loaded)
 
 
-def missing_error(engine: "Engine") -> MegacompileError:
+def missing_error(state: "TrainingState") -> MegacompileError:
     """The first step or forward of a model built on meta whose weights are not all loaded."""
-    missing = missing_names(engine)
-    if engine._weight_parts is None:
+    missing = missing_names(state)
+    if state.weight_parts is None:
         return MegacompileError("the model was built on the meta device and has no weights: load them with "
                                 "engine.load_state_dict(state_dict) before step() or a forward")
-    const = _expected(engine)[1]
+    const = _expected(state)[1]
     return MegacompileError(f"the model was built on the meta device and {len(missing)} of its tensors were never "
                             f"loaded: {', '.join(missing[:5])}; pass them to engine.load_state_dict before step() "
                             f"or a forward" + (f" ({META_HINT})" if any(n in const for n in missing) else ""))
 
 
-def _expected(engine: "Engine") -> tuple[dict, dict]:
-    from .checkpoint import expected_state
-    return expected_state(engine)
+def _expected(state: "TrainingState") -> tuple[dict, dict]:
+    return state.layout()
 
 
-def checker(engine: "Engine", trainable: dict) -> SimpleNamespace:
+def checker(state: "TrainingState", trainable: dict) -> SimpleNamespace:
     """What HostState.load_problems reads, before host state exists: shapes of the trainable
     parameters, the model's own tensors (meta or not: only shape and dtype are read) for the rest."""
-    consts = {engine._canonical.get(n, n): t for n, t in list(engine.model.named_parameters())
-              + list(engine.model.named_buffers()) if engine._canonical.get(n, n) not in trainable}
+    consts = {state.canonical.get(n, n): t for n, t in list(state.model.named_parameters())
+              + list(state.model.named_buffers()) if state.canonical.get(n, n) not in trainable}
     return SimpleNamespace(slots={n: SimpleNamespace(shape=s) for n, s in trainable.items()}, consts=consts)
 
 

@@ -10,7 +10,7 @@ moments are zeros until a checkpoint says otherwise. Only the tensor being writt
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -19,7 +19,7 @@ from ..errors import MegacompileError
 from .source import CONST, MASTER, TABLES, WEIGHT, PendingLoad
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..state import TrainingState
 
 
 class Lazy:
@@ -33,19 +33,39 @@ class Lazy:
         return self._produce()
 
 
-def tables(engine: "Engine") -> tuple[dict[str, dict[str, Lazy]], dict[str, Lazy]]:
+def state_tensors(state: "TrainingState") -> Iterator[tuple[str, torch.Tensor]]:
+    """(state_dict key, tensor), one at a time and not copied: views of the host state, or before
+    it exists, read from where the weights wait."""
+    if state.host is not None:
+        state.wait_updates()
+        for key, name in state.canonical.items():
+            if name in state.host.slots:
+                yield key, state.host.master(name)
+            elif name in state.host.consts:
+                yield key, state.host.consts[name]
+        return
+    if not state.materialized:
+        raise MegacompileError("no weights yet: the model was built on the meta device; load them "
+                               "(engine.load_state_dict, engine.load_checkpoint) before reading engine.state_dict()")
+    trainable, consts = tables(state)
+    for key, name in state.canonical.items():
+        lazy = trainable["master"].get(name) or consts.get(name)
+        if lazy is not None:
+            yield key, lazy()
+
+
+def tables(state: "TrainingState") -> tuple[dict[str, dict[str, Lazy]], dict[str, Lazy]]:
     """({master, exp_avg, exp_avg_sq, grad} -> {name: Lazy} for the trainable parameters,
     {name: Lazy} for buffers and frozen weights)."""
-    from .checkpoint import expected_state
     from .state_dict import LoadedParts
-    trainable, const = expected_state(engine)
-    own = {engine._canonical.get(n, n): t for n, t in list(engine.model.named_parameters())
-           + list(engine.model.named_buffers())}
+    trainable, const = state.layout()
+    own = {state.canonical.get(n, n): t for n, t in list(state.model.named_parameters())
+           + list(state.model.named_buffers())}
     sources: dict[str, dict[str, Callable]] = defaultdict(dict)
     for name, t in own.items():
-        if not t.is_meta and (engine._materialized or name in const):
+        if not t.is_meta and (state.materialized or name in const):
             sources[MASTER][name] = lambda t=t: t.detach()
-    pending, kept = engine._pending_load, {}
+    pending, kept = state.pending_load, {}
     if isinstance(pending, LoadedParts):
         pending, kept = pending.before, pending.kept
     if isinstance(pending, PendingLoad):

@@ -23,7 +23,6 @@ from ..passes import StepKind
 from .result import Plan
 from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
-from ..accumulate import check_mode
 from .search import default_profile, lowest_budget, make_baseline_plan, make_plan, place_host_state
 
 GiB = 2 ** 30
@@ -154,7 +153,7 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     host_budget_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
     nvme_budget_bytes = arguments.budget_bytes("nvme_budget", nvme_budget, optional=True)
     grad_accum = arguments.count("grad_accum", grad_accum, what=" (micro-batches per optimizer step)")
-    check_mode(accumulation)
+    arguments.accumulation(accumulation)
     if ranks is not None:     # as compile() under data parallelism: micro-batches one by one
         if accumulation == "layer":
             raise ArgumentError("accumulation='layer' is not supported with data parallelism yet")

@@ -12,7 +12,7 @@ from importlib import resources
 from typing import Any
 
 from .. import arguments
-from ..accumulate import MODES as ACCUMULATION
+from ..arguments import ACCUMULATION
 from ..errors import ArgumentError
 
 SCHEDULES = ("constant", "linear", "cosine")

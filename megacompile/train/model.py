@@ -114,7 +114,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         from ..models import LlamaConfig, TinyLlama
         engine = Engine(TinyLlama(LlamaConfig(**c.bundled_model)), budget, **kwargs)
     elif _hf_weights(c.model):
-        from ..io.hf_load import from_pretrained
+        from ..engine import from_pretrained
         engine = from_pretrained(c.model, budget, **kwargs)
     else:                                           # a config: random init, seeded
         from transformers import AutoModelForCausalLM

@@ -97,7 +97,7 @@ def test_keep_last_rotates_and_an_uncommitted_one_names_the_last_good(tmp_path):
     with pytest.raises(WeightsFileError, match=r"step-3: it is not committed.*last committed checkpoint beside it is "
                                                r".*step-2"):
         fresh.load_checkpoint(str(tmp_path / "step-3"))
-    assert fresh.host is None and fresh.steps_done == 0 and fresh._pending_load is None
+    assert fresh.host is None and fresh.steps_done == 0 and fresh.state.pending_load is None
     fresh.load_checkpoint(str(tmp_path / "step-2"))
     assert fresh.steps_done == 3
 
@@ -125,7 +125,7 @@ def test_other_optimizer_settings_refuse_or_warn_with_strict_false(tmp_path):
     other = _engine(models.NanoGPT(vocab=96, d=32, layers=2), lr=5e-4)
     with pytest.raises(megacompile.MegacompileError, match=r"lr: the checkpoint has 0.001, this engine 0.0005"):
         other.load_checkpoint(path)
-    assert other.steps_done == 0 and other._pending_load is None
+    assert other.steps_done == 0 and other.state.pending_load is None
     with pytest.warns(RuntimeWarning, match=r"this engine's are kept: lr: the checkpoint has 0.001"):
         other.load_checkpoint(path, strict=False)
     assert other.steps_done == 1 and other.torch_optimizer.param_groups[0]["lr"] == 5e-4
@@ -157,7 +157,7 @@ def test_planning_after_a_resume_draws_nothing_from_the_random_state(tmp_path, m
     """A fresh engine plans at its first step, after load_checkpoint restored the random state.
     Planning that draws random numbers (the first calibration of the cpu profile does, on a cold
     cache) must not shift the dropout masks: here every plan draws, as a cold cache would."""
-    import megacompile.engine as engine_module
+    import megacompile.engine.engine as engine_module
     torch.manual_seed(0)
     model = models.NanoGPT(vocab=96, d=32, layers=2, dropout=0.1)
     batches = _batches(3)

@@ -51,7 +51,7 @@ def test_a_checkpoint_of_another_rope_theta_is_refused_naming_the_buffer(llama_c
                                                rf"\(min 0\.001.*\), the model \[1, 0\.0316228, 0\.001, \.\.\.\].*"
                                                r"nothing was loaded \(strict=False.*rope_theta"):
         engine.load_checkpoint(llama_checkpoint)
-    assert engine.steps_done == 0 and engine._pending_load is None and engine.host is None
+    assert engine.steps_done == 0 and engine.state.pending_load is None and engine.host is None
 
 
 def test_strict_false_keeps_the_models_own_buffers_and_says_which(llama_checkpoint):
@@ -121,7 +121,7 @@ def test_a_manifest_field_of_the_wrong_type_is_refused_naming_it(tmp_path, edit,
     other = _engine(models.NanoGPT(vocab=96, d=32, layers=2))
     with pytest.raises(WeightsFileError, match=r"its manifest.json does not hold what a save writes: " + message):
         other.load_checkpoint(path)
-    assert other.steps_done == 0 and other._pending_load is None
+    assert other.steps_done == 0 and other.state.pending_load is None
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +147,11 @@ def test_a_path_that_is_not_a_checkpoint_folder_says_what_to_pass(saved, given, 
     engine = _engine(_llama(1e4))
     with pytest.raises(WeightsFileError, match=r"cannot load the checkpoint .*: " + message):
         engine.load_checkpoint(str(saved / given))
-    assert engine.steps_done == 0 and engine._pending_load is None
+    assert engine.steps_done == 0 and engine.state.pending_load is None
 
 
 def test_strict_that_is_not_a_bool_is_refused(llama_checkpoint):
     engine = _engine(_llama(1e4))
     with pytest.raises(MegacompileError, match=r"load_checkpoint\(strict=...\) is True .* or False .*; got 'yes'"):
         engine.load_checkpoint(llama_checkpoint, strict="yes")
-    assert engine.steps_done == 0 and engine._pending_load is None
+    assert engine.steps_done == 0 and engine.state.pending_load is None

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 import time
-import uuid
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -22,23 +20,25 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import CapturedModel, capture
-from .capture.loss import LossFn
-from . import arguments
-from .errors import ArgumentError, InputMismatchError, MegacompileError, NonFiniteError
-from .optim import AdamW
-from .optim.lr_handle import LearningRateHandle
-from .passes import StepKind
-from .optim.host_update import HostUpdate
-from .plan import Plan
-from .plan.cache import PlanCache, note_new_shape
-from .cost import HardwareProfile
-from .cost.host_memory import default_host_budget_bytes, free_disk_bytes
-from .plan.search import make_plan, place_host_state
-from .runtime import Executor, HostState, make_backend, shutdown
-from .runtime.executor import NonFiniteLoss
-from .distributed import data_parallel_for
-from .accumulate import check_mode, layer_major_step
+from ..capture import CapturedModel, capture
+from ..capture.loss import LossFn
+from .. import arguments
+from ..errors import ArgumentError, InputMismatchError, MegacompileError
+from ..optim import AdamW
+from ..passes import StepKind
+from ..plan import Plan
+from ..plan.cache import PlanCache, note_new_shape
+from ..cost import HardwareProfile
+from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes
+from ..plan.search import make_plan, place_host_state
+from ..runtime import Executor, HostState, make_backend, shutdown
+from ..state import TrainingState
+from ..io import hf_save, model_params, state_dict, unbuilt
+from ..io.checkpoint import LocalCheckpoints
+from ..distributed import data_parallel_for
+from ..distributed.checkpoint import ShardedCheckpoints
+from .layer_major_step import layer_major_step
+from .step import StepRecord, run_step, tokens
 
 GiB = 2 ** 30
 
@@ -85,15 +85,13 @@ class Engine:
         if self.nvme_budget_bytes is not None and nvme_dir is None:
             raise ArgumentError("nvme_budget bounds the disk tier in nvme_dir: give nvme_dir=PATH too")
         self.host_cost = None        # where the host state lives and what it takes (cost/host_memory.py)
-        self.model = model
         self.host_budget_bytes = host_bytes if host_bytes is not None else default_host_budget_bytes()
         if self.data_parallel is not None:    # the budget is the node's: each of its ranks plans in its part
             self.host_budget_bytes //= self.data_parallel.per_node
-        self.optimizer = optimizer
-        # What the executors call on the host stream; it holds no reference back to the engine, so a
-        # dropped engine is freed (and its threads end) without waiting for the cyclic collector.
-        self._update = HostUpdate(optimizer)
-        self.compute_dtype = compute_dtype
+        # The model, its masters and moments, the optimizer and the counters: what io/ and
+        # distributed/ read and write (state/training.py).
+        self.state = TrainingState(model, optimizer, compute_dtype=compute_dtype, grad_accum=grad_accum,
+                                   data_parallel=self.data_parallel)
         self.loss_fn = loss_fn
         self.retrace = retrace
         self.dump_dir = dump_dir
@@ -102,9 +100,7 @@ class Engine:
             raise ArgumentError(f"hardware is a HardwareProfile to time plans with, or None for the device's own; "
                                 f"got {hardware!r}")
         self.hardware = hardware
-        self.grad_accum = grad_accum
-        self.accumulation = check_mode(accumulation)    # megacompile/accumulate
-        self.waiting_micro_batches: list[list[torch.Tensor]] = []   # a layer-major step's inputs so far
+        self.accumulation = arguments.accumulation(accumulation)   # engine/layer_major_step.py
         if self.accumulation == "layer" and self.data_parallel is not None:
             raise ArgumentError(f"accumulation={accumulation!r} is not supported with data parallelism yet: "
                                 "use accumulation='micro' (the default) or 'auto' with process groups")
@@ -120,48 +116,44 @@ class Engine:
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
         self.fuse = (self.backend.name == "cuda") if fuse is None else fuse
-        self.torch_optimizer = LearningRateHandle(self.optimizer)
+        # Checkpoints: one process's folder writer, or each rank its share of it.
+        self._checkpoints = LocalCheckpoints() if self.data_parallel is None else ShardedCheckpoints()
         if getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False   # a KV cache has no place in a training step
         self.device = self.backend.device
-        self._pending_load = None    # io.source.PendingLoad: weights to stream in when host state is built
-        self._weight_parts = None    # io.state_dict.LoadedParts: what load_state_dict calls have loaded
-        self.source_dir: str | None = None   # the Hugging Face folder from_pretrained read, if any
-        self._materialized = not any(p.is_meta for p in model.parameters())
-        # state_dict key -> the parameter/buffer name it stands for (tied weights share one)
-        first = {id(t): n for n, t in reversed(list(model.named_parameters()) + list(model.named_buffers()))}
-        self._canonical = {k: first.get(id(t), k) for k, t in model.state_dict(keep_vars=True).items()}
         self._captured: dict[tuple, CapturedModel] = PlanCache()
         self._compiled: dict[tuple, _Compiled] = PlanCache()
         self._shapes_seen = 0
         self._input_limits = arguments.InputLimits(model)
         self._last: _Compiled | None = None
         self._last_train: _Compiled | None = None
-        self.steps_done = 0          # optimizer steps
-        self.micro_batches = 0       # step() calls that committed
-        self.skipped_steps = 0       # steps dropped for an inf or NaN loss or gradient
-        # Names the run in its checkpoints' manifests: keep_last rotates only this run's. A
-        # load_checkpoint takes over the saved run's, so a resumed run goes on rotating its own.
-        self.run_id = uuid.uuid4().hex
         self.on_nonfinite = on_nonfinite
         self.last_step: StepRecord | None = None
         self._busy = threading.Lock()
         self._closed = False
-        # The module's parameters are brought up to date with the engine's state where it changed
-        # since (io/model_params.py): masters change at an optimizer step or a load.
-        self._loads = 0
-        self._module_version: tuple | None = None
-        from .io import model_params
-        model_params.attach(self)
+        model_params.attach(self.state)   # model.state_dict() reads the trained weights
 
+    # -- the training state, read through the engine ---------------------------------------
     @property
     def host(self) -> HostState | None:
         """The fp32 masters, AdamW moments and gradient sums; None until the first trace."""
-        return self._update.host
+        return self.state.host
 
-    @host.setter
-    def host(self, host: HostState | None) -> None:
-        self._update.host = host
+    model = property(lambda self: self.state.model)
+    optimizer = property(lambda self: self.state.optimizer)
+    torch_optimizer = property(lambda self: self.state.torch_optimizer,
+                               doc="torch LR schedulers attach here")
+    compute_dtype = property(lambda self: self.state.compute_dtype)
+    grad_accum = property(lambda self: self.state.grad_accum)
+    steps_done = property(lambda self: self.state.steps_done, doc="optimizer steps")
+    micro_batches = property(lambda self: self.state.micro_batches, doc="step() calls that committed")
+    skipped_steps = property(lambda self: self.state.skipped_steps,
+                             doc="steps dropped for an inf or NaN loss or gradient")
+    run_id = property(lambda self: self.state.run_id, doc="names the run in its checkpoints")
+    source_dir = property(lambda self: self.state.source_dir,
+                          doc="the Hugging Face folder from_pretrained read, if any")
+    waiting_micro_batches = property(lambda self: self.state.waiting_micro_batches,
+                                     doc="a layer-major step's inputs so far")
 
     # -- compiling -----------------------------------------------------------------------
     def _signature(self, args: tuple, kwargs: dict, train: bool) -> tuple:
@@ -210,17 +202,18 @@ class Engine:
                 host.disk.record_into(self.backend.timeline)
             # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
             # stream in now, one tensor at a time; a failure leaves the engine without host state.
-            if self._pending_load is not None:
-                self._pending_load.apply(host, self.model)
-            elif self._materialized:
+            state = self.state
+            if state.pending_load is not None:
+                state.pending_load.apply(host, self.model)
+            elif state.materialized:
                 host.load_module(self.model)
-            self.host, self._pending_load = host, None
+            state.host, state.pending_load = host, None
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
                          host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse, hardware=self.hardware,
                          host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
                          grad_accum=self.grad_accum, accumulation=self.accumulation)
-        executor = Executor(plan.captured, plan.program, self.backend, self.host, self._update.adamw,
-                            self._update.clip)
+        executor = Executor(plan.captured, plan.program, self.backend, self.host, self.state.update.adamw,
+                            self.state.update.clip)
         compiled = _Compiled(plan.captured, plan, executor)
         plan.timeline = self.backend.timeline     # its measured step, for traces and the memory picture
         self._compiled[(signature, kind)] = compiled
@@ -229,14 +222,6 @@ class Engine:
         if train:
             self._last_train = compiled
         return compiled
-
-    def _step_context(self) -> dict:
-        """Fixed when a step starts, read by its updates on the host stream (which may still be
-        running while the next step begins)."""
-        step = self.steps_done + 1
-        opt = self.optimizer
-        lr = opt.lr_at(step) if callable(opt.lr) else float(self.torch_optimizer.param_groups[0]["lr"])
-        return {"step": step, "lr": lr, "grad_scale": 1.0}
 
     def _nvme_budget(self) -> int | None:
         """Disk bytes the tier may take: nvme_budget, else the free space where nvme_dir is."""
@@ -251,9 +236,8 @@ class Engine:
         return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
 
     def _require_weights(self) -> None:
-        if not self._materialized:
-            from .io import state_dict
-            raise state_dict.missing_error(self)
+        if not self.state.materialized:
+            raise state_dict.missing_error(self.state)
 
     def prepare(self, *args, train: bool = True, **kwargs) -> Plan:
         """Build (and verify) the plan for these inputs without running it: says whether the model
@@ -273,76 +257,18 @@ class Engine:
             return self._step(args, kwargs)
 
     def _step(self, args: tuple, kwargs: dict) -> float:
-        """One micro-batch, all or nothing: until the final commit nothing but the running
-        micro-batch's own landing grads is written, so an exception anywhere (an op, the budget
-        guard, KeyboardInterrupt) leaves masters, moments, counters and the device ledger as
-        they were, and a non-finite loss or gradient skips the whole step."""
+        """One micro-batch, all or nothing (engine/step.py)."""
         started = time.perf_counter()
         if self.grad_accum > 1 and self.accumulation != "micro":
             loss = layer_major_step(self, args, kwargs, started)
             if loss is not NotImplemented:
                 return loss
-        micro = self.micro_batches % self.grad_accum
+        micro = self.state.micro_batches % self.grad_accum
         last = micro == self.grad_accum - 1
         compiled = self._compile(args, kwargs, train=True, update=last)
         self._require_weights()
-        # The last step's updates may still be running: the plan waits for each owner's update
-        # before its first prefetch, so they finish before this step's offloads touch the grads.
-        self.host.begin_micro_batch(first=micro == 0, last=last, norms=self.optimizer.max_grad_norm is not None)
-        context = self._step_context()
-        rng = self.backend.get_rng_state()
-        try:
-            (loss,) = compiled.executor.run(self._inputs(args, kwargs), seed=1.0 / self.grad_accum,
-                                            context=context, check_loss=True)
-        except NonFiniteLoss as e:
-            if self.data_parallel is not None:   # the other ranks wait for this one's word
-                self.data_parallel.agree(self.host, e.loss, last)
-            return self._skip(compiled, e.loss, "loss", f"the loss is {e.loss}", micro)
-        except BaseException as e:
-            if self.data_parallel is not None:
-                self.data_parallel.failed(e)
-            self.backend.set_rng_state(rng)   # a retry draws the same dropout masks
-            self.host.restore_copies()
-            raise
-        finally:
-            compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes
-            self._last = self._last_train = compiled
-        loss = float(loss)
-        skip = self.data_parallel.agree(self.host, loss, last) if self.data_parallel is not None else None
-        if skip is not None:
-            return self._skip(compiled, loss, *skip, micro)
-        bad = self.host.nonfinite_grads() if last else []
-        if bad:
-            return self._skip(compiled, loss, "gradient",
-                              f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})", micro)
-        self.host.commit_micro_batch()
-        compiled.executor.commit()
-        self.micro_batches += 1
-        if last:
-            self.steps_done += 1
-            self.torch_optimizer.step()   # tells attached torch LR schedulers a step happened
-        self.last_step = StepRecord(context["step"], loss, micro, last, grad_norm=context.get("grad_norm"),
-                                    lr=context["lr"], tokens=_tokens(args, kwargs),
-                                    seconds=time.perf_counter() - started,
-                                    device_peak_bytes=compiled.plan.measured_peak_bytes,
-                                    predicted_device_peak_bytes=compiled.plan.predicted_peak_bytes)
-        return loss
-
-    def _skip(self, compiled: _Compiled, loss: float, what: str, why: str, micro: int) -> float:
-        """Drop the step: no master, moment or counter changes, and the micro-batches already
-        accumulated in it go too (their sum may hold the inf or NaN)."""
-        compiled.executor.commit_nothing()
-        self.host.restore_copies()
-        self.micro_batches -= micro
-        self.skipped_steps += 1
-        step = self.steps_done + 1
-        self.last_step = StepRecord(step, loss, micro, True, skipped=what, reason=why)
-        message = (f"step {step} skipped: {why}; masters, AdamW moments and counters are unchanged"
-                   + (f", and its {micro} earlier micro-batches dropped" if micro else ""))
-        if self.on_nonfinite == "raise":
-            raise NonFiniteError(message + " (compile(..., on_nonfinite='skip') skips such steps with a warning)")
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return loss
+        return run_step(self, compiled, self._inputs(args, kwargs), micro=micro, last=last,
+                        tokens=tokens(args, kwargs), started=started)
 
     @contextmanager
     def _in_use(self, what: str):
@@ -363,14 +289,7 @@ class Engine:
         """Wait for host updates still running, and bring the model's own parameters (where it holds
         real ones) up to date with the trained masters: after it, `model.state_dict()` and
         `model.save_pretrained()` see the trained weights (io/model_params.py)."""
-        from .io import model_params
-        self._wait_updates()
-        model_params.write_back(self)
-
-    def _wait_updates(self) -> None:
-        """Wait for host updates still running (state_dict and load_state_dict do this)."""
-        if self.host is not None:
-            self.host.wait_updates()
+        model_params.synchronize(self.state)
 
     @torch.no_grad()
     @torch.inference_mode(False)   # the copy streams write device tensors this thread makes
@@ -406,9 +325,9 @@ class Engine:
         """Write the last step as a Chrome trace (Perfetto, chrome://tracing): the plan's predicted
         timeline and the measured one, per stream, with device bytes and the budget (view/trace.py).
         Before any step, the prediction alone. Waits for the step's host updates first."""
-        from .view import write_trace
+        from ..view import write_trace
         plan = self._last.plan if self._last is not None else self.plan
-        self._wait_updates()
+        self.state.wait_updates()
         write_trace(path, plan, self.backend.timeline)
 
     def memory_stats(self) -> dict:
@@ -433,47 +352,16 @@ class Engine:
         return OrderedDict((key, t.clone()) for key, t in self._state_tensors())
 
     def _state_tensors(self):
-        """(state_dict key, tensor), one at a time and not copied: views of the host state, or
-        before it exists, read from where the weights wait (io/unbuilt.py)."""
-        if self.host is not None:
-            self._wait_updates()
-            for key, name in self._canonical.items():
-                if name in self.host.slots:
-                    yield key, self.host.master(name)
-                elif name in self.host.consts:
-                    yield key, self.host.consts[name]
-            return
-        if not self._materialized:
-            raise MegacompileError("no weights yet: the model was built on the meta device; load them "
-                                   "(engine.load_state_dict, engine.load_checkpoint) before reading engine.state_dict()")
-        from .io import unbuilt
-        trainable, consts = unbuilt.tables(self)
-        for key, name in self._canonical.items():
-            lazy = trainable["master"].get(name) or consts.get(name)
-            if lazy is not None:
-                yield key, lazy()
+        """(state_dict key, tensor), one at a time and not copied (io/unbuilt.py)."""
+        return unbuilt.state_tensors(self.state)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights into the masters, whole or one part (a shard) at a time with strict=False;
         strict=True (the last part, or {}) checks that every weight has been loaded. Every name,
         shape, dtype and value of a call is checked before it writes anything. A model built on
         meta trains once its parts are complete (its first step names what is missing)."""
-        from .io import state_dict
-        state_dict.load(self, state, strict=strict)
-        self._loads += 1
-
-    def _host_or_error(self) -> HostState:
-        if self.host is None:
-            raise MegacompileError("no host state yet: the first step() or prepare(...) builds it")
-        return self.host
-
-    def _checkpoint_room(self):
-        """io.checkpoint, or with data parallelism distributed.checkpoint (each rank its share)."""
-        if self.data_parallel is not None:
-            from .distributed import checkpoint as sharded
-            return sharded
-        from .io import checkpoint
-        return checkpoint
+        state_dict.load(self.state, state, strict=strict)
+        self.state.loads += 1
 
     def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
         """Write a checkpoint folder at `path`: masters, AdamW moments, counters, optimizer settings,
@@ -482,9 +370,9 @@ class Engine:
         replaced only then (until the new one is committed, the old one stays loadable). keep_last=N
         keeps this run's N latest committed checkpoints in the same parent folder (the one just
         written always among them) and removes its older ones; checkpoints of other runs there are
-        never touched (a run is this engine, or the run it resumed with load_checkpoint)."""
-        checkpoint = self._checkpoint_room()
-        checkpoint.save(self, path, extra=extra, keep_last=keep_last)
+        never touched (a run is this engine, or the run it resumed with load_checkpoint).
+        With data parallelism each rank writes its share (distributed/checkpoint.py)."""
+        self._checkpoints.save(self.state, path, extra=extra, keep_last=keep_last)
 
     def load_checkpoint(self, path: str, *, strict: bool = True) -> Any:
         """Resume from a checkpoint folder (no prepare() needed): training continues exactly where
@@ -494,8 +382,8 @@ class Engine:
         itself (rotary inv_freq from another rope_theta), is refused, naming each difference.
         strict=False loads it keeping this engine's settings and the model's own buffers, with a
         warning naming them. Returns the `extra` state it was saved with."""
-        extra = self._checkpoint_room().load(self, path, strict=strict)
-        self._loads += 1
+        extra = self._checkpoints.load(self.state, path, strict=strict)
+        self.state.loads += 1
         return extra
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
@@ -512,11 +400,10 @@ class Engine:
         does not have (shards of another count, a single file) are removed. The new files are staged in
         the folder and swapped in once complete: a failed or killed export leaves the previous one
         as it was (io/hf_save.py)."""
-        from .io import hf_save
         if self.data_parallel is not None:    # rank 0 writes, the masters gathered
-            return self.data_parallel.on_rank_zero(self, lambda: hf_save.save_pretrained(
-                self, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))
-        hf_save.save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+            return self.data_parallel.on_rank_zero(self.state.host_or_error(), lambda: hf_save.save_pretrained(
+                self.state, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))
+        hf_save.save_pretrained(self.state, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
 
     def close(self) -> None:
         """Stop the engine's streams (after the running updates finish); the host state stays
@@ -527,41 +414,6 @@ class Engine:
             self.synchronize()        # the model's own parameters get the trained weights
             self._closed = True
             self._end()
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What the last step() did: `engine.last_step`.
-
-    step: the 1-based optimizer step the micro-batch belonged to; loss: its loss; micro_batch:
-    its index in the step (0 .. grad_accum-1); updated: the masters were updated (the step's last
-    micro-batch committed); skipped: None, "loss" or "gradient" (inf or NaN found; nothing was
-    updated); reason: why, in words; grad_norm: the global norm when clipping (the whole step's,
-    on its last micro-batch); lr: the step's learning rate; tokens: elements of the micro-batch's
-    input_ids (or first input); seconds: the call's wall time; device_peak_bytes and
-    predicted_device_peak_bytes: the plan's measured and predicted device peaks.
-    """
-    step: int
-    loss: float
-    micro_batch: int
-    updated: bool
-    skipped: str | None = None
-    reason: str | None = None
-    grad_norm: float | None = None
-    lr: float | None = None
-    tokens: int | None = None
-    seconds: float | None = None
-    device_peak_bytes: int | None = None
-    predicted_device_peak_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.skipped:
-            object.__setattr__(self, "updated", False)
-
-
-def _tokens(args: tuple, kwargs: dict) -> int | None:
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    return ids.numel() if isinstance(ids, torch.Tensor) else None
 
 
 def _describe(args: tuple, kwargs: dict) -> str:

@@ -1,0 +1,14 @@
+"""The Engine that compile() returns, and its way in from a Hugging Face folder.
+
+    engine.py            Engine: plans per input signature, step(), the forward, reading and
+                         writing its state (through io/ and distributed/, which receive the
+                         TrainingState, never the engine)
+    step.py              the step protocol, once: commit or leave nothing; StepRecord
+    layer_major_step.py  a step's micro-batches held until the last, then run as one program
+    from_pretrained.py   megacompile.from_pretrained
+"""
+from .engine import Engine
+from .from_pretrained import from_pretrained
+from .step import StepRecord
+
+__all__ = ["Engine", "StepRecord", "from_pretrained"]

@@ -1,0 +1,34 @@
+"""megacompile.from_pretrained: a Hugging Face model folder straight into the host masters.
+
+The model is built from config.json with its parameters on the meta device (no weight memory)
+and its buffers real (io/hf_load.py). The shards' headers are checked against the model before
+the engine exists; the tensors themselves stream into the masters when the first step builds
+the host state (io/source.py), one at a time, cast to fp32.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import WeightsFileError
+from ..io.hf_load import build_model, plan_items, shard_map
+from ..io.source import PendingLoad
+from .engine import Engine
+
+
+def from_pretrained(path: str, hbm_budget: float, **compile_kwargs: Any) -> Engine:
+    """Compile the causal LM in the Hugging Face folder `path` (config.json and model.safetensors
+    or sharded model.safetensors.index.json); compile_kwargs as megacompile.compile."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise WeightsFileError(f"from_pretrained takes a local model folder (config.json + safetensors); {path!r} "
+                               "is not a folder")
+    path = os.fspath(path)
+    model = build_model(path)
+    shards = shard_map(path)
+    engine = Engine(model, hbm_budget, **compile_kwargs)
+    state = engine.state
+    state.pending_load = PendingLoad(plan_items(state.canonical, model, path, shards), own_buffers=True,
+                                     describe=f"the weights in {path}")
+    state.materialized = True
+    state.source_dir = path
+    return engine

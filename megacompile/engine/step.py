@@ -1,0 +1,134 @@
+"""One step, all or nothing: the protocol every step() runs, micro-batch-major or layer-major.
+
+Until the commit, nothing but the running micro-batch's own landing gradients is written, so an
+exception anywhere (an op, the budget guard, KeyboardInterrupt) leaves masters, moments, counters
+and the device ledger as they were, and puts the random state back (a retry draws the same dropout
+masks); a non-finite loss or gradient skips the whole step, the micro-batches already accumulated
+in it included (their sum may hold the inf or NaN). With data parallelism every rank hears of a
+failure or a skip on any of them, so they all commit or all skip.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import NonFiniteError
+from ..runtime.executor import NonFiniteLoss
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the last step() did: `engine.last_step`.
+
+    step: the 1-based optimizer step the micro-batch belonged to; loss: its loss; micro_batch:
+    its index in the step (0 .. grad_accum-1); updated: the masters were updated (the step's last
+    micro-batch committed); skipped: None, "loss" or "gradient" (inf or NaN found; nothing was
+    updated); reason: why, in words; grad_norm: the global norm when clipping (the whole step's,
+    on its last micro-batch); lr: the step's learning rate; tokens: elements of the micro-batch's
+    input_ids (or first input); seconds: the call's wall time; device_peak_bytes and
+    predicted_device_peak_bytes: the plan's measured and predicted device peaks.
+    """
+    step: int
+    loss: float
+    micro_batch: int
+    updated: bool
+    skipped: str | None = None
+    reason: str | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int | None = None
+    seconds: float | None = None
+    device_peak_bytes: int | None = None
+    predicted_device_peak_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.skipped:
+            object.__setattr__(self, "updated", False)
+
+
+def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: int | None,
+             started: float, micro_batches: int = 1) -> float:
+    """Run `compiled` over `inputs` and commit, or leave nothing; returns the (last) loss.
+
+    micro: the index in the optimizer step of the micro-batch this call commits (the last one, for
+    a layer-major program); micro_batches: how many micro-batches the program runs together (1:
+    `inputs` is one micro-batch's tensors; k: a list of k of them, the whole step at once).
+    started: the call's perf_counter() at entry, for the record's seconds."""
+    state, backend = engine.state, engine.backend
+    host, dp = state.host, state.data_parallel
+    # Micro-batch-major: the step's earlier calls committed their micro-batches one by one; a
+    # layer-major program holds them all, none committed yet.
+    earlier_committed = micro if micro_batches == 1 else 0
+    # The last step's updates may still be running: the plan waits for each owner's update
+    # before its first prefetch, so they finish before this step's offloads touch the grads.
+    host.begin_micro_batch(first=micro_batches > 1 or micro == 0, last=last,
+                           norms=state.optimizer.max_grad_norm is not None)
+    context = state.step_context()
+    rng = backend.get_rng_state()
+    try:
+        outputs = compiled.executor.run(inputs, seed=1.0 / (micro_batches if micro_batches > 1 else state.grad_accum),
+                                        context=context, check_loss=True)
+    except NonFiniteLoss as e:
+        if dp is not None:   # the other ranks wait for this one's word
+            dp.agree(host, e.loss, last)
+        return _skip(engine, compiled, e.loss, "loss", f"the loss is {e.loss}", micro, earlier_committed)
+    except BaseException as e:
+        if dp is not None:
+            dp.failed(e)
+        backend.set_rng_state(rng)
+        host.restore_copies()
+        raise
+    finally:
+        compiled.plan.measured_peak_bytes = backend.memory.peak_bytes
+        engine._last = engine._last_train = compiled
+    losses = [float(x) for x in outputs[::len(compiled.captured.outputs)]]     # one per micro-batch
+    loss = losses[-1]
+    refused = dp.agree(host, loss, last) if dp is not None else None
+    if refused is not None:
+        return _skip(engine, compiled, loss, *refused, micro, earlier_committed)
+    bad = host.nonfinite_grads() if last else []
+    if bad:
+        return _skip(engine, compiled, loss, "gradient",
+                     f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})", micro, earlier_committed)
+    host.commit_micro_batch()
+    compiled.executor.commit()
+    state.micro_batches += micro_batches
+    if last:
+        state.steps_done += 1
+        state.torch_optimizer.step()   # tells attached torch LR schedulers a step happened
+    if micro_batches > 1:
+        engine.accumulated_losses = losses
+    # A layer-major program ran the whole step: its seconds and peaks are the step's, its tokens
+    # this call's own micro-batch's (the waiting calls' records counted theirs).
+    engine.last_step = StepRecord(context["step"], loss, micro, last, grad_norm=context.get("grad_norm"),
+                                  lr=context["lr"], tokens=tokens, seconds=time.perf_counter() - started,
+                                  device_peak_bytes=compiled.plan.measured_peak_bytes,
+                                  predicted_device_peak_bytes=compiled.plan.predicted_peak_bytes)
+    return loss
+
+
+def _skip(engine, compiled, loss: float, what: str, why: str, micro: int,
+          earlier_committed: int) -> float:
+    """Drop the step: no master, moment or counter changes, and the micro-batches already
+    accumulated in it go too (their sum may hold the inf or NaN)."""
+    state = engine.state
+    compiled.executor.commit_nothing()
+    state.host.restore_copies()
+    state.micro_batches -= earlier_committed
+    state.skipped_steps += 1
+    step = state.steps_done + 1
+    engine.last_step = StepRecord(step, loss, micro, True, skipped=what, reason=why)
+    message = (f"step {step} skipped: {why}; masters, AdamW moments and counters are unchanged"
+               + (f", and its {micro} earlier micro-batches dropped" if micro else ""))
+    if engine.on_nonfinite == "raise":
+        raise NonFiniteError(message + " (compile(..., on_nonfinite='skip') skips such steps with a warning)")
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return loss
+
+
+def tokens(args: tuple, kwargs: dict) -> int | None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids.numel() if isinstance(ids, torch.Tensor) else None
