@@ -8,19 +8,14 @@ dropped engine is then freed at once, and its streams end with it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .adamw import AdamW
 from .fused_adamw import adamw_update_
-
-if TYPE_CHECKING:
-    from ..runtime.host import HostState
 
 
 class HostUpdate:
     def __init__(self, optimizer: AdamW):
         self.optimizer = optimizer
-        self.host: HostState | None = None     # set once the engine has built its host state
+        self.host = None     # runtime.HostState, set once the engine has built its host state
 
     def clip(self, context: dict) -> None:
         norm = self.host.grad_sq_norm() ** 0.5
