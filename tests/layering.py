@@ -161,7 +161,8 @@ def layer_violations(graph: nx.DiGraph, layers) -> list[str]:
         ra, rb = room_of(a), room_of(b)
         if ra != rb and ra in where and where.get(rb) == where[ra]:
             rooms.add_edge(ra, rb, site=_first_site(graph, a, b), modules=(a, b))
-    for cycle in sorted(sorted(c) for c in nx.simple_cycles(rooms)):
+    cycles = [c[c.index(min(c)):] + c[:c.index(min(c))] for c in nx.simple_cycles(rooms)]
+    for cycle in sorted(cycles):
         pairs = zip(cycle, cycle[1:] + cycle[:1])
         path = ", ".join(f"{rooms.edges[x, y]['modules'][0]} -> {rooms.edges[x, y]['modules'][1]} "
                          f"({rooms.edges[x, y]['site']})" for x, y in pairs)
