@@ -1,4 +1,4 @@
-"""Stream weights in and gradients out: PREFETCH / WAIT / EVICT for weights, OFFLOAD / WAIT for grads.
+"""Stream weights in and gradients out: PREFETCH / WAIT / FREE (an eviction) for weights, OFFLOAD / WAIT for grads.
 
 Weights live on the host and come to the device once per pass that uses them (forward, then
 backward: twice per step). With `depth` = d, the prefetch of a stage's weights is issued d compute

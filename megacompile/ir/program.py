@@ -1,10 +1,12 @@
 """The schedule: one ordered list of nodes, transfers and frees included.
 
-PREFETCH (host -> device), EVICT and FREE, OFFLOAD (device -> host), RECOMPUTE, WAIT and
-OPTIMIZER_STEP are ordinary nodes, so the printer, the verifier, the memory simulator and the
-runtime all read one object. Values are named device tensors (or bundles of them) with the
-storages they hold; a value sharing storage with another (a saved view of a block's input)
-lists the same storage key, so it keeps that storage alive exactly as the runtime would.
+Compute (FORWARD, RECOMPUTE, BACKWARD, INFER), transfers (INPUT and PREFETCH host -> device,
+OFFLOAD device -> host, and the WAIT that makes compute wait for one), host work (CLIP_GRADS,
+OPTIMIZER_STEP), OUTPUT and FREE are ordinary nodes, so the printer, the verifier, the memory
+simulator and the runtime all read one object. Evicting a stage's weights is a FREE of them (its
+note says "evict"). Values are named device tensors (or bundles of them) with the storages they
+hold; a value sharing storage with another (a saved view of a block's input) lists the same
+storage key, so it keeps that storage alive exactly as the runtime would.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from .stage_program import runnable
+from .stage_ops import runnable
 
 
 class _Unsupported(Exception):
@@ -31,7 +31,8 @@ class _Unsupported(Exception):
 
 
 def generate(program) -> Callable | None:
-    """The generated `run(inputs, on_alloc, on_free)` of a StageProgram, or None."""
+    """The generated `run(inputs, on_alloc, on_free)` of a StageProgram (read for its
+    placeholders, body, free_after, output_node and gm), or None."""
     names: dict[fx.Node, str] = {}
     scope: dict[str, Any] = {}
 

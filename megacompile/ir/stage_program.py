@@ -14,6 +14,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from .ledger import StorageLedger
+from .stage_codegen import generate
+from .stage_ops import runnable
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
@@ -31,26 +33,6 @@ class GraphMemory:
     output_groups: list[int]   # per output: a storage group id (outputs sharing storage share it)
     output_alias: list[int | None]  # per output: index of the input whose storage it shares
     group_bytes: list[int]     # per storage group: bytes it holds (0 when it is an input's)
-
-
-_VIEW = torch.ops.aten.view.default
-
-
-def view_or_copy(*args, **kwargs):
-    """aten.view, or where the real input's strides allow none, a copy (reshape). Fake tensors
-    predicted strides that allow a view; the real op before it chose others (a cat of two
-    gradients laid out as transposes, in Qwen3-Next's gated delta-net backward). The copy holds
-    the same values; it would differ from a view only for a later in-place write through it. Its
-    bytes are counted where it is made, beyond what the plan predicted for a view."""
-    try:
-        return _VIEW(*args, **kwargs)
-    except RuntimeError:
-        return torch.ops.aten.reshape.default(*args, **kwargs)
-
-
-def runnable(target):
-    """What runs for a graph node's target."""
-    return view_or_copy if target is _VIEW else target
 
 
 class StageProgram:
@@ -86,7 +68,6 @@ class StageProgram:
         a value's last reader. Runs the generated straight-line code (stage_codegen.py), made at
         the first run, or the interpreter where none could be made."""
         if self._generated is False:
-            from .stage_codegen import generate
             self._generated = generate(self)
         if self._generated is None:
             return self.interpret(inputs, on_alloc, on_free)
