@@ -2,7 +2,7 @@
 measured in the same run, on the same folder.
 
 For each placement (moments on disk: 8 B/param each way; masters too: 12 B/param) and I/O thread
-count, `steps` optimizer steps stream every owner's state through megacompile.storage.DiskTier
+count, `steps` optimizer steps stream every owner's state through megacompile.disk.DiskTier
 and the host AdamW (bf16 gradient in RAM, bf16 copy written), as the engine does. Reported:
 params/s, disk GB/s (bytes read + written per second), and the share of the raw bound, which is
 the time the same bytes take to read and to write sequentially with O_DIRECT (measured first,
@@ -31,8 +31,8 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 from megacompile.cost.host_memory import DEPTH, PIECE_NUMEL, Placement
 from megacompile.optim.fused_adamw import adamw_update_
-from megacompile.storage import DiskTier
-from megacompile.storage.bandwidth import measure_disk
+from megacompile.disk import DiskTier
+from megacompile.disk.bandwidth import measure_disk
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 

@@ -3,7 +3,7 @@
 For each model and GPU: megacompile's plan, and the same graphs under a MegaTrain-style and a
 ZeRO-3-offload-style schedule (passes/baselines.py), all timed by one cost model. The batch is
 16 x 4096 tokens per optimizer step, split for each system into the micro-batch with the highest
-predicted throughput that fits the budget (megacompile.plan.from_config.plan_global_batch), accumulated.
+predicted throughput that fits the budget (megacompile.planner.from_config.plan_global_batch), accumulated.
 
     python benchmarks/plan_table.py [--models 7b,14b] [--hardware h100,h200,gh200] [--markdown docs/table.md]
 
@@ -18,7 +18,7 @@ import time
 
 import megacompile
 from megacompile.errors import BudgetTooSmallError
-from megacompile.plan.from_config import plan_global_batch
+from megacompile.planner.from_config import plan_global_batch
 from provenance import machine_facts
 
 MODELS = {

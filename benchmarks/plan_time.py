@@ -4,7 +4,7 @@
     python benchmarks/plan_time.py --config benchmarks/configs/llama-70b.json --batch 4 --global-batch 8
 
 Each case runs in a fresh Python (so its imports are timed too) and plans as `megacompile plan`
-does (plan/from_config.py). Planning functions are wrapped with timers that count their own
+does (planner/from_config.py). Planning functions are wrapped with timers that count their own
 seconds, without those of the wrapped functions they call, so the parts add up to the whole.
 Prints one table, a column per case, and appends to benchmarks/results/plan_time.csv (long
 format, with the machine and its load average). No model weights. No timed asserts: the figures
@@ -23,23 +23,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (module, attribute, part): the functions timed, each part counting only its own seconds.
 PARTS = [
-    ("megacompile.plan.from_config", "model_from_config", "model on meta (with transformers' imports)"),
-    ("megacompile.plan.from_config", "capture", "capture: top graph and stage graphs"),
+    ("megacompile.planner.from_config", "model_from_config", "model on meta (with transformers' imports)"),
+    ("megacompile.planner.from_config", "capture", "capture: top graph and stage graphs"),
     ("megacompile.capture.top", "record", "capture: block fingerprints"),
-    ("megacompile.passes.fusion", "fuse", "fusion"),
-    ("megacompile.plan.from_config", "place_host_state", "host placement"),
-    ("megacompile.plan.search", "judges", "solver"),
-    ("megacompile.plan.search", "shorten", "solver: cut stacks short"),
-    ("megacompile.plan.search", "solve", "solver"),
-    ("megacompile.plan.search", "pick_accumulation", "solver"),
-    ("megacompile.plan.search", "search_space", "solver"),
-    ("megacompile.plan.search", "build_schedule", "build schedules"),
-    ("megacompile.plan.search", "verify", "verify"),
-    ("megacompile.plan.search", "predict", "cost model (predict)"),
-    ("megacompile.plan.search", "device_reserve", "device reserve"),
-    ("megacompile.plan.search", "smallest_budget", "device reserve"),
-    ("megacompile.plan.search", "make_plan", "make_plan, rest"),
-    ("megacompile.plan.from_config", "plan", "plan(), rest"),
+    ("megacompile.fusion", "fuse", "fusion"),
+    ("megacompile.planner.from_config", "place_host_state", "host placement"),
+    ("megacompile.planner.search", "judges", "solver"),
+    ("megacompile.planner.search", "shorten", "solver: cut stacks short"),
+    ("megacompile.planner.search", "solve", "solver"),
+    ("megacompile.planner.search", "pick_accumulation", "solver"),
+    ("megacompile.planner.search", "search_space", "solver"),
+    ("megacompile.planner.search", "build_schedule", "build schedules"),
+    ("megacompile.planner.search", "verify", "verify"),
+    ("megacompile.planner.search", "predict", "cost model (predict)"),
+    ("megacompile.planner.search", "device_reserve", "device reserve"),
+    ("megacompile.planner.search", "smallest_budget", "device reserve"),
+    ("megacompile.planner.search", "make_plan", "make_plan, rest"),
+    ("megacompile.planner.from_config", "plan", "plan(), rest"),
 ]
 
 
@@ -85,7 +85,7 @@ def one_case(args) -> dict:
     parts = Parts()
     for module, attr, part in PARTS:
         parts.wrap(importlib.import_module(module), attr, part)
-    from megacompile.plan import from_config
+    from megacompile.planner import from_config
     t = time.perf_counter()
     kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=torch.bfloat16)
     if args.global_batch:

@@ -24,8 +24,8 @@ from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, Hos
                      StorageError, WeightsFileError)
 from .optim import AdamW
 from .engine import from_pretrained
-from .plan import Plan
-from . import plan  # the room megacompile/plan/, callable: megacompile.plan(config, budget)
+from .planner import Plan
+from .planner import plan  # megacompile.plan(config, budget): plan without weights (planner/from_config.py)
 
 __version__ = "0.1.0"
 
@@ -46,7 +46,7 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
     dump_dir:      write the schedule after every pass there (also: MEGACOMPILE_DUMP_DIR)
     grad_accum:    micro-batches per optimizer step: each step() call is one micro-batch, and
                    every grad_accum-th call updates the masters
-    fuse:          rewrite the stage graphs onto megacompile's fused Triton kernels (passes/fusion);
+    fuse:          rewrite the stage graphs onto megacompile's fused Triton kernels (megacompile/fusion);
                    default: on for cuda, off for cpu (where Triton runs in its slow interpreter)
     host_budget:   GiB of host RAM for masters, AdamW state and offloaded activations; default: 90%
                    of this machine's RAM. Too little for the masters raises HostMemoryError.
@@ -54,7 +54,7 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                    warns and goes on, "raise" raises NonFiniteError. `engine.last_step` says which.
     nvme_dir:      a folder on a fast disk for the disk tier: when the host budget cannot hold the
                    host state, the AdamW moments (8 B/param) go there first, then the fp32 masters
-                   (4 B/param), streamed past the host AdamW (megacompile/storage)
+                   (4 B/param), streamed past the host AdamW (megacompile/disk)
     nvme_budget:   GiB the disk tier may take in nvme_dir; default: the disk's free space
     process_group: data parallelism over these torch.distributed ranks (default: the initialised
                    default group, if it has 2 or more): each rank steps on its own micro-batch and

@@ -15,7 +15,7 @@ DOES_NOT_FIT = 3     # `megacompile plan`'s exit status when the model does not 
 
 def _train(args: argparse.Namespace) -> int:
     from .train import load, run
-    from .view.files import check_outputs
+    from .report.outputs import check_outputs
     check_outputs(trace=args.trace)
     run(load(args.config, args.overrides), trace=args.trace)
     return 0
@@ -26,9 +26,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     from .errors import BudgetTooSmallError, HostMemoryError
     from .ir.printer import fmt_bytes
-    from .plan.from_config import plan
-    from .plan.from_config import plan_global_batch
-    from .view.files import check_outputs, write_plan_views
+    from .planner.from_config import plan
+    from .planner.from_config import plan_global_batch
+    from .report.outputs import check_outputs, write_plan_views
     from .arguments import budget_bytes
     check_outputs(trace=args.trace, plot_dir=args.plot)
     given_bytes = budget_bytes("hbm_budget", args.hbm_budget)
@@ -133,7 +133,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     profile = measure_gpu() if args.device == "cuda" else measure()
     if args.nvme_dir is not None:     # the disk tier's disk: sequential O_DIRECT, as the tier reads and writes
         from .cost.hardware import replace
-        from .storage.bandwidth import measure_disk
+        from .disk.bandwidth import measure_disk
         disk = measure_disk(args.nvme_dir)
         if not disk["direct"]:
             print(f"  note: {args.nvme_dir} does not take O_DIRECT; the figures include the page cache")

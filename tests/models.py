@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The Hugging Face parity models and batches live in the package: `python -m megacompile.validate` trains them too.
-from megacompile.validate.models import batch, hf_gpt2, hf_llama, hf_qwen2  # noqa: F401
+# The Hugging Face parity models and batches live in the package: `python -m megacompile.acceptance` trains them too.
+from megacompile.acceptance.models import batch, hf_gpt2, hf_llama, hf_qwen2  # noqa: F401
 
 
 class CausalSelfAttention(nn.Module):

@@ -130,7 +130,7 @@ def trace_stage(kind: str, source: SourceFn, params: list[ParamSlot], fake_param
     # A block's inputs that need no gradient are the prologue's side inputs (masks, rotary
     # tables), on the device for the whole step: what a block makes from them is redone in its
     # backward, not saved once per block. Other stages run once and save such values (the fused
-    # loss in passes/fusion reads the labels the epilogue saved).
+    # loss in megacompile/fusion reads the labels the epilogue saved).
     grad_acts = template.grad_acts if kind == "block" else None
     _adopt_split(template, split_joint(joint, len(params), len(fake_acts), len(outputs), grad_acts=grad_acts))
     template.n_fx_nodes = len(joint.graph.nodes)

@@ -42,7 +42,7 @@ SAME_FLOPS_AS = {
 }
 
 
-# Fused kernel nodes (passes/fusion) are Python launchers torch's counter does not know. Only the
+# Fused kernel nodes (megacompile/fusion) are Python launchers torch's counter does not know. Only the
 # fused lm-head cross-entropy does matmul work: logits, and the hidden and weight gradients, for
 # N tokens of width H over V classes: 3 x 2NHV.
 KERNEL_FLOPS = {

@@ -38,7 +38,7 @@ class HardwareProfile:
     workspace_bytes: int = 64 * 2**20
     fragmentation: float = 0.05
     hidden_scratch: bool = True      # ops allocate scratch the ledger does not see (a real device)
-    # The disk tier's disk (megacompile/storage), sequential O_DIRECT, B/s. Defaults: one PCIe
+    # The disk tier's disk (megacompile/disk), sequential O_DIRECT, B/s. Defaults: one PCIe
     # Gen4 NVMe drive; `megacompile calibrate --nvme-dir PATH` measures the real one.
     disk_read_bw: float = 6.5 * 10**9
     disk_write_bw: float = 5.0 * 10**9

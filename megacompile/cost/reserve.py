@@ -14,7 +14,7 @@ The ledger counts every tensor an op returns. A GPU also holds memory no op retu
 The plan fills `budget - reserve`; the allocator is capped at the budget itself, so its limit never
 sits on the ledger's peak. Workspaces and the fragmentation share come from the hardware profile
 (HardwareProfile.workspace_bytes, .fragmentation), which `megacompile calibrate` can overwrite and
-`python -m megacompile.validate` checks against torch's own peak. The simulated device (backend
+`python -m megacompile.acceptance` checks against torch's own peak. The simulated device (backend
 "cpu", and the measured cpu profile) counts exactly what it allocates, and reserves nothing.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 
 from ..errors import CheckpointError, MegacompileError
-from ..io import checkpoint, files, model_params, run_state
+from ..io import checkpoint, durable, model_params, run_state
 from ..io.source import CONST, MASTER, WEIGHT, PendingLoad
 
 if TYPE_CHECKING:
@@ -57,12 +57,12 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
     tmp = None
     if ranks.rank == 0:
         try:
-            parent = files.prepare_parent(path, "checkpoint")
+            parent = durable.prepare_parent(path, "checkpoint")
             if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, checkpoint.MANIFEST)):
                 raise CheckpointError(f"cannot write the checkpoint {path}: it is a folder of other files, not a "
                                       "checkpoint (which would be replaced); give a new path")
-            files.clean_leftovers(parent)
-            tmp = files.partial_path(path)
+            durable.clean_leftovers(parent)
+            tmp = durable.partial_path(path)
             os.makedirs(tmp)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             tmp = e
@@ -95,7 +95,7 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
             checkpoint.rotate(path, manifest["run"], keep_last)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             shutil.rmtree(tmp, ignore_errors=True)
-            outcome = e if isinstance(e, MegacompileError) else files.write_failed("checkpoint", path, e)
+            outcome = e if isinstance(e, MegacompileError) else durable.write_failed("checkpoint", path, e)
     outcome = ranks.gather_objects(outcome, "committing the checkpoint")[0]
     if outcome is not None:
         raise outcome
@@ -104,8 +104,8 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
 def _write(folder: str, file: str, tensors: dict) -> dict:
     target = os.path.join(folder, file)
     safetensors.torch.save_file(tensors, target)
-    files.fsync_file(target)
-    return {file: {"bytes": os.path.getsize(target), "sha256": files.sha256_of(target)}}
+    durable.fsync_file(target)
+    return {file: {"bytes": os.path.getsize(target), "sha256": durable.sha256_of(target)}}
 
 
 def load(state: "TrainingState", path: str, strict: bool = False) -> Any:

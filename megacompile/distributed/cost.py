@@ -18,7 +18,7 @@ from ..cost.host_shards import sharded_host_cost
 from ..cost.predict import StepPrediction, predict
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes, fmt_rate
-from ..plan import Plan
+from ..planner import Plan
 
 
 @dataclass(frozen=True)

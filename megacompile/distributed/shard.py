@@ -31,7 +31,7 @@ from ..capture import CapturedModel
 from ..cost.host_memory import OwnerLayout, Placement
 from ..errors import ArgumentError, MegacompileError
 from ..runtime.host import HostState, OwnerBuffers
-from ..storage.owner_state import UpdateFn
+from ..disk.owner_state import UpdateFn
 from .grad_reduce import reduce_to_holders
 from .group import Ranks
 from .node import NodeCopy

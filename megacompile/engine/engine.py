@@ -26,11 +26,11 @@ from .. import arguments
 from ..errors import ArgumentError, InputMismatchError, MegacompileError
 from ..optim import AdamW
 from ..passes import StepKind
-from ..plan import Plan
-from ..plan.cache import PlanCache, note_new_shape
+from ..planner import Plan
+from ..planner.cache import PlanCache, note_new_shape
 from ..cost import HardwareProfile
 from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes
-from ..plan.search import make_plan, place_host_state
+from ..planner.search import make_plan, place_host_state
 from ..runtime import Executor, HostState, make_backend, shutdown
 from ..state import TrainingState
 from ..io import hf_save, model_params, state_dict, unbuilt
@@ -95,7 +95,7 @@ class Engine:
         self.loss_fn = loss_fn
         self.retrace = retrace
         self.dump_dir = dump_dir
-        # The profile plans are timed with; None: the backend's own (plan/search.py default_profile).
+        # The profile plans are timed with; None: the backend's own (planner/search.py default_profile).
         if hardware is not None and not isinstance(hardware, HardwareProfile):
             raise ArgumentError(f"hardware is a HardwareProfile to time plans with, or None for the device's own; "
                                 f"got {hardware!r}")
@@ -323,9 +323,9 @@ class Engine:
 
     def trace(self, path: str) -> None:
         """Write the last step as a Chrome trace (Perfetto, chrome://tracing): the plan's predicted
-        timeline and the measured one, per stream, with device bytes and the budget (view/trace.py).
+        timeline and the measured one, per stream, with device bytes and the budget (report/trace.py).
         Before any step, the prediction alone. Waits for the step's host updates first."""
-        from ..view import write_trace
+        from ..report import write_trace
         plan = self._last.plan if self._last is not None else self.plan
         self.state.wait_updates()
         write_trace(path, plan, self.backend.timeline)

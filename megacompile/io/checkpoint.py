@@ -15,7 +15,7 @@ budget or input shape. The folder is written as `.<name>.<pid>.partial`, every f
 COMMITTED written and fsynced in it, and then renamed into place (commit): a checkpoint already
 at that path is moved aside, the new one renamed in, the old one deleted, so at every instant a
 committed checkpoint is at the path or, between the two renames, beside it, where the next load
-finds it (files.settle). A save returns once all of it is durable; it does not overlap the next
+finds it (durable.settle). A save returns once all of it is durable; it does not overlap the next
 step (it waits for running updates first).
 
 The manifest names the run that wrote it (`run`: engine.run_id, made with the engine and taken
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import safetensors.torch
 
 from ..errors import CheckpointError, MegacompileError, WeightsFileError
-from . import checkpoint_path, files, manifest as schema, model_params, own_buffers, run_state, unbuilt
+from . import checkpoint_path, durable, manifest as schema, model_params, own_buffers, run_state, unbuilt
 from .header import read_header
 
 from .source import CONST, MASTER, TABLES, Item, PendingLoad
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 FORMAT = "megacompile-checkpoint/2"
 MANIFEST, BUFFERS = schema.NAME, "buffers.safetensors"
-MARKER = files.MARKER
+MARKER = durable.MARKER
 
 
 class LocalCheckpoints:
@@ -67,7 +67,7 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
     check_keep_last(keep_last)
     extra = run_state.extra_json(extra)
     host = state.host       # None before the first step: the tensors come from where they wait
-    parent = files.prepare_parent(path, "checkpoint")
+    parent = durable.prepare_parent(path, "checkpoint")
     path = os.fspath(path)
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
         raise CheckpointError(f"cannot write the checkpoint {path}: it is a folder of other files, not a checkpoint "
@@ -76,14 +76,14 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
         raise CheckpointError(f"cannot save {path} now: {len(state.waiting_micro_batches)} micro-batches of a "
                               "layer-major step wait for the rest of the step and would not be in it; save after "
                               "the step's last micro-batch")
-    files.clean_leftovers(parent)
+    durable.clean_leftovers(parent)
     model_params.synchronize(state)
     manifest = {"format": FORMAT, "run": state.run_id, "steps_done": state.steps_done,
                 "micro_batches": state.micro_batches,
                 "skipped_steps": state.skipped_steps, "optimizer": run_state.optimizer_settings(state),
                 "schedule": run_state.schedule_state(state), "rng": run_state.rng_state(), "extra": extra}
     mid_step = state.micro_batches % state.grad_accum != 0
-    tmp = files.partial_path(path)
+    tmp = durable.partial_path(path)
     try:
         os.makedirs(tmp)
         manifest["files"] = {}
@@ -91,13 +91,13 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
         for file, tensors in (_owner_files(host, tables) if host is not None else _unbuilt_files(state, tables)):
             target = os.path.join(tmp, file)
             safetensors.torch.save_file(tensors, target)     # from the tensors' own memory: no copy
-            files.fsync_file(target)
-            manifest["files"][file] = {"bytes": os.path.getsize(target), "sha256": files.sha256_of(target)}
+            durable.fsync_file(target)
+            manifest["files"][file] = {"bytes": os.path.getsize(target), "sha256": durable.sha256_of(target)}
         commit(tmp, path, manifest)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and not isinstance(e, MegacompileError):
-            raise files.write_failed("checkpoint", path, e) from e
+            raise durable.write_failed("checkpoint", path, e) from e
         raise
     rotate(path, manifest["run"], keep_last)
 
@@ -105,12 +105,12 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
 def commit(tmp: str, path: str, manifest: dict) -> None:
     """The end of every save (this module's and distributed/checkpoint.py's): the manifest, then
     COMMITTED (the manifest's sha256), written and fsynced in the finished folder `tmp`, which then
-    takes the place of `path` (files.rename_into_place). The checkpoint it replaces stays committed
+    takes the place of `path` (durable.rename_into_place). The checkpoint it replaces stays committed
     at `path`, or moved aside beside it, until the new one, already committed, is there."""
-    files.write_text(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
-    files.write_text(os.path.join(tmp, MARKER), files.sha256_of(os.path.join(tmp, MANIFEST)) + "\n")
-    files.fsync_dir(tmp)
-    files.rename_into_place(tmp, path)
+    durable.write_text(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+    durable.write_text(os.path.join(tmp, MARKER), durable.sha256_of(os.path.join(tmp, MANIFEST)) + "\n")
+    durable.fsync_dir(tmp)
+    durable.rename_into_place(tmp, path)
 
 
 def rotate(path: str, run: str, keep_last: int | None) -> None:
@@ -145,9 +145,9 @@ def _unbuilt_files(state: "TrainingState", tables: tuple) -> Iterator[tuple[str,
 def committed_beside(path: str, run: str | None = None) -> list[str]:
     """The committed checkpoints in `path`'s folder (it included, if committed), oldest first by
     (step, micro-batch, time written); with `run`, those of that run only. A replacement cut short
-    by a kill is undone first (files.clean_leftovers), so its committed checkpoint is listed."""
+    by a kill is undone first (durable.clean_leftovers), so its committed checkpoint is listed."""
     parent = os.path.dirname(os.path.abspath(path))
-    files.clean_leftovers(parent)
+    durable.clean_leftovers(parent)
     found = []
     for entry in os.listdir(parent):
         full = os.path.join(parent, entry)
@@ -172,7 +172,7 @@ def remove(path: str) -> None:
     parent, name = os.path.split(os.path.abspath(path))
     trash = os.path.join(parent, f".{name}.{os.getpid()}.removed")
     os.rename(path, trash)
-    files.fsync_dir(parent)
+    durable.fsync_dir(parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -201,7 +201,7 @@ def verified_manifest(path: str) -> dict:
         raise _refuse(path, f"its manifest is unreadable ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise _refuse(path, f"it is not a {FORMAT} checkpoint")
-    if files.sha256_of(os.path.join(path, MANIFEST)) != sealed:
+    if durable.sha256_of(os.path.join(path, MANIFEST)) != sealed:
         raise _refuse(path, "its manifest does not match its commit marker (changed after the save)")
     wrong = schema.problems(manifest)
     if wrong:
@@ -213,7 +213,7 @@ def verified_manifest(path: str) -> dict:
         size = os.path.getsize(full)
         if size != info["bytes"]:
             raise _refuse(path, f"{file} has {size} bytes, the manifest says {info['bytes']} (truncated?)")
-        if files.sha256_of(full) != info["sha256"]:
+        if durable.sha256_of(full) != info["sha256"]:
             raise _refuse(path, f"{file} does not match its sha256 checksum (corrupted)")
     return manifest
 
@@ -235,7 +235,7 @@ def load(state: "TrainingState", path: str, strict: bool = True) -> Any:
         load_single_file(state, path)
         return None
     if os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        files.settle(path)      # a replacement cut short or under way: its committed checkpoint back at `path`
+        durable.settle(path)      # a replacement cut short or under way: its committed checkpoint back at `path`
     manifest = verified_manifest(path)
     trainable, const = state.layout()
     items, problems = [], []

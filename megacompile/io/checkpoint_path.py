@@ -12,7 +12,7 @@ import os
 import zipfile
 
 from ..errors import WeightsFileError
-from .files import MARKER
+from .durable import MARKER
 from .hf_layout import INDEX, SINGLE
 from .manifest import NAME as MANIFEST
 

@@ -48,7 +48,7 @@ def build_model(path: str) -> nn.Module:
     if not os.path.isfile(config_path):
         raise WeightsFileError(f"{path} has no config.json: from_pretrained builds the model from it")
     from transformers import AutoConfig, AutoModelForCausalLM
-    from ..plan.from_config import check_attention_shape
+    from ..planner.from_config import check_attention_shape
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - transformers' own message, with the file named

@@ -18,7 +18,7 @@ would replace (its weights, index, config, tokenizer or generation files), or we
 previous export that it would remove (model.safetensors or model-*-of-*.safetensors and an index
 the new export does not have: stale, they would shadow or contradict it), it is refused before
 anything is written, naming them, unless overwrite=True. The new files are staged in the folder
-and swapped in once all are written (files.replace_files): a failure or a kill while writing
+and swapped in once all are written (durable.replace_files): a failure or a kill while writing
 leaves the previous export whole; a kill during the swap (a few renames) is finished by the next
 save_pretrained into the folder.
 """
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ArgumentError, CheckpointError, MegacompileError
-from . import files, model_params, unbuilt
+from . import durable, model_params, unbuilt
 from .header import CODES
 from .hf_layout import INDEX, SINGLE, DiskLayout
 
@@ -86,12 +86,12 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
         raise ArgumentError(f"overwrite is True or False (replace the files of an export already in the folder); "
                             f"got {overwrite!r}")
     host = state.host       # None before the first step: the tensors come from where they wait
-    parent = files.prepare_parent(path, "model folder")
+    parent = durable.prepare_parent(path, "model folder")
     path = os.fspath(path)
-    files.clean_leftovers(parent)
+    durable.clean_leftovers(parent)
     exists = os.path.isdir(path)
     if exists:
-        files.recover_files(path)     # an export into it killed mid-swap: finished first
+        durable.recover_files(path)     # an export into it killed mid-swap: finished first
     model_params.synchronize(state)
     tensors = []   # (name on disk, host tensor or unbuilt.Lazy)
     layout = DiskLayout(state.model)
@@ -126,28 +126,28 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
             weight_map.update({key: file for key, _ in shard})
         if len(shards) > 1:
             total = sum(t.numel() * dtype.itemsize for shard in shards for _, t in shard)
-            files.write_text(os.path.join(folder, INDEX), json.dumps(
+            durable.write_text(os.path.join(folder, INDEX), json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         _write_config(state, config, dtype, folder)
         for extra in copied:
             if not os.path.exists(os.path.join(folder, extra)):
                 shutil.copyfile(os.path.join(state.source_dir, extra), os.path.join(folder, extra))
-                files.fsync_file(os.path.join(folder, extra))
-        files.fsync_dir(folder)
+                durable.fsync_file(os.path.join(folder, extra))
+        durable.fsync_dir(folder)
 
-    tmp = files.partial_path(path)
+    tmp = durable.partial_path(path)
     try:
         if exists:      # beside what else the folder holds: staged in it, then swapped in
-            files.replace_files(path, write, replaced)
+            durable.replace_files(path, write, replaced)
         else:
             os.makedirs(tmp)
             write(tmp)
             os.rename(tmp, path)
-            files.fsync_dir(parent)
+            durable.fsync_dir(parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and not isinstance(e, MegacompileError):
-            raise files.write_failed("model folder", path, e) from e
+            raise durable.write_failed("model folder", path, e) from e
         raise
 
 
@@ -216,9 +216,9 @@ def _write_config(state: "TrainingState", config, dtype: torch.dtype, folder: st
     config.use_cache = use_cache           # the engine turned the KV cache off for training only
     config.dtype = dtype
     config.to_json_file(os.path.join(folder, "config.json"))
-    files.fsync_file(os.path.join(folder, "config.json"))
+    durable.fsync_file(os.path.join(folder, "config.json"))
     generation = getattr(state.model, "generation_config", None)
     if generation is not None and not (state.source_dir and os.path.isfile(
             os.path.join(state.source_dir, "generation_config.json"))):
         generation.to_json_file(os.path.join(folder, "generation_config.json"))
-        files.fsync_file(os.path.join(folder, "generation_config.json"))
+        durable.fsync_file(os.path.join(folder, "generation_config.json"))

@@ -3,7 +3,7 @@
 Each stage owns the trainable parameters it is the first to use; they sit in flat buffers per
 owner (master, exp_avg, exp_avg_sq, plus the bf16 copy the device fetches when compute is bf16),
 so the optimizer makes one pass over each block. Which buffers an owner has, and which the disk
-tier holds instead (megacompile/storage), is cost/host_memory.py's OwnerLayout: with one
+tier holds instead (megacompile/disk), is cost/host_memory.py's OwnerLayout: with one
 micro-batch per step the gradient lands in the compute copy (bf16: 14 B/param in RAM, 6 with the
 moments on disk, 2 with the masters there too).
 Buffers and frozen parameters are kept once, in the model's own dtype, and never updated.
@@ -21,7 +21,7 @@ from ..capture import CapturedModel
 from ..capture.model_graph import owners
 from ..cost.host_memory import OwnerLayout, Placement, owner_layout
 from ..optim.fused_adamw import grad_sq_norm
-from ..storage.owner_state import DiskState, UpdateFn
+from ..disk.owner_state import DiskState, UpdateFn
 
 
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -25,7 +25,7 @@ import warnings
 import numpy as np
 import torch
 
-from ..view.files import write_run_views
+from ..report.outputs import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
 from . import packing, resume, split, tokens

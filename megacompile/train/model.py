@@ -40,7 +40,7 @@ def meta_model(c: RunConfig) -> nn.Module:
         from ..models import LlamaConfig, TinyLlama
         with torch.device("meta"):
             return TinyLlama(LlamaConfig(**c.bundled_model))
-    from ..plan.from_config import model_from_config
+    from ..planner.from_config import model_from_config
     return model_from_config(c.model)
 
 
@@ -75,7 +75,7 @@ def device_budget(c: RunConfig, model: nn.Module, inputs: dict, device: str) -> 
         return c.hbm_budget
     if device == "cuda":
         return 0.9 * torch.cuda.get_device_properties(0).total_memory / GiB
-    from ..plan.from_config import plan
+    from ..planner.from_config import plan
     dtype = getattr(torch, c.compute_dtype)
     weight_bytes = sum(p.numel() * dtype.itemsize for p in model.parameters())
     try:
@@ -97,7 +97,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
     probe = {k: v.to("meta") for k, v in first_inputs(1 if c.global_batch else batch).items()}
     budget = device_budget(c, meta, probe, device)
     if c.global_batch is not None:
-        from ..plan.from_config import plan_global_batch
+        from ..planner.from_config import plan_global_batch
         _, accumulate = plan_global_batch(meta, budget, c.global_batch, hardware="cpu" if device == "cpu" else "h100",
                                           seq=probe["input_ids"].shape[1], compute_dtype=dtype,
                                           host_budget=c.host_budget, accumulation=c.accumulation)

@@ -32,7 +32,7 @@ def batches(steps: int = STEPS) -> list[torch.Tensor]:
 
 def optimizer(clip: float | None):
     from megacompile import AdamW
-    from megacompile.validate.parity import BETAS, LR, WD
+    from megacompile.acceptance.parity import BETAS, LR, WD
     return AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kernel="torch", max_grad_norm=clip)
 
 
@@ -48,7 +48,7 @@ def _budget(m) -> float:
 
 def eager(clip: float | None, steps: int = STEPS) -> tuple[list[float], dict]:
     """torch.optim.AdamW on the whole global batch: losses and final weights."""
-    from megacompile.validate.parity import BETAS, LR, WD
+    from megacompile.acceptance.parity import BETAS, LR, WD
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     losses = []

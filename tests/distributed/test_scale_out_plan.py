@@ -11,7 +11,7 @@ from megacompile.cli import main
 from megacompile.cost.host_memory import owner_sizes
 from megacompile.distributed.cost import scale_out
 from megacompile.errors import ArgumentError, HostMemoryError
-from megacompile.plan.search import place_host_state
+from megacompile.planner.search import place_host_state
 
 from ..e2e.test_cost_model import SMALL_LLAMA
 

@@ -1,8 +1,8 @@
 """Train the same model eagerly (torch.optim.AdamW, float32) and through megacompile: the shared
-harness lives in the package (megacompile/validate/parity.py), which the GPU validation runs too."""
+harness lives in the package (megacompile/acceptance/parity.py), which the GPU validation runs too."""
 from __future__ import annotations
 
-from megacompile.validate.parity import (BETAS, EPS, LR, WD, WEIGHT_NOISE_FACTOR, Run, clone,  # noqa: F401
+from megacompile.acceptance.parity import (BETAS, EPS, LR, WD, WEIGHT_NOISE_FACTOR, Run, clone,  # noqa: F401
                                          eager_losses, float64_noise, make_inputs, megacompile_run, weight_bytes,
                                          weight_errors)
 

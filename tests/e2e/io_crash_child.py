@@ -26,7 +26,7 @@ def main(run_dir: str, steps: int, slow: float) -> None:
     torch.set_num_threads(1)
     if slow:
         # Widen the save so that a random kill often lands inside one: each file's fsync waits.
-        import megacompile.io.files as files
+        import megacompile.io.durable as files
         fsync = files.fsync_file
 
         def slow_fsync(path):

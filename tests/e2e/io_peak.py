@@ -14,7 +14,7 @@ import sys
 import torch
 
 import megacompile
-from megacompile.validate.models import batch, hf_llama
+from megacompile.acceptance.models import batch, hf_llama
 
 
 def status(field: str) -> int:

@@ -178,7 +178,7 @@ CASES = [
     Case("plan: hardware=5", ArgumentError, r"hardware must be", _plan(hardware=5)),
     Case("plan: style='deepspeed'", ArgumentError, r"style must be one of megatrain, zero3", _plan(style="deepspeed")),
     Case("plan: global_batch=-4", ArgumentError, r"global_batch.*-4",
-         lambda c: megacompile.plan.from_config.plan_global_batch(CONFIG, 1.0, -4, seq=16)),
+         lambda c: megacompile.planner.from_config.plan_global_batch(CONFIG, 1.0, -4, seq=16)),
     # step() inputs, checked before anything runs
     Case("step: token id >= vocab", megacompile.InputMismatchError, r"idx holds token id 2\d\d.*vocabulary of 96",
          _step(idx=IDS + 200, targets=IDS)),

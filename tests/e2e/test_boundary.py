@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import megacompile
-import megacompile.plan.search as planner
+import megacompile.planner.search as planner
 from megacompile.ir.program import Op, restored_of
 from megacompile.ir.simulate import simulate
 from megacompile.passes import ScheduleChoice, build_schedule
-from megacompile.validate.parity import moment_error
+from megacompile.acceptance.parity import moment_error
 from tests import models
 from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_noise
 

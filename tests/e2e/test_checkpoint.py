@@ -144,12 +144,12 @@ def test_a_killed_save_leaves_nothing_a_later_save_does_not_remove(tmp_path):
 
 
 def test_a_replacement_killed_between_its_renames_puts_the_old_checkpoint_back(tmp_path):
-    from megacompile.io import files
+    from megacompile.io import durable
     aside = tmp_path / ".ck.999999999.old"          # moved aside by a writer that is gone
     aside.mkdir()
     (aside / "COMMITTED").write_text("x")
     (tmp_path / ".ck.999999999.partial").mkdir()    # its new folder, never renamed into place
-    files.clean_leftovers(str(tmp_path))
+    durable.clean_leftovers(str(tmp_path))
     assert os.listdir(tmp_path) == ["ck"] and os.listdir(tmp_path / "ck") == ["COMMITTED"]
 
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import megacompile
 from megacompile.errors import MegacompileError, WeightsFileError
-from megacompile.io import files
+from megacompile.io import durable
 from tests import models
 
 IDS = models.batch(96, 2, 16)
@@ -98,7 +98,7 @@ def _resign(path: str, edit) -> None:
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
     with open(os.path.join(path, "COMMITTED"), "w") as f:
-        f.write(files.sha256_of(manifest_path) + "\n")
+        f.write(durable.sha256_of(manifest_path) + "\n")
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megacompile.errors import BudgetTooSmallError
-from megacompile.validate.parity import moment_error
+from megacompile.acceptance.parity import moment_error
 from tests import models
 from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_noise
 
@@ -43,7 +43,7 @@ def _trains_chunked(model, seq: int, budget_mib: float, steps: int = 2):
 
 def _plan_whole(model, seq, budget_mib):
     from megacompile.capture import capture
-    from megacompile.plan.search import make_plan
+    from megacompile.planner.search import make_plan
     ids = models.batch(96, 1, seq)
     captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
                        compute_dtype=torch.float32)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import megacompile
-from megacompile.validate.parity import moment_error
+from megacompile.acceptance.parity import moment_error
 from tests import models
 from tests.e2e.harness import BETAS, EPS, LR, WD, WEIGHT_NOISE_FACTOR, clone, make_inputs
 from tests.families import FAMILIES, VOCAB

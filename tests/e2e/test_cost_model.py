@@ -1,7 +1,7 @@
 """The cost model and planning without weights.
 
 Prediction against measurement is a figure, not a test: benchmarks/budget_sweep.py (cpu backend)
-and `python -m megacompile.validate` (a GPU) print measured beside predicted step times. A timed
+and `python -m megacompile.acceptance` (a GPU) print measured beside predicted step times. A timed
 assert fails on a loaded machine whatever the code does, so none is here.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys)
     assert data["fits"] and 8 % micro == 0
     assert any(line.strip().startswith("micro-batch") for line in out)
     # the chosen split is the fastest of those that fit
-    from megacompile.plan.from_config import plan_global_batch
+    from megacompile.planner.from_config import plan_global_batch
     best, accumulate = plan_global_batch(SMALL_LLAMA, 0.075, 8, hardware="h100", seq=64)
     for batch in (8, 4, 2, 1):
         try:

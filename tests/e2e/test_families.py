@@ -13,7 +13,7 @@ import torch
 
 import megacompile
 from megacompile.errors import CaptureError
-from megacompile.validate.parity import moment_error
+from megacompile.acceptance.parity import moment_error
 from tests.e2e.harness import (assert_same_weights, clone, eager_losses, make_inputs, megacompile_run, weight_bytes,
                                weight_noise)
 from tests.families import FAMILIES, batch

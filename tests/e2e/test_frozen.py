@@ -10,7 +10,7 @@ import torch
 
 from megacompile.ir.program import Op
 from megacompile.cost.host_memory import host_costs
-from megacompile.validate.parity import moment_error
+from megacompile.acceptance.parity import moment_error
 from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_bytes, weight_noise
 from tests.families import FAMILIES, LAYERS, batch
 

@@ -278,7 +278,7 @@ def test_identical_layers_share_one_template(kind):
 def test_fusion_rewrites_each_block_template_on_its_own():
     """GELU and GELU(tanh) blocks, fused: each template gets its own kernels, and the weights
     after two steps agree with the unfused run, which agrees with eager (above)."""
-    from megacompile.passes.fusion import kernel_counts
+    from megacompile.fusion import kernel_counts
     from tests.fusion.training import batches, train
     torch.manual_seed(0)
     model = Stack([Block(nn.GELU() if i % 2 == 0 else nn.GELU(approximate="tanh")) for i in range(2)])

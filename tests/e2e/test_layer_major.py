@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import megacompile
-import megacompile.plan.search as planner
+import megacompile.planner.search as planner
 from megacompile.errors import ArgumentError, CheckpointError, InputMismatchError
 from megacompile.ir.program import Op
 from megacompile.optim import AdamW
 from megacompile.passes import ScheduleChoice
-from megacompile.validate.parity import BETAS, EPS, LR, WD, clone, float64_noise, loss_of, make_inputs
+from megacompile.acceptance.parity import BETAS, EPS, LR, WD, clone, float64_noise, loss_of, make_inputs
 from tests import models
 from tests.e2e.harness import assert_same_weights
 

@@ -15,7 +15,7 @@ import megacompile
 from megacompile.cli import main
 from megacompile.cost.host_memory import LEVELS, host_cost, host_costs
 from megacompile.errors import StorageError
-from megacompile.validate.parity import moment_error
+from megacompile.acceptance.parity import moment_error
 from tests import models
 from tests.e2e.atomic import Poisoned, assert_bit_equal, assert_same_state, engine, inputs, masters, snapshot
 from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_noise

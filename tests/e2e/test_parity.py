@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacompile.validate.parity import moment_error
+from megacompile.acceptance.parity import moment_error
 from tests import models
 from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_bytes, weight_noise
 

@@ -6,7 +6,7 @@ import warnings
 
 
 import megacompile
-import megacompile.plan.cache as plan_cache
+import megacompile.planner.cache as plan_cache
 from megacompile.errors import RetraceWarning
 from tests import models
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import megacompile
 from megacompile.errors import CheckpointError
-from megacompile.io import files
+from megacompile.io import durable
 from tests import models
 
 IDS = models.batch(96, 2, 16, seed=3)
@@ -169,13 +169,13 @@ def test_an_export_killed_mid_swap_is_finished_by_the_next_one(trained, tmp_path
             if count[0] == kill_at:
                 raise _Killed()
         rename(src, dst)
-    monkeypatch.setattr(files.os, "rename", dying)
+    monkeypatch.setattr(durable.os, "rename", dying)
     try:
         trained.save_pretrained(str(out), dtype=torch.bfloat16, overwrite=True)
         assert kill_at == 17, f"the swap took {count[0]} renames: kill at each"     # the last: past them all
     except _Killed:
         pass
-    monkeypatch.setattr(files.os, "rename", rename)
+    monkeypatch.setattr(durable.os, "rename", rename)
     assert {k: _tree(out)[k] for k in mine} == mine
     with pytest.raises(CheckpointError, match="would be replaced"):     # finishes the swap, then refuses
         trained.save_pretrained(str(out))
@@ -197,7 +197,7 @@ def test_a_dead_writers_unfinished_staging_is_removed(tmp_path):
     staging = out / f".export.{DEAD}.partial"
     staging.mkdir()
     (staging / "model.safetensors").write_bytes(b"half")
-    files.recover_files(str(out))
+    durable.recover_files(str(out))
     assert _tree(out) == mine
 
 
@@ -260,7 +260,7 @@ def test_checkpoints_written_before_run_ids_are_never_rotated(tmp_path):
     del manifest["run"]                                   # as the writer of before wrote it
     text = json.dumps(manifest, indent=1)
     (tmp_path / "old" / "manifest.json").write_text(text)
-    (tmp_path / "old" / "COMMITTED").write_text(files.sha256_of(str(tmp_path / "old" / "manifest.json")) + "\n")
+    (tmp_path / "old" / "COMMITTED").write_text(durable.sha256_of(str(tmp_path / "old" / "manifest.json")) + "\n")
     _steps(engine, 1).save_checkpoint(str(tmp_path / "new"), keep_last=1)
     assert sorted(os.listdir(tmp_path)) == ["new", "old"]
 
@@ -279,9 +279,9 @@ def test_a_checkpoint_is_committed_before_it_takes_the_path(tmp_path, monkeypatc
     rename = os.rename
 
     def watching(src, dst):
-        seen.append((os.path.basename(src), os.path.basename(dst), files.committed(src)))
+        seen.append((os.path.basename(src), os.path.basename(dst), durable.committed(src)))
         rename(src, dst)
-    monkeypatch.setattr(files.os, "rename", watching)
+    monkeypatch.setattr(durable.os, "rename", watching)
     _steps(_engine(), 2).save_checkpoint(old)
     pid = os.getpid()
     assert seen == [("ck", f".ck.{pid}.old", True), (f".ck.{pid}.partial", "ck", True)]
@@ -337,7 +337,7 @@ def test_a_load_takes_back_the_checkpoint_of_a_writer_that_never_finishes(tmp_pa
     writer = subprocess.Popen(["sleep", "30"])       # alive, but its new folder never comes
     try:
         os.rename(old, tmp_path / f".ck.{writer.pid}.old")
-        monkeypatch.setattr(files.settle, "__defaults__", (0.2,))
+        monkeypatch.setattr(durable.settle, "__defaults__", (0.2,))
         engine = _engine()
         engine.load_checkpoint(old)
         assert engine.steps_done == 1 and os.listdir(tmp_path) == ["ck"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import megacompile
-import megacompile.plan.search as planner
+import megacompile.planner.search as planner
 from megacompile.capture.split import is_costly
 from megacompile.passes import ScheduleChoice
 from tests import models

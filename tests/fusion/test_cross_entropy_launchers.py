@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megacompile.passes.fusion.cross_entropy import (_backward_meta, _forward_meta, linear_cross_entropy_backward,
+from megacompile.fusion.cross_entropy import (_backward_meta, _forward_meta, linear_cross_entropy_backward,
                                                      linear_cross_entropy_forward)
 
 N, H, V = 48, 16, 200

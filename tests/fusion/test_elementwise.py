@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from megacompile.passes.fusion.elementwise import ElementwiseKernel, fuse_elementwise
-from megacompile.passes.fusion.graph import GraphEdit
+from megacompile.fusion.elementwise import ElementwiseKernel, fuse_elementwise
+from megacompile.fusion.graph import GraphEdit
 
 aten = torch.ops.aten
 

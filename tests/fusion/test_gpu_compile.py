@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from megacompile.passes.fusion import fuse
-from megacompile.passes.fusion.elementwise import generated_kernels
-from megacompile.passes.fusion.gpu_check import ARCHS, compile_generated
+from megacompile.fusion import fuse
+from megacompile.fusion.elementwise import generated_kernels
+from megacompile.fusion.gpu_check import ARCHS, compile_generated
 from tests.fusion.test_elementwise import fused, many_ops
 from tests.fusion.test_patterns import captured
 

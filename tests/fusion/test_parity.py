@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacompile.passes.fusion import kernel_counts
+from megacompile.fusion import kernel_counts
 from tests.e2e.harness import LR
 from tests.fusion.training import BUILDERS, STEPS, Run, batches, train, train_forced
 
@@ -114,8 +114,8 @@ def test_gradient_accumulation_scales_the_saved_loss_gradients():
 def test_the_step_check_catches_a_wrong_kernel(runs, monkeypatch):
     """The per-step comparison fails when one replacement is slightly wrong: RMSNorm's output off
     by one part in 1e4, in the forward only (its backward kernel is still right)."""
-    from megacompile.passes.fusion import norms
-    from megacompile.passes.fusion.graph import launcher
+    from megacompile.fusion import norms
+    from megacompile.fusion.graph import launcher
 
     right = norms.rms_norm_fwd
 

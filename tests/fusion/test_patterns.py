@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from megacompile.capture import capture
-from megacompile.passes.fusion import fuse, fusion_report
+from megacompile.fusion import fuse, fusion_report
 from tests import models
 from tests.e2e.harness import make_inputs
 from tests.fusion.training import BUILDERS, counts

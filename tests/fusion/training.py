@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 import megacompile
-from megacompile.passes.fusion import kernel_counts
+from megacompile.fusion import kernel_counts
 from tests import models
 from tests.e2e.harness import BETAS, EPS, LR, WD, make_inputs
 

@@ -114,11 +114,11 @@ def test_a_finished_run_with_an_export_names_it(tmp_path, capsys):
 def test_a_committed_checkpoint_without_a_step_count_is_refused_by_name(tmp_path):
     import json
 
-    from megacompile.io import checkpoint, files
+    from megacompile.io import checkpoint, durable
     folder = tmp_path / "odd"
     folder.mkdir()
     (folder / checkpoint.MANIFEST).write_text(json.dumps({"format": checkpoint.FORMAT, "files": {}}))
-    (folder / checkpoint.MARKER).write_text(files.sha256_of(str(folder / checkpoint.MANIFEST)))
+    (folder / checkpoint.MARKER).write_text(durable.sha256_of(str(folder / checkpoint.MANIFEST)))
     with pytest.raises(WeightsFileError, match="does not hold what a save writes: steps_done: missing"):
         run(load(None, [*TINY, "steps=1", f"resume={folder}", f"run_dir={tmp_path / 'run'}"]))
     assert not (tmp_path / "run").exists()
@@ -128,13 +128,13 @@ def test_a_checkpoint_whose_step_count_is_a_string_is_refused_before_the_run_fol
     # The manifest re-signed, so only the schema can tell: int("1") would pass it as a step count.
     import json
 
-    from megacompile.io import checkpoint, files
+    from megacompile.io import checkpoint, durable
     _run(tmp_path, "steps=1")
     (saved,) = [p for p in (tmp_path / "run" / "checkpoints").iterdir() if not p.name.startswith(".")]
     manifest = json.loads((saved / checkpoint.MANIFEST).read_text())
     manifest["steps_done"] = str(manifest["steps_done"])
     (saved / checkpoint.MANIFEST).write_text(json.dumps(manifest))
-    (saved / checkpoint.MARKER).write_text(files.sha256_of(str(saved / checkpoint.MANIFEST)))
+    (saved / checkpoint.MARKER).write_text(durable.sha256_of(str(saved / checkpoint.MANIFEST)))
     with pytest.raises(WeightsFileError, match="steps_done: expected an int >= 0, found str"):
         run(load(None, [*TINY, "steps=2", f"resume={saved}", f"run_dir={tmp_path / 'other'}"]))
     assert not (tmp_path / "other").exists()

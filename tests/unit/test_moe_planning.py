@@ -54,7 +54,7 @@ def test_gpt_oss_active_parameters_in_every_capture_of_a_planning_run():
     """plan_global_batch captures once per micro-batch size; a later capture traces one block per
     group, and every block's experts must still count at top_k / E."""
     from megacompile.capture.top import blocks_grouped_once
-    from megacompile.plan.from_config import model_from_config
+    from megacompile.planner.from_config import model_from_config
     model = model_from_config(_gpt_oss_config())
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)

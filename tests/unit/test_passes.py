@@ -6,7 +6,8 @@ import torch
 from megacompile.capture import capture
 from megacompile.ir.program import Op
 from megacompile.ir.simulate import simulate
-from megacompile.passes import ScheduleChoice, build_schedule, solve
+from megacompile.passes import ScheduleChoice, build_schedule
+from megacompile.planner.solve import solve
 from tests import models
 
 
@@ -77,8 +78,8 @@ def test_solver_finds_the_fastest_fitting_choice_of_its_whole_search_space():
     fast as the fastest of every candidate, each one built and timed."""
     from megacompile.cost import get_profile, predict
     from megacompile.passes.selective import with_selective
-    from megacompile.passes.solve import candidates
-    from megacompile.plan.search import search_space
+    from megacompile.planner.solve import candidates
+    from megacompile.planner.search import search_space
 
     captured = _captured(layers=3)
     blocks = _blocks(captured)

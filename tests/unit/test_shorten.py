@@ -1,4 +1,4 @@
-"""The solver judges choices on a short stack (passes/shorten.py): its peaks must be the whole
+"""The solver judges choices on a short stack (megacompile/planner/shorten.py): its peaks must be the whole
 stack's, exactly, and its step times close to the whole stack's prediction."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from megacompile.ir.simulate import simulate
 from megacompile.passes import StepKind, build_schedule
 from megacompile.passes.lower import lower
 from megacompile.passes.selective import with_selective
-from megacompile.passes.shorten import shorten
-from megacompile.passes.solve import candidates
-from megacompile.plan.search import judges, search_space
+from megacompile.planner.shorten import shorten
+from megacompile.planner.solve import candidates
+from megacompile.planner.search import judges, search_space
 from tests import models
 
 

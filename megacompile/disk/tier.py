@@ -31,7 +31,7 @@ import torch
 
 from ..errors import StorageError
 from .aligned import BufferPool, aligned_empty, round_up
-from .files import StateFile, checksum, probe_direct, warn_buffered
+from .state_files import StateFile, checksum, probe_direct, warn_buffered
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KINDS = MOMENTS + ("master",)

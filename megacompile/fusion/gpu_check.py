@@ -6,7 +6,7 @@ for the hand-written kernels), so a code-generation error cannot hide behind the
 architecture (with TRITON_INTERPRET=0: interpreted functions cannot be code-generated) and reports
 'ok' when PTX came out, or the reason it did not.
 
-    python -m megacompile.passes.fusion.gpu_check < request.json     # the child: JSON in, JSON out
+    python -m megacompile.fusion.gpu_check < request.json     # the child: JSON in, JSON out
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import megacompile
 from megacompile.errors import MegacompileError
 from megacompile.ir.program import Node, Op, Program, Value
 from megacompile.ir.simulate import simulate
-from megacompile.view import device_by_kind, host_by_kind
+from megacompile.report import device_by_kind, host_by_kind
 from tests import models
 
 

@@ -10,7 +10,7 @@ import torch
 
 from .parity import (BF16_LOSS_RTOL, FP32_RTOL, WEIGHT_NOISE_FACTOR, clone, eager_losses, loss_error,
                      megacompile_run, moment_error, weight_bytes, weight_errors)
-from .report import Row
+from .table import Row
 
 GiB = 2 ** 30
 

@@ -15,13 +15,14 @@ from ..cost.predict import compute_seconds
 from ..cost.host_memory import HostCost, choose_placement, host_costs, why_not
 from ..cost.reserve import device_reserve, smallest_budget
 from ..ir.program import COMPUTE_OPS, Op, Program
-from ..passes import ScheduleChoice, StepKind, build_schedule, solve
+from ..passes import ScheduleChoice, StepKind, build_schedule
+from .solve import solve
 from ..passes.lower import lower
 from ..passes.selective import with_selective
-from ..passes.shorten import Short, held_bytes, peak_with_cut, shorten, span
-from ..passes.solve import Family, Selective, families
+from .shorten import Short, held_bytes, peak_with_cut, shorten, span
+from .solve import Family, Selective, families
 from ..passes.baselines import baseline_choice
-from ..passes.chunk import plan_chunked
+from .chunk_count import plan_chunked
 from .result import Plan
 
 GiB = 2 ** 30
@@ -32,7 +33,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
               hardware: HardwareProfile | None = None, host_budget_bytes: int | None = None,
               host_cost: HostCost | None = None, grad_accum: int = 1, accumulation: str = "micro") -> Plan:
     """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
-    rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs.
+    rewritten onto the fused kernels (megacompile/fusion), and the plan runs those graphs.
 
     `host_bytes`: host RAM the masters and AdamW state take; with `host_budget_bytes`, activations
     are offloaded only as far as the rest of that budget holds them.
@@ -42,7 +43,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     step is shorter than k micro-batch-major steps."""
     require_host_room(host_bytes, host_budget_bytes)
     if fuse:
-        from ..passes.fusion import fuse as fuse_stages
+        from ..fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     hardware = hardware or default_profile(backend)
@@ -93,7 +94,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
             f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
         if captured.rechunk is None:
             raise refused
-        # Blocks run over sequence chunks (passes/chunk.py) when they do not fit whole.
+        # Blocks run over sequence chunks (megacompile/planner/chunk_count.py) when they do not fit whole.
         return plan_chunked(captured, lambda c: make_plan(
             c, budget_bytes, kind, backend=backend, host_bytes=host_bytes, dump_dir=dump_dir, hardware=hardware,
             host_budget_bytes=host_budget_bytes, host_cost=host_cost, grad_accum=grad_accum,
@@ -108,7 +109,7 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
 
 def lowest_budget(plan_at: Callable[[int], Plan]) -> int:
     """The smallest budget any plan fits: planned at no budget, make_plan's refusal names the
-    lowest over the whole blocks and the sequence chunk counts it tries (passes/chunk.py). A plan's
+    lowest over the whole blocks and the sequence chunk counts it tries (megacompile/planner/chunk_count.py). A plan's
     own `minimum_budget_bytes` is that of its blocks as they are, which chunking may undercut."""
     try:
         plan_at(0)
@@ -167,7 +168,7 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
            kind: StepKind, disk_per_param: float = 0.0
            ) -> tuple[Callable[[ScheduleChoice], int], Callable[[ScheduleChoice], float]]:
     """The solver's two functions, choice -> peak bytes and choice -> predicted seconds, judged on
-    the stack with each run of like blocks cut short (passes/shorten.py): the peak exactly, the
+    the stack with each run of like blocks cut short (megacompile/planner/shorten.py): the peak exactly, the
     seconds as the short step plus each cut block's period (the busiest stream's time for one
     block of its run). Stacks too short to cut, and forward-only plans, are judged whole."""
     judged: dict[tuple, _ShortJudge] = {}

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from megacompile.capture import CapturedModel, Port
 from megacompile.ir.program import Op, Program
 
-from .pipeline import ScheduleChoice
+from ..passes.pipeline import ScheduleChoice
 
 
 @dataclass(frozen=True)

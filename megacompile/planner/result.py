@@ -73,7 +73,7 @@ class Plan:
         """The memory picture as a PNG: device bytes over the schedule stacked by kind, the budget,
         the predicted curve and the measured one after a step; host RAM (and disk) below. Needs
         matplotlib (`pip install megacompile[plot]`)."""
-        from ..view.plot import plot_memory
+        from ..report.plot import plot_memory
         plot_memory(self, path)
 
     # -- numbers -------------------------------------------------------------------------
@@ -477,7 +477,7 @@ class Plan:
         os.makedirs(path, exist_ok=True)
         files = [("plan.txt", str(self) + "\n"), ("plan.json", json.dumps(self.to_json(), indent=1))]
         if self.fused:
-            from ..passes.fusion import fusion_report
+            from ..fusion import fusion_report
             files.append(("fusion.txt", fusion_report(self.captured) + "\n"))
         for name, text in files:
             tmp = os.path.join(path, f".{name}.tmp")

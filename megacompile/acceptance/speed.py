@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from .report import Row
+from .table import Row
 
 # Llama 1B (TinyLlama-1.1B's shape) and Llama 2 7B; `layers` is cut to what the time allows.
 SHAPES = {

@@ -7,25 +7,13 @@
                     without weights
     cache.py        PlanCache: the engine's plans, one per input signature
 
-`megacompile.plan` is this package, and calling it calls from_config.plan: so both
-`megacompile.plan(config, 80)` and `from megacompile.plan import Plan` read as they always did.
-(Were the function bound to the name instead, `megacompile.plan.search` would not resolve.)
+`megacompile.plan(config, 80)` is from_config.plan, bound in megacompile/__init__.py.
 """
 from __future__ import annotations
-
-import sys
-import types
 
 from .result import Plan
 from .search import make_plan
 from .from_config import model_from_config, plan, plan_global_batch
 
-
-class _CallablePackage(types.ModuleType):
-    def __call__(self, *args, **kwargs) -> Plan:
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
 
 __all__ = ["Plan", "make_plan", "model_from_config", "plan", "plan_global_batch"]

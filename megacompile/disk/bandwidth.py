@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .aligned import aligned_empty, round_up
-from .files import StateFile, probe_direct
+from .state_files import StateFile, probe_direct
 
 
 def measure_disk(folder: str, nbytes: int = 1 << 30, chunk: int = 16 << 20, threads: int = 4) -> dict:

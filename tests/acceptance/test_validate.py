@@ -1,4 +1,4 @@
-"""The cpu half of `python -m megacompile.validate`: every section that does not need a GPU runs
+"""The cpu half of `python -m megacompile.acceptance`: every section that does not need a GPU runs
 here on the cpu backend, so the command's logic is tested before it meets a device."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megacompile.calibrate import cpu_profile
-from megacompile.validate import checks, main
-from megacompile.validate.report import Row, markdown, write
-from megacompile.validate.speed import step_rows
+from megacompile.acceptance import checks, main
+from megacompile.acceptance.table import Row, markdown, write
+from megacompile.acceptance.speed import step_rows
 
 TINY = dict(vocab=96, dim=32, ffn=64, heads=4, kv_heads=2, layers=2)
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megacompile.errors import StorageError
-from megacompile.storage import DiskTier, KINDS
-from megacompile.storage import files
-from megacompile.storage import tier as tier_module
+from megacompile.disk import DiskTier, KINDS
+from megacompile.disk import state_files
+from megacompile.disk import tier as tier_module
 
 SIZES = {0: 5000, 1: 3000, 2: 1}     # owners of odd sizes: a last piece shorter than the others
 
@@ -97,7 +97,7 @@ def test_a_failing_write_is_named_and_raised_at_the_next_call(tmp_path, monkeypa
 
     def failing(fd, bufs, offset):
         raise OSError(errno.EIO, "Input/output error")
-    monkeypatch.setattr(files, "pwrite", failing)
+    monkeypatch.setattr(state_files, "pwrite", failing)
     with pytest.raises(StorageError, match=r"writing the state file .*owner0000\.\w+ .*I/O error"):
         tier.schedule([0])        # the error surfaces at the tier's next call, wherever that is
         for _ in tier.pieces_of(0):
@@ -132,7 +132,7 @@ def test_a_filesystem_without_o_direct_falls_back_to_buffered_io_with_a_warning(
 
 
 def test_the_raw_disk_probe_measures_and_leaves_nothing(tmp_path):
-    from megacompile.storage.bandwidth import measure_disk
+    from megacompile.disk.bandwidth import measure_disk
     figures = measure_disk(str(tmp_path), nbytes=8 << 20, chunk=1 << 20, threads=2)
     assert figures["read_bw"] > 0 and figures["write_bw"] > 0 and figures["bytes"] == 8 << 20
     assert os.listdir(tmp_path) == []

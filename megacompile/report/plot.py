@@ -1,6 +1,6 @@
 """The memory picture of a plan: a PNG with two panels over the schedule's nodes.
 
-Top: device bytes stacked by kind (view/memory.py), the budget and the part of it the plan may
+Top: device bytes stacked by kind (report/memory.py), the budget and the part of it the plan may
 fill (budget less the reserve) as lines, and, once the plan has run, the measured bytes (the most
 held during each node, the runtime's ledger). Bottom: host RAM stacked by kind, the host budget
 when there is one, and the disk tier's bytes when the plan has one. matplotlib is an optional

@@ -201,7 +201,7 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     if fuse is None:   # as compile() would on that hardware: fused kernels on a GPU
         fuse = not profile.name.startswith("cpu")
     if fuse:
-        from ..passes.fusion import fuse as fuse_stages
+        from ..fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     if style is not None:
         return make_baseline_plan(captured, budget_bytes, style, host_bytes=host_costs(captured, compute_dtype)[0].ram_bytes,

@@ -1,6 +1,6 @@
 """Train the same model eagerly (torch.optim.AdamW, float32) and through megacompile, and compare.
 
-The tests' parity harness (tests/e2e/harness.py) and `python -m megacompile.validate` share this:
+The tests' parity harness (tests/e2e/harness.py) and `python -m megacompile.acceptance` share this:
 the tests run it on the cpu backend, the validation on the GPU. Tolerances: float32 compute agrees
 with eager float32 on the same device to 1e-5 (relative) in the losses and in the first step's
 gradients (read as AdamW's first moment, (1 - beta1) * g, on both sides); the weights after

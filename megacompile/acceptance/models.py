@@ -1,6 +1,6 @@
 """The parity models: small Hugging Face Llama, Qwen2 and GPT-2 with random weights, and token batches.
 
-Shared by the tests (tests/models.py re-exports them) and `python -m megacompile.validate`.
+Shared by the tests (tests/models.py re-exports them) and `python -m megacompile.acceptance`.
 transformers is imported when a model is built, so the package does not depend on it.
 """
 from __future__ import annotations

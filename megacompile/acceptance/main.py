@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from .report import Row, machine, markdown, write
+from .table import Row, machine, markdown, write
 
 SECTIONS = ("kernels", "parity", "budget", "calibrate", "step")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megacompile.validate", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m megacompile.acceptance", description=__doc__)
     p.add_argument("--out", type=Path, default=Path("validate-results"), help="folder for validate.csv and validate.md")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N (default: the current GPU)")
     p.add_argument("--skip", default="", help=f"comma-separated sections to skip, of {', '.join(SECTIONS)}")
@@ -27,9 +27,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if not torch.cuda.is_available():
-        print("megacompile.validate: torch sees no GPU here, so there is nothing to validate on a device "
+        print("megacompile.acceptance: torch sees no GPU here, so there is nothing to validate on a device "
               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). The cpu half of these checks "
-              "runs in the tests: pytest tests/validate.")
+              "runs in the tests: pytest tests/acceptance.")
         return 0
     from ..runtime import normalize_device
     device = normalize_device(args.device)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return out
         section("calibrate", 0.5, calibrate)
         if profile is None:
-            from ..plan.search import default_profile
+            from ..planner.search import default_profile
             profile = default_profile("cuda")
         section("step", 1.5, lambda: step_rows(device, "llama-1b", args.layers_1b, profile))
         section("step", 2.0, lambda: step_rows(device, "llama-7b", args.layers_7b, profile))

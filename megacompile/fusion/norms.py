@@ -14,7 +14,7 @@ residual gradient) and a sum for dw:
     dw = sum(dy * xhat, leading dims)           # xhat: the saved (xf * rstd).to(x.dtype)
 
 LayerNorm is one ATen op each way (native_layer_norm, native_layer_norm_backward), mapped whole.
-The backward rewrites run first (see passes/fusion/__init__.py): they read only what the forward
+The backward rewrites run first (see megacompile/fusion/__init__.py): they read only what the forward
 already saves (x, rstd), so the saved xhat falls out of the contract and the forward group is free.
 """
 from __future__ import annotations

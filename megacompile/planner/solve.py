@@ -26,7 +26,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .pipeline import ScheduleChoice
+from ..passes.pipeline import ScheduleChoice
 
 DEPTHS = (2, 1, 0)
 
