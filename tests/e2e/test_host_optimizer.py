@@ -206,7 +206,7 @@ def test_bf16_gradients_reach_adamw_unwidened_and_train_the_same():
     """With bf16 compute and one micro-batch a step, owners whose gradients are not summed keep them
     in bf16 (no fp32 copy); the values are the device's bf16 gradients either way, so training is
     bit-identical to widening them first."""
-    from megacompile import engine as engine_module
+    from megacompile.engine import engine as engine_module
     model, batches = models.hf_llama(layers=2, d=32), _batches(3)
 
     def run(widen: bool):
