@@ -10,7 +10,7 @@ from ..ir.printer import fmt_bytes
 from ..ir.simulate import simulate
 from ..ir.verify import verify
 from ..capture.model_graph import owners
-from ..cost import HardwareProfile, get_profile, predict
+from ..cost import HardwareProfile, predict
 from ..cost.predict import compute_seconds
 from ..cost.host_memory import HostCost, choose_placement, host_costs, why_not
 from ..cost.reserve import device_reserve, smallest_budget
@@ -28,11 +28,12 @@ GiB = 2 ** 30
 
 
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
-              host_bytes: int, dump_dir: str | None = None, fuse: bool = False,
-              hardware: HardwareProfile | None = None, host_budget_bytes: int | None = None,
+              host_bytes: int, hardware: HardwareProfile, dump_dir: str | None = None, fuse: bool = False,
+              host_budget_bytes: int | None = None,
               host_cost: HostCost | None = None, grad_accum: int = 1, accumulation: str = "micro") -> Plan:
     """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
-    rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs.
+    rewritten onto the fused kernels (passes/fusion), and the plan runs those graphs. `hardware`
+    times the candidates: the caller resolves it (calibrate.profile_for measures; the planner reads).
 
     `host_bytes`: host RAM the masters and AdamW state take; with `host_budget_bytes`, activations
     are offloaded only as far as the rest of that budget holds them.
@@ -45,7 +46,6 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
         from ..passes.fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
-    hardware = hardware or default_profile(backend)
     disk_per_param = host_cost.disk_bytes / max(host_cost.params, 1) if host_cost is not None else 0.0
     built: dict[ScheduleChoice, Program] = {}
     lowered: dict[tuple, Program] = {}
@@ -345,21 +345,6 @@ def _offload_lag(captured: CapturedModel, t, hardware: HardwareProfile) -> int:
     from ..cost import graph_cost
     compute = graph_cost(t.forward, hardware, captured.compute_dtype).seconds
     return max(1, min(8, math.ceil(t.saved_bytes / hardware.d2h_bw / max(compute, 1e-9))))
-
-
-def default_profile(backend: str) -> HardwareProfile:
-    """The measured profile for the simulated device; for a GPU, the profile its name matches."""
-    if backend == "cpu":
-        # Measured once on this machine and cached. The measuring room sits above the engine (it
-        # trains a small model, whose engine plans with an explicit profile and never comes back here).
-        from ..calibrate import cpu_profile
-        return cpu_profile()
-    import torch
-    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
-    for key in ("gh200", "h200", "h100", "a100"):
-        if key in name:
-            return get_profile("h100-pcie" if key == "h100" and "pcie" in name else key)
-    return get_profile("h100")
 
 
 def make_baseline_plan(captured: CapturedModel, budget_bytes: int, style: str, *, backend: str, host_bytes: int,
