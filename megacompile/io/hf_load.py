@@ -33,7 +33,12 @@ def from_pretrained(path: str, hbm_budget: float, **compile_kwargs: Any) -> Engi
         raise WeightsFileError(f"from_pretrained takes a local model folder (config.json + safetensors); {path!r} "
                                "is not a folder")
     path = os.fspath(path)
-    model = build_model(path)
+    return compile_folder(build_model(path), path, hbm_budget, **compile_kwargs)
+
+
+def compile_folder(model: nn.Module, path: str, hbm_budget: float, **compile_kwargs: Any) -> Engine:
+    """from_pretrained, for the module build_model(path) made (a caller that planned on it first:
+    megacompile train)."""
     shards = shard_map(path)
     engine = Engine(model, hbm_budget, **compile_kwargs)
     engine._pending_load = PendingLoad(plan_items(engine, model, path, shards), own_buffers=True,

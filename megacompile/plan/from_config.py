@@ -95,36 +95,44 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
     step and the number of micro-batches to accumulate (compile(..., grad_accum=k)). Choosing the
     split, it lets the planner choose the accumulation too ("auto"), unless told otherwise.
     kwargs: plan()'s (not batch or grad_accum, which it chooses)."""
-    from ..errors import BudgetTooSmallError, HostMemoryError
     global_batch = arguments.count("global_batch", global_batch, what=" (sequences per optimizer step)")
     Settings(hbm_budget=hbm_budget, accumulation=accumulation,
              **{k: v for k, v in kwargs.items() if k in PLAN_SETTINGS})
     kwargs["hardware"] = hardware_profile(kwargs.get("hardware", "h100"), kwargs.pop("nvme_bandwidth", None))
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     search_lowest = kwargs.pop("smallest", False)
-    best, smallest, host_short = None, None, None
-    micro = global_batch
     with blocks_grouped_once():    # blocks found alike at the first micro-batch size stay alike
-        while micro >= 1:
-            if global_batch % micro == 0:
-                try:
-                    candidate = plan(model, hbm_budget, batch=micro, grad_accum=global_batch // micro,
-                                     accumulation=accumulation, smallest=False, **kwargs)
-                except BudgetTooSmallError as e:
-                    smallest = e
-                except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
-                    host_short = host_short or e
-                else:
-                    if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
-                        best = (candidate, global_batch // micro)
-            micro //= 2
-    if best is None:
-        # Host RAM, when it stopped the micro-batches small enough for the device.
-        raise host_short or smallest
+        best = choose_micro_batch(global_batch, lambda micro, k: plan(
+            model, hbm_budget, batch=micro, grad_accum=k, accumulation=accumulation, smallest=False, **kwargs))
     if search_lowest:
         chosen = best[0]
         chosen.minimum_budget_bytes = min(chosen.minimum_budget_bytes, chosen.lowest_budget())
         chosen.minimum_over_chunks = True
+    return best
+
+
+def choose_micro_batch(global_batch: int, plan_one) -> tuple[Plan, int]:
+    """plan_one(micro, k) for every micro-batch size that divides the global batch (halving from
+    the whole of it), k = global_batch // micro micro-batches a step: the plan with the highest
+    predicted tokens/s, and its k. Raises what stopped the smallest micro-batch when none fits."""
+    from ..errors import BudgetTooSmallError, HostMemoryError
+    best, smallest, host_short = None, None, None
+    micro = global_batch
+    while micro >= 1:
+        if global_batch % micro == 0:
+            try:
+                candidate = plan_one(micro, global_batch // micro)
+            except BudgetTooSmallError as e:
+                smallest = e
+            except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
+                host_short = host_short or e
+            else:
+                if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
+                    best = (candidate, global_batch // micro)
+        micro //= 2
+    if best is None:
+        # Host RAM, when it stopped the micro-batches small enough for the device.
+        raise host_short or smallest
     return best
 
 

@@ -1,7 +1,9 @@
 """From a captured model and a budget to a verified plan, or an error naming the smallest budget."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from contextvars import ContextVar
 from typing import Callable
 
 from ..capture import CapturedModel
@@ -27,6 +29,25 @@ from .result import Plan
 GiB = 2 ** 30
 
 
+_SHARED: ContextVar[list | None] = ContextVar("megacompile_shared_plans", default=None)
+
+
+@contextlib.contextmanager
+def plans_shared():
+    """Within: make_plan returns the plan it made already for the same arguments (the same
+    capture object, budget, host figures and settings) instead of solving again. A run that plans
+    before it trains (`megacompile train`) hands its engine the plan it chose this way: the engine
+    asks for it with the same arguments at its first step. Nested, the outer scope holds."""
+    if _SHARED.get() is not None:
+        yield
+        return
+    token = _SHARED.set([])
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
               host_bytes: int, hardware: HardwareProfile, dump_dir: str | None = None, fuse: bool = False,
               host_budget_bytes: int | None = None,
@@ -41,6 +62,24 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     With `grad_accum` k > 1 and `accumulation` "layer", the plan runs the k micro-batches of a
     step in one program, layer by layer (passes/layer_major.py); "auto" takes it when its predicted
     step is shorter than k micro-batch-major steps."""
+    shared = _SHARED.get()
+    same = (budget_bytes, kind, backend, host_bytes, fuse, hardware, host_budget_bytes, host_cost, grad_accum,
+            accumulation)
+    if shared is not None and dump_dir is None:    # a dump is written by solving: never from the memo
+        found = next((p for c, k, p in shared if c is captured and k == same), None)
+        if found is not None:
+            return found
+    plan = _make_plan(captured, budget_bytes, kind, backend=backend, host_bytes=host_bytes, hardware=hardware,
+                      dump_dir=dump_dir, fuse=fuse, host_budget_bytes=host_budget_bytes, host_cost=host_cost,
+                      grad_accum=grad_accum, accumulation=accumulation)
+    if shared is not None and dump_dir is None:
+        shared.append((captured, same, plan))
+    return plan
+
+
+def _make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind, *, backend: str, host_bytes: int,
+               hardware: HardwareProfile, dump_dir: str | None, fuse: bool, host_budget_bytes: int | None,
+               host_cost: HostCost | None, grad_accum: int, accumulation: str) -> Plan:
     require_host_room(host_bytes, host_budget_bytes)
     if fuse:
         from ..passes.fusion import fuse as fuse_stages
