@@ -74,6 +74,7 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                   nvme_budget=nvme_budget, process_group=process_group, accumulation=accumulation)
 
 
-__all__ = ["compile", "plan", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
+__all__ = ["compile", "plan", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "MegacompileError",
+           "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
            "OptimizerInputError", "NonFiniteError", "StorageError", "from_pretrained", "WeightsFileError"]
