@@ -155,9 +155,10 @@ def plan_as_engine(module: nn.Module, inputs: dict, settings: Settings, optimize
     from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes
     from ..passes import StepKind
     from ..plan.search import make_plan, place_host_state
-    backend = settings.device.type
-    captured = capture(module, (), inputs, device=settings.device, compute_dtype=settings.compute_dtype,
-                       train=True)
+    from ..runtime import normalize_device
+    device = normalize_device(settings.device)      # as make_backend: cuda -> cuda:N, the one the engine runs on
+    backend = device.type
+    captured = capture(module, (), inputs, device=device, compute_dtype=settings.compute_dtype, train=True)
     host_budget = settings.host_budget_bytes or default_host_budget_bytes()
     host_accum = 1 if settings.accumulation == "layer" else settings.grad_accum
     nvme_budget = settings.nvme_budget_bytes

@@ -3,6 +3,8 @@ first step: the budget's smallest plan, the micro-batch sizes it chooses among a
 first step share their captures and the chosen plan (train/model.py build)."""
 from __future__ import annotations
 
+import pytest
+
 import megacompile.capture as capture_room
 import megacompile.plan.search as search
 from megacompile.engine import Engine
@@ -10,10 +12,16 @@ from megacompile.train import load, run
 from tests.train import files
 
 RUN = dict(model="bundled", data="bundled", bundled_model=dict(dim=32, layers=2, heads=2, kv_heads=1, ffn=64),
-           device="cpu", seq=16, steps=1, global_batch=4, budget_fraction=8)
+           device="cpu", seq=16, steps=1, budget_fraction=8)
 
 
-def test_each_shape_is_captured_and_planned_once_before_the_first_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("split, shapes", [
+    # global_batch 4: micro-batches of 4, 2 and 1 rows of 16 tokens are planned, one is chosen
+    ({"global_batch": 4}, {(4, 16), (2, 16), (1, 16)}),
+    # batch and grad_accum given: one shape, for the budget's smallest plan and the engine
+    ({"batch": 2, "grad_accum": 2}, {(2, 16)}),
+])
+def test_each_shape_is_captured_and_planned_once_before_the_first_step(tmp_path, monkeypatch, split, shapes):
     counts = {"captures": [], "plans": 0}
     at_first_step = {}
 
@@ -39,9 +47,7 @@ def test_each_shape_is_captured_and_planned_once_before_the_first_step(tmp_path,
     monkeypatch.setattr(capture_room, "trace_top", counted_trace)
     monkeypatch.setattr(search, "Plan", CountedPlan)
     monkeypatch.setattr(Engine, "step", first_step_counted)
-    run(load(files.run_yaml(str(tmp_path / "run.yaml"), **RUN, run_dir=str(tmp_path / "run"))))
-    # Micro-batches of 4, 2 and 1 rows of 16 tokens: three shapes.
-    shapes = {(4, 16), (2, 16), (1, 16)}
+    run(load(files.run_yaml(str(tmp_path / "run.yaml"), **RUN, **split, run_dir=str(tmp_path / "run"))))
     assert set(at_first_step["captures"]) == shapes
     assert len(at_first_step["captures"]) == len(shapes), at_first_step
     assert at_first_step["plans"] == len(shapes), at_first_step
