@@ -23,19 +23,21 @@ from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, Hos
                      LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError,
                      StorageError, WeightsFileError)
 from .optim import AdamW
+from .settings import Settings
 from .engine import from_pretrained
 from .planner import Plan
-from .planner import plan  # megacompile.plan(config, budget): plan without weights (planner/from_config.py)
+from .planner import minimum_budget, plan  # plan without weights (planner/from_config.py)
+from . import calibrate  # hands cost/ the cpu measurement, for a first plan on the cpu backend
 
 __version__ = "0.1.0"
 
 
 def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
-            compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
-            loss_fn: Callable | None = None, retrace: bool = True, dump_dir: str | None = None,
-            grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
-            on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None,
-            process_group=None, accumulation: str = "micro") -> Engine:
+            compute_dtype: torch.dtype = Settings.compute_dtype, device: str | torch.device | None = None,
+            loss_fn: Callable | None = None, retrace: bool = Settings.retrace, dump_dir: str | None = None,
+            grad_accum: int = Settings.grad_accum, fuse: bool | None = None, host_budget: float | None = None,
+            on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None, nvme_budget: float | None = None,
+            process_group=None, accumulation: str = Settings.accumulation) -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -72,6 +74,7 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                   nvme_budget=nvme_budget, process_group=process_group, accumulation=accumulation)
 
 
-__all__ = ["compile", "plan", "Engine", "Plan", "AdamW", "MegacompileError", "BudgetTooSmallError", "HostMemoryError",
+__all__ = ["compile", "plan", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "MegacompileError",
+           "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
            "OptimizerInputError", "NonFiniteError", "StorageError", "from_pretrained", "WeightsFileError"]

@@ -29,18 +29,6 @@ MAX_BUDGET_GIB = 2 ** 20
 _HOLDER = {"hbm_budget": "device", "host_budget": "machine's RAM", "nvme_budget": "machine's disks"}
 
 
-ACCUMULATION = ("micro", "layer", "auto")    # how a step's micro-batches run (engine/layer_major_step.py)
-
-
-def accumulation(value: str) -> str:
-    if value not in ACCUMULATION:
-        raise ArgumentError(f"accumulation says how the micro-batches of a step run: 'micro' (each step() call "
-                            "through the whole model, the default), 'layer' (all of a step's micro-batches through "
-                            "each block while its weights are on the device) or 'auto' (the planner's choice by "
-                            f"predicted time); got {value!r}")
-    return value
-
-
 def budget_bytes(name: str, gib: Any, *, optional: bool = False) -> int | None:
     """A memory budget given in GiB (2**30 bytes), as bytes: positive, finite, not a bool."""
     if gib is None and optional:

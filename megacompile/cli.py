@@ -26,29 +26,36 @@ def _plan(args: argparse.Namespace) -> int:
 
     from .errors import BudgetTooSmallError, HostMemoryError
     from .ir.printer import fmt_bytes
-    from .planner.from_config import plan
-    from .planner.from_config import plan_global_batch
+    from .planner.from_config import hardware_profile, minimum_budget, plan, plan_global_batch
+    from .settings import Settings
     from .report.outputs import check_outputs, write_plan_views
-    from .arguments import budget_bytes
     check_outputs(trace=args.trace, plot_dir=args.plot)
-    given_bytes = budget_bytes("hbm_budget", args.hbm_budget)
-    budget_bytes("host_budget", args.host_budget, optional=True)
+    # The flags that are settings, checked as compile() checks them (megacompile/settings.py).
+    given_bytes = Settings(hbm_budget=args.hbm_budget, host_budget=args.host_budget, nvme_budget=args.nvme_budget,
+                           compute_dtype=DTYPES[args.dtype]).budget_bytes
     host_budget, host_source = _host_budget(args)
-    kwargs = dict(hardware=args.hardware, seq=args.seq, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
-                  nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth)
-    lowest = dict(smallest=args.smallest)
+    # The profile, resolved here once (measured for --hardware cpu when not cached yet).
+    kwargs = dict(hardware=hardware_profile(args.hardware, args.nvme_bandwidth), seq=args.seq,
+                  compute_dtype=DTYPES[args.dtype], host_budget=host_budget, nvme_budget=args.nvme_budget)
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
     accumulate = 1
     if args.gpus > 1 or args.nodes > 1:     # one rank's plan: its share of the host state, the node's budget
         from .distributed.cost import check_gpus
         check_gpus(args.gpus, args.nodes)
         kwargs["ranks"] = (args.gpus, args.gpus // args.nodes)
+    if args.global_batch is not None:   # the split is chosen, and with it the accumulation
+        kwargs["accumulation"] = "auto"
     try:
         if args.global_batch is not None:
-            result, accumulate = plan_global_batch(args.config, args.hbm_budget, args.global_batch, **lowest, **kwargs)
+            result, accumulate = plan_global_batch(args.config, args.hbm_budget, args.global_batch, **kwargs)
         else:
-            result = plan(args.config, args.hbm_budget, batch=args.batch, **lowest, **kwargs)
+            result = plan(args.config, args.hbm_budget, batch=args.batch, **kwargs)
         fits = True
+        if args.smallest:
+            micro = args.global_batch // accumulate if args.global_batch else args.batch
+            lowest = minimum_budget(args.config, batch=micro, grad_accum=accumulate, **kwargs)
+            result.minimum_budget_bytes = min(result.minimum_budget_bytes, int(lowest * 2**30))
+            result.minimum_over_chunks = True
     except HostMemoryError as e:    # the masters alone do not fit the host: nothing else matters
         print(host_line)
         print(f"  verdict        does NOT fit: {e}")
@@ -58,11 +65,11 @@ def _plan(args: argparse.Namespace) -> int:
                               "error": str(e)}))
         return DOES_NOT_FIT
     except BudgetTooSmallError as e:
-        # Show the smallest plan, so the reader sees what it would take.
+        # Show the smallest plan, so the reader sees what it would take. The refusal names the
+        # smallest budget any plan fits (megacompile.minimum_budget's figure: planning at it fits).
         batch = 1 if args.global_batch else args.batch
-        result = plan(args.config, e.minimum_bytes / 2**30 * 1.0001, batch=batch,
-                      grad_accum=args.global_batch // batch if args.global_batch else 1, smallest=False, **kwargs)
-        # The refusal's smallest budget is already the lowest over the chunk counts.
+        result = plan(args.config, e.minimum_bytes / 2**30, batch=batch,
+                      grad_accum=args.global_batch // batch if args.global_batch else 1, **kwargs)
         result.minimum_budget_bytes, result.minimum_over_chunks = e.minimum_bytes, True
         result.given_budget_bytes = given_bytes
         fits = False

@@ -112,7 +112,8 @@ def _probe_budget(device) -> float:
     """GiB for an engine that only plans (to read the smallest budget): most of the device."""
     if torch.device(device).type == "cpu":
         return 64.0
-    return 0.9 * torch.cuda.get_device_properties(torch.device(device)).total_memory / GiB
+    from ..settings import default_hbm_budget
+    return default_hbm_budget(device)
 
 
 def _empty_cache(device) -> None:
@@ -133,10 +134,11 @@ def budget_rows(device, model=None, kind: str = "tinyllama", ids=None, factors=(
         model = TinyLlama(LlamaConfig(vocab=256, dim=256, layers=6, heads=8, kv_heads=4, ffn=704))
         ids = batch(256, b=4, t=128)
     inputs = make_inputs(kind, ids)
-    from .. import compile as compile_model
-    probe = compile_model(clone(model), hbm_budget=_probe_budget(device), device=device)
-    minimum = probe.prepare(**inputs).minimum_budget_bytes
-    probe.close()
+    from .. import compile as compile_model, minimum_budget
+    from ..calibrate import profile_for
+    # As compile() plans on this device: its profile, float32 (compile()'s compute dtype).
+    minimum = int(minimum_budget(model, hardware=profile_for(torch.device(device).type), inputs=inputs,
+                                 compute_dtype=torch.float32) * GiB)
     rows = []
     for factor in (1.0, *factors):
         budget = int(minimum * factor)

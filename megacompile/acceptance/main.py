@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             return out
         section("calibrate", 0.5, calibrate)
         if profile is None:
-            from ..planner.search import default_profile
-            profile = default_profile("cuda")
+            from ..calibrate import profile_for
+            profile = profile_for("cuda")
         section("step", 1.5, lambda: step_rows(device, "llama-1b", args.layers_1b, profile))
         section("step", 2.0, lambda: step_rows(device, "llama-7b", args.layers_7b, profile))
     csv_path, md_path = write(args.out, rows, facts)

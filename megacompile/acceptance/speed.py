@@ -39,7 +39,8 @@ def step_rows(device, shape: str, layers: int, profile, batch: int = 4, seq: int
     model = TinyLlama(LlamaConfig(**config))
     ids = torch.randint(0, config["vocab"], (batch, seq))
     if hbm_budget is None:   # most of the device, so the plan keeps what it can
-        hbm_budget = 0.9 * torch.cuda.get_device_properties(torch.device(device)).total_memory / 2**30 if cuda else 64.0
+        from ..settings import default_hbm_budget
+        hbm_budget = default_hbm_budget(device) if cuda else 64.0
     engine = compile_model(model, hbm_budget=hbm_budget, device=device,
                            compute_dtype=torch.bfloat16 if cuda else torch.float32, optimizer=AdamW(lr=1e-4))
     del model

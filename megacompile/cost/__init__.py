@@ -2,6 +2,8 @@
 from .estimate import GraphCost, graph_cost
 from .hardware import PROFILES, HardwareProfile
 from .profiles import get_profile
+from .backend_profile import profile_for
 from .predict import StepPrediction, predict
 
-__all__ = ["GraphCost", "HardwareProfile", "PROFILES", "StepPrediction", "get_profile", "graph_cost", "predict"]
+__all__ = ["GraphCost", "HardwareProfile", "PROFILES", "StepPrediction", "get_profile", "graph_cost", "predict",
+           "profile_for"]

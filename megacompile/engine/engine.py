@@ -28,10 +28,11 @@ from ..optim import AdamW
 from ..passes import StepKind
 from ..planner import Plan
 from ..planner.cache import PlanCache, note_new_shape
-from ..cost import HardwareProfile
+from ..cost import HardwareProfile, profile_for
 from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes
 from ..planner.search import make_plan, place_host_state
 from ..runtime import Executor, HostState, make_backend, shutdown
+from ..settings import Settings
 from ..state import TrainingState
 from ..io import hf_save, model_params, state_dict, unbuilt
 from ..io.checkpoint import LocalCheckpoints
@@ -52,38 +53,32 @@ class _Compiled:
 
 class Engine:
     def __init__(self, model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
-                 compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
-                 loss_fn: LossFn | None = None, retrace: bool = True, dump_dir: str | None = None,
-                 grad_accum: int = 1, fuse: bool | None = None, host_budget: float | None = None,
-                 on_nonfinite: str = "skip", nvme_dir: str | None = None, nvme_budget: float | None = None,
-                 process_group=None, accumulation: str = "micro", hardware: HardwareProfile | None = None):
+                 compute_dtype: torch.dtype = Settings.compute_dtype, device: str | torch.device | None = None,
+                 loss_fn: LossFn | None = None, retrace: bool = Settings.retrace, dump_dir: str | None = None,
+                 grad_accum: int = Settings.grad_accum, fuse: bool | None = None, host_budget: float | None = None,
+                 on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None,
+                 nvme_budget: float | None = None, process_group=None, accumulation: str = Settings.accumulation,
+                 hardware: HardwareProfile | None = None):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
-        self.budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
-        if compute_dtype not in (torch.float32, torch.bfloat16):
-            raise ArgumentError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype!r}; "
-                                "masters are always float32")
-        arguments.count("grad_accum", grad_accum, what=" (micro-batches per optimizer step)")
-        if on_nonfinite not in ("skip", "raise"):
-            raise ArgumentError(f"on_nonfinite says what a step with an inf or NaN loss or gradient does: "
-                                f"'skip' (warn, update nothing) or 'raise' (NonFiniteError); got {on_nonfinite!r}")
+        # Every plain setting checked at once, by the one check (megacompile/settings.py).
+        self.settings = Settings(hbm_budget=hbm_budget, compute_dtype=compute_dtype, device=device, retrace=retrace,
+                                 dump_dir=dump_dir, grad_accum=grad_accum, fuse=fuse, host_budget=host_budget,
+                                 on_nonfinite=on_nonfinite, nvme_dir=nvme_dir, nvme_budget=nvme_budget,
+                                 accumulation=accumulation).for_a_run()
+        self.budget_bytes = self.settings.budget_bytes
         if not any(True for _ in model.parameters()):
             raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
-        host_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
+        host_bytes = self.settings.host_budget_bytes
         optimizer = arguments.optimizer(optimizer)
         # Data parallelism over torch.distributed (an initialised group of 2 or more, or process_group=).
         self.data_parallel = data_parallel_for(process_group)
+        device = self.settings.device
         if device is None and self.data_parallel is not None:
-            device = self.data_parallel.default_device()
-        device = arguments.device(device)
+            device = arguments.device(self.data_parallel.default_device())
         arguments.callable_or_none("loss_fn", loss_fn)
-        arguments.flag("retrace", retrace)
-        arguments.flag("fuse", fuse, optional=True)
-        arguments.folder("dump_dir", dump_dir)
-        self.nvme_dir = arguments.disk_folder("nvme_dir", nvme_dir)
-        self.nvme_budget_bytes = arguments.budget_bytes("nvme_budget", nvme_budget, optional=True)
-        if self.nvme_budget_bytes is not None and nvme_dir is None:
-            raise ArgumentError("nvme_budget bounds the disk tier in nvme_dir: give nvme_dir=PATH too")
+        self.nvme_dir = self.settings.nvme_dir
+        self.nvme_budget_bytes = self.settings.nvme_budget_bytes
         self.host_cost = None        # where the host state lives and what it takes (cost/host_memory.py)
         self.host_budget_bytes = host_bytes if host_bytes is not None else default_host_budget_bytes()
         if self.data_parallel is not None:    # the budget is the node's: each of its ranks plans in its part
@@ -95,12 +90,12 @@ class Engine:
         self.loss_fn = loss_fn
         self.retrace = retrace
         self.dump_dir = dump_dir
-        # The profile plans are timed with; None: the backend's own (planner/search.py default_profile).
+        # The profile plans are timed with; None: the backend's own (cost.profile_for, at the first plan).
         if hardware is not None and not isinstance(hardware, HardwareProfile):
             raise ArgumentError(f"hardware is a HardwareProfile to time plans with, or None for the device's own; "
                                 f"got {hardware!r}")
         self.hardware = hardware
-        self.accumulation = arguments.accumulation(accumulation)   # engine/layer_major_step.py
+        self.accumulation = accumulation   # engine/layer_major_step.py
         if self.accumulation == "layer" and self.data_parallel is not None:
             raise ArgumentError(f"accumulation={accumulation!r} is not supported with data parallelism yet: "
                                 "use accumulation='micro' (the default) or 'auto' with process groups")
@@ -209,7 +204,8 @@ class Engine:
                 host.load_module(self.model)
             state.host, state.pending_load = host, None
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
-                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse, hardware=self.hardware,
+                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse,
+                         hardware=self.hardware or profile_for(self.backend.name),
                          host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
                          grad_accum=self.grad_accum, accumulation=self.accumulation)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self.state.update.adamw,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.nn as nn
+
 from ..errors import WeightsFileError
 from ..io.hf_load import build_model, plan_items, shard_map
 from ..io.source import PendingLoad
@@ -23,7 +25,12 @@ def from_pretrained(path: str, hbm_budget: float, **compile_kwargs: Any) -> Engi
         raise WeightsFileError(f"from_pretrained takes a local model folder (config.json + safetensors); {path!r} "
                                "is not a folder")
     path = os.fspath(path)
-    model = build_model(path)
+    return compile_folder(build_model(path), path, hbm_budget, **compile_kwargs)
+
+
+def compile_folder(model: nn.Module, path: str, hbm_budget: float, **compile_kwargs: Any) -> Engine:
+    """from_pretrained, for the module build_model(path) made (a caller that planned on it first:
+    megacompile train)."""
     shards = shard_map(path)
     engine = Engine(model, hbm_budget, **compile_kwargs)
     state = engine.state

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..capture import capture
 from ..capture.top import blocks_grouped_once
-from ..cost import HardwareProfile, get_profile
+from ..cost import HardwareProfile, get_profile, profile_for
 from .. import arguments
 from ..errors import ArgumentError, MegacompileError
 from ..optim import AdamW
@@ -23,7 +23,8 @@ from ..passes import StepKind
 from .result import Plan
 from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
-from .search import default_profile, lowest_budget, make_baseline_plan, make_plan, place_host_state
+from ..settings import Settings
+from .search import lowest_budget, make_baseline_plan, make_plan, place_host_state
 
 GiB = 2 ** 30
 
@@ -87,34 +88,22 @@ def _divisor_near(n: int, k: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
 
 
-def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int, **kwargs) -> tuple[Plan, int]:
+def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int, *,
+                      accumulation: str = "auto", **kwargs) -> tuple[Plan, int]:
     """Choose the micro-batch for a global batch: every power-of-two divisor that fits is planned
     and the one with the highest predicted tokens/s wins. Returns the plan of one micro-batch
-    step and the number of micro-batches to accumulate (compile(..., grad_accum=k))."""
-    from ..errors import BudgetTooSmallError, HostMemoryError
+    step and the number of micro-batches to accumulate (compile(..., grad_accum=k)). Choosing the
+    split, it lets the planner choose the accumulation too ("auto"), unless told otherwise.
+    kwargs: plan()'s (not batch or grad_accum, which it chooses)."""
     global_batch = arguments.count("global_batch", global_batch, what=" (sequences per optimizer step)")
-    arguments.budget_bytes("hbm_budget", hbm_budget)
+    Settings(hbm_budget=hbm_budget, accumulation=accumulation,
+             **{k: v for k, v in kwargs.items() if k in PLAN_SETTINGS})
+    kwargs["hardware"] = hardware_profile(kwargs.get("hardware", "h100"), kwargs.pop("nvme_bandwidth", None))
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     search_lowest = kwargs.pop("smallest", False)
-    best, smallest, host_short = None, None, None
-    micro = global_batch
     with blocks_grouped_once():    # blocks found alike at the first micro-batch size stay alike
-        while micro >= 1:
-            if global_batch % micro == 0:
-                try:
-                    candidate = plan(model, hbm_budget, batch=micro, grad_accum=global_batch // micro,
-                                     smallest=False, **kwargs)
-                except BudgetTooSmallError as e:
-                    smallest = e
-                except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
-                    host_short = host_short or e
-                else:
-                    if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
-                        best = (candidate, global_batch // micro)
-            micro //= 2
-    if best is None:
-        # Host RAM, when it stopped the micro-batches small enough for the device.
-        raise host_short or smallest
+        best = choose_micro_batch(global_batch, lambda micro, k: plan(
+            model, hbm_budget, batch=micro, grad_accum=k, accumulation=accumulation, smallest=False, **kwargs))
     if search_lowest:
         chosen = best[0]
         chosen.minimum_budget_bytes = min(chosen.minimum_budget_bytes, chosen.lowest_budget())
@@ -122,12 +111,65 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
     return best
 
 
+def choose_micro_batch(global_batch: int, plan_one) -> tuple[Plan, int]:
+    """plan_one(micro, k) for every micro-batch size that divides the global batch (halving from
+    the whole of it), k = global_batch // micro micro-batches a step: the plan with the highest
+    predicted tokens/s, and its k. Raises what stopped the smallest micro-batch when none fits."""
+    from ..errors import BudgetTooSmallError, HostMemoryError
+    best, smallest, host_short = None, None, None
+    micro = global_batch
+    while micro >= 1:
+        if global_batch % micro == 0:
+            try:
+                candidate = plan_one(micro, global_batch // micro)
+            except BudgetTooSmallError as e:
+                smallest = e
+            except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
+                host_short = host_short or e
+            else:
+                if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
+                    best = (candidate, global_batch // micro)
+        micro //= 2
+    if best is None:
+        # Host RAM, when it stopped the micro-batches small enough for the device.
+        raise host_short or smallest
+    return best
+
+
+# plan()'s arguments that are settings of the run (megacompile/settings.py); the rest say what is
+# planned (shapes, the model's objects) or for which hardware.
+PLAN_SETTINGS = ("compute_dtype", "fuse", "host_budget", "nvme_budget", "grad_accum", "accumulation")
+
+
+def hardware_profile(hardware: Any, nvme_bandwidth: float | None = None) -> HardwareProfile:
+    """plan()'s `hardware` as a profile: a HardwareProfile as it is, a name or a profile.json, or
+    "cpu": this machine's, measured when not cached yet (megacompile/calibrate). The planner below
+    only reads the profile it is handed."""
+    if nvme_bandwidth is not None and (isinstance(nvme_bandwidth, bool) or not isinstance(nvme_bandwidth, (int, float))
+                                       or not 0 < nvme_bandwidth < float("inf")):
+        raise ArgumentError(f"nvme_bandwidth is the disk tier's disk bandwidth in GB/s, each way, and must be a "
+                            f"positive finite number; got {nvme_bandwidth!r}")
+    if not isinstance(hardware, (str, os.PathLike, HardwareProfile)):
+        raise ArgumentError(f"hardware must be a profile name (e.g. \"h100\", \"cpu\"), a profile.json path or a "
+                            f"HardwareProfile; got {hardware!r}")
+    if isinstance(hardware, HardwareProfile):
+        profile = hardware
+    elif os.fspath(hardware).lower() == "cpu":
+        profile = profile_for("cpu")
+    else:
+        profile = get_profile(os.fspath(hardware))
+    if nvme_bandwidth is not None:
+        profile = replace(profile, disk_read_bw=nvme_bandwidth * 1e9, disk_write_bw=nvme_bandwidth * 1e9)
+    return profile
+
+
 def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwareProfile = "h100", batch: int = 1,
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
          optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,
-         fuse: bool | None = None, host_budget: float | None = None, nvme_budget: float | None = None,
-         nvme_bandwidth: float | None = None, grad_accum: int = 1, accumulation: str = "auto",
-         ranks: tuple[int, int] | None = None, smallest: bool = False) -> Plan:
+         fuse: bool | None = Settings.fuse, host_budget: float | None = None, nvme_budget: float | None = None,
+         nvme_bandwidth: float | None = None, grad_accum: int = Settings.grad_accum,
+         accumulation: str = Settings.accumulation, ranks: tuple[int, int] | None = None,
+         smallest: bool = False) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
@@ -137,8 +179,9 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     `nvme_budget` (GiB of disk) lets the plan put the AdamW moments, then the fp32 masters, on a
     disk tier when host RAM is short; `nvme_bandwidth` (GB/s, each way) replaces the profile's disk
     bandwidth. `grad_accum` sizes the gradient buffers, and the time the disk tier has per step;
-    `accumulation` ("auto", "micro", "layer", as compile()'s) whether its micro-batches may run
+    `accumulation` ("micro" as compile()'s default, "layer", "auto") whether its micro-batches may run
     layer-major (passes/layer_major.py): "auto" takes it when predicted faster.
+    `compute_dtype` defaults to bfloat16, what a GPU run is planned in (compile()'s is float32).
     `style` ("megatrain", "zero3") plans another system's schedule instead, for
     comparison, timed by the same cost model. `fuse` defaults to what compile() does on that
     hardware: the fused kernels on a GPU, none on the cpu backend. `ranks` (R, L): the plan of one
@@ -147,79 +190,117 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     `minimum_budget_bytes` is the smallest budget for the plan's own blocks (whole, or over the
     sequence chunks it runs them in); below it the planner may still fit them over more chunks.
     With `smallest` it is the smallest budget any plan fits (planning at it fits, a little below it
-    is refused): every chunk count is captured and solved, which can take as long again as the plan.
+    is refused; megacompile.minimum_budget names it without a plan): every chunk count is captured
+    and solved, which can take as long again as the plan.
     """
-    budget_bytes = arguments.budget_bytes("hbm_budget", hbm_budget)
-    host_budget_bytes = arguments.budget_bytes("host_budget", host_budget, optional=True)
-    nvme_budget_bytes = arguments.budget_bytes("nvme_budget", nvme_budget, optional=True)
-    grad_accum = arguments.count("grad_accum", grad_accum, what=" (micro-batches per optimizer step)")
-    arguments.accumulation(accumulation)
-    if ranks is not None:     # as compile() under data parallelism: micro-batches one by one
-        if accumulation == "layer":
-            raise ArgumentError("accumulation='layer' is not supported with data parallelism yet")
-        accumulation = "micro"
-        host_budget_bytes = None if host_budget_bytes is None else host_budget_bytes // ranks[1]
-    if nvme_bandwidth is not None and (isinstance(nvme_bandwidth, bool) or not isinstance(nvme_bandwidth, (int, float))
-                                       or not 0 < nvme_bandwidth < float("inf")):
-        raise ArgumentError(f"nvme_bandwidth is the disk tier's disk bandwidth in GB/s, each way, and must be a "
-                            f"positive finite number; got {nvme_bandwidth!r}")
-    if inputs is None:
-        batch, seq = arguments.tokens(batch, seq)
-    elif not isinstance(inputs, dict):
-        raise ArgumentError(f"inputs must be a dict of tensors (e.g. input_ids, labels), got {type(inputs).__name__}")
-    if compute_dtype not in (torch.float32, torch.bfloat16):
-        raise ArgumentError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype!r}")
-    optimizer = arguments.optimizer(optimizer)
-    from ..passes.baselines import STYLES
-    if style is not None and style not in STYLES:
-        raise ArgumentError(f"style must be one of {', '.join(STYLES)} (or None for megacompile's plan); got {style!r}")
-    if not isinstance(hardware, (str, os.PathLike, HardwareProfile)):
-        raise ArgumentError(f"hardware must be a profile name (e.g. \"h100\", \"cpu\"), a profile.json path or a "
-                            f"HardwareProfile; got {hardware!r}")
-    if isinstance(hardware, HardwareProfile):
-        profile = hardware
-    elif os.fspath(hardware).lower() == "cpu":
-        profile = default_profile("cpu")     # this machine's, measured when not cached yet
-    else:
-        profile = get_profile(os.fspath(hardware))
-    if nvme_bandwidth is not None:
-        profile = replace(profile, disk_read_bw=nvme_bandwidth * 1e9, disk_write_bw=nvme_bandwidth * 1e9)
-    model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
-    if getattr(getattr(model, "config", None), "use_cache", False):
-        model.config.use_cache = False
-    if inputs is None:
-        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        inputs = {"input_ids": ids, "labels": ids}
-    # Trace for a GPU when torch has one (attention then lowers to the GPU kernels); a CPU-only
-    # torch cannot run autograd on fake CUDA tensors, so it traces the CPU kernels instead.
-    gpu = torch.cuda.is_available() and not profile.name.startswith("cpu")
-    device = torch.device("cuda" if gpu else "cpu")
-    with blocks_grouped_once():   # planning: the first blocks of each group stand for the rest
-        captured = capture(model, (), inputs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn,
-                           train=train)
-    kind = StepKind(update=train, clip=optimizer.max_grad_norm is not None)
-    if fuse is None:   # as compile() would on that hardware: fused kernels on a GPU
-        fuse = not profile.name.startswith("cpu")
-    if fuse:
-        from ..fusion import fuse as fuse_stages
-        captured = fuse_stages(captured)
+    settings = Settings(hbm_budget=hbm_budget, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
+                        nvme_budget=nvme_budget, grad_accum=grad_accum, accumulation=accumulation)
+    budget_bytes = settings.budget_bytes
+    planned = _Planned(model_or_config, settings, hardware=hardware, batch=batch, seq=seq, inputs=inputs,
+                       optimizer=optimizer, loss_fn=loss_fn, train=train, style=style, nvme_bandwidth=nvme_bandwidth,
+                       ranks=ranks)
     if style is not None:
-        return make_baseline_plan(captured, budget_bytes, style, host_bytes=host_costs(captured, compute_dtype)[0].ram_bytes,
-                                  backend=f"planned for {profile.name}", hardware=profile)
-    # Layer-major lands one gradient sum per step: its host state is that of grad_accum=1.
-    host_cost = place_host_state(captured, compute_dtype, 1 if accumulation == "layer" else grad_accum,
-                                 host_budget_bytes, nvme_budget_bytes, ranks=ranks)
-    def plan_at(budget: int) -> Plan:
-        return make_plan(captured, budget, kind, backend=f"planned for {profile.name}",
-                         host_bytes=host_cost.ram_bytes, hardware=profile, host_budget_bytes=host_budget_bytes,
-                         host_cost=host_cost, grad_accum=grad_accum, accumulation=accumulation)
-    result = plan_at(budget_bytes)
-    if captured.rechunk is not None:
-        result.lowest_budget = lambda: lowest_budget(plan_at)
+        return planned.baseline(budget_bytes, style)
+    result = planned.at(budget_bytes)
+    if planned.captured.rechunk is not None:
+        result.lowest_budget = planned.lowest
     if smallest and result.lowest_budget is not None:
         result.minimum_budget_bytes = min(result.minimum_budget_bytes, result.lowest_budget())
     result.minimum_over_chunks = smallest
-    if result.micro_batches_per_run > 1 and accumulation == "auto":
-        result.host_cost = place_host_state(captured, compute_dtype, 1, host_budget_bytes, nvme_budget_bytes)
+    if result.micro_batches_per_run > 1 and planned.accumulation == "auto":
+        result.host_cost = place_host_state(planned.captured, settings.compute_dtype, 1, planned.host_budget_bytes,
+                                            settings.nvme_budget_bytes)
         result.host_bytes = result.host_cost.ram_bytes
     return result
+
+
+def minimum_budget(model_or_config: Any, *, compute_dtype: torch.dtype = torch.bfloat16,
+                   fuse: bool | None = Settings.fuse, host_budget: float | None = None,
+                   nvme_budget: float | None = None, grad_accum: int = Settings.grad_accum,
+                   accumulation: str = Settings.accumulation, **kwargs) -> float:
+    """The smallest hbm_budget, in GiB, at which `model_or_config` (an nn.Module, on the meta
+    device or not, or a Hugging Face config: a path, dict or PretrainedConfig) fits for these
+    inputs: planning at it fits, and any smaller budget is refused with a BudgetTooSmallError that
+    names it. The whole blocks or over sequence chunks, whichever fits less. kwargs: plan()'s
+    (hardware, batch, seq, inputs, optimizer, loss_fn, train, nvme_bandwidth, ranks), with the
+    same defaults."""
+    settings = Settings(compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget, nvme_budget=nvme_budget,
+                        grad_accum=grad_accum, accumulation=accumulation)
+    unknown = sorted(set(kwargs) - set(_Planned.WHAT) | ({"style"} & set(kwargs)))
+    if unknown:
+        raise ArgumentError(f"minimum_budget takes plan()'s arguments but hbm_budget, style and smallest; got "
+                            f"{', '.join(unknown)}")
+    # A bytes figure over 2**30 is exact as a float (a power of two divides it), so the GiB given
+    # back plans at the very byte the refusal named.
+    return _Planned(model_or_config, settings, **kwargs).lowest() / GiB
+
+
+class _Planned:
+    """A model captured for plan(): the plan at any budget, from one capture."""
+    WHAT = ("hardware", "batch", "seq", "inputs", "optimizer", "loss_fn", "train", "style", "nvme_bandwidth", "ranks")
+
+    def __init__(self, model_or_config: Any, settings: Settings, *, hardware: Any = "h100", batch: int = 1,
+                 seq: int = 2048, inputs: dict | None = None, optimizer: AdamW | None = None, loss_fn=None,
+                 train: bool = True, style: str | None = None, nvme_bandwidth: float | None = None,
+                 ranks: tuple[int, int] | None = None):
+        self.settings, accumulation = settings, settings.accumulation
+        host_budget_bytes = settings.host_budget_bytes
+        if ranks is not None:     # as compile() under data parallelism: micro-batches one by one
+            if accumulation == "layer":
+                raise ArgumentError("accumulation='layer' is not supported with data parallelism yet")
+            accumulation = "micro"
+            host_budget_bytes = None if host_budget_bytes is None else host_budget_bytes // ranks[1]
+        self.accumulation, self.host_budget_bytes, self.ranks = accumulation, host_budget_bytes, ranks
+        if inputs is None:
+            batch, seq = arguments.tokens(batch, seq)
+        elif not isinstance(inputs, dict):
+            raise ArgumentError(f"inputs must be a dict of tensors (e.g. input_ids, labels), got "
+                                f"{type(inputs).__name__}")
+        optimizer = arguments.optimizer(optimizer)
+        from ..passes.baselines import STYLES
+        if style is not None and style not in STYLES:
+            raise ArgumentError(f"style must be one of {', '.join(STYLES)} (or None for megacompile's plan); "
+                                f"got {style!r}")
+        self.profile = profile = hardware_profile(hardware, nvme_bandwidth)
+        model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False
+        if inputs is None:
+            ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+            inputs = {"input_ids": ids, "labels": ids}
+        # Trace for a GPU when torch has one (attention then lowers to the GPU kernels); a CPU-only
+        # torch cannot run autograd on fake CUDA tensors, so it traces the CPU kernels instead.
+        gpu = torch.cuda.is_available() and not profile.name.startswith("cpu")
+        device = torch.device("cuda" if gpu else "cpu")
+        with blocks_grouped_once():   # planning: the first blocks of each group stand for the rest
+            captured = capture(model, (), inputs, device=device, compute_dtype=settings.compute_dtype,
+                               loss_fn=loss_fn, train=train)
+        self.kind = StepKind(update=train, clip=optimizer.max_grad_norm is not None)
+        fuse = settings.fuse
+        if fuse is None:   # as compile() would on that hardware: fused kernels on a GPU
+            fuse = not profile.name.startswith("cpu")
+        if fuse:
+            from ..fusion import fuse as fuse_stages
+            captured = fuse_stages(captured)
+        self.captured = captured
+        self.host_cost = None
+        if style is None:
+            # Layer-major lands one gradient sum per step: its host state is that of grad_accum=1.
+            self.host_cost = place_host_state(captured, settings.compute_dtype,
+                                              1 if accumulation == "layer" else settings.grad_accum,
+                                              host_budget_bytes, settings.nvme_budget_bytes, ranks=ranks)
+
+    def baseline(self, budget_bytes: int, style: str) -> Plan:
+        host_bytes = host_costs(self.captured, self.settings.compute_dtype)[0].ram_bytes
+        return make_baseline_plan(self.captured, budget_bytes, style, host_bytes=host_bytes,
+                                  backend=f"planned for {self.profile.name}", hardware=self.profile)
+
+    def at(self, budget: int) -> Plan:
+        return make_plan(self.captured, budget, self.kind, backend=f"planned for {self.profile.name}",
+                         host_bytes=self.host_cost.ram_bytes, hardware=self.profile,
+                         host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
+                         grad_accum=self.settings.grad_accum, accumulation=self.accumulation)
+
+    def lowest(self) -> int:
+        """Bytes: the smallest budget any plan fits (search.lowest_budget)."""
+        return lowest_budget(self.at)

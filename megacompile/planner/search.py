@@ -1,7 +1,9 @@
 """From a captured model and a budget to a verified plan, or an error naming the smallest budget."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from contextvars import ContextVar
 from typing import Callable
 
 from ..capture import CapturedModel
@@ -10,7 +12,7 @@ from ..ir.printer import fmt_bytes
 from ..ir.simulate import simulate
 from ..ir.verify import verify
 from ..capture.model_graph import owners
-from ..cost import HardwareProfile, get_profile, predict
+from ..cost import HardwareProfile, predict
 from ..cost.predict import compute_seconds
 from ..cost.host_memory import HostCost, choose_placement, host_costs, why_not
 from ..cost.reserve import device_reserve, smallest_budget
@@ -28,12 +30,32 @@ from .result import Plan
 GiB = 2 ** 30
 
 
+_SHARED: ContextVar[list | None] = ContextVar("megacompile_shared_plans", default=None)
+
+
+@contextlib.contextmanager
+def plans_shared():
+    """Within: make_plan returns the plan it made already for the same arguments (the same
+    capture object, budget, host figures and settings) instead of solving again. A run that plans
+    before it trains (`megacompile train`) hands its engine the plan it chose this way: the engine
+    asks for it with the same arguments at its first step. Nested, the outer scope holds."""
+    if _SHARED.get() is not None:
+        yield
+        return
+    token = _SHARED.set([])
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
-              host_bytes: int, dump_dir: str | None = None, fuse: bool = False,
-              hardware: HardwareProfile | None = None, host_budget_bytes: int | None = None,
+              host_bytes: int, hardware: HardwareProfile, dump_dir: str | None = None, fuse: bool = False,
+              host_budget_bytes: int | None = None,
               host_cost: HostCost | None = None, grad_accum: int = 1, accumulation: str = "micro") -> Plan:
     """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
-    rewritten onto the fused kernels (megacompile/fusion), and the plan runs those graphs.
+    rewritten onto the fused kernels (megacompile/fusion), and the plan runs those graphs. `hardware`
+    times the candidates: the caller resolves it (cost.profile_for; the planner only reads it).
 
     `host_bytes`: host RAM the masters and AdamW state take; with `host_budget_bytes`, activations
     are offloaded only as far as the rest of that budget holds them.
@@ -41,12 +63,29 @@ def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepK
     With `grad_accum` k > 1 and `accumulation` "layer", the plan runs the k micro-batches of a
     step in one program, layer by layer (passes/layer_major.py); "auto" takes it when its predicted
     step is shorter than k micro-batch-major steps."""
+    shared = _SHARED.get()
+    same = (budget_bytes, kind, backend, host_bytes, fuse, hardware, host_budget_bytes, host_cost, grad_accum,
+            accumulation)
+    if shared is not None and dump_dir is None:    # a dump is written by solving: never from the memo
+        found = next((p for c, k, p in shared if c is captured and k == same), None)
+        if found is not None:
+            return found
+    plan = _make_plan(captured, budget_bytes, kind, backend=backend, host_bytes=host_bytes, hardware=hardware,
+                      dump_dir=dump_dir, fuse=fuse, host_budget_bytes=host_budget_bytes, host_cost=host_cost,
+                      grad_accum=grad_accum, accumulation=accumulation)
+    if shared is not None and dump_dir is None:
+        shared.append((captured, same, plan))
+    return plan
+
+
+def _make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind, *, backend: str, host_bytes: int,
+               hardware: HardwareProfile, dump_dir: str | None, fuse: bool, host_budget_bytes: int | None,
+               host_cost: HostCost | None, grad_accum: int, accumulation: str) -> Plan:
     require_host_room(host_bytes, host_budget_bytes)
     if fuse:
         from ..fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
-    hardware = hardware or default_profile(backend)
     disk_per_param = host_cost.disk_bytes / max(host_cost.params, 1) if host_cost is not None else 0.0
     built: dict[ScheduleChoice, Program] = {}
     lowered: dict[tuple, Program] = {}
@@ -346,21 +385,6 @@ def _offload_lag(captured: CapturedModel, t, hardware: HardwareProfile) -> int:
     from ..cost import graph_cost
     compute = graph_cost(t.forward, hardware, captured.compute_dtype).seconds
     return max(1, min(8, math.ceil(t.saved_bytes / hardware.d2h_bw / max(compute, 1e-9))))
-
-
-def default_profile(backend: str) -> HardwareProfile:
-    """The measured profile for the simulated device; for a GPU, the profile its name matches."""
-    if backend == "cpu":
-        # Measured once on this machine and cached. The measuring room sits above the engine (it
-        # trains a small model, whose engine plans with an explicit profile and never comes back here).
-        from ..calibrate import cpu_profile
-        return cpu_profile()
-    import torch
-    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
-    for key in ("gh200", "h200", "h100", "a100"):
-        if key in name:
-            return get_profile("h100-pcie" if key == "h100" and "pcie" in name else key)
-    return get_profile("h100")
 
 
 def make_baseline_plan(captured: CapturedModel, budget_bytes: int, style: str, *, backend: str, host_bytes: int,

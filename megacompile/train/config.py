@@ -11,9 +11,11 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
 
+import torch
+
 from .. import arguments
-from ..arguments import ACCUMULATION
 from ..errors import ArgumentError
+from ..settings import Settings
 
 SCHEDULES = ("constant", "linear", "cosine")
 PACKING = (False, True, "isolated")
@@ -39,7 +41,7 @@ class RunConfig:
     global_batch: int | None = None
     batch: int = 1
     grad_accum: int = 1
-    accumulation: str = "auto"
+    accumulation: str = Settings.accumulation
     lr: float = 2e-5
     warmup: int = 0
     schedule: str = "cosine"
@@ -51,8 +53,14 @@ class RunConfig:
     hbm_budget: float | None = None
     budget_fraction: float = 0.5
     host_budget: float | None = None
+    nvme_dir: str | None = None
+    nvme_budget: float | None = None
     compute_dtype: str = "float32"
     device: str | None = None
+    fuse: bool | None = Settings.fuse
+    on_nonfinite: str = Settings.on_nonfinite
+    retrace: bool = Settings.retrace
+    dump_dir: str | None = None
     steps: int | None = None
     epochs: float | None = None
     eval_every: int | None = None
@@ -71,6 +79,14 @@ class RunConfig:
     @property
     def bundled(self) -> bool:
         return self.model == BUNDLED
+
+    def settings(self) -> Settings:
+        """The run's compile() settings, checked by the one check (megacompile/settings.py): the
+        keys are compile()'s own names, so its errors name the run.yaml key."""
+        return Settings(hbm_budget=self.hbm_budget, compute_dtype=getattr(torch, self.compute_dtype),
+                        device=self.device, retrace=self.retrace, dump_dir=self.dump_dir, grad_accum=self.grad_accum,
+                        fuse=self.fuse, host_budget=self.host_budget, on_nonfinite=self.on_nonfinite,
+                        nvme_dir=self.nvme_dir, nvme_budget=self.nvme_budget, accumulation=self.accumulation)
 
 
 KEYS = tuple(f.name for f in fields(RunConfig))
@@ -121,7 +137,7 @@ def _override(item: str) -> tuple[str, Any]:
         raise ArgumentError(f"override {item!r}: the value is not valid YAML: {e}") from e
 
 
-PATH_KEYS = ("model", "tokenizer", "data", "eval", "run_dir", "export", "resume")
+PATH_KEYS = ("model", "tokenizer", "data", "eval", "run_dir", "export", "resume", "nvme_dir", "dump_dir")
 
 
 def _relative(key: str, value: Any, base: str) -> Any:
@@ -173,8 +189,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         if raw.get("batch") is not None or raw.get("grad_accum") is not None:
             raise ArgumentError("global_batch lets the planner choose batch and grad_accum: give global_batch, "
                                 "or batch and grad_accum, not both")
-    c.batch, c.grad_accum = _int("batch", c.batch), _int("grad_accum", c.grad_accum)
-    c.accumulation = _choice("accumulation", c.accumulation, ACCUMULATION)
+    c.batch = _int("batch", c.batch)
     c.lr = _number("lr", c.lr, 0.0)
     c.warmup = _int("warmup", c.warmup, 0)
     if c.schedule not in SCHEDULES:
@@ -188,12 +203,14 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     c.betas = [_number("betas", b, 0.0, below=1.0) for b in c.betas]
     c.eps = _number("eps", c.eps, 0.0, strict=True)
     c.max_grad_norm = None if c.max_grad_norm is None else _number("max_grad_norm", c.max_grad_norm, 0.0, strict=True)
-    c.hbm_budget = None if c.hbm_budget is None else _number("hbm_budget", c.hbm_budget, 0.0, strict=True)
     c.budget_fraction = _number("budget_fraction", c.budget_fraction, 0.0, strict=True)
-    c.host_budget = None if c.host_budget is None else _number("host_budget", c.host_budget, 0.0, strict=True)
     c.compute_dtype = _choice("compute_dtype", c.compute_dtype, DTYPES)
     c.export_dtype = _choice("export_dtype", c.export_dtype, DTYPES)
     c.device = None if c.device is None else _choice("device", c.device, DEVICES)
+    # compile()'s settings: YAML reads 2e-5 (no dot) and inf as strings, so budgets are numbers first.
+    for key in ("hbm_budget", "host_budget", "nvme_budget"):
+        setattr(c, key, _numeric(getattr(c, key)))
+    c.settings().for_a_run()
     if (c.steps is None) == (c.epochs is None):
         raise ArgumentError("give steps (optimizer steps) or epochs (passes over the training data), one of them; "
                             f"got steps={c.steps!r}, epochs={c.epochs!r}")
@@ -257,6 +274,16 @@ def _choice(key: str, value: Any, allowed: tuple) -> str:
 def _int(key: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ArgumentError(f"{key} must be a whole number >= {minimum}; got {value!r}")
+    return value
+
+
+def _numeric(value: Any) -> Any:
+    """A string YAML did not read as a number (1e3, inf) as a float; anything else as it is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
     return value
 
 

@@ -12,9 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..capture.shared import captures_shared
 from ..engine import Engine
-from ..errors import ArgumentError, BudgetTooSmallError
+from ..errors import ArgumentError
 from ..optim import AdamW
+from ..planner import Plan
+from ..planner.from_config import minimum_budget
+from ..planner.search import plans_shared
+from ..settings import Settings, default_hbm_budget
 from .config import RunConfig
 
 GiB = 2 ** 30
@@ -69,56 +74,102 @@ def check_positions(c: RunConfig, model: nn.Module) -> None:
 
 
 def device_budget(c: RunConfig, model: nn.Module, inputs: dict, device: str) -> float:
-    """GiB: hbm_budget; else 90% of the GPU, or on the cpu backend budget_fraction of the
-    weights (so the run streams), never less than the smallest plan."""
+    """GiB: hbm_budget; else DEVICE_SHARE (90%) of the GPU, or on the cpu backend budget_fraction
+    of the weights (so the run streams), never less than the smallest plan."""
     if c.hbm_budget is not None:
         return c.hbm_budget
     if device == "cuda":
-        return 0.9 * torch.cuda.get_device_properties(0).total_memory / GiB
-    from ..planner.from_config import plan
+        return default_hbm_budget()
     dtype = getattr(torch, c.compute_dtype)
     weight_bytes = sum(p.numel() * dtype.itemsize for p in model.parameters())
-    try:
-        # With a global batch the accumulation is not chosen yet: the smallest micro-batch's plan.
-        accumulate = 1 if c.global_batch else c.grad_accum
-        smallest = plan(model, 1e-6, hardware="cpu", inputs=inputs, compute_dtype=dtype, grad_accum=accumulate,
-                        accumulation=c.accumulation).minimum_budget_bytes
-    except BudgetTooSmallError as e:
-        smallest = e.minimum_bytes
-    return max(weight_bytes * c.budget_fraction, smallest * 1.02) / GiB
+    # With a global batch the accumulation is not chosen yet: the smallest micro-batch's plan.
+    accumulate = 1 if c.global_batch else c.grad_accum
+    smallest = minimum_budget(model, hardware="cpu", inputs=inputs, compute_dtype=dtype, grad_accum=accumulate,
+                              accumulation=c.accumulation)
+    return max(weight_bytes * c.budget_fraction / GiB, smallest * 1.02)
 
 
 def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
-    """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes."""
+    """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes.
+
+    Each input shape is captured and planned once before the first step: the budget's smallest
+    plan, the micro-batch sizes global_batch chooses among and the engine's first step all run
+    inside captures_shared() and plans_shared(), on the module the engine trains, planned as the
+    engine plans (plan_as_engine). The smallest micro-batch's capture serves the budget and the
+    choice; the chosen size's capture and plan are the ones the engine takes at its first step."""
     device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, c.compute_dtype)
     shifted = c.bundled
     batch, accumulate = c.batch, c.grad_accum
-    probe = {k: v.to("meta") for k, v in first_inputs(1 if c.global_batch else batch).items()}
-    budget = device_budget(c, meta, probe, device)
-    if c.global_batch is not None:
-        from ..planner.from_config import plan_global_batch
-        _, accumulate = plan_global_batch(meta, budget, c.global_batch, hardware="cpu" if device == "cpu" else "h100",
-                                          seq=probe["input_ids"].shape[1], compute_dtype=dtype,
-                                          host_budget=c.host_budget, accumulation=c.accumulation)
-        batch = c.global_batch // accumulate
     from .schedule import learning_rate
     optimizer = AdamW(lr=learning_rate(c.lr, c.schedule, c.warmup, c.min_lr, c.steps), betas=tuple(c.betas),
                       eps=c.eps, weight_decay=c.weight_decay,
                       # null: the norm is still measured for the log (clip_grad_norm_ at inf never clips)
                       max_grad_norm=math.inf if c.max_grad_norm is None else c.max_grad_norm)
-    kwargs = dict(optimizer=optimizer, compute_dtype=dtype, device=device, grad_accum=accumulate,
-                  host_budget=c.host_budget, accumulation=c.accumulation)
+    settings = c.settings()
     torch.manual_seed(c.seed)
+    folder = not c.bundled and _hf_weights(c.model)
     if c.bundled:
         from ..models import LlamaConfig, TinyLlama
-        engine = Engine(TinyLlama(LlamaConfig(**c.bundled_model)), budget, **kwargs)
-    elif _hf_weights(c.model):
-        from ..engine import from_pretrained
-        engine = from_pretrained(c.model, budget, **kwargs)
+        module = TinyLlama(LlamaConfig(**c.bundled_model))
+    elif folder:
+        from ..io.hf_load import build_model
+        module = build_model(c.model)
     else:                                           # a config: random init, seeded
         from transformers import AutoModelForCausalLM
-        config = meta.config
-        engine = Engine(AutoModelForCausalLM.from_config(config, dtype=torch.float32), budget, **kwargs)
+        module = AutoModelForCausalLM.from_config(meta.config, dtype=torch.float32)
+
+    def shapes(b: int) -> dict:
+        return {k: v.to("meta") for k, v in first_inputs(b).items()}
+    # Planning draws no number from the run's random stream (a first cpu calibration would).
+    with captures_shared(), plans_shared(), torch.random.fork_rng(devices=[]):
+        budget = device_budget(c, module, shapes(1 if c.global_batch else batch), device)
+        if c.global_batch is not None:
+            from ..planner.from_config import choose_micro_batch
+            _, accumulate = choose_micro_batch(c.global_batch, lambda micro, k: plan_as_engine(
+                module, shapes(micro), settings.replace(hbm_budget=budget, grad_accum=k, device=device), optimizer))
+            batch = c.global_batch // accumulate
+        kwargs = dict(optimizer=optimizer, compute_dtype=dtype, device=device, grad_accum=accumulate,
+                      host_budget=c.host_budget, accumulation=c.accumulation, fuse=c.fuse,
+                      on_nonfinite=c.on_nonfinite, nvme_dir=c.nvme_dir, nvme_budget=c.nvme_budget,
+                      dump_dir=c.dump_dir, retrace=c.retrace)
+        if folder:
+            from ..engine.from_pretrained import compile_folder
+            engine = compile_folder(module, c.model, budget, **kwargs)
+        else:
+            engine = Engine(module, budget, **kwargs)
+        try:
+            engine.prepare(**first_inputs(batch))   # the capture and plan made above, when they match
+        except BaseException:
+            engine.close()
+            raise
     weight_bytes = sum(p.numel() * dtype.itemsize for p in meta.parameters())
     return Setup(engine, batch, accumulate, shifted, weight_bytes)
+
+
+def plan_as_engine(module: nn.Module, inputs: dict, settings: Settings, optimizer: AdamW) -> Plan:
+    """The plan an Engine(module, **settings) builds at its first step with these inputs, made with
+    the arguments it will pass (engine.py _build): under plans_shared() the engine then takes it."""
+    from ..calibrate import profile_for
+    from ..capture import capture
+    from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes
+    from ..passes import StepKind
+    from ..planner.search import make_plan, place_host_state
+    from ..runtime import normalize_device
+    device = normalize_device(settings.device)      # as make_backend: cuda -> cuda:N, the one the engine runs on
+    backend = device.type
+    captured = capture(module, (), inputs, device=device, compute_dtype=settings.compute_dtype, train=True)
+    host_budget = settings.host_budget_bytes or default_host_budget_bytes()
+    host_accum = 1 if settings.accumulation == "layer" else settings.grad_accum
+    nvme_budget = settings.nvme_budget_bytes
+    if settings.nvme_dir is not None and nvme_budget is None:    # as Engine._nvme_budget: the free space there
+        existing = os.path.abspath(settings.nvme_dir)
+        while not os.path.isdir(existing):
+            existing = os.path.dirname(existing)
+        nvme_budget = free_disk_bytes(existing)
+    host_cost = place_host_state(captured, settings.compute_dtype, host_accum, host_budget, nvme_budget)
+    return make_plan(captured, settings.budget_bytes, StepKind(update=True, clip=optimizer.max_grad_norm is not None),
+                     backend=backend, host_bytes=host_cost.ram_bytes, hardware=profile_for(backend),
+                     fuse=(backend == "cuda") if settings.fuse is None else settings.fuse,
+                     host_budget_bytes=host_budget, host_cost=host_cost, grad_accum=settings.grad_accum,
+                     accumulation=settings.accumulation)

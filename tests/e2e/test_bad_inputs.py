@@ -179,6 +179,11 @@ CASES = [
     Case("plan: style='deepspeed'", ArgumentError, r"style must be one of megatrain, zero3", _plan(style="deepspeed")),
     Case("plan: global_batch=-4", ArgumentError, r"global_batch.*-4",
          lambda c: megacompile.planner.from_config.plan_global_batch(CONFIG, 1.0, -4, seq=16)),
+    Case("plan: fuse='yes'", ArgumentError, r"fuse must be True or False", _plan(fuse="yes")),
+    Case("plan: accumulation='rows'", ArgumentError, r"accumulation must be one of micro, layer, auto; got 'rows'",
+         _plan(accumulation="rows")),
+    Case("minimum_budget: style='zero3'", ArgumentError, r"minimum_budget takes plan\(\)'s arguments.*got style",
+         lambda c: megacompile.minimum_budget(CONFIG, seq=16, style="zero3")),
     # step() inputs, checked before anything runs
     Case("step: token id >= vocab", megacompile.InputMismatchError, r"idx holds token id 2\d\d.*vocabulary of 96",
          _step(idx=IDS + 200, targets=IDS)),

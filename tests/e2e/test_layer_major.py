@@ -115,6 +115,7 @@ def test_auto_takes_the_accumulation_with_the_shorter_predicted_step():
 
     def plan(mode):
         return planner.make_plan(captured, engine.budget_bytes, backend="cpu", host_bytes=0, grad_accum=K,
+                                 hardware=engine.plan.hardware,
                                  accumulation=mode)
     micro, layer, auto = plan("micro"), plan("layer"), plan("auto")
     assert micro.program.facts.get("micro_batches", 1) == 1 and layer.program.facts["micro_batches"] == K

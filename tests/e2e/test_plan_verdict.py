@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 import transformers
 
 import megacompile
@@ -50,6 +51,23 @@ def test_the_smallest_fit_plans_and_a_little_less_does_not():
     assert own.minimum_budget_bytes > smallest
     assert f"{fmt_bytes(own.minimum_budget_bytes)} with the blocks whole" in _line(own.summary().splitlines(),
                                                                                      "smallest fit")
+
+
+@pytest.mark.parametrize("given", ["config", "meta module"])
+def test_minimum_budget_is_the_budget_the_refusal_names_and_it_fits(given):
+    # Blocks that fit whole only above what they fit over sequence chunks: the lowest of both.
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, vocab_size=128, max_position_embeddings=1024)
+    if given == "meta module":
+        with torch.device("meta"):
+            config = transformers.LlamaForCausalLM(config)
+    smallest = megacompile.minimum_budget(config, seq=1024, hardware="h100")
+    assert isinstance(smallest, float)
+    # A millionth less (the figure is rounded up to the byte over the device reserve's share).
+    with pytest.raises(BudgetTooSmallError) as refused:
+        megacompile.plan(config, hbm_budget=smallest * (1 - 1e-6), seq=1024, hardware="h100")
+    assert refused.value.minimum_bytes == smallest * GiB
+    assert megacompile.plan(config, hbm_budget=smallest, seq=1024, hardware="h100").fits
 
 
 def test_the_host_budget_defaults_to_this_machines_ram_and_says_so(tmp_path, capsys, monkeypatch):

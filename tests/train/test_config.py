@@ -36,6 +36,14 @@ def _yaml(tmp_path, **settings) -> str:
     ({}, ["steps"], "overrides are key=value"),
     ({}, ["export=out"], "export writes a Hugging Face model folder"),
     ({"resume": "auto", "run_dir": None}, [], "resume: auto looks for checkpoints in run_dir"),
+    # compile()'s settings, checked by compile()'s own code (megacompile/settings.py)
+    ({"nvme_budget": 10}, [], "nvme_budget bounds the disk tier in nvme_dir: give nvme_dir=PATH too"),
+    ({"nvme_dir": "/proc/tier"}, [], "nvme_dir /proc/tier is not on a disk"),
+    ({}, ["on_nonfinite=ignore"], "on_nonfinite says what a step with an inf or NaN loss or gradient does"),
+    ({}, ["fuse=sometimes"], "fuse must be True or False (or None); got 'sometimes'"),
+    ({}, ["retrace=maybe"], "retrace must be True or False; got 'maybe'"),
+    ({}, ["hbm_budget=1e30"], "hbm_budget of 1e+30 GiB is more than any device holds"),
+    ({}, ["grad_accum=0"], "grad_accum (micro-batches per optimizer step) must be an int >= 1; got 0"),
 ])
 def test_bad_settings_are_refused_by_name_before_anything_is_made(tmp_path, settings, overrides, message):
     path = _yaml(tmp_path, **settings)
@@ -50,6 +58,17 @@ def test_overrides_win_and_numbers_in_e_notation_are_numbers(tmp_path):
     assert c.lr == 2e-5 and c.steps == 500 and c.bundled_model["dim"] == 96 and c.bundled_model["layers"] == 6
     assert c.data == [str(tmp_path / "d.jsonl")]          # relative to the run.yaml's folder
     assert c.log == ["csv"]
+
+
+def test_compile_settings_in_run_yaml_reach_the_engine(tmp_path):
+    from megacompile.train import run
+    dump = tmp_path / "passes"
+    tiny = dict(dim=32, layers=1, heads=2, kv_heads=1, ffn=64)
+    c = load(_yaml(tmp_path, model="bundled", data="bundled", bundled_model=tiny, device="cpu", seq=16, steps=1,
+                   on_nonfinite="raise", dump_dir="passes", fuse=False))
+    assert c.dump_dir == str(dump) and c.settings().on_nonfinite == "raise"
+    run(c)
+    assert any(dump.iterdir())      # the schedule after each planning pass
 
 
 def test_the_embedded_default_is_a_valid_run():

@@ -83,3 +83,20 @@ def test_an_engine_takes_a_profile_to_plan_with_and_refuses_anything_else():
     ids = torch.randint(0, 64, (2, 8))
     assert engine.prepare(input_ids=ids, labels=ids).hardware == get_profile("h100")
     engine.close()
+
+
+def test_the_planner_never_calls_the_measuring_room():
+    """make_plan takes the profile its caller resolved (the Engine, plan(), `megacompile plan`):
+    the planner and the passes import nothing from megacompile.calibrate, at their top or inside."""
+    import megacompile.passes
+    root = COST.parent
+    planner = [root / "plan" / "search.py", root / "plan" / "result.py", root / "plan" / "cache.py",
+               *sorted(Path(megacompile.passes.__file__).parent.rglob("*.py"))]
+    offending = []
+    for path in planner:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] + [a.name for a in node.names] if isinstance(node, ast.ImportFrom)
+                     else [])
+            offending += [f"{path.name}: {n}" for n in names if "calibrate" in n.split(".")]
+    assert not offending, f"the planner imports the measuring room: {offending}"

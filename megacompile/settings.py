@@ -1,0 +1,100 @@
+"""The plain settings of a run, in one place: one set of defaults and one check.
+
+compile() (and the Engine), plan(), plan_global_batch, `megacompile plan` and run.yaml all build a
+Settings from what they were given; building it checks every field with the checks of
+arguments.py, so a setting is refused with the same words wherever it comes in. Objects (the
+optimizer, loss_fn, a process group, a HardwareProfile) stay arguments beside it, and so do the
+input shapes a plan is made for (batch, seq, inputs).
+
+A field's default is the class attribute of the same name (`Settings.accumulation` is "micro"):
+the signatures of compile() and plan() read their defaults from here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import arguments
+from .errors import ArgumentError
+
+GiB = 2 ** 30
+
+# How the micro-batches of a step run (engine/layer_major_step.py, passes/layer_major.py).
+ACCUMULATION = ("micro", "layer", "auto")
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+ON_NONFINITE = ("skip", "raise")
+# The share of a GPU's memory a run plans in when no hbm_budget is given; the rest is left to the
+# CUDA context, other processes and what the allocator cannot hand out.
+DEVICE_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class Settings:
+    """hbm_budget, host_budget, nvme_budget: GiB (2**30 bytes). hbm_budget None: not chosen yet
+    (run.yaml derives it); compile() and plan() require it (budget_bytes)."""
+    hbm_budget: float | None = None
+    compute_dtype: torch.dtype = torch.float32
+    device: str | torch.device | None = None
+    retrace: bool = True
+    dump_dir: str | None = None
+    grad_accum: int = 1
+    fuse: bool | None = None
+    host_budget: float | None = None
+    on_nonfinite: str = "skip"
+    nvme_dir: str | None = None
+    nvme_budget: float | None = None
+    accumulation: str = "micro"
+
+    def __post_init__(self):
+        arguments.budget_bytes("hbm_budget", self.hbm_budget, optional=True)
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ArgumentError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {self.compute_dtype!r}; "
+                                "masters are always float32")
+        arguments.count("grad_accum", self.grad_accum, what=" (micro-batches per optimizer step)")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ArgumentError(f"on_nonfinite says what a step with an inf or NaN loss or gradient does: "
+                                f"'skip' (warn, update nothing) or 'raise' (NonFiniteError); got {self.on_nonfinite!r}")
+        arguments.budget_bytes("host_budget", self.host_budget, optional=True)
+        object.__setattr__(self, "device", arguments.device(self.device))
+        arguments.flag("retrace", self.retrace)
+        arguments.flag("fuse", self.fuse, optional=True)
+        arguments.folder("dump_dir", self.dump_dir)
+        object.__setattr__(self, "nvme_dir", arguments.disk_folder("nvme_dir", self.nvme_dir))
+        arguments.budget_bytes("nvme_budget", self.nvme_budget, optional=True)
+        if self.accumulation not in ACCUMULATION:
+            raise ArgumentError("accumulation says how the micro-batches of a step run: 'micro' (each step() call "
+                                "through the whole model, the default), 'layer' (all of a step's micro-batches "
+                                "through each block while its weights are on the device) or 'auto' (the planner's "
+                                f"choice by predicted time); accumulation must be one of {', '.join(ACCUMULATION)}; "
+                                f"got {self.accumulation!r}")
+
+    def replace(self, **changes: Any) -> Settings:
+        """These settings with some changed, checked again."""
+        return dataclasses.replace(self, **changes)
+
+    def for_a_run(self) -> Settings:
+        """The checks of settings that run (compile(), run.yaml), beyond those of a plan: a disk
+        tier bounded by nvme_budget needs its folder (plan() sizes a tier without one)."""
+        if self.nvme_budget is not None and self.nvme_dir is None:
+            raise ArgumentError("nvme_budget bounds the disk tier in nvme_dir: give nvme_dir=PATH too")
+        return self
+
+    @property
+    def budget_bytes(self) -> int:
+        return arguments.budget_bytes("hbm_budget", self.hbm_budget)
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        return arguments.budget_bytes("host_budget", self.host_budget, optional=True)
+
+    @property
+    def nvme_budget_bytes(self) -> int | None:
+        return arguments.budget_bytes("nvme_budget", self.nvme_budget, optional=True)
+
+
+def default_hbm_budget(device: str | torch.device = "cuda") -> float:
+    """GiB: the budget a run plans in on this GPU when none is given (DEVICE_SHARE of it)."""
+    return DEVICE_SHARE * torch.cuda.get_device_properties(torch.device(device)).total_memory / GiB
