@@ -27,7 +27,7 @@ from .settings import Settings
 from .engine import from_pretrained
 from .planner import Plan
 from .planner import minimum_budget, plan  # plan without weights (planner/from_config.py)
-from . import calibrate  # hands cost/ the cpu measurement, for a first plan on the cpu backend
+from . import calibrate  # noqa: F401 - hands cost/ the cpu measurement, for a first plan on the cpu backend
 
 __version__ = "0.1.0"
 

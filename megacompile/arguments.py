@@ -102,25 +102,6 @@ def device(value: Any) -> torch.device | None:
     return parsed
 
 
-def optimizer(value: Any):
-    """megacompile.AdamW, or None for its defaults. A torch optimizer holds the module's own
-    parameters, which the engine does not update: it is refused, with the AdamW to write instead."""
-    from .optim import AdamW
-    if value is None:
-        return AdamW()
-    if isinstance(value, AdamW):
-        return value
-    if isinstance(value, torch.optim.Optimizer):
-        g = value.param_groups[0]
-        same = (f"megacompile.AdamW(lr={g.get('lr')!r}, betas={tuple(g.get('betas', (0.9, 0.999)))!r}, "
-                f"eps={g.get('eps')!r}, weight_decay={g.get('weight_decay')!r})")
-        raise ArgumentError(f"optimizer takes a megacompile.AdamW, got a {type(value).__module__}."
-                            f"{type(value).__name__}: the host AdamW updates megacompile's fp32 masters, not "
-                            f"the module's parameters; pass {same} (torch LR schedulers attach to "
-                            "engine.torch_optimizer)")
-    raise ArgumentError(f"optimizer takes a megacompile.AdamW (or None), got {type(value).__name__}")
-
-
 def callable_or_none(name: str, value: Any) -> None:
     if value is not None and not callable(value):
         raise ArgumentError(f"{name} must be a function (or None); got {type(value).__name__} {value!r}")

@@ -25,6 +25,7 @@ from ..capture.loss import LossFn
 from .. import arguments
 from ..errors import ArgumentError, InputMismatchError, MegacompileError
 from ..optim import AdamW
+from ..optim.adamw import given_optimizer
 from ..passes import StepKind
 from ..planner import Plan
 from ..planner.cache import PlanCache, note_new_shape
@@ -70,7 +71,7 @@ class Engine:
         if not any(True for _ in model.parameters()):
             raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
         host_bytes = self.settings.host_budget_bytes
-        optimizer = arguments.optimizer(optimizer)
+        optimizer = given_optimizer(optimizer)
         # Data parallelism over torch.distributed (an initialised group of 2 or more, or process_group=).
         self.data_parallel = data_parallel_for(process_group)
         device = self.settings.device

@@ -6,7 +6,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable, Union
 
-from ..errors import OptimizerInputError
+import torch
+
+from ..errors import ArgumentError, OptimizerInputError
 
 LearningRate = Union[float, Callable[[int], float]]
 
@@ -60,3 +62,22 @@ class AdamW:
 def _real(x: object) -> bool:
     """A real number, not a bool (True would read as 1) nor a string."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def given_optimizer(value) -> AdamW:
+    """compile()'s and plan()'s `optimizer`: megacompile.AdamW, or None for its defaults. A torch
+    optimizer holds the module's own parameters, which the engine does not update: it is refused,
+    with the AdamW to write instead."""
+    if value is None:
+        return AdamW()
+    if isinstance(value, AdamW):
+        return value
+    if isinstance(value, torch.optim.Optimizer):
+        g = value.param_groups[0]
+        same = (f"megacompile.AdamW(lr={g.get('lr')!r}, betas={tuple(g.get('betas', (0.9, 0.999)))!r}, "
+                f"eps={g.get('eps')!r}, weight_decay={g.get('weight_decay')!r})")
+        raise ArgumentError(f"optimizer takes a megacompile.AdamW, got a {type(value).__module__}."
+                            f"{type(value).__name__}: the host AdamW updates megacompile's fp32 masters, not "
+                            f"the module's parameters; pass {same} (torch LR schedulers attach to "
+                            "engine.torch_optimizer)")
+    raise ArgumentError(f"optimizer takes a megacompile.AdamW (or None), got {type(value).__name__}")

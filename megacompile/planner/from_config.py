@@ -19,6 +19,7 @@ from ..cost import HardwareProfile, get_profile, profile_for
 from .. import arguments
 from ..errors import ArgumentError, MegacompileError
 from ..optim import AdamW
+from ..optim.adamw import given_optimizer
 from ..passes import StepKind
 from .result import Plan
 from ..cost.hardware import replace
@@ -256,7 +257,7 @@ class _Planned:
         elif not isinstance(inputs, dict):
             raise ArgumentError(f"inputs must be a dict of tensors (e.g. input_ids, labels), got "
                                 f"{type(inputs).__name__}")
-        optimizer = arguments.optimizer(optimizer)
+        optimizer = given_optimizer(optimizer)
         from ..passes.baselines import STYLES
         if style is not None and style not in STYLES:
             raise ArgumentError(f"style must be one of {', '.join(STYLES)} (or None for megacompile's plan); "

@@ -29,8 +29,9 @@ LAYERS = [
     {"state"},
     {"io", "distributed"},
     {"engine"},
+    {"calibrate"},
     {"__init__"},
-    {"calibrate", "acceptance"},
+    {"acceptance"},
     {"train"},
     {"cli", "__main__"},
 ]
