@@ -20,17 +20,21 @@ _SHARED: ContextVar[list | None] = ContextVar("megacompile_shared_captures", def
 
 
 @contextlib.contextmanager
-def captures_shared():
-    """Within: capture() returns the capture it made already for the same call. Nested, the
-    outer scope holds."""
-    if _SHARED.get() is not None:
+def scope(memo: ContextVar):
+    """Within: `memo` holds a list of what was made in the scope. Nested, the outer scope holds."""
+    if memo.get() is not None:
         yield
         return
-    token = _SHARED.set([])
+    token = memo.set([])
     try:
         yield
     finally:
-        _SHARED.reset(token)
+        memo.reset(token)
+
+
+def captures_shared():
+    """Within: capture() returns the capture it made already for the same call."""
+    return scope(_SHARED)
 
 
 def active() -> bool:

@@ -1,12 +1,11 @@
 """From a captured model and a budget to a verified plan, or an error naming the smallest budget."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from contextvars import ContextVar
 from typing import Callable
 
-from ..capture import CapturedModel
+from ..capture import CapturedModel, shared
 from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..ir.printer import fmt_bytes
 from ..ir.simulate import simulate
@@ -33,20 +32,12 @@ GiB = 2 ** 30
 _SHARED: ContextVar[list | None] = ContextVar("megacompile_shared_plans", default=None)
 
 
-@contextlib.contextmanager
 def plans_shared():
     """Within: make_plan returns the plan it made already for the same arguments (the same
     capture object, budget, host figures and settings) instead of solving again. A run that plans
     before it trains (`megacompile train`) hands its engine the plan it chose this way: the engine
     asks for it with the same arguments at its first step. Nested, the outer scope holds."""
-    if _SHARED.get() is not None:
-        yield
-        return
-    token = _SHARED.set([])
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
+    return shared.scope(_SHARED)
 
 
 def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
