@@ -1,11 +1,23 @@
 """Overlap is real on the cpu backend: prefetches run while compute runs (from the recorded timeline)."""
 from __future__ import annotations
 
+import time
+
 import megacompile
+from megacompile.optim.host_update import HostUpdate
+from megacompile.runtime import cpu
 from tests import models
 
 
-def test_prefetch_runs_concurrently_with_compute():
+def test_prefetch_runs_concurrently_with_compute(monkeypatch):
+    """Each prefetch is stretched by a sleep, as the host updates are below: a schedule that
+    waited for its copies before computing would show no overlap however long they took."""
+    coalesce = cpu.coalesce
+
+    def slow_coalesce(dsts, srcs):      # runs inside the prefetch's copy, on the h2d stream
+        time.sleep(0.01)
+        return coalesce(dsts, srcs)
+    monkeypatch.setattr(cpu, "coalesce", slow_coalesce)
     model = models.NanoGPT(vocab=96, d=256, layers=6, heads=4)
     engine = megacompile.compile(model, hbm_budget=64.0, device="cpu")
     assert engine_plan_depth(engine) >= 1
@@ -22,9 +34,17 @@ def test_prefetch_runs_concurrently_with_compute():
     assert overlapped > 0, "no prefetch ever ran while a stage computed"
 
 
-def test_host_optimizer_runs_beside_the_next_forward():
+def test_host_optimizer_runs_beside_the_next_forward(monkeypatch):
     """Updates start when the step commits (after its whole backward) and run while the next
-    step's forward computes."""
+    step's forward computes. Each update is stretched by a sleep (which holds no lock), so the
+    overlap does not hang on how fast this machine's cores are at the moment: an engine that
+    waited for every update before the next forward would show none however slow they were."""
+    adamw = HostUpdate.adamw
+
+    def slow_adamw(self, stage, context):
+        time.sleep(0.05)
+        adamw(self, stage, context)
+    monkeypatch.setattr(HostUpdate, "adamw", slow_adamw)
     model = models.NanoGPT(vocab=96, d=256, layers=6, heads=4)
     engine = megacompile.compile(model, hbm_budget=64.0, device="cpu")
     ids = models.batch(96, 4, 32, seed=0)
