@@ -164,3 +164,22 @@ def test_a_scheduler_type_and_warmup_ratio_follow_transformers(tmp_path, name, k
         assert abs(ours(step) - hf[step - 1]) < 1e-12, (step, ours(step), hf[step - 1])
     for step in range(1, warmup + 1):
         assert abs(ours(step) - hf[step]) < 1e-12 and hf[0] == 0.0
+
+
+def test_the_llamafactory_example_in_the_docs_loads_as_it_is_written(tmp_path, capsys):
+    docs = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "training.md")
+    with open(docs) as f:
+        section = f.read().split("## Coming from LlamaFactory or TRL", 1)[1]
+    example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "sft.yaml").write_text(example)
+    files.model_dir(str(tmp_path / "meta-llama" / "Meta-Llama-3-8B-Instruct"))
+    os.makedirs(tmp_path / "data")
+    files.chats(str(tmp_path / "data" / "identity.jsonl"))
+    c = load(str(tmp_path / "sft.yaml"))
+    assert (c.lr, c.batch, c.grad_accum, c.epochs, c.steps, c.schedule, c.warmup) == \
+        (1e-5, 1, 2, 3.0, None, "cosine", 0.1)
+    assert (c.seq, c.compute_dtype, c.eval_fraction, c.eval_every, c.save_every, c.log_every, c.log) == \
+        (2048, "bfloat16", 0.1, 500, 500, 10, ["csv"])
+    assert c.run_dir == str(tmp_path / "saves/llama3-8b/full/sft") and c.resume is None
+    out = capsys.readouterr().out
+    assert "template 'llama3' is not read" in out and "deepspeed (megacompile places weights" in out
