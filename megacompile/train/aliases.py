@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Callable
 
 from ..errors import ArgumentError
@@ -32,6 +33,15 @@ def _resume(value: Any) -> Any:
     if value is True:
         return "auto"
     return None if value is False else value
+
+
+def _loss_only(key: str) -> Callable[[Any], Any]:
+    """TRL's assistant_only_loss / completion_only_loss: true is megacompile's default."""
+    def convert(value: Any) -> Any:
+        if not isinstance(value, bool):
+            raise ArgumentError(f"{key} must be true or false; got {value!r}")
+        return not value
+    return convert
 
 
 def _bf16(value: Any) -> Any:
@@ -57,19 +67,17 @@ def _val_size(value: Any) -> Any:
     return value
 
 
-def _stage(value: Any) -> Any:
+def _stage(value: Any) -> None:
     if value != "sft":
         raise ArgumentError(f"stage {value!r}: megacompile train does supervised fine-tuning (stage: sft) and "
                             "next-token training on .txt files (also stage: sft); pt, rm, ppo, dpo and kto are "
                             "not supported")
-    return _DROP
 
 
-def _do_train(value: Any) -> Any:
+def _do_train(value: Any) -> None:
     if value is not True:
         raise ArgumentError(f"do_train {value!r}: megacompile train always trains; leave do_train out or "
                             "give true")
-    return _DROP
 
 
 def _strategy(key: str, off_drops: str | None) -> Callable[[Any], Any]:
@@ -108,6 +116,8 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "fp16": ("compute_dtype", _fp16),
     "val_size": ("eval_fraction", _val_size),
     "resume_from_checkpoint": ("resume", _resume),
+    "assistant_only_loss": ("train_on_prompt", _loss_only("assistant_only_loss")),
+    "completion_only_loss": ("train_on_prompt", _loss_only("completion_only_loss")),
 }
 
 # Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->
@@ -121,14 +131,12 @@ IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir", "prep
 WHY_IGNORED = {"max_samples": "every example is read", "per_device_eval_batch_size": "eval uses batch",
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
-               "optim": "megacompile trains with AdamW, the HF default adamw_torch"}
+               "optim": "megacompile's AdamW is torch's"}
 
 # HF schedule -> ours; `constant` has no warmup in transformers, `cosine_with_min_lr` needs a floor.
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
              "cosine_with_min_lr": "cosine"}
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
-
-ACCEPTED = tuple(ALIASES) + tuple(SPECIAL) + IGNORED
 
 
 def own_key(key: str) -> str:
@@ -142,7 +150,7 @@ def own_key(key: str) -> str:
 def named(error: ArgumentError, t: "Translated") -> ArgumentError:
     """`error` from the check of an own key, naming the alias the run.yaml gave it by."""
     for own, spelled in t.spelled.items():
-        if spelled != own and str(error).startswith(own):
+        if spelled != own and re.match(rf"{own}\b(?!_)", str(error)):
             return ArgumentError(f"{spelled} (megacompile's {own}): {error}")
     return error
 
@@ -153,14 +161,17 @@ class Translated:
     def __init__(self) -> None:
         self.keys: dict[str, Any] = {}
         self.spelled: dict[str, str] = {}
+        self.written: dict[str, Any] = {}
         self.notes: list[str] = []
 
-    def set(self, own: str, value: Any, spelled: str) -> None:
+    def set(self, own: str, value: Any, spelled: str, written: Any) -> None:
+        """`written`: the value as the file gave it, `value` as the own key takes it."""
         if own in self.keys and not _equal(self.keys[own], value):
-            raise ArgumentError(f"{self.spelled[own]}: {_show(self.keys[own])} and {spelled}: {_show(value)} set the "
-                                f"same setting ({own}) to different values; give one of them")
+            raise ArgumentError(f"{self.spelled[own]}: {_show(self.written[own])} and {spelled}: {_show(written)} set "
+                                f"the same setting ({own}) to different values; give one of them")
         self.keys[own] = value
         self.spelled.setdefault(own, spelled)
+        self.written.setdefault(own, written)
 
 
 def translate(raw: dict, default_lr: float) -> Translated:
@@ -171,28 +182,29 @@ def translate(raw: dict, default_lr: float) -> Translated:
     for key, value in raw.items():
         if key in ALIASES:
             own, convert = ALIASES[key]
-            value = convert(value)
-            if value is not _DROP:
-                out.set(own, value, key)
+            converted = convert(value)
+            if converted is not _DROP:
+                out.set(own, converted, key, value)
         elif key not in SPECIAL and key not in IGNORED:
-            out.set(key, value, key)
+            out.set(key, value, key, value)
     if "optim" in raw and raw["optim"] not in OPTIMIZERS:
         raise ArgumentError(f"optim {raw['optim']!r}: megacompile trains with AdamW (FP32 state on the host); "
                             f"give optim: adamw_torch or leave it out")
-    for key in ("stage", "do_train"):
-        if key in raw:
-            (_stage if key == "stage" else _do_train)(raw[key])
+    if "stage" in raw:
+        _stage(raw["stage"])
+    if "do_train" in raw:
+        _do_train(raw["do_train"])
     _betas(raw, out)
     _schedule(raw, out, default_lr)
     _strategies(raw, out)
-    if "steps" in out.keys and out.spelled.get("epochs") == "num_train_epochs":
+    if out.keys.get("steps") is not None and out.spelled.get("epochs") == "num_train_epochs":
         del out.keys["epochs"]      # transformers: max_steps > 0 overrides num_train_epochs
         out.notes.append("num_train_epochs is not used: max_steps is given (as in transformers)")
     if "template" in raw:
         out.notes.append(_template(raw["template"], out.keys))
     if ignored:
         why = [f"{k} ({WHY_IGNORED[k]})" if k in WHY_IGNORED else k for k in ignored]
-        out.notes.append(f"ignored (no effect in a single-process megacompile run): {', '.join(why)}")
+        out.notes.append(f"ignored (no effect in a megacompile run): {', '.join(why)}")
     return out
 
 
@@ -228,7 +240,7 @@ def _schedule(raw: dict, out: Translated, default_lr: float) -> None:
     if kind not in SCHEDULES:
         raise ArgumentError(f"lr_scheduler_type {kind!r}: megacompile follows {', '.join(SCHEDULES)}; for another "
                             "shape give schedule: constant, linear or cosine with warmup and min_lr")
-    out.set("schedule", SCHEDULES[kind], "lr_scheduler_type")
+    out.set("schedule", SCHEDULES[kind], "lr_scheduler_type", kind)
     floors = {k: v for k, v in kwargs.items() if k in ("min_lr", "min_lr_rate")}
     other = {k: v for k, v in kwargs.items() if k not in floors and not (k == "num_cycles" and v == 0.5)}
     if other or (floors and kind != "cosine_with_min_lr"):
@@ -238,14 +250,15 @@ def _schedule(raw: dict, out: Translated, default_lr: float) -> None:
         if len(floors) != 1:
             raise ArgumentError("lr_scheduler_type cosine_with_min_lr takes one of min_lr, min_lr_rate in "
                                 f"lr_scheduler_kwargs; got {kwargs!r}")
-        (name, value), = floors.items()
+        (name, written), = floors.items()
+        value = written
         if name == "min_lr_rate":
             lr = out.keys.get("lr", default_lr)
             try:
                 value = float(value) * float(lr)
             except (TypeError, ValueError) as e:
                 raise ArgumentError(f"lr_scheduler_kwargs min_lr_rate must be a number; got {value!r}") from e
-        out.set("min_lr", value, f"lr_scheduler_kwargs.{name}")
+        out.set("min_lr", value, f"lr_scheduler_kwargs.{name}", written)
     if kind == "constant":          # transformers' constant schedule has no warmup
         warmup = out.keys.get("warmup")
         if warmup not in (None, 0, 0.0):

@@ -165,7 +165,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         per_step = c.global_batch or c.batch * c.grad_accum
         if c.steps is None:
             c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
-            c.warmup = warmup_steps(c.warmup, c.steps)
+        c.warmup = warmup_steps(c.warmup, c.steps)      # a fraction of the steps, now that they are known
     except BaseException:
         for tokens_made in made:
             if tokens_made is not None:

@@ -51,7 +51,7 @@ def test_the_same_value_under_both_names_is_fine_and_a_different_one_is_refused(
         load(_yaml(tmp_path, cutoff_len=64, max_seq_length=128, steps=2))
     with pytest.raises(ArgumentError, match=r"betas: \[0.9, 0.999\] and adam_beta2: 0.95"):
         load(_yaml(tmp_path, betas=[0.9, 0.999], adam_beta2=0.95, steps=2))
-    with pytest.raises(ArgumentError, match="bf16: 'bfloat16' and compute_dtype: 'float32'"):
+    with pytest.raises(ArgumentError, match="bf16: True and compute_dtype: 'float32'"):
         load(_yaml(tmp_path, bf16=True, compute_dtype="float32", steps=2))
     assert not os.path.exists(tmp_path / "run")
 
@@ -89,6 +89,13 @@ def test_what_megacompile_cannot_honour_is_refused_by_name(tmp_path, settings, m
     assert not os.path.exists(tmp_path / "run")
 
 
+def test_trls_loss_switches_are_train_on_prompt_negated(tmp_path):
+    assert load(_yaml(tmp_path, steps=2, assistant_only_loss=False)).train_on_prompt is True
+    assert load(_yaml(tmp_path, steps=2, completion_only_loss=True, assistant_only_loss=True)).train_on_prompt is False
+    with pytest.raises(ArgumentError, match="assistant_only_loss: True and completion_only_loss: False set the same"):
+        load(_yaml(tmp_path, steps=2, assistant_only_loss=True, completion_only_loss=False))
+
+
 def test_an_unknown_key_lists_the_own_keys_and_says_other_names_are_read(tmp_path):
     with pytest.raises(ArgumentError, match="unknown key lora_rnk; the keys are model, .*LlamaFactory's and "
                                             "transformers/TRL's names .* are read too"):
@@ -103,7 +110,7 @@ def test_keys_without_effect_and_the_template_name_are_noted(tmp_path, capsys):
                max_steps=3))
     out = capsys.readouterr().out
     assert f"template 'llama3' is not read: chats are formatted by the tokenizer's own chat template ({model})" in out
-    line = out.split("ignored (no effect in a single-process megacompile run): ")[1].splitlines()[0]
+    line = out.split("ignored (no effect in a megacompile run): ")[1].splitlines()[0]
     assert sorted(line.split(", ")) == ["dataloader_num_workers", "ddp_timeout", "flash_attn",
                                         "max_samples (every example is read)", "overwrite_cache", "plot_loss",
                                         "preprocessing_num_workers", "save_only_model", "trust_remote_code"]
