@@ -286,7 +286,7 @@ def _template(name: Any, keys: dict) -> str:
     if os.path.isdir(where) and not has_chat_template(where):
         raise ArgumentError(f"template {name!r}: megacompile formats chats with the tokenizer's own chat template, "
                             f"and {where} has none (chat_template in tokenizer_config.json or chat_template.jinja); "
-                            "add one to the tokenizer folder")
+                            "add one to the tokenizer folder, or leave template out for text data")
     return (f"template {name!r} is not read: chats are formatted by the tokenizer's own chat template "
             f"({where})")
 
