@@ -1,6 +1,7 @@
 """Fine-tuning from files: `megacompile train --config run.yaml [key=value ...]` (docs/training.md).
 
     config.py    run.yaml's keys, defaults and checks (before anything is loaded)
+    aliases.py   LlamaFactory's and transformers/TRL's key names read as run.yaml's own
     tokens.py    tokenisation, once, into a memory-mapped token file in the run folder
     sharegpt.py  ShareGPT conversations ({from, value}, human/gpt) read as chat messages
     split.py     eval_fraction: a fraction of the tokens held out
@@ -9,6 +10,7 @@
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice
     log.py       CSV rows per optimizer step, TensorBoard, progress
+    wandb_log.py W&B scalars per optimizer step (log: [wandb])
     resume.py    a resume checked against its checkpoint: refused, noted, or already complete
     loop.py      the run: steps, eval, checkpoints, resume, export
     default.yaml the embedded default: the bundled small Llama on the bundled corpus

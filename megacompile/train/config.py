@@ -14,14 +14,16 @@ from typing import Any
 import torch
 
 from .. import arguments
+from . import aliases
 from ..errors import ArgumentError
 from ..settings import Settings
+from .schedule import warmup_steps
 
 SCHEDULES = ("constant", "linear", "cosine")
 PACKING = (False, True, "isolated")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
-LOGGERS = ("csv", "tensorboard")
+LOGGERS = ("csv", "tensorboard", "wandb")
 BUNDLED = "bundled"
 BUNDLED_MODEL = {"dim": 384, "layers": 6, "heads": 6, "kv_heads": 2, "ffn": 1024}
 
@@ -71,6 +73,7 @@ class RunConfig:
     run_dir: str | None = None
     name: str = "train"
     log: list = field(default_factory=lambda: ["csv"])
+    wandb_project: str | None = None
     log_every: int = 10
     export: str | None = None
     export_dtype: str = "float32"
@@ -113,7 +116,8 @@ def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
         raise ArgumentError(f"{path} must hold a mapping of keys (model: ..., data: ...), not a "
                             f"{type(raw).__name__}")
     base = os.path.dirname(os.path.abspath(path))
-    raw = {k: _relative(k, v, base) for k, v in raw.items()}
+    raw = {k: _relative(aliases.own_key(k), v, base) for k, v in raw.items()}
+    in_file = set(raw)
     for item in overrides:
         key, value = _override(item)
         if "." in key:      # bundled_model.dim=64
@@ -121,9 +125,19 @@ def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
             if not isinstance(raw.get(outer, {}), dict) and outer in KEYS:
                 raise ArgumentError(f"override {item!r}: {outer} is not a mapping")
             raw.setdefault(outer, {})[inner] = value
-        else:
+        else:       # in place of the file's value, whichever name either gives it (learning_rate, lr)
+            for old in [k for k in in_file if aliases.own_key(k) == aliases.own_key(key)]:
+                del raw[old]
+                in_file.discard(old)
             raw[key] = value
-    return check(raw, source=path)
+    own = aliases.translate(raw, RunConfig.lr)
+    try:
+        c = check(own.keys, source=path)
+    except ArgumentError as e:
+        raise aliases.named(e, own) from e
+    for note in own.notes:
+        print(f"  note           {note}", flush=True)
+    return c
 
 
 def _override(item: str) -> tuple[str, Any]:
@@ -155,7 +169,9 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     unknown = sorted(set(raw) - set(KEYS))
     if unknown:
         raise ArgumentError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                            f"the keys are {', '.join(KEYS)} (docs/training.md)")
+                            f"the keys are {', '.join(KEYS)}; LlamaFactory's and transformers/TRL's names "
+                            "(learning_rate, per_device_train_batch_size, cutoff_len, ...) are read too "
+                            "(docs/training.md)")
     c = RunConfig(**{k: v for k, v in raw.items()})
     c.model = _text("model", c.model)
     if not c.bundled:
@@ -191,7 +207,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
                                 "or batch and grad_accum, not both")
     c.batch = _int("batch", c.batch)
     c.lr = _number("lr", c.lr, 0.0)
-    c.warmup = _int("warmup", c.warmup, 0)
+    c.warmup = _warmup(c.warmup)
     if c.schedule not in SCHEDULES:
         raise ArgumentError(f"schedule must be one of {', '.join(SCHEDULES)}; got {c.schedule!r}")
     c.min_lr = _number("min_lr", c.min_lr, 0.0)
@@ -216,6 +232,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
                             f"got steps={c.steps!r}, epochs={c.epochs!r}")
     c.steps = None if c.steps is None else _int("steps", c.steps)
     c.epochs = None if c.epochs is None else _number("epochs", c.epochs, 0.0, strict=True)
+    if c.steps is not None:     # with epochs, once the data gives the steps (loop.run)
+        c.warmup = warmup_steps(c.warmup, c.steps)
     for key in ("eval_every", "eval_batches", "save_every", "keep_last"):
         if getattr(c, key) is not None:
             setattr(c, key, _int(key, getattr(c, key)))
@@ -233,15 +251,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     c.name = _text("name", c.name)
     if not c.name or os.sep in c.name:
         raise ArgumentError(f"name is the run's name (runs/NAME-TIME), one path component; got {c.name!r}")
-    logs = [c.log] if isinstance(c.log, str) else c.log
-    if not isinstance(logs, list) or any(x not in LOGGERS for x in logs):
-        raise ArgumentError(f"log is a list of {', '.join(LOGGERS)} (csv is always written); got {c.log!r}")
-    c.log = ["csv"] + [x for x in logs if x != "csv"]
-    if "tensorboard" in c.log:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError as e:
-            raise ArgumentError("log: tensorboard needs `pip install tensorboard`; or leave it out") from e
+    c.log = _loggers(c.log)
+    c.wandb_project = _text("wandb_project", c.wandb_project, optional=True)
     c.export = _text("export", c.export, optional=True)
     arguments.folder("export", c.export)
     if c.export is not None and c.bundled:
@@ -249,6 +260,46 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
                             "model; leave export out (its checkpoints hold the weights)")
     c.seed = _int("seed", c.seed, 0)
     return c
+
+
+def _warmup(value: Any) -> int | float:
+    """Steps, or a fraction of the run's steps below 1 (transformers' warmup_ratio, and its
+    warmup_steps below 1): schedule.warmup_steps makes it steps once the steps are known."""
+    number = _numeric(value)
+    ok = isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number) and number >= 0
+    if ok and (number < 1 or float(number).is_integer()):
+        return float(number) if number < 1 else int(number)
+    raise ArgumentError(f"warmup is a number of steps (a whole number >= 0) or a fraction of the steps below 1 "
+                        f"(warmup_ratio: 0.1); got {value!r}")
+
+
+def _loggers(value: Any) -> list[str]:
+    """csv (always written) and any of tensorboard, wandb; `none` and `all` as in transformers'
+    report_to (all: every one whose package is installed)."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+        raise ArgumentError(f"log is a list (or a comma-separated string) of {', '.join(LOGGERS)}, none or all; "
+                            f"got {value!r}")
+    names = [x.strip() for x in names if x.strip()]
+    if "all" in names:
+        names = [x for x in LOGGERS if x == "csv" or _installed(x)]
+    elif "none" in names:
+        if len(names) > 1:
+            raise ArgumentError(f"log: none goes alone (csv is always written); got {value!r}")
+        names = []
+    bad = [x for x in names if x not in LOGGERS]
+    if bad:
+        raise ArgumentError(f"log is a list of {', '.join(LOGGERS)}, none or all (csv is always written); got "
+                            f"{', '.join(map(repr, bad))}")
+    for name in names:
+        if name != "csv" and not _installed(name):
+            raise ArgumentError(f"log: {name} needs `pip install {name}`; or leave it out")
+    return ["csv"] + [x for x in dict.fromkeys(names) if x != "csv"]
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
 
 
 def _text(key: str, value: Any, optional: bool = False) -> str | None:

@@ -1,5 +1,6 @@
 """The run's log: one CSV row per optimizer step, flushed as it is written (a run killed at any
-moment keeps every step it finished), TensorBoard scalars when asked for, and the progress bar."""
+moment keeps every step it finished), TensorBoard and W&B scalars (wandb_log.py) when asked for,
+and the progress bar."""
 from __future__ import annotations
 
 import csv
@@ -10,8 +11,18 @@ COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "seconds", "tokens_per_s
            "predicted_device_peak_bytes", "skipped", "eval_loss", "eval_perplexity")
 
 
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "device_peak_bytes", "eval_loss", "eval_perplexity")
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """A row's scalars under their TensorBoard / W&B tags: train/loss, ..., eval/loss."""
+    return {(f"eval/{key[5:]}" if key.startswith("eval") else f"train/{key}"): row[key]
+            for key in SCALARS if row.get(key) is not None}
+
+
 class RunLog:
-    def __init__(self, run_dir: str, loggers: list[str], resume_step: int):
+    def __init__(self, run_dir: str, loggers: list[str], resume_step: int, settings: dict | None = None):
+        """`settings`: the run's settings, W&B's run config (its name and wandb_project too)."""
         self.path = os.path.join(run_dir, "log.csv")
         _keep_steps_up_to(self.path, resume_step)
         new = not os.path.exists(self.path)
@@ -24,22 +35,28 @@ class RunLog:
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
             self._board = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=resume_step + 1)
+        self._wandb = None
+        if "wandb" in loggers:
+            from .wandb_log import WandbLog
+            self._wandb = WandbLog(run_dir, settings or {}, resume_step)
 
     def write(self, row: dict) -> None:
         # repr: floats written so that they read back to the same bits
         self._csv.writerow({k: repr(v) if isinstance(v, float) else ("" if v is None else v) for k, v in row.items()})
         self._file.flush()
         if self._board is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "device_peak_bytes", "eval_loss", "eval_perplexity"):
-                if row.get(key) is not None:
-                    self._board.add_scalar(f"train/{key}" if not key.startswith("eval") else f"eval/{key[5:]}",
-                                           row[key], row["step"])
+            for tag, value in scalars(row).items():
+                self._board.add_scalar(tag, value, row["step"])
             self._board.flush()
+        if self._wandb is not None:
+            self._wandb.write(row["step"], scalars(row))
 
     def close(self) -> None:
         self._file.close()
         if self._board is not None:
             self._board.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def _keep_steps_up_to(path: str, step: int) -> None:
@@ -62,18 +79,23 @@ def read(path: str) -> list[dict]:
 
 
 class Progress:
-    """A tqdm bar (ETA, loss, tokens/s, device peak) on a terminal; elsewhere a line every
-    `every` steps."""
+    """A tqdm bar (ETA, loss, tokens/s, device peak, and the latest eval loss once there is one) on
+    a terminal; elsewhere a line every `every` steps."""
 
     def __init__(self, total: int, start: int, every: int):
         from tqdm import tqdm
         self.tty = sys.stderr.isatty()
         self.every, self.total = every, total
+        self.eval_loss: float | None = None
         self.bar = tqdm(total=total, initial=start, unit="step", file=sys.stderr, disable=not self.tty,
                         dynamic_ncols=True)
 
-    def update(self, step: int, text: str, postfix: dict) -> None:
+    def update(self, step: int, text: str, postfix: dict, eval_loss: float | None = None) -> None:
+        if eval_loss is not None:
+            self.eval_loss = eval_loss
         if self.tty:
+            if self.eval_loss is not None:
+                postfix = {**postfix, "eval": f"{self.eval_loss:.4f}"}
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(1)
         elif step % self.every == 0 or step in (1, self.total):

@@ -16,6 +16,7 @@ same log rows from its checkpoint on.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -32,6 +33,7 @@ from . import packing, resume, split, tokens
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, check_isolation, check_positions, meta_model
+from .schedule import warmup_steps
 from .tokens import TokenFile, load_tokenizer, token_file
 
 CHECKPOINTS = "checkpoints"
@@ -163,6 +165,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         per_step = c.global_batch or c.batch * c.grad_accum
         if c.steps is None:
             c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
+        c.warmup = warmup_steps(c.warmup, c.steps)      # a fraction of the steps, now that they are known
     except BaseException:
         for tokens_made in made:
             if tokens_made is not None:
@@ -226,7 +229,7 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
     if resume_from is not None:
         print(f"  resumed        from {resume_from} at step {engine.steps_done}", flush=True)
     start_step = engine.steps_done
-    log = RunLog(run_dir, c.log, start_step)
+    log = RunLog(run_dir, c.log, start_step, settings=dataclasses.asdict(c))
     progress = Progress(c.steps, start_step, c.log_every)
     checkpoints = os.path.join(run_dir, CHECKPOINTS)
     saved_at, losses_seen, started = None, [], time.perf_counter()
@@ -265,7 +268,7 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
                             f"{fmt_bytes(row['device_peak_bytes'])} / {fmt_bytes(plan.budget_bytes)}"
                             + (f" | eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""),
                             {"loss": f"{row['loss']:.4f}", "tok/s": f"{row['tokens_per_s']:,.0f}",
-                             "peak": fmt_bytes(row["device_peak_bytes"])})
+                             "peak": fmt_bytes(row["device_peak_bytes"])}, eval_loss=row.get("eval_loss"))
             if (c.save_every and step % c.save_every == 0) or step == c.steps:
                 engine.save_checkpoint(os.path.join(checkpoints, f"step-{step:06d}"),
                                        extra={"rows": consumed, "data": fingerprint, "rows_layout": resume.rows_layout(c),

@@ -20,3 +20,9 @@ def learning_rate(lr: float, schedule: str, warmup: int, min_lr: float, steps: i
             return lr + (min_lr - lr) * progress
         return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return at
+
+
+def warmup_steps(warmup: int | float, steps: int) -> int:
+    """run.yaml's warmup as steps: a float below 1 is a fraction of the run's steps, rounded up
+    (transformers' warmup_ratio: ceil(steps * ratio))."""
+    return math.ceil(steps * warmup) if isinstance(warmup, float) else warmup

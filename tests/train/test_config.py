@@ -19,7 +19,7 @@ def _yaml(tmp_path, **settings) -> str:
 
 
 @pytest.mark.parametrize("settings, overrides, message", [
-    ({"learning_rate": 1e-3}, [], "unknown key learning_rate; the keys are model, tokenizer"),
+    ({"learnin_rate": 1e-3}, [], "unknown key learnin_rate; the keys are model, tokenizer"),
     ({"schedule": "exp"}, [], "schedule must be one of constant, linear, cosine; got 'exp'"),
     ({"accumulation": "block"}, [], "accumulation must be one of micro, layer, auto; got 'block'"),
     ({}, ["packing=always"], "packing must be false, true or isolated; got 'always'"),
@@ -32,7 +32,7 @@ def _yaml(tmp_path, **settings) -> str:
     ({"data": "notes.csv"}, [], "is neither .txt"),
     ({"eval_every": 5}, [], "eval_every needs held-out data"),
     ({"model": "nowhere"}, [], "model: "),
-    ({}, ["log=[wandb]"], "log is a list of csv, tensorboard"),
+    ({}, ["log=[mlflow]"], "log is a list of csv, tensorboard, wandb, none or all (csv is always written); got 'mlflow'"),
     ({}, ["steps"], "overrides are key=value"),
     ({}, ["export=out"], "export writes a Hugging Face model folder"),
     ({"resume": "auto", "run_dir": None}, [], "resume: auto looks for checkpoints in run_dir"),

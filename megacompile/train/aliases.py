@@ -1,0 +1,318 @@
+"""run.yaml keys under the names LlamaFactory and transformers' TrainingArguments (and so TRL's
+SFTConfig) give them, read as megacompile's own keys (config.py).
+
+    ALIASES   alias -> (own key, conversion of the value)
+    IGNORED   keys that do nothing in a single-process run, accepted and named in a note
+    REFUSED   keys whose only values megacompile cannot honour
+
+Both spellings of one setting with different values are refused, naming both; the same value
+twice is fine. The command line's `key=value` overrides go through the same table: an override
+replaces the file's value whichever spelling either used (`own_key`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Callable
+
+from ..errors import ArgumentError
+
+_DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "use the epochs")
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _max_steps(value: Any) -> Any:
+    return _DROP if isinstance(value, int) and not isinstance(value, bool) and value <= 0 else value
+
+
+def _resume(value: Any) -> Any:
+    if value is True:
+        return "auto"
+    return None if value is False else value
+
+
+def _loss_only(key: str) -> Callable[[Any], Any]:
+    """TRL's assistant_only_loss / completion_only_loss: true is megacompile's default."""
+    def convert(value: Any) -> Any:
+        if not isinstance(value, bool):
+            raise ArgumentError(f"{key} must be true or false; got {value!r}")
+        return not value
+    return convert
+
+
+def _bf16(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ArgumentError(f"bf16 must be true or false; got {value!r}")
+    return "bfloat16" if value else "float32"
+
+
+def _fp16(value: Any) -> Any:
+    if value is True:
+        raise ArgumentError("fp16: true is refused: megacompile computes in float32 or bfloat16 (bf16: true, or "
+                            "compute_dtype: bfloat16) and keeps FP32 masters; float16 would need loss scaling it "
+                            "does not do")
+    if value is not False and value is not None:
+        raise ArgumentError(f"fp16 must be true or false; got {value!r}")
+    return _DROP
+
+
+def _val_size(value: Any) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1:
+        raise ArgumentError(f"val_size {value!r} is a count of examples; megacompile holds out a fraction "
+                            "(val_size: 0.05, or eval_fraction); give a number below 1")
+    return value
+
+
+def _stage(value: Any) -> None:
+    if value != "sft":
+        raise ArgumentError(f"stage {value!r}: megacompile train does supervised fine-tuning (stage: sft) and "
+                            "next-token training on .txt files (also stage: sft); pt, rm, ppo, dpo and kto are "
+                            "not supported")
+
+
+def _do_train(value: Any) -> None:
+    if value is not True:
+        raise ArgumentError(f"do_train {value!r}: megacompile train always trains; leave do_train out or "
+                            "give true")
+
+
+def _strategy(key: str, off_drops: str | None) -> Callable[[Any], Any]:
+    """HF's *_strategy: megacompile counts in steps; `no` for eval and saves turns them off."""
+    def convert(value: Any) -> Any:
+        if value == "steps" or (value == "no" and off_drops is not None):
+            return value
+        raise ArgumentError(f"{key} {value!r}: megacompile counts in optimizer steps; give {key}: steps with "
+                            f"{key.replace('_strategy', '_steps')}" + (", or no" if off_drops else ""))
+    return convert
+
+
+# alias -> (own key, conversion). Several aliases of one key (cutoff_len, max_length,
+# max_seq_length -> seq) are spellings of it like any other.
+ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "learning_rate": ("lr", _same),
+    "per_device_train_batch_size": ("batch", _same),
+    "gradient_accumulation_steps": ("grad_accum", _same),
+    "num_train_epochs": ("epochs", _same),
+    "max_steps": ("steps", _max_steps),
+    "warmup_ratio": ("warmup", _same),          # a fraction: `warmup` takes one below 1, as HF's warmup_steps does
+    "warmup_steps": ("warmup", _same),
+    "cutoff_len": ("seq", _same),
+    "max_length": ("seq", _same),
+    "max_seq_length": ("seq", _same),
+    "output_dir": ("run_dir", _same),
+    "save_steps": ("save_every", _same),
+    "save_total_limit": ("keep_last", _same),
+    "eval_steps": ("eval_every", _same),
+    "logging_steps": ("log_every", _same),
+    "report_to": ("log", _same),
+    "model_name_or_path": ("model", _same),
+    "run_name": ("name", _same),
+    "adam_epsilon": ("eps", _same),
+    "bf16": ("compute_dtype", _bf16),
+    "fp16": ("compute_dtype", _fp16),
+    "val_size": ("eval_fraction", _val_size),
+    "resume_from_checkpoint": ("resume", _resume),
+    "assistant_only_loss": ("train_on_prompt", _loss_only("assistant_only_loss")),
+    "completion_only_loss": ("train_on_prompt", _loss_only("completion_only_loss")),
+}
+
+# Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->
+# schedule, min_lr (and warmup for HF's `constant`), template -> a check of the chat template.
+SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "template", "stage", "do_train",
+           "eval_strategy", "evaluation_strategy", "save_strategy", "logging_strategy")
+
+IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir", "preprocessing_num_workers",
+           "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
+           "max_samples", "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32")
+WHY_IGNORED = {"max_samples": "every example is read", "per_device_eval_batch_size": "eval uses batch",
+               "deepspeed": "megacompile places weights and optimizer state itself",
+               "gradient_checkpointing": "the planner chooses what to recompute",
+               "optim": "megacompile's AdamW is torch's"}
+
+# HF schedule -> ours; `constant` has no warmup in transformers, `cosine_with_min_lr` needs a floor.
+SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
+             "cosine_with_min_lr": "cosine"}
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+
+
+def own_key(key: str) -> str:
+    """The run.yaml key whose value `key` replaces when given as an override (itself for
+    megacompile's own keys, and for the aliases read together with others)."""
+    if key in ALIASES:
+        return ALIASES[key][0]
+    return "schedule" if key == "lr_scheduler_type" else key
+
+
+def named(error: ArgumentError, t: "Translated") -> ArgumentError:
+    """`error` from the check of an own key, naming the alias the run.yaml gave it by."""
+    for own, spelled in t.spelled.items():
+        if spelled != own and re.match(rf"{own}\b(?!_)", str(error)):
+            return ArgumentError(f"{spelled} (megacompile's {own}): {error}")
+    return error
+
+
+class Translated:
+    """The own keys an aliased run.yaml sets, the alias each came from, and the notes to print."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, Any] = {}
+        self.spelled: dict[str, str] = {}
+        self.written: dict[str, Any] = {}
+        self.notes: list[str] = []
+
+    def set(self, own: str, value: Any, spelled: str, written: Any) -> None:
+        """`written`: the value as the file gave it, `value` as the own key takes it."""
+        if own in self.keys and not _equal(self.keys[own], value):
+            raise ArgumentError(f"{self.spelled[own]}: {_show(self.written[own])} and {spelled}: {_show(written)} set "
+                                f"the same setting ({own}) to different values; give one of them")
+        self.keys[own] = value
+        self.spelled.setdefault(own, spelled)
+        self.written.setdefault(own, written)
+
+
+def translate(raw: dict, default_lr: float) -> Translated:
+    """`raw` (a run.yaml's keys, overrides laid over them) under megacompile's own key names;
+    `default_lr` is lr's default, for a min_lr_rate when no lr is given."""
+    out = Translated()
+    ignored = [k for k in raw if k in IGNORED]
+    for key, value in raw.items():
+        if key in ALIASES:
+            own, convert = ALIASES[key]
+            converted = convert(value)
+            if converted is not _DROP:
+                out.set(own, converted, key, value)
+        elif key not in SPECIAL and key not in IGNORED:
+            out.set(key, value, key, value)
+    if "optim" in raw and raw["optim"] not in OPTIMIZERS:
+        raise ArgumentError(f"optim {raw['optim']!r}: megacompile trains with AdamW (FP32 state on the host); "
+                            f"give optim: adamw_torch or leave it out")
+    if "stage" in raw:
+        _stage(raw["stage"])
+    if "do_train" in raw:
+        _do_train(raw["do_train"])
+    _betas(raw, out)
+    _schedule(raw, out, default_lr)
+    _strategies(raw, out)
+    if out.keys.get("steps") is not None and out.spelled.get("epochs") == "num_train_epochs":
+        del out.keys["epochs"]      # transformers: max_steps > 0 overrides num_train_epochs
+        out.notes.append("num_train_epochs is not used: max_steps is given (as in transformers)")
+    if "template" in raw:
+        out.notes.append(_template(raw["template"], out.keys))
+    if ignored:
+        why = [f"{k} ({WHY_IGNORED[k]})" if k in WHY_IGNORED else k for k in ignored]
+        out.notes.append(f"ignored (no effect in a megacompile run): {', '.join(why)}")
+    return out
+
+
+def _betas(raw: dict, out: Translated) -> None:
+    if "adam_beta1" not in raw and "adam_beta2" not in raw:
+        return
+    given = out.keys.get("betas")
+    betas = list(given) if isinstance(given, (list, tuple)) and len(given) == 2 else [0.9, 0.999]
+    for i, key in enumerate(("adam_beta1", "adam_beta2")):
+        if key in raw:
+            if given is not None and not _equal(betas[i], raw[key]):
+                raise ArgumentError(f"betas: {_show(given)} and {key}: {_show(raw[key])} set the same setting to "
+                                    "different values; give one of them")
+            betas[i] = raw[key]
+    out.keys["betas"] = betas
+    out.spelled.setdefault("betas", "adam_beta1/adam_beta2")
+
+
+def _schedule(raw: dict, out: Translated, default_lr: float) -> None:
+    kind, kwargs = raw.get("lr_scheduler_type"), raw.get("lr_scheduler_kwargs") or {}
+    if isinstance(kwargs, str):         # HF takes a JSON string on the command line
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError as e:
+            raise ArgumentError(f"lr_scheduler_kwargs is a mapping or a JSON object; got {kwargs!r}") from e
+    if not isinstance(kwargs, dict):
+        raise ArgumentError(f"lr_scheduler_kwargs is a mapping (min_lr or min_lr_rate); got {kwargs!r}")
+    if kind is None:
+        if kwargs:
+            raise ArgumentError("lr_scheduler_kwargs without lr_scheduler_type: give lr_scheduler_type: "
+                                "cosine_with_min_lr with min_lr or min_lr_rate, or megacompile's min_lr")
+        return
+    if kind not in SCHEDULES:
+        raise ArgumentError(f"lr_scheduler_type {kind!r}: megacompile follows {', '.join(SCHEDULES)}; for another "
+                            "shape give schedule: constant, linear or cosine with warmup and min_lr")
+    out.set("schedule", SCHEDULES[kind], "lr_scheduler_type", kind)
+    floors = {k: v for k, v in kwargs.items() if k in ("min_lr", "min_lr_rate")}
+    other = {k: v for k, v in kwargs.items() if k not in floors and not (k == "num_cycles" and v == 0.5)}
+    if other or (floors and kind != "cosine_with_min_lr"):
+        raise ArgumentError(f"lr_scheduler_kwargs {kwargs!r}: megacompile takes min_lr or min_lr_rate, with "
+                            "lr_scheduler_type: cosine_with_min_lr (a half cosine, num_cycles 0.5)")
+    if kind == "cosine_with_min_lr":
+        if len(floors) != 1:
+            raise ArgumentError("lr_scheduler_type cosine_with_min_lr takes one of min_lr, min_lr_rate in "
+                                f"lr_scheduler_kwargs; got {kwargs!r}")
+        (name, written), = floors.items()
+        value = written
+        if name == "min_lr_rate":
+            lr = out.keys.get("lr", default_lr)
+            try:
+                value = float(value) * float(lr)
+            except (TypeError, ValueError) as e:
+                raise ArgumentError(f"lr_scheduler_kwargs min_lr_rate must be a number; got {value!r}") from e
+        out.set("min_lr", value, f"lr_scheduler_kwargs.{name}", written)
+    if kind == "constant":          # transformers' constant schedule has no warmup
+        warmup = out.keys.get("warmup")
+        if warmup not in (None, 0, 0.0):
+            out.notes.append(f"{out.spelled['warmup']}: {warmup} is not used: lr_scheduler_type constant has no "
+                             "warmup in transformers (constant_with_warmup has)")
+        out.keys["warmup"] = 0
+
+
+def _strategies(raw: dict, out: Translated) -> None:
+    for key, own in (("eval_strategy", "eval_every"), ("evaluation_strategy", "eval_every"),
+                     ("save_strategy", "save_every"), ("logging_strategy", None)):
+        if key in raw and _strategy(key, own)(raw[key]) == "no":
+            out.keys.pop(own, None)
+            if own == "eval_every":
+                out.keys["eval_every"] = None
+
+
+def _template(name: Any, keys: dict) -> str:
+    """LlamaFactory formats chats by a template name; megacompile by the tokenizer's own chat
+    template, which it must then have."""
+    where = keys.get("tokenizer") or keys.get("model")
+    if where == "bundled" or where is None:
+        raise ArgumentError(f"template {name!r}: the bundled model reads bytes and has no chat template; leave "
+                            "template out")
+    if os.path.isdir(where) and not has_chat_template(where):
+        raise ArgumentError(f"template {name!r}: megacompile formats chats with the tokenizer's own chat template, "
+                            f"and {where} has none (chat_template in tokenizer_config.json or chat_template.jinja); "
+                            "add one to the tokenizer folder, or leave template out for text data")
+    return (f"template {name!r} is not read: chats are formatted by the tokenizer's own chat template "
+            f"({where})")
+
+
+def has_chat_template(folder: str) -> bool:
+    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
+        return True
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                if json.load(f).get("chat_template"):
+                    return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """YAML reads 2e-5 (no dot) as a string: a number and its string are the same value."""
+    if a == b:
+        return True
+    try:
+        return float(a) == float(b) and not isinstance(a, bool) and not isinstance(b, bool)
+    except (TypeError, ValueError):
+        return False
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
