@@ -28,7 +28,7 @@ import torch
 from ..report.outputs import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import packing, resume, split, tokens
+from . import mixture, packing, resume, split, tokens
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, check_isolation, check_positions, meta_model
@@ -56,7 +56,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
             held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt)
             eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
             print(f"  data           {_count(train, docs)} to train; {_count(held, np.arange(held.n_docs))} in "
-                  f"{', '.join(c.eval)} to evaluate", flush=True)
+                  f"{', '.join(e['path'] for e in c.eval)} to evaluate", flush=True)
         elif c.eval_fraction:
             cut = split.hold_out(train, c.eval_fraction, c.seed)
             source, docs = cut.tokens, cut.train
@@ -66,7 +66,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
                   + ("; one document cut between them)" if cut.cut else ")"), flush=True)
         else:
             print(f"  data           {_count(train, docs)} to train", flush=True)
-        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad)
+        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad, mix=_mix(c, source, docs))
     except BaseException:
         for made in (train, held):
             if made is not None:
@@ -75,13 +75,22 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     return tokenizer, (train, held), rows, eval_rows
 
 
+def _mix(c: RunConfig, source: TokenFile, docs: np.ndarray):
+    """The epoch order of a weighted mixture (mixture.py), or None: every document once an epoch."""
+    weights = [e["weight"] for e in c.data]
+    if weights[0] is None:
+        return None
+    labels = mixture.source_of(source, docs)
+    by_source = [docs[labels == i] for i in range(len(c.data))]
+    print("  mixture        " + "; ".join(f"{os.path.basename(e['path'])} {w:.0%} of the documents ({len(d):,})"
+                                         for e, w, d in zip(c.data, weights, by_source))
+          + f"; {c.mix_strategy}", flush=True)
+    return lambda epoch: mixture.epoch_order(by_source, weights, c.mix_strategy, c.seed, epoch)
+
+
 def _count(tokens: TokenFile, docs: np.ndarray) -> str:
     n = int((tokens.docs[docs + 1] - tokens.docs[docs]).sum())
     return f"{n:,} tokens ({len(docs):,} document{'s' if len(docs) != 1 else ''})"
-
-
-def _training_tokens(rows: packing.Rows) -> int:
-    return int((rows.tokens.docs[rows.docs + 1] - rows.tokens.docs[rows.docs]).sum())
 
 
 def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
@@ -153,7 +162,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     shifted, made = c.bundled, (None, None)
     try:
         tokenizer, made, rows, eval_rows = _data(c, run_dir, c.seq + shifted)
-        available = _training_tokens(rows)
+        available = rows.epoch_tokens
         if c.seq > available:
             raise ArgumentError(f"seq {c.seq:,} is longer than the training data, {available:,} tokens"
                                 f"{' (after eval_fraction)' if c.eval_fraction else ''}: every row would be mostly "

@@ -54,7 +54,11 @@ def read(path: str) -> Saved:
 def rows_layout(c: RunConfig) -> dict:
     """What decides which rows a data position counts (packing.py cuts rows from seed and row
     index; split.py holds out eval_fraction of the tokens)."""
-    return {"seq": c.seq, "packing": c.packing, "seed": c.seed, "eval_fraction": c.eval_fraction}
+    layout = {"seq": c.seq, "packing": c.packing, "seed": c.seed, "eval_fraction": c.eval_fraction}
+    weights = [e["weight"] for e in c.data]
+    if weights[0] is not None or c.streaming:     # mixture.py: the order of documents
+        layout.update(mixture=[c.mix_strategy, weights], streaming=c.streaming)
+    return layout
 
 
 def settings(c: RunConfig) -> dict:
@@ -73,7 +77,7 @@ def check_rows(c: RunConfig, saved: Saved) -> None:
         changed.append("eval_fraction of the documents -> of the tokens")    # saved before split.py
     if changed:     # the rows a position counts would be other rows: the resumed run would see other data
         raise ArgumentError(f"{saved.path} was saved by a run that cut its rows otherwise ({', '.join(changed)}); "
-                            "resume it with the same seq, packing, seed and eval_fraction, or start a new run_dir")
+                            "resume it with the same seq, packing, seed, eval_fraction and mixture, or start a new run_dir")
 
 
 def check_data(saved: Saved, fingerprint: str) -> None:
