@@ -196,6 +196,12 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("eval and eval_fraction both choose the held-out data: give one of them")
     c.train_on_prompt = _flag("train_on_prompt", c.train_on_prompt)
     c.streaming = _flag("streaming", c.streaming)
+    if c.streaming and c.eval_fraction:
+        raise ArgumentError("streaming reads the data once, in order, and cannot hold out a fraction of it: give "
+                            "eval files instead of eval_fraction, or streaming: false")
+    if c.streaming and raw.get("epochs") is not None:
+        raise ArgumentError("streaming does not know the data's size ahead, so epochs cannot be turned into steps: "
+                            "give steps, or streaming: false")
     c.seq = _int("seq", c.seq, 2)
     if c.packing not in PACKING or isinstance(c.packing, int) and not isinstance(c.packing, bool):
         raise ArgumentError(f"packing must be false, true or isolated; got {c.packing!r}")

@@ -186,6 +186,6 @@ def llamafactory(names: Any, folder: Any) -> list[dict]:
                                 "local files (file_name) are read: the run uses no network")
         if spec.get("ranking"):
             raise ArgumentError(f"dataset: {name} is a ranking (preference) dataset; only supervised data trains here")
-        out.append({"path": os.path.join(str(folder), spec["file_name"]), "columns": spec.get("columns") or {},
+        out.append({"path": os.path.normpath(os.path.join(str(folder), spec["file_name"])), "columns": spec.get("columns") or {},
                     "tags": spec.get("tags") or {}, "formatting": spec.get("formatting", "alpaca")})
     return out

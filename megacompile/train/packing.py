@@ -84,26 +84,32 @@ class Rows:
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Row `index` of the run (epochs follow each other): tokens, targets, positions."""
         order, starts, lo, hi = self._span(index)
-        ids = np.full(self.row_len, self.pad_id, dtype=np.int64)
-        targets = np.zeros(self.row_len, dtype=bool)
-        positions = np.arange(self.row_len, dtype=np.int64)
         first = int(np.searchsorted(starts, lo, side="right")) - 1
-        for k in range(first, len(order)):
-            s = int(starts[k])
-            if s >= hi:
-                break
-            doc = int(order[k])
-            d0, d1 = int(self.tokens.docs[doc]), int(self.tokens.docs[doc + 1])
-            a, b = max(lo, s), min(hi, s + d1 - d0)        # stream span of this document in the row
-            if a >= b:
-                continue
-            ids[a - lo:b - lo] = self.tokens.ids[d0 + a - s:d0 + b - s]
-            targets[a - lo:b - lo] = self.tokens.targets[d0 + a - s:d0 + b - s]
-            if self.packing == "isolated":
-                positions[a - lo:b - lo] = np.arange(b - a)
-                if a == s and a > lo:
-                    targets[a - lo] = False    # no document is asked to predict the next one's start
-        return ids, targets, positions
+        last = int(np.searchsorted(starts, hi, side="left"))
+        docs = self.tokens.docs
+        pieces = ((int(starts[k]), self.tokens.ids[docs[d]:docs[d + 1]], self.tokens.targets[docs[d]:docs[d + 1]])
+                  for k, d in enumerate(order[first:last], first))
+        return fill(self.row_len, self.packing, self.pad_id, lo, pieces)
+
+
+def fill(row_len: int, packing: bool | str, pad_id: int, lo: int, pieces) -> tuple[np.ndarray, ...]:
+    """The row that starts at `lo` in an epoch's stream, from the documents that overlap it:
+    (where the document starts in the stream, its tokens, its targets)."""
+    hi = lo + row_len
+    ids = np.full(row_len, pad_id, dtype=np.int64)
+    targets = np.zeros(row_len, dtype=bool)
+    positions = np.arange(row_len, dtype=np.int64)
+    for s, doc_ids, doc_targets in pieces:
+        a, b = max(lo, s), min(hi, s + len(doc_ids))        # stream span of this document in the row
+        if a >= b:
+            continue
+        ids[a - lo:b - lo] = doc_ids[a - s:b - s]
+        targets[a - lo:b - lo] = doc_targets[a - s:b - s]
+        if packing == "isolated":
+            positions[a - lo:b - lo] = np.arange(b - a)
+            if a == s and a > lo:
+                targets[a - lo] = False    # no document is asked to predict the next one's start
+    return ids, targets, positions
 
 
 def batch(rows: Rows, start: int, size: int, *, shifted: bool) -> dict[str, torch.Tensor]:

@@ -116,6 +116,13 @@ def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool
     return {"format": CACHE_FORMAT, "files": files, "tokenizer": tokenizer, "train_on_prompt": train_on_prompt}
 
 
+def fingerprint(items: list, tokenizer_dir: str | None, train_on_prompt: bool) -> str:
+    """What a streamed run's data position refers to: its sources (files, sizes, times,
+    tokenizer, settings), as a token file's cache key is made."""
+    sources = _sources(as_entries(items), tokenizer_dir, train_on_prompt)
+    return "stream-" + hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: str | None,
                train_on_prompt: bool) -> TokenFile:
     """The split's token file in `folder`, when one made from the same sources is there; else made
