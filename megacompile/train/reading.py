@@ -12,8 +12,10 @@ are renamed to the ones the record formats use as the entry's `columns` and `tag
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+import threading
 from importlib import resources
 from typing import Iterator
 
@@ -45,16 +47,22 @@ def _raw(path: str, kind: str) -> Iterator[tuple[str, dict]]:
     elif kind == "saved":
         yield from _rows(path, _saved(path))
     else:
-        import datasets
-        files = _files(path)
         try:
-            table = datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
-            yield from _rows(path, table)
+            yield from _rows(path, _streamed(kind, tuple(_files(path)), threading.get_ident()))
         except ArgumentError:
             raise
         except Exception as e:  # noqa: BLE001 - the library's own words, with the file named
             raise ArgumentError(f"{path}: the datasets library cannot read it as {kind}: "
                                 f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from e
+
+
+@functools.lru_cache(maxsize=64)
+def _streamed(kind: str, files: tuple, thread: int):
+    """The library's reader of the files, one a thread (two readers of one object at once do not
+    read the same rows): kept, as a streamed run reads the files again every pass and each read
+    opens them anew."""
+    import datasets
+    return datasets.load_dataset(kind, data_files=list(files), split="train", streaming=True)
 
 
 def _files(path: str) -> list[str]:
