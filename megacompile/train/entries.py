@@ -35,6 +35,17 @@ WHAT = ("a .txt file (one document), .jsonl, .json, .parquet, .arrow or .csv fil
 
 def kind_of(key: str, path: str) -> str:
     """How a local path is read; a path that is not there gets the error (hub ids are not read)."""
+    kind = _kind(key, path)
+    if kind not in ("text", "jsonl"):
+        try:
+            import datasets  # noqa: F401
+        except ImportError as e:
+            raise ArgumentError(f"{key}: {path} is read by the datasets library: pip install datasets (or "
+                                "megacompile[data]); .txt and .jsonl files need no library") from e
+    return kind
+
+
+def _kind(key: str, path: str) -> str:
     if os.path.isfile(path):
         if path.endswith(".txt"):
             return "text"
@@ -47,7 +58,7 @@ def kind_of(key: str, path: str) -> str:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json")):
             return "saved"
-        found = {kind_of(key, os.path.join(path, n)) for n in folder_files(path)}
+        found = {_kind(key, os.path.join(path, n)) for n in folder_files(path)}
         if len(found) != 1:
             raise ArgumentError(f"{key}: the folder {path} holds "
                                 + (f"files of several kinds ({', '.join(sorted(found))}); give one kind a folder"
