@@ -73,6 +73,11 @@ def check_rows(c: RunConfig, saved: Saved) -> None:
     layout = rows_layout(c)
     before = saved.extra.get("rows_layout", {})
     changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in layout.items() if k in before and before[k] != v]
+    for k in ("mixture", "streaming"):      # saved only by mixed or streamed runs: absent is a plain run
+        if before and k not in before and k in layout and layout[k]:
+            changed.append(f"{k} none -> {layout[k]!r}")
+        elif k in before and k not in layout and before[k]:
+            changed.append(f"{k} {before[k]!r} -> none")
     if before and "eval_fraction" not in before and c.eval_fraction:
         changed.append("eval_fraction of the documents -> of the tokens")    # saved before split.py
     if changed:     # the rows a position counts would be other rows: the resumed run would see other data

@@ -25,6 +25,7 @@ from collections import deque
 
 import numpy as np
 
+from ..errors import ArgumentError
 from .mixture import interleave
 from .packing import fill
 from .reading import records
@@ -101,6 +102,7 @@ class StreamRows:
         self.docs: deque = deque()  # (start in the pass's stream, ids, targets), in order
         self.pass_ended = False
         self.floor = 0             # the lowest row still readable without starting again
+        self.counted = False       # a token the loss counts was seen in this pass
 
     def _length(self, n: int) -> int:
         return n if self.packing else -(-n // self.row_len) * self.row_len
@@ -109,12 +111,14 @@ class StreamRows:
         """One more document of the pass, or the pass's end."""
         item = self.producer.next()
         if item is _END_OF_PASS:
-            if self.end == 0:
-                from ..errors import ArgumentError
-                raise ArgumentError("the streamed data holds no tokens")
+            if not self.counted:      # every batch would be skipped as all padding or prompt, forever
+                raise ArgumentError("the streamed data " + ("holds no tokens" if self.end == 0 else
+                                    "has no token the loss counts: add assistant turns or completions, or "
+                                    "train_on_prompt: true"))
             self.pass_ended = True
             return
         ids, targets = item
+        self.counted = self.counted or bool(targets.any())
         self.docs.append((self.end, ids, targets))
         self.end += self._length(len(ids))
 
@@ -128,7 +132,7 @@ class StreamRows:
             if not self.pass_ended or lo < self.end:
                 break
             self.pass_row += -(-self.end // self.row_len)      # the next pass starts a new row
-            self.end, self.docs, self.pass_ended = 0, deque(), False
+            self.end, self.docs, self.pass_ended, self.counted = 0, deque(), False, False
         keep = lo - KEEP * self.row_len
         while self.docs and self.docs[0][0] + len(self.docs[0][1]) <= keep:
             self.docs.popleft()

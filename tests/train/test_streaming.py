@@ -58,3 +58,12 @@ def test_a_bad_record_met_while_streaming_is_raised_in_the_training_loop(tmp_pat
         for r in range(1000):
             stream.row(r)
     stream.close()
+
+
+def test_streamed_data_the_loss_counts_nothing_of_is_refused_not_looped_over(tmp_path):
+    path = data.jsonl(tmp_path / "prompts.jsonl", [{"prompt": "the cat sat", "completion": ""}] * 3)
+    stream = StreamRows(entries.check("data", path, False, False), None, "concat", files.tokenizer(), False, 8, True)
+    with pytest.raises(ArgumentError, match="has no token the loss counts"):
+        for r in range(1000):
+            stream.row(r)
+    stream.close()
