@@ -210,7 +210,12 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     elif saved is not None:
         for note in resume.notes(c, saved):
             print(f"  resume note    {note}", flush=True)
-    setup = build(c, meta, lambda b: packing.batch(rows, 0, b, shifted=shifted))
+    try:
+        setup = build(c, meta, lambda b: packing.batch(rows, 0, b, shifted=shifted))
+    except BaseException:
+        if c.streaming:
+            rows.close()        # its tokenising thread, started by the rows build() read
+        raise
     try:
         result = _train(c, setup, run_dir, resume_from, tokenizer, fingerprint, rows, eval_rows,
                         saved_settings=saved is not None and isinstance(saved.extra.get("settings"), dict))

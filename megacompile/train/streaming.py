@@ -90,13 +90,13 @@ class StreamRows:
                  packing: bool | str, pad_id: int = 0):
         self.args = (entries, weights, strategy, tokenizer, train_on_prompt)
         self.row_len, self.packing, self.pad_id = row_len, packing, pad_id
-        self.producer: _Producer | None = None
-        self._restart()
+        self.producer: _Producer | None = None      # started by the first row asked for
+        self._restart(start=False)
 
-    def _restart(self) -> None:
+    def _restart(self, start: bool = True) -> None:
         if self.producer is not None:
             self.producer.close()
-        self.producer = _Producer(*self.args)
+        self.producer = _Producer(*self.args) if start else None
         self.pass_row = 0          # the run's row where the current pass begins
         self.end = 0               # stream length of the pass read so far (padded with packing off)
         self.docs: deque = deque()  # (start in the pass's stream, ids, targets), in order
@@ -123,7 +123,7 @@ class StreamRows:
         self.end += self._length(len(ids))
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if index < self.floor:
+        if index < self.floor or self.producer is None:
             self._restart()
         while True:
             lo = (index - self.pass_row) * self.row_len

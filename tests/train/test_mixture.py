@@ -110,3 +110,15 @@ def test_a_mixture_killed_mid_way_resumes_to_the_rows_of_the_uninterrupted_run(t
     other["data"] = [e["path"] for e in other["data"]]      # no weights: every document once an epoch
     with pytest.raises(ArgumentError, match="cut its rows otherwise|on other tokens"):
         run(load(files.run_yaml(str(tmp_path / "other.yaml"), **other), ["steps=8"]))
+
+
+def test_a_mixture_with_eval_fraction_mixes_the_documents_left_to_train(tmp_path):
+    files.model_dir(str(tmp_path / "model"))
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=str(tmp_path / "model"), packing=False,
+                            data=_sources(tmp_path, (60, 40, 30)), seq=48, steps=1, run_dir="run", eval_fraction=0.25))
+    _, made, rows, held, _ = _data(c, str(tmp_path / "run"), c.seq)
+    trained = {d for r in range(rows.rows_per_epoch) for d in rows.documents(r)}
+    evaluated = {d for r in range(held.rows_per_epoch) for d in held.documents(r)}
+    assert trained and evaluated and not trained & evaluated        # held-out documents never train
+    labels = source_of(rows.tokens, np.asarray(sorted(trained)))
+    assert set(labels.tolist()) == {0, 1, 2}
