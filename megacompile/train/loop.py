@@ -100,7 +100,7 @@ def _mix(c: RunConfig, source: TokenFile, docs: np.ndarray):
         return None
     labels = mixture.source_of(source, docs)
     by_source = [docs[labels == i] for i in range(len(c.data))]
-    print("  mixture        " + "; ".join(f"{os.path.basename(e['path'])} {w:.0%} of the documents ({len(d):,})"
+    print("  mixture        " + "; ".join(f"{os.path.basename(e['path'])} weight {w:.0%} ({len(d):,} documents)"
                                          for e, w, d in zip(c.data, weights, by_source))
           + f"; {c.mix_strategy}", flush=True)
     return lambda epoch: mixture.epoch_order(by_source, weights, c.mix_strategy, c.seed, epoch)
