@@ -53,7 +53,7 @@ def test_interleave_follows_the_weights_and_its_strategy_decides_where_an_epoch_
 def test_each_source_has_its_weight_of_the_first_thousand_rows(tmp_path):
     """packing: false, so a row holds one document and counting rows counts documents."""
     work = {"model": files.model_dir(str(tmp_path / "model"))}
-    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=work["model"], data=_sources(tmp_path, (700, 450, 330)),
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=work["model"], data=_sources(tmp_path, (700, 900, 600)),
                             seq=48, packing=False, steps=1, run_dir="run"))
     _, made, rows, _, _ = _data(c, str(tmp_path / "run"), c.seq)
     counts = np.zeros(3)
@@ -62,7 +62,7 @@ def test_each_source_has_its_weight_of_the_first_thousand_rows(tmp_path):
         assert len(docs) == 1                 # no document needs a second row
         counts[source_of(rows.tokens, np.asarray(docs))[0]] += 1
     share = counts / 1000
-    assert np.all(np.abs(share - WEIGHTS) < 0.03), share
+    assert np.all(np.abs(share - WEIGHTS) < 0.03), share     # all documents once would be 32%, 41%, 27%
     # interleave_under: the epoch ended when the first source (700 / 0.5 = 1400 turns) ran out
     assert rows.rows_per_epoch == 1400
     # the order is the seed's: another seed, other documents in the same shares
