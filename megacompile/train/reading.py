@@ -12,10 +12,8 @@ are renamed to the ones the record formats use as the entry's `columns` and `tag
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
-import threading
 from importlib import resources
 from typing import Iterator
 
@@ -27,17 +25,20 @@ def _bundled_text() -> str:
     return resources.files("megacompile").joinpath("data/corpus.txt").read_text(encoding="utf-8", errors="replace")
 
 
-def records(entry: dict) -> Iterator[tuple[str, dict]]:
+def records(entry: dict, readers: dict | None = None) -> Iterator[tuple[str, dict]]:
+    """`readers` keeps the datasets library's reader of each file between calls (a stream reads
+    the files again every pass, and making a reader opens them anew); one reader is not read by
+    two threads at once, so each stream keeps its own."""
     path, kind = entry["path"], entry["kind"]
     if path == BUNDLED:
         yield "the bundled corpus", {"text": _bundled_text()}
         return
     rename = _renamer(entry)
-    for where, record in _raw(path, kind):
+    for where, record in _raw(path, kind, {} if readers is None else readers):
         yield where, rename(record)
 
 
-def _raw(path: str, kind: str) -> Iterator[tuple[str, dict]]:
+def _raw(path: str, kind: str, readers: dict) -> Iterator[tuple[str, dict]]:
     if kind == "text":
         with open(path, encoding="utf-8") as f:
             yield path, {"text": f.read()}
@@ -48,7 +49,9 @@ def _raw(path: str, kind: str) -> Iterator[tuple[str, dict]]:
         yield from _rows(path, _saved(path))
     else:
         try:
-            yield from _rows(path, _streamed(kind, tuple(_files(path)), threading.get_ident()))
+            if path not in readers:
+                readers[path] = _streamed(kind, _files(path))
+            yield from _rows(path, readers[path])
         except ArgumentError:
             raise
         except Exception as e:  # noqa: BLE001 - the library's own words, with the file named
@@ -56,13 +59,9 @@ def _raw(path: str, kind: str) -> Iterator[tuple[str, dict]]:
                                 f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from e
 
 
-@functools.lru_cache(maxsize=64)
-def _streamed(kind: str, files: tuple, thread: int):
-    """The library's reader of the files, one a thread (two readers of one object at once do not
-    read the same rows): kept, as a streamed run reads the files again every pass and each read
-    opens them anew."""
+def _streamed(kind: str, files: list[str]):
     import datasets
-    return datasets.load_dataset(kind, data_files=list(files), split="train", streaming=True)
+    return datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
 
 
 def _files(path: str) -> list[str]:

@@ -56,8 +56,10 @@ class _Producer:
         return False
 
     def _run(self, entries, weights, strategy, tokenizer, train_on_prompt) -> None:
+        readers: dict = {}
+
         def passes(entry):
-            return lambda k: records(entry)
+            return lambda k: records(entry, readers)
         try:
             while not self.stop.is_set():
                 for _, (where, record) in interleave(weights, strategy, [passes(e) for e in entries]):

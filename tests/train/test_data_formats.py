@@ -131,3 +131,10 @@ def test_llamafactory_dataset_keys_read_dataset_info(tmp_path):
     assert [e["path"] for e in c.data] == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
     assert [e["weight"] for e in c.data] == [0.75, 0.25] and c.mix_strategy == "interleave_over"
     assert [e["formatting"] for e in c.data] == ["alpaca", "sharegpt"]
+
+
+def test_a_csv_of_text_records_reads_as_its_jsonl(tmp_path):
+    rows = data.texts(5)
+    (tmp_path / "t.csv").write_text("text\n" + "".join(f'"{r["text"]}"\n' for r in rows))
+    ours = [r for _, r in records(check("data", str(tmp_path / "t.csv"), False, False)[0])]
+    assert ours == rows
