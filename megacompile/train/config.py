@@ -37,6 +37,7 @@ class RunConfig:
     mix_strategy: str | None = None
     interleave_probs: Any = None
     dataset: Any = None
+    eval_dataset: Any = None
     dataset_dir: str | None = None
     streaming: bool = False
     eval: list = field(default_factory=list)
@@ -182,8 +183,12 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         if "data" in raw:
             raise ArgumentError("data and dataset both name the training data: give one of them")
         c.data = entries.llamafactory(c.dataset, c.dataset_dir)
-    elif c.dataset_dir is not None:
+    elif c.dataset_dir is not None and c.eval_dataset is None:
         raise ArgumentError("dataset_dir is the folder of dataset_info.json, read for dataset: name the datasets")
+    if c.eval_dataset is not None:
+        if raw.get("eval"):
+            raise ArgumentError("eval and eval_dataset both name the held-out data: give one of them")
+        c.eval = entries.llamafactory(c.eval_dataset, c.dataset_dir, key="eval_dataset")
     c.data = entries.check("data", c.data, allow_bundled=True, allow_weights=True)
     if not c.data:
         raise ArgumentError("data: name at least one data file")

@@ -171,32 +171,33 @@ def mixture(entries: list[dict], strategy: Any, probs: Any) -> tuple[str, list[f
     return strategy, [w / total for w in weights]
 
 
-def llamafactory(names: Any, folder: Any) -> list[dict]:
-    """Entries for LlamaFactory's `dataset: a,b` read from `dataset_dir/dataset_info.json`."""
+def llamafactory(names: Any, folder: Any, key: str = "dataset") -> list[dict]:
+    """Entries for LlamaFactory's `dataset: a,b` (or `eval_dataset`) read from
+    `dataset_dir/dataset_info.json`."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise ArgumentError(f"dataset is a name or a comma-separated list of names in dataset_info.json; got {names!r}")
+        raise ArgumentError(f"{key} is a name or a comma-separated list of names in dataset_info.json; got {names!r}")
     folder = folder if folder is not None else "data"
     info_path = os.path.join(str(folder), "dataset_info.json")
     try:
         with open(info_path) as f:
             info = json.load(f)
     except OSError as e:
-        raise ArgumentError(f"dataset: cannot read {info_path} (dataset_dir names its folder): {e.strerror or e}") from e
+        raise ArgumentError(f"{key}: cannot read {info_path} (dataset_dir names its folder): {e.strerror or e}") from e
     except ValueError as e:
-        raise ArgumentError(f"dataset: {info_path} is not valid JSON: {e}") from e
+        raise ArgumentError(f"{key}: {info_path} is not valid JSON: {e}") from e
     out = []
     for name in names:
         spec = info.get(name) if isinstance(info, dict) else None
         if not isinstance(spec, dict):
-            raise ArgumentError(f"dataset: {name} is not in {info_path}; it names {', '.join(sorted(info)) or 'nothing'}")
+            raise ArgumentError(f"{key}: {name} is not in {info_path}; it names {', '.join(sorted(info)) or 'nothing'}")
         if "file_name" not in spec:
             remote = [k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name") if k in spec]
-            raise ArgumentError(f"dataset: {name} in {info_path} is read from {', '.join(remote) or 'no file_name'}; only "
+            raise ArgumentError(f"{key}: {name} in {info_path} is read from {', '.join(remote) or 'no file_name'}; only "
                                 "local files (file_name) are read: the run uses no network")
         if spec.get("ranking"):
-            raise ArgumentError(f"dataset: {name} is a ranking (preference) dataset; only supervised data trains here")
+            raise ArgumentError(f"{key}: {name} is a ranking (preference) dataset; only supervised data trains here")
         out.append({"path": os.path.normpath(os.path.join(str(folder), spec["file_name"])), "columns": spec.get("columns") or {},
                     "tags": spec.get("tags") or {}, "formatting": spec.get("formatting", "alpaca")})
     return out

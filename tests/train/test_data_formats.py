@@ -131,6 +131,10 @@ def test_llamafactory_dataset_keys_read_dataset_info(tmp_path):
     assert [e["path"] for e in c.data] == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
     assert [e["weight"] for e in c.data] == [0.75, 0.25] and c.mix_strategy == "interleave_over"
     assert [e["formatting"] for e in c.data] == ["alpaca", "sharegpt"]
+    c = load(_yaml(tmp_path, dataset="a", eval_dataset="b", dataset_dir="."))
+    assert [e["path"] for e in c.eval] == [str(tmp_path / "b.jsonl")] and c.eval[0]["formatting"] == "sharegpt"
+    with pytest.raises(ArgumentError, match="eval_dataset: c is not in"):
+        load(_yaml(tmp_path, dataset="a", eval_dataset="c", dataset_dir="."))
 
 
 def test_a_csv_of_text_records_reads_as_its_jsonl(tmp_path):
