@@ -67,3 +67,17 @@ def test_streamed_data_the_loss_counts_nothing_of_is_refused_not_looped_over(tmp
         for r in range(1000):
             stream.row(r)
     stream.close()
+
+
+def test_a_streamed_run_trains_and_evaluates_on_an_eval_file(tmp_path):
+    from megacompile.train import load, log, run
+    train = data.parquet(tmp_path / "notes.parquet", data.texts(30))
+    held = data.jsonl(tmp_path / "held.jsonl", data.texts(4, start=3))
+    tiny = ["bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2", "bundled_model.kv_heads=1",
+            "bundled_model.ffn=64", "device=cpu", "batch=2", "seq=16", "steps=3", "eval_every=3", "streaming=true",
+            f"data={train}", f"eval={held}", f"run_dir={tmp_path / 'run'}"]
+    result = run(load(None, tiny))
+    assert result["steps"] == 3
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    assert rows[-1]["eval_loss"] and not (tmp_path / "run" / "tokens" / "train.ids").exists()
+    assert (tmp_path / "run" / "tokens" / "eval.ids").exists()
