@@ -40,6 +40,7 @@ class RunConfig:
     eval_dataset: Any = None
     dataset_dir: str | None = None
     streaming: bool = False
+    max_samples: int | None = None
     eval: list = field(default_factory=list)
     eval_fraction: float = 0.0
     train_on_prompt: bool = False
@@ -196,6 +197,10 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     for entry, weight in zip(c.data, weights or [None] * len(c.data)):
         entry["weight"] = weight
     c.eval = entries.check("eval", c.eval if c.eval is not None else [], allow_bundled=False, allow_weights=False)
+    if c.max_samples is not None:       # LlamaFactory's: the first N records of each entry
+        c.max_samples = _int("max_samples", c.max_samples)
+        for entry in c.data + c.eval:
+            entry["limit"] = c.max_samples
     c.eval_fraction = _number("eval_fraction", c.eval_fraction, 0.0, below=1.0)
     if c.eval and c.eval_fraction:
         raise ArgumentError("eval and eval_fraction both choose the held-out data: give one of them")

@@ -33,8 +33,10 @@ def records(entry: dict, readers: dict | None = None) -> Iterator[tuple[str, dic
     if path == BUNDLED:
         yield "the bundled corpus", {"text": _bundled_text()}
         return
-    rename = _renamer(entry)
-    for where, record in _raw(path, kind, {} if readers is None else readers):
+    rename, limit = _renamer(entry), entry.get("limit")
+    for n, (where, record) in enumerate(_raw(path, kind, {} if readers is None else readers)):
+        if limit is not None and n >= limit:
+            return
         yield where, rename(record)
 
 

@@ -105,7 +105,7 @@ def _stat(path: str) -> list[dict]:
 
 
 def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool) -> dict:
-    files = [{"files": _stat(e["path"]), **{k: e[k] for k in ("kind", "columns", "tags", "formatting")}}
+    files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit")}}
              for e in items]
     tokenizer = {}
     if tokenizer_dir is not None:

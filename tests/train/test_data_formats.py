@@ -142,3 +142,12 @@ def test_a_csv_of_text_records_reads_as_its_jsonl(tmp_path):
     (tmp_path / "t.csv").write_text("text\n" + "".join(f'"{r["text"]}"\n' for r in rows))
     ours = [r for _, r in records(check("data", str(tmp_path / "t.csv"), False, False)[0])]
     assert ours == rows
+
+
+def test_max_samples_reads_the_first_records_of_each_entry(tmp_path):
+    c = load(_yaml(tmp_path, data=["a.jsonl", "b.jsonl"], max_samples=2))
+    assert [len(list(records(e))) for e in c.data] == [2, 2]
+    tok = files.tokenizer()
+    assert tokens.token_file(str(tmp_path / "t"), "train", c.data, tok, None, False).n_docs == 4
+    with pytest.raises(ArgumentError, match="max_samples must be a whole number >= 1; got 0"):
+        load(_yaml(tmp_path, max_samples=0))
