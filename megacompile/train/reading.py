@@ -3,7 +3,7 @@
 A .txt file is one document ({"text": ...}); a .jsonl line is one record (read here, so errors
 name the line). Every other kind is read by the `datasets` library: .json, .parquet, .arrow and
 .csv files (and folders of them) through `load_dataset(builder, data_files=..., streaming=True)`,
-which reads the files as they are, without writing a cache; a save_to_disk folder through
+which reads the files as they are, without writing a copy in its cache; a save_to_disk folder through
 `load_from_disk`, which memory-maps it. Those rows are numbered from 0 in `where`.
 
 A table holds every column in every row, so keys a record does not have come back as None: they
