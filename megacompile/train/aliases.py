@@ -127,8 +127,8 @@ SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs
 
 IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir", "preprocessing_num_workers",
            "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
-           "max_samples", "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32")
-WHY_IGNORED = {"max_samples": "every example is read", "per_device_eval_batch_size": "eval uses batch",
+           "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32")
+WHY_IGNORED = {"per_device_eval_batch_size": "eval uses batch",
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
                "optim": "megacompile's AdamW is torch's"}

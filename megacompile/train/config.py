@@ -15,6 +15,7 @@ import torch
 
 from .. import arguments
 from . import aliases
+from . import entries
 from ..errors import ArgumentError
 from ..settings import Settings
 from .schedule import warmup_steps
@@ -35,6 +36,13 @@ class RunConfig:
     tokenizer: str | None = None
     bundled_model: dict = field(default_factory=lambda: dict(BUNDLED_MODEL))
     data: list = field(default_factory=lambda: [BUNDLED])
+    mix_strategy: str | None = None
+    interleave_probs: Any = None
+    dataset: Any = None
+    eval_dataset: Any = None
+    dataset_dir: str | None = None
+    streaming: bool = False
+    max_samples: int | None = None
     eval: list = field(default_factory=list)
     eval_fraction: float = 0.0
     train_on_prompt: bool = False
@@ -151,7 +159,7 @@ def _override(item: str) -> tuple[str, Any]:
         raise ArgumentError(f"override {item!r}: the value is not valid YAML: {e}") from e
 
 
-PATH_KEYS = ("model", "tokenizer", "data", "eval", "run_dir", "export", "resume", "nvme_dir", "dump_dir")
+PATH_KEYS = ("model", "tokenizer", "data", "eval", "run_dir", "export", "resume", "nvme_dir", "dump_dir", "dataset_dir")
 
 
 def _relative(key: str, value: Any, base: str) -> Any:
@@ -160,6 +168,8 @@ def _relative(key: str, value: Any, base: str) -> Any:
         return value
     if isinstance(value, list):
         return [_relative(key, v, base) for v in value]
+    if isinstance(value, dict) and isinstance(value.get("path"), str):     # a data entry {path, weight}
+        return {**value, "path": _relative(key, value["path"], base)}
     if isinstance(value, str) and not os.path.isabs(value):
         return os.path.join(base, value)
     return value
@@ -186,14 +196,38 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError(f"tokenizer: model {c.model} is a config file, which holds no tokenizer; "
                             "name a tokenizer folder")
     c.bundled_model = _bundled_model(c.bundled_model)
-    c.data = _files("data", c.data, allow_bundled=True)
+    if c.dataset is not None:       # LlamaFactory's keys: names in dataset_dir/dataset_info.json
+        if "data" in raw:
+            raise ArgumentError("data and dataset both name the training data: give one of them")
+        c.data = entries.llamafactory(c.dataset, c.dataset_dir)
+    elif c.dataset_dir is not None and c.eval_dataset is None:
+        raise ArgumentError("dataset_dir is the folder of dataset_info.json, read for dataset: name the datasets")
+    if c.eval_dataset is not None:
+        if raw.get("eval"):
+            raise ArgumentError("eval and eval_dataset both name the held-out data: give one of them")
+        c.eval = entries.llamafactory(c.eval_dataset, c.dataset_dir, key="eval_dataset")
+    c.data = entries.check("data", c.data, allow_bundled=True, allow_weights=True)
     if not c.data:
-        raise ArgumentError("data: name at least one .txt or .jsonl file")
-    c.eval = _files("eval", c.eval if c.eval is not None else [], allow_bundled=False)
+        raise ArgumentError("data: name at least one data file")
+    c.mix_strategy, weights = entries.mixture(c.data, c.mix_strategy, c.interleave_probs)
+    for entry, weight in zip(c.data, weights or [None] * len(c.data)):
+        entry["weight"] = weight
+    c.eval = entries.check("eval", c.eval if c.eval is not None else [], allow_bundled=False, allow_weights=False)
+    if c.max_samples is not None:       # LlamaFactory's: the first N records of each entry
+        c.max_samples = _int("max_samples", c.max_samples)
+        for entry in c.data + c.eval:
+            entry["limit"] = c.max_samples
     c.eval_fraction = _number("eval_fraction", c.eval_fraction, 0.0, below=1.0)
     if c.eval and c.eval_fraction:
         raise ArgumentError("eval and eval_fraction both choose the held-out data: give one of them")
     c.train_on_prompt = _flag("train_on_prompt", c.train_on_prompt)
+    c.streaming = _flag("streaming", c.streaming)
+    if c.streaming and c.eval_fraction:
+        raise ArgumentError("streaming reads the data once, in order, and cannot hold out a fraction of it: give "
+                            "eval files instead of eval_fraction, or streaming: false")
+    if c.streaming and raw.get("epochs") is not None:
+        raise ArgumentError("streaming does not know the data's size ahead, so epochs cannot be turned into steps: "
+                            "give steps, or streaming: false")
     c.seq = _int("seq", c.seq, 2)
     if c.packing not in PACKING or isinstance(c.packing, int) and not isinstance(c.packing, bool):
         raise ArgumentError(f"packing must be false, true or isolated; got {c.packing!r}")
@@ -356,21 +390,6 @@ def _number(key: str, value: Any, minimum: float, *, strict: bool = False, below
 def _folder_or_file(key: str, path: str, what: str) -> None:
     if not os.path.exists(path):
         raise ArgumentError(f"{key}: {path} does not exist; give {what}")
-
-
-def _files(key: str, value: Any, allow_bundled: bool) -> list[str]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
-        raise ArgumentError(f"{key} is a file or a list of files (.txt, .jsonl); got {value!r}")
-    for path in items:
-        if path == BUNDLED and allow_bundled:
-            continue
-        if not path.endswith((".txt", ".jsonl")):
-            raise ArgumentError(f"{key}: {path} is neither .txt (plain text) nor .jsonl (one JSON object a line, "
-                                "with text, messages, or prompt and completion)")
-        if not os.path.isfile(path):
-            raise ArgumentError(f"{key}: the file {path} does not exist")
-    return list(items)
 
 
 def _bundled_model(value: Any) -> dict:

@@ -29,7 +29,7 @@ import torch
 from ..report.outputs import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import packing, resume, split, tokens
+from . import mixture, packing, resume, split, streaming, tokens
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, check_isolation, check_positions, meta_model
@@ -45,11 +45,14 @@ def _run_dir(c: RunConfig) -> str:
 
 def _data(c: RunConfig, run_dir: str, row_len: int):
     """The tokenizer, the token files (train, eval or None; made now if new, and not yet in place:
-    tokens.commit) and the training and eval rows (None without held-out data)."""
+    tokens.commit), the training and eval rows (None without held-out data) and what the
+    training data's position refers to (its token file's sha256; the sources' when streamed)."""
     tokenizer_dir = None if c.bundled else (c.tokenizer or c.model)
     tokenizer = load_tokenizer(tokenizer_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     folder = os.path.join(run_dir, "tokens")
+    if c.streaming:
+        return _stream(c, folder, tokenizer, tokenizer_dir, row_len, pad)
     train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt)
     held, eval_rows = None, None
     try:
@@ -58,7 +61,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
             held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt)
             eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
             print(f"  data           {_count(train, docs)} to train; {_count(held, np.arange(held.n_docs))} in "
-                  f"{', '.join(c.eval)} to evaluate", flush=True)
+                  f"{', '.join(e['path'] for e in c.eval)} to evaluate", flush=True)
         elif c.eval_fraction:
             cut = split.hold_out(train, c.eval_fraction, c.seed)
             source, docs = cut.tokens, cut.train
@@ -68,22 +71,46 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
                   + ("; one document cut between them)" if cut.cut else ")"), flush=True)
         else:
             print(f"  data           {_count(train, docs)} to train", flush=True)
-        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad)
+        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad, mix=_mix(c, source, docs))
     except BaseException:
         for made in (train, held):
             if made is not None:
                 tokens.discard(made)
         raise
-    return tokenizer, (train, held), rows, eval_rows
+    return tokenizer, (train, held), rows, eval_rows, train.fingerprint
+
+
+def _stream(c: RunConfig, folder: str, tokenizer, tokenizer_dir: str | None, row_len: int, pad: int):
+    """_data for `streaming: true` (streaming.py): eval files still go to a token file."""
+    weights = [e["weight"] for e in c.data]
+    held = eval_rows = None
+    if c.eval:
+        held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt)
+        eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
+    print(f"  data           streamed from {', '.join(e['path'] for e in c.data)} ({c.mix_strategy}), tokenised "
+          "as training reads it" + (f"; {_count(held, np.arange(held.n_docs))} to evaluate" if held else ""),
+          flush=True)
+    rows = streaming.StreamRows(c.data, weights if weights[0] is not None else None, c.mix_strategy, tokenizer,
+                                c.train_on_prompt, row_len, c.packing, pad)
+    return tokenizer, (None, held), rows, eval_rows, tokens.fingerprint(c.data, tokenizer_dir, c.train_on_prompt)
+
+
+def _mix(c: RunConfig, source: TokenFile, docs: np.ndarray):
+    """The epoch order of a weighted mixture (mixture.py), or None: every document once an epoch."""
+    weights = [e["weight"] for e in c.data]
+    if weights[0] is None:
+        return None
+    labels = mixture.source_of(source, docs)
+    by_source = [docs[labels == i] for i in range(len(c.data))]
+    print("  mixture        " + "; ".join(f"{os.path.basename(e['path'])} weight {w:.0%} ({len(d):,} documents)"
+                                         for e, w, d in zip(c.data, weights, by_source))
+          + f"; {c.mix_strategy}", flush=True)
+    return lambda epoch: mixture.epoch_order(by_source, weights, c.mix_strategy, c.seed, epoch)
 
 
 def _count(tokens: TokenFile, docs: np.ndarray) -> str:
     n = int((tokens.docs[docs + 1] - tokens.docs[docs]).sum())
     return f"{n:,} tokens ({len(docs):,} document{'s' if len(docs) != 1 else ''})"
-
-
-def _training_tokens(rows: packing.Rows) -> int:
-    return int((rows.tokens.docs[rows.docs + 1] - rows.tokens.docs[rows.docs]).sum())
 
 
 def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
@@ -154,14 +181,14 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     fresh = not os.path.exists(run_dir)
     shifted, made = c.bundled, (None, None)
     try:
-        tokenizer, made, rows, eval_rows = _data(c, run_dir, c.seq + shifted)
-        available = _training_tokens(rows)
-        if c.seq > available:
+        tokenizer, made, rows, eval_rows, fingerprint = _data(c, run_dir, c.seq + shifted)
+        available = rows.epoch_tokens
+        if available is not None and c.seq > available:
             raise ArgumentError(f"seq {c.seq:,} is longer than the training data, {available:,} tokens"
                                 f"{' (after eval_fraction)' if c.eval_fraction else ''}: every row would be mostly "
                                 f"padding; give seq <= {available:,}, or more data")
         if saved is not None:
-            resume.check_data(saved, made[0].fingerprint)
+            resume.check_data(saved, fingerprint)
         per_step = c.global_batch or c.batch * c.grad_accum
         if c.steps is None:
             c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
@@ -186,15 +213,22 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     elif saved is not None:
         for note in resume.notes(c, saved):
             print(f"  resume note    {note}", flush=True)
-    setup = build(c, meta, lambda b: packing.batch(rows, 0, b, shifted=shifted))
     try:
-        result = _train(c, setup, run_dir, resume_from, tokenizer, made[0].fingerprint, rows, eval_rows,
+        setup = build(c, meta, lambda b: packing.batch(rows, 0, b, shifted=shifted))
+    except BaseException:
+        if c.streaming:
+            rows.close()        # its tokenising thread, started by the rows build() read
+        raise
+    try:
+        result = _train(c, setup, run_dir, resume_from, tokenizer, fingerprint, rows, eval_rows,
                         saved_settings=saved is not None and isinstance(saved.extra.get("settings"), dict))
         if result["first_loss"] is not None:      # a step ran here: its record is the one to show
             write_run_views(setup.engine, run_dir, trace)
         return result
     finally:
         setup.engine.close()
+        if c.streaming:
+            rows.close()
 
 
 def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer, fingerprint: str,
@@ -223,7 +257,7 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
     print(f"  weights        {fmt_bytes(setup.weight_bytes)} in {c.compute_dtype}; budget is "
           f"{100 * plan.budget_bytes / setup.weight_bytes:.0f}% of them", flush=True)
     print(f"  batch          {setup.batch} x {setup.grad_accum} accumulated x {c.seq} tokens per optimizer step; "
-          f"{c.steps} steps, {rows.rows_per_epoch} rows an epoch", flush=True)
+          f"{c.steps} steps" + (f", {rows.rows_per_epoch} rows an epoch" if rows.rows_per_epoch else ""), flush=True)
     plan.dump(os.path.join(run_dir, "plan"))
     print(f"  plan dump      {os.path.join(run_dir, 'plan')}/plan.txt, plan.json", flush=True)
     if resume_from is not None:

@@ -23,14 +23,19 @@ IGNORE = -100   # the label the loss skips (torch cross_entropy's ignore_index)
 
 
 class Rows:
+    """`mix(epoch)`, when given, is the epoch's document order (mixture.py): a mixture's epochs
+    differ in length, so where each begins is counted as the rows reach it."""
+
     def __init__(self, tokens: TokenFile, row_len: int, packing: bool | str, seed: int, *,
-                 docs: np.ndarray | None = None, shuffle: bool = True, pad_id: int = 0):
+                 docs: np.ndarray | None = None, shuffle: bool = True, pad_id: int = 0, mix=None):
         self.tokens, self.row_len, self.packing, self.seed = tokens, row_len, packing, seed
-        self.shuffle, self.pad_id = shuffle, pad_id
+        self.shuffle, self.pad_id, self.mix = shuffle, pad_id, mix
         self.docs = np.arange(tokens.n_docs) if docs is None else np.asarray(docs)
-        lengths = self._lengths(self.docs)
-        self.rows_per_epoch = max(1, int(-(-lengths.sum() // row_len)))
         self._epoch: tuple | None = None
+        self._ends: list[int] = []       # rows before the end of each epoch counted so far
+        order = self._layout(0)[0]
+        self.rows_per_epoch = self._ends[0]
+        self.epoch_tokens = int((tokens.docs[order + 1] - tokens.docs[order]).sum())
 
     def _lengths(self, docs: np.ndarray) -> np.ndarray:
         lengths = self.tokens.docs[docs + 1] - self.tokens.docs[docs]
@@ -42,37 +47,69 @@ class Rows:
         """The epoch's document order, where each starts in the stream, and its row order."""
         if self._epoch is None or self._epoch[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            order = rng.permutation(self.docs) if self.shuffle else self.docs
+            if self.mix is not None:
+                order = self.mix(epoch)
+            else:
+                order = rng.permutation(self.docs) if self.shuffle else self.docs
             starts = np.concatenate([[0], np.cumsum(self._lengths(order))])
-            rows = rng.permutation(self.rows_per_epoch) if self.shuffle else np.arange(self.rows_per_epoch)
+            n_rows = max(1, int(-(-starts[-1] // self.row_len)))
+            rows = rng.permutation(n_rows) if self.shuffle else np.arange(n_rows)
+            if len(self._ends) == epoch:
+                self._ends.append((self._ends[-1] if epoch else 0) + n_rows)
             self._epoch = (epoch, order, starts, rows)
         return self._epoch[1:]
 
+    def _place(self, index: int) -> tuple[int, int]:
+        """The epoch of row `index` of the run and its place in the epoch."""
+        if self.mix is None:
+            return divmod(index, self.rows_per_epoch)
+        while self._ends[-1] <= index:
+            self._layout(len(self._ends))
+        epoch = int(np.searchsorted(self._ends, index, side="right"))
+        return epoch, index - (self._ends[epoch - 1] if epoch else 0)
+
+    def _span(self, index: int) -> tuple:
+        epoch, at = self._place(index)
+        order, starts, rows = self._layout(epoch)
+        lo = int(rows[at]) * self.row_len
+        return order, starts, lo, lo + self.row_len
+
+    def documents(self, index: int) -> list[int]:
+        """The documents row `index` holds tokens of (indices into the token file)."""
+        order, starts, lo, hi = self._span(index)
+        first = int(np.searchsorted(starts, lo, side="right")) - 1
+        last = int(np.searchsorted(starts, hi, side="left"))
+        return [int(d) for k, d in enumerate(order[first:last], first) if min(hi, starts[k + 1]) > max(lo, starts[k])]
+
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Row `index` of the run (epochs follow each other): tokens, targets, positions."""
-        order, starts, rows = self._layout(index // self.rows_per_epoch)
-        lo = int(rows[index % self.rows_per_epoch]) * self.row_len
-        hi = lo + self.row_len
-        ids = np.full(self.row_len, self.pad_id, dtype=np.int64)
-        targets = np.zeros(self.row_len, dtype=bool)
-        positions = np.arange(self.row_len, dtype=np.int64)
+        order, starts, lo, hi = self._span(index)
         first = int(np.searchsorted(starts, lo, side="right")) - 1
-        for k in range(first, len(order)):
-            s = int(starts[k])
-            if s >= hi:
-                break
-            doc = int(order[k])
-            d0, d1 = int(self.tokens.docs[doc]), int(self.tokens.docs[doc + 1])
-            a, b = max(lo, s), min(hi, s + d1 - d0)        # stream span of this document in the row
-            if a >= b:
-                continue
-            ids[a - lo:b - lo] = self.tokens.ids[d0 + a - s:d0 + b - s]
-            targets[a - lo:b - lo] = self.tokens.targets[d0 + a - s:d0 + b - s]
-            if self.packing == "isolated":
-                positions[a - lo:b - lo] = np.arange(b - a)
-                if a == s and a > lo:
-                    targets[a - lo] = False    # no document is asked to predict the next one's start
-        return ids, targets, positions
+        last = int(np.searchsorted(starts, hi, side="left"))
+        docs = self.tokens.docs
+        pieces = ((int(starts[k]), self.tokens.ids[docs[d]:docs[d + 1]], self.tokens.targets[docs[d]:docs[d + 1]])
+                  for k, d in enumerate(order[first:last], first))
+        return fill(self.row_len, self.packing, self.pad_id, lo, pieces)
+
+
+def fill(row_len: int, packing: bool | str, pad_id: int, lo: int, pieces) -> tuple[np.ndarray, ...]:
+    """The row that starts at `lo` in an epoch's stream, from the documents that overlap it:
+    (where the document starts in the stream, its tokens, its targets)."""
+    hi = lo + row_len
+    ids = np.full(row_len, pad_id, dtype=np.int64)
+    targets = np.zeros(row_len, dtype=bool)
+    positions = np.arange(row_len, dtype=np.int64)
+    for s, doc_ids, doc_targets in pieces:
+        a, b = max(lo, s), min(hi, s + len(doc_ids))        # stream span of this document in the row
+        if a >= b:
+            continue
+        ids[a - lo:b - lo] = doc_ids[a - s:b - s]
+        targets[a - lo:b - lo] = doc_targets[a - s:b - s]
+        if packing == "isolated":
+            positions[a - lo:b - lo] = np.arange(b - a)
+            if a == s and a > lo:
+                targets[a - lo] = False    # no document is asked to predict the next one's start
+    return ids, targets, positions
 
 
 def batch(rows: Rows, start: int, size: int, *, shifted: bool) -> dict[str, torch.Tensor]:

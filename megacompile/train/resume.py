@@ -54,7 +54,11 @@ def read(path: str) -> Saved:
 def rows_layout(c: RunConfig) -> dict:
     """What decides which rows a data position counts (packing.py cuts rows from seed and row
     index; split.py holds out eval_fraction of the tokens)."""
-    return {"seq": c.seq, "packing": c.packing, "seed": c.seed, "eval_fraction": c.eval_fraction}
+    layout = {"seq": c.seq, "packing": c.packing, "seed": c.seed, "eval_fraction": c.eval_fraction}
+    weights = [e["weight"] for e in c.data]
+    if weights[0] is not None or c.streaming:     # mixture.py: the order of documents
+        layout.update(mixture=[c.mix_strategy, weights], streaming=c.streaming)
+    return layout
 
 
 def settings(c: RunConfig) -> dict:
@@ -69,11 +73,16 @@ def check_rows(c: RunConfig, saved: Saved) -> None:
     layout = rows_layout(c)
     before = saved.extra.get("rows_layout", {})
     changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in layout.items() if k in before and before[k] != v]
+    for k in ("mixture", "streaming"):      # saved only by mixed or streamed runs: absent is a plain run
+        if before and k not in before and k in layout and layout[k]:
+            changed.append(f"{k} none -> {layout[k]!r}")
+        elif k in before and k not in layout and before[k]:
+            changed.append(f"{k} {before[k]!r} -> none")
     if before and "eval_fraction" not in before and c.eval_fraction:
         changed.append("eval_fraction of the documents -> of the tokens")    # saved before split.py
     if changed:     # the rows a position counts would be other rows: the resumed run would see other data
         raise ArgumentError(f"{saved.path} was saved by a run that cut its rows otherwise ({', '.join(changed)}); "
-                            "resume it with the same seq, packing, seed and eval_fraction, or start a new run_dir")
+                            "resume it with the same seq, packing, seed, eval_fraction and mixture, or start a new run_dir")
 
 
 def check_data(saved: Saved, fingerprint: str) -> None:

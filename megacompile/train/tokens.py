@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ArgumentError
-from . import masking, sharegpt
-from .config import BUNDLED
+from . import alpaca, masking, sharegpt
+from . import entries
+from .reading import records
 
-CACHE_FORMAT = "megacompile-tokens/1"
+CACHE_FORMAT = "megacompile-tokens/2"     # 2: where each data entry's tokens start
 
 
 class ByteTokenizer:
@@ -50,38 +51,13 @@ def load_tokenizer(path: str | None):
         raise ArgumentError(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0][:300]}") from e
 
 
-def _bundled_text() -> str:
-    from importlib import resources
-    return resources.files("megacompile").joinpath("data/corpus.txt").read_text(encoding="utf-8", errors="replace")
-
-
-def records(paths: list[str]):
-    """(where, record) for every document: a .txt file is one text; a .jsonl line is one record."""
-    for path in paths:
-        if path == BUNDLED:
-            yield "the bundled corpus", {"text": _bundled_text()}
-        elif path.endswith(".txt"):
-            with open(path, encoding="utf-8") as f:
-                yield path, {"text": f.read()}
-        else:
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except ValueError as e:
-                        raise ArgumentError(f"{path}:{n} is not a JSON object: {e}") from e
-                    if not isinstance(record, dict):
-                        raise ArgumentError(f"{path}:{n} is not a JSON object")
-                    yield f"{path}:{n}", record
-
-
 def encode(tokenizer, record: dict, train_on_prompt: bool, where: str) -> tuple[list[int], list[bool]]:
     """One record's tokens and targets, with the tokenizer's EOS closing the document."""
     if "messages" in record or "conversations" in record:
         messages = sharegpt.messages(record)
         ids, targets = masking.chat(tokenizer, messages, train_on_prompt, where)
+    elif alpaca.is_alpaca(record):
+        ids, targets = masking.chat(tokenizer, alpaca.messages(record, where), train_on_prompt, where)
     elif "prompt" in record or "completion" in record:
         if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
             raise ArgumentError(f"{where}: a prompt/completion record needs both, as strings")
@@ -89,8 +65,9 @@ def encode(tokenizer, record: dict, train_on_prompt: bool, where: str) -> tuple[
     elif isinstance(record.get("text"), str):
         ids, targets = masking.text(tokenizer, record["text"])
     else:
-        raise ArgumentError(f"{where}: a record holds text, messages, or prompt and completion; this one has "
-                            f"{', '.join(sorted(record)) or 'no keys'}")
+        raise ArgumentError(f"{where}: a record is in none of the layouts read: text; messages; ShareGPT's "
+                            "conversations (from/value); prompt and completion; Alpaca's instruction, input, output "
+                            f"(history, system); this one has {', '.join(sorted(record)) or 'no keys'}")
     eos = tokenizer.eos_token_id
     if eos is not None and (not ids or ids[-1] != eos):
         ids, targets = ids + [eos], targets + [targets[-1] if targets else True]
@@ -106,20 +83,30 @@ class TokenFile:
     fingerprint: str       # sha256 of the three files' bytes: what a checkpoint's data position refers to
     split: str = "train"
     staged: str | None = None    # made now, in this folder, until commit() puts it in place
+    sources: np.ndarray | None = None   # int64 [n_sources + 1]: where each data entry's tokens start, and the end
 
     @property
     def n_docs(self) -> int:
         return len(self.docs) - 1
 
 
-def _sources(paths: list[str], tokenizer_dir: str | None, train_on_prompt: bool) -> dict:
-    files = []
-    for path in paths:
-        if path == BUNDLED:
-            files.append({"path": BUNDLED})
-        else:
-            st = os.stat(path)
-            files.append({"path": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+def as_entries(items: list) -> list[dict]:
+    """Data entries (entries.py); plain paths are checked into entries here."""
+    return [e if isinstance(e, dict) else entries.check("data", e, True, False)[0] for e in items]
+
+
+def _stat(path: str) -> list[dict]:
+    if path == entries.BUNDLED:
+        return [{"path": entries.BUNDLED}]
+    found = [os.path.join(d, n) for d, _, names in os.walk(path) for n in sorted(names)] if os.path.isdir(path) \
+        else [path]
+    return [{"path": os.path.abspath(p), "bytes": os.stat(p).st_size, "mtime_ns": os.stat(p).st_mtime_ns}
+            for p in sorted(found)]
+
+
+def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool) -> dict:
+    files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit")}}
+             for e in items]
     tokenizer = {}
     if tokenizer_dir is not None:
         for name in sorted(os.listdir(tokenizer_dir)):
@@ -129,28 +116,38 @@ def _sources(paths: list[str], tokenizer_dir: str | None, train_on_prompt: bool)
     return {"format": CACHE_FORMAT, "files": files, "tokenizer": tokenizer, "train_on_prompt": train_on_prompt}
 
 
-def token_file(folder: str, split: str, paths: list[str], tokenizer, tokenizer_dir: str | None,
+def fingerprint(items: list, tokenizer_dir: str | None, train_on_prompt: bool) -> str:
+    """What a streamed run's data position refers to: its sources (files, sizes, times,
+    tokenizer, settings), as a token file's cache key is made."""
+    sources = _sources(as_entries(items), tokenizer_dir, train_on_prompt)
+    return "stream-" + hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: str | None,
                train_on_prompt: bool) -> TokenFile:
     """The split's token file in `folder`, when one made from the same sources is there; else made
     now in `folder`.new and put in place by commit() (a run that is refused after tokenising, its
     resume checks among them, leaves the run's own token files as they were)."""
+    paths = as_entries(paths)
     sources = _sources(paths, tokenizer_dir, train_on_prompt)
     made_from = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
     meta = os.path.join(folder, f"{split}.json")
     try:
         with open(meta) as f:
             content = json.load(f)
+        starts = content.get("source_tokens")
         content = content["content"] if content.get("made_from") == made_from else None
     except (OSError, ValueError, KeyError):
         content = None
     staged = None
     if content is None:     # the sources changed (or were never read): their tokens may not
         staged = folder.rstrip(os.sep) + ".new"
-        content = _write(staged, split, paths, tokenizer, train_on_prompt, sources, made_from)
+        content, starts = _write(staged, split, paths, tokenizer, train_on_prompt, sources, made_from)
     base = os.path.join(staged or folder, split)
     return TokenFile(np.memmap(base + ".ids", dtype=np.uint32, mode="r"),
                      np.memmap(base + ".targets", dtype=np.uint8, mode="r"),
-                     np.fromfile(base + ".docs", dtype=np.int64), content, split, staged)
+                     np.fromfile(base + ".docs", dtype=np.int64), content, split, staged,
+                     np.asarray(starts, dtype=np.int64))
 
 
 def commit(tokens: TokenFile, folder: str) -> None:
@@ -204,9 +201,10 @@ class _FileCount:
         return "every record is prompt only; add assistant turns or completions, or train_on_prompt: true"
 
 
-def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt: bool, sources: dict,
-           made_from: str) -> str:
-    """Tokenise into the three files; returns the sha256 of their contents."""
+def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_prompt: bool, sources: dict,
+           made_from: str) -> tuple[str, list[int]]:
+    """Tokenise into the three files; returns the sha256 of their contents and where each entry's
+    tokens start."""
     from tqdm import tqdm
     os.makedirs(folder, exist_ok=True)
     base = os.path.join(folder, split)
@@ -215,12 +213,15 @@ def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt
         os.remove(meta)                   # the old files stop counting as a cache before they change
     tmp = {ext: f"{base}.{ext}.tmp" for ext in ("ids", "targets", "docs")}
     offsets, total, content = [0], 0, hashlib.sha256()
+    paths = [e["path"] for e in items]
     counts = {path: _FileCount() for path in paths}
+    starts = []
     try:
         with open(tmp["ids"], "wb") as ids_f, open(tmp["targets"], "wb") as tgt_f:
-            for path in paths:
-                count = counts[path]
-                for where, record in tqdm(records([path]), desc=f"tokenising {split}", unit=" docs",
+            for entry in items:
+                count = counts[entry["path"]]
+                starts.append(total)
+                for where, record in tqdm(records(entry), desc=f"tokenising {split}", unit=" docs",
                                           file=sys.stderr, disable=not sys.stderr.isatty()):
                     ids, targets = encode(tokenizer, record, train_on_prompt, where)
                     for role in sharegpt.roles(record):
@@ -250,9 +251,10 @@ def _write(folder: str, split: str, paths: list[str], tokenizer, train_on_prompt
             os.replace(path, f"{base}.{ext}")
         with open(meta + ".tmp", "w") as f:
             json.dump({"made_from": made_from, "content": content.hexdigest()[:16], "tokens": total,
+                       "source_tokens": starts + [total],
                        "docs": len(offsets) - 1, **sources}, f, indent=1)
         os.replace(meta + ".tmp", meta)
-        return content.hexdigest()[:16]
+        return content.hexdigest()[:16], starts + [total]
     finally:
         for path in tmp.values():
             if os.path.exists(path):

@@ -28,8 +28,8 @@ def _yaml(tmp_path, **settings) -> str:
     ({"epochs": 1}, [], "give steps (optimizer steps) or epochs"),
     ({}, ["lr=fast"], "lr must be a number >= 0; got 'fast'"),
     ({}, ["betas=[0.9, 1.0]"], "betas must be a number >= 0 and < 1; got 1.0"),
-    ({"data": "missing.jsonl"}, [], "the file"),
-    ({"data": "notes.csv"}, [], "is neither .txt"),
+    ({"data": "missing.jsonl"}, [], "missing.jsonl is not a local file or folder"),
+    ({"data": "tatsu-lab/alpaca"}, [], "dataset ids of the Hugging Face hub are not read"),
     ({"eval_every": 5}, [], "eval_every needs held-out data"),
     ({"model": "nowhere"}, [], "model: "),
     ({}, ["log=[mlflow]"], "log is a list of csv, tensorboard, wandb, none or all (csv is always written); got 'mlflow'"),
@@ -56,7 +56,7 @@ def test_bad_settings_are_refused_by_name_before_anything_is_made(tmp_path, sett
 def test_overrides_win_and_numbers_in_e_notation_are_numbers(tmp_path):
     c = load(_yaml(tmp_path, lr=2e-4), ["lr=2e-5", "steps=500", "bundled_model.dim=96"])
     assert c.lr == 2e-5 and c.steps == 500 and c.bundled_model["dim"] == 96 and c.bundled_model["layers"] == 6
-    assert c.data == [str(tmp_path / "d.jsonl")]          # relative to the run.yaml's folder
+    assert [e["path"] for e in c.data] == [str(tmp_path / "d.jsonl")]        # relative to the run.yaml's folder
     assert c.log == ["csv"]
 
 
@@ -73,7 +73,7 @@ def test_compile_settings_in_run_yaml_reach_the_engine(tmp_path):
 
 def test_the_embedded_default_is_a_valid_run():
     c = load(None)
-    assert c.bundled and c.data == ["bundled"] and c.steps == 200 and c.packing is True
+    assert c.bundled and [e["path"] for e in c.data] == ["bundled"] and c.steps == 200 and c.packing is True
 
 
 def test_schedules_warm_up_then_decay_towards_min_lr():

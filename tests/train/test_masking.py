@@ -43,7 +43,7 @@ def test_a_completion_is_the_target_and_its_prompt_is_not():
 
 def test_records_that_cannot_be_masked_are_refused_with_their_line():
     tok = files.tokenizer()
-    with pytest.raises(ArgumentError, match="x:3: a record holds text, messages, or prompt and completion"):
+    with pytest.raises(ArgumentError, match="x:3: a record is in none of the layouts read: text; messages; ShareGPT"):
         tokens.encode(tok, {"question": "?"}, False, "x:3")
     tok.chat_template = None
     with pytest.raises(ArgumentError, match="x:4: records with messages need the tokenizer's chat template"):

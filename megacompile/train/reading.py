@@ -1,0 +1,138 @@
+"""Records from a data entry (entries.py), one at a time, in the file's order: (where, record).
+
+A .txt file is one document ({"text": ...}); a .jsonl line is one record (read here, so errors
+name the line). Every other kind is read by the `datasets` library: .json, .parquet, .arrow and
+.csv files (and folders of them) through `load_dataset(builder, data_files=..., streaming=True)`,
+which reads the files as they are, without writing a copy in its cache; a save_to_disk folder through
+`load_from_disk`, which memory-maps it. Those rows are numbered from 0 in `where`.
+
+A table holds every column in every row, so keys a record does not have come back as None: they
+are dropped, so that a record reads as its JSON line would. A file's own column and role names
+are renamed to the ones the record formats use as the entry's `columns` and `tags` say.
+"""
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from typing import Iterator
+
+from ..errors import ArgumentError
+from .entries import BUNDLED, COLUMNS, folder_files
+
+
+def _bundled_text() -> str:
+    return resources.files("megacompile").joinpath("data/corpus.txt").read_text(encoding="utf-8", errors="replace")
+
+
+def records(entry: dict, readers: dict | None = None) -> Iterator[tuple[str, dict]]:
+    """`readers` keeps the datasets library's reader of each file between calls (a stream reads
+    the files again every pass, and making a reader opens them anew); one reader is not read by
+    two threads at once, so each stream keeps its own."""
+    path, kind = entry["path"], entry["kind"]
+    if path == BUNDLED:
+        yield "the bundled corpus", {"text": _bundled_text()}
+        return
+    rename, limit = _renamer(entry), entry.get("limit")
+    for n, (where, record) in enumerate(_raw(path, kind, {} if readers is None else readers)):
+        if limit is not None and n >= limit:
+            return
+        yield where, rename(record)
+
+
+def _raw(path: str, kind: str, readers: dict) -> Iterator[tuple[str, dict]]:
+    if kind == "text":
+        with open(path, encoding="utf-8") as f:
+            yield path, {"text": f.read()}
+    elif kind == "jsonl":
+        for file in _files(path):
+            yield from _jsonl(file)
+    elif kind == "saved":
+        yield from _rows(path, _saved(path))
+    else:
+        try:
+            if path not in readers:
+                readers[path] = _streamed(kind, _files(path))
+            yield from _rows(path, readers[path])
+        except ArgumentError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the library's own words, with the file named
+            raise ArgumentError(f"{path}: the datasets library cannot read it as {kind}: "
+                                f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from e
+
+
+def _streamed(kind: str, files: list[str]):
+    import datasets
+    return datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
+
+
+def _files(path: str) -> list[str]:
+    return [os.path.join(path, n) for n in folder_files(path)] if os.path.isdir(path) else [path]
+
+
+def _jsonl(path: str) -> Iterator[tuple[str, dict]]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ArgumentError(f"{path}:{n} is not a JSON object: {e}") from e
+            if not isinstance(record, dict):
+                raise ArgumentError(f"{path}:{n} is not a JSON object")
+            yield f"{path}:{n}", record
+
+
+def _saved(path: str):
+    import datasets
+    try:
+        table = datasets.load_from_disk(path)
+    except Exception as e:  # noqa: BLE001
+        raise ArgumentError(f"{path}: datasets' load_from_disk cannot read it: {str(e).splitlines()[0][:300]}") from e
+    if isinstance(table, datasets.DatasetDict):
+        if "train" not in table:
+            raise ArgumentError(f"{path} holds the splits {', '.join(table)} and no train split; save the split to "
+                                "train on (dataset_dict['name'].save_to_disk(...))")
+        table = table["train"]
+    return table
+
+
+def _rows(path: str, table) -> Iterator[tuple[str, dict]]:
+    for n, row in enumerate(table):
+        yield f"{path} row {n}", _present(row)
+
+
+def _present(value):
+    """A table row without the None its missing keys read as (nested turns included)."""
+    if isinstance(value, dict):
+        return {k: _present(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_present(v) for v in value]
+    return value
+
+
+def _renamer(entry: dict):
+    columns, tags = entry.get("columns") or {}, entry.get("tags") or {}
+    if not columns and not tags:
+        return lambda record: record
+    # dataset_info.json maps LlamaFactory's names to the file's; the file's become the names read here
+    by_file = {file_name: COLUMNS[ours] for ours, file_name in columns.items()}
+    if entry.get("formatting") == "sharegpt" and "messages" not in columns:
+        by_file.setdefault("conversations", "conversations")
+    role, content = tags.get("role_tag", "from"), tags.get("content_tag", "value")
+    roles = {tags.get("user_tag", "human"): "human", tags.get("assistant_tag", "gpt"): "gpt",
+             tags.get("system_tag", "system"): "system", tags.get("observation_tag", "observation"): "observation",
+             tags.get("function_tag", "function_call"): "function_call"}
+
+    def turn(t):
+        if not isinstance(t, dict) or role not in t:
+            return t
+        return {"from": roles.get(t[role], t[role]), "value": t.get(content)}
+
+    def rename(record: dict) -> dict:
+        out = {by_file.get(k, k): v for k, v in record.items()} if by_file else dict(record)
+        if tags and isinstance(out.get("conversations"), list):
+            out["conversations"] = [turn(t) for t in out["conversations"]]
+        return out
+    return rename
