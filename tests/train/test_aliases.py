@@ -3,6 +3,7 @@ spellings of one setting must agree; keys with no effect are named in a note; an
 they name follow transformers' get_scheduler step for step."""
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -181,8 +182,13 @@ def test_the_llamafactory_example_in_the_docs_loads_as_it_is_written(tmp_path, c
     (tmp_path / "sft.yaml").write_text(example)
     files.model_dir(str(tmp_path / "meta-llama" / "Meta-Llama-3-8B-Instruct"))
     os.makedirs(tmp_path / "data")
-    files.chats(str(tmp_path / "data" / "identity.jsonl"))
+    for name in ("identity", "alpaca_en_demo"):     # LlamaFactory's own two, in their Alpaca layout
+        (tmp_path / "data" / f"{name}.json").write_text(json.dumps([{"instruction": "hello", "output": "hi"}]))
+    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(
+        {"identity": {"file_name": "identity.json"}, "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"}}))
     c = load(str(tmp_path / "sft.yaml"))
+    assert [e["path"] for e in c.data] == [str(tmp_path / "data" / f"{n}.json") for n in ("identity", "alpaca_en_demo")]
+    assert c.max_samples == 1000
     assert (c.lr, c.batch, c.grad_accum, c.epochs, c.steps, c.schedule, c.warmup) == \
         (1e-5, 1, 2, 3.0, None, "cosine", 0.1)
     assert (c.seq, c.compute_dtype, c.eval_fraction, c.eval_every, c.save_every, c.log_every, c.log) == \

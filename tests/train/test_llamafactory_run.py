@@ -1,8 +1,10 @@
-"""A run configured in LlamaFactory's shape (their full-SFT example's keys) trains exactly as the
-same run under megacompile's own keys: the same log.csv, every column but the timings."""
+"""A run configured in LlamaFactory's shape (their full-SFT example's keys, the data named in a
+dataset_info.json) trains exactly as the same run under megacompile's own keys: the same
+log.csv, every column but the timings."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 
@@ -17,14 +19,30 @@ def _rows(run_dir: str) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING} for row in read(os.path.join(run_dir, "log.csv"))]
 
 
+def _sharegpt(chats: str, folder: str) -> str:
+    """chats.jsonl's conversations as LlamaFactory's ShareGPT file, named `identity` in
+    folder/dataset_info.json."""
+    os.makedirs(folder)
+    with open(chats) as f:
+        records = [{"conversations": [{"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+                                      for m in json.loads(line)["messages"]]} for line in f]
+    path = os.path.join(folder, "identity.json")
+    with open(path, "w") as f:
+        json.dump(records, f)
+    with open(os.path.join(folder, "dataset_info.json"), "w") as f:
+        json.dump({"identity": {"file_name": "identity.json", "formatting": "sharegpt"}}, f)
+    return path
+
+
 def test_llamafactory_names_and_own_names_train_the_same_run(tmp_path):
-    files.workspace(tmp_path)
+    made = files.workspace(tmp_path)
+    sharegpt = _sharegpt(made["chats"], str(tmp_path / "data"))
     lr, rate = 1.0e-3, 0.1
     llamafactory = files.run_yaml(
         str(tmp_path / "lf.yaml"),
         model_name_or_path="model", trust_remote_code=True,
         stage="sft", do_train=True,
-        data="chats.jsonl",             # megacompile's own key for the data files
+        dataset="identity", dataset_dir="data",
         template="llama3", cutoff_len=32, max_samples=1000, overwrite_cache=True, preprocessing_num_workers=16,
         dataloader_num_workers=4,
         output_dir="saves/lf", logging_steps=1, save_steps=3, plot_loss=True, overwrite_output_dir=True,
@@ -37,12 +55,14 @@ def test_llamafactory_names_and_own_names_train_the_same_run(tmp_path):
         device="cpu")
     own = files.run_yaml(
         str(tmp_path / "own.yaml"),
-        model="model", data="chats.jsonl", seq=32, run_dir="saves/own", log_every=1, save_every=3, log="csv",
+        model="model", data=sharegpt, seq=32, max_samples=1000, run_dir="saves/own", log_every=1, save_every=3, log="csv",
         batch=2, grad_accum=2, lr=lr, epochs=2.0, schedule="cosine", min_lr=lr * rate, warmup=0.25,
         compute_dtype="float32", eval_fraction=0.2, eval_every=2, betas=[0.9, 0.95], weight_decay=0.01, seed=3,
         device="cpu")
     a, b = load(llamafactory), load(own)
-    assert dataclasses.replace(a, run_dir=b.run_dir) == b       # the same settings, field for field
+    assert [e["path"] for e in a.data] == [e["path"] for e in b.data] == [sharegpt]
+    # the same settings, field for field (the data named by dataset_info.json or by its path)
+    assert dataclasses.replace(a, run_dir=b.run_dir, data=b.data, dataset=None, dataset_dir=b.dataset_dir) == b
     run(a)
     run(b)
     lf_rows, own_rows = _rows(str(tmp_path / "saves/lf")), _rows(str(tmp_path / "saves/own"))
