@@ -138,6 +138,8 @@ def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
                 del raw[old]
                 in_file.discard(old)
             raw[key] = value
+    if ("dataset" in raw or "eval_dataset" in raw) and raw.get("dataset_dir") is None:
+        raw["dataset_dir"] = os.path.join(base, "data")     # LlamaFactory's default, beside the file like any path
     own = aliases.translate(raw, RunConfig.lr)
     try:
         c = check(own.keys, source=path)
