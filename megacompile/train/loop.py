@@ -28,7 +28,7 @@ import torch
 from ..report.outputs import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import packing, resume, split, tokens
+from . import finetune, packing, resume, split, tokens
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, check_isolation, check_positions, meta_model
@@ -147,6 +147,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     if c.packing == "isolated":
         check_isolation(meta)     # before the data is read: the model decides whether it can be done
     check_positions(c, meta)
+    meta = finetune.apply(c, meta)      # the names it gives checked against the model, before the data is read
     if saved is not None:
         resume.check_rows(c, saved)
     fresh = not os.path.exists(run_dir)
@@ -277,9 +278,14 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
     elapsed = time.perf_counter() - started
     if c.export is not None:
         # overwrite: only a resumed run gets here with model files in the folder, its own (_check_export)
-        engine.save_pretrained(c.export, dtype=getattr(torch, c.export_dtype), overwrite=resume_from is not None)
-        if not os.path.isfile(os.path.join(c.export, "tokenizer_config.json")):
-            tokenizer.save_pretrained(c.export)
+        if c.finetuning_type == "lora":
+            from .lora_export import export
+            export(engine, c.export, tokenizer, c.merge_adapter, getattr(torch, c.export_dtype),
+                   overwrite=resume_from is not None, source=c.model)
+        else:
+            engine.save_pretrained(c.export, dtype=getattr(torch, c.export_dtype), overwrite=resume_from is not None)
+            if not os.path.isfile(os.path.join(c.export, "tokenizer_config.json")):
+                tokenizer.save_pretrained(c.export)
         print(f"  exported       {c.export}", flush=True)
     result = {"steps": engine.steps_done, "skipped_steps": engine.skipped_steps, "run_dir": run_dir,
               "first_loss": losses_seen[0] if losses_seen else None,

@@ -20,6 +20,7 @@ from ..planner import Plan
 from ..planner.from_config import minimum_budget
 from ..planner.search import plans_shared
 from ..settings import Settings, default_hbm_budget
+from . import finetune
 from .config import RunConfig
 
 GiB = 2 ** 30
@@ -112,12 +113,20 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
     if c.bundled:
         from ..models import LlamaConfig, TinyLlama
         module = TinyLlama(LlamaConfig(**c.bundled_model))
+    elif folder and c.finetuning_type == "lora":
+        # PEFT wraps a module with real weights (its adapters are made beside them, seeded): the
+        # base is read by transformers, not streamed into the masters by name.
+        from transformers import AutoModelForCausalLM
+        module = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
+        module.config.use_cache = False
+        folder = False
     elif folder:
         from ..io.hf_load import build_model
         module = build_model(c.model)
     else:                                           # a config: random init, seeded
         from transformers import AutoModelForCausalLM
         module = AutoModelForCausalLM.from_config(meta.config, dtype=torch.float32)
+    module = finetune.apply(c, module)
 
     def shapes(b: int) -> dict:
         return {k: v.to("meta") for k, v in first_inputs(b).items()}
