@@ -119,15 +119,20 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
     if limit is not None:
         n_batches = min(n_batches, limit)
     total, count = 0.0, 0
-    for i in range(n_batches):
-        inputs = packing.batch(rows, i * batch, batch, shifted=shifted)
-        n = packing.target_count(inputs, shifted=shifted)
-        if n == 0:
-            continue
-        out = engine(**inputs)
-        loss = out.loss if hasattr(out, "loss") else out
-        total += float(loss) * n
-        count += n
+    training = engine.model.training
+    engine.model.eval()         # dropout (lora_dropout, a model's own) off, as in eager evaluation
+    try:
+        for i in range(n_batches):
+            inputs = packing.batch(rows, i * batch, batch, shifted=shifted)
+            n = packing.target_count(inputs, shifted=shifted)
+            if n == 0:
+                continue
+            out = engine(**inputs)
+            loss = out.loss if hasattr(out, "loss") else out
+            total += float(loss) * n
+            count += n
+    finally:
+        engine.model.train(training)
     mean = total / count if count else float("nan")
     return mean, math.exp(min(mean, 700.0))
 

@@ -18,6 +18,7 @@ from megacompile.acceptance.parity import moment_error
 from tests.train import files
 
 SEQ, BATCH, STEPS, LR = 16, 2, 3, 3e-3
+BUDGET = 0.0004     # GiB: about the weights, so the blocks stream and one is recomputed
 RANK, TARGET = 4, ["q_proj", "v_proj", "down_proj"]
 
 
@@ -26,7 +27,7 @@ def _settings(work: dict, tmp, name: str, **kw) -> dict:
                 lr=LR, schedule="constant", max_grad_norm=None, device="cpu", run_dir=str(tmp / name),
                 export=str(tmp / f"{name}-export"), log_every=1, save_every=1, eval_every=STEPS,
                 eval_batches=1, finetuning_type="lora",
-                lora_rank=RANK, lora_target=",".join(TARGET), seed=3, **kw)
+                lora_rank=RANK, lora_target=",".join(TARGET), lora_dropout=0.1, seed=3, hbm_budget=BUDGET, **kw)
 
 
 def _eager(c, rows) -> tuple[torch.nn.Module, list[float], dict]:
