@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ..errors import ArgumentError
@@ -61,10 +62,14 @@ def check(c, raw: dict) -> None:
         raise ArgumentError("finetuning_type: lora needs a Hugging Face model (the adapter is exported in PEFT's "
                             "format); the bundled model is not one: use full or freeze")
     if c.finetuning_type == "lora":
-        try:
-            import peft  # noqa: F401
-        except ImportError as e:
-            raise ArgumentError("finetuning_type: lora needs `pip install megacompile[lora]` (peft)") from e
+        _peft("finetuning_type: lora")
+
+
+def _peft(what: str) -> None:
+    try:
+        import peft  # noqa: F401
+    except ImportError as e:
+        raise ArgumentError(f"{what} needs the peft package: `pip install megacompile[lora]`") from e
 
 
 def names(key: str, value: Any, allow_all: bool = True) -> list[str] | str:
@@ -86,7 +91,7 @@ def apply(c, model: nn.Module) -> nn.Module:
     """The module to train as c.finetuning_type says (the PEFT wrapper for lora; `model` itself,
     its requires_grad set, for freeze). On the meta device too: the names are checked there."""
     if c.finetuning_type == "lora":
-        return lora(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target)
+        return lora(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target, base_dtype(c.compute_dtype))
     if c.finetuning_type == "freeze":
         freeze(model, c.freeze_trainable_layers, c.freeze_trainable_modules, c.freeze_extra_modules)
     return model
@@ -108,7 +113,15 @@ def linear_names(model: nn.Module, within: nn.Module | None = None) -> list[str]
     return sorted({n.rsplit(".", 1)[-1] for n, m in (within or model).named_modules() if isinstance(m, nn.Linear)})
 
 
-def lora(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str) -> nn.Module:
+def base_dtype(compute_dtype: str | torch.dtype) -> torch.dtype:
+    """The dtype a LoRA run holds its frozen base in: bfloat16 compute reads the base in bfloat16
+    only, so the host keeps it so (half the RAM, the same values on the device); float32 keeps
+    it as it is."""
+    return torch.bfloat16 if compute_dtype in ("bfloat16", torch.bfloat16) else torch.float32
+
+
+def lora(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str,
+         base: torch.dtype = torch.float32) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     everywhere = linear_names(model)
     if target == ALL:
@@ -120,7 +133,20 @@ def lora(model: nn.Module, rank: int, alpha: float, dropout: float, target: list
                             "(or all: every Linear of the decoder blocks)")
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=list(target))
-    return get_peft_model(model, config)
+    wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
+    for p in wrapped.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != base:
+            p.data = p.data.to(base)
+    return wrapped
+
+
+def lora_for_plan(model: nn.Module, rank: int, target: str, compute_dtype: torch.dtype) -> nn.Module:
+    """`megacompile plan --lora-rank`: `model` (on meta) with LoRA adapters, as a run with
+    run.yaml's defaults and this compute dtype holds it."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ArgumentError(f"--lora-rank must be a whole number >= 1; got {rank!r}")
+    _peft("--lora-rank")
+    return lora(model, rank, 2 * rank, 0.0, names("--lora-target", target), base_dtype(compute_dtype))
 
 
 def freeze(model: nn.Module, layers: int, modules: list[str] | str, extra: list[str]) -> None:

@@ -117,7 +117,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         # PEFT wraps a module with real weights (its adapters are made beside them, seeded): the
         # base is read by transformers, not streamed into the masters by name.
         from transformers import AutoModelForCausalLM
-        module = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
+        module = AutoModelForCausalLM.from_pretrained(c.model, dtype=finetune.base_dtype(c.compute_dtype))
         module.config.use_cache = False
         folder = False
     elif folder:
