@@ -81,3 +81,23 @@ def test_a_lora_run_trains_as_eager_peft_and_its_exports_load(tmp_path):
         merged_loss = merged(**eval_batch).loss.item()
     assert abs(merged_loss - engine_eval) <= 1e-5 * engine_eval
     assert result["steps"] == STEPS
+
+
+def test_a_bfloat16_lora_run_holds_its_frozen_base_in_bfloat16(tmp_path):
+    """bfloat16 compute reads the base in bfloat16 only: the host holds it so (half the RAM), and
+    the run trains as eager float32 PEFT does, to bfloat16's rounding."""
+    import dataclasses
+    from megacompile.acceptance.parity import BF16_LOSS_RTOL
+    work = files.workspace(tmp_path)
+    c = load(files.run_yaml(str(tmp_path / "bf16.yaml"), **_settings(work, tmp_path, "bf16", compute_dtype="bfloat16")),
+             [])
+    run(c)
+    rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
+    eager, losses, _ = finetune_runs.eager(dataclasses.replace(c, compute_dtype="float32"), rows)
+    ours = [float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=BF16_LOSS_RTOL, atol=0)
+    with open(os.path.join(c.run_dir, "plan", "plan.json")) as f:
+        plan = json.load(f)
+    trainable, total = eager.get_nb_trainable_parameters()
+    buffers = sum(b.numel() * b.element_size() for b in eager.buffers())
+    assert plan["host_frozen_bytes"] == 2 * (total - trainable) + buffers
