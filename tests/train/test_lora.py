@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from megacompile.train import load, log, run
@@ -101,3 +102,21 @@ def test_a_bfloat16_lora_run_holds_its_frozen_base_in_bfloat16(tmp_path):
     trainable, total = eager.get_nb_trainable_parameters()
     buffers = sum(b.numel() * b.element_size() for b in eager.buffers())
     assert plan["host_frozen_bytes"] == 2 * (total - trainable) + buffers
+
+
+@pytest.mark.slow   # three short runs: ~20 s on 2 cores
+def test_a_resumed_lora_run_goes_on_as_the_uninterrupted_one_and_replaces_its_own_adapter(tmp_path):
+    work = files.workspace(tmp_path)
+
+    def settings(name: str, steps: int) -> str:
+        return files.run_yaml(str(tmp_path / f"{name}-{steps}.yaml"), **{
+            **_settings(work, tmp_path, name), "steps": steps, "resume": "auto", "eval": [], "eval_every": None,
+            "eval_batches": None, "hbm_budget": 0.0006, "lora_target": "all"})
+    run(load(settings("resumed", 2), []))
+    first = (tmp_path / "resumed-export" / "adapter_model.safetensors").read_bytes()
+    run(load(settings("resumed", 4), []))
+    run(load(settings("whole", 4), []))
+    resumed, whole = (log.read(str(tmp_path / name / "log.csv")) for name in ("resumed", "whole"))
+    assert [float(r["loss"]) for r in resumed] == [float(r["loss"]) for r in whole]      # dropout's draws too
+    ours = (tmp_path / "resumed-export" / "adapter_model.safetensors").read_bytes()
+    assert ours != first and ours == (tmp_path / "whole-export" / "adapter_model.safetensors").read_bytes()
