@@ -29,8 +29,9 @@ def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwr
     exists = os.path.isdir(path)
     if exists:
         durable.recover_files(path)     # an export into it killed mid-swap: finished first
-    new = set(COPIED) | ({"config.json"} if merge else set(ADAPTER))
-    replaced = refuse_replacing(path, new, overwrite)
+    # Either kind replaces a previous export of both kinds: an adapter left beside a merged model
+    # (or a config beside an adapter) would make transformers load the folder as the other kind.
+    replaced = refuse_replacing(path, set(COPIED) | {"config.json"} | set(ADAPTER), overwrite)
     engine.synchronize()
     model = engine.model
 

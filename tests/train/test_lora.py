@@ -33,6 +33,9 @@ def test_a_lora_run_trains_as_eager_peft_and_its_exports_load(tmp_path):
     from transformers import AutoModelForCausalLM
     work = files.workspace(tmp_path)
     c = load(files.run_yaml(str(tmp_path / "lora.yaml"), **_settings(work, tmp_path, "lora")), [])
+    os.makedirs(c.export)
+    with open(os.path.join(c.export, "README.md"), "w") as f:
+        f.write("# my adapter\n")
     result = run(c)
     rows, eval_rows = finetune_runs.rows(c, tmp_path, SEQ)
     eager, eager_losses, eager_first = finetune_runs.eager(c, rows)
@@ -51,6 +54,9 @@ def test_a_lora_run_trains_as_eager_peft_and_its_exports_load(tmp_path):
     assert plan["trainable_params"] == trainable and plan["trainable_params"] + plan["frozen_params"] == total
     masters = finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", f"step-{STEPS:06d}"), "master")
     assert sum(t.numel() for t in masters.values()) == trainable
+    for name, p in eager.named_parameters():        # the adapters after every step, as eager's
+        if p.requires_grad:
+            assert (masters[name] - p.detach()).abs().max() <= 1e-5 * p.detach().abs().max(), name
     assert plan["host_tiers"]["fp32 masters"]["bytes"] == 4 * trainable
     assert plan["host_tiers"]["exp_avg+exp_avg_sq"]["bytes"] == 8 * trainable
     frozen = {n: p for n, p in eager.named_parameters() if not p.requires_grad}
@@ -62,7 +68,8 @@ def test_a_lora_run_trains_as_eager_peft_and_its_exports_load(tmp_path):
     adapter = c.export
     assert sorted(f for f in os.listdir(adapter) if f.startswith("adapter")) == ["adapter_config.json",
                                                                                 "adapter_model.safetensors"]
-    assert not os.path.exists(os.path.join(adapter, "README.md"))
+    with open(os.path.join(adapter, "README.md")) as f:
+        assert f.read() == "# my adapter\n"          # kept: PEFT's model card is left out
     base = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
     loaded = PeftModel.from_pretrained(base, adapter).eval()
     with torch.no_grad():
