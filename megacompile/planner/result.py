@@ -348,6 +348,8 @@ class Plan:
         active = c.active_params
         routed = (f" ({active:,} active per token: FLOPs count these, transfers all of them)"
                   if active != n_params else "")
+        frozen = self._params_json()["frozen_params"]
+        routed += f", {frozen:,} frozen" if frozen else ""
         blocks = sum(1 for s in c.stages if s.template.kind == "block")
         n_templates = len(set(self._block_template_index().values()))
         shared = "share one template" if n_templates <= 1 else f"run {n_templates} templates"

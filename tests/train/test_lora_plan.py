@@ -26,7 +26,7 @@ def test_plan_with_lora_rank_counts_the_adapters_alone(tmp_path, capsys):
     model = lora_for_plan(model_from_config(str(path)), 4, "all", torch.bfloat16)
     trainable, total = model.get_nb_trainable_parameters()
     assert (plan["trainable_params"], plan["frozen_params"]) == (trainable, total - trainable)
-    assert f"{trainable:,} trainable parameters" in out
+    assert f"{trainable:,} trainable parameters, {total - trainable:,} frozen" in out
     assert plan["host_tiers"]["fp32 masters"]["bytes"] == 4 * trainable
     assert plan["host_tiers"]["exp_avg+exp_avg_sq"]["bytes"] == 8 * trainable
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
