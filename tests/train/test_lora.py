@@ -4,6 +4,7 @@ adapters alone; the exported adapter loads with PEFT and the merged export with 
 both give the trained engine's own eval loss."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -94,7 +95,6 @@ def test_a_lora_run_trains_as_eager_peft_and_its_exports_load(tmp_path):
 def test_a_bfloat16_lora_run_holds_its_frozen_base_in_bfloat16(tmp_path):
     """bfloat16 compute reads the base in bfloat16 only: the host holds it so (half the RAM), and
     the run trains as eager float32 PEFT does, to bfloat16's rounding."""
-    import dataclasses
     from megacompile.acceptance.parity import BF16_LOSS_RTOL
     work = files.workspace(tmp_path)
     c = load(files.run_yaml(str(tmp_path / "bf16.yaml"), **_settings(work, tmp_path, "bf16", compute_dtype="bfloat16")),
@@ -127,3 +127,21 @@ def test_a_resumed_lora_run_goes_on_as_the_uninterrupted_one_and_replaces_its_ow
     assert [float(r["loss"]) for r in resumed] == [float(r["loss"]) for r in whole]      # dropout's draws too
     ours = (tmp_path / "resumed-export" / "adapter_model.safetensors").read_bytes()
     assert ours != first and ours == (tmp_path / "whole-export" / "adapter_model.safetensors").read_bytes()
+
+
+@pytest.mark.slow   # the fused kernels run on Triton's interpreter on the cpu: ~20 s
+def test_a_fused_lora_run_trains_as_eager_peft(tmp_path):
+    """fuse: true (a GPU run's default): the adapters' matmuls beside the fused kernels, and the
+    frozen embedding's stage, whose backward computes nothing, train as eager PEFT does."""
+    work = files.workspace(tmp_path)
+    c = load(files.run_yaml(str(tmp_path / "fused.yaml"), **{
+        **_settings(work, tmp_path, "fused", fuse=True), "eval": [], "eval_every": None, "eval_batches": None,
+        "export": None, "hbm_budget": 0.0006, "lora_target": "all"}), [])
+    run(c)
+    assert os.path.isfile(os.path.join(c.run_dir, "plan", "fusion.txt"))     # the stages ran fused kernels
+    rows, _ = finetune_runs.rows(dataclasses.replace(c, eval=[work["notes"]]), tmp_path, SEQ)
+    eager, losses, eager_first = finetune_runs.eager(c, rows)
+    ours = [float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
+    first = finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", "step-000001"), "exp_avg")
+    assert moment_error(first, eager_first) <= 1e-5
