@@ -140,6 +140,19 @@ def lora(model: nn.Module, rank: int, alpha: float, dropout: float, target: list
     return wrapped
 
 
+def release_frozen(model: nn.Module) -> None:
+    """Once the engine holds the frozen weights in its host state, the module's own copies go to
+    the meta device (a tied weight stays one parameter): the host then holds the base once, as the
+    plan counts it. The engine streams from its host state; lora_export reads the base from there."""
+    moved: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.requires_grad and not p.is_meta:
+                if id(p) not in moved:
+                    moved[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                module._parameters[name] = moved[id(p)]
+
+
 def lora_for_plan(model: nn.Module, rank: int, target: str, compute_dtype: torch.dtype) -> nn.Module:
     """`megacompile plan --lora-rank`: `model` (on meta) with LoRA adapters, as a run with
     run.yaml's defaults and this compute dtype holds it."""

@@ -15,8 +15,9 @@ import os
 import shutil
 
 import torch
+import torch.nn as nn
 
-from ..io import durable
+from ..io import durable, unbuilt
 from ..io.hf_save import ADAPTER, COPIED, refuse_replacing, write_files
 
 
@@ -39,14 +40,23 @@ def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwr
         # PEFT writes a README.md model card too: it is written aside and left out, so a README
         # of the user's beside the export stays as it was.
         aside = os.path.join(folder, ".peft")
-        model.save_pretrained(aside)
+        # The adapters only: the module's base is on meta (its values are the engine's).
+        adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        model.save_pretrained(aside, state_dict=adapters)
         for name in ADAPTER:
             os.replace(os.path.join(aside, name), os.path.join(folder, name))
         shutil.rmtree(aside)
         finish(folder)
 
     def write_merged(folder: str) -> None:
-        merged = model.merge_and_unload()
+        # The base lives in the engine's host state (train/finetune.py release_frozen): the module
+        # takes views of it, and safe_merge adds each adapter into a new tensor, not into them.
+        for key, t in unbuilt.state_tensors(engine.state):
+            owner, _, leaf = key.rpartition(".")
+            module = model.get_submodule(owner)
+            if leaf in module._parameters and module._parameters[leaf].is_meta:
+                module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+        merged = model.merge_and_unload(safe_merge=True)
         with open(os.path.join(source, "config.json")) as f:     # the run turned the KV cache off for training only
             merged.config.use_cache = json.load(f).get("use_cache", True)
         merged.to(dtype).save_pretrained(folder)

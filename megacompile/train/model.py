@@ -152,6 +152,8 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         except BaseException:
             engine.close()
             raise
+    if c.finetuning_type == "lora" and engine.host is not None:
+        finetune.release_frozen(module)     # the base read by transformers: the host holds it once
     weight_bytes = sum(p.numel() * dtype.itemsize for p in meta.parameters())
     return Setup(engine, batch, accumulate, shifted, weight_bytes)
 

@@ -14,6 +14,7 @@ import torch
 from megacompile.train import load, log, run
 from megacompile.train import packing
 from megacompile.acceptance.parity import moment_error
+from megacompile.train.finetune import apply as apply_finetuning
 from tests.train import files, finetune_runs
 
 SEQ, BATCH, STEPS, LR = 16, 2, 3, 3e-3
@@ -145,3 +146,20 @@ def test_a_fused_lora_run_trains_as_eager_peft(tmp_path):
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
     first = finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", "step-000001"), "exp_avg")
     assert moment_error(first, eager_first) <= 1e-5
+
+
+def test_the_engine_holds_the_frozen_base_once(tmp_path):
+    """transformers reads the base into the module for PEFT to wrap; once the engine's host state
+    holds it, the module's copies go to meta, so the host holds the base once, as planned."""
+    from megacompile.train.model import build, meta_model
+    work = files.workspace(tmp_path)
+    c = load(files.run_yaml(str(tmp_path / "once.yaml"), **_settings(work, tmp_path, "once")), [])
+    rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
+    setup = build(c, apply_finetuning(c, meta_model(c)), lambda b: packing.batch(rows, 0, b, shifted=False))
+    try:
+        frozen = {n for n, p in setup.engine.model.named_parameters() if not p.requires_grad}
+        assert frozen and all(p.is_meta for n, p in setup.engine.model.named_parameters() if n in frozen)
+        assert not any(p.is_meta for p in setup.engine.model.parameters() if p.requires_grad)
+        assert setup.engine.host.nbytes == setup.engine.plan.host_bytes
+    finally:
+        setup.engine.close()
