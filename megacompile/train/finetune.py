@@ -121,14 +121,14 @@ def base_dtype(compute_dtype: str | torch.dtype) -> torch.dtype:
 
 
 def lora(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str,
-         base: torch.dtype = torch.float32) -> nn.Module:
+         base: torch.dtype = torch.float32, key: str = "lora_target") -> nn.Module:
     from peft import LoraConfig, get_peft_model
     everywhere = linear_names(model)
     if target == ALL:
         target = linear_names(model, blocks(model)[1])
     unknown = [t for t in target if t not in everywhere]
     if unknown:
-        raise ArgumentError(f"lora_target: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear "
+        raise ArgumentError(f"{key}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear "
                             f"module of {type(model).__name__}; its Linear modules are {', '.join(everywhere)} "
                             "(or all: every Linear of the decoder blocks)")
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
@@ -159,7 +159,7 @@ def lora_for_plan(model: nn.Module, rank: int, target: str, compute_dtype: torch
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ArgumentError(f"--lora-rank must be a whole number >= 1; got {rank!r}")
     _peft("--lora-rank")
-    return lora(model, rank, 2 * rank, 0.0, names("--lora-target", target), base_dtype(compute_dtype))
+    return lora(model, rank, 2 * rank, 0.0, names("--lora-target", target), base_dtype(compute_dtype), "--lora-target")
 
 
 def freeze(model: nn.Module, layers: int, modules: list[str] | str, extra: list[str]) -> None:

@@ -33,3 +33,14 @@ def test_plan_with_lora_rank_counts_the_adapters_alone(tmp_path, capsys):
     assert plan["host_frozen_bytes"] == 2 * (total - trainable) + buffers       # the base in bfloat16
     # Device to host: the adapters' bfloat16 gradients (and the step's few flag bytes), none of the base's.
     assert 2 * trainable <= plan["d2h_bytes_per_step"] < 2 * trainable + 64
+
+
+def test_plan_refuses_a_bad_lora_rank_or_target_naming_the_flag(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    for flags, message in ((["--lora-rank", "0"], "--lora-rank must be a whole number >= 1; got 0"),
+                           (["--lora-rank", "4", "--lora-target", "q_proj,qkv"],
+                            "--lora-target: qkv is no Linear module of LlamaForCausalLM; its Linear modules are "
+                            "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")):
+        assert main(["plan", "--config", str(path), "--hbm-budget", "1", *flags]) == 2
+        assert message in capsys.readouterr().err
