@@ -65,6 +65,24 @@ def check(c, raw: dict) -> None:
         _peft("finetuning_type: lora")
 
 
+def saved(c) -> dict:
+    """The keys that say which parameters train, kept in every checkpoint (merge_adapter aside:
+    it shapes the export only)."""
+    keys = {"full": (), "lora": LORA_KEYS[:-1], "freeze": FREEZE_KEYS}[c.finetuning_type]
+    return {"finetuning_type": c.finetuning_type, **{k: getattr(c, k) for k in keys}}
+
+
+def check_resume(c, extra: dict) -> None:
+    """A resume trains the parameters its checkpoint trained: other fine-tuning keys are refused
+    (a checkpoint without them is of a full fine-tune)."""
+    before, now = extra.get("finetuning") or {"finetuning_type": "full"}, saved(c)
+    if before != now:
+        changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in dict.fromkeys([*before, *now])
+                   if before.get(k) != now.get(k)]
+        raise ArgumentError(f"resume: the checkpoint trained other parameters ({', '.join(changed)}): a resume "
+                            "keeps the fine-tuning keys of its run; set them back, or start a new run_dir")
+
+
 def _peft(what: str) -> None:
     try:
         import peft  # noqa: F401

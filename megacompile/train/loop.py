@@ -155,6 +155,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     meta = finetune.apply(c, meta)      # the names it gives checked against the model, before the data is read
     if saved is not None:
         resume.check_rows(c, saved)
+        finetune.check_resume(c, saved.extra)
     fresh = not os.path.exists(run_dir)
     shifted, made = c.bundled, (None, None)
     try:
@@ -275,7 +276,8 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
             if (c.save_every and step % c.save_every == 0) or step == c.steps:
                 engine.save_checkpoint(os.path.join(checkpoints, f"step-{step:06d}"),
                                        extra={"rows": consumed, "data": fingerprint, "rows_layout": resume.rows_layout(c),
-                                              "settings": resume.settings(c)}, keep_last=c.keep_last)
+                                              "settings": resume.settings(c), "finetuning": finetune.saved(c)},
+                                       keep_last=c.keep_last)
                 saved_at = step
     finally:
         progress.close()

@@ -83,3 +83,17 @@ def test_lora_target_all_is_every_linear_of_the_blocks_and_freeze_counts_blocks_
     assert sorted({n for n, p in last.named_parameters() if p.requires_grad and "layers" not in n}) == [
         "model.embed_tokens.weight", "model.norm.weight"]
     assert all(".layers.1." in n for n, p in last.named_parameters() if p.requires_grad and "layers" in n)
+
+
+def test_a_resume_with_other_fine_tuning_keys_is_refused(tmp_path, work):
+    first = _config(tmp_path, work, finetuning_type="lora", lora_rank=2, resume="auto", hbm_budget=0.001, batch=2)
+    run(first)
+    logged = os.path.getmtime(os.path.join(first.run_dir, "log.csv"))
+    for changed, message in (({"finetuning_type": "full"}, "finetuning_type 'lora' -> 'full', lora_rank 2 -> None"),
+                             ({"finetuning_type": "lora", "lora_rank": 4}, "lora_rank 2 -> 4")):
+        c = _config(tmp_path, work, resume="auto", hbm_budget=0.001, batch=2, steps=2, **changed)
+        with pytest.raises(ArgumentError, match=f"resume: the checkpoint trained other parameters .*{message}"):
+            run(c)
+        assert os.path.getmtime(os.path.join(first.run_dir, "log.csv")) == logged
+    assert run(_config(tmp_path, work, finetuning_type="lora", lora_rank=2, resume="auto", hbm_budget=0.001, batch=2,
+                       steps=2, merge_adapter=True))["steps"] == 2     # merge_adapter shapes the export only
