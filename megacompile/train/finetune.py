@@ -158,10 +158,37 @@ def lora(model: nn.Module, rank: int, alpha: float, dropout: float, target: list
     return wrapped
 
 
+def lora_skeleton(c) -> nn.Module:
+    """The LoRA model of a run on a model folder: PEFT wraps the model built from config.json with
+    its weights uninitialised (reserved, never touched), so the adapters are made as on the loaded
+    model (the same random draws); then the base goes to meta, in the dtype it is held in, and
+    streams from the folder's files into the host state, as a full fine-tune's weights do
+    (engine/from_pretrained.py compile_folder with file_key)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    config = AutoConfig.from_pretrained(c.model)
+    config.use_cache = False
+    with no_init_weights():
+        base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        base.tie_weights()
+    wrapped = lora(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target)
+    release_frozen(wrapped)
+    held = base_dtype(c.compute_dtype)
+    for p in wrapped.parameters():
+        if p.is_meta and p.dtype != held:
+            p.data = p.data.to(held)
+    return wrapped
+
+
+def file_key(key: str) -> str:
+    """A PEFT model's state_dict key as the wrapped model's files name it."""
+    key = key.removeprefix("base_model.model.")
+    return key.replace(".base_layer.", ".")
+
+
 def release_frozen(model: nn.Module) -> None:
-    """Once the engine holds the frozen weights in its host state, the module's own copies go to
-    the meta device (a tied weight stays one parameter): the host then holds the base once, as the
-    plan counts it. The engine streams from its host state; lora_export reads the base from there."""
+    """The module's frozen weights to the meta device (a tied weight stays one parameter): their
+    values are the engine's (host state), read there by lora_export."""
     moved: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):

@@ -49,8 +49,8 @@ def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwr
         finish(folder)
 
     def write_merged(folder: str) -> None:
-        # The base lives in the engine's host state (train/finetune.py release_frozen): the module
-        # takes views of it, and safe_merge adds each adapter into a new tensor, not into them.
+        # The base lives in the engine's host state (the module's is on meta): the module takes
+        # views of it, and safe_merge adds each adapter into a new tensor, not into them.
         for key, t in unbuilt.state_tensors(engine.state):
             owner, _, leaf = key.rpartition(".")
             module = model.get_submodule(owner)

@@ -114,19 +114,15 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         from ..models import LlamaConfig, TinyLlama
         module = TinyLlama(LlamaConfig(**c.bundled_model))
     elif folder and c.finetuning_type == "lora":
-        # PEFT wraps a module with real weights (its adapters are made beside them, seeded): the
-        # base is read by transformers, not streamed into the masters by name.
-        from transformers import AutoModelForCausalLM
-        module = AutoModelForCausalLM.from_pretrained(c.model, dtype=finetune.base_dtype(c.compute_dtype))
-        module.config.use_cache = False
-        folder = False
+        module = finetune.lora_skeleton(c)      # adapters made, the base on meta: it streams from the files
     elif folder:
         from ..io.hf_load import build_model
         module = build_model(c.model)
     else:                                           # a config: random init, seeded
         from transformers import AutoModelForCausalLM
         module = AutoModelForCausalLM.from_config(meta.config, dtype=torch.float32)
-    module = finetune.apply(c, module)
+    if c.finetuning_type != "lora" or not folder:
+        module = finetune.apply(c, module)
 
     def shapes(b: int) -> dict:
         return {k: v.to("meta") for k, v in first_inputs(b).items()}
@@ -144,7 +140,8 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
                       dump_dir=c.dump_dir, retrace=c.retrace)
         if folder:
             from ..engine.from_pretrained import compile_folder
-            engine = compile_folder(module, c.model, budget, **kwargs)
+            engine = compile_folder(module, c.model, budget, **kwargs,
+                                    file_key=finetune.file_key if c.finetuning_type == "lora" else None)
         else:
             engine = Engine(module, budget, **kwargs)
         try:
@@ -152,8 +149,6 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         except BaseException:
             engine.close()
             raise
-    if c.finetuning_type == "lora" and engine.host is not None:
-        finetune.release_frozen(module)     # the base read by transformers: the host holds it once
     weight_bytes = sum(p.numel() * dtype.itemsize for p in meta.parameters())
     return Setup(engine, batch, accumulate, shifted, weight_bytes)
 

@@ -149,8 +149,9 @@ def test_a_fused_lora_run_trains_as_eager_peft(tmp_path):
 
 
 def test_the_engine_holds_the_frozen_base_once(tmp_path):
-    """transformers reads the base into the module for PEFT to wrap; once the engine's host state
-    holds it, the module's copies go to meta, so the host holds the base once, as planned."""
+    """PEFT wraps an uninitialised model, and the base streams from the folder's files into the
+    host state: the module's base is on meta (the adapters are its own), so the host holds the
+    base once, as planned."""
     from megacompile.train.model import build, meta_model
     work = files.workspace(tmp_path)
     c = load(files.run_yaml(str(tmp_path / "once.yaml"), **_settings(work, tmp_path, "once")), [])
