@@ -38,6 +38,11 @@ def _plan(args: argparse.Namespace) -> int:
     kwargs = dict(hardware=hardware_profile(args.hardware, args.nvme_bandwidth), seq=args.seq,
                   compute_dtype=DTYPES[args.dtype], host_budget=host_budget, nvme_budget=args.nvme_budget)
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
+    model = args.config
+    if args.lora_rank is not None:      # the base frozen, LoRA adapters on it (train/finetune.py)
+        from .planner.from_config import model_from_config
+        from .train.finetune import lora_for_plan
+        model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype])
     accumulate = 1
     if args.gpus > 1 or args.nodes > 1:     # one rank's plan: its share of the host state, the node's budget
         from .distributed.cost import check_gpus
@@ -47,13 +52,13 @@ def _plan(args: argparse.Namespace) -> int:
         kwargs["accumulation"] = "auto"
     try:
         if args.global_batch is not None:
-            result, accumulate = plan_global_batch(args.config, args.hbm_budget, args.global_batch, **kwargs)
+            result, accumulate = plan_global_batch(model, args.hbm_budget, args.global_batch, **kwargs)
         else:
-            result = plan(args.config, args.hbm_budget, batch=args.batch, **kwargs)
+            result = plan(model, args.hbm_budget, batch=args.batch, **kwargs)
         fits = True
         if args.smallest:
             micro = args.global_batch // accumulate if args.global_batch else args.batch
-            lowest = minimum_budget(args.config, batch=micro, grad_accum=accumulate, **kwargs)
+            lowest = minimum_budget(model, batch=micro, grad_accum=accumulate, **kwargs)
             result.minimum_budget_bytes = min(result.minimum_budget_bytes, int(lowest * 2**30))
             result.minimum_over_chunks = True
     except HostMemoryError as e:    # the masters alone do not fit the host: nothing else matters
@@ -68,7 +73,7 @@ def _plan(args: argparse.Namespace) -> int:
         # Show the smallest plan, so the reader sees what it would take. The refusal names the
         # smallest budget any plan fits (megacompile.minimum_budget's figure: planning at it fits).
         batch = 1 if args.global_batch else args.batch
-        result = plan(args.config, e.minimum_bytes / 2**30, batch=batch,
+        result = plan(model, e.minimum_bytes / 2**30, batch=batch,
                       grad_accum=args.global_batch // batch if args.global_batch else 1, **kwargs)
         result.minimum_budget_bytes, result.minimum_over_chunks = e.minimum_bytes, True
         result.given_budget_bytes = given_bytes
@@ -201,6 +206,12 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--smallest", action="store_true",
                    help="name the smallest budget any plan fits, the blocks whole or over sequence chunks (each "
                         "chunk count is captured and solved: slower); default: the smallest for the plan's own blocks")
+    q.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="plan LoRA fine-tuning: adapters of rank R trained, the base frozen (no masters or AdamW "
+                        "state for it, no gradient offload)")
+    q.add_argument("--lora-target", default="all",
+                   help="with --lora-rank: the Linear modules given adapters, comma-separated (default: all, every "
+                        "Linear of the decoder blocks)")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     q.add_argument("--trace", default=None, metavar="FILE",
                    help="write the predicted step as a Chrome trace (open it in Perfetto or chrome://tracing)")

@@ -139,4 +139,5 @@ class ShareOfLoad:
         p = self.pending
         items = [it for it in p.items if it.table in (WEIGHT, MASTER, CONST) or host.mine(it.name)]
         # every table was checked present for every parameter before this (io/checkpoint.py)
-        PendingLoad(items, own_buffers=p.own_buffers, needs=(MASTER,), describe=p.describe).apply(host, model)
+        PendingLoad(items, own_buffers=p.own_buffers, own_params=p.own_params, needs=(MASTER,),
+                    describe=p.describe).apply(host, model)

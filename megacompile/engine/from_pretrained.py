@@ -8,7 +8,7 @@ the host state (io/source.py), one at a time, cast to fp32.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -28,13 +28,18 @@ def from_pretrained(path: str, hbm_budget: float, **compile_kwargs: Any) -> Engi
     return compile_folder(build_model(path), path, hbm_budget, **compile_kwargs)
 
 
-def compile_folder(model: nn.Module, path: str, hbm_budget: float, **compile_kwargs: Any) -> Engine:
+def compile_folder(model: nn.Module, path: str, hbm_budget: float, file_key: Callable[[str], str] | None = None,
+                   **compile_kwargs: Any) -> Engine:
     """from_pretrained, for the module build_model(path) made (a caller that planned on it first:
-    megacompile train)."""
+    megacompile train). file_key: a state_dict key's name in the folder's files, where the module
+    wraps the folder's model (a PEFT model); its parameters that are not on meta (the adapters)
+    are the module's own and load from it."""
     shards = shard_map(path)
     engine = Engine(model, hbm_budget, **compile_kwargs)
     state = engine.state
-    state.pending_load = PendingLoad(plan_items(state.canonical, model, path, shards), own_buffers=True,
+    canonical = state.canonical if file_key is None else {file_key(k): n for k, n in state.canonical.items()}
+    own = tuple(n for n, p in model.named_parameters() if not p.is_meta)
+    state.pending_load = PendingLoad(plan_items(canonical, model, path, shards), own_buffers=True, own_params=own,
                                      describe=f"the weights in {path}")
     state.materialized = True
     state.source_dir = path

@@ -78,7 +78,10 @@ class GraphEdit:
 
     def __init__(self, gm: fx.GraphModule):
         self.gm, self.graph = gm, gm.graph
-        self.fake_mode = fake_mode_of(gm.graph)
+        # A graph that computes nothing (the backward of a frozen stage nothing before it trains:
+        # a LoRA model's embedding) has no fake tensors, and no rewrite makes a node in it.
+        computes = any(n.op not in ("placeholder", "output") for n in gm.graph.nodes)
+        self.fake_mode = fake_mode_of(gm.graph) if computes else None
         self.touched: list[fx.Node] = []
         self.kernels: list[fx.Node] = []
 

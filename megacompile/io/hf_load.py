@@ -138,7 +138,7 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
     if torn:
         raise WeightsFileError(f"the weights in {path} hold only some of the per-expert tensors of "
                                f"{', '.join(torn[:3])}; nothing was loaded")
-    missing = [n for n in params if n not in loaded]
+    missing = [n for n, p in params.items() if n not in loaded and p.is_meta]     # a real one is the module's own
     missing += [n for n, b in buffers.items() if b.is_meta and n not in loaded]
     if missing:
         raise WeightsFileError(f"the weights in {path} lack {len(missing)} tensors of the model "

@@ -42,6 +42,7 @@ from .hf_layout import INDEX, SINGLE, DiskLayout
 if TYPE_CHECKING:
     from ..state import TrainingState
 
+ADAPTER = ("adapter_config.json", "adapter_model.safetensors")     # a PEFT adapter export (train/lora_export.py)
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
@@ -69,7 +70,7 @@ def export_files(path: str) -> list[str]:
     generation files): those an export into it might replace."""
     if not os.path.isdir(path):
         return []
-    return sorted(f for f in os.listdir(path) if is_weights(f) or f in ("config.json",) + COPIED)
+    return sorted(f for f in os.listdir(path) if is_weights(f) or f in ("config.json",) + COPIED + ADAPTER)
 
 
 def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torch.float32,
@@ -112,12 +113,7 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
     copied = [f for f in COPIED if state.source_dir and os.path.isfile(os.path.join(state.source_dir, f))]
     new = set(names + copied + ["config.json"] + [INDEX] * (len(shards) > 1)
               + ["generation_config.json"] * (getattr(state.model, "generation_config", None) is not None))
-    replaced = [f for f in export_files(path) if f in new or is_weights(f)]
-    if replaced and not overwrite:
-        raise CheckpointError(
-            f"cannot write the model folder {path}: it holds a model export whose files would be replaced or "
-            f"removed ({_listed(replaced)}); pass overwrite=True to replace them (the folder's other files are "
-            "kept either way), or give another path")
+    replaced = refuse_replacing(path, new, overwrite)
 
     def write(folder: str) -> None:
         weight_map = {}
@@ -135,6 +131,25 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
                 durable.fsync_file(os.path.join(folder, extra))
         durable.fsync_dir(folder)
 
+    write_files(path, parent, exists, write, replaced)
+
+
+def refuse_replacing(path: str, new: set[str], overwrite: bool) -> list[str]:
+    """The export files in `path` that an export bringing `new` replaces or removes (any weights
+    of another export go too); refused, naming them, unless overwrite."""
+    replaced = [f for f in export_files(path) if f in new or is_weights(f)]
+    if replaced and not overwrite:
+        raise CheckpointError(
+            f"cannot write the model folder {path}: it holds a model export whose files would be replaced or "
+            f"removed ({_listed(replaced)}); pass overwrite=True to replace them (the folder's other files are "
+            "kept either way), or give another path")
+    return replaced
+
+
+def write_files(path: str, parent: str, exists: bool, write, replaced: list[str]) -> None:
+    """write(folder) makes an export's files: in a new folder written beside `path` and renamed into
+    place, or, in a folder that exists, staged in it and swapped in for `replaced`, nothing else
+    of it touched."""
     tmp = durable.partial_path(path)
     try:
         if exists:      # beside what else the folder holds: staged in it, then swapped in

@@ -39,11 +39,15 @@ class PendingLoad:
     items: list[Item]
     # Buffers the model computed itself (non-persistent, e.g. rotary inv_freq rebuilt from the config).
     own_buffers: bool = False
+    # Parameters the module itself holds (a PEFT model's adapters, made beside a base that streams
+    # from the files): loaded from the module, not the files.
+    own_params: tuple[str, ...] = ()
     needs: tuple[str, ...] = (MASTER,)   # the tables every trainable parameter must have
     describe: str = "the weights"
 
     def missing(self, host) -> list[str]:
         have = defaultdict(set)
+        have[MASTER].update(self.own_params)
         for it in self.items:
             have[MASTER if it.table == WEIGHT else it.table].add(it.name)
         return [f"{table}/{name}" if table != MASTER else name for table in self.needs
@@ -57,6 +61,8 @@ class PendingLoad:
         with torch.no_grad():
             if self.own_buffers and model is not None:
                 host.load({n: b for n, b in model.named_buffers() if n in host.consts and not b.is_meta})
+            if self.own_params and model is not None:
+                host.load({n: p for n, p in model.named_parameters() if n in self.own_params})
             by_file: dict[str, list[Item]] = defaultdict(list)
             for it in self.items:
                 by_file[it.path].append(it)

@@ -290,6 +290,7 @@ class Plan:
             "host_state_bytes": self.host_bytes,
             "host_activation_bytes": self.stash_bytes,
             "host_budget_bytes": self.host_budget_bytes,
+            **self._params_json(),
             **self._disk_json(),
             "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "weight_h2d_bytes_per_step": self.weight_h2d_bytes_per_step,
@@ -324,6 +325,16 @@ class Plan:
                 for i, n in enumerate(self.program.nodes)],
         }
 
+    def _params_json(self) -> dict:
+        """Trainable and frozen parameters, and the host bytes of each tier (frozen weights apart)."""
+        state = self.captured.state.values()
+        out = {"trainable_params": sum(e.numel for e in state if e.trainable),
+               "frozen_params": sum(e.numel for e in state if not e.trainable and not e.is_buffer)}
+        if self.host_cost is not None:
+            out["host_tiers"] = {k: {"where": w, "bytes": n} for k, (w, n) in self.host_cost.tiers.items()}
+            out["host_frozen_bytes"] = self.host_cost.frozen_bytes
+        return out
+
     def values_table(self) -> list[dict]:
         """Every value the schedule names: its kind, device bytes, and where it lives ("host": the fp32
         masters an update writes, no device bytes; "device" for the rest)."""
@@ -337,6 +348,8 @@ class Plan:
         active = c.active_params
         routed = (f" ({active:,} active per token: FLOPs count these, transfers all of them)"
                   if active != n_params else "")
+        frozen = self._params_json()["frozen_params"]
+        routed += f", {frozen:,} frozen" if frozen else ""
         blocks = sum(1 for s in c.stages if s.template.kind == "block")
         n_templates = len(set(self._block_template_index().values()))
         shared = "share one template" if n_templates <= 1 else f"run {n_templates} templates"
@@ -411,7 +424,9 @@ class Plan:
             return ", ".join(f"{k} {fmt_bytes(n)}" for k, (w, n) in c.tiers.items() if w == where)
         pool = f", disk tier pool {fmt_bytes(c.pool_bytes)}" if c.pool_bytes else ""
         lines = [f"  host tiers     {c.placement.describe()}: {c.ram_bytes_per_param:.3g} B/param in RAM; "
-                 f"RAM: {tier('ram')}{pool}" + (f"; disk: {tier('disk')}" if c.disk_bytes else "")]
+                 f"RAM: {tier('ram')}{pool}" + (f", frozen weights and buffers {fmt_bytes(c.frozen_bytes)}"
+                                                if c.frozen_bytes else "")
+                 + (f"; disk: {tier('disk')}" if c.disk_bytes else "")]
         if c.disk_bytes:
             need = self.disk_bandwidth_needed
             line = (f"  disk tier      {fmt_bytes(c.disk_bytes)} on disk; reads {fmt_bytes(self.disk_bytes_per_step)} and "

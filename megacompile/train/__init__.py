@@ -9,6 +9,8 @@
     packing.py   rows (packed, isolated or one document each) and micro-batches
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice
+    finetune.py  which parameters train: full, LoRA adapters (PEFT) or some blocks (freeze)
+    lora_export.py  a LoRA run's export: the adapter in PEFT's format, or the merged model
     log.py       CSV rows per optimizer step, TensorBoard, progress
     wandb_log.py W&B scalars per optimizer step (log: [wandb])
     resume.py    a resume checked against its checkpoint: refused, noted, or already complete

@@ -86,6 +86,16 @@ class RunConfig:
     export: str | None = None
     export_dtype: str = "float32"
     seed: int = 0
+    # which parameters train (train/finetune.py)
+    finetuning_type: str = "full"
+    lora_rank: int = 8
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_target: Any = "all"
+    merge_adapter: bool = False
+    freeze_trainable_layers: int = 2
+    freeze_trainable_modules: Any = "all"
+    freeze_extra_modules: Any = None
 
     @property
     def bundled(self) -> bool:
@@ -295,6 +305,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("export writes a Hugging Face model folder, and the bundled model is not a Hugging Face "
                             "model; leave export out (its checkpoints hold the weights)")
     c.seed = _int("seed", c.seed, 0)
+    from .finetune import check as check_finetuning
+    check_finetuning(c, raw)
     return c
 
 

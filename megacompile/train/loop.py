@@ -29,7 +29,7 @@ import torch
 from ..report.outputs import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import mixture, packing, resume, split, streaming, tokens
+from . import finetune, mixture, packing, resume, split, streaming, tokens
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, check_isolation, check_positions, meta_model
@@ -148,15 +148,20 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
     if limit is not None:
         n_batches = min(n_batches, limit)
     total, count = 0.0, 0
-    for i in range(n_batches):
-        inputs = packing.batch(rows, i * batch, batch, shifted=shifted)
-        n = packing.target_count(inputs, shifted=shifted)
-        if n == 0:
-            continue
-        out = engine(**inputs)
-        loss = out.loss if hasattr(out, "loss") else out
-        total += float(loss) * n
-        count += n
+    training = engine.model.training
+    engine.model.eval()         # dropout (lora_dropout, a model's own) off, as in eager evaluation
+    try:
+        for i in range(n_batches):
+            inputs = packing.batch(rows, i * batch, batch, shifted=shifted)
+            n = packing.target_count(inputs, shifted=shifted)
+            if n == 0:
+                continue
+            out = engine(**inputs)
+            loss = out.loss if hasattr(out, "loss") else out
+            total += float(loss) * n
+            count += n
+    finally:
+        engine.model.train(training)
     mean = total / count if count else float("nan")
     return mean, math.exp(min(mean, 700.0))
 
@@ -176,8 +181,10 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     if c.packing == "isolated":
         check_isolation(meta)     # before the data is read: the model decides whether it can be done
     check_positions(c, meta)
+    meta = finetune.apply(c, meta)      # the names it gives checked against the model, before the data is read
     if saved is not None:
         resume.check_rows(c, saved)
+        finetune.check_resume(c, saved.extra)
     fresh = not os.path.exists(run_dir)
     shifted, made = c.bundled, (None, None)
     try:
@@ -306,7 +313,8 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
             if (c.save_every and step % c.save_every == 0) or step == c.steps:
                 engine.save_checkpoint(os.path.join(checkpoints, f"step-{step:06d}"),
                                        extra={"rows": consumed, "data": fingerprint, "rows_layout": resume.rows_layout(c),
-                                              "settings": resume.settings(c)}, keep_last=c.keep_last)
+                                              "settings": resume.settings(c), "finetuning": finetune.saved(c)},
+                                       keep_last=c.keep_last)
                 saved_at = step
     finally:
         progress.close()
@@ -314,9 +322,14 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
     elapsed = time.perf_counter() - started
     if c.export is not None:
         # overwrite: only a resumed run gets here with model files in the folder, its own (_check_export)
-        engine.save_pretrained(c.export, dtype=getattr(torch, c.export_dtype), overwrite=resume_from is not None)
-        if not os.path.isfile(os.path.join(c.export, "tokenizer_config.json")):
-            tokenizer.save_pretrained(c.export)
+        if c.finetuning_type == "lora":
+            from .lora_export import export
+            export(engine, c.export, tokenizer, c.merge_adapter, getattr(torch, c.export_dtype),
+                   overwrite=resume_from is not None, source=c.model)
+        else:
+            engine.save_pretrained(c.export, dtype=getattr(torch, c.export_dtype), overwrite=resume_from is not None)
+            if not os.path.isfile(os.path.join(c.export, "tokenizer_config.json")):
+                tokenizer.save_pretrained(c.export)
         print(f"  exported       {c.export}", flush=True)
     result = {"steps": engine.steps_done, "skipped_steps": engine.skipped_steps, "run_dir": run_dir,
               "first_loss": losses_seen[0] if losses_seen else None,

@@ -20,6 +20,7 @@ from ..planner import Plan
 from ..planner.from_config import minimum_budget
 from ..planner.search import plans_shared
 from ..settings import Settings, default_hbm_budget
+from . import finetune
 from .config import RunConfig
 
 GiB = 2 ** 30
@@ -112,12 +113,16 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
     if c.bundled:
         from ..models import LlamaConfig, TinyLlama
         module = TinyLlama(LlamaConfig(**c.bundled_model))
+    elif folder and c.finetuning_type == "lora":
+        module = finetune.lora_skeleton(c)      # adapters made, the base on meta: it streams from the files
     elif folder:
         from ..io.hf_load import build_model
         module = build_model(c.model)
     else:                                           # a config: random init, seeded
         from transformers import AutoModelForCausalLM
         module = AutoModelForCausalLM.from_config(meta.config, dtype=torch.float32)
+    if c.finetuning_type != "lora" or not folder:
+        module = finetune.apply(c, module)
 
     def shapes(b: int) -> dict:
         return {k: v.to("meta") for k, v in first_inputs(b).items()}
@@ -135,7 +140,8 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
                       dump_dir=c.dump_dir, retrace=c.retrace)
         if folder:
             from ..engine.from_pretrained import compile_folder
-            engine = compile_folder(module, c.model, budget, **kwargs)
+            engine = compile_folder(module, c.model, budget, **kwargs,
+                                    file_key=finetune.file_key if c.finetuning_type == "lora" else None)
         else:
             engine = Engine(module, budget, **kwargs)
         try:

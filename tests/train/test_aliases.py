@@ -188,7 +188,7 @@ def test_the_llamafactory_example_in_the_docs_loads_as_it_is_written(tmp_path, c
         {"identity": {"file_name": "identity.json"}, "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"}}))
     c = load(str(tmp_path / "sft.yaml"))
     assert [e["path"] for e in c.data] == [str(tmp_path / "data" / f"{n}.json") for n in ("identity", "alpaca_en_demo")]
-    assert c.max_samples == 1000
+    assert c.max_samples == 1000 and c.finetuning_type == "full"
     assert (c.lr, c.batch, c.grad_accum, c.epochs, c.steps, c.schedule, c.warmup) == \
         (1e-5, 1, 2, 3.0, None, "cosine", 0.1)
     assert (c.seq, c.compute_dtype, c.eval_fraction, c.eval_every, c.save_every, c.log_every, c.log) == \

@@ -1,0 +1,53 @@
+"""A fine-tuning run from a run file and the same training done eagerly: the run's batches and
+held-out rows as it reads them, the model as apply() shapes it, torch.optim.AdamW, and the host
+tables a checkpoint holds."""
+from __future__ import annotations
+
+import os
+
+import safetensors.torch
+import torch
+
+from megacompile.train import packing
+from megacompile.train.finetune import apply as apply_finetuning
+
+
+def eager(c, rows) -> tuple[torch.nn.Module, list[float], dict]:
+    """The run's model as eager PEFT builds it (the run's seed, weights read by transformers),
+    trained on the run's batches with torch.optim.AdamW."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(c.seed)
+    base = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
+    base.config.use_cache = False
+    model = apply_finetuning(c, base)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(trainable.values(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
+    losses, first = [], {}
+    for step in range(c.steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(**packing.batch(rows, step * c.batch, c.batch, shifted=False)).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step == 0:
+            first = {n: opt.state[p]["exp_avg"].clone() for n, p in trainable.items()}
+    return model, losses, first
+
+
+def tables(checkpoint: str, table: str) -> dict:
+    out = {}
+    for f in sorted(os.listdir(checkpoint)):
+        if f.startswith("owner-"):
+            out.update({k.split("/", 1)[1]: v for k, v in safetensors.torch.load_file(os.path.join(checkpoint, f)).items()
+                        if k.startswith(table + "/")})
+    return out
+
+
+def rows(c, tmp, seq: int) -> tuple[packing.Rows, packing.Rows]:
+    """The run's training rows and held-out rows, as the run reads them."""
+    from megacompile.train.tokens import load_tokenizer, token_file
+    tok = load_tokenizer(c.model)
+    train = token_file(str(tmp / "tokens"), "train", c.data, tok, c.model, c.train_on_prompt)
+    held = token_file(str(tmp / "tokens"), "eval", c.eval, tok, c.model, c.train_on_prompt)
+    return (packing.Rows(train, seq, c.packing, c.seed, pad_id=tok.pad_token_id),
+            packing.Rows(held, seq, c.packing, c.seed, shuffle=False, pad_id=tok.pad_token_id))
