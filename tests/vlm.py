@@ -18,10 +18,13 @@ PATCHES = (IMAGE // 4) ** 2     # image tokens per image
 SEQ = 40                        # tokens per sequence: more than the vision tower's 17 positions
 
 
-def llava(seed: int = 0):
+def llava(seed: int = 0, tower_width: int = 32):
+    """tower_width: the vision tower's hidden size (its MLP twice that); at 128 its layers hold more
+    parameters than the text model's."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    vision = CLIPVisionConfig(hidden_size=tower_width, intermediate_size=2 * tower_width, num_hidden_layers=2,
+                              num_attention_heads=4,
                               image_size=IMAGE, patch_size=4, projection_dim=32)
     text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=8,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)

@@ -14,6 +14,7 @@ import torch
 import megacompile
 from megacompile.acceptance.parity import LR, BETAS, EPS, WD, float64_noise, moment_error, weight_bytes
 from megacompile.arguments import InputLimits
+from megacompile.capture import find_block_stack
 from tests.e2e.harness import assert_same_weights, clone
 from tests.vlm import IMAGE_TOKEN, PATCHES, SEQ, batch, llava
 
@@ -123,3 +124,14 @@ def test_the_position_limit_is_the_text_models():
     limits = InputLimits(llava())
     assert limits.vocab == 128 and limits.max_seq is None
     assert SEQ > 17
+
+
+def test_the_blocks_are_the_language_models_even_under_a_larger_vision_tower():
+    """The stack beside the token embedding is the one streamed; a larger vision tower's layers
+    run inline in the prologue, and the step is still the eager one."""
+    model = llava(tower_width=128)
+    tower = sum(p.numel() for p in model.model.vision_tower.encoder.layers.parameters())
+    assert tower > sum(p.numel() for p in model.model.language_model.layers.parameters())
+    assert find_block_stack(model).path == "model.language_model.layers"
+    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
+    assert engine.step(**batch()) == pytest.approx(model(**batch()).loss.item(), rel=1e-5)
