@@ -45,3 +45,16 @@ def batch(seed: int = 0, images: tuple[bool, ...] = (True, True)) -> dict[str, t
     labels = ids.masked_fill(ids == IMAGE_TOKEN, -100)
     pixels = torch.randn(sum(images), 3, IMAGE, IMAGE, generator=g)
     return {"input_ids": ids, "pixel_values": pixels, "labels": labels}
+
+
+def vipllava(seed: int = 0):
+    """VipLlava: LLaVA's shape with features from several vision layers; not trained with images yet."""
+    from transformers import CLIPVisionConfig, LlamaConfig, VipLlavaConfig, VipLlavaForConditionalGeneration
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=IMAGE, patch_size=4, projection_dim=32)
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return VipLlavaForConditionalGeneration(VipLlavaConfig(vision_config=vision, text_config=text,
+                                                           image_token_index=IMAGE_TOKEN,
+                                                           vision_feature_layers=[-2, -1]))

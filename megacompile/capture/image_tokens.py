@@ -31,6 +31,7 @@ from ..errors import CaptureError, InputMismatchError
 # the input a module's input_ids came from.
 _TRACED_INPUTS: ContextVar[list | None] = ContextVar("megacompile_traced_inputs", default=None)
 _SIGNATURE = ["input_ids", "inputs_embeds", "image_features"]
+_CHECKED = ("transformers.models.llava.modeling_llava",)
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,18 @@ def traced_inputs(tensors: list[torch.Tensor]):
 
 
 def _merges_images(module: nn.Module) -> bool:
-    method = getattr(type(module), "get_placeholder_mask", None)
-    if method is None or not type(module).__module__.startswith("transformers."):
-        return False
-    params = [p for p in inspect.signature(method).parameters if p != "self"]
-    return params == _SIGNATURE and getattr(getattr(module, "config", None), "image_token_id", None) is not None
+    """A transformers module with a placeholder check (most vision-language models have one)."""
+    return (getattr(type(module), "get_placeholder_mask", None) is not None
+            and type(module).__module__.startswith("transformers."))
+
+
+def _supported(module: nn.Module) -> bool:
+    """The families held to parity with images (tests/e2e/test_vlm.py): LLaVA. Others place their
+    features otherwise (several media kinds, bidirectional image attention) and are not checked yet."""
+    cls = type(module)
+    params = [p for p in inspect.signature(cls.get_placeholder_mask).parameters if p != "self"]
+    return (cls.__module__ in _CHECKED and params == _SIGNATURE
+            and getattr(getattr(module, "config", None), "image_token_id", None) is not None)
 
 
 @contextlib.contextmanager
@@ -76,7 +84,17 @@ def static_image_merge(model: nn.Module):
     found: dict[str, ImageTokens] = {}
     patched = [(name, m) for name, m in model.named_modules() if _merges_images(m)]
 
+    def refuse(name: str, module: nn.Module):
+        def get_placeholder_mask(*args, **kwargs):
+            raise CaptureError(f"{type(module).__name__} ('{name}') merges image features in a way megacompile does "
+                               "not train yet: of the vision-language models, LLaVA trains with images "
+                               "(docs/families.md); this model trains on text alone (no pixel_values)")
+        return get_placeholder_mask
+
     def make(name: str, module: nn.Module):
+        if not _supported(module):
+            return refuse(name, module)
+
         def get_placeholder_mask(input_ids, inputs_embeds, image_features):
             if input_ids is None:
                 raise CaptureError(f"{name or type(module).__name__} was given inputs_embeds with images: megacompile "

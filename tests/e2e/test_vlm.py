@@ -15,8 +15,9 @@ import megacompile
 from megacompile.acceptance.parity import LR, BETAS, EPS, WD, float64_noise, moment_error, weight_bytes
 from megacompile.arguments import InputLimits
 from megacompile.capture import find_block_stack
+from megacompile.errors import CaptureError
 from tests.e2e.harness import assert_same_weights, clone
-from tests.vlm import IMAGE_TOKEN, PATCHES, SEQ, batch, llava
+from tests.vlm import IMAGE_TOKEN, PATCHES, SEQ, batch, llava, vipllava
 
 GiB = 2 ** 30
 STEPS = 3
@@ -135,3 +136,18 @@ def test_the_blocks_are_the_language_models_even_under_a_larger_vision_tower():
     assert find_block_stack(model).path == "model.language_model.layers"
     engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
     assert engine.step(**batch()) == pytest.approx(model(**batch()).loss.item(), rel=1e-5)
+
+
+def test_other_families_are_refused_with_images_and_train_on_text():
+    """A vision-language family not held to parity with images yet is refused with them, by name;
+    without pixel_values it is a decoder like any other."""
+    model = vipllava()
+    with pytest.raises(CaptureError, match=r"VipLlavaModel \('model'\) merges image features in a way megacompile "
+                                           r"does not train yet"):
+        megacompile.compile(clone(model), hbm_budget=1.0, device="cpu").step(**batch())
+    text = batch()
+    del text["pixel_values"]
+    text["input_ids"] = text["input_ids"].masked_fill(text["input_ids"] == IMAGE_TOKEN, 5)
+    for m in (model, llava()):
+        engine = megacompile.compile(clone(m), hbm_budget=1.0, device="cpu")
+        assert engine.step(**text) == pytest.approx(m(**text).loss.item(), rel=1e-5)
