@@ -212,7 +212,8 @@ def _drop_unread(gm: fx.GraphModule) -> None:
     """Drop what the model computes and never reads (CLIP's pooled output, which LLaVA leaves
     unused): it would land in the epilogue, reading the prologue past the blocks. Random draws and
     in-place writes stay (fx keeps impure nodes), so the random stream advances as eagerly."""
-    gm.graph.eliminate_dead_code()
+    block_call = torch.ops.megacompile.block_call.default
+    gm.graph.eliminate_dead_code(lambda n: n.target is block_call or n.is_impure(impure_random=True))
     gm.recompile()
 
 
