@@ -159,7 +159,12 @@ class InputLimits:
             # the token table is the largest one (a segment or type embedding is far smaller)
             embed = max((m for n, m in named if not _positional(n)), key=lambda m: m.num_embeddings, default=None)
         self.vocab = embed.num_embeddings if isinstance(embed, nn.Embedding) else None
-        positions = [m.num_embeddings for n, m in named if _positional(n) and m is not embed]
+        # Only the token path's tables limit the ids: those beside the token embedding (GPT-2's
+        # wpe beside wte). A vision tower's patch-position table elsewhere in the model (LLaVA's
+        # CLIP) counts image patches, not tokens.
+        home = _parent_path(next((n for n, m in named if m is embed), ""))
+        positions = [m.num_embeddings for n, m in named if _positional(n) and m is not embed
+                     and (not home or n.startswith(home + "."))]
         self.max_seq = min(positions) if positions else None
 
     def check(self, args: tuple, kwargs: dict, device_type: str, train: bool = True) -> None:
@@ -208,6 +213,10 @@ class InputLimits:
             ignored = f" (or {' or '.join(map(str, allowed))}, ignored)" if allowed else ""
             raise InputMismatchError(f"{name} holds token id {bad}, outside the model's vocabulary of {self.vocab}; "
                                      f"ids must lie in [0, {self.vocab}){ignored}")
+
+
+def _parent_path(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
 
 
 def _positional(name: str) -> bool:

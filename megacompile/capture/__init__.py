@@ -14,6 +14,7 @@ from .blocks import BlockStack, find_block_stack
 from .chunk import chunked
 from .experts import routed_fractions, spread_over_templates, static_experts
 from .hf_masks import causal_attention_without_mask
+from .image_tokens import ImageTokens, static_image_merge
 from .loss import LossFn, extract_loss
 from .model_graph import CapturedModel, Port, StageInstance, StateEntry
 from .refuse import refuse_unsupported
@@ -23,7 +24,7 @@ from . import shared
 from .top import every_block_traced, trace_top
 
 __all__ = ["capture", "CapturedModel", "StageInstance", "StageTemplate", "TensorMeta", "ParamSlot",
-           "Port", "StateEntry", "find_block_stack", "extract_loss", "BlockStack"]
+           "Port", "StateEntry", "find_block_stack", "extract_loss", "BlockStack", "ImageTokens"]
 
 
 def model_state(model: nn.Module) -> dict[str, StateEntry]:
@@ -83,7 +84,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         fake_leaves.append(next(it) if isinstance(x, torch.Tensor) else x)
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
     with static_experts(model) as routed:
-        with causal_attention_without_mask(model, args, kwargs):
+        with causal_attention_without_mask(model, args, kwargs), static_image_merge(model) as image_tokens:
             top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
         with fake_mode:
             stages, outputs, notes = build_stages(top, model, stack, fakes,
@@ -103,5 +104,5 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
         block_path=stack.path if stack else None, template_notes=notes,
         routed_fractions=spread_over_templates(routed_fractions(model, routed), stages),
-        trace_seconds=time.perf_counter() - start, rechunk=rechunk if train and stack is not None else None)
+        image_tokens=list(image_tokens.values()), trace_seconds=time.perf_counter() - start, rechunk=rechunk if train and stack is not None else None)
     return captured

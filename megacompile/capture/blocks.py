@@ -46,17 +46,31 @@ def find_block_stack(model: nn.Module) -> BlockStack | None:
     (another class in one layer, an extra module, a per-layer flag), and those that differ get
     their own template (`share_templates`). A list of modules all of different classes (an
     embedding, a body, a head) is no stack; a list of one module neither.
+    In a model with a token embedding, lists beside it come first (a vision-language model's
+    decoder layers, not its vision tower's, whichever is larger): the other stacks stay inline.
     """
-    best, best_params = None, 0
+    best, best_params, home = None, 0, _token_home(model)
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
         if max(Counter(type(m) for m in module).values()) < 2:
             continue
         n = sum(p.numel() for m in module for p in m.parameters())
-        if n > best_params:
-            best, best_params = BlockStack(path, tuple(module)), n
+        rank = (home is None or path.startswith(home), n)
+        if best is None or rank > best_params:
+            best, best_params = BlockStack(path, tuple(module)), rank
     return best
+
+
+def _token_home(model: nn.Module) -> str | None:
+    """The path, with a trailing dot, of the module holding the token embedding (LLaVA's
+    "model.language_model."); None where it is the model itself or there is none."""
+    try:
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except NotImplementedError:
+        return None
+    path = next((n for n, m in model.named_modules() if m is embed), "") if isinstance(embed, nn.Module) else ""
+    return path.rsplit(".", 1)[0] + "." if "." in path else None
 
 
 class TemplateGroups:

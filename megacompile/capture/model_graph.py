@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from .image_tokens import ImageTokens
 from .stage import StageTemplate, TensorMeta
 
 
@@ -58,6 +59,8 @@ class CapturedModel:
     block_path: str | None = None
     # For each block stage that starts a template of its own: how it differs from the first block.
     template_notes: dict[str, str] = field(default_factory=dict)
+    # Image placeholder tokens each step's input_ids must hold (image_tokens.py); checked before a step.
+    image_tokens: list[ImageTokens] = field(default_factory=list)
     trace_seconds: float = 0.0
     # Parameters of routed experts: the share of each that one token uses (top_k / experts).
     routed_fractions: dict[str, float] = field(default_factory=dict)
@@ -81,6 +84,11 @@ class CapturedModel:
         for s in self.stages:
             seen.setdefault(id(s.template), s.template)
         return list(seen.values())
+
+    def check_inputs(self, inputs: list[torch.Tensor]) -> None:
+        """What the capture fixed about the inputs' values: the image tokens' count."""
+        for tokens in self.image_tokens:
+            tokens.check(inputs)
 
     def rebuild_output(self, tensors: list[torch.Tensor]) -> Any:
         it = iter(tensors)

@@ -17,6 +17,7 @@ from ..errors import CaptureError, MegacompileError
 from .alike import sampled_groups
 from .blocks import BlockStack
 from .fingerprint import record
+from .image_tokens import traced_inputs
 from .leaf import BlockCall, clear_out_meta, set_out_meta
 from .loss import LossFn, extract_loss
 from .side_outputs import active_keys, hand_back, recording
@@ -180,7 +181,8 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
         for pos, t in zip(tensor_pos, input_tensors):
             leaves[pos] = t
         a, kw = pytree.tree_unflatten(leaves, in_spec)
-        output = functional_call(model, dict(zip(names, state_tensors)), a, kw, strict=False)
+        with traced_inputs(input_tensors):
+            output = functional_call(model, dict(zip(names, state_tensors)), a, kw, strict=False)
         if train:
             return [extract_loss(output, loss_fn, a, kw)]
         out_leaves, out_info["spec"] = pytree.tree_flatten(output)
@@ -201,8 +203,18 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
         raise CaptureError(_describe_trace_failure(model, e)) from e
     refuse_state_writes(gm, names, f"{type(model).__name__}")
+    _drop_unread(gm)
     return TopGraph(gm, names, len(tensor_pos), calls, out_info.get("spec"),
                     out_info.get("constants", []), out_info.get("is_tensor", []))
+
+
+def _drop_unread(gm: fx.GraphModule) -> None:
+    """Drop what the model computes and never reads (CLIP's pooled output, which LLaVA leaves
+    unused): it would land in the epilogue, reading the prologue past the blocks. Random draws and
+    in-place writes stay (fx keeps impure nodes), so the random stream advances as eagerly."""
+    block_call = torch.ops.megacompile.block_call.default
+    gm.graph.eliminate_dead_code(lambda n: n.target is block_call or n.is_impure(impure_random=True))
+    gm.recompile()
 
 
 def _describe_trace_failure(model: nn.Module, e: Exception) -> str:

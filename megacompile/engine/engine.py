@@ -114,8 +114,11 @@ class Engine:
         self.fuse = (self.backend.name == "cuda") if fuse is None else fuse
         # Checkpoints: one process's folder writer, or each rank its share of it.
         self._checkpoints = LocalCheckpoints() if self.data_parallel is None else ShardedCheckpoints()
-        if getattr(getattr(model, "config", None), "use_cache", False):
-            model.config.use_cache = False   # a KV cache has no place in a training step
+        config = getattr(model, "config", None)
+        # A KV cache has no place in a training step; a vision-language model's text config holds its own flag.
+        for c in (config, getattr(config, "get_text_config", lambda: None)()):
+            if getattr(c, "use_cache", False):
+                c.use_cache = False
         self.device = self.backend.device
         self._captured: dict[tuple, CapturedModel] = PlanCache()
         self._compiled: dict[tuple, _Compiled] = PlanCache()
@@ -263,6 +266,7 @@ class Engine:
         micro = self.state.micro_batches % self.grad_accum
         last = micro == self.grad_accum - 1
         compiled = self._compile(args, kwargs, train=True, update=last)
+        compiled.captured.check_inputs(self._inputs(args, kwargs))
         self._require_weights()
         return run_step(self, compiled, self._inputs(args, kwargs), micro=micro, last=last,
                         tokens=tokens(args, kwargs), started=started)
@@ -298,6 +302,7 @@ class Engine:
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         compiled = self._compile(args, kwargs, train=False)
+        compiled.captured.check_inputs(self._inputs(args, kwargs))
         self._require_weights()
         outputs = compiled.executor.run(self._inputs(args, kwargs))
         compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes

@@ -28,6 +28,7 @@ def layer_major_step(engine, args: tuple, kwargs: dict, started: float):
     k = compiled.plan.program.facts.get("micro_batches", 1)
     if k == 1:
         return NotImplemented
+    compiled.captured.check_inputs(engine._inputs(args, kwargs))
     engine._require_weights()
     state = engine.state
     waiting = state.waiting_micro_batches

@@ -63,8 +63,15 @@ def model_from_config(config: Any) -> nn.Module:
         raise ArgumentError(f"expected a config path, dict or PretrainedConfig, got {type(config).__name__}")
     check_attention_shape(config)
     config.use_cache = False
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        raise ArgumentError(f"a {type(config).__name__} is not a causal LM's config: planning from a config builds "
+                            "decoders (AutoModelForCausalLM); for a vision-language model, plan the model built on "
+                            "the meta device, whose text path is planned (docs/families.md)") from e
 
 
 def check_attention_shape(config: Any) -> None:
