@@ -32,7 +32,7 @@ LAYERS = [
     {"calibrate"},
     {"__init__"},
     {"acceptance"},
-    {"train"},
+    {"bench", "train"},
     {"cli", "__main__"},
 ]
 

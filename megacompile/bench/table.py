@@ -1,0 +1,76 @@
+"""The peers bench's results: a long CSV (one row per system, setting and metric, with the machine
+and every system's version on each row) and a markdown table, one line per system."""
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+COLUMNS = ["system", "setting", "metric", "value", "note"]
+
+# The table's columns: (header, metric, scale, format)
+SHOWN = [("budget GiB", "hbm_budget_gib", 1, "{:.2f}"), ("x bf16 weights", "budget_share_of_bf16_weights", 1, "{:.2f}"),
+         ("tokens/s", "tokens_per_s", 1, "{:,.0f}"), ("step s", "step_s", 1, "{:.3f}"),
+         ("6ND TFLOPS", "tflops_6nd", 1, "{:.1f}"),
+         ("max reserved GiB", "max_memory_reserved_bytes", 2**-30, "{:.2f}"),
+         ("peak host RSS GiB", "peak_host_rss_bytes", 2**-30, "{:.1f}"),
+         ("alloc retries", "num_alloc_retries", 1, "{:.0f}"),
+         ("predicted s (datasheet)", "predicted_step_s_datasheet", 1, "{:.3f}"),
+         ("predicted s (calibrated)", "predicted_step_s_calibrated", 1, "{:.3f}"),
+         ("loss deviation", "loss_deviation", 1, "{:.1e}")]
+
+
+def long_rows(results: list[dict]) -> list[dict]:
+    """results: {"system", "setting", "ok", "reason"?, metrics...}; lists (the losses) become one
+    row per step, metric "loss" with the step in the note."""
+    rows = []
+    for r in results:
+        base = {"system": r["system"], "setting": r["setting"]}
+        if not r.get("ok"):
+            rows.append({**base, "metric": "skipped", "value": "", "note": r.get("reason", "")})
+            continue
+        for key, value in r.items():
+            if key in ("system", "setting", "ok", "reason", "traceback"):
+                continue
+            if isinstance(value, list):
+                rows += [{**base, "metric": "loss" if key == "losses" else key, "value": v, "note": f"step {i}"}
+                         for i, v in enumerate(value)]
+            else:
+                rows.append({**base, "metric": key, "value": value, "note": ""})
+    return rows
+
+
+def write_csv(path: Path, results: list[dict], facts: dict) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *facts])
+        writer.writeheader()
+        for row in long_rows(results):
+            writer.writerow({**row, **facts})
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def markdown(results: list[dict], facts: dict, workload: dict, reference: str, rtol: float) -> str:
+    def cell(r, metric, scale, fmt):
+        v = r.get(metric)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            return ""
+        return fmt.format(v * scale)
+    lines = [f"Model: {workload['shape']} ({workload['parameters'] / 1e9:.2f} B parameters), "
+             f"{workload['batch']} x {workload['seq']} tokens per step, {workload['steps']} timed steps after "
+             f"{workload['warmup']} warmup, compute {workload['compute_dtype']}, fp32 masters and AdamW state on the host.",
+             "", "| system | setting | " + " | ".join(h for h, *_ in SHOWN) + " | losses agree |",
+             "|---|---|" + "---|" * (len(SHOWN) + 1)]
+    for r in results:
+        if not r.get("ok"):
+            lines.append(f"| {r['system']} | {r['setting']} | skipped: {r.get('reason', '')} |" + " |" * len(SHOWN))
+            continue
+        agreed = "yes" if r.get("losses_agree") else "NO"
+        lines.append(f"| {r['system']} | {r['setting']} | " + " | ".join(cell(r, *s[1:]) for s in SHOWN)
+                     + f" | {agreed} |")
+    lines += ["", f"Losses are compared step by step with {reference}'s, relative tolerance {rtol:g}.",
+              "Machine: " + ", ".join(f"{k} {v}" for k, v in facts.items())]
+    return "\n".join(lines) + "\n"

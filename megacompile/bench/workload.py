@@ -1,0 +1,71 @@
+"""What every system in the peers bench trains: one model shape, one seed, the same batches.
+
+Each system builds the model in its own process from the same seed (so from the same fp32
+weights), and draws the same token batches; only the training system differs."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# Llama-3.2-3B's shape (untied head) for a GPU; a few-layer toy of it for the cpu half.
+SHAPES = {
+    "llama-3b": dict(vocab=128256, dim=3072, ffn=8192, heads=24, kv_heads=8, layers=28),
+    "llama-7b": dict(vocab=32000, dim=4096, ffn=11008, heads=32, kv_heads=32, layers=32),
+    "tiny": dict(vocab=256, dim=64, ffn=128, heads=4, kv_heads=2, layers=4),
+}
+
+
+@dataclass
+class Workload:
+    shape: str = "llama-3b"
+    batch: int = 4
+    seq: int = 2048
+    steps: int = 5          # timed steps, after the warmup
+    warmup: int = 2
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    seed: int = 0
+    data_seed: int | None = None    # the batches' seed (default: seed + 1)
+    device: str = "cuda"
+    dims: dict = field(default_factory=dict)   # overrides of the shape's dimensions
+
+    @property
+    def config(self) -> dict:
+        return {**SHAPES[self.shape], **self.dims}
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        # bf16 compute on a GPU, as a user trains; fp32 on the cpu half, where every system can match it exactly
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+
+    @property
+    def parameters(self) -> int:
+        c = self.config
+        kv = c["dim"] * c["kv_heads"] // c["heads"]
+        block = 2 * c["dim"] * c["dim"] + 2 * c["dim"] * kv + 3 * c["dim"] * c["ffn"] + 2 * c["dim"]
+        return 2 * c["vocab"] * c["dim"] + c["layers"] * block + c["dim"]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq
+
+    def model(self) -> torch.nn.Module:
+        """The model in fp32 on the host, from the seed: the same weights in every process."""
+        from ..models.llama import LlamaConfig, TinyLlama
+        torch.manual_seed(self.seed)
+        c = self.config
+        return TinyLlama(LlamaConfig(vocab=c["vocab"], dim=c["dim"], ffn=c["ffn"], heads=c["heads"],
+                                     kv_heads=c["kv_heads"], layers=c["layers"]))
+
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, labels) for every step, warmup included; labels are the next tokens."""
+        g = torch.Generator().manual_seed(self.seed + 1 if self.data_seed is None else self.data_seed)
+        out = []
+        for _ in range(self.warmup + self.steps):
+            ids = torch.randint(0, self.config["vocab"], (self.batch, self.seq + 1), generator=g)
+            out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,108 @@
+"""The peers bench (megacompile/bench): its CSV schema, the loss-agreement check, and its cpu half."""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megacompile.bench import peers, systems
+from megacompile.bench.agreement import FP32_LOSS_RTOL, agree, loss_deviation
+from megacompile.bench.table import COLUMNS, markdown, read_csv, write_csv
+from megacompile.bench.workload import Workload
+
+FACTS = {"gpu": "none", "torch": torch.__version__, "deepspeed": "not installed"}
+
+
+def _results():
+    return [{"system": "megacompile", "setting": "budget 0.5", "ok": True, "losses": [5.5, 5.4, 5.3],
+             "step_s": 0.1, "tokens_per_s": 640.0, "tflops_6nd": 0.0, "hbm_budget_gib": 0.01,
+             "budget_raised_to_minimum": True, "peak_host_rss_bytes": 2**30},
+            {"system": "fsdp2", "setting": "offload", "ok": True, "losses": [5.5, 5.4, 5.3], "step_s": 0.2,
+             "tokens_per_s": 320.0, "tflops_6nd": 0.0, "peak_host_rss_bytes": 2**30},
+            {"system": "deepspeed", "setting": "offload", "ok": False, "reason": "needs a GPU", "traceback": "..."}]
+
+
+def test_csv_is_long_one_row_per_metric_with_the_machine_on_each(tmp_path):
+    path = tmp_path / "peers.csv"
+    write_csv(path, _results(), FACTS)
+    with open(path, newline="") as f:
+        assert next(csv.reader(f)) == [*COLUMNS, *FACTS]
+    rows = read_csv(path)
+    assert all(r["torch"] == torch.__version__ and r["deepspeed"] == "not installed" for r in rows)
+    losses = [r for r in rows if r["system"] == "fsdp2" and r["metric"] == "loss"]
+    assert [(r["value"], r["note"]) for r in losses] == [("5.5", "step 0"), ("5.4", "step 1"), ("5.3", "step 2")]
+    skipped = [r for r in rows if r["system"] == "deepspeed"]
+    assert [(r["metric"], r["note"]) for r in skipped] == [("skipped", "needs a GPU")]   # no traceback in the CSV
+    assert {"tokens_per_s", "step_s", "budget_raised_to_minimum"} <= {r["metric"] for r in rows if r["system"] == "megacompile"}
+
+
+def test_agreement_fails_on_one_perturbed_loss_and_the_table_says_so():
+    results = _results()
+    assert peers.check_agreement(results, FP32_LOSS_RTOL)
+    results[1]["losses"][2] *= 1 + 10 * FP32_LOSS_RTOL
+    assert not peers.check_agreement(results, FP32_LOSS_RTOL)
+    assert results[1]["loss_deviation"] == pytest.approx(10 * FP32_LOSS_RTOL)
+    table = markdown(results, FACTS, {**Workload(shape="tiny").to_dict(), "parameters": 1, "compute_dtype": "fp32"},
+                     "megacompile budget 0.5", FP32_LOSS_RTOL)
+    assert "| fsdp2 | offload |" in table and table.count("| NO |") == 1
+    assert "skipped: needs a GPU" in table
+
+
+def test_loss_deviation_refuses_runs_of_other_lengths_and_non_finite_losses():
+    assert loss_deviation([1.0, 2.0], [1.0]) == float("inf")
+    assert loss_deviation([1.0, float("nan")], [1.0, 2.0]) == float("inf")
+    assert agree([1.0, 2.0], [1.0, 2.0 * (1 + 1e-5)], 1e-4)[0]
+
+
+def test_workload_counts_the_model_it_builds_and_draws_the_same_batches():
+    w = Workload(shape="tiny", device="cpu", steps=2, warmup=1)
+    assert w.parameters == sum(p.numel() for p in w.model().parameters())
+    a, b = w.batches(), w.batches()
+    assert len(a) == 3 and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+    assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])       # labels are the next tokens
+    assert not torch.equal(Workload(shape="tiny", data_seed=7).batches()[0][0], a[0][0])
+
+
+def test_a_system_that_cannot_run_here_is_named_with_its_reason():
+    why = peers._unavailable("deepspeed", Workload(shape="tiny", device="cpu"))
+    assert "needs a GPU" in why
+    assert peers._unavailable("megacompile", Workload(shape="tiny", device="cpu")) is None
+
+
+@pytest.mark.slow
+def test_perturbed_data_in_one_system_fails_the_agreement():
+    """Real runs: megacompile and FSDP2 on the same data agree; FSDP2 on other batches does not."""
+    same = Workload(shape="tiny", device="cpu", steps=2, warmup=1)
+    mine = {"ok": True, **systems.run_megacompile(same, "resident")}
+    theirs = {"ok": True, **systems.run_fsdp2(same)}
+    other = {"ok": True, **systems.run_fsdp2(Workload(shape="tiny", device="cpu", steps=2, warmup=1, data_seed=99))}
+    assert peers.check_agreement([mine, theirs], FP32_LOSS_RTOL), theirs["loss_deviation"]
+    assert not peers.check_agreement([mine, theirs, other], FP32_LOSS_RTOL)
+    assert theirs["losses_agree"] and not other["losses_agree"]
+
+
+@pytest.mark.slow
+def test_the_cpu_half_runs_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "megacompile.bench", "peers", "--tiny", "--out", str(out),
+                           "--steps", "2", "--warmup", "1"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_csv(out / "peers.csv")
+    by = {}
+    for r in rows:
+        by.setdefault((r["system"], r["setting"]), {}).setdefault(r["metric"], []).append(r)
+    assert set(by) == {("megacompile", "budget resident"), ("megacompile", "budget 0.5"), ("megacompile", "budget 0.34"),
+                       ("fsdp2", "offload"), ("deepspeed", "offload")}
+    assert "needs a GPU" in by[("deepspeed", "offload")]["skipped"][0]["note"]
+    for key in [k for k in by if k[0] != "deepspeed"]:
+        assert "skipped" not in by[key], (key, by[key]["skipped"][0]["note"], proc.stdout)
+        assert len(by[key]["loss"]) == 3 and by[key]["losses_agree"][0]["value"] == "True", key
+        assert float(by[key]["tokens_per_s"][0]["value"]) > 0
+    # The budgets below the smallest that fits are raised to it, and the table says how far.
+    small = by[("megacompile", "budget 0.34")]
+    assert small["budget_raised_to_minimum"][0]["value"] == "True"
+    assert float(small["hbm_budget_gib"][0]["value"]) > float(small["asked_budget_gib"][0]["value"])
+    assert "| deepspeed | offload | skipped:" in (out / "peers.md").read_text()
+    assert (out / "logs" / "fsdp2-offload.log").exists()
