@@ -32,7 +32,7 @@ LAYERS = [
     {"calibrate"},
     {"__init__"},
     {"acceptance"},
-    {"bench", "train"},
+    {"bench", "posttrain", "train"},
     {"cli", "__main__"},
 ]
 
