@@ -72,8 +72,13 @@ class DPOObjective(nn.Module):
         super().__init__()
         self.policy, self.loss = policy, loss
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-        return self.loss(logits_of(self.policy(input_ids)), labels, ref_logps)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss; without ref_logps, each row's log p(completion | prompt), (2B,): the
+        forward-only pass that gives the reference's log-probabilities before training moves it."""
+        logits = logits_of(self.policy(input_ids))
+        if ref_logps is None:
+            return sequence_logprobs(logits, labels)
+        return self.loss(logits, labels, ref_logps)
 
 
 def logits_of(output) -> torch.Tensor:
