@@ -103,12 +103,24 @@ class GRPOLoss:
 
 
 class GRPOObjective(nn.Module):
-    """The policy with the GRPO loss on top, for compile(): forward(input_ids, labels, old_logps,
-    advantages[, ref_logps]) -> the loss; labels IGNORE outside the completions."""
+    """The policy with the GRPO loss on top, for compile(). One module, three uses, told apart by
+    the inputs given (each set of inputs is captured and planned once):
+
+    - forward(input_ids, labels, old_logps, advantages[, ref_logps]) -> the loss (a training step);
+      labels IGNORE outside the completions;
+    - forward(input_ids, labels) -> (N, T) per-token log-probabilities (forward only: the old
+      policy's or the reference's);
+    - forward(input_ids, last=positions) -> (N, V) logits at each row's last position (forward
+      only: sampling a next token at a fixed row length, so generation plans once)."""
 
     def __init__(self, policy: nn.Module, loss: GRPOLoss = GRPOLoss()):
         super().__init__()
         self.policy, self.loss = policy, loss
 
-    def forward(self, input_ids, labels, old_logps, advantages, ref_logps=None) -> torch.Tensor:
-        return self.loss(logits_of(self.policy(input_ids)), labels, old_logps, advantages, ref_logps)
+    def forward(self, input_ids, labels=None, old_logps=None, advantages=None, ref_logps=None, last=None):
+        logits = logits_of(self.policy(input_ids))
+        if last is not None:
+            return logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1).float()
+        if advantages is None:
+            return token_logprobs(logits, labels)[0]
+        return self.loss(logits, labels, old_logps, advantages, ref_logps)

@@ -1,0 +1,71 @@
+"""Rollouts behind one interface: `generate(prompts, n, max_new_tokens, temperature)` -> completions
+with their token ids. `EngineGenerator` samples from the policy the engine trains, by its
+forward-only pass at a fixed row length (prompt + max_new_tokens): a causal model's logits at a
+position do not depend on what follows it, so each new token is one forward of the same shape,
+planned once, under the same budget, with no second copy of the weights. It is slow (no key-value
+cache: every token recomputes the row) and works at any size."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..errors import ArgumentError
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_index: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]        # the completion, up to and including an eos
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float) -> list[Completion]:
+        """n completions of each prompt, consecutive (prompt 0's n first)."""
+
+
+class EngineGenerator:
+    def __init__(self, engine, eos_id: int | None = None, pad_id: int = 0, seed: int = 0):
+        self.engine, self.eos_id, self.pad_id = engine, eos_id, pad_id
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def state(self) -> torch.Tensor:
+        """The sampler's state, for a checkpoint: generation resumes where it stopped."""
+        return self.rng.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.rng.set_state(state)
+
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
+        if not prompts or n < 1 or max_new_tokens < 1:
+            raise ArgumentError(f"generate needs prompts, n >= 1 and max_new_tokens >= 1; got {len(prompts)} prompts, "
+                                f"n={n}, max_new_tokens={max_new_tokens}")
+        if temperature < 0:
+            raise ArgumentError(f"temperature must be >= 0 (0: greedy); got {temperature}")
+        rows = [list(p) for p in prompts for _ in range(n)]
+        width = max(len(r) for r in rows) + max_new_tokens
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, :len(row)] = torch.tensor(row)
+        length = torch.tensor([len(r) for r in rows])
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        out: list[list[int]] = [[] for _ in rows]
+        for _ in range(max_new_tokens):
+            logits = torch.as_tensor(self.engine(input_ids=ids, last=length - 1)).float()
+            if temperature == 0:
+                token = logits.argmax(-1)
+            else:
+                token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=self.rng).squeeze(1)
+            for r in range(len(rows)):
+                if done[r]:
+                    continue
+                t = int(token[r])
+                out[r].append(t)
+                ids[r, length[r]] = t
+                length[r] += 1
+                done[r] = self.eos_id is not None and t == self.eos_id
+            if bool(done.all()):
+                break
+        return [Completion(i // n, tuple(prompts[i // n]), tuple(tokens)) for i, tokens in enumerate(out)]
