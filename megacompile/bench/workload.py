@@ -21,9 +21,9 @@ class Workload:
     shape: str = "llama-3b"
     batch: int = 4
     seq: int = 2048
-    steps: int = 5          # timed steps, after the warmup
-    warmup: int = 2
-    lr: float = 1e-4
+    steps: int = 3          # timed steps, after the warmup
+    warmup: int = 1
+    lr: float = 1e-3        # large enough that the losses move by more than a bf16 ulp in a few steps
     weight_decay: float = 0.0
     seed: int = 0
     data_seed: int | None = None    # the batches' seed (default: seed + 1)
