@@ -13,7 +13,8 @@ this order, for these reasons:
                               its own backward (xhat, silu(gate), tanh(...)) stop being saved ...
   prune                       ... and are dropped from both graphs here, which frees the
                               forward groups that computed them to become one kernel each;
-  forward patterns            RMSNorm, LayerNorm, SwiGLU, GELU, RoPE, softmax;
+  forward patterns            RMSNorm, LayerNorm, SwiGLU, GELU, RoPE, softmax, in the forward
+                              and in the backward (a selective variant recomputes them there);
   elementwise                 last, over what is left: chains of elementwise ops become
                               generated kernels (elementwise.py).
 
@@ -39,6 +40,15 @@ __all__ = ["fuse", "fusion_report", "kernel_counts", "REWRITES"]
 
 Rewrite = Callable[[StagePair], int]
 
+
+def both_graphs(forward_pattern: Callable[[GraphEdit], int], pair: StagePair) -> int:
+    """A forward pattern over the forward graph and then the backward one: a selective variant's
+    backward redoes the block's cheap forward ops (norms, rotary, activations) before the gradients
+    that read them, and those recomputed copies are the same groups of ATen ops. They run after
+    the backward patterns and the prune, as in the forward: by then a recomputed `xhat` or
+    `silu(gate)` is read only by the rest of its own forward group."""
+    return forward_pattern(pair.fwd) + forward_pattern(pair.bwd)
+
 # (name, rewrite), in the order they run; names are what `fuse(only=...)` selects
 REWRITES: list[tuple[str, Rewrite]] = [
     ("fused_linear_cross_entropy", fused_linear_cross_entropy),
@@ -48,12 +58,12 @@ REWRITES: list[tuple[str, Rewrite]] = [
     ("gelu_backward", activations.gelu_backward),
     ("rope_backward", lambda p: rope.rope_backward(p.bwd)),
     ("prune", lambda p: p.prune() or 0),
-    ("rms_norm", lambda p: norms.rms_norm_forward(p.fwd)),
-    ("layer_norm", lambda p: norms.layer_norm_forward(p.fwd)),
-    ("swiglu", lambda p: activations.swiglu_forward(p.fwd)),
-    ("gelu", lambda p: activations.gelu_forward(p.fwd)),
-    ("rope", lambda p: rope.rope_forward(p.fwd)),
-    ("softmax", lambda p: activations.softmax_forward(p.fwd)),
+    ("rms_norm", lambda p: both_graphs(norms.rms_norm_forward, p)),
+    ("layer_norm", lambda p: both_graphs(norms.layer_norm_forward, p)),
+    ("swiglu", lambda p: both_graphs(activations.swiglu_forward, p)),
+    ("gelu", lambda p: both_graphs(activations.gelu_forward, p)),
+    ("rope", lambda p: both_graphs(rope.rope_forward, p)),
+    ("softmax", lambda p: both_graphs(activations.softmax_forward, p)),
     ("elementwise", lambda p: fuse_elementwise(p.fwd) + fuse_elementwise(p.bwd)),
 ]
 
