@@ -36,18 +36,28 @@ from .elementwise import fuse_elementwise
 from .graph import GraphEdit, copy_module
 from .report import fusion_report, kernel_counts
 
-__all__ = ["fuse", "fusion_report", "kernel_counts", "REWRITES"]
+__all__ = ["fuse", "fusion_report", "kernel_counts", "REWRITES", "FORWARD_PATTERNS"]
 
 Rewrite = Callable[[StagePair], int]
 
 
-def both_graphs(forward_pattern: Callable[[GraphEdit], int], pair: StagePair) -> int:
-    """A forward pattern over the forward graph and then the backward one: a selective variant's
-    backward redoes the block's cheap forward ops (norms, rotary, activations) before the gradients
-    that read them, and those recomputed copies are the same groups of ATen ops. They run after
-    the backward patterns and the prune, as in the forward: by then a recomputed `xhat` or
-    `silu(gate)` is read only by the rest of its own forward group."""
-    return forward_pattern(pair.fwd) + forward_pattern(pair.bwd)
+# The rewrites of an inference template, in the order they run.
+FORWARD_ONLY: dict[str, Callable[[GraphEdit], int]] = {
+    "rms_norm": norms.rms_norm_forward, "layer_norm": norms.layer_norm_forward,
+    "swiglu": activations.swiglu_forward, "gelu": activations.gelu_forward, "rope": rope.rope_forward,
+    "softmax": activations.softmax_forward, "elementwise": fuse_elementwise,
+}
+FORWARD_PATTERNS = frozenset(FORWARD_ONLY) - {"elementwise"}
+
+
+def over_both_graphs(forward_pattern: Callable[[GraphEdit], int]) -> Rewrite:
+    """A forward pattern over a training template's forward graph and then its backward: a selective
+    variant's backward redoes the block's cheap forward ops (norms, rotary, activations) before the
+    gradients that read them, and those recomputed copies are the same groups of ATen ops. They are
+    matched after the backward patterns and the prune, as in the forward: by then a recomputed
+    `xhat` or `silu(gate)` is read only by the rest of its own forward group."""
+    return lambda pair: forward_pattern(pair.fwd) + forward_pattern(pair.bwd)
+
 
 # (name, rewrite), in the order they run; names are what `fuse(only=...)` selects
 REWRITES: list[tuple[str, Rewrite]] = [
@@ -58,20 +68,9 @@ REWRITES: list[tuple[str, Rewrite]] = [
     ("gelu_backward", activations.gelu_backward),
     ("rope_backward", lambda p: rope.rope_backward(p.bwd)),
     ("prune", lambda p: p.prune() or 0),
-    ("rms_norm", lambda p: both_graphs(norms.rms_norm_forward, p)),
-    ("layer_norm", lambda p: both_graphs(norms.layer_norm_forward, p)),
-    ("swiglu", lambda p: both_graphs(activations.swiglu_forward, p)),
-    ("gelu", lambda p: both_graphs(activations.gelu_forward, p)),
-    ("rope", lambda p: both_graphs(rope.rope_forward, p)),
-    ("softmax", lambda p: both_graphs(activations.softmax_forward, p)),
+    *[(name, over_both_graphs(rewrite)) for name, rewrite in FORWARD_ONLY.items() if name in FORWARD_PATTERNS],
     ("elementwise", lambda p: fuse_elementwise(p.fwd) + fuse_elementwise(p.bwd)),
 ]
-
-FORWARD_ONLY: dict[str, Callable[[GraphEdit], int]] = {
-    "rms_norm": norms.rms_norm_forward, "layer_norm": norms.layer_norm_forward,
-    "swiglu": activations.swiglu_forward, "gelu": activations.gelu_forward, "rope": rope.rope_forward,
-    "softmax": activations.softmax_forward, "elementwise": fuse_elementwise,
-}
 
 
 def fuse(captured: CapturedModel, *, only: set[str] | None = None) -> CapturedModel:

@@ -10,7 +10,7 @@ import torch
 import megacompile.planner.search as planner
 from megacompile.acceptance.parity import moment_error
 from megacompile.cost import recomputed_bytes, recomputed_region
-from megacompile.fusion import REWRITES, fuse, fusion_report
+from megacompile.fusion import FORWARD_PATTERNS, REWRITES, fuse, fusion_report
 from megacompile.passes import ScheduleChoice
 from tests.e2e.harness import assert_same_weights, clone, eager_losses, megacompile_run, weight_noise
 from tests.fusion.test_patterns import GONE, captured
@@ -19,7 +19,6 @@ from tests.fusion.training import BUILDERS, batches
 # Kernels expected in a block's recomputed region: the forward kernels of the norms, rotary
 # embeddings and activation that the selective backward redoes.
 RECOMPUTED = {"llama": {"rms_norm": 2, "rope": 2, "swiglu": 1}, "gpt2": {"layer_norm": 2, "gelu": 1}}
-FORWARD_PATTERNS = {"rms_norm", "layer_norm", "swiglu", "gelu", "rope", "softmax"}
 
 
 def _kernels(nodes) -> dict[str, int]:
