@@ -4,6 +4,8 @@ forward patterns rewrite those copies as they rewrite the forward's, so a block 
 trains exactly, through the same kernels, with less memory traffic in its backward."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -21,12 +23,8 @@ from tests.fusion.training import BUILDERS, batches
 RECOMPUTED = {"llama": {"rms_norm": 2, "rope": 2, "swiglu": 1}, "gpt2": {"layer_norm": 2, "gelu": 1}}
 
 
-def _kernels(nodes) -> dict[str, int]:
-    found: dict[str, int] = {}
-    for n in nodes:
-        if "kernel" in n.meta:
-            found[n.meta["kernel"]] = found.get(n.meta["kernel"], 0) + 1
-    return found
+def _kernels(nodes) -> Counter:
+    return Counter(n.meta["kernel"] for n in nodes if "kernel" in n.meta)
 
 
 def _block(c):
