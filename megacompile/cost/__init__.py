@@ -1,9 +1,9 @@
 """The cost model: hardware profiles, per-graph roofline estimates, and step-time prediction."""
-from .estimate import GraphCost, graph_cost
+from .estimate import GraphCost, graph_cost, recomputed_bytes, recomputed_region
 from .hardware import PROFILES, HardwareProfile
 from .profiles import get_profile
 from .backend_profile import profile_for
 from .predict import StepPrediction, predict
 
 __all__ = ["GraphCost", "HardwareProfile", "PROFILES", "StepPrediction", "get_profile", "graph_cost", "predict",
-           "profile_for"]
+           "profile_for", "recomputed_bytes", "recomputed_region"]

@@ -129,3 +129,23 @@ def graph_cost(program: StageProgram, hw: HardwareProfile, dtype: torch.dtype) -
         seconds += max(f / peak, b / bandwidth) + hw.op_overhead_s
     cache[key] = GraphCost(seconds, flops, moved, ops)
     return cache[key]
+
+
+def recomputed_region(backward: StageProgram, n_tangents: int) -> list[fx.Node]:
+    """The nodes of a backward graph that read no tangent (its last `n_tangents` inputs), directly
+    or through another node: the forward values it redoes. For a selective variant, the recomputed
+    norms, rotary embeddings and activations; for a block that saves everything, values of the
+    parameters and constant inputs alone (a transposed weight, an expanded mask)."""
+    reads_tangent = set(backward.placeholders[len(backward.placeholders) - n_tangents:])
+    region = []
+    for node in backward.body:
+        if any(a in reads_tangent for a in node.all_input_nodes):
+            reads_tangent.add(node)
+        elif node.op == "call_function":
+            region.append(node)
+    return region
+
+
+def recomputed_bytes(backward: StageProgram, n_tangents: int) -> float:
+    """Bytes the recomputed region of a backward graph moves, by node_bytes."""
+    return sum(node_bytes(n) for n in recomputed_region(backward, n_tangents))

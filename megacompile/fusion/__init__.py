@@ -13,7 +13,8 @@ this order, for these reasons:
                               its own backward (xhat, silu(gate), tanh(...)) stop being saved ...
   prune                       ... and are dropped from both graphs here, which frees the
                               forward groups that computed them to become one kernel each;
-  forward patterns            RMSNorm, LayerNorm, SwiGLU, GELU, RoPE, softmax;
+  forward patterns            RMSNorm, LayerNorm, SwiGLU, GELU, RoPE, softmax, in the forward
+                              and in the backward (a selective variant recomputes them there);
   elementwise                 last, over what is left: chains of elementwise ops become
                               generated kernels (elementwise.py).
 
@@ -35,9 +36,28 @@ from .elementwise import fuse_elementwise
 from .graph import GraphEdit, copy_module
 from .report import fusion_report, kernel_counts
 
-__all__ = ["fuse", "fusion_report", "kernel_counts", "REWRITES"]
+__all__ = ["fuse", "fusion_report", "kernel_counts", "REWRITES", "FORWARD_PATTERNS"]
 
 Rewrite = Callable[[StagePair], int]
+
+
+# The rewrites of an inference template, in the order they run.
+FORWARD_ONLY: dict[str, Callable[[GraphEdit], int]] = {
+    "rms_norm": norms.rms_norm_forward, "layer_norm": norms.layer_norm_forward,
+    "swiglu": activations.swiglu_forward, "gelu": activations.gelu_forward, "rope": rope.rope_forward,
+    "softmax": activations.softmax_forward, "elementwise": fuse_elementwise,
+}
+FORWARD_PATTERNS = frozenset(FORWARD_ONLY) - {"elementwise"}
+
+
+def over_both_graphs(forward_pattern: Callable[[GraphEdit], int]) -> Rewrite:
+    """A forward pattern over a training template's forward graph and then its backward: a selective
+    variant's backward redoes the block's cheap forward ops (norms, rotary, activations) before the
+    gradients that read them, and those recomputed copies are the same groups of ATen ops. They are
+    matched after the backward patterns and the prune, as in the forward: by then a recomputed
+    `xhat` or `silu(gate)` is read only by the rest of its own forward group."""
+    return lambda pair: forward_pattern(pair.fwd) + forward_pattern(pair.bwd)
+
 
 # (name, rewrite), in the order they run; names are what `fuse(only=...)` selects
 REWRITES: list[tuple[str, Rewrite]] = [
@@ -48,20 +68,9 @@ REWRITES: list[tuple[str, Rewrite]] = [
     ("gelu_backward", activations.gelu_backward),
     ("rope_backward", lambda p: rope.rope_backward(p.bwd)),
     ("prune", lambda p: p.prune() or 0),
-    ("rms_norm", lambda p: norms.rms_norm_forward(p.fwd)),
-    ("layer_norm", lambda p: norms.layer_norm_forward(p.fwd)),
-    ("swiglu", lambda p: activations.swiglu_forward(p.fwd)),
-    ("gelu", lambda p: activations.gelu_forward(p.fwd)),
-    ("rope", lambda p: rope.rope_forward(p.fwd)),
-    ("softmax", lambda p: activations.softmax_forward(p.fwd)),
+    *[(name, over_both_graphs(rewrite)) for name, rewrite in FORWARD_ONLY.items() if name in FORWARD_PATTERNS],
     ("elementwise", lambda p: fuse_elementwise(p.fwd) + fuse_elementwise(p.bwd)),
 ]
-
-FORWARD_ONLY: dict[str, Callable[[GraphEdit], int]] = {
-    "rms_norm": norms.rms_norm_forward, "layer_norm": norms.layer_norm_forward,
-    "swiglu": activations.swiglu_forward, "gelu": activations.gelu_forward, "rope": rope.rope_forward,
-    "softmax": activations.softmax_forward, "elementwise": fuse_elementwise,
-}
 
 
 def fuse(captured: CapturedModel, *, only: set[str] | None = None) -> CapturedModel:

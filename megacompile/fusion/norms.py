@@ -114,12 +114,20 @@ def rms_norm_backward(pair: StagePair) -> int:
 def _narrow(pair: StagePair, xf: fx.Node) -> fx.Node:
     """The kernel reads x in its own dtype: where the forward saved HF's fp32 copy of a bf16/fp16 x,
     read x itself (a block input, or saved at half the bytes) and let the fp32 copy leave the saved
-    values. The kernel computes in fp32 from the same values, so only the bytes change."""
+    values. The kernel computes in fp32 from the same values, so only the bytes change. Where the
+    backward makes the copy itself (a selective variant recomputes the norm), it reads x there."""
+    if _widened(xf):
+        return xf.args[0]
     f_xf = pair.forward_of(xf)
-    if (f_xf is None or pair.pending or not is_call(f_xf, aten._to_copy.default) or val(f_xf).dtype != torch.float32
-            or val(f_xf.args[0]).dtype not in (torch.bfloat16, torch.float16)):
+    if f_xf is None or pair.pending or not _widened(f_xf):
         return xf
     return pair.input_for(f_xf.args[0])
+
+
+def _widened(node: fx.Node) -> bool:
+    """node is a bf16/fp16 value cast to float32."""
+    return (is_call(node, aten._to_copy.default) and val(node).dtype == torch.float32
+            and val(node.args[0]).dtype in (torch.bfloat16, torch.float16))
 
 
 def _dw(pair: StagePair, dy: fx.Node, wdy_mul: fx.Node, xf: fx.Node, rstd: fx.Node):
