@@ -15,6 +15,15 @@ from .workload import Workload
 GiB = 2**30
 
 
+_STARTED = time.perf_counter()
+
+
+def _say(what: str) -> None:
+    """A timestamped line in the system's log (bench/peers.py keeps it): a system stopped at its
+    time limit shows how far it got."""
+    print(f"[{time.perf_counter() - _STARTED:8.1f} s] {what}", flush=True)
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -24,7 +33,9 @@ def _timed(workload: Workload, step) -> dict:
     """Warmup steps, then the timed ones back to back with one synchronize at the end (as a training
     loop runs them); losses of every step."""
     batches = workload.batches()
+    _say("first step")
     losses = [step(ids, labels) for ids, labels in batches[:workload.warmup]]
+    _say(f"{workload.warmup} warmup steps done")
     _sync(workload.device)
     start = time.perf_counter()
     losses += [step(ids, labels) for ids, labels in batches[workload.warmup:]]
@@ -80,6 +91,7 @@ def run_megacompile(workload: Workload, budget: str, calibrated: str | None = No
                 raise
             gib, raised = e.minimum_bytes / GiB, True
     del model
+    _say(f"planned at {gib:.3f} GiB")
     backend = "cuda" if cuda else "cpu"
     out = {"hbm_budget_gib": gib, "asked_budget_gib": asked, "budget_raised_to_minimum": raised,
            "budget_share_of_bf16_weights": gib * GiB / (2 * workload.parameters),
@@ -141,6 +153,7 @@ def run_fsdp2(workload: Workload) -> dict:
         for block in model.blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
+        _say("model built and sharded")
         optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=workload.weight_decay)
         device = torch.device(workload.device)
 
@@ -173,8 +186,10 @@ def run_deepspeed(workload: Workload) -> dict:
         "steps_per_print": 10**9, "wall_clock_breakdown": False,
     }
     model = workload.model()
+    _say("model built")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     device = engine.device
+    _say("deepspeed.initialize done")
 
     def step(ids, labels):
         loss = engine(ids.to(device), labels.to(device))
