@@ -119,13 +119,13 @@ def run_megacompile(workload: Workload, budget: str, calibrated: str | None = No
 
 def _one_rank_group(backend: str) -> None:
     import torch.distributed as dist
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    if not dist.is_initialized():
-        dist.init_process_group(backend, rank=0, world_size=1)
+    if dist.is_initialized():
+        return
+    # A port of its own every time: one left in the environment by an earlier group may still be
+    # held by its closing socket. DeepSpeed reads the rank and the address from the environment.
+    port = _free_port()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def _free_port() -> int:
