@@ -57,6 +57,10 @@ class DPOLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
         policy = sequence_logprobs(logits, labels)
+        if policy.shape[0] % 2 or ref_logps.shape != policy.shape:
+            raise ArgumentError(f"a DPO batch packs chosen rows then as many rejected rows, with one reference "
+                                f"log-probability per row; got {policy.shape[0]} rows and ref_logps of shape "
+                                f"{tuple(ref_logps.shape)}")
         half = policy.shape[0] // 2
         losses, _, _ = dpo_loss(policy[:half], policy[half:], ref_logps[:half], ref_logps[half:],
                                 self.beta, self.label_smoothing, self.loss_type)

@@ -61,6 +61,8 @@ def test_dpo_loss_of_a_packed_batch_pairs_the_halves():
     seq = sequence_logprobs(logits, labels)
     want = dpo_loss(seq[:2], seq[2:], ref[:2], ref[2:], 0.3)[0].mean()
     assert DPOLoss(beta=0.3)(logits, labels, ref).item() == pytest.approx(want.item(), rel=1e-6)
+    with pytest.raises(ArgumentError, match="3 rows"):
+        DPOLoss()(logits[:3], labels[:3], ref[:3])
 
 
 @pytest.mark.parametrize("bad", [dict(beta=0), dict(beta=True), dict(label_smoothing=0.5), dict(loss_type="hinge")])
