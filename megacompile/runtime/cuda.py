@@ -237,7 +237,8 @@ class CudaBackend(Backend):
                 "allocator_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
                 "allocator_alloc_retries": retries - self._retries_at_run,
                 "allocator_alloc_retries_total": retries - self._retries_at_open,
-                "allocator_conf": self.allocator_conf}
+                "allocator_conf": self.allocator_conf,
+                "host_stash_pinned_bytes": self.stash_pool.allocated_bytes}
 
     def reset_allocator_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -78,6 +78,7 @@ def test_the_stash_is_held_at_the_plans_figure_and_sources_freed_after_a_stream_
         # allocated in the first step and reused after it; nothing stays lent between steps.
         assert plan.stash_bytes > 0
         assert pool_bytes == [(plan.stash_bytes, 0)] * len(batches)
+        assert engine.memory_stats()["host_stash_pinned_bytes"] == plan.stash_bytes
         # No offload source is held by record_stream ...
         assert not [e for e in gpu.log if e[0] == "record_stream"]
         # ... because the compute stream waited on each copy before the source was freed.
