@@ -5,7 +5,8 @@ gradients leave on a d2h stream, and the compute stream waits only on the copies
 (Event.wait is a stream-side wait, not a host sync). Every event is recorded on, and waited on
 by, a stream of that one device, and the executor runs a step under `scope()`, so Triton kernels
 launch there too: with device="cuda:1" nothing lands on cuda:0. Host memory that crosses the link
-is pinned; the pinned buffers for gradients are pooled by shape and dtype, at exact size.
+is pinned; the pinned buffers for gradients are pooled by shape and dtype, at exact size, and
+those for stashed activations by size (runtime/pinned_pool.py).
 
 Only device tensors cross the link: a saved bundle may hold host tensors (memory-efficient SDPA
 returns its dropout philox seed and offset on the CPU); those are handed on as they are.
