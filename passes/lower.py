@@ -56,8 +56,9 @@ def lower(captured: CapturedModel) -> Program:
         if captured.train:
             saved_parts = tuple(dict.fromkeys(p for ps in parts[len(outs):] for p in ps))
             values[saved(s)] = Value(saved(s), saved_parts, "saved")
-            # Offloaded saved values come back as one dense tensor each (offload pass): its own bytes.
-            values[restored(s)] = Value(restored(s), tuple((f"h{s}.{j}", m.nbytes) for j, m in enumerate(t.saved)),
+            # Offloaded saved values come back storage by storage (offload pass, runtime/stash.py):
+            # the same bytes as the storages they left, now their own.
+            values[restored(s)] = Value(restored(s), tuple((f"h{key}", nbytes) for key, nbytes in saved_parts),
                                         "saved")
             writes += (saved(s),)
         op = Op.FORWARD if captured.train else Op.INFER

@@ -156,5 +156,6 @@ def budget_rows(device, model=None, kind: str = "tinyllama", ids=None, factors=(
                         {"ledger_peak_bytes": stats["device_peak_bytes"],
                          "predicted_peak_bytes": stats["predicted_device_peak_bytes"],
                          "allocator_peak_allocated_bytes": stats.get("allocator_peak_allocated_bytes", math.nan),
+                         "allocator_alloc_retries": stats.get("allocator_alloc_retries_total", math.nan),
                          "reserve_bytes": engine.plan.reserve.total}))
     return rows

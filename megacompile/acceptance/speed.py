@@ -74,4 +74,5 @@ def step_rows(device, shape: str, layers: int, profile, batch: int = 4, seq: int
         "measured_tflops_6nd": prediction.model_flops / measured / 1e12, "predicted_tflops_6nd": prediction.tflops_6nd,
         "hbm_budget_gib": hbm_budget, "ledger_peak_bytes": stats["device_peak_bytes"],
         "allocator_peak_reserved_bytes": stats.get("allocator_peak_reserved_bytes", float("nan")),
+        "allocator_alloc_retries": stats.get("allocator_alloc_retries_total", float("nan")),
         "recomputed_blocks": len(plan.recomputed)})]

@@ -336,7 +336,9 @@ class Engine:
         """Device peak measured in the last run beside the predicted one, and host bytes. The
         device peak is the ledger's (equal to the prediction when the plan is right); on a GPU the
         caching allocator's own peaks of the last run sit beside it (allocator_peak_allocated_bytes,
-        allocator_peak_reserved_bytes: what the device really gave, workspaces and scratch included)."""
+        allocator_peak_reserved_bytes: what the device really gave, workspaces and scratch included;
+        allocator_alloc_retries, of the last run, and _total, since the engine opened: how often the
+        allocator hit the cap and flushed its cache, goal 0; allocator_conf: its segments' setting)."""
         compiled = self._last
         return {
             "device_peak_bytes": self.backend.memory.peak_bytes if compiled else None,

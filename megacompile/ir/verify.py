@@ -2,7 +2,10 @@
 
 - every read is of a value that was written and not yet freed;
 - no compute or output reads a value whose prefetch has not been waited for;
-- no value is freed, or written again, while a transfer on it is in flight;
+- no value is freed, or written again, while a transfer on it is in flight; in particular an
+  offloaded value is freed only after the WAIT on its copy: the cuda backend frees offload
+  sources without record_stream, the compute stream's wait on the copy being what orders the
+  reuse of their memory after it (runtime/cuda.py);
 - every transfer is waited for before the schedule ends;
 - a recompute comes after the forward whose random state it replays;
 - an optimizer step comes after the wait of every offload that feeds its masters;
@@ -38,6 +41,9 @@ def verify(program: Program, budget_bytes: int | None = None,
             for v in n.frees:
                 if v not in state:
                     fail(i, f"frees {v}, which is not live")
+                if state[v] == "leaving":
+                    fail(i, f"frees {v} before the WAIT on its offload: the device may still be copying it "
+                            "to the host, and nothing but that wait orders the copy before its memory is reused")
                 if state[v] != "ready":
                     fail(i, f"frees {v} while its transfer is in flight ({state[v]})")
                 del state[v]

@@ -103,6 +103,11 @@ class Backend(ABC):
         the copies land in directly: a gradient lands in its final buffer, not in staging. With
         `after` (an event of reduce()), the copies start once it is done."""
 
+    def release_stash(self, host: list[torch.Tensor], after: Event | None) -> None:
+        """The host copies of a stash (offload(keep=True)) are no longer needed once `after`, the
+        restore's copy that reads them, is done (None: nothing reads them any more). The cuda
+        backend lends them out again (runtime/pinned_pool.py); the cpu backend keeps none."""
+
     @abstractmethod
     def reduce(self, tensors: list[torch.Tensor], issue: Callable[[list[torch.Tensor]], Callable[[], None]],
                what: str) -> Event:

@@ -5,7 +5,8 @@ gradients leave on a d2h stream, and the compute stream waits only on the copies
 (Event.wait is a stream-side wait, not a host sync). Every event is recorded on, and waited on
 by, a stream of that one device, and the executor runs a step under `scope()`, so Triton kernels
 launch there too: with device="cuda:1" nothing lands on cuda:0. Host memory that crosses the link
-is pinned; the pinned buffers for gradients are pooled by shape and dtype, at exact size.
+is pinned; the pinned buffers for gradients are pooled by shape and dtype, at exact size, and
+those for stashed activations by size (runtime/pinned_pool.py).
 
 Only device tensors cross the link: a saved bundle may hold host tensors (memory-efficient SDPA
 returns its dropout philox seed and offset on the CPU); those are handed on as they are.
@@ -20,8 +21,10 @@ import torch
 
 from ..errors import MegacompileError
 from ..ir.printer import fmt_bytes
-from .backend import Backend, Event, coalesce, dense_like
+from .allocator_conf import enable_expandable_segments
+from .backend import Backend, Event, coalesce
 from .host import pinned_empty
+from .pinned_pool import PinnedPool
 from .stream import ThreadStream
 from .timeline import DeviceClock
 
@@ -70,6 +73,7 @@ class CudaBackend(Backend):
         self.d2h = ThreadStream("d2h", self.timeline, threads=None, track="d2h host side")
         self.host = ThreadStream("host", self.timeline, threads=None)   # the optimizer, on every core
         self._staging: dict[tuple, list[torch.Tensor]] = {}
+        self.stash_pool = PinnedPool()    # host copies of stashed activations, at exact size
         self._outputs: list = []      # copy-done events of outputs on their way to the host
         # The timeline's device spans: CUDA events with timing, around each stage's kernels and copy.
         self.device_clock = DeviceClock(lambda: torch.cuda.Event(enable_timing=True))
@@ -79,6 +83,10 @@ class CudaBackend(Backend):
         # process-wide: close() gives back the one that was there before.
         self._fraction_before = _memory_fraction(self.device)
         torch.cuda.set_per_process_memory_fraction(budget_bytes / total, self.device)
+        self.allocator_conf = enable_expandable_segments()
+        # cudaMalloc retries (the allocator hit the cap, freed its cache and tried again: a stall
+        # each time; the goal is none), counted from here and from the start of the last run.
+        self._retries_at_open = self._retries_at_run = _alloc_retries(self.device)
 
     def scope(self) -> AbstractContextManager:
         return torch.cuda.device(self.device)
@@ -144,6 +152,11 @@ class CudaBackend(Backend):
 
     def offload(self, srcs, sink: Callable[[list[torch.Tensor]], None], what, keep: bool = False,
                 dsts=None, after: Event | None = None) -> Event:
+        # No record_stream on the sources: the schedule frees an offloaded value only after a WAIT
+        # on its copy (ir/verify.py refuses any other order), and that WAIT is a compute-stream
+        # wait on `done`, so the allocator's compute-stream order already puts any reuse of the
+        # sources' blocks after the copy. record_stream would instead hold each block until the
+        # allocator sees the copy finish, hundreds of GiB a step at 14B, behind pending copies.
         produced = self._event_on(self._compute_stream())
         pooled = []
         with torch.cuda.stream(self.d2h_stream):
@@ -157,16 +170,16 @@ class CudaBackend(Backend):
                     staged.append(s)        # already on the host (an SDPA philox seed): handed on as is
                     continue
                 if dst is not None:         # straight into its final (page-locked) buffer
-                    dst.copy_(s, non_blocking=True)
-                    s.record_stream(self.d2h_stream)
-                    staged.append(dst)
-                    continue
-                h = dense_like(s, pin=True) if keep else self._pinned(s)
-                h.copy_(s, non_blocking=True)
-                s.record_stream(self.d2h_stream)   # the compute stream may free s before the copy ran
-                staged.append(h)
-                if not keep:
+                    h = dst
+                elif keep:
+                    h, read_before = self.stash_pool.take(s)
+                    if read_before is not None:     # the buffer's last restore may still read it
+                        self.d2h_stream.wait_event(read_before)
+                else:
+                    h = self._pinned(s)
                     pooled.append(h)
+                h.copy_(s, non_blocking=True)
+                staged.append(h)
             done = self._event_on(self.d2h_stream)
             self.timeline.add_device("d2h", what, begun, self.device_clock.mark(self.d2h_stream), self.device_clock)
         if keep:
@@ -182,6 +195,10 @@ class CudaBackend(Backend):
             for h in pooled:
                 self._staging[(tuple(h.shape), h.dtype)].append(h)
         return CopiedThenLanded(CudaEvent(done, self.device), self.d2h.submit(land, what))
+
+    def release_stash(self, host, after: Event | None) -> None:
+        # Free for the next stash once the restore's copy (`after`, on the h2d stream) has read them.
+        self.stash_pool.give_back(host, None if after is None else after.event)
 
     def host_task(self, work: Callable[[], None], what: str) -> Event:
         return self.host.submit(work, what)
@@ -216,11 +233,17 @@ class CudaBackend(Backend):
             self.host.synchronize()
 
     def allocator_stats(self) -> dict:
+        retries = _alloc_retries(self.device)
         return {"allocator_peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
-                "allocator_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device)}
+                "allocator_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+                "allocator_alloc_retries": retries - self._retries_at_run,
+                "allocator_alloc_retries_total": retries - self._retries_at_open,
+                "allocator_conf": self.allocator_conf,
+                "host_stash_pinned_bytes": self.stash_pool.allocated_bytes}
 
     def reset_allocator_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+        self._retries_at_run = _alloc_retries(self.device)
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device)
@@ -232,6 +255,12 @@ class CudaBackend(Backend):
         self.d2h.close()
         self.host.close()
         torch.cuda.set_per_process_memory_fraction(self._fraction_before, self.device)
+
+
+def _alloc_retries(device: torch.device) -> int:
+    # torch.cuda.memory_stats()["num_alloc_retries"] counts since the process began (a reset of
+    # the peaks leaves it), so the backend reports differences.
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def _memory_fraction(device: torch.device) -> float:

@@ -22,8 +22,9 @@ import torch
 
 from ..capture import CapturedModel
 from ..ir.program import COMPUTE_OPS, SEED, Node, Op, Program, base_name, restored_of, weights
-from .backend import Backend, Event, dense_like, flat_empty
+from .backend import Backend, Event, flat_empty
 from .host import HostState
+from .stash import rebuild, stash_storages
 
 # The host work of one optimizer step: update(stage, context) and clip(context), where context
 # is a dict made when the step starts (step number, learning rate) that clip adds its scale to.
@@ -59,7 +60,7 @@ class Executor:
         self._stash: dict[str, list[torch.Tensor]] = {}
         self._clip_staged = False
         self._staged: list[int] = []      # owners whose update waits for commit()
-        self._moved: dict[str, list[bool]] = {}     # which stashed tensors were device tensors
+        self._moved: dict[str, list] = {}     # where each stashed tensor sat (runtime/stash.py)
         self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
         self._clip_node: int | None = None                # the staged nodes, for the timeline
         self._update_node: dict[int, int | None] = {}
@@ -157,6 +158,8 @@ class Executor:
             self.memory.drop(name, value)
         self._env.clear()
         self._events.clear()
+        for host in self._stash.values():    # stashed, never restored (a step that failed)
+            self.backend.release_stash(host, None)
         self._stash.clear()
         self._moved.clear()
         self._landed.clear()
@@ -292,18 +295,17 @@ class Executor:
         self.memory.hold(fresh, sums, what=fresh)
 
     def _restore(self, node: Node) -> None:
-        """Saved activations (or a block's input) back from host memory, one dense tensor each (a
-        transpose keeps its layout, so the backward's kernels read it as they would have)."""
+        """Saved activations (or a block's input) back from host memory: each stashed storage into a
+        device buffer of its size, the tensors rebuilt on them with their layouts (runtime/stash.py)."""
         s, name = node.stage, node.writes[0]
         bundle = self.program.values[name].kind == "saved"
         key = next(v for v in self._stash if restored_of(v) == name)
-        host, moved = self._stash.pop(key), self._moved.pop(key)
-        # Values that never left (host tensors in the bundle, e.g. an SDPA philox seed) stay as they are.
-        dst = [dense_like(h, self.backend.device) if m else h for h, m in zip(host, moved)]
-        self._put(name, dst if bundle else dst[0])
-        pairs = [(d, h) for d, h, m in zip(dst, host, moved) if m]
-        self._events[name] = self.backend.prefetch([d for d, _ in pairs], [h for _, h in pairs],
-                                                   f"restore {self.program.stage_names[s]}")
+        host, places = self._stash.pop(key), self._moved.pop(key)
+        storages = [self.backend.empty((h.numel(),), torch.uint8) for h in host]
+        values = rebuild(places, storages)
+        self._put(name, values if bundle else values[0])
+        self._events[name] = self.backend.prefetch(storages, host, f"restore {self.program.stage_names[s]}")
+        self.backend.release_stash(host, self._events[name])
 
     def _offload(self, node: Node) -> None:
         if self.program.values[node.reads[0]].kind in STASHED:
@@ -318,18 +320,16 @@ class Executor:
 
     def _stash_saved(self, node: Node) -> None:
         """Saved activations (a bundle) or a block's input (one tensor) to host memory until the
-        backward half brings them back."""
+        backward half brings them back: each device storage once (runtime/stash.py)."""
         s, name = node.stage, node.reads[0]
         stash = self._stash
         value = self._env[name]
-        bundle = isinstance(value, (list, tuple))
-        key = name
-        tensors = list(value) if bundle else [value]
-        self._moved[key] = [t.device == self.backend.device for t in tensors]
+        tensors = list(value) if isinstance(value, (list, tuple)) else [value]
+        storages, self._moved[name] = stash_storages(tensors, self.backend.device)
 
         def sink(host_copies: list[torch.Tensor]) -> None:
-            stash[key] = host_copies
-        self._events[name] = self.backend.offload(tensors, sink, f"stash {name} of {self.program.stage_names[s]}",
+            stash[name] = host_copies
+        self._events[name] = self.backend.offload(storages, sink, f"stash {name} of {self.program.stage_names[s]}",
                                                   keep=True)
 
     def _clip_grads(self, node: Node) -> None:

@@ -33,6 +33,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fraction)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.75, raising=False)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: calls.streams.append(device) or SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda conf: None, raising=False)
     return calls
 
 
@@ -98,6 +100,12 @@ class _StubBackend:
         self.restored = list(zip(dsts, srcs))
         return SimpleNamespace(wait=lambda: None)
 
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def release_stash(self, host, after):
+        pass
+
 
 def test_stashed_activations_move_only_their_device_tensors():
     """Memory-efficient SDPA with dropout returns its philox seed and offset as CPU tensors in the
@@ -113,9 +121,10 @@ def test_stashed_activations_move_only_their_device_tensors():
     executor._restore(SimpleNamespace(stage=0, writes=["hsaved.0"]))     # comes back as h<name>
     bundle = executor._env["hsaved.0"]
     assert bundle[1] is seed and bundle[2] is offset
-    assert bundle[0].device.type == "meta" and bundle[0].shape == act.shape
-    assert [s.device.type for s in backend.offloaded if s.device.type != "meta"] == ["cpu", "cpu"]
-    assert len(backend.restored) == 1 and backend.restored[0][0] is bundle[0]
+    assert bundle[0].device.type == "meta" and bundle[0].shape == act.shape and bundle[0].stride() == act.stride()
+    # Only the device storage crosses, once, as flat bytes; the bundle is rebuilt on what came back.
+    assert [(s.device.type, s.dtype, s.numel()) for s in backend.offloaded] == [("meta", torch.uint8, 4 * 8 * 4)]
+    assert len(backend.restored) == 1 and backend.restored[0][0].numel() == 4 * 8 * 4
 
 
 def test_a_stage_slot_is_one_buffer_per_dtype_and_its_copies_coalesce():
@@ -207,15 +216,15 @@ class _FakeEvent:
 def test_a_stash_is_waited_for_on_the_compute_stream_not_on_a_host_thread(fake_cuda, monkeypatch):
     """Stashed activations go to host memory for the device alone to read back: the executor gets
     them at once, and its WAIT orders the compute stream after the copy without blocking a thread."""
-    from megacompile.runtime import cuda
+    from megacompile.runtime.pinned_pool import PinnedPool
     compute = _FakeStream()
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    monkeypatch.setattr(cuda, "dense_like", lambda t, pin=False: torch.empty_like(t))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     backend = make_backend("cuda:1", 40 * GiB)
     try:
+        backend.stash_pool = PinnedPool(lambda n, dtype: torch.empty(n, dtype=dtype))
         backend.device = torch.device("cpu")          # host tensors stand for device ones here
         backend.d2h_stream = _FakeStream()
         got = []

@@ -53,17 +53,17 @@ class _TimedEvent:
 
 
 def test_cuda_device_work_is_timed_by_events_on_its_stream(fake_cuda, monkeypatch):  # noqa: F811
-    from megacompile.runtime import cuda
+    from megacompile.runtime.pinned_pool import PinnedPool
     compute, h2d, d2h = object(), object(), object()
     monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    monkeypatch.setattr(cuda, "dense_like", lambda t, pin=False: torch.empty_like(t))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     backend = make_backend("cuda:1", 40 * GiB)
     waits = []
     try:
         backend.device = torch.device("cpu")
+        backend.stash_pool = PinnedPool(lambda n, dtype: torch.empty(n, dtype=dtype))
         backend.h2d_stream = type("S", (), {"wait_event": lambda self, e: waits.append(e)})()
         backend.d2h_stream = type("S", (), {"wait_event": lambda self, e: waits.append(e)})()
         _TimedEvent.ticks = itertools.count()

@@ -87,8 +87,31 @@ def test_verifier_catches_a_read_after_eviction(compiled):
 
 def test_verifier_catches_freeing_gradients_in_flight(compiled):
     captured, program = compiled
-    with pytest.raises(PlanVerificationError, match="in flight"):
+    with pytest.raises(PlanVerificationError, match="frees g1 before the WAIT on its offload"):
         verify(_without(program, _first(program, Op.WAIT, reads=("g1",))))
+
+
+def test_an_offloaded_stash_is_freed_only_after_the_wait_on_its_copy():
+    """The cuda backend frees offload sources without record_stream: the WAIT on the copy is what
+    orders the reuse of their memory, so a FREE moved above it must be refused."""
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=32, layers=3)
+    ids = models.batch(96, 2, 8)
+    captured = capture(model, (ids, ids), {}, device=torch.device("cpu"), compute_dtype=torch.float32)
+    blocks = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind == "block")
+    program = build_schedule(captured, ScheduleChoice(1, frozenset(), offload=frozenset(sorted(blocks)[:1])))
+    stashed = [n.reads[0] for n in program.nodes
+               if n.op is Op.OFFLOAD and program.values[n.reads[0]].kind in ("saved", "activation")]
+    assert stashed, "the schedule offloads a stash"
+    verify(program)
+    for value in stashed:
+        wait = _first(program, Op.WAIT, reads=(value,))
+        free = next(i for i, n in enumerate(program.nodes) if n.op is Op.FREE and value in n.frees)
+        assert wait < free
+        nodes = list(program.nodes)
+        nodes.insert(wait, nodes.pop(free))
+        with pytest.raises(PlanVerificationError, match=f"frees {value} before the WAIT on its offload"):
+            verify(program.copy(nodes))
 
 
 def test_verifier_catches_an_update_before_its_gradients_arrive(compiled):
