@@ -2,7 +2,8 @@
 
 The simulated device is this machine, so its profile is measured (megacompile/calibrate, which
 writes this file) and cached in MEGACOMPILE_CACHE_DIR (default ~/.cache/megacompile), keyed by
-the CPU, torch's thread count and the host AdamW's (optim/host_threads.py). The cost model only reads it: it never measures.
+the CPU, torch's thread count and the host AdamW's (optim/host_threads.py). The cost model only
+reads it: it never measures.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from .hardware import HardwareProfile
 
 def cpu_profile_path() -> Path:
     root = Path(os.environ.get("MEGACOMPILE_CACHE_DIR", Path.home() / ".cache" / "megacompile"))
-    key = f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}-t{torch.get_num_threads()}-h{host_threads()}"
+    key = (f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}"
+           f"-t{torch.get_num_threads()}-h{host_threads()}")
     return root / f"cpu_profile-v4-{key.replace(' ', '_').replace('/', '_')}.json"
 
 
