@@ -1,14 +1,20 @@
 """This machine's host, measured: the simulated device of the cpu backend is this machine.
 
-A short routine (a few seconds) times a matmul, a large copy, an in-place update and the host
-AdamW (on a host stream thread, with the threads the engine gives it) and the runtime's cost per
-ATen call. The cost per schedule node is fitted apart (node_overhead.py).
+A short routine (a few seconds) times a matmul, a large copy, the two copy streams' copies at
+once, an in-place update and the host AdamW (on a host stream thread, with the threads the engine
+gives it, over 1 GiB of parameter state) and the runtime's cost per ATen call. The cost per
+schedule node is fitted apart (node_overhead.py).
 """
 from __future__ import annotations
 
 import time
 
 import torch
+
+# The host AdamW is timed over this many parameters: 1 GiB of float32 master, gradient and both
+# moments. Far past any host cache, as a large model's update is; a few tens of MB would sit in a
+# big server's last-level cache and run several times faster than the real update.
+HOST_ADAM_NUMEL = 2**30 // 16
 
 from ..cost.hardware import HardwareProfile
 
@@ -24,26 +30,54 @@ def _median_seconds(fn, repeat: int = 5) -> float:
     return times[len(times) // 2]
 
 
-def measure() -> HardwareProfile:
-    """The cpu profile's figures but the node overhead, which keeps its default until fitted."""
+def measure(host_adam_numel: int = HOST_ADAM_NUMEL) -> HardwareProfile:
+    """The cpu profile's figures but the node overhead, which keeps its default until fitted.
+    host_adam_numel: the parameters the host AdamW is timed over."""
     n = 512
     own = torch.Generator().manual_seed(0)     # the global stream is the model's dropout's, not ours
     a, b = torch.randn(n, n, generator=own), torch.randn(n, n, generator=own)
     matmul = 2 * n**3 / _median_seconds(lambda: a @ b)
     big = torch.empty(32 * 2**20 // 4)
     other = torch.empty_like(big)
-    copy_bw = 2 * big.numel() * 4 / _median_seconds(lambda: other.copy_(big))
     inplace_bw = 2 * big.numel() * 4 / _median_seconds(lambda: big.mul_(1.0))
-    adam = host_adam_rate()
+    link_bw = duplex_copy_bw(big, other)
+    adam = host_adam_rate(host_adam_numel)
     overhead = _interpreter_overhead()
-    # The simulated device is host memory: "device" bandwidth and both link directions are
-    # host memory copies.
-    return HardwareProfile("cpu (simulated device, measured)", 2**40, inplace_bw, matmul, matmul, copy_bw, copy_bw,
+    # The simulated device is host memory: "device" bandwidth is a host memory copy, and each
+    # link direction a copy on its own stream thread while the other direction's runs.
+    return HardwareProfile("cpu (simulated device, measured)", 2**40, inplace_bw, matmul, matmul, link_bw, link_bw,
                            inplace_bw, adam, overhead, matmul_efficiency=1.0, memory_efficiency=1.0,
                            workspace_bytes=0, fragmentation=0.0, hidden_scratch=False)
 
 
-def host_adam_rate(numel: int = 4 * 2**20, compute_dtype: torch.dtype = torch.float32, repeat: int = 3) -> float:
+def duplex_copy_bw(a: torch.Tensor, b: torch.Tensor, repeat: int = 3) -> float:
+    """B/s of one copy stream's copies while the other stream copies too, as a step's prefetches
+    (h2d) and offloads (d2h) run: each stream copies its own pair of buffers, like `a` and `b`."""
+    from ..runtime.backend import Timeline
+    from ..runtime.stream import ThreadStream
+    pairs = [(torch.empty_like(a), a), (torch.empty_like(b), b)]
+    streams = [ThreadStream(name, Timeline()) for name in ("h2d", "d2h")]
+    seconds: list[float] = []
+
+    def copies(dst: torch.Tensor, src: torch.Tensor):
+        def run() -> None:
+            start = time.perf_counter()
+            for _ in range(repeat):
+                dst.copy_(src)
+            seconds.append((time.perf_counter() - start) / repeat)
+        return run
+    try:
+        for (dst, src), stream in zip(pairs, streams):   # warm up
+            stream.submit(lambda d=dst, s=src: d.copy_(s), "").wait()
+        for event in [stream.submit(copies(*pair), "") for pair, stream in zip(pairs, streams)]:
+            event.wait()
+    finally:
+        for stream in streams:
+            stream.close()
+    return 2 * a.numel() * a.element_size() / max(seconds)
+
+
+def host_adam_rate(numel: int = HOST_ADAM_NUMEL, compute_dtype: torch.dtype = torch.float32, repeat: int = 3) -> float:
     """Params/s of the host AdamW as the engine runs it: on the host stream's thread with the
     intra-op threads that stream gets, over one owner's flat fp32 master, m, v and accumulated
     fp32 gradient, writing the compute copy when compute is not fp32 (Engine._adamw)."""

@@ -2,7 +2,8 @@
 
 The simulated device is this machine, so its profile is measured (megacompile/calibrate, which
 writes this file) and cached in MEGACOMPILE_CACHE_DIR (default ~/.cache/megacompile), keyed by
-the CPU and torch's thread count. The cost model only reads it: it never measures.
+the CPU, torch's thread count and the host AdamW's (optim/host_threads.py). The cost model only
+reads it: it never measures.
 """
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from pathlib import Path
 
 import torch
 
+from ..optim.host_threads import host_threads
 from .hardware import HardwareProfile
 
 
 def cpu_profile_path() -> Path:
     root = Path(os.environ.get("MEGACOMPILE_CACHE_DIR", Path.home() / ".cache" / "megacompile"))
-    key = f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}-t{torch.get_num_threads()}"
-    return root / f"cpu_profile-v3-{key.replace(' ', '_').replace('/', '_')}.json"
+    key = (f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}"
+           f"-t{torch.get_num_threads()}-h{host_threads()}")
+    return root / f"cpu_profile-v4-{key.replace(' ', '_').replace('/', '_')}.json"
 
 
 def cached_cpu_profile() -> HardwareProfile | None:

@@ -2,7 +2,9 @@
 
 FLOPs come from torch's flop counter formulas (torch.utils.flop_counter), applied to the traced
 fake values; bytes are what each op reads and writes. An op takes the longer of its compute and
-its memory time, plus the profile's fixed per-op overhead; view ops move nothing.
+its memory time, plus the profile's fixed per-op overhead; view ops move nothing. Matmuls run at
+the profile's matmul rate; the SDPA kernels (flash, memory-efficient, cuDNN attention and their
+backwards) at the share of it the profile's attention_efficiency says.
 """
 from __future__ import annotations
 
@@ -96,6 +98,20 @@ def _causal(node: fx.Node) -> bool:
     return bool(node.args[i] if i < len(node.args) else node.kwargs.get("is_causal", False))
 
 
+# The fused attention kernels' ATen names; each one's backward is the name with "_backward".
+ATTENTION_KERNELS = frozenset(f"{name}{suffix}" for suffix in ("", "_backward") for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention", "_efficient_attention",
+    "_flash_attention_forward", "_efficient_attention_forward"))
+
+
+def is_attention(node: fx.Node) -> bool:
+    packet = getattr(node.target, "overloadpacket", None)
+    return (packet is not None and getattr(node.target, "namespace", None) == "aten"
+            and packet.__name__ in ATTENTION_KERNELS)
+
+
 def node_bytes(node: fx.Node) -> float:
     if getattr(node.target, "overloadpacket", None) in VIEWS or node.target is operator.getitem:
         return 0.0
@@ -116,6 +132,7 @@ def graph_cost(program: StageProgram, hw: HardwareProfile, dtype: torch.dtype) -
     if key in cache:
         return cache[key]
     peak = hw.peak_flops(dtype) * hw.matmul_efficiency
+    attention_peak = peak * hw.attention_efficiency
     bandwidth = hw.device_bw * hw.memory_efficiency
     seconds = flops = moved = 0.0
     ops = 0
@@ -126,7 +143,8 @@ def graph_cost(program: StageProgram, hw: HardwareProfile, dtype: torch.dtype) -
         flops += f
         moved += b
         ops += 1
-        seconds += max(f / peak, b / bandwidth) + hw.op_overhead_s
+        rate = attention_peak if f and is_attention(node) else peak
+        seconds += max(f / rate, b / bandwidth) + hw.op_overhead_s
     cache[key] = GraphCost(seconds, flops, moved, ops)
     return cache[key]
 

@@ -27,6 +27,10 @@ class HardwareProfile:
     host_adam_params_per_s: float  # host AdamW throughput, the full update path (about 28 B/param)
     op_overhead_s: float         # fixed cost per launched op (kernel launch, or interpreter step)
     matmul_efficiency: float = 0.7   # share of peak FLOP/s real matmuls reach
+    # Share of that matmul rate the fused attention (SDPA) kernels reach. FlashAttention-2 runs
+    # near 330 TFLOPS on an H100, where a dense bf16 matmul reaches about 692 (0.7 x 989): 0.48 on
+    # Hopper. On an A100 it reaches about what a matmul does. Measured profiles measure it.
+    attention_efficiency: float = 1.0
     memory_efficiency: float = 0.8   # share of bandwidth elementwise kernels reach
     # The runtime's fixed cost per schedule node, paid by the issuing (compute) thread: Python
     # dispatch, stream handoffs, ledger updates. Negligible at GPU block sizes; on the cpu
@@ -61,16 +65,18 @@ def _host(bw: float) -> tuple[float, float]:
 
 
 _H100_HOST = _host(300 * GB)
+HOPPER_ATTENTION = 0.48
 
 PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile("h100 (SXM, 80 GB, PCIe Gen5 host link)", 80 * 10**9, 3.35e12, 989 * TFLOPS,
-                            67 * TFLOPS, 55 * GB, 55 * GB, *_H100_HOST, 5e-6),
+                            67 * TFLOPS, 55 * GB, 55 * GB, *_H100_HOST, 5e-6, attention_efficiency=HOPPER_ATTENTION),
     "h100-pcie": HardwareProfile("h100 (PCIe, 80 GB)", 80 * 10**9, 2.0e12, 756 * TFLOPS, 51 * TFLOPS,
-                                 55 * GB, 55 * GB, *_H100_HOST, 5e-6),
+                                 55 * GB, 55 * GB, *_H100_HOST, 5e-6, attention_efficiency=HOPPER_ATTENTION),
     "h200": HardwareProfile("h200 (141 GB, PCIe Gen5 host link)", 141 * 10**9, 4.8e12, 989 * TFLOPS,
-                            67 * TFLOPS, 55 * GB, 55 * GB, *_H100_HOST, 5e-6),
+                            67 * TFLOPS, 55 * GB, 55 * GB, *_H100_HOST, 5e-6, attention_efficiency=HOPPER_ATTENTION),
     "gh200": HardwareProfile("gh200 (96 GB HBM3, NVLink-C2C to LPDDR5X)", 96 * 10**9, 4.0e12, 989 * TFLOPS,
-                             67 * TFLOPS, 450 * GB, 450 * GB, *_host(500 * GB), 5e-6),
+                             67 * TFLOPS, 450 * GB, 450 * GB, *_host(500 * GB), 5e-6,
+                             attention_efficiency=HOPPER_ATTENTION),
     "a100": HardwareProfile("a100 (SXM, 80 GB, PCIe Gen4 host link)", 80 * 10**9, 2.0e12, 312 * TFLOPS,
                             19.5 * TFLOPS, 25 * GB, 25 * GB, *_host(200 * GB), 5e-6),
 }

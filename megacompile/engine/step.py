@@ -29,7 +29,9 @@ class StepRecord:
     updated); reason: why, in words; grad_norm: the global norm when clipping (the whole step's,
     on its last micro-batch); lr: the step's learning rate; tokens: elements of the micro-batch's
     input_ids (or first input); seconds: the call's wall time; device_peak_bytes and
-    predicted_device_peak_bytes: the plan's measured and predicted device peaks.
+    predicted_device_peak_bytes: the plan's measured and predicted device peaks; host_threads:
+    the threads the host AdamW runs the step's update on (this rank's share of the cores it may
+    use, optim/host_threads.py; an owner under 64K elements a thread takes fewer).
     """
     step: int
     loss: float
@@ -43,6 +45,7 @@ class StepRecord:
     seconds: float | None = None
     device_peak_bytes: int | None = None
     predicted_device_peak_bytes: int | None = None
+    host_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.skipped:
@@ -106,7 +109,8 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     engine.last_step = StepRecord(context["step"], loss, micro, last, grad_norm=context.get("grad_norm"),
                                   lr=context["lr"], tokens=tokens, seconds=time.perf_counter() - started,
                                   device_peak_bytes=compiled.plan.measured_peak_bytes,
-                                  predicted_device_peak_bytes=compiled.plan.predicted_peak_bytes)
+                                  predicted_device_peak_bytes=compiled.plan.predicted_peak_bytes,
+                                  host_threads=backend.host.threads)
     return loss
 
 

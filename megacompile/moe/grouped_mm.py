@@ -17,6 +17,8 @@ Implementations, chosen when the graph runs:
     which never reads the offsets on the host;
   - cpu: one torch.mm per expert over its slice, exact in float32 (the reference, also what
     transformers' own grouped_mm computes on the cpu, sum for sum).
+Only the cpu path reads the offsets on the host: on a GPU they stay on the device, where a read
+would wait for every kernel queued before it, once per expert layer and pass.
 """
 from __future__ import annotations
 
@@ -32,7 +34,11 @@ def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
 
 
 def _ends(offs: torch.Tensor) -> list[int]:
-    return offs.tolist()     # one device-to-host copy of E integers per call
+    return offs.tolist()     # host offsets: the cpu path's per-expert loop only
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda
 
 
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -58,7 +64,7 @@ def grouped_mm_weight_grad_reference(x: torch.Tensor, dy: torch.Tensor, offs: to
 
 def _cutlass(x: torch.Tensor, *dims: int) -> bool:
     """torch._grouped_mm: bf16 on sm_90+, every row stride a multiple of 16 bytes (8 elements)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    return (_on_gpu(x) and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and all(d % 8 == 0 for d in dims) and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
@@ -67,7 +73,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     _check(x, w, offs)
     if _cutlass(x, x.size(1), w.size(1), w.size(2)):
         return torch._grouped_mm(x, w, offs=offs.to(torch.int32))
-    if x.is_cuda:
+    if _on_gpu(x):
         from ..kernels.grouped_gemm import grouped_gemm
         return grouped_gemm(x, w, offs)
     return grouped_mm_reference(x, w, offs)
@@ -83,7 +89,7 @@ def _grouped_mm_fake(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
 def grouped_mm_weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if _cutlass(x, x.size(1), dy.size(1)):
         return torch._grouped_mm(x.t(), dy, offs=offs.to(torch.int32))
-    if x.is_cuda:
+    if _on_gpu(x):
         from ..kernels.grouped_gemm import grouped_gemm_weight_grad
         return grouped_gemm_weight_grad(x, dy, offs)
     return grouped_mm_weight_grad_reference(x, dy, offs)

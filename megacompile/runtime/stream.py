@@ -10,6 +10,7 @@ import torch
 
 from .backend import Event, Timeline
 from .delays import injected_delay
+from ..optim.host_threads import host_threads
 
 
 class ThreadEvent(Event):
@@ -61,13 +62,14 @@ class ThreadStream:
     """Work submitted here runs on one thread, in submission order; torch copies and math
     release the GIL, so it really runs beside the compute thread.
 
-    `threads`: intra-op threads of that thread; None takes the creating thread's count (host
-    work: the optimizer, gradient accumulation). `track`: the timeline stream its spans go on
+    `threads`: intra-op threads of that thread; None takes this rank's share of the machine's
+    cores (host work: the optimizer, gradient accumulation; optim/host_threads.py), whatever
+    OMP_NUM_THREADS the process was started with. `track`: the timeline stream its spans go on
     (default: its name)."""
 
     def __init__(self, name: str, timeline: Timeline, threads: int | None = 1, track: str | None = None):
         self.name, self.timeline, self.track = name, timeline, track or name
-        self.threads = torch.get_num_threads() if threads is None else threads
+        self.threads = host_threads() if threads is None else threads
         self._queue: queue.Queue = queue.Queue()
         self._delay = injected_delay(name)   # None unless MEGACOMPILE_INJECT_DELAYS is set
         self._thread = threading.Thread(target=self._loop, name=f"megacompile-{name}", daemon=True)

@@ -86,6 +86,7 @@ def spawn(scenario: str, size: int, folder: str, **kw) -> None:
 
 def _entry(rank: int, scenario: str, size: int, folder: str, kw: dict) -> None:
     torch.set_num_threads(1)
+    os.environ["LOCAL_WORLD_SIZE"] = str(size)    # as torchrun says: the ranks share this machine's cores
     nodes = kw.pop("nodes", None)
     if nodes is not None:       # several nodes on this machine: the ranks grouped by MEGACOMPILE_NODE
         from megacompile.distributed.node import NODE_ENV

@@ -57,6 +57,8 @@ def test_a_cold_cache_is_measured_once(tmp_path, monkeypatch):
         return fit(profile, *args, **kwargs)
     fit = cache.fit_node_overhead
     monkeypatch.setattr(cache, "fit_node_overhead", counted)
+    measure = cache.measure      # the host AdamW on 1M parameters, not the full 1 GiB of state
+    monkeypatch.setattr(cache, "measure", lambda: measure(host_adam_numel=2**20))
     torch.manual_seed(0)
     model = TinyLlama(LlamaConfig(vocab=64, dim=32, layers=2, heads=2, kv_heads=1, ffn=64))
     ids = torch.randint(0, 64, (1, 8))
