@@ -121,15 +121,23 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
     options = list(options or families())
     fits: list[ScheduleChoice] = []
     settled: set[tuple] = set()
+    fastest = float("inf")      # the fastest fit so far, in predicted seconds (with seconds_of)
     for f in options:
         # Once a depth and resident set fit with every block kept whole, the other families of
         # that pair only add work (offload traffic, recompute, redone cheap ops): skip them.
         if (f.depth, f.resident) in settled:
             continue
-        choice = smallest_fit(candidates(blocks, f), budget_bytes, peak_of)
+        options_f = candidates(blocks, f)
+        # A strided family's fastest choice is its first: when that is slower than a fit already
+        # found, its search cannot win (this keeps the strides' planning time small).
+        if f.stride and seconds_of is not None and round(seconds_of(options_f[0]), 9) > round(fastest, 9):
+            continue
+        choice = smallest_fit(options_f, budget_bytes, peak_of)
         if choice is None:
             continue
         fits.append(choice)
+        if seconds_of is not None:
+            fastest = min(fastest, seconds_of(choice))
         if not (choice.recompute or choice.offload or choice.selective):
             settled.add((f.depth, f.resident))
     minimum = min(peak_of(candidates(blocks, Family(f.depth, selective=f.selective, lag=f.lag,
