@@ -105,8 +105,11 @@ def _make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind, *, ba
     layer = layer_major_k(captured, kind, grad_accum, accumulation)
     choice, minimum = None, None
     if accumulation != "layer" or layer == 1:
+        # The fastest of each stride by the short-stack estimate, then on the whole stack.
+        def exact_of(c: ScheduleChoice) -> float:
+            return predict(schedule(c), with_selective(captured, c.selective), hardware, disk_per_param).step_s
         choice, minimum = solve(blocks, plan_bytes, peak_of, seconds_of,
-                                search_space(captured, blocks, hardware, host_room, device_room=plan_bytes))
+                                search_space(captured, blocks, hardware, host_room, device_room=plan_bytes), exact_of)
     if layer > 1:
         # Every micro-batch of a layer-major step stashes what one would: k times the host bytes.
         space = search_space(captured, blocks, hardware, None if host_room is None else host_room // layer,

@@ -113,31 +113,39 @@ def families(residents: Sequence[frozenset[int]] = (frozenset(),), offload_count
 
 def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
           seconds_of: Callable[[ScheduleChoice], float] | None = None,
-          options: Sequence[Family] | None = None) -> tuple[ScheduleChoice | None, int]:
+          options: Sequence[Family] | None = None,
+          exact_of: Callable[[ScheduleChoice], float] | None = None) -> tuple[ScheduleChoice | None, int]:
     """The fastest choice that fits (None if none does), and the smallest peak any choice reaches.
 
     `options`: the families to search (default: the three depths, nothing else). Without
-    `seconds_of`, deeper prefetch and fewer recomputed blocks count as faster."""
+    `seconds_of`, deeper prefetch and fewer recomputed blocks count as faster. `seconds_of` may be
+    an estimate that ranks choices of one shape of pattern well but not different shapes against
+    each other (planner/shorten.py judges a strided pattern by its periods): with `exact_of`, the
+    fastest choice of each stride (0: prefix/suffix) by `seconds_of` is timed by `exact_of`, and
+    the fastest of those wins."""
     options = list(options or families())
     fits: list[ScheduleChoice] = []
+    stride_of: dict[ScheduleChoice, int] = {}
     settled: set[tuple] = set()
-    fastest = float("inf")      # the fastest fit so far, in predicted seconds (with seconds_of)
+    fastest: dict[int, float] = {}    # per stride, the fastest fit so far (with seconds_of)
     for f in options:
         # Once a depth and resident set fit with every block kept whole, the other families of
         # that pair only add work (offload traffic, recompute, redone cheap ops): skip them.
         if (f.depth, f.resident) in settled:
             continue
         options_f = candidates(blocks, f)
-        # A strided family's fastest choice is its first: when that is slower than a fit already
-        # found, its search cannot win (this keeps the strides' planning time small).
-        if f.stride and seconds_of is not None and round(seconds_of(options_f[0]), 9) > round(fastest, 9):
+        # A strided family's fastest choice is its first: when that is slower than a fit of the
+        # same stride already found, its search cannot win (this keeps planning time small).
+        if f.stride and seconds_of is not None and f.stride in fastest \
+                and round(seconds_of(options_f[0]), 9) > round(fastest[f.stride], 9):
             continue
         choice = smallest_fit(options_f, budget_bytes, peak_of)
         if choice is None:
             continue
         fits.append(choice)
+        stride_of.setdefault(choice, f.stride)
         if seconds_of is not None:
-            fastest = min(fastest, seconds_of(choice))
+            fastest[f.stride] = min(fastest.get(f.stride, float("inf")), seconds_of(choice))
         if not (choice.recompute or choice.offload or choice.selective):
             settled.add((f.depth, f.resident))
     minimum = min(peak_of(candidates(blocks, Family(f.depth, selective=f.selective, lag=f.lag,
@@ -148,5 +156,13 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
         return min(fits, key=lambda c: (len(c.recompute), -c.prefetch_depth)), minimum
     # Predictions equal to the nanosecond are ties (float noise must not pick the schedule): then
     # less recompute, less offload, deeper prefetch, fewer residents and selective blocks win.
-    return min(fits, key=lambda c: (round(seconds_of(c), 9), len(c.recompute), len(c.offload), -c.prefetch_depth,
-                                    len(c.resident), len(c.selective))), minimum
+    def ties(c: ScheduleChoice) -> tuple:
+        return len(c.recompute), len(c.offload), -c.prefetch_depth, len(c.resident), len(c.selective)
+    best = {}
+    for c in fits:
+        m = stride_of[c]
+        if m not in best or (round(seconds_of(c), 9), *ties(c)) < (round(seconds_of(best[m]), 9), *ties(best[m])):
+            best[m] = c
+    if exact_of is None or len(best) == 1:
+        return min(best.values(), key=lambda c: (round(seconds_of(c), 9), *ties(c))), minimum
+    return min(best.values(), key=lambda c: (round(exact_of(c), 9), *ties(c))), minimum
