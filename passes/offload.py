@@ -24,6 +24,7 @@ def offload_saved(program: Program, offload: frozenset[int], lag: int = 1) -> Pr
     rank_of = {i: r for r, i in enumerate(compute_at)}
     before: dict[int, list[Node]] = {}
     after: dict[int, list[Node]] = {}
+    sent: dict[int, int] = {}      # stage -> the node after which its copy out is waited for
     for i, n in enumerate(nodes):
         if n.stage not in offload:
             continue
@@ -32,12 +33,19 @@ def offload_saved(program: Program, offload: frozenset[int], lag: int = 1) -> Pr
             out = Node(Op.OFFLOAD, s, reads=(saved(s),), origin=n.origin, note="saved activations to host memory")
             nxt = compute_at[min(rank_of[i] + lag, len(compute_at) - 1)]
             after.setdefault(i, []).append(out)
+            sent[s] = nxt
             after.setdefault(nxt, []).extend([Node(Op.WAIT, s, reads=(saved(s),), origin=n.origin),
                                               Node(Op.FREE, s, frees=(saved(s),), origin=n.origin)])
         elif n.op is Op.BACKWARD:
             issue = compute_at[max(rank_of[i] - lag, 0)]
-            before.setdefault(issue, []).append(Node(Op.PREFETCH, s, writes=(restored(s),), origin=n.origin,
-                                                     note="saved activations back from host memory"))
+            back = Node(Op.PREFETCH, s, writes=(restored(s),), origin=n.origin,
+                        note="saved activations back from host memory")
+            if issue <= sent.get(s, -1):
+                # A block this close to its backward (the last ones, with a long lag): the copy
+                # back may start only once the copy out is done.
+                after[sent[s]].append(back)
+            else:
+                before.setdefault(issue, []).append(back)
             before.setdefault(i, []).append(Node(Op.WAIT, s, reads=(restored(s),), origin=n.origin))
     out: list[Node] = []
     for i, n in enumerate(nodes):

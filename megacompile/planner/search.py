@@ -21,12 +21,14 @@ from .solve import solve
 from ..passes.lower import lower
 from ..passes.selective import with_selective
 from .shorten import Short, held_bytes, peak_with_cut, shorten, span
-from .solve import Family, Selective, families
+from .solve import Family, Selective, candidates, families
 from ..passes.baselines import baseline_choice
 from .chunk_count import plan_chunked
 from .result import Plan
 
 GiB = 2 ** 30
+# The m of the families that recompute every m-th block of the offloaded stretch (solve.py).
+STRIDES = (2, 3, 4)
 
 
 _SHARED: ContextVar[list | None] = ContextVar("megacompile_shared_plans", default=None)
@@ -103,8 +105,11 @@ def _make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind, *, ba
     layer = layer_major_k(captured, kind, grad_accum, accumulation)
     choice, minimum = None, None
     if accumulation != "layer" or layer == 1:
+        # The fastest of each stride by the short-stack estimate, then on the whole stack.
+        def exact_of(c: ScheduleChoice) -> float:
+            return predict(schedule(c), with_selective(captured, c.selective), hardware, disk_per_param).step_s
         choice, minimum = solve(blocks, plan_bytes, peak_of, seconds_of,
-                                search_space(captured, blocks, hardware, host_room, device_room=plan_bytes))
+                                search_space(captured, blocks, hardware, host_room, device_room=plan_bytes), exact_of)
     if layer > 1:
         # Every micro-batch of a layer-major step stashes what one would: k times the host bytes.
         space = search_space(captured, blocks, hardware, None if host_room is None else host_room // layer,
@@ -263,26 +268,32 @@ class _ShortJudge:
         self.peak_during = simulate(program).peak_during
         middle = next(i for i, n in enumerate(program.nodes) if n.op is Op.BACKWARD)
         self.spans = [span(program, r.first) for r in runs]
-        self.held = [held_bytes(program, middle, f"f{r.first}.") for r in runs]
-        self.periods = [_period(program, captured, r.first, hardware, disk_per_param) for r in runs]
+        # Per run, what one period of its pattern holds (summed over its blocks) and takes.
+        self.held = [sum(held_bytes(program, middle, f"f{s}.") for s in range(r.first, r.first + r.period))
+                     for r in runs]
+        self.periods = [_period(program, captured, range(r.first, r.first + r.period), hardware, disk_per_param)
+                        for r in runs]
         self._step_s: float | None = None
 
     def peak(self, runs: tuple) -> int:
-        return peak_with_cut(self.peak_during, [(*sp, r.removed * b) for sp, r, b in zip(self.spans, runs, self.held)])
+        return peak_with_cut(self.peak_during, [(*sp, r.removed // r.period * b)
+                                                for sp, r, b in zip(self.spans, runs, self.held)])
 
     def seconds(self, runs: tuple) -> float:
         if self._step_s is None:
             self._step_s = predict(self.program, self.captured, self.hardware, self.disk_per_param).step_s
-        return self._step_s + sum(r.removed * p for r, p in zip(runs, self.periods))
+        return self._step_s + sum(r.removed // r.period * p for r, p in zip(runs, self.periods))
 
 
-def _period(program: Program, captured: CapturedModel, s: int, hw: HardwareProfile,
+def _period(program: Program, captured: CapturedModel, stages: range, hw: HardwareProfile,
             disk_per_param: float = 0.0) -> float:
-    """One block's share of a long run's step: the busiest stream's seconds for stage `s`."""
+    """One period's share of a long run's step: the busiest stream's seconds for its `stages`
+    together (a pattern that mixes recompute and offload balances the streams over the period)."""
     busy = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
     for n in program.nodes:
-        if n.stage != s:
+        if n.stage not in stages:
             continue
+        s = n.stage
         busy["compute"] += hw.node_overhead_s
         if n.op in COMPUTE_OPS:
             busy["compute"] += compute_seconds(captured, n, hw)[0]
@@ -352,15 +363,18 @@ def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareP
     selective = tuple(Selective) if any_selective else (Selective.NONE,)
     distinct = {id(captured.stages[s].template): s for s in blocks}.values()
     # A block that neither keeps nor saves may also send its input to host memory (boundary.py).
+    # Every m-th block of the offloaded stretch may recompute instead (solve.py: `stride`); tried
+    # for stretches of half the blocks or more, where the copies out bind the forward.
     options = families(residents, offload_counts, selective,
                        lambda mode: max(_offload_lag(captured, held(s, mode), hardware) for s in distinct),
-                       (False, True))
+                       (False, True), (0, *STRIDES))
+    options = [f for f in options if not f.stride or 2 * f.offloaded >= n]
     if host_room is None:
         return options
 
     def stash(f: Family) -> int:    # offloaded blocks never recompute, so KEPT offloads the variant
         inputs = sum(_input_bytes(captured, s) for s in blocks) if f.boundary else 0   # at most every block's
-        return inputs + sum(held(s, f.selective).saved_bytes for s in blocks[:f.offloaded])
+        return inputs + sum(held(s, f.selective).saved_bytes for s in candidates(blocks, f).stash)
     return [f for f in options if stash(f) <= host_room]
 
 

@@ -10,6 +10,10 @@ span; and to the step, one block's share of it (its period). So the solver simul
 with each run cut to `keep` blocks at each end, and adds the cut blocks back as bytes per node
 and seconds per block.
 
+A run may also repeat a short pattern of holds (every m-th block recomputed, the others
+offloaded: solve.py's `stride`): then whole periods of the pattern are cut, and each adds the
+bytes and the busiest stream's seconds of one period.
+
 The cut blocks are the middle of each run: `keep` blocks stay at each end, so every remaining
 block has neighbours that do what its cut neighbours did, on both sides of the cut, in the
 forward and in the backward. The last block before the cut feeds the first one after it; only an
@@ -34,7 +38,8 @@ class Run:
     the first block after the cut (its forward and backward bound the span they held bytes over)."""
     first: int
     removed: int
-    key: tuple         # what each block of it does: (template, hold, selective, boundary)
+    key: tuple         # what each block of its period does: (template, hold, selective, boundary) each
+    period: int = 1    # blocks in the pattern the run repeats; `removed` is a multiple of it
 
 
 @dataclass(frozen=True)
@@ -58,13 +63,7 @@ def _same_output(captured: CapturedModel, a: int, b: int, k: int) -> bool:
 def shorten(captured: CapturedModel, blocks: list[int], choice: ScheduleChoice, keep: int) -> Short:
     """`captured` with each run of like blocks longer than 2 x `keep` cut to `keep` blocks at each
     end, the choice for the short stack, and what was cut."""
-    runs: list[list[int]] = []
-    for s in blocks:
-        key = (id(captured.stages[s].template), *_hold(s, choice))
-        if runs and runs[-1][-1] == s - 1 and (id(captured.stages[s - 1].template), *_hold(s - 1, choice)) == key:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
+    runs = _runs(captured, blocks, choice, keep)
     read_by: dict[int, list[tuple[int, int]]] = {}
     for c, st in enumerate(captured.stages):
         for p in st.inputs:
@@ -72,11 +71,12 @@ def shorten(captured: CapturedModel, blocks: list[int], choice: ScheduleChoice, 
     cut: set[int] = set()
     stand_in: dict[int, int] = {}     # a cut stage -> the stage whose outputs its readers now read
     cuts: list[tuple[list[int], int]] = []
-    for run in runs:
-        n = len(run) - 2 * keep
+    for run, period in runs:
+        ends = _ends(keep, period)
+        n = (len(run) - 2 * ends) // period * period
         if n <= 0:
             continue
-        gone, before, after = run[keep:keep + n], run[keep - 1], run[keep + n]
+        gone, before, after = run[ends:ends + n], run[ends - 1], run[ends + n]
         readers = [(c, b, k) for b in gone for c, k in read_by.get(b, ())]
         # A chain: each cut block is read only by the next block of its run, and the last block
         # before the cut can stand in for the last cut one.
@@ -85,7 +85,7 @@ def shorten(captured: CapturedModel, blocks: list[int], choice: ScheduleChoice, 
             continue
         cut.update(gone)
         stand_in[gone[-1]] = before
-        cuts.append((after, n))
+        cuts.append((after, n, period))
     if not cut:
         return Short(captured, choice, ())
     new = {s: i for i, s in enumerate(s for s in range(len(captured.stages)) if s not in cut)}
@@ -96,8 +96,9 @@ def shorten(captured: CapturedModel, blocks: list[int], choice: ScheduleChoice, 
               for s, st in enumerate(captured.stages) if s not in cut]
     short = dataclasses.replace(captured, stages=stages, outputs=[port(p) for p in captured.outputs])
 
-    runs_cut = tuple(Run(new[after], n, (id(captured.stages[after].template), *_hold(after, choice)))
-                     for after, n in cuts)
+    runs_cut = tuple(Run(new[after], n, tuple((id(captured.stages[s].template), *_hold(s, choice))
+                                              for s in range(after, after + period)), period)
+                     for after, n, period in cuts)
 
     def renumber(chosen: frozenset[int]) -> frozenset[int]:
         return frozenset(new[s] for s in chosen if s not in cut)
@@ -105,6 +106,46 @@ def shorten(captured: CapturedModel, blocks: list[int], choice: ScheduleChoice, 
                                  offload=renumber(choice.offload), selective=renumber(choice.selective),
                                  boundary=renumber(choice.boundary))
     return Short(short, choice, runs_cut)
+
+
+# The longest pattern of holds a run may repeat (solve.py's strides go up to it).
+PERIODS = 4
+
+
+def _runs(captured: CapturedModel, blocks: list[int], choice: ScheduleChoice, keep: int
+          ) -> list[tuple[list[int], int]]:
+    """The blocks in runs, each with its period: from each block, the period (1 to PERIODS) whose
+    repeats from there let the most blocks be cut, the shortest on a tie. A longer period counts
+    only where its blocks differ in how they are held, so a stack whose blocks alternate templates
+    but are held alike is cut as it always was."""
+    keys = [(id(captured.stages[s].template), *_hold(s, choice)) for s in blocks]
+    out: list[tuple[list[int], int]] = []
+    i = 0
+    while i < len(blocks):
+        best, best_cut = (1, 1), 0
+        for p in range(1, PERIODS + 1):
+            t = i + 1
+            while t < len(blocks) and blocks[t] == blocks[t - 1] + 1 and (t - i < p or keys[t] == keys[t - p]):
+                t += 1
+            if p > 1 and len({k[1:] for k in keys[i:i + p]}) < 2:
+                continue
+            length = t - i if p == 1 else (t - i) // p * p
+            ends = _ends(keep, p)
+            cut = max(0, (length - 2 * ends) // p * p)
+            if p == 1:
+                best = (length, 1)
+            if cut > best_cut:
+                best, best_cut = (length, p), cut
+        length, p = best
+        out.append((blocks[i:i + length], p))
+        i += length
+    return out
+
+
+def _ends(keep: int, period: int) -> int:
+    """Blocks left at each end of a run: whole periods, so many that every block of the period
+    after the cut is `keep` blocks from the run's end (its bytes then stand for a cut period's)."""
+    return -(-(keep + period - 1) // period) * period
 
 
 def held_bytes(program: Program, upto: int, prefix: str) -> int:

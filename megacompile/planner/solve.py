@@ -10,8 +10,10 @@ block offloaded or recomputed may also send that input to host memory until its 
 
 The solver also picks how many compute nodes ahead weights are prefetched (depth 0, 1, 2) and
 whether the small stages (embeddings) stay resident for the step. Families of candidates fix
-depth, residents, how many of the first blocks are offloaded and which blocks save selectively;
-within a family, recomputing the first k of the remaining blocks (the earliest blocks' saved
+depth, residents, how many of the first blocks are offloaded and which blocks save selectively,
+and whether every m-th of those first blocks is recomputed instead (`stride`: where the forward
+is bound by the activation copies, a recompute spread through the offloaded stretch frees link
+time in every stretch of m blocks, not in one stretch at its end); within a family, recomputing the first k of the remaining blocks (the earliest blocks' saved
 values live longest, so dropping them lowers the peak most) never raises the peak and never
 speeds the step up, so the best k is the smallest that fits, found by bisection. The solver then
 takes the fastest family's choice. It sees two functions, choice -> peak bytes and choice ->
@@ -46,15 +48,19 @@ class Family:
     selective: Selective = Selective.NONE
     lag: int = 1                         # compute nodes an activation copy runs beside
     boundary: bool = False               # blocks offloaded or recomputed also send their input to host memory
+    stride: int = 0                      # m > 0: of the first `offloaded` blocks, every m-th (from the
+                                         # first) is recomputed instead of offloaded
 
 
 class Candidates(Sequence[ScheduleChoice]):
-    """The family's choices, k = 0 .. all of the blocks not offloaded recomputed, in order; each
-    made when asked for (bisection reads about log2(n) of them)."""
+    """The family's choices, k = 0 .. all of the blocks after the offloaded stretch recomputed, in
+    order; each made when asked for (bisection reads about log2(n) of them)."""
 
     def __init__(self, blocks: Sequence[int], family: Family):
         self.blocks, self.family = list(blocks), family
-        self.stash, self.rest = frozenset(self.blocks[:family.offloaded]), self.blocks[family.offloaded:]
+        stretch = self.blocks[:family.offloaded]
+        self.spread = frozenset(stretch[::family.stride]) if family.stride else frozenset()
+        self.stash, self.rest = frozenset(stretch) - self.spread, self.blocks[family.offloaded:]
 
     def __len__(self) -> int:
         return len(self.rest) + 1
@@ -67,7 +73,7 @@ class Candidates(Sequence[ScheduleChoice]):
         if not 0 <= k < len(self):
             raise IndexError(k)
         f, stash = self.family, self.stash
-        recompute = frozenset(self.rest[:k])
+        recompute = self.spread | frozenset(self.rest[:k])
         selective = {Selective.NONE: frozenset(), Selective.ALL: frozenset(self.blocks),
                      Selective.KEPT: frozenset(self.blocks) - recompute}[f.selective]
         boundary = stash | recompute if f.boundary else frozenset()
@@ -97,30 +103,49 @@ def smallest_fit(options: Sequence[ScheduleChoice], budget_bytes: int,
 
 def families(residents: Sequence[frozenset[int]] = (frozenset(),), offload_counts: Sequence[int] = (0,),
              selective: Sequence[Selective] = (Selective.NONE,),
-             lag_of: Callable[[Selective], int] = lambda _: 1, boundaries: Sequence[bool] = (False,)) -> list[Family]:
-    return [Family(d, r, j, s, lag_of(s), b) for d in DEPTHS for r in residents for j in offload_counts
-            for s in selective for b in boundaries]
+             lag_of: Callable[[Selective], int] = lambda _: 1, boundaries: Sequence[bool] = (False,),
+             strides: Sequence[int] = (0,)) -> list[Family]:
+    """Every combination; a stride m > 0 only with an offloaded stretch of at least 2m blocks (a
+    shorter one is the prefix family less a block or two)."""
+    return [Family(d, r, j, s, lag_of(s), b, m) for d in DEPTHS for r in residents for j in offload_counts
+            for s in selective for b in boundaries for m in strides if m == 0 or j >= 2 * m]
 
 
 def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
           seconds_of: Callable[[ScheduleChoice], float] | None = None,
-          options: Sequence[Family] | None = None) -> tuple[ScheduleChoice | None, int]:
+          options: Sequence[Family] | None = None,
+          exact_of: Callable[[ScheduleChoice], float] | None = None) -> tuple[ScheduleChoice | None, int]:
     """The fastest choice that fits (None if none does), and the smallest peak any choice reaches.
 
     `options`: the families to search (default: the three depths, nothing else). Without
-    `seconds_of`, deeper prefetch and fewer recomputed blocks count as faster."""
+    `seconds_of`, deeper prefetch and fewer recomputed blocks count as faster. `seconds_of` may be
+    an estimate that ranks choices of one shape of pattern well but not different shapes against
+    each other (planner/shorten.py judges a strided pattern by its periods): with `exact_of`, the
+    fastest choice of each stride (0: prefix/suffix) by `seconds_of` is timed by `exact_of`, and
+    the fastest of those wins."""
     options = list(options or families())
     fits: list[ScheduleChoice] = []
+    stride_of: dict[ScheduleChoice, int] = {}
     settled: set[tuple] = set()
+    fastest: dict[int, float] = {}    # per stride, the fastest fit so far (with seconds_of)
     for f in options:
         # Once a depth and resident set fit with every block kept whole, the other families of
         # that pair only add work (offload traffic, recompute, redone cheap ops): skip them.
         if (f.depth, f.resident) in settled:
             continue
-        choice = smallest_fit(candidates(blocks, f), budget_bytes, peak_of)
+        options_f = candidates(blocks, f)
+        # A strided family's fastest choice is its first: when that is slower than a fit of the
+        # same stride already found, its search cannot win (this keeps planning time small).
+        if f.stride and seconds_of is not None and f.stride in fastest \
+                and round(seconds_of(options_f[0]), 9) > round(fastest[f.stride], 9):
+            continue
+        choice = smallest_fit(options_f, budget_bytes, peak_of)
         if choice is None:
             continue
         fits.append(choice)
+        stride_of.setdefault(choice, f.stride)
+        if seconds_of is not None:
+            fastest[f.stride] = min(fastest.get(f.stride, float("inf")), seconds_of(choice))
         if not (choice.recompute or choice.offload or choice.selective):
             settled.add((f.depth, f.resident))
     minimum = min(peak_of(candidates(blocks, Family(f.depth, selective=f.selective, lag=f.lag,
@@ -131,5 +156,13 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
         return min(fits, key=lambda c: (len(c.recompute), -c.prefetch_depth)), minimum
     # Predictions equal to the nanosecond are ties (float noise must not pick the schedule): then
     # less recompute, less offload, deeper prefetch, fewer residents and selective blocks win.
-    return min(fits, key=lambda c: (round(seconds_of(c), 9), len(c.recompute), len(c.offload), -c.prefetch_depth,
-                                    len(c.resident), len(c.selective))), minimum
+    def ties(c: ScheduleChoice) -> tuple:
+        return len(c.recompute), len(c.offload), -c.prefetch_depth, len(c.resident), len(c.selective)
+    best = {}
+    for c in fits:
+        m = stride_of[c]
+        if m not in best or (round(seconds_of(c), 9), *ties(c)) < (round(seconds_of(best[m]), 9), *ties(best[m])):
+            best[m] = c
+    if exact_of is None or len(best) == 1:
+        return min(best.values(), key=lambda c: (round(seconds_of(c), 9), *ties(c))), minimum
+    return min(best.values(), key=lambda c: (round(exact_of(c), 9), *ties(c))), minimum

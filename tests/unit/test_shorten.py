@@ -31,15 +31,19 @@ def test_short_stack_gives_the_whole_stacks_peak_for_every_kind_of_choice():
         return build_schedule(captured, choice, check=False)
     peak_of, seconds_of = judges(captured, blocks, hardware, whole, lower, StepKind())
     # Every way to hold a block, and copies that span one or three compute nodes.
-    space = [f for f in search_space(captured, blocks, hardware) if f.depth and not f.resident]
+    # Strides of 3 and 4 need a deeper stack than this to be cut: the whole-stack judge is exact.
+    space = [f for f in search_space(captured, blocks, hardware) if f.depth and not f.resident and f.stride in (0, 2)]
     space += [dataclasses.replace(f, lag=3) for f in space if f.offloaded or f.boundary]
-    cut = 0
+    cut, periodic = 0, 0
     for family in space:
         for choice in candidates(blocks, family)[::6]:
             short = shorten(captured, blocks, choice, max(choice.offload_lag, choice.prefetch_depth) + 1)
-            cut += bool(short.runs)
+            cut += bool(short.runs) and not family.stride
+            periodic += any(r.period > 1 for r in short.runs)
             program = whole(choice)
             assert peak_of(choice) == simulate(program).peak, choice
             exact = predict(program, with_selective(captured, choice.selective), hardware).step_s
             assert abs(seconds_of(choice) - exact) <= 0.02 * exact, choice
-    assert cut > len(space)     # most choices were judged on a short stack
+    assert cut > len([f for f in space if not f.stride])     # most choices were judged on a short stack
+    # and some that recompute every m-th offloaded block, cut by whole periods of that pattern
+    assert periodic >= 10
