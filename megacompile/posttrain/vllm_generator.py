@@ -87,19 +87,28 @@ class VLLMGenerator:
 
     def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
         check_request(prompts, n, max_new_tokens, temperature)
-        params = self.vllm.SamplingParams(n=n, temperature=float(temperature), max_tokens=max_new_tokens,
-                                          seed=self.seed + self.calls, ignore_eos=True,
-                                          stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
+        params = self.vllm.SamplingParams(**sampling(n, max_new_tokens, temperature, self.seed + self.calls, self.eos_id))
         self.calls += 1
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         completions = []
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
             if len(out.outputs) != n:
                 raise MegacompileError(f"vLLM returned {len(out.outputs)} completions of prompt {i}, not n={n}")
-            for c in out.outputs:
-                tokens = list(c.token_ids)
-                if (self.eos_id is not None and getattr(c, "stop_reason", None) == self.eos_id
-                        and (not tokens or tokens[-1] != self.eos_id)):
-                    tokens.append(self.eos_id)      # a stop token vLLM left out: the completion ends with it
-                completions.append(Completion(i, tuple(prompt), tuple(tokens)))
+            completions += [Completion(i, tuple(prompt), completion_tokens(c.token_ids, getattr(c, "stop_reason", None),
+                                                                          self.eos_id)) for c in out.outputs]
         return completions
+
+
+def completion_tokens(token_ids, stop_reason, eos_id: int | None) -> tuple[int, ...]:
+    """A vLLM completion's tokens, ending with the stop token where it stopped on it (vLLM may leave
+    a stop token out of token_ids)."""
+    tokens = tuple(token_ids)
+    if eos_id is not None and stop_reason == eos_id and (not tokens or tokens[-1] != eos_id):
+        tokens += (eos_id,)
+    return tokens
+
+
+def sampling(n: int, max_new_tokens: int, temperature: float, seed: int, eos_id: int | None) -> dict:
+    """vLLM's sampling settings of one call: the tokenizer's eos ignored, `eos_id` the stop token."""
+    return dict(n=n, temperature=float(temperature), max_tokens=max_new_tokens, seed=seed, ignore_eos=True,
+                stop_token_ids=[eos_id] if eos_id is not None else None)
