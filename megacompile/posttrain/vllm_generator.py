@@ -51,7 +51,25 @@ def vllm_model(llm):
     return model
 
 
-class VLLMGenerator:
+class SeededCalls:
+    """vLLM samples with a seed given per call: the generator's seed plus its count of calls, which
+    is the sampler's state in a checkpoint."""
+    seed: int
+    calls: int
+
+    def next_seed(self) -> int:
+        self.calls += 1
+        return self.seed + self.calls - 1
+
+    def state(self) -> torch.Tensor:
+        """The sampler's state (calls made so far), for a checkpoint."""
+        return torch.tensor([self.calls], dtype=torch.long)
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.calls = int(state[0])
+
+
+class VLLMGenerator(SeededCalls):
     def __init__(self, engine, llm=None, *, model: str | None = None, eos_id: int | None = None, seed: int = 0,
                  **llm_args):
         """`llm`: a colocated vllm.LLM already made; else one is made from `model` (a Hugging Face
@@ -78,17 +96,9 @@ class VLLMGenerator:
         if reset is not None:
             reset()
 
-    def state(self) -> torch.Tensor:
-        """The sampler's state (calls made so far), for a checkpoint."""
-        return torch.tensor([self.calls], dtype=torch.long)
-
-    def set_state(self, state: torch.Tensor) -> None:
-        self.calls = int(state[0])
-
     def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
         check_request(prompts, n, max_new_tokens, temperature)
-        params = self.vllm.SamplingParams(**sampling(n, max_new_tokens, temperature, self.seed + self.calls, self.eos_id))
-        self.calls += 1
+        params = self.vllm.SamplingParams(**sampling(n, max_new_tokens, temperature, self.next_seed(), self.eos_id))
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         completions = []
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):

@@ -22,12 +22,12 @@ from ..errors import ArgumentError, MegacompileError
 from ..io.hf_save import write_safetensors
 from .policy_weights import policy_of, policy_weights
 from .rollout import Completion, check_request
-from .vllm_generator import completion_tokens, sampling
+from .vllm_generator import SeededCalls, completion_tokens, sampling
 
 WEIGHTS = "model.safetensors"
 
 
-class VLLMServerGenerator:
+class VLLMServerGenerator(SeededCalls):
     def __init__(self, engine, url: str, weights_dir: str, *, model: str | None = None, eos_id: int | None = None,
                  seed: int = 0, timeout: float = 600.0):
         """`url`: the server (http://host:port); `weights_dir`: an absolute folder the server reads
@@ -68,19 +68,11 @@ class VLLMServerGenerator:
         self._request("update_weights", {"update_info": {"path": self.weights_dir}})
         self._request("finish_weight_update", {"weight_version": str(self.engine.state.steps_done)})
 
-    def state(self) -> torch.Tensor:
-        """The sampler's state (calls made so far), for a checkpoint."""
-        return torch.tensor([self.calls], dtype=torch.long)
-
-    def set_state(self, state: torch.Tensor) -> None:
-        self.calls = int(state[0])
-
     def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
         check_request(prompts, n, max_new_tokens, temperature)
-        settings = sampling(n, max_new_tokens, temperature, self.seed + self.calls, self.eos_id)
+        settings = sampling(n, max_new_tokens, temperature, self.next_seed(), self.eos_id)
         body = dict(model=self.model, prompt=[list(p) for p in prompts], return_token_ids=True,
                     **{k: v for k, v in settings.items() if v is not None})
-        self.calls += 1
         choices = sorted(self._request("v1/completions", body)["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * n or any("token_ids" not in c for c in choices):
             raise MegacompileError(f"the vLLM server answered {len(choices)} completions of {len(prompts)} prompts x "
