@@ -25,6 +25,11 @@ def policy_of(engine) -> tuple[nn.Module, str]:
     from transformers import PreTrainedModel
     for name, module in engine.state.model.named_modules():
         if isinstance(module, PreTrainedModel):
+            adapted = [n for n, _ in module.named_parameters() if ".base_layer." in n]
+            if adapted:
+                raise ArgumentError(
+                    f"the policy carries LoRA adapters ({adapted[0]}, ...), and a generation copy takes plain "
+                    "weights under the model's own names: sample with EngineGenerator, or train without adapters")
             return module, f"{name}." if name else ""
     raise ArgumentError(
         f"a generation copy is built from a Hugging Face model's config, and the engine trains "

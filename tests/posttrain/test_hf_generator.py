@@ -87,3 +87,15 @@ def test_a_model_without_a_hugging_face_config_is_refused():
     with pytest.raises(ArgumentError, match="dtype"):
         HFGenerator(_engine(), dtype=torch.int8)
     engine.close()
+
+
+def test_a_policy_with_lora_adapters_is_refused():
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+    adapted = get_peft_model(policy, LoraConfig(r=2, target_modules=["q_proj"]))
+    engine = compile(GRPOObjective(adapted, GRPOLoss()), hbm_budget=0.01, device="cpu", compute_dtype=torch.float32)
+    with pytest.raises(ArgumentError, match="LoRA"):
+        HFGenerator(engine)
+    engine.close()
