@@ -78,6 +78,9 @@ class VLLMGenerator(SeededCalls):
         the engine's at once."""
         self.vllm = _vllm()
         _, self.prefix = policy_of(engine)
+        if llm_args.pop("tensor_parallel_size", 1) != 1:
+            raise ArgumentError("VLLMGenerator hands each weight whole to one model in this process: "
+                                "tensor_parallel_size is 1 (a larger policy: VLLMServerGenerator)")
         if llm is None:
             model = model or engine.state.source_dir
             if model is None:

@@ -36,11 +36,13 @@ class Model:
 
 
 class LLM:
-    def __init__(self, model=None, in_process=True, **kwargs):
+    def __init__(self, model=None, layout="v1", **kwargs):
+        """layout: where the model sits: "v1" (the V1 engine in this process), "v0", or "remote"
+        (the engine core in another process: no model_runner here)."""
         self.args = dict(model=model, **kwargs)
         self.model, self.requests, self.resets = Model(), [], 0
         worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.model))
-        driver = SimpleNamespace(worker=worker) if in_process else SimpleNamespace()
+        driver = {"v1": SimpleNamespace(worker=worker), "v0": worker, "remote": SimpleNamespace()}[layout]
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=driver))
 
     def reset_prefix_cache(self):

@@ -84,7 +84,8 @@ def test_requests_and_replies_are_translated_and_the_sampler_state_restores(vllm
     assert generator.generate([[1, 2]], 1, 6)[0].tokens == (20, 3)          # the next call, the next seed
     generator.set_state(state)
     assert generator.generate([[1, 2], [9]], 2, 6, temperature=0.7) == first
-    without = VLLMGenerator(engine, llm=vllm.LLM(model="x"))
+    without = VLLMGenerator(engine, llm=vllm.LLM(model="x", layout="v0"))     # the V0 engine's model, found too
+    assert len(without.llm.model.loads) == 1
     without.generate([[1]], 1, 4)
     assert without.llm.requests[-1][1].stop_token_ids is None and without.llm.requests[-1][1].ignore_eos
     with pytest.raises(ArgumentError, match="max_new_tokens"):
@@ -95,7 +96,9 @@ def test_requests_and_replies_are_translated_and_the_sampler_state_restores(vllm
 def test_missing_vllm_or_a_model_out_of_reach_is_refused(vllm, monkeypatch):
     engine = _engine(False)
     with pytest.raises(ArgumentError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
-        VLLMGenerator(engine, llm=vllm.LLM(model="x", in_process=False))
+        VLLMGenerator(engine, llm=vllm.LLM(model="x", layout="remote"))
+    with pytest.raises(ArgumentError, match="tensor_parallel_size"):
+        VLLMGenerator(engine, model="x", tensor_parallel_size=2)
     with pytest.raises(ArgumentError, match="save_pretrained"):
         VLLMGenerator(engine)                  # no folder to start vLLM from
     monkeypatch.setitem(sys.modules, "vllm", None)      # import vllm raises ImportError
