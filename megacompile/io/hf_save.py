@@ -202,6 +202,11 @@ def _shards(tensors: list, dtype: torch.dtype, limit: int) -> list[list]:
     return shards + [current] if current else shards
 
 
+def write_safetensors(target: str, tensors, dtype: torch.dtype) -> None:
+    """One safetensors file of (name, tensor) pairs, each cast to `dtype` alone as it is written."""
+    _write_shard(target, list(tensors), dtype)
+
+
 def _write_shard(target: str, shard: list, dtype: torch.dtype) -> None:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for key, t in shard:

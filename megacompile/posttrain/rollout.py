@@ -26,6 +26,14 @@ class Generator(Protocol):
         """n completions of each prompt, consecutive (prompt 0's n first)."""
 
 
+def check_request(prompts, n, max_new_tokens, temperature) -> None:
+    if not prompts or n < 1 or max_new_tokens < 1:
+        raise ArgumentError(f"generate needs prompts, n >= 1 and max_new_tokens >= 1; got {len(prompts)} prompts, "
+                            f"n={n}, max_new_tokens={max_new_tokens}")
+    if temperature < 0:
+        raise ArgumentError(f"temperature must be >= 0 (0: greedy); got {temperature}")
+
+
 class EngineGenerator:
     def __init__(self, engine, eos_id: int | None = None, pad_id: int = 0, seed: int = 0):
         self.engine, self.eos_id, self.pad_id = engine, eos_id, pad_id
@@ -39,11 +47,7 @@ class EngineGenerator:
         self.rng.set_state(state)
 
     def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
-        if not prompts or n < 1 or max_new_tokens < 1:
-            raise ArgumentError(f"generate needs prompts, n >= 1 and max_new_tokens >= 1; got {len(prompts)} prompts, "
-                                f"n={n}, max_new_tokens={max_new_tokens}")
-        if temperature < 0:
-            raise ArgumentError(f"temperature must be >= 0 (0: greedy); got {temperature}")
+        check_request(prompts, n, max_new_tokens, temperature)
         rows = [list(p) for p in prompts for _ in range(n)]
         width = max(len(r) for r in rows) + max_new_tokens
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)

@@ -1,0 +1,128 @@
+"""Rollouts from a copy of the policy in bf16, sampled by transformers' `generate` with its key-value
+cache: one forward per new token over the new token alone, where `EngineGenerator` recomputes
+whole rows. The copy costs the policy's size in `dtype` (2 bytes a parameter in bf16) on `device`,
+beside the engine's budget.
+
+The copy is the policy's architecture built from its config with its parameters on the meta
+device, then given its weights tensor by tensor from the engine's fp32 masters, each cast alone
+(policy_weights.py); tied weights stay tied. `sync()` after each optimizer step copies the masters
+in again, tensor by tensor, into the same memory.
+
+Sampling: at temperature t > 0 each token is drawn from softmax(logits / t) by `torch.multinomial`
+with the generator's own seeded torch.Generator, as `EngineGenerator` draws it, inside transformers'
+loop as a logits processor that keeps only the drawn token (generate's greedy step then takes
+it); at t = 0 the argmax. The global random state is never read or moved, and `state()` /
+`set_state()` save and restore the sampler for a checkpoint.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..errors import ArgumentError
+from .policy_weights import policy_of, policy_weights, tied_names
+from .rollout import Completion, check_request
+
+
+class _Draw:
+    """A logits processor: one token per row drawn from softmax(scores / temperature) with `rng`;
+    every other token's score set to -inf, so the greedy step picks the drawn one."""
+
+    def __init__(self, temperature: float, rng: torch.Generator):
+        self.temperature, self.rng = temperature, rng
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, -1)
+        token = torch.multinomial(probs, 1, generator=self.rng)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+
+class HFGenerator:
+    def __init__(self, engine, eos_id: int | None = None, pad_id: int = 0, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None):
+        from ..io.hf_load import parameters_on_meta
+        from transformers import AutoModelForCausalLM, GenerationConfig
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ArgumentError(f"HFGenerator dtype is a floating torch dtype (torch.bfloat16, torch.float32); "
+                                f"got {dtype!r}")
+        policy, self.prefix = policy_of(engine)
+        self.engine, self.eos_id, self.pad_id, self.dtype = engine, eos_id, pad_id, dtype
+        self.device = torch.device(device if device is not None else
+                                   "cuda" if getattr(engine.backend, "name", "cpu") == "cuda" else "cpu")
+        self.rng = torch.Generator(self.device).manual_seed(seed)
+        config = copy.deepcopy(policy.config)
+        config.use_cache = True                 # the engine's copy turned it off for training
+        with parameters_on_meta():
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # generate's settings are these alone: no eos, temperature or top-k from the model's own files
+        self.model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+        self._fill()
+        self.model.to(self.device).eval()      # the buffers (rotary inv_freq), built real on the host
+
+    def _fill(self) -> None:
+        """Each parameter its own tensor on the device, the master copied in; tied aliases share it."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers())
+        given = {}
+        with torch.no_grad():
+            for name, master in policy_weights(self.engine, self.prefix):
+                if name in params:
+                    t = torch.empty(master.shape, dtype=self.dtype if master.is_floating_point() else master.dtype,
+                                    device=self.device)
+                    given[name] = nn.Parameter(t.copy_(master), requires_grad=False)
+                    _set(self.model, name, given[name])
+                elif name in buffers:
+                    buffers[name].copy_(master)
+            for alias, name in tied_names(self.engine, self.prefix).items():
+                if alias in params and name in given:
+                    _set(self.model, alias, given[name])
+        empty = [n for n, p in self.model.named_parameters() if p.is_meta]
+        if empty:
+            raise ArgumentError(f"the engine holds no weights for {len(empty)} of the generation copy's parameters "
+                                f"({', '.join(empty[:4])}): its model and the copy built from its config differ")
+
+    def sync(self) -> None:
+        """Copy the engine's current masters into the copy, tensor by tensor (after each optimizer step)."""
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, master in policy_weights(self.engine, self.prefix):
+                target = params.get(name, buffers.get(name))
+                if target is not None:
+                    target.copy_(master)
+
+    def state(self) -> torch.Tensor:
+        """The sampler's state, for a checkpoint: generation resumes where it stopped."""
+        return self.rng.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.rng.set_state(state)
+
+    @torch.no_grad()
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
+        from transformers import LogitsProcessorList
+        check_request(prompts, n, max_new_tokens, temperature)
+        rows = [list(p) for p in prompts for _ in range(n)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):          # padded on the left: every row's next token at the end
+            ids[r, width - len(row):] = torch.tensor(row)
+            mask[r, width - len(row):] = 1
+        processors = LogitsProcessorList([_Draw(temperature, self.rng)] if temperature > 0 else [])
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                                  logits_processor=processors, use_cache=True)
+        completions = []
+        for i, tokens in enumerate(out[:, width:].tolist()):
+            if self.eos_id is not None and self.eos_id in tokens:
+                tokens = tokens[:tokens.index(self.eos_id) + 1]     # what follows is generate's padding
+            completions.append(Completion(i // n, tuple(prompts[i // n]), tuple(tokens)))
+        return completions
+
+
+def _set(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, attr = name.rpartition(".")
+    model.get_submodule(owner)._parameters[attr] = param

@@ -1,0 +1,101 @@
+"""The bf16 generation copy (posttrain/hf_generator.py): built from the policy's config, filled from
+the engine's masters, sampled by transformers' generate. In fp32 its completions equal
+EngineGenerator's, greedy and sampled with the same seed; after a step and sync() they follow the
+new weights."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from megacompile import AdamW, compile
+from megacompile.errors import ArgumentError
+from megacompile.models.llama import LlamaConfig as OwnConfig, TinyLlama
+from megacompile.posttrain import GRPOLoss, GRPOObjective
+from megacompile.posttrain.hf_generator import HFGenerator
+from megacompile.posttrain.rollout import EngineGenerator
+from megacompile.posttrain.rollout_batch import rollout_batch
+
+V, EOS = 32, 3
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+def _engine(tied=False):
+    torch.manual_seed(0)
+    # a wide initialisation: completions that depend on the weights, not a repeat of the last token
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          initializer_range=0.3, tie_word_embeddings=tied, use_cache=False))
+    return compile(GRPOObjective(policy, GRPOLoss()), hbm_budget=0.01, device="cpu", compute_dtype=torch.float32,
+                   optimizer=AdamW(lr=3e-2, weight_decay=0.0))
+
+
+def _policy_masters(engine):
+    return {k[len("policy."):]: v for k, v in engine.state_dict().items() if k.startswith("policy.")}
+
+
+def test_fp32_copy_generates_what_the_engine_generates_and_follows_each_step():
+    engine = _engine()
+    ours = EngineGenerator(engine, eos_id=EOS, seed=1)
+    copy = HFGenerator(engine, eos_id=EOS, seed=1, dtype=torch.float32)
+    greedy = ours.generate(PROMPTS, 2, 6, temperature=0)
+    assert copy.generate(PROMPTS, 2, 6, temperature=0) == greedy
+    assert len({c.tokens for c in greedy}) > 1 and any(len(set(c.tokens)) > 2 for c in greedy)
+    sampled = ours.generate(PROMPTS, 3, 6, temperature=1.0)
+    assert copy.generate(PROMPTS, 3, 6, temperature=1.0) == sampled      # the same draws from the same seed
+    assert len({c.tokens for c in sampled}) > 3
+
+    for _ in range(2):     # a step on the sampled completions moves the masters; the copy follows on sync()
+        batch = rollout_batch(sampled, torch.arange(9.0), 3, width=4 + 6)
+        engine.step(**batch, old_logps=torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])))
+    stale = copy.generate(PROMPTS, 2, 6, temperature=0)
+    after = ours.generate(PROMPTS, 2, 6, temperature=0)
+    assert stale != after
+    copy.sync()
+    assert copy.generate(PROMPTS, 2, 6, temperature=0) == after
+    masters = _policy_masters(engine)
+    for name, p in copy.model.state_dict().items():
+        assert torch.equal(p, masters[name]), name
+    engine.close()
+
+
+def test_bf16_copy_holds_each_master_cast_with_ties_kept():
+    engine = _engine(tied=True)
+    copy = HFGenerator(engine, eos_id=EOS)
+    model = copy.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    masters = _policy_masters(engine)
+    params = dict(model.named_parameters())
+    assert set(params) == set(masters) - {"lm_head.weight"}
+    for name, p in params.items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, masters[name].to(torch.bfloat16)), name
+    state = copy.state()
+    first = copy.generate(PROMPTS, 4, 5, temperature=1.0)
+    assert all(c.tokens[-1] == EOS or len(c.tokens) == 5 for c in first)
+    assert all(EOS not in c.tokens[:-1] for c in first)
+    copy.set_state(state)
+    assert copy.generate(PROMPTS, 4, 5, temperature=1.0) == first
+    with pytest.raises(ArgumentError, match="temperature"):
+        copy.generate(PROMPTS, 1, 4, temperature=-1.0)
+    engine.close()
+
+
+def test_a_model_without_a_hugging_face_config_is_refused():
+    torch.manual_seed(0)
+    policy = TinyLlama(OwnConfig(vocab=V, dim=32, layers=1, heads=4, kv_heads=2, ffn=64))
+    engine = compile(GRPOObjective(policy, GRPOLoss()), hbm_budget=0.01, device="cpu", compute_dtype=torch.float32)
+    with pytest.raises(ArgumentError, match="EngineGenerator"):
+        HFGenerator(engine)
+    with pytest.raises(ArgumentError, match="dtype"):
+        HFGenerator(_engine(), dtype=torch.int8)
+    engine.close()
+
+
+def test_a_policy_with_lora_adapters_is_refused():
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+    adapted = get_peft_model(policy, LoraConfig(r=2, target_modules=["q_proj"]))
+    engine = compile(GRPOObjective(adapted, GRPOLoss()), hbm_budget=0.01, device="cpu", compute_dtype=torch.float32)
+    with pytest.raises(ArgumentError, match="LoRA"):
+        HFGenerator(engine)
+    engine.close()
