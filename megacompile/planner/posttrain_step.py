@@ -184,8 +184,10 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         rows = keys["prompts"] * keys["num_generations"]
         width = keys["max_prompt_length"] + keys["max_completion_length"]
     else:
-        pairs, width = arguments.tokens(1 if batch is None else batch, 2048 if seq is None else seq)
-        rows = 2 * pairs if stage == "dpo" else pairs
+        batch = 1 if batch is None else batch
+        if stage == "dpo":
+            batch = 2 * arguments.count("batch", batch, what=" (preference pairs per step, 2 rows each)")
+        rows, width = arguments.tokens(batch, 2048 if seq is None else seq)
     profile = hardware_profile(hardware, nvme_bandwidth)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     per_token = None

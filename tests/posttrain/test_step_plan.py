@@ -119,11 +119,12 @@ def test_a_decode_step_is_bound_by_device_memory_when_the_copy_fits_else_by_the_
                                      "must be an int >= 2; got 1"),
     ("grpo", {"max_completion_length": 0}, "max_completion_length must be an int >= 1; got 0"),
     ("grpo", {"prompts": True}, "prompts (prompts per rollout batch) must be an int >= 1; got True"),
-    ("grpo", {"beta": -0.1}, "beta must be"),
+    ("grpo", {"beta": -0.1}, "beta must be a finite number >= 0; got -0.1"),
     ("grpo", {"generator": "vllm"}, "generator must be one of engine, kv_cache"),
     ("grpo", {"batch": 8}, "stage grpo takes no batch"),
-    ("dpo", {"precompute_ref_log_probs": "yes"}, "precompute_ref_log_probs"),
-    ("dpo", {"batch": 0}, "batch"),
+    ("dpo", {"precompute_ref_log_probs": "yes"}, "precompute_ref_log_probs must be True or False; got 'yes'"),
+    ("dpo", {"batch": 0}, "batch (preference pairs per step, 2 rows each) must be an int >= 1; got 0"),
+    ("sft", {"seq": 0}, "seq (tokens per sequence) must be an int >= 1; got 0"),
 ])
 def test_bad_keys_and_values_are_refused_before_anything_is_planned(stage, keys, message):
     with pytest.raises(ArgumentError) as e:
