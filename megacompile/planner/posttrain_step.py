@@ -55,9 +55,10 @@ class StepPart:
     seconds: float            # all of them
     weight_h2d_bytes: int     # weights over the host link, all of them
     detail: str               # what one pass is, for the reader
+    compute_s: float = 0.0    # the device's own work in it (the compute stream's busy time), all passes
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "passes": self.passes, "seconds": self.seconds,
+        return {"name": self.name, "passes": self.passes, "seconds": self.seconds, "compute_s": self.compute_s,
                 "weight_h2d_bytes": self.weight_h2d_bytes, "detail": self.detail}
 
 
@@ -114,10 +115,11 @@ class StagePlan:
         out = []
         generation = self.part("generation")
         if generation is not None and self.total_s and generation.seconds / self.total_s > 0.5:
-            link = generation.weight_h2d_bytes / self.train.hardware.h2d_bw
-            bound = (f"; the weights' crossings of the host link alone take {fmt_seconds(link)} of it"
-                     + (": the link bounds it" if link > 0.8 * generation.seconds else "") if link else "")
-            out.append(f"generation is {generation.seconds / self.total_s:.0%} of the rollout batch{bound}")
+            link, compute = generation.weight_h2d_bytes / self.train.hardware.h2d_bw, generation.compute_s
+            bound = ("the host link bounds it" if link > 1.1 * compute else "compute bounds it" if compute > 1.1 * link
+                     else "the host link and compute take about as long")
+            out.append(f"generation is {generation.seconds / self.total_s:.0%} of the rollout batch; its weights cross "
+                       f"the host link in {fmt_seconds(link)}, its compute takes {fmt_seconds(compute)}: {bound}")
         if self.keys.get("beta", 0) > 0:
             out.append("the reference's weights are a second copy on the host, beside the policy's host state")
         if self.stage == "dpo" and self.keys["precompute_ref_log_probs"]:
@@ -219,7 +221,8 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
 
 
 def _part(name: str, passes: int, p: Plan, detail: str) -> StepPart:
-    return StepPart(name, passes, passes * p.prediction.step_s, passes * p.weight_h2d_bytes_per_step, detail)
+    return StepPart(name, passes, passes * p.prediction.step_s, passes * p.weight_h2d_bytes_per_step, detail,
+                    passes * p.prediction.compute_s)
 
 
 def _engine_generation(forward: Plan, keys: dict, each: str) -> StepPart:
@@ -276,4 +279,5 @@ def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, row
     return StepPart("generation", tokens, prefill.prediction.step_s + copy_s + tokens * step.seconds, traffic,
                     f"kv_cache generator on a bfloat16 copy: a forward-only prefill of {rows} x {prompt} tokens "
                     f"({fmt_seconds(prefill.prediction.step_s)}), then {tokens} decode steps of "
-                    f"{fmt_seconds(step.seconds)}, {where}")
+                    f"{fmt_seconds(step.seconds)}, {where}",
+                    prefill.prediction.compute_s + tokens * max(step.compute_s, step.device_read_s))

@@ -150,3 +150,11 @@ def test_plan_stage_on_the_command_line(tmp_path, capsys):
                            (["--stage", "grpo", "--seq", "64"], "stage grpo takes no seq")):
         assert main([*base, *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_note_names_what_bounds_generation(grpo16):
+    generation = grpo16.part("generation")
+    assert generation.compute_s == pytest.approx(16 * grpo16.forward.prediction.compute_s, rel=1e-9)
+    # under a MiB of weights a pass against 16 passes' kernels: the link is not what it waits on
+    assert generation.weight_h2d_bytes / H100.h2d_bw < 0.1 * generation.compute_s
+    assert [n for n in grpo16.notes() if n.startswith("generation is")][0].endswith(": compute bounds it")
