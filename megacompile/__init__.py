@@ -27,6 +27,7 @@ from .settings import Settings
 from .engine import from_pretrained
 from .planner import Plan
 from .planner import minimum_budget, plan  # plan without weights (planner/from_config.py)
+from .planner import plan_stage  # a post-training stage's step from its parts (planner/posttrain_step.py)
 from . import calibrate  # noqa: F401 - hands cost/ the cpu measurement, for a first plan on the cpu backend
 
 __version__ = "0.1.0"
@@ -74,7 +75,7 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                   nvme_budget=nvme_budget, process_group=process_group, accumulation=accumulation)
 
 
-__all__ = ["compile", "plan", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "MegacompileError",
+__all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "MegacompileError",
            "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
            "OptimizerInputError", "NonFiniteError", "StorageError", "from_pretrained", "WeightsFileError"]

@@ -23,6 +23,15 @@ def _train(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     import json
+    if args.stage is not None:
+        return _plan_stage(args)
+    given = [flag for flag, key in STAGE_FLAGS if getattr(args, key) is not None]
+    if given:
+        from .errors import ArgumentError
+        raise ArgumentError(f"{', '.join(given)} plan{'s' if len(given) == 1 else ''} a post-training step: give "
+                            "--stage dpo or --stage grpo with it")
+    args.batch = 1 if args.batch is None else args.batch
+    args.seq = 2048 if args.seq is None else args.seq
 
     from .errors import BudgetTooSmallError, HostMemoryError
     from .ir.printer import fmt_bytes
@@ -114,6 +123,49 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if fits else DOES_NOT_FIT
 
 
+# --stage's keys: (flag, the key of megacompile.plan_stage, TRL's name where TRL has it)
+STAGE_FLAGS = (("--prompts", "prompts"), ("--num-generations", "num_generations"),
+               ("--max-prompt-length", "max_prompt_length"), ("--max-completion-length", "max_completion_length"),
+               ("--num-iterations", "num_iterations"), ("--beta", "beta"), ("--generator", "generator"),
+               ("--precompute-ref-log-probs", "precompute_ref_log_probs"))
+
+
+def _plan_stage(args: argparse.Namespace) -> int:
+    """--stage: the predicted step of a post-training stage, part by part (planner/posttrain_step.py)."""
+    import json
+
+    from .errors import ArgumentError, BudgetTooSmallError, HostMemoryError
+    from .planner import plan_stage
+    refused = [flag for flag, given in (("--global-batch", args.global_batch is not None), ("--gpus", args.gpus != 1),
+                                        ("--nodes", args.nodes != 1), ("--lora-rank", args.lora_rank is not None),
+                                        ("--smallest", args.smallest), ("--trace", args.trace is not None),
+                                        ("--plot", args.plot is not None)) if given]
+    if refused:
+        raise ArgumentError(f"--stage plans one GPU's step of one micro-batch, part by part: {', '.join(refused)} "
+                            f"{'is' if len(refused) == 1 else 'are'} not taken with it; leave "
+                            f"{'it' if len(refused) == 1 else 'them'} out")
+    keys = {key: getattr(args, key) for _, key in STAGE_FLAGS if getattr(args, key) is not None}
+    host_budget, host_source = _host_budget(args)
+    from .ir.printer import fmt_bytes
+    host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
+    try:
+        staged = plan_stage(args.config, args.hbm_budget, args.stage, batch=args.batch, seq=args.seq,
+                            hardware=args.hardware, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
+                            nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth, **keys)
+    except (BudgetTooSmallError, HostMemoryError) as e:
+        print(host_line)
+        print(f"  verdict        does NOT fit: {e}")
+        if args.json:
+            print(json.dumps({"fits": False, "stage": args.stage, "error": str(e)}))
+        return DOES_NOT_FIT
+    print(staged.train.summary())
+    print(host_line)
+    print(staged.summary())
+    if args.json:
+        print(json.dumps({"fits": True, "budget_bytes": staged.train.budget_bytes, **staged.to_json()}))
+    return 0
+
+
 def _host_budget(args: argparse.Namespace) -> tuple[float, str]:
     """GiB of host RAM the plan is checked against, and where that figure came from: --host-budget,
     or as compile() takes it, a share of this machine's RAM."""
@@ -182,10 +234,11 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--hbm-budget", type=float, required=True, help="GiB of device memory the plan may use")
     q.add_argument("--hardware", default="h100",
                    help="h100, h100-pcie, h200, gh200, a100, cpu, or a profile.json from `megacompile calibrate`")
-    q.add_argument("--batch", type=int, default=1, help="sequences per step")
+    q.add_argument("--batch", type=int, default=None,
+                   help="sequences per step (default 1); with --stage dpo, preference pairs (2 rows each)")
     q.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step: choose the micro-batch and accumulation that train fastest")
-    q.add_argument("--seq", type=int, default=2048)
+    q.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
     q.add_argument("--host-budget", type=float, default=None,
                    help="GiB of host RAM for masters, AdamW state and offloaded activations (default: 90%% of this "
@@ -217,6 +270,23 @@ def parser() -> argparse.ArgumentParser:
                    help="write the predicted step as a Chrome trace (open it in Perfetto or chrome://tracing)")
     q.add_argument("--plot", default=None, metavar="DIR",
                    help="write DIR/memory.png, device and host memory over the schedule (needs matplotlib)")
+    s = q.add_argument_group("post-training (--stage; keys by TRL's names, docs/posttraining.md)")
+    s.add_argument("--stage", default=None,
+                   help="sft, dpo or grpo: the predicted step of that stage, part by part (generation, the "
+                        "forward-only passes, the training steps) and in all")
+    s.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
+                   help="dpo: the reference's log-probabilities are given, no reference forward per step")
+    s.add_argument("--prompts", type=int, default=None, help="grpo: prompts per rollout batch (default 1)")
+    s.add_argument("--num-generations", type=int, default=None, help="grpo: completions per prompt (default 8)")
+    s.add_argument("--max-prompt-length", type=int, default=None, help="grpo: prompt tokens (default 512)")
+    s.add_argument("--max-completion-length", type=int, default=None, help="grpo: completion tokens (default 256)")
+    s.add_argument("--num-iterations", type=int, default=None,
+                   help="grpo: optimizer steps per rollout batch (default 1)")
+    s.add_argument("--beta", type=float, default=None, help="grpo: the KL coefficient; > 0 adds a reference forward "
+                                                           "(default 0)")
+    s.add_argument("--generator", default=None,
+                   help="grpo: engine (default: the engine's own forward, the rows at full width, once per token) "
+                        "or kv_cache (a bfloat16 copy with a key-value cache: what one would take)")
     q.set_defaults(run=_plan)
 
     c = sub.add_parser("calibrate", help="measure this machine's GPU and host into a hardware profile")

@@ -6,6 +6,8 @@
     from_config.py  plan(), plan_global_batch(), minimum_budget(): from a Hugging Face config
                     or a meta model, without weights
     cache.py        PlanCache: the engine's plans, one per input signature
+    posttrain_step.py  plan_stage(): a post-training stage's step (sft, dpo, grpo) from its parts,
+                    each a training step or forward-only pass planned as plan() plans it
 
 `megacompile.plan(config, 80)` is from_config.plan, bound in megacompile/__init__.py.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 from .result import Plan
 from .search import make_plan
 from .from_config import minimum_budget, model_from_config, plan, plan_global_batch
+from .posttrain_step import StagePlan, plan_stage
 
 
-__all__ = ["Plan", "make_plan", "minimum_budget", "model_from_config", "plan", "plan_global_batch"]
+__all__ = ["Plan", "StagePlan", "make_plan", "minimum_budget", "model_from_config", "plan", "plan_global_batch",
+           "plan_stage"]

@@ -1,0 +1,283 @@
+"""The predicted step of a post-training stage (`megacompile plan --stage`, megacompile.plan_stage):
+each of its parts a plan the planner makes anyway, a training step or a forward-only pass, timed
+by the cost model; the parts summed.
+
+    sft   one training step of `batch` rows of `seq` tokens
+    dpo   one training step of 2 x `batch` rows (each pair's chosen and rejected rows, packed), and
+          one forward-only pass of the reference over the same rows, unless its log-probabilities
+          are precomputed (precompute_ref_log_probs)
+    grpo  per rollout batch of prompts x num_generations rows, max_prompt_length +
+          max_completion_length tokens wide (TRL's names):
+          generation  engine generator: one forward-only pass of all rows per new token, at the
+                      full width (posttrain/rollout.py's EngineGenerator); kv_cache: a prefill over
+                      the prompts and one decode step per token from a bfloat16 copy (cost/decode.py)
+          old policy  one forward-only pass: the sampling policy's log-probabilities
+          reference   one forward-only pass when beta > 0 (the reference's own copy of the weights)
+          training    num_iterations training steps on the rollout batch
+
+The objectives' per-token log-probabilities are costed as the model's own loss: the same lm-head
+matmul and a log-softmax over the vocabulary either way. Generation is costed at
+max_completion_length tokens, its bound: a batch whose rows all end early stops early.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .. import arguments
+from ..cost import graph_cost
+from ..cost.decode import BF16, cache_bytes_per_token, decode_step
+from ..errors import ArgumentError, BudgetTooSmallError
+from ..ir.printer import fmt_bytes, fmt_seconds
+from ..settings import Settings
+from .from_config import hardware_profile, model_from_config, plan
+from .result import Plan
+
+STAGES = ("sft", "dpo", "grpo")
+GENERATORS = ("engine", "kv_cache")
+# Each stage's keys and their defaults (TRL's names and defaults where TRL has the key).
+KEYS: dict[str, dict[str, Any]] = {
+    "sft": {},
+    "dpo": {"precompute_ref_log_probs": False},
+    "grpo": {"prompts": 1, "num_generations": 8, "max_prompt_length": 512, "max_completion_length": 256,
+             "num_iterations": 1, "beta": 0.0, "generator": "engine"},
+}
+
+
+@dataclass(frozen=True)
+class StepPart:
+    name: str                 # "training", "reference forward", "generation", "old-policy forward"
+    passes: int               # training steps, forward-only passes or decode steps
+    seconds: float            # all of them
+    weight_h2d_bytes: int     # weights over the host link, all of them
+    detail: str               # what one pass is, for the reader
+    compute_s: float = 0.0    # the device's own work in it (the compute stream's busy time), all passes
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "passes": self.passes, "seconds": self.seconds, "compute_s": self.compute_s,
+                "weight_h2d_bytes": self.weight_h2d_bytes, "detail": self.detail}
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    rows: int                 # rows of one training step
+    seq: int                  # their width in tokens
+    keys: dict[str, Any]      # the stage's keys, defaults filled in
+    train: Plan               # the training step's plan
+    forward: Plan | None      # the forward-only pass over the training step's rows, when a part runs it
+    parts: list[StepPart] = field(default_factory=list)
+    optimizer_steps: int = 1  # optimizer steps the parts make (grpo: num_iterations per rollout batch)
+
+    @property
+    def total_s(self) -> float:
+        return sum(p.seconds for p in self.parts)
+
+    @property
+    def per_optimizer_step_s(self) -> float:
+        return self.total_s / self.optimizer_steps
+
+    @property
+    def weight_h2d_bytes(self) -> int:
+        return sum(p.weight_h2d_bytes for p in self.parts)
+
+    def part(self, name: str) -> StepPart | None:
+        return next((p for p in self.parts if p.name == name), None)
+
+    def summary(self) -> str:
+        if self.stage == "grpo":
+            what = (f"{self.keys['prompts']} prompts x {self.keys['num_generations']} generations = {self.rows} rows "
+                    f"of {self.keys['max_prompt_length']} + {self.keys['max_completion_length']} tokens, "
+                    f"{self.optimizer_steps} optimizer step{'s' if self.optimizer_steps > 1 else ''} each")
+        elif self.stage == "dpo":
+            what = f"{self.rows // 2} pairs: {self.rows} rows (chosen, then rejected) of {self.seq} tokens"
+        else:
+            what = f"{self.rows} rows of {self.seq} tokens"
+        lines = [f"megacompile plan --stage {self.stage} ({what}, on {self.train.hardware.name})"]
+        total = self.total_s
+        for p in self.parts:
+            share = f" ({p.seconds / total:.1%})" if total else ""
+            link = f"; {fmt_bytes(p.weight_h2d_bytes)} of weights over the host link" if p.weight_h2d_bytes else ""
+            lines.append(f"  {p.name:<19} {fmt_seconds(p.seconds)}{share}: {p.detail}{link}")
+        per = "rollout batch" if self.stage == "grpo" else "step"
+        lines.append(f"  {'total':<19} {fmt_seconds(total)} per {per}"
+                     + (f", {fmt_seconds(self.per_optimizer_step_s)} per optimizer step" if self.optimizer_steps > 1
+                        else "") + f"; {fmt_bytes(self.weight_h2d_bytes)} of weights over the host link")
+        lines += [f"  note               {n}" for n in self.notes()]
+        return "\n".join(lines)
+
+    def notes(self) -> list[str]:
+        """What dominates, and what the figures leave out."""
+        out = []
+        generation = self.part("generation")
+        if generation is not None and self.total_s and generation.seconds / self.total_s > 0.5:
+            link, compute = generation.weight_h2d_bytes / self.train.hardware.h2d_bw, generation.compute_s
+            bound = ("the host link bounds it" if link > 1.1 * compute else "compute bounds it" if compute > 1.1 * link
+                     else "the host link and compute take about as long")
+            out.append(f"generation is {generation.seconds / self.total_s:.0%} of the rollout batch; its weights cross "
+                       f"the host link in {fmt_seconds(link)}, its compute takes {fmt_seconds(compute)}: {bound}")
+        if self.keys.get("beta", 0) > 0:
+            out.append("the reference's weights are a second copy on the host, beside the policy's host state")
+        if self.stage == "dpo" and self.keys["precompute_ref_log_probs"]:
+            out.append("the reference's log-probabilities are given: its forward pass over each batch is paid once, "
+                       "before training")
+        return out
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "rows": self.rows, "seq": self.seq, **self.keys,
+                "parts": [p.to_dict() for p in self.parts], "total_s": self.total_s,
+                "optimizer_steps": self.optimizer_steps, "per_optimizer_step_s": self.per_optimizer_step_s,
+                "weight_h2d_bytes": self.weight_h2d_bytes, "hardware": self.train.hardware.name,
+                "train_step_s": self.train.prediction.step_s,
+                "forward_s": self.forward.prediction.step_s if self.forward is not None else None}
+
+
+def stage_keys(stage: Any, keys: dict[str, Any]) -> dict[str, Any]:
+    """The stage's keys, checked, its defaults filled in; a key of another stage, or of none, refused."""
+    if stage not in STAGES:
+        raise ArgumentError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
+    own = KEYS[stage]
+    for key in keys:
+        if key in own:
+            continue
+        owners = [s for s in STAGES if key in KEYS[s]]
+        if owners:
+            raise ArgumentError(f"stage {stage}: {key} belongs to stage {owners[0]}; plan stage {owners[0]}, or leave "
+                                f"{key} out")
+        listed = ", ".join(own) if own else "none"
+        raise ArgumentError(f"stage {stage}: no key {key!r}; its keys are {listed}")
+    out = {**own, **keys}
+    if stage == "dpo":
+        arguments.flag("precompute_ref_log_probs", out["precompute_ref_log_probs"])
+    if stage == "grpo":
+        arguments.count("prompts", out["prompts"], what=" (prompts per rollout batch)")
+        arguments.count("num_generations", out["num_generations"], minimum=2,
+                        what=" (completions per prompt: a group of one has no advantage)")
+        for key in ("max_prompt_length", "max_completion_length", "num_iterations"):
+            arguments.count(key, out[key])
+        out["beta"] = arguments.number("beta", out["beta"], minimum=0.0)
+        if out["generator"] not in GENERATORS:
+            raise ArgumentError(f"generator must be one of {', '.join(GENERATORS)} (engine: the engine's own forward "
+                                f"at a fixed width; kv_cache: a bfloat16 copy with a key-value cache); got "
+                                f"{out['generator']!r}")
+    return out
+
+
+def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, batch: int | None = None,
+               seq: int | None = None, hardware: Any = "h100", compute_dtype: torch.dtype = torch.bfloat16,
+               fuse: bool | None = Settings.fuse, host_budget: float | None = None, nvme_budget: float | None = None,
+               nvme_bandwidth: float | None = None, **keys) -> StagePlan:
+    """The predicted step of a post-training stage, from its parts (see the module's docstring).
+
+    `batch`: rows (sft) or preference pairs (dpo) per step, default 1; `seq`: their width, default
+    2048. grpo takes neither: its rows are prompts x num_generations, its width max_prompt_length +
+    max_completion_length. `keys`: the stage's (KEYS, TRL's names). The rest as plan()'s. Raises
+    BudgetTooSmallError or HostMemoryError, as plan() does, when a part does not fit."""
+    keys = stage_keys(stage, keys)
+    if stage == "grpo":
+        given = [k for k, v in (("batch", batch), ("seq", seq)) if v is not None]
+        if given:
+            raise ArgumentError(f"stage grpo takes no {' or '.join(given)}: its rows are prompts x num_generations and "
+                                "its width max_prompt_length + max_completion_length; give those")
+        rows = keys["prompts"] * keys["num_generations"]
+        width = keys["max_prompt_length"] + keys["max_completion_length"]
+    else:
+        batch = 1 if batch is None else batch
+        if stage == "dpo":
+            batch = 2 * arguments.count("batch", batch, what=" (preference pairs per step, 2 rows each)")
+        rows, width = arguments.tokens(batch, 2048 if seq is None else seq)
+    profile = hardware_profile(hardware, nvme_bandwidth)
+    model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
+    per_token = None
+    if stage == "grpo" and keys["generator"] == "kv_cache":     # a cache past the whole budget: before planning
+        per_token = _cache_bytes_per_token(model)
+        _check_cache(rows * width * per_token, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rows, width)
+    settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
+                    nvme_budget=nvme_budget)
+
+    def planned(train: bool, n: int, width: int) -> Plan:
+        return plan(model, hbm_budget, batch=n, seq=width, train=train, **settings)
+
+    train = planned(True, rows, width)
+    steps = keys["num_iterations"] if stage == "grpo" else 1
+    each = f"{rows} x {width} tokens"
+    parts = [_part("training", steps, train, f"{steps} training step{'s' if steps > 1 else ''} of {each}")]
+    forward = None
+    if stage == "dpo" and not keys["precompute_ref_log_probs"]:
+        forward = planned(False, rows, width)
+        parts.append(_part("reference forward", 1, forward, f"one forward-only pass of {each}"))
+    if stage == "grpo":
+        forward = planned(False, rows, width)
+        generation = (_engine_generation(forward, keys, each) if keys["generator"] == "engine" else
+                      _kv_generation(per_token, forward, planned(False, rows, keys["max_prompt_length"]), keys, rows))
+        parts[:0] = [generation, _part("old-policy forward", 1, forward, f"one forward-only pass of {each}")]
+        if keys["beta"] > 0:
+            parts.insert(2, _part("reference forward", 1, forward, f"one forward-only pass of {each} (beta > 0)"))
+    return StagePlan(stage, rows, width, keys, train, forward, parts, steps)
+
+
+def _part(name: str, passes: int, p: Plan, detail: str) -> StepPart:
+    return StepPart(name, passes, passes * p.prediction.step_s, passes * p.weight_h2d_bytes_per_step, detail,
+                    passes * p.prediction.compute_s)
+
+
+def _engine_generation(forward: Plan, keys: dict, each: str) -> StepPart:
+    tokens = keys["max_completion_length"]
+    return _part("generation", tokens, forward,
+                 f"engine generator, no key-value cache: {tokens} forward-only passes of {each}, one per new token, "
+                 f"{fmt_seconds(forward.prediction.step_s)} each")
+
+
+def _cache_bytes_per_token(model: nn.Module) -> int:
+    """A row's key-value cache per token, from the model's Hugging Face config."""
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if isinstance(heads, int) else None)
+    if not all(isinstance(x, int) for x in (layers, kv_heads, head_dim)):
+        raise ArgumentError("generator kv_cache sizes the cache from the model's Hugging Face config "
+                            "(num_hidden_layers, num_key_value_heads, head_dim); this model has none: use generator "
+                            "engine")
+    return cache_bytes_per_token(layers, kv_heads, head_dim)
+
+
+def _check_cache(cache_bytes: int, room: int, reserve: int, rows: int, width: int) -> None:
+    if cache_bytes > room:
+        raise BudgetTooSmallError(
+            f"generator kv_cache: the cache of {rows} rows x {width} tokens ({fmt_bytes(cache_bytes)}) does not fit "
+            f"the {fmt_bytes(room)} the budget leaves; fewer prompts or generations, or generator engine",
+            cache_bytes + reserve)
+
+
+def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, rows: int) -> StepPart:
+    """A prefill over the prompts, then max_completion_length decode steps from a bfloat16 copy of
+    the weights: on the device when the copy and the full cache fit the budget (sent once per
+    rollout batch), else streamed from the host every step with the cache on the device."""
+    captured, hw = forward.captured, forward.hardware
+    weight_bytes = sum(e.numel * (BF16 if e.dtype.is_floating_point else e.dtype.itemsize)
+                       for e in captured.state.values())
+    prompt, tokens = keys["max_prompt_length"], keys["max_completion_length"]
+    full_cache = rows * (prompt + tokens) * per_token
+    room = forward.budget_bytes - forward.reserve.total
+    _check_cache(full_cache, room, forward.reserve.total, rows, prompt + tokens)
+    on_device = weight_bytes + full_cache <= room
+    ops = sum(graph_cost(st.template.inference, hw, captured.compute_dtype).ops for st in captured.stages)
+    # The cache read at each step grows with the tokens generated: its mean is the cache at half of them.
+    mean_cache = rows * (prompt + (tokens + 1) / 2) * per_token
+    step = decode_step(hw, weight_bytes=weight_bytes, active_params=captured.active_params, rows=rows,
+                       cache_bytes=math.ceil(mean_cache), ops=ops, weights_on_device=on_device)
+    copy_s = weight_bytes / hw.h2d_bw if on_device else 0.0
+    where = ("the copy on the device, sent once" if on_device else
+             f"the copy ({fmt_bytes(weight_bytes)}) does not fit the budget beside the cache "
+             f"({fmt_bytes(full_cache)}): streamed from the host every step")
+    traffic = weight_bytes * (1 if on_device else tokens) + prefill.weight_h2d_bytes_per_step
+    return StepPart("generation", tokens, prefill.prediction.step_s + copy_s + tokens * step.seconds, traffic,
+                    f"kv_cache generator on a bfloat16 copy: a forward-only prefill of {rows} x {prompt} tokens "
+                    f"({fmt_seconds(prefill.prediction.step_s)}), then {tokens} decode steps of "
+                    f"{fmt_seconds(step.seconds)}, {where}",
+                    prefill.prediction.compute_s + tokens * max(step.compute_s, step.device_read_s))

@@ -1,0 +1,160 @@
+"""`megacompile plan --stage` / megacompile.plan_stage: a post-training step predicted from its parts,
+each checked here against the plain plans it is made of (megacompile.plan of the same rows, a
+training step or a forward-only pass), planned independently."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megacompile import plan, plan_stage
+from megacompile.cli import main
+from megacompile.cost import PROFILES
+from megacompile.cost.decode import decode_step
+from megacompile.errors import ArgumentError, BudgetTooSmallError
+from megacompile.planner import model_from_config
+
+CONFIG = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500}
+BUDGET = 0.07     # GiB: the h100 profile reserves 67.5 MiB of it; the weights stream every pass
+H100 = PROFILES["h100"]
+GRPO = dict(prompts=2, num_generations=2, max_prompt_length=8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return model_from_config(dict(CONFIG))
+
+
+def _plan(model, rows, seq, train=True):
+    return plan(model, BUDGET, batch=rows, seq=seq, train=train, fuse=False)
+
+
+def _stage(model, stage, **keys):
+    return plan_stage(model, BUDGET, stage, fuse=False, **keys)
+
+
+# 2 prompts x 2 generations of 8 + 8 tokens, and of 8 + 16 (planned once for the tests below)
+@pytest.fixture(scope="module")
+def grpo8(model):
+    return _stage(model, "grpo", **GRPO, max_completion_length=8, num_iterations=2, beta=0.04)
+
+
+@pytest.fixture(scope="module")
+def grpo16(model):
+    return _stage(model, "grpo", **GRPO, max_completion_length=16)
+
+
+def test_a_dpo_step_is_the_sft_step_of_twice_the_rows_and_a_reference_forward(model):
+    dpo = _stage(model, "dpo", batch=2, seq=48)
+    sft, reference = _plan(model, 4, 48), _plan(model, 4, 48, train=False)
+    assert [p.name for p in dpo.parts] == ["training", "reference forward"]
+    assert (dpo.rows, dpo.seq) == (4, 48)
+    assert dpo.total_s == pytest.approx(sft.prediction.step_s + reference.prediction.step_s, rel=1e-9)
+    assert dpo.weight_h2d_bytes == sft.weight_h2d_bytes_per_step + reference.weight_h2d_bytes_per_step
+    given = _stage(model, "dpo", batch=2, seq=48, precompute_ref_log_probs=True)
+    assert [p.name for p in given.parts] == ["training"]
+    assert given.total_s == pytest.approx(sft.prediction.step_s, rel=1e-9)
+
+
+def test_grpo_parts_add_up_each_the_plan_of_its_pass(model, grpo8):
+    train, forward = _plan(model, 4, 16), _plan(model, 4, 16, train=False)
+    assert [p.name for p in grpo8.parts] == ["generation", "old-policy forward", "reference forward", "training"]
+    expected = {"generation": 8 * forward.prediction.step_s, "old-policy forward": forward.prediction.step_s,
+                "reference forward": forward.prediction.step_s, "training": 2 * train.prediction.step_s}
+    assert {p.name: p.seconds for p in grpo8.parts} == pytest.approx(expected, rel=1e-9)
+    assert grpo8.total_s == pytest.approx(sum(expected.values()), rel=1e-9)
+    assert grpo8.per_optimizer_step_s == pytest.approx(grpo8.total_s / 2, rel=1e-12)
+    shown = grpo8.to_json()
+    assert shown["total_s"] == pytest.approx(sum(p["seconds"] for p in shown["parts"]), rel=1e-12)
+    # beta 0: no reference, one forward pass less
+    plain = _stage(model, "grpo", **GRPO, max_completion_length=8, num_iterations=2)
+    assert [p.name for p in plain.parts] == ["generation", "old-policy forward", "training"]
+    assert plain.total_s == pytest.approx(grpo8.total_s - forward.prediction.step_s, rel=1e-9)
+
+
+def test_engine_generation_streams_the_weights_once_per_new_token(grpo8, grpo16):
+    per_pass = grpo8.forward.weight_h2d_bytes_per_step
+    assert per_pass > 0.99 * grpo8.forward.weight_bytes      # not resident: each pass brings them all
+    assert grpo16.forward.weight_h2d_bytes_per_step == per_pass
+    assert grpo8.part("generation").weight_h2d_bytes == 8 * per_pass
+    assert grpo16.part("generation").weight_h2d_bytes == 2 * grpo8.part("generation").weight_h2d_bytes
+    assert grpo16.part("generation").passes == 16
+    assert grpo16.part("generation").seconds == pytest.approx(16 * grpo16.forward.prediction.step_s, rel=1e-9)
+
+
+def test_a_kv_cache_generator_sends_its_copy_once_and_refuses_a_cache_past_the_budget(model, grpo16):
+    kv = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache")
+    prefill = _plan(model, 4, 8, train=False)
+    copy = 2 * sum(t.numel() for t in [*model.parameters(), *model.buffers()])      # all of it in bfloat16
+    generation = kv.part("generation")
+    assert generation.weight_h2d_bytes == copy + prefill.weight_h2d_bytes_per_step
+    assert "the copy on the device, sent once" in generation.detail
+    assert generation.seconds < grpo16.part("generation").seconds
+    # 2 x 2 x 32 B of keys and values per token and layer, 2 layers: 512 B per token; 4096 x 40000 tokens
+    with pytest.raises(BudgetTooSmallError, match=r"the cache of 4096 rows x 40000 tokens \(78.12 GiB\)"):
+        _stage(model, "grpo", prompts=2048, num_generations=2, max_prompt_length=8, max_completion_length=39992,
+               generator="kv_cache")
+
+
+def test_a_decode_step_is_bound_by_device_memory_when_the_copy_fits_else_by_the_link():
+    weights, params = 140 * 10**9, 70 * 10**9        # a 70B model's bfloat16 copy
+    on = decode_step(H100, weight_bytes=weights, active_params=params, rows=16, cache_bytes=0, ops=0,
+                     weights_on_device=True)
+    assert on.seconds == pytest.approx(weights / (H100.device_bw * H100.memory_efficiency))
+    off = decode_step(H100, weight_bytes=weights, active_params=params, rows=16, cache_bytes=0, ops=0,
+                      weights_on_device=False)
+    assert off.seconds == pytest.approx(weights / H100.h2d_bw) and off.seconds > 10 * on.seconds
+    wide = decode_step(H100, weight_bytes=weights, active_params=params, rows=4096, cache_bytes=0, ops=0,
+                       weights_on_device=True)
+    assert wide.seconds == pytest.approx(2 * params * 4096 / (H100.peak_bf16 * H100.matmul_efficiency))
+
+
+@pytest.mark.parametrize("stage, keys, message", [
+    ("ppo", {}, "stage must be one of sft, dpo, grpo; got 'ppo'"),
+    ("dpo", {"num_generations": 4}, "stage dpo: num_generations belongs to stage grpo"),
+    ("sft", {"precompute_ref_log_probs": True}, "stage sft: precompute_ref_log_probs belongs to stage dpo"),
+    ("grpo", {"num_generation": 4}, "stage grpo: no key 'num_generation'; its keys are prompts, num_generations"),
+    ("grpo", {"num_generations": 1}, "num_generations (completions per prompt: a group of one has no advantage) "
+                                     "must be an int >= 2; got 1"),
+    ("grpo", {"max_completion_length": 0}, "max_completion_length must be an int >= 1; got 0"),
+    ("grpo", {"prompts": True}, "prompts (prompts per rollout batch) must be an int >= 1; got True"),
+    ("grpo", {"beta": -0.1}, "beta must be a finite number >= 0; got -0.1"),
+    ("grpo", {"generator": "vllm"}, "generator must be one of engine, kv_cache"),
+    ("grpo", {"batch": 8}, "stage grpo takes no batch"),
+    ("dpo", {"precompute_ref_log_probs": "yes"}, "precompute_ref_log_probs must be True or False; got 'yes'"),
+    ("dpo", {"batch": 0}, "batch (preference pairs per step, 2 rows each) must be an int >= 1; got 0"),
+    ("sft", {"seq": 0}, "seq (tokens per sequence) must be an int >= 1; got 0"),
+])
+def test_bad_keys_and_values_are_refused_before_anything_is_planned(stage, keys, message):
+    with pytest.raises(ArgumentError) as e:
+        plan_stage("no/such/config.json", BUDGET, stage, **keys)       # refused before the config is read
+    assert message in str(e.value)
+
+
+def test_plan_stage_on_the_command_line(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    base = ["plan", "--config", str(path), "--hbm-budget", str(BUDGET), "--host-budget", "4"]
+    assert main([*base, "--stage", "grpo", "--prompts", "2", "--num-generations", "2", "--max-prompt-length", "8",
+                 "--max-completion-length", "4", "--json"]) == 0
+    out = capsys.readouterr().out
+    shown = json.loads(out.splitlines()[-1])
+    assert [p["name"] for p in shown["parts"]] == ["generation", "old-policy forward", "training"]
+    assert shown["parts"][0]["passes"] == 4 and shown["rows"] == 4 and shown["seq"] == 12
+    assert shown["total_s"] == pytest.approx(sum(p["seconds"] for p in shown["parts"]), rel=1e-12)
+    assert "megacompile plan --stage grpo (2 prompts x 2 generations = 4 rows of 8 + 4 tokens" in out
+    for flags, message in ((["--num-generations", "4"], "--num-generations plans a post-training step: give --stage"),
+                           (["--stage", "dpo", "--num-generations", "4"], "num_generations belongs to stage grpo"),
+                           (["--stage", "grpo", "--global-batch", "8"], "--global-batch is not taken with it"),
+                           (["--stage", "grpo", "--seq", "64"], "stage grpo takes no seq")):
+        assert main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_the_note_names_what_bounds_generation(grpo16):
+    generation = grpo16.part("generation")
+    assert generation.compute_s == pytest.approx(16 * grpo16.forward.prediction.compute_s, rel=1e-9)
+    # under a MiB of weights a pass against 16 passes' kernels: the link is not what it waits on
+    assert generation.weight_h2d_bytes / H100.h2d_bw < 0.1 * generation.compute_s
+    assert [n for n in grpo16.notes() if n.startswith("generation is")][0].endswith(": compute bounds it")
