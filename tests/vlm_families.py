@@ -33,14 +33,14 @@ def _text(config_cls, **extra):
 def gemma3(seed: int = 0):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
     torch.manual_seed(seed)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                 image_size=IMAGE, patch_size=4)
     text = _text(Gemma3TextConfig, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 3)
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_TOKENS,
                           image_token_index=IMAGE_TOKEN, boi_token_index=AROUND, eoi_token_index=END_OF_IMAGE)
     model = Gemma3ForConditionalGeneration(config)
     with torch.no_grad():   # zero-initialised in transformers: random, so that the features carry gradient
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.2)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=1.0)
     return model
 
 
@@ -51,7 +51,7 @@ def idefics3(seed: int = 0, family: str = "idefics3"):
                                          if family == "idefics3" else
                                          (SmolVLMConfig, SmolVLMVisionConfig, SmolVLMForConditionalGeneration))
     torch.manual_seed(seed)
-    vision = vision_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    vision = vision_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                         image_size=IMAGE, patch_size=4)
     config = config_cls(text_config=_text(LlamaConfig).to_dict(), vision_config=vision.to_dict(),
                         image_token_id=IMAGE_TOKEN, scale_factor=2, use_cache=False)

@@ -50,6 +50,10 @@ class ImageTokens:
         if self.padded is None:
             return self.count, ""
         images = self.padded.real_images(inputs)
+        if images == 0:   # transformers' vision tower cannot encode an empty batch of images
+            raise InputMismatchError(
+                f"the step's pixel_values hold only padding (all-zero) images ({self.module}): pass pixel_values "
+                "only with a batch that holds an image, and none for a batch of text alone")
         return images * self.padded.tokens_per_image, f" ({images} images encoded, {self.padded.tokens_per_image} each; all-zero images are padding)"
 
     def check(self, inputs: list[torch.Tensor]) -> None:
