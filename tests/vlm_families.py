@@ -89,3 +89,19 @@ def batch(family: str, seed: int = 0, images: tuple[int, ...] = (1, 2)) -> dict[
         mask[row, :n] = 1
     out["pixel_values"], out["pixel_attention_mask"] = pixels, mask
     return out
+
+
+def idefics2(seed: int = 0):
+    """Idefics2: pixel_values padded as Idefics3's, features resampled by a perceiver; not trained
+    with images yet."""
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration, MistralConfig
+    torch.manual_seed(seed)
+    text = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  image_size=IMAGE, patch_size=4)
+    perceiver = dict(hidden_size=32, resampler_n_latents=IDEFICS3_TOKENS, resampler_depth=1, resampler_n_heads=2,
+                     resampler_head_dim=8, num_key_value_heads=1)
+    return Idefics2ForConditionalGeneration(Idefics2Config(text_config=text.to_dict(), vision_config=vision,
+                                                           perceiver_config=perceiver, image_token_id=IMAGE_TOKEN,
+                                                           use_cache=False))

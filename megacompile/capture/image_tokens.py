@@ -145,8 +145,9 @@ def static_image_merge(model: nn.Module):
         return (input_ids == token_id).unsqueeze(-1).to(inputs_embeds.device)
 
     def methods(name: str, module: nn.Module) -> dict:
-        if not _supported(module):
-            return {m: refuse(name, module) for m in _mergers(module)}
+        if not _supported(module):   # refused before its image encoder reads a value (Idefics2 drops padding images)
+            refused = _mergers(module) + (["get_image_features"] if hasattr(type(module), "get_image_features") else [])
+            return {m: refuse(name, module) for m in refused}
 
         def get_placeholder_mask(input_ids, inputs_embeds, image_features):
             return placeholder_mask(name, module, input_ids, inputs_embeds, image_features)
