@@ -13,7 +13,10 @@ That number is known before the step runs: the features' count is fixed by pixel
 `static_image_merge` gives each such module a `get_placeholder_mask` that returns the same mask
 without the check and records `ImageTokens` (which input holds the ids, the token id, the count
 the features fill); the engine checks every step's ids against it before anything runs, and a
-mismatch is our InputMismatchError, as eager transformers would refuse it.
+mismatch is our InputMismatchError, as eager transformers would refuse it. Gemma 3 merges as
+LLaVA does (its bidirectional attention over an image is a mask computed from token_type_ids,
+which traces); Idefics3 checks and scatters in one `inputs_merger`, replaced the same way, and it
+and SmolVLM give features whose count is read from pixel_values' values (padded_images.py).
 """
 from __future__ import annotations
 
@@ -32,8 +35,7 @@ from .padded_images import PaddedImages, pads_images, static_image_features
 # the input a module's input_ids came from.
 _TRACED_INPUTS: ContextVar[list | None] = ContextVar("megacompile_traced_inputs", default=None)
 _SIGNATURE = ["input_ids", "inputs_embeds", "image_features"]
-_CHECKED = ("transformers.models.llava.modeling_llava", "transformers.models.gemma3.modeling_gemma3",
-            "transformers.models.smolvlm.modeling_smolvlm")
+_CHECKED = ("transformers.models.llava.modeling_llava", "transformers.models.gemma3.modeling_gemma3")
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class ImageTokens:
             raise InputMismatchError(
                 f"the step's pixel_values hold only padding (all-zero) images ({self.module}): pass pixel_values "
                 "only with a batch that holds an image, and none for a batch of text alone")
-        return images * self.padded.tokens_per_image, f" ({images} images encoded, {self.padded.tokens_per_image} each; all-zero images are padding)"
+        per_image = self.padded.tokens_per_image
+        return images * per_image, f" ({images} images encoded, {per_image} each; all-zero images are padding)"
 
     def check(self, inputs: list[torch.Tensor]) -> None:
         found = int((inputs[self.input] == self.token_id).sum())
@@ -145,8 +148,10 @@ def static_image_merge(model: nn.Module):
         return (input_ids == token_id).unsqueeze(-1).to(inputs_embeds.device)
 
     def methods(name: str, module: nn.Module) -> dict:
-        if not _supported(module):   # refused before its image encoder reads a value (Idefics2 drops padding images)
-            refused = _mergers(module) + (["get_image_features"] if hasattr(type(module), "get_image_features") else [])
+        if not _supported(module):
+            # refused before its image encoder runs, which may read values (Idefics2 drops padding images)
+            encoder = ["get_image_features"] if hasattr(type(module), "get_image_features") else []
+            refused = _mergers(module) + encoder
             return {m: refuse(name, module) for m in refused}
 
         def get_placeholder_mask(input_ids, inputs_embeds, image_features):

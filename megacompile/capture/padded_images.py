@@ -82,7 +82,8 @@ def static_image_features(name: str, module: nn.Module, inputs, found: dict[str,
         patch = module.config.vision_config.patch_size
         patches = pixel_mask.unfold(1, patch, patch).unfold(2, patch, patch)
         patch_mask = (patches.sum(dim=(-1, -2)) > 0).bool()
-        out = module.vision_model(pixel_values=images, patch_attention_mask=patch_mask, **{**kwargs, "return_dict": True})
+        kwargs = {**kwargs, "return_dict": True}
+        out = module.vision_model(pixel_values=images, patch_attention_mask=patch_mask, **kwargs)
         features = module.connector(out.last_hidden_state)
         found[name] = PaddedImages(index, features.shape[1], keeps_one)
         out.pooler_output = features[order].reshape(-1, features.shape[-1])
