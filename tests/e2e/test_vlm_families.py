@@ -6,7 +6,7 @@ all-zero image is padding), which capture encodes at static shapes (capture/padd
 Each trains 3 steps on batches whose rows hold 0, 1 and 2 images, against eager
 torch.optim.AdamW in float32: losses and first-step gradients to 1e-5, weights to the noise
 floor, at twice the weights' bytes and at the smallest budget the plan reports (harness in
-test_vlm.py); with the vision tower frozen, at twice the weights' bytes.
+test_vlm.py); with the vision tower frozen, at twice the weights' bytes (`-m slow`).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def test_trains_with_0_1_and_2_images_per_row_as_eagerly(family):
     assert_parity(model(family), batches, weights=2.0, block_path=BLOCKS[family])
 
 
+@pytest.mark.slow   # 15-40 s a family; LLaVA's frozen tower is in the default tier (test_vlm.py)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_frozen_vision_tower_trains_the_rest_as_eagerly(family):
     m = model(family)
