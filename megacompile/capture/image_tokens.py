@@ -13,7 +13,10 @@ That number is known before the step runs: the features' count is fixed by pixel
 `static_image_merge` gives each such module a `get_placeholder_mask` that returns the same mask
 without the check and records `ImageTokens` (which input holds the ids, the token id, the count
 the features fill); the engine checks every step's ids against it before anything runs, and a
-mismatch is our InputMismatchError, as eager transformers would refuse it.
+mismatch is our InputMismatchError, as eager transformers would refuse it. Gemma 3 merges as
+LLaVA does (its bidirectional attention over an image is a mask computed from token_type_ids,
+which traces); Idefics3 checks and scatters in one `inputs_merger`, replaced the same way, and it
+and SmolVLM give features whose count is read from pixel_values' values (padded_images.py).
 """
 from __future__ import annotations
 
@@ -26,12 +29,13 @@ import torch
 import torch.nn as nn
 
 from ..errors import CaptureError, InputMismatchError
+from .padded_images import PaddedImages, pads_images, static_image_features
 
 # The model's input tensors as the trace sees them (top.py sets it in the traced forward), to name
 # the input a module's input_ids came from.
 _TRACED_INPUTS: ContextVar[list | None] = ContextVar("megacompile_traced_inputs", default=None)
 _SIGNATURE = ["input_ids", "inputs_embeds", "image_features"]
-_CHECKED = ("transformers.models.llava.modeling_llava",)
+_CHECKED = ("transformers.models.llava.modeling_llava", "transformers.models.gemma3.modeling_gemma3")
 
 
 @dataclass(frozen=True)
@@ -40,14 +44,28 @@ class ImageTokens:
     module: str        # the module that merges them, in words ("LlavaModel at 'model'")
     input: int         # which of the model's input tensors holds the token ids
     token_id: int
-    count: int         # image features, one token each, over the whole batch
+    count: int         # image features, one token each, over the whole batch (without `padded`)
+    padded: PaddedImages | None = None   # pixel_values padded per row: the count is read from them
+
+    def features(self, inputs: list[torch.Tensor]) -> tuple[int, str]:
+        """How many features the step's pixel_values give, and how, in words."""
+        if self.padded is None:
+            return self.count, ""
+        images = self.padded.real_images(inputs)
+        if images == 0:   # transformers' vision tower cannot encode an empty batch of images
+            raise InputMismatchError(
+                f"the step's pixel_values hold only padding (all-zero) images ({self.module}): pass pixel_values "
+                "only with a batch that holds an image, and none for a batch of text alone")
+        per_image = self.padded.tokens_per_image
+        return images * per_image, f" ({images} images encoded, {per_image} each; all-zero images are padding)"
 
     def check(self, inputs: list[torch.Tensor]) -> None:
         found = int((inputs[self.input] == self.token_id).sum())
-        if found != self.count:
+        count, how = self.features(inputs)
+        if found != count:
             raise InputMismatchError(
                 f"input_ids hold {found} image tokens (id {self.token_id}), but the step's pixel_values give "
-                f"{self.count} image features, one per image token ({self.module}): give each image as many image "
+                f"{count} image features{how}, one per image token ({self.module}): give each image as many image "
                 "tokens as it has features (the model's processor expands its placeholder so), and pass "
                 "pixel_values for exactly the images the ids hold")
 
@@ -62,61 +80,101 @@ def traced_inputs(tensors: list[torch.Tensor]):
         _TRACED_INPUTS.reset(token)
 
 
-def _merges_images(module: nn.Module) -> bool:
-    """A transformers module with a placeholder check (most vision-language models have one)."""
-    return (getattr(type(module), "get_placeholder_mask", None) is not None
-            and type(module).__module__.startswith("transformers."))
+# The methods that place image features in transformers' vision-language models: most check the
+# placeholders' count in get_placeholder_mask; Idefics3 checks and scatters in inputs_merger.
+_MERGERS = ("get_placeholder_mask", "inputs_merger")
+
+
+def _mergers(module: nn.Module) -> list[str]:
+    """The merging methods of a transformers module (most vision-language models have one)."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers."):
+        return []
+    return [m for m in _MERGERS if getattr(cls, m, None) is not None]
 
 
 def _supported(module: nn.Module) -> bool:
-    """The families held to parity with images (tests/e2e/test_vlm.py): LLaVA. Others place their
-    features otherwise (several media kinds, bidirectional image attention) and are not checked yet."""
+    """The families held to parity with images (tests/e2e/test_vlm.py, test_vlm_families.py): LLaVA,
+    Gemma 3, Idefics3 and SmolVLM. Others place their features otherwise (several media kinds, 3D
+    rotary positions) and are not checked yet."""
+    if getattr(getattr(module, "config", None), "image_token_id", None) is None:
+        return False
+    if pads_images(module):
+        return True
     cls = type(module)
+    if getattr(cls, "get_placeholder_mask", None) is None:
+        return False
     params = [p for p in inspect.signature(cls.get_placeholder_mask).parameters if p != "self"]
-    return (cls.__module__ in _CHECKED and params == _SIGNATURE
-            and getattr(getattr(module, "config", None), "image_token_id", None) is not None)
+    return cls.__module__ in _CHECKED and params == _SIGNATURE
+
+
+def _inputs() -> list:
+    return _TRACED_INPUTS.get() or []
 
 
 @contextlib.contextmanager
 def static_image_merge(model: nn.Module):
     """While tracing `model`: its image-merging modules build the placeholder mask without reading
-    a tensor's value; yields the list of `ImageTokens` the trace records, one per module."""
+    a tensor's value (and Idefics3-style ones encode their padded images at static shapes, see
+    padded_images.py); yields the list of `ImageTokens` the trace records, one per module."""
     found: dict[str, ImageTokens] = {}
-    patched = [(name, m) for name, m in model.named_modules() if _merges_images(m)]
+    padded: dict[str, PaddedImages] = {}
+    patched = [(name, m) for name, m in model.named_modules() if _mergers(m)]
 
     def refuse(name: str, module: nn.Module):
-        def get_placeholder_mask(*args, **kwargs):
+        def merge(*args, **kwargs):
             raise CaptureError(f"{type(module).__name__} ('{name}') merges image features in a way megacompile does "
-                               "not train yet: of the vision-language models, LLaVA trains with images "
-                               "(docs/families.md); this model trains on text alone (no pixel_values)")
-        return get_placeholder_mask
+                               "not train yet: of the vision-language models, LLaVA, Gemma 3, Idefics3 and SmolVLM "
+                               "train with images (docs/families.md); this model trains on text alone (no "
+                               "pixel_values)")
+        return merge
 
-    def make(name: str, module: nn.Module):
+    def placeholder_mask(name: str, module: nn.Module, input_ids, inputs_embeds, image_features):
+        label = name or type(module).__name__
+        if input_ids is None:
+            raise CaptureError(f"{label} was given inputs_embeds with images: megacompile places image features "
+                               "by the image tokens of input_ids; pass input_ids")
+        index = next((i for i, t in enumerate(_inputs()) if t is input_ids), None)
+        if index is None:
+            raise CaptureError(f"the input_ids {label} places image features by are not one of the model's "
+                               "inputs: pass the token ids to the model as input_ids")
+        width = inputs_embeds.shape[-1]
+        if image_features.numel() % width:
+            raise CaptureError(f"{label}'s image features {tuple(image_features.shape)} do not split into tokens "
+                               f"of width {width}")
+        token_id = int(module.config.image_token_id)
+        count = 0 if name in padded else image_features.numel() // width
+        found[name] = ImageTokens(f"{type(module).__name__} at '{name}'", index, token_id, count, padded.get(name))
+        return (input_ids == token_id).unsqueeze(-1).to(inputs_embeds.device)
+
+    def methods(name: str, module: nn.Module) -> dict:
         if not _supported(module):
-            return refuse(name, module)
+            # refused before its image encoder runs, which may read values (Idefics2 drops padding images)
+            encoder = ["get_image_features"] if hasattr(type(module), "get_image_features") else []
+            refused = _mergers(module) + encoder
+            return {m: refuse(name, module) for m in refused}
 
         def get_placeholder_mask(input_ids, inputs_embeds, image_features):
-            if input_ids is None:
-                raise CaptureError(f"{name or type(module).__name__} was given inputs_embeds with images: megacompile "
-                                   "places image features by the image tokens of input_ids; pass input_ids")
-            inputs = _TRACED_INPUTS.get() or []
-            index = next((i for i, t in enumerate(inputs) if t is input_ids), None)
-            if index is None:
-                raise CaptureError(f"the input_ids {name or type(module).__name__} places image features by are "
-                                   "not one of the model's inputs: pass the token ids to the model as input_ids")
-            width = inputs_embeds.shape[-1]
-            if image_features.numel() % width:
-                raise CaptureError(f"{name or type(module).__name__}'s image features {tuple(image_features.shape)} "
-                                   f"do not split into tokens of width {width}")
-            token_id = int(module.config.image_token_id)
-            found[name] = ImageTokens(f"{type(module).__name__} at '{name}'", index, token_id, image_features.numel() // width)
-            return (input_ids == token_id).unsqueeze(-1).to(inputs_embeds.device)
-        return get_placeholder_mask
+            return placeholder_mask(name, module, input_ids, inputs_embeds, image_features)
 
+        def inputs_merger(input_ids, inputs_embeds, image_hidden_states):
+            features = image_hidden_states.to(inputs_embeds.device, inputs_embeds.dtype)
+            mask = placeholder_mask(name, module, input_ids, inputs_embeds, features)
+            return inputs_embeds.masked_scatter(mask, features)
+
+        own = {"get_placeholder_mask": get_placeholder_mask, "inputs_merger": inputs_merger}
+        out = {m: own[m] for m in _mergers(module)}
+        if pads_images(module):
+            out["get_image_features"] = static_image_features(name, module, _inputs, padded)
+        return out
+
+    installed = []
     try:
         for name, module in patched:
-            module.get_placeholder_mask = make(name, module)
+            for attr, fn in methods(name, module).items():
+                setattr(module, attr, fn)
+                installed.append((module, attr))
         yield found
     finally:
-        for _, module in patched:
-            del module.get_placeholder_mask   # back to the class's method
+        for module, attr in installed:
+            delattr(module, attr)   # back to the class's method

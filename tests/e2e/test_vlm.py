@@ -55,25 +55,27 @@ def through_megacompile(model, batches, budget_bytes: float, first_moments: dict
     return engine, losses, peaks
 
 
-def assert_parity(model, batches, smallest_only: bool = False) -> None:
-    """Below the weights' bytes (the blocks stream), then at the smallest budget the plan reports;
-    `smallest_only`: at the smallest budget alone (read from a plan of the first batch)."""
+def assert_parity(model, batches, smallest_only: bool = False, weights: float = 0.9, then_smallest: bool = True,
+                  block_path: str = "model.language_model.layers") -> None:
+    """At `weights` times the weights' bytes (below them, the blocks stream), then (`then_smallest`)
+    at the smallest budget the plan reports; `smallest_only`: at the smallest budget alone (read
+    from a plan of the first batch)."""
     reference, eager_moments = clone(model), {}
     losses = eager(reference, batches, eager_moments)
     noise = float64_noise(lambda exact: eager(exact, [{k: (v.double() if v.is_floating_point() else v)
                                                        for k, v in b.items()} for b in batches]),
                           model, reference)
-    budget = 0.9 * weight_bytes(model)
+    budget = weights * weight_bytes(model)
     if smallest_only:
         budget = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu").prepare(**batches[0]).minimum_budget_bytes
-    for _ in range(1 if smallest_only else 2):
+    for _ in range(1 if smallest_only or not then_smallest else 2):
         moments = {}
         engine, ours, peaks = through_megacompile(clone(model), batches, budget, moments)
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
         assert moment_error(moments, eager_moments) <= 1e-5
         assert_same_weights(engine, reference, noise=noise)
         assert max(peaks) <= budget
-        assert engine.plan.captured.block_path == "model.language_model.layers"
+        assert engine.plan.captured.block_path == block_path
         budget = engine.plan.minimum_budget_bytes
 
 

@@ -1,0 +1,107 @@
+"""Tiny Gemma 3 and Idefics3 / SmolVLM models (random init, nothing downloaded) and their batches.
+
+Each family lays its images out its own way, as its processor writes them:
+- Gemma 3: pixel_values hold one image per image in the batch, [images, 3, H, W]; each image fills
+  `mm_tokens_per_image` image tokens between a begin- and an end-of-image token, and token_type_ids
+  mark the image tokens (1), over which attention is bidirectional within each image.
+- Idefics3 / SmolVLM: pixel_values are padded per row, [rows, most images in a row, 3, H, W], a
+  missing image all zeros; each image fills (patches / scale_factor^2) image tokens between two
+  `fake_token_around_image` tokens; pixel_attention_mask marks the real pixels.
+`images` gives the number of images of each row (0, 1 or 2).
+"""
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+IMAGE_TOKEN = VOCAB - 1
+AROUND = VOCAB - 2              # begin / end of an image (Gemma 3), the token around an image (Idefics3)
+END_OF_IMAGE = VOCAB - 3
+SEQ = 48
+IMAGE = 16                      # pixels per side, in 4 x 4 patches: 16 patches per image
+GEMMA3_TOKENS = 4               # Gemma 3 pools the 16 patches 2 x 2: 4 image tokens per image
+IDEFICS3_TOKENS = 4             # Idefics3 shuffles 2 x 2 patches into one: 4 image tokens per image
+FAMILIES = ("gemma3", "idefics3", "smolvlm")
+
+
+def _text(config_cls, **extra):
+    return config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                      use_cache=False, **extra)
+
+
+def gemma3(seed: int = 0):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    torch.manual_seed(seed)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                image_size=IMAGE, patch_size=4)
+    text = _text(Gemma3TextConfig, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 3)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_TOKENS,
+                          image_token_index=IMAGE_TOKEN, boi_token_index=AROUND, eoi_token_index=END_OF_IMAGE)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():   # zero-initialised in transformers: random, so that the features carry gradient
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=1.0)
+    return model
+
+
+def idefics3(seed: int = 0, family: str = "idefics3"):
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlamaConfig,
+                              SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMVisionConfig)
+    config_cls, vision_cls, model_cls = ((Idefics3Config, Idefics3VisionConfig, Idefics3ForConditionalGeneration)
+                                         if family == "idefics3" else
+                                         (SmolVLMConfig, SmolVLMVisionConfig, SmolVLMForConditionalGeneration))
+    torch.manual_seed(seed)
+    vision = vision_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        image_size=IMAGE, patch_size=4)
+    config = config_cls(text_config=_text(LlamaConfig).to_dict(), vision_config=vision.to_dict(),
+                        image_token_id=IMAGE_TOKEN, scale_factor=2, use_cache=False)
+    return model_cls(config)
+
+
+def model(family: str, seed: int = 0):
+    return gemma3(seed) if family == "gemma3" else idefics3(seed, family)
+
+
+def batch(family: str, seed: int = 0, images: tuple[int, ...] = (1, 2)) -> dict[str, torch.Tensor]:
+    """One row per entry of `images`, each row holding that many images at places that move with
+    the seed; labels ignore the image tokens."""
+    g = torch.Generator().manual_seed(seed)
+    per_image = GEMMA3_TOKENS if family == "gemma3" else IDEFICS3_TOKENS
+    ids = torch.randint(2, END_OF_IMAGE, (len(images), SEQ), generator=g)
+    span = per_image + 2
+    for row, n in enumerate(images):
+        slots = torch.randperm((SEQ - 1) // span, generator=g)[:n].sort().values
+        for slot in slots.tolist():
+            start = 1 + slot * span
+            ids[row, start] = AROUND
+            ids[row, start + 1:start + 1 + per_image] = IMAGE_TOKEN
+            ids[row, start + 1 + per_image] = END_OF_IMAGE if family == "gemma3" else AROUND
+    out = {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100)}
+    if family == "gemma3":
+        out["pixel_values"] = torch.randn(sum(images), 3, IMAGE, IMAGE, generator=g)
+        out["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+        return out
+    most = max(max(images), 1)
+    pixels = torch.zeros(len(images), most, 3, IMAGE, IMAGE)
+    mask = torch.zeros(len(images), most, IMAGE, IMAGE, dtype=torch.long)
+    for row, n in enumerate(images):
+        pixels[row, :n] = torch.randn(n, 3, IMAGE, IMAGE, generator=g)
+        mask[row, :n] = 1
+    out["pixel_values"], out["pixel_attention_mask"] = pixels, mask
+    return out
+
+
+def idefics2(seed: int = 0):
+    """Idefics2: pixel_values padded as Idefics3's, features resampled by a perceiver; not trained
+    with images yet."""
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration, MistralConfig
+    torch.manual_seed(seed)
+    text = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  image_size=IMAGE, patch_size=4)
+    perceiver = dict(hidden_size=32, resampler_n_latents=IDEFICS3_TOKENS, resampler_depth=1, resampler_n_heads=2,
+                     resampler_head_dim=8, num_key_value_heads=1)
+    return Idefics2ForConditionalGeneration(Idefics2Config(text_config=text.to_dict(), vision_config=vision,
+                                                           perceiver_config=perceiver, image_token_id=IMAGE_TOKEN,
+                                                           use_cache=False))
