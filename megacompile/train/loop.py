@@ -134,6 +134,24 @@ def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
     return c.resume
 
 
+def _check_images(c: RunConfig, rows) -> None:
+    """With records that have images, every micro-batch must hold one: a step without any leaves
+    the vision tower and projector without a gradient, which torch.optim.AdamW skips and the
+    engine's update does not yet (docs/families.md); refused rather than trained otherwise."""
+    if not getattr(getattr(rows, "tokens", None), "images", None):
+        return
+    if c.global_batch is not None:
+        raise ArgumentError("global_batch: the data has records with images, and every micro-batch must hold one "
+                            "(checked before training), so the micro-batch cannot be left to the planner; give "
+                            "batch and grad_accum")
+    start = packing.without_images(rows, c.batch, c.steps * c.grad_accum)
+    if start is not None:
+        raise ArgumentError(f"the micro-batch of rows {start}..{start + c.batch - 1} holds no image, and the data has "
+                            "records with images: a step without an image would leave the vision tower and projector "
+                            "without a gradient, which megacompile does not yet train as torch.optim.AdamW does "
+                            "(it skips them); give a larger batch, fewer records without an image, or another seed")
+
+
 def _check_export(c: RunConfig, resume_from: str | None) -> None:
     """Before training: a new run does not replace an export it did not write. A resumed run owns
     the export folder's model files (its first run found none there, or was refused here), and
@@ -207,6 +225,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         if c.steps is None:
             c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
         c.warmup = warmup_steps(c.warmup, c.steps)      # a fraction of the steps, now that they are known
+        _check_images(c, rows)
     except BaseException:
         for tokens_made in made:
             if tokens_made is not None:
