@@ -57,9 +57,9 @@ def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=Non
     its image tokens widened (images.py); without it a record with images is refused."""
     paths = media.paths(record, where) if media is not None else []
     if media is None and record.get("images"):
-        raise ArgumentError(f"{where}: the record has images, and the model folder has no processor "
-                            f"({' or '.join(images.PROCESSOR_FILES)}) to read them with; give a vision-language "
-                            "model saved with its processor (records with images are not streamed)")
+        raise ArgumentError(f"{where}: the record has images, and they are read only with the model folder's "
+                            f"processor ({' or '.join(images.PROCESSOR_FILES)}) into a token file: give a "
+                            "vision-language model saved with its processor, and streaming: false")
     if "messages" in record or "conversations" in record:
         messages = sharegpt.messages(record)
         if media is not None:

@@ -121,8 +121,8 @@ def test_bad_image_records_are_refused_naming_the_line_before_any_file_is_writte
     text_model = files.model_dir(str(tmp_path / "llama"))
     config = files.run_yaml(str(tmp_path / "run.yaml"), model=text_model, data=work["data"], seq=48, steps=1,
                             device="cpu", run_dir="run")
-    with pytest.raises(ArgumentError, match=r"data.jsonl:1: the record has images, and the model folder has no "
-                                            r"processor"):
+    with pytest.raises(ArgumentError, match=r"data.jsonl:1: the record has images, and they are read only with "
+                                            r"the model folder's processor"):
         run(load(config, []))
     assert not os.path.exists(tmp_path / "run")
 
