@@ -208,3 +208,25 @@ def test_a_vlm_run_trains_as_eagerly_resumes_exactly_and_exports_a_model_that_ge
     assert int((inputs["input_ids"] == processor.image_token_id).sum()) == vlm_files.IMAGE_TOKENS
     out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_llamafactory_multimodal_dataset_reads_as_the_same_records(tmp_path):
+    """LlamaFactory's mllm_demo layout: a JSON array named in dataset_info.json, `messages` with
+    role/content tags and an `images` column; the same tokens and images as the jsonl."""
+    work = _work(tmp_path)
+    records = _records(work["data"])
+    with open(tmp_path / "mllm.json", "w") as f:
+        json.dump([{"turns": r["messages"], **({"pictures": r["images"]} if "images" in r else {})}
+                   for r in records], f)
+    with open(tmp_path / "dataset_info.json", "w") as f:
+        json.dump({"mllm": {"file_name": "mllm.json", "formatting": "sharegpt",
+                            "columns": {"messages": "turns", "images": "pictures"},
+                            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                     "assistant_tag": "assistant"}}}, f)
+    c = load(files.run_yaml(str(tmp_path / "lf.yaml"), model_name_or_path="model", dataset="mllm", dataset_dir=".",
+                            cutoff_len=48, max_steps=1, device="cpu"), [])
+    media, ours = _tokens(tmp_path, work)
+    theirs = token_file(str(tmp_path / "lf-tokens"), "train", c.data, load_tokenizer(work["model"]), work["model"],
+                        False, media)
+    assert np.array_equal(ours.ids, theirs.ids) and np.array_equal(ours.targets, theirs.targets)
+    assert [p for _, p in ours.images.values()] == [p for _, p in theirs.images.values()]
