@@ -154,7 +154,8 @@ def batch(rows: Rows, start: int, size: int, *, shifted: bool) -> dict[str, torc
     shifted: rows are seq + 1 long and the last token is only a target.
     """
     got = [rows.row(start + i) for i in range(size)]
-    pictures = [p for i in range(size) for p in rows.images(start + i)]
+    # streamed rows (streaming.py) hold no images
+    pictures = [p for i in range(size) for p in rows.images(start + i)] if hasattr(rows, "images") else []
     ids = torch.from_numpy(np.stack([g[0] for g in got]))
     targets = torch.from_numpy(np.stack([g[1] for g in got]))
     labels = ids.masked_fill(~targets, IGNORE)
