@@ -47,7 +47,7 @@ def build_model(path: str) -> nn.Module:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise WeightsFileError(f"{path} has no config.json: from_pretrained builds the model from it")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from ..planner.from_config import check_attention_shape
     try:
         config = AutoConfig.from_pretrained(path)
@@ -56,10 +56,17 @@ def build_model(path: str) -> nn.Module:
     check_attention_shape(config)
     config.use_cache = False
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class(config).from_config(config, dtype=torch.float32)
         # no_init_weights also skips the tying that init_weights does (tie_word_embeddings)
         model.tie_weights()
     return model
+
+
+def auto_class(config):
+    """The transformers class a folder's model is built as: a vision-language model (a config with
+    a vision_config, as LLaVA's) as an image-text-to-text model, any other as a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
 
 
 def shard_map(path: str) -> dict[str, list[str] | None]:

@@ -29,7 +29,7 @@ import torch
 from ..report.outputs import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import finetune, mixture, packing, resume, split, streaming, tokens
+from . import finetune, images, mixture, packing, resume, split, streaming, tokens
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, check_isolation, check_positions, meta_model
@@ -44,8 +44,9 @@ def _run_dir(c: RunConfig) -> str:
 
 
 def _data(c: RunConfig, run_dir: str, row_len: int):
-    """The tokenizer, the token files (train, eval or None; made now if new, and not yet in place:
-    tokens.commit), the training and eval rows (None without held-out data) and what the
+    """The tokenizer (for a vision-language model its images.Media, which saves the processor),
+    the token files (train, eval or None; made now if new, and not yet in place: tokens.commit),
+    the training and eval rows (None without held-out data) and what the
     training data's position refers to (its token file's sha256; the sources' when streamed)."""
     tokenizer_dir = None if c.bundled else (c.tokenizer or c.model)
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -53,31 +54,37 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     folder = os.path.join(run_dir, "tokens")
     if c.streaming:
         return _stream(c, folder, tokenizer, tokenizer_dir, row_len, pad)
-    train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt)
+    media = images.Media(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
+    if media is not None and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = media.chat_template()     # a processor may hold the template alone
+    pixels = media.pixels if media is not None else None
+    train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media)
     held, eval_rows = None, None
     try:
         source, docs = train, np.arange(train.n_docs)
         if c.eval:
-            held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt)
-            eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
+            held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, media)
+            eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad, pixels=pixels)
             print(f"  data           {_count(train, docs)} to train; {_count(held, np.arange(held.n_docs))} in "
                   f"{', '.join(e['path'] for e in c.eval)} to evaluate", flush=True)
         elif c.eval_fraction:
             cut = split.hold_out(train, c.eval_fraction, c.seed)
             source, docs = cut.tokens, cut.train
-            eval_rows = packing.Rows(cut.tokens, row_len, c.packing, c.seed, docs=cut.held, shuffle=False, pad_id=pad)
+            eval_rows = packing.Rows(cut.tokens, row_len, c.packing, c.seed, docs=cut.held, shuffle=False, pad_id=pad,
+                                     pixels=pixels)
             print(f"  data           {_count(cut.tokens, cut.train)} to train; {_count(cut.tokens, cut.held)} held "
                   f"out to evaluate (eval_fraction {c.eval_fraction:g} of the tokens"
                   + ("; one document cut between them)" if cut.cut else ")"), flush=True)
         else:
             print(f"  data           {_count(train, docs)} to train", flush=True)
-        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad, mix=_mix(c, source, docs))
+        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad, mix=_mix(c, source, docs),
+                            pixels=pixels)
     except BaseException:
         for made in (train, held):
             if made is not None:
                 tokens.discard(made)
         raise
-    return tokenizer, (train, held), rows, eval_rows, train.fingerprint
+    return media or tokenizer, (train, held), rows, eval_rows, train.fingerprint
 
 
 def _stream(c: RunConfig, folder: str, tokenizer, tokenizer_dir: str | None, row_len: int, pad: int):
@@ -125,6 +132,24 @@ def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
     if c.resume == "auto":
         return found[-1] if found else None
     return c.resume
+
+
+def _check_images(c: RunConfig, rows) -> None:
+    """With records that have images, every micro-batch must hold one: a step without any leaves
+    the vision tower and projector without a gradient, which torch.optim.AdamW skips and the
+    engine's update does not yet (docs/families.md); refused rather than trained otherwise."""
+    if not getattr(getattr(rows, "tokens", None), "images", None):
+        return
+    if c.global_batch is not None:
+        raise ArgumentError("global_batch: the data has records with images, and every micro-batch must hold one "
+                            "(checked before training), so the micro-batch cannot be left to the planner; give "
+                            "batch and grad_accum")
+    start = packing.without_images(rows, c.batch, c.steps * c.grad_accum)
+    if start is not None:
+        raise ArgumentError(f"the micro-batch of rows {start}..{start + c.batch - 1} holds no image, and the data has "
+                            "records with images: a step without an image would leave the vision tower and projector "
+                            "without a gradient, which megacompile does not yet train as torch.optim.AdamW does "
+                            "(it skips them); give a larger batch, fewer records without an image, or another seed")
 
 
 def _check_export(c: RunConfig, resume_from: str | None) -> None:
@@ -200,6 +225,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         if c.steps is None:
             c.steps = max(1, math.ceil(c.epochs * rows.rows_per_epoch / per_step))
         c.warmup = warmup_steps(c.warmup, c.steps)      # a fraction of the steps, now that they are known
+        _check_images(c, rows)
     except BaseException:
         for tokens_made in made:
             if tokens_made is not None:
@@ -328,7 +354,7 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
                    overwrite=resume_from is not None, source=c.model)
         else:
             engine.save_pretrained(c.export, dtype=getattr(torch, c.export_dtype), overwrite=resume_from is not None)
-            if not os.path.isfile(os.path.join(c.export, "tokenizer_config.json")):
+            if isinstance(tokenizer, images.Media) or not os.path.isfile(os.path.join(c.export, "tokenizer_config.json")):
                 tokenizer.save_pretrained(c.export)
         print(f"  exported       {c.export}", flush=True)
     result = {"steps": engine.steps_done, "skipped_steps": engine.skipped_steps, "run_dir": run_dir,

@@ -46,6 +46,14 @@ def meta_model(c: RunConfig) -> nn.Module:
         from ..models import LlamaConfig, TinyLlama
         with torch.device("meta"):
             return TinyLlama(LlamaConfig(**c.bundled_model))
+    if _hf_weights(c.model) or os.path.isfile(os.path.join(c.model, "config.json")):
+        from transformers import AutoConfig
+        from ..io.hf_load import auto_class
+        config = AutoConfig.from_pretrained(c.model)
+        if getattr(config, "vision_config", None) is not None:   # planning from a config builds causal LMs
+            config.use_cache = False
+            with torch.device("meta"):
+                return auto_class(config).from_config(config)
     from ..planner.from_config import model_from_config
     return model_from_config(c.model)
 
@@ -119,8 +127,8 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         from ..io.hf_load import build_model
         module = build_model(c.model)
     else:                                           # a config: random init, seeded
-        from transformers import AutoModelForCausalLM
-        module = AutoModelForCausalLM.from_config(meta.config, dtype=torch.float32)
+        from ..io.hf_load import auto_class
+        module = auto_class(meta.config).from_config(meta.config, dtype=torch.float32)
     if c.finetuning_type != "lora" or not folder:
         module = finetune.apply(c, module)
 

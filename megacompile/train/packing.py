@@ -9,6 +9,11 @@ at every document and at every row start, and never makes a document's first tok
 of the previous document's last one; a decoder that builds its causal mask from position ids
 (transformers' packed-sequence masks) then keeps packed documents from attending to each other.
 
+A document with images (images.py) is never packed: it starts a row of its own and fills it, the
+rest padded (and so the next document starts a row too), so a row holds all of an image's tokens
+or none, and a micro-batch's pixel_values are the images of its rows' documents, in row order. Such
+a document longer than a row is refused: its image tokens would be cut from their pixels.
+
 Row r of the run is a pure function of (seed, r): the data position saved with a checkpoint is
 one number, the rows consumed.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
 from .tokens import TokenFile
 
 IGNORE = -100   # the label the loss skips (torch cross_entropy's ignore_index)
@@ -27,9 +33,16 @@ class Rows:
     differ in length, so where each begins is counted as the rows reach it."""
 
     def __init__(self, tokens: TokenFile, row_len: int, packing: bool | str, seed: int, *,
-                 docs: np.ndarray | None = None, shuffle: bool = True, pad_id: int = 0, mix=None):
+                 docs: np.ndarray | None = None, shuffle: bool = True, pad_id: int = 0, mix=None, pixels=None):
         self.tokens, self.row_len, self.packing, self.seed = tokens, row_len, packing, seed
         self.shuffle, self.pad_id, self.mix = shuffle, pad_id, mix
+        self.pixels = pixels        # image files -> pixel_values (images.Media.pixels), for documents with images
+        for doc, (where, _) in tokens.images.items():
+            n = int(tokens.docs[doc + 1] - tokens.docs[doc])
+            if n > row_len:
+                raise ArgumentError(f"{where}: the record has images and is {n:,} tokens, longer than a row "
+                                    f"({row_len:,}): its image tokens would be cut from their pixels; give seq >= "
+                                    f"{n:,}, or shorten the record")
         self.docs = np.arange(tokens.n_docs) if docs is None else np.asarray(docs)
         self._epoch: tuple | None = None
         self._ends: list[int] = []       # rows before the end of each epoch counted so far
@@ -51,13 +64,28 @@ class Rows:
                 order = self.mix(epoch)
             else:
                 order = rng.permutation(self.docs) if self.shuffle else self.docs
-            starts = np.concatenate([[0], np.cumsum(self._lengths(order))])
+            if self.tokens.images:
+                starts = self._aligned(order)
+            else:
+                starts = np.concatenate([[0], np.cumsum(self._lengths(order))])
             n_rows = max(1, int(-(-starts[-1] // self.row_len)))
             rows = rng.permutation(n_rows) if self.shuffle else np.arange(n_rows)
             if len(self._ends) == epoch:
                 self._ends.append((self._ends[-1] if epoch else 0) + n_rows)
             self._epoch = (epoch, order, starts, rows)
         return self._epoch[1:]
+
+    def _aligned(self, order: np.ndarray) -> np.ndarray:
+        """Where each document starts, those with images at a row start and padded to its end."""
+        lengths, images, row = self._lengths(order), self.tokens.images, self.row_len
+        starts, at = np.zeros(len(order) + 1, dtype=np.int64), 0
+        for k, (d, n) in enumerate(zip(order.tolist(), lengths.tolist())):
+            if d in images:
+                at = -(-at // row) * row
+            starts[k] = at
+            at += row if d in images else n
+        starts[-1] = at
+        return starts
 
     def _place(self, index: int) -> tuple[int, int]:
         """The epoch of row `index` of the run and its place in the epoch."""
@@ -80,6 +108,12 @@ class Rows:
         first = int(np.searchsorted(starts, lo, side="right")) - 1
         last = int(np.searchsorted(starts, hi, side="left"))
         return [int(d) for k, d in enumerate(order[first:last], first) if min(hi, starts[k + 1]) > max(lo, starts[k])]
+
+    def images(self, index: int) -> list[str]:
+        """The image files of row `index`'s documents (a document with images fills a row alone)."""
+        if not self.tokens.images:
+            return []
+        return [p for d in self.documents(index) for p in self.tokens.images.get(d, ("", []))[1]]
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Row `index` of the run (epochs follow each other): tokens, targets, positions."""
@@ -120,12 +154,16 @@ def batch(rows: Rows, start: int, size: int, *, shifted: bool) -> dict[str, torc
     shifted: rows are seq + 1 long and the last token is only a target.
     """
     got = [rows.row(start + i) for i in range(size)]
+    # streamed rows (streaming.py) hold no images
+    pictures = [p for i in range(size) for p in rows.images(start + i)] if hasattr(rows, "images") else []
     ids = torch.from_numpy(np.stack([g[0] for g in got]))
     targets = torch.from_numpy(np.stack([g[1] for g in got]))
     labels = ids.masked_fill(~targets, IGNORE)
     if shifted:
         return {"input_ids": ids[:, :-1].contiguous(), "labels": labels[:, 1:].contiguous()}
     inputs = {"input_ids": ids, "labels": labels}
+    if pictures:
+        inputs["pixel_values"] = rows.pixels(pictures)
     if rows.packing == "isolated":
         inputs["position_ids"] = torch.from_numpy(np.stack([g[2] for g in got]))
     return inputs
@@ -135,3 +173,17 @@ def target_count(inputs: dict[str, torch.Tensor], *, shifted: bool) -> int:
     """Tokens the loss of these inputs averages over."""
     labels = inputs["labels"] if shifted else inputs["labels"][:, 1:]
     return int((labels != IGNORE).sum())
+
+
+def without_images(rows: Rows, size: int, micro_batches: int) -> int | None:
+    """The first row of the first micro-batch (of `micro_batches` that train, those with no target
+    skipped as the run skips them) that holds no image, or None: every one holds one."""
+    start = 0
+    for _ in range(micro_batches):
+        while not any(rows.row(start + i)[1].any() for i in range(size)):
+            start += size
+        if not any(rows.images(start + i) for i in range(size)):
+            return start
+        start += size
+    return None
+

@@ -4,7 +4,8 @@
 The documents are taken in an order shuffled by seed and held out until the fraction is reached;
 the document that crosses it is cut in two there, its head held out and its tail trained on. The
 cut is one more offset in the token file's document table: both halves stay contiguous runs of
-its tokens, so rows are read from them as from any document.
+its tokens, so rows are read from them as from any document. A document with images is never
+cut (its image tokens go with its pixels): it is held out whole.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def hold_out(tokens: TokenFile, fraction: float, seed: int) -> Split:
     lengths = tokens.docs[1:] - tokens.docs[:-1]
     reached = np.cumsum(lengths[order])
     k = int(np.searchsorted(reached, want))            # order[k] holds the want-th token
-    if reached[k] == want:                             # it ends there: whole documents
+    if reached[k] == want or int(order[k]) in tokens.images:      # it ends there, or it is not cut: whole documents
         return Split(tokens, np.sort(order[k + 1:]), np.sort(order[:k + 1]), cut=False)
     doc = int(order[k])
     at = int(tokens.docs[doc + 1] - (reached[k] - want))
@@ -46,4 +47,5 @@ def hold_out(tokens: TokenFile, fraction: float, seed: int) -> Split:
     renumber = order + (order > doc)
     held = np.concatenate([renumber[:k], [doc]])
     train = np.concatenate([[doc + 1], renumber[k + 1:]])
-    return Split(replace(tokens, docs=table), np.sort(train), np.sort(held), cut=True)
+    pictures = {d + (d > doc): found for d, found in tokens.images.items()}
+    return Split(replace(tokens, docs=table, images=pictures), np.sort(train), np.sort(held), cut=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ArgumentError
-from . import alpaca, masking, sharegpt
+from . import alpaca, images, masking, sharegpt
 from . import entries
 from .reading import records
 
@@ -51,11 +51,25 @@ def load_tokenizer(path: str | None):
         raise ArgumentError(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0][:300]}") from e
 
 
-def encode(tokenizer, record: dict, train_on_prompt: bool, where: str) -> tuple[list[int], list[bool]]:
-    """One record's tokens and targets, with the tokenizer's EOS closing the document."""
+def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None) -> tuple[list[int], list[bool]]:
+    """One record's tokens and targets, with the tokenizer's EOS closing the document. `media`
+    (images.Media, a vision-language model's processor): its image paths resolved and checked,
+    its image tokens widened (images.py); without it a record with images is refused."""
+    paths = media.paths(record, where) if media is not None else []
+    if media is None and record.get("images"):
+        raise ArgumentError(f"{where}: the record has images, and they are read only with the model folder's "
+                            f"processor ({' or '.join(images.PROCESSOR_FILES)}) into a token file: give a "
+                            "vision-language model saved with its processor, and streaming: false")
     if "messages" in record or "conversations" in record:
         messages = sharegpt.messages(record)
+        if media is not None:
+            messages = media.messages(messages, paths, where)
         ids, targets = masking.chat(tokenizer, messages, train_on_prompt, where)
+        if paths:
+            ids, targets = media.widen(ids, targets, paths, where)
+    elif paths:
+        raise ArgumentError(f"{where}: a record with images is a conversation (messages, or ShareGPT's "
+                            "conversations) whose turns hold an <image> placeholder per image")
     elif alpaca.is_alpaca(record):
         ids, targets = masking.chat(tokenizer, alpaca.messages(record, where), train_on_prompt, where)
     elif "prompt" in record or "completion" in record:
@@ -84,6 +98,7 @@ class TokenFile:
     split: str = "train"
     staged: str | None = None    # made now, in this folder, until commit() puts it in place
     sources: np.ndarray | None = None   # int64 [n_sources + 1]: where each data entry's tokens start, and the end
+    images: dict = field(default_factory=dict)  # document -> (the record's `where`, its image files), if any
 
     @property
     def n_docs(self) -> int:
@@ -110,7 +125,8 @@ def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool
     tokenizer = {}
     if tokenizer_dir is not None:
         for name in sorted(os.listdir(tokenizer_dir)):
-            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template",
+                                    *images.PROCESSOR_FILES)):
                 with open(os.path.join(tokenizer_dir, name), "rb") as f:
                     tokenizer[name] = hashlib.sha256(f.read()).hexdigest()
     return {"format": CACHE_FORMAT, "files": files, "tokenizer": tokenizer, "train_on_prompt": train_on_prompt}
@@ -124,7 +140,7 @@ def fingerprint(items: list, tokenizer_dir: str | None, train_on_prompt: bool) -
 
 
 def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: str | None,
-               train_on_prompt: bool) -> TokenFile:
+               train_on_prompt: bool, media=None) -> TokenFile:
     """The split's token file in `folder`, when one made from the same sources is there; else made
     now in `folder`.new and put in place by commit() (a run that is refused after tokenising, its
     resume checks among them, leaves the run's own token files as they were)."""
@@ -135,19 +151,19 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
     try:
         with open(meta) as f:
             content = json.load(f)
-        starts = content.get("source_tokens")
+        starts, pictures = content.get("source_tokens"), content.get("images", [])
         content = content["content"] if content.get("made_from") == made_from else None
     except (OSError, ValueError, KeyError):
         content = None
     staged = None
     if content is None:     # the sources changed (or were never read): their tokens may not
         staged = folder.rstrip(os.sep) + ".new"
-        content, starts = _write(staged, split, paths, tokenizer, train_on_prompt, sources, made_from)
+        content, starts, pictures = _write(staged, split, paths, tokenizer, train_on_prompt, sources, made_from, media)
     base = os.path.join(staged or folder, split)
     return TokenFile(np.memmap(base + ".ids", dtype=np.uint32, mode="r"),
                      np.memmap(base + ".targets", dtype=np.uint8, mode="r"),
                      np.fromfile(base + ".docs", dtype=np.int64), content, split, staged,
-                     np.asarray(starts, dtype=np.int64))
+                     np.asarray(starts, dtype=np.int64), {int(d): (w, list(p)) for d, w, p in pictures})
 
 
 def commit(tokens: TokenFile, folder: str) -> None:
@@ -202,9 +218,10 @@ class _FileCount:
 
 
 def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_prompt: bool, sources: dict,
-           made_from: str) -> tuple[str, list[int]]:
-    """Tokenise into the three files; returns the sha256 of their contents and where each entry's
-    tokens start."""
+           made_from: str, media=None) -> tuple[str, list[int], list]:
+    """Tokenise into the three files; returns the sha256 of their contents (the image paths
+    included), where each entry's tokens start, and [document, where, image files] of the
+    documents with images."""
     from tqdm import tqdm
     os.makedirs(folder, exist_ok=True)
     base = os.path.join(folder, split)
@@ -215,15 +232,17 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
     offsets, total, content = [0], 0, hashlib.sha256()
     paths = [e["path"] for e in items]
     counts = {path: _FileCount() for path in paths}
-    starts = []
+    starts, pictures = [], []
     try:
         with open(tmp["ids"], "wb") as ids_f, open(tmp["targets"], "wb") as tgt_f:
             for entry in items:
                 count = counts[entry["path"]]
                 starts.append(total)
+                if media is not None:
+                    media.at(entry["path"])
                 for where, record in tqdm(records(entry), desc=f"tokenising {split}", unit=" docs",
                                           file=sys.stderr, disable=not sys.stderr.isatty()):
-                    ids, targets = encode(tokenizer, record, train_on_prompt, where)
+                    ids, targets = encode(tokenizer, record, train_on_prompt, where, media)
                     for role in sharegpt.roles(record):
                         count.roles[role] = count.roles.get(role, 0) + 1
                     if not ids:
@@ -232,6 +251,8 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                                     (tgt_f, np.asarray(targets, dtype=np.uint8).tobytes())):
                         f.write(data)
                         content.update(data)
+                    if media is not None and record.get("images"):
+                        pictures.append([len(offsets) - 1, where, media.paths(record, where)])
                     total += len(ids)
                     count.tokens += len(ids)
                     count.counted += sum(targets)
@@ -247,14 +268,16 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                   f"{counts[path].why()}", flush=True)
         np.asarray(offsets, dtype=np.int64).tofile(tmp["docs"])
         content.update(np.asarray(offsets, dtype=np.int64).tobytes())
+        if pictures:
+            content.update(json.dumps(pictures).encode())
         for ext, path in tmp.items():
             os.replace(path, f"{base}.{ext}")
         with open(meta + ".tmp", "w") as f:
             json.dump({"made_from": made_from, "content": content.hexdigest()[:16], "tokens": total,
                        "source_tokens": starts + [total],
-                       "docs": len(offsets) - 1, **sources}, f, indent=1)
+                       "docs": len(offsets) - 1, "images": pictures, **sources}, f, indent=1)
         os.replace(meta + ".tmp", meta)
-        return content.hexdigest()[:16], starts + [total]
+        return content.hexdigest()[:16], starts + [total], pictures
     finally:
         for path in tmp.values():
             if os.path.exists(path):

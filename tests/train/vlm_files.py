@@ -1,0 +1,88 @@
+"""A tiny LLaVA model folder with its processor, PNG images and chat records that show them, made
+on the spot (no downloads): files.py's word-level tokenizer with an `<image>` token, a
+CLIPImageProcessor at 16 x 16 pixels, a LlavaProcessor carrying files.py's chat template.
+
+Images are 16 x 16 pixels in 4 x 4 patches: each fills 16 image tokens (the class token dropped)."""
+from __future__ import annotations
+
+import json
+import os
+
+from tests.train import files
+
+IMAGE = 16
+PATCH = 4
+IMAGE_TOKENS = (IMAGE // PATCH) ** 2
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+WORDS = ["what", "colour", "is", "this", "red", "green", "blue", "describe", "picture", "image"]
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = sorted({w for s in files.SENTENCES for w in s.split()} | set(WORDS))
+    vocab = {t: i for i, t in enumerate(files.SPECIAL + ["<image>"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    return fast
+
+
+def processor():
+    from transformers import CLIPImageProcessor, LlavaProcessor
+    images = CLIPImageProcessor(size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE})
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer(), patch_size=PATCH,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=files.TEMPLATE)
+
+
+def model_dir(path: str, seed: int = 0) -> str:
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    proc = processor()
+    tok = proc.tokenizer
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=IMAGE, patch_size=PATCH, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       use_cache=False)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                         vision_feature_layer=-1, vision_feature_select_strategy="default")
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+    proc.save_pretrained(path)
+    return path
+
+
+def images(folder: str) -> dict[str, str]:
+    """One flat-coloured PNG per colour in folder/images; colour -> path relative to `folder`."""
+    from PIL import Image
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    out = {}
+    for name, rgb in COLOURS.items():
+        out[name] = os.path.join("images", f"{name}.png")
+        Image.new("RGB", (IMAGE + 8, IMAGE), rgb).save(os.path.join(folder, out[name]))
+    return out
+
+
+def records(path: str, n: int = 12, text_every: int = 4) -> str:
+    """LLaVA's layout: `messages` whose user turn holds `<image>`, and `images`; every
+    text_every-th record has no image (a files.py sentence pair instead)."""
+    pictures = images(os.path.dirname(path))
+    names = sorted(pictures)
+    with open(path, "w") as f:
+        for i in range(n):
+            if text_every and i % text_every == text_every - 1:
+                s = files.SENTENCES
+                record = {"messages": [{"role": "user", "content": s[i % len(s)]},
+                                       {"role": "assistant", "content": s[(i + 3) % len(s)]}]}
+            else:
+                colour = names[i % len(names)]
+                record = {"messages": [{"role": "user", "content": "<image> what colour is this"},
+                                       {"role": "assistant", "content": f"this is {colour}"}],
+                          "images": [pictures[colour]]}
+            f.write(json.dumps(record) + "\n")
+    return path
