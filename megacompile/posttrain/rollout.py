@@ -38,14 +38,20 @@ class EngineGenerator:
     def set_state(self, state: torch.Tensor) -> None:
         self.rng.set_state(state)
 
-    def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0, width: int | None = None) -> list[Completion]:
+        """width: the rows' length (at least the longest prompt + max_new_tokens); one width for
+        every call plans generation once (the padding after a row's end does not change its logits)."""
         if not prompts or n < 1 or max_new_tokens < 1:
             raise ArgumentError(f"generate needs prompts, n >= 1 and max_new_tokens >= 1; got {len(prompts)} prompts, "
                                 f"n={n}, max_new_tokens={max_new_tokens}")
         if temperature < 0:
             raise ArgumentError(f"temperature must be >= 0 (0: greedy); got {temperature}")
         rows = [list(p) for p in prompts for _ in range(n)]
-        width = max(len(r) for r in rows) + max_new_tokens
+        longest = max(len(r) for r in rows) + max_new_tokens
+        if width is not None and width < longest:
+            raise ArgumentError(f"generate: rows of width {width} cannot hold a prompt of {longest - max_new_tokens} "
+                                f"tokens and {max_new_tokens} new ones")
+        width = longest if width is None else width
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for r, row in enumerate(rows):
             ids[r, :len(row)] = torch.tensor(row)
