@@ -16,7 +16,7 @@ import torch
 from ..errors import ArgumentError
 from ..posttrain import DPOLoss, DPOObjective, dpo_loss
 from ..posttrain.preference import Pair, pack, preference_metrics, read_pairs
-from .stage_run import stream_items
+from .stage_order import stream_items
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
 REFERENCE = "reference_logps.pt"

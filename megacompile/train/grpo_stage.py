@@ -24,7 +24,7 @@ from ..posttrain.logprobs import IGNORE
 from ..posttrain.rewards import load, score
 from ..posttrain.rollout import EngineGenerator
 from ..posttrain.rollout_batch import rollout_batch
-from .stage_run import stream_items
+from .stage_order import stream_items
 
 
 class GRPOStage:

@@ -171,9 +171,8 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     gets that step's Chrome trace (step.json, or `trace`) and memory.png (docs/plan-format.md).
     Every check (settings against the model and the data, a resume against its checkpoint) comes
     before any file of the run folder is written and before the engine exists."""
-    if c.stage != "sft":        # dpo, grpo: the same order, with the stage's own steps (stage_run.py)
-        from .stage_run import run as run_stage
-        return run_stage(c, trace)
+    if c.stage != "sft":
+        raise ArgumentError(f"stage {c.stage} runs by megacompile.train.run (train/start.py), not the SFT loop")
     run_dir = _run_dir(c)
     resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
     if c.resume not in (None, "auto"):
