@@ -28,7 +28,7 @@ from ..ir.printer import fmt_bytes
 from . import finetune, resume
 from .config import RunConfig
 from .log import Progress, RunLog
-from .loop import CHECKPOINTS, _check_export, _latest_checkpoint, _run_dir
+from .loop import CHECKPOINTS, save_checkpoint, starting_point
 from .model import build, check_positions, meta_model
 from .schedule import warmup_steps
 from .stages import ALL_KEYS
@@ -63,12 +63,7 @@ def _stage(c: RunConfig, tokenizer):
 
 def run(c: RunConfig, trace: str | None = None) -> dict:
     """Post-train as `c` says (c.stage dpo or grpo); returns the figures the final line prints."""
-    run_dir = _run_dir(c)
-    resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
-    if c.resume not in (None, "auto"):
-        resume_from = c.resume
-    saved = resume.read(resume_from) if resume_from is not None else None
-    _check_export(c, resume_from)
+    run_dir, resume_from, saved = starting_point(c)
     meta = meta_model(c)
     check_positions(c, meta)
     meta = finetune.apply(c, meta)
@@ -154,14 +149,9 @@ def _train(c: RunConfig, setup, stage, run_dir: str, resume_from: str | None, to
             log.write(row)
             progress.update(record.step, f"loss {row['loss']:.4f} | " + stage.progress(row),
                             {"loss": f"{row['loss']:.4f}"})
-            step = record.step
-            if (c.save_every and step % c.save_every == 0) or step == c.steps:
-                engine.save_checkpoint(os.path.join(checkpoints, f"step-{step:06d}"),
-                                       extra={"rows": position, "data": data, "rows_layout": resume.rows_layout(c),
-                                              "settings": resume.settings(c), "finetuning": finetune.saved(c),
-                                              "stage": saved_keys(c), **stage.state()},
-                                       keep_last=c.keep_last)
-                saved_at = step
+            if save_checkpoint(c, engine, checkpoints, record.step, position, data, stage=saved_keys(c),
+                               **stage.state()):
+                saved_at = record.step
     finally:
         progress.close()
         log.close()
