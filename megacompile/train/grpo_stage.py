@@ -41,7 +41,8 @@ class GRPOStage:
             self._read(entry)
         self.groups = c.batch // c.num_generations      # prompts per rollout batch
         self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length)
-        self.columns = (("reward", "reward_std") + tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
+        each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
+        self.columns = (("reward", "reward_std") + each
                         + ("kl",) * (c.beta > 0) + ("clip_ratio", "completions/mean_length", "completions/min_length",
                                                    "completions/max_length"))
         self.generator = self.reference = None
@@ -106,7 +107,8 @@ class GRPOStage:
                                               c.temperature, width=c.seq)
         texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
         records = [self.records[i] for i in chosen for _ in range(n)]
-        columns = {k: [r.get(k) for r in records] for k in dict.fromkeys(k for r in records for k in r) if k != "prompt"}
+        names = [k for k in dict.fromkeys(k for r in records for k in r) if k != "prompt"]
+        columns = {k: [r.get(k) for r in records] for k in names}
         rewards, each = score(self.funcs, c.reward_weights, [r["prompt"] for r in records], texts, **columns)
         batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad)
         old = torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])).float().clone()

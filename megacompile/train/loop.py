@@ -184,8 +184,9 @@ def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int,
     refers to, the settings; `more`: a stage's own state. Whether it saved one."""
     if not ((c.save_every and step % c.save_every == 0) or step == c.steps):
         return False
-    engine.save_checkpoint(os.path.join(folder, f"step-{step:06d}"), extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
-                                        "settings": resume.settings(c), "finetuning": finetune.saved(c), **more},
+    engine.save_checkpoint(os.path.join(folder, f"step-{step:06d}"),
+                           extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
+                                  "settings": resume.settings(c), "finetuning": finetune.saved(c), **more},
                            keep_last=c.keep_last)
     return True
 

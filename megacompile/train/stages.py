@@ -50,7 +50,8 @@ def check(c, raw: dict) -> None:
     wrong = [k for k in NOT_FOR[c.stage] if k in raw and raw[k] is not None]
     if wrong:
         raise ArgumentError(f"stage {c.stage}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not taken by "
-                            f"{c.stage} (docs/posttraining.md lists its keys); leave {'it' if len(wrong) == 1 else 'them'} out")
+                            f"{c.stage} (docs/posttraining.md lists its keys); leave "
+                            f"{'it' if len(wrong) == 1 else 'them'} out")
     if c.bundled:
         raise ArgumentError(f"stage {c.stage} needs a Hugging Face model folder and its tokenizer (model: FOLDER); "
                             "the bundled model reads bytes and has no end-of-sequence token")
@@ -93,7 +94,8 @@ def _grpo(c, raw: dict) -> None:
                                 + ("; a group of one completion has no advantage" if key == "num_generations" else ""))
     c.temperature = _number("temperature", c.temperature)
     if c.temperature < 0:
-        raise ArgumentError(f"temperature must be >= 0 (0: greedy; 1.0: the policy's own distribution); got {c.temperature!r}")
+        raise ArgumentError(f"temperature must be >= 0 (0: greedy; 1.0: the policy's own distribution); got "
+                            f"{c.temperature!r}")
     c.epsilon = _number("epsilon", c.epsilon)
     if not 0 < c.epsilon < 1:
         raise ArgumentError(f"epsilon must be in (0, 1), e.g. 0.2; got {c.epsilon!r}")

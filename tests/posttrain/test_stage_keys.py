@@ -39,7 +39,8 @@ def work(tmp_path_factory):
     ("grpo", {"loss_type": "sigmoid"}, "loss_type for stage grpo must be one of grpo, bnpo, dr_grpo, dapo"),
 ])
 def test_a_bad_key_is_refused_naming_it_before_anything_is_written(tmp_path, work, stage, more, message):
-    settings = stage_files.dpo(work, str(tmp_path / "run")) if stage == "dpo" else stage_files.grpo(work, str(tmp_path / "run"))
+    make = stage_files.dpo if stage == "dpo" else stage_files.grpo
+    settings = make(work, str(tmp_path / "run"))
     settings = {**settings, "stage": stage, **more}
     if stage in ("sft", "kto", "rlhf"):
         settings = {k: v for k, v in settings.items() if k not in ("reward_funcs", "reward_weights", "num_generations",
