@@ -46,10 +46,16 @@ class EngineGenerator:
     def set_state(self, state: torch.Tensor) -> None:
         self.rng.set_state(state)
 
-    def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0, width: int | None = None) -> list[Completion]:
+        """width: the rows' length (at least the longest prompt + max_new_tokens); one width for
+        every call plans generation once (the padding after a row's end does not change its logits)."""
         check_request(prompts, n, max_new_tokens, temperature)
         rows = [list(p) for p in prompts for _ in range(n)]
-        width = max(len(r) for r in rows) + max_new_tokens
+        longest = max(len(r) for r in rows) + max_new_tokens
+        if width is not None and width < longest:
+            raise ArgumentError(f"generate: rows of width {width} cannot hold a prompt of {longest - max_new_tokens} "
+                                f"tokens and {max_new_tokens} new ones")
+        width = longest if width is None else width
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for r, row in enumerate(rows):
             ids[r, :len(row)] = torch.tensor(row)

@@ -15,9 +15,14 @@
     wandb_log.py W&B scalars per optimizer step (log: [wandb])
     resume.py    a resume checked against its checkpoint: refused, noted, or already complete
     loop.py      the run: steps, eval, checkpoints, resume, export
+    stages.py    stage: sft | dpo | grpo, and the post-training keys (TRL's names)
+    stage_run.py a dpo or grpo run: the loop's order, the stage making each step; the policy's export
+    stage_order.py  the seeded order in which a stage reads its pairs or prompts
+    dpo_stage.py, grpo_stage.py  the steps, reference and rollouts, and log columns of each stage
+    start.py     the run of the configured stage
     default.yaml the embedded default: the bundled small Llama on the bundled corpus
 """
 from .config import RunConfig, load
-from .loop import run
+from .start import run
 
 __all__ = ["RunConfig", "load", "run"]

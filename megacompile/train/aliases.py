@@ -67,13 +67,6 @@ def _val_size(value: Any) -> Any:
     return value
 
 
-def _stage(value: Any) -> None:
-    if value != "sft":
-        raise ArgumentError(f"stage {value!r}: megacompile train does supervised fine-tuning (stage: sft) and "
-                            "next-token training on .txt files (also stage: sft); pt, rm, ppo, dpo and kto are "
-                            "not supported")
-
-
 def _do_train(value: Any) -> None:
     if value is not True:
         raise ArgumentError(f"do_train {value!r}: megacompile train always trains; leave do_train out or "
@@ -122,7 +115,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 # Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->
 # schedule, min_lr (and warmup for HF's `constant`), template -> a check of the chat template.
-SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "template", "stage", "do_train",
+SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "template", "do_train",
            "eval_strategy", "evaluation_strategy", "save_strategy", "logging_strategy")
 
 IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir", "preprocessing_num_workers",
@@ -190,8 +183,6 @@ def translate(raw: dict, default_lr: float) -> Translated:
     if "optim" in raw and raw["optim"] not in OPTIMIZERS:
         raise ArgumentError(f"optim {raw['optim']!r}: megacompile trains with AdamW (FP32 state on the host); "
                             f"give optim: adamw_torch or leave it out")
-    if "stage" in raw:
-        _stage(raw["stage"])
     if "do_train" in raw:
         _do_train(raw["do_train"])
     _betas(raw, out)

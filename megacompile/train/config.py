@@ -96,6 +96,20 @@ class RunConfig:
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: Any = "all"
     freeze_extra_modules: Any = None
+    # post-training (train/stages.py): TRL's names; None is the stage's default
+    stage: str = "sft"
+    beta: float | None = None
+    label_smoothing: float | None = None
+    loss_type: str | None = None
+    num_generations: int | None = None
+    max_prompt_length: int | None = None
+    max_completion_length: int | None = None
+    temperature: float | None = None
+    epsilon: float | None = None
+    epsilon_high: float | None = None
+    reward_funcs: Any = None
+    reward_weights: Any = None
+    num_iterations: int | None = None
 
     @property
     def bundled(self) -> bool:
@@ -307,6 +321,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     c.seed = _int("seed", c.seed, 0)
     from .finetune import check as check_finetuning
     check_finetuning(c, raw)
+    from .stages import check as check_stage
+    check_stage(c, raw)
     return c
 
 

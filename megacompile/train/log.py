@@ -21,13 +21,15 @@ def scalars(row: dict) -> dict[str, float]:
 
 
 class RunLog:
-    def __init__(self, run_dir: str, loggers: list[str], resume_step: int, settings: dict | None = None):
-        """`settings`: the run's settings, W&B's run config (its name and wandb_project too)."""
+    def __init__(self, run_dir: str, loggers: list[str], resume_step: int, settings: dict | None = None,
+                 columns: tuple = COLUMNS):
+        """`settings`: the run's settings, W&B's run config (its name and wandb_project too);
+        `columns`: the CSV's (a post-training stage logs its own)."""
         self.path = os.path.join(run_dir, "log.csv")
-        _keep_steps_up_to(self.path, resume_step)
+        _keep_steps_up_to(self.path, resume_step, columns)
         new = not os.path.exists(self.path)
         self._file = open(self.path, "a", newline="")
-        self._csv = csv.DictWriter(self._file, COLUMNS)
+        self._csv = csv.DictWriter(self._file, columns)
         if new:
             self._csv.writeheader()
             self._file.flush()
@@ -59,7 +61,7 @@ class RunLog:
             self._wandb.close()
 
 
-def _keep_steps_up_to(path: str, step: int) -> None:
+def _keep_steps_up_to(path: str, step: int, columns: tuple = COLUMNS) -> None:
     """A resumed run goes on from its checkpoint: rows of the steps after it are dropped (they are
     written again), in a copy renamed over the old file."""
     if not os.path.exists(path):
@@ -67,7 +69,7 @@ def _keep_steps_up_to(path: str, step: int) -> None:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     with open(path + ".tmp", "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
+        writer = csv.DictWriter(f, columns)
         writer.writeheader()
         writer.writerows(r for r in rows if int(r["step"]) <= step)
     os.replace(path + ".tmp", path)

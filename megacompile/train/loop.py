@@ -191,17 +191,39 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
     return mean, math.exp(min(mean, 700.0))
 
 
-def run(c: RunConfig, trace: str | None = None) -> dict:
-    """Train as `c` says; returns the figures the final line prints. After the last step the run dir
-    gets that step's Chrome trace (step.json, or `trace`) and memory.png (docs/plan-format.md).
-    Every check (settings against the model and the data, a resume against its checkpoint) comes
-    before any file of the run folder is written and before the engine exists."""
+def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None]:
+    """The run folder, the checkpoint to resume from (None: a new run) and its manifest, checked;
+    and the export folder checked against a new run."""
     run_dir = _run_dir(c)
     resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
     if c.resume not in (None, "auto"):
         resume_from = c.resume
     saved = resume.read(resume_from) if resume_from is not None else None
     _check_export(c, resume_from)
+    return run_dir, resume_from, saved
+
+
+def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int, fingerprint: str, **more) -> bool:
+    """At every save_every-th step and the last one, a checkpoint in `folder` with what a resume
+    checks and goes on from: the data position (rows, or a stage's pairs or prompts), what it
+    refers to, the settings; `more`: a stage's own state. Whether it saved one."""
+    if not ((c.save_every and step % c.save_every == 0) or step == c.steps):
+        return False
+    engine.save_checkpoint(os.path.join(folder, f"step-{step:06d}"),
+                           extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
+                                  "settings": resume.settings(c), "finetuning": finetune.saved(c), **more},
+                           keep_last=c.keep_last)
+    return True
+
+
+def run(c: RunConfig, trace: str | None = None) -> dict:
+    """Train as `c` says; returns the figures the final line prints. After the last step the run dir
+    gets that step's Chrome trace (step.json, or `trace`) and memory.png (docs/plan-format.md).
+    Every check (settings against the model and the data, a resume against its checkpoint) comes
+    before any file of the run folder is written and before the engine exists."""
+    if c.stage != "sft":
+        raise ArgumentError(f"stage {c.stage} runs by megacompile.train.run (train/start.py), not the SFT loop")
+    run_dir, resume_from, saved = starting_point(c)
     meta = meta_model(c)
     if c.packing == "isolated":
         check_isolation(meta)     # before the data is read: the model decides whether it can be done
@@ -336,11 +358,7 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
                             + (f" | eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""),
                             {"loss": f"{row['loss']:.4f}", "tok/s": f"{row['tokens_per_s']:,.0f}",
                              "peak": fmt_bytes(row["device_peak_bytes"])}, eval_loss=row.get("eval_loss"))
-            if (c.save_every and step % c.save_every == 0) or step == c.steps:
-                engine.save_checkpoint(os.path.join(checkpoints, f"step-{step:06d}"),
-                                       extra={"rows": consumed, "data": fingerprint, "rows_layout": resume.rows_layout(c),
-                                              "settings": resume.settings(c), "finetuning": finetune.saved(c)},
-                                       keep_last=c.keep_last)
+            if save_checkpoint(c, engine, checkpoints, step, consumed, fingerprint):
                 saved_at = step
     finally:
         progress.close()

@@ -98,8 +98,10 @@ def device_budget(c: RunConfig, model: nn.Module, inputs: dict, device: str) -> 
     return max(weight_bytes * c.budget_fraction / GiB, smallest * 1.02)
 
 
-def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
-    """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes.
+def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
+    """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes;
+    wrap(model) -> the module the engine trains instead of the model (a post-training objective,
+    whose parameters carry the model's names under `policy.`).
 
     Each input shape is captured and planned once before the first step: the budget's smallest
     plan, the micro-batch sizes global_batch chooses among and the engine's first step all run
@@ -131,6 +133,8 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         module = auto_class(meta.config).from_config(meta.config, dtype=torch.float32)
     if c.finetuning_type != "lora" or not folder:
         module = finetune.apply(c, module)
+    if wrap is not None:
+        module = wrap(module)
 
     def shapes(b: int) -> dict:
         return {k: v.to("meta") for k, v in first_inputs(b).items()}
@@ -149,7 +153,8 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
         if folder:
             from ..engine.from_pretrained import compile_folder
             engine = compile_folder(module, c.model, budget, **kwargs,
-                                    file_key=finetune.file_key if c.finetuning_type == "lora" else None)
+                                    file_key=finetune.file_key if c.finetuning_type == "lora" else
+                                    _policy_key if wrap is not None else None)
         else:
             engine = Engine(module, budget, **kwargs)
         try:
@@ -159,6 +164,11 @@ def build(c: RunConfig, meta: nn.Module, first_inputs) -> Setup:
             raise
     weight_bytes = sum(p.numel() * dtype.itemsize for p in meta.parameters())
     return Setup(engine, batch, accumulate, shifted, weight_bytes)
+
+
+def _policy_key(key: str) -> str:
+    """A post-training objective's state_dict key as the policy's folder names it."""
+    return key.removeprefix("policy.")
 
 
 def plan_as_engine(module: nn.Module, inputs: dict, settings: Settings, optimizer: AdamW) -> Plan:

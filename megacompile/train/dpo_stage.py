@@ -1,0 +1,143 @@
+"""`stage: dpo`: preference pairs from .jsonl records {prompt, chosen, rejected} (text or messages,
+posttrain/preference.py), trained by DPO or IPO.
+
+The reference is the policy before the first step. Its log-probabilities of every pair (and of
+every held-out pair) are computed once, by the objective's forward-only pass on the same engine,
+before the first step, and kept in the run folder (reference_logps.pt): a resumed run reads them
+there, as its weights are no longer the reference's. Each micro-batch's step is preceded by a
+forward-only pass of the same rows, whose log-probabilities give the logged implicit rewards
+(those of the policy the step starts from, as TRL logs them)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import ArgumentError
+from ..posttrain import DPOLoss, DPOObjective, dpo_loss
+from ..posttrain.preference import Pair, pack, preference_metrics, read_pairs
+from .stage_order import stream_items
+
+METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
+REFERENCE = "reference_logps.pt"
+
+
+class DPOStage:
+    def __init__(self, c, tokenizer):
+        self.c = c
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        self.pairs = self._read(c.data, tokenizer)
+        self.held: list[Pair] = []
+        if c.eval:
+            self.held = self._read(c.eval, tokenizer)
+        elif c.eval_fraction:
+            order = torch.randperm(len(self.pairs), generator=torch.Generator().manual_seed(c.seed)).tolist()
+            cut = max(1, round(c.eval_fraction * len(self.pairs)))
+            if cut >= len(self.pairs):
+                raise ArgumentError(f"eval_fraction {c.eval_fraction:g} of {len(self.pairs)} pairs leaves none to "
+                                    "train on; give a smaller fraction, or more pairs")
+            self.held = [self.pairs[i] for i in sorted(order[:cut])]
+            self.pairs = [self.pairs[i] for i in sorted(order[cut:])]
+        self.loss = DPOLoss(c.beta, c.label_smoothing, c.loss_type)
+        self.columns = METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ())
+        self.reference = self.held_reference = None
+
+    def _read(self, entries: list, tokenizer) -> list[Pair]:
+        pairs = []
+        for entry in entries:
+            read = read_pairs(entry["path"], tokenizer)[:entry.get("limit")]
+            for n, pair in enumerate(read, 1):
+                if len(pair.prompt) > self.c.seq:
+                    raise ArgumentError(f"{entry['path']}: record {n}'s prompt is {len(pair.prompt)} tokens, which "
+                                        f"leaves no room for its completions in rows of seq {self.c.seq}: raise seq "
+                                        "(max_length) or shorten the prompt")
+            pairs += read
+        if not pairs:
+            raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no preference pairs")
+        return pairs
+
+    def describe(self) -> str:
+        held = f", {len(self.held)} held out" if self.held else ""
+        return (f"{len(self.pairs)} preference pairs{held}; {self.c.batch} pairs x {self.c.grad_accum} accumulated "
+                f"per step, rows of {self.c.seq} tokens; {self.c.loss_type} loss, beta {self.c.beta:g}")
+
+    def steps_for(self, epochs: float) -> int:
+        return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
+
+    def objective(self, policy):
+        return DPOObjective(policy, self.loss)
+
+    def first_inputs(self, batch: int) -> dict:
+        return {**pack([self.pairs[i % len(self.pairs)] for i in range(batch)], self.c.seq, self.pad),
+                "ref_logps": torch.zeros(2 * batch)}
+
+    def _logps(self, engine, pairs: list[Pair]) -> torch.Tensor:
+        """(len(pairs), 2) log-probabilities (chosen, rejected) under the engine's weights now, by
+        micro-batches of `batch` pairs (the last one filled up with the first pairs, left out)."""
+        b, out = self.c.batch, []
+        for i in range(0, len(pairs), b):
+            group = [pairs[(i + k) % len(pairs)] for k in range(b)]
+            both = torch.as_tensor(engine(**pack(group, self.c.seq, self.pad))).float()
+            out.append(torch.stack([both[:b], both[b:]], dim=1))
+        return torch.cat(out)[:len(pairs)]
+
+    def begin(self, engine, run_dir: str, saved: dict | None) -> None:
+        path = os.path.join(run_dir, REFERENCE)
+        if saved is not None:
+            if not os.path.isfile(path):
+                raise ArgumentError(f"resume: {path} is missing: the reference log-probabilities cannot be made again "
+                                    "from trained weights; start a new run_dir")
+            kept = torch.load(path)
+            self.reference, self.held_reference = kept["train"], kept["eval"]
+            return
+        self.reference = self._logps(engine, self.pairs)
+        self.held_reference = self._logps(engine, self.held) if self.held else None
+        torch.save({"train": self.reference, "eval": self.held_reference}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def step(self, engine, position: int) -> tuple[dict, list, int, int]:
+        """One optimizer step: grad_accum micro-batches, each first through the forward-only pass
+        (all of them before the step's first micro-batch: the policy the step starts from)."""
+        micro = []
+        for _ in range(self.c.grad_accum):
+            chosen = stream_items(len(self.pairs), self.c.seed, position, self.c.batch)
+            position += self.c.batch
+            ref = torch.cat([self.reference[chosen, 0], self.reference[chosen, 1]])
+            micro.append((pack([self.pairs[i] for i in chosen], self.c.seq, self.pad), ref))
+        policy = [torch.as_tensor(engine(**batch)).float() for batch, _ in micro]
+        losses, tokens = [], 0
+        for batch, ref in micro:
+            losses.append(engine.step(**batch, ref_logps=ref))
+            tokens += engine.last_step.tokens
+            if engine.last_step.skipped:
+                break
+        b = self.c.batch
+        rows = lambda ts: torch.cat([torch.cat([t[:b] for t in ts]), torch.cat([t[b:] for t in ts])])  # noqa: E731
+        return preference_metrics(rows(policy), rows([r for _, r in micro]), self.c.beta), losses, tokens, position
+
+    def evaluate(self, engine, step: int) -> dict:
+        c = self.c
+        if not self.held or not c.eval_every or (step % c.eval_every and step != c.steps):
+            return {}
+        held, ref = self.held, self.held_reference
+        if c.eval_batches is not None:
+            held, ref = held[:c.eval_batches * c.batch], ref[:c.eval_batches * c.batch]
+        training = engine.model.training
+        engine.model.eval()
+        try:
+            policy = self._logps(engine, held)
+        finally:
+            engine.model.train(training)
+        losses, _, _ = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], c.beta, c.label_smoothing,
+                                c.loss_type)
+        both = preference_metrics(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), c.beta)
+        return {"eval_loss": losses.mean().item(), **{f"eval_{k}": v for k, v in both.items()}}
+
+    def progress(self, row: dict) -> str:
+        return f"margin {row['reward_margin']:.4f} | accuracy {row['preference_accuracy']:.2f}"
+
+    def state(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,162 @@
+"""`stage: grpo`: prompts from .jsonl records ({prompt, ...}: the prompt as text or messages, the
+other columns handed to the reward functions by name, e.g. `answer`), completions sampled from the
+policy the engine trains (posttrain/rollout.py's EngineGenerator), scored by reward_funcs summed
+with reward_weights, and trained by GRPO.
+
+A rollout batch is batch / num_generations prompts x num_generations completions, in rows of
+max_prompt_length + max_completion_length tokens (a longer prompt keeps its last
+max_prompt_length tokens, as TRL cuts it); so generation, the forward-only passes and the step are
+each planned once. The sampling policy's log-probabilities (old_logps) come from one forward-only
+pass after the rollout; the batch then trains num_iterations optimizer steps. With beta > 0 the
+reference is a second engine over the model as it was loaded, forward only (a second copy of the
+weights on the host). A checkpoint falls between rollout batches (stages.py) and carries the
+sampler's state beside the prompt position: a resumed run samples the same completions."""
+from __future__ import annotations
+
+import base64
+import json
+
+import torch
+
+from ..errors import ArgumentError
+from ..posttrain import GRPOLoss, GRPOObjective, grpo_loss
+from ..posttrain.logprobs import IGNORE
+from ..posttrain.rewards import load, score
+from ..posttrain.rollout import EngineGenerator
+from ..posttrain.rollout_batch import rollout_batch
+from .stage_order import stream_items
+
+
+class GRPOStage:
+    def __init__(self, c, tokenizer):
+        self.c, self.tokenizer = c, tokenizer
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        self.funcs = [load(name) for name in c.reward_funcs]
+        self.names = [getattr(f, "__name__", name) for f, name in zip(self.funcs, c.reward_funcs)]
+        if len(set(self.names)) != len(self.names):
+            raise ArgumentError(f"reward_funcs {c.reward_funcs}: two functions share a name, and the log keeps each "
+                                "function's rewards by name; give each its own")
+        self.records, self.prompts = [], []
+        for entry in c.data:
+            self._read(entry)
+        self.groups = c.batch // c.num_generations      # prompts per rollout batch
+        self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length)
+        each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
+        self.columns = (("reward", "reward_std") + each
+                        + ("kl",) * (c.beta > 0) + ("clip_ratio", "completions/mean_length", "completions/min_length",
+                                                   "completions/max_length"))
+        self.generator = self.reference = None
+        self.needs_reference = c.beta > 0
+        self.rollout: dict | None = None
+
+    def _read(self, entry: dict) -> None:
+        with open(entry["path"]) as f:
+            lines = [line for line in f if line.strip()]
+        for n, line in enumerate(lines[:entry.get("limit")], 1):
+            record = json.loads(line)
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise ArgumentError(f"{entry['path']}:{n}: a grpo record needs a prompt (text or messages), beside the "
+                                    "columns its reward functions read")
+            prompt = record["prompt"]
+            if isinstance(prompt, list):
+                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            elif isinstance(prompt, str):
+                ids = self.tokenizer(prompt)["input_ids"]
+            else:
+                raise ArgumentError(f"{entry['path']}:{n}: prompt is text or a list of messages; got {prompt!r}")
+            if not ids:
+                raise ArgumentError(f"{entry['path']}:{n}: the prompt has no tokens")
+            self.records.append(record)
+            self.prompts.append(ids[-self.c.max_prompt_length:])
+        if not self.records:
+            raise ArgumentError(f"data: {entry['path']} holds no prompts")
+
+    def describe(self) -> str:
+        c = self.c
+        return (f"{len(self.prompts)} prompts; {self.groups} prompts x {c.num_generations} completions of up to "
+                f"{c.max_completion_length} tokens per rollout batch, {c.num_iterations} step(s) each; rewards "
+                f"{', '.join(c.reward_funcs)}")
+
+    def steps_for(self, epochs: float) -> int:
+        batches = max(1, -(-int(epochs * len(self.prompts)) // self.groups))
+        return batches * self.c.num_iterations
+
+    def objective(self, policy):
+        return GRPOObjective(policy, self.loss)
+
+    def first_inputs(self, batch: int) -> dict:
+        labels = torch.full((batch, self.c.seq), IGNORE, dtype=torch.long)
+        labels[:, 0] = 0
+        inputs = {"input_ids": torch.zeros(batch, self.c.seq, dtype=torch.long), "labels": labels,
+                  "old_logps": torch.zeros(batch, self.c.seq), "advantages": torch.zeros(batch)}
+        if self.c.beta > 0:
+            inputs["ref_logps"] = torch.zeros(batch, self.c.seq)
+        return inputs
+
+    def begin(self, engine, run_dir: str, saved: dict | None) -> None:
+        self.generator = EngineGenerator(engine, eos_id=self.tokenizer.eos_token_id, pad_id=self.pad, seed=self.c.seed)
+        if saved is not None:
+            state = base64.b64decode(saved["sampler"])
+            self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+    def _rollout(self, engine, position: int) -> int:
+        c, n = self.c, self.c.num_generations
+        chosen = stream_items(len(self.prompts), c.seed, position, self.groups)
+        completions = self.generator.generate([self.prompts[i] for i in chosen], n, c.max_completion_length,
+                                              c.temperature, width=c.seq)
+        texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
+        records = [self.records[i] for i in chosen for _ in range(n)]
+        names = [k for k in dict.fromkeys(k for r in records for k in r) if k != "prompt"]
+        columns = {k: [r.get(k) for r in records] for k in names}
+        rewards, each = score(self.funcs, c.reward_weights, [r["prompt"] for r in records], texts, **columns)
+        batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad)
+        old = torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])).float().clone()
+        ref = None
+        if self.reference is not None:
+            ref = torch.as_tensor(self.reference(input_ids=batch["input_ids"], labels=batch["labels"])).float().clone()
+        lengths = torch.tensor([float(len(x.tokens)) for x in completions])
+        metrics = {"reward": rewards.mean().item(), "reward_std": rewards.std().item()}
+        for name in self.names:
+            metrics[f"rewards/{name}/mean"] = each[name].mean().item()
+            metrics[f"rewards/{name}/std"] = each[name].std().item()
+        metrics.update({"completions/mean_length": lengths.mean().item(),
+                        "completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
+        self.rollout = {"batch": batch, "old": old, "ref": ref, "metrics": metrics}
+        return position + self.groups
+
+    def step(self, engine, position: int) -> tuple[dict, list, int, int]:
+        c = self.c
+        iteration = engine.steps_done % c.num_iterations
+        if iteration == 0:
+            position = self._rollout(engine, position)
+        elif self.rollout is None:      # stages.py keeps checkpoints between rollout batches
+            raise ArgumentError(f"step {engine.steps_done + 1} is inside a rollout batch whose completions are not "
+                                "kept: resume from a checkpoint at a multiple of num_iterations")
+        batch, old, ref = self.rollout["batch"], self.rollout["old"], self.rollout["ref"]
+        # The policy the step starts from: the sampling one at a rollout's first step (ratio 1).
+        now = old if iteration == 0 else torch.as_tensor(engine(input_ids=batch["input_ids"],
+                                                                labels=batch["labels"])).float()
+        _, measured = grpo_loss(now, old, batch["advantages"], batch["labels"] != IGNORE, ref, c.epsilon,
+                                c.epsilon_high, c.beta, c.loss_type, c.max_completion_length)
+        # in first_inputs' order: the inputs of the step planned before the first one
+        inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": old,
+                  "advantages": batch["advantages"], **({"ref_logps": ref} if ref is not None else {})}
+        loss = engine.step(**inputs)
+        metrics = {**self.rollout["metrics"], "clip_ratio": measured["clip_ratio"].item()}
+        if c.beta > 0:
+            metrics["kl"] = measured["kl"].item()
+        return metrics, [loss], engine.last_step.tokens, position
+
+    def evaluate(self, engine, step: int) -> dict:
+        return {}
+
+    def progress(self, row: dict) -> str:
+        return f"reward {row['reward']:.4f} | completion length {row['completions/mean_length']:.1f}"
+
+    def state(self) -> dict:
+        return {"sampler": base64.b64encode(self.generator.state().numpy().tobytes()).decode()}
+
+    def close(self) -> None:
+        if self.reference is not None:
+            self.reference.close()

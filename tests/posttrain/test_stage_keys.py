@@ -1,0 +1,63 @@
+"""run.yaml's post-training keys: each checked (key, value, fix) before anything is read or
+written; a key of another stage refused."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megacompile.errors import ArgumentError
+from megacompile.train import load, run
+from tests.posttrain import stage_files
+from tests.train import files
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return stage_files.workspace(tmp_path_factory.mktemp("stage_keys"))
+
+
+@pytest.mark.parametrize("stage, more, message", [
+    ("sft", {"beta": 0.1}, r"stage sft: beta \(stage dpo or grpo\) belongs to another stage"),
+    ("dpo", {"num_generations": 4}, r"stage dpo: num_generations \(stage grpo\) belongs to another stage"),
+    ("grpo", {"label_smoothing": 0.1}, r"label_smoothing \(stage dpo\) belongs to another stage"),
+    ("kto", {}, "stage 'kto' is not supported"),
+    ("rlhf", {}, "stage must be one of sft, dpo, grpo; got 'rlhf'"),
+    ("dpo", {"beta": 0}, "beta must be a positive number, e.g. 0.1; got 0"),
+    ("dpo", {"loss_type": "dapo"}, "loss_type for stage dpo must be one of sigmoid, ipo; got 'dapo'"),
+    ("dpo", {"label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\)"),
+    ("dpo", {"packing": False}, "stage dpo: packing is not taken by dpo"),
+    ("grpo", {"num_generations": 1}, "num_generations must be a whole number >= 2; got 1"),
+    ("grpo", {"batch": 6}, "batch 6 .* must be a multiple of num_generations 4"),
+    ("grpo", {"epsilon": 1.5}, r"epsilon must be in \(0, 1\), e.g. 0.2; got 1.5"),
+    ("grpo", {"temperature": -1}, "temperature must be >= 0"),
+    ("grpo", {"reward_funcs": []}, "reward_funcs is a list of reward functions"),
+    ("grpo", {"reward_funcs": ["no_such_module:f"]}, "reward function 'no_such_module:f' cannot be loaded"),
+    ("grpo", {"reward_weights": [1.0]}, r"reward_weights is a list of one number per reward function \(2\)"),
+    ("grpo", {"num_iterations": 2, "steps": 3}, "steps 3 must be a multiple of num_iterations 2"),
+    ("grpo", {"seq": 64}, "stage grpo: seq is not taken by grpo"),
+    ("grpo", {"loss_type": "sigmoid"}, "loss_type for stage grpo must be one of grpo, bnpo, dr_grpo, dapo"),
+])
+def test_a_bad_key_is_refused_naming_it_before_anything_is_written(tmp_path, work, stage, more, message):
+    make = stage_files.dpo if stage == "dpo" else stage_files.grpo
+    settings = make(work, str(tmp_path / "run"))
+    settings = {**settings, "stage": stage, **more}
+    if stage in ("sft", "kto", "rlhf"):
+        settings = {k: v for k, v in settings.items() if k not in ("reward_funcs", "reward_weights", "num_generations",
+                                                                   "max_prompt_length", "max_completion_length",
+                                                                   "temperature")}
+        settings["data"] = work["pairs"]
+    with pytest.raises(ArgumentError, match=message):
+        load(files.run_yaml(str(tmp_path / "run.yaml"), **settings), [])
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_data_of_another_shape_is_refused_before_the_run_folder_is_made(tmp_path, work):
+    config = files.run_yaml(str(tmp_path / "run.yaml"), **{**stage_files.dpo(work, str(tmp_path / "run")),
+                                                            "data": work["prompts"]})
+    with pytest.raises(ArgumentError, match="a preference record needs prompt, chosen and rejected; missing chosen"):
+        run(load(config, []))
+    config = files.run_yaml(str(tmp_path / "run.yaml"), **{**stage_files.dpo(work, str(tmp_path / "run")), "seq": 3})
+    with pytest.raises(ArgumentError, match="leaves no room for its completions in rows of seq 3"):
+        run(load(config, []))
+    assert not os.path.exists(tmp_path / "run")

@@ -1,0 +1,75 @@
+"""`megacompile train --config run.yaml` with stage: grpo and stage: dpo on a tiny Hugging Face
+model: the log's figures are those of the rollouts and pairs the run saw, and the export is the
+trained policy, loadable by transformers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megacompile.train import load, log, run
+from tests.posttrain import stage_files
+from tests.train import files
+
+
+def _weights(folder: str) -> dict:
+    import safetensors.torch
+    return safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+
+
+def _export_is_the_trained_policy(export: str, model: str) -> None:
+    from transformers import AutoModelForCausalLM
+    loaded = AutoModelForCausalLM.from_pretrained(export)
+    before = _weights(model)
+    state = loaded.state_dict()
+    trained = _weights(export)
+    assert set(trained) == set(before)                                  # the policy's names, no `policy.`
+    assert all(torch.equal(state[k], trained[k]) for k in trained)
+    assert not all(torch.equal(before[k], trained[k]) for k in trained)     # it trained
+
+
+def test_grpo_run_logs_the_rewards_of_its_rollouts_and_exports_the_policy(tmp_path):
+    work = stage_files.workspace(tmp_path)
+    stage_files.CALLS.clear()
+    config = files.run_yaml(str(tmp_path / "grpo.yaml"),
+                            **stage_files.grpo(work, str(tmp_path / "run"), export=str(tmp_path / "export")))
+    result = run(load(config, []))
+    assert result["steps"] == 2
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    assert len(stage_files.CALLS) == 2 == len(rows)                 # one rollout batch per step
+    for row, call in zip(rows, stage_files.CALLS):
+        assert len(call["completions"]) == 8
+        # the record's other columns arrive beside each of its prompt's num_generations completions
+        assert call["answer"] == [p.split()[-1] for p in call["prompts"]]
+        assert call["prompts"][0::4] == call["prompts"][3::4] and call["prompts"][0] != call["prompts"][4]
+        mine = torch.tensor(call["rewards"])
+        assert float(row["rewards/starts_like_prompt/mean"]) == pytest.approx(mine.mean().item())
+        fmt = float(row["rewards/format_check/mean"])
+        assert float(row["reward"]) == pytest.approx(mine.mean().item() + 0.5 * fmt)
+        assert float(row["clip_ratio"]) == 0.0          # one step per rollout: the ratio is 1
+        assert 1 <= float(row["completions/min_length"]) <= float(row["completions/mean_length"]) \
+            <= float(row["completions/max_length"]) <= 3
+        assert "kl" not in row                          # beta 0: no KL term
+    assert float(rows[0]["grad_norm"]) > 0
+    _export_is_the_trained_policy(str(tmp_path / "export"), work["model"])
+
+
+def test_dpo_run_logs_margins_and_accuracy_and_evaluates_the_held_out_pairs(tmp_path):
+    work = stage_files.workspace(tmp_path)
+    config = files.run_yaml(str(tmp_path / "dpo.yaml"),
+                            **stage_files.dpo(work, str(tmp_path / "run"), export=str(tmp_path / "export")))
+    run(load(config, []))
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    first = rows[0]
+    # step 1 starts from the reference: every implicit reward 0, the loss log 2
+    assert float(first["reward_margin"]) == 0.0 and float(first["loss"]) == pytest.approx(0.693147, abs=1e-6)
+    for r in rows:
+        assert float(r["reward_margin"]) == pytest.approx(float(r["rewards_chosen"]) - float(r["rewards_rejected"]),
+                                                          abs=1e-6)
+        assert float(r["preference_accuracy"]) in (0.0, 0.5, 1.0)
+    assert [bool(r["eval_loss"]) for r in rows] == [False, True, True]      # eval_every 2, and the last step
+    assert float(first["grad_norm"]) > 0
+    assert os.path.isfile(str(tmp_path / "run" / "reference_logps.pt"))
+    _export_is_the_trained_policy(str(tmp_path / "export"), work["model"])
