@@ -17,6 +17,7 @@ import torch
 
 from ..errors import NonFiniteError
 from ..runtime.executor import NonFiniteLoss
+from .gradless import refuse_other_parameters
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     context = state.step_context()
     rng = backend.get_rng_state()
     try:
+        # Before anything runs; with data parallelism the other ranks hear of it as of any failure.
+        refuse_other_parameters(compiled.captured, list(host.slots))
         outputs = compiled.executor.run(inputs, seed=1.0 / (micro_batches if micro_batches > 1 else state.grad_accum),
                                         context=context, check_loss=True)
     except NonFiniteLoss as e:

@@ -222,6 +222,18 @@ def fail(rank: int, size: int, folder: str, kill: bool = False) -> dict:
     return {}
 
 
+def text_only_rank(rank: int, size: int, folder: str) -> dict:
+    """A tiny LLaVA: one step with an image on each rank, then rank 1 alone gets a batch without
+    one (its program gives the vision side no gradient); it refuses, rank 0 must say so, not hang."""
+    import megacompile
+    from tests.e2e.test_step_without_gradient import text_only
+    from tests.vlm import batch, llava
+    engine = megacompile.compile(llava(), hbm_budget=1.0, device="cpu", retrace=True, optimizer=optimizer(None))
+    engine.step(**batch(seed=rank, images=(True,)))
+    engine.step(**(text_only(2) if rank == 1 else batch(seed=2, images=(True,))))
+    return {}
+
+
 def llama_bf16(clip: float | None = CLIP):
     """A 2-layer Llama (transformers) in bf16 compute: what the export and bf16 tests train."""
     import megacompile
@@ -258,4 +270,4 @@ def _inputs(ids: torch.Tensor, rank: int, size: int) -> dict:
     return {"idx": mine, "targets": mine}
 
 
-SCENARIOS = {"train": train, "fail": fail, "bf16_export": bf16_export, "measure": measure}
+SCENARIOS = {"train": train, "fail": fail, "text_only_rank": text_only_rank, "bf16_export": bf16_export, "measure": measure}
