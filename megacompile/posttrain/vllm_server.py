@@ -25,6 +25,7 @@ from .rollout import Completion, check_request
 from .vllm_generator import SeededCalls, completion_tokens, sampling
 
 WEIGHTS = "model.safetensors"
+MARK = ".megacompile-rollout-weights"     # the folder is ours to overwrite: made by this generator
 
 
 class VLLMServerGenerator(SeededCalls):
@@ -35,11 +36,13 @@ class VLLMServerGenerator(SeededCalls):
         if not isinstance(weights_dir, str) or not os.path.isabs(weights_dir):
             raise ArgumentError(f"weights_dir is an absolute folder the vLLM server reads at the same path; "
                                 f"got {weights_dir!r}")
+        _own_folder(weights_dir)
         _, self.prefix = policy_of(engine)
         self.engine, self.url, self.weights_dir = engine, url.rstrip("/"), weights_dir
         self.eos_id, self.seed, self.calls, self.timeout = eos_id, seed, 0, timeout
         self.model = model or self._request("v1/models", None)["data"][0]["id"]
         os.makedirs(weights_dir, exist_ok=True)
+        open(os.path.join(weights_dir, MARK), "a").close()
         self._request("init_weight_transfer_engine", {"init_info": {}})
         self.sync()
 
@@ -79,3 +82,15 @@ class VLLMServerGenerator(SeededCalls):
                                    f"n={n}, or without token_ids (it needs vLLM >= 0.10.2: return_token_ids)")
         return [Completion(c["index"] // n, tuple(prompts[c["index"] // n]),
                            completion_tokens(c["token_ids"], c.get("stop_reason"), self.eos_id)) for c in choices]
+
+
+def _own_folder(weights_dir: str) -> None:
+    """Each update replaces weights_dir/model.safetensors: a folder holding anything this generator
+    did not write (the policy's own checkpoint, say) is refused rather than overwritten."""
+    if not os.path.isdir(weights_dir) or os.path.exists(os.path.join(weights_dir, MARK)):
+        return
+    held = sorted(os.listdir(weights_dir))
+    if held:
+        raise ArgumentError(f"weights_dir {weights_dir} already holds {', '.join(held[:3])}"
+                            f"{', ...' if len(held) > 3 else ''}, and each weight update replaces its {WEIGHTS}: "
+                            "give an empty or new folder for the rollout weights")

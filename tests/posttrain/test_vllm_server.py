@@ -105,9 +105,15 @@ def test_a_server_without_the_weight_routes_or_a_relative_folder_is_refused(serv
     engine = _engine(False)
     with pytest.raises(ArgumentError, match="absolute"):
         VLLMServerGenerator(engine, server.url, "weights")
+    theirs = tmp_path / "policy"          # a folder of the user's, e.g. the model's own: never overwritten
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_bytes(b"the user's weights")
+    with pytest.raises(ArgumentError, match="already holds model.safetensors"):
+        VLLMServerGenerator(engine, server.url, str(theirs))
+    assert (theirs / "model.safetensors").read_bytes() == b"the user's weights"
     server.fail.add("init_weight_transfer_engine")
     with pytest.raises(MegacompileError, match="VLLM_SERVER_DEV_MODE=1"):
-        VLLMServerGenerator(engine, server.url, str(tmp_path))
+        VLLMServerGenerator(engine, server.url, str(tmp_path / "rollout"))
     with pytest.raises(MegacompileError, match="cannot reach"):
-        VLLMServerGenerator(engine, "http://127.0.0.1:9", str(tmp_path), model="policy")
+        VLLMServerGenerator(engine, "http://127.0.0.1:9", str(tmp_path / "rollout"), model="policy")
     engine.close()
