@@ -59,6 +59,13 @@ class HFGenerator:
         # generate's settings are these alone: no eos, temperature or top-k from the model's own files
         self.model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
         self._fill()
+        self._place()
+
+    def _tensor(self, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The memory parameter `name` lives in: the device, for the whole copy."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _place(self) -> None:
         self.model.to(self.device).eval()      # the buffers (rotary inv_freq), built real on the host
 
     def _fill(self) -> None:
@@ -69,8 +76,8 @@ class HFGenerator:
         with torch.no_grad():
             for name, master in policy_weights(self.engine, self.prefix):
                 if name in params:
-                    t = torch.empty(master.shape, dtype=self.dtype if master.is_floating_point() else master.dtype,
-                                    device=self.device)
+                    t = self._tensor(name, master.shape,
+                                     self.dtype if master.is_floating_point() else master.dtype)
                     given[name] = nn.Parameter(t.copy_(master), requires_grad=False)
                     _set(self.model, name, given[name])
                 elif name in buffers:

@@ -110,6 +110,12 @@ class RunConfig:
     reward_funcs: Any = None
     reward_weights: Any = None
     num_iterations: int | None = None
+    generator: str | None = None
+    generator_dtype: str | None = None
+    use_vllm: bool | None = None
+    vllm_mode: str | None = None
+    vllm_server_base_url: str | None = None
+    vllm_gpu_memory_utilization: float | None = None
 
     @property
     def bundled(self) -> bool:

@@ -1,6 +1,7 @@
 """`stage: grpo`: prompts from .jsonl records ({prompt, ...}: the prompt as text or messages, the
 other columns handed to the reward functions by name, e.g. `answer`), completions sampled from the
-policy the engine trains (posttrain/rollout.py's EngineGenerator), scored by reward_funcs summed
+policy the engine trains (posttrain/rollout.py's EngineGenerator, or the generator run.yaml
+chooses: rollout_generator.py), scored by reward_funcs summed
 with reward_weights, and trained by GRPO.
 
 A rollout batch is batch / num_generations prompts x num_generations completions, in rows of
@@ -9,8 +10,10 @@ max_prompt_length tokens, as TRL cuts it); so generation, the forward-only passe
 each planned once. The sampling policy's log-probabilities (old_logps) come from one forward-only
 pass after the rollout; the batch then trains num_iterations optimizer steps. With beta > 0 the
 reference is a second engine over the model as it was loaded, forward only (a second copy of the
-weights on the host). A checkpoint falls between rollout batches (stages.py) and carries the
-sampler's state beside the prompt position: a resumed run samples the same completions."""
+weights on the host). A generator that holds a copy of the weights takes the masters before each
+rollout that follows a step (`sync()`). A checkpoint falls between rollout batches (stages.py) and
+carries the sampler's state beside the prompt position: a resumed run samples the same
+completions."""
 from __future__ import annotations
 
 import base64
@@ -24,6 +27,7 @@ from ..posttrain.logprobs import IGNORE
 from ..posttrain.rewards import load, score
 from ..posttrain.rollout import EngineGenerator
 from ..posttrain.rollout_batch import rollout_batch
+from . import rollout_generator
 from .stage_order import stream_items
 
 
@@ -95,16 +99,23 @@ class GRPOStage:
         return inputs
 
     def begin(self, engine, run_dir: str, saved: dict | None) -> None:
-        self.generator = EngineGenerator(engine, eos_id=self.tokenizer.eos_token_id, pad_id=self.pad, seed=self.c.seed)
+        self.generator = rollout_generator.make(self.c, engine, self.tokenizer.eos_token_id, self.pad, run_dir)
+        self.synced = engine.steps_done         # a copy is made from the masters as they are now
         if saved is not None:
-            state = base64.b64decode(saved["sampler"])
-            self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+            state = base64.b64decode(saved["sampler"])      # bytes of a tensor of the dtype state() gives
+            dtype = self.generator.state().dtype
+            self.generator.set_state(torch.frombuffer(bytearray(state), dtype=dtype).clone())
 
     def _rollout(self, engine, position: int) -> int:
         c, n = self.c, self.c.num_generations
         chosen = stream_items(len(self.prompts), c.seed, position, self.groups)
+        if engine.steps_done != self.synced and hasattr(self.generator, "sync"):
+            self.generator.sync()               # the copy takes the steps since the last rollout
+        self.synced = engine.steps_done
+        # EngineGenerator's rows at one width: generation planned once
+        width = {"width": c.seq} if isinstance(self.generator, EngineGenerator) else {}
         completions = self.generator.generate([self.prompts[i] for i in chosen], n, c.max_completion_length,
-                                              c.temperature, width=c.seq)
+                                              c.temperature, **width)
         texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
         records = [self.records[i] for i in chosen for _ in range(n)]
         names = [k for k in dict.fromkeys(k for r in records for k in r) if k != "prompt"]

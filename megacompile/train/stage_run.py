@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import finetune, resume
+from . import finetune, resume, rollout_generator
 from .config import RunConfig
 from .log import Progress, RunLog
 from .loop import CHECKPOINTS, save_checkpoint, starting_point
@@ -40,13 +40,15 @@ BASE_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "seconds", "tokens_
 
 def saved_keys(c: RunConfig) -> dict:
     """The post-training keys a resume keeps (a checkpoint of another stage or other keys is refused)."""
-    return {"stage": c.stage, **{k: getattr(c, k) for k in ALL_KEYS}}
+    return {"stage": c.stage, **{k: getattr(c, k) for k in ALL_KEYS if k not in rollout_generator.MAY_CHANGE}}
 
 
 def check_resume(c: RunConfig, saved: resume.Saved) -> None:
     before, now = saved.extra.get("stage") or {"stage": "sft"}, saved_keys(c)
     if not isinstance(before, dict):
         before = {"stage": "sft"}
+    if before.get("stage") == "grpo":
+        before = {**rollout_generator.IMPLIED, **before}
     changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in now if before.get(k) != now[k]]
     if changed:
         raise ArgumentError(f"resume: {saved.path} was saved by a run with other post-training keys "

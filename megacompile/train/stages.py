@@ -4,7 +4,8 @@ refused under a stage it does not belong to, before anything is read or written.
     dpo    beta (0.1), label_smoothing (0), loss_type (sigmoid | ipo)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo), num_generations (8),
            max_prompt_length (512), max_completion_length (256), temperature (1.0), epsilon (0.2),
-           epsilon_high (epsilon), reward_funcs, reward_weights (1 each), num_iterations (1)
+           epsilon_high (epsilon), reward_funcs, reward_weights (1 each), num_iterations (1), and the
+           generator's keys (rollout_generator.py)
 """
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from typing import Any
 
 from ..errors import ArgumentError
 from ..posttrain import dpo, grpo
+from . import rollout_generator
 
 STAGES = ("sft", "dpo", "grpo")
 REFUSED = ("pt", "rm", "ppo", "kto")
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type"),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
-                 "epsilon", "epsilon_high", "reward_funcs", "reward_weights", "num_iterations")}
+                 "epsilon", "epsilon_high", "reward_funcs", "reward_weights", "num_iterations")
+        + rollout_generator.KEYS}
 ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["grpo"]))
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid"},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
@@ -128,6 +131,7 @@ def _grpo(c, raw: dict) -> None:
             raise ArgumentError(f"{key} {value} must be a multiple of num_iterations {c.num_iterations} (each rollout "
                                 f"batch trains num_iterations steps, and a checkpoint falls between rollout batches)")
     c.seq = c.max_prompt_length + c.max_completion_length
+    rollout_generator.check(c, raw)
 
 
 def _loss_type(c, allowed: tuple) -> None:

@@ -1,0 +1,148 @@
+"""run.yaml's choice of generator for stage: grpo (train/rollout_generator.py): each key checked
+before anything is written; a copy in fp32 (whole on the device, or its layers streamed) writes the
+engine generator's log; vLLM colocated (a stand-in for its API) is handed the masters before each
+rollout that follows a step; the sampler's state resumes from a checkpoint."""
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megacompile.errors import ArgumentError
+from megacompile.train import load, log, run
+from megacompile.train import rollout_generator
+from tests.posttrain import fake_vllm, stage_files
+from tests.train import files
+
+TIMED = ("seconds", "tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return stage_files.workspace(tmp_path_factory.mktemp("generators"))
+
+
+def _untimed(path: str) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMED} for row in log.read(path)]
+
+
+@pytest.mark.parametrize("more, message", [
+    ({"generator": "vllm"}, "generator must be one of engine, hf, hf_streamed .*got 'vllm'"),
+    ({"generator_dtype": "float32"}, "generator_dtype is the dtype of generator hf's copy"),
+    ({"generator": "hf", "generator_dtype": "float16"}, "generator_dtype must be one of bfloat16, float32"),
+    ({"use_vllm": "yes"}, "use_vllm must be true or false; got 'yes'"),
+    ({"vllm_mode": "colocate"}, "vllm_mode applies to sampling with vLLM: set use_vllm: true"),
+    ({"use_vllm": True, "generator": "hf"}, "use_vllm: true samples with vLLM .* generator chooses another"),
+    ({"use_vllm": True, "vllm_mode": "remote"}, "vllm_mode must be colocate .* or server .*got 'remote'"),
+    ({"use_vllm": True, "vllm_gpu_memory_utilization": 0.5}, "vllm_gpu_memory_utilization applies to vllm_mode "
+                                                               "colocate"),
+    ({"use_vllm": True, "vllm_server_base_url": "localhost:8000"}, "vllm_server_base_url is the server's address"),
+    ({"use_vllm": True, "vllm_mode": "colocate", "vllm_server_base_url": "http://h:1"},
+     "vllm_server_base_url applies to vllm_mode server"),
+    ({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 1.5},
+     r"vllm_gpu_memory_utilization is the share of the GPU vLLM may take, in \(0, 1\]"),
+    ({"use_vllm": True, "vllm_mode": "colocate"}, "VLLMGenerator needs vLLM, which is not installed"),
+])
+def test_a_bad_generator_key_is_refused_naming_it_before_anything_is_written(tmp_path, work, more, message,
+                                                                              monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)         # vLLM is not installed: import fails
+    config = files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(work, str(tmp_path / "run"), **more))
+    with pytest.raises(Exception, match=message):
+        load(config, [])
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_generator_key_under_another_stage_is_refused(tmp_path, work):
+    config = files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.dpo(work, str(tmp_path / "run"), use_vllm=True))
+    with pytest.raises(ArgumentError, match=r"stage dpo: use_vllm \(stage grpo\) belongs to another stage"):
+        load(config, [])
+
+
+def _grpo_log(folder, **more) -> list[dict]:
+    config = files.run_yaml(os.path.join(folder, "run.yaml"),
+                            **stage_files.grpo(more.pop("work"), os.path.join(folder, "run"), steps=3, **more))
+    assert run(load(config, []))["steps"] == 3
+    return _untimed(os.path.join(folder, "run", "log.csv"))
+
+
+@pytest.fixture(scope="module")
+def engine_log(tmp_path_factory, work):
+    return _grpo_log(str(tmp_path_factory.mktemp("engine")), work=work)
+
+
+@pytest.mark.parametrize("generator", ["hf", "hf_streamed"])
+def test_an_fp32_copy_writes_the_engine_generators_log(tmp_path, work, engine_log, generator):
+    assert _grpo_log(str(tmp_path), work=work, generator=generator, generator_dtype="float32") == engine_log
+    # the rollouts after a step sample from the moved weights: the copy took them (sync)
+    assert len({r["completions/mean_length"] + r["reward"] for r in engine_log}) > 1
+
+
+def test_the_copys_sampler_resumes_from_a_checkpoint(tmp_path, work):
+    def settings(name: str, steps: int) -> dict:
+        return stage_files.grpo(work, str(tmp_path / name), steps=steps, save_every=1, resume="auto",
+                                generator="hf", generator_dtype="float32")
+    run(load(files.run_yaml(str(tmp_path / "whole.yaml"), **settings("whole", 3)), []))
+    run(load(files.run_yaml(str(tmp_path / "cut.yaml"), **settings("cut", 1)), []))
+    assert run(load(files.run_yaml(str(tmp_path / "cut.yaml"), **settings("cut", 3)), []))["steps"] == 3
+    whole, cut = _untimed(str(tmp_path / "whole" / "log.csv")), _untimed(str(tmp_path / "cut" / "log.csv"))
+    assert cut == whole and len({r["reward"] for r in whole}) > 1
+    engine_resume = files.run_yaml(str(tmp_path / "cut.yaml"), **{**settings("cut", 4), "generator": "engine",
+                                                                   "generator_dtype": None})
+    with pytest.raises(ArgumentError, match="generator 'hf' -> 'engine'"):
+        run(load(engine_resume, []))
+
+
+class _SmallVocabLLM(fake_vllm.LLM):
+    """The stand-in's completions kept inside the tiny tokenizer's vocabulary (51 ids, eos 3)."""
+
+    def generate(self, prompts, params, use_tqdm=True):
+        out = super().generate(prompts, params, use_tqdm)
+        for o in out:
+            for c in o.outputs:
+                c.token_ids = [t if t == fake_vllm.EOS else t % 40 + 5 for t in c.token_ids]
+        return out
+
+
+def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rollout(tmp_path, work, monkeypatch):
+    fake = fake_vllm.module()
+    fake.LLM = _SmallVocabLLM
+    made = []
+    monkeypatch.setattr(fake, "LLM", lambda **kw: made.append(_SmallVocabLLM(**kw)) or made[-1])
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    stage_files.CALLS.clear()
+    config = files.run_yaml(str(tmp_path / "run.yaml"),
+                            **stage_files.grpo(work, str(tmp_path / "run"), steps=2, use_vllm=True,
+                                               vllm_mode="colocate", seed=7))
+    run(load(config, []))
+    llm, = made
+    assert llm.args == dict(model=work["model"], dtype="bfloat16", seed=7, tensor_parallel_size=1,
+                            gpu_memory_utilization=0.3, max_model_len=11)
+    assert [params.seed for _, params in llm.requests] == [7, 8]          # the seed and the count of calls
+    assert [params.n for _, params in llm.requests] == [4, 4]
+    assert len(llm.model.loads) == 2                # at the start, and before the rollout after step 1
+    # the rewards the run logged are those of vLLM's completions
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    tokenizer = files.tokenizer()
+    for (prompts, params), call, row in zip(llm.requests, stage_files.CALLS, rows):
+        replies = llm.generate(prompts, params)
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for o in replies for c in o.outputs]
+        assert call["completions"] == texts
+        assert float(row["rewards/starts_like_prompt/mean"]) == pytest.approx(sum(call["rewards"]) / 8)
+
+
+def test_use_vllm_server_writes_the_weights_in_the_run_folder(tmp_path):
+    from tests.posttrain.test_vllm_server import _Server
+    from tests.posttrain.test_vllm_generator import _engine
+    server = _Server()
+    try:
+        c = SimpleNamespace(generator="vllm", vllm_mode="server", vllm_server_base_url=server.url, seed=3)
+        generator = rollout_generator.make(c, _engine(False), 3, 0, str(tmp_path / "run"))
+        weights = os.path.abspath(str(tmp_path / "run" / rollout_generator.WEIGHTS_DIR))
+        assert generator.weights_dir == weights and generator.seed == 3
+        assert ("update_weights", {"update_info": {"path": weights}}) in server.calls
+        generator.engine.close()
+    finally:
+        server.http.shutdown()
