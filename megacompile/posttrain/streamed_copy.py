@@ -66,7 +66,9 @@ class CudaHostToDevice(HostToDevice):
             return [self.copy(h) for h in hosts], None
         # the side stream must not copy before the compute stream reaches this point (the layers
         # before it may still be reading memory the allocator hands the copy)
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        reached = torch.cuda.Event()
+        reached.record(torch.cuda.current_stream(self.device))
+        self.side.wait_event(reached)
         with torch.cuda.stream(self.side):
             tensors = [self.copy(h) for h in hosts]
             ready = torch.cuda.Event()
