@@ -286,7 +286,8 @@ def parser() -> argparse.ArgumentParser:
                                                            "(default 0)")
     s.add_argument("--generator", default=None,
                    help="grpo: engine (default: the engine's own forward, the rows at full width, once per token) "
-                        "or kv_cache (a bfloat16 copy with a key-value cache: what one would take)")
+                        "or kv_cache (a bfloat16 copy with a key-value cache: what one would take) or hf_streamed "
+                        "(that copy's layers streamed from the host every token)")
     q.set_defaults(run=_plan)
 
     c = sub.add_parser("calibrate", help="measure this machine's GPU and host into a hardware profile")

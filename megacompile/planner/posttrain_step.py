@@ -10,7 +10,9 @@ by the cost model; the parts summed.
           max_completion_length tokens wide (TRL's names):
           generation  engine generator: one forward-only pass of all rows per new token, at the
                       full width (posttrain/rollout.py's EngineGenerator); kv_cache: a prefill over
-                      the prompts and one decode step per token from a bfloat16 copy (cost/decode.py)
+                      the prompts and one decode step per token from a bfloat16 copy (cost/decode.py),
+                      on the device where it fits beside the cache, else streamed; hf_streamed: the
+                      copy's layers streamed from the host every step (posttrain/streamed_copy.py)
           old policy  one forward-only pass: the sampling policy's log-probabilities
           reference   one forward-only pass when beta > 0 (the reference's own copy of the weights)
           training    num_iterations training steps on the rollout batch
@@ -38,7 +40,7 @@ from .from_config import hardware_profile, model_from_config, plan
 from .result import Plan
 
 STAGES = ("sft", "dpo", "grpo")
-GENERATORS = ("engine", "kv_cache")
+GENERATORS = ("engine", "kv_cache", "hf_streamed")
 # Each stage's keys and their defaults (TRL's names and defaults where TRL has the key).
 KEYS: dict[str, dict[str, Any]] = {
     "sft": {},
@@ -162,7 +164,8 @@ def stage_keys(stage: Any, keys: dict[str, Any]) -> dict[str, Any]:
         out["beta"] = arguments.number("beta", out["beta"], minimum=0.0)
         if out["generator"] not in GENERATORS:
             raise ArgumentError(f"generator must be one of {', '.join(GENERATORS)} (engine: the engine's own forward "
-                                f"at a fixed width; kv_cache: a bfloat16 copy with a key-value cache); got "
+                                f"at a fixed width; kv_cache: a bfloat16 copy with a key-value cache; hf_streamed: "
+                                f"that copy's layers streamed from the host); got "
                                 f"{out['generator']!r}")
     return out
 
@@ -193,7 +196,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     profile = hardware_profile(hardware, nvme_bandwidth)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     per_token = None
-    if stage == "grpo" and keys["generator"] == "kv_cache":     # a cache past the whole budget: before planning
+    if stage == "grpo" and keys["generator"] != "engine":     # a cache past the whole budget: before planning
         per_token = _cache_bytes_per_token(model)
         _check_cache(rows * width * per_token, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rows, width)
     settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
@@ -213,7 +216,8 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     if stage == "grpo":
         forward = planned(False, rows, width)
         generation = (_engine_generation(forward, keys, each) if keys["generator"] == "engine" else
-                      _kv_generation(per_token, forward, planned(False, rows, keys["max_prompt_length"]), keys, rows))
+                      _kv_generation(per_token, forward, planned(False, rows, keys["max_prompt_length"]), keys, rows,
+                                     streamed=keys["generator"] == "hf_streamed"))
         parts[:0] = [generation, _part("old-policy forward", 1, forward, f"one forward-only pass of {each}")]
         if keys["beta"] > 0:
             parts.insert(2, _part("reference forward", 1, forward, f"one forward-only pass of {each} (beta > 0)"))
@@ -254,10 +258,12 @@ def _check_cache(cache_bytes: int, room: int, reserve: int, rows: int, width: in
             cache_bytes + reserve)
 
 
-def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, rows: int) -> StepPart:
+def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, rows: int,
+                   streamed: bool = False) -> StepPart:
     """A prefill over the prompts, then max_completion_length decode steps from a bfloat16 copy of
     the weights: on the device when the copy and the full cache fit the budget (sent once per
-    rollout batch), else streamed from the host every step with the cache on the device."""
+    rollout batch), else (and always when `streamed`) streamed from the host every step with the
+    cache on the device."""
     captured, hw = forward.captured, forward.hardware
     weight_bytes = sum(e.numel * (BF16 if e.dtype.is_floating_point else e.dtype.itemsize)
                        for e in captured.state.values())
@@ -265,7 +271,7 @@ def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, row
     full_cache = rows * (prompt + tokens) * per_token
     room = forward.budget_bytes - forward.reserve.total
     _check_cache(full_cache, room, forward.reserve.total, rows, prompt + tokens)
-    on_device = weight_bytes + full_cache <= room
+    on_device = not streamed and weight_bytes + full_cache <= room
     ops = sum(graph_cost(st.template.inference, hw, captured.compute_dtype).ops for st in captured.stages)
     # The cache read at each step grows with the tokens generated: its mean is the cache at half of them.
     mean_cache = rows * (prompt + (tokens + 1) / 2) * per_token
@@ -273,11 +279,12 @@ def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, row
                        cache_bytes=math.ceil(mean_cache), ops=ops, weights_on_device=on_device)
     copy_s = weight_bytes / hw.h2d_bw if on_device else 0.0
     where = ("the copy on the device, sent once" if on_device else
-             f"the copy ({fmt_bytes(weight_bytes)}) does not fit the budget beside the cache "
+             f"the copy ({fmt_bytes(weight_bytes)}) streamed from the host every step, layer by layer"
+             if streamed else f"the copy ({fmt_bytes(weight_bytes)}) does not fit the budget beside the cache "
              f"({fmt_bytes(full_cache)}): streamed from the host every step")
     traffic = weight_bytes * (1 if on_device else tokens) + prefill.weight_h2d_bytes_per_step
     return StepPart("generation", tokens, prefill.prediction.step_s + copy_s + tokens * step.seconds, traffic,
-                    f"kv_cache generator on a bfloat16 copy: a forward-only prefill of {rows} x {prompt} tokens "
+                    f"{keys['generator']} generator on a bfloat16 copy: a forward-only prefill of {rows} x {prompt} tokens "
                     f"({fmt_seconds(prefill.prediction.step_s)}), then {tokens} decode steps of "
                     f"{fmt_seconds(step.seconds)}, {where}",
                     prefill.prediction.compute_s + tokens * max(step.compute_s, step.device_read_s))

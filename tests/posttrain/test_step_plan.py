@@ -97,6 +97,17 @@ def test_a_kv_cache_generator_sends_its_copy_once_and_refuses_a_cache_past_the_b
                generator="kv_cache")
 
 
+def test_a_streamed_copy_sends_its_weights_every_token(model):
+    kv = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache")
+    streamed = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="hf_streamed")
+    prefill = _plan(model, 4, 8, train=False)
+    copy = 2 * sum(t.numel() for t in [*model.parameters(), *model.buffers()])
+    generation = streamed.part("generation")
+    assert generation.weight_h2d_bytes == 16 * copy + prefill.weight_h2d_bytes_per_step
+    assert "streamed from the host every step, layer by layer" in generation.detail
+    assert generation.seconds > kv.part("generation").seconds     # the copy fits here: resident is quicker
+
+
 def test_a_decode_step_is_bound_by_device_memory_when_the_copy_fits_else_by_the_link():
     weights, params = 140 * 10**9, 70 * 10**9        # a 70B model's bfloat16 copy
     on = decode_step(H100, weight_bytes=weights, active_params=params, rows=16, cache_bytes=0, ops=0,
