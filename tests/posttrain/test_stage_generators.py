@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megacompile.errors import ArgumentError
+from megacompile.errors import ArgumentError, MegacompileError
 from megacompile.train import load, log, run
 from megacompile.train import rollout_generator
 from tests.posttrain import fake_vllm, stage_files
@@ -50,7 +50,7 @@ def test_a_bad_generator_key_is_refused_naming_it_before_anything_is_written(tmp
                                                                               monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)         # vLLM is not installed: import fails
     config = files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(work, str(tmp_path / "run"), **more))
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(MegacompileError, match=message):
         load(config, [])
     assert not os.path.exists(tmp_path / "run")
 
@@ -108,7 +108,6 @@ class _SmallVocabLLM(fake_vllm.LLM):
 
 def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rollout(tmp_path, work, monkeypatch):
     fake = fake_vllm.module()
-    fake.LLM = _SmallVocabLLM
     made = []
     monkeypatch.setattr(fake, "LLM", lambda **kw: made.append(_SmallVocabLLM(**kw)) or made[-1])
     monkeypatch.setitem(sys.modules, "vllm", fake)
@@ -126,7 +125,7 @@ def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rol
     # the rewards the run logged are those of vLLM's completions
     rows = log.read(str(tmp_path / "run" / "log.csv"))
     tokenizer = files.tokenizer()
-    for (prompts, params), call, row in zip(llm.requests, stage_files.CALLS, rows):
+    for (prompts, params), call, row in zip(list(llm.requests), stage_files.CALLS, rows):
         replies = llm.generate(prompts, params)
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for o in replies for c in o.outputs]
         assert call["completions"] == texts
