@@ -244,7 +244,8 @@ def _cache_bytes_per_token(model: nn.Module) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if isinstance(heads, int) else None)
     if not all(isinstance(x, int) for x in (layers, kv_heads, head_dim)):
-        raise ArgumentError("generator kv_cache sizes the cache from the model's Hugging Face config "
+        raise ArgumentError("generators kv_cache and hf_streamed size the cache from the model's Hugging Face "
+                            "config "
                             "(num_hidden_layers, num_key_value_heads, head_dim); this model has none: use generator "
                             "engine")
     return cache_bytes_per_token(layers, kv_heads, head_dim)
@@ -253,7 +254,8 @@ def _cache_bytes_per_token(model: nn.Module) -> int:
 def _check_cache(cache_bytes: int, room: int, reserve: int, rows: int, width: int) -> None:
     if cache_bytes > room:
         raise BudgetTooSmallError(
-            f"generator kv_cache: the cache of {rows} rows x {width} tokens ({fmt_bytes(cache_bytes)}) does not fit "
+            f"a key-value cache generator: the cache of {rows} rows x {width} tokens ({fmt_bytes(cache_bytes)}) "
+            f"does not fit "
             f"the {fmt_bytes(room)} the budget leaves; fewer prompts or generations, or generator engine",
             cache_bytes + reserve)
 
