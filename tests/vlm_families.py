@@ -105,3 +105,55 @@ def idefics2(seed: int = 0):
     return Idefics2ForConditionalGeneration(Idefics2Config(text_config=text.to_dict(), vision_config=vision,
                                                            perceiver_config=perceiver, image_token_id=IMAGE_TOKEN,
                                                            use_cache=False))
+
+
+# Qwen2.5-VL: pixel_values hold every image's patches flattened, [patches, 3 * 2 * 4 * 4] (each 4 x 4
+# patch repeated over the 2 frames a still image fills); image_grid_thw gives each image's
+# (frames, rows, columns) of patches, which the tower reads as values. Each image fills
+# rows * columns / 4 image tokens (2 x 2 patches merge into one) between a vision-start and a
+# vision-end token, and mm_token_type_ids mark them (1) for the 3D positions `get_rope_index` builds.
+QWEN_GRIDS = ((1, 4, 4), (1, 2, 4))   # two image sizes, 16 x 16 and 8 x 16 pixels: 4 and 2 tokens
+VISION_START = VOCAB - 4
+VIDEO_TOKEN = VOCAB - 5
+
+
+def qwen2_5_vl(seed: int = 0):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                bos_token_id=None, eos_token_id=None,
+                num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    # windows of 8 x 8 pixels (one merged token) in the first tower layer, full attention in the second
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=8, out_hidden_size=32, fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                              video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                              vision_end_token_id=END_OF_IMAGE, use_cache=False)
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def qwen_batch(seed: int = 0, images: tuple[int, ...] = (1, 2), grids=QWEN_GRIDS) -> dict[str, torch.Tensor]:
+    """One row per entry of `images`; the k-th image of the batch has grid grids[k % len(grids)]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VIDEO_TOKEN, (len(images), SEQ), generator=g)
+    thw, k = [], 0
+    span = max(h * w for _, h, w in grids) // 4 + 2
+    for row, n in enumerate(images):
+        slots = torch.randperm((SEQ - 1) // span, generator=g)[:n].sort().values
+        for slot in slots.tolist():
+            t, h, w = grids[k % len(grids)]
+            tokens = t * h * w // 4
+            start = 1 + slot * span
+            ids[row, start] = VISION_START
+            ids[row, start + 1:start + 1 + tokens] = IMAGE_TOKEN
+            ids[row, start + 1 + tokens] = END_OF_IMAGE
+            thw.append((t, h, w))
+            k += 1
+    out = {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100),
+           "mm_token_type_ids": (ids == IMAGE_TOKEN).int()}
+    if thw:
+        patches = sum(t * h * w for t, h, w in thw)
+        out["pixel_values"] = torch.randn(patches, 3 * 2 * 4 * 4, generator=g)
+        out["image_grid_thw"] = torch.tensor(thw)
+    return out
