@@ -7,6 +7,8 @@ Each family lays its images out its own way, as its processor writes them:
 - Idefics3 / SmolVLM: pixel_values are padded per row, [rows, most images in a row, 3, H, W], a
   missing image all zeros; each image fills (patches / scale_factor^2) image tokens between two
   `fake_token_around_image` tokens; pixel_attention_mask marks the real pixels.
+- Qwen2.5-VL: pixel_values hold the batch's patches flattened, image_grid_thw each image's grid of
+  patches, of two sizes here (see QWEN_GRIDS); mm_token_type_ids mark the image tokens.
 `images` gives the number of images of each row (0, 1 or 2).
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ SEQ = 48
 IMAGE = 16                      # pixels per side, in 4 x 4 patches: 16 patches per image
 GEMMA3_TOKENS = 4               # Gemma 3 pools the 16 patches 2 x 2: 4 image tokens per image
 IDEFICS3_TOKENS = 4             # Idefics3 shuffles 2 x 2 patches into one: 4 image tokens per image
-FAMILIES = ("gemma3", "idefics3", "smolvlm")
+FAMILIES = ("gemma3", "idefics3", "smolvlm", "qwen2_5_vl")
 
 
 def _text(config_cls, **extra):
@@ -59,12 +61,16 @@ def idefics3(seed: int = 0, family: str = "idefics3"):
 
 
 def model(family: str, seed: int = 0):
+    if family == "qwen2_5_vl":
+        return qwen2_5_vl(seed)
     return gemma3(seed) if family == "gemma3" else idefics3(seed, family)
 
 
 def batch(family: str, seed: int = 0, images: tuple[int, ...] = (1, 2)) -> dict[str, torch.Tensor]:
     """One row per entry of `images`, each row holding that many images at places that move with
     the seed; labels ignore the image tokens."""
+    if family == "qwen2_5_vl":
+        return qwen_batch(seed, images)
     g = torch.Generator().manual_seed(seed)
     per_image = GEMMA3_TOKENS if family == "gemma3" else IDEFICS3_TOKENS
     ids = torch.randint(2, END_OF_IMAGE, (len(images), SEQ), generator=g)

@@ -429,4 +429,5 @@ def _describe(args: tuple, kwargs: dict) -> str:
 
 
 def _describe_meta(captured: CapturedModel) -> str:
-    return ", ".join(f"{m.shape}:{str(m.dtype).replace('torch.', '')}" for m in captured.inputs)
+    return ", ".join(f"{m.shape}:{str(m.dtype).replace('torch.', '')}" for m in captured.inputs) + "".join(
+        f", {g.name} {list(g.values)}" for g in captured.grids)

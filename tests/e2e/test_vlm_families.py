@@ -20,7 +20,9 @@ from tests.e2e.test_vlm import STEPS, assert_parity
 from tests.vlm_families import FAMILIES, IDEFICS3_TOKENS, IMAGE_TOKEN, batch, idefics2, model
 
 BLOCKS = {"gemma3": "model.language_model.layers", "idefics3": "model.text_model.layers",
-          "smolvlm": "model.text_model.layers"}
+          "smolvlm": "model.text_model.layers", "qwen2_5_vl": "model.language_model.layers"}
+TOWERS = {"gemma3": "model.vision_tower.", "idefics3": "model.vision_model.", "smolvlm": "model.vision_model.",
+          "qwen2_5_vl": "model.visual."}
 MIXED = (0, 1, 2)     # images per row
 
 
@@ -34,8 +36,7 @@ def test_trains_with_0_1_and_2_images_per_row_as_eagerly(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_frozen_vision_tower_trains_the_rest_as_eagerly(family):
     m = model(family)
-    tower = "model.vision_tower." if family == "gemma3" else "model.vision_model."
-    frozen = [p for n, p in m.named_parameters() if n.startswith(tower)]
+    frozen = [p for n, p in m.named_parameters() if n.startswith(TOWERS[family])]
     assert frozen
     for p in frozen:
         p.requires_grad_(False)
