@@ -163,3 +163,19 @@ def qwen_batch(seed: int = 0, images: tuple[int, ...] = (1, 2), grids=QWEN_GRIDS
         out["pixel_values"] = torch.randn(patches, 3 * 2 * 4 * 4, generator=g)
         out["image_grid_thw"] = torch.tensor(thw)
     return out
+
+
+def qwen3_vl(seed: int = 0):
+    """Qwen3-VL: Qwen2.5-VL's inputs; its tower's deepstack features are added to the hidden states
+    after the first decoder layers. Not trained with images yet."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False, bos_token_id=None,
+                eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": [1, 1, 2], "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START, vision_end_token_id=END_OF_IMAGE))
