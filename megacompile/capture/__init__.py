@@ -13,7 +13,7 @@ from ..errors import CaptureError
 from .blocks import BlockStack, find_block_stack
 from .chunk import chunked
 from .experts import routed_fractions, spread_over_templates, static_experts
-from .grid_constants import GridConstants, real_inputs
+from .grid_constants import GridConstants
 from .hf_masks import causal_attention_without_mask
 from .image_tokens import ImageTokens, static_image_merge
 from .loss import LossFn, extract_loss
@@ -86,8 +86,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
     grids: dict[str, GridConstants] = {}
     with static_experts(model) as routed:
-        with causal_attention_without_mask(model, args, kwargs), static_image_merge(model, grids) as image_tokens, \
-                real_inputs(tensor_leaves):
+        with causal_attention_without_mask(model, args, kwargs), \
+                static_image_merge(model, tensor_leaves, grids) as image_tokens:
             top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
         with fake_mode:
             stages, outputs, notes = build_stages(top, model, stack, fakes,

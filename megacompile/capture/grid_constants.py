@@ -17,8 +17,6 @@ grids differ from the captured ones before anything runs, so no step runs on sta
 """
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy
@@ -33,8 +31,6 @@ from ..errors import CaptureError, InputMismatchError
 _FAMILIES = {("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel")}
 GRID_INPUTS = ("image_grid_thw", "video_grid_thw")
 
-# The model's input tensors with their values (capture sets it): where the grids are read from.
-_REAL_INPUTS: ContextVar[list | None] = ContextVar("megacompile_real_inputs", default=None)
 
 
 def keys_grids(module: nn.Module) -> bool:
@@ -74,16 +70,6 @@ class GridConstants:
                 "retrace=True (the default) to capture each new set of grids")
 
 
-@contextlib.contextmanager
-def real_inputs(tensors: list[torch.Tensor]):
-    """While capturing: the model's input tensors as given, values and all."""
-    token = _REAL_INPUTS.set(tensors)
-    try:
-        yield
-    finally:
-        _REAL_INPUTS.reset(token)
-
-
 def _vision_tables(visual: nn.Module, grid: torch.Tensor) -> dict[str, torch.Tensor]:
     """The grid-dependent tables Qwen2.5-VL's tower computes, from a real grid, on the host."""
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
@@ -95,16 +81,16 @@ def _vision_tables(visual: nn.Module, grid: torch.Tensor) -> dict[str, torch.Ten
             "cu_window_seqlens": cu_window_seqlens}
 
 
-def static_grid_features(name: str, module: nn.Module, inputs, found: dict[str, GridConstants]):
+def static_grid_features(name: str, module: nn.Module, inputs, real: list[torch.Tensor],
+                         found: dict[str, GridConstants]):
     """A get_image_features for `module` (Qwen2.5-VL) that runs its tower on tables computed from
     the step's real grids, as constants of the trace; records them in found[name].
-    inputs(): the model's traced input tensors."""
+    inputs(): the model's traced input tensors; real: the same inputs as given, values and all."""
     label = f"{type(module).__name__} ('{name}')"
 
     def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
         index = next((i for i, t in enumerate(inputs()) if t is image_grid_thw), None)
-        real = _REAL_INPUTS.get()
-        if index is None or real is None or real[index].device.type == "meta":
+        if index is None or real[index].device.type == "meta":
             raise CaptureError(f"{label} was given an image_grid_thw that is not one of the model's inputs with "
                                "values: pass image_grid_thw to the model, as its processor writes it")
         values = _grid(real[index])

@@ -114,11 +114,12 @@ def _inputs() -> list:
 
 
 @contextlib.contextmanager
-def static_image_merge(model: nn.Module, grids: dict[str, GridConstants] | None = None):
+def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
+                       grids: dict[str, GridConstants] | None = None):
     """While tracing `model`: its image-merging modules build the placeholder mask without reading
     a tensor's value (Idefics3-style ones encode their padded images at static shapes, see
-    padded_images.py; Qwen2.5-VL's tower takes its grids as constants, recorded in `grids`, see
-    grid_constants.py); yields the list of `ImageTokens` the trace records, one per module."""
+    padded_images.py; Qwen2.5-VL's tower takes its grids, read from `real`, the model's inputs as
+    given, as constants, recorded in `grids`, see grid_constants.py); yields the list of `ImageTokens` the trace records, one per module."""
     found: dict[str, ImageTokens] = {}
     padded: dict[str, PaddedImages] = {}
     grids = {} if grids is None else grids
@@ -187,7 +188,7 @@ def static_image_merge(model: nn.Module, grids: dict[str, GridConstants] | None 
         if pads_images(module):
             out["get_image_features"] = static_image_features(name, module, _inputs, padded)
         if keys_grids(module):
-            out["get_image_features"] = static_grid_features(name, module, _inputs, grids)
+            out["get_image_features"] = static_grid_features(name, module, _inputs, real or [], grids)
             out["get_video_features"] = refuse_videos(name, module)
         return out
 
