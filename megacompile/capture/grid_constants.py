@@ -32,7 +32,6 @@ _FAMILIES = {("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLM
 GRID_INPUTS = ("image_grid_thw", "video_grid_thw")
 
 
-
 def keys_grids(module: nn.Module) -> bool:
     cls = type(module)
     return (cls.__module__, cls.__name__) in _FAMILIES
@@ -88,11 +87,16 @@ def static_grid_features(name: str, module: nn.Module, inputs, real: list[torch.
     inputs(): the model's traced input tensors; real: the same inputs as given, values and all."""
     label = f"{type(module).__name__} ('{name}')"
 
+    from transformers.utils.generic import is_flash_attention_requested
+
     def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
         index = next((i for i, t in enumerate(inputs()) if t is image_grid_thw), None)
-        if index is None or real[index].device.type == "meta":
+        if index is None or index >= len(real) or real[index].device.type == "meta":
             raise CaptureError(f"{label} was given an image_grid_thw that is not one of the model's inputs with "
                                "values: pass image_grid_thw to the model, as its processor writes it")
+        if is_flash_attention_requested(module.visual.config):
+            raise CaptureError(f"{label}'s vision tower runs flash attention over packed images, which megacompile "
+                               "does not train yet: load the model with attn_implementation='sdpa' or 'eager'")
         values = _grid(real[index])
         with unset_fake_temporarily(), disable_proxy_modes_tracing():
             tables = {k: v.tolist() for k, v in _vision_tables(module.visual, torch.tensor(values)).items()}
