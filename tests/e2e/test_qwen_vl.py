@@ -15,7 +15,7 @@ import megacompile
 from megacompile.errors import CaptureError
 from tests.e2e.harness import clone
 from tests.e2e.test_vlm import eager
-from tests.vlm_families import IMAGE_TOKEN, qwen2_5_vl, qwen3_vl, qwen_batch
+from tests.vlm_families import IMAGE_TOKEN, QWEN_GRIDS, qwen2_5_vl, qwen3_vl, qwen_batch
 
 MIXED = (0, 1, 2)
 OTHER_GRIDS = ((1, 4, 4), (1, 4, 2))    # the second image size turned: the same shapes, other grids
@@ -110,3 +110,19 @@ def test_qwen3_vl_is_refused_with_images_and_trains_on_text():
     text = {"input_ids": b["input_ids"].masked_fill(b["input_ids"] == IMAGE_TOKEN, 5), "labels": b["labels"]}
     engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
     assert engine.step(**text) == pytest.approx(model(**text).loss.item(), rel=1e-5)
+
+
+def test_shared_captures_are_found_by_grids_as_by_shapes():
+    """Within captures_shared (a run that plans before it trains), a call with the same shapes but
+    other grids is captured anew, and the same grids find their capture again."""
+    from megacompile.capture import capture, shared
+    from megacompile.capture.rope_positions import with_rope_positions
+    m = qwen2_5_vl()
+    first, swapped = (with_rope_positions(m, (), qwen_batch(seed=i, images=MIXED, grids=grids))
+                      for i, grids in enumerate((QWEN_GRIDS, OTHER_GRIDS)))
+    with shared.captures_shared():
+        def captured(b):
+            return capture(m, (), b, device=torch.device("cpu"), compute_dtype=torch.float32)
+        a, b = captured(first), captured(swapped)
+        assert a is not b and [g.values for g in a.grids] != [g.values for g in b.grids]
+        assert captured(first) is a
