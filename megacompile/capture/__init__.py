@@ -107,5 +107,6 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
         block_path=stack.path if stack else None, template_notes=notes,
         routed_fractions=spread_over_templates(routed_fractions(model, routed), stages),
-        image_tokens=list(image_tokens.values()), grids=list(grids.values()), trace_seconds=time.perf_counter() - start, rechunk=rechunk if train and stack is not None else None)
+        image_tokens=list(image_tokens.values()), grids=list(grids.values()),
+        trace_seconds=time.perf_counter() - start, rechunk=rechunk if train and stack is not None else None)
     return captured

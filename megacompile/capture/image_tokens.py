@@ -17,6 +17,8 @@ mismatch is our InputMismatchError, as eager transformers would refuse it. Gemma
 LLaVA does (its bidirectional attention over an image is a mask computed from token_type_ids,
 which traces); Idefics3 checks and scatters in one `inputs_merger`, replaced the same way, and it
 and SmolVLM give features whose count is read from pixel_values' values (padded_images.py).
+Qwen2.5-VL's mask comes with one for videos (refused: not trained yet), and its tower reads its
+image grids' values, which capture takes as constants (grid_constants.py).
 """
 from __future__ import annotations
 
@@ -96,8 +98,8 @@ def _mergers(module: nn.Module) -> list[str]:
 
 def _supported(module: nn.Module) -> bool:
     """The families held to parity with images (tests/e2e/test_vlm.py, test_vlm_families.py): LLaVA,
-    Gemma 3, Idefics3 and SmolVLM. Others place their features otherwise (several media kinds, 3D
-    rotary positions) and are not checked yet."""
+    Gemma 3, Idefics3, SmolVLM and Qwen2.5-VL. Others place their features otherwise (several
+    media kinds, features added between decoder layers) and are not checked yet."""
     if getattr(getattr(module, "config", None), "image_token_id", None) is None:
         return False
     if pads_images(module) or keys_grids(module):
@@ -119,7 +121,8 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
     """While tracing `model`: its image-merging modules build the placeholder mask without reading
     a tensor's value (Idefics3-style ones encode their padded images at static shapes, see
     padded_images.py; Qwen2.5-VL's tower takes its grids, read from `real`, the model's inputs as
-    given, as constants, recorded in `grids`, see grid_constants.py); yields the list of `ImageTokens` the trace records, one per module."""
+    given, as constants, recorded in `grids`, see grid_constants.py); yields the list of
+    `ImageTokens` the trace records, one per module."""
     found: dict[str, ImageTokens] = {}
     padded: dict[str, PaddedImages] = {}
     grids = {} if grids is None else grids

@@ -243,7 +243,8 @@ class Engine:
 
     def prepare(self, *args, train: bool = True, **kwargs) -> Plan:
         """Build (and verify) the plan for these inputs without running it: says whether the model
-        fits before the first step. The inputs only lend their shapes; nothing is computed."""
+        fits before the first step. The inputs only lend their shapes (and image grids, with a
+        Qwen2.5-VL's 3D positions computed from them); nothing is trained."""
         return self._compile(args, with_rope_positions(self.model, args, kwargs), train=train).plan
 
     # -- running -------------------------------------------------------------------------
