@@ -38,10 +38,13 @@ def test_a_batch_with_other_grids_is_captured_anew_and_trains_as_eagerly():
 
 
 def test_other_grids_are_refused_without_retrace_and_a_capture_checks_its_own():
+    """At the smallest budget (the device peak the predicted one), with retrace=False."""
     model = qwen2_5_vl()
-    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu", retrace=False)
     first, swapped = qwen_batch(images=MIXED), qwen_batch(seed=1, images=MIXED, grids=OTHER_GRIDS)
-    engine.step(**first)
+    smallest = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu").prepare(**first).minimum_budget_bytes
+    engine = megacompile.compile(clone(model), hbm_budget=smallest / 2 ** 30, device="cpu", retrace=False)
+    assert engine.step(**first) == pytest.approx(model(**first).loss.item(), rel=1e-5)
+    assert engine.memory_stats()["device_peak_bytes"] == engine.plan.predicted_peak_bytes
     with pytest.raises(megacompile.InputMismatchError,
                        match=r"image_grid_thw \[\(1, 4, 4\), \(1, 4, 2\), \(1, 4, 4\)\], but the plan was built for "
                              r".*image_grid_thw \[\(1, 4, 4\), \(1, 2, 4\), \(1, 4, 4\)\]"):
