@@ -1,8 +1,10 @@
-"""Gemma 3 and Idefics3 / SmolVLM train with images through megacompile as eagerly.
+"""Gemma 3, Idefics3 / SmolVLM and Qwen2.5-VL train with images through megacompile as eagerly.
 
 Gemma 3 scatters its pooled image features over the image tokens and attends bidirectionally
 within each image (token_type_ids); Idefics3 and SmolVLM take pixel_values padded per row (an
-all-zero image is padding), which capture encodes at static shapes (capture/padded_images.py).
+all-zero image is padding), which capture encodes at static shapes (capture/padded_images.py);
+Qwen2.5-VL's tower reads its images' grids, constants of the capture (capture/grid_constants.py),
+and its 3D positions are computed before the step (capture/rope_positions.py; test_qwen_vl.py).
 Each trains 3 steps on batches whose rows hold 0, 1 and 2 images, against eager
 torch.optim.AdamW in float32: losses and first-step gradients to 1e-5, weights to the noise
 floor, at twice the weights' bytes and at the smallest budget the plan reports (harness in
