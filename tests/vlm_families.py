@@ -7,6 +7,8 @@ Each family lays its images out its own way, as its processor writes them:
 - Idefics3 / SmolVLM: pixel_values are padded per row, [rows, most images in a row, 3, H, W], a
   missing image all zeros; each image fills (patches / scale_factor^2) image tokens between two
   `fake_token_around_image` tokens; pixel_attention_mask marks the real pixels.
+- Qwen2.5-VL: pixel_values hold the batch's patches flattened, image_grid_thw each image's grid of
+  patches, of two sizes here (see QWEN_GRIDS); mm_token_type_ids mark the image tokens.
 `images` gives the number of images of each row (0, 1 or 2).
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ SEQ = 48
 IMAGE = 16                      # pixels per side, in 4 x 4 patches: 16 patches per image
 GEMMA3_TOKENS = 4               # Gemma 3 pools the 16 patches 2 x 2: 4 image tokens per image
 IDEFICS3_TOKENS = 4             # Idefics3 shuffles 2 x 2 patches into one: 4 image tokens per image
-FAMILIES = ("gemma3", "idefics3", "smolvlm")
+FAMILIES = ("gemma3", "idefics3", "smolvlm", "qwen2_5_vl")
 
 
 def _text(config_cls, **extra):
@@ -59,12 +61,16 @@ def idefics3(seed: int = 0, family: str = "idefics3"):
 
 
 def model(family: str, seed: int = 0):
+    if family == "qwen2_5_vl":
+        return qwen2_5_vl(seed)
     return gemma3(seed) if family == "gemma3" else idefics3(seed, family)
 
 
 def batch(family: str, seed: int = 0, images: tuple[int, ...] = (1, 2)) -> dict[str, torch.Tensor]:
     """One row per entry of `images`, each row holding that many images at places that move with
     the seed; labels ignore the image tokens."""
+    if family == "qwen2_5_vl":
+        return qwen_batch(seed, images)
     g = torch.Generator().manual_seed(seed)
     per_image = GEMMA3_TOKENS if family == "gemma3" else IDEFICS3_TOKENS
     ids = torch.randint(2, END_OF_IMAGE, (len(images), SEQ), generator=g)
@@ -105,3 +111,71 @@ def idefics2(seed: int = 0):
     return Idefics2ForConditionalGeneration(Idefics2Config(text_config=text.to_dict(), vision_config=vision,
                                                            perceiver_config=perceiver, image_token_id=IMAGE_TOKEN,
                                                            use_cache=False))
+
+
+# Qwen2.5-VL: pixel_values hold every image's patches flattened, [patches, 3 * 2 * 4 * 4] (each 4 x 4
+# patch repeated over the 2 frames a still image fills); image_grid_thw gives each image's
+# (frames, rows, columns) of patches, which the tower reads as values. Each image fills
+# rows * columns / 4 image tokens (2 x 2 patches merge into one) between a vision-start and a
+# vision-end token, and mm_token_type_ids mark them (1) for the 3D positions `get_rope_index` builds.
+QWEN_GRIDS = ((1, 4, 4), (1, 2, 4))   # two image sizes, 16 x 16 and 8 x 16 pixels: 4 and 2 tokens
+VISION_START = VOCAB - 4
+VIDEO_TOKEN = VOCAB - 5
+
+
+def qwen2_5_vl(seed: int = 0):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                bos_token_id=None, eos_token_id=None,
+                num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    # windows of 8 x 8 pixels (one merged token) in the first tower layer, full attention in the second
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=8, out_hidden_size=32, fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                              video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                              vision_end_token_id=END_OF_IMAGE, use_cache=False)
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def qwen_batch(seed: int = 0, images: tuple[int, ...] = (1, 2), grids=QWEN_GRIDS) -> dict[str, torch.Tensor]:
+    """One row per entry of `images`; the k-th image of the batch has grid grids[k % len(grids)]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VIDEO_TOKEN, (len(images), SEQ), generator=g)
+    thw, k = [], 0
+    span = max(h * w for _, h, w in grids) // 4 + 2
+    for row, n in enumerate(images):
+        slots = torch.randperm((SEQ - 1) // span, generator=g)[:n].sort().values
+        for slot in slots.tolist():
+            t, h, w = grids[k % len(grids)]
+            tokens = t * h * w // 4
+            start = 1 + slot * span
+            ids[row, start] = VISION_START
+            ids[row, start + 1:start + 1 + tokens] = IMAGE_TOKEN
+            ids[row, start + 1 + tokens] = END_OF_IMAGE
+            thw.append((t, h, w))
+            k += 1
+    out = {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100),
+           "mm_token_type_ids": (ids == IMAGE_TOKEN).int()}
+    if thw:
+        patches = sum(t * h * w for t, h, w in thw)
+        out["pixel_values"] = torch.randn(patches, 3 * 2 * 4 * 4, generator=g)
+        out["image_grid_thw"] = torch.tensor(thw)
+    return out
+
+
+def qwen3_vl(seed: int = 0):
+    """Qwen3-VL: Qwen2.5-VL's inputs; its tower's deepstack features are added to the hidden states
+    after the first decoder layers. Not trained with images yet."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False, bos_token_id=None,
+                eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": [1, 1, 2], "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START, vision_end_token_id=END_OF_IMAGE))

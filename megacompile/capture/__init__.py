@@ -13,6 +13,7 @@ from ..errors import CaptureError
 from .blocks import BlockStack, find_block_stack
 from .chunk import chunked
 from .experts import routed_fractions, spread_over_templates, static_experts
+from .grid_constants import GridConstants
 from .hf_masks import causal_attention_without_mask
 from .image_tokens import ImageTokens, static_image_merge
 from .loss import LossFn, extract_loss
@@ -83,8 +84,10 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
     for x in leaves:
         fake_leaves.append(next(it) if isinstance(x, torch.Tensor) else x)
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
+    grids: dict[str, GridConstants] = {}
     with static_experts(model) as routed:
-        with causal_attention_without_mask(model, args, kwargs), static_image_merge(model) as image_tokens:
+        with causal_attention_without_mask(model, args, kwargs), \
+                static_image_merge(model, tensor_leaves, grids) as image_tokens:
             top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
         with fake_mode:
             stages, outputs, notes = build_stages(top, model, stack, fakes,
@@ -104,5 +107,6 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
         block_path=stack.path if stack else None, template_notes=notes,
         routed_fractions=spread_over_templates(routed_fractions(model, routed), stages),
-        image_tokens=list(image_tokens.values()), trace_seconds=time.perf_counter() - start, rechunk=rechunk if train and stack is not None else None)
+        image_tokens=list(image_tokens.values()), grids=list(grids.values()),
+        trace_seconds=time.perf_counter() - start, rechunk=rechunk if train and stack is not None else None)
     return captured

@@ -17,6 +17,8 @@ mismatch is our InputMismatchError, as eager transformers would refuse it. Gemma
 LLaVA does (its bidirectional attention over an image is a mask computed from token_type_ids,
 which traces); Idefics3 checks and scatters in one `inputs_merger`, replaced the same way, and it
 and SmolVLM give features whose count is read from pixel_values' values (padded_images.py).
+Qwen2.5-VL's mask comes with one for videos (refused: not trained yet), and its tower reads its
+image grids' values, which capture takes as constants (grid_constants.py).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CaptureError, InputMismatchError
+from .grid_constants import GridConstants, keys_grids, static_grid_features
 from .padded_images import PaddedImages, pads_images, static_image_features
 
 # The model's input tensors as the trace sees them (top.py sets it in the traced forward), to name
@@ -95,11 +98,11 @@ def _mergers(module: nn.Module) -> list[str]:
 
 def _supported(module: nn.Module) -> bool:
     """The families held to parity with images (tests/e2e/test_vlm.py, test_vlm_families.py): LLaVA,
-    Gemma 3, Idefics3 and SmolVLM. Others place their features otherwise (several media kinds, 3D
-    rotary positions) and are not checked yet."""
+    Gemma 3, Idefics3, SmolVLM and Qwen2.5-VL. Others place their features otherwise (several
+    media kinds, features added between decoder layers) and are not checked yet."""
     if getattr(getattr(module, "config", None), "image_token_id", None) is None:
         return False
-    if pads_images(module):
+    if pads_images(module) or keys_grids(module):
         return True
     cls = type(module)
     if getattr(cls, "get_placeholder_mask", None) is None:
@@ -113,20 +116,31 @@ def _inputs() -> list:
 
 
 @contextlib.contextmanager
-def static_image_merge(model: nn.Module):
+def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
+                       grids: dict[str, GridConstants] | None = None):
     """While tracing `model`: its image-merging modules build the placeholder mask without reading
-    a tensor's value (and Idefics3-style ones encode their padded images at static shapes, see
-    padded_images.py); yields the list of `ImageTokens` the trace records, one per module."""
+    a tensor's value (Idefics3-style ones encode their padded images at static shapes, see
+    padded_images.py; Qwen2.5-VL's tower takes its grids, read from `real`, the model's inputs as
+    given, as constants, recorded in `grids`, see grid_constants.py); yields the list of
+    `ImageTokens` the trace records, one per module."""
     found: dict[str, ImageTokens] = {}
     padded: dict[str, PaddedImages] = {}
+    grids = {} if grids is None else grids
     patched = [(name, m) for name, m in model.named_modules() if _mergers(m)]
 
     def refuse(name: str, module: nn.Module):
         def merge(*args, **kwargs):
             raise CaptureError(f"{type(module).__name__} ('{name}') merges image features in a way megacompile does "
-                               "not train yet: of the vision-language models, LLaVA, Gemma 3, Idefics3 and SmolVLM "
-                               "train with images (docs/families.md); this model trains on text alone (no "
-                               "pixel_values)")
+                               "not train yet: of the vision-language models, LLaVA, Gemma 3, Idefics3, SmolVLM and "
+                               "Qwen2.5-VL train with images (docs/families.md); this model trains on text alone "
+                               "(no pixel_values)")
+        return merge
+
+    def refuse_videos(name: str, module: nn.Module):
+        def merge(*args, **kwargs):
+            raise CaptureError(f"{type(module).__name__} ('{name}') was given videos: megacompile trains it with "
+                               "images (pixel_values, image_grid_thw) and text, not videos yet (docs/families.md); "
+                               "pass no pixel_values_videos")
         return merge
 
     def placeholder_mask(name: str, module: nn.Module, input_ids, inputs_embeds, image_features):
@@ -162,10 +176,23 @@ def static_image_merge(model: nn.Module):
             mask = placeholder_mask(name, module, input_ids, inputs_embeds, features)
             return inputs_embeds.masked_scatter(mask, features)
 
-        own = {"get_placeholder_mask": get_placeholder_mask, "inputs_merger": inputs_merger}
+        def with_videos(input_ids, inputs_embeds, image_features=None, video_features=None):
+            """Qwen2.5-VL's mask: one for images, one for videos (which do not train yet)."""
+            if video_features is not None:
+                refuse_videos(name, module)()
+            videos = (input_ids == module.config.video_token_id).unsqueeze(-1).to(inputs_embeds.device)
+            if image_features is None:
+                return None, videos
+            return placeholder_mask(name, module, input_ids, inputs_embeds, image_features), videos
+
+        own = {"get_placeholder_mask": with_videos if keys_grids(module) else get_placeholder_mask,
+               "inputs_merger": inputs_merger}
         out = {m: own[m] for m in _mergers(module)}
         if pads_images(module):
             out["get_image_features"] = static_image_features(name, module, _inputs, padded)
+        if keys_grids(module):
+            out["get_image_features"] = static_grid_features(name, module, _inputs, real or [], grids)
+            out["get_video_features"] = refuse_videos(name, module)
         return out
 
     installed = []

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from .grid_constants import GridConstants
 from .image_tokens import ImageTokens
 from .stage import StageTemplate, TensorMeta
 
@@ -61,6 +62,8 @@ class CapturedModel:
     template_notes: dict[str, str] = field(default_factory=dict)
     # Image placeholder tokens each step's input_ids must hold (image_tokens.py); checked before a step.
     image_tokens: list[ImageTokens] = field(default_factory=list)
+    # Image grids the capture took as constants (grid_constants.py); each step must give the same.
+    grids: list[GridConstants] = field(default_factory=list)
     trace_seconds: float = 0.0
     # Parameters of routed experts: the share of each that one token uses (top_k / experts).
     routed_fractions: dict[str, float] = field(default_factory=dict)
@@ -86,7 +89,9 @@ class CapturedModel:
         return list(seen.values())
 
     def check_inputs(self, inputs: list[torch.Tensor]) -> None:
-        """What the capture fixed about the inputs' values: the image tokens' count."""
+        """What the capture fixed about the inputs' values: the image grids, the image tokens' count."""
+        for grid in self.grids:
+            grid.check(inputs)
         for tokens in self.image_tokens:
             tokens.check(inputs)
 

@@ -3,8 +3,9 @@ traced once. A run that plans before it trains (`megacompile train` choosing its
 micro-batch) captures each input shape once, and its engine takes those captures at its first
 step instead of tracing again.
 
-A capture reads the module's structure and the inputs' shapes and dtypes, never a value, so two
-calls alike in those give the same capture. Inside the scope every capture is a training capture
+A capture reads the module's structure and the inputs' shapes and dtypes, and of values only the
+image grids it takes as constants (grid_constants.py), so two calls alike in those give the same
+capture. Inside the scope every capture is a training capture
 (every block traced, as blocks_grouped_once would not): one the engine may run.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ from contextvars import ContextVar
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
+
+from .grid_constants import grid_key
 
 _SHARED: ContextVar[list | None] = ContextVar("megacompile_shared_captures", default=None)
 
@@ -45,7 +48,7 @@ def _call(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, com
           train: bool) -> tuple:
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     inputs = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", repr(x)) for x in leaves)
-    return model.training, str(spec), inputs, torch.device(device), compute_dtype, train
+    return model.training, str(spec), inputs, grid_key(kwargs), torch.device(device), compute_dtype, train
 
 
 def lookup(model: nn.Module, args: tuple, kwargs: dict, device, compute_dtype, loss_fn, train: bool):

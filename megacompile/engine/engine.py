@@ -21,7 +21,9 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..capture import CapturedModel, capture
+from ..capture.grid_constants import describe_grids, grid_key
 from ..capture.loss import LossFn
+from ..capture.rope_positions import with_rope_positions
 from .. import arguments
 from ..errors import ArgumentError, InputMismatchError, MegacompileError
 from ..optim import AdamW
@@ -159,7 +161,7 @@ class Engine:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         shape = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", repr(x))
                       for x in leaves)
-        return (train, self.model.training, str(spec), shape)
+        return (train, self.model.training, str(spec), shape, grid_key(kwargs))
 
     def _compile(self, args: tuple, kwargs: dict, train: bool, update: bool = True) -> _Compiled:
         signature = self._signature(args, kwargs, train)
@@ -241,8 +243,9 @@ class Engine:
 
     def prepare(self, *args, train: bool = True, **kwargs) -> Plan:
         """Build (and verify) the plan for these inputs without running it: says whether the model
-        fits before the first step. The inputs only lend their shapes; nothing is computed."""
-        return self._compile(args, kwargs, train=train).plan
+        fits before the first step. The inputs only lend their shapes (and image grids, with a
+        Qwen2.5-VL's 3D positions computed from them); nothing is trained."""
+        return self._compile(args, with_rope_positions(self.model, args, kwargs), train=train).plan
 
     # -- running -------------------------------------------------------------------------
     def step(self, *args, **kwargs) -> float:
@@ -254,7 +257,7 @@ class Engine:
         """
         self._input_limits.check(args, kwargs, self.backend.name)
         with self._in_use("step()"):
-            return self._step(args, kwargs)
+            return self._step(args, with_rope_positions(self.model, args, kwargs))
 
     def _step(self, args: tuple, kwargs: dict) -> float:
         """One micro-batch, all or nothing (engine/step.py)."""
@@ -298,7 +301,7 @@ class Engine:
         """The model's forward under the same budget, without gradients; returns its output."""
         self._input_limits.check(args, kwargs, self.backend.name, train=False)
         with self._in_use("the forward"):
-            return self._forward(args, kwargs)
+            return self._forward(args, with_rope_positions(self.model, args, kwargs))
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         compiled = self._compile(args, kwargs, train=False)
@@ -423,8 +426,9 @@ class Engine:
 def _describe(args: tuple, kwargs: dict) -> str:
     leaves, _ = pytree.tree_flatten((args, kwargs))
     return ", ".join(f"{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}" for x in leaves
-                     if isinstance(x, torch.Tensor))
+                     if isinstance(x, torch.Tensor)) + describe_grids(kwargs)
 
 
 def _describe_meta(captured: CapturedModel) -> str:
-    return ", ".join(f"{m.shape}:{str(m.dtype).replace('torch.', '')}" for m in captured.inputs)
+    return ", ".join(f"{m.shape}:{str(m.dtype).replace('torch.', '')}" for m in captured.inputs) + "".join(
+        f", {g.name} {list(g.values)}" for g in captured.grids)

@@ -1,8 +1,10 @@
-"""Gemma 3 and Idefics3 / SmolVLM train with images through megacompile as eagerly.
+"""Gemma 3, Idefics3 / SmolVLM and Qwen2.5-VL train with images through megacompile as eagerly.
 
 Gemma 3 scatters its pooled image features over the image tokens and attends bidirectionally
 within each image (token_type_ids); Idefics3 and SmolVLM take pixel_values padded per row (an
-all-zero image is padding), which capture encodes at static shapes (capture/padded_images.py).
+all-zero image is padding), which capture encodes at static shapes (capture/padded_images.py);
+Qwen2.5-VL's tower reads its images' grids, constants of the capture (capture/grid_constants.py),
+and its 3D positions are computed before the step (capture/rope_positions.py; test_qwen_vl.py).
 Each trains 3 steps on batches whose rows hold 0, 1 and 2 images, against eager
 torch.optim.AdamW in float32: losses and first-step gradients to 1e-5, weights to the noise
 floor, at twice the weights' bytes and at the smallest budget the plan reports (harness in
@@ -20,7 +22,9 @@ from tests.e2e.test_vlm import STEPS, assert_parity
 from tests.vlm_families import FAMILIES, IDEFICS3_TOKENS, IMAGE_TOKEN, batch, idefics2, model
 
 BLOCKS = {"gemma3": "model.language_model.layers", "idefics3": "model.text_model.layers",
-          "smolvlm": "model.text_model.layers"}
+          "smolvlm": "model.text_model.layers", "qwen2_5_vl": "model.language_model.layers"}
+TOWERS = {"gemma3": "model.vision_tower.", "idefics3": "model.vision_model.", "smolvlm": "model.vision_model.",
+          "qwen2_5_vl": "model.visual."}
 MIXED = (0, 1, 2)     # images per row
 
 
@@ -34,8 +38,7 @@ def test_trains_with_0_1_and_2_images_per_row_as_eagerly(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_frozen_vision_tower_trains_the_rest_as_eagerly(family):
     m = model(family)
-    tower = "model.vision_tower." if family == "gemma3" else "model.vision_model."
-    frozen = [p for n, p in m.named_parameters() if n.startswith(tower)]
+    frozen = [p for n, p in m.named_parameters() if n.startswith(TOWERS[family])]
     assert frozen
     for p in frozen:
         p.requires_grad_(False)

@@ -1,0 +1,131 @@
+"""Qwen2.5-VL: image grids as constants of the capture, 3D positions computed before the step.
+
+Its parity with eager torch.optim.AdamW on rows of 0, 1 and 2 images is in test_vlm_families.py;
+here: a batch with other grids is captured anew and trains as eagerly (or, with retrace=False, is
+refused), a capture never runs on grids other than its own, the 3D positions are the model's, and
+what it does not train yet (videos) or cannot place (token types that disagree with the grids) is
+refused before anything runs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megacompile
+from megacompile.errors import CaptureError
+from tests.e2e.harness import clone
+from tests.e2e.test_vlm import eager
+from tests.vlm_families import IMAGE_TOKEN, QWEN_GRIDS, qwen2_5_vl, qwen3_vl, qwen_batch
+
+MIXED = (0, 1, 2)
+OTHER_GRIDS = ((1, 4, 4), (1, 4, 2))    # the second image size turned: the same shapes, other grids
+
+
+def test_a_batch_with_other_grids_is_captured_anew_and_trains_as_eagerly():
+    """A second batch whose inputs have the first's shapes but other grids (an image of 2 x 4
+    patches turned 4 x 2): a capture of its own, and both steps are the eager ones; the device peak
+    is the predicted one."""
+    batches = [qwen_batch(seed=0, images=MIXED), qwen_batch(seed=1, images=MIXED, grids=OTHER_GRIDS)]
+    assert {k: v.shape for k, v in batches[0].items()} == {k: v.shape for k, v in batches[1].items()}
+    assert not torch.equal(batches[0]["image_grid_thw"], batches[1]["image_grid_thw"])
+    model = qwen2_5_vl()
+    losses = eager(clone(model), batches)
+    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
+    for inputs, loss in zip(batches, losses):
+        assert engine.step(**inputs) == pytest.approx(loss, rel=1e-5, abs=0)
+        assert [g.values for g in engine.plan.captured.grids] == [tuple(map(tuple, inputs["image_grid_thw"].tolist()))]
+        assert engine.memory_stats()["device_peak_bytes"] == engine.plan.predicted_peak_bytes
+
+
+def test_other_grids_are_refused_without_retrace_and_a_capture_checks_its_own():
+    """At the smallest budget (the device peak the predicted one), with retrace=False."""
+    model = qwen2_5_vl()
+    first, swapped = qwen_batch(images=MIXED), qwen_batch(seed=1, images=MIXED, grids=OTHER_GRIDS)
+    smallest = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu").prepare(**first).minimum_budget_bytes
+    engine = megacompile.compile(clone(model), hbm_budget=smallest / 2 ** 30, device="cpu", retrace=False)
+    assert engine.step(**first) == pytest.approx(model(**first).loss.item(), rel=1e-5)
+    assert engine.memory_stats()["device_peak_bytes"] == engine.plan.predicted_peak_bytes
+    with pytest.raises(megacompile.InputMismatchError,
+                       match=r"image_grid_thw \[\(1, 4, 4\), \(1, 4, 2\), \(1, 4, 4\)\], but the plan was built for "
+                             r".*image_grid_thw \[\(1, 4, 4\), \(1, 2, 4\), \(1, 4, 4\)\]"):
+        engine.step(**swapped)
+    assert engine.steps_done == 1
+    # the capture's own guard, whatever found it: its grids or nothing
+    inputs = engine._inputs((), {**swapped, "position_ids": torch.zeros(3, 3, 48, dtype=torch.long)})
+    with pytest.raises(megacompile.InputMismatchError,
+                       match=r"image_grid_thw is \[\(1, 4, 4\), \(1, 4, 2\), \(1, 4, 4\)\], but this capture of "
+                             r"Qwen2_5_VLModel at 'model' was made for \[\(1, 4, 4\), \(1, 2, 4\), \(1, 4, 4\)\]"):
+        engine.plan.captured.check_inputs(inputs)
+
+
+def test_the_forward_places_tokens_at_the_models_3d_positions():
+    """The logits depend on the 3D positions (without mm_token_type_ids the model falls back to 1D
+    ones), and megacompile's forward gives eager's, positions computed before it runs."""
+    m, b = qwen2_5_vl(), qwen_batch(images=MIXED)
+    inference = {k: v for k, v in b.items() if k != "labels"}
+    one_d = {k: v for k, v in inference.items() if k != "mm_token_type_ids"}
+    with torch.no_grad():
+        three_d, flat = m(**inference).logits, m(**one_d).logits
+    scale = three_d.abs().max()
+    assert (three_d - flat).abs().max() > 1e-3 * scale
+    engine = megacompile.compile(clone(m), hbm_budget=1.0, device="cpu")
+    assert (engine(**inference).logits - three_d).abs().max() <= 1e-5 * scale
+    assert (engine(**one_d).logits - flat).abs().max() <= 1e-5 * scale
+
+
+def test_token_types_or_image_tokens_that_disagree_with_the_grids_are_refused():
+    """mm_token_type_ids marking one more image than image_grid_thw lists: eager cannot place its
+    positions; image tokens short of the grids' features: eager cannot merge them. Both are refused
+    before anything runs, and the good batch then trains as eagerly."""
+    m = qwen2_5_vl()
+    engine = megacompile.compile(clone(m), hbm_budget=1.0, device="cpu")
+    good = qwen_batch(images=MIXED)
+    extra = dict(good, mm_token_type_ids=good["mm_token_type_ids"].clone())
+    extra["mm_token_type_ids"][0, 0] = 1                               # a text token marked as an image
+    short = dict(good, input_ids=good["input_ids"].clone())
+    short["input_ids"][1][short["input_ids"][1] == IMAGE_TOKEN] = 5    # row 1's image loses its tokens
+    for bad, message in ((extra, r"cannot place its 3D positions"),
+                         (short, r"input_ids hold 6 image tokens \(id 127\), but the step's pixel_values give 10")):
+        with pytest.raises(Exception):
+            m(**bad)
+        with pytest.raises(megacompile.InputMismatchError, match=message):
+            engine.step(**bad)
+        assert engine.steps_done == 0
+    assert engine.step(**good) == pytest.approx(m(**good).loss.item(), rel=1e-5)
+
+
+def test_videos_are_refused_by_name():
+    b = qwen_batch(images=MIXED)
+    videos = dict(b, pixel_values_videos=b["pixel_values"], video_grid_thw=b["image_grid_thw"])
+    engine = megacompile.compile(qwen2_5_vl(), hbm_budget=1.0, device="cpu")
+    with pytest.raises(CaptureError, match=r"Qwen2_5_VLModel \('model'\) was given videos"):
+        engine.step(**videos)
+    assert engine.steps_done == 0
+
+
+def test_qwen3_vl_is_refused_with_images_and_trains_on_text():
+    """Qwen3-VL adds tower features to the hidden states between its first decoder layers (a
+    gradient around the block chain): refused with images, by name; without them a decoder."""
+    model, b = qwen3_vl(), qwen_batch(images=MIXED)
+    with pytest.raises(CaptureError, match=r"Qwen3VLModel \('model'\) merges image features in a way megacompile "
+                                           r"does not train yet"):
+        megacompile.compile(clone(model), hbm_budget=1.0, device="cpu").step(**b)
+    text = {"input_ids": b["input_ids"].masked_fill(b["input_ids"] == IMAGE_TOKEN, 5), "labels": b["labels"]}
+    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
+    assert engine.step(**text) == pytest.approx(model(**text).loss.item(), rel=1e-5)
+
+
+def test_shared_captures_are_found_by_grids_as_by_shapes():
+    """Within captures_shared (a run that plans before it trains), a call with the same shapes but
+    other grids is captured anew, and the same grids find their capture again."""
+    from megacompile.capture import capture, shared
+    from megacompile.capture.rope_positions import with_rope_positions
+    m = qwen2_5_vl()
+    first, swapped = (with_rope_positions(m, (), qwen_batch(seed=i, images=MIXED, grids=grids))
+                      for i, grids in enumerate((QWEN_GRIDS, OTHER_GRIDS)))
+    with shared.captures_shared():
+        def captured(b):
+            return capture(m, (), b, device=torch.device("cpu"), compute_dtype=torch.float32)
+        a, b = captured(first), captured(swapped)
+        assert a is not b and [g.values for g in a.grids] != [g.values for g in b.grids]
+        assert captured(first) is a
