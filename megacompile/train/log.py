@@ -14,10 +14,12 @@ COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "seconds", "tokens_per_s
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "device_peak_bytes", "eval_loss", "eval_perplexity")
 
 
-def scalars(row: dict) -> dict[str, float]:
-    """A row's scalars under their TensorBoard / W&B tags: train/loss, ..., eval/loss."""
+def scalars(row: dict, extra: tuple = ()) -> dict[str, float]:
+    """A row's scalars under their TensorBoard / W&B tags: train/loss, ..., eval/loss; `extra`: a
+    post-training stage's own columns (train/reward, train/rewards/<function>/mean, train/kl,
+    eval/reward_margin, ...), tagged the same way."""
     return {(f"eval/{key[5:]}" if key.startswith("eval") else f"train/{key}"): row[key]
-            for key in SCALARS if row.get(key) is not None}
+            for key in SCALARS + extra if row.get(key) is not None}
 
 
 class RunLog:
@@ -26,6 +28,7 @@ class RunLog:
         """`settings`: the run's settings, W&B's run config (its name and wandb_project too);
         `columns`: the CSV's (a post-training stage logs its own)."""
         self.path = os.path.join(run_dir, "log.csv")
+        self.extra = tuple(c for c in columns if c not in COLUMNS)      # a stage's figures, as scalars too
         _keep_steps_up_to(self.path, resume_step, columns)
         new = not os.path.exists(self.path)
         self._file = open(self.path, "a", newline="")
@@ -47,11 +50,11 @@ class RunLog:
         self._csv.writerow({k: repr(v) if isinstance(v, float) else ("" if v is None else v) for k, v in row.items()})
         self._file.flush()
         if self._board is not None:
-            for tag, value in scalars(row).items():
+            for tag, value in scalars(row, self.extra).items():
                 self._board.add_scalar(tag, value, row["step"])
             self._board.flush()
         if self._wandb is not None:
-            self._wandb.write(row["step"], scalars(row))
+            self._wandb.write(row["step"], scalars(row, self.extra))
 
     def close(self) -> None:
         self._file.close()

@@ -1,6 +1,6 @@
 """`megacompile train --config run.yaml` with stage: grpo and stage: dpo on a tiny Hugging Face
-model: the log's figures are those of the rollouts and pairs the run saw, and the export is the
-trained policy, loadable by transformers."""
+model: the log's figures are those of the rollouts and pairs the run saw, TensorBoard holds the same
+figures, and the export is the trained policy, loadable by transformers."""
 from __future__ import annotations
 
 import os
@@ -29,11 +29,22 @@ def _export_is_the_trained_policy(export: str, model: str) -> None:
     assert not all(torch.equal(before[k], trained[k]) for k in trained)     # it trained
 
 
+def _board_holds_the_log(run_dir: str, rows: list[dict], columns: tuple) -> None:
+    """Each of the stage's columns is a TensorBoard scalar (train/<column>, eval/<column less eval_>)
+    at every step the CSV gives it a value, with that value."""
+    board = files.board_scalars(run_dir)
+    for column in columns:
+        tag = f"eval/{column[5:]}" if column.startswith("eval_") else f"train/{column}"
+        want = [(int(r["step"]), float(r[column])) for r in rows if r.get(column)]
+        assert want and board[tag] == [(s, pytest.approx(v, rel=1e-6)) for s, v in want], (tag, board.get(tag))
+
+
 def test_grpo_run_logs_the_rewards_of_its_rollouts_and_exports_the_policy(tmp_path):
     work = stage_files.workspace(tmp_path)
     stage_files.CALLS.clear()
     config = files.run_yaml(str(tmp_path / "grpo.yaml"),
-                            **stage_files.grpo(work, str(tmp_path / "run"), export=str(tmp_path / "export")))
+                            **stage_files.grpo(work, str(tmp_path / "run"), export=str(tmp_path / "export"),
+                                               log=["csv", "tensorboard"]))
     result = run(load(config, []))
     assert result["steps"] == 2
     rows = log.read(str(tmp_path / "run" / "log.csv"))
@@ -52,13 +63,16 @@ def test_grpo_run_logs_the_rewards_of_its_rollouts_and_exports_the_policy(tmp_pa
             <= float(row["completions/max_length"]) <= 3
         assert "kl" not in row                          # beta 0: no KL term
     assert float(rows[0]["grad_norm"]) > 0
+    _board_holds_the_log(str(tmp_path / "run"), rows, ("reward", "rewards/format_check/mean", "clip_ratio",
+                                                       "completions/mean_length"))
     _export_is_the_trained_policy(str(tmp_path / "export"), work["model"])
 
 
 def test_dpo_run_logs_margins_and_accuracy_and_evaluates_the_held_out_pairs(tmp_path):
     work = stage_files.workspace(tmp_path)
     config = files.run_yaml(str(tmp_path / "dpo.yaml"),
-                            **stage_files.dpo(work, str(tmp_path / "run"), export=str(tmp_path / "export")))
+                            **stage_files.dpo(work, str(tmp_path / "run"), export=str(tmp_path / "export"),
+                                              log=["csv", "tensorboard"]))
     run(load(config, []))
     rows = log.read(str(tmp_path / "run" / "log.csv"))
     assert [r["step"] for r in rows] == ["1", "2", "3"]
@@ -72,4 +86,5 @@ def test_dpo_run_logs_margins_and_accuracy_and_evaluates_the_held_out_pairs(tmp_
     assert [bool(r["eval_loss"]) for r in rows] == [False, True, True]      # eval_every 2, and the last step
     assert float(first["grad_norm"]) > 0
     assert os.path.isfile(str(tmp_path / "run" / "reference_logps.pt"))
+    _board_holds_the_log(str(tmp_path / "run"), rows, ("reward_margin", "preference_accuracy", "eval_reward_margin"))
     _export_is_the_trained_policy(str(tmp_path / "export"), work["model"])

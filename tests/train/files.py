@@ -69,3 +69,11 @@ def workspace(tmp) -> dict:
     tmp = str(tmp)
     return {"model": model_dir(os.path.join(tmp, "model")), "chats": chats(os.path.join(tmp, "chats.jsonl")),
             "notes": text(os.path.join(tmp, "notes.txt"))}
+
+
+def board_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """The TensorBoard events a run wrote: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

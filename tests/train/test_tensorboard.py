@@ -2,11 +2,10 @@
 events replace those of the steps after its checkpoint, as its CSV rows do."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from megacompile.train.log import RunLog
+from tests.train import files
 
 pytest.importorskip("tensorboard")
 
@@ -17,13 +16,6 @@ def _row(step: int, loss: float) -> dict:
             "skipped": None}
 
 
-def _scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
 def test_scalars_are_written_and_a_resume_replaces_the_steps_after_its_checkpoint(tmp_path):
     run_dir = str(tmp_path)
     log = RunLog(run_dir, ["csv", "tensorboard"], resume_step=0)
@@ -31,7 +23,7 @@ def test_scalars_are_written_and_a_resume_replaces_the_steps_after_its_checkpoin
         log.write(_row(step, 4.0 - step))
     log.write({**_row(3, 1.0), "eval_loss": 1.5, "eval_perplexity": 4.5} | {"step": 4})
     log.close()
-    first = _scalars(run_dir)
+    first = files.board_scalars(run_dir)
     assert first["train/loss"] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 1.0)]
     assert first["eval/loss"] == [(4, 1.5)] and first["eval/perplexity"] == [(4, 4.5)]
     assert [s for s, _ in first["train/grad_norm"]] == [1, 2, 3, 4]
@@ -39,4 +31,4 @@ def test_scalars_are_written_and_a_resume_replaces_the_steps_after_its_checkpoin
     log = RunLog(run_dir, ["csv", "tensorboard"], resume_step=2)     # from a checkpoint at step 2
     log.write(_row(3, 0.25))
     log.close()
-    assert _scalars(run_dir)["train/loss"] == [(1, 3.0), (2, 2.0), (3, 0.25)]
+    assert files.board_scalars(run_dir)["train/loss"] == [(1, 3.0), (2, 2.0), (3, 0.25)]
