@@ -13,7 +13,13 @@ reference is a second engine over the model as it was loaded, forward only (a se
 weights on the host). A generator that holds a copy of the weights takes the masters before each
 rollout that follows a step (`sync()`). A checkpoint falls between rollout batches (stages.py) and
 carries the sampler's state beside the prompt position: a resumed run samples the same
-completions."""
+completions.
+
+Evaluation (`eval` files or `eval_fraction`, every `eval_every` steps and at the last): one greedy
+completion (temperature 0) of each held-out prompt, in calls of `batch` prompts (the rollout's row
+count, so generation is planned once; the last call filled up with the first prompts, left out),
+scored by the same rewards: eval_reward, eval_rewards/NAME/mean, eval_completions/mean_length.
+Greedy decoding draws nothing from the sampler, so evaluating leaves the rollouts as they were."""
 from __future__ import annotations
 
 import base64
@@ -42,18 +48,37 @@ class GRPOStage:
                                 "function's rewards by name; give each its own")
         self.records, self.prompts = [], []
         for entry in c.data:
-            self._read(entry)
+            self._read(entry, self.records, self.prompts)
+        self.held_records, self.held_prompts = [], []
+        for entry in c.eval:
+            self._read(entry, self.held_records, self.held_prompts)
+        if c.eval_fraction:
+            self._hold_out(c.eval_fraction)
         self.groups = c.batch // c.num_generations      # prompts per rollout batch
         self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length)
         each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
         self.columns = (("reward", "reward_std") + each
                         + ("kl",) * (c.beta > 0) + ("clip_ratio", "completions/mean_length", "completions/min_length",
                                                    "completions/max_length"))
+        if self.held_prompts:
+            self.columns += (("eval_reward",) + tuple(f"eval_rewards/{n}/mean" for n in self.names)
+                             + ("eval_completions/mean_length",))
         self.generator = self.reference = None
         self.needs_reference = c.beta > 0
         self.rollout: dict | None = None
 
-    def _read(self, entry: dict) -> None:
+    def _hold_out(self, fraction: float) -> None:
+        """The seeded `fraction` of the prompts, held out for evaluation (as stage: dpo holds pairs)."""
+        order = torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(self.c.seed)).tolist()
+        cut = max(1, round(fraction * len(self.prompts)))
+        if cut >= len(self.prompts):
+            raise ArgumentError(f"eval_fraction {fraction:g} of {len(self.prompts)} prompts leaves none to train "
+                                "on; give a smaller fraction, or more prompts")
+        held, kept = sorted(order[:cut]), sorted(order[cut:])
+        self.held_records, self.held_prompts = [self.records[i] for i in held], [self.prompts[i] for i in held]
+        self.records, self.prompts = [self.records[i] for i in kept], [self.prompts[i] for i in kept]
+
+    def _read(self, entry: dict, records: list, prompts: list) -> None:
         with open(entry["path"]) as f:
             lines = [line for line in f if line.strip()]
         for n, line in enumerate(lines[:entry.get("limit")], 1):
@@ -71,14 +96,15 @@ class GRPOStage:
                 raise ArgumentError(f"{entry['path']}:{n}: prompt is text or a list of messages; got {prompt!r}")
             if not ids:
                 raise ArgumentError(f"{entry['path']}:{n}: the prompt has no tokens")
-            self.records.append(record)
-            self.prompts.append(ids[-self.c.max_prompt_length:])
-        if not self.records:
-            raise ArgumentError(f"data: {entry['path']} holds no prompts")
+            records.append(record)
+            prompts.append(ids[-self.c.max_prompt_length:])
+        if not records:
+            raise ArgumentError(f"{entry['path']} holds no prompts")
 
     def describe(self) -> str:
         c = self.c
-        return (f"{len(self.prompts)} prompts; {self.groups} prompts x {c.num_generations} completions of up to "
+        held = f", {len(self.held_prompts)} held out" if self.held_prompts else ""
+        return (f"{len(self.prompts)} prompts{held}; {self.groups} prompts x {c.num_generations} completions of up to "
                 f"{c.max_completion_length} tokens per rollout batch, {c.num_iterations} step(s) each; rewards "
                 f"{', '.join(c.reward_funcs)}")
 
@@ -109,18 +135,8 @@ class GRPOStage:
     def _rollout(self, engine, position: int) -> int:
         c, n = self.c, self.c.num_generations
         chosen = stream_items(len(self.prompts), c.seed, position, self.groups)
-        if engine.steps_done != self.synced and hasattr(self.generator, "sync"):
-            self.generator.sync()               # the copy takes the steps since the last rollout
-        self.synced = engine.steps_done
-        # EngineGenerator's rows at one width: generation planned once
-        width = {"width": c.seq} if isinstance(self.generator, EngineGenerator) else {}
-        completions = self.generator.generate([self.prompts[i] for i in chosen], n, c.max_completion_length,
-                                              c.temperature, **width)
-        texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
-        records = [self.records[i] for i in chosen for _ in range(n)]
-        names = [k for k in dict.fromkeys(k for r in records for k in r) if k != "prompt"]
-        columns = {k: [r.get(k) for r in records] for k in names}
-        rewards, each = score(self.funcs, c.reward_weights, [r["prompt"] for r in records], texts, **columns)
+        completions = self._generate(engine, [self.prompts[i] for i in chosen], n, c.temperature)
+        rewards, each = self._score([self.records[i] for i in chosen for _ in range(n)], completions)
         batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad)
         old = torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])).float().clone()
         ref = None
@@ -135,6 +151,20 @@ class GRPOStage:
                         "completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
         self.rollout = {"batch": batch, "old": old, "ref": ref, "metrics": metrics}
         return position + self.groups
+
+    def _generate(self, engine, prompts: list, n: int, temperature: float) -> list:
+        if engine.steps_done != self.synced and hasattr(self.generator, "sync"):
+            self.generator.sync()               # the copy takes the steps since the last rollout
+        self.synced = engine.steps_done
+        # EngineGenerator's rows at one width: generation planned once
+        width = {"width": self.c.seq} if isinstance(self.generator, EngineGenerator) else {}
+        return self.generator.generate(prompts, n, self.c.max_completion_length, temperature, **width)
+
+    def _score(self, records: list[dict], completions: list) -> tuple[torch.Tensor, dict]:
+        texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
+        names = [k for k in dict.fromkeys(k for r in records for k in r) if k != "prompt"]
+        columns = {k: [r.get(k) for r in records] for k in names}
+        return score(self.funcs, self.c.reward_weights, [r["prompt"] for r in records], texts, **columns)
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         c = self.c
@@ -160,7 +190,19 @@ class GRPOStage:
         return metrics, [loss], engine.last_step.tokens, position
 
     def evaluate(self, engine, step: int) -> dict:
-        return {}
+        c = self.c
+        if not self.held_prompts or not c.eval_every or (step % c.eval_every and step != c.steps):
+            return {}
+        count = len(self.held_prompts) if c.eval_batches is None else min(len(self.held_prompts),
+                                                                          c.eval_batches * c.batch)
+        completions = []
+        for i in range(0, count, c.batch):
+            group = [self.held_prompts[(i + k) % count] for k in range(c.batch)]
+            completions += self._generate(engine, group, 1, 0.0)[:count - i]
+        rewards, each = self._score(self.held_records[:count], completions)
+        return {"eval_reward": rewards.mean().item(),
+                **{f"eval_rewards/{name}/mean": each[name].mean().item() for name in self.names},
+                "eval_completions/mean_length": sum(len(x.tokens) for x in completions) / count}
 
     def progress(self, row: dict) -> str:
         return f"reward {row['reward']:.4f} | completion length {row['completions/mean_length']:.1f}"

@@ -31,7 +31,7 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid"}
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                    "dataset", "eval_dataset"),
            "grpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
-                    "dataset", "eval_dataset", "seq", "eval", "eval_fraction", "eval_every", "eval_batches")}
+                    "dataset", "eval_dataset", "seq")}
 
 
 def check(c, raw: dict) -> None:

@@ -3,6 +3,7 @@ model: the log's figures are those of the rollouts and pairs the run saw, Tensor
 figures, and the export is the trained policy, loadable by transformers."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -88,3 +89,30 @@ def test_dpo_run_logs_margins_and_accuracy_and_evaluates_the_held_out_pairs(tmp_
     assert os.path.isfile(str(tmp_path / "run" / "reference_logps.pt"))
     _board_holds_the_log(str(tmp_path / "run"), rows, ("reward_margin", "preference_accuracy", "eval_reward_margin"))
     _export_is_the_trained_policy(str(tmp_path / "export"), work["model"])
+
+
+def test_grpo_evaluates_held_out_prompts_greedily_and_leaves_the_rollouts_as_they_were(tmp_path):
+    work = stage_files.workspace(tmp_path)
+    held = [s for s in files.SENTENCES[:3]]
+    with open(tmp_path / "held.jsonl", "w") as f:
+        for s in held:
+            f.write(json.dumps({"prompt": s, "answer": s.split()[-1]}) + "\n")
+    runs = {}
+    for name, more in (("plain", {}), ("evaluated", {"eval": str(tmp_path / "held.jsonl"), "eval_every": 1})):
+        stage_files.CALLS.clear()
+        config = files.run_yaml(str(tmp_path / f"{name}.yaml"), **stage_files.grpo(work, str(tmp_path / name), **more))
+        run(load(config, []))
+        runs[name] = (log.read(str(tmp_path / name / "log.csv")), list(stage_files.CALLS))
+    (plain, plain_calls), (evaluated, calls) = runs["plain"], runs["evaluated"]
+    # each step: its rollout, then the evaluation of the three held-out prompts (batch 8: one call)
+    rollouts, evals = calls[0::2], calls[1::2]
+    assert len(rollouts) == len(evals) == 2 and [r["prompts"] for r in evals] == [held, held]
+    assert rollouts == plain_calls            # evaluating drew nothing from the sampler
+    for row, plain_row, call in zip(evaluated, plain, evals):
+        assert row["reward"] == plain_row["reward"] and row["loss"] == plain_row["loss"]
+        mine = torch.tensor(call["rewards"])
+        assert float(row["eval_rewards/starts_like_prompt/mean"]) == pytest.approx(mine.mean().item())
+        fmt = float(row["eval_rewards/format_check/mean"])
+        assert float(row["eval_reward"]) == pytest.approx(mine.mean().item() + 0.5 * fmt)
+        assert 1 <= float(row["eval_completions/mean_length"]) <= 3
+        assert "eval_reward" not in plain_row
