@@ -21,10 +21,11 @@ from ..io import durable, unbuilt
 from ..io.hf_save import ADAPTER, COPIED, refuse_replacing, write_files
 
 
-def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwrite: bool, source: str) -> None:
-    """engine: the run's engine, its model the PEFT wrapper; source: the base model's folder. With
-    merge, the module is merged in place (the export is the run's last use of it); the adapter is
-    written in float32, as it trained."""
+def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwrite: bool, source: str,
+           prefix: str = "") -> None:
+    """engine: the run's engine, its model the PEFT wrapper, or (prefix "policy.") a post-training
+    objective whose `policy` is; source: the base model's folder. With merge, the module is merged in
+    place (the export is the run's last use of it); the adapter is written in float32, as it trained."""
     parent = durable.prepare_parent(path, "model folder")
     durable.clean_leftovers(parent)
     exists = os.path.isdir(path)
@@ -34,7 +35,7 @@ def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwr
     # (or a config beside an adapter) would make transformers load the folder as the other kind.
     replaced = refuse_replacing(path, set(COPIED) | {"config.json"} | set(ADAPTER), overwrite)
     engine.synchronize()
-    model = engine.model
+    model = engine.model.get_submodule(prefix.rstrip(".")) if prefix else engine.model
 
     def write_adapter(folder: str) -> None:
         # PEFT writes a README.md model card too: it is written aside and left out, so a README
@@ -52,7 +53,9 @@ def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwr
         # The base lives in the engine's host state (the module's is on meta): the module takes
         # views of it, and safe_merge adds each adapter into a new tensor, not into them.
         for key, t in unbuilt.state_tensors(engine.state):
-            owner, _, leaf = key.rpartition(".")
+            if not key.startswith(prefix):
+                continue
+            owner, _, leaf = key.removeprefix(prefix).rpartition(".")
             module = model.get_submodule(owner)
             if leaf in module._parameters and module._parameters[leaf].is_meta:
                 module._parameters[leaf] = nn.Parameter(t, requires_grad=False)

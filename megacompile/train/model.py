@@ -153,8 +153,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
         if folder:
             from ..engine.from_pretrained import compile_folder
             engine = compile_folder(module, c.model, budget, **kwargs,
-                                    file_key=finetune.file_key if c.finetuning_type == "lora" else
-                                    _policy_key if wrap is not None else None)
+                                    file_key=_file_key(c.finetuning_type == "lora", wrap is not None))
         else:
             engine = Engine(module, budget, **kwargs)
         try:
@@ -166,9 +165,16 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
     return Setup(engine, batch, accumulate, shifted, weight_bytes)
 
 
-def _policy_key(key: str) -> str:
-    """A post-training objective's state_dict key as the policy's folder names it."""
-    return key.removeprefix("policy.")
+def _file_key(lora: bool, objective: bool):
+    """The module's state_dict key -> the name the model folder's files give it: a post-training
+    objective's keys less `policy.`, a PEFT model's less its wrapping (finetune.file_key)."""
+    if not (lora or objective):
+        return None
+
+    def key(k: str) -> str:
+        k = k.removeprefix("policy.") if objective else k
+        return finetune.file_key(k) if lora else k
+    return key
 
 
 def plan_as_engine(module: nn.Module, inputs: dict, settings: Settings, optimizer: AdamW) -> Plan:

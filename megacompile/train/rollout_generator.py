@@ -37,6 +37,11 @@ def check(c, raw: dict) -> None:
         c.use_vllm = False
     if not isinstance(c.use_vllm, bool):
         raise ArgumentError(f"use_vllm must be true or false; got {c.use_vllm!r}")
+    if c.finetuning_type == "lora" and (c.use_vllm or c.generator not in (None, "engine")):
+        chosen = "use_vllm: true" if c.use_vllm else f"generator: {c.generator}"
+        raise ArgumentError(f"finetuning_type: lora with {chosen}: a generation copy takes plain weights, and a "
+                            "LoRA policy's are the frozen base plus its adapters; sample with generator: engine "
+                            "(the policy's own forward), or train full")
     if c.use_vllm:
         _vllm(c, given)
         return

@@ -159,8 +159,13 @@ def _train(c: RunConfig, setup, stage, run_dir: str, resume_from: str | None, to
         log.close()
     elapsed = time.perf_counter() - started
     if c.export is not None:
-        export_policy(engine, c.export, tokenizer, getattr(torch, c.export_dtype), overwrite=resume_from is not None,
-                      source=c.model)
+        if c.finetuning_type == "lora":     # the policy's adapter (or, merge_adapter, the merged policy)
+            from .lora_export import export
+            export(engine, c.export, tokenizer, c.merge_adapter, getattr(torch, c.export_dtype),
+                   overwrite=resume_from is not None, source=c.model, prefix="policy.")
+        else:
+            export_policy(engine, c.export, tokenizer, getattr(torch, c.export_dtype),
+                          overwrite=resume_from is not None, source=c.model)
         print(f"  exported       {c.export}", flush=True)
     result = {"steps": engine.steps_done, "run_dir": run_dir, "first_loss": losses_seen[0] if losses_seen else None,
               "final_loss": losses_seen[-1] if losses_seen else None, "seconds": elapsed, "last_checkpoint": saved_at,

@@ -58,8 +58,6 @@ def check(c, raw: dict) -> None:
     if c.bundled:
         raise ArgumentError(f"stage {c.stage} needs a Hugging Face model folder and its tokenizer (model: FOLDER); "
                             "the bundled model reads bytes and has no end-of-sequence token")
-    if c.finetuning_type == "lora":
-        raise ArgumentError(f"stage {c.stage} trains finetuning_type full or freeze; lora is not supported yet")
     for entry in c.data + c.eval:
         if entry.get("kind") != "jsonl":
             raise ArgumentError(f"stage {c.stage} reads .jsonl records ({_records(c.stage)}); {entry['path']} is not "

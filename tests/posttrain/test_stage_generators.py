@@ -45,6 +45,9 @@ def _untimed(path: str) -> list[dict]:
     ({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 1.5},
      r"vllm_gpu_memory_utilization is the share of the GPU vLLM may take, in \(0, 1\]"),
     ({"use_vllm": True, "vllm_mode": "colocate"}, "VLLMGenerator needs vLLM, which is not installed"),
+    ({"finetuning_type": "lora", "generator": "hf"}, "finetuning_type: lora with generator: hf: a generation copy "
+                                                     "takes plain weights"),
+    ({"finetuning_type": "lora", "use_vllm": True}, "finetuning_type: lora with use_vllm: true"),
 ])
 def test_a_bad_generator_key_is_refused_naming_it_before_anything_is_written(tmp_path, work, more, message,
                                                                               monkeypatch):

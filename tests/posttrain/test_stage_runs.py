@@ -116,3 +116,33 @@ def test_grpo_evaluates_held_out_prompts_greedily_and_leaves_the_rollouts_as_the
         assert float(row["eval_reward"]) == pytest.approx(mine.mean().item() + 0.5 * fmt)
         assert 1 <= float(row["eval_completions/mean_length"]) <= 3
         assert "eval_reward" not in plain_row
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
+def test_a_lora_dpo_run_starts_from_its_reference_and_exports_the_trained_adapter(tmp_path, merge):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    work = stage_files.workspace(tmp_path)
+    export = str(tmp_path / "export")
+    config = files.run_yaml(str(tmp_path / "dpo.yaml"), **stage_files.dpo(
+        work, str(tmp_path / "run"), export=export, finetuning_type="lora", lora_rank=4, lora_target="all",
+        merge_adapter=merge))
+    run(load(config, []))
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    # the adapters start at zero: the policy is the reference, every implicit reward 0, the loss log 2
+    assert float(rows[0]["reward_margin"]) == 0.0 and float(rows[0]["loss"]) == pytest.approx(0.693147, abs=1e-6)
+    assert float(rows[-1]["loss"]) != float(rows[0]["loss"])
+    base = AutoModelForCausalLM.from_pretrained(work["model"])
+    ids = torch.tensor([[5, 9, 12, 7, 3]])
+    before = base(input_ids=ids).logits
+    if merge:
+        assert not os.path.isfile(os.path.join(export, "adapter_config.json"))
+        trained = AutoModelForCausalLM.from_pretrained(export)
+    else:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(export))
+        assert not os.path.isfile(os.path.join(export, "model.safetensors"))
+        trained = PeftModel.from_pretrained(base, export)
+        # the base under the adapter is the model as loaded: the adapter alone moved
+        assert torch.equal(trained.get_base_model().model.embed_tokens.weight,
+                           _weights(work["model"])["model.embed_tokens.weight"])
+    assert not torch.allclose(trained(input_ids=ids).logits, before)
