@@ -146,3 +146,16 @@ def test_a_lora_dpo_run_starts_from_its_reference_and_exports_the_trained_adapte
         assert torch.equal(trained.get_base_model().model.embed_tokens.weight,
                            _weights(work["model"])["model.embed_tokens.weight"])
     assert not torch.allclose(trained(input_ids=ids).logits, before)
+
+
+def test_a_lora_grpo_run_with_a_kl_term_trains_the_adapter_alone(tmp_path):
+    work = stage_files.workspace(tmp_path)
+    export = str(tmp_path / "export")
+    config = files.run_yaml(str(tmp_path / "grpo.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "run"), export=export, finetuning_type="lora", lora_rank=4, beta=0.1))
+    run(load(config, []))
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    # the reference is the model as loaded, and so is the policy at the first rollout: no divergence
+    assert float(rows[0]["kl"]) == 0.0 and float(rows[0]["grad_norm"]) > 0
+    assert float(rows[1]["kl"]) > 0.0         # after one step the adapter moved the policy
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(export))
