@@ -43,7 +43,7 @@ def model_from_config(config: Any) -> nn.Module:
         except (OSError, ValueError) as e:
             raise MegacompileError(f"cannot read the model config {path}: {e}") from e
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
     except ImportError as e:
         raise MegacompileError("planning from a config needs `pip install transformers` (or pass an nn.Module "
                                "built on the meta device)") from e
@@ -65,33 +65,26 @@ def model_from_config(config: Any) -> nn.Module:
         raise ArgumentError(f"expected a config path, dict or PretrainedConfig, got {type(config).__name__}")
     check_attention_shape(getattr(config, "text_config", None) or config)
     config.use_cache = False
-    if getattr(config, "vision_config", None) is not None:
-        return _vision_language_model(config)
-    try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    except ValueError as e:
-        if "Unrecognized configuration class" not in str(e):
-            raise
-        raise ArgumentError(f"a {type(config).__name__} is not a causal LM's config: planning from a config builds "
-                            "decoders (AutoModelForCausalLM) and vision-language models (AutoModelForImageTextToText, "
-                            "a config with a vision_config)") from e
-
-
-def _vision_language_model(config: Any) -> nn.Module:
-    """A vision-language model (its vision tower, projector and language model) on the meta device."""
-    from transformers import AutoModelForImageTextToText
+    if getattr(config, "vision_config", None) is None:
+        return _on_meta(AutoModelForCausalLM, config, f"a {type(config).__name__} is not a causal LM's config: planning "
+                        "from a config builds decoders (AutoModelForCausalLM) and vision-language models "
+                        "(AutoModelForImageTextToText, a config with a vision_config)")
     if hasattr(config, "text_config"):
         config.text_config.use_cache = False
+    return _on_meta(AutoModelForImageTextToText, config, f"a {type(config).__name__} has a vision_config but "
+                    "transformers builds no image-text-to-text model from it (AutoModelForImageTextToText): plan its "
+                    "language model's config (text_config) instead")
+
+
+def _on_meta(auto_class, config: Any, refusal: str) -> nn.Module:
+    """auto_class's model of `config` on the meta device; `refusal` when it has none for it."""
     try:
         with torch.device("meta"):
-            return AutoModelForImageTextToText.from_config(config)
+            return auto_class.from_config(config)
     except ValueError as e:
         if "Unrecognized configuration class" not in str(e):
             raise
-        raise ArgumentError(f"a {type(config).__name__} has a vision_config but transformers builds no "
-                            "image-text-to-text model from it (AutoModelForImageTextToText): plan its language "
-                            "model's config (text_config) instead") from e
+        raise ArgumentError(refusal) from e
 
 
 def check_attention_shape(config: Any) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from ..capture.split import ancestors
 from ..cost.estimate import node_seconds
 from ..ir.printer import fmt_bytes, fmt_seconds
 from ..ir.program import COMPUTE_OPS, Op
@@ -72,12 +73,14 @@ def vision_share(plan, images: ImageSignature, image_inputs: list[int]) -> Visio
     t = prologue.template
     vision_slot = [name in vision_names for name in prologue.params]
     pixel_act = [port.stage == -1 and port.index in image_inputs for port in prologue.inputs]
-    forward = _forward_nodes(t.forward, vision_slot + pixel_act)
-    backward = _backward_nodes(t, vision_slot)
+    ran = t.forward or t.inference          # a forward-only plan runs the inference graph
+    forward = _forward_nodes(ran, vision_slot + pixel_act)
+    graphs = [(Op.FORWARD, ran, forward), (Op.RECOMPUTE, ran, forward), (Op.INFER, ran, forward)]
+    if t.backward is not None:
+        graphs.append((Op.BACKWARD, t.backward, _backward_nodes(t, vision_slot)))
     hw, dtype = plan.hardware, captured.compute_dtype
     share = {}
-    for op, program, nodes in ((Op.FORWARD, t.forward, forward), (Op.RECOMPUTE, t.forward, forward),
-                               (Op.BACKWARD, t.backward, backward)):
+    for op, program, nodes in graphs:
         costs = [node_seconds(n, hw, dtype) for n in program.body if n.op == "call_function"]
         mine = sum(node_seconds(n, hw, dtype) for n in nodes)
         share[op] = mine / max(sum(costs), 1e-30)
@@ -94,7 +97,7 @@ def vision_share(plan, images: ImageSignature, image_inputs: list[int]) -> Visio
     weights = _fraction(slot_bytes, vision_slot)
     grads = _fraction([b for b, p in zip(slot_bytes, t.params) if p.trainable],
                       [v for v, p in zip(vision_slot, t.params) if p.trainable])
-    saved_nodes = list(t.forward.output_node.args[0])[len(t.outputs):]
+    saved_nodes = list(ran.output_node.args[0])[len(t.outputs):]
     saved = _fraction([s.nbytes for s in t.saved], [n in forward for n in saved_nodes])
     vision_bytes = language_bytes = 0
     live, working = _live_at_peak(plan)
@@ -129,14 +132,7 @@ def _backward_nodes(t, vision_slot: list[bool]) -> set[fx.Node]:
     program = t.backward
     grads = list(program.output_node.args[0])[:len(t.grad_params)]
     wanted = [g for g, i in zip(grads, t.grad_params) if vision_slot[i] and isinstance(g, fx.Node)]
-    feeding: set[fx.Node] = set()
-    stack = list(wanted)
-    while stack:
-        n = stack.pop()
-        if n in feeding:
-            continue
-        feeding.add(n)
-        stack.extend(n.all_input_nodes)
+    feeding = ancestors(wanted)
     params = [p for p, i in zip(program.placeholders, t.bwd_params) if vision_slot[i]]
     return {n for n in feeding | set(_forward_nodes(program, [p in params for p in program.placeholders]))
             if n.op == "call_function"}
