@@ -112,11 +112,11 @@ def image_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
 
 
 def _features_per_image(model: nn.Module, pixels: int) -> int:
-    """Image tokens one image fills: the features the model's own tower and projector give it,
-    computed on the meta device (no weight is read)."""
+    """Image tokens one image fills: the features the model's own tower and projector give it
+    (on the meta device no weight is read; a model with weights encodes one blank image)."""
     inner = getattr(model, "model", model)
     param = next(model.parameters())
-    image = torch.empty(1, 3, pixels, pixels, device="meta", dtype=param.dtype)
+    image = torch.zeros(1, 3, pixels, pixels, device=param.device, dtype=param.dtype)
     with torch.no_grad():
         out = inner.get_image_features(pixel_values=image)
     features = getattr(out, "pooler_output", out)

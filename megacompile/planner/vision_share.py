@@ -64,12 +64,13 @@ class VisionShare:
 def vision_share(plan, images: ImageSignature, image_inputs: list[int]) -> VisionShare:
     """`image_inputs`: the indexes of the model's inputs that hold images (pixel values, masks)."""
     captured = plan.captured
+    # The vision side: the prologue's parameters outside the language model (whose blocks are the
+    # streamed stack); the token embedding is the language model's, the head sits in the epilogue.
     root = captured.block_path.rsplit(".", 1)[0] + "." if captured.block_path else ""
-    vision_names = {n for n in captured.state if not n.startswith(root)}
+    prologue = captured.stages[0]
+    vision_names = {n for n in prologue.params if not n.startswith(root)}
     numel = {n: e.numel for n, e in captured.state.items() if not e.is_buffer}
     vision_params = sum(v for n, v in numel.items() if n in vision_names)
-
-    prologue = captured.stages[0]
     t = prologue.template
     vision_slot = [name in vision_names for name in prologue.params]
     pixel_act = [port.stage == -1 and port.index in image_inputs for port in prologue.inputs]
