@@ -106,6 +106,7 @@ def test_what_cannot_be_planned_with_images_is_refused_by_name():
         megacompile.minimum_budget(llava, batch=2, seq=vlm.SEQ, images_per_row=0.5, hardware="cpu")
 
 
+@pytest.mark.slow
 def test_minimum_budget_with_images_is_the_smallest_that_plans():
     config = vlm.llava().config
     lowest = megacompile.minimum_budget(config, batch=2, seq=vlm.SEQ, images_per_row=2, **CPU)

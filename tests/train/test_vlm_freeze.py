@@ -43,6 +43,7 @@ def test_a_frozen_vision_tower_is_exported_as_it_went_in_and_the_rest_trains(tmp
     assert set(projector) <= set(moved) and any("layers" in k.split(".") for k in moved)
 
 
+@pytest.mark.slow
 def test_lora_puts_adapters_on_the_language_model_alone(tmp_path, monkeypatch):
     """The tower has q_proj and v_proj too; lora_target names them, and they stay frozen."""
     monkeypatch.chdir(tmp_path)
