@@ -64,12 +64,14 @@ class VisionShare:
 def vision_share(plan, images: ImageSignature, image_inputs: list[int]) -> VisionShare:
     """`image_inputs`: the indexes of the model's inputs that hold images (pixel values, masks)."""
     captured = plan.captured
-    # The vision side: the prologue's parameters outside the language model (whose blocks are the
-    # streamed stack); the token embedding is the language model's, the head sits in the epilogue.
+    # The vision side: parameters outside the language model (whose blocks are the streamed stack)
+    # that no later stage reads (the head is the epilogue's), unused ones (a tower's pooling head)
+    # included: the host holds them all.
     root = captured.block_path.rsplit(".", 1)[0] + "." if captured.block_path else ""
     prologue = captured.stages[0]
-    vision_names = {n for n in prologue.params if not n.startswith(root)}
+    later = {n for stage in captured.stages[1:] for n in stage.params}
     numel = {n: e.numel for n, e in captured.state.items() if not e.is_buffer}
+    vision_names = {n for n in numel if not n.startswith(root) and n not in later}
     vision_params = sum(v for n, v in numel.items() if n in vision_names)
     t = prologue.template
     vision_slot = [name in vision_names for name in prologue.params]
