@@ -46,6 +46,8 @@ def _plan(args: argparse.Namespace) -> int:
     # The profile, resolved here once (measured for --hardware cpu when not cached yet).
     kwargs = dict(hardware=hardware_profile(args.hardware, args.nvme_bandwidth), seq=args.seq,
                   compute_dtype=DTYPES[args.dtype], host_budget=host_budget, nvme_budget=args.nvme_budget)
+    if args.images_per_row or args.image_size is not None:    # a vision-language model's rows hold images
+        kwargs.update(images_per_row=args.images_per_row, image_size=args.image_size)
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
     model = args.config
     if args.lora_rank is not None:      # the base frozen, LoRA adapters on it (train/finetune.py)
@@ -139,7 +141,8 @@ def _plan_stage(args: argparse.Namespace) -> int:
     refused = [flag for flag, given in (("--global-batch", args.global_batch is not None), ("--gpus", args.gpus != 1),
                                         ("--nodes", args.nodes != 1), ("--lora-rank", args.lora_rank is not None),
                                         ("--smallest", args.smallest), ("--trace", args.trace is not None),
-                                        ("--plot", args.plot is not None)) if given]
+                                        ("--plot", args.plot is not None), ("--images-per-row", args.images_per_row != 0),
+                                        ("--image-size", args.image_size is not None)) if given]
     if refused:
         raise ArgumentError(f"--stage plans one GPU's step of one micro-batch, part by part: {', '.join(refused)} "
                             f"{'is' if len(refused) == 1 else 'are'} not taken with it; leave "
@@ -230,7 +233,8 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(run=_train)
 
     q = sub.add_parser("plan", help="plan a model from its Hugging Face config.json without weights or a GPU")
-    q.add_argument("--config", required=True, help="config.json (or its folder) of a causal LM")
+    q.add_argument("--config", required=True,
+                   help="config.json (or its folder) of a causal LM or a vision-language model")
     q.add_argument("--hbm-budget", type=float, required=True, help="GiB of device memory the plan may use")
     q.add_argument("--hardware", default="h100",
                    help="h100, h100-pcie, h200, gh200, a100, cpu, or a profile.json from `megacompile calibrate`")
@@ -265,6 +269,12 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--lora-target", default="all",
                    help="with --lora-rank: the Linear modules given adapters, comma-separated (default: all, every "
                         "Linear of the decoder blocks)")
+    q.add_argument("--images-per-row", type=int, default=0, metavar="N",
+                   help="a vision-language model (LLaVA, Gemma 3, Idefics3, SmolVLM): N images in every row, laid "
+                        "out as its processor writes them; their image tokens count in --seq (default 0: text alone)")
+    q.add_argument("--image-size", type=int, default=None, metavar="PX",
+                   help="pixels per side of each image (default: the vision tower's); LLaVA and Gemma 3 resize every "
+                        "image to the tower's size, Idefics3 and SmolVLM split it into tiles of that size")
     q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     q.add_argument("--trace", default=None, metavar="FILE",
                    help="write the predicted step as a Chrome trace (open it in Perfetto or chrome://tracing)")

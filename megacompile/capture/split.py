@@ -99,7 +99,7 @@ def _read_before_written(nodes: list[fx.Node], forward_set: set[fx.Node]) -> set
                 continue
             for reader in value.users:
                 if position[reader] < position[m] and reader not in forward_set:
-                    found |= _ancestors([reader])
+                    found |= ancestors([reader])
     return found
 
 
@@ -132,7 +132,7 @@ def _writes_into_forward(nodes: list[fx.Node], forward_set: set[fx.Node]) -> set
             written = [m.args[i] if i < len(m.args) else m.kwargs.get(a.name)
                        for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
             if any(_storage(w) is not None and read_at.get(_storage(w), -1) > position[m] for w in written):
-                found |= _ancestors([m])
+                found |= ancestors([m])
                 changed = True
     return found
 
@@ -146,7 +146,8 @@ def _dependents(nodes: list[fx.Node], sources: set[fx.Node]) -> set[fx.Node]:
     return found
 
 
-def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+def ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+    """The nodes the roots read, directly or through others, the roots included."""
     seen: set[fx.Node] = set()
     stack = [r for r in roots if isinstance(r, fx.Node)]
     while stack:
@@ -195,7 +196,7 @@ def split_joint(joint: fx.GraphModule, n_params: int, n_acts: int, n_outputs: in
     flat_out = list(out_node.args[0])
     outputs, grads = flat_out[:n_outputs], flat_out[n_outputs:]
 
-    forward_set = _ancestors(outputs) - set(placeholders)
+    forward_set = ancestors(outputs) - set(placeholders)
     forward_set |= _read_before_written(nodes, forward_set) - set(placeholders)
     forward_set |= _writes_into_forward(nodes, forward_set) - set(placeholders)
     # Tuple-valued forward ops: keep every getitem of them in the forward, so the backward
@@ -203,7 +204,7 @@ def split_joint(joint: fx.GraphModule, n_params: int, n_acts: int, n_outputs: in
     for n in nodes:
         if n.op == "call_function" and n.target is operator.getitem and n.args[0] in forward_set:
             forward_set.add(n)
-    backward_need = _ancestors(grads) - set(placeholders)
+    backward_need = ancestors(grads) - set(placeholders)
 
     # A node "depends on activations" if any input does, or if it draws random numbers; it
     # "depends on gradient inputs" if it does so through an input that a gradient flows back to.

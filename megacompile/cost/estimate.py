@@ -131,9 +131,6 @@ def graph_cost(program: StageProgram, hw: HardwareProfile, dtype: torch.dtype) -
     key = (hw, dtype)
     if key in cache:
         return cache[key]
-    peak = hw.peak_flops(dtype) * hw.matmul_efficiency
-    attention_peak = peak * hw.attention_efficiency
-    bandwidth = hw.device_bw * hw.memory_efficiency
     seconds = flops = moved = 0.0
     ops = 0
     for node in program.body:
@@ -143,10 +140,20 @@ def graph_cost(program: StageProgram, hw: HardwareProfile, dtype: torch.dtype) -
         flops += f
         moved += b
         ops += 1
-        rate = attention_peak if f and is_attention(node) else peak
-        seconds += max(f / rate, b / bandwidth) + hw.op_overhead_s
+        seconds += _roofline(node, f, b, hw, dtype)
     cache[key] = GraphCost(seconds, flops, moved, ops)
     return cache[key]
+
+
+def node_seconds(node: fx.Node, hw: HardwareProfile, dtype: torch.dtype) -> float:
+    """One op's share of graph_cost's seconds."""
+    return _roofline(node, node_flops(node), node_bytes(node), hw, dtype)
+
+
+def _roofline(node: fx.Node, flops: float, nbytes: float, hw: HardwareProfile, dtype: torch.dtype) -> float:
+    peak = hw.peak_flops(dtype) * hw.matmul_efficiency
+    rate = peak * hw.attention_efficiency if flops and is_attention(node) else peak
+    return max(flops / rate, nbytes / (hw.device_bw * hw.memory_efficiency)) + hw.op_overhead_s
 
 
 def recomputed_region(backward: StageProgram, n_tangents: int) -> list[fx.Node]:

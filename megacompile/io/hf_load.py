@@ -99,8 +99,11 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
     # Buffers the model computes and does not save (rotary inv_freq): older files still hold them,
     # per layer; the model's own values are used, as transformers does.
     computed = {n.rsplit(".", 1)[-1] for n in buffers if n not in canonical}
-    layout = DiskLayout(model)        # per-expert tensors of fused experts, transformers' renamings
+    # Per-expert tensors of fused experts, transformers' renamings: the wrapped model's (a PEFT
+    # model's base), placed by the keys `canonical` names, then mapped to the module's own names.
+    layout = DiskLayout(model.get_base_model() if hasattr(model, "get_base_model") else model)
     shapes = {n: tuple(t.shape) for n, t in list(params.items()) + list(buffers.items())}
+    key_shapes = {k: shapes[n] for k, n in canonical.items() if n in shapes}
     parts: dict[str, set] = {}
     for file, listed in shards.items():
         if not os.path.isfile(file):
@@ -115,7 +118,8 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
                 continue
             name, part = canonical.get(key), None
             if name is None:
-                name, part = layout.place(key, shapes) or (None, None)
+                name, part = layout.place(key, key_shapes) or (None, None)
+                name = canonical.get(name, name)
             if name is None and key.rsplit(".", 1)[-1] in computed:
                 continue
             own = params.get(name) if name is not None else None

@@ -5,6 +5,9 @@
                     judges, the host placement, the error naming the smallest budget)
     from_config.py  plan(), plan_global_batch(), minimum_budget(): from a Hugging Face config
                     or a meta model, without weights
+    image_inputs.py the meta batch of a vision-language model's rows with images, as its
+                    processor lays them out
+    vision_share.py the vision tower's share of a plan's predicted time and device peak
     cache.py        PlanCache: the engine's plans, one per input signature
     posttrain_step.py  plan_stage(): a post-training stage's step (sft, dpo, grpo) from its parts,
                     each a training step or forward-only pass planned as plan() plans it

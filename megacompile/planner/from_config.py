@@ -25,7 +25,9 @@ from .result import Plan
 from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
 from ..settings import Settings
+from .image_inputs import image_inputs
 from .search import lowest_budget, make_baseline_plan, make_plan, place_host_state
+from .vision_share import vision_share
 
 GiB = 2 ** 30
 
@@ -41,7 +43,7 @@ def model_from_config(config: Any) -> nn.Module:
         except (OSError, ValueError) as e:
             raise MegacompileError(f"cannot read the model config {path}: {e}") from e
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
     except ImportError as e:
         raise MegacompileError("planning from a config needs `pip install transformers` (or pass an nn.Module "
                                "built on the meta device)") from e
@@ -61,17 +63,28 @@ def model_from_config(config: Any) -> nn.Module:
             raise ArgumentError(f"the {model_type} config is invalid: {str(e).splitlines()[-1].strip()[:300]}") from e
     if not isinstance(config, PretrainedConfig):
         raise ArgumentError(f"expected a config path, dict or PretrainedConfig, got {type(config).__name__}")
-    check_attention_shape(config)
+    check_attention_shape(getattr(config, "text_config", None) or config)
     config.use_cache = False
+    if getattr(config, "vision_config", None) is None:
+        return _on_meta(AutoModelForCausalLM, config, f"a {type(config).__name__} is not a causal LM's config: planning "
+                        "from a config builds decoders (AutoModelForCausalLM) and vision-language models "
+                        "(AutoModelForImageTextToText, a config with a vision_config)")
+    if hasattr(config, "text_config"):
+        config.text_config.use_cache = False
+    return _on_meta(AutoModelForImageTextToText, config, f"a {type(config).__name__} has a vision_config but "
+                    "transformers builds no image-text-to-text model from it (AutoModelForImageTextToText): plan its "
+                    "language model's config (text_config) instead")
+
+
+def _on_meta(auto_class, config: Any, refusal: str) -> nn.Module:
+    """auto_class's model of `config` on the meta device; `refusal` when it has none for it."""
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return auto_class.from_config(config)
     except ValueError as e:
         if "Unrecognized configuration class" not in str(e):
             raise
-        raise ArgumentError(f"a {type(config).__name__} is not a causal LM's config: planning from a config builds "
-                            "decoders (AutoModelForCausalLM); for a vision-language model, plan the model built on "
-                            "the meta device, whose text path is planned (docs/families.md)") from e
+        raise ArgumentError(refusal) from e
 
 
 def check_attention_shape(config: Any) -> None:
@@ -177,7 +190,7 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
          fuse: bool | None = Settings.fuse, host_budget: float | None = None, nvme_budget: float | None = None,
          nvme_bandwidth: float | None = None, grad_accum: int = Settings.grad_accum,
          accumulation: str = Settings.accumulation, ranks: tuple[int, int] | None = None,
-         smallest: bool = False) -> Plan:
+         smallest: bool = False, images_per_row: int = 0, image_size: int | None = None) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
@@ -195,6 +208,11 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     hardware: the fused kernels on a GPU, none on the cpu backend. `ranks` (R, L): the plan of one
     of R data-parallel ranks, L per node; `host_budget` is then the node's, and the host check is
     the rank's sharded figure within 1/L of it (cost/host_shards.py).
+    `images_per_row` (a vision-language model: LLaVA, Gemma 3, Idefics3, SmolVLM) plans rows that
+    each hold that many images of `image_size` pixels a side (default: the vision tower's), laid
+    out as the family's processor writes them (planner/image_inputs.py); the seq tokens of a row
+    include its image tokens. The plan's `vision` then holds the vision tower's share of the
+    predicted time and of the device peak (planner/vision_share.py).
     `minimum_budget_bytes` is the smallest budget for the plan's own blocks (whole, or over the
     sequence chunks it runs them in); below it the planner may still fit them over more chunks.
     With `smallest` it is the smallest budget any plan fits (planning at it fits, a little below it
@@ -206,10 +224,12 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     budget_bytes = settings.budget_bytes
     planned = _Planned(model_or_config, settings, hardware=hardware, batch=batch, seq=seq, inputs=inputs,
                        optimizer=optimizer, loss_fn=loss_fn, train=train, style=style, nvme_bandwidth=nvme_bandwidth,
-                       ranks=ranks)
+                       ranks=ranks, images_per_row=images_per_row, image_size=image_size)
     if style is not None:
         return planned.baseline(budget_bytes, style)
     result = planned.at(budget_bytes)
+    if planned.images is not None:
+        result.vision = vision_share(result, *planned.images)
     if planned.captured.rechunk is not None:
         result.lowest_budget = planned.lowest
     if smallest and result.lowest_budget is not None:
@@ -230,8 +250,8 @@ def minimum_budget(model_or_config: Any, *, compute_dtype: torch.dtype = torch.b
     device or not, or a Hugging Face config: a path, dict or PretrainedConfig) fits for these
     inputs: planning at it fits, and any smaller budget is refused with a BudgetTooSmallError that
     names it. The whole blocks or over sequence chunks, whichever fits less. kwargs: plan()'s
-    (hardware, batch, seq, inputs, optimizer, loss_fn, train, nvme_bandwidth, ranks), with the
-    same defaults."""
+    (hardware, batch, seq, inputs, optimizer, loss_fn, train, nvme_bandwidth, ranks, images_per_row,
+    image_size), with the same defaults."""
     settings = Settings(compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget, nvme_budget=nvme_budget,
                         grad_accum=grad_accum, accumulation=accumulation)
     unknown = sorted(set(kwargs) - set(_Planned.WHAT) | ({"style"} & set(kwargs)))
@@ -245,12 +265,13 @@ def minimum_budget(model_or_config: Any, *, compute_dtype: torch.dtype = torch.b
 
 class _Planned:
     """A model captured for plan(): the plan at any budget, from one capture."""
-    WHAT = ("hardware", "batch", "seq", "inputs", "optimizer", "loss_fn", "train", "style", "nvme_bandwidth", "ranks")
+    WHAT = ("hardware", "batch", "seq", "inputs", "optimizer", "loss_fn", "train", "style", "nvme_bandwidth", "ranks",
+            "images_per_row", "image_size")
 
     def __init__(self, model_or_config: Any, settings: Settings, *, hardware: Any = "h100", batch: int = 1,
                  seq: int = 2048, inputs: dict | None = None, optimizer: AdamW | None = None, loss_fn=None,
                  train: bool = True, style: str | None = None, nvme_bandwidth: float | None = None,
-                 ranks: tuple[int, int] | None = None):
+                 ranks: tuple[int, int] | None = None, images_per_row: int = 0, image_size: int | None = None):
         self.settings, accumulation = settings, settings.accumulation
         host_budget_bytes = settings.host_budget_bytes
         if ranks is not None:     # as compile() under data parallelism: micro-batches one by one
@@ -261,6 +282,9 @@ class _Planned:
         self.accumulation, self.host_budget_bytes, self.ranks = accumulation, host_budget_bytes, ranks
         if inputs is None:
             batch, seq = arguments.tokens(batch, seq)
+        elif images_per_row or image_size is not None:
+            raise ArgumentError("give either inputs or images_per_row/image_size: the images are laid out in the "
+                                "inputs plan() builds from batch and seq")
         elif not isinstance(inputs, dict):
             raise ArgumentError(f"inputs must be a dict of tensors (e.g. input_ids, labels), got "
                                 f"{type(inputs).__name__}")
@@ -273,6 +297,13 @@ class _Planned:
         model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
         if getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False
+        self.images = None      # (ImageSignature, the indexes of the inputs that hold images)
+        if image_size is not None and not images_per_row:
+            raise ArgumentError(f"image_size {image_size!r} was given without images_per_row: give the images in "
+                                "each row too (images_per_row=1 or more)")
+        if images_per_row:
+            inputs, signature = image_inputs(model, batch, seq, images_per_row, image_size)
+            self.images = (signature, [i for i, k in enumerate(inputs) if k.startswith("pixel_")])
         if inputs is None:
             ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
             inputs = {"input_ids": ids, "labels": ids}

@@ -45,6 +45,8 @@ class Plan:
     minimum_over_chunks: bool = False      # minimum_budget_bytes is the lowest over every chunk count too
     # Set where this plan is shown in place of one that did not fit: the budget the user gave.
     given_budget_bytes: int | None = None
+    # Planned with images (from_config.plan, images_per_row): the vision tower's share (vision_share.py).
+    vision: Any = None
     curve: MemoryCurve = field(init=False)
 
     def __post_init__(self) -> None:
@@ -309,6 +311,7 @@ class Plan:
             "sequence_chunks": max((t.chunks for t in self.captured.block_templates), default=1),
             "chunked_modules": sorted({m for t in self.captured.block_templates for m in t.chunked}),
             "template_notes": dict(self.captured.template_notes),
+            "vision": self.vision.to_json() if self.vision is not None else None,
             "hardware": self.hardware.name if self.hardware else None,
             **(self.prediction.to_dict() if self.prediction else {}),
             "passes": self.program.passes,
@@ -387,6 +390,7 @@ class Plan:
                          f"blocks' inputs; {len(choice.selective)} blocks save "
                          f"only matmul and attention outputs; resident for the step: {resident}")
         lines += self.block_decisions()
+        lines += self.vision.lines() if self.vision is not None else []
         p = self.prediction
         if p is not None:
             lines.append(f"  predicted      {self._per_step(p.step_s)} on {self.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "

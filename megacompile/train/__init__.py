@@ -10,6 +10,7 @@
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice
     finetune.py  which parameters train: full, LoRA adapters (PEFT) or some blocks (freeze)
+    vision_freeze.py  a vision-language model's tower, projector or language model frozen
     lora_export.py  a LoRA run's export: the adapter in PEFT's format, or the merged model
     log.py       CSV rows per optimizer step, TensorBoard, progress
     wandb_log.py W&B scalars per optimizer step (log: [wandb])

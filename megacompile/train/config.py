@@ -96,6 +96,9 @@ class RunConfig:
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: Any = "all"
     freeze_extra_modules: Any = None
+    freeze_vision_tower: bool | None = None            # a vision-language model's parts (train/vision_freeze.py)
+    freeze_multi_modal_projector: bool | None = None
+    freeze_language_model: bool | None = None
     # post-training (train/stages.py): TRL's names; None is the stage's default
     stage: str = "sft"
     beta: float | None = None

@@ -7,6 +7,9 @@
     freeze  freeze_trainable_layers N: the last N decoder blocks trained (-N: the first N);
             freeze_trainable_modules: which modules of those blocks (all, or names);
             freeze_extra_modules: modules trained besides (embed_tokens, lm_head, norm).
+    A vision-language model's freeze_vision_tower, freeze_multi_modal_projector and
+    freeze_language_model freeze those parts on top of either (vision_freeze.py); LoRA's adapters
+    go on its language model alone.
 
 The keys are checked with the rest of run.yaml (check); the names they give are checked against
 the model on the meta device (apply, before the data is read), and the same apply then shapes the
@@ -21,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ArgumentError
+from . import vision_freeze
 
 TYPES = ("full", "lora", "freeze")
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "merge_adapter")
@@ -63,13 +67,14 @@ def check(c, raw: dict) -> None:
                             "format); the bundled model is not one: use full or freeze")
     if c.finetuning_type == "lora":
         _peft("finetuning_type: lora")
+    vision_freeze.check(c)
 
 
 def saved(c) -> dict:
     """The keys that say which parameters train, kept in every checkpoint (merge_adapter aside:
     it shapes the export only)."""
     keys = {"full": (), "lora": LORA_KEYS[:-1], "freeze": FREEZE_KEYS}[c.finetuning_type]
-    return {"finetuning_type": c.finetuning_type, **{k: getattr(c, k) for k in keys}}
+    return {"finetuning_type": c.finetuning_type, **{k: getattr(c, k) for k in keys}, **vision_freeze.given(c)}
 
 
 def check_resume(c, extra: dict) -> None:
@@ -109,9 +114,12 @@ def apply(c, model: nn.Module) -> nn.Module:
     """The module to train as c.finetuning_type says (the PEFT wrapper for lora; `model` itself,
     its requires_grad set, for freeze). On the meta device too: the names are checked there."""
     if c.finetuning_type == "lora":
-        return lora(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target, base_dtype(c.compute_dtype))
+        wrapped = lora(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target, base_dtype(c.compute_dtype))
+        vision_freeze.apply(c, wrapped)
+        return wrapped
     if c.finetuning_type == "freeze":
         freeze(model, c.freeze_trainable_layers, c.freeze_trainable_modules, c.freeze_extra_modules)
+    vision_freeze.apply(c, model)
     return model
 
 
@@ -124,6 +132,16 @@ def blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
         raise ArgumentError(f"{type(model).__name__} has no list of decoder blocks (an nn.ModuleList): "
                             "finetuning_type lora with lora_target all, and freeze, need one")
     return max(fitting, key=lambda x: len(x[1]))
+
+
+def _language_blocks(model: nn.Module) -> nn.Module:
+    """A vision-language model's decoder blocks: the longest list of modules in its language model."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+             and vision_freeze.part_of(n) == "freeze_language_model"]
+    if not lists:
+        raise ArgumentError(f"{type(model).__name__} has no language model with a list of decoder blocks: "
+                            "finetuning_type lora with lora_target all needs one")
+    return max(lists, key=lambda x: len(x[1]))[1]
 
 
 def linear_names(model: nn.Module, within: nn.Module | None = None) -> list[str]:
@@ -142,15 +160,20 @@ def lora(model: nn.Module, rank: int, alpha: float, dropout: float, target: list
          base: torch.dtype = torch.float32, key: str = "lora_target") -> nn.Module:
     from peft import LoraConfig, get_peft_model
     everywhere = linear_names(model)
+    vision = vision_freeze.is_vision_language(model)
     if target == ALL:
-        target = linear_names(model, blocks(model)[1])
+        target = ([n for n in linear_names(model, _language_blocks(model)) if n != "lm_head"] if vision else
+                  linear_names(model, blocks(model)[1]))
     unknown = [t for t in target if t not in everywhere]
     if unknown:
         raise ArgumentError(f"{key}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear "
                             f"module of {type(model).__name__}; its Linear modules are {', '.join(everywhere)} "
                             "(or all: every Linear of the decoder blocks)")
+    modules = list(target)
+    if vision:      # the language model's modules alone: the vision tower has q_proj and the like too
+        modules = vision_freeze.language_model_names(model, modules)
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target))
+                        target_modules=modules)
     wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
@@ -164,12 +187,13 @@ def lora_skeleton(c) -> nn.Module:
     model (the same random draws); then the base goes to meta, in the dtype it is held in, and
     streams from the folder's files into the host state, as a full fine-tune's weights do
     (engine/from_pretrained.py compile_folder with file_key)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.initialization import no_init_weights
+    from ..io.hf_load import auto_class
     config = AutoConfig.from_pretrained(c.model)
     config.use_cache = False
     with no_init_weights():
-        base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        base = auto_class(config).from_config(config, dtype=torch.float32)
         base.tie_weights()
     wrapped = lora(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target)
     release_frozen(wrapped)

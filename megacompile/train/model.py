@@ -50,7 +50,7 @@ def meta_model(c: RunConfig) -> nn.Module:
         from transformers import AutoConfig
         from ..io.hf_load import auto_class
         config = AutoConfig.from_pretrained(c.model)
-        if getattr(config, "vision_config", None) is not None:   # planning from a config builds causal LMs
+        if getattr(config, "vision_config", None) is not None:   # as the folder's weights are built
             config.use_cache = False
             with torch.device("meta"):
                 return auto_class(config).from_config(config)

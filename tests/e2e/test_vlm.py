@@ -15,7 +15,7 @@ import megacompile
 from megacompile.acceptance.parity import LR, BETAS, EPS, WD, float64_noise, moment_error, weight_bytes
 from megacompile.arguments import InputLimits
 from megacompile.capture import find_block_stack
-from megacompile.errors import ArgumentError, CaptureError
+from megacompile.errors import CaptureError
 from tests.e2e.harness import assert_same_weights, clone
 from tests.vlm import IMAGE_TOKEN, PATCHES, SEQ, batch, llava, vipllava
 
@@ -155,11 +155,11 @@ def test_other_families_are_refused_with_images_and_train_on_text():
         assert engine.step(**text) == pytest.approx(m(**text).loss.item(), rel=1e-5)
 
 
-def test_planning_a_vision_language_model_plans_its_text_path():
-    """plan() makes token batches: the model plans without images; its config alone is refused."""
+def test_planning_a_vision_language_model_without_images_plans_its_text_path():
+    """Without images_per_row plan() makes token batches: the model, or its config alone, plans
+    without images (planning with them: tests/e2e/test_vlm_planning.py)."""
     with torch.device("meta"):
         model = llava()
-    plan = megacompile.plan(model, batch=2, seq=SEQ, hbm_budget=1.0)
-    assert plan.captured.block_path == "model.language_model.layers" and not plan.captured.image_tokens
-    with pytest.raises(ArgumentError, match="a LlavaConfig is not a causal LM's config"):
-        megacompile.plan(model.config, batch=2, seq=SEQ, hbm_budget=1.0)
+    for planned in (model, model.config):
+        plan = megacompile.plan(planned, batch=2, seq=SEQ, hbm_budget=1.0)
+        assert plan.captured.block_path == "model.language_model.layers" and not plan.captured.image_tokens

@@ -1,0 +1,134 @@
+"""A planned step's images: the meta inputs a vision-language model's processor would write for
+`images_per_row` images of `image_size` pixels in every row.
+
+Images are part of the input signature: pixel_values' shape (how many images the tower encodes,
+at what resolution) fixes the tower's work and the number of image tokens the ids hold. Each
+family's processor decides both, and the batch built here follows it:
+
+- LLaVA and Gemma 3: the processor resizes every image to the vision tower's square
+  (`vision_config.image_size`), whatever its size; pixel_values are [images, 3, S, S], and each
+  image fills as many image tokens as the tower and projector give features for one image (read
+  from the model itself, on the meta device). Gemma 3's pan-and-scan crops (off by default) are
+  not planned.
+- Idefics3 / SmolVLM: the processor resizes an image's longest edge to `size["longest_edge"]`
+  (here: `image_size`) and splits it into tiles of the tower's size, plus the whole image resized
+  to one tile when it splits (the image processor's own `get_number_of_image_patches`);
+  pixel_values are [rows, tiles per row, 3, T, T] and each tile fills
+  (T / patch)^2 / scale_factor^2 image tokens.
+
+Other vision-language families are refused by name: capture does not train them with images
+(docs/families.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .. import arguments
+from ..errors import ArgumentError
+
+# model_type -> how its processor lays images out: one tower-sized image per image, or tiles
+# padded per row.
+FAMILIES = {"llava": "resized", "gemma3": "resized", "idefics3": "tiled", "smolvlm": "tiled"}
+NAMES = "LLaVA (llava), Gemma 3 (gemma3), Idefics3 (idefics3) and SmolVLM (smolvlm)"
+
+
+@dataclass(frozen=True)
+class ImageSignature:
+    """The images of one planned step."""
+    family: str                 # the config's model_type
+    images_per_row: int
+    image_size: int             # pixels per side of each image handed to the processor
+    pixels: int                 # pixels per side of what the tower encodes (the tower's size)
+    tiles_per_image: int        # tower inputs per image: 1, or the tiles and the whole image
+    tokens_per_image: int       # image tokens one image fills in the ids
+
+    @property
+    def tokens_per_row(self) -> int:
+        return self.images_per_row * self.tokens_per_image
+
+    def describe(self) -> str:
+        tiles = (f", {self.tiles_per_image} tiles of {self.pixels} px each (the image processor's split)"
+                 if self.tiles_per_image > 1 else
+                 f", resized to the tower's {self.pixels} x {self.pixels} px" if self.pixels != self.image_size else "")
+        return (f"{self.images_per_row} per row of {self.image_size} x {self.image_size} px{tiles}: "
+                f"{self.tokens_per_image:,} image tokens each, {self.tokens_per_row:,} of each row's tokens")
+
+    def to_json(self) -> dict:
+        return {"family": self.family, "images_per_row": self.images_per_row, "image_size": self.image_size,
+                "pixels": self.pixels, "tiles_per_image": self.tiles_per_image,
+                "tokens_per_image": self.tokens_per_image}
+
+
+def family_of(model: nn.Module) -> str:
+    """The model's vision-language family, or an ArgumentError naming why it cannot plan images."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "vision_config", None) is None:
+        raise ArgumentError(f"images_per_row plans images, but the model ({type(model).__name__}, model_type "
+                            f"{model_type!r}) has no vision tower: plan it without images")
+    if model_type not in FAMILIES:
+        raise ArgumentError(f"planning with images covers {NAMES}; {type(model).__name__} (model_type "
+                            f"{model_type!r}) places its image features its own way and is not trained with images "
+                            "yet (docs/families.md): plan its text path without images_per_row")
+    return model_type
+
+
+def image_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
+                 image_size: int | None) -> tuple[dict[str, torch.Tensor], ImageSignature]:
+    """The meta batch (input_ids, labels and the family's image inputs) of `batch` rows of `seq`
+    tokens, each holding `images_per_row` images of `image_size` pixels (default: the tower's)."""
+    images_per_row = arguments.count("images_per_row", images_per_row, what=" (images in each row of the batch)")
+    family = family_of(model)
+    config = model.config
+    tower = int(config.vision_config.image_size)
+    image_size = tower if image_size is None else arguments.count(
+        "image_size", image_size, what=" (pixels per side of each image)")
+    if FAMILIES[family] == "resized":
+        tiles, tokens = 1, _features_per_image(model, tower)
+    else:
+        tiles = _tiles(family, image_size, tower)
+        patches = (tower // int(config.vision_config.patch_size)) ** 2
+        tokens = tiles * (patches // int(config.scale_factor) ** 2)
+    signature = ImageSignature(family, images_per_row, image_size, tower, tiles, tokens)
+    if signature.tokens_per_row >= seq:
+        raise ArgumentError(f"seq {seq} cannot hold {images_per_row} image(s) of {tokens:,} image tokens each "
+                            f"({family}, {image_size} px): give seq above {signature.tokens_per_row:,}, or fewer "
+                            "or smaller images")
+    meta = dict(device="meta")
+    ids = torch.empty(batch, seq, dtype=torch.long, **meta)
+    inputs = {"input_ids": ids, "labels": ids}
+    if FAMILIES[family] == "resized":
+        inputs["pixel_values"] = torch.empty(batch * images_per_row, 3, tower, tower, **meta)
+        if family == "gemma3":
+            inputs["token_type_ids"] = torch.empty(batch, seq, dtype=torch.long, **meta)
+    else:
+        per_row = images_per_row * tiles
+        inputs["pixel_values"] = torch.empty(batch, per_row, 3, tower, tower, **meta)
+        inputs["pixel_attention_mask"] = torch.empty(batch, per_row, tower, tower, dtype=torch.bool, **meta)
+    return inputs, signature
+
+
+def _features_per_image(model: nn.Module, pixels: int) -> int:
+    """Image tokens one image fills: the features the model's own tower and projector give it
+    (on the meta device no weight is read; a model with weights encodes one blank image)."""
+    inner = getattr(model, "model", model)
+    param = next(model.parameters())
+    image = torch.zeros(1, 3, pixels, pixels, device=param.device, dtype=param.dtype)
+    with torch.no_grad():
+        out = inner.get_image_features(pixel_values=image)
+    features = getattr(out, "pooler_output", out)
+    if isinstance(features, (list, tuple)):
+        features = features[0]
+    return features.numel() // features.shape[-1]
+
+
+def _tiles(family: str, image_size: int, tower: int) -> int:
+    """Tower inputs one square image of `image_size` pixels gives, by the family's image processor."""
+    from transformers import Idefics3ImageProcessorPil, SmolVLMImageProcessorPil
+    processor = Idefics3ImageProcessorPil() if family == "idefics3" else SmolVLMImageProcessorPil()
+    kwargs = {"size": {"longest_edge": image_size}, "max_image_size": {"longest_edge": tower}}
+    tiles = processor.get_number_of_image_patches(image_size, image_size, kwargs)[0]
+    return max(tiles, 1)    # 0: no split, the image is one tile

@@ -1,0 +1,86 @@
+"""run.yaml's freeze_vision_tower, freeze_multi_modal_projector and freeze_language_model
+(LlamaFactory's names) on a tiny LLaVA trained from records with images: a frozen part's weights
+come out of the export bit for bit as they went in, the rest moves; under finetuning_type lora
+the adapters sit on the language model alone. On a text-only model the keys are refused by name,
+before anything is written."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import safetensors.torch
+
+from megacompile.errors import ArgumentError
+from megacompile.train import load, run
+from tests.train import files, vlm_files
+
+
+def _run_yaml(tmp_path, name: str, **over) -> str:
+    if not os.path.isdir(tmp_path / "model"):
+        vlm_files.model_dir(str(tmp_path / "model"))
+        vlm_files.records(str(tmp_path / "data.jsonl"), 12)
+    # seed 3: every micro-batch of the run holds an image (the run checks it for a trained tower)
+    settings = {"model": "model", "data": "data.jsonl", "seq": 48, "batch": 2, "steps": 3, "seed": 3, "lr": 1e-2,
+                "schedule": "constant", "device": "cpu", "compute_dtype": "float32", "run_dir": name,
+                "export": f"{name}-export", "log_every": 1, **over}
+    return files.run_yaml(str(tmp_path / f"{name}.yaml"), **settings)
+
+
+def _weights(path) -> dict:
+    return safetensors.torch.load_file(str(path / "model.safetensors"))
+
+
+def test_a_frozen_vision_tower_is_exported_as_it_went_in_and_the_rest_trains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run(load(_run_yaml(tmp_path, "tower", freeze_vision_tower=True), []))
+    before, after = _weights(tmp_path / "model"), _weights(tmp_path / "tower-export")
+    assert before.keys() == after.keys()
+    tower = [k for k in before if "vision_tower" in k.split(".")]
+    rest = [k for k in before if k not in tower]
+    assert tower and all(before[k].equal(after[k]) for k in tower)
+    moved = [k for k in rest if not before[k].equal(after[k])]
+    projector = [k for k in rest if "multi_modal_projector" in k]
+    assert set(projector) <= set(moved) and any("layers" in k.split(".") for k in moved)
+
+
+def test_with_the_image_side_frozen_a_micro_batch_may_hold_no_image(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # one record a micro-batch, and every fourth record is text alone
+    with pytest.raises(ArgumentError, match=r"holds no image.*or freeze_vision_tower and freeze_multi_modal_projector"):
+        run(load(_run_yaml(tmp_path, "projector", batch=1, steps=4, freeze_vision_tower=True), []))
+    assert not os.path.exists(tmp_path / "projector")
+    run(load(_run_yaml(tmp_path, "both", batch=1, steps=4, freeze_vision_tower=True,
+                       freeze_multi_modal_projector=True), []))
+    before, after = _weights(tmp_path / "model"), _weights(tmp_path / "both-export")
+    image_side = [k for k in before if {"vision_tower", "multi_modal_projector"} & set(k.split("."))]
+    assert image_side and all(before[k].equal(after[k]) for k in image_side)
+    assert any(not before[k].equal(after[k]) for k in before if k not in image_side)
+
+
+@pytest.mark.slow
+def test_lora_puts_adapters_on_the_language_model_alone(tmp_path, monkeypatch):
+    """The tower has q_proj and v_proj too; lora_target names them, and they stay frozen."""
+    monkeypatch.chdir(tmp_path)
+    run(load(_run_yaml(tmp_path, "lora", finetuning_type="lora", lora_rank=2, lora_target="q_proj,v_proj",
+                       freeze_vision_tower=True, merge_adapter=True), []))
+    before, after = _weights(tmp_path / "model"), _weights(tmp_path / "lora-export")
+    assert before.keys() == after.keys()
+    moved = [k for k in before if not before[k].equal(after[k])]
+    assert moved and all(k.startswith("language_model.") and {"q_proj", "v_proj"} & set(k.split(".")) for k in moved)
+    assert any(k.startswith("vision_tower.") and "q_proj" in k.split(".") for k in before)
+
+
+def test_the_keys_are_refused_where_they_cannot_apply_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    work = files.workspace(tmp_path / "text-model")
+    text = files.run_yaml(str(tmp_path / "text.yaml"), model=work["model"], data=work["chats"], seq=32, batch=2,
+                          steps=1, device="cpu", run_dir="text", freeze_vision_tower=True)
+    with pytest.raises(ArgumentError, match="freeze_vision_tower applies to a vision-language model; LlamaForCausalLM "
+                                            "has no vision tower: leave it out"):
+        run(load(text, []))
+    assert not os.path.exists(tmp_path / "text")
+    for over, message in (({"freeze_vision_tower": "yes"}, "freeze_vision_tower must be true or false"),
+                          ({"finetuning_type": "lora", "freeze_vision_tower": False},
+                           "freeze_vision_tower: false: finetuning_type lora puts adapters on the language model")):
+        with pytest.raises(ArgumentError, match=message):
+            load(_run_yaml(tmp_path, "bad", **over), [])
