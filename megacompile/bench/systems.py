@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import tempfile
 import time
 
 import torch
@@ -121,11 +122,14 @@ def _one_rank_group(backend: str) -> None:
     import torch.distributed as dist
     if dist.is_initialized():
         return
-    # A port of its own every time: one left in the environment by an earlier group may still be
-    # held by its closing socket. DeepSpeed reads the rank and the address from the environment.
-    port = _free_port()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # The one rank meets itself through a file store in a folder of its own: a TCP store needs a
+    # free port, and one picked free can be taken before the store listens on it (another process,
+    # or an earlier group's closing socket). DeepSpeed reads the rank from the environment and,
+    # finding the group made, opens none of its own.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1")
+    folder = tempfile.mkdtemp(prefix="megacompile-bench-group-")
+    dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=0, world_size=1)
 
 
 def _free_port() -> int:
