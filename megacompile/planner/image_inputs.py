@@ -15,6 +15,13 @@ family's processor decides both, and the batch built here follows it:
   to one tile when it splits (the image processor's own `get_number_of_image_patches`);
   pixel_values are [rows, tiles per row, 3, T, T] and each tile fills
   (T / patch)^2 / scale_factor^2 image tokens.
+- Qwen2.5-VL: the processor keeps an image's shape, resized to multiples of patch x merge pixels
+  within its pixel budget (the image processor's own resizing, run on a blank image of that
+  size), and flattens it into patches: pixel_values are [patches of every image, C x T x P x P],
+  image_grid_thw each image's (frames, rows, columns) of patches, and each image fills
+  patches / merge^2 image tokens. The grids are values (constants of the capture), so they are
+  real here; the 3D positions the engine computes before a step are a meta input of [3, rows,
+  seq].
 
 Other vision-language families are refused by name: capture does not train them with images
 (docs/families.md).
@@ -31,8 +38,8 @@ from ..errors import ArgumentError
 
 # model_type -> how its processor lays images out: one tower-sized image per image, or tiles
 # padded per row.
-FAMILIES = {"llava": "resized", "gemma3": "resized", "idefics3": "tiled", "smolvlm": "tiled"}
-NAMES = "LLaVA (llava), Gemma 3 (gemma3), Idefics3 (idefics3) and SmolVLM (smolvlm)"
+FAMILIES = {"llava": "resized", "gemma3": "resized", "idefics3": "tiled", "smolvlm": "tiled", "qwen2_5_vl": "grid"}
+NAMES = "LLaVA (llava), Gemma 3 (gemma3), Idefics3 (idefics3), SmolVLM (smolvlm) and Qwen2.5-VL (qwen2_5_vl)"
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ def image_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
     images_per_row = arguments.count("images_per_row", images_per_row, what=" (images in each row of the batch)")
     family = family_of(model)
     config = model.config
+    if FAMILIES[family] == "grid":
+        return _grid_inputs(model, batch, seq, images_per_row, image_size)
     tower = int(config.vision_config.image_size)
     image_size = tower if image_size is None else arguments.count(
         "image_size", image_size, what=" (pixels per side of each image)")
@@ -92,11 +101,7 @@ def image_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
         tiles = _tiles(family, image_size, tower)
         patches = (tower // int(config.vision_config.patch_size)) ** 2
         tokens = tiles * (patches // int(config.scale_factor) ** 2)
-    signature = ImageSignature(family, images_per_row, image_size, tower, tiles, tokens)
-    if signature.tokens_per_row >= seq:
-        raise ArgumentError(f"seq {seq} cannot hold {images_per_row} image(s) of {tokens:,} image tokens each "
-                            f"({family}, {image_size} px): give seq above {signature.tokens_per_row:,}, or fewer "
-                            "or smaller images")
+    signature = _fits(ImageSignature(family, images_per_row, image_size, tower, tiles, tokens), seq)
     meta = dict(device="meta")
     ids = torch.empty(batch, seq, dtype=torch.long, **meta)
     inputs = {"input_ids": ids, "labels": ids}
@@ -132,3 +137,39 @@ def _tiles(family: str, image_size: int, tower: int) -> int:
     kwargs = {"size": {"longest_edge": image_size}, "max_image_size": {"longest_edge": tower}}
     tiles = processor.get_number_of_image_patches(image_size, image_size, kwargs)[0]
     return max(tiles, 1)    # 0: no split, the image is one tile
+
+
+def _fits(signature: ImageSignature, seq: int) -> ImageSignature:
+    if signature.tokens_per_row >= seq:
+        raise ArgumentError(f"seq {seq} cannot hold {signature.images_per_row} image(s) of "
+                            f"{signature.tokens_per_image:,} image tokens each ({signature.family}, "
+                            f"{signature.image_size} px): give seq above {signature.tokens_per_row:,}, or fewer or "
+                            "smaller images")
+    return signature
+
+
+def _grid_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
+                 image_size: int | None) -> tuple[dict[str, torch.Tensor], ImageSignature]:
+    """Qwen2.5-VL's images: flattened patches, each image's grid, its token types and 3D positions."""
+    if image_size is None:
+        raise ArgumentError("Qwen2.5-VL keeps each image's size (its processor resizes it to multiples of the "
+                            "patch within a pixel budget), so planning its images needs image_size: the pixels "
+                            "per side of each image, e.g. image_size=448 (--image-size 448)")
+    image_size = arguments.count("image_size", image_size, what=" (pixels per side of each image)")
+    vision = model.config.vision_config
+    patch, merge, frames = int(vision.patch_size), int(vision.spatial_merge_size), int(vision.temporal_patch_size)
+    import numpy as np
+    from transformers import Qwen2VLImageProcessorPil
+    processor = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, temporal_patch_size=frames)
+    written = processor([np.zeros((image_size, image_size, 3), dtype=np.uint8)], return_tensors="pt")
+    grid = [int(v) for v in written["image_grid_thw"][0]]
+    patches = grid[0] * grid[1] * grid[2]
+    signature = _fits(ImageSignature("qwen2_5_vl", images_per_row, image_size, grid[1] * patch, 1,
+                                     patches // merge ** 2), seq)
+    images, meta = batch * images_per_row, dict(device="meta")
+    ids = torch.empty(batch, seq, dtype=torch.long, **meta)
+    return {"input_ids": ids, "labels": ids,
+            "pixel_values": torch.empty(images * patches, written["pixel_values"].shape[-1], **meta),
+            "mm_token_type_ids": torch.empty(batch, seq, dtype=torch.int32, **meta),
+            "position_ids": torch.empty(3, batch, seq, dtype=torch.long, **meta),
+            "image_grid_thw": torch.tensor([grid] * images)}, signature

@@ -80,6 +80,46 @@ def test_more_images_or_larger_images_raise_the_vision_share():
     assert large.vision.memory_share > small.vision.memory_share
 
 
+def _qwen(image_px: int, rows: int = 2) -> tuple:
+    """A tiny Qwen2.5-VL with the released models' 14-pixel patches (a 56 px image: 4 x 4 patches,
+    4 image tokens after the 2 x 2 merge), and the batch its processor would write: one image of
+    image_px pixels in each row."""
+    model = vlm_families.qwen2_5_vl()
+    config = model.config
+    config.vision_config.patch_size, config.vision_config.window_size = 14, 56
+    torch.manual_seed(0)
+    model = type(model)(config)
+    side = image_px // 14
+    tokens = side * side // 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vlm_families.VIDEO_TOKEN, (rows, vlm_families.SEQ), generator=g)
+    ids[:, 3] = vlm_families.VISION_START
+    ids[:, 4:4 + tokens] = vlm_families.IMAGE_TOKEN
+    ids[:, 4 + tokens] = vlm_families.END_OF_IMAGE
+    batch = {"input_ids": ids, "labels": ids.masked_fill(ids == vlm_families.IMAGE_TOKEN, -100),
+             "pixel_values": torch.randn(rows * side * side, 3 * 2 * 14 * 14, generator=g),
+             "mm_token_type_ids": (ids == vlm_families.IMAGE_TOKEN).int(),
+             "image_grid_thw": torch.tensor([[1, side, side]] * rows)}
+    return model, batch, tokens
+
+
+def test_qwen2_5_vl_plans_the_grid_its_processor_writes_and_measures_the_planned_peak():
+    """Qwen2.5-VL keeps an image's size: its processor's resizing (a blank image run through it)
+    gives the grid, a constant of the capture, and the planned peak is the measured one."""
+    for px in (56, 112):
+        model, batch, tokens = _qwen(px)
+        plan = megacompile.plan(model.config.to_dict(), hbm_budget=1.0, batch=2, seq=vlm_families.SEQ,
+                                images_per_row=1, image_size=px, **CPU)
+        assert plan.vision.images.tokens_per_image == tokens and plan.vision.images.pixels == px
+        assert plan.captured.grids[0].values == ((1, px // 14, px // 14),) * 2
+        assert measured_peak(model, batch, 1.0) == plan.predicted_peak_bytes
+        small = plan.vision if px == 56 else small
+    assert plan.vision.time_share > small.time_share and plan.vision.memory_share > small.memory_share
+    with pytest.raises(ArgumentError, match="planning its images needs image_size"):
+        megacompile.plan(model.config.to_dict(), hbm_budget=1.0, batch=2, seq=vlm_families.SEQ, images_per_row=1,
+                         **CPU)
+
+
 def test_a_vision_language_config_plans_its_text_path_without_images():
     plan = megacompile.plan(vlm_families.gemma3().config.to_dict(), hbm_budget=1.0, batch=2, seq=32, **CPU)
     assert plan.captured.block_path == "model.language_model.layers"
