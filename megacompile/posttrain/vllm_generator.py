@@ -14,7 +14,7 @@ to be serialised whole to cross. After the load the prefix cache is dropped (`ll
 its keys and values were computed with the old weights.
 
 Sampling: vLLM's, seeded per call (`SamplingParams(seed=...)`) from the generator's seed and a count
-of calls, which is the state `state()` / `set_state()` save and restore. The tokenizer's eos is
+of sampled calls (greedy ones draw nothing and are not counted), which is the state `state()` / `set_state()` save and restore. The tokenizer's eos is
 ignored; `eos_id` is the stop token, as for the other generators.
 """
 from __future__ import annotations
@@ -52,12 +52,15 @@ def vllm_model(llm):
 
 
 class SeededCalls:
-    """vLLM samples with a seed given per call: the generator's seed plus its count of calls, which
-    is the sampler's state in a checkpoint."""
+    """vLLM samples with a seed given per call: the generator's seed plus its count of sampled
+    calls, which is the sampler's state in a checkpoint. A greedy call (temperature 0) draws
+    nothing and is not counted: evaluating between rollouts leaves their seeds as they were."""
     seed: int
     calls: int
 
-    def next_seed(self) -> int:
+    def next_seed(self, temperature: float) -> int:
+        if temperature == 0:
+            return self.seed
         self.calls += 1
         return self.seed + self.calls - 1
 
@@ -101,7 +104,7 @@ class VLLMGenerator(SeededCalls):
 
     def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
         check_request(prompts, n, max_new_tokens, temperature)
-        params = self.vllm.SamplingParams(**sampling(n, max_new_tokens, temperature, self.next_seed(), self.eos_id))
+        params = self.vllm.SamplingParams(**sampling(n, max_new_tokens, temperature, self.next_seed(temperature), self.eos_id))
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         completions = []
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):

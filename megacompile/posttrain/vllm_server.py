@@ -73,7 +73,7 @@ class VLLMServerGenerator(SeededCalls):
 
     def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
         check_request(prompts, n, max_new_tokens, temperature)
-        settings = sampling(n, max_new_tokens, temperature, self.next_seed(), self.eos_id)
+        settings = sampling(n, max_new_tokens, temperature, self.next_seed(temperature), self.eos_id)
         body = dict(model=self.model, prompt=[list(p) for p in prompts], return_token_ids=True,
                     **{k: v for k, v in settings.items() if v is not None})
         choices = sorted(self._request("v1/completions", body)["choices"], key=lambda c: c["index"])

@@ -82,6 +82,9 @@ def test_requests_and_replies_are_translated_and_the_sampler_state_restores(vllm
     assert first == [Completion(0, (1, 2), (19, 3)), Completion(0, (1, 2), (20, 3)),
                      Completion(1, (9,), (26, 3)), Completion(1, (9,), (27, 3))]
     assert generator.generate([[1, 2]], 1, 6)[0].tokens == (20, 3)          # the next call, the next seed
+    after = generator.state()
+    generator.generate([[1, 2]], 1, 6, temperature=0)                       # greedy: nothing drawn, not counted
+    assert torch.equal(generator.state(), after)
     generator.set_state(state)
     assert generator.generate([[1, 2], [9]], 2, 6, temperature=0.7) == first
     without = VLLMGenerator(engine, llm=vllm.LLM(model="x", layout="v0"))     # the V0 engine's model, found too
