@@ -159,3 +159,13 @@ def test_a_lora_grpo_run_with_a_kl_term_trains_the_adapter_alone(tmp_path):
     assert float(rows[0]["kl"]) == 0.0 and float(rows[0]["grad_norm"]) > 0
     assert float(rows[1]["kl"]) > 0.0         # after one step the adapter moved the policy
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(export))
+
+
+def test_lora_dropout_is_refused_for_a_post_training_stage(tmp_path):
+    from megacompile.errors import ArgumentError
+    work = stage_files.workspace(tmp_path)
+    config = files.run_yaml(str(tmp_path / "dpo.yaml"), **stage_files.dpo(
+        work, str(tmp_path / "run"), finetuning_type="lora", lora_rank=4, lora_dropout=0.1))
+    with pytest.raises(ArgumentError, match="stage dpo with finetuning_type lora takes lora_dropout 0"):
+        load(config, [])
+    assert not os.path.exists(tmp_path / "run")
