@@ -32,6 +32,12 @@ def has_processor(folder: str | None) -> bool:
         os.path.isfile(os.path.join(folder, f)) for f in PROCESSOR_FILES)
 
 
+def load(folder: str) -> "Media":
+    """The folder's processor: Qwen2.5-VL's taken apart (grid_images.py), any other whole."""
+    from . import grid_images
+    return grid_images.GridMedia(folder) if grid_images.is_grid_processor(folder) else Media(folder)
+
+
 class Media:
     """A model folder's processor, and what tokenising and batching need of it."""
 
@@ -41,14 +47,18 @@ class Media:
             self.processor = AutoProcessor.from_pretrained(folder)
         except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
             raise ArgumentError(f"cannot load the processor from {folder}: {str(e).splitlines()[0][:300]}") from e
-        self.folder = folder
-        self.token = getattr(self.processor, "image_token", None)
+        token = getattr(self.processor, "image_token", None)
         tokenizer = getattr(self.processor, "tokenizer", None)
-        if self.token is None or getattr(self.processor, "image_processor", None) is None or tokenizer is None:
+        if token is None or getattr(self.processor, "image_processor", None) is None or tokenizer is None:
             raise ArgumentError(f"the processor in {folder} ({type(self.processor).__name__}) has no image token, "
                                 "image processor or tokenizer: records with images need a vision-language "
                                 "model's processor (e.g. LlavaProcessor)")
-        self.token_id = tokenizer.convert_tokens_to_ids(self.token)
+        self._start(folder, token, tokenizer)
+
+    def _start(self, folder: str, token: str, tokenizer) -> None:
+        self.folder, self.token = folder, token
+        self.token_id = tokenizer.convert_tokens_to_ids(token)
+        self.written = token    # what each <image> of a turn becomes before the template renders it
         self.base = "."         # the folder the current data entry's image paths are relative to
         self._widths: dict[str, int] = {}
         self._pixels = lru_cache(maxsize=4096)(self._load_pixels)
@@ -93,9 +103,9 @@ class Media:
             raise ArgumentError(f"{where}: the turns hold {count} {PLACEHOLDER} placeholder{'s' * (count != 1)} "
                                 f"and images lists {len(paths)} file{'s' * (len(paths) != 1)}: each {PLACEHOLDER} "
                                 "stands for one image, in order; make them agree")
-        if self.token == PLACEHOLDER:
+        if self.written == PLACEHOLDER:
             return messages
-        return [{**m, "content": m["content"].replace(PLACEHOLDER, self.token)}
+        return [{**m, "content": m["content"].replace(PLACEHOLDER, self.written)}
                 if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
 
     def widen(self, ids: list[int], targets: list[bool], paths: list[str], where: str) -> tuple[list, list]:
@@ -123,6 +133,13 @@ class Media:
         """pixel_values for these images, in order (one batch dimension entry per image)."""
         import torch
         return torch.cat([self._pixels(p) for p in paths])
+
+    def inputs(self, paths: list[str], input_ids) -> dict:
+        """The image inputs of a micro-batch whose rows hold these images, in row order."""
+        return {"pixel_values": self.pixels(paths)}
+
+    def check_packing(self, packing: bool | str, tokens) -> None:
+        """Whether documents with images can train under this packing (they fill rows of their own)."""
 
     def _load_pixels(self, path: str):
         out = self.processor.image_processor(images=[self._open(path, path)], return_tensors="pt")

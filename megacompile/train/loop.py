@@ -54,16 +54,20 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     folder = os.path.join(run_dir, "tokens")
     if c.streaming:
         return _stream(c, folder, tokenizer, tokenizer_dir, row_len, pad)
-    media = images.Media(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
+    media = images.load(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
     if media is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = media.chat_template()     # a processor may hold the template alone
-    pixels = media.pixels if media is not None else None
+    pixels = media.inputs if media is not None else None
     train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media)
     held, eval_rows = None, None
     try:
         source, docs = train, np.arange(train.n_docs)
+        if media is not None:
+            media.check_packing(c.packing, train)
         if c.eval:
             held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, media)
+            if media is not None:
+                media.check_packing(c.packing, held)
             eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad, pixels=pixels)
             print(f"  data           {_count(train, docs)} to train; {_count(held, np.arange(held.n_docs))} in "
                   f"{', '.join(e['path'] for e in c.eval)} to evaluate", flush=True)

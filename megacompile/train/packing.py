@@ -36,7 +36,7 @@ class Rows:
                  docs: np.ndarray | None = None, shuffle: bool = True, pad_id: int = 0, mix=None, pixels=None):
         self.tokens, self.row_len, self.packing, self.seed = tokens, row_len, packing, seed
         self.shuffle, self.pad_id, self.mix = shuffle, pad_id, mix
-        self.pixels = pixels        # image files -> pixel_values (images.Media.pixels), for documents with images
+        self.pixels = pixels        # (image files, input_ids) -> image inputs (images.Media.inputs), for documents with images
         for doc, (where, _) in tokens.images.items():
             n = int(tokens.docs[doc + 1] - tokens.docs[doc])
             if n > row_len:
@@ -163,7 +163,7 @@ def batch(rows: Rows, start: int, size: int, *, shifted: bool) -> dict[str, torc
         return {"input_ids": ids[:, :-1].contiguous(), "labels": labels[:, 1:].contiguous()}
     inputs = {"input_ids": ids, "labels": labels}
     if pictures:
-        inputs["pixel_values"] = rows.pixels(pictures)
+        inputs.update(rows.pixels(pictures, ids))
     if rows.packing == "isolated":
         inputs["position_ids"] = torch.from_numpy(np.stack([g[2] for g in got]))
     return inputs

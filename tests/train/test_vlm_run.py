@@ -64,7 +64,7 @@ def test_image_tokens_are_widened_and_masked_with_the_prompt(tmp_path):
 def test_documents_with_images_fill_rows_of_their_own_and_bring_their_pixels(tmp_path):
     work = _work(tmp_path)
     media, tokens = _tokens(tmp_path, work)
-    rows = packing.Rows(tokens, 48, True, 0, pad_id=0, pixels=media.pixels)
+    rows = packing.Rows(tokens, 48, True, 0, pad_id=0, pixels=media.inputs)
     text_docs = [d for d in range(tokens.n_docs) if d not in tokens.images]
     assert text_docs and len(tokens.images) < rows.rows_per_epoch <= tokens.n_docs
     for start in range(rows.rows_per_epoch - 1):
@@ -141,7 +141,7 @@ def _eager(c, tmp_path) -> list[float]:
     from transformers import LlavaForConditionalGeneration
     media, tokens = _tokens(tmp_path / "eager", {"data": str(tmp_path / "data.jsonl"), "model": c.model})
     rows = packing.Rows(tokens, c.seq, c.packing, c.seed, pad_id=load_tokenizer(c.model).pad_token_id,
-                        pixels=media.pixels)
+                        pixels=media.inputs)
     model = LlavaForConditionalGeneration.from_pretrained(c.model, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
     losses = []

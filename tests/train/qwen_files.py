@@ -1,0 +1,87 @@
+"""A tiny Qwen2.5-VL model folder with its processor's files, and PNG images of two sizes, made on
+the spot (no downloads): the word-level tokenizer of vlm_files.py with Qwen's vision tokens, a
+Qwen2VLImageProcessor (saved from its PIL class) at 4 x 4 pixel patches merged 2 x 2, files.py's
+chat template. The model is tests/vlm_families.py's qwen2_5_vl (2 tower layers, one windowed, 4
+decoder layers, hidden 32).
+
+Red and green are 16 x 16 pixels (a 4 x 4 grid: 4 image tokens), blue 16 wide and 8 high (2 x 4:
+2 tokens); vlm_files.records writes the records that show them."""
+from __future__ import annotations
+
+import json
+import os
+
+from tests.train import files, vlm_files
+
+VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+SIZES = {"red": (16, 16), "green": (16, 16), "blue": (16, 8)}      # width, height
+TOKENS = {"red": 4, "green": 4, "blue": 2}
+GRIDS = {"red": (1, 4, 4), "green": (1, 4, 4), "blue": (1, 2, 4)}
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = sorted({w for s in files.SENTENCES for w in s.split()} | set(vlm_files.WORDS))
+    vocab = {t: i for i, t in enumerate(files.SPECIAL + VISION + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": VISION})
+    return fast
+
+
+def image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 64, "longest_edge": 32 * 32})
+
+
+def model_dir(path: str, seed: int = 0) -> str:
+    """The folder as a Qwen2.5-VL download lays it out: config, weights, tokenizer files,
+    preprocessor_config.json naming Qwen2_5_VLProcessor, the chat template."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    tok = tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION}
+    torch.manual_seed(seed)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=256, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, use_cache=False,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=8, out_hidden_size=32, fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], use_cache=False)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    image_processor().save_pretrained(path)
+    where = os.path.join(path, "preprocessor_config.json")
+    with open(where) as f:
+        saved = json.load(f)
+    with open(where, "w") as f:
+        json.dump({**saved, "processor_class": "Qwen2_5_VLProcessor"}, f, indent=2)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(files.TEMPLATE)
+    return path
+
+
+def images(folder: str) -> dict[str, str]:
+    """One flat-coloured PNG per colour in folder/images, at its SIZES; colour -> path relative to
+    `folder` (the paths vlm_files.records names)."""
+    from PIL import Image
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    out = {}
+    for name, rgb in vlm_files.COLOURS.items():
+        out[name] = os.path.join("images", f"{name}.png")
+        Image.new("RGB", SIZES[name], rgb).save(os.path.join(folder, out[name]))
+    return out
+
+
+def records(path: str, n: int = 12, text_every: int = 4) -> str:
+    """vlm_files.records' chat records, their images at this file's sizes."""
+    vlm_files.records(path, n, text_every)
+    images(os.path.dirname(path))
+    return path
