@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..capture.grid_constants import GRID_INPUTS
+from ..capture.rope_positions import with_rope_positions
 from ..capture.shared import captures_shared
 from ..engine import Engine
 from ..errors import ArgumentError
@@ -137,7 +139,10 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
         module = wrap(module)
 
     def shapes(b: int) -> dict:
-        return {k: v.to("meta") for k, v in first_inputs(b).items()}
+        # As the engine's step sees them: Qwen2.5-VL's 3D positions computed from the values, its
+        # image grids kept with their values (constants of the capture), the rest shapes alone.
+        inputs = with_rope_positions(module, (), first_inputs(b))
+        return {k: v if k in GRID_INPUTS else v.to("meta") for k, v in inputs.items()}
     # Planning draws no number from the run's random stream (a first cpu calibration would).
     with captures_shared(), plans_shared(), torch.random.fork_rng(devices=[]):
         budget = device_budget(c, module, shapes(1 if c.global_batch else batch), device)

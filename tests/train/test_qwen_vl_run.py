@@ -1,0 +1,134 @@
+"""`megacompile train` on records with images for a tiny Qwen2.5-VL folder (qwen_files.py): each
+image widened to its grid's tokens, micro-batches as Qwen2_5_VLProcessor writes them, losses as
+eager torch.optim.AdamW's, a resume to the uninterrupted run's log, and an export transformers
+loads with its processor's files and generates from."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megacompile.errors import ArgumentError
+from megacompile.train import images, load, log, packing, run
+from megacompile.train.grid_images import GridMedia
+from megacompile.train.tokens import load_tokenizer, token_file
+from tests.train import files, qwen_files
+
+SAME = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss", "eval_perplexity")
+
+
+def _work(tmp_path) -> dict:
+    return {"model": qwen_files.model_dir(str(tmp_path / "model")),
+            "data": qwen_files.records(str(tmp_path / "data.jsonl"), 12),
+            "eval": qwen_files.records(str(tmp_path / "eval.jsonl"), 4, text_every=2)}
+
+
+def _tokens(folder, model: str, data: str):
+    media = images.load(model)
+    tokenizer = load_tokenizer(model)
+    return media, tokenizer, token_file(str(folder / "tokens"), "train", [data], tokenizer, model, False, media)
+
+
+def _records(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_each_image_fills_its_grids_tokens_and_micro_batches_are_the_processors(tmp_path):
+    """Images of two sizes widen to 4 and 2 tokens, none a target; a micro-batch's pixel_values,
+    image_grid_thw and mm_token_type_ids are what the image processor writes for its images taken
+    together and where the image tokens are, rows without images beside rows with them."""
+    work = _work(tmp_path)
+    media, tokenizer, tokens = _tokens(tmp_path, work["model"], work["data"])
+    assert isinstance(media, GridMedia)
+    records = _records(work["data"])
+    colour = {f"images/{c}.png": c for c in qwen_files.SIZES}
+    pad, start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|vision_start|>",
+                                                                      "<|vision_end|>"))
+    assert sorted(tokens.images) == [i for i, r in enumerate(records) if "images" in r] != []
+    for doc, record in enumerate(records):
+        ids = np.asarray(tokens.ids[tokens.docs[doc]:tokens.docs[doc + 1]]).tolist()
+        targets = np.asarray(tokens.targets[tokens.docs[doc]:tokens.docs[doc + 1]]).astype(bool)
+        at = [i for i, t in enumerate(ids) if t == pad]
+        if "images" not in record:
+            assert at == [] and start not in ids
+            continue
+        n = qwen_files.TOKENS[colour[record["images"][0]]]
+        assert at == list(range(at[0], at[0] + n)) and ids[at[0] - 1] == start and ids[at[-1] + 1] == end
+        assert not targets[:at[-1] + 2].any()
+        assert targets.any()
+    assert {qwen_files.TOKENS[colour[r["images"][0]]] for r in records if "images" in r} == {2, 4}
+
+    rows = packing.Rows(tokens, 32, True, 3, pad_id=tokenizer.pad_token_id, pixels=media.inputs)
+    mixed = 0
+    for first in range(0, rows.rows_per_epoch - 1, 2):
+        inputs = packing.batch(rows, first, 2, shifted=False)
+        paths = [p for i in range(2) for p in rows.images(first + i)]
+        if not paths:
+            assert set(inputs) == {"input_ids", "labels"}
+            continue
+        mixed += any(not rows.images(first + i) for i in range(2))
+        from PIL import Image
+        written = media.image_processor(images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt")
+        assert torch.equal(inputs["pixel_values"], written["pixel_values"])
+        assert torch.equal(inputs["image_grid_thw"], written["image_grid_thw"])
+        assert [tuple(g) for g in inputs["image_grid_thw"].tolist()] == \
+               [qwen_files.GRIDS[colour[os.path.relpath(p, tmp_path)]] for p in paths]
+        assert torch.equal(inputs["mm_token_type_ids"], (inputs["input_ids"] == pad).long())
+        assert int(inputs["mm_token_type_ids"].sum()) == sum(int(g.prod()) // 4 for g in inputs["image_grid_thw"])
+        assert (inputs["labels"][inputs["input_ids"] == pad] == packing.IGNORE).all()
+    assert mixed        # a micro-batch with a row of text beside a row with an image
+
+
+def test_isolated_packing_is_refused_with_images_before_any_file_is_written(tmp_path):
+    work = _work(tmp_path)
+    config = files.run_yaml(str(tmp_path / "run.yaml"), model=work["model"], data=work["data"], seq=32, steps=1,
+                            packing="isolated", device="cpu", run_dir=str(tmp_path / "run"))
+    with pytest.raises(ArgumentError, match=r"packing: isolated gives each document 1D position ids, and "
+                                            r".*data.jsonl:1 has images"):
+        run(load(config, []))
+    assert not os.path.exists(tmp_path / "run")
+
+
+def _settings(name: str, **over) -> dict:
+    # seed 3: every micro-batch of the 4 steps holds an image (the run checks it)
+    return {"model": "model", "data": "data.jsonl", "eval": "eval.jsonl", "seq": 32, "batch": 2, "steps": 4,
+            "seed": 3, "lr": 1e-2, "schedule": "constant", "eval_every": 2, "save_every": 2, "device": "cpu",
+            "compute_dtype": "float32", "resume": "auto", "run_dir": name, "export": f"{name}-export",
+            "log_every": 1, **over}
+
+
+def _eager(c, tmp_path) -> list[float]:
+    """The run's micro-batches (its rows, as it reads them) through transformers' Qwen2.5-VL and
+    torch.optim.AdamW; the model builds its 3D positions itself."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    os.makedirs(tmp_path / "eager")
+    media, tokenizer, tokens = _tokens(tmp_path / "eager", c.model, str(tmp_path / "data.jsonl"))
+    rows = packing.Rows(tokens, c.seq, c.packing, c.seed, pad_id=tokenizer.pad_token_id, pixels=media.inputs)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(c.model, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
+    losses = []
+    for step in range(c.steps):
+        opt.zero_grad(set_to_none=True)
+        inputs = packing.batch(rows, step * c.batch, c.batch, shifted=False)
+        assert "image_grid_thw" in inputs
+        loss = model(**inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_qwen_vl_run_trains_as_eagerly(tmp_path, monkeypatch):
+    work = _work(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole", export=None)), [])
+    run(config)
+    rows = log.read(str(tmp_path / "whole" / "log.csv"))
+    assert len(rows) == 4 and sum(1 for r in rows if r["eval_loss"]) == 2
+    torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in rows]), torch.tensor(_eager(config, tmp_path)),
+                               rtol=1e-5, atol=0)
