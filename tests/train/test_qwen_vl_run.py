@@ -132,3 +132,59 @@ def test_a_qwen_vl_run_trains_as_eagerly(tmp_path, monkeypatch):
     assert len(rows) == 4 and sum(1 for r in rows if r["eval_loss"]) == 2
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in rows]), torch.tensor(_eager(config, tmp_path)),
                                rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow   # two runs and a resume of a Qwen2.5-VL, its evaluations and a generation: ~90 s on 2 cores
+def test_a_qwen_vl_run_resumes_exactly_and_exports_a_model_that_generates_from_an_image(tmp_path, monkeypatch):
+    _work(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    whole = run(load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole")), []))
+    rows = log.read(str(tmp_path / "whole" / "log.csv"))
+
+    # cut after step 3 (a checkpoint at 2), resumed with resume: auto
+    config = files.run_yaml(str(tmp_path / "cut.yaml"), **_settings("cut"))
+    write = log.RunLog.write
+
+    def write_then_stop(self, row):
+        write(self, row)
+        if row["step"] == 3:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(log.RunLog, "write", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run(load(config, []))
+    monkeypatch.setattr(log.RunLog, "write", write)
+    assert run(load(config, []))["steps"] == whole["steps"] == 4
+    cut = log.read(str(tmp_path / "cut" / "log.csv"))
+    assert [{k: r[k] for k in SAME} for r in cut] == [{k: r[k] for k in SAME} for r in rows]
+    import safetensors.torch
+    ours = safetensors.torch.load_file(str(tmp_path / "whole-export" / "model.safetensors"))
+    theirs = safetensors.torch.load_file(str(tmp_path / "cut-export" / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    before = safetensors.torch.load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert not all(torch.equal(before[k], ours[k]) for k in ours)        # it trained
+
+    # the export, as transformers loads it without torchvision: the processor's image processor
+    # (its PIL class) and tokenizer from the export's files, the model; it answers an image
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    export = str(tmp_path / "cut-export")
+    assert {"preprocessor_config.json", "tokenizer.json", "chat_template.jinja"} <= set(os.listdir(export))
+    with open(os.path.join(export, "preprocessor_config.json")) as f:
+        assert json.load(f)["processor_class"] == "Qwen2_5_VLProcessor"
+    image_processor = AutoImageProcessor.from_pretrained(export)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(export)
+    whole_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "whole-export")).state_dict()
+    assert model.state_dict().keys() == whole_model.keys()
+    assert all(torch.equal(v, whole_model[k]) for k, v in model.state_dict().items())
+    pixels = image_processor(images=[Image.open(tmp_path / "images" / "blue.png")], return_tensors="pt")
+    assert pixels["image_grid_thw"].tolist() == [list(qwen_files.GRIDS["blue"])]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|> what colour is this"}],
+        add_generation_prompt=True, tokenize=False)
+    prompt = prompt.replace("<|image_pad|>", "<|image_pad|>" * qwen_files.TOKENS["blue"])    # as the processor widens it
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    out = model.generate(input_ids=ids, mm_token_type_ids=(ids == pad).long(), **pixels, max_new_tokens=3,
+                         do_sample=False)
+    assert out.shape[1] > ids.shape[1]
