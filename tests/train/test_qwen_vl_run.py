@@ -15,9 +15,7 @@ from megacompile.errors import ArgumentError
 from megacompile.train import images, load, log, packing, run
 from megacompile.train.grid_images import GridMedia
 from megacompile.train.tokens import load_tokenizer, token_file
-from tests.train import files, qwen_files
-
-SAME = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss", "eval_perplexity")
+from tests.train import files, qwen_files, vlm_files
 
 
 def _work(tmp_path) -> dict:
@@ -124,7 +122,7 @@ def _eager(c, tmp_path) -> list[float]:
 
 
 def test_a_qwen_vl_run_trains_as_eagerly(tmp_path, monkeypatch):
-    work = _work(tmp_path)
+    _work(tmp_path)
     monkeypatch.chdir(tmp_path)
     config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole", export=None)), [])
     run(config)
@@ -138,30 +136,9 @@ def test_a_qwen_vl_run_trains_as_eagerly(tmp_path, monkeypatch):
 def test_a_qwen_vl_run_resumes_exactly_and_exports_a_model_that_generates_from_an_image(tmp_path, monkeypatch):
     _work(tmp_path)
     monkeypatch.chdir(tmp_path)
-    whole = run(load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole")), []))
-    rows = log.read(str(tmp_path / "whole" / "log.csv"))
-
+    assert run(load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole")), []))["steps"] == 4
     # cut after step 3 (a checkpoint at 2), resumed with resume: auto
-    config = files.run_yaml(str(tmp_path / "cut.yaml"), **_settings("cut"))
-    write = log.RunLog.write
-
-    def write_then_stop(self, row):
-        write(self, row)
-        if row["step"] == 3:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(log.RunLog, "write", write_then_stop)
-    with pytest.raises(KeyboardInterrupt):
-        run(load(config, []))
-    monkeypatch.setattr(log.RunLog, "write", write)
-    assert run(load(config, []))["steps"] == whole["steps"] == 4
-    cut = log.read(str(tmp_path / "cut" / "log.csv"))
-    assert [{k: r[k] for k in SAME} for r in cut] == [{k: r[k] for k in SAME} for r in rows]
-    import safetensors.torch
-    ours = safetensors.torch.load_file(str(tmp_path / "whole-export" / "model.safetensors"))
-    theirs = safetensors.torch.load_file(str(tmp_path / "cut-export" / "model.safetensors"))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    before = safetensors.torch.load_file(str(tmp_path / "model" / "model.safetensors"))
-    assert not all(torch.equal(before[k], ours[k]) for k in ours)        # it trained
+    vlm_files.resumes_as_whole(tmp_path, monkeypatch, _settings("cut"), 3, 4)
 
     # the export, as transformers loads it without torchvision: the processor's image processor
     # (its PIL class) and tokenizer from the export's files, the model; it answers an image

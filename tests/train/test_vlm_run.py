@@ -16,8 +16,6 @@ from megacompile.train.images import Media
 from megacompile.train.tokens import load_tokenizer, token_file
 from tests.train import files, vlm_files
 
-SAME = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss", "eval_perplexity")
-
 
 def _work(tmp_path) -> dict:
     model = vlm_files.model_dir(str(tmp_path / "model"))
@@ -171,27 +169,8 @@ def test_a_vlm_run_trains_as_eagerly_resumes_exactly_and_exports_a_model_that_ge
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in rows]), torch.tensor(eager), rtol=1e-5, atol=0)
 
     # cut after step 3 (a checkpoint at 2), resumed with resume: auto
-    config = files.run_yaml(str(tmp_path / "cut.yaml"), **_settings("cut"))
-    write = log.RunLog.write
-
-    def write_then_stop(self, row):
-        write(self, row)
-        if row["step"] == 3:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(log.RunLog, "write", write_then_stop)
-    with pytest.raises(KeyboardInterrupt):
-        run(load(config, []))
-    monkeypatch.setattr(log.RunLog, "write", write)
-    assert not os.path.exists(tmp_path / "cut-export")
-    assert run(load(config, []))["steps"] == whole["steps"] == 5
-    cut = log.read(str(tmp_path / "cut" / "log.csv"))
-    assert [{k: r[k] for k in SAME} for r in cut] == [{k: r[k] for k in SAME} for r in rows]
-    import safetensors.torch
-    ours = safetensors.torch.load_file(str(tmp_path / "whole-export" / "model.safetensors"))
-    theirs = safetensors.torch.load_file(str(tmp_path / "cut-export" / "model.safetensors"))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    before = safetensors.torch.load_file(str(tmp_path / "model" / "model.safetensors"))
-    assert not all(torch.equal(before[k], ours[k]) for k in ours)        # it trained
+    assert whole["steps"] == 5
+    vlm_files.resumes_as_whole(tmp_path, monkeypatch, _settings("cut"), 3, 5)
 
     # the export: the model and its processor, as transformers loads them; it answers an image
     from PIL import Image

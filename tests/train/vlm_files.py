@@ -86,3 +86,37 @@ def records(path: str, n: int = 12, text_every: int = 4) -> str:
                           "images": [pictures[colour]]}
             f.write(json.dumps(record) + "\n")
     return path
+
+
+SAME = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss", "eval_perplexity")
+
+
+def resumes_as_whole(tmp_path, monkeypatch, settings: dict, stop_after: int, steps: int) -> dict:
+    """The run of `settings` (run_dir and export named after it) stopped by an interrupt after step
+    `stop_after`, then resumed with resume: auto: its log and exported weights are the run named
+    `whole`'s, already made under tmp_path, and they moved from model/'s. The export's tensors."""
+    import pytest
+    import safetensors.torch
+    import torch
+    from megacompile.train import load, log, run
+    config = files.run_yaml(str(tmp_path / "cut.yaml"), **settings)
+    write = log.RunLog.write
+
+    def write_then_stop(self, row):
+        write(self, row)
+        if row["step"] == stop_after:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(log.RunLog, "write", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run(load(config, []))
+    monkeypatch.setattr(log.RunLog, "write", write)
+    assert not os.path.exists(settings["export"])
+    assert run(load(config, []))["steps"] == steps
+    whole, cut = (log.read(str(tmp_path / name / "log.csv")) for name in ("whole", settings["run_dir"]))
+    assert len(whole) == steps and [{k: r[k] for k in SAME} for r in cut] == [{k: r[k] for k in SAME} for r in whole]
+    ours = safetensors.torch.load_file(str(tmp_path / "whole-export" / "model.safetensors"))
+    theirs = safetensors.torch.load_file(str(tmp_path / settings["export"] / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    before = safetensors.torch.load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert not all(torch.equal(before[k], ours[k]) for k in ours)        # it trained
+    return theirs
