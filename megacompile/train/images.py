@@ -8,9 +8,11 @@
 text stands for the next image of `images`, in order. The conversation is rendered and masked as
 any chat record (masking.chat, with the processor's chat template when the tokenizer has none);
 each image token it renders is then widened to the tokens the model's processor writes for that
-image (LLaVA: one per vision feature), and none of them is a target. The pixels are made by the
-processor's image processor when a micro-batch reads them (pixels), not kept in the token file:
-the token file holds each document's image paths.
+image (LLaVA: one per vision feature; Qwen2.5-VL: one per merged patch of its grid, so per image
+size, grid_images.py), and none of them is a target. The pixels are made by the processor's image
+processor when a micro-batch reads them (inputs: pixel_values, and what else the family's
+processor writes beside them), not kept in the token file: the token file holds each document's
+image paths.
 
 Every record's images are opened, and counted against its placeholders, while the data is
 tokenised: a missing file or a count that differs is an ArgumentError naming the record, before
