@@ -60,6 +60,11 @@ def is_grid_processor(folder: str) -> bool:
     return processor_class(folder) in GRID_PROCESSORS
 
 
+def media(folder: str) -> Media:
+    """The folder's processor: Qwen2.5-VL's in its parts, any other whole (images.Media)."""
+    return GridMedia(folder) if is_grid_processor(folder) else Media(folder)
+
+
 class GridMedia(Media):
     def __init__(self, folder: str):
         try:

@@ -34,12 +34,6 @@ def has_processor(folder: str | None) -> bool:
         os.path.isfile(os.path.join(folder, f)) for f in PROCESSOR_FILES)
 
 
-def load(folder: str) -> "Media":
-    """The folder's processor: Qwen2.5-VL's taken apart (grid_images.py), any other whole."""
-    from . import grid_images
-    return grid_images.GridMedia(folder) if grid_images.is_grid_processor(folder) else Media(folder)
-
-
 class Media:
     """A model folder's processor, and what tokenising and batching need of it."""
 

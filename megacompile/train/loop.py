@@ -29,7 +29,7 @@ import torch
 from ..report.outputs import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import finetune, images, mixture, packing, resume, split, streaming, tokens
+from . import finetune, grid_images, images, mixture, packing, resume, split, streaming, tokens
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, check_isolation, check_positions, meta_model
@@ -54,7 +54,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     folder = os.path.join(run_dir, "tokens")
     if c.streaming:
         return _stream(c, folder, tokenizer, tokenizer_dir, row_len, pad)
-    media = images.load(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
+    media = grid_images.media(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
     if media is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = media.chat_template()     # a processor may hold the template alone
     pixels = media.inputs if media is not None else None

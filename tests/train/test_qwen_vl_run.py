@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megacompile.errors import ArgumentError
-from megacompile.train import images, load, log, packing, run
+from megacompile.train import grid_images, load, log, packing, run
 from megacompile.train.grid_images import GridMedia
 from megacompile.train.tokens import load_tokenizer, token_file
 from tests.train import files, qwen_files, vlm_files
@@ -25,7 +25,7 @@ def _work(tmp_path) -> dict:
 
 
 def _tokens(folder, model: str, data: str):
-    media = images.load(model)
+    media = grid_images.media(model)
     tokenizer = load_tokenizer(model)
     return media, tokenizer, token_file(str(folder / "tokens"), "train", [data], tokenizer, model, False, media)
 
@@ -121,15 +121,38 @@ def _eager(c, tmp_path) -> list[float]:
     return losses
 
 
-def test_a_qwen_vl_run_trains_as_eagerly(tmp_path, monkeypatch):
+def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_path, monkeypatch):
+    """Micro-batches of one and two images of two sizes: the losses are eager's; the first
+    micro-batch's grids are captured once before the first step (for the budget and the engine
+    alike), and a step captures only at grids it has not met."""
+    import megacompile.capture as capture_room
+    from megacompile.engine import Engine
     _work(tmp_path)
     monkeypatch.chdir(tmp_path)
+    captures, steps = [0], []
+    trace_top, step = capture_room.trace_top, Engine.step
+
+    def counted_trace(*args, **kwargs):
+        captures[0] += 1
+        return trace_top(*args, **kwargs)
+
+    def counted_step(self, **inputs):
+        before = captures[0]
+        out = step(self, **inputs)
+        steps.append((before, captures[0] - before, tuple(map(tuple, inputs["image_grid_thw"].tolist()))))
+        return out
+    monkeypatch.setattr(capture_room, "trace_top", counted_trace)
+    monkeypatch.setattr(Engine, "step", counted_step)
     config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole", export=None)), [])
     run(config)
     rows = log.read(str(tmp_path / "whole" / "log.csv"))
     assert len(rows) == 4 and sum(1 for r in rows if r["eval_loss"]) == 2
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in rows]), torch.tensor(_eager(config, tmp_path)),
                                rtol=1e-5, atol=0)
+    assert steps[0][:2] == (1, 0)           # captured and planned once, before the first step
+    grids = [g for _, _, g in steps]
+    assert len(set(grids)) > 2 and {len(g) for g in grids} == {1, 2}
+    assert [new for _, new, _ in steps[1:]] == [int(g not in grids[:i]) for i, g in enumerate(grids) if i]
 
 
 @pytest.mark.slow   # two runs and a resume of a Qwen2.5-VL, its evaluations and a generation: ~90 s on 2 cores
