@@ -36,7 +36,7 @@ class Rows:
                  docs: np.ndarray | None = None, shuffle: bool = True, pad_id: int = 0, mix=None, pixels=None):
         self.tokens, self.row_len, self.packing, self.seed = tokens, row_len, packing, seed
         self.shuffle, self.pad_id, self.mix = shuffle, pad_id, mix
-        self.pixels = pixels        # (image files, input_ids) -> image inputs (images.Media.inputs), for documents with images
+        self.pixels = pixels        # (image files, input_ids) -> image inputs (images.Media.inputs)
         for doc, (where, _) in tokens.images.items():
             n = int(tokens.docs[doc + 1] - tokens.docs[doc])
             if n > row_len:
