@@ -182,7 +182,8 @@ def test_a_qwen_vl_run_resumes_exactly_and_exports_a_model_that_generates_from_a
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|> what colour is this"}],
         add_generation_prompt=True, tokenize=False)
-    prompt = prompt.replace("<|image_pad|>", "<|image_pad|>" * qwen_files.TOKENS["blue"])    # as the processor widens it
+    # widened as the processor widens it
+    prompt = prompt.replace("<|image_pad|>", "<|image_pad|>" * qwen_files.TOKENS["blue"])
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     out = model.generate(input_ids=ids, mm_token_type_ids=(ids == pad).long(), **pixels, max_new_tokens=3,
