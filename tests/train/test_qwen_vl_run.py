@@ -93,10 +93,7 @@ def test_isolated_packing_is_refused_with_images_before_any_file_is_written(tmp_
 
 def _settings(name: str, **over) -> dict:
     # seed 3: every micro-batch of the 4 steps holds an image (the run checks it)
-    return {"model": "model", "data": "data.jsonl", "eval": "eval.jsonl", "seq": 32, "batch": 2, "steps": 4,
-            "seed": 3, "lr": 1e-2, "schedule": "constant", "eval_every": 2, "save_every": 2, "device": "cpu",
-            "compute_dtype": "float32", "resume": "auto", "run_dir": name, "export": f"{name}-export",
-            "log_every": 1, **over}
+    return vlm_files.settings(name, 32, 4, **over)
 
 
 def _eager(c, tmp_path) -> list[float]:
@@ -106,19 +103,8 @@ def _eager(c, tmp_path) -> list[float]:
     os.makedirs(tmp_path / "eager")
     media, tokenizer, tokens = _tokens(tmp_path / "eager", c.model, str(tmp_path / "data.jsonl"))
     rows = packing.Rows(tokens, c.seq, c.packing, c.seed, pad_id=tokenizer.pad_token_id, pixels=media.inputs)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(c.model, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
-    losses = []
-    for step in range(c.steps):
-        opt.zero_grad(set_to_none=True)
-        inputs = packing.batch(rows, step * c.batch, c.batch, shifted=False)
-        assert "image_grid_thw" in inputs
-        loss = model(**inputs).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return vlm_files.eager(c, Qwen2_5_VLForConditionalGeneration.from_pretrained(c.model, dtype=torch.float32), rows,
+                           "image_grid_thw")
 
 
 def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_path, monkeypatch):
@@ -155,7 +141,7 @@ def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_pa
     assert [new for _, new, _ in steps[1:]] == [int(g not in grids[:i]) for i, g in enumerate(grids) if i]
 
 
-@pytest.mark.slow   # two runs and a resume of a Qwen2.5-VL, its evaluations and a generation: ~90 s on 2 cores
+@pytest.mark.slow   # two runs and a resume of a Qwen2.5-VL, its evaluations and a generation: ~100 s on 2 cores
 def test_a_qwen_vl_run_resumes_exactly_and_exports_a_model_that_generates_from_an_image(tmp_path, monkeypatch):
     _work(tmp_path)
     monkeypatch.chdir(tmp_path)

@@ -127,10 +127,7 @@ def test_bad_image_records_are_refused_naming_the_line_before_any_file_is_writte
 
 def _settings(name: str, **over) -> dict:
     # seed 3: every micro-batch of the 5 steps holds an image (the run checks it)
-    return {"model": "model", "data": "data.jsonl", "eval": "eval.jsonl", "seq": 48, "batch": 2, "steps": 5,
-            "seed": 3, "lr": 1e-2, "schedule": "constant", "eval_every": 2, "save_every": 2, "device": "cpu",
-            "compute_dtype": "float32", "resume": "auto", "run_dir": name, "export": f"{name}-export",
-            "log_every": 1, **over}
+    return vlm_files.settings(name, 48, 5, **over)
 
 
 def _eager(c, tmp_path) -> list[float]:
@@ -140,19 +137,8 @@ def _eager(c, tmp_path) -> list[float]:
     media, tokens = _tokens(tmp_path / "eager", {"data": str(tmp_path / "data.jsonl"), "model": c.model})
     rows = packing.Rows(tokens, c.seq, c.packing, c.seed, pad_id=load_tokenizer(c.model).pad_token_id,
                         pixels=media.inputs)
-    model = LlavaForConditionalGeneration.from_pretrained(c.model, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
-    losses = []
-    for step in range(c.steps):
-        opt.zero_grad(set_to_none=True)
-        inputs = packing.batch(rows, step * c.batch, c.batch, shifted=False)
-        assert "pixel_values" in inputs
-        loss = model(**inputs).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return vlm_files.eager(c, LlavaForConditionalGeneration.from_pretrained(c.model, dtype=torch.float32), rows,
+                           "pixel_values")
 
 
 @pytest.mark.slow   # three runs of a LLaVA and its evaluations with and without an image: ~45 s on 2 cores

@@ -120,3 +120,31 @@ def resumes_as_whole(tmp_path, monkeypatch, settings: dict, stop_after: int, ste
     before = safetensors.torch.load_file(str(tmp_path / "model" / "model.safetensors"))
     assert not all(torch.equal(before[k], ours[k]) for k in ours)        # it trained
     return theirs
+
+
+def settings(name: str, seq: int, steps: int, **over) -> dict:
+    """A run file's settings over model/, data.jsonl and eval.jsonl, run_dir and export named after
+    `name`: seed 3, batch 2, an evaluation and a checkpoint every 2 steps, resumed by resume: auto."""
+    return {"model": "model", "data": "data.jsonl", "eval": "eval.jsonl", "seq": seq, "batch": 2, "steps": steps,
+            "seed": 3, "lr": 1e-2, "schedule": "constant", "eval_every": 2, "save_every": 2, "device": "cpu",
+            "compute_dtype": "float32", "resume": "auto", "run_dir": name, "export": f"{name}-export",
+            "log_every": 1, **over}
+
+
+def eager(c, model, rows, image_key: str) -> list[float]:
+    """The run's micro-batches (`rows`, as it reads them) through `model` (transformers') and
+    torch.optim.AdamW, each micro-batch holding images (its `image_key` input): the losses."""
+    import torch
+    from megacompile.train import packing
+    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
+    losses = []
+    for step in range(c.steps):
+        opt.zero_grad(set_to_none=True)
+        inputs = packing.batch(rows, step * c.batch, c.batch, shifted=False)
+        assert image_key in inputs
+        loss = model(**inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return losses
