@@ -30,7 +30,7 @@ from .images import Media
 GRID_PROCESSORS = ("Qwen2_5_VLProcessor",)
 PAD, START, END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 # what a Qwen2.5-VL folder holds of its processor, besides the tokenizer's files
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+EXPORTED_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
                    "chat_template.json", "chat_template.jinja")
 
 
@@ -66,6 +66,9 @@ def media(folder: str) -> Media:
 
 
 class GridMedia(Media):
+    """images.Media for a Qwen2.5-VL folder: its tokenizer, image processor (PIL) and chat
+    template; an image's width and pixels come from its grid."""
+
     def __init__(self, folder: str):
         try:
             from transformers import AutoImageProcessor, AutoTokenizer
@@ -89,7 +92,7 @@ class GridMedia(Media):
     def save_pretrained(self, path: str) -> None:
         """The tokenizer and the folder's own processor files, beside an export."""
         self.tokenizer.save_pretrained(path)
-        for name in PROCESSOR_FILES:
+        for name in EXPORTED_FILES:
             if os.path.isfile(os.path.join(self.folder, name)):
                 shutil.copyfile(os.path.join(self.folder, name), os.path.join(path, name))
 
