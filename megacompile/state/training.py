@@ -44,6 +44,9 @@ class TrainingState:
         self.steps_done = 0          # optimizer steps
         self.micro_batches = 0       # step() calls that committed
         self.skipped_steps = 0       # steps dropped for an inf or NaN loss or gradient
+        # Per trainable parameter, the optimizer steps that gave it no gradient (absent: none): its
+        # own AdamW count is steps_done less these (the host state reads and updates this dict).
+        self.missed_steps: dict[str, int] = {}
         # Names the run in its checkpoints' manifests: keep_last rotates only this run's. A
         # load_checkpoint takes over the saved run's, so a resumed run goes on rotating its own.
         self.run_id = uuid.uuid4().hex

@@ -1,0 +1,129 @@
+"""A LLaVA whose vision tower and projector train, fed steps without images: those parameters get
+no gradient, and torch.optim.AdamW (zero_grad(set_to_none=True)) skips them for the step: no
+moment decay, no weight decay, no advance of their own step count, so their bias correction runs
+behind the rest's afterwards. megacompile trains it as eagerly: losses to 1e-5, weights to the
+measured noise floor, and the skipped parameters' masters and moments bit for bit as they were.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megacompile
+from megacompile.acceptance.parity import BETAS, EPS, LR, WD
+from tests.e2e.harness import assert_same_weights, clone, float64_noise
+from tests.vlm import IMAGE_TOKEN, batch, llava
+
+IMAGE_SIDE = ("model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_only(seed: int) -> dict[str, torch.Tensor]:
+    """Two rows of text: no image token, no pixel_values."""
+    b = batch(seed=seed)
+    del b["pixel_values"]
+    b["input_ids"] = b["input_ids"].masked_fill(b["input_ids"] == IMAGE_TOKEN, 5)
+    b["labels"] = b["input_ids"].clone()
+    return b
+
+
+def eager(model, steps: list[list[dict]], max_grad_norm: float | None = None) -> list[float]:
+    """torch.optim.AdamW in place; each step a list of micro-batches, (loss / k).backward() each."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
+                            weight_decay=WD)
+    losses = []
+    for micro_batches in steps:
+        opt.zero_grad(set_to_none=True)
+        for inputs in micro_batches:
+            loss = model(**inputs).loss
+            (loss / len(micro_batches)).backward()
+            losses.append(loss.item())
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+    return losses
+
+
+def double(steps: list[list[dict]]) -> list[list[dict]]:
+    return [[{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in s] for s in steps]
+
+
+def image_side(engine) -> dict[str, tuple[torch.Tensor, ...]]:
+    host = engine.host
+    return {n: tuple(host.view(t, n).clone() for t in ("master", "exp_avg", "exp_avg_sq"))
+            for n in host.slots if n.startswith(IMAGE_SIDE)}
+
+
+def assert_parity(steps: list[list[dict]], grad_accum: int = 1, max_grad_norm: float | None = None,
+                  untouched_after: int | None = None) -> megacompile.Engine:
+    """untouched_after: the image side's state after that (0-based) step is the state after the step
+    before it, bit for bit (the step had no image)."""
+    model = llava()
+    reference = clone(model)
+    losses = eager(reference, steps, max_grad_norm)
+    noise = float64_noise(lambda exact: eager(exact, double(steps), max_grad_norm), model, reference)
+    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu", grad_accum=grad_accum,
+                                 optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                                             max_grad_norm=max_grad_norm, kernel="torch"))
+    ours, before = [], None
+    for i, micro_batches in enumerate(steps):
+        for inputs in micro_batches:
+            ours.append(engine.step(**inputs))
+        engine.synchronize()
+        if untouched_after is not None and i == untouched_after - 1:
+            before = image_side(engine)
+        if untouched_after is not None and i == untouched_after:
+            after = image_side(engine)
+            assert before.keys() == after.keys() and before
+            for n in before:
+                assert all(torch.equal(a, b) for a, b in zip(before[n], after[n])), n
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
+    assert_same_weights(engine, reference, noise=noise)
+    return engine
+
+
+def test_a_text_only_step_between_image_steps_trains_as_eagerly():
+    engine = assert_parity([[batch(seed=0)], [text_only(1)], [batch(seed=2)]], untouched_after=1)
+    missed = engine.state.missed_steps
+    tower = [n for n in engine.host.slots if n.startswith(IMAGE_SIDE) and "post_layernorm" not in n]
+    assert tower and all(missed[n] == 1 for n in tower)
+    # LLaVA's default features come from before the tower's last norm: no step reaches it
+    assert missed["model.vision_tower.post_layernorm.weight"] == 3
+    assert not any(n in missed for n in engine.host.slots if not n.startswith(IMAGE_SIDE))
+
+
+def test_a_first_step_without_images_still_trains_the_tower_later_as_eagerly():
+    """torch makes a parameter's AdamW state at its first gradient: the tower's first update is its
+    own step 1, at the run's step 2."""
+    assert_parity([[text_only(0)], [batch(seed=1)], [batch(seed=2)]])
+
+
+def test_accumulation_steps_a_parameter_any_micro_batch_reaches():
+    """Step 1: image then text; step 2: text then image (the tower's gradient starts from zero at
+    the second micro-batch, not from the buffer's old sum); step 3: text alone."""
+    assert_parity([[batch(seed=0), text_only(1)], [text_only(2), batch(seed=3)], [text_only(4), text_only(5)]],
+                  grad_accum=2)
+
+
+def test_clipping_takes_the_norm_over_the_gradients_that_exist():
+    """A small max_grad_norm clips every step: a norm that counted the skipped parameters' stale
+    sums (or left out a sum made by the step's first micro-batch only) would scale the step
+    otherwise."""
+    assert_parity([[batch(seed=0), text_only(1)], [text_only(2), text_only(3)], [text_only(4), batch(seed=5)]],
+                  grad_accum=2, max_grad_norm=0.05)
+
+
+@pytest.mark.slow
+def test_the_cpp_kernel_steps_runs_of_parameters_as_the_torch_one():
+    """The same run through both host kernels: each run of one step count is its own call."""
+    steps = [[batch(seed=0)], [text_only(1)], [batch(seed=2)]]
+    weights = []
+    for kernel in ("torch", "fused"):
+        engine = megacompile.compile(llava(), hbm_budget=1.0, device="cpu",
+                                     optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                                                 kernel=kernel))
+        for micro_batches in steps:
+            for inputs in micro_batches:
+                engine.step(**inputs)
+        weights.append(engine.state_dict())
+    for n, t in weights[0].items():
+        torch.testing.assert_close(weights[1][n], t, rtol=1e-6, atol=1e-7)
