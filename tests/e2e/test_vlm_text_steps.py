@@ -2,7 +2,7 @@
 no gradient, and torch.optim.AdamW (zero_grad(set_to_none=True)) skips them for the step: no
 moment decay, no weight decay, no advance of their own step count, so their bias correction runs
 behind the rest's afterwards. megacompile trains it as eagerly: losses to 1e-5, weights to the
-measured noise floor, and the skipped parameters' masters and moments bit for bit as they were.
+noise floor measured per tensor, and the skipped parameters' masters and moments bit for bit as they were.
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 import megacompile
 from megacompile.acceptance.parity import BETAS, EPS, LR, WD
-from tests.e2e.harness import assert_same_weights, clone, float64_noise
+from megacompile.acceptance.parity import WEIGHT_NOISE_FACTOR, weight_errors
+from tests.e2e.harness import clone
 from tests.vlm import IMAGE_TOKEN, batch, llava
 
 IMAGE_SIDE = ("model.vision_tower.", "model.multi_modal_projector.")
@@ -59,7 +60,11 @@ def assert_parity(steps: list[list[dict]], grad_accum: int = 1, max_grad_norm: f
     model = llava()
     reference = clone(model)
     losses = eager(reference, steps, max_grad_norm)
-    noise = float64_noise(lambda exact: eager(exact, double(steps), max_grad_norm), model, reference)
+    exact = clone(model).double()
+    eager(exact, double(steps), max_grad_norm)
+    # Per tensor: the attention key biases get no true gradient (softmax ignores a shift), so
+    # their float32 noise is their whole size; a floor taken over all tensors would hide the rest.
+    noise = weight_errors(exact, reference)
     engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu", grad_accum=grad_accum,
                                  optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                                                              max_grad_norm=max_grad_norm, kernel=kernel))
@@ -76,7 +81,8 @@ def assert_parity(steps: list[list[dict]], grad_accum: int = 1, max_grad_norm: f
             for n in before:
                 assert all(torch.equal(a, b) for a, b in zip(before[n], after[n])), n
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
-    assert_same_weights(engine, reference, noise=noise)
+    for name, err in weight_errors(engine, reference).items():
+        assert err <= max(1e-5, WEIGHT_NOISE_FACTOR * noise[name]), (name, err, noise[name])
     return engine
 
 
