@@ -88,6 +88,11 @@ class TrainingState:
             const[name] = tuple(b.shape)
         return trainable, const
 
+    def adamw_step(self, name: str) -> int:
+        """The trainable parameter's own AdamW step count (torch.optim.AdamW's state['step']): the
+        optimizer steps that gave it a gradient. 0: none yet (torch holds no state for it)."""
+        return self.steps_done - self.missed_steps.get(name, 0)
+
     def step_context(self) -> dict:
         """Fixed when a step starts, read by its updates on the host stream (which may still be
         running while the next step begins)."""

@@ -12,7 +12,7 @@ import megacompile
 from megacompile.acceptance.parity import BETAS, EPS, LR, WD
 from megacompile.io import durable
 from tests.e2e.harness import clone
-from tests.e2e.test_vlm_text_steps import text_only
+from tests.e2e.test_step_without_gradient import text_only
 from tests.vlm import batch, llava
 
 
