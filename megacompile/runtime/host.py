@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..capture import CapturedModel
 from ..capture.model_graph import owners
-from ..cost.host_memory import OwnerLayout, Placement, owner_layout
+from ..cost.host_memory import OwnerLayout, Placement, held_owners, owner_layout
 from ..optim.fused_adamw import grad_sq_norm
 from ..disk.owner_state import DiskState, UpdateFn
 
@@ -126,14 +126,10 @@ class HostState:
                  every_trainable: bool = True):
         self.compute_dtype = compute_dtype
         self.placement = placement
-        owner_of, self.contributors = owners(captured)
-        if every_trainable:
-            # A trainable parameter this program does not reach (a vision tower, when the first step
-            # has no image) may be reached by a later one: it gets its place too, in the prologue's
-            # owner, where a later program runs it (engine/gradless.py checks that it does).
-            for name, entry in captured.state.items():
-                if entry.trainable and not entry.is_buffer and name not in owner_of:
-                    owner_of[name] = 0
+        self.contributors = owners(captured)[1]
+        # A trainable parameter this program does not reach may be reached by a later one: it gets
+        # its place too (engine/gradless.py checks that a later program owns it there).
+        owner_of = held_owners(captured, every_trainable)
         self.slots: dict[str, Slot] = {}
         sizes: dict[int, int] = {}
         for name, s in owner_of.items():   # insertion order = order of first use

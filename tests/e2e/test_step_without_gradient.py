@@ -153,3 +153,11 @@ def test_with_masters_and_moments_on_disk_the_skipped_parameters_stay_as_in_ram(
         for table in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(runs[0].host.view(table, name), runs[1].host.view(table, name)), (table, name)
     assert runs[1].state.missed_steps == runs[0].state.missed_steps != {}
+
+
+def test_the_host_cost_counts_the_parameters_the_first_program_does_not_reach():
+    """A text-only first step lays out the tower too: what the plan counts is what is allocated."""
+    engine = megacompile.compile(llava(), hbm_budget=1.0, device="cpu")
+    engine.step(**text_only(0))
+    assert engine.host.slots.keys() == {n for n, p in llava().named_parameters() if p.requires_grad}
+    assert engine.host.nbytes == host_costs(engine.plan.captured, torch.float32)[0].ram_bytes
