@@ -7,6 +7,9 @@ tier holds instead (megacompile/disk), is cost/host_memory.py's OwnerLayout: wit
 micro-batch per step the gradient lands in the compute copy (bf16: 14 B/param in RAM, 6 with the
 moments on disk, 2 with the masters there too).
 Buffers and frozen parameters are kept once, in the model's own dtype, and never updated.
+Every trainable parameter has its place from the first step on, reached by its program or not
+(cost/host_memory.py held_owners); a step updates only those its micro-batches' programs gave a
+gradient, each with its own AdamW step count (schedule_updates).
 """
 from __future__ import annotations
 
