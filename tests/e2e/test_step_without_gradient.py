@@ -161,3 +161,24 @@ def test_the_host_cost_counts_the_parameters_the_first_program_does_not_reach():
     engine.step(**text_only(0))
     assert engine.host.slots.keys() == {n for n, p in llava().named_parameters() if p.requires_grad}
     assert engine.host.nbytes == host_costs(engine.plan.captured, torch.float32)[0].ram_bytes
+
+
+def test_one_call_per_owner_when_every_parameter_steps_alike(monkeypatch):
+    """The update calls AdamW once per run of one step count: once per owner at an image step;
+    at the image step after a text-only one the prologue's owner holds two runs: the token
+    embedding at step 3, the tower and projector at their step 2 (the tower's last norm, which no
+    program reaches, was laid out after them)."""
+    from megacompile.optim import host_update
+    calls = []
+    real = host_update.adamw_update_
+    monkeypatch.setattr(host_update, "adamw_update_", lambda *a, **k: (calls.append(k["step"]), real(*a, **k)))
+    engine = megacompile.compile(llava(), hbm_budget=1.0, device="cpu")
+    per_step = []
+    for b in (batch(seed=0), text_only(1), batch(seed=2)):
+        calls.clear()
+        engine.step(**b)
+        engine.synchronize()
+        per_step.append(sorted(calls))
+    owners = len(engine.host.owners)
+    assert per_step[0] == [1] * owners and per_step[1] == [2] * owners
+    assert per_step[2] == [2] + [3] * owners
