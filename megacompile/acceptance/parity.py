@@ -86,7 +86,9 @@ def megacompile_run(model, batches, kind: str, budget_gib: float, kernel: str = 
         peaks.append(engine.memory_stats()["device_peak_bytes"])
         if i == 0 and first_moments is not None:
             engine.synchronize()
-            first_moments.update({name: engine.host.view("exp_avg", name).clone() for name in engine.host.slots})
+            # torch holds AdamW state only for the parameters a step gave a gradient
+            first_moments.update({name: engine.host.view("exp_avg", name).clone() for name in engine.host.slots
+                                  if engine.state.adamw_step(name) > 0})
     engine.synchronize()
     return Run(engine, losses, peaks, engine.plan.predicted_peak_bytes, time.perf_counter() - start)
 

@@ -117,11 +117,24 @@ class HostCost:
         return (self.ram_bytes - self.frozen_bytes) / max(self.params, 1)
 
 
-def owner_sizes(captured) -> tuple[dict[int, int], set[int], int]:
-    """Per owning stage its trainable parameters; the owners whose gradients are summed in fp32
-    (a parameter used by several stages); bytes of frozen weights and buffers."""
+def held_owners(captured, every_trainable: bool = True) -> dict[str, int]:
+    """The owner of each trainable parameter the host state holds: the first stage that uses it;
+    with `every_trainable`, a trainable parameter `captured` does not reach (a vision tower, when
+    the first step has no image) goes to the prologue's owner, where a later program may reach it
+    (runtime/host.py; with data parallelism the host holds what the program reaches)."""
     from ..capture.model_graph import owners
     owner_of, _ = owners(captured)
+    if every_trainable:
+        for name, entry in captured.state.items():
+            if entry.trainable and not entry.is_buffer and name not in owner_of:
+                owner_of[name] = 0
+    return owner_of
+
+
+def owner_sizes(captured, every_trainable: bool = True) -> tuple[dict[int, int], set[int], int]:
+    """Per owning stage its trainable parameters (held_owners); the owners whose gradients are
+    summed in fp32 (a parameter used by several stages); bytes of frozen weights and buffers."""
+    owner_of = held_owners(captured, every_trainable)
     sizes: dict[int, int] = {}
     for name, s in owner_of.items():
         sizes[s] = sizes.get(s, 0) + captured.state[name].numel

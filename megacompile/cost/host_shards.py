@@ -34,7 +34,7 @@ class ShardedHostCost(HostCost):
 
 def sharded_host_cost(captured, compute_dtype: torch.dtype, grad_accum: int, ranks: int,
                       per_node: int) -> ShardedHostCost:
-    sizes, summed, frozen = owner_sizes(captured)
+    sizes, summed, frozen = owner_sizes(captured, every_trainable=False)
     params = sum(sizes.values())
     grads = 0
     for owner, numel in sizes.items():

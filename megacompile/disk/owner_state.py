@@ -14,8 +14,12 @@ from ..cost.host_memory import DEPTH, Placement, piece_numel
 from ..errors import StorageError
 from .tier import DiskTier
 
-# update(master, grad, exp_avg, exp_avg_sq, out): one AdamW call over flat slices of one owner.
-UpdateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+# update(master, grad, exp_avg, exp_avg_sq, out, step): one AdamW call over flat slices of one
+# owner, with those parameters' own step count.
+UpdateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], None]
+# over(start, master, grad, exp_avg, exp_avg_sq, out): the update of a piece of one owner, the
+# buffers holding its flat [start, start + len) (runtime/host.py runs it over the piece's parameters).
+PieceFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
 
 
 class DiskState:
@@ -79,7 +83,7 @@ class DiskState:
         self.tier.schedule(owners)
 
     def update(self, owner: int, master: torch.Tensor | None, grad: torch.Tensor, exp_avg: torch.Tensor | None,
-               exp_avg_sq: torch.Tensor | None, out: torch.Tensor | None, fn: UpdateFn) -> None:
+               exp_avg_sq: torch.Tensor | None, out: torch.Tensor | None, fn: PieceFn) -> None:
         """Run `fn` over the owner piece by piece: buffers in RAM are sliced, those on disk come
         from the piece read ahead; each piece is written behind as soon as its update is done."""
         ram = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -87,7 +91,7 @@ class DiskState:
             piece = self.tier.next_piece(owner)
             try:
                 part = {k: piece.views[k] if t is None else t[a:b] for k, t in ram.items()}
-                fn(part["master"], grad[a:b], part["exp_avg"], part["exp_avg_sq"], None if out is None else out[a:b])
+                fn(a, part["master"], grad[a:b], part["exp_avg"], part["exp_avg_sq"], None if out is None else out[a:b])
             except BaseException as e:
                 self.tier.abandon(piece, e)
                 raise

@@ -88,6 +88,7 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
                 raise CheckpointError(f"cannot write the checkpoint {path}: {'; '.join(failed)}")
             manifest = {"format": checkpoint.FORMAT, "run": state.run_id, "steps_done": state.steps_done,
                         "micro_batches": state.micro_batches, "skipped_steps": state.skipped_steps,
+                        "missed_steps": dict(state.missed_steps),
                         "optimizer": run_state.optimizer_settings(state), "schedule": run_state.schedule_state(state),
                         "rng": reports[0][1], "rng_ranks": [r[1] for r in reports], "extra": extra,
                         "files": {k: v for r in reports for k, v in r[0].items()}}

@@ -64,8 +64,10 @@ class ShardedHostState(HostState):
         self.gathered: dict[str, torch.Tensor] = {}    # whole masters, while an export reads them
         self.node_copy: NodeCopy | None = None         # the compute copy this rank's node shares
         self._pin = pin                                # page-locked on the cuda backend
+        # Only what the first program reaches: every rank's program must reach all of it
+        # (engine/gradless.py), so that the ranks step the same parameters.
         super().__init__(captured, compute_dtype, pin=pin, grad_accum=grad_accum, placement=placement,
-                         nvme_dir=nvme_dir)
+                         nvme_dir=nvme_dir, every_trainable=False)
 
     def _cut(self) -> None:
         names = sorted(self.slots, key=lambda n: (self.slots[n].owner, self.slots[n].offset))
@@ -193,6 +195,7 @@ class ShardedHostState(HostState):
     def sum_grad_norms(self) -> None:
         """The step's global squared gradient norm (clipping), or whether any gradient is inf or
         NaN: the sum of every rank's over the sums it holds (taken as they landed), on every rank."""
+        self.complete_checks()
         total = self.ranks.sum_(torch.tensor([sum(self._sq.values())], dtype=torch.float64),
                                 "summing the gradient norm")
         self._global_sq = float(total[0])
@@ -205,11 +208,9 @@ class ShardedHostState(HostState):
 
     def update_owner(self, owner: int, fn: UpdateFn) -> None:
         """AdamW over this rank's range into the node's compute copy, then the other nodes' ranges."""
-        b = self.owners[owner]
         lo, hi = self.ranges[owner][self.ranks.rank]
         if hi > lo:     # HostState adds the last micro-batch's gradients into the sum first
-            super().update_owner(owner, lambda master, grad, exp_avg, exp_avg_sq, _: fn(
-                master, grad, exp_avg, exp_avg_sq, b.compute[lo:hi]))
+            super().update_owner(owner, fn)      # into b.compute, the node's copy, at [lo, hi)
         self.node_copy.publish(owner, self.ranges[owner])
 
 

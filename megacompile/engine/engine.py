@@ -201,6 +201,7 @@ class Engine:
                 grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir)
             if host.disk is not None:
                 host.disk.record_into(self.backend.timeline)
+            host.missed = self.state.missed_steps      # per-parameter step counts, kept by checkpoints
             # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
             # stream in now, one tensor at a time; a failure leaves the engine without host state.
             state = self.state

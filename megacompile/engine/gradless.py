@@ -1,21 +1,27 @@
-"""Steps whose program trains another set of parameters than the host state holds, refused
-before they run.
+"""Which held parameters a step's program gives a gradient, checked before it runs.
 
 A program traced from inputs that skip part of the model (a LLaVA batch without pixel_values
 runs neither the vision tower nor the projector) produces no gradient for that part's
-parameters. Eager torch leaves their .grad None and torch.optim.AdamW then skips them: no
-moment decay, no weight decay, no advance of their own step count. The host update steps whole
-owners with one step count, so it cannot match that: such a step is refused, by name, before
-anything runs (docs/decisions.md, "A parameter without a gradient").
+parameters. Eager torch leaves their .grad None and torch.optim.AdamW skips them: no moment
+decay, no weight decay, no advance of their own step count. The host update does the same: each
+micro-batch tells the host state which parameters its program reaches (known from the graph
+alone, whatever values the inputs hold), and the update steps only those the step's micro-batches
+reached, each with its own count (runtime/host.py schedule_updates; docs/decisions.md, "A
+parameter without a gradient keeps its state").
 
-The host state holds the parameters the first step's program reaches (one no program reaches,
-such as a vision tower's unused last norm, keeps its value, as under torch.optim.AdamW); a later
-program that reaches one it does not hold is refused too.
+The host state lays out every trainable parameter of the model, those the first program does not
+reach in the prologue's owner (runtime/host.py), so a program checked here must agree with that
+layout: it owns each parameter it reaches where the layout put it, and a parameter it uses from
+several stages (a tied embedding) sits in an owner laid out to sum them. With data parallelism the
+host state holds what the first program reaches, and every program must reach all of it: the
+ranks then always step the same parameters.
 """
 from __future__ import annotations
 
 from ..capture import CapturedModel
+from ..capture.model_graph import owners
 from ..errors import InputMismatchError
+from ..runtime.host import program_uses
 
 _NAMED = 6     # parameters named in a message; the rest are counted
 
@@ -27,26 +33,47 @@ def with_gradient(captured: CapturedModel) -> set[str]:
             for name, slot in zip(stage.params, stage.template.params) if slot.trainable}
 
 
-def refuse_other_parameters(captured: CapturedModel, held: list[str]) -> None:
-    """`held`: the host state's trainable parameters, in its order."""
+def enter_program(captured: CapturedModel, host, data_parallel: bool) -> None:
+    """Refuse a program the host state cannot step exactly, else tell the host state what it
+    reaches. Nothing has run yet."""
     produced = with_gradient(captured)
-    missing = [name for name in held if name not in produced]
-    if missing:
-        raise InputMismatchError(
-            f"step() got inputs whose forward does not reach {len(missing)} trainable parameters "
-            f"({_names(missing)}), so this step would give them no gradient; torch.optim.AdamW skips such "
-            "parameters for the step, which megacompile's host update does not do; nothing was run. Freeze "
-            "them (param.requires_grad_(False)) before compile(), or give every micro-batch inputs that use "
-            "them (for a vision-language model: at least one image, with its pixel_values, in every micro-batch)")
-    held_set = set(held)
-    unheld = sorted(produced - held_set)
+    held = host.slots
+    unheld = sorted(produced - held.keys())
     if unheld:
         raise InputMismatchError(
             f"step() got inputs whose forward reaches {len(unheld)} trainable parameters ({_names(unheld)}) "
-            "that the first step's inputs did not reach, and the host state (masters and AdamW moments) "
-            "was laid out from that first step; nothing was run. Give the first step inputs that reach "
-            "every parameter later steps train (for a vision-language model: an image, with its "
+            "that the host state (masters and AdamW moments) does not hold: with data parallelism it holds what "
+            "the first step's inputs reached; nothing was run. Give the first step inputs that "
+            "reach every parameter later steps train (for a vision-language model: an image, with its "
             "pixel_values, in every micro-batch), or freeze them (param.requires_grad_(False)) before compile()")
+    if data_parallel:
+        missing = [name for name in held if name not in produced]
+        if missing:
+            raise InputMismatchError(
+                f"step() got inputs whose forward does not reach {len(missing)} trainable parameters "
+                f"({_names(missing)}), so this step would give them no gradient on this rank; with data parallelism "
+                "the ranks must step the same parameters, and another rank's micro-batch may reach them: nothing "
+                "was run. Freeze them (param.requires_grad_(False)) before compile(), or give every micro-batch "
+                "inputs that use them (for a vision-language model: at least one image, with its pixel_values, "
+                "in every micro-batch)")
+    owner_of = owners(captured)[0]
+    elsewhere = sorted(n for n, s in owner_of.items() if held[n].owner != s)
+    if elsewhere:
+        raise InputMismatchError(
+            f"step() got inputs whose program runs {len(elsewhere)} trainable parameters ({_names(elsewhere)}) in "
+            "another stage than the host state placed them in (laid out from the first step's program, the ones "
+            "it did not reach in the prologue's); nothing was run. Give the first step inputs that reach every "
+            "parameter later steps train (for a vision-language model: an image, with its pixel_values), or "
+            "freeze them (param.requires_grad_(False)) before compile()")
+    uses = program_uses(captured, held)
+    unsummed = sorted(n for n, k in uses.items() if k > 1 and held[n].owner not in host.summed_owners)
+    if unsummed:
+        raise InputMismatchError(
+            f"step() got inputs whose program uses {len(unsummed)} trainable parameters ({_names(unsummed)}) from "
+            "several stages, which the first step's program did not, so the host state has no sum for their "
+            "gradients; nothing was run. Give the first step inputs that reach every parameter later steps "
+            "train, or freeze them (param.requires_grad_(False)) before compile()")
+    host.enter_program(uses)
 
 
 def _names(names: list[str]) -> str:

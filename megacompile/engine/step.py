@@ -17,7 +17,7 @@ import torch
 
 from ..errors import NonFiniteError
 from ..runtime.executor import NonFiniteLoss
-from .gradless import refuse_other_parameters
+from .gradless import enter_program
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     rng = backend.get_rng_state()
     try:
         # Before anything runs; with data parallelism the other ranks hear of it as of any failure.
-        refuse_other_parameters(compiled.captured, list(host.slots))
+        enter_program(compiled.captured, host, data_parallel=dp is not None)
         outputs = compiled.executor.run(inputs, seed=1.0 / (micro_batches if micro_batches > 1 else state.grad_accum),
                                         context=context, check_loss=True)
     except NonFiniteLoss as e:

@@ -6,8 +6,10 @@
                                  parameters stage 3 owns, written from the host buffers as they
                                  are (no copy of the state)
         buffers.safetensors      buffers and frozen parameters
-        manifest.json            counters, optimizer settings, LR schedule, random states, the
-                                 user's `extra`, and the size and sha256 of every file
+        manifest.json            counters (among them, per parameter, the optimizer steps that
+                                 gave it no gradient: `missed_steps`), optimizer settings, LR
+                                 schedule, random states, the user's `extra`, and the size and
+                                 sha256 of every file
         COMMITTED                written last: the folder is complete and durable
 
 Tensors are stored under the model's parameter names, so a checkpoint outlives a change of plan,
@@ -80,9 +82,13 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
     model_params.synchronize(state)
     manifest = {"format": FORMAT, "run": state.run_id, "steps_done": state.steps_done,
                 "micro_batches": state.micro_batches,
-                "skipped_steps": state.skipped_steps, "optimizer": run_state.optimizer_settings(state),
+                "skipped_steps": state.skipped_steps, "missed_steps": dict(state.missed_steps),
+                "optimizer": run_state.optimizer_settings(state),
                 "schedule": run_state.schedule_state(state), "rng": run_state.rng_state(), "extra": extra}
     mid_step = state.micro_batches % state.grad_accum != 0
+    if mid_step:     # the parameters whose gradient sums the step's saved micro-batches made
+        reached = host.reached() if host is not None else getattr(state.pending_load, "reached", None)
+        manifest["step_reached"] = sorted(state.layout()[0] if reached is None else reached)
     tmp = durable.partial_path(path)
     try:
         os.makedirs(tmp)
@@ -255,6 +261,14 @@ def load(state: "TrainingState", path: str, strict: bool = True) -> Any:
                 items.append(Item(full, key, table, name))
                 seen.add(key)
     problems += [f"{t}/{n} is missing" for t in tables for n in trainable if f"{t}/{n}" not in seen]
+    missed = manifest.get("missed_steps", {})
+    problems += [f"missed_steps names {n}, which is no trainable parameter of this model" for n in missed
+                 if n not in trainable]
+    problems += [f"missed_steps gives {n} {k} steps without a gradient, more than the {manifest['steps_done']} "
+                 "steps done" for n, k in missed.items() if k > manifest["steps_done"]]
+    reached = manifest.get("step_reached")
+    problems += [f"step_reached names {n}, which is no trainable parameter of this model" for n in reached or ()
+                 if n not in trainable]
     if mid_step and manifest["optimizer"]["grad_accum"] != state.grad_accum:
         k = manifest["optimizer"]["grad_accum"]
         problems.append(f"it was saved mid-step with grad_accum={k}, this engine has grad_accum={state.grad_accum}: "
@@ -273,7 +287,8 @@ def load(state: "TrainingState", path: str, strict: bool = True) -> Any:
                "the config differs from the saving run's" if buffers else "") + ")")
     # The model's own buffers win (strict=False): they are loaded first and nothing overwrites them.
     items = [it for it in items if not (it.table == CONST and it.name in buffers)]
-    pending = PendingLoad(items, own_buffers=bool(buffers), needs=tables, describe=f"the checkpoint {path}")
+    pending = PendingLoad(items, own_buffers=bool(buffers), needs=tables, describe=f"the checkpoint {path}",
+                          reached=(frozenset(trainable if reached is None else reached) if mid_step else None))
     if state.host is not None:
         state.wait_updates()
         pending.apply(state.host, state.model)
@@ -285,6 +300,8 @@ def load(state: "TrainingState", path: str, strict: bool = True) -> Any:
     state.steps_done = manifest["steps_done"]
     state.micro_batches = manifest["micro_batches"]
     state.skipped_steps = manifest.get("skipped_steps", 0)
+    state.missed_steps.clear()        # the same dict the host state updates
+    state.missed_steps.update(missed)
     state.run_id = manifest.get("run", state.run_id)     # the resumed run's: keep_last rotates its checkpoints
     lr_differs = any(d.startswith("lr:") for d in differences)
     notes = run_state.restore_schedule(state, manifest["schedule"], lr_differs)

@@ -56,6 +56,7 @@ def load(state: "TrainingState", path: str) -> None:
     state.weight_parts = None
     state.steps_done = payload["steps_done"]
     state.micro_batches = payload["micro_batches"]
+    state.missed_steps.clear()      # the format kept no per-parameter counts: each is steps_done
     state.torch_optimizer.param_groups[0]["lr"] = payload["lr_handle"]
     torch.set_rng_state(payload["rng"])
     state.materialized = True
@@ -76,6 +77,8 @@ class _Payload:
                 host.view("exp_avg_sq", name).copy_(payload["exp_avg_sq"][name])
                 if "grads" in payload:
                     host.view("grad", name).copy_(payload["grads"][name])
+            if "grads" in payload:     # the format kept no per-parameter reach: the sums are whole
+                host.resume_mid_step(set(host.slots))
 
 
 def _accumulation_problems(state: "TrainingState", payload: dict, trainable: dict) -> list[str]:

@@ -57,6 +57,16 @@ def betas(v: Any) -> str | None:
     return None if ok else "a list of two numbers in [0, 1)"
 
 
+def missed_steps(v: Any) -> str | None:
+    ok = isinstance(v, dict) and all(isinstance(k, str) and _is_int(n) and n >= 1 for k, n in v.items())
+    return None if ok else "an object of parameter names to ints >= 1"
+
+
+def names(v: Any) -> str | None:
+    return None if v is None or (isinstance(v, list) and all(isinstance(n, str) for n in v)) \
+        else "a list of parameter names or null"
+
+
 def file_name(v: Any) -> str | None:
     """A file of the checkpoint folder itself: never a path that leads out of it."""
     ok = isinstance(v, str) and v not in ("", ".", "..") and os.path.basename(v) == v and "\\" not in v
@@ -87,7 +97,10 @@ MANIFEST: dict[str, Check] = {
     "schedule": of_type(dict), "rng": of_type(dict), "files": of_type(dict),
 }
 # Fields a save writes but a manifest of an earlier release may lack, and what they mean then.
-OPTIONAL: dict[str, Check] = {"skipped_steps": count(0)}
+# missed_steps absent: every parameter's AdamW count is steps_done; step_reached absent (saved
+# mid-step): every parameter's gradient sum holds the step's earlier micro-batches.
+OPTIONAL: dict[str, Check] = {"skipped_steps": count(0), "missed_steps": lambda v: missed_steps(v),
+                              "step_reached": lambda v: names(v)}
 
 
 def problems(manifest: Any) -> list[str]:

@@ -44,6 +44,9 @@ class PendingLoad:
     own_params: tuple[str, ...] = ()
     needs: tuple[str, ...] = (MASTER,)   # the tables every trainable parameter must have
     describe: str = "the weights"
+    # Saved between a step's micro-batches: the parameters whose gradient sums they made (None: saved
+    # at a step boundary).
+    reached: frozenset | None = None
 
     def missing(self, host) -> list[str]:
         have = defaultdict(set)
@@ -75,6 +78,8 @@ class PendingLoad:
                     raise
                 except Exception as e:  # noqa: BLE001 - an unreadable shard: name it
                     raise WeightsFileError(f"cannot read {path}: {e}") from e
+        if self.reached is not None:
+            host.resume_mid_step(set(self.reached))
 
 
 def _write(host, it: Item, t: torch.Tensor) -> None:

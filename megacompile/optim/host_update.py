@@ -26,9 +26,11 @@ class HostUpdate:
     def adamw(self, stage: int, context: dict) -> None:
         opt = self.optimizer
 
-        def update(master, grad, exp_avg, exp_avg_sq, out) -> None:
+        # step: the parameters' own AdamW step count, the global one less the steps that gave them
+        # no gradient (runtime/host.py schedule_updates).
+        def update(master, grad, exp_avg, exp_avg_sq, out, step: int) -> None:
             adamw_update_(master, grad, exp_avg, exp_avg_sq,
                           lr=context["lr"], beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
-                          weight_decay=opt.weight_decay, step=context["step"], grad_scale=context["grad_scale"],
+                          weight_decay=opt.weight_decay, step=step, grad_scale=context["grad_scale"],
                           out=out, **({"backend": "torch"} if opt.kernel == "torch" else {}))
         self.host.update_owner(stage, update)

@@ -139,7 +139,7 @@ class Executor:
             self.clip(self._context)   # a sum of the norms taken as gradients landed: no pass
             timeline.add("host", "clip_grads", start, time.perf_counter())
         context = self._context
-        self.host.schedule_updates(self._staged)
+        self.host.schedule_updates(self._staged, context.get("step") if self._staged else None)
         for s in self._staged:
             timeline.node = self._update_node[s]
             self.host.pending[s] = self.backend.host_task(

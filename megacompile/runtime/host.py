@@ -7,6 +7,9 @@ tier holds instead (megacompile/disk), is cost/host_memory.py's OwnerLayout: wit
 micro-batch per step the gradient lands in the compute copy (bf16: 14 B/param in RAM, 6 with the
 moments on disk, 2 with the masters there too).
 Buffers and frozen parameters are kept once, in the model's own dtype, and never updated.
+Every trainable parameter has its place from the first step on, reached by its program or not
+(cost/host_memory.py held_owners); a step updates only those its micro-batches' programs gave a
+gradient, each with its own AdamW step count (schedule_updates).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch.nn as nn
 
 from ..capture import CapturedModel
 from ..capture.model_graph import owners
-from ..cost.host_memory import OwnerLayout, Placement, owner_layout
+from ..cost.host_memory import OwnerLayout, Placement, held_owners, owner_layout
 from ..optim.fused_adamw import grad_sq_norm
 from ..disk.owner_state import DiskState, UpdateFn
 
@@ -122,23 +125,37 @@ class OwnerBuffers:
 
 class HostState:
     def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, pin: bool = False, grad_accum: int = 1,
-                 placement: Placement = Placement(), nvme_dir: str | None = None, verify: bool | None = None):
+                 placement: Placement = Placement(), nvme_dir: str | None = None, verify: bool | None = None,
+                 every_trainable: bool = True):
         self.compute_dtype = compute_dtype
         self.placement = placement
-        owner_of, self.contributors = owners(captured)
+        self.contributors = owners(captured)[1]
+        # A trainable parameter this program does not reach may be reached by a later one: it gets
+        # its place too (engine/gradless.py checks that a later program owns it there).
+        owner_of = held_owners(captured, every_trainable)
         self.slots: dict[str, Slot] = {}
         sizes: dict[int, int] = {}
         for name, s in owner_of.items():   # insertion order = order of first use
             entry = captured.state[name]
             self.slots[name] = Slot(s, sizes.get(s, 0), entry.numel, entry.shape)
             sizes[s] = sizes.get(s, 0) + entry.numel
-        # How many stages produce a gradient for each parameter (2 for a tied embedding).
-        self.uses: dict[str, int] = {}
-        for stage in captured.stages:
-            for name in stage.params:
-                if name in self.slots:
-                    self.uses[name] = self.uses.get(name, 0) + 1
+        # Each owner's parameters in their flat order: the update goes over them in runs.
+        self._by_owner: dict[int, list[str]] = {}
+        for name, slot in self.slots.items():
+            self._by_owner.setdefault(slot.owner, []).append(name)
+        # The running program's (enter_program): how many stages produce a gradient for each
+        # parameter it reaches (2 for a tied embedding), and so which parameters it reaches.
+        self.uses: dict[str, int] = program_uses(captured, self.slots)
         summed = {self.slots[name].owner for name, n in self.uses.items() if n > 1}
+        self.summed_owners = frozenset(summed)
+        # Per parameter, how many optimizer steps gave it no gradient (absent: none), so its own
+        # AdamW step count is the global one less these; the engine hands in its TrainingState's
+        # dict, which checkpoints keep.
+        self.missed: dict[str, int] = {}
+        self._reached: set[str] = set()    # parameters the step's committed micro-batches' programs reach
+        self._summed: set[str] = set()     # parameters whose gradient sum holds a committed micro-batch's
+        self._got: set[str] = set()        # parameters the running micro-batch landed a gradient for
+        self._runs: dict[int, list[tuple[int, int, int]]] = {}   # per staged owner: (lo, hi, AdamW step)
 
         self.owners = {s: self._owner_buffers(s, n, compute_dtype, pin,
                                               owner_layout(compute_dtype, grad_accum, s in summed, placement))
@@ -186,12 +203,25 @@ class HostState:
 
     def grad_sq_norm(self) -> float:
         """Sum of squares of the step's accumulated fp32 gradients (float64 accumulation), taken
-        as they landed in the step's last micro-batch (begin_micro_batch(norms=True))."""
+        as they landed in the step's last micro-batch (begin_micro_batch(norms=True)); a parameter
+        no micro-batch reached has no gradient and no part in it (as under clip_grad_norm_)."""
+        self.complete_checks()
         return sum(self._sq.values())
 
     def nonfinite_grads(self) -> list[str]:
         """Parameters whose accumulated gradient holds an inf or NaN."""
+        self.complete_checks()
         return [name for name, sq in self._sq.items() if not math.isfinite(sq)]
+
+    def complete_checks(self) -> None:
+        """In the step's last micro-batch: the check of each sum an earlier micro-batch made and
+        this one did not add to (its program does not reach the parameter)."""
+        if not self._check:
+            return
+        for name in sorted((self._summed | self._got) - self._sq.keys()):
+            self._fold(name)
+            flat = self._grad_flat(self.owners[self.slots[name].owner].grad, name)
+            self._sq[name] = grad_sq_norm(flat) if self._norms else _finite_witness(flat)
 
     # -- views ---------------------------------------------------------------------------
     def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
@@ -283,6 +313,11 @@ class HostState:
         self.load(dict(model.named_parameters()) | dict(model.named_buffers()))
 
     # -- gradients -----------------------------------------------------------------------
+    def enter_program(self, uses: dict[str, int]) -> None:
+        """The next micro-batch runs a program whose backward gives these parameters a gradient,
+        from this many stages each (engine/gradless.py checks it against the layout first)."""
+        self.uses = uses
+
     def begin_micro_batch(self, first: bool, last: bool = True, norms: bool = False) -> None:
         """Gradients of the first micro-batch of a step overwrite the fp32 grads; later ones add.
         In the last one every landed sum is also checked (one more read of what was just
@@ -293,8 +328,10 @@ class HostState:
         self._sq = {}
         self._in_copy = set()
         self._landed = set()
+        self._got = set()
         if first:    # a step dropped after some micro-batches committed leaves their names here
             self._unfolded = set()
+            self._reached, self._summed = set(), set()
 
     def commit_micro_batch(self) -> None:
         """The micro-batch succeeded: what it landed belongs to the step's gradients. The first
@@ -303,6 +340,20 @@ class HostState:
         update comes (update_owner), whichever is first."""
         self._unfolded |= self._landed
         self._landed = set()
+        self._summed |= self._got
+        self._got = set()
+        self._reached |= self.uses.keys()
+
+    def resume_mid_step(self, reached: set[str]) -> None:
+        """A checkpoint saved between micro-batches was loaded: its gradient sums are those of the
+        parameters `reached` (the others' hold nothing of this step)."""
+        self._reached, self._summed = set(reached), set(reached)
+        self._got = set()
+
+    def reached(self) -> set[str]:
+        """The parameters the step's committed micro-batches reach (a checkpoint saved between
+        them keeps this)."""
+        return set(self._reached)
 
     def _fold(self, name: str) -> None:
         """grad += landing for `name`, if a committed micro-batch's gradient still waits there."""
@@ -356,8 +407,11 @@ class HostState:
         buffers = self.owners[slot.owner]
         if buffers.grad_in_copy:
             self._in_copy.add(slot.owner)
-        if self._first:
-            # The sum itself: a failed first micro-batch leaves nothing worth keeping.
+        self._got.add(name)
+        if self._first or name not in self._summed:
+            # The sum itself: the step's first micro-batch to reach `name` starts it from this
+            # gradient (what the buffer held is an older step's); a failed micro-batch leaves
+            # nothing worth keeping there.
             flat = self._grad_flat(buffers.grad, name)
             if g.data_ptr() != flat.data_ptr():      # else it landed in place (landing_view)
                 flat.view(slot.shape).copy_(g)
@@ -387,9 +441,30 @@ class HostState:
         self._in_copy = set()
 
     # -- the update ----------------------------------------------------------------------
-    def schedule_updates(self, owners: list[int]) -> None:
-        """The host stream runs these owners' updates next, in this order: the disk tier reads ahead."""
+    def schedule_updates(self, owners: list[int], step: int | None = None) -> None:
+        """The host stream runs these owners' updates next, in this order: the disk tier reads ahead.
+
+        step: the optimizer step these updates make (1-based), given at the step's last
+        micro-batch. Each owner is updated in runs of neighbouring parameters of one AdamW step
+        count (one run, the whole owner, when every parameter has had a gradient in every step);
+        a parameter the step's programs gave no gradient is left out, as torch.optim.AdamW skips a
+        parameter whose .grad is None: its master, moments and count stay as they are."""
         self._in_copy = set()    # committed: the updates overwrite the copies
+        if step is not None:
+            for owner in owners:
+                runs: list[tuple[int, int, int]] = []
+                for name in self._by_owner.get(owner, []):
+                    if name not in self._reached:
+                        continue
+                    slot, own = self.slots[name], step - self.missed.get(name, 0)
+                    if runs and runs[-1][1] == slot.offset and runs[-1][2] == own:
+                        runs[-1] = (runs[-1][0], slot.offset + slot.numel, own)
+                    else:
+                        runs.append((slot.offset, slot.offset + slot.numel, own))
+                self._runs[owner] = runs
+            for name in self.slots:
+                if name not in self._reached:
+                    self.missed[name] = self.missed.get(name, 0) + 1
         staged = set(owners)
         for name in [n for n in self._unfolded if self.slots[n].owner in staged]:
             self._unfolded.discard(name)
@@ -398,16 +473,41 @@ class HostState:
             self.disk.schedule(owners)
 
     def update_owner(self, owner: int, fn: UpdateFn) -> None:
-        """fn(master, grad, exp_avg, exp_avg_sq, out) over the owner's flat buffers: once, or piece
-        by piece through the disk tier."""
+        """fn(master, grad, exp_avg, exp_avg_sq, out, step) over the owner's flat buffers, once per
+        run that schedule_updates found (all of them, or piece by piece through the disk tier)."""
         b = self.owners[owner]
         for name in self._fold_at_update.pop(owner, []):   # the last micro-batch's gradients join the sum
             self._grad_view(b.grad, name).add_(self._grad_view(b.landing, name))
+        runs = self._runs.pop(owner)
         out = None if b.compute is b.master else b.compute
+
+        def over(start: int, master, grad, exp_avg, exp_avg_sq, out) -> None:
+            """The runs' parts within these buffers, which hold the owner's flat [start, start + len)."""
+            end = start + grad.numel()
+            for lo, hi, step in runs:
+                lo, hi = max(lo, start), min(hi, end)
+                if lo < hi:
+                    part = slice(lo - start, hi - start)
+                    fn(master[part], grad[part], exp_avg[part], exp_avg_sq[part],
+                       None if out is None else out[part], step)
         if self.disk is None:
-            fn(b.master, b.grad, b.exp_avg, b.exp_avg_sq, out)
+            # The buffers hold [grad_lo, grad_lo + len) (a data-parallel rank's range); the compute
+            # copy (out) is the whole owner's.
+            lo = b.grad_lo
+            over(lo, b.master, b.grad, b.exp_avg, b.exp_avg_sq, None if out is None else out[lo:lo + b.grad.numel()])
         else:
-            self.disk.update(owner, b.master, b.grad, b.exp_avg, b.exp_avg_sq, out, fn)
+            self.disk.update(owner, b.master, b.grad, b.exp_avg, b.exp_avg_sq, out, over)
+
+
+def program_uses(captured: CapturedModel, slots) -> dict[str, int]:
+    """For each parameter in `slots` that `captured`'s backward gives a gradient: from how many
+    stages (2 for a tied embedding)."""
+    uses: dict[str, int] = {}
+    for stage in captured.stages:
+        for name, slot in zip(stage.params, stage.template.params):
+            if slot.trainable and name in slots:
+                uses[name] = uses.get(name, 0) + 1
+    return uses
 
 
 # The check of a later micro-batch's sum works in slices of this many elements (64 MiB of fp32).

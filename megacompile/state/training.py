@@ -44,6 +44,9 @@ class TrainingState:
         self.steps_done = 0          # optimizer steps
         self.micro_batches = 0       # step() calls that committed
         self.skipped_steps = 0       # steps dropped for an inf or NaN loss or gradient
+        # Per trainable parameter, the optimizer steps that gave it no gradient (absent: none): its
+        # own AdamW count is steps_done less these (the host state reads and updates this dict).
+        self.missed_steps: dict[str, int] = {}
         # Names the run in its checkpoints' manifests: keep_last rotates only this run's. A
         # load_checkpoint takes over the saved run's, so a resumed run goes on rotating its own.
         self.run_id = uuid.uuid4().hex
@@ -84,6 +87,11 @@ class TrainingState:
         for name, b in self.model.named_buffers():
             const[name] = tuple(b.shape)
         return trainable, const
+
+    def adamw_step(self, name: str) -> int:
+        """The trainable parameter's own AdamW step count (torch.optim.AdamW's state['step']): the
+        optimizer steps that gave it a gradient. 0: none yet (torch holds no state for it)."""
+        return self.steps_done - self.missed_steps.get(name, 0)
 
     def step_context(self) -> dict:
         """Fixed when a step starts, read by its updates on the host stream (which may still be

@@ -139,26 +139,18 @@ def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
 
 
 def _check_images(c: RunConfig, rows) -> None:
-    """With records that have images, every micro-batch must hold one: a step without any leaves
-    the vision tower and projector without a gradient, which torch.optim.AdamW skips and the
-    engine's update does not yet (docs/families.md); refused rather than trained otherwise. With
-    the tower and the projector frozen (both freeze keys, or finetuning_type lora) no trained
-    parameter depends on an image, and a micro-batch may hold none."""
+    """With records that have images and a vision tower or projector that trains, the micro-batch
+    is given (batch, grad_accum), not left to the planner. A micro-batch may hold no image: the
+    tower and projector then get no gradient, and the engine skips them for the step as
+    torch.optim.AdamW does (engine/gradless.py)."""
     if not getattr(getattr(rows, "tokens", None), "images", None):
         return
     if c.finetuning_type == "lora" or (c.freeze_vision_tower and c.freeze_multi_modal_projector):
         return
     if c.global_batch is not None:
-        raise ArgumentError("global_batch: the data has records with images, and every micro-batch must hold one "
-                            "(checked before training), so the micro-batch cannot be left to the planner; give "
-                            "batch and grad_accum")
-    start = packing.without_images(rows, c.batch, c.steps * c.grad_accum)
-    if start is not None:
-        raise ArgumentError(f"the micro-batch of rows {start}..{start + c.batch - 1} holds no image, and the data has "
-                            "records with images: a step without an image would leave the vision tower and projector "
-                            "without a gradient, which megacompile does not yet train as torch.optim.AdamW does "
-                            "(it skips them); give a larger batch, fewer records without an image, or another seed, "
-                            "or freeze_vision_tower and freeze_multi_modal_projector")
+        raise ArgumentError("global_batch: the data has records with images and the vision tower or projector "
+                            "trains, and the planner does not pick the micro-batch of such a run; give batch and "
+                            "grad_accum (or freeze_vision_tower and freeze_multi_modal_projector)")
 
 
 def _check_export(c: RunConfig, resume_from: str | None) -> None:

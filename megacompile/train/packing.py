@@ -175,15 +175,3 @@ def target_count(inputs: dict[str, torch.Tensor], *, shifted: bool) -> int:
     return int((labels != IGNORE).sum())
 
 
-def without_images(rows: Rows, size: int, micro_batches: int) -> int | None:
-    """The first row of the first micro-batch (of `micro_batches` that train, those with no target
-    skipped as the run skips them) that holds no image, or None: every one holds one."""
-    start = 0
-    for _ in range(micro_batches):
-        while not any(rows.row(start + i)[1].any() for i in range(size)):
-            start += size
-        if not any(rows.images(start + i) for i in range(size)):
-            return start
-        start += size
-    return None
-

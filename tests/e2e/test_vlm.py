@@ -50,7 +50,9 @@ def through_megacompile(model, batches, budget_bytes: float, first_moments: dict
         peaks.append(engine.memory_stats()["device_peak_bytes"])
         if i == 0:
             engine.synchronize()
-            first_moments.update({n: engine.host.view("exp_avg", n).clone() for n in engine.host.slots})
+            # torch holds state for the parameters a step gave a gradient (not the tower's last norm)
+            first_moments.update({n: engine.host.view("exp_avg", n).clone() for n in engine.host.slots
+                                  if engine.state.adamw_step(n) > 0})
     engine.synchronize()
     return engine, losses, peaks
 
