@@ -18,18 +18,19 @@ PATCHES = (IMAGE // 4) ** 2     # image tokens per image
 SEQ = 40                        # tokens per sequence: more than the vision tower's 17 positions
 
 
-def llava(seed: int = 0, tower_width: int = 32):
+def llava(seed: int = 0, tower_width: int = 32, tower_layers: int = 2, feature_layer: int = -1):
     """tower_width: the vision tower's hidden size (its MLP twice that); at 128 its layers hold more
-    parameters than the text model's."""
+    parameters than the text model's. feature_layer: the tower layer whose output the projector
+    takes (LLaVA-1.5 takes the second-to-last, -2)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(hidden_size=tower_width, intermediate_size=2 * tower_width, num_hidden_layers=2,
+    vision = CLIPVisionConfig(hidden_size=tower_width, intermediate_size=2 * tower_width, num_hidden_layers=tower_layers,
                               num_attention_heads=4,
                               image_size=IMAGE, patch_size=4, projection_dim=32)
     text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=8,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                         vision_feature_layer=-1, vision_feature_select_strategy="default")
+                         vision_feature_layer=feature_layer, vision_feature_select_strategy="default")
     return LlavaForConditionalGeneration(config)
 
 

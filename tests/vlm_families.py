@@ -35,7 +35,7 @@ def _text(config_cls, **extra):
 def gemma3(seed: int = 0):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
     torch.manual_seed(seed)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 image_size=IMAGE, patch_size=4)
     text = _text(Gemma3TextConfig, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 3)
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_TOKENS,
@@ -53,7 +53,7 @@ def idefics3(seed: int = 0, family: str = "idefics3"):
                                          if family == "idefics3" else
                                          (SmolVLMConfig, SmolVLMVisionConfig, SmolVLMForConditionalGeneration))
     torch.manual_seed(seed)
-    vision = vision_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+    vision = vision_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         image_size=IMAGE, patch_size=4)
     config = config_cls(text_config=_text(LlamaConfig).to_dict(), vision_config=vision.to_dict(),
                         image_token_id=IMAGE_TOKEN, scale_factor=2, use_cache=False)
@@ -123,7 +123,7 @@ VISION_START = VOCAB - 4
 VIDEO_TOKEN = VOCAB - 5
 
 
-def qwen2_5_vl(seed: int = 0):
+def qwen2_5_vl(seed: int = 0, depth: int = 2, full_attention: tuple[int, ...] = (1,)):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -131,8 +131,8 @@ def qwen2_5_vl(seed: int = 0):
                 num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
     # windows of 8 x 8 pixels (one merged token) in the first tower layer, full attention in the second
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, window_size=8, out_hidden_size=32, fullatt_block_indexes=[1])
+    vision = dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=8, out_hidden_size=32, fullatt_block_indexes=list(full_attention))
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
                               video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
                               vision_end_token_id=END_OF_IMAGE, use_cache=False)

@@ -105,7 +105,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         input_spec=spec, input_constants=[None if isinstance(x, torch.Tensor) else x for x in leaves],
         outputs=outputs, out_spec=top.out_spec, out_constants=top.out_constants,
         out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
-        block_path=stack.path if stack else None, template_notes=notes,
+        block_path=stack.path if stack else None, towers=stack.towers if stack else (), template_notes=notes,
         routed_fractions=spread_over_templates(routed_fractions(model, routed), stages),
         image_tokens=list(image_tokens.values()), grids=list(grids.values()),
         trace_seconds=time.perf_counter() - start, rechunk=rechunk if train and stack is not None else None)

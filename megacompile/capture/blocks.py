@@ -5,6 +5,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 import torch.nn as nn
 
@@ -14,11 +15,32 @@ from .leaf import BlockCall
 
 @dataclass(frozen=True)
 class BlockStack:
-    path: str                 # module path of the nn.ModuleList, e.g. "model.layers"
+    """The blocks capture streams: the decoder's, and those of the towers beside it.
+
+    A vision-language model's vision tower is a stack of its own (LLaVA's CLIP layers at
+    "model.vision_tower.vision_model.encoder.layers"): its blocks are streamed like the decoder's,
+    in the order the model calls them. `blocks` holds the towers' blocks first, then the decoder's;
+    `block_path(i)` names each one."""
+    path: str                 # module path of the decoder's nn.ModuleList, e.g. "model.layers"
     blocks: tuple[nn.Module, ...]
+    towers: tuple[str, ...] = ()        # module paths of the towers' lists
+    tower_sizes: tuple[int, ...] = ()   # how many of `blocks` each tower holds, in that order
 
     def block_path(self, i: int) -> str:
+        for tower, size in zip(self.towers, self.tower_sizes):
+            if i < size:
+                return f"{tower}.{i}"
+            i -= size
         return f"{self.path}.{i}" if self.path else str(i)
+
+    def list_of(self, i: int) -> str:
+        """The module path of the list block `i` belongs to."""
+        return self.block_path(i).rsplit(".", 1)[0] if "." in self.block_path(i) else ""
+
+    @property
+    def decoder(self) -> range:
+        """The indices of the decoder's blocks."""
+        return range(sum(self.tower_sizes), len(self.blocks))
 
     def refuse_backward_hooks(self) -> None:
         """A backward hook on a block module itself wraps the block's call, outside what its
@@ -40,26 +62,35 @@ def _signature(module: nn.Module) -> tuple:
 
 
 def find_block_stack(model: nn.Module) -> BlockStack | None:
-    """The nn.ModuleList of blocks holding the most parameters, or None.
+    """The nn.ModuleList of blocks holding the most parameters, or None; with the towers beside it.
 
     A list is a stack when at least two of its modules are of one class: its blocks may differ
     (another class in one layer, an extra module, a per-layer flag), and those that differ get
     their own template (`share_templates`). A list of modules all of different classes (an
     embedding, a body, a head) is no stack; a list of one module neither.
     In a model with a token embedding, lists beside it come first (a vision-language model's
-    decoder layers, not its vision tower's, whichever is larger): the other stacks stay inline.
+    decoder layers, not its vision tower's, whichever is larger). The stacks outside the token
+    embedding's module and outside each other are towers, streamed too, in a model with a vision
+    config (a vision tower's layers); other models stream their decoder alone.
     """
-    best, best_params, home = None, 0, _token_home(model)
+    home = _token_home(model)
+    lists = []
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
         if max(Counter(type(m) for m in module).values()) < 2:
             continue
         n = sum(p.numel() for m in module for p in m.parameters())
-        rank = (home is None or path.startswith(home), n)
-        if best is None or rank > best_params:
-            best, best_params = BlockStack(path, tuple(module)), rank
-    return best
+        lists.append(((home is None or path.startswith(home), n), path, module))
+    if not lists:
+        return None
+    _, path, module = max(lists, key=lambda x: x[0])
+    if home is None or getattr(getattr(model, "config", None), "vision_config", None) is None:
+        return BlockStack(path, tuple(module))
+    towers = [(p, m) for (beside, _), p, m in lists if not beside]
+    towers = [(p, m) for p, m in towers if not any(p.startswith(q + ".") for q, _ in towers)]
+    return BlockStack(path, tuple(b for _, m in towers for b in m) + tuple(module),
+                      tuple(p for p, _ in towers), tuple(len(m) for _, m in towers))
 
 
 def _token_home(model: nn.Module) -> str | None:
@@ -81,7 +112,8 @@ class TemplateGroups:
     def __init__(self, stack: BlockStack, calls: list[BlockCall]):
         self.stack, self.calls = stack, calls
         self.firsts: list[tuple[int, tuple[bool, ...]]] = []
-        self.why: dict[int, str] = {}    # per group after the first: how its first block differs
+        self.why: dict[int, tuple[int, str]] = {}   # per later group of a list: the block its first one
+        # was compared with, and how it differs
 
     def source(self, i: int, grads: tuple[bool, ...]) -> int:
         """The call whose template call `i` runs (`i` itself when it starts a group); `grads`:
@@ -89,12 +121,16 @@ class TemplateGroups:
         for j, g in self.firsts:
             if g == grads and _difference(self.stack, self.calls[j], self.calls[i]) is None:
                 return j
-        if self.firsts:
-            j, g = self.firsts[0]
-            self.why[i] = (_difference(self.stack, self.calls[j], self.calls[i])
+        mine = [(j, g) for j, g in self.firsts if self._list(j) == self._list(i)]
+        if mine:     # the first block of a tower, or of the decoder, needs no note
+            j, g = mine[0]
+            self.why[i] = (self.calls[j].index, _difference(self.stack, self.calls[j], self.calls[i])
                            or f"which inputs need a gradient and which outputs are read ({list(grads)} where the other has {list(g)})")
         self.firsts.append((i, grads))
         return i
+
+    def _list(self, i: int) -> str:
+        return self.stack.list_of(self.calls[i].index)
 
 
 def _difference(stack: BlockStack, a: BlockCall, b: BlockCall) -> str | None:
@@ -106,7 +142,7 @@ def _difference(stack: BlockStack, a: BlockCall, b: BlockCall) -> str | None:
     if sa[1:3] != sb[1:3]:
         return "parameters or buffers (names, shapes, dtypes or requires_grad)"
     if not (a.in_spec == b.in_spec and a.tensor_positions == b.tensor_positions and a.out_spec == b.out_spec
-            and _equal(a.constants, b.constants) and a.side_keys == b.side_keys):
+            and same_constants(a.constants, b.constants) and a.side_keys == b.side_keys):
         return "non-tensor call arguments"
     if a.fingerprint != b.fingerprint:
         return f"what it computes ({_first_op_difference(a.fingerprint, b.fingerprint)})"
@@ -145,8 +181,16 @@ def _show(entry: tuple) -> str:
     return f"{func}({text})"
 
 
-def _equal(a: list, b: list) -> bool:
+def same_constants(a: list, b: list) -> bool:
+    """Whether two calls' non-tensor arguments are equal; arrays of numbers (Qwen2.5-VL's
+    attention lengths) compare by value."""
     try:
-        return all(x is y or x == y for x, y in zip(a, b)) and len(a) == len(b)
+        return len(a) == len(b) and all(x is y or _same_value(x, y) for x, y in zip(a, b))
     except Exception:  # noqa: BLE001 - uncomparable constants count as different
         return False
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if isinstance(x, numpy.ndarray) or isinstance(y, numpy.ndarray):
+        return type(x) is type(y) and x.dtype == y.dtype and numpy.array_equal(x, y)
+    return bool(x == y)

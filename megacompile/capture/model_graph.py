@@ -58,6 +58,8 @@ class CapturedModel:
     train: bool = True
     compute_dtype: torch.dtype = torch.float32
     block_path: str | None = None
+    # Module paths of the towers whose layers stream as blocks beside the decoder's (a vision tower).
+    towers: tuple[str, ...] = ()
     # For each block stage that starts a template of its own: how it differs from the first block.
     template_notes: dict[str, str] = field(default_factory=dict)
     # Image placeholder tokens each step's input_ids must hold (image_tokens.py); checked before a step.
@@ -75,6 +77,10 @@ class CapturedModel:
     def active_params(self) -> int:
         """Trainable parameters one token uses: every expert's count scaled by top_k / experts."""
         return round(sum(e.numel * self.routed_fractions.get(n, 1.0) for n, e in self.state.items() if e.trainable))
+
+    def in_tower(self, origin: str) -> bool:
+        """Whether a stage traced from module `origin` is a tower's block."""
+        return any(origin.startswith(t + ".") for t in self.towers)
 
     @property
     def block_templates(self) -> list[StageTemplate]:

@@ -8,6 +8,7 @@ of blocks that compute the same thing (blocks.py), from the group's first block.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -77,33 +78,11 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
     graph_outputs = list(pytree.tree_leaves(out_node.args[0]))
 
     calls = [n for n in nodes if n.target is BLOCK_CALL]
-    produced_by: dict[fx.Node, tuple[int, int]] = {}   # getitem of a block call -> (block, output)
-    for b, c in enumerate(calls):
-        for u in c.users:
-            if u.target is operator.getitem:
-                produced_by[u] = (b, u.args[1])
-    downstream: set[fx.Node] = set()
-    frontier = list(calls)
-    while frontier:
-        n = frontier.pop()
-        for u in n.users:
-            if u not in downstream:
-                downstream.add(u)
-                frontier.append(u)
-    feeds_blocks: set[fx.Node] = set()
-    frontier = [a for c in calls for a in c.args[0]]
-    while frontier:
-        n = frontier.pop()
-        if n not in feeds_blocks:
-            feeds_blocks.add(n)
-            frontier.extend(n.all_input_nodes)
+    produced_by: set[fx.Node] = {u for c in calls for u in c.users if u.target is operator.getitem}
+    runs = _runs(calls, stack)
     computed = [n for n in nodes if n.op == "call_function" and n.target is not BLOCK_CALL and n not in produced_by]
-    prologue = set(n for n in computed if n in feeds_blocks and n not in downstream)
-    # An element of a multi-output prologue op that no block reads (a layer norm's mean and
-    # rstd) stays beside the op: the prologue cannot hand out a tuple.
-    prologue |= {n for n in computed if n.target is operator.getitem and n.args[0] in prologue}
-    prologue = [n for n in computed if n in prologue]
-    epilogue = [n for n in computed if n not in set(prologue)]
+    before = _segments(computed, runs)
+    epilogue = [n for n in computed if n not in before]
 
     stages: list[StageInstance] = []
     notes: dict[str, str] = {}
@@ -113,10 +92,16 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
     def fake_act(n: fx.Node) -> torch.Tensor:
         if n in input_ph:
             return input_fakes[input_ph[n]]
+        if n not in metas:
+            raise CaptureError(
+                f"'{n.name}' is computed between two blocks of one stack (by a forward hook on a block, or "
+                "code run between the layers), which megacompile does not train yet: it streams each stack's "
+                "blocks as a chain with nothing run between them. Move that computation into a block's forward")
         meta = metas[n]
         return torch.empty(meta.shape, dtype=meta.dtype, device=input_fakes[0].device).requires_grad_(meta.requires_grad)
 
-    def add_segment(kind: str, members: list[fx.Node], outputs: list[fx.Node], origin: str) -> None:
+    def add_segment(name: str, members: list[fx.Node], outputs: list[fx.Node], origin: str) -> None:
+        kind = name.split(".")[0]
         seg = _Segment(gm, members, outputs, state_ph)
         for a in seg.act_inputs:
             if a in state_ph or (a not in where):
@@ -126,17 +111,22 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
         template = trace_stage(kind, seg, slots, [fakes[n] for n in names],
                                [fake_act(a) for a in seg.act_inputs], train, origin)
         index = len(stages)
-        stages.append(StageInstance(kind, template, names, [where[a] for a in seg.act_inputs], origin))
+        stages.append(StageInstance(name, template, names, [where[a] for a in seg.act_inputs], origin))
         for k, o in enumerate(outputs):
             where[o] = Port(index, k)
             metas[o] = template.outputs[k]
 
-    if calls:
-        boundary = set(a for c in calls for a in c.args[0]) | set(graph_outputs)
-        p_out = [n for n in prologue if any(u not in set(prologue) for u in n.users) or n in boundary]
-        if prologue:
-            add_segment("prologue", prologue, p_out, type(model).__name__)
-        notes = _add_blocks(stages, calls, top, stack, fakes, trainable, where, metas, train, fake_act)
+    groups, templates = (TemplateGroups(stack, top.calls), {}) if calls else (None, None)
+    boundary = set(a for c in calls for a in c.args[0]) | set(graph_outputs)
+    for r, run in enumerate(runs):
+        members = [n for n in computed if before.get(n) == r]
+        if members:
+            inside = set(members)
+            out = [n for n in members if any(u not in inside for u in n.users) or n in boundary]
+            name = "prologue" if r == 0 else "bridge" if len(runs) == 2 else f"bridge.{r}"
+            add_segment(name, members, out, type(model).__name__)
+        notes.update(_add_blocks(stages, run, calls.index(run[0]), groups, templates, top, stack, fakes,
+                                 trainable, where, metas, train, fake_act))
     e_out = list(graph_outputs)
     if epilogue or not calls:
         add_segment("epilogue" if calls else "whole", epilogue, e_out, type(model).__name__)
@@ -148,8 +138,8 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
     return stages, [where[o] for o in e_out], notes
 
 
-def _add_blocks(stages, calls, top: TopGraph, stack: BlockStack, fakes, trainable, where, metas,
-                train, fake_act) -> dict[str, str]:
+def _add_blocks(stages, calls, first: int, groups: TemplateGroups, templates: dict[int, StageTemplate],
+                top: TopGraph, stack: BlockStack, fakes, trainable, where, metas, train, fake_act) -> dict[str, str]:
     """One stage per block call; one template per group of calls that compute the same thing and
     pass the same gradients, traced from the group's first block. Returns, for each block that
     starts a new template, how it differs from the first block.
@@ -158,10 +148,8 @@ def _add_blocks(stages, calls, top: TopGraph, stack: BlockStack, fakes, trainabl
     gradient and which outputs a later stage differentiates is known only here. A frozen block
     still passes the gradient of its output back to its input when an earlier stage trains; a
     block output nothing reads (GPT-J's attention weights) gets no gradient."""
-    groups = TemplateGroups(stack, top.calls)
-    templates: dict[int, StageTemplate] = {}
     notes: dict[str, str] = {}
-    for b, (node, call) in enumerate(zip(calls, top.calls)):
+    for b, (node, call) in enumerate(zip(calls, top.calls[first:]), start=first):
         block, path = stack.blocks[call.index], stack.block_path(call.index)
         local = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
         acts = [fake_act(a) for a in node.args[0]]
@@ -169,10 +157,11 @@ def _add_blocks(stages, calls, top: TopGraph, stack: BlockStack, fakes, trainabl
         grads = tuple(bool(train and a.requires_grad) for a in acts) + read
         source = groups.source(b, grads)
         if source == b:
-            templates[b] = _trace_block(block, path, call, local, acts, fakes, trainable, train, read)
+            templates[b] = _trace_block(block, path, call, local, acts, fakes, trainable, train, read,
+                                        chunk=call.index in stack.decoder)
             if b in groups.why:
-                notes[f"block.{b}"] = (f"{path} has its own template: it differs from "
-                                       f"{stack.block_path(top.calls[0].index)} in {groups.why[b]}")
+                other, why = groups.why[b]
+                notes[f"block.{b}"] = f"{path} has its own template: it differs from {stack.block_path(other)} in {why}"
         template = templates[source]
         ports = []
         for k, a in enumerate(node.args[0]):
@@ -195,17 +184,20 @@ def _add_blocks(stages, calls, top: TopGraph, stack: BlockStack, fakes, trainabl
 
 def _trace_block(block: torch.nn.Module, path: str, call: BlockCall, local: list[str],
                  fake_acts: list[torch.Tensor], fakes, trainable, train: bool,
-                 read: tuple[bool, ...]) -> StageTemplate:
-    """The template of one block, traced from its own module and the way the model called it."""
+                 read: tuple[bool, ...], chunk: bool) -> StageTemplate:
+    """The template of one block, traced from its own module and the way the model called it.
+    `chunk`: the decoder's blocks may run over sequence chunks (chunk.py); a tower's sequence is
+    its images' patches, fixed by the images, and stays whole."""
     slots = [ParamSlot(n, TensorMeta.of(fakes[f"{path}.{n}"], False), trainable[f"{path}.{n}"]) for n in local]
 
     def source(params, acts):
         args, kwargs = call.rebuild_args(acts)
-        with recording(call.collect_keys) as side:
+        with recording(call.collect_keys) as side, _own_hooks_off(block):
             out = functional_call(block, dict(zip(local, params)), args, kwargs, strict=False)
         return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)] + side.tensors
     fake_params = [fakes[f"{path}.{n}"] for n in local]
-    with chunk_block(block, local, fake_params, lambda: source(fake_params, fake_acts)) as chunked:
+    with (chunk_block(block, local, fake_params, lambda: source(fake_params, fake_acts)) if chunk
+          else contextlib.nullcontext(())) as chunked:
         template = trace_stage("block", source, slots, fake_params, fake_acts, train, path,
                                differentiable=list(read))
     if chunked:
@@ -213,6 +205,67 @@ def _trace_block(block: torch.nn.Module, path: str, call: BlockCall, local: list
         if template.selective is not None:
             template.selective.chunks, template.selective.chunked = template.chunks, template.chunked
     return template
+
+
+@contextlib.contextmanager
+def _own_hooks_off(block: torch.nn.Module):
+    """The block's own forward hooks and pre-hooks ran around its call in the top-level trace (the
+    leaf stands for its forward alone): its template must not run them again. A hook that
+    transformers uses to collect each layer's hidden state would otherwise record it twice."""
+    names = [n for n in vars(block) if n.startswith("_forward_") and "hooks" in n]
+    kept = {n: getattr(block, n) for n in names}
+    try:
+        for n, hooks in kept.items():
+            setattr(block, n, type(hooks)())
+        yield
+    finally:
+        for n, hooks in kept.items():
+            setattr(block, n, hooks)
+
+
+def _runs(calls: list[fx.Node], stack: BlockStack | None) -> list[list[fx.Node]]:
+    """The block calls in runs of consecutive calls into one list: a vision tower's layers, then
+    the decoder's."""
+    runs: list[list[fx.Node]] = []
+    for c in calls:
+        if runs and stack.list_of(runs[-1][-1].args[1]) == stack.list_of(c.args[1]):
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs
+
+
+def _segments(computed: list[fx.Node], runs: list[list[fx.Node]]) -> dict[fx.Node, int]:
+    """For each op that runs before some run of blocks, the run it goes before: the first one it
+    feeds. Run 0's segment is the prologue (embeddings, rotary tables, masks; a tower's patch
+    embedding); run r's, the bridge from run r-1 (a tower's last norm, the projector, the token
+    embedding and the merge of the image features into it). An op placed as late as it may go
+    hands its value to the next run directly. An op between two blocks of one run has no segment:
+    it falls to the epilogue, where the first block reading it is refused (_add_blocks)."""
+    first_fed: dict[fx.Node, int] = {}
+    for r, run in enumerate(runs):
+        frontier = [a for c in run for a in c.args[0]]
+        while frontier:
+            n = frontier.pop()
+            if n not in first_fed and n.target is not BLOCK_CALL:
+                first_fed[n] = r
+                frontier.extend(n.all_input_nodes)
+    after: dict[fx.Node, int] = {}      # the last run an op is downstream of
+    for r in reversed(range(len(runs))):
+        frontier = list(runs[r])
+        while frontier:
+            n = frontier.pop()
+            for u in n.users:
+                if u not in after:
+                    after[u] = r
+                    frontier.append(u)
+    before = {n: first_fed[n] for n in computed if n in first_fed and after.get(n, -1) < first_fed[n]}
+    # An element of a multi-output op that no block reads (a layer norm's mean and rstd) stays
+    # beside the op: a stage cannot hand out a tuple.
+    for n in computed:
+        if n.target is operator.getitem and n.args[0] in before:
+            before[n] = before[n.args[0]]
+    return before
 
 
 def _returned(call: BlockCall) -> int:

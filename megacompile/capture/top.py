@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, MegacompileError
 from .alike import sampled_groups
-from .blocks import BlockStack
+from .blocks import BlockStack, same_constants
 from .fingerprint import record
 from .image_tokens import traced_inputs
 from .leaf import BlockCall, clear_out_meta, set_out_meta
@@ -74,7 +74,7 @@ class _LogEveryBlock(Exception):
 
 def _same_call(a: BlockCall, b: BlockCall) -> bool:
     try:
-        return a.in_spec == b.in_spec and bool(a.constants == b.constants) and not a.collect_keys
+        return a.in_spec == b.in_spec and same_constants(a.constants, b.constants) and not a.collect_keys
     except Exception:  # noqa: BLE001 - constants that do not compare are not the same call
         return False
 
@@ -203,18 +203,48 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
         raise CaptureError(_describe_trace_failure(model, e)) from e
     refuse_state_writes(gm, names, f"{type(model).__name__}")
-    _drop_unread(gm)
+    calls = _drop_unread(gm, calls)
     return TopGraph(gm, names, len(tensor_pos), calls, out_info.get("spec"),
                     out_info.get("constants", []), out_info.get("is_tensor", []))
 
 
-def _drop_unread(gm: fx.GraphModule) -> None:
+def _drop_unread(gm: fx.GraphModule, calls: list[BlockCall]) -> list[BlockCall]:
     """Drop what the model computes and never reads (CLIP's pooled output, which LLaVA leaves
-    unused): it would land in the epilogue, reading the prologue past the blocks. Random draws and
-    in-place writes stay (fx keeps impure nodes), so the random stream advances as eagerly."""
+    unused): it would land in the epilogue, reading the prologue past the blocks. A block whose
+    outputs nothing reads goes too (LLaVA takes the features of the tower's second-to-last layer:
+    its last layer's parameters get no gradient, as eagerly), unless it draws random numbers.
+    Random draws and in-place writes stay (fx keeps impure nodes), so the random stream advances
+    as eagerly. Returns the calls left, in call order."""
     block_call = torch.ops.megacompile.block_call.default
-    gm.graph.eliminate_dead_code(lambda n: n.target is block_call or n.is_impure(impure_random=True))
+    by_index = {c.index: c for c in calls}
+
+    def kept(n: fx.Node) -> bool:
+        if n.target is block_call:
+            return _draws(by_index[n.args[1]])
+        return n.is_impure(impure_random=True)
+    gm.graph.eliminate_dead_code(kept)
     gm.recompile()
+    left = [n.args[1] for n in gm.graph.nodes if n.target is block_call]
+    return [by_index[i] for i in left]
+
+
+def _draws(call: BlockCall) -> bool:
+    """Whether the block's logged ops draw random numbers (a dropout). Attention ops are tagged as
+    drawing whatever their dropout_p; at 0 they draw nothing."""
+    ops = call.fingerprint[0] if call.fingerprint else ()
+    return not call.fingerprint or any(_random(f, args, kwargs) for f, args, kwargs in ops)
+
+
+def _random(func, args: tuple, kwargs: tuple) -> bool:
+    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    given = dict(kwargs)
+    i = names.index("dropout_p")
+    p = args[i] if i < len(args) else given.get("dropout_p", ("float", (0.0).hex()))
+    return not (isinstance(p, tuple) and p[0] == "float" and float.fromhex(p[1]) == 0.0) and p != 0
 
 
 def _describe_trace_failure(model: nn.Module, e: Exception) -> str:

@@ -32,7 +32,7 @@ def plan_chunked(captured, plan_with: Callable[[object], P], refused: BudgetTooS
     """The plan of the fewest chunks that fits, planned by `plan_with(captured with n chunks)`;
     `refused` (the whole blocks' error) again where none fits or nothing can be chunked. The error
     raised is the one of the most chunks tried: its smallest budget is the lowest."""
-    seq = max((a.shape[1] for st in captured.stages if st.template.kind == "block"
+    seq = max((a.shape[1] for st in captured.stages if st.template.kind == "block" and not captured.in_tower(st.origin)
                for a in st.template.acts if len(a.shape) >= 2), default=0)
     last = refused
     for n in counts(seq):

@@ -356,6 +356,9 @@ class Plan:
         blocks = sum(1 for s in c.stages if s.template.kind == "block")
         n_templates = len(set(self._block_template_index().values()))
         shared = "share one template" if n_templates <= 1 else f"run {n_templates} templates"
+        towers = "".join(f" and {sum(1 for s in c.stages if s.template.kind == 'block' and s.origin.startswith(t + '.'))}"
+                         f" of {t}" for t in c.towers)
+        in_decoder = blocks - sum(1 for s in c.stages if s.template.kind == "block" and c.in_tower(s.origin))
         choice = self.program.facts.get("choice")
         measured = ("not run yet" if self.measured_peak_bytes is None
                     else f"{fmt_bytes(self.measured_peak_bytes)} measured in the last run")
@@ -363,7 +366,7 @@ class Plan:
             f"megacompile plan ({'training step' if c.train else 'forward only'}, {self.backend} backend, "
             f"compute {str(c.compute_dtype).replace('torch.', '')}, fp32 masters)",
             f"  model          {n_params:,} trainable parameters{routed}, {len(c.stages)} stages "
-            f"({blocks} blocks of {c.block_path or 'none'} {shared})",
+            f"({in_decoder} blocks of {c.block_path or 'none'}{towers} {shared})",
             self._peak_line(measured),
             self._smallest_line(),
             *self._reserve_line(),

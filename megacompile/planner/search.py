@@ -345,8 +345,9 @@ def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareP
     offloaded activations (None: no limit); `device_room`: the bytes the plan may fill."""
     if not captured.train or not blocks:
         return families()
-    # The prologue (embeddings) may stay on the device for the whole step instead of coming twice.
-    small = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind == "prologue")
+    # The prologue (embeddings) and a bridge (a vision tower's projector and the token embedding)
+    # may stay on the device for the whole step instead of coming twice.
+    small = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind in ("prologue", "bridge"))
     residents = (frozenset(), small) if small else (frozenset(),)
     # Weights that take at most half the room may all stay from their forward to their backward:
     # each crosses the link once a step instead of twice (a small model is link-bound otherwise).

@@ -1,13 +1,13 @@
 """The vision tower's share of a planned step, beside the language model's.
 
-The tower, the projector and the merge of the image features run in the prologue stage, with the
-token embedding (docs/families.md); the language model is the blocks and the epilogue. The vision
-side of the prologue is found by data flow in its graphs: in the forward, every op that reads
-(through any chain) a vision parameter or a pixel input; in the backward, every op that feeds a
-vision parameter's gradient or reads a vision parameter. Its seconds are the roofline seconds of
-those ops (cost/estimate.py), out of the prologue's predicted compute time; its device bytes at
-the predicted peak are its share of the prologue's weights, gradients and saved values live
-there. The running node's working set at the peak is reported on its own.
+The tower's patch embedding runs in the prologue, its layers are blocks of their own templates,
+and its last norm, the projector and the merge of the image features into the token embeddings
+run in the bridge before the decoder's blocks (docs/families.md); the language model is the
+decoder's blocks and the epilogue. The tower's blocks are vision whole; the vision side of the
+prologue and of the bridge is found by data flow in their graphs (`_stage_share`). The vision
+seconds are those parts of the predicted compute stream; the vision device bytes at the predicted
+peak are those parts of the weights, gradients and saved values live there. The running node's
+working set at the peak is reported on its own.
 """
 from __future__ import annotations
 
@@ -64,57 +64,79 @@ class VisionShare:
 def vision_share(plan, images: ImageSignature, image_inputs: list[int]) -> VisionShare:
     """`image_inputs`: the indexes of the model's inputs that hold images (pixel values, masks)."""
     captured = plan.captured
-    # The vision side: parameters outside the language model (whose blocks are the streamed stack)
-    # that no later stage reads (the head is the epilogue's), unused ones (a tower's pooling head)
-    # included: the host holds them all.
+    # The vision side: parameters outside the language model (whose blocks are the decoder stack)
+    # that neither its blocks nor the epilogue read (the head is the epilogue's), unused ones (a
+    # tower's pooling head) included: the host holds them all.
     root = captured.block_path.rsplit(".", 1)[0] + "." if captured.block_path else ""
-    prologue = captured.stages[0]
-    later = {n for stage in captured.stages[1:] for n in stage.params}
+    towers = {s for s, st in enumerate(captured.stages) if st.template.kind == "block" and captured.in_tower(st.origin)}
+    decoder = next((s for s, st in enumerate(captured.stages) if st.template.kind == "block" and s not in towers),
+                   len(captured.stages))
+    later = {n for stage in captured.stages[decoder:] for n in stage.params}
     numel = {n: e.numel for n, e in captured.state.items() if not e.is_buffer}
     vision_names = {n for n in numel if not n.startswith(root) and n not in later}
     vision_params = sum(v for n, v in numel.items() if n in vision_names)
-    t = prologue.template
-    vision_slot = [name in vision_names for name in prologue.params]
-    pixel_act = [port.stage == -1 and port.index in image_inputs for port in prologue.inputs]
-    ran = t.forward or t.inference          # a forward-only plan runs the inference graph
-    forward = _forward_nodes(ran, vision_slot + pixel_act)
-    graphs = [(Op.FORWARD, ran, forward), (Op.RECOMPUTE, ran, forward), (Op.INFER, ran, forward)]
-    if t.backward is not None:
-        graphs.append((Op.BACKWARD, t.backward, _backward_nodes(t, vision_slot)))
     hw, dtype = plan.hardware, captured.compute_dtype
-    share = {}
-    for op, program, nodes in graphs:
-        costs = [node_seconds(n, hw, dtype) for n in program.body if n.op == "call_function"]
-        mine = sum(node_seconds(n, hw, dtype) for n in nodes)
-        share[op] = mine / max(sum(costs), 1e-30)
+    # Per stage: the vision part of each compute node's seconds, and of each kind of bytes. A
+    # tower's blocks are vision whole; the prologue and the bridge in part; the rest not at all.
+    parts: dict[int, tuple[dict, dict]] = {s: ({op: 1.0 for op in COMPUTE_OPS}, _WHOLE) for s in towers}
+    for s, stage in enumerate(captured.stages[:decoder]):
+        if s not in towers:
+            vision_act = [(p.stage == -1 and p.index in image_inputs) or p.stage in towers for p in stage.inputs]
+            parts[s] = _stage_share(stage, [n in vision_names for n in stage.params], vision_act, hw, dtype)
     vision_s = language_s = 0.0
     for i, stream, start, end in plan.predicted_spans():
         node = plan.program.nodes[i]
         if stream != "compute" or node.op not in COMPUTE_OPS:
             continue
-        part = share.get(node.op, 0.0) if node.stage == 0 else 0.0
+        part = parts[node.stage][0].get(node.op, 0.0) if node.stage in parts else 0.0
         vision_s += (end - start) * part
         language_s += (end - start) * (1 - part)
 
-    slot_bytes = [p.meta.nbytes for p in t.params]
-    weights = _fraction(slot_bytes, vision_slot)
-    grads = _fraction([b for b, p in zip(slot_bytes, t.params) if p.trainable],
-                      [v for v, p in zip(vision_slot, t.params) if p.trainable])
-    saved_nodes = list(ran.output_node.args[0])[len(t.outputs):]
-    saved = _fraction([s.nbytes for s in t.saved], [n in forward for n in saved_nodes])
     vision_bytes = language_bytes = 0
     live, working = _live_at_peak(plan)
     for name, nbytes, node in live:
         kind = plan.program.values[name].kind
-        part = 0.0
-        if node.stage == 0:
-            part = {"weights": weights, "grads": grads, "saved": saved}.get(kind, 0.0)
+        part = parts[node.stage][1].get(kind, 0.0) if node.stage in parts else 0.0
         vision_bytes += round(nbytes * part)
         language_bytes += nbytes - round(nbytes * part)
     peak = plan.program.nodes[plan.curve.peak_index]
     where = plan.program.stage_names[peak.stage] if peak.stage is not None else ""
     return VisionShare(images, vision_params, sum(numel.values()) - vision_params, vision_s, language_s,
                        vision_bytes, language_bytes, working, f"{peak.op.value} {where}".strip())
+
+
+class _Whole(dict):
+    """Every kind of bytes a tower's block writes is vision's: weights, saved values, its output."""
+    def get(self, kind, default=None):
+        return 1.0
+
+
+_WHOLE = _Whole()
+
+
+def _stage_share(stage, vision_slot: list[bool], vision_act: list[bool], hw, dtype) -> tuple[dict, dict]:
+    """The vision part of a stage that holds some of each side (the prologue, the bridge), by data
+    flow in its graphs: in the forward, every op that reads (through any chain) a vision parameter
+    or input; in the backward, every op that feeds a vision parameter's gradient or reads a vision
+    parameter. Seconds are the ops' roofline seconds (cost/estimate.py); bytes are the share of
+    the stage's weights, gradients and saved values."""
+    t = stage.template
+    ran = t.forward or t.inference          # a forward-only plan runs the inference graph
+    forward = _forward_nodes(ran, vision_slot + vision_act)
+    graphs = [(Op.FORWARD, ran, forward), (Op.RECOMPUTE, ran, forward), (Op.INFER, ran, forward)]
+    if t.backward is not None:
+        graphs.append((Op.BACKWARD, t.backward, _backward_nodes(t, vision_slot)))
+    share = {}
+    for op, program, nodes in graphs:
+        costs = [node_seconds(n, hw, dtype) for n in program.body if n.op == "call_function"]
+        mine = sum(node_seconds(n, hw, dtype) for n in nodes)
+        share[op] = mine / max(sum(costs), 1e-30)
+    slot_bytes = [p.meta.nbytes for p in t.params]
+    saved_nodes = list(ran.output_node.args[0])[len(t.outputs):]
+    return share, {"weights": _fraction(slot_bytes, vision_slot),
+                   "grads": _fraction([b for b, p in zip(slot_bytes, t.params) if p.trainable],
+                                      [v for v, p in zip(vision_slot, t.params) if p.trainable]),
+                   "saved": _fraction([s.nbytes for s in t.saved], [n in forward for n in saved_nodes])}
 
 
 def _fraction(nbytes: list[int], vision: list[bool]) -> float:
