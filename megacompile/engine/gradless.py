@@ -11,7 +11,8 @@ parameter without a gradient keeps its state").
 
 The host state lays out every trainable parameter of the model, those the first program does not
 reach in the prologue's owner (runtime/host.py), so a program checked here must agree with that
-layout: it owns each parameter it reaches where the layout put it, and a parameter it uses from
+layout: each of its owning stages holds parameters of one host owner (runtime/host.py owner_map:
+a later program may cut the model into other stages), and a parameter it uses from
 several stages (a tied embedding) sits in an owner laid out to sum them. With data parallelism the
 host state holds what the first program reaches, and every program must reach all of it: the
 ranks then always step the same parameters.
@@ -19,9 +20,8 @@ ranks then always step the same parameters.
 from __future__ import annotations
 
 from ..capture import CapturedModel
-from ..capture.model_graph import owners
 from ..errors import InputMismatchError
-from ..runtime.host import program_uses
+from ..runtime.host import owner_map, program_uses
 
 _NAMED = 6     # parameters named in a message; the rest are counted
 
@@ -56,12 +56,11 @@ def enter_program(captured: CapturedModel, host, data_parallel: bool) -> None:
                 "was run. Freeze them (param.requires_grad_(False)) before compile(), or give every micro-batch "
                 "inputs that use them (for a vision-language model: at least one image, with its pixel_values, "
                 "in every micro-batch)")
-    owner_of = owners(captured)[0]
-    elsewhere = sorted(n for n, s in owner_of.items() if held[n].owner != s)
+    elsewhere = owner_map(captured, held)[1]
     if elsewhere:
         raise InputMismatchError(
             f"step() got inputs whose program runs {len(elsewhere)} trainable parameters ({_names(elsewhere)}) in "
-            "another stage than the host state placed them in (laid out from the first step's program, the ones "
+            "one stage that the host state placed in several (laid out from the first step's program, the ones "
             "it did not reach in the prologue's); nothing was run. Give the first step inputs that reach every "
             "parameter later steps train (for a vision-language model: an image, with its pixel_values), or "
             "freeze them (param.requires_grad_(False)) before compile()")

@@ -23,7 +23,7 @@ import torch
 from ..capture import CapturedModel
 from ..ir.program import COMPUTE_OPS, SEED, Node, Op, Program, base_name, restored_of, weights
 from .backend import Backend, Event, flat_empty
-from .host import HostState
+from .host import HostState, owner_map
 from .stash import rebuild, stash_storages
 
 # The host work of one optimizer step: update(stage, context) and clip(context), where context
@@ -64,6 +64,10 @@ class Executor:
         self._landed: dict[int, Event] = {}               # per stage: its gradients added on the host
         self._clip_node: int | None = None                # the staged nodes, for the timeline
         self._update_node: dict[int, int | None] = {}
+        # The host owner each owning stage updates: itself for the program the host state was laid
+        # out from; by its parameters for another (runtime/host.py owner_map).
+        self._owner = owner_map(captured, host.slots)[0]
+        self._update_label: dict[int, str] = {}
 
     # -- one step ------------------------------------------------------------------------
     def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None,
@@ -139,11 +143,19 @@ class Executor:
             self.clip(self._context)   # a sum of the norms taken as gradients landed: no pass
             timeline.add("host", "clip_grads", start, time.perf_counter())
         context = self._context
+        if self._staged:
+            # The step's last micro-batch updates every owner its micro-batches reached, also those
+            # no stage of this program owns (a tower's, after an image micro-batch, when this one
+            # holds none).
+            for owner in self.host.reached_owners():
+                if owner not in self._staged:
+                    self._staged.append(owner)
+                    self._update_label[owner] = f"owner {owner}, reached by an earlier micro-batch"
         self.host.schedule_updates(self._staged, context.get("step") if self._staged else None)
         for s in self._staged:
-            timeline.node = self._update_node[s]
+            timeline.node = self._update_node.get(s)
             self.host.pending[s] = self.backend.host_task(
-                lambda s=s: self.update(s, context), f"adamw {self.program.stage_names[s]}")
+                lambda s=s: self.update(s, context), f"adamw {self._update_label[s]}")
         timeline.node = None
         self._clip_staged, self._staged = False, []
 
@@ -193,7 +205,7 @@ class Executor:
     def _wait(self, node: Node) -> None:
         (value,) = node.reads
         if self.program.values[value].kind == "host":
-            self.host.wait_update(node.stage)
+            self.host.wait_update(self._owner.get(node.stage, node.stage))
         else:
             self._events.pop(value).wait()
 
@@ -337,8 +349,11 @@ class Executor:
         self._clip_node = self.backend.timeline.node
 
     def _optimizer_step(self, node: Node) -> None:
-        self._staged.append(node.stage)
-        self._update_node[node.stage] = self.backend.timeline.node
+        owner = self._owner.get(node.stage, node.stage)
+        if owner not in self._staged:      # several stages of this program may update one owner
+            self._staged.append(owner)
+            self._update_node[owner] = self.backend.timeline.node
+            self._update_label[owner] = self.program.stage_names[node.stage]
 
     def _output(self, node: Node) -> None:
         self._outputs += [self.backend.to_host(self._env[r]) for r in node.reads]

@@ -350,6 +350,10 @@ class HostState:
         self._reached, self._summed = set(reached), set(reached)
         self._got = set()
 
+    def reached_owners(self) -> list[int]:
+        """The owners holding a parameter that a committed micro-batch of the step reached."""
+        return sorted({self.slots[n].owner for n in self._reached})
+
     def reached(self) -> set[str]:
         """The parameters the step's committed micro-batches reach (a checkpoint saved between
         them keeps this)."""
@@ -508,6 +512,27 @@ def program_uses(captured: CapturedModel, slots) -> dict[str, int]:
             if slot.trainable and name in slots:
                 uses[name] = uses.get(name, 0) + 1
     return uses
+
+
+def owner_map(captured: CapturedModel, slots) -> tuple[dict[int, int], list[str]]:
+    """Which host owner each of `captured`'s owning stages updates, and the parameters that make
+    that ambiguous.
+
+    The host state's owners are the first program's owning stages. A later program may cut the
+    model into other stages: a LLaVA step without images has no tower blocks and no bridge, so its
+    decoder's blocks have other indices, and its token embedding sits in its prologue where the
+    first program's bridge held it. Each of its owning stages updates the host owner that holds
+    its parameters; several may update one (a text-only first program laid the tower out in its
+    prologue's owner). A stage whose parameters the host holds in several owners is ambiguous:
+    its parameters are returned, and the step is refused (engine/gradless.py)."""
+    owner_of = owners(captured)[0]
+    found: dict[int, set[int]] = {}
+    for name, s in owner_of.items():
+        if name in slots:
+            found.setdefault(s, set()).add(slots[name].owner)
+    mapping = {s: next(iter(h)) for s, h in found.items() if len(h) == 1}
+    split = sorted(n for n, s in owner_of.items() if n in slots and s not in mapping)
+    return mapping, split
 
 
 # The check of a later micro-batch's sum works in slices of this many elements (64 MiB of fp32).
