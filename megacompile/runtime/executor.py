@@ -66,7 +66,7 @@ class Executor:
         self._update_node: dict[int, int | None] = {}
         # The host owner each owning stage updates: itself for the program the host state was laid
         # out from; by its parameters for another (runtime/host.py owner_map).
-        self._owner = owner_map(captured, host.slots)[0]
+        self._owner = owner_map(captured, host.slots)[0] if host is not None else {}
         self._update_label: dict[int, str] = {}
 
     # -- one step ------------------------------------------------------------------------
