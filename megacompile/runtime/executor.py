@@ -66,7 +66,7 @@ class Executor:
         self._update_node: dict[int, int | None] = {}
         # The host owner each owning stage updates: itself for the program the host state was laid
         # out from; by its parameters for another (runtime/host.py owner_map).
-        self._owner = owner_map(captured, host.slots)[0] if host is not None else {}
+        self._owners: dict[int, int] | None = None
         self._update_label: dict[int, str] = {}
 
     # -- one step ------------------------------------------------------------------------
@@ -205,7 +205,7 @@ class Executor:
     def _wait(self, node: Node) -> None:
         (value,) = node.reads
         if self.program.values[value].kind == "host":
-            self.host.wait_update(self._owner.get(node.stage, node.stage))
+            self.host.wait_update(self._owner(node.stage))
         else:
             self._events.pop(value).wait()
 
@@ -348,8 +348,14 @@ class Executor:
         self._clip_staged = True
         self._clip_node = self.backend.timeline.node
 
+    def _owner(self, stage: int) -> int:
+        """The host owner an owning stage of this program updates (runtime/host.py owner_map)."""
+        if self._owners is None:
+            self._owners = owner_map(self.captured, self.host.slots)[0]
+        return self._owners.get(stage, stage)
+
     def _optimizer_step(self, node: Node) -> None:
-        owner = self._owner.get(node.stage, node.stage)
+        owner = self._owner(node.stage)
         if owner not in self._staged:      # several stages of this program may update one owner
             self._staged.append(owner)
             self._update_node[owner] = self.backend.timeline.node
