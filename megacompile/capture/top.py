@@ -148,7 +148,9 @@ def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall], train: b
             block.forward = make_leaf(i, original)
         yield
         by_index = {c.index: c for c in calls}
-        if any(not _alike(by_index[i], by_index[j], shapes) for i, j in checks.items()):
+        # A stack the model did not call (a vision tower, given no image) checks nothing.
+        if any(not _alike(by_index[i], by_index[j], shapes) for i, j in checks.items()
+               if i in by_index and j in by_index):
             groups[(stack_key, "log every block")] = True
             raise _LogEveryBlock
         if groups is not None and stack_key not in groups:

@@ -99,3 +99,12 @@ def _unhooked(model, ids) -> float:
     for layer in plain.model.layers:
         layer._forward_hooks.clear()
     return plain(input_ids=ids, labels=ids).loss.item()
+
+
+def test_a_deep_tower_plans_the_text_path_without_images():
+    """Planning logs a few blocks of each group built alike (capture/alike.py) and checks the
+    others against them; a tower the model does not call, given no image, checks nothing."""
+    with torch.device("meta"):
+        model = llava(tower_layers=6)
+    plan = megacompile.plan(model, batch=2, seq=40, hbm_budget=1.0)
+    assert stage_layout(plan.captured) == ["prologue"] + [DECODER] * 8 + ["epilogue"]
