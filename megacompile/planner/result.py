@@ -356,8 +356,9 @@ class Plan:
         blocks = sum(1 for s in c.stages if s.template.kind == "block")
         n_templates = len(set(self._block_template_index().values()))
         shared = "share one template" if n_templates <= 1 else f"run {n_templates} templates"
-        towers = "".join(f" and {sum(1 for s in c.stages if s.template.kind == 'block' and s.origin.startswith(t + '.'))}"
-                         f" of {t}" for t in c.towers)
+        in_towers = {t: sum(1 for s in c.stages if s.template.kind == "block" and s.origin.startswith(t + "."))
+                     for t in c.towers}
+        towers = "".join(f" and {n} of {t}" for t, n in in_towers.items() if n)
         in_decoder = blocks - sum(1 for s in c.stages if s.template.kind == "block" and c.in_tower(s.origin))
         choice = self.program.facts.get("choice")
         measured = ("not run yet" if self.measured_peak_bytes is None
