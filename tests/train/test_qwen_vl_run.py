@@ -107,6 +107,7 @@ def _eager(c, tmp_path) -> list[float]:
                            "image_grid_thw")
 
 
+@pytest.mark.slow   # 4 steps of a Qwen2.5-VL run beside eager AdamW, a capture per set of grids: 50-120 s on 2 cores
 def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_path, monkeypatch):
     """Micro-batches of one and two images of two sizes: the losses are eager's; the first
     micro-batch's grids are captured once before the first step (for the budget and the engine
