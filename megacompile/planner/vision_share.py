@@ -78,7 +78,8 @@ def vision_share(plan, images: ImageSignature, image_inputs: list[int]) -> Visio
     hw, dtype = plan.hardware, captured.compute_dtype
     # Per stage: the vision part of each compute node's seconds, and of each kind of bytes. A
     # tower's blocks are vision whole; the prologue and the bridge in part; the rest not at all.
-    parts: dict[int, tuple[dict, dict]] = {s: ({op: 1.0 for op in COMPUTE_OPS}, _WHOLE) for s in towers}
+    # (share of each compute node's seconds, share of each kind of bytes; None: all of them).
+    parts: dict[int, tuple[dict, dict | None]] = {s: ({op: 1.0 for op in COMPUTE_OPS}, None) for s in towers}
     for s, stage in enumerate(captured.stages[:decoder]):
         if s not in towers:
             vision_act = [(p.stage == -1 and p.index in image_inputs) or p.stage in towers for p in stage.inputs]
@@ -96,22 +97,16 @@ def vision_share(plan, images: ImageSignature, image_inputs: list[int]) -> Visio
     live, working = _live_at_peak(plan)
     for name, nbytes, node in live:
         kind = plan.program.values[name].kind
-        part = parts[node.stage][1].get(kind, 0.0) if node.stage in parts else 0.0
+        part = 0.0
+        if node.stage in parts:
+            kinds = parts[node.stage][1]
+            part = 1.0 if kinds is None else kinds.get(kind, 0.0)
         vision_bytes += round(nbytes * part)
         language_bytes += nbytes - round(nbytes * part)
     peak = plan.program.nodes[plan.curve.peak_index]
     where = plan.program.stage_names[peak.stage] if peak.stage is not None else ""
     return VisionShare(images, vision_params, sum(numel.values()) - vision_params, vision_s, language_s,
                        vision_bytes, language_bytes, working, f"{peak.op.value} {where}".strip())
-
-
-class _Whole(dict):
-    """Every kind of bytes a tower's block writes is vision's: weights, saved values, its output."""
-    def get(self, kind, default=None):
-        return 1.0
-
-
-_WHOLE = _Whole()
 
 
 def _stage_share(stage, vision_slot: list[bool], vision_act: list[bool], hw, dtype) -> tuple[dict, dict]:
