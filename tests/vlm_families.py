@@ -23,7 +23,7 @@ SEQ = 48
 IMAGE = 16                      # pixels per side, in 4 x 4 patches: 16 patches per image
 GEMMA3_TOKENS = 4               # Gemma 3 pools the 16 patches 2 x 2: 4 image tokens per image
 IDEFICS3_TOKENS = 4             # Idefics3 shuffles 2 x 2 patches into one: 4 image tokens per image
-FAMILIES = ("gemma3", "idefics3", "smolvlm", "qwen2_5_vl")
+FAMILIES = ("gemma3", "idefics3", "smolvlm", "qwen2_5_vl", "qwen3_vl")
 
 
 def _text(config_cls, **extra):
@@ -61,15 +61,15 @@ def idefics3(seed: int = 0, family: str = "idefics3"):
 
 
 def model(family: str, seed: int = 0):
-    if family == "qwen2_5_vl":
-        return qwen2_5_vl(seed)
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        return qwen2_5_vl(seed) if family == "qwen2_5_vl" else qwen3_vl(seed)
     return gemma3(seed) if family == "gemma3" else idefics3(seed, family)
 
 
 def batch(family: str, seed: int = 0, images: tuple[int, ...] = (1, 2)) -> dict[str, torch.Tensor]:
     """One row per entry of `images`, each row holding that many images at places that move with
     the seed; labels ignore the image tokens."""
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_5_vl", "qwen3_vl"):
         return qwen_batch(seed, images)
     g = torch.Generator().manual_seed(seed)
     per_image = GEMMA3_TOKENS if family == "gemma3" else IDEFICS3_TOKENS
@@ -166,16 +166,16 @@ def qwen_batch(seed: int = 0, images: tuple[int, ...] = (1, 2), grids=QWEN_GRIDS
 
 
 def qwen3_vl(seed: int = 0):
-    """Qwen3-VL: Qwen2.5-VL's inputs; its tower's deepstack features are added to the hidden states
-    after the first decoder layers. Not trained with images yet."""
+    """Qwen3-VL: Qwen2.5-VL's inputs; the mergers after both tower layers give deepstack features,
+    added to the image tokens' hidden states after the first two of three decoder layers."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False, bos_token_id=None,
                 eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                     "mrope_section": [1, 1, 2], "mrope_interleaved": True})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0])
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
     return Qwen3VLForConditionalGeneration(Qwen3VLConfig(
         text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
         vision_start_token_id=VISION_START, vision_end_token_id=END_OF_IMAGE))

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CaptureError
+from .deepstack import merger_lists
 from .leaf import BlockCall
 
 
@@ -74,9 +75,10 @@ def find_block_stack(model: nn.Module) -> BlockStack | None:
     config (a vision tower's layers); other models stream their decoder alone.
     """
     home = _token_home(model)
+    attached = merger_lists(model)    # Qwen3-VL's deepstack mergers run inside tower blocks
     lists = []
     for path, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or path in attached:
             continue
         if max(Counter(type(m) for m in module).values()) < 2:
             continue
@@ -144,6 +146,8 @@ def _difference(stack: BlockStack, a: BlockCall, b: BlockCall) -> str | None:
     if not (a.in_spec == b.in_spec and a.tensor_positions == b.tensor_positions and a.out_spec == b.out_spec
             and same_constants(a.constants, b.constants) and a.side_keys == b.side_keys):
         return "non-tensor call arguments"
+    if a.attached_key != b.attached_key:
+        return f"the work folded into it ({b.attached_key or 'none'} where the other has {a.attached_key or 'none'})"
     if a.fingerprint != b.fingerprint:
         return f"what it computes ({_first_op_difference(a.fingerprint, b.fingerprint)})"
     return None

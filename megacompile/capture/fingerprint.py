@@ -83,16 +83,19 @@ class _OpLog(TorchDispatchMode):
         return out
 
 
-def record(block: nn.Module, run, tensors: list[torch.Tensor], train: bool) -> tuple[Any, Fingerprint]:
+def record(block: nn.Module, run, tensors: list[torch.Tensor], train: bool,
+           attached: dict[str, torch.Tensor] | None = None) -> tuple[Any, Fingerprint]:
     """Run `run(tensors)` (the block's own forward on its tensor inputs) under the op log and
     return its output and the block's fingerprint.
 
     In training the forward runs with autograd on, so the graph it builds can be read: where it
     holds a custom autograd.Function or a gradient hook, Python code that the forward ops do not
     show runs in the backward, and the backward runs under the log too. Otherwise the backward is
-    the derivative of the logged ops and adds nothing to compare."""
+    the derivative of the logged ops and adds nothing to compare. `attached`: the tensors of work
+    folded into the block (deepstack.py), by their names inside its stage."""
     log = _OpLog()
-    for kind, named in (("param", block.named_parameters()), ("buffer", block.named_buffers())):
+    for kind, named in (("param", block.named_parameters()), ("buffer", block.named_buffers()),
+                        ("param", (attached or {}).items())):
         for n, p in named:
             log.name(p, (kind, n))
     inputs = []

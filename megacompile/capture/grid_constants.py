@@ -28,7 +28,9 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from ..errors import CaptureError, InputMismatchError
 
 # The model classes whose vision tower reads its grid's values; the names of those inputs.
-_FAMILIES = {("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel")}
+_FAMILIES = {("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel"),
+             ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel"),
+             ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeModel")}
 GRID_INPUTS = ("image_grid_thw", "video_grid_thw")
 
 
@@ -70,9 +72,17 @@ class GridConstants:
 
 
 def _vision_tables(visual: nn.Module, grid: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The grid-dependent tables Qwen2.5-VL's tower computes, from a real grid, on the host."""
-    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+    """The grid-dependent tables the tower computes, from a real grid, on the host: Qwen2.5-VL's
+    windows, or Qwen3-VL's resampling of its learned position grid to each image's."""
+    from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
+                                           get_vision_position_ids, get_vision_window_index)
     config = visual.config
+    if hasattr(visual, "num_grid_per_side"):      # Qwen3-VL
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners, spatial_merge_size=config.spatial_merge_size)
+        return {"position_ids": get_vision_position_ids(grid, config.spatial_merge_size),
+                "cu_seqlens": get_vision_cu_seqlens(grid), "interp_indices": indices, "interp_weights": weights}
     window_index, cu_window_seqlens = get_vision_window_index(grid, config.spatial_merge_size, config.window_size,
                                                               config.patch_size)
     return {"position_ids": get_vision_position_ids(grid, config.spatial_merge_size),
@@ -82,7 +92,7 @@ def _vision_tables(visual: nn.Module, grid: torch.Tensor) -> dict[str, torch.Ten
 
 def static_grid_features(name: str, module: nn.Module, inputs, real: list[torch.Tensor],
                          found: dict[str, GridConstants]):
-    """A get_image_features for `module` (Qwen2.5-VL) that runs its tower on tables computed from
+    """A get_image_features for `module` (Qwen2.5-VL, Qwen3-VL) that runs its tower on tables computed from
     the step's real grids, as constants of the trace; records them in found[name].
     inputs(): the model's traced input tensors; real: the same inputs as given, values and all."""
     label = f"{type(module).__name__} ('{name}')"
@@ -99,17 +109,21 @@ def static_grid_features(name: str, module: nn.Module, inputs, real: list[torch.
                                "does not train yet: load the model with attn_implementation='sdpa' or 'eager'")
         values = _grid(real[index])
         with unset_fake_temporarily(), disable_proxy_modes_tracing():
-            tables = {k: v.tolist() for k, v in _vision_tables(module.visual, torch.tensor(values)).items()}
+            tables = {k: (v.tolist(), v.dtype) for k, v in _vision_tables(module.visual, torch.tensor(values)).items()}
         # The tables indexed with are made inside the trace: constants of the graph. The attention
         # only splits by the lengths between the cumulative ones (`lengths.tolist()`): they go in as
-        # host arrays of numbers, so the split sizes are plain numbers when traced.
+        # host arrays of numbers, so the split sizes are plain numbers when traced. Each table keeps
+        # its dtype: Qwen3-VL's interpolation weights are float64, as eagerly.
         lengths = ("cu_seqlens", "cu_window_seqlens")
-        precomputed = {k: numpy.asarray(v) if k in lengths else torch.tensor(v, device=pixel_values.device)
-                       for k, v in tables.items()}
+        precomputed = {k: numpy.asarray(v) if k in lengths else torch.tensor(v, dtype=dtype, device=pixel_values.device)
+                       for k, (v, dtype) in tables.items()}
         out = module.visual(pixel_values.type(module.visual.dtype), grid_thw=image_grid_thw,
                             **{**kwargs, **precomputed})
         merge = module.visual.spatial_merge_size ** 2
-        out.pooler_output = torch.split(out.pooler_output, [t * h * w // merge for t, h, w in values])
+        sizes = [t * h * w // merge for t, h, w in values]
+        out.pooler_output = torch.split(out.pooler_output, sizes)
+        if getattr(out, "deepstack_features", None) is not None:    # Qwen3-VL's, split per image likewise
+            out.deepstack_features = [torch.split(f, sizes) for f in out.deepstack_features]
         found[name] = GridConstants(f"{type(module).__name__} at '{name}'", index, "image_grid_thw", values)
         return out
     return get_image_features

@@ -6,7 +6,7 @@ block, instead of the block's few hundred ATen ops: the template is traced once 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,14 @@ class BlockCall:
     # returned ones, with the collector keys active while it ran and the key of each tensor.
     collect_keys: tuple[str, ...] = ()
     side_keys: tuple[str, ...] = ()
+    # Work the model runs on the block's output before the next block (deepstack.py): its extra
+    # tensor inputs follow the call's own; the outputs it adds follow the side outputs.
+    attached: Any = None
+    attached_meta: list[tuple[torch.Size, torch.dtype, torch.device]] = field(default_factory=list)
+
+    @property
+    def attached_key(self) -> str | None:
+        return None if self.attached is None else self.attached.key
 
     def rebuild_args(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
         leaves = list(self.constants)

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's 3D (multimodal rotary) positions, computed before the step and passed as input.
+"""Qwen2.5-VL's and Qwen3-VL's 3D (multimodal rotary) positions, computed before the step and passed as input.
 
 Given no position_ids, Qwen2.5-VL builds them in its forward (`compute_3d_position_ids`, which
 calls `get_rope_index`): a text token advances all three position rows by one, an image's tokens
@@ -10,6 +10,8 @@ anything) and passes its result as position_ids, an ordinary input of the captur
 model does with position_ids (the rotary sections per axis) is traced as it is.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn as nn
@@ -34,13 +36,15 @@ def with_rope_positions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     name, module = found
     if kwargs["input_ids"].device.type == "meta":
         return kwargs
+    given = dict(input_ids=kwargs["input_ids"], image_grid_thw=kwargs.get("image_grid_thw"),
+                 video_grid_thw=kwargs.get("video_grid_thw"), inputs_embeds=None,
+                 attention_mask=kwargs.get("attention_mask"), past_key_values=None,
+                 mm_token_type_ids=kwargs.get("mm_token_type_ids"))
+    if "second_per_grid_ts" in inspect.signature(module.compute_3d_position_ids).parameters:   # Qwen2.5-VL's
+        given["second_per_grid_ts"] = kwargs.get("second_per_grid_ts")
     try:
         with torch.no_grad():
-            positions = module.compute_3d_position_ids(
-                input_ids=kwargs["input_ids"], image_grid_thw=kwargs.get("image_grid_thw"),
-                video_grid_thw=kwargs.get("video_grid_thw"), inputs_embeds=None,
-                attention_mask=kwargs.get("attention_mask"), past_key_values=None,
-                second_per_grid_ts=kwargs.get("second_per_grid_ts"), mm_token_type_ids=kwargs.get("mm_token_type_ids"))
+            positions = module.compute_3d_position_ids(**given)
     except (StopIteration, RuntimeError, IndexError, TypeError) as e:
         raise InputMismatchError(
             f"{type(module).__name__} at '{name or type(model).__name__}' cannot place its 3D positions for this "

@@ -59,8 +59,13 @@ class _Segment:
         graph.output([env[o] for o in outputs])
         self.gm = fx.GraphModule(top, graph)
         self.outputs = outputs
+        # In-place writes into views of its own values (Qwen3-VL's rotary tables) read nowhere
+        # else: traced through functionalization, they become the values their readers take.
+        self.writes = any(_writers(n) for n in members)
 
     def __call__(self, params: list[torch.Tensor], acts: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.writes:
+            return list(torch.func.functionalize(self.gm, remove="mutations_and_views")(*params, *acts))
         return list(self.gm(*params, *acts))
 
 
@@ -134,7 +139,8 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
         side = {Port(s, k) for s, st in enumerate(stages) if st.name.startswith("block.")
                 for k in range(_returned(top.calls[int(st.name.split(".")[1])]), len(st.template.outputs))}
         for stage in stages:
-            _check_no_grad_bypass(stage, stages, side)
+            call = top.calls[int(stage.name.split(".")[1])] if stage.name.startswith("block.") else None
+            _check_no_grad_bypass(stage, stages, side, len(call.tensor_positions) if call else len(stage.inputs))
     return stages, [where[o] for o in e_out], notes
 
 
@@ -152,12 +158,16 @@ def _add_blocks(stages, calls, first: int, groups: TemplateGroups, templates: di
     for b, (node, call) in enumerate(zip(calls, top.calls[first:]), start=first):
         block, path = stack.blocks[call.index], stack.block_path(call.index)
         local = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
+        full = [f"{path}.{n}" for n in local]
+        if call.attached is not None:
+            local += [n for n, _ in call.attached.param_names()]
+            full += [f for _, f in call.attached.param_names()]
         acts = [fake_act(a) for a in node.args[0]]
-        read = _outputs_read(node, _returned(call) + len(call.side_keys))
+        read = _outputs_read(node, _returned(call) + len(call.side_keys) + len(call.attached_meta))
         grads = tuple(bool(train and a.requires_grad) for a in acts) + read
         source = groups.source(b, grads)
         if source == b:
-            templates[b] = _trace_block(block, path, call, local, acts, fakes, trainable, train, read,
+            templates[b] = _trace_block(block, path, call, local, full, acts, fakes, trainable, train, read,
                                         chunk=call.index in stack.decoder)
             if b in groups.why:
                 other, why = groups.why[b]
@@ -169,12 +179,14 @@ def _add_blocks(stages, calls, first: int, groups: TemplateGroups, templates: di
                 raise CaptureError(f"input {k} of block {path} ('{a.name}') is not made "
                                    "by the prologue or the previous block")
             port = where[a]
-            if train and template.acts[k].requires_grad and b > 0 and port.stage != len(stages) - 1:
+            attached_input = k >= len(call.tensor_positions)    # deepstack features, from the bridge
+            if train and template.acts[k].requires_grad and b > 0 and port.stage != len(stages) - 1 \
+                    and not attached_input:
                 raise CaptureError(
                     f"input {k} of block {path} needs a gradient but does not come from the "
                     "previous block; megacompile streams blocks as a chain (block i feeds block i+1)")
             ports.append(port)
-        stages.append(StageInstance(f"block.{b}", template, [f"{path}.{n}" for n in local], ports, path))
+        stages.append(StageInstance(f"block.{b}", template, full, ports, path))
         for u in node.users:
             if u.target is operator.getitem:
                 where[u] = Port(len(stages) - 1, u.args[1])
@@ -182,21 +194,26 @@ def _add_blocks(stages, calls, first: int, groups: TemplateGroups, templates: di
     return notes
 
 
-def _trace_block(block: torch.nn.Module, path: str, call: BlockCall, local: list[str],
+def _trace_block(block: torch.nn.Module, path: str, call: BlockCall, local: list[str], full: list[str],
                  fake_acts: list[torch.Tensor], fakes, trainable, train: bool,
                  read: tuple[bool, ...], chunk: bool) -> StageTemplate:
-    """The template of one block, traced from its own module and the way the model called it.
-    `chunk`: the decoder's blocks may run over sequence chunks (chunk.py); a tower's sequence is
-    its images' patches, fixed by the images, and stays whole."""
-    slots = [ParamSlot(n, TensorMeta.of(fakes[f"{path}.{n}"], False), trainable[f"{path}.{n}"]) for n in local]
+    """The template of one block, traced from its own module and the way the model called it, with
+    the work folded into it (deepstack.py): `local` names its tensors inside the stage, `full` in
+    the model. `chunk`: the decoder's blocks may run over sequence chunks (chunk.py); a tower's
+    sequence is its images' patches, fixed by the images, and stays whole."""
+    slots = [ParamSlot(n, TensorMeta.of(fakes[f], False), trainable[f]) for n, f in zip(local, full)]
+    n_own, n_args = len(local) - len(call.attached.param_names() if call.attached else []), len(call.tensor_positions)
 
     def source(params, acts):
-        args, kwargs = call.rebuild_args(acts)
+        args, kwargs = call.rebuild_args(acts[:n_args])
         with recording(call.collect_keys) as side, _own_hooks_off(block):
-            out = functional_call(block, dict(zip(local, params)), args, kwargs, strict=False)
-        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)] + side.tensors
-    fake_params = [fakes[f"{path}.{n}"] for n in local]
-    with (chunk_block(block, local, fake_params, lambda: source(fake_params, fake_acts)) if chunk
+            out = functional_call(block, dict(zip(local[:n_own], params[:n_own])), args, kwargs, strict=False)
+        added = []
+        if call.attached is not None:
+            out, added = call.attached.apply(out, params[n_own:], acts[n_args:])
+        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)] + side.tensors + added
+    fake_params = [fakes[f] for f in full]
+    with (chunk_block(block, local[:n_own], fake_params[:n_own], lambda: source(fake_params, fake_acts)) if chunk
           else contextlib.nullcontext(())) as chunked:
         template = trace_stage("block", source, slots, fake_params, fake_acts, train, path,
                                differentiable=list(read))
@@ -250,6 +267,7 @@ def _segments(computed: list[fx.Node], runs: list[list[fx.Node]]) -> dict[fx.Nod
             if n not in first_fed and n.target is not BLOCK_CALL:
                 first_fed[n] = r
                 frontier.extend(n.all_input_nodes)
+                frontier.extend(_writers(n))
     after: dict[fx.Node, int] = {}      # the last run an op is downstream of
     for r in reversed(range(len(runs))):
         frontier = list(runs[r])
@@ -268,6 +286,25 @@ def _segments(computed: list[fx.Node], runs: list[list[fx.Node]]) -> dict[fx.Nod
     return before
 
 
+def _writers(n: fx.Node) -> list[fx.Node]:
+    """The in-place ops that write `n` or a view of it. Nothing reads their outputs (Qwen3-VL's
+    rotary tables interleave their sections by writing into a slice of a view), yet they belong
+    with the value they change, before its readers."""
+    found = []
+    for u in n.users:
+        schema = getattr(u.target, "_schema", None)
+        if schema is None:
+            continue
+        for k, arg in enumerate(schema.arguments):
+            value = u.args[k] if k < len(u.args) else u.kwargs.get(arg.name)
+            if value is n and arg.alias_info is not None and arg.alias_info.is_write:
+                found.append(u)
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) and u.args \
+                and u.args[0] is n:
+            found.extend(_writers(u))    # a view of n: what writes it writes n
+    return found
+
+
 def _returned(call: BlockCall) -> int:
     """How many tensors the block returns; its side outputs (side_outputs.py) follow them."""
     return sum(m is not None for m in call.out_meta)
@@ -282,12 +319,14 @@ def _outputs_read(call: fx.Node, n_outputs: int) -> tuple[bool, ...]:
     return tuple(read)
 
 
-def _check_no_grad_bypass(stage: StageInstance, stages: list[StageInstance], side: set[Port]) -> None:
-    """A gradient may only flow back along the chain, or to a block's side output (a layer's router
-    logits, which the epilogue's auxiliary loss reads): a few bytes per token, whose gradient waits
-    on the device from the epilogue's backward until that block's."""
+def _check_no_grad_bypass(stage: StageInstance, stages: list[StageInstance], side: set[Port], own: int) -> None:
+    """A gradient may only flow back along the chain, to a block's side output (a layer's router
+    logits, which the epilogue's auxiliary loss reads; a tower layer's deepstack features), or from
+    the extra inputs of the work folded into a block (inputs from `own` on: the deepstack features
+    the bridge hands a decoder block): a few bytes per token, whose gradient waits on the device
+    from the reader's backward until the producer's."""
     for k, port in enumerate(stage.inputs):
-        if port.stage < 0 or not stage.template.acts[k].requires_grad or port in side:
+        if port.stage < 0 or not stage.template.acts[k].requires_grad or port in side or k >= own:
             continue
         producer = stages[port.stage]
         index = stages.index(stage)

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError, MegacompileError
 from .alike import sampled_groups
 from .blocks import BlockStack, same_constants
+from .deepstack import deepstack_in_blocks
 from .fingerprint import record
 from .image_tokens import traced_inputs
 from .leaf import BlockCall, clear_out_meta, set_out_meta
@@ -74,7 +75,8 @@ class _LogEveryBlock(Exception):
 
 def _same_call(a: BlockCall, b: BlockCall) -> bool:
     try:
-        return a.in_spec == b.in_spec and same_constants(a.constants, b.constants) and not a.collect_keys
+        return (a.in_spec == b.in_spec and same_constants(a.constants, b.constants) and not a.collect_keys
+                and a.attached_key == b.attached_key)
     except Exception:  # noqa: BLE001 - constants that do not compare are not the same call
         return False
 
@@ -86,8 +88,9 @@ def _alike(c: BlockCall, d: BlockCall, shapes: dict[int, list]) -> bool:
 
 
 @contextlib.contextmanager
-def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall], train: bool):
-    """Patch each block's forward to record its call and emit one megacompile::block_call."""
+def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[BlockCall], train: bool):
+    """Patch each block's forward to record its call and emit one megacompile::block_call; the
+    deepstack work that follows a block (deepstack.py) is folded into its call."""
     if stack is None:
         yield
         return
@@ -99,39 +102,48 @@ def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall], train: b
             positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
             constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
             block = stack.blocks[index]
+            attached, extra = deepstack.for_call(index)
 
             def run(tensors: list[torch.Tensor]):
                 own = list(leaves)
                 for pos, t in zip(positions, tensors):
                     own[pos] = t
                 a, kw = pytree.tree_unflatten(own, in_spec)
-                return original(*a, **kw)
+                out = original(*a, **kw)
+                return (out, []) if attached is None else attached.apply(out, None, tensors[len(positions):])
             keys = active_keys()
-            shapes[index] = [(leaves[i].shape, leaves[i].dtype, leaves[i].requires_grad) for i in positions]
+            inputs = [leaves[i] for i in positions] + extra
+            shapes[index] = [(t.shape, t.dtype, t.requires_grad) for t in inputs]
             j = known.get(index)
             like = next((c for c in calls if c.index == j), None)
-            probe = BlockCall(in_spec, constants, positions, None, [], [], index, (), keys)
+            probe = BlockCall(in_spec, constants, positions, None, [], [], index, (), keys, attached=attached)
             if like is not None and shapes[j] == shapes[index] and _same_call(probe, like):
                 calls.append(BlockCall(in_spec, constants, positions, like.out_spec, like.out_meta,
-                                       like.out_constants, index, like.fingerprint, keys, ()))
+                                       like.out_constants, index, like.fingerprint, keys, (), attached,
+                                       like.attached_meta))
                 side = None
             else:
                 with disable_proxy_modes_tracing():   # fake tensors only: the output's shapes, the fingerprint
                     with recording(keys) as side:
-                        out, fingerprint = record(block, run, [leaves[i] for i in positions], train)
+                        named = attached.tensors() if attached is not None else None
+                        (out, added), fingerprint = record(block, run, inputs, train, named)
                 out_leaves, out_spec = pytree.tree_flatten(out)
                 meta = [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in out_leaves]
                 out_constants = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
                 calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants, index,
-                                       fingerprint, keys, side.tensor_keys))
+                                       fingerprint, keys, side.tensor_keys, attached,
+                                       [(x.shape, x.dtype, x.device) for x in added]))
             meta = calls[-1].out_meta
             side_meta = [] if side is None else [(x.shape, x.dtype, x.device) for x in side.tensors]
-            set_out_meta(index, [m for m in meta if m is not None] + side_meta)
-            tensors = torch.ops.megacompile.block_call([leaves[i] for i in positions], index)
+            set_out_meta(index, [m for m in meta if m is not None] + side_meta + calls[-1].attached_meta)
+            tensors = torch.ops.megacompile.block_call(inputs, index)
             returned = sum(m is not None for m in meta)
+            n_side = len(side_meta)
             if side is not None:
-                hand_back(side, tensors[returned:])
-            return calls[-1].rebuild_output(tensors[:returned])
+                hand_back(side, tensors[returned:returned + n_side])
+            output = calls[-1].rebuild_output(tensors[:returned])
+            deepstack.hand_over(output, tensors[returned + n_side:])
+            return output
         return leaf
 
     groups = _GROUPS.get()
@@ -146,11 +158,13 @@ def _blocks_as_leaves(stack: BlockStack | None, calls: list[BlockCall], train: b
     try:
         for i, (block, original) in enumerate(zip(stack.blocks, originals)):
             block.forward = make_leaf(i, original)
-        yield
+        with deepstack_in_blocks(model, stack.blocks) as deepstack:
+            yield
         by_index = {c.index: c for c in calls}
-        # A stack the model did not call (a vision tower, given no image) checks nothing.
+        # A stack the model did not call (a vision tower, given no image) checks nothing; nor do
+        # blocks told apart by the work folded into them, which the model's structure names.
         if any(not _alike(by_index[i], by_index[j], shapes) for i, j in checks.items()
-               if i in by_index and j in by_index):
+               if i in by_index and j in by_index and by_index[i].attached_key == by_index[j].attached_key):
             groups[(stack_key, "log every block")] = True
             raise _LogEveryBlock
         if groups is not None and stack_key not in groups:
@@ -194,11 +208,11 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
 
     try:
         try:
-            with _blocks_as_leaves(stack, calls, train):
+            with _blocks_as_leaves(model, stack, calls, train):
                 gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
         except _LogEveryBlock:
             calls.clear()
-            with _blocks_as_leaves(stack, calls, train):
+            with _blocks_as_leaves(model, stack, calls, train):
                 gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
     except MegacompileError:
         raise

@@ -22,9 +22,10 @@ from tests.e2e.test_vlm import STEPS, assert_parity
 from tests.vlm_families import FAMILIES, IDEFICS3_TOKENS, IMAGE_TOKEN, batch, idefics2, model
 
 BLOCKS = {"gemma3": "model.language_model.layers", "idefics3": "model.text_model.layers",
-          "smolvlm": "model.text_model.layers", "qwen2_5_vl": "model.language_model.layers"}
+          "smolvlm": "model.text_model.layers", "qwen2_5_vl": "model.language_model.layers",
+          "qwen3_vl": "model.language_model.layers"}
 TOWERS = {"gemma3": "model.vision_tower.", "idefics3": "model.vision_model.", "smolvlm": "model.vision_model.",
-          "qwen2_5_vl": "model.visual."}
+          "qwen2_5_vl": "model.visual.", "qwen3_vl": "model.visual."}
 MIXED = (0, 1, 2)     # images per row
 
 
