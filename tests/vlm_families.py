@@ -165,17 +165,22 @@ def qwen_batch(seed: int = 0, images: tuple[int, ...] = (1, 2), grids=QWEN_GRIDS
     return out
 
 
-def qwen3_vl(seed: int = 0):
+def qwen3_vl(seed: int = 0, moe: bool = False, patch: int = 4):
     """Qwen3-VL: Qwen2.5-VL's inputs; the mergers after both tower layers give deepstack features,
-    added to the image tokens' hidden states after the first two of three decoder layers."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    added to the image tokens' hidden states after the first two of three decoder layers. `moe`:
+    Qwen3-VL-MoE, whose decoder layers route over 4 experts, 2 per token."""
+    import transformers
     torch.manual_seed(seed)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False, bos_token_id=None,
                 eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                     "mrope_section": [1, 1, 2], "mrope_interleaved": True})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
-    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+    name = "Qwen3VLMoe" if moe else "Qwen3VL"
+    config = getattr(transformers, f"{name}Config")(
         text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
-        vision_start_token_id=VISION_START, vision_end_token_id=END_OF_IMAGE))
+        vision_start_token_id=VISION_START, vision_end_token_id=END_OF_IMAGE)
+    return getattr(transformers, f"{name}ForConditionalGeneration")(config)

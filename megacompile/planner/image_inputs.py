@@ -15,7 +15,7 @@ family's processor decides both, and the batch built here follows it:
   to one tile when it splits (the image processor's own `get_number_of_image_patches`);
   pixel_values are [rows, tiles per row, 3, T, T] and each tile fills
   (T / patch)^2 / scale_factor^2 image tokens.
-- Qwen2.5-VL: the processor keeps an image's shape, resized to multiples of patch x merge pixels
+- Qwen2.5-VL and Qwen3-VL: the processor keeps an image's shape, resized to multiples of patch x merge pixels
   within its pixel budget (the image processor's own resizing, run on a blank image of that
   size), and flattens it into patches: pixel_values are [patches of every image, C x T x P x P],
   image_grid_thw each image's (frames, rows, columns) of patches, and each image fills
@@ -38,8 +38,10 @@ from ..errors import ArgumentError
 
 # model_type -> how its processor lays images out: one tower-sized image per image, or tiles
 # padded per row.
-FAMILIES = {"llava": "resized", "gemma3": "resized", "idefics3": "tiled", "smolvlm": "tiled", "qwen2_5_vl": "grid"}
-NAMES = "LLaVA (llava), Gemma 3 (gemma3), Idefics3 (idefics3), SmolVLM (smolvlm) and Qwen2.5-VL (qwen2_5_vl)"
+FAMILIES = {"llava": "resized", "gemma3": "resized", "idefics3": "tiled", "smolvlm": "tiled", "qwen2_5_vl": "grid",
+            "qwen3_vl": "grid", "qwen3_vl_moe": "grid"}
+NAMES = ("LLaVA (llava), Gemma 3 (gemma3), Idefics3 (idefics3), SmolVLM (smolvlm), Qwen2.5-VL (qwen2_5_vl) and "
+         "Qwen3-VL (qwen3_vl, qwen3_vl_moe)")
 
 
 @dataclass(frozen=True)
@@ -150,9 +152,10 @@ def _fits(signature: ImageSignature, seq: int) -> ImageSignature:
 
 def _grid_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
                  image_size: int | None) -> tuple[dict[str, torch.Tensor], ImageSignature]:
-    """Qwen2.5-VL's images: flattened patches, each image's grid, its token types and 3D positions."""
+    """Qwen2.5-VL's and Qwen3-VL's images: flattened patches, each image's grid, its token types and 3D
+    positions."""
     if image_size is None:
-        raise ArgumentError("Qwen2.5-VL keeps each image's size (its processor resizes it to multiples of the "
+        raise ArgumentError(f"{type(model).__name__} keeps each image's size (its processor resizes it to multiples of the "
                             "patch within a pixel budget), so planning its images needs image_size: the pixels "
                             "per side of each image, e.g. image_size=448 (--image-size 448)")
     image_size = arguments.count("image_size", image_size, what=" (pixels per side of each image)")
@@ -164,7 +167,7 @@ def _grid_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
     written = processor([np.zeros((image_size, image_size, 3), dtype=np.uint8)], return_tensors="pt")
     grid = [int(v) for v in written["image_grid_thw"][0]]
     patches = grid[0] * grid[1] * grid[2]
-    signature = _fits(ImageSignature("qwen2_5_vl", images_per_row, image_size, grid[1] * patch, 1,
+    signature = _fits(ImageSignature(model.config.model_type, images_per_row, image_size, grid[1] * patch, 1,
                                      patches // merge ** 2), seq)
     images, meta = batch * images_per_row, dict(device="meta")
     ids = torch.empty(batch, seq, dtype=torch.long, **meta)

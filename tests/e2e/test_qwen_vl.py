@@ -15,7 +15,7 @@ import megacompile
 from megacompile.errors import CaptureError
 from tests.e2e.harness import clone
 from tests.e2e.test_vlm import eager
-from tests.vlm_families import IMAGE_TOKEN, QWEN_GRIDS, qwen2_5_vl, qwen3_vl, qwen_batch
+from tests.vlm_families import IMAGE_TOKEN, QWEN_GRIDS, qwen2_5_vl, qwen_batch
 
 MIXED = (0, 1, 2)
 OTHER_GRIDS = ((1, 4, 4), (1, 4, 2))    # the second image size turned: the same shapes, other grids
@@ -101,18 +101,6 @@ def test_videos_are_refused_by_name():
     with pytest.raises(CaptureError, match=r"Qwen2_5_VLModel \('model'\) was given videos"):
         engine.step(**videos)
     assert engine.steps_done == 0
-
-
-def test_qwen3_vl_is_refused_with_images_and_trains_on_text():
-    """Qwen3-VL adds tower features to the hidden states between its first decoder layers (a
-    gradient around the block chain): refused with images, by name; without them a decoder."""
-    model, b = qwen3_vl(), qwen_batch(images=MIXED)
-    with pytest.raises(CaptureError, match=r"Qwen3VLModel \('model'\) merges image features in a way megacompile "
-                                           r"does not train yet"):
-        megacompile.compile(clone(model), hbm_budget=1.0, device="cpu").step(**b)
-    text = {"input_ids": b["input_ids"].masked_fill(b["input_ids"] == IMAGE_TOKEN, 5), "labels": b["labels"]}
-    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
-    assert engine.step(**text) == pytest.approx(model(**text).loss.item(), rel=1e-5)
 
 
 def test_shared_captures_are_found_by_grids_as_by_shapes():
