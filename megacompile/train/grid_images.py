@@ -27,7 +27,7 @@ import shutil
 from ..errors import ArgumentError
 from .images import Media
 
-GRID_PROCESSORS = ("Qwen2_5_VLProcessor",)
+GRID_PROCESSORS = ("Qwen2_5_VLProcessor", "Qwen3VLProcessor")
 PAD, START, END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 # what a Qwen2.5-VL folder holds of its processor, besides the tokenizer's files
 EXPORTED_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",

@@ -38,11 +38,14 @@ def image_processor():
                                     size={"shortest_edge": 64, "longest_edge": 32 * 32})
 
 
-def model_dir(path: str, seed: int = 0) -> str:
+def model_dir(path: str, seed: int = 0, family: str = "qwen2_5_vl") -> str:
     """The folder as a Qwen2.5-VL download lays it out: config, weights, tokenizer files,
-    preprocessor_config.json naming Qwen2_5_VLProcessor, the chat template."""
+    preprocessor_config.json naming Qwen2_5_VLProcessor, the chat template. `family` "qwen3_vl": a
+    Qwen3-VL (tests/vlm_families.py's, its deepstack after both tower layers) with its processor's name."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    if family == "qwen3_vl":
+        return _qwen3_vl_dir(path, seed)
     tok = tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION}
     torch.manual_seed(seed)
@@ -56,13 +59,37 @@ def model_dir(path: str, seed: int = 0) -> str:
                               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                               vision_end_token_id=ids["<|vision_end|>"], use_cache=False)
     Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    return _processor_files(path, tok, "Qwen2_5_VLProcessor")
+
+
+def _qwen3_vl_dir(path: str, seed: int) -> str:
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    tok = tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION}
+    torch.manual_seed(seed)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=128, use_cache=False,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"])
+    Qwen3VLForConditionalGeneration(config).save_pretrained(path)
+    return _processor_files(path, tok, "Qwen3VLProcessor")
+
+
+def _processor_files(path: str, tok, processor: str) -> str:
     tok.save_pretrained(path)
     image_processor().save_pretrained(path)
     where = os.path.join(path, "preprocessor_config.json")
     with open(where) as f:
         saved = json.load(f)
     with open(where, "w") as f:
-        json.dump({**saved, "processor_class": "Qwen2_5_VLProcessor"}, f, indent=2)
+        json.dump({**saved, "processor_class": processor}, f, indent=2)
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:
         f.write(files.TEMPLATE)
     return path

@@ -18,8 +18,8 @@ from megacompile.train.tokens import load_tokenizer, token_file
 from tests.train import files, qwen_files, vlm_files
 
 
-def _work(tmp_path) -> dict:
-    return {"model": qwen_files.model_dir(str(tmp_path / "model")),
+def _work(tmp_path, family: str = "qwen2_5_vl") -> dict:
+    return {"model": qwen_files.model_dir(str(tmp_path / "model"), family=family),
             "data": qwen_files.records(str(tmp_path / "data.jsonl"), 12),
             "eval": qwen_files.records(str(tmp_path / "eval.jsonl"), 4, text_every=2)}
 
@@ -97,14 +97,28 @@ def _settings(name: str, **over) -> dict:
 
 
 def _eager(c, tmp_path) -> list[float]:
-    """The run's micro-batches (its rows, as it reads them) through transformers' Qwen2.5-VL and
-    torch.optim.AdamW; the model builds its 3D positions itself."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """The run's micro-batches (its rows, as it reads them) through transformers' model (Qwen2.5-VL
+    or Qwen3-VL) and torch.optim.AdamW; the model builds its 3D positions itself."""
+    from transformers import AutoModelForImageTextToText
     os.makedirs(tmp_path / "eager")
     media, tokenizer, tokens = _tokens(tmp_path / "eager", c.model, str(tmp_path / "data.jsonl"))
     rows = packing.Rows(tokens, c.seq, c.packing, c.seed, pad_id=tokenizer.pad_token_id, pixels=media.inputs)
-    return vlm_files.eager(c, Qwen2_5_VLForConditionalGeneration.from_pretrained(c.model, dtype=torch.float32), rows,
+    return vlm_files.eager(c, AutoModelForImageTextToText.from_pretrained(c.model, dtype=torch.float32), rows,
                            "image_grid_thw")
+
+
+@pytest.mark.slow   # 4 steps of a Qwen3-VL run beside eager AdamW: 40-90 s on 2 cores
+def test_a_qwen3_vl_run_trains_as_eagerly(tmp_path, monkeypatch):
+    """The same records through a Qwen3-VL folder (Qwen3VLProcessor's files): its deepstack trains
+    from files as eagerly."""
+    _work(tmp_path, family="qwen3_vl")
+    monkeypatch.chdir(tmp_path)
+    config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole", export=None)), [])
+    assert isinstance(grid_images.media(config.model), GridMedia)
+    run(config)
+    rows = log.read(str(tmp_path / "whole" / "log.csv"))
+    torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in rows]), torch.tensor(_eager(config, tmp_path)),
+                               rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow   # 4 steps of a Qwen2.5-VL run beside eager AdamW, a capture per set of grids: 50-120 s on 2 cores
