@@ -22,6 +22,12 @@ def offload_saved(program: Program, offload: frozenset[int], lag: int = 1) -> Pr
         return program
     compute_at = [i for i, n in enumerate(nodes) if n.op in COMPUTE_OPS]
     rank_of = {i: r for r, i in enumerate(compute_at)}
+    # A block whose backward comes within `lag` compute nodes of its forward (the last ones) keeps
+    # its saved values: the copy out could not be waited for before the backward reads them.
+    ranks = {(n.op, n.stage): rank_of[i] for i, n in enumerate(nodes) if n.op in (Op.FORWARD, Op.BACKWARD)}
+    offload = frozenset(s for s in offload if ranks[(Op.FORWARD, s)] + lag < ranks[(Op.BACKWARD, s)])
+    if not offload:
+        return program
     before: dict[int, list[Node]] = {}
     after: dict[int, list[Node]] = {}
     sent: dict[int, int] = {}      # stage -> the node after which its copy out is waited for

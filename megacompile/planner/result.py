@@ -303,7 +303,7 @@ class Plan:
             "prefetch_depth": choice.prefetch_depth if choice else None,
             "recompute": self.recomputed,
             "recompute_why": self.recompute_why(),
-            "offload": [self.program.stage_names[s] for s in sorted(choice.offload)] if choice else [],
+            "offload": [self.program.stage_names[s] for s in self.program.facts.get("offload", [])],
             "selective": [self.program.stage_names[s] for s in sorted(choice.selective)] if choice else [],
             "boundary_offload": [self.program.stage_names[s] for s in self.program.facts.get("boundary", [])],
             "blocks": self.blocks(),
@@ -390,7 +390,8 @@ class Plan:
             resident = ", ".join(self.program.stage_names[s] for s in sorted(choice.resident)) or "none"
             lines.append(f"  schedule       prefetch depth {choice.prefetch_depth}; recompute "
                          f"{f'{len(names)} of {blocks} blocks ({listed})' if names else 'none'}; offload "
-                         f"{len(choice.offload)} blocks' saved activations and {len(self.program.facts.get('boundary', []))} "
+                         f"{len(self.program.facts.get('offload', []))} blocks' saved activations and "
+                         f"{len(self.program.facts.get('boundary', []))} "
                          f"blocks' inputs; {len(choice.selective)} blocks save "
                          f"only matmul and attention outputs; resident for the step: {resident}")
         lines += self.block_decisions()
