@@ -184,3 +184,29 @@ def qwen3_vl(seed: int = 0, moe: bool = False, patch: int = 4):
         text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
         vision_start_token_id=VISION_START, vision_end_token_id=END_OF_IMAGE)
     return getattr(transformers, f"{name}ForConditionalGeneration")(config)
+
+
+def mllama(seed: int = 0):
+    """Mllama: a tiled vision model whose features the decoder reads in cross-attention layers (here
+    layer 1 of 4); refused with images, a decoder without them."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, cross_attention_layers=[1], max_position_embeddings=64, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4,
+                  image_size=IMAGE, patch_size=4, max_num_tiles=1, vision_output_dim=64,
+                  intermediate_layers_indices=[0], supported_aspect_ratios=[[1, 1]])
+    return MllamaForConditionalGeneration(MllamaConfig(text_config=text, vision_config=vision,
+                                                       image_token_index=IMAGE_TOKEN))
+
+
+def mllama_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two rows of SEQ tokens, one image (one tile) each, as MllamaProcessor lays them out."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VIDEO_TOKEN, (2, SEQ), generator=g)
+    ids[:, 1] = IMAGE_TOKEN
+    return dict(input_ids=ids, labels=ids.masked_fill(ids == IMAGE_TOKEN, -100),
+                pixel_values=torch.randn(2, 1, 1, 3, IMAGE, IMAGE, generator=g),
+                aspect_ratio_ids=torch.tensor([[1], [1]]), aspect_ratio_mask=torch.ones(2, 1, 1, dtype=torch.long),
+                cross_attention_mask=torch.ones(2, SEQ, 1, 1, dtype=torch.long))

@@ -111,6 +111,19 @@ def _supported(module: nn.Module) -> bool:
     return cls.__module__ in _CHECKED and params == _SIGNATURE
 
 
+def _cross_attending(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """Models whose decoder attends to the image features in cross-attention layers (Mllama), with
+    their vision model: (path, model, vision model)."""
+    found = []
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        text = getattr(config, "text_config", None)
+        vision = getattr(module, "vision_model", None)
+        if getattr(text, "cross_attention_layers", None) and isinstance(vision, nn.Module):
+            found.append((name, module, vision))
+    return found
+
+
 def _inputs() -> list:
     return _TRACED_INPUTS.get() or []
 
@@ -135,6 +148,15 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
                                "Qwen3-VL train with images (docs/families.md); this model trains on text alone "
                                "(no pixel_values)")
         return merge
+
+    def refuse_cross_attention(name: str, module: nn.Module):
+        def encode(*args, **kwargs):
+            raise CaptureError(f"{type(module).__name__} ('{name}') reads its image features in cross-attention "
+                               "layers, which megacompile does not train yet: the features would be read, with a "
+                               "gradient, by several streamed decoder blocks, and the block chain carries a gradient "
+                               "to one reader only (docs/families.md); this model trains on text alone (no "
+                               "pixel_values)")
+        return encode
 
     def refuse_videos(name: str, module: nn.Module):
         def merge(*args, **kwargs):
@@ -201,6 +223,9 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
             for attr, fn in methods(name, module).items():
                 setattr(module, attr, fn)
                 installed.append((module, attr))
+        for name, module, vision in _cross_attending(model):
+            vision.forward = refuse_cross_attention(name, module)
+            installed.append((vision, "forward"))
         yield found
     finally:
         for module, attr in installed:

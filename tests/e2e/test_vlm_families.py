@@ -19,7 +19,7 @@ import megacompile
 from megacompile.errors import CaptureError
 from tests.e2e.harness import clone
 from tests.e2e.test_vlm import STEPS, assert_parity
-from tests.vlm_families import FAMILIES, IDEFICS3_TOKENS, IMAGE_TOKEN, batch, idefics2, model
+from tests.vlm_families import FAMILIES, IDEFICS3_TOKENS, IMAGE_TOKEN, batch, idefics2, mllama, mllama_batch, model
 
 BLOCKS = {"gemma3": "model.language_model.layers", "idefics3": "model.text_model.layers",
           "smolvlm": "model.text_model.layers", "qwen2_5_vl": "model.language_model.layers",
@@ -110,3 +110,18 @@ def test_idefics2_is_refused_with_images_before_its_encoder_reads_them():
     with pytest.raises(CaptureError, match=r"Idefics2Model \('model'\) merges image features in a way megacompile "
                                            r"does not train yet"):
         megacompile.compile(idefics2(), hbm_budget=1.0, device="cpu").step(**batch("idefics3", images=MIXED))
+
+
+def test_cross_attention_models_are_refused_with_images_and_train_on_text():
+    """Mllama's decoder reads the image features in its cross-attention layers: a gradient to
+    several streamed blocks from one value, which the chain does not carry. Refused by name before
+    its vision model runs, the weights untouched; without images it trains as a decoder."""
+    m, b = mllama(), mllama_batch()
+    m(**b)   # eager trains it
+    engine = megacompile.compile(clone(m), hbm_budget=1.0, device="cpu")
+    with pytest.raises(CaptureError, match=r"MllamaModel \('model'\) reads its image features in cross-attention "
+                                           r"layers, which megacompile does not train yet"):
+        engine.step(**b)
+    assert engine.steps_done == 0
+    text = {"input_ids": b["input_ids"].masked_fill(b["input_ids"] == IMAGE_TOKEN, 5), "labels": b["labels"]}
+    assert engine.step(**text) == pytest.approx(m(**text).loss.item(), rel=1e-5, abs=0)
