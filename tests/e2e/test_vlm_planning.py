@@ -191,3 +191,44 @@ def test_a_gemma3_27b_shaped_config_plans_with_images():
     assert plan.fits and share.images.tokens_per_image == 256
     assert 0.40e9 < share.vision_params < 0.45e9 and 26e9 < share.language_params < 28e9
     assert 0 < share.time_share < 0.5 and 0 < share.memory_share < 0.5
+
+
+def test_the_vision_share_counts_tower_blocks_whole_and_splits_the_bridge_by_data_flow():
+    """LLaVA's bridge holds the tower's last norm, the projector, the token embedding and the
+    merge: the ops that read the projector's weights or the tower's output are vision, the token
+    embedding's lookup is not, and the bridge's vision bytes are the projector's and the norm's.
+    A tower block is vision in every op and every byte."""
+    from megacompile.ir.program import Op
+    from megacompile.planner.vision_share import _forward_nodes, _stage_share
+    plan = megacompile.plan(vlm.llava().config.to_dict(), hbm_budget=1.0, batch=2, seq=vlm.SEQ, images_per_row=1,
+                            **CPU)
+    captured = plan.captured
+    names = [s.name for s in captured.stages]
+    bridge = captured.stages[names.index("bridge")]
+    vision_slot = [not n.startswith("model.language_model.") for n in bridge.params]
+    assert any(vision_slot) and not all(vision_slot)
+    towers = {s for s, st in enumerate(captured.stages) if captured.in_tower(st.origin)}
+    vision_act = [p.stage in towers for p in bridge.inputs]
+    share, kinds = _stage_share(bridge, vision_slot, vision_act, plan.hardware, captured.compute_dtype)
+    t = bridge.template
+    assert kinds["weights"] == pytest.approx(
+        sum(p.meta.nbytes for p, v in zip(t.params, vision_slot) if v) / t.weight_bytes)
+    assert 0 < share[Op.FORWARD] < 1 and 0 < share[Op.BACKWARD] < 1
+    forward = _forward_nodes(t.forward, vision_slot + vision_act)
+    placeholders = dict(zip(t.forward.placeholders, [*bridge.params, *([None] * len(bridge.inputs))]))
+    for node in t.forward.body:
+        if node.op != "call_function":
+            continue
+        reads = {placeholders.get(a) for a in node.all_input_nodes}
+        if "model.multi_modal_projector.linear_1.weight" in reads:
+            assert node in forward
+        if "model.language_model.embed_tokens.weight" in reads:
+            assert node not in forward, node      # the token embedding's lookup
+    # the tower blocks' compute is vision whole; the prologue and the bridge add their vision parts
+    seconds = {}
+    for i, stream, start, end in plan.predicted_spans():
+        node = plan.program.nodes[i]
+        if stream == "compute" and node.op in (Op.FORWARD, Op.BACKWARD, Op.RECOMPUTE):
+            kind = "tower" if node.stage in towers else captured.stages[node.stage].name
+            seconds[kind] = seconds.get(kind, 0.0) + end - start
+    assert seconds["tower"] < plan.vision.vision_s < seconds["tower"] + seconds["prologue"] + seconds["bridge"]
