@@ -178,7 +178,8 @@ def qwen3_vl(seed: int = 0, moe: bool = False, patch: int = 4):
     if moe:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1])
     name = "Qwen3VLMoe" if moe else "Qwen3VL"
     config = getattr(transformers, f"{name}Config")(
         text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,

@@ -104,7 +104,6 @@ class Deepstack:
         self.returned: list[tuple[torch.Tensor, torch.Tensor]] = []   # (a block's output, its merger's)
         vision, self.text = _deepstack_modules(model)
         self._index = {id(b): i for i, b in enumerate(blocks)}
-        self._layers = {id(m): i for i, m in enumerate(getattr(self.text, "layers", []))}
         paths = {id(m): n for n, m in model.named_modules()}
         if vision is not None:
             for k, layer in enumerate(vision.deepstack_visual_indexes):

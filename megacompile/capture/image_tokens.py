@@ -144,9 +144,9 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
     def refuse(name: str, module: nn.Module):
         def merge(*args, **kwargs):
             raise CaptureError(f"{type(module).__name__} ('{name}') merges image features in a way megacompile does "
-                               "not train yet: of the vision-language models, LLaVA, Gemma 3, Idefics3, SmolVLM, Qwen2.5-VL and "
-                               "Qwen3-VL train with images (docs/families.md); this model trains on text alone "
-                               "(no pixel_values)")
+                               "not train yet: of the vision-language models, LLaVA, Gemma 3, Idefics3, SmolVLM, "
+                               "Qwen2.5-VL and Qwen3-VL train with images (docs/families.md); this model trains on "
+                               "text alone (no pixel_values)")
         return merge
 
     def refuse_cross_attention(name: str, module: nn.Module):

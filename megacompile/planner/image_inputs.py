@@ -155,9 +155,9 @@ def _grid_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
     """Qwen2.5-VL's and Qwen3-VL's images: flattened patches, each image's grid, its token types and 3D
     positions."""
     if image_size is None:
-        raise ArgumentError(f"{type(model).__name__} keeps each image's size (its processor resizes it to multiples of the "
-                            "patch within a pixel budget), so planning its images needs image_size: the pixels "
-                            "per side of each image, e.g. image_size=448 (--image-size 448)")
+        raise ArgumentError(f"{type(model).__name__} keeps each image's size (its processor resizes it to "
+                            "multiples of the patch within a pixel budget), so planning its images needs image_size: "
+                            "the pixels per side of each image, e.g. image_size=448 (--image-size 448)")
     image_size = arguments.count("image_size", image_size, what=" (pixels per side of each image)")
     vision = model.config.vision_config
     patch, merge, frames = int(vision.patch_size), int(vision.spatial_merge_size), int(vision.temporal_patch_size)

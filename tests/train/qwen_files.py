@@ -74,7 +74,8 @@ def _qwen3_vl_dir(path: str, seed: int) -> str:
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
                                  "mrope_interleaved": True})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1])
     config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"])
