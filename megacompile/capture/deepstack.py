@@ -40,11 +40,6 @@ class Attachment:
     path: str = ""                    # its module path
 
     @property
-    def extras(self) -> int:
-        """Extra tensor inputs of the block's call: the image-token mask and the features."""
-        return 2 if self.kind == "add" else 0
-
-    @property
     def key(self) -> str:
         """What blocks sharing a template must share."""
         return self.kind
@@ -65,7 +60,8 @@ class Attachment:
 
     def apply(self, out: Any, params: list[torch.Tensor] | None, extra: list[torch.Tensor]) -> tuple[Any, list]:
         """The block's output after the attached work, and the outputs the work adds; `params`: the
-        merger's tensors in param_names' order (None: as the module holds them)."""
+        merger's tensors in param_names' order (None: as the module holds them); `extra`: the call's
+        extra inputs (kind "add": the image-token mask and the features)."""
         if not isinstance(out, torch.Tensor):
             raise CaptureError(f"a Qwen3-VL layer followed by deepstack work returned {type(out).__name__}, not "
                                "a tensor: megacompile folds the deepstack into layers that return their hidden states")
