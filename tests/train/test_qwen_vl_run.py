@@ -107,18 +107,39 @@ def _eager(c, tmp_path) -> list[float]:
                            "image_grid_thw")
 
 
-@pytest.mark.slow   # 4 steps of a Qwen3-VL run beside eager AdamW: 40-90 s on 2 cores
-def test_a_qwen3_vl_run_trains_as_eagerly(tmp_path, monkeypatch):
+@pytest.mark.slow   # 4 steps of a Qwen3-VL run beside eager AdamW, an export and a generation: 50-100 s on 2 cores
+def test_a_qwen3_vl_run_trains_as_eagerly_and_exports_a_model_that_generates_from_an_image(tmp_path, monkeypatch):
     """The same records through a Qwen3-VL folder (Qwen3VLProcessor's files): its deepstack trains
-    from files as eagerly."""
+    from files as eagerly, and transformers loads the export and answers an image with it."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
     _work(tmp_path, family="qwen3_vl")
     monkeypatch.chdir(tmp_path)
-    config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole", export=None)), [])
+    config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole")), [])
     assert isinstance(grid_images.media(config.model), GridMedia)
     run(config)
     rows = log.read(str(tmp_path / "whole" / "log.csv"))
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in rows]), torch.tensor(_eager(config, tmp_path)),
                                rtol=1e-5, atol=0)
+    export = str(tmp_path / "whole-export")
+    with open(os.path.join(export, "preprocessor_config.json")) as f:
+        assert json.load(f)["processor_class"] == "Qwen3VLProcessor"
+    model = Qwen3VLForConditionalGeneration.from_pretrained(export)
+    trained, start = model.state_dict(), Qwen3VLForConditionalGeneration.from_pretrained(config.model).state_dict()
+    assert trained.keys() == start.keys()
+    assert not torch.equal(trained["model.visual.deepstack_merger_list.0.linear_fc1.weight"],
+                           start["model.visual.deepstack_merger_list.0.linear_fc1.weight"])   # the mergers trained
+    tokenizer, image_processor = AutoTokenizer.from_pretrained(export), AutoImageProcessor.from_pretrained(export)
+    pixels = image_processor(images=[Image.open(tmp_path / "images" / "blue.png")], return_tensors="pt")
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|> what colour is this"}],
+        add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(prompt.replace("<|image_pad|>", "<|image_pad|>" * qwen_files.TOKENS["blue"]),
+                    return_tensors="pt")["input_ids"]
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    out = model.generate(input_ids=ids, mm_token_type_ids=(ids == pad).long(), **pixels, max_new_tokens=3,
+                         do_sample=False)
+    assert out.shape[1] > ids.shape[1]
 
 
 @pytest.mark.slow   # 4 steps of a Qwen2.5-VL run beside eager AdamW, a capture per set of grids: 50-120 s on 2 cores
