@@ -165,13 +165,13 @@ def qwen_batch(seed: int = 0, images: tuple[int, ...] = (1, 2), grids=QWEN_GRIDS
     return out
 
 
-def qwen3_vl(seed: int = 0, moe: bool = False, patch: int = 4):
+def qwen3_vl(seed: int = 0, moe: bool = False, patch: int = 4, layers: int = 3):
     """Qwen3-VL: Qwen2.5-VL's inputs; the mergers after both tower layers give deepstack features,
     added to the image tokens' hidden states after the first two of three decoder layers. `moe`:
     Qwen3-VL-MoE, whose decoder layers route over 4 experts, 2 per token."""
     import transformers
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False, bos_token_id=None,
                 eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                     "mrope_section": [1, 1, 2], "mrope_interleaved": True})

@@ -114,10 +114,14 @@ def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[Bl
             keys = active_keys()
             inputs = [leaves[i] for i in positions] + extra
             shapes[index] = [(t.shape, t.dtype, t.requires_grad) for t in inputs]
+            # The group's first logged block, or (where work is folded into some of its blocks:
+            # Qwen3-VL's first decoder layers) its first logged block with the same work.
             j = known.get(index)
-            like = next((c for c in calls if c.index == j), None)
+            key = None if attached is None else attached.key
+            like = next((c for c in calls if j is not None and (c.index == j or known.get(c.index) == j)
+                         and c.attached_key == key), None)
             probe = BlockCall(in_spec, constants, positions, None, [], [], index, (), keys, attached=attached)
-            if like is not None and shapes[j] == shapes[index] and _same_call(probe, like):
+            if like is not None and shapes[like.index] == shapes[index] and _same_call(probe, like):
                 calls.append(BlockCall(in_spec, constants, positions, like.out_spec, like.out_meta,
                                        like.out_constants, index, like.fingerprint, keys, (), attached,
                                        like.attached_meta))

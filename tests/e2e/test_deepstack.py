@@ -89,3 +89,28 @@ def test_qwen3_vl_plans_its_images_from_a_config_and_measures_the_planned_peak()
     assert measured_peak(clone(model), batch, 1.0) == plan.predicted_peak_bytes
     engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
     assert engine.step(**batch) == pytest.approx(model(**batch).loss.item(), rel=1e-5, abs=0)
+
+
+def test_planning_logs_one_block_of_each_kind_of_folded_work(monkeypatch):
+    """Planning traces one block of each group its modules tell apart and gives the others its
+    fingerprint (capture/top.py). In Qwen3-VL's decoder the first layers add features and the
+    rest do not: the first plain layer is logged once for the plain ones, which then share its
+    fingerprint and template."""
+    import megacompile.capture.top as top
+    model = qwen3_vl(layers=6, patch=16)
+    logged = []
+    record = top.record
+
+    def counted(block, *args, **kwargs):
+        logged.append(block)
+        return record(block, *args, **kwargs)
+    monkeypatch.setattr(top, "record", counted)
+    args = dict(hbm_budget=1.0, batch=2, seq=SEQ, images_per_row=1, image_size=64, **CPU)
+    plan = megacompile.plan(model.config.to_dict(), **args)
+    # (the plan's own model, on the meta device) the two layers that add features, the first plain
+    # one, the last (sampled); and the two tower layers, each with a merger
+    decoder = sorted(b.self_attn.layer_idx for b in logged if hasattr(b, "self_attn"))
+    assert decoder == [0, 1, 2, 5] and len(logged) == len(decoder) + 2
+    templates = [s.template for s in plan.captured.stages if s.origin.startswith("model.language_model.layers.")]
+    assert templates[0] is templates[1] and all(t is templates[2] for t in templates[3:])
+    assert templates[2] is not templates[0] and len(templates[0].acts) == len(templates[2].acts) + 2
