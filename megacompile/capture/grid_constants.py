@@ -113,7 +113,7 @@ def static_grid_features(name: str, module: nn.Module, inputs, real: list[torch.
         # The tables indexed with are made inside the trace: constants of the graph. The attention
         # only splits by the lengths between the cumulative ones (`lengths.tolist()`): they go in as
         # host arrays of numbers, so the split sizes are plain numbers when traced. Each table keeps
-        # its dtype: Qwen3-VL's interpolation weights are float64, as eagerly.
+        # the dtype transformers' helper gave it (Qwen3-VL's interpolation weights: float32).
         lengths = ("cu_seqlens", "cu_window_seqlens")
         precomputed = {k: numpy.asarray(v) if k in lengths else torch.tensor(v, dtype=dtype, device=pixel_values.device)
                        for k, (v, dtype) in tables.items()}
