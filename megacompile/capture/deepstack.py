@@ -66,9 +66,10 @@ class Attachment:
             raise CaptureError(f"a Qwen3-VL layer followed by deepstack work returned {type(out).__name__}, not "
                                "a tensor: megacompile folds the deepstack into layers that return their hidden states")
         if self.kind == "merger":
+            if params is None:
+                return out, [self.merger(out)]
             own = [local[len(LOCAL) + 1:] for local, _ in self.param_names()]
-            given = dict(zip(own, params)) if params is not None else {}
-            return out, [functional_call(self.merger, given, (out,), strict=False)]
+            return out, [functional_call(self.merger, dict(zip(own, params)), (out,), strict=False)]
         mask, features = extra
         spread = mask[..., None].expand_as(out).to(out.device)
         return out + torch.zeros_like(out).masked_scatter(spread, features.to(out.device, out.dtype)), []

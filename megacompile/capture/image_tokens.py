@@ -114,14 +114,14 @@ def _supported(module: nn.Module) -> bool:
 def _cross_attending(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
     """Models whose decoder attends to the image features in cross-attention layers (Mllama), with
     their vision model: (path, model, vision model)."""
-    found = []
+    found: dict[int, tuple[str, nn.Module, nn.Module]] = {}
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
         text = getattr(config, "text_config", None)
         vision = getattr(module, "vision_model", None)
         if getattr(text, "cross_attention_layers", None) and isinstance(vision, nn.Module):
-            found.append((name, module, vision))
-    return found
+            found.setdefault(id(vision), (name, module, vision))   # one patch per vision model
+    return list(found.values())
 
 
 def _inputs() -> list:
