@@ -26,3 +26,11 @@ def loss_deviation(losses: list[float], reference: list[float]) -> float:
 def agree(losses: list[float], reference: list[float], rtol: float) -> tuple[bool, float]:
     deviation = loss_deviation(losses, reference)
     return deviation <= rtol, deviation
+
+
+def loss_fall(losses: list[float]) -> float:
+    """How far the loss fell over a run, relative to where it began: agreement within a tolerance
+    says something only about losses that moved by well more than it."""
+    if len(losses) < 2 or not all(math.isfinite(x) for x in losses):
+        return math.nan
+    return (losses[0] - losses[-1]) / max(abs(losses[0]), 1e-12)

@@ -1,8 +1,10 @@
 """`python -m megacompile.bench peers`: one model, one device, one table. megacompile at three
 budgets (every weight resident; half the bf16 weights; 0.34x of them, the ratio of 80 GiB to a 118B
-model's weights, so every block streams) beside DeepSpeed ZeRO-3 offload and FSDP2 CPU offload,
-on the same model, seed and batches. Each system runs in its own process (runner.py); one that
-cannot run here is skipped with its reason. Writes peers.csv (long) and peers.md into --out."""
+model's weights, so every block streams) beside DeepSpeed ZeRO-3 offload and FSDP2 CPU offload
+(fused host AdamW; its unfused row on request), on the same model, seed and batches. Each system
+runs in its own process (runner.py) with at least the time it needs (shares.py); one that cannot
+run here, or not in what is left of --minutes, is skipped with its reason. Writes peers.csv (long)
+and peers.md into --out."""
 from __future__ import annotations
 
 import argparse
@@ -13,34 +15,67 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .agreement import BF16_LOSS_RTOL, FP32_LOSS_RTOL, agree
-from .table import markdown, write_csv
+from . import budgets
+from .agreement import BF16_LOSS_RTOL, FP32_LOSS_RTOL, agree, loss_fall
+from .shares import need_s, share_s
+from .table import markdown, read_csv, write_csv
 from .workload import Workload
 
 # The streamed budget first: with the peers right after it, the rows the comparison rests on run
 # before the others if --minutes runs short.
 MEGACOMPILE_BUDGETS = ("0.34", "0.5", "resident")
+# --systems names of the peers: (the runner's system, the row's setting, its options)
+PEERS = {"deepspeed": ("deepspeed", "ZeRO-3 offload", {}),
+         "fsdp2": ("fsdp2", "offload, fused AdamW", {"fused": True}),
+         "fsdp2-unfused": ("fsdp2", "offload, for-loop AdamW", {"fused": False})}
+NEEDS_WEIGHTS = ("megacompile", "deepspeed")
+
+_clock = time.monotonic
+
+
+@dataclass
+class Job:
+    name: str           # as --systems names it
+    system: str         # as runner.py runs it
+    setting: str
+    options: dict = field(default_factory=dict)
+
+    def alone(self) -> str:
+        """The arguments that run this row in a call of its own."""
+        if self.system == "megacompile":
+            return f"--systems megacompile --budgets {self.options['budget']}"
+        return f"--systems {self.name}"
 
 
 def _arguments(argv):
     p = argparse.ArgumentParser(prog="python -m megacompile.bench peers", description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="the cpu half: a 4-layer toy on the cpu backend, in fp32")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for peers.csv and peers.md")
+    p.add_argument("--weights", type=Path, default=None,
+                   help="folder for the model's fp32 weights, written once per shape and seed (default: OUT/weights)")
     p.add_argument("--shape", default=None, help="llama-3b (default on a GPU), llama-7b or tiny")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="timed steps per system (after --warmup)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per system, after --warmup (9 on a GPU)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--systems", default="megacompile,deepspeed,fsdp2", help="comma-separated, of megacompile, deepspeed, fsdp2")
+    p.add_argument("--lr", type=float, default=None, help="AdamW's learning rate (default 1e-4; 3e-3 for the toy)")
+    p.add_argument("--systems", default="megacompile,deepspeed,fsdp2",
+                   help=f"comma-separated, of megacompile, {', '.join(PEERS)}")
     p.add_argument("--budgets", default=",".join(MEGACOMPILE_BUDGETS),
                    help="megacompile's budgets: resident, or fractions of the bf16 weights")
+    p.add_argument("--host-budget", type=float, default=None, help="GiB of host RAM megacompile's plan may use")
     p.add_argument("--minutes", type=float, default=9.5, help="time for the whole call; late systems are skipped")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="a calibrated profile (JSON) to predict with; default: measure this GPU's first")
+    p.add_argument("--compare-with", type=Path, default=None,
+                   help="an earlier call's peers.csv (the same workload): its first row's losses are the reference")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure this GPU's profile first, for the calibrated prediction")
+                   help="measure this GPU's profile first, for the calibrated prediction (unless --profile)")
     return p.parse_args(argv)
 
 
@@ -48,8 +83,19 @@ def _workload(args) -> Workload:
     tiny = args.tiny or not torch.cuda.is_available()
     return Workload(shape=args.shape or ("tiny" if tiny else "llama-3b"),
                     batch=args.batch or (2 if tiny else 4), seq=args.seq or (32 if tiny else 2048),
-                    steps=args.steps or 3, warmup=args.warmup,
-                    device="cpu" if tiny else "cuda")
+                    steps=args.steps or (3 if tiny else 9), warmup=args.warmup,
+                    lr=args.lr or (3e-3 if tiny else 1e-4), device="cpu" if tiny else "cuda")
+
+
+def _jobs(args) -> list[Job]:
+    names = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [n for n in names if n != "megacompile" and n not in PEERS]
+    if unknown:
+        from ..errors import ArgumentError
+        raise ArgumentError(f"--systems: {', '.join(unknown)} is not one of megacompile, {', '.join(PEERS)}")
+    ours = [Job("megacompile", "megacompile", f"budget {b}", {"budget": b})
+            for b in args.budgets.split(",") if "megacompile" in names]
+    return ours[:1] + [Job(n, *PEERS[n]) for n in names if n != "megacompile"] + ours[1:]
 
 
 def _unavailable(system: str, workload: Workload) -> str | None:
@@ -70,9 +116,21 @@ def _unavailable(system: str, workload: Workload) -> str | None:
     return None
 
 
+def _process(argv: list[str], env: dict, timeout: float, log: Path) -> tuple[int | None, str]:
+    """(exit status, None when it ran past `timeout`; its last line), its output in `log` (kept: a
+    process that hangs or dies says why there)."""
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run([sys.executable, *argv], env=env, timeout=timeout, stdout=out,
+                                  stderr=subprocess.STDOUT).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    lines = log.read_text(errors="replace").strip().splitlines()
+    return code, lines[-1][:300] if lines else "no output"
+
+
 def _run(system: str, workload: Workload, options: dict, timeout: float, scratch: Path, log: Path) -> dict:
-    """The system in a process of its own, its output in `log` (kept: a system that hangs or dies
-    says why there)."""
+    """The system in a process of its own."""
     spec = scratch / f"{log.stem}.json"
     result = spec.with_suffix(".result.json")
     spec.write_text(json.dumps({"system": system, "workload": workload.to_dict(), "options": options}))
@@ -81,17 +139,23 @@ def _run(system: str, workload: Workload, options: dict, timeout: float, scratch
         # Small budgets on a real device: a block's tensors differ in size from the next's, and
         # fixed segments fragment past the plan's reserve; growable segments do not.
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    with open(log, "w") as out:
-        try:
-            proc = subprocess.run([sys.executable, "-m", "megacompile.bench.runner", str(spec), str(result)],
-                                  env=env, timeout=timeout, stdout=out, stderr=subprocess.STDOUT)
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "reason": f"did not finish within {timeout:.0f} s (its output: {log})"}
+    code, last = _process(["-m", "megacompile.bench.runner", str(spec), str(result)], env, timeout, log)
+    if code is None:
+        return {"ok": False, "reason": f"did not finish within {timeout:.0f} s (its output: {log})"}
     if not result.exists():
-        lines = log.read_text(errors="replace").strip().splitlines()
-        return {"ok": False, "reason": f"the process died, exit status {proc.returncode} "
-                                       f"({lines[-1][:300] if lines else 'no output'}; all of it: {log})"}
+        return {"ok": False, "reason": f"the process died, exit status {code} ({last}; all of it: {log})"}
     return json.loads(result.read_text())
+
+
+def _weights(workload: Workload, root: Path, timeout: float, scratch: Path, log: Path) -> tuple[str | None, str]:
+    """(the folder of the workload's fp32 weights, written now or before; or None and why not)."""
+    spec = scratch / "weights.json"
+    spec.write_text(json.dumps(workload.to_dict()))
+    code, last = _process(["-m", "megacompile.bench.weights", str(spec), str(root)], dict(os.environ), timeout, log)
+    if code == 0 and Path(last).is_dir():
+        return last, ""
+    why = "ran past its time" if code is None else f"exit status {code}: {last}"
+    return None, f"the model's weights could not be written into {root} ({why}; all of it: {log})"
 
 
 def _calibrate(scratch: Path, timeout: float) -> str | None:
@@ -105,35 +169,56 @@ def _calibrate(scratch: Path, timeout: float) -> str | None:
     return str(path) if path.exists() else None
 
 
-def run(args) -> tuple[list[dict], Workload, str]:
-    workload = _workload(args)
-    deadline = time.monotonic() + args.minutes * 60
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    ours = [("megacompile", f"budget {b}", {"budget": b}) for b in args.budgets.split(",") if "megacompile" in systems]
-    jobs = ours[:1] + [(s, "offload", {}) for s in systems if s != "megacompile"] + ours[1:]
-    results = []
+def run(args, workload: Workload) -> tuple[list[dict], str]:
+    deadline = _clock() + args.minutes * 60
+    jobs = _jobs(args)
+    results: list[dict] = []
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    weights: tuple[str | None, str] | None = None     # (folder, or None and why not), once tried
     with tempfile.TemporaryDirectory(prefix="megacompile-peers-") as tmp:
         scratch = Path(tmp)
-        calibrated = _calibrate(scratch, 120) if args.calibrate and workload.device.startswith("cuda") else None
-        for n, (system, setting, options) in enumerate(jobs):
-            left = deadline - time.monotonic()
-            share = left / (len(jobs) - n)       # what is left, shared by the systems not yet run
-            why = _unavailable(system, workload)
-            if why is None and left < 20:
-                why = f"too little of --minutes {args.minutes:g} was left ({left:.0f} s)"
+        calibrated = str(args.profile) if args.profile else None
+        if calibrated is None and args.calibrate and workload.device.startswith("cuda"):
+            calibrated = _calibrate(scratch, 120)
+        started = 0
+        for n, job in enumerate(jobs):
+            merged = budgets.same_plan(workload, job.options["budget"], results) \
+                if job.system == "megacompile" else None
+            if merged is not None:
+                print(f"megacompile  {job.setting}: the plan of {merged['setting']} (raised to "
+                      f"{merged['hbm_budget_gib']:.3g} GiB, which this one is below); one row for both", flush=True)
+                budgets.merge(merged, job.options["budget"])
+                continue
+            why = _unavailable(job.system, workload)
+            if why is None and job.system in NEEDS_WEIGHTS:
+                if weights is None:
+                    weights = _weights(workload, args.weights or args.out / "weights", max(deadline - _clock(), 20),
+                                       scratch, logs / "weights.log")
+                why = weights[1] or None
+            timeout = None
+            if why is None:
+                left = deadline - _clock()
+                needs = [need_s(j.system, workload) for j in jobs[n:]]
+                timeout = share_s(needs, left, first=started == 0)
+                if timeout is None:
+                    why = (f"needs about {needs[0]:.0f} s and {max(left, 0):.0f} s of --minutes {args.minutes:g} "
+                           f"were left: run it in a call of its own ({job.alone()})")
             if why is not None:
                 result = {"ok": False, "reason": why}
             else:
-                if system == "megacompile" and calibrated:
-                    options = {**options, "calibrated": calibrated}
-                log = logs / f"{system}-{setting.replace(' ', '-')}.log"
-                result = _run(system, workload, options, max(share, 20), scratch, log)
-            result = {"system": system, "setting": setting, **result}
+                started += 1
+                options = dict(job.options)
+                if job.system in NEEDS_WEIGHTS:
+                    options["weights"] = weights[0]
+                if job.system == "megacompile":
+                    options.update(calibrated=calibrated, host_budget=args.host_budget)
+                log = logs / f"{job.system}-{job.setting.replace(' ', '-').replace(',', '')}.log"
+                result = _run(job.system, workload, options, timeout, scratch, log)
+            result = {"system": job.system, "setting": job.setting, **result}
             print(_line(result), flush=True)
             results.append(result)
-    return results, workload, _reference(results)
+    return results, _reference(results)
 
 
 def _reference(results: list[dict]) -> str:
@@ -141,12 +226,24 @@ def _reference(results: list[dict]) -> str:
     return f"{ok[0]['system']} {ok[0]['setting']}" if ok else "none"
 
 
-def check_agreement(results: list[dict], rtol: float) -> bool:
-    """Marks each row with losses_agree and loss_deviation against the first row that ran; True
-    when every row that ran agrees."""
+def earlier_reference(path: Path) -> dict | None:
+    """The first row with losses in an earlier call's peers.csv, as a row of this one's."""
+    rows = [r for r in read_csv(path) if r["metric"] == "loss"]
+    if not rows:
+        return None
+    first = [r for r in rows if (r["system"], r["setting"]) == (rows[0]["system"], rows[0]["setting"])]
+    first.sort(key=lambda r: int(r["note"].removeprefix("step ")))
+    return {"system": rows[0]["system"], "setting": f"{rows[0]['setting']} ({path})", "ok": True,
+            "losses": [float(r["value"]) for r in first]}
+
+
+def check_agreement(results: list[dict], rtol: float, reference: dict | None = None) -> bool:
+    """Marks each row with losses_agree and loss_deviation against `reference`'s losses (default:
+    the first row that ran); True when every row that ran agrees."""
     ok = [r for r in results if r.get("ok")]
+    reference = reference or (ok[0] if ok else None)
     for r in ok:
-        r["losses_agree"], r["loss_deviation"] = agree(r["losses"], ok[0]["losses"], rtol)
+        r["losses_agree"], r["loss_deviation"] = agree(r["losses"], reference["losses"], rtol)
     return all(r["losses_agree"] for r in ok)
 
 
@@ -159,15 +256,21 @@ def _line(r: dict) -> str:
 
 def main(argv=None) -> int:
     args = _arguments(argv)
-    results, workload, reference = run(args)
+    workload = _workload(args)
+    results, reference = run(args, workload)
     rtol = BF16_LOSS_RTOL if workload.compute_dtype == torch.bfloat16 else FP32_LOSS_RTOL
-    agreed = check_agreement(results, rtol)
+    earlier = earlier_reference(args.compare_with) if args.compare_with else None
+    if earlier is not None:
+        reference = f"{earlier['system']} {earlier['setting']}"
+    agreed = check_agreement(results, rtol, earlier)
+    ok = [earlier] if earlier else [r for r in results if r.get("ok")]
+    fall = loss_fall(ok[0]["losses"]) if ok else None
     from ..acceptance.table import machine
     facts = {**machine(), "megacompile": _version("megacompile"), "deepspeed": _version("deepspeed")}
     described = {**workload.to_dict(), "parameters": workload.parameters, "compute_dtype": str(workload.compute_dtype)}
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "peers.csv", results, facts)
-    (args.out / "peers.md").write_text(markdown(results, facts, described, reference, rtol))
+    (args.out / "peers.md").write_text(markdown(results, facts, described, reference, rtol, fall))
     print((args.out / "peers.md").read_text())
     return 0 if agreed else 1
 

@@ -14,10 +14,14 @@ SHOWN = [("budget GiB", "hbm_budget_gib", 1, "{:.2f}"), ("x bf16 weights", "budg
          ("6ND TFLOPS", "tflops_6nd", 1, "{:.1f}"),
          ("max reserved GiB", "max_memory_reserved_bytes", 2**-30, "{:.2f}"),
          ("peak host RSS GiB", "peak_host_rss_bytes", 2**-30, "{:.1f}"),
-         ("alloc retries", "num_alloc_retries", 1, "{:.0f}"),
+         ("alloc retries / step", "alloc_retries_per_step", 1, "{:.1f}"),
          ("predicted s (datasheet)", "predicted_step_s_datasheet", 1, "{:.3f}"),
          ("predicted s (calibrated)", "predicted_step_s_calibrated", 1, "{:.3f}"),
          ("loss deviation", "loss_deviation", 1, "{:.1e}")]
+
+
+# Losses that fell by less than this many tolerances agree whatever each system computed.
+WEAK_BELOW = 5
 
 
 def long_rows(results: list[dict]) -> list[dict]:
@@ -53,7 +57,9 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def markdown(results: list[dict], facts: dict, workload: dict, reference: str, rtol: float) -> str:
+def markdown(results: list[dict], facts: dict, workload: dict, reference: str, rtol: float,
+             fall: float | None = None) -> str:
+    """fall: how far the reference's loss fell over its run, relative (agreement.loss_fall)."""
     def cell(r, metric, scale, fmt):
         v = r.get(metric)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
@@ -71,6 +77,10 @@ def markdown(results: list[dict], facts: dict, workload: dict, reference: str, r
         agreed = "yes" if r.get("losses_agree") else "NO"
         lines.append(f"| {r['system']} | {r['setting']} | " + " | ".join(cell(r, *s[1:]) for s in SHOWN)
                      + f" | {agreed} |")
-    lines += ["", f"Losses are compared step by step with {reference}'s, relative tolerance {rtol:g}.",
-              "Machine: " + ", ".join(f"{k} {v}" for k, v in facts.items())]
+    lines += ["", f"Losses are compared step by step with {reference}'s, relative tolerance {rtol:g}."]
+    if fall is not None and not math.isnan(fall):
+        weak = fall < WEAK_BELOW * rtol
+        lines[-1] += (f" Its loss fell by {fall:.1%} over the run, {fall / rtol:.1f} times the tolerance"
+                      + (": too little for the agreement to say much (more steps, or a larger --lr)." if weak else "."))
+    lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     return "\n".join(lines) + "\n"

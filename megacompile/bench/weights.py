@@ -1,0 +1,63 @@
+"""The bench model's fp32 weights in a folder, written once per shape and seed, in a process of its
+own:
+
+    python -m megacompile.bench.weights WORKLOAD.json FOLDER     # prints the weights' folder
+
+megacompile builds the model on the meta device and streams these into its masters at the first
+step (engine/from_pretrained.py's compile_folder): the process never holds the module's fp32
+weights beside the masters (25 GiB at the Llama-2-7B shape). DeepSpeed sets its fp32 masters from
+them. Safetensors, one shard per block and one for the rest, under an index written last: a folder
+with its index is complete, and one without it is written again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..io.hf_layout import INDEX
+from .workload import Workload
+
+
+def write(workload: Workload, root: Path) -> Path:
+    """root/<workload.weights_name>, written from workload.model() unless it is there complete."""
+    target = Path(root) / workload.weights_name
+    if (target / INDEX).is_file():
+        return target
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    state = workload.model().state_dict()
+    shards: dict[str, list[str]] = {}
+    for name in state:
+        parts = name.split(".")
+        file = f"block-{int(parts[1]):03d}.safetensors" if parts[0] == "blocks" else "rest.safetensors"
+        shards.setdefault(file, []).append(name)
+    for file, names in shards.items():          # one shard in flight: its bytes, not the model's twice
+        save_file({n: state[n].detach().contiguous() for n in names}, str(partial / file))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values()),
+                          "workload": workload.to_dict()},
+             "weight_map": {n: file for file, names in shards.items() for n in names}}
+    (partial / INDEX).write_text(json.dumps(index, indent=1))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(partial, target)
+    return target
+
+
+def read(folder: Path, names: list[str]):
+    """(name, fp32 tensor) for each name, one at a time, from the folder write() made."""
+    weight_map = json.loads((Path(folder) / INDEX).read_text())["weight_map"]
+    for name in names:
+        with safe_open(str(Path(folder) / weight_map[name]), framework="pt") as f:
+            yield name, f.get_tensor(name).to(torch.float32)
+
+
+if __name__ == "__main__":
+    spec, root = sys.argv[1:3]
+    print(write(Workload(**json.loads(Path(spec).read_text())), Path(root)))

@@ -1,0 +1,98 @@
+"""megacompile's row of the peers bench (bench/systems.py), with a stand-in engine: a refused budget's
+engine is freed before the next one allocates, the host optimizer is timed over one update, and
+the model handed to the engine holds no weights (they stream in from the weights folder)."""
+import gc
+import weakref
+
+from megacompile.bench import systems
+from megacompile.bench.budgets import GiB
+from megacompile.bench.workload import Workload
+from megacompile.errors import BudgetTooSmallError
+
+TINY = Workload(shape="tiny", device="cpu", batch=2, seq=32, steps=2, warmup=1)
+
+
+class RefusingEngine:
+    """Refuses every budget below `minimum` GiB, as the planner does: the error is raised from a
+    local, which ties the traceback's frames (and so the engine) into a reference cycle."""
+
+    def __init__(self, gib: float, minimum: float):
+        self.gib, self.minimum = gib, minimum
+        self.host_state = bytearray(1 << 20)
+
+    def prepare(self, **inputs):
+        if self.gib < self.minimum:
+            refused = BudgetTooSmallError(f"{self.gib} GiB is too small", int(self.minimum * GiB))
+            raise refused
+        return "plan"
+
+    def close(self):
+        pass
+
+
+def test_a_refused_engine_is_freed_before_the_next_one_is_built(monkeypatch):
+    engines, alive_when_built = [], []
+
+    def compile_folder(model, path, gib, **kwargs):
+        alive_when_built.append([e() is not None for e in engines])
+        engine = RefusingEngine(gib, minimum=2.0)
+        engines.append(weakref.ref(engine))
+        return engine
+    monkeypatch.setattr(systems, "compile_folder", compile_folder)
+    gc.disable()        # only the bench's own collection may free it
+    try:
+        engine, plan, gib, raised = systems.engine_at(TINY, 1.0, "/weights", (None, None))
+    finally:
+        gc.enable()
+    assert alive_when_built == [[], [False]]
+    assert (plan, gib, raised) == ("plan", 2.0, True)
+
+
+def test_the_engine_is_given_a_model_without_weights_and_streams_them_from_the_folder(monkeypatch):
+    """At the Llama-2-7B shape the module's own fp32 weights were 25 GiB beside the masters."""
+    given = []
+    monkeypatch.setattr(systems, "compile_folder", lambda model, path, gib, **kwargs: given.append((model, path))
+                        or RefusingEngine(gib, minimum=0.0))
+    systems.engine_at(TINY, 1.0, "/weights/tiny-seed0", (None, None))
+    [(model, path)] = given
+    assert path == "/weights/tiny-seed0"
+    assert all(p.is_meta for p in model.parameters())
+
+
+class Timeline:
+    def __init__(self):
+        self.spans = []
+
+    def clear(self):
+        self.spans = []
+
+    def on(self, stream):
+        return [s for s in self.spans if s[0] == stream]
+
+
+class Span(tuple):
+    start = property(lambda s: s[1])
+    end = property(lambda s: s[2])
+
+
+class OverlappingEngine:
+    """Each step returns with its host AdamW still running; the update lands (its span in the
+    timeline) when the next step starts or at synchronize(), as the engine overlaps it."""
+
+    def __init__(self, update_s: float):
+        self.timeline, self.update_s, self.running = Timeline(), update_s, False
+
+    def step(self, **inputs):
+        self.synchronize()
+        self.running = True
+
+    def synchronize(self):
+        if self.running:
+            self.timeline.spans.append(Span(("host", 10.0, 10.0 + self.update_s)))
+            self.running = False
+
+
+def test_the_host_optimizer_is_timed_over_one_update():
+    engine = OverlappingEngine(update_s=0.5)
+    engine.step()           # the last timed step: its update still running
+    assert systems.host_optimizer_s(engine, None, None) == 0.5

@@ -1,0 +1,49 @@
+"""The peers bench's time shares: a call starts each system with the time it needs or leaves it
+for a call of its own. The first lease gave each of five systems ~105 s of 9.5 minutes; DeepSpeed
+needed more than 370 s and FSDP2 about 200 s, and DeepSpeed's row was lost."""
+from megacompile.bench import peers
+from megacompile.bench.shares import need_s
+from megacompile.bench.workload import Workload
+
+from .stub_runs import StubRuns
+
+GPU_3B = Workload(shape="llama-3b", device="cuda", steps=9, warmup=1)
+
+
+def _call(monkeypatch, tmp_path, *argv):
+    runs = StubRuns().install(monkeypatch, peers)
+    results, _ = peers.run(peers._arguments(["--out", str(tmp_path), "--no-calibrate", *argv]), GPU_3B)
+    return runs, results
+
+
+def test_the_needs_are_what_the_first_lease_measured():
+    assert need_s("deepspeed", GPU_3B) > 370
+    assert 200 <= need_s("fsdp2", GPU_3B) < 400
+    assert need_s("megacompile", Workload(shape="llama-7b", device="cuda", batch=4, seq=4096, steps=4)) < 9 * 60
+
+
+def test_the_default_call_starts_every_system_with_what_it_needs_or_names_the_call_to_run_it_in(monkeypatch, tmp_path):
+    runs, results = _call(monkeypatch, tmp_path)
+    started = {(system, options.get("budget")): timeout for system, options, timeout in runs.calls}
+    for (system, _), timeout in started.items():
+        assert timeout >= need_s(system, GPU_3B), (system, timeout)
+    skipped = [r for r in results if not r["ok"]]
+    assert skipped, "a 9.5-minute call cannot hold every system's need at 3B"
+    for r in skipped:
+        assert "a call of its own (--systems" in r["reason"], r["reason"]
+    assert ("deepspeed", None) in started or any(r["system"] == "deepspeed" and "--systems deepspeed)" in r["reason"]
+                                                 for r in skipped)
+
+
+def test_a_system_alone_gets_the_whole_call(monkeypatch, tmp_path):
+    runs, results = _call(monkeypatch, tmp_path, "--systems", "deepspeed", "--minutes", "9.5")
+    [(system, _, timeout)] = runs.calls
+    assert system == "deepspeed" and timeout == 9.5 * 60 and results[0]["ok"]
+
+
+def test_spare_time_is_shared_in_proportion_to_the_needs(monkeypatch, tmp_path):
+    runs, _ = _call(monkeypatch, tmp_path, "--systems", "fsdp2,megacompile", "--budgets", "resident", "--minutes", "30")
+    timeouts = {system: timeout for system, _, timeout in runs.calls}
+    needs = {s: need_s(s, GPU_3B) for s in timeouts}
+    assert abs(sum(timeouts.values()) - 30 * 60) < 1
+    assert abs(timeouts["fsdp2"] / timeouts["megacompile"] - needs["fsdp2"] / needs["megacompile"]) < 1e-6
