@@ -12,6 +12,13 @@ keep their own. With grad_accum > 1 that is the fp32 sum of the committed micro-
 a landing buffer in the compute dtype (bf16: 2 B) for the running micro-batch's gradient, which
 joins the sum only once its micro-batch commits (runtime/host.py).
 
+The user's module: compile() on a model with real weights makes its fp32 parameters views of the
+masters (with the masters on disk, of the fp32 compute copy), parameters in the compute dtype
+views of the compute copy, and frozen weights and buffers views of the host state's copies
+(runtime/host.py lend_to_module), so they cost nothing more. What cannot be shared stays the
+module's own and is counted here: a trainable parameter in a dtype that neither the master nor
+the compute copy has (a bf16 module trained in fp32 compute).
+
 Tiers, in the order the planner spills them when host RAM is short: exp_avg + exp_avg_sq (8 B)
 first (read and written once per step each), then the fp32 masters (4 B).
 """
@@ -106,6 +113,7 @@ class HostCost:
     disk_bytes: int
     tiers: dict[str, tuple[str, int]]   # buffer -> ("ram" | "disk", bytes)
     frozen_bytes: int = 0        # frozen weights and buffers, in their own dtype
+    module_bytes: int = 0        # the user's module's own weights the host state cannot share
 
     @property
     def disk_bytes_per_step(self) -> int:
@@ -148,16 +156,38 @@ def owner_sizes(captured, every_trainable: bool = True) -> tuple[dict[int, int],
     return sizes, summed, frozen
 
 
-def host_costs(captured, compute_dtype: torch.dtype, grad_accum: int = 1) -> list[HostCost]:
-    """The cost of each placement level, in spill order."""
+def module_resident(model) -> frozenset[str]:
+    """The names of the module's parameters and buffers that hold real host memory."""
+    return frozenset(name for name, t in list(model.named_parameters()) + list(model.named_buffers())
+                     if not t.is_meta and t.device.type == "cpu")
+
+
+def module_bytes(captured, resident: frozenset[str], placement: Placement, compute_dtype: torch.dtype) -> int:
+    """Host bytes the user's module keeps beside the host state under `placement`: of its tensors
+    that hold real host memory (`resident`, by name), the trainable ones that neither the fp32
+    master nor the compute copy can stand for (see the module docstring)."""
+    copy = owner_layout(compute_dtype, 1, False, placement).compute_copy
+
+    def shared(dtype: torch.dtype) -> bool:
+        return (dtype == torch.float32 and not placement.masters_on_disk) or (copy and dtype == compute_dtype)
+    return sum(e.numel * e.dtype.itemsize for name, e in captured.state.items()
+               if name in resident and e.trainable and not e.is_buffer and not shared(e.dtype))
+
+
+def host_costs(captured, compute_dtype: torch.dtype, grad_accum: int = 1,
+               module_resident: frozenset[str] = frozenset()) -> list[HostCost]:
+    """The cost of each placement level, in spill order; `module_resident`: the names of the
+    module's tensors that hold real host memory (none for a model on the meta device)."""
     sizes, summed, frozen = owner_sizes(captured)
-    return [host_cost(sizes, summed, frozen, compute_dtype, grad_accum, p) for p in LEVELS]
+    return [host_cost(sizes, summed, frozen, compute_dtype, grad_accum, p, module_bytes(captured, module_resident, p, compute_dtype))
+            for p in LEVELS]
 
 
 def host_cost(owner_numels: dict[int, int], summed: set[int], frozen_bytes: int, compute_dtype: torch.dtype,
-              grad_accum: int, placement: Placement) -> HostCost:
-    """The bytes of one placement, owner by owner, as HostState would allocate them."""
-    ram = frozen_bytes
+              grad_accum: int, placement: Placement, module: int = 0) -> HostCost:
+    """The bytes of one placement, owner by owner, as HostState would allocate them, and `module`
+    bytes the user's module keeps."""
+    ram = frozen_bytes + module
     tiers: dict[str, list] = {}
 
     def add(name: str, where: str, n: int) -> None:
@@ -171,10 +201,12 @@ def host_cost(owner_numels: dict[int, int], summed: set[int], frozen_bytes: int,
             add("compute copies", "ram", compute_dtype.itemsize * numel)
         if not layout.grad_in_copy:
             add("grads", "ram", (layout.grad_dtype.itemsize + layout.landing_dtype.itemsize * layout.landing) * numel)
+    if module:
+        add("the model's own weights", "ram", module)
     pool = pool_bytes(max(owner_numels.values(), default=0), placement)
     disk = sum(n for where, n in tiers.values() if where == "disk")
     return HostCost(placement, sum(owner_numels.values()), ram + pool, pool, disk,
-                    {k: (w, n) for k, (w, n) in tiers.items()}, frozen_bytes)
+                    {k: (w, n) for k, (w, n) in tiers.items()}, frozen_bytes, module)
 
 
 def choose_placement(costs: list[HostCost], host_budget: int | None, nvme_budget: int | None) -> HostCost | None:

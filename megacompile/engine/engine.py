@@ -32,9 +32,10 @@ from ..passes import StepKind
 from ..planner import Plan
 from ..planner.cache import PlanCache, note_new_shape
 from ..cost import HardwareProfile, profile_for
-from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes
+from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes, module_resident
 from ..planner.search import make_plan, place_host_state
 from ..runtime import Executor, HostState, make_backend, shutdown
+from ..runtime.host_heap import resident_set_bytes
 from ..settings import Settings
 from ..state import TrainingState
 from ..io import hf_save, model_params, state_dict, unbuilt
@@ -195,7 +196,8 @@ class Engine:
             host_accum = 1 if self.accumulation == "layer" else self.grad_accum
             self.host_cost = place_host_state(captured, self.compute_dtype, host_accum, self.host_budget_bytes,
                                               self._nvme_budget(),
-                                              ranks=None if self.data_parallel is None else self.data_parallel.shape)
+                                              ranks=None if self.data_parallel is None else self.data_parallel.shape,
+                                              module_resident=module_resident(self.model))
             host = (HostState if self.data_parallel is None else self.data_parallel.host_state)(
                 captured, self.compute_dtype, pin=self.backend.name == "cuda",
                 grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir)
@@ -209,9 +211,13 @@ class Engine:
                 state.pending_load.apply(host, self.model)
             elif state.materialized:
                 host.load_module(self.model)
+            # One copy of the weights: the module's become views of the masters (a rank's masters are
+            # a share: under data parallelism the module keeps its own).
+            if state.materialized and self.data_parallel is None:
+                host.lend_to_module(self.model)
             state.host, state.pending_load = host, None
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
-                         host_bytes=self.host.nbytes, dump_dir=self.dump_dir, fuse=self.fuse,
+                         host_bytes=self.host.nbytes + self.host_cost.module_bytes, dump_dir=self.dump_dir, fuse=self.fuse,
                          hardware=self.hardware or profile_for(self.backend.name),
                          host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
                          grad_accum=self.grad_accum, accumulation=self.accumulation)
@@ -342,7 +348,11 @@ class Engine:
         caching allocator's own peaks of the last run sit beside it (allocator_peak_allocated_bytes,
         allocator_peak_reserved_bytes: what the device really gave, workspaces and scratch included;
         allocator_alloc_retries, of the last run, and _total, since the engine opened: how often the
-        allocator hit the cap and flushed its cache, goal 0; allocator_conf: its segments' setting)."""
+        allocator hit the cap and flushed its cache, goal 0; allocator_conf: its segments' setting).
+        Host: the state's bytes (host_bytes, and by part: host_parts) beside the plan's figure
+        (predicted_host_bytes: the state and what of the model's own weights it cannot share), and
+        the process's resident set as measured now (host_resident_bytes: the interpreter, torch and
+        the data pipeline included)."""
         compiled = self._last
         return {
             "device_peak_bytes": self.backend.memory.peak_bytes if compiled else None,
@@ -350,6 +360,10 @@ class Engine:
             "device_budget_bytes": self.budget_bytes,
             "device_live_bytes": self.backend.memory.live_bytes,
             "host_bytes": self.host.nbytes if self.host else None,
+            "host_parts": ({**self.host.parts(), "the model's own weights": model_params.own_bytes(self.state)}
+                           if self.host else None),
+            "predicted_host_bytes": self.host_cost.ram_bytes if self.host_cost is not None else None,
+            "host_resident_bytes": resident_set_bytes(),
             **self.backend.allocator_stats(),
         }
 

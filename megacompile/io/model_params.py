@@ -1,8 +1,11 @@
 """The user's module and the engine's state: a stale copy must never pass as the trained model.
 
-The engine trains its own fp32 masters (runtime/host.py); the module's parameters are the values it
-was built with. Where the module holds real weights, they are brought up to date -- the masters
-copied into them, cast to their dtype -- at the points a user reads them: `engine.synchronize()`,
+The engine trains its own fp32 masters (runtime/host.py). Where the module was built with real
+fp32 weights, its parameters become views of the masters when the host state is built (and its
+frozen weights and buffers views of the host state's copies): one copy of the weights in the
+process, read as they are once the running updates are done. Module tensors that cannot be views
+(a bf16 module, masters on the disk tier, data parallelism) keep the values the module was built
+with, and are brought up to date -- the masters copied into them, cast to their dtype -- at the points a user reads them: `engine.synchronize()`,
 `engine.close()`, and `model.state_dict()` itself (so `model.save_pretrained()` too), through a
 state_dict pre-hook. The module's tensors already take their bytes of host memory; updating them
 takes none, and it happens only where the state changed since the last update (a step, a load).
@@ -36,6 +39,18 @@ def attach(state: "TrainingState") -> None:
             check_readable(owner)
             write_back(owner)
     state.model.register_state_dict_pre_hook(before_state_dict)
+
+    def before_load_state_dict(module, values, prefix, *rest) -> None:
+        # The module's tensors are views of the masters (or compute copies): a load into them alone
+        # would change one and not the other. It goes through the engine's load first (checked,
+        # masters and compute copies together); the module's own copy then writes the same values.
+        owner = ref()
+        if owner is not None and owner.model is module and not prefix and owner.host is not None \
+                and owner.data_parallel is None:
+            from .state_dict import load
+            load(owner, dict(values), strict=rest[1])
+            owner.loads += 1
+    state.model.register_load_state_dict_pre_hook(before_load_state_dict)
 
 
 def check_readable(state: "TrainingState") -> None:
@@ -71,8 +86,29 @@ def write_back(state: "TrainingState") -> None:
         state.module_version = version       # the module's own weights are the state
         return
     own = state.model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for key, t in unbuilt.state_tensors(state):      # one tensor at a time, no copy of the state
-            if key in own and not own[key].is_meta:
-                own[key].copy_(t)
+    # A module tensor that is a view of the state (runtime/host.py lend_to_module) is up to date
+    # once the updates are done; only the module's own tensors take a copy. With none (a model on
+    # meta, every weight lent) no state tensor is read: with masters on disk that read is a pass
+    # over the disk tier.
+    state.wait_updates()
+    if any(not t.is_meta and not _lent(state, key, t) for key, t in own.items()):
+        with torch.no_grad():
+            for key, t in unbuilt.state_tensors(state):      # one tensor at a time, no copy of the state
+                if key in own and not own[key].is_meta and own[key].data_ptr() != t.data_ptr():
+                    own[key].copy_(t)
     state.module_version = version
+
+
+def _lent(state: "TrainingState", key: str, t: torch.Tensor) -> bool:
+    return state.host is not None and state.host.lent(state.canonical.get(key, key), t)
+
+
+def own_bytes(state: "TrainingState") -> int:
+    """Host bytes the module's own tensors hold apart from the state (not lent, not on meta)."""
+    seen, total = set(), 0
+    for key, t in state.model.state_dict(keep_vars=True).items():
+        if t.is_meta or t.device.type != "cpu" or _lent(state, key, t) or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.untyped_storage().nbytes()
+    return total

@@ -38,11 +38,17 @@ def state_tensors(state: "TrainingState") -> Iterator[tuple[str, torch.Tensor]]:
     it exists, read from where the weights wait."""
     if state.host is not None:
         state.wait_updates()
-        for key, name in state.canonical.items():
-            if name in state.host.slots:
-                yield key, state.host.master(name)
-            elif name in state.host.consts:
-                yield key, state.host.consts[name]
+        try:
+            for key, name in state.canonical.items():
+                if name in state.host.slots:
+                    yield key, state.host.master(name)
+                elif name in state.host.consts:
+                    yield key, state.host.consts[name]
+        finally:
+            # Masters on disk are read an owner at a time and the last one kept (DiskState.read):
+            # let it go once the pass is over, so no owner's masters stay in RAM after it.
+            if state.host.disk is not None:
+                state.host.disk.settle()
         return
     if not state.materialized:
         raise MegacompileError("no weights yet: the model was built on the meta device; load them "

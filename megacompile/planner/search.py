@@ -1,6 +1,8 @@
 """From a captured model and a budget to a verified plan, or an error naming the smallest budget."""
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from contextvars import ContextVar
 from typing import Callable
@@ -319,23 +321,31 @@ def require_host_room(host_bytes: int, host_budget_bytes: int | None, detail: st
 
 
 def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, host_budget_bytes: int | None,
-                     nvme_budget_bytes: int | None, ranks: tuple[int, int] | None = None) -> HostCost:
+                     nvme_budget_bytes: int | None, ranks: tuple[int, int] | None = None,
+                     module_resident: frozenset[str] = frozenset()) -> HostCost:
     """Where the masters and AdamW state live: all in host RAM if they fit the host budget, else
     the moments on disk, else the masters too (cost/host_memory.py); HostMemoryError, saying what
     each placement needs, when none fits both budgets. `ranks`: (R, L), data parallelism over R
-    ranks, L per node: the rank's sharded figure against its budget (cost/host_shards.py)."""
+    ranks, L per node: the rank's sharded figure against its budget (cost/host_shards.py).
+    `module_resident`: the names of the user's module's tensors that hold real host memory, whose
+    bytes count where the host state cannot share them (host_memory.module_bytes)."""
     if ranks is not None:
         from ..cost.host_shards import sharded_host_cost
         cost = sharded_host_cost(captured, compute_dtype, grad_accum, *ranks)
         require_host_room(cost.ram_bytes, host_budget_bytes, f" ({cost.describe()}; the budget is 1/{ranks[1]} "
                           "of the node's host budget)")
         return cost
-    costs = host_costs(captured, compute_dtype, grad_accum)
+    costs = host_costs(captured, compute_dtype, grad_accum, module_resident)
     chosen = choose_placement(costs, host_budget_bytes, nvme_budget_bytes)
     if chosen is None:
         hint = ("" if nvme_budget_bytes is not None else
                 ", or give a disk tier (compile(..., nvme_dir=PATH), --nvme-budget GiB) for the AdamW moments and masters")
-        require_host_room(costs[0].ram_bytes, host_budget_bytes, f"{hint}. Placements: {why_not(costs, host_budget_bytes, nvme_budget_bytes)}")
+        room = [c for c in costs if c.disk_bytes == 0 or (nvme_budget_bytes is not None and c.disk_bytes <= nvme_budget_bytes)]
+        least = min(room, key=lambda c: c.ram_bytes)
+        smallest = (f". The smallest host budget that fits is {math.ceil(least.ram_bytes / GiB * 100) / 100:.2f} GiB "
+                    f"({least.placement.describe()})")
+        require_host_room(costs[0].ram_bytes, host_budget_bytes,
+                          f"{hint}{smallest}. Placements: {why_not(costs, host_budget_bytes, nvme_budget_bytes)}")
     return chosen
 
 

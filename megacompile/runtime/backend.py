@@ -150,6 +150,9 @@ class Backend(ABC):
     def reset_allocator_peak(self) -> None:
         pass
 
+    def give_back_freed(self) -> None:
+        """A step's device values are all dropped: memory they freed may go back (cpu backend)."""
+
     def begin_step(self, program=None) -> None:
         """A step starts: the timeline's record of the last one goes (runtime/timeline.py)."""
         self.timeline.begin(program, time.perf_counter())

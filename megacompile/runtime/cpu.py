@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from .backend import Backend, Event, coalesce, dense_like
+from .host_heap import give_back_freed
 from .stream import ThreadStream
 
 
@@ -74,6 +75,11 @@ class CpuBackend(Backend):
     def synchronize(self, host: bool = True) -> None:
         for s in self._streams() + ((self.host,) if host else ()):
             s.synchronize()
+
+    def give_back_freed(self) -> None:
+        # The simulated device's memory is host heap: it must not stay resident after the step
+        # as a GPU's never is (runtime/host_heap.py).
+        give_back_freed()
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.get_rng_state()

@@ -173,6 +173,7 @@ class Executor:
         for host in self._stash.values():    # stashed, never restored (a step that failed)
             self.backend.release_stash(host, None)
         self._stash.clear()
+        self.backend.give_back_freed()
         self._moved.clear()
         self._landed.clear()
 

@@ -312,6 +312,68 @@ class HostState:
     def load_module(self, model: nn.Module) -> None:
         self.load(dict(model.named_parameters()) | dict(model.named_buffers()))
 
+    def lend_to_module(self, model: nn.Module) -> None:
+        """Make the module's tensors views of this state, so the process holds one copy of the
+        weights: an fp32 parameter becomes its master (or, with the master on disk, the fp32 compute
+        copy), a parameter in the compute dtype the compute copy (the master rounded to it, as
+        synchronize() would write it), a frozen weight or buffer its copy here. Each module
+        tensor's own memory is freed as it goes (unless the caller still holds it); one of another
+        dtype keeps its own, which the plan counts (cost/host_memory.py module_bytes). Called after
+        the weights are loaded, before any update. A compute copy holds the step's gradients
+        between their landing and the update: the module reads weights once updates are done
+        (engine.synchronize(), model.state_dict())."""
+        with torch.no_grad():
+            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+                if t.is_meta or t.device.type != "cpu":
+                    continue
+                if name in self.slots:
+                    flat = self._lendable(name, t.dtype)
+                    if flat is not None:
+                        t.data = self._view(flat, name)
+                elif name in self.consts and self.consts[name].dtype == t.dtype:
+                    t.data = self.consts[name]
+
+    def _lendable(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The flat buffer of `name`'s owner that holds its weight in `dtype`, if one does."""
+        buffers = self.owners[self.slots[name].owner]
+        if buffers.master is not None and dtype == torch.float32:
+            return buffers.master
+        if buffers.compute is not None and buffers.compute is not buffers.master and buffers.compute.dtype == dtype:
+            return buffers.compute
+        return None
+
+    def lent(self, name: str, t: torch.Tensor) -> bool:
+        """Whether `t` (the module's tensor for `name`) is a view of this state (lend_to_module)."""
+        if name in self.consts:
+            return self.consts[name].data_ptr() == t.data_ptr()
+        if name in self.slots:
+            flat = self._lendable(name, t.dtype)
+            return flat is not None and self._view(flat, name).data_ptr() == t.data_ptr()
+        return False
+
+    def parts(self) -> dict[str, int]:
+        """Bytes of RAM each kind of buffer takes, counted once where two kinds share one."""
+        seen: set[int] = set()
+        out: dict[str, int] = {}
+
+        def add(kind: str, t: torch.Tensor | None) -> None:
+            if t is None or t.untyped_storage().data_ptr() in seen:
+                return
+            seen.add(t.untyped_storage().data_ptr())
+            out[kind] = out.get(kind, 0) + t.untyped_storage().nbytes()
+        for b in self.owners.values():
+            add("fp32 masters", b.master)
+            add("exp_avg+exp_avg_sq", b.exp_avg)
+            add("exp_avg+exp_avg_sq", b.exp_avg_sq)
+            add("compute copies", b.compute)
+            add("grads", b.grad)
+            add("grads", b.landing)
+        for t in self.consts.values():
+            add("frozen weights and buffers", t)
+        if self.disk is not None:
+            out["disk-tier pool"] = self.disk.tier.pool.total_bytes
+        return out
+
     # -- gradients -----------------------------------------------------------------------
     def enter_program(self, uses: dict[str, int]) -> None:
         """The next micro-batch runs a program whose backward gives these parameters a gradient,

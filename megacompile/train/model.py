@@ -187,7 +187,7 @@ def plan_as_engine(module: nn.Module, inputs: dict, settings: Settings, optimize
     the arguments it will pass (engine.py _build): under plans_shared() the engine then takes it."""
     from ..calibrate import profile_for
     from ..capture import capture
-    from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes
+    from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes, module_resident
     from ..passes import StepKind
     from ..planner.search import make_plan, place_host_state
     from ..runtime import normalize_device
@@ -202,7 +202,8 @@ def plan_as_engine(module: nn.Module, inputs: dict, settings: Settings, optimize
         while not os.path.isdir(existing):
             existing = os.path.dirname(existing)
         nvme_budget = free_disk_bytes(existing)
-    host_cost = place_host_state(captured, settings.compute_dtype, host_accum, host_budget, nvme_budget)
+    host_cost = place_host_state(captured, settings.compute_dtype, host_accum, host_budget, nvme_budget,
+                                 module_resident=module_resident(module))
     return make_plan(captured, settings.budget_bytes, StepKind(update=True, clip=optimizer.max_grad_norm is not None),
                      backend=backend, host_bytes=host_cost.ram_bytes, hardware=profile_for(backend),
                      fuse=(backend == "cuda") if settings.fuse is None else settings.fuse,

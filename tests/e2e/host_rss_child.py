@@ -1,0 +1,89 @@
+"""Run as a child process by test_host_rss.py and benchmarks/host_memory.py: build one engine by
+one path, train two steps, and print (one JSON line) how far the process's resident set grew from
+before the model existed to after the steps and synchronize(), beside the plan's host figure.
+
+    python tests/e2e/host_rss_child.py PATH SIZE FOLDER
+
+PATH: compile (the model's own fp32 weights) | compile_bf16 (a bf16 module, bf16 compute) |
+from_pretrained | disk (from_pretrained with a host budget of 6 B/param and a disk tier) |
+accum (from_pretrained, grad_accum=2) | moe (compile, a Qwen2-MoE). SIZE: small | medium.
+FOLDER: where the Hugging Face folder and the disk tier go. bf16 compute, cpu backend.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import torch
+
+import megacompile
+from megacompile.acceptance.models import batch, hf_llama
+from megacompile.runtime.host_heap import resident_set_bytes
+
+SIZES = {   # hidden, layers, intermediate: ~58M and ~134M parameters with a 32000-token vocabulary
+    "small": (512, 8, 1408),
+    "medium": (768, 12, 2048),
+}
+
+
+def model(path: str, size: str) -> torch.nn.Module:
+    import transformers
+    d, layers, inter = SIZES[size]
+    common = dict(vocab_size=32000, hidden_size=d, num_hidden_layers=layers, num_attention_heads=8,
+                  num_key_value_heads=8, max_position_embeddings=256, use_cache=False)
+    if path == "moe":
+        config = transformers.Qwen2MoeConfig(**common, intermediate_size=inter, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=inter // 4, shared_expert_intermediate_size=inter // 4,
+                                             tie_word_embeddings=False)
+        return transformers.Qwen2MoeForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, intermediate_size=inter))
+
+
+def main(path: str, size: str, folder: str) -> None:
+    # The one-time costs of a first trace and step (imports, dispatch caches, thread pools) are
+    # paid on a tiny model first, so the figure is the engine's own.
+    tiny = megacompile.compile(hf_llama(layers=1, d=32), 1.0, device="cpu", compute_dtype=torch.bfloat16)
+    ids = batch(96, 1, 16)
+    tiny.step(input_ids=ids, labels=ids)
+    tiny.close()
+    del tiny
+    src = os.path.join(folder, "src")
+    if path in ("from_pretrained", "disk", "accum"):
+        torch.manual_seed(0)
+        model(path, size).save_pretrained(src)
+    gc.collect()
+    ids = batch(32000, 2, 64)
+    base = resident_set_bytes()
+    budget = 4.0
+    if path in ("compile", "moe", "compile_bf16"):
+        torch.manual_seed(0)
+        m = model(path, size)
+        if path == "compile_bf16":
+            m = m.to(torch.bfloat16)
+        engine = megacompile.compile(m, budget, device="cpu", compute_dtype=torch.bfloat16)
+        del m
+    else:
+        extra = {"grad_accum": 2} if path == "accum" else {}
+        if path == "disk":
+            with torch.device("meta"):
+                n = sum(p.numel() for p in model(path, size).parameters())
+            extra = {"host_budget": 6 * n / 2 ** 30, "nvme_dir": os.path.join(folder, "tier")}
+        engine = megacompile.from_pretrained(src, hbm_budget=budget, device="cpu", compute_dtype=torch.bfloat16,
+                                             **extra)
+    for _ in range(2):
+        engine.step(input_ids=ids, labels=ids)
+    engine.synchronize()
+    stats = engine.memory_stats()
+    print(json.dumps({
+        "path": path, "params": sum(p.numel() for p in engine.model.parameters()),
+        "growth_bytes": resident_set_bytes() - base,
+        "predicted_host_bytes": engine.host_cost.ram_bytes, "plan_host_bytes": engine.plan.host_bytes,
+        "host_bytes": stats["host_bytes"], "host_parts": stats.get("host_parts"),
+        "host_budget_bytes": engine.host_budget_bytes, "placement": engine.host_cost.placement.describe(),
+    }))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
