@@ -33,7 +33,9 @@ class ShardedHostCost(HostCost):
 
 
 def sharded_host_cost(captured, compute_dtype: torch.dtype, grad_accum: int, ranks: int,
-                      per_node: int) -> ShardedHostCost:
+                      per_node: int, module: int = 0) -> ShardedHostCost:
+    """`module`: bytes each rank's own module keeps (a rank's masters are a share, so a module built
+    with weights keeps all of them: runtime/host.py lends nothing under data parallelism)."""
     sizes, summed, frozen = owner_sizes(captured, every_trainable=False)
     params = sum(sizes.values())
     grads = 0
@@ -42,8 +44,10 @@ def sharded_host_cost(captured, compute_dtype: torch.dtype, grad_accum: int, ran
         grads += numel * (4 + layout.landing_dtype.itemsize * layout.landing) // ranks
     copy = compute_dtype.itemsize * params
     state = 12 * params
-    node = copy + per_node * (grads + frozen) + state * per_node // ranks
+    node = copy + per_node * (grads + frozen + module) + state * per_node // ranks
     tiers = {"fp32 masters": ("ram", 4 * params // ranks), "exp_avg+exp_avg_sq": ("ram", 8 * params // ranks),
              "compute copies": ("ram", copy), "grads": ("ram", grads)}
-    return ShardedHostCost(Placement(), params, -(-node // per_node), 0, 0, tiers, frozen,
+    if module:
+        tiers["the model's own weights"] = ("ram", module)
+    return ShardedHostCost(Placement(), params, -(-node // per_node), 0, 0, tiers, frozen, module,
                            ranks=ranks, per_node=per_node, node_bytes=node)

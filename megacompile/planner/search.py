@@ -331,7 +331,8 @@ def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, ho
     bytes count where the host state cannot share them (host_memory.module_bytes)."""
     if ranks is not None:
         from ..cost.host_shards import sharded_host_cost
-        cost = sharded_host_cost(captured, compute_dtype, grad_accum, *ranks)
+        module = sum(e.numel * e.dtype.itemsize for n, e in captured.state.items() if n in module_resident)
+        cost = sharded_host_cost(captured, compute_dtype, grad_accum, *ranks, module=module)
         require_host_room(cost.ram_bytes, host_budget_bytes, f" ({cost.describe()}; the budget is 1/{ranks[1]} "
                           "of the node's host budget)")
         return cost
