@@ -182,7 +182,7 @@ def test_a_step_ends_only_once_every_gradient_is_added_on_the_host():
     timeline = Timeline()
     backend = SimpleNamespace(memory=memory, timeline=timeline, reset_allocator_peak=lambda: None,
                               scope=contextlib.nullcontext, synchronize=lambda host: None,
-                              begin_step=timeline.begin)
+                              begin_step=timeline.begin, give_back_freed=lambda: None)
     program = SimpleNamespace(stage_names=["block.0"], nodes=[SimpleNamespace(op=SimpleNamespace(value="offload_mark"), stream="d2h")])
     executor = Executor(None, program, backend, SimpleNamespace(pending={}))
     landed = ThreadEvent()
