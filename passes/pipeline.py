@@ -14,6 +14,11 @@ Why this order:
                stand, so a recompute and its backward share one fetch;
   optimizer    host AdamW after the last offload feeding each stage's masters (needs the WAITs);
   lifetimes    frees every remaining device value after its last use; it must see every read;
+  arena        gives every device tensor of the step (values' storages and the ops' outputs inside
+               each stage graph) an offset in one arena; last, because a tensor's place depends
+               on the lifetimes of everything live beside it, which only the finished schedule
+               fixes. It moves no node, so the simulator's curve is the one it packs. Run for the
+               schedules the planner keeps (build_schedule(arena=True)), not for every candidate;
   (memory)     the simulator over the finished schedule gives the curve and the peak.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ from megacompile.ir.printer import format_program
 from megacompile.ir.program import Program
 from megacompile.ir.verify import verify
 
+from .arena import place_in_arena
 from .lifetimes import lifetimes
 from .layer_major import layer_major
 from .lower import lower
@@ -84,22 +90,26 @@ TRAINING_PASSES: list[tuple[str, Pass]] = [
     ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth, ch.refetch_per_pass, ch.resident)),
     ("optimizer", _optimizer),
     ("lifetimes", lambda p, c, ch, k: lifetimes(p)),
+    ("arena", lambda p, c, ch, k: place_in_arena(p, c)),
 ]
 
 INFERENCE_PASSES: list[tuple[str, Pass]] = [
     ("transfers", lambda p, c, ch, k: transfers(p, ch.prefetch_depth)),
     ("optimizer", _optimizer),     # no updates, only the waits for the last ones
     ("lifetimes", lambda p, c, ch, k: lifetimes(p)),
+    ("arena", lambda p, c, ch, k: place_in_arena(p, c)),
 ]
 
 
 def build_schedule(captured: CapturedModel, choice: ScheduleChoice, kind: StepKind = StepKind(), *,
                    check: bool = True, dump_dir: str | None = None,
-                   lowered: Callable[[CapturedModel], Program] = lower) -> Program:
+                   lowered: Callable[[CapturedModel], Program] = lower, arena: bool = False) -> Program:
     """Run the pipeline; verify after every pass when `check`; write each pass's output to `dump_dir`.
 
     `lowered` makes the first program; the solver passes a cached `lower` (it builds hundreds of
-    schedules over a few distinct sets of templates)."""
+    schedules over a few distinct sets of templates). The arena pass runs only with `arena`: it
+    costs a hundred times the rest of the pipeline, and the solver judges its candidates by their
+    simulated peak; the planner lays out the schedules it keeps."""
     dump_dir = dump_dir or os.environ.get("MEGACOMPILE_DUMP_DIR")
     captured = with_selective(captured, choice.selective)
     contributors = owners(captured)[1] if captured.train else None
@@ -109,11 +119,13 @@ def build_schedule(captured: CapturedModel, choice: ScheduleChoice, kind: StepKi
     passes = TRAINING_PASSES if captured.train else INFERENCE_PASSES
     _after_pass(program, "lower", 0, check, dump_dir, None)
     for k, (name, run) in enumerate(passes, start=1):
+        if name == "arena" and not arena:
+            continue
         start = time.perf_counter()
         program = run(program, captured, choice, kind)
         seconds[name] = time.perf_counter() - start
         program.passes.append(name)
-        _after_pass(program, name, k, check, dump_dir, contributors if name in ("optimizer", "lifetimes") else None)
+        _after_pass(program, name, k, check, dump_dir, contributors if name in ("optimizer", "lifetimes", "arena") else None)
     program.facts["pass_seconds"] = seconds
     program.facts["choice"] = choice
     program.facts["step_kind"] = kind

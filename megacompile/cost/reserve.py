@@ -11,9 +11,12 @@ The ledger counts every tensor an op returns. A GPU also holds memory no op retu
   fragmentation  the caching allocator rounds blocks (to 512 B, 2 MiB segments) and cannot always
                  reuse freed blocks for other sizes: a fraction of the budget.
 
-The plan fills `budget - reserve`; the allocator is capped at the budget itself, so its limit never
-sits on the ledger's peak. Workspaces and the fragmentation share come from the hardware profile
-(HardwareProfile.workspace_bytes, .fragmentation), which `megacompile calibrate` can overwrite and
+The plan's peak fills `budget - reserve`, and its device arena (every tensor of the step at a
+planned offset, passes/arena.py) fits `budget - workspaces - op scratch`: the arena's own packing
+is fragmentation the plan knows to the byte, while the share here stays for the caching allocator
+until the runtime serves the step's tensors from the arena. The allocator is capped at the budget
+itself, so its limit never sits on the ledger's peak. Workspaces and the fragmentation share come
+from the hardware profile (HardwareProfile.workspace_bytes, .fragmentation), which `megacompile calibrate` can overwrite and
 `python -m megacompile.acceptance` checks against torch's own peak. The simulated device (backend
 "cpu", and the measured cpu profile) counts exactly what it allocates, and reserves nothing.
 """
@@ -61,12 +64,14 @@ def device_reserve(captured: CapturedModel, budget_bytes: int, hardware: Hardwar
     return DeviceReserve(hardware.workspace_bytes, scratch, op, int(hardware.fragmentation * budget_bytes))
 
 
-def smallest_budget(ledger_peak: int, captured: CapturedModel, hardware: HardwareProfile, backend: str) -> int:
-    """The budget whose reserve leaves exactly `ledger_peak` to the plan."""
+def smallest_budget(ledger_peak: int, captured: CapturedModel, hardware: HardwareProfile, backend: str,
+                    arena_bytes: int = 0) -> int:
+    """The smallest budget whose reserve leaves `ledger_peak` to the plan and that holds an arena of
+    `arena_bytes` beside the workspaces and op scratch."""
     fixed = device_reserve(captured, 0, hardware, backend)
     if backend == "cpu":
-        return ledger_peak
-    return int(-(-(ledger_peak + fixed.total) // (1 - hardware.fragmentation)))
+        return max(ledger_peak, arena_bytes)
+    return max(int(-(-(ledger_peak + fixed.total) // (1 - hardware.fragmentation))), arena_bytes + fixed.total)
 
 
 def largest_scratch(captured: CapturedModel) -> tuple[int, str]:

@@ -155,7 +155,10 @@ def format_program(program: Program, header: list[str] | None = None, fold: bool
     lines = list(header or [])
     lines += [f"# {line}" for line in legend(program)]
     lines.append(f"# built by: {' -> '.join(program.passes)}")
-    lines.append(f"# predicted device peak {fmt_bytes(curve.peak)} at node {curve.peak_index}")
+    arena = program.facts.get("arena")
+    laid_out = (f"; device arena {fmt_bytes(arena.size)} ({fmt_bytes(arena.fragmentation)} above the peak, "
+                f"{len(arena.tensors)} tensors at planned offsets)" if arena is not None else "")
+    lines.append(f"# predicted device peak {fmt_bytes(curve.peak)} at node {curve.peak_index}{laid_out}")
     lines.append(f"# {'node':>5}  {'live during':>12}  {'op':<15} {'stage':<12} {'values':<{VALUES_WIDTH}} origin / why")
     runs = {r.start: r for r in find_runs(program)} if fold else {}
     i = 0

@@ -26,6 +26,16 @@ def fake_storage_key(t: torch.Tensor) -> Hashable:
     return StorageWeakRef(t.untyped_storage())
 
 
+@dataclass(frozen=True)
+class GraphStorage:
+    """One storage an op of the graph makes, with the ops it lives over (simulate()'s rule)."""
+    op: str              # the fx node that first holds it
+    nbytes: int
+    first: int           # index in `body` of that op
+    last: int | None     # index of the op after which it is freed; None: alive when the graph ends
+    group: int | None    # its output storage group (GraphMemory.output_groups) when an output holds it
+
+
 @dataclass
 class GraphMemory:
     transient_peak: int        # bytes above the inputs while the graph runs
@@ -126,3 +136,34 @@ class StageProgram:
             output_groups.append(groups[key])
             output_alias.append(alias)
         return GraphMemory(ledger.peak_bytes, ledger.live_bytes, output_groups, output_alias, group_bytes)
+
+    def storages(self) -> list[GraphStorage]:
+        """The storages the graph's ops make, in the order they are made, each with its first and
+        last op: simulate()'s holds and drops, one storage per key (a view of it adds a holder,
+        not bytes). Inputs' storages are not among them: their owners count them."""
+        inputs = {fake_storage_key(t) for p in self.placeholders for t in tensors_of(p.meta.get("val"))}
+        made: dict[Hashable, list] = {}          # key -> [op, bytes, first, last, holders]
+        order: list[Hashable] = []
+        for k, (node, frees) in enumerate(zip(self.body, self.free_after)):
+            for t in tensors_of(node.meta.get("val")):
+                key = fake_storage_key(t)
+                if key in inputs:
+                    continue
+                if key not in made:
+                    made[key] = [node.name, t.untyped_storage().nbytes(), k, None, set()]
+                    order.append(key)
+                made[key][4].add(node)
+            for dead in frees:
+                for t in tensors_of(dead.meta.get("val")):
+                    entry = made.get(fake_storage_key(t))
+                    if entry is not None and dead in entry[4]:
+                        entry[4].discard(dead)
+                        if not entry[4]:
+                            entry[3] = k
+        groups: dict[Hashable, int] = {}
+        for o in self.output_node.args[0]:
+            ts = tensors_of(o.meta.get("val")) if isinstance(o, fx.Node) else []
+            key = fake_storage_key(ts[0]) if ts else object()
+            groups.setdefault(key, len(groups))
+        return [GraphStorage(made[key][0], made[key][1], made[key][2], made[key][3],
+                             groups.get(key) if made[key][3] is None else None) for key in order]

@@ -16,6 +16,7 @@ from ..capture import CapturedModel
 from ..cost import HardwareProfile, StepPrediction
 from ..cost.host_memory import HostCost
 from ..cost.reserve import DeviceReserve
+from ..ir.arena import DeviceArena
 from ..ir.printer import describe_value, fmt_bytes, fmt_rate, fmt_seconds, format_program
 from ..ir.program import Op, Program, base_name
 from ..ir.simulate import MemoryCurve, simulate
@@ -143,8 +144,18 @@ class Plan:
         return self.host_cost.ram_bytes_per_param if self.host_cost is not None else None
 
     @property
+    def arena(self) -> DeviceArena | None:
+        """The step's device tensors at their planned offsets (passes/arena.py); None for a schedule
+        built without the arena pass."""
+        return self.program.facts.get("arena")
+
+    @property
     def fits(self) -> bool:
-        return self.predicted_peak_bytes + self.reserve.total <= self.budget_bytes
+        """The peak leaves the reserve free, and the arena fits beside the workspaces and op scratch
+        (cost/reserve.py)."""
+        r, arena = self.reserve, self.arena
+        return (self.predicted_peak_bytes + r.total <= self.budget_bytes
+                and (arena is None or arena.size + r.workspace_bytes + r.scratch_bytes <= self.budget_bytes))
 
     @property
     def recomputed(self) -> list[str]:
@@ -286,6 +297,7 @@ class Plan:
             "fits": self.fits,
             **self.reserve.to_dict(),
             "device_peak_bytes": self.predicted_peak_bytes,
+            **(self.arena.to_json() if self.arena is not None else {}),
             "measured_device_peak_bytes": self.measured_peak_bytes,
             "minimum_budget_bytes": self.minimum_budget_bytes,
             "host_bytes": self.host_bytes + self.stash_bytes,
@@ -472,12 +484,15 @@ class Plan:
 
     def _peak_line(self, measured: str) -> str:
         peak = fmt_bytes(self.predicted_peak_bytes)
+        arena = self.arena
+        laid_out = ("" if arena is None else f", laid out in a {fmt_bytes(arena.size)} arena ("
+                    f"{fmt_bytes(arena.fragmentation)} of packing, {arena.fragmentation_share:.2%})")
         given = self.given_budget_bytes
         if given is None:
             return (f"  device peak    {peak} predicted of {fmt_bytes(self.budget_bytes)} budget "
-                    f"({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%); {measured}")
+                    f"({100 * self.predicted_peak_bytes / self.budget_bytes:.1f}%){laid_out}; {measured}")
         need = self.minimum_budget_bytes
-        return (f"  device peak    {peak} predicted + {fmt_bytes(self.reserve.total)} reserve: needs "
+        return (f"  device peak    {peak} predicted{laid_out} + {fmt_bytes(self.reserve.total)} reserve: needs "
                 f"{fmt_bytes(need)}, "
                 f"{fmt_bytes(need - given)} more than the {fmt_bytes(given)} budget given (the plan shown is the one "
                 f"at {fmt_bytes(need)}); {measured}")

@@ -17,13 +17,14 @@ from ..cost import HardwareProfile, predict
 from ..cost.predict import compute_seconds
 from ..cost.host_memory import HostCost, choose_placement, host_costs, why_not
 from ..cost.reserve import device_reserve, smallest_budget
+from ..ir.arena import DeviceArena
 from ..ir.program import COMPUTE_OPS, Op, Program
 from ..passes import ScheduleChoice, StepKind, build_schedule
 from .solve import solve
 from ..passes.lower import lower
 from ..passes.selective import with_selective
 from .shorten import Short, held_bytes, peak_with_cut, shorten, span
-from .solve import Family, Selective, candidates, families
+from .solve import Family, Selective, candidates, families, lowest
 from ..passes.baselines import baseline_choice
 from .chunk_count import plan_chunked
 from .result import Plan
@@ -99,34 +100,75 @@ def _make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind, *, ba
 
     peak_of, seconds_of = judges(captured, blocks, hardware, schedule, lower_once, kind, disk_per_param)
 
-    # The plan fills what the device reserve leaves (cost/reserve.py); the allocator's cap stays at
-    # the whole budget.
-    reserve = device_reserve(captured, budget_bytes, hardware, backend)
-    plan_bytes = max(0, budget_bytes - reserve.total)
+    def exact_of(c: ScheduleChoice) -> float:
+        return predict(schedule(c), with_selective(captured, c.selective), hardware, disk_per_param).step_s
+
     host_room = None if host_budget_bytes is None else host_budget_bytes - host_bytes
     layer = layer_major_k(captured, kind, grad_accum, accumulation)
-    choice, minimum = None, None
-    if accumulation != "layer" or layer == 1:
-        # The fastest of each stride by the short-stack estimate, then on the whole stack.
-        def exact_of(c: ScheduleChoice) -> float:
-            return predict(schedule(c), with_selective(captured, c.selective), hardware, disk_per_param).step_s
-        choice, minimum = solve(blocks, plan_bytes, peak_of, seconds_of,
-                                search_space(captured, blocks, hardware, host_room, device_room=plan_bytes), exact_of)
-    if layer > 1:
-        # Every micro-batch of a layer-major step stashes what one would: k times the host bytes.
-        space = search_space(captured, blocks, hardware, None if host_room is None else host_room // layer,
-                             device_room=plan_bytes)
-        choice, minimum = pick_accumulation(blocks, plan_bytes, peak_of, seconds_of, space, layer, choice, minimum)
-    ledger_minimum, minimum = minimum, smallest_budget(minimum, captured, hardware, backend)
+
+    def choose(room: int) -> tuple[ScheduleChoice | None, ScheduleChoice]:
+        """The fastest choice whose simulated peak fits `room` (None if none does), and the choice of
+        the smallest peak."""
+        choice, least = None, None
+        if accumulation != "layer" or layer == 1:
+            # The fastest of each stride by the short-stack estimate, then on the whole stack.
+            space = search_space(captured, blocks, hardware, host_room, device_room=room)
+            choice, minimum = solve(blocks, room, peak_of, seconds_of, space, exact_of)
+            least = lowest(blocks, space, peak_of)
+        if layer > 1:
+            # Every micro-batch of a layer-major step stashes what one would: k times the host bytes.
+            space = search_space(captured, blocks, hardware, None if host_room is None else host_room // layer,
+                                 device_room=room)
+            choice, _ = pick_accumulation(blocks, room, peak_of, seconds_of, space, layer, choice,
+                                          None if least is None else minimum)
+            least_layer = dataclasses.replace(lowest(blocks, space, lambda c: peak_of(
+                dataclasses.replace(c, micro_batches=layer))), micro_batches=layer)
+            if least is None or peak_of(least_layer) < peak_of(least):
+                least = least_layer
+        return choice, least
+
+    laid_out: dict[ScheduleChoice, Program] = {}     # whole schedules, verified, with their arenas
+
+    def arena_of(c: ScheduleChoice) -> DeviceArena:
+        if c not in laid_out:
+            laid_out[c] = build_schedule(captured, c, kind, check=True, lowered=lower_once, arena=True)
+        return laid_out[c].facts["arena"]
+
+    # A plan fits when its arena fits what the budget leaves after the workspaces and op scratch the
+    # ledger cannot see, and its peak leaves the reserve free (cost/reserve.py: on a GPU its share for
+    # the caching allocator's fragmentation, which still serves the tensors; the allocator's cap
+    # stays at the whole budget). The solver judges candidates by their peak, a lower bound of their
+    # arena; only the choice it keeps is laid out. Where its arena overshoots, the solver chooses
+    # again with room for a peak that leaves as much packing as that choice needed: the choice itself
+    # no longer fits (its peak is its arena less its packing), so each round takes another.
+    reserve = device_reserve(captured, budget_bytes, hardware, backend)
+    plan_bytes = max(0, budget_bytes - reserve.total)
+    arena_room = budget_bytes - reserve.workspace_bytes - reserve.scratch_bytes
+    choice, least = choose(plan_bytes)
+    room = plan_bytes
+    for _ in range(4):
+        if choice is None or arena_of(choice).size <= arena_room:
+            break
+        room = min(room, arena_room - arena_of(choice).fragmentation)
+        choice = choose(room)[0]
+    if choice is None or arena_of(choice).size > arena_room:
+        # No round settled it (or a round found nothing): the schedule of the smallest peak, whose
+        # arena is the smallest budget named, where it fits.
+        choice = least if peak_of(least) <= plan_bytes and arena_of(least).size <= arena_room else None
+    ledger_minimum = peak_of(least)
+    minimum = smallest_budget(ledger_minimum, captured, hardware, backend, arena_of(least).size)
     if choice is None:
         largest = max(captured.stages, key=lambda s: s.template.weight_bytes)
-        reserved = (f"; that includes a device reserve of {fmt_bytes(minimum - ledger_minimum)} for workspaces, op "
-                    "scratch and fragmentation" if reserve.total else "")
+        arena_note = (f", its device arena (every tensor at a planned offset) {fmt_bytes(arena_of(least).size)} "
+                      f"for a peak of {fmt_bytes(ledger_minimum)}")
+        at_minimum = device_reserve(captured, minimum, hardware, backend).total
+        reserved = (f"; that includes a device reserve of {fmt_bytes(at_minimum)} for workspaces, op scratch and "
+                    "fragmentation" if at_minimum else "")
         refused = BudgetTooSmallError(
             f"hbm_budget of {budget_bytes / GiB:.4g} GiB is too small: the smallest budget that fits this model "
             f"at these input shapes is {minimum / GiB:.4g} GiB ({fmt_bytes(minimum)}), with every block "
-            f"recomputed (its input in host memory where the host budget allows) and no prefetch overlap (the "
-            f"largest stage, {largest.name}, holds "
+            f"recomputed (its input in host memory where the host budget allows) and no prefetch overlap{arena_note} "
+            f"(the largest stage, {largest.name}, holds "
             f"{fmt_bytes(largest.template.weight_bytes)} of weights{reserved}). Raise hbm_budget to at least "
             f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
         if captured.rechunk is None:
@@ -136,8 +178,11 @@ def _make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind, *, ba
             c, budget_bytes, kind, backend=backend, host_bytes=host_bytes, dump_dir=dump_dir, hardware=hardware,
             host_budget_bytes=host_budget_bytes, host_cost=host_cost, grad_accum=grad_accum,
             accumulation=accumulation), refused)
-    program = build_schedule(captured, choice, kind, check=True, dump_dir=dump_dir)
-    verify(program, budget_bytes=plan_bytes, owners=owners(captured)[1] if captured.train else None)
+    arena_of(choice)
+    program = laid_out[choice] if dump_dir is None else build_schedule(captured, choice, kind, check=True,
+                                                                       dump_dir=dump_dir, arena=True)
+    verify(program, budget_bytes=plan_bytes, owners=owners(captured)[1] if captured.train else None,
+           arena_budget_bytes=arena_room)
     captured = with_selective(captured, choice.selective)
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
                 prediction=predict(program, captured, hardware, disk_per_param), host_budget_bytes=host_budget_bytes,
@@ -409,7 +454,7 @@ def make_baseline_plan(captured: CapturedModel, budget_bytes: int, style: str, *
     """Another system's schedule (passes/baselines.py) for the same graphs, timed by the same cost
     model; it is not held to the budget (Plan.fits says whether it would fit)."""
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
-    program = build_schedule(captured, baseline_choice(style, blocks), check=True)
+    program = build_schedule(captured, baseline_choice(style, blocks), check=True, arena=True)
     program.passes.append(f"style={style}")
     minimum = simulate(program).peak
     return Plan(program, captured, budget_bytes, host_bytes, f"{style}-style schedule on {hardware.name}", minimum,

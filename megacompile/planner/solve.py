@@ -111,6 +111,14 @@ def families(residents: Sequence[frozenset[int]] = (frozenset(),), offload_count
             for s in selective for b in boundaries for m in strides if m == 0 or j >= 2 * m]
 
 
+def lowest(blocks: Sequence[int], options: Sequence[Family],
+           peak_of: Callable[[ScheduleChoice], int]) -> ScheduleChoice:
+    """The choice of the smallest peak the families reach: every block recomputed, at each of their
+    depths, selective sets, lags and boundaries (the first of equal peaks)."""
+    return min((candidates(blocks, Family(f.depth, selective=f.selective, lag=f.lag, boundary=f.boundary))[-1]
+                for f in options), key=peak_of)
+
+
 def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
           seconds_of: Callable[[ScheduleChoice], float] | None = None,
           options: Sequence[Family] | None = None,
@@ -148,8 +156,7 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
             fastest[f.stride] = min(fastest.get(f.stride, float("inf")), seconds_of(choice))
         if not (choice.recompute or choice.offload or choice.selective):
             settled.add((f.depth, f.resident))
-    minimum = min(peak_of(candidates(blocks, Family(f.depth, selective=f.selective, lag=f.lag,
-                                                    boundary=f.boundary))[-1]) for f in options)
+    minimum = peak_of(lowest(blocks, options, peak_of))
     if not fits:
         return None, minimum
     if seconds_of is None:

@@ -63,10 +63,12 @@ def test_plan_prints_and_dumps(tmp_path):
     assert data["device_peak_bytes"] == engine.plan.predicted_peak_bytes
     assert data["measured_device_peak_bytes"] == engine.memory_stats()["device_peak_bytes"]
     assert data["passes"] == ["lower", "remat", "offload", "boundary", "layer_major", "transfers", "optimizer",
-                              "lifetimes"]
+                              "lifetimes", "arena"]
     assert sorted(p.name for p in (tmp_path / "passes").iterdir()) == [
         "00_lower.txt", "01_remat.txt", "02_offload.txt", "03_boundary.txt", "04_layer_major.txt", "05_transfers.txt",
-        "06_optimizer.txt", "07_lifetimes.txt"]
+        "06_optimizer.txt", "07_lifetimes.txt", "08_arena.txt"]
+    assert data["device_peak_bytes"] <= data["device_arena_bytes"] <= data["budget_bytes"]
+    assert data["arena_tensor_count"] == len(data["arena_tensors"]) > 0
 
 
 def test_state_dict_has_the_models_names_tied_ones_included():

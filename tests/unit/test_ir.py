@@ -51,7 +51,7 @@ def compiled():
     ids = models.batch(96, 2, 8)
     captured = capture(model, (ids, ids), {}, device=torch.device("cpu"), compute_dtype=torch.float32)
     blocks = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind == "block")
-    program = build_schedule(captured, ScheduleChoice(1, frozenset(sorted(blocks)[:1])))
+    program = build_schedule(captured, ScheduleChoice(1, frozenset(sorted(blocks)[:1])), arena=True)
     return captured, program
 
 
@@ -65,8 +65,14 @@ def _first(program: Program, op: Op, **match) -> int:
 
 
 def test_compiled_schedule_verifies(compiled):
+    """At a budget of its arena: every tensor at a planned offset needs the arena, a little more than
+    the peak (passes/arena.py)."""
     captured, program = compiled
-    verify(program, budget_bytes=simulate(program).peak, owners=owners(captured)[1])
+    arena = program.facts["arena"]
+    assert arena.size >= simulate(program).peak
+    verify(program, budget_bytes=arena.size, owners=owners(captured)[1])
+    with pytest.raises(PlanVerificationError, match="device arena"):
+        verify(program, budget_bytes=arena.size - 1)
 
 
 def test_verifier_catches_a_read_before_the_prefetch_is_waited_for(compiled):

@@ -1,0 +1,199 @@
+"""The device arena: the offset solver on hand-made lifetimes, the verifier's overlap check, and the
+arena of a captured small Llama's schedules against the memory simulator's curve."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import megacompile
+from megacompile.capture import capture
+from megacompile.cost import get_profile
+from megacompile.errors import PlanVerificationError
+from megacompile.ir.arena import ALIGNMENT, ArenaTensor, DeviceArena, aligned, greedy_by_size, place, plan_offsets
+from megacompile.ir.printer import fmt_bytes, format_program
+from megacompile.ir.program import COMPUTE_OPS, Op
+from megacompile.ir.simulate import simulate
+from megacompile.ir.verify import verify, verify_arena
+from megacompile.passes import ScheduleChoice, build_schedule
+from megacompile.planner.search import make_plan
+from tests import models
+
+GiB = 2 ** 30
+
+
+def _busiest(sizes, firsts, lasts, alignment=ALIGNMENT) -> int:
+    """The most aligned bytes live at one step: no layout is smaller."""
+    steps = max(lasts, default=-1) + 1
+    return max((sum(aligned(s, alignment) for s, f, l in zip(sizes, firsts, lasts) if f <= t <= l)
+                for t in range(steps)), default=0)
+
+
+def _overlaps(offsets, sizes, firsts, lasts) -> list[tuple[int, int]]:
+    """Every pair live at one step whose bytes meet, by brute force."""
+    n = len(sizes)
+    return [(i, j) for i in range(n) for j in range(i + 1, n)
+            if sizes[i] and sizes[j] and firsts[i] <= lasts[j] and firsts[j] <= lasts[i]
+            and offsets[i] < offsets[j] + sizes[j] and offsets[j] < offsets[i] + sizes[i]]
+
+
+def test_greedy_by_size_is_optimal_on_a_simple_case():
+    # A [0,1] and C [2,4] never meet: they share offset 0; B [1,3] meets both and goes above them.
+    sizes, firsts, lasts = [100, 60, 100], [0, 1, 2], [1, 3, 4]
+    assert greedy_by_size(sizes, firsts, lasts, alignment=1) == [0, 100, 0]
+    assert plan_offsets(sizes, firsts, lasts, alignment=1) == [0, 100, 0]   # 160 B: the busiest step's bytes
+    # Aligned to 512 B each tensor takes 512: the arena is two of them, every offset aligned.
+    offsets = plan_offsets(sizes, firsts, lasts)
+    assert offsets == [0, 512, 0] and max(o + aligned(s) for o, s in zip(offsets, sizes)) == 1024
+
+
+def test_a_tensor_goes_into_the_tightest_gap_or_the_lowest():
+    # Placed in this order, A and C (steps 0..1) leave two holes beside B and D (steps 0..3) once
+    # they end: 150 B under B and 60 B between B and D. E (steps 2..3, 50 B) fits either.
+    sizes, firsts, lasts = [150, 100, 60, 100, 50], [0, 0, 0, 0, 2], [1, 3, 1, 3, 3]
+    order = range(5)
+    assert place(order, sizes, firsts, lasts, tightest=True) == [0, 150, 250, 310, 250]
+    assert place(order, sizes, firsts, lasts, tightest=False) == [0, 150, 250, 310, 0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_no_two_tensors_live_at_once_overlap_on_random_lifetimes(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    steps = rng.randint(1, 30)
+    firsts = [rng.randrange(steps) for _ in range(n)]
+    lasts = [f + rng.randrange(steps - f) for f in firsts]
+    sizes = [rng.choice([0, 1, 7, 100, 511, 512, 513, 4096, rng.randint(1, 50_000)]) for _ in range(n)]
+    for alignment in (1, ALIGNMENT):
+        offsets = plan_offsets(sizes, firsts, lasts, alignment)
+        rounded = [aligned(s, alignment) for s in sizes]
+        assert not _overlaps(offsets, rounded, firsts, lasts)
+        assert all(o % alignment == 0 for o in offsets)
+        size = max((o + s for o, s in zip(offsets, rounded)), default=0)
+        assert _busiest(sizes, firsts, lasts, alignment) <= size <= sum(rounded)
+        # The orders tried include greedy by size alone: the kept layout is never larger.
+        by_size = greedy_by_size(sizes, firsts, lasts, alignment)
+        assert size <= max((o + s for o, s in zip(by_size, rounded)), default=0)
+
+
+def _arena(tensors: list[tuple[int, int, int, int]], size: int) -> DeviceArena:
+    """(bytes, first, last, offset) each."""
+    return DeviceArena(tuple(ArenaTensor(f"t{i}", 0, b, f, l, o) for i, (b, f, l, o) in enumerate(tensors)),
+                       size, peak=0, node_steps=(0,), steps=1 + max(l for _, _, l, _ in tensors))
+
+
+def test_the_verifier_finds_a_planted_overlap():
+    fine = [(1000, 0, 5, 0), (512, 2, 3, 1024), (700, 6, 9, 0), (100, 4, 9, 1536)]
+    verify_arena(_arena(fine, 2048))
+    # t1 moved down onto t0 while both are live (steps 2..3)
+    with pytest.raises(PlanVerificationError, match="t1 .* overlaps t0"):
+        verify_arena(_arena([fine[0], (512, 2, 3, 512), *fine[2:]], 2048))
+    # the same offsets one step apart in time share nothing
+    verify_arena(_arena([(1000, 0, 1, 0), (1000, 2, 3, 0)], 1024))
+    with pytest.raises(PlanVerificationError, match="overlaps"):
+        verify_arena(_arena([(1000, 0, 2, 0), (1000, 2, 3, 0)], 1024))
+    with pytest.raises(PlanVerificationError, match="does not hold"):
+        verify_arena(_arena(fine, 1536))             # t3 ends at 1636
+    with pytest.raises(PlanVerificationError, match="aligned"):
+        verify_arena(_arena([(100, 0, 1, 100)], 1024))
+    with pytest.raises(PlanVerificationError, match="exceeds the budget"):
+        verify_arena(_arena(fine, 2048), budget_bytes=2047)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=2, d=64)
+    ids = models.batch(96, 2, 16)
+    captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
+                       compute_dtype=torch.float32)
+    return model, ids, captured
+
+
+def _live_per_node(arena: DeviceArena, nodes: int) -> list[int]:
+    """The most bytes the arena's tensors hold at once during each schedule node."""
+    change = np.zeros(arena.steps + 1, np.int64)
+    for t in arena.tensors:
+        change[t.first] += t.nbytes
+        change[t.last + 1] -= t.nbytes
+    live = np.cumsum(change)[:arena.steps]
+    bounds = list(arena.node_steps) + [arena.steps]
+    return [int(live[bounds[i]:bounds[i + 1]].max()) for i in range(nodes)]
+
+
+def test_the_arena_holds_the_simulated_curve_node_by_node(llama):
+    """Every schedule shape: the arena's tensors live at each node add up to the simulator's bytes
+    during it, op by op inside each stage graph; none overlap; the arena is the peak plus packing."""
+    _, _, captured = llama
+    blocks = frozenset(s for s, st in enumerate(captured.stages) if st.template.kind == "block")
+    first = min(blocks)
+    for choice in (ScheduleChoice(1), ScheduleChoice(0, blocks), ScheduleChoice(2, selective=blocks),
+                   ScheduleChoice(1, blocks - {first}, offload=frozenset({first}), boundary=blocks - {first}),
+                   ScheduleChoice(1, frozenset({first}), micro_batches=2), ScheduleChoice(1, blocks, extra_forwards=1)):
+        program = build_schedule(captured, choice, arena=True)     # verified after every pass, arena included
+        arena, curve = program.facts["arena"], simulate(program)
+        assert _live_per_node(arena, len(program.nodes)) == curve.peak_during, choice
+        assert arena.peak == curve.peak <= arena.size
+        assert arena.fragmentation_share < 0.02, choice
+        # Kernel outputs inside the stage graphs are in it, not only the schedule's values, and each
+        # storage a compute node makes names the op of its graph that makes it.
+        assert any(t.name not in {k for v in program.values.values() for k, _ in v.parts} for t in arena.tensors)
+        assert all(t.op for t in arena.tensors if program.nodes[t.node].op in COMPUTE_OPS), choice
+
+
+def test_each_graph_s_storages_give_its_transient_peak(llama):
+    _, _, captured = llama
+    for t in {id(st.template): st.template for st in captured.stages}.values():
+        for graph, memory in ((t.forward, t.fwd_memory), (t.backward, t.bwd_memory)):
+            change = np.zeros(len(graph.body) + 1, np.int64)
+            for s in graph.storages():
+                change[s.first] += s.nbytes
+                change[(len(graph.body) - 1 if s.last is None else s.last) + 1] -= s.nbytes
+            assert np.cumsum(change).max() == memory.transient_peak
+
+
+def test_a_planted_overlap_in_a_compiled_schedule_fails_verification(llama):
+    _, _, captured = llama
+    program = build_schedule(captured, ScheduleChoice(1), arena=True)
+    arena = program.facts["arena"]
+    # Two tensors live at one step at different offsets: put the second onto the first.
+    a, b = next((a, b) for a in arena.tensors for b in arena.tensors
+                if a.offset != b.offset and a.first <= b.last and b.first <= a.last and a.nbytes and b.nbytes)
+    moved = tuple(dataclasses.replace(t, offset=a.offset) if t is b else t for t in arena.tensors)
+    with pytest.raises(PlanVerificationError, match="overlaps"):
+        verify(program.copy(arena=dataclasses.replace(arena, tensors=moved)))
+
+
+def test_a_plan_fits_when_its_arena_fits(llama):
+    """On the simulated device (no reserve) the smallest budget is the smallest arena: planning there
+    fits, one aligned block less is refused, naming it (blocks whole: no sequence chunks to try)."""
+    _, _, captured = llama
+    captured = dataclasses.replace(captured, rechunk=None)
+
+    def plan_at(budget: int):
+        return make_plan(captured, budget, backend="cpu", host_bytes=0, hardware=get_profile("h100"))
+
+    with pytest.raises(megacompile.BudgetTooSmallError, match="device arena") as refused:
+        plan_at(0)
+    smallest = refused.value.minimum_bytes
+    plan = plan_at(smallest)
+    arena = plan.arena
+    assert plan.predicted_peak_bytes < arena.size == plan.budget_bytes == plan.minimum_budget_bytes and plan.fits
+    assert arena.fragmentation_share < 0.02
+    assert f"laid out in a {fmt_bytes(arena.size)} arena" in plan.summary()
+    data = plan.to_json()
+    assert data["device_arena_bytes"] == arena.size and data["arena_tensor_count"] == len(data["arena_tensors"])
+    with pytest.raises(megacompile.BudgetTooSmallError) as refused:
+        plan_at(smallest - ALIGNMENT)
+    assert refused.value.minimum_bytes == smallest
+
+
+def test_the_schedule_text_prints_the_arena_beside_the_peak(llama):
+    _, _, captured = llama
+    program = build_schedule(captured, ScheduleChoice(1), arena=True)
+    line = next(x for x in format_program(program).splitlines() if x.startswith("# predicted device peak"))
+    assert "device arena" in line and f"{len(program.facts['arena'].tensors)} tensors" in line
+    assert not any(n.op is Op.FREE and not n.frees for n in program.nodes)
