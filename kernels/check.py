@@ -280,13 +280,13 @@ def format_table(rows: list[Row]) -> str:
         return "-" if math.isnan(x) else f"{x:.2e}"
 
     header = (f"{'kernel':<20} {'dtype':<9} {'fwd err':>9} {'bwd err':>9} {'tol':>9} "
-              f"{'sm_80':>6} {'sm_90':>6} {'s':>6}  result")
+              + "".join(f"{f'sm_{a}':>7}" for a in ARCHS) + f" {'s':>6}  result")
     lines = [header, "-" * len(header)]
     for r in rows:
         sm = [("ok" if r.compiled.get(a) == "ok" else ("-" if a not in r.compiled else "FAIL")) for a in ARCHS]
         lines.append(
             f"{r.kernel:<20} {str(r.dtype).replace('torch.', ''):<9} {num(r.forward):>9} {num(r.backward):>9} "
-            f"{num(r.tol):>9} {sm[0]:>6} {sm[1]:>6} {r.seconds:>6.1f}  {'pass' if r.passed else 'FAIL'}"
+            f"{num(r.tol):>9}" + "".join(f"{x:>7}" for x in sm) + f" {r.seconds:>6.1f}  {'pass' if r.passed else 'FAIL'}"
         )
     for r in rows:
         for arch, result in r.compiled.items():

@@ -2,7 +2,7 @@
 
 `record_launches()` notes each kernel launch (argument types, constexprs, num_warps) while the
 kernels run under the interpreter; `compile_launches()` then builds exactly those specializations
-with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` for sm_80 and sm_90 and
+with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` for every target in ARCHS and
 checks that each produced PTX. The compile runs in child processes (one per architecture) with
 TRITON_INTERPRET=0, because `triton.jit` picks the interpreter when a kernel is decorated, and the
 code generator cannot read interpreted functions.
@@ -25,7 +25,11 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-ARCHS = (80, 90)  # A100, H100/H200
+# Every target a hardware profile names (megacompile/cost/hardware.py TARGETS): A100; RTX 3090;
+# RTX 4090, RTX 6000 Ada, L40S; H100, H200, GH200; B200; RTX 5090. The default tests build
+# FAST_ARCHS; the others, about a minute each on 2 cores, are in the slow tier.
+ARCHS = (80, 86, 89, 90, 100, 120)
+FAST_ARCHS = (80, 90)
 # Kernels whose results the checks hold bit-exact (or to 1e-6) against torch: on the device they
 # must use IEEE-rounded division and square root, and launch with enable_fp_fusion=False. The
 # others may use the approximate forms (ex2.approx, div.full: within 2 ulp) under their tolerances.

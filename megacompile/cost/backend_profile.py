@@ -38,7 +38,24 @@ def profile_for(backend: str) -> HardwareProfile:
                                    "with megacompile.calibrate.cpu_profile()")
         return _measure_cpu()
     name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
-    for key in ("gh200", "h200", "h100", "a100"):
-        if key in name:
-            return get_profile("h100-pcie" if key == "h100" and "pcie" in name else key)
-    return get_profile("h100")
+    return get_profile(profile_name(name))
+
+
+# Substrings of torch.cuda.get_device_name(), most specific first.
+_DEVICE_NAMES = (("gh200", "gh200"), ("h200", "h200"), ("h100", "h100"), ("b200", "b200"), ("a100", "a100"),
+                 ("rtx 6000 ada", "rtx6000-ada"), ("l40s", "l40s"), ("rtx 5090", "rtx5090"),
+                 ("rtx 4090", "rtx4090"), ("rtx 3090", "rtx3090"))
+
+
+def profile_name(device_name: str) -> str:
+    """The datasheet profile for a CUDA device name, e.g. "NVIDIA A100-SXM4-40GB" -> "a100-40gb";
+    an unknown device is planned as an h100."""
+    name = device_name.lower()
+    for part, key in _DEVICE_NAMES:
+        if part in name:
+            if key == "h100" and "pcie" in name:
+                return "h100-pcie"
+            if key == "a100" and "40gb" in name:
+                return "a100-40gb"
+            return key
+    return "h100"

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from .host import HOSTS, host_fields
+
 GB = 1e9
 TFLOPS = 1e12
 
@@ -81,5 +83,54 @@ PROFILES: dict[str, HardwareProfile] = {
                             19.5 * TFLOPS, 25 * GB, 25 * GB, *_host(200 * GB), 5e-6),
 }
 
+# Host links, per direction: PCIe Gen4 x16 is 32 GB/s raw and Gen5 x16 64 GB/s (PCI-SIG); pinned
+# copies reach about 25 and 55, the figures the a100 and h100 profiles above use.
+PCIE_GEN4 = 25 * GB
+PCIE_GEN5 = 55 * GB
+_DESKTOP, _WORKSTATION, _SERVER = (host_fields(HOSTS[k]) for k in ("desktop", "workstation", "server"))
 
-__all__ = ["HardwareProfile", "PROFILES", "replace"]
+# Dense figures (no 2:4 sparsity); for GeForce cards bf16 with fp32 accumulate, which runs at half
+# the fp16-accumulate rate the box quotes. Memory in the datasheet's GB (10**9, as above).
+PROFILES.update({
+    # NVIDIA Ampere GA102 GPU Architecture whitepaper, RTX 3090: 24 GB GDDR6X, 936 GB/s;
+    # peak FP32 35.6 TFLOPS; peak BF16 tensor TFLOPS with FP32 accumulate 71 (142 sparse); PCIe Gen4 x16.
+    "rtx3090": HardwareProfile("rtx3090 (24 GB, PCIe Gen4 host link)", 24 * 10**9, 936 * GB, 71 * TFLOPS,
+                               35.6 * TFLOPS, PCIE_GEN4, PCIE_GEN4, op_overhead_s=5e-6, **_DESKTOP),
+    # NVIDIA Ada GPU Architecture whitepaper, RTX 4090: 24 GB GDDR6X, 1008 GB/s; peak FP32 82.6
+    # TFLOPS; peak BF16 tensor TFLOPS with FP32 accumulate 165.2 (330.4 sparse); PCIe Gen4 x16.
+    "rtx4090": HardwareProfile("rtx4090 (24 GB, PCIe Gen4 host link)", 24 * 10**9, 1008 * GB, 165.2 * TFLOPS,
+                               82.6 * TFLOPS, PCIE_GEN4, PCIE_GEN4, op_overhead_s=5e-6, **_DESKTOP),
+    # NVIDIA RTX Blackwell GPU Architecture whitepaper, RTX 5090: 32 GB GDDR7, 1792 GB/s; peak FP32
+    # 104.8 TFLOPS; peak FP16/BF16 tensor TFLOPS with FP32 accumulate 209.5 (419 sparse; 838 sparse
+    # with FP16 accumulate, the box figure); PCIe Gen5 x16.
+    "rtx5090": HardwareProfile("rtx5090 (32 GB, PCIe Gen5 host link)", 32 * 10**9, 1792 * GB, 209.5 * TFLOPS,
+                               104.8 * TFLOPS, PCIE_GEN5, PCIE_GEN5, op_overhead_s=5e-6, **_DESKTOP),
+    # NVIDIA RTX 6000 Ada Generation datasheet: 48 GB GDDR6 ECC, 960 GB/s; FP32 91.1 TFLOPS; tensor
+    # 1457 TFLOPS is FP8 with sparsity, so BF16 dense (FP32 accumulate, full rate) 364.2; PCIe Gen4 x16.
+    "rtx6000-ada": HardwareProfile("rtx6000-ada (48 GB, PCIe Gen4 host link)", 48 * 10**9, 960 * GB,
+                                   364.2 * TFLOPS, 91.1 * TFLOPS, PCIE_GEN4, PCIE_GEN4, op_overhead_s=5e-6,
+                                   **_WORKSTATION),
+    # NVIDIA L40S datasheet: 48 GB GDDR6 ECC, 864 GB/s; FP32 91.6 TFLOPS; BF16 tensor 362.05 TFLOPS
+    # (733 sparse); PCIe Gen4 x16 (64 GB/s bidirectional).
+    "l40s": HardwareProfile("l40s (48 GB, PCIe Gen4 host link)", 48 * 10**9, 864 * GB, 362.05 * TFLOPS,
+                            91.6 * TFLOPS, PCIE_GEN4, PCIE_GEN4, op_overhead_s=5e-6, **_SERVER),
+    # NVIDIA A100 Tensor Core GPU datasheet, A100 40GB: 40 GB HBM2, 1555 GB/s; FP32 19.5 TFLOPS;
+    # BF16 tensor 312 TFLOPS (624 sparse); PCIe Gen4 x16. Host as the a100 (80 GB) profile's.
+    "a100-40gb": HardwareProfile("a100 (40 GB, PCIe Gen4 host link)", 40 * 10**9, 1555 * GB, 312 * TFLOPS,
+                                 19.5 * TFLOPS, PCIE_GEN4, PCIE_GEN4, op_overhead_s=5e-6,
+                                 **host_fields(HOSTS["server-ddr4"])),
+    # NVIDIA HGX B200 datasheet, 8-GPU totals / 8: 1.44 TB HBM3e -> 180 GB, 64 TB/s -> 8 TB/s;
+    # FP16/BF16 tensor 36 PFLOPS sparse -> 2.25 PFLOPS dense; FP32 600 TFLOPS -> 75; PCIe Gen5 x16
+    # to the host. No attention figure measured yet: attention runs at the matmul rate.
+    "b200": HardwareProfile("b200 (180 GB HBM3e, PCIe Gen5 host link)", 180 * 10**9, 8000 * GB, 2250 * TFLOPS,
+                            75 * TFLOPS, PCIE_GEN5, PCIE_GEN5, op_overhead_s=5e-6, **_SERVER),
+})
+
+# The CUDA compute capability each profile's kernels are built for (kernels/gpu_compile.py and
+# megacompile/fusion/gpu_check.py compile every one of them in the tests).
+TARGETS: dict[str, int] = {"a100": 80, "a100-40gb": 80, "rtx3090": 86, "rtx4090": 89, "rtx6000-ada": 89,
+                           "l40s": 89, "h100": 90, "h100-pcie": 90, "h200": 90, "gh200": 90, "b200": 100,
+                           "rtx5090": 120}
+
+
+__all__ = ["HardwareProfile", "PROFILES", "TARGETS", "replace"]

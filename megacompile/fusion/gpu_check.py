@@ -2,8 +2,8 @@
 for the hand-written kernels), so a code-generation error cannot hide behind the interpreter.
 
 `compile_generated(kernels)` builds each kernel's source file with
-`triton.compile(ASTSource(...), target=GPUTarget("cuda", 80 | 90, 32))` in a child process per
-architecture (with TRITON_INTERPRET=0: interpreted functions cannot be code-generated) and reports
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` for each arch in ARCHS, in a child
+process per architecture (with TRITON_INTERPRET=0: interpreted functions cannot be code-generated) and reports
 'ok' when PTX came out, or the reason it did not.
 
     python -m megacompile.fusion.gpu_check < request.json     # the child: JSON in, JSON out
@@ -17,7 +17,11 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-ARCHS = (80, 90)   # A100, H100/H200
+# Every target a hardware profile names (megacompile/cost/hardware.py TARGETS): A100; RTX 3090;
+# RTX 4090, RTX 6000 Ada, L40S; H100, H200, GH200; B200; RTX 5090. The default tests build
+# FAST_ARCHS; the others, about a minute each on 2 cores, are in the slow tier.
+ARCHS = (80, 86, 89, 90, 100, 120)
+FAST_ARCHS = (80, 90)
 BLOCK, NUM_WARPS = 1024, 4
 
 

@@ -162,10 +162,11 @@ def choose_micro_batch(global_batch: int, plan_one) -> tuple[Plan, int]:
 PLAN_SETTINGS = ("compute_dtype", "fuse", "host_budget", "nvme_budget", "grad_accum", "accumulation")
 
 
-def hardware_profile(hardware: Any, nvme_bandwidth: float | None = None) -> HardwareProfile:
+def hardware_profile(hardware: Any, nvme_bandwidth: float | None = None, host: str | None = None) -> HardwareProfile:
     """plan()'s `hardware` as a profile: a HardwareProfile as it is, a name or a profile.json, or
-    "cpu": this machine's, measured when not cached yet (megacompile/calibrate). The planner below
-    only reads the profile it is handed."""
+    "cpu": this machine's, measured when not cached yet (megacompile/calibrate); `host` ("desktop",
+    "workstation", "server": cost/host.py) replaces its host side. The planner below only reads the
+    profile it is handed."""
     if nvme_bandwidth is not None and (isinstance(nvme_bandwidth, bool) or not isinstance(nvme_bandwidth, (int, float))
                                        or not 0 < nvme_bandwidth < float("inf")):
         raise ArgumentError(f"nvme_bandwidth is the disk tier's disk bandwidth in GB/s, each way, and must be a "
@@ -179,6 +180,9 @@ def hardware_profile(hardware: Any, nvme_bandwidth: float | None = None) -> Hard
         profile = profile_for("cpu")
     else:
         profile = get_profile(os.fspath(hardware))
+    if host is not None:
+        from ..cost.host import with_host
+        profile = with_host(profile, host)
     if nvme_bandwidth is not None:
         profile = replace(profile, disk_read_bw=nvme_bandwidth * 1e9, disk_write_bw=nvme_bandwidth * 1e9)
     return profile

@@ -1,0 +1,68 @@
+"""The host side of a profile: the machine a GPU sits in, apart from the GPU.
+
+Host memory bandwidth paces the host AdamW (about 28 B/param: fp32 master, m, v and gradient read,
+three written back), and the disk tier's disk paces a step whose state does not fit in RAM. A
+consumer card sits in a desktop (two DDR5 channels), a workstation card in a workstation, a
+data-centre card in a server: `megacompile plan --host desktop|workstation|server` plans a card
+with another host's figures, and `megacompile calibrate` measures the real one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GB = 1e9
+ADAM_BYTES_PER_PARAM = 28
+ADAM_BANDWIDTH_SHARE = 0.85      # of peak memory bandwidth a fused, multi-threaded AdamW sustains
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    name: str
+    host_bw: float                  # peak memory bandwidth, B/s
+    host_adam_params_per_s: float   # the host AdamW rate, bandwidth-bound
+    # One PCIe Gen4 NVMe drive, sequential O_DIRECT (HardwareProfile's defaults);
+    # `megacompile calibrate --nvme-dir PATH` measures the real one.
+    disk_read_bw: float = 6.5 * 10**9
+    disk_write_bw: float = 5.0 * 10**9
+
+
+def bandwidth_bound(name: str, bw: float) -> HostProfile:
+    """A host whose AdamW runs at ADAM_BANDWIDTH_SHARE of its memory bandwidth."""
+    return HostProfile(name, bw, ADAM_BANDWIDTH_SHARE * bw / ADAM_BYTES_PER_PARAM)
+
+
+def ddr(channels: int, megatransfers: int) -> float:
+    """Peak bandwidth of `channels` 64-bit DDR channels at `megatransfers` MT/s (JEDEC), B/s."""
+    return channels * 8 * megatransfers * 1e6
+
+
+HOSTS: dict[str, HostProfile] = {
+    # AM5 / LGA1700 desktop: DDR5-5600, two channels (89.6 GB/s)
+    "desktop": bandwidth_bound("desktop (DDR5-5600, 2 channels)", ddr(2, 5600)),
+    # TRX50 / W790 workstation: DDR5-5200, four channels (166.4 GB/s)
+    "workstation": bandwidth_bound("workstation (DDR5-5200, 4 channels)", ddr(4, 5200)),
+    # The host the H100/H200 server profiles have always assumed: one socket's share of a
+    # DDR5-4800 server (8 channels, 307 GB/s peak), 300 GB/s.
+    "server": bandwidth_bound("server (DDR5, 300 GB/s)", 300 * GB),
+    # The A100 profile's host: a DDR4-3200 server socket (8 channels, 204.8 GB/s peak), 200 GB/s.
+    "server-ddr4": bandwidth_bound("server (DDR4, 200 GB/s)", 200 * GB),
+}
+
+
+def host_fields(host: HostProfile) -> dict:
+    """The HardwareProfile fields a host profile sets."""
+    return dict(host_bw=host.host_bw, host_adam_params_per_s=host.host_adam_params_per_s,
+                disk_read_bw=host.disk_read_bw, disk_write_bw=host.disk_write_bw)
+
+
+def get_host(name: str) -> HostProfile:
+    if name.lower() not in HOSTS:
+        from ..errors import ArgumentError
+        raise ArgumentError(f"unknown host '{name}': choose one of {', '.join(HOSTS)}")
+    return HOSTS[name.lower()]
+
+
+def with_host(profile, host: str | HostProfile):
+    """`profile` (a HardwareProfile) with `host`'s memory bandwidth, AdamW rate and disk."""
+    host = get_host(host) if isinstance(host, str) else host
+    return replace(profile, name=f"{profile.name}; host: {host.name}", **host_fields(host))

@@ -1,0 +1,81 @@
+"""Each datasheet profile holds its datasheet's figures (dense, no sparsity), names a compile target
+the kernel tests build for, and a consumer card is planned with a desktop's host."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacompile.cost import PROFILES, get_profile
+from megacompile.cost.backend_profile import profile_name
+from megacompile.cost.hardware import TARGETS
+from megacompile.cost.host import HOSTS
+
+GB, T = 1e9, 1e12
+
+# name: (memory GB, memory GB/s, dense bf16 TFLOPS, fp32 TFLOPS, PCIe generation, source)
+DATASHEETS = {
+    "rtx3090": (24, 936, 71, 35.6, 4, "NVIDIA Ampere GA102 GPU Architecture whitepaper (BF16, FP32 accumulate)"),
+    "rtx4090": (24, 1008, 165.2, 82.6, 4, "NVIDIA Ada GPU Architecture whitepaper (BF16, FP32 accumulate)"),
+    "rtx5090": (32, 1792, 209.5, 104.8, 5, "NVIDIA RTX Blackwell GPU Architecture whitepaper (FP32 accumulate)"),
+    "rtx6000-ada": (48, 960, 364.2, 91.1, 4, "NVIDIA RTX 6000 Ada Generation datasheet (1457 FP8 sparse / 4)"),
+    "l40s": (48, 864, 362.05, 91.6, 4, "NVIDIA L40S datasheet"),
+    "a100-40gb": (40, 1555, 312, 19.5, 4, "NVIDIA A100 Tensor Core GPU datasheet, 40GB"),
+    "a100": (80, 2000, 312, 19.5, 4, "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM (2039 GB/s, taken as 2000)"),
+    "h200": (141, 4800, 989, 67, 5, "NVIDIA H200 Tensor Core GPU datasheet, SXM (1979 sparse)"),
+    "b200": (180, 8000, 2250, 75, 5, "NVIDIA HGX B200 datasheet, 8-GPU totals / 8 (36 PFLOPS sparse BF16)"),
+}
+PCIE = {4: 25 * GB, 5: 55 * GB}   # per direction, what pinned copies reach (32 and 64 raw)
+CONSUMER = ("rtx3090", "rtx4090", "rtx5090")
+
+
+@pytest.mark.parametrize("name", sorted(DATASHEETS))
+def test_profile_holds_its_datasheet_figures(name):
+    memory, bandwidth, bf16, fp32, gen, _source = DATASHEETS[name]
+    p = get_profile(name)
+    assert p.device_bytes == memory * 10**9
+    assert p.device_bw == pytest.approx(bandwidth * GB, rel=1e-9)
+    assert p.peak_flops(torch.bfloat16) == pytest.approx(bf16 * T, rel=1e-9)
+    assert p.peak_flops(torch.float32) == pytest.approx(fp32 * T, rel=1e-9)
+    assert p.h2d_bw == p.d2h_bw == PCIE[gen]
+
+
+def test_every_profile_names_a_target_the_kernel_tests_build():
+    from kernels.gpu_compile import ARCHS
+    from megacompile.fusion.gpu_check import ARCHS as GENERATED_ARCHS
+    assert set(TARGETS) == set(PROFILES)
+    assert set(TARGETS.values()) <= set(ARCHS) == set(GENERATED_ARCHS)
+    assert {name: TARGETS[name] for name in ("rtx3090", "rtx4090", "l40s", "b200", "rtx5090")} == {
+        "rtx3090": 86, "rtx4090": 89, "l40s": 89, "b200": 100, "rtx5090": 120}
+
+
+def test_consumer_cards_sit_in_a_desktop_and_the_server_profiles_keep_their_host():
+    desktop = HOSTS["desktop"]
+    assert desktop.host_bw == 2 * 8 * 5600e6      # DDR5-5600, two 64-bit channels
+    assert desktop.host_adam_params_per_s == pytest.approx(0.85 * desktop.host_bw / 28)
+    for name in CONSUMER:
+        assert (PROFILES[name].host_bw, PROFILES[name].host_adam_params_per_s) == (
+            desktop.host_bw, desktop.host_adam_params_per_s)
+    assert PROFILES["rtx6000-ada"].host_bw == HOSTS["workstation"].host_bw == 4 * 8 * 5200e6
+    for name in ("h100", "h100-pcie", "h200", "l40s", "b200"):
+        assert PROFILES[name].host_bw == HOSTS["server"].host_bw == 300 * GB
+        assert PROFILES[name].host_adam_params_per_s == HOSTS["server"].host_adam_params_per_s
+    assert PROFILES["a100"].host_adam_params_per_s == HOSTS["server-ddr4"].host_adam_params_per_s
+
+
+def test_the_existing_profiles_figures_are_unchanged():
+    # As they were before the consumer and newer cards joined: plans made with them stay the same.
+    h100, a100, gh200 = PROFILES["h100"], PROFILES["a100"], PROFILES["gh200"]
+    assert (h100.device_bytes, h100.device_bw, h100.peak_bf16, h100.peak_fp32, h100.h2d_bw, h100.host_bw,
+            h100.host_adam_params_per_s) == (80 * 10**9, 3.35e12, 989e12, 67e12, 55e9, 300e9, 0.85 * 300e9 / 28)
+    assert (a100.device_bw, a100.h2d_bw, a100.host_bw) == (2.0e12, 25e9, 200e9)
+    assert (gh200.h2d_bw, gh200.host_bw, gh200.host_adam_params_per_s) == (450e9, 500e9, 0.85 * 500e9 / 28)
+
+
+@pytest.mark.parametrize("device, name", [
+    ("NVIDIA GeForce RTX 4090", "rtx4090"), ("NVIDIA GeForce RTX 3090", "rtx3090"),
+    ("NVIDIA GeForce RTX 5090", "rtx5090"), ("NVIDIA RTX 6000 Ada Generation", "rtx6000-ada"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+    ("NVIDIA GH200 480GB", "gh200"), ("NVIDIA B200", "b200")])
+def test_a_device_name_finds_its_profile(device, name):
+    assert profile_name(device) == name
