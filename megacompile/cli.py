@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -15,9 +16,17 @@ DOES_NOT_FIT = 3     # `megacompile plan`'s exit status when the model does not 
 
 def _train(args: argparse.Namespace) -> int:
     from .train import load, run
+    from .train.preemption import Preempted
     from .report.outputs import check_outputs
     check_outputs(trace=args.trace)
-    run(load(args.config, args.overrides), trace=args.trace)
+    try:
+        run(load(args.config, args.overrides), trace=args.trace)
+    except Preempted as e:      # a stop signal: the last whole step saved (train/preemption.py)
+        import shlex
+        again = ["megacompile", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
+        print(f"megacompile: stopped: {e}\n  resume with   {shlex.join(again + e.resume_overrides)}",
+              file=sys.stderr, flush=True)
+        return e.exit_code
     return 0
 
 
@@ -40,12 +49,16 @@ def _plan(args: argparse.Namespace) -> int:
     from .report.outputs import check_outputs, write_plan_views
     check_outputs(trace=args.trace, plot_dir=args.plot)
     # The flags that are settings, checked as compile() checks them (megacompile/settings.py).
-    given_bytes = Settings(hbm_budget=args.hbm_budget, host_budget=args.host_budget, nvme_budget=args.nvme_budget,
-                           compute_dtype=DTYPES[args.dtype]).budget_bytes
     host_budget, host_source = _host_budget(args)
     # The profile, resolved here once (measured for --hardware cpu when not cached yet).
-    kwargs = dict(hardware=hardware_profile(args.hardware, args.nvme_bandwidth), seq=args.seq,
+    hardware = hardware_profile(args.hardware, args.nvme_bandwidth, args.host)
+    if args.hbm_budget is None:     # the card's memory, as compile() takes a GPU's (settings.DEVICE_SHARE)
+        from .settings import DEVICE_SHARE
+        args.hbm_budget = DEVICE_SHARE * hardware.device_bytes / 2**30
+    kwargs = dict(hardware=hardware, seq=args.seq,
                   compute_dtype=DTYPES[args.dtype], host_budget=host_budget, nvme_budget=args.nvme_budget)
+    given_bytes = Settings(hbm_budget=args.hbm_budget, host_budget=args.host_budget, nvme_budget=args.nvme_budget,
+                           compute_dtype=DTYPES[args.dtype]).budget_bytes
     if args.images_per_row or args.image_size is not None:    # a vision-language model's rows hold images
         kwargs.update(images_per_row=args.images_per_row, image_size=args.image_size)
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
@@ -78,7 +91,7 @@ def _plan(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"fits": False, "host_budget_bytes": int(host_budget * 2**30),
                               "host_budget_source": "--host-budget" if args.host_budget is not None else "this machine",
-                              "error": str(e)}))
+                              "error": str(e)}), file=args.json_out)
         return DOES_NOT_FIT
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take. The refusal names the
@@ -109,7 +122,7 @@ def _plan(args: argparse.Namespace) -> int:
     print("  at the peak    " + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in peak))
     write_plan_views(result, trace=args.trace, plot_dir=args.plot)
     if args.json:
-        summary = {k: v for k, v in result.to_json().items() if k not in ("schedule", "values")}
+        summary = {k: v for k, v in result.to_json().items() if k not in ("schedule", "values", "arena_tensors")}
         summary["fits"] = fits
         summary["budget_bytes"] = given_bytes
         summary["host_budget_bytes"] = int(host_budget * 2**30)
@@ -121,8 +134,20 @@ def _plan(args: argparse.Namespace) -> int:
         summary["weight_bytes"] = result.weight_bytes
         if scaled is not None:
             summary["data_parallel"] = scaled.to_json()
-        print(json.dumps(summary))
+        print(json.dumps(summary), file=args.json_out)
     return 0 if fits else DOES_NOT_FIT
+
+
+def _json_alone(command):
+    """--json: stdout holds the one JSON document (`| jq` reads it) and the human text goes to
+    stderr; the command prints its document to args.json_out."""
+    def run(args: argparse.Namespace) -> int:
+        args.json_out = sys.stdout
+        if not args.json:
+            return command(args)
+        with contextlib.redirect_stdout(sys.stderr):
+            return command(args)
+    return run
 
 
 # --stage's keys: (flag, the key of megacompile.plan_stage, TRL's name where TRL has it)
@@ -148,24 +173,30 @@ def _plan_stage(args: argparse.Namespace) -> int:
                             f"{'is' if len(refused) == 1 else 'are'} not taken with it; leave "
                             f"{'it' if len(refused) == 1 else 'them'} out")
     keys = {key: getattr(args, key) for _, key in STAGE_FLAGS if getattr(args, key) is not None}
+    from .planner.from_config import hardware_profile
+    hardware = hardware_profile(args.hardware, host=args.host)
+    if args.hbm_budget is None:     # the card's memory, as compile() takes a GPU's (settings.DEVICE_SHARE)
+        from .settings import DEVICE_SHARE
+        args.hbm_budget = DEVICE_SHARE * hardware.device_bytes / 2**30
     host_budget, host_source = _host_budget(args)
     from .ir.printer import fmt_bytes
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
     try:
         staged = plan_stage(args.config, args.hbm_budget, args.stage, batch=args.batch, seq=args.seq,
-                            hardware=args.hardware, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
+                            hardware=hardware, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
                             nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth, **keys)
     except (BudgetTooSmallError, HostMemoryError) as e:
         print(host_line)
         print(f"  verdict        does NOT fit: {e}")
         if args.json:
-            print(json.dumps({"fits": False, "stage": args.stage, "error": str(e)}))
+            print(json.dumps({"fits": False, "stage": args.stage, "error": str(e)}), file=args.json_out)
         return DOES_NOT_FIT
     print(staged.train.summary())
     print(host_line)
     print(staged.summary())
     if args.json:
-        print(json.dumps({"fits": True, "budget_bytes": staged.train.budget_bytes, **staged.to_json()}))
+        print(json.dumps({"fits": True, "budget_bytes": staged.train.budget_bytes, **staged.to_json()}),
+              file=args.json_out)
     return 0
 
 
@@ -235,9 +266,15 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser("plan", help="plan a model from its Hugging Face config.json without weights or a GPU")
     q.add_argument("--config", required=True,
                    help="config.json (or its folder) of a causal LM or a vision-language model")
-    q.add_argument("--hbm-budget", type=float, required=True, help="GiB of device memory the plan may use")
+    q.add_argument("--hbm-budget", type=float, default=None,
+                   help="GiB of device memory the plan may use (default: 90%% of the --hardware card's memory)")
     q.add_argument("--hardware", default="h100",
-                   help="h100, h100-pcie, h200, gh200, a100, cpu, or a profile.json from `megacompile calibrate`")
+                   help="h100, h100-pcie, h200, gh200, a100, a100-40gb, b200, l40s, rtx6000-ada, rtx5090, rtx4090, "
+                        "rtx3090, cpu, or a profile.json from `megacompile calibrate` (the faithful one)")
+    from .cost.host import HOSTS
+    q.add_argument("--host", default=None, choices=list(HOSTS),
+                   help="the host the card sits in: its memory bandwidth, AdamW rate and disk (default: the "
+                        "--hardware profile's own; consumer cards a desktop, data-centre cards a server)")
     q.add_argument("--batch", type=int, default=None,
                    help="sequences per step (default 1); with --stage dpo, preference pairs (2 rows each)")
     q.add_argument("--global-batch", type=int, default=None,
@@ -277,7 +314,8 @@ def parser() -> argparse.ArgumentParser:
                    help="pixels per side of each image (default: the vision tower's); LLaVA and Gemma 3 resize every "
                         "image to the tower's size, Idefics3 and SmolVLM split it into tiles of that size, "
                         "Qwen2.5-VL keeps it (resized to whole patches; required for it)")
-    q.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    q.add_argument("--json", action="store_true",
+                   help="print the plan as one JSON document on stdout (the text summary goes to stderr)")
     q.add_argument("--trace", default=None, metavar="FILE",
                    help="write the predicted step as a Chrome trace (open it in Perfetto or chrome://tracing)")
     q.add_argument("--plot", default=None, metavar="DIR",
@@ -300,7 +338,7 @@ def parser() -> argparse.ArgumentParser:
                    help="grpo: engine (default: the engine's own forward, the rows at full width, once per token) "
                         "or kv_cache (a bfloat16 copy with a key-value cache: what one would take) or hf_streamed "
                         "(that copy's layers streamed from the host every token)")
-    q.set_defaults(run=_plan)
+    q.set_defaults(run=_json_alone(_plan))
 
     c = sub.add_parser("calibrate", help="measure this machine's GPU and host into a hardware profile")
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

@@ -11,6 +11,13 @@ import torch
 from ..errors import ArgumentError, OptimizerInputError
 
 LearningRate = Union[float, Callable[[int], float]]
+# AdamW moves each weight by about lr a step (the update is lr * m / sqrt(v), |m / sqrt(v)| <= ~1):
+# above 1 no training is meant, and 1e30 is a typo, caught before the first step.
+MAX_LR = 1.0
+
+
+def _lr_ok(lr: object) -> bool:
+    return _real(lr) and 0 <= lr <= MAX_LR
 
 
 @dataclass(frozen=True)
@@ -37,25 +44,30 @@ class AdamW:
         if (not isinstance(betas, (tuple, list)) or len(betas) != 2
                 or not all(_real(b) and 0.0 <= b < 1.0 for b in betas)):
             raise OptimizerInputError(f"AdamW betas must be two numbers in [0, 1), e.g. (0.9, 0.999); got {betas!r}")
-        if not (_real(self.eps) and self.eps > 0 and math.isfinite(self.eps)):
-            raise OptimizerInputError(f"AdamW eps must be a positive finite number, got {self.eps!r}")
+        if not (_real(self.eps) and 0 < self.eps < 1):
+            raise OptimizerInputError(f"AdamW eps must be a number in (0, 1), e.g. 1e-8, got {self.eps!r}")
         if not (_real(self.weight_decay) and 0 <= self.weight_decay < math.inf):
             raise OptimizerInputError(f"AdamW weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if not callable(self.lr) and _lr_ok(self.lr) and self.lr * self.weight_decay >= 1:
+            raise OptimizerInputError(f"AdamW weight_decay {self.weight_decay!r} with lr {self.lr!r} multiplies each "
+                                      "weight by 1 - lr * weight_decay <= 0 a step, erasing or flipping it; give "
+                                      "lr * weight_decay < 1 (weight_decay is usually 0 to 0.1)")
         if self.max_grad_norm is not None and not (_real(self.max_grad_norm) and 0 < self.max_grad_norm <= math.inf):
             raise OptimizerInputError(f"AdamW max_grad_norm must be a number > 0 (inf measures the norm without "
                                       f"clipping; None neither measures nor clips), "
                                       f"got {self.max_grad_norm!r}")
         if self.kernel not in ("fused", "torch"):
             raise OptimizerInputError(f"AdamW kernel must be 'fused' or 'torch', got {self.kernel!r}")
-        if not callable(self.lr) and not (_real(self.lr) and 0 <= self.lr < math.inf):
-            raise OptimizerInputError(f"AdamW lr must be a finite number >= 0 or a function of the step, "
-                                      f"got {self.lr!r}")
+        if not callable(self.lr) and not _lr_ok(self.lr):
+            raise OptimizerInputError(f"AdamW lr must be a number in [0, {MAX_LR:g}] (each step moves every weight "
+                                      f"by about lr) or a function of the step, got {self.lr!r}")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
 
     def lr_at(self, step: int) -> float:
         lr = self.lr(step) if callable(self.lr) else self.lr
-        if not (_real(lr) and 0 <= lr < math.inf):
-            raise OptimizerInputError(f"the learning-rate schedule gave {lr} at step {step}; it must be >= 0")
+        if not _lr_ok(lr):
+            raise OptimizerInputError(f"the learning-rate schedule gave {lr} at step {step}; it must be a number in "
+                                      f"[0, {MAX_LR:g}]")
         return float(lr)
 
 

@@ -17,6 +17,8 @@
     resume.py    a resume checked against its checkpoint: refused, noted, or already complete
     loop.py      the run: steps, eval, checkpoints, resume, export
     stages.py    stage: sft | dpo | grpo, and the post-training keys (TRL's names)
+    preemption.py  stop_signals (SIGTERM, SIGUSR1): the step in flight finished, saved, exit 128 + signal
+    skip_streak.py max_consecutive_skips: a run whose steps keep being skipped (inf or NaN) stops
     stage_run.py a dpo or grpo run: the loop's order, the stage making each step; the policy's export
     stage_order.py  the seeded order in which a stage reads its pairs or prompts
     dpo_stage.py, grpo_stage.py  the steps, reference and rollouts, and log columns of each stage
@@ -24,6 +26,7 @@
     default.yaml the embedded default: the bundled small Llama on the bundled corpus
 """
 from .config import RunConfig, load
+from .preemption import Preempted, StopSignals
 from .start import run
 
-__all__ = ["RunConfig", "load", "run"]
+__all__ = ["Preempted", "RunConfig", "StopSignals", "load", "run"]

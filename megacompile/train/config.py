@@ -16,7 +16,9 @@ import torch
 from .. import arguments
 from . import aliases
 from . import entries
+from . import preemption
 from ..errors import ArgumentError
+from ..optim.adamw import MAX_LR
 from ..settings import Settings
 from .schedule import warmup_steps
 
@@ -69,6 +71,8 @@ class RunConfig:
     device: str | None = None
     fuse: bool | None = Settings.fuse
     on_nonfinite: str = Settings.on_nonfinite
+    max_consecutive_skips: int | None = 50
+    stop_signals: list = field(default_factory=lambda: list(preemption.DEFAULT))
     retrace: bool = Settings.retrace
     dump_dir: str | None = None
     steps: int | None = None
@@ -276,6 +280,10 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
                                 "or batch and grad_accum, not both")
     c.batch = _int("batch", c.batch)
     c.lr = _number("lr", c.lr, 0.0)
+    if c.lr > MAX_LR:
+        raise ArgumentError(f"lr {c.lr:g} is not a learning rate AdamW can train with: each step moves every weight "
+                            f"by about lr, so lr is at most {MAX_LR:g} (fine-tuning takes 1e-6 to 1e-4, "
+                            "pretraining up to about 1e-3)")
     c.warmup = _warmup(c.warmup)
     if c.schedule not in SCHEDULES:
         raise ArgumentError(f"schedule must be one of {', '.join(SCHEDULES)}; got {c.schedule!r}")
@@ -286,7 +294,11 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if not isinstance(c.betas, (list, tuple)) or len(c.betas) != 2:
         raise ArgumentError(f"betas must be a list of two numbers in [0, 1), e.g. [0.9, 0.999]; got {c.betas!r}")
     c.betas = [_number("betas", b, 0.0, below=1.0) for b in c.betas]
-    c.eps = _number("eps", c.eps, 0.0, strict=True)
+    c.eps = _number("eps", c.eps, 0.0, strict=True, below=1.0)
+    if c.lr * c.weight_decay >= 1:
+        raise ArgumentError(f"weight_decay {c.weight_decay:g} with lr {c.lr:g}: AdamW multiplies each weight by "
+                            f"1 - lr * weight_decay = {1 - c.lr * c.weight_decay:g} a step, which erases or flips it; "
+                            "give lr * weight_decay < 1 (weight_decay is usually 0 to 0.1)")
     c.max_grad_norm = None if c.max_grad_norm is None else _number("max_grad_norm", c.max_grad_norm, 0.0, strict=True)
     c.budget_fraction = _number("budget_fraction", c.budget_fraction, 0.0, strict=True)
     c.compute_dtype = _choice("compute_dtype", c.compute_dtype, DTYPES)
@@ -303,12 +315,13 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     c.epochs = None if c.epochs is None else _number("epochs", c.epochs, 0.0, strict=True)
     if c.steps is not None:     # with epochs, once the data gives the steps (loop.run)
         c.warmup = warmup_steps(c.warmup, c.steps)
-    for key in ("eval_every", "eval_batches", "save_every", "keep_last"):
+    for key in ("eval_every", "eval_batches", "save_every", "keep_last", "max_consecutive_skips"):
         if getattr(c, key) is not None:
             setattr(c, key, _int(key, getattr(c, key)))
     if c.eval_every is not None and not (c.eval or c.eval_fraction):
         raise ArgumentError("eval_every needs held-out data: give eval (files) or eval_fraction")
     c.log_every = _int("log_every", c.log_every)
+    c.stop_signals = preemption.signal_names(c.stop_signals)
     c.resume = _text("resume", c.resume, optional=True)
     if c.resume not in (None, "auto") and not os.path.isdir(c.resume):
         raise ArgumentError(f"resume is 'auto' (the latest committed checkpoint in run_dir), a checkpoint folder, "

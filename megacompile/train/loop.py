@@ -33,6 +33,9 @@ from . import finetune, grid_images, images, mixture, packing, resume, split, st
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, check_isolation, check_positions, meta_model
+from . import preemption
+from .preemption import StopSignals
+from .skip_streak import SkipStreak
 from .schedule import warmup_steps
 from .tokens import TokenFile, load_tokenizer, token_file
 
@@ -204,13 +207,19 @@ def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None]:
     return run_dir, resume_from, saved
 
 
-def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int, fingerprint: str, **more) -> bool:
-    """At every save_every-th step and the last one, a checkpoint in `folder` with what a resume
-    checks and goes on from: the data position (rows, or a stage's pairs or prompts), what it
-    refers to, the settings; `more`: a stage's own state. Whether it saved one."""
-    if not ((c.save_every and step % c.save_every == 0) or step == c.steps):
+def checkpoint_path(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step:06d}")
+
+
+def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int, fingerprint: str,
+                    force: bool = False, **more) -> bool:
+    """At every save_every-th step and the last one (or now: `force`, when a stop signal came), a
+    checkpoint in `folder` with what a resume checks and goes on from: the data position (rows, or
+    a stage's pairs or prompts), what it refers to, the settings; `more`: a stage's own state.
+    Whether it saved one."""
+    if not (force or (c.save_every and step % c.save_every == 0) or step == c.steps):
         return False
-    engine.save_checkpoint(os.path.join(folder, f"step-{step:06d}"),
+    engine.save_checkpoint(checkpoint_path(folder, step),
                            extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
                                   "settings": resume.settings(c), "finetuning": finetune.saved(c), **more},
                            keep_last=c.keep_last)
@@ -323,44 +332,57 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
     progress = Progress(c.steps, start_step, c.log_every)
     checkpoints = os.path.join(run_dir, CHECKPOINTS)
     saved_at, losses_seen, started = None, [], time.perf_counter()
+    latest = (start_step, resume_from) if resume_from is not None else (0, None)    # (step, checkpoint)
+
+    def save_now() -> str:
+        save_checkpoint(c, engine, checkpoints, engine.steps_done, consumed, fingerprint, force=True)
+        return checkpoint_path(checkpoints, engine.steps_done)
+
+    skips = SkipStreak(c.max_consecutive_skips)
     try:
-        while engine.steps_done < c.steps:
-            t0, losses, tokens, done = time.perf_counter(), [], 0, engine.steps_done
-            while engine.steps_done == done:     # the micro-batches of one optimizer step
-                inputs = packing.batch(rows, consumed, setup.batch, shifted=shifted)
-                consumed += setup.batch
-                if packing.target_count(inputs, shifted=shifted) == 0:
-                    continue      # all prompt or padding: its loss would be 0/0; the next rows instead
-                losses.append(engine.step(**inputs))
-                record = engine.last_step
-                tokens += record.tokens
+        with StopSignals(c.stop_signals) as stop_signals:
+            while engine.steps_done < c.steps:
+                preemption.stop(stop_signals, c, engine.steps_done, latest, save_now, run_dir)
+                t0, losses, tokens, done = time.perf_counter(), [], 0, engine.steps_done
+                while engine.steps_done == done:     # the micro-batches of one optimizer step
+                    inputs = packing.batch(rows, consumed, setup.batch, shifted=shifted)
+                    consumed += setup.batch
+                    if packing.target_count(inputs, shifted=shifted) == 0:
+                        continue      # all prompt or padding: its loss would be 0/0; the next rows instead
+                    losses.append(engine.step(**inputs))
+                    record = engine.last_step
+                    tokens += record.tokens
+                    if record.skipped:
+                        break
+                seconds = time.perf_counter() - t0
+                if None in losses:      # a layer-major step: its losses exist once its last micro-batch ran
+                    losses = (list(engine.accumulated_losses) if record.updated
+                              else [x for x in losses if x is not None])
+                if done == start_step:
+                    plan.dump(os.path.join(run_dir, "plan"))      # now with the measured peak beside the prediction
+                step = record.step
+                row = {"step": step, "loss": sum(losses) / len(losses), "lr": record.lr,
+                       "grad_norm": record.grad_norm, "tokens": tokens, "seconds": seconds,
+                       "tokens_per_s": tokens / seconds, "device_peak_bytes": record.device_peak_bytes,
+                       "predicted_device_peak_bytes": record.predicted_device_peak_bytes, "skipped": record.skipped}
                 if record.skipped:
-                    break
-            seconds = time.perf_counter() - t0
-            if None in losses:      # a layer-major step: its losses exist once its last micro-batch ran
-                losses = list(engine.accumulated_losses) if record.updated else [x for x in losses if x is not None]
-            if done == start_step:
-                plan.dump(os.path.join(run_dir, "plan"))      # now with the measured peak beside the prediction
-            step = record.step
-            row = {"step": step, "loss": sum(losses) / len(losses), "lr": record.lr, "grad_norm": record.grad_norm,
-                   "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                   "device_peak_bytes": record.device_peak_bytes,
-                   "predicted_device_peak_bytes": record.predicted_device_peak_bytes, "skipped": record.skipped}
-            if record.skipped:
+                    log.write(row)
+                    skips.skipped(record)
+                    continue
+                skips.updated()
+                losses_seen.append(row["loss"])
+                if eval_rows is not None and c.eval_every and (step % c.eval_every == 0 or step == c.steps):
+                    row["eval_loss"], row["eval_perplexity"] = _evaluate(engine, eval_rows, setup.batch,
+                                                                         c.eval_batches, shifted)
                 log.write(row)
-                continue
-            losses_seen.append(row["loss"])
-            if eval_rows is not None and c.eval_every and (step % c.eval_every == 0 or step == c.steps):
-                row["eval_loss"], row["eval_perplexity"] = _evaluate(engine, eval_rows, setup.batch, c.eval_batches,
-                                                                     shifted)
-            log.write(row)
-            progress.update(step, f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | device peak "
-                            f"{fmt_bytes(row['device_peak_bytes'])} / {fmt_bytes(plan.budget_bytes)}"
-                            + (f" | eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""),
-                            {"loss": f"{row['loss']:.4f}", "tok/s": f"{row['tokens_per_s']:,.0f}",
-                             "peak": fmt_bytes(row["device_peak_bytes"])}, eval_loss=row.get("eval_loss"))
-            if save_checkpoint(c, engine, checkpoints, step, consumed, fingerprint):
-                saved_at = step
+                progress.update(step, f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | device peak "
+                                f"{fmt_bytes(row['device_peak_bytes'])} / {fmt_bytes(plan.budget_bytes)}"
+                                + (f" | eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""),
+                                {"loss": f"{row['loss']:.4f}", "tok/s": f"{row['tokens_per_s']:,.0f}",
+                                 "peak": fmt_bytes(row["device_peak_bytes"])}, eval_loss=row.get("eval_loss"))
+                if save_checkpoint(c, engine, checkpoints, step, consumed, fingerprint):
+                    saved_at, latest = step, (step, checkpoint_path(checkpoints, step))
+            preemption.stop(stop_signals, c, engine.steps_done, latest, save_now, run_dir)
     finally:
         progress.close()
         log.close()

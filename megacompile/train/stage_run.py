@@ -28,9 +28,12 @@ from ..ir.printer import fmt_bytes
 from . import finetune, resume, rollout_generator
 from .config import RunConfig
 from .log import Progress, RunLog
-from .loop import CHECKPOINTS, save_checkpoint, starting_point
+from . import preemption
+from .loop import CHECKPOINTS, checkpoint_path, save_checkpoint, starting_point
 from .model import build, check_positions, meta_model
+from .preemption import StopSignals
 from .schedule import warmup_steps
+from .skip_streak import SkipStreak
 from .stages import ALL_KEYS
 from .tokens import fingerprint, load_tokenizer
 
@@ -132,28 +135,44 @@ def _train(c: RunConfig, setup, stage, run_dir: str, resume_from: str | None, to
     progress = Progress(c.steps, start_step, c.log_every)
     checkpoints = os.path.join(run_dir, CHECKPOINTS)
     saved_at, losses_seen, started = None, [], time.perf_counter()
+    latest = (start_step, resume_from) if resume_from is not None else (0, None)    # (step, checkpoint)
+
+    def save_now() -> str:
+        save_checkpoint(c, engine, checkpoints, engine.steps_done, position, data, force=True, stage=saved_keys(c),
+                        **stage.state())
+        return checkpoint_path(checkpoints, engine.steps_done)
+
+    skips = SkipStreak(c.max_consecutive_skips)
     try:
-        while engine.steps_done < c.steps:
-            t0 = time.perf_counter()
-            metrics, losses, tokens, position = stage.step(engine, position)
-            record = engine.last_step
-            seconds = time.perf_counter() - t0
-            if None in losses:      # layer-major accumulation: the losses exist once the last micro-batch ran
-                losses = list(engine.accumulated_losses) if record.updated else [x for x in losses if x is not None]
-            row = {"step": record.step, "loss": sum(losses) / len(losses) if losses else math.nan, "lr": record.lr,
-                   "grad_norm": record.grad_norm, "tokens": tokens, "seconds": seconds,
-                   "tokens_per_s": tokens / seconds, "device_peak_bytes": record.device_peak_bytes,
-                   "predicted_device_peak_bytes": record.predicted_device_peak_bytes, "skipped": record.skipped,
-                   **metrics}
-            if not record.skipped:
-                losses_seen.append(row["loss"])
-                row.update(stage.evaluate(engine, record.step))
-            log.write(row)
-            progress.update(record.step, f"loss {row['loss']:.4f} | " + stage.progress(row),
-                            {"loss": f"{row['loss']:.4f}"})
-            if save_checkpoint(c, engine, checkpoints, record.step, position, data, stage=saved_keys(c),
-                               **stage.state()):
-                saved_at = record.step
+        with StopSignals(c.stop_signals) as stop_signals:
+            while engine.steps_done < c.steps:
+                preemption.stop(stop_signals, c, engine.steps_done, latest, save_now, run_dir)
+                t0 = time.perf_counter()
+                metrics, losses, tokens, position = stage.step(engine, position)
+                record = engine.last_step
+                seconds = time.perf_counter() - t0
+                if None in losses:      # layer-major accumulation: the losses exist once the last micro-batch ran
+                    losses = (list(engine.accumulated_losses) if record.updated
+                              else [x for x in losses if x is not None])
+                row = {"step": record.step, "loss": sum(losses) / len(losses) if losses else math.nan,
+                       "lr": record.lr, "grad_norm": record.grad_norm, "tokens": tokens, "seconds": seconds,
+                       "tokens_per_s": tokens / seconds, "device_peak_bytes": record.device_peak_bytes,
+                       "predicted_device_peak_bytes": record.predicted_device_peak_bytes, "skipped": record.skipped,
+                       **metrics}
+                if not record.skipped:
+                    losses_seen.append(row["loss"])
+                    row.update(stage.evaluate(engine, record.step))
+                log.write(row)
+                if record.skipped:
+                    skips.skipped(record)
+                else:
+                    skips.updated()
+                progress.update(record.step, f"loss {row['loss']:.4f} | " + stage.progress(row),
+                                {"loss": f"{row['loss']:.4f}"})
+                if save_checkpoint(c, engine, checkpoints, record.step, position, data, stage=saved_keys(c),
+                                   **stage.state()):
+                    saved_at, latest = record.step, (record.step, checkpoint_path(checkpoints, record.step))
+            preemption.stop(stop_signals, c, engine.steps_done, latest, save_now, run_dir)
     finally:
         progress.close()
         log.close()

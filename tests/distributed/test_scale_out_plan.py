@@ -62,8 +62,8 @@ def test_plan_command_prints_per_rank_memory_and_throughput(tmp_path, capsys):
     config.write_text(json.dumps(SMALL_LLAMA))
     assert main(["plan", "--config", str(config), "--hbm-budget", "1", "--batch", "2", "--seq", "64",
                  "--gpus", "16", "--nodes", "2", "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    data = json.loads(out[-1])["data_parallel"]
+    captured = capsys.readouterr()      # --json: the document on stdout, the text on stderr
+    data, out = json.loads(captured.out)["data_parallel"], captured.err.splitlines()
     assert data["gpus"] == 16 and data["nodes"] == 2 and data["host_bytes_per_rank"] > 0
     assert data["host_bytes_per_rank"] * 8 >= data["host_bytes_per_node"] > data["host_bytes_per_rank"]
     assert any(line.strip().startswith("per rank") for line in out)

@@ -56,8 +56,8 @@ def test_plan_command_prints_a_summary_and_json(tmp_path, capsys):
     config.write_text(json.dumps(SMALL_LLAMA))
     assert main(["plan", "--config", str(config), "--hbm-budget", "1", "--hardware", "h200", "--batch", "2",
                  "--seq", "64", "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    data = json.loads(out[-1])
+    captured = capsys.readouterr()      # --json: the document on stdout, the text on stderr
+    data, out = json.loads(captured.out), captured.err.splitlines()
     for key in ("fits", "device_peak_bytes", "host_bytes", "h2d_bytes_per_step", "d2h_bytes_per_step",
                 "predicted_step_s", "predicted_tflops_6nd", "hardware_flops_per_model_flops"):
         assert key in data
@@ -71,9 +71,9 @@ def test_plan_command_says_when_it_does_not_fit(tmp_path, capsys):
     assert main(["plan", "--config", str(config), "--hbm-budget", "0.0001", "--batch", "2", "--seq", "64",
                  "--trace", str(tmp_path / "step.json"), "--plot", str(tmp_path / "img"),
                  "--json"]) == 3      # scripts can tell from the exit status
-    out = capsys.readouterr().out.strip().splitlines()
-    assert json.loads(out[-1])["fits"] is False
-    assert any("does NOT fit" in line for line in out)
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["fits"] is False
+    assert any("does NOT fit" in line for line in captured.err.splitlines())
     # the smallest plan's predicted step and memory picture, for the reader to see what it would take
     trace = json.loads((tmp_path / "step.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {1}
@@ -116,8 +116,8 @@ def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys)
     config.write_text(json.dumps(SMALL_LLAMA))
     assert main(["plan", "--config", str(config), "--hbm-budget", "0.075", "--global-batch", "8", "--seq", "64",
                  "--hardware", "h100", "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    data = json.loads(out[-1])
+    captured = capsys.readouterr()
+    data, out = json.loads(captured.out), captured.err.splitlines()
     micro = data["grad_accum"]
     assert data["fits"] and 8 % micro == 0
     assert any(line.strip().startswith("micro-batch") for line in out)
@@ -169,9 +169,9 @@ def test_host_budget_below_the_masters_is_named(tmp_path, capsys):
     config.write_text(json.dumps(SMALL_LLAMA))
     assert main(["plan", "--config", str(config), "--hbm-budget", "1", "--batch", "2", "--seq", "64",
                  "--host-budget", "0.001", "--json"]) == 3
-    out = capsys.readouterr().out
-    assert "does NOT fit: the host RAM budget" in out
-    assert json.loads(out.strip().splitlines()[-1])["fits"] is False
+    captured = capsys.readouterr()
+    assert "does NOT fit: the host RAM budget" in captured.err
+    assert json.loads(captured.out)["fits"] is False
     with pytest.raises(megacompile.MegacompileError, match="host_budget is the host RAM"):
         megacompile.compile(models.NanoGPT(), hbm_budget=1.0, device="cpu", host_budget=-1)
     engine = megacompile.compile(models.NanoGPT(), hbm_budget=1.0, device="cpu", host_budget=1e-4)

@@ -150,11 +150,11 @@ def test_plan_puts_the_moments_on_disk_when_host_ram_is_short(tmp_path, capsys, 
     args = ["plan", "--config", str(config), "--hbm-budget", "1", "--batch", "2", "--seq", "64",
             "--host-budget", "0.03", "--json"]
     assert main(args) == 3
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err       # --json: the text on stderr, the document alone on stdout
     assert "does NOT fit" in out and "give a disk tier" in out and "exp_avg and exp_avg_sq on disk" in out
     assert main(args + ["--nvme-budget", "1", "--nvme-bandwidth", "2"]) == 0
-    out = capsys.readouterr().out
-    summary = json.loads(out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    summary, out = json.loads(captured.out), captured.err
     assert summary["fits"] and summary["host_placement"] == "exp_avg and exp_avg_sq on disk"
     assert summary["host_tiers"]["exp_avg+exp_avg_sq"]["where"] == "disk"
     assert summary["disk_read_bytes_per_step"] == summary["disk_bytes"] == 8 * summary["host_tiers"]["fp32 masters"][
@@ -174,11 +174,11 @@ def test_a_118b_llama_fits_a_1_tib_host_with_a_disk_tier(tmp_path, capsys):
     args = ["plan", "--config", str(config), "--hbm-budget", "80", "--hardware", "h100", "--global-batch", "16",
             "--seq", "4096", "--host-budget", "1024", "--json"]
     assert main(args) == 3
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err       # --json: the text on stderr, the document alone on stdout
     assert "does NOT fit: the host RAM budget of 1024 GiB" in out and "give a disk tier" in out
     assert main(args + ["--nvme-budget", "4096"]) == 0
-    out = capsys.readouterr().out
-    summary = json.loads(out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    summary, out = json.loads(captured.out), captured.err
     assert summary["fits"], out
     assert summary["disk_bytes"] > 0 and summary["disk_bandwidth_needed"] > 0
     assert "hidden at >=" in out

@@ -27,7 +27,10 @@ def _cli(tmp_path, capsys, *args: str) -> tuple[int, list[str]]:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL_LLAMA))
     rc = main(["plan", "--config", str(config), "--batch", "2", "--seq", "64", *args])
-    return rc, capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()      # with --json the text is on stderr, the document alone on stdout
+    if "--json" in args:
+        json.loads(captured.out)
+    return rc, (captured.err + captured.out).strip().splitlines()
 
 
 def _line(out: list[str], label: str) -> str:

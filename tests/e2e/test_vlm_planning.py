@@ -159,8 +159,8 @@ def test_the_command_plans_a_config_folder_with_images(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(vlm_families.gemma3().config.to_dict()))
     assert main(["plan", "--config", str(tmp_path), "--hbm-budget", "1", "--batch", "2", "--seq", "48",
                  "--images-per-row", "2", "--image-size", "64", "--host-budget", "4", "--json"]) == 0
-    out = capsys.readouterr().out
-    vision = json.loads(out.splitlines()[-1])["vision"]
+    captured = capsys.readouterr()      # --json: the document on stdout, the text on stderr
+    vision, out = json.loads(captured.out)["vision"], captured.err
     assert vision["images"] == {"family": "gemma3", "images_per_row": 2, "image_size": 64, "pixels": 16,
                                 "tiles_per_image": 1, "tokens_per_image": 4}
     assert 0 < vision["time_share"] < 1 and 0 < vision["memory_share"] < 1

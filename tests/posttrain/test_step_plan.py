@@ -149,8 +149,8 @@ def test_plan_stage_on_the_command_line(tmp_path, capsys):
     base = ["plan", "--config", str(path), "--hbm-budget", str(BUDGET), "--host-budget", "4"]
     assert main([*base, "--stage", "grpo", "--prompts", "2", "--num-generations", "2", "--max-prompt-length", "8",
                  "--max-completion-length", "4", "--json"]) == 0
-    out = capsys.readouterr().out
-    shown = json.loads(out.splitlines()[-1])
+    captured = capsys.readouterr()      # --json: the document on stdout, the text on stderr
+    shown, out = json.loads(captured.out), captured.err
     assert [p["name"] for p in shown["parts"]] == ["generation", "old-policy forward", "training"]
     assert shown["parts"][0]["passes"] == 4 and shown["rows"] == 4 and shown["seq"] == 12
     assert shown["total_s"] == pytest.approx(sum(p["seconds"] for p in shown["parts"]), rel=1e-12)

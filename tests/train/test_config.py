@@ -28,6 +28,20 @@ def _yaml(tmp_path, **settings) -> str:
     ({"epochs": 1}, [], "give steps (optimizer steps) or epochs"),
     ({}, ["lr=fast"], "lr must be a number >= 0; got 'fast'"),
     ({}, ["betas=[0.9, 1.0]"], "betas must be a number >= 0 and < 1; got 1.0"),
+    # finite and sane optimizer settings (docs/training.md, "Optimizer and schedule")
+    ({}, ["lr=1e30"], "lr 1e+30 is not a learning rate AdamW can train with: each step moves every weight"),
+    ({}, ["lr=.nan"], "lr must be a number >= 0; got nan"),
+    ({}, ["lr=inf"], "lr must be a number >= 0; got inf"),
+    ({}, ["eps=0"], "eps must be a number > 0 and < 1; got 0"),
+    ({}, ["eps=.inf"], "eps must be a number > 0 and < 1; got inf"),
+    ({}, ["weight_decay=.nan"], "weight_decay must be a number >= 0; got nan"),
+    ({}, ["lr=0.1", "weight_decay=10"], "weight_decay 10 with lr 0.1: AdamW multiplies each weight by 1 - lr * "
+                                        "weight_decay = 0 a step"),
+    ({}, ["betas=[.nan, 0.999]"], "betas must be a number >= 0 and < 1; got nan"),
+    ({}, ["max_consecutive_skips=0"], "max_consecutive_skips must be a whole number >= 1; got 0"),
+    ({}, ["stop_signals=[SIGKILL]"], "stop_signals: SIGKILL cannot be caught by any process"),
+    ({}, ["stop_signals=[SIGNOPE]"], "stop_signals: SIGNOPE is no signal of this system"),
+    ({}, ["stop_signals=15"], "stop_signals is a list of signal names, e.g. [SIGTERM, SIGUSR1]"),
     ({"data": "missing.jsonl"}, [], "missing.jsonl is not a local file or folder"),
     ({"data": "tatsu-lab/alpaca"}, [], "dataset ids of the Hugging Face hub are not read"),
     ({"eval_every": 5}, [], "eval_every needs held-out data"),
@@ -74,6 +88,8 @@ def test_compile_settings_in_run_yaml_reach_the_engine(tmp_path):
 def test_the_embedded_default_is_a_valid_run():
     c = load(None)
     assert c.bundled and [e["path"] for e in c.data] == ["bundled"] and c.steps == 200 and c.packing is True
+    assert c.stop_signals == ["SIGTERM", "SIGUSR1"] and c.max_consecutive_skips == 50
+    assert load(None, ["stop_signals=usr2,TERM", "max_consecutive_skips=null"]).stop_signals == ["SIGUSR2", "SIGTERM"]
 
 
 def test_schedules_warm_up_then_decay_towards_min_lr():

@@ -21,8 +21,8 @@ def test_plan_with_lora_rank_counts_the_adapters_alone(tmp_path, capsys):
     # h100: the GPU plan fuses its stages, the frozen embedding's empty backward among them
     assert main(["plan", "--config", str(path), "--hbm-budget", "1", "--hardware", "h100", "--batch", "1",
                  "--seq", "64", "--lora-rank", "4", "--json"]) == 0
-    out = capsys.readouterr().out
-    plan = json.loads(out.splitlines()[-1])
+    captured = capsys.readouterr()      # --json: the document on stdout, the text on stderr
+    plan, out = json.loads(captured.out), captured.err
     model = lora_for_plan(model_from_config(str(path)), 4, "all", torch.bfloat16)
     trainable, total = model.get_nb_trainable_parameters()
     assert (plan["trainable_params"], plan["frozen_params"]) == (trainable, total - trainable)
