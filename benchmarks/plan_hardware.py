@@ -14,7 +14,6 @@ Writes benchmarks/results/plan_hardware.csv (long format) and prints a markdown 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -22,7 +21,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from provenance import machine_facts
+from provenance import machine_facts, write_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"7b": "llama-2-7b.json", "14b": "qwen2.5-14b.json", "32b": "qwen2.5-32b.json", "70b": "llama-70b.json"}
@@ -88,17 +87,7 @@ def main() -> None:
 
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(run, work))
-    os.makedirs(os.path.dirname(args.csv), exist_ok=True)
-    keys = sorted({k for r in rows for k in r})
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-    table = markdown(rows)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+    write_table(rows, args.csv, markdown(rows), args.markdown)
 
 
 if __name__ == "__main__":

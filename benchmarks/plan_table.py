@@ -12,14 +12,13 @@ Writes benchmarks/results/plan_table.csv (long format) and prints a markdown tab
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import time
 
 import megacompile
 from megacompile.errors import BudgetTooSmallError
 from megacompile.planner.from_config import plan_global_batch
-from provenance import machine_facts
+from provenance import machine_facts, write_table
 
 MODELS = {
     "7b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -122,17 +121,7 @@ def main() -> None:
         for hw in args.hardware.split(","):
             rows += plan_row(name, hw, args.fuse)
             print(f"planned {name} on {hw}", flush=True)
-    os.makedirs(os.path.dirname(args.csv), exist_ok=True)
-    keys = sorted({k for r in rows for k in r})
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-    table = markdown(rows)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+    write_table(rows, args.csv, markdown(rows), args.markdown)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,17 @@ def write_rows(path: str, rows: list[dict]) -> None:
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {path}")
+
+
+def write_table(rows: list[dict], csv_path: str, table: str, markdown_path: str | None = None) -> None:
+    """A plan table's rows as a CSV (one column per key), and its markdown printed (and written)."""
+    os.makedirs(os.path.dirname(csv_path), exist_ok=True)
+    keys = sorted({k for r in rows for k in r})
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(table)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(table + "\n")
