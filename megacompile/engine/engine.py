@@ -214,7 +214,8 @@ class Engine:
             # One copy of the weights: the module's become views of the masters (a rank's masters are
             # a share: under data parallelism the module keeps its own).
             if state.materialized and self.data_parallel is None:
-                host.lend_to_module(self.model)
+                state.host = host
+                model_params.lend(state)
             state.host, state.pending_load = host, None
         plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
                          host_bytes=self.host.nbytes + self.host_cost.module_bytes, dump_dir=self.dump_dir, fuse=self.fuse,

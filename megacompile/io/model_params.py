@@ -28,6 +28,24 @@ if TYPE_CHECKING:
     from ..state import TrainingState
 
 
+# The engine whose host state the module's tensors are views of (lend): a module compiled again
+# lends them to the newer engine, and the older one must not write its masters into them.
+_LENDER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def lend(state: "TrainingState") -> None:
+    """Make the module's tensors views of the state's host buffers (runtime/host.py
+    lend_to_module); from now on this engine alone writes into them or loads through them."""
+    state.host.lend_to_module(state.model)
+    _LENDER[state.model] = weakref.ref(state)
+
+
+def _feeds(state: "TrainingState") -> bool:
+    """Whether the module is this engine's to update: no engine lent it tensors, or this one did."""
+    lender = _LENDER.get(state.model)
+    return lender is None or lender() is None or lender() is state
+
+
 def attach(state: "TrainingState") -> None:
     """model.state_dict() reads the engine's state from now on (a weak reference: the hook does not
     keep the engine alive, and does nothing once it is gone)."""
@@ -35,7 +53,7 @@ def attach(state: "TrainingState") -> None:
 
     def before_state_dict(module, prefix, keep_vars) -> None:
         owner = ref()
-        if owner is not None and owner.model is module and not keep_vars:
+        if owner is not None and owner.model is module and not keep_vars and _feeds(owner):
             check_readable(owner)
             write_back(owner)
     state.model.register_state_dict_pre_hook(before_state_dict)
@@ -46,7 +64,7 @@ def attach(state: "TrainingState") -> None:
         # masters and compute copies together); the module's own copy then writes the same values.
         owner = ref()
         if owner is not None and owner.model is module and not prefix and owner.host is not None \
-                and owner.data_parallel is None:
+                and owner.data_parallel is None and _feeds(owner):
             from .state_dict import load
             load(owner, dict(values), strict=rest[1])
             owner.loads += 1
@@ -80,7 +98,7 @@ def write_back(state: "TrainingState") -> None:
     """Copy the engine's masters (and buffers) into the module's real tensors, if they changed
     since the last copy (reading them waits for the running updates first)."""
     version = (state.steps_done, state.loads)     # what changes whenever the masters do
-    if state.data_parallel is not None or state.module_version == version:
+    if state.data_parallel is not None or state.module_version == version or not _feeds(state):
         return
     if state.host is None and state.pending_load is None and state.weight_parts is None:
         state.module_version = version       # the module's own weights are the state

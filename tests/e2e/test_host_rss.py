@@ -144,3 +144,24 @@ def test_loading_into_the_module_loads_the_engine():
     fresh = megacompile.compile(models.hf_llama(layers=2, d=32), 1.0, device="cpu", compute_dtype=torch.bfloat16)
     fresh.load_state_dict(other)
     assert engine.step(input_ids=ids, labels=ids) == fresh.step(input_ids=ids, labels=ids)
+
+
+def test_a_module_compiled_again_is_the_newer_engines_alone():
+    # The second engine's masters are what the module's tensors now view: the first engine's
+    # synchronize and state_dict hook must not write its own masters into them.
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=2, d=32)
+    ids = models.batch(96, 2, 16)
+    first = megacompile.compile(model, 1.0, device="cpu", compute_dtype=torch.bfloat16)
+    first.step(input_ids=ids, labels=ids)
+    first.synchronize()
+    second = megacompile.compile(model, 1.0, device="cpu", compute_dtype=torch.bfloat16)
+    second.step(input_ids=ids, labels=ids)
+    second.step(input_ids=ids, labels=ids)
+    first.step(input_ids=ids, labels=ids)
+    first.synchronize()
+    trained = second.state_dict()
+    for key, t in model.state_dict().items():
+        assert torch.equal(t, trained[key]), key
+    for name in second.host.slots:
+        assert torch.equal(second.host.source(name), second.host.master(name).to(torch.bfloat16)), name
