@@ -38,7 +38,8 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
             loss_fn: Callable | None = None, retrace: bool = Settings.retrace, dump_dir: str | None = None,
             grad_accum: int = Settings.grad_accum, fuse: bool | None = None, host_budget: float | None = None,
             on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None, nvme_budget: float | None = None,
-            process_group=None, accumulation: str = Settings.accumulation) -> Engine:
+            process_group=None, accumulation: str = Settings.accumulation,
+            max_consecutive_skips: int | None = None) -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -55,6 +56,8 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                    of this machine's RAM. Too little for the masters raises HostMemoryError.
     on_nonfinite:  a step whose loss or any gradient is inf or NaN updates nothing; "skip" (default)
                    warns and goes on, "raise" raises NonFiniteError. `engine.last_step` says which.
+    max_consecutive_skips: with "skip", this many optimizer steps skipped in a row raise
+                   NonFiniteError (nothing updated since the last good step); default None: never
     nvme_dir:      a folder on a fast disk for the disk tier: when the host budget cannot hold the
                    host state, the AdamW moments (8 B/param) go there first, then the fp32 masters
                    (4 B/param), streamed past the host AdamW (megacompile/disk)
@@ -72,7 +75,8 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
     return Engine(model, hbm_budget, optimizer=optimizer, compute_dtype=compute_dtype, device=device,
                   loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir, grad_accum=grad_accum,
                   fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite, nvme_dir=nvme_dir,
-                  nvme_budget=nvme_budget, process_group=process_group, accumulation=accumulation)
+                  nvme_budget=nvme_budget, process_group=process_group, accumulation=accumulation,
+                  max_consecutive_skips=max_consecutive_skips)
 
 
 __all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "MegacompileError",

@@ -15,6 +15,11 @@ file; rank 0 writes the manifest once all have and commits the folder, and keep_
 run's older ones, with the one-process writer's own functions (io/checkpoint.py commit and
 rotate): the same marker, renames and run identity, so the same guarantees. On several nodes the
 folder must be on a file system they share.
+
+A rank that dies or hangs while the others save makes them raise DistributedError (group.py) before
+the commit: rank 0 removes the partial folder it made, and the checkpoint before it stays the
+last committed one, which the error names for the resume. The collectives of a save and a load
+wait the long timeout (timeouts.py): the ranks write and fsync at their disks' speeds.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 
-from ..errors import CheckpointError, MegacompileError
+from ..errors import CheckpointError, DistributedError, MegacompileError
 from ..io import checkpoint, durable, model_params, run_state
 from ..io.source import CONST, MASTER, WEIGHT, PendingLoad
 
@@ -45,9 +50,16 @@ class ShardedCheckpoints:
 
 
 def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+    ranks = state.data_parallel.ranks
+    with ranks.patient():
+        _save(state, path, extra, keep_last)
+    ranks.checkpoint = (os.fspath(path), state.steps_done)
+
+
+def _save(state: "TrainingState", path: str, extra: Any, keep_last: int | None) -> None:
     checkpoint.check_keep_last(keep_last)
-    dp, host = state.data_parallel, state.host_or_error()
-    ranks = dp.ranks
+    state.host_or_error()       # refuses before the first step, while there is nothing to save
+    ranks = state.data_parallel.ranks
     if state.micro_batches % state.grad_accum:
         raise CheckpointError("a data-parallel checkpoint is written between optimizer steps: save after the "
                               f"step's last micro-batch (micro-batch {state.micro_batches % state.grad_accum} "
@@ -69,6 +81,16 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
     tmp = ranks.gather_objects(tmp, "starting the checkpoint")[0]
     if isinstance(tmp, Exception):
         raise tmp
+    try:
+        _write_and_commit(state, path, tmp, extra, keep_last)
+    except DistributedError:
+        if ranks.rank == 0:       # a rank died or hung: this save never commits
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_and_commit(state: "TrainingState", path: str, tmp: str, extra: Any, keep_last: int | None) -> None:
+    ranks, host = state.data_parallel.ranks, state.host_or_error()
     model_params.synchronize(state)
     written, error = {}, None
     try:
@@ -93,6 +115,7 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
                         "rng": reports[0][1], "rng_ranks": [r[1] for r in reports], "extra": extra,
                         "files": {k: v for r in reports for k, v in r[0].items()}}
             checkpoint.commit(tmp, path, manifest)
+            ranks.checkpoint = (path, state.steps_done)     # committed, whatever the others do now
             checkpoint.rotate(path, manifest["run"], keep_last)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             shutil.rmtree(tmp, ignore_errors=True)
@@ -111,6 +134,14 @@ def _write(folder: str, file: str, tensors: dict) -> dict:
 
 def load(state: "TrainingState", path: str, strict: bool = False) -> Any:
     """io/checkpoint.py's checks and counters; the tensors filtered to what this rank keeps."""
+    ranks = state.data_parallel.ranks
+    with ranks.patient():
+        extra = _load(state, path, strict)
+    ranks.checkpoint = (os.fspath(path), state.steps_done)
+    return extra
+
+
+def _load(state: "TrainingState", path: str, strict: bool) -> Any:
     held, state.host = state.host, None       # the one-process loader then leaves the tensors pending
     try:
         extra = checkpoint.load(state, path, strict=strict)

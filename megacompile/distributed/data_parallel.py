@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from . import timeouts
 from .group import Ranks
 from .node import nodes_of
 from .shard import ShardedHostState
@@ -24,6 +25,7 @@ class DataParallel:
         self.ranks = ranks
         nodes = nodes_of(ranks)
         self.per_node = max(len(n) for n in nodes)    # ranks per node (node.py refuses unequal nodes)
+        self._paced: dict[int, object] = {}     # id(plan) -> the collectives' wait in its steps
 
     @property
     def rank(self) -> int:
@@ -62,9 +64,25 @@ class DataParallel:
             host.sum_grad_norms()
         return None
 
+    def before_step(self, plan) -> None:
+        """The collectives' wait for a step of `plan`: the long one until the plan has run a step
+        here (the ranks may have planned and traced it at different speeds), then its own
+        (timeouts.py)."""
+        self.ranks.pace(self._paced.get(id(plan), timeouts.long()))
+
+    def step_done(self, plan, seconds: float | None) -> None:
+        """After a step of `plan` that took `seconds`: the wait for its next steps."""
+        predicted = plan.prediction.step_s if plan.prediction is not None else None
+        self._paced[id(plan)] = timeouts.for_steps(predicted, seconds)
+        self.ranks.pace(self._paced[id(plan)])
+
     def on_rank_zero(self, host, write) -> None:
         """write() on rank 0 with every master readable there (gathered, with bf16 compute); every
         rank returns when it is done, or raises its error."""
+        with self.ranks.patient():
+            self._on_rank_zero(host, write)
+
+    def _on_rank_zero(self, host, write) -> None:
         host.wait_updates()
         host.gather_masters()
         error = None

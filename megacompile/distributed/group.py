@@ -9,14 +9,17 @@ cpu backend, NCCL on GPUs) that only the network stream uses. Each group's colle
 the same order on every rank because every rank runs the same plan.
 
 A rank that raises inside a step leaves a note in the process group's store before it goes; a
-rank waiting on it gets a DistributedError naming that rank and its error, rather than hanging:
-every collective has a timeout (MEGACOMPILE_DIST_TIMEOUT seconds, default 600).
+rank waiting on it gets a DistributedError naming that rank and its error, rather than hanging.
+A rank that dies without a word (killed, out of memory) or hangs is named by a roll call
+(liveness.py). Every collective has a timeout that follows the step (timeouts.py), and the error
+says how the run goes on: every rank stops, and the ranks started again resume from the last
+checkpoint this run committed or loaded.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import os
+import threading
 from datetime import timedelta
 from typing import Callable
 
@@ -24,12 +27,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ArgumentError, DistributedError
+from . import liveness, timeouts
 
 NOTE = "megacompile/failed/{}"
-
-
-def timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("MEGACOMPILE_DIST_TIMEOUT", "600")))
+BLAMED = "megacompile/blamed"      # the first roll call's verdict: every rank that stops names the same one
 
 
 class Ranks:
@@ -40,7 +41,10 @@ class Ranks:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.members = dist.get_process_group_ranks(group)   # global ranks, by rank in the group
-        self.timeout = timeout()
+        self.timeout = timeouts.long()     # until a plan has run a step here (pace)
+        self.checkpoint: tuple[str, int] | None = None     # (path, step): the last committed or loaded
+        self.failure: str | None = None        # why the first collective that failed did (explain)
+        self._explaining = threading.Lock()
         # new_group is collective over the default group: every process calls compile().
         self.main = dist.new_group(self.members, backend="gloo", timeout=self.timeout)
         self.stream = dist.new_group(self.members, backend="gloo", timeout=self.timeout)
@@ -52,40 +56,102 @@ class Ranks:
         if torch.cuda.is_available() and dist.is_nccl_available():
             self.nccl = (group if dist.get_backend(group) == "nccl"
                          else dist.new_group(self.members, backend="nccl", timeout=self.timeout))
+        # The groups this run made, whose timeout follows the step (pace); node.py adds its own.
+        # A group of the user's (an NCCL one the gradients are summed on) keeps the user's timeout.
+        self.groups = [self.main, self.stream, self.grads]
+        if self.nccl is not None and self.nccl is not group:
+            self.groups.append(self.nccl)
         try:
             self._store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, AttributeError, ValueError):
             self._store = None
+        self.progress = None if self._store is None else liveness.progress(self._store, dist.get_rank())
         # A rank whose script ends or raises outside a step says so too (a killed one cannot).
         atexit.register(self._note_exit)
 
     def call(self, what: str, fn: Callable[[], object]):
-        """Run one collective; a failure becomes a DistributedError naming the rank to blame."""
-        try:
-            return fn()
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise DistributedError(self.explain(what, e)) from e
+        """Run one collective; a failure becomes a DistributedError naming the rank to blame.
+        After one, every collective of these ranks fails at once with the same words: the others
+        that the threads have queued would each wait for the rank that is gone."""
+        if self.failure is not None:
+            raise DistributedError(f"rank {self.rank} of {self.size}: {what} not run: {self.failure}")
+        with (contextlib.nullcontext(0) if self.progress is None else self.progress.collective(what)) as entered:
+            try:
+                return fn()
+            except (RuntimeError, dist.DistBackendError) as e:
+                raise DistributedError(self.explain(what, e, entered)) from e
 
-    def explain(self, what: str, e: BaseException) -> str:
+    def explain(self, what: str, e: BaseException, entered: int = 0) -> str:
         head = f"rank {self.rank} of {self.size}: {what} failed"
-        for rank, note in self.notes().items():
-            return f"{head}: rank {rank} failed first: {note}"
-        return (f"{head}: another rank died or did not answer within {self.timeout.total_seconds():.0f} s "
-                f"(MEGACOMPILE_DIST_TIMEOUT) ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        with self._explaining:          # one roll call, whichever threads fail at once
+            if self.failure is None:
+                self.failure = self._blame(e, entered)
+        return f"{head}: {self.failure}"
+
+    def _blame(self, e: BaseException, entered: int) -> str:
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        notes = self.notes()
+        if notes:
+            rank, note = next(iter(notes.items()))
+            return f"rank {rank} failed first: {note}; {self.resume_hint()}"
+        blamed = self._shared(BLAMED)
+        if blamed is None and self._store is not None:
+            answers = liveness.roll_call(self._store, self.members, dist.get_rank())
+            blamed = liveness.blame(answers, threading.current_thread().name, entered,
+                                    {g: r for r, g in enumerate(self.members)})
+            if blamed is not None and answers is not None:
+                with contextlib.suppress(Exception):
+                    self._store.set(BLAMED, blamed)
+        blamed = blamed or "another rank died or did not answer"
+        return (f"{blamed} (waited up to {self.timeout.total_seconds():.0f} s, {timeouts.ENV} sets it: {cause}); "
+                f"{self.resume_hint()}")
+
+    def resume_hint(self) -> str:
+        start = f"every rank stops; start all {self.size} ranks again"
+        if self.checkpoint is None:
+            return f"{start}: no checkpoint was written or loaded by this run, so it starts from the beginning"
+        path, step = self.checkpoint
+        return (f"{start} and, on each, engine.load_checkpoint({path!r}) before the first step: the last "
+                f"checkpoint this run committed or loaded (step {step}); with {self.size} ranks the run goes on "
+                "exactly as it would have")
+
+    # -- how long a collective waits (timeouts.py) ----------------------------------------
+    def pace(self, timeout: timedelta) -> None:
+        """Every collective of this run's groups waits `timeout` from now on."""
+        if timeout == self.timeout:
+            return
+        self.timeout = timeout
+        for group in self.groups:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+    @contextlib.contextmanager
+    def patient(self):
+        """The long wait (at least the steps') while every rank writes or reads its share of a
+        checkpoint or an export; the steps' wait again after."""
+        before = self.timeout
+        self.pace(max(timeouts.long(), before))
+        try:
+            yield
+        finally:
+            self.pace(before)
 
     def notes(self) -> dict[int, str]:
         """The failure notes ranks left in the store, by rank."""
         found = {}
-        if self._store is None:
-            return found
         for rank in range(self.size):
-            key = NOTE.format(rank)
-            try:
-                if self._store.check([key]):
-                    found[rank] = self._store.get(key).decode(errors="replace")
-            except (RuntimeError, dist.DistStoreError):
-                break
+            note = self._shared(NOTE.format(rank))
+            if note is not None:
+                found[rank] = note
         return found
+
+    def _shared(self, key: str) -> str | None:
+        """The store's value at `key`, None when absent or when the store cannot be read."""
+        try:
+            if self._store is not None and self._store.check([key]):
+                return self._store.get(key).decode(errors="replace")
+        except (RuntimeError, dist.DistStoreError):
+            pass
+        return None
 
     def note_failure(self, e: BaseException) -> None:
         """Tell the other ranks why this one stops (they are, or will be, waiting on it)."""
@@ -97,7 +163,8 @@ class Ranks:
             pass
 
     def _note_exit(self) -> None:
-        if self._store is not None and not self.notes().get(self.rank):
+        # A rank that stopped on another's failure (self.failure) is no cause: it leaves no note.
+        if self._store is not None and self.failure is None and not self.notes().get(self.rank):
             with contextlib.suppress(Exception):
                 self._store.set(NOTE.format(self.rank), "its process exited (its script ended or raised "
                                                         "outside a step) while others were still training")

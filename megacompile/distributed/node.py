@@ -90,6 +90,7 @@ class NodeCopy:
         across = [dist.new_group([members[n[i]] for n in self.nodes], backend="gloo", timeout=ranks.timeout)
                   for i in range(len(self.local))] if len(self.nodes) > 1 else []
         self.across = across[self.local_rank] if across else None
+        ranks.groups += node_groups + across
 
     def _map(self) -> tuple[str, torch.Tensor]:
         """Create (first rank of the node), map (every rank), unlink (first rank, once all have)."""

@@ -43,6 +43,7 @@ from ..io.checkpoint import LocalCheckpoints
 from ..distributed import data_parallel_for
 from ..distributed.checkpoint import ShardedCheckpoints
 from .layer_major_step import layer_major_step
+from .skip_streak import SkipStreak
 from .step import StepRecord, run_step, tokens
 
 GiB = 2 ** 30
@@ -62,7 +63,7 @@ class Engine:
                  grad_accum: int = Settings.grad_accum, fuse: bool | None = None, host_budget: float | None = None,
                  on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None,
                  nvme_budget: float | None = None, process_group=None, accumulation: str = Settings.accumulation,
-                 hardware: HardwareProfile | None = None):
+                 hardware: HardwareProfile | None = None, max_consecutive_skips: int | None = None):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         # Every plain setting checked at once, by the one check (megacompile/settings.py).
@@ -130,6 +131,12 @@ class Engine:
         self._last: _Compiled | None = None
         self._last_train: _Compiled | None = None
         self.on_nonfinite = on_nonfinite
+        # With "skip": this many optimizer steps skipped in a row raise NonFiniteError (engine/skip_streak.py).
+        if max_consecutive_skips is not None:
+            arguments.count("max_consecutive_skips", max_consecutive_skips, what=" (skipped steps in a row that stop "
+                            "the run; None: never)")
+        self.skip_streak = SkipStreak(max_consecutive_skips, "compile(..., max_consecutive_skips=N) sets how many "
+                                      "skipped steps in a row raise this (None: never)")
         self.last_step: StepRecord | None = None
         self._busy = threading.Lock()
         self._closed = False

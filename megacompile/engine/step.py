@@ -70,6 +70,8 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     # before its first prefetch, so they finish before this step's offloads touch the grads.
     host.begin_micro_batch(first=micro_batches > 1 or micro == 0, last=last,
                            norms=state.optimizer.max_grad_norm is not None)
+    if dp is not None:      # how long its collectives wait for the other ranks (distributed/timeouts.py)
+        dp.before_step(compiled.plan)
     context = state.step_context()
     rng = backend.get_rng_state()
     try:
@@ -114,6 +116,10 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
                                   device_peak_bytes=compiled.plan.measured_peak_bytes,
                                   predicted_device_peak_bytes=compiled.plan.predicted_peak_bytes,
                                   host_threads=backend.host.threads)
+    if last:
+        engine.skip_streak.updated()
+    if dp is not None:
+        dp.step_done(compiled.plan, engine.last_step.seconds)
     return loss
 
 
@@ -132,6 +138,7 @@ def _skip(engine, compiled, loss: float, what: str, why: str, micro: int,
                + (f", and its {micro} earlier micro-batches dropped" if micro else ""))
     if engine.on_nonfinite == "raise":
         raise NonFiniteError(message + " (compile(..., on_nonfinite='skip') skips such steps with a warning)")
+    engine.skip_streak.skipped(engine.last_step)
     warnings.warn(message, RuntimeWarning, stacklevel=4)
     return loss
 

@@ -351,7 +351,7 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
                         continue      # all prompt or padding: its loss would be 0/0; the next rows instead
                     losses.append(engine.step(**inputs))
                     record = engine.last_step
-                    tokens += record.tokens
+                    tokens += record.tokens or 0      # a skipped step counts none
                     if record.skipped:
                         break
                 seconds = time.perf_counter() - t0

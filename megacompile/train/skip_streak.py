@@ -1,27 +1,8 @@
-"""`on_nonfinite: skip` with a limit: a run whose every step has an inf or NaN loss or gradient
-would skip forever, updating nothing. After `max_consecutive_skips` skipped optimizer steps in a
-row the run stops with NonFiniteError; the last checkpoint still holds the last step that
-updated (a skipped step changes no weight, moment or counter)."""
+"""`on_nonfinite: skip` with a limit in `megacompile train`: after run.yaml's
+`max_consecutive_skips` skipped optimizer steps in a row the run stops with NonFiniteError. The
+count is the engine's own kind (engine/skip_streak.py); the loops keep theirs, from run.yaml."""
 from __future__ import annotations
 
-from ..errors import NonFiniteError
+from ..engine.skip_streak import SkipStreak
 
-
-class SkipStreak:
-    """Counts the optimizer steps skipped in a row; `limit` None never stops."""
-
-    def __init__(self, limit: int | None):
-        self.limit, self.count = limit, 0
-
-    def updated(self) -> None:
-        self.count = 0
-
-    def skipped(self, record) -> None:
-        self.count += 1
-        if self.limit is not None and self.count >= self.limit:
-            raise NonFiniteError(
-                f"{self.count} optimizer steps in a row were skipped, the last (step {record.step}) because "
-                f"{record.reason}: nothing has been updated since step {record.step - 1}, and a run that only "
-                "skips never recovers; lower lr, raise warmup, check the data or the model's numerics (compute_dtype "
-                "float32), and resume from the last checkpoint; max_consecutive_skips sets how many skipped steps in "
-                "a row stop the run (null: never)")
+__all__ = ["SkipStreak"]

@@ -93,7 +93,7 @@ def _entry(rank: int, scenario: str, size: int, folder: str, kw: dict) -> None:
         os.environ[NODE_ENV] = f"node-{rank * nodes // size}"
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=size)
     try:
-        out = SCENARIOS[scenario](rank, size, folder, **kw)
+        out = _scenario(scenario)(rank, size, folder, **kw)
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
     except BaseException:
@@ -268,6 +268,15 @@ def measure(rank: int, size: int, folder: str, dtype: str = "float32") -> dict:
 def _inputs(ids: torch.Tensor, rank: int, size: int) -> dict:
     mine = rank_slice(ids, rank, size)
     return {"idx": mine, "targets": mine}
+
+
+def _scenario(name: str):
+    """A scenario of SCENARIOS, or "module:function" of another file's."""
+    if ":" not in name:
+        return SCENARIOS[name]
+    import importlib
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 SCENARIOS = {"train": train, "fail": fail, "text_only_rank": text_only_rank, "bf16_export": bf16_export, "measure": measure}

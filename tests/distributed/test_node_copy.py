@@ -19,7 +19,7 @@ from megacompile.errors import ArgumentError, HostMemoryError
 def _ranks(names=("here",)):
     """Rank 0 of ranks on these nodes, whose gathers return the node names and else its own object."""
     return SimpleNamespace(rank=0, size=len(names), members=list(range(len(names))), timeout=timedelta(seconds=5),
-                           gather_objects=lambda obj, what: list(names) if isinstance(obj, str) else [obj] * len(names))
+                           groups=[], gather_objects=lambda obj, what: list(names) if isinstance(obj, str) else [obj] * len(names))
 
 
 @pytest.fixture
