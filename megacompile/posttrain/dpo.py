@@ -1,4 +1,6 @@
-"""Direct preference optimisation (Rafailov et al., 2023) and its IPO variant (Azar et al., 2023).
+"""Direct preference optimisation (Rafailov et al., 2023) and the other preference losses of TRL's
+DPOTrainer (dpo_losses.py: IPO, hinge, robust, BCO, SPPO, NCA, AOT, APO, EXO, DiscoPOP, SFT, and
+weighted sums of them).
 
 A step holds chosen and rejected completions packed in one batch: the first half of the rows are
 the chosen ones, the second half the rejected ones, of the same prompts in the same order. The
@@ -9,30 +11,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ArgumentError
-from .logprobs import sequence_logprobs
+from .dpo_losses import LOSS_TYPES, READS_LABEL_SMOOTHING, combined_loss, loss_types
+from .logprobs import sequence_logprobs, token_logprobs
 
-LOSS_TYPES = ("sigmoid", "ipo")
+__all__ = ["DPOLoss", "DPOObjective", "LOSS_TYPES", "dpo_loss", "logits_of"]
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0,
-             loss_type: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             loss_type: str | tuple = "sigmoid", *, loss_weights=None, chosen_tokens: torch.Tensor | None = None,
+             rejected_tokens: torch.Tensor | None = None,
+             discopop_tau: float = 0.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and the implicit rewards beta * (log pi - log pi_ref) of the chosen and the
-    rejected completions, from sequence log-probabilities (B,) each.
-
-    sigmoid: -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h), h the difference of the
-    log-ratios (label smoothing as conservative DPO); ipo: (h - 1 / (2 beta))^2."""
-    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-    if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:
-        raise ArgumentError(f"DPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {loss_type!r}")
+    rejected completions, from sequence log-probabilities (B,) each; chosen_tokens and
+    rejected_tokens (B,): the completions' token counts (ipo, sigmoid_norm and sft read them).
+    loss_type: one of dpo_losses.LOSS_TYPES or several, summed with loss_weights."""
+    losses = combined_loss(loss_types(loss_type), loss_weights, policy_chosen, policy_rejected, ref_chosen,
+                           ref_rejected, beta, label_smoothing, chosen_tokens, rejected_tokens, discopop_tau)
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     return losses, chosen_rewards, rejected_rewards
@@ -42,29 +40,57 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 class DPOLoss:
     """The DPO objective of a packed batch: (2B, T, V) logits, (2B, T) labels (chosen rows first,
     IGNORE on the prompt and padding), (2B,) reference log-probabilities of the same rows -> the
-    mean loss over the B pairs."""
+    mean loss over the B pairs (a weighted sum of means for several loss types)."""
     beta: float = 0.1
     label_smoothing: float = 0.0
-    loss_type: str = "sigmoid"
+    loss_type: str | tuple = "sigmoid"
+    loss_weights: tuple | None = None
+    discopop_tau: float = 0.05
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and self.beta > 0):
             raise ArgumentError(f"DPO beta must be a positive number, e.g. 0.1; got {self.beta!r}")
-        if not (isinstance(self.label_smoothing, (int, float)) and 0.0 <= self.label_smoothing < 0.5):
-            raise ArgumentError(f"DPO label_smoothing must be in [0, 0.5); got {self.label_smoothing!r}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ArgumentError(f"DPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {self.loss_type!r}")
+        kinds = loss_types(self.loss_type)
+        object.__setattr__(self, "loss_type", kinds[0] if len(kinds) == 1 else kinds)
+        ls = self.label_smoothing
+        if "exo_pair" in kinds:
+            if not (isinstance(ls, (int, float)) and 0.0 < ls < 1.0):
+                raise ArgumentError(f"DPO loss_type exo_pair takes label_smoothing in (0, 1), its epsilon (EXO "
+                                    f"recommends 1e-3); got {ls!r}")
+        elif not (isinstance(ls, (int, float)) and 0.0 <= ls < 0.5):
+            raise ArgumentError(f"DPO label_smoothing must be in [0, 0.5); got {ls!r}")
+        if self.loss_weights is not None:
+            weights = tuple(self.loss_weights)
+            if len(weights) != len(kinds):
+                raise ArgumentError(f"DPO loss_weights has {len(weights)} weights for {len(kinds)} loss types")
+            object.__setattr__(self, "loss_weights", weights)
+        if not self.discopop_tau > 0:
+            raise ArgumentError(f"DPO discopop_tau must be positive (DiscoPOP uses 0.05); got {self.discopop_tau!r}")
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-        policy = sequence_logprobs(logits, labels)
-        if policy.shape[0] % 2 or ref_logps.shape != policy.shape:
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return loss_types(self.loss_type)
+
+    @property
+    def reads_label_smoothing(self) -> bool:
+        return any(k in READS_LABEL_SMOOTHING for k in self.kinds)
+
+    def pairs(self, policy: torch.Tensor, ref: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """(B,) losses of (2B,) packed sequence log-probabilities, reference ones and token counts."""
+        if policy.shape[0] % 2 or ref.shape != policy.shape:
             raise ArgumentError(f"a DPO batch packs chosen rows then as many rejected rows, with one reference "
                                 f"log-probability per row; got {policy.shape[0]} rows and ref_logps of shape "
-                                f"{tuple(ref_logps.shape)}")
+                                f"{tuple(ref.shape)}")
         half = policy.shape[0] // 2
-        losses, _, _ = dpo_loss(policy[:half], policy[half:], ref_logps[:half], ref_logps[half:],
-                                self.beta, self.label_smoothing, self.loss_type)
-        return losses.mean()
+        losses, _, _ = dpo_loss(policy[:half], policy[half:], ref[:half], ref[half:], self.beta,
+                                self.label_smoothing, self.kinds, loss_weights=self.loss_weights,
+                                chosen_tokens=tokens[:half], rejected_tokens=tokens[half:],
+                                discopop_tau=self.discopop_tau)
+        return losses
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+        logps, mask = token_logprobs(logits, labels)
+        return self.pairs(logps.sum(-1), ref_logps, mask.sum(-1).to(logps.dtype)).mean()
 
 
 class DPOObjective(nn.Module):

@@ -1,10 +1,13 @@
 """Group relative policy optimisation (Shao et al., 2024) with the loss normalisations in use since:
-Dr. GRPO (Liu et al., 2025) and DAPO (Yu et al., 2025), named as TRL names them.
+Dr. GRPO (Liu et al., 2025) and DAPO (Yu et al., 2025), named as TRL names them, and TRL's options:
+sequence-level importance sampling (GSPO, Zheng et al., 2025), two-sided clipping (`delta`,
+INTELLECT-2) and the high-entropy token mask (`top_entropy_quantile`, entropy_mask.py).
 
 A batch holds `num_generations` completions of each prompt, consecutive. Each completion's reward
-becomes an advantage relative to its group; every completion token then carries the clipped
-importance-weighted advantage (PPO's surrogate), and optionally a KL penalty to a reference
-policy (the k3 estimator, beta 0 by default)."""
+becomes an advantage relative to its group (advantages.py); every completion token then carries the
+clipped importance-weighted advantage (PPO's surrogate), and optionally a KL penalty to a reference
+policy (the k3 estimator, beta 0 by default). The log-probabilities are those of the logits divided
+by the sampling temperature, as TRL computes them for the loss, the old policy and the reference."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,51 +16,57 @@ import torch
 from torch import nn
 
 from ..errors import ArgumentError
+from .advantages import group_advantages
 from .dpo import logits_of
+from .entropy_mask import high_entropy_mask, token_entropies
 from .logprobs import token_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LEVELS = ("token", "sequence")
 
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """(N,) rewards of N / group_size groups of consecutive completions -> (N,) advantages: the reward
-    less its group's mean, divided by the group's (unbiased) standard deviation + eps when scale."""
-    if group_size < 1 or rewards.numel() % group_size:
-        raise ArgumentError(f"GRPO: {rewards.numel()} rewards do not split into groups of num_generations="
-                            f"{group_size}; give every prompt the same number of completions")
-    grouped = rewards.float().view(-1, group_size)
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale:
-        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])
-        advantages = advantages / (std + eps)
-    return advantages.view(-1)
+__all__ = ["GRPOLoss", "GRPOObjective", "LEVELS", "LOSS_TYPES", "group_advantages", "grpo_loss"]
 
 
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               ref_logps: torch.Tensor | None = None, epsilon: float = 0.2, epsilon_high: float | None = None,
-              beta: float = 0.0, loss_type: str = "dapo",
-              max_completion_length: int | None = None) -> tuple[torch.Tensor, dict]:
+              beta: float = 0.0, loss_type: str = "dapo", max_completion_length: int | None = None,
+              importance_sampling_level: str = "token", delta: float | None = None,
+              entropy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The loss of (N, T) per-token log-probabilities of the completions under the policy being
     trained, those under the policy that sampled them (old_logps), (N,) advantages and the (N, T)
     mask of completion tokens; and metrics (clip fractions, mean KL) as detached tensors.
+
+    Importance weights: `token`, exp(logp - old) per token; `sequence`, exp of the mean of
+    logp - old over each completion's tokens, one weight per completion (GSPO). `delta` caps the
+    unclipped weight from above (two-sided clipping). `entropy_mask` (N, T): the tokens whose
+    policy term counts (the KL term counts on every token).
 
     Normalisation (loss_type): grpo, each sequence's mean then the mean over sequences; bnpo and
     dapo, the sum over every token divided by the number of tokens; dr_grpo, the sum divided by
     N * max_completion_length (a constant)."""
     if loss_type not in LOSS_TYPES:
         raise ArgumentError(f"GRPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {loss_type!r}")
+    if importance_sampling_level not in LEVELS:
+        raise ArgumentError(f"GRPO importance_sampling_level must be one of {', '.join(LEVELS)}; got "
+                            f"{importance_sampling_level!r}")
     high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
-    ratio = torch.exp(logps - old_logps)
+    log_ratio = logps - old_logps
+    if importance_sampling_level == "sequence":         # (N, 1): one weight per completion
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
     a = advantages.unsqueeze(1).to(logps.dtype)
-    per_token = -torch.min(ratio * a, clipped * a)
+    per_token = -torch.min(capped * a, clipped * a).expand_as(logps)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask.to(logps.dtype)
     metrics = {}
     if beta != 0.0:
         if ref_logps is None:
             raise ArgumentError("GRPO with beta != 0 needs the reference policy's log-probabilities (ref_logps)")
-        delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1
+        d = ref_logps - logps
+        kl = torch.exp(d) - d - 1
         per_token = per_token + beta * kl
         metrics["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
     if loss_type == "grpo":
@@ -68,8 +77,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     else:
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     tokens = mask.sum().clamp(min=1)
-    low_clip = (ratio < 1 - epsilon) & (a < 0)
-    high_clip = (ratio > 1 + high) & (a > 0)
+    low_clip = ((ratio < 1 - epsilon) & (a < 0)).expand_as(logps)
+    high_clip = ((ratio > 1 + high) & (a > 0)).expand_as(logps)
     metrics["clip_ratio_low"] = ((low_clip * mask).sum() / tokens).detach()
     metrics["clip_ratio_high"] = ((high_clip * mask).sum() / tokens).detach()
     metrics["clip_ratio"] = (((low_clip | high_clip) * mask).sum() / tokens).detach()
@@ -83,6 +92,10 @@ class GRPOLoss:
     beta: float = 0.0
     loss_type: str = "dapo"
     max_completion_length: int | None = None
+    temperature: float = 1.0
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:
         if not (0 < self.epsilon < 1):
@@ -93,12 +106,34 @@ class GRPOLoss:
             raise ArgumentError(f"GRPO beta must be >= 0 (0 turns the KL term off); got {self.beta!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ArgumentError(f"GRPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {self.loss_type!r}")
+        if not self.temperature > 0:
+            raise ArgumentError(f"GRPO temperature must be > 0: the training log-probabilities divide the logits by "
+                                f"it; got {self.temperature!r}")
+        if self.importance_sampling_level not in LEVELS:
+            raise ArgumentError(f"GRPO importance_sampling_level must be one of {', '.join(LEVELS)}; got "
+                                f"{self.importance_sampling_level!r}")
+        if self.delta is not None and not self.delta > 0:
+            raise ArgumentError(f"GRPO delta must be positive (above 1 + epsilon_high; INTELLECT-2 uses 4); got "
+                                f"{self.delta!r}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ArgumentError(f"GRPO top_entropy_quantile must be in [0, 1] (1: every token); got "
+                                f"{self.top_entropy_quantile!r}")
+
+    def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probabilities at the sampling temperature, and the mask of counted tokens."""
+        return token_logprobs(logits if self.temperature == 1.0 else logits / self.temperature, labels)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
                  ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         logps, mask = token_logprobs(logits, labels)
+        entropy = None
+        if self.top_entropy_quantile < 1.0:
+            entropy = high_entropy_mask(token_entropies(logits), mask, self.top_entropy_quantile)
         loss, _ = grpo_loss(logps, old_logps, advantages, mask, ref_logps, self.epsilon, self.epsilon_high,
-                            self.beta, self.loss_type, self.max_completion_length)
+                            self.beta, self.loss_type, self.max_completion_length, self.importance_sampling_level,
+                            self.delta, entropy)
         return loss
 
 
@@ -108,10 +143,11 @@ class GRPOObjective(nn.Module):
 
     - forward(input_ids, labels, old_logps, advantages[, ref_logps]) -> the loss (a training step);
       labels IGNORE outside the completions;
-    - forward(input_ids, labels) -> (N, T) per-token log-probabilities (forward only: the old
-      policy's or the reference's);
+    - forward(input_ids, labels) -> (N, T) per-token log-probabilities at the loss's temperature
+      (forward only: the old policy's or the reference's);
     - forward(input_ids, last=positions) -> (N, V) logits at each row's last position (forward
-      only: sampling a next token at a fixed row length, so generation plans once)."""
+      only: sampling a next token at a fixed row length, so generation plans once; the sampler
+      divides them by its temperature)."""
 
     def __init__(self, policy: nn.Module, loss: GRPOLoss = GRPOLoss()):
         super().__init__()
@@ -122,5 +158,5 @@ class GRPOObjective(nn.Module):
         if last is not None:
             return logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1).float()
         if advantages is None:
-            return token_logprobs(logits, labels)[0]
+            return self.loss.logprobs(logits, labels)[0]
         return self.loss(logits, labels, old_logps, advantages, ref_logps)

@@ -107,7 +107,11 @@ class RunConfig:
     stage: str = "sft"
     beta: float | None = None
     label_smoothing: float | None = None
-    loss_type: str | None = None
+    loss_type: Any = None
+    loss_weights: Any = None
+    precompute_ref_log_probs: bool | None = None
+    rpo_alpha: float | None = None
+    discopop_tau: float | None = None
     num_generations: int | None = None
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
@@ -117,6 +121,11 @@ class RunConfig:
     reward_funcs: Any = None
     reward_weights: Any = None
     num_iterations: int | None = None
+    scale_rewards: Any = None
+    mask_truncated_completions: bool | None = None
+    importance_sampling_level: str | None = None
+    delta: float | None = None
+    top_entropy_quantile: float | None = None
     generator: str | None = None
     generator_dtype: str | None = None
     use_vllm: bool | None = None

@@ -1,5 +1,6 @@
 """`stage: dpo`: preference pairs from .jsonl records {prompt, chosen, rejected} (text or messages,
-posttrain/preference.py), trained by DPO or IPO.
+posttrain/preference.py), trained by DPO or another of TRL's preference losses (loss_type, several
+summed with loss_weights; rpo_alpha adds the sft term).
 
 The reference is the policy before the first step. Its log-probabilities of every pair (and of
 every held-out pair) are computed once, by the objective's forward-only pass on the same engine,
@@ -14,9 +15,11 @@ import os
 import torch
 
 from ..errors import ArgumentError
-from ..posttrain import DPOLoss, DPOObjective, dpo_loss
+from ..posttrain import DPOLoss, DPOObjective
+from ..posttrain.logprobs import IGNORE
 from ..posttrain.preference import Pair, pack, preference_metrics, read_pairs
 from .stage_order import stream_items
+from .stages import dpo_loss_terms
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
 REFERENCE = "reference_logps.pt"
@@ -38,7 +41,8 @@ class DPOStage:
                                     "train on; give a smaller fraction, or more pairs")
             self.held = [self.pairs[i] for i in sorted(order[:cut])]
             self.pairs = [self.pairs[i] for i in sorted(order[cut:])]
-        self.loss = DPOLoss(c.beta, c.label_smoothing, c.loss_type)
+        kinds, weights = dpo_loss_terms(c)
+        self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau)
         self.columns = METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ())
         self.reference = self.held_reference = None
 
@@ -59,7 +63,7 @@ class DPOStage:
     def describe(self) -> str:
         held = f", {len(self.held)} held out" if self.held else ""
         return (f"{len(self.pairs)} preference pairs{held}; {self.c.batch} pairs x {self.c.grad_accum} accumulated "
-                f"per step, rows of {self.c.seq} tokens; {self.c.loss_type} loss, beta {self.c.beta:g}")
+                f"per step, rows of {self.c.seq} tokens; {_terms(self.loss)} loss, beta {self.c.beta:g}")
 
     def steps_for(self, epochs: float) -> int:
         return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
@@ -80,6 +84,11 @@ class DPOStage:
             both = torch.as_tensor(engine(**pack(group, self.c.seq, self.pad))).float()
             out.append(torch.stack([both[:b], both[b:]], dim=1))
         return torch.cat(out)[:len(pairs)]
+
+    def _token_counts(self, pairs: list[Pair]) -> torch.Tensor:
+        """(len(pairs), 2) completion tokens (chosen, rejected) in rows of seq (a longer one is cut)."""
+        counted = (pack(pairs, self.c.seq, self.pad)["labels"] != IGNORE).sum(-1).float()
+        return torch.stack([counted[:len(pairs)], counted[len(pairs):]], dim=1)
 
     def begin(self, engine, run_dir: str, saved: dict | None) -> None:
         path = os.path.join(run_dir, REFERENCE)
@@ -108,7 +117,9 @@ class DPOStage:
         losses, tokens = [], 0
         for batch, ref in micro:
             losses.append(engine.step(**batch, ref_logps=ref))
-            tokens += engine.last_step.tokens
+            # a skipped step's record counts no tokens; the micro-batch's rows were read all the same
+            counted = engine.last_step.tokens
+            tokens += batch["input_ids"].numel() if counted is None else counted
             if engine.last_step.skipped:
                 break
         b = self.c.batch
@@ -128,8 +139,9 @@ class DPOStage:
             policy = self._logps(engine, held)
         finally:
             engine.model.train(training)
-        losses, _, _ = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], c.beta, c.label_smoothing,
-                                c.loss_type)
+        counts = self._token_counts(held)
+        losses = self.loss.pairs(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]),
+                                 torch.cat([counts[:, 0], counts[:, 1]]))
         both = preference_metrics(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), c.beta)
         return {"eval_loss": losses.mean().item(), **{f"eval_{k}": v for k, v in both.items()}}
 
@@ -141,3 +153,9 @@ class DPOStage:
 
     def close(self) -> None:
         pass
+
+
+def _terms(loss: DPOLoss) -> str:
+    if loss.loss_weights is None:
+        return " + ".join(loss.kinds)
+    return " + ".join(f"{w:g} {k}" for k, w in zip(loss.kinds, loss.loss_weights))

@@ -1,8 +1,9 @@
 """`stage: grpo`: prompts from .jsonl records ({prompt, ...}: the prompt as text or messages, the
 other columns handed to the reward functions by name, e.g. `answer`), completions sampled from the
 policy the engine trains (posttrain/rollout.py's EngineGenerator, or the generator run.yaml
-chooses: rollout_generator.py), scored by reward_funcs summed
-with reward_weights, and trained by GRPO.
+chooses: rollout_generator.py), scored by reward_funcs called as TRL calls them (keywords; for a
+prompt given as messages, each completion a list of one assistant message) and summed with
+reward_weights, nan-aware (posttrain/rewards.py), and trained by GRPO.
 
 A rollout batch is batch / num_generations prompts x num_generations completions, in rows of
 max_prompt_length + max_completion_length tokens (a longer prompt keeps its last
@@ -30,9 +31,10 @@ import torch
 from ..errors import ArgumentError
 from ..posttrain import GRPOLoss, GRPOObjective, grpo_loss
 from ..posttrain.logprobs import IGNORE
-from ..posttrain.rewards import load, score
+from ..posttrain.advantages import nanstd
+from ..posttrain.rewards import TrainerState, load, score
 from ..posttrain.rollout import EngineGenerator
-from ..posttrain.rollout_batch import rollout_batch
+from ..posttrain.rollout_batch import rollout_batch, truncated
 from . import rollout_generator
 from .stage_order import stream_items
 
@@ -55,7 +57,8 @@ class GRPOStage:
         if c.eval_fraction:
             self._hold_out(c.eval_fraction)
         self.groups = c.batch // c.num_generations      # prompts per rollout batch
-        self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length)
+        self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length, c.temperature,
+                             c.importance_sampling_level, c.delta, c.top_entropy_quantile)
         each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
         self.columns = (("reward", "reward_std") + each
                         + ("kl",) * (c.beta > 0) + ("clip_ratio", "completions/mean_length", "completions/min_length",
@@ -66,6 +69,7 @@ class GRPOStage:
         self.generator = self.reference = None
         self.needs_reference = c.beta > 0
         self.rollout: dict | None = None
+        self.epoch = 0.0        # the passes over the prompts the rollouts so far made (TRL's state.epoch)
 
     def _hold_out(self, fraction: float) -> None:
         """The seeded `fraction` of the prompts, held out for evaluation (as stage: dpo holds pairs)."""
@@ -136,20 +140,25 @@ class GRPOStage:
         c, n = self.c, self.c.num_generations
         chosen = stream_items(len(self.prompts), c.seed, position, self.groups)
         completions = self._generate(engine, [self.prompts[i] for i in chosen], n, c.temperature)
-        rewards, each = self._score([self.records[i] for i in chosen for _ in range(n)], completions)
-        batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad)
+        state = TrainerState(engine.steps_done, position / len(self.prompts), c.steps)
+        rewards, each = self._score([self.records[i] for i in chosen for _ in range(n)], completions, state)
+        masked = truncated(completions, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad, scale=c.scale_rewards,
+                              masked=masked if c.mask_truncated_completions else None)
         old = torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])).float().clone()
         ref = None
         if self.reference is not None:
             ref = torch.as_tensor(self.reference(input_ids=batch["input_ids"], labels=batch["labels"])).float().clone()
         lengths = torch.tensor([float(len(x.tokens)) for x in completions])
-        metrics = {"reward": rewards.mean().item(), "reward_std": rewards.std().item()}
+        # nan-aware, as TRL logs them: a function's mean over the completions it scored
+        metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item()}
         for name in self.names:
-            metrics[f"rewards/{name}/mean"] = each[name].mean().item()
-            metrics[f"rewards/{name}/std"] = each[name].std().item()
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(each[name]).item()
+            metrics[f"rewards/{name}/std"] = nanstd(each[name]).item()
         metrics.update({"completions/mean_length": lengths.mean().item(),
                         "completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
         self.rollout = {"batch": batch, "old": old, "ref": ref, "metrics": metrics}
+        self.epoch = (position + self.groups) / len(self.prompts)
         return position + self.groups
 
     def _generate(self, engine, prompts: list, n: int, temperature: float) -> list:
@@ -160,11 +169,16 @@ class GRPOStage:
         width = {"width": self.c.seq} if isinstance(self.generator, EngineGenerator) else {}
         return self.generator.generate(prompts, n, self.c.max_completion_length, temperature, **width)
 
-    def _score(self, records: list[dict], completions: list) -> tuple[torch.Tensor, dict]:
+    def _score(self, records: list[dict], completions: list, state: TrainerState) -> tuple[torch.Tensor, dict]:
         texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
-        names = [k for k in dict.fromkeys(k for r in records for k in r) if k != "prompt"]
+        # TRL's conversational completions: the assistant's message, for a prompt given as messages
+        shown = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t
+                 for r, t in zip(records, texts)]
+        names = [k for k in dict.fromkeys(k for r in records for k in r)
+                 if k not in ("prompt", "completion", "completion_ids")]
         columns = {k: [r.get(k) for r in records] for k in names}
-        return score(self.funcs, self.c.reward_weights, [r["prompt"] for r in records], texts, **columns)
+        return score(self.funcs, self.c.reward_weights, [r["prompt"] for r in records], shown,
+                     completion_ids=[list(x.tokens) for x in completions], trainer_state=state, **columns)
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         c = self.c
@@ -179,7 +193,8 @@ class GRPOStage:
         now = old if iteration == 0 else torch.as_tensor(engine(input_ids=batch["input_ids"],
                                                                 labels=batch["labels"])).float()
         _, measured = grpo_loss(now, old, batch["advantages"], batch["labels"] != IGNORE, ref, c.epsilon,
-                                c.epsilon_high, c.beta, c.loss_type, c.max_completion_length)
+                                c.epsilon_high, c.beta, c.loss_type, c.max_completion_length,
+                                c.importance_sampling_level, c.delta)
         # in first_inputs' order: the inputs of the step planned before the first one
         inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": old,
                   "advantages": batch["advantages"], **({"ref_logps": ref} if ref is not None else {})}
@@ -187,7 +202,9 @@ class GRPOStage:
         metrics = {**self.rollout["metrics"], "clip_ratio": measured["clip_ratio"].item()}
         if c.beta > 0:
             metrics["kl"] = measured["kl"].item()
-        return metrics, [loss], engine.last_step.tokens, position
+        # a skipped step's record counts no tokens; the rollout's rows were read all the same
+        tokens = engine.last_step.tokens
+        return metrics, [loss], batch["input_ids"].numel() if tokens is None else tokens, position
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c
@@ -199,9 +216,10 @@ class GRPOStage:
         for i in range(0, count, c.batch):
             group = [self.held_prompts[(i + k) % count] for k in range(c.batch)]
             completions += self._generate(engine, group, 1, 0.0)[:count - i]
-        rewards, each = self._score(self.held_records[:count], completions)
-        return {"eval_reward": rewards.mean().item(),
-                **{f"eval_rewards/{name}/mean": each[name].mean().item() for name in self.names},
+        state = TrainerState(engine.steps_done, self.epoch, c.steps)
+        rewards, each = self._score(self.held_records[:count], completions, state)
+        return {"eval_reward": torch.nanmean(rewards).item(),
+                **{f"eval_rewards/{name}/mean": torch.nanmean(each[name]).item() for name in self.names},
                 "eval_completions/mean_length": sum(len(x.tokens) for x in completions) / count}
 
     def progress(self, row: dict) -> str:

@@ -34,7 +34,7 @@ from .model import build, check_positions, meta_model
 from .preemption import StopSignals
 from .schedule import warmup_steps
 from .skip_streak import SkipStreak
-from .stages import ALL_KEYS
+from .stages import ALL_KEYS, IMPLIED, KEYS
 from .tokens import fingerprint, load_tokenizer
 
 BASE_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "seconds", "tokens_per_s", "device_peak_bytes",
@@ -52,6 +52,8 @@ def check_resume(c: RunConfig, saved: resume.Saved) -> None:
         before = {"stage": "sft"}
     if before.get("stage") == "grpo":
         before = {**rollout_generator.IMPLIED, **before}
+    if before.get("stage") in ("dpo", "grpo"):
+        before = {**{k: v for k, v in IMPLIED.items() if k in KEYS[before["stage"]]}, **before}
     changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in now if before.get(k) != now[k]]
     if changed:
         raise ArgumentError(f"resume: {saved.path} was saved by a run with other post-training keys "
@@ -66,11 +68,25 @@ def _stage(c: RunConfig, tokenizer):
     return GRPOStage(c, tokenizer)
 
 
+def _check_row_length(c: RunConfig, model) -> None:
+    """A row longer than the model's positions is refused naming the keys that set its length: seq
+    for dpo, max_prompt_length + max_completion_length for grpo (which takes no seq)."""
+    if c.stage != "grpo":
+        check_positions(c, model)
+        return
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and c.seq > limit:
+        raise ArgumentError(f"max_prompt_length {c.max_prompt_length:,} + max_completion_length "
+                            f"{c.max_completion_length:,} = {c.seq:,} tokens a row, longer than the model's "
+                            f"max_position_embeddings, {limit:,}: lower max_prompt_length or max_completion_length "
+                            f"so that they add up to at most {limit:,}")
+
+
 def run(c: RunConfig, trace: str | None = None) -> dict:
     """Post-train as `c` says (c.stage dpo or grpo); returns the figures the final line prints."""
     run_dir, resume_from, saved = starting_point(c)
     meta = meta_model(c)
-    check_positions(c, meta)
+    _check_row_length(c, meta)
     meta = finetune.apply(c, meta)
     if saved is not None:
         resume.check_rows(c, saved)
@@ -156,7 +172,9 @@ def _train(c: RunConfig, setup, stage, run_dir: str, resume_from: str | None, to
                               else [x for x in losses if x is not None])
                 row = {"step": record.step, "loss": sum(losses) / len(losses) if losses else math.nan,
                        "lr": record.lr, "grad_norm": record.grad_norm, "tokens": tokens, "seconds": seconds,
-                       "tokens_per_s": tokens / seconds, "device_peak_bytes": record.device_peak_bytes,
+                       # a skipped step's record may count no tokens (the stage reports what it read)
+                       "tokens_per_s": tokens / seconds if tokens is not None else math.nan,
+                       "device_peak_bytes": record.device_peak_bytes,
                        "predicted_device_peak_bytes": record.predicted_device_peak_bytes, "skipped": record.skipped,
                        **metrics}
                 if not record.skipped:

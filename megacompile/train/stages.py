@@ -1,11 +1,16 @@
 """`stage: sft | dpo | grpo`: run.yaml's post-training keys (TRL's names), each checked, and each
 refused under a stage it does not belong to, before anything is read or written.
 
-    dpo    beta (0.1), label_smoothing (0), loss_type (sigmoid | ipo)
+    dpo    beta (0.1), label_smoothing (0), loss_type (sigmoid, or any of posttrain/dpo_losses.py's,
+           or a list of them), loss_weights (1 each), rpo_alpha (none: the sft term's weight),
+           discopop_tau (0.05), precompute_ref_log_probs (accepted either way: the reference's
+           log-probabilities are always computed once, before the first step)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo), num_generations (8),
            max_prompt_length (512), max_completion_length (256), temperature (1.0), epsilon (0.2),
-           epsilon_high (epsilon), reward_funcs, reward_weights (1 each), num_iterations (1), and the
-           generator's keys (rollout_generator.py)
+           epsilon_high (epsilon), delta (none), reward_funcs, reward_weights (1 each),
+           scale_rewards (group), mask_truncated_completions (false), importance_sampling_level
+           (token), top_entropy_quantile (1.0), num_iterations (1), and the generator's keys
+           (rollout_generator.py)
 """
 from __future__ import annotations
 
@@ -13,20 +18,29 @@ import math
 from typing import Any
 
 from ..errors import ArgumentError
-from ..posttrain import dpo, grpo
+from ..posttrain import advantages, dpo_losses, grpo
 from . import rollout_generator
 
 STAGES = ("sft", "dpo", "grpo")
 REFUSED = ("pt", "rm", "ppo", "kto")
-KEYS = {"dpo": ("beta", "label_smoothing", "loss_type"),
+KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
+                "discopop_tau"),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
-                 "epsilon", "epsilon_high", "reward_funcs", "reward_weights", "num_iterations")
+                 "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
+                 "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations")
         + rollout_generator.KEYS}
 ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["grpo"]))
-DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid"},
+DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
+                    "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
                      "max_completion_length": 256, "temperature": 1.0, "epsilon": 0.2, "epsilon_high": None,
-                     "reward_weights": None, "num_iterations": 1}}
+                     "delta": None, "reward_weights": None, "scale_rewards": "group",
+                     "mask_truncated_completions": False, "importance_sampling_level": "token",
+                     "top_entropy_quantile": 1.0, "num_iterations": 1}}
+# What a checkpoint saved before these keys existed trained with (their defaults, then as now).
+IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
+           if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "delta", "scale_rewards",
+                    "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile")}
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                    "dataset", "eval_dataset"),
@@ -80,12 +94,49 @@ def _records(stage: str) -> str:
 
 def _dpo(c) -> None:
     c.beta = _positive("beta", c.beta)
+    kinds = dpo_losses.loss_types(c.loss_type)
+    c.loss_type = kinds[0] if len(kinds) == 1 else list(kinds)
     c.label_smoothing = _number("label_smoothing", c.label_smoothing)
-    if not 0.0 <= c.label_smoothing < 0.5:
+    if "exo_pair" in kinds:
+        if not 0.0 < c.label_smoothing < 1.0:
+            raise ArgumentError(f"label_smoothing is exo_pair's epsilon and must be in (0, 1) (EXO recommends 1e-3); "
+                                f"got {c.label_smoothing!r}")
+    elif not 0.0 <= c.label_smoothing < 0.5:
         raise ArgumentError(f"label_smoothing must be in [0, 0.5) (0: plain DPO); got {c.label_smoothing!r}")
-    _loss_type(c, dpo.LOSS_TYPES)
-    if c.loss_type == "ipo" and c.label_smoothing:
-        raise ArgumentError("label_smoothing applies to loss_type sigmoid; ipo takes none: leave it out")
+    if c.label_smoothing and not any(k in dpo_losses.READS_LABEL_SMOOTHING for k in kinds):
+        _note(f"label_smoothing {c.label_smoothing:g} is not read by loss_type {', '.join(kinds)}: as in TRL, only "
+              f"{', '.join(dpo_losses.READS_LABEL_SMOOTHING)} read it")
+    if c.loss_weights is not None:
+        if not isinstance(c.loss_weights, list) or len(c.loss_weights) != len(kinds):
+            raise ArgumentError(f"loss_weights is a list of one number per loss type ({len(kinds)}: "
+                                f"{', '.join(kinds)}); got {c.loss_weights!r}")
+        c.loss_weights = [_number("loss_weights", w) for w in c.loss_weights]
+    if c.rpo_alpha is not None:
+        c.rpo_alpha = _number("rpo_alpha", c.rpo_alpha)
+        if c.rpo_alpha < 0:
+            raise ArgumentError(f"rpo_alpha must be >= 0 (the weight of the chosen completions' NLL, RPO uses 1.0); "
+                                f"got {c.rpo_alpha!r}")
+        if "sft" in kinds:
+            raise ArgumentError("rpo_alpha adds loss_type sft with that weight, and loss_type already holds sft: "
+                                "give its weight in loss_weights and leave rpo_alpha out")
+    c.discopop_tau = _positive("discopop_tau", c.discopop_tau)
+    if not isinstance(c.precompute_ref_log_probs, bool):
+        raise ArgumentError(f"precompute_ref_log_probs must be true or false; got {c.precompute_ref_log_probs!r}")
+
+
+def dpo_loss_terms(c) -> tuple[tuple[str, ...], list[float] | None]:
+    """The loss types a checked dpo run sums and their weights: loss_type with loss_weights, and
+    rpo_alpha as TRL reads it, an `sft` term of that weight."""
+    kinds = dpo_losses.loss_types(c.loss_type)
+    weights = list(c.loss_weights) if c.loss_weights is not None else None
+    if c.rpo_alpha is not None:
+        weights = (weights or [1.0] * len(kinds)) + [c.rpo_alpha]
+        kinds = kinds + ("sft",)
+    return kinds, weights
+
+
+def _note(text: str) -> None:
+    print(f"  note           {text}", flush=True)
 
 
 def _grpo(c, raw: dict) -> None:
@@ -100,9 +151,24 @@ def _grpo(c, raw: dict) -> None:
             raise ArgumentError(f"{key} must be a whole number >= {least}; got {value!r}"
                                 + ("; a group of one completion has no advantage" if key == "num_generations" else ""))
     c.temperature = _number("temperature", c.temperature)
-    if c.temperature < 0:
-        raise ArgumentError(f"temperature must be >= 0 (0: greedy; 1.0: the policy's own distribution); got "
-                            f"{c.temperature!r}")
+    if c.temperature <= 0:
+        raise ArgumentError(f"temperature must be > 0 (1.0: the policy's own distribution): it divides the logits of "
+                            f"the sampler and of the training log-probabilities, as in TRL; got {c.temperature!r}")
+    c.scale_rewards = advantages.scale_of(c.scale_rewards)
+    if not isinstance(c.mask_truncated_completions, bool):
+        raise ArgumentError(f"mask_truncated_completions must be true or false; got {c.mask_truncated_completions!r}")
+    if c.importance_sampling_level not in grpo.LEVELS:
+        raise ArgumentError(f"importance_sampling_level must be one of {', '.join(grpo.LEVELS)} (sequence: GSPO); "
+                            f"got {c.importance_sampling_level!r}")
+    if c.delta is not None:
+        c.delta = _number("delta", c.delta)
+        if c.delta <= 1:
+            raise ArgumentError(f"delta caps the importance weight from above (two-sided clipping) and must be > 1, "
+                                f"above 1 + epsilon_high (INTELLECT-2 uses 4); got {c.delta!r}")
+    c.top_entropy_quantile = _number("top_entropy_quantile", c.top_entropy_quantile)
+    if not 0.0 <= c.top_entropy_quantile <= 1.0:
+        raise ArgumentError(f"top_entropy_quantile must be in [0, 1] (1: every token; the paper uses 0.2); got "
+                            f"{c.top_entropy_quantile!r}")
     c.epsilon = _number("epsilon", c.epsilon)
     if not 0 < c.epsilon < 1:
         raise ArgumentError(f"epsilon must be in (0, 1), e.g. 0.2; got {c.epsilon!r}")

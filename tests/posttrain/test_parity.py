@@ -73,11 +73,20 @@ def _eager(objective, batches, moments=None):
 
 CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1)), _dpo_batches),
          "ipo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, loss_type="ipo")), _dpo_batches),
-         "grpo": (lambda p: GRPOObjective(p, GRPOLoss(beta=0.04, epsilon_high=0.28, loss_type="grpo")), _grpo_batches)}
+         "grpo": (lambda p: GRPOObjective(p, GRPOLoss(beta=0.04, epsilon_high=0.28, loss_type="grpo")), _grpo_batches),
+         # TRL's options: a sort over the batch (aot), token counts (ipo, sft), a quantile (entropy)
+         "dpo_loss_types": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1,
+                                                              loss_type=("aot", "ipo", "robust", "sft"),
+                                                              loss_weights=(1.0, 0.5, 0.3, 0.2))), _dpo_batches),
+         "grpo_options": (lambda p: GRPOObjective(p, GRPOLoss(beta=0.04, loss_type="dapo", temperature=0.7,
+                                                              importance_sampling_level="sequence", delta=1.5,
+                                                              top_entropy_quantile=0.5)), _grpo_batches)}
 
 
 @pytest.mark.parametrize("case", ["dpo", pytest.param("ipo", marks=pytest.mark.slow),
-                                  pytest.param("grpo", marks=pytest.mark.slow)])
+                                  pytest.param("grpo", marks=pytest.mark.slow),
+                                  pytest.param("dpo_loss_types", marks=pytest.mark.slow),
+                                  pytest.param("grpo_options", marks=pytest.mark.slow)])
 def test_post_training_objective_trains_exactly_under_the_budget(case):
     make, make_batches = CASES[case]
     policy = _policy()

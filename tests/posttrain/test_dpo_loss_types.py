@@ -1,0 +1,147 @@
+"""TRL's DPO loss types against their published formulas (the papers TRL's DPOTrainer docs cite),
+written out here pair by pair in float64 Python on one fixed batch, to 1e-6: each loss, its
+gradient, several of them summed with loss_weights, and the packed batch's token counts (IPO and
+the sft term read them)."""
+import math
+
+import pytest
+import torch
+
+from megacompile.errors import ArgumentError
+from megacompile.posttrain import DPOLoss, dpo_loss
+from megacompile.posttrain.dpo_losses import LOSS_TYPES, loss_types
+from megacompile.posttrain.logprobs import IGNORE, token_logprobs
+
+B, BETA, LS, TAU = 6, 0.3, 0.1, 0.05
+
+
+def sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def logsig(x):
+    return -math.log1p(math.exp(-x)) if x > 0 else x - math.log1p(math.exp(x))
+
+
+def _batch():
+    """Sequence log-probabilities of B pairs (policy and reference) and their completions' lengths;
+    log-ratios of both signs and of sizes around 1 / beta, so every branch of the losses is taken."""
+    g = torch.Generator().manual_seed(7)
+    pc, pr, rc, rr = (torch.randn(B, generator=g, dtype=torch.float64) * 4 - 30 for _ in range(4))
+    nc = torch.tensor([3.0, 9.0, 5.0, 12.0, 1.0, 7.0], dtype=torch.float64)
+    nr = torch.tensor([8.0, 2.0, 5.0, 6.0, 11.0, 4.0], dtype=torch.float64)
+    return pc.requires_grad_(), pr.requires_grad_(), rc, rr, nc, nr
+
+
+def _reference(kind, pc, pr, rc, rr, nc, nr, beta=BETA, ls=LS):
+    """The batch's loss (the mean over its pairs), from the formulas."""
+    b = beta
+    c = [pc[i] - rc[i] for i in range(B)]
+    r = [pr[i] - rr[i] for i in range(B)]
+    h = [c[i] - r[i] for i in range(B)]
+    if kind == "sigmoid":                                   # DPO, Rafailov et al. eq. 7
+        each = [-logsig(b * x) for x in h]
+    elif kind == "hinge":                                   # SLiC / RSO: beta is the margin's reciprocal
+        each = [max(0.0, 1 - b * x) for x in h]
+    elif kind == "ipo":                                     # IPO eq. 17, log-ratios averaged over tokens
+        each = [(c[i] / nc[i] - r[i] / nr[i] - 1 / (2 * b)) ** 2 for i in range(B)]
+    elif kind == "sigmoid_norm":
+        each = [-logsig(b * (c[i] / nc[i] - r[i] / nr[i])) for i in range(B)]
+    elif kind == "exo_pair":                                # EXO eq. 16, K = 2: KL(q || p), p = (1 - eps, eps)
+        each = [sig(b * x) * (logsig(b * x) - math.log(1 - ls)) + sig(-b * x) * (logsig(-b * x) - math.log(ls))
+                for x in h]
+    elif kind == "nca_pair":                                # NCA
+        each = [-logsig(b * c[i]) - 0.5 * logsig(-b * c[i]) - 0.5 * logsig(-b * r[i]) for i in range(B)]
+    elif kind == "robust":                                  # robust DPO (Chowdhury et al.), flip rate eps
+        each = [(-(1 - ls) * logsig(b * x) + ls * logsig(-b * x)) / (1 - 2 * ls) for x in h]
+    elif kind == "bco_pair":                                # BCO on pairs: chosen -> 1, rejected -> 0
+        each = [-logsig(b * c[i]) - logsig(-b * r[i]) for i in range(B)]
+    elif kind == "sppo_hard":                               # SPPO with P = 1 for the winner, 0 for the loser
+        each = [(c[i] - 1 / (2 * b)) ** 2 + (r[i] + 1 / (2 * b)) ** 2 for i in range(B)]
+    elif kind == "aot":                                     # AOT, paired: sorted quantiles of the log-ratios
+        d = [x - y for x, y in zip(sorted(pc[i] - pr[i] for i in range(B)), sorted(rc[i] - rr[i] for i in range(B)))]
+        each = [-(1 - ls) * logsig(b * x) - ls * logsig(-b * x) for x in d]
+    elif kind == "aot_unpaired":                            # AOT, unpaired: chosen against rejected rewards
+        d = [x - y for x, y in zip(sorted(c), sorted(r))]
+        each = [-(1 - ls) * logsig(b * x) - ls * logsig(-b * x) for x in d]
+    elif kind == "apo_zero":                                # APO eq. 7
+        each = [1 - sig(b * c[i]) + sig(b * r[i]) for i in range(B)]
+    elif kind == "apo_down":                                # APO eq. 8
+        each = [sig(b * c[i]) + 1 - sig(b * h[i]) for i in range(B)]
+    elif kind == "discopop":                                # DiscoPOP eq. 5, log-ratio modulated
+        each = [-logsig(b * x) * (1 - sig(b * x / TAU)) + math.exp(-b * x) * sig(b * x / TAU) for x in h]
+    elif kind == "sft":                                     # the chosen tokens' mean NLL (RPO's term)
+        return -sum(pc) / sum(nc)
+    else:
+        raise AssertionError(kind)
+    return sum(each) / B
+
+
+def _numeric_gradient(kind, values, which, ls=LS):
+    """d loss / d (policy chosen or rejected) by central differences on the float64 reference."""
+    grads = []
+    for i in range(B):
+        up, down = [list(v) for v in values], [list(v) for v in values]
+        up[which][i] += 1e-6
+        down[which][i] -= 1e-6
+        grads.append((_reference(kind, *up, ls=ls) - _reference(kind, *down, ls=ls)) / 2e-6)
+    return grads
+
+
+@pytest.mark.parametrize("kind", LOSS_TYPES)
+def test_each_loss_type_is_its_formula(kind):
+    pc, pr, rc, rr, nc, nr = _batch()
+    losses, _, _ = dpo_loss(pc, pr, rc, rr, BETA, LS, kind, chosen_tokens=nc, rejected_tokens=nr, discopop_tau=TAU)
+    loss = losses.mean()
+    loss.backward()
+    values = [x.tolist() for x in (pc.detach(), pr.detach(), rc, rr, nc, nr)]
+    assert loss.item() == pytest.approx(_reference(kind, *values), rel=1e-6, abs=1e-9)
+    for which, tensor in ((0, pc), (1, pr)):
+        want = _numeric_gradient(kind, values, which)
+        got = tensor.grad.tolist() if tensor.grad is not None else [0.0] * B      # sft: no rejected term
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), kind
+
+
+def test_several_loss_types_add_up_with_their_weights():
+    """TRL's MPO: loss_type [sigmoid, bco_pair, sft] with loss_weights [0.8, 0.2, 1.0]."""
+    pc, pr, rc, rr, nc, nr = _batch()
+    values = [x.tolist() for x in (pc.detach(), pr.detach(), rc, rr, nc, nr)]
+    kinds, weights = ["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0]
+    losses, _, _ = dpo_loss(pc, pr, rc, rr, BETA, LS, kinds, loss_weights=weights, chosen_tokens=nc, rejected_tokens=nr)
+    want = sum(w * _reference(k, *values) for k, w in zip(kinds, weights))
+    assert losses.mean().item() == pytest.approx(want, rel=1e-6)
+    unweighted = dpo_loss(pc, pr, rc, rr, BETA, LS, kinds, chosen_tokens=nc, rejected_tokens=nr)[0].mean()
+    assert unweighted.item() == pytest.approx(sum(_reference(k, *values) for k in kinds), rel=1e-6)
+
+
+def test_ipo_averages_the_log_ratios_over_each_completion_s_tokens():
+    """A packed batch: the token counts are the completion's labels (IGNORE on prompt and padding);
+    IPO's loss changes with them at equal sequence log-probabilities, the sigmoid loss does not."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 9, 11, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 11, (4, 9), generator=g)
+    labels[:, :3] = IGNORE
+    labels[0, 5:] = IGNORE                                  # chosen 0: 2 tokens; rejected 0 (row 2): 6
+    labels[3, 8:] = IGNORE                                  # rejected 1 (row 3): 5 tokens; chosen 1: 6
+    ref = torch.randn(4, generator=g, dtype=torch.float64) - 15
+    logps, _ = token_logprobs(logits, labels)
+    seq = logps.sum(-1).tolist()
+    counts = [2.0, 6.0, 6.0, 5.0]
+    want = sum(((seq[i] - ref[i].item()) / counts[i] - (seq[i + 2] - ref[i + 2].item()) / counts[i + 2]
+                - 1 / (2 * 0.1)) ** 2 for i in range(2)) / 2
+    assert DPOLoss(beta=0.1, loss_type="ipo")(logits, labels, ref).item() == pytest.approx(want, rel=1e-9)
+    summed = sum(((seq[i] - ref[i].item()) - (seq[i + 2] - ref[i + 2].item()) - 5.0) ** 2 for i in range(2)) / 2
+    assert abs(want - summed) > 1.0                          # the sum over tokens is another loss
+
+
+def test_trl_s_old_names_and_the_checks():
+    assert loss_types("aot_pair") == ("aot_unpaired",)      # TRL renamed it; the formula is the same
+    assert loss_types(["sigmoid", "sft"]) == ("sigmoid", "sft")
+    with pytest.raises(ArgumentError, match="names a loss twice"):
+        loss_types(["sigmoid", "sigmoid"])
+    pc, pr, rc, rr, _, _ = _batch()
+    with pytest.raises(ArgumentError, match="ipo needs the completions' token counts"):
+        dpo_loss(pc, pr, rc, rr, BETA, 0.0, "ipo")
+    assert DPOLoss(loss_type=["sigmoid"]).loss_type == "sigmoid"
+    assert DPOLoss(loss_type="robust", label_smoothing=0.2).reads_label_smoothing
+    assert not DPOLoss(loss_type="sigmoid", label_smoothing=0.2).reads_label_smoothing

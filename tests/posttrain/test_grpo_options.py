@@ -1,0 +1,199 @@
+"""TRL's GRPO options against their formulas, written out element by element in float64 Python on a
+fixed batch, to 1e-6: scale_rewards and nan-aware advantages, sequence-level importance sampling
+(GSPO), two-sided clipping (delta), the high-entropy token mask (top_entropy_quantile), the
+temperature in the training log-probabilities, and mask_truncated_completions."""
+import math
+
+import pytest
+import torch
+
+from megacompile.posttrain import GRPOLoss, GRPOObjective, group_advantages, grpo_loss
+from megacompile.posttrain.entropy_mask import masked_quantile
+from megacompile.posttrain.logprobs import IGNORE
+from megacompile.posttrain.rollout import Completion
+from megacompile.posttrain.rollout_batch import rollout_batch, truncated
+
+NAN = float("nan")
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def _std(xs):
+    if len(xs) < 2:
+        return NAN
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _advantages(rewards, n, scale):
+    """TRL's: the group's nan-aware mean, the group's or the batch's unbiased std over the scored
+    rewards (NaN under two), + 1e-4; NaN -> 0."""
+    out = []
+    scored_all = [r for r in rewards if not math.isnan(r)]
+    for g in range(0, len(rewards), n):
+        group = rewards[g:g + n]
+        scored = [r for r in group if not math.isnan(r)]
+        mean = _mean(scored) if scored else NAN
+        std = _std(scored) if scale == "group" else _std(scored_all)
+        for r in group:
+            a = r - mean
+            if scale != "none":
+                a = a / (std + 1e-4)
+            out.append(0.0 if math.isnan(a) else a)
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none", True, False])
+def test_advantages_are_nan_aware_under_each_scale(scale):
+    rewards = [1.0, NAN, 0.0, 0.5,        # one unscored: left out of the mean and std
+               NAN, NAN, NAN, NAN,         # none scored: every advantage 0
+               2.0, NAN, NAN, NAN,         # one scored: no std (group scale: advantage 0)
+               0.3, 0.3, 0.3, 0.9]
+    name = {True: "group", False: "none"}.get(scale, scale)
+    got = group_advantages(torch.tensor(rewards), 4, scale=scale).tolist()
+    assert got == pytest.approx(_advantages(rewards, 4, name), rel=1e-6, abs=1e-9)
+    assert got[4:8] == [0.0] * 4 and got[1] == 0.0
+    assert not any(math.isnan(a) for a in got)
+
+
+def _reference(logps, old, adv, mask, ref, eps, eps_high, beta, loss_type, max_len, level, delta, keep):
+    """GRPO's loss, element by element: ratio per token or per sequence (exp of the mean log-ratio over
+    the completion's tokens), the unclipped ratio capped at delta, the policy term on `keep` tokens."""
+    n, t = len(logps), len(logps[0])
+    per = [[0.0] * t for _ in range(n)]
+    for i in range(n):
+        counted = [j for j in range(t) if mask[i][j]]
+        seq_ratio = math.exp(sum(logps[i][j] - old[i][j] for j in counted) / max(1, len(counted)))
+        for j in range(t):
+            r = seq_ratio if level == "sequence" else math.exp(logps[i][j] - old[i][j])
+            clipped = min(max(r, 1 - eps), 1 + eps_high)
+            capped = r if delta is None else min(r, delta)
+            per[i][j] = -min(capped * adv[i], clipped * adv[i]) * keep[i][j]
+            if beta:
+                d = ref[i][j] - logps[i][j]
+                per[i][j] += beta * (math.exp(d) - d - 1)
+    counts = [sum(mask[i]) for i in range(n)]
+    if loss_type == "grpo":
+        return sum(sum(per[i][j] * mask[i][j] for j in range(t)) / max(1, counts[i]) for i in range(n)) / n
+    if loss_type == "dr_grpo":
+        return sum(per[i][j] * mask[i][j] for i in range(n) for j in range(t)) / (n * max_len)
+    return sum(per[i][j] * mask[i][j] for i in range(n) for j in range(t)) / sum(counts)
+
+
+def _case(seed=3, n=6, t=5):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(n, t, generator=g, dtype=torch.float64) - 2
+    logps = (old + 0.4 * torch.randn(n, t, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = old + 0.1 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.5, -0.7, 0.3, -1.2, 0.9, -0.1], dtype=torch.float64)
+    mask = torch.ones(n, t, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[4, 1:] = False
+    return logps, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("level,delta,beta", [("sequence", None, 0.0), ("token", 1.3, 0.04), ("sequence", 1.1, 0.04)])
+def test_sequence_level_weights_and_two_sided_clipping_match_the_formula(loss_type, level, delta, beta):
+    logps, old, ref, adv, mask = _case()
+    keep = torch.rand(6, 5, generator=torch.Generator().manual_seed(9)) > 0.3       # a token mask
+    loss, _ = grpo_loss(logps, old, adv, mask, ref, 0.2, 0.28, beta, loss_type, 8, level, delta, keep)
+    want = _reference(logps.tolist(), old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, 0.28,
+                      beta, loss_type, 8, level, delta, keep.long().tolist())
+    assert loss.item() == pytest.approx(want, rel=1e-6, abs=1e-12)
+    loss.backward()
+    # the gradient against central differences of the reference
+    flat = logps.detach().tolist()
+    for i, j in ((0, 0), (1, 2), (3, 4), (5, 1)):
+        up = [row[:] for row in flat]
+        down = [row[:] for row in flat]
+        up[i][j] += 1e-6
+        down[i][j] -= 1e-6
+        numeric = (_reference(up, old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, 0.28, beta,
+                              loss_type, 8, level, delta, keep.long().tolist())
+                   - _reference(down, old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, 0.28, beta,
+                                loss_type, 8, level, delta, keep.long().tolist())) / 2e-6
+        assert logps.grad[i, j].item() == pytest.approx(numeric, rel=1e-4, abs=1e-7)
+
+
+def test_the_delta_cap_and_the_sequence_ratio_change_the_loss():
+    """Guards: each option moves the loss on this batch (a no-op option would pass the formula test
+    only if the formula ignored it too)."""
+    logps, old, ref, adv, mask = _case()
+    base = grpo_loss(logps, old, adv, mask)[0].item()
+    assert grpo_loss(logps, old, adv, mask, delta=1.05)[0].item() != pytest.approx(base, rel=1e-6)
+    assert grpo_loss(logps, old, adv, mask, importance_sampling_level="sequence")[0].item() != pytest.approx(base)
+
+
+@pytest.mark.parametrize("q", [0.0, 0.2, 0.37, 0.5, 1.0])
+def test_the_masked_quantile_is_torch_quantile_of_the_counted_values(q):
+    g = torch.Generator().manual_seed(5)
+    values = torch.rand(7, 13, generator=g, dtype=torch.float64) * 5
+    mask = torch.rand(7, 13, generator=g) > 0.4
+    want = torch.quantile(values[mask], q).item()
+    assert masked_quantile(values, mask, q).item() == pytest.approx(want, rel=1e-12)
+    assert masked_quantile(values, torch.zeros_like(mask), q).item() == math.inf
+
+
+def _log_softmax(row):
+    m = max(row)
+    z = m + math.log(sum(math.exp(x - m) for x in row))
+    return [x - z for x in row]
+
+
+@pytest.mark.parametrize("temperature,quantile", [(0.7, 1.0), (1.0, 0.3), (1.6, 0.5)])
+def test_the_loss_reads_logits_at_the_temperature_and_keeps_the_high_entropy_tokens(temperature, quantile):
+    """From logits: log-probabilities of logits / temperature (TRL's), entropies of the same
+    distribution, the policy term on the tokens at or above the (1 - q) entropy quantile."""
+    g = torch.Generator().manual_seed(11)
+    n, t, v = 4, 6, 9
+    logits = torch.randn(n, t, v, generator=g, dtype=torch.float64) * 2
+    labels = torch.randint(0, v, (n, t), generator=g)
+    labels[:, :2] = IGNORE
+    labels[2, 4:] = IGNORE
+    old = torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3 - 2.5
+    adv = torch.tensor([1.0, -0.5, 0.8, -1.3], dtype=torch.float64)
+    loss = GRPOLoss(loss_type="dapo", temperature=temperature, top_entropy_quantile=quantile)
+    got = loss(logits, labels, old, adv).item()
+    logps, entropy, mask = [[0.0] * t for _ in range(n)], [], [[0] * t for _ in range(n)]
+    for i in range(n):
+        for j in range(t):
+            lp = _log_softmax([x / temperature for x in logits[i, j].tolist()])
+            if labels[i, j] != IGNORE:
+                logps[i][j], mask[i][j] = lp[labels[i, j]], 1
+                entropy.append((-sum(math.exp(x) * x for x in lp), i, j))
+    ordered = sorted(e for e, _, _ in entropy)
+    pos = (1 - quantile) * (len(ordered) - 1)
+    threshold = ordered[math.floor(pos)] + (ordered[math.ceil(pos)] - ordered[math.floor(pos)]) * (pos - math.floor(pos))
+    keep = [[0] * t for _ in range(n)]
+    for e, i, j in entropy:
+        keep[i][j] = int(e >= threshold)
+    want = _reference(logps, old.tolist(), adv.tolist(), mask, None, 0.2, 0.2, 0.0, "dapo", None, "token", None, keep)
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+    if quantile < 1.0:
+        assert 0 < sum(map(sum, keep)) < sum(map(sum, mask))      # the mask kept some tokens, not all
+    # the objective's forward-only pass (old policy, reference) reads the same temperature
+    class Fixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, ids):
+            return logits + self.w
+    forward = GRPOObjective(Fixed(), loss)(torch.zeros(n, t, dtype=torch.long), labels)
+    assert forward[0, 2].item() == pytest.approx(logps[0][2], rel=1e-6)      # fp32 log-probabilities
+
+
+def test_truncated_completions_leave_the_loss_but_keep_their_rewards():
+    eos, pad = 2, 0
+    completions = [Completion(0, (5, 6), (7, 2)), Completion(0, (5, 6), (7, 8, 9)), Completion(1, (4,), (3, 3, 3)),
+                   Completion(1, (4,), (9, 0))]
+    masked = truncated(completions, eos, pad)
+    assert masked == [False, True, True, False]             # ends with neither eos nor pad: cut by the length
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    batch = rollout_batch(completions, rewards, 2, width=5, masked=masked)
+    assert (batch["labels"][1] == IGNORE).all() and (batch["labels"][2] == IGNORE).all()
+    assert batch["labels"][0].tolist() == [-100, 7, 2, -100, -100]
+    assert batch["advantages"].tolist() == pytest.approx(group_advantages(rewards, 2).tolist())
