@@ -1,5 +1,6 @@
 """Host RAM as planned, measured: for each way a model comes in, the process's resident set growth
-from before the model exists to after two steps, beside the plan's host figure, in B/param.
+from before the model exists to after two steps (less the cpu backend's device arena, the simulated
+device's memory), beside the plan's host figure, in B/param.
 
     python benchmarks/host_memory.py [--size medium] [--out benchmarks/results/host_memory.csv]
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .tiling import flat_block
+from . import outputs
 
 
 @triton.jit
@@ -73,7 +74,7 @@ def scale(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype | None = Non
     multiplied by a factor rounded to bf16 first, as `x * factor.to(x.dtype)` would (1/3 in bf16 is
     0.2% off). 2 or 4 B read and written per element, no temporary."""
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
+    out = outputs.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
     factor = factor.reshape(1).to(torch.float32)
     n = x.numel()
     if n:
@@ -87,7 +88,7 @@ def cast(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor
     """Round `x` to `dtype` (default bf16, round-to-nearest-even), into `out` when given."""
     x = x.contiguous()
     if out is None:
-        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+        out = outputs.empty(x.shape, dtype=dtype, device=x.device)
     assert out.is_contiguous() and out.numel() == x.numel(), "out must be contiguous and as large as x"
     n = x.numel()
     if n:

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from .cast import round_to
 from .tiling import flat_block
+from . import outputs
 
 TWO_SQRT_2_OVER_PI = tl.constexpr(2 * 0.7978845608028654)  # 2 * sqrt(2 / pi)
 INV_SQRT_2 = tl.constexpr(0.7071067811865476)
@@ -92,7 +93,7 @@ def gelu_forward(a: torch.Tensor, b: torch.Tensor | None = None, approximate: st
     assert not gated or a.shape == b.shape, f"a {tuple(a.shape)} and b {tuple(b.shape)} differ"
     a = a.contiguous()
     b = b.contiguous() if gated else a
-    c = torch.empty_like(a)
+    c = outputs.empty_like(a)
     n = a.numel()
     if n:
         block, num_warps = flat_block(n)
@@ -108,8 +109,8 @@ def gelu_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = No
     gated = b is not None
     dc, a = dc.contiguous(), a.contiguous()
     b = b.contiguous() if gated else a
-    da = torch.empty_like(a)
-    db = torch.empty_like(b) if gated else da  # not written when not gated
+    da = outputs.empty_like(a)
+    db = outputs.empty_like(b) if gated else da  # not written when not gated
     n = a.numel()
     if n:
         block, num_warps = flat_block(n)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .cast import round_to
+from . import outputs
 
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 32
 
@@ -101,7 +102,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.
     """x [S, K] grouped by expert, w [E, K, N] (any strides), offs [E] -> [S, N]."""
     rows, k = x.shape
     experts, _, n = w.shape
-    y = torch.zeros(rows, n, dtype=x.dtype, device=x.device)    # rows past offs[-1] stay zero
+    y = outputs.zeros((rows, n), dtype=x.dtype, device=x.device)    # rows past offs[-1] stay zero
     if rows and n:
         upcast, ieee = _modes(x.dtype)
         grid = (experts, triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
@@ -115,7 +116,7 @@ def grouped_gemm_weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tens
     """x [S, K], dy [S, N], both grouped by expert, offs [E] -> dw [E, K, N]."""
     k, n = x.size(1), dy.size(1)
     experts = offs.size(0)
-    dw = torch.empty(experts, k, n, dtype=x.dtype, device=x.device)
+    dw = outputs.empty((experts, k, n), dtype=x.dtype, device=x.device)
     if dw.numel():
         upcast, ieee = _modes(x.dtype)
         grid = (experts, triton.cdiv(k, BLOCK_K), triton.cdiv(n, BLOCK_N))

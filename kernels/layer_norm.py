@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .cast import round_to
 from .tiling import as_rows, persistent_programs, row_tile
+from . import outputs
 
 
 @triton.jit
@@ -103,9 +104,9 @@ def layer_norm_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: f
     shape = x.shape
     x2 = as_rows(x)
     n_rows, n_cols = x2.shape
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    y = outputs.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    mean = outputs.empty((n_rows,), dtype=torch.float32, device=x.device)
+    rstd = outputs.empty((n_rows,), dtype=torch.float32, device=x.device)
     block_m, block_n, num_warps = row_tile(n_rows, n_cols)
     layer_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
         y, x2, w, b, mean, rstd, y.stride(0), x2.stride(0), n_rows, n_cols, eps,
@@ -119,7 +120,7 @@ def layer_norm_backward(dy, x, w, mean, rstd):
     shape = x.shape
     x2, dy2 = as_rows(x), as_rows(dy)
     n_rows, n_cols = x2.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dx = outputs.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps = row_tile(n_rows, n_cols)
     programs = persistent_programs(x.device, triton.cdiv(n_rows, block_m))
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)

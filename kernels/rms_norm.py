@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .cast import round_to
 from .tiling import as_rows, persistent_programs, row_tile
+from . import outputs
 
 
 @triton.jit
@@ -94,8 +95,8 @@ def rms_norm_forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torc
     shape = x.shape
     x2 = as_rows(x)
     n_rows, n_cols = x2.shape
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    y = outputs.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    rstd = outputs.empty((n_rows,), dtype=torch.float32, device=x.device)
     block_m, block_n, num_warps = row_tile(n_rows, n_cols)
     rms_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
         y, x2, w, rstd, y.stride(0), x2.stride(0), n_rows, n_cols, eps,
@@ -109,7 +110,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: 
     shape = x.shape
     x2, dy2 = as_rows(x), as_rows(dy)
     n_rows, n_cols = x2.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dx = outputs.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps = row_tile(n_rows, n_cols)
     programs = persistent_programs(x.device, triton.cdiv(n_rows, block_m))
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
@@ -117,7 +118,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: 
         dx, dy2, x2, w, rstd, dw_partial, dx.stride(0), dy2.stride(0), x2.stride(0), n_rows, n_cols,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    return dx.view(shape), dw_partial.sum(0).to(w.dtype)
+    dw = outputs.empty((n_cols,), dtype=w.dtype, device=w.device)
+    return dx.view(shape), dw.copy_(dw_partial.sum(0))
 
 
 class RMSNormFunction(torch.autograd.Function):

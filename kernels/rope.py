@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .cast import round_to
 from .tiling import TILE
+from . import outputs
 
 
 @triton.jit
@@ -83,9 +84,9 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward:
         x = x.contiguous()
     cos, sin = _table(cos, batch, seq_len, head_dim), _table(sin, batch, seq_len, head_dim)
     assert cos.stride() == sin.stride(), "cos and sin must have the same layout"
-    y = torch.empty_like(x)
+    y = outputs.empty_like(x)
     if y.stride(-1) != 1:  # empty_like keeps a dense permuted layout; anything else is made contiguous
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        y = outputs.empty(x.shape, dtype=x.dtype, device=x.device)
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     block_s = max(1, min(TILE // (2 * block_half), triton.next_power_of_2(seq_len)))

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .cast import round_to
 from .tiling import as_rows, row_tile
+from . import outputs
 
 
 @triton.jit
@@ -86,7 +87,7 @@ def softmax_forward(x: torch.Tensor, scale: float = 1.0, causal: bool = False) -
     x2 = as_rows(x)
     n_rows, n_cols = x2.shape
     n_queries = shape[-2] if x.dim() >= 2 else 1
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    y = outputs.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps = row_tile(n_rows, n_cols)
     softmax_forward_kernel[(triton.cdiv(n_rows, block_m),)](
         y, x2, y.stride(0), x2.stride(0), n_rows, n_cols, n_queries, scale,
@@ -100,7 +101,7 @@ def softmax_backward(dy: torch.Tensor, x: torch.Tensor, scale: float = 1.0, caus
     dy2, x2 = as_rows(dy), as_rows(x)
     n_rows, n_cols = x2.shape
     n_queries = shape[-2] if x.dim() >= 2 else 1
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dx = outputs.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps = row_tile(n_rows, n_cols)
     softmax_backward_kernel[(triton.cdiv(n_rows, block_m),)](
         dx, dy2, x2, dx.stride(0), dy2.stride(0), x2.stride(0), n_rows, n_cols, n_queries, scale,

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from .cast import round_to
 from .tiling import flat_block
+from . import outputs
 
 
 @triton.jit
@@ -56,7 +57,7 @@ def swiglu_backward_kernel(
 def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     assert a.shape == b.shape, f"gate {tuple(a.shape)} and up {tuple(b.shape)} differ"
     a, b = a.contiguous(), b.contiguous()
-    c = torch.empty_like(a)
+    c = outputs.empty_like(a)
     n = a.numel()
     if n:
         block, num_warps = flat_block(n)
@@ -66,7 +67,7 @@ def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def swiglu_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dc, a, b = dc.contiguous(), a.contiguous(), b.contiguous()
-    da, db = torch.empty_like(a), torch.empty_like(b)
+    da, db = outputs.empty_like(a), outputs.empty_like(b)
     n = a.numel()
     if n:
         block, num_warps = flat_block(n)

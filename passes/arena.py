@@ -31,19 +31,20 @@ from megacompile.ir.stage_program import GraphStorage, StageProgram
 def place_in_arena(program: Program, captured: CapturedModel | None) -> Program:
     """`program` with `facts["arena"]`, its DeviceArena. Without `captured` (a hand-built schedule),
     a compute node's working set is one tensor of its `transient` bytes."""
-    names: list[tuple[str, int, str]] = []
+    names: list[tuple[str, int, str, int]] = []
     sizes: list[int] = []
     firsts: list[int] = []
     lasts: list[int] = []
 
-    def add(name: str, node: int, op: str, nbytes: int, first: int, last: int) -> None:
+    def add(name: str, node: int, op: str, nbytes: int, first: int, last: int, part: int = 0) -> None:
         if nbytes:
-            names.append((name, node, op))
+            names.append((name, node, op, part))
             sizes.append(nbytes)
             firsts.append(first)
             lasts.append(last)
 
-    # storage key -> [node that made it, the graph op that made it or "", bytes, first step, holders]
+    # storage key -> [node that made it, the graph op that made it or "", bytes, first step, holders,
+    #                 which of the op's storages it is]
     live: dict[str, list] = {}
     storages: dict[int, list[GraphStorage]] = {}     # per graph, read once however many stages run it
     node_steps: list[int] = []
@@ -58,7 +59,7 @@ def place_in_arena(program: Program, captured: CapturedModel | None) -> Program:
                         entry[4].discard(v)
                         if not entry[4]:
                             del live[key]
-                            add(key, *entry[:4], step - 1)    # not live at the FREE
+                            add(key, *entry[:4], step - 1, entry[5])    # not live at the FREE
             step += 1
             continue
         written = {key: nbytes for v in n.writes for key, nbytes in program.values[v].parts}
@@ -83,19 +84,19 @@ def place_in_arena(program: Program, captured: CapturedModel | None) -> Program:
             claimed = set(made_by.values())
             for s in made:
                 if s.last is not None:
-                    add(s.op, i, s.op, s.nbytes, step + s.first, step + s.last)
+                    add(s.op, i, s.op, s.nbytes, step + s.first, step + s.last, s.part)
                 elif s not in claimed:
-                    add(s.op, i, s.op, s.nbytes, step + s.first, step + width - 1)
+                    add(s.op, i, s.op, s.nbytes, step + s.first, step + width - 1, s.part)
         for v in n.writes:
             for key, nbytes in program.values[v].parts:
                 if key in live:
                     live[key][4].add(v)
                 else:
                     s = made_by.get(key)
-                    live[key] = [i, s.op if s else "", nbytes, step + s.first if s else step, {v}]
+                    live[key] = [i, s.op if s else "", nbytes, step + s.first if s else step, {v}, s.part if s else 0]
         step += width
     for key, entry in live.items():
-        add(key, *entry[:4], step - 1)
+        add(key, *entry[:4], step - 1, entry[5])
     return program.copy(arena=lay_out(names, sizes, firsts, lasts, simulate(program).peak, node_steps, step))
 
 

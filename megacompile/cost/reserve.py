@@ -11,14 +11,17 @@ The ledger counts every tensor an op returns. A GPU also holds memory no op retu
   fragmentation  the caching allocator rounds blocks (to 512 B, 2 MiB segments) and cannot always
                  reuse freed blocks for other sizes: a fraction of the budget.
 
-The plan's peak fills `budget - reserve`, and its device arena (every tensor of the step at a
-planned offset, passes/arena.py) fits `budget - workspaces - op scratch`: the arena's own packing
-is fragmentation the plan knows to the byte, while the share here stays for the caching allocator
-until the runtime serves the step's tensors from the arena. The allocator is capped at the budget
-itself, so its limit never sits on the ledger's peak. Workspaces and the fragmentation share come
-from the hardware profile (HardwareProfile.workspace_bytes, .fragmentation), which `megacompile calibrate` can overwrite and
-`python -m megacompile.acceptance` checks against torch's own peak. The simulated device (backend
-"cpu", and the measured cpu profile) counts exactly what it allocates, and reserves nothing.
+The runtime serves every tensor of the step from the device arena the plan laid out
+(passes/arena.py, runtime/arena.py): the plan fits when the arena fits `budget - workspaces - op
+scratch`, its packing known to the byte. What the caching allocator still serves is only what the
+arena does not hold: the workspaces, op scratch, and the results of ops with no out= form (attention,
+the fused kernels), which are copied into their arena tensors as they return, so such an op holds
+its results twice for a moment: that is op scratch too. The fragmentation share is of those alone,
+not of the budget. The allocator is capped at the budget itself. Workspaces and the fragmentation
+share come from the hardware profile (HardwareProfile.workspace_bytes, .fragmentation), which
+`megacompile calibrate` can overwrite and `python -m megacompile.acceptance` checks against torch's
+own peak. The simulated device (backend "cpu", and the measured cpu profile) counts exactly what it
+allocates, and reserves nothing.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..capture import CapturedModel
+from ..ir.stage_ops import copied_result_bytes
 from .hardware import HardwareProfile
 
 # Attention backward ops with an fp32 accumulator the size of the query (float32 dq, [B, H, S, D])
@@ -61,7 +65,8 @@ def device_reserve(captured: CapturedModel, budget_bytes: int, hardware: Hardwar
     # scratch is sized from the query alike, but the op the GPU runs is its flash/efficient backward.
     op = op.replace("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
                     "attention backward (traced with the CPU kernel; sized as the GPU's)")
-    return DeviceReserve(hardware.workspace_bytes, scratch, op, int(hardware.fragmentation * budget_bytes))
+    outside = hardware.workspace_bytes + scratch     # all the caching allocator serves beside the arena
+    return DeviceReserve(hardware.workspace_bytes, scratch, op, int(hardware.fragmentation * outside))
 
 
 def smallest_budget(ledger_peak: int, captured: CapturedModel, hardware: HardwareProfile, backend: str,
@@ -71,18 +76,19 @@ def smallest_budget(ledger_peak: int, captured: CapturedModel, hardware: Hardwar
     fixed = device_reserve(captured, 0, hardware, backend)
     if backend == "cpu":
         return max(ledger_peak, arena_bytes)
-    return max(int(-(-(ledger_peak + fixed.total) // (1 - hardware.fragmentation))), arena_bytes + fixed.total)
+    return max(ledger_peak + fixed.total, arena_bytes + fixed.workspace_bytes + fixed.scratch_bytes)
 
 
 def largest_scratch(captured: CapturedModel) -> tuple[int, str]:
-    """(bytes, what) of the temporaries ops allocate inside themselves: the largest attention
-    backward on the compute stream plus the largest casting prefetch on the h2d stream beside it."""
+    """(bytes, what) of the temporaries ops hold beside the arena: the largest op on the compute stream
+    (an attention backward's accumulators, and the results of an op with no out= form while they are
+    copied into the arena) plus the largest casting prefetch on the h2d stream beside it."""
     # Read each template's graphs once, however many stages run it (104 blocks, one template).
     per_template: dict[int, tuple[int, list[str]]] = {}
     for stage in captured.stages:
         t = stage.template
         if id(t) not in per_template:
-            sizes = [(attention_backward_scratch(node), str(node.target))
+            sizes = [(attention_backward_scratch(node) + copied_result_bytes(node), str(node.target))
                      for program in (t.forward, t.backward, t.inference) if program is not None
                      for node in program.gm.graph.nodes]
             top = max((b for b, _ in sizes), default=0)

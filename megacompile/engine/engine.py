@@ -360,8 +360,15 @@ class Engine:
         Host: the state's bytes (host_bytes, and by part: host_parts) beside the plan's figure
         (predicted_host_bytes: the state and what of the model's own weights it cannot share), and
         the process's resident set as measured now (host_resident_bytes: the interpreter, torch and
-        the data pipeline included)."""
+        the data pipeline included).
+        The device arena (runtime/arena.py): device_arena_bytes (allocated once, the largest plan's),
+        fragmentation (the last plan's arena above its peak: alignment and packing),
+        device_allocations_last_step (device tensors the last step held outside the arena, goal 0;
+        device_allocations_outside names them) and device_copies_into_arena_last_step (results of
+        ops with no out= form, copied into their arena tensors: scratch the size of the result)."""
         compiled = self._last
+        executor = compiled.executor if compiled else None
+        arena = executor.arena_plan if executor is not None else None
         return {
             "device_peak_bytes": self.backend.memory.peak_bytes if compiled else None,
             "predicted_device_peak_bytes": compiled.plan.predicted_peak_bytes if compiled else None,
@@ -372,6 +379,11 @@ class Engine:
                            if self.host else None),
             "predicted_host_bytes": self.host_cost.ram_bytes if self.host_cost is not None else None,
             "host_resident_bytes": resident_set_bytes(),
+            "device_arena_bytes": self.backend.arena.size,
+            "fragmentation": arena.fragmentation if arena is not None else None,
+            "device_allocations_last_step": len(self.backend.memory.outside) if arena is not None else None,
+            "device_allocations_outside": list(self.backend.memory.outside[:16]) if arena is not None else None,
+            "device_copies_into_arena_last_step": executor.copied.count if arena is not None else None,
             **self.backend.allocator_stats(),
         }
 

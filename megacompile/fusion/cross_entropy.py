@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 import triton
 
+from megacompile.kernels import outputs
 from megacompile.kernels.cast import scale
 from megacompile.kernels.fused_linear_cross_entropy import BLOCK_V_MAX, cross_entropy_grad_kernel, default_chunk_size
 from megacompile.kernels.tiling import row_tile
@@ -66,11 +67,11 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
     h, labels = h.contiguous(), labels.contiguous()
     n_valid = (labels != ignore_index).sum().to(torch.float32).reshape(1)
     loss_rows = torch.empty(n, dtype=torch.float32, device=h.device)
-    dh = torch.empty((n, hidden), dtype=h.dtype, device=h.device)
-    dw = torch.zeros((vocab, hidden), dtype=torch.float32, device=w.device)
-    tile = torch.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
+    dh = outputs.empty((n, hidden), dtype=h.dtype, device=h.device)
+    dw = outputs.zeros((vocab, hidden), dtype=torch.float32, device=w.device)
+    tile = outputs.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
     rows = _dw_rows(chunk_size, n, vocab) if w.dtype != torch.float32 else 0
-    partial = torch.empty((rows, hidden), dtype=h.dtype, device=h.device)     # declared by the meta: kept on cuda too
+    partial = outputs.empty((rows, hidden), dtype=h.dtype, device=h.device)   # declared by the meta: kept on cuda too
     block_m, block_v, num_warps = row_tile(chunk_size, min(vocab, BLOCK_V_MAX), tile=4 * BLOCK_V_MAX)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
@@ -83,7 +84,8 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
         )
         torch.mm(logits, w, out=dh[start:end])                       # logits now hold d loss / d logits
         _accumulate_dw(dw, logits, h_chunk, partial)
-    return loss_rows.sum() / n_valid[0], dh, dw, tile, partial
+    loss = outputs.empty((), dtype=torch.float32, device=h.device)
+    return torch.div(loss_rows.sum(), n_valid[0], out=loss), dh, dw, tile, partial
 
 
 def _accumulate_dw(dw: torch.Tensor, logits: torch.Tensor, h_chunk: torch.Tensor, partial: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ import torch.fx as fx
 import triton
 
 from megacompile.capture.split import is_random
+from megacompile.kernels import outputs
 from megacompile.kernels.tiling import flat_block
 
 from .graph import GraphEdit
@@ -265,8 +266,9 @@ class ElementwiseKernel:
 
     def __call__(self, shape, *inputs):
         shape = tuple(shape)
-        outs = self.meta(shape, *inputs)
-        outs_list = list(outs) if isinstance(outs, tuple) else [outs]
+        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        outs_list = [outputs.empty(shape, dtype=d, device=device) for d in self.out_dtypes]   # where given, the arena's
+        outs = tuple(outs_list) if len(outs_list) > 1 else outs_list[0]
         args: list = list(outs_list)
         for kind, t in zip(self.kinds, inputs):
             if kind == "flat" and (tuple(t.shape) != shape or not t.is_contiguous()):

@@ -159,6 +159,7 @@ class ArenaTensor:
     last: int
     offset: int
     op: str = ""       # the graph op that makes it; "" for a transfer's or an input's storage
+    part: int = 0      # which of the storages that op makes (an op with several results makes several)
 
 
 @dataclass(frozen=True)
@@ -184,16 +185,17 @@ class DeviceArena:
         return {"device_arena_bytes": self.size, "arena_fragmentation_bytes": self.fragmentation,
                 "arena_fragmentation_share": self.fragmentation_share,
                 "arena_alignment": self.alignment, "arena_tensor_count": len(self.tensors),
-                "arena_tensors": [{"name": t.name, "node": t.node, "op": t.op, "offset": t.offset, "bytes": t.nbytes,
+                "arena_tensors": [{"name": t.name, "node": t.node, "op": t.op, "part": t.part, "offset": t.offset,
+                                   "bytes": t.nbytes,
                                    "first_step": t.first, "last_step": t.last} for t in self.tensors]}
 
 
-def lay_out(names: Sequence[tuple[str, int, str]], sizes: Sequence[int], firsts: Sequence[int],
+def lay_out(names: Sequence[tuple[str, int, str, int]], sizes: Sequence[int], firsts: Sequence[int],
             lasts: Sequence[int], peak: int, node_steps: Sequence[int], steps: int,
             alignment: int = ALIGNMENT) -> DeviceArena:
-    """The arena of these tensors ((name, node, op) each), their offsets from plan_offsets."""
+    """The arena of these tensors ((name, node, op, part) each), their offsets from plan_offsets."""
     offsets = plan_offsets(sizes, firsts, lasts, alignment)
-    tensors = tuple(ArenaTensor(name, node, nbytes, f, l, o, op)
-                    for (name, node, op), nbytes, f, l, o in zip(names, sizes, firsts, lasts, offsets))
+    tensors = tuple(ArenaTensor(name, node, nbytes, f, l, o, op, part)
+                    for (name, node, op, part), nbytes, f, l, o in zip(names, sizes, firsts, lasts, offsets))
     size = max((t.offset + aligned(t.nbytes, alignment) for t in tensors), default=0)
     return DeviceArena(tensors, size, peak, tuple(node_steps), steps, alignment)

@@ -30,9 +30,11 @@ class _Unsupported(Exception):
     pass
 
 
-def generate(program) -> Callable | None:
+def generate(program, placed: bool = False) -> Callable | None:
     """The generated `run(inputs, on_alloc, on_free)` of a StageProgram (read for its
-    placeholders, body, free_after, output_node and gm), or None."""
+    placeholders, body, free_after, output_node and gm), or None. `placed`: it takes a fourth
+    argument, one entry per op, a callable that runs in the op's stead where not None (the device
+    arena's placements, runtime/placement.py):  v2 = (P[2] or T2)(x, C2, w)."""
     names: dict[fx.Node, str] = {}
     scope: dict[str, Any] = {}
 
@@ -63,7 +65,8 @@ def generate(program) -> Callable | None:
                 lines.append(f"    {var} = getattr({bind(program.gm, 'G')}, {node.target!r})")
             else:
                 call = [arg(a) for a in node.args] + [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
-                lines.append(f"    {var} = {bind(runnable(node.target), 'T')}({', '.join(call)})")
+                op = bind(runnable(node.target), 'T')
+                lines.append(f"    {var} = {f'(P[{i}] or {op})' if placed else op}({', '.join(call)})")
             lines.append(f"    on_alloc({bind(node, 'N')}, {var})")
             for dead in frees:
                 lines.append(f"    on_free({bind(dead, 'N')}, {names[dead]}); del {names[dead]}")
@@ -71,7 +74,7 @@ def generate(program) -> Callable | None:
         lines.append(f"    return [{', '.join(arg(o) for o in outputs)}]")
     except _Unsupported:
         return None
-    source = "def run(inputs, on_alloc, on_free):\n" + "\n".join(lines) + "\n"
+    source = f"def run(inputs, on_alloc, on_free{', P' if placed else ''}):\n" + "\n".join(lines) + "\n"
     exec(compile(source, f"<stage {program.gm.__class__.__name__}>", "exec"), scope)
     run = scope["run"]
     run.source = source

@@ -24,3 +24,57 @@ def view_or_copy(*args, **kwargs):
 def runnable(target):
     """What runs for a graph node's target."""
     return view_or_copy if target is _VIEW else target
+
+
+_OUT_FORMS: dict = {}
+
+
+def out_form(target) -> tuple | None:
+    """(the overload that writes into given tensors, the names of its out arguments) for an ATen op
+    that has one taking the same arguments (`aten.mm.default` -> `aten.mm.out`, `out`;
+    `aten.silu_backward.default` -> `.grad_input`), one tensor out argument per result (not a
+    list: `split_with_sizes_copy.out` takes one); else None."""
+    if target in _OUT_FORMS:
+        return _OUT_FORMS[target]
+    form = None
+    if isinstance(target, torch._ops.OpOverload) and target is not _VIEW:
+        schema = target._schema
+        args = [(a.name, str(a.type)) for a in schema.arguments]
+        for name in target.overloadpacket.overloads():
+            overload = getattr(target.overloadpacket, name)
+            outs = [a.name for a in overload._schema.arguments if a.is_out]
+            rest = [(a.name, str(a.type)) for a in overload._schema.arguments if not a.is_out]
+            single = all(str(a.type) == "Tensor" for a in overload._schema.arguments if a.is_out)
+            if outs and single and len(outs) == len(schema.returns) and rest == args:
+                form = (overload, tuple(outs))
+                break
+    _OUT_FORMS[target] = form
+    return form
+
+
+def writes_into(node) -> tuple | None:
+    """out_form(node.target) where it places every result of this graph node (each a tensor, one per
+    out argument): the op then writes into its arena tensors. Otherwise None: its results, where it
+    makes new storages, are copied into them (copied_result_bytes)."""
+    form = out_form(node.target)
+    results = node.meta.get("val")
+    tensors = [results] if isinstance(results, torch.Tensor) else list(results) if isinstance(results, (tuple, list)) else []
+    if form is None or not tensors or not all(isinstance(t, torch.Tensor) for t in tensors) or len(form[1]) != len(tensors):
+        return None
+    return form
+
+
+def copied_result_bytes(node) -> int:
+    """Bytes of the new storages an op with no out= form returns (results that are views of its
+    arguments excluded): what it holds beside its arena tensors while they are copied in."""
+    if node.op != "call_function" or writes_into(node) is not None or hasattr(node.target, "kernel"):
+        return 0      # written in: through out=, or a fused kernel taking its results (kernels/outputs.py)
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils import _pytree as pytree
+    args = {StorageWeakRef(a.untyped_storage()) for a in pytree.tree_leaves(
+        [x.meta.get("val") for x in node.all_input_nodes]) if isinstance(a, torch.Tensor)}
+    fresh = {}
+    for t in pytree.tree_leaves(node.meta.get("val")):
+        if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) not in args:
+            fresh[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+    return sum(fresh.values())

@@ -34,6 +34,7 @@ class GraphStorage:
     first: int           # index in `body` of that op
     last: int | None     # index of the op after which it is freed; None: alive when the graph ends
     group: int | None    # its output storage group (GraphMemory.output_groups) when an output holds it
+    part: int = 0        # which of the storages its op makes, in the order of the op's result's tensors
 
 
 @dataclass
@@ -70,30 +71,40 @@ class StageProgram:
         self.random = any(isinstance(n.target, torch._ops.OpOverload)
                           and torch.Tag.nondeterministic_seeded in n.target.tags for n in self.body)
         self._generated: Callable | None | bool = False     # False: not generated yet
+        self._generated_placed: Callable | None | bool = False
+        self._input_keys: set | None = None
 
     # -- running -------------------------------------------------------------------------
     def run(self, inputs: list[Any], on_alloc: Callable[[fx.Node, Any], None],
-            on_free: Callable[[fx.Node, Any], None]) -> list[Any]:
+            on_free: Callable[[fx.Node, Any], None], places: list[Callable | None] | None = None) -> list[Any]:
         """The graph on `inputs`; on_alloc(node, value) after each op, on_free(node, value) after
-        a value's last reader. Runs the generated straight-line code (stage_codegen.py), made at
-        the first run, or the interpreter where none could be made."""
-        if self._generated is False:
-            self._generated = generate(self)
-        if self._generated is None:
-            return self.interpret(inputs, on_alloc, on_free)
-        return self._generated(inputs, on_alloc, on_free)
+        a value's last reader. `places`, one per op of `body`: where not None, what runs in the op's
+        stead (runtime/placement.py: the op writing into its arena tensors). Runs the generated
+        straight-line code (stage_codegen.py), made at the first run, or the interpreter where none
+        could be made."""
+        if places is None:
+            if self._generated is False:
+                self._generated = generate(self)
+            if self._generated is None:
+                return self.interpret(inputs, on_alloc, on_free)
+            return self._generated(inputs, on_alloc, on_free)
+        if self._generated_placed is False:
+            self._generated_placed = generate(self, placed=True)
+        if self._generated_placed is None:
+            return self.interpret(inputs, on_alloc, on_free, places)
+        return self._generated_placed(inputs, on_alloc, on_free, places)
 
     def interpret(self, inputs: list[Any], on_alloc: Callable[[fx.Node, Any], None],
-                  on_free: Callable[[fx.Node, Any], None]) -> list[Any]:
+                  on_free: Callable[[fx.Node, Any], None], places: list[Callable | None] | None = None) -> list[Any]:
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
         load = env.__getitem__
-        for node, frees in zip(self.body, self.free_after):
+        for k, (node, frees) in enumerate(zip(self.body, self.free_after)):
             if node.op == "get_attr":
                 value = getattr(self.gm, node.target)
             else:
                 args = fx.node.map_arg(node.args, load)
                 kwargs = fx.node.map_arg(node.kwargs, load)
-                value = runnable(node.target)(*args, **kwargs)
+                value = ((places[k] if places is not None else None) or runnable(node.target))(*args, **kwargs)
             env[node] = value
             on_alloc(node, value)
             for dead in frees:
@@ -137,21 +148,29 @@ class StageProgram:
             output_alias.append(alias)
         return GraphMemory(ledger.peak_bytes, ledger.live_bytes, output_groups, output_alias, group_bytes)
 
+    def input_storage_keys(self) -> set:
+        """The storages of the graph's inputs (fake): a result on one of them is a view, not made here."""
+        if self._input_keys is None:
+            self._input_keys = {fake_storage_key(t) for p in self.placeholders for t in tensors_of(p.meta.get("val"))}
+        return self._input_keys
+
     def storages(self) -> list[GraphStorage]:
         """The storages the graph's ops make, in the order they are made, each with its first and
         last op: simulate()'s holds and drops, one storage per key (a view of it adds a holder,
         not bytes). Inputs' storages are not among them: their owners count them."""
-        inputs = {fake_storage_key(t) for p in self.placeholders for t in tensors_of(p.meta.get("val"))}
+        inputs = self.input_storage_keys()
         made: dict[Hashable, list] = {}          # key -> [op, bytes, first, last, holders]
         order: list[Hashable] = []
         for k, (node, frees) in enumerate(zip(self.body, self.free_after)):
+            parts = 0
             for t in tensors_of(node.meta.get("val")):
                 key = fake_storage_key(t)
                 if key in inputs:
                     continue
                 if key not in made:
-                    made[key] = [node.name, t.untyped_storage().nbytes(), k, None, set()]
+                    made[key] = [node.name, t.untyped_storage().nbytes(), k, None, set(), parts]
                     order.append(key)
+                    parts += 1
                 made[key][4].add(node)
             for dead in frees:
                 for t in tensors_of(dead.meta.get("val")):
@@ -166,4 +185,4 @@ class StageProgram:
             key = fake_storage_key(ts[0]) if ts else object()
             groups.setdefault(key, len(groups))
         return [GraphStorage(made[key][0], made[key][1], made[key][2], made[key][3],
-                             groups.get(key) if made[key][3] is None else None) for key in order]
+                             groups.get(key) if made[key][3] is None else None, made[key][5]) for key in order]

@@ -135,12 +135,13 @@ def _make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind, *, ba
         return laid_out[c].facts["arena"]
 
     # A plan fits when its arena fits what the budget leaves after the workspaces and op scratch the
-    # ledger cannot see, and its peak leaves the reserve free (cost/reserve.py: on a GPU its share for
-    # the caching allocator's fragmentation, which still serves the tensors; the allocator's cap
-    # stays at the whole budget). The solver judges candidates by their peak, a lower bound of their
-    # arena; only the choice it keeps is laid out. Where its arena overshoots, the solver chooses
-    # again with room for a peak that leaves as much packing as that choice needed: the choice itself
-    # no longer fits (its peak is its arena less its packing), so each round takes another.
+    # ledger cannot see, and its peak leaves the reserve free (cost/reserve.py: the runtime serves the
+    # step's tensors from the arena; the caching allocator serves only the workspaces and scratch, and
+    # the reserve keeps a share of those for its fragmentation). The solver judges candidates by their
+    # peak, a lower bound of their arena; only the choice it keeps is laid out. Where its arena
+    # overshoots, the solver chooses again with room for a peak that leaves as much packing as that
+    # choice needed: the choice itself no longer fits (its peak is its arena less its packing), so
+    # each round takes another.
     reserve = device_reserve(captured, budget_bytes, hardware, backend)
     plan_bytes = max(0, budget_bytes - reserve.total)
     arena_room = budget_bytes - reserve.workspace_bytes - reserve.scratch_bytes

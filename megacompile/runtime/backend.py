@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from .arena import Arena
 from .memory import DeviceMemory
 from .timeline import Span, Timeline  # noqa: F401 - Span is read through here too
 
@@ -83,10 +84,19 @@ class Backend(ABC):
     def __init__(self, budget_bytes: int):
         self.memory = DeviceMemory(budget_bytes)
         self.timeline = Timeline()
+        self.arena = Arena(self)          # the step's device tensors at their planned offsets
 
     @abstractmethod
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised device tensor (the caller holds it in self.memory)."""
+
+    @abstractmethod
+    def arena_storage(self, arena: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 device tensor over bytes [offset, offset + nbytes) of `arena` with a storage of its
+        own (runtime/arena.py): the ledger tells planned tensors apart by their storages."""
+
+    def give_back_arena(self) -> None:
+        """An arena was dropped: its memory goes back before a larger one is allocated."""
 
     @abstractmethod
     def prefetch(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], what: str) -> Event:
@@ -122,8 +132,9 @@ class Backend(ABC):
         """Run host work (the optimizer) on the host stream, in order, off the compute thread."""
 
     @abstractmethod
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A synchronous copy of a (small) host tensor to the device: the model inputs."""
+    def to_device(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A synchronous copy of a (small) host tensor to the device: the model inputs; into `out`
+        (its arena tensor) where given."""
 
     @abstractmethod
     def synchronize(self, host: bool = True) -> None:

@@ -6,6 +6,7 @@ schedule's overlap of transfers with compute is real and shows in the timeline.
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Callable
 
@@ -29,6 +30,10 @@ class CpuBackend(Backend):
 
     def empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
+
+    def arena_storage(self, arena: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+        # A buffer over the arena's bytes: torch makes a storage of its own that does not own them.
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(arena.data_ptr() + offset), dtype=torch.uint8)
 
     def prefetch(self, dsts, srcs, what) -> Event:
         def copy() -> None:
@@ -63,9 +68,9 @@ class CpuBackend(Backend):
     def host_task(self, work: Callable[[], None], what: str) -> Event:
         return self.host.submit(work, what)
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         start = time.perf_counter()
-        out = t.detach().clone(memory_format=torch.contiguous_format)
+        out = t.detach().clone(memory_format=torch.contiguous_format) if out is None else out.copy_(t)
         self.timeline.add("h2d", "inputs", start, time.perf_counter())
         return out
 

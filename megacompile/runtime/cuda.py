@@ -112,6 +112,14 @@ class CudaBackend(Backend):
     def empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def arena_storage(self, arena: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+        # The CUDA array interface makes a tensor over the pointer without copying; its storage is
+        # not the caching allocator's (record_stream skips it), and keeps `arena` alive.
+        return torch.as_tensor(_DeviceBytes(arena, offset, nbytes), device=self.device)
+
+    def give_back_arena(self) -> None:
+        torch.cuda.empty_cache()
+
     def prefetch(self, dsts, srcs, what) -> Event:
         ready = self._event_on(self._compute_stream())    # the slot was allocated on the compute stream
         with torch.cuda.stream(self.h2d_stream):
@@ -203,9 +211,9 @@ class CudaBackend(Backend):
     def host_task(self, work: Callable[[], None], what: str) -> Event:
         return self.host.submit(work, what)
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         start = time.perf_counter()
-        out = t.to(self.device, non_blocking=False)
+        out = t.to(self.device, non_blocking=False) if out is None else out.copy_(t, non_blocking=False)
         self.timeline.add("h2d", "inputs", start, time.perf_counter())
         return out
 
@@ -255,6 +263,15 @@ class CudaBackend(Backend):
         self.d2h.close()
         self.host.close()
         torch.cuda.set_per_process_memory_fraction(self._fraction_before, self.device)
+
+
+class _DeviceBytes:
+    """Bytes [offset, offset + nbytes) of a device tensor, as the CUDA array interface describes them."""
+
+    def __init__(self, arena: torch.Tensor, offset: int, nbytes: int):
+        self.arena = arena
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "strides": None, "version": 3,
+                                         "data": (arena.data_ptr() + offset, False)}
 
 
 def _alloc_retries(device: torch.device) -> int:

@@ -22,8 +22,10 @@ import torch
 
 from ..capture import CapturedModel
 from ..ir.program import COMPUTE_OPS, SEED, Node, Op, Program, base_name, restored_of, weights
+from .arena import flat_views
 from .backend import Backend, Event, flat_empty
 from .host import HostState, owner_map
+from .placement import Copied, NodePlacement, place_node
 from .stash import rebuild, stash_storages
 
 # The host work of one optimizer step: update(stage, context) and clip(context), where context
@@ -68,6 +70,17 @@ class Executor:
         # out from; by its parameters for another (runtime/host.py owner_map).
         self._owners: dict[int, int] | None = None
         self._update_label: dict[int, str] = {}
+        # The device arena (runtime/arena.py): the plan's tensors of each node, made at the node's
+        # first run and reused every step while the arena stays the same.
+        facts = getattr(program, "facts", None) or {}
+        self.arena_plan = facts.get("arena") if getattr(backend, "arena", None) is not None else None
+        self._arena_tensors: dict[int, list] = {}
+        for t in self.arena_plan.tensors if self.arena_plan is not None else ():
+            self._arena_tensors.setdefault(t.node, []).append(t)
+        self._placed: dict[int, NodePlacement] = {}
+        self._generation = None
+        self._at: NodePlacement | None = None     # the placement of the node running now
+        self.copied = Copied()                     # op results copied into the arena, this step
 
     # -- one step ------------------------------------------------------------------------
     def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None,
@@ -86,6 +99,7 @@ class Executor:
         self._outputs = []
         self.memory.reset_peak()
         self.backend.reset_allocator_peak()
+        self._serve_arena()
         self.backend.begin_step(self.program)     # the timeline's record of this step (runtime/timeline.py)
         held = self.memory.ledger.snapshot()
         failed = True
@@ -118,6 +132,7 @@ class Executor:
         device bytes live after it and at most while it ran."""
         timeline, ledger = self.backend.timeline, self.memory.ledger
         timeline.node = i
+        self._at = self._placement(i, node) if self.arena_plan is not None else None
         peak_so_far, ledger.peak_bytes = ledger.peak_bytes, ledger.live_bytes
         start = time.perf_counter()
         try:
@@ -177,6 +192,41 @@ class Executor:
         self._moved.clear()
         self._landed.clear()
 
+    # -- the device arena ----------------------------------------------------------------------
+    def _serve_arena(self) -> None:
+        """The arena holds this plan's (allocated at the first step; replaced by a larger one only
+        when another plan of the engine needed more since); placements of an older one go."""
+        self.copied.count = 0
+        self.memory.outside = []
+        if self.arena_plan is None:
+            self.memory.arena = None
+            return
+        generation = self.backend.arena.serve(self.arena_plan)
+        if generation != self._generation:
+            self._placed.clear()
+            self._generation = generation
+        self.memory.arena = self.backend.arena
+
+    def _placement(self, i: int, node: Node) -> NodePlacement:
+        placed = self._placed.get(i)
+        if placed is None:
+            graph = self._graph(node) if node.op in COMPUTE_OPS else None
+            placed = self._placed[i] = place_node(self.backend.arena, self._arena_tensors.get(i, []), graph,
+                                                  self.copied)
+        return placed
+
+    def _graph(self, node: Node):
+        t = self.captured.stages[node.stage].template
+        return {Op.FORWARD: t.forward, Op.RECOMPUTE: t.forward, Op.BACKWARD: t.backward, Op.INFER: t.inference}[node.op]
+
+    def _slot(self, name: str) -> torch.Tensor | None:
+        """The arena tensor (uint8, its bytes) of the one storage value `name` keeps, when the plan
+        placed it at this node."""
+        if self._at is None:
+            return None
+        parts = self.program.values[name].parts
+        return self._at.values.get(parts[0][0]) if len(parts) == 1 else None
+
     def _put(self, name: str, value: Any) -> None:
         self._env[name] = value
         self.memory.hold(name, value, what=name)
@@ -186,11 +236,16 @@ class Executor:
         names = [w for w in node.writes if base_name(w) != SEED]
         given = self._inputs[node.micro] if self.program.facts.get("micro_batches", 1) > 1 else self._inputs
         for name, t in zip(names, given):
-            self._put(name, self.backend.to_device(t))
+            slot = self._slot(name)
+            if slot is not None and slot.numel() != t.numel() * t.element_size():
+                slot = None          # not the shape it was planned for: torch allocates it
+            self._put(name, self.backend.to_device(t, None if slot is None else slot.view(t.dtype).view(t.shape)))
         for name in node.writes:
             if base_name(name) == SEED:
                 loss_meta = self.captured.stages[self.captured.outputs[0].stage].template.outputs[0]
-                seed = self.backend.empty((), loss_meta.dtype)
+                slot = self._slot(name)
+                seed = (self.backend.empty((), loss_meta.dtype) if slot is None
+                        else slot[:loss_meta.dtype.itemsize].view(loss_meta.dtype).view(()))
                 seed.fill_(self._seed)
                 self._put(name, seed)
 
@@ -198,7 +253,9 @@ class Executor:
         if self.program.values[node.writes[0]].kind in STASHED:
             return self._restore(node)
         stage = self.captured.stages[node.stage]
-        slot = flat_empty(self.backend, [p.meta for p in stage.template.params])
+        metas = [p.meta for p in stage.template.params]
+        placed = self._slot(node.writes[0])
+        slot = flat_empty(self.backend, metas) if placed is None else flat_views(placed, metas)
         self._put(weights(node.stage), slot)
         srcs = [self.host.source(name) for name in stage.params]
         self._events[weights(node.stage)] = self.backend.prefetch(slot, srcs, f"prefetch {stage.name}")
@@ -217,7 +274,8 @@ class Executor:
     def _run_graph(self, program, inputs: list[Any], what: str) -> list[Any]:
         memory = self.memory
         start = self.backend.clock()
-        outs = program.run(inputs, lambda n, v: memory.hold(n, v, what), memory.drop)
+        places = self._at.places if self._at is not None else None
+        outs = program.run(inputs, lambda n, v: memory.hold(n, v, what), memory.drop, places)
         self.backend.compute_span(what, start)
         return outs
 
@@ -314,7 +372,9 @@ class Executor:
         bundle = self.program.values[name].kind == "saved"
         key = next(v for v in self._stash if restored_of(v) == name)
         host, places = self._stash.pop(key), self._moved.pop(key)
-        storages = [self.backend.empty((h.numel(),), torch.uint8) for h in host]
+        slots = [] if self._at is None else [self._at.values.get(k) for k, _ in self.program.values[name].parts]
+        storages = [slots[j] if j < len(slots) and slots[j] is not None and slots[j].numel() == h.numel()
+                    else self.backend.empty((h.numel(),), torch.uint8) for j, h in enumerate(host)]
         values = rebuild(places, storages)
         self._put(name, values if bundle else values[0])
         self._events[name] = self.backend.prefetch(storages, host, f"restore {self.program.stage_names[s]}")

@@ -29,6 +29,10 @@ class DeviceMemory:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.ledger = StorageLedger()
+        # With a device arena (runtime/arena.py) serving the step: the device storages held this
+        # step that are not in it (a graph's constants aside, made once), and where they came from.
+        self.arena = None
+        self.outside: list[str] = []
 
     def hold(self, holder: Hashable, value: Any, what: str = "") -> None:
         """`what` names where it happens (a stage graph: the op's node is the holder)."""
@@ -37,7 +41,10 @@ class DeviceMemory:
             nbytes = storage.nbytes()
             if nbytes == 0:
                 continue
-            self.ledger.hold(holder, (t.device, storage.data_ptr()), nbytes)
+            new = self.ledger.hold(holder, (t.device, storage.data_ptr()), nbytes)
+            if new and self.arena is not None and not self.arena.holds(t) and t.device.type == self.arena.device_type \
+                    and not (isinstance(holder, fx.Node) and holder.op == "get_attr"):
+                self.outside.append(f"{what}: {holder.name}" if isinstance(holder, fx.Node) else str(what or holder))
             if self.ledger.live_bytes > self.budget_bytes:
                 where = f"{what}: {holder.name}" if isinstance(holder, fx.Node) else (what or holder)
                 raise BudgetExceededError(

@@ -1,6 +1,7 @@
 """Run as a child process by test_host_rss.py and benchmarks/host_memory.py: build one engine by
 one path, train two steps, and print (one JSON line) how far the process's resident set grew from
-before the model existed to after the steps and synchronize(), beside the plan's host figure.
+before the model existed to after the steps and synchronize(), less the simulated device's arena,
+beside the plan's host figure.
 
     python tests/e2e/host_rss_child.py PATH SIZE FOLDER
 
@@ -78,7 +79,10 @@ def main(path: str, size: str, folder: str) -> None:
     stats = engine.memory_stats()
     print(json.dumps({
         "path": path, "params": sum(p.numel() for p in engine.model.parameters()),
-        "growth_bytes": resident_set_bytes() - base,
+        # The cpu backend's simulated device is host memory: its arena (held from the first step on,
+        # as a GPU's is) is the device's, not the host state the plan figures.
+        "growth_bytes": resident_set_bytes() - base - stats["device_arena_bytes"],
+        "device_arena_bytes": stats["device_arena_bytes"],
         "predicted_host_bytes": engine.host_cost.ram_bytes, "plan_host_bytes": engine.plan.host_bytes,
         "host_bytes": stats["host_bytes"], "host_parts": stats.get("host_parts"),
         "host_budget_bytes": engine.host_budget_bytes, "placement": engine.host_cost.placement.describe(),

@@ -6,6 +6,7 @@ order the backend asked for: which stream waited on which event before what."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 from types import SimpleNamespace
 
@@ -82,13 +83,27 @@ class FakeGpu:
             "get_rng_state": lambda device=None: torch.get_rng_state(),
             "set_rng_state": lambda state, device=None: torch.set_rng_state(state),
             "cudart": lambda: SimpleNamespace(cudaHostRegister=self._register, cudaHostUnregister=lambda ptr: 0),
+            "empty_cache": lambda: self.log.append(("empty_cache",)),
         }
         for name, value in patches.items():
             monkeypatch.setattr(cuda, name, value, raising=False)
         monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", self.settings.append, raising=False)
         monkeypatch.setattr(torch.Tensor, "record_stream",
                             lambda t, stream: self.log.append(("record_stream", stream.name, t.data_ptr())))
+        as_tensor = torch.as_tensor
+        monkeypatch.setattr(torch, "as_tensor", lambda obj, *a, **k: (
+            self._from_interface(obj) if hasattr(obj, "__cuda_array_interface__") else as_tensor(obj, *a, **k)))
         return self
+
+    def _from_interface(self, obj) -> torch.Tensor:
+        """What torch.as_tensor makes of an object with the CUDA array interface: a tensor over its
+        pointer, not owning it (the device here is host memory). Checks the fields torch reads."""
+        face = obj.__cuda_array_interface__
+        assert face["version"] >= 2 and face["typestr"] == "|u1" and face["strides"] is None, face
+        (nbytes,), (ptr, read_only) = face["shape"], face["data"]
+        assert not read_only
+        self.log.append(("interface", ptr, nbytes))
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
 
     def _register(self, ptr, nbytes, flags) -> int:
         self.registered += nbytes

@@ -197,3 +197,55 @@ def test_the_schedule_text_prints_the_arena_beside_the_peak(llama):
     line = next(x for x in format_program(program).splitlines() if x.startswith("# predicted device peak"))
     assert "device arena" in line and f"{len(program.facts['arena'].tensors)} tensors" in line
     assert not any(n.op is Op.FREE and not n.frees for n in program.nodes)
+
+
+def test_an_op_writes_into_its_arena_tensor_through_the_out_form_its_schema_matches():
+    from megacompile.ir.stage_ops import out_form
+    aten = torch.ops.aten
+    assert out_form(aten.mm.default) == (aten.mm.out, ("out",))
+    assert out_form(aten.mul.Scalar) == (aten.mul.Scalar_out, ("out",))
+    assert out_form(aten.silu_backward.default) == (aten.silu_backward.grad_input, ("grad_input",))
+    assert out_form(aten.native_layer_norm.default) == (aten.native_layer_norm.out, ("out0", "out1", "out2"))
+    # No overload with the same arguments (arange's out form takes no dtype), or one whose out is a
+    # list: these results are copied into their arena tensors instead.
+    assert out_form(aten.arange.default) is None
+    assert out_form(aten.split_with_sizes_copy.default) is None
+    assert out_form(aten._scaled_dot_product_flash_attention_for_cpu.default) is None
+
+
+def test_the_runtime_places_each_result_at_its_planned_offset(llama):
+    """A placed stage graph's results are the arena's bytes at the plan's offsets, whether the op
+    wrote them in (out=) or they were copied in; the copies are counted."""
+    from megacompile.runtime.arena import Arena
+    from megacompile.runtime.cpu import CpuBackend
+    from megacompile.runtime.placement import Copied, place_node
+    _, _, captured = llama
+    program = build_schedule(captured, ScheduleChoice(1), arena=True)
+    arena_plan = program.facts["arena"]
+    backend = CpuBackend(2 ** 30)
+    arena = Arena(backend)
+    arena.serve(arena_plan)
+    node = next(i for i, n in enumerate(program.nodes) if n.op is Op.FORWARD and n.stage == 1)
+    graph = captured.stages[1].template.forward
+    tensors = [t for t in arena_plan.tensors if t.node == node]
+    copied = Copied()
+    placement = place_node(arena, tensors, graph, copied)
+    held = {}
+    def like(meta):
+        return (torch.randn(meta.shape, dtype=meta.dtype) if meta.dtype.is_floating_point
+                else torch.zeros(meta.shape, dtype=meta.dtype))
+    inputs = [like(p.meta["val"]) for p in graph.placeholders]
+    graph.run(inputs, lambda n, v: held.setdefault(n.name, v), lambda n, v: None, placement.places)
+    base = arena.buffer.data_ptr()
+    placed = 0
+    for t in tensors:
+        value = held.get(t.op)
+        if isinstance(value, torch.Tensor) and t.part == 0:
+            assert value.untyped_storage().data_ptr() == base + t.offset, t
+            placed += 1
+    assert placed > 10 and copied.count > 0
+    # The same graph without places allocates every result outside the arena.
+    held.clear()
+    graph.run(inputs, lambda n, v: held.setdefault(n.name, v), lambda n, v: None)
+    assert not any(arena.holds(v) for v in held.values() if isinstance(v, torch.Tensor))
+    backend.close()
