@@ -7,7 +7,6 @@ gradients) is shared by every plan.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -32,7 +31,8 @@ from ..passes import StepKind
 from ..planner import Plan
 from ..planner.cache import PlanCache, note_new_shape
 from ..cost import HardwareProfile, profile_for
-from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes, module_resident
+from ..cost.host_memory import default_host_budget_bytes, module_resident
+from ..planner.request import PlanRequest, disk_room, fused, host_accumulation
 from ..planner.search import make_plan, place_host_state
 from ..runtime import Executor, HostState, make_backend, shutdown
 from ..runtime.host_heap import resident_set_bytes
@@ -115,7 +115,7 @@ class Engine:
         self._end = weakref.finalize(self, shutdown.end, self.backend)
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
-        self.fuse = (self.backend.name == "cuda") if fuse is None else fuse
+        self.fuse = fused(fuse, on_gpu=self.backend.name == "cuda")
         # Checkpoints: one process's folder writer, or each rank its share of it.
         self._checkpoints = LocalCheckpoints() if self.data_parallel is None else ShardedCheckpoints()
         config = getattr(model, "config", None)
@@ -200,9 +200,9 @@ class Engine:
         if self.host is None:
             # Before allocating: too little host RAM (and disk) must fail here, not in the allocator.
             # Layer-major lands one gradient sum per step: no fp32 accumulator ('auto' keeps one).
-            host_accum = 1 if self.accumulation == "layer" else self.grad_accum
+            host_accum = host_accumulation(self.grad_accum, self.accumulation)
             self.host_cost = place_host_state(captured, self.compute_dtype, host_accum, self.host_budget_bytes,
-                                              self._nvme_budget(),
+                                              disk_room(self.nvme_dir, self.nvme_budget_bytes),
                                               ranks=None if self.data_parallel is None else self.data_parallel.shape,
                                               module_resident=module_resident(self.model))
             host = (HostState if self.data_parallel is None else self.data_parallel.host_state)(
@@ -224,11 +224,11 @@ class Engine:
                 state.host = host
                 model_params.lend(state)
             state.host, state.pending_load = host, None
-        plan = make_plan(captured, self.budget_bytes, kind, backend=self.backend.name,
-                         host_bytes=self.host.nbytes + self.host_cost.module_bytes, dump_dir=self.dump_dir, fuse=self.fuse,
-                         hardware=self.hardware or profile_for(self.backend.name),
-                         host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
-                         grad_accum=self.grad_accum, accumulation=self.accumulation)
+        plan = make_plan(captured, PlanRequest(
+            self.budget_bytes, kind, self.backend.name, self.hardware or profile_for(self.backend.name),
+            host_bytes=self.host.nbytes + self.host_cost.module_bytes, host_cost=self.host_cost,
+            host_budget_bytes=self.host_budget_bytes, fuse=self.fuse, grad_accum=self.grad_accum,
+            accumulation=self.accumulation, dump_dir=self.dump_dir))
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self.state.update.adamw,
                             self.state.update.clip)
         compiled = _Compiled(plan.captured, plan, executor)
@@ -239,15 +239,6 @@ class Engine:
         if train:
             self._last_train = compiled
         return compiled
-
-    def _nvme_budget(self) -> int | None:
-        """Disk bytes the tier may take: nvme_budget, else the free space where nvme_dir is."""
-        if self.nvme_dir is None or self.nvme_budget_bytes is not None:
-            return self.nvme_budget_bytes
-        existing = os.path.abspath(self.nvme_dir)
-        while not os.path.isdir(existing):
-            existing = os.path.dirname(existing)
-        return free_disk_bytes(existing)
 
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]

@@ -26,6 +26,7 @@ from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
 from ..settings import Settings
 from .image_inputs import image_inputs
+from .request import PlanRequest, fused, host_accumulation
 from .search import lowest_budget, make_baseline_plan, make_plan, place_host_state
 from .vision_share import vision_share
 
@@ -319,10 +320,7 @@ class _Planned:
             captured = capture(model, (), inputs, device=device, compute_dtype=settings.compute_dtype,
                                loss_fn=loss_fn, train=train)
         self.kind = StepKind(update=train, clip=optimizer.max_grad_norm is not None)
-        fuse = settings.fuse
-        if fuse is None:   # as compile() would on that hardware: fused kernels on a GPU
-            fuse = not profile.name.startswith("cpu")
-        if fuse:
+        if fused(settings.fuse, on_gpu=not profile.name.startswith("cpu")):   # as compile() would there
             from ..fusion import fuse as fuse_stages
             captured = fuse_stages(captured)
         self.captured = captured
@@ -330,7 +328,7 @@ class _Planned:
         if style is None:
             # Layer-major lands one gradient sum per step: its host state is that of grad_accum=1.
             self.host_cost = place_host_state(captured, settings.compute_dtype,
-                                              1 if accumulation == "layer" else settings.grad_accum,
+                                              host_accumulation(settings.grad_accum, accumulation),
                                               host_budget_bytes, settings.nvme_budget_bytes, ranks=ranks)
 
     def baseline(self, budget_bytes: int, style: str) -> Plan:
@@ -339,10 +337,10 @@ class _Planned:
                                   backend=f"planned for {self.profile.name}", hardware=self.profile)
 
     def at(self, budget: int) -> Plan:
-        return make_plan(self.captured, budget, self.kind, backend=f"planned for {self.profile.name}",
-                         host_bytes=self.host_cost.ram_bytes, hardware=self.profile,
-                         host_budget_bytes=self.host_budget_bytes, host_cost=self.host_cost,
-                         grad_accum=self.settings.grad_accum, accumulation=self.accumulation)
+        return make_plan(self.captured, PlanRequest(
+            budget, self.kind, f"planned for {self.profile.name}", self.profile, host_bytes=self.host_cost.ram_bytes,
+            host_cost=self.host_cost, host_budget_bytes=self.host_budget_bytes, grad_accum=self.settings.grad_accum,
+            accumulation=self.accumulation))
 
     def lowest(self) -> int:
         """Bytes: the smallest budget any plan fits (search.lowest_budget)."""

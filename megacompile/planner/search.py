@@ -27,6 +27,7 @@ from .shorten import Short, held_bytes, peak_with_cut, shorten, span
 from .solve import Family, Selective, candidates, families, lowest
 from ..passes.baselines import baseline_choice
 from .chunk_count import plan_chunked
+from .request import PlanRequest
 from .result import Plan
 
 GiB = 2 ** 30
@@ -45,40 +46,31 @@ def plans_shared():
     return shared.scope(_SHARED)
 
 
-def make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind = StepKind(), *, backend: str,
-              host_bytes: int, hardware: HardwareProfile, dump_dir: str | None = None, fuse: bool = False,
-              host_budget_bytes: int | None = None,
-              host_cost: HostCost | None = None, grad_accum: int = 1, accumulation: str = "micro") -> Plan:
-    """The verified plan for `captured` under the budget. With `fuse`, the stage graphs are first
-    rewritten onto the fused kernels (megacompile/fusion), and the plan runs those graphs. `hardware`
-    times the candidates: the caller resolves it (cost.profile_for; the planner only reads it).
-
-    `host_bytes`: host RAM the masters and AdamW state take; with `host_budget_bytes`, activations
-    are offloaded only as far as the rest of that budget holds them.
-
-    With `grad_accum` k > 1 and `accumulation` "layer", the plan runs the k micro-batches of a
-    step in one program, layer by layer (passes/layer_major.py); "auto" takes it when its predicted
-    step is shorter than k micro-batch-major steps."""
+def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
+    """The verified plan for `captured` as `request` asks (planner/request.py). With `request.fuse`,
+    the stage graphs are first rewritten onto the fused kernels (megacompile/fusion), and the plan
+    runs those graphs. `request.host_bytes`: host RAM the masters and AdamW state take; with
+    `host_budget_bytes`, activations are offloaded only as far as the rest of that budget holds them.
+    With `grad_accum` k > 1 and `accumulation` "layer", the plan runs the k micro-batches of a step in
+    one program, layer by layer (passes/layer_major.py); "auto" takes it when its predicted step is
+    shorter than k micro-batch-major steps."""
     shared = _SHARED.get()
-    same = (budget_bytes, kind, backend, host_bytes, fuse, hardware, host_budget_bytes, host_cost, grad_accum,
-            accumulation)
-    if shared is not None and dump_dir is None:    # a dump is written by solving: never from the memo
-        found = next((p for c, k, p in shared if c is captured and k == same), None)
+    if shared is not None and request.dump_dir is None:    # a dump is written by solving: never from the memo
+        found = next((p for c, r, p in shared if c is captured and r == request), None)
         if found is not None:
             return found
-    plan = _make_plan(captured, budget_bytes, kind, backend=backend, host_bytes=host_bytes, hardware=hardware,
-                      dump_dir=dump_dir, fuse=fuse, host_budget_bytes=host_budget_bytes, host_cost=host_cost,
-                      grad_accum=grad_accum, accumulation=accumulation)
-    if shared is not None and dump_dir is None:
-        shared.append((captured, same, plan))
+    plan = _make_plan(captured, request)
+    if shared is not None and request.dump_dir is None:
+        shared.append((captured, request, plan))
     return plan
 
 
-def _make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind, *, backend: str, host_bytes: int,
-               hardware: HardwareProfile, dump_dir: str | None, fuse: bool, host_budget_bytes: int | None,
-               host_cost: HostCost | None, grad_accum: int, accumulation: str) -> Plan:
+def _make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
+    budget_bytes, kind, backend, hardware = request.budget_bytes, request.kind, request.backend, request.hardware
+    host_bytes, host_budget_bytes, host_cost = request.host_bytes, request.host_budget_bytes, request.host_cost
+    grad_accum, accumulation, dump_dir = request.grad_accum, request.accumulation, request.dump_dir
     require_host_room(host_bytes, host_budget_bytes)
-    if fuse:
+    if request.fuse:
         from ..fusion import fuse as fuse_stages
         captured = fuse_stages(captured)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
@@ -175,10 +167,7 @@ def _make_plan(captured: CapturedModel, budget_bytes: int, kind: StepKind, *, ba
         if captured.rechunk is None:
             raise refused
         # Blocks run over sequence chunks (megacompile/planner/chunk_count.py) when they do not fit whole.
-        return plan_chunked(captured, lambda c: make_plan(
-            c, budget_bytes, kind, backend=backend, host_bytes=host_bytes, dump_dir=dump_dir, hardware=hardware,
-            host_budget_bytes=host_budget_bytes, host_cost=host_cost, grad_accum=grad_accum,
-            accumulation=accumulation), refused)
+        return plan_chunked(captured, lambda c: make_plan(c, dataclasses.replace(request, fuse=False)), refused)
     arena_of(choice)
     program = laid_out[choice] if dump_dir is None else build_schedule(captured, choice, kind, check=True,
                                                                        dump_dir=dump_dir, arena=True)

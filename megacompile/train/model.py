@@ -183,29 +183,26 @@ def _file_key(lora: bool, objective: bool):
 
 
 def plan_as_engine(module: nn.Module, inputs: dict, settings: Settings, optimizer: AdamW) -> Plan:
-    """The plan an Engine(module, **settings) builds at its first step with these inputs, made with
-    the arguments it will pass (engine.py _build): under plans_shared() the engine then takes it."""
+    """The plan an Engine(module, **settings) builds at its first step with these inputs, asked for
+    with the request it will make (engine.py _build, planner/request.py): under plans_shared() the
+    engine then takes it."""
     from ..calibrate import profile_for
     from ..capture import capture
-    from ..cost.host_memory import default_host_budget_bytes, free_disk_bytes, module_resident
+    from ..cost.host_memory import default_host_budget_bytes, module_resident
     from ..passes import StepKind
+    from ..planner.request import PlanRequest, disk_room, fused, host_accumulation
     from ..planner.search import make_plan, place_host_state
     from ..runtime import normalize_device
     device = normalize_device(settings.device)      # as make_backend: cuda -> cuda:N, the one the engine runs on
     backend = device.type
     captured = capture(module, (), inputs, device=device, compute_dtype=settings.compute_dtype, train=True)
     host_budget = settings.host_budget_bytes or default_host_budget_bytes()
-    host_accum = 1 if settings.accumulation == "layer" else settings.grad_accum
-    nvme_budget = settings.nvme_budget_bytes
-    if settings.nvme_dir is not None and nvme_budget is None:    # as Engine._nvme_budget: the free space there
-        existing = os.path.abspath(settings.nvme_dir)
-        while not os.path.isdir(existing):
-            existing = os.path.dirname(existing)
-        nvme_budget = free_disk_bytes(existing)
-    host_cost = place_host_state(captured, settings.compute_dtype, host_accum, host_budget, nvme_budget,
+    host_cost = place_host_state(captured, settings.compute_dtype,
+                                 host_accumulation(settings.grad_accum, settings.accumulation), host_budget,
+                                 disk_room(settings.nvme_dir, settings.nvme_budget_bytes),
                                  module_resident=module_resident(module))
-    return make_plan(captured, settings.budget_bytes, StepKind(update=True, clip=optimizer.max_grad_norm is not None),
-                     backend=backend, host_bytes=host_cost.ram_bytes, hardware=profile_for(backend),
-                     fuse=(backend == "cuda") if settings.fuse is None else settings.fuse,
-                     host_budget_bytes=host_budget, host_cost=host_cost, grad_accum=settings.grad_accum,
-                     accumulation=settings.accumulation)
+    return make_plan(captured, PlanRequest(
+        settings.budget_bytes, StepKind(update=True, clip=optimizer.max_grad_norm is not None), backend,
+        profile_for(backend), host_bytes=host_cost.ram_bytes, host_cost=host_cost, host_budget_bytes=host_budget,
+        fuse=fused(settings.fuse, on_gpu=backend == "cuda"), grad_accum=settings.grad_accum,
+        accumulation=settings.accumulation))

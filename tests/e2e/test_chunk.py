@@ -44,12 +44,14 @@ def _trains_chunked(model, seq: int, budget_mib: float, steps: int = 2):
 def _plan_whole(model, seq, budget_mib):
     from megacompile.capture import capture
     from megacompile.calibrate import cpu_profile
+    from megacompile.passes import StepKind
+    from megacompile.planner.request import PlanRequest
     from megacompile.planner.search import make_plan
     ids = models.batch(96, 1, seq)
     captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
                        compute_dtype=torch.float32)
     captured.rechunk = None
-    make_plan(captured, int(budget_mib * 2 ** 20), backend="cpu", host_bytes=0, hardware=cpu_profile())
+    make_plan(captured, PlanRequest(int(budget_mib * 2 ** 20), StepKind(), "cpu", cpu_profile(), host_bytes=0))
 
 
 def test_the_solver_chunks_a_hf_llama_block_that_does_not_fit_whole_and_trains_exactly():

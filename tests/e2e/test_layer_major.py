@@ -13,7 +13,8 @@ import megacompile.planner.search as planner
 from megacompile.errors import ArgumentError, CheckpointError, InputMismatchError
 from megacompile.ir.program import Op
 from megacompile.optim import AdamW
-from megacompile.passes import ScheduleChoice
+from megacompile.passes import ScheduleChoice, StepKind
+from megacompile.planner.request import PlanRequest
 from megacompile.acceptance.parity import BETAS, EPS, LR, WD, clone, float64_noise, loss_of, make_inputs
 from tests import models
 from tests.e2e.harness import assert_same_weights
@@ -114,9 +115,8 @@ def test_auto_takes_the_accumulation_with_the_shorter_predicted_step():
     captured = engine.prepare(**make_inputs("llama", ids)).captured
 
     def plan(mode):
-        return planner.make_plan(captured, engine.budget_bytes, backend="cpu", host_bytes=0, grad_accum=K,
-                                 hardware=engine.plan.hardware,
-                                 accumulation=mode)
+        return planner.make_plan(captured, PlanRequest(engine.budget_bytes, StepKind(), "cpu", engine.plan.hardware,
+                                                       host_bytes=0, grad_accum=K, accumulation=mode))
     micro, layer, auto = plan("micro"), plan("layer"), plan("auto")
     assert micro.program.facts.get("micro_batches", 1) == 1 and layer.program.facts["micro_batches"] == K
     per_step = {"micro": K * micro.prediction.step_s, "layer": layer.prediction.step_s}

@@ -18,7 +18,8 @@ from megacompile.ir.printer import fmt_bytes, format_program
 from megacompile.ir.program import COMPUTE_OPS, Op
 from megacompile.ir.simulate import simulate
 from megacompile.ir.verify import verify, verify_arena
-from megacompile.passes import ScheduleChoice, build_schedule
+from megacompile.passes import ScheduleChoice, StepKind, build_schedule
+from megacompile.planner.request import PlanRequest
 from megacompile.planner.search import make_plan
 from tests import models
 
@@ -174,7 +175,7 @@ def test_a_plan_fits_when_its_arena_fits(llama):
     captured = dataclasses.replace(captured, rechunk=None)
 
     def plan_at(budget: int):
-        return make_plan(captured, budget, backend="cpu", host_bytes=0, hardware=get_profile("h100"))
+        return make_plan(captured, PlanRequest(budget, StepKind(), "cpu", get_profile("h100"), host_bytes=0))
 
     with pytest.raises(megacompile.BudgetTooSmallError, match="device arena") as refused:
         plan_at(0)
