@@ -17,6 +17,7 @@ import re
 from typing import Any, Callable
 
 from ..errors import ArgumentError
+from .their_keys import NOT_TAKEN, off
 
 _DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "use the epochs")
 
@@ -36,8 +37,12 @@ def _resume(value: Any) -> Any:
 
 
 def _loss_only(key: str) -> Callable[[Any], Any]:
-    """TRL's assistant_only_loss / completion_only_loss: true is megacompile's default."""
+    """TRL's assistant_only_loss / completion_only_loss: true is megacompile's default. TRL's
+    completion_only_loss defaults to None (what SFTConfig.to_dict() writes): the completion alone
+    where the records have one, which is megacompile's default too."""
     def convert(value: Any) -> Any:
+        if value is None and key == "completion_only_loss":
+            return _DROP
         if not isinstance(value, bool):
             raise ArgumentError(f"{key} must be true or false; got {value!r}")
         return not value
@@ -74,8 +79,11 @@ def _do_train(value: Any) -> None:
 
 
 def _strategy(key: str, off_drops: str | None) -> Callable[[Any], Any]:
-    """HF's *_strategy: megacompile counts in steps; `no` for eval and saves turns them off."""
+    """HF's *_strategy: megacompile counts in steps; `no` for eval and saves turns them off (YAML
+    reads a bare `no`, in a file or in a key=value override, as false)."""
     def convert(value: Any) -> Any:
+        if value is False:
+            value = "no"
         if value == "steps" or (value == "no" and off_drops is not None):
             return value
         raise ArgumentError(f"{key} {value!r}: megacompile counts in optimizer steps; give {key}: steps with "
@@ -178,6 +186,8 @@ def translate(raw: dict, default_lr: float) -> Translated:
             converted = convert(value)
             if converted is not _DROP:
                 out.set(own, converted, key, value)
+        elif key in NOT_TAKEN and off(value):
+            continue        # neat_packing: false, push_to_hub: false, quantization_bit: null ask for nothing
         elif key not in SPECIAL and key not in IGNORED:
             out.set(key, value, key, value)
     if "optim" in raw and raw["optim"] not in OPTIMIZERS:
@@ -263,8 +273,8 @@ def _strategies(raw: dict, out: Translated) -> None:
                      ("save_strategy", "save_every"), ("logging_strategy", None)):
         if key in raw and _strategy(key, own)(raw[key]) == "no":
             out.keys.pop(own, None)
-            if own == "eval_every":
-                out.keys["eval_every"] = None
+            # no eval; no checkpoint at all (save_every false), the trained model still written at the end
+            out.keys[own] = None if own == "eval_every" else False
 
 
 def _template(name: Any, keys: dict) -> str:

@@ -17,6 +17,7 @@ from .. import arguments
 from . import aliases
 from . import entries
 from . import preemption
+from . import their_keys
 from ..errors import ArgumentError
 from ..optim.adamw import MAX_LR
 from ..settings import Settings
@@ -79,7 +80,7 @@ class RunConfig:
     epochs: float | None = None
     eval_every: int | None = None
     eval_batches: int | None = None
-    save_every: int | None = None
+    save_every: int | bool | None = None      # false: no checkpoint (TRL's save_strategy: no)
     keep_last: int | None = 3
     resume: str | None = None
     run_dir: str | None = None
@@ -191,7 +192,7 @@ def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
         c = check(own.keys, source=path)
     except ArgumentError as e:
         raise aliases.named(e, own) from e
-    for note in own.notes:
+    for note in own.notes + their_keys.notes(c, own.keys):
         print(f"  note           {note}", flush=True)
     return c
 
@@ -225,6 +226,11 @@ def _relative(key: str, value: Any, base: str) -> Any:
 
 def check(raw: dict, source: str = "the run config") -> RunConfig:
     unknown = sorted(set(raw) - set(KEYS))
+    told = their_keys.refusal(unknown)
+    if told:        # TRL's or LlamaFactory's keys megacompile does not take: what to give instead, or why
+        rest = [k for k in unknown if k not in their_keys.NOT_TAKEN]
+        raise ArgumentError(f"{source}: {told}" + (f"; unknown key{'s' if len(rest) > 1 else ''} {', '.join(rest)} "
+                                                   "(docs/training.md lists the keys)" if rest else ""))
     if unknown:
         raise ArgumentError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                             f"the keys are {', '.join(KEYS)}; LlamaFactory's and transformers/TRL's names "
@@ -325,8 +331,12 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.steps is not None:     # with epochs, once the data gives the steps (loop.run)
         c.warmup = warmup_steps(c.warmup, c.steps)
     for key in ("eval_every", "eval_batches", "save_every", "keep_last", "max_consecutive_skips"):
-        if getattr(c, key) is not None:
+        if getattr(c, key) is not None and not (key == "save_every" and c.save_every is False):
             setattr(c, key, _int(key, getattr(c, key)))
+    if c.save_every is False and c.bundled:
+        raise ArgumentError("save_every: false (save_strategy: no) writes no checkpoint, and the bundled model, "
+                            "no Hugging Face model, has no other place for its trained weights: give save_every, "
+                            "or leave it out (a checkpoint after the last step)")
     if c.eval_every is not None and not (c.eval or c.eval_fraction):
         raise ArgumentError("eval_every needs held-out data: give eval (files) or eval_fraction")
     c.log_every = _int("log_every", c.log_every)

@@ -5,7 +5,7 @@
              -> token files put in place -> complete already? -> engine -> resume? -> plan
              summary and dump -> steps
              -> per step: CSV row, progress; eval every eval_every; checkpoint every save_every
-             -> final checkpoint, export
+             -> final checkpoint, the trained model in its folder (trained_model.py)
 
 Nothing of the run folder is written before every check has passed: a refused run leaves it as
 it was (a new one leaves none).
@@ -24,12 +24,11 @@ import time
 import warnings
 
 import numpy as np
-import torch
 
 from ..report.outputs import write_run_views
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import finetune, grid_images, images, mixture, packing, resume, split, streaming, tokens
+from . import finetune, grid_images, images, mixture, packing, resume, split, streaming, tokens, trained_model
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, check_isolation, check_positions, meta_model
@@ -156,21 +155,6 @@ def _check_images(c: RunConfig, rows) -> None:
                             "grad_accum (or freeze_vision_tower and freeze_multi_modal_projector)")
 
 
-def _check_export(c: RunConfig, resume_from: str | None) -> None:
-    """Before training: a new run does not replace an export it did not write. A resumed run owns
-    the export folder's model files (its first run found none there, or was refused here), and
-    replaces them at its end (overwrite=True); whatever else the folder holds is kept either way."""
-    from ..io.hf_save import export_files
-    if c.export is None or resume_from is not None:
-        return
-    found = export_files(c.export)
-    if found:
-        raise ArgumentError(f"export {c.export} already holds a model export ({', '.join(found[:6])}"
-                            f"{', ...' if len(found) > 6 else ''}), which this new run would replace: give another "
-                            "export folder, or remove those files (a run resumed from its checkpoints replaces "
-                            "its own export)")
-
-
 def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted: bool) -> tuple[float, float]:
     """Mean loss per target token over the held-out rows, and its perplexity (forward only)."""
     n_batches = -(-rows.rows_per_epoch // batch)
@@ -197,13 +181,13 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
 
 def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None]:
     """The run folder, the checkpoint to resume from (None: a new run) and its manifest, checked;
-    and the export folder checked against a new run."""
+    and the trained model's folder checked against a new run."""
     run_dir = _run_dir(c)
     resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
     if c.resume not in (None, "auto"):
         resume_from = c.resume
     saved = resume.read(resume_from) if resume_from is not None else None
-    _check_export(c, resume_from)
+    trained_model.check_new_run(c, run_dir, resume_from)
     return run_dir, resume_from, saved
 
 
@@ -217,8 +201,9 @@ def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int,
     checkpoint in `folder` with what a resume checks and goes on from: the data position (rows, or
     a stage's pairs or prompts), what it refers to, the settings; `more`: a stage's own state.
     Whether it saved one."""
-    if not (force or (c.save_every and step % c.save_every == 0) or step == c.steps):
-        return False
+    if not force and (c.save_every is False or not ((c.save_every and step % c.save_every == 0)
+                                                     or step == c.steps)):
+        return False        # save_every false (TRL's save_strategy: no): none but a stop signal's
     engine.save_checkpoint(checkpoint_path(folder, step),
                            extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
                                   "settings": resume.settings(c), "finetuning": finetune.saved(c), **more},
@@ -272,9 +257,12 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     done = saved is not None and resume.complete(c, saved, run_dir)
     if done:
         print(f"  complete       {done}", flush=True)
-        if c.export is None or os.path.isdir(c.export):
+        place = trained_model.folder(c, run_dir)
+        if place is None or trained_model.holds_model(place):
+            print(trained_model.last_line(c, place, saved.path), flush=True)
             return {"steps": saved.steps_done, "skipped_steps": None, "run_dir": run_dir, "first_loss": None,
-                    "final_loss": None, "seconds": 0.0, "last_checkpoint": saved.steps_done, "complete": True}
+                    "final_loss": None, "seconds": 0.0, "last_checkpoint": saved.steps_done, "complete": True,
+                    "model": place or saved.path}
     elif saved is not None:
         for note in resume.notes(c, saved):
             print(f"  resume note    {note}", flush=True)
@@ -289,6 +277,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
                         saved_settings=saved is not None and isinstance(saved.extra.get("settings"), dict))
         if result["first_loss"] is not None:      # a step ran here: its record is the one to show
             write_run_views(setup.engine, run_dir, trace)
+        print(trained_model.last_line(c, trained_model.folder(c, run_dir), result["model"]), flush=True)
         return result
     finally:
         setup.engine.close()
@@ -387,23 +376,16 @@ def _train(c: RunConfig, setup, run_dir: str, resume_from: str | None, tokenizer
         progress.close()
         log.close()
     elapsed = time.perf_counter() - started
-    if c.export is not None:
-        # overwrite: only a resumed run gets here with model files in the folder, its own (_check_export)
-        if c.finetuning_type == "lora":
-            from .lora_export import export
-            export(engine, c.export, tokenizer, c.merge_adapter, getattr(torch, c.export_dtype),
-                   overwrite=resume_from is not None, source=c.model)
-        else:
-            engine.save_pretrained(c.export, dtype=getattr(torch, c.export_dtype), overwrite=resume_from is not None)
-            if isinstance(tokenizer, images.Media) or not os.path.isfile(os.path.join(c.export, "tokenizer_config.json")):
-                tokenizer.save_pretrained(c.export)
-        print(f"  exported       {c.export}", flush=True)
+    place = trained_model.folder(c, run_dir)
+    if place is not None:
+        # overwrite: only a resumed run gets here with model files in the folder, its own (check_new_run)
+        trained_model.write(c, engine, tokenizer, place, overwrite=resume_from is not None)
     result = {"steps": engine.steps_done, "skipped_steps": engine.skipped_steps, "run_dir": run_dir,
               "first_loss": losses_seen[0] if losses_seen else None,
               "final_loss": losses_seen[-1] if losses_seen else None,
               "seconds": elapsed, "last_checkpoint": saved_at, "budget_bytes": plan.budget_bytes,
               "predicted_device_peak_bytes": plan.predicted_peak_bytes,
-              "measured_device_peak_bytes": plan.measured_peak_bytes}
+              "measured_device_peak_bytes": plan.measured_peak_bytes, "model": place or latest[1]}
     if losses_seen:
         print(f"done: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {elapsed:.1f} s, measured "
               f"device peak {fmt_bytes(plan.measured_peak_bytes or 0)} (predicted "

@@ -136,8 +136,11 @@ def complete(c: RunConfig, saved: Saved, run_dir: str) -> str | None:
     at = (f"step {saved.steps_done} of {c.steps}" if saved.steps_done == c.steps
           else f"step {saved.steps_done}, past steps={c.steps}")
     line = f"the run in {run_dir} is already complete ({at}, checkpoint {saved.path})"
-    if c.export is None:
-        return f"{line}; nothing to do (export: FOLDER writes its model)" if not c.bundled else f"{line}; nothing to do"
-    if os.path.isdir(c.export):
-        return f"{line}; its export is in {c.export}; nothing to do"
-    return f"{line}; its export {c.export} is not there: writing it from the checkpoint"
+    from .trained_model import folder, holds_model
+    place = folder(c, run_dir)
+    if place is None:
+        return f"{line}; nothing to do"
+    what = "export" if c.export is not None else "model"
+    if holds_model(place):
+        return f"{line}; its {what} is in {place}; nothing to do"
+    return f"{line}; its {what} is not in {place}: writing it from the checkpoint"

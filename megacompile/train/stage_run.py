@@ -1,12 +1,13 @@
-"""A post-training run (`stage: dpo | grpo`) from its settings to the exported policy: the SFT
-loop's order (every check before the run folder is written; checkpoints and resume; the export),
-with the stage (dpo_stage.py, grpo_stage.py) making each optimizer step and its log row.
+"""A post-training run (`stage: dpo | grpo`) from its settings to the trained policy: the SFT
+loop's order (every check before the run folder is written; checkpoints and resume; the trained
+policy in its folder, trained_model.py), with the stage (dpo_stage.py, grpo_stage.py) making each
+optimizer step and its log row.
 
     settings -> checks (seq against the model; a resume against its checkpoint)
              -> data read and tokenised (in memory) -> checks (the resume's data)
              -> engine over the stage's objective -> resume? -> stage.begin -> steps
              -> per step: CSV row; checkpoint every save_every (the stage's state in it)
-             -> final checkpoint, export of the policy
+             -> final checkpoint, the trained policy in its folder
 
 A stage is an object with `columns` (its log's), `objective(policy)`, `first_inputs(batch)` (a
 training step's inputs, for their shapes), `begin(engine, run_dir, saved)`, `step(engine,
@@ -15,17 +16,14 @@ position) -> (row, position)` and `state()` (what its checkpoint carries beside 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
 import warnings
 
-import torch
-
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes
-from . import finetune, resume, rollout_generator
+from . import finetune, resume, rollout_generator, trained_model
 from .config import RunConfig
 from .log import Progress, RunLog
 from . import preemption
@@ -105,9 +103,11 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     done = saved is not None and resume.complete(c, saved, run_dir)
     if done:
         print(f"  complete       {done}", flush=True)
-        if c.export is None or os.path.isdir(c.export):
+        place = trained_model.folder(c, run_dir)
+        if place is None or trained_model.holds_model(place):
+            print(trained_model.last_line(c, place, saved.path), flush=True)
             return {"steps": saved.steps_done, "run_dir": run_dir, "first_loss": None, "final_loss": None,
-                    "seconds": 0.0, "last_checkpoint": saved.steps_done, "complete": True}
+                    "seconds": 0.0, "last_checkpoint": saved.steps_done, "complete": True, "model": place}
     elif saved is not None:
         for note in resume.notes(c, saved):
             print(f"  resume note    {note}", flush=True)
@@ -123,6 +123,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         if result["first_loss"] is not None:
             from ..report.outputs import write_run_views
             write_run_views(setup.engine, run_dir, trace)
+        print(trained_model.last_line(c, result["model"], None), flush=True)
         return result
     finally:
         setup.engine.close()
@@ -195,55 +196,12 @@ def _train(c: RunConfig, setup, stage, run_dir: str, resume_from: str | None, to
         progress.close()
         log.close()
     elapsed = time.perf_counter() - started
-    if c.export is not None:
-        if c.finetuning_type == "lora":     # the policy's adapter (or, merge_adapter, the merged policy)
-            from .lora_export import export
-            export(engine, c.export, tokenizer, c.merge_adapter, getattr(torch, c.export_dtype),
-                   overwrite=resume_from is not None, source=c.model, prefix="policy.")
-        else:
-            export_policy(engine, c.export, tokenizer, getattr(torch, c.export_dtype),
-                          overwrite=resume_from is not None, source=c.model)
-        print(f"  exported       {c.export}", flush=True)
+    place = trained_model.folder(c, run_dir)        # a stage needs a Hugging Face model: never None
+    trained_model.write(c, engine, tokenizer, place, overwrite=resume_from is not None, policy=True)
     result = {"steps": engine.steps_done, "run_dir": run_dir, "first_loss": losses_seen[0] if losses_seen else None,
               "final_loss": losses_seen[-1] if losses_seen else None, "seconds": elapsed, "last_checkpoint": saved_at,
-              "budget_bytes": plan.budget_bytes}
+              "budget_bytes": plan.budget_bytes, "model": place}
     if losses_seen:
         print(f"done: {c.stage} loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {elapsed:.1f} s, "
               f"device budget {fmt_bytes(plan.budget_bytes)}; log in {os.path.join(run_dir, 'log.csv')}", flush=True)
     return result
-
-
-def export_policy(engine, path: str, tokenizer, dtype: torch.dtype, overwrite: bool, source: str) -> None:
-    """The trained policy as a Hugging Face model folder (the objective's `policy.` names without the
-    prefix; transformers' from_pretrained loads it): its fp32 masters loaded into the policy module,
-    written by transformers into io/hf_save.py's staging folder (a new folder appears whole; in one
-    that exists only the export's own files are replaced, and only those of the run's own export)."""
-    from ..io import durable
-    from ..io.hf_save import COPIED, INDEX, SINGLE, refuse_replacing, write_files
-    parent = durable.prepare_parent(path, "model folder")
-    durable.clean_leftovers(parent)
-    exists = os.path.isdir(path)
-    if exists:
-        durable.recover_files(path)
-    replaced = refuse_replacing(path, set(COPIED) | {"config.json", SINGLE, INDEX}, overwrite)
-    engine.synchronize()
-    policy = engine.model.policy
-    weights = {k.removeprefix("policy."): t for k, t in engine.state_dict().items() if k.startswith("policy.")}
-    with torch.device("meta"):
-        shell = type(policy)(policy.config)
-    missing = [n for n, _ in shell.named_parameters() if n not in weights]
-    if missing:
-        raise ArgumentError(f"the trained policy has no weights for {', '.join(missing[:4])}: cannot export it")
-    shell.load_state_dict(weights, strict=False, assign=True)
-    shell.tie_weights()
-    config = os.path.join(source, "config.json") if os.path.isdir(source) else source
-    with open(config) as f:     # the run turned the KV cache off for training only
-        shell.config.use_cache = json.load(f).get("use_cache", True)
-
-    def write(folder: str) -> None:
-        shell.to(dtype).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        for name in os.listdir(folder):
-            durable.fsync_file(os.path.join(folder, name))
-        durable.fsync_dir(folder)
-    write_files(path, parent, exists, write, replaced)

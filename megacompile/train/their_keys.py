@@ -1,0 +1,117 @@
+"""Where a TRL or LlamaFactory config means something else here, or asks for what megacompile
+does not do: said by name rather than left to an unknown-key list (refusals) or to a run that
+quietly differs (notes printed at the start).
+
+    NOT_TAKEN   their key -> megacompile's equivalent, or why it is not supported (refused unless
+                its value is off: null, false, empty)
+    notes(c)    the differences of meaning a run states at its start (packing)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_LOCAL = "megacompile reads local files and downloads nothing"
+
+NOT_TAKEN = {
+    # data
+    "dataset_name": f"give the data files as data: [train.jsonl, ...] ({_LOCAL})",
+    "dataset_config": f"give the data files as data: ({_LOCAL})",
+    "dataset_train_split": "give the training files as data: and the held-out ones as eval: (or eval_fraction)",
+    "dataset_test_split": "give the held-out files as eval: (or eval_fraction)",
+    "dataset_text_field": "text records are read from their `text` key (docs/training.md, record layouts)",
+    "dataset_num_proc": "the data is tokenised once, into the run folder's token files (tokens/), reused on resume",
+    "dataset_kwargs": "the record layout is found from the records' keys (docs/training.md, record layouts)",
+    "tokenized_path": "token files are kept in the run folder (tokens/) and reused by a resumed run",
+    "mask_history": "not supported: the loss counts every assistant turn (train_on_prompt: true counts every token)",
+    "disable_shuffling": "the document and row order are set by seed",
+    # packing
+    "neat_packing": "packing: isolated (packed documents do not attend to each other, position ids restart)",
+    "padding_free": "packing: isolated (documents packed without padding, kept apart by their position ids)",
+    "packing_strategy": "packing: true fills rows end to end (TRL's wrapped), packing: isolated keeps the documents "
+                        "apart as TRL's bfd does; there is no best-fit packing",
+    # model and tokenizer
+    "dtype": "compute_dtype: float32 or bfloat16 (masters are float32)",
+    "torch_dtype": "compute_dtype: float32 or bfloat16 (masters are float32)",
+    "model_init_kwargs": "the model is built from its folder's config.json; compute_dtype sets the dtype",
+    "chat_template_path": "chats are formatted by the tokenizer's own chat template: give tokenizer: a folder "
+                          "that holds one",
+    "eos_token": "the tokenizer's own end-of-sequence token is used",
+    "pad_token": "the tokenizer's own padding token is used (its eos when it has none); padding is never counted",
+    "cache_dir": _LOCAL,
+    "model_revision": _LOCAL,
+    "hf_hub_token": _LOCAL,
+    "push_to_hub": "the trained model is written to output_dir (run_dir) or export; megacompile uploads nothing",
+    "hub_model_id": "the trained model is written to output_dir (run_dir) or export; megacompile uploads nothing",
+    # LoRA under TRL's script names
+    "use_peft": "finetuning_type: lora",
+    "lora_r": "lora_rank",
+    "lora_target_modules": "lora_target",
+    "adapter_name_or_path": "not supported: a LoRA run starts new adapters on the model folder; merge a trained "
+                            "adapter into the model first",
+    "use_dora": "not supported: megacompile trains LoRA adapters (PEFT's LoraConfig) only",
+    "use_rslora": "not supported: the adapters' scale is lora_alpha / lora_rank",
+    "pissa_init": "not supported: the adapters are initialised as PEFT's default LoRA",
+    "loraplus_lr_ratio": "not supported: every trained parameter takes lr",
+    "additional_target": "not supported with LoRA; finetuning_type: freeze with freeze_extra_modules trains "
+                         "whole modules",
+    # kernels, precision, memory
+    "quantization_bit": "not supported: the weights train in float32 masters; what does not fit the GPU streams "
+                        "from host memory (host_budget) or disk (nvme_dir)",
+    "quantization_method": "not supported: the weights train in float32 masters, streamed from the host",
+    "use_unsloth": "not supported: megacompile runs its own fused kernels (fuse)",
+    "enable_liger_kernel": "fuse: true runs megacompile's own fused kernels",
+    "use_liger_kernel": "fuse: true runs megacompile's own fused kernels",
+    "gradient_checkpointing_kwargs": "the planner chooses what to recompute",
+    "auto_find_batch_size": "global_batch: the planner chooses the micro-batch that fits the budget",
+    "fsdp": "megacompile places weights and optimizer state itself (data parallelism: torchrun, "
+            "docs/distributed.md)",
+    "rope_scaling": "not supported: the model's config.json decides its positions",
+    "neftune_noise_alpha": "not supported: embeddings are not noised",
+    # evaluation and saving
+    "load_best_model_at_end": "not supported: the model written at the end is the last step's",
+    "metric_for_best_model": "not supported: the model written at the end is the last step's",
+    "eval_on_start": "not supported: evaluation runs every eval_every steps and after the last",
+    "save_safetensors": "weights are always written as safetensors",
+    # DPO (LlamaFactory's names)
+    "pref_beta": "beta",
+    "pref_loss": "loss_type",
+    "pref_ftx": "rpo_alpha (the DPO loss's term on the chosen tokens' negative log-likelihood)",
+    "dpo_label_smoothing": "label_smoothing",
+    # post-training options megacompile does not have
+    "steps_per_generation": "not supported: one rollout batch is one step's micro-batch (num_iterations trains it "
+                            "more than once)",
+    "generation_batch_size": "not supported: one rollout batch is one step's micro-batch (batch)",
+    "vllm_importance_sampling_correction": "not supported: the sampler's log-probabilities are not corrected for",
+    "multi_objective_aggregation": "not supported: the weighted rewards are summed, then scaled within their group "
+                                   "(scale_rewards), as TRL's default does; leave it out",
+    "f_divergence_type": "not supported: the DPO losses use the reverse KL, TRL's default",
+    "ld_alpha": "not supported: each completion's log-probability is the sum over all its tokens",
+    "use_weighting": "not supported: every pair weighs the same in the loss",
+    "sync_ref_model": "not supported: the reference is the policy at step 0 throughout",
+}
+
+
+def off(value: Any) -> bool:
+    """A value that asks for nothing (TRL's and LlamaFactory's defaults write most of these keys
+    as null or false): such a key is accepted and does nothing."""
+    return value is None or value is False or value in ("", [], {})
+
+
+def refusal(unknown: list[str]) -> str | None:
+    """For the unknown keys that are TRL's or LlamaFactory's: their equivalents or why they are not
+    supported, one clause each; None when there is none of theirs."""
+    told = [f"{k} -> {NOT_TAKEN[k]}" for k in unknown if k in NOT_TAKEN]
+    return "; ".join(told) if told else None
+
+
+def notes(c: Any, given: dict) -> list[str]:
+    """One line per setting whose meaning here differs from TRL's or LlamaFactory's (not an error);
+    `given`: the keys the run.yaml and the command line set."""
+    if c.stage != "sft" or c.bundled or c.packing is not True:
+        return []
+    if "packing" in given:
+        return ["packing: true lets packed documents attend to each other (as LlamaFactory's packing without "
+                "neat_packing); TRL's packing: true keeps them apart, which is packing: isolated here"]
+    return ["packing: true is megacompile's default (documents fill rows end to end and attend to each other); "
+            "TRL's and LlamaFactory's SFT do not pack by default (packing: false here), and TRL's packing: true "
+            "is packing: isolated here"]

@@ -1,0 +1,84 @@
+"""Where a run leaves its trained model, as TRL and LlamaFactory leave it in output_dir.
+
+    export given          -> the export folder
+    a Hugging Face model  -> the run folder (run_dir, which output_dir names)
+    the bundled model     -> nowhere but the run's last checkpoint (it is no Hugging Face model)
+
+The folder gets what transformers' `from_pretrained` loads: config.json, safetensors weights and
+the tokenizer (for a vision-language model its processor); with `finetuning_type: lora` the
+adapter in PEFT's format (`PeftModel.from_pretrained(base, folder)`), or with `merge_adapter` the
+merged model. The writers are the export's own (engine.save_pretrained, lora_export, and
+policy_export.py for a DPO or GRPO policy): in a folder that exists they write their own
+files beside the others (the run folder's tokens/, plan/, log.csv, checkpoints/ stay as they
+are), and a new run does not replace a model it did not write (refused before it trains).
+
+The run's last printed line says where the model is (`last_line`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import ArgumentError
+from ..io.hf_save import export_files
+from . import images
+from .config import RunConfig
+
+
+def folder(c: RunConfig, run_dir: str) -> str | None:
+    """The folder the trained model goes to; None for the bundled model."""
+    if c.export is not None:
+        return c.export
+    return None if c.bundled else run_dir
+
+
+def holds_model(path: str) -> bool:
+    return bool(export_files(path))
+
+
+def check_new_run(c: RunConfig, run_dir: str, resume_from: str | None) -> None:
+    """Before training: a new run does not replace a model it did not write. A resumed run owns
+    the model files of its folder (its first run found none there, or was refused here), and
+    replaces them at its end; whatever else the folder holds is kept either way."""
+    path = folder(c, run_dir)
+    if path is None or resume_from is not None:
+        return
+    found = export_files(path)
+    if not found:
+        return
+    listed = f"{', '.join(found[:6])}{', ...' if len(found) > 6 else ''}"
+    if c.export is not None:
+        raise ArgumentError(f"export {path} already holds a model export ({listed}), which this new run would "
+                            "replace: give another export folder, or remove those files (a run resumed from its "
+                            "checkpoints replaces its own export)")
+    raise ArgumentError(f"run_dir {path} already holds a model ({listed}), which this new run would write its own "
+                        "over at the end: give another run_dir (output_dir), or export: FOLDER, or remove those "
+                        "files (a run resumed from its checkpoints replaces its own model)")
+
+
+def write(c: RunConfig, engine, tokenizer, path: str, overwrite: bool, policy: bool = False) -> None:
+    """The trained model into `path` by the export's writers; `policy`: the engine's model is a
+    post-training objective, whose `policy` is the model trained. overwrite: the run's own model
+    files are there (a resumed run)."""
+    dtype = getattr(torch, c.export_dtype)
+    if c.finetuning_type == "lora":
+        from .lora_export import export
+        export(engine, path, tokenizer, c.merge_adapter, dtype, overwrite=overwrite, source=c.model,
+               prefix="policy." if policy else "")
+    elif policy:
+        from .policy_export import export_policy
+        export_policy(engine, path, tokenizer, dtype, overwrite=overwrite, source=c.model)
+    else:
+        engine.save_pretrained(path, dtype=dtype, overwrite=overwrite)
+        if isinstance(tokenizer, images.Media) or not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            tokenizer.save_pretrained(path)
+
+
+def last_line(c: RunConfig, path: str | None, checkpoint: str | None) -> str:
+    """The run's last line: where its trained model is and what loads it."""
+    if path is None:
+        return f"model: {checkpoint} (the bundled model is no Hugging Face model: its weights are in this checkpoint)"
+    if c.finetuning_type == "lora" and not c.merge_adapter:
+        return f"model: {path} (a LoRA adapter in PEFT's format: PeftModel.from_pretrained(base, {path!r}))"
+    return f"model: {path} (a Hugging Face model folder: transformers' from_pretrained({path!r}) loads it)"

@@ -1,0 +1,86 @@
+"""TRL's and LlamaFactory's keys where megacompile's meaning or defaults differ: TRL's defaults as
+SFTConfig.to_dict() writes them are taken (completion_only_loss: null, a bare `no` for a
+strategy), packing says at the start how it differs from theirs, and their keys megacompile does
+not take are refused naming the equivalent or why, not in an unknown-key list."""
+from __future__ import annotations
+
+import pytest
+
+from megacompile.errors import ArgumentError
+from megacompile.train import load
+from megacompile.train.aliases import ALIASES, IGNORED, SPECIAL
+from megacompile.train.config import KEYS
+from megacompile.train.their_keys import NOT_TAKEN
+from tests.train import files
+
+
+def _yaml(tmp_path, **settings) -> str:
+    (tmp_path / "d.jsonl").write_text('{"text": "a b"}\n')
+    return files.run_yaml(str(tmp_path / "run.yaml"), **{"data": "d.jsonl", "run_dir": "run", "steps": 2, **settings})
+
+
+def test_completion_only_loss_null_is_trls_default(tmp_path):
+    c = load(_yaml(tmp_path, completion_only_loss=None))
+    assert c.train_on_prompt is False           # the completion alone, as TRL on prompt/completion records
+
+
+@pytest.mark.parametrize("key", ["eval_strategy", "evaluation_strategy"])
+def test_a_bare_no_on_the_command_line_turns_eval_off(tmp_path, key):
+    c = load(_yaml(tmp_path, eval_fraction=0.1, eval_steps=1), [f"{key}=no"])      # YAML reads no as false
+    assert c.eval_every is None
+
+
+@pytest.mark.parametrize("written, override", [("no", []), (False, []), ("steps", ["save_strategy=no"])])
+def test_save_strategy_no_means_no_checkpoint_at_all(tmp_path, written, override):
+    files.model_dir(str(tmp_path / "model"))
+    c = load(_yaml(tmp_path, model="model", save_strategy=written, save_steps=1), override)
+    assert c.save_every is False
+
+
+def test_save_strategy_no_is_refused_for_the_bundled_model_whose_checkpoint_is_its_only_copy(tmp_path):
+    with pytest.raises(ArgumentError, match="bundled model.*has no other place for its trained weights"):
+        load(_yaml(tmp_path, save_strategy="no"))
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("neat_packing", True, r"neat_packing -> packing: isolated"),
+    ("dataset_name", "trl-lib/Capybara", r"dataset_name -> give the data files as data:"),
+    ("use_peft", True, r"use_peft -> finetuning_type: lora"),
+    ("quantization_bit", 4, r"quantization_bit -> not supported: the weights train in float32 masters"),
+    ("pref_beta", 0.1, r"pref_beta -> beta"),
+])
+def test_their_keys_megacompile_does_not_take_name_the_equivalent_or_why(tmp_path, key, value, says):
+    with pytest.raises(ArgumentError, match=says) as caught:
+        load(_yaml(tmp_path, **{key: value}))
+    assert "the keys are" not in str(caught.value)          # not the generic unknown-key list
+
+
+def test_their_key_beside_an_unknown_one_names_both(tmp_path):
+    with pytest.raises(ArgumentError, match=r"neat_packing -> packing: isolated.*; unknown key not_a_key"):
+        load(_yaml(tmp_path, neat_packing=True, not_a_key=1))
+
+
+def test_their_keys_asking_for_nothing_are_accepted(tmp_path):
+    c = load(_yaml(tmp_path, neat_packing=False, push_to_hub=False, quantization_bit=None, use_liger_kernel=False))
+    assert c.packing is True
+
+
+def test_no_key_is_both_taken_and_refused():
+    assert not set(NOT_TAKEN) & (set(KEYS) | set(ALIASES) | set(IGNORED) | set(SPECIAL))
+
+
+def _notes(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if "packing" in line]
+
+
+def test_packing_says_at_the_start_where_it_differs_from_trl_and_llamafactory(tmp_path, capsys):
+    files.model_dir(str(tmp_path / "model"))
+    load(_yaml(tmp_path, model="model"))
+    default, = _notes(capsys)
+    assert "packing: true is megacompile's default" in default and "packing: isolated here" in default
+    load(_yaml(tmp_path, model="model", packing=True))
+    given, = _notes(capsys)
+    assert "TRL's packing: true keeps them apart, which is packing: isolated here" in given
+    for same in (False, "isolated"):        # TRL's packing: false and packing: true
+        load(_yaml(tmp_path, model="model", packing=same))
+        assert _notes(capsys) == []
