@@ -23,7 +23,7 @@ from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, Hos
                      LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError,
                      StorageError, WeightsFileError)
 from .optim import AdamW
-from .settings import Settings
+from .settings import Settings, from_call
 from .engine import from_pretrained
 from .planner import Plan
 from .planner import minimum_budget, plan  # plan without weights (planner/from_config.py)
@@ -33,7 +33,8 @@ from . import calibrate  # noqa: F401 - hands cost/ the cpu measurement, for a f
 __version__ = "0.1.0"
 
 
-def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
+def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Settings | None = None,
+            optimizer: AdamW | None = None,
             compute_dtype: torch.dtype = Settings.compute_dtype, device: str | torch.device | None = None,
             loss_fn: Callable | None = None, retrace: bool = Settings.retrace, dump_dir: str | None = None,
             grad_accum: int = Settings.grad_accum, fuse: bool | None = None, host_budget: float | None = None,
@@ -70,13 +71,17 @@ def compile(model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = No
                    the link once per direction per step; the first grad_accum-1 calls of a step
                    return None and the last runs them all) or "auto" (the planner's choice)
 
+    settings:      a megacompile.Settings holding the plain settings above (hbm_budget included)
+                   instead of keywords; a keyword given beside it must agree with it
+
     torch LR schedulers attach to `engine.torch_optimizer`.
     """
-    return Engine(model, hbm_budget, optimizer=optimizer, compute_dtype=compute_dtype, device=device,
-                  loss_fn=loss_fn, retrace=retrace, dump_dir=dump_dir, grad_accum=grad_accum,
-                  fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite, nvme_dir=nvme_dir,
-                  nvme_budget=nvme_budget, process_group=process_group, accumulation=accumulation,
-                  max_consecutive_skips=max_consecutive_skips)
+    plain = from_call(compile, settings, dict(
+        hbm_budget=hbm_budget, compute_dtype=compute_dtype, device=device, retrace=retrace, dump_dir=dump_dir,
+        grad_accum=grad_accum, fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite, nvme_dir=nvme_dir,
+        nvme_budget=nvme_budget, accumulation=accumulation))
+    return Engine(model, optimizer=optimizer, loss_fn=loss_fn, process_group=process_group,
+                  max_consecutive_skips=max_consecutive_skips, **plain)
 
 
 __all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "MegacompileError",

@@ -98,3 +98,32 @@ class Settings:
 def default_hbm_budget(device: str | torch.device = "cuda") -> float:
     """GiB: the budget a run plans in on this GPU when none is given (DEVICE_SHARE of it)."""
     return DEVICE_SHARE * torch.cuda.get_device_properties(torch.device(device)).total_memory / GiB
+
+
+def from_call(door, settings: "Settings | None", given: dict[str, Any]) -> dict[str, Any]:
+    """The plain settings of a call to a front door (compile, plan, minimum_budget): its keywords as
+    given, or with `settings`, the Settings' own fields. A keyword the caller set (not at the door's
+    default) must then agree with the settings: a setting is given once."""
+    if settings is None:
+        return given
+    if not isinstance(settings, Settings):
+        raise ArgumentError(f"settings must be a megacompile.Settings, got {type(settings).__name__}")
+    import inspect
+    defaults = inspect.signature(door).parameters
+    taken = {}
+    for name, value in given.items():
+        mine = getattr(settings, name)
+        default = defaults[name].default if name in defaults else None
+        if not _same(value, default) and not _same(value, mine):
+            raise ArgumentError(f"{name} is given twice: {value!r} as a keyword and {mine!r} in settings; "
+                                "give each setting once")
+        taken[name] = mine
+    return taken
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, (str, torch.device)) and isinstance(b, (str, torch.device)):
+        return str(a) == str(b)
+    return a == b

@@ -24,7 +24,7 @@ from ..passes import StepKind
 from .result import Plan
 from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
-from ..settings import Settings
+from ..settings import Settings, from_call
 from .image_inputs import image_inputs
 from .request import PlanRequest, fused, host_accumulation
 from .search import lowest_budget, make_baseline_plan, make_plan, place_host_state
@@ -189,7 +189,8 @@ def hardware_profile(hardware: Any, nvme_bandwidth: float | None = None, host: s
     return profile
 
 
-def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwareProfile = "h100", batch: int = 1,
+def plan(model_or_config: Any, hbm_budget: float | None = None, *, settings: Settings | None = None,
+         hardware: str | HardwareProfile = "h100", batch: int = 1,
          seq: int = 2048, compute_dtype: torch.dtype = torch.bfloat16, inputs: dict | None = None,
          optimizer: AdamW | None = None, loss_fn=None, train: bool = True, style: str | None = None,
          fuse: bool | None = Settings.fuse, host_budget: float | None = None, nvme_budget: float | None = None,
@@ -223,9 +224,13 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     With `smallest` it is the smallest budget any plan fits (planning at it fits, a little below it
     is refused; megacompile.minimum_budget names it without a plan): every chunk count is captured
     and solved, which can take as long again as the plan.
+    `settings`: a megacompile.Settings holding the plain settings (hbm_budget, compute_dtype, fuse,
+    host_budget, nvme_budget, grad_accum, accumulation) instead of keywords; a keyword given beside
+    it must agree with it.
     """
-    settings = Settings(hbm_budget=hbm_budget, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
-                        nvme_budget=nvme_budget, grad_accum=grad_accum, accumulation=accumulation)
+    settings = Settings(**from_call(plan, settings, dict(
+        hbm_budget=hbm_budget, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
+        nvme_budget=nvme_budget, grad_accum=grad_accum, accumulation=accumulation)))
     budget_bytes = settings.budget_bytes
     planned = _Planned(model_or_config, settings, hardware=hardware, batch=batch, seq=seq, inputs=inputs,
                        optimizer=optimizer, loss_fn=loss_fn, train=train, style=style, nvme_bandwidth=nvme_bandwidth,
@@ -247,7 +252,8 @@ def plan(model_or_config: Any, hbm_budget: float, *, hardware: str | HardwarePro
     return result
 
 
-def minimum_budget(model_or_config: Any, *, compute_dtype: torch.dtype = torch.bfloat16,
+def minimum_budget(model_or_config: Any, *, settings: Settings | None = None,
+                   compute_dtype: torch.dtype = torch.bfloat16,
                    fuse: bool | None = Settings.fuse, host_budget: float | None = None,
                    nvme_budget: float | None = None, grad_accum: int = Settings.grad_accum,
                    accumulation: str = Settings.accumulation, **kwargs) -> float:
@@ -256,9 +262,10 @@ def minimum_budget(model_or_config: Any, *, compute_dtype: torch.dtype = torch.b
     inputs: planning at it fits, and any smaller budget is refused with a BudgetTooSmallError that
     names it. The whole blocks or over sequence chunks, whichever fits less. kwargs: plan()'s
     (hardware, batch, seq, inputs, optimizer, loss_fn, train, nvme_bandwidth, ranks, images_per_row,
-    image_size), with the same defaults."""
-    settings = Settings(compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget, nvme_budget=nvme_budget,
-                        grad_accum=grad_accum, accumulation=accumulation)
+    image_size), with the same defaults; `settings` as plan()'s (its hbm_budget is not read)."""
+    settings = Settings(**from_call(minimum_budget, settings, dict(
+        compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget, nvme_budget=nvme_budget,
+        grad_accum=grad_accum, accumulation=accumulation)))
     unknown = sorted(set(kwargs) - set(_Planned.WHAT) | ({"style"} & set(kwargs)))
     if unknown:
         raise ArgumentError(f"minimum_budget takes plan()'s arguments but hbm_budget, style and smallest; got "

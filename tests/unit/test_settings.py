@@ -30,3 +30,33 @@ def test_every_entry_point_defaults_to_the_settings_defaults():
     assert all(run_yaml[n] == fields[n] for n in ("accumulation", "fuse", "on_nonfinite", "retrace", "grad_accum",
                                                   "nvme_dir", "nvme_budget", "dump_dir", "host_budget"))
     assert Settings.accumulation == "micro"
+
+
+def test_the_front_doors_take_a_settings():
+    """compile(), plan() and minimum_budget() take a Settings instead of the keywords, and mean the
+    same by it; a keyword given beside it must agree with it."""
+    import pytest
+    import torch
+
+    from megacompile.errors import ArgumentError
+    from tests import models
+    settings = Settings(hbm_budget=1.0, device="cpu", grad_accum=2, compute_dtype=torch.bfloat16)
+    engine = megacompile.compile(models.NanoGPT(vocab=32, d=16, layers=1), settings=settings)
+    assert (engine.budget_bytes, engine.grad_accum, engine.compute_dtype) == (2 ** 30, 2, torch.bfloat16)
+    engine.close()
+    same = megacompile.compile(models.NanoGPT(vocab=32, d=16, layers=1), 1.0, settings=settings, grad_accum=2)
+    same.close()
+    with pytest.raises(ArgumentError, match="grad_accum is given twice: 4 as a keyword and 2 in settings"):
+        megacompile.compile(models.NanoGPT(vocab=32, d=16, layers=1), settings=settings, grad_accum=4)
+    with pytest.raises(ArgumentError, match="settings must be a megacompile.Settings"):
+        megacompile.compile(models.NanoGPT(vocab=32, d=16, layers=1), settings={"hbm_budget": 1.0})
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+    given = dict(hardware="h100", batch=1, seq=64, host_budget=64.0)
+    planned = Settings(hbm_budget=0.5, compute_dtype=torch.bfloat16, grad_accum=2, host_budget=64.0)
+    by_keywords = megacompile.plan(config, 0.5, grad_accum=2, **given)
+    by_settings = megacompile.plan(config, settings=planned, **given)
+    assert by_settings.to_json()["device_peak_bytes"] == by_keywords.to_json()["device_peak_bytes"]
+    assert by_settings.grad_accum == 2
+    assert (megacompile.minimum_budget(config, settings=planned, hardware="h100", batch=1, seq=64)
+            == megacompile.minimum_budget(config, grad_accum=2, host_budget=64.0, hardware="h100", batch=1, seq=64))
