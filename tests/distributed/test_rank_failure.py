@@ -77,6 +77,7 @@ def test_a_rank_killed_while_saving_leaves_the_last_checkpoint_and_the_run_resum
         assert resumed[r]["losses"][:at - dying.SAVE_AT] == died[r][dying.SAVE_AT:], r
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_once_the_wait_runs_out(tmp_path, monkeypatch):
     wait = 4
     monkeypatch.setenv(timeouts.ENV, str(wait))
