@@ -64,7 +64,7 @@ def place_in_arena(program: Program, captured: CapturedModel | None) -> Program:
             continue
         written = {key: nbytes for v in n.writes for key, nbytes in program.values[v].parts}
         new = [(key, nbytes) for key, nbytes in written.items() if key not in live]
-        graph = _graph(captured, n) if n.op in COMPUTE_OPS else None
+        graph = graph_of(captured, n) if n.op in COMPUTE_OPS else None
         made_by: dict[str, GraphStorage] = {}        # new value storages an op of the graph makes
         if graph is None:
             width = 1
@@ -100,8 +100,8 @@ def place_in_arena(program: Program, captured: CapturedModel | None) -> Program:
     return program.copy(arena=lay_out(names, sizes, firsts, lasts, simulate(program).peak, node_steps, step))
 
 
-def _graph(captured: CapturedModel | None, n: Node) -> StageProgram | None:
-    """The stage graph a compute node runs."""
+def graph_of(captured: CapturedModel | None, n: Node) -> StageProgram | None:
+    """The stage graph a compute node runs (the runtime places its ops by the same answer)."""
     if captured is None or n.stage is None:
         return None
     t = captured.stages[n.stage].template

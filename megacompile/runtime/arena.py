@@ -16,6 +16,7 @@ not own their bytes; the arena does, and the caching allocator leaves them alone
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -78,7 +79,6 @@ def flat_views(storage: torch.Tensor, metas: list) -> list[torch.Tensor]:
     """The metas' shapes and dtypes as views of one storage: one flat run per dtype, the widest dtypes
     first (so each run starts aligned to its element size), in the metas' order within a run, as
     backend.flat_empty lays a stage's weights out over one buffer per dtype."""
-    import math
     order = sorted({m.dtype: None for m in metas}, key=lambda d: -d.itemsize)
     starts, offset = {}, 0
     for dtype in order:

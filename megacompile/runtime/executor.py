@@ -22,6 +22,7 @@ import torch
 
 from ..capture import CapturedModel
 from ..ir.program import COMPUTE_OPS, SEED, Node, Op, Program, base_name, restored_of, weights
+from ..passes.arena import graph_of
 from .arena import flat_views
 from .backend import Backend, Event, flat_empty
 from .host import HostState, owner_map
@@ -210,14 +211,10 @@ class Executor:
     def _placement(self, i: int, node: Node) -> NodePlacement:
         placed = self._placed.get(i)
         if placed is None:
-            graph = self._graph(node) if node.op in COMPUTE_OPS else None
+            graph = graph_of(self.captured, node) if node.op in COMPUTE_OPS else None
             placed = self._placed[i] = place_node(self.backend.arena, self._arena_tensors.get(i, []), graph,
                                                   self.copied)
         return placed
-
-    def _graph(self, node: Node):
-        t = self.captured.stages[node.stage].template
-        return {Op.FORWARD: t.forward, Op.RECOMPUTE: t.forward, Op.BACKWARD: t.backward, Op.INFER: t.inference}[node.op]
 
     def _slot(self, name: str) -> torch.Tensor | None:
         """The arena tensor (uint8, its bytes) of the one storage value `name` keeps, when the plan
