@@ -65,7 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
     model = args.config
     if args.lora_rank is not None:      # the base frozen, LoRA adapters on it (train/finetune.py)
         from .planner.from_config import model_from_config
-        from .train.finetune import lora_for_plan
+        from .train.methods.lora import lora_for_plan
         model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype])
     accumulate = 1
     if args.gpus > 1 or args.nodes > 1:     # one rank's plan: its share of the host state, the node's budget
@@ -83,8 +83,8 @@ def _plan(args: argparse.Namespace) -> int:
         if args.smallest:
             micro = args.global_batch // accumulate if args.global_batch else args.batch
             lowest = minimum_budget(model, batch=micro, grad_accum=accumulate, **kwargs)
-            result.minimum_budget_bytes = min(result.minimum_budget_bytes, int(lowest * 2**30))
-            result.minimum_over_chunks = True
+            result = result.revised(minimum_budget_bytes=min(result.minimum_budget_bytes, int(lowest * 2**30)),
+                                    minimum_over_chunks=True)
     except HostMemoryError as e:    # the masters alone do not fit the host: nothing else matters
         print(host_line)
         print(f"  verdict        does NOT fit: {e}")
@@ -99,8 +99,8 @@ def _plan(args: argparse.Namespace) -> int:
         batch = 1 if args.global_batch else args.batch
         result = plan(model, e.minimum_bytes / 2**30, batch=batch,
                       grad_accum=args.global_batch // batch if args.global_batch else 1, **kwargs)
-        result.minimum_budget_bytes, result.minimum_over_chunks = e.minimum_bytes, True
-        result.given_budget_bytes = given_bytes
+        result = result.revised(minimum_budget_bytes=e.minimum_bytes, minimum_over_chunks=True,
+                                given_budget_bytes=given_bytes)
         fits = False
     print(result.summary())
     print(host_line)

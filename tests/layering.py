@@ -280,6 +280,183 @@ def engine_private_access(root: Path) -> list[str]:
             f"megacompile/engine/" for path, line, subject, attr in sorted(found)]
 
 
+# --- stores into the TrainingState --------------------------------------------------------------
+#
+# megacompile/state/ owns the TrainingState: elsewhere its fields are read, and changed only
+# through its transitions. Which expressions hold one is read from the package's naming, which
+# state_holders() lists for the tests to keep:
+#   - the Engine holds it as `.state`: `engine.state`, `self.engine.state` / `self._engine.state`,
+#     and `self.state` in the engine's room (megacompile/engine/);
+#   - a function takes it as a parameter annotated `TrainingState` (io/, distributed/: all named
+#     `state`), or unannotated and named `state` or `training_state`;
+#   - a local bound to one of those (`state = engine.state`).
+# A name `state` annotated or bound otherwise (a dict of tensors, a torch RNG state) is not one;
+# nor is `_state` (capture/chunk.py's thread-local). A TrainingState reached another way (through
+# a weak reference, getattr) is not seen.
+
+STATE_NAMES = ("state", "training_state")
+_ENGINE_NAMES = ("engine", "_engine")
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _names_state(annotation: ast.AST | None) -> bool:
+    return annotation is not None and "TrainingState" in ast.unparse(annotation)
+
+
+def _is_state(node: ast.AST, names: set[str], engine_room: bool) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in names
+    if isinstance(node, ast.Attribute) and node.attr == "state":
+        holder = node.value
+        return (isinstance(holder, ast.Name) and (holder.id in _ENGINE_NAMES or holder.id == "self" and engine_room)
+                or isinstance(holder, ast.Attribute) and holder.attr in _ENGINE_NAMES)
+    return False
+
+
+def _own_nodes(scope: ast.AST):
+    """The nodes of a scope, not descending into the functions and classes it defines."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (*_SCOPES, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _bound(target: ast.AST, value: ast.AST | None) -> list[tuple[str, ast.AST | None, None]]:
+    """(name, the value it takes, if known) for each name an assignment binds: `a, b = x, y` too."""
+    if isinstance(target, ast.Name):
+        return [(target.id, value, None)]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        values = (value.elts if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts)
+                  else [None] * len(target.elts))
+        return [pair for t, v in zip(target.elts, values) for pair in _bound(t, v)]
+    if isinstance(target, ast.Starred):
+        return _bound(target.value, None)
+    return []
+
+
+def _scope_names(scope: ast.AST, outer: set[str], engine_room: bool) -> set[str]:
+    """The names that hold a TrainingState in `scope` (a module or a function): its parameters
+    and bindings as the convention above reads them, and the enclosing scope's it does not rebind."""
+    names = set(outer)
+    if isinstance(scope, _SCOPES):
+        args = scope.args
+        for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]:
+            if a is None:
+                continue
+            names.discard(a.arg)
+            if _names_state(a.annotation) or a.annotation is None and a.arg in STATE_NAMES:
+                names.add(a.arg)
+    bindings = []
+    for node in _own_nodes(scope):
+        if isinstance(node, ast.Assign):
+            bindings += [pair for t in node.targets for pair in _bound(t, node.value)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            bindings.append((node.target.id, node.value, node.annotation))
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension, ast.withitem)):
+            target = node.optional_vars if isinstance(node, ast.withitem) else node.target
+            bindings += [(t.id, None, None) for t in ast.walk(target) if isinstance(t, ast.Name)] if target else []
+    for _ in range(len(bindings) + 1):    # `a = engine.state; b = a` takes two rounds
+        held = {name for name, value, annotation in bindings
+                if _names_state(annotation) or value is not None and _is_state(value, names, engine_room)}
+        if held <= names:
+            break
+        names |= held
+    rebound = {name for name, _, _ in bindings} - {name for name, value, annotation in bindings
+                                                   if _names_state(annotation)
+                                                   or value is not None and _is_state(value, names, engine_room)}
+    return names - rebound
+
+
+def _holds_state(node: ast.AST, names: set[str], engine_room: bool) -> bool:
+    """Whether `node` is a TrainingState or reached through one (state.counters, state.x[0])."""
+    while True:
+        if _is_state(node, names, engine_room):
+            return True
+        if not isinstance(node, (ast.Attribute, ast.Subscript)):
+            return False
+        node = node.value
+
+
+def _stores(node: ast.AST) -> list[tuple[ast.AST, str]]:
+    """(object stored into, what the store reads as) for each attribute or item store of `node`."""
+    if isinstance(node, (ast.Assign, ast.Delete)):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor)):
+        targets = [node.target]
+    elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+        targets = [node.optional_vars]
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+          and node.args):
+        return [(node.args[0], ast.unparse(node))]
+    else:
+        return []
+    verb = "del " if isinstance(node, ast.Delete) else ""
+    return [(t.value, verb + ast.unparse(t)) for target in targets for t in ast.walk(target)
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and isinstance(t.ctx, (ast.Store, ast.Del))]
+
+
+def _scopes(tree: ast.Module, engine_room: bool):
+    """(scope, names holding a TrainingState there) for the module and each function and class
+    body in it; a class body has its enclosing scope's names, and passes them to its methods."""
+    todo = [(tree, set(), True)]
+    while todo:
+        scope, outer, own = todo.pop()
+        names = _scope_names(scope, outer, engine_room) if own else outer
+        yield scope, names
+        for node in _own_nodes(scope):
+            if isinstance(node, (*_SCOPES, ast.ClassDef)):
+                todo.append((node, names, not isinstance(node, ast.ClassDef)))
+
+
+def _state_stores_in(tree: ast.Module, engine_room: bool):
+    """(line, store) of each store into a TrainingState in the module."""
+    for scope, names in _scopes(tree, engine_room):
+        for node in _own_nodes(scope):
+            for obj, text in _stores(node):
+                if _holds_state(obj, names, engine_room):
+                    yield node.lineno, text
+
+
+def _outside_state_room(root: Path):
+    state_room = root / SOURCE_ROOTS[PACKAGE] / "state"
+    engine_room = root / SOURCE_ROOTS[PACKAGE] / "engine"
+    for path in find_modules(root).values():
+        if state_room not in path.parents:
+            yield path, engine_room in path.parents
+
+
+def training_state_stores(root: Path) -> list[str]:
+    """Attribute and item stores (=, +=, annotated =, del, setattr, delattr) into a TrainingState,
+    or into what it holds, outside megacompile/state/."""
+    root = Path(root)
+    found = set()
+    for path, engine_room in _outside_state_room(root):
+        for line, text in _state_stores_in(parse(path), engine_room):
+            found.add((str(path.relative_to(root)), line, text))
+    return [f"{path}:{line}: {text} stores into the TrainingState outside megacompile/state/: change it "
+            f"through a transition of state/training.py" for path, line, text in sorted(found)]
+
+
+def state_holders(root: Path) -> list[tuple[str, int, str]]:
+    """(file, line, name) of each parameter and local the convention above takes for a
+    TrainingState, outside megacompile/state/: what the tests check the convention against."""
+    root = Path(root)
+    found = set()
+    for path, engine_room in _outside_state_room(root):
+        where = str(path.relative_to(root))
+        for scope, names in _scopes(parse(path), engine_room):
+            if isinstance(scope, _SCOPES):
+                args = scope.args
+                found.update((where, a.lineno, a.arg) for a in args.posonlyargs + args.args + args.kwonlyargs
+                             if a.arg in names)
+            for node in _own_nodes(scope):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in names:
+                    found.add((where, node.lineno, node.id))
+    return sorted(found)
+
+
 # --- the map in docs/architecture.md ------------------------------------------------------------
 
 _MAP_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`([^`]+)`\s*\|")
@@ -313,3 +490,102 @@ def check(root: Path, layers) -> list[str]:
     graph = build_graph(root)
     return (unplaced_rooms(root, graph, layers) + import_cycles(graph, layers)
             + layer_violations(graph, layers) + engine_private_access(root))
+
+
+# --- stores on a solved Plan --------------------------------------------------------------------
+#
+# A Plan is frozen once solved (megacompile/planner/result.py): outside megacompile/planner/ no
+# code sets, deletes or setattr()s its attributes; planning revises a copy (Plan.revised) and a
+# run keeps what it measures beside the plan (planner/measured.py). Which expressions hold a Plan
+# is read from the package's naming: the names `plan`, `result` and `chosen`, a name annotated
+# `Plan` (a parameter, an annotated assignment), an attribute `.plan` (`engine.plan`,
+# `compiled.plan`), and a name bound to one of those in the same file. Which attributes are the
+# Plan's is read from result.py: the names class Plan defines (fields, properties, methods) and
+# the caches its methods keep with object.__setattr__(self, ...).
+
+PLAN_NAMES = ("plan", "result", "chosen")
+PLAN_SOURCE = "planner/result.py"
+
+
+def _sets_an_attribute(node: ast.AST) -> bool:
+    """setattr(...), delattr(...), object.__setattr__(...), object.__delattr__(...)."""
+    if not isinstance(node, ast.Call) or len(node.args) < 2:
+        return False
+    f = node.func
+    return (isinstance(f, ast.Name) and f.id in ("setattr", "delattr")
+            or isinstance(f, ast.Attribute) and f.attr in ("__setattr__", "__delattr__"))
+
+
+def plan_attributes(root: Path) -> set[str]:
+    """The attribute names of class Plan, from the source of megacompile/planner/result.py."""
+    path = Path(root) / SOURCE_ROOTS[PACKAGE] / PLAN_SOURCE
+    plan = next(n for n in ast.walk(parse(path)) if isinstance(n, ast.ClassDef) and n.name == "Plan")
+    names = set()
+    for node in plan.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("__"):
+            names.add(node.name)
+    for node in ast.walk(plan):
+        if (_sets_an_attribute(node) and isinstance(node.args[0], ast.Name) and node.args[0].id == "self"
+                and isinstance(node.args[1], ast.Constant)):
+            names.add(node.args[1].value)
+    return names
+
+
+def _annotated_plan(annotation: ast.AST | None) -> bool:
+    return annotation is not None and re.search(r"\bPlan\b", ast.unparse(annotation)) is not None
+
+
+def _holds_plan(node: ast.AST, names: set[str]) -> bool:
+    return (isinstance(node, ast.Name) and node.id in names
+            or isinstance(node, ast.Attribute) and node.attr == "plan")
+
+
+def _plan_names(tree: ast.Module) -> set[str]:
+    """The names of a file that hold a Plan, by the convention above."""
+    names = set(PLAN_NAMES)
+    bound = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and _annotated_plan(node.annotation):
+            names.add(node.arg)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and _annotated_plan(node.annotation):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            bound += [(t.id, node.value) for t in node.targets if isinstance(t, ast.Name)]
+    while True:     # `p = engine.plan; q = p`
+        more = {name for name, value in bound if _holds_plan(value, names)} - names
+        if not more:
+            return names
+        names |= more
+
+
+def _plan_stores_in(tree: ast.Module, attributes: set[str]):
+    """(line, store) of each store on a Plan in the module: an attribute the Plan has, or any name
+    setattr() is given that is not a literal."""
+    names = _plan_names(tree)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
+                and node.attr in attributes and _holds_plan(node.value, names)):
+            yield node.lineno, ("del " if isinstance(node.ctx, ast.Del) else "") + ast.unparse(node)
+        elif _sets_an_attribute(node) and _holds_plan(node.args[0], names):
+            name = node.args[1]
+            if not isinstance(name, ast.Constant) or name.value in attributes:
+                yield node.lineno, ast.unparse(node)
+
+
+def plan_stores(root: Path) -> list[str]:
+    """Stores (=, +=, annotated =, del, setattr, delattr, object.__setattr__) on a Plan's
+    attributes outside megacompile/planner/."""
+    root = Path(root)
+    planner = root / SOURCE_ROOTS[PACKAGE] / "planner"
+    attributes = plan_attributes(root)
+    found = set()
+    for path in find_modules(root).values():
+        if planner in path.parents:
+            continue
+        for line, text in _plan_stores_in(parse(path), attributes):
+            found.add((str(path.relative_to(root)), line, text))
+    return [f"{path}:{line}: {text} stores on a Plan outside megacompile/planner/: a plan is frozen once solved; "
+            f"planning revises a copy (Plan.revised), a run keeps what it measures beside it "
+            f"(planner/measured.py)" for path, line, text in sorted(found)]

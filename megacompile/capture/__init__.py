@@ -21,11 +21,12 @@ from .model_graph import CapturedModel, Port, StageInstance, StateEntry
 from .refuse import refuse_unsupported
 from .segment import build_stages
 from .stage import ParamSlot, StageTemplate, TensorMeta
-from . import shared
-from .top import every_block_traced, trace_top
+from .top import trace_top
+from .grid_constants import GRID_INPUTS
+from .rope_positions import with_rope_positions
 
 __all__ = ["capture", "CapturedModel", "StageInstance", "StageTemplate", "TensorMeta", "ParamSlot",
-           "Port", "StateEntry", "find_block_stack", "extract_loss", "BlockStack", "ImageTokens"]
+           "Port", "StateEntry", "find_block_stack", "extract_loss", "BlockStack", "ImageTokens", "GRID_INPUTS", "with_rope_positions"]
 
 
 def model_state(model: nn.Module) -> dict[str, StateEntry]:
@@ -43,17 +44,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
 
     Floating parameters and buffers are traced in `compute_dtype` on `device`, as the device will
     hold them; the model's own tensors are never read, so a model on the meta device works.
-    Within shared.captures_shared(), a call like one made before returns that capture.
     """
-    if not shared.active():
-        return _capture(model, args, kwargs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
-    captured = shared.lookup(model, args, kwargs, device, compute_dtype, loss_fn, train)
-    if captured is None:
-        with every_block_traced():
-            captured = _capture(model, args, kwargs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn,
-                                train=train)
-        shared.keep(model, args, kwargs, device, compute_dtype, loss_fn, train, captured)
-    return captured
+    return _capture(model, args, kwargs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device,

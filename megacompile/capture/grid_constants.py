@@ -11,7 +11,7 @@ and hands them to the tower as the precomputed inputs it accepts; in the graph t
 and the lengths the attention splits by are plain numbers.
 
 A capture is then valid for its grids only. `grid_key` puts the grids' values beside the inputs'
-shapes in the keys captures are found by (the engine's, shared.py's), so a batch with other grids
+shapes in the keys captures are found by (the engine's, engine/prepared.py's), so a batch with other grids
 is captured anew (or, with retrace=False, refused); and `GridConstants.check` refuses a step whose
 grids differ from the captured ones before anything runs, so no step runs on stale constants.
 """

@@ -59,16 +59,6 @@ def blocks_grouped_once():
         _GROUPS.reset(token)
 
 
-@contextlib.contextmanager
-def every_block_traced():
-    """A training capture inside a planning scope (blocks_grouped_once): every block traced."""
-    token = _GROUPS.set(None)
-    try:
-        yield
-    finally:
-        _GROUPS.reset(token)
-
-
 class _LogEveryBlock(Exception):
     """A sampled block computed otherwise than its group's first: capture again, logging all."""
 

@@ -23,6 +23,7 @@ wait the long timeout (timeouts.py): the ranks write and fsync at their disks' s
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -108,9 +109,7 @@ def _write_and_commit(state: "TrainingState", path: str, tmp: str, extra: Any, k
         try:
             if failed:
                 raise CheckpointError(f"cannot write the checkpoint {path}: {'; '.join(failed)}")
-            manifest = {"format": checkpoint.FORMAT, "run": state.run_id, "steps_done": state.steps_done,
-                        "micro_batches": state.micro_batches, "skipped_steps": state.skipped_steps,
-                        "missed_steps": dict(state.missed_steps),
+            manifest = {"format": checkpoint.FORMAT, **run_state.counters(state),
                         "optimizer": run_state.optimizer_settings(state), "schedule": run_state.schedule_state(state),
                         "rng": reports[0][1], "rng_ranks": [r[1] for r in reports], "extra": extra,
                         "files": {k: v for r in reports for k, v in r[0].items()}}
@@ -142,22 +141,16 @@ def load(state: "TrainingState", path: str, strict: bool = False) -> Any:
 
 
 def _load(state: "TrainingState", path: str, strict: bool) -> Any:
-    held, state.host = state.host, None       # the one-process loader then leaves the tensors pending
-    try:
-        extra = checkpoint.load(state, path, strict=strict)
-    finally:
-        state.host = held
-    share, state.pending_load = ShareOfLoad(state.pending_load), None
-    if held is not None:
-        model_params.synchronize(state)
-        share.apply(held)
-    else:
-        state.pending_load = share
+    # The one-process reader's checks, against the model's parameters (every rank builds the
+    # whole model); then this rank's share of the tensors arrives as a one-process load's
+    # would: into the host state now if it exists, else when the first step builds it.
+    reading = checkpoint.read(state, path, strict, layout=state.model_layout())
+    checkpoint.restore(state, dataclasses.replace(reading, weights=ShareOfLoad(reading.weights)))
     with open(os.path.join(os.fspath(path), checkpoint.MANIFEST)) as f:
         saved = json.load(f).get("rng_ranks", [])
     if len(saved) == state.data_parallel.size:     # else every rank keeps rank 0's, as loaded
         run_state.restore_rng(saved[state.data_parallel.rank])
-    return extra
+    return reading.extra
 
 
 class ShareOfLoad:

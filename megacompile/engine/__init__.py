@@ -6,9 +6,13 @@
     step.py              the step protocol, once: commit or leave nothing; StepRecord
     layer_major_step.py  a step's micro-batches held until the last, then run as one program
     from_pretrained.py   megacompile.from_pretrained
+    prepared.py          a capture and plan made before the engine, handed to it (Engine.adopt)
 """
 from .engine import Engine
 from .from_pretrained import from_pretrained
+from .prepared import Prepared, prepare, training_capture
 from .step import StepRecord
+from .from_pretrained import compile_folder
+from .skip_streak import SkipStreak
 
-__all__ = ["Engine", "StepRecord", "from_pretrained"]
+__all__ = ["Engine", "Prepared", "StepRecord", "from_pretrained", "prepare", "training_capture", "SkipStreak", "compile_folder"]

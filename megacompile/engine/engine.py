@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..capture import CapturedModel, capture
-from ..capture.grid_constants import describe_grids, grid_key
+from ..capture.grid_constants import describe_grids
 from ..capture.loss import LossFn
 from ..capture.rope_positions import with_rope_positions
 from .. import arguments
@@ -30,6 +30,7 @@ from ..optim.adamw import given_optimizer
 from ..passes import StepKind
 from ..planner import Plan
 from ..planner.cache import PlanCache, note_new_shape
+from ..planner.measured import MeasuredRun
 from ..cost import HardwareProfile, profile_for
 from ..cost.host_memory import default_host_budget_bytes, module_resident
 from ..planner.request import PlanRequest, disk_room, fused, host_accumulation
@@ -43,6 +44,7 @@ from ..io.checkpoint import LocalCheckpoints
 from ..distributed import data_parallel_for
 from ..distributed.checkpoint import ShardedCheckpoints
 from .layer_major_step import layer_major_step
+from .prepared import Prepared, signature
 from .skip_streak import SkipStreak
 from .step import StepRecord, run_step, tokens
 
@@ -54,6 +56,7 @@ class _Compiled:
     captured: CapturedModel
     plan: Plan
     executor: Executor
+    measured: MeasuredRun     # what its runs measured, beside the plan: its peak, the backend's last step
 
 
 class Engine:
@@ -130,6 +133,7 @@ class Engine:
         self._input_limits = arguments.InputLimits(model)
         self._last: _Compiled | None = None
         self._last_train: _Compiled | None = None
+        self._prepared: Prepared | None = None     # adopt()
         self.on_nonfinite = on_nonfinite
         # With "skip": this many optimizer steps skipped in a row raise NonFiniteError (engine/skip_streak.py).
         if max_consecutive_skips is not None:
@@ -166,10 +170,12 @@ class Engine:
 
     # -- compiling -----------------------------------------------------------------------
     def _signature(self, args: tuple, kwargs: dict, train: bool) -> tuple:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        shape = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", repr(x))
-                      for x in leaves)
-        return (train, self.model.training, str(spec), shape, grid_key(kwargs))
+        return signature(self.model, args, kwargs, train)
+
+    def adopt(self, prepared: Prepared) -> None:
+        """Take a capture and plan made before this engine (engine/prepared.py): the first call
+        with their inputs runs them instead of tracing and planning again."""
+        self._prepared = prepared
 
     def _compile(self, args: tuple, kwargs: dict, train: bool, update: bool = True) -> _Compiled:
         signature = self._signature(args, kwargs, train)
@@ -193,8 +199,12 @@ class Engine:
                     f"was built for {_describe_meta(previous)}; pass inputs of the traced shapes, or "
                     "compile(..., retrace=True) to build a plan per input shape")
             start = time.perf_counter()
-            captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
-                               loss_fn=self.loss_fn, train=train)
+            prepared = self._prepared
+            if prepared is not None and prepared.captures(signature, self.device, self.compute_dtype, self.loss_fn):
+                captured = prepared.captured
+            else:
+                captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
+                                   loss_fn=self.loss_fn, train=train)
             self._captured[signature] = captured
             self._shapes_seen += 1
         if self.host is None:
@@ -210,29 +220,28 @@ class Engine:
                 grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir)
             if host.disk is not None:
                 host.disk.record_into(self.backend.timeline)
-            host.missed = self.state.missed_steps      # per-parameter step counts, kept by checkpoints
             # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
             # stream in now, one tensor at a time; a failure leaves the engine without host state.
             state = self.state
-            if state.pending_load is not None:
-                state.pending_load.apply(host, self.model)
-            elif state.materialized:
-                host.load_module(self.model)
+            state.host_built(host)
             # One copy of the weights: the module's become views of the masters (a rank's masters are
             # a share: under data parallelism the module keeps its own).
             if state.materialized and self.data_parallel is None:
-                state.host = host
                 model_params.lend(state)
-            state.host, state.pending_load = host, None
-        plan = make_plan(captured, PlanRequest(
+        request = PlanRequest(
             self.budget_bytes, kind, self.backend.name, self.hardware or profile_for(self.backend.name),
             host_bytes=self.host.nbytes + self.host_cost.module_bytes, host_cost=self.host_cost,
             host_budget_bytes=self.host_budget_bytes, fuse=self.fuse, grad_accum=self.grad_accum,
-            accumulation=self.accumulation, dump_dir=self.dump_dir))
+            accumulation=self.accumulation, dump_dir=self.dump_dir)
+        prepared = self._prepared
+        if prepared is not None and prepared.captured is captured and prepared.request == request:
+            plan = prepared.plan
+        else:
+            plan = make_plan(captured, request)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self.state.update.adamw,
                             self.state.update.clip)
-        compiled = _Compiled(plan.captured, plan, executor)
-        plan.timeline = self.backend.timeline     # its measured step, for traces and the memory picture
+        measured = MeasuredRun(self.backend.timeline)     # its measured step, for traces and the memory picture
+        compiled = _Compiled(plan.captured, plan.with_measured(measured), executor, measured)
         self._compiled[(signature, kind)] = compiled
         if start is not None:   # a new input signature: traced and planned just now
             note_new_shape(self._shapes_seen, time.perf_counter() - start, _describe(args, kwargs))
@@ -314,7 +323,7 @@ class Engine:
         compiled.captured.check_inputs(self._inputs(args, kwargs))
         self._require_weights()
         outputs = compiled.executor.run(self._inputs(args, kwargs))
-        compiled.plan.measured_peak_bytes = self.backend.memory.peak_bytes
+        compiled.measured.peak_bytes = self.backend.memory.peak_bytes
         self._last = compiled
         return compiled.captured.rebuild_output(outputs)
 
@@ -394,7 +403,6 @@ class Engine:
         shape, dtype and value of a call is checked before it writes anything. A model built on
         meta trains once its parts are complete (its first step names what is missing)."""
         state_dict.load(self.state, state, strict=strict)
-        self.state.loads += 1
 
     def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
         """Write a checkpoint folder at `path`: masters, AdamW moments, counters, optimizer settings,
@@ -416,7 +424,6 @@ class Engine:
         strict=False loads it keeping this engine's settings and the model's own buffers, with a
         warning naming them. Returns the `extra` state it was saved with."""
         extra = self._checkpoints.load(self.state, path, strict=strict)
-        self.state.loads += 1
         return extra
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,

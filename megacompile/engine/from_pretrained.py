@@ -39,8 +39,6 @@ def compile_folder(model: nn.Module, path: str, hbm_budget: float, file_key: Cal
     state = engine.state
     canonical = state.canonical if file_key is None else {file_key(k): n for k, n in state.canonical.items()}
     own = tuple(n for n, p in model.named_parameters() if not p.is_meta)
-    state.pending_load = PendingLoad(plan_items(canonical, model, path, shards), own_buffers=True, own_params=own,
-                                     describe=f"the weights in {path}")
-    state.materialized = True
-    state.source_dir = path
+    state.weights_arrive(PendingLoad(plan_items(canonical, model, path, shards), own_buffers=True, own_params=own,
+                                     describe=f"the weights in {path}"), source_dir=path)
     return engine

@@ -90,7 +90,7 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
         host.restore_copies()
         raise
     finally:
-        compiled.plan.measured_peak_bytes = backend.memory.peak_bytes
+        compiled.measured.peak_bytes = backend.memory.peak_bytes
         engine._last = engine._last_train = compiled
     losses = [float(x) for x in outputs[::len(compiled.captured.outputs)]]     # one per micro-batch
     loss = losses[-1]
@@ -103,17 +103,14 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
                      f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})", micro, earlier_committed)
     host.commit_micro_batch()
     compiled.executor.commit()
-    state.micro_batches += micro_batches
-    if last:
-        state.steps_done += 1
-        state.torch_optimizer.step()   # tells attached torch LR schedulers a step happened
+    state.micro_batches_committed(micro_batches, step_ends=last)   # and tells attached LR schedulers
     if micro_batches > 1:
         engine.accumulated_losses = losses
     # A layer-major program ran the whole step: its seconds and peaks are the step's, its tokens
     # this call's own micro-batch's (the waiting calls' records counted theirs).
     engine.last_step = StepRecord(context["step"], loss, micro, last, grad_norm=context.get("grad_norm"),
                                   lr=context["lr"], tokens=tokens, seconds=time.perf_counter() - started,
-                                  device_peak_bytes=compiled.plan.measured_peak_bytes,
+                                  device_peak_bytes=compiled.measured.peak_bytes,
                                   predicted_device_peak_bytes=compiled.plan.predicted_peak_bytes,
                                   host_threads=backend.host.threads)
     if last:
@@ -130,8 +127,7 @@ def _skip(engine, compiled, loss: float, what: str, why: str, micro: int,
     state = engine.state
     compiled.executor.commit_nothing()
     state.host.restore_copies()
-    state.micro_batches -= earlier_committed
-    state.skipped_steps += 1
+    state.step_skipped(earlier_committed)
     step = state.steps_done + 1
     engine.last_step = StepRecord(step, loss, micro, True, skipped=what, reason=why)
     message = (f"step {step} skipped: {why}; masters, AdamW moments and counters are unchanged"

@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import safetensors.torch
@@ -80,9 +81,7 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
                               "the step's last micro-batch")
     durable.clean_leftovers(parent)
     model_params.synchronize(state)
-    manifest = {"format": FORMAT, "run": state.run_id, "steps_done": state.steps_done,
-                "micro_batches": state.micro_batches,
-                "skipped_steps": state.skipped_steps, "missed_steps": dict(state.missed_steps),
+    manifest = {"format": FORMAT, **run_state.counters(state),
                 "optimizer": run_state.optimizer_settings(state),
                 "schedule": run_state.schedule_state(state), "rng": run_state.rng_state(), "extra": extra}
     mid_step = state.micro_batches % state.grad_accum != 0
@@ -225,25 +224,62 @@ def verified_manifest(path: str) -> dict:
 
 
 
+@dataclass
+class Reading:
+    """A checked checkpoint, read but not yet applied: what restore() gives the state."""
+    weights: Any            # PendingLoad of its tensors (apply(host, model))
+    counters: dict          # for Counters.load_state_dict
+    param_group: dict       # the LR handle's saved learning rate, where it is restored
+    schedule: dict          # the saved LR schedule: the handle's param group, attached schedulers
+    rng: dict
+    notes: list[str]        # warnings to give once it is applied
+    extra: Any
+
+
 def load(state: "TrainingState", path: str, strict: bool = True) -> Any:
+    """load_checkpoint in one process: a checkpoint folder (or a one-file checkpoint of the
+    format before) checked, then applied; returns its `extra`."""
+    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        _check_arguments(path, strict)
+        from .legacy_checkpoint import load as load_single_file   # the one-file format written before folders
+        load_single_file(state, os.fspath(path))
+        return None
+    reading = read(state, path, strict)
+    restore(state, reading)
+    return reading.extra
+
+
+def restore(state: "TrainingState", reading: Reading) -> None:
+    """Apply a checkpoint read: weights, counters and learning rate (TrainingState.restore), LR
+    schedulers, random state; then the warnings."""
+    state.restore(reading.weights, reading.counters, param_group=reading.param_group)
+    notes = reading.notes + run_state.restore_schedulers(state, reading.schedule)
+    run_state.restore_rng(reading.rng)
+    for message in notes:
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _check_arguments(path: Any, strict: Any) -> None:
     if not isinstance(path, (str, os.PathLike)):
         raise MegacompileError(f"load_checkpoint takes a checkpoint folder path, got {path!r}")
     if not isinstance(strict, bool):
         raise MegacompileError(f"load_checkpoint(strict=...) is True (refuse a checkpoint whose settings or "
                                f"model-built buffers differ from this engine's) or False (keep this engine's); "
                                f"got {strict!r}")
-    path = os.fspath(path)
-    wrong_path = checkpoint_path.refusal(path)
+    wrong_path = checkpoint_path.refusal(os.fspath(path))
     if wrong_path is not None:
         raise wrong_path
-    if os.path.isfile(path):
-        from .legacy_checkpoint import load as load_single_file   # the one-file format written before folders
-        load_single_file(state, path)
-        return None
+
+
+def read(state: "TrainingState", path: str, strict: bool = True, layout: tuple | None = None) -> Reading:
+    """Check a checkpoint folder against the state, changing nothing. layout: what its tensors
+    must fit, state.layout() by default."""
+    _check_arguments(path, strict)
+    path = os.fspath(path)
     if os.path.isdir(os.path.dirname(os.path.abspath(path))):
         durable.settle(path)      # a replacement cut short or under way: its committed checkpoint back at `path`
     manifest = verified_manifest(path)
-    trainable, const = state.layout()
+    trainable, const = state.layout() if layout is None else layout
     items, problems = [], []
     mid_step = manifest["micro_batches"] % manifest["optimizer"]["grad_accum"] != 0
     tables = (MASTER,) + TABLES[:2] + (("grad",) if mid_step else ())
@@ -289,26 +325,12 @@ def load(state: "TrainingState", path: str, strict: bool = True) -> Any:
     items = [it for it in items if not (it.table == CONST and it.name in buffers)]
     pending = PendingLoad(items, own_buffers=bool(buffers), needs=tables, describe=f"the checkpoint {path}",
                           reached=(frozenset(trainable if reached is None else reached) if mid_step else None))
-    if state.host is not None:
-        state.wait_updates()
-        pending.apply(state.host, state.model)
-        state.pending_load = None
-    else:
-        state.pending_load = pending       # streamed in when the first step builds the host state
-    state.materialized = True
-    state.weight_parts = None         # partial loads before it are superseded
-    state.steps_done = manifest["steps_done"]
-    state.micro_batches = manifest["micro_batches"]
-    state.skipped_steps = manifest.get("skipped_steps", 0)
-    state.missed_steps.clear()        # the same dict the host state updates
-    state.missed_steps.update(missed)
-    state.run_id = manifest.get("run", state.run_id)     # the resumed run's: keep_last rotates its checkpoints
     lr_differs = any(d.startswith("lr:") for d in differences)
-    notes = run_state.restore_schedule(state, manifest["schedule"], lr_differs)
-    run_state.restore_rng(manifest["rng"])
-    for message in [f"the checkpoint {path} was saved with other settings, this engine's are kept: "
-                    f"{'; '.join(differences)}"] * bool(differences) + [
-                    f"the checkpoint {path} holds other values of buffers the model built itself; the model's own "
-                    f"are kept: {'; '.join(f'{n}: {d}' for n, d in buffers.items())}"] * bool(buffers) + notes:
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return manifest.get("extra")
+    notes = [f"the checkpoint {path} was saved with other settings, this engine's are kept: "
+             f"{'; '.join(differences)}"] * bool(differences) + [
+             f"the checkpoint {path} holds other values of buffers the model built itself; the model's own "
+             f"are kept: {'; '.join(f'{n}: {d}' for n, d in buffers.items())}"] * bool(buffers)
+    # The counters take the saved run's id too: keep_last rotates the resumed run's checkpoints.
+    return Reading(pending, run_state.saved_counters(manifest),
+                   run_state.saved_param_group(manifest["schedule"], lr_differs), manifest["schedule"],
+                   manifest["rng"], notes, manifest.get("extra"))

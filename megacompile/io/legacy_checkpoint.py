@@ -48,18 +48,11 @@ def load(state: "TrainingState", path: str) -> None:
     if problems:
         raise MegacompileError(f"the checkpoint {path} does not match this model: {'; '.join(problems[:4])}; "
                                "nothing was loaded")
-    pending = _Payload(payload)
-    if state.host is not None:
-        pending.apply(state.host)
-    else:
-        state.pending_load = pending     # written when the first step builds the host state
-    state.weight_parts = None
-    state.steps_done = payload["steps_done"]
-    state.micro_batches = payload["micro_batches"]
-    state.missed_steps.clear()      # the format kept no per-parameter counts: each is steps_done
-    state.torch_optimizer.param_groups[0]["lr"] = payload["lr_handle"]
+    # Written into the host state now, or when the first step builds it. The format kept no
+    # per-parameter counts (each is steps_done), no skipped steps and no run id (the engine's stays).
+    state.restore(_Payload(payload), {"steps_done": payload["steps_done"], "micro_batches": payload["micro_batches"],
+                                      "missed_steps": {}}, param_group={"lr": payload["lr_handle"]})
     torch.set_rng_state(payload["rng"])
-    state.materialized = True
 
 
 class _Payload:

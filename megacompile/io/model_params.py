@@ -66,8 +66,7 @@ def attach(state: "TrainingState") -> None:
         if owner is not None and owner.model is module and not prefix and owner.host is not None \
                 and owner.data_parallel is None and _feeds(owner):
             from .state_dict import load
-            load(owner, dict(values), strict=rest[1])
-            owner.loads += 1
+            load(owner, dict(values), strict=rest[1])     # counted as a load by the state itself
     state.model.register_load_state_dict_pre_hook(before_load_state_dict)
 
 
@@ -97,11 +96,11 @@ def synchronize(state: "TrainingState") -> None:
 def write_back(state: "TrainingState") -> None:
     """Copy the engine's masters (and buffers) into the module's real tensors, if they changed
     since the last copy (reading them waits for the running updates first)."""
-    version = (state.steps_done, state.loads)     # what changes whenever the masters do
+    version = state.counters.weights_version     # what changes whenever the masters do
     if state.data_parallel is not None or state.module_version == version or not _feeds(state):
         return
     if state.host is None and state.pending_load is None and state.weight_parts is None:
-        state.module_version = version       # the module's own weights are the state
+        state.module_synchronized(version)       # the module's own weights are the state
         return
     own = state.model.state_dict(keep_vars=True)
     # A module tensor that is a view of the state (runtime/host.py lend_to_module) is up to date
@@ -114,7 +113,7 @@ def write_back(state: "TrainingState") -> None:
             for key, t in unbuilt.state_tensors(state):      # one tensor at a time, no copy of the state
                 if key in own and not own[key].is_meta and own[key].data_ptr() != t.data_ptr():
                     own[key].copy_(t)
-    state.module_version = version
+    state.module_synchronized(version)
 
 
 def _lent(state: "TrainingState", key: str, t: torch.Tensor) -> bool:

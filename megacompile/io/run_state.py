@@ -17,6 +17,23 @@ if TYPE_CHECKING:
     from ..state import TrainingState
 
 
+def counters(state: "TrainingState") -> dict:
+    """The manifest's counters, under its own keys and in its order (the run's id is `run`)."""
+    saved = state.counters.state_dict()
+    return {"run": saved["run_id"], "steps_done": saved["steps_done"], "micro_batches": saved["micro_batches"],
+            "skipped_steps": saved["skipped_steps"], "missed_steps": saved["missed_steps"]}
+
+
+def saved_counters(manifest: dict) -> dict:
+    """counters() read back, for Counters.load_state_dict. A manifest written before it named its
+    run keeps the engine's own id; one without skipped_steps or missed_steps counts none."""
+    values = {"steps_done": manifest["steps_done"], "micro_batches": manifest["micro_batches"],
+              "skipped_steps": manifest.get("skipped_steps", 0), "missed_steps": manifest.get("missed_steps", {})}
+    if "run" in manifest:
+        values["run_id"] = manifest["run"]
+    return values
+
+
 def optimizer_settings(state: "TrainingState") -> dict:
     opt = state.optimizer
     return {"lr": "callable" if callable(opt.lr) else opt.lr, "betas": list(opt.betas), "eps": opt.eps,
@@ -53,16 +70,17 @@ def schedule_state(state: "TrainingState") -> dict:
     return {"param_group": _jsonable(group), "schedulers": _jsonable(schedulers)}
 
 
-def restore_schedule(state: "TrainingState", saved: dict, lr_differs: bool) -> list[str]:
-    """Put the handle's learning rate and every attached scheduler back; returns notes on what
-    could not be matched."""
+def saved_param_group(saved: dict, lr_differs: bool) -> dict:
+    """The handle's learning rate as saved (for TrainingState.restore); nothing where this engine's
+    own learning rate differs, which then wins (the caller warns)."""
+    if lr_differs:
+        return {}
+    return {k: v for k, v in saved["param_group"].items() if k in ("lr", "initial_lr")}
+
+
+def restore_schedulers(state: "TrainingState", saved: dict) -> list[str]:
+    """Put every attached scheduler back; returns notes on what could not be matched."""
     notes = []
-    group = state.torch_optimizer.param_groups[0]
-    for key, value in saved["param_group"].items():
-        if key in ("lr", "initial_lr") and lr_differs:
-            continue      # the engine's own learning rate wins; the caller warned
-        if key in ("lr", "initial_lr"):
-            group[key] = value
     attached = lr_schedulers(state)
     kept = list(saved["schedulers"])
     for scheduler in attached:

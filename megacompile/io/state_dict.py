@@ -82,12 +82,9 @@ def load(state: "TrainingState", weights: dict, strict: bool = True) -> None:
         with torch.no_grad():
             state.host.load(tensors)
     else:
-        parts.kept.update(tensors)
-        state.pending_load = parts
+        parts.kept.update(tensors)      # they wait, with the parts, for the host state
     parts.loaded |= set(tensors)
-    state.weight_parts = parts
-    if not state.materialized and not missing_names(state):
-        state.materialized = True
+    state.parts_loaded(parts, complete=state.materialized or not missing_names(state, parts))
 
 
 def required(state: "TrainingState", trainable: dict, const: dict) -> list[str]:
@@ -100,9 +97,11 @@ def required(state: "TrainingState", trainable: dict, const: dict) -> list[str]:
     return list(trainable) + [n for n in const if n in meta]
 
 
-def missing_names(state: "TrainingState") -> list[str]:
+def missing_names(state: "TrainingState", parts: LoadedParts | None = None) -> list[str]:
+    """What a complete load holds that `parts` (by default the state's) have not loaded."""
     trainable, const = _expected(state)
-    loaded = state.weight_parts.loaded if state.weight_parts is not None else set()
+    parts = state.weight_parts if parts is None else parts
+    loaded = parts.loaded if parts is not None else set()
     return sorted(set(required(state, trainable, const)) - loaded)
 
 

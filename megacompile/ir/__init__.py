@@ -1,0 +1,4 @@
+
+from .printer import fmt_bytes
+
+__all__ = ["fmt_bytes"]

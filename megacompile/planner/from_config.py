@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..capture import capture
+from ..capture import CapturedModel, capture
 from ..capture.top import blocks_grouped_once
 from ..cost import HardwareProfile, get_profile, profile_for
 from .. import arguments
@@ -127,9 +127,9 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
         best = choose_micro_batch(global_batch, lambda micro, k: plan(
             model, hbm_budget, batch=micro, grad_accum=k, accumulation=accumulation, smallest=False, **kwargs))
     if search_lowest:
-        chosen = best[0]
-        chosen.minimum_budget_bytes = min(chosen.minimum_budget_bytes, chosen.lowest_budget())
-        chosen.minimum_over_chunks = True
+        chosen, k = best
+        best = (chosen.revised(minimum_budget_bytes=min(chosen.minimum_budget_bytes, chosen.lowest_budget()),
+                               minimum_over_chunks=True), k)
     return best
 
 
@@ -238,18 +238,18 @@ def plan(model_or_config: Any, hbm_budget: float | None = None, *, settings: Set
     if style is not None:
         return planned.baseline(budget_bytes, style)
     result = planned.at(budget_bytes)
+    settled: dict[str, Any] = {"minimum_over_chunks": smallest}     # what this call adds to the solved plan
     if planned.images is not None:
-        result.vision = vision_share(result, *planned.images)
-    if planned.captured.rechunk is not None:
-        result.lowest_budget = planned.lowest
-    if smallest and result.lowest_budget is not None:
-        result.minimum_budget_bytes = min(result.minimum_budget_bytes, result.lowest_budget())
-    result.minimum_over_chunks = smallest
+        settled["vision"] = vision_share(result, *planned.images)
+    if planned.captured.rechunk is not None:     # blocks that run over sequence chunks may fit lower
+        settled["lowest_budget"] = planned.lowest
+        if smallest:
+            settled["minimum_budget_bytes"] = min(result.minimum_budget_bytes, planned.lowest())
     if result.micro_batches_per_run > 1 and planned.accumulation == "auto":
-        result.host_cost = place_host_state(planned.captured, settings.compute_dtype, 1, planned.host_budget_bytes,
-                                            settings.nvme_budget_bytes)
-        result.host_bytes = result.host_cost.ram_bytes
-    return result
+        host_cost = place_host_state(planned.captured, settings.compute_dtype, 1, planned.host_budget_bytes,
+                                     settings.nvme_budget_bytes)
+        settled.update(host_cost=host_cost, host_bytes=host_cost.ram_bytes)
+    return result.revised(**settled)
 
 
 def minimum_budget(model_or_config: Any, *, settings: Settings | None = None,
@@ -275,6 +275,13 @@ def minimum_budget(model_or_config: Any, *, settings: Settings | None = None,
     return _Planned(model_or_config, settings, **kwargs).lowest() / GiB
 
 
+def minimum_budget_of(captured: CapturedModel, model: nn.Module, settings: Settings, hardware: Any) -> float:
+    """minimum_budget(model, ...) from a training capture of it already made: a run that plans
+    before it trains captures each input shape once (engine/prepared.py)."""
+    ids = torch.empty(1, 1, dtype=torch.long, device="meta")     # stand-ins: the capture holds the shapes
+    return _Planned(model, settings, hardware=hardware, inputs={"input_ids": ids}, captured=captured).lowest() / GiB
+
+
 class _Planned:
     """A model captured for plan(): the plan at any budget, from one capture."""
     WHAT = ("hardware", "batch", "seq", "inputs", "optimizer", "loss_fn", "train", "style", "nvme_bandwidth", "ranks",
@@ -283,7 +290,8 @@ class _Planned:
     def __init__(self, model_or_config: Any, settings: Settings, *, hardware: Any = "h100", batch: int = 1,
                  seq: int = 2048, inputs: dict | None = None, optimizer: AdamW | None = None, loss_fn=None,
                  train: bool = True, style: str | None = None, nvme_bandwidth: float | None = None,
-                 ranks: tuple[int, int] | None = None, images_per_row: int = 0, image_size: int | None = None):
+                 ranks: tuple[int, int] | None = None, images_per_row: int = 0, image_size: int | None = None,
+                 captured: CapturedModel | None = None):
         self.settings, accumulation = settings, settings.accumulation
         host_budget_bytes = settings.host_budget_bytes
         if ranks is not None:     # as compile() under data parallelism: micro-batches one by one
@@ -323,9 +331,10 @@ class _Planned:
         # torch cannot run autograd on fake CUDA tensors, so it traces the CPU kernels instead.
         gpu = torch.cuda.is_available() and not profile.name.startswith("cpu")
         device = torch.device("cuda" if gpu else "cpu")
-        with blocks_grouped_once():   # planning: the first blocks of each group stand for the rest
-            captured = capture(model, (), inputs, device=device, compute_dtype=settings.compute_dtype,
-                               loss_fn=loss_fn, train=train)
+        if captured is None:
+            with blocks_grouped_once():   # planning: the first blocks of each group stand for the rest
+                captured = capture(model, (), inputs, device=device, compute_dtype=settings.compute_dtype,
+                                   loss_fn=loss_fn, train=train)
         self.kind = StepKind(update=train, clip=optimizer.max_grad_norm is not None)
         if fused(settings.fuse, on_gpu=not profile.name.startswith("cpu")):   # as compile() would there
             from ..fusion import fuse as fuse_stages

@@ -13,8 +13,8 @@ is written once:
                       (search.place_host_state, given the two rules above)
 The hardware profile is the caller's: the one given, else the backend's own (calibrate.profile_for,
 a room above this one).
-Two requests are equal when they ask for the same plan: `plans_shared()` hands a plan made
-before to an equal request of the same capture.
+Two requests are equal when they ask for the same plan: an engine takes a plan made before it
+(engine/prepared.py) only for a request equal to its own.
 """
 from __future__ import annotations
 

@@ -2,12 +2,16 @@
 
 `print(plan)` gives the summary and the schedule line by line; `plan.dump(dir)` writes the same
 text and a JSON form. The measured device peak of the last run sits beside the predicted one.
+
+A plan is frozen once solved: what planning adds afterwards makes a revised copy (Plan.revised),
+and what running it measures lives beside it, in the engine's MeasuredRun (planner/measured.py).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import torch
@@ -20,9 +24,10 @@ from ..ir.arena import DeviceArena
 from ..ir.printer import describe_value, fmt_bytes, fmt_rate, fmt_seconds, format_program
 from ..ir.program import Op, Program, base_name
 from ..ir.simulate import MemoryCurve, simulate
+from .measured import MeasuredRun
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     program: Program
     captured: CapturedModel
@@ -30,16 +35,12 @@ class Plan:
     host_bytes: int
     backend: str
     minimum_budget_bytes: int
-    measured_peak_bytes: int | None = None
     hardware: HardwareProfile | None = None
     prediction: StepPrediction | None = None
     host_budget_bytes: int | None = None     # host RAM the plan may use; None: not limited
     reserve: DeviceReserve = field(default_factory=DeviceReserve)   # kept free for what the ledger cannot see
     host_cost: HostCost | None = None        # where the host state lives: RAM and disk bytes per tier
     grad_accum: int = 1                      # micro-batches per optimizer step (the disk tier's pace)
-    # The runtime's record of the last step of the engine that runs this plan (runtime/timeline.py);
-    # it holds this plan's step when its `program` is this plan's.
-    timeline: Any = field(default=None, repr=False, compare=False)
     # Planning without weights (from_config.plan): the smallest budget any plan of this model and
     # these shapes fits, searched on demand (search.lowest_budget).
     lowest_budget: Callable[[], int] | None = field(default=None, repr=False, compare=False)
@@ -48,11 +49,33 @@ class Plan:
     given_budget_bytes: int | None = None
     # Planned with images (from_config.plan, images_per_row): the vision tower's share (vision_share.py).
     vision: Any = None
+    # What the engine running this copy of the plan measured (planner/measured.py; Plan.with_measured);
+    # None for a plan no engine runs.
+    measured: MeasuredRun | None = field(default=None, repr=False, compare=False)
     curve: MemoryCurve = field(init=False)
 
     def __post_init__(self) -> None:
-        self.curve = simulate(self.program)
-        self._spans: list[tuple[int, str, float, float]] | None = None
+        object.__setattr__(self, "curve", simulate(self.program))
+        object.__setattr__(self, "_spans", None)     # predicted_spans(), computed once on demand
+
+    def revised(self, **changes: Any) -> Plan:
+        """This plan with `changes` to the fields planning settles after the solve (the budget given,
+        the smallest budget, the vision share, the host placement, the measured record): the
+        schedule is the same, so its curve is not simulated again, and predicted spans already
+        computed are kept."""
+        names = {f.name for f in fields(self) if f.init}
+        unknown = sorted(set(changes) - names) + sorted({"program", "captured"} & set(changes))
+        if unknown:
+            raise TypeError(f"Plan.revised() cannot change {', '.join(unknown)}: make a new plan")
+        twin = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(twin, name, value)
+        return twin
+
+    def with_measured(self, measured: MeasuredRun) -> Plan:
+        """The copy of this plan an engine runs: its measured peak, measured_memory() and the
+        measured curve of its picture read `measured`, which the engine writes after each run."""
+        return self.revised(measured=measured)
 
     def predicted_spans(self) -> list[tuple[int, str, float, float]]:
         """The cost model's timeline of the step: (node, stream, start s, end s), cost/predict.py."""
@@ -61,23 +84,38 @@ class Plan:
             spans: list = []
             disk = self.host_cost.disk_bytes / max(self.host_cost.params, 1) if self.host_cost is not None else 0.0
             predict(self.program, self.captured, self.hardware, disk, spans=spans)
-            self._spans = spans
+            object.__setattr__(self, "_spans", spans)
         return self._spans
 
-    def measured_memory(self) -> list | None:
-        """The last step's device bytes per node (runtime MemorySample: live after, peak during), or
-        None when this plan has not run."""
-        t = self.timeline
-        if t is None or t.program is not self.program or len(t.memory) != len(self.program.nodes):
-            return None
-        return list(t.memory)
+    # -- what a run measured (kept beside the plan: planner/measured.py) ----------------------
+    def _measured(self, given: MeasuredRun | None) -> MeasuredRun | None:
+        return given if given is not None else self.measured
 
-    def plot_memory(self, path: str) -> None:
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The device peak measured in the last run of this plan by the engine that runs it; None
+        before a run (or for a plan no engine runs)."""
+        return self.measured.peak_bytes if self.measured is not None else None
+
+    @property
+    def timeline(self):
+        """The runtime's record of the last step of the engine that runs this plan
+        (runtime/timeline.py); None for a plan no engine runs."""
+        return self.measured.timeline if self.measured is not None else None
+
+    def measured_memory(self, measured: MeasuredRun | None = None) -> list | None:
+        """The last step's device bytes per node (runtime MemorySample: live after, peak during), or
+        None when this plan has not run. `measured`: the record to read (default: the engine's, for
+        the plan an engine runs)."""
+        run = self._measured(measured)
+        return run.memory(self.program) if run is not None else None
+
+    def plot_memory(self, path: str, measured: MeasuredRun | None = None) -> None:
         """The memory picture as a PNG: device bytes over the schedule stacked by kind, the budget,
         the predicted curve and the measured one after a step; host RAM (and disk) below. Needs
-        matplotlib (`pip install megacompile[plot]`)."""
+        matplotlib (`pip install megacompile[plot]`). `measured` as measured_memory's."""
         from ..report.plot import plot_memory
-        plot_memory(self, path)
+        plot_memory(self, path, self.measured_memory(measured))
 
     # -- numbers -------------------------------------------------------------------------
     @property
@@ -357,7 +395,9 @@ class Plan:
                 for v in self.program.values.values()]
 
     # -- text ----------------------------------------------------------------------------
-    def summary(self) -> str:
+    def summary(self, measured: MeasuredRun | None = None) -> str:
+        """The plan in a few lines. `measured`: the record whose peak it shows beside the predicted
+        one (default: the engine's, for the plan an engine runs)."""
         c = self.captured
         n_params = sum(e.numel for e in c.state.values() if e.trainable)
         active = c.active_params
@@ -373,14 +413,15 @@ class Plan:
         towers = "".join(f" and {n} of {t}" for t, n in in_towers.items() if n)
         in_decoder = blocks - sum(1 for s in c.stages if s.template.kind == "block" and c.in_tower(s.origin))
         choice = self.program.facts.get("choice")
-        measured = ("not run yet" if self.measured_peak_bytes is None
-                    else f"{fmt_bytes(self.measured_peak_bytes)} measured in the last run")
+        run = self._measured(measured)
+        peak = run.peak_bytes if run is not None else None
+        measured_peak = "not run yet" if peak is None else f"{fmt_bytes(peak)} measured in the last run"
         lines = [
             f"megacompile plan ({'training step' if c.train else 'forward only'}, {self.backend} backend, "
             f"compute {str(c.compute_dtype).replace('torch.', '')}, fp32 masters)",
             f"  model          {n_params:,} trainable parameters{routed}, {len(c.stages)} stages "
             f"({in_decoder} blocks of {c.block_path or 'none'}{towers} {shared})",
-            self._peak_line(measured),
+            self._peak_line(measured_peak),
             self._smallest_line(),
             *self._reserve_line(),
             f"  host memory    {fmt_bytes(self.host_bytes + self.stash_bytes)}: {fmt_bytes(self.host_bytes)} of "

@@ -4,10 +4,9 @@ from __future__ import annotations
 import math
 
 import dataclasses
-from contextvars import ContextVar
 from typing import Callable
 
-from ..capture import CapturedModel, shared
+from ..capture import CapturedModel
 from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..ir.printer import fmt_bytes
 from ..ir.simulate import simulate
@@ -35,17 +34,6 @@ GiB = 2 ** 30
 STRIDES = (2, 3, 4)
 
 
-_SHARED: ContextVar[list | None] = ContextVar("megacompile_shared_plans", default=None)
-
-
-def plans_shared():
-    """Within: make_plan returns the plan it made already for the same arguments (the same
-    capture object, budget, host figures and settings) instead of solving again. A run that plans
-    before it trains (`megacompile train`) hands its engine the plan it chose this way: the engine
-    asks for it with the same arguments at its first step. Nested, the outer scope holds."""
-    return shared.scope(_SHARED)
-
-
 def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
     """The verified plan for `captured` as `request` asks (planner/request.py). With `request.fuse`,
     the stage graphs are first rewritten onto the fused kernels (megacompile/fusion), and the plan
@@ -54,18 +42,6 @@ def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
     With `grad_accum` k > 1 and `accumulation` "layer", the plan runs the k micro-batches of a step in
     one program, layer by layer (passes/layer_major.py); "auto" takes it when its predicted step is
     shorter than k micro-batch-major steps."""
-    shared = _SHARED.get()
-    if shared is not None and request.dump_dir is None:    # a dump is written by solving: never from the memo
-        found = next((p for c, r, p in shared if c is captured and r == request), None)
-        if found is not None:
-            return found
-    plan = _make_plan(captured, request)
-    if shared is not None and request.dump_dir is None:
-        shared.append((captured, request, plan))
-    return plan
-
-
-def _make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
     budget_bytes, kind, backend, hardware = request.budget_bytes, request.kind, request.backend, request.hardware
     host_bytes, host_budget_bytes, host_cost = request.host_bytes, request.host_budget_bytes, request.host_cost
     grad_accum, accumulation, dump_dir = request.grad_accum, request.accumulation, request.dump_dir

@@ -34,13 +34,13 @@ def _unit(largest: float) -> tuple[int, str]:
     return next((u for u in UNITS if largest >= u[0]), UNITS[-1])
 
 
-def plot_memory(plan, path: str) -> None:
+def plot_memory(plan, path: str, measured: list | None = None) -> None:
+    """measured: the last step's device bytes per node (Plan.measured_memory()), or None before a run."""
     plt = _pyplot()
     program = plan.program
     x = list(range(len(program.nodes)))
     device = device_by_kind(program)
     ram, disk = host_by_kind(plan)
-    measured = plan.measured_memory()
     shown = max([plan.curve.peak] + [m.peak for m in measured or []])
     # The budget is drawn unless it is far above everything else (a generous budget on a small model).
     budget_on_scale = plan.budget_bytes <= 3 * shown

@@ -15,11 +15,11 @@ import torch
 
 from .. import arguments
 from . import aliases
-from . import entries
+from .data import entries
 from . import preemption
 from . import their_keys
 from ..errors import ArgumentError
-from ..optim.adamw import MAX_LR
+from ..optim import MAX_LR
 from ..settings import Settings
 from .schedule import warmup_steps
 
@@ -91,7 +91,7 @@ class RunConfig:
     export: str | None = None
     export_dtype: str = "float32"
     seed: int = 0
-    # which parameters train (train/finetune.py)
+    # which parameters train (train/methods.py)
     finetuning_type: str = "full"
     lora_rank: int = 8
     lora_alpha: float | None = None
@@ -360,9 +360,9 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("export writes a Hugging Face model folder, and the bundled model is not a Hugging Face "
                             "model; leave export out (its checkpoints hold the weights)")
     c.seed = _int("seed", c.seed, 0)
-    from .finetune import check as check_finetuning
+    from .methods import check as check_finetuning
     check_finetuning(c, raw)
-    from .stages import check as check_stage
+    from .stages.keys import check as check_stage
     check_stage(c, raw)
     return c
 

@@ -7,8 +7,10 @@ import csv
 import os
 import sys
 
-COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "seconds", "tokens_per_s", "device_peak_bytes",
-           "predicted_device_peak_bytes", "skipped", "eval_loss", "eval_perplexity")
+# Every stage's columns, then the SFT stage's evaluation (a post-training stage logs its own).
+STEP_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "seconds", "tokens_per_s", "device_peak_bytes",
+                "predicted_device_peak_bytes", "skipped")
+COLUMNS = STEP_COLUMNS + ("eval_loss", "eval_perplexity")
 
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "device_peak_bytes", "eval_loss", "eval_perplexity")

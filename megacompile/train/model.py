@@ -12,17 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..capture.grid_constants import GRID_INPUTS
-from ..capture.rope_positions import with_rope_positions
-from ..capture.shared import captures_shared
-from ..engine import Engine
+from ..capture import GRID_INPUTS
+from ..capture import with_rope_positions
+from ..engine import Engine, Prepared, prepare, training_capture
 from ..errors import ArgumentError
 from ..optim import AdamW
-from ..planner import Plan
-from ..planner.from_config import minimum_budget
-from ..planner.search import plans_shared
+from ..planner import minimum_budget_of
 from ..settings import Settings, default_hbm_budget
-from . import finetune
+from . import methods
 from .config import RunConfig
 
 GiB = 2 ** 30
@@ -56,7 +53,7 @@ def meta_model(c: RunConfig) -> nn.Module:
             config.use_cache = False
             with torch.device("meta"):
                 return auto_class(config).from_config(config)
-    from ..planner.from_config import model_from_config
+    from ..planner import model_from_config
     return model_from_config(c.model)
 
 
@@ -84,9 +81,10 @@ def check_positions(c: RunConfig, model: nn.Module) -> None:
                             f"({config}): give seq <= {limit:,}")
 
 
-def device_budget(c: RunConfig, model: nn.Module, inputs: dict, device: str) -> float:
+def device_budget(c: RunConfig, model: nn.Module, captured, device: str) -> float:
     """GiB: hbm_budget; else DEVICE_SHARE (90%) of the GPU, or on the cpu backend budget_fraction
-    of the weights (so the run streams), never less than the smallest plan."""
+    of the weights (so the run streams), never less than the smallest plan of `captured` (its
+    smallest micro-batch's training capture)."""
     if c.hbm_budget is not None:
         return c.hbm_budget
     if device == "cuda":
@@ -95,8 +93,8 @@ def device_budget(c: RunConfig, model: nn.Module, inputs: dict, device: str) -> 
     weight_bytes = sum(p.numel() * dtype.itemsize for p in model.parameters())
     # With a global batch the accumulation is not chosen yet: the smallest micro-batch's plan.
     accumulate = 1 if c.global_batch else c.grad_accum
-    smallest = minimum_budget(model, hardware="cpu", inputs=inputs, compute_dtype=dtype, grad_accum=accumulate,
-                              accumulation=c.accumulation)
+    settings = Settings(compute_dtype=dtype, grad_accum=accumulate, accumulation=c.accumulation)
+    smallest = minimum_budget_of(captured, model, settings, hardware="cpu")
     return max(weight_bytes * c.budget_fraction / GiB, smallest * 1.02)
 
 
@@ -105,11 +103,10 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
     wrap(model) -> the module the engine trains instead of the model (a post-training objective,
     whose parameters carry the model's names under `policy.`).
 
-    Each input shape is captured and planned once before the first step: the budget's smallest
-    plan, the micro-batch sizes global_batch chooses among and the engine's first step all run
-    inside captures_shared() and plans_shared(), on the module the engine trains, planned as the
-    engine plans (plan_as_engine). The smallest micro-batch's capture serves the budget and the
-    choice; the chosen size's capture and plan are the ones the engine takes at its first step."""
+    Each input shape is captured and planned once before the first step, on the module the engine
+    trains and with the request the engine makes (engine/prepared.py): the smallest micro-batch's
+    capture serves the budget and the choice; the chosen size's capture and plan are handed to the
+    engine (Engine.adopt), which runs them at its first step."""
     device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, c.compute_dtype)
     shifted = c.bundled
@@ -125,16 +122,16 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
     if c.bundled:
         from ..models import LlamaConfig, TinyLlama
         module = TinyLlama(LlamaConfig(**c.bundled_model))
-    elif folder and c.finetuning_type == "lora":
-        module = finetune.lora_skeleton(c)      # adapters made, the base on meta: it streams from the files
+    elif folder and methods.adapters(c):
+        module = methods.lora_skeleton(c)      # adapters made, the base on meta: it streams from the files
     elif folder:
         from ..io.hf_load import build_model
         module = build_model(c.model)
     else:                                           # a config: random init, seeded
         from ..io.hf_load import auto_class
         module = auto_class(meta.config).from_config(meta.config, dtype=torch.float32)
-    if c.finetuning_type != "lora" or not folder:
-        module = finetune.apply(c, module)
+    if not methods.adapters(c) or not folder:
+        module = methods.apply(c, module)
     if wrap is not None:
         module = wrap(module)
 
@@ -143,26 +140,43 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
         # image grids kept with their values (constants of the capture), the rest shapes alone.
         inputs = with_rope_positions(module, (), first_inputs(b))
         return {k: v if k in GRID_INPUTS else v.to("meta") for k, v in inputs.items()}
+
+    # Each micro-batch size is captured once; the budget's smallest plan, the choice among sizes and
+    # the engine's first step share the capture, and the engine takes the chosen plan (adopt).
+    captures: dict[int, object] = {}
+    prepared: dict[tuple, Prepared] = {}
+
+    def prepared_for(b: int, k: int, budget: float) -> Prepared:
+        run = settings.replace(hbm_budget=budget, grad_accum=k, device=device)
+        if b not in captures:
+            captures[b] = training_capture(module, shapes(b), run)
+        if (b, k) not in prepared:
+            prepared[b, k] = prepare(module, shapes(b), run, optimizer.max_grad_norm is not None, captures[b])
+        return prepared[b, k]
     # Planning draws no number from the run's random stream (a first cpu calibration would).
-    with captures_shared(), plans_shared(), torch.random.fork_rng(devices=[]):
-        budget = device_budget(c, module, shapes(1 if c.global_batch else batch), device)
+    with torch.random.fork_rng(devices=[]):
+        first = 1 if c.global_batch else batch
+        if first not in captures:
+            captures[first] = training_capture(module, shapes(first), settings.replace(device=device))
+        budget = device_budget(c, module, captures[first], device)
         if c.global_batch is not None:
-            from ..planner.from_config import choose_micro_batch
-            _, accumulate = choose_micro_batch(c.global_batch, lambda micro, k: plan_as_engine(
-                module, shapes(micro), settings.replace(hbm_budget=budget, grad_accum=k, device=device), optimizer))
+            from ..planner import choose_micro_batch
+            _, accumulate = choose_micro_batch(c.global_batch, lambda micro, k: prepared_for(micro, k, budget).plan)
             batch = c.global_batch // accumulate
+        chosen = prepared_for(batch, accumulate, budget)
         kwargs = dict(optimizer=optimizer, compute_dtype=dtype, device=device, grad_accum=accumulate,
                       host_budget=c.host_budget, accumulation=c.accumulation, fuse=c.fuse,
                       on_nonfinite=c.on_nonfinite, nvme_dir=c.nvme_dir, nvme_budget=c.nvme_budget,
                       dump_dir=c.dump_dir, retrace=c.retrace)
         if folder:
-            from ..engine.from_pretrained import compile_folder
+            from ..engine import compile_folder
             engine = compile_folder(module, c.model, budget, **kwargs,
-                                    file_key=_file_key(c.finetuning_type == "lora", wrap is not None))
+                                    file_key=_file_key(methods.adapters(c), wrap is not None))
         else:
             engine = Engine(module, budget, **kwargs)
         try:
-            engine.prepare(**first_inputs(batch))   # the capture and plan made above, when they match
+            engine.adopt(chosen)
+            engine.prepare(**first_inputs(batch))   # takes the capture and plan made above
         except BaseException:
             engine.close()
             raise
@@ -172,37 +186,11 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
 
 def _file_key(lora: bool, objective: bool):
     """The module's state_dict key -> the name the model folder's files give it: a post-training
-    objective's keys less `policy.`, a PEFT model's less its wrapping (finetune.file_key)."""
+    objective's keys less `policy.`, a PEFT model's less its wrapping (methods.file_key)."""
     if not (lora or objective):
         return None
 
     def key(k: str) -> str:
         k = k.removeprefix("policy.") if objective else k
-        return finetune.file_key(k) if lora else k
+        return methods.file_key(k) if lora else k
     return key
-
-
-def plan_as_engine(module: nn.Module, inputs: dict, settings: Settings, optimizer: AdamW) -> Plan:
-    """The plan an Engine(module, **settings) builds at its first step with these inputs, asked for
-    with the request it will make (engine.py _build, planner/request.py): under plans_shared() the
-    engine then takes it."""
-    from ..calibrate import profile_for
-    from ..capture import capture
-    from ..cost.host_memory import default_host_budget_bytes, module_resident
-    from ..passes import StepKind
-    from ..planner.request import PlanRequest, disk_room, fused, host_accumulation
-    from ..planner.search import make_plan, place_host_state
-    from ..runtime import normalize_device
-    device = normalize_device(settings.device)      # as make_backend: cuda -> cuda:N, the one the engine runs on
-    backend = device.type
-    captured = capture(module, (), inputs, device=device, compute_dtype=settings.compute_dtype, train=True)
-    host_budget = settings.host_budget_bytes or default_host_budget_bytes()
-    host_cost = place_host_state(captured, settings.compute_dtype,
-                                 host_accumulation(settings.grad_accum, settings.accumulation), host_budget,
-                                 disk_room(settings.nvme_dir, settings.nvme_budget_bytes),
-                                 module_resident=module_resident(module))
-    return make_plan(captured, PlanRequest(
-        settings.budget_bytes, StepKind(update=True, clip=optimizer.max_grad_norm is not None), backend,
-        profile_for(backend), host_bytes=host_cost.ram_bytes, host_cost=host_cost, host_budget_bytes=host_budget,
-        fuse=fused(settings.fuse, on_gpu=backend == "cuda"), grad_accum=settings.grad_accum,
-        accumulation=settings.accumulation))

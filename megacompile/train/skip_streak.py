@@ -3,6 +3,6 @@
 count is the engine's own kind (engine/skip_streak.py); the loops keep theirs, from run.yaml."""
 from __future__ import annotations
 
-from ..engine.skip_streak import SkipStreak
+from ..engine import SkipStreak
 
 __all__ = ["SkipStreak"]

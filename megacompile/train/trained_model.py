@@ -22,7 +22,8 @@ import torch
 
 from ..errors import ArgumentError
 from ..io.hf_save import export_files
-from . import images
+from . import methods
+from .data import images
 from .config import RunConfig
 
 
@@ -62,8 +63,8 @@ def write(c: RunConfig, engine, tokenizer, path: str, overwrite: bool, policy: b
     post-training objective, whose `policy` is the model trained. overwrite: the run's own model
     files are there (a resumed run)."""
     dtype = getattr(torch, c.export_dtype)
-    if c.finetuning_type == "lora":
-        from .lora_export import export
+    if methods.adapters(c):
+        from .methods.lora_export import export
         export(engine, path, tokenizer, c.merge_adapter, dtype, overwrite=overwrite, source=c.model,
                prefix="policy." if policy else "")
     elif policy:
@@ -79,6 +80,6 @@ def last_line(c: RunConfig, path: str | None, checkpoint: str | None) -> str:
     """The run's last line: where its trained model is and what loads it."""
     if path is None:
         return f"model: {checkpoint} (the bundled model is no Hugging Face model: its weights are in this checkpoint)"
-    if c.finetuning_type == "lora" and not c.merge_adapter:
+    if methods.adapters(c) and not c.merge_adapter:
         return f"model: {path} (a LoRA adapter in PEFT's format: PeftModel.from_pretrained(base, {path!r}))"
     return f"model: {path} (a Hugging Face model folder: transformers' from_pretrained({path!r}) loads it)"

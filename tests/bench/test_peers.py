@@ -1,6 +1,5 @@
 """The peers bench (megacompile/bench): its CSV schema, the loss-agreement check, and its cpu half."""
 import csv
-import json
 import subprocess
 import sys
 

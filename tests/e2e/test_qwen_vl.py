@@ -103,17 +103,18 @@ def test_videos_are_refused_by_name():
     assert engine.steps_done == 0
 
 
-def test_shared_captures_are_found_by_grids_as_by_shapes():
-    """Within captures_shared (a run that plans before it trains), a call with the same shapes but
-    other grids is captured anew, and the same grids find their capture again."""
-    from megacompile.capture import capture, shared
+def test_a_prepared_capture_is_taken_for_its_grids_alone():
+    """A capture made before the engine (engine/prepared.py, a run that plans before it trains) is
+    taken for a call with its shapes and grids, and not for the same shapes with other grids."""
     from megacompile.capture.rope_positions import with_rope_positions
+    from megacompile.engine import prepare
+    from megacompile.engine.prepared import signature
+    from megacompile.settings import Settings
     m = qwen2_5_vl()
     first, swapped = (with_rope_positions(m, (), qwen_batch(seed=i, images=MIXED, grids=grids))
                       for i, grids in enumerate((QWEN_GRIDS, OTHER_GRIDS)))
-    with shared.captures_shared():
-        def captured(b):
-            return capture(m, (), b, device=torch.device("cpu"), compute_dtype=torch.float32)
-        a, b = captured(first), captured(swapped)
-        assert a is not b and [g.values for g in a.grids] != [g.values for g in b.grids]
-        assert captured(first) is a
+    prepared = prepare(m, first, Settings(hbm_budget=1.0, compute_dtype=torch.float32, device="cpu"), clip=True)
+    cpu = torch.device("cpu")
+    assert prepared.captures(signature(m, (), first, True), cpu, torch.float32, None)
+    assert not prepared.captures(signature(m, (), swapped, True), cpu, torch.float32, None)
+    assert [g.values for g in prepared.captured.grids] == [g.values for g in prepared.plan.captured.grids]

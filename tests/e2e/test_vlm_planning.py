@@ -106,6 +106,7 @@ def _qwen(image_px: int, rows: int = 2) -> tuple:
 def test_qwen2_5_vl_plans_the_grid_its_processor_writes_and_measures_the_planned_peak():
     """Qwen2.5-VL keeps an image's size: its processor's resizing (a blank image run through it)
     gives the grid, a constant of the capture, and the planned peak is the measured one."""
+    small = None
     for px in (56, 112):
         model, batch, tokens = _qwen(px)
         plan = megacompile.plan(model.config.to_dict(), hbm_budget=1.0, batch=2, seq=vlm_families.SEQ,

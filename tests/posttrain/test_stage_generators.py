@@ -9,11 +9,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from megacompile.errors import ArgumentError, MegacompileError
 from megacompile.train import load, log, run
-from megacompile.train import rollout_generator
+from megacompile.train.stages import rollouts as rollout_generator
 from tests.posttrain import fake_vllm, stage_files
 from tests.train import files
 

@@ -3,7 +3,6 @@ copy's (and so the engine's) in fp32, it follows the masters on sync(), and the 
 the device at once never exceed two layers, counted by a stand-in for the host-to-device copy that
 makes real copies and watches them freed. The cuda path (pinned host memory, the side stream's
 prefetch and its events) runs against tests/runtime/fake_gpu.py's stand-in."""
-import weakref
 
 import pytest
 import torch

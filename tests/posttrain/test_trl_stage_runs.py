@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from megacompile.errors import ArgumentError, NonFiniteError
-from megacompile.train import grpo_stage, load, log, run
-from megacompile.train.dpo_stage import DPOStage
+from megacompile.train.stages import grpo as grpo_stage
+from megacompile.train import load, log, run
+from megacompile.train.stages.dpo import DPOStage
 from tests.posttrain import stage_files, trl_rewards
 from tests.train import files
 
@@ -94,8 +95,8 @@ def test_a_skipped_dpo_step_is_logged_and_the_run_goes_on(tmp_path, monkeypatch)
     work = stage_files.workspace(tmp_path)
     begin = DPOStage.begin
 
-    def poisoned(self, engine, run_dir, saved):
-        begin(self, engine, run_dir, saved)
+    def poisoned(self, engine, run_dir, saved, batch):
+        begin(self, engine, run_dir, saved, batch)
         self.reference = torch.full_like(self.reference, math.nan)
     monkeypatch.setattr(DPOStage, "begin", poisoned)
     settings = stage_files.dpo(work, str(tmp_path / "run"), steps=2, max_consecutive_skips=2)

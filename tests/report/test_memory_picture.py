@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 
-import megacompile
 from megacompile.errors import MegacompileError
 from megacompile.ir.program import Node, Op, Program, Value
 from megacompile.ir.simulate import simulate
@@ -17,13 +16,8 @@ from tests import models
 
 
 @pytest.fixture(scope="module")
-def engine():
-    model = models.NanoGPT(vocab=96, d=32, layers=2, heads=4)
-    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu")
-    ids = models.batch(96, 2, 16)
-    engine.prepare(idx=ids, targets=ids)
-    yield engine
-    engine.close()
+def engine(planned_engine):
+    return planned_engine
 
 
 def _offloading() -> Program:

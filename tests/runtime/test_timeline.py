@@ -54,7 +54,7 @@ class _TimedEvent:
 
 def test_cuda_device_work_is_timed_by_events_on_its_stream(fake_cuda, monkeypatch):  # noqa: F811
     from megacompile.runtime.pinned_pool import PinnedPool
-    compute, h2d, d2h = object(), object(), object()
+    compute = object()
     monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)

@@ -8,8 +8,8 @@ import os
 import safetensors.torch
 import torch
 
-from megacompile.train import packing
-from megacompile.train.finetune import apply as apply_finetuning
+from megacompile.train.data import packing
+from megacompile.train.methods import apply as apply_finetuning
 
 
 def eager(c, rows) -> tuple[torch.nn.Module, list[float], dict]:
@@ -45,7 +45,7 @@ def tables(checkpoint: str, table: str) -> dict:
 
 def rows(c, tmp, seq: int) -> tuple[packing.Rows, packing.Rows]:
     """The run's training rows and held-out rows, as the run reads them."""
-    from megacompile.train.tokens import load_tokenizer, token_file
+    from megacompile.train.data.tokens import load_tokenizer, token_file
     tok = load_tokenizer(c.model)
     train = token_file(str(tmp / "tokens"), "train", c.data, tok, c.model, c.train_on_prompt)
     held = token_file(str(tmp / "tokens"), "eval", c.eval, tok, c.model, c.train_on_prompt)

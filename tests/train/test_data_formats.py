@@ -8,9 +8,10 @@ import json
 import pytest
 
 from megacompile.errors import ArgumentError
-from megacompile.train import load, tokens
-from megacompile.train.entries import check
-from megacompile.train.reading import records
+from megacompile.train import load
+from megacompile.train.data import tokens
+from megacompile.train.data.entries import check
+from megacompile.train.data.reading import records
 from tests.train import files, records as data
 
 Q, A = "hello there how are you", "i am fine thank you"

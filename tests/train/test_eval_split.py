@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megacompile.train import load, run, split, tokens
-from tests.train import files
+from megacompile.train import load, run
+from megacompile.train.data import split, tokens
 
 TINY = ["bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2", "bundled_model.kv_heads=1",
         "bundled_model.ffn=64", "device=cpu", "batch=1", "seq=16", "steps=1"]

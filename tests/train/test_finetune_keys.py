@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from megacompile.errors import ArgumentError
 from megacompile.train import load, run
-from megacompile.train.finetune import apply
+from megacompile.train.methods import apply
 from tests.train import files
 
 

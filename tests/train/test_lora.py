@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megacompile.train import load, log, run
-from megacompile.train import packing
+from megacompile.train.data import packing
 from megacompile.acceptance.parity import moment_error
-from megacompile.train.finetune import apply as apply_finetuning
+from megacompile.train.methods import apply as apply_finetuning
 from tests.train import files, finetune_runs
 
 SEQ, BATCH, STEPS, LR = 16, 2, 3, 3e-3

@@ -9,7 +9,7 @@ import torch
 
 from megacompile.cli import main
 from megacompile.planner.from_config import model_from_config
-from megacompile.train.finetune import lora_for_plan
+from megacompile.train.methods.lora import lora_for_plan
 
 CONFIG = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megacompile.errors import ArgumentError
-from megacompile.train import tokens
+from megacompile.train.data import tokens
 from tests.train import files
 
 CHAT = [{"role": "system", "content": "it is late"}, {"role": "user", "content": "hello there"},

@@ -13,8 +13,8 @@ import pytest
 
 from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
-from megacompile.train.loop import _data
-from megacompile.train.mixture import interleave, source_of
+from megacompile.train.stages.sft import _data
+from megacompile.train.data.mixture import interleave, source_of
 from tests.train import files, records as data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -10,7 +10,7 @@ import torch
 
 import megacompile
 from megacompile.errors import ArgumentError
-from megacompile.train import packing, tokens
+from megacompile.train.data import packing, tokens
 from megacompile.train.model import check_isolation
 from tests.train import files
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from megacompile.errors import ArgumentError
-from megacompile.train import grid_images, load, log, packing, run
-from megacompile.train.grid_images import GridMedia
-from megacompile.train.tokens import load_tokenizer, token_file
+from megacompile.train.data import grid_images, packing
+from megacompile.train import load, log, run
+from megacompile.train.data.grid_images import GridMedia
+from megacompile.train.data.tokens import load_tokenizer, token_file
 from tests.train import files, qwen_files, vlm_files
 
 

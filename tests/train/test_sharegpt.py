@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megacompile.errors import ArgumentError
-from megacompile.train import tokens
+from megacompile.train.data import tokens
 from tests.train import files
 
 Q, A = "hello there how are you", "i am fine thank you"

@@ -25,7 +25,7 @@ def _non_finite_at(monkeypatch, poisoned) -> list:
         assert len(calls) <= 40, "the run kept skipping and never stopped"
         if not poisoned(len(calls)):
             return step(self, *args, **kwargs)
-        self.state.skipped_steps += 1
+        self.state.step_skipped(0)
         # As engine/step.py's _skip records it: a skipped step's record has no token count.
         self.last_step = StepRecord(self.steps_done + 1, float("nan"), 0, True, skipped="loss",
                                     reason="the loss is nan")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from megacompile.errors import ArgumentError
-from megacompile.train import entries, mixture, packing, tokens
-from megacompile.train.streaming import StreamRows
+from megacompile.train.data import entries, mixture, packing, tokens
+from megacompile.train.data.streaming import StreamRows
 from tests.train import files, records as data
 
 

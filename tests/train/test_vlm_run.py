@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from megacompile.errors import ArgumentError
-from megacompile.train import load, log, packing, run
-from megacompile.train.images import Media
-from megacompile.train.tokens import load_tokenizer, token_file
+from megacompile.train import load, log, run
+from megacompile.train.data import packing
+from megacompile.train.data.images import Media
+from megacompile.train.data.tokens import load_tokenizer, token_file
 from tests.train import files, vlm_files
 
 
@@ -135,7 +136,7 @@ def _eager(c, tmp_path) -> list[float]:
 
 @pytest.mark.slow   # three runs of a LLaVA and its evaluations with and without an image: ~45 s on 2 cores
 def test_a_vlm_run_trains_as_eagerly_resumes_exactly_and_exports_a_model_that_generates(tmp_path, monkeypatch):
-    work = _work(tmp_path)
+    _work(tmp_path)
     monkeypatch.chdir(tmp_path)
     whole_config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole")), [])
     whole = run(whole_config)

@@ -135,7 +135,7 @@ def eager(c, model, rows, image_key: str) -> list[float]:
     """The run's micro-batches (`rows`, as it reads them) through `model` (transformers') and
     torch.optim.AdamW, each micro-batch holding images (its `image_key` input): the losses."""
     import torch
-    from megacompile.train import packing
+    from megacompile.train.data import packing
     opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
     losses = []
     for step in range(c.steps):

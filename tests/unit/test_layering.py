@@ -72,6 +72,20 @@ def test_no_reach_into_the_engines_private_attributes():
     assert not messages, _report(messages)
 
 
+def test_no_store_into_the_training_state_outside_its_room():
+    messages = layering.training_state_stores(ROOT)
+    assert not messages, _report(messages)
+
+
+def test_the_training_state_goes_by_the_names_the_store_rule_reads():
+    # Every parameter and local the rule takes for a TrainingState is named as the convention
+    # says, and the rooms that work on the state are among them: the rule sees what it guards.
+    holders = layering.state_holders(ROOT)
+    assert {name for _, _, name in holders} <= set(layering.STATE_NAMES), holders
+    rooms = {path.split("/")[1] for path, _, _ in holders}
+    assert {"engine", "io", "distributed"} <= rooms, rooms
+
+
 # --- planted breaks ----------------------------------------------------------------------------
 
 @pytest.fixture
@@ -147,6 +161,36 @@ def test_another_class_using_its_own_private_attribute_is_not_named(tree):
     assert layering.engine_private_access(tree) == before
 
 
+def test_planted_stores_into_the_training_state_are_named(tree):
+    line = _append(tree / "megacompile" / "io" / "planted.py",
+                   "def _planted(state: \"TrainingState\", engine, other):\n"
+                   "    state.steps_done = 3\n"
+                   "    engine.state.counters.loads += 1\n"
+                   "    setattr(state, 'run_id', 'x')\n"
+                   "    del state.pending_load\n"
+                   "    held, backend = engine.state, engine.backend\n"
+                   "    held.missed_steps['w'] = 1\n") + 1
+    messages = layering.training_state_stores(tree)
+    stores = {line: "state.steps_done", line + 1: "engine.state.counters.loads",
+              line + 2: "setattr(state, 'run_id', 'x')", line + 3: "del state.pending_load",
+              line + 5: "held.missed_steps['w']"}
+    assert messages == [f"megacompile/io/planted.py:{at}: {store} stores into the TrainingState outside "
+                        "megacompile/state/: change it through a transition of state/training.py"
+                        for at, store in stores.items()], _report(messages)
+
+
+def test_other_objects_named_like_the_training_state_are_not_named(tree):
+    # A dict or tensor named `state`, another object's `.state`, capture/chunk.py's `_state`.
+    _append(tree / "megacompile" / "io" / "planted.py",
+            "import threading\n_state = threading.local()\n\n\n"
+            "def _planted(state: dict, captured, training_state):\n"
+            "    state['w'] = 1\n    captured.state.x = 1\n    _state.inside = True\n\n"
+            "    def inner(state):\n        return state\n    return inner\n\n\n"
+            "def _rebound(engine):\n    state = {}\n    state['w'] = 1\n")
+    (tree / "megacompile" / "state" / "planted.py").write_text("def _planted(state):\n    state.steps_done = 1\n")
+    assert layering.training_state_stores(tree) == []
+
+
 def test_a_planted_room_not_in_the_layer_list_is_named(tree):
     (tree / "megacompile" / "newroom").mkdir()
     (tree / "megacompile" / "newroom" / "__init__.py").write_text("")
@@ -171,3 +215,48 @@ def test_the_map_parser_reads_layers_bottom_first():
             "| 1 | `kernels/` | y |\n| 1 | `megacompile/engine/` | z |\n| 2 | `megacompile/__init__.py` | w |\n\nmore\n"
             "| 7 | `megacompile/later/` | not the map |\n")
     assert layering.doc_layers(text) == [{"errors"}, {"kernels", "engine"}, {"__init__"}]
+
+
+# --- a Plan is frozen once solved ----------------------------------------------------------------
+
+def test_no_store_on_a_solved_plan_outside_the_planner():
+    messages = layering.plan_stores(ROOT)
+    assert not messages, _report(messages)
+
+
+def test_the_plan_attributes_read_from_the_source_are_the_plans():
+    import dataclasses
+
+    from megacompile.planner import Plan
+    attributes = layering.plan_attributes(ROOT)
+    assert {f.name for f in dataclasses.fields(Plan)} <= attributes
+    assert {name for name, v in vars(Plan).items() if isinstance(v, property)} <= attributes
+    assert {"_spans", "curve"} <= attributes       # the caches its methods keep
+
+
+def test_planted_stores_on_a_plan_are_named_with_file_and_line(tree):
+    line = _append(tree / "megacompile" / "io" / "planted.py",
+                   "def _planted(engine, compiled, given: Plan, other):\n"
+                   "    engine.plan.budget_bytes = 1\n"
+                   "    compiled.plan.measured_peak_bytes += 1\n"
+                   "    given.vision = None\n"
+                   "    setattr(engine.plan, 'timeline', None)\n"
+                   "    object.__setattr__(given, 'curve', None)\n"
+                   "    held = engine.plan\n"
+                   "    del held.host_cost\n"
+                   "    other.budget_bytes = 1\n"
+                   "    engine.plan.measured.peak_bytes = 1\n")
+    messages = layering.plan_stores(tree)
+    named = {m.split(" stores on a Plan")[0] for m in messages}
+    where = "megacompile/io/planted.py"
+    assert named == {f"{where}:{line + 1}: engine.plan.budget_bytes",
+                     f"{where}:{line + 2}: compiled.plan.measured_peak_bytes",
+                     f"{where}:{line + 3}: given.vision",
+                     f"{where}:{line + 4}: setattr(engine.plan, 'timeline', None)",
+                     f"{where}:{line + 5}: object.__setattr__(given, 'curve', None)",
+                     f"{where}:{line + 7}: del held.host_cost"}, _report(messages)
+
+
+def test_a_store_on_a_plan_inside_the_planner_is_not_named(tree):
+    _append(tree / "megacompile" / "planner" / "planted.py", "def _planted(plan):\n    plan.budget_bytes = 1\n")
+    assert layering.plan_stores(tree) == []

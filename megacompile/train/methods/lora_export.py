@@ -17,8 +17,8 @@ import shutil
 import torch
 import torch.nn as nn
 
-from ..io import durable, unbuilt
-from ..io.hf_save import ADAPTER, COPIED, refuse_replacing, write_files
+from ...io import durable, unbuilt
+from ...io.hf_save import ADAPTER, COPIED, refuse_replacing, write_files
 
 
 def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwrite: bool, source: str,

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 from .images import Media
 
 GRID_PROCESSORS = ("Qwen2_5_VLProcessor", "Qwen3VLProcessor")

@@ -1,7 +1,7 @@
 """`stage: grpo`: prompts from .jsonl records ({prompt, ...}: the prompt as text or messages, the
 other columns handed to the reward functions by name, e.g. `answer`), completions sampled from the
 policy the engine trains (posttrain/rollout.py's EngineGenerator, or the generator run.yaml
-chooses: rollout_generator.py), scored by reward_funcs called as TRL calls them (keywords; for a
+chooses: rollouts.py), scored by reward_funcs called as TRL calls them (keywords; for a
 prompt given as messages, each completion a list of one assistant message) and summed with
 reward_weights, nan-aware (posttrain/rewards.py), and trained by GRPO.
 
@@ -28,22 +28,26 @@ import json
 
 import torch
 
-from ..errors import ArgumentError
-from ..posttrain import GRPOLoss, GRPOObjective, grpo_loss
-from ..posttrain.logprobs import IGNORE
-from ..posttrain.advantages import nanstd
-from ..posttrain.rewards import TrainerState, load, score
-from ..posttrain.rollout import EngineGenerator
-from ..posttrain.rollout_batch import rollout_batch, truncated
-from . import rollout_generator
-from .stage_order import stream_items
+from ...errors import ArgumentError
+from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, grpo_loss, nanstd, rewards,
+                          rollout_batch, truncated)
+from . import rollouts
+from ..data.tokens import fingerprint
+from ..log import STEP_COLUMNS
+from .keys import check_resume, check_row_length, saved_keys
+from .order import stream_items
+from .stage import Stage
 
 
-class GRPOStage:
+class GRPOStage(Stage):
+    check_model = staticmethod(check_row_length)
+    check_resume = staticmethod(check_resume)
+
     def __init__(self, c, tokenizer):
         self.c, self.tokenizer = c, tokenizer
+        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        self.funcs = [load(name) for name in c.reward_funcs]
+        self.funcs = [rewards.load(name) for name in c.reward_funcs]
         self.names = [getattr(f, "__name__", name) for f, name in zip(self.funcs, c.reward_funcs)]
         if len(set(self.names)) != len(self.names):
             raise ArgumentError(f"reward_funcs {c.reward_funcs}: two functions share a name, and the log keeps each "
@@ -60,7 +64,7 @@ class GRPOStage:
         self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length, c.temperature,
                              c.importance_sampling_level, c.delta, c.top_entropy_quantile)
         each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
-        self.columns = (("reward", "reward_std") + each
+        self.columns = STEP_COLUMNS + (("reward", "reward_std") + each
                         + ("kl",) * (c.beta > 0) + ("clip_ratio", "completions/mean_length", "completions/min_length",
                                                    "completions/max_length"))
         if self.held_prompts:
@@ -105,12 +109,12 @@ class GRPOStage:
         if not records:
             raise ArgumentError(f"{entry['path']} holds no prompts")
 
-    def describe(self) -> str:
+    def describe(self, setup) -> list[str]:
         c = self.c
         held = f", {len(self.held_prompts)} held out" if self.held_prompts else ""
-        return (f"{len(self.prompts)} prompts{held}; {self.groups} prompts x {c.num_generations} completions of up to "
-                f"{c.max_completion_length} tokens per rollout batch, {c.num_iterations} step(s) each; rewards "
-                f"{', '.join(c.reward_funcs)}")
+        return [f"stage          grpo: {len(self.prompts)} prompts{held}; {self.groups} prompts x {c.num_generations} "
+                f"completions of up to {c.max_completion_length} tokens per rollout batch, {c.num_iterations} step(s) "
+                f"each; rewards {', '.join(c.reward_funcs)}; {c.steps} steps"]
 
     def steps_for(self, epochs: float) -> int:
         batches = max(1, -(-int(epochs * len(self.prompts)) // self.groups))
@@ -128,8 +132,8 @@ class GRPOStage:
             inputs["ref_logps"] = torch.zeros(batch, self.c.seq)
         return inputs
 
-    def begin(self, engine, run_dir: str, saved: dict | None) -> None:
-        self.generator = rollout_generator.make(self.c, engine, self.tokenizer.eos_token_id, self.pad, run_dir)
+    def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
+        self.generator = rollouts.make(self.c, engine, self.tokenizer.eos_token_id, self.pad, run_dir)
         self.synced = engine.steps_done         # a copy is made from the masters as they are now
         if saved is not None:
             state = base64.b64decode(saved["sampler"])      # bytes of a tensor of the dtype state() gives
@@ -177,7 +181,7 @@ class GRPOStage:
         names = [k for k in dict.fromkeys(k for r in records for k in r)
                  if k not in ("prompt", "completion", "completion_ids")]
         columns = {k: [r.get(k) for r in records] for k in names}
-        return score(self.funcs, self.c.reward_weights, [r["prompt"] for r in records], shown,
+        return rewards.score(self.funcs, self.c.reward_weights, [r["prompt"] for r in records], shown,
                      completion_ids=[list(x.tokens) for x in completions], trainer_state=state, **columns)
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
@@ -222,11 +226,12 @@ class GRPOStage:
                 **{f"eval_rewards/{name}/mean": torch.nanmean(each[name]).item() for name in self.names},
                 "eval_completions/mean_length": sum(len(x.tokens) for x in completions) / count}
 
-    def progress(self, row: dict) -> str:
-        return f"reward {row['reward']:.4f} | completion length {row['completions/mean_length']:.1f}"
+    def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
+        return f"reward {row['reward']:.4f} | completion length {row['completions/mean_length']:.1f}", {}
 
-    def state(self) -> dict:
-        return {"sampler": base64.b64encode(self.generator.state().numpy().tobytes()).decode()}
+    def checkpoint_extra(self) -> dict:
+        return {"stage": saved_keys(self.c),
+                "sampler": base64.b64encode(self.generator.state().numpy().tobytes()).decode()}
 
     def close(self) -> None:
         if self.reference is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 
 PLACEHOLDER = "<image>"     # what LLaVA's and LlamaFactory's records write for an image
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")

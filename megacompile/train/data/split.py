@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 from .tokens import TokenFile
 
 

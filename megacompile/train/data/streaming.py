@@ -25,7 +25,7 @@ from collections import deque
 
 import numpy as np
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 from .mixture import interleave
 from .packing import fill
 from .reading import records

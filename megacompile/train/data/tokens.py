@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 from . import alpaca, images, masking, sharegpt
 from . import entries
 from .reading import records

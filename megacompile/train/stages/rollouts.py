@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from ..errors import ArgumentError, MegacompileError
+from ...errors import ArgumentError, MegacompileError
+from ..methods import adapters
 
 GENERATORS = ("engine", "hf", "hf_streamed")
 DTYPES = ("bfloat16", "float32")
@@ -37,7 +38,7 @@ def check(c, raw: dict) -> None:
         c.use_vllm = False
     if not isinstance(c.use_vllm, bool):
         raise ArgumentError(f"use_vllm must be true or false; got {c.use_vllm!r}")
-    if c.finetuning_type == "lora" and (c.use_vllm or c.generator not in (None, "engine")):
+    if adapters(c) and (c.use_vllm or c.generator not in (None, "engine")):
         chosen = "use_vllm: true" if c.use_vllm else f"generator: {c.generator}"
         raise ArgumentError(f"finetuning_type: lora with {chosen}: a generation copy takes plain weights, and a "
                             "LoRA policy's are the frozen base plus its adapters; sample with generator: engine "
@@ -100,24 +101,24 @@ def _vllm(c, given: list[str]) -> None:
     try:
         importlib.import_module("vllm")
     except ImportError as e:
-        from ..posttrain.vllm_generator import MISSING
+        from ...posttrain import MISSING
         raise MegacompileError(MISSING) from e
 
 
 def make(c, engine, eos_id: int | None, pad_id: int, run_dir: str):
     """The run's generator over `engine`, whose masters it samples from (or copies)."""
     if c.generator == "engine":
-        from ..posttrain.rollout import EngineGenerator
+        from ...posttrain import EngineGenerator
         return EngineGenerator(engine, eos_id=eos_id, pad_id=pad_id, seed=c.seed)
     if c.generator in ("hf", "hf_streamed"):
-        from ..posttrain.hf_generator import HFGenerator
-        from ..posttrain.streamed_copy import StreamedHFGenerator
+        from ...posttrain import HFGenerator
+        from ...posttrain import StreamedHFGenerator
         kind = HFGenerator if c.generator == "hf" else StreamedHFGenerator
         return kind(engine, eos_id=eos_id, pad_id=pad_id, seed=c.seed, dtype=getattr(torch, c.generator_dtype))
     if c.vllm_mode == "colocate":
-        from ..posttrain.vllm_generator import VLLMGenerator
+        from ...posttrain import VLLMGenerator
         return VLLMGenerator(engine, model=c.model, eos_id=eos_id, seed=c.seed,
                              gpu_memory_utilization=c.vllm_gpu_memory_utilization, max_model_len=c.seq)
-    from ..posttrain.vllm_server import VLLMServerGenerator
+    from ...posttrain import VLLMServerGenerator
     return VLLMServerGenerator(engine, c.vllm_server_base_url, os.path.abspath(os.path.join(run_dir, WEIGHTS_DIR)),
                                eos_id=eos_id, seed=c.seed)

@@ -10,16 +10,17 @@ refused under a stage it does not belong to, before anything is read or written.
            epsilon_high (epsilon), delta (none), reward_funcs, reward_weights (1 each),
            scale_rewards (group), mask_truncated_completions (false), importance_sampling_level
            (token), top_entropy_quantile (1.0), num_iterations (1), and the generator's keys
-           (rollout_generator.py)
+           (rollouts.py)
 """
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from ..errors import ArgumentError
-from ..posttrain import advantages, dpo_losses, grpo
-from . import rollout_generator
+from ...errors import ArgumentError
+from ...posttrain import advantages, dpo_losses, grpo
+from ..methods import adapters
+from . import rollouts
 
 STAGES = ("sft", "dpo", "grpo")
 REFUSED = ("pt", "rm", "ppo", "kto")
@@ -28,7 +29,7 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations")
-        + rollout_generator.KEYS}
+        + rollouts.KEYS}
 ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["grpo"]))
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
                     "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05},
@@ -69,7 +70,7 @@ def check(c, raw: dict) -> None:
         raise ArgumentError(f"stage {c.stage}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not taken by "
                             f"{c.stage} (docs/posttraining.md lists its keys); leave "
                             f"{'it' if len(wrong) == 1 else 'them'} out")
-    if c.finetuning_type == "lora" and c.lora_dropout not in (None, 0):
+    if adapters(c) and c.lora_dropout not in (None, 0):
         # The reference, the old-policy and the metrics passes run the policy forward in training
         # mode: dropout there would make each a random draw, not the policy's log-probabilities.
         raise ArgumentError(f"stage {c.stage} with finetuning_type lora takes lora_dropout 0 (the reference and "
@@ -178,9 +179,9 @@ def _grpo(c, raw: dict) -> None:
     if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) and f for f in funcs):
         raise ArgumentError(f"reward_funcs is a list of reward functions, each module:function or a built-in "
                             f"(exact_answer, format_check); got {c.reward_funcs!r}")
-    from ..posttrain.rewards import load
+    from ...posttrain import rewards
     for name in funcs:
-        load(name)      # importable now: a missing module is refused before the model is read
+        rewards.load(name)      # importable now: a missing module is refused before the model is read
     c.reward_funcs = funcs
     if c.reward_weights is not None:
         weights = c.reward_weights
@@ -201,7 +202,7 @@ def _grpo(c, raw: dict) -> None:
             raise ArgumentError(f"{key} {value} must be a multiple of num_iterations {c.num_iterations} (each rollout "
                                 f"batch trains num_iterations steps, and a checkpoint falls between rollout batches)")
     c.seq = c.max_prompt_length + c.max_completion_length
-    rollout_generator.check(c, raw)
+    rollouts.check(c, raw)
 
 
 def _loss_type(c, allowed: tuple) -> None:
@@ -225,3 +226,33 @@ def _positive(key: str, value: Any) -> float:
     if number <= 0:
         raise ArgumentError(f"{key} must be a positive number, e.g. 0.1; got {value!r}")
     return number
+
+
+def saved_keys(c) -> dict:
+    """The post-training keys a resume keeps (a checkpoint of another stage or other keys is refused)."""
+    return {"stage": c.stage, **{k: getattr(c, k) for k in ALL_KEYS if k not in rollouts.MAY_CHANGE}}
+
+
+def check_resume(c, saved) -> None:
+    before, now = saved.extra.get("stage") or {"stage": "sft"}, saved_keys(c)
+    if not isinstance(before, dict):
+        before = {"stage": "sft"}
+    if before.get("stage") == "grpo":
+        before = {**rollouts.IMPLIED, **before}
+    if before.get("stage") in ("dpo", "grpo"):
+        before = {**{k: v for k, v in IMPLIED.items() if k in KEYS[before["stage"]]}, **before}
+    changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in now if before.get(k) != now[k]]
+    if changed:
+        raise ArgumentError(f"resume: {saved.path} was saved by a run with other post-training keys "
+                            f"({', '.join(changed)}); a resume keeps them: set them back, or start a new run_dir")
+
+
+def check_row_length(c, model) -> None:
+    """stage grpo takes no seq: a row longer than the model's positions is refused naming the keys
+    that set its length, max_prompt_length + max_completion_length."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and c.seq > limit:
+        raise ArgumentError(f"max_prompt_length {c.max_prompt_length:,} + max_completion_length "
+                            f"{c.max_completion_length:,} = {c.seq:,} tokens a row, longer than the model's "
+                            f"max_position_embeddings, {limit:,}: lower max_prompt_length or max_completion_length "
+                            f"so that they add up to at most {limit:,}")

@@ -11,7 +11,7 @@ train_on_prompt.
 """
 from __future__ import annotations
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 
 
 def is_alpaca(record: dict) -> bool:

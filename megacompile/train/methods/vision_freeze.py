@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 
 KEYS = ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model")
 PARTS = {"freeze_vision_tower": ("vision_tower", "vision_model"),
@@ -27,14 +27,15 @@ PARTS = {"freeze_vision_tower": ("vision_tower", "vision_model"),
 UNDER_LORA = {"freeze_vision_tower": True, "freeze_multi_modal_projector": True, "freeze_language_model": False}
 
 
-def check(c) -> None:
-    """The keys' values on the RunConfig `c`: unset (None), true or false."""
+def check(c, adapters: bool) -> None:
+    """The keys' values on the RunConfig `c`: unset (None), true or false; `adapters`: the run trains
+    LoRA adapters (methods.adapters)."""
     for key in KEYS:
         value = getattr(c, key)
         if value is not None and not isinstance(value, bool):
             raise ArgumentError(f"{key} must be true or false (a vision-language model's part frozen or not); got "
                                 f"{value!r}")
-    if c.finetuning_type == "lora":
+    if adapters:
         against = [k for k in KEYS if getattr(c, k) is not None and getattr(c, k) != UNDER_LORA[k]]
         if against:
             raise ArgumentError(f"{', '.join(f'{k}: {str(getattr(c, k)).lower()}' for k in against)}: finetuning_type "

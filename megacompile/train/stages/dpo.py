@@ -14,20 +14,31 @@ import os
 
 import torch
 
-from ..errors import ArgumentError
-from ..posttrain import DPOLoss, DPOObjective
-from ..posttrain.logprobs import IGNORE
-from ..posttrain.preference import Pair, pack, preference_metrics, read_pairs
-from .stage_order import stream_items
-from .stages import dpo_loss_terms
+from ...errors import ArgumentError
+from ...posttrain import DPOLoss, DPOObjective
+from ...posttrain import IGNORE
+from ...posttrain import Pair, pack, preference_metrics, read_pairs
+from ..data.tokens import fingerprint
+from ..log import STEP_COLUMNS
+from ..model import check_positions
+from .order import stream_items
+from .keys import check_resume, dpo_loss_terms, saved_keys
+from .stage import Stage
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
 REFERENCE = "reference_logps.pt"
 
 
-class DPOStage:
+class DPOStage(Stage):
+    @staticmethod
+    def check_model(c, meta) -> None:
+        check_positions(c, meta)
+
+    check_resume = staticmethod(check_resume)
+
     def __init__(self, c, tokenizer):
-        self.c = c
+        self.c, self.tokenizer = c, tokenizer
+        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.pairs = self._read(c.data, tokenizer)
         self.held: list[Pair] = []
@@ -43,7 +54,7 @@ class DPOStage:
             self.pairs = [self.pairs[i] for i in sorted(order[cut:])]
         kinds, weights = dpo_loss_terms(c)
         self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau)
-        self.columns = METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ())
+        self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ())
         self.reference = self.held_reference = None
 
     def _read(self, entries: list, tokenizer) -> list[Pair]:
@@ -60,10 +71,11 @@ class DPOStage:
             raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no preference pairs")
         return pairs
 
-    def describe(self) -> str:
+    def describe(self, setup) -> list[str]:
         held = f", {len(self.held)} held out" if self.held else ""
-        return (f"{len(self.pairs)} preference pairs{held}; {self.c.batch} pairs x {self.c.grad_accum} accumulated "
-                f"per step, rows of {self.c.seq} tokens; {_terms(self.loss)} loss, beta {self.c.beta:g}")
+        return [f"stage          dpo: {len(self.pairs)} preference pairs{held}; {self.c.batch} pairs x "
+                f"{self.c.grad_accum} accumulated per step, rows of {self.c.seq} tokens; {_terms(self.loss)} loss, "
+                f"beta {self.c.beta:g}; {self.c.steps} steps"]
 
     def steps_for(self, epochs: float) -> int:
         return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
@@ -90,7 +102,7 @@ class DPOStage:
         counted = (pack(pairs, self.c.seq, self.pad)["labels"] != IGNORE).sum(-1).float()
         return torch.stack([counted[:len(pairs)], counted[len(pairs):]], dim=1)
 
-    def begin(self, engine, run_dir: str, saved: dict | None) -> None:
+    def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         path = os.path.join(run_dir, REFERENCE)
         if saved is not None:
             if not os.path.isfile(path):
@@ -145,14 +157,11 @@ class DPOStage:
         both = preference_metrics(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), c.beta)
         return {"eval_loss": losses.mean().item(), **{f"eval_{k}": v for k, v in both.items()}}
 
-    def progress(self, row: dict) -> str:
-        return f"margin {row['reward_margin']:.4f} | accuracy {row['preference_accuracy']:.2f}"
+    def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
+        return f"margin {row['reward_margin']:.4f} | accuracy {row['preference_accuracy']:.2f}", {}
 
-    def state(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass
+    def checkpoint_extra(self) -> dict:
+        return {"stage": saved_keys(self.c)}
 
 
 def _terms(loss: DPOLoss) -> str:

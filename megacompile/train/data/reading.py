@@ -17,7 +17,7 @@ import os
 from importlib import resources
 from typing import Iterator
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 from .entries import BUNDLED, COLUMNS, folder_files
 
 

@@ -9,7 +9,7 @@ this way and is refused, naming the line.
 """
 from __future__ import annotations
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 
 
 def _encode(tokenizer, text: str, special: bool) -> list[int]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 from .tokens import TokenFile
 
 IGNORE = -100   # the label the loss skips (torch cross_entropy's ignore_index)

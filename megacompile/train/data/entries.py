@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 
 BUNDLED = "bundled"
 # file name endings and the `datasets` builder that reads each

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 
 
 def interleave(weights: list[float] | None, strategy: str, passes: list[Callable[[int], Iterator]]) -> Iterator:

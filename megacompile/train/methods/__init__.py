@@ -1,0 +1,122 @@
+"""Which parameters a run trains: `finetuning_type` full, lora or freeze (LlamaFactory's keys).
+
+    lora    the model wrapped by PEFT (LoraConfig + get_peft_model): the base weights frozen, only
+            the adapters trained (fp32 masters and AdamW state for them alone); lora_target names
+            the Linear modules (their last name: q_proj, ...) or `all`, every Linear of the
+            decoder blocks (not lm_head).
+    freeze  freeze_trainable_layers N: the last N decoder blocks trained (-N: the first N);
+            freeze_trainable_modules: which modules of those blocks (all, or names);
+            freeze_extra_modules: modules trained besides (embed_tokens, lm_head, norm).
+    A vision-language model's freeze_vision_tower, freeze_multi_modal_projector and
+    freeze_language_model freeze those parts on top of either (vision_freeze.py); LoRA's adapters
+    go on its language model alone.
+
+    full    every parameter trains: the model as it is.
+
+    lora.py, freeze.py  the two methods; vision_freeze.py  a vision-language model's parts;
+    lora_export.py  a LoRA run's export; names.py  module names as run.yaml gives them.
+This package is the one place (with config.py) that reads finetuning_type: the rest of train/
+asks `adapters(c)`, `apply(c, model)`, `saved(c)`.
+
+The keys are checked with the rest of run.yaml (check); the names they give are checked against
+the model on the meta device (apply, before the data is read), and the same apply then shapes the
+module the engine trains. Frozen weights stream to the device as any frozen weight does: no
+master, no moments, no gradient offload.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from ...errors import ArgumentError
+from . import vision_freeze
+from .freeze import freeze
+from .lora import base_dtype, file_key, lora_skeleton, require_peft, with_adapters
+from .names import names
+
+TYPES = ("full", "lora", "freeze")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "merge_adapter")
+FREEZE_KEYS = ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules")
+
+
+def adapters(c) -> bool:
+    """The run trains LoRA adapters over a frozen base (finetuning_type: lora); every room but
+    this one and config.py asks this rather than reading finetuning_type."""
+    return c.finetuning_type == "lora"
+
+
+def check(c, raw: dict) -> None:
+    """run.yaml's fine-tuning keys on the RunConfig `c` (raw: the keys as given), in place."""
+    if c.finetuning_type not in TYPES:
+        raise ArgumentError(f"finetuning_type must be one of {', '.join(TYPES)}; got {c.finetuning_type!r}")
+    for keys, kind in ((LORA_KEYS, "lora"), (FREEZE_KEYS, "freeze")):
+        stray = [k for k in keys if raw.get(k) is not None and c.finetuning_type != kind]
+        if stray:
+            raise ArgumentError(f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} to "
+                                f"finetuning_type: {kind}, and this run is finetuning_type: {c.finetuning_type}; "
+                                f"set finetuning_type: {kind}, or leave {'it' if len(stray) == 1 else 'them'} out")
+    c.lora_rank = _whole("lora_rank", c.lora_rank, 1)
+    if c.lora_alpha is None:
+        c.lora_alpha = 2 * c.lora_rank          # LlamaFactory's default
+    if isinstance(c.lora_alpha, bool) or not isinstance(c.lora_alpha, (int, float)) or not c.lora_alpha > 0:
+        raise ArgumentError(f"lora_alpha must be a number > 0 (the adapter's scale is lora_alpha / lora_rank; "
+                            f"default 2 * lora_rank); got {c.lora_alpha!r}")
+    if (isinstance(c.lora_dropout, bool) or not isinstance(c.lora_dropout, (int, float))
+            or not 0 <= c.lora_dropout < 1):
+        raise ArgumentError(f"lora_dropout must be a number in [0, 1); got {c.lora_dropout!r}")
+    c.lora_target = names("lora_target", c.lora_target)
+    if not isinstance(c.merge_adapter, bool):
+        raise ArgumentError(f"merge_adapter must be true (export the merged model) or false (export the adapter); "
+                            f"got {c.merge_adapter!r}")
+    layers = c.freeze_trainable_layers
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers == 0:
+        raise ArgumentError(f"freeze_trainable_layers must be a whole number other than 0 (N: the last N decoder "
+                            f"blocks trained, -N: the first N); got {layers!r}")
+    c.freeze_trainable_modules = names("freeze_trainable_modules", c.freeze_trainable_modules)
+    extra = c.freeze_extra_modules
+    c.freeze_extra_modules = [] if extra is None else names("freeze_extra_modules", extra, allow_all=False)
+    if c.finetuning_type == "lora" and c.bundled:
+        raise ArgumentError("finetuning_type: lora needs a Hugging Face model (the adapter is exported in PEFT's "
+                            "format); the bundled model is not one: use full or freeze")
+    if c.finetuning_type == "lora":
+        require_peft("finetuning_type: lora")
+    vision_freeze.check(c, adapters(c))
+
+
+def saved(c) -> dict:
+    """The keys that say which parameters train, kept in every checkpoint (merge_adapter aside:
+    it shapes the export only)."""
+    keys = {"full": (), "lora": LORA_KEYS[:-1], "freeze": FREEZE_KEYS}[c.finetuning_type]
+    return {"finetuning_type": c.finetuning_type, **{k: getattr(c, k) for k in keys}, **vision_freeze.given(c)}
+
+
+def check_resume(c, extra: dict) -> None:
+    """A resume trains the parameters its checkpoint trained: other fine-tuning keys are refused
+    (a checkpoint without them is of a full fine-tune)."""
+    before, now = extra.get("finetuning") or {"finetuning_type": "full"}, saved(c)
+    if before != now:
+        changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in dict.fromkeys([*before, *now])
+                   if before.get(k) != now.get(k)]
+        raise ArgumentError(f"resume: the checkpoint trained other parameters ({', '.join(changed)}): a resume "
+                            "keeps the fine-tuning keys of its run; set them back, or start a new run_dir")
+
+
+def apply(c, model: nn.Module) -> nn.Module:
+    """The module to train as c.finetuning_type says (the PEFT wrapper for lora; `model` itself,
+    its requires_grad set, for freeze). On the meta device too: the names are checked there."""
+    if c.finetuning_type == "lora":
+        wrapped = with_adapters(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target,
+                                base_dtype(c.compute_dtype))
+        vision_freeze.apply(c, wrapped)
+        return wrapped
+    if c.finetuning_type == "freeze":
+        freeze(model, c.freeze_trainable_layers, c.freeze_trainable_modules, c.freeze_extra_modules)
+    vision_freeze.apply(c, model)
+    return model
+
+
+def _whole(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ArgumentError(f"{key} must be a whole number >= {minimum}; got {value!r}")
+    return value

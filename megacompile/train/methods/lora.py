@@ -1,0 +1,116 @@
+"""finetuning_type: lora: PEFT's adapters on the Linear modules lora_target names (the language
+model's alone in a vision-language model), the base frozen and held in the dtype compute reads."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ...errors import ArgumentError
+from . import vision_freeze
+from .freeze import blocks
+from .names import ALL, names
+
+
+def require_peft(what: str) -> None:
+    try:
+        import peft  # noqa: F401
+    except ImportError as e:
+        raise ArgumentError(f"{what} needs the peft package: `pip install megacompile[lora]`") from e
+
+
+def _language_blocks(model: nn.Module) -> nn.Module:
+    """A vision-language model's decoder blocks: the longest list of modules in its language model."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+             and vision_freeze.part_of(n) == "freeze_language_model"]
+    if not lists:
+        raise ArgumentError(f"{type(model).__name__} has no language model with a list of decoder blocks: "
+                            "finetuning_type lora with lora_target all needs one")
+    return max(lists, key=lambda x: len(x[1]))[1]
+
+
+def linear_names(model: nn.Module, within: nn.Module | None = None) -> list[str]:
+    """The last names of the nn.Linear modules of `within` (default: the whole model)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in (within or model).named_modules() if isinstance(m, nn.Linear)})
+
+
+def base_dtype(compute_dtype: str | torch.dtype) -> torch.dtype:
+    """The dtype a LoRA run holds its frozen base in: bfloat16 compute reads the base in bfloat16
+    only, so the host keeps it so (half the RAM, the same values on the device); float32 keeps
+    it as it is."""
+    return torch.bfloat16 if compute_dtype in ("bfloat16", torch.bfloat16) else torch.float32
+
+
+def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str,
+         base: torch.dtype = torch.float32, key: str = "lora_target") -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+    everywhere = linear_names(model)
+    vision = vision_freeze.is_vision_language(model)
+    if target == ALL:
+        target = ([n for n in linear_names(model, _language_blocks(model)) if n != "lm_head"] if vision else
+                  linear_names(model, blocks(model)[1]))
+    unknown = [t for t in target if t not in everywhere]
+    if unknown:
+        raise ArgumentError(f"{key}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear "
+                            f"module of {type(model).__name__}; its Linear modules are {', '.join(everywhere)} "
+                            "(or all: every Linear of the decoder blocks)")
+    modules = list(target)
+    if vision:      # the language model's modules alone: the vision tower has q_proj and the like too
+        modules = vision_freeze.language_model_names(model, modules)
+    config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=modules)
+    wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
+    for p in wrapped.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != base:
+            p.data = p.data.to(base)
+    return wrapped
+
+
+def lora_skeleton(c) -> nn.Module:
+    """The LoRA model of a run on a model folder: PEFT wraps the model built from config.json with
+    its weights uninitialised (reserved, never touched), so the adapters are made as on the loaded
+    model (the same random draws); then the base goes to meta, in the dtype it is held in, and
+    streams from the folder's files into the host state, as a full fine-tune's weights do
+    (engine/from_pretrained.py compile_folder with file_key)."""
+    from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
+    from ...io.hf_load import auto_class
+    config = AutoConfig.from_pretrained(c.model)
+    config.use_cache = False
+    with no_init_weights():
+        base = auto_class(config).from_config(config, dtype=torch.float32)
+        base.tie_weights()
+    wrapped = with_adapters(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target)
+    release_frozen(wrapped)
+    held = base_dtype(c.compute_dtype)
+    for p in wrapped.parameters():
+        if p.is_meta and p.dtype != held:
+            p.data = p.data.to(held)
+    return wrapped
+
+
+def file_key(key: str) -> str:
+    """A PEFT model's state_dict key as the wrapped model's files name it."""
+    key = key.removeprefix("base_model.model.")
+    return key.replace(".base_layer.", ".")
+
+
+def release_frozen(model: nn.Module) -> None:
+    """The module's frozen weights to the meta device (a tied weight stays one parameter): their
+    values are the engine's (host state), read there by lora_export."""
+    moved: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.requires_grad and not p.is_meta:
+                if id(p) not in moved:
+                    moved[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                module._parameters[name] = moved[id(p)]
+
+
+def lora_for_plan(model: nn.Module, rank: int, target: str, compute_dtype: torch.dtype) -> nn.Module:
+    """`megacompile plan --lora-rank`: `model` (on meta) with LoRA adapters, as a run with
+    run.yaml's defaults and this compute dtype holds it."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ArgumentError(f"--lora-rank must be a whole number >= 1; got {rank!r}")
+    require_peft("--lora-rank")
+    return with_adapters(model, rank, 2 * rank, 0.0, names("--lora-target", target), base_dtype(compute_dtype),
+                         "--lora-target")

@@ -1,0 +1,34 @@
+"""`stage: sft | dpo | grpo`: what the run's one loop (train/loop.py) trains, step by step.
+
+    stage.py   what a stage is to the loop
+    sft.py     token files, rows, micro-batches, held-out loss and perplexity
+    dpo.py     preference pairs, the reference's log-probabilities, DPO's losses and metrics
+    grpo.py    prompts, rollouts scored by reward functions, GRPO's loss
+    keys.py    the post-training keys (TRL's names), checked before anything is read
+    rollouts.py  who generates GRPO's completions (the engine, a generation copy, vLLM)
+    order.py   the seeded order in which a stage reads its pairs or prompts
+"""
+from __future__ import annotations
+
+from .stage import Stage
+
+
+def kind(c) -> type[Stage]:
+    """The class of the configured stage (its checks run before any data is read)."""
+    if c.stage == "dpo":
+        from .dpo import DPOStage
+        return DPOStage
+    if c.stage == "grpo":
+        from .grpo import GRPOStage
+        return GRPOStage
+    from .sft import SFTStage
+    return SFTStage
+
+
+def open_stage(c, run_dir: str) -> Stage:
+    """The configured stage with its data read and checked; what it made is staged until commit()."""
+    stage = kind(c)
+    if c.stage == "sft":
+        return stage(c, run_dir)
+    from ..data.tokens import load_tokenizer
+    return stage(c, load_tokenizer(c.tokenizer or c.model))

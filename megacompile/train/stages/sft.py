@@ -1,0 +1,225 @@
+"""stage: sft, the run's step as one stage among others: token files made once from the records,
+rows (packed, isolated or one document each), an optimizer step of micro-batches, and the
+held-out loss and perplexity every eval_every steps."""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from ...errors import ArgumentError
+from ...ir import fmt_bytes
+from .. import methods
+from ..config import RunConfig
+from ..data import grid_images, images, mixture, packing, split, streaming, tokens
+from ..data.tokens import TokenFile, load_tokenizer, token_file
+from ..log import COLUMNS
+from ..model import check_isolation, check_positions
+from .stage import Stage
+
+
+class SFTStage(Stage):
+    columns = COLUMNS
+
+    @staticmethod
+    def check_model(c: RunConfig, meta) -> None:
+        if c.packing == "isolated":
+            check_isolation(meta)     # before the data is read: the model decides whether it can be done
+        check_positions(c, meta)
+
+    def __init__(self, c: RunConfig, run_dir: str):
+        """Reads the data into token files in the run folder's staging place (committed by
+        commit(), dropped by discard()) and checks it against the settings."""
+        self.c, self.shifted = c, c.bundled
+        self.tokenizer, self.made, self.rows, self.eval_rows, self.fingerprint = _data(c, run_dir, c.seq + self.shifted)
+        try:
+            available = self.rows.epoch_tokens
+            if available is not None and c.seq > available:
+                raise ArgumentError(f"seq {c.seq:,} is longer than the training data, {available:,} tokens"
+                                    f"{' (after eval_fraction)' if c.eval_fraction else ''}: every row would be "
+                                    f"mostly padding; give seq <= {available:,}, or more data")
+            _check_images(c, self.rows)
+        except BaseException:
+            self.discard()
+            raise
+
+    def steps_for(self, epochs: float) -> int:
+        per_step = self.c.global_batch or self.c.batch * self.c.grad_accum
+        return max(1, math.ceil(epochs * self.rows.rows_per_epoch / per_step))
+
+    def commit(self, run_dir: str) -> None:
+        for made in self.made:
+            if made is not None:
+                tokens.commit(made, os.path.join(run_dir, "tokens"))
+
+    def discard(self) -> None:
+        for made in self.made:
+            if made is not None:
+                tokens.discard(made)
+
+    def first_inputs(self, batch: int) -> dict:
+        return packing.batch(self.rows, 0, batch, shifted=self.shifted)
+
+    def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
+        self.batch = batch      # the micro-batch: given, or the planner's choice for global_batch
+
+    def describe(self, setup) -> list[str]:
+        c, plan = self.c, setup.engine.plan
+        epoch = f", {self.rows.rows_per_epoch} rows an epoch" if self.rows.rows_per_epoch else ""
+        return [f"weights        {fmt_bytes(setup.weight_bytes)} in {c.compute_dtype}; budget is "
+                f"{100 * plan.budget_bytes / setup.weight_bytes:.0f}% of them",
+                f"batch          {setup.batch} x {setup.grad_accum} accumulated x {c.seq} tokens per optimizer "
+                f"step; {c.steps} steps{epoch}"]
+
+    def step(self, engine, position: int) -> tuple[dict, list, int, int]:
+        """The micro-batches of one optimizer step from row `position` on (rows all prompt or
+        padding are passed over: their loss would be 0/0)."""
+        losses, count, done = [], 0, engine.steps_done
+        while engine.steps_done == done:
+            inputs = packing.batch(self.rows, position, self.batch, shifted=self.shifted)
+            position += self.batch
+            if packing.target_count(inputs, shifted=self.shifted) == 0:
+                continue
+            losses.append(engine.step(**inputs))
+            record = engine.last_step
+            count += record.tokens or 0      # a skipped step counts none
+            if record.skipped:
+                break
+        return {}, losses, count, position
+
+    def evaluate(self, engine, step: int) -> dict:
+        c = self.c
+        if self.eval_rows is None or not c.eval_every or not (step % c.eval_every == 0 or step == c.steps):
+            return {}
+        loss, perplexity = _evaluate(engine, self.eval_rows, self.batch, c.eval_batches, self.shifted)
+        return {"eval_loss": loss, "eval_perplexity": perplexity}
+
+    def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
+        text = (f"{row['tokens_per_s']:,.0f} tok/s | device peak {fmt_bytes(row['device_peak_bytes'])} / "
+                f"{fmt_bytes(budget_bytes)}" + (f" | eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""))
+        return text, {"tok/s": f"{row['tokens_per_s']:,.0f}", "peak": fmt_bytes(row["device_peak_bytes"])}
+
+    def close(self) -> None:
+        if self.c.streaming:
+            self.rows.close()        # its tokenising thread
+
+
+def _data(c: RunConfig, run_dir: str, row_len: int):
+    """The tokenizer (for a vision-language model its images.Media, which saves the processor),
+    the token files (train, eval or None; made now if new, and not yet in place: tokens.commit),
+    the training and eval rows (None without held-out data) and what the
+    training data's position refers to (its token file's sha256; the sources' when streamed)."""
+    tokenizer_dir = None if c.bundled else (c.tokenizer or c.model)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    folder = os.path.join(run_dir, "tokens")
+    if c.streaming:
+        return _stream(c, folder, tokenizer, tokenizer_dir, row_len, pad)
+    media = grid_images.media(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
+    if media is not None and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = media.chat_template()     # a processor may hold the template alone
+    pixels = media.inputs if media is not None else None
+    train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media)
+    held, eval_rows = None, None
+    try:
+        source, docs = train, np.arange(train.n_docs)
+        if media is not None:
+            media.check_packing(c.packing, train)
+        if c.eval:
+            held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, media)
+            if media is not None:
+                media.check_packing(c.packing, held)
+            eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad, pixels=pixels)
+            print(f"  data           {_count(train, docs)} to train; {_count(held, np.arange(held.n_docs))} in "
+                  f"{', '.join(e['path'] for e in c.eval)} to evaluate", flush=True)
+        elif c.eval_fraction:
+            cut = split.hold_out(train, c.eval_fraction, c.seed)
+            source, docs = cut.tokens, cut.train
+            eval_rows = packing.Rows(cut.tokens, row_len, c.packing, c.seed, docs=cut.held, shuffle=False, pad_id=pad,
+                                     pixels=pixels)
+            print(f"  data           {_count(cut.tokens, cut.train)} to train; {_count(cut.tokens, cut.held)} held "
+                  f"out to evaluate (eval_fraction {c.eval_fraction:g} of the tokens"
+                  + ("; one document cut between them)" if cut.cut else ")"), flush=True)
+        else:
+            print(f"  data           {_count(train, docs)} to train", flush=True)
+        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad, mix=_mix(c, source, docs),
+                            pixels=pixels)
+    except BaseException:
+        for made in (train, held):
+            if made is not None:
+                tokens.discard(made)
+        raise
+    return media or tokenizer, (train, held), rows, eval_rows, train.fingerprint
+
+
+def _stream(c: RunConfig, folder: str, tokenizer, tokenizer_dir: str | None, row_len: int, pad: int):
+    """_data for `streaming: true` (streaming.py): eval files still go to a token file."""
+    weights = [e["weight"] for e in c.data]
+    held = eval_rows = None
+    if c.eval:
+        held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt)
+        eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
+    print(f"  data           streamed from {', '.join(e['path'] for e in c.data)} ({c.mix_strategy}), tokenised "
+          "as training reads it" + (f"; {_count(held, np.arange(held.n_docs))} to evaluate" if held else ""),
+          flush=True)
+    rows = streaming.StreamRows(c.data, weights if weights[0] is not None else None, c.mix_strategy, tokenizer,
+                                c.train_on_prompt, row_len, c.packing, pad)
+    return tokenizer, (None, held), rows, eval_rows, tokens.fingerprint(c.data, tokenizer_dir, c.train_on_prompt)
+
+
+def _mix(c: RunConfig, source: TokenFile, docs: np.ndarray):
+    """The epoch order of a weighted mixture (mixture.py), or None: every document once an epoch."""
+    weights = [e["weight"] for e in c.data]
+    if weights[0] is None:
+        return None
+    labels = mixture.source_of(source, docs)
+    by_source = [docs[labels == i] for i in range(len(c.data))]
+    print("  mixture        " + "; ".join(f"{os.path.basename(e['path'])} weight {w:.0%} ({len(d):,} documents)"
+                                         for e, w, d in zip(c.data, weights, by_source))
+          + f"; {c.mix_strategy}", flush=True)
+    return lambda epoch: mixture.epoch_order(by_source, weights, c.mix_strategy, c.seed, epoch)
+
+
+def _count(tokens: TokenFile, docs: np.ndarray) -> str:
+    n = int((tokens.docs[docs + 1] - tokens.docs[docs]).sum())
+    return f"{n:,} tokens ({len(docs):,} document{'s' if len(docs) != 1 else ''})"
+
+
+def _check_images(c: RunConfig, rows) -> None:
+    """With records that have images and a vision tower or projector that trains, the micro-batch
+    is given (batch, grad_accum), not left to the planner. A micro-batch may hold no image: the
+    tower and projector then get no gradient, and the engine skips them for the step as
+    torch.optim.AdamW does (engine/gradless.py)."""
+    if not getattr(getattr(rows, "tokens", None), "images", None):
+        return
+    if methods.adapters(c) or (c.freeze_vision_tower and c.freeze_multi_modal_projector):
+        return
+    if c.global_batch is not None:
+        raise ArgumentError("global_batch: the data has records with images and the vision tower or projector "
+                            "trains, and the planner does not pick the micro-batch of such a run; give batch and "
+                            "grad_accum (or freeze_vision_tower and freeze_multi_modal_projector)")
+
+
+def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted: bool) -> tuple[float, float]:
+    """Mean loss per target token over the held-out rows, and its perplexity (forward only)."""
+    n_batches = -(-rows.rows_per_epoch // batch)
+    if limit is not None:
+        n_batches = min(n_batches, limit)
+    total, count = 0.0, 0
+    training = engine.model.training
+    engine.model.eval()         # dropout (lora_dropout, a model's own) off, as in eager evaluation
+    try:
+        for i in range(n_batches):
+            inputs = packing.batch(rows, i * batch, batch, shifted=shifted)
+            n = packing.target_count(inputs, shifted=shifted)
+            if n == 0:
+                continue
+            out = engine(**inputs)
+            loss = out.loss if hasattr(out, "loss") else out
+            total += float(loss) * n
+            count += n
+    finally:
+        engine.model.train(training)
+    mean = total / count if count else float("nan")
+    return mean, math.exp(min(mean, 700.0))

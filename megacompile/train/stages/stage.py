@@ -1,0 +1,61 @@
+"""What a stage is to the run's one loop (train/loop.py): it reads its data, gives the engine its
+objective and the shapes of a training step, makes each optimizer step and its log row, evaluates,
+and names what its checkpoints carry beside the data position."""
+from __future__ import annotations
+
+
+class Stage:
+    columns: tuple = ()         # the log's columns (log.COLUMNS and the stage's own figures)
+    tokenizer = None            # what the trained model's folder saves beside it
+    fingerprint: str = ""       # what the data position refers to (a resume checks it)
+    needs_reference = False     # a second engine over the model as loaded, forward only (`reference`)
+
+    @staticmethod
+    def check_model(c, meta) -> None:
+        """Refuse, before any data is read, a model this stage cannot train as configured."""
+
+    @staticmethod
+    def check_resume(c, saved) -> None:
+        """Refuse a checkpoint this stage cannot go on from (beyond the checks every stage makes)."""
+
+    def steps_for(self, epochs: float) -> int:
+        raise NotImplementedError
+
+    def commit(self, run_dir: str) -> None:
+        """Put what the stage made while reading its data in the run folder (every check passed)."""
+
+    def discard(self) -> None:
+        """Drop what the stage made while reading its data (a check failed: nothing is left)."""
+
+    def objective(self, policy):
+        """The module the engine trains in place of the model, or the model itself."""
+        return policy
+
+    def first_inputs(self, batch: int) -> dict:
+        raise NotImplementedError
+
+    def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
+        """The engine is built and resumed: the stage's own state from the checkpoint's `saved`."""
+
+    def describe(self, setup) -> list[str]:
+        """Lines the run prints under the plan's summary."""
+        return []
+
+    def step(self, engine, position: int) -> tuple[dict, list, int | None, int]:
+        """One optimizer step from data position `position`: (the row's own figures, the
+        micro-batches' losses, tokens trained on, the position after)."""
+        raise NotImplementedError
+
+    def evaluate(self, engine, step: int) -> dict:
+        return {}
+
+    def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
+        """The progress line's text after the loss, and the bar's figures."""
+        return "", {}
+
+    def checkpoint_extra(self) -> dict:
+        """What a checkpoint carries beside the data position and the settings."""
+        return {}
+
+    def close(self) -> None:
+        pass
