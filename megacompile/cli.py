@@ -55,10 +55,13 @@ def _plan(args: argparse.Namespace) -> int:
     if args.hbm_budget is None:     # the card's memory, as compile() takes a GPU's (settings.DEVICE_SHARE)
         from .settings import DEVICE_SHARE
         args.hbm_budget = DEVICE_SHARE * hardware.device_bytes / 2**30
-    kwargs = dict(hardware=hardware, seq=args.seq,
-                  compute_dtype=DTYPES[args.dtype], host_budget=host_budget, nvme_budget=args.nvme_budget)
-    given_bytes = Settings(hbm_budget=args.hbm_budget, host_budget=args.host_budget, nvme_budget=args.nvme_budget,
-                           compute_dtype=DTYPES[args.dtype]).budget_bytes
+    # The flags that are settings, as one Settings (the door plan() and compile() take); the rest
+    # say what is planned and for which hardware.
+    settings = Settings(hbm_budget=args.hbm_budget, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
+                        nvme_budget=args.nvme_budget,
+                        accumulation="auto" if args.global_batch is not None else Settings.accumulation)
+    given_bytes = settings.budget_bytes
+    kwargs = dict(hardware=hardware, seq=args.seq)
     if args.images_per_row or args.image_size is not None:    # a vision-language model's rows hold images
         kwargs.update(images_per_row=args.images_per_row, image_size=args.image_size)
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
@@ -72,17 +75,16 @@ def _plan(args: argparse.Namespace) -> int:
         from .distributed.cost import check_gpus
         check_gpus(args.gpus, args.nodes)
         kwargs["ranks"] = (args.gpus, args.gpus // args.nodes)
-    if args.global_batch is not None:   # the split is chosen, and with it the accumulation
-        kwargs["accumulation"] = "auto"
     try:
-        if args.global_batch is not None:
-            result, accumulate = plan_global_batch(model, args.hbm_budget, args.global_batch, **kwargs)
+        if args.global_batch is not None:   # the split is chosen, and with it the accumulation
+            result, accumulate = plan_global_batch(model, global_batch=args.global_batch, settings=settings,
+                                                   accumulation=settings.accumulation, **kwargs)
         else:
-            result = plan(model, args.hbm_budget, batch=args.batch, **kwargs)
+            result = plan(model, settings=settings, batch=args.batch, **kwargs)
         fits = True
         if args.smallest:
             micro = args.global_batch // accumulate if args.global_batch else args.batch
-            lowest = minimum_budget(model, batch=micro, grad_accum=accumulate, **kwargs)
+            lowest = minimum_budget(model, settings=settings.replace(grad_accum=accumulate), batch=micro, **kwargs)
             result = result.revised(minimum_budget_bytes=min(result.minimum_budget_bytes, int(lowest * 2**30)),
                                     minimum_over_chunks=True)
     except HostMemoryError as e:    # the masters alone do not fit the host: nothing else matters
@@ -97,8 +99,9 @@ def _plan(args: argparse.Namespace) -> int:
         # Show the smallest plan, so the reader sees what it would take. The refusal names the
         # smallest budget any plan fits (megacompile.minimum_budget's figure: planning at it fits).
         batch = 1 if args.global_batch else args.batch
-        result = plan(model, e.minimum_bytes / 2**30, batch=batch,
-                      grad_accum=args.global_batch // batch if args.global_batch else 1, **kwargs)
+        result = plan(model, settings=settings.replace(hbm_budget=e.minimum_bytes / 2**30,
+                                                       grad_accum=args.global_batch // batch if args.global_batch else 1),
+                      batch=batch, **kwargs)
         result = result.revised(minimum_budget_bytes=e.minimum_bytes, minimum_over_chunks=True,
                                 given_budget_bytes=given_bytes)
         fits = False

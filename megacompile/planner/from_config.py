@@ -110,14 +110,25 @@ def _divisor_near(n: int, k: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
 
 
-def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int, *,
-                      accumulation: str = "auto", **kwargs) -> tuple[Plan, int]:
+def plan_global_batch(model_or_config: Any, hbm_budget: float | None = None, global_batch: int | None = None, *,
+                      settings: Settings | None = None, accumulation: str = "auto", **kwargs) -> tuple[Plan, int]:
     """Choose the micro-batch for a global batch: every power-of-two divisor that fits is planned
     and the one with the highest predicted tokens/s wins. Returns the plan of one micro-batch
     step and the number of micro-batches to accumulate (compile(..., grad_accum=k)). Choosing the
     split, it lets the planner choose the accumulation too ("auto"), unless told otherwise.
-    kwargs: plan()'s (not batch or grad_accum, which it chooses)."""
+    kwargs: plan()'s (not batch or grad_accum, which it chooses); `settings` as plan()'s (its
+    grad_accum is the one chosen here)."""
     global_batch = arguments.count("global_batch", global_batch, what=" (sequences per optimizer step)")
+    if settings is not None:    # its settings as keywords: one path below
+        if hbm_budget is not None and hbm_budget != settings.hbm_budget:
+            raise ArgumentError(f"hbm_budget is given twice: {hbm_budget!r} and {settings.hbm_budget!r} in settings; "
+                                "give each setting once")
+        hbm_budget = settings.hbm_budget
+        given = {k: getattr(settings, k) for k in PLAN_SETTINGS if k not in ("grad_accum", "accumulation")}
+        clash = sorted(k for k in given if k in kwargs and not _same_setting(kwargs[k], given[k]))
+        if clash:
+            raise ArgumentError(f"{', '.join(clash)} given twice: as keywords and in settings; give each setting once")
+        kwargs.update(given)
     Settings(hbm_budget=hbm_budget, accumulation=accumulation,
              **{k: v for k, v in kwargs.items() if k in PLAN_SETTINGS})
     kwargs["hardware"] = hardware_profile(kwargs.get("hardware", "h100"), kwargs.pop("nvme_bandwidth", None))
@@ -131,6 +142,10 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float, global_batch: int
         best = (chosen.revised(minimum_budget_bytes=min(chosen.minimum_budget_bytes, chosen.lowest_budget()),
                                minimum_over_chunks=True), k)
     return best
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    return a is b if a is None or b is None else a == b
 
 
 def choose_micro_batch(global_batch: int, plan_one) -> tuple[Plan, int]:

@@ -60,3 +60,26 @@ def test_the_front_doors_take_a_settings():
     assert by_settings.grad_accum == 2
     assert (megacompile.minimum_budget(config, settings=planned, hardware="h100", batch=1, seq=64)
             == megacompile.minimum_budget(config, grad_accum=2, host_budget=64.0, hardware="h100", batch=1, seq=64))
+
+
+def test_the_global_batch_door_takes_a_settings():
+    """plan_global_batch (`megacompile plan --global-batch`) takes a Settings too, chooses the same
+    split as from keywords, and refuses a setting given twice."""
+    import pytest
+    import torch
+
+    from megacompile.errors import ArgumentError
+    from megacompile.planner.from_config import plan_global_batch
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+    settings = Settings(hbm_budget=0.5, compute_dtype=torch.bfloat16, host_budget=64.0)
+    by_settings, k = plan_global_batch(config, global_batch=4, settings=settings, hardware="h100", seq=64)
+    by_keywords, k_keywords = plan_global_batch(config, 0.5, 4, compute_dtype=torch.bfloat16, host_budget=64.0,
+                                                hardware="h100", seq=64)
+    timings = ("pass_seconds", "trace_seconds", "solve_seconds")
+    same = [{key: v for key, v in p.to_json().items() if key not in timings} for p in (by_settings, by_keywords)]
+    assert k == k_keywords and same[0] == same[1]
+    with pytest.raises(ArgumentError, match="host_budget given twice"):
+        plan_global_batch(config, global_batch=4, settings=settings, host_budget=32.0, hardware="h100", seq=64)
+    with pytest.raises(ArgumentError, match="hbm_budget is given twice"):
+        plan_global_batch(config, 0.25, 4, settings=settings, hardware="h100", seq=64)
