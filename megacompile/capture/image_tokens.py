@@ -210,11 +210,15 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
         own = {"get_placeholder_mask": with_videos if keys_grids(module) else get_placeholder_mask,
                "inputs_merger": inputs_merger}
         out = {m: own[m] for m in _mergers(module)}
+        if hasattr(type(module), "get_image_features"):
+            out["get_image_features"] = module.get_image_features
         if pads_images(module):
             out["get_image_features"] = static_image_features(name, module, _inputs, padded)
         if keys_grids(module):
             out["get_image_features"] = static_grid_features(name, module, _inputs, real or [], grids)
             out["get_video_features"] = refuse_videos(name, module)
+        if "get_image_features" in out:
+            out["get_image_features"] = _shape_checked(name, module, out["get_image_features"])
         return out
 
     installed = []
@@ -230,3 +234,44 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
     finally:
         for module, attr in installed:
             delattr(module, attr)   # back to the class's method
+
+
+def expected_pixels(module: nn.Module) -> tuple[str, object] | None:
+    """What pixel_values the module's vision tower takes, from its vision config: (in words, a
+    test of a shape), or None when the config does not say."""
+    vision = getattr(getattr(module, "config", None), "vision_config", None)
+    if vision is None:
+        return None
+    if keys_grids(module):      # Qwen2.5-VL / Qwen3-VL: every image's patches, flattened
+        c, t, p = (getattr(vision, k, None) for k in ("in_channels", "temporal_patch_size", "patch_size"))
+        if not all(isinstance(x, int) for x in (c, t, p)):
+            return None
+        width = c * t * p * p
+        return f"[patches, {width}] ({c} channels x {t} frames x {p} x {p} pixels a patch)", \
+            lambda s: len(s) == 2 and s[1] == width
+    c, size = getattr(vision, "num_channels", 3), getattr(vision, "image_size", None)
+    if not isinstance(size, int) or not isinstance(c, int):
+        return None
+    if pads_images(module):     # Idefics3 / SmolVLM: padded per row, images at most the tower's size
+        return f"[rows, images, {c}, H, W] with H, W <= {size} (images padded per row)", \
+            lambda s: len(s) == 5 and s[2] == c and s[3] <= size and s[4] <= size
+    return f"[images, {c}, {size}, {size}]", lambda s: len(s) == 4 and tuple(s[1:]) == (c, size, size)
+
+
+def _shape_checked(name: str, module: nn.Module, encode):
+    """`encode` (get_image_features), refusing pixel_values of a shape the vision tower does not
+    take before it runs: transformers' own failure inside the tower reads as a tracing failure."""
+    expected = expected_pixels(module)
+    if expected is None:
+        return encode
+    words, fits = expected
+
+    def get_image_features(*args, **kwargs):
+        pixels = kwargs.get("pixel_values", args[0] if args else None)
+        if isinstance(pixels, torch.Tensor) and not fits(tuple(pixels.shape)):
+            raise InputMismatchError(
+                f"pixel_values of shape {list(pixels.shape)} given to {type(module).__name__} ('{name}'), whose "
+                f"vision tower takes {words}: make the pixels with the model's own image processor (its "
+                "preprocessor_config.json), at the size of the model's vision_config")
+        return encode(*args, **kwargs)
+    return get_image_features

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..capture import CapturedModel, capture
+from ..capture import CapturedModel, capture, with_rope_positions
 from ..capture.top import blocks_grouped_once
 from ..cost import HardwareProfile, get_profile, profile_for
 from .. import arguments
@@ -347,6 +347,8 @@ class _Planned:
         gpu = torch.cuda.is_available() and not profile.name.startswith("cpu")
         device = torch.device("cuda" if gpu else "cpu")
         if captured is None:
+            # Qwen-VL's 3D rope positions are computed from the grids' values, as a step does.
+            inputs = with_rope_positions(model, (), inputs)
             with blocks_grouped_once():   # planning: the first blocks of each group stand for the rest
                 captured = capture(model, (), inputs, device=device, compute_dtype=settings.compute_dtype,
                                    loss_fn=loss_fn, train=train)

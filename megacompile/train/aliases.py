@@ -128,11 +128,12 @@ SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs
 
 IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir", "preprocessing_num_workers",
            "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
-           "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32")
+           "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32", "pad_to_multiple_of")
 WHY_IGNORED = {"per_device_eval_batch_size": "eval uses batch",
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
-               "optim": "megacompile's AdamW is torch's"}
+               "optim": "megacompile's AdamW is torch's",
+               "pad_to_multiple_of": "every row is seq tokens long"}
 
 # HF schedule -> ours; `constant` has no warmup in transformers, `cosine_with_min_lr` needs a floor.
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",

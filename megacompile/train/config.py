@@ -104,6 +104,13 @@ class RunConfig:
     freeze_vision_tower: bool | None = None            # a vision-language model's parts (train/vision_freeze.py)
     freeze_multi_modal_projector: bool | None = None
     freeze_language_model: bool | None = None
+    # images and videos of a vision-language model's records (LlamaFactory's names; train/data/pixels.py)
+    image_max_pixels: int | None = None
+    image_min_pixels: int | None = None
+    video_max_pixels: int | None = None
+    video_min_pixels: int | None = None
+    video_fps: float | None = None
+    video_maxlen: int | None = None
     # post-training (train/stages.py): TRL's names; None is the stage's default
     stage: str = "sft"
     beta: float | None = None
@@ -360,11 +367,42 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("export writes a Hugging Face model folder, and the bundled model is not a Hugging Face "
                             "model; leave export out (its checkpoints hold the weights)")
     c.seed = _int("seed", c.seed, 0)
+    _media(c)
     from .methods import check as check_finetuning
     check_finetuning(c, raw)
     from .stages.keys import check as check_stage
     check_stage(c, raw)
     return c
+
+
+def _media(c: RunConfig) -> None:
+    """LlamaFactory's image and video keys: pixel counts (whole numbers >= 1, min <= max), frames a
+    second and most frames (numbers > 0). The image keys reach the processor (data/pixels.py); the
+    video keys are taken and checked, and a record with videos is refused (images alone train)."""
+    for kind in ("image", "video"):
+        low, high = f"{kind}_min_pixels", f"{kind}_max_pixels"
+        for key in (low, high):
+            if getattr(c, key) is not None:
+                setattr(c, key, _pixels(key, getattr(c, key)))
+        if getattr(c, low) is not None and getattr(c, high) is not None and getattr(c, low) > getattr(c, high):
+            raise ArgumentError(f"{low} {getattr(c, low):,} is above {high} {getattr(c, high):,}: an image is "
+                                f"resized to at most {high} and at least {low} pixels (width x height)")
+    if c.video_fps is not None:
+        c.video_fps = _number("video_fps", c.video_fps, 0.0, strict=True)
+    if c.video_maxlen is not None:
+        c.video_maxlen = _int("video_maxlen", c.video_maxlen)
+
+
+def _pixels(key: str, value: Any) -> int:
+    """A pixel count (width x height): a whole number >= 1 (YAML reads 768*768 as text: write the
+    product, 589824)."""
+    number = _numeric(value)
+    if isinstance(number, float) and number.is_integer():
+        number = int(number)
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        raise ArgumentError(f"{key} is a number of pixels (width x height), a whole number >= 1, e.g. 262144 for "
+                            f"512 x 512; got {value!r}")
+    return number
 
 
 def _warmup(value: Any) -> int | float:

@@ -118,3 +118,13 @@ def test_a_prepared_capture_is_taken_for_its_grids_alone():
     assert prepared.captures(signature(m, (), first, True), cpu, torch.float32, None)
     assert not prepared.captures(signature(m, (), swapped, True), cpu, torch.float32, None)
     assert [g.values for g in prepared.captured.grids] == [g.values for g in prepared.plan.captured.grids]
+
+
+@pytest.mark.slow   # the budget search over a Qwen2.5-VL's plans, and one plan at it: ~60 s on 2 cores
+def test_minimum_budget_of_a_qwen_vl_batch_is_a_budget_it_plans_at():
+    """plan() and minimum_budget() take a Qwen2.5-VL's own batch: its 3D positions are computed from
+    the grids' values before the capture, as a step computes them."""
+    m, batch = qwen2_5_vl(), qwen_batch(seed=0, images=MIXED)
+    smallest = megacompile.minimum_budget(m, inputs=batch, hardware="cpu", compute_dtype=torch.float32)
+    plan = megacompile.plan(m, smallest, inputs=batch, hardware="cpu", compute_dtype=torch.float32)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes == int(smallest * 2 ** 30)

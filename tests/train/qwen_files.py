@@ -113,3 +113,53 @@ def records(path: str, n: int = 12, text_every: int = 4) -> str:
     vlm_files.records(path, n, text_every)
     images(os.path.dirname(path))
     return path
+
+
+# LlamaFactory's examples/train_full/qwen2_5vl_full_sft.yaml, its keys and values as written (the model
+# and output_dir aside: run.yaml's paths, given by the caller); its `dataset` names are dataset_info.json's
+# (llamafactory_data).
+LLAMAFACTORY_QWEN2_5VL_FULL_SFT = {
+    "image_max_pixels": 262144, "video_max_pixels": 16384, "trust_remote_code": True,
+    "stage": "sft", "do_train": True, "finetuning_type": "full", "freeze_vision_tower": True,
+    "freeze_multi_modal_projector": True, "freeze_language_model": False,
+    "deepspeed": "examples/deepspeed/ds_z3_config.json",
+    "dataset": "mllm_demo,identity,alpaca_en_demo", "template": "qwen2_vl", "cutoff_len": 2048,
+    "pad_to_multiple_of": 28, "max_samples": 1000, "overwrite_cache": True, "preprocessing_num_workers": 16,
+    "dataloader_num_workers": 4,
+    "logging_steps": 10, "save_steps": 500, "plot_loss": True, "overwrite_output_dir": True,
+    "save_only_model": False, "report_to": "none",
+    "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "learning_rate": 1.0e-5,
+    "num_train_epochs": 3.0, "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "bf16": True,
+    "ddp_timeout": 180000000, "resume_from_checkpoint": None,
+}
+
+
+def llamafactory_data(folder: str, n: int = 6) -> str:
+    """LlamaFactory's data folder as its examples name it: dataset_info.json with mllm_demo (ShareGPT
+    messages with an `images` column, images under mllm_demo_data/ at SIZES), identity and
+    alpaca_en_demo (alpaca records); the folder (run.yaml's dataset_dir, or `data` beside it)."""
+    from PIL import Image
+    os.makedirs(os.path.join(folder, "mllm_demo_data"), exist_ok=True)
+    names = sorted(SIZES)
+    for name in names:
+        Image.new("RGB", SIZES[name], vlm_files.COLOURS[name]).save(os.path.join(folder, "mllm_demo_data",
+                                                                                 f"{name}.png"))
+    demo = [{"messages": [{"role": "user", "content": "<image>what colour is this"},
+                          {"role": "assistant", "content": f"this is {names[i % 3]}"},
+                          {"role": "user", "content": "describe this picture"},
+                          {"role": "assistant", "content": files.SENTENCES[i % len(files.SENTENCES)]}],
+             "images": [f"mllm_demo_data/{names[i % 3]}.png"]} for i in range(n)]
+    alpaca = [{"instruction": files.SENTENCES[i % 10], "input": "", "output": files.SENTENCES[(i + 3) % 10]}
+              for i in range(n)]
+    info = {"mllm_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
+                          "columns": {"messages": "messages", "images": "images"},
+                          "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                   "assistant_tag": "assistant"}},
+            "identity": {"file_name": "identity.json"}, "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"}}
+    for name, records in (("mllm_demo.json", demo), ("identity.json", alpaca[:2]),
+                          ("alpaca_en_demo.json", alpaca)):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(records, f, indent=2)
+    with open(os.path.join(folder, "dataset_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return folder

@@ -26,7 +26,8 @@ ENTRY_KEYS = ("path", "weight", "columns", "tags", "formatting")
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
 # LlamaFactory's column names (dataset_info.json `columns`) -> the record keys read here
 COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
-           "history": "history", "messages": "conversations", "text": "text", "images": "images"}
+           "history": "history", "messages": "conversations", "text": "text", "images": "images",
+           "videos": "videos"}
 TAGS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "system_tag", "observation_tag",
         "function_tag")
 WHAT = ("a .txt file (one document), .jsonl, .json, .parquet, .arrow or .csv file of records, a folder "

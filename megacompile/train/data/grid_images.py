@@ -20,40 +20,17 @@ torchvision, AutoProcessor loads them; without, AutoImageProcessor and AutoToken
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 from ...errors import ArgumentError
-from .images import Media
+from .images import Media, processor_class
 
 GRID_PROCESSORS = ("Qwen2_5_VLProcessor", "Qwen3VLProcessor")
 PAD, START, END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 # what a Qwen2.5-VL folder holds of its processor, besides the tokenizer's files
 EXPORTED_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
                    "chat_template.json", "chat_template.jinja")
-
-
-def _read(path: str) -> dict:
-    try:
-        with open(path) as f:
-            found = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
-def processor_class(folder: str) -> str | None:
-    """The processor class a folder names (its processor files, else its config's model type)."""
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        found = _read(os.path.join(folder, name)).get("processor_class")
-        if isinstance(found, str):
-            return found
-    model_type = _read(os.path.join(folder, "config.json")).get("model_type")
-    if not isinstance(model_type, str):
-        return None
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-    return PROCESSOR_MAPPING_NAMES.get(model_type)
 
 
 def is_grid_processor(folder: str) -> bool:
@@ -87,6 +64,7 @@ class GridMedia(Media):
         if token not in vocab:
             raise ArgumentError(f"the tokenizer in {folder} has no {token} token: Qwen2.5-VL's image token")
         self._start(folder, token, self.tokenizer)
+        self.image_ids = [self.token_id]
         self.written = START + token + END if START in vocab and END in vocab else token
 
     def save_pretrained(self, path: str) -> None:
@@ -98,6 +76,19 @@ class GridMedia(Media):
 
     def chat_template(self):
         return self.template
+
+    def widen(self, ids: list[int], targets: list[bool], paths: list[str], where: str, tokenizer=None,
+              messages: list | None = None) -> tuple[list, list]:
+        """Each rendered pad token widened to the image's tokens, none of them a target: what
+        Qwen2_5_VLProcessor does (the pad is a special token, so the text around it tokenises
+        the same either way)."""
+        at = self._rendered(ids, paths, where)
+        out_ids, out_targets, last = [], [], 0
+        for i, path in zip(at, paths):
+            out_ids += ids[last:i] + [self.token_id] * self.width(path, where)
+            out_targets += targets[last:i] + [False] * self.width(path, where)
+            last = i + 1
+        return out_ids + ids[last:], out_targets + targets[last:]
 
     def width(self, path: str, where: str) -> int:
         """The image's tokens: its grid's patches over merge_size**2."""
@@ -117,10 +108,11 @@ class GridMedia(Media):
         import torch
         return torch.cat([self._pixels(p)[0] for p in paths])
 
-    def inputs(self, paths: list[str], input_ids) -> dict:
+    def inputs(self, rows: list[list[str]], input_ids) -> dict:
         """As Qwen2_5_VLProcessor writes them: pixel_values, image_grid_thw (one row per image, in
         order), mm_token_type_ids (1 on image tokens, 0 elsewhere)."""
         import torch
+        paths = [p for row in rows for p in row]
         return {"pixel_values": self.pixels(paths),
                 "image_grid_thw": torch.stack([self._pixels(p)[1] for p in paths]),
                 "mm_token_type_ids": (input_ids == self.token_id).to(torch.int64)}

@@ -5,14 +5,27 @@
      "images": ["images/red.png"]}          # paths relative to the data file (its folder)
 
 (ShareGPT's `conversations` too, as LLaVA and LlamaFactory write them.) Each `<image>` in a turn's
-text stands for the next image of `images`, in order. The conversation is rendered and masked as
-any chat record (masking.chat, with the processor's chat template when the tokenizer has none);
-each image token it renders is then widened to the tokens the model's processor writes for that
-image (LLaVA: one per vision feature; Qwen2.5-VL: one per merged patch of its grid, so per image
-size, grid_images.py), and none of them is a target. The pixels are made by the processor's image
-processor when a micro-batch reads them (inputs: pixel_values, and what else the family's
-processor writes beside them), not kept in the token file: the token file holds each document's
-image paths.
+text stands for the next image of `images`, in order, and is written as the processor's image
+token (LLaVA's and Idefics3's `<image>`, Gemma 3's `<start_of_image>`). The model's processor is
+the source of truth for what a record becomes: the conversation is rendered with the chat template
+(the tokenizer's, else the processor's) and masked as any chat record (masking.chat), then the
+rendered text and the record's images go through the processor itself, whose input_ids are the
+document's tokens: each image as the processor writes it, its wrapper tokens included (Gemma 3:
+begin- and end-of-image around its soft tokens; Idefics3 / SmolVLM: `<fake_token_around_image>`,
+`<global-img>` and the row/column tokens of its crops), and the text around it tokenised as the
+processor tokenises it. The targets are carried over from the masked rendering by aligning the two
+token sequences: a token the processor added or changed is never a target, and neither is an image
+token; a record whose answer tokens the processor's tokens do not hold as rendered is refused.
+Per-token inputs the processor writes beside input_ids (Gemma 3's token_type_ids) are 1 exactly on
+its image tokens; that is checked per record, and they are made from the row's input_ids when a
+micro-batch is read. (Qwen2.5-VL / Qwen3-VL: grid_images.py.)
+
+The pixels are made by the processor's image processor when a micro-batch reads them (inputs:
+pixel_values, and what else the image processor writes beside them: Idefics3's
+pixel_attention_mask), not kept in the token file: the token file holds each document's image
+paths. Images are processed one by one (cached) and laid out as the processor lays out a batch:
+one after another ([images, 3, H, W]), or padded per row ([rows, most images in a row, 3, H, W],
+zeros and a zero pixel_attention_mask where a row has fewer, or an image is smaller).
 
 Every record's images are opened, and counted against its placeholders, while the data is
 tokenised: a missing file or a count that differs is an ArgumentError naming the record, before
@@ -20,13 +33,20 @@ anything is trained.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+from difflib import SequenceMatcher
 from functools import lru_cache
 
 from ...errors import ArgumentError
 
 PLACEHOLDER = "<image>"     # what LLaVA's and LlamaFactory's records write for an image
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+# processors transformers builds only with these packages (their video processors need torchvision)
+NEEDS = {"SmolVLMProcessor": ("torchvision", "num2words")}
+TEXT_KEYS = ("input_ids", "attention_mask")
+ROWS = "processor/1"    # what a record with images becomes: a token file made otherwise is made again
 
 
 def has_processor(folder: str | None) -> bool:
@@ -34,15 +54,48 @@ def has_processor(folder: str | None) -> bool:
         os.path.isfile(os.path.join(folder, f)) for f in PROCESSOR_FILES)
 
 
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def processor_class(folder: str) -> str | None:
+    """The processor class a folder names (its processor files, else its config's model type)."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        found = _read(os.path.join(folder, name)).get("processor_class")
+        if isinstance(found, str):
+            return found
+    model_type = _read(os.path.join(folder, "config.json")).get("model_type")
+    if not isinstance(model_type, str):
+        return None
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    return PROCESSOR_MAPPING_NAMES.get(model_type)
+
+
+def _missing(folder: str) -> list[str]:
+    return [m for m in NEEDS.get(processor_class(folder) or "", ()) if importlib.util.find_spec(m) is None]
+
+
 class Media:
     """A model folder's processor, and what tokenising and batching need of it."""
 
     def __init__(self, folder: str):
+        missing = _missing(folder)
+        if missing:
+            raise ArgumentError(f"the processor in {folder} ({processor_class(folder)}) is built by transformers only "
+                                f"with {' and '.join(missing)}, which this environment lacks: pip install "
+                                f"{' '.join(missing)}")
         try:
             from transformers import AutoProcessor
             self.processor = AutoProcessor.from_pretrained(folder)
         except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
-            raise ArgumentError(f"cannot load the processor from {folder}: {str(e).splitlines()[0][:300]}") from e
+            hint = "; pip install torchvision" if "torchvision" in str(e).lower() else ""
+            raise ArgumentError(f"cannot load the processor from {folder}: {str(e).splitlines()[0][:300]}"
+                                f"{hint}") from e
         token = getattr(self.processor, "image_token", None)
         tokenizer = getattr(self.processor, "tokenizer", None)
         if token is None or getattr(self.processor, "image_processor", None) is None or tokenizer is None:
@@ -50,14 +103,29 @@ class Media:
                                 "image processor or tokenizer: records with images need a vision-language "
                                 "model's processor (e.g. LlavaProcessor)")
         self._start(folder, token, tokenizer)
+        # the tokens that stand for image features in the processor's rows (Gemma 3: its soft
+        # tokens, not the begin-of-image token its text writes)
+        found = [i for i in (getattr(self.processor, "image_token_ids", None) or []) if isinstance(i, int)]
+        self.image_ids = found or [self.token_id]
+        self.token_id = self.image_ids[0]
+        self.token_keys: set[str] = set(self._probe())
 
     def _start(self, folder: str, token: str, tokenizer) -> None:
         self.folder, self.token = folder, token
         self.token_id = tokenizer.convert_tokens_to_ids(token)
         self.written = token    # what each <image> of a turn becomes before the template renders it
+        self.written_id = self.token_id
         self.base = "."         # the folder the current data entry's image paths are relative to
         self._widths: dict[str, int] = {}
         self._pixels = lru_cache(maxsize=4096)(self._load_pixels)
+
+    def _probe(self) -> list[str]:
+        """The per-token inputs (beside input_ids) the processor writes for a text with an image."""
+        from PIL import Image
+        out = self.processor(text=[self.written], images=[[Image.new("RGB", (32, 32))]], add_special_tokens=False)
+        n = len(out["input_ids"][0])
+        return [k for k, v in out.items() if k not in TEXT_KEYS and isinstance(v, list) and v
+                and isinstance(v[0], list) and len(v[0]) == n and all(isinstance(x, int) for x in v[0])]
 
     def save_pretrained(self, path: str) -> None:
         """The processor's files (tokenizer, image processor, chat template) beside an export."""
@@ -104,48 +172,121 @@ class Media:
         return [{**m, "content": m["content"].replace(PLACEHOLDER, self.written)}
                 if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
 
-    def widen(self, ids: list[int], targets: list[bool], paths: list[str], where: str) -> tuple[list, list]:
-        """Each rendered image token widened to the image's tokens, none of them a target."""
-        at = [i for i, t in enumerate(ids) if t == self.token_id]
+    def _rendered(self, ids: list[int], paths: list[str], where: str) -> list[int]:
+        """Where the chat template rendered the images (their `written` tokens), checked."""
+        at = [i for i, t in enumerate(ids) if t == self.written_id]
         if len(at) != len(paths):
             raise ArgumentError(f"{where}: the chat template rendered {len(at)} image token{'s' * (len(at) != 1)} "
-                                f"({self.token}) for {len(paths)} image{'s' * (len(paths) != 1)}: the template "
+                                f"({self.written}) for {len(paths)} image{'s' * (len(paths) != 1)}: the template "
                                 "must write each turn's text as it is (string contents)")
-        out_ids, out_targets, last = [], [], 0
-        for i, path in zip(at, paths):
-            out_ids += ids[last:i] + [self.token_id] * self.width(path, where)
-            out_targets += targets[last:i] + [False] * self.width(path, where)
-            last = i + 1
-        return out_ids + ids[last:], out_targets + targets[last:]
+        return at
 
-    def width(self, path: str, where: str) -> int:
-        """The image tokens the processor writes for this image."""
-        if path not in self._widths:
-            out = self.processor(text=self.token, images=[self._open(path, where)])
-            self._widths[path] = sum(1 for t in out["input_ids"][0] if t == self.token_id)
-        return self._widths[path]
+    def widen(self, ids: list[int], targets: list[bool], paths: list[str], where: str, tokenizer=None,
+              messages: list | None = None) -> tuple[list, list]:
+        """The document as the processor writes the rendered conversation with its images, and
+        its targets carried over from the masked rendering (`ids`, `targets`), no image token
+        among them."""
+        at = self._rendered(ids, paths, where)
+        tokenizer = tokenizer if tokenizer is not None else self.processor.tokenizer
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        pictures = [self._open(p, where) for p in paths]
+        try:
+            out = self.processor(text=[text], images=[pictures], add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - transformers' own words, with the record named
+            raise ArgumentError(f"{where}: the processor ({type(self.processor).__name__}) refused the record: "
+                                f"{str(e).splitlines()[0][:300]}") from e
+        row = [int(t) for t in out["input_ids"][0]]
+        for key in self.token_keys:
+            written = [int(x) for x in out[key][0]]
+            if written != self.token_types(row):
+                raise ArgumentError(f"{where}: the processor writes {key} that are not 1 exactly on its image tokens "
+                                    f"(ids {self.image_ids}): megacompile makes them from input_ids when a "
+                                    "micro-batch is read, and cannot make these")
+        placed = list(targets)
+        for i in at:
+            placed[i] = False
+        return row, _align(ids, placed, row, set(self.image_ids), where)
+
+    def token_types(self, row: list[int]) -> list[int]:
+        return [int(t in self.image_ids) for t in row]
 
     def pixels(self, paths: list[str]):
         """pixel_values for these images, in order (one batch dimension entry per image)."""
         import torch
-        return torch.cat([self._pixels(p) for p in paths])
+        return torch.cat([self._pixels(p)["pixel_values"] for p in paths])
 
-    def inputs(self, paths: list[str], input_ids) -> dict:
-        """The image inputs of a micro-batch whose rows hold these images, in row order."""
-        return {"pixel_values": self.pixels(paths)}
+    def inputs(self, rows: list[list[str]], input_ids) -> dict:
+        """The image inputs of a micro-batch whose rows hold these images (a list per row), laid out
+        as the processor lays out a batch, and the per-token inputs it writes (token_type_ids)."""
+        import torch
+        paths = [p for row in rows for p in row]
+        loaded = [self._pixels(p) for p in paths]
+        if loaded[0]["pixel_values"].dim() == 5:        # padded per row (Idefics3, SmolVLM)
+            out = _padded(rows, self._pixels)
+        else:
+            out = {k: torch.cat([x[k] for x in loaded]) for k in loaded[0]}
+        for key in self.token_keys:
+            out[key] = torch.isin(input_ids, torch.tensor(self.image_ids)).to(torch.int64)
+        return out
 
     def check_packing(self, packing: bool | str, tokens) -> None:
         """Whether documents with images can train under this packing (they fill rows of their own)."""
 
-    def _load_pixels(self, path: str):
+    def _load_pixels(self, path: str) -> dict:
+        """The image processor's tensors for this image alone, batch dimension first."""
+        import torch
         out = self.processor.image_processor(images=[self._open(path, path)], return_tensors="pt")
-        return out["pixel_values"].float()
+        unused = set(getattr(self.processor, "unused_input_names", None) or ())
+        names = set(getattr(self.processor.image_processor, "model_input_names", None) or ("pixel_values",))
+        return {k: v.float() if k == "pixel_values" else v for k, v in out.items()
+                if isinstance(v, torch.Tensor) and k in names | {"pixel_values"} and k not in unused}
 
-    @staticmethod
-    def _open(path: str, where: str):
+    def _open(self, path: str, where: str):
+        """The image, in RGB, scaled within the run's pixel limits when given (`limits`, set by
+        pixels.attach)."""
         from PIL import Image
         try:
             with Image.open(path) as image:
-                return image.convert("RGB")
+                image = image.convert("RGB")
         except Exception as e:  # noqa: BLE001 - PIL's own words, with the file named
             raise ArgumentError(f"{where}: cannot read image {path}: {str(e).splitlines()[0][:200]}") from e
+        limits = getattr(self, "limits", None)
+        if limits is None:
+            return image
+        from .pixels import fit
+        return fit(image, limits)
+
+
+def _align(ids: list[int], targets: list[bool], row: list[int], image_ids: set, where: str) -> list[bool]:
+    """`row`'s targets: those of the tokens it shares with `ids` (matched in order), none elsewhere."""
+    out = [False] * len(row)
+    for tag, i1, i2, j1, j2 in SequenceMatcher(None, ids, row, autojunk=False).get_opcodes():
+        if tag == "equal":
+            out[j1:j2] = targets[i1:i2]
+        elif any(targets[i1:i2]):
+            raise ArgumentError(f"{where}: the processor tokenises the answer differently from the chat template's "
+                                "rendering (around an image?), so its tokens cannot be told apart; put the images "
+                                "in the user's turns, away from the answer")
+    return [t and r not in image_ids for t, r in zip(out, row)]
+
+
+def _padded(rows: list[list[str]], load) -> dict:
+    """Idefics3's layout: [rows, most images in a row, 3, H, W], each image's crops in turn, padded
+    with zeros to the batch's most crops and its largest height and width; pixel_attention_mask
+    marks the real pixels."""
+    import torch
+    crops = [[(x["pixel_values"][0], x.get("pixel_attention_mask")) for x in map(load, row)] for row in rows]
+    shapes = [pv.shape for row in crops for pv, _ in row]
+    most = max(sum(pv.shape[0] for pv, _ in row) for row in crops)
+    h, w = max(s[-2] for s in shapes), max(s[-1] for s in shapes)
+    masks = [m for row in crops for _, m in row if m is not None]
+    pixels = torch.zeros(len(rows), most, shapes[0][1], h, w)
+    mask = torch.zeros(len(rows), most, h, w, dtype=masks[0].dtype if masks else torch.int64)
+    for r, row in enumerate(crops):
+        k = 0
+        for pv, m in row:
+            n, _, ph, pw = pv.shape
+            pixels[r, k:k + n, :, :ph, :pw] = pv
+            mask[r, k:k + n, :ph, :pw] = m[0] if m is not None else 1
+            k += n
+    return {"pixel_values": pixels, "pixel_attention_mask": mask}

@@ -36,7 +36,7 @@ class Rows:
                  docs: np.ndarray | None = None, shuffle: bool = True, pad_id: int = 0, mix=None, pixels=None):
         self.tokens, self.row_len, self.packing, self.seed = tokens, row_len, packing, seed
         self.shuffle, self.pad_id, self.mix = shuffle, pad_id, mix
-        self.pixels = pixels        # (image files, input_ids) -> image inputs (images.Media.inputs)
+        self.pixels = pixels        # (each row's image files, input_ids) -> image inputs (images.Media.inputs)
         for doc, (where, _) in tokens.images.items():
             n = int(tokens.docs[doc + 1] - tokens.docs[doc])
             if n > row_len:
@@ -155,14 +155,14 @@ def batch(rows: Rows, start: int, size: int, *, shifted: bool) -> dict[str, torc
     """
     got = [rows.row(start + i) for i in range(size)]
     # streamed rows (streaming.py) hold no images
-    pictures = [p for i in range(size) for p in rows.images(start + i)] if hasattr(rows, "images") else []
+    pictures = [rows.images(start + i) for i in range(size)] if hasattr(rows, "images") else []
     ids = torch.from_numpy(np.stack([g[0] for g in got]))
     targets = torch.from_numpy(np.stack([g[1] for g in got]))
     labels = ids.masked_fill(~targets, IGNORE)
     if shifted:
         return {"input_ids": ids[:, :-1].contiguous(), "labels": labels[:, 1:].contiguous()}
     inputs = {"input_ids": ids, "labels": labels}
-    if pictures:
+    if any(pictures):
         inputs.update(rows.pixels(pictures, ids))
     if rows.packing == "isolated":
         inputs["position_ids"] = torch.from_numpy(np.stack([g[2] for g in got]))

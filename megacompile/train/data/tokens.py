@@ -54,7 +54,11 @@ def load_tokenizer(path: str | None):
 def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None) -> tuple[list[int], list[bool]]:
     """One record's tokens and targets, with the tokenizer's EOS closing the document. `media`
     (images.Media, a vision-language model's processor): its image paths resolved and checked,
-    its image tokens widened (images.py); without it a record with images is refused."""
+    the document written as the processor writes it (images.py); without it a record with
+    images is refused."""
+    if record.get("videos"):
+        raise ArgumentError(f"{where}: the record has videos, which do not train yet (the video_* keys are "
+                            "taken and checked, not used): give its frames as images, or leave the record out")
     paths = media.paths(record, where) if media is not None else []
     if media is None and record.get("images"):
         raise ArgumentError(f"{where}: the record has images, and they are read only with the model folder's "
@@ -66,7 +70,7 @@ def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=Non
             messages = media.messages(messages, paths, where)
         ids, targets = masking.chat(tokenizer, messages, train_on_prompt, where)
         if paths:
-            ids, targets = media.widen(ids, targets, paths, where)
+            ids, targets = media.widen(ids, targets, paths, where, tokenizer, messages)
     elif paths:
         raise ArgumentError(f"{where}: a record with images is a conversation (messages, or ShareGPT's "
                             "conversations) whose turns hold an <image> placeholder per image")
@@ -146,6 +150,11 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
     resume checks among them, leaves the run's own token files as they were)."""
     paths = as_entries(paths)
     sources = _sources(paths, tokenizer_dir, train_on_prompt)
+    if media is not None:
+        sources["image_rows"] = images.ROWS     # how a record with images is written (images.py)
+        limits = getattr(media, "limits", None)
+        if limits is not None and limits.given:     # image_max_pixels / image_min_pixels change the widths
+            sources["image_limits"] = [limits.max_pixels, limits.min_pixels]
     made_from = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
     meta = os.path.join(folder, f"{split}.json")
     try:

@@ -8,10 +8,22 @@ trains what it trained before (set `freeze_vision_tower: true` and `freeze_multi
 true` for LlamaFactory's defaults). Under finetuning_type lora the adapters go on the language
 model's Linear modules alone and every base weight is frozen: the keys may only say so.
 
-The parts are found by the module names transformers gives them: the vision tower
-(`vision_tower`, `vision_model`), the projector (`multi_modal_projector`, `connector`), the
-language model (`language_model`, `text_model`) and the head (`lm_head`), which trains with the
-language model.
+The parts are found by the module names transformers gives them (whole name components, under
+any prefix: `model.`, PEFT's `base_model.model.`):
+
+    family                tower                          projector                language model
+    LLaVA, Gemma 3,       vision_tower                   multi_modal_projector    language_model, lm_head
+    PaliGemma, Mllama     (Mllama: vision_model)
+    Idefics3, SmolVLM,    vision_model                   connector                text_model, lm_head
+    Idefics2
+    Qwen2-VL, Qwen2.5-VL  visual (patch_embed, blocks)   visual.merger            language_model, lm_head
+    Qwen3-VL (-MoE)       visual (pos_embed, patch_embed, blocks, deepstack_merger_list)
+                                                         visual.merger            language_model, lm_head
+
+Qwen's projector sits inside its tower (`visual.merger`): the longer name wins, so the merger is
+the projector's and the rest of `visual` the tower's. Qwen3-VL's deepstack mergers go with the
+tower, as LlamaFactory groups them (its vision_model_keys). The head (`lm_head`) trains with the
+language model; a tied head is the embedding's parameter, which is the language model's.
 """
 from __future__ import annotations
 
@@ -20,9 +32,11 @@ import torch.nn as nn
 from ...errors import ArgumentError
 
 KEYS = ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model")
-PARTS = {"freeze_vision_tower": ("vision_tower", "vision_model"),
-         "freeze_multi_modal_projector": ("multi_modal_projector", "connector"),
-         "freeze_language_model": ("language_model", "text_model", "lm_head")}
+TOWER, PROJECTOR, LANGUAGE = KEYS
+# module name (its components, in order) -> the key whose part it holds; the longest match wins
+PARTS = {("vision_tower",): TOWER, ("vision_model",): TOWER, ("visual",): TOWER,
+         ("multi_modal_projector",): PROJECTOR, ("connector",): PROJECTOR, ("visual", "merger"): PROJECTOR,
+         ("language_model",): LANGUAGE, ("text_model",): LANGUAGE, ("lm_head",): LANGUAGE}
 # What finetuning_type lora holds each key to: the tower and projector frozen, adapters on the language model.
 UNDER_LORA = {"freeze_vision_tower": True, "freeze_multi_modal_projector": True, "freeze_language_model": False}
 
@@ -54,11 +68,18 @@ def is_vision_language(model: nn.Module) -> bool:
 
 def part_of(name: str) -> str | None:
     """The key whose part holds the parameter or module `name`, or None."""
-    components = name.split(".")
-    for key, modules in PARTS.items():
-        if any(m in components for m in modules):
-            return key
-    return None
+    components = tuple(name.split("."))
+    found, longest = None, 0
+    for path, key in PARTS.items():
+        n = len(path)
+        if n > longest and any(components[i:i + n] == path for i in range(len(components) - n + 1)):
+            found, longest = key, n
+    return found
+
+
+def names_of(key: str) -> list[str]:
+    """The module names that make `key`'s part, as run.yaml's errors and docs give them."""
+    return [".".join(path) for path, k in PARTS.items() if k == key]
 
 
 def language_model_names(model: nn.Module, names: list[str]) -> list[str]:
@@ -83,8 +104,18 @@ def apply(c, model: nn.Module) -> None:
         found = [n for n in params if part_of(n) == key]
         if not found:
             raise ArgumentError(f"{key}: {type(model).__name__} has no module named "
-                                f"{' or '.join(PARTS[key])}; its top modules are "
-                                f"{', '.join(sorted({n.split('.')[1] if n.startswith('model.') else n.split('.')[0] for n in params}))}")
+                                f"{' or '.join(names_of(key))}; its top modules are {', '.join(_tops(params))}")
         if getattr(c, key):
             for n in found:
                 params[n].requires_grad_(False)
+
+
+def _tops(names) -> list[str]:
+    """The modules under the model's wrappers (`model.`, PEFT's `base_model.model.`), for an error."""
+    out = set()
+    for n in names:
+        parts = n.split(".")
+        while len(parts) > 2 and parts[0] in ("base_model", "model"):
+            parts = parts[1:]
+        out.add(parts[0])
+    return sorted(out)

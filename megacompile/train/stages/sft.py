@@ -12,7 +12,7 @@ from ...errors import ArgumentError
 from ...ir import fmt_bytes
 from .. import methods
 from ..config import RunConfig
-from ..data import grid_images, images, mixture, packing, split, streaming, tokens
+from ..data import grid_images, images, mixture, packing, pixels, split, streaming, tokens
 from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
@@ -117,9 +117,11 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     if c.streaming:
         return _stream(c, folder, tokenizer, tokenizer_dir, row_len, pad)
     media = grid_images.media(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
+    if media is not None:       # image_max_pixels / image_min_pixels, as LlamaFactory scales images
+        pixels.attach(media, pixels.limits(c))
     if media is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = media.chat_template()     # a processor may hold the template alone
-    pixels = media.inputs if media is not None else None
+    batch_pixels = media.inputs if media is not None else None
     train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media)
     held, eval_rows = None, None
     try:
@@ -130,21 +132,21 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
             held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, media)
             if media is not None:
                 media.check_packing(c.packing, held)
-            eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad, pixels=pixels)
+            eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad, pixels=batch_pixels)
             print(f"  data           {_count(train, docs)} to train; {_count(held, np.arange(held.n_docs))} in "
                   f"{', '.join(e['path'] for e in c.eval)} to evaluate", flush=True)
         elif c.eval_fraction:
             cut = split.hold_out(train, c.eval_fraction, c.seed)
             source, docs = cut.tokens, cut.train
             eval_rows = packing.Rows(cut.tokens, row_len, c.packing, c.seed, docs=cut.held, shuffle=False, pad_id=pad,
-                                     pixels=pixels)
+                                     pixels=batch_pixels)
             print(f"  data           {_count(cut.tokens, cut.train)} to train; {_count(cut.tokens, cut.held)} held "
                   f"out to evaluate (eval_fraction {c.eval_fraction:g} of the tokens"
                   + ("; one document cut between them)" if cut.cut else ")"), flush=True)
         else:
             print(f"  data           {_count(train, docs)} to train", flush=True)
         rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad, mix=_mix(c, source, docs),
-                            pixels=pixels)
+                            pixels=batch_pixels)
     except BaseException:
         for made in (train, held):
             if made is not None:
