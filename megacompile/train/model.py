@@ -98,10 +98,12 @@ def device_budget(c: RunConfig, model: nn.Module, captured, device: str) -> floa
     return max(weight_bytes * c.budget_fraction / GiB, smallest * 1.02)
 
 
-def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
+def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_inputs=None) -> Setup:
     """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes;
     wrap(model) -> the module the engine trains instead of the model (a post-training objective,
-    whose parameters carry the model's names under `policy.`).
+    whose parameters carry the model's names under `policy.`); heaviest_inputs(batch) -> a
+    micro-batch whose shapes need more memory than the first's (more image tokens), or None: the
+    default budget (no hbm_budget) fits its smallest plan too.
 
     Each input shape is captured and planned once before the first step, on the module the engine
     trains and with the request the engine makes (engine/prepared.py): the smallest micro-batch's
@@ -135,10 +137,10 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
     if wrap is not None:
         module = wrap(module)
 
-    def shapes(b: int) -> dict:
+    def shapes(b: int, given: dict | None = None) -> dict:
         # As the engine's step sees them: Qwen2.5-VL's 3D positions computed from the values, its
         # image grids kept with their values (constants of the capture), the rest shapes alone.
-        inputs = with_rope_positions(module, (), first_inputs(b))
+        inputs = with_rope_positions(module, (), first_inputs(b) if given is None else given)
         return {k: v if k in GRID_INPUTS else v.to("meta") for k, v in inputs.items()}
 
     # Each micro-batch size is captured once; the budget's smallest plan, the choice among sizes and
@@ -159,6 +161,10 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None) -> Setup:
         if first not in captures:
             captures[first] = training_capture(module, shapes(first), settings.replace(device=device))
         budget = device_budget(c, module, captures[first], device)
+        heaviest = heaviest_inputs(first) if heaviest_inputs is not None and c.hbm_budget is None else None
+        if heaviest is not None and device != "cuda":   # a later micro-batch with more image tokens fits too
+            heavy = training_capture(module, shapes(first, heaviest), settings.replace(device=device))
+            budget = max(budget, device_budget(c, module, heavy, device))
         if c.global_batch is not None:
             from ..planner import choose_micro_batch
             _, accumulate = choose_micro_batch(c.global_batch, lambda micro, k: prepared_for(micro, k, budget).plan)

@@ -147,7 +147,8 @@ def test_a_qwen3_vl_run_trains_as_eagerly_and_exports_a_model_that_generates_fro
 def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_path, monkeypatch):
     """Micro-batches of one and two images of two sizes: the losses are eager's; the first
     micro-batch's grids are captured once before the first step (for the budget and the engine
-    alike), and a step captures only at grids it has not met."""
+    alike), beside the heaviest micro-batch's (for the budget), and a step captures only at grids
+    the engine has not met."""
     import megacompile.capture as capture_room
     from megacompile.engine import Engine
     _work(tmp_path)
@@ -172,7 +173,9 @@ def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_pa
     assert len(rows) == 4 and sum(1 for r in rows if r["eval_loss"]) == 2
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in rows]), torch.tensor(_eager(config, tmp_path)),
                                rtol=1e-5, atol=0)
-    assert steps[0][:2] == (1, 0)           # captured and planned once, before the first step
+    # before the first step: its grids once (for the budget and the engine alike), and the grids of
+    # the micro-batch with the most image tokens, whose smallest plan the default budget fits too
+    assert steps[0][:2] == (2, 0)
     grids = [g for _, _, g in steps]
     assert len(set(grids)) > 2 and {len(g) for g in grids} == {1, 2}
     assert [new for _, new, _ in steps[1:]] == [int(g not in grids[:i]) for i, g in enumerate(grids) if i]
@@ -212,3 +215,18 @@ def test_a_qwen_vl_run_resumes_exactly_and_exports_a_model_that_generates_from_a
     out = model.generate(input_ids=ids, mm_token_type_ids=(ids == pad).long(), **pixels, max_new_tokens=3,
                          do_sample=False)
     assert out.shape[1] > ids.shape[1]
+
+
+@pytest.mark.slow   # 5 steps of a Qwen2.5-VL run, a capture per new set of grids: ~60 s on 2 cores
+def test_the_default_budget_fits_the_micro_batch_with_the_most_image_tokens(tmp_path, monkeypatch):
+    """Without hbm_budget the cpu budget is sized from the smallest plan of the micro-batch of an
+    epoch with the most image tokens too, not the first alone: seed 1's first micro-batch holds a
+    smaller image than a later one, which the first's budget would refuse mid-run."""
+    _work(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    settings = vlm_files.settings("heavy", 32, 5, batch=1, seed=1, export=None, save_every=5)
+    del settings["eval"], settings["eval_every"]
+    result = run(load(files.run_yaml(str(tmp_path / "heavy.yaml"), **settings), []))
+    rows = log.read(str(tmp_path / "heavy" / "log.csv"))
+    assert result["steps"] == 5 and len(rows) == 5
+    assert all(np.isfinite(float(r["loss"])) for r in rows)

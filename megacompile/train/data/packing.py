@@ -153,9 +153,14 @@ def batch(rows: Rows, start: int, size: int, *, shifted: bool) -> dict[str, torc
     i is the target of position i-1): rows are `seq` long. The bundled model takes labels already
     shifted: rows are seq + 1 long and the last token is only a target.
     """
-    got = [rows.row(start + i) for i in range(size)]
+    return batch_of(rows, range(start, start + size), shifted=shifted)
+
+
+def batch_of(rows: Rows, indices, *, shifted: bool) -> dict[str, torch.Tensor]:
+    """batch() for these rows, in this order."""
+    got = [rows.row(i) for i in indices]
     # streamed rows (streaming.py) hold no images
-    pictures = [rows.images(start + i) for i in range(size)] if hasattr(rows, "images") else []
+    pictures = [rows.images(i) for i in indices] if hasattr(rows, "images") else []
     ids = torch.from_numpy(np.stack([g[0] for g in got]))
     targets = torch.from_numpy(np.stack([g[1] for g in got]))
     labels = ids.masked_fill(~targets, IGNORE)

@@ -61,6 +61,21 @@ class SFTStage(Stage):
     def first_inputs(self, batch: int) -> dict:
         return packing.batch(self.rows, 0, batch, shifted=self.shifted)
 
+    def heaviest_inputs(self, batch: int) -> dict | None:
+        """A micro-batch of the `batch` rows of an epoch with the most image tokens (None without
+        images): the default budget fits it too, not only the first micro-batch, whose images may
+        be fewer or smaller than a later one's."""
+        rows = self.rows
+        if not getattr(getattr(rows, "tokens", None), "images", None) or not rows.rows_per_epoch:
+            return None
+        # An image's tokens where they depend on its size (Qwen's grids), else the image count.
+        width = getattr(self.tokenizer, "width", lambda path, where: 1)
+        load = [sum(width(p, p) for p in rows.images(i)) for i in range(rows.rows_per_epoch)]
+        if not any(load):
+            return None
+        heaviest = sorted(sorted(range(len(load)), key=lambda i: -load[i])[:batch])
+        return packing.batch_of(rows, heaviest, shifted=self.shifted)
+
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         self.batch = batch      # the micro-batch: given, or the planner's choice for global_batch
 

@@ -34,6 +34,11 @@ class Stage:
     def first_inputs(self, batch: int) -> dict:
         raise NotImplementedError
 
+    def heaviest_inputs(self, batch: int) -> dict | None:
+        """A micro-batch whose shapes need more device memory than the first's, for the default
+        budget to fit too; None: the first micro-batch stands for all."""
+        return None
+
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         """The engine is built and resumed: the stage's own state from the checkpoint's `saved`."""
 
