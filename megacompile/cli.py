@@ -66,7 +66,7 @@ def _plan(args: argparse.Namespace) -> int:
         kwargs.update(images_per_row=args.images_per_row, image_size=args.image_size)
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
     model = args.config
-    if args.lora_rank is not None:      # the base frozen, LoRA adapters on it (train/finetune.py)
+    if args.lora_rank is not None:      # the base frozen, LoRA adapters on it (train/methods/lora.py)
         from .planner.from_config import model_from_config
         from .train.methods.lora import lora_for_plan
         model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype])

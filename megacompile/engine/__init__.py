@@ -9,10 +9,10 @@
     prepared.py          a capture and plan made before the engine, handed to it (Engine.adopt)
 """
 from .engine import Engine
-from .from_pretrained import from_pretrained
+from .from_pretrained import compile_folder, from_pretrained
 from .prepared import Prepared, prepare, training_capture
-from .step import StepRecord
-from .from_pretrained import compile_folder
 from .skip_streak import SkipStreak
+from .step import StepRecord
 
-__all__ = ["Engine", "Prepared", "StepRecord", "from_pretrained", "prepare", "training_capture", "SkipStreak", "compile_folder"]
+__all__ = ["Engine", "Prepared", "SkipStreak", "StepRecord", "compile_folder", "from_pretrained", "prepare",
+           "training_capture"]

@@ -200,7 +200,8 @@ class Engine:
                     "compile(..., retrace=True) to build a plan per input shape")
             start = time.perf_counter()
             prepared = self._prepared
-            if prepared is not None and prepared.captures(signature, self.device, self.compute_dtype, self.loss_fn):
+            if prepared is not None and prepared.captures(self.model, signature, self.device, self.compute_dtype,
+                                                                 self.loss_fn):
                 captured = prepared.captured
             else:
                 captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,

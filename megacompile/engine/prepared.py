@@ -9,7 +9,7 @@ dump folder it is not, and the engine plans again from the same capture).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,7 @@ def signature(model: nn.Module, args: tuple, kwargs: dict, train: bool) -> tuple
 
 @dataclass(frozen=True)
 class Prepared:
+    module: nn.Module = field(repr=False, compare=False)     # the module captured
     signature: tuple
     device: torch.device
     compute_dtype: torch.dtype
@@ -44,10 +45,13 @@ class Prepared:
     request: PlanRequest
     plan: Plan
 
-    def captures(self, signature: tuple, device: torch.device, compute_dtype: torch.dtype, loss_fn) -> bool:
-        """Whether this capture is the one an engine would make for the call."""
-        return (loss_fn is None and signature == self.signature and torch.device(device) == self.device
-                and compute_dtype == self.compute_dtype)
+    def captures(self, module: nn.Module, signature: tuple, device: torch.device, compute_dtype: torch.dtype,
+                 loss_fn) -> bool:
+        """Whether this capture is the one an engine would make for the call: of the same module
+        (another module's capture would run its graph with this one's weights), the same inputs,
+        device and dtype, and no loss_fn."""
+        return (module is self.module and loss_fn is None and signature == self.signature
+                and torch.device(device) == self.device and compute_dtype == self.compute_dtype)
 
 
 def training_capture(module: nn.Module, inputs: dict, settings: Settings) -> CapturedModel:
@@ -76,5 +80,5 @@ def prepare(module: nn.Module, inputs: dict, settings: Settings, clip: bool,
         host_bytes=host_cost.ram_bytes, host_cost=host_cost, host_budget_bytes=host_budget,
         fuse=fused(settings.fuse, on_gpu=backend == "cuda"), grad_accum=settings.grad_accum,
         accumulation=settings.accumulation)
-    return Prepared(signature(module, (), inputs, True), device, settings.compute_dtype, captured, request,
+    return Prepared(module, signature(module, (), inputs, True), device, settings.compute_dtype, captured, request,
                     make_plan(captured, request))

@@ -42,7 +42,8 @@ from .hf_layout import INDEX, SINGLE, DiskLayout
 if TYPE_CHECKING:
     from ..state import TrainingState
 
-ADAPTER = ("adapter_config.json", "adapter_model.safetensors")     # a PEFT adapter export (train/lora_export.py)
+# a PEFT adapter export (train/methods/lora_export.py)
+ADAPTER = ("adapter_config.json", "adapter_model.safetensors")
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")

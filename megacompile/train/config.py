@@ -91,7 +91,7 @@ class RunConfig:
     export: str | None = None
     export_dtype: str = "float32"
     seed: int = 0
-    # which parameters train (train/methods.py)
+    # which parameters train (train/methods/)
     finetuning_type: str = "full"
     lora_rank: int = 8
     lora_alpha: float | None = None
@@ -101,7 +101,8 @@ class RunConfig:
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: Any = "all"
     freeze_extra_modules: Any = None
-    freeze_vision_tower: bool | None = None            # a vision-language model's parts (train/vision_freeze.py)
+    # a vision-language model's parts (train/methods/vision_freeze.py)
+    freeze_vision_tower: bool | None = None
     freeze_multi_modal_projector: bool | None = None
     freeze_language_model: bool | None = None
     # images and videos of a vision-language model's records (LlamaFactory's names; train/data/pixels.py)
@@ -111,7 +112,7 @@ class RunConfig:
     video_min_pixels: int | None = None
     video_fps: float | None = None
     video_maxlen: int | None = None
-    # post-training (train/stages.py): TRL's names; None is the stage's default
+    # post-training (train/stages/keys.py): TRL's names; None is the stage's default
     stage: str = "sft"
     beta: float | None = None
     label_smoothing: float | None = None

@@ -134,7 +134,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         elif saved is not None:
             for note in resume.notes(c, saved):
                 print(f"  resume note    {note}", flush=True)
-        wrap = None if c.stage == "sft" else stage.objective
+        wrap = stage.objective
         setup = build(c, meta, stage.first_inputs, wrap=wrap, heaviest_inputs=stage.heaviest_inputs)
         try:
             if stage.needs_reference:     # the model as loaded, forward only

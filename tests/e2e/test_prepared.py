@@ -100,3 +100,16 @@ def test_inputs_of_other_shapes_are_captured_anew(counts):
     plan = engine.prepare(**_inputs(rows=1))
     engine.close()
     assert counts["traces"] > before["traces"] and plan.captured is not prepared.captured
+
+
+def test_another_modules_prepared_capture_is_not_taken(counts):
+    """A capture of another module with the same shapes would run its graph over this engine's
+    weights: the engine captures its own."""
+    inputs = _inputs()
+    prepared = _prepared(_model(), inputs)
+    engine = megacompile.compile(_model(), **SETTINGS)
+    engine.adopt(prepared)
+    before = dict(counts)
+    plan = engine.prepare(**inputs)
+    engine.close()
+    assert counts["traces"] > before["traces"] and plan.captured is not prepared.captured

@@ -115,8 +115,8 @@ def test_a_prepared_capture_is_taken_for_its_grids_alone():
                       for i, grids in enumerate((QWEN_GRIDS, OTHER_GRIDS)))
     prepared = prepare(m, first, Settings(hbm_budget=1.0, compute_dtype=torch.float32, device="cpu"), clip=True)
     cpu = torch.device("cpu")
-    assert prepared.captures(signature(m, (), first, True), cpu, torch.float32, None)
-    assert not prepared.captures(signature(m, (), swapped, True), cpu, torch.float32, None)
+    assert prepared.captures(m, signature(m, (), first, True), cpu, torch.float32, None)
+    assert not prepared.captures(m, signature(m, (), swapped, True), cpu, torch.float32, None)
     assert [g.values for g in prepared.captured.grids] == [g.values for g in prepared.plan.captured.grids]
 
 

@@ -1,4 +1,4 @@
-"""run.yaml's choice of generator for stage: grpo (train/rollout_generator.py): each key checked
+"""run.yaml's choice of generator for stage: grpo (train/stages/rollouts.py): each key checked
 before anything is written; a copy in fp32 (whole on the device, or its layers streamed) writes the
 engine generator's log; vLLM colocated (a stand-in for its API) is handed the masters before each
 rollout that follows a step; the sampler's state resumes from a checkpoint."""

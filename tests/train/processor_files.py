@@ -131,14 +131,8 @@ def qwen_processor(path: str, family: str):
 
 
 def images(where: str) -> dict[str, str]:
-    """One flat-coloured PNG per colour in where/images, at its SIZES; colour -> relative path."""
-    from PIL import Image
-    os.makedirs(os.path.join(where, "images"), exist_ok=True)
-    out = {}
-    for name, rgb in vlm_files.COLOURS.items():
-        out[name] = os.path.join("images", f"{name}.png")
-        Image.new("RGB", SIZES[name], rgb).save(os.path.join(where, out[name]))
-    return out
+    """vlm_files.images at this file's SIZES."""
+    return vlm_files.images(where, SIZES)
 
 
 def data(path: str, records: list[dict] | None = None) -> str:

@@ -97,15 +97,8 @@ def _processor_files(path: str, tok, processor: str) -> str:
 
 
 def images(folder: str) -> dict[str, str]:
-    """One flat-coloured PNG per colour in folder/images, at its SIZES; colour -> path relative to
-    `folder` (the paths vlm_files.records names)."""
-    from PIL import Image
-    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
-    out = {}
-    for name, rgb in vlm_files.COLOURS.items():
-        out[name] = os.path.join("images", f"{name}.png")
-        Image.new("RGB", SIZES[name], rgb).save(os.path.join(folder, out[name]))
-    return out
+    """vlm_files.images at this file's SIZES."""
+    return vlm_files.images(folder, SIZES)
 
 
 def records(path: str, n: int = 12, text_every: int = 4) -> str:

@@ -266,3 +266,28 @@ def test_a_record_with_videos_is_refused_naming_it():
                            {"role": "assistant", "content": "a ball rolls"}], "videos": ["clips/ball.mp4"]}
     with pytest.raises(ArgumentError, match=r"data.jsonl:3: the record has videos, which do not train yet"):
         tokens.encode(None, record, False, "data.jsonl:3")
+
+
+def test_a_token_file_made_within_other_pixel_limits_is_made_again(tmp_path, monkeypatch):
+    """The pixel limits are part of what a token file is made from: a run folder's token file
+    tokenised with image_max_pixels is not reused by a run without it (its image widths differ)."""
+    from megacompile.train.stages.sft import SFTStage
+    monkeypatch.chdir(tmp_path)
+    qwen_files.model_dir(str(tmp_path / "model"))
+    _big_image(str(tmp_path))
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for _ in range(3):
+            f.write('{"messages": [{"role": "user", "content": "<image> what colour is this"}, '
+                    '{"role": "assistant", "content": "this is red"}], "images": ["big.png"]}\n')
+    counts = []
+    for name, over in (("capped", {"image_max_pixels": 256}), ("whole", {})):
+        c = load(files.run_yaml(str(tmp_path / f"{name}.yaml"), model="model", data="data.jsonl", seq=32, steps=1,
+                                device="cpu", run_dir="same", **over), [])
+        stage = SFTStage(c, str(tmp_path / "same"))
+        try:
+            pad = stage.tokenizer.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            counts.append(int((np.asarray(stage.rows.tokens.ids) == pad).sum()))
+            stage.commit(str(tmp_path / "same"))
+        finally:
+            stage.close()
+    assert counts == [3 * 4, 3 * 12]

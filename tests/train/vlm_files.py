@@ -57,14 +57,16 @@ def model_dir(path: str, seed: int = 0) -> str:
     return path
 
 
-def images(folder: str) -> dict[str, str]:
-    """One flat-coloured PNG per colour in folder/images; colour -> path relative to `folder`."""
+def images(folder: str, sizes: dict[str, tuple[int, int]] | None = None) -> dict[str, str]:
+    """One flat-coloured PNG per colour in folder/images, each of sizes[colour] (width, height;
+    default one size for all); colour -> path relative to `folder`."""
     from PIL import Image
     os.makedirs(os.path.join(folder, "images"), exist_ok=True)
     out = {}
     for name, rgb in COLOURS.items():
         out[name] = os.path.join("images", f"{name}.png")
-        Image.new("RGB", (IMAGE + 8, IMAGE), rgb).save(os.path.join(folder, out[name]))
+        size = sizes[name] if sizes is not None else (IMAGE + 8, IMAGE)
+        Image.new("RGB", size, rgb).save(os.path.join(folder, out[name]))
     return out
 
 

@@ -116,6 +116,7 @@ class Media:
         self.written = token    # what each <image> of a turn becomes before the template renders it
         self.written_id = self.token_id
         self.base = "."         # the folder the current data entry's image paths are relative to
+        self.limits = None      # pixels.Limits the images are read within (pixels.attach), or none
         self._widths: dict[str, int] = {}
         self._pixels = lru_cache(maxsize=4096)(self._load_pixels)
 
@@ -250,11 +251,10 @@ class Media:
                 image = image.convert("RGB")
         except Exception as e:  # noqa: BLE001 - PIL's own words, with the file named
             raise ArgumentError(f"{where}: cannot read image {path}: {str(e).splitlines()[0][:200]}") from e
-        limits = getattr(self, "limits", None)
-        if limits is None:
+        if self.limits is None:
             return image
         from .pixels import fit
-        return fit(image, limits)
+        return fit(image, self.limits)
 
 
 def _align(ids: list[int], targets: list[bool], row: list[int], image_ids: set, where: str) -> list[bool]:

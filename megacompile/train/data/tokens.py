@@ -152,7 +152,7 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
     sources = _sources(paths, tokenizer_dir, train_on_prompt)
     if media is not None:
         sources["image_rows"] = images.ROWS     # how a record with images is written (images.py)
-        limits = getattr(media, "limits", None)
+        limits = media.limits
         if limits is not None and limits.given:     # image_max_pixels / image_min_pixels change the widths
             sources["image_limits"] = [limits.max_pixels, limits.min_pixels]
     made_from = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]

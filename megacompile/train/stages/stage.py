@@ -27,9 +27,9 @@ class Stage:
     def discard(self) -> None:
         """Drop what the stage made while reading its data (a check failed: nothing is left)."""
 
-    def objective(self, policy):
-        """The module the engine trains in place of the model, or the model itself."""
-        return policy
+    # objective(policy) -> the module the engine trains in place of the model (a post-training
+    # objective, posttrain/); None: the engine trains the model itself.
+    objective = None
 
     def first_inputs(self, batch: int) -> dict:
         raise NotImplementedError
