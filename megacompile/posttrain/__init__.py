@@ -6,13 +6,14 @@ from .advantages import group_advantages
 from .dpo import DPOLoss, DPOObjective, dpo_loss
 from .grpo import GRPOLoss, GRPOObjective, grpo_loss
 from .logprobs import IGNORE, sequence_logprobs, token_logprobs
-from . import rewards
+from . import rewards, sampling_correction
 from .advantages import nanstd
 from .hf_generator import HFGenerator
 from .preference import Pair, pack, preference_metrics, read_pairs
 from .rewards import TrainerState
 from .rollout import EngineGenerator
 from .rollout_batch import rollout_batch, truncated
+from .sampling_correction import sampled_logps, sampling_ratio
 from .streamed_copy import StreamedHFGenerator
 from .vllm_generator import MISSING, VLLMGenerator
 from .vllm_server import VLLMServerGenerator
@@ -20,4 +21,4 @@ from .vllm_server import VLLMServerGenerator
 __all__ = ["DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "sequence_logprobs", "token_logprobs",
            "IGNORE", "EngineGenerator", "HFGenerator", "MISSING", "Pair", "StreamedHFGenerator", "TrainerState",
            "VLLMGenerator", "VLLMServerGenerator", "nanstd", "pack", "preference_metrics", "read_pairs", "rewards",
-           "rollout_batch", "truncated"]
+           "rollout_batch", "sampled_logps", "sampling_correction", "sampling_ratio", "truncated"]

@@ -31,7 +31,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
               ref_logps: torch.Tensor | None = None, epsilon: float = 0.2, epsilon_high: float | None = None,
               beta: float = 0.0, loss_type: str = "dapo", max_completion_length: int | None = None,
               importance_sampling_level: str = "token", delta: float | None = None,
-              entropy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+              entropy_mask: torch.Tensor | None = None, sampling_ratio: torch.Tensor | None = None,
+              token_count: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The loss of (N, T) per-token log-probabilities of the completions under the policy being
     trained, those under the policy that sampled them (old_logps), (N,) advantages and the (N, T)
     mask of completion tokens; and metrics (clip fractions, mean KL) as detached tensors.
@@ -39,11 +40,14 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     Importance weights: `token`, exp(logp - old) per token; `sequence`, exp of the mean of
     logp - old over each completion's tokens, one weight per completion (GSPO). `delta` caps the
     unclipped weight from above (two-sided clipping). `entropy_mask` (N, T): the tokens whose
-    policy term counts (the KL term counts on every token).
+    policy term counts (the KL term counts on every token). `sampling_ratio` (N, T): the sampler's
+    correction (sampling_correction.py), a weight of the policy term.
 
     Normalisation (loss_type): grpo, each sequence's mean then the mean over sequences; bnpo and
     dapo, the sum over every token divided by the number of tokens; dr_grpo, the sum divided by
-    N * max_completion_length (a constant)."""
+    N * max_completion_length (a constant). `token_count` (dapo): the count to divide by instead of
+    this batch's, when the batch is one micro-batch of a larger generation batch (TRL divides by the
+    generation batch's completion tokens)."""
     if loss_type not in LOSS_TYPES:
         raise ArgumentError(f"GRPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {loss_type!r}")
     if importance_sampling_level not in LEVELS:
@@ -61,6 +65,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     per_token = -torch.min(capped * a, clipped * a).expand_as(logps)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.to(logps.dtype)
+    if sampling_ratio is not None:
+        per_token = per_token * sampling_ratio.to(logps.dtype)
     metrics = {}
     if beta != 0.0:
         if ref_logps is None:
@@ -74,6 +80,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     elif loss_type == "dr_grpo":
         length = max_completion_length if max_completion_length is not None else mask.shape[1]
         loss = (per_token * mask).sum() / (mask.shape[0] * length)
+    elif loss_type == "dapo" and token_count is not None:
+        loss = (per_token * mask).sum() / token_count.to(logps.dtype).clamp(min=1)
     else:
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     tokens = mask.sum().clamp(min=1)
@@ -124,7 +132,8 @@ class GRPOLoss:
         return token_logprobs(logits if self.temperature == 1.0 else logits / self.temperature, labels)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
-                 ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+                 ref_logps: torch.Tensor | None = None, sampling_ratio: torch.Tensor | None = None,
+                 token_count: torch.Tensor | None = None) -> torch.Tensor:
         if self.temperature != 1.0:
             logits = logits / self.temperature
         logps, mask = token_logprobs(logits, labels)
@@ -133,7 +142,7 @@ class GRPOLoss:
             entropy = high_entropy_mask(token_entropies(logits), mask, self.top_entropy_quantile)
         loss, _ = grpo_loss(logps, old_logps, advantages, mask, ref_logps, self.epsilon, self.epsilon_high,
                             self.beta, self.loss_type, self.max_completion_length, self.importance_sampling_level,
-                            self.delta, entropy)
+                            self.delta, entropy, sampling_ratio, token_count)
         return loss
 
 
@@ -141,8 +150,8 @@ class GRPOObjective(nn.Module):
     """The policy with the GRPO loss on top, for compile(). One module, three uses, told apart by
     the inputs given (each set of inputs is captured and planned once):
 
-    - forward(input_ids, labels, old_logps, advantages[, ref_logps]) -> the loss (a training step);
-      labels IGNORE outside the completions;
+    - forward(input_ids, labels, old_logps, advantages[, ref_logps, sampling_ratio, token_count]) ->
+      the loss (a training step); labels IGNORE outside the completions;
     - forward(input_ids, labels) -> (N, T) per-token log-probabilities at the loss's temperature
       (forward only: the old policy's or the reference's);
     - forward(input_ids, last=positions) -> (N, V) logits at each row's last position (forward
@@ -153,10 +162,11 @@ class GRPOObjective(nn.Module):
         super().__init__()
         self.policy, self.loss = policy, loss
 
-    def forward(self, input_ids, labels=None, old_logps=None, advantages=None, ref_logps=None, last=None):
+    def forward(self, input_ids, labels=None, old_logps=None, advantages=None, ref_logps=None, last=None,
+                sampling_ratio=None, token_count=None):
         logits = logits_of(self.policy(input_ids))
         if last is not None:
             return logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1).float()
         if advantages is None:
             return self.loss.logprobs(logits, labels)[0]
-        return self.loss(logits, labels, old_logps, advantages, ref_logps)
+        return self.loss(logits, labels, old_logps, advantages, ref_logps, sampling_ratio, token_count)

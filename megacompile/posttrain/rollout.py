@@ -19,6 +19,9 @@ class Completion:
     prompt_index: int
     prompt: tuple[int, ...]
     tokens: tuple[int, ...]        # the completion, up to and including an eos
+    # the sampler's log-probability of each token, where it reports them (vLLM); None for a token
+    # it did not score (a stop token it left out of its reply)
+    logprobs: tuple[float | None, ...] | None = None
 
 
 class Generator(Protocol):
@@ -46,9 +49,12 @@ class EngineGenerator:
     def set_state(self, state: torch.Tensor) -> None:
         self.rng.set_state(state)
 
-    def generate(self, prompts, n, max_new_tokens, temperature=1.0, width: int | None = None) -> list[Completion]:
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0, width: int | None = None,
+                 rows_per_call: int | None = None) -> list[Completion]:
         """width: the rows' length (at least the longest prompt + max_new_tokens); one width for
-        every call plans generation once (the padding after a row's end does not change its logits)."""
+        every call plans generation once (the padding after a row's end does not change its logits).
+        rows_per_call: the rows each forward takes (a divisor of len(prompts) x n; all of them by
+        default), so that a larger rollout batch is sampled in the shape of one micro-batch."""
         check_request(prompts, n, max_new_tokens, temperature)
         rows = [list(p) for p in prompts for _ in range(n)]
         longest = max(len(r) for r in rows) + max_new_tokens
@@ -56,6 +62,14 @@ class EngineGenerator:
             raise ArgumentError(f"generate: rows of width {width} cannot hold a prompt of {longest - max_new_tokens} "
                                 f"tokens and {max_new_tokens} new ones")
         width = longest if width is None else width
+        step = len(rows) if rows_per_call is None else rows_per_call
+        if step < 1 or len(rows) % step:
+            raise ArgumentError(f"generate: {len(rows)} rows do not split into calls of rows_per_call={rows_per_call}")
+        out = [t for start in range(0, len(rows), step)
+               for t in self._sample(rows[start:start + step], width, max_new_tokens, temperature)]
+        return [Completion(i // n, tuple(prompts[i // n]), tuple(tokens)) for i, tokens in enumerate(out)]
+
+    def _sample(self, rows: list[list[int]], width: int, max_new_tokens: int, temperature: float) -> list[list[int]]:
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for r, row in enumerate(rows):
             ids[r, :len(row)] = torch.tensor(row)
@@ -78,4 +92,4 @@ class EngineGenerator:
                 done[r] = self.eos_id is not None and t == self.eos_id
             if bool(done.all()):
                 break
-        return [Completion(i // n, tuple(prompts[i // n]), tuple(tokens)) for i, tokens in enumerate(out)]
+        return out

@@ -110,8 +110,10 @@ class VLLMGenerator(SeededCalls):
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
             if len(out.outputs) != n:
                 raise MegacompileError(f"vLLM returned {len(out.outputs)} completions of prompt {i}, not n={n}")
-            completions += [Completion(i, tuple(prompt), completion_tokens(c.token_ids, getattr(c, "stop_reason", None),
-                                                                          self.eos_id)) for c in out.outputs]
+            for c in out.outputs:
+                tokens = completion_tokens(c.token_ids, getattr(c, "stop_reason", None), self.eos_id)
+                completions.append(Completion(i, tuple(prompt), tokens,
+                                              sampled_logprobs(c.token_ids, getattr(c, "logprobs", None), len(tokens))))
         return completions
 
 
@@ -124,7 +126,18 @@ def completion_tokens(token_ids, stop_reason, eos_id: int | None) -> tuple[int, 
     return tokens
 
 
+def sampled_logprobs(token_ids, logprobs, count: int) -> tuple[float | None, ...] | None:
+    """The sampler's log-probability of each sampled token, from vLLM's per-token {token id:
+    Logprob} (logprobs=0 asks for the sampled token's alone); None for a stop token appended after
+    them (completion_tokens); None for all where vLLM gave none."""
+    if not logprobs:
+        return None
+    values = tuple(float(step[t].logprob) for t, step in zip(token_ids, logprobs))
+    return (values + (None,) * count)[:count]
+
+
 def sampling(n: int, max_new_tokens: int, temperature: float, seed: int, eos_id: int | None) -> dict:
-    """vLLM's sampling settings of one call: the tokenizer's eos ignored, `eos_id` the stop token."""
+    """vLLM's sampling settings of one call: the tokenizer's eos ignored, `eos_id` the stop token,
+    and the sampled token's log-probability returned (the sampler's correction reads it)."""
     return dict(n=n, temperature=float(temperature), max_tokens=max_new_tokens, seed=seed, ignore_eos=True,
-                stop_token_ids=[eos_id] if eos_id is not None else None)
+                stop_token_ids=[eos_id] if eos_id is not None else None, logprobs=0)

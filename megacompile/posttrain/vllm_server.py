@@ -1,5 +1,6 @@
 """Rollouts from a vLLM server on this machine (or one sharing its disk), spoken to over HTTP: the
-OpenAI-compatible `/v1/completions` with token-id prompts and `return_token_ids` (vLLM >= 0.10.2),
+OpenAI-compatible `/v1/completions` with token-id prompts and `return_token_ids` (vLLM >= 0.10.2)
+and the sampled tokens' log-probabilities (`logprobs: 0`, read from `token_logprobs`),
 and, after each optimizer step, the weights through vLLM's weight-transfer routes with its `disk`
 backend: the masters are written as one bf16 safetensors file in `weights_dir` (each tensor cast
 alone as it is written: the host grows by one tensor), then `/start_weight_update`,
@@ -80,8 +81,14 @@ class VLLMServerGenerator(SeededCalls):
         if len(choices) != len(prompts) * n or any("token_ids" not in c for c in choices):
             raise MegacompileError(f"the vLLM server answered {len(choices)} completions of {len(prompts)} prompts x "
                                    f"n={n}, or without token_ids (it needs vLLM >= 0.10.2: return_token_ids)")
-        return [Completion(c["index"] // n, tuple(prompts[c["index"] // n]),
-                           completion_tokens(c["token_ids"], c.get("stop_reason"), self.eos_id)) for c in choices]
+        completions = []
+        for c in choices:
+            tokens = completion_tokens(c["token_ids"], c.get("stop_reason"), self.eos_id)
+            scored = (c.get("logprobs") or {}).get("token_logprobs")
+            logprobs = None if not scored else tuple((tuple(None if x is None else float(x) for x in scored)
+                                                      + (None,) * len(tokens))[:len(tokens)])
+            completions.append(Completion(c["index"] // n, tuple(prompts[c["index"] // n]), tokens, logprobs))
+        return completions
 
 
 def _own_folder(weights_dir: str) -> None:

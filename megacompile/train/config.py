@@ -130,6 +130,8 @@ class RunConfig:
     reward_funcs: Any = None
     reward_weights: Any = None
     num_iterations: int | None = None
+    steps_per_generation: int | None = None
+    generation_batch_size: int | None = None
     scale_rewards: Any = None
     mask_truncated_completions: bool | None = None
     importance_sampling_level: str | None = None
@@ -141,6 +143,9 @@ class RunConfig:
     vllm_mode: str | None = None
     vllm_server_base_url: str | None = None
     vllm_gpu_memory_utilization: float | None = None
+    vllm_importance_sampling_correction: bool | None = None
+    vllm_importance_sampling_mode: str | None = None
+    vllm_importance_sampling_cap: float | None = None
 
     @property
     def bundled(self) -> bool:

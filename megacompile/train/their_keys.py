@@ -78,10 +78,6 @@ NOT_TAKEN = {
     "pref_ftx": "rpo_alpha (the DPO loss's term on the chosen tokens' negative log-likelihood)",
     "dpo_label_smoothing": "label_smoothing",
     # post-training options megacompile does not have
-    "steps_per_generation": "not supported: one rollout batch is one step's micro-batch (num_iterations trains it "
-                            "more than once)",
-    "generation_batch_size": "not supported: one rollout batch is one step's micro-batch (batch)",
-    "vllm_importance_sampling_correction": "not supported: the sampler's log-probabilities are not corrected for",
     "multi_objective_aggregation": "not supported: the weighted rewards are summed, then scaled within their group "
                                    "(scale_rewards), as TRL's default does; leave it out",
     "f_divergence_type": "not supported: the DPO losses use the reverse KL, TRL's default",

@@ -8,6 +8,7 @@ import types
 from types import SimpleNamespace
 
 EOS = 3
+LOGPROB = -0.25
 
 
 class SamplingParams:
@@ -59,7 +60,11 @@ class LLM:
                 first = (p["prompt_token_ids"][-1] + params.seed + j) % 50 + 10
                 stop = params.stop_token_ids[0] if params.stop_token_ids else None
                 tokens = [first] + ([stop] if stop is not None and j % 2 == 0 else [])
-                completions.append(SimpleNamespace(token_ids=tokens, stop_reason=stop, finish_reason="stop"))
+                # with logprobs=0, each sampled token's log-probability alone: LOGPROB, then LOGPROB - 1
+                logprobs = (None if getattr(params, "logprobs", None) is None else
+                            [{t: SimpleNamespace(logprob=LOGPROB - i)} for i, t in enumerate(tokens)])
+                completions.append(SimpleNamespace(token_ids=tokens, stop_reason=stop, finish_reason="stop",
+                                                   logprobs=logprobs))
             out.append(SimpleNamespace(outputs=completions))
         return out
 

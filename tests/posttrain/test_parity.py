@@ -113,10 +113,12 @@ def test_post_training_objective_trains_exactly_under_the_budget(case):
         # GRPO's loss is a sum of O(1) terms whose advantages cancel to ~1e-4: 1e-5 of the terms' scale.
         assert ours == pytest.approx(losses, rel=1e-5, abs=1e-7), (budget, ours, losses)
         assert moment_error(moments, eager_moments) <= 1e-5
-        # IPO alone (token-averaged log-ratios, a squared loss with near-zero gradients) lands its weights
-        # 1.3e-5 from eager's after 3 steps, 2.9x its float32-vs-float64 floor: losses and first
-        # gradients agree to 1e-5, and IPO inside dpo_loss_types holds the weights too. Not yet explained.
-        if case != "ipo":
-            assert_same_weights(engine, reference, noise=noise)
+        # IPO alone: at twice the weights the weights are bit-equal to eager's; at the smallest budget
+        # (blocks recomputed) one element of blocks.1.gate.weight lands 9.2e-7 from eager's (1.3e-5
+        # of the tensor's largest entry, 2.9x the float32-vs-float64 floor). Its first gradient is
+        # 6.6e-8 against the tensor's median 1.0e-3: AdamW moves such an element by about lr in a
+        # direction rounding sets (acceptance/parity.py), and the recomputed forward rounds
+        # otherwise than the saved one. Eager float32 lands 3.2e-7 from float64 at that same element.
+        assert_same_weights(engine, reference, noise=2 * noise if case == "ipo" else noise)
         assert engine.memory_stats()["device_peak_bytes"] == engine.plan.predicted_peak_bytes
         engine.close()

@@ -9,9 +9,12 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from megacompile import Engine
 from megacompile.errors import ArgumentError, MegacompileError
 from megacompile.train import load, log, run
+from megacompile.train.stages import grpo as grpo_stage
 from megacompile.train.stages import rollouts as rollout_generator
 from tests.posttrain import fake_vllm, stage_files
 from tests.train import files
@@ -105,6 +108,8 @@ class _SmallVocabLLM(fake_vllm.LLM):
         for o in out:
             for c in o.outputs:
                 c.token_ids = [t if t == fake_vllm.EOS else t % 40 + 5 for t in c.token_ids]
+                if c.logprobs is not None:
+                    c.logprobs = [{t: next(iter(step.values()))} for t, step in zip(c.token_ids, c.logprobs)]
         return out
 
 
@@ -114,11 +119,26 @@ def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rol
     monkeypatch.setattr(fake, "LLM", lambda **kw: made.append(_SmallVocabLLM(**kw)) or made[-1])
     monkeypatch.setitem(sys.modules, "vllm", fake)
     stage_files.CALLS.clear()
+    ratios, steps = [], []
+    measure, step = grpo_stage.sampling_ratio, Engine.step
+    monkeypatch.setattr(grpo_stage, "sampling_ratio", lambda *a: ratios.append((a, measure(*a))) or ratios[-1][1])
+    monkeypatch.setattr(Engine, "step", lambda engine, **kw: steps.append(kw) or step(engine, **kw))
     config = files.run_yaml(str(tmp_path / "run.yaml"),
                             **stage_files.grpo(work, str(tmp_path / "run"), steps=2, use_vllm=True,
                                                vllm_mode="colocate", seed=7))
     run(load(config, []))
     llm, = made
+    # the sampler's correction, TRL's default (sequence_mask, cap 3): vLLM's log-probabilities of
+    # the sampled tokens against the old policy's, the weights handed to the step as its input
+    assert len(ratios) == 2 == len(steps)
+    for (args, (weights, metrics)), kw in zip(ratios, steps):
+        old, sampled, mask, mode, cap = args
+        assert (mode, cap) == ("sequence_mask", 3.0) and torch.equal(kw["sampling_ratio"], weights)
+        assert torch.equal(old, kw["old_logps"]) and torch.equal(mask, kw["labels"] != -100)
+        given = sampled[mask]       # NaN: the stop token vLLM left out of its reply (weighs 1)
+        assert set(given[~given.isnan()].tolist()) == {fake_vllm.LOGPROB, fake_vllm.LOGPROB - 1}
+    for row, (_, (_, metrics)) in zip(log.read(str(tmp_path / "run" / "log.csv")), ratios):
+        assert all(float(row[k]) == pytest.approx(v) for k, v in metrics.items())
     assert llm.args == dict(model=work["model"], dtype="bfloat16", seed=7, tensor_parallel_size=1,
                             gpu_memory_utilization=0.3, max_model_len=11)
     assert [params.seed for _, params in llm.requests] == [7, 8]          # the seed and the count of calls

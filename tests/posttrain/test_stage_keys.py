@@ -39,13 +39,29 @@ def work(tmp_path_factory):
     ("dpo", {"label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\)"),
     ("dpo", {"packing": False}, "stage dpo: packing is not taken by dpo"),
     ("grpo", {"num_generations": 1}, "num_generations must be a whole number >= 2; got 1"),
-    ("grpo", {"batch": 6}, "batch 6 .* must be a multiple of num_generations 4"),
+    ("grpo", {"batch": 6}, r"batch 6 x steps_per_generation 1 = 6 completions .* must be a multiple of "
+                           "num_generations 4"),
+    ("grpo", {"batch": 3, "grad_accum": 2}, r"batch 3 x steps_per_generation 2 = 6"),     # TRL's default: grad_accum
+    ("grpo", {"batch": 2, "grad_accum": 2, "steps_per_generation": 3},
+     "steps_per_generation 3 must be a multiple of grad_accum 2.* give steps_per_generation 4"),
+    ("grpo", {"steps_per_generation": 2, "generation_batch_size": 16}, "say the same thing twice"),
+    ("grpo", {"generation_batch_size": 12}, "generation_batch_size 12 must be a multiple of batch 8"),
+    ("grpo", {"steps_per_generation": 0}, "steps_per_generation must be a whole number >= 1; got 0"),
+    ("grpo", {"steps_per_generation": 2, "num_iterations": 2, "steps": 6},
+     r"steps 6 must be a multiple of 4, the optimizer steps of a rollout batch \(steps_per_generation 2 / "
+     r"grad_accum 1 x num_iterations 2\)"),
+    ("grpo", {"vllm_importance_sampling_mode": "token_mask"}, "vllm_importance_sampling_mode applies to sampling "
+                                                               "with vLLM: set use_vllm: true"),
+    ("grpo", {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_mode": "tis"},
+     "vllm_importance_sampling_mode must be one of token_truncate"),
+    ("grpo", {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_cap": -1},
+     "vllm_importance_sampling_cap must be a positive number"),
     ("grpo", {"epsilon": 1.5}, r"epsilon must be in \(0, 1\), e.g. 0.2; got 1.5"),
     ("grpo", {"temperature": -1}, "temperature must be > 0"),
     ("grpo", {"reward_funcs": []}, "reward_funcs is a list of reward functions"),
     ("grpo", {"reward_funcs": ["no_such_module:f"]}, "reward function 'no_such_module:f' cannot be loaded"),
     ("grpo", {"reward_weights": [1.0]}, r"reward_weights is a list of one number per reward function \(2\)"),
-    ("grpo", {"num_iterations": 2, "steps": 3}, "steps 3 must be a multiple of num_iterations 2"),
+    ("grpo", {"num_iterations": 2, "steps": 3}, "steps 3 must be a multiple of 2, the optimizer steps of a rollout"),
     ("grpo", {"seq": 64}, "stage grpo: seq is not taken by grpo"),
     ("grpo", {"loss_type": "sigmoid"}, "loss_type for stage grpo must be one of grpo, bnpo, dr_grpo, dapo"),
 ])

@@ -68,6 +68,27 @@ def test_a_trl_grpo_config_with_trl_reward_functions_runs_and_logs_each_reward(t
         assert row["skipped"] in ("", "None")
 
 
+def test_a_trl_grpo_config_learns_a_toy_reward(tmp_path):
+    """TRL's keys, a conversational dataset, reward functions written for TRL (one learnable, one
+    that scores some completions and returns None for the rest, an async one that returns NaN for
+    all): the learnable reward's mean goes from chance to nearly always in 30 steps, seeded."""
+    work = stage_files.workspace(tmp_path)
+    settings = stage_files.grpo(work, str(tmp_path / "run"), data=_conversations(str(tmp_path / "chat.jsonl")),
+                                reward_funcs=["tests.posttrain.trl_rewards:says_the",
+                                              "tests.posttrain.trl_rewards:long_only",
+                                              "tests.posttrain.trl_rewards:never"],
+                                reward_weights=[1.0, 0.1, 1.0], max_completion_length=2)
+    del settings["batch"], settings["steps"], settings["lr"]
+    settings.update(per_device_train_batch_size=16, max_steps=30, learning_rate=1e-2)
+    result = run(load(files.run_yaml(str(tmp_path / "grpo.yaml"), **settings), []))
+    assert result["steps"] == 30
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    learned = [float(r["rewards/says_the/mean"]) for r in rows]
+    assert sum(learned[:3]) / 3 < 0.2 and sum(learned[-3:]) / 3 >= 0.9, learned
+    assert all(math.isnan(float(r["rewards/never/mean"])) for r in rows)
+    assert all(math.isfinite(float(r["loss"])) for r in rows)
+
+
 def _poisoned_rollout_batch(*args, **kwargs):
     batch = rollout_batch(*args, **kwargs)
     if not _poisoned_rollout_batch.done:

@@ -77,10 +77,13 @@ def test_requests_and_replies_are_translated_and_the_sampler_state_restores(vllm
     prompts, params = generator.llm.requests[-1]
     assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [9]}]
     assert (params.n, params.temperature, params.max_tokens, params.seed) == (2, 0.7, 6, 7)
-    assert params.stop_token_ids == [fake_vllm.EOS] and params.ignore_eos
+    assert params.stop_token_ids == [fake_vllm.EOS] and params.ignore_eos and params.logprobs == 0
     # prompt 0's two completions, then prompt 1's; each ends with the stop token, listed or not
-    assert first == [Completion(0, (1, 2), (19, 3)), Completion(0, (1, 2), (20, 3)),
-                     Completion(1, (9,), (26, 3)), Completion(1, (9,), (27, 3))]
+    assert [(c.prompt_index, c.prompt, c.tokens) for c in first] == [
+        (0, (1, 2), (19, 3)), (0, (1, 2), (20, 3)), (1, (9,), (26, 3)), (1, (9,), (27, 3))]
+    # the sampled tokens' log-probabilities; None for a stop token vLLM did not list (odd completions)
+    lp = fake_vllm.LOGPROB
+    assert [c.logprobs for c in first] == [(lp, lp - 1), (lp, None), (lp, lp - 1), (lp, None)]
     assert generator.generate([[1, 2]], 1, 6)[0].tokens == (20, 3)          # the next call, the next seed
     after = generator.state()
     generator.generate([[1, 2]], 1, 6, temperature=0)                       # greedy: nothing drawn, not counted

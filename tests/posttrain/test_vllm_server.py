@@ -49,8 +49,11 @@ class _Server:
                     for i, prompt in enumerate(body["prompt"]):
                         for j in range(body["n"]):
                             tokens = [prompt[-1] + body["seed"] + j] + ([EOS] if j == 0 else [])
+                            # logprobs: 0 -> the sampled tokens' own, in token_logprobs
+                            scored = ({"token_logprobs": [-0.5 - k for k in range(len(tokens))]}
+                                      if body.get("logprobs") is not None else None)
                             choices.append({"index": i * body["n"] + j, "token_ids": tokens, "stop_reason": EOS,
-                                            "finish_reason": "stop", "text": ""})
+                                            "finish_reason": "stop", "text": "", "logprobs": scored})
                     return self._answer({"choices": choices[::-1]})         # in any order: placed by index
                 self._answer({})
 
@@ -88,8 +91,10 @@ def test_weights_go_to_the_server_through_the_disk_backend_after_each_step(serve
     assert path == "v1/completions" and body["prompt"] == [[5, 6], [7]] and body["model"] == "policy"
     assert (body["n"], body["max_tokens"], body["temperature"], body["seed"]) == (2, 4, 0.5, 4)
     assert body["return_token_ids"] and body["stop_token_ids"] == [EOS] and body["ignore_eos"]
-    assert completions == [Completion(0, (5, 6), (10, EOS)), Completion(0, (5, 6), (11, EOS)),
-                           Completion(1, (7,), (11, EOS)), Completion(1, (7,), (12, EOS))]
+    assert body["logprobs"] == 0
+    # the stop token the server left out of the second completion has no log-probability: None
+    assert completions == [Completion(0, (5, 6), (10, EOS), (-0.5, -1.5)), Completion(0, (5, 6), (11, EOS), (-0.5, None)),
+                           Completion(1, (7,), (11, EOS), (-0.5, -1.5)), Completion(1, (7,), (12, EOS), (-0.5, None))]
 
     batch = rollout_batch(completions, torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, width=4)
     engine.step(**batch, old_logps=torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])))

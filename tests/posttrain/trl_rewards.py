@@ -22,3 +22,8 @@ def long_only(completions, **kwargs):
 async def never(completions, **kwargs):
     """Scores nothing (an async function, awaited as TRL awaits them)."""
     return [float("nan")] * len(completions)
+
+
+def says_the(completions, **kwargs):
+    """A toy reward a tiny policy learns: 1.0 where the completion's first word is "the"."""
+    return [1.0 if c[0]["content"].split()[:1] == ["the"] else 0.0 for c in completions]

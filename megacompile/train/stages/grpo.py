@@ -5,11 +5,17 @@ chooses: rollouts.py), scored by reward_funcs called as TRL calls them (keywords
 prompt given as messages, each completion a list of one assistant message) and summed with
 reward_weights, nan-aware (posttrain/rewards.py), and trained by GRPO.
 
-A rollout batch is batch / num_generations prompts x num_generations completions, in rows of
-max_prompt_length + max_completion_length tokens (a longer prompt keeps its last
-max_prompt_length tokens, as TRL cuts it); so generation, the forward-only passes and the step are
-each planned once. The sampling policy's log-probabilities (old_logps) come from one forward-only
-pass after the rollout; the batch then trains num_iterations optimizer steps. With beta > 0 the
+A rollout batch (TRL's generation batch) is batch x steps_per_generation completions,
+num_generations of each prompt, in rows of max_prompt_length + max_completion_length tokens (a
+longer prompt keeps its last max_prompt_length tokens, as TRL cuts it). It is sampled, scored
+and given its advantages whole, then (shuffled, when it is more than one micro-batch, as TRL
+shuffles it) cut into steps_per_generation micro-batches of `batch` rows; grad_accum of them make
+an optimizer step, and the rollout batch is trained num_iterations times. Every forward takes
+`batch` rows, so generation (EngineGenerator), the forward-only passes and the step are each
+planned once. The sampling policy's log-probabilities (old_logps) come from forward-only passes
+after the rollout. With loss_type dapo the loss divides by the rollout batch's completion tokens,
+as TRL's does (`token_count`). With vLLM, each token is weighed by the sampler's correction
+(posttrain/sampling_correction.py). With beta > 0 the
 reference is a second engine over the model as it was loaded, forward only (a second copy of the
 weights on the host). A generator that holds a copy of the weights takes the masters before each
 rollout that follows a step (`sync()`). A checkpoint falls between rollout batches (stages.py) and
@@ -29,12 +35,13 @@ import json
 import torch
 
 from ...errors import ArgumentError
+from ...errors import MegacompileError
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, grpo_loss, nanstd, rewards,
-                          rollout_batch, truncated)
+                          rollout_batch, sampled_logps, sampling_correction, sampling_ratio, truncated)
 from . import rollouts
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
-from .keys import check_resume, check_row_length, saved_keys
+from .keys import check_resume, check_row_length, rollout_steps, saved_keys
 from .order import stream_items
 from .stage import Stage
 
@@ -60,13 +67,18 @@ class GRPOStage(Stage):
             self._read(entry, self.held_records, self.held_prompts)
         if c.eval_fraction:
             self._hold_out(c.eval_fraction)
-        self.groups = c.batch // c.num_generations      # prompts per rollout batch
+        self.rows = c.batch * c.steps_per_generation       # completions per rollout batch
+        self.groups = self.rows // c.num_generations        # prompts per rollout batch
+        self.per_rollout = rollout_steps(c)                 # optimizer steps per rollout batch
+        self.correct = bool(c.use_vllm and c.vllm_importance_sampling_correction)
+        self.token_count = c.loss_type == "dapo" and c.steps_per_generation > 1
         self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length, c.temperature,
                              c.importance_sampling_level, c.delta, c.top_entropy_quantile)
         each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
         self.columns = STEP_COLUMNS + (("reward", "reward_std") + each
                         + ("kl",) * (c.beta > 0) + ("clip_ratio", "completions/mean_length", "completions/min_length",
-                                                   "completions/max_length"))
+                                                   "completions/max_length")
+                        + sampling_correction.METRICS * self.correct)
         if self.held_prompts:
             self.columns += (("eval_reward",) + tuple(f"eval_rewards/{n}/mean" for n in self.names)
                              + ("eval_completions/mean_length",))
@@ -113,12 +125,13 @@ class GRPOStage(Stage):
         c = self.c
         held = f", {len(self.held_prompts)} held out" if self.held_prompts else ""
         return [f"stage          grpo: {len(self.prompts)} prompts{held}; {self.groups} prompts x {c.num_generations} "
-                f"completions of up to {c.max_completion_length} tokens per rollout batch, {c.num_iterations} step(s) "
-                f"each; rewards {', '.join(c.reward_funcs)}; {c.steps} steps"]
+                f"completions of up to {c.max_completion_length} tokens per rollout batch, in "
+                f"{c.steps_per_generation} micro-batch(es) of {c.batch}, {self.per_rollout} optimizer step(s) each; "
+                f"rewards {', '.join(c.reward_funcs)}; {c.steps} steps"]
 
     def steps_for(self, epochs: float) -> int:
         batches = max(1, -(-int(epochs * len(self.prompts)) // self.groups))
-        return batches * self.c.num_iterations
+        return batches * self.per_rollout
 
     def objective(self, policy):
         return GRPOObjective(policy, self.loss)
@@ -130,6 +143,10 @@ class GRPOStage(Stage):
                   "old_logps": torch.zeros(batch, self.c.seq), "advantages": torch.zeros(batch)}
         if self.c.beta > 0:
             inputs["ref_logps"] = torch.zeros(batch, self.c.seq)
+        if self.correct:
+            inputs["sampling_ratio"] = torch.ones(batch, self.c.seq)
+        if self.token_count:
+            inputs["token_count"] = torch.ones(())
         return inputs
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
@@ -149,10 +166,10 @@ class GRPOStage(Stage):
         masked = truncated(completions, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
         batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad, scale=c.scale_rewards,
                               masked=masked if c.mask_truncated_completions else None)
-        old = torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])).float().clone()
-        ref = None
+        rows = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": self._logps(engine, batch),
+                "advantages": batch["advantages"]}
         if self.reference is not None:
-            ref = torch.as_tensor(self.reference(input_ids=batch["input_ids"], labels=batch["labels"])).float().clone()
+            rows["ref_logps"] = self._logps(self.reference, batch)
         lengths = torch.tensor([float(len(x.tokens)) for x in completions])
         # nan-aware, as TRL logs them: a function's mean over the completions it scored
         metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item()}
@@ -161,17 +178,42 @@ class GRPOStage(Stage):
             metrics[f"rewards/{name}/std"] = nanstd(each[name]).item()
         metrics.update({"completions/mean_length": lengths.mean().item(),
                         "completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
-        self.rollout = {"batch": batch, "old": old, "ref": ref, "metrics": metrics}
+        if self.correct:
+            sampled = sampled_logps(completions, c.seq)
+            if sampled is None:
+                raise MegacompileError("vllm_importance_sampling_correction weighs each token by the sampler's "
+                                       "log-probability, and vLLM returned none (it needs logprobs=0 in its sampling "
+                                       "settings); set vllm_importance_sampling_correction: false to train without it")
+            rows["sampling_ratio"], measured = sampling_ratio(rows["old_logps"], sampled,
+                                                              batch["labels"] != IGNORE,
+                                                              c.vllm_importance_sampling_mode,
+                                                              c.vllm_importance_sampling_cap)
+            metrics.update(measured)
+        if c.steps_per_generation > 1:      # TRL shuffles the generation batch before cutting it
+            order = torch.randperm(self.rows, generator=torch.Generator().manual_seed(c.seed + engine.steps_done))
+            rows = {k: v[order] for k, v in rows.items()}
+        # dapo: the rollout batch's completion tokens; each micro-batch's gradient is also divided
+        # by grad_accum in the engine, so its loss divides by the count over grad_accum
+        count = (batch["labels"] != IGNORE).sum().float() / c.grad_accum
+        self.rollout = {"rows": rows, "metrics": metrics, "step": engine.steps_done, "token_count": count}
         self.epoch = (position + self.groups) / len(self.prompts)
         return position + self.groups
+
+    def _logps(self, engine, batch: dict) -> torch.Tensor:
+        """Per-token log-probabilities of the rollout batch under `engine`, in forwards of `batch` rows."""
+        b = self.c.batch
+        return torch.cat([torch.as_tensor(engine(input_ids=batch["input_ids"][i:i + b],
+                                                 labels=batch["labels"][i:i + b])).float().clone()
+                          for i in range(0, self.rows, b)])
 
     def _generate(self, engine, prompts: list, n: int, temperature: float) -> list:
         if engine.steps_done != self.synced and hasattr(self.generator, "sync"):
             self.generator.sync()               # the copy takes the steps since the last rollout
         self.synced = engine.steps_done
-        # EngineGenerator's rows at one width: generation planned once
-        width = {"width": self.c.seq} if isinstance(self.generator, EngineGenerator) else {}
-        return self.generator.generate(prompts, n, self.c.max_completion_length, temperature, **width)
+        # EngineGenerator's rows at one width, `batch` of them a forward: generation planned once
+        shape = ({"width": self.c.seq, "rows_per_call": self.c.batch} if isinstance(self.generator, EngineGenerator)
+                 else {})
+        return self.generator.generate(prompts, n, self.c.max_completion_length, temperature, **shape)
 
     def _score(self, records: list[dict], completions: list, state: TrainerState) -> tuple[torch.Tensor, dict]:
         texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
@@ -186,29 +228,43 @@ class GRPOStage(Stage):
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         c = self.c
-        iteration = engine.steps_done % c.num_iterations
-        if iteration == 0:
+        k = engine.steps_done % self.per_rollout
+        if k == 0:
             position = self._rollout(engine, position)
         elif self.rollout is None:      # stages.py keeps checkpoints between rollout batches
             raise ArgumentError(f"step {engine.steps_done + 1} is inside a rollout batch whose completions are not "
-                                "kept: resume from a checkpoint at a multiple of num_iterations")
-        batch, old, ref = self.rollout["batch"], self.rollout["old"], self.rollout["ref"]
-        # The policy the step starts from: the sampling one at a rollout's first step (ratio 1).
-        now = old if iteration == 0 else torch.as_tensor(engine(input_ids=batch["input_ids"],
-                                                                labels=batch["labels"])).float()
-        _, measured = grpo_loss(now, old, batch["advantages"], batch["labels"] != IGNORE, ref, c.epsilon,
-                                c.epsilon_high, c.beta, c.loss_type, c.max_completion_length,
-                                c.importance_sampling_level, c.delta)
-        # in first_inputs' order: the inputs of the step planned before the first one
-        inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": old,
-                  "advantages": batch["advantages"], **({"ref_logps": ref} if ref is not None else {})}
-        loss = engine.step(**inputs)
-        metrics = {**self.rollout["metrics"], "clip_ratio": measured["clip_ratio"].item()}
+                                f"kept: resume from a checkpoint at a multiple of {self.per_rollout}")
+        first = k % (c.steps_per_generation // c.grad_accum) * c.grad_accum
+        parts = [{key: v[(first + a) * c.batch:(first + a + 1) * c.batch] for key, v in self.rollout["rows"].items()}
+                 for a in range(c.grad_accum)]
+        if self.token_count:
+            for part in parts:
+                part["token_count"] = self.rollout["token_count"]
+        measured = [self._measure(engine, part) for part in parts]      # before the step moves the policy
+        losses, tokens = [], 0
+        for part in parts:          # in first_inputs' order: the inputs of the step planned before the first one
+            losses.append(engine.step(**part))
+            record = engine.last_step
+            # a skipped step's record counts no tokens; the rollout's rows were read all the same
+            tokens += part["input_ids"].numel() if record.tokens is None else record.tokens
+            if record.skipped:
+                break
+        metrics = {**self.rollout["metrics"], "clip_ratio": sum(m["clip_ratio"] for m in measured) / len(measured)}
         if c.beta > 0:
-            metrics["kl"] = measured["kl"].item()
-        # a skipped step's record counts no tokens; the rollout's rows were read all the same
-        tokens = engine.last_step.tokens
-        return metrics, [loss], batch["input_ids"].numel() if tokens is None else tokens, position
+            metrics["kl"] = sum(m["kl"] for m in measured) / len(measured)
+        return metrics, losses, tokens, position
+
+    def _measure(self, engine, part: dict) -> dict[str, float]:
+        """The clip fraction (and KL) of a micro-batch under the policy the step starts from: the
+        sampling one (ratio 1) until an optimizer step has moved it."""
+        c = self.c
+        old = part["old_logps"]
+        now = old if engine.steps_done == self.rollout["step"] else torch.as_tensor(
+            engine(input_ids=part["input_ids"], labels=part["labels"])).float()
+        _, measured = grpo_loss(now, old, part["advantages"], part["labels"] != IGNORE, part.get("ref_logps"),
+                                c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length,
+                                c.importance_sampling_level, c.delta)
+        return {k: v.item() for k, v in measured.items()}
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c

@@ -9,8 +9,9 @@ refused under a stage it does not belong to, before anything is read or written.
            max_prompt_length (512), max_completion_length (256), temperature (1.0), epsilon (0.2),
            epsilon_high (epsilon), delta (none), reward_funcs, reward_weights (1 each),
            scale_rewards (group), mask_truncated_completions (false), importance_sampling_level
-           (token), top_entropy_quantile (1.0), num_iterations (1), and the generator's keys
-           (rollouts.py)
+           (token), top_entropy_quantile (1.0), num_iterations (1), steps_per_generation
+           (grad_accum) or generation_batch_size (batch x steps_per_generation), and the generator's
+           keys (rollouts.py)
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
                 "discopop_tau"),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
-                 "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations")
+                 "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
+                 "steps_per_generation", "generation_batch_size")
         + rollouts.KEYS}
 ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["grpo"]))
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
@@ -37,11 +39,13 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                      "max_completion_length": 256, "temperature": 1.0, "epsilon": 0.2, "epsilon_high": None,
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
                      "mask_truncated_completions": False, "importance_sampling_level": "token",
-                     "top_entropy_quantile": 1.0, "num_iterations": 1}}
+                     "top_entropy_quantile": 1.0, "num_iterations": 1, "steps_per_generation": None,
+                     "generation_batch_size": None}}
 # What a checkpoint saved before these keys existed trained with (their defaults, then as now).
 IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
            if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "delta", "scale_rewards",
-                    "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile")}
+                    "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
+                    "generation_batch_size")} | {"steps_per_generation": 1}
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                    "dataset", "eval_dataset"),
@@ -189,20 +193,56 @@ def _grpo(c, raw: dict) -> None:
             raise ArgumentError(f"reward_weights is a list of one number per reward function ({len(funcs)}); got "
                                 f"{weights!r}")
         c.reward_weights = [_number("reward_weights", w) for w in weights]
-    if c.batch % c.num_generations:
-        raise ArgumentError(f"batch {c.batch} (completions per rollout batch, TRL's per_device_train_batch_size) "
-                            f"must be a multiple of num_generations {c.num_generations}; give batch "
-                            f"{c.num_generations * max(1, c.batch // c.num_generations)}")
-    if c.grad_accum != 1:
-        raise ArgumentError(f"stage grpo trains each rollout batch as one micro-batch: grad_accum must be 1; got "
-                            f"{c.grad_accum!r} (raise batch instead)")
+    _generation_batch(c)
+    per_rollout = rollout_steps(c)
     for key in ("steps", "save_every"):
         value = getattr(c, key)
-        if value is not None and value % c.num_iterations:
-            raise ArgumentError(f"{key} {value} must be a multiple of num_iterations {c.num_iterations} (each rollout "
-                                f"batch trains num_iterations steps, and a checkpoint falls between rollout batches)")
+        if value is not None and value % per_rollout:
+            raise ArgumentError(f"{key} {value} must be a multiple of {per_rollout}, the optimizer steps of a rollout "
+                                f"batch (steps_per_generation {c.steps_per_generation} / grad_accum {c.grad_accum} x "
+                                f"num_iterations {c.num_iterations}): a checkpoint falls between rollout batches")
     c.seq = c.max_prompt_length + c.max_completion_length
     rollouts.check(c, raw)
+
+
+def _generation_batch(c) -> None:
+    """TRL's generation batch: batch x steps_per_generation completions sampled at once, then cut
+    into steps_per_generation micro-batches of `batch` rows; grad_accum of them make an optimizer
+    step. steps_per_generation defaults to grad_accum (one optimizer step per rollout batch);
+    generation_batch_size is the other way to give it. After this, generation_batch_size is None."""
+    for key in ("steps_per_generation", "generation_batch_size"):
+        value = getattr(c, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ArgumentError(f"{key} must be a whole number >= 1; got {value!r}")
+    if c.steps_per_generation is not None and c.generation_batch_size is not None:
+        raise ArgumentError(f"steps_per_generation {c.steps_per_generation} and generation_batch_size "
+                            f"{c.generation_batch_size} say the same thing twice (generation_batch_size = batch x "
+                            "steps_per_generation): give one")
+    if c.generation_batch_size is not None:
+        if c.generation_batch_size % c.batch:
+            raise ArgumentError(f"generation_batch_size {c.generation_batch_size} must be a multiple of batch "
+                                f"{c.batch} (TRL's per_device_train_batch_size): it is cut into micro-batches of "
+                                "batch rows")
+        c.steps_per_generation = c.generation_batch_size // c.batch
+    elif c.steps_per_generation is None:
+        c.steps_per_generation = c.grad_accum           # TRL's default
+    c.generation_batch_size = None
+    if c.steps_per_generation % c.grad_accum:
+        raise ArgumentError(f"steps_per_generation {c.steps_per_generation} must be a multiple of grad_accum "
+                            f"{c.grad_accum}: here each rollout batch trains whole optimizer steps (a new rollout "
+                            f"inside an optimizer step is not supported); give steps_per_generation "
+                            f"{c.grad_accum * -(-c.steps_per_generation // c.grad_accum)}")
+    rows = c.batch * c.steps_per_generation
+    if rows % c.num_generations:
+        raise ArgumentError(f"the rollout batch, batch {c.batch} x steps_per_generation {c.steps_per_generation} = "
+                            f"{rows} completions (TRL's generation_batch_size), must be a multiple of num_generations "
+                            f"{c.num_generations}: it holds whole groups of completions of a prompt")
+
+
+def rollout_steps(c) -> int:
+    """The optimizer steps one rollout batch trains: its micro-batches make steps_per_generation /
+    grad_accum steps, num_iterations times."""
+    return c.steps_per_generation // c.grad_accum * c.num_iterations
 
 
 def _loss_type(c, allowed: tuple) -> None:

@@ -6,6 +6,14 @@
     vllm_mode                    server (TRL's default) | colocate
     vllm_server_base_url         http://localhost:8000: server
     vllm_gpu_memory_utilization  0.3: colocate
+    vllm_importance_sampling_correction  true (TRL's default): weigh each completion token by the
+                                 trained policy's probability over vLLM's (posttrain/sampling_correction.py)
+    vllm_importance_sampling_mode        sequence_mask (default) | sequence_truncate | token_mask |
+                                 token_truncate
+    vllm_importance_sampling_cap         3.0
+
+Without use_vllm, TRL ignores the last three: they are accepted at TRL's defaults (as its
+GRPOConfig writes them) and refused otherwise.
 
 Each key is checked, and refused where it names a choice another key contradicts, before anything
 is read or written (stages.py calls `check`); `make` builds the generator once the engine exists.
@@ -18,17 +26,21 @@ import os
 import torch
 
 from ...errors import ArgumentError, MegacompileError
+from ...posttrain import sampling_correction
 from ..methods import adapters
 
 GENERATORS = ("engine", "hf", "hf_streamed")
 DTYPES = ("bfloat16", "float32")
 MODES = ("server", "colocate")
 KEYS = ("generator", "generator_dtype", "use_vllm", "vllm_mode", "vllm_server_base_url",
-        "vllm_gpu_memory_utilization")
+        "vllm_gpu_memory_utilization", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_cap")
+CORRECTION = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": sampling_correction.DEFAULT_MODE,
+              "vllm_importance_sampling_cap": sampling_correction.DEFAULT_CAP}       # TRL's defaults
 # where vLLM is reached: a resumed run may name another server or share of the GPU
 MAY_CHANGE = ("vllm_server_base_url", "vllm_gpu_memory_utilization")
 # what a checkpoint saved before these keys existed sampled with
-IMPLIED = {"generator": "engine", "use_vllm": False}
+IMPLIED = {"generator": "engine", "use_vllm": False, "vllm_importance_sampling_correction": False}
 WEIGHTS_DIR = "rollout_weights"     # in run_dir: where the vLLM server reads each update
 
 
@@ -46,6 +58,10 @@ def check(c, raw: dict) -> None:
     if c.use_vllm:
         _vllm(c, given)
         return
+    # TRL's own defaults of the correction, which its GRPOConfig writes out: they do nothing here
+    given = [k for k in given if not (k in CORRECTION and raw[k] == CORRECTION[k])]
+    c.vllm_importance_sampling_correction = False
+    c.vllm_importance_sampling_mode = c.vllm_importance_sampling_cap = None
     vllm_only = [k for k in given if k.startswith("vllm_")]
     if vllm_only:
         raise ArgumentError(f"{', '.join(vllm_only)} appl{'ies' if len(vllm_only) == 1 else 'y'} to sampling with "
@@ -73,6 +89,15 @@ def _vllm(c, given: list[str]) -> None:
                             f"{'s' if len(ours) == 1 else ''} another generator: leave "
                             f"{'it' if len(ours) == 1 else 'them'} out, or set use_vllm: false")
     c.generator = "vllm"
+    for key, default in CORRECTION.items():
+        if getattr(c, key) is None:
+            setattr(c, key, default)
+    if not isinstance(c.vllm_importance_sampling_correction, bool):
+        raise ArgumentError(f"vllm_importance_sampling_correction must be true or false; got "
+                            f"{c.vllm_importance_sampling_correction!r}")
+    if isinstance(c.vllm_importance_sampling_cap, int) and not isinstance(c.vllm_importance_sampling_cap, bool):
+        c.vllm_importance_sampling_cap = float(c.vllm_importance_sampling_cap)
+    sampling_correction.check(c.vllm_importance_sampling_mode, c.vllm_importance_sampling_cap)
     c.vllm_mode = "server" if c.vllm_mode is None else c.vllm_mode
     if c.vllm_mode not in MODES:
         raise ArgumentError(f"vllm_mode must be colocate (vLLM in this process, sharing the GPU) or server (a "
