@@ -181,3 +181,38 @@ def gemma3_records(path: str, n: int = 6) -> str:
                                      {"role": "assistant", "content": ", then ".join(shown)}],
                         "images": [f"images/{c}.png" for c in shown]})
     return data(path, records)
+
+
+def idefics3_dir(path: str, seed: int = 0) -> str:
+    """A tiny Idefics3 (tests/vlm_families.py's sizes) saved with its processor: 16 x 16 crops of
+    4 x 4 patches shuffled 2 x 2 into 4 image tokens each."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlamaConfig
+    proc = processor("idefics3")
+    tok = proc.tokenizer
+    torch.manual_seed(seed)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=16, patch_size=4)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Idefics3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), use_cache=False,
+                            pad_token_id=tok.pad_token_id)
+    Idefics3ForConditionalGeneration(config).save_pretrained(path)
+    proc.save_pretrained(path)
+    return path
+
+
+def model_dir(path: str, family: str, seed: int = 0) -> str:
+    """A tiny folder of the family with weights and its processor's files, as a download lays it out."""
+    if family == "llava":
+        return vlm_files.model_dir(path, seed)
+    if family == "gemma3":
+        return gemma3_dir(path, seed)
+    if family == "idefics3":
+        return idefics3_dir(path, seed)
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        return qwen_files.model_dir(path, seed, family)
+    raise ValueError(f"no tiny folder of {family}")
+

@@ -127,6 +127,20 @@ LLAMAFACTORY_QWEN2_5VL_FULL_SFT = {
 }
 
 
+# examples/train_lora/qwen2_5vl_lora_sft.yaml, the same way.
+LLAMAFACTORY_QWEN2_5VL_LORA_SFT = {
+    "image_max_pixels": 262144, "video_max_pixels": 16384, "trust_remote_code": True,
+    "stage": "sft", "do_train": True, "finetuning_type": "lora", "lora_rank": 8, "lora_target": "all",
+    "dataset": "mllm_demo,identity,alpaca_en_demo", "template": "qwen2_vl", "cutoff_len": 2048,
+    "max_samples": 1000, "overwrite_cache": True, "preprocessing_num_workers": 16, "dataloader_num_workers": 4,
+    "logging_steps": 10, "save_steps": 500, "plot_loss": True, "overwrite_output_dir": True,
+    "save_only_model": False, "report_to": "none",
+    "per_device_train_batch_size": 1, "gradient_accumulation_steps": 8, "learning_rate": 1.0e-4,
+    "num_train_epochs": 3.0, "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "bf16": True,
+    "ddp_timeout": 180000000, "resume_from_checkpoint": None,
+}
+
+
 def llamafactory_data(folder: str, n: int = 6) -> str:
     """LlamaFactory's data folder as its examples name it: dataset_info.json with mllm_demo (ShareGPT
     messages with an `images` column, images under mllm_demo_data/ at SIZES), identity and
