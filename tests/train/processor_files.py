@@ -143,6 +143,17 @@ def data(path: str, records: list[dict] | None = None) -> str:
     return path
 
 
+# the towers' and language models' sizes of the tiny folders (tests/vlm_families.py's)
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+             patch_size=4)
+
+
+def _text(tok) -> dict:
+    return dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, use_cache=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+
+
 def gemma3_dir(path: str, seed: int = 0) -> str:
     """A tiny Gemma 3 (tests/vlm_families.py's sizes) saved with its processor: the tower's 16
     patches of 4 x 4 pixels pooled 2 x 2 into GEMMA3_TOKENS image tokens."""
@@ -151,13 +162,9 @@ def gemma3_dir(path: str, seed: int = 0) -> str:
     proc = processor("gemma3")
     tok = proc.tokenizer
     torch.manual_seed(seed)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                image_size=16, patch_size=4)
-    text = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                            sliding_window=8, layer_types=["sliding_attention", "full_attention"], use_cache=False,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+    vision = SiglipVisionConfig(**TOWER)
+    text = Gemma3TextConfig(**_text(tok), head_dim=8, max_position_embeddings=128, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"])
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_TOKENS,
                           image_token_index=tok.image_token_id, boi_token_index=tok.boi_token_id,
                           eoi_token_index=tok.convert_tokens_to_ids(GEMMA3["eoi_token"]))
@@ -191,11 +198,8 @@ def idefics3_dir(path: str, seed: int = 0) -> str:
     proc = processor("idefics3")
     tok = proc.tokenizer
     torch.manual_seed(seed)
-    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  image_size=16, patch_size=4)
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = Idefics3VisionConfig(**TOWER)
+    text = LlamaConfig(**_text(tok), max_position_embeddings=256)
     config = Idefics3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
                             image_token_id=tok.convert_tokens_to_ids("<image>"), use_cache=False,
                             pad_token_id=tok.pad_token_id)
