@@ -36,7 +36,9 @@ def sharded_host_cost(captured, compute_dtype: torch.dtype, grad_accum: int, ran
                       per_node: int, module: int = 0) -> ShardedHostCost:
     """`module`: bytes each rank's own module keeps (a rank's masters are a share, so a module built
     with weights keeps all of them: runtime/host.py lends nothing under data parallelism)."""
-    sizes, summed, frozen = owner_sizes(captured, every_trainable=False)
+    # every trainable parameter, as each rank lays them out (distributed/shard.py), also those the
+    # first program does not reach (a tower, when the first micro-batch holds no image)
+    sizes, summed, frozen = owner_sizes(captured, every_trainable=True)
     params = sum(sizes.values())
     grads = 0
     for owner, numel in sizes.items():

@@ -51,15 +51,17 @@ class DataParallel:
 
     def agree(self, host: ShardedHostState, loss: float, last: bool) -> tuple[str, str] | None:
         """After every micro-batch, on every rank: (what, why) when the step must be skipped
-        everywhere (a rank's loss is inf or NaN); else, at a step's last micro-batch, the
-        gradients' norms are summed over the ranks (host.nonfinite_grads() then speaks for all
-        ranks; the gradients themselves were summed as the backward produced them)."""
+        everywhere (a rank's loss is inf or NaN); else the gradients only some ranks' programs
+        reached are summed over the host (the others were summed as the backward produced them:
+        reach.py), and, at a step's last micro-batch, the gradients' norms over the ranks
+        (host.nonfinite_grads() then speaks for all ranks)."""
         bad = torch.zeros(self.size, dtype=torch.float64)
         bad[self.rank] = 0.0 if math.isfinite(loss) else 1.0
         self.ranks.sum_(bad, "agreeing on the step's losses")
         if bad.any():
             which = [r for r in range(self.size) if bad[r]]
             return "loss", f"the loss is inf or NaN on rank{'s' * (len(which) > 1)} {', '.join(map(str, which))}"
+        host.sum_deferred()
         if last:
             host.sum_grad_norms()
         return None

@@ -6,7 +6,9 @@ group's own backend is (NCCL under torchrun on GPUs). Two such groups: one for t
 thread, one for the host stream, which gathers an owner's new weights while the next step
 already runs on the other. The gradients are summed on the device, on a third group (gloo on the
 cpu backend, NCCL on GPUs) that only the network stream uses. Each group's collectives come in
-the same order on every rank because every rank runs the same plan.
+the same order on every rank: the ranks run the same plan, or, where their micro-batches reach
+different parts of the model (an image on one rank only), settle first what each sums where
+(reach.py).
 
 A rank that raises inside a step leaves a note in the process group's store before it goes; a
 rank waiting on it gets a DistributedError naming that rank and its error, rather than hanging.
@@ -182,6 +184,12 @@ class Ranks:
     def sum_(self, t: torch.Tensor, what: str) -> torch.Tensor:
         self.call(what, lambda: dist.all_reduce(t, group=self.main))
         return t
+
+    def gather_(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's `t` (the same shape on each), stacked in rank order."""
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self.call(what, lambda: dist.all_gather(out, t, group=self.main))
+        return torch.stack(out)
 
     def broadcast_(self, t: torch.Tensor, src: int, what: str, stream: bool = False) -> None:
         # gloo moves bytes: a bfloat16 tensor travels as int16

@@ -12,13 +12,19 @@ Per trainable parameter and rank, in host RAM: (master 4 + exp_avg 4 + exp_avg_s
 gradient sum 4 [+ a landing buffer with grad_accum > 1]) / R; per node, once: the compute copy
 (4 B fp32, 2 B bf16).
 
+Every rank lays out every trainable parameter as rank 0's first program places it (those it does
+not reach in its prologue's owner, as one process does: runtime/host.py), so the ranks hold the
+same layout and shares whatever their first micro-batches reach.
+
 One optimizer step: as the backward produces each stage's gradients they are summed over the
 ranks on the device into the rank that holds each tensor, and divided by R there
-(grad_reduce.py); only the holder's land on the host, in its range of the gradient buffers. The
-global squared norm is the sum of the ranks' partial norms; each rank updates its range of the
-masters and moments, writes the new weights into its range of its node's compute copy, and the
-ranges then cross to the other nodes, owner by owner, on the host stream, before the next step's
-prefetch of that owner (which waits for the owner's update: node.py).
+(grad_reduce.py); only the holder's land on the host, in its range of the gradient buffers. A
+parameter that only some ranks' programs reach (an image on one rank) is summed over the host
+once the walk is done instead, zeros from the ranks that did not reach it (reach.py), and every
+rank steps it. The global squared norm is the sum of the ranks' partial norms; each rank updates
+its range of the masters and moments, writes the new weights into its range of its node's compute
+copy, and the ranges then cross to the other nodes, owner by owner, on the host stream, before the
+next step's prefetch of that owner (which waits for the owner's update: node.py).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from ..cost.host_memory import OwnerLayout, Placement
 from ..errors import ArgumentError, MegacompileError
 from ..runtime.host import HostState, OwnerBuffers
 from ..disk.owner_state import UpdateFn
+from . import reach
 from .grad_reduce import reduce_to_holders
 from .group import Ranks
 from .node import NodeCopy
@@ -64,10 +71,19 @@ class ShardedHostState(HostState):
         self.gathered: dict[str, torch.Tensor] = {}    # whole masters, while an export reads them
         self.node_copy: NodeCopy | None = None         # the compute copy this rank's node shares
         self._pin = pin                                # page-locked on the cuda backend
-        # Only what the first program reaches: every rank's program must reach all of it
-        # (engine/gradless.py), so that the ranks step the same parameters.
+        # The running micro-batch's verdict (reach.py): what the ranks' programs reach, and the
+        # gradients summed over the host once the walk is done.
+        self.reach = reach.NOTHING_DEFERRED
+        self.deferred = reach.DeferredGrads((), {})
+        self._device_order: list[str] = []             # the names its device reduces come in, as agreed
         super().__init__(captured, compute_dtype, pin=pin, grad_accum=grad_accum, placement=placement,
-                         nvme_dir=nvme_dir, every_trainable=False)
+                         nvme_dir=nvme_dir)
+
+    def _lay_out(self, captured: CapturedModel, every_trainable: bool) -> tuple[dict[str, int], set[int]]:
+        """Rank 0's layout on every rank (a collective): the ranks' first programs may differ (an
+        image on one rank only), their layouts and shares may not."""
+        mine = super()._lay_out(captured, every_trainable)
+        return self.ranks.gather_objects(mine, "agreeing on the host state's layout")[0]
 
     def _cut(self) -> None:
         names = sorted(self.slots, key=lambda n: (self.slots[n].owner, self.slots[n].offset))
@@ -186,11 +202,60 @@ class ShardedHostState(HostState):
                     self.consts[name].copy_(t)
 
     # -- the step ------------------------------------------------------------------------
+    def enter_program(self, uses: dict[str, int], order: list[str] | None = None) -> None:
+        """As HostState's, and the ranks settle what their programs reach (a collective, before the
+        program runs): `order` names the parameters as this rank's backward hands them over."""
+        super().enter_program(uses)
+        order = [n for n in order or () if n in self.slots]
+        self.reach = reach.agree(self.ranks, list(self.slots), order)
+        self.deferred = reach.DeferredGrads(self.reach.deferred, {n: self.slots[n].shape for n in self.reach.deferred})
+        self._device_order = [n for n in order if n not in self.deferred]
+
     def offload_grads(self, backend, names: list[str], grads: list[torch.Tensor], stage: str, after=None):
-        """Sum the stage's gradients over the ranks on the device, then offload this rank's."""
-        reduced, sent = reduce_to_holders(self.ranks, backend, grads, [self.holder[n] for n in names], stage)
-        mine = [i for i, n in enumerate(names) if self.mine(n)]
-        return super().offload_grads(backend, [names[i] for i in mine], [sent[i] for i in mine], stage, after=reduced)
+        """Sum the stage's gradients over the ranks on the device, then offload this rank's; a
+        deferred one goes to the host whole, to be summed there (sum_deferred)."""
+        summed = [i for i, n in enumerate(names) if n not in self.deferred]
+        expected, self._device_order = self._device_order[:len(summed)], self._device_order[len(summed):]
+        # The ranks run other programs (something is deferred): their device reduces pair up only
+        # in the order they agreed on.
+        if self.reach.deferred and [names[i] for i in summed] != expected:
+            raise MegacompileError(f"{stage} hands over the gradients of {[names[i] for i in summed]} where the ranks "
+                                   f"agreed on {expected}: summing them over the ranks would mix tensors")
+        reduced, sent = None, []
+        if summed:
+            reduced, sent = reduce_to_holders(self.ranks, backend, [grads[i] for i in summed],
+                                              [self.holder[names[i]] for i in summed], stage)
+        keep = [(names[i], t) for i, t in zip(summed, sent) if self.mine(names[i])]
+        keep += [(n, g) for n, g in zip(names, grads) if n in self.deferred]
+        return super().offload_grads(backend, [n for n, _ in keep], [t for _, t in keep], stage, after=reduced)
+
+    def landing_view(self, name: str, g: torch.Tensor) -> torch.Tensor | None:
+        return None if name in self.deferred else super().landing_view(name, g)
+
+    def accumulate_grad(self, name: str, g: torch.Tensor) -> None:
+        if name in self.deferred:
+            self.deferred.add(name, g)
+        else:
+            super().accumulate_grad(name, g)
+
+    def update_order(self, owners: list[int]) -> list[int]:
+        """In forward order (owners are the layout program's stages): every rank updates and
+        publishes the same owners in one order whatever program it ran (node.py), and the next
+        forward needs the first ones first."""
+        return sorted(owners)
+
+    def sum_deferred(self) -> None:
+        """Once every rank's walk is done: the deferred gradients summed over the ranks (zeros
+        where a rank's program did not reach them), each added into its holder's step sum."""
+        for name, g in self.deferred.mean_over(self.ranks).items():
+            if self.mine(name):
+                self._add_to_sum(name, g)
+
+    def commit_micro_batch(self) -> None:
+        """As HostState's; what the other ranks' programs reached counts as reached here too, so
+        every rank steps (or skips) the same parameters."""
+        super().commit_micro_batch()
+        self._reached |= self.reach.reached
 
     def sum_grad_norms(self) -> None:
         """The step's global squared gradient norm (clipping), or whether any gradient is inf or

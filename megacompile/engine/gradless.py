@@ -14,8 +14,9 @@ reach in the prologue's owner (runtime/host.py), so a program checked here must 
 layout: each of its owning stages holds parameters of one host owner (runtime/host.py owner_map:
 a later program may cut the model into other stages), and a parameter it uses from
 several stages (a tied embedding) sits in an owner laid out to sum them. With data parallelism the
-host state holds what the first program reaches, and every program must reach all of it: the
-ranks then always step the same parameters.
+ranks also settle, before the program runs, what their programs reach: a parameter some rank
+reaches is stepped on every rank, with a zero gradient from the ranks that did not reach it, as
+eager DDP steps it (distributed/reach.py); only one no rank reaches is skipped.
 """
 from __future__ import annotations
 
@@ -33,29 +34,26 @@ def with_gradient(captured: CapturedModel) -> set[str]:
             for name, slot in zip(stage.params, stage.template.params) if slot.trainable}
 
 
+def gradient_order(captured: CapturedModel) -> list[str]:
+    """The trainable parameters as the backward hands their gradients over: the stages last to
+    first, each stage's in its own order (runtime/executor.py's gradient OFFLOAD), a parameter
+    once per stage that uses it."""
+    return [stage.params[i] for stage in reversed(captured.stages) for i in stage.template.grad_params]
+
+
 def enter_program(captured: CapturedModel, host, data_parallel: bool) -> None:
     """Refuse a program the host state cannot step exactly, else tell the host state what it
-    reaches. Nothing has run yet."""
+    reaches (with data parallelism, a collective: the ranks settle what theirs reach). Nothing has
+    run yet."""
     produced = with_gradient(captured)
     held = host.slots
     unheld = sorted(produced - held.keys())
     if unheld:
         raise InputMismatchError(
             f"step() got inputs whose forward reaches {len(unheld)} trainable parameters ({_names(unheld)}) "
-            "that the host state (masters and AdamW moments) does not hold: with data parallelism it holds what "
-            "the first step's inputs reached; nothing was run. Give the first step inputs that "
-            "reach every parameter later steps train (for a vision-language model: an image, with its "
-            "pixel_values, in every micro-batch), or freeze them (param.requires_grad_(False)) before compile()")
-    if data_parallel:
-        missing = [name for name in held if name not in produced]
-        if missing:
-            raise InputMismatchError(
-                f"step() got inputs whose forward does not reach {len(missing)} trainable parameters "
-                f"({_names(missing)}), so this step would give them no gradient on this rank; with data parallelism "
-                "the ranks must step the same parameters, and another rank's micro-batch may reach them: nothing "
-                "was run. Freeze them (param.requires_grad_(False)) before compile(), or give every micro-batch "
-                "inputs that use them (for a vision-language model: at least one image, with its pixel_values, "
-                "in every micro-batch)")
+            "that the host state (masters and AdamW moments) does not hold: they were not trainable when it was "
+            "laid out, at the first step; nothing was run. Set requires_grad before compile(), or compile the "
+            "model again")
     elsewhere = owner_map(captured, held)[1]
     if elsewhere:
         raise InputMismatchError(
@@ -72,7 +70,7 @@ def enter_program(captured: CapturedModel, host, data_parallel: bool) -> None:
             "several stages, which the first step's program did not, so the host state has no sum for their "
             "gradients; nothing was run. Give the first step inputs that reach every parameter later steps "
             "train, or freeze them (param.requires_grad_(False)) before compile()")
-    host.enter_program(uses)
+    host.enter_program(uses, gradient_order(captured) if data_parallel else None)
 
 
 def _names(names: list[str]) -> str:

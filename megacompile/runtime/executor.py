@@ -162,11 +162,12 @@ class Executor:
         if self._staged:
             # The step's last micro-batch updates every owner its micro-batches reached, also those
             # no stage of this program owns (a tower's, after an image micro-batch, when this one
-            # holds none).
+            # holds none; with data parallelism, after another rank's).
             for owner in self.host.reached_owners():
                 if owner not in self._staged:
                     self._staged.append(owner)
-                    self._update_label[owner] = f"owner {owner}, reached by an earlier micro-batch"
+                    self._update_label[owner] = f"owner {owner}, reached by another micro-batch"
+            self._staged = self.host.update_order(self._staged)
         self.host.schedule_updates(self._staged, context.get("step") if self._staged else None)
         for s in self._staged:
             timeline.node = self._update_node.get(s)

@@ -132,7 +132,7 @@ class HostState:
         self.contributors = owners(captured)[1]
         # A trainable parameter this program does not reach may be reached by a later one: it gets
         # its place too (engine/gradless.py checks that a later program owns it there).
-        owner_of = held_owners(captured, every_trainable)
+        owner_of, summed = self._lay_out(captured, every_trainable)
         self.slots: dict[str, Slot] = {}
         sizes: dict[int, int] = {}
         for name, s in owner_of.items():   # insertion order = order of first use
@@ -146,7 +146,6 @@ class HostState:
         # The running program's (enter_program): how many stages produce a gradient for each
         # parameter it reaches (2 for a tied embedding), and so which parameters it reaches.
         self.uses: dict[str, int] = program_uses(captured, self.slots)
-        summed = {self.slots[name].owner for name, n in self.uses.items() if n > 1}
         self.summed_owners = frozenset(summed)
         # Per parameter, how many optimizer steps gave it no gradient (absent: none), so its own
         # AdamW step count is the global one less these; the engine hands in its TrainingState's
@@ -185,6 +184,13 @@ class HostState:
         # Updates still running on the host stream, per owner: the next read of those masters
         # (a prefetch, state_dict) waits for them first.
         self.pending: dict[int, object] = {}
+
+    def _lay_out(self, captured: CapturedModel, every_trainable: bool) -> tuple[dict[str, int], set[int]]:
+        """The owner of each held parameter, in the order of first use, and the owners laid out to
+        sum a parameter's gradients from several stages (data parallelism: the same on every rank,
+        megacompile/distributed/shard.py)."""
+        owner_of = held_owners(captured, every_trainable)
+        return owner_of, {owner_of[name] for name, n in program_uses(captured, owner_of).items() if n > 1}
 
     def _owner_buffers(self, owner: int, numel: int, compute_dtype: torch.dtype, pin: bool,
                        layout: OwnerLayout) -> OwnerBuffers:
@@ -375,9 +381,14 @@ class HostState:
         return out
 
     # -- gradients -----------------------------------------------------------------------
-    def enter_program(self, uses: dict[str, int]) -> None:
+    def update_order(self, owners: list[int]) -> list[int]:
+        """The order the step's updates start in: the schedule's (data parallelism: shard.py's)."""
+        return owners
+
+    def enter_program(self, uses: dict[str, int], order: list[str] | None = None) -> None:
         """The next micro-batch runs a program whose backward gives these parameters a gradient,
-        from this many stages each (engine/gradless.py checks it against the layout first)."""
+        from this many stages each (engine/gradless.py checks it against the layout first), in
+        `order` (data parallelism agrees on it across the ranks: distributed/shard.py)."""
         self.uses = uses
 
     def begin_micro_batch(self, first: bool, last: bool = True, norms: bool = False) -> None:
@@ -469,6 +480,10 @@ class HostState:
                 return
             self._partial.pop(name, None)
             g = partial
+        self._add_to_sum(name, g)
+
+    def _add_to_sum(self, name: str, g: torch.Tensor) -> None:
+        """Add the micro-batch's gradient for `name` (every use's, summed) into the step's sum."""
         slot = self.slots[name]
         buffers = self.owners[slot.owner]
         if buffers.grad_in_copy:

@@ -222,16 +222,65 @@ def fail(rank: int, size: int, folder: str, kill: bool = False) -> dict:
     return {}
 
 
-def text_only_rank(rank: int, size: int, folder: str) -> dict:
-    """A tiny LLaVA: one step with an image on each rank, then rank 1 alone gets a batch without
-    one (its program gives the vision side no gradient); it refuses, rank 0 must say so, not hang."""
-    import megacompile
+# Per step, whether rank 0's and rank 1's micro-batch holds images. Rank 0's first program lays
+# out the host state of every rank, rank 1's first has no image; after the step with none on
+# either rank (which leaves the vision side as it was) only rank 1's reaches the tower.
+MIXED = [(True, False), (True, True), (False, False), (False, True)]
+NO_IMAGE_STEP = MIXED.index((False, False))
+
+
+def mixed_micro_batches() -> list[list[dict]]:
+    """Each step's micro-batches, rank 0's then rank 1's: two rows each, with an image per row or
+    with none (tests/vlm.py's tiny LLaVA)."""
     from tests.e2e.test_step_without_gradient import text_only
-    from tests.vlm import batch, llava
-    engine = megacompile.compile(llava(), hbm_budget=1.0, device="cpu", retrace=True, optimizer=optimizer(None))
-    engine.step(**batch(seed=rank, images=(True,)))
-    engine.step(**(text_only(2) if rank == 1 else batch(seed=2, images=(True,))))
-    return {}
+    from tests.vlm import batch
+    return [[batch(seed=10 * i + r) if image else text_only(10 * i + r) for r, image in enumerate(step)]
+            for i, step in enumerate(MIXED)]
+
+
+def llava_model():
+    """The tiny LLaVA with a tower wider than its text model: the ranks' shares cut through the
+    tower, so a rank without an image holds some of it."""
+    from tests.vlm import llava
+    return llava(tower_width=128)
+
+
+def llava_trained(grad_accum: int = 1):
+    """The tiny LLaVA, its vision tower and projector trainable, clipped every step."""
+    import megacompile
+    return megacompile.compile(llava_model(), hbm_budget=1.0, device="cpu", retrace=True, grad_accum=grad_accum,
+                               optimizer=optimizer(CLIP))
+
+
+def image_side(host, names) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The masters and moments of `names` (those this state holds), copied once its updates are done."""
+    host.wait_updates()
+    return {n: tuple(host.view(t, n).clone() for t in ("master", "exp_avg", "exp_avg_sq")) for n in names}
+
+
+def mixed_images(rank: int, size: int, folder: str) -> dict:
+    """The tiny LLaVA over MIXED, this rank's micro-batch of each step: its losses, the AdamW
+    counts it keeps, its layout, and which vision parameters it holds that the step without images
+    left bit for bit as they were."""
+    from tests.e2e.test_step_without_gradient import IMAGE_SIDE
+    engine = llava_trained()
+    losses, unchanged, held = [], [], []
+    for i, micro_batches in enumerate(mixed_micro_batches()):
+        if i == NO_IMAGE_STEP:
+            host = engine.host
+            held = [n for n in host.slots if n.startswith(IMAGE_SIDE) and host.mine(n)]
+            before = image_side(host, held)
+        losses.append(engine.step(**micro_batches[rank]))
+        if i == NO_IMAGE_STEP:
+            after = image_side(engine.host, held)
+            unchanged = [n for n in held if all(torch.equal(a, b) for a, b in zip(before[n], after[n]))]
+    weights = engine.state_dict()
+    if rank == 0:
+        torch.save(weights, os.path.join(folder, "weights.pt"))
+    slots = engine.host.slots
+    return {"losses": losses, "missed": dict(engine.state.missed_steps), "held": held, "unchanged": unchanged,
+            "layout": [[n, s.owner, s.offset] for n, s in slots.items()],
+            "holds": [n for n in slots if engine.host.mine(n)]}
 
 
 def llama_bf16(clip: float | None = CLIP):
@@ -279,4 +328,5 @@ def _scenario(name: str):
     return getattr(importlib.import_module(module), function)
 
 
-SCENARIOS = {"train": train, "fail": fail, "text_only_rank": text_only_rank, "bf16_export": bf16_export, "measure": measure}
+SCENARIOS = {"train": train, "fail": fail, "mixed_images": mixed_images, "bf16_export": bf16_export,
+             "measure": measure}
