@@ -156,7 +156,8 @@ def _json_alone(command):
 # --stage's keys: (flag, the key of megacompile.plan_stage, TRL's name where TRL has it)
 STAGE_FLAGS = (("--prompts", "prompts"), ("--num-generations", "num_generations"),
                ("--max-prompt-length", "max_prompt_length"), ("--max-completion-length", "max_completion_length"),
-               ("--num-iterations", "num_iterations"), ("--beta", "beta"), ("--generator", "generator"),
+               ("--num-iterations", "num_iterations"), ("--steps-per-generation", "steps_per_generation"),
+               ("--beta", "beta"), ("--generator", "generator"),
                ("--precompute-ref-log-probs", "precompute_ref_log_probs"))
 
 
@@ -335,6 +336,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-completion-length", type=int, default=None, help="grpo: completion tokens (default 256)")
     s.add_argument("--num-iterations", type=int, default=None,
                    help="grpo: optimizer steps per rollout batch (default 1)")
+    s.add_argument("--steps-per-generation", type=int, default=None,
+                   help="grpo: micro-batches the rollout batch is cut into, one optimizer step of them (default 1)")
     s.add_argument("--beta", type=float, default=None, help="grpo: the KL coefficient; > 0 adds a reference forward "
                                                            "(default 0)")
     s.add_argument("--generator", default=None,

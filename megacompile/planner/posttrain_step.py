@@ -7,15 +7,17 @@ by the cost model; the parts summed.
           one forward-only pass of the reference over the same rows, unless its log-probabilities
           are precomputed (precompute_ref_log_probs)
     grpo  per rollout batch of prompts x num_generations rows, max_prompt_length +
-          max_completion_length tokens wide (TRL's names):
-          generation  engine generator: one forward-only pass of all rows per new token, at the
-                      full width (posttrain/rollout.py's EngineGenerator); kv_cache: a prefill over
-                      the prompts and one decode step per token from a bfloat16 copy (cost/decode.py),
-                      on the device where it fits beside the cache, else streamed; hf_streamed: the
-                      copy's layers streamed from the host every step (posttrain/streamed_copy.py)
-          old policy  one forward-only pass: the sampling policy's log-probabilities
-          reference   one forward-only pass when beta > 0 (the reference's own copy of the weights)
-          training    num_iterations training steps on the rollout batch
+          max_completion_length tokens wide (TRL's names), in steps_per_generation micro-batches
+          (one optimizer step of them each pass, TRL's default grad_accum):
+          generation  engine generator: one forward-only pass of each micro-batch's rows per new
+                      token, at the full width (posttrain/rollout.py's EngineGenerator); kv_cache: a
+                      prefill over the prompts and one decode step per token from a bfloat16 copy
+                      (cost/decode.py), on the device where it fits beside the cache, else streamed;
+                      hf_streamed: the copy's layers streamed from the host every step
+                      (posttrain/streamed_copy.py)
+          old policy  a forward-only pass per micro-batch: the sampling policy's log-probabilities
+          reference   the same when beta > 0 (the reference's own copy of the weights)
+          training    num_iterations passes of a training step per micro-batch
 
 The objectives' per-token log-probabilities are costed as the model's own loss: the same lm-head
 matmul and a log-softmax over the vocabulary either way. Generation is costed at
@@ -46,7 +48,7 @@ KEYS: dict[str, dict[str, Any]] = {
     "sft": {},
     "dpo": {"precompute_ref_log_probs": False},
     "grpo": {"prompts": 1, "num_generations": 8, "max_prompt_length": 512, "max_completion_length": 256,
-             "num_iterations": 1, "beta": 0.0, "generator": "engine"},
+             "num_iterations": 1, "steps_per_generation": 1, "beta": 0.0, "generator": "engine"},
 }
 
 
@@ -67,7 +69,7 @@ class StepPart:
 @dataclass
 class StagePlan:
     stage: str
-    rows: int                 # rows of one training step
+    rows: int                 # rows of one training step (grpo: of a micro-batch)
     seq: int                  # their width in tokens
     keys: dict[str, Any]      # the stage's keys, defaults filled in
     train: Plan               # the training step's plan
@@ -92,8 +94,11 @@ class StagePlan:
 
     def summary(self) -> str:
         if self.stage == "grpo":
-            what = (f"{self.keys['prompts']} prompts x {self.keys['num_generations']} generations = {self.rows} rows "
-                    f"of {self.keys['max_prompt_length']} + {self.keys['max_completion_length']} tokens, "
+            micro = self.keys["steps_per_generation"]
+            what = (f"{self.keys['prompts']} prompts x {self.keys['num_generations']} generations = "
+                    f"{self.rows * micro} rows"
+                    + (f" in {micro} micro-batches of {self.rows}" if micro > 1 else "")
+                    + f" of {self.keys['max_prompt_length']} + {self.keys['max_completion_length']} tokens, "
                     f"{self.optimizer_steps} optimizer step{'s' if self.optimizer_steps > 1 else ''} each")
         elif self.stage == "dpo":
             what = f"{self.rows // 2} pairs: {self.rows} rows (chosen, then rejected) of {self.seq} tokens"
@@ -159,8 +164,12 @@ def stage_keys(stage: Any, keys: dict[str, Any]) -> dict[str, Any]:
         arguments.count("prompts", out["prompts"], what=" (prompts per rollout batch)")
         arguments.count("num_generations", out["num_generations"], minimum=2,
                         what=" (completions per prompt: a group of one has no advantage)")
-        for key in ("max_prompt_length", "max_completion_length", "num_iterations"):
+        for key in ("max_prompt_length", "max_completion_length", "num_iterations", "steps_per_generation"):
             arguments.count(key, out[key])
+        rows = out["prompts"] * out["num_generations"]
+        if rows % out["steps_per_generation"]:
+            raise ArgumentError(f"the rollout batch's {rows} rows (prompts x num_generations) do not split into "
+                                f"steps_per_generation {out['steps_per_generation']} micro-batches of equal rows")
         out["beta"] = arguments.number("beta", out["beta"], minimum=0.0)
         if out["generator"] not in GENERATORS:
             raise ArgumentError(f"generator must be one of {', '.join(GENERATORS)} (engine: the engine's own forward "
@@ -186,9 +195,12 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         if given:
             raise ArgumentError(f"stage grpo takes no {' or '.join(given)}: its rows are prompts x num_generations and "
                                 "its width max_prompt_length + max_completion_length; give those")
-        rows = keys["prompts"] * keys["num_generations"]
+        rollout = keys["prompts"] * keys["num_generations"]
+        micro = keys["steps_per_generation"]       # forwards and training steps take one micro-batch's rows
+        rows = rollout // micro
         width = keys["max_prompt_length"] + keys["max_completion_length"]
     else:
+        micro = 1
         batch = 1 if batch is None else batch
         if stage == "dpo":
             batch = 2 * arguments.count("batch", batch, what=" (preference pairs per step, 2 rows each)")
@@ -197,8 +209,9 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     per_token = None
     if stage == "grpo" and keys["generator"] != "engine":     # a cache past the whole budget: before planning
-        per_token = _cache_bytes_per_token(model)
-        _check_cache(rows * width * per_token, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rows, width)
+        per_token = _cache_bytes_per_token(model)    # a copy with a cache generates the rollout batch at once
+        _check_cache(rollout * width * per_token, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rollout,
+                     width)
     settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
                     nvme_budget=nvme_budget)
 
@@ -208,19 +221,22 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     train = planned(True, rows, width)
     steps = keys["num_iterations"] if stage == "grpo" else 1
     each = f"{rows} x {width} tokens"
-    parts = [_part("training", steps, train, f"{steps} training step{'s' if steps > 1 else ''} of {each}")]
+    passes = steps * micro
+    parts = [_part("training", passes, train, f"{passes} training step{'s' if passes > 1 else ''} of {each}"
+                   + (f" ({micro} micro-batches a step)" if micro > 1 else ""))]
     forward = None
     if stage == "dpo" and not keys["precompute_ref_log_probs"]:
         forward = planned(False, rows, width)
         parts.append(_part("reference forward", 1, forward, f"one forward-only pass of {each}"))
     if stage == "grpo":
         forward = planned(False, rows, width)
-        generation = (_engine_generation(forward, keys, each) if keys["generator"] == "engine" else
-                      _kv_generation(per_token, forward, planned(False, rows, keys["max_prompt_length"]), keys, rows,
-                                     streamed=keys["generator"] == "hf_streamed"))
-        parts[:0] = [generation, _part("old-policy forward", 1, forward, f"one forward-only pass of {each}")]
+        generation = (_engine_generation(forward, keys, each, micro) if keys["generator"] == "engine" else
+                      _kv_generation(per_token, forward, planned(False, rollout, keys["max_prompt_length"]), keys,
+                                     rollout, streamed=keys["generator"] == "hf_streamed"))
+        passes = f"one forward-only pass of {each}" if micro == 1 else f"{micro} forward-only passes of {each}"
+        parts[:0] = [generation, _part("old-policy forward", micro, forward, passes)]
         if keys["beta"] > 0:
-            parts.insert(2, _part("reference forward", 1, forward, f"one forward-only pass of {each} (beta > 0)"))
+            parts.insert(2, _part("reference forward", micro, forward, f"{passes} (beta > 0)"))
     return StagePlan(stage, rows, width, keys, train, forward, parts, steps)
 
 
@@ -229,10 +245,11 @@ def _part(name: str, passes: int, p: Plan, detail: str) -> StepPart:
                     passes * p.prediction.compute_s)
 
 
-def _engine_generation(forward: Plan, keys: dict, each: str) -> StepPart:
+def _engine_generation(forward: Plan, keys: dict, each: str, micro: int = 1) -> StepPart:
     tokens = keys["max_completion_length"]
-    return _part("generation", tokens, forward,
-                 f"engine generator, no key-value cache: {tokens} forward-only passes of {each}, one per new token, "
+    per = "one per new token" if micro == 1 else f"{micro} per new token (a micro-batch's rows each)"
+    return _part("generation", tokens * micro, forward,
+                 f"engine generator, no key-value cache: {tokens * micro} forward-only passes of {each}, {per}, "
                  f"{fmt_seconds(forward.prediction.step_s)} each")
 
 

@@ -73,6 +73,21 @@ def test_grpo_parts_add_up_each_the_plan_of_its_pass(model, grpo8):
     assert plain.total_s == pytest.approx(grpo8.total_s - forward.prediction.step_s, rel=1e-9)
 
 
+def test_a_rollout_in_micro_batches_is_planned_at_a_micro_batchs_rows(model, grpo8):
+    """steps_per_generation 2: the rollout's 4 rows in 2 micro-batches of 2; every pass (a new
+    token, the old policy's, the reference's, a training step) once per micro-batch, at 2 rows."""
+    micro = _stage(model, "grpo", **GRPO, max_completion_length=8, num_iterations=2, beta=0.04,
+                   steps_per_generation=2)
+    train, forward = _plan(model, 2, 16), _plan(model, 2, 16, train=False)
+    assert micro.rows == 2 and micro.optimizer_steps == 2
+    expected = {"generation": 16 * forward.prediction.step_s, "old-policy forward": 2 * forward.prediction.step_s,
+                "reference forward": 2 * forward.prediction.step_s, "training": 4 * train.prediction.step_s}
+    assert {p.name: p.seconds for p in micro.parts} == pytest.approx(expected, rel=1e-9)
+    assert "4 rows in 2 micro-batches of 2" in micro.summary()
+    with pytest.raises(ArgumentError, match="do not split into steps_per_generation 3 micro-batches"):
+        _stage(model, "grpo", **GRPO, max_completion_length=8, steps_per_generation=3)
+
+
 def test_engine_generation_streams_the_weights_once_per_new_token(grpo8, grpo16):
     per_pass = grpo8.forward.weight_h2d_bytes_per_step
     assert per_pass > 0.99 * grpo8.forward.weight_bytes      # not resident: each pass brings them all
