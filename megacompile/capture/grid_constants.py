@@ -1,14 +1,16 @@
-"""Image grids (Qwen2.5-VL's image_grid_thw) as constants of the capture, keyed like shapes.
+"""Image and video grids (Qwen2.5-VL's image_grid_thw, video_grid_thw) as constants of the capture, keyed like shapes.
 
-Qwen2.5-VL's vision tower reads each image's grid of patches (frames, rows, columns) in Python:
-its rotary table (`get_vision_position_ids`), the lengths its attention splits by (`cu_seqlens`,
-read with `.tolist()` in every tower layer), its window index and window lengths, and the split of
-its features per image. None of that traces over a tensor whose values are unknown. The grids are
-known before the step runs, though: they describe pixel_values' layout, as shapes do. So the
-capture takes them as constants: the static `get_image_features` below computes those tables
-eagerly from the step's real grid with transformers' own helpers (`transformers.vision_utils`),
-and hands them to the tower as the precomputed inputs it accepts; in the graph they are constants,
-and the lengths the attention splits by are plain numbers.
+Qwen2.5-VL's vision tower reads each image's or video's grid of patches (frames, rows, columns) in
+Python: its rotary table (`get_vision_position_ids`), the lengths its attention splits by
+(`cu_seqlens`, one per frame, read with `.tolist()` in every tower layer), its window index and
+window lengths, and the split of its features per image or video. None of that traces over a
+tensor whose values are unknown. The grids are known before the step runs, though: they describe
+the pixels' layout, as shapes do. So the capture takes them as constants: `GridTower` computes
+those tables eagerly from the step's real grids with transformers' own helpers
+(`transformers.vision_utils`), and hands them to the tower as the precomputed inputs it accepts; in
+the graph they are constants, and the lengths the attention splits by are plain numbers. Images
+and videos go through the same tower (`get_image_features`, `get_video_features`); a step with
+both runs it once over the two (`GridTower.encode`, grid_media.py).
 
 A capture is then valid for its grids only. `grid_key` puts the grids' values beside the inputs'
 shapes in the keys captures are found by (the engine's, engine/prepared.py's), so a batch with other grids
@@ -90,40 +92,109 @@ def _vision_tables(visual: nn.Module, grid: torch.Tensor) -> dict[str, torch.Ten
             "cu_window_seqlens": cu_window_seqlens}
 
 
-def static_grid_features(name: str, module: nn.Module, inputs, real: list[torch.Tensor],
-                         found: dict[str, GridConstants]):
-    """A get_image_features for `module` (Qwen2.5-VL, Qwen3-VL) that runs its tower on tables computed from
-    the step's real grids, as constants of the trace; records them in found[name].
-    inputs(): the model's traced input tensors; real: the same inputs as given, values and all."""
-    label = f"{type(module).__name__} ('{name}')"
+# The inputs each kind of media comes in, as the model's forward names them: its patches, its grids.
+MEDIA = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
-    from transformers.utils.generic import is_flash_attention_requested
 
-    def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
-        index = next((i for i, t in enumerate(inputs()) if t is image_grid_thw), None)
-        if index is None or index >= len(real) or real[index].device.type == "meta":
-            raise CaptureError(f"{label} was given an image_grid_thw that is not one of the model's inputs with "
-                               "values: pass image_grid_thw to the model, as its processor writes it")
-        if is_flash_attention_requested(module.visual.config):
-            raise CaptureError(f"{label}'s vision tower runs flash attention over packed images, which megacompile "
+def patch_width(vision_config) -> tuple[int, str] | None:
+    """The values of one flattened patch, and how they are made, in words; None if the config does not say."""
+    c, t, p = (getattr(vision_config, k, None) for k in ("in_channels", "temporal_patch_size", "patch_size"))
+    if not all(isinstance(x, int) for x in (c, t, p)):
+        return None
+    return c * t * p * p, f"{c} channels x {t} frames x {p} x {p} pixels a patch"
+
+
+class GridTower:
+    """The vision tower of `module` (Qwen2.5-VL, Qwen3-VL) run on tables computed from the step's
+    real grids, constants of the trace, each grid recorded in `found`. inputs(): the model's traced
+    input tensors; real: the same inputs as given, values and all."""
+
+    def __init__(self, name: str, module: nn.Module, inputs, real: list[torch.Tensor],
+                 found: dict[str, GridConstants]):
+        self.name, self.module, self.inputs, self.real, self.found = name, module, inputs, real, found
+        self.label = f"{type(module).__name__} ('{name}')"
+
+    def features(self, media: str):
+        """The model's get_image_features or get_video_features, at static shapes."""
+        pixels, grid = MEDIA[media]
+
+        def get_features(*args, **kwargs):
+            given = dict(zip((pixels, grid), args)) | kwargs
+            return self.encode([(media, given.pop(pixels), given.pop(grid, None))], given)[0]
+        return get_features
+
+    def encode(self, parts: list[tuple[str, torch.Tensor, torch.Tensor | None]], kwargs: dict) -> list:
+        """One tower run over the parts' patches, concatenated: (media, pixels, grid input) each. The
+        tower encodes each image, and each video frame pair by frame pair, on its own (its attention
+        splits by them; Qwen2.5-VL's windows lie within them), so one run over images and videos
+        gives what one run over each gives, and the tower's layers, streamed blocks, run once a step. Returns
+        one output per part, as the model's get_<media>_features gives it: the pooled features split
+        per image or video (Qwen3-VL's deepstack features likewise)."""
+        from transformers.utils.generic import is_flash_attention_requested
+        visual = self.module.visual
+        if is_flash_attention_requested(visual.config):
+            raise CaptureError(f"{self.label}'s vision tower runs flash attention over packed images, which megacompile "
                                "does not train yet: load the model with attn_implementation='sdpa' or 'eager'")
-        values = _grid(real[index])
+        grids = [self._grid(media, grid) for media, _, grid in parts]
+        for (media, pixels, _), values in zip(parts, grids):
+            self._check_patches(media, pixels, values)
+        values = sum(grids, ())
         with unset_fake_temporarily(), disable_proxy_modes_tracing():
-            tables = {k: (v.tolist(), v.dtype) for k, v in _vision_tables(module.visual, torch.tensor(values)).items()}
+            tables = {k: (v.tolist(), v.dtype) for k, v in _vision_tables(visual, torch.tensor(values)).items()}
+        pixels = torch.cat([p for _, p, _ in parts]) if len(parts) > 1 else parts[0][1]
+        grid_thw = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2]   # read from the tables
         # The tables indexed with are made inside the trace: constants of the graph. The attention
         # only splits by the lengths between the cumulative ones (`lengths.tolist()`): they go in as
         # host arrays of numbers, so the split sizes are plain numbers when traced. Each table keeps
         # the dtype transformers' helper gave it (Qwen3-VL's interpolation weights: float32).
         lengths = ("cu_seqlens", "cu_window_seqlens")
-        precomputed = {k: numpy.asarray(v) if k in lengths else torch.tensor(v, dtype=dtype, device=pixel_values.device)
+        precomputed = {k: numpy.asarray(v) if k in lengths else torch.tensor(v, dtype=dtype, device=pixels.device)
                        for k, (v, dtype) in tables.items()}
-        out = module.visual(pixel_values.type(module.visual.dtype), grid_thw=image_grid_thw,
-                            **{**kwargs, **precomputed})
-        merge = module.visual.spatial_merge_size ** 2
-        sizes = [t * h * w // merge for t, h, w in values]
-        out.pooler_output = torch.split(out.pooler_output, sizes)
-        if getattr(out, "deepstack_features", None) is not None:    # Qwen3-VL's, split per image likewise
-            out.deepstack_features = [torch.split(f, sizes) for f in out.deepstack_features]
-        found[name] = GridConstants(f"{type(module).__name__} at '{name}'", index, "image_grid_thw", values)
-        return out
-    return get_image_features
+        out = visual(pixels.type(visual.dtype), grid_thw=grid_thw, **{**kwargs, **precomputed})
+        return self._per_part(out, grids)
+
+    def _per_part(self, out, grids: list[tuple[tuple[int, ...], ...]]) -> list:
+        """The tower's output split per part, and within a part per image or video."""
+        merge = self.module.visual.spatial_merge_size ** 2
+        items = [[t * h * w // merge for t, h, w in g] for g in grids]     # features of each image or video
+        deepstack = getattr(out, "deepstack_features", None)                # Qwen3-VL's: [tokens, width] a merger
+        if len(grids) == 1:
+            parts, pooled, deep = [out], (out.pooler_output,), [(f,) for f in deepstack or []]
+        else:
+            parts = [type(out)(**out) for _ in grids]
+            # Qwen2.5-VL's last hidden state is in window order, which keeps each image's patches together
+            patches = [sum(t * h * w for t, h, w in g) for g in grids]
+            for part, hidden in zip(parts, torch.split(out.last_hidden_state, patches)):
+                part.last_hidden_state = hidden
+            features = [sum(n) for n in items]
+            pooled = torch.split(out.pooler_output, features)
+            deep = [torch.split(f, features) for f in deepstack or []]
+        for k, (part, n) in enumerate(zip(parts, items)):
+            part.pooler_output = torch.split(pooled[k], n)
+            if deepstack is not None:
+                part.deepstack_features = [torch.split(d[k], n) for d in deep]
+        return parts
+
+    def _grid(self, media: str, grid_thw: torch.Tensor | None) -> tuple[tuple[int, ...], ...]:
+        """The values of the grid input, recorded as a constant of the capture."""
+        pixels, name = MEDIA[media]
+        index = next((i for i, t in enumerate(self.inputs()) if t is grid_thw), None)
+        if index is None or index >= len(self.real) or self.real[index].device.type == "meta":
+            raise CaptureError(f"{self.label} was given {pixels}, and its {name} is not one of the model's inputs "
+                               f"with values: pass {name} to the model, as its processor writes it")
+        values = _grid(self.real[index])
+        self.found[f"{self.name}:{name}"] = GridConstants(f"{type(self.module).__name__} at '{self.name}'", index,
+                                                          name, values)
+        return values
+
+    def _check_patches(self, media: str, pixels: torch.Tensor, values: tuple[tuple[int, ...], ...]) -> None:
+        """Patches the tower cannot take fail inside it, where the failure reads as a tracing one."""
+        given, name = MEDIA[media]
+        width = patch_width(self.module.visual.config)
+        patches = sum(t * h * w for t, h, w in values)
+        if width is None or tuple(pixels.shape) == (patches, width[0]):
+            return
+        raise InputMismatchError(
+            f"{given} of shape {list(pixels.shape)} given to {self.label}, whose vision tower takes [{patches}, "
+            f"{width[0]}] for the {name} {list(values)} ({width[1]}; one row per patch, a {media}'s patches in its "
+            f"processor's order, {media}s one after another): make them with the model's own {media} processor")

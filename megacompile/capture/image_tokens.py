@@ -17,8 +17,9 @@ mismatch is our InputMismatchError, as eager transformers would refuse it. Gemma
 LLaVA does (its bidirectional attention over an image is a mask computed from token_type_ids,
 which traces); Idefics3 checks and scatters in one `inputs_merger`, replaced the same way, and it
 and SmolVLM give features whose count is read from pixel_values' values (padded_images.py).
-Qwen2.5-VL's mask comes with one for videos (refused: not trained yet), and its tower reads its
-image grids' values, which capture takes as constants (grid_constants.py).
+Qwen2.5-VL and Qwen3-VL place images and videos, each kind over its own tokens, counted apart (one
+`ImageTokens` a kind); their tower reads the grids' values, which capture takes as constants
+(grid_constants.py), and runs once a step over both kinds (grid_media.py).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import CaptureError, InputMismatchError
-from .grid_constants import GridConstants, keys_grids, static_grid_features
+from .grid_constants import MEDIA, GridConstants, GridTower, keys_grids, patch_width
+from .grid_media import GridMedia
 from .padded_images import PaddedImages, pads_images, static_image_features
 
 # The model's input tensors as the trace sees them (top.py sets it in the traced forward), to name
@@ -43,12 +45,14 @@ _CHECKED = ("transformers.models.llava.modeling_llava", "transformers.models.gem
 
 @dataclass(frozen=True)
 class ImageTokens:
-    """A step's image placeholder tokens must number the image features its pixel_values give."""
+    """A step's image placeholder tokens must number the image features its pixel_values give (or,
+    with `media` "video", its video tokens the video features of pixel_values_videos)."""
     module: str        # the module that merges them, in words ("LlavaModel at 'model'")
     input: int         # which of the model's input tensors holds the token ids
     token_id: int
-    count: int         # image features, one token each, over the whole batch (without `padded`)
+    count: int         # features, one token each, over the whole batch (without `padded`)
     padded: PaddedImages | None = None   # pixel_values padded per row: the count is read from them
+    media: str = "image"
 
     def features(self, inputs: list[torch.Tensor]) -> tuple[int, str]:
         """How many features the step's pixel_values give, and how, in words."""
@@ -66,11 +70,12 @@ class ImageTokens:
         found = int((inputs[self.input] == self.token_id).sum())
         count, how = self.features(inputs)
         if found != count:
+            media, pixels = self.media, MEDIA[self.media][0]
             raise InputMismatchError(
-                f"input_ids hold {found} image tokens (id {self.token_id}), but the step's pixel_values give "
-                f"{count} image features{how}, one per image token ({self.module}): give each image as many image "
-                "tokens as it has features (the model's processor expands its placeholder so), and pass "
-                "pixel_values for exactly the images the ids hold")
+                f"input_ids hold {found} {media} tokens (id {self.token_id}), but the step's {pixels} give "
+                f"{count} {media} features{how}, one per {media} token ({self.module}): give each {media} as many "
+                f"{media} tokens as it has features (the model's processor expands its placeholder so), and pass "
+                f"{pixels} for exactly the {media}s the ids hold")
 
 
 @contextlib.contextmanager
@@ -133,9 +138,9 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
                        grids: dict[str, GridConstants] | None = None):
     """While tracing `model`: its image-merging modules build the placeholder mask without reading
     a tensor's value (Idefics3-style ones encode their padded images at static shapes, see
-    padded_images.py; Qwen2.5-VL's tower takes its grids, read from `real`, the model's inputs as
-    given, as constants, recorded in `grids`, see grid_constants.py); yields the list of
-    `ImageTokens` the trace records, one per module."""
+    padded_images.py; Qwen2.5-VL's and Qwen3-VL's tower takes its image and video grids, read from
+    `real`, the model's inputs as given, as constants, recorded in `grids`, see grid_constants.py and
+    grid_media.py); yields the `ImageTokens` the trace records, one per module and kind of media."""
     found: dict[str, ImageTokens] = {}
     padded: dict[str, PaddedImages] = {}
     grids = {} if grids is None else grids
@@ -158,29 +163,23 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
                                "pixel_values)")
         return encode
 
-    def refuse_videos(name: str, module: nn.Module):
-        def merge(*args, **kwargs):
-            raise CaptureError(f"{type(module).__name__} ('{name}') was given videos: megacompile trains it with "
-                               "images (pixel_values, image_grid_thw) and text, not videos yet (docs/families.md); "
-                               "pass no pixel_values_videos")
-        return merge
-
-    def placeholder_mask(name: str, module: nn.Module, input_ids, inputs_embeds, image_features):
+    def placeholder_mask(name: str, module: nn.Module, input_ids, inputs_embeds, features, media: str = "image"):
         label = name or type(module).__name__
         if input_ids is None:
-            raise CaptureError(f"{label} was given inputs_embeds with images: megacompile places image features "
-                               "by the image tokens of input_ids; pass input_ids")
+            raise CaptureError(f"{label} was given inputs_embeds with {media}s: megacompile places {media} features "
+                               f"by the {media} tokens of input_ids; pass input_ids")
         index = next((i for i, t in enumerate(_inputs()) if t is input_ids), None)
         if index is None:
-            raise CaptureError(f"the input_ids {label} places image features by are not one of the model's "
+            raise CaptureError(f"the input_ids {label} places {media} features by are not one of the model's "
                                "inputs: pass the token ids to the model as input_ids")
         width = inputs_embeds.shape[-1]
-        if image_features.numel() % width:
-            raise CaptureError(f"{label}'s image features {tuple(image_features.shape)} do not split into tokens "
+        if features.numel() % width:
+            raise CaptureError(f"{label}'s {media} features {tuple(features.shape)} do not split into tokens "
                                f"of width {width}")
-        token_id = int(module.config.image_token_id)
-        count = 0 if name in padded else image_features.numel() // width
-        found[name] = ImageTokens(f"{type(module).__name__} at '{name}'", index, token_id, count, padded.get(name))
+        token_id = int(getattr(module.config, f"{media}_token_id"))
+        count = 0 if name in padded else features.numel() // width
+        found[name if media == "image" else f"{name}:{media}"] = ImageTokens(
+            f"{type(module).__name__} at '{name}'", index, token_id, count, padded.get(name), media)
         return (input_ids == token_id).unsqueeze(-1).to(inputs_embeds.device)
 
     def methods(name: str, module: nn.Module) -> dict:
@@ -198,25 +197,18 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
             mask = placeholder_mask(name, module, input_ids, inputs_embeds, features)
             return inputs_embeds.masked_scatter(mask, features)
 
-        def with_videos(input_ids, inputs_embeds, image_features=None, video_features=None):
-            """Qwen2.5-VL's mask: one for images, one for videos (which do not train yet)."""
-            if video_features is not None:
-                refuse_videos(name, module)()
-            videos = (input_ids == module.config.video_token_id).unsqueeze(-1).to(inputs_embeds.device)
-            if image_features is None:
-                return None, videos
-            return placeholder_mask(name, module, input_ids, inputs_embeds, image_features), videos
+        def media_mask(media, input_ids, inputs_embeds, features):
+            return placeholder_mask(name, module, input_ids, inputs_embeds, features, media)
 
-        own = {"get_placeholder_mask": with_videos if keys_grids(module) else get_placeholder_mask,
-               "inputs_merger": inputs_merger}
+        own = {"get_placeholder_mask": get_placeholder_mask, "inputs_merger": inputs_merger}
         out = {m: own[m] for m in _mergers(module)}
         if hasattr(type(module), "get_image_features"):
             out["get_image_features"] = module.get_image_features
         if pads_images(module):
             out["get_image_features"] = static_image_features(name, module, _inputs, padded)
-        if keys_grids(module):
-            out["get_image_features"] = static_grid_features(name, module, _inputs, real or [], grids)
-            out["get_video_features"] = refuse_videos(name, module)
+        if keys_grids(module):   # images and videos on grids (grid_media.py)
+            tower = GridTower(name, module, _inputs, real or [], grids)
+            out.update(GridMedia(name, module, tower, media_mask).methods())
         if "get_image_features" in out:
             out["get_image_features"] = _shape_checked(name, module, out["get_image_features"])
         return out
@@ -243,12 +235,11 @@ def expected_pixels(module: nn.Module) -> tuple[str, object] | None:
     if vision is None:
         return None
     if keys_grids(module):      # Qwen2.5-VL / Qwen3-VL: every image's patches, flattened
-        c, t, p = (getattr(vision, k, None) for k in ("in_channels", "temporal_patch_size", "patch_size"))
-        if not all(isinstance(x, int) for x in (c, t, p)):
+        patch = patch_width(vision)
+        if patch is None:
             return None
-        width = c * t * p * p
-        return f"[patches, {width}] ({c} channels x {t} frames x {p} x {p} pixels a patch)", \
-            lambda s: len(s) == 2 and s[1] == width
+        width, words = patch
+        return f"[patches, {width}] ({words})", lambda s: len(s) == 2 and s[1] == width
     c, size = getattr(vision, "num_channels", 3), getattr(vision, "image_size", None)
     if not isinstance(size, int) or not isinstance(c, int):
         return None

@@ -1,13 +1,17 @@
 """Qwen2.5-VL's and Qwen3-VL's 3D (multimodal rotary) positions, computed before the step and passed as input.
 
-Given no position_ids, Qwen2.5-VL builds them in its forward (`compute_3d_position_ids`, which
-calls `get_rope_index`): a text token advances all three position rows by one, an image's tokens
-take (frame, row, column) positions from its grid. That walks the ids and mm_token_type_ids in
-Python (groups of token types, `.tolist()`), which does not trace. The positions are a function of
-the step's inputs alone, so `with_rope_positions` runs the model's own `compute_3d_position_ids`
+Given no position_ids, these models build them in their forward (`compute_3d_position_ids`, which
+calls `get_rope_index`): a text token advances all three position rows by one, an image's or a
+video's tokens take (frame, row, column) positions from its grid. Qwen2.5-VL spaces a video's
+frames by `second_per_grid_ts` times the vision config's `tokens_per_second`; Qwen3-VL splits each
+video's grid into one grid per frame pair, whose tokens its processor writes apart (each after its
+timestamp in text, between vision start and end tokens). That walks the ids and mm_token_type_ids
+in Python (groups of token types, `.tolist()`), which does not trace. The positions are a function
+of the step's inputs alone, so `with_rope_positions` runs the model's own `compute_3d_position_ids`
 eagerly on the step's tensors before the step (on the host, before the budgeted device sees
-anything) and passes its result as position_ids, an ordinary input of the captured graph. What the
-model does with position_ids (the rotary sections per axis) is traced as it is.
+anything) and passes its result as position_ids, an ordinary input of the captured graph;
+second_per_grid_ts, read there only, is an input the graph leaves unread. What the model does with
+position_ids (the rotary sections per axis) is traced as it is.
 """
 from __future__ import annotations
 
@@ -26,8 +30,8 @@ def _positions_module(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 def with_rope_positions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     """kwargs with the 3D position_ids the model would compute from them, where it computes them
-    from values (a Qwen2.5-VL given images, input_ids and mm_token_type_ids, and no position_ids);
-    otherwise kwargs as they are."""
+    from values (a Qwen2.5-VL or Qwen3-VL given images or videos, input_ids and mm_token_type_ids,
+    and no position_ids); otherwise kwargs as they are."""
     if args or kwargs.get("position_ids") is not None:
         return kwargs
     found = _positions_module(model)
@@ -36,18 +40,22 @@ def with_rope_positions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     name, module = found
     if kwargs["input_ids"].device.type == "meta":
         return kwargs
+    takes = inspect.signature(module.compute_3d_position_ids).parameters
     given = dict(input_ids=kwargs["input_ids"], image_grid_thw=kwargs.get("image_grid_thw"),
                  video_grid_thw=kwargs.get("video_grid_thw"), inputs_embeds=None,
-                 attention_mask=kwargs.get("attention_mask"), past_key_values=None,
-                 mm_token_type_ids=kwargs.get("mm_token_type_ids"))
-    if "second_per_grid_ts" in inspect.signature(module.compute_3d_position_ids).parameters:   # Qwen2.5-VL's
+                 attention_mask=kwargs.get("attention_mask"), mm_token_type_ids=kwargs.get("mm_token_type_ids"))
+    given["cache" if "cache" in takes else "past_key_values"] = None
+    if "second_per_grid_ts" in takes:   # Qwen2.5-VL's
         given["second_per_grid_ts"] = kwargs.get("second_per_grid_ts")
     try:
         with torch.no_grad():
             positions = module.compute_3d_position_ids(**given)
-    except (StopIteration, RuntimeError, IndexError, TypeError) as e:
+    except (StopIteration, RuntimeError, IndexError, TypeError, ValueError) as e:
+        said = (str(e).strip().splitlines() or [""])[0]
         raise InputMismatchError(
             f"{type(module).__name__} at '{name or type(model).__name__}' cannot place its 3D positions for this "
-            f"step ({type(e).__name__}: {e}): mm_token_type_ids must mark exactly the tokens of the images "
-            "image_grid_thw lists, one run of image tokens per image, as the model's processor writes them") from e
+            f"step ({type(e).__name__}: {said}): "
+            "mm_token_type_ids must mark exactly the tokens of the images and videos image_grid_thw and "
+            "video_grid_thw list (1 on image tokens, 2 on video tokens), one run of tokens per image and per "
+            "video (Qwen3-VL: per frame pair, each after its timestamp), as the model's processor writes them") from e
     return kwargs if positions is None else {**kwargs, "position_ids": positions}

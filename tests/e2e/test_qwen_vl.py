@@ -3,8 +3,8 @@
 Its parity with eager torch.optim.AdamW on rows of 0, 1 and 2 images is in test_vlm_families.py;
 here: a batch with other grids is captured anew and trains as eagerly (or, with retrace=False, is
 refused), a capture never runs on grids other than its own, the 3D positions are the model's, and
-what it does not train yet (videos) or cannot place (token types that disagree with the grids) is
-refused before anything runs.
+what it cannot place (token types that disagree with the grids, videos without their tokens) is
+refused before anything runs; videos: test_vlm_videos.py.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import megacompile
-from megacompile.errors import CaptureError
 from tests.e2e.harness import clone
 from tests.e2e.test_vlm import eager
 from tests.vlm_families import IMAGE_TOKEN, QWEN_GRIDS, qwen2_5_vl, qwen_batch
@@ -94,11 +93,14 @@ def test_token_types_or_image_tokens_that_disagree_with_the_grids_are_refused():
     assert engine.step(**good) == pytest.approx(m(**good).loss.item(), rel=1e-5)
 
 
-def test_videos_are_refused_by_name():
+def test_videos_without_their_tokens_are_refused():
+    """Videos train (test_vlm_videos.py), placed by their own tokens: pixel_values_videos whose video
+    tokens input_ids lack are refused before anything runs."""
     b = qwen_batch(images=MIXED)
     videos = dict(b, pixel_values_videos=b["pixel_values"], video_grid_thw=b["image_grid_thw"])
     engine = megacompile.compile(qwen2_5_vl(), hbm_budget=1.0, device="cpu")
-    with pytest.raises(CaptureError, match=r"Qwen2_5_VLModel \('model'\) was given videos"):
+    with pytest.raises(megacompile.InputMismatchError, match=r"input_ids hold 0 video tokens \(id 123\), but the "
+                                                             r"step's pixel_values_videos give 10 video features"):
         engine.step(**videos)
     assert engine.steps_done == 0
 
