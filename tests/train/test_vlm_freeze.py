@@ -42,6 +42,7 @@ def test_a_frozen_vision_tower_is_exported_as_it_went_in_and_the_rest_trains(tmp
     assert set(projector) <= set(moved) and any("layers" in k.split(".") for k in moved)
 
 
+@pytest.mark.slow   # two runs of a LLaVA, one record a micro-batch: about 40 s on 2 cores
 def test_a_micro_batch_may_hold_no_image_whatever_is_frozen(tmp_path, monkeypatch):
     """One record a micro-batch, every fourth record text alone: a trained projector is skipped by
     those steps (engine/gradless.py) and still moves; with the whole image side frozen it stays."""
