@@ -90,6 +90,10 @@ class VLLMGenerator(SeededCalls):
                 raise ArgumentError("VLLMGenerator(model=...) is the Hugging Face folder vLLM starts from (the engine "
                                     "was not loaded from one): write it with engine.save_pretrained(path, "
                                     "dtype=torch.bfloat16), or pass llm=vllm.LLM(...)")
+            # the sampled tokens' log-probabilities after the temperature, as the sampler drew them
+            # (vLLM's default, raw_logprobs, is before it): the sampling correction compares them
+            # with the policy's at the temperature
+            llm_args.setdefault("logprobs_mode", "processed_logprobs")
             llm = self.vllm.LLM(model=model, dtype="bfloat16", seed=seed, tensor_parallel_size=1, **llm_args)
         self.engine, self.llm, self.eos_id, self.seed, self.calls = engine, llm, eos_id, seed, 0
         self.model = vllm_model(llm)

@@ -6,7 +6,10 @@ backend: the masters are written as one bf16 safetensors file in `weights_dir` (
 alone as it is written: the host grows by one tensor), then `/start_weight_update`,
 `/update_weights` with that folder, `/finish_weight_update`. The server is started with them on:
 
-    VLLM_SERVER_DEV_MODE=1 vllm serve POLICY_FOLDER --weight-transfer-config '{"backend": "disk"}'
+    VLLM_SERVER_DEV_MODE=1 vllm serve POLICY_FOLDER --weight-transfer-config '{"backend": "disk"}' \
+        --logprobs-mode processed_logprobs
+
+(the last, for log-probabilities after the temperature, as the sampling correction reads them).
 
 Sampling is the server's, seeded per call from the generator's seed and its count of calls.
 """

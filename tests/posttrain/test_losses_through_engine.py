@@ -20,6 +20,7 @@ from tests.posttrain.test_parity import _completions, _policy
 
 BETA, LS, TAU = dpo_formulas.BETA, dpo_formulas.LS, dpo_formulas.TAU
 PAIRS = dpo_formulas.B          # the formulas' batch: 6 pairs
+SMOOTHED = ("exo_pair", "robust", "aot", "aot_unpaired")       # the loss types that read label_smoothing
 # (loss_type, importance_sampling_level, delta, top_entropy_quantile, temperature, beta, epsilon_high,
 #  sampler's correction, token_count): each option on its own, then several at once
 GRPO_CASES = [(t, "token", None, 1.0, 1.0, 0.0, None, False, False) for t in ("grpo", "bnpo", "dr_grpo", "dapo")] + [
@@ -65,14 +66,14 @@ def test_each_dpo_loss_type_through_the_engine_is_its_formula():
     with torch.no_grad():
         logps, mask = token_logprobs(policy(ids), labels)
     ref = logps.sum(-1) - torch.linspace(-1.5, 2.0, 2 * PAIRS)    # a reference on both sides of the policy
-    losses = [DPOLoss(beta=BETA, label_smoothing=LS if k == "exo_pair" or k in ("robust", "aot", "aot_unpaired")
-                      else 0.0, loss_type=k, discopop_tau=TAU) for k in LOSS_TYPES]
+    losses = [DPOLoss(beta=BETA, label_smoothing=LS if k in SMOOTHED else 0.0, loss_type=k, discopop_tau=TAU)
+              for k in LOSS_TYPES]
     got = _through_engine(EachLoss(copy.deepcopy(policy), losses),
                           {"input_ids": ids, "labels": labels, "ref_logps": ref})
     seq, tokens = logps.double().sum(-1), mask.double().sum(-1)
     pc, pr, rc, rr = seq[:PAIRS], seq[PAIRS:], ref.double()[:PAIRS], ref.double()[PAIRS:]
     for kind, value in zip(LOSS_TYPES, got.tolist()):
-        ls = LS if kind in ("exo_pair", "robust", "aot", "aot_unpaired") else 0.0
+        ls = LS if kind in SMOOTHED else 0.0
         want = float(dpo_formulas._reference(kind, pc, pr, rc, rr, tokens[:PAIRS], tokens[PAIRS:], BETA, ls))
         assert value == pytest.approx(want, rel=1e-6, abs=1e-9), kind
 

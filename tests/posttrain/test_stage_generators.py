@@ -140,7 +140,7 @@ def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rol
     for row, (_, (_, metrics)) in zip(log.read(str(tmp_path / "run" / "log.csv")), ratios):
         assert all(float(row[k]) == pytest.approx(v) for k, v in metrics.items())
     assert llm.args == dict(model=work["model"], dtype="bfloat16", seed=7, tensor_parallel_size=1,
-                            gpu_memory_utilization=0.3, max_model_len=11)
+                            gpu_memory_utilization=0.3, max_model_len=11, logprobs_mode="processed_logprobs")
     assert [params.seed for _, params in llm.requests] == [7, 8]          # the seed and the count of calls
     assert [params.n for _, params in llm.requests] == [4, 4]
     assert len(llm.model.loads) == 2                # at the start, and before the rollout after step 1

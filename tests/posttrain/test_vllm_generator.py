@@ -47,8 +47,9 @@ def test_each_step_hands_vllm_the_masters_in_bf16_by_name(vllm, tied):
     engine = _engine(tied)
     generator = VLLMGenerator(engine, model="/models/policy", eos_id=fake_vllm.EOS, seed=5, gpu_memory_utilization=0.3)
     llm = generator.llm
+    # log-probabilities after the temperature, as the sampling correction reads them
     assert llm.args == dict(model="/models/policy", dtype="bfloat16", seed=5, tensor_parallel_size=1,
-                            gpu_memory_utilization=0.3)
+                            gpu_memory_utilization=0.3, logprobs_mode="processed_logprobs")
     expected = _bf16_masters(engine)
     if tied:            # a tied weight goes once, under its first name, as transformers saves it
         del expected["lm_head.weight"]

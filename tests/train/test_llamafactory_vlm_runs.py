@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from transformers import AutoModelForImageTextToText
 
 from megacompile import Engine
 from megacompile.train import load, log, run
@@ -19,11 +20,6 @@ from tests.train import files, processor_files, qwen_files
 LAYOUTS = {"full": qwen_files.LLAMAFACTORY_QWEN2_5VL_FULL_SFT, "lora": qwen_files.LLAMAFACTORY_QWEN2_5VL_LORA_SFT}
 FAMILIES = ("llava", "gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl")
 ROWS = {"idefics3": 128}      # its crops and the global image: the demo's records run to 102 tokens
-
-
-def _model_class():
-    import transformers
-    return transformers.AutoModelForImageTextToText
 
 
 def _processor(folder: str, family: str):
@@ -55,7 +51,7 @@ def test_llamafactorys_qwen2_5vl_examples_train_every_family(tmp_path, monkeypat
     assert math.isfinite(float(row["loss"]))
     assert len(given) == c.grad_accum and any("pixel_values" in kw for kw in given)
 
-    eager = _model_class().from_pretrained("model", dtype=torch.float32)
+    eager = AutoModelForImageTextToText.from_pretrained("model", dtype=torch.float32)
     with torch.no_grad():
         losses = [eager(**kw).loss.item() for kw in given]
     assert float(row["loss"]) == pytest.approx(sum(losses) / len(losses), rel=1e-5)
@@ -64,9 +60,9 @@ def test_llamafactorys_qwen2_5vl_examples_train_every_family(tmp_path, monkeypat
     _processor(out, family)
     if layout == "lora":
         from peft import PeftModel
-        tuned = PeftModel.from_pretrained(_model_class().from_pretrained("model", dtype=torch.float32), out)
+        tuned = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained("model", dtype=torch.float32), out)
     else:
-        tuned = _model_class().from_pretrained(out, dtype=torch.float32)
+        tuned = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         after = tuned(**given[0]).loss.item()
     assert math.isfinite(after) and after != pytest.approx(losses[0], rel=1e-6)    # it trained

@@ -103,6 +103,11 @@ def _vllm(c, given: list[str]) -> None:
         raise ArgumentError(f"vllm_mode must be colocate (vLLM in this process, sharing the GPU) or server (a "
                             f"vllm serve on this machine); got {c.vllm_mode!r}")
     if c.vllm_mode == "server":
+        if c.vllm_importance_sampling_correction and c.temperature not in (None, 1, 1.0):
+            # the server's log-probabilities are before the temperature unless it was started otherwise
+            print(f"  note           temperature {c.temperature:g} with vLLM's sampling correction: start the server "
+                  "with --logprobs-mode processed_logprobs, or its log-probabilities are before the temperature "
+                  "and the correction weighs the tokens wrongly", flush=True)
         if "vllm_gpu_memory_utilization" in given:
             raise ArgumentError("vllm_gpu_memory_utilization applies to vllm_mode colocate; a server takes its own "
                                 "(vllm serve --gpu-memory-utilization): leave it out")
