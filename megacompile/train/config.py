@@ -383,8 +383,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
 
 def _media(c: RunConfig) -> None:
     """LlamaFactory's image and video keys: pixel counts (whole numbers >= 1, min <= max), frames a
-    second and most frames (numbers > 0). The image keys reach the processor (data/pixels.py); the
-    video keys are taken and checked, and a record with videos is refused (images alone train)."""
+    second and most frames (numbers > 0). The image keys reach the processor (data/pixels.py), the
+    video keys the reading of a record's videos (data/videos.py)."""
     for kind in ("image", "video"):
         low, high = f"{kind}_min_pixels", f"{kind}_max_pixels"
         for key in (low, high):

@@ -4,7 +4,7 @@ quietly differs (notes printed at the start).
 
     NOT_TAKEN   their key -> megacompile's equivalent, or why it is not supported (refused unless
                 its value is off: null, false, empty)
-    notes(c)    the differences of meaning a run states at its start (packing, LlamaFactory's video keys)
+    notes(c)    the differences of meaning a run states at its start (packing)
 """
 from __future__ import annotations
 
@@ -87,9 +87,6 @@ NOT_TAKEN = {
 }
 
 
-# LlamaFactory's video keys: taken and checked (config.py), used by no run yet
-VIDEO_KEYS = ("video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen")
-
 
 def off(value: Any) -> bool:
     """A value that asks for nothing (TRL's and LlamaFactory's defaults write most of these keys
@@ -108,10 +105,6 @@ def notes(c: Any, given: dict) -> list[str]:
     """One line per setting whose meaning here differs from TRL's or LlamaFactory's (not an error);
     `given`: the keys the run.yaml and the command line set."""
     out = []
-    videos = [k for k in VIDEO_KEYS if given.get(k) is not None]
-    if videos:
-        out.append(f"{', '.join(videos)}: checked, and not used: records with videos do not train yet (a record "
-                   "with a `videos` column is refused); images do")
     if c.stage != "sft" or c.bundled or c.packing is not True:
         return out
     if "packing" in given:

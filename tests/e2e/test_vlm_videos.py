@@ -1,7 +1,7 @@
 """Qwen2.5-VL and Qwen3-VL train with videos through megacompile as eagerly.
 
-The video inputs are built by hand as the models' processors lay them out (no torchvision here, so
-transformers' video processors cannot run): `pixel_values_videos` holds every video's patches,
+The video inputs are built by hand as the models' processors lay them out (so this needs no
+torchvision, which transformers' video processors need): `pixel_values_videos` holds every video's patches,
 flattened in the processor's order (`patchify`), one row of 3 channels x 2 frames x 4 x 4 pixels
 per patch; `video_grid_thw` gives each video's (frames / 2, rows, columns) of patches; each video
 fills frames / 2 * rows * columns / 4 video tokens. Qwen2.5-VL's processor writes them in one run

@@ -190,20 +190,22 @@ def gemma3_records(path: str, n: int = 6) -> str:
     return data(path, records)
 
 
-def idefics3_dir(path: str, seed: int = 0) -> str:
+def idefics3_dir(path: str, seed: int = 0, family: str = "idefics3") -> str:
     """A tiny Idefics3 (tests/vlm_families.py's sizes) saved with its processor: 16 x 16 crops of
-    4 x 4 patches shuffled 2 x 2 into 4 image tokens each."""
+    4 x 4 patches shuffled 2 x 2 into 4 image tokens each. `family` "smolvlm": SmolVLM's classes
+    (its processor needs torchvision and num2words)."""
     import torch
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlamaConfig
-    proc = processor("idefics3")
+    import transformers
+    kind = "Idefics3" if family == "idefics3" else "SmolVLM"
+    proc = processor(family)
     tok = proc.tokenizer
     torch.manual_seed(seed)
-    vision = Idefics3VisionConfig(**TOWER)
-    text = LlamaConfig(**_text(tok), max_position_embeddings=256)
-    config = Idefics3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
-                            image_token_id=tok.convert_tokens_to_ids("<image>"), use_cache=False,
-                            pad_token_id=tok.pad_token_id)
-    Idefics3ForConditionalGeneration(config).save_pretrained(path)
+    vision = getattr(transformers, f"{kind}VisionConfig")(**TOWER)
+    text = transformers.LlamaConfig(**_text(tok), max_position_embeddings=256)
+    config = getattr(transformers, f"{kind}Config")(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids("<image>"), use_cache=False, pad_token_id=tok.pad_token_id)
+    getattr(transformers, f"{kind}ForConditionalGeneration")(config).save_pretrained(path)
     proc.save_pretrained(path)
     return path
 
@@ -214,8 +216,8 @@ def model_dir(path: str, family: str, seed: int = 0) -> str:
         return vlm_files.model_dir(path, seed)
     if family == "gemma3":
         return gemma3_dir(path, seed)
-    if family == "idefics3":
-        return idefics3_dir(path, seed)
+    if family in ("idefics3", "smolvlm"):
+        return idefics3_dir(path, seed, family)
     if family in ("qwen2_5_vl", "qwen3_vl"):
         return qwen_files.model_dir(path, seed, family)
     raise ValueError(f"no tiny folder of {family}")

@@ -143,9 +143,12 @@ LLAMAFACTORY_QWEN2_5VL_LORA_SFT = {
 
 def llamafactory_data(folder: str, n: int = 6) -> str:
     """LlamaFactory's data folder as its examples name it: dataset_info.json with mllm_demo (ShareGPT
-    messages with an `images` column, images under mllm_demo_data/ at SIZES), identity and
+    messages with an `images` column, images under mllm_demo_data/ at SIZES), mllm_video_demo (a
+    `videos` column, a clip of video_files.py; every other record has an image too), identity and
     alpaca_en_demo (alpaca records); the folder (run.yaml's dataset_dir, or `data` beside it)."""
     from PIL import Image
+
+    from tests.train import video_files
     os.makedirs(os.path.join(folder, "mllm_demo_data"), exist_ok=True)
     names = sorted(SIZES)
     for name in names:
@@ -156,14 +159,23 @@ def llamafactory_data(folder: str, n: int = 6) -> str:
                           {"role": "user", "content": "describe this picture"},
                           {"role": "assistant", "content": files.SENTENCES[i % len(files.SENTENCES)]}],
              "images": [f"mllm_demo_data/{names[i % 3]}.png"]} for i in range(n)]
+    video_files.clip(os.path.join(folder, "mllm_demo_data", "0.mp4"), frames=6)
+    video = [{"messages": [{"role": "user", "content": ("<image>" if i % 2 else "") + "<video>what colour is this"},
+                           {"role": "assistant", "content": f"this is {names[i % 3]}"}],
+              "videos": ["mllm_demo_data/0.mp4"], **({"images": ["mllm_demo_data/green.png"]} if i % 2 else {})}
+             for i in range(n)]
     alpaca = [{"instruction": files.SENTENCES[i % 10], "input": "", "output": files.SENTENCES[(i + 3) % 10]}
               for i in range(n)]
     info = {"mllm_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
                           "columns": {"messages": "messages", "images": "images"},
                           "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                                    "assistant_tag": "assistant"}},
+            "mllm_video_demo": {"file_name": "mllm_video_demo.json", "formatting": "sharegpt",
+                                "columns": {"messages": "messages", "videos": "videos", "images": "images"},
+                                "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                         "assistant_tag": "assistant"}},
             "identity": {"file_name": "identity.json"}, "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"}}
-    for name, records in (("mllm_demo.json", demo), ("identity.json", alpaca[:2]),
+    for name, records in (("mllm_demo.json", demo), ("mllm_video_demo.json", video), ("identity.json", alpaca[:2]),
                           ("alpaca_en_demo.json", alpaca)):
         with open(os.path.join(folder, name), "w") as f:
             json.dump(records, f, indent=2)

@@ -229,7 +229,7 @@ def test_llamafactorys_qwen2_5vl_full_sft_yaml_loads_as_written(tmp_path, capsys
     assert c.run_dir == str(tmp_path / "saves" / "qwen2_5vl-7b" / "full" / "sft") and c.resume is None
     assert [os.path.basename(e["path"]) for e in c.data] == ["mllm_demo.json", "identity.json", "alpaca_en_demo.json"]
     said = capsys.readouterr().out
-    assert "video_max_pixels: checked, and not used" in said
+    assert "video_max_pixels" not in said       # used: records with videos read within it (test_video_records.py)
     for key in ("trust_remote_code", "deepspeed", "pad_to_multiple_of", "overwrite_cache", "plot_loss", "ddp_timeout"):
         assert key in said.split("ignored (no effect in a megacompile run):")[1].splitlines()[0]
 
@@ -253,19 +253,6 @@ def test_llamafactorys_qwen2_5vl_full_sft_trains_with_the_default_budget(tmp_pat
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert before.keys() == after.keys() and {k.split(".")[1] for k in visual} == {"patch_embed", "blocks", "merger"}
     assert moved == set(before) - visual
-
-
-def test_a_record_with_videos_is_refused_naming_it():
-    """Videos do not train yet: a record with a `videos` column is refused by name, before any
-    tokenising, whether or not the model has a processor."""
-    import pytest
-
-    from megacompile.errors import ArgumentError
-    from megacompile.train.data import tokens
-    record = {"messages": [{"role": "user", "content": "<video> what happens"},
-                           {"role": "assistant", "content": "a ball rolls"}], "videos": ["clips/ball.mp4"]}
-    with pytest.raises(ArgumentError, match=r"data.jsonl:3: the record has videos, which do not train yet"):
-        tokens.encode(None, record, False, "data.jsonl:3")
 
 
 def test_a_token_file_made_within_other_pixel_limits_is_made_again(tmp_path, monkeypatch):

@@ -11,12 +11,13 @@ the pad token is then widened to the image's tokens (images.Media.widen).
 transformers' Qwen2_5_VLProcessor cannot be built without torchvision: AutoProcessor hands
 `backend="pil"` to its image processor (Qwen2VLImageProcessorPil) but to its video processor too,
 which exists only for torchvision, and the processor's constructor checks the video processor's
-class even when it is None. Records here carry images alone, so the processor is used in its
+class even when it is None. A record with images alone is written with the processor in its
 parts: the folder's tokenizer, its image processor with the PIL backend (on every machine, so a
 run's pixels do not depend on whether torchvision is installed), its chat template; what the
 processor's __call__ does with them (the pad token widened per image, the token types) is done
 here. The export gets the folder's processor files as they are (save_pretrained): with
-torchvision, AutoProcessor loads them; without, AutoImageProcessor and AutoTokenizer do.
+torchvision, AutoProcessor loads them; without, AutoImageProcessor and AutoTokenizer do. A record
+with videos is written by the whole processor, which needs torchvision (grid_videos.py).
 """
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ import os
 import shutil
 
 from ...errors import ArgumentError
-from .images import Media, processor_class
+from . import videos
+from .grid_videos import GridVideos
+from .images import Media, images_of, processor_class, targets_on, videos_of
 
 GRID_PROCESSORS = ("Qwen2_5_VLProcessor", "Qwen3VLProcessor")
 PAD, START, END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
 # what a Qwen2.5-VL folder holds of its processor, besides the tokenizer's files
 EXPORTED_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
                    "chat_template.json", "chat_template.jinja")
@@ -65,7 +69,16 @@ class GridMedia(Media):
             raise ArgumentError(f"the tokenizer in {folder} has no {token} token: Qwen2.5-VL's image token")
         self._start(folder, token, self.tokenizer)
         self.image_ids = [self.token_id]
-        self.written = START + token + END if START in vocab and END in vocab else token
+        wrapped = START in vocab and END in vocab
+        self.written = START + token + END if wrapped else token
+        video = getattr(self.tokenizer, "video_token", None) or VIDEO_PAD
+        self.video_id = vocab.get(video)
+        self.written_video = START + video + END if wrapped else video     # as the chat template writes a video
+        self.videos_within(videos.Settings())
+
+    def videos_within(self, settings: videos.Settings) -> None:
+        self.video_settings = settings
+        self.videos = GridVideos(self.folder, self.image_processor, settings)
 
     def save_pretrained(self, path: str) -> None:
         """The tokenizer and the folder's own processor files, beside an export."""
@@ -77,21 +90,42 @@ class GridMedia(Media):
     def chat_template(self):
         return self.template
 
-    def widen(self, ids: list[int], targets: list[bool], paths: list[str], where: str, tokenizer=None,
+    def widen(self, ids: list[int], targets: list[bool], paths: list, where: str, tokenizer=None,
               messages: list | None = None) -> tuple[list, list]:
         """Each rendered pad token widened to the image's tokens, none of them a target: what
         Qwen2_5_VLProcessor does (the pad is a special token, so the text around it tokenises
-        the same either way)."""
-        at = self._rendered(ids, paths, where)
+        the same either way). A record with videos is written by the processor itself
+        (grid_videos.py)."""
+        images, clips = images_of(paths), videos_of(paths)
+        if clips:
+            return self._with_videos(ids, targets, images, clips, where, tokenizer, messages)
+        at = self._rendered(ids, images, where)
         out_ids, out_targets, last = [], [], 0
-        for i, path in zip(at, paths):
+        for i, path in zip(at, images):
             out_ids += ids[last:i] + [self.token_id] * self.width(path, where)
             out_targets += targets[last:i] + [False] * self.width(path, where)
             last = i + 1
         return out_ids + ids[last:], out_targets + targets[last:]
 
-    def width(self, path: str, where: str) -> int:
-        """The image's tokens: its grid's patches over merge_size**2."""
+    def _with_videos(self, ids, targets, images, clips, where, tokenizer, messages) -> tuple[list, list]:
+        if self.video_id is None:
+            raise ArgumentError(f"{where}: the record has videos, and the tokenizer in {self.folder} has no "
+                                f"{VIDEO_PAD} token: Qwen's video token")
+        rendered = [i for i, t in enumerate(ids) if t == self.video_id]
+        if len(rendered) != len(clips):
+            raise ArgumentError(f"{where}: the chat template rendered {len(rendered)} video token"
+                                f"{'s' * (len(rendered) != 1)} for {len(clips)} video{'s' * (len(clips) != 1)}: "
+                                "the template must write each turn's text as it is (string contents)")
+        text = (tokenizer or self.tokenizer).apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        row = self.videos.row(text, [self._open(p, where) for p in images], clips, where)
+        media = set(rendered) | {i for i, t in enumerate(ids) if t == self.token_id}
+        placed = [t and i not in media for i, t in enumerate(targets)]
+        return row, targets_on(ids, placed, row, {self.token_id, self.video_id}, where)
+
+    def width(self, path, where: str) -> int:
+        """The image's (video's) tokens: its grid's patches over merge_size**2."""
+        if isinstance(path, dict):
+            return self.videos.tokens(path["video"], self.merge)
         if path not in self._widths:
             self._widths[path] = int(self._load(path, where)[1].prod()) // self.merge ** 2
         return self._widths[path]
@@ -108,14 +142,23 @@ class GridMedia(Media):
         import torch
         return torch.cat([self._pixels(p)[0] for p in paths])
 
-    def inputs(self, rows: list[list[str]], input_ids) -> dict:
+    def inputs(self, rows: list[list], input_ids) -> dict:
         """As Qwen2_5_VLProcessor writes them: pixel_values, image_grid_thw (one row per image, in
-        order), mm_token_type_ids (1 on image tokens, 0 elsewhere)."""
+        order), the videos' inputs likewise (grid_videos.py), mm_token_type_ids (1 on image tokens,
+        2 on video tokens, 0 elsewhere)."""
         import torch
-        paths = [p for row in rows for p in row]
-        return {"pixel_values": self.pixels(paths),
-                "image_grid_thw": torch.stack([self._pixels(p)[1] for p in paths]),
-                "mm_token_type_ids": (input_ids == self.token_id).to(torch.int64)}
+        media = [p for row in rows for p in row]
+        paths, clips = images_of(media), videos_of(media)
+        out = {}
+        if paths:
+            out = {"pixel_values": self.pixels(paths),
+                   "image_grid_thw": torch.stack([self._pixels(p)[1] for p in paths])}
+        if clips:
+            out.update(self.videos.inputs(clips))
+        types = (input_ids == self.token_id).to(torch.int64)
+        if self.video_id is not None:
+            types += 2 * (input_ids == self.video_id).to(torch.int64)
+        return {**out, "mm_token_type_ids": types}
 
     def check_packing(self, packing: bool | str, tokens) -> None:
         """isolated packing gives every row position ids from 0 per document, which the model would

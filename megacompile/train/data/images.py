@@ -42,11 +42,12 @@ from functools import lru_cache
 from ...errors import ArgumentError
 
 PLACEHOLDER = "<image>"     # what LLaVA's and LlamaFactory's records write for an image
+VIDEO = "<video>"           # and for a video (videos.py)
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 # processors transformers builds only with these packages (their video processors need torchvision)
 NEEDS = {"SmolVLMProcessor": ("torchvision", "num2words")}
 TEXT_KEYS = ("input_ids", "attention_mask")
-ROWS = "processor/1"    # what a record with images becomes: a token file made otherwise is made again
+ROWS = "processor/2"    # what a record with images becomes: a token file made otherwise is made again
 
 
 def has_processor(folder: str | None) -> bool:
@@ -114,6 +115,8 @@ class Media:
         self.folder, self.token = folder, token
         self.token_id = tokenizer.convert_tokens_to_ids(token)
         self.written = token    # what each <image> of a turn becomes before the template renders it
+        self.written_video = VIDEO      # and each <video> (a processor that takes videos: its own)
+        self.video_settings = None      # how videos are read (videos.Settings), for a processor that takes them
         self.written_id = self.token_id
         self.base = "."         # the folder the current data entry's image paths are relative to
         self.limits = None      # pixels.Limits the images are read within (pixels.attach), or none
@@ -140,37 +143,57 @@ class Media:
         the folder itself)."""
         self.base = entry_path if os.path.isdir(entry_path) else os.path.dirname(entry_path)
 
-    def paths(self, record: dict, where: str) -> list[str]:
-        """The record's image files, checked: a list of paths that exist (absolute here)."""
-        found = record.get("images")
+    def paths(self, record: dict, where: str) -> list:
+        """The record's media, checked: its image files (absolute paths that exist), then its videos
+        ({"video": path}; a processor that takes videos only: videos_within)."""
+        images = self._files(record, "images", where)
+        clips = self._files(record, "videos", where)
+        if clips and self.video_settings is None:
+            raise ArgumentError(f"{where}: the record has videos, and the processor in {self.folder} "
+                                f"({processor_class(self.folder)}) takes none: records with videos train with "
+                                "Qwen2.5-VL and Qwen3-VL; give the video's frames as images, or leave the record out")
+        return images + [{"video": p} for p in clips]
+
+    def _files(self, record: dict, key: str, where: str) -> list[str]:
+        found = record.get(key)
         if found is None:
             return []
+        kind = key[:-1]
         if not isinstance(found, list) or not all(isinstance(p, str) and p for p in found):
-            raise ArgumentError(f"{where}: images must be a list of image file paths (relative to the data file); "
+            raise ArgumentError(f"{where}: {key} must be a list of {kind} file paths (relative to the data file); "
                                 f"got {found!r}")
         out = []
         for p in found:
             path = os.path.abspath(os.path.join(self.base, p))
             if not os.path.isfile(path):
-                raise ArgumentError(f"{where}: image {p} is not there ({path}); image paths are relative to the "
+                raise ArgumentError(f"{where}: {kind} {p} is not there ({path}); {kind} paths are relative to the "
                                     "data file's folder")
             out.append(path)
         return out
 
-    def messages(self, messages: list, paths: list[str], where: str) -> list:
-        """The turns with each `<image>` written as the processor's image token, after checking
-        that the placeholders number the images."""
+    def videos_within(self, settings) -> None:
+        """Records with videos are read with these settings (videos.Settings); only a processor that
+        takes videos (grid_images.GridMedia) has any."""
+
+    def messages(self, messages: list, paths: list, where: str) -> list:
+        """The turns with each `<image>` (`<video>`) written as the processor's image (video) token,
+        after checking that the placeholders number the images (videos)."""
         if not isinstance(messages, list):
             return messages         # masking.chat refuses it with the line
         texts = [m.get("content") for m in messages if isinstance(m, dict)]
-        count = sum(t.count(PLACEHOLDER) for t in texts if isinstance(t, str))
-        if count != len(paths):
-            raise ArgumentError(f"{where}: the turns hold {count} {PLACEHOLDER} placeholder{'s' * (count != 1)} "
-                                f"and images lists {len(paths)} file{'s' * (len(paths) != 1)}: each {PLACEHOLDER} "
-                                "stands for one image, in order; make them agree")
-        if self.written == PLACEHOLDER:
+        written = {}
+        for placeholder, kind, files, token in ((PLACEHOLDER, "image", images_of(paths), self.written),
+                                                (VIDEO, "video", videos_of(paths), self.written_video)):
+            count = sum(t.count(placeholder) for t in texts if isinstance(t, str))
+            if count != len(files):
+                raise ArgumentError(f"{where}: the turns hold {count} {placeholder} placeholder{'s' * (count != 1)} "
+                                    f"and {kind}s lists {len(files)} file{'s' * (len(files) != 1)}: each "
+                                    f"{placeholder} stands for one {kind}, in order; make them agree")
+            if count and token != placeholder:
+                written[placeholder] = token
+        if not written:
             return messages
-        return [{**m, "content": m["content"].replace(PLACEHOLDER, self.written)}
+        return [{**m, "content": _written(m["content"], written)}
                 if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
 
     def _rendered(self, ids: list[int], paths: list[str], where: str) -> list[int]:
@@ -206,7 +229,7 @@ class Media:
         placed = list(targets)
         for i in at:
             placed[i] = False
-        return row, _align(ids, placed, row, set(self.image_ids), where)
+        return row, targets_on(ids, placed, row, set(self.image_ids), where)
 
     def token_types(self, row: list[int]) -> list[int]:
         return [int(t in self.image_ids) for t in row]
@@ -257,7 +280,7 @@ class Media:
         return fit(image, self.limits)
 
 
-def _align(ids: list[int], targets: list[bool], row: list[int], image_ids: set, where: str) -> list[bool]:
+def targets_on(ids: list[int], targets: list[bool], row: list[int], image_ids: set, where: str) -> list[bool]:
     """`row`'s targets: those of the tokens it shares with `ids` (matched in order), none elsewhere."""
     out = [False] * len(row)
     for tag, i1, i2, j1, j2 in SequenceMatcher(None, ids, row, autojunk=False).get_opcodes():
@@ -290,3 +313,19 @@ def _padded(rows: list[list[str]], load) -> dict:
             mask[r, k:k + n, :ph, :pw] = m[0] if m is not None else 1
             k += n
     return {"pixel_values": pixels, "pixel_attention_mask": mask}
+
+
+def images_of(items: list) -> list[str]:
+    """The image files of a document's media (paths), in order."""
+    return [p for p in items if isinstance(p, str)]
+
+
+def videos_of(items: list) -> list[str]:
+    """The video files of a document's media ({"video": path}), in order."""
+    return [p["video"] for p in items if isinstance(p, dict)]
+
+
+def _written(text: str, written: dict) -> str:
+    for placeholder, token in written.items():
+        text = text.replace(placeholder, token)
+    return text

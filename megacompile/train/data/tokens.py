@@ -56,12 +56,10 @@ def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=Non
     (images.Media, a vision-language model's processor): its image paths resolved and checked,
     the document written as the processor writes it (images.py); without it a record with
     images is refused."""
-    if record.get("videos"):
-        raise ArgumentError(f"{where}: the record has videos, which do not train yet (the video_* keys are "
-                            "taken and checked, not used): give its frames as images, or leave the record out")
     paths = media.paths(record, where) if media is not None else []
-    if media is None and record.get("images"):
-        raise ArgumentError(f"{where}: the record has images, and they are read only with the model folder's "
+    if media is None and (record.get("images") or record.get("videos")):
+        kind = "images" if record.get("images") else "videos"
+        raise ArgumentError(f"{where}: the record has {kind}, and they are read only with the model folder's "
                             f"processor ({' or '.join(images.PROCESSOR_FILES)}) into a token file: give a "
                             "vision-language model saved with its processor, and streaming: false")
     if "messages" in record or "conversations" in record:
@@ -72,8 +70,8 @@ def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=Non
         if paths:
             ids, targets = media.widen(ids, targets, paths, where, tokenizer, messages)
     elif paths:
-        raise ArgumentError(f"{where}: a record with images is a conversation (messages, or ShareGPT's "
-                            "conversations) whose turns hold an <image> placeholder per image")
+        raise ArgumentError(f"{where}: a record with images or videos is a conversation (messages, or ShareGPT's "
+                            "conversations) whose turns hold an <image> placeholder per image (<video> per video)")
     elif alpaca.is_alpaca(record):
         ids, targets = masking.chat(tokenizer, alpaca.messages(record, where), train_on_prompt, where)
     elif "prompt" in record or "completion" in record:
@@ -102,7 +100,8 @@ class TokenFile:
     split: str = "train"
     staged: str | None = None    # made now, in this folder, until commit() puts it in place
     sources: np.ndarray | None = None   # int64 [n_sources + 1]: where each data entry's tokens start, and the end
-    images: dict = field(default_factory=dict)  # document -> (the record's `where`, its image files), if any
+    # document -> (the record's `where`, its media: image files, then {"video": file} per video), if any
+    images: dict = field(default_factory=dict)
 
     @property
     def n_docs(self) -> int:
@@ -155,6 +154,8 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
         limits = media.limits
         if limits is not None and limits.given:     # image_max_pixels / image_min_pixels change the widths
             sources["image_limits"] = [limits.max_pixels, limits.min_pixels]
+        if media.video_settings is not None:        # the video_* keys change a video's frames and tokens
+            sources["video_settings"] = media.video_settings.key()
     made_from = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
     meta = os.path.join(folder, f"{split}.json")
     try:
@@ -260,7 +261,7 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                                     (tgt_f, np.asarray(targets, dtype=np.uint8).tobytes())):
                         f.write(data)
                         content.update(data)
-                    if media is not None and record.get("images"):
+                    if media is not None and (record.get("images") or record.get("videos")):
                         pictures.append([len(offsets) - 1, where, media.paths(record, where)])
                     total += len(ids)
                     count.tokens += len(ids)

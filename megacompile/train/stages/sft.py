@@ -12,7 +12,7 @@ from ...errors import ArgumentError
 from ...ir import fmt_bytes
 from .. import methods
 from ..config import RunConfig
-from ..data import grid_images, images, mixture, packing, pixels, split, streaming, tokens
+from ..data import grid_images, images, mixture, packing, pixels, split, streaming, tokens, videos
 from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
@@ -134,6 +134,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     media = grid_images.media(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
     if media is not None:       # image_max_pixels / image_min_pixels, as LlamaFactory scales images
         pixels.attach(media, pixels.limits(c))
+        media.videos_within(videos.Settings.of(c))     # and the video_* keys, as it reads videos
     if media is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = media.chat_template()     # a processor may hold the template alone
     batch_pixels = media.inputs if media is not None else None
