@@ -509,7 +509,8 @@ class Plan:
         scratch = f"{fmt_bytes(r.scratch_bytes)} op scratch ({r.scratch_op}), " if r.scratch_bytes else ""
         return [f"  reserve        {fmt_bytes(r.total)} kept free of the budget for what the ledger cannot see: "
                 f"{fmt_bytes(r.workspace_bytes)} workspaces, {scratch}{fmt_bytes(r.fragmentation_bytes)} "
-                f"fragmentation ({self.hardware.fragmentation:.0%} of the budget; HardwareProfile fields)"]
+                f"fragmentation ({self.hardware.fragmentation:.0%} of what the caching allocator still serves beside the "
+                "arena: the workspaces and op scratch; HardwareProfile fields)"]
 
     def _smallest_line(self) -> str:
         how = "all blocks recomputed, their inputs in host memory where the host budget allows, no prefetch overlap"
