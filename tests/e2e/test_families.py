@@ -1,5 +1,6 @@
 """Parity across Hugging Face decoder families: 3 steps through megacompile equal 3 eager steps
-of torch.optim.AdamW, at twice the weights' bytes and at the smallest budget the compiler reports.
+of torch.optim.AdamW, at twice the weights' bytes and at the smallest budget the compiler reports,
+every device tensor of a step served from the arena the plan laid out.
 
 The default tier keeps the families that take their own path through capture and the runtime;
 the slow tier sweeps all of them, those whose blocks differ from layer to layer (and so run
@@ -75,6 +76,10 @@ def test_family_parity_at_two_budgets(name, eager):
         assert moment_error(moments, eager_moments) <= 1e-5
         assert_same_weights(run.engine, reference, noise=noise)
         assert max(run.peaks) <= int(budget_bytes / GiB * GiB)
+        # every device tensor of the last step came from the planned arena (tests/e2e/test_device_arena.py)
+        stats = run.engine.memory_stats()
+        assert stats["device_allocations_last_step"] == 0, stats["device_allocations_outside"]
+        assert stats["device_peak_bytes"] <= stats["device_arena_bytes"] <= int(budget_bytes / GiB * GiB)
         budget_bytes = run.engine.plan.minimum_budget_bytes
 
 
