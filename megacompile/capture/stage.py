@@ -105,7 +105,16 @@ def trace_stage(kind: str, source: SourceFn, params: list[ParamSlot], fake_param
     An output gets a gradient (a tangent input of the backward) where it depends on something
     trainable and `differentiable` (default: all) allows it: an output no later stage reads
     needs none.
+
+    What crosses a stage boundary (the outputs, the gradients of the inputs) is made contiguous
+    inside the graph that produces it where it is a permuted dense layout: the stage that reads it
+    was traced on contiguous inputs and tangents, and a value laid out otherwise (a transposed
+    layer norm gradient, as Gemma 3's tower hands back) would be copied by the reader at run time,
+    outside the plan and its arena. Inside the graph the copy is an op like any other: planned,
+    counted and placed, and it costs the bytes the value has. A broadcast (an expanded mask, a
+    stride of 0) stays as it is: made contiguous it would grow, and its readers take any strides.
     """
+    source = _contiguous(source)
     try:
         probe = source(fake_params, fake_acts)
         wanted = differentiable or [True] * len(probe)
@@ -162,9 +171,28 @@ def _joint(source: SourceFn, template: StageTemplate):
         outputs = list(source(params, acts))
         wrt = [params[i] for i in wrt_params] + [acts[i] for i in wrt_acts]
         if wrt and tangent_outputs:
-            grads = torch.autograd.grad([outputs[i] for i in tangent_outputs], wrt, tangents,
-                                        allow_unused=True, materialize_grads=True)
+            grads = list(torch.autograd.grad([outputs[i] for i in tangent_outputs], wrt, tangents,
+                                             allow_unused=True, materialize_grads=True))
         else:
             grads = [torch.zeros_like(w) for w in wrt]
-        return outputs + list(grads)
+        n = len(wrt_params)     # the inputs' gradients are the previous stages' tangents (trace_stage)
+        return outputs + grads[:n] + [_laid_out(g) for g in grads[n:]]
     return joint
+
+
+def _contiguous(source: SourceFn) -> SourceFn:
+    def laid_out(params, acts):
+        return [_laid_out(o) for o in source(params, acts)]
+    return laid_out
+
+
+def _laid_out(t):
+    """t made contiguous where it is dense in another order of its dimensions; else t."""
+    if not isinstance(t, torch.Tensor) or t.is_contiguous():
+        return t
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return t                # a broadcast or a slice: its bytes are not its elements
+        expected *= size
+    return t.contiguous()

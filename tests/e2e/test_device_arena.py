@@ -1,8 +1,8 @@
 """The step's device tensors come from the arena the plan laid out (runtime/arena.py), every one:
 after the first step no device tensor of a step is allocated outside it, the measured peak stays
 within it and it within the budget, and training is what eager torch.optim.AdamW does (losses and
-first-step gradients to 1e-5). A dense Llama, a Qwen2-MoE, a LLaVA with images and a Llama whose
-blocks run over sequence chunks, each at twice its weights and at its smallest budget."""
+first-step gradients to 1e-5). A dense Llama, a Qwen2-MoE, a LLaVA and a Gemma 3 with images and
+a Llama whose blocks run over sequence chunks, each at twice its weights and at its smallest budget."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 
 import megacompile
 from megacompile.acceptance.parity import BETAS, EPS, LR, WD, AdamW, clone, loss_of, moment_error, weight_bytes
-from tests import families, models, vlm
+from tests import families, models, vlm, vlm_families
 
 GiB = 2 ** 30
 STEPS = 3
@@ -36,7 +36,13 @@ def _chunked():
     return models.hf_llama(layers=2, d=64), [{"input_ids": b, "labels": b} for b in batches]
 
 
-CASES = {"llama": _dense, "qwen2_moe": _moe, "llava": _llava}
+def _gemma3():
+    """Its tower hands the decoder's bridge a transposed layer norm gradient: the boundary's copy is
+    the producing graph's (capture/stage.py), not the reader's outside the arena."""
+    return vlm_families.model("gemma3"), [vlm_families.batch("gemma3", seed=i) for i in range(STEPS)]
+
+
+CASES = {"llama": _dense, "qwen2_moe": _moe, "llava": _llava, "gemma3": _gemma3}
 
 
 def _eager(model, inputs):
