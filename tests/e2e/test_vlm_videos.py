@@ -131,6 +131,9 @@ def assert_parity(model, batches, budgets: str = "both") -> None:
         assert_same_weights(engine, reference, noise=noise)
         assert max(peaks) <= budget
         assert engine.plan.captured.block_path == "model.language_model.layers"
+        stats = engine.memory_stats()       # the last step's device tensors all from the planned arena
+        assert stats["device_allocations_last_step"] == 0, stats["device_allocations_outside"]
+        assert stats["device_peak_bytes"] <= stats["device_arena_bytes"] <= budget
 
 
 @pytest.mark.slow    # 40-70 s a family on 2 shared cores
