@@ -128,7 +128,7 @@ class NodeCopy:
         return path, segment
 
     def _pin(self) -> bool:
-        from ..runtime.host import register_host
+        from ..runtime.page_locked import register_host
         if register_host(self.segment):
             return True
         warnings.warn("the node's shared compute copy could not be page-locked (cudaHostRegister failed): "

@@ -23,7 +23,7 @@ from ..errors import MegacompileError
 from ..ir.printer import fmt_bytes
 from .allocator_conf import enable_expandable_segments
 from .backend import Backend, Event, coalesce
-from .host import pinned_empty
+from .page_locked import pinned_empty
 from .pinned_pool import PinnedPool
 from .stream import ThreadStream
 from .timeline import DeviceClock
@@ -134,7 +134,7 @@ class CudaBackend(Backend):
         return CudaEvent(done, self.device)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
-        # Registered at its exact size (host.pinned_empty): torch's pinned allocator would round
+        # Registered at its exact size (page_locked.pinned_empty): torch's pinned allocator would round
         # each staging buffer up to a power of two and keep it.
         pool = self._staging.setdefault((tuple(t.shape), t.dtype), [])
         return pool.pop() if pool else pinned_empty(t.numel(), t.dtype).view(t.shape)

@@ -3,7 +3,7 @@
 A stash (offload(..., keep=True)) copies a device tensor into host memory that the device reads
 back before the backward. torch's pinned caching allocator would round each of those buffers up
 to a power of two and keep it (1.3x the plan's stash figure at 14B, 16 x 4096 tokens), so the
-pool registers buffers of exactly the tensor's bytes (host.pinned_empty) and lends them out by
+pool registers buffers of exactly the tensor's bytes (page_locked.pinned_empty) and lends them out by
 size. A buffer comes back when its stash is restored: the restore's copy may still be reading it,
 so it comes back with the event of that copy, and whoever takes it next orders its own copy
 after that event (a stream-side wait). The schedule is the same every step, so after the first
@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .host import pinned_empty
+from .page_locked import pinned_empty
 
 
 class PinnedPool:

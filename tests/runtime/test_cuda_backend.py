@@ -11,7 +11,7 @@ import torch
 from megacompile.errors import MegacompileError
 from megacompile.runtime import make_backend, normalize_device
 from megacompile.runtime.executor import Executor
-from megacompile.runtime.host import register_host
+from megacompile.runtime.page_locked import register_host
 
 GiB = 2 ** 30
 
