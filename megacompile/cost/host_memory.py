@@ -254,3 +254,11 @@ def physical_ram() -> int:
 def default_host_budget_bytes() -> int:
     """The host budget compile() and `megacompile plan` take when none is given."""
     return int(HOST_SHARE * physical_ram())
+
+
+def save_transient(captured) -> tuple[int, str]:
+    """(bytes, name) a checkpoint or an export holds beside the host state while it writes: io/
+    writes tensor by tensor, each converted (a float32 master, a bf16 export copy) on its own, so
+    at most the largest tensor in float32 (tests/e2e/test_io_memory.py measures it)."""
+    name, entry = max(captured.state.items(), key=lambda kv: (kv[1].numel, kv[0]), default=("", None))
+    return (entry.numel * 4, name) if entry is not None else (0, "")

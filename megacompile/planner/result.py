@@ -18,7 +18,7 @@ import torch
 
 from ..capture import CapturedModel
 from ..cost import HardwareProfile, StepPrediction
-from ..cost.host_memory import HostCost
+from ..cost.host_memory import HostCost, save_transient
 from ..cost.reserve import DeviceReserve
 from ..ir.arena import DeviceArena
 from ..ir.printer import describe_value, fmt_bytes, fmt_rate, fmt_seconds, format_program
@@ -342,6 +342,7 @@ class Plan:
             "host_state_bytes": self.host_bytes,
             "host_activation_bytes": self.stash_bytes,
             "host_budget_bytes": self.host_budget_bytes,
+            "host_save_transient_bytes": save_transient(self.captured)[0],
             **self._params_json(),
             **self._disk_json(),
             "h2d_bytes_per_step": self.h2d_bytes_per_step,
@@ -429,6 +430,7 @@ class Plan:
                f"fp32 masters, exp_avg, exp_avg_sq, grads{', compute copies' if c.compute_dtype != torch.float32 else ''}, "
                "buffers") + (f"; {fmt_bytes(self.stash_bytes)} of offloaded activations" if self.stash_bytes else "")
             + (f" (host budget {fmt_bytes(self.host_budget_bytes)})" if self.host_budget_bytes is not None else ""),
+            *self._save_line(),
             *self._host_lines(),
             f"  moved per step {fmt_bytes(self.h2d_bytes_per_step)} host->device, "
             f"{fmt_bytes(self.d2h_bytes_per_step)} device->host",
@@ -476,6 +478,18 @@ class Plan:
                 "disk_pool_bytes": c.pool_bytes, "disk_bytes": c.disk_bytes,
                 "disk_read_bytes_per_step": self.disk_bytes_per_step, "disk_write_bytes_per_step": self.disk_bytes_per_step,
                 "disk_bandwidth_needed": self.disk_bandwidth_needed}
+
+    def _save_line(self) -> list[str]:
+        """What a checkpoint or an export adds to the host state while it writes, between steps."""
+        if not self.captured.train:
+            return []
+        nbytes, name = save_transient(self.captured)
+        line = (f"  saving         a checkpoint or export holds at most {fmt_bytes(nbytes)} more while it writes (one "
+                f"tensor at a time in float32, the largest {name})")
+        if self.host_budget_bytes is not None and self.host_bytes + nbytes > self.host_budget_bytes:
+            line += (f": {fmt_bytes(self.host_bytes + nbytes - self.host_budget_bytes)} over the host budget beside "
+                     "the host state; give more host RAM or put state on disk (--nvme-budget)")
+        return [line]
 
     def _host_lines(self) -> list[str]:
         """Where the host state lives, per tier, and what the disk tier asks of the disk."""
