@@ -342,7 +342,7 @@ class Plan:
             "host_state_bytes": self.host_bytes,
             "host_activation_bytes": self.stash_bytes,
             "host_budget_bytes": self.host_budget_bytes,
-            "host_save_transient_bytes": save_transient(self.captured)[0],
+            "host_save_transient_bytes": self._save_transient()[0],
             **self._params_json(),
             **self._disk_json(),
             "h2d_bytes_per_step": self.h2d_bytes_per_step,
@@ -479,13 +479,24 @@ class Plan:
                 "disk_read_bytes_per_step": self.disk_bytes_per_step, "disk_write_bytes_per_step": self.disk_bytes_per_step,
                 "disk_bandwidth_needed": self.disk_bandwidth_needed}
 
+    def _save_transient(self) -> tuple[int, str]:
+        """(bytes, what) a checkpoint or an export holds beside the host state while it writes. One
+        tensor at a time in float32; but under data parallelism with another compute dtype an export
+        first gathers every whole fp32 master on every rank (distributed/shard.py gather_masters)."""
+        nbytes, name = save_transient(self.captured)
+        what = f"one tensor at a time in float32, the largest {name}"
+        ranks = getattr(self.host_cost, "ranks", 1)
+        if ranks > 1 and self.captured.compute_dtype != torch.float32 and 4 * self.host_cost.params > nbytes:
+            nbytes = 4 * self.host_cost.params
+            what = f"an export gathers every fp32 master on each of the {ranks} ranks first; a checkpoint writes shares"
+        return nbytes, what
+
     def _save_line(self) -> list[str]:
         """What a checkpoint or an export adds to the host state while it writes, between steps."""
         if not self.captured.train:
             return []
-        nbytes, name = save_transient(self.captured)
-        line = (f"  saving         a checkpoint or export holds at most {fmt_bytes(nbytes)} more while it writes (one "
-                f"tensor at a time in float32, the largest {name})")
+        nbytes, what = self._save_transient()
+        line = f"  saving         a checkpoint or export holds at most {fmt_bytes(nbytes)} more while it writes ({what})"
         if self.host_budget_bytes is not None and self.host_bytes + nbytes > self.host_budget_bytes:
             line += (f": {fmt_bytes(self.host_bytes + nbytes - self.host_budget_bytes)} over the host budget beside "
                      "the host state; give more host RAM or put state on disk (--nvme-budget)")

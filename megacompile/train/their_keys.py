@@ -87,7 +87,6 @@ NOT_TAKEN = {
 }
 
 
-
 def off(value: Any) -> bool:
     """A value that asks for nothing (TRL's and LlamaFactory's defaults write most of these keys
     as null or false): such a key is accepted and does nothing."""
