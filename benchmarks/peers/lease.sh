@@ -19,13 +19,35 @@
 #                    at a time (each leaves RESULTS/kernels/<name>.done), as many as fit in the call
 # Needs: the wheels from benchmarks/peers/wheels.sh in .whl/ (installed here into $SITE), or
 # megacompile (with deepspeed and liger-kernel) installed already. The model's fp32 weights are
-# written once per shape into $WEIGHTS (27 GB at 7B, removed after call 1; 14 GB at 3B).
+# written once per shape into $WEIGHTS (27 GB at 7B, removed after call 1; 14 GB at 3B), a folder
+# on a disk: in a file system in RAM (tmpfs) they would sit beside the 7B run's host state, more
+# than the machine's 128 GiB hold. Without WEIGHTS, the first of tmp/lease-weights in the checkout,
+# /var/tmp and /tmp that is not in RAM.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 results=$(mkdir -p "${1:-$root/tmp/lease}" && cd "${1:-$root/tmp/lease}" && pwd)
 python=${PYTHON:-python3}
 site=${SITE:-/tmp/megacompile-site}
-weights=${WEIGHTS:-/tmp/megacompile-bench-weights}
+weights_folder() {
+    local dir kind
+    for dir in ${WEIGHTS:+"$WEIGHTS"} "$root/tmp/lease-weights" /var/tmp/megacompile-bench-weights \
+               /tmp/megacompile-bench-weights; do
+        mkdir -p "$dir" 2> /dev/null || continue
+        kind=$(stat -f -c %T "$dir")
+        if [ "$kind" = tmpfs ] || [ "$kind" = ramfs ]; then
+            if [ "$dir" = "${WEIGHTS:-}" ]; then
+                echo "WEIGHTS=$WEIGHTS is on $kind, a file system in RAM: give WEIGHTS a folder on a disk" >&2
+                return 1
+            fi
+            continue
+        fi
+        (cd "$dir" && pwd)
+        return 0
+    done
+    echo "no folder on a disk for the weights: give WEIGHTS one" >&2
+    return 1
+}
+weights=$(weights_folder) || exit 2
 profile=$root/benchmarks/results/peers-h100/h100-calibrated-profile.json
 export TORCH_EXTENSIONS_DIR=$results/torch-extensions     # DeepSpeed's CPUAdam op, built once
 cd "$results"     # the checkout's megacompile/ would shadow the installed package

@@ -7,7 +7,9 @@ megacompile builds the model on the meta device and streams these into its maste
 step (engine/from_pretrained.py's compile_folder): the process never holds the module's fp32
 weights beside the masters (25 GiB at the Llama-2-7B shape). DeepSpeed sets its fp32 masters from
 them. Safetensors, one shard per block and one for the rest, under an index written last: a folder
-with its index is complete, and one without it is written again.
+with its index is complete, and one without it is written again. The folder must be on a disk
+with room for them: on a file system in RAM (tmpfs) they would sit beside the run's host state,
+and 25 GiB more at 7B is what a 128 GiB machine does not have.
 """
 from __future__ import annotations
 
@@ -21,8 +23,50 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..errors import ArgumentError
 from ..io.hf_layout import INDEX
 from .workload import Workload
+
+# File systems whose files are held in RAM.
+IN_RAM = ("tmpfs", "ramfs")
+GiB = 2 ** 30
+
+
+def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
+    """The type of the file system holding `path` (its nearest mount point), or "unknown"."""
+    where = os.path.realpath(path)
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return "unknown"
+    nearest, kind = "", "unknown"
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(nearest):
+            nearest, kind = point, fields[2]
+    return kind
+
+
+def check_room(workload: Workload, root: Path, mounts: str = "/proc/mounts") -> None:
+    """Refuses a `root` in RAM or without room for the workload's fp32 weights, before any is built."""
+    need = 4 * workload.parameters
+    kind = file_system(root, mounts)
+    if kind in IN_RAM:
+        raise ArgumentError(f"the weights folder {root} is on {kind}, a file system in RAM: its "
+                            f"{need / GiB:.1f} GiB would sit beside the run's host state; give --weights "
+                            "(lease.sh: WEIGHTS) a folder on a disk")
+    existing = Path(os.path.realpath(root))
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < need:
+        raise ArgumentError(f"the weights folder {root} has {free / GiB:.1f} GiB free, the model's fp32 "
+                            f"weights need {need / GiB:.1f} GiB; give --weights (lease.sh: WEIGHTS) a folder "
+                            "on a disk with room, or remove other weights there")
 
 
 def write(workload: Workload, root: Path) -> Path:
@@ -30,6 +74,7 @@ def write(workload: Workload, root: Path) -> Path:
     target = Path(root) / workload.weights_name
     if (target / INDEX).is_file():
         return target
+    check_room(workload, root)
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

@@ -23,17 +23,29 @@ exit 0
 """
 
 
-def _lease(tmp_path, **env):
+# stat -f -c %T as a file system in RAM answers it, for the folders named in $IN_RAM.
+FAKE_STAT = r"""#!/usr/bin/env bash
+for dir in $IN_RAM; do [ "${@: -1}" = "$dir" ] && { echo tmpfs; exit 0; }; done
+echo ext2/ext3
+"""
+
+
+def _lease(tmp_path, status=0, **env):
     python = tmp_path / "python"
     python.write_text(FAKE_PYTHON)
     python.chmod(0o755)
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin" / "stat").write_text(FAKE_STAT)
+    (tmp_path / "bin" / "stat").chmod(0o755)
     calls = tmp_path / "calls.txt"
     calls.write_text("")
+    env = {**os.environ, "PYTHON": str(python), "CALLS": str(calls), "WEIGHTS": str(tmp_path / "weights"),
+           "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "IN_RAM": "", **env}
     proc = subprocess.run(["bash", str(LEASE), str(tmp_path / "results")], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHON": str(python), "CALLS": str(calls),
-                               "WEIGHTS": str(tmp_path / "weights"), **env})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout, [line for line in calls.read_text().splitlines() if "import megacompile.passes" not in line]
+                          env={k: v for k, v in env.items() if v is not None})
+    assert proc.returncode == status, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr, [line for line in calls.read_text().splitlines()
+                                       if "import megacompile.passes" not in line]
 
 
 def test_each_run_does_the_next_call_and_a_call_that_did_not_finish_runs_again(tmp_path):
@@ -57,3 +69,16 @@ def test_each_run_does_the_next_call_and_a_call_that_did_not_finish_runs_again(t
     assert sorted(c.split("liger.py ")[1].split()[0] for c in calls) == kernels
     out, calls = _lease(tmp_path)
     assert "every call is done" in out and calls == []
+
+
+def test_the_weights_go_to_a_disk_never_to_a_file_system_in_ram(tmp_path):
+    weights = str(tmp_path / "weights")
+    out, calls = _lease(tmp_path, status=2, IN_RAM=weights)
+    assert f"WEIGHTS={weights} is on tmpfs, a file system in RAM" in out and calls == []
+    # Without WEIGHTS: the checkout's tmp/lease-weights, unless it is in RAM too.
+    ours = ROOT / "tmp" / "lease-weights"
+    out, calls = _lease(tmp_path, WEIGHTS=None, IN_RAM=f"{ours} /var/tmp/megacompile-bench-weights")
+    assert f"--weights {os.path.realpath('/tmp/megacompile-bench-weights')} " in calls[0]
+    (tmp_path / "again").mkdir()
+    out, calls = _lease(tmp_path / "again", WEIGHTS=None)
+    assert f"--weights {ours} " in calls[0]

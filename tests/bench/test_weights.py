@@ -1,9 +1,14 @@
 """The bench model's weights folder (bench/weights.py): written once from the seed, read back the
 same, and written again when a run was cut short before its index."""
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from megacompile.bench import weights
 from megacompile.bench.workload import Workload
+from megacompile.errors import ArgumentError
 
 TINY = Workload(shape="tiny", device="cpu", batch=2, seq=32)
 
@@ -28,3 +33,36 @@ def test_a_folder_without_its_index_is_written_again(tmp_path):
                        TINY.model().lm_head.weight.detach())
     other = Workload(shape="tiny", seed=3)
     assert weights.write(other, tmp_path).name == "tiny-seed3"
+
+
+MOUNTS = """/dev/vda / ext4 rw,relatime 0 0
+tmpfs /tmp tmpfs rw,nosuid 0 0
+/dev/vdb /tmp/on\\040disk xfs rw 0 0
+"""
+
+
+def test_the_file_system_is_the_nearest_mount_points(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(MOUNTS)
+    assert weights.file_system(Path("/tmp/megacompile-bench-weights"), str(mounts)) == "tmpfs"
+    assert weights.file_system(Path("/tmp/on disk/weights"), str(mounts)) == "xfs"
+    assert weights.file_system(Path("/tmpfoo/weights"), str(mounts)) == "ext4"
+    assert weights.file_system(Path("/var/tmp"), str(tmp_path / "no such file")) == "unknown"
+
+
+def test_a_folder_in_ram_is_refused_before_anything_is_built_or_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(weights, "file_system", lambda path, mounts="": "tmpfs")
+    monkeypatch.setattr(Workload, "model", lambda self: pytest.fail("built the model"))
+    with pytest.raises(ArgumentError, match=r"on tmpfs, a file system in RAM.*give --weights \(lease.sh: WEIGHTS\)"):
+        weights.write(TINY, tmp_path / "weights")
+    assert not (tmp_path / "weights").exists()
+
+
+def test_a_folder_without_room_for_the_weights_is_refused_naming_both_sizes(tmp_path, monkeypatch):
+    monkeypatch.setattr(weights.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(ArgumentError, match=r"has 0.0 GiB free, the model's fp32 weights need 0.0 GiB"):
+        weights.write(TINY, tmp_path / "weights" / "not yet made")
+    big = Workload(shape="llama-7b", device="cpu", batch=1, seq=8)
+    monkeypatch.setattr(weights.shutil, "disk_usage", lambda path: SimpleNamespace(free=20 * 2 ** 30))
+    with pytest.raises(ArgumentError, match=r"has 20.0 GiB free, the model's fp32 weights need 25.1 GiB"):
+        weights.check_room(big, tmp_path)
