@@ -84,7 +84,7 @@ def _check(run_dir: str, expected: dict[int, str]) -> None:
     assert sorted(os.listdir(run_dir)) == ["log", f"step-{STEPS - 2}", f"step-{STEPS - 1}"]
 
 
-@pytest.mark.slow
+@pytest.mark.long   # a process per kill, ~4 min on 2 cores; in CI the kill points below and train/test_resume.py stand for it
 def test_twenty_kills_at_random_moments_resume_exactly(tmp_path):
     reference = str(tmp_path / "reference")
     os.makedirs(reference)

@@ -164,14 +164,14 @@ def test_plan_puts_the_moments_on_disk_when_host_ram_is_short(tmp_path, capsys, 
     assert "disk tier" in out and "per optimizer step; hidden at >=" in out
 
 
-@pytest.mark.slow
+@pytest.mark.slow   # two plans of a 118B model: ~40 s (the host state needs no global-batch search)
 def test_a_118b_llama_fits_a_1_tib_host_with_a_disk_tier(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": 10240, "intermediate_size": 32768,
                                   "num_hidden_layers": 95, "num_attention_heads": 80, "num_key_value_heads": 8,
                                   "vocab_size": 32000, "max_position_embeddings": 4096,
                                   "tie_word_embeddings": False}))
-    args = ["plan", "--config", str(config), "--hbm-budget", "80", "--hardware", "h100", "--global-batch", "16",
+    args = ["plan", "--config", str(config), "--hbm-budget", "80", "--hardware", "h100", "--batch", "4",
             "--seq", "4096", "--host-budget", "1024", "--json"]
     assert main(args) == 3
     out = capsys.readouterr().err       # --json: the text on stderr, the document alone on stdout

@@ -181,7 +181,9 @@ def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_pa
     assert [new for _, new, _ in steps[1:]] == [int(g not in grids[:i]) for i, g in enumerate(grids) if i]
 
 
-@pytest.mark.slow   # two runs and a resume of a Qwen2.5-VL, its evaluations and a generation: ~100 s on 2 cores
+# Two runs and a resume of a Qwen2.5-VL, its evaluations and a generation: 100-230 s on 2 cores. In
+# CI: the LLaVA run's exact resume (test_vlm_run.py) and the Qwen runs above.
+@pytest.mark.long
 def test_a_qwen_vl_run_resumes_exactly_and_exports_a_model_that_generates_from_an_image(tmp_path, monkeypatch):
     _work(tmp_path)
     monkeypatch.chdir(tmp_path)
