@@ -9,10 +9,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Under pytest-xdist the workers share the cores: each one's torch gets its share, not all of them
 # (two workers of two threads each on 2 cores wait on each other's OpenMP threads: the same tests
-# took 8% longer). The processes a test starts inherit it.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+# took 5-8% longer). The processes a test starts inherit it. An OMP_NUM_THREADS given is kept.
+_SHARE = None
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _SHARE = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)
 
 # Compiled artifacts (Triton kernels, the host AdamW library) go to a private temp dir per run.
 _TMP = tempfile.mkdtemp(prefix="megacompile-tests-")
@@ -29,8 +30,8 @@ import logging  # noqa: E402
 
 import torch  # noqa: E402 - torch sets the logger up at import
 
-if _WORKERS > 1:
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if _SHARE is not None:
+    torch.set_num_threads(_SHARE)
 
 if not os.environ.get("TORCH_TRACE"):
     _trace = logging.getLogger("torch.__trace")

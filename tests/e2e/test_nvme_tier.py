@@ -164,7 +164,7 @@ def test_plan_puts_the_moments_on_disk_when_host_ram_is_short(tmp_path, capsys, 
     assert "disk tier" in out and "per optimizer step; hidden at >=" in out
 
 
-@pytest.mark.slow   # two plans of a 118B model: ~40 s (the host state needs no global-batch search)
+@pytest.mark.slow   # two plans of a 118B model: 20-40 s (the host state needs no global-batch search)
 def test_a_118b_llama_fits_a_1_tib_host_with_a_disk_tier(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": 10240, "intermediate_size": 32768,
