@@ -132,6 +132,12 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
     fastest choice of each stride (0: prefix/suffix) by `seconds_of` is timed by `exact_of`, and
     the fastest of those wins."""
     options = list(options or families())
+    # Every block recomputed holds the least any family can: no choice fits below it. At a budget
+    # below it (the usual first try of a model that needs its blocks in sequence chunks), the
+    # search of every family would only confirm that.
+    minimum = peak_of(lowest(blocks, options, peak_of))
+    if minimum > budget_bytes:
+        return None, minimum
     fits: list[ScheduleChoice] = []
     stride_of: dict[ScheduleChoice, int] = {}
     settled: set[tuple] = set()
@@ -156,7 +162,6 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
             fastest[f.stride] = min(fastest.get(f.stride, float("inf")), seconds_of(choice))
         if not (choice.recompute or choice.offload or choice.selective):
             settled.add((f.depth, f.resident))
-    minimum = peak_of(lowest(blocks, options, peak_of))
     if not fits:
         return None, minimum
     if seconds_of is None:

@@ -108,6 +108,31 @@ def test_solver_finds_the_fastest_fitting_choice_of_its_whole_search_space():
         assert seconds_of(choice) <= best + 1e-9, (budget, choice)    # ties are to the nanosecond
 
 
+def test_below_the_lowest_peak_nothing_is_searched_and_nothing_would_fit():
+    """solve() refuses a budget under its smallest peak (every block recomputed) before it searches
+    a family: that is safe because no candidate of the whole search space holds less."""
+    from megacompile.cost import get_profile
+    from megacompile.planner.search import search_space
+    from megacompile.planner.solve import candidates, lowest
+
+    captured = _captured(layers=3)
+    blocks = _blocks(captured)
+    space = search_space(captured, blocks, get_profile("h100"))
+    judged = []
+
+    def peak_of(choice):
+        judged.append(choice)
+        return simulate(build_schedule(captured, choice, check=False)).peak
+
+    least = peak_of(lowest(blocks, space, peak_of))
+    everything = {c for f in space for c in candidates(blocks, f)}
+    assert min(peak_of(c) for c in everything) == least
+    judged.clear()
+    assert solve(blocks, least - 1, peak_of, None, space) == (None, least)
+    assert 0 < len(judged) <= len(space) + 1 < len(everything)      # the lowest's candidates, and its peak
+    assert all(c.recompute == frozenset(blocks) for c in judged)
+
+
 def test_selective_saving_lowers_the_peak_of_every_way_to_hold_a_block():
     captured = _captured()
     blocks = frozenset(_blocks(captured))
