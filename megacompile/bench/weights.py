@@ -74,9 +74,12 @@ def write(workload: Workload, root: Path) -> Path:
     target = Path(root) / workload.weights_name
     if (target / INDEX).is_file():
         return target
-    check_room(workload, root)
+    # What a call cut short left (a partial folder, a target without its index) goes before the
+    # room is counted: on a resumed lease it is most of the room the weights need.
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)
+    check_room(workload, root)
     partial.mkdir(parents=True)
     state = workload.model().state_dict()
     shards: dict[str, list[str]] = {}
@@ -90,7 +93,6 @@ def write(workload: Workload, root: Path) -> Path:
                           "workload": workload.to_dict()},
              "weight_map": {n: file for file, names in shards.items() for n in names}}
     (partial / INDEX).write_text(json.dumps(index, indent=1))
-    shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)
     return target
 

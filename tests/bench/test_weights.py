@@ -35,6 +35,25 @@ def test_a_folder_without_its_index_is_written_again(tmp_path):
     assert weights.write(other, tmp_path).name == "tiny-seed3"
 
 
+
+def test_what_a_call_cut_short_left_is_not_counted_against_the_room(tmp_path, monkeypatch):
+    """A disk with room for one copy of the weights: the leftovers of a killed call (a partial
+    folder, a folder without its index) are removed before the room is counted, not refused."""
+    need = 4 * TINY.parameters
+    leftover = tmp_path / "tiny-seed0.partial"
+    leftover.mkdir()
+    (leftover / "block-000.safetensors").write_bytes(b"0" * need)
+    (tmp_path / "tiny-seed0").mkdir()
+    (tmp_path / "tiny-seed0" / "rest.safetensors").write_bytes(b"0" * (need // 2))
+
+    def disk_usage(path):      # a disk of room for the weights and 1 KiB, less what lies in tmp_path
+        held = sum(f.stat().st_size for f in Path(tmp_path).rglob("*") if f.is_file())
+        return SimpleNamespace(free=need + 1024 - held)
+    monkeypatch.setattr(weights.shutil, "disk_usage", disk_usage)
+    folder = weights.write(TINY, tmp_path)
+    assert not leftover.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["tiny-seed0"]
+    assert (folder / "model.safetensors.index.json").is_file()
+
 MOUNTS = """/dev/vda / ext4 rw,relatime 0 0
 tmpfs /tmp tmpfs rw,nosuid 0 0
 /dev/vdb /tmp/on\\040disk xfs rw 0 0
