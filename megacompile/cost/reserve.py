@@ -40,6 +40,15 @@ _ATTENTION_BACKWARD = ("_scaled_dot_product_flash_attention_backward", "_scaled_
                        "_efficient_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
+# Of those, the ones whose GPU kernel is FlashAttention-2's backward (the CPU kernel stands for it
+# in a plan traced without a GPU). With fewer key/value heads than query heads (GQA, MQA) it first
+# computes dk and dv for every query head, [B, S_k, H_q, D] each in the inputs' dtype, then sums
+# each group into the results. The fused-SDPA ops lay heads out at dim 1 ([B, H, S, D]); the
+# lower-level _flash_attention_backward at dim -2 ([B, S, H, D], or [T, H, D] over packed rows).
+_FLASH_BACKWARD = {"_scaled_dot_product_flash_attention_backward": 1, "_flash_attention_backward": -2,
+                   "_scaled_dot_product_flash_attention_for_cpu_backward": 1}
+
+
 @dataclass(frozen=True)
 class DeviceReserve:
     workspace_bytes: int = 0
@@ -105,10 +114,22 @@ def largest_scratch(captured: CapturedModel) -> tuple[int, str]:
 
 
 def attention_backward_scratch(node) -> int:
+    """Bytes an attention backward allocates inside itself: a float32 dq accumulator and one float
+    per query row; under GQA, FlashAttention-2's per-query-head dk and dv too."""
     if node.op != "call_function" or not any(s in str(node.target) for s in _ATTENTION_BACKWARD):
         return 0
-    query = node.args[1].meta.get("val") if hasattr(node.args[1], "meta") else None
+    query, key, value = (_val(a) for a in (*node.args[1:4], None, None)[:3])
     if not isinstance(query, torch.Tensor):
         return 0
     rows = query.numel() // query.shape[-1]
-    return query.numel() * 4 + rows * 4
+    scratch = query.numel() * 4 + rows * 4
+    heads = next((dim for op, dim in _FLASH_BACKWARD.items() if f".{op}." in f".{node.target}"), None)
+    if heads is not None and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) \
+            and key.shape[heads] < query.shape[heads]:
+        groups = query.shape[heads] // key.shape[heads]
+        scratch += (key.numel() + value.numel()) * groups * key.element_size()
+    return scratch
+
+
+def _val(arg):
+    return arg.meta.get("val") if hasattr(arg, "meta") else None

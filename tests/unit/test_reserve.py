@@ -26,6 +26,35 @@ def test_flash_attention_backward_reserves_its_fp32_dq_accumulator():
     assert attention_backward_scratch(node) == 0
 
 
+def test_flash_attention_backward_under_gqa_reserves_its_per_query_head_dk_and_dv():
+    """Qwen2.5-14B's heads (40 for queries, 8 for keys and values, 128 wide), 4 x 4096 tokens: FlashAttention-2's
+    backward makes dk and dv for all 40 heads before it sums each group of 5: 160 MiB each in bf16."""
+    def node(target, heads=40, kv_heads=8, layout=lambda h: (4, h, 4096, 128)):
+        val = [SimpleNamespace(meta={"val": torch.empty(layout(h), dtype=torch.bfloat16, device="meta")})
+               for h in (heads, heads, kv_heads, kv_heads)]
+        return SimpleNamespace(op="call_function", target=target, args=tuple(val))
+    accumulator = 4 * 40 * 4096 * 128 * 4 + 4 * 40 * 4096 * 4
+    expanded = 2 * 4 * 4096 * 40 * 128 * 2
+    assert expanded == 320 * MiB
+    for target in ("aten._scaled_dot_product_flash_attention_backward.default",
+                   "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"):
+        assert attention_backward_scratch(node(target)) == accumulator + expanded
+        assert attention_backward_scratch(node(target, kv_heads=40)) == accumulator     # MHA: none
+    packed = node("aten._flash_attention_backward.default", layout=lambda h: (4 * 4096, h, 128))
+    assert attention_backward_scratch(packed) == accumulator + expanded
+    # the memory-efficient kernel takes no GQA (SDPA repeats the heads before it): the accumulator alone
+    assert attention_backward_scratch(node("aten._scaled_dot_product_efficient_attention_backward.default",
+                                           kv_heads=40)) == accumulator
+
+
+def test_a_gqa_plan_reserves_more_than_the_same_model_with_a_head_per_query():
+    mha = megacompile.plan(dict(LLAMA, num_key_value_heads=4), 1.0, hardware="h100", batch=2, seq=64)
+    gqa = megacompile.plan(LLAMA, 1.0, hardware="h100", batch=2, seq=64)
+    query = 2 * 64 * 128 * 2       # [B, H, S, D] bf16 bytes of the query (4 heads of 32)
+    # dk and dv expanded to the query's heads, less the half-size dk and dv it returns (copied in)
+    assert gqa.reserve.scratch_bytes - mha.reserve.scratch_bytes == 2 * query - 2 * query // 2
+
+
 def test_a_gpu_plan_keeps_the_reserve_free_and_says_so():
     h100 = get_profile("h100")
     plan = megacompile.plan(LLAMA, 1.0, hardware=h100, batch=2, seq=64)
