@@ -5,7 +5,8 @@ The ledger counts every tensor an op returns. A GPU also holds memory no op retu
                  allocator (32 MiB each on sm_90 by default; CUBLAS_WORKSPACE_CONFIG changes it);
   op scratch     what an op allocates inside itself and frees before it returns: SDPA's backward
                  keeps a float32 dq accumulator and a row-sum buffer (FlashAttention: 4 B per
-                 query element, 1.25 GiB at 16 x 4096 tokens with 40 x 128 heads); a host->device
+                 query element, 1.25 GiB at 16 x 4096 tokens with 40 x 128 heads; under GQA its
+                 dk and dv for every query head too); a host->device
                  copy that casts and lands in a non-contiguous slot stages a converted copy. Only
                  one op runs at a time on the compute stream, so the largest one is reserved;
   fragmentation  the caching allocator rounds blocks (to 512 B, 2 MiB segments) and cannot always
