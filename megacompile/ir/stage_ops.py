@@ -4,6 +4,8 @@ and the generated code (stage_codegen.py) both call through `runnable`, so they 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 _VIEW = torch.ops.aten.view.default
@@ -64,11 +66,41 @@ def writes_into(node) -> tuple | None:
     return form
 
 
+_aten = torch.ops.aten
+# Factories whose result is a constant (or nothing: the empties): where the result is placed, the
+# op need not run at all; its arena tensor is filled in place. Per op, its fill: a constant, the
+# name of the argument that holds it, or None (an empty: no fill).
+_FILLS = {
+    _aten.zeros.default: 0, _aten.new_zeros.default: 0, _aten.zeros_like.default: 0,
+    _aten.ones.default: 1, _aten.new_ones.default: 1, _aten.ones_like.default: 1,
+    _aten.full.default: "fill_value", _aten.new_full.default: "fill_value", _aten.full_like.default: "fill_value",
+    _aten.scalar_tensor.default: "s",
+    _aten.empty.memory_format: None, _aten.new_empty.default: None, _aten.empty_like.default: None,
+    _aten.empty_strided.default: None,
+}
+
+
+def fill_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
+    """For a factory that makes one constant tensor (zeros, ones, full, their _like and new_ forms,
+    scalar_tensor, the empties): a function (its result tensor, the op's args, kwargs) -> None that
+    fills the tensor as the op would have made it. Else None."""
+    if node.op != "call_function" or node.target not in _FILLS or not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    fill = _FILLS[node.target]
+    if fill is None:
+        return lambda t, args, kwargs: None
+    if isinstance(fill, str):
+        position = [a.name for a in node.target._schema.arguments].index(fill)
+        return lambda t, args, kwargs: t.fill_(kwargs[fill] if fill in kwargs else args[position])
+    return lambda t, args, kwargs: t.fill_(fill)
+
+
 def copied_result_bytes(node) -> int:
     """Bytes of the new storages an op with no out= form returns (results that are views of its
     arguments excluded): what it holds beside its arena tensors while they are copied in."""
-    if node.op != "call_function" or writes_into(node) is not None or hasattr(node.target, "kernel"):
-        return 0      # written in: through out=, or a fused kernel taking its results (kernels/outputs.py)
+    if node.op != "call_function" or writes_into(node) is not None or fill_form(node) is not None \
+            or hasattr(node.target, "kernel"):
+        return 0      # written in: through out=, filled in place, or a fused kernel taking its results (kernels/outputs.py)
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils import _pytree as pytree
     args = {StorageWeakRef(a.untyped_storage()) for a in pytree.tree_leaves(

@@ -9,7 +9,8 @@ A node's planned tensors (ir/arena.py ArenaTensor, found by the node's index) ar
 
 An op with an out= form (ir/stage_ops.py `out_form`: most ATen ops) writes its results straight
 into their arena tensors; so does a fused kernel, which takes its results from them
-(kernels/outputs.py). An op without either (attention, `_to_copy`) runs as it is and its results
+(kernels/outputs.py); a factory of a constant (zeros, full, the empties: `fill_form`) does not
+run, its arena tensor is filled in place. An op without either (attention, `_to_copy`) runs as it is and its results
 are copied into their arena tensors at once: its own result is then scratch, freed before the next
 op, like the workspace it allocates inside itself; `copied` counts the ops that copied.
 An op whose results cannot be placed (a size known only at run time, results sharing a storage)
@@ -28,7 +29,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..ir.arena import ArenaTensor
-from ..ir.stage_ops import writes_into
+from ..ir.stage_ops import fill_form, writes_into
 from ..ir.stage_program import StageProgram, fake_storage_key, tensors_of
 from ..kernels import outputs
 from .arena import Arena, typed
@@ -83,6 +84,14 @@ def _place_op(node: fx.Node, parts: dict[int, torch.Tensor] | None, graph: Stage
     device = next(iter(parts.values())).device
     slots = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device) if p in empty
              else typed(parts[p], m) for p, m in zip(part_of, metas)]
+    fill = fill_form(node)
+    if fill is not None:            # a factory: its one result is filled where the plan put it
+        slot, = slots
+
+        def filled(*args, **kwargs):
+            fill(slot, args, kwargs)
+            return slot
+        return filled
     form = writes_into(node)
     if form is not None:
         overload, names = form

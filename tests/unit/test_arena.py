@@ -214,20 +214,66 @@ def test_an_op_writes_into_its_arena_tensor_through_the_out_form_its_schema_matc
     assert out_form(aten._scaled_dot_product_flash_attention_for_cpu.default) is None
 
 
-def test_the_runtime_places_each_result_at_its_planned_offset(llama):
+def test_a_factory_of_a_constant_fills_its_arena_tensor_instead_of_running():
+    """zeros, ones, full, their _like and new_ forms and scalar_tensor fill the tensor the plan placed
+    as the op makes its result (dtype, layout and values); the empties leave it; no copy, no scratch."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from megacompile.ir.stage_ops import copied_result_bytes, fill_form
+    x = torch.randn(3, 5).t()                    # not contiguous: the _like forms keep its strides
+
+    def factories(x):
+        return (torch.zeros(4, 2, dtype=torch.int64), x.new_zeros(6), torch.zeros_like(x), torch.ones(2, 3),
+                x.new_ones(2), torch.ones_like(x, dtype=torch.bfloat16), torch.full((2, 2), 7.5),
+                x.new_full((3,), -2.0), torch.full_like(x, 3, dtype=torch.int32), torch.empty(5),
+                torch.empty_like(x), x.new_empty(4), torch.scalar_tensor(4.25), torch.full((2,), True))
+    graph = make_fx(factories, tracing_mode="fake")(x).graph
+    made = factories(x)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    assert len(nodes) == len(made)
+    for node, expected in zip(nodes, made):
+        fill = fill_form(node)
+        assert fill is not None and copied_result_bytes(node) == 0, node.target
+        meta = node.meta["val"]
+        slot = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype).fill_(9)
+        before = slot.clone()
+        args = tuple(x if isinstance(a, torch.fx.Node) else a for a in node.args)
+        fill(slot, args, dict(node.kwargs))
+        assert slot.dtype == expected.dtype and slot.shape == expected.shape and slot.stride() == expected.stride()
+        if "empty" not in str(node.target):
+            assert torch.equal(slot, expected), node.target
+        else:
+            assert torch.equal(slot, before)     # an empty is not written
+    add = next(n for n in make_fx(lambda x: x + 1, tracing_mode="fake")(x).graph.nodes if n.op == "call_function")
+    assert fill_form(add) is None
+
+
+def _moe():
+    from tests import families
+    torch.manual_seed(0)
+    ids = families.batch(seed=0)
+    return None, ids, capture(families.FAMILIES["qwen2_moe"](), (), {"input_ids": ids, "labels": ids},
+                              device=torch.device("cpu"), compute_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2_moe"])
+def test_the_runtime_places_each_result_at_its_planned_offset(llama, model):
     """A placed stage graph's results are the arena's bytes at the plan's offsets, whether the op
-    wrote them in (out=) or they were copied in; the copies are counted."""
+    wrote them in (out=), was a factory that filled them, or they were copied in; the copies are
+    counted, one per op the plan holds scratch for (the MoE block's routing makes zeros)."""
+    from megacompile.ir.stage_ops import copied_result_bytes, fill_form
     from megacompile.runtime.arena import Arena
     from megacompile.runtime.cpu import CpuBackend
     from megacompile.runtime.placement import Copied, place_node
-    _, _, captured = llama
+    _, _, captured = llama if model == "llama" else _moe()
     program = build_schedule(captured, ScheduleChoice(1), arena=True)
     arena_plan = program.facts["arena"]
     backend = CpuBackend(2 ** 30)
     arena = Arena(backend)
     arena.serve(arena_plan)
-    node = next(i for i, n in enumerate(program.nodes) if n.op is Op.FORWARD and n.stage == 1)
-    graph = captured.stages[1].template.forward
+    stage = 1 if model == "llama" else 2            # the MoE's first block is dense
+    node = next(i for i, n in enumerate(program.nodes) if n.op is Op.FORWARD and n.stage == stage)
+    graph = captured.stages[stage].template.forward
     tensors = [t for t in arena_plan.tensors if t.node == node]
     copied = Copied()
     placement = place_node(arena, tensors, graph, copied)
@@ -245,6 +291,11 @@ def test_the_runtime_places_each_result_at_its_planned_offset(llama):
             assert value.untyped_storage().data_ptr() == base + t.offset, t
             placed += 1
     assert placed > 10 and copied.count > 0
+    by_name = {n.name: n for n in graph.body}
+    ops = {t.op for t in tensors if t.op}
+    assert copied.count == sum(copied_result_bytes(by_name[op]) > 0 for op in ops)
+    if model == "qwen2_moe":
+        assert any(fill_form(by_name[op]) for op in ops)
     # The same graph without places allocates every result outside the arena.
     held.clear()
     graph.run(inputs, lambda n, v: held.setdefault(n.name, v), lambda n, v: None)
