@@ -80,11 +80,21 @@ _FILLS = {
 }
 
 
-def fill_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
-    """For a factory that makes one constant tensor (zeros, ones, full, their _like and new_ forms,
-    scalar_tensor, the empties): a function (its result tensor, the op's args, kwargs) -> None that
-    fills the tensor as the op would have made it. Else None."""
-    if node.op != "call_function" or node.target not in _FILLS or not isinstance(node.meta.get("val"), torch.Tensor):
+def in_place_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
+    """For an op whose one result can be made in a given tensor without running it: a factory of a
+    constant (zeros, ones, full, their _like and new_ forms, scalar_tensor, the empties) or a cast
+    on one device (`_to_copy`). A function (that tensor, the op's args, kwargs) -> None that makes
+    the result there as the op would have made it (a cast through copy_, which rounds as `.to`
+    does). Else None."""
+    result = node.meta.get("val") if node.op == "call_function" else None
+    if not isinstance(result, torch.Tensor):
+        return None
+    if node.target is _aten._to_copy.default:
+        source = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+        if isinstance(source, torch.Tensor) and source.device == result.device and result.layout == torch.strided:
+            return lambda t, args, kwargs: t.copy_(args[0])
+        return None
+    if node.target not in _FILLS:
         return None
     fill = _FILLS[node.target]
     if fill is None:
@@ -98,9 +108,9 @@ def fill_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
 def copied_result_bytes(node) -> int:
     """Bytes of the new storages an op with no out= form returns (results that are views of its
     arguments excluded): what it holds beside its arena tensors while they are copied in."""
-    if node.op != "call_function" or writes_into(node) is not None or fill_form(node) is not None \
+    if node.op != "call_function" or writes_into(node) is not None or in_place_form(node) is not None \
             or hasattr(node.target, "kernel"):
-        return 0      # written in: through out=, filled in place, or a fused kernel taking its results (kernels/outputs.py)
+        return 0      # written in: through out=, made in place, or a fused kernel taking its results (kernels/outputs.py)
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils import _pytree as pytree
     args = {StorageWeakRef(a.untyped_storage()) for a in pytree.tree_leaves(

@@ -9,10 +9,11 @@ A node's planned tensors (ir/arena.py ArenaTensor, found by the node's index) ar
 
 An op with an out= form (ir/stage_ops.py `out_form`: most ATen ops) writes its results straight
 into their arena tensors; so does a fused kernel, which takes its results from them
-(kernels/outputs.py); a factory of a constant (zeros, full, the empties: `fill_form`) does not
-run, its arena tensor is filled in place. An op without either (attention, `_to_copy`) runs as it is and its results
-are copied into their arena tensors at once: its own result is then scratch, freed before the next
-op, like the workspace it allocates inside itself; `copied` counts the ops that copied.
+(kernels/outputs.py); a factory of a constant (zeros, full, the empties) or a cast (`_to_copy`)
+does not run, its result is made in its arena tensor (`in_place_form`). An op with none of these
+(attention, `arange`) runs as it is and its results are copied into their arena tensors at once:
+its own result is then scratch, freed before the next op, like the workspace it allocates inside
+itself; `copied` counts the ops that copied.
 An op whose results cannot be placed (a size known only at run time, results sharing a storage)
 runs as it is and its results stay where torch put them: the ledger sees them outside the arena
 and `engine.memory_stats()` counts them (`device_allocations_last_step`).
@@ -29,7 +30,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..ir.arena import ArenaTensor
-from ..ir.stage_ops import fill_form, writes_into
+from ..ir.stage_ops import in_place_form, writes_into
 from ..ir.stage_program import StageProgram, fake_storage_key, tensors_of
 from ..kernels import outputs
 from .arena import Arena, typed
@@ -84,14 +85,14 @@ def _place_op(node: fx.Node, parts: dict[int, torch.Tensor] | None, graph: Stage
     device = next(iter(parts.values())).device
     slots = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device) if p in empty
              else typed(parts[p], m) for p, m in zip(part_of, metas)]
-    fill = fill_form(node)
-    if fill is not None:            # a factory: its one result is filled where the plan put it
+    make = in_place_form(node)
+    if make is not None:            # a factory or a cast: its one result is made where the plan put it
         slot, = slots
 
-        def filled(*args, **kwargs):
-            fill(slot, args, kwargs)
+        def made(*args, **kwargs):
+            make(slot, args, kwargs)
             return slot
-        return filled
+        return made
     form = writes_into(node)
     if form is not None:
         overload, names = form

@@ -214,30 +214,49 @@ def test_an_op_writes_into_its_arena_tensor_through_the_out_form_its_schema_matc
     assert out_form(aten._scaled_dot_product_flash_attention_for_cpu.default) is None
 
 
-def test_a_factory_of_a_constant_fills_its_arena_tensor_instead_of_running():
+def _run_each(graph, x) -> list:
+    """Each call's value, running the graph's ops one by one on x."""
+    env, out = {}, []
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            env[n.name] = x
+        elif n.op == "call_function":
+            args = torch.fx.node.map_arg(n.args, lambda a: env[a.name])
+            env[n.name] = n.target(*args, **n.kwargs)
+            out.append(env[n.name])
+    return out
+
+
+def test_a_factory_of_a_constant_or_a_cast_makes_its_result_in_its_arena_tensor_instead_of_running():
     """zeros, ones, full, their _like and new_ forms and scalar_tensor fill the tensor the plan placed
-    as the op makes its result (dtype, layout and values); the empties leave it; no copy, no scratch."""
+    as the op makes its result (dtype, layout and values), a cast copies into it with the same rounding;
+    the empties leave it; no copy in, no scratch."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from megacompile.ir.stage_ops import copied_result_bytes, fill_form
+    from megacompile.ir.stage_ops import copied_result_bytes, in_place_form
     x = torch.randn(3, 5).t()                    # not contiguous: the _like forms keep its strides
 
     def factories(x):
         return (torch.zeros(4, 2, dtype=torch.int64), x.new_zeros(6), torch.zeros_like(x), torch.ones(2, 3),
                 x.new_ones(2), torch.ones_like(x, dtype=torch.bfloat16), torch.full((2, 2), 7.5),
                 x.new_full((3,), -2.0), torch.full_like(x, 3, dtype=torch.int32), torch.empty(5),
-                torch.empty_like(x), x.new_empty(4), torch.scalar_tensor(4.25), torch.full((2,), True))
+                torch.empty_like(x), x.new_empty(4), torch.scalar_tensor(4.25), torch.full((2,), True),
+                (x * 1e3 + 0.3).to(torch.bfloat16), x.to(torch.int32))
     graph = make_fx(factories, tracing_mode="fake")(x).graph
     made = factories(x)
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    nodes = [n for n in graph.nodes if n.op == "call_function" and "mul" not in str(n.target)
+             and "add" not in str(n.target)]
     assert len(nodes) == len(made)
+    values = {n.name: v for n, v in zip([n for n in graph.nodes if n.op == "call_function"],
+                                         _run_each(graph, x))}
     for node, expected in zip(nodes, made):
-        fill = fill_form(node)
+        fill = in_place_form(node)
         assert fill is not None and copied_result_bytes(node) == 0, node.target
         meta = node.meta["val"]
         slot = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype).fill_(9)
         before = slot.clone()
-        args = tuple(x if isinstance(a, torch.fx.Node) else a for a in node.args)
+        args = tuple((x if a.op == "placeholder" else values[a.name]) if isinstance(a, torch.fx.Node) else a
+                     for a in node.args)
         fill(slot, args, dict(node.kwargs))
         assert slot.dtype == expected.dtype and slot.shape == expected.shape and slot.stride() == expected.stride()
         if "empty" not in str(node.target):
@@ -245,7 +264,7 @@ def test_a_factory_of_a_constant_fills_its_arena_tensor_instead_of_running():
         else:
             assert torch.equal(slot, before)     # an empty is not written
     add = next(n for n in make_fx(lambda x: x + 1, tracing_mode="fake")(x).graph.nodes if n.op == "call_function")
-    assert fill_form(add) is None
+    assert in_place_form(add) is None
 
 
 def _moe():
@@ -261,7 +280,7 @@ def test_the_runtime_places_each_result_at_its_planned_offset(llama, model):
     """A placed stage graph's results are the arena's bytes at the plan's offsets, whether the op
     wrote them in (out=), was a factory that filled them, or they were copied in; the copies are
     counted, one per op the plan holds scratch for (the MoE block's routing makes zeros)."""
-    from megacompile.ir.stage_ops import copied_result_bytes, fill_form
+    from megacompile.ir.stage_ops import copied_result_bytes, in_place_form
     from megacompile.runtime.arena import Arena
     from megacompile.runtime.cpu import CpuBackend
     from megacompile.runtime.placement import Copied, place_node
@@ -295,7 +314,7 @@ def test_the_runtime_places_each_result_at_its_planned_offset(llama, model):
     ops = {t.op for t in tensors if t.op}
     assert copied.count == sum(copied_result_bytes(by_name[op]) > 0 for op in ops)
     if model == "qwen2_moe":
-        assert any(fill_form(by_name[op]) for op in ops)
+        assert any(in_place_form(by_name[op]) for op in ops)
     # The same graph without places allocates every result outside the arena.
     held.clear()
     graph.run(inputs, lambda n, v: held.setdefault(n.name, v), lambda n, v: None)
