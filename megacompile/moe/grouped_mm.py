@@ -17,6 +17,8 @@ Implementations, chosen when the graph runs:
     which never reads the offsets on the host;
   - cpu: one torch.mm per expert over its slice, exact in float32 (the reference, also what
     transformers' own grouped_mm computes on the cpu, sum for sum).
+The Triton kernels and the cpu reference make their results through kernels/outputs.py, so where
+the device arena placed them they are written there (the CUTLASS op makes its own, copied in).
 Only the cpu path reads the offsets on the host: on a GPU they stay on the device, where a read
 would wait for every kernel queued before it, once per expert layer and pass.
 """
@@ -51,27 +53,36 @@ def _host_float32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.float() for t in ts)
 
 
+def _result(shape: tuple, like: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the result, zeroed, where the caller laid it out (kernels/outputs.py: the device arena), and
+    the float32 tensor the per-expert matmuls write: the result itself, or a float32 one rounded into
+    it once at the end)."""
+    from ..kernels import outputs
+    y = outputs.zeros(shape, dtype=like.dtype, device=like.device)
+    return y, (y if host.dtype == y.dtype else host.new_zeros(shape))
+
+
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """One matmul per expert; rows past offs[-1] (none when every row is routed) are zero."""
     xs, ws = _host_float32(x, w)
-    y = xs.new_zeros(x.size(0), w.size(2))
+    y, acc = _result((x.size(0), w.size(2)), x, xs)
     start = 0
     for e, end in enumerate(_ends(offs)):
         if end > start:
-            torch.mm(xs[start:end], ws[e], out=y[start:end])
+            torch.mm(xs[start:end], ws[e], out=acc[start:end])
         start = end
-    return y.to(x.dtype)
+    return y if acc is y else y.copy_(acc)
 
 
 def grouped_mm_weight_grad_reference(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     xs, dys = _host_float32(x, dy)
-    dw = xs.new_zeros(offs.size(0), x.size(1), dy.size(1))
+    dw, acc = _result((offs.size(0), x.size(1), dy.size(1)), x, xs)
     start = 0
     for e, end in enumerate(_ends(offs)):
         if end > start:
-            torch.mm(xs[start:end].t(), dys[start:end], out=dw[e])
+            torch.mm(xs[start:end].t(), dys[start:end], out=acc[e])
         start = end
-    return dw.to(x.dtype)
+    return dw if acc is dw else dw.copy_(acc)
 
 
 def _cutlass(x: torch.Tensor, *dims: int) -> bool:

@@ -312,7 +312,10 @@ def test_the_runtime_places_each_result_at_its_planned_offset(llama, model):
     assert placed > 10 and copied.count > 0
     by_name = {n.name: n for n in graph.body}
     ops = {t.op for t in tensors if t.op}
-    assert copied.count == sum(copied_result_bytes(by_name[op]) > 0 for op in ops)
+    # The grouped matmuls write in on the host (kernels/outputs.py); the plan still holds scratch for
+    # their results, which the GPU's CUTLASS op makes and the runtime copies in.
+    assert copied.count == sum(copied_result_bytes(by_name[op]) > 0 and "grouped_mm" not in str(by_name[op].target)
+                               for op in ops)
     if model == "qwen2_moe":
         assert any(in_place_form(by_name[op]) for op in ops)
     # The same graph without places allocates every result outside the arena.
