@@ -79,11 +79,14 @@ _FILLS = {
     _aten.empty_strided.default: None,
 }
 
+_RANGES = {_aten.arange.default: _aten.arange.out, _aten.arange.start: _aten.arange.start_out,
+           _aten.arange.start_step: _aten.arange.start_out}
+
 
 def in_place_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
     """For an op whose one result can be made in a given tensor without running it: a factory of a
-    constant (zeros, ones, full, their _like and new_ forms, scalar_tensor, the empties) or a cast
-    on one device (`_to_copy`). A function (that tensor, the op's args, kwargs) -> None that makes
+    constant (zeros, ones, full, their _like and new_ forms, scalar_tensor, the empties), arange, or
+    a cast on one device (`_to_copy`). A function (that tensor, the op's args, kwargs) -> None that makes
     the result there as the op would have made it (a cast through copy_, which rounds as `.to`
     does). Else None."""
     result = node.meta.get("val") if node.op == "call_function" else None
@@ -94,6 +97,9 @@ def in_place_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
         if isinstance(source, torch.Tensor) and source.device == result.device and result.layout == torch.strided:
             return lambda t, args, kwargs: t.copy_(args[0])
         return None
+    if node.target in _RANGES:          # arange's out forms take its scalars, not its dtype
+        out = _RANGES[node.target]
+        return lambda t, args, kwargs: out(*args, out=t)
     if node.target not in _FILLS:
         return None
     fill = _FILLS[node.target]

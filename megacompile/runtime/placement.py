@@ -9,9 +9,9 @@ A node's planned tensors (ir/arena.py ArenaTensor, found by the node's index) ar
 
 An op with an out= form (ir/stage_ops.py `out_form`: most ATen ops) writes its results straight
 into their arena tensors; so does a fused kernel, which takes its results from them
-(kernels/outputs.py); a factory of a constant (zeros, full, the empties) or a cast (`_to_copy`)
-does not run, its result is made in its arena tensor (`in_place_form`). An op with none of these
-(attention, `arange`) runs as it is and its results are copied into their arena tensors at once:
+(kernels/outputs.py); a factory (zeros, full, the empties, arange) or a cast (`_to_copy`) does not
+run, its result is made in its arena tensor (`in_place_form`). An op with none of these (attention)
+runs as it is and its results are copied into their arena tensors at once:
 its own result is then scratch, freed before the next op, like the workspace it allocates inside
 itself; `copied` counts the ops that copied.
 An op whose results cannot be placed (a size known only at run time, results sharing a storage)

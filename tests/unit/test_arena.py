@@ -207,8 +207,8 @@ def test_an_op_writes_into_its_arena_tensor_through_the_out_form_its_schema_matc
     assert out_form(aten.mul.Scalar) == (aten.mul.Scalar_out, ("out",))
     assert out_form(aten.silu_backward.default) == (aten.silu_backward.grad_input, ("grad_input",))
     assert out_form(aten.native_layer_norm.default) == (aten.native_layer_norm.out, ("out0", "out1", "out2"))
-    # No overload with the same arguments (arange's out form takes no dtype), or one whose out is a
-    # list: these results are copied into their arena tensors instead.
+    # No overload with the same arguments (arange's out form takes no dtype: in_place_form makes it
+    # instead), or one whose out is a list: these results are copied into their arena tensors.
     assert out_form(aten.arange.default) is None
     assert out_form(aten.split_with_sizes_copy.default) is None
     assert out_form(aten._scaled_dot_product_flash_attention_for_cpu.default) is None
@@ -228,8 +228,8 @@ def _run_each(graph, x) -> list:
 
 
 def test_a_factory_of_a_constant_or_a_cast_makes_its_result_in_its_arena_tensor_instead_of_running():
-    """zeros, ones, full, their _like and new_ forms and scalar_tensor fill the tensor the plan placed
-    as the op makes its result (dtype, layout and values), a cast copies into it with the same rounding;
+    """zeros, ones, full, their _like and new_ forms, scalar_tensor and arange fill the tensor the plan
+    placed as the op makes its result (dtype, layout and values), a cast copies into it with the same rounding;
     the empties leave it; no copy in, no scratch."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -241,7 +241,8 @@ def test_a_factory_of_a_constant_or_a_cast_makes_its_result_in_its_arena_tensor_
                 x.new_ones(2), torch.ones_like(x, dtype=torch.bfloat16), torch.full((2, 2), 7.5),
                 x.new_full((3,), -2.0), torch.full_like(x, 3, dtype=torch.int32), torch.empty(5),
                 torch.empty_like(x), x.new_empty(4), torch.scalar_tensor(4.25), torch.full((2,), True),
-                (x * 1e3 + 0.3).to(torch.bfloat16), x.to(torch.int32))
+                (x * 1e3 + 0.3).to(torch.bfloat16), x.to(torch.int32), torch.arange(6),
+                torch.arange(2, 9, dtype=torch.float32), torch.arange(0.5, 3.9, 0.5))
     graph = make_fx(factories, tracing_mode="fake")(x).graph
     made = factories(x)
     nodes = [n for n in graph.nodes if n.op == "call_function" and "mul" not in str(n.target)
