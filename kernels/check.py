@@ -13,6 +13,7 @@ import triton
 
 from . import reference as ref
 from .adamw import adamw_step_
+from .attention import attention
 from .cast import accumulate_, cast, scale
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .gelu import geglu, gelu
@@ -140,6 +141,19 @@ def _case_softmax(causal: bool):
     return case
 
 
+def _case_attention(causal: bool):
+    """Grouped-query heads (3 query heads per key/value head), a sequence no tile divides, q, k, v
+    as HF makes them ([B, S, H, D] projections viewed [B, H, S, D])."""
+    def case(dtype, s, gen):
+        batch, hq, hkv, seq, dim = s["rope"]
+        hq = 3 * hkv
+        q, k, v = (_randn(batch, seq, h, dim, dtype=dtype, gen=gen).transpose(1, 2) for h in (hq, hkv, hkv))
+        scale = 0.7 / math.sqrt(dim)
+        return compare_autograd(lambda q, k, v: attention(q, k, v, causal, scale),
+                                lambda q, k, v: ref.attention_ref(q, k, v, causal, scale), (q, k, v), (0, 1, 2))
+    return case
+
+
 def lm_inputs(dtype, s, gen, ignore_fraction: float = 0.1):
     n, hidden, vocab = s["lm"]
     h = _randn(n, hidden, dtype=dtype, gen=gen)
@@ -222,6 +236,8 @@ CASES = [
     # dx = y * (dy - sum(dy * y)) cancels: eager fp32 is itself ~1e-5 from the float64 answer here
     ("softmax", _case_softmax(False), DTYPES, {torch.float32: 5e-5, torch.bfloat16: 1e-2}),
     ("softmax(causal)", _case_softmax(True), DTYPES, {torch.float32: 5e-5, torch.bfloat16: 1e-2}),
+    ("attention", _case_attention(False), DTYPES, TOLERANCE),
+    ("attention(causal)", _case_attention(True), DTYPES, TOLERANCE),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),

@@ -33,6 +33,9 @@ FAST_ARCHS = (80, 90)
 # Kernels whose results the checks hold bit-exact (or to 1e-6) against torch: on the device they
 # must use IEEE-rounded division and square root, and launch with enable_fp_fusion=False. The
 # others may use the approximate forms (ex2.approx, div.full: within 2 ulp) under their tolerances.
+# Shared memory one block may opt into, by target (CUDA's sharedMemPerBlockOptin): a kernel that asks
+# for more compiles but fails at launch.
+SHARED_PER_BLOCK = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 IEEE_KERNELS = {"adamw_kernel", "scale_kernel", "cast_kernel", "accumulate_kernel"}
 APPROXIMATE = ("div.full.f32", "div.approx", "sqrt.approx", "rcp.approx", "rsqrt.approx")
 
@@ -51,6 +54,7 @@ class Launch:
     constexprs: dict  # constexpr argument name -> value
     num_warps: int
     fp_fusion: bool = True  # enable_fp_fusion as launched (False: no multiply-add contraction)
+    num_stages: int | None = None  # software pipelining depth as launched (None: Triton's default)
 
     @property
     def key(self) -> str:
@@ -101,8 +105,9 @@ def _launch(module_name, kernel_name, kernel, args, kwargs) -> Launch:
             constexprs[name] = value
         else:
             signature[name] = _arg_type(value)
+    stages = kwargs.get("num_stages")
     return Launch(module_name, kernel_name, signature, constexprs, int(kwargs.get("num_warps", 4)),
-                  bool(kwargs.get("enable_fp_fusion", True)))
+                  bool(kwargs.get("enable_fp_fusion", True)), None if stages is None else int(stages))
 
 
 @contextlib.contextmanager
@@ -134,11 +139,16 @@ def compile_one(launch: Launch, arch: int) -> str:
     kernel = getattr(module, launch.kernel)
     try:
         src = triton.compiler.ASTSource(fn=kernel, signature=launch.signature, constexprs=launch.constexprs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": launch.num_warps, "enable_fp_fusion": launch.fp_fusion})
+        options = {"num_warps": launch.num_warps, "enable_fp_fusion": launch.fp_fusion}
+        if launch.num_stages is not None:
+            options["num_stages"] = launch.num_stages
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         ptx = compiled.asm.get("ptx", "")
         if ".entry" not in ptx:
             return "no PTX"
+        shared, limit = compiled.metadata.shared, SHARED_PER_BLOCK[arch]
+        if shared > limit:
+            return f"needs {shared} B of shared memory, sm_{arch} gives a block {limit} B"
         approximate = sorted({op for op in APPROXIMATE if op in ptx})
         if launch.kernel in IEEE_KERNELS and (approximate or launch.fp_fusion):
             return f"claims IEEE rounding but {'uses ' + ', '.join(approximate) if approximate else 'contracts FMAs'}"

@@ -59,6 +59,12 @@ def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device) if t is None else t
 
 
+def empty_strided(shape, stride, *, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty_strided(shape, stride, ...), or the caller's tensor laid out so."""
+    t = _take(shape, dtype, device, stride)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device) if t is None else t
+
+
 def zeros(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     t = _take(shape, dtype, device)
     return torch.zeros(shape, dtype=dtype, device=device) if t is None else t.zero_()

@@ -51,6 +51,13 @@ def softmax_ref(x: torch.Tensor, scale: float = 1.0, causal: bool = False) -> to
     return torch.softmax(z, dim=-1).to(x.dtype)
 
 
+def attention_ref(q, k, v, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """scaled_dot_product_attention's math in fp32, key/value heads repeated for each query group."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(groups, dim=1), v.float().repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q.float(), k, v, is_causal=causal, scale=scale).to(q.dtype)
+
+
 def fused_linear_cross_entropy_ref(h, w, labels, bias=None, ignore_index: int = -100) -> torch.Tensor:
     logits = h @ w.T if bias is None else h @ w.T + bias  # in h.dtype, as an HF lm_head makes them
     return F.cross_entropy(logits.float().reshape(-1, w.shape[0]), labels.reshape(-1), ignore_index=ignore_index)

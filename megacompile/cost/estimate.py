@@ -44,12 +44,27 @@ SAME_FLOPS_AS = {
 }
 
 
-# Fused kernel nodes (megacompile/fusion) are Python launchers torch's counter does not know. Only the
+# Fused kernel nodes (megacompile/fusion) are Python launchers torch's counter does not know. The
 # fused lm-head cross-entropy does matmul work: logits, and the hidden and weight gradients, for
-# N tokens of width H over V classes: 3 x 2NHV.
+# N tokens of width H over V classes: 3 x 2NHV. Attention counts as torch counts its flash ops:
+# 4 B H S^2 D forward (two matmuls), 10 backward (five), causal at CAUSAL_SHARE of it.
+def _attention_flops(per_pair: float):
+    def flops(q, k, v, causal, *rest) -> float:
+        batch, heads, seq, dim = q.shape
+        return per_pair * batch * heads * seq * seq * dim * (CAUSAL_SHARE if causal else 1.0)
+    return flops
+
+
+def _attention_backward_flops(do, q, k, v, o, lse, causal, *rest) -> float:
+    return _attention_flops(10.0)(q, k, v, causal)
+
+
 KERNEL_FLOPS = {
     "fused_linear_cross_entropy": lambda h, w, *rest: 6.0 * h.numel() * w.shape[0],
+    "attention": _attention_flops(4.0),
+    "attention_backward": _attention_backward_flops,
 }
+ATTENTION_FUSED = frozenset({"attention", "attention_backward"})
 
 
 # The grouped matmul of routed experts (megacompile/moe): every row meets one expert's [K, N]
@@ -107,6 +122,8 @@ ATTENTION_KERNELS = frozenset(f"{name}{suffix}" for suffix in ("", "_backward") 
 
 
 def is_attention(node: fx.Node) -> bool:
+    if node.meta.get("kernel") in ATTENTION_FUSED:
+        return True
     packet = getattr(node.target, "overloadpacket", None)
     return (packet is not None and getattr(node.target, "namespace", None) == "aten"
             and packet.__name__ in ATTENTION_KERNELS)

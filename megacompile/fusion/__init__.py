@@ -15,6 +15,9 @@ this order, for these reasons:
                               forward groups that computed them to become one kernel each;
   forward patterns            RMSNorm, LayerNorm, SwiGLU, GELU, RoPE, softmax, in the forward
                               and in the backward (a selective variant recomputes them there);
+  attention                   its backward with the backward patterns, its forward first of the
+                              forward ones: the forward's extra outputs are pruned once the
+                              backward stops reading them (fusion/attention.py);
   elementwise                 last, over what is left: chains of elementwise ops become
                               generated kernels (elementwise.py).
 
@@ -29,7 +32,7 @@ from typing import Callable
 from megacompile.capture import CapturedModel, StageTemplate
 from megacompile.ir.stage_program import StageProgram
 
-from . import activations, norms, rope
+from . import activations, attention, norms, rope
 from .contract import StagePair
 from .cross_entropy import fused_linear_cross_entropy
 from .elementwise import fuse_elementwise
@@ -43,6 +46,7 @@ Rewrite = Callable[[StagePair], int]
 
 # The rewrites of an inference template, in the order they run.
 FORWARD_ONLY: dict[str, Callable[[GraphEdit], int]] = {
+    "attention": attention.attention_forward,
     "rms_norm": norms.rms_norm_forward, "layer_norm": norms.layer_norm_forward,
     "swiglu": activations.swiglu_forward, "gelu": activations.gelu_forward, "rope": rope.rope_forward,
     "softmax": activations.softmax_forward, "elementwise": fuse_elementwise,
@@ -62,6 +66,7 @@ def over_both_graphs(forward_pattern: Callable[[GraphEdit], int]) -> Rewrite:
 # (name, rewrite), in the order they run; names are what `fuse(only=...)` selects
 REWRITES: list[tuple[str, Rewrite]] = [
     ("fused_linear_cross_entropy", fused_linear_cross_entropy),
+    ("attention_backward", lambda p: attention.attention_backward(p.bwd)),
     ("rms_norm_backward", norms.rms_norm_backward),
     ("layer_norm_backward", lambda p: norms.layer_norm_backward(p.bwd)),
     ("swiglu_backward", activations.swiglu_backward),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from megacompile.kernels.attention import attention_backward, attention_forward
 from megacompile.kernels.gelu import gelu_backward, gelu_forward
 from megacompile.kernels.layer_norm import layer_norm_backward, layer_norm_forward
 from megacompile.kernels.rms_norm import rms_norm_backward, rms_norm_forward
@@ -100,3 +101,24 @@ def rope_fwd(x, cos, sin):
 def rope_bwd(dy, cos, sin):
     """The rotation by -theta: the gradient of rope_fwd."""
     return rope_rotate(dy, cos, sin, backward=True)
+
+
+# -- attention ----------------------------------------------------------------------------------
+def _strided(x: torch.Tensor, shape, stride, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty_strided(shape, stride, dtype=dtype or x.dtype, device=x.device)
+
+
+@launcher("attention", lambda q, k, v, causal, scale, o_stride, lse_stride: (
+    _strided(q, q.shape, o_stride), _strided(q, q.shape[:3], lse_stride, torch.float32)))
+def attention_fwd(q, k, v, causal, scale, o_stride, lse_stride):
+    """(o [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32) at the strides the replaced op made them."""
+    return attention_forward(q, k, v, causal, scale, o_stride, lse_stride)
+
+
+@launcher("attention_backward", lambda do, q, k, v, o, lse, causal, scale, dq_stride, dk_stride, dv_stride: (
+    _strided(q, q.shape, dq_stride), _strided(k, k.shape, dk_stride), _strided(v, v.shape, dv_stride),
+    torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)))
+def attention_bwd(do, q, k, v, o, lse, causal, scale, dq_stride, dk_stride, dv_stride):
+    """(dq, dk, dv) at the strides the replaced op made them, and delta [B, Hq, S] fp32, the kernel's
+    temporary made a result so the plan places it."""
+    return attention_backward(do, q, k, v, o, lse, causal, scale, dq_stride, dk_stride, dv_stride)

@@ -16,27 +16,31 @@ aten = torch.ops.aten
 
 LLAMA = {
     "prologue": ({"elementwise": 2}, {}),                      # cos * 1.0, sin * 1.0 of the rotary table
-    "block": ({"rms_norm": 2, "rope": 2, "swiglu": 1},
-              {"rms_norm_backward": 2, "rope_backward": 2, "swiglu_backward": 1, "elementwise": 1}),
+    "block": ({"rms_norm": 2, "rope": 2, "attention": 1, "swiglu": 1},
+              {"rms_norm_backward": 2, "rope_backward": 2, "attention_backward": 1, "swiglu_backward": 1,
+               "elementwise": 1}),
     "epilogue": ({"rms_norm": 1, "fused_linear_cross_entropy": 1},
                  {"fused_linear_cross_entropy_backward": 1, "rms_norm_backward": 1}),
 }
 GPT2 = {
     "prologue": ({}, {}),
-    "block": ({"layer_norm": 2, "gelu": 1}, {"layer_norm_backward": 2, "gelu_backward": 1}),
+    "block": ({"layer_norm": 2, "attention": 1, "gelu": 1},
+              {"layer_norm_backward": 2, "attention_backward": 1, "gelu_backward": 1}),
     "epilogue": ({"layer_norm": 1, "fused_linear_cross_entropy": 1},
                  {"fused_linear_cross_entropy_backward": 1, "layer_norm_backward": 1}),
 }
 EXPECTED = {"llama": LLAMA, "qwen2": LLAMA, "gpt2": GPT2, "nanogpt": GPT2}
 # ATen ops the rewrites must leave no trace of, per model
+SDPA = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 GONE = {
     "llama": {aten.rsqrt.default, aten.silu.default, aten.silu_backward.default, aten.cat.default,
               aten.slice_backward.default, aten._log_softmax.default, aten.nll_loss_forward.default,
-              aten.nll_loss_backward.default, aten._log_softmax_backward_data.default},
+              aten.nll_loss_backward.default, aten._log_softmax_backward_data.default, *SDPA},
     "gpt2": {aten.native_layer_norm.default, aten.native_layer_norm_backward.default, aten.tanh.default,
-             aten.tanh_backward.default, aten._log_softmax.default, aten.nll_loss_backward.default},
+             aten.tanh_backward.default, aten._log_softmax.default, aten.nll_loss_backward.default, *SDPA},
     "nanogpt": {aten.native_layer_norm.default, aten.gelu.default, aten.gelu_backward.default,
-                aten._log_softmax.default},
+                aten._log_softmax.default, *SDPA},
 }
 GONE["qwen2"] = GONE["llama"]
 

@@ -48,16 +48,33 @@ def test_flash_attention_backward_under_gqa_reserves_its_per_query_head_dk_and_d
 
 
 def test_a_gqa_plan_reserves_more_than_the_same_model_with_a_head_per_query():
-    mha = megacompile.plan(dict(LLAMA, num_key_value_heads=4), 1.0, hardware="h100", batch=2, seq=64)
-    gqa = megacompile.plan(LLAMA, 1.0, hardware="h100", batch=2, seq=64)
+    """Unfused, torch's flash ops run attention (fused, kernels/attention.py does: the next test)."""
+    mha = megacompile.plan(dict(LLAMA, num_key_value_heads=4), 1.0, hardware="h100", batch=2, seq=64, fuse=False)
+    gqa = megacompile.plan(LLAMA, 1.0, hardware="h100", batch=2, seq=64, fuse=False)
     query = 2 * 64 * 128 * 2       # [B, H, S, D] bf16 bytes of the query (4 heads of 32)
     # dk and dv expanded to the query's heads, less the half-size dk and dv it returns (copied in)
     assert gqa.reserve.scratch_bytes - mha.reserve.scratch_bytes == 2 * query - 2 * query // 2
 
 
+def test_a_fused_plan_reserves_no_attention_scratch_and_places_the_kernels_temporary():
+    """Fused, attention writes its results into the arena and its backward's one temporary (delta,
+    a float per query row) is a planned result: nothing of attention is left to the reserve, GQA or
+    not, and the arena holds what the unfused plan reserved less the copies and accumulators."""
+    for config in (LLAMA, dict(LLAMA, num_key_value_heads=4)):
+        fused = megacompile.plan(config, 1.0, hardware="h100", batch=2, seq=64)
+        unfused = megacompile.plan(config, 1.0, hardware="h100", batch=2, seq=64, fuse=False)
+        assert "attention" not in fused.reserve.scratch_op and "attention" in unfused.reserve.scratch_op
+        assert fused.reserve.scratch_bytes < unfused.reserve.scratch_bytes
+        block = next(s.template for s in fused.captured.stages if s.template.kind == "block")
+        kernel, = [n for n in block.backward.gm.graph.nodes if n.meta.get("kernel") == "attention_backward"]
+        delta = kernel.meta["val"][3]
+        assert delta.dtype == torch.float32 and tuple(delta.shape) == (2, 4, 64)
+        assert fused.minimum_budget_bytes < unfused.minimum_budget_bytes
+
+
 def test_a_gpu_plan_keeps_the_reserve_free_and_says_so():
     h100 = get_profile("h100")
-    plan = megacompile.plan(LLAMA, 1.0, hardware=h100, batch=2, seq=64)
+    plan = megacompile.plan(LLAMA, 1.0, hardware=h100, batch=2, seq=64, fuse=False)
     r = plan.reserve
     assert r.workspace_bytes == h100.workspace_bytes
     # the caching allocator serves only what the arena does not hold: its share is of those bytes
@@ -69,10 +86,10 @@ def test_a_gpu_plan_keeps_the_reserve_free_and_says_so():
     line, = [x for x in plan.summary().splitlines() if x.lstrip("# ").startswith("reserve")]
     assert "5% of what the caching allocator still serves beside the arena" in line and "of the budget;" not in line
     # the smallest fit includes the reserve: planning there succeeds, just below it fails
-    smallest = megacompile.plan(LLAMA, plan.minimum_budget_bytes / GiB, hardware=h100, batch=2, seq=64)
+    smallest = megacompile.plan(LLAMA, plan.minimum_budget_bytes / GiB, hardware=h100, batch=2, seq=64, fuse=False)
     assert smallest.fits and smallest.predicted_peak_bytes + smallest.reserve.total <= smallest.budget_bytes
     with pytest.raises(megacompile.BudgetTooSmallError, match="device reserve"):
-        megacompile.plan(LLAMA, plan.minimum_budget_bytes * 0.99 / GiB, hardware=h100, batch=2, seq=64)
+        megacompile.plan(LLAMA, plan.minimum_budget_bytes * 0.99 / GiB, hardware=h100, batch=2, seq=64, fuse=False)
 
 
 def test_the_reserve_is_calibratable_and_the_simulated_device_has_none():

@@ -1,0 +1,322 @@
+"""Attention, forward and backward, writing every result where its caller laid it out.
+
+    o = softmax(scale * q @ k^T) @ v       q [B, Hq, S, D], k and v [B, Hkv, S, D], Hq a multiple of Hkv
+
+The same work as FlashAttention-2 (tiles of queries against tiles of keys with an online softmax;
+the backward recomputes the probabilities from the saved log-sum-exp), written for the device
+arena: torch's flash ops allocate their results themselves (copied into the arena afterwards) and
+their backward holds a float32 dq accumulator and, under grouped-query attention, dk and dv for
+every query head. Here the backward is two passes with no atomics: one program per key tile sums
+dk and dv over every query head of its group, one program per query tile makes dq. Its only
+temporary is delta = rowsum(do * o) per query row, a result of its own so the plan places it.
+
+Results and saved values keep the layouts of torch's flash ops, so either can stand for the other:
+o, dq, dk, dv as [B, S, H, D] memory viewed [B, H, S, D] (or the strides the caller asks for),
+lse float32 [B, Hq, S] in natural log. Causal is the top-left aligned mask of torch's
+scaled_dot_product_attention(is_causal=True): key j sees query i when j <= i.
+
+Bytes, b per element, n = B*S*Hq*D, causal halving the tile pairs: the forward reads q once and
+k, v once per query tile, writes o; the backward reads k, v once, q, do, lse, delta once per key
+tile and per query tile. Accumulation is float32; float32 inputs multiply in IEEE float32 (no tf32).
+Under the interpreter a bf16 tl.dot returns garbage, so there the tiles are widened to float32.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .cast import round_to
+from . import outputs
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _tile(ptr, base, rows, cols, stride_s, n_rows, n_cols):
+    """rows x cols of one head ([S, D] at `base`, rows `stride_s` apart, d contiguous or not: stride 1 asked)."""
+    return tl.load(ptr + base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
+                   mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+
+
+@triton.jit
+def attention_forward_kernel(
+    o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr,
+    S, D, HQ, GROUPS, scale,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    kvh = h // GROUPS
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q = _tile(q_ptr, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, rows, dims, sqs, S, D)
+    k_base = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    v_base = b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    end = S
+    if CAUSAL:
+        end = tl.minimum(S, (tl.program_id(0) + 1) * BLOCK_M)
+    for n0 in range(0, end, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
+        v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
+        s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
+        keep = keys[None, :] < S
+        if CAUSAL:
+            keep = keep & (keys[None, :] <= rows[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
+        m = m_new
+    # Every row sees key 0 (and padding rows past S see every key), so denom > 0.
+    o = acc / denom[:, None]
+    tl.store(o_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows.to(tl.int64)[:, None] * sos + dims[None, :],
+             round_to(o, o_ptr.dtype.element_ty), mask=(rows[:, None] < S) & (dims[None, :] < D))
+    tl.store(lse_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + rows.to(tl.int64) * sls, m + tl.log(denom),
+             mask=rows < S)
+
+
+@triton.jit
+def attention_delta_kernel(
+    delta_ptr, o_ptr, do_ptr, S, D, HQ,
+    sob, soh, sos, sdb, sdh, sds,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta [B, Hq, S] float32 (contiguous) = rowsum(do * o)."""
+    bh = tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    o = _tile(o_ptr, b.to(tl.int64) * sob + h.to(tl.int64) * soh, rows, dims, sos, S, D).to(tl.float32)
+    do = _tile(do_ptr, b.to(tl.int64) * sdb + h.to(tl.int64) * sdh, rows, dims, sds, S, D).to(tl.float32)
+    tl.store(delta_ptr + bh.to(tl.int64) * S + rows, tl.sum(o * do, axis=1), mask=rows < S)
+
+
+@triton.jit
+def attention_backward_kv_kernel(
+    dk_ptr, dv_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
+    S, D, HQ, HKV, GROUPS, scale,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls,
+    sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dk, dv of one key tile of one key/value head, summed over the query heads of its group."""
+    bkv = tl.program_id(1)
+    b, kvh = bkv // HKV, bkv % HKV
+    keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    k = _tile(k_ptr, b.to(tl.int64) * skb + kvh.to(tl.int64) * skh, keys, dims, sks, S, D)
+    v = _tile(v_ptr, b.to(tl.int64) * svb + kvh.to(tl.int64) * svh, keys, dims, svs, S, D)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    start = 0
+    if CAUSAL:
+        start = (tl.program_id(0) * BLOCK_N // BLOCK_M) * BLOCK_M    # query tiles below the diagonal
+    for g in range(0, GROUPS):
+        h = kvh * GROUPS + g
+        q_base = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        do_base = b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+        row_base = b.to(tl.int64) * slb + h.to(tl.int64) * slh
+        for m0 in range(start, S, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            q = _tile(q_ptr, q_base, rows, dims, sqs, S, D)
+            do = _tile(do_ptr, do_base, rows, dims, sds, S, D)
+            lse = tl.load(lse_ptr + row_base + rows.to(tl.int64) * sls, mask=rows < S, other=0.0)
+            delta = tl.load(delta_ptr + (b * HQ + h).to(tl.int64) * S + rows, mask=rows < S, other=0.0)
+            st = _dot(k, tl.trans(q), UPCAST, IEEE) * scale                      # [keys, rows]
+            keep = (rows[None, :] < S) & (keys[:, None] < S)
+            if CAUSAL:
+                keep = keep & (keys[:, None] <= rows[None, :])
+            pt = tl.where(keep, tl.exp(st - lse[None, :]), 0.0)
+            dv += _dot(pt.to(do.dtype), do, UPCAST, IEEE)
+            dpt = _dot(v, tl.trans(do), UPCAST, IEEE)
+            dst = pt * (dpt - delta[None, :])
+            dk += _dot(dst.to(q.dtype), q, UPCAST, IEEE)
+    dk = dk * scale
+    mask = (keys[:, None] < S) & (dims[None, :] < D)
+    tl.store(dk_ptr + b.to(tl.int64) * sdkb + kvh.to(tl.int64) * sdkh + keys.to(tl.int64)[:, None] * sdks + dims[None, :],
+             round_to(dk, dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(dv_ptr + b.to(tl.int64) * sdvb + kvh.to(tl.int64) * sdvh + keys.to(tl.int64)[:, None] * sdvs + dims[None, :],
+             round_to(dv, dv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def attention_backward_q_kernel(
+    dq_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
+    S, D, HQ, GROUPS, scale,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls, sdqb, sdqh, sdqs,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dq of one query tile of one head."""
+    bh = tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    kvh = h // GROUPS
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q = _tile(q_ptr, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, rows, dims, sqs, S, D)
+    do = _tile(do_ptr, b.to(tl.int64) * sdb + h.to(tl.int64) * sdh, rows, dims, sds, S, D)
+    lse = tl.load(lse_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + rows.to(tl.int64) * sls,
+                  mask=rows < S, other=0.0)
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=rows < S, other=0.0)
+    k_base = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    v_base = b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    end = S
+    if CAUSAL:
+        end = tl.minimum(S, (tl.program_id(0) + 1) * BLOCK_M)
+    for n0 in range(0, end, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
+        v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
+        s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
+        keep = (keys[None, :] < S) & (rows[:, None] < S)
+        if CAUSAL:
+            keep = keep & (keys[None, :] <= rows[:, None])
+        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST, IEEE)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST, IEEE)
+    dq = dq * scale
+    tl.store(dq_ptr + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + rows.to(tl.int64)[:, None] * sdqs + dims[None, :],
+             round_to(dq, dq_ptr.dtype.element_ty), mask=(rows[:, None] < S) & (dims[None, :] < D))
+
+
+def _modes(dtype: torch.dtype) -> tuple[bool, bool]:
+    interpret = bool(triton.knobs.runtime.interpret)
+    return interpret or dtype == torch.float32, dtype == torch.float32
+
+
+# Shared memory a block may opt into, per target: the data-centre parts hold three stages of
+# key/value tiles in flight, the others two.
+_LARGE_SHARED = {80, 90, 100}
+
+
+def tiles(head_dim: int, dtype: torch.dtype, arch: int | None = None) -> tuple[dict, dict]:
+    """(forward, backward) launch settings for a head dim, dtype and target (sm_XY as XY; None under
+    the interpreter). The forward: query tiles of BLOCK_M against key steps of BLOCK_N. The
+    backward: tiles of BLOCK_N keys (the key pass) or queries (the dq pass) against steps of BLOCK_M
+    of the other; the fp32 dk and dv, or dq, of a tile are its accumulators."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if arch is None:
+        small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=4)
+        return small, dict(small)
+    stages = 3 if arch in _LARGE_SHARED else 2
+    if block_d > 128 or dtype == torch.float32:
+        return (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2),
+                dict(BLOCK_M=16, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=2))
+    warps = 4 if block_d <= 64 else 8
+    return (dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=warps, num_stages=stages),
+            dict(BLOCK_M=32, BLOCK_N=128, BLOCK_D=block_d, num_warps=warps, num_stages=stages))
+
+
+def _arch(device: torch.device) -> int | None:
+    if triton.knobs.runtime.interpret or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def heads_layout(batch: int, heads: int, seq: int, dim: int) -> tuple[int, int, int, int]:
+    """Strides of [B, S, H, D] memory viewed as [B, H, S, D]: the flash ops' result layout."""
+    return seq * heads * dim, dim, heads * dim, 1
+
+
+def _strides4(t: torch.Tensor) -> tuple[int, int, int]:
+    assert t.stride(-1) == 1, "attention tiles read the head dim contiguous"
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    batch, hq, seq, dim = q.shape
+    hkv = k.shape[1]
+    assert k.shape == v.shape == (batch, hkv, seq, dim) and hq % hkv == 0, (q.shape, k.shape, v.shape)
+    return batch, hq, hkv, seq, dim
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
+                      out_stride=None, lse_stride=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, Hq, S, D] in q.dtype, lse [B, Hq, S] float32); results at the strides asked (o: the
+    flash layout by default, lse: contiguous)."""
+    batch, hq, hkv, seq, dim = _check(q, k, v)
+    scale = dim ** -0.5 if scale is None else scale
+    o = outputs.empty_strided(q.shape, out_stride or heads_layout(batch, hq, seq, dim), dtype=q.dtype, device=q.device)
+    lse = outputs.empty_strided((batch, hq, seq), lse_stride or (hq * seq, seq, 1), dtype=torch.float32,
+                                device=q.device)
+    cfg, _ = tiles(dim, q.dtype, _arch(q.device))
+    upcast, ieee = _modes(q.dtype)
+    if o.numel():
+        attention_forward_kernel[(triton.cdiv(seq, cfg["BLOCK_M"]), batch * hq)](
+            o, lse, q, k, v, seq, dim, hq, hq // hkv, scale,
+            *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o), *lse.stride(),
+            CAUSAL=causal, UPCAST=upcast, IEEE=ieee, **cfg)
+    return o, lse
+
+
+def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, causal: bool, scale: float | None = None,
+                       dq_stride=None, dk_stride=None, dv_stride=None):
+    """(dq, dk, dv, delta): the gradients at the strides asked (the flash layout by default) and
+    delta = rowsum(do * o), float32 [B, Hq, S], the passes' one temporary."""
+    batch, hq, hkv, seq, dim = _check(q, k, v)
+    scale = dim ** -0.5 if scale is None else scale
+    delta = outputs.empty((batch, hq, seq), dtype=torch.float32, device=q.device)
+    dq = outputs.empty_strided(q.shape, dq_stride or heads_layout(batch, hq, seq, dim), dtype=q.dtype, device=q.device)
+    dk = outputs.empty_strided(k.shape, dk_stride or heads_layout(batch, hkv, seq, dim), dtype=k.dtype, device=k.device)
+    dv = outputs.empty_strided(v.shape, dv_stride or heads_layout(batch, hkv, seq, dim), dtype=v.dtype, device=v.device)
+    if not dq.numel():
+        return dq, dk, dv, delta
+    _, cfg = tiles(dim, q.dtype, _arch(q.device))
+    upcast, ieee = _modes(q.dtype)
+    flags = dict(CAUSAL=causal, UPCAST=upcast, IEEE=ieee)
+    launch = {key: value for key, value in cfg.items() if key.startswith("num_")}
+    common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride())
+    rows, keys, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
+    attention_delta_kernel[(triton.cdiv(seq, keys), batch * hq)](
+        delta, o, do, seq, dim, hq, *_strides4(o), *_strides4(do), BLOCK_M=keys, BLOCK_D=block_d, **launch)
+    attention_backward_kv_kernel[(triton.cdiv(seq, keys), batch * hkv)](
+        dk, dv, q, k, v, do, lse, delta, seq, dim, hq, hkv, hq // hkv, scale, *common,
+        *_strides4(dk), *_strides4(dv), **flags, BLOCK_M=rows, BLOCK_N=keys, BLOCK_D=block_d, **launch)
+    # The dq pass: tall query tiles (the key pass's BLOCK_N) against short key steps (its BLOCK_M).
+    attention_backward_q_kernel[(triton.cdiv(seq, keys), batch * hq)](
+        dq, q, k, v, do, lse, delta, seq, dim, hq, hq // hkv, scale, *common, *_strides4(dq), **flags,
+        BLOCK_M=keys, BLOCK_N=rows, BLOCK_D=block_d, **launch)
+    return dq, dk, dv, delta
+
+
+class AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        o, lse = attention_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv, _ = attention_backward(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, o, lse,
+                                           ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              scale: float | None = None) -> torch.Tensor:
+    """scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True) for
+    q [B, Hq, S, D], k and v [B, Hkv, S, D]; differentiable in q, k and v."""
+    return AttentionFunction.apply(q, k, v, causal, scale)
