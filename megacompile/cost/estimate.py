@@ -46,8 +46,9 @@ SAME_FLOPS_AS = {
 
 # Fused kernel nodes (megacompile/fusion) are Python launchers torch's counter does not know. The
 # fused lm-head cross-entropy does matmul work: logits, and the hidden and weight gradients, for
-# N tokens of width H over V classes: 3 x 2NHV. Attention counts as torch counts its flash ops:
-# 4 B H S^2 D forward (two matmuls), 10 backward (five), causal at CAUSAL_SHARE of it.
+# N tokens of width H over V classes: 3 x 2NHV. Attention counts the matmuls kernels/attention.py
+# runs: 4 B H S^2 D forward (two), 14 backward (seven: each of its two passes recomputes the
+# probabilities; torch counts 10 for the flash backward's five), causal at CAUSAL_SHARE of it.
 def _attention_flops(per_pair: float):
     def flops(q, k, v, causal, *rest) -> float:
         batch, heads, seq, dim = q.shape
@@ -56,7 +57,7 @@ def _attention_flops(per_pair: float):
 
 
 def _attention_backward_flops(do, q, k, v, o, lse, causal, *rest) -> float:
-    return _attention_flops(10.0)(q, k, v, causal)
+    return _attention_flops(14.0)(q, k, v, causal)
 
 
 KERNEL_FLOPS = {

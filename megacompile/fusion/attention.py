@@ -13,7 +13,8 @@ backward are rewritten each on its own: a forward whose extra outputs (the GPU o
 cumulative lengths) its ATen backward still reads stays ATen until that backward is rewritten.
 
 Only what the kernel computes exactly as the op does is rewritten: no dropout, no attention mask,
-no nested (packed) rows, query and key of one length, the head dim read contiguous. Everything else
+no nested (packed) rows, query and key of one length, the head dim read contiguous, at most 65535
+(batch x heads). Everything else
 (sliding windows and padding masks come as masks; the memory-efficient and cuDNN ops save other
 values) stays ATen.
 """
@@ -37,6 +38,10 @@ BACKWARD = {aten._scaled_dot_product_flash_attention_backward.default: (11, 10),
             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (7, 6)}
 
 
+# The kernels' grids run (batch x heads) along CUDA's second grid axis, which holds 65535.
+MAX_GRID_Y = 65535
+
+
 def _arg(node: fx.Node, index: int, name: str, default=None):
     return node.args[index] if index < len(node.args) else node.kwargs.get(name, default)
 
@@ -49,6 +54,8 @@ def _exact(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, dropout_at: int) -
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.stride(-1) == 1 for t in (qv, kv, vv)):
         return False
     batch, hq, seq, dim = qv.shape
+    if batch * hq > MAX_GRID_Y:
+        return False
     return (tuple(kv.shape) == tuple(vv.shape) == (batch, kv.shape[1], seq, dim) and hq % kv.shape[1] == 0
             and qv.dtype == kv.dtype == vv.dtype and qv.dtype in (torch.float32, torch.bfloat16, torch.float16))
 

@@ -79,6 +79,8 @@ def test_what_the_kernel_does_not_compute_stays_aten():
         "dropout": (_cpu_forward(dropout=0.1), (q, k, v)),
         "a head dim read with a stride": (_cpu_forward(), (q, k, v.transpose(-1, -2).contiguous().transpose(-1, -2))),
     }
+    wide = [torch.zeros(2, 3, 32768, 16).transpose(1, 2) for _ in range(3)]     # 2 x 32768 heads of 3 tokens
+    cases["more (batch x heads) than a grid's second axis holds"] = (_cpu_forward(), wide)
     for what, (fn, args) in cases.items():
         edit = GraphEdit(make_fx(fn, tracing_mode="fake")(*args))
         assert attention_forward(edit) == 0, what

@@ -58,3 +58,32 @@ def test_hopper_profiles_price_attention_below_matmul_peak():
     hopper = graph_cost(program, PROFILES["h100"], torch.bfloat16).seconds
     at_matmul_rate = graph_cost(program, replace(PROFILES["h100"], attention_efficiency=1.0), torch.bfloat16).seconds
     assert hopper > at_matmul_rate
+
+
+def test_the_fused_attention_kernels_are_priced_by_the_matmuls_they_run():
+    """Rewritten onto kernels/attention.py, the forward counts what the flash op counts and the
+    backward 14/10 of it (seven matmuls to five), causal halving both, at the same efficiency."""
+    from megacompile.fusion.attention import attention_backward, attention_forward
+    from megacompile.fusion.graph import GraphEdit
+
+    def traced(causal: bool):
+        def step(q, k, v, do):
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return torch.autograd.grad(out, (q, k, v), do)
+        q = torch.randn(1, 2, 64, 16)
+        return make_fx(step, tracing_mode="fake")(q, q.clone(), q.clone(), q.clone())
+
+    for causal in (True, False):
+        gm = traced(causal)
+        before = [node_flops(n) for n in gm.graph.nodes if is_attention(n)]
+        edit = GraphEdit(gm)
+        assert attention_backward(edit) == 1
+        edit.dce()
+        assert attention_forward(edit) == 1
+        edit.dce()
+        kernels = [n for n in gm.graph.nodes if is_attention(n)]
+        assert [n.meta["kernel"] for n in kernels] == ["attention", "attention_backward"]
+        after = [node_flops(n) for n in kernels]
+        assert after == pytest.approx([before[0], before[1] * 14 / 10]) and after[0] == 4 * 2 * 64 * 64 * 16 * (
+            0.5 if causal else 1.0)
