@@ -24,6 +24,9 @@ def test_fused_kernels_write_their_results_where_the_plan_put_them(monkeypatch):
     data = batches(b=2, t=16, steps=2, vocab=256)
     plain, fused = train(model, "llama", data, fuse=False), train(model, "llama", data, fuse=True)
     copied, _ = _copies(fused)
+    # Attention included (kernels/attention.py), nothing of a fused Llama's step is copied in: every
+    # result is made where the plan put it (unfused, torch's attention ops are copied in).
+    assert copied == 0 and _copies(plain)[0] > 0
     # The same run with the kernels allocating their own results: each kernel call is copied in.
     monkeypatch.setattr(outputs, "_take", lambda *a, **k: None)
     unplaced = train(model, "llama", data, fuse=True)
