@@ -9,7 +9,8 @@
 # each call). The calls, in order:
 #   1 7b-streamed    the Llama-2-7B shape at 0.34x of its bf16 weights (the 100B ratio), megacompile
 #                    alone, 4 x 4096 tokens, measured beside the prediction under the calibrated profile;
-#                    then acceptance's kernels section
+#                    then acceptance's kernels section; the attention kernel is checked first, and
+#                    where it fails the row runs unfused
 #   2 3b-fsdp2       megacompile (0.34x raised to the smallest budget, and resident) vs FSDP2 CPU
 #                    offload with the fused host AdamW, Llama-3.2-3B shape, 4 x 2048 tokens
 #   3 deepspeed-op   DeepSpeedCPUAdam's op built, outside any timed call
@@ -64,8 +65,17 @@ validate() { $python -m megacompile.acceptance "$@" || true; }
 
 call_7b_streamed() {
     rm -f 7b-streamed/peers.md 7b-streamed/kernels/validate.md
+    # The attention kernel runs on a GPU for the first time here: checked first (seconds), and
+    # should it fail, the row runs unfused (torch's attention) rather than not at all.
+    mkdir -p 7b-streamed
+    local fuse=--fuse
+    if ! $python -m megacompile.kernels --check --only attention --no-compile > 7b-streamed/attention-check.txt 2>&1
+    then
+        fuse=--no-fuse
+        echo "the attention kernel failed its check on this GPU (7b-streamed/attention-check.txt): the row runs unfused"
+    fi
     bench --shape llama-7b --batch 4 --seq 4096 --warmup 1 --steps 4 --systems megacompile --budgets 0.34 \
-        --host-budget 120 --profile "$profile" --minutes 7 --out 7b-streamed
+        --host-budget 120 --profile "$profile" --minutes 7 --out 7b-streamed $fuse
     rm -rf "$weights"/llama-7b-*
     validate --skip parity,budget,calibrate,step --minutes 2 --out 7b-streamed/kernels
     [ -e 7b-streamed/peers.md ] && [ -e 7b-streamed/kernels/validate.md ]

@@ -69,6 +69,8 @@ def _arguments(argv):
     p.add_argument("--budgets", default=",".join(MEGACOMPILE_BUDGETS),
                    help="megacompile's budgets: resident, or fractions of the bf16 weights")
     p.add_argument("--host-budget", type=float, default=None, help="GiB of host RAM megacompile's plan may use")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="megacompile's fused Triton kernels (default: on a GPU, as compile() does)")
     p.add_argument("--minutes", type=float, default=9.5, help="time for the whole call; late systems are skipped")
     p.add_argument("--profile", type=Path, default=None,
                    help="a calibrated profile (JSON) to predict with; default: measure this GPU's first")
@@ -212,10 +214,11 @@ def run(args, workload: Workload) -> tuple[list[dict], str]:
                 if job.system in NEEDS_WEIGHTS:
                     options["weights"] = weights[0]
                 if job.system == "megacompile":
-                    options.update(calibrated=calibrated, host_budget=args.host_budget)
+                    options.update(calibrated=calibrated, host_budget=args.host_budget, fuse=args.fuse)
                 log = logs / f"{job.system}-{job.setting.replace(' ', '-').replace(',', '')}.log"
                 result = _run(job.system, workload, options, timeout, scratch, log)
-            result = {"system": job.system, "setting": job.setting, **result}
+            setting = job.setting + (", unfused" if result.get("fused") is False else "")
+            result = {"system": job.system, "setting": setting, **result}
             print(_line(result), flush=True)
             results.append(result)
     return results, _reference(results)

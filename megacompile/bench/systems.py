@@ -17,11 +17,12 @@ from .workload import Workload
 
 
 def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: str | None = None,
-                    host_budget: float | None = None) -> dict:
+                    host_budget: float | None = None, fuse: bool | None = None) -> dict:
     """budget: "resident" (the default budget: most of the device), or a fraction of the model's
     bf16 weights ("0.5", "0.34"), raised to the smallest budget the plan fits in when it is below.
     weights: the folder bench/weights.py wrote for this workload. calibrated: a profile's JSON to
-    predict with beside the datasheet. host_budget: GiB of host RAM the plan may use."""
+    predict with beside the datasheet. host_budget: GiB of host RAM the plan may use. fuse:
+    compile()'s (None: the fused kernels on a GPU)."""
     from ..cost import predict
     from ..cost.backend_profile import profile_for
     from ..cost.hardware import HardwareProfile
@@ -29,9 +30,9 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     asked = asked_gib(workload, budget)
     asked = resident_gib(workload.device) if asked is None else asked
     batches = workload.batches()
-    engine, plan, gib, raised = engine_at(workload, asked, weights, batches[0], host_budget)
+    engine, plan, gib, raised = engine_at(workload, asked, weights, batches[0], host_budget, fuse)
     say(f"planned at {gib:.3f} GiB")
-    out = {"hbm_budget_gib": gib, "asked_budget_gib": asked, "budget_raised_to_minimum": raised,
+    out = {"hbm_budget_gib": gib, "fused": plan.fused, "asked_budget_gib": asked, "budget_raised_to_minimum": raised,
            "budget_share_of_bf16_weights": gib * GiB / (2 * workload.parameters),
            "recomputed_blocks": len(plan.recomputed), "predicted_device_peak_bytes": plan.predicted_peak_bytes}
     if host_budget is not None:
@@ -55,7 +56,8 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     return out
 
 
-def engine_at(workload: Workload, gib: float, weights: str, batch: tuple, host_budget: float | None = None):
+def engine_at(workload: Workload, gib: float, weights: str, batch: tuple, host_budget: float | None = None,
+              fuse: bool | None = None):
     """(engine, plan, budget GiB, raised): the engine planned at `gib`, or, when `gib` is below the
     smallest budget the plan fits in, at that smallest one. The model is built on the meta device;
     its fp32 weights stream from `weights` into the masters when the plan is first built."""
@@ -64,7 +66,7 @@ def engine_at(workload: Workload, gib: float, weights: str, batch: tuple, host_b
     raised = False
     while True:
         engine = compile_folder(workload.meta_model(), str(weights), gib, device=workload.device,
-                                compute_dtype=workload.compute_dtype, host_budget=host_budget,
+                                compute_dtype=workload.compute_dtype, host_budget=host_budget, fuse=fuse,
                                 optimizer=AdamW(lr=workload.lr, weight_decay=workload.weight_decay))
         try:
             return engine, engine.prepare(input_ids=ids, labels=labels), gib, raised

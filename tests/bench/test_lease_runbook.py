@@ -18,6 +18,7 @@ case "$*" in
     [ -n "${DIE_IN:-}" ] && [ "$out" = "$DIE_IN" ] && exit 1
     mkdir -p "$out" && touch "$out/peers.md" ;;
   *"megacompile.acceptance"*) mkdir -p "$out" && touch "$out/validate.md" ;;
+  *"megacompile.kernels --check"*) [ -n "${ATTENTION_FAILS:-}" ] && exit 1 ;;
 esac
 exit 0
 """
@@ -51,9 +52,11 @@ def _lease(tmp_path, status=0, **env):
 def test_each_run_does_the_next_call_and_a_call_that_did_not_finish_runs_again(tmp_path):
     out, calls = _lease(tmp_path)
     assert "lease call 7b-streamed" in out
-    assert "--shape llama-7b --batch 4 --seq 4096" in calls[0] and "--budgets 0.34" in calls[0]
-    assert "h100-calibrated-profile.json" in calls[0] and "--systems megacompile " in calls[0]
-    assert "--skip parity,budget,calibrate,step" in calls[1]
+    assert "megacompile.kernels --check --only attention" in calls[0]
+    assert "--shape llama-7b --batch 4 --seq 4096" in calls[1] and "--budgets 0.34" in calls[1]
+    assert "h100-calibrated-profile.json" in calls[1] and "--systems megacompile " in calls[1]
+    assert calls[1].endswith("--fuse")
+    assert "--skip parity,budget,calibrate,step" in calls[2]
     out, calls = _lease(tmp_path, DIE_IN="3b")        # killed before its table was written
     assert "3b-fsdp2 did not finish" in out and "--systems megacompile,fsdp2" in calls[0]
     out, calls = _lease(tmp_path)
@@ -78,7 +81,13 @@ def test_the_weights_go_to_a_disk_never_to_a_file_system_in_ram(tmp_path):
     # Without WEIGHTS: the checkout's tmp/lease-weights, unless it is in RAM too.
     ours = ROOT / "tmp" / "lease-weights"
     out, calls = _lease(tmp_path, WEIGHTS=None, IN_RAM=f"{ours} /var/tmp/megacompile-bench-weights")
-    assert f"--weights {os.path.realpath('/tmp/megacompile-bench-weights')} " in calls[0]
+    assert f"--weights {os.path.realpath('/tmp/megacompile-bench-weights')} " in calls[1]
     (tmp_path / "again").mkdir()
     out, calls = _lease(tmp_path / "again", WEIGHTS=None)
-    assert f"--weights {ours} " in calls[0]
+    assert f"--weights {ours} " in calls[1]
+
+
+def test_the_7b_row_runs_unfused_when_the_attention_kernel_fails_its_check_on_the_gpu(tmp_path):
+    out, calls = _lease(tmp_path, ATTENTION_FAILS="1")
+    assert "the attention kernel failed its check" in out
+    assert "--shape llama-7b" in calls[1] and calls[1].endswith("--no-fuse")

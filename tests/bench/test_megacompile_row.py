@@ -96,3 +96,17 @@ def test_the_host_optimizer_is_timed_over_one_update():
     engine = OverlappingEngine(update_s=0.5)
     engine.step()           # the last timed step: its update still running
     assert systems.host_optimizer_s(engine, None, None) == 0.5
+
+
+def test_fuse_as_asked_reaches_compile(monkeypatch):
+    """`bench peers --no-fuse` (the runbook's fallback where the attention kernel fails on a GPU)
+    plans and runs the row with torch's ops."""
+    from megacompile.bench import peers
+    given = []
+    monkeypatch.setattr(systems, "compile_folder", lambda model, path, gib, **kwargs: given.append(kwargs["fuse"])
+                        or RefusingEngine(gib, minimum=0.0))
+    for flag, fuse in (("--no-fuse", False), ("--fuse", True), (None, None)):
+        args = peers._arguments([flag] if flag else [])
+        assert args.fuse is fuse
+        systems.engine_at(TINY, 1.0, "/weights/tiny-seed0", (None, None), fuse=args.fuse)
+    assert given == [False, True, None]
