@@ -21,11 +21,16 @@ def _qkv(batch, hq, hkv, seq, dim, dtype=torch.float32, seed=0):
     return [torch.randn(batch, seq, h, dim, generator=gen).to(dtype).transpose(1, 2) for h in (hq, hkv, hkv)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("shape", [(2, 4, 4, 21, 16), (1, 6, 2, 33, 24), (1, 4, 1, 5, 40)])
+GQA = (1, 6, 2, 33, 24)      # 3 query heads per key/value head, a length and a head dim no tile divides
+
+
+@pytest.mark.parametrize("shape,causal,dtype", [
+    (GQA, True, torch.float32), (GQA, False, torch.float32), (GQA, True, torch.bfloat16),
+    (GQA, False, torch.bfloat16),
+    ((2, 4, 4, 21, 16), True, torch.float32),       # one head per key/value head, two rows
+    ((1, 4, 1, 5, 40), False, torch.bfloat16),      # four query heads on one key/value head, 5 tokens
+])
 def test_attention_matches_eager(shape, causal, dtype):
-    """Multi-head, 3 and 4 query heads per key/value head, lengths and head dims no tile divides."""
     q, k, v = _qkv(*shape, dtype=dtype)
     fwd, bwd = compare_autograd(lambda q, k, v: attention(q, k, v, causal, 0.3),
                                 lambda q, k, v: attention_ref(q, k, v, causal, 0.3), (q, k, v), (0, 1, 2))
