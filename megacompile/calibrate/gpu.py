@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from ..cost.estimate import CAUSAL_SHARE
+import warnings
+
+from ..cost.estimate import CAUSAL_SHARE, KERNEL_FLOPS
 from ..cost.hardware import HardwareProfile
 from .cpu import HOST_ADAM_NUMEL, host_adam_rate, measure
 
@@ -38,6 +40,7 @@ def measure_gpu(device: torch.device | None = None, sizes: GpuSizes = GpuSizes()
         a = torch.empty(n, n, device=device, dtype=dtype).uniform_(-1, 1, generator=own)
         peaks[dtype] = 2 * n**3 / gpu_seconds(lambda: a @ a, device, sizes.repeat)
     attention = attention_flops_per_s(device, sizes.attention, sizes.repeat, own)
+    fused = fused_attention_flops_per_s(device, sizes.attention, sizes.repeat, own)
     big = torch.empty(sizes.copy_bytes, dtype=torch.uint8, device=device)
     other = torch.empty_like(big)
     device_bw = 2 * big.numel() / gpu_seconds(lambda: other.copy_(big), device, sizes.repeat)
@@ -48,7 +51,8 @@ def measure_gpu(device: torch.device | None = None, sizes: GpuSizes = GpuSizes()
                            peaks[torch.bfloat16], peaks[torch.float32], h2d, d2h, cpu.host_bw,
                            host_adam_rate(sizes.host_adam_numel, compute_dtype=torch.bfloat16), 5e-6,
                            matmul_efficiency=1.0, memory_efficiency=1.0,
-                           attention_efficiency=attention / peaks[torch.bfloat16])
+                           attention_efficiency=attention / peaks[torch.bfloat16],
+                           fused_attention_efficiency=None if fused is None else fused / peaks[torch.bfloat16])
 
 
 def gpu_seconds(fn, device: torch.device, repeat: int) -> float:
@@ -78,6 +82,27 @@ def attention_flops_per_s(device: torch.device, shape: tuple[int, int, int, int]
         torch.autograd.grad(out, (q, k, v), grad)
     flops = CAUSAL_SHARE * (sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape))
     return flops / gpu_seconds(step, device, repeat)
+
+
+def fused_attention_flops_per_s(device: torch.device, shape: tuple[int, int, int, int], repeat: int,
+                                generator: torch.Generator) -> float | None:
+    """FLOP/s of megacompile's causal bf16 attention kernel (kernels/attention.py), forward and
+    backward, counted as the cost model counts that kernel (the matmuls it runs, the causal share);
+    None, with a warning, where it does not run here (a fused plan then prices it as torch's)."""
+    from ..kernels.attention import attention
+    q, k, v, grad = (torch.empty(shape, device=device, dtype=torch.bfloat16).uniform_(-1, 1, generator=generator)
+                     for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def step() -> None:
+        torch.autograd.grad(attention(q, k, v, True), (q, k, v), grad)
+    flops = KERNEL_FLOPS["attention"](q, k, v, True) + KERNEL_FLOPS["attention_backward"](grad, q, k, v, None, None, True)
+    try:
+        return flops / gpu_seconds(step, device, repeat)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails here must not cost the rest of the profile
+        warnings.warn(f"megacompile's attention kernel did not run on this GPU ({type(e).__name__}: {e}); the "
+                      "profile prices it as torch's attention", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def link_bandwidths(device: torch.device, nbytes: int, repeat: int) -> tuple[float, float]:

@@ -4,7 +4,8 @@ FLOPs come from torch's flop counter formulas (torch.utils.flop_counter), applie
 fake values; bytes are what each op reads and writes. An op takes the longer of its compute and
 its memory time, plus the profile's fixed per-op overhead; view ops move nothing. Matmuls run at
 the profile's matmul rate; the SDPA kernels (flash, memory-efficient, cuDNN attention and their
-backwards) at the share of it the profile's attention_efficiency says.
+backwards) at the share of it the profile's attention_efficiency says, megacompile's own attention
+kernel at its fused_attention_efficiency where the profile has one.
 """
 from __future__ import annotations
 
@@ -130,6 +131,14 @@ def is_attention(node: fx.Node) -> bool:
             and packet.__name__ in ATTENTION_KERNELS)
 
 
+def attention_share(node: fx.Node, hw: HardwareProfile) -> float:
+    """The share of the matmul rate an attention op runs at: the fused kernel's where the profile
+    measured it, else torch's."""
+    if node.meta.get("kernel") in ATTENTION_FUSED and hw.fused_attention_efficiency is not None:
+        return hw.fused_attention_efficiency
+    return hw.attention_efficiency
+
+
 def node_bytes(node: fx.Node) -> float:
     if getattr(node.target, "overloadpacket", None) in VIEWS or node.target is operator.getitem:
         return 0.0
@@ -170,7 +179,7 @@ def node_seconds(node: fx.Node, hw: HardwareProfile, dtype: torch.dtype) -> floa
 
 def _roofline(node: fx.Node, flops: float, nbytes: float, hw: HardwareProfile, dtype: torch.dtype) -> float:
     peak = hw.peak_flops(dtype) * hw.matmul_efficiency
-    rate = peak * hw.attention_efficiency if flops and is_attention(node) else peak
+    rate = peak * attention_share(node, hw) if flops and is_attention(node) else peak
     return max(flops / rate, nbytes / (hw.device_bw * hw.memory_efficiency)) + hw.op_overhead_s
 
 

@@ -33,6 +33,9 @@ class HardwareProfile:
     # near 330 TFLOPS on an H100, where a dense bf16 matmul reaches about 692 (0.7 x 989): 0.48 on
     # Hopper. On an A100 it reaches about what a matmul does. Measured profiles measure it.
     attention_efficiency: float = 1.0
+    # The same share for megacompile's own attention kernel (kernels/attention.py, what a fused plan
+    # runs), counted by the matmuls it runs; None: as torch's (no GPU has timed it against them yet).
+    fused_attention_efficiency: float | None = None
     memory_efficiency: float = 0.8   # share of bandwidth elementwise kernels reach
     # The runtime's fixed cost per schedule node, paid by the issuing (compute) thread: Python
     # dispatch, stream handoffs, ledger updates. Negligible at GPU block sizes; on the cpu

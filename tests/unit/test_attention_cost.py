@@ -60,22 +60,24 @@ def test_hopper_profiles_price_attention_below_matmul_peak():
     assert hopper > at_matmul_rate
 
 
+def _sdpa_step(causal: bool):
+    """SDPA forward and backward with an upstream gradient of its own (as a block's is)."""
+    def step(q, k, v, do):
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return torch.autograd.grad(out, (q, k, v), do)
+    q = torch.randn(1, 2, 64, 16)
+    return make_fx(step, tracing_mode="fake")(q, q.clone(), q.clone(), q.clone())
+
+
 def test_the_fused_attention_kernels_are_priced_by_the_matmuls_they_run():
     """Rewritten onto kernels/attention.py, the forward counts what the flash op counts and the
     backward 14/10 of it (seven matmuls to five), causal halving both, at the same efficiency."""
     from megacompile.fusion.attention import attention_backward, attention_forward
     from megacompile.fusion.graph import GraphEdit
 
-    def traced(causal: bool):
-        def step(q, k, v, do):
-            q, k, v = (t.requires_grad_() for t in (q, k, v))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            return torch.autograd.grad(out, (q, k, v), do)
-        q = torch.randn(1, 2, 64, 16)
-        return make_fx(step, tracing_mode="fake")(q, q.clone(), q.clone(), q.clone())
-
     for causal in (True, False):
-        gm = traced(causal)
+        gm = _sdpa_step(causal)
         before = [node_flops(n) for n in gm.graph.nodes if is_attention(n)]
         edit = GraphEdit(gm)
         assert attention_backward(edit) == 1
@@ -87,3 +89,22 @@ def test_the_fused_attention_kernels_are_priced_by_the_matmuls_they_run():
         after = [node_flops(n) for n in kernels]
         assert after == pytest.approx([before[0], before[1] * 14 / 10]) and after[0] == 4 * 2 * 64 * 64 * 16 * (
             0.5 if causal else 1.0)
+
+
+def test_a_measured_kernel_efficiency_prices_the_kernel_and_leaves_torchs_ops_alone():
+    from megacompile.cost.estimate import attention_share
+    from megacompile.fusion.attention import attention_backward, attention_forward
+    from megacompile.fusion.graph import GraphEdit
+
+    aten_ops = [n for n in _sdpa_step(True).graph.nodes if is_attention(n)]
+    fused_gm = _sdpa_step(True)
+    edit = GraphEdit(fused_gm)
+    assert attention_backward(edit) == 1
+    edit.dce()
+    assert attention_forward(edit) == 1
+    hw = PROFILES["h100"]
+    measured = replace(hw, fused_attention_efficiency=0.3)
+    kernels = [n for n in fused_gm.graph.nodes if n.meta.get("kernel") in ("attention", "attention_backward")]
+    assert [attention_share(n, hw) for n in kernels] == [hw.attention_efficiency] * 2      # unmeasured: torch's
+    assert [attention_share(n, measured) for n in kernels] == [0.3, 0.3]
+    assert len(aten_ops) == 2 and all(attention_share(n, measured) == hw.attention_efficiency for n in aten_ops)

@@ -131,6 +131,7 @@ def test_the_gpu_profile_through_a_stubbed_cuda(monkeypatch):
     assert adam_sizes == [SMALL.host_adam_numel, (SMALL.host_adam_numel, {"compute_dtype": torch.bfloat16})]
     assert profile.host_adam_params_per_s == 5e8
     assert attention and profile.attention_efficiency == pytest.approx(attention[0] / profile.peak_bf16)
+    assert profile.fused_attention_efficiency is not None and profile.fused_attention_efficiency > 0
     assert min(profile.peak_bf16, profile.peak_fp32, profile.device_bw, profile.h2d_bw, profile.d2h_bw) > 0
     assert profile.matmul_efficiency == profile.memory_efficiency == 1.0
 
@@ -144,3 +145,21 @@ def test_attention_is_counted_as_the_cost_model_counts_it(monkeypatch):
     forward = 4 * b * h * s * s * d               # QK^T and PV
     backward = 2.5 * forward                      # five matmuls of that size
     assert flops == pytest.approx(0.5 * (forward + backward))
+
+
+def test_the_attention_kernel_is_counted_as_the_cost_model_counts_it(monkeypatch):
+    """Forward as torch counts it, backward at the seven matmuls the kernel runs, the causal share."""
+    monkeypatch.setattr(gpu, "gpu_seconds", lambda fn, device, repeat: fn() or 1.0)
+    b, h, s, d = 1, 2, 64, 16
+    flops = gpu.fused_attention_flops_per_s(torch.device("cpu"), (b, h, s, d), 1, torch.Generator().manual_seed(0))
+    forward = 4 * b * h * s * s * d
+    assert flops == pytest.approx(0.5 * (forward + 3.5 * forward))
+
+
+def test_an_attention_kernel_that_fails_on_the_device_leaves_torchs_price(monkeypatch):
+    def fails(fn, device, repeat):
+        raise RuntimeError("out of resource: shared memory")
+    monkeypatch.setattr(gpu, "gpu_seconds", fails)
+    with pytest.warns(RuntimeWarning, match="prices it as torch's attention"):
+        assert gpu.fused_attention_flops_per_s(torch.device("cpu"), (1, 2, 16, 16), 1,
+                                               torch.Generator().manual_seed(0)) is None
