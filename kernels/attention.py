@@ -46,6 +46,24 @@ def _tile(ptr, base, rows, cols, stride_s, n_rows, n_cols):
 
 
 @triton.jit
+def _query_tile(HQ, GROUPS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's batch row, query head and its key/value head (int64, for offsets), the
+    tile's query rows and the head dims."""
+    bh = tl.program_id(1)
+    b, h = (bh // HQ).to(tl.int64), (bh % HQ).to(tl.int64)
+    return b, h, h // GROUPS, tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+
+
+@triton.jit
+def _keys_end(S, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Where a query tile's keys end: causal, past its last row none is seen."""
+    end = S
+    if CAUSAL:
+        end = tl.minimum(S, (tl.program_id(0) + 1) * BLOCK_M)
+    return end
+
+
+@triton.jit
 def attention_forward_kernel(
     o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr,
     S, D, HQ, GROUPS, scale,
@@ -53,21 +71,13 @@ def attention_forward_kernel(
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    bh = tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
-    kvh = h // GROUPS
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q = _tile(q_ptr, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, rows, dims, sqs, S, D)
-    k_base = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    v_base = b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    b, h, kvh, rows, dims = _query_tile(HQ, GROUPS, BLOCK_M, BLOCK_D)
+    q = _tile(q_ptr, b * sqb + h * sqh, rows, dims, sqs, S, D)
+    k_base, v_base = b * skb + kvh * skh, b * svb + kvh * svh
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    end = S
-    if CAUSAL:
-        end = tl.minimum(S, (tl.program_id(0) + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(0, _keys_end(S, BLOCK_M, CAUSAL), BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
@@ -84,10 +94,9 @@ def attention_forward_kernel(
         m = m_new
     # Every row sees key 0 (and padding rows past S see every key), so denom > 0.
     o = acc / denom[:, None]
-    tl.store(o_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows.to(tl.int64)[:, None] * sos + dims[None, :],
+    tl.store(o_ptr + b * sob + h * soh + rows.to(tl.int64)[:, None] * sos + dims[None, :],
              round_to(o, o_ptr.dtype.element_ty), mask=(rows[:, None] < S) & (dims[None, :] < D))
-    tl.store(lse_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + rows.to(tl.int64) * sls, m + tl.log(denom),
-             mask=rows < S)
+    tl.store(lse_ptr + b * slb + h * slh + rows.to(tl.int64) * sls, m + tl.log(denom), mask=rows < S)
 
 
 @triton.jit
@@ -97,13 +106,10 @@ def attention_delta_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """delta [B, Hq, S] float32 (contiguous) = rowsum(do * o)."""
-    bh = tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    o = _tile(o_ptr, b.to(tl.int64) * sob + h.to(tl.int64) * soh, rows, dims, sos, S, D).to(tl.float32)
-    do = _tile(do_ptr, b.to(tl.int64) * sdb + h.to(tl.int64) * sdh, rows, dims, sds, S, D).to(tl.float32)
-    tl.store(delta_ptr + bh.to(tl.int64) * S + rows, tl.sum(o * do, axis=1), mask=rows < S)
+    b, h, _, rows, dims = _query_tile(HQ, 1, BLOCK_M, BLOCK_D)
+    o = _tile(o_ptr, b * sob + h * soh, rows, dims, sos, S, D).to(tl.float32)
+    do = _tile(do_ptr, b * sdb + h * sdh, rows, dims, sds, S, D).to(tl.float32)
+    tl.store(delta_ptr + (b * HQ + h) * S + rows, tl.sum(o * do, axis=1), mask=rows < S)
 
 
 @triton.jit
@@ -164,23 +170,14 @@ def attention_backward_q_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dq of one query tile of one head."""
-    bh = tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
-    kvh = h // GROUPS
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q = _tile(q_ptr, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, rows, dims, sqs, S, D)
-    do = _tile(do_ptr, b.to(tl.int64) * sdb + h.to(tl.int64) * sdh, rows, dims, sds, S, D)
-    lse = tl.load(lse_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + rows.to(tl.int64) * sls,
-                  mask=rows < S, other=0.0)
-    delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=rows < S, other=0.0)
-    k_base = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    v_base = b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    b, h, kvh, rows, dims = _query_tile(HQ, GROUPS, BLOCK_M, BLOCK_D)
+    q = _tile(q_ptr, b * sqb + h * sqh, rows, dims, sqs, S, D)
+    do = _tile(do_ptr, b * sdb + h * sdh, rows, dims, sds, S, D)
+    lse = tl.load(lse_ptr + b * slb + h * slh + rows.to(tl.int64) * sls, mask=rows < S, other=0.0)
+    delta = tl.load(delta_ptr + (b * HQ + h) * S + rows, mask=rows < S, other=0.0)
+    k_base, v_base = b * skb + kvh * skh, b * svb + kvh * svh
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    end = S
-    if CAUSAL:
-        end = tl.minimum(S, (tl.program_id(0) + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(0, _keys_end(S, BLOCK_M, CAUSAL), BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
@@ -193,7 +190,7 @@ def attention_backward_q_kernel(
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST, IEEE)
     dq = dq * scale
-    tl.store(dq_ptr + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + rows.to(tl.int64)[:, None] * sdqs + dims[None, :],
+    tl.store(dq_ptr + b * sdqb + h * sdqh + rows.to(tl.int64)[:, None] * sdqs + dims[None, :],
              round_to(dq, dq_ptr.dtype.element_ty), mask=(rows[:, None] < S) & (dims[None, :] < D))
 
 
