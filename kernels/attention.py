@@ -64,6 +64,16 @@ def _keys_end(S, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _seen(rows, keys, S, CAUSAL: tl.constexpr):
+    """[rows, keys]: the keys each query row sees, those in the sequence and, causal, none after it.
+    Padding rows past S see every key: their results are never stored."""
+    keep = keys[None, :] < S
+    if CAUSAL:
+        keep = keep & (keys[None, :] <= rows[:, None])
+    return keep
+
+
+@triton.jit
 def attention_forward_kernel(
     o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr,
     S, D, HQ, GROUPS, scale,
@@ -81,11 +91,7 @@ def attention_forward_kernel(
         keys = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
-        s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
-        keep = keys[None, :] < S
-        if CAUSAL:
-            keep = keep & (keys[None, :] <= rows[:, None])
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(_seen(rows, keys, S, CAUSAL), _dot(q, tl.trans(k), UPCAST, IEEE) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -145,10 +151,7 @@ def attention_backward_kv_kernel(
             lse = tl.load(lse_ptr + row_base + rows.to(tl.int64) * sls, mask=rows < S, other=0.0)
             delta = tl.load(delta_ptr + (b * HQ + h).to(tl.int64) * S + rows, mask=rows < S, other=0.0)
             st = _dot(k, tl.trans(q), UPCAST, IEEE) * scale                      # [keys, rows]
-            keep = (rows[None, :] < S) & (keys[:, None] < S)
-            if CAUSAL:
-                keep = keep & (keys[:, None] <= rows[None, :])
-            pt = tl.where(keep, tl.exp(st - lse[None, :]), 0.0)
+            pt = tl.where(tl.trans(_seen(rows, keys, S, CAUSAL)), tl.exp(st - lse[None, :]), 0.0)
             dv += _dot(pt.to(do.dtype), do, UPCAST, IEEE)
             dpt = _dot(v, tl.trans(do), UPCAST, IEEE)
             dst = pt * (dpt - delta[None, :])
@@ -182,10 +185,7 @@ def attention_backward_q_kernel(
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
         s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
-        keep = (keys[None, :] < S) & (rows[:, None] < S)
-        if CAUSAL:
-            keep = keep & (keys[None, :] <= rows[:, None])
-        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
+        p = tl.where(_seen(rows, keys, S, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, IEEE)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST, IEEE)
