@@ -1,15 +1,12 @@
 """The Triton attention (kernels/attention.py): against eager attention in fp32 and bf16, as a stand-in
-for torch's flash ops (the same o and log-sum-exp, a backward that takes theirs), writing into the
-tensors its caller laid out, and compiled for sm_80 and sm_90 in the tiles those targets launch."""
-import dataclasses
-
+for torch's flash ops (the same o and log-sum-exp, a backward that takes theirs), and writing into
+the tensors its caller laid out. test_gpu_compile.py compiles it in the tiles each target launches."""
 import pytest
 import torch
 
 from megacompile.kernels import outputs
-from megacompile.kernels.attention import attention, attention_backward, attention_forward, heads_layout, tiles
+from megacompile.kernels.attention import attention, attention_backward, attention_forward, heads_layout
 from megacompile.kernels.check import TOLERANCE, compare_autograd
-from megacompile.kernels.gpu_compile import ARCHS, FAST_ARCHS, compile_launches, record_launches
 from megacompile.kernels.reference import attention_ref
 
 aten = torch.ops.aten
@@ -70,45 +67,3 @@ def test_results_go_where_the_caller_laid_them_out():
     with outputs.into(given):
         results = attention_backward(torch.ones_like(o), q, k, v, o, lse, True)
     assert [t.data_ptr() for t in results] == [t.data_ptr() for t in given[1:]] + [given[0].data_ptr()]
-
-
-def _launches_on(arch: int, head_dim: int, dtype: torch.dtype) -> list:
-    """The four kernels' launches as a GPU of `arch` makes them: the interpreter's recorded launches
-    with that target's tiles, stages and warps, and no widening of bf16 tiles."""
-    q, k, v = _qkv(1, 2, 1, 8, head_dim, dtype=dtype)
-    with record_launches() as recorded:
-        o, lse = attention_forward(q, k, v, True)
-        attention_backward(torch.ones_like(o), q, k, v, o, lse, True)
-    forward, backward = tiles(head_dim, dtype, arch)
-    launches = []
-    for launch in recorded.values():
-        cfg = forward if launch.kernel == "attention_forward_kernel" else backward
-        constexprs = {**launch.constexprs, **{key: cfg[key] for key in launch.constexprs if key in cfg}}
-        if launch.kernel == "attention_backward_q_kernel":    # tall query tiles, short key steps
-            constexprs.update(BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_M"])
-        if launch.kernel == "attention_delta_kernel":
-            constexprs.update(BLOCK_M=cfg["BLOCK_N"])
-        if "UPCAST" in constexprs:
-            constexprs["UPCAST"] = dtype == torch.float32
-        launches.append(dataclasses.replace(launch, constexprs=constexprs, num_warps=cfg["num_warps"],
-                                            num_stages=cfg["num_stages"]))
-    assert len(launches) == 4
-    return launches
-
-
-def _compile_on(archs, cases):
-    for arch in archs:
-        launches = [x for head_dim, dtype in cases for x in _launches_on(arch, head_dim, dtype)]
-        results = compile_launches(launches, archs=(arch,))
-        failed = [f"{x.kernel} {x.constexprs} sm_{arch}: {results[x.key][arch]}" for x in launches
-                  if results[x.key][arch] != "ok"]
-        assert not failed, "\n".join(failed)
-
-
-def test_gpu_tiles_compile_and_fit_shared_memory_on_sm80_and_sm90():
-    _compile_on(FAST_ARCHS, [(128, torch.bfloat16)])
-
-
-@pytest.mark.slow
-def test_gpu_tiles_compile_for_every_target_and_head_dim():
-    _compile_on(ARCHS, [(64, torch.bfloat16), (128, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32)])

@@ -1,29 +1,73 @@
 """Every kernel compiles for every target a hardware profile names, in the specializations the
-interpreter ran: sm_80 and sm_90 in the default tier, sm_86, sm_89, sm_100 and sm_120 in the slow one."""
+interpreter ran: sm_80 and sm_90 in the default tier, sm_86, sm_89, sm_100 and sm_120 in the slow one.
+
+Attention is compiled in the tiles, pipeline stages and warps each target launches instead
+(kernels/attention.py `tiles`): under the interpreter its tiles are small and widened to fp32,
+which no GPU runs. A compile that asks for more shared memory than the target gives a block fails."""
+import dataclasses
+
 import pytest
+import torch
 
 from megacompile.kernels import check
-from megacompile.kernels.gpu_compile import ARCHS, FAST_ARCHS, compile_launches
+from megacompile.kernels.attention import attention_backward, attention_forward, tiles
+from megacompile.kernels.gpu_compile import ARCHS, FAST_ARCHS, compile_launches, record_launches
+
+HEAD_DIMS = [(128, torch.bfloat16)]
+EVERY_HEAD_DIM = [(64, torch.bfloat16), (128, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32)]
 
 
-def _compile(archs):
+def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
+    """The attention kernels' launches as a GPU of `arch` makes them: the interpreter's recorded
+    launches with that target's tiles, stages and warps, and no widening of bf16 tiles."""
+    q, k, v = (torch.randn(1, 8, h, head_dim).to(dtype).transpose(1, 2) for h in (2, 1, 1))
+    with record_launches() as recorded:
+        o, lse = attention_forward(q, k, v, True)
+        attention_backward(torch.ones_like(o), q, k, v, o, lse, True)
+    forward, backward = tiles(head_dim, dtype, arch)
+    launches = []
+    for launch in recorded.values():
+        cfg = forward if launch.kernel == "attention_forward_kernel" else backward
+        constexprs = {**launch.constexprs, **{key: cfg[key] for key in launch.constexprs if key in cfg}}
+        if launch.kernel == "attention_backward_q_kernel":    # tall query tiles, short key steps
+            constexprs.update(BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_M"])
+        if launch.kernel == "attention_delta_kernel":
+            constexprs.update(BLOCK_M=cfg["BLOCK_N"])
+        if "UPCAST" in constexprs:
+            constexprs["UPCAST"] = dtype == torch.float32
+        launches.append(dataclasses.replace(launch, constexprs=constexprs, num_warps=cfg["num_warps"],
+                                            num_stages=cfg["num_stages"]))
+    assert len(launches) == 4
+    return launches
+
+
+def _compile(archs, head_dims):
     rows = check.run("test", compile_gpu=False)
     assert not check.uncovered(rows), "kernels that no check case launches"
-    launches = {x.key: x for r in rows for x in r.launches}
+    launches = {x.key: x for r in rows for x in r.launches if x.module != "attention"}
+    # The targets compiled together launch attention alike (both hold three stages in shared memory).
+    per_arch = {arch: [x for d, dtype in head_dims for x in attention_launches(arch, d, dtype)] for arch in archs}
+    assert all(per_arch[arch] == per_arch[archs[0]] for arch in archs)
+    launches.update({x.key: x for x in per_arch[archs[0]]})
     results = compile_launches(launches.values(), archs=archs)
     failures = [
-        f"{launches[key].kernel} {launches[key].signature} sm_{arch}: {result}"
-        for key, per_arch in results.items() for arch, result in per_arch.items() if result != "ok"
+        f"{launches[key].kernel} {launches[key].signature} {launches[key].constexprs} sm_{arch}: {result}"
+        for key, per in results.items() for arch, result in per.items() if result != "ok"
     ]
     assert not failures, "\n".join(failures)
-    assert all(set(per_arch) == set(archs) for per_arch in results.values())
+    assert all(set(per) == set(archs) for per in results.values())
 
 
 def test_every_kernel_compiles_to_ptx_for_sm80_and_sm90():
-    _compile(FAST_ARCHS)
+    _compile(FAST_ARCHS, HEAD_DIMS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in FAST_ARCHS])
 def test_every_kernel_compiles_for_the_other_profiles_targets(arch):
-    _compile((arch,))
+    _compile((arch,), EVERY_HEAD_DIM)
+
+
+@pytest.mark.slow
+def test_attention_compiles_at_every_head_dim_on_sm80_and_sm90():
+    _compile(FAST_ARCHS, EVERY_HEAD_DIM)
