@@ -217,8 +217,7 @@ def run(args, workload: Workload) -> tuple[list[dict], str]:
                     options.update(calibrated=calibrated, host_budget=args.host_budget, fuse=args.fuse)
                 log = logs / f"{job.system}-{job.setting.replace(' ', '-').replace(',', '')}.log"
                 result = _run(job.system, workload, options, timeout, scratch, log)
-            setting = job.setting + (", unfused" if result.get("fused") is False else "")
-            result = {"system": job.system, "setting": setting, **result}
+            result = {"system": job.system, "setting": job.setting, **result}
             print(_line(result), flush=True)
             results.append(result)
     return results, _reference(results)
