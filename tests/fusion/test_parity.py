@@ -11,7 +11,8 @@ float32, two ways:
                  zero gradient): AdamW divides it by sqrt(v) and turns a last-bit difference between
                  the runs into a visible step, in any two runs that do not round identically.
 bfloat16: the fused run's losses are within BF16_LOSS_TOL of the float32 run's, as the unfused bf16
-run's are. docs/fusion.md has the measured numbers.
+run's are. docs/fusion.md has the measured numbers. The attention kernel runs in the step-by-step
+runs; the others leave torch's attention in place (training.torch_attention).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 from megacompile.fusion import kernel_counts
 from tests.e2e.harness import LR
-from tests.fusion.training import BUILDERS, STEPS, Run, batches, train, train_forced
+from tests.fusion.training import BUILDERS, STEPS, Run, batches, torch_attention, train, train_forced
 
 RTOL = 1e-5
 DRIFT_FRACTION = 0.005          # of the weights, allowed only the AdamW bound in the free-running runs
@@ -36,10 +37,11 @@ def runs():
         if key not in cache:
             torch.manual_seed(0)
             model = BUILDERS[kind]()
-            if mode == "forced":
+            if mode == "forced":        # the attention kernel included
                 cache[key] = train_forced(model, kind, batches(), get(kind, "plain", dtype), dtype)
             else:
-                cache[key] = train(model, kind, batches(), fuse=mode == "fused", compute_dtype=dtype)
+                with torch_attention():
+                    cache[key] = train(model, kind, batches(), fuse=mode == "fused", compute_dtype=dtype)
         return cache[key]
     return get
 
@@ -76,6 +78,7 @@ def test_float32_every_step_matches_unfused(kind, runs):
     forced = runs(kind, "forced")
     counts = _kernels(forced)
     assert counts["fused_linear_cross_entropy"] == 1 and sum(counts.values()) >= 8, counts
+    assert counts["attention"] == counts["attention_backward"] == 1, counts
     assert_steps_match(forced, runs(kind, "plain"))
 
 
@@ -106,7 +109,8 @@ def test_gradient_accumulation_scales_the_saved_loss_gradients():
     torch.manual_seed(0)
     model, data = BUILDERS["llama"](), batches(steps=4)
     plain = train(model, "llama", data, fuse=False, grad_accum=2)
-    fused = train(model, "llama", data, fuse=True, grad_accum=2)
+    with torch_attention():
+        fused = train(model, "llama", data, fuse=True, grad_accum=2)
     assert_steps_match(fused, plain)
     assert drifted_weights(fused, plain) == 0
 
@@ -127,6 +131,7 @@ def test_the_step_check_catches_a_wrong_kernel(runs, monkeypatch):
     monkeypatch.setattr(norms, "rms_norm_fwd", wrong)
     torch.manual_seed(0)
     plain = runs("llama")
-    broken = train(BUILDERS["llama"](), "llama", batches(steps=1), fuse=True)
+    with torch_attention():
+        broken = train(BUILDERS["llama"](), "llama", batches(steps=1), fuse=True)
     with pytest.raises(AssertionError):
         assert_steps_match(broken, Run(plain.engine, plain.losses[:1], plain.grads[:1], plain.weights))

@@ -1,12 +1,15 @@
 """Train a small model through megacompile with and without fusion, keeping what the tests compare."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 import megacompile
+from megacompile import fusion
 from megacompile.fusion import kernel_counts
 from tests import models
 from tests.e2e.harness import BETAS, EPS, LR, WD, make_inputs
@@ -19,6 +22,18 @@ def torch_order_adamw() -> megacompile.AdamW:
     and a comparison measures the graphs (docs/decisions.md)."""
     return megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kernel="torch")
 VOCAB = 96
+
+
+@contextlib.contextmanager
+def torch_attention():
+    """Fusion with torch's attention ops left in place. Under the interpreter an attention kernel
+    call costs about a quarter of a second (a program per head), so the runs of many steps whose
+    subject is something else keep torch's attention; the step-by-step parity of every model, the
+    arena and the pattern tests run the kernel."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fusion, "REWRITES", [(n, r) for n, r in fusion.REWRITES if not n.startswith("attention")])
+        patch.setattr(fusion, "FORWARD_ONLY", {n: r for n, r in fusion.FORWARD_ONLY.items() if n != "attention"})
+        yield
 
 # the parity models, small enough for the Triton interpreter: 2 layers, width 32, batch 2 x 16
 BUILDERS = {
