@@ -14,7 +14,10 @@ from megacompile.kernels.attention import attention_backward, attention_forward,
 from megacompile.kernels.gpu_compile import ARCHS, FAST_ARCHS, compile_launches, record_launches
 
 HEAD_DIMS = [(128, torch.bfloat16)]
-EVERY_HEAD_DIM = [(64, torch.bfloat16), (128, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32)]
+# Gemma's 256 is the one that tests a target's shared memory; fp32 attention on a GPU is torch's
+# memory-efficient op (the fusion pass leaves it), so the kernel's fp32 tiles only run on sm_80/90 here.
+WIDE_HEADS = [(128, torch.bfloat16), (256, torch.bfloat16)]
+OTHER_HEADS = [(64, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32)]
 
 
 def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
@@ -41,10 +44,12 @@ def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
     return launches
 
 
-def _compile(archs, head_dims):
-    rows = check.run("test", compile_gpu=False)
-    assert not check.uncovered(rows), "kernels that no check case launches"
-    launches = {x.key: x for r in rows for x in r.launches if x.module != "attention"}
+def _compile(archs, head_dims, every_kernel: bool = True):
+    launches = {}
+    if every_kernel:
+        rows = check.run("test", compile_gpu=False)
+        assert not check.uncovered(rows), "kernels that no check case launches"
+        launches = {x.key: x for r in rows for x in r.launches if x.module != "attention"}
     # The targets compiled together launch attention alike (both hold three stages in shared memory).
     per_arch = {arch: [x for d, dtype in head_dims for x in attention_launches(arch, d, dtype)] for arch in archs}
     assert all(per_arch[arch] == per_arch[archs[0]] for arch in archs)
@@ -65,9 +70,9 @@ def test_every_kernel_compiles_to_ptx_for_sm80_and_sm90():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in FAST_ARCHS])
 def test_every_kernel_compiles_for_the_other_profiles_targets(arch):
-    _compile((arch,), EVERY_HEAD_DIM)
+    _compile((arch,), WIDE_HEADS)
 
 
 @pytest.mark.slow
-def test_attention_compiles_at_every_head_dim_on_sm80_and_sm90():
-    _compile(FAST_ARCHS, EVERY_HEAD_DIM)
+def test_attention_compiles_at_the_other_head_dims_on_sm80_and_sm90():
+    _compile(FAST_ARCHS, OTHER_HEADS, every_kernel=False)
