@@ -60,6 +60,13 @@ def _exact(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, dropout_at: int) -
             and qv.dtype == kv.dtype == vv.dtype and qv.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
+def _rows_of(t: fx.Node, q: fx.Node) -> bool:
+    """t (the output or its gradient) is laid out as the kernel reads it: q's shape and dtype, the
+    head dim contiguous."""
+    tv, qv = val(t), val(q)
+    return isinstance(tv, torch.Tensor) and tv.shape == qv.shape and tv.dtype == qv.dtype and tv.stride(-1) == 1
+
+
 def _items(node: fx.Node) -> dict[int, fx.Node]:
     """The getitem readers of a tuple-valued node, by index; None when anything else reads it."""
     items = {}
@@ -83,6 +90,8 @@ def attention_forward(edit: GraphEdit) -> int:
         if any(i > 1 and item.users for i, item in items.items()):
             continue     # the ATen backward still reads the GPU op's rng state or lengths
         results = val(node)
+        if tuple(results[1].shape) != tuple(val(q).shape[:3]):
+            continue     # a log-sum-exp padded past the sequence: not the kernel's layout
         args = (q, k, v, bool(_arg(node, causal_at, "is_causal", False)), node.kwargs.get("scale"),
                 tuple(results[0].stride()), tuple(results[1].stride()))
         replaces = {i: items[i] for i in (0, 1) if i in items}
@@ -110,7 +119,8 @@ def attention_backward(edit: GraphEdit) -> int:
         causal_at, dropout_at = BACKWARD[node.target]
         do, q, k, v, out, lse = node.args[:6]
         items = _items(node)
-        if items is None or not _exact(node, q, k, v, dropout_at) or val(do).stride(-1) != 1:
+        if items is None or not _exact(node, q, k, v, dropout_at) or not _rows_of(do, q) or not _rows_of(out, q) \
+                or tuple(val(lse).shape) != tuple(val(q).shape[:3]):
             continue
         grads = val(node)
         args = (do, q, k, v, out, lse, bool(_arg(node, causal_at, "is_causal", False)), node.kwargs.get("scale"),

@@ -86,3 +86,15 @@ def test_what_the_kernel_does_not_compute_stays_aten():
         assert attention_forward(edit) == 0, what
     plain = GraphEdit(make_fx(_cpu_forward(), tracing_mode="fake")(q, k, v))
     assert attention_forward(plain) == 1
+
+
+def test_a_backward_whose_gradient_the_kernel_cannot_read_stays_aten():
+    """An upstream gradient read with a stride in the head dim (or a broadcast one) is not rewritten;
+    the same backward with a plain one is."""
+    def backward(q, k, v, do):
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=SCALE)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, True, scale=SCALE)
+    q, k, v, do = _qkv()
+    strided = do.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert attention_backward(GraphEdit(make_fx(backward, tracing_mode="fake")(q, k, v, strided))) == 0
+    assert attention_backward(GraphEdit(make_fx(backward, tracing_mode="fake")(q, k, v, do))) == 1
