@@ -13,7 +13,9 @@ temporary is delta = rowsum(do * o) per query row, a result of its own so the pl
 Results and saved values keep the layouts of torch's flash ops, so either can stand for the other:
 o, dq, dk, dv as [B, S, H, D] memory viewed [B, H, S, D] (or the strides the caller asks for),
 lse float32 [B, Hq, S] in natural log. Causal is the top-left aligned mask of torch's
-scaled_dot_product_attention(is_causal=True): key j sees query i when j <= i.
+scaled_dot_product_attention(is_causal=True): key j sees query i when j <= i. A sliding window of
+w (causal only) keeps the last w of those, i - w < j <= i, as transformers' sliding-window layers
+do; the tiles wholly outside it are skipped, so its work grows with S * w, not S^2.
 
 Bytes, b per element, n = B*S*Hq*D, causal halving the tile pairs: the forward reads q once and
 k, v once per query tile, writes o; the backward reads k, v once, q, do, lse, delta once per key
@@ -55,6 +57,15 @@ def _query_tile(HQ, GROUPS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _keys_start(WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """Where a query tile's keys start: in a window, the first key tile its first row sees."""
+    start = 0
+    if WINDOWED:
+        start = tl.maximum(0, tl.program_id(0) * BLOCK_M - WINDOW + 1) // BLOCK_N * BLOCK_N
+    return start
+
+
+@triton.jit
 def _keys_end(S, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """Where a query tile's keys end: causal, past its last row none is seen."""
     end = S
@@ -64,21 +75,23 @@ def _keys_end(S, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _seen(rows, keys, S, CAUSAL: tl.constexpr):
-    """[rows, keys]: the keys each query row sees, those in the sequence and, causal, none after it.
-    Padding rows past S see every key: their results are never stored."""
+def _seen(rows, keys, S, CAUSAL: tl.constexpr, WINDOW, WINDOWED: tl.constexpr):
+    """[rows, keys]: the keys each query row sees, those in the sequence and, causal, none after it;
+    in a window, none WINDOW or more before it. Padding rows past S are never stored."""
     keep = keys[None, :] < S
     if CAUSAL:
         keep = keep & (keys[None, :] <= rows[:, None])
+    if WINDOWED:
+        keep = keep & (keys[None, :] > rows[:, None] - WINDOW)
     return keep
 
 
 @triton.jit
 def attention_forward_kernel(
     o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr,
-    S, D, HQ, GROUPS, scale,
+    S, D, HQ, GROUPS, scale, WINDOW,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b, h, kvh, rows, dims = _query_tile(HQ, GROUPS, BLOCK_M, BLOCK_D)
@@ -87,18 +100,23 @@ def attention_forward_kernel(
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for n0 in range(0, _keys_end(S, BLOCK_M, CAUSAL), BLOCK_N):
+    for n0 in range(_keys_start(WINDOW, BLOCK_M, BLOCK_N, WINDOWED), _keys_end(S, BLOCK_M, CAUSAL), BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
-        s = tl.where(_seen(rows, keys, S, CAUSAL), _dot(q, tl.trans(k), UPCAST, IEEE) * scale, float("-inf"))
+        s = tl.where(_seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED), _dot(q, tl.trans(k), UPCAST, IEEE) * scale,
+                     float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # A row that has seen no key yet (in a window, a tile wholly before it) keeps m = -inf:
+        # shift by 0 there, so its terms are exp(-inf) = 0, not exp(-inf + inf).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - shift)
+        p = tl.exp(s - shift[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
         m = m_new
-    # Every row sees key 0 (and padding rows past S see every key), so denom > 0.
+    # Every row sees itself, so denom > 0; only padding rows past S, never stored, may see no key.
+    denom = tl.where(denom > 0.0, denom, 1.0)
     o = acc / denom[:, None]
     tl.store(o_ptr + b * sob + h * soh + rows.to(tl.int64)[:, None] * sos + dims[None, :],
              round_to(o, o_ptr.dtype.element_ty), mask=(rows[:, None] < S) & (dims[None, :] < D))
@@ -121,10 +139,10 @@ def attention_delta_kernel(
 @triton.jit
 def attention_backward_kv_kernel(
     dk_ptr, dv_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
-    S, D, HQ, HKV, GROUPS, scale,
+    S, D, HQ, HKV, GROUPS, scale, WINDOW,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls,
     sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dk, dv of one key tile of one key/value head, summed over the query heads of its group."""
@@ -136,22 +154,24 @@ def attention_backward_kv_kernel(
     v = _tile(v_ptr, b.to(tl.int64) * svb + kvh.to(tl.int64) * svh, keys, dims, svs, S, D)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    start = 0
+    start, end = 0, S
     if CAUSAL:
         start = (tl.program_id(0) * BLOCK_N // BLOCK_M) * BLOCK_M    # query tiles below the diagonal
+    if WINDOWED:
+        end = tl.minimum(S, (tl.program_id(0) + 1) * BLOCK_N + WINDOW - 1)   # ... and within the window
     for g in range(0, GROUPS):
         h = kvh * GROUPS + g
         q_base = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
         do_base = b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
         row_base = b.to(tl.int64) * slb + h.to(tl.int64) * slh
-        for m0 in range(start, S, BLOCK_M):
+        for m0 in range(start, end, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             q = _tile(q_ptr, q_base, rows, dims, sqs, S, D)
             do = _tile(do_ptr, do_base, rows, dims, sds, S, D)
             lse = tl.load(lse_ptr + row_base + rows.to(tl.int64) * sls, mask=rows < S, other=0.0)
             delta = tl.load(delta_ptr + (b * HQ + h).to(tl.int64) * S + rows, mask=rows < S, other=0.0)
             st = _dot(k, tl.trans(q), UPCAST, IEEE) * scale                      # [keys, rows]
-            pt = tl.where(tl.trans(_seen(rows, keys, S, CAUSAL)), tl.exp(st - lse[None, :]), 0.0)
+            pt = tl.where(tl.trans(_seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED)), tl.exp(st - lse[None, :]), 0.0)
             dv += _dot(pt.to(do.dtype), do, UPCAST, IEEE)
             dpt = _dot(v, tl.trans(do), UPCAST, IEEE)
             dst = pt * (dpt - delta[None, :])
@@ -167,9 +187,9 @@ def attention_backward_kv_kernel(
 @triton.jit
 def attention_backward_q_kernel(
     dq_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
-    S, D, HQ, GROUPS, scale,
+    S, D, HQ, GROUPS, scale, WINDOW,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls, sdqb, sdqh, sdqs,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dq of one query tile of one head."""
@@ -180,12 +200,12 @@ def attention_backward_q_kernel(
     delta = tl.load(delta_ptr + (b * HQ + h) * S + rows, mask=rows < S, other=0.0)
     k_base, v_base = b * skb + kvh * skh, b * svb + kvh * svh
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for n0 in range(0, _keys_end(S, BLOCK_M, CAUSAL), BLOCK_N):
+    for n0 in range(_keys_start(WINDOW, BLOCK_M, BLOCK_N, WINDOWED), _keys_end(S, BLOCK_M, CAUSAL), BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
         s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
-        p = tl.where(_seen(rows, keys, S, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
+        p = tl.where(_seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED), tl.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, IEEE)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST, IEEE)
@@ -246,11 +266,20 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int,
     return batch, hq, hkv, seq, dim
 
 
+def _window(causal: bool, window: int | None, seq: int) -> int:
+    """The window the kernels apply: 0 for none (none given, or one that holds the whole sequence)."""
+    if not window or window >= seq:
+        return 0
+    assert causal and window > 0, f"a sliding window ({window}) is causal and of at least one key"
+    return window
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
-                      out_stride=None, lse_stride=None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out_stride=None, lse_stride=None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, Hq, S, D] in q.dtype, lse [B, Hq, S] float32); results at the strides asked (o: the
     flash layout by default, lse: contiguous)."""
     batch, hq, hkv, seq, dim = _check(q, k, v)
+    window = _window(causal, window, seq)
     scale = dim ** -0.5 if scale is None else scale
     o = outputs.empty_strided(q.shape, out_stride or heads_layout(batch, hq, seq, dim), dtype=q.dtype, device=q.device)
     lse = outputs.empty_strided((batch, hq, seq), lse_stride or (hq * seq, seq, 1), dtype=torch.float32,
@@ -259,18 +288,19 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     upcast, ieee = _modes(q.dtype)
     if o.numel():
         attention_forward_kernel[(triton.cdiv(seq, cfg["BLOCK_M"]), batch * hq)](
-            o, lse, q, k, v, seq, dim, hq, hq // hkv, scale,
+            o, lse, q, k, v, seq, dim, hq, hq // hkv, scale, window,
             *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o), *lse.stride(),
-            CAUSAL=causal, UPCAST=upcast, IEEE=ieee, **cfg)
+            CAUSAL=causal, WINDOWED=window > 0, UPCAST=upcast, IEEE=ieee, **cfg)
     return o, lse
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, causal: bool, scale: float | None = None,
-                       dq_stride=None, dk_stride=None, dv_stride=None):
+                       dq_stride=None, dk_stride=None, dv_stride=None, window: int | None = None):
     """(dq, dk, dv, delta): the gradients at the strides asked (the flash layout by default) and
     delta = rowsum(do * o), float32 [B, Hq, S], the passes' one temporary."""
     batch, hq, hkv, seq, dim = _check(q, k, v)
+    window = _window(causal, window, seq)
     scale = dim ** -0.5 if scale is None else scale
     delta = outputs.empty((batch, hq, seq), dtype=torch.float32, device=q.device)
     dq = outputs.empty_strided(q.shape, dq_stride or heads_layout(batch, hq, seq, dim), dtype=q.dtype, device=q.device)
@@ -280,40 +310,41 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         return dq, dk, dv, delta
     _, cfg = tiles(dim, q.dtype, _arch(q.device))
     upcast, ieee = _modes(q.dtype)
-    flags = dict(CAUSAL=causal, UPCAST=upcast, IEEE=ieee)
+    flags = dict(CAUSAL=causal, WINDOWED=window > 0, UPCAST=upcast, IEEE=ieee)
     launch = {key: value for key, value in cfg.items() if key.startswith("num_")}
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride())
     rows, keys, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     attention_delta_kernel[(triton.cdiv(seq, keys), batch * hq)](
         delta, o, do, seq, dim, hq, *_strides4(o), *_strides4(do), BLOCK_M=keys, BLOCK_D=block_d, **launch)
     attention_backward_kv_kernel[(triton.cdiv(seq, keys), batch * hkv)](
-        dk, dv, q, k, v, do, lse, delta, seq, dim, hq, hkv, hq // hkv, scale, *common,
+        dk, dv, q, k, v, do, lse, delta, seq, dim, hq, hkv, hq // hkv, scale, window, *common,
         *_strides4(dk), *_strides4(dv), **flags, BLOCK_M=rows, BLOCK_N=keys, BLOCK_D=block_d, **launch)
     # The dq pass: tall query tiles (the key pass's BLOCK_N) against short key steps (its BLOCK_M).
     attention_backward_q_kernel[(triton.cdiv(seq, keys), batch * hq)](
-        dq, q, k, v, do, lse, delta, seq, dim, hq, hq // hkv, scale, *common, *_strides4(dq), **flags,
+        dq, q, k, v, do, lse, delta, seq, dim, hq, hq // hkv, scale, window, *common, *_strides4(dq), **flags,
         BLOCK_M=keys, BLOCK_N=rows, BLOCK_D=block_d, **launch)
     return dq, dk, dv, delta
 
 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = attention_forward(q, k, v, causal, scale)
+    def forward(ctx, q, k, v, causal, scale, window):
+        o, lse = attention_forward(q, k, v, causal, scale, window=window)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.window = causal, scale, window
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv, _ = attention_backward(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, o, lse,
-                                           ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+                                           ctx.causal, ctx.scale, window=ctx.window)
+        return dq, dk, dv, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True) for
-    q [B, Hq, S, D], k and v [B, Hkv, S, D]; differentiable in q, k and v."""
-    return AttentionFunction.apply(q, k, v, causal, scale)
+    q [B, Hq, S, D], k and v [B, Hkv, S, D], each query seeing only its last `window` keys if
+    given; differentiable in q, k and v."""
+    return AttentionFunction.apply(q, k, v, causal, scale, window)

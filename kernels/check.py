@@ -141,16 +141,17 @@ def _case_softmax(causal: bool):
     return case
 
 
-def _case_attention(causal: bool):
+def _case_attention(causal: bool, window: int | None = None):
     """Grouped-query heads (3 query heads per key/value head), a sequence no tile divides, q, k, v
-    as HF makes them ([B, S, H, D] projections viewed [B, H, S, D])."""
+    as HF makes them ([B, S, H, D] projections viewed [B, H, S, D]); a window (causal) shorter than
+    a tile, so tiles hold rows that see none of a key tile."""
     def case(dtype, s, gen):
         batch, hq, hkv, seq, dim = s["rope"]
         hq = 3 * hkv
         q, k, v = (_randn(batch, seq, h, dim, dtype=dtype, gen=gen).transpose(1, 2) for h in (hq, hkv, hkv))
         scale = 0.7 / math.sqrt(dim)
-        return compare_autograd(lambda q, k, v: attention(q, k, v, causal, scale),
-                                lambda q, k, v: ref.attention_ref(q, k, v, causal, scale), (q, k, v), (0, 1, 2))
+        return compare_autograd(lambda q, k, v: attention(q, k, v, causal, scale, window),
+                                lambda q, k, v: ref.attention_ref(q, k, v, causal, scale, window), (q, k, v), (0, 1, 2))
     return case
 
 
@@ -238,6 +239,7 @@ CASES = [
     ("softmax(causal)", _case_softmax(True), DTYPES, {torch.float32: 5e-5, torch.bfloat16: 1e-2}),
     ("attention", _case_attention(False), DTYPES, TOLERANCE),
     ("attention(causal)", _case_attention(True), DTYPES, TOLERANCE),
+    ("attention(window)", _case_attention(True, window=3), DTYPES, TOLERANCE),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),

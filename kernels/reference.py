@@ -51,10 +51,21 @@ def softmax_ref(x: torch.Tensor, scale: float = 1.0, causal: bool = False) -> to
     return torch.softmax(z, dim=-1).to(x.dtype)
 
 
-def attention_ref(q, k, v, causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """scaled_dot_product_attention's math in fp32, key/value heads repeated for each query group."""
+def window_mask(seq: int, window: int, device=None) -> torch.Tensor:
+    """[S, S] bool: query i sees key j when i - window < j <= i (transformers' sliding window)."""
+    i = torch.arange(seq, device=device)
+    lag = i[:, None] - i[None, :]
+    return (lag >= 0) & (lag < window)
+
+
+def attention_ref(q, k, v, causal: bool = True, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """scaled_dot_product_attention's math in fp32, key/value heads repeated for each query group;
+    with a window, the causal band of window_mask as the mask."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(groups, dim=1), v.float().repeat_interleave(groups, dim=1)
+    if window:
+        mask = window_mask(q.shape[2], window, q.device)
+        return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale).to(q.dtype)
     return F.scaled_dot_product_attention(q.float(), k, v, is_causal=causal, scale=scale).to(q.dtype)
 
 

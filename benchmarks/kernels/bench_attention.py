@@ -5,7 +5,10 @@ the backward's peak memory beside its inputs.
 
     python benchmarks/kernels/bench_attention.py [--smoke]
 
-Llama-2-7B's heads (32 x 128) and Llama-3-8B's grouped ones (32 query heads over 8) at 4 x 4096 tokens.
+Llama-2-7B's heads (32 x 128) and Llama-3-8B's grouped ones (32 query heads over 8) at 4 x 4096 tokens;
+a Mistral-7B sliding-window layer (window 4096) at 1 x 16384, where torch's SDPA takes transformers'
+[B, 1, S, S] boolean mask (its memory-efficient kernel) and the kernel the window as a number. Its
+TFLOPS count the (query, key) pairs the window keeps.
 """
 import sys
 
@@ -33,6 +36,33 @@ def points(smoke: bool) -> list[Point]:
                      "eager": reference, "compile": compiled(reference)}
             out.append(Point("attention_causal", f"{batch}x{hq}/{hkv}x{seq}x{dim}", dtype, make, impls,
                              flops_fwd_bwd=14.0 * batch * hq * seq * seq * dim * 0.5))
+    out += _window_points(smoke)
+    return out
+
+
+def _window_points(smoke: bool) -> list[Point]:
+    batch, hq, hkv, seq, dim, window = (1, 4, 2, 37, 16, 5) if smoke else (1, 32, 8, 16384, 128, 4096)
+    mask = None
+
+    def masked(q, k, v):
+        nonlocal mask
+        if mask is None or mask.device != q.device:      # transformers builds it once per step
+            mask = ref.window_mask(seq, window, q.device).expand(batch, 1, seq, seq)
+        groups = hq // hkv
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                              attn_mask=mask)
+
+    reference = lambda q, k, v: ref.attention_ref(q, k, v, True, window=window)  # noqa: E731
+    pairs = seq * window - window * (window - 1) / 2
+    out = []
+    for dtype in (torch.bfloat16,) if not smoke else (torch.float32, torch.bfloat16):
+        def make(dtype=dtype):
+            return tuple(torch.randn(batch, seq, h, dim, device=device(), dtype=dtype).transpose(1, 2)
+                         .requires_grad_() for h in (hq, hkv, hkv))
+        impls = {"megacompile": lambda q, k, v: kernel.attention(q, k, v, True, window=window),
+                 "sdpa (mask)": masked, "eager": reference, "compile": compiled(reference)}
+        out.append(Point("attention_window", f"{batch}x{hq}/{hkv}x{seq}x{dim} w{window}", dtype, make, impls,
+                         flops_fwd_bwd=14.0 * batch * hq * pairs * dim))
     return out
 
 

@@ -77,10 +77,36 @@ GROUPED_FLOPS = {
 }
 
 
-def node_flops(node: fx.Node) -> float:
+# Sliding-window attention (megacompile/attention/window.py): the kernels' matmuls over the
+# (query, key) pairs a window of w keeps, S w - w (w - 1) / 2, tiles at its edges not counted.
+def _window_pairs(seq: int, window: int) -> float:
+    w = min(seq, window)
+    return seq * w - w * (w - 1) / 2
+
+
+def _window_flops(per_pair: float, q, window: int) -> float:
+    batch, heads, seq, dim = q.shape
+    return per_pair * batch * heads * _window_pairs(seq, window) * dim
+
+
+WINDOW_FLOPS = {
+    "window_attention": lambda q, k, v, scale, window: _window_flops(4.0, q, window),
+    "window_attention_backward": lambda do, q, k, v, o, lse, scale, window: _window_flops(14.0, q, window),
+}
+
+
+def _own_op(node: fx.Node) -> str | None:
+    """The name of a megacompile operator (moe/, attention/), or None."""
     packet = getattr(node.target, "overloadpacket", None)
-    if packet is not None and getattr(node.target, "namespace", None) == "megacompile" and packet.__name__ in GROUPED_FLOPS:
-        return GROUPED_FLOPS[packet.__name__](*fx.node.map_arg(node.args, _val))
+    return packet.__name__ if packet is not None and getattr(node.target, "namespace", None) == "megacompile" else None
+
+
+def node_flops(node: fx.Node) -> float:
+    own = _own_op(node)
+    if own in GROUPED_FLOPS:
+        return GROUPED_FLOPS[own](*fx.node.map_arg(node.args, _val))
+    if own in WINDOW_FLOPS:
+        return WINDOW_FLOPS[own](*fx.node.map_arg(node.args, _val))
     kernel = node.meta.get("kernel")
     if kernel is not None:
         formula = KERNEL_FLOPS.get(kernel)
@@ -124,7 +150,7 @@ ATTENTION_KERNELS = frozenset(f"{name}{suffix}" for suffix in ("", "_backward") 
 
 
 def is_attention(node: fx.Node) -> bool:
-    if node.meta.get("kernel") in ATTENTION_FUSED:
+    if node.meta.get("kernel") in ATTENTION_FUSED or _own_op(node) in WINDOW_FLOPS:
         return True
     packet = getattr(node.target, "overloadpacket", None)
     return (packet is not None and getattr(node.target, "namespace", None) == "aten"
@@ -134,7 +160,8 @@ def is_attention(node: fx.Node) -> bool:
 def attention_share(node: fx.Node, hw: HardwareProfile) -> float:
     """The share of the matmul rate an attention op runs at: the fused kernel's where the profile
     measured it, else torch's."""
-    if node.meta.get("kernel") in ATTENTION_FUSED and hw.fused_attention_efficiency is not None:
+    own_kernel = node.meta.get("kernel") in ATTENTION_FUSED or _own_op(node) in WINDOW_FLOPS
+    if own_kernel and hw.fused_attention_efficiency is not None:
         return hw.fused_attention_efficiency
     return hw.attention_efficiency
 

@@ -6,7 +6,9 @@ The ledger counts every tensor an op returns. A GPU also holds memory no op retu
   op scratch     what an op allocates inside itself and frees before it returns: SDPA's backward
                  keeps a float32 dq accumulator and a row-sum buffer (FlashAttention: 4 B per
                  query element, 1.25 GiB at 16 x 4096 tokens with 40 x 128 heads; under GQA its
-                 dk and dv for every query head too); a host->device
+                 dk and dv for every query head too); sliding-window attention where its
+                 kernels do not run (float32: megacompile/attention/window.py's reference holds
+                 the heads in float32 and a chunk's scores); a host->device
                  copy that casts and lands in a non-contiguous slot stages a converted copy. Only
                  one op runs at a time on the compute stream, so the largest one is reserved;
   fragmentation  the caching allocator rounds blocks (to 512 B, 2 MiB segments) and cannot always
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.window import reference_scratch_bytes
 from ..capture import CapturedModel
 from ..ir.stage_ops import copied_result_bytes
 from .hardware import HardwareProfile
@@ -98,7 +101,8 @@ def largest_scratch(captured: CapturedModel) -> tuple[int, str]:
     for stage in captured.stages:
         t = stage.template
         if id(t) not in per_template:
-            sizes = [(attention_backward_scratch(node) + copied_result_bytes(node), str(node.target))
+            sizes = [(attention_backward_scratch(node) + window_scratch(node) + copied_result_bytes(node),
+                      str(node.target))
                      for program in (t.forward, t.backward, t.inference) if program is not None
                      for node in program.gm.graph.nodes]
             top = max((b for b, _ in sizes), default=0)
@@ -130,6 +134,16 @@ def attention_backward_scratch(node) -> int:
         groups = query.shape[heads] // key.shape[heads]
         scratch += (key.numel() + value.numel()) * groups * key.element_size()
     return scratch
+
+
+def window_scratch(node) -> int:
+    """Bytes sliding-window attention holds inside itself where its kernels do not run it
+    (megacompile/attention/window.py: float32, or head dims past 256)."""
+    if node.op != "call_function" or "megacompile.window_attention" not in str(node.target):
+        return 0
+    backward = "backward" in str(node.target)
+    q, k = (_val(a) for a in (node.args[1:3] if backward else node.args[0:2]))
+    return reference_scratch_bytes(q, k, node.args[-1], backward)
 
 
 def _val(arg):

@@ -111,12 +111,22 @@ def in_place_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
     return lambda t, args, kwargs: t.fill_(fill)
 
 
+# Operators of megacompile's own that make every result through kernels/outputs.py on every path:
+# the runtime hands them their arena tensors, as it does a fused kernel, and nothing is copied in.
+TAKE_THEIR_RESULTS = frozenset({"megacompile::window_attention", "megacompile::window_attention_backward"})
+
+
+def takes_its_results(node) -> bool:
+    name = getattr(node.target, "name", None)
+    return hasattr(node.target, "kernel") or (callable(name) and name() in TAKE_THEIR_RESULTS)
+
+
 def copied_result_bytes(node) -> int:
     """Bytes of the new storages an op with no out= form returns (results that are views of its
     arguments excluded): what it holds beside its arena tensors while they are copied in."""
     if node.op != "call_function" or writes_into(node) is not None or in_place_form(node) is not None \
-            or hasattr(node.target, "kernel"):
-        return 0      # written in: through out=, made in place, or a fused kernel taking its results (kernels/outputs.py)
+            or takes_its_results(node):
+        return 0      # written in: through out=, made in place, or taking its results (kernels/outputs.py)
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils import _pytree as pytree
     args = {StorageWeakRef(a.untyped_storage()) for a in pytree.tree_leaves(

@@ -1,6 +1,7 @@
 """Parity on every mask path capture takes for Hugging Face decoders: no mask (SDPA with
-is_causal), a sliding window (a mask from the prologue, redone in each block's backward) and a
-padding mask (the same, built from the caller's [B, S] attention_mask)."""
+is_causal), a sliding window (no mask either: megacompile::window_attention with the window as a
+number) and a padding mask (a mask from the prologue, built from the caller's [B, S]
+attention_mask, redone in each block's backward)."""
 from __future__ import annotations
 
 import pytest
@@ -63,7 +64,7 @@ def test_llama_without_a_mask_trains_on_is_causal_attention_as_eager():
     assert all(len(m.shape) < 4 for m in block.acts)
 
 
-def test_a_sliding_window_mask_is_exact_and_saved_by_no_block():
+def test_a_sliding_window_trains_as_eager_with_no_mask_at_all():
     from transformers import MistralConfig, MistralForCausalLM
     torch.manual_seed(0)
     model = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -71,8 +72,10 @@ def test_a_sliding_window_mask_is_exact_and_saved_by_no_block():
                                              max_position_embeddings=64, use_cache=False))
     engine = _train_both(model, [{"input_ids": _ids(i), "labels": _ids(i)} for i in range(STEPS)])
     block = _block(engine)
-    assert any(len(m.shape) == 4 for m in block.acts)      # the window needs a mask ...
-    assert not _square(block) and not _square(block.selective)   # ... that no block saves
+    assert not [m.shape for m in block.acts if len(m.shape) == 4]     # no mask reaches the block ...
+    assert not _square(block) and not _square(block.selective)       # ... nor does it save one
+    ops = [str(n.target) for n in block.forward.gm.graph.nodes if n.op == "call_function"]
+    assert "megacompile.window_attention.default" in ops and not any("scaled_dot_product" in op for op in ops)
 
 
 def test_a_padding_mask_is_exact_and_saved_by_no_block():

@@ -27,8 +27,9 @@ STEPS = 3
 # residual, partial rotary), a multi-output op in the prologue (BLOOM's embedding layer norm,
 # ALiBi bias). Llama, Qwen2 and GPT-2 are in test_parity.py.
 # Mixtral: routed experts, an in-place divide in the router, router logits to the load-balancing
-# loss (the other MoE families run in the slow tier).
-DEFAULT = {"gemma2", "gptj", "bloom", "mixtral"}
+# loss (the other MoE families run in the slow tier). Qwen2 with sliding windows: full-attention
+# layers beside ones captured onto megacompile::window_attention (capture/hf_windows.py).
+DEFAULT = {"gemma2", "gptj", "bloom", "mixtral", "qwen2_sliding"}
 
 # Families that cannot be captured yet, with the error they raise.
 REFUSED = {

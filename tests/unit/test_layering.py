@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [
     {"errors", "arguments", "settings"},
     {"kernels", "models", "optim"},
-    {"ir", "moe"},
+    {"ir", "moe", "attention"},
     {"capture", "report"},
     {"passes", "fusion"},
     {"cost"},

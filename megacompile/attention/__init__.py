@@ -1,0 +1,6 @@
+"""Attention as operators the capture records instead of what transformers would build around it.
+
+    window.py   megacompile::window_attention and its backward: causal attention over a sliding
+                window of keys, with no [S, S] mask anywhere (capture/hf_windows.py routes
+                transformers' sliding-window layers here)
+"""
