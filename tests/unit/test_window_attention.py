@@ -195,3 +195,15 @@ def test_a_mistral_block_at_8x8192_holds_nothing_of_s_by_s():
         square = [m.shape for group in (t.acts, t.outputs, t.saved) for m in group
                   if sum(d == seq for d in m.shape) >= 2]
         assert not square, (t.kind, square)
+
+
+def test_the_reserve_counts_the_reference_scratch_only_where_the_kernels_do_not_run():
+    def scratch(dtype, dim, backward):
+        q, k = torch.empty(2, 8, 4096, dim, dtype=dtype), torch.empty(2, 2, 4096, dim, dtype=dtype)
+        return window.reference_scratch_bytes(q, k, 1024, backward)
+    assert scratch(torch.bfloat16, 128, True) == scratch(torch.float16, 256, False) == 0
+    heads = 2 * 8 * 4096 * 128 * 4              # float32 [B, Hq, S, D]
+    chunk = 2 * 8 * 256 * (256 + 1023) * 4      # a chunk's scores
+    assert scratch(torch.float32, 128, False) == 2 * heads + 3 * chunk
+    assert scratch(torch.float32, 128, True) == 4 * heads + 3 * chunk
+    assert scratch(torch.bfloat16, 512, False) > 0
