@@ -141,17 +141,26 @@ def _case_softmax(causal: bool):
     return case
 
 
-def _case_attention(causal: bool, window: int | None = None):
+def _documents(batch: int, seq: int) -> list[list[int]]:
+    """Document lengths per row, laid end to end: one-token documents, one longer than a tile,
+    boundaries inside tiles; the last row one document."""
+    first = [1, 5, 1, seq // 2]
+    return [[*first, seq - sum(first)], *[[seq]] * (batch - 1)]
+
+
+def _case_attention(causal: bool, window: int | None = None, documents: bool = False):
     """Grouped-query heads (3 query heads per key/value head), a sequence no tile divides, q, k, v
     as HF makes them ([B, S, H, D] projections viewed [B, H, S, D]); a window (causal) shorter than
-    a tile, so tiles hold rows that see none of a key tile."""
+    a tile, so tiles hold rows that see none of a key tile; documents packed in a row."""
     def case(dtype, s, gen):
         batch, hq, hkv, seq, dim = s["rope"]
         hq = 3 * hkv
         q, k, v = (_randn(batch, seq, h, dim, dtype=dtype, gen=gen).transpose(1, 2) for h in (hq, hkv, hkv))
         scale = 0.7 / math.sqrt(dim)
-        return compare_autograd(lambda q, k, v: attention(q, k, v, causal, scale, window),
-                                lambda q, k, v: ref.attention_ref(q, k, v, causal, scale, window), (q, k, v), (0, 1, 2))
+        starts = ref.document_starts(_documents(batch, seq)) if documents else None
+        return compare_autograd(lambda q, k, v: attention(q, k, v, causal, scale, window, starts),
+                                lambda q, k, v: ref.attention_ref(q, k, v, causal, scale, window, starts),
+                                (q, k, v), (0, 1, 2))
     return case
 
 
@@ -240,6 +249,8 @@ CASES = [
     ("attention", _case_attention(False), DTYPES, TOLERANCE),
     ("attention(causal)", _case_attention(True), DTYPES, TOLERANCE),
     ("attention(window)", _case_attention(True, window=3), DTYPES, TOLERANCE),
+    ("attention(documents)", _case_attention(True, documents=True), DTYPES, TOLERANCE),
+    ("attention(win,docs)", _case_attention(True, window=3, documents=True), DTYPES, TOLERANCE),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),

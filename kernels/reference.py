@@ -58,13 +58,26 @@ def window_mask(seq: int, window: int, device=None) -> torch.Tensor:
     return (lag >= 0) & (lag < window)
 
 
-def attention_ref(q, k, v, causal: bool = True, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+def document_starts(lengths: list[list[int]], device=None) -> torch.Tensor:
+    """[B, S] int32: the first position of each token's document, documents of `lengths` laid
+    end to end in each row."""
+    rows = [[start for start, n in zip([0, *torch.tensor(row).cumsum(0).tolist()], row) for _ in range(n)]
+            for row in lengths]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def attention_ref(q, k, v, causal: bool = True, scale: float | None = None, window: int | None = None,
+                  starts: torch.Tensor | None = None) -> torch.Tensor:
     """scaled_dot_product_attention's math in fp32, key/value heads repeated for each query group;
-    with a window, the causal band of window_mask as the mask."""
+    with a window, the causal band of window_mask as the mask; with documents' `starts`, no key
+    before a query's document's first."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(groups, dim=1), v.float().repeat_interleave(groups, dim=1)
-    if window:
-        mask = window_mask(q.shape[2], window, q.device)
+    if window or starts is not None:
+        seq = q.shape[2]
+        mask = window_mask(seq, window or seq, q.device)[None, None]
+        if starts is not None:
+            mask = mask & (torch.arange(seq, device=q.device)[None, None, None, :] >= starts[:, None, :, None])
         return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale).to(q.dtype)
     return F.scaled_dot_product_attention(q.float(), k, v, is_causal=causal, scale=scale).to(q.dtype)
 

@@ -15,7 +15,7 @@ from .chunk import chunked
 from .experts import routed_fractions, spread_over_templates, static_experts
 from .grid_constants import GridConstants
 from .hf_masks import causal_attention_without_mask
-from .hf_windows import sliding_windows_without_mask, windowed_attention
+from .hf_windows import span_attention, spans_without_mask
 from .image_tokens import ImageTokens, static_image_merge
 from .loss import LossFn, extract_loss
 from .model_graph import CapturedModel, Port, StageInstance, StateEntry
@@ -78,8 +78,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         fake_leaves.append(next(it) if isinstance(x, torch.Tensor) else x)
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
     grids: dict[str, GridConstants] = {}
-    with static_experts(model) as routed, windowed_attention():
-        with causal_attention_without_mask(model, args, kwargs), sliding_windows_without_mask(), \
+    with static_experts(model) as routed, span_attention():
+        with causal_attention_without_mask(model, args, kwargs), spans_without_mask(), \
                 static_image_merge(model, tensor_leaves, grids) as image_tokens:
             top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
         with fake_mode:
@@ -89,7 +89,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
     def rechunk(n: int) -> CapturedModel:
         """The same capture with the blocks' token-wise parts run over n sequence chunks (chunk.py);
         the top-level trace is reused, the stages are traced again."""
-        with static_experts(model), windowed_attention(), fake_mode, chunked(n):
+        with static_experts(model), span_attention(), fake_mode, chunked(n):
             again, _, _ = build_stages(top, model, stack, fakes, {k: e.trainable for k, e in state.items()},
                                        input_fakes, train)
         return dataclasses.replace(captured, stages=again, rechunk=None)

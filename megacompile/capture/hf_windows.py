@@ -1,51 +1,78 @@
-"""Hugging Face sliding-window layers under capture: a window as a number, no [B, 1, S, S] mask.
+"""Hugging Face attention spans under capture: a window and documents as numbers, no [B, 1, S, S] mask.
 
 Transformers runs a sliding-window layer (Mistral, Qwen2 with use_sliding_window, Gemma 3's local
-layers, Cohere 2, OLMo 3, EXAONE 4) through SDPA with a boolean mask the model builds once from its
-mask function, i - window < j <= i: B S^2 bytes that stay on the device from the prologue to the last
-backward, and the additive mask SDPA makes of it in every layer (2 B S^2 in bf16, which an explicit
-mask also keeps off the flash kernels). At 16 x 4096 that is 256 + 512 MiB; at 128k tokens, 16 GiB
-for the boolean alone.
+layers, Cohere 2, OLMo 3, EXAONE 4), and any layer of a model given position_ids that may pack
+several documents in a row, through SDPA with a boolean mask the model builds once from its mask
+function: B S^2 bytes that stay on the device from the prologue to the last backward, and the
+additive mask SDPA makes of it in every layer (2 B S^2 in bf16, which an explicit mask also keeps
+off the flash kernels). At 16 x 4096 that is 256 + 512 MiB; at 128k tokens, 16 GiB for the boolean
+alone.
 
-While capturing, two entries of transformers' interfaces are replaced (and put back after):
-  - the "sdpa" mask function: where the mask it is asked for is exactly a causal window over the
-    whole sequence (no padding mask, no offsets, no overlay, no packed sequences: checked by
-    evaluating the model's own mask function, not by reading its config), it returns a
-    `SlidingWindow` that carries the window instead of building the mask;
-  - the "sdpa" attention function: given a `SlidingWindow`, it records
-    `megacompile::window_attention` (megacompile/attention/window.py), which needs no mask; what
-    that operator does not compute (dropout, softcapping, attention sinks, a position bias, queries
-    of another length) runs transformers' own SDPA path on the mask the window stands for, built
-    in the layer.
-Anything else goes to transformers' functions unchanged.
+While capturing, transformers' "sdpa" mask function and attention function are replaced (and put
+back after), and so are the three mask-function factories a packed-sequence mask is made of
+(`and_masks`, `remap_positions_for_packed_sequence`, `packed_sequence_mask_function`), by ones that
+call the originals and remember their parts:
+  - where the mask asked for is exactly a causal band over the whole sequence (checked by
+    evaluating the model's own mask function on real indices, not by reading its config),
+    optionally intersected with the packed-sequence mask of the position_ids, and there is no
+    padding mask and no offset, the mask function returns an `AttentionSpan`: the window, and for
+    packed documents the first key of each query's document ([B, S] integers computed in the trace
+    from transformers' own sequence indices);
+  - the attention function records `megacompile::window_attention` (megacompile/attention/
+    window.py) for an `AttentionSpan`; what that operator does not compute (dropout, softcapping,
+    attention sinks, a position bias, queries of another length) runs transformers' own SDPA path
+    on the mask the span stands for, built in the layer.
+Anything else (overlays such as Gemma 3's bidirectional image spans, chunked attention, padding)
+goes to transformers' functions unchanged.
 """
 from __future__ import annotations
 
 import contextlib
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+from torch.utils import _pytree as pytree
 
 from ..attention import window as _registers_window_attention  # noqa: F401 - the operators the graphs call
 
 
-@dataclass(frozen=True)
-class SlidingWindow:
-    """What a layer's attention_mask is while capturing: query i sees keys i - window < j <= i of
-    `length` keys, for every row of a batch of `batch`."""
+@dataclass(frozen=True, eq=False)
+class AttentionSpan:
+    """What a layer's attention_mask is while capturing: query i of `length` sees keys
+    max(i - window + 1, starts[b, i]) <= j <= i (starts None: from 0), for each row b of `batch`."""
     window: int
     length: int
     batch: int
+    starts: torch.Tensor | None = None
 
     def mask(self, device) -> torch.Tensor:
         """The [B, 1, S, S] boolean transformers would have built (True: attended)."""
-        i = torch.arange(self.length, device=device)
-        lag = i[:, None] - i[None, :]
-        band = (lag >= 0) & (lag < self.window)
-        return band.expand(self.batch, 1, self.length, self.length)
+        keys = torch.arange(self.length, device=device)
+        lag = keys[:, None] - keys[None, :]
+        seen = ((lag >= 0) & (lag < self.window)).expand(self.batch, 1, self.length, self.length)
+        if self.starts is not None:
+            seen = seen & (keys[None, None, None, :] >= self.starts[:, None, :, None])
+        return seen
+
+
+# The starts are a tensor the blocks read: the span flattens to it, so a block call takes it as an input.
+pytree.register_pytree_node(AttentionSpan, lambda s: ([s.starts], (s.window, s.length, s.batch)),
+                            lambda children, context: AttentionSpan(*context, children[0]),
+                            serialized_type_name="megacompile.capture.hf_windows.AttentionSpan")
+
+
+class _Parts:
+    """A mask function as transformers' factory made it, with what it was made of."""
+
+    def __init__(self, kind: str, function, parts: tuple) -> None:
+        self.kind, self.function, self.parts = kind, function, parts
+
+    def __call__(self, *args):
+        return self.function(*args)
 
 
 def _probe_rows(length: int, window: int) -> list[int]:
@@ -56,10 +83,10 @@ def _probe_rows(length: int, window: int) -> list[int]:
     return sorted(r for r in edges | spread if 0 <= r < length)
 
 
-def window_of(mask_function, batch: int, length: int) -> int | None:
-    """The window w when `mask_function(b, h, i, j)` is True exactly for i - w < j <= i with w
-    shorter than the sequence (checked on the last row, then on rows spread over the sequence and
-    the first and last batch row); None for any other pattern, or one it cannot evaluate."""
+def band_of(mask_function, batch: int, length: int) -> int | None:
+    """The w when `mask_function(b, h, i, j)` is True exactly for i - w < j <= i (w = length: plain
+    causal), checked on the last row, then on rows spread over the sequence and the first and last
+    batch row; None for any other pattern, or one it cannot evaluate (it reads traced values)."""
     if length < 2:
         return None
     with unset_fake_temporarily(), disable_proxy_modes_tracing():
@@ -69,53 +96,96 @@ def window_of(mask_function, batch: int, length: int) -> int | None:
             out = mask_function(torch.tensor(b), torch.tensor(0), torch.tensor(rows)[:, None], keys)
             return torch.as_tensor(out).expand(len(rows), length)
         try:
-            last = seen(0, [length - 1])[0]
-            window = int(last.sum())
-            if not 0 < window < length:
+            window = int(seen(0, [length - 1])[0].sum())
+            if not 0 < window <= length:
                 return None
             rows = _probe_rows(length, window)
             lag = torch.tensor(rows)[:, None] - keys
             band = (lag >= 0) & (lag < window)
             if all(torch.equal(seen(b, rows), band) for b in {0, batch - 1}):
                 return window
-        except Exception:  # noqa: BLE001 - a mask function over traced values, or another kind: not a window
+        except Exception:  # noqa: BLE001 - a mask function over traced values, or another kind: not a band
             return None
     return None
 
 
-def _window_mask(original):
+def window_of(mask_function, batch: int, length: int) -> int | None:
+    """band_of's window where it is shorter than the sequence (a sliding window), else None."""
+    window = band_of(mask_function, batch, length)
+    return window if window is not None and window < length else None
+
+
+def _packed(mask_function) -> tuple[Any, torch.Tensor] | None:
+    """(the band function, transformers' sequence index per token [B, S]) when `mask_function` is
+    transformers' packed-sequence mask: a band function read at the tokens' positions, and-ed with
+    "same sequence"; None otherwise."""
+    if not (isinstance(mask_function, _Parts) and mask_function.kind == "and" and len(mask_function.parts) == 2):
+        return None
+    remapped, same = mask_function.parts
+    if not (isinstance(remapped, _Parts) and remapped.kind == "remap" and isinstance(same, _Parts)
+            and same.kind == "packed"):
+        return None
+    return remapped.parts[0], same.parts[0]
+
+
+def document_starts(sequence_index: torch.Tensor) -> torch.Tensor:
+    """[B, S] int32: the first token of each token's sequence, from transformers' sequence index
+    (non-decreasing along a row: a new sequence where the positions do not go up by one). Within
+    a sequence the positions go up by one, so a band over positions is the same band over tokens."""
+    seq = sequence_index.shape[1]
+    new = torch.cat([torch.ones_like(sequence_index[:, :1], dtype=torch.bool),
+                     sequence_index[:, 1:] != sequence_index[:, :-1]], dim=1)
+    tokens = torch.arange(seq, device=sequence_index.device).expand_as(sequence_index)
+    return torch.where(new, tokens, torch.zeros_like(tokens)).cummax(dim=1).values.to(torch.int32)
+
+
+def _span(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask) -> AttentionSpan | None:
+    if not (attention_mask is None and mask_function is not None and q_offset == 0 and kv_offset == 0
+            and isinstance(q_length, int) and q_length == kv_length and isinstance(batch_size, int)):
+        return None
+    packed = _packed(mask_function)
+    if packed is not None:
+        band, sequence_index = packed
+        window = band_of(band, batch_size, kv_length)
+        if window is None or tuple(sequence_index.shape) != (batch_size, kv_length):
+            return None
+        return AttentionSpan(window, kv_length, batch_size, document_starts(sequence_index))
+    window = window_of(mask_function, batch_size, kv_length)
+    return None if window is None else AttentionSpan(window, kv_length, batch_size)
+
+
+def _span_mask(original):
     def mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
              attention_mask=None, **kwargs):
-        plain = (attention_mask is None and mask_function is not None and q_offset == 0 and kv_offset == 0
-                 and isinstance(q_length, int) and q_length == kv_length and isinstance(batch_size, int))
-        window = window_of(mask_function, batch_size, kv_length) if plain else None
-        if window is not None:
-            return SlidingWindow(window, kv_length, batch_size)
+        span = _span(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+        if span is not None:
+            return span
         return original(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     return mask
 
 
-def _computes(module, query, key, value, window: SlidingWindow, dropout, is_causal, position_bias, kwargs) -> bool:
+def _computes(module, query, key, value, span: AttentionSpan, dropout, is_causal, position_bias, kwargs) -> bool:
     """window_attention computes what transformers' SDPA path would on this call."""
     return (not dropout and position_bias is None and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and is_causal is not False and getattr(module, "is_causal", True)
             and query.dim() == key.dim() == value.dim() == 4
-            and query.shape[2] == key.shape[2] == value.shape[2] == window.length
+            and query.shape[2] == key.shape[2] == value.shape[2] == span.length
             and query.shape[-1] == key.shape[-1] == value.shape[-1]
             and key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0)
 
 
-def _window_attention(original):
+def _span_attention(original):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                   position_bias=None, **kwargs):
-        if isinstance(attention_mask, SlidingWindow):
-            window = attention_mask
-            if _computes(module, query, key, value, window, dropout, is_causal, position_bias, kwargs):
+        if isinstance(attention_mask, AttentionSpan):
+            span = attention_mask
+            if _computes(module, query, key, value, span, dropout, is_causal, position_bias, kwargs):
                 scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-                out, _lse = torch.ops.megacompile.window_attention(query, key, value, float(scale), window.window)
+                out, _lse = torch.ops.megacompile.window_attention(query, key, value, float(scale), span.window,
+                                                                   span.starts)
                 return out.transpose(1, 2).contiguous(), None
-            attention_mask = window.mask(query.device)
+            attention_mask = span.mask(query.device)
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, position_bias=position_bias, **kwargs)
     return attention
@@ -137,12 +207,33 @@ def _replaced(module: str, interface: str, wrap):
         mapping["sdpa"] = original
 
 
-def windowed_attention():
-    """While capturing: transformers' "sdpa" attention takes a SlidingWindow mask."""
-    return _replaced("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", _window_attention)
+def span_attention():
+    """While capturing: transformers' "sdpa" attention takes an AttentionSpan mask."""
+    return _replaced("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", _span_attention)
 
 
-def sliding_windows_without_mask():
-    """While tracing a model's forward: transformers' "sdpa" mask function returns a SlidingWindow
-    for a plain causal window."""
-    return _replaced("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", _window_mask)
+_FACTORIES = {"and_masks": "and", "remap_positions_for_packed_sequence": "remap",
+              "packed_sequence_mask_function": "packed"}
+
+
+@contextlib.contextmanager
+def spans_without_mask():
+    """While tracing a model's forward: transformers' "sdpa" mask function returns an AttentionSpan
+    for a causal band, within packed documents or not."""
+    masking = sys.modules.get("transformers.masking_utils")
+    factories = {name: getattr(masking, name, None) for name in _FACTORIES}
+    if masking is None or None in factories.values():
+        with _replaced("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", _span_mask):
+            yield
+        return
+
+    def remembering(name, factory):
+        return lambda *parts: _Parts(_FACTORIES[name], factory(*parts), parts)
+    for name, factory in factories.items():
+        setattr(masking, name, remembering(name, factory))
+    try:
+        with _replaced("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", _span_mask):
+            yield
+    finally:
+        for name, factory in factories.items():
+            setattr(masking, name, factory)

@@ -89,9 +89,10 @@ def _window_flops(per_pair: float, q, window: int) -> float:
     return per_pair * batch * heads * _window_pairs(seq, window) * dim
 
 
+# Packed documents only narrow it further, by lengths the plan does not know: counted as the window.
 WINDOW_FLOPS = {
-    "window_attention": lambda q, k, v, scale, window: _window_flops(4.0, q, window),
-    "window_attention_backward": lambda do, q, k, v, o, lse, scale, window: _window_flops(14.0, q, window),
+    "window_attention": lambda q, k, v, scale, window, *starts: _window_flops(4.0, q, window),
+    "window_attention_backward": lambda do, q, k, v, o, lse, scale, window, *starts: _window_flops(14.0, q, window),
 }
 
 

@@ -143,7 +143,8 @@ def window_scratch(node) -> int:
         return 0
     backward = "backward" in str(node.target)
     q, k = (_val(a) for a in (node.args[1:3] if backward else node.args[0:2]))
-    return reference_scratch_bytes(q, k, node.args[-1], backward)
+    window = node.args[7] if backward else node.args[4]
+    return reference_scratch_bytes(q, k, window, backward)
 
 
 def _val(arg):

@@ -1,7 +1,8 @@
 """Parity on every mask path capture takes for Hugging Face decoders: no mask (SDPA with
-is_causal), a sliding window (no mask either: megacompile::window_attention with the window as a
-number) and a padding mask (a mask from the prologue, built from the caller's [B, S]
-attention_mask, redone in each block's backward)."""
+is_causal), a sliding window and packed documents in the caller's position_ids (no mask either:
+megacompile::window_attention with the window as a number and each token's document start) and a
+padding mask (a mask from the prologue, built from the caller's [B, S] attention_mask, redone in
+each block's backward)."""
 from __future__ import annotations
 
 import pytest
@@ -65,12 +66,8 @@ def test_llama_without_a_mask_trains_on_is_causal_attention_as_eager():
 
 
 def test_a_sliding_window_trains_as_eager_with_no_mask_at_all():
-    from transformers import MistralConfig, MistralForCausalLM
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
-                                             max_position_embeddings=64, use_cache=False))
-    engine = _train_both(model, [{"input_ids": _ids(i), "labels": _ids(i)} for i in range(STEPS)])
+    engine = _train_both(_mistral(8), [{"input_ids": _ids(i), "labels": _ids(i)} for i in range(STEPS)])
     block = _block(engine)
     assert not [m.shape for m in block.acts if len(m.shape) == 4]     # no mask reaches the block ...
     assert not _square(block) and not _square(block.selective)       # ... nor does it save one
@@ -91,11 +88,28 @@ def test_a_padding_mask_is_exact_and_saved_by_no_block():
     assert not _square(block) and not _square(block.selective)
 
 
-@pytest.mark.slow
-def test_packed_sequences_in_the_callers_position_ids_train_as_eager():
+def _positions(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+def _mistral(window: int):
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+                                            max_position_embeddings=64, use_cache=False))
+
+
+@pytest.mark.parametrize("model", ["llama", pytest.param("mistral window 6", marks=pytest.mark.slow)])
+def test_packed_sequences_in_the_callers_position_ids_train_as_eager_with_no_mask(model):
+    """Documents of other lengths in every row and step (one of a single token, one longer than
+    the window): the blocks read each token's document start, not a mask."""
     torch.manual_seed(0)
-    positions = torch.cat([torch.arange(10), torch.arange(T - 10)]).repeat(B, 1)   # two sequences per row
-    batches = [{"input_ids": _ids(i), "position_ids": positions, "labels": _ids(i)} for i in range(STEPS)]
-    engine = _train_both(models.hf_llama(layers=4, d=128), batches)
+    layouts = [[[10, T - 10], [1, 7, T - 8]], [[T], [3, 3, T - 6]], [[T - 1, 1], [12, 12]]]
+    batches = [{"input_ids": _ids(i), "position_ids": torch.stack([_positions(row) for row in layouts[i]]),
+                "labels": _ids(i)} for i in range(STEPS)]
+    engine = _train_both(models.hf_llama(layers=4, d=128) if model == "llama" else _mistral(6), batches)
     block = _block(engine)
+    assert not [m.shape for m in block.acts if len(m.shape) == 4]
     assert not _square(block) and not _square(block.selective)
+    ops = [str(n.target) for n in block.forward.gm.graph.nodes if n.op == "call_function"]
+    assert "megacompile.window_attention.default" in ops

@@ -1,7 +1,7 @@
 """Every kernel compiles for every target a hardware profile names, in the specializations the
 interpreter ran: sm_80 and sm_90 in the default tier, sm_86, sm_89, sm_100 and sm_120 in the slow one.
 
-Attention (causal, and over a sliding window) is compiled in the tiles, pipeline stages and warps
+Attention (causal, over a sliding window, within packed documents) is compiled in the tiles, pipeline stages and warps
 each target launches instead (kernels/attention.py `tiles`): under the interpreter its tiles are small and widened to fp32,
 which no GPU runs. A compile that asks for more shared memory than the target gives a block fails."""
 import dataclasses
@@ -24,10 +24,12 @@ def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
     """The attention kernels' launches as a GPU of `arch` makes them: the interpreter's recorded
     launches with that target's tiles, stages and warps, and no widening of bf16 tiles."""
     q, k, v = (torch.randn(1, 8, h, head_dim).to(dtype).transpose(1, 2) for h in (2, 1, 1))
+    starts = torch.tensor([[0, 0, 0, 3, 3, 3, 3, 3]], dtype=torch.int32)
     with record_launches() as recorded:
-        for window in (None, 3):        # causal, and a sliding window (WINDOWED specializations)
-            o, lse = attention_forward(q, k, v, True, window=window)
-            attention_backward(torch.ones_like(o), q, k, v, o, lse, True, window=window)
+        # causal, a sliding window, packed documents (the WINDOWED and DOCUMENTS specializations)
+        for window, documents in ((None, None), (3, None), (None, starts)):
+            o, lse = attention_forward(q, k, v, True, window=window, starts=documents)
+            attention_backward(torch.ones_like(o), q, k, v, o, lse, True, window=window, starts=documents)
     forward, backward = tiles(head_dim, dtype, arch)
     launches = []
     for launch in recorded.values():
@@ -41,7 +43,7 @@ def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
             constexprs["UPCAST"] = dtype == torch.float32
         launches.append(dataclasses.replace(launch, constexprs=constexprs, num_warps=cfg["num_warps"],
                                             num_stages=cfg["num_stages"]))
-    assert len(launches) == 7      # forward, key pass and dq pass twice; delta once
+    assert len(launches) == 10     # forward, key pass and dq pass three times; delta once
     return launches
 
 

@@ -69,11 +69,16 @@ def test_a_padding_mask_is_read_by_every_block_and_saved_by_none():
         assert not [m.shape for m in variant.saved if _square(m.shape, 24)]
 
 
-def test_a_callers_position_ids_keep_the_mask():
-    """They may pack several sequences in a row, which only their values tell."""
+def test_a_callers_position_ids_give_the_blocks_document_starts_not_a_mask():
+    """They may pack several sequences in a row, which only their values tell: each block reads
+    the first token of each token's document ([B, S], capture/hf_windows.py), not [B, 1, S, S]."""
     model = models.hf_llama(layers=2)
     ids = torch.zeros(2, 24, dtype=torch.long)
     positions = torch.arange(24).repeat(2, 1)
     captured = capture(model, (), {"input_ids": ids, "position_ids": positions, "labels": ids},
                        device=torch.device("cpu"), compute_dtype=torch.float32)
-    assert any(m.shape == (2, 1, 24, 24) for m in _block(captured).acts)
+    block = _block(captured)
+    assert not [m.shape for m in block.acts if _square(m.shape, 24)]
+    assert any(m.shape == (2, 24) and m.dtype == torch.int32 for m in block.acts)
+    ops = {str(n.target) for n in block.forward.gm.graph.nodes if n.op == "call_function"}
+    assert "megacompile.window_attention.default" in ops

@@ -13,7 +13,7 @@ from transformers import masking_utils
 import megacompile
 from megacompile.attention import window
 from megacompile.capture import capture
-from megacompile.capture.hf_windows import SlidingWindow, _window_attention, window_of
+from megacompile.capture.hf_windows import AttentionSpan, _span_attention, window_of
 from megacompile.cost.estimate import is_attention, node_flops
 from megacompile.cost.reserve import window_scratch
 from megacompile.kernels import outputs
@@ -82,7 +82,7 @@ def test_half_precision_on_a_gpu_runs_the_windowed_kernels(monkeypatch):
     q, k, v, do = _inputs(torch.bfloat16)
     assert window.uses_kernel(q) and not window.uses_kernel(q.float())
     ours = _ours(q, k, v, do)
-    assert called == [{"window": W}]
+    assert called == [{"window": W, "starts": None}]
     for got, want in zip(ours, _eager(q, k, v, do, torch.float64)):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
 
@@ -131,10 +131,10 @@ def test_what_the_operator_does_not_compute_gets_the_mask_the_window_stands_for(
         seen.update(mask=mask, **kwargs)
         return "transformers", None
 
-    attention = _window_attention(transformers_sdpa)
+    attention = _span_attention(transformers_sdpa)
     q, k, v, _ = _inputs()
     module = torch.nn.Module()
-    mask = SlidingWindow(W, S, B)
+    mask = AttentionSpan(W, S, B)
     out, _ = attention(module, q, k, v, mask, scaling=SCALE)
     assert out.shape == (B, S, HQ, D) and out.is_contiguous() and not seen
     for kwargs in ({"dropout": 0.1}, {"softcap": 30.0}, {"s_aux": torch.zeros(HQ)}, {"is_causal": False}):
@@ -207,3 +207,48 @@ def test_the_reserve_counts_the_reference_scratch_only_where_the_kernels_do_not_
     assert scratch(torch.float32, 128, False) == 2 * heads + 3 * chunk
     assert scratch(torch.float32, 128, True) == 4 * heads + 3 * chunk
     assert scratch(torch.bfloat16, 512, False) > 0
+
+
+def _documents_mask(starts: torch.Tensor, w: int) -> torch.Tensor:
+    keys = torch.arange(S)
+    return _band(S, w)[None, None] & (keys[None, None, None, :] >= starts[:, None, :, None])
+
+
+@pytest.mark.parametrize("path", ["host", "reference", "kernel"])
+@pytest.mark.parametrize("w", [W, S])
+def test_packed_documents_on_every_path_are_eagers_packed_mask(monkeypatch, path, w):
+    """Each query sees its own document's keys alone (a one-token document, boundaries inside
+    tiles), within a window or not (w = S: plain causal)."""
+    from kernels.reference import document_starts
+    starts = document_starts([[1, 9, 1, S - 11], [20, S - 20]])
+    dtype = torch.bfloat16 if path == "kernel" else torch.float32
+    if path != "host":
+        monkeypatch.setattr(window, "_on_gpu", lambda x: True)
+        monkeypatch.setattr(window, "CHUNK", 4)
+    q, k, v, do = _inputs(dtype)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o, _ = torch.ops.megacompile.window_attention(q, k, v, SCALE, w, starts)
+    ours = (o, *torch.autograd.grad(o, (q, k, v), do))
+    groups = HQ // HKV
+    eager_dtype = torch.float32 if path == "host" else torch.float64
+    qe, ke, ve = (t.detach().to(eager_dtype).requires_grad_() for t in (q, k, v))
+    kr = ke[:, :, None].expand(B, HKV, groups, S, D).reshape(B, HQ, S, D)
+    vr = ve[:, :, None].expand(B, HKV, groups, S, D).reshape(B, HQ, S, D)
+    oe = F.scaled_dot_product_attention(qe, kr, vr, attn_mask=_documents_mask(starts, w), scale=SCALE)
+    eager = (oe, *torch.autograd.grad(oe, (qe, ke, ve), do.to(eager_dtype)))
+    for got, want in zip(ours, eager):
+        if path == "host":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=2e-2 if path == "kernel" else 2e-6)
+
+
+def test_document_starts_follow_transformers_sequence_index():
+    from megacompile.capture.hf_windows import document_starts
+    positions = torch.tensor([[0, 1, 2, 0, 0, 1, 5, 6], [3, 4, 5, 6, 7, 8, 9, 10]])
+    from transformers.masking_utils import find_packed_sequence_indices
+    index = find_packed_sequence_indices(positions)
+    if index is None:      # one sequence per row everywhere: transformers answers None
+        index = torch.zeros_like(positions)
+    # A new sequence wherever the positions do not go up by one: 0 1 2 | 0 | 0 1 | 5 6.
+    assert document_starts(index).tolist() == [[0, 0, 0, 3, 4, 4, 6, 6], [0] * 8]
