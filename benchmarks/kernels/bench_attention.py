@@ -7,8 +7,9 @@ the backward's peak memory beside its inputs.
 
 Llama-2-7B's heads (32 x 128) and Llama-3-8B's grouped ones (32 query heads over 8) at 4 x 4096 tokens;
 a Mistral-7B sliding-window layer (window 4096) at 1 x 16384, where torch's SDPA takes transformers'
-[B, 1, S, S] boolean mask (its memory-efficient kernel) and the kernel the window as a number. Its
-TFLOPS count the (query, key) pairs the window keeps.
+[B, 1, S, S] boolean mask (its memory-efficient kernel) and the kernel the window as a number; and
+16 documents of 1024 tokens packed in a row of 16384, the mask block-diagonal and the kernel given
+each token's document start. Their TFLOPS count the (query, key) pairs the window or documents keep.
 """
 import sys
 
@@ -63,6 +64,34 @@ def _window_points(smoke: bool) -> list[Point]:
                  "sdpa (mask)": masked, "eager": reference, "compile": compiled(reference)}
         out.append(Point("attention_window", f"{batch}x{hq}/{hkv}x{seq}x{dim} w{window}", dtype, make, impls,
                          flops_fwd_bwd=14.0 * batch * hq * pairs * dim))
+    return out + _document_points(smoke)
+
+
+def _document_points(smoke: bool) -> list[Point]:
+    """Documents packed in a row (TRL's and `packing: isolated`'s rows): 16 of 1024 tokens in 16384,
+    against SDPA with the block-diagonal mask transformers builds from the position ids."""
+    batch, hq, hkv, dim, lengths = (1, 4, 2, 16, [5, 1, 31]) if smoke else (1, 32, 8, 128, [1024] * 16)
+    seq = sum(lengths)
+    starts = ref.document_starts([lengths])
+
+    def masked(q, k, v):
+        keys = torch.arange(seq, device=q.device)
+        mask = (keys[None, :] <= keys[:, None]) & (keys[None, :] >= starts.to(q.device)[0, :, None])
+        groups = hq // hkv
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                              attn_mask=mask)
+
+    reference = lambda q, k, v: ref.attention_ref(q, k, v, True, starts=starts.to(q.device))  # noqa: E731
+    pairs = sum(n * (n + 1) / 2 for n in lengths)
+    out = []
+    for dtype in (torch.bfloat16,) if not smoke else (torch.float32, torch.bfloat16):
+        def make(dtype=dtype):
+            return tuple(torch.randn(batch, seq, h, dim, device=device(), dtype=dtype).transpose(1, 2)
+                         .requires_grad_() for h in (hq, hkv, hkv))
+        impls = {"megacompile": lambda q, k, v: kernel.attention(q, k, v, True, starts=starts.to(q.device)),
+                 "sdpa (mask)": masked, "eager": reference, "compile": compiled(reference)}
+        out.append(Point("attention_documents", f"{batch}x{hq}/{hkv}x{seq}x{dim} {len(lengths)} docs", dtype, make,
+                         impls, flops_fwd_bwd=14.0 * batch * hq * pairs * dim))
     return out
 
 
