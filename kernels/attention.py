@@ -18,7 +18,9 @@ w (causal only) keeps the last w of those, i - w < j <= i, as transformers' slid
 do; the tiles wholly outside it are skipped, so its work grows with S * w, not S^2. Documents
 packed in a row (causal only) are given as `starts` [B, S], the first key of each query's
 document (non-decreasing along a row): query i then sees keys starts[i] <= j <= i, so no document
-sees another, as transformers' packed-sequence mask does.
+sees another, as transformers' packed-sequence mask does. Padding is given as `kept` [B, S] (bool,
+a 2D attention_mask): a key of a row is seen only where it is kept; a query that then sees no key
+(left padding) gets o = 0 and no gradient, as torch's SDPA gives it.
 
 Bytes, b per element, n = B*S*Hq*D, causal halving the tile pairs: the forward reads q once and
 k, v once per query tile, writes o; the backward reads k, v once, q, do, lse, delta once per key
@@ -92,11 +94,21 @@ def _keys_end(S, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _seen(rows, keys, S, CAUSAL: tl.constexpr, WINDOW, WINDOWED: tl.constexpr, first, DOCUMENTS: tl.constexpr):
-    """[rows, keys]: the keys each query row sees, those in the sequence and, causal, none after it;
-    in a window, none WINDOW or more before it; in documents, none before `first` (its document's
-    first key). Padding rows past S are never stored."""
-    keep = keys[None, :] < S
+def _kept(kept_ptr, b, keys, S, PADDED: tl.constexpr):
+    """Which of `keys` the batch row keeps (all without padding)."""
+    if PADDED:
+        return tl.load(kept_ptr + b * S + keys, mask=keys < S, other=0) != 0
+    else:
+        return keys < S
+
+
+@triton.jit
+def _seen(rows, keys, S, CAUSAL: tl.constexpr, WINDOW, WINDOWED: tl.constexpr, first, DOCUMENTS: tl.constexpr,
+          kept):
+    """[rows, keys]: the keys each query row sees, those in the sequence and kept and, causal, none
+    after it; in a window, none WINDOW or more before it; in documents, none before `first` (its
+    document's first key). Padding rows past S are never stored."""
+    keep = (keys[None, :] < S) & kept[None, :]
     if CAUSAL:
         keep = keep & (keys[None, :] <= rows[:, None])
     if WINDOWED:
@@ -108,10 +120,11 @@ def _seen(rows, keys, S, CAUSAL: tl.constexpr, WINDOW, WINDOWED: tl.constexpr, f
 
 @triton.jit
 def attention_forward_kernel(
-    o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, starts_ptr,
+    o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, starts_ptr, kept_ptr,
     S, D, HQ, GROUPS, scale, WINDOW,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
-    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b, h, kvh, rows, dims = _query_tile(HQ, GROUPS, BLOCK_M, BLOCK_D)
@@ -126,8 +139,8 @@ def attention_forward_kernel(
         keys = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
-        s = tl.where(_seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS),
-                     _dot(q, tl.trans(k), UPCAST, IEEE) * scale, float("-inf"))
+        seen = _seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS, _kept(kept_ptr, b, keys, S, PADDED))
+        s = tl.where(seen, _dot(q, tl.trans(k), UPCAST, IEEE) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # A row that has seen no key yet (in a window, a tile wholly before it) keeps m = -inf:
         # shift by 0 there, so its terms are exp(-inf) = 0, not exp(-inf + inf).
@@ -137,7 +150,7 @@ def attention_forward_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
         m = m_new
-    # Every row sees itself, so denom > 0; only padding rows past S, never stored, may see no key.
+    # A row that saw no key (past S, or all its keys padding) has denom 0: o = 0 there, lse -inf.
     denom = tl.where(denom > 0.0, denom, 1.0)
     o = acc / denom[:, None]
     tl.store(o_ptr + b * sob + h * soh + rows.to(tl.int64)[:, None] * sos + dims[None, :],
@@ -160,11 +173,12 @@ def attention_delta_kernel(
 
 @triton.jit
 def attention_backward_kv_kernel(
-    dk_ptr, dv_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, starts_ptr,
+    dk_ptr, dv_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, starts_ptr, kept_ptr,
     S, D, HQ, HKV, GROUPS, scale, WINDOW,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls,
     sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dk, dv of one key tile of one key/value head, summed over the query heads of its group."""
@@ -176,6 +190,7 @@ def attention_backward_kv_kernel(
     v = _tile(v_ptr, b.to(tl.int64) * svb + kvh.to(tl.int64) * svh, keys, dims, svs, S, D)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    kept = _kept(kept_ptr, b.to(tl.int64), keys, S, PADDED)
     start, end = 0, S
     if CAUSAL:
         start = (tl.program_id(0) * BLOCK_N // BLOCK_M) * BLOCK_M    # query tiles below the diagonal
@@ -194,7 +209,7 @@ def attention_backward_kv_kernel(
             lse = tl.load(lse_ptr + row_base + rows.to(tl.int64) * sls, mask=rows < S, other=0.0)
             delta = tl.load(delta_ptr + (b * HQ + h).to(tl.int64) * S + rows, mask=rows < S, other=0.0)
             st = _dot(k, tl.trans(q), UPCAST, IEEE) * scale                      # [keys, rows]
-            seen = _seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS)
+            seen = _seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS, kept)
             pt = tl.where(tl.trans(seen), tl.exp(st - lse[None, :]), 0.0)
             dv += _dot(pt.to(do.dtype), do, UPCAST, IEEE)
             dpt = _dot(v, tl.trans(do), UPCAST, IEEE)
@@ -210,10 +225,11 @@ def attention_backward_kv_kernel(
 
 @triton.jit
 def attention_backward_q_kernel(
-    dq_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, starts_ptr,
+    dq_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, starts_ptr, kept_ptr,
     S, D, HQ, GROUPS, scale, WINDOW,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls, sdqb, sdqh, sdqs,
-    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dq of one query tile of one head."""
@@ -231,7 +247,8 @@ def attention_backward_q_kernel(
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
         s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
-        p = tl.where(_seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS), tl.exp(s - lse[:, None]), 0.0)
+        seen = _seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS, _kept(kept_ptr, b, keys, S, PADDED))
+        p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, IEEE)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST, IEEE)
@@ -300,23 +317,25 @@ def _window(causal: bool, window: int | None, seq: int) -> int:
     return window
 
 
-def _starts(causal: bool, starts: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    """The documents' first keys as the kernels read them ([B, S] contiguous), or q standing in
-    for a pointer the kernels never read."""
-    if starts is None:
+def _per_key(rows: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """A [B, S] operand as the kernels read it (contiguous), or q standing in for a pointer the
+    kernels never read."""
+    if rows is None:
         return q
-    assert causal and starts.shape == (q.shape[0], q.shape[2]) and not starts.is_floating_point(), starts.shape
-    return starts.contiguous()
+    assert rows.shape == (q.shape[0], q.shape[2]) and not rows.is_floating_point(), rows.shape
+    return rows.contiguous()
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
                       out_stride=None, lse_stride=None, window: int | None = None,
-                      starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      starts: torch.Tensor | None = None, kept: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, Hq, S, D] in q.dtype, lse [B, Hq, S] float32); results at the strides asked (o: the
     flash layout by default, lse: contiguous)."""
     batch, hq, hkv, seq, dim = _check(q, k, v)
     window = _window(causal, window, seq)
-    documents = _starts(causal, starts, q)
+    assert causal or starts is None
+    documents, padding = _per_key(starts, q), _per_key(kept, q)
     scale = dim ** -0.5 if scale is None else scale
     o = outputs.empty_strided(q.shape, out_stride or heads_layout(batch, hq, seq, dim), dtype=q.dtype, device=q.device)
     lse = outputs.empty_strided((batch, hq, seq), lse_stride or (hq * seq, seq, 1), dtype=torch.float32,
@@ -325,21 +344,23 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     upcast, ieee = _modes(q.dtype)
     if o.numel():
         attention_forward_kernel[(triton.cdiv(seq, cfg["BLOCK_M"]), batch * hq)](
-            o, lse, q, k, v, documents, seq, dim, hq, hq // hkv, scale, window,
+            o, lse, q, k, v, documents, padding, seq, dim, hq, hq // hkv, scale, window,
             *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o), *lse.stride(),
-            CAUSAL=causal, WINDOWED=window > 0, DOCUMENTS=starts is not None, UPCAST=upcast, IEEE=ieee, **cfg)
+            CAUSAL=causal, WINDOWED=window > 0, DOCUMENTS=starts is not None, PADDED=kept is not None,
+            UPCAST=upcast, IEEE=ieee, **cfg)
     return o, lse
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, causal: bool, scale: float | None = None,
                        dq_stride=None, dk_stride=None, dv_stride=None, window: int | None = None,
-                       starts: torch.Tensor | None = None):
+                       starts: torch.Tensor | None = None, kept: torch.Tensor | None = None):
     """(dq, dk, dv, delta): the gradients at the strides asked (the flash layout by default) and
     delta = rowsum(do * o), float32 [B, Hq, S], the passes' one temporary."""
     batch, hq, hkv, seq, dim = _check(q, k, v)
     window = _window(causal, window, seq)
-    documents = _starts(causal, starts, q)
+    assert causal or starts is None
+    documents, padding = _per_key(starts, q), _per_key(kept, q)
     scale = dim ** -0.5 if scale is None else scale
     delta = outputs.empty((batch, hq, seq), dtype=torch.float32, device=q.device)
     dq = outputs.empty_strided(q.shape, dq_stride or heads_layout(batch, hq, seq, dim), dtype=q.dtype, device=q.device)
@@ -349,42 +370,45 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         return dq, dk, dv, delta
     _, cfg = tiles(dim, q.dtype, _arch(q.device))
     upcast, ieee = _modes(q.dtype)
-    flags = dict(CAUSAL=causal, WINDOWED=window > 0, DOCUMENTS=starts is not None, UPCAST=upcast, IEEE=ieee)
+    flags = dict(CAUSAL=causal, WINDOWED=window > 0, DOCUMENTS=starts is not None, PADDED=kept is not None,
+                 UPCAST=upcast, IEEE=ieee)
     launch = {key: value for key, value in cfg.items() if key.startswith("num_")}
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride())
     rows, keys, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     attention_delta_kernel[(triton.cdiv(seq, keys), batch * hq)](
         delta, o, do, seq, dim, hq, *_strides4(o), *_strides4(do), BLOCK_M=keys, BLOCK_D=block_d, **launch)
     attention_backward_kv_kernel[(triton.cdiv(seq, keys), batch * hkv)](
-        dk, dv, q, k, v, do, lse, delta, documents, seq, dim, hq, hkv, hq // hkv, scale, window, *common,
+        dk, dv, q, k, v, do, lse, delta, documents, padding, seq, dim, hq, hkv, hq // hkv, scale, window, *common,
         *_strides4(dk), *_strides4(dv), **flags, BLOCK_M=rows, BLOCK_N=keys, BLOCK_D=block_d, **launch)
     # The dq pass: tall query tiles (the key pass's BLOCK_N) against short key steps (its BLOCK_M).
     attention_backward_q_kernel[(triton.cdiv(seq, keys), batch * hq)](
-        dq, q, k, v, do, lse, delta, documents, seq, dim, hq, hq // hkv, scale, window, *common, *_strides4(dq), **flags,
+        dq, q, k, v, do, lse, delta, documents, padding, seq, dim, hq, hq // hkv, scale, window, *common,
+        *_strides4(dq), **flags,
         BLOCK_M=keys, BLOCK_N=rows, BLOCK_D=block_d, **launch)
     return dq, dk, dv, delta
 
 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window, starts):
-        o, lse = attention_forward(q, k, v, causal, scale, window=window, starts=starts)
+    def forward(ctx, q, k, v, causal, scale, window, starts, kept):
+        o, lse = attention_forward(q, k, v, causal, scale, window=window, starts=starts, kept=kept)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.window, ctx.starts = causal, scale, window, starts
+        ctx.causal, ctx.scale, ctx.window, ctx.starts, ctx.kept = causal, scale, window, starts, kept
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv, _ = attention_backward(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, o, lse,
-                                           ctx.causal, ctx.scale, window=ctx.window, starts=ctx.starts)
-        return dq, dk, dv, None, None, None, None
+                                           ctx.causal, ctx.scale, window=ctx.window, starts=ctx.starts, kept=ctx.kept)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: float | None = None, window: int | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float | None = None, window: int | None = None, starts: torch.Tensor | None = None,
+              kept: torch.Tensor | None = None) -> torch.Tensor:
     """scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True) for
     q [B, Hq, S, D], k and v [B, Hkv, S, D], each query seeing only its last `window` keys if
-    given, and only the keys of its own document if `starts` ([B, S], each query's document's
-    first key) is; differentiable in q, k and v."""
-    return AttentionFunction.apply(q, k, v, causal, scale, window, starts)
+    given, only the keys of its own document if `starts` ([B, S], each query's document's first
+    key) is, and only the keys `kept` ([B, S] bool) holds if it is; differentiable in q, k and v."""
+    return AttentionFunction.apply(q, k, v, causal, scale, window, starts, kept)

@@ -148,7 +148,16 @@ def _documents(batch: int, seq: int) -> list[list[int]]:
     return [[*first, seq - sum(first)], *[[seq]] * (batch - 1)]
 
 
-def _case_attention(causal: bool, window: int | None = None, documents: bool = False):
+def _padding(batch: int, seq: int) -> torch.Tensor:
+    """[B, S] bool: row 0 padded on the left (its first queries see no key: o = 0, no gradient),
+    row 1 on the right, the others not at all."""
+    kept = torch.ones(batch, seq, dtype=torch.bool)
+    kept[0, :3] = False
+    kept[min(1, batch - 1), seq - 4:] = False
+    return kept
+
+
+def _case_attention(causal: bool, window: int | None = None, documents: bool = False, padded: bool = False):
     """Grouped-query heads (3 query heads per key/value head), a sequence no tile divides, q, k, v
     as HF makes them ([B, S, H, D] projections viewed [B, H, S, D]); a window (causal) shorter than
     a tile, so tiles hold rows that see none of a key tile; documents packed in a row."""
@@ -158,8 +167,9 @@ def _case_attention(causal: bool, window: int | None = None, documents: bool = F
         q, k, v = (_randn(batch, seq, h, dim, dtype=dtype, gen=gen).transpose(1, 2) for h in (hq, hkv, hkv))
         scale = 0.7 / math.sqrt(dim)
         starts = ref.document_starts(_documents(batch, seq)) if documents else None
-        return compare_autograd(lambda q, k, v: attention(q, k, v, causal, scale, window, starts),
-                                lambda q, k, v: ref.attention_ref(q, k, v, causal, scale, window, starts),
+        kept = _padding(batch, seq) if padded else None
+        return compare_autograd(lambda q, k, v: attention(q, k, v, causal, scale, window, starts, kept),
+                                lambda q, k, v: ref.attention_ref(q, k, v, causal, scale, window, starts, kept),
                                 (q, k, v), (0, 1, 2))
     return case
 
@@ -251,6 +261,7 @@ CASES = [
     ("attention(window)", _case_attention(True, window=3), DTYPES, TOLERANCE),
     ("attention(documents)", _case_attention(True, documents=True), DTYPES, TOLERANCE),
     ("attention(win,docs)", _case_attention(True, window=3, documents=True), DTYPES, TOLERANCE),
+    ("attention(padded)", _case_attention(True, window=3, padded=True), DTYPES, TOLERANCE),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),

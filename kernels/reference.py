@@ -67,17 +67,19 @@ def document_starts(lengths: list[list[int]], device=None) -> torch.Tensor:
 
 
 def attention_ref(q, k, v, causal: bool = True, scale: float | None = None, window: int | None = None,
-                  starts: torch.Tensor | None = None) -> torch.Tensor:
+                  starts: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
     """scaled_dot_product_attention's math in fp32, key/value heads repeated for each query group;
     with a window, the causal band of window_mask as the mask; with documents' `starts`, no key
-    before a query's document's first."""
+    before a query's document's first; with `kept` ([B, S] bool), no key it does not keep."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(groups, dim=1), v.float().repeat_interleave(groups, dim=1)
-    if window or starts is not None:
+    if window or starts is not None or kept is not None:
         seq = q.shape[2]
         mask = window_mask(seq, window or seq, q.device)[None, None]
         if starts is not None:
             mask = mask & (torch.arange(seq, device=q.device)[None, None, None, :] >= starts[:, None, :, None])
+        if kept is not None:
+            mask = mask & kept[:, None, None, :]
         return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale).to(q.dtype)
     return F.scaled_dot_product_attention(q.float(), k, v, is_causal=causal, scale=scale).to(q.dtype)
 

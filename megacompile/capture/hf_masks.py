@@ -12,9 +12,9 @@ What capture does know is whether the caller passed position_ids. When it did no
 made them from its input length, so they are consecutive and the check's answer is known: no
 packing. `causal_attention_without_mask` gives transformers that answer for the duration of the
 trace, and the model traces the path it runs eagerly. A caller's own position_ids (which may
-pack sequences) give packed documents, which hf_windows.py turns into each token's document start;
-an attention_mask (whose values are unknown, all ones or not) keeps the mask; split.py then
-recomputes what each block derives from it instead of saving it.
+pack sequences) give packed documents, which hf_windows.py turns into each token's document start,
+and an attention_mask (whose values are unknown, all ones or not) becomes the keys each row keeps;
+a mask that stays is recomputed by each block from what it derives from it (split.py).
 """
 from __future__ import annotations
 

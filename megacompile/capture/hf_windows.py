@@ -1,9 +1,9 @@
 """Hugging Face attention spans under capture: a window and documents as numbers, no [B, 1, S, S] mask.
 
 Transformers runs a sliding-window layer (Mistral, Qwen2 with use_sliding_window, Gemma 3's local
-layers, Cohere 2, OLMo 3, EXAONE 4), and any layer of a model given position_ids that may pack
-several documents in a row, through SDPA with a boolean mask the model builds once from its mask
-function: B S^2 bytes that stay on the device from the prologue to the last backward, and the
+layers, Cohere 2, OLMo 3, EXAONE 4), any layer of a model given position_ids that may pack several
+documents in a row, and any layer of a model given a 2D attention_mask (padding), through SDPA
+with a boolean mask the model builds once from its mask function: B S^2 bytes that stay on the device from the prologue to the last backward, and the
 additive mask SDPA makes of it in every layer (2 B S^2 in bf16, which an explicit mask also keeps
 off the flash kernels). At 16 x 4096 that is 256 + 512 MiB; at 128k tokens, 16 GiB for the boolean
 alone.
@@ -14,16 +14,16 @@ back after), and so are the three mask-function factories a packed-sequence mask
 call the originals and remember their parts:
   - where the mask asked for is exactly a causal band over the whole sequence (checked by
     evaluating the model's own mask function on real indices, not by reading its config),
-    optionally intersected with the packed-sequence mask of the position_ids, and there is no
-    padding mask and no offset, the mask function returns an `AttentionSpan`: the window, and for
-    packed documents the first key of each query's document ([B, S] integers computed in the trace
-    from transformers' own sequence indices);
+    optionally intersected with the packed-sequence mask of the position_ids or with a [B, S]
+    padding mask, and there is no offset, the mask function returns an `AttentionSpan`: the
+    window, for packed documents the first key of each query's document ([B, S] integers computed
+    in the trace from transformers' own sequence indices), for padding the attention_mask itself;
   - the attention function records `megacompile::window_attention` (megacompile/attention/
     window.py) for an `AttentionSpan`; what that operator does not compute (dropout, softcapping,
     attention sinks, a position bias, queries of another length) runs transformers' own SDPA path
     on the mask the span stands for, built in the layer.
-Anything else (overlays such as Gemma 3's bidirectional image spans, chunked attention, padding)
-goes to transformers' functions unchanged.
+Anything else (overlays such as Gemma 3's bidirectional image spans, chunked attention, a mask
+of another shape) goes to transformers' functions unchanged.
 """
 from __future__ import annotations
 
@@ -43,11 +43,13 @@ from ..attention import window as _registers_window_attention  # noqa: F401 - th
 @dataclass(frozen=True, eq=False)
 class AttentionSpan:
     """What a layer's attention_mask is while capturing: query i of `length` sees keys
-    max(i - window + 1, starts[b, i]) <= j <= i (starts None: from 0), for each row b of `batch`."""
+    max(i - window + 1, starts[b, i]) <= j <= i (starts None: from 0) that kept[b, j] keeps (kept
+    None: all), for each row b of `batch`."""
     window: int
     length: int
     batch: int
     starts: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
 
     def mask(self, device) -> torch.Tensor:
         """The [B, 1, S, S] boolean transformers would have built (True: attended)."""
@@ -56,12 +58,15 @@ class AttentionSpan:
         seen = ((lag >= 0) & (lag < self.window)).expand(self.batch, 1, self.length, self.length)
         if self.starts is not None:
             seen = seen & (keys[None, None, None, :] >= self.starts[:, None, :, None])
+        if self.kept is not None:
+            seen = seen & self.kept[:, None, None, :]
         return seen
 
 
-# The starts are a tensor the blocks read: the span flattens to it, so a block call takes it as an input.
-pytree.register_pytree_node(AttentionSpan, lambda s: ([s.starts], (s.window, s.length, s.batch)),
-                            lambda children, context: AttentionSpan(*context, children[0]),
+# The starts and kept keys are tensors the blocks read: the span flattens to them, so a block call
+# takes them as inputs.
+pytree.register_pytree_node(AttentionSpan, lambda s: ([s.starts, s.kept], (s.window, s.length, s.batch)),
+                            lambda children, context: AttentionSpan(*context, *children),
                             serialized_type_name="megacompile.capture.hf_windows.AttentionSpan")
 
 
@@ -140,18 +145,25 @@ def document_starts(sequence_index: torch.Tensor) -> torch.Tensor:
 
 
 def _span(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask) -> AttentionSpan | None:
-    if not (attention_mask is None and mask_function is not None and q_offset == 0 and kv_offset == 0
+    if not (mask_function is not None and q_offset == 0 and kv_offset == 0
             and isinstance(q_length, int) and q_length == kv_length and isinstance(batch_size, int)):
+        return None
+    rows = (batch_size, kv_length)
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
+                                           and attention_mask.dtype == torch.bool
+                                           and tuple(attention_mask.shape) == rows):
         return None
     packed = _packed(mask_function)
     if packed is not None:
         band, sequence_index = packed
         window = band_of(band, batch_size, kv_length)
-        if window is None or tuple(sequence_index.shape) != (batch_size, kv_length):
+        if window is None or tuple(sequence_index.shape) != rows:
             return None
-        return AttentionSpan(window, kv_length, batch_size, document_starts(sequence_index))
-    window = window_of(mask_function, batch_size, kv_length)
-    return None if window is None else AttentionSpan(window, kv_length, batch_size)
+        return AttentionSpan(window, kv_length, batch_size, document_starts(sequence_index), attention_mask)
+    # With padding even a plain causal band needs the span; without, a plain one needs no mask at all.
+    window = band_of(mask_function, batch_size, kv_length) if attention_mask is not None else \
+        window_of(mask_function, batch_size, kv_length)
+    return None if window is None else AttentionSpan(window, kv_length, batch_size, kept=attention_mask)
 
 
 def _span_mask(original):
@@ -183,7 +195,7 @@ def _span_attention(original):
             if _computes(module, query, key, value, span, dropout, is_causal, position_bias, kwargs):
                 scale = query.shape[-1] ** -0.5 if scaling is None else scaling
                 out, _lse = torch.ops.megacompile.window_attention(query, key, value, float(scale), span.window,
-                                                                   span.starts)
+                                                                   span.starts, span.kept)
                 return out.transpose(1, 2).contiguous(), None
             attention_mask = span.mask(query.device)
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

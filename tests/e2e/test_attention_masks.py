@@ -1,8 +1,7 @@
 """Parity on every mask path capture takes for Hugging Face decoders: no mask (SDPA with
 is_causal), a sliding window and packed documents in the caller's position_ids (no mask either:
 megacompile::window_attention with the window as a number and each token's document start) and a
-padding mask (a mask from the prologue, built from the caller's [B, S] attention_mask, redone in
-each block's backward)."""
+padding mask (the caller's [B, S] attention_mask, read by every block as the keys it keeps)."""
 from __future__ import annotations
 
 import pytest
@@ -75,16 +74,23 @@ def test_a_sliding_window_trains_as_eager_with_no_mask_at_all():
     assert "megacompile.window_attention.default" in ops and not any("scaled_dot_product" in op for op in ops)
 
 
-def test_a_padding_mask_is_exact_and_saved_by_no_block():
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_padding_mask_trains_as_eager_with_no_square_mask(side):
+    """Left padding leaves the first queries of a row no key to see: o = 0 and no gradient there,
+    as torch's SDPA gives them."""
     torch.manual_seed(0)
     batches = []
     for i in range(STEPS):
         ids = _ids(i)
         mask = torch.ones(B, T, dtype=torch.long)
-        mask[1, T - 5 - i:] = 0                            # right padding, a different length each step
+        if side == "right":
+            mask[1, T - 5 - i:] = 0                        # a different length each step
+        else:
+            mask[1, :5 + i] = 0
         batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     engine = _train_both(models.hf_llama(layers=4, d=128), batches)
     block = _block(engine)
+    assert not [m.shape for m in block.acts if len(m.shape) == 4]
     assert not _square(block) and not _square(block.selective)
 
 

@@ -1,7 +1,7 @@
 """Every kernel compiles for every target a hardware profile names, in the specializations the
 interpreter ran: sm_80 and sm_90 in the default tier, sm_86, sm_89, sm_100 and sm_120 in the slow one.
 
-Attention (causal, over a sliding window, within packed documents) is compiled in the tiles, pipeline stages and warps
+Attention (causal, over a sliding window, within packed documents, over padding) is compiled in the tiles, pipeline stages and warps
 each target launches instead (kernels/attention.py `tiles`): under the interpreter its tiles are small and widened to fp32,
 which no GPU runs. A compile that asks for more shared memory than the target gives a block fails."""
 import dataclasses
@@ -25,11 +25,14 @@ def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
     launches with that target's tiles, stages and warps, and no widening of bf16 tiles."""
     q, k, v = (torch.randn(1, 8, h, head_dim).to(dtype).transpose(1, 2) for h in (2, 1, 1))
     starts = torch.tensor([[0, 0, 0, 3, 3, 3, 3, 3]], dtype=torch.int32)
+    kept = torch.tensor([[False, True, True, True, True, True, True, True]])
     with record_launches() as recorded:
-        # causal, a sliding window, packed documents (the WINDOWED and DOCUMENTS specializations)
-        for window, documents in ((None, None), (3, None), (None, starts)):
-            o, lse = attention_forward(q, k, v, True, window=window, starts=documents)
-            attention_backward(torch.ones_like(o), q, k, v, o, lse, True, window=window, starts=documents)
+        # causal, a sliding window, packed documents, padding (WINDOWED, DOCUMENTS, PADDED)
+        for window, documents, padding in ((None, None, None), (3, None, None), (None, starts, None),
+                                           (3, None, kept)):
+            o, lse = attention_forward(q, k, v, True, window=window, starts=documents, kept=padding)
+            attention_backward(torch.ones_like(o), q, k, v, o, lse, True, window=window, starts=documents,
+                               kept=padding)
     forward, backward = tiles(head_dim, dtype, arch)
     launches = []
     for launch in recorded.values():
@@ -43,7 +46,7 @@ def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
             constexprs["UPCAST"] = dtype == torch.float32
         launches.append(dataclasses.replace(launch, constexprs=constexprs, num_warps=cfg["num_warps"],
                                             num_stages=cfg["num_stages"]))
-    assert len(launches) == 10     # forward, key pass and dq pass three times; delta once
+    assert len(launches) == 13     # forward, key pass and dq pass four times; delta once
     return launches
 
 

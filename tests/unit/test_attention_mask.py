@@ -1,6 +1,7 @@
 """No block holds an S x S attention mask: capture traces Hugging Face decoders onto SDPA with
-is_causal when the model is called without a mask, and a block redoes what it derives from a
-mask it is given instead of saving it (capture/hf_masks.py, capture/split.py)."""
+is_causal when the model is called without a mask, onto megacompile::window_attention with the
+keys each query may see as numbers for sliding windows, packed documents and padding
+(capture/hf_masks.py, capture/hf_windows.py)."""
 from __future__ import annotations
 
 import pytest
@@ -57,16 +58,21 @@ def test_without_a_mask_a_hf_block_attends_with_is_causal():
     assert all(len(m.shape) < 4 for m in block.acts)
 
 
-def test_a_padding_mask_is_read_by_every_block_and_saved_by_none():
+def test_a_padding_mask_reaches_every_block_as_the_keys_it_keeps():
+    """A [B, S] attention_mask: each block reads it as a bool [B, S] and attends with
+    megacompile::window_attention (capture/hf_windows.py), no [B, 1, S, S] anywhere."""
     model = models.hf_llama(layers=2)
     ids = torch.zeros(2, 24, dtype=torch.long)
     mask = torch.ones(2, 24, dtype=torch.long)
     captured = capture(model, (), {"input_ids": ids, "attention_mask": mask, "labels": ids},
                        device=torch.device("cpu"), compute_dtype=torch.float32)
     block = _block(captured)
-    assert any(m.shape == (2, 1, 24, 24) for m in block.acts)
+    assert any(m.shape == (2, 24) and m.dtype == torch.bool for m in block.acts)
+    assert not [m.shape for m in block.acts if _square(m.shape, 24)]
     for variant in (block, block.selective):
         assert not [m.shape for m in variant.saved if _square(m.shape, 24)]
+    ops = {str(n.target) for n in block.forward.gm.graph.nodes if n.op == "call_function"}
+    assert "megacompile.window_attention.default" in ops
 
 
 def test_a_callers_position_ids_give_the_blocks_document_starts_not_a_mask():

@@ -82,7 +82,7 @@ def test_half_precision_on_a_gpu_runs_the_windowed_kernels(monkeypatch):
     q, k, v, do = _inputs(torch.bfloat16)
     assert window.uses_kernel(q) and not window.uses_kernel(q.float())
     ours = _ours(q, k, v, do)
-    assert called == [{"window": W, "starts": None}]
+    assert called == [{"window": W, "starts": None, "kept": None}]
     for got, want in zip(ours, _eager(q, k, v, do, torch.float64)):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
 
@@ -216,26 +216,38 @@ def _documents_mask(starts: torch.Tensor, w: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("path", ["host", "reference", "kernel"])
 @pytest.mark.parametrize("w", [W, S])
-def test_packed_documents_on_every_path_are_eagers_packed_mask(monkeypatch, path, w):
-    """Each query sees its own document's keys alone (a one-token document, boundaries inside
-    tiles), within a window or not (w = S: plain causal)."""
+@pytest.mark.parametrize("kind", ["documents", "padding"])
+def test_packed_documents_and_padding_on_every_path_are_eagers_mask(monkeypatch, path, w, kind):
+    """Documents: each query sees its own document's keys alone (a one-token document, boundaries
+    inside tiles). Padding: row 0 padded on the left (its first queries see no key: o = 0 and no
+    gradient, as eager's), row 1 on the right. Within a window or not (w = S: plain causal)."""
     from kernels.reference import document_starts
-    starts = document_starts([[1, 9, 1, S - 11], [20, S - 20]])
+    starts = document_starts([[1, 9, 1, S - 11], [20, S - 20]]) if kind == "documents" else None
+    kept = None
+    if kind == "padding":
+        kept = torch.ones(B, S, dtype=torch.bool)
+        kept[0, :7], kept[1, S - 9:] = False, False
     dtype = torch.bfloat16 if path == "kernel" else torch.float32
     if path != "host":
         monkeypatch.setattr(window, "_on_gpu", lambda x: True)
         monkeypatch.setattr(window, "CHUNK", 4)
     q, k, v, do = _inputs(dtype)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    o, _ = torch.ops.megacompile.window_attention(q, k, v, SCALE, w, starts)
+    o, _ = torch.ops.megacompile.window_attention(q, k, v, SCALE, w, starts, kept)
     ours = (o, *torch.autograd.grad(o, (q, k, v), do))
     groups = HQ // HKV
     eager_dtype = torch.float32 if path == "host" else torch.float64
     qe, ke, ve = (t.detach().to(eager_dtype).requires_grad_() for t in (q, k, v))
     kr = ke[:, :, None].expand(B, HKV, groups, S, D).reshape(B, HQ, S, D)
     vr = ve[:, :, None].expand(B, HKV, groups, S, D).reshape(B, HQ, S, D)
-    oe = F.scaled_dot_product_attention(qe, kr, vr, attn_mask=_documents_mask(starts, w), scale=SCALE)
+    if starts is not None:
+        mask = _documents_mask(starts, w)
+    else:
+        mask = _band(S, w)[None, None] & kept[:, None, None, :]
+    oe = F.scaled_dot_product_attention(qe, kr, vr, attn_mask=mask, scale=SCALE)
     eager = (oe, *torch.autograd.grad(oe, (qe, ke, ve), do.to(eager_dtype)))
+    if kind == "padding":
+        assert (ours[0][0, :, :7] == 0).all() and (ours[1][0, :, :7] == 0).all()    # no key seen: o = 0, dq = 0
     for got, want in zip(ours, eager):
         if path == "host":
             assert torch.equal(got, want)
