@@ -264,3 +264,14 @@ def test_document_starts_follow_transformers_sequence_index():
         index = torch.zeros_like(positions)
     # A new sequence wherever the positions do not go up by one: 0 1 2 | 0 | 0 1 | 5 6.
     assert document_starts(index).tolist() == [[0, 0, 0, 3, 4, 4, 6, 6], [0] * 8]
+
+
+def test_operands_the_operator_cannot_read_are_named():
+    from megacompile.errors import CaptureError
+    q, k, v, _ = _inputs()
+    for bad in (dict(window=0), dict(starts=torch.zeros(B, S + 1, dtype=torch.int32)),
+                dict(starts=torch.zeros(B, S)), dict(kept=torch.ones(B, S, dtype=torch.long))):
+        args = dict(window=W, starts=None, kept=None) | bad
+        with pytest.raises(CaptureError, match="window_attention takes") as refused:
+            torch.ops.megacompile.window_attention(q, k, v, SCALE, args["window"], args["starts"], args["kept"])
+        assert f"window {args['window']}" in str(refused.value)
