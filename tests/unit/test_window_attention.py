@@ -221,7 +221,7 @@ def test_packed_documents_and_padding_on_every_path_are_eagers_mask(monkeypatch,
     """Documents: each query sees its own document's keys alone (a one-token document, boundaries
     inside tiles). Padding: row 0 padded on the left (its first queries see no key: o = 0 and no
     gradient, as eager's), row 1 on the right. Within a window or not (w = S: plain causal)."""
-    from kernels.reference import document_starts
+    from megacompile.kernels.reference import document_starts
     starts = document_starts([[1, 9, 1, S - 11], [20, S - 20]]) if kind == "documents" else None
     kept = None
     if kind == "padding":
