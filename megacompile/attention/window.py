@@ -59,8 +59,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, start
 
 
 def _heads_layout(t: torch.Tensor) -> tuple[int, int, int, int]:
-    batch, heads, seq, dim = t.shape
-    return seq * heads * dim, dim, heads * dim, 1
+    """The flash ops' result layout, as the kernels make it."""
+    from ..kernels.attention import heads_layout
+    return heads_layout(*t.shape)
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
