@@ -20,7 +20,11 @@ packed in a row (causal only) are given as `starts` [B, S], the first key of eac
 document (non-decreasing along a row): query i then sees keys starts[i] <= j <= i, so no document
 sees another, as transformers' packed-sequence mask does. Padding is given as `kept` [B, S] (bool,
 a 2D attention_mask): a key of a row is seen only where it is kept; a query that then sees no key
-(left padding) gets o = 0 and no gradient, as torch's SDPA gives it.
+(left padding) gets o = 0 and no gradient, as torch's SDPA gives it. Attention sinks (GPT-OSS)
+are given as `sinks` [Hq]: a logit per query head that joins every row's softmax with no value
+behind it, so it only takes a share of the probability (o shrinks, lse grows by it; a row that sees
+no key gets o = 0). The forward starts each row's online softmax from it; the backward needs
+nothing more than that lse, and the sinks' own gradient is attention_sinks.py's.
 
 Bytes, b per element, n = B*S*Hq*D, causal halving the tile pairs: the forward reads q once and
 k, v once per query tile, writes o; the backward reads k, v once, q, do, lse, delta once per key
@@ -32,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .cast import round_to
+from .attention_sinks import attention_sinks_backward
 from . import outputs
 
 
@@ -120,18 +125,23 @@ def _seen(rows, keys, S, CAUSAL: tl.constexpr, WINDOW, WINDOWED: tl.constexpr, f
 
 @triton.jit
 def attention_forward_kernel(
-    o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, starts_ptr, kept_ptr,
+    o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, starts_ptr, kept_ptr, sinks_ptr,
     S, D, HQ, GROUPS, scale, WINDOW,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SINKS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b, h, kvh, rows, dims = _query_tile(HQ, GROUPS, BLOCK_M, BLOCK_D)
     q = _tile(q_ptr, b * sqb + h * sqh, rows, dims, sqs, S, D)
     k_base, v_base = b * skb + kvh * skh, b * svb + kvh * svh
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    denom = tl.zeros((BLOCK_M,), tl.float32)
+    if SINKS:
+        # The sink as a key seen first, with no value: exp(sink - m) = 1 of the denominator.
+        m = tl.zeros((BLOCK_M,), tl.float32) + tl.load(sinks_ptr + h).to(tl.float32)
+        denom = tl.full((BLOCK_M,), 1.0, tl.float32)
+    else:
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        denom = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     first = _row_starts(starts_ptr, b, rows, S, DOCUMENTS)
     for n0 in range(_keys_start(WINDOW, starts_ptr, b, S, BLOCK_M, BLOCK_N, WINDOWED, DOCUMENTS),
@@ -317,6 +327,14 @@ def _window(causal: bool, window: int | None, seq: int) -> int:
     return window
 
 
+def _per_head(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The sinks [Hq] as the kernels read them, or q standing in for a pointer never read."""
+    if sinks is None:
+        return q
+    assert sinks.shape == (q.shape[1],) and sinks.is_floating_point(), sinks.shape
+    return sinks.contiguous()
+
+
 def _per_key(rows: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """A [B, S] operand as the kernels read it (contiguous), or q standing in for a pointer the
     kernels never read."""
@@ -328,8 +346,8 @@ def _per_key(rows: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
                       out_stride=None, lse_stride=None, window: int | None = None,
-                      starts: torch.Tensor | None = None, kept: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      starts: torch.Tensor | None = None, kept: torch.Tensor | None = None,
+                      sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, Hq, S, D] in q.dtype, lse [B, Hq, S] float32); results at the strides asked (o: the
     flash layout by default, lse: contiguous)."""
     batch, hq, hkv, seq, dim = _check(q, k, v)
@@ -344,10 +362,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     upcast, ieee = _modes(q.dtype)
     if o.numel():
         attention_forward_kernel[(triton.cdiv(seq, cfg["BLOCK_M"]), batch * hq)](
-            o, lse, q, k, v, documents, padding, seq, dim, hq, hq // hkv, scale, window,
+            o, lse, q, k, v, documents, padding, _per_head(sinks, q), seq, dim, hq, hq // hkv, scale, window,
             *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o), *lse.stride(),
             CAUSAL=causal, WINDOWED=window > 0, DOCUMENTS=starts is not None, PADDED=kept is not None,
-            UPCAST=upcast, IEEE=ieee, **cfg)
+            SINKS=sinks is not None, UPCAST=upcast, IEEE=ieee, **cfg)
     return o, lse
 
 
@@ -390,25 +408,28 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window, starts, kept):
-        o, lse = attention_forward(q, k, v, causal, scale, window=window, starts=starts, kept=kept)
-        ctx.save_for_backward(q, k, v, o, lse)
+    def forward(ctx, q, k, v, causal, scale, window, starts, kept, sinks):
+        o, lse = attention_forward(q, k, v, causal, scale, window=window, starts=starts, kept=kept, sinks=sinks)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.causal, ctx.scale, ctx.window, ctx.starts, ctx.kept = causal, scale, window, starts, kept
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv, _ = attention_backward(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, o, lse,
-                                           ctx.causal, ctx.scale, window=ctx.window, starts=ctx.starts, kept=ctx.kept)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, delta = attention_backward(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, o, lse,
+                                               ctx.causal, ctx.scale, window=ctx.window, starts=ctx.starts,
+                                               kept=ctx.kept)
+        dsinks = None if sinks is None else attention_sinks_backward(sinks, lse, delta)
+        return dq, dk, dv, None, None, None, None, None, dsinks
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               scale: float | None = None, window: int | None = None, starts: torch.Tensor | None = None,
-              kept: torch.Tensor | None = None) -> torch.Tensor:
+              kept: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True) for
     q [B, Hq, S, D], k and v [B, Hkv, S, D], each query seeing only its last `window` keys if
     given, only the keys of its own document if `starts` ([B, S], each query's document's first
-    key) is, and only the keys `kept` ([B, S] bool) holds if it is; differentiable in q, k and v."""
-    return AttentionFunction.apply(q, k, v, causal, scale, window, starts, kept)
+    key) is, and only the keys `kept` ([B, S] bool) holds if it is, each head's softmax joined by
+    its sink logit if `sinks` ([Hq]) is; differentiable in q, k, v and the sinks."""
+    return AttentionFunction.apply(q, k, v, causal, scale, window, starts, kept, sinks)

@@ -157,10 +157,12 @@ def _padding(batch: int, seq: int) -> torch.Tensor:
     return kept
 
 
-def _case_attention(causal: bool, window: int | None = None, documents: bool = False, padded: bool = False):
+def _case_attention(causal: bool, window: int | None = None, documents: bool = False, padded: bool = False,
+                    sinks: bool = False):
     """Grouped-query heads (3 query heads per key/value head), a sequence no tile divides, q, k, v
     as HF makes them ([B, S, H, D] projections viewed [B, H, S, D]); a window (causal) shorter than
-    a tile, so tiles hold rows that see none of a key tile; documents packed in a row."""
+    a tile, so tiles hold rows that see none of a key tile; documents packed in a row; attention
+    sinks (GPT-OSS), differentiated with q, k and v."""
     def case(dtype, s, gen):
         batch, hq, hkv, seq, dim = s["rope"]
         hq = 3 * hkv
@@ -168,6 +170,11 @@ def _case_attention(causal: bool, window: int | None = None, documents: bool = F
         scale = 0.7 / math.sqrt(dim)
         starts = ref.document_starts(_documents(batch, seq)) if documents else None
         kept = _padding(batch, seq) if padded else None
+        if sinks:
+            logits = _randn(hq, dtype=dtype, gen=gen)
+            return compare_autograd(lambda q, k, v, z: attention(q, k, v, causal, scale, window, starts, kept, z),
+                                    lambda q, k, v, z: ref.attention_ref(q, k, v, causal, scale, window, starts, kept, z),
+                                    (q, k, v, logits), (0, 1, 2, 3))
         return compare_autograd(lambda q, k, v: attention(q, k, v, causal, scale, window, starts, kept),
                                 lambda q, k, v: ref.attention_ref(q, k, v, causal, scale, window, starts, kept),
                                 (q, k, v), (0, 1, 2))
@@ -262,6 +269,7 @@ CASES = [
     ("attention(documents)", _case_attention(True, documents=True), DTYPES, TOLERANCE),
     ("attention(win,docs)", _case_attention(True, window=3, documents=True), DTYPES, TOLERANCE),
     ("attention(padded)", _case_attention(True, window=3, padded=True), DTYPES, TOLERANCE),
+    ("attention(sinks)", _case_attention(True, window=3, padded=True, sinks=True), DTYPES, TOLERANCE),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),

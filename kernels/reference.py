@@ -66,13 +66,32 @@ def document_starts(lengths: list[list[int]], device=None) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
+def attention_with_sinks_ref(q, k, v, mask: torch.Tensor, sinks: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """GPT-OSS's attention in fp32 (k, v already one head per query head): the scores where the
+    boolean `mask` sees a key, each head's sink logit as one more column of the softmax, dropped
+    before the values."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.float() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    batch, heads, seq, _ = scores.shape
+    logits = torch.cat([scores, sinks.float().reshape(1, heads, 1, 1).expand(batch, heads, seq, 1)], dim=-1)
+    return (torch.softmax(logits, dim=-1)[..., :-1] @ v).to(q.dtype)
+
+
 def attention_ref(q, k, v, causal: bool = True, scale: float | None = None, window: int | None = None,
-                  starts: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+                  starts: torch.Tensor | None = None, kept: torch.Tensor | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """scaled_dot_product_attention's math in fp32, key/value heads repeated for each query group;
     with a window, the causal band of window_mask as the mask; with documents' `starts`, no key
-    before a query's document's first; with `kept` ([B, S] bool), no key it does not keep."""
+    before a query's document's first; with `kept` ([B, S] bool), no key it does not keep; with
+    `sinks` ([Hq]), attention_with_sinks_ref over that mask."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(groups, dim=1), v.float().repeat_interleave(groups, dim=1)
+    if sinks is not None:
+        seq = q.shape[2]
+        mask = window_mask(seq, window or seq, q.device)[None, None]
+        if kept is not None:
+            mask = mask & kept[:, None, None, :]
+        return attention_with_sinks_ref(q, k, v, mask, sinks, scale)
     if window or starts is not None or kept is not None:
         seq = q.shape[2]
         mask = window_mask(seq, window or seq, q.device)[None, None]

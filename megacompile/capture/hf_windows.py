@@ -1,27 +1,32 @@
 """Hugging Face attention spans under capture: a window and documents as numbers, no [B, 1, S, S] mask.
 
 Transformers runs a sliding-window layer (Mistral, Qwen2 with use_sliding_window, Gemma 3's local
-layers, Cohere 2, OLMo 3, EXAONE 4), any layer of a model given position_ids that may pack several
-documents in a row, and any layer of a model given a 2D attention_mask (padding), through SDPA
-with a boolean mask the model builds once from its mask function: B S^2 bytes that stay on the device from the prologue to the last backward, and the
-additive mask SDPA makes of it in every layer (2 B S^2 in bf16, which an explicit mask also keeps
-off the flash kernels). At 16 x 4096 that is 256 + 512 MiB; at 128k tokens, 16 GiB for the boolean
-alone.
+layers, Cohere 2, OLMo 3, EXAONE 4, GPT-OSS), any layer of a model given position_ids that may pack
+several documents in a row, any layer of a model given a 2D attention_mask (padding), and every
+layer of a model whose attention is eager (GPT-OSS, Gemma 2), with a mask the model builds once from
+its mask function: B S^2 bytes (bool for SDPA, the compute dtype for eager) that stay on the device
+from the prologue to the last backward, and the additive mask SDPA makes of it in every layer (2 B
+S^2 in bf16, which an explicit mask also keeps off the flash kernels). At 16 x 4096 that is
+256 + 512 MiB; at 128k tokens, 16 GiB for the boolean alone. Eager attention holds B Hq S^2 scores
+and probabilities besides: 4 GiB a layer for GPT-OSS-120B's 64 heads at 4096 tokens.
 
-While capturing, transformers' "sdpa" mask function and attention function are replaced (and put
-back after), and so are the three mask-function factories a packed-sequence mask is made of
-(`and_masks`, `remap_positions_for_packed_sequence`, `packed_sequence_mask_function`), by ones that
-call the originals and remember their parts:
+While capturing, transformers' "sdpa" and "eager" mask functions, its "sdpa" attention function and
+the eager one each model names as its default are replaced (and put back after), and so are the
+three mask-function factories a packed-sequence mask is made of (`and_masks`,
+`remap_positions_for_packed_sequence`, `packed_sequence_mask_function`), by ones that call the
+originals and remember their parts:
   - where the mask asked for is exactly a causal band over the whole sequence (checked by
     evaluating the model's own mask function on real indices, not by reading its config),
     optionally intersected with the packed-sequence mask of the position_ids or with a [B, S]
-    padding mask, and there is no offset, the mask function returns an `AttentionSpan`: the
-    window, for packed documents the first key of each query's document ([B, S] integers computed
-    in the trace from transformers' own sequence indices), for padding the attention_mask itself;
+    padding mask, and there is no offset, the mask function returns an `AttentionSpan`
+    (attention_span.py): the window, for packed documents the first key of each query's document
+    ([B, S] integers computed in the trace from transformers' own sequence indices), for padding the
+    attention_mask itself;
   - the attention function records `megacompile::window_attention` (megacompile/attention/
-    window.py) for an `AttentionSpan`; what that operator does not compute (dropout, softcapping,
-    attention sinks, a position bias, queries of another length) runs transformers' own SDPA path
-    on the mask the span stands for, built in the layer.
+    window.py) for an `AttentionSpan`, with the layer's attention sinks (`s_aux`) if it has them;
+    what that operator does not compute (dropout, softcapping, a position bias, queries of another
+    length) runs transformers' own function on the mask the span stands for, built in the layer,
+    as does model code that reads the mask as a tensor (attention_span.py).
 Anything else (overlays such as Gemma 3's bidirectional image spans, chunked attention, a mask
 of another shape) goes to transformers' functions unchanged.
 """
@@ -29,45 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-from torch.utils import _pytree as pytree
 
 from ..attention import window as _registers_window_attention  # noqa: F401 - the operators the graphs call
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionSpan:
-    """What a layer's attention_mask is while capturing: query i of `length` sees keys
-    max(i - window + 1, starts[b, i]) <= j <= i (starts None: from 0) that kept[b, j] keeps (kept
-    None: all), for each row b of `batch`."""
-    window: int
-    length: int
-    batch: int
-    starts: torch.Tensor | None = None
-    kept: torch.Tensor | None = None
-
-    def mask(self, device) -> torch.Tensor:
-        """The [B, 1, S, S] boolean transformers would have built (True: attended)."""
-        keys = torch.arange(self.length, device=device)
-        lag = keys[:, None] - keys[None, :]
-        seen = ((lag >= 0) & (lag < self.window)).expand(self.batch, 1, self.length, self.length)
-        if self.starts is not None:
-            seen = seen & (keys[None, None, None, :] >= self.starts[:, None, :, None])
-        if self.kept is not None:
-            seen = seen & self.kept[:, None, None, :]
-        return seen
-
-
-# The starts and kept keys are tensors the blocks read: the span flattens to them, so a block call
-# takes them as inputs.
-pytree.register_pytree_node(AttentionSpan, lambda s: ([s.starts, s.kept], (s.window, s.length, s.batch)),
-                            lambda children, context: AttentionSpan(*context, *children),
-                            serialized_type_name="megacompile.capture.hf_windows.AttentionSpan")
+from .attention_span import AttentionSpan
 
 
 class _Parts:
@@ -144,7 +118,11 @@ def document_starts(sequence_index: torch.Tensor) -> torch.Tensor:
     return torch.where(new, tokens, torch.zeros_like(tokens)).cummax(dim=1).values.to(torch.int32)
 
 
-def _span(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask) -> AttentionSpan | None:
+def _span(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+          dtype: torch.dtype | None, device) -> AttentionSpan | None:
+    """The span the mask asked for stands for, or None. `dtype` None: SDPA's boolean mask (which
+    transformers skips for a plain causal band with no padding: is_causal); else eager's additive
+    mask of that dtype, which it always builds."""
     if not (mask_function is not None and q_offset == 0 and kv_offset == 0
             and isinstance(q_length, int) and q_length == kv_length and isinstance(batch_size, int)):
         return None
@@ -153,23 +131,26 @@ def _span(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, a
                                            and attention_mask.dtype == torch.bool
                                            and tuple(attention_mask.shape) == rows):
         return None
+    made = dict(dtype=dtype or torch.bool, device=device)
     packed = _packed(mask_function)
     if packed is not None:
         band, sequence_index = packed
         window = band_of(band, batch_size, kv_length)
         if window is None or tuple(sequence_index.shape) != rows:
             return None
-        return AttentionSpan(window, kv_length, batch_size, document_starts(sequence_index), attention_mask)
-    # With padding even a plain causal band needs the span; without, a plain one needs no mask at all.
-    window = band_of(mask_function, batch_size, kv_length) if attention_mask is not None else \
-        window_of(mask_function, batch_size, kv_length)
-    return None if window is None else AttentionSpan(window, kv_length, batch_size, kept=attention_mask)
+        return AttentionSpan(window, kv_length, batch_size, document_starts(sequence_index), attention_mask, **made)
+    # With padding, or eager's mask, even a plain causal band needs the span; else a plain one needs no mask.
+    window = band_of(mask_function, batch_size, kv_length) if attention_mask is not None or dtype is not None \
+        else window_of(mask_function, batch_size, kv_length)
+    return None if window is None else AttentionSpan(window, kv_length, batch_size, kept=attention_mask, **made)
 
 
-def _span_mask(original):
+def _span_mask(original, additive: bool):
     def mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
              attention_mask=None, **kwargs):
-        span = _span(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+        dtype = kwargs.get("dtype", torch.float32) if additive else None
+        span = _span(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                     dtype, kwargs.get("device"))
         if span is not None:
             return span
         return original(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -177,10 +158,12 @@ def _span_mask(original):
     return mask
 
 
-def _computes(module, query, key, value, span: AttentionSpan, dropout, is_causal, position_bias, kwargs) -> bool:
-    """window_attention computes what transformers' SDPA path would on this call."""
-    return (not dropout and position_bias is None and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-            and is_causal is not False and getattr(module, "is_causal", True)
+def _computes(module, query, key, value, span: AttentionSpan, kwargs) -> bool:
+    """window_attention computes what transformers' attention function would on this call."""
+    sinks = kwargs.get("s_aux")
+    return (not kwargs.get("dropout") and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and (sinks is None or (isinstance(sinks, torch.Tensor) and tuple(sinks.shape) == (query.shape[1],)))
+            and kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
             and query.dim() == key.dim() == value.dim() == 4
             and query.shape[2] == key.shape[2] == value.shape[2] == span.length
             and query.shape[-1] == key.shape[-1] == value.shape[-1]
@@ -188,40 +171,73 @@ def _computes(module, query, key, value, span: AttentionSpan, dropout, is_causal
 
 
 def _span_attention(original):
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                  position_bias=None, **kwargs):
+    """transformers' attention function `original` ("sdpa", or a model's eager one), taking a span."""
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
         if isinstance(attention_mask, AttentionSpan):
             span = attention_mask
-            if _computes(module, query, key, value, span, dropout, is_causal, position_bias, kwargs):
+            if not args and _computes(module, query, key, value, span, kwargs):
+                scaling = kwargs.get("scaling")
                 scale = query.shape[-1] ** -0.5 if scaling is None else scaling
                 out, _lse = torch.ops.megacompile.window_attention(query, key, value, float(scale), span.window,
-                                                                   span.starts, span.kept)
+                                                                   span.starts, span.kept, kwargs.get("s_aux"))
                 return out.transpose(1, 2).contiguous(), None
             attention_mask = span.mask(query.device)
-        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                        is_causal=is_causal, position_bias=position_bias, **kwargs)
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
     return attention
 
 
 @contextlib.contextmanager
-def _replaced(module: str, interface: str, wrap):
-    """While inside: `wrap(original)` is the "sdpa" entry of transformers' `module.interface` (a
+def _replaced(module: str, interface: str, name: str, wrap):
+    """While inside: `wrap(original)` is the `name` entry of transformers' `module.interface` (a
     no-op where transformers or the entry is not loaded)."""
     mapping = getattr(type(getattr(sys.modules.get(module), interface, None)), "_global_mapping", {})
-    original = mapping.get("sdpa")
+    original = mapping.get(name)
     if original is None:
         yield
         return
-    mapping["sdpa"] = wrap(original)
+    mapping[name] = wrap(original)
     try:
         yield
     finally:
-        mapping["sdpa"] = original
+        mapping[name] = original
 
 
+@contextlib.contextmanager
+def _eager_replaced():
+    """While inside: a model's own eager attention function, which it names as the default of
+    `ALL_ATTENTION_FUNCTIONS.get_interface("eager", ...)` (every transformers decoder that has one),
+    takes a span."""
+    interface = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
+    original = getattr(interface, "get_interface", None)
+    if original is None:
+        yield
+        return
+
+    def get_interface(attn_implementation, default):
+        found = original(attn_implementation, default)
+        return _span_attention(found) if attn_implementation == "eager" else found
+    interface.get_interface = get_interface           # the instance's, over its class's
+    try:
+        yield
+    finally:
+        del interface.get_interface
+
+
+@contextlib.contextmanager
 def span_attention():
-    """While capturing: transformers' "sdpa" attention takes an AttentionSpan mask."""
-    return _replaced("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", _span_attention)
+    """While capturing: transformers' "sdpa" attention and every model's eager one take an AttentionSpan mask."""
+    with _replaced("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", "sdpa", _span_attention), \
+            _eager_replaced():
+        yield
+
+
+@contextlib.contextmanager
+def _span_masks():
+    with _replaced("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", "sdpa",
+                   lambda original: _span_mask(original, additive=False)), \
+            _replaced("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", "eager",
+                      lambda original: _span_mask(original, additive=True)):
+        yield
 
 
 _FACTORIES = {"and_masks": "and", "remap_positions_for_packed_sequence": "remap",
@@ -230,12 +246,12 @@ _FACTORIES = {"and_masks": "and", "remap_positions_for_packed_sequence": "remap"
 
 @contextlib.contextmanager
 def spans_without_mask():
-    """While tracing a model's forward: transformers' "sdpa" mask function returns an AttentionSpan
-    for a causal band, within packed documents or not."""
+    """While tracing a model's forward: transformers' "sdpa" and "eager" mask functions return an
+    AttentionSpan for a causal band, within packed documents or not."""
     masking = sys.modules.get("transformers.masking_utils")
     factories = {name: getattr(masking, name, None) for name in _FACTORIES}
     if masking is None or None in factories.values():
-        with _replaced("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", _span_mask):
+        with _span_masks():
             yield
         return
 
@@ -244,7 +260,7 @@ def spans_without_mask():
     for name, factory in factories.items():
         setattr(masking, name, remembering(name, factory))
     try:
-        with _replaced("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", _span_mask):
+        with _span_masks():
             yield
     finally:
         for name, factory in factories.items():

@@ -93,6 +93,8 @@ def _window_flops(per_pair: float, q, window: int) -> float:
 WINDOW_FLOPS = {
     "window_attention": lambda q, k, v, scale, window, *starts: _window_flops(4.0, q, window),
     "window_attention_backward": lambda do, q, k, v, o, lse, scale, window, *starts: _window_flops(14.0, q, window),
+    "window_attention_sinks_backward": lambda do, q, k, v, o, lse, scale, window, *starts:
+        _window_flops(14.0, q, window),
 }
 
 

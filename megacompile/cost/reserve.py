@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.window import reference_scratch_bytes
+from ..attention.reference import reference_scratch_bytes
 from ..capture import CapturedModel
 from ..ir.stage_ops import copied_result_bytes
 from .hardware import HardwareProfile

@@ -113,7 +113,8 @@ def in_place_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
 
 # Operators of megacompile's own that make every result through kernels/outputs.py on every path:
 # the runtime hands them their arena tensors, as it does a fused kernel, and nothing is copied in.
-TAKE_THEIR_RESULTS = frozenset({"megacompile::window_attention", "megacompile::window_attention_backward"})
+TAKE_THEIR_RESULTS = frozenset({"megacompile::window_attention", "megacompile::window_attention_backward",
+                                "megacompile::window_attention_sinks_backward"})
 
 
 def takes_its_results(node) -> bool:

@@ -36,8 +36,18 @@ def _train_both(model, batches: list[dict]):
     engine = megacompile.compile(clone(model), hbm_budget=smallest / 2 ** 30, device="cpu", optimizer=optimizer)
     ours = [engine.step(**inputs) for inputs in batches]
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(eager), rtol=1e-5, atol=0)
-    assert_same_weights(engine, reference, noise=float64_noise(train, model, reference))
+    assert_same_weights(engine, reference, noise=float64_noise(_in_float64(train), model, reference))
     return engine
+
+
+def _in_float64(train):
+    """`train` for the float64 copy: routed experts through transformers' loop, as torch's grouped
+    GEMM takes no float64 (tests/e2e/harness.py weight_noise does the same)."""
+    def exact(m):
+        if getattr(m.config, "_experts_implementation", None) == "grouped_mm":
+            m.config._experts_implementation = "eager"
+        return train(m)
+    return exact
 
 
 def _block(engine):
@@ -103,6 +113,40 @@ def _mistral(window: int):
     return MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
                                             max_position_embeddings=64, use_cache=False))
+
+
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssForCausalLM(GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                          max_position_embeddings=64, use_cache=False))
+
+
+@pytest.mark.parametrize("layout", ["left padding", "packed documents"])
+def test_gpt_oss_trains_as_its_eager_attention_with_sinks_and_no_square_mask(layout):
+    """GPT-OSS runs eager attention (scores, an additive [B, 1, S, S] mask, the sinks as one more
+    column, [B, Hq, S, S + 1] probabilities saved for the backward); captured, its sliding-window
+    and full layers alike run megacompile::window_attention with the sinks, and train as eager does."""
+    torch.manual_seed(0)
+    batches = []
+    for i in range(STEPS):
+        ids = _ids(i)
+        if layout == "left padding":
+            mask = torch.ones(B, T, dtype=torch.long)
+            mask[1, :5 + i] = 0
+            batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+        else:
+            rows = [[10, T - 10], [1, 7, T - 8]] if i % 2 else [[T], [3, 3, T - 6]]
+            batches.append({"input_ids": ids, "position_ids": torch.stack([_positions(r) for r in rows]), "labels": ids})
+    engine = _train_both(_gpt_oss(), batches)
+    block = _block(engine)
+    assert not [m.shape for m in block.acts if len(m.shape) == 4]
+    assert not _square(block) and not _square(block.selective)
+    nodes = [n for n in block.forward.gm.graph.nodes if n.op == "call_function"]
+    assert "megacompile.window_attention.default" in [str(n.target) for n in nodes]
+    made = [n.meta["val"] for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert not [t.shape for t in made if sum(d == T for d in t.shape) >= 2]     # nothing of S x S, saved or not
 
 
 @pytest.mark.parametrize("model", ["llama", pytest.param("mistral window 6", marks=pytest.mark.slow)])

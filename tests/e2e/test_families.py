@@ -28,8 +28,9 @@ STEPS = 3
 # ALiBi bias). Llama, Qwen2 and GPT-2 are in test_parity.py.
 # Mixtral: routed experts, an in-place divide in the router, router logits to the load-balancing
 # loss (the other MoE families run in the slow tier). Qwen2 with sliding windows: full-attention
-# layers beside ones captured onto megacompile::window_attention (capture/hf_windows.py).
-DEFAULT = {"gemma2", "gptj", "bloom", "mixtral", "qwen2_sliding"}
+# layers beside ones captured onto megacompile::window_attention (capture/hf_windows.py). GPT-OSS:
+# eager attention with sinks onto the same operator, sum for sum with its eager attention.
+DEFAULT = {"gemma2", "gptj", "bloom", "mixtral", "qwen2_sliding", "gpt_oss"}
 
 # Families that cannot be captured yet, with the error they raise.
 REFUSED = {

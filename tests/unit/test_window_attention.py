@@ -11,7 +11,7 @@ import transformers
 from transformers import masking_utils
 
 import megacompile
-from megacompile.attention import window
+from megacompile.attention import reference, window
 from megacompile.capture import capture
 from megacompile.capture.hf_windows import AttentionSpan, _span_attention, window_of
 from megacompile.cost.estimate import is_attention, node_flops
@@ -62,11 +62,11 @@ def test_on_the_cpu_it_is_eagers_masked_sdpa_sum_for_sum():
 def test_the_gpu_reference_over_query_chunks_is_the_float64_answer(monkeypatch):
     """float32 (or heads past 256) on a GPU: chunks of query rows, each against the keys it sees;
     chunks shorter than the window and not dividing S, so rows see keys of the chunk before."""
-    monkeypatch.setattr(window, "CHUNK", 4)
+    monkeypatch.setattr(reference, "CHUNK", 4)
     q, k, v, do = _inputs()
     expected = _eager(q, k, v, do, torch.float64)
-    o, lse = window.forward_reference(q, k, v, SCALE, W)
-    dq, dk, dv, delta = window.backward_reference(do, q, k, v, o, lse, SCALE, W)
+    o, lse = reference.forward_reference(q, k, v, SCALE, W)
+    dq, dk, dv, delta = reference.backward_reference(do, q, k, v, o, lse, SCALE, W)
     for ours, want in zip((o, dq, dk, dv), expected):
         torch.testing.assert_close(ours.double(), want, rtol=0, atol=2e-6)
     torch.testing.assert_close(delta.double(), (do.double() * expected[0]).sum(-1), rtol=0, atol=2e-6)
@@ -82,7 +82,7 @@ def test_half_precision_on_a_gpu_runs_the_windowed_kernels(monkeypatch):
     q, k, v, do = _inputs(torch.bfloat16)
     assert window.uses_kernel(q) and not window.uses_kernel(q.float())
     ours = _ours(q, k, v, do)
-    assert called == [{"window": W, "starts": None, "kept": None}]
+    assert called == [{"window": W, "starts": None, "kept": None, "sinks": None}]
     for got, want in zip(ours, _eager(q, k, v, do, torch.float64)):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
 
@@ -137,7 +137,7 @@ def test_what_the_operator_does_not_compute_gets_the_mask_the_window_stands_for(
     mask = AttentionSpan(W, S, B)
     out, _ = attention(module, q, k, v, mask, scaling=SCALE)
     assert out.shape == (B, S, HQ, D) and out.is_contiguous() and not seen
-    for kwargs in ({"dropout": 0.1}, {"softcap": 30.0}, {"s_aux": torch.zeros(HQ)}, {"is_causal": False}):
+    for kwargs in ({"dropout": 0.1}, {"softcap": 30.0}, {"s_aux": torch.zeros(HQ + 1)}, {"is_causal": False}):
         seen.clear()
         assert attention(module, q, k, v, mask, **kwargs)[0] == "transformers"
         assert torch.equal(seen["mask"], _band(S, W).expand(B, 1, S, S)), kwargs
@@ -200,7 +200,7 @@ def test_a_mistral_block_at_8x8192_holds_nothing_of_s_by_s():
 def test_the_reserve_counts_the_reference_scratch_only_where_the_kernels_do_not_run():
     def scratch(dtype, dim, backward):
         q, k = torch.empty(2, 8, 4096, dim, dtype=dtype), torch.empty(2, 2, 4096, dim, dtype=dtype)
-        return window.reference_scratch_bytes(q, k, 1024, backward)
+        return reference.reference_scratch_bytes(q, k, 1024, backward)
     assert scratch(torch.bfloat16, 128, True) == scratch(torch.float16, 256, False) == 0
     heads = 2 * 8 * 4096 * 128 * 4              # float32 [B, Hq, S, D]
     chunk = 2 * 8 * 256 * (256 + 1023) * 4      # a chunk's scores
@@ -230,7 +230,7 @@ def test_packed_documents_and_padding_on_every_path_are_eagers_mask(monkeypatch,
     dtype = torch.bfloat16 if path == "kernel" else torch.float32
     if path != "host":
         monkeypatch.setattr(window, "_on_gpu", lambda x: True)
-        monkeypatch.setattr(window, "CHUNK", 4)
+        monkeypatch.setattr(reference, "CHUNK", 4)
     q, k, v, do = _inputs(dtype)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     o, _ = torch.ops.megacompile.window_attention(q, k, v, SCALE, w, starts, kept)
