@@ -24,7 +24,9 @@ a 2D attention_mask): a key of a row is seen only where it is kept; a query that
 are given as `sinks` [Hq]: a logit per query head that joins every row's softmax with no value
 behind it, so it only takes a share of the probability (o shrinks, lse grows by it; a row that sees
 no key gets o = 0). The forward starts each row's online softmax from it; the backward needs
-nothing more than that lse, and the sinks' own gradient is attention_sinks.py's.
+nothing more than that lse, and the sinks' own gradient is attention_sinks.py's. Logit
+softcapping (Gemma 2) replaces each scaled score s by softcap * tanh(s / softcap) before the mask
+and the softmax; the backward multiplies each score's gradient by 1 - tanh^2.
 
 Bytes, b per element, n = B*S*Hq*D, causal halving the tile pairs: the forward reads q once and
 k, v once per query tile, writes o; the backward reads k, v once, q, do, lse, delta once per key
@@ -55,6 +57,13 @@ def _tile(ptr, base, rows, cols, stride_s, n_rows, n_cols):
     """rows x cols of one head ([S, D] at `base`, rows `stride_s` apart, d contiguous or not: stride 1 asked)."""
     return tl.load(ptr + base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
                    mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh as 2 sigmoid(2x) - 1 (libdevice is unavailable under the interpreter); its absolute
+    error, about 1e-7, is far inside the bf16 and fp16 the kernels run."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 @triton.jit
@@ -126,10 +135,10 @@ def _seen(rows, keys, S, CAUSAL: tl.constexpr, WINDOW, WINDOWED: tl.constexpr, f
 @triton.jit
 def attention_forward_kernel(
     o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, starts_ptr, kept_ptr, sinks_ptr,
-    S, D, HQ, GROUPS, scale, WINDOW,
+    S, D, HQ, GROUPS, scale, WINDOW, softcap,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
-    SINKS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SINKS: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b, h, kvh, rows, dims = _query_tile(HQ, GROUPS, BLOCK_M, BLOCK_D)
@@ -150,7 +159,10 @@ def attention_forward_kernel(
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
         seen = _seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS, _kept(kept_ptr, b, keys, S, PADDED))
-        s = tl.where(seen, _dot(q, tl.trans(k), UPCAST, IEEE) * scale, float("-inf"))
+        s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # A row that has seen no key yet (in a window, a tile wholly before it) keeps m = -inf:
         # shift by 0 there, so its terms are exp(-inf) = 0, not exp(-inf + inf).
@@ -184,11 +196,11 @@ def attention_delta_kernel(
 @triton.jit
 def attention_backward_kv_kernel(
     dk_ptr, dv_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, starts_ptr, kept_ptr,
-    S, D, HQ, HKV, GROUPS, scale, WINDOW,
+    S, D, HQ, HKV, GROUPS, scale, WINDOW, softcap,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls,
     sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dk, dv of one key tile of one key/value head, summed over the query heads of its group."""
@@ -219,11 +231,16 @@ def attention_backward_kv_kernel(
             lse = tl.load(lse_ptr + row_base + rows.to(tl.int64) * sls, mask=rows < S, other=0.0)
             delta = tl.load(delta_ptr + (b * HQ + h).to(tl.int64) * S + rows, mask=rows < S, other=0.0)
             st = _dot(k, tl.trans(q), UPCAST, IEEE) * scale                      # [keys, rows]
+            if SOFTCAP:
+                capped = _tanh(st / softcap)
+                st = softcap * capped
             seen = _seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS, kept)
             pt = tl.where(tl.trans(seen), tl.exp(st - lse[None, :]), 0.0)
             dv += _dot(pt.to(do.dtype), do, UPCAST, IEEE)
             dpt = _dot(v, tl.trans(do), UPCAST, IEEE)
             dst = pt * (dpt - delta[None, :])
+            if SOFTCAP:
+                dst = dst * (1.0 - capped * capped)                              # through the cap
             dk += _dot(dst.to(q.dtype), q, UPCAST, IEEE)
     dk = dk * scale
     mask = (keys[:, None] < S) & (dims[None, :] < D)
@@ -236,10 +253,10 @@ def attention_backward_kv_kernel(
 @triton.jit
 def attention_backward_q_kernel(
     dq_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, starts_ptr, kept_ptr,
-    S, D, HQ, GROUPS, scale, WINDOW,
+    S, D, HQ, GROUPS, scale, WINDOW, softcap,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls, sdqb, sdqh, sdqs,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dq of one query tile of one head."""
@@ -257,10 +274,15 @@ def attention_backward_q_kernel(
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
         v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
         s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
+        if SOFTCAP:
+            capped = _tanh(s / softcap)
+            s = softcap * capped
         seen = _seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS, _kept(kept_ptr, b, keys, S, PADDED))
         p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, IEEE)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - capped * capped)
         dq += _dot(ds.to(k.dtype), k, UPCAST, IEEE)
     dq = dq * scale
     tl.store(dq_ptr + b * sdqb + h * sdqh + rows.to(tl.int64)[:, None] * sdqs + dims[None, :],
@@ -347,7 +369,7 @@ def _per_key(rows: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
                       out_stride=None, lse_stride=None, window: int | None = None,
                       starts: torch.Tensor | None = None, kept: torch.Tensor | None = None,
-                      sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      sinks: torch.Tensor | None = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, Hq, S, D] in q.dtype, lse [B, Hq, S] float32); results at the strides asked (o: the
     flash layout by default, lse: contiguous)."""
     batch, hq, hkv, seq, dim = _check(q, k, v)
@@ -363,16 +385,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if o.numel():
         attention_forward_kernel[(triton.cdiv(seq, cfg["BLOCK_M"]), batch * hq)](
             o, lse, q, k, v, documents, padding, _per_head(sinks, q), seq, dim, hq, hq // hkv, scale, window,
+            float(softcap or 1.0),
             *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o), *lse.stride(),
             CAUSAL=causal, WINDOWED=window > 0, DOCUMENTS=starts is not None, PADDED=kept is not None,
-            SINKS=sinks is not None, UPCAST=upcast, IEEE=ieee, **cfg)
+            SINKS=sinks is not None, SOFTCAP=bool(softcap), UPCAST=upcast, IEEE=ieee, **cfg)
     return o, lse
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, causal: bool, scale: float | None = None,
                        dq_stride=None, dk_stride=None, dv_stride=None, window: int | None = None,
-                       starts: torch.Tensor | None = None, kept: torch.Tensor | None = None):
+                       starts: torch.Tensor | None = None, kept: torch.Tensor | None = None, softcap: float = 0.0):
     """(dq, dk, dv, delta): the gradients at the strides asked (the flash layout by default) and
     delta = rowsum(do * o), float32 [B, Hq, S], the passes' one temporary."""
     batch, hq, hkv, seq, dim = _check(q, k, v)
@@ -389,18 +412,20 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     _, cfg = tiles(dim, q.dtype, _arch(q.device))
     upcast, ieee = _modes(q.dtype)
     flags = dict(CAUSAL=causal, WINDOWED=window > 0, DOCUMENTS=starts is not None, PADDED=kept is not None,
-                 UPCAST=upcast, IEEE=ieee)
+                 SOFTCAP=bool(softcap), UPCAST=upcast, IEEE=ieee)
     launch = {key: value for key, value in cfg.items() if key.startswith("num_")}
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride())
     rows, keys, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     attention_delta_kernel[(triton.cdiv(seq, keys), batch * hq)](
         delta, o, do, seq, dim, hq, *_strides4(o), *_strides4(do), BLOCK_M=keys, BLOCK_D=block_d, **launch)
     attention_backward_kv_kernel[(triton.cdiv(seq, keys), batch * hkv)](
-        dk, dv, q, k, v, do, lse, delta, documents, padding, seq, dim, hq, hkv, hq // hkv, scale, window, *common,
+        dk, dv, q, k, v, do, lse, delta, documents, padding, seq, dim, hq, hkv, hq // hkv, scale, window,
+        float(softcap or 1.0), *common,
         *_strides4(dk), *_strides4(dv), **flags, BLOCK_M=rows, BLOCK_N=keys, BLOCK_D=block_d, **launch)
     # The dq pass: tall query tiles (the key pass's BLOCK_N) against short key steps (its BLOCK_M).
     attention_backward_q_kernel[(triton.cdiv(seq, keys), batch * hq)](
-        dq, q, k, v, do, lse, delta, documents, padding, seq, dim, hq, hq // hkv, scale, window, *common,
+        dq, q, k, v, do, lse, delta, documents, padding, seq, dim, hq, hq // hkv, scale, window,
+        float(softcap or 1.0), *common,
         *_strides4(dq), **flags,
         BLOCK_M=keys, BLOCK_N=rows, BLOCK_D=block_d, **launch)
     return dq, dk, dv, delta
@@ -408,10 +433,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window, starts, kept, sinks):
-        o, lse = attention_forward(q, k, v, causal, scale, window=window, starts=starts, kept=kept, sinks=sinks)
+    def forward(ctx, q, k, v, causal, scale, window, starts, kept, sinks, softcap):
+        o, lse = attention_forward(q, k, v, causal, scale, window=window, starts=starts, kept=kept, sinks=sinks,
+                                   softcap=softcap)
         ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.causal, ctx.scale, ctx.window, ctx.starts, ctx.kept = causal, scale, window, starts, kept
+        ctx.softcap = softcap
         return o
 
     @staticmethod
@@ -419,17 +446,19 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, sinks = ctx.saved_tensors
         dq, dk, dv, delta = attention_backward(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, o, lse,
                                                ctx.causal, ctx.scale, window=ctx.window, starts=ctx.starts,
-                                               kept=ctx.kept)
+                                               kept=ctx.kept, softcap=ctx.softcap)
         dsinks = None if sinks is None else attention_sinks_backward(sinks, lse, delta)
-        return dq, dk, dv, None, None, None, None, None, dsinks
+        return dq, dk, dv, None, None, None, None, None, dsinks, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               scale: float | None = None, window: int | None = None, starts: torch.Tensor | None = None,
-              kept: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              kept: torch.Tensor | None = None, sinks: torch.Tensor | None = None, softcap: float = 0.0
+              ) -> torch.Tensor:
     """scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True) for
     q [B, Hq, S, D], k and v [B, Hkv, S, D], each query seeing only its last `window` keys if
     given, only the keys of its own document if `starts` ([B, S], each query's document's first
     key) is, and only the keys `kept` ([B, S] bool) holds if it is, each head's softmax joined by
-    its sink logit if `sinks` ([Hq]) is; differentiable in q, k, v and the sinks."""
-    return AttentionFunction.apply(q, k, v, causal, scale, window, starts, kept, sinks)
+    its sink logit if `sinks` ([Hq]) is, the scores capped to softcap * tanh(s / softcap) if
+    `softcap` is not 0; differentiable in q, k, v and the sinks."""
+    return AttentionFunction.apply(q, k, v, causal, scale, window, starts, kept, sinks, softcap)

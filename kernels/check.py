@@ -158,11 +158,12 @@ def _padding(batch: int, seq: int) -> torch.Tensor:
 
 
 def _case_attention(causal: bool, window: int | None = None, documents: bool = False, padded: bool = False,
-                    sinks: bool = False):
+                    sinks: bool = False, softcap: float = 0.0):
     """Grouped-query heads (3 query heads per key/value head), a sequence no tile divides, q, k, v
     as HF makes them ([B, S, H, D] projections viewed [B, H, S, D]); a window (causal) shorter than
     a tile, so tiles hold rows that see none of a key tile; documents packed in a row; attention
-    sinks (GPT-OSS), differentiated with q, k and v."""
+    sinks (GPT-OSS), differentiated with q, k and v; Gemma 2's logit softcapping (a cap the
+    scores pass)."""
     def case(dtype, s, gen):
         batch, hq, hkv, seq, dim = s["rope"]
         hq = 3 * hkv
@@ -175,6 +176,11 @@ def _case_attention(causal: bool, window: int | None = None, documents: bool = F
             return compare_autograd(lambda q, k, v, z: attention(q, k, v, causal, scale, window, starts, kept, z),
                                     lambda q, k, v, z: ref.attention_ref(q, k, v, causal, scale, window, starts, kept, z),
                                     (q, k, v, logits), (0, 1, 2, 3))
+        if softcap:
+            return compare_autograd(
+                lambda q, k, v: attention(q, k, v, causal, scale, window, starts, kept, softcap=softcap),
+                lambda q, k, v: ref.attention_ref(q, k, v, causal, scale, window, starts, kept, softcap=softcap),
+                (q, k, v), (0, 1, 2))
         return compare_autograd(lambda q, k, v: attention(q, k, v, causal, scale, window, starts, kept),
                                 lambda q, k, v: ref.attention_ref(q, k, v, causal, scale, window, starts, kept),
                                 (q, k, v), (0, 1, 2))
@@ -270,6 +276,7 @@ CASES = [
     ("attention(win,docs)", _case_attention(True, window=3, documents=True), DTYPES, TOLERANCE),
     ("attention(padded)", _case_attention(True, window=3, padded=True), DTYPES, TOLERANCE),
     ("attention(sinks)", _case_attention(True, window=3, padded=True, sinks=True), DTYPES, TOLERANCE),
+    ("attention(softcap)", _case_attention(True, window=3, softcap=0.5), DTYPES, TOLERANCE),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),

@@ -66,12 +66,19 @@ def document_starts(lengths: list[list[int]], device=None) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def attention_with_sinks_ref(q, k, v, mask: torch.Tensor, sinks: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """GPT-OSS's attention in fp32 (k, v already one head per query head): the scores where the
-    boolean `mask` sees a key, each head's sink logit as one more column of the softmax, dropped
-    before the values."""
+def eager_attention_ref(q, k, v, mask: torch.Tensor, scale: float | None, sinks: torch.Tensor | None = None,
+                        softcap: float = 0.0) -> torch.Tensor:
+    """Eager attention in fp32 (k, v already one head per query head): the scaled scores, capped to
+    softcap * tanh(s / softcap) if `softcap` (Gemma 2), where the boolean `mask` sees a key, each
+    head's sink logit as one more column of the softmax, dropped before the values, if `sinks`
+    (GPT-OSS)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q.float() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    scores = q.float() @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
     batch, heads, seq, _ = scores.shape
     logits = torch.cat([scores, sinks.float().reshape(1, heads, 1, 1).expand(batch, heads, seq, 1)], dim=-1)
     return (torch.softmax(logits, dim=-1)[..., :-1] @ v).to(q.dtype)
@@ -79,19 +86,19 @@ def attention_with_sinks_ref(q, k, v, mask: torch.Tensor, sinks: torch.Tensor, s
 
 def attention_ref(q, k, v, causal: bool = True, scale: float | None = None, window: int | None = None,
                   starts: torch.Tensor | None = None, kept: torch.Tensor | None = None,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """scaled_dot_product_attention's math in fp32, key/value heads repeated for each query group;
     with a window, the causal band of window_mask as the mask; with documents' `starts`, no key
     before a query's document's first; with `kept` ([B, S] bool), no key it does not keep; with
-    `sinks` ([Hq]), attention_with_sinks_ref over that mask."""
+    `sinks` ([Hq]) or `softcap`, eager_attention_ref over that mask."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(groups, dim=1), v.float().repeat_interleave(groups, dim=1)
-    if sinks is not None:
+    if sinks is not None or softcap:
         seq = q.shape[2]
         mask = window_mask(seq, window or seq, q.device)[None, None]
         if kept is not None:
             mask = mask & kept[:, None, None, :]
-        return attention_with_sinks_ref(q, k, v, mask, sinks, scale)
+        return eager_attention_ref(q, k, v, mask, scale, sinks, softcap)
     if window or starts is not None or kept is not None:
         seq = q.shape[2]
         mask = window_mask(seq, window or seq, q.device)[None, None]

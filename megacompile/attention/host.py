@@ -1,17 +1,16 @@
 """Sliding-window attention on the cpu: what eager PyTorch runs for the layer transformers would run.
 
-Without sinks, transformers' masked SDPA: _scaled_dot_product_flash_attention_for_cpu and its
-backward, with the key/value heads repeated as transformers' repeat_kv does and the additive [S, S]
-mask made inside. With sinks, GPT-OSS's eager attention: scores, the additive mask eager's mask
-function makes (0 or the dtype's lowest), the sinks concatenated as one more column, the row's
-maximum subtracted, softmax, the sink column dropped, times v; its backward is autograd's of the
-same ops, run again. Either way a captured model trains as the eager one does, sum for sum.
+Without sinks or softcapping, transformers' masked SDPA: _scaled_dot_product_flash_attention_for_cpu
+and its backward, with the key/value heads repeated as transformers' repeat_kv does and the
+additive [S, S] mask made inside. With them, the eager attention of the model that has them
+(eager.py), over the additive mask eager's mask function makes (0, or the dtype's lowest). Either
+way a captured model trains as the eager one does, sum for sum.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .eager import eager_backward, eager_forward, repeated as _repeated
 from .seen import heads_layout, seen
 
 
@@ -24,19 +23,13 @@ def _additive_mask(seq: int, window: int, starts: torch.Tensor | None, kept: tor
     return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, lowest)
 
 
-def _repeated(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """Key/value heads repeated for each query head, as transformers' repeat_kv does."""
-    if groups == 1:
-        return t
-    batch, heads, seq, dim = t.shape
-    return t[:, :, None].expand(batch, heads, groups, seq, dim).reshape(batch, heads * groups, seq, dim)
-
-
-def forward_host(q, k, v, scale: float, window: int, starts=None, kept=None, sinks=None
+def forward_host(q, k, v, scale: float, window: int, starts=None, kept=None, sinks=None, softcap: float = 0.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels import outputs
-    if sinks is not None:
-        o_made, lse_made = _eager_with_sinks(q, k, v, sinks, scale, window, starts, kept)
+    if sinks is not None or softcap:
+        o_made, lse_made = eager_forward(q, k, v, scale, _additive_mask(q.shape[2], window, starts, kept, q.dtype,
+                                                                        q.device, torch.finfo(q.dtype).min),
+                                         sinks, softcap)
         o = outputs.empty_strided(q.shape, heads_layout(q), dtype=q.dtype, device=q.device)
         lse = outputs.empty(lse_made.shape, dtype=torch.float32, device=q.device)
         return o.copy_(o_made), lse.copy_(lse_made)
@@ -49,8 +42,20 @@ def forward_host(q, k, v, scale: float, window: int, starts=None, kept=None, sin
     return o.copy_(made), lse.copy_(lse_made)
 
 
-def backward_host(do, q, k, v, o, lse, scale: float, window: int, starts=None, kept=None):
+def backward_host(do, q, k, v, o, lse, scale: float, window: int, starts=None, kept=None, sinks=None,
+                  softcap: float = 0.0):
+    """(dq, dk, dv, delta), and dsinks after them where there are sinks."""
     from ..kernels import outputs
+    if sinks is not None or softcap:
+        mask = _additive_mask(q.shape[2], window, starts, kept, q.dtype, q.device, torch.finfo(q.dtype).min)
+        grads = eager_backward(do, q, k, v, scale, mask, sinks, softcap)
+        delta = outputs.empty(lse.shape, dtype=torch.float32, device=q.device)
+        torch.sum(do.float() * o.float(), dim=-1, out=delta)
+        results = [outputs.empty_strided(t.shape, heads_layout(t), dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        made = [r.copy_(g) for r, g in zip(results, grads)] + [delta]
+        if sinks is not None:
+            made.append(outputs.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device).copy_(grads[3]))
+        return tuple(made)
     batch, hq, seq, dim = q.shape
     hkv = k.shape[1]
     groups = hq // hkv
@@ -67,52 +72,3 @@ def backward_host(do, q, k, v, o, lse, scale: float, window: int, starts=None, k
     dk.copy_(dk_made.view(batch, hkv, groups, seq, dim).sum(2))
     dv.copy_(dv_made.view(batch, hkv, groups, seq, dim).sum(2))
     return dq, dk, dv, delta
-
-
-def _eager_with_sinks(q, k, v, sinks, scale: float, window: int, starts, kept, keep: dict | None = None):
-    """(o [B, Hq, S, D], lse float32 [B, Hq, S]) as transformers' GPT-OSS eager attention computes o;
-    into `keep`, what its backward reads."""
-    batch, hq, seq, _ = q.shape
-    groups = hq // k.shape[1]
-    kr, vr = _repeated(k, groups), _repeated(v, groups)
-    scores = torch.matmul(q, kr.transpose(2, 3)) * scale
-    scores = scores + _additive_mask(seq, window, starts, kept, scores.dtype, q.device, torch.finfo(scores.dtype).min)
-    logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(batch, -1, seq, -1)], dim=-1)
-    top, at = logits.max(dim=-1, keepdim=True)
-    logits = logits - top
-    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)
-    o = torch.matmul(probs[..., :-1].to(v.dtype), vr)
-    if keep is not None:
-        keep.update(kr=kr, vr=vr, at=at, probs=probs)
-    return o, (top[..., 0].float() + torch.logsumexp(logits.float(), dim=-1))
-
-
-def backward_host_sinks(do, q, k, v, o, lse, scale: float, window: int, starts, kept, sinks):
-    """(dq, dk, dv, delta, dsinks): the forward run again, then autograd's formulas for each of its
-    ops in reverse, one for one (the custom operator runs below autograd, so autograd cannot)."""
-    from ..kernels import outputs
-    batch, hq, seq, dim = q.shape
-    hkv = k.shape[1]
-    groups = hq // hkv
-    saved: dict = {}
-    _eager_with_sinks(q, k, v, sinks, scale, window, starts, kept, saved)
-    probs = saved["probs"]
-    kept_probs = probs[..., :-1].to(v.dtype)
-    d_vr = torch.matmul(kept_probs.transpose(-1, -2), do)
-    d_probs = torch.zeros_like(probs)
-    d_probs[..., :-1] = torch.matmul(do, saved["vr"].transpose(-1, -2))
-    d_logits = torch._softmax_backward_data(d_probs, probs, -1, probs.dtype)
-    # logits - max: the max's gradient, -rowsum, lands on the column it picked
-    d_logits = d_logits + torch.zeros_like(d_logits).scatter_(-1, saved["at"], -d_logits.sum(-1, keepdim=True))
-    d_scores = d_logits[..., :-1] * scale
-    d_q = torch.matmul(d_scores, saved["kr"])
-    d_kr = torch.matmul(d_scores.transpose(-1, -2), q)
-    delta = outputs.empty((batch, hq, seq), dtype=torch.float32, device=q.device)
-    torch.sum(do.float() * o.float(), dim=-1, out=delta)
-    dq, dk, dv = (outputs.empty_strided(t.shape, heads_layout(t), dtype=t.dtype, device=t.device) for t in (q, k, v))
-    dsinks = outputs.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device)
-    dq.copy_(d_q)
-    dk.copy_(d_kr.view(batch, hkv, groups, seq, dim).sum(2))
-    dv.copy_(d_vr.view(batch, hkv, groups, seq, dim).sum(2))
-    dsinks.copy_(d_logits[..., -1:].sum((0, 2), keepdim=True).view(sinks.shape))
-    return dq, dk, dv, delta, dsinks

@@ -2,7 +2,8 @@
 
 float32 inputs, or head dims past the kernels' 256. Each chunk of CHUNK query rows meets only the
 keys its rows can see, so the scratch is a chunk's scores, never [S, S]; the plan reserves it
-(`reference_scratch_bytes`, cost/reserve.py). A sink joins each row's log-sum-exp as one more logit.
+(`reference_scratch_bytes`, cost/reserve.py). A sink joins each row's log-sum-exp as one more logit;
+softcapping caps each scaled score to softcap * tanh(s / softcap) first.
 """
 from __future__ import annotations
 
@@ -40,7 +41,17 @@ def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.float().repeat_interleave(groups, dim=1)
 
 
-def forward_reference(q, k, v, scale: float, window: int, starts=None, kept=None, sinks=None
+def _scores(q, kf, scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scaled scores of a chunk's rows, capped to softcap * tanh(s / softcap) where it is not 0,
+    and the tanh (for the backward) or None."""
+    scores = (q.float() @ kf.transpose(-1, -2)) * scale
+    if not softcap:
+        return scores, None
+    capped = torch.tanh(scores / softcap)
+    return capped * softcap, capped
+
+
+def forward_reference(q, k, v, scale: float, window: int, starts=None, kept=None, sinks=None, softcap: float = 0.0
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels import outputs
     batch, hq, seq, dim = q.shape
@@ -49,7 +60,7 @@ def forward_reference(q, k, v, scale: float, window: int, starts=None, kept=None
     kf, vf = _grouped(k, hq // k.shape[1]), _grouped(v, hq // k.shape[1])
     for rows, first in _chunks(seq, window):
         end = rows.stop
-        s = (q[:, :, rows.start:end].float() @ kf[:, :, first:end].transpose(-1, -2)) * scale
+        s, _ = _scores(q[:, :, rows.start:end], kf[:, :, first:end], scale, softcap)
         s.masked_fill_(~seen(rows, first, end, window, starts, kept, q.device), float("-inf"))
         m = torch.logsumexp(s, dim=-1)
         if sinks is not None:
@@ -60,7 +71,7 @@ def forward_reference(q, k, v, scale: float, window: int, starts=None, kept=None
     return o, lse
 
 
-def backward_reference(do, q, k, v, o, lse, scale: float, window: int, starts=None, kept=None):
+def backward_reference(do, q, k, v, o, lse, scale: float, window: int, starts=None, kept=None, softcap: float = 0.0):
     from ..kernels import outputs
     batch, hq, seq, dim = q.shape
     hkv = k.shape[1]
@@ -76,11 +87,13 @@ def backward_reference(do, q, k, v, o, lse, scale: float, window: int, starts=No
     for rows, first in _chunks(seq, window):
         end = rows.stop
         qc, doc = q[:, :, rows.start:end].float(), do[:, :, rows.start:end].float()
-        s = (qc @ kf[:, :, first:end].transpose(-1, -2)) * scale
+        s, capped = _scores(qc, kf[:, :, first:end], scale, softcap)
         p = torch.exp(s - lse[:, :, rows.start:end, None])
         p.masked_fill_(~seen(rows, first, end, window, starts, kept, q.device), 0.0)
         dv_heads[:, :, first:end] += p.transpose(-1, -2) @ doc
         ds = p * (doc @ vf[:, :, first:end].transpose(-1, -2) - delta[:, :, rows.start:end, None])
+        if capped is not None:
+            ds = ds * (1 - capped * capped)
         dq[:, :, rows.start:end] = (ds @ kf[:, :, first:end] * scale).to(q.dtype)
         dk_heads[:, :, first:end] += ds.transpose(-1, -2) @ qc * scale
     dk.copy_(dk_heads.view(batch, hkv, groups, seq, dim).sum(2))

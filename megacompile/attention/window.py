@@ -1,9 +1,10 @@
 """Causal attention over a sliding window and packed documents, as operators with no mask tensor.
 
     window_attention(q [B, Hq, S, D], k, v [B, Hkv, S, D], scale, window, starts [B, S] or None,
-                     kept [B, S] or None, sinks [Hq] or None) -> (o [B, Hq, S, D], lse [B, Hq, S])
-    window_attention_backward(do, q, k, v, o, lse, scale, window, starts, kept) -> (dq, dk, dv, delta [B, Hq, S])
-    window_attention_sinks_backward(do, q, k, v, o, lse, scale, window, starts, kept, sinks)
+                     kept [B, S] or None, sinks [Hq] or None, softcap) -> (o [B, Hq, S, D], lse [B, Hq, S])
+    window_attention_backward(do, q, k, v, o, lse, scale, window, starts, kept, softcap)
+        -> (dq, dk, dv, delta [B, Hq, S])
+    window_attention_sinks_backward(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap)
         -> (dq, dk, dv, delta, dsinks [Hq])
 
 Query i sees key j when i - window < j <= i (transformers' sliding_window_overlay over its causal
@@ -14,7 +15,9 @@ kept: a query that then sees no key (left padding) gets o = 0 and no gradient, a
 gives it. Given `sinks` (GPT-OSS's attention sinks), each head's logit joins every row's softmax
 with no value behind it: lse holds its share, so the backward of q, k and v is the same, and the
 sinks' gradient, -sum over rows of exp(sink - lse) * delta, comes with it from the second backward
-operator (kernels/attention_sinks.py). Hq is a multiple of Hkv (grouped-query heads). Transformers expresses
+operator (kernels/attention_sinks.py). Given `softcap` (not 0; Gemma 2's logit softcapping), each
+scaled score s becomes softcap * tanh(s / softcap) before the mask and the softmax. Hq is a
+multiple of Hkv (grouped-query heads). Transformers expresses
 such a layer as SDPA with a [B, 1, S, S] boolean mask, which the model builds once and every layer
 turns into an additive one: 2 B S^2 bytes in bf16 per layer, 512 MiB at 16 x 4096, and past 100k
 tokens more than any GPU holds (eager attention, as GPT-OSS runs, holds B Hq S^2 scores besides).
@@ -37,7 +40,7 @@ from typing import Optional
 import torch
 
 from ..errors import CaptureError
-from .host import backward_host, backward_host_sinks, forward_host
+from .host import backward_host, forward_host
 from .reference import KERNEL_DTYPES, KERNEL_HEAD_DIM, backward_reference, forward_reference, sinks_gradient
 from .seen import heads_layout
 
@@ -74,18 +77,19 @@ def uses_kernel(q: torch.Tensor) -> bool:
 @torch.library.custom_op("megacompile::window_attention", mutates_args=())
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                      starts: Optional[torch.Tensor] = None, kept: Optional[torch.Tensor] = None,
-                     sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     sinks: Optional[torch.Tensor] = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, v, window, starts, kept, sinks)
     if uses_kernel(q):
         from ..kernels.attention import attention_forward
-        return attention_forward(q, k, v, True, scale, window=window, starts=starts, kept=kept, sinks=sinks)
+        return attention_forward(q, k, v, True, scale, window=window, starts=starts, kept=kept, sinks=sinks,
+                                 softcap=softcap)
     if not _on_gpu(q):
-        return forward_host(q, k, v, scale, window, starts, kept, sinks)
-    return forward_reference(q, k, v, scale, window, starts, kept, sinks)
+        return forward_host(q, k, v, scale, window, starts, kept, sinks, softcap)
+    return forward_reference(q, k, v, scale, window, starts, kept, sinks, softcap)
 
 
 @window_attention.register_fake
-def _window_attention_fake(q, k, v, scale, window, starts=None, kept=None, sinks=None):
+def _window_attention_fake(q, k, v, scale, window, starts=None, kept=None, sinks=None, softcap=0.0):
     _check(q, k, v, window, starts, kept, sinks)
     batch, hq, seq, _ = q.shape
     return (torch.empty_strided(q.shape, heads_layout(q), dtype=q.dtype, device=q.device),
@@ -95,19 +99,19 @@ def _window_attention_fake(q, k, v, scale, window, starts=None, kept=None, sinks
 @torch.library.custom_op("megacompile::window_attention_backward", mutates_args=())
 def window_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, scale: float, window: int, starts: Optional[torch.Tensor] = None,
-                              kept: Optional[torch.Tensor] = None
+                              kept: Optional[torch.Tensor] = None, softcap: float = 0.0
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if uses_kernel(q):
         from ..kernels.attention import attention_backward
         return attention_backward(do if do.stride(-1) == 1 else do.contiguous(), q, k, v, o, lse, True, scale,
-                                  window=window, starts=starts, kept=kept)
+                                  window=window, starts=starts, kept=kept, softcap=softcap)
     if not _on_gpu(q):
-        return backward_host(do, q, k, v, o, lse, scale, window, starts, kept)
-    return backward_reference(do, q, k, v, o, lse, scale, window, starts, kept)
+        return backward_host(do, q, k, v, o, lse, scale, window, starts, kept, softcap=softcap)
+    return backward_reference(do, q, k, v, o, lse, scale, window, starts, kept, softcap)
 
 
 @window_attention_backward.register_fake
-def _window_attention_backward_fake(do, q, k, v, o, lse, scale, window, starts=None, kept=None):
+def _window_attention_backward_fake(do, q, k, v, o, lse, scale, window, starts=None, kept=None, softcap=0.0):
     batch, hq, seq, _ = q.shape
     return (torch.empty_strided(q.shape, heads_layout(q), dtype=q.dtype, device=q.device),
             torch.empty_strided(k.shape, heads_layout(k), dtype=k.dtype, device=k.device),
@@ -118,12 +122,13 @@ def _window_attention_backward_fake(do, q, k, v, o, lse, scale, window, starts=N
 @torch.library.custom_op("megacompile::window_attention_sinks_backward", mutates_args=())
 def window_attention_sinks_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                     o: torch.Tensor, lse: torch.Tensor, scale: float, window: int,
-                                    starts: Optional[torch.Tensor], kept: Optional[torch.Tensor], sinks: torch.Tensor
+                                    starts: Optional[torch.Tensor], kept: Optional[torch.Tensor], sinks: torch.Tensor,
+                                    softcap: float = 0.0
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if not _on_gpu(q):
-        return backward_host_sinks(do, q, k, v, o, lse, scale, window, starts, kept, sinks)
+        return backward_host(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap)
     # The lse holds the sinks' share: q, k and v get what they get without sinks.
-    dq, dk, dv, delta = window_attention_backward(do, q, k, v, o, lse, scale, window, starts, kept)
+    dq, dk, dv, delta = window_attention_backward(do, q, k, v, o, lse, scale, window, starts, kept, softcap)
     if uses_kernel(q) or _on_gpu(sinks):
         from ..kernels.attention_sinks import attention_sinks_backward
         return dq, dk, dv, delta, attention_sinks_backward(sinks, lse, delta)
@@ -131,26 +136,27 @@ def window_attention_sinks_backward(do: torch.Tensor, q: torch.Tensor, k: torch.
 
 
 @window_attention_sinks_backward.register_fake
-def _window_attention_sinks_backward_fake(do, q, k, v, o, lse, scale, window, starts, kept, sinks):
+def _window_attention_sinks_backward_fake(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap=0.0):
     return (*_window_attention_backward_fake(do, q, k, v, o, lse, scale, window, starts, kept),
             torch.empty_like(sinks, memory_format=torch.contiguous_format))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, scale, window, starts, kept, sinks = inputs
+    q, k, v, scale, window, starts, kept, sinks, softcap = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, starts, kept, sinks)
-    ctx.scale, ctx.window = scale, window
+    ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
 
 
 def _backward(ctx, do: torch.Tensor, _dlse):
     q, k, v, o, lse, starts, kept, sinks = ctx.saved_tensors
     if sinks is None:
-        dq, dk, dv, _ = window_attention_backward(do, q, k, v, o, lse, ctx.scale, ctx.window, starts, kept)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv, _ = window_attention_backward(do, q, k, v, o, lse, ctx.scale, ctx.window, starts, kept,
+                                                  ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, None
     dq, dk, dv, _, dsinks = window_attention_sinks_backward(do, q, k, v, o, lse, ctx.scale, ctx.window, starts, kept,
-                                                            sinks)
-    return dq, dk, dv, None, None, None, None, dsinks
+                                                            sinks, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, dsinks, None
 
 
 window_attention.register_autograd(_backward, setup_context=_setup_context)

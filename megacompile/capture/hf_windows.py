@@ -23,10 +23,10 @@ originals and remember their parts:
     ([B, S] integers computed in the trace from transformers' own sequence indices), for padding the
     attention_mask itself;
   - the attention function records `megacompile::window_attention` (megacompile/attention/
-    window.py) for an `AttentionSpan`, with the layer's attention sinks (`s_aux`) if it has them;
-    what that operator does not compute (dropout, softcapping, a position bias, queries of another
-    length) runs transformers' own function on the mask the span stands for, built in the layer,
-    as does model code that reads the mask as a tensor (attention_span.py).
+    window.py) for an `AttentionSpan`, with the layer's attention sinks (`s_aux`) and logit
+    softcapping if it has them; what that operator does not compute (dropout, a position bias,
+    queries of another length) runs transformers' own function on the mask the span stands for,
+    built in the layer, as does model code that reads the mask as a tensor (attention_span.py).
 Anything else (overlays such as Gemma 3's bidirectional image spans, chunked attention, a mask
 of another shape) goes to transformers' functions unchanged.
 """
@@ -160,8 +160,9 @@ def _span_mask(original, additive: bool):
 
 def _computes(module, query, key, value, span: AttentionSpan, kwargs) -> bool:
     """window_attention computes what transformers' attention function would on this call."""
-    sinks = kwargs.get("s_aux")
-    return (not kwargs.get("dropout") and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+    return (not kwargs.get("dropout") and kwargs.get("position_bias") is None
+            and (softcap is None or (isinstance(softcap, (int, float)) and softcap > 0))
             and (sinks is None or (isinstance(sinks, torch.Tensor) and tuple(sinks.shape) == (query.shape[1],)))
             and kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
             and query.dim() == key.dim() == value.dim() == 4
@@ -179,7 +180,8 @@ def _span_attention(original):
                 scaling = kwargs.get("scaling")
                 scale = query.shape[-1] ** -0.5 if scaling is None else scaling
                 out, _lse = torch.ops.megacompile.window_attention(query, key, value, float(scale), span.window,
-                                                                   span.starts, span.kept, kwargs.get("s_aux"))
+                                                                   span.starts, span.kept, kwargs.get("s_aux"),
+                                                                   float(kwargs.get("softcap") or 0.0))
                 return out.transpose(1, 2).contiguous(), None
             attention_mask = span.mask(query.device)
         return original(module, query, key, value, attention_mask, *args, **kwargs)

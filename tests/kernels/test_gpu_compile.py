@@ -1,7 +1,7 @@
 """Every kernel compiles for every target a hardware profile names, in the specializations the
 interpreter ran: sm_80 and sm_90 in the default tier, sm_86, sm_89, sm_100 and sm_120 in the slow one.
 
-Attention (causal, over a sliding window, within packed documents, over padding, with sinks) is compiled in the tiles, pipeline stages and warps
+Attention (causal, over a sliding window, within packed documents, over padding, with sinks, softcapped) is compiled in the tiles, pipeline stages and warps
 each target launches instead (kernels/attention.py `tiles`): under the interpreter its tiles are small and widened to fp32,
 which no GPU runs. A compile that asks for more shared memory than the target gives a block fails."""
 import dataclasses
@@ -28,14 +28,15 @@ def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
     kept = torch.tensor([[False, True, True, True, True, True, True, True]])
     sinks = torch.zeros(2, dtype=dtype)
     with record_launches() as recorded:
-        # causal, a sliding window, packed documents, padding, sinks (WINDOWED, DOCUMENTS, PADDED, SINKS;
-        # the backward passes take no sinks: the lse holds their share)
-        for window, documents, padding, logits in ((None, None, None, None), (3, None, None, None),
-                                                   (None, starts, None, None), (3, None, kept, None),
-                                                   (3, None, None, sinks)):
-            o, lse = attention_forward(q, k, v, True, window=window, starts=documents, kept=padding, sinks=logits)
+        # causal, a sliding window, packed documents, padding, sinks, softcapping (WINDOWED, DOCUMENTS,
+        # PADDED, SINKS, SOFTCAP; the backward passes take no sinks: the lse holds their share)
+        for window, documents, padding, logits, cap in ((None, None, None, None, 0.0), (3, None, None, None, 0.0),
+                                                        (None, starts, None, None, 0.0), (3, None, kept, None, 0.0),
+                                                        (3, None, None, sinks, 0.0), (3, None, None, None, 50.0)):
+            o, lse = attention_forward(q, k, v, True, window=window, starts=documents, kept=padding, sinks=logits,
+                                       softcap=cap)
             attention_backward(torch.ones_like(o), q, k, v, o, lse, True, window=window, starts=documents,
-                               kept=padding)
+                               kept=padding, softcap=cap)
     forward, backward = tiles(head_dim, dtype, arch)
     launches = []
     for launch in recorded.values():
@@ -49,7 +50,7 @@ def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
             constexprs["UPCAST"] = dtype == torch.float32
         launches.append(dataclasses.replace(launch, constexprs=constexprs, num_warps=cfg["num_warps"],
                                             num_stages=cfg["num_stages"]))
-    assert len(launches) == 14     # forward five times, key pass and dq pass four times; delta once
+    assert len(launches) == 17     # forward six times, key pass and dq pass five times; delta once
     return launches
 
 

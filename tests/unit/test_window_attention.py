@@ -82,7 +82,7 @@ def test_half_precision_on_a_gpu_runs_the_windowed_kernels(monkeypatch):
     q, k, v, do = _inputs(torch.bfloat16)
     assert window.uses_kernel(q) and not window.uses_kernel(q.float())
     ours = _ours(q, k, v, do)
-    assert called == [{"window": W, "starts": None, "kept": None, "sinks": None}]
+    assert called == [{"window": W, "starts": None, "kept": None, "sinks": None, "softcap": 0.0}]
     for got, want in zip(ours, _eager(q, k, v, do, torch.float64)):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
 
@@ -137,7 +137,7 @@ def test_what_the_operator_does_not_compute_gets_the_mask_the_window_stands_for(
     mask = AttentionSpan(W, S, B)
     out, _ = attention(module, q, k, v, mask, scaling=SCALE)
     assert out.shape == (B, S, HQ, D) and out.is_contiguous() and not seen
-    for kwargs in ({"dropout": 0.1}, {"softcap": 30.0}, {"s_aux": torch.zeros(HQ + 1)}, {"is_causal": False}):
+    for kwargs in ({"dropout": 0.1}, {"softcap": -1.0}, {"s_aux": torch.zeros(HQ + 1)}, {"is_causal": False}):
         seen.clear()
         assert attention(module, q, k, v, mask, **kwargs)[0] == "transformers"
         assert torch.equal(seen["mask"], _band(S, W).expand(B, 1, S, S)), kwargs

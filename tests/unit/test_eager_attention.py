@@ -1,7 +1,7 @@
-"""Attention sinks (GPT-OSS) in megacompile::window_attention, and eager attention under capture:
-each path against transformers' own GPT-OSS eager attention, the sinks' gradient kernel, the
-results where the caller laid them out, a GPT-OSS decoder captured onto the operator, and a span
-that model code reads as a tensor being the mask it stands for."""
+"""Eager attention in megacompile::window_attention: GPT-OSS's attention sinks and Gemma 2's logit
+softcapping on each path against transformers' own eager attention of those models, the sinks'
+gradient kernel, the results where the caller laid them out, both decoders captured onto the
+operator, and a span that model code reads as a tensor being the mask it stands for."""
 from __future__ import annotations
 
 import types
@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from transformers import masking_utils
+from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.gpt_oss import modeling_gpt_oss
 
 from megacompile.attention import reference, window
@@ -78,6 +79,48 @@ def test_every_path_is_gpt_oss_eager_attention(monkeypatch, path, w):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-2 if path == "kernel" else 2e-6)
 
 
+CAP = 1.5     # small enough that tanh bends the test's scores
+
+
+def _eager_softcapped(q, k, v, do, w, kept, dtype):
+    """transformers' Gemma 2 eager attention (softcapping) on eager's additive mask."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    module = types.SimpleNamespace(num_key_value_groups=HQ // HKV, training=False)
+    i = torch.arange(S)
+    seen = ((i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] < w))[None, None] & kept[:, None, None, :]
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
+    o, _ = modeling_gemma2.eager_attention_forward(module, q, k, v, mask, scaling=SCALE, softcap=CAP)
+    o = o.transpose(1, 2)
+    return (o, *torch.autograd.grad(o, (q, k, v), do.to(dtype)))
+
+
+@pytest.mark.parametrize("path", ["host", "reference", "kernel"])
+@pytest.mark.parametrize("w", [W, S])
+def test_every_path_is_gemma2_eager_attention_with_softcapping(monkeypatch, path, w):
+    """Right padding shorter than the window, so every query sees a key (eager gives a row that
+    sees none the mean of all values in float32 and NaN in float64, the operator 0: such a row is
+    padding and reaches no loss)."""
+    dtype = torch.bfloat16 if path == "kernel" else torch.float32
+    if path != "host":
+        monkeypatch.setattr(window, "_on_gpu", lambda x: True)
+        monkeypatch.setattr(reference, "CHUNK", 4)
+    q, k, v, do, _ = _inputs(dtype)
+    q = q * 4           # scores past the cap
+    kept = torch.ones(B, S, dtype=torch.bool)
+    kept[1, S - 3:] = False
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o, _ = torch.ops.megacompile.window_attention(q, k, v, SCALE, w, None, kept, None, CAP)
+    ours = (o, *torch.autograd.grad(o, (q, k, v), do))
+    if path == "host":
+        for got, want in zip(ours, _eager_softcapped(q, k, v, do, w, kept, torch.float32)):
+            assert torch.equal(got, want)
+        return
+    uncapped = torch.ops.megacompile.window_attention(q, k, v, SCALE, w, None, kept)[0]
+    assert (uncapped - o).abs().max() > 0.1                                         # the cap matters here
+    for got, want in zip(ours, _eager_softcapped(q, k, v, do, w, kept, torch.float64)):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-2 if path == "kernel" else 2e-6)
+
+
 def test_the_sinks_gradient_kernel_sums_every_row_of_each_head(monkeypatch):
     """-sum over (b, i) of exp(sink - lse) * delta, over several row blocks and a remainder, lse at
     the strides the forward leaves it, in the sinks' dtype."""
@@ -133,6 +176,20 @@ def test_gpt_oss_is_captured_onto_the_operator_with_its_sinks():
     assert "get_interface" not in vars(transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS)   # put back
 
 
+def test_gemma2_is_captured_onto_the_operator_with_its_softcap():
+    torch.manual_seed(0)
+    ids = batch(t=16)
+    model = FAMILIES["gemma2"]()
+    captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
+                       compute_dtype=torch.float32)
+    for stage in captured.stages:
+        template = stage.template
+        if template.kind == "block":
+            assert not [m.shape for m in template.saved if sum(d == 16 for d in m.shape) >= 2]
+            nodes = [n for n in template.forward.gm.graph.nodes if "window_attention" in str(n.target)]
+            assert len(nodes) == 1 and nodes[0].args[8] == model.config.attn_logit_softcapping
+
+
 def test_a_span_read_as_a_tensor_is_the_mask_it_stands_for():
     """Model code that adds the mask to its scores (BLOOM), slices it or reads its shape gets the
     mask transformers would have built: eager's additive one, or SDPA's boolean."""
@@ -154,7 +211,7 @@ def test_a_span_read_as_a_tensor_is_the_mask_it_stands_for():
 
 def test_eager_attention_takes_a_span_only_while_capturing():
     """A model's eager function, named as get_interface's default, records the operator for a span
-    and gets the mask for what it computes itself (softcapping); outside capture it is the model's."""
+    and gets the mask for what it computes itself (dropout); outside capture it is the model's."""
     calls = []
 
     def models_eager(module, q, k, v, mask, **kwargs):
@@ -168,6 +225,6 @@ def test_eager_attention_takes_a_span_only_while_capturing():
         attention = interface.get_interface("eager", models_eager)
         out, weights = attention(torch.nn.Module(), q, k, v, span, scaling=SCALE, s_aux=sinks)
         assert out.shape == (B, S, HQ, D) and weights is None and not calls
-        assert attention(torch.nn.Module(), q, k, v, span, softcap=30.0)[0] == "eager"
-        assert torch.equal(calls[0][0], span.mask()) and calls[0][1] == {"softcap": 30.0}
+        assert attention(torch.nn.Module(), q, k, v, span, dropout=0.1)[0] == "eager"
+        assert torch.equal(calls[0][0], span.mask()) and calls[0][1] == {"dropout": 0.1}
     assert interface.get_interface("eager", models_eager) is models_eager
