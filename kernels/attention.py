@@ -1,6 +1,7 @@
 """Attention, forward and backward, writing every result where its caller laid it out.
 
-    o = softmax(scale * q @ k^T) @ v       q [B, Hq, S, D], k and v [B, Hkv, S, D], Hq a multiple of Hkv
+    o = softmax(scale * q @ k^T) @ v       q [B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv],
+                                           Hq a multiple of Hkv (Dv = D but for latent attention)
 
 The same work as FlashAttention-2 (tiles of queries against tiles of keys with an online softmax;
 the backward recomputes the probabilities from the saved log-sum-exp), written for the device
@@ -135,11 +136,11 @@ def _seen(rows, keys, S, CAUSAL: tl.constexpr, WINDOW, WINDOWED: tl.constexpr, f
 @triton.jit
 def attention_forward_kernel(
     o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, starts_ptr, kept_ptr, sinks_ptr,
-    S, D, HQ, GROUPS, scale, WINDOW, softcap,
+    S, D, DV, HQ, GROUPS, scale, WINDOW, softcap,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh, sls,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
     SINKS: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     b, h, kvh, rows, dims = _query_tile(HQ, GROUPS, BLOCK_M, BLOCK_D)
     q = _tile(q_ptr, b * sqb + h * sqh, rows, dims, sqs, S, D)
@@ -151,13 +152,14 @@ def attention_forward_kernel(
     else:
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         denom = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    dims_v = tl.arange(0, BLOCK_DV)
     first = _row_starts(starts_ptr, b, rows, S, DOCUMENTS)
     for n0 in range(_keys_start(WINDOW, starts_ptr, b, S, BLOCK_M, BLOCK_N, WINDOWED, DOCUMENTS),
                     _keys_end(S, BLOCK_M, CAUSAL), BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
-        v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
+        v = _tile(v_ptr, v_base, keys, dims_v, svs, S, DV)
         seen = _seen(rows, keys, S, CAUSAL, WINDOW, WINDOWED, first, DOCUMENTS, _kept(kept_ptr, b, keys, S, PADDED))
         s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
         if SOFTCAP:
@@ -175,8 +177,8 @@ def attention_forward_kernel(
     # A row that saw no key (past S, or all its keys padding) has denom 0: o = 0 there, lse -inf.
     denom = tl.where(denom > 0.0, denom, 1.0)
     o = acc / denom[:, None]
-    tl.store(o_ptr + b * sob + h * soh + rows.to(tl.int64)[:, None] * sos + dims[None, :],
-             round_to(o, o_ptr.dtype.element_ty), mask=(rows[:, None] < S) & (dims[None, :] < D))
+    tl.store(o_ptr + b * sob + h * soh + rows.to(tl.int64)[:, None] * sos + dims_v[None, :],
+             round_to(o, o_ptr.dtype.element_ty), mask=(rows[:, None] < S) & (dims_v[None, :] < DV))
     tl.store(lse_ptr + b * slb + h * slh + rows.to(tl.int64) * sls, m + tl.log(denom), mask=rows < S)
 
 
@@ -186,7 +188,7 @@ def attention_delta_kernel(
     sob, soh, sos, sdb, sdh, sds,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """delta [B, Hq, S] float32 (contiguous) = rowsum(do * o)."""
+    """delta [B, Hq, S] float32 (contiguous) = rowsum(do * o); D, BLOCK_D: the value head dims."""
     b, h, _, rows, dims = _query_tile(HQ, 1, BLOCK_M, BLOCK_D)
     o = _tile(o_ptr, b * sob + h * soh, rows, dims, sos, S, D).to(tl.float32)
     do = _tile(do_ptr, b * sdb + h * sdh, rows, dims, sds, S, D).to(tl.float32)
@@ -196,22 +198,22 @@ def attention_delta_kernel(
 @triton.jit
 def attention_backward_kv_kernel(
     dk_ptr, dv_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, starts_ptr, kept_ptr,
-    S, D, HQ, HKV, GROUPS, scale, WINDOW, softcap,
+    S, D, DV, HQ, HKV, GROUPS, scale, WINDOW, softcap,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls,
     sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
     SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dk, dv of one key tile of one key/value head, summed over the query heads of its group."""
     bkv = tl.program_id(1)
     b, kvh = bkv // HKV, bkv % HKV
     keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
+    dims, dims_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     k = _tile(k_ptr, b.to(tl.int64) * skb + kvh.to(tl.int64) * skh, keys, dims, sks, S, D)
-    v = _tile(v_ptr, b.to(tl.int64) * svb + kvh.to(tl.int64) * svh, keys, dims, svs, S, D)
+    v = _tile(v_ptr, b.to(tl.int64) * svb + kvh.to(tl.int64) * svh, keys, dims_v, svs, S, DV)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     kept = _kept(kept_ptr, b.to(tl.int64), keys, S, PADDED)
     start, end = 0, S
     if CAUSAL:
@@ -227,7 +229,7 @@ def attention_backward_kv_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             first = _row_starts(starts_ptr, b.to(tl.int64), rows, S, DOCUMENTS)
             q = _tile(q_ptr, q_base, rows, dims, sqs, S, D)
-            do = _tile(do_ptr, do_base, rows, dims, sds, S, D)
+            do = _tile(do_ptr, do_base, rows, dims_v, sds, S, DV)
             lse = tl.load(lse_ptr + row_base + rows.to(tl.int64) * sls, mask=rows < S, other=0.0)
             delta = tl.load(delta_ptr + (b * HQ + h).to(tl.int64) * S + rows, mask=rows < S, other=0.0)
             st = _dot(k, tl.trans(q), UPCAST, IEEE) * scale                      # [keys, rows]
@@ -243,26 +245,26 @@ def attention_backward_kv_kernel(
                 dst = dst * (1.0 - capped * capped)                              # through the cap
             dk += _dot(dst.to(q.dtype), q, UPCAST, IEEE)
     dk = dk * scale
-    mask = (keys[:, None] < S) & (dims[None, :] < D)
     tl.store(dk_ptr + b.to(tl.int64) * sdkb + kvh.to(tl.int64) * sdkh + keys.to(tl.int64)[:, None] * sdks + dims[None, :],
-             round_to(dk, dk_ptr.dtype.element_ty), mask=mask)
-    tl.store(dv_ptr + b.to(tl.int64) * sdvb + kvh.to(tl.int64) * sdvh + keys.to(tl.int64)[:, None] * sdvs + dims[None, :],
-             round_to(dv, dv_ptr.dtype.element_ty), mask=mask)
+             round_to(dk, dk_ptr.dtype.element_ty), mask=(keys[:, None] < S) & (dims[None, :] < D))
+    tl.store(dv_ptr + b.to(tl.int64) * sdvb + kvh.to(tl.int64) * sdvh + keys.to(tl.int64)[:, None] * sdvs
+             + dims_v[None, :], round_to(dv, dv_ptr.dtype.element_ty), mask=(keys[:, None] < S) & (dims_v[None, :] < DV))
 
 
 @triton.jit
 def attention_backward_q_kernel(
     dq_ptr, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, starts_ptr, kept_ptr,
-    S, D, HQ, GROUPS, scale, WINDOW, softcap,
+    S, D, DV, HQ, GROUPS, scale, WINDOW, softcap,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, slb, slh, sls, sdqb, sdqh, sdqs,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, PADDED: tl.constexpr,
     SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dq of one query tile of one head."""
     b, h, kvh, rows, dims = _query_tile(HQ, GROUPS, BLOCK_M, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
     q = _tile(q_ptr, b * sqb + h * sqh, rows, dims, sqs, S, D)
-    do = _tile(do_ptr, b * sdb + h * sdh, rows, dims, sds, S, D)
+    do = _tile(do_ptr, b * sdb + h * sdh, rows, dims_v, sds, S, DV)
     lse = tl.load(lse_ptr + b * slb + h * slh + rows.to(tl.int64) * sls, mask=rows < S, other=0.0)
     delta = tl.load(delta_ptr + (b * HQ + h) * S + rows, mask=rows < S, other=0.0)
     k_base, v_base = b * skb + kvh * skh, b * svb + kvh * svh
@@ -272,7 +274,7 @@ def attention_backward_q_kernel(
                     _keys_end(S, BLOCK_M, CAUSAL), BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_ptr, k_base, keys, dims, sks, S, D)
-        v = _tile(v_ptr, v_base, keys, dims, svs, S, D)
+        v = _tile(v_ptr, v_base, keys, dims_v, svs, S, DV)
         s = _dot(q, tl.trans(k), UPCAST, IEEE) * scale
         if SOFTCAP:
             capped = _tanh(s / softcap)
@@ -299,22 +301,26 @@ def _modes(dtype: torch.dtype) -> tuple[bool, bool]:
 _LARGE_SHARED = {80, 90, 100}
 
 
-def tiles(head_dim: int, dtype: torch.dtype, arch: int | None = None) -> tuple[dict, dict]:
-    """(forward, backward) launch settings for a head dim, dtype and target (sm_XY as XY; None under
-    the interpreter). The forward: query tiles of BLOCK_M against key steps of BLOCK_N. The
-    backward: tiles of BLOCK_N keys (the key pass) or queries (the dq pass) against steps of BLOCK_M
-    of the other; the fp32 dk and dv, or dq, of a tile are its accumulators."""
+def tiles(head_dim: int, dtype: torch.dtype, arch: int | None = None, value_dim: int | None = None
+          ) -> tuple[dict, dict]:
+    """(forward, backward) launch settings for a head dim (of q and k; `value_dim` of v, the same if
+    None: latent attention's differ), dtype and target (sm_XY as XY; None under the interpreter).
+    The forward: query tiles of BLOCK_M against key steps of BLOCK_N. The backward: tiles of BLOCK_N
+    keys (the key pass) or queries (the dq pass) against steps of BLOCK_M of the other; the fp32
+    dk and dv, or dq, of a tile are its accumulators."""
     block_d = max(16, triton.next_power_of_2(head_dim))
+    dims = dict(BLOCK_D=block_d, BLOCK_DV=max(16, triton.next_power_of_2(value_dim or head_dim)))
+    widest = max(dims.values())
     if arch is None:
-        small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=4)
+        small = dict(BLOCK_M=16, BLOCK_N=16, **dims, num_warps=4)
         return small, dict(small)
     stages = 3 if arch in _LARGE_SHARED else 2
-    if block_d > 128 or dtype == torch.float32:
-        return (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2),
-                dict(BLOCK_M=16, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=2))
-    warps = 4 if block_d <= 64 else 8
-    return (dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=warps, num_stages=stages),
-            dict(BLOCK_M=32, BLOCK_N=128, BLOCK_D=block_d, num_warps=warps, num_stages=stages))
+    if widest > 128 or dtype == torch.float32:
+        return (dict(BLOCK_M=64, BLOCK_N=32, **dims, num_warps=8, num_stages=2),
+                dict(BLOCK_M=16, BLOCK_N=64, **dims, num_warps=8, num_stages=2))
+    warps = 4 if widest <= 64 else 8
+    return (dict(BLOCK_M=128, BLOCK_N=64, **dims, num_warps=warps, num_stages=stages),
+            dict(BLOCK_M=32, BLOCK_N=128, **dims, num_warps=warps, num_stages=stages))
 
 
 def _arch(device: torch.device) -> int | None:
@@ -334,11 +340,13 @@ def _strides4(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """(B, Hq, Hkv, S, D, Dv): v's head dim may differ from q's and k's (latent attention)."""
     batch, hq, seq, dim = q.shape
     hkv = k.shape[1]
-    assert k.shape == v.shape == (batch, hkv, seq, dim) and hq % hkv == 0, (q.shape, k.shape, v.shape)
-    return batch, hq, hkv, seq, dim
+    assert k.shape == (batch, hkv, seq, dim) and v.shape[:3] == k.shape[:3] and hq % hkv == 0, \
+        (q.shape, k.shape, v.shape)
+    return batch, hq, hkv, seq, dim, v.shape[3]
 
 
 def _window(causal: bool, window: int | None, seq: int) -> int:
@@ -370,21 +378,22 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       out_stride=None, lse_stride=None, window: int | None = None,
                       starts: torch.Tensor | None = None, kept: torch.Tensor | None = None,
                       sinks: torch.Tensor | None = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [B, Hq, S, D] in q.dtype, lse [B, Hq, S] float32); results at the strides asked (o: the
+    """(o [B, Hq, S, Dv] in q.dtype, lse [B, Hq, S] float32); results at the strides asked (o: the
     flash layout by default, lse: contiguous)."""
-    batch, hq, hkv, seq, dim = _check(q, k, v)
+    batch, hq, hkv, seq, dim, dim_v = _check(q, k, v)
     window = _window(causal, window, seq)
     assert causal or starts is None
     documents, padding = _per_key(starts, q), _per_key(kept, q)
     scale = dim ** -0.5 if scale is None else scale
-    o = outputs.empty_strided(q.shape, out_stride or heads_layout(batch, hq, seq, dim), dtype=q.dtype, device=q.device)
+    o = outputs.empty_strided((batch, hq, seq, dim_v), out_stride or heads_layout(batch, hq, seq, dim_v),
+                              dtype=q.dtype, device=q.device)
     lse = outputs.empty_strided((batch, hq, seq), lse_stride or (hq * seq, seq, 1), dtype=torch.float32,
                                 device=q.device)
-    cfg, _ = tiles(dim, q.dtype, _arch(q.device))
+    cfg, _ = tiles(dim, q.dtype, _arch(q.device), dim_v)
     upcast, ieee = _modes(q.dtype)
     if o.numel():
         attention_forward_kernel[(triton.cdiv(seq, cfg["BLOCK_M"]), batch * hq)](
-            o, lse, q, k, v, documents, padding, _per_head(sinks, q), seq, dim, hq, hq // hkv, scale, window,
+            o, lse, q, k, v, documents, padding, _per_head(sinks, q), seq, dim, dim_v, hq, hq // hkv, scale, window,
             float(softcap or 1.0),
             *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o), *lse.stride(),
             CAUSAL=causal, WINDOWED=window > 0, DOCUMENTS=starts is not None, PADDED=kept is not None,
@@ -398,7 +407,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        starts: torch.Tensor | None = None, kept: torch.Tensor | None = None, softcap: float = 0.0):
     """(dq, dk, dv, delta): the gradients at the strides asked (the flash layout by default) and
     delta = rowsum(do * o), float32 [B, Hq, S], the passes' one temporary."""
-    batch, hq, hkv, seq, dim = _check(q, k, v)
+    batch, hq, hkv, seq, dim, dim_v = _check(q, k, v)
     window = _window(causal, window, seq)
     assert causal or starts is None
     documents, padding = _per_key(starts, q), _per_key(kept, q)
@@ -406,28 +415,29 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     delta = outputs.empty((batch, hq, seq), dtype=torch.float32, device=q.device)
     dq = outputs.empty_strided(q.shape, dq_stride or heads_layout(batch, hq, seq, dim), dtype=q.dtype, device=q.device)
     dk = outputs.empty_strided(k.shape, dk_stride or heads_layout(batch, hkv, seq, dim), dtype=k.dtype, device=k.device)
-    dv = outputs.empty_strided(v.shape, dv_stride or heads_layout(batch, hkv, seq, dim), dtype=v.dtype, device=v.device)
+    dv = outputs.empty_strided(v.shape, dv_stride or heads_layout(batch, hkv, seq, dim_v), dtype=v.dtype,
+                               device=v.device)
     if not dq.numel():
         return dq, dk, dv, delta
-    _, cfg = tiles(dim, q.dtype, _arch(q.device))
+    _, cfg = tiles(dim, q.dtype, _arch(q.device), dim_v)
     upcast, ieee = _modes(q.dtype)
     flags = dict(CAUSAL=causal, WINDOWED=window > 0, DOCUMENTS=starts is not None, PADDED=kept is not None,
                  SOFTCAP=bool(softcap), UPCAST=upcast, IEEE=ieee)
     launch = {key: value for key, value in cfg.items() if key.startswith("num_")}
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride())
-    rows, keys, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
+    rows, keys, dims = cfg["BLOCK_M"], cfg["BLOCK_N"], dict(BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"])
     attention_delta_kernel[(triton.cdiv(seq, keys), batch * hq)](
-        delta, o, do, seq, dim, hq, *_strides4(o), *_strides4(do), BLOCK_M=keys, BLOCK_D=block_d, **launch)
+        delta, o, do, seq, dim_v, hq, *_strides4(o), *_strides4(do), BLOCK_M=keys, BLOCK_D=dims["BLOCK_DV"], **launch)
     attention_backward_kv_kernel[(triton.cdiv(seq, keys), batch * hkv)](
-        dk, dv, q, k, v, do, lse, delta, documents, padding, seq, dim, hq, hkv, hq // hkv, scale, window,
+        dk, dv, q, k, v, do, lse, delta, documents, padding, seq, dim, dim_v, hq, hkv, hq // hkv, scale, window,
         float(softcap or 1.0), *common,
-        *_strides4(dk), *_strides4(dv), **flags, BLOCK_M=rows, BLOCK_N=keys, BLOCK_D=block_d, **launch)
+        *_strides4(dk), *_strides4(dv), **flags, BLOCK_M=rows, BLOCK_N=keys, **dims, **launch)
     # The dq pass: tall query tiles (the key pass's BLOCK_N) against short key steps (its BLOCK_M).
     attention_backward_q_kernel[(triton.cdiv(seq, keys), batch * hq)](
-        dq, q, k, v, do, lse, delta, documents, padding, seq, dim, hq, hq // hkv, scale, window,
+        dq, q, k, v, do, lse, delta, documents, padding, seq, dim, dim_v, hq, hq // hkv, scale, window,
         float(softcap or 1.0), *common,
         *_strides4(dq), **flags,
-        BLOCK_M=keys, BLOCK_N=rows, BLOCK_D=block_d, **launch)
+        BLOCK_M=keys, BLOCK_N=rows, **dims, **launch)
     return dq, dk, dv, delta
 
 

@@ -2,9 +2,11 @@
 
 Without sinks or softcapping, transformers' masked SDPA: _scaled_dot_product_flash_attention_for_cpu
 and its backward, with the key/value heads repeated as transformers' repeat_kv does and the
-additive [S, S] mask made inside. With them, the eager attention of the model that has them
-(eager.py), over the additive mask eager's mask function makes (0, or the dtype's lowest). Either
-way a captured model trains as the eager one does, sum for sum.
+additive [S, S] mask made inside; where v's head dim differs from q's (latent attention), which
+that op does not take, SDPA's math path, as eager runs it (eager.py). With sinks or softcapping,
+the eager attention of the model that has them (eager.py), over the additive mask eager's mask
+function makes (0, or the dtype's lowest). Either way a captured model trains as the eager one
+does, sum for sum.
 """
 from __future__ import annotations
 
@@ -23,14 +25,29 @@ def _additive_mask(seq: int, window: int, starts: torch.Tensor | None, kept: tor
     return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, lowest)
 
 
+def _latent(q, v) -> bool:
+    """v's head dim differs from q's (latent attention): torch's cpu flash op does not take it."""
+    return q.shape[-1] != v.shape[-1]
+
+
+def _math(q, v, sinks, softcap) -> bool:
+    """What eager PyTorch runs is SDPA's math path (latent attention), not a model's eager function."""
+    return _latent(q, v) and sinks is None and not softcap
+
+
+def _mask_of(q, v, window, starts, kept, sinks, softcap) -> torch.Tensor:
+    """The additive mask the eager sequence adds: SDPA's -inf, or eager's the dtype's lowest."""
+    lowest = float("-inf") if _math(q, v, sinks, softcap) else torch.finfo(q.dtype).min
+    return _additive_mask(q.shape[2], window, starts, kept, q.dtype, q.device, lowest)
+
+
 def forward_host(q, k, v, scale: float, window: int, starts=None, kept=None, sinks=None, softcap: float = 0.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels import outputs
-    if sinks is not None or softcap:
-        o_made, lse_made = eager_forward(q, k, v, scale, _additive_mask(q.shape[2], window, starts, kept, q.dtype,
-                                                                        q.device, torch.finfo(q.dtype).min),
-                                         sinks, softcap)
-        o = outputs.empty_strided(q.shape, heads_layout(q), dtype=q.dtype, device=q.device)
+    if sinks is not None or softcap or _latent(q, v):
+        o_made, lse_made = eager_forward(q, k, v, scale, _mask_of(q, v, window, starts, kept, sinks, softcap),
+                                         sinks, softcap, math=_math(q, v, sinks, softcap))
+        o = outputs.empty_strided(o_made.shape, heads_layout(o_made), dtype=q.dtype, device=q.device)
         lse = outputs.empty(lse_made.shape, dtype=torch.float32, device=q.device)
         return o.copy_(o_made), lse.copy_(lse_made)
     groups = q.shape[1] // k.shape[1]
@@ -46,9 +63,9 @@ def backward_host(do, q, k, v, o, lse, scale: float, window: int, starts=None, k
                   softcap: float = 0.0):
     """(dq, dk, dv, delta), and dsinks after them where there are sinks."""
     from ..kernels import outputs
-    if sinks is not None or softcap:
-        mask = _additive_mask(q.shape[2], window, starts, kept, q.dtype, q.device, torch.finfo(q.dtype).min)
-        grads = eager_backward(do, q, k, v, scale, mask, sinks, softcap)
+    if sinks is not None or softcap or _latent(q, v):
+        grads = eager_backward(do, q, k, v, scale, _mask_of(q, v, window, starts, kept, sinks, softcap), sinks,
+                               softcap, math=_math(q, v, sinks, softcap))
         delta = outputs.empty(lse.shape, dtype=torch.float32, device=q.device)
         torch.sum(do.float() * o.float(), dim=-1, out=delta)
         results = [outputs.empty_strided(t.shape, heads_layout(t), dtype=t.dtype, device=t.device) for t in (q, k, v)]

@@ -55,7 +55,8 @@ def forward_reference(q, k, v, scale: float, window: int, starts=None, kept=None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels import outputs
     batch, hq, seq, dim = q.shape
-    o = outputs.empty_strided(q.shape, heads_layout(q), dtype=q.dtype, device=q.device)
+    shape = (batch, hq, seq, v.shape[-1])
+    o = outputs.empty_strided(shape, heads_layout(shape), dtype=q.dtype, device=q.device)
     lse = outputs.empty((batch, hq, seq), dtype=torch.float32, device=q.device)
     kf, vf = _grouped(k, hq // k.shape[1]), _grouped(v, hq // k.shape[1])
     for rows, first in _chunks(seq, window):
@@ -83,7 +84,7 @@ def backward_reference(do, q, k, v, o, lse, scale: float, window: int, starts=No
     torch.sum(do.float() * o.float(), dim=-1, out=delta)
     kf, vf = _grouped(k, groups), _grouped(v, groups)
     dk_heads = torch.zeros(batch, hq, seq, dim, dtype=torch.float32, device=q.device)   # per query head
-    dv_heads = torch.zeros_like(dk_heads)
+    dv_heads = torch.zeros(batch, hq, seq, v.shape[-1], dtype=torch.float32, device=q.device)
     for rows, first in _chunks(seq, window):
         end = rows.stop
         qc, doc = q[:, :, rows.start:end].float(), do[:, :, rows.start:end].float()
@@ -97,7 +98,7 @@ def backward_reference(do, q, k, v, o, lse, scale: float, window: int, starts=No
         dq[:, :, rows.start:end] = (ds @ kf[:, :, first:end] * scale).to(q.dtype)
         dk_heads[:, :, first:end] += ds.transpose(-1, -2) @ qc * scale
     dk.copy_(dk_heads.view(batch, hkv, groups, seq, dim).sum(2))
-    dv.copy_(dv_heads.view(batch, hkv, groups, seq, dim).sum(2))
+    dv.copy_(dv_heads.view(batch, hkv, groups, seq, v.shape[-1]).sum(2))
     return dq, dk, dv, delta
 
 

@@ -22,7 +22,8 @@ def seen(rows: range, first_key: int, end: int, window: int, starts: torch.Tenso
     return out
 
 
-def heads_layout(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """The flash ops' result layout ([B, S, H, D] memory viewed [B, H, S, D]), as the kernels make it."""
+def heads_layout(t) -> tuple[int, int, int, int]:
+    """The flash ops' result layout ([B, S, H, D] memory viewed [B, H, S, D]) for a tensor or a
+    shape, as the kernels make it."""
     from ..kernels.attention import heads_layout as layout
-    return layout(*t.shape)
+    return layout(*(t.shape if isinstance(t, torch.Tensor) else t))

@@ -1,7 +1,7 @@
 """Causal attention over a sliding window and packed documents, as operators with no mask tensor.
 
-    window_attention(q [B, Hq, S, D], k, v [B, Hkv, S, D], scale, window, starts [B, S] or None,
-                     kept [B, S] or None, sinks [Hq] or None, softcap) -> (o [B, Hq, S, D], lse [B, Hq, S])
+    window_attention(q [B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], scale, window, starts [B, S] or None,
+                     kept [B, S] or None, sinks [Hq] or None, softcap) -> (o [B, Hq, S, Dv], lse [B, Hq, S])
     window_attention_backward(do, q, k, v, o, lse, scale, window, starts, kept, softcap)
         -> (dq, dk, dv, delta [B, Hq, S])
     window_attention_sinks_backward(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap)
@@ -17,7 +17,9 @@ with no value behind it: lse holds its share, so the backward of q, k and v is t
 sinks' gradient, -sum over rows of exp(sink - lse) * delta, comes with it from the second backward
 operator (kernels/attention_sinks.py). Given `softcap` (not 0; Gemma 2's logit softcapping), each
 scaled score s becomes softcap * tanh(s / softcap) before the mask and the softmax. Hq is a
-multiple of Hkv (grouped-query heads). Transformers expresses
+multiple of Hkv (grouped-query heads); v's head dim may differ from q's and k's (DeepSeek's latent
+attention: 192 and 128), which torch's flash kernels do not take, so its SDPA runs the math path
+and holds [B, Hq, S, S] scores. Transformers expresses
 such a layer as SDPA with a [B, 1, S, S] boolean mask, which the model builds once and every layer
 turns into an additive one: 2 B S^2 bytes in bf16 per layer, 512 MiB at 16 x 4096, and past 100k
 tokens more than any GPU holds (eager attention, as GPT-OSS runs, holds B Hq S^2 scores besides).
@@ -51,14 +53,14 @@ def _per_row(t: torch.Tensor | None, q: torch.Tensor, dtype_ok) -> bool:
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, starts: torch.Tensor | None,
            kept: torch.Tensor | None, sinks: torch.Tensor | None) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] \
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
             or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1] or window < 1 \
             or not _per_row(starts, q, lambda d: not d.is_floating_point and d != torch.bool) \
             or not _per_row(kept, q, lambda d: d == torch.bool) \
             or not (sinks is None or (tuple(sinks.shape) == (q.shape[1],) and sinks.dtype.is_floating_point)):
         def described(t):
             return None if t is None else (list(t.shape), t.dtype)
-        raise CaptureError(f"window_attention takes q [B, Hq, S, D], k and v [B, Hkv, S, D] with Hq a multiple of "
+        raise CaptureError(f"window_attention takes q and k [B, Hq or Hkv, S, D], v [B, Hkv, S, Dv] with Hq a multiple of "
                            f"Hkv, a window of at least 1, integer document starts [B, S] or none, a bool [B, S] "
                            f"of kept keys or none and float sinks [Hq] or none; got q {list(q.shape)}, "
                            f"k {list(k.shape)}, v {list(v.shape)}, window {window}, starts {described(starts)}, "
@@ -92,7 +94,8 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def _window_attention_fake(q, k, v, scale, window, starts=None, kept=None, sinks=None, softcap=0.0):
     _check(q, k, v, window, starts, kept, sinks)
     batch, hq, seq, _ = q.shape
-    return (torch.empty_strided(q.shape, heads_layout(q), dtype=q.dtype, device=q.device),
+    shape = (batch, hq, seq, v.shape[-1])
+    return (torch.empty_strided(shape, heads_layout(shape), dtype=q.dtype, device=q.device),
             q.new_empty((batch, hq, seq), dtype=torch.float32))
 
 

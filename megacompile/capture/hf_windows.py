@@ -26,7 +26,10 @@ originals and remember their parts:
     window.py) for an `AttentionSpan`, with the layer's attention sinks (`s_aux`) and logit
     softcapping if it has them; what that operator does not compute (dropout, a position bias,
     queries of another length) runs transformers' own function on the mask the span stands for,
-    built in the layer, as does model code that reads the mask as a tensor (attention_span.py).
+    built in the layer, as does model code that reads the mask as a tensor (attention_span.py);
+  - with no mask at all, SDPA's plain causal attention whose v is narrower than q and k
+    (DeepSeek's latent attention, which torch's flash kernels do not take, so SDPA would run its
+    math path and hold S x S) records the same operator over the whole sequence.
 Anything else (overlays such as Gemma 3's bidirectional image spans, chunked attention, a mask
 of another shape) goes to transformers' functions unchanged.
 """
@@ -158,34 +161,44 @@ def _span_mask(original, additive: bool):
     return mask
 
 
-def _computes(module, query, key, value, span: AttentionSpan, kwargs) -> bool:
-    """window_attention computes what transformers' attention function would on this call."""
+def _computes(module, query, key, value, length: int, kwargs) -> bool:
+    """window_attention computes what transformers' attention function would on this call, over
+    `length` keys."""
     sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     return (not kwargs.get("dropout") and kwargs.get("position_bias") is None
             and (softcap is None or (isinstance(softcap, (int, float)) and softcap > 0))
             and (sinks is None or (isinstance(sinks, torch.Tensor) and tuple(sinks.shape) == (query.shape[1],)))
             and kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
             and query.dim() == key.dim() == value.dim() == 4
-            and query.shape[2] == key.shape[2] == value.shape[2] == span.length
-            and query.shape[-1] == key.shape[-1] == value.shape[-1]
+            and query.shape[2] == key.shape[2] == value.shape[2] == length
+            and query.shape[-1] == key.shape[-1]
             and key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0)
 
 
 def _span_attention(original):
     """transformers' attention function `original` ("sdpa", or a model's eager one), taking a span."""
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        if isinstance(attention_mask, AttentionSpan):
-            span = attention_mask
-            if not args and _computes(module, query, key, value, span, kwargs):
+        span = attention_mask
+        if span is None and _latent(query, value) and query.dim() == 4:
+            # Plain causal attention whose v is narrower than q and k (DeepSeek's latent attention):
+            # torch's flash kernels do not take it, so SDPA would run its math path, S x S.
+            span = AttentionSpan(query.shape[2], query.shape[2], query.shape[0], device=query.device)
+        if isinstance(span, AttentionSpan):
+            if not args and _computes(module, query, key, value, span.length, kwargs):
                 scaling = kwargs.get("scaling")
                 scale = query.shape[-1] ** -0.5 if scaling is None else scaling
                 out, _lse = torch.ops.megacompile.window_attention(query, key, value, float(scale), span.window,
                                                                    span.starts, span.kept, kwargs.get("s_aux"),
                                                                    float(kwargs.get("softcap") or 0.0))
                 return out.transpose(1, 2).contiguous(), None
-            attention_mask = span.mask(query.device)
+            if attention_mask is not None:
+                attention_mask = span.mask(query.device)
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     return attention
+
+
+def _latent(query, value) -> bool:
+    return query.shape[-1] != value.shape[-1]
 
 
 @contextlib.contextmanager

@@ -120,10 +120,11 @@ def _writes_into_forward(nodes: list[fx.Node], forward_set: set[fx.Node]) -> set
     changed = True
     while changed:
         changed = False
-        read_at: dict = {}     # storage -> last position a forward node holds it
+        read_at: dict = {}     # storage -> last position a forward node holds or reads it
         for n in forward_set | found:
-            ref = _storage(n)
-            if ref is not None:
+            # A reader counts, not only a holder: an op whose result shares nothing with the
+            # buffer (megacompile::window_attention reading DeepSeek's filled key) reads it last.
+            for ref in {_storage(n), *(_storage(a) for a in n.all_input_nodes)} - {None}:
                 read_at[ref] = max(read_at.get(ref, -1), position[n])
         for m in nodes:
             if m in forward_set or m in found or m.op != "call_function" or not _mutates(m):

@@ -84,17 +84,20 @@ def _window_pairs(seq: int, window: int) -> float:
     return seq * w - w * (w - 1) / 2
 
 
-def _window_flops(per_pair: float, q, window: int) -> float:
+def _window_flops(q, v, window: int, qk: int, pv: int) -> float:
+    """2 FLOPs per multiply-add over the pairs the window keeps: `qk` products over the q/k head
+    dim (scores, dq, dk) and `pv` over v's (o, dp, dv), which latent attention makes narrower."""
     batch, heads, seq, dim = q.shape
-    return per_pair * batch * heads * _window_pairs(seq, window) * dim
+    return 2.0 * batch * heads * _window_pairs(seq, window) * (qk * dim + pv * v.shape[-1])
 
 
 # Packed documents only narrow it further, by lengths the plan does not know: counted as the window.
+# The backward's seven matmuls: scores twice (one per pass), dp twice, dv, dq, dk.
 WINDOW_FLOPS = {
-    "window_attention": lambda q, k, v, scale, window, *starts: _window_flops(4.0, q, window),
-    "window_attention_backward": lambda do, q, k, v, o, lse, scale, window, *starts: _window_flops(14.0, q, window),
-    "window_attention_sinks_backward": lambda do, q, k, v, o, lse, scale, window, *starts:
-        _window_flops(14.0, q, window),
+    "window_attention": lambda q, k, v, scale, window, *rest: _window_flops(q, v, window, 1, 1),
+    "window_attention_backward": lambda do, q, k, v, o, lse, scale, window, *rest: _window_flops(q, v, window, 4, 3),
+    "window_attention_sinks_backward": lambda do, q, k, v, o, lse, scale, window, *rest:
+        _window_flops(q, v, window, 4, 3),
 }
 
 

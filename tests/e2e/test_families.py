@@ -29,8 +29,9 @@ STEPS = 3
 # Mixtral: routed experts, an in-place divide in the router, router logits to the load-balancing
 # loss (the other MoE families run in the slow tier). Qwen2 with sliding windows: full-attention
 # layers beside ones captured onto megacompile::window_attention (capture/hf_windows.py). GPT-OSS:
-# eager attention with sinks onto the same operator, sum for sum with its eager attention.
-DEFAULT = {"gemma2", "gptj", "bloom", "mixtral", "qwen2_sliding", "gpt_oss"}
+# eager attention with sinks onto the same operator, sum for sum with its eager attention. DeepSeek-V3:
+# latent attention (v narrower than q and k) onto it too, sum for sum with SDPA's math path.
+DEFAULT = {"gemma2", "gptj", "bloom", "mixtral", "qwen2_sliding", "gpt_oss", "deepseek_v3"}
 
 # Families that cannot be captured yet, with the error they raise.
 REFUSED = {

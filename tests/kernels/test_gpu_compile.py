@@ -13,44 +13,48 @@ from megacompile.kernels import check
 from megacompile.kernels.attention import attention_backward, attention_forward, tiles
 from megacompile.kernels.gpu_compile import ARCHS, FAST_ARCHS, compile_launches, record_launches
 
-HEAD_DIMS = [(128, torch.bfloat16)]
+# DeepSeek's latent attention: q and k heads of 192, v heads of 128.
+HEAD_DIMS = [(128, torch.bfloat16), (192, torch.bfloat16, 128)]
 # Gemma's 256 is the one that tests a target's shared memory; fp32 attention on a GPU is torch's
 # memory-efficient op (the fusion pass leaves it), so the kernel's fp32 tiles only run on sm_80/90 here.
 WIDE_HEADS = [(128, torch.bfloat16), (256, torch.bfloat16)]
 OTHER_HEADS = [(64, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32)]
 
 
-def attention_launches(arch: int, head_dim: int, dtype: torch.dtype) -> list:
+def attention_launches(arch: int, head_dim: int, dtype: torch.dtype, value_dim: int | None = None) -> list:
     """The attention kernels' launches as a GPU of `arch` makes them: the interpreter's recorded
-    launches with that target's tiles, stages and warps, and no widening of bf16 tiles."""
-    q, k, v = (torch.randn(1, 8, h, head_dim).to(dtype).transpose(1, 2) for h in (2, 1, 1))
+    launches with that target's tiles, stages and warps, and no widening of bf16 tiles. With a
+    `value_dim` (latent attention), causal attention alone."""
+    q, k, v = (torch.randn(1, 8, h, d).to(dtype).transpose(1, 2)
+               for h, d in ((2, head_dim), (1, head_dim), (1, value_dim or head_dim)))
     starts = torch.tensor([[0, 0, 0, 3, 3, 3, 3, 3]], dtype=torch.int32)
     kept = torch.tensor([[False, True, True, True, True, True, True, True]])
     sinks = torch.zeros(2, dtype=dtype)
     with record_launches() as recorded:
         # causal, a sliding window, packed documents, padding, sinks, softcapping (WINDOWED, DOCUMENTS,
         # PADDED, SINKS, SOFTCAP; the backward passes take no sinks: the lse holds their share)
-        for window, documents, padding, logits, cap in ((None, None, None, None, 0.0), (3, None, None, None, 0.0),
-                                                        (None, starts, None, None, 0.0), (3, None, kept, None, 0.0),
-                                                        (3, None, None, sinks, 0.0), (3, None, None, None, 50.0)):
+        variants = ((None, None, None, None, 0.0), (3, None, None, None, 0.0), (None, starts, None, None, 0.0),
+                    (3, None, kept, None, 0.0), (3, None, None, sinks, 0.0), (3, None, None, None, 50.0))
+        for window, documents, padding, logits, cap in variants[:1] if value_dim else variants:
             o, lse = attention_forward(q, k, v, True, window=window, starts=documents, kept=padding, sinks=logits,
                                        softcap=cap)
             attention_backward(torch.ones_like(o), q, k, v, o, lse, True, window=window, starts=documents,
                                kept=padding, softcap=cap)
-    forward, backward = tiles(head_dim, dtype, arch)
+    forward, backward = tiles(head_dim, dtype, arch, value_dim)
     launches = []
     for launch in recorded.values():
         cfg = forward if launch.kernel == "attention_forward_kernel" else backward
         constexprs = {**launch.constexprs, **{key: cfg[key] for key in launch.constexprs if key in cfg}}
         if launch.kernel == "attention_backward_q_kernel":    # tall query tiles, short key steps
             constexprs.update(BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_M"])
-        if launch.kernel == "attention_delta_kernel":
-            constexprs.update(BLOCK_M=cfg["BLOCK_N"])
+        if launch.kernel == "attention_delta_kernel":        # it reads o and do: the value head dims
+            constexprs.update(BLOCK_M=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_DV"])
         if "UPCAST" in constexprs:
             constexprs["UPCAST"] = dtype == torch.float32
         launches.append(dataclasses.replace(launch, constexprs=constexprs, num_warps=cfg["num_warps"],
                                             num_stages=cfg["num_stages"]))
-    assert len(launches) == 17     # forward six times, key pass and dq pass five times; delta once
+    # forward six times, key pass and dq pass five times, delta once; latent: each once
+    assert len(launches) == (4 if value_dim else 17)
     return launches
 
 
@@ -61,7 +65,7 @@ def _compile(archs, head_dims, every_kernel: bool = True):
         assert not check.uncovered(rows), "kernels that no check case launches"
         launches = {x.key: x for r in rows for x in r.launches if x.module != "attention"}
     # The targets compiled together launch attention alike (both hold three stages in shared memory).
-    per_arch = {arch: [x for d, dtype in head_dims for x in attention_launches(arch, d, dtype)] for arch in archs}
+    per_arch = {arch: [x for dims in head_dims for x in attention_launches(arch, *dims)] for arch in archs}
     assert all(per_arch[arch] == per_arch[archs[0]] for arch in archs)
     launches.update({x.key: x for x in per_arch[archs[0]]})
     results = compile_launches(launches.values(), archs=archs)
