@@ -10,6 +10,10 @@ a Mistral-7B sliding-window layer (window 4096) at 1 x 16384, where torch's SDPA
 [B, 1, S, S] boolean mask (its memory-efficient kernel) and the kernel the window as a number; and
 16 documents of 1024 tokens packed in a row of 16384, the mask block-diagonal and the kernel given
 each token's document start. Their TFLOPS count the (query, key) pairs the window or documents keep.
+Then the layers torch's flash kernels do not take: a GPT-OSS-120B sliding-window layer (64 query
+heads over 8, head dim 64, window 128, attention sinks) at 1 x 8192, against transformers' eager
+attention (scores, mask, sinks, softmax) and torch.compile of it; and a DeepSeek-V3 latent-attention
+layer (128 heads, q and k 192, v 128) at 1 x 4096, against SDPA (its math or memory-efficient path).
 """
 import sys
 
@@ -64,7 +68,7 @@ def _window_points(smoke: bool) -> list[Point]:
                  "sdpa (mask)": masked, "eager": reference, "compile": compiled(reference)}
         out.append(Point("attention_window", f"{batch}x{hq}/{hkv}x{seq}x{dim} w{window}", dtype, make, impls,
                          flops_fwd_bwd=14.0 * batch * hq * pairs * dim))
-    return out + _document_points(smoke)
+    return out + _document_points(smoke) + _sink_points(smoke) + _latent_points(smoke)
 
 
 def _document_points(smoke: bool) -> list[Point]:
@@ -92,6 +96,39 @@ def _document_points(smoke: bool) -> list[Point]:
                  "sdpa (mask)": masked, "eager": reference, "compile": compiled(reference)}
         out.append(Point("attention_documents", f"{batch}x{hq}/{hkv}x{seq}x{dim} {len(lengths)} docs", dtype, make,
                          impls, flops_fwd_bwd=14.0 * batch * hq * pairs * dim))
+    return out
+
+
+def _sink_points(smoke: bool) -> list[Point]:
+    batch, hq, hkv, seq, dim, window = (1, 4, 2, 37, 16, 5) if smoke else (1, 64, 8, 8192, 64, 128)
+    sinks = torch.randn(hq, device=device())
+    reference = lambda q, k, v: ref.attention_ref(q, k, v, True, window=window, sinks=sinks)  # noqa: E731
+    pairs = seq * window - window * (window - 1) / 2
+    out = []
+    for dtype in (torch.bfloat16,) if not smoke else (torch.float32, torch.bfloat16):
+        def make(dtype=dtype):
+            return tuple(torch.randn(batch, seq, h, dim, device=device(), dtype=dtype).transpose(1, 2)
+                         .requires_grad_() for h in (hq, hkv, hkv))
+        impls = {"megacompile": lambda q, k, v: kernel.attention(q, k, v, True, window=window, sinks=sinks),
+                 "eager": reference, "compile": compiled(reference)}
+        out.append(Point("attention_sinks", f"{batch}x{hq}/{hkv}x{seq}x{dim} w{window}", dtype, make, impls,
+                         flops_fwd_bwd=14.0 * batch * hq * pairs * dim))
+    return out
+
+
+def _latent_points(smoke: bool) -> list[Point]:
+    batch, heads, seq, dim, dim_v = (1, 4, 37, 24, 16) if smoke else (1, 128, 4096, 192, 128)
+    reference = lambda q, k, v: ref.attention_ref(q, k, v, True)  # noqa: E731
+    out = []
+    for dtype in (torch.bfloat16,) if not smoke else (torch.float32, torch.bfloat16):
+        def make(dtype=dtype):
+            return tuple(torch.randn(batch, seq, heads, d, device=device(), dtype=dtype).transpose(1, 2)
+                         .requires_grad_() for d in (dim, dim, dim_v))
+        impls = {"megacompile": lambda q, k, v: kernel.attention(q, k, v, True), "sdpa": _sdpa,
+                 "eager": reference, "compile": compiled(reference)}
+        # the forward's two matmuls and the backward's five, each over its own head dim
+        out.append(Point("attention_latent", f"{batch}x{heads}x{seq}x{dim}/{dim_v}", dtype, make, impls,
+                         flops_fwd_bwd=2.0 * batch * heads * seq * seq * 0.5 * (4 * dim + 3 * dim_v)))
     return out
 
 
