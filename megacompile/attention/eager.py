@@ -1,10 +1,13 @@
 """Transformers' eager attention where the operator stands for it: forward, and autograd's backward.
 
-Eager PyTorch runs these where the operator stands for them, and the operator computes the same:
+Eager PyTorch runs these where the operator stands for them, and on the cpu the operator computes
+the same:
   - GPT-OSS (attention sinks): scores, plus the mask, the sinks concatenated as one more column,
     each row's maximum subtracted, softmax, the sink column dropped, times v;
   - Gemma 2 (logit softcapping): scores divided by the cap, tanh, times the cap, plus the mask,
     softmax in float32 cast back, times v;
+  - any other model loaded with attn_implementation="eager" (Llama's eager function, which most
+    copy): Gemma 2's sequence without the cap;
   - latent attention (DeepSeek, v's head dim not q's), which torch's cpu flash op does not take:
     SDPA's math path, q and k each scaled by the root of the scale, their product, plus the mask
     (-inf), `_safe_softmax` (0 for a row that sees nothing), times v.

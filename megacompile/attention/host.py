@@ -3,10 +3,10 @@
 Without sinks or softcapping, transformers' masked SDPA: _scaled_dot_product_flash_attention_for_cpu
 and its backward, with the key/value heads repeated as transformers' repeat_kv does and the
 additive [S, S] mask made inside; where v's head dim differs from q's (latent attention), which
-that op does not take, SDPA's math path, as eager runs it (eager.py). With sinks or softcapping,
-the eager attention of the model that has them (eager.py), over the additive mask eager's mask
-function makes (0, or the dtype's lowest). Either way a captured model trains as the eager one
-does, sum for sum.
+that op does not take, SDPA's math path, as eager runs it (eager.py). Where the model ran its eager
+attention (`eager`; sinks and softcapping exist only there), that sequence (eager.py), over the
+additive mask eager's mask function makes (0, or the dtype's lowest). Either way a captured model
+trains as the eager one does, sum for sum.
 """
 from __future__ import annotations
 
@@ -30,23 +30,28 @@ def _latent(q, v) -> bool:
     return q.shape[-1] != v.shape[-1]
 
 
-def _math(q, v, sinks, softcap) -> bool:
-    """What eager PyTorch runs is SDPA's math path (latent attention), not a model's eager function."""
-    return _latent(q, v) and sinks is None and not softcap
+def _sequence(q, v, sinks, softcap: float, eager: bool) -> str:
+    """What eager PyTorch ran: a model's eager attention ("eager": sinks and softcapping exist only
+    there), SDPA's math path ("math": latent attention, which the cpu flash op does not take), or
+    the cpu flash op ("flash")."""
+    if eager or sinks is not None or softcap:
+        return "eager"
+    return "math" if _latent(q, v) else "flash"
 
 
-def _mask_of(q, v, window, starts, kept, sinks, softcap) -> torch.Tensor:
-    """The additive mask the eager sequence adds: SDPA's -inf, or eager's the dtype's lowest."""
-    lowest = float("-inf") if _math(q, v, sinks, softcap) else torch.finfo(q.dtype).min
+def _mask_of(q, window, starts, kept, sequence: str) -> torch.Tensor:
+    """The additive mask the sequence adds: SDPA's -inf, or eager's the dtype's lowest."""
+    lowest = float("-inf") if sequence == "math" else torch.finfo(q.dtype).min
     return _additive_mask(q.shape[2], window, starts, kept, q.dtype, q.device, lowest)
 
 
-def forward_host(q, k, v, scale: float, window: int, starts=None, kept=None, sinks=None, softcap: float = 0.0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_host(q, k, v, scale: float, window: int, starts=None, kept=None, sinks=None, softcap: float = 0.0,
+                 eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels import outputs
-    if sinks is not None or softcap or _latent(q, v):
-        o_made, lse_made = eager_forward(q, k, v, scale, _mask_of(q, v, window, starts, kept, sinks, softcap),
-                                         sinks, softcap, math=_math(q, v, sinks, softcap))
+    sequence = _sequence(q, v, sinks, softcap, eager)
+    if sequence != "flash":
+        o_made, lse_made = eager_forward(q, k, v, scale, _mask_of(q, window, starts, kept, sequence),
+                                         sinks, softcap, math=sequence == "math")
         o = outputs.empty_strided(o_made.shape, heads_layout(o_made), dtype=q.dtype, device=q.device)
         lse = outputs.empty(lse_made.shape, dtype=torch.float32, device=q.device)
         return o.copy_(o_made), lse.copy_(lse_made)
@@ -60,12 +65,13 @@ def forward_host(q, k, v, scale: float, window: int, starts=None, kept=None, sin
 
 
 def backward_host(do, q, k, v, o, lse, scale: float, window: int, starts=None, kept=None, sinks=None,
-                  softcap: float = 0.0):
+                  softcap: float = 0.0, eager: bool = False):
     """(dq, dk, dv, delta), and dsinks after them where there are sinks."""
     from ..kernels import outputs
-    if sinks is not None or softcap or _latent(q, v):
-        grads = eager_backward(do, q, k, v, scale, _mask_of(q, v, window, starts, kept, sinks, softcap), sinks,
-                               softcap, math=_math(q, v, sinks, softcap))
+    sequence = _sequence(q, v, sinks, softcap, eager)
+    if sequence != "flash":
+        grads = eager_backward(do, q, k, v, scale, _mask_of(q, window, starts, kept, sequence), sinks,
+                               softcap, math=sequence == "math")
         delta = outputs.empty(lse.shape, dtype=torch.float32, device=q.device)
         torch.sum(do.float() * o.float(), dim=-1, out=delta)
         results = [outputs.empty_strided(t.shape, heads_layout(t), dtype=t.dtype, device=t.device) for t in (q, k, v)]

@@ -1,10 +1,10 @@
 """Causal attention over a sliding window and packed documents, as operators with no mask tensor.
 
     window_attention(q [B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], scale, window, starts [B, S] or None,
-                     kept [B, S] or None, sinks [Hq] or None, softcap) -> (o [B, Hq, S, Dv], lse [B, Hq, S])
-    window_attention_backward(do, q, k, v, o, lse, scale, window, starts, kept, softcap)
+                     kept [B, S] or None, sinks [Hq] or None, softcap, eager) -> (o [B, Hq, S, Dv], lse [B, Hq, S])
+    window_attention_backward(do, q, k, v, o, lse, scale, window, starts, kept, softcap, eager)
         -> (dq, dk, dv, delta [B, Hq, S])
-    window_attention_sinks_backward(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap)
+    window_attention_sinks_backward(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap, eager)
         -> (dq, dk, dv, delta, dsinks [Hq])
 
 Query i sees key j when i - window < j <= i (transformers' sliding_window_overlay over its causal
@@ -16,7 +16,9 @@ gives it. Given `sinks` (GPT-OSS's attention sinks), each head's logit joins eve
 with no value behind it: lse holds its share, so the backward of q, k and v is the same, and the
 sinks' gradient, -sum over rows of exp(sink - lse) * delta, comes with it from the second backward
 operator (kernels/attention_sinks.py). Given `softcap` (not 0; Gemma 2's logit softcapping), each
-scaled score s becomes softcap * tanh(s / softcap) before the mask and the softmax. Hq is a
+scaled score s becomes softcap * tanh(s / softcap) before the mask and the softmax. `eager` says the
+model ran transformers' eager attention, not SDPA: only the cpu path reads it, to compute as that
+did (host.py). Hq is a
 multiple of Hkv (grouped-query heads); v's head dim may differ from q's and k's (DeepSeek's latent
 attention: 192 and 128), which torch's flash kernels do not take, so its SDPA runs the math path
 and holds [B, Hq, S, S] scores. Transformers expresses
@@ -79,19 +81,20 @@ def uses_kernel(q: torch.Tensor) -> bool:
 @torch.library.custom_op("megacompile::window_attention", mutates_args=())
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                      starts: Optional[torch.Tensor] = None, kept: Optional[torch.Tensor] = None,
-                     sinks: Optional[torch.Tensor] = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     sinks: Optional[torch.Tensor] = None, softcap: float = 0.0, eager: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, v, window, starts, kept, sinks)
     if uses_kernel(q):
         from ..kernels.attention import attention_forward
         return attention_forward(q, k, v, True, scale, window=window, starts=starts, kept=kept, sinks=sinks,
                                  softcap=softcap)
     if not _on_gpu(q):
-        return forward_host(q, k, v, scale, window, starts, kept, sinks, softcap)
+        return forward_host(q, k, v, scale, window, starts, kept, sinks, softcap, eager)
     return forward_reference(q, k, v, scale, window, starts, kept, sinks, softcap)
 
 
 @window_attention.register_fake
-def _window_attention_fake(q, k, v, scale, window, starts=None, kept=None, sinks=None, softcap=0.0):
+def _window_attention_fake(q, k, v, scale, window, starts=None, kept=None, sinks=None, softcap=0.0, eager=False):
     _check(q, k, v, window, starts, kept, sinks)
     batch, hq, seq, _ = q.shape
     shape = (batch, hq, seq, v.shape[-1])
@@ -102,19 +105,20 @@ def _window_attention_fake(q, k, v, scale, window, starts=None, kept=None, sinks
 @torch.library.custom_op("megacompile::window_attention_backward", mutates_args=())
 def window_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, scale: float, window: int, starts: Optional[torch.Tensor] = None,
-                              kept: Optional[torch.Tensor] = None, softcap: float = 0.0
+                              kept: Optional[torch.Tensor] = None, softcap: float = 0.0, eager: bool = False
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if uses_kernel(q):
         from ..kernels.attention import attention_backward
         return attention_backward(do if do.stride(-1) == 1 else do.contiguous(), q, k, v, o, lse, True, scale,
                                   window=window, starts=starts, kept=kept, softcap=softcap)
     if not _on_gpu(q):
-        return backward_host(do, q, k, v, o, lse, scale, window, starts, kept, softcap=softcap)
+        return backward_host(do, q, k, v, o, lse, scale, window, starts, kept, softcap=softcap, eager=eager)
     return backward_reference(do, q, k, v, o, lse, scale, window, starts, kept, softcap)
 
 
 @window_attention_backward.register_fake
-def _window_attention_backward_fake(do, q, k, v, o, lse, scale, window, starts=None, kept=None, softcap=0.0):
+def _window_attention_backward_fake(do, q, k, v, o, lse, scale, window, starts=None, kept=None, softcap=0.0,
+                                    eager=False):
     batch, hq, seq, _ = q.shape
     return (torch.empty_strided(q.shape, heads_layout(q), dtype=q.dtype, device=q.device),
             torch.empty_strided(k.shape, heads_layout(k), dtype=k.dtype, device=k.device),
@@ -126,10 +130,10 @@ def _window_attention_backward_fake(do, q, k, v, o, lse, scale, window, starts=N
 def window_attention_sinks_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                     o: torch.Tensor, lse: torch.Tensor, scale: float, window: int,
                                     starts: Optional[torch.Tensor], kept: Optional[torch.Tensor], sinks: torch.Tensor,
-                                    softcap: float = 0.0
+                                    softcap: float = 0.0, eager: bool = False
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if not _on_gpu(q):
-        return backward_host(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap)
+        return backward_host(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap, eager)
     # The lse holds the sinks' share: q, k and v get what they get without sinks.
     dq, dk, dv, delta = window_attention_backward(do, q, k, v, o, lse, scale, window, starts, kept, softcap)
     if uses_kernel(q) or _on_gpu(sinks):
@@ -139,27 +143,28 @@ def window_attention_sinks_backward(do: torch.Tensor, q: torch.Tensor, k: torch.
 
 
 @window_attention_sinks_backward.register_fake
-def _window_attention_sinks_backward_fake(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap=0.0):
+def _window_attention_sinks_backward_fake(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap=0.0,
+                                          eager=False):
     return (*_window_attention_backward_fake(do, q, k, v, o, lse, scale, window, starts, kept),
             torch.empty_like(sinks, memory_format=torch.contiguous_format))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, scale, window, starts, kept, sinks, softcap = inputs
+    q, k, v, scale, window, starts, kept, sinks, softcap, eager = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, starts, kept, sinks)
-    ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
+    ctx.scale, ctx.window, ctx.softcap, ctx.eager = scale, window, softcap, eager
 
 
 def _backward(ctx, do: torch.Tensor, _dlse):
     q, k, v, o, lse, starts, kept, sinks = ctx.saved_tensors
     if sinks is None:
         dq, dk, dv, _ = window_attention_backward(do, q, k, v, o, lse, ctx.scale, ctx.window, starts, kept,
-                                                  ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None, None
+                                                  ctx.softcap, ctx.eager)
+        return dq, dk, dv, None, None, None, None, None, None, None
     dq, dk, dv, _, dsinks = window_attention_sinks_backward(do, q, k, v, o, lse, ctx.scale, ctx.window, starts, kept,
-                                                            sinks, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, dsinks, None
+                                                            sinks, ctx.softcap, ctx.eager)
+    return dq, dk, dv, None, None, None, None, dsinks, None, None
 
 
 window_attention.register_autograd(_backward, setup_context=_setup_context)

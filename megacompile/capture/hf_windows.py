@@ -189,7 +189,8 @@ def _span_attention(original):
                 scale = query.shape[-1] ** -0.5 if scaling is None else scaling
                 out, _lse = torch.ops.megacompile.window_attention(query, key, value, float(scale), span.window,
                                                                    span.starts, span.kept, kwargs.get("s_aux"),
-                                                                   float(kwargs.get("softcap") or 0.0))
+                                                                   float(kwargs.get("softcap") or 0.0),
+                                                                   span.dtype != torch.bool)   # eager's mask
                 return out.transpose(1, 2).contiguous(), None
             if attention_mask is not None:
                 attention_mask = span.mask(query.device)

@@ -104,6 +104,28 @@ def test_a_padding_mask_trains_as_eager_with_no_square_mask(side):
     assert not _square(block) and not _square(block.selective)
 
 
+def test_a_model_loaded_with_eager_attention_trains_as_eager_with_no_square_mask():
+    """attn_implementation="eager": transformers builds an additive [B, 1, S, S] mask and every layer
+    holds [B, Hq, S, S] probabilities; captured, the layers run the operator, and on the cpu it
+    computes as the model's eager function (scores, mask, float32 softmax), so the weights agree
+    with eager's to the float64 noise floor as SDPA models' do."""
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=4, d=128)
+    model.config._attn_implementation = "eager"
+    batches = []
+    for i in range(STEPS):
+        ids = _ids(i)
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[1, :3 + i] = 0
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    engine = _train_both(model, batches)
+    block = _block(engine)
+    nodes = [n for n in block.forward.gm.graph.nodes if n.op == "call_function"]
+    attention = [n for n in nodes if "window_attention" in str(n.target)]
+    assert attention and all(n.args[9] for n in attention)           # told the model ran eager
+    assert not _square(block) and not [m.shape for m in block.acts if len(m.shape) == 4]
+
+
 def _positions(lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths])
 
