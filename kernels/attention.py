@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .cast import round_to
+from .softcap import tanh as _tanh
 from .attention_sinks import attention_sinks_backward
 from . import outputs
 
@@ -58,13 +59,6 @@ def _tile(ptr, base, rows, cols, stride_s, n_rows, n_cols):
     """rows x cols of one head ([S, D] at `base`, rows `stride_s` apart, d contiguous or not: stride 1 asked)."""
     return tl.load(ptr + base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
                    mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
-
-
-@triton.jit
-def _tanh(x):
-    """tanh as 2 sigmoid(2x) - 1 (libdevice is unavailable under the interpreter); its absolute
-    error, about 1e-7, is far inside the bf16 and fp16 the kernels run."""
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 @triton.jit

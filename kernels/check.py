@@ -203,6 +203,15 @@ def case_fused_linear_cross_entropy(dtype, s, gen):
     )
 
 
+def case_fused_linear_cross_entropy_softcap(dtype, s, gen):
+    """Gemma 2's final logit softcapping, with logits scaled past a cap of 2 so tanh bends them."""
+    h, w, labels = lm_inputs(dtype, s, gen)
+    h = h * 4
+    return compare_autograd(lambda h, w, y: fused_linear_cross_entropy(h, w, y, softcap=2.0),
+                            lambda h, w, y: ref.fused_linear_cross_entropy_ref(h, w, y, softcap=2.0),
+                            (h, w, labels), (0, 1))
+
+
 def case_grouped_gemm(dtype, s, gen):
     """Rows per expert with empty experts, a one-row expert and one that takes nearly all."""
     counts, k, n = s["experts"]
@@ -278,6 +287,7 @@ CASES = [
     ("attention(sinks)", _case_attention(True, window=3, padded=True, sinks=True), DTYPES, TOLERANCE),
     ("attention(softcap)", _case_attention(True, window=3, softcap=0.5), DTYPES, TOLERANCE),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
+    ("fused_linear_ce(cap)", case_fused_linear_cross_entropy_softcap, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),
     ("cast_fp32_to_bf16", case_cast, (torch.bfloat16,), {torch.bfloat16: EXACT}),

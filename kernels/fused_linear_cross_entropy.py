@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .cast import round_to
+from .softcap import tanh
 from .tiling import row_tile
 
 IGNORE_INDEX = -100
@@ -39,6 +40,8 @@ def cross_entropy_grad_kernel(
     n_rows,
     n_cols,  # V
     ignore_index,
+    softcap,  # logits capped to softcap * tanh(x / softcap) before the softmax (Gemma 2), if SOFTCAP
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_V: tl.constexpr,  # columns per sweep step
 ):
@@ -55,6 +58,8 @@ def cross_entropy_grad_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(row_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            x = softcap * tanh(x / softcap)
         x = tl.where((cols < n_cols)[None, :], x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=1))
         d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
@@ -62,6 +67,8 @@ def cross_entropy_grad_kernel(
 
     target_ptr = logits_ptr + rows.to(tl.int64) * logits_row_stride + tl.where(valid, labels, 0)
     target = tl.load(target_ptr, mask=valid, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        target = softcap * tanh(target / softcap)
     loss = tl.where(valid, m + tl.log(d) - target, 0.0)
     tl.store(loss_ptr + rows, loss, mask=row_mask)
 
@@ -72,8 +79,13 @@ def cross_entropy_grad_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(row_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            capped = tanh(x / softcap)
+            x = softcap * capped
         p = tl.exp(x - m[:, None]) * inv_d[:, None]
         grad = (p - tl.where(cols[None, :] == labels[:, None], 1.0, 0.0)) * scale[:, None]
+        if SOFTCAP:
+            grad = grad * (1.0 - capped * capped)                    # back through the cap
         tl.store(row_base + cols[None, :], round_to(grad, logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -90,8 +102,10 @@ def fused_linear_cross_entropy_forward(
     chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     grads: tuple[bool, bool, bool] = (True, True, True),
+    softcap: float = 0.0,
 ):
-    """(loss [] fp32, dh [N, H] in h.dtype, dw [V, H] fp32, db [V] fp32) for h [N, H], w [V, H].
+    """(loss [] fp32, dh [N, H] in h.dtype, dw [V, H] fp32, db [V] fp32) for h [N, H], w [V, H];
+    with `softcap`, the logits capped to softcap * tanh(x / softcap) first (Gemma 2's final one).
 
     The gradients are those of the loss itself (upstream gradient 1); dw and db stay in fp32 so that
     scaling them by an upstream gradient and casting to w.dtype rounds once. grads says which of
@@ -118,8 +132,8 @@ def fused_linear_cross_entropy_forward(
         logits = h_chunk @ w.T if bias is None else torch.addmm(bias, h_chunk, w.T)  # [c, V] in h.dtype
         cross_entropy_grad_kernel[(triton.cdiv(end - start, block_m),)](
             logits, labels[start:end], loss_rows[start:end], n_valid,
-            logits.stride(0), end - start, vocab, ignore_index,
-            BLOCK_M=block_m, BLOCK_V=block_v, num_warps=num_warps,
+            logits.stride(0), end - start, vocab, ignore_index, float(softcap or 1.0),
+            SOFTCAP=bool(softcap), BLOCK_M=block_m, BLOCK_V=block_v, num_warps=num_warps,
         )
         dlogits = logits  # overwritten in place
         if dh is not None:
@@ -137,11 +151,11 @@ def fused_linear_cross_entropy_forward(
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, labels, bias, chunk_size, ignore_index):
+    def forward(ctx, h, w, labels, bias, chunk_size, ignore_index, softcap):
         shape = h.shape
         loss, dh, dw, db = fused_linear_cross_entropy_forward(
             h.reshape(-1, shape[-1]), w, labels.reshape(-1), bias, chunk_size, ignore_index,
-            grads=(ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]),
+            grads=(ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]), softcap=softcap,
         )
         ctx.save_for_backward(dh.view(shape) if dh is not None else None, dw, db)
         ctx.dtypes = (w.dtype, bias.dtype if bias is not None else None)
@@ -158,7 +172,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             db = db * grad_loss if db is not None else None
         dw = dw.to(w_dtype) if dw is not None else None
         db = db.to(b_dtype) if db is not None else None
-        return dh, dw, None, db, None, None
+        return dh, dw, None, db, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -168,9 +182,11 @@ def fused_linear_cross_entropy(
     bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """cross_entropy(h @ w.T + bias, labels, ignore_index) with mean reduction, never holding all logits.
+    """cross_entropy(h @ w.T + bias, labels, ignore_index) with mean reduction, never holding all logits;
+    with `softcap`, of the logits capped to softcap * tanh(logits / softcap) (Gemma 2).
 
     h [..., H], labels [...] (already shifted), w [V, H]; differentiable in h, w and bias.
     """
-    return FusedLinearCrossEntropyFunction.apply(h, w, labels, bias, chunk_size, ignore_index)
+    return FusedLinearCrossEntropyFunction.apply(h, w, labels, bias, chunk_size, ignore_index, softcap)

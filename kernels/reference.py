@@ -110,8 +110,11 @@ def attention_ref(q, k, v, causal: bool = True, scale: float | None = None, wind
     return F.scaled_dot_product_attention(q.float(), k, v, is_causal=causal, scale=scale).to(q.dtype)
 
 
-def fused_linear_cross_entropy_ref(h, w, labels, bias=None, ignore_index: int = -100) -> torch.Tensor:
+def fused_linear_cross_entropy_ref(h, w, labels, bias=None, ignore_index: int = -100, softcap: float = 0.0
+                                   ) -> torch.Tensor:
     logits = h @ w.T if bias is None else h @ w.T + bias  # in h.dtype, as an HF lm_head makes them
+    if softcap:                                           # Gemma 2's final logit softcapping, in fp32
+        logits = torch.tanh(logits.float() / softcap) * softcap
     return F.cross_entropy(logits.float().reshape(-1, w.shape[0]), labels.reshape(-1), ignore_index=ignore_index)
 
 

@@ -1,8 +1,13 @@
 """The lm head and its loss onto one chunked kernel: the [N, V] logits never exist.
 
-Forward group (the epilogue):   logits = h @ W.T ; [views, cast to fp32] ; _log_softmax ; nll_loss_forward (mean)
-Backward group:                 nll_loss_backward ; _log_softmax_backward_data ; [views, cast] -> dlogits
+Forward group (the epilogue):   logits = h @ W.T ; [views, cast to fp32] ; [div c, tanh, mul c] ;
+                                [views, cast] ; _log_softmax ; nll_loss_forward (mean)
+Backward group:                 nll_loss_backward ; _log_softmax_backward_data ; [views, cast] ;
+                                [mul c, tanh_backward, div c] ; [views, cast] -> dlogits
                                 dW = dlogits.T @ h          dh = dlogits @ W
+The bracketed cap is Gemma 2's final logit softcapping (c * tanh(logits / c)): the kernel caps each
+logit tile as it reads it and takes 1 - tanh^2 in the gradient, so the [N, V] tanh eager saves for
+its backward goes with the log-softmax.
 
 Eager keeps the logits, their log-softmax (saved for the backward) and, in the backward, two more
 [N, V] gradients: three to four times N * V * 4 bytes. The loss ends the graph, so the fused forward
@@ -45,7 +50,7 @@ def _dw_rows(chunk_size: int, n: int, vocab: int) -> int:
     return min(vocab, chunk_size, n)
 
 
-def _forward_meta(h, w, labels, ignore_index, chunk_size):
+def _forward_meta(h, w, labels, ignore_index, chunk_size, softcap=0.0):
     n, hidden = h.shape
     partial = _dw_rows(chunk_size, n, w.shape[0]) if w.dtype != torch.float32 else 0
     return (torch.empty((), dtype=torch.float32, device=h.device),
@@ -56,7 +61,7 @@ def _forward_meta(h, w, labels, ignore_index, chunk_size):
 
 
 @launcher("fused_linear_cross_entropy", _forward_meta)
-def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
+def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size, softcap=0.0):
     """(loss [] fp32, dh [N, H] in h.dtype, dw [V, H] fp32, the [chunk, V] logits tile, the
     [rows, H] dW partial) for h [N, H], w [V, H], labels [N]: mean cross-entropy of h @ w.T over
     non-ignored labels, with its gradients for an upstream gradient of 1. The tile and the partial
@@ -79,8 +84,8 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size):
         torch.mm(h_chunk, w.T, out=logits)
         cross_entropy_grad_kernel[(triton.cdiv(end - start, block_m),)](
             logits, labels[start:end], loss_rows[start:end], n_valid,
-            logits.stride(0), end - start, vocab, ignore_index,
-            BLOCK_M=block_m, BLOCK_V=block_v, num_warps=num_warps,
+            logits.stride(0), end - start, vocab, ignore_index, float(softcap or 1.0),
+            SOFTCAP=bool(softcap), BLOCK_M=block_m, BLOCK_V=block_v, num_warps=num_warps,
         )
         torch.mm(logits, w, out=dh[start:end])                       # logits now hold d loss / d logits
         _accumulate_dw(dw, logits, h_chunk, partial)
@@ -130,23 +135,63 @@ def _plain_cast(n: fx.Node) -> bool:
     return is_call(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype", "layout", "device"}
 
 
-def _up_to_matmul(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
-    """From the log-softmax input up through reshapes and an fp32 cast to the lm-head mm."""
-    chain = []
+def _cap_of(mul: fx.Node, saved_by: set[fx.Node]) -> tuple[float, list[fx.Node]] | None:
+    """(c, [mul, tanh, div]) where `mul` is c * tanh(x / c) (the tanh read otherwise only by the
+    saved values, `saved_by`), else None."""
+    if not (is_call(mul, aten.mul.Tensor) and isinstance(mul.args[1], (int, float))):
+        return None
+    tanh, cap = mul.args
+    if not (is_call(tanh, aten.tanh.default) and set(tanh.users) <= {mul} | saved_by):
+        return None
+    div = tanh.args[0]
+    if not (is_call(div, aten.div.Tensor) and div.args[1] == cap and _single_user(div) and cap > 0):
+        return None
+    return float(cap), [mul, tanh, div]
+
+
+def _up_to_matmul(x: fx.Node, saved_by: set[fx.Node]) -> tuple[fx.Node, list[fx.Node], float] | None:
+    """From the log-softmax input up through reshapes, an fp32 cast and a softcap to the lm-head mm:
+    (mm, the nodes between, the cap or 0)."""
+    chain, cap = [], 0.0
     while True:
         if not _single_user(x):
             return None
         if is_call(x, aten.mm.default):
-            return x, chain
+            return x, chain, cap
         if is_call(x, RESHAPES) or (_plain_cast(x) and x.kwargs.get("dtype") == torch.float32):
             chain.append(x)
             x = x.args[0]
             continue
+        capped = None if cap else _cap_of(x, saved_by)
+        if capped is not None:
+            cap, nodes = capped
+            chain += nodes
+            x = nodes[-1].args[0]
+            continue
         return None
 
 
-def _down_from(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
-    """From _log_softmax_backward_data down through reshapes and a cast to the 2-d dlogits."""
+def _uncap_of(mul: fx.Node, cap: float, pair: StagePair, tanh: fx.Node) -> list[fx.Node] | None:
+    """[mul, tanh_backward, div] where they are the cap's backward: (g * c), back through the saved
+    tanh (read by nothing else), / c."""
+    if not (is_call(mul, aten.mul.Tensor) and mul.args[1] == cap and _single_user(mul)):
+        return None
+    (back,) = mul.users
+    if not (is_call(back, aten.tanh_backward.default) and back.args[0] is mul and _single_user(back)):
+        return None
+    saved = peel(back.args[1])
+    if pair.forward_of(saved) is not tanh or not _only_read_by(saved, {back}):
+        return None
+    (div,) = back.users
+    if not (is_call(div, aten.div.Tensor) and div.args[1] == cap):
+        return None
+    return [mul, back, div]
+
+
+def _down_from(x: fx.Node, cap: float = 0.0, pair: StagePair | None = None,
+               tanh: fx.Node | None = None) -> tuple[fx.Node, list[fx.Node]] | None:
+    """From _log_softmax_backward_data down through reshapes, a cast and the cap's backward (where
+    the forward capped) to the 2-d dlogits; None where a cap's backward is not found."""
     chain = []
     while _single_user(x):
         (u,) = x.users
@@ -154,8 +199,13 @@ def _down_from(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
             chain.append(u)
             x = u
             continue
+        uncapped = _uncap_of(u, cap, pair, tanh) if cap else None
+        if uncapped is not None:
+            chain += uncapped
+            x, cap = uncapped[-1], 0.0
+            continue
         break
-    return x, chain
+    return None if cap else (x, chain)
 
 
 def _getitems(node: fx.Node) -> dict[int, fx.Node]:
@@ -172,7 +222,8 @@ def _is_transpose_of(x: fx.Node, w: fx.Node, times: int) -> bool:
 
 
 def _forward_group(pair: StagePair):
-    """(nll node, mm, h, W, labels, ignore_index, group nodes) of the lm-head loss, or None."""
+    """(nll node, mm, h, W, labels, ignore_index, group nodes, cap, its tanh) of the lm-head loss,
+    or None; cap 0 and tanh None where the logits are not capped."""
     out = pair._fwd_output
     for node in pair.fwd.graph.nodes:
         if not is_call(node, aten.nll_loss_forward.default):
@@ -183,10 +234,11 @@ def _forward_group(pair: StagePair):
         x, dim, half_to_float = logsm.args
         if half_to_float or dim not in (1, -1) or val(x).dim() != 2 or set(logsm.users) - {node, out}:
             continue
-        found = _up_to_matmul(x)
+        found = _up_to_matmul(x, {out})
         if found is None:
             continue
-        mm, chain = found
+        mm, chain, cap = found
+        tanh = next((n for n in chain if is_call(n, aten.tanh.default)), None)
         h, wt = mm.args
         w = peel(wt)
         w = peel(w.args[0]) if is_call(w, aten.t.default) else None
@@ -200,13 +252,13 @@ def _forward_group(pair: StagePair):
         group = [mm, *chain, logsm, node, *items.values()]
         if _single_user(peel(wt)):
             group.append(peel(wt))
-        return node, mm, h, w, labels, ignore_index, group
+        return node, mm, h, w, labels, ignore_index, group, cap, tanh
     return None
 
 
 def _backward_group(pair: StagePair, fwd):
     """(tangent, dh mm, dW mm, group nodes) of the loss backward for the forward group, or None."""
-    nll, mm, h, w, labels, ignore_index, _ = fwd
+    nll, mm, h, w, labels, ignore_index, _, cap, tanh = fwd
     logsm, w_in = nll.args[0], pair.backward_of(w)
     for node in pair.bwd.graph.nodes:
         if not is_call(node, aten.nll_loss_backward.default):
@@ -221,9 +273,10 @@ def _backward_group(pair: StagePair, fwd):
             continue
         if not (_only_read_by(peel(s_logsm), {node, back}) and _only_read_by(peel(_total), {node})):
             continue   # the log-softmax must leave the saved values, or the forward keeps making it
-        dlogits, chain = _down_from(back)
-        if val(dlogits).dim() != 2:
+        down = _down_from(back, cap, pair, tanh)
+        if down is None or val(down[0]).dim() != 2:
             continue
+        dlogits, chain = down
         dh = dw = None
         transposes = []
         for u in dlogits.users:
@@ -258,11 +311,11 @@ def fused_linear_cross_entropy(pair: StagePair) -> int:
     bwd = _backward_group(pair, fwd)
     if bwd is None:
         return 0
-    nll, mm, h, w, labels, ignore_index, group = fwd
+    nll, mm, h, w, labels, ignore_index, group, cap, _ = fwd
     tangent, dh_mm, dw_mm, bwd_group = bwd
     n_tokens, hidden = val(h).shape
     chunk = default_chunk_size(n_tokens, hidden, val(w).shape[0])
-    args, kwargs = (h, w, labels), {"ignore_index": int(ignore_index), "chunk_size": int(chunk)}
+    args, kwargs = (h, w, labels), {"ignore_index": int(ignore_index), "chunk_size": int(chunk), "softcap": cap}
     fake = pair.fwd.fake(linear_cross_entropy_forward, args, kwargs)
 
     saved_dh = pair.add_saved("saved_ce_dh", fake[1])
@@ -270,7 +323,7 @@ def fused_linear_cross_entropy(pair: StagePair) -> int:
     done = pair.bwd.replace(linear_cross_entropy_backward, (tangent, saved_dh, saved_dw, val(w).dtype), {},
                             {0: dh_mm, 1: dw_mm}, bwd_group)
     assert done, "the loss backward group was checked but could not be replaced"
-    pair.prune()   # the log-softmax, the labels' total weight and h leave the saved values
+    pair.prune()   # the log-softmax, the capped logits' tanh, the labels' total weight and h leave the saved values
 
     loss = _getitems(nll)[0]
     done = pair.fwd.replace(linear_cross_entropy_forward, args, kwargs, {0: loss}, group)
