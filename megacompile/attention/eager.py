@@ -1,7 +1,6 @@
 """Transformers' eager attention where the operator stands for it: forward, and autograd's backward.
 
-Eager PyTorch runs these where the operator stands for them, and on the cpu the operator computes
-the same:
+What eager PyTorch runs where the operator stands for it:
   - GPT-OSS (attention sinks): scores, plus the mask, the sinks concatenated as one more column,
     each row's maximum subtracted, softmax, the sink column dropped, times v;
   - Gemma 2 (logit softcapping): scores divided by the cap, tanh, times the cap, plus the mask,
@@ -12,9 +11,11 @@ the same:
     SDPA's math path, q and k each scaled by the root of the scale, their product, plus the mask
     (-inf), `_safe_softmax` (0 for a row that sees nothing), times v.
 On the cpu the operator runs these same ops (host.py), so a captured model trains as the eager one,
-sum for sum. A custom operator runs below autograd, so the backward cannot call it: it runs the
-forward again and applies autograd's formula for each op in reverse (matmul's two bmm's, softmax's
-`_softmax_backward_data`, `tanh_backward`, the max's gradient landing on the column it picked).
+sum for sum; a model whose eager function differs from Llama's in other ways trains there within
+rounding of it instead (the GPU paths compute the same math either way). A custom operator runs
+below autograd, so the backward cannot call it: it runs the forward again and applies autograd's
+formula for each op in reverse (matmul's two bmm's, softmax's `_softmax_backward_data`,
+`tanh_backward`, the max's gradient landing on the column it picked).
 """
 from __future__ import annotations
 
