@@ -24,6 +24,15 @@ from _common import Point, compiled, device, kernel_module, main
 kernel, ref = kernel_module("attention"), kernel_module("reference")
 
 
+def _maker(batch: int, seq: int, shapes, dtype: torch.dtype):
+    """A make() of q, k, v as HF lays them out ([B, S, H, D] projections viewed [B, H, S, D]), of
+    `shapes` (heads, head dim) each."""
+    def make():
+        return tuple(torch.randn(batch, seq, h, d, device=device(), dtype=dtype).transpose(1, 2).requires_grad_()
+                     for h, d in shapes)
+    return make
+
+
 def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -33,9 +42,7 @@ def points(smoke: bool) -> list[Point]:
     out = []
     for batch, hq, hkv, seq, dim in shapes:
         for dtype in (torch.bfloat16,) if not smoke else (torch.float32, torch.bfloat16):
-            def make(batch=batch, hq=hq, hkv=hkv, seq=seq, dim=dim, dtype=dtype):
-                return tuple(torch.randn(batch, seq, h, dim, device=device(), dtype=dtype).transpose(1, 2)
-                             .requires_grad_() for h in (hq, hkv, hkv))
+            make = _maker(batch, seq, ((hq, dim), (hkv, dim), (hkv, dim)), dtype)
             reference = lambda q, k, v: ref.attention_ref(q, k, v, True)  # noqa: E731
             impls = {"megacompile": lambda q, k, v: kernel.attention(q, k, v, True), "sdpa": _sdpa,
                      "eager": reference, "compile": compiled(reference)}
@@ -61,9 +68,7 @@ def _window_points(smoke: bool) -> list[Point]:
     pairs = seq * window - window * (window - 1) / 2
     out = []
     for dtype in (torch.bfloat16,) if not smoke else (torch.float32, torch.bfloat16):
-        def make(dtype=dtype):
-            return tuple(torch.randn(batch, seq, h, dim, device=device(), dtype=dtype).transpose(1, 2)
-                         .requires_grad_() for h in (hq, hkv, hkv))
+        make = _maker(batch, seq, ((hq, dim), (hkv, dim), (hkv, dim)), dtype)
         impls = {"megacompile": lambda q, k, v: kernel.attention(q, k, v, True, window=window),
                  "sdpa (mask)": masked, "eager": reference, "compile": compiled(reference)}
         out.append(Point("attention_window", f"{batch}x{hq}/{hkv}x{seq}x{dim} w{window}", dtype, make, impls,
@@ -89,9 +94,7 @@ def _document_points(smoke: bool) -> list[Point]:
     pairs = sum(n * (n + 1) / 2 for n in lengths)
     out = []
     for dtype in (torch.bfloat16,) if not smoke else (torch.float32, torch.bfloat16):
-        def make(dtype=dtype):
-            return tuple(torch.randn(batch, seq, h, dim, device=device(), dtype=dtype).transpose(1, 2)
-                         .requires_grad_() for h in (hq, hkv, hkv))
+        make = _maker(batch, seq, ((hq, dim), (hkv, dim), (hkv, dim)), dtype)
         impls = {"megacompile": lambda q, k, v: kernel.attention(q, k, v, True, starts=starts.to(q.device)),
                  "sdpa (mask)": masked, "eager": reference, "compile": compiled(reference)}
         out.append(Point("attention_documents", f"{batch}x{hq}/{hkv}x{seq}x{dim} {len(lengths)} docs", dtype, make,
@@ -106,9 +109,7 @@ def _sink_points(smoke: bool) -> list[Point]:
     pairs = seq * window - window * (window - 1) / 2
     out = []
     for dtype in (torch.bfloat16,) if not smoke else (torch.float32, torch.bfloat16):
-        def make(dtype=dtype):
-            return tuple(torch.randn(batch, seq, h, dim, device=device(), dtype=dtype).transpose(1, 2)
-                         .requires_grad_() for h in (hq, hkv, hkv))
+        make = _maker(batch, seq, ((hq, dim), (hkv, dim), (hkv, dim)), dtype)
         impls = {"megacompile": lambda q, k, v: kernel.attention(q, k, v, True, window=window, sinks=sinks),
                  "eager": reference, "compile": compiled(reference)}
         out.append(Point("attention_sinks", f"{batch}x{hq}/{hkv}x{seq}x{dim} w{window}", dtype, make, impls,
@@ -121,9 +122,7 @@ def _latent_points(smoke: bool) -> list[Point]:
     reference = lambda q, k, v: ref.attention_ref(q, k, v, True)  # noqa: E731
     out = []
     for dtype in (torch.bfloat16,) if not smoke else (torch.float32, torch.bfloat16):
-        def make(dtype=dtype):
-            return tuple(torch.randn(batch, seq, heads, d, device=device(), dtype=dtype).transpose(1, 2)
-                         .requires_grad_() for d in (dim, dim, dim_v))
+        make = _maker(batch, seq, ((heads, dim), (heads, dim), (heads, dim_v)), dtype)
         impls = {"megacompile": lambda q, k, v: kernel.attention(q, k, v, True), "sdpa": _sdpa,
                  "eager": reference, "compile": compiled(reference)}
         # the forward's two matmuls and the backward's five, each over its own head dim
