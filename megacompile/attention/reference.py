@@ -101,11 +101,3 @@ def backward_reference(do, q, k, v, o, lse, scale: float, window: int, starts=No
     dv.copy_(dv_heads.view(batch, hkv, groups, seq, v.shape[-1]).sum(2))
     return dq, dk, dv, delta
 
-
-def sinks_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """dL/dsinks [Hq] in the sinks' dtype: -sum over rows of exp(sink - lse) * delta
-    (kernels/attention_sinks.py derives it)."""
-    from ..kernels import outputs
-    dsinks = outputs.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device)
-    share = torch.exp(sinks.float()[None, :, None] - lse)
-    return dsinks.copy_(share.mul_(delta).sum((0, 2)).neg_())

@@ -45,7 +45,7 @@ import torch
 
 from ..errors import CaptureError
 from .host import backward_host, forward_host
-from .reference import KERNEL_DTYPES, KERNEL_HEAD_DIM, backward_reference, forward_reference, sinks_gradient
+from .reference import KERNEL_DTYPES, KERNEL_HEAD_DIM, backward_reference, forward_reference
 from .seen import heads_layout
 
 
@@ -136,10 +136,8 @@ def window_attention_sinks_backward(do: torch.Tensor, q: torch.Tensor, k: torch.
         return backward_host(do, q, k, v, o, lse, scale, window, starts, kept, sinks, softcap, eager)
     # The lse holds the sinks' share: q, k and v get what they get without sinks.
     dq, dk, dv, delta = window_attention_backward(do, q, k, v, o, lse, scale, window, starts, kept, softcap)
-    if uses_kernel(q) or _on_gpu(sinks):
-        from ..kernels.attention_sinks import attention_sinks_backward
-        return dq, dk, dv, delta, attention_sinks_backward(sinks, lse, delta)
-    return dq, dk, dv, delta, sinks_gradient(sinks, lse, delta)
+    from ..kernels.attention_sinks import attention_sinks_backward      # any dtype: a reduction over rows
+    return dq, dk, dv, delta, attention_sinks_backward(sinks, lse, delta)
 
 
 @window_attention_sinks_backward.register_fake
