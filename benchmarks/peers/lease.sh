@@ -1,34 +1,62 @@
 #!/usr/bin/env bash
-# The GPU lease's runbook. Run it again and again from the repository root; each run does the next
-# call not done yet, in under 10 minutes, and says what it did and what is next:
+# The GPU lease's runbook, sized for a lease of about 15 minutes of device time, given in commands
+# of at most 10 minutes. Run it from the repository root, once per command:
 #
-#   benchmarks/peers/lease.sh [RESULTS]       # default RESULTS: tmp/lease (git-ignored)
+#   LEASE_SECONDS=540 benchmarks/peers/lease.sh [CALL ...]
 #
-# A finished call leaves RESULTS/<call>.done; a call that did not finish (killed, timed out, or
-# without its table) runs again from its start. Copy RESULTS off the machine at the end (or after
-# each call). The calls, in order:
-#   1 7b-streamed    the Llama-2-7B shape at 0.34x of its bf16 weights (the 100B ratio), megacompile
-#                    alone, 4 x 4096 tokens, measured beside the prediction under the calibrated profile;
-#                    then acceptance's kernels section; the attention kernel is checked first, and
-#                    where it fails the row runs unfused
-#   2 3b-fsdp2       megacompile (0.34x raised to the smallest budget, and resident) vs FSDP2 CPU
-#                    offload with the fused host AdamW, Llama-3.2-3B shape, 4 x 2048 tokens
-#   3 deepspeed-op   DeepSpeedCPUAdam's op built, outside any timed call
-#   4 3b-deepspeed   DeepSpeed ZeRO-3 offload, the same model and batches, its losses against call 2's
-#   5 acceptance     acceptance's other sections (parity, budget, calibrate, step)
-#   6 kernels        benchmarks/kernels/ beside torch eager, torch.compile and Liger-Kernel, one kernel
-#                    at a time (each leaves RESULTS/kernels/<name>.done), as many as fit in the call
+# It runs the calls not done yet, in the order below (or only the CALLs named), one after another,
+# each only when its need (NEED_S below) fits in what is left of LEASE_SECONDS (default 540), so the
+# command ends before its limit and no call is cut short; a call that does not fit now waits for
+# the next command. A call is done when its table is there (RESULTS/<call>.done); one that did not
+# finish runs again from its start. With LEASE_OUT=DIR, RESULTS is packed into
+# DIR/lease.tar.gz after every call, so what a command killed at its limit measured is kept too;
+# LEASE_RESUME=<that tar.gz> on a fresh machine unpacks it into RESULTS first and goes on from there.
+# RESULTS is $LEASE_RESULTS, by default tmp/lease in the checkout (git-ignored). The calls, most
+# important first:
+#   7b-streamed     the Llama-2-7B shape at 0.34x of its bf16 weights (the 100B ratio), megacompile
+#                   alone, 4 x 4096 tokens, beside its prediction under the calibrated profile; the
+#                   attention kernel is checked on the device first, and where it fails the row runs
+#                   unfused
+#   3b-megacompile  the Llama-3.2-3B shape, 4 x 2048 tokens, megacompile at its smallest budget
+#                   (0.34x, raised): the row the peers are set beside, and its allocator retries
+#   3b-fsdp2        FSDP2 CPU offload with the fused host AdamW, the same model and batches, its
+#                   losses against 3b-megacompile's
+#   deepspeed-op    DeepSpeedCPUAdam's op built, outside any timed call
+#   3b-deepspeed    DeepSpeed ZeRO-3 offload, the same model and batches
+#   kernels-check   acceptance's kernels section (every kernel against torch on this GPU)
+#   3b-resident     megacompile at 3B with every weight resident
+#   acceptance      acceptance's other sections (parity, budget, calibrate, step)
+#   kernels         benchmarks/kernels/ beside torch eager, torch.compile and Liger-Kernel, one
+#                   kernel at a time (each leaves RESULTS/kernels/<name>.done), as many as fit
 # Needs: the wheels from benchmarks/peers/wheels.sh in .whl/ (installed here into $SITE), or
 # megacompile (with deepspeed and liger-kernel) installed already. The model's fp32 weights are
-# written once per shape into $WEIGHTS (27 GB at 7B, removed after call 1; 14 GB at 3B), a folder
+# written once per shape into $WEIGHTS (27 GB at 7B, removed after its call; 14 GB at 3B), a folder
 # on a disk: in a file system in RAM (tmpfs) they would sit beside the 7B run's host state, more
 # than the machine's 128 GiB hold. Without WEIGHTS, the first of tmp/lease-weights in the checkout,
 # /var/tmp and /tmp that is not in RAM.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-results=$(mkdir -p "${1:-$root/tmp/lease}" && cd "${1:-$root/tmp/lease}" && pwd)
+results=${LEASE_RESULTS:-$root/tmp/lease}
+results=$(mkdir -p "$results" && cd "$results" && pwd)
 python=${PYTHON:-python3}
 site=${SITE:-/tmp/megacompile-site}
+out=${LEASE_OUT:-}
+deadline=$(( SECONDS + ${LEASE_SECONDS:-540} ))
+order=(7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels)
+# Seconds each call needs, from the first H100 lease's wall times (docs/gpu.md; 16 host cores):
+# writing a shape's fp32 weights, a megacompile process's set-up (capture, plan, host state, the
+# first step's kernel compiles: ~60 s at 3B), its steps, and FSDP2's 170 s of set-up (DeepSpeed's
+# is a bound: it did not finish in 370 s).
+declare -A NEED_S=([7b-streamed]=330 [3b-megacompile]=180 [3b-fsdp2]=300 [deepspeed-op]=90
+                   [3b-deepspeed]=450 [kernels-check]=150 [3b-resident]=140 [acceptance]=300 [kernels]=90)
+# Calls that read another's results.
+declare -A AFTER=([3b-fsdp2]=3b-megacompile [3b-deepspeed]="3b-megacompile deepspeed-op"
+                  [3b-resident]=3b-megacompile)
+for call in "$@"; do
+    [ -n "${NEED_S[$call]:-}" ] || { echo "no call $call: the calls are ${order[*]}" >&2; exit 2; }
+done
+[ $# -gt 0 ] && order=("$@")
+
 weights_folder() {
     local dir kind
     for dir in ${WEIGHTS:+"$WEIGHTS"} "$root/tmp/lease-weights" /var/tmp/megacompile-bench-weights \
@@ -51,6 +79,9 @@ weights_folder() {
 weights=$(weights_folder) || exit 2
 profile=$root/benchmarks/results/peers-h100/h100-calibrated-profile.json
 export TORCH_EXTENSIONS_DIR=$results/torch-extensions     # DeepSpeed's CPUAdam op, built once
+if [ -n "${LEASE_RESUME:-}" ]; then
+    tar -xzf "$LEASE_RESUME" -C "$results" --skip-old-files
+fi
 cd "$results"     # the checkout's megacompile/ would shadow the installed package
 
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
@@ -58,13 +89,22 @@ if ! $python -c "import megacompile.passes" 2> /dev/null && compgen -G "$root/.w
     $python -m pip install -q --no-index --no-deps --upgrade --target "$site" "$root"/.whl/*.whl
 fi
 
+left() { echo $(( deadline - SECONDS )); }
+# --minutes for a call: what is left, at most $1 minutes.
+minutes() { awk -v s="$(left)" -v cap="$1" 'BEGIN { m = s / 60 - 0.2; printf "%.2f", (m < cap ? m : cap) }'; }
+pack() {
+    [ -n "$out" ] || return 0
+    tar -czf "$out/lease.tar.gz.part" --exclude=./torch-extensions -C "$results" . && \
+        mv "$out/lease.tar.gz.part" "$out/lease.tar.gz"
+}
+
 # Exit status 1 from the bench or the validation is a finding (losses that disagree, a failed
 # check), written into its table like the rest; a call is done when its table is there.
 bench() { $python -m megacompile.bench peers --weights "$weights" "$@" || true; }
 validate() { $python -m megacompile.acceptance "$@" || true; }
 
 call_7b_streamed() {
-    rm -f 7b-streamed/peers.md 7b-streamed/kernels/validate.md
+    rm -f 7b-streamed/peers.md
     # The attention kernel runs on a GPU for the first time here: checked first (seconds), and
     # should it fail, the row runs unfused (torch's attention) rather than not at all.
     mkdir -p 7b-streamed
@@ -75,55 +115,94 @@ call_7b_streamed() {
         echo "the attention kernel failed its check on this GPU (7b-streamed/attention-check.txt): the row runs unfused"
     fi
     bench --shape llama-7b --batch 4 --seq 4096 --warmup 1 --steps 4 --systems megacompile --budgets 0.34 \
-        --host-budget 120 --profile "$profile" --minutes 7 --out 7b-streamed $fuse
+        --host-budget 120 --profile "$profile" --minutes "$(minutes 8)" --out 7b-streamed $fuse
     rm -rf "$weights"/llama-7b-*
-    validate --skip parity,budget,calibrate,step --minutes 2 --out 7b-streamed/kernels
-    [ -e 7b-streamed/peers.md ] && [ -e 7b-streamed/kernels/validate.md ]
+    [ -e 7b-streamed/peers.md ]
+}
+call_3b_megacompile() {
+    rm -f 3b/peers.md
+    bench --systems megacompile --budgets 0.34 --profile "$profile" --minutes "$(minutes 9.5)" --out 3b
+    [ -e 3b/peers.md ]
 }
 call_3b_fsdp2() {
-    rm -f 3b/peers.md
-    bench --systems megacompile,fsdp2 --profile "$profile" --minutes 9.5 --out 3b
-    [ -e 3b/peers.md ]
+    rm -f 3b-fsdp2/peers.md
+    bench --systems fsdp2 --compare-with 3b/peers.csv --minutes "$(minutes 9.5)" --out 3b-fsdp2
+    [ -e 3b-fsdp2/peers.md ]
 }
 call_deepspeed_op() {
     $python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
 }
 call_3b_deepspeed() {
     rm -f 3b-deepspeed/peers.md
-    bench --systems deepspeed --compare-with 3b/peers.csv --minutes 9.5 --out 3b-deepspeed
+    bench --systems deepspeed --compare-with 3b/peers.csv --minutes "$(minutes 9.5)" --out 3b-deepspeed
     [ -e 3b-deepspeed/peers.md ]
+}
+call_kernels_check() {
+    rm -f kernels-check/validate.md
+    validate --skip parity,budget,calibrate,step --minutes "$(minutes 2.5)" --out kernels-check
+    [ -e kernels-check/validate.md ]
+}
+call_3b_resident() {
+    rm -f 3b-resident/peers.md
+    bench --systems megacompile --budgets resident --profile "$profile" --compare-with 3b/peers.csv \
+        --minutes "$(minutes 9.5)" --out 3b-resident
+    [ -e 3b-resident/peers.md ]
 }
 call_acceptance() {
     rm -f acceptance/validate.md
-    validate --skip kernels --minutes 9.5 --out acceptance
+    validate --skip kernels --minutes "$(minutes 9.5)" --out acceptance
     [ -e acceptance/validate.md ]
 }
 call_kernels() {
     mkdir -p kernels
-    local started=$SECONDS name
+    local name
     for script in "$root"/benchmarks/kernels/bench_*.py; do
         name=$(basename "$script" .py)
         name=${name#bench_}
         [ -e "kernels/$name.done" ] && continue
-        if (( SECONDS - started > 300 )); then     # room left for one more kernel in the 10 minutes
-            echo "kernels: the rest in the next run"
+        if (( $(left) < ${NEED_S[kernels]} )); then
+            echo "kernels: the rest in the next command"
             return 1
         fi
         $python "$root/benchmarks/peers/liger.py" "$name" --csv kernels/kernels.csv 2>&1 | tee "kernels/$name.log"
         touch "kernels/$name.done"
+        pack
     done
 }
 
-for call in 7b-streamed 3b-fsdp2 deepspeed-op 3b-deepspeed acceptance kernels; do
+ran=0
+for call in "${order[@]}"; do
     [ -e "$call.done" ] && continue
-    echo "== lease call $call (results in $results)"
-    started=$SECONDS
-    if "call_${call//-/_}"; then
-        touch "$call.done"
-        echo "== $call done in $((SECONDS - started)) s; run benchmarks/peers/lease.sh again for the next call"
-    else
-        echo "== $call did not finish; run benchmarks/peers/lease.sh again to go on with it"
+    waiting=""
+    for before in ${AFTER[$call]:-}; do
+        [ -e "$before.done" ] || waiting="$waiting $before"
+    done
+    if [ -n "$waiting" ]; then
+        echo "== $call waits for$waiting"
+        continue
     fi
-    exit 0
+    if (( $(left) < ${NEED_S[$call]} )); then
+        echo "== $call needs about ${NEED_S[$call]} s, $(left) s are left: it runs in the next command"
+        continue
+    fi
+    echo "== lease call $call ($(left) s left; results in $results)"
+    started=$SECONDS
+    ran=$((ran + 1))
+    if "call_${call//-/_}" 2>&1 | tee "$call.log"; then
+        touch "$call.done"
+        echo "== $call done in $((SECONDS - started)) s"
+    else
+        echo "== $call did not finish in $((SECONDS - started)) s; the next command runs it again"
+    fi
+    pack
 done
-echo "== every call is done: the tables are in $results/*/peers.md, $results/*/validate.md, $results/kernels/"
+pack
+not_done=()
+for call in "${order[@]}"; do
+    [ -e "$call.done" ] || not_done+=("$call")
+done
+if [ ${#not_done[@]} -eq 0 ]; then
+    echo "== every call is done: the tables are in $results/*/peers.md, $results/*/validate.md, $results/kernels/"
+else
+    echo "== ran $ran call(s); not done yet: ${not_done[*]}"
+fi

@@ -181,7 +181,9 @@ def run(args, workload: Workload) -> tuple[list[dict], str]:
     with tempfile.TemporaryDirectory(prefix="megacompile-peers-") as tmp:
         scratch = Path(tmp)
         calibrated = str(args.profile) if args.profile else None
-        if calibrated is None and args.calibrate and workload.device.startswith("cuda"):
+        # Only megacompile's rows predict: a call of peers alone spends no time calibrating.
+        ours = any(job.system == "megacompile" for job in jobs)
+        if calibrated is None and args.calibrate and ours and workload.device.startswith("cuda"):
             calibrated = _calibrate(scratch, 120)
         started = 0
         for n, job in enumerate(jobs):

@@ -1,8 +1,11 @@
 """The lease runbook (benchmarks/peers/lease.sh), with a stand-in python that records its commands
-and writes the tables they would: one call per run, in order, each marked done once its table is
-there, and a call that did not finish is run again."""
+and writes the tables they would: within one command, the calls not done yet, in order, each only
+when its need fits in what is left of LEASE_SECONDS; a call marked done once its table is there, one
+that did not finish run again; the results packed into $OUT after every call and taken up again on a
+fresh machine."""
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -12,6 +15,7 @@ FAKE_PYTHON = r"""#!/usr/bin/env bash
 echo "$*" >> "$CALLS"
 out=""; prev=""
 for a in "$@"; do [ "$prev" = "--out" ] && out=$a; prev=$a; done
+case "$*" in *"${SLOW_IN:-none}"*) sleep 3 ;; esac
 case "$*" in
   *"import megacompile.passes"*) exit 0 ;;
   *"megacompile.bench peers"*)
@@ -30,8 +34,10 @@ for dir in $IN_RAM; do [ "${@: -1}" = "$dir" ] && { echo tmpfs; exit 0; }; done
 echo ext2/ext3
 """
 
+ALL = "7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels"
 
-def _lease(tmp_path, status=0, **env):
+
+def _lease(tmp_path, *args, status=0, **env):
     python = tmp_path / "python"
     python.write_text(FAKE_PYTHON)
     python.chmod(0o755)
@@ -41,37 +47,79 @@ def _lease(tmp_path, status=0, **env):
     calls = tmp_path / "calls.txt"
     calls.write_text("")
     env = {**os.environ, "PYTHON": str(python), "CALLS": str(calls), "WEIGHTS": str(tmp_path / "weights"),
-           "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "IN_RAM": "", **env}
-    proc = subprocess.run(["bash", str(LEASE), str(tmp_path / "results")], capture_output=True, text=True, timeout=60,
+           "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "IN_RAM": "", "LEASE_OUT": "",
+           "LEASE_RESULTS": str(tmp_path / "results"), **env}
+    proc = subprocess.run(["bash", str(LEASE), *args], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in env.items() if v is not None})
     assert proc.returncode == status, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr, [line for line in calls.read_text().splitlines()
                                        if "import megacompile.passes" not in line]
 
 
-def test_each_run_does_the_next_call_and_a_call_that_did_not_finish_runs_again(tmp_path):
-    out, calls = _lease(tmp_path)
+def _done(tmp_path):
+    return sorted(p.stem for p in (tmp_path / "results").glob("*.done"))
+
+
+def test_a_command_runs_every_call_that_fits_its_time_in_order_and_a_call_that_did_not_finish_runs_again(tmp_path):
+    out, calls = _lease(tmp_path, DIE_IN="3b-fsdp2", LEASE_SECONDS="900")
     assert "lease call 7b-streamed" in out
     assert "megacompile.kernels --check --only attention" in calls[0]
     assert "--shape llama-7b --batch 4 --seq 4096" in calls[1] and "--budgets 0.34" in calls[1]
     assert "h100-calibrated-profile.json" in calls[1] and "--systems megacompile " in calls[1]
     assert calls[1].endswith("--fuse")
-    assert "--skip parity,budget,calibrate,step" in calls[2]
-    out, calls = _lease(tmp_path, DIE_IN="3b")        # killed before its table was written
-    assert "3b-fsdp2 did not finish" in out and "--systems megacompile,fsdp2" in calls[0]
-    out, calls = _lease(tmp_path)
-    assert "3b-fsdp2 done" in out
-    out, calls = _lease(tmp_path)
-    assert "deepspeed-op done" in out and "CPUAdamBuilder().load()" in calls[0]
-    out, calls = _lease(tmp_path)
-    assert "--systems deepspeed --compare-with 3b/peers.csv" in calls[0]
-    out, calls = _lease(tmp_path)
-    assert "acceptance done" in out and "--skip kernels" in calls[0]
-    out, calls = _lease(tmp_path)
+    assert "--systems megacompile --budgets 0.34 " in calls[2] and "--out 3b " in calls[2] + " "
+    assert "--systems fsdp2 --compare-with 3b/peers.csv" in calls[3]
+    assert "CPUAdamBuilder().load()" in calls[4]
+    assert "--systems deepspeed --compare-with 3b/peers.csv" in calls[5]
+    assert "--skip parity,budget,calibrate,step" in calls[6]
+    assert "--budgets resident" in calls[7] and "--compare-with 3b/peers.csv" in calls[7]
+    assert "--skip kernels" in calls[8]
     kernels = sorted(p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks" / "kernels").glob("bench_*.py"))
-    assert sorted(c.split("liger.py ")[1].split()[0] for c in calls) == kernels
-    out, calls = _lease(tmp_path)
-    assert "every call is done" in out and calls == []
+    assert sorted(c.split("liger.py ")[1].split()[0] for c in calls[9:]) == kernels
+    assert "3b-fsdp2 did not finish" in out and "not done yet: 3b-fsdp2" in out
+    assert len(_done(tmp_path)) == len(ALL.split()) - 1
+    out, calls = _lease(tmp_path, LEASE_SECONDS="250")
+    assert calls == [] and "3b-fsdp2 needs about 300 s, 250 s are left: it runs in the next command" in out
+    out, calls = _lease(tmp_path, LEASE_SECONDS="540")
+    assert len(calls) == 1 and "3b-fsdp2 done" in out and "every call is done" in out
+
+
+def test_each_call_is_given_at_most_what_is_left_and_time_spent_is_counted(tmp_path):
+    out, calls = _lease(tmp_path, "3b-megacompile", LEASE_SECONDS="200")
+    assert "--minutes 3.13 --out 3b" in calls[0]        # 200 s less a margin, not the call's 9.5 minutes
+    (tmp_path / "again").mkdir()
+    out, calls = _lease(tmp_path / "again", "deepspeed-op", "kernels-check", LEASE_SECONDS="152",
+                        SLOW_IN="CPUAdamBuilder")
+    # 3 s went into deepspeed-op (it needs 90): less than kernels-check's 150 are left.
+    assert "deepspeed-op done" in out and "kernels-check needs about 150 s, 14" in out
+    assert _done(tmp_path / "again") == ["deepspeed-op"]
+
+
+def test_a_call_that_reads_another_waits_for_it(tmp_path):
+    out, calls = _lease(tmp_path, "3b-deepspeed", "3b-fsdp2", LEASE_SECONDS="900")
+    assert calls == [] and "3b-deepspeed waits for 3b-megacompile deepspeed-op" in out
+    assert "3b-fsdp2 waits for 3b-megacompile" in out
+
+
+def test_an_unknown_call_is_refused(tmp_path):
+    out, calls = _lease(tmp_path, "3b-zero3", status=2)
+    assert "no call 3b-zero3: the calls are " + ALL in out and calls == []
+
+
+def test_the_results_come_back_after_every_call_and_a_fresh_machine_goes_on_from_them(tmp_path):
+    back = tmp_path / "out"
+    back.mkdir()
+    _lease(tmp_path, "7b-streamed", "3b-megacompile", LEASE_OUT=str(back), DIE_IN="3b", LEASE_SECONDS="900")
+    with tarfile.open(back / "lease.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"./7b-streamed.done", "./7b-streamed/peers.md", "./7b-streamed.log", "./3b-megacompile.log"} <= names
+    assert "./3b-megacompile.done" not in names
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    out, calls = _lease(fresh, "7b-streamed", "3b-megacompile", LEASE_RESUME=str(back / "lease.tar.gz"),
+                        LEASE_SECONDS="900")
+    assert "7b-streamed" not in out and "3b-megacompile done" in out
+    assert len(calls) == 1 and "--out 3b" in calls[0]
 
 
 def test_the_weights_go_to_a_disk_never_to_a_file_system_in_ram(tmp_path):

@@ -47,3 +47,15 @@ def test_spare_time_is_shared_in_proportion_to_the_needs(monkeypatch, tmp_path):
     needs = {s: need_s(s, GPU_3B) for s in timeouts}
     assert abs(sum(timeouts.values()) - 30 * 60) < 1
     assert abs(timeouts["fsdp2"] / timeouts["megacompile"] - needs["fsdp2"] / needs["megacompile"]) < 1e-6
+
+
+def test_a_call_without_megacompile_spends_no_time_calibrating(monkeypatch, tmp_path):
+    # The calibration (up to 120 s on a GPU) feeds megacompile's predicted column alone; the first
+    # runbook's DeepSpeed call would have spent it before its model set-up.
+    calibrations = []
+    monkeypatch.setattr(peers, "_calibrate", lambda scratch, timeout: calibrations.append(timeout))
+    runs = StubRuns(use_all_time=False).install(monkeypatch, peers)
+    peers.run(peers._arguments(["--out", str(tmp_path), "--systems", "deepspeed,fsdp2", "--minutes", "30"]), GPU_3B)
+    assert calibrations == [] and len(runs.calls) == 2
+    peers.run(peers._arguments(["--out", str(tmp_path), "--systems", "megacompile", "--budgets", "0.34"]), GPU_3B)
+    assert calibrations == [120]
