@@ -63,7 +63,7 @@ def static_experts(model: nn.Module):
         return forward
     try:
         for path, module in hf_experts(model):
-            if module._is_expert_parallel:
+            if getattr(module, "_is_expert_parallel", False):
                 raise CaptureError(f"'{path}' ({type(module).__name__}) is sharded for expert parallelism; "
                                    "megacompile trains every expert of a layer on one device: load the model "
                                    "without an expert-parallel plan")

@@ -25,8 +25,10 @@ import torch.nn as nn
 
 from .grouped_mm import grouped_mm
 
-# Attributes `use_experts_implementation` sets on every experts module it decorates.
-_FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm", "_is_expert_parallel")
+# Attributes `use_experts_implementation` sets on every experts module it decorates, in every
+# transformers 5 release; `has_post_expert_norm` and `_is_expert_parallel` came later (5.17 has
+# neither) and read as False where a module has none.
+_FLAGS = ("has_gate", "has_bias", "is_transposed")
 
 
 def is_hf_experts(module: nn.Module) -> bool:
@@ -58,7 +60,7 @@ def static_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
         h = self.act_fn(_linear(x, self.up_proj, self.up_proj_bias if self.has_bias else None, offs, ids,
                                 self.is_transposed))
     y = _linear(h, self.down_proj, self.down_proj_bias if self.has_bias else None, offs, ids, self.is_transposed)
-    if self.has_post_expert_norm:
+    if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)                  # [S, H], float32 with fp32 routing
     y = torch.zeros_like(y).index_copy(0, perm, y)                         # back to (token, slot) order

@@ -48,3 +48,24 @@ def weight_errors_between(a: torch.nn.Module, b: torch.nn.Module) -> dict[str, f
         ref = theirs[name].float()
         out[name] = (t.float() - ref).abs().max().item() / (ref.abs().max().item() or 1.0)
     return out
+
+
+def test_experts_decorated_by_an_earlier_transformers_5_release_train_as_eagerly():
+    """transformers 5.17 (a GPU image's) sets has_gate, has_bias and is_transposed on an experts
+    module but neither has_post_expert_norm nor _is_expert_parallel, which later releases add: such
+    a module is still transformers' fused experts, captured and trained, not refused. (The eager
+    reference keeps the flags: this release's own forward reads them.)"""
+    torch.manual_seed(0)
+    model = FAMILIES["mixtral"]()
+    batches = [batch(seed=i) for i in range(2)]
+    losses = eager_losses(clone(model), batches, "hf")
+    earlier = clone(model)
+    stripped = 0
+    for module in earlier.modules():
+        for flag in ("has_post_expert_norm", "_is_expert_parallel"):
+            if flag in vars(module):
+                delattr(module, flag)
+                stripped += 1
+    assert stripped == 2 * 4      # both flags of each layer's experts
+    run = megacompile_run(earlier, batches, "hf", 2 * weight_bytes(model) / GiB)
+    torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=0)
