@@ -123,6 +123,17 @@ FAMILIES = {
     "qwen3_next": lambda: _hf("Qwen3NextConfig", "Qwen3NextForCausalLM", **_common(
         num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D,
         linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, **_AUX)),
+    # Qwen3.5: Qwen3-Next's hybrid with the gated delta-net's projections apart (qkv, z, b, a)
+    # and a dense MLP; its MoE text model with a shared expert. Wider MLPs than the others': the
+    # chunked delta rule's activations outweigh twice the weights of the common tiny config, the
+    # parity test's first budget.
+    "qwen3_5": lambda: _hf("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", **_common(
+        num_key_value_heads=2, head_dim=8, intermediate_size=8 * D, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8)),
+    "qwen3_5_moe": lambda: _hf("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", **_common(
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=2 * D,
+        shared_expert_intermediate_size=4 * D, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, **_AUX)),
     # Hybrid with Mamba mixers (refused, docs/families.md).
     "jamba": lambda: _hf("JambaConfig", "JambaForCausalLM", **_common(
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,

@@ -187,6 +187,24 @@ def qwen3_vl(seed: int = 0, moe: bool = False, patch: int = 4, layers: int = 3):
     return getattr(transformers, f"{name}ForConditionalGeneration")(config)
 
 
+def qwen3_5_vl(seed: int = 0):
+    """Qwen3.5: Qwen3-VL's tower (without deepstack) and inputs before a hybrid decoder, three gated
+    delta-net layers to one full-attention layer; refused with images, a decoder without them."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False,
+                linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0],
+                                 "mrope_interleaved": True, "partial_rotary_factor": 0.5})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                           video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                           vision_end_token_id=END_OF_IMAGE)
+    return Qwen3_5ForConditionalGeneration(config)
+
+
 def mllama(seed: int = 0):
     """Mllama: a tiled vision model whose features the decoder reads in cross-attention layers (here
     layer 1 of 4); refused with images, a decoder without them."""

@@ -16,9 +16,10 @@ from ..moe.experts import is_hf_experts
 # depend on the routing) and has no static-shape counterpart here (moe/experts.py).
 _EXPERTS = re.compile(r"Experts(?![a-z])")
 # Linear-attention layers of hybrid decoders (Mamba mixers, gated delta-nets, other linear
-# attentions): their recurrences are not checked for parity yet, but for Qwen3-Next's.
+# attentions): their recurrences are not checked for parity yet, but for the gated delta-nets of
+# Qwen3-Next and Qwen3.5 (dense and MoE), which tests/e2e/test_families.py trains against eager.
 _LINEAR_ATTENTION = re.compile(r"(Mamba\d*Mixer|BambaMixer|H1Mixer|LinearAttention|GatedDeltaNet|Rglru)(?![a-z])")
-_CHECKED_LINEAR_ATTENTION = {"Qwen3NextGatedDeltaNet"}
+_CHECKED_LINEAR_ATTENTION = {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"}
 
 
 def refuse_unsupported(model: nn.Module) -> None:
@@ -34,7 +35,7 @@ def refuse_unsupported(model: nn.Module) -> None:
             raise CaptureError(
                 f"'{path}' ({name}) is a linear-attention layer of a hybrid decoder, which megacompile cannot "
                 "capture yet: its recurrence is not checked against eager training. Decoders of softmax "
-                "attention, and Qwen3-Next's gated delta-net, train (docs/families.md lists them)")
+                "attention, and the gated delta-nets of Qwen3-Next and Qwen3.5, train (docs/families.md lists them)")
 
 
 def _inside_hf_experts(model: nn.Module, path: str) -> bool:

@@ -31,7 +31,9 @@ STEPS = 3
 # layers beside ones captured onto megacompile::window_attention (capture/hf_windows.py). GPT-OSS:
 # eager attention with sinks onto the same operator, sum for sum with its eager attention. DeepSeek-V3:
 # latent attention (v narrower than q and k) onto it too, sum for sum with SDPA's math path.
-DEFAULT = {"gemma2", "gptj", "bloom", "mixtral", "qwen2_sliding", "gpt_oss", "deepseek_v3"}
+# Qwen3.5: a hybrid, gated delta-net linear attention (a causal conv and a chunked recurrence in
+# torch) beside gated full attention, two templates.
+DEFAULT = {"gemma2", "gptj", "bloom", "mixtral", "qwen2_sliding", "gpt_oss", "deepseek_v3", "qwen3_5"}
 
 # Families that cannot be captured yet, with the error they raise.
 REFUSED = {
