@@ -3,12 +3,19 @@
 Whatever `config._experts_implementation` the model selected ("eager", "grouped_mm",
 "batched_mm", ...), the traced graph runs the sorted, grouped computation: the same results, with
 shapes that do not depend on the routing. The model itself is left as it was.
+
+The load-balancing loss of some transformers releases (5.17's Mixtral, Qwen2-MoE, GPT-OSS) counts
+each expert's tokens with `torch.bincount(ids, minlength=E)`, whose length, max(ids) + 1 at least,
+depends on the values; while capturing, a count with a `minlength` has that length (expert ids
+are below E), computed as a scatter-add of ones, which fails on an id at or past it rather than
+giving a longer count.
 """
 from __future__ import annotations
 
 import contextlib
 import types
 
+import torch
 import torch.nn as nn
 
 from ..errors import CaptureError
@@ -50,9 +57,30 @@ def spread_over_templates(fractions: dict[str, float], stages: list) -> dict[str
     return spread
 
 
+_bincount = torch.bincount
+
+
+def _static_bincount(input: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
+    if weights is not None or minlength <= 0 or input.dim() != 1:
+        return _bincount(input, weights=weights, minlength=minlength)
+    ones = torch.ones_like(input, dtype=torch.int64)
+    return torch.zeros(minlength, dtype=torch.int64, device=input.device).scatter_add(0, input.long(), ones)
+
+
+@contextlib.contextmanager
+def static_bincount():
+    """While tracing: torch.bincount with a minlength has that length (the module's docstring)."""
+    torch.bincount = _static_bincount
+    try:
+        yield
+    finally:
+        torch.bincount = _bincount
+
+
 @contextlib.contextmanager
 def static_experts(model: nn.Module):
-    """Yields {experts module path: top_k}, filled as the trace runs each experts module."""
+    """Yields {experts module path: top_k}, filled as the trace runs each experts module; while it
+    holds, torch.bincount with a minlength is static too (static_bincount)."""
     patched = []
     routed: dict[str, int] = {}
 
@@ -69,7 +97,9 @@ def static_experts(model: nn.Module):
                                    "without an expert-parallel plan")
             module.forward = types.MethodType(traced(path), module)
             patched.append(module)
-        yield routed
+        with static_bincount():
+            yield routed
     finally:
         for module in patched:
             del module.forward   # back to the class's forward
+
