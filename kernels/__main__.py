@@ -5,7 +5,7 @@ import time
 import warnings
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megacompile.kernels", description=__doc__)
     parser.add_argument("--check", action="store_true", help="run every kernel against its reference (interpreter "
                         "without a GPU) at odd shapes in fp32 and bf16, and compile each for sm_80 and sm_90")
@@ -13,9 +13,13 @@ def main(argv=None) -> int:
                         help="'test' uses the small pytest shapes")
     parser.add_argument("--only", help="run only the kernels whose name contains this")
     parser.add_argument("--no-compile", action="store_true", help="skip the sm_80/sm_90 compile")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if not args.check:
-        parser.print_help()
+        parser().print_help()
         return 0
 
     from .check import format_table, run, uncovered  # after argparse: importing the kernels sets up triton

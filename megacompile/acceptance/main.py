@@ -26,6 +26,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if skip - set(SECTIONS):
+        parser().error(f"--skip: {', '.join(sorted(skip - set(SECTIONS)))} is not a section; the sections are "
+                       f"{', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         print("megacompile.acceptance: torch sees no GPU here, so there is nothing to validate on a device "
               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). The cpu half of these checks "
@@ -33,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from ..runtime import normalize_device
     device = normalize_device(args.device)
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     deadline = time.perf_counter() + 60 * args.minutes
     facts = machine()
     rows: list[Row] = []

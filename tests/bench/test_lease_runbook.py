@@ -139,3 +139,38 @@ def test_the_7b_row_runs_unfused_when_the_attention_kernel_fails_its_check_on_th
     out, calls = _lease(tmp_path, ATTENTION_FAILS="1")
     assert "the attention kernel failed its check" in out
     assert "--shape llama-7b" in calls[1] and calls[1].endswith("--no-fuse")
+
+
+def test_every_command_the_runbook_gives_is_one_its_program_takes(tmp_path):
+    """The runbook's arguments, read by the programs' own parsers: a flag misspelt in lease.sh, or
+    a section acceptance does not have, is found here rather than on the rented GPU."""
+    from megacompile.acceptance.main import SECTIONS
+    from megacompile.acceptance.main import parser as acceptance_parser
+    from megacompile.bench import peers
+    from megacompile.kernels.__main__ import parser as kernels_parser
+    out, calls = _lease(tmp_path, LEASE_SECONDS="100000")
+    assert "every call is done" in out
+    seen = set()
+    for call in calls:
+        argv = call.split()
+        if argv[:3] == ["-m", "megacompile.bench", "peers"]:
+            args = peers._arguments(argv[3:])
+            assert args.minutes > 0 and peers._jobs(args)
+            seen.add("peers")
+        elif argv[:2] == ["-m", "megacompile.acceptance"]:
+            args = acceptance_parser().parse_args(argv[2:])
+            assert {s for s in args.skip.split(",") if s} <= set(SECTIONS)
+            seen.add("acceptance")
+        elif argv[:2] == ["-m", "megacompile.kernels"]:
+            assert kernels_parser().parse_args(argv[2:]).check
+            seen.add("kernels")
+    assert seen == {"peers", "acceptance", "kernels"}
+
+
+def test_acceptance_refuses_a_section_it_does_not_have(capsys):
+    import pytest
+
+    from megacompile.acceptance.main import main
+    with pytest.raises(SystemExit) as e:
+        main(["--skip", "kernels,parity,speed"])
+    assert e.value.code == 2 and "--skip: speed is not a section; the sections are kernels, parity" in capsys.readouterr().err
