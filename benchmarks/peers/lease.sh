@@ -13,6 +13,7 @@
 # LEASE_RESUME=<that tar.gz> on a fresh machine unpacks it into RESULTS first and goes on from there.
 # RESULTS is $LEASE_RESULTS, by default tmp/lease in the checkout (git-ignored). The calls, most
 # important first:
+#   preflight       the machine as found (GPU, driver, versions, cores, RAM, the weights' disk), seconds
 #   7b-streamed     the Llama-2-7B shape at 0.34x of its bf16 weights (the 100B ratio), megacompile
 #                   alone, 4 x 4096 tokens, beside its prediction under the calibrated profile; the
 #                   attention kernel is checked on the device first, and where it fails the row runs
@@ -42,12 +43,12 @@ python=${PYTHON:-python3}
 site=${SITE:-/tmp/megacompile-site}
 out=${LEASE_OUT:-}
 deadline=$(( SECONDS + ${LEASE_SECONDS:-540} ))
-order=(7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels)
+order=(preflight 7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels)
 # Seconds each call needs, from the first H100 lease's wall times (docs/gpu.md; 16 host cores):
 # writing a shape's fp32 weights, a megacompile process's set-up (capture, plan, host state, the
 # first step's kernel compiles: ~60 s at 3B), its steps, and FSDP2's 170 s of set-up (DeepSpeed's
 # is a bound: it did not finish in 370 s).
-declare -A NEED_S=([7b-streamed]=330 [3b-megacompile]=180 [3b-fsdp2]=300 [deepspeed-op]=90
+declare -A NEED_S=([preflight]=20 [7b-streamed]=330 [3b-megacompile]=180 [3b-fsdp2]=300 [deepspeed-op]=90
                    [3b-deepspeed]=450 [kernels-check]=150 [3b-resident]=140 [acceptance]=300 [kernels]=90)
 # Calls that read another's results.
 declare -A AFTER=([3b-fsdp2]=3b-megacompile [3b-deepspeed]="3b-megacompile deepspeed-op"
@@ -103,6 +104,18 @@ pack() {
 bench() { $python -m megacompile.bench peers --weights "$weights" "$@" || true; }
 validate() { $python -m megacompile.acceptance "$@" || true; }
 
+call_preflight() {
+    {
+        nvidia-smi || echo "no nvidia-smi"
+        $python -c "import torch, triton, transformers, megacompile; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+        $python -c "import deepspeed, liger_kernel; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+        echo "cores $(nproc)"
+        free -g
+        df -h "$weights" "$results"
+    } > preflight.txt 2>&1
+    cat preflight.txt
+    grep -q "^torch " preflight.txt
+}
 call_7b_streamed() {
     rm -f 7b-streamed/peers.md
     # The attention kernel runs on a GPU for the first time here: checked first (seconds), and

@@ -18,6 +18,8 @@ for a in "$@"; do [ "$prev" = "--out" ] && out=$a; prev=$a; done
 case "$*" in *"${SLOW_IN:-none}"*) sleep 3 ;; esac
 case "$*" in
   *"import megacompile.passes"*) exit 0 ;;
+  *"import torch, triton"*) [ -z "${NO_TORCH:-}" ] && echo "torch 2.11.0" ; exit 0 ;;
+  *"import deepspeed, liger_kernel"*) exit 0 ;;
   *"megacompile.bench peers"*)
     [ -n "${DIE_IN:-}" ] && [ "$out" = "$DIE_IN" ] && exit 1
     mkdir -p "$out" && touch "$out/peers.md" ;;
@@ -34,7 +36,7 @@ for dir in $IN_RAM; do [ "${@: -1}" = "$dir" ] && { echo tmpfs; exit 0; }; done
 echo ext2/ext3
 """
 
-ALL = "7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels"
+ALL = "preflight 7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels"
 
 
 def _lease(tmp_path, *args, status=0, **env):
@@ -52,8 +54,9 @@ def _lease(tmp_path, *args, status=0, **env):
     proc = subprocess.run(["bash", str(LEASE), *args], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in env.items() if v is not None})
     assert proc.returncode == status, proc.stdout + proc.stderr
+    preflight = ("import megacompile.passes", "import torch, triton", "import deepspeed, liger_kernel")
     return proc.stdout + proc.stderr, [line for line in calls.read_text().splitlines()
-                                       if "import megacompile.passes" not in line]
+                                       if not any(p in line for p in preflight)]
 
 
 def _done(tmp_path):
@@ -174,3 +177,13 @@ def test_acceptance_refuses_a_section_it_does_not_have(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--skip", "kernels,parity,speed"])
     assert e.value.code == 2 and "--skip: speed is not a section; the sections are kernels, parity" in capsys.readouterr().err
+
+
+def test_the_first_call_records_the_machine_and_a_machine_without_torch_goes_no_further(tmp_path):
+    out, calls = _lease(tmp_path, "preflight", LEASE_SECONDS="100")
+    assert "preflight done" in out
+    found = (tmp_path / "results" / "preflight.txt").read_text()
+    assert "torch 2.11.0" in found and "cores " in found
+    (tmp_path / "bare").mkdir()
+    out, calls = _lease(tmp_path / "bare", "preflight", LEASE_SECONDS="100", NO_TORCH="1")
+    assert "preflight did not finish" in out and _done(tmp_path / "bare") == []
