@@ -99,15 +99,17 @@ def window_of(mask_function, batch: int, length: int) -> int | None:
 
 def _packed(mask_function) -> tuple[Any, torch.Tensor] | None:
     """(the band function, transformers' sequence index per token [B, S]) when `mask_function` is
-    transformers' packed-sequence mask: a band function read at the tokens' positions, and-ed with
-    "same sequence"; None otherwise."""
+    transformers' packed-sequence mask: a band function, and-ed with "same sequence"; None
+    otherwise. Later releases read the band at the tokens' positions (remapped), 5.17 at the
+    tokens' indices; within one sequence the positions go up by one, so both are the same band."""
     if not (isinstance(mask_function, _Parts) and mask_function.kind == "and" and len(mask_function.parts) == 2):
         return None
-    remapped, same = mask_function.parts
-    if not (isinstance(remapped, _Parts) and remapped.kind == "remap" and isinstance(same, _Parts)
-            and same.kind == "packed"):
+    band, same = mask_function.parts
+    if not (isinstance(same, _Parts) and same.kind == "packed"):
         return None
-    return remapped.parts[0], same.parts[0]
+    if isinstance(band, _Parts) and band.kind == "remap":
+        return band.parts[0], same.parts[0]
+    return None if isinstance(band, _Parts) and band.kind == "packed" else (band, same.parts[0])
 
 
 def document_starts(sequence_index: torch.Tensor) -> torch.Tensor:
@@ -175,16 +177,21 @@ def _computes(module, query, key, value, length: int, kwargs) -> bool:
             and key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0)
 
 
-def _span_attention(original):
-    """transformers' attention function `original` ("sdpa", or a model's eager one), taking a span."""
+def _span_attention(original, eager: bool = False):
+    """transformers' attention function `original` ("sdpa", or a model's `eager` one), taking a span.
+
+    A model's eager function applies the sinks (`s_aux`) and the softcap it is given; transformers'
+    "sdpa" one does not (5.17 drops them, later releases raise on a softcap), so an "sdpa" call
+    given either runs the original, whatever it does with them."""
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         span = attention_mask
         if span is None and _latent(query, value) and query.dim() == 4:
             # Plain causal attention whose v is narrower than q and k (DeepSeek's latent attention):
             # torch's flash kernels do not take it, so SDPA would run its math path, S x S.
             span = AttentionSpan(query.shape[2], query.shape[2], query.shape[0], device=query.device)
+        extras = kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None
         if isinstance(span, AttentionSpan):
-            if not args and _computes(module, query, key, value, span.length, kwargs):
+            if not args and (eager or not extras) and _computes(module, query, key, value, span.length, kwargs):
                 scaling = kwargs.get("scaling")
                 scale = query.shape[-1] ** -0.5 if scaling is None else scaling
                 out, _lse = torch.ops.megacompile.window_attention(query, key, value, float(scale), span.window,
@@ -231,7 +238,7 @@ def _eager_replaced():
 
     def get_interface(attn_implementation, default):
         found = original(attn_implementation, default)
-        return _span_attention(found) if attn_implementation == "eager" else found
+        return _span_attention(found, eager=True) if attn_implementation == "eager" else found
     interface.get_interface = get_interface           # the instance's, over its class's
     try:
         yield
@@ -258,6 +265,7 @@ def _span_masks():
 
 _FACTORIES = {"and_masks": "and", "remap_positions_for_packed_sequence": "remap",
               "packed_sequence_mask_function": "packed"}
+_OPTIONAL_FACTORIES = {"remap_positions_for_packed_sequence"}      # not in transformers 5.17
 
 
 @contextlib.contextmanager
@@ -266,6 +274,7 @@ def spans_without_mask():
     AttentionSpan for a causal band, within packed documents or not."""
     masking = sys.modules.get("transformers.masking_utils")
     factories = {name: getattr(masking, name, None) for name in _FACTORIES}
+    factories = {name: f for name, f in factories.items() if f is not None or name not in _OPTIONAL_FACTORIES}
     if masking is None or None in factories.values():
         with _span_masks():
             yield

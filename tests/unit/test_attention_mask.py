@@ -88,3 +88,21 @@ def test_a_callers_position_ids_give_the_blocks_document_starts_not_a_mask():
     assert any(m.shape == (2, 24) and m.dtype == torch.int32 for m in block.acts)
     ops = {str(n.target) for n in block.forward.gm.graph.nodes if n.op == "call_function"}
     assert "megacompile.window_attention.default" in ops
+
+
+def test_a_packed_mask_is_read_as_every_transformers_release_composes_it():
+    """Later releases read the band at the tokens' positions (remap_positions_for_packed_sequence);
+    transformers 5.17 has no remap and and-s the band, a sliding one composed with and_masks too,
+    with the same-sequence mask directly. Either way: the band and the sequence index."""
+    from megacompile.capture.hf_windows import _packed, _Parts
+    index = torch.tensor([[0, 0, 1, 1]])
+    causal = lambda b, h, q, k: k <= q                                     # noqa: E731
+    same = _Parts("packed", lambda b, h, q, k: index[b, q] == index[b, k], (index,))
+    later = _Parts("and", None, (_Parts("remap", None, (causal, torch.arange(4)[None])), same))
+    band, seen = _packed(later)
+    assert band is causal and seen is index
+    sliding = _Parts("and", None, (lambda b, h, q, k: q - k < 2, causal))
+    band, seen = _packed(_Parts("and", None, (sliding, same)))           # 5.17
+    assert band is sliding and seen is index
+    assert _packed(_Parts("and", None, (same, same))) is None
+    assert _packed(_Parts("and", None, (causal, causal))) is None

@@ -226,3 +226,42 @@ def test_eager_attention_takes_a_span_only_while_capturing():
         assert attention(torch.nn.Module(), q, k, v, span, dropout=0.1)[0] == "eager"
         assert torch.equal(calls[0][0], span.mask()) and calls[0][1] == {"dropout": 0.1}
     assert interface.get_interface("eager", models_eager) is models_eager
+
+
+@pytest.mark.parametrize("extra", [{"softcap": 50.0}, {"s_aux": torch.zeros(4)}])
+def test_an_sdpa_call_given_a_softcap_or_sinks_runs_transformers_own_sdpa(extra):
+    """transformers' "sdpa" function does not apply a softcap or sinks (5.17 drops them, later
+    releases raise on a softcap): routed onto the operator, such a call would compute what eager
+    transformers does not. It runs the original with the mask; a model's eager function, which
+    applies them, is routed."""
+    from megacompile.capture.hf_windows import _span_attention
+    calls = []
+
+    def original(module, query, key, value, attention_mask, **kwargs):
+        calls.append(attention_mask)
+        return query.transpose(1, 2), None
+    q = k = v = torch.randn(1, 4, 8, 8)
+    span = AttentionSpan(8, 8, 1)
+    module = torch.nn.Module()
+    _span_attention(original)(module, q, k, v, span, scaling=0.25, **extra)
+    assert len(calls) == 1 and isinstance(calls[0], torch.Tensor) and calls[0].shape[-2:] == (8, 8)
+    out, _ = _span_attention(original, eager=True)(module, q, k, v, span, scaling=0.25, **extra)
+    assert len(calls) == 1 and out.shape == (1, 8, 4, 8)
+
+
+def test_gemma2_under_sdpa_is_refused_as_transformers_refuses_it():
+    model = FAMILIES["gemma2"]()
+    model.config._attn_implementation = "sdpa"
+    ids = batch(t=16)
+    if "does not support `softcap`" not in _eager_error(model, ids):
+        pytest.skip("this transformers release drops the softcap under sdpa instead of refusing it")
+    with pytest.raises(Exception, match="does not support `softcap`"):
+        capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"), compute_dtype=torch.float32)
+
+
+def _eager_error(model, ids) -> str:
+    try:
+        model(input_ids=ids, labels=ids)
+    except ValueError as e:
+        return str(e)
+    return ""
