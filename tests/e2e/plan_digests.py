@@ -17,8 +17,9 @@ CONFIGS = os.path.join(HERE, "..", "..", "benchmarks", "configs")
 # one) and an explicit host budget (not this machine's RAM), so the digests are the same anywhere.
 SETTINGS = dict(hbm_budget=40.0, hardware="h100", batch=1, seq=1024, host_budget=4096)
 # A model that does not fit them gets budgets that hold it (DeepSeek-V3: an MoE block's 21 GiB of
-# weights, 8.5 TiB of host state).
-OVERRIDES = {"deepseek-v3.json": dict(hbm_budget=80.0, host_budget=16384)}
+# weights, 8.5 TiB of host state; Qwen3.5-397B: 5.1 TiB of host state).
+OVERRIDES = {"deepseek-v3.json": dict(hbm_budget=80.0, host_budget=16384),
+             "qwen3.5-397b-a17b.json": dict(hbm_budget=80.0, host_budget=8192)}
 # What planning took on this machine, not what was planned.
 MEASURED = ("pass_seconds", "trace_seconds")
 
