@@ -102,4 +102,3 @@ def static_experts(model: nn.Module):
     finally:
         for module in patched:
             del module.forward   # back to the class's forward
-
