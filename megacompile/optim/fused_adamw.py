@@ -8,29 +8,26 @@ a bf16 `out` that is 28 bytes of memory traffic per parameter, in one pass.
 The arithmetic is torch.optim.AdamW's (decoupled weight decay, amsgrad off), applied to
 grad * grad_scale, in torch's operation order so the two round alike.
 
-The native kernel (csrc/fused_adamw.cpp) is compiled with the system C++ compiler at first use into
-a cache folder (MEGACOMPILE_CACHE_DIR, default ~/.cache/megacompile) and loaded with ctypes; a call
-runs without the GIL on set_num_threads() threads. Without a compiler, or with
+The native kernel (csrc/fused_adamw.cpp) is compiled with the system C++ compiler at first use
+(megacompile/native.py: cached per CPU) and loaded with ctypes; a call runs without the GIL on
+set_num_threads() threads. Without a compiler, or with
 MEGACOMPILE_HOST_ADAM=torch, the same update runs as torch ops.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import numbers
 import operator
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 
+from megacompile import native
 from megacompile.errors import OptimizerInputError
 
 _SOURCE = Path(__file__).parent / "csrc" / "fused_adamw.cpp"
@@ -55,51 +52,8 @@ _last_threads: int | None = None
 # Building and loading the native kernel
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("MEGACOMPILE_CACHE_DIR", Path.home() / ".cache" / "megacompile"))
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_signature() -> str:
-    """-march=native code is only valid on the CPU it was built for; the cache key says which."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return os.uname().machine
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(wanted)))
-
-
 def _build(compiler: str, flags: list[str] = _CXXFLAGS) -> Path:
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join(
-        [source, compiler.encode(), " ".join(flags).encode(), _cpu_signature().encode()]
-    )).hexdigest()[:20]
-    target = _cache_dir() / f"fused_adamw_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile under a private name and rename: another process may load `target` at any moment,
-    # and must never see a half-written file.
-    fd, partial = tempfile.mkstemp(prefix=f"{target.stem}.", suffix=".so.partial",
-                                   dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *flags, "-o", partial, str(_SOURCE)],
-                                capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed:\n{result.stderr.strip()[-2000:]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
+    return native.build(_SOURCE, compiler, flags)
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -123,7 +77,7 @@ def _native() -> ctypes.CDLL | None:
         if _library_tried:
             return _library
         try:
-            compiler = _compiler()
+            compiler = native.compiler()
             if compiler is None:
                 raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
             _library = _load(_build(compiler))

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megacompile.errors import OptimizerInputError
+from megacompile import native
 from megacompile.optim import fused_adamw
 
 SIZES = [1, 7, 17, 1023, 100003]
@@ -36,7 +37,7 @@ def backend(request, monkeypatch):
         monkeypatch.setenv("MEGACOMPILE_HOST_ADAM", "torch")
     else:
         monkeypatch.delenv("MEGACOMPILE_HOST_ADAM", raising=False)
-        if fused_adamw._compiler() is None:
+        if native.compiler() is None:
             pytest.skip("no C++ compiler on this machine")
     assert fused_adamw.backend() == request.param
     return request.param
@@ -232,8 +233,8 @@ def test_thread_count_does_not_change_the_result(monkeypatch):
 def test_narrower_instruction_sets_give_the_same_bits(monkeypatch, narrower):
     # This machine's -march=native build runs one vector body; building without it runs the
     # others here too.
-    compiler = fused_adamw._compiler()
-    if compiler is None or "avx512f" not in fused_adamw._cpu_signature():
+    compiler = native.compiler()
+    if compiler is None or "avx512f" not in native.cpu_signature():
         pytest.skip("needs a C++ compiler and an AVX-512 machine")
     master, grads = make_block(10007, steps=2, grad_dtype=torch.bfloat16)
     results = []
@@ -396,7 +397,7 @@ def test_grad_sq_norm_refuses_bad_input(backend):
 # ---- building the native kernel --------------------------------------------------------------
 
 def test_build_is_cached_and_leaves_no_partial_files(tmp_path, monkeypatch):
-    compiler = fused_adamw._compiler()
+    compiler = native.compiler()
     if compiler is None:
         pytest.skip("no C++ compiler on this machine")
     monkeypatch.setenv("MEGACOMPILE_CACHE_DIR", str(tmp_path))
@@ -419,12 +420,12 @@ def test_build_is_cached_and_leaves_no_partial_files(tmp_path, monkeypatch):
 def test_the_compiled_file_appears_by_rename(tmp_path, monkeypatch):
     # A loader in another process may open the cache entry at any moment: the compiler must write
     # elsewhere in the same folder, and that very file (same inode) must then take the name.
-    compiler = fused_adamw._compiler()
+    compiler = native.compiler()
     if compiler is None:
         pytest.skip("no C++ compiler on this machine")
     monkeypatch.setenv("MEGACOMPILE_CACHE_DIR", str(tmp_path))
     written = []
-    real_run = fused_adamw.subprocess.run
+    real_run = native.subprocess.run
 
     def run(command, **kwargs):
         result = real_run(command, **kwargs)
@@ -432,7 +433,7 @@ def test_the_compiled_file_appears_by_rename(tmp_path, monkeypatch):
         written.append((output, output.stat().st_ino))
         return result
 
-    monkeypatch.setattr(fused_adamw.subprocess, "run", run)
+    monkeypatch.setattr(native.subprocess, "run", run)
     target = fused_adamw._build(compiler)
     [(output, inode)] = written
     assert output != target and output.parent == target.parent

@@ -13,7 +13,10 @@ import megacompile
 from megacompile.capture import capture
 from megacompile.cost import get_profile
 from megacompile.errors import PlanVerificationError
-from megacompile.ir.arena import ALIGNMENT, ArenaTensor, DeviceArena, aligned, greedy_by_size, place, plan_offsets
+from megacompile import native
+from megacompile.ir import arena as arena_module
+from megacompile.ir.arena import (ALIGNMENT, ArenaTensor, DeviceArena, aligned, greedy_by_size, place, place_numpy,
+                                  plan_offsets)
 from megacompile.ir.printer import fmt_bytes, format_program
 from megacompile.ir.program import COMPUTE_OPS, Op
 from megacompile.ir.simulate import simulate
@@ -78,6 +81,61 @@ def test_no_two_tensors_live_at_once_overlap_on_random_lifetimes(seed):
         # The orders tried include greedy by size alone: the kept layout is never larger.
         by_size = greedy_by_size(sizes, firsts, lasts, alignment)
         assert size <= max((o + s for o, s in zip(by_size, rounded)), default=0)
+
+
+def _step_like(rng: random.Random, n: int, steps: int):
+    """Lifetimes shaped like a training step's: most tensors live a few steps (a block's working
+    set), some for thousands (saved activations, forward to backward), a few for the whole step
+    (resident weights), sizes from bytes to hundreds of MiB with many equal ones."""
+    firsts, lasts, sizes = [], [], []
+    for _ in range(n):
+        kind = rng.random()
+        f = rng.randrange(steps)
+        life = (rng.randrange(1, 40) if kind < 0.8 else rng.randrange(40, 20_000) if kind < 0.97
+                else steps)
+        firsts.append(0 if life == steps else f)
+        lasts.append(min(steps - 1, firsts[-1] + life - 1))
+        sizes.append(rng.choice([ALIGNMENT, 4096, 1 << 20, 3 << 20, rng.randrange(1, 300 << 20)]))
+    return sizes, firsts, lasts
+
+
+def _native_or_skip():
+    if arena_module._native() is None:
+        pytest.skip("no C++ compiler on this machine: the arena is placed in NumPy")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_cpp_placement_gives_numpy_s_offsets(seed):
+    """Same offsets, tensor for tensor, for both gap rules and several orders, on lifetimes that
+    cross the C++ placement's buckets and levels (1,024 steps and 8x that)."""
+    _native_or_skip()
+    rng = random.Random(seed)
+    n, steps = rng.choice([(300, 60), (2000, 30_000), (3000, 200_000)])
+    sizes, firsts, lasts = _step_like(rng, n, steps)
+    rounded = [aligned(s) for s in sizes]
+    orders = [sorted(range(n), key=lambda i: (-rounded[i], firsts[i], i)),
+              sorted(range(n), key=lambda i: (firsts[i] - lasts[i], i)),
+              rng.sample(range(n), n)]
+    for order in orders:
+        for tightest in (True, False):
+            assert place(order, rounded, firsts, lasts, tightest) == place_numpy(order, rounded, firsts, lasts,
+                                                                                 tightest)
+
+
+def test_a_machine_without_a_compiler_places_in_numpy_alike(monkeypatch):
+    """No compiler: a warning, once, and the same layout from NumPy's placement."""
+    _native_or_skip()
+    sizes, firsts, lasts = _step_like(random.Random(7), 800, 5000)
+    expected = plan_offsets(sizes, firsts, lasts)
+    monkeypatch.setattr(arena_module, "_library", None)
+    monkeypatch.setattr(arena_module, "_library_tried", False)
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match="C.. arena placement is unavailable.*no C.. compiler"):
+        assert plan_offsets(sizes, firsts, lasts) == expected
+    assert arena_module._native() is None    # tried once: no second warning
+    monkeypatch.setenv("MEGACOMPILE_ARENA_PLACE", "numpy")
+    monkeypatch.setattr(arena_module, "_library_tried", True)
+    assert plan_offsets(sizes, firsts, lasts) == expected
 
 
 def _arena(tensors: list[tuple[int, int, int, int]], size: int) -> DeviceArena:
