@@ -6,7 +6,8 @@ capture) runs it only for the first two blocks and the last of each group of blo
 agree in everything but their layer number: the same classes nested the same way, the same
 parameter and buffer names, shapes and dtypes, and the same attributes (values for numbers,
 strings and flags; identity for other objects, so blocks sharing one config agree and blocks
-holding their own callables do not). Any hook makes a block its own group.
+holding their own callables do not; a function bound to the module itself, as capturing patches
+experts modules, by the function). Any hook makes a block its own group.
 
 The check behind it (top.py): a sampled block whose fingerprint differs from its group's first
 makes the capture start again with every block logged. A difference only the unsampled middle
@@ -16,6 +17,7 @@ module) goes unseen; a training capture logs every block.
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import torch
@@ -31,7 +33,7 @@ def structure_key(block: nn.Module) -> tuple:
     """A value two blocks share when their modules are built alike (see the module's docstring)."""
     parts = []
     for path, m in block.named_modules():
-        attrs = tuple((k, _value(v)) for k, v in sorted(vars(m).items())
+        attrs = tuple((k, _value(v, m)) for k, v in sorted(vars(m).items())
                       if k not in _STATE and k not in _LAYER_NUMBER)
         params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m._parameters.items()
                        if p is not None)
@@ -41,9 +43,13 @@ def structure_key(block: nn.Module) -> tuple:
     return tuple(parts)
 
 
-def _value(v: Any) -> Any:
+def _value(v: Any, owner: nn.Module | None = None) -> Any:
     if v is None or isinstance(v, (bool, int, str, torch.dtype, torch.device)):
         return v
+    if isinstance(v, types.MethodType) and v.__self__ is owner:
+        # A function bound to the module itself (a forward patched per instance, as capturing does
+        # to experts modules): the same function is the same code over the same module.
+        return ("own method", id(v.__func__))
     if isinstance(v, float):
         return ("float", v.hex() if math.isfinite(v) else repr(v))
     if isinstance(v, (tuple, list)):

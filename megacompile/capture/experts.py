@@ -83,19 +83,21 @@ def static_experts(model: nn.Module):
     holds, torch.bincount with a minlength is static too (static_bincount)."""
     patched = []
     routed: dict[str, int] = {}
+    paths: dict[int, str] = {}
 
-    def traced(path: str):
-        def forward(self, hidden_states, top_k_index, top_k_weights):
-            routed[path] = top_k_index.size(-1)
-            return static_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-        return forward
+    # One function for every experts module, so blocks built alike still look alike to planning's
+    # grouping (alike.py compares a bound forward by its function).
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        routed[paths[id(self)]] = top_k_index.size(-1)
+        return static_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     try:
         for path, module in hf_experts(model):
             if getattr(module, "_is_expert_parallel", False):
                 raise CaptureError(f"'{path}' ({type(module).__name__}) is sharded for expert parallelism; "
                                    "megacompile trains every expert of a layer on one device: load the model "
                                    "without an expert-parallel plan")
-            module.forward = types.MethodType(traced(path), module)
+            paths[id(module)] = path
+            module.forward = types.MethodType(forward, module)
             patched.append(module)
         with static_bincount():
             yield routed

@@ -2,6 +2,8 @@
 built alike (capture/alike.py), later sizes (plan_global_batch) one block per group."""
 from __future__ import annotations
 
+import types
+
 import torch
 
 import megacompile.capture.top as top
@@ -80,3 +82,34 @@ def test_a_sampled_block_that_computes_otherwise_makes_planning_log_every_block(
     assert logged == [0, 1, 5] + list(range(6))
     t = _block_templates(captured)
     assert len(set(t[:5])) == 1 and t[5] != t[0]
+
+
+def test_mixture_of_experts_blocks_built_alike_are_grouped_while_their_experts_are_patched(monkeypatch):
+    """Capturing gives every experts module a forward of its own (capture/experts.py); blocks whose
+    experts all run the one function still group, so planning logs the first two and the last."""
+    import transformers
+    config = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    logged = _logging_record(monkeypatch, model)
+    with top.blocks_grouped_once():
+        captured = _capture(model, 2)
+    assert logged == [0, 1, 5]
+    assert len(set(_block_templates(captured))) == 1
+
+
+def test_a_block_whose_own_forward_is_another_function_is_its_own_group():
+    from megacompile.capture.alike import structure_key
+    model = models.hf_llama(layers=3, d=32).to("meta")
+    a, b, c = model.model.layers
+
+    def doubled(self, *args, **kwargs):
+        return type(self).forward(self, *args, **kwargs)
+
+    def doubled_too(self, *args, **kwargs):
+        return type(self).forward(self, *args, **kwargs)
+    for block, f in ((a, doubled), (b, doubled), (c, doubled_too)):
+        block.mlp.forward = types.MethodType(f, block.mlp)
+    assert structure_key(a) == structure_key(b) != structure_key(c)
