@@ -179,9 +179,10 @@ def _candidate(node: fx.Node) -> bool:
     return emitted is not None
 
 
-def _depends_on(start: fx.Node, group: set[fx.Node], floor: int, pos: dict) -> bool:
-    """Does `start` read any node of `group` through nodes outside it (only nodes after `floor`)?"""
-    stack, seen = [start], set()
+def _depends_on(start: fx.Node, group: set[fx.Node], floor: int, pos: dict, seen: set[fx.Node]) -> bool:
+    """Does `start` read any node of `group` through nodes outside it (only nodes after `floor`)?
+    `seen`: nodes an earlier search for the same group went through without reaching it."""
+    stack = [start]
     while stack:
         n = stack.pop()
         if n in seen or pos[n] < floor:
@@ -227,7 +228,9 @@ def _closed(members: list[fx.Node], pos: dict) -> bool:
     """No input of the group from outside it depends on a member (the group can be one node)."""
     group = set(members)
     floor = min(pos[m] for m in members)
-    return not any(_depends_on(i, group, floor, pos) for m in members for i in m.all_input_nodes if i not in group)
+    seen: set[fx.Node] = set()
+    return not any(_depends_on(i, group, floor, pos, seen) for m in members for i in m.all_input_nodes
+                   if i not in group)
 
 
 # -- code generation ------------------------------------------------------------------------
