@@ -56,6 +56,9 @@ ALIGNMENT = 512
 _NO_GAP = np.iinfo(np.int64).max
 _SOURCE = Path(__file__).parent / "csrc" / "arena_place.cpp"
 _CXXFLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
+# Fewer tensors than this are placed in well under a millisecond a run: one run after another,
+# stopping at the first that reaches the bound.
+_THREADED_FROM = 2000
 
 
 def aligned(nbytes: int, alignment: int = ALIGNMENT) -> int:
@@ -84,10 +87,11 @@ def plan_offsets(sizes: Sequence[int], firsts: Sequence[int], lasts: Sequence[in
     ]
     runs = [(key, tightest) for key in orders for tightest in (True, False)]
     placer = _placer(rounded, firsts, lasts)
-    if placer.native:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if placer.native and cores > 1 and len(live) >= _THREADED_FROM:
         # Every run at once, on threads (the C++ placement runs without the GIL); the one kept is
         # the one the loop below would keep.
-        with ThreadPoolExecutor(min(len(runs), len(os.sched_getaffinity(0)))) as pool:
+        with ThreadPoolExecutor(min(len(runs), cores)) as pool:
             layouts = list(pool.map(lambda run: placer(sorted(live, key=run[0]), run[1]), runs))
     else:
         layouts = (placer(sorted(live, key=key), tightest) for key, tightest in runs)
