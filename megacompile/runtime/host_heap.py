@@ -15,7 +15,7 @@ import ctypes
 import ctypes.util
 
 # Free heap bytes below which a trim is not worth its cost.
-TRIM_ABOVE = 64 * 2 ** 20
+TRIM_ABOVE = 16 * 2 ** 20
 
 
 class _Mallinfo2(ctypes.Structure):
