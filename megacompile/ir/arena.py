@@ -34,7 +34,7 @@ A step of a 48-layer hybrid at 4096 tokens has ~10^5 device tensors, and a tenso
 thousand placed before it: placing them one by one in NumPy took ~8 s an order, 14 orders a layout.
 The same placement in C++ (csrc/arena_place.cpp, built at first use by megacompile/native.py)
 finds what a tensor meets through buckets of the timeline and takes 0.1-3 s; the orders run on
-threads side by side. Both give the same offsets (tests/unit/test_arena.py); NumPy's `place` is
+threads side by side (from 2,000 tensors on). Both give the same offsets (tests/unit/test_arena.py); NumPy's `place` is
 kept for a machine without a C++ compiler (or MEGACOMPILE_ARENA_PLACE=numpy).
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def plan_offsets(sizes: Sequence[int], firsts: Sequence[int], lasts: Sequence[in
         lambda i: (-busiest[i], step_of[i], -lasts[i], -rounded[i], i),      # last freed first
     ]
     runs = [(key, tightest) for key in orders for tightest in (True, False)]
-    placer = _placer(rounded, firsts, lasts)
+    placer = _Placer(rounded, firsts, lasts)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if placer.native and cores > 1 and len(live) >= _THREADED_FROM:
         # Every run at once, on threads (the C++ placement runs without the GIL); the one kept is
@@ -118,10 +118,10 @@ def place(order: Sequence[int], sizes: Sequence[int], firsts: Sequence[int], las
     """Offsets for the tensors in `order` (sizes already aligned), placed one by one: into the
     tightest gap that holds it (`tightest`) or the lowest, among the tensors placed before it whose
     lifetimes meet its own; above the highest of them when no gap holds it."""
-    return _placer(sizes, firsts, lasts)(order, tightest)
+    return _Placer(sizes, firsts, lasts)(order, tightest)
 
 
-class _placer:
+class _Placer:
     """place() over one set of tensors, for several orders: in C++ where it builds, else NumPy."""
 
     def __init__(self, sizes: Sequence[int], firsts: Sequence[int], lasts: Sequence[int]):
