@@ -23,7 +23,8 @@ SEQ = 48
 IMAGE = 16                      # pixels per side, in 4 x 4 patches: 16 patches per image
 GEMMA3_TOKENS = 4               # Gemma 3 pools the 16 patches 2 x 2: 4 image tokens per image
 IDEFICS3_TOKENS = 4             # Idefics3 shuffles 2 x 2 patches into one: 4 image tokens per image
-FAMILIES = ("gemma3", "idefics3", "smolvlm", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("gemma3", "idefics3", "smolvlm", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+QWEN = {"qwen2_5_vl", "qwen3_vl", "qwen3_5"}     # the families of Qwen's inputs (qwen_batch)
 
 
 def _text(config_cls, **extra):
@@ -61,15 +62,15 @@ def idefics3(seed: int = 0, family: str = "idefics3"):
 
 
 def model(family: str, seed: int = 0):
-    if family in ("qwen2_5_vl", "qwen3_vl"):
-        return qwen2_5_vl(seed) if family == "qwen2_5_vl" else qwen3_vl(seed)
+    if family in QWEN:
+        return {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "qwen3_5": qwen3_5_vl}[family](seed)
     return gemma3(seed) if family == "gemma3" else idefics3(seed, family)
 
 
 def batch(family: str, seed: int = 0, images: tuple[int, ...] = (1, 2)) -> dict[str, torch.Tensor]:
     """One row per entry of `images`, each row holding that many images at places that move with
     the seed; labels ignore the image tokens."""
-    if family in ("qwen2_5_vl", "qwen3_vl"):
+    if family in QWEN:
         return qwen_batch(seed, images)
     g = torch.Generator().manual_seed(seed)
     per_image = GEMMA3_TOKENS if family == "gemma3" else IDEFICS3_TOKENS
@@ -187,22 +188,26 @@ def qwen3_vl(seed: int = 0, moe: bool = False, patch: int = 4, layers: int = 3):
     return getattr(transformers, f"{name}ForConditionalGeneration")(config)
 
 
-def qwen3_5_vl(seed: int = 0):
+def qwen3_5_vl(seed: int = 0, moe: bool = False):
     """Qwen3.5: Qwen3-VL's tower (without deepstack) and inputs before a hybrid decoder, three gated
-    delta-net layers to one full-attention layer; refused with images, a decoder without them."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    delta-net layers to one full-attention layer; `moe`: Qwen3.5-MoE's decoder (4 experts, 2 a
+    token, and a shared expert)."""
+    import transformers
     torch.manual_seed(seed)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False,
                 linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0],
                                  "mrope_interleaved": True, "partial_rotary_factor": 0.5})
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16)
-    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
-                           video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
-                           vision_end_token_id=END_OF_IMAGE)
-    return Qwen3_5ForConditionalGeneration(config)
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START, vision_end_token_id=END_OF_IMAGE)
+    return getattr(transformers, f"{name}ForConditionalGeneration")(config)
 
 
 def mllama(seed: int = 0):

@@ -32,7 +32,9 @@ from ..errors import CaptureError, InputMismatchError
 # The model classes whose vision tower reads its grid's values; the names of those inputs.
 _FAMILIES = {("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel"),
              ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel"),
-             ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeModel")}
+             ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeModel"),
+             ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5Model"),
+             ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeModel")}
 GRID_INPUTS = ("image_grid_thw", "video_grid_thw")
 
 
@@ -79,7 +81,7 @@ def _vision_tables(visual: nn.Module, grid: torch.Tensor) -> dict[str, torch.Ten
     from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
                                            get_vision_position_ids, get_vision_window_index)
     config = visual.config
-    if hasattr(visual, "num_grid_per_side"):      # Qwen3-VL
+    if hasattr(visual, "num_grid_per_side"):      # Qwen3-VL, Qwen3.5
         indices, weights = get_vision_interpolation_indices_and_weights(
             grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
             align_corners=visual.interpolation_align_corners, spatial_merge_size=config.spatial_merge_size)

@@ -103,7 +103,7 @@ def _mergers(module: nn.Module) -> list[str]:
 
 def _supported(module: nn.Module) -> bool:
     """The families held to parity with images (tests/e2e/test_vlm.py, test_vlm_families.py): LLaVA,
-    Gemma 3, Idefics3, SmolVLM and Qwen2.5-VL. Others place their features otherwise (several
+    Gemma 3, Idefics3, SmolVLM, Qwen2.5-VL, Qwen3-VL and Qwen3.5. Others place their features otherwise (several
     media kinds, features added between decoder layers) and are not checked yet."""
     if getattr(getattr(module, "config", None), "image_token_id", None) is None:
         return False
@@ -150,7 +150,7 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
         def merge(*args, **kwargs):
             raise CaptureError(f"{type(module).__name__} ('{name}') merges image features in a way megacompile does "
                                "not train yet: of the vision-language models, LLaVA, Gemma 3, Idefics3, SmolVLM, "
-                               "Qwen2.5-VL and Qwen3-VL train with images (docs/families.md); this model trains on "
+                               "Qwen2.5-VL, Qwen3-VL and Qwen3.5 train with images (docs/families.md); this model trains on "
                                "text alone (no pixel_values)")
         return merge
 

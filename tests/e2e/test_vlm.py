@@ -3,7 +3,8 @@
 `engine.step(input_ids=..., pixel_values=..., labels=...)`: the vision tower and projector run
 in the prologue, the image features are scattered over the image tokens' embeddings at static
 shapes (capture/image_tokens.py), the Llama blocks stream. 3 steps agree with eager
-torch.optim.AdamW in float32: losses and first-step gradients to 1e-5, weights to the noise floor,
+torch.optim.AdamW in float32: losses to 1e-5, first-step gradients to 1e-5 (or twice the move a
+one-ulp rounding of the weights makes in eager float32's own, where larger), weights to the noise floor,
 below the weights' bytes and at the smallest budget the plan reports.
 """
 from __future__ import annotations
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 import megacompile
-from megacompile.acceptance.parity import LR, BETAS, EPS, WD, float64_noise, moment_error, weight_bytes
+from megacompile.acceptance.parity import (LR, BETAS, EPS, WD, assert_first_gradients, float64_noise, rounding_floor,
+                                         weight_bytes)
 from megacompile.arguments import InputLimits
 from megacompile.capture import find_block_stack
 from megacompile.errors import CaptureError
@@ -38,6 +40,11 @@ def eager(model, batches, first_moments: dict | None = None) -> list[float]:
         if i == 0 and first_moments is not None:
             first_moments.update({names[p]: s["exp_avg"].clone() for p, s in opt.state.items()})
     return losses
+
+
+def first_gradients(model, inputs) -> dict[str, torch.Tensor]:
+    model(**inputs).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def through_megacompile(model, batches, budget_bytes: float, first_moments: dict):
@@ -71,6 +78,7 @@ def assert_parity(model, batches, smallest_only: bool = False, weights: float = 
                 config._experts_implementation = "eager"     # torch's grouped GEMM takes no float64
         eager(exact, [{k: (v.double() if v.is_floating_point() else v) for k, v in b.items()} for b in batches])
     noise = float64_noise(in_float64, model, reference)
+    floor = rounding_floor(lambda m: first_gradients(m, batches[0]), model)
     budget = weights * weight_bytes(model)
     if smallest_only:
         budget = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu").prepare(**batches[0]).minimum_budget_bytes
@@ -78,7 +86,7 @@ def assert_parity(model, batches, smallest_only: bool = False, weights: float = 
         moments = {}
         engine, ours, peaks = through_megacompile(clone(model), batches, budget, moments)
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
-        assert moment_error(moments, eager_moments) <= 1e-5
+        assert_first_gradients(moments, eager_moments, floor)
         assert_same_weights(engine, reference, noise=noise)
         assert max(peaks) <= budget
         assert engine.plan.captured.block_path == block_path

@@ -218,7 +218,7 @@ def model_dir(path: str, family: str, seed: int = 0) -> str:
         return gemma3_dir(path, seed)
     if family in ("idefics3", "smolvlm"):
         return idefics3_dir(path, seed, family)
-    if family in ("qwen2_5_vl", "qwen3_vl"):
+    if family in ("qwen2_5_vl", "qwen3_vl", "qwen3_5"):
         return qwen_files.model_dir(path, seed, family)
     raise ValueError(f"no tiny folder of {family}")
 

@@ -41,11 +41,12 @@ def image_processor():
 def model_dir(path: str, seed: int = 0, family: str = "qwen2_5_vl") -> str:
     """The folder as a Qwen2.5-VL download lays it out: config, weights, tokenizer files,
     preprocessor_config.json naming Qwen2_5_VLProcessor, the chat template. `family` "qwen3_vl": a
-    Qwen3-VL (tests/vlm_families.py's, its deepstack after both tower layers) with its processor's name."""
+    Qwen3-VL (tests/vlm_families.py's, its deepstack after both tower layers) with its processor's
+    name; "qwen3_5": a Qwen3.5 with the same processor."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    if family == "qwen3_vl":
-        return _qwen3_vl_dir(path, seed)
+    if family in ("qwen3_vl", "qwen3_5"):
+        return _qwen3_vl_dir(path, seed, family)
     tok = tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION}
     torch.manual_seed(seed)
@@ -62,9 +63,11 @@ def model_dir(path: str, seed: int = 0, family: str = "qwen2_5_vl") -> str:
     return _processor_files(path, tok, "Qwen2_5_VLProcessor")
 
 
-def _qwen3_vl_dir(path: str, seed: int) -> str:
+def _qwen3_vl_dir(path: str, seed: int, family: str = "qwen3_vl") -> str:
+    """Qwen3-VL, or (family "qwen3_5") Qwen3.5: the same tower without deepstack before a hybrid
+    decoder (three gated delta-net layers, one full-attention layer); both use Qwen3VLProcessor."""
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    import transformers
     tok = tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION}
     torch.manual_seed(seed)
@@ -74,12 +77,19 @@ def _qwen3_vl_dir(path: str, seed: int) -> str:
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
                                  "mrope_interleaved": True})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16,
-                  deepstack_visual_indexes=[0, 1])
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"])
-    Qwen3VLForConditionalGeneration(config).save_pretrained(path)
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16)
+    if family == "qwen3_5":
+        text.update(num_hidden_layers=4, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                    linear_value_head_dim=8)
+        text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[1, 1, 0], partial_rotary_factor=0.5)
+    else:
+        vision["deepstack_visual_indexes"] = [0, 1]
+    name = "Qwen3_5" if family == "qwen3_5" else "Qwen3VL"
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"])
+    getattr(transformers, f"{name}ForConditionalGeneration")(config).save_pretrained(path)
     return _processor_files(path, tok, "Qwen3VLProcessor")
 
 

@@ -21,13 +21,13 @@ from tests import torchvision_env
 from tests.train import files, processor_files, qwen_files, video_files
 
 LAYOUTS = {"full": qwen_files.LLAMAFACTORY_QWEN2_5VL_FULL_SFT, "lora": qwen_files.LLAMAFACTORY_QWEN2_5VL_LORA_SFT}
-FAMILIES = ("llava", "gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("llava", "gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 ROWS = {"idefics3": 128, "smolvlm": 128}      # their crops and global image: the demo's records run to 102 tokens
 
 
 def _processor(folder: str, family: str):
     from transformers import AutoProcessor
-    if family in ("qwen2_5_vl", "qwen3_vl") and not torchvision_env.importable():
+    if family in ("qwen2_5_vl", "qwen3_vl", "qwen3_5") and not torchvision_env.importable():
         return processor_files.qwen_processor(folder, family)      # built without its video processor
     return AutoProcessor.from_pretrained(folder)
 
@@ -48,7 +48,7 @@ def test_smolvlm_saved_with_its_own_processor_trains_from_the_examples(tmp_path,
 
 
 @pytest.mark.slow   # each: a child process (torchvision_env.py), a tiny Qwen made, clips decoded, one step
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_the_full_example_trains_qwen_on_records_with_videos(tmp_path, family):
     """LlamaFactory's mllm_video_demo layout (a `videos` column, some records with an image too) in
     the full example's keys, video_max_pixels among them: every micro-batch holds a video."""
