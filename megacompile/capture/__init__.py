@@ -14,6 +14,7 @@ from .blocks import BlockStack, find_block_stack
 from .chunk import chunked
 from .experts import routed_fractions, spread_over_templates, static_experts
 from .grid_constants import GridConstants
+from .hf_delta_rule import delta_rule_as_op
 from .hf_masks import causal_attention_without_mask
 from .hf_windows import span_attention, spans_without_mask
 from .image_tokens import ImageTokens, static_image_merge
@@ -78,7 +79,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         fake_leaves.append(next(it) if isinstance(x, torch.Tensor) else x)
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
     grids: dict[str, GridConstants] = {}
-    with static_experts(model) as routed, span_attention():
+    with static_experts(model) as routed, span_attention(), delta_rule_as_op(model):
         with causal_attention_without_mask(model, args, kwargs), spans_without_mask(), \
                 static_image_merge(model, tensor_leaves, grids) as image_tokens:
             top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
@@ -89,7 +90,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
     def rechunk(n: int) -> CapturedModel:
         """The same capture with the blocks' token-wise parts run over n sequence chunks (chunk.py);
         the top-level trace is reused, the stages are traced again."""
-        with static_experts(model), span_attention(), fake_mode, chunked(n):
+        with static_experts(model), span_attention(), delta_rule_as_op(model), fake_mode, chunked(n):
             again, _, _ = build_stages(top, model, stack, fakes, {k: e.trainable for k, e in state.items()},
                                        input_fakes, train)
         return dataclasses.replace(captured, stages=again, rechunk=None)

@@ -19,7 +19,7 @@ _EXPERTS = re.compile(r"Experts(?![a-z])")
 # attentions): their recurrences are not checked for parity yet, but for the gated delta-nets of
 # Qwen3-Next and Qwen3.5 (dense and MoE), which tests/e2e/test_families.py trains against eager.
 _LINEAR_ATTENTION = re.compile(r"(Mamba\d*Mixer|BambaMixer|H1Mixer|LinearAttention|GatedDeltaNet|Rglru)(?![a-z])")
-_CHECKED_LINEAR_ATTENTION = {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"}
+CHECKED_LINEAR_ATTENTION = {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"}
 
 
 def refuse_unsupported(model: nn.Module) -> None:
@@ -31,7 +31,7 @@ def refuse_unsupported(model: nn.Module) -> None:
                 "3D expert weights: megacompile captures experts as one grouped matmul over fused weights "
                 "(gate_up_proj, down_proj) and cannot capture this layout yet (docs/families.md lists the "
                 "families it trains)")
-        if _LINEAR_ATTENTION.search(name) and name not in _CHECKED_LINEAR_ATTENTION:
+        if _LINEAR_ATTENTION.search(name) and name not in CHECKED_LINEAR_ATTENTION:
             raise CaptureError(
                 f"'{path}' ({name}) is a linear-attention layer of a hybrid decoder, which megacompile cannot "
                 "capture yet: its recurrence is not checked against eager training. Decoders of softmax "

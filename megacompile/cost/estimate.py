@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from ..ir.stage_program import StageProgram, tensors_of
+from ..linear_attention.delta_rule import rule_flops
 from .hardware import HardwareProfile
 
 aten = torch.ops.aten
@@ -101,6 +102,14 @@ WINDOW_FLOPS = {
 }
 
 
+# The chunked gated delta rule (megacompile/linear_attention): its forward's matmuls; the backward
+# operator runs the forward again, then autograd's two matmuls for each of the forward's.
+LINEAR_ATTENTION_FLOPS = {
+    "chunk_gated_delta_rule": lambda q, k, v, *rest: rule_flops(q, v),
+    "chunk_gated_delta_rule_backward": lambda do, q, k, v, *rest: 3.0 * rule_flops(q, v),
+}
+
+
 def _own_op(node: fx.Node) -> str | None:
     """The name of a megacompile operator (moe/, attention/), or None."""
     packet = getattr(node.target, "overloadpacket", None)
@@ -113,6 +122,8 @@ def node_flops(node: fx.Node) -> float:
         return GROUPED_FLOPS[own](*fx.node.map_arg(node.args, _val))
     if own in WINDOW_FLOPS:
         return WINDOW_FLOPS[own](*fx.node.map_arg(node.args, _val))
+    if own in LINEAR_ATTENTION_FLOPS:
+        return LINEAR_ATTENTION_FLOPS[own](*fx.node.map_arg(node.args, _val))
     kernel = node.meta.get("kernel")
     if kernel is not None:
         formula = KERNEL_FLOPS.get(kernel)

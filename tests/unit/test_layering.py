@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [
     {"errors", "arguments", "settings", "native"},
     {"kernels", "models", "optim"},
-    {"ir", "moe", "attention"},
+    {"ir", "moe", "attention", "linear_attention"},
     {"capture", "report"},
     {"passes", "fusion"},
     {"cost"},

@@ -1,0 +1,131 @@
+"""megacompile::chunk_gated_delta_rule: transformers' gated delta rule as one operator, eager's bit for bit.
+
+Odd shapes: 100 tokens (not a multiple of the 64-token chunk: the rule pads), twice as many value
+heads as key heads (grouped heads), value heads wider than key heads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import megacompile.linear_attention.delta_rule  # noqa: F401 - registers the operators
+from megacompile.capture.hf_delta_rule import delta_rule_as_op
+from megacompile.linear_attention.delta_rule import reference_rule, rule_flops
+
+QWEN3_NEXT = "transformers.models.qwen3_next.modeling_qwen3_next"
+B, S, HK, HV, DK, DV = 2, 100, 2, 4, 8, 16
+
+
+def inputs(dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, S, HK, DK, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(B, S, HV, DV, generator=g).to(dtype)
+    decay = -torch.rand(B, S, HV, generator=g)                        # log-space, <= 0, float32 as the layers make it
+    beta = torch.rand(B, S, HV, generator=g).to(dtype)
+    return [q, k, v, decay, beta]
+
+
+def eager(q, k, v, g, beta):
+    out, _ = reference_rule(QWEN3_NEXT)(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    return out
+
+
+def test_the_operator_gives_eagers_output_and_gradients_bit_for_bit():
+    xs = [x.requires_grad_() for x in inputs()]
+    out = eager(*xs)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, xs, do)
+    ys = [x.detach().clone().requires_grad_() for x in xs]
+    ours = torch.ops.megacompile.chunk_gated_delta_rule(*ys, QWEN3_NEXT, True)
+    assert torch.equal(ours, out)
+    for theirs, mine in zip(grads, torch.autograd.grad(ours, ys, do)):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fake_results_are_the_real_ones_shapes_and_dtypes(dtype):
+    xs = inputs(dtype)
+    out = torch.ops.megacompile.chunk_gated_delta_rule(*xs, QWEN3_NEXT, True)
+    grads = torch.ops.megacompile.chunk_gated_delta_rule_backward(torch.ones_like(out), *xs, QWEN3_NEXT, True)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(x) for x in xs]
+        fake_out = torch.ops.megacompile.chunk_gated_delta_rule(*fakes, QWEN3_NEXT, True)
+        fake_grads = torch.ops.megacompile.chunk_gated_delta_rule_backward(torch.ones_like(fake_out), *fakes,
+                                                                           QWEN3_NEXT, True)
+    for real, fake in zip([out, *grads], [fake_out, *fake_grads]):
+        assert (real.shape, real.dtype, real.stride()) == (fake.shape, fake.dtype, fake.stride())
+
+
+def _traced(fn, xs):
+    def joint(q, k, v, g, beta, do):
+        out = fn(q, k, v, g, beta)
+        return [out, *torch.autograd.grad(out, [q, k, v, g, beta], do)]
+    fakes = [x.requires_grad_() for x in xs]
+    return make_fx(joint, tracing_mode="fake")(*fakes, torch.randn(B, S, HV, DV))
+
+
+def test_a_traced_layer_holds_one_operator_and_its_backward_instead_of_the_chunk_loop():
+    import transformers.models.qwen3_next.modeling_qwen3_next as module
+    model = torch.nn.Module()
+    model.net = type("Qwen3NextGatedDeltaNet", (torch.nn.Module,), {"__module__": QWEN3_NEXT})()
+    with delta_rule_as_op(model):
+        routed = _traced(lambda *a: module.torch_chunk_gated_delta_rule(*a[:3], g=a[3], beta=a[4],
+                                                                        use_qk_l2norm_in_kernel=True)[0], inputs())
+    ops = [str(n.target) for n in routed.graph.nodes if n.op == "call_function"]
+    assert ops == ["megacompile.chunk_gated_delta_rule.default", "megacompile.chunk_gated_delta_rule_backward.default",
+                   "<built-in function getitem>"] + ["<built-in function getitem>"] * 4
+    assert module.torch_chunk_gated_delta_rule is reference_rule(QWEN3_NEXT)      # given back
+    unrouted = _traced(eager, inputs())
+    assert len(unrouted.graph.nodes) > 20 * len(routed.graph.nodes)
+
+
+def test_a_call_with_a_recurrent_state_or_packed_lengths_runs_the_models_function():
+    import transformers.models.qwen3_next.modeling_qwen3_next as module
+    model = torch.nn.Module()
+    model.net = type("Qwen3NextGatedDeltaNet", (torch.nn.Module,), {"__module__": QWEN3_NEXT})()
+    q, k, v, g, beta = inputs()
+    state, lengths = torch.zeros(B, HV, DK, DV), torch.tensor([0, S, 2 * S])
+    calls = {"a recurrent state": lambda *a: dict(initial_state=a[5]),
+             "a final state": lambda *a: dict(output_final_state=True)}
+    with delta_rule_as_op(model):
+        for what, given in calls.items():
+            traced = make_fx(lambda *a: module.torch_chunk_gated_delta_rule(*a[:3], g=a[3], beta=a[4], **given(*a))[0],
+                             tracing_mode="fake")(q, k, v, g, beta, state, lengths)
+            assert not any("megacompile" in str(n.target) for n in traced.graph.nodes), what
+        # packed documents: the model's function refuses them without flash-linear-attention, as eagerly
+        with pytest.raises(ValueError, match="packed sequences"):
+            module.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, cu_seqlens=lengths)
+
+
+def test_the_flops_count_the_chunked_forward():
+    q, k, v, g, beta = inputs()
+    # 2 x (2 C Dk + C (Dk + Dv) / 2 + 3 Dk Dv + C Dv) per (batch, value head, token)
+    assert rule_flops(q, v) == 2.0 * B * HV * S * (2 * 64 * DK + 64 * (DK + DV) / 2 + 3 * DK * DV + 64 * DV)
+
+
+def test_the_backward_operators_scratch_holds_at_least_what_the_rule_saves_for_its_backward():
+    """The planner reserves the backward operator's inside (cost/reserve.py): the rule run again
+    under autograd holds every tensor it saves for its backward at once, and then its gradients."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from megacompile.cost.reserve import delta_rule_scratch
+    xs = [x.requires_grad_() for x in inputs()]
+    saved = {}
+
+    def pack(t):
+        saved[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        eager(*xs)
+    inputs_bytes = sum(x.untyped_storage().nbytes() for x in xs)
+    kept = sum(saved.values()) - inputs_bytes
+    model = torch.nn.Module()
+    model.net = type("Qwen3NextGatedDeltaNet", (torch.nn.Module,), {"__module__": QWEN3_NEXT})()
+    import transformers.models.qwen3_next.modeling_qwen3_next as module
+    with delta_rule_as_op(model):
+        graph = _traced(lambda *a: module.torch_chunk_gated_delta_rule(*a[:3], g=a[3], beta=a[4],
+                                                                       use_qk_l2norm_in_kernel=True)[0], inputs())
+    node = next(n for n in graph.graph.nodes if "chunk_gated_delta_rule_backward" in str(n.target))
+    scratch = delta_rule_scratch(node)
+    assert kept > 0 and kept <= scratch <= 4 * kept + inputs_bytes
