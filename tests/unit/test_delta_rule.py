@@ -129,3 +129,24 @@ def test_the_backward_operators_scratch_holds_at_least_what_the_rule_saves_for_i
     node = next(n for n in graph.graph.nodes if "chunk_gated_delta_rule_backward" in str(n.target))
     scratch = delta_rule_scratch(node)
     assert kept > 0 and kept <= scratch <= 4 * kept + inputs_bytes
+
+
+def test_a_rule_that_cannot_run_on_meta_tensors_gets_dense_fake_results():
+    """flash-linear-attention's rule is a Triton kernel: no run on meta tensors tells its layouts."""
+    from megacompile.linear_attention.delta_rule import remember
+
+    def kernel_like(q, k, v, g, beta, **kwargs):
+        if q.is_meta:
+            raise NotImplementedError("a Triton kernel takes no meta tensors")
+        return reference_rule(QWEN3_NEXT)(q, k, v, g=g, beta=beta, **kwargs)
+    remember("tests.unit.kernel_like_rule", kernel_like)
+    xs = inputs()
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(x) for x in xs]
+        out = torch.ops.megacompile.chunk_gated_delta_rule(*fakes, "tests.unit.kernel_like_rule", True)
+        grads = torch.ops.megacompile.chunk_gated_delta_rule_backward(torch.ones_like(out), *fakes,
+                                                                      "tests.unit.kernel_like_rule", True)
+    assert out.shape == (B, S, HV, DV) and out.is_contiguous()
+    assert all(d.shape == x.shape and d.is_contiguous() for d, x in zip(grads, xs))
+    real = torch.ops.megacompile.chunk_gated_delta_rule(*xs, "tests.unit.kernel_like_rule", True)
+    assert torch.equal(real, eager(*xs))
