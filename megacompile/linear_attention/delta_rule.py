@@ -24,6 +24,7 @@ the function it had before is the one run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from typing import Callable
 
@@ -60,9 +61,13 @@ def _forward(q, k, v, g, beta, reference: str, use_qk_l2norm: bool) -> torch.Ten
     return out.clone() if StorageWeakRef(out.untyped_storage()) in inputs else out
 
 
-# The dispatch state of plain eager code, read at import. An operator runs with autograd's keys
-# excluded, and its fake with every key after Python's, where requires_grad records nothing.
-_EAGER_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+# The dispatch state of plain eager code with autograd on (as read at import, less an inference
+# mode the import might run in). An operator runs with autograd's keys excluded, and its fake with
+# every key after Python's, where requires_grad records nothing.
+_K = torch._C.DispatchKey
+_AUTOGRAD = [torch._C.DispatchKeySet(k) for k in (_K.AutogradFunctionality, _K.AutogradOther, _K.AutogradNestedTensor)]
+_EAGER_KEYS = (torch._C._dispatch_tls_local_include_set() | torch._C.DispatchKeySet(_K.ADInplaceOrView),
+               functools.reduce(lambda keys, k: keys - k, _AUTOGRAD, torch._C._dispatch_tls_local_exclude_set()))
 
 
 @contextlib.contextmanager
