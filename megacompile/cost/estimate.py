@@ -2,7 +2,8 @@
 
 FLOPs come from torch's flop counter formulas (torch.utils.flop_counter), applied to the traced
 fake values; bytes are what each op reads and writes. An op takes the longer of its compute and
-its memory time, plus the profile's fixed per-op overhead; view ops move nothing. Matmuls run at
+its memory time, plus the profile's fixed per-op overhead (the gated delta rule's operators pay it
+for each op the rule runs inside them: cost/delta_rule.py); view ops move nothing. Matmuls run at
 the profile's matmul rate; the SDPA kernels (flash, memory-efficient, cuDNN attention and their
 backwards) at the share of it the profile's attention_efficiency says, megacompile's own attention
 kernel at its fused_attention_efficiency where the profile has one.
@@ -18,6 +19,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..ir.stage_program import StageProgram, tensors_of
 from ..linear_attention.delta_rule import rule_flops
+from .delta_rule import inner_ops
 from .hardware import HardwareProfile
 
 aten = torch.ops.aten
@@ -224,7 +226,7 @@ def node_seconds(node: fx.Node, hw: HardwareProfile, dtype: torch.dtype) -> floa
 def _roofline(node: fx.Node, flops: float, nbytes: float, hw: HardwareProfile, dtype: torch.dtype) -> float:
     peak = hw.peak_flops(dtype) * hw.matmul_efficiency
     rate = peak * attention_share(node, hw) if flops and is_attention(node) else peak
-    return max(flops / rate, nbytes / (hw.device_bw * hw.memory_efficiency)) + hw.op_overhead_s
+    return max(flops / rate, nbytes / (hw.device_bw * hw.memory_efficiency)) + hw.op_overhead_s * inner_ops(node)
 
 
 def recomputed_region(backward: StageProgram, n_tangents: int) -> list[fx.Node]:

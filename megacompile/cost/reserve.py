@@ -9,7 +9,7 @@ The ledger counts every tensor an op returns. A GPU also holds memory no op retu
                  dk and dv for every query head too); sliding-window attention where its
                  kernels do not run (float32: megacompile/attention/window.py's reference holds
                  the heads in float32 and a chunk's scores); the gated delta rule's backward
-                 operator, which runs the rule again under autograd (delta_rule_scratch); a host->device
+                 operator, which runs the rule again under autograd (cost/delta_rule.py); a host->device
                  copy that casts and lands in a non-contiguous slot stages a converted copy. Only
                  one op runs at a time on the compute stream, so the largest one is reserved;
   fragmentation  the caching allocator rounds blocks (to 512 B, 2 MiB segments) and cannot always
@@ -29,18 +29,14 @@ allocates, and reserves nothing.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..attention.reference import reference_scratch_bytes
 from ..capture import CapturedModel
 from ..ir.stage_ops import copied_result_bytes
-from ..ir.stage_program import StageProgram
-from ..linear_attention.delta_rule import rule_gradients
+from .delta_rule import backward_scratch as delta_rule_scratch
 from .hardware import HardwareProfile
 
 # Attention backward ops with an fp32 accumulator the size of the query (float32 dq, [B, H, S, D])
@@ -152,29 +148,6 @@ def window_scratch(node) -> int:
     q, k = (_val(a) for a in (node.args[1:3] if backward else node.args[0:2]))
     window = node.args[7] if backward else node.args[4]
     return reference_scratch_bytes(q, k, window, backward)
-
-
-def delta_rule_scratch(node) -> int:
-    """Bytes the gated delta rule's backward operator holds inside itself (megacompile/
-    linear_attention/delta_rule.py): the rule run again under autograd, what it keeps for its
-    backward and the gradients' temporaries, measured as the transient peak of that computation
-    traced at the operator's shapes and layouts."""
-    if node.op != "call_function" or "megacompile.chunk_gated_delta_rule_backward" not in str(node.target):
-        return 0
-    tensors = [_val(a) for a in node.args[:6]]
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return 0
-    layouts = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type) for t in tensors)
-    return _rule_backward_scratch(layouts, node.args[6], node.args[7])
-
-
-@functools.lru_cache(maxsize=64)
-def _rule_backward_scratch(layouts: tuple, reference: str, use_qk_l2norm: bool) -> int:
-    with FakeTensorMode():
-        tensors = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                   for shape, stride, dtype, device in layouts]
-    graph = make_fx(lambda *xs: list(rule_gradients(*xs, reference, use_qk_l2norm)), tracing_mode="fake")(*tensors)
-    return StageProgram(graph).simulate().transient_peak
 
 
 def _val(arg):

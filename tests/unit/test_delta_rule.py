@@ -109,7 +109,7 @@ def test_the_backward_operators_scratch_holds_at_least_what_the_rule_saves_for_i
     under autograd holds every tensor it saves for its backward at once, and then its gradients."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from megacompile.cost.reserve import delta_rule_scratch
+    from megacompile.cost.delta_rule import backward_scratch as delta_rule_scratch
     xs = [x.requires_grad_() for x in inputs()]
     saved = {}
 
@@ -129,6 +129,29 @@ def test_the_backward_operators_scratch_holds_at_least_what_the_rule_saves_for_i
     node = next(n for n in graph.graph.nodes if "chunk_gated_delta_rule_backward" in str(n.target))
     scratch = delta_rule_scratch(node)
     assert kept > 0 and kept <= scratch <= 4 * kept + inputs_bytes
+
+
+def test_each_operator_pays_the_per_op_overhead_of_every_op_the_rule_runs_inside_it():
+    """The fallback launches its ops one by one (2 chunks of 64 here): the plan counts them, the
+    forward's as eager's own trace of the rule has them, and the backward's as more than twice as many."""
+    from megacompile.cost.delta_rule import inner_ops
+    import transformers.models.qwen3_next.modeling_qwen3_next as module
+    model = torch.nn.Module()
+    model.net = type("Qwen3NextGatedDeltaNet", (torch.nn.Module,), {"__module__": QWEN3_NEXT})()
+    with delta_rule_as_op(model):
+        graph = _traced(lambda *a: module.torch_chunk_gated_delta_rule(*a[:3], g=a[3], beta=a[4],
+                                                                       use_qk_l2norm_in_kernel=True)[0], inputs())
+    forward, backward = (next(n for n in graph.graph.nodes if str(n.target) == f"megacompile.{op}.default")
+                         for op in ("chunk_gated_delta_rule", "chunk_gated_delta_rule_backward"))
+    with torch.no_grad():
+        eager_ops = make_fx(eager, tracing_mode="fake")(*inputs())
+    assert inner_ops(forward) == sum(n.op == "call_function" for n in eager_ops.graph.nodes) > 20
+    assert inner_ops(backward) > 2 * inner_ops(forward)
+    assert inner_ops(next(n for n in graph.graph.nodes if n.op == "call_function" and "getitem" in str(n.target))) == 1
+    from megacompile.cost.estimate import node_seconds
+    from megacompile.cost.hardware import PROFILES
+    h100 = PROFILES["h100"]
+    assert node_seconds(forward, h100, torch.float32) >= h100.op_overhead_s * inner_ops(forward) > 0
 
 
 def test_a_rule_that_cannot_run_on_meta_tensors_gets_dense_fake_results():
