@@ -188,10 +188,10 @@ def qwen3_vl(seed: int = 0, moe: bool = False, patch: int = 4, layers: int = 3):
     return getattr(transformers, f"{name}ForConditionalGeneration")(config)
 
 
-def qwen3_5_vl(seed: int = 0, moe: bool = False):
+def qwen3_5_vl(seed: int = 0, moe: bool = False, patch: int = 4):
     """Qwen3.5: Qwen3-VL's tower (without deepstack) and inputs before a hybrid decoder, three gated
     delta-net layers to one full-attention layer; `moe`: Qwen3.5-MoE's decoder (4 experts, 2 a
-    token, and a shared expert)."""
+    token, and a shared expert); `patch`: the tower's patch size in pixels (the released models': 16)."""
     import transformers
     torch.manual_seed(seed)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -201,7 +201,7 @@ def qwen3_5_vl(seed: int = 0, moe: bool = False):
                                  "mrope_interleaved": True, "partial_rotary_factor": 0.5})
     if moe:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16)
     name = "Qwen3_5Moe" if moe else "Qwen3_5"
     config = getattr(transformers, f"{name}Config")(

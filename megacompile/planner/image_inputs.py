@@ -15,7 +15,7 @@ family's processor decides both, and the batch built here follows it:
   to one tile when it splits (the image processor's own `get_number_of_image_patches`);
   pixel_values are [rows, tiles per row, 3, T, T] and each tile fills
   (T / patch)^2 / scale_factor^2 image tokens.
-- Qwen2.5-VL and Qwen3-VL: the processor keeps an image's shape, resized to multiples of patch x merge pixels
+- Qwen2.5-VL, Qwen3-VL and Qwen3.5: the processor keeps an image's shape, resized to multiples of patch x merge pixels
   within its pixel budget (the image processor's own resizing, run on a blank image of that
   size), and flattens it into patches: pixel_values are [patches of every image, C x T x P x P],
   image_grid_thw each image's (frames, rows, columns) of patches, and each image fills
@@ -39,9 +39,9 @@ from ..errors import ArgumentError
 # model_type -> how its processor lays images out: one tower-sized image per image, or tiles
 # padded per row.
 FAMILIES = {"llava": "resized", "gemma3": "resized", "idefics3": "tiled", "smolvlm": "tiled", "qwen2_5_vl": "grid",
-            "qwen3_vl": "grid", "qwen3_vl_moe": "grid"}
-NAMES = ("LLaVA (llava), Gemma 3 (gemma3), Idefics3 (idefics3), SmolVLM (smolvlm), Qwen2.5-VL (qwen2_5_vl) and "
-         "Qwen3-VL (qwen3_vl, qwen3_vl_moe)")
+            "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid"}
+NAMES = ("LLaVA (llava), Gemma 3 (gemma3), Idefics3 (idefics3), SmolVLM (smolvlm), Qwen2.5-VL (qwen2_5_vl), "
+         "Qwen3-VL (qwen3_vl, qwen3_vl_moe) and Qwen3.5 (qwen3_5, qwen3_5_moe)")
 
 
 @dataclass(frozen=True)

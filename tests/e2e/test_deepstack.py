@@ -17,7 +17,8 @@ from megacompile.capture.rope_positions import with_rope_positions
 from tests.e2e.harness import clone
 from tests.e2e.test_vlm import assert_parity
 from tests.e2e.test_vlm_planning import CPU, measured_peak
-from tests.vlm_families import END_OF_IMAGE, IMAGE_TOKEN, SEQ, VIDEO_TOKEN, VISION_START, qwen3_vl, qwen_batch
+from tests.vlm_families import (END_OF_IMAGE, IMAGE_TOKEN, SEQ, VIDEO_TOKEN, VISION_START, qwen3_5_vl, qwen3_vl,
+                                qwen_batch)
 
 MIXED = (0, 1, 2)
 
@@ -86,6 +87,24 @@ def test_qwen3_vl_plans_its_images_from_a_config_and_measures_the_planned_peak()
                             image_size=64, **CPU)
     assert plan.vision.images.family == "qwen3_vl" and plan.vision.images.tokens_per_image == tokens
     assert plan.captured.grids[0].values == ((1, side, side),) * rows
+    assert measured_peak(clone(model), batch, 1.0) == plan.predicted_peak_bytes
+    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
+    assert engine.step(**batch) == pytest.approx(model(**batch).loss.item(), rel=1e-5, abs=0)
+
+
+def test_qwen3_5_plans_its_images_from_a_config_and_measures_the_planned_peak():
+    """Qwen3.5: Qwen3-VL's tower without deepstack and its inputs, before the hybrid decoder."""
+    model = qwen3_5_vl(patch=16)
+    rows, side, tokens = 2, 4, 4
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VIDEO_TOKEN, (rows, SEQ), generator=g)
+    ids[:, 5], ids[:, 6:6 + tokens], ids[:, 6 + tokens] = VISION_START, IMAGE_TOKEN, END_OF_IMAGE
+    batch = {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100),
+             "pixel_values": torch.randn(rows * side * side, 3 * 2 * 16 * 16, generator=g),
+             "mm_token_type_ids": (ids == IMAGE_TOKEN).int(), "image_grid_thw": torch.tensor([[1, side, side]] * rows)}
+    plan = megacompile.plan(model.config.to_dict(), hbm_budget=1.0, batch=rows, seq=SEQ, images_per_row=1,
+                            image_size=64, **CPU)
+    assert plan.vision.images.family == "qwen3_5" and plan.vision.images.tokens_per_image == tokens
     assert measured_peak(clone(model), batch, 1.0) == plan.predicted_peak_bytes
     engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
     assert engine.step(**batch) == pytest.approx(model(**batch).loss.item(), rel=1e-5, abs=0)
