@@ -1,21 +1,29 @@
 """The forms transformers 5.17 gives the vision-language methods capture reads or replaces, given to
 the tiny models of whatever transformers is installed: they train and run as eagerly.
 
-Each form below is 5.17's own lines: the Idefics3 / SmolVLM vision embeddings writing the patch
-positions by a boolean mask, and bucketing the coordinates in the pixels' dtype
-(capture/patch_positions.py). Installed as the classes' methods, eager runs them too, so eager and
-megacompile compute the same model.
+Each form below is 5.17's own lines (its cache arguments left out): the Idefics3 / SmolVLM vision
+embeddings writing the patch positions by a boolean mask, and bucketing the coordinates in the
+pixels' dtype (capture/patch_positions.py); Qwen3-VL's get_image_features handing on the deepstack
+features whole, and its forward reading them so, joining images' and videos' by boolean indexing,
+and taking no precomputed features (capture/deepstack.py, capture/grid_media.py). Installed as the
+classes' methods, eager runs them too, so eager and megacompile compute the same model.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from transformers.modeling_outputs import ModelOutput
+from transformers.utils import can_return_tuple
 
 import megacompile
 from megacompile.capture.patch_positions import placed as positions, static_positions
 from megacompile.errors import CaptureError
+from tests.e2e.harness import clone
 from tests.e2e.test_vlm import STEPS, assert_parity
-from tests.vlm_families import batch, idefics3
+from tests.e2e.test_vlm_videos import MIXED as MEDIA_ROWS, video_batch
+from tests.vlm_families import batch, idefics3, qwen3_vl, qwen_batch
 
 MIXED = (0, 1, 2)     # images per row
 
@@ -97,3 +105,122 @@ def test_patch_positions_placed_otherwise_are_refused(monkeypatch):
     with pytest.raises(CaptureError, match=r"Idefics3VisionEmbeddings \('model.vision_model.embeddings'\) places "
                                            r"its patches' positions otherwise than the forms megacompile traces"):
         engine.step(**batch("idefics3", images=MIXED))
+
+
+@can_return_tuple
+def qwen3_vl_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
+    """Qwen3VLModel.get_image_features of transformers 5.17: the deepstack features not split."""
+    pixel_values = pixel_values.type(self.visual.dtype)
+    vision_output = self.visual(pixel_values, grid_thw=image_grid_thw, return_dict=True, **kwargs)
+    image_embeds = vision_output.pooler_output
+    split_sizes = (image_grid_thw.prod(-1) // self.visual.spatial_merge_size**2).tolist()
+    image_embeds = torch.split(image_embeds, split_sizes)
+    vision_output.pooler_output = image_embeds
+    return vision_output
+
+
+@dataclasses.dataclass
+class ModelOutputs(ModelOutput):
+    """What the lm-head wrapper of either release reads of its model's output."""
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: object = None
+    cache: object = None
+    hidden_states: object = None
+    attentions: object = None
+    image_outputs: object = None
+    video_outputs: object = None
+    rope_deltas: torch.Tensor | None = None
+
+
+def qwen3_vl_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                     pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
+                     mm_token_type_ids=None, **kwargs):
+    """Qwen3VLModel.forward of transformers 5.17: no precomputed features; deepstack features read
+    as get_image_features gives them."""
+    kwargs.pop("mm_encoder_outputs", None)    # None: what a later release's lm-head wrapper passes on
+    if inputs_embeds is None:
+        inputs_embeds = self.get_input_embeddings()(input_ids)
+    image_mask = None
+    video_mask = None
+    if pixel_values is not None:
+        image_outputs = self.get_image_features(pixel_values, image_grid_thw, return_dict=True, **kwargs)
+        image_embeds = image_outputs.pooler_output
+        deepstack_image_embeds = image_outputs.deepstack_features
+        image_embeds = torch.cat(image_embeds, dim=0).to(inputs_embeds.device, inputs_embeds.dtype)
+        image_mask, _ = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds, image_features=image_embeds)
+        inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
+    if pixel_values_videos is not None:
+        video_outputs = self.get_video_features(pixel_values_videos, video_grid_thw, return_dict=True, **kwargs)
+        video_embeds = video_outputs.pooler_output
+        deepstack_video_embeds = video_outputs.deepstack_features
+        video_embeds = torch.cat(video_embeds, dim=0).to(inputs_embeds.device, inputs_embeds.dtype)
+        _, video_mask = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds, video_features=video_embeds)
+        inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_embeds)
+    visual_pos_masks = None
+    deepstack_visual_embeds = None
+    if image_mask is not None and video_mask is not None:
+        image_mask = image_mask[..., 0]
+        video_mask = video_mask[..., 0]
+        visual_pos_masks = image_mask | video_mask
+        deepstack_visual_embeds = []
+        image_mask_joint = image_mask[visual_pos_masks]
+        video_mask_joint = video_mask[visual_pos_masks]
+        for img_embed, vid_embed in zip(deepstack_image_embeds, deepstack_video_embeds):
+            embed_joint = img_embed.new_zeros(visual_pos_masks.sum(), img_embed.shape[-1]).to(img_embed.device)
+            embed_joint[image_mask_joint, :] = img_embed
+            embed_joint[video_mask_joint, :] = vid_embed
+            deepstack_visual_embeds.append(embed_joint)
+    elif image_mask is not None:
+        image_mask = image_mask[..., 0]
+        visual_pos_masks = image_mask
+        deepstack_visual_embeds = deepstack_image_embeds
+    elif video_mask is not None:
+        video_mask = video_mask[..., 0]
+        visual_pos_masks = video_mask
+        deepstack_visual_embeds = deepstack_video_embeds
+    if position_ids is None:
+        position_ids = self.compute_3d_position_ids(input_ids=input_ids, image_grid_thw=image_grid_thw,
+                                                    video_grid_thw=video_grid_thw, inputs_embeds=inputs_embeds,
+                                                    attention_mask=attention_mask, mm_token_type_ids=mm_token_type_ids)
+    outputs = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
+                                  inputs_embeds=inputs_embeds, visual_pos_masks=visual_pos_masks,
+                                  deepstack_visual_embeds=deepstack_visual_embeds, **kwargs)
+    return ModelOutputs(last_hidden_state=outputs.last_hidden_state)
+
+
+@pytest.fixture
+def qwen3_vl_517(monkeypatch):
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+    monkeypatch.setattr(Qwen3VLModel, "get_image_features", qwen3_vl_image_features)
+    monkeypatch.setattr(Qwen3VLModel, "forward", qwen3_vl_forward)
+
+
+def test_deepstack_features_handed_on_whole_train_as_eagerly(qwen3_vl_517):
+    assert_parity(qwen3_vl(), [qwen_batch(seed=i, images=MIXED) for i in range(STEPS)], weights=2.0,
+                  then_smallest=False)
+
+
+def test_images_and_videos_through_a_forward_without_precomputed_features_give_eagers_logits(qwen3_vl_517):
+    """The tower runs once over the images and videos, and the forward, which takes no precomputed
+    features, asks for them: the logits are eager's, whose forward joins the deepstack features by
+    boolean indexing."""
+    m, b = qwen3_vl(), video_batch("qwen3_vl", MEDIA_ROWS["qwen3_vl"])
+    inference = {k: v for k, v in b.items() if k != "labels"}
+    with torch.no_grad():
+        expected = m(**inference).logits
+    engine = megacompile.compile(clone(m), hbm_budget=1.0, device="cpu")
+    assert (engine(**inference).logits - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_deepstack_features_handed_on_otherwise_are_refused(monkeypatch):
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    @can_return_tuple
+    def reads_its_config(self, pixel_values, image_grid_thw=None, **kwargs):
+        assert self.config.vision_config.deepstack_visual_indexes
+        return qwen3_vl_image_features(self, pixel_values, image_grid_thw, **kwargs)
+    monkeypatch.setattr(Qwen3VLModel, "get_image_features", reads_its_config)
+    engine = megacompile.compile(qwen3_vl(), hbm_budget=1.0, device="cpu")
+    with pytest.raises(CaptureError, match=r"Qwen3VLModel \('model'\)'s get_image_features hands on its deepstack "
+                                           r"features otherwise than"):
+        engine.step(**qwen_batch(images=MIXED))
