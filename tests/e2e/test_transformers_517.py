@@ -5,8 +5,9 @@ Each form below is 5.17's own lines (its cache arguments left out): the Idefics3
 embeddings writing the patch positions by a boolean mask, and bucketing the coordinates in the
 pixels' dtype (capture/patch_positions.py); Qwen3-VL's get_image_features handing on the deepstack
 features whole, and its forward reading them so, joining images' and videos' by boolean indexing,
-and taking no precomputed features (capture/deepstack.py, capture/grid_media.py). Installed as the
-classes' methods, eager runs them too, so eager and megacompile compute the same model.
+and taking no precomputed features (capture/deepstack.py, capture/grid_media.py); Qwen2.5-VL's
+output carrying the step's rope deltas (capture/rope_positions.py). Installed as the classes'
+methods, eager runs them too, so eager and megacompile compute the same model.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from megacompile.errors import CaptureError
 from tests.e2e.harness import clone
 from tests.e2e.test_vlm import STEPS, assert_parity
 from tests.e2e.test_vlm_videos import MIXED as MEDIA_ROWS, video_batch
-from tests.vlm_families import batch, idefics3, qwen3_vl, qwen_batch
+from tests.vlm_families import batch, idefics3, qwen2_5_vl, qwen3_vl, qwen_batch
 
 MIXED = (0, 1, 2)     # images per row
 
@@ -224,3 +225,37 @@ def test_deepstack_features_handed_on_otherwise_are_refused(monkeypatch):
     with pytest.raises(CaptureError, match=r"Qwen3VLModel \('model'\)'s get_image_features hands on its deepstack "
                                            r"features otherwise than"):
         engine.step(**qwen_batch(images=MIXED))
+
+
+@dataclasses.dataclass
+class WithRopeDeltas(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    rope_deltas: torch.Tensor | None = None
+
+
+def test_the_rope_deltas_an_output_returns_are_the_steps(monkeypatch):
+    """transformers 5.17's Qwen2.5-VL returns the rope deltas its model holds, which the step's 3D
+    positions set: each forward's output holds its own step's, not the captured step's (two
+    batches of the same shapes and grids, their images in other rows: one capture)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    original = Qwen2_5_VLForConditionalGeneration.forward
+
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if "rope_deltas" in out:    # the installed release returns them itself
+            return out
+        return WithRopeDeltas(loss=out.loss, logits=out.logits, rope_deltas=self.model.rope_deltas)
+    monkeypatch.setattr(Qwen2_5_VLForConditionalGeneration, "forward", forward)
+    m = qwen2_5_vl()
+    engine = megacompile.compile(clone(m), hbm_budget=1.0, device="cpu")
+    deltas = []
+    for images in ((1, 2, 0), (0, 1, 2)):
+        inference = {k: v for k, v in qwen_batch(images=images).items() if k != "labels"}
+        with torch.no_grad():
+            expected = m(**inference)
+        out = engine(**inference)
+        assert torch.equal(out.rope_deltas, expected.rope_deltas)
+        assert (out.logits - expected.logits).abs().max() <= 1e-5 * expected.logits.abs().max()
+        deltas.append(out.rope_deltas)
+    assert not torch.equal(*deltas)
