@@ -16,15 +16,23 @@ is folded into the block it follows (an `Attachment` of the block's call):
 Between the two, the bridge splits and joins the features per image as the model does. Their
 gradients come back the same way, around the blocks in between: one row of the decoder's width
 per image token, held on the device from the decoder block's backward to the tower block's.
+Whether the model's get_image_features hands its forward the deepstack features split per image
+(transformers 5.24, whose forward joins them again) or whole (5.17, whose forward reads them as
+they come) is read off the installed method (`splits_per_image`); the capture's own encoder
+hands them on the same way.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.func import functional_call
 
 from ..errors import CaptureError
@@ -73,6 +81,30 @@ class Attachment:
         mask, features = extra
         spread = mask[..., None].expand_as(out).to(out.device)
         return out + torch.zeros_like(out).masked_scatter(spread, features.to(out.device, out.dtype)), []
+
+
+class _TwoImages:
+    """Stands in for a Qwen3-VL vision tower: two images of one feature each, one deepstack merger."""
+    dtype = torch.float32
+    spatial_merge_size = 1
+
+    def __call__(self, pixel_values, grid_thw=None, **kwargs):
+        return types.SimpleNamespace(pooler_output=torch.zeros(2, 1), deepstack_features=[torch.zeros(2, 1)])
+
+
+@functools.lru_cache(maxsize=None)
+def splits_per_image(get_image_features: Callable) -> bool | None:
+    """Whether `get_image_features` (a Qwen3-VL model class's) returns the deepstack features split
+    per image, as it returns the pooled ones (True), or each merger's as one tensor (False): found
+    by running it on a stand-in tower; None where it cannot run there."""
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        try:
+            out = get_image_features(types.SimpleNamespace(visual=_TwoImages()), torch.zeros(2, 1),
+                                     torch.ones(2, 3, dtype=torch.long), return_dict=True)
+            features = out.deepstack_features[0]
+        except Exception:  # noqa: BLE001 - a method that reads more of its model is not one known
+            return None
+    return not isinstance(features, torch.Tensor)
 
 
 def _deepstack_modules(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:

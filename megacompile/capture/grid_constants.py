@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from ..errors import CaptureError, InputMismatchError
+from .deepstack import splits_per_image
 
 # The model classes whose vision tower reads its grid's values; the names of those inputs.
 _FAMILIES = {("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel"),
@@ -131,7 +132,7 @@ class GridTower:
         splits by them; Qwen2.5-VL's windows lie within them), so one run over images and videos
         gives what one run over each gives, and the tower's layers, streamed blocks, run once a step. Returns
         one output per part, as the model's get_<media>_features gives it: the pooled features split
-        per image or video (Qwen3-VL's deepstack features likewise)."""
+        per image or video (Qwen3-VL's deepstack features likewise, or whole, as the model's own do)."""
         from transformers.utils.generic import is_flash_attention_requested
         visual = self.module.visual
         if is_flash_attention_requested(visual.config):
@@ -156,7 +157,8 @@ class GridTower:
         return self._per_part(out, grids)
 
     def _per_part(self, out, grids: list[tuple[tuple[int, ...], ...]]) -> list:
-        """The tower's output split per part, and within a part per image or video."""
+        """The tower's output split per part, and within a part per image or video (the deepstack
+        features too, where the model's get_image_features splits them)."""
         merge = self.module.visual.spatial_merge_size ** 2
         items = [[t * h * w // merge for t, h, w in g] for g in grids]     # features of each image or video
         deepstack = getattr(out, "deepstack_features", None)                # Qwen3-VL's: [tokens, width] a merger
@@ -171,11 +173,23 @@ class GridTower:
             features = [sum(n) for n in items]
             pooled = torch.split(out.pooler_output, features)
             deep = [torch.split(f, features) for f in deepstack or []]
+        split = deepstack is not None and self._splits_deepstack()
         for k, (part, n) in enumerate(zip(parts, items)):
             part.pooler_output = torch.split(pooled[k], n)
             if deepstack is not None:
-                part.deepstack_features = [torch.split(d[k], n) for d in deep]
+                part.deepstack_features = [torch.split(d[k], n) if split else d[k] for d in deep]
         return parts
+
+    def _splits_deepstack(self) -> bool:
+        """Whether the model's own get_image_features splits the deepstack features per image
+        (deepstack.splits_per_image): its forward takes them as that method gives them."""
+        split = splits_per_image(type(self.module).get_image_features)
+        if split is None:
+            raise CaptureError(f"{self.label}'s get_image_features hands on its deepstack features otherwise than "
+                               "transformers 5.17's (one tensor a merger) or 5.24's (split per image), the forms "
+                               "megacompile gives its forward: train it with a transformers release whose "
+                               "get_image_features does as one of those does")
+        return split
 
     def _grid(self, media: str, grid_thw: torch.Tensor | None) -> tuple[tuple[int, ...], ...]:
         """The values of the grid input, recorded as a constant of the capture."""

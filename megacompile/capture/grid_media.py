@@ -13,11 +13,15 @@ tracing, `GridMedia` gives the model's module (image_tokens.static_image_merge i
 - forward, which hands a step with images and videos both to the model's own: eagerly the model
   runs its tower twice, once per kind, but the tower's layers are streamed blocks, each called once
   a step. So the tower runs once over both (`GridTower.encode`: each image and each frame is
-  encoded on its own either way) and the model takes the features as its precomputed
-  `mm_encoder_outputs`. Qwen3-VL then joins the two kinds' deepstack features in token order by
-  boolean indexing (`image_mask[image_mask | video_mask]`, a shape read from values). Instead, both
-  kinds' features are put in token order at static shapes (`in_token_order`) and the model takes
-  them as one kind over the tokens of both: the same values at the same tokens, deepstack's too.
+  encoded on its own either way) and the model's get_image_features and get_video_features, which
+  its forward calls, return what that run gave each kind (`encoded`). Qwen3-VL then joins the two
+  kinds' deepstack features in token order by boolean indexing (`image_mask[image_mask |
+  video_mask]`, a shape read from values). Instead, both kinds' features are put in token order at
+  static shapes (`in_token_order`) and the model is given them as one kind, images, over the
+  tokens of both (its videos' pixels withheld, so it asks for no video features): the same values
+  at the same tokens, deepstack's too. The forward's own inputs are all the model is given, so
+  this holds whether or not the model also takes precomputed features (`mm_encoder_outputs`,
+  which transformers 5.17 does not take).
 
 Without videos, the model runs as before; without images, its own video path traces as it is.
 """
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -59,14 +63,27 @@ class GridMedia:
 
     def __init__(self, name: str, module: nn.Module, tower: GridTower, placeholder_mask: PlaceholderMask):
         self.name, self.module, self.tower, self.placeholder_mask = name, module, tower, placeholder_mask
+        self.label = f"{type(module).__name__} ('{name}')"
+        # While a step with images and videos runs: what the one tower run gave each kind, handed
+        # to the model when it asks for that kind's features.
+        self.encoded: dict[str, Any] = {}
         # While a Qwen3-VL step with images and videos runs: each kind's features, concatenated; the
         # model is given them as one kind, in token order.
         self.joined: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def methods(self) -> dict[str, Callable]:
         return {"get_placeholder_mask": self.get_placeholder_mask, "forward": self.forward,
-                "get_image_features": self.tower.features("image"),
-                "get_video_features": self.tower.features("video")}
+                "get_image_features": self._features("image"), "get_video_features": self._features("video")}
+
+    def _features(self, media: str) -> Callable:
+        """get_<media>_features: the tower run's output for that kind, where one is waiting."""
+        encode = self.tower.features(media)
+
+        def get_features(*args, **kwargs):
+            if media in self.encoded:
+                return self.encoded.pop(media)
+            return encode(*args, **kwargs)
+        return get_features
 
     def get_placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
         if self.joined is not None:     # the features of both kinds, in token order: the mask of both
@@ -91,28 +108,46 @@ class GridMedia:
         images, videos = self.tower.encode([("image", kwargs["pixel_values"], kwargs.get("image_grid_thw")),
                                             ("video", kwargs["pixel_values_videos"], kwargs.get("video_grid_thw"))],
                                            {**extra, "return_dict": True})
-        rest = dict(kwargs, pixel_values=None, pixel_values_videos=None)
         if getattr(images, "deepstack_features", None) is None:   # Qwen2.5-VL merges both kinds at static shapes
-            return model.forward(self.module, **dict(rest, mm_encoder_outputs={"image": images, "video": videos}))
-        with self._joined(images, videos, kwargs.get("input_ids")) as both:
-            return model.forward(self.module, **dict(rest, mm_encoder_outputs={"image": both}))
+            with self._waiting({"image": images, "video": videos}):
+                return model.forward(self.module, **kwargs)
+        with self._joined(images, videos, kwargs.get("input_ids")) as both, self._waiting({"image": both}):
+            return model.forward(self.module, **dict(kwargs, pixel_values_videos=None))
+
+    @contextlib.contextmanager
+    def _waiting(self, encoded: dict[str, Any]):
+        """The outputs of the one tower run, handed to the model's forward when it asks for them;
+        one it does not ask for would leave its media unplaced."""
+        self.encoded = dict(encoded)
+        try:
+            yield
+            if self.encoded:
+                raise CaptureError(f"{self.label}'s forward did not ask for its {' and '.join(self.encoded)} "
+                                   "features through get_image_features and get_video_features, where megacompile "
+                                   "hands it what its one vision tower run gave each kind")
+        finally:
+            self.encoded = {}
 
     @contextlib.contextmanager
     def _joined(self, images, videos, input_ids):
-        """Qwen3-VL's outputs of both kinds as one, features in token order; get_placeholder_mask
-        gives the mask of both kinds' tokens meanwhile."""
+        """Qwen3-VL's outputs of both kinds as one, features in token order (the deepstack ones
+        split or whole, as the tower's part outputs hold them); get_placeholder_mask gives the mask
+        of both kinds' tokens meanwhile."""
         if input_ids is None:
-            raise CaptureError(f"{type(self.module).__name__} ('{self.name}') was given inputs_embeds with images "
-                               "and videos: megacompile places their features by the image and video tokens of "
-                               "input_ids; pass input_ids")
+            raise CaptureError(f"{self.label} was given inputs_embeds with images and videos: megacompile places "
+                               "their features by the image and video tokens of input_ids; pass input_ids")
         config = self.module.config
         image_mask, video_mask = input_ids == config.image_token_id, input_ids == config.video_token_id
 
-        def ordered(image_parts, video_parts):
-            return (in_token_order(image_mask, video_mask, torch.cat(image_parts), torch.cat(video_parts)),)
+        def whole(features) -> torch.Tensor:
+            return features if isinstance(features, torch.Tensor) else torch.cat(features)
+
+        def ordered(image_features, video_features) -> torch.Tensor:
+            return in_token_order(image_mask, video_mask, whole(image_features), whole(video_features))
         both = type(images)(**images)
-        both.pooler_output = ordered(images.pooler_output, videos.pooler_output)
-        both.deepstack_features = [ordered(i, v) for i, v in zip(images.deepstack_features, videos.deepstack_features)]
+        both.pooler_output = (ordered(images.pooler_output, videos.pooler_output),)
+        both.deepstack_features = [ordered(i, v) if isinstance(i, torch.Tensor) else (ordered(i, v),)
+                                   for i, v in zip(images.deepstack_features, videos.deepstack_features)]
         self.joined = (torch.cat(images.pooler_output), torch.cat(videos.pooler_output))
         try:
             yield both

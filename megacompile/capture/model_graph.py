@@ -9,6 +9,7 @@ from torch.utils import _pytree as pytree
 
 from .grid_constants import GridConstants
 from .image_tokens import ImageTokens
+from .rope_positions import HeldRopeDeltas
 from .stage import StageTemplate, TensorMeta
 
 
@@ -103,7 +104,8 @@ class CapturedModel:
 
     def rebuild_output(self, tensors: list[torch.Tensor]) -> Any:
         it = iter(tensors)
-        leaves = [next(it) if is_t else c for is_t, c in zip(self.out_is_tensor, self.out_constants)]
+        leaves = [next(it) if is_t else c.value() if isinstance(c, HeldRopeDeltas) else c
+                  for is_t, c in zip(self.out_is_tensor, self.out_constants)]
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 

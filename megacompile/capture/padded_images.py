@@ -14,7 +14,8 @@ zero gradient, and the real ones match eager's (each image is encoded on its own
 How many features a step's pixel_values give is still a value (its real images times the tokens
 per image), so the capture records where the pixels are and the tokens per image
 (`PaddedImages`), and the engine counts both before each step (image_tokens.ImageTokens).
-SmolVLM keeps one all-zero image when a batch has none; so does the count.
+SmolVLM keeps one all-zero image when a batch has none; so does the count. The tower's embeddings
+place each patch's position at static shapes too (patch_positions.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CaptureError
+from .patch_positions import static_positions
 
 # The module classes whose get_image_features drop padding images, and whether they keep one
 # (all-zero) image when a batch has none.
@@ -83,7 +85,8 @@ def static_image_features(name: str, module: nn.Module, inputs, found: dict[str,
         patches = pixel_mask.unfold(1, patch, patch).unfold(2, patch, patch)
         patch_mask = (patches.sum(dim=(-1, -2)) > 0).bool()
         kwargs = {**kwargs, "return_dict": True}
-        out = module.vision_model(pixel_values=images, patch_attention_mask=patch_mask, **kwargs)
+        with static_positions(module.vision_model.embeddings, f"{name}.vision_model.embeddings".lstrip(".")):
+            out = module.vision_model(pixel_values=images, patch_attention_mask=patch_mask, **kwargs)
         features = module.connector(out.last_hidden_state)
         found[name] = PaddedImages(index, features.shape[1], keeps_one)
         out.pooler_output = features[order].reshape(-1, features.shape[-1])

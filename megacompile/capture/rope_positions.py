@@ -12,10 +12,17 @@ eagerly on the step's tensors before the step (on the host, before the budgeted 
 anything) and passes its result as position_ids, an ordinary input of the captured graph;
 second_per_grid_ts, read there only, is an input the graph leaves unread. What the model does with
 position_ids (the rotary sections per axis) is traced as it is.
+
+`compute_3d_position_ids` also keeps the step's rope deltas (how far each row's positions end from
+its length) on the module, `rope_deltas`, and some transformers releases (5.17) return them in
+the forward's output too, as the module holds them. In the traced forward they are a tensor the
+module holds, not one the graph computes: the captured output holds `HeldRopeDeltas` there, read
+from the module when a step's output is built, after with_rope_positions has set the step's.
 """
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -26,6 +33,23 @@ from .grid_constants import keys_grids
 
 def _positions_module(model: nn.Module) -> tuple[str, nn.Module] | None:
     return next(((n, m) for n, m in model.named_modules() if keys_grids(m)), None)
+
+
+@dataclass(frozen=True, eq=False)
+class HeldRopeDeltas:
+    """A leaf of a captured output: the rope deltas `module` holds when the step's output is built."""
+    module: nn.Module
+
+    def value(self) -> torch.Tensor | None:
+        return self.module.rope_deltas
+
+
+def held_rope_deltas(model: nn.Module) -> dict[int, HeldRopeDeltas]:
+    """While tracing `model`: the rope deltas its positions module holds (by the tensor's id), which
+    an output that returns them returns as they are held."""
+    found = _positions_module(model)
+    deltas = getattr(found[1], "rope_deltas", None) if found is not None else None
+    return {} if not isinstance(deltas, torch.Tensor) else {id(deltas): HeldRopeDeltas(found[1])}
 
 
 def with_rope_positions(model: nn.Module, args: tuple, kwargs: dict) -> dict:

@@ -21,6 +21,7 @@ from .fingerprint import record
 from .image_tokens import traced_inputs
 from .leaf import BlockCall, clear_out_meta, set_out_meta
 from .loss import LossFn, extract_loss
+from .rope_positions import held_rope_deltas
 from .side_outputs import active_keys, hand_back, recording
 from .state_writes import refuse_state_writes
 
@@ -196,9 +197,10 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
         if train:
             return [extract_loss(output, loss_fn, a, kw)]
         out_leaves, out_info["spec"] = pytree.tree_flatten(output)
-        out_info["is_tensor"] = [isinstance(x, torch.Tensor) for x in out_leaves]
-        out_info["constants"] = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
-        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        held = held_rope_deltas(model)      # returned as the model holds them, not computed by the graph
+        out_info["is_tensor"] = [isinstance(x, torch.Tensor) and id(x) not in held for x in out_leaves]
+        out_info["constants"] = [held.get(id(x)) if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        return [x for x, is_tensor in zip(out_leaves, out_info["is_tensor"]) if is_tensor]
 
     try:
         try:

@@ -45,11 +45,13 @@ def test_each_merger_runs_in_its_tower_block_and_each_feature_is_added_in_its_de
     assert stages["block.0"].template is stages["block.1"].template
     assert stages["block.2"].template is stages["block.3"].template is not stages["block.4"].template
     assert "the work folded into it" in captured.template_notes["block.4"]
-    # decoder blocks 0 and 1 read the image-token mask and their features from the bridge
+    # decoder blocks 0 and 1 read the image-token mask from the bridge, and their features from it
+    # (split per image and joined there, transformers 5.24) or from the tower block whose merger
+    # made them (handed on whole, 5.17)
     bridge = list(stages).index("bridge")
-    for b in ("block.2", "block.3"):
+    for k, b in enumerate(("block.2", "block.3")):
         extra = stages[b].inputs[-2:]
-        assert [p.stage for p in extra] == [bridge, bridge]
+        assert extra[0].stage == bridge and extra[1].stage in (bridge, list(stages).index(f"block.{k}"))
         assert [stages[b].template.acts[-k].requires_grad for k in (2, 1)] == [False, True]
     assert len(stages["block.4"].inputs) == len(stages["block.2"].inputs) - 2
 
