@@ -37,26 +37,26 @@ def placed(emb, pixel_values: torch.Tensor, patch_attention_mask: torch.Tensor, 
     """The embeddings' forward with the positions written by `torch.where`: pixel_values [images,
     3, H, W], patch_attention_mask [images, H / patch, W / patch] -> [images, patches, width].
     `cast`: bucket the fractional coordinates in the pixels' dtype (else in float32)."""
-    batch_size, _, max_im_h, max_im_w = pixel_values.shape
-    embeddings = emb.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+    images, _, height, width = pixel_values.shape
+    device = pixel_values.device
+    features = emb.patch_embedding(pixel_values).flatten(2).transpose(1, 2)      # [images, patches, width]
     side = emb.num_patches_per_side
-    boundaries = torch.arange(1 / side, 1.0, 1 / side, device=pixel_values.device)
-    position_ids = torch.full(size=(batch_size, (max_im_h // emb.patch_size) * (max_im_w // emb.patch_size)),
-                              fill_value=0, device=pixel_values.device)
-    nb_patches_h = patch_attention_mask[:, :, 0].sum(dim=1)     # [images]: real patch rows
-    nb_patches_w = patch_attention_mask[:, 0, :].sum(dim=1)     # [images]: real patch columns
-    step_h, step_w = 1.0 / nb_patches_h, 1.0 / nb_patches_w
-    h_indices = torch.arange(patch_attention_mask.size(1), device=position_ids.device, dtype=torch.float32)
-    w_indices = torch.arange(patch_attention_mask.size(2), device=position_ids.device, dtype=torch.float32)
-    coords_h = torch.clamp(h_indices[None, :] * step_h[:, None], max=(1.0 - 1e-6))
-    coords_w = torch.clamp(w_indices[None, :] * step_w[:, None], max=(1.0 - 1e-6))
-    if cast:
-        coords_h, coords_w = coords_h.to(pixel_values.dtype), coords_w.to(pixel_values.dtype)
-    bucket_h = torch.bucketize(coords_h, boundaries, right=True)
-    bucket_w = torch.bucketize(coords_w, boundaries, right=True)
-    pos_ids = (bucket_h[:, :, None] * side + bucket_w[:, None, :]).reshape(batch_size, -1)
-    position_ids = torch.where(patch_attention_mask.view(batch_size, -1), pos_ids, position_ids)
-    return embeddings + emb.position_embedding(position_ids)
+    edges = torch.arange(1 / side, 1.0, 1 / side, device=device)                # the grid's bucket edges
+    rows = patch_attention_mask[:, :, 0].sum(dim=1)                              # [images]: real patch rows
+    cols = patch_attention_mask[:, 0, :].sum(dim=1)                              # [images]: real patch columns
+
+    def fractions(count: int, real: torch.Tensor) -> torch.Tensor:
+        """[images, count]: each patch index over the image's real extent, below 1."""
+        at = torch.arange(count, device=device, dtype=torch.float32)[None, :] * (1.0 / real)[:, None]
+        at = torch.clamp(at, max=(1.0 - 1e-6))
+        return at.to(pixel_values.dtype) if cast else at
+    row_bucket = torch.bucketize(fractions(patch_attention_mask.size(1), rows), edges, right=True)
+    col_bucket = torch.bucketize(fractions(patch_attention_mask.size(2), cols), edges, right=True)
+    grid = (row_bucket[:, :, None] * side + col_bucket[:, None, :]).reshape(images, -1)
+    padding = torch.zeros(images, (height // emb.patch_size) * (width // emb.patch_size), dtype=grid.dtype,
+                          device=device)
+    positions = torch.where(patch_attention_mask.view(images, -1), grid, padding)
+    return features + emb.position_embedding(positions)
 
 
 class _StandIn:
