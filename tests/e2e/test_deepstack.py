@@ -75,41 +75,35 @@ def test_qwen3_vl_moe_trains_with_images_as_eagerly():
     assert_parity(qwen3_vl(moe=True), [qwen_batch(seed=i, images=MIXED) for i in range(3)], weights=2.0)
 
 
-def test_qwen3_vl_plans_its_images_from_a_config_and_measures_the_planned_peak():
-    """Qwen3-VL's 16-pixel patches: a 64 px image is 4 x 4 patches, 4 image tokens after the merge."""
-    model = qwen3_vl(patch=16)
+def plans_images_as_measured(model, family: str, seed: int):
+    """A config of `model` planned with one 64 px image a row (16-pixel patches: 4 x 4 patches, 4
+    image tokens after the merge): the family's inputs, the planned peak the one measured on a batch
+    of that layout, and a step of it eager's loss."""
     rows, side, tokens = 2, 4, 4
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, VIDEO_TOKEN, (rows, SEQ), generator=g)
-    ids[:, 3], ids[:, 4:4 + tokens], ids[:, 4 + tokens] = VISION_START, IMAGE_TOKEN, END_OF_IMAGE
+    start = 3 + 2 * seed          # the image somewhere else in each test
+    ids[:, start], ids[:, start + 1:start + 1 + tokens], ids[:, start + 1 + tokens] = VISION_START, IMAGE_TOKEN, \
+        END_OF_IMAGE
     batch = {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100),
              "pixel_values": torch.randn(rows * side * side, 3 * 2 * 16 * 16, generator=g),
              "mm_token_type_ids": (ids == IMAGE_TOKEN).int(), "image_grid_thw": torch.tensor([[1, side, side]] * rows)}
     plan = megacompile.plan(model.config.to_dict(), hbm_budget=1.0, batch=rows, seq=SEQ, images_per_row=1,
                             image_size=64, **CPU)
-    assert plan.vision.images.family == "qwen3_vl" and plan.vision.images.tokens_per_image == tokens
+    assert plan.vision.images.family == family and plan.vision.images.tokens_per_image == tokens
     assert plan.captured.grids[0].values == ((1, side, side),) * rows
     assert measured_peak(clone(model), batch, 1.0) == plan.predicted_peak_bytes
     engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
     assert engine.step(**batch) == pytest.approx(model(**batch).loss.item(), rel=1e-5, abs=0)
 
 
+def test_qwen3_vl_plans_its_images_from_a_config_and_measures_the_planned_peak():
+    plans_images_as_measured(qwen3_vl(patch=16), "qwen3_vl", seed=0)
+
+
 def test_qwen3_5_plans_its_images_from_a_config_and_measures_the_planned_peak():
     """Qwen3.5: Qwen3-VL's tower without deepstack and its inputs, before the hybrid decoder."""
-    model = qwen3_5_vl(patch=16)
-    rows, side, tokens = 2, 4, 4
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, VIDEO_TOKEN, (rows, SEQ), generator=g)
-    ids[:, 5], ids[:, 6:6 + tokens], ids[:, 6 + tokens] = VISION_START, IMAGE_TOKEN, END_OF_IMAGE
-    batch = {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100),
-             "pixel_values": torch.randn(rows * side * side, 3 * 2 * 16 * 16, generator=g),
-             "mm_token_type_ids": (ids == IMAGE_TOKEN).int(), "image_grid_thw": torch.tensor([[1, side, side]] * rows)}
-    plan = megacompile.plan(model.config.to_dict(), hbm_budget=1.0, batch=rows, seq=SEQ, images_per_row=1,
-                            image_size=64, **CPU)
-    assert plan.vision.images.family == "qwen3_5" and plan.vision.images.tokens_per_image == tokens
-    assert measured_peak(clone(model), batch, 1.0) == plan.predicted_peak_bytes
-    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
-    assert engine.step(**batch) == pytest.approx(model(**batch).loss.item(), rel=1e-5, abs=0)
+    plans_images_as_measured(qwen3_5_vl(patch=16), "qwen3_5", seed=1)
 
 
 def test_planning_logs_one_block_of_each_kind_of_folded_work(monkeypatch):

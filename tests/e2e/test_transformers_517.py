@@ -1,13 +1,14 @@
 """The forms transformers 5.17 gives the vision-language methods capture reads or replaces, given to
 the tiny models of whatever transformers is installed: they train and run as eagerly.
 
-Each form below is 5.17's own lines (its cache arguments left out): the Idefics3 / SmolVLM vision
-embeddings writing the patch positions by a boolean mask, and bucketing the coordinates in the
-pixels' dtype (capture/patch_positions.py); Qwen3-VL's get_image_features handing on the deepstack
-features whole, and its forward reading them so, joining images' and videos' by boolean indexing,
-and taking no precomputed features (capture/deepstack.py, capture/grid_media.py); Qwen2.5-VL's
-output carrying the step's rope deltas (capture/rope_positions.py). Installed as the classes'
-methods, eager runs them too, so eager and megacompile compute the same model.
+Each stand-in below computes what 5.17's method computes, in the way that matters to the capture:
+the Idefics3 / SmolVLM vision embeddings writing the patch positions through a boolean mask and
+bucketing the coordinates in the pixels' dtype (capture/patch_positions.py); Qwen3-VL's
+get_image_features handing on the deepstack features whole, and a forward reading them so, joining
+images' and videos' by boolean indexing, and taking no precomputed features (capture/deepstack.py,
+capture/grid_media.py); Qwen2.5-VL's output carrying the step's rope deltas
+(capture/rope_positions.py). Installed as the classes' methods, eager runs them too, so eager and
+megacompile compute the same model.
 """
 from __future__ import annotations
 
@@ -30,36 +31,23 @@ MIXED = (0, 1, 2)     # images per row
 
 
 def embeddings_forward(self, pixel_values, patch_attention_mask):
-    """Idefics3VisionEmbeddings.forward (and SmolVLM's) of transformers 5.17."""
-    batch_size, _, max_im_h, max_im_w = pixel_values.shape
-    patch_embeds = self.patch_embedding(pixel_values)
-    embeddings = patch_embeds.flatten(2).transpose(1, 2)
-    max_nb_patches_h, max_nb_patches_w = max_im_h // self.patch_size, max_im_w // self.patch_size
-    boundaries = torch.arange(1 / self.num_patches_per_side, 1.0, 1 / self.num_patches_per_side,
-                              device=pixel_values.device)
-    position_ids = torch.full(size=(batch_size, max_nb_patches_h * max_nb_patches_w), fill_value=0,
-                              device=pixel_values.device)
-    nb_patches_h = patch_attention_mask[:, :, 0].sum(dim=1)
-    nb_patches_w = patch_attention_mask[:, 0, :].sum(dim=1)
-    step_h = 1.0 / nb_patches_h
-    step_w = 1.0 / nb_patches_w
-    max_patches_h = patch_attention_mask.size(1)
-    max_patches_w = patch_attention_mask.size(2)
-    h_indices = torch.arange(max_patches_h, device=position_ids.device, dtype=torch.float32)
-    w_indices = torch.arange(max_patches_w, device=position_ids.device, dtype=torch.float32)
-    fractional_coords_h = h_indices[None, :] * step_h[:, None]
-    fractional_coords_w = w_indices[None, :] * step_w[:, None]
-    fractional_coords_h = torch.clamp(fractional_coords_h, max=(1.0 - 1e-6))
-    fractional_coords_w = torch.clamp(fractional_coords_w, max=(1.0 - 1e-6))
-    fractional_coords_h = fractional_coords_h.to(pixel_values.dtype)
-    fractional_coords_w = fractional_coords_w.to(pixel_values.dtype)
-    bucket_coords_h = torch.bucketize(fractional_coords_h, boundaries, right=True)
-    bucket_coords_w = torch.bucketize(fractional_coords_w, boundaries, right=True)
-    pos_ids = bucket_coords_h[:, :, None] * self.num_patches_per_side + bucket_coords_w[:, None, :]
-    pos_ids = pos_ids.reshape(batch_size, -1)
-    position_ids[patch_attention_mask.view(batch_size, -1)] = pos_ids[patch_attention_mask.view(batch_size, -1)]
-    embeddings = embeddings + self.position_embedding(position_ids)
-    return embeddings
+    """An Idefics3 / SmolVLM vision embeddings forward in 5.17's form: each real patch's grid
+    position written through a boolean mask (a gather whose length is read from the mask), its
+    fractional coordinates rounded to the pixels' dtype before they are bucketed."""
+    images = pixel_values.shape[0]
+    side = self.num_patches_per_side
+    edges = torch.arange(1 / side, 1.0, 1 / side, device=pixel_values.device)
+
+    def buckets(count: int, real: torch.Tensor) -> torch.Tensor:          # [images, count]
+        at = torch.arange(count, dtype=torch.float32, device=real.device)[None, :] * (1.0 / real)[:, None]
+        return torch.bucketize(torch.clamp(at, max=(1.0 - 1e-6)).to(pixel_values.dtype), edges, right=True)
+    rows = buckets(patch_attention_mask.size(1), patch_attention_mask[:, :, 0].sum(dim=1))
+    cols = buckets(patch_attention_mask.size(2), patch_attention_mask[:, 0, :].sum(dim=1))
+    grid = (rows[:, :, None] * side + cols[:, None, :]).reshape(images, -1)
+    real = patch_attention_mask.view(images, -1)
+    positions = torch.zeros_like(grid)
+    positions[real] = grid[real]
+    return self.patch_embedding(pixel_values).flatten(2).transpose(1, 2) + self.position_embedding(positions)
 
 
 def embeddings_class():
@@ -110,14 +98,12 @@ def test_patch_positions_placed_otherwise_are_refused(monkeypatch):
 
 @can_return_tuple
 def qwen3_vl_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
-    """Qwen3VLModel.get_image_features of transformers 5.17: the deepstack features not split."""
-    pixel_values = pixel_values.type(self.visual.dtype)
-    vision_output = self.visual(pixel_values, grid_thw=image_grid_thw, return_dict=True, **kwargs)
-    image_embeds = vision_output.pooler_output
-    split_sizes = (image_grid_thw.prod(-1) // self.visual.spatial_merge_size**2).tolist()
-    image_embeds = torch.split(image_embeds, split_sizes)
-    vision_output.pooler_output = image_embeds
-    return vision_output
+    """Qwen3-VL's get_image_features in 5.17's form: the pooled features split per image, the
+    deepstack features handed on whole (one tensor a merger)."""
+    out = self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw, return_dict=True, **kwargs)
+    per_image = (image_grid_thw.prod(-1) // self.visual.spatial_merge_size ** 2).tolist()
+    out.pooler_output = torch.split(out.pooler_output, per_image)
+    return out
 
 
 @dataclasses.dataclass
@@ -136,56 +122,42 @@ class ModelOutputs(ModelOutput):
 def qwen3_vl_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                      pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
                      mm_token_type_ids=None, **kwargs):
-    """Qwen3VLModel.forward of transformers 5.17: no precomputed features; deepstack features read
-    as get_image_features gives them."""
+    """Qwen3-VL's model forward in 5.17's form: no precomputed features (it asks
+    get_<media>_features for each kind it is given, images first), the deepstack features read as
+    get_image_features gives them, and the two kinds' joined by boolean indexing over the tokens
+    of either."""
     kwargs.pop("mm_encoder_outputs", None)    # None: what a later release's lm-head wrapper passes on
-    if inputs_embeds is None:
-        inputs_embeds = self.get_input_embeddings()(input_ids)
-    image_mask = None
-    video_mask = None
-    if pixel_values is not None:
-        image_outputs = self.get_image_features(pixel_values, image_grid_thw, return_dict=True, **kwargs)
-        image_embeds = image_outputs.pooler_output
-        deepstack_image_embeds = image_outputs.deepstack_features
-        image_embeds = torch.cat(image_embeds, dim=0).to(inputs_embeds.device, inputs_embeds.dtype)
-        image_mask, _ = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds, image_features=image_embeds)
-        inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
-    if pixel_values_videos is not None:
-        video_outputs = self.get_video_features(pixel_values_videos, video_grid_thw, return_dict=True, **kwargs)
-        video_embeds = video_outputs.pooler_output
-        deepstack_video_embeds = video_outputs.deepstack_features
-        video_embeds = torch.cat(video_embeds, dim=0).to(inputs_embeds.device, inputs_embeds.dtype)
-        _, video_mask = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds, video_features=video_embeds)
-        inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_embeds)
-    visual_pos_masks = None
-    deepstack_visual_embeds = None
-    if image_mask is not None and video_mask is not None:
-        image_mask = image_mask[..., 0]
-        video_mask = video_mask[..., 0]
-        visual_pos_masks = image_mask | video_mask
-        deepstack_visual_embeds = []
-        image_mask_joint = image_mask[visual_pos_masks]
-        video_mask_joint = video_mask[visual_pos_masks]
-        for img_embed, vid_embed in zip(deepstack_image_embeds, deepstack_video_embeds):
-            embed_joint = img_embed.new_zeros(visual_pos_masks.sum(), img_embed.shape[-1]).to(img_embed.device)
-            embed_joint[image_mask_joint, :] = img_embed
-            embed_joint[video_mask_joint, :] = vid_embed
-            deepstack_visual_embeds.append(embed_joint)
-    elif image_mask is not None:
-        image_mask = image_mask[..., 0]
-        visual_pos_masks = image_mask
-        deepstack_visual_embeds = deepstack_image_embeds
-    elif video_mask is not None:
-        video_mask = video_mask[..., 0]
-        visual_pos_masks = video_mask
-        deepstack_visual_embeds = deepstack_video_embeds
+    embeds = self.get_input_embeddings()(input_ids) if inputs_embeds is None else inputs_embeds
+    masks, deep = {}, {}
+    for kind, pixels, grid, features in (("image", pixel_values, image_grid_thw, self.get_image_features),
+                                         ("video", pixel_values_videos, video_grid_thw, self.get_video_features)):
+        if pixels is None:
+            continue
+        out = features(pixels, grid, return_dict=True, **kwargs)
+        flat = torch.cat(out.pooler_output, dim=0).to(embeds.device, embeds.dtype)
+        mask = self.get_placeholder_mask(input_ids, inputs_embeds=embeds,
+                                         **{f"{kind}_features": flat})[0 if kind == "image" else 1]
+        embeds = embeds.masked_scatter(mask, flat)
+        masks[kind], deep[kind] = mask[..., 0], out.deepstack_features
+    visual, stacked = None, None
+    if len(masks) == 2:
+        visual = masks["image"] | masks["video"]
+        stacked = []
+        for of_images, of_videos in zip(deep["image"], deep["video"]):
+            joined = of_images.new_zeros(int(visual.sum()), of_images.shape[-1])
+            joined[masks["image"][visual]] = of_images
+            joined[masks["video"][visual]] = of_videos
+            stacked.append(joined)
+    elif masks:
+        (kind,) = masks
+        visual, stacked = masks[kind], deep[kind]
     if position_ids is None:
         position_ids = self.compute_3d_position_ids(input_ids=input_ids, image_grid_thw=image_grid_thw,
-                                                    video_grid_thw=video_grid_thw, inputs_embeds=inputs_embeds,
+                                                    video_grid_thw=video_grid_thw, inputs_embeds=embeds,
                                                     attention_mask=attention_mask, mm_token_type_ids=mm_token_type_ids)
     outputs = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
-                                  inputs_embeds=inputs_embeds, visual_pos_masks=visual_pos_masks,
-                                  deepstack_visual_embeds=deepstack_visual_embeds, **kwargs)
+                                  inputs_embeds=embeds, visual_pos_masks=visual, deepstack_visual_embeds=stacked,
+                                  **kwargs)
     return ModelOutputs(last_hidden_state=outputs.last_hidden_state)
 
 
