@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..capture import GRID_INPUTS
 from ..capture import with_rope_positions
+from ..capture.refuse import CHECKED_LINEAR_ATTENTION
 from ..engine import Engine, Prepared, prepare, training_capture
 from ..errors import ArgumentError
 from ..optim import AdamW
@@ -69,6 +70,14 @@ def check_isolation(model: nn.Module) -> None:
         raise ArgumentError(f"packing: isolated needs a decoder that masks attention by its position ids "
                             f"(transformers' create_causal_mask); {type(model).__name__} does not, so packed "
                             "documents would attend to each other; use packing: true or packing: false")
+    # A gated delta-net's recurrence runs over the whole row: position ids reach only the attention
+    # layers, and transformers' torch path of the rule has no document boundaries.
+    recurrent = next((path for path, m in model.named_modules() if type(m).__name__ in CHECKED_LINEAR_ATTENTION), None)
+    if recurrent is not None:
+        raise ArgumentError(f"packing: isolated keeps packed documents apart in attention only, and '{recurrent}' "
+                            f"({type(model.get_submodule(recurrent)).__name__}) is a linear-attention layer whose "
+                            "recurrent state would carry from one document into the next; use packing: false (a "
+                            "document a row) or packing: true (documents that see each other by design)")
 
 
 def check_positions(c: RunConfig, model: nn.Module) -> None:

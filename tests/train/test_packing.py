@@ -90,3 +90,14 @@ def test_isolated_packing_is_refused_for_a_model_that_does_not_mask_by_position(
     with pytest.raises(ArgumentError, match="packing: isolated needs a decoder that masks attention by its position"):
         check_isolation(TinyLlama(LlamaConfig(dim=32, layers=1, heads=2, kv_heads=1, ffn=64)))
     check_isolation(_model())
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_isolated_packing_is_refused_for_a_hybrid_whose_recurrence_crosses_documents(family):
+    """Qwen3-Next and Qwen3.5 mask their attention by position ids, but their gated delta-nets run
+    over the whole row."""
+    from tests.families import FAMILIES
+    with pytest.raises(ArgumentError, match=r"packing: isolated keeps packed documents apart in attention only, "
+                                            r"and 'model.layers.0.linear_attn' \(Qwen3(Next|_5)GatedDeltaNet\) "
+                                            r"is a linear-attention layer"):
+        check_isolation(FAMILIES[family]())
