@@ -20,7 +20,7 @@ from .hf_windows import span_attention, spans_without_mask
 from .image_tokens import ImageTokens, static_image_merge
 from .loss import LossFn, extract_loss
 from .model_graph import CapturedModel, Port, StageInstance, StateEntry
-from .refuse import refuse_unsupported
+from .refuse import CHECKED_LINEAR_ATTENTION, refuse_unsupported
 from .segment import build_stages
 from .stage import ParamSlot, StageTemplate, TensorMeta
 from .top import trace_top
@@ -28,7 +28,8 @@ from .grid_constants import GRID_INPUTS
 from .rope_positions import with_rope_positions
 
 __all__ = ["capture", "CapturedModel", "StageInstance", "StageTemplate", "TensorMeta", "ParamSlot",
-           "Port", "StateEntry", "find_block_stack", "extract_loss", "BlockStack", "ImageTokens", "GRID_INPUTS", "with_rope_positions"]
+           "Port", "StateEntry", "find_block_stack", "extract_loss", "BlockStack", "ImageTokens", "GRID_INPUTS", "with_rope_positions",
+           "CHECKED_LINEAR_ATTENTION"]
 
 
 def model_state(model: nn.Module) -> dict[str, StateEntry]:

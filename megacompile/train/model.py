@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..capture import GRID_INPUTS
+from ..capture import CHECKED_LINEAR_ATTENTION, GRID_INPUTS
 from ..capture import with_rope_positions
-from ..capture.refuse import CHECKED_LINEAR_ATTENTION
 from ..engine import Engine, Prepared, prepare, training_capture
 from ..errors import ArgumentError
 from ..optim import AdamW
