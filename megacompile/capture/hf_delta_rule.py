@@ -20,13 +20,18 @@ from ..linear_attention.delta_rule import FUNCTION, remember
 from .refuse import CHECKED_LINEAR_ATTENTION
 
 
+# Keywords the decoder layers pass through to the rule and the rule does not read.
+_IGNORED = {"cu_seqlens", "use_cache", "output_router_logits", "output_attentions", "output_hidden_states",
+            "return_dict"}
+
+
 def _router(module: str, original: Callable) -> Callable:
     def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
              use_qk_l2norm_in_kernel=False, **kwargs):
-        # The layers hand on their own keywords too (use_cache, output_router_logits), which the
-        # rule ignores; packed-sequence lengths and another chunk size it does not.
+        # The layers hand on their own keywords too, which the rule ignores; any other keyword
+        # (packed-sequence lengths, a chunk size) keeps the call as it is.
         if initial_state is not None or output_final_state or kwargs.get("cu_seqlens") is not None \
-                or "chunk_size" in kwargs:
+                or not set(kwargs) <= _IGNORED:
             return original(query, key, value, g=g, beta=beta, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             **kwargs)

@@ -81,14 +81,15 @@ def test_a_traced_layer_holds_one_operator_and_its_backward_instead_of_the_chunk
     assert len(unrouted.graph.nodes) > 20 * len(routed.graph.nodes)
 
 
-def test_a_call_with_a_recurrent_state_or_packed_lengths_runs_the_models_function():
+def test_a_call_with_a_recurrent_state_packed_lengths_or_other_keywords_runs_the_models_function():
     import transformers.models.qwen3_next.modeling_qwen3_next as module
     model = torch.nn.Module()
     model.net = type("Qwen3NextGatedDeltaNet", (torch.nn.Module,), {"__module__": QWEN3_NEXT})()
     q, k, v, g, beta = inputs()
     state, lengths = torch.zeros(B, HV, DK, DV), torch.tensor([0, S, 2 * S])
     calls = {"a recurrent state": lambda *a: dict(initial_state=a[5]),
-             "a final state": lambda *a: dict(output_final_state=True)}
+             "a final state": lambda *a: dict(output_final_state=True),
+             "a keyword the operator does not carry": lambda *a: dict(chunk_size=32)}
     with delta_rule_as_op(model):
         for what, given in calls.items():
             traced = make_fx(lambda *a: module.torch_chunk_gated_delta_rule(*a[:3], g=a[3], beta=a[4], **given(*a))[0],
@@ -185,3 +186,18 @@ def test_a_rule_that_cannot_run_on_meta_tensors_gets_dense_fake_results():
     assert all(d.shape == x.shape and d.is_contiguous() for d, x in zip(grads, xs))
     real = torch.ops.megacompile.chunk_gated_delta_rule(*xs, "tests.unit.kernel_like_rule", True)
     assert torch.equal(real, eager(*xs))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_the_models_own_layers_are_captured_onto_the_operator(family):
+    """The keywords the real layers pass (use_cache, output_router_logits, ...) keep the routing."""
+    from megacompile.capture import capture
+    from tests.families import FAMILIES, batch
+    torch.manual_seed(0)
+    ids = batch(b=1, t=16)
+    captured = capture(FAMILIES[family](), (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
+                       compute_dtype=torch.float32)
+    targets = {str(n.target) for st in captured.stages for prog in (st.template.forward, st.template.backward)
+               if prog is not None for n in prog.gm.graph.nodes}
+    assert {"megacompile.chunk_gated_delta_rule.default",
+            "megacompile.chunk_gated_delta_rule_backward.default"} <= targets
