@@ -1,6 +1,7 @@
 """Capture: the model's forward and backward as ATen graphs, one template per distinct stage."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -47,8 +48,15 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device
 
     Floating parameters and buffers are traced in `compute_dtype` on `device`, as the device will
     hold them; the model's own tensors are never read, so a model on the meta device works.
+    A training capture traces the backward whatever the caller's grad mode: under torch.no_grad()
+    no probe would require a gradient and the backward would be traced as zeros.
     """
-    return _capture(model, args, kwargs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
+    with _grad_mode(train):
+        return _capture(model, args, kwargs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
+
+
+def _grad_mode(train: bool):
+    return torch.enable_grad() if train else contextlib.nullcontext()
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device,
@@ -91,7 +99,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
     def rechunk(n: int) -> CapturedModel:
         """The same capture with the blocks' token-wise parts run over n sequence chunks (chunk.py);
         the top-level trace is reused, the stages are traced again."""
-        with static_experts(model), span_attention(), delta_rule_as_op(model), fake_mode, chunked(n):
+        with _grad_mode(train), static_experts(model), span_attention(), delta_rule_as_op(model), fake_mode, \
+                chunked(n):
             again, _, _ = build_stages(top, model, stack, fakes, {k: e.trainable for k, e in state.items()},
                                        input_fakes, train)
         return dataclasses.replace(captured, stages=again, rechunk=None)

@@ -113,22 +113,26 @@ class TemplateGroups:
 
     def __init__(self, stack: BlockStack, calls: list[BlockCall]):
         self.stack, self.calls = stack, calls
-        self.firsts: list[tuple[int, tuple[bool, ...]]] = []
+        self.firsts: list[tuple[int, tuple[bool, ...], tuple]] = []
         self.why: dict[int, tuple[int, str]] = {}   # per later group of a list: the block its first one
         # was compared with, and how it differs
 
-    def source(self, i: int, grads: tuple[bool, ...]) -> int:
+    def source(self, i: int, grads: tuple[bool, ...], handed: tuple = ()) -> int:
         """The call whose template call `i` runs (`i` itself when it starts a group); `grads`:
-        which of its tensor inputs need a gradient, known only once the earlier stages are traced."""
-        for j, g in self.firsts:
-            if g == grads and _difference(self.stack, self.calls[j], self.calls[i]) is None:
+        which of its tensor inputs need a gradient, known only once the earlier stages are traced;
+        `handed`: which of its inputs are the model's parameters or buffers as they are, and which
+        of the stage's tensors each is (segment.py)."""
+        for j, g, h in self.firsts:
+            if g == grads and h == handed and _difference(self.stack, self.calls[j], self.calls[i]) is None:
                 return j
-        mine = [(j, g) for j, g in self.firsts if self._list(j) == self._list(i)]
+        mine = [(j, g, h) for j, g, h in self.firsts if self._list(j) == self._list(i)]
         if mine:     # the first block of a tower, or of the decoder, needs no note
-            j, g = mine[0]
+            j, g, h = mine[0]
             self.why[i] = (self.calls[j].index, _difference(self.stack, self.calls[j], self.calls[i])
-                           or f"which inputs need a gradient and which outputs are read ({list(grads)} where the other has {list(g)})")
-        self.firsts.append((i, grads))
+                           or ("which of its inputs are the model's own parameters or buffers, handed as they are"
+                               if h != handed else f"which inputs need a gradient and which outputs are read "
+                               f"({list(grads)} where the other has {list(g)})"))
+        self.firsts.append((i, grads, handed))
         return i
 
     def _list(self, i: int) -> str:

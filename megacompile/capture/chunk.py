@@ -155,12 +155,14 @@ class _ChunkedCall(torch.autograd.Function):
                 leaves = [t.detach().requires_grad_(w) for t, w in zip(state, wants)]
                 out = ctx.run(xc, *leaves)
             wrt = ([xc] if x.requires_grad else []) + [t for t, w in zip(leaves, wants) if w]
-            grads = list(torch.autograd.grad(out, wrt, gc, allow_unused=True, materialize_grads=True))
+            # A parameter no slice reaches keeps None, so the stage's trace sees it get no gradient.
+            grads = list(torch.autograd.grad(out, wrt, gc, allow_unused=True))
             if x.requires_grad:
-                dx.append(grads.pop(0))
+                g = grads.pop(0)
+                dx.append(torch.zeros_like(xc) if g is None else g)
             for i, w in enumerate(wants):
-                if w:
-                    g = grads.pop(0)
+                g = grads.pop(0) if w else None
+                if g is not None:
                     sums[i] = g if sums[i] is None else sums[i] + g
         return (None, None, torch.cat(dx, dim=1) if dx else None, *sums)
 

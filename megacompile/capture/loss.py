@@ -11,10 +11,14 @@ LossFn = Callable[..., torch.Tensor]
 
 
 def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict) -> torch.Tensor:
-    """The loss as the model's forward (or `loss_fn`) gives it; must be a 0-d floating tensor.
+    """The loss as the model's forward (or `loss_fn`) gives it: a 0-d floating tensor (that it
+    depends on something trainable is checked once the stages are traced: require_gradient).
 
-    Accepted forms: a scalar tensor; an object with `.loss` (Hugging Face outputs); a tuple whose
-    last element is the loss (nanoGPT's `(logits, loss)`); or `loss_fn(output, *args, **kwargs)`.
+    Accepted forms: a scalar tensor; an object with `.loss` (Hugging Face outputs); a tuple or
+    list holding exactly one scalar floating tensor that needs a gradient, wherever it sits
+    (nanoGPT's `(logits, loss)`, transformers' `return_dict=False` tuples `(loss, logits, ...)`,
+    `(loss, accuracy)`); or `loss_fn(output, *args, **kwargs)`. A tuple with several such scalars
+    (`(loss, z_loss)`) is ambiguous and refused: which one, or which sum, is the user's to say.
     """
     if loss_fn is not None:
         loss, where = loss_fn(output, *args, **kwargs), "loss_fn(output, *args, **kwargs)"
@@ -22,12 +26,12 @@ def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict)
         loss, where = output, "the model's output"
     elif getattr(output, "loss", None) is not None:
         loss, where = output.loss, "output.loss"
-    elif isinstance(output, (tuple, list)) and output and isinstance(output[-1], torch.Tensor):
-        loss, where = output[-1], "the last element of the output tuple"
+    elif isinstance(output, (tuple, list)) and output:
+        loss, where = _from_sequence(output)
     else:
         raise LossError(
             f"cannot find a loss in the model's output of type {type(output).__name__}: return a "
-            "scalar tensor, an object with .loss, or a tuple ending in the loss, or pass "
+            "scalar tensor, an object with .loss, or a tuple holding the loss, or pass "
             "loss_fn=callable(output, *args, **kwargs) to megacompile.compile()"
         )
     if not isinstance(loss, torch.Tensor):
@@ -40,3 +44,38 @@ def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict)
     if not loss.dtype.is_floating_point:
         raise LossError(f"{where} has dtype {loss.dtype}; the loss must be floating point")
     return loss
+
+
+def require_gradient(needs_grad: bool) -> None:
+    """Refuse a loss that depends on no trainable parameter, known once the stages are traced (the
+    blocks are opaque to the model-level trace: a LoRA model's loss needs a gradient only through
+    them). Trained, it would step every parameter on a zero gradient: weight decay alone."""
+    if not needs_grad:
+        raise LossError(
+            "the loss does not depend on any trainable parameter (no gradient flows to it: a metric, a "
+            "detached value, or a model whose parameters are all frozen on its path); return the loss the "
+            "model trains on, or pass loss_fn=callable(output, *args, **kwargs) to megacompile.compile()"
+        )
+
+
+def _from_sequence(output: tuple | list) -> tuple[torch.Tensor, str]:
+    """The one scalar floating tensor of `output` that needs a gradient (or the only scalar), and
+    where it sits."""
+    scalars = [i for i, x in enumerate(output)
+               if isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype.is_floating_point]
+    # Whether a value needs a gradient is known here only where a trainable parameter outside the
+    # blocks feeds it (the blocks are opaque to this trace); else every scalar is a candidate.
+    trained = [i for i in scalars if output[i].requires_grad] or scalars
+    if len(trained) == 1:
+        return output[trained[0]], f"element {trained[0]} of the output tuple"
+    if len(trained) > 1:
+        raise LossError(
+            f"the model's output tuple holds {len(trained)} scalar tensors that need a gradient (elements "
+            f"{', '.join(map(str, trained))}): which is the loss is ambiguous; pass "
+            "loss_fn=lambda output, *args, **kwargs: output[i] (or the weighted sum you train on) to "
+            "megacompile.compile()")
+    shapes = ", ".join(str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__ for x in output)
+    raise LossError(
+        f"the model's output tuple ({shapes}) holds no scalar loss: call the model with the inputs that make "
+        "it compute its loss (labels=, targets=), or pass loss_fn=callable(output, *args, **kwargs) to "
+        "megacompile.compile()")

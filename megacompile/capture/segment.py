@@ -18,14 +18,18 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from .blocks import BlockStack, TemplateGroups
+from .checkpointing import without_gradient_checkpointing
 from .chunk import active_chunks, chunk_block
 from .leaf import BlockCall
+from .loss import require_gradient
 from .model_graph import Port, StageInstance
 from .side_outputs import recording
 from .stage import ParamSlot, StageTemplate, TensorMeta, trace_stage
 from .top import TopGraph
+from .untouched import as_it_was
 
 BLOCK_CALL = torch.ops.megacompile.block_call.default
+HANDED = "handed"     # the prefix of a model tensor handed to a block, by its place among them, in the block's stage
 
 
 class _Segment:
@@ -73,7 +77,16 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
                  fakes: dict[str, torch.Tensor], trainable: dict[str, bool], input_fakes: list[torch.Tensor],
                  train: bool) -> tuple[list[StageInstance], list[Port], dict[str, str]]:
     """The stages in order, the ports of the graph's outputs, and for each block stage that starts
-    a template of its own, why it could not share the first block's."""
+    a template of its own, why it could not share the first block's. The model comes out as it
+    went in (untouched.py), and its layers are traced without Hugging Face's gradient checkpointing
+    (checkpointing.py)."""
+    with as_it_was(model), without_gradient_checkpointing(model):
+        return _build_stages(top, model, stack, fakes, trainable, input_fakes, train)
+
+
+def _build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None,
+                  fakes: dict[str, torch.Tensor], trainable: dict[str, bool], input_fakes: list[torch.Tensor],
+                  train: bool) -> tuple[list[StageInstance], list[Port], dict[str, str]]:
     gm = top.gm
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -122,6 +135,9 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
             metas[o] = template.outputs[k]
 
     groups, templates = (TemplateGroups(stack, top.calls), {}) if calls else (None, None)
+    # Each tensor by the model's own (deduplicated) name: a block's parameter tied to another
+    # block's (or the same module twice in the list) is one tensor of the host state.
+    model_names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
     boundary = set(a for c in calls for a in c.args[0]) | set(graph_outputs)
     for r, run in enumerate(runs):
         members = [n for n in computed if before.get(n) == r]
@@ -131,7 +147,7 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
             name = "prologue" if r == 0 else "bridge" if len(runs) == 2 else f"bridge.{r}"
             add_segment(name, members, out, type(model).__name__)
         notes.update(_add_blocks(stages, run, calls.index(run[0]), groups, templates, top, stack, fakes,
-                                 trainable, where, metas, train, fake_act))
+                                 trainable, where, metas, train, fake_act, state_ph, model_names))
     e_out = list(graph_outputs)
     if epilogue or not calls:
         add_segment("epilogue" if calls else "whole", epilogue, e_out, type(model).__name__)
@@ -139,13 +155,19 @@ def build_stages(top: TopGraph, model: torch.nn.Module, stack: BlockStack | None
         side = {Port(s, k) for s, st in enumerate(stages) if st.name.startswith("block.")
                 for k in range(_returned(top.calls[int(st.name.split(".")[1])]), len(st.template.outputs))}
         for stage in stages:
-            call = top.calls[int(stage.name.split(".")[1])] if stage.name.startswith("block.") else None
-            _check_no_grad_bypass(stage, stages, side, len(call.tensor_positions) if call else len(stage.inputs))
+            b = int(stage.name.split(".")[1]) if stage.name.startswith("block.") else None
+            own = (len(stage.inputs) if b is None
+                   else len(top.calls[b].tensor_positions) - len(_handed(calls[b], top.calls[b], state_ph)))
+            _check_no_grad_bypass(stage, stages, side, own)
+        loss = where[e_out[0]]
+        require_gradient(loss.stage >= 0 and stages[loss.stage].template.outputs[loss.index].requires_grad)
+        _refuse_cut_gradients(stages)
     return stages, [where[o] for o in e_out], notes
 
 
 def _add_blocks(stages, calls, first: int, groups: TemplateGroups, templates: dict[int, StageTemplate],
-                top: TopGraph, stack: BlockStack, fakes, trainable, where, metas, train, fake_act) -> dict[str, str]:
+                top: TopGraph, stack: BlockStack, fakes, trainable, where, metas, train, fake_act,
+                state_ph: dict[fx.Node, str], model_names: dict[int, str]) -> dict[str, str]:
     """One stage per block call; one template per group of calls that compute the same thing and
     pass the same gradients, traced from the group's first block. Returns, for each block that
     starts a new template, how it differs from the first block.
@@ -153,38 +175,52 @@ def _add_blocks(stages, calls, first: int, groups: TemplateGroups, templates: di
     Which parameters train is part of a block's structure (blocks.py); which inputs carry a
     gradient and which outputs a later stage differentiates is known only here. A frozen block
     still passes the gradient of its output back to its input when an earlier stage trains; a
-    block output nothing reads (GPT-J's attention weights) gets no gradient."""
+    block output nothing reads (GPT-J's attention weights) gets no gradient.
+
+    A parameter or buffer of the model handed to the block as it is (a causal mask kept as a
+    buffer, a bias shared by every layer) is one of the block stage's own tensors, read from the
+    host state as its weights are; a trainable one gets the gradients of every block that reads
+    it summed on the host, as a tied weight does."""
     notes: dict[str, str] = {}
     for b, (node, call) in enumerate(zip(calls, top.calls[first:]), start=first):
         block, path = stack.blocks[call.index], stack.block_path(call.index)
-        local = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
-        full = [f"{path}.{n}" for n in local]
+        own = list(block.named_parameters()) + list(block.named_buffers())
+        local = [n for n, _ in own]
+        full = [model_names[id(t)] for _, t in own]
         if call.attached is not None:
             local += [n for n, _ in call.attached.param_names()]
             full += [f for _, f in call.attached.param_names()]
-        acts = [fake_act(a) for a in node.args[0]]
+        handed = _handed(node, call, state_ph)
+        shared = list(dict.fromkeys(handed.values()))
+        slots = tuple(len(local) + shared.index(handed[k]) if k in handed else None for k in range(len(node.args[0])))
+        local += [f"{HANDED}.{k}" for k in range(len(shared))]
+        full += shared
+        acts = [fake_act(a) for k, a in enumerate(node.args[0]) if k not in handed]
         read = _outputs_read(node, _returned(call) + len(call.side_keys) + len(call.attached_meta))
         grads = tuple(bool(train and a.requires_grad) for a in acts) + read
-        source = groups.source(b, grads)
+        source = groups.source(b, grads, slots)
         if source == b:
-            templates[b] = _trace_block(block, path, call, local, full, acts, fakes, trainable, train, read,
-                                        chunk=call.index in stack.decoder)
+            templates[b] = _trace_block(block, path, call, local, full, len(own), slots, acts, fakes, trainable,
+                                        train, read, chunk=call.index in stack.decoder)
             if b in groups.why:
                 other, why = groups.why[b]
                 notes[f"block.{b}"] = f"{path} has its own template: it differs from {stack.block_path(other)} in {why}"
         template = templates[source]
         ports = []
         for k, a in enumerate(node.args[0]):
+            if k in handed:
+                continue
             if a not in where:
                 raise CaptureError(f"input {k} of block {path} ('{a.name}') is not made "
                                    "by the prologue or the previous block")
             port = where[a]
             attached_input = k >= len(call.tensor_positions)    # deepstack features, from the bridge
-            if train and template.acts[k].requires_grad and b > 0 and port.stage != len(stages) - 1 \
+            if train and template.acts[len(ports)].requires_grad and b > 0 and port.stage != len(stages) - 1 \
                     and not attached_input:
                 raise CaptureError(
                     f"input {k} of block {path} needs a gradient but does not come from the "
-                    "previous block; megacompile streams blocks as a chain (block i feeds block i+1)")
+                    "previous block; megacompile streams blocks as a chain (block i feeds block i+1)"
+                    + _made_from_parameters_hint(a, state_ph))
             ports.append(port)
         stages.append(StageInstance(f"block.{b}", template, full, ports, path))
         for u in node.users:
@@ -194,28 +230,60 @@ def _add_blocks(stages, calls, first: int, groups: TemplateGroups, templates: di
     return notes
 
 
-def _trace_block(block: torch.nn.Module, path: str, call: BlockCall, local: list[str], full: list[str],
-                 fake_acts: list[torch.Tensor], fakes, trainable, train: bool,
+def _made_from_parameters_hint(value: fx.Node, state_ph: dict[fx.Node, str]) -> str:
+    """Where a value computed outside the blocks is made from the model's parameters alone (a shared
+    scale reshaped or cast before the layers), how to pass it so that it trains; else nothing."""
+    names, seen, frontier = [], set(), [value]
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in state_ph:
+            names.append(state_ph[n])
+        elif n.op == "placeholder":
+            return ""           # made from the model's inputs too: an activation
+        frontier.extend(n.all_input_nodes)
+    if not names:
+        return ""
+    return (f": it is computed from the model's {', '.join(sorted(names))} outside the blocks. Hand each block the "
+            "parameter itself (each block then reads it as one of its own weights, and its gradients from every "
+            "block are summed, as eagerly), and compute with it inside the block's forward")
+
+
+def _handed(node: fx.Node, call: BlockCall, state_ph: dict[fx.Node, str]) -> dict[int, str]:
+    """The block call's inputs that are the model's parameters or buffers as they are: position ->
+    the model's name."""
+    return {k: state_ph[a] for k, a in enumerate(node.args[0][:len(call.tensor_positions)]) if a in state_ph}
+
+
+def _trace_block(block: torch.nn.Module, path: str, call: BlockCall, local: list[str], full: list[str], n_own: int,
+                 slots: tuple[int | None, ...], fake_acts: list[torch.Tensor], fakes, trainable, train: bool,
                  read: tuple[bool, ...], chunk: bool) -> StageTemplate:
     """The template of one block, traced from its own module and the way the model called it, with
     the work folded into it (deepstack.py): `local` names its tensors inside the stage, `full` in
-    the model. `chunk`: the decoder's blocks may run over sequence chunks (chunk.py); a tower's
-    sequence is its images' patches, fixed by the images, and stays whole."""
-    slots = [ParamSlot(n, TensorMeta.of(fakes[f], False), trainable[f]) for n, f in zip(local, full)]
-    n_own, n_args = len(local) - len(call.attached.param_names() if call.attached else []), len(call.tensor_positions)
+    the model; the first `n_own` are the block module's own, then the folded work's, then the
+    model's tensors handed to it (`slots`: for each input of the call, the stage tensor it is, or
+    None for an activation). `chunk`: the decoder's blocks may run over sequence chunks (chunk.py);
+    a tower's sequence is its images' patches, fixed by the images, and stays whole."""
+    params = [ParamSlot(n, TensorMeta.of(fakes[f], False), trainable[f]) for n, f in zip(local, full)]
+    n_args = len(call.tensor_positions)
+    n_attached = len(call.attached.param_names()) if call.attached else 0
 
     def source(params, acts):
-        args, kwargs = call.rebuild_args(acts[:n_args])
+        it = iter(acts)
+        inputs = [next(it) if s is None else params[s] for s in slots]
+        args, kwargs = call.rebuild_args(inputs[:n_args])
         with recording(call.collect_keys) as side, _own_hooks_off(block):
             out = functional_call(block, dict(zip(local[:n_own], params[:n_own])), args, kwargs, strict=False)
         added = []
         if call.attached is not None:
-            out, added = call.attached.apply(out, params[n_own:], acts[n_args:])
+            out, added = call.attached.apply(out, params[n_own:n_own + n_attached], inputs[n_args:])
         return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)] + side.tensors + added
     fake_params = [fakes[f] for f in full]
     with (chunk_block(block, local[:n_own], fake_params[:n_own], lambda: source(fake_params, fake_acts)) if chunk
           else contextlib.nullcontext(())) as chunked:
-        template = trace_stage("block", source, slots, fake_params, fake_acts, train, path,
+        template = trace_stage("block", source, params, fake_params, fake_acts, train, path,
                                differentiable=list(read))
     if chunked:
         template.chunks, template.chunked = active_chunks(), tuple(chunked)
@@ -317,6 +385,29 @@ def _outputs_read(call: fx.Node, n_outputs: int) -> tuple[bool, ...]:
         if u.target is operator.getitem and u.users:
             read[u.args[1]] = True
     return tuple(read)
+
+
+def _refuse_cut_gradients(stages: list[StageInstance]) -> None:
+    """A stage output that needs a gradient and that no reader differentiates (the epilogue reads
+    the last hidden state through .detach()) would send zeros back where eagerly the parameters
+    before it get no gradient at all, and torch.optim.AdamW skips them: megacompile would decay
+    them and step their moments. Within one stage such parameters are found and skipped
+    (stage.py); across stages the model is refused."""
+    differentiated: dict[Port, bool] = {}
+    for stage in stages:
+        for k, port in enumerate(stage.inputs):
+            if port.stage >= 0 and stage.template.acts[k].requires_grad:
+                differentiated[port] = differentiated.get(port, False) or k not in stage.template.cut_acts
+    for stage in stages:
+        for k in stage.template.cut_acts:
+            port = stage.inputs[k]
+            if port.stage >= 0 and not differentiated[port]:
+                raise CaptureError(
+                    f"the {stage.name} stage reads output {port.index} of {stages[port.stage].name} without "
+                    "differentiating it (through .detach(), or only by ops without a gradient), so the parameters "
+                    "before it get no gradient from the loss along that path; megacompile cannot yet skip them as "
+                    "torch.optim.AdamW does. Freeze them instead (param.requires_grad_(False)) and drop the "
+                    ".detach()")
 
 
 def _check_no_grad_bypass(stage: StageInstance, stages: list[StageInstance], side: set[Port], own: int) -> None:

@@ -68,6 +68,9 @@ class StageTemplate:
     # Sequence chunks of the token-wise submodules (capture/chunk.py) and their paths in the block.
     chunks: int = 1
     chunked: tuple[str, ...] = ()
+    # Inputs that need a gradient the stage does not give (read only through .detach(), or by
+    # ops without one): the stage hands zeros back for them (segment.py _refuse_cut_gradients).
+    cut_acts: tuple[int, ...] = ()
 
     @property
     def grad_params(self) -> list[int]:
@@ -129,7 +132,18 @@ def trace_stage(kind: str, source: SourceFn, params: list[ParamSlot], fake_param
             return template
         device = (list(fake_acts) + list(fake_params))[0].device
         tangents = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in outputs if o.requires_grad]
-        joint = make_fx(_joint(source, template), tracing_mode="fake")(fake_params, fake_acts, tangents)
+        unreached: list[int] = []
+        joint = make_fx(_joint(source, template, unreached), tracing_mode="fake")(fake_params, fake_acts, tangents)
+        template.cut_acts = tuple(-1 - i for i in unreached if i < 0)
+        unreached = [i for i in unreached if i >= 0]
+        if unreached:
+            # A trainable parameter the stage's outputs do not depend on (unused, or read only
+            # through .detach()) gets no gradient here, as eagerly its .grad stays None: the stage
+            # reads it like a frozen weight, and a parameter no stage gives a gradient is skipped
+            # by the update as torch.optim.AdamW skips it (engine/gradless.py).
+            template.params = [dataclasses.replace(p, trainable=False) if i in unreached else p
+                               for i, p in enumerate(params)]
+            joint = make_fx(_joint(source, template), tracing_mode="fake")(fake_params, fake_acts, tangents)
         refuse_state_writes(joint, [p.name for p in params], f"the {kind} stage ({origin})")
     except MegacompileError:
         raise
@@ -162,7 +176,10 @@ def _adopt_split(template: StageTemplate, split) -> None:
     template.bwd_memory = template.backward.simulate()
 
 
-def _joint(source: SourceFn, template: StageTemplate):
+def _joint(source: SourceFn, template: StageTemplate, unreached: list[int] | None = None):
+    """The stage's joint function. `unreached`, where given, collects the trainable parameters
+    (indices into template.params) and, as -1 - k, the inputs k needing a gradient that get none;
+    their gradients are traced as zeros."""
     wrt_params = template.grad_params
     wrt_acts = template.grad_acts
     tangent_outputs = template.tangent_outputs
@@ -172,9 +189,13 @@ def _joint(source: SourceFn, template: StageTemplate):
         wrt = [params[i] for i in wrt_params] + [acts[i] for i in wrt_acts]
         if wrt and tangent_outputs:
             grads = list(torch.autograd.grad([outputs[i] for i in tangent_outputs], wrt, tangents,
-                                             allow_unused=True, materialize_grads=True))
+                                             allow_unused=True))
         else:
-            grads = [torch.zeros_like(w) for w in wrt]
+            grads = [None] * len(wrt)
+        if unreached is not None:
+            unreached.extend(i for i, g in zip(wrt_params, grads) if g is None)
+            unreached.extend(-1 - k for k, g in zip(wrt_acts, grads[len(wrt_params):]) if g is None)
+        grads = [torch.zeros_like(w) if g is None else g for w, g in zip(wrt, grads)]
         n = len(wrt_params)     # the inputs' gradients are the previous stages' tangents (trace_stage)
         return outputs + grads[:n] + [_laid_out(g) for g in grads[n:]]
     return joint

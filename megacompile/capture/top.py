@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError, MegacompileError
 from .alike import sampled_groups
 from .blocks import BlockStack, same_constants
+from .checkpointing import without_gradient_checkpointing
 from .deepstack import deepstack_in_blocks
 from .fingerprint import record
 from .image_tokens import traced_inputs
@@ -24,6 +25,7 @@ from .loss import LossFn, extract_loss
 from .rope_positions import held_rope_deltas
 from .side_outputs import active_keys, hand_back, recording
 from .state_writes import refuse_state_writes
+from .untouched import as_it_was
 
 
 @dataclass
@@ -58,6 +60,9 @@ def blocks_grouped_once():
         yield
     finally:
         _GROUPS.reset(token)
+
+
+_ABSENT = object()
 
 
 class _LogEveryBlock(Exception):
@@ -150,9 +155,16 @@ def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[Bl
     elif groups is not None and (stack_key, "log every block") not in groups:
         known, checks = sampled_groups(stack.blocks)
     shapes: dict[int, list] = {}
+    # A module the list holds several times (nn.ModuleList([b, b, b])) is one block applied again:
+    # each call records the index of its first place, as a block the model calls twice does.
+    first_place: dict[int, int] = {}
+    for i, block in enumerate(stack.blocks):
+        first_place.setdefault(id(block), i)
+    patched = [(i, block, block.__dict__.get("forward", _ABSENT)) for i, block in enumerate(stack.blocks)
+               if first_place[id(block)] == i]
     try:
-        for i, (block, original) in enumerate(zip(stack.blocks, originals)):
-            block.forward = make_leaf(i, original)
+        for i, block, _ in patched:
+            block.forward = make_leaf(i, originals[i])
         with deepstack_in_blocks(model, stack.blocks) as deepstack:
             yield
         by_index = {c.index: c for c in calls}
@@ -170,8 +182,11 @@ def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[Bl
                     first[c.index] = first.get(like.index, like.index)
             groups[stack_key] = first
     finally:
-        for block in stack.blocks:
-            del block.forward   # back to the class's forward
+        for _, block, own in patched:
+            if own is _ABSENT:
+                block.__dict__.pop("forward", None)     # back to the class's forward
+            else:
+                block.forward = own
         clear_out_meta()
 
 
@@ -203,13 +218,14 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
         return [x for x, is_tensor in zip(out_leaves, out_info["is_tensor"]) if is_tensor]
 
     try:
-        try:
-            with _blocks_as_leaves(model, stack, calls, train):
-                gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
-        except _LogEveryBlock:
-            calls.clear()
-            with _blocks_as_leaves(model, stack, calls, train):
-                gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
+        with as_it_was(model), without_gradient_checkpointing(model):
+            try:
+                with _blocks_as_leaves(model, stack, calls, train):
+                    gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
+            except _LogEveryBlock:
+                calls.clear()
+                with _blocks_as_leaves(model, stack, calls, train):
+                    gm = make_fx(forward, tracing_mode="fake")(list(state.values()), [in_leaves[i] for i in tensor_pos])
     except MegacompileError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error

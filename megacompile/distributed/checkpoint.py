@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 
 from ..errors import CheckpointError, DistributedError, MegacompileError
-from ..io import checkpoint, durable, model_params, run_state
+from ..io import checkpoint, durable, model_params, run_state, unbuilt
 from ..io.source import CONST, MASTER, WEIGHT, PendingLoad
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
 def _save(state: "TrainingState", path: str, extra: Any, keep_last: int | None) -> None:
     checkpoint.check_keep_last(keep_last)
     state.host_or_error()       # refuses before the first step, while there is nothing to save
+    unbuilt.refuse_missing_weights(state)
     ranks = state.data_parallel.ranks
     if state.micro_batches % state.grad_accum:
         raise CheckpointError("a data-parallel checkpoint is written between optimizer steps: save after the "

@@ -272,7 +272,9 @@ class Engine:
         fp32 masters. With k=1 (the default) every call is a full optimizer step.
         """
         self._input_limits.check(args, kwargs, self.backend.name)
-        with self._in_use("step()"):
+        # A step trains whatever the caller's grad mode (what runs eagerly inside it, such as the
+        # gated delta rule's backward, takes gradients).
+        with self._in_use("step()"), torch.enable_grad():
             return self._step(args, with_rope_positions(self.model, args, kwargs))
 
     def _step(self, args: tuple, kwargs: dict) -> float:

@@ -29,10 +29,13 @@ from ..settings import Settings
 
 def signature(model: nn.Module, args: tuple, kwargs: dict, train: bool) -> tuple:
     """What tells two calls' plans apart: the inputs' structure, shapes and dtypes, their image
-    grids (constants of a capture) and the module's mode."""
+    grids (constants of a capture), every submodule's mode (one block put in eval() stops its
+    dropout) and which parameters train (requires_grad set or cleared after a step)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     shape = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", repr(x)) for x in leaves)
-    return (train, model.training, str(spec), shape, grid_key(kwargs))
+    modes = tuple(m.training for m in model.modules())
+    trains = tuple(p.requires_grad for p in model.parameters())
+    return (train, modes, trains, str(spec), shape, grid_key(kwargs))
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
     if not isinstance(overwrite, bool):
         raise ArgumentError(f"overwrite is True or False (replace the files of an export already in the folder); "
                             f"got {overwrite!r}")
+    unbuilt.refuse_missing_weights(state)
     host = state.host       # None before the first step: the tensors come from where they wait
     parent = durable.prepare_parent(path, "model folder")
     path = os.fspath(path)

@@ -74,6 +74,7 @@ def load(state: "TrainingState", weights: dict, strict: bool = True) -> None:
             + (f" (the {len(missing)} missing ones may come in other parts: load_state_dict(part, strict=False) "
                "for each but the last)" if missing else "")
             + (f"; {META_HINT}" if any(n in const for n in missing) else ""))
+    _refuse_conflicting_ties(weights, names)
     tensors = {names[k]: t for k, t in weights.items()}
     if state.host is not None:
         state.wait_updates()
@@ -85,6 +86,22 @@ def load(state: "TrainingState", weights: dict, strict: bool = True) -> None:
         parts.kept.update(tensors)      # they wait, with the parts, for the host state
     parts.loaded |= set(tensors)
     state.parts_loaded(parts, complete=state.materialized or not missing_names(state, parts))
+
+
+def _refuse_conflicting_ties(weights: dict, names: dict[str, str]) -> None:
+    """Two keys of one tied tensor (lm_head.weight and model.embed_tokens.weight) hold one weight:
+    given different values, either would be silently lost (torch keeps the one loaded last)."""
+    first: dict[str, str] = {}
+    for key, name in names.items():
+        other = first.setdefault(name, key)
+        if other == key:
+            continue
+        a, b = weights[other], weights[key]
+        if a is not b and not torch.equal(a.detach(), b.detach().to(a.device, a.dtype)):
+            raise MegacompileError(
+                f"load_state_dict: {other} and {key} name one tied tensor, and the dict gives them different "
+                f"values; nothing was loaded. Give the same tensor under both names, or only one of them "
+                f"({other})")
 
 
 def required(state: "TrainingState", trainable: dict, const: dict) -> list[str]:

@@ -33,9 +33,23 @@ class Lazy:
         return self._produce()
 
 
+def refuse_missing_weights(state: "TrainingState") -> None:
+    """A model built on meta whose weights are not all loaded has none to save: the host state a
+    prepare() or a refused first step built holds uninitialised memory until they are loaded."""
+    if state.materialized:
+        return
+    from .state_dict import missing_names
+    raise MegacompileError(f"the model has no weights for {', '.join(missing_names(state)[:4])} yet (built on "
+                           "meta): load them (load_state_dict, load_checkpoint) before saving")
+
+
 def state_tensors(state: "TrainingState") -> Iterator[tuple[str, torch.Tensor]]:
     """(state_dict key, tensor), one at a time and not copied: views of the host state, or before
-    it exists, read from where the weights wait."""
+    it exists, read from where the weights wait. A model built on meta is refused until its weights
+    are complete, whether or not a prepare() or a refused step built the host state."""
+    if not state.materialized:
+        raise MegacompileError("no weights yet: the model was built on the meta device; load them "
+                               "(engine.load_state_dict, engine.load_checkpoint) before reading engine.state_dict()")
     if state.host is not None:
         state.wait_updates()
         try:
@@ -50,9 +64,6 @@ def state_tensors(state: "TrainingState") -> Iterator[tuple[str, torch.Tensor]]:
             if state.host.disk is not None:
                 state.host.disk.settle()
         return
-    if not state.materialized:
-        raise MegacompileError("no weights yet: the model was built on the meta device; load them "
-                               "(engine.load_state_dict, engine.load_checkpoint) before reading engine.state_dict()")
     trainable, consts = tables(state)
     for key, name in state.canonical.items():
         lazy = trainable["master"].get(name) or consts.get(name)

@@ -82,3 +82,55 @@ def test_a_hugging_face_model_on_meta_names_its_rotary_buffer_or_keeps_its_own()
     ids = _ids()
     expected = real(input_ids=ids, labels=ids).loss.item()
     assert engine(input_ids=ids, labels=ids).loss.item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("how", ["prepare", "a refused first step"])
+def test_a_meta_model_with_host_state_but_no_weights_reads_and_saves_nothing(how, tmp_path):
+    """prepare() (or a first step refused for want of weights) builds the host state of a model
+    built on meta: its buffers hold no weights until they are loaded, and nothing reads them."""
+    torch.manual_seed(0)
+    real = models.hf_llama(layers=2, d=32)
+    with parameters_on_meta():
+        meta = models.hf_llama(layers=2, d=32)
+    engine = megacompile.compile(meta, hbm_budget=1.0, device="cpu")
+    ids = _ids()
+    if how == "prepare":
+        engine.prepare(input_ids=ids, labels=ids)
+    else:
+        with pytest.raises(megacompile.MegacompileError, match="has no weights: load them"):
+            engine.step(input_ids=ids, labels=ids)
+    assert engine.host is not None
+    state = real.state_dict()
+    for loaded in ({}, {k: v for k, v in state.items() if k != "lm_head.weight"}):
+        engine.load_state_dict(loaded, strict=False)
+        with pytest.raises(megacompile.MegacompileError, match=r"no weights yet: the model was built on the meta "
+                                                               r"device; load them"):
+            engine.state_dict()
+        with pytest.raises(megacompile.MegacompileError, match=r"no weights for lm_head.weight.* yet \(built on "
+                                                               r"meta\): load them .*before saving"):
+            engine.save_checkpoint(str(tmp_path / "ck"))
+        with pytest.raises(megacompile.MegacompileError, match=r"no weights for lm_head.weight.* yet"):
+            engine.save_pretrained(str(tmp_path / "hf"))
+        assert list(tmp_path.iterdir()) == []
+    engine.load_state_dict({"lm_head.weight": state["lm_head.weight"]})
+    assert torch.equal(engine.state_dict()["model.layers.1.mlp.down_proj.weight"],
+                       state["model.layers.1.mlp.down_proj.weight"])
+    engine.save_checkpoint(str(tmp_path / "ck"))
+
+
+@pytest.mark.parametrize("when", ["before the trace", "after a step"])
+def test_both_names_of_a_tied_weight_with_different_values_are_refused_naming_both(when):
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=32, layers=2)      # transformer.wte.weight is lm_head.weight
+    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu")
+    if when == "after a step":
+        engine.step(idx=_ids(), targets=_ids())
+    before = engine.state_dict()
+    w = torch.randn(96, 32)
+    with pytest.raises(megacompile.MegacompileError, match=r"transformer.wte.weight and lm_head.weight name one tied "
+                                                           r"tensor.*different values; nothing was loaded"):
+        engine.load_state_dict({"transformer.wte.weight": w, "lm_head.weight": w + 1}, strict=False)
+    after = engine.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    engine.load_state_dict({"transformer.wte.weight": w, "lm_head.weight": w.clone()}, strict=False)  # one value: fine
+    assert torch.equal(engine.state_dict()["lm_head.weight"], w)
