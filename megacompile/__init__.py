@@ -22,7 +22,7 @@ from .engine import Engine
 from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, HostMemoryError, InputMismatchError,
                      LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError,
                      StorageError, WeightsFileError)
-from .optim import AdamW
+from .optim import AdamW, hf_no_decay
 from .settings import Settings, from_call
 from .engine import from_pretrained
 from .planner import Plan
@@ -84,7 +84,8 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
                   max_consecutive_skips=max_consecutive_skips, **plain)
 
 
-__all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "MegacompileError",
+__all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "hf_no_decay",
+           "MegacompileError",
            "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
            "OptimizerInputError", "NonFiniteError", "StorageError", "from_pretrained", "WeightsFileError"]

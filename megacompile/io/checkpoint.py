@@ -69,6 +69,7 @@ def check_keep_last(keep_last: int | None) -> None:
 def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None) -> None:
     check_keep_last(keep_last)
     extra = run_state.extra_json(extra)
+    unbuilt.refuse_missing_weights(state)
     host = state.host       # None before the first step: the tensors come from where they wait
     parent = durable.prepare_parent(path, "checkpoint")
     path = os.fspath(path)
@@ -325,12 +326,11 @@ def read(state: "TrainingState", path: str, strict: bool = True, layout: tuple |
     items = [it for it in items if not (it.table == CONST and it.name in buffers)]
     pending = PendingLoad(items, own_buffers=bool(buffers), needs=tables, describe=f"the checkpoint {path}",
                           reached=(frozenset(trainable if reached is None else reached) if mid_step else None))
-    lr_differs = any(d.startswith("lr:") for d in differences)
     notes = [f"the checkpoint {path} was saved with other settings, this engine's are kept: "
              f"{'; '.join(differences)}"] * bool(differences) + [
              f"the checkpoint {path} holds other values of buffers the model built itself; the model's own "
              f"are kept: {'; '.join(f'{n}: {d}' for n, d in buffers.items())}"] * bool(buffers)
     # The counters take the saved run's id too: keep_last rotates the resumed run's checkpoints.
     return Reading(pending, run_state.saved_counters(manifest),
-                   run_state.saved_param_group(manifest["schedule"], lr_differs), manifest["schedule"],
+                   run_state.saved_param_group(manifest, state), manifest["schedule"],
                    manifest["rng"], notes, manifest.get("extra"))

@@ -70,12 +70,18 @@ def schedule_state(state: "TrainingState") -> dict:
     return {"param_group": _jsonable(group), "schedulers": _jsonable(schedulers)}
 
 
-def saved_param_group(saved: dict, lr_differs: bool) -> dict:
-    """The handle's learning rate as saved (for TrainingState.restore); nothing where this engine's
-    own learning rate differs, which then wins (the caller warns)."""
-    if lr_differs:
-        return {}
-    return {k: v for k, v in saved["param_group"].items() if k in ("lr", "initial_lr")}
+# What the handle's param group gives back at a load, per optimizer setting: the values a scheduler
+# (OneCycleLR cycles betas[0]) or the user left there, which the next step reads.
+_RESTORED = {"lr": ("lr", "initial_lr"), "betas": ("betas",), "eps": ("eps",), "weight_decay": ("weight_decay",)}
+
+
+def saved_param_group(manifest: dict, state: "TrainingState") -> dict:
+    """The handle's lr (with initial_lr), betas, eps and weight_decay as saved (for
+    TrainingState.restore); none of a setting in which this engine differs from the saving run,
+    whose own value then wins (the caller warns)."""
+    own, saved = optimizer_settings(state), manifest["schedule"]["param_group"]
+    return {key: saved[key] for setting, keys in _RESTORED.items()
+            if manifest["optimizer"].get(setting) == own[setting] for key in keys if key in saved}
 
 
 def restore_schedulers(state: "TrainingState", saved: dict) -> list[str]:

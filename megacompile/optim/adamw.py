@@ -9,6 +9,7 @@ from typing import Callable, Union
 import torch
 
 from ..errors import ArgumentError, OptimizerInputError
+from .weight_decay import NoDecay, check_no_decay
 
 LearningRate = Union[float, Callable[[int], float]]
 # AdamW moves each weight by about lr a step (the update is lr * m / sqrt(v), |m / sqrt(v)| <= ~1):
@@ -30,7 +31,11 @@ class AdamW:
     torch.nn.utils.clip_grad_norm_; `math.inf` measures the norm (engine.last_step.grad_norm)
     and never clips, as clip_grad_norm_(max_norm=inf) does. `kernel`: "fused" (the native one-pass kernel; a torch
     fallback when no compiler is found) or "torch" (torch's own ops in torch's order, which
-    round as torch.optim.AdamW does; slower).
+    round as torch.optim.AdamW does; slower). `no_decay`: the parameters stepped with weight decay 0
+    (torch.optim.AdamW's second param group in the usual recipe): their names as
+    model.named_parameters() spells them, or a function of the model that returns them, such as
+    megacompile.hf_no_decay (Hugging Face Trainer's biases and norm weights); checked against the
+    model by compile(). Default: none, every parameter decays (torch.optim.AdamW's meaning).
     """
     lr: LearningRate = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -38,6 +43,7 @@ class AdamW:
     weight_decay: float = 1e-2
     max_grad_norm: float | None = None
     kernel: str = "fused"
+    no_decay: NoDecay = frozenset()
 
     def __post_init__(self) -> None:
         betas = self.betas
@@ -62,6 +68,7 @@ class AdamW:
             raise OptimizerInputError(f"AdamW lr must be a number in [0, {MAX_LR:g}] (each step moves every weight "
                                       f"by about lr) or a function of the step, got {self.lr!r}")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        object.__setattr__(self, "no_decay", check_no_decay(self.no_decay))
 
     def lr_at(self, step: int) -> float:
         lr = self.lr(step) if callable(self.lr) else self.lr

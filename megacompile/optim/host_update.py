@@ -2,9 +2,10 @@
 global-norm clip before it.
 
 It runs on the host stream, often after step() has returned, so it reads the step's settings
-(lr, step number, clip scale) from the context fixed when the step began, never from the live
-optimizer fields. It keeps the optimizer and the host state, never the engine that owns them: a
-dropped engine is then freed at once, and its streams end with it.
+(lr, betas, eps, weight decay, step number, clip scale) from the context fixed when the step
+began (TrainingState.step_context), never from the live param group. It keeps the optimizer and
+the host state, never the engine that owns them: a dropped engine is then freed at once, and its
+streams end with it.
 """
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ class HostUpdate:
 
     def adamw(self, stage: int, context: dict) -> None:
         opt = self.optimizer
+        beta1, beta2 = context["betas"]
 
         # step: the parameters' own AdamW step count, the global one less the steps that gave them
-        # no gradient (runtime/host.py schedule_updates).
-        def update(master, grad, exp_avg, exp_avg_sq, out, step: int) -> None:
+        # no gradient; decays: False for those AdamW no_decay names (runtime/host.py schedule_updates).
+        def update(master, grad, exp_avg, exp_avg_sq, out, step: int, decays: bool) -> None:
             adamw_update_(master, grad, exp_avg, exp_avg_sq,
-                          lr=context["lr"], beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
-                          weight_decay=opt.weight_decay, step=step, grad_scale=context["grad_scale"],
+                          lr=context["lr"], beta1=beta1, beta2=beta2, eps=context["eps"],
+                          weight_decay=context["weight_decay"] if decays else 0.0, step=step,
+                          grad_scale=context["grad_scale"],
                           out=out, **({"backend": "torch"} if opt.kernel == "torch" else {}))
         self.host.update_owner(stage, update)

@@ -106,10 +106,14 @@ class HostState:
         # AdamW step count is the global one less these; the engine hands in its TrainingState's
         # dict, which checkpoints keep.
         self.missed: dict[str, int] = {}
+        # The parameters AdamW steps with weight decay 0 (AdamW no_decay): the engine hands in its
+        # TrainingState's set.
+        self.no_decay: frozenset[str] = frozenset()
         self._reached: set[str] = set()    # parameters the step's committed micro-batches' programs reach
         self._summed: set[str] = set()     # parameters whose gradient sum holds a committed micro-batch's
         self._got: set[str] = set()        # parameters the running micro-batch landed a gradient for
-        self._runs: dict[int, list[tuple[int, int, int]]] = {}   # per staged owner: (lo, hi, AdamW step)
+        # per staged owner: (lo, hi, AdamW step, decays)
+        self._runs: dict[int, list[tuple[int, int, int, bool]]] = {}
 
         self.owners = {s: self._owner_buffers(s, n, compute_dtype, pin,
                                               owner_layout(compute_dtype, grad_accum, s in summed, placement))
@@ -482,21 +486,23 @@ class HostState:
 
         step: the optimizer step these updates make (1-based), given at the step's last
         micro-batch. Each owner is updated in runs of neighbouring parameters of one AdamW step
-        count (one run, the whole owner, when every parameter has had a gradient in every step);
-        a parameter the step's programs gave no gradient is left out, as torch.optim.AdamW skips a
+        count and one weight decay (decayed, or exempt by AdamW no_decay): one run, the whole
+        owner, when every parameter has had a gradient in every step and all decay alike. A
+        parameter the step's programs gave no gradient is left out, as torch.optim.AdamW skips a
         parameter whose .grad is None: its master, moments and count stay as they are."""
         self._in_copy = set()    # committed: the updates overwrite the copies
         if step is not None:
             for owner in owners:
-                runs: list[tuple[int, int, int]] = []
+                runs: list[tuple[int, int, int, bool]] = []
                 for name in self._by_owner.get(owner, []):
                     if name not in self._reached:
                         continue
-                    slot, own = self.slots[name], step - self.missed.get(name, 0)
-                    if runs and runs[-1][1] == slot.offset and runs[-1][2] == own:
-                        runs[-1] = (runs[-1][0], slot.offset + slot.numel, own)
+                    slot = self.slots[name]
+                    kind = (step - self.missed.get(name, 0), name not in self.no_decay)
+                    if runs and runs[-1][1] == slot.offset and runs[-1][2:] == kind:
+                        runs[-1] = (runs[-1][0], slot.offset + slot.numel, *kind)
                     else:
-                        runs.append((slot.offset, slot.offset + slot.numel, own))
+                        runs.append((slot.offset, slot.offset + slot.numel, *kind))
                 self._runs[owner] = runs
             for name in self.slots:
                 if name not in self._reached:
@@ -509,8 +515,9 @@ class HostState:
             self.disk.schedule(owners)
 
     def update_owner(self, owner: int, fn: UpdateFn) -> None:
-        """fn(master, grad, exp_avg, exp_avg_sq, out, step) over the owner's flat buffers, once per
-        run that schedule_updates found (all of them, or piece by piece through the disk tier)."""
+        """fn(master, grad, exp_avg, exp_avg_sq, out, step, decays) over the owner's flat buffers,
+        once per run that schedule_updates found (all of them, or piece by piece through the disk
+        tier)."""
         b = self.owners[owner]
         for name in self._fold_at_update.pop(owner, []):   # the last micro-batch's gradients join the sum
             self._grad_view(b.grad, name).add_(self._grad_view(b.landing, name))
@@ -520,12 +527,12 @@ class HostState:
         def over(start: int, master, grad, exp_avg, exp_avg_sq, out) -> None:
             """The runs' parts within these buffers, which hold the owner's flat [start, start + len)."""
             end = start + grad.numel()
-            for lo, hi, step in runs:
+            for lo, hi, step, decays in runs:
                 lo, hi = max(lo, start), min(hi, end)
                 if lo < hi:
                     part = slice(lo - start, hi - start)
                     fn(master[part], grad[part], exp_avg[part], exp_avg_sq[part],
-                       None if out is None else out[part], step)
+                       None if out is None else out[part], step, decays)
         if self.disk is None:
             # The buffers hold [grad_lo, grad_lo + len) (a data-parallel rank's range); the compute
             # copy (out) is the whole owner's.

@@ -34,6 +34,7 @@ from ..errors import MegacompileError
 from ..optim import AdamW
 from ..optim.host_update import HostUpdate
 from ..optim.lr_handle import LearningRateHandle
+from ..optim.weight_decay import exempt_parameters
 from .counters import Counters
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class TrainingState:
         # engine, so a dropped engine is freed (and its threads end) without the cyclic collector.
         # It holds the host state.
         self.update = HostUpdate(optimizer)
+        # The parameters AdamW steps with weight decay 0 (AdamW no_decay), by canonical name.
+        self.no_decay = exempt_parameters(optimizer.no_decay, model)
         self.compute_dtype = compute_dtype
         self.grad_accum = grad_accum
         self.data_parallel = data_parallel   # distributed.DataParallel, or None for one process
@@ -130,6 +133,7 @@ class TrainingState:
         the module's own), and from now on the host state holds them. A failure leaves the state
         without host state, the weights where they were."""
         host.missed = self.counters.missed_steps     # per-parameter step counts, kept by checkpoints
+        host.no_decay = self.no_decay
         if self._pending is not None:
             self._pending.apply(host, self.model)
         elif self._complete:
@@ -140,7 +144,7 @@ class TrainingState:
     def restore(self, weights: Any, counters: dict, *, param_group: dict | None = None) -> None:
         """What a checkpoint load read, applied in one go: its weights arrive (weights_arrive), the
         counters take its values (Counters.load_state_dict: those it holds), and the LR handle's
-        param group its values (param_group: lr, initial_lr)."""
+        param group its values (param_group: lr, initial_lr, betas, eps, weight_decay)."""
         self.weights_arrive(weights)
         self.counters.load_state_dict(counters)
         if param_group:
@@ -209,8 +213,12 @@ class TrainingState:
 
     def step_context(self) -> dict:
         """Fixed when a step starts, read by its updates on the host stream (which may still be
-        running while the next step begins)."""
+        running while the next step begins): lr, betas, eps and weight_decay as the LR handle's
+        param group holds them now (a scheduler or the user writes them there), lr from the AdamW's
+        function where it is one."""
         step = self.steps_done + 1
         opt = self.optimizer
-        lr = opt.lr_at(step) if callable(opt.lr) else float(self.torch_optimizer.param_groups[0]["lr"])
-        return {"step": step, "lr": lr, "grad_scale": 1.0}
+        context = self.torch_optimizer.settings()
+        if callable(opt.lr):
+            context["lr"] = opt.lr_at(step)
+        return context | {"step": step, "grad_scale": 1.0}

@@ -16,7 +16,7 @@ from ..capture import CHECKED_LINEAR_ATTENTION, GRID_INPUTS
 from ..capture import with_rope_positions
 from ..engine import Engine, Prepared, prepare, training_capture
 from ..errors import ArgumentError
-from ..optim import AdamW
+from ..optim import AdamW, hf_no_decay
 from ..planner import minimum_budget_of
 from ..settings import Settings, default_hbm_budget
 from . import methods
@@ -125,7 +125,10 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
     optimizer = AdamW(lr=learning_rate(c.lr, c.schedule, c.warmup, c.min_lr, c.steps), betas=tuple(c.betas),
                       eps=c.eps, weight_decay=c.weight_decay,
                       # null: the norm is still measured for the log (clip_grad_norm_ at inf never clips)
-                      max_grad_norm=math.inf if c.max_grad_norm is None else c.max_grad_norm)
+                      max_grad_norm=math.inf if c.max_grad_norm is None else c.max_grad_norm,
+                      # weight_decay as Hugging Face Trainer (so TRL, LlamaFactory) applies it: biases
+                      # and norm weights exempt
+                      no_decay=hf_no_decay)
     settings = c.settings()
     torch.manual_seed(c.seed)
     folder = not c.bundled and _hf_weights(c.model)

@@ -1,6 +1,6 @@
 """A fine-tuning run from a run file and the same training done eagerly: the run's batches and
-held-out rows as it reads them, the model as apply() shapes it, torch.optim.AdamW, and the host
-tables a checkpoint holds."""
+held-out rows as it reads them, the model as apply() shapes it, torch.optim.AdamW over Hugging
+Face Trainer's param groups, and the host tables a checkpoint holds."""
 from __future__ import annotations
 
 import os
@@ -21,7 +21,7 @@ def eager(c, rows) -> tuple[torch.nn.Module, list[float], dict]:
     base.config.use_cache = False
     model = apply_finetuning(c, base)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    opt = torch.optim.AdamW(trainable.values(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
+    opt = torch.optim.AdamW(trainer_groups(model, c.weight_decay), lr=c.lr, betas=tuple(c.betas), eps=c.eps)
     losses, first = [], {}
     for step in range(c.steps):
         opt.zero_grad(set_to_none=True)
@@ -32,6 +32,19 @@ def eager(c, rows) -> tuple[torch.nn.Module, list[float], dict]:
         if step == 0:
             first = {n: opt.state[p]["exp_avg"].clone() for n, p in trainable.items()}
     return model, losses, first
+
+
+def trainer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters in Hugging Face Trainer's two param groups: weight_decay for those
+    Trainer.get_decay_parameter_names gives, 0 for the rest (biases and norm weights)."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not weight_decay:     # one group means the same, without importing Trainer (seconds)
+        return [{"params": list(trainable.values()), "weight_decay": 0.0}]
+    from transformers import Trainer
+    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    groups = [{"params": [p for n, p in trainable.items() if n in decayed], "weight_decay": weight_decay},
+              {"params": [p for n, p in trainable.items() if n not in decayed], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def tables(checkpoint: str, table: str) -> dict:
