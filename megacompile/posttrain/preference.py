@@ -34,11 +34,14 @@ def read_pairs(path: str | Path, tokenizer) -> list[Pair]:
         if missing:
             raise ArgumentError(f"{path}:{n}: a preference record needs prompt, chosen and rejected; "
                                 f"missing {', '.join(missing)}")
-        pairs.append(_tokenize(record, tokenizer))
+        pairs.append(to_pair(record, tokenizer, f"{path}:{n}"))
     return pairs
 
 
-def _tokenize(record: dict, tokenizer) -> Pair:
+def to_pair(record: dict, tokenizer, where: str = "a preference record") -> Pair:
+    """A {prompt, chosen, rejected} record's tokens (text, or messages rendered by the chat
+    template). stage dpo reads LlamaFactory's ranking layouts into this one first
+    (train/data/ranking.py)."""
     prompt = record["prompt"]
     if isinstance(prompt, list):
         # Rendered as text, then split where the prompt ends: the completion is what the template
@@ -49,7 +52,7 @@ def _tokenize(record: dict, tokenizer) -> Pair:
         for k in ("chosen", "rejected"):
             full = tokenizer.apply_chat_template(prompt + record[k], tokenize=False)
             if not full.startswith(head):
-                raise ArgumentError(f"the chat template renders the {k} conversation without the prompt's "
+                raise ArgumentError(f"{where}: the chat template renders the {k} conversation without the prompt's "
                                     f"rendering as its start; give the prompt and completions as text instead")
             completions.append(tokenizer(full[len(head):], add_special_tokens=False)["input_ids"])
     else:

@@ -9,14 +9,20 @@ trainer_state: a TrainerState (global_step, epoch, max_steps); columns: every ot
 records, one value per completion. A reward of None or NaN means "not scored by this function": it
 is left out of the weighted sum (a nansum over the functions), and a completion no function scored
 has the reward NaN (advantages.py gives it no advantage). `async def` functions are awaited
-together. Built in: an exact-match answer and a format check."""
+together. Built in: an exact-match answer and a format check.
+
+A function is named `module:function` or, as TRL's scripts name it, `module.function`. A module
+not on the Python path is looked up in the working directory (TRL's scripts put it on sys.path)
+and then beside the run.yaml; the folder it is found in is added to the end of sys.path."""
 from __future__ import annotations
 
 import asyncio
 import importlib
 import inspect
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -37,17 +43,49 @@ class TrainerState:
     max_steps: int = 0
 
 
-def load(name: str) -> RewardFn:
-    """`module:function` (as named in a run.yaml), or a built-in's name."""
+def load(name: str, near: str | None = None) -> RewardFn:
+    """`module:function` or TRL's `module.function` (as named in a run.yaml), or a built-in's name;
+    `near`: the run.yaml's folder, where a module not found on the path or in the working
+    directory is looked for."""
     if name in BUILT_IN:
         return BUILT_IN[name]
-    module, _, attr = name.partition(":")
+    module, sep, attr = name.partition(":")
+    if not sep:
+        module, _, attr = name.rpartition(".")
     if not module or not attr:
-        raise ArgumentError(f"a reward function is named module:function or one of {', '.join(BUILT_IN)}; got {name!r}")
+        raise ArgumentError(f"a reward function is named module:function (or TRL's module.function) or one of "
+                            f"{', '.join(BUILT_IN)}; got {name!r}")
+    found = _module(name, module, near)
+    if not hasattr(found, attr):
+        raise ArgumentError(f"reward function {name!r} cannot be loaded: {module} "
+                            f"({getattr(found, '__file__', None) or 'a module'}) has no {attr}")
+    return getattr(found, attr)
+
+
+def _module(name: str, module: str, near: str | None):
+    top = module.split(".")[0]
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != top:       # the module is there, and something it imports is not
+            raise ArgumentError(f"reward function {name!r} cannot be loaded: {e}") from e
+    except ImportError as e:
         raise ArgumentError(f"reward function {name!r} cannot be loaded: {e}") from e
+    places = list(dict.fromkeys(p for p in (os.getcwd(), near) if p))
+    for folder in places:
+        if os.path.isfile(os.path.join(folder, top + ".py")) or os.path.isdir(os.path.join(folder, top)):
+            if folder not in sys.path:
+                sys.path.append(folder)
+                importlib.invalidate_caches()
+            try:
+                return importlib.import_module(module)
+            except ImportError as e:
+                raise ArgumentError(f"reward function {name!r} cannot be loaded from {folder}: {e}") from e
+    where = " or ".join(f"{what} ({p})" for what, p in zip(("the working directory", "beside the run config"), places)
+                        if p)
+    raise ArgumentError(f"reward function {name!r} cannot be loaded: no module named {top} on the Python path, in "
+                        f"{where}; put {top}.py in one of those folders, or add its folder to PYTHONPATH "
+                        f"(PYTHONPATH=/path/to/folder megacompile train ...)")
 
 
 def name_of(f: RewardFn) -> str:
@@ -88,15 +126,30 @@ def score(funcs: Sequence[RewardFn], weights: Sequence[float] | None, prompts, c
     return total, each
 
 
-def _check_signature(f: RewardFn, kwargs: dict) -> None:
+KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+def check_callable(funcs: Sequence[RewardFn], columns: Sequence[str] | None = None) -> None:
+    """Each function takes TRL's keywords and, when `columns` (the data's, but the prompt) are
+    given, those too: checked before the run folder is written, not at the first rollout. Without
+    columns, only TRL's four keywords are checked (a parameter may be a column)."""
+    kwargs = {k: None for k in KEYWORDS} | {k: None for k in columns or ()}
+    for f in funcs:
+        _check_signature(f, kwargs, partial=columns is None)
+
+
+def _check_signature(f: RewardFn, kwargs: dict, partial: bool = False) -> None:
     """A function that cannot take TRL's keywords is refused naming them, not with Python's TypeError
     from inside the run."""
     try:
-        inspect.signature(f).bind(**kwargs)
+        signature = inspect.signature(f)
+        signature.bind_partial(**kwargs) if partial else signature.bind(**kwargs)
     except TypeError as e:
+        columns = [k for k in kwargs if k not in KEYWORDS]
         raise ArgumentError(f"reward function {name_of(f)} is called as TRL calls reward functions, with keywords "
-                            f"{', '.join(kwargs)} (the data's columns among them); name its parameters prompts and "
-                            f"completions and end them with **kwargs: {e}") from e
+                            f"{', '.join(KEYWORDS)} and the data's columns"
+                            + (f" ({', '.join(columns)})" if columns else "")
+                            + f"; name its parameters prompts and completions and end them with **kwargs: {e}") from e
     except ValueError:
         pass                # a builtin without a signature: called as it is
 

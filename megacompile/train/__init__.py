@@ -4,7 +4,8 @@
                  evaluation, checkpoints, the trained model
     stages/      what is trained step by step: sft, dpo, grpo (TRL's keys), each a Stage
     data/        records read (JSONL, Parquet, ShareGPT, Alpaca, images), tokenised once into token
-                 files, masked, held out, mixed, streamed, and packed into rows and micro-batches
+                 files (records truncated to a row as LlamaFactory's cutoff_len), masked, held out,
+                 mixed, streamed, and packed into rows and micro-batches (a record never split)
     methods/     which parameters train: full, LoRA adapters (PEFT) or some blocks (freeze), a
                  vision-language model's parts frozen, a LoRA run's export
     config.py    run.yaml's keys, defaults and checks (before anything is loaded)

@@ -202,7 +202,7 @@ def translate(raw: dict, default_lr: float) -> Translated:
     if out.keys.get("steps") is not None and out.spelled.get("epochs") == "num_train_epochs":
         del out.keys["epochs"]      # transformers: max_steps > 0 overrides num_train_epochs
         out.notes.append("num_train_epochs is not used: max_steps is given (as in transformers)")
-    if "template" in raw:
+    if raw.get("template") is not None:      # template: null is no template, as leaving it out
         out.notes.append(_template(raw["template"], out.keys))
     if ignored:
         why = [f"{k} ({WHY_IGNORED[k]})" if k in WHY_IGNORED else k for k in ignored]
@@ -269,13 +269,27 @@ def _schedule(raw: dict, out: Translated, default_lr: float) -> None:
         out.keys["warmup"] = 0
 
 
+HF_LOGGING_STEPS = 500     # transformers' default logging_steps, which eval_strategy: steps falls back on
+
+
 def _strategies(raw: dict, out: Translated) -> None:
     for key, own in (("eval_strategy", "eval_every"), ("evaluation_strategy", "eval_every"),
                      ("save_strategy", "save_every"), ("logging_strategy", None)):
-        if key in raw and _strategy(key, own)(raw[key]) == "no":
+        if key not in raw:
+            continue
+        strategy = _strategy(key, own)(raw[key])
+        if strategy == "no":
             out.keys.pop(own, None)
             # no eval; no checkpoint at all (save_every false), the trained model still written at the end
             out.keys[own] = None if own == "eval_every" else False
+        elif own == "eval_every" and out.keys.get("eval_every") in (None, 0):
+            # transformers: eval_steps unset (or 0) with eval_strategy steps is logging_steps
+            every = out.keys.get("log_every", HF_LOGGING_STEPS)
+            out.keys["eval_every"] = every
+            out.spelled.setdefault("eval_every", key)
+            out.notes.append(f"{key}: steps without eval_steps evaluates every {every} steps (logging_steps"
+                             + ("" if "log_every" in out.keys else ", transformers' default")
+                             + "), as transformers sets eval_steps")
 
 
 def _template(name: Any, keys: dict) -> str:

@@ -50,7 +50,7 @@ class RunConfig:
     eval_fraction: float = 0.0
     train_on_prompt: bool = False
     seq: int = 512
-    packing: bool | str = True
+    packing: bool | str | None = None     # unset: text packed, supervised records one a row (placement.py)
     global_batch: int | None = None
     batch: int = 1
     grad_accum: int = 1
@@ -242,13 +242,9 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     told = their_keys.refusal(unknown)
     if told:        # TRL's or LlamaFactory's keys megacompile does not take: what to give instead, or why
         rest = [k for k in unknown if k not in their_keys.NOT_TAKEN]
-        raise ArgumentError(f"{source}: {told}" + (f"; unknown key{'s' if len(rest) > 1 else ''} {', '.join(rest)} "
-                                                   "(docs/training.md lists the keys)" if rest else ""))
+        raise ArgumentError(f"{source}: {told}" + (f"; {_unknown(rest)}" if rest else ""))
     if unknown:
-        raise ArgumentError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                            f"the keys are {', '.join(KEYS)}; LlamaFactory's and transformers/TRL's names "
-                            "(learning_rate, per_device_train_batch_size, cutoff_len, ...) are read too "
-                            "(docs/training.md)")
+        raise ArgumentError(f"{source}: {_unknown(unknown)}")
     c = RunConfig(**{k: v for k, v in raw.items()})
     c.model = _text("model", c.model)
     if not c.bundled:
@@ -266,13 +262,13 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.dataset is not None:       # LlamaFactory's keys: names in dataset_dir/dataset_info.json
         if "data" in raw:
             raise ArgumentError("data and dataset both name the training data: give one of them")
-        c.data = entries.llamafactory(c.dataset, c.dataset_dir)
+        c.data = entries.llamafactory(c.dataset, c.dataset_dir, stage=c.stage)
     elif c.dataset_dir is not None and c.eval_dataset is None:
         raise ArgumentError("dataset_dir is the folder of dataset_info.json, read for dataset: name the datasets")
     if c.eval_dataset is not None:
         if raw.get("eval"):
             raise ArgumentError("eval and eval_dataset both name the held-out data: give one of them")
-        c.eval = entries.llamafactory(c.eval_dataset, c.dataset_dir, key="eval_dataset")
+        c.eval = entries.llamafactory(c.eval_dataset, c.dataset_dir, key="eval_dataset", stage=c.stage)
     c.data = entries.check("data", c.data, allow_bundled=True, allow_weights=True)
     if not c.data:
         raise ArgumentError("data: name at least one data file")
@@ -292,11 +288,15 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.streaming and c.eval_fraction:
         raise ArgumentError("streaming reads the data once, in order, and cannot hold out a fraction of it: give "
                             "eval files instead of eval_fraction, or streaming: false")
+    if c.streaming and any(e["num_samples"] for e in c.data):
+        raise ArgumentError("num_samples draws records from the whole of a dataset, which streaming does not hold: "
+                            "give streaming: false, or leave num_samples out")
     if c.streaming and raw.get("epochs") is not None:
         raise ArgumentError("streaming does not know the data's size ahead, so epochs cannot be turned into steps: "
                             "give steps, or streaming: false")
     c.seq = _int("seq", c.seq, 2)
-    if c.packing not in PACKING or isinstance(c.packing, int) and not isinstance(c.packing, bool):
+    if c.packing is not None and (c.packing not in PACKING or isinstance(c.packing, int)
+                                  and not isinstance(c.packing, bool)):
         raise ArgumentError(f"packing must be false, true or isolated; got {c.packing!r}")
     if c.packing == "isolated" and c.bundled:
         raise ArgumentError("packing: isolated needs a model that takes position_ids (a Hugging Face decoder); "
@@ -373,12 +373,27 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("export writes a Hugging Face model folder, and the bundled model is not a Hugging Face "
                             "model; leave export out (its checkpoints hold the weights)")
     c.seed = _int("seed", c.seed, 0)
+    for entry in c.data + c.eval:
+        if entry["num_samples"]:
+            entry["seed"] = c.seed      # which records num_samples draws (reading.py)
     _media(c)
     from .methods import check as check_finetuning
     check_finetuning(c, raw)
     from .stages.keys import check as check_stage
-    check_stage(c, raw)
+    check_stage(c, raw, os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None)
     return c
+
+
+def _unknown(keys: list[str]) -> str:
+    """Unknown keys, each with the known name it is closest to (a typo's fix), if any is close."""
+    import difflib
+    names = [*KEYS, *aliases.ALIASES, *aliases.SPECIAL, *aliases.IGNORED, *their_keys.NOT_TAKEN]
+    told = []
+    for key in keys:
+        close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.75)
+        told.append(f"{key} (did you mean {close[0]}?)" if close else str(key))
+    return (f"unknown key{'s' if len(keys) > 1 else ''} {', '.join(told)}; docs/training.md lists the keys, "
+            "megacompile's and the LlamaFactory and transformers/TRL names read as them")
 
 
 def _media(c: RunConfig) -> None:

@@ -54,7 +54,11 @@ def read(path: str) -> Saved:
 def rows_layout(c: RunConfig) -> dict:
     """What decides which rows a data position counts (packing.py cuts rows from seed and row
     index; split.py holds out eval_fraction of the tokens)."""
-    layout = {"seq": c.seq, "packing": c.packing, "seed": c.seed, "eval_fraction": c.eval_fraction}
+    # packing unset lays plain text as packing: true did (what such a checkpoint saved) and records one
+    # a row: records_packed tells them apart (a checkpoint without it predates records kept whole, and
+    # its records' token file differs from today's: its sha256 refuses the resume if it held any)
+    layout = {"seq": c.seq, "packing": True if c.packing is None else c.packing,
+              "records_packed": c.packing not in (None, False), "seed": c.seed, "eval_fraction": c.eval_fraction}
     weights = [e["weight"] for e in c.data]
     if weights[0] is not None or c.streaming:     # mixture.py: the order of documents
         layout.update(mixture=[c.mix_strategy, weights], streaming=c.streaming)
@@ -88,8 +92,9 @@ def check_rows(c: RunConfig, saved: Saved) -> None:
 def check_data(saved: Saved, fingerprint: str) -> None:
     if saved.extra.get("data") != fingerprint:
         raise ArgumentError(f"{saved.path} was saved by a run on other tokens (token file {saved.extra.get('data')}, "
-                            f"now {fingerprint}: the data, the tokenizer or train_on_prompt changed); resume it "
-                            "with the same data, or start a new run_dir")
+                            f"now {fingerprint}: the data, the tokenizer or train_on_prompt changed, or the checkpoint "
+                            "predates supervised records kept whole in a row); resume it with the same data, or start "
+                            "a new run_dir")
 
 
 def notes(c: RunConfig, saved: Saved) -> list[str]:

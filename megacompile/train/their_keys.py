@@ -103,12 +103,13 @@ def refusal(unknown: list[str]) -> str | None:
 def notes(c: Any, given: dict) -> list[str]:
     """One line per setting whose meaning here differs from TRL's or LlamaFactory's (not an error);
     `given`: the keys the run.yaml and the command line set."""
-    out = []
-    if c.stage != "sft" or c.bundled or c.packing is not True:
-        return out
-    if "packing" in given:
-        return out + ["packing: true lets packed documents attend to each other (as LlamaFactory's packing without "
-                      "neat_packing); TRL's packing: true keeps them apart, which is packing: isolated here"]
-    return out + ["packing: true is megacompile's default (documents fill rows end to end and attend to each "
-                  "other); TRL's and LlamaFactory's SFT do not pack by default (packing: false here), and TRL's "
-                  "packing: true is packing: isolated here"]
+    if c.stage != "sft" or c.bundled:
+        return []
+    if c.packing is None:
+        return ["packing not given: supervised records (chat, Alpaca, prompt/completion) are not packed, one a row "
+                "truncated to seq, as in LlamaFactory's and TRL's SFT; plain-text documents fill rows end to end and "
+                "continue across them, as in LlamaFactory's stage pt (TRL cuts each at max_length)"]
+    if c.packing is True:
+        return ["packing: true packs records whole, as LlamaFactory's packing (without neat_packing): packed "
+                "documents attend to each other; TRL's packing: true keeps them apart, which is packing: isolated here"]
+    return []

@@ -97,10 +97,16 @@ def test_trls_loss_switches_are_train_on_prompt_negated(tmp_path):
         load(_yaml(tmp_path, steps=2, assistant_only_loss=True, completion_only_loss=False))
 
 
-def test_an_unknown_key_lists_the_own_keys_and_says_other_names_are_read(tmp_path):
-    with pytest.raises(ArgumentError, match="unknown key lora_rnk; the keys are model, .*LlamaFactory's and "
-                                            "transformers/TRL's names .* are read too"):
-        load(_yaml(tmp_path, steps=2, lora_rnk=8))
+@pytest.mark.parametrize("typo, told", [("lora_rnk", "lora_rnk (did you mean lora_rank?)"),
+                                        ("learning_rat", "learning_rat (did you mean learning_rate?)"),
+                                        ("warmup_ratoi", "warmup_ratoi (did you mean warmup_ratio?)"),
+                                        ("zzz", "zzz")])
+def test_an_unknown_key_is_named_with_the_key_it_is_closest_to_not_a_list_of_every_key(tmp_path, typo, told):
+    with pytest.raises(ArgumentError) as e:
+        load(_yaml(tmp_path, steps=2, **{typo: 8}))
+    assert str(e.value).endswith(f"unknown key {told}; docs/training.md lists the keys, megacompile's and the "
+                                 "LlamaFactory and transformers/TRL names read as them")
+    assert len(str(e.value)) < 300
 
 
 def test_keys_without_effect_and_the_template_name_are_noted(tmp_path, capsys):
@@ -117,8 +123,7 @@ def test_keys_without_effect_and_the_template_name_are_noted(tmp_path, capsys):
                                         "preprocessing_num_workers", "save_only_model", "trust_remote_code"]
 
 
-def test_a_template_needs_the_tokenizers_chat_template(tmp_path):
-    model = files.model_dir(str(tmp_path / "model"))
+def _without_chat_template(model: str) -> None:
     config = os.path.join(model, "tokenizer_config.json")
     for name in os.listdir(model):
         if name.startswith("chat_template"):
@@ -129,8 +134,18 @@ def test_a_template_needs_the_tokenizers_chat_template(tmp_path):
     settings.pop("chat_template", None)
     with open(config, "w") as f:
         json.dump(settings, f)
+
+
+def test_a_template_needs_the_tokenizers_chat_template(tmp_path):
+    _without_chat_template(files.model_dir(str(tmp_path / "model")))
     with pytest.raises(ArgumentError, match="template 'llama3': megacompile formats chats with the tokenizer's own"):
         load(_yaml(tmp_path, model_name_or_path="model", template="llama3", max_steps=3))
+
+
+def test_template_null_is_no_template_as_leaving_it_out(tmp_path, capsys):
+    _without_chat_template(files.model_dir(str(tmp_path / "model")))
+    load(_yaml(tmp_path, model_name_or_path="model", template=None, max_steps=3))      # a tokenizer without one
+    assert "template" not in capsys.readouterr().out
 
 
 def test_report_to_takes_a_comma_string_none_and_all(tmp_path):

@@ -19,7 +19,7 @@ def _yaml(tmp_path, **settings) -> str:
 
 
 @pytest.mark.parametrize("settings, overrides, message", [
-    ({"learnin_rate": 1e-3}, [], "unknown key learnin_rate; the keys are model, tokenizer"),
+    ({"learnin_rate": 1e-3}, [], "unknown key learnin_rate (did you mean learning_rate?)"),
     ({"schedule": "exp"}, [], "schedule must be one of constant, linear, cosine; got 'exp'"),
     ({"accumulation": "block"}, [], "accumulation must be one of micro, layer, auto; got 'block'"),
     ({}, ["packing=always"], "packing must be false, true or isolated; got 'always'"),

@@ -152,3 +152,36 @@ def test_max_samples_reads_the_first_records_of_each_entry(tmp_path):
     assert tokens.token_file(str(tmp_path / "t"), "train", c.data, tok, None, False).n_docs == 4
     with pytest.raises(ArgumentError, match="max_samples must be a whole number >= 1; got 0"):
         load(_yaml(tmp_path, max_samples=0))
+
+
+@pytest.mark.parametrize("count", [2, 7])
+def test_num_samples_draws_that_many_records_as_llamafactory_does(tmp_path, count):
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"a": {"file_name": "a.jsonl", "num_samples": count}}))
+    c = load(_yaml(tmp_path, dataset="a", dataset_dir="."))
+    drawn = [r["text"] for _, r in records(c.data[0])]
+    every = [r["text"] for r in data.texts(3)]
+    assert len(drawn) == count and set(drawn) <= set(every)
+    if count > 3:       # every record once, then drawn again at random
+        assert sorted(drawn[:3]) == sorted(every)
+    else:
+        assert len(set(drawn)) == count
+    assert drawn == [r["text"] for _, r in records(load(_yaml(tmp_path, dataset="a", dataset_dir=".")).data[0])]
+    tok = files.tokenizer()
+    assert tokens.token_file(str(tmp_path / "t"), "train", c.data, tok, None, False).n_docs == count
+    c = load(_yaml(tmp_path, dataset="a", dataset_dir=".", max_samples=1))      # max_samples: the first drawn
+    assert [r["text"] for _, r in records(c.data[0])] == drawn[:1]
+
+
+@pytest.mark.parametrize("entry, settings, message", [
+    ({"file_name": "a.jsonl", "num_sample": 5}, {}, "a in {tmp}/dataset_info.json has unknown key num_sample; "
+                                                    "an entry takes file_name, formatting, ranking, columns, tags, "
+                                                    "num_samples"),
+    ({"file_name": "a.jsonl", "split": "test"}, {}, "has split 'test'; a local file is one split, train"),
+    ({"file_name": "a.jsonl", "num_samples": 0}, {}, "num_samples of {tmp}/a.jsonl is a whole number >= 1 (records drawn from it); got 0"),
+    ({"file_name": "a.jsonl", "num_samples": 5}, {"streaming": True}, "num_samples draws records from the whole"),
+])
+def test_dataset_info_entries_are_checked_by_name(tmp_path, entry, settings, message):
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"a": entry}))
+    with pytest.raises(ArgumentError) as e:
+        load(_yaml(tmp_path, dataset="a", dataset_dir=".", **settings))
+    assert message.format(tmp=tmp_path) in str(e.value)

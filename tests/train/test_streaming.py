@@ -1,5 +1,5 @@
 """streaming: true cuts the same rows as a token file read in order (shuffling off), pass after
-pass; a row asked for out of order (a resume's first) is the row read in order; and a bad record
+pass (records truncated to the row and packed whole alike); a row asked for out of order (a resume's first) is the row read in order; and a bad record
 met by the tokenising thread stops the run with its error."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _same(a, b) -> bool:
 def test_streamed_rows_are_the_token_files_rows_in_file_order(tmp_path, weights, pack):
     tok = files.tokenizer()
     items, strategy, normal = _entries(tmp_path, weights)
-    made = tokens.token_file(str(tmp_path / "tokens"), "train", items, tok, None, False)
+    made = tokens.token_file(str(tmp_path / "tokens"), "train", items, tok, None, False, cutoff=16)
     mix = None
     if normal is not None:
         docs = np.arange(made.n_docs)

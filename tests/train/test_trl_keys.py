@@ -30,6 +30,14 @@ def test_a_bare_no_on_the_command_line_turns_eval_off(tmp_path, key):
     assert c.eval_every is None
 
 
+@pytest.mark.parametrize("given, every", [({"logging_steps": 5}, 5), ({}, 500), ({"logging_steps": 5, "eval_steps": 0}, 5),
+                                          ({"logging_steps": 5, "eval_steps": 3}, 3)])
+def test_eval_strategy_steps_without_eval_steps_evaluates_every_logging_steps(tmp_path, capsys, given, every):
+    c = load(_yaml(tmp_path, val_size=0.1, eval_strategy="steps", **given))      # as transformers sets eval_steps
+    assert c.eval_every == every
+    assert ("evaluates every" in capsys.readouterr().out) == ("eval_steps" not in given or not given["eval_steps"])
+
+
 @pytest.mark.parametrize("written, override", [("no", []), (False, []), ("steps", ["save_strategy=no"])])
 def test_save_strategy_no_means_no_checkpoint_at_all(tmp_path, written, override):
     files.model_dir(str(tmp_path / "model"))
@@ -62,7 +70,7 @@ def test_their_key_beside_an_unknown_one_names_both(tmp_path):
 
 def test_their_keys_asking_for_nothing_are_accepted(tmp_path):
     c = load(_yaml(tmp_path, neat_packing=False, push_to_hub=False, quantization_bit=None, use_liger_kernel=False))
-    assert c.packing is True
+    assert c.packing is None        # not given: records one a row, text packed (as LlamaFactory's sft and pt)
 
 
 def test_no_key_is_both_taken_and_refused():
@@ -77,9 +85,10 @@ def test_packing_says_at_the_start_where_it_differs_from_trl_and_llamafactory(tm
     files.model_dir(str(tmp_path / "model"))
     load(_yaml(tmp_path, model="model"))
     default, = _notes(capsys)
-    assert "packing: true is megacompile's default" in default and "packing: isolated here" in default
+    assert "packing not given: supervised records (chat, Alpaca, prompt/completion) are not packed" in default
     load(_yaml(tmp_path, model="model", packing=True))
     given, = _notes(capsys)
+    assert "packing: true packs records whole" in given
     assert "TRL's packing: true keeps them apart, which is packing: isolated here" in given
     for same in (False, "isolated"):        # TRL's packing: false and packing: true
         load(_yaml(tmp_path, model="model", packing=same))

@@ -19,9 +19,17 @@ def is_alpaca(record: dict) -> bool:
 
 
 def messages(record: dict, where: str) -> list[dict]:
-    instruction, query, output = record["instruction"], record.get("input", ""), record["output"]
+    if not isinstance(record["output"], str):
+        raise ArgumentError(f"{where}: an Alpaca record's instruction, input, output and system are strings")
+    return prompt(record, where) + [{"role": "assistant", "content": record["output"]}]
+
+
+def prompt(record: dict, where: str) -> list[dict]:
+    """The messages before the answer: the system turn, the history, the question (a preference
+    record in LlamaFactory's alpaca ranking layout answers it twice: data/ranking.py)."""
+    instruction, query = record["instruction"], record.get("input", "")
     system, history = record.get("system"), record.get("history") or []
-    if not all(isinstance(x, str) for x in (instruction, query, output)) or \
+    if not all(isinstance(x, str) for x in (instruction, query)) or \
             (system is not None and not isinstance(system, str)):
         raise ArgumentError(f"{where}: an Alpaca record's instruction, input, output and system are strings")
     if not isinstance(history, list) or not all(
@@ -30,5 +38,5 @@ def messages(record: dict, where: str) -> list[dict]:
     out = [{"role": "system", "content": system}] if system else []
     for question, answer in history:
         out += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    prompt = instruction + "\n" + query if query else instruction
-    return out + [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    question = instruction + "\n" + query if query else instruction
+    return out + [{"role": "user", "content": question}]

@@ -4,11 +4,12 @@
     data: [{path: a.jsonl, weight: 0.5}, {path: b.parquet, weight: 0.5}]
     dataset: alpaca_en,sharegpt_zh                       # LlamaFactory: names in dataset_dir/dataset_info.json
 
-An entry is checked into a dict {path, weight, kind, columns, tags} before any file is opened:
-`kind` says how reading.py reads it (text, jsonl, a `datasets` builder, a save_to_disk folder);
-`columns` and `tags` rename a file's own column and role names to the ones the record formats
-use (as LlamaFactory's dataset_info.json gives them). Only local paths are read: the run has no
-network, and a hub id would name a different dataset on every machine that resolved it.
+An entry is checked into a dict {path, weight, kind, columns, tags, formatting, num_samples}
+before any file is opened: `kind` says how reading.py reads it (text, jsonl, a `datasets`
+builder, a save_to_disk folder); `columns` and `tags` rename a file's own column and role names to
+the ones the record formats use, and `num_samples` draws that many of its records (reading.py), as
+LlamaFactory's dataset_info.json gives them. Only local paths are read: the run has no network,
+and a hub id would name a different dataset on every machine that resolved it.
 """
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ BUNDLED = "bundled"
 # file name endings and the `datasets` builder that reads each
 BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 KINDS = ("text", "jsonl", *BUILDERS.values(), "saved")
-ENTRY_KEYS = ("path", "weight", "columns", "tags", "formatting")
+ENTRY_KEYS = ("path", "weight", "columns", "tags", "formatting", "num_samples")
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
 # LlamaFactory's column names (dataset_info.json `columns`) -> the record keys read here
 COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
            "history": "history", "messages": "conversations", "text": "text", "images": "images",
-           "videos": "videos"}
+           "videos": "videos", "chosen": "chosen", "rejected": "rejected"}
+# dataset_info.json: the keys of an entry read here, and those that only say where a remote one is
+INFO_KEYS = ("file_name", "formatting", "ranking", "columns", "tags", "num_samples", "split", "subset", "folder")
+REMOTE = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 TAGS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "system_tag", "observation_tag",
         "function_tag")
 WHAT = ("a .txt file (one document), .jsonl, .json, .parquet, .arrow or .csv file of records, a folder "
@@ -114,8 +118,12 @@ def check(key: str, value: Any, allow_bundled: bool, allow_weights: bool) -> lis
         formatting = entry.get("formatting")
         if formatting not in (None, "alpaca", "sharegpt"):
             raise ArgumentError(f"{key}: formatting of {path} is alpaca or sharegpt; got {formatting!r}")
+        samples = entry.get("num_samples")
+        if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
+            raise ArgumentError(f"{key}: num_samples of {path} is a whole number >= 1 (records drawn from it); got "
+                                f"{samples!r}")
         out.append({"path": path, "weight": weight, "kind": kind, "columns": dict(columns), "tags": dict(tags),
-                    "formatting": formatting})
+                    "formatting": formatting, "num_samples": samples})
     _all_or_none(key, out)
     return out
 
@@ -172,15 +180,16 @@ def mixture(entries: list[dict], strategy: Any, probs: Any) -> tuple[str, list[f
     return strategy, [w / total for w in weights]
 
 
-def llamafactory(names: Any, folder: Any, key: str = "dataset") -> list[dict]:
+def llamafactory(names: Any, folder: Any, key: str = "dataset", stage: str = "sft") -> list[dict]:
     """Entries for LlamaFactory's `dataset: a,b` (or `eval_dataset`) read from
-    `dataset_dir/dataset_info.json`."""
+    `dataset_dir/dataset_info.json`. As in LlamaFactory, a ranking (preference) dataset trains
+    under stage dpo and only there."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise ArgumentError(f"{key} is a name or a comma-separated list of names in dataset_info.json; got {names!r}")
     folder = folder if folder is not None else "data"
-    info_path = os.path.join(str(folder), "dataset_info.json")
+    info_path = os.path.normpath(os.path.join(str(folder), "dataset_info.json"))
     try:
         with open(info_path) as f:
             info = json.load(f)
@@ -194,11 +203,24 @@ def llamafactory(names: Any, folder: Any, key: str = "dataset") -> list[dict]:
         if not isinstance(spec, dict):
             raise ArgumentError(f"{key}: {name} is not in {info_path}; it names {', '.join(sorted(info)) or 'nothing'}")
         if "file_name" not in spec:
-            remote = [k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name") if k in spec]
+            remote = [k for k in REMOTE if k in spec]
             raise ArgumentError(f"{key}: {name} in {info_path} is read from {', '.join(remote) or 'no file_name'}; only "
                                 "local files (file_name) are read: the run uses no network")
-        if spec.get("ranking"):
-            raise ArgumentError(f"{key}: {name} is a ranking (preference) dataset; only supervised data trains here")
+        unknown = sorted(k for k in spec if k not in INFO_KEYS + REMOTE)
+        if unknown:
+            raise ArgumentError(f"{key}: {name} in {info_path} has unknown key{'s' if len(unknown) > 1 else ''} "
+                                f"{', '.join(map(str, unknown))}; an entry takes {', '.join(INFO_KEYS)}")
+        if spec.get("split", "train") != "train":
+            raise ArgumentError(f"{key}: {name} in {info_path} has split {spec['split']!r}; a local file is one split, "
+                                "train (LlamaFactory's default): leave split out, or name the file of that split")
+        ranking = spec.get("ranking", False)
+        if ranking and stage != "dpo":
+            raise ArgumentError(f"{key}: {name} in {info_path} is a ranking (preference) dataset, which trains under "
+                                f"stage: dpo (as in LlamaFactory); stage {stage} reads supervised datasets")
+        if not ranking and stage == "dpo":
+            raise ArgumentError(f"{key}: {name} in {info_path} is not a ranking dataset, and stage dpo trains on "
+                                "preference pairs: mark a dataset of them ranking: true, as LlamaFactory does")
         out.append({"path": os.path.normpath(os.path.join(str(folder), spec["file_name"])), "columns": spec.get("columns") or {},
-                    "tags": spec.get("tags") or {}, "formatting": spec.get("formatting", "alpaca")})
+                    "tags": spec.get("tags") or {}, "formatting": spec.get("formatting", "alpaca"),
+                    "num_samples": spec.get("num_samples")})
     return out

@@ -21,8 +21,9 @@ def _render(tokenizer, messages: list, generation_prompt: bool) -> list[int]:
     return _encode(tokenizer, text, special=False)    # the template writes its own special tokens
 
 
-def chat(tokenizer, messages: list, train_on_prompt: bool, where: str) -> tuple[list[int], list[bool]]:
-    """Tokens of a conversation and its target mask: assistant turns only, unless train_on_prompt."""
+def chat(tokenizer, messages: list, train_on_prompt: bool, where: str) -> tuple[list[int], list[bool], list]:
+    """Tokens of a conversation, its target mask (assistant turns only, unless train_on_prompt)
+    and where each assistant turn lies ([start, end) token spans, in order: cutoff.py)."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
@@ -33,6 +34,7 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str) -> tuple[
                             "has none (chat_template in tokenizer_config.json); use prompt/completion records")
     ids = _render(tokenizer, messages, generation_prompt=False)
     targets = [train_on_prompt] * len(ids)
+    answers = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -44,13 +46,17 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str) -> tuple[
                                 "prompt/completion records, or train_on_prompt: true")
         for i in range(len(before), len(through)):
             targets[i] = True
-    return ids, targets
+        if len(through) > len(before):
+            answers.append((len(before), len(through)))
+    return ids, targets, answers
 
 
-def prompt_completion(tokenizer, prompt: str, completion: str, train_on_prompt: bool) -> tuple[list[int], list[bool]]:
+def prompt_completion(tokenizer, prompt: str, completion: str,
+                      train_on_prompt: bool) -> tuple[list[int], list[bool], list]:
+    """Tokens, targets and the completion's span (as chat())."""
     head = _encode(tokenizer, prompt, special=True)
     tail = _encode(tokenizer, completion, special=False)
-    return head + tail, [train_on_prompt] * len(head) + [True] * len(tail)
+    return head + tail, [train_on_prompt] * len(head) + [True] * len(tail), [(len(head), len(head) + len(tail))]
 
 
 def text(tokenizer, value: str) -> tuple[list[int], list[bool]]:

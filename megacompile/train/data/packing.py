@@ -1,18 +1,21 @@
 """Rows of training tokens from a token file, and micro-batches of model inputs from rows.
 
-Each epoch lays the documents (in an order shuffled by seed and epoch) end to end into one
-stream and cuts it into rows of `row_len` tokens; the rows are then visited in a shuffled order.
-With packing off, each document starts a row of its own: it takes ceil(len / row_len) rows, the
-last one padded. With packing on, documents share rows (the EOS each ends with separates them)
-and a document may continue in the next row. `isolated` packing also restarts the position ids
-at every document and at every row start, and never makes a document's first token the target
-of the previous document's last one; a decoder that builds its causal mask from position ids
-(transformers' packed-sequence masks) then keeps packed documents from attending to each other.
+Each epoch lays the documents (in an order shuffled by seed and epoch) into one stream as
+placement.py says and cuts it into rows of `row_len` tokens; the rows are then visited in a
+shuffled order. Plain text follows the previous document and may continue in the next row (with
+packing off it starts a row of its own and takes ceil(len / row_len) rows, the last one padded).
+A supervised record is at most a row long (truncated when tokenised: cutoff.py) and never crosses
+a row's end: with packing on, records share rows whole (LlamaFactory's greedy knapsack), else each
+fills a row of its own, the rest padded. Documents that share a row are separated by the EOS each
+ends with. `isolated` packing also restarts the position ids at every document and at every row
+start, and never makes a document's first token the target of the previous document's last one;
+a decoder that builds its causal mask from position ids (transformers' packed-sequence masks) then
+keeps packed documents from attending to each other.
 
 A document with images (images.py) is never packed: it starts a row of its own and fills it, the
-rest padded (and so the next document starts a row too), so a row holds all of an image's tokens
-or none, and a micro-batch's pixel_values are the images of its rows' documents, in row order. Such
-a document longer than a row is refused: its image tokens would be cut from their pixels.
+rest padded, so a row holds all of an image's tokens or none, and a micro-batch's pixel_values
+are the images of its rows' documents, in row order. Such a document longer than a row is
+refused: its image tokens would be cut from their pixels.
 
 Row r of the run is a pure function of (seed, r): the data position saved with a checkpoint is
 one number, the rows consumed.
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 from ...errors import ArgumentError
+from . import placement
 from .tokens import TokenFile
 
 IGNORE = -100   # the label the loss skips (torch cross_entropy's ignore_index)
@@ -30,7 +34,8 @@ IGNORE = -100   # the label the loss skips (torch cross_entropy's ignore_index)
 
 class Rows:
     """`mix(epoch)`, when given, is the epoch's document order (mixture.py): a mixture's epochs
-    differ in length, so where each begins is counted as the rows reach it."""
+    differ in length, so where each begins is counted as the rows reach it. `packing`: false,
+    true, isolated, or None (unset: text packed, records one a row; placement.py)."""
 
     def __init__(self, tokens: TokenFile, row_len: int, packing: bool | str, seed: int, *,
                  docs: np.ndarray | None = None, shuffle: bool = True, pad_id: int = 0, mix=None, pixels=None):
@@ -43,18 +48,16 @@ class Rows:
                 raise ArgumentError(f"{where}: the record has images and is {n:,} tokens, longer than a row "
                                     f"({row_len:,}): its image tokens would be cut from their pixels; give seq >= "
                                     f"{n:,}, or shorten the record")
+        self.kinds = np.full(tokens.n_docs, placement.TEXT, dtype=np.uint8)
+        if tokens.records is not None:
+            self.kinds[tokens.records] = placement.RECORD
+        self.kinds[list(tokens.images)] = placement.PICTURED
         self.docs = np.arange(tokens.n_docs) if docs is None else np.asarray(docs)
         self._epoch: tuple | None = None
         self._ends: list[int] = []       # rows before the end of each epoch counted so far
         order = self._layout(0)[0]
         self.rows_per_epoch = self._ends[0]
         self.epoch_tokens = int((tokens.docs[order + 1] - tokens.docs[order]).sum())
-
-    def _lengths(self, docs: np.ndarray) -> np.ndarray:
-        lengths = self.tokens.docs[docs + 1] - self.tokens.docs[docs]
-        if not self.packing:     # whole rows per document
-            lengths = -(-lengths // self.row_len) * self.row_len
-        return lengths
 
     def _layout(self, epoch: int) -> tuple:
         """The epoch's document order, where each starts in the stream, and its row order."""
@@ -64,28 +67,15 @@ class Rows:
                 order = self.mix(epoch)
             else:
                 order = rng.permutation(self.docs) if self.shuffle else self.docs
-            if self.tokens.images:
-                starts = self._aligned(order)
-            else:
-                starts = np.concatenate([[0], np.cumsum(self._lengths(order))])
+            lengths = self.tokens.docs[order + 1] - self.tokens.docs[order]
+            placed, starts = placement.layout(lengths, self.kinds[order], self.row_len, self.packing)
+            order = order[placed]
             n_rows = max(1, int(-(-starts[-1] // self.row_len)))
             rows = rng.permutation(n_rows) if self.shuffle else np.arange(n_rows)
             if len(self._ends) == epoch:
                 self._ends.append((self._ends[-1] if epoch else 0) + n_rows)
             self._epoch = (epoch, order, starts, rows)
         return self._epoch[1:]
-
-    def _aligned(self, order: np.ndarray) -> np.ndarray:
-        """Where each document starts, those with images at a row start and padded to its end."""
-        lengths, images, row = self._lengths(order), self.tokens.images, self.row_len
-        starts, at = np.zeros(len(order) + 1, dtype=np.int64), 0
-        for k, (d, n) in enumerate(zip(order.tolist(), lengths.tolist())):
-            if d in images:
-                at = -(-at // row) * row
-            starts[k] = at
-            at += row if d in images else n
-        starts[-1] = at
-        return starts
 
     def _place(self, index: int) -> tuple[int, int]:
         """The epoch of row `index` of the run and its place in the epoch."""

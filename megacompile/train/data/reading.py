@@ -9,6 +9,11 @@ which reads the files as they are, without writing a copy in its cache; a save_t
 A table holds every column in every row, so keys a record does not have come back as None: they
 are dropped, so that a record reads as its JSON line would. A file's own column and role names
 are renamed to the ones the record formats use as the entry's `columns` and `tags` say.
+
+An entry's `num_samples` (LlamaFactory's dataset_info.json key) draws that many records, as
+LlamaFactory does: every record once in a random order, as many as are asked for, and past the
+file's size more drawn at random with replacement; the draw is chosen by the run's seed. Then
+`limit` (max_samples) keeps the first records of what was drawn.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import json
 import os
 from importlib import resources
 from typing import Iterator
+
+import numpy as np
 
 from ...errors import ArgumentError
 from .entries import BUNDLED, COLUMNS, folder_files
@@ -34,10 +41,25 @@ def records(entry: dict, readers: dict | None = None) -> Iterator[tuple[str, dic
         yield "the bundled corpus", {"text": _bundled_text()}
         return
     rename, limit = _renamer(entry), entry.get("limit")
-    for n, (where, record) in enumerate(_raw(path, kind, {} if readers is None else readers)):
+    rows = _raw(path, kind, {} if readers is None else readers)
+    if entry.get("num_samples"):
+        rows = _drawn(list(rows), entry["num_samples"], entry.get("seed", 0))
+    for n, (where, record) in enumerate(rows):
         if limit is not None and n >= limit:
             return
         yield where, rename(record)
+
+
+def _drawn(rows: list, count: int, seed: int) -> list:
+    """`count` of `rows` as LlamaFactory's num_samples draws them: a permutation's first `count`,
+    then the rest with replacement."""
+    if not rows:
+        return rows
+    rng = np.random.default_rng([seed, count])
+    chosen = rng.permutation(len(rows))[:count]
+    if count > len(rows):
+        chosen = np.concatenate([chosen, rng.choice(len(rows), count - len(rows))])
+    return [rows[i] for i in chosen.tolist()]
 
 
 def _raw(path: str, kind: str, readers: dict) -> Iterator[tuple[str, dict]]:
@@ -134,5 +156,8 @@ def _renamer(entry: dict):
         out = {by_file.get(k, k): v for k, v in record.items()} if by_file else dict(record)
         if tags and isinstance(out.get("conversations"), list):
             out["conversations"] = [turn(t) for t in out["conversations"]]
+        for k in ("chosen", "rejected"):        # a ranking record's two answers are turns too
+            if tags and isinstance(out.get(k), dict):
+                out[k] = turn(out[k])
         return out
     return rename

@@ -4,8 +4,9 @@
 The documents are taken in an order shuffled by seed and held out until the fraction is reached;
 the document that crosses it is cut in two there, its head held out and its tail trained on. The
 cut is one more offset in the token file's document table: both halves stay contiguous runs of
-its tokens, so rows are read from them as from any document. A document with images is never
-cut (its image tokens go with its pixels): it is held out whole.
+its tokens, so rows are read from them as from any document. Only plain text is cut: a
+supervised record (a conversation, an instruction and its answer) or a document with images is
+held out whole.
 """
 from __future__ import annotations
 
@@ -39,7 +40,12 @@ def hold_out(tokens: TokenFile, fraction: float, seed: int) -> Split:
     lengths = tokens.docs[1:] - tokens.docs[:-1]
     reached = np.cumsum(lengths[order])
     k = int(np.searchsorted(reached, want))            # order[k] holds the want-th token
-    if reached[k] == want or int(order[k]) in tokens.images:      # it ends there, or it is not cut: whole documents
+    whole = int(order[k]) in tokens.images or (tokens.records is not None and tokens.records[order[k]])
+    if whole and k + 1 == len(order):
+        raise ArgumentError(f"eval_fraction {fraction:g} reaches into the last document left to train on, a record "
+                            "held out whole (records are never cut), leaving none to train on; give a smaller "
+                            "eval_fraction, or eval files")
+    if reached[k] == want or whole:      # it ends there, or it is not cut: whole documents
         return Split(tokens, np.sort(order[k + 1:]), np.sort(order[:k + 1]), cut=False)
     doc = int(order[k])
     at = int(tokens.docs[doc + 1] - (reached[k] - want))
@@ -48,4 +54,6 @@ def hold_out(tokens: TokenFile, fraction: float, seed: int) -> Split:
     held = np.concatenate([renumber[:k], [doc]])
     train = np.concatenate([[doc + 1], renumber[k + 1:]])
     pictures = {d + (d > doc): found for d, found in tokens.images.items()}
-    return Split(replace(tokens, docs=table, images=pictures), np.sort(train), np.sort(held), cut=True)
+    records = None if tokens.records is None else np.insert(tokens.records, doc + 1, False)
+    return Split(replace(tokens, docs=table, images=pictures, records=records), np.sort(train), np.sort(held),
+                 cut=True)

@@ -4,9 +4,10 @@ than memory or disk can hold as a token file.
 A background thread reads the data entries in file order (mixed as mixture.py says), tokenises
 each record and hands (source, tokens, targets) to the training loop through a bounded queue
 (QUEUE documents), so tokenising overlaps the steps and memory holds a window of documents, not
-the data. One pass over the entries is an epoch: its documents are laid end to end (each padded
-to whole rows with packing off, as packing.py does) and cut into rows in order; the last row of
-a pass is padded and the next pass starts a new row, with the same documents in the same order.
+the data. One pass over the entries is an epoch: its documents are laid out a window at a time as
+placement.py lays out a token file's (records truncated to the row, never split; packed whole
+with packing on) and cut into rows in order; the last row of a pass is padded and the next pass
+starts a new row, with the same documents in the same order.
 
 What streaming gives up, against a token file:
     order      no shuffle: documents come in file order, rows in stream order (shuffle the files
@@ -26,10 +27,11 @@ from collections import deque
 import numpy as np
 
 from ...errors import ArgumentError
+from . import placement
 from .mixture import interleave
 from .packing import fill
 from .reading import records
-from .tokens import encode
+from .tokens import document
 
 QUEUE = 1024        # documents tokenised ahead
 KEEP = 16           # rows kept behind the furthest one read (a few batches asked for again cost nothing)
@@ -39,10 +41,12 @@ _END_OF_PASS = object()
 class _Producer:
     """The thread that tokenises the stream: passes over the entries, one after another."""
 
-    def __init__(self, entries: list[dict], weights, strategy: str, tokenizer, train_on_prompt: bool):
+    def __init__(self, entries: list[dict], weights, strategy: str, tokenizer, train_on_prompt: bool,
+                 cutoff: int | None = None):
         self.queue: queue.Queue = queue.Queue(QUEUE)
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(entries, weights, strategy, tokenizer, train_on_prompt),
+        self.thread = threading.Thread(target=self._run,
+                                       args=(entries, weights, strategy, tokenizer, train_on_prompt, cutoff),
                                        daemon=True, name="megacompile-tokenise")
         self.thread.start()
 
@@ -55,7 +59,7 @@ class _Producer:
                 continue
         return False
 
-    def _run(self, entries, weights, strategy, tokenizer, train_on_prompt) -> None:
+    def _run(self, entries, weights, strategy, tokenizer, train_on_prompt, cutoff) -> None:
         readers: dict = {}
 
         def passes(entry):
@@ -63,8 +67,10 @@ class _Producer:
         try:
             while not self.stop.is_set():
                 for _, (where, record) in interleave(weights, strategy, [passes(e) for e in entries]):
-                    ids, targets = encode(tokenizer, record, train_on_prompt, where)
-                    if ids and not self._put((np.asarray(ids, dtype=np.int64), np.asarray(targets, dtype=bool))):
+                    made = document(tokenizer, record, train_on_prompt, where, cutoff=cutoff)
+                    kind = placement.RECORD if made.record else placement.TEXT
+                    if made.ids and not self._put((np.asarray(made.ids, dtype=np.int64),
+                                                   np.asarray(made.targets, dtype=bool), kind)):
                         return
                 if not self._put(_END_OF_PASS):
                     return
@@ -90,7 +96,7 @@ class StreamRows:
 
     def __init__(self, entries: list[dict], weights, strategy: str, tokenizer, train_on_prompt: bool, row_len: int,
                  packing: bool | str, pad_id: int = 0):
-        self.args = (entries, weights, strategy, tokenizer, train_on_prompt)
+        self.args = (entries, weights, strategy, tokenizer, train_on_prompt, row_len)
         self.row_len, self.packing, self.pad_id = row_len, packing, pad_id
         self.producer: _Producer | None = None      # started by the first row asked for
         self._restart(start=False)
@@ -100,29 +106,33 @@ class StreamRows:
             self.producer.close()
         self.producer = _Producer(*self.args) if start else None
         self.pass_row = 0          # the run's row where the current pass begins
-        self.end = 0               # stream length of the pass read so far (padded with packing off)
+        self.end = 0               # stream length of the pass read so far (placement.py)
         self.docs: deque = deque()  # (start in the pass's stream, ids, targets), in order
         self.pass_ended = False
         self.floor = 0             # the lowest row still readable without starting again
         self.counted = False       # a token the loss counts was seen in this pass
 
-    def _length(self, n: int) -> int:
-        return n if self.packing else -(-n // self.row_len) * self.row_len
-
     def _read(self) -> None:
-        """One more document of the pass, or the pass's end."""
-        item = self.producer.next()
-        if item is _END_OF_PASS:
-            if not self.counted:      # every batch would be skipped as all padding or prompt, forever
-                raise ArgumentError("the streamed data " + ("holds no tokens" if self.end == 0 else
-                                    "has no token the loss counts: add assistant turns or completions, or "
-                                    "train_on_prompt: true"))
-            self.pass_ended = True
-            return
-        ids, targets = item
-        self.counted = self.counted or bool(targets.any())
-        self.docs.append((self.end, ids, targets))
-        self.end += self._length(len(ids))
+        """One more window of documents of the pass (placement.WINDOW, as a token file's epoch is
+        laid out), and the pass's end when it comes."""
+        window = []
+        while len(window) < placement.WINDOW:
+            item = self.producer.next()
+            if item is _END_OF_PASS:
+                if not self.counted and not any(targets.any() for _, targets, _ in window):
+                    # every batch would be skipped as all padding or prompt, forever
+                    raise ArgumentError("the streamed data " + ("holds no tokens" if self.end == 0 and not window
+                                        else "has no token the loss counts: add assistant turns or completions, or "
+                                        "train_on_prompt: true"))
+                self.pass_ended = True
+                break
+            window.append(item)
+        self.counted = self.counted or any(targets.any() for _, targets, _ in window)
+        order, starts, self.end = placement.place(self.end, np.asarray([len(ids) for ids, _, _ in window]),
+                                                  np.asarray([kind for _, _, kind in window]), self.row_len,
+                                                  self.packing)
+        for k, start in zip(order.tolist(), starts.tolist()):
+            self.docs.append((start, window[k][0], window[k][1]))
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if index < self.floor or self.producer is None:

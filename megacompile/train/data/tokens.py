@@ -3,7 +3,8 @@
     RUN/tokens/train.ids       uint32, every document's tokens, one after another
     RUN/tokens/train.targets   uint8, 1 where the loss counts the token (masking.py)
     RUN/tokens/train.docs      int64, document starts and the end: n_docs + 1 offsets
-    RUN/tokens/train.json      what it was made from (files, sizes, times, tokenizer, settings)
+    RUN/tokens/train.json      what it was made from (files, sizes, times, tokenizer, settings), and
+                               which documents are supervised records (runs of document numbers)
 
 The files are written under temporary names in RUN/tokens.new and renamed into place once the
 run's checks pass (commit), the .json last: a run cut short or refused after tokenising leaves
@@ -23,8 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import ArgumentError
-from . import alpaca, images, masking, sharegpt
+from . import images, sharegpt
 from . import entries
+from .encoding import Document, document, encode  # noqa: F401 - tokens.encode: one record's tokens
 from .reading import records
 
 CACHE_FORMAT = "megacompile-tokens/2"     # 2: where each data entry's tokens start
@@ -51,45 +53,6 @@ def load_tokenizer(path: str | None):
         raise ArgumentError(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0][:300]}") from e
 
 
-def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None) -> tuple[list[int], list[bool]]:
-    """One record's tokens and targets, with the tokenizer's EOS closing the document. `media`
-    (images.Media, a vision-language model's processor): its image paths resolved and checked,
-    the document written as the processor writes it (images.py); without it a record with
-    images is refused."""
-    paths = media.paths(record, where) if media is not None else []
-    if media is None and (record.get("images") or record.get("videos")):
-        kind = "images" if record.get("images") else "videos"
-        raise ArgumentError(f"{where}: the record has {kind}, and they are read only with the model folder's "
-                            f"processor ({' or '.join(images.PROCESSOR_FILES)}) into a token file: give a "
-                            "vision-language model saved with its processor, and streaming: false")
-    if "messages" in record or "conversations" in record:
-        messages = sharegpt.messages(record)
-        if media is not None:
-            messages = media.messages(messages, paths, where)
-        ids, targets = masking.chat(tokenizer, messages, train_on_prompt, where)
-        if paths:
-            ids, targets = media.widen(ids, targets, paths, where, tokenizer, messages)
-    elif paths:
-        raise ArgumentError(f"{where}: a record with images or videos is a conversation (messages, or ShareGPT's "
-                            "conversations) whose turns hold an <image> placeholder per image (<video> per video)")
-    elif alpaca.is_alpaca(record):
-        ids, targets = masking.chat(tokenizer, alpaca.messages(record, where), train_on_prompt, where)
-    elif "prompt" in record or "completion" in record:
-        if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
-            raise ArgumentError(f"{where}: a prompt/completion record needs both, as strings")
-        ids, targets = masking.prompt_completion(tokenizer, record["prompt"], record["completion"], train_on_prompt)
-    elif isinstance(record.get("text"), str):
-        ids, targets = masking.text(tokenizer, record["text"])
-    else:
-        raise ArgumentError(f"{where}: a record is in none of the layouts read: text; messages; ShareGPT's "
-                            "conversations (from/value); prompt and completion; Alpaca's instruction, input, output "
-                            f"(history, system); this one has {', '.join(sorted(record)) or 'no keys'}")
-    eos = tokenizer.eos_token_id
-    if eos is not None and (not ids or ids[-1] != eos):
-        ids, targets = ids + [eos], targets + [targets[-1] if targets else True]
-    return ids, targets
-
-
 @dataclass
 class TokenFile:
     """A memory-mapped token file: documents' tokens and targets, and where each starts."""
@@ -102,6 +65,8 @@ class TokenFile:
     sources: np.ndarray | None = None   # int64 [n_sources + 1]: where each data entry's tokens start, and the end
     # document -> (the record's `where`, its media: image files, then {"video": file} per video), if any
     images: dict = field(default_factory=dict)
+    # bool [n_docs]: supervised records, kept whole in one row (placement.py); None: all plain text
+    records: np.ndarray | None = None
 
     @property
     def n_docs(self) -> int:
@@ -122,8 +87,9 @@ def _stat(path: str) -> list[dict]:
             for p in sorted(found)]
 
 
-def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool) -> dict:
-    files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit")}}
+def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None) -> dict:
+    files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit")},
+              **({"num_samples": e["num_samples"], "seed": e.get("seed", 0)} if e.get("num_samples") else {})}
              for e in items]
     tokenizer = {}
     if tokenizer_dir is not None:
@@ -132,23 +98,28 @@ def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool
                                     *images.PROCESSOR_FILES)):
                 with open(os.path.join(tokenizer_dir, name), "rb") as f:
                     tokenizer[name] = hashlib.sha256(f.read()).hexdigest()
-    return {"format": CACHE_FORMAT, "files": files, "tokenizer": tokenizer, "train_on_prompt": train_on_prompt}
+    sources = {"format": CACHE_FORMAT, "files": files, "tokenizer": tokenizer, "train_on_prompt": train_on_prompt}
+    if cutoff is not None:      # records truncated to it (and marked): a token file made before is not reused
+        sources["cutoff"] = cutoff
+    return sources
 
 
-def fingerprint(items: list, tokenizer_dir: str | None, train_on_prompt: bool) -> str:
+def fingerprint(items: list, tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None) -> str:
     """What a streamed run's data position refers to: its sources (files, sizes, times,
-    tokenizer, settings), as a token file's cache key is made."""
-    sources = _sources(as_entries(items), tokenizer_dir, train_on_prompt)
+    tokenizer, settings, the row length records are truncated to), as a token file's cache key
+    is made. Stages dpo and grpo name their records by it too (no cutoff)."""
+    sources = _sources(as_entries(items), tokenizer_dir, train_on_prompt, cutoff)
     return "stream-" + hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: str | None,
-               train_on_prompt: bool, media=None) -> TokenFile:
+               train_on_prompt: bool, media=None, cutoff: int | None = None) -> TokenFile:
     """The split's token file in `folder`, when one made from the same sources is there; else made
     now in `folder`.new and put in place by commit() (a run that is refused after tokenising, its
-    resume checks among them, leaves the run's own token files as they were)."""
+    resume checks among them, leaves the run's own token files as they were). `cutoff`: the row
+    length, to which supervised records are truncated (None: none is)."""
     paths = as_entries(paths)
-    sources = _sources(paths, tokenizer_dir, train_on_prompt)
+    sources = _sources(paths, tokenizer_dir, train_on_prompt, cutoff)
     if media is not None:
         sources["image_rows"] = images.ROWS     # how a record with images is written (images.py)
         limits = media.limits
@@ -161,19 +132,42 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
     try:
         with open(meta) as f:
             content = json.load(f)
-        starts, pictures = content.get("source_tokens"), content.get("images", [])
+        starts, pictures, marked = content.get("source_tokens"), content.get("images", []), content.get("records", [])
         content = content["content"] if content.get("made_from") == made_from else None
     except (OSError, ValueError, KeyError):
         content = None
     staged = None
     if content is None:     # the sources changed (or were never read): their tokens may not
         staged = folder.rstrip(os.sep) + ".new"
-        content, starts, pictures = _write(staged, split, paths, tokenizer, train_on_prompt, sources, made_from, media)
+        content, starts, pictures, marked = _write(staged, split, paths, tokenizer, train_on_prompt, sources,
+                                                    made_from, media, cutoff)
     base = os.path.join(staged or folder, split)
+    docs = np.fromfile(base + ".docs", dtype=np.int64)
     return TokenFile(np.memmap(base + ".ids", dtype=np.uint32, mode="r"),
                      np.memmap(base + ".targets", dtype=np.uint8, mode="r"),
-                     np.fromfile(base + ".docs", dtype=np.int64), content, split, staged,
-                     np.asarray(starts, dtype=np.int64), {int(d): (w, list(p)) for d, w, p in pictures})
+                     docs, content, split, staged,
+                     np.asarray(starts, dtype=np.int64), {int(d): (w, list(p)) for d, w, p in pictures},
+                     _marked(marked, len(docs) - 1))
+
+
+def _runs(flags: list[bool]) -> list[list[int]]:
+    """[first, end) of each run of True in `flags`: the records among the documents, compactly."""
+    out: list[list[int]] = []
+    for d, flag in enumerate(flags):
+        if flag and out and out[-1][1] == d:
+            out[-1][1] = d + 1
+        elif flag:
+            out.append([d, d + 1])
+    return out
+
+
+def _marked(runs: list, n_docs: int) -> np.ndarray | None:
+    if not runs:
+        return None
+    flags = np.zeros(n_docs, dtype=bool)
+    for first, end in runs:
+        flags[first:end] = True
+    return flags
 
 
 def commit(tokens: TokenFile, folder: str) -> None:
@@ -228,10 +222,10 @@ class _FileCount:
 
 
 def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_prompt: bool, sources: dict,
-           made_from: str, media=None) -> tuple[str, list[int], list]:
-    """Tokenise into the three files; returns the sha256 of their contents (the image paths
-    included), where each entry's tokens start, and [document, where, image files] of the
-    documents with images."""
+           made_from: str, media=None, cutoff: int | None = None) -> tuple[str, list[int], list, list]:
+    """Tokenise into the three files; returns the sha256 of their contents (the image paths and
+    the records included), where each entry's tokens start, [document, where, image files] of the
+    documents with images, and the runs of documents that are records."""
     from tqdm import tqdm
     os.makedirs(folder, exist_ok=True)
     base = os.path.join(folder, split)
@@ -242,7 +236,7 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
     offsets, total, content = [0], 0, hashlib.sha256()
     paths = [e["path"] for e in items]
     counts = {path: _FileCount() for path in paths}
-    starts, pictures = [], []
+    starts, pictures, marked, truncated = [], [], [], [0, 0]
     try:
         with open(tmp["ids"], "wb") as ids_f, open(tmp["targets"], "wb") as tgt_f:
             for entry in items:
@@ -252,7 +246,8 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                     media.at(entry["path"])
                 for where, record in tqdm(records(entry), desc=f"tokenising {split}", unit=" docs",
                                           file=sys.stderr, disable=not sys.stderr.isatty()):
-                    ids, targets = encode(tokenizer, record, train_on_prompt, where, media)
+                    made = document(tokenizer, record, train_on_prompt, where, media, cutoff)
+                    ids, targets = made.ids, made.targets
                     for role in sharegpt.roles(record):
                         count.roles[role] = count.roles.get(role, 0) + 1
                     if not ids:
@@ -263,6 +258,9 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                         content.update(data)
                     if media is not None and (record.get("images") or record.get("videos")):
                         pictures.append([len(offsets) - 1, where, media.paths(record, where)])
+                    marked.append(made.record)
+                    if made.cut:
+                        truncated[0], truncated[1] = truncated[0] + 1, truncated[1] + made.cut
                     total += len(ids)
                     count.tokens += len(ids)
                     count.counted += sum(targets)
@@ -280,14 +278,21 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
         content.update(np.asarray(offsets, dtype=np.int64).tobytes())
         if pictures:
             content.update(json.dumps(pictures).encode())
+        marked = _runs(marked)
+        if marked:          # a token file of plain text alone keeps the sha256 it had before records were marked
+            content.update(json.dumps(marked).encode())
+        if truncated[0]:
+            print(f"  note           {truncated[0]:,} {split} record{'s' if truncated[0] > 1 else ''} longer than a "
+                  f"row ({cutoff:,} tokens: seq, cutoff_len) truncated to it as LlamaFactory truncates them "
+                  f"({truncated[1]:,} tokens dropped; docs/training.md, \"Rows and batches\")", flush=True)
         for ext, path in tmp.items():
             os.replace(path, f"{base}.{ext}")
         with open(meta + ".tmp", "w") as f:
             json.dump({"made_from": made_from, "content": content.hexdigest()[:16], "tokens": total,
                        "source_tokens": starts + [total],
-                       "docs": len(offsets) - 1, "images": pictures, **sources}, f, indent=1)
+                       "docs": len(offsets) - 1, "images": pictures, "records": marked, **sources}, f, indent=1)
         os.replace(meta + ".tmp", meta)
-        return content.hexdigest()[:16], starts + [total], pictures
+        return content.hexdigest()[:16], starts + [total], pictures, marked
     finally:
         for path in tmp.values():
             if os.path.exists(path):

@@ -1,5 +1,6 @@
-"""`stage: dpo`: preference pairs from .jsonl records {prompt, chosen, rejected} (text or messages,
-posttrain/preference.py), trained by DPO or another of TRL's preference losses (loss_type, several
+"""`stage: dpo`: preference pairs from records {prompt, chosen, rejected} (text or messages,
+posttrain/preference.py) or in LlamaFactory's ranking layouts (data/ranking.py), read from any
+data file or dataset_info.json entry as supervised records are (data/reading.py), trained by DPO or another of TRL's preference losses (loss_type, several
 summed with loss_weights; rpo_alpha adds the sft term).
 
 The reference is the policy before the first step. Its log-probabilities of every pair (and of
@@ -17,7 +18,9 @@ import torch
 from ...errors import ArgumentError
 from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
-from ...posttrain import Pair, pack, preference_metrics, read_pairs
+from ...posttrain import Pair, pack, preference_metrics, to_pair
+from ..data.ranking import preference
+from ..data.reading import records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
 from ..model import check_positions
@@ -60,13 +63,13 @@ class DPOStage(Stage):
     def _read(self, entries: list, tokenizer) -> list[Pair]:
         pairs = []
         for entry in entries:
-            read = read_pairs(entry["path"], tokenizer)[:entry.get("limit")]
-            for n, pair in enumerate(read, 1):
+            for where, record in records(entry):
+                pair = to_pair(preference(record, where), tokenizer, where)
                 if len(pair.prompt) > self.c.seq:
-                    raise ArgumentError(f"{entry['path']}: record {n}'s prompt is {len(pair.prompt)} tokens, which "
-                                        f"leaves no room for its completions in rows of seq {self.c.seq}: raise seq "
-                                        "(max_length) or shorten the prompt")
-            pairs += read
+                    raise ArgumentError(f"{where}: the prompt is {len(pair.prompt)} tokens, which leaves no room for "
+                                        f"its completions in rows of seq {self.c.seq}: raise seq (max_length) or "
+                                        "shorten the prompt")
+                pairs.append(pair)
         if not pairs:
             raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no preference pairs")
         return pairs

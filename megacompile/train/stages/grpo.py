@@ -1,4 +1,4 @@
-"""`stage: grpo`: prompts from .jsonl records ({prompt, ...}: the prompt as text or messages, the
+"""`stage: grpo`: prompts from records ({prompt, ...}: the prompt as text or messages, the
 other columns handed to the reward functions by name, e.g. `answer`), completions sampled from the
 policy the engine trains (posttrain/rollout.py's EngineGenerator, or the generator run.yaml
 chooses: rollouts.py), scored by reward_funcs called as TRL calls them (keywords; for a
@@ -30,7 +30,6 @@ Greedy decoding draws nothing from the sampler, so evaluating leaves the rollout
 from __future__ import annotations
 
 import base64
-import json
 
 import torch
 
@@ -39,6 +38,7 @@ from ...errors import MegacompileError
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, grpo_loss, nanstd, rewards,
                           rollout_batch, sampled_logps, sampling_correction, sampling_ratio, truncated)
 from . import rollouts
+from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
 from .keys import check_resume, check_row_length, rollout_steps, saved_keys
@@ -67,6 +67,8 @@ class GRPOStage(Stage):
             self._read(entry, self.held_records, self.held_prompts)
         if c.eval_fraction:
             self._hold_out(c.eval_fraction)
+        columns = dict.fromkeys(k for r in self.records + self.held_records for k in r)
+        rewards.check_callable(self.funcs, [k for k in columns if k not in ("prompt", "completion", "completion_ids")])
         self.rows = c.batch * c.steps_per_generation       # completions per rollout batch
         self.groups = self.rows // c.num_generations        # prompts per rollout batch
         self.per_rollout = rollout_steps(c)                 # optimizer steps per rollout batch
@@ -99,12 +101,9 @@ class GRPOStage(Stage):
         self.records, self.prompts = [self.records[i] for i in kept], [self.prompts[i] for i in kept]
 
     def _read(self, entry: dict, records: list, prompts: list) -> None:
-        with open(entry["path"]) as f:
-            lines = [line for line in f if line.strip()]
-        for n, line in enumerate(lines[:entry.get("limit")], 1):
-            record = json.loads(line)
-            if not isinstance(record, dict) or "prompt" not in record:
-                raise ArgumentError(f"{entry['path']}:{n}: a grpo record needs a prompt (text or messages), beside the "
+        for where, record in read_records(entry):
+            if "prompt" not in record:
+                raise ArgumentError(f"{where}: a grpo record needs a prompt (text or messages), beside the "
                                     "columns its reward functions read")
             prompt = record["prompt"]
             if isinstance(prompt, list):
@@ -113,9 +112,9 @@ class GRPOStage(Stage):
             elif isinstance(prompt, str):
                 ids = self.tokenizer(prompt)["input_ids"]
             else:
-                raise ArgumentError(f"{entry['path']}:{n}: prompt is text or a list of messages; got {prompt!r}")
+                raise ArgumentError(f"{where}: prompt is text or a list of messages; got {prompt!r}")
             if not ids:
-                raise ArgumentError(f"{entry['path']}:{n}: the prompt has no tokens")
+                raise ArgumentError(f"{where}: the prompt has no tokens")
             records.append(record)
             prompts.append(ids[-self.c.max_prompt_length:])
         if not records:

@@ -47,14 +47,14 @@ IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
                     "generation_batch_size")} | {"steps_per_generation": 1}
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
-NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
-                   "dataset", "eval_dataset"),
+NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs"),
            "grpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                     "dataset", "eval_dataset", "seq")}
 
 
-def check(c, raw: dict) -> None:
-    """c.stage and its keys, in place; `raw`: the keys the run.yaml gave (defaults are not given)."""
+def check(c, raw: dict, folder: str | None = None) -> None:
+    """c.stage and its keys, in place; `raw`: the keys the run.yaml gave (defaults are not given);
+    `folder`: the run.yaml's, where reward modules are looked for too (posttrain/rewards.py)."""
     if c.stage in REFUSED:
         raise ArgumentError(f"stage {c.stage!r} is not supported; megacompile train runs stage: sft (the default), "
                             "dpo or grpo")
@@ -84,17 +84,18 @@ def check(c, raw: dict) -> None:
         raise ArgumentError(f"stage {c.stage} needs a Hugging Face model folder and its tokenizer (model: FOLDER); "
                             "the bundled model reads bytes and has no end-of-sequence token")
     for entry in c.data + c.eval:
-        if entry.get("kind") != "jsonl":
-            raise ArgumentError(f"stage {c.stage} reads .jsonl records ({_records(c.stage)}); {entry['path']} is not "
-                                "a .jsonl file")
+        if entry.get("kind") == "text":
+            raise ArgumentError(f"stage {c.stage} reads records ({_records(c.stage)}) from .jsonl, .json, .parquet, "
+                                f".arrow or .csv files; {entry['path']} is text (one document), not records")
     for key, default in DEFAULTS[c.stage].items():
         if getattr(c, key) is None:
             setattr(c, key, default)
-    _dpo(c) if c.stage == "dpo" else _grpo(c, raw)
+    _dpo(c) if c.stage == "dpo" else _grpo(c, raw, folder)
 
 
 def _records(stage: str) -> str:
-    return "{prompt, chosen, rejected}" if stage == "dpo" else "a prompt and the columns the rewards read"
+    return ("{prompt, chosen, rejected}, or LlamaFactory's ranking layouts" if stage == "dpo"
+            else "a prompt and the columns the rewards read")
 
 
 def _dpo(c) -> None:
@@ -144,7 +145,7 @@ def _note(text: str) -> None:
     print(f"  note           {text}", flush=True)
 
 
-def _grpo(c, raw: dict) -> None:
+def _grpo(c, raw: dict, folder: str | None = None) -> None:
     c.beta = _number("beta", c.beta)
     if c.beta < 0:
         raise ArgumentError(f"beta must be >= 0 (0 turns the KL term off, as TRL's default); got {c.beta!r}")
@@ -181,11 +182,12 @@ def _grpo(c, raw: dict) -> None:
         raise ArgumentError(f"epsilon_high must be positive (DAPO uses 0.28); got {c.epsilon_high!r}")
     funcs = [c.reward_funcs] if isinstance(c.reward_funcs, str) else c.reward_funcs
     if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) and f for f in funcs):
-        raise ArgumentError(f"reward_funcs is a list of reward functions, each module:function or a built-in "
-                            f"(exact_answer, format_check); got {c.reward_funcs!r}")
+        raise ArgumentError(f"reward_funcs is a list of reward functions, each module:function (or TRL's "
+                            f"module.function) or a built-in (exact_answer, format_check); got {c.reward_funcs!r}")
     from ...posttrain import rewards
-    for name in funcs:
-        rewards.load(name)      # importable now: a missing module is refused before the model is read
+    # importable now, and taking TRL's keywords: refused before the model is read (the data's
+    # columns are checked against them once read, before the run folder is written: grpo.py)
+    rewards.check_callable([rewards.load(name, near=folder) for name in funcs])
     c.reward_funcs = funcs
     if c.reward_weights is not None:
         weights = c.reward_weights

@@ -1,6 +1,6 @@
-"""stage: sft, the run's step as one stage among others: token files made once from the records,
-rows (packed, isolated or one document each), an optimizer step of micro-batches, and the
-held-out loss and perplexity every eval_every steps."""
+"""stage: sft, the run's step as one stage among others: token files made once from the records
+(supervised records truncated to the row), rows (packed, isolated or one document each), an
+optimizer step of micro-batches, and the held-out loss and perplexity every eval_every steps."""
 from __future__ import annotations
 
 import math
@@ -138,14 +138,14 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     if media is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = media.chat_template()     # a processor may hold the template alone
     batch_pixels = media.inputs if media is not None else None
-    train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media)
+    train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len)
     held, eval_rows = None, None
     try:
         source, docs = train, np.arange(train.n_docs)
         if media is not None:
             media.check_packing(c.packing, train)
         if c.eval:
-            held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, media)
+            held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len)
             if media is not None:
                 media.check_packing(c.packing, held)
             eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad, pixels=batch_pixels)
@@ -176,14 +176,15 @@ def _stream(c: RunConfig, folder: str, tokenizer, tokenizer_dir: str | None, row
     weights = [e["weight"] for e in c.data]
     held = eval_rows = None
     if c.eval:
-        held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt)
+        held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, cutoff=row_len)
         eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
     print(f"  data           streamed from {', '.join(e['path'] for e in c.data)} ({c.mix_strategy}), tokenised "
           "as training reads it" + (f"; {_count(held, np.arange(held.n_docs))} to evaluate" if held else ""),
           flush=True)
     rows = streaming.StreamRows(c.data, weights if weights[0] is not None else None, c.mix_strategy, tokenizer,
                                 c.train_on_prompt, row_len, c.packing, pad)
-    return tokenizer, (None, held), rows, eval_rows, tokens.fingerprint(c.data, tokenizer_dir, c.train_on_prompt)
+    return tokenizer, (None, held), rows, eval_rows, tokens.fingerprint(c.data, tokenizer_dir, c.train_on_prompt,
+                                                                        row_len)
 
 
 def _mix(c: RunConfig, source: TokenFile, docs: np.ndarray):

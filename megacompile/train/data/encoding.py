@@ -1,0 +1,78 @@
+"""One record's tokens and targets (the loss mask, masking.py), in whichever layout it comes
+(text, chat messages, ShareGPT, Alpaca, prompt/completion), with the tokenizer's EOS closing it;
+a supervised record longer than the row is truncated as LlamaFactory truncates it (cutoff.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import ArgumentError
+from . import alpaca, images, masking, sharegpt
+from . import cutoff as cutoff_len
+
+
+@dataclass
+class Document:
+    """One record's tokens: `record` is a supervised record (chat, Alpaca, prompt/completion),
+    truncated to the row (cutoff.py) and never split across rows; plain text is not
+    (`record` False). `cut`: the tokens the truncation dropped."""
+    ids: list
+    targets: list
+    record: bool
+    cut: int = 0
+
+
+def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None,
+           cutoff: int | None = None) -> tuple[list[int], list[bool]]:
+    """One record's tokens and targets (document())."""
+    made = document(tokenizer, record, train_on_prompt, where, media, cutoff)
+    return made.ids, made.targets
+
+
+def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None,
+             cutoff: int | None = None) -> Document:
+    """One record's tokens and targets, with the tokenizer's EOS closing the document; a
+    supervised record longer than `cutoff` tokens truncated as LlamaFactory truncates it
+    (cutoff.py). `media` (images.Media, a vision-language model's processor): its image paths
+    resolved and checked, the document written as the processor writes it (images.py; such a
+    record is never truncated: a row too short for it is refused); without it a record with
+    images is refused."""
+    paths = media.paths(record, where) if media is not None else []
+    if media is None and (record.get("images") or record.get("videos")):
+        kind = "images" if record.get("images") else "videos"
+        raise ArgumentError(f"{where}: the record has {kind}, and they are read only with the model folder's "
+                            f"processor ({' or '.join(images.PROCESSOR_FILES)}) into a token file: give a "
+                            "vision-language model saved with its processor, and streaming: false")
+    answers = None          # [start, end) of each answer; None: plain text
+    if "messages" in record or "conversations" in record:
+        messages = sharegpt.messages(record)
+        if media is not None:
+            messages = media.messages(messages, paths, where)
+        ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt, where)
+        if paths:
+            ids, targets = media.widen(ids, targets, paths, where, tokenizer, messages)
+    elif paths:
+        raise ArgumentError(f"{where}: a record with images or videos is a conversation (messages, or ShareGPT's "
+                            "conversations) whose turns hold an <image> placeholder per image (<video> per video)")
+    elif alpaca.is_alpaca(record):
+        ids, targets, answers = masking.chat(tokenizer, alpaca.messages(record, where), train_on_prompt, where)
+    elif "prompt" in record or "completion" in record:
+        if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
+            raise ArgumentError(f"{where}: a prompt/completion record needs both, as strings")
+        ids, targets, answers = masking.prompt_completion(tokenizer, record["prompt"], record["completion"],
+                                                          train_on_prompt)
+    elif isinstance(record.get("text"), str):
+        ids, targets = masking.text(tokenizer, record["text"])
+    else:
+        raise ArgumentError(f"{where}: a record is in none of the layouts read: text; messages; ShareGPT's "
+                            "conversations (from/value); prompt and completion; Alpaca's instruction, input, output "
+                            f"(history, system); this one has {', '.join(sorted(record)) or 'no keys'}")
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        if answers and answers[-1][1] == len(ids):      # the EOS closes the last answer
+            answers[-1] = (answers[-1][0], len(ids) + 1)
+        ids, targets = ids + [eos], targets + [targets[-1] if targets else True]
+    whole = len(ids)
+    if cutoff is not None and answers is not None and not paths:
+        ids, targets = cutoff_len.truncate(ids, targets, answers, cutoff)
+    return Document(ids, targets, answers is not None, whole - len(ids))

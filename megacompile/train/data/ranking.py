@@ -1,0 +1,63 @@
+"""Preference records (stage dpo) in TRL's layout or in LlamaFactory's ranking layouts, read as
+TRL's {prompt, chosen, rejected} for posttrain/preference.py to tokenise.
+
+    TRL        {"prompt", "chosen", "rejected"}: each text, or lists of messages
+    alpaca     {"instruction", "input", "chosen", "rejected"}, optional "system" and "history"
+               (LlamaFactory's `ranking: true` with formatting alpaca): the prompt is built as
+               alpaca.py builds an instruction record's (system, history, instruction + "\\n" + input),
+               each answer one assistant turn
+    sharegpt   {"conversations": [turns, the user's last], "chosen": {"from": "gpt", "value": ...},
+               "rejected": {...}}, optional "system" (ranking with formatting sharegpt; OpenAI-style
+               `messages` with role/content too): the turns mapped as sharegpt.py maps them
+
+A dataset_info.json entry's `columns` (prompt, query, chosen, rejected, messages, system, history)
+and `tags` rename a file's own names first (reading.py), as for supervised data.
+"""
+from __future__ import annotations
+
+from ...errors import ArgumentError
+from . import alpaca, sharegpt
+
+LAYOUTS = ("TRL's {prompt, chosen, rejected} (text or messages), or LlamaFactory's ranking layouts: alpaca "
+           "{instruction, input, chosen, rejected} or sharegpt {conversations, chosen, rejected}")
+
+
+def preference(record: dict, where: str) -> dict:
+    """The record as TRL's {prompt, chosen, rejected}."""
+    if "prompt" in record:
+        missing = [k for k in ("chosen", "rejected") if k not in record]
+        if missing:
+            raise ArgumentError(f"{where}: a preference record needs prompt, chosen and rejected; missing "
+                                f"{', '.join(missing)}")
+        return record
+    if "chosen" not in record or "rejected" not in record:
+        raise ArgumentError(f"{where}: a preference record is {LAYOUTS}; this one has "
+                            f"{', '.join(sorted(record)) or 'no keys'}")
+    if "instruction" in record:
+        answers = [record["chosen"], record["rejected"]]
+        if not all(isinstance(a, str) for a in answers):
+            raise ArgumentError(f"{where}: in the alpaca ranking layout chosen and rejected are strings (the two "
+                                "answers to the instruction)")
+        prompt = alpaca.prompt(record, where)
+        return {"prompt": prompt, **{k: [{"role": "assistant", "content": a}]
+                                     for k, a in zip(("chosen", "rejected"), answers)}}
+    if "conversations" in record or "messages" in record:
+        prompt = sharegpt.messages(record)
+        _check_turns(prompt, where, "conversations")
+        out = {"prompt": prompt}
+        for k in ("chosen", "rejected"):
+            answer = sharegpt.messages({"messages": [record[k]]})
+            _check_turns(answer, where, k)
+            if answer[0]["role"] != "assistant":
+                raise ArgumentError(f"{where}: {k} is the model's turn (from: gpt, or role: assistant); got role "
+                                    f"{answer[0]['role']!r}")
+            out[k] = answer
+        return out
+    raise ArgumentError(f"{where}: a preference record is {LAYOUTS}; this one has chosen and rejected beside "
+                        f"{', '.join(sorted(set(record) - {'chosen', 'rejected'})) or 'nothing'}")
+
+
+def _check_turns(turns, where: str, key: str) -> None:
+    if not isinstance(turns, list) or not turns or not all(
+            isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns):
+        raise ArgumentError(f"{where}: {key} holds turns {{from, value}} (or {{role, content}}) with string values")
