@@ -93,7 +93,7 @@ def _plan(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"fits": False, "host_budget_bytes": int(host_budget * 2**30),
                               "host_budget_source": "--host-budget" if args.host_budget is not None else "this machine",
-                              "error": str(e)}), file=args.json_out)
+                              "error": str(e), **e.facts}), file=args.json_out)
         return DOES_NOT_FIT
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take. The refusal names the

@@ -14,7 +14,14 @@ class BudgetTooSmallError(MegacompileError):
 
 
 class HostMemoryError(MegacompileError):
-    """The host RAM budget cannot hold the fp32 masters and AdamW state."""
+    """The host RAM budget cannot hold the fp32 masters and AdamW state. `facts`: what a script
+    needs beside the message, where the planner knows it (smallest_host_budget_bytes,
+    trainable_params, host_placements: each placement's RAM, disk and tier bytes); `megacompile
+    plan --json` writes them as fields."""
+
+    def __init__(self, message: str, facts: dict | None = None):
+        super().__init__(message)
+        self.facts = dict(facts or {})
 
 
 class BudgetExceededError(MegacompileError):

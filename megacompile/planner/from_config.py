@@ -253,7 +253,7 @@ def plan(model_or_config: Any, hbm_budget: float | None = None, *, settings: Set
     if style is not None:
         return planned.baseline(budget_bytes, style)
     result = planned.at(budget_bytes)
-    settled: dict[str, Any] = {"minimum_over_chunks": smallest}     # what this call adds to the solved plan
+    settled: dict[str, Any] = {"minimum_over_chunks": smallest, "notes": planned.notes}   # what this call adds
     if planned.images is not None:
         settled["vision"] = vision_share(result, *planned.images)
     if planned.captured.rechunk is not None:     # blocks that run over sequence chunks may fit lower
@@ -297,6 +297,18 @@ def minimum_budget_of(captured: CapturedModel, model: nn.Module, settings: Setti
     return _Planned(model, settings, hardware=hardware, inputs={"input_ids": ids}, captured=captured).lowest() / GiB
 
 
+def _context_notes(model: nn.Module, seq: int) -> tuple[str, ...]:
+    """A warning, not a refusal, when the rows are longer than the model's context: rope scaling
+    may extend it, but the positions past it were not trained as the config stands."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or seq <= limit:
+        return ()
+    return (f"seq {seq} is longer than the model's context (max_position_embeddings {limit}): positions past "
+            f"{limit} were not trained; extend the context (rope_scaling in the config) or give seq <= {limit}",)
+
+
 class _Planned:
     """A model captured for plan(): the plan at any budget, from one capture."""
     WHAT = ("hardware", "batch", "seq", "inputs", "optimizer", "loss_fn", "train", "style", "nvme_bandwidth", "ranks",
@@ -332,6 +344,7 @@ class _Planned:
         model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
         if getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False
+        self.notes = _context_notes(model, seq) if inputs is None else ()
         self.images = None      # (ImageSignature, the indexes of the inputs that hold images)
         if image_size is not None and not images_per_row:
             raise ArgumentError(f"image_size {image_size!r} was given without images_per_row: give the images in "

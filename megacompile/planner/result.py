@@ -49,6 +49,8 @@ class Plan:
     given_budget_bytes: int | None = None
     # Planned with images (from_config.plan, images_per_row): the vision tower's share (vision_share.py).
     vision: Any = None
+    # Warnings about what was asked, not refusals (from_config.plan: a seq past the model's context).
+    notes: tuple[str, ...] = ()
     # What the engine running this copy of the plan measured (planner/measured.py; Plan.with_measured);
     # None for a plan no engine runs.
     measured: MeasuredRun | None = field(default=None, repr=False, compare=False)
@@ -57,6 +59,7 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "curve", simulate(self.program))
         object.__setattr__(self, "_spans", None)     # predicted_spans(), computed once on demand
+        object.__setattr__(self, "_diskless_s", None)     # step_s_without_disk, computed once on demand
 
     def revised(self, **changes: Any) -> Plan:
         """This plan with `changes` to the fields planning settles after the solve (the budget given,
@@ -169,12 +172,47 @@ class Plan:
         return self.host_cost.disk_bytes_per_step if self.host_cost is not None else 0
 
     @property
-    def disk_bandwidth_needed(self) -> float | None:
-        """B/s of disk traffic (reads plus writes) that keeps the tier hidden: one optimizer step's
-        reads and writes within the time of the step's micro-batches. None without a prediction."""
+    def step_s_without_disk(self) -> float | None:
+        """The predicted step (one run of the program) with an infinitely fast disk: what the step
+        takes when the disk tier does not stall the updates. None without a prediction."""
         if self.prediction is None:
             return None
-        return 2 * self.disk_bytes_per_step / (self.prediction.step_s * self.grad_accum / self.micro_batches_per_run)
+        if not self.disk_bytes_per_step:
+            return self.prediction.step_s
+        if self._diskless_s is None:
+            from ..cost.predict import predict
+            object.__setattr__(self, "_diskless_s", predict(self.program, self.captured, self.hardware).step_s)
+        return self._diskless_s
+
+    @property
+    def disk_bandwidth_needed(self) -> float | None:
+        """B/s of disk traffic (reads plus writes) that keeps the tier hidden: one optimizer step's
+        reads and writes within the time its micro-batches take with the disk not stalling them
+        (step_s_without_disk; the predicted step already holds the disk's stall, so dividing by it
+        would always come out at or under what the disk gives). None without a prediction."""
+        if self.prediction is None:
+            return None
+        return 2 * self.disk_bytes_per_step / (self.step_s_without_disk * self._runs_per_optimizer_step)
+
+    @property
+    def _runs_per_optimizer_step(self) -> float:
+        return self.grad_accum / self.micro_batches_per_run
+
+    @property
+    def disk_sets_pace(self) -> bool | None:
+        """The disk tier is slower than the step needs (disk_bandwidth_needed): the predicted step
+        waits on it. None without a disk tier or a prediction."""
+        need = self.disk_bandwidth_needed
+        if need is None or not self.disk_bytes_per_step:
+            return None
+        return self.disk_bandwidth_given < need
+
+    @property
+    def disk_bandwidth_given(self) -> float | None:
+        """B/s of disk traffic (reads plus writes) the hardware profile's disk gives, its reads and
+        writes taking turns."""
+        hw = self.hardware
+        return None if hw is None else 2 / (1 / hw.disk_read_bw + 1 / hw.disk_write_bw)
 
     @property
     def host_bytes_per_param(self) -> float | None:
@@ -362,6 +400,7 @@ class Plan:
             "sequence_chunks": max((t.chunks for t in self.captured.block_templates), default=1),
             "chunked_modules": sorted({m for t in self.captured.block_templates for m in t.chunked}),
             "template_notes": dict(self.captured.template_notes),
+            **({"notes": list(self.notes)} if self.notes else {}),
             "vision": self.vision.to_json() if self.vision is not None else None,
             "hardware": self.hardware.name if self.hardware else None,
             **(self.prediction.to_dict() if self.prediction else {}),
@@ -435,6 +474,7 @@ class Plan:
             f"  moved per step {fmt_bytes(self.h2d_bytes_per_step)} host->device, "
             f"{fmt_bytes(self.d2h_bytes_per_step)} device->host",
         ]
+        lines += [f"  note           {note}" for note in self.notes]
         lines += [f"  own template   {note}" for note in c.template_notes.values()]
         lines += [f"  chunked        {t.chunks} sequence chunks in each block for {', '.join(t.chunked)} (the "
                   "token-wise parts; attention runs whole)" for t in c.block_templates[:1] if t.chunked]
@@ -477,7 +517,10 @@ class Plan:
                 "host_tiers": {k: {"where": w, "bytes": n} for k, (w, n) in c.tiers.items()},
                 "disk_pool_bytes": c.pool_bytes, "disk_bytes": c.disk_bytes,
                 "disk_read_bytes_per_step": self.disk_bytes_per_step, "disk_write_bytes_per_step": self.disk_bytes_per_step,
-                "disk_bandwidth_needed": self.disk_bandwidth_needed}
+                "disk_bandwidth_needed": self.disk_bandwidth_needed,
+                # With a disk tier only (the plans without one keep their JSON byte for byte).
+                **({"disk_bandwidth_given": self.disk_bandwidth_given, "disk_sets_pace": self.disk_sets_pace,
+                    "predicted_step_s_without_disk": self.step_s_without_disk} if c.disk_bytes else {})}
 
     def _save_transient(self) -> tuple[int, str]:
         """(bytes, what) a checkpoint or an export holds beside the host state while it writes. One
@@ -519,11 +562,16 @@ class Plan:
             line = (f"  disk tier      {fmt_bytes(c.disk_bytes)} on disk; reads {fmt_bytes(self.disk_bytes_per_step)} and "
                     f"writes {fmt_bytes(self.disk_bytes_per_step)} per optimizer step")
             if need is not None:
-                hw = self.hardware
-                have = 1 / (1 / hw.disk_read_bw + 1 / hw.disk_write_bw) * 2
-                line += (f"; hidden at >= {need / 1e9:.3g} GB/s of disk traffic (reads + writes over "
-                         f"{fmt_seconds(self.prediction.step_s * self.grad_accum)} of steps); the profile's disk gives "
-                         f"{have / 1e9:.3g} GB/s ({'hidden' if have >= need else 'the tier sets the pace'})")
+                have, runs = self.disk_bandwidth_given, self._runs_per_optimizer_step
+                line += (f"; hidden at >= {need / 1e9:.3g} GB/s of disk traffic (reads + writes over the "
+                         f"{fmt_seconds(self.step_s_without_disk * runs)} the steps take with a disk that never "
+                         f"stalls them); the profile's disk gives {have / 1e9:.3g} GB/s")
+                if self.disk_sets_pace:
+                    line += (f": the disk tier sets the pace, stretching that to "
+                             f"{fmt_seconds(self.prediction.step_s * runs)} (a faster disk, --nvme-bandwidth, or "
+                             "more host RAM, --host-budget, shortens it)")
+                else:
+                    line += " (hidden)"
             lines.append(line)
         return lines
 

@@ -322,13 +322,23 @@ def _period(program: Program, captured: CapturedModel, stages: range, hw: Hardwa
     return max(busy.values())
 
 
-def require_host_room(host_bytes: int, host_budget_bytes: int | None, detail: str = "") -> None:
-    """HostMemoryError unless the masters and AdamW state fit the host budget."""
+def require_host_room(host_bytes: int, host_budget_bytes: int | None, detail: str = "",
+                      facts: dict | None = None) -> None:
+    """HostMemoryError unless the masters and AdamW state fit the host budget; `facts` go with it."""
     if host_budget_bytes is not None and host_bytes > host_budget_bytes:
         raise HostMemoryError(
             f"the host RAM budget of {host_budget_bytes / GiB:.4g} GiB cannot hold the fp32 masters, AdamW "
             f"moments, gradients and compute copies, which take {host_bytes / GiB:.4g} GiB "
-            f"({fmt_bytes(host_bytes)}); raise the host budget, or train a smaller model{detail}")
+            f"({fmt_bytes(host_bytes)}); raise the host budget, or train a smaller model{detail}", facts)
+
+
+def _host_facts(costs: list[HostCost], smallest_bytes: int) -> dict:
+    """HostMemoryError's fields: the smallest host budget that fits, the parameters, each placement's tiers."""
+    return {"smallest_host_budget_bytes": smallest_bytes, "trainable_params": costs[0].params,
+            "host_placements": [{"placement": c.placement.describe(), "ram_bytes": c.ram_bytes,
+                                 "disk_bytes": c.disk_bytes, "disk_pool_bytes": c.pool_bytes,
+                                 "tiers": {k: {"where": w, "bytes": n} for k, (w, n) in c.tiers.items()}}
+                                for c in costs]}
 
 
 def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, host_budget_bytes: int | None,
@@ -345,7 +355,7 @@ def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, ho
         module = sum(e.numel * e.dtype.itemsize for n, e in captured.state.items() if n in module_resident)
         cost = sharded_host_cost(captured, compute_dtype, grad_accum, *ranks, module=module)
         require_host_room(cost.ram_bytes, host_budget_bytes, f" ({cost.describe()}; the budget is 1/{ranks[1]} "
-                          "of the node's host budget)")
+                          "of the node's host budget)", _host_facts([cost], cost.ram_bytes * ranks[1]))
         return cost
     costs = host_costs(captured, compute_dtype, grad_accum, module_resident)
     chosen = choose_placement(costs, host_budget_bytes, nvme_budget_bytes)
@@ -357,7 +367,8 @@ def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, ho
         smallest = (f". The smallest host budget that fits is {math.ceil(least.ram_bytes / GiB * 100) / 100:.2f} GiB "
                     f"({least.placement.describe()})")
         require_host_room(costs[0].ram_bytes, host_budget_bytes,
-                          f"{hint}{smallest}. Placements: {why_not(costs, host_budget_bytes, nvme_budget_bytes)}")
+                          f"{hint}{smallest}. Placements: {why_not(costs, host_budget_bytes, nvme_budget_bytes)}",
+                          _host_facts(costs, least.ram_bytes))
     return chosen
 
 

@@ -160,8 +160,34 @@ def test_plan_puts_the_moments_on_disk_when_host_ram_is_short(tmp_path, capsys, 
     assert summary["disk_read_bytes_per_step"] == summary["disk_bytes"] == 8 * summary["host_tiers"]["fp32 masters"][
         "bytes"] // 4
     assert summary["disk_bandwidth_needed"] == pytest.approx(
-        2 * summary["disk_bytes"] / summary["predicted_step_s"])
+        2 * summary["disk_bytes"] / summary["predicted_step_s_without_disk"])
     assert "disk tier" in out and "per optimizer step; hidden at >=" in out
+
+
+PHI_4 = {"model_type": "phi3", "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40,
+         "num_attention_heads": 40, "num_key_value_heads": 10, "vocab_size": 100352,
+         "max_position_embeddings": 16384, "rope_theta": 250000.0, "tie_word_embeddings": False}
+
+
+def test_a_disk_slower_than_the_step_needs_is_said_to_set_the_pace(tmp_path, capsys):
+    """Phi-4 on a 4090 with 128 GB of RAM: the moments go to disk, 2 x 109 GiB per step at the
+    desktop's 5.65 GB/s. The bandwidth needed comes from the step without the disk's stall (about
+    10 s), not from the stretched one (about 46 s), which would always put it under what the disk
+    gives."""
+    config = tmp_path / "phi-4.json"
+    config.write_text(json.dumps(PHI_4))
+    args = ["plan", "--config", str(config), "--hardware", "rtx4090", "--host", "desktop", "--host-budget", "128",
+            "--nvme-budget", "2000", "--batch", "4", "--seq", "2048", "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    summary, out = json.loads(captured.out), captured.err
+    assert summary["disk_bytes"] > 0
+    without = summary["predicted_step_s_without_disk"]
+    assert without < summary["predicted_step_s"] / 2
+    assert summary["disk_bandwidth_needed"] == pytest.approx(2 * summary["disk_bytes"] / without)
+    assert summary["disk_bandwidth_needed"] > 2 * summary["disk_bandwidth_given"]
+    assert summary["disk_sets_pace"] is True
+    assert "the disk tier sets the pace" in out and "(hidden)" not in out
 
 
 @pytest.mark.slow   # two plans of a 118B model: 20-40 s (the host state needs no global-batch search)

@@ -47,3 +47,21 @@ def test_a_plan_that_fits_one_that_does_not_and_a_stage_plan(tmp_path, capsys):
                  "--seq", "64", "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["fits"] is True and "megacompile plan --stage dpo" in captured.err
+
+
+def test_a_host_refusal_holds_the_numbers_a_script_needs(tmp_path, capsys):
+    """Refused for host RAM: the smallest host budget that fits, the parameters and each placement's
+    tiers as fields, not only in the prose error; planning at that smallest budget fits."""
+    config = _config(tmp_path)
+    base = ["plan", "--config", config, "--hbm-budget", "1", "--batch", "2", "--seq", "64", "--json"]
+    assert main([*base, "--host-budget", "0.000001", "--nvme-budget", "1"]) == 3
+    refused = json.loads(capsys.readouterr().out)
+    placements = refused["host_placements"]
+    assert placements[0]["placement"] == "all in host RAM" and len(placements) == 3
+    assert refused["smallest_host_budget_bytes"] == min(p["ram_bytes"] for p in placements)
+    assert refused["trainable_params"] > 0
+    assert all(sum(t["bytes"] for t in p["tiers"].values() if t["where"] == "disk") == p["disk_bytes"]
+               for p in placements)
+    smallest = refused["smallest_host_budget_bytes"] / 2 ** 30
+    assert main([*base, "--host-budget", repr(smallest), "--nvme-budget", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["trainable_params"] == refused["trainable_params"]
