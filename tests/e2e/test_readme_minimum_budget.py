@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import re
 
+import megacompile  # noqa: F401 - the README line evaluated below calls it
+
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
