@@ -167,7 +167,8 @@ def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_pa
         return out
     monkeypatch.setattr(capture_room, "trace_top", counted_trace)
     monkeypatch.setattr(Engine, "step", counted_step)
-    config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole", export=None)), [])
+    # packed (whole records): rows of two records mix the grids of one and two images
+    config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole", export=None, packing=True)), [])
     run(config)
     rows = log.read(str(tmp_path / "whole" / "log.csv"))
     assert len(rows) == 4 and sum(1 for r in rows if r["eval_loss"]) == 2
