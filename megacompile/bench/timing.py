@@ -46,7 +46,7 @@ def timed(workload: Workload, step) -> dict:
     losses = [float(x) for x in losses]
     say(f"{workload.steps} timed steps done")
     out = {"losses": losses, "step_s": seconds, "tokens_per_s": workload.tokens_per_step / seconds,
-           "tflops_6nd": 6 * workload.parameters * workload.tokens_per_step / seconds / 1e12}
+           "tflops_6nd": 6 * workload.flop_parameters * workload.tokens_per_step / seconds / 1e12}
     if workload.device.startswith("cuda"):
         out["alloc_retries_per_step"] = retries / workload.steps
     return out

@@ -50,6 +50,13 @@ class Workload:
         return 2 * c["vocab"] * c["dim"] + c["layers"] * block + c["dim"]
 
     @property
+    def flop_parameters(self) -> int:
+        """The N of 6ND: the parameters but the token embedding, a lookup with no matmul (the head is
+        untied, and counts)."""
+        c = self.config
+        return self.parameters - c["vocab"] * c["dim"]
+
+    @property
     def tokens_per_step(self) -> int:
         return self.batch * self.seq
 

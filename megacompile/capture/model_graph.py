@@ -9,6 +9,7 @@ from torch.utils import _pytree as pytree
 
 from .grid_constants import GridConstants
 from .image_tokens import ImageTokens
+from .lookups import lookup_params
 from .rope_positions import HeldRopeDeltas
 from .stage import StageTemplate, TensorMeta
 
@@ -78,6 +79,14 @@ class CapturedModel:
     def active_params(self) -> int:
         """Trainable parameters one token uses: every expert's count scaled by top_k / experts."""
         return round(sum(e.numel * self.routed_fractions.get(n, 1.0) for n, e in self.state.items() if e.trainable))
+
+    @property
+    def flop_params(self) -> int:
+        """The N of 6ND: the active parameters less the tables a token only looks rows up in (token and
+        position embeddings, lookups.py). A head tied to the embedding counts, once."""
+        lookups = lookup_params(self.stages)
+        return round(sum(e.numel * self.routed_fractions.get(n, 1.0) for n, e in self.state.items()
+                         if e.trainable and n not in lookups))
 
     def in_tower(self, origin: str) -> bool:
         """Whether a stage traced from module `origin` is a tower's block."""

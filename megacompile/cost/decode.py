@@ -23,17 +23,17 @@ def cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
 @dataclass(frozen=True)
 class DecodeStep:
     seconds: float            # one token for every row
-    compute_s: float          # the matmul work: 2 FLOPs per active parameter per row
+    compute_s: float          # the matmul work: 2 FLOPs per parameter per row (CapturedModel.flop_params)
     device_read_s: float      # weights (when held on the device) and the cache, from device memory
     link_s: float             # the weights over the host link (0 when the copy is on the device)
     weights_on_device: bool
 
 
-def decode_step(hw: HardwareProfile, *, weight_bytes: int, active_params: int, rows: int, cache_bytes: int,
+def decode_step(hw: HardwareProfile, *, weight_bytes: int, flop_params: int, rows: int, cache_bytes: int,
                 ops: int, weights_on_device: bool) -> DecodeStep:
     """`cache_bytes`: all rows' cache read this step; `ops`: kernels launched per step (those of one
     forward pass)."""
-    compute = 2.0 * active_params * rows / (hw.peak_bf16 * hw.matmul_efficiency)
+    compute = 2.0 * flop_params * rows / (hw.peak_bf16 * hw.matmul_efficiency)
     bandwidth = hw.device_bw * hw.memory_efficiency
     device = (cache_bytes + (weight_bytes if weights_on_device else 0)) / bandwidth
     link = 0.0 if weights_on_device else weight_bytes / hw.h2d_bw

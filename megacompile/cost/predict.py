@@ -146,11 +146,12 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
             if record is not None:
                 record.append((i, "compute", issued - start_of_step, free["compute"] - start_of_step))
         ends.append(free["compute"] - start_of_step)
-    # 6ND with N the parameters a token uses: a routed expert layer counts top_k of its experts.
-    trainable = captured.active_params
+    # 6ND with N the parameters whose matmuls a token runs: a routed expert layer counts top_k of its
+    # experts, an embedding lookup none.
+    flop_params = captured.flop_params
     tokens = captured.inputs[0].shape[0] * (captured.inputs[0].shape[1] if len(captured.inputs[0].shape) > 1 else 1)
     tokens *= program.facts.get("micro_batches", 1)     # a layer-major program runs every micro-batch of a step
-    model_flops = (6 if captured.train else 2) * trainable * tokens
+    model_flops = (6 if captured.train else 2) * flop_params * tokens
     return StepPrediction(ends[-1], busy["compute"], exposed, busy["h2d"], busy["d2h"], busy["host"],
                           flops, model_flops, tokens, network_s=busy["network"])
 

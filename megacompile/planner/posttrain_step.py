@@ -294,7 +294,7 @@ def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, row
     ops = sum(graph_cost(st.template.inference, hw, captured.compute_dtype).ops for st in captured.stages)
     # The cache read at each step grows with the tokens generated: its mean is the cache at half of them.
     mean_cache = rows * (prompt + (tokens + 1) / 2) * per_token
-    step = decode_step(hw, weight_bytes=weight_bytes, active_params=captured.active_params, rows=rows,
+    step = decode_step(hw, weight_bytes=weight_bytes, flop_params=captured.flop_params, rows=rows,
                        cache_bytes=math.ceil(mean_cache), ops=ops, weights_on_device=on_device)
     copy_s = weight_bytes / hw.h2d_bw if on_device else 0.0
     where = ("the copy on the device, sent once" if on_device else

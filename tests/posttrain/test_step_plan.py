@@ -125,13 +125,13 @@ def test_a_streamed_copy_sends_its_weights_every_token(model):
 
 def test_a_decode_step_is_bound_by_device_memory_when_the_copy_fits_else_by_the_link():
     weights, params = 140 * 10**9, 70 * 10**9        # a 70B model's bfloat16 copy
-    on = decode_step(H100, weight_bytes=weights, active_params=params, rows=16, cache_bytes=0, ops=0,
+    on = decode_step(H100, weight_bytes=weights, flop_params=params, rows=16, cache_bytes=0, ops=0,
                      weights_on_device=True)
     assert on.seconds == pytest.approx(weights / (H100.device_bw * H100.memory_efficiency))
-    off = decode_step(H100, weight_bytes=weights, active_params=params, rows=16, cache_bytes=0, ops=0,
+    off = decode_step(H100, weight_bytes=weights, flop_params=params, rows=16, cache_bytes=0, ops=0,
                       weights_on_device=False)
     assert off.seconds == pytest.approx(weights / H100.h2d_bw) and off.seconds > 10 * on.seconds
-    wide = decode_step(H100, weight_bytes=weights, active_params=params, rows=4096, cache_bytes=0, ops=0,
+    wide = decode_step(H100, weight_bytes=weights, flop_params=params, rows=4096, cache_bytes=0, ops=0,
                        weights_on_device=True)
     assert wide.seconds == pytest.approx(2 * params * 4096 / (H100.peak_bf16 * H100.matmul_efficiency))
 

@@ -21,7 +21,8 @@ def test_six_nd_counts_active_parameters_and_transfers_count_all():
     total = sum(e.numel for e in captured.state.values() if e.trainable)
     experts = LAYERS * E * 3 * H * I                    # gate_up [E, 2I, H] + down [E, H, I] per layer
     assert captured.active_params == total - experts + experts * K // E
-    assert plan.prediction.model_flops == 6 * captured.active_params * 64
+    assert captured.flop_params == captured.active_params - VOCAB * H      # the untied embedding is a lookup
+    assert plan.prediction.model_flops == 6 * captured.flop_params * 64
     # The experts' grouped matmuls are counted as hardware FLOPs (2SKN each, forward and backward):
     # without them the device would seem to do far less work than 6ND.
     assert 0.9 < plan.prediction.hardware_flops_per_model_flop < 1.5
