@@ -81,7 +81,7 @@ def _plan(args: argparse.Namespace) -> int:
                                                    accumulation=settings.accumulation, **kwargs)
         else:
             result = plan(model, settings=settings, batch=args.batch, **kwargs)
-        fits = True
+        refused = False
         if args.smallest:
             micro = args.global_batch // accumulate if args.global_batch else args.batch
             lowest = minimum_budget(model, settings=settings.replace(grad_accum=accumulate), batch=micro, **kwargs)
@@ -104,7 +104,8 @@ def _plan(args: argparse.Namespace) -> int:
                       batch=batch, **kwargs)
         result = result.revised(minimum_budget_bytes=e.minimum_bytes, minimum_over_chunks=True,
                                 given_budget_bytes=given_bytes)
-        fits = False
+        refused = True
+    fits = not refused and result.fits_card     # a budget above the card does not make a plan fit the card
     print(result.summary())
     print(host_line)
     scaled = None
@@ -118,9 +119,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  micro-batch    {micro} x {accumulate} accumulated = {args.global_batch} "
               f"(compile(..., grad_accum={accumulate}"
               + (", accumulation='layer'" if result.micro_batches_per_run > 1 else "") + ")), the fastest split that fits")
-    verdict = ("fits" if fits else f"does NOT fit: needs {fmt_bytes(result.minimum_budget_bytes)} of device memory, "
-               f"{fmt_bytes(given_bytes)} given: {fmt_bytes(result.minimum_budget_bytes - given_bytes)} short")
-    print(f"  verdict        {verdict}")
+    print(f"  verdict        {_verdict(result, refused, given_bytes)}")
     peak = result.peak_breakdown(5, described=True)
     print("  at the peak    " + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in peak))
     write_plan_views(result, trace=args.trace, plot_dir=args.plot)
@@ -130,8 +129,9 @@ def _plan(args: argparse.Namespace) -> int:
         summary["budget_bytes"] = given_bytes
         summary["host_budget_bytes"] = int(host_budget * 2**30)
         summary["host_budget_source"] = "--host-budget" if args.host_budget is not None else "this machine"
-        if not fits:
+        if refused:
             summary["shortfall_bytes"] = result.minimum_budget_bytes - given_bytes
+        summary["card_bytes"] = result.card_bytes
         summary["grad_accum"] = accumulate
         summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_optimizer_step
         summary["weight_bytes"] = result.weight_bytes
@@ -139,6 +139,31 @@ def _plan(args: argparse.Namespace) -> int:
             summary["data_parallel"] = scaled.to_json()
         print(json.dumps(summary), file=args.json_out)
     return 0 if fits else DOES_NOT_FIT
+
+
+def _verdict(result, refused: bool, given_bytes: int) -> str:
+    """Whether the plan fits: the budget given, then the card's memory (a budget may be set above it)."""
+    from .ir.printer import fmt_bytes
+    card = result.card_bytes
+    if refused:
+        need = result.minimum_budget_bytes
+        verdict = (f"does NOT fit: needs {fmt_bytes(need)} of device memory, {fmt_bytes(given_bytes)} given: "
+                   f"{fmt_bytes(need - given_bytes)} short")
+        if card is not None and need > card:
+            verdict += (f"; that is more than the {fmt_bytes(card)} of the {result.hardware.name}: it fits that card "
+                        "at no budget")
+        return verdict
+    if result.fits_card:
+        return "fits"
+    need, name = result.device_bytes_needed, result.hardware.name
+    from .settings import DEVICE_SHARE
+    # Datasheet profiles but the h100's count the datasheet's GB, a little under what the card shows torch.
+    measure = ("" if name.endswith("(measured)") else ", or plan with a profile measured on the card (`megacompile "
+               "calibrate`), which counts the memory torch sees rather than the datasheet's")
+    return (f"does NOT fit the {name}: the plan needs {fmt_bytes(need)} of device memory (its peak and reserve), the "
+            f"card has {fmt_bytes(card)} ({card / 1e9:.4g} GB): {fmt_bytes(need - card)} short; the budget given is "
+            f"more than the card: give one within it (without --hbm-budget, {DEVICE_SHARE:.0%} of it: "
+            f"{DEVICE_SHARE * card / 2**30:.2f} GiB){measure}")
 
 
 def _json_alone(command):
@@ -198,10 +223,13 @@ def _plan_stage(args: argparse.Namespace) -> int:
     print(staged.train.summary())
     print(host_line)
     print(staged.summary())
+    over = next((p for p in (staged.train, staged.forward) if p is not None and not p.fits_card), None)
+    if over is not None:
+        print(f"  verdict        {_verdict(over, False, staged.train.budget_bytes)}")
     if args.json:
-        print(json.dumps({"fits": True, "budget_bytes": staged.train.budget_bytes, **staged.to_json()}),
-              file=args.json_out)
-    return 0
+        print(json.dumps({"fits": over is None, "budget_bytes": staged.train.budget_bytes,
+                          "card_bytes": staged.train.card_bytes, **staged.to_json()}), file=args.json_out)
+    return 0 if over is None else DOES_NOT_FIT
 
 
 def _host_budget(args: argparse.Namespace) -> tuple[float, str]:

@@ -63,7 +63,9 @@ def read_header(path: str) -> dict[str, Entry]:
         except (KeyError, TypeError, ValueError) as err:
             raise WeightsFileError(f"{path}: the header entry of {name} is malformed ({err})") from err
         if dtype not in DTYPES:
-            raise WeightsFileError(f"{path}: {name} has dtype {dtype}, which megacompile does not load")
+            quantized = (" (an FP8 tensor of a quantized checkpoint: dequantize the checkpoint to bfloat16 or float32 "
+                         "first)" if dtype.startswith("F8") else "")
+            raise WeightsFileError(f"{path}: {name} has dtype {dtype}, which megacompile does not load{quantized}")
         numel = 1
         for s in shape:
             numel *= s

@@ -49,11 +49,13 @@ def build_model(path: str) -> nn.Module:
         raise WeightsFileError(f"{path} has no config.json: from_pretrained builds the model from it")
     from transformers import AutoConfig
     from ..planner.from_config import check_attention_shape
+    from ..planner.quantized import refuse_quantized_weights
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - transformers' own message, with the file named
         raise WeightsFileError(f"cannot read {config_path}: {str(e).splitlines()[0][:300]}") from e
     check_attention_shape(config)
+    refuse_quantized_weights(config, path)
     config.use_cache = False
     with parameters_on_meta():
         model = auto_class(config).from_config(config, dtype=torch.float32)

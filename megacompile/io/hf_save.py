@@ -237,6 +237,8 @@ def _write_config(state: "TrainingState", config, dtype: torch.dtype, folder: st
             use_cache = json.load(f).get("use_cache", True)
     config.use_cache = use_cache           # the engine turned the KV cache off for training only
     config.dtype = dtype
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config     # the weights written are full precision, whatever the config said
     config.to_json_file(os.path.join(folder, "config.json"))
     durable.fsync_file(os.path.join(folder, "config.json"))
     generation = getattr(state.model, "generation_config", None)

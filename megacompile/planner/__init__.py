@@ -5,6 +5,8 @@
                     judges, the host placement, the error naming the smallest budget)
     from_config.py  plan(), plan_global_batch(), minimum_budget(): from a Hugging Face config
                     or a meta model, without weights
+    quantized.py    a quantized checkpoint's config: planned in full precision with a note, its
+                    weights refused at load
     image_inputs.py the meta batch of a vision-language model's rows with images, as its
                     processor lays them out
     vision_share.py the vision tower's share of a plan's predicted time and device peak
@@ -21,7 +23,8 @@ from .search import make_plan
 from .from_config import minimum_budget, model_from_config, plan, plan_global_batch
 from .posttrain_step import StagePlan, plan_stage
 from .from_config import choose_micro_batch, minimum_budget_of
+from .quantized import refuse_quantized_weights
 
 
 __all__ = ["Plan", "StagePlan", "make_plan", "minimum_budget", "model_from_config", "plan", "plan_global_batch",
-           "plan_stage", "choose_micro_batch", "minimum_budget_of"]
+           "plan_stage", "choose_micro_batch", "minimum_budget_of", "refuse_quantized_weights"]

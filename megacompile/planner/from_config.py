@@ -26,6 +26,7 @@ from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
 from ..settings import Settings, from_call
 from .image_inputs import image_inputs
+from .quantized import planning_note
 from .request import PlanRequest, fused, host_accumulation
 from .search import lowest_budget, make_baseline_plan, make_plan, place_host_state
 from .vision_share import vision_share
@@ -151,7 +152,8 @@ def _same_setting(a: Any, b: Any) -> bool:
 def choose_micro_batch(global_batch: int, plan_one) -> tuple[Plan, int]:
     """plan_one(micro, k) for every micro-batch size that divides the global batch (halving from
     the whole of it), k = global_batch // micro micro-batches a step: the plan with the highest
-    predicted tokens/s, and its k. Raises what stopped the smallest micro-batch when none fits."""
+    predicted tokens/s among those that fit the card (Plan.fits_card; any, when none does), and
+    its k. Raises what stopped the smallest micro-batch when none fits."""
     from ..errors import BudgetTooSmallError, HostMemoryError
     best, smallest, host_short = None, None, None
     micro = global_batch
@@ -164,7 +166,8 @@ def choose_micro_batch(global_batch: int, plan_one) -> tuple[Plan, int]:
             except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
                 host_short = host_short or e
             else:
-                if best is None or candidate.prediction.tokens_per_s > best[0].prediction.tokens_per_s:
+                if best is None or ((candidate.fits_card, candidate.prediction.tokens_per_s)
+                                    > (best[0].fits_card, best[0].prediction.tokens_per_s)):
                     best = (candidate, global_batch // micro)
         micro //= 2
     if best is None:
@@ -250,10 +253,12 @@ def plan(model_or_config: Any, hbm_budget: float | None = None, *, settings: Set
     planned = _Planned(model_or_config, settings, hardware=hardware, batch=batch, seq=seq, inputs=inputs,
                        optimizer=optimizer, loss_fn=loss_fn, train=train, style=style, nvme_bandwidth=nvme_bandwidth,
                        ranks=ranks, images_per_row=images_per_row, image_size=image_size)
+    card = card_bytes(planned.profile)
     if style is not None:
-        return planned.baseline(budget_bytes, style)
+        return planned.baseline(budget_bytes, style).revised(card_bytes=card)
     result = planned.at(budget_bytes)
-    settled: dict[str, Any] = {"minimum_over_chunks": smallest, "notes": planned.notes}   # what this call adds
+    settled: dict[str, Any] = {"minimum_over_chunks": smallest, "notes": planned.notes,   # what this call adds
+                               "card_bytes": card}
     if planned.images is not None:
         settled["vision"] = vision_share(result, *planned.images)
     if planned.captured.rechunk is not None:     # blocks that run over sequence chunks may fit lower
@@ -265,6 +270,15 @@ def plan(model_or_config: Any, hbm_budget: float | None = None, *, settings: Set
                                      settings.nvme_budget_bytes)
         settled.update(host_cost=host_cost, host_bytes=host_cost.ram_bytes)
     return result.revised(**settled)
+
+
+def card_bytes(profile: HardwareProfile) -> int | None:
+    """The memory of the card a plan is made for, which its device need is held to beside the
+    budget: the profile's (a named card's datasheet figure, or a measured one's); None for the
+    simulated cpu device, which is no card."""
+    if profile.name.startswith("cpu") or not profile.device_bytes:
+        return None
+    return profile.device_bytes
 
 
 def minimum_budget(model_or_config: Any, *, settings: Settings | None = None,
@@ -309,6 +323,13 @@ def _context_notes(model: nn.Module, seq: int) -> tuple[str, ...]:
             f"{limit} were not trained; extend the context (rope_scaling in the config) or give seq <= {limit}",)
 
 
+def _quantized_notes(model: nn.Module, settings: Settings) -> tuple[str, ...]:
+    """A quantized checkpoint's config is planned as the full-precision model it describes: said."""
+    config = getattr(model, "config", None)
+    note = None if config is None else planning_note(config, str(settings.compute_dtype).replace("torch.", ""))
+    return () if note is None else (note,)
+
+
 class _Planned:
     """A model captured for plan(): the plan at any budget, from one capture."""
     WHAT = ("hardware", "batch", "seq", "inputs", "optimizer", "loss_fn", "train", "style", "nvme_bandwidth", "ranks",
@@ -344,7 +365,7 @@ class _Planned:
         model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
         if getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False
-        self.notes = _context_notes(model, seq) if inputs is None else ()
+        self.notes = (_context_notes(model, seq) if inputs is None else ()) + _quantized_notes(model, settings)
         self.images = None      # (ImageSignature, the indexes of the inputs that hold images)
         if image_size is not None and not images_per_row:
             raise ArgumentError(f"image_size {image_size!r} was given without images_per_row: give the images in "

@@ -51,6 +51,10 @@ class Plan:
     vision: Any = None
     # Warnings about what was asked, not refusals (from_config.plan: a seq past the model's context).
     notes: tuple[str, ...] = ()
+    # Planned for a named card (from_config.plan, or a measured profile's): its memory, which the
+    # plan's device need must stay within too; None: not checked (an engine's plan, which its own
+    # device holds to the budget; the simulated cpu device).
+    card_bytes: int | None = None
     # What the engine running this copy of the plan measured (planner/measured.py; Plan.with_measured);
     # None for a plan no engine runs.
     measured: MeasuredRun | None = field(default=None, repr=False, compare=False)
@@ -226,12 +230,23 @@ class Plan:
         return self.program.facts.get("arena")
 
     @property
-    def fits(self) -> bool:
-        """The peak leaves the reserve free, and the arena fits beside the workspaces and op scratch
-        (cost/reserve.py)."""
+    def device_bytes_needed(self) -> int:
+        """Device bytes the plan needs: the peak with the reserve kept free, or the arena beside the
+        workspaces and op scratch, whichever is more (cost/reserve.py)."""
         r, arena = self.reserve, self.arena
-        return (self.predicted_peak_bytes + r.total <= self.budget_bytes
-                and (arena is None or arena.size + r.workspace_bytes + r.scratch_bytes <= self.budget_bytes))
+        return max(self.predicted_peak_bytes + r.total,
+                   0 if arena is None else arena.size + r.workspace_bytes + r.scratch_bytes)
+
+    @property
+    def fits_card(self) -> bool:
+        """The device need is within the card's memory (card_bytes); True where no card is known."""
+        return self.card_bytes is None or self.device_bytes_needed <= self.card_bytes
+
+    @property
+    def fits(self) -> bool:
+        """The device need is within the budget, and within the card's memory where the plan knows
+        its card: a budget above the card does not make a plan fit it."""
+        return self.device_bytes_needed <= self.budget_bytes and self.fits_card
 
     @property
     def recomputed(self) -> list[str]:
@@ -401,6 +416,9 @@ class Plan:
             "chunked_modules": sorted({m for t in self.captured.block_templates for m in t.chunked}),
             "template_notes": dict(self.captured.template_notes),
             **({"notes": list(self.notes)} if self.notes else {}),
+            # Only where the plan needs more than its card has (the plans that fit keep their JSON).
+            **({"card_bytes": self.card_bytes, "card_shortfall_bytes": self.device_bytes_needed - self.card_bytes}
+               if not self.fits_card else {}),
             "vision": self.vision.to_json() if self.vision is not None else None,
             "hardware": self.hardware.name if self.hardware else None,
             **(self.prediction.to_dict() if self.prediction else {}),
@@ -441,8 +459,8 @@ class Plan:
         c = self.captured
         n_params = sum(e.numel for e in c.state.values() if e.trainable)
         active = c.active_params
-        routed = (f" ({active:,} active per token: FLOPs count these, transfers all of them)"
-                  if active != n_params else "")
+        routed = (f" ({active:,} active per token; 6ND counts the {c.flop_params:,} of them outside the "
+                  "embeddings, transfers all of them)" if active != n_params else "")
         frozen = self._params_json()["frozen_params"]
         routed += f", {frozen:,} frozen" if frozen else ""
         blocks = sum(1 for s in c.stages if s.template.kind == "block")
@@ -464,6 +482,7 @@ class Plan:
             self._peak_line(measured_peak),
             self._smallest_line(),
             *self._reserve_line(),
+            *self._card_line(),
             f"  host memory    {fmt_bytes(self.host_bytes + self.stash_bytes)}: {fmt_bytes(self.host_bytes)} of "
             + ("host state in RAM (tiers below)" if self.host_cost is not None else
                f"fp32 masters, exp_avg, exp_avg_sq, grads{', compute copies' if c.compute_dtype != torch.float32 else ''}, "
@@ -574,6 +593,19 @@ class Plan:
                     line += " (hidden)"
             lines.append(line)
         return lines
+
+    def _card_line(self) -> list[str]:
+        """The card's memory, where the plan needs more of it or was given a budget above it."""
+        card, need = self.card_bytes, self.device_bytes_needed
+        budget = self.given_budget_bytes if self.given_budget_bytes is not None else self.budget_bytes
+        if card is None or (need <= card and budget <= card):
+            return []
+        line = f"  card           {fmt_bytes(card)} of memory on the {self.hardware.name}: "
+        if need > card:
+            return [line + f"the plan needs {fmt_bytes(need)} (its peak and reserve), {fmt_bytes(need - card)} more: "
+                           "it does NOT fit the card; plan at a budget within the card"]
+        return [line + f"the {fmt_bytes(budget)} budget is more than that; the plan needs {fmt_bytes(need)}, within "
+                       "the card"]
 
     def _reserve_line(self) -> list[str]:
         r = self.reserve

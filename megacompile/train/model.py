@@ -49,6 +49,9 @@ def meta_model(c: RunConfig) -> nn.Module:
         from transformers import AutoConfig
         from ..io.hf_load import auto_class
         config = AutoConfig.from_pretrained(c.model)
+        if _hf_weights(c.model):      # refused before the data is read, not when the weights stream in
+            from ..planner import refuse_quantized_weights
+            refuse_quantized_weights(config, c.model)
         if getattr(config, "vision_config", None) is not None:   # as the folder's weights are built
             config.use_cache = False
             with torch.device("meta"):

@@ -8,6 +8,7 @@ import pytest
 
 from megacompile.cli import main
 from megacompile.cost import PROFILES
+from megacompile.cost.hardware import H100_MEMORY
 from megacompile.cost.host import HOSTS, with_host
 from megacompile.errors import ArgumentError
 from megacompile.planner.from_config import hardware_profile
@@ -40,7 +41,7 @@ def _plan(tmp_path, capsys, *args):
 def test_plan_takes_the_host_and_the_cards_memory(tmp_path, capsys):
     rc, desktop = _plan(tmp_path, capsys, "--hardware", "h100", "--host", "desktop")
     assert rc == 0 and desktop["fits"]
-    assert desktop["budget_bytes"] == int(0.9 * 80 * 10**9)
+    assert desktop["budget_bytes"] == int(0.9 * H100_MEMORY)
     _, server = _plan(tmp_path, capsys, "--hardware", "h100")
     # The same device plan, its host AdamW timed at a desktop's rate: 300 / 89.6 GB/s longer
     assert desktop["host_busy_s"] == pytest.approx(server["host_busy_s"] * 300 / 89.6, rel=1e-6)
