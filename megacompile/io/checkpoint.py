@@ -314,11 +314,13 @@ def read(state: "TrainingState", path: str, strict: bool = True, layout: tuple |
         raise MegacompileError(f"the checkpoint {path} does not match this model: {'; '.join(problems[:4])}; "
                                "nothing was loaded")
     differences = run_state.setting_differences(manifest["optimizer"], state)
+    exempt = run_state.no_decay_difference(manifest["optimizer"], state)
     buffers = own_buffers.differing(state, items)
-    if (differences or buffers) and strict:
+    if (differences or exempt or buffers) and strict:
         raise MegacompileError(
             f"the checkpoint {path} differs from this engine and model: "
-            f"{'; '.join(differences + [f'buffer {n}: {d}' for n, d in buffers.items()])}; nothing was loaded "
+            f"{'; '.join(differences + [exempt] * bool(exempt) + [f'buffer {n}: {d}' for n, d in buffers.items()])}; "
+            "nothing was loaded "
             f"(strict=False loads it and keeps this engine's settings and the model's own buffers"
             + (": a buffer the model computes from its config, such as rotary inv_freq from rope_theta, says "
                "the config differs from the saving run's" if buffers else "") + ")")
@@ -328,6 +330,8 @@ def read(state: "TrainingState", path: str, strict: bool = True, layout: tuple |
                           reached=(frozenset(trainable if reached is None else reached) if mid_step else None))
     notes = [f"the checkpoint {path} was saved with other settings, this engine's are kept: "
              f"{'; '.join(differences)}"] * bool(differences) + [
+             f"the checkpoint {path} was saved with other parameters exempt from weight decay, this engine's AdamW "
+             f"no_decay is kept: {exempt}"] * bool(exempt) + [
              f"the checkpoint {path} holds other values of buffers the model built itself; the model's own "
              f"are kept: {'; '.join(f'{n}: {d}' for n, d in buffers.items())}"] * bool(buffers)
     # The counters take the saved run's id too: keep_last rotates the resumed run's checkpoints.

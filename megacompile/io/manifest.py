@@ -88,6 +88,9 @@ OPTIMIZER: dict[str, Check] = {
     "lr": lr, "betas": betas, "eps": number(0), "weight_decay": number(0), "max_grad_norm": number(0, optional=True),
     "kernel": of_type(str), "grad_accum": count(1), "compute_dtype": of_type(str),
 }
+# absent from a manifest of an earlier release: which parameters were exempt is not known
+OPTIMIZER_OPTIONAL: dict[str, Check] = {"no_decay": lambda v: None if isinstance(v, list) and names(v) is None
+                                        else "a list of parameter names"}
 FILE: dict[str, Check] = {"bytes": count(0), "sha256": of_type(str)}
 SCHEDULE: dict[str, Check] = {"param_group": of_type(dict), "schedulers": of_type(list)}
 SCHEDULER: dict[str, Check] = {"class": of_type(str), "state": of_type(dict)}
@@ -111,6 +114,7 @@ def problems(manifest: Any) -> list[str]:
     out += _fields(manifest, OPTIONAL, "", required=False)
     if isinstance(manifest.get("optimizer"), dict):
         out += _fields(manifest["optimizer"], OPTIMIZER, "optimizer.")
+        out += _fields(manifest["optimizer"], OPTIMIZER_OPTIONAL, "optimizer.", required=False)
     if isinstance(manifest.get("schedule"), dict):
         schedule = manifest["schedule"]
         out += _fields(schedule, SCHEDULE, "schedule.")

@@ -38,14 +38,32 @@ def optimizer_settings(state: "TrainingState") -> dict:
     opt = state.optimizer
     return {"lr": "callable" if callable(opt.lr) else opt.lr, "betas": list(opt.betas), "eps": opt.eps,
             "weight_decay": opt.weight_decay, "max_grad_norm": opt.max_grad_norm, "kernel": opt.kernel,
-            "grad_accum": state.grad_accum, "compute_dtype": str(state.compute_dtype).replace("torch.", "")}
+            "grad_accum": state.grad_accum, "compute_dtype": str(state.compute_dtype).replace("torch.", ""),
+            "no_decay": sorted(state.no_decay)}
 
 
 def setting_differences(saved: dict, state: "TrainingState") -> list[str]:
-    """Each setting in which the engine differs from the run that saved the checkpoint."""
+    """Each setting but no_decay (no_decay_difference) in which the engine differs from the run
+    that saved the checkpoint."""
     own = optimizer_settings(state)
     return [f"{key}: the checkpoint has {saved.get(key)!r}, this engine {value!r}"
-            for key, value in own.items() if saved.get(key) != value]
+            for key, value in own.items() if key != "no_decay" and saved.get(key) != value]
+
+
+def no_decay_difference(saved: dict, state: "TrainingState") -> str | None:
+    """The parameters AdamW no_decay exempts from weight decay in this engine and not in the run
+    that saved the checkpoint, or the other way round; None when they agree, or when the
+    checkpoint predates recording them."""
+    if "no_decay" not in saved:
+        return None
+    before, now = set(saved["no_decay"]), set(state.no_decay)
+    if before == now:
+        return None
+    moved = [f"{what}: {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+             for what, names in (("decayed now", sorted(before - now)), ("exempt now", sorted(now - before)))
+             if names]
+    return (f"no_decay: the checkpoint's run stepped {len(before)} parameters with weight decay 0, this engine "
+            f"{len(now)} ({'; '.join(moved)})")
 
 
 def lr_schedulers(state: "TrainingState") -> list:

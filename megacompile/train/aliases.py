@@ -17,6 +17,7 @@ import re
 from typing import Any, Callable
 
 from ..errors import ArgumentError
+from . import intervals
 from .their_keys import NOT_TAKEN, off
 
 _DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "use the epochs")
@@ -78,16 +79,20 @@ def _do_train(value: Any) -> None:
                             "give true")
 
 
-def _strategy(key: str, off_drops: str | None) -> Callable[[Any], Any]:
-    """HF's *_strategy: megacompile counts in steps; `no` for eval and saves turns them off (YAML
-    reads a bare `no`, in a file or in a key=value override, as false)."""
+def _strategy(key: str, own: str | None) -> Callable[[Any], Any]:
+    """HF's *_strategy: `steps`; for eval and saves also `epoch` (at each epoch's end) and `no`
+    (YAML reads a bare `no`, in a file or in a key=value override, as false)."""
     def convert(value: Any) -> Any:
         if value is False:
             value = "no"
-        if value == "steps" or (value == "no" and off_drops is not None):
+        if value == "steps" or (value in ("no", "epoch") and own is not None):
             return value
-        raise ArgumentError(f"{key} {value!r}: megacompile counts in optimizer steps; give {key}: steps with "
-                            f"{key.replace('_strategy', '_steps')}" + (", or no" if off_drops else ""))
+        if own is None:
+            raise ArgumentError(f"{key} {value!r}: log.csv has a row for every optimizer step; give {key}: steps, "
+                                "with logging_steps for the progress line")
+        raise ArgumentError(f"{key} {value!r}: megacompile {'evaluates' if own == 'eval_every' else 'saves'} every "
+                            f"{key.replace('_strategy', '_steps').replace('evaluation', 'eval')} steps or at each "
+                            f"epoch's end; give {key}: steps, epoch or no")
     return convert
 
 
@@ -270,6 +275,7 @@ def _schedule(raw: dict, out: Translated, default_lr: float) -> None:
 
 
 HF_LOGGING_STEPS = 500     # transformers' default logging_steps, which eval_strategy: steps falls back on
+HF_SAVE_STEPS = 500        # transformers' default save_steps
 
 
 def _strategies(raw: dict, out: Translated) -> None:
@@ -282,6 +288,12 @@ def _strategies(raw: dict, out: Translated) -> None:
             out.keys.pop(own, None)
             # no eval; no checkpoint at all (save_every false), the trained model still written at the end
             out.keys[own] = None if own == "eval_every" else False
+        elif strategy == "epoch":
+            given = out.keys.get(own)
+            if given not in (None, 0):
+                out.notes.append(f"{out.spelled[own]}: {given} is not used: {key} is epoch (as in transformers)")
+            out.keys[own] = intervals.EPOCH
+            out.spelled.setdefault(own, key)
         elif own == "eval_every" and out.keys.get("eval_every") in (None, 0):
             # transformers: eval_steps unset (or 0) with eval_strategy steps is logging_steps
             every = out.keys.get("log_every", HF_LOGGING_STEPS)
@@ -290,6 +302,11 @@ def _strategies(raw: dict, out: Translated) -> None:
             out.notes.append(f"{key}: steps without eval_steps evaluates every {every} steps (logging_steps"
                              + ("" if "log_every" in out.keys else ", transformers' default")
                              + "), as transformers sets eval_steps")
+        elif own == "save_every" and out.keys.get("save_every") is None:
+            out.keys["save_every"] = HF_SAVE_STEPS
+            out.spelled.setdefault("save_every", key)
+            out.notes.append(f"{key}: steps without save_steps saves a checkpoint every {HF_SAVE_STEPS} steps "
+                             "(transformers' default save_steps) and after the last")
 
 
 def _template(name: Any, keys: dict) -> str:

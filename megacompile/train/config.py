@@ -17,6 +17,7 @@ from .. import arguments
 from . import aliases
 from .data import entries
 from . import preemption
+from . import intervals
 from . import their_keys
 from ..errors import ArgumentError
 from ..optim import MAX_LR
@@ -78,16 +79,16 @@ class RunConfig:
     dump_dir: str | None = None
     steps: int | None = None
     epochs: float | None = None
-    eval_every: int | None = None
+    eval_every: int | float | str | None = None     # steps, a fraction of them, or epoch (intervals.py)
     eval_batches: int | None = None
-    save_every: int | bool | None = None      # false: no checkpoint (TRL's save_strategy: no)
+    save_every: int | float | str | bool | None = None      # as eval_every; false: no checkpoint (save_strategy: no)
     keep_last: int | None = 3
     resume: str | None = None
     run_dir: str | None = None
     name: str = "train"
     log: list = field(default_factory=lambda: ["csv"])
     wandb_project: str | None = None
-    log_every: int = 10
+    log_every: int | float = 10
     export: str | None = None
     export_dtype: str = "float32"
     seed: int = 0
@@ -341,10 +342,18 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
                             f"got steps={c.steps!r}, epochs={c.epochs!r}")
     c.steps = None if c.steps is None else _int("steps", c.steps)
     c.epochs = None if c.epochs is None else _number("epochs", c.epochs, 0.0, strict=True)
+    for key in intervals.KEYS:
+        value = getattr(c, key)
+        if key == "log_every" or not (value is None or key == "save_every" and value is False):
+            setattr(c, key, intervals.check(key, value))
     if c.steps is not None:     # with epochs, once the data gives the steps (loop.run)
         c.warmup = warmup_steps(c.warmup, c.steps)
-    for key in ("eval_every", "eval_batches", "save_every", "keep_last", "max_consecutive_skips"):
-        if getattr(c, key) is not None and not (key == "save_every" and c.save_every is False):
+        intervals.resolve(c)
+    if c.streaming and intervals.EPOCH in (c.eval_every, c.save_every):
+        raise ArgumentError("streaming does not know the data's size ahead, so the end of an epoch is not known: give "
+                            "eval_every and save_every in steps, or streaming: false")
+    for key in ("eval_batches", "keep_last", "max_consecutive_skips"):
+        if getattr(c, key) is not None:
             setattr(c, key, _int(key, getattr(c, key)))
     if c.save_every is False and c.bundled:
         raise ArgumentError("save_every: false (save_strategy: no) writes no checkpoint, and the bundled model, "
@@ -352,7 +361,6 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
                             "or leave it out (a checkpoint after the last step)")
     if c.eval_every is not None and not (c.eval or c.eval_fraction):
         raise ArgumentError("eval_every needs held-out data: give eval (files) or eval_fraction")
-    c.log_every = _int("log_every", c.log_every)
     c.stop_signals = preemption.signal_names(c.stop_signals)
     c.resume = _text("resume", c.resume, optional=True)
     if c.resume not in (None, "auto") and not os.path.isdir(c.resume):

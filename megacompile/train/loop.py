@@ -28,7 +28,7 @@ import warnings
 from ..errors import ArgumentError
 from ..ir import fmt_bytes
 from ..report import write_run_views
-from . import methods, preemption, resume, trained_model
+from . import intervals, methods, preemption, resume, trained_model
 from .config import RunConfig
 from .log import Progress, RunLog
 from .model import build, meta_model
@@ -76,12 +76,11 @@ def checkpoint_path(folder: str, step: int) -> str:
 
 def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int, fingerprint: str,
                     force: bool = False, **more) -> bool:
-    """At every save_every-th step and the last one (or now: `force`, when a stop signal came), a
-    checkpoint in `folder` with what a resume checks and goes on from: the data position (rows, or
-    a stage's pairs or prompts), what it refers to, the settings; `more`: a stage's own state.
-    Whether it saved one."""
-    if not force and (c.save_every is False or not ((c.save_every and step % c.save_every == 0)
-                                                     or step == c.steps)):
+    """At every save_every-th step (or each epoch's end: intervals.py) and the last one (or now:
+    `force`, when a stop signal came), a checkpoint in `folder` with what a resume checks and goes
+    on from: the data position (rows, or a stage's pairs or prompts), what it refers to, the
+    settings; `more`: a stage's own state. Whether it saved one."""
+    if not force and (c.save_every is False or not intervals.due(c.save_every, step, c.steps)):
         return False        # save_every false (TRL's save_strategy: no): none but a stop signal's
     engine.save_checkpoint(checkpoint_path(folder, step),
                            extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
@@ -112,6 +111,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         if c.steps is None:
             c.steps = stage.steps_for(c.epochs)
         c.warmup = warmup_steps(c.warmup, c.steps)      # a fraction of the steps, now that they are known
+        intervals.resolve(c, stage.steps_for)
     except BaseException:
         if stage is not None:
             stage.discard()

@@ -75,8 +75,9 @@ def test_overrides_replace_the_files_value_whichever_name_either_uses(tmp_path):
     ({"lr_scheduler_type": "cosine_with_min_lr"}, "cosine_with_min_lr takes one of min_lr, min_lr_rate"),
     ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 2}}, "megacompile takes min_lr or"),
     ({"val_size": 200}, "val_size 200 is a count of examples"),
-    ({"save_steps": 0.5}, "save_steps (megacompile's save_every): save_every must be a whole number >= 1; got 0.5"),
-    ({"eval_strategy": "epoch"}, "eval_strategy 'epoch': megacompile counts in optimizer steps"),
+    ({"save_steps": 2.5}, "save_steps (megacompile's save_every): save_every must be a whole number >= 1 (steps), "
+                          "or a fraction of the run's steps above 0 and below 1, or epoch"),
+    ({"save_strategy": "best"}, "save_strategy 'best': megacompile saves every save_steps steps or at each epoch's"),
     ({"template": "llama3"}, "template 'llama3': the bundled model reads bytes and has no chat template"),
     ({"report_to": "mlflow"}, "log is a list of csv, tensorboard, wandb, none or all"),
     ({"report_to": ["none", "wandb"]}, "log: none goes alone"),

@@ -19,6 +19,7 @@ from ...errors import ArgumentError
 from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
 from ...posttrain import Pair, pack, preference_metrics, to_pair
+from .. import intervals
 from ..data.ranking import preference
 from ..data.reading import records
 from ..data.tokens import fingerprint
@@ -143,7 +144,7 @@ class DPOStage(Stage):
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c
-        if not self.held or not c.eval_every or (step % c.eval_every and step != c.steps):
+        if not self.held or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
             return {}
         held, ref = self.held, self.held_reference
         if c.eval_batches is not None:

@@ -38,6 +38,7 @@ from ...errors import MegacompileError
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, grpo_loss, nanstd, rewards,
                           rollout_batch, sampled_logps, sampling_correction, sampling_ratio, truncated)
 from . import rollouts
+from .. import intervals
 from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
@@ -267,7 +268,7 @@ class GRPOStage(Stage):
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c
-        if not self.held_prompts or not c.eval_every or (step % c.eval_every and step != c.steps):
+        if not self.held_prompts or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
             return {}
         count = len(self.held_prompts) if c.eval_batches is None else min(len(self.held_prompts),
                                                                           c.eval_batches * c.batch)

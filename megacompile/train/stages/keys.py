@@ -199,7 +199,11 @@ def _grpo(c, raw: dict, folder: str | None = None) -> None:
     per_rollout = rollout_steps(c)
     for key in ("steps", "save_every"):
         value = getattr(c, key)
-        if value is not None and value % per_rollout:
+        if isinstance(value, float):        # a fraction of steps that epochs leave unknown until the data is read
+            raise ArgumentError(f"{key} {value} is a fraction of the steps, which epochs give once the prompts are "
+                                f"read, and a checkpoint must fall between rollout batches of {per_rollout} optimizer "
+                                f"steps: give {key} in steps, a multiple of {per_rollout}, or epoch")
+        if isinstance(value, int) and value % per_rollout:
             raise ArgumentError(f"{key} {value} must be a multiple of {per_rollout}, the optimizer steps of a rollout "
                                 f"batch (steps_per_generation {c.steps_per_generation} / grad_accum {c.grad_accum} x "
                                 f"num_iterations {c.num_iterations}): a checkpoint falls between rollout batches")

@@ -10,6 +10,7 @@ import numpy as np
 
 from ...errors import ArgumentError
 from ...ir import fmt_bytes
+from .. import intervals
 from .. import methods
 from ..config import RunConfig
 from ..data import grid_images, images, mixture, packing, pixels, split, streaming, tokens, videos
@@ -105,7 +106,7 @@ class SFTStage(Stage):
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c
-        if self.eval_rows is None or not c.eval_every or not (step % c.eval_every == 0 or step == c.steps):
+        if self.eval_rows is None or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
             return {}
         loss, perplexity = _evaluate(engine, self.eval_rows, self.batch, c.eval_batches, self.shifted)
         return {"eval_loss": loss, "eval_perplexity": perplexity}
