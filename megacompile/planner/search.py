@@ -202,7 +202,10 @@ def pick_accumulation(blocks: list[int], plan_bytes: int, peak_of, seconds_of, s
     None when not offered or nothing fit) are predicted shorter."""
     def lm(c: ScheduleChoice) -> ScheduleChoice:
         return dataclasses.replace(c, micro_batches=k)
-    choice, minimum = solve(blocks, plan_bytes, lambda c: peak_of(lm(c)), lambda c: seconds_of(lm(c)), space)
+    # Only a layer-major step shorter than k micro-batch-major ones is taken: none slower is sought.
+    bound = float("inf") if micro_choice is None else k * seconds_of(micro_choice)
+    choice, minimum = solve(blocks, plan_bytes, lambda c: peak_of(lm(c)), lambda c: seconds_of(lm(c)), space,
+                            bound=bound)
     minimum = minimum if micro_minimum is None else min(minimum, micro_minimum)
     if choice is None:
         return micro_choice, minimum

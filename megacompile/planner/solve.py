@@ -122,7 +122,8 @@ def lowest(blocks: Sequence[int], options: Sequence[Family],
 def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
           seconds_of: Callable[[ScheduleChoice], float] | None = None,
           options: Sequence[Family] | None = None,
-          exact_of: Callable[[ScheduleChoice], float] | None = None) -> tuple[ScheduleChoice | None, int]:
+          exact_of: Callable[[ScheduleChoice], float] | None = None,
+          bound: float = float("inf")) -> tuple[ScheduleChoice | None, int]:
     """The fastest choice that fits (None if none does), and the smallest peak any choice reaches.
 
     `options`: the families to search (default: the three depths, nothing else). Without
@@ -130,7 +131,8 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
     an estimate that ranks choices of one shape of pattern well but not different shapes against
     each other (planner/shorten.py judges a strided pattern by its periods): with `exact_of`, the
     fastest choice of each stride (0: prefix/suffix) by `seconds_of` is timed by `exact_of`, and
-    the fastest of those wins."""
+    the fastest of those wins. `bound`: seconds a choice must not exceed to be worth finding (a
+    choice the caller already holds; None is returned when no family's fastest choice is within it)."""
     options = list(options or families())
     # Every block recomputed holds the least any family can: no choice fits below it. At a budget
     # below it (the usual first try of a model that needs its blocks in sequence chunks), the
@@ -148,11 +150,14 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
         if (f.depth, f.resident) in settled:
             continue
         options_f = candidates(blocks, f)
-        # A strided family's fastest choice is its first: when that is slower than a fit of the
-        # same stride already found, its search cannot win (this keeps planning time small).
-        if f.stride and seconds_of is not None and f.stride in fastest \
-                and round(seconds_of(options_f[0]), 9) > round(fastest[f.stride], 9):
-            continue
+        # A family's fastest choice is its first (more recompute never speeds a step up): when that
+        # is slower than a fit of the same stride already found, or than `bound`, its search cannot
+        # win. Deep prefetch comes first and usually fits fast, so most families end here, at one
+        # schedule each instead of a bisection's dozen.
+        if seconds_of is not None:
+            bar = min(fastest.get(f.stride, float("inf")), bound)
+            if round(seconds_of(options_f[0]), 9) > round(bar, 9):
+                continue
         choice = smallest_fit(options_f, budget_bytes, peak_of)
         if choice is None:
             continue
