@@ -1,10 +1,10 @@
-"""Preference pairs for DPO: read from jsonl, packed chosen-then-rejected into one batch, the
+"""Preference pairs for DPO: read from record files in TRL's layouts (preference_format.py),
+tokenised as TRL's DPOTrainer tokenises them, packed chosen-then-rejected into one batch, the
 reference's log-probabilities computed once before training (the policy at step 0 is the
 reference: one forward-only pass of the same engine, no second copy of the weights), and the
 held-out metrics: implicit-reward margins and preference accuracy."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +12,8 @@ import torch
 
 from ..errors import ArgumentError
 from .logprobs import IGNORE
+from .preference_format import SAME, trl_record
+from .record_files import read_records
 
 
 @dataclass(frozen=True)
@@ -22,43 +24,52 @@ class Pair:
 
 
 def read_pairs(path: str | Path, tokenizer) -> list[Pair]:
-    """jsonl records {"prompt", "chosen", "rejected"}, each text (the completions end with the
-    tokenizer's eos) or, for conversations, lists of messages that the tokenizer's chat template
-    renders (the prompt with the generation prompt added)."""
-    pairs = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
-        if missing:
-            raise ArgumentError(f"{path}:{n}: a preference record needs prompt, chosen and rejected; "
-                                f"missing {', '.join(missing)}")
-        pairs.append(to_pair(record, tokenizer, f"{path}:{n}"))
-    return pairs
+    """The pairs of a .jsonl, .json, .parquet or .csv file of TRL's preference records (standard,
+    conversational or with an implicit prompt)."""
+    return [to_pair(record, tokenizer, where) for where, record in read_records(path)]
 
 
 def to_pair(record: dict, tokenizer, where: str = "a preference record") -> Pair:
-    """A {prompt, chosen, rejected} record's tokens (text, or messages rendered by the chat
-    template). stage dpo reads LlamaFactory's ranking layouts into this one first
-    (train/data/ranking.py)."""
+    """A TRL preference record's tokens, as TRL's DPOTrainer makes them: the completions are the
+    tokens of prompt + completion after the prompt's own tokens. Text: the completions end with the
+    tokenizer's eos (added unless the text ends with it), the prompt tokenised with the tokenizer's
+    special tokens. Messages: rendered by the chat template, the prompt with the generation prompt,
+    no eos added (the template ends the turn). stage dpo reads LlamaFactory's ranking layouts into
+    TRL's first (train/data/ranking.py)."""
+    record = trl_record(record, where)
     prompt = record["prompt"]
     if isinstance(prompt, list):
-        # Rendered as text, then split where the prompt ends: the completion is what the template
-        # adds after the generation prompt (its end-of-turn marks included).
-        head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        prompt_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+        render = lambda messages, **kw: tokenizer(tokenizer.apply_chat_template(  # noqa: E731
+            messages, tokenize=False, **kw), add_special_tokens=False)["input_ids"]
+        prompt_ids = render(prompt, add_generation_prompt=True)
         completions = []
         for k in ("chosen", "rejected"):
-            full = tokenizer.apply_chat_template(prompt + record[k], tokenize=False)
-            if not full.startswith(head):
-                raise ArgumentError(f"{where}: the chat template renders the {k} conversation without the prompt's "
-                                    f"rendering as its start; give the prompt and completions as text instead")
-            completions.append(tokenizer(full[len(head):], add_special_tokens=False)["input_ids"])
+            full = render(prompt + record[k])
+            if full[:len(prompt_ids)] != prompt_ids:
+                raise ArgumentError(f"{where}: the chat template renders the prompt and {k} without the prompt's "
+                                    "rendering (with its generation prompt) as their start, so no token separates "
+                                    "prompt from completion; give the prompt and completions as text instead")
+            completions.append(full[len(prompt_ids):])
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        completions = [tokenizer(record[k], add_special_tokens=False)["input_ids"] + eos for k in ("chosen", "rejected")]
+        eos = tokenizer.eos_token
+        completions = []
+        for k in ("chosen", "rejected"):
+            text = record[k] if eos is None or record[k].endswith(eos) else record[k] + eos
+            joint = tokenizer(prompt + text)["input_ids"]
+            if joint[:len(prompt_ids)] == prompt_ids:
+                completions.append(joint[len(prompt_ids):])
+            else:
+                # The text joins across the boundary (no space between prompt and completion, say):
+                # cut there, TRL's tokens would split a word; the completion is tokenised alone.
+                completions.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not prompt_ids:
+        raise ArgumentError(f"{where}: the prompt has no tokens; give it text")
+    for k, ids in zip(("chosen", "rejected"), completions):
+        if not ids:
+            raise ArgumentError(f"{where}: {k} has no tokens after the prompt's; give the {k} completion's text")
+    if completions[0] == completions[1]:
+        raise ArgumentError(f"{where}: {SAME} (their tokens are equal)")
     return Pair(tuple(prompt_ids), tuple(completions[0]), tuple(completions[1]))
 
 

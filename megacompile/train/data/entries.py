@@ -183,7 +183,7 @@ def mixture(entries: list[dict], strategy: Any, probs: Any) -> tuple[str, list[f
 def llamafactory(names: Any, folder: Any, key: str = "dataset", stage: str = "sft") -> list[dict]:
     """Entries for LlamaFactory's `dataset: a,b` (or `eval_dataset`) read from
     `dataset_dir/dataset_info.json`. As in LlamaFactory, a ranking (preference) dataset trains
-    under stage dpo and only there."""
+    under stage dpo and only there; stage grpo takes its prompts from the others."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
@@ -215,8 +215,10 @@ def llamafactory(names: Any, folder: Any, key: str = "dataset", stage: str = "sf
                                 "train (LlamaFactory's default): leave split out, or name the file of that split")
         ranking = spec.get("ranking", False)
         if ranking and stage != "dpo":
+            reads = ("prompts from supervised (alpaca or sharegpt) datasets" if stage == "grpo"
+                     else "supervised datasets")
             raise ArgumentError(f"{key}: {name} in {info_path} is a ranking (preference) dataset, which trains under "
-                                f"stage: dpo (as in LlamaFactory); stage {stage} reads supervised datasets")
+                                f"stage: dpo (as in LlamaFactory); stage {stage} reads {reads}")
         if not ranking and stage == "dpo":
             raise ArgumentError(f"{key}: {name} in {info_path} is not a ranking dataset, and stage dpo trains on "
                                 "preference pairs: mark a dataset of them ranking: true, as LlamaFactory does")

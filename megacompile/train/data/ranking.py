@@ -1,7 +1,8 @@
 """Preference records (stage dpo) in TRL's layout or in LlamaFactory's ranking layouts, read as
 TRL's {prompt, chosen, rejected} for posttrain/preference.py to tokenise.
 
-    TRL        {"prompt", "chosen", "rejected"}: each text, or lists of messages
+    TRL        {"prompt", "chosen", "rejected"}: each text, or lists of messages; or
+               {"chosen", "rejected"} with an implicit prompt (posttrain/preference_format.py)
     alpaca     {"instruction", "input", "chosen", "rejected"}, optional "system" and "history"
                (LlamaFactory's `ranking: true` with formatting alpaca): the prompt is built as
                alpaca.py builds an instruction record's (system, history, instruction + "\\n" + input),
@@ -18,22 +19,19 @@ from __future__ import annotations
 from ...errors import ArgumentError
 from . import alpaca, sharegpt
 
-LAYOUTS = ("TRL's {prompt, chosen, rejected} (text or messages), or LlamaFactory's ranking layouts: alpaca "
-           "{instruction, input, chosen, rejected} or sharegpt {conversations, chosen, rejected}")
+LAYOUTS = ("TRL's {prompt, chosen, rejected} (text or messages; the prompt may be left implicit), or "
+           "LlamaFactory's ranking layouts: alpaca {instruction, input, chosen, rejected} or sharegpt "
+           "{conversations, chosen, rejected}")
 
 
 def preference(record: dict, where: str) -> dict:
-    """The record as TRL's {prompt, chosen, rejected}."""
-    if "prompt" in record:
-        missing = [k for k in ("chosen", "rejected") if k not in record]
-        if missing:
-            raise ArgumentError(f"{where}: a preference record needs prompt, chosen and rejected; missing "
-                                f"{', '.join(missing)}")
-        return record
-    if "chosen" not in record or "rejected" not in record:
+    """The record as TRL's {prompt, chosen, rejected}, or as it is when it is in a TRL layout
+    (posttrain/preference_format.py reads those, the implicit prompt included)."""
+    if "chosen" not in record and "rejected" not in record and "prompt" not in record:
         raise ArgumentError(f"{where}: a preference record is {LAYOUTS}; this one has "
                             f"{', '.join(sorted(record)) or 'no keys'}")
     if "instruction" in record:
+        _both(record, where, "alpaca")
         answers = [record["chosen"], record["rejected"]]
         if not all(isinstance(a, str) for a in answers):
             raise ArgumentError(f"{where}: in the alpaca ranking layout chosen and rejected are strings (the two "
@@ -41,9 +39,13 @@ def preference(record: dict, where: str) -> dict:
         prompt = alpaca.prompt(record, where)
         return {"prompt": prompt, **{k: [{"role": "assistant", "content": a}]
                                      for k, a in zip(("chosen", "rejected"), answers)}}
-    if "conversations" in record or "messages" in record:
+    if "prompt" not in record and ("conversations" in record or "messages" in record):
+        _both(record, where, "sharegpt")
         prompt = sharegpt.messages(record)
         _check_turns(prompt, where, "conversations")
+        if prompt[-1]["role"] != "user":
+            raise ArgumentError(f"{where}: in the sharegpt ranking layout the conversation ends with the user's turn "
+                                f"(chosen and rejected answer it); its last turn is {prompt[-1]['role']!r}")
         out = {"prompt": prompt}
         for k in ("chosen", "rejected"):
             answer = sharegpt.messages({"messages": [record[k]]})
@@ -53,8 +55,14 @@ def preference(record: dict, where: str) -> dict:
                                     f"{answer[0]['role']!r}")
             out[k] = answer
         return out
-    raise ArgumentError(f"{where}: a preference record is {LAYOUTS}; this one has chosen and rejected beside "
-                        f"{', '.join(sorted(set(record) - {'chosen', 'rejected'})) or 'nothing'}")
+    return record
+
+
+def _both(record: dict, where: str, layout: str) -> None:
+    missing = [k for k in ("chosen", "rejected") if k not in record]
+    if missing:
+        raise ArgumentError(f"{where}: a record in LlamaFactory's {layout} ranking layout needs chosen and rejected; "
+                            f"missing {', '.join(missing)}: give each record both answers")
 
 
 def _check_turns(turns, where: str, key: str) -> None:

@@ -1,6 +1,7 @@
 """`stage: grpo`: prompts from records ({prompt, ...}: the prompt as text or messages, the
-other columns handed to the reward functions by name, e.g. `answer`), completions sampled from the
-policy the engine trains (posttrain/rollout.py's EngineGenerator, or the generator run.yaml
+other columns handed to the reward functions by name, e.g. `answer`; or LlamaFactory's alpaca and
+sharegpt records, from data files or dataset_info.json entries: data/prompts.py), completions
+sampled from the policy the engine trains (posttrain/rollout.py's EngineGenerator, or the generator run.yaml
 chooses: rollouts.py), scored by reward_funcs called as TRL calls them (keywords; for a
 prompt given as messages, each completion a list of one assistant message) and summed with
 reward_weights, nan-aware (posttrain/rewards.py), and trained by GRPO.
@@ -39,6 +40,7 @@ from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, Trai
                           rollout_batch, sampled_logps, sampling_correction, sampling_ratio, truncated)
 from . import rollouts
 from .. import intervals
+from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
@@ -102,20 +104,17 @@ class GRPOStage(Stage):
         self.records, self.prompts = [self.records[i] for i in kept], [self.prompts[i] for i in kept]
 
     def _read(self, entry: dict, records: list, prompts: list) -> None:
-        for where, record in read_records(entry):
-            if "prompt" not in record:
-                raise ArgumentError(f"{where}: a grpo record needs a prompt (text or messages), beside the "
-                                    "columns its reward functions read")
+        names = file_names(entry)
+        for where, raw in read_records(entry):
+            record = prompt_record(raw, where, names)
             prompt = record["prompt"]
             if isinstance(prompt, list):
                 text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            elif isinstance(prompt, str):
-                ids = self.tokenizer(prompt)["input_ids"]
             else:
-                raise ArgumentError(f"{where}: prompt is text or a list of messages; got {prompt!r}")
+                ids = self.tokenizer(prompt)["input_ids"]
             if not ids:
-                raise ArgumentError(f"{where}: the prompt has no tokens")
+                raise ArgumentError(f"{where}: the prompt has no tokens; give it text")
             records.append(record)
             prompts.append(ids[-self.c.max_prompt_length:])
         if not records:

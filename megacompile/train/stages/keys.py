@@ -49,7 +49,7 @@ IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs"),
            "grpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
-                    "dataset", "eval_dataset", "seq")}
+                    "seq")}
 
 
 def check(c, raw: dict, folder: str | None = None) -> None:
@@ -95,7 +95,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
 
 def _records(stage: str) -> str:
     return ("{prompt, chosen, rejected}, or LlamaFactory's ranking layouts" if stage == "dpo"
-            else "a prompt and the columns the rewards read")
+            else "a prompt and the columns the rewards read, or LlamaFactory's alpaca or sharegpt layouts")
 
 
 def _dpo(c) -> None:
