@@ -27,6 +27,7 @@ this run only, never the one just written nor another run's (rotate).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import warnings
@@ -89,11 +90,11 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
     if mid_step:     # the parameters whose gradient sums the step's saved micro-batches made
         reached = host.reached() if host is not None else getattr(state.pending_load, "reached", None)
         manifest["step_reached"] = sorted(state.layout()[0] if reached is None else reached)
+    tables = ("master", "exp_avg", "exp_avg_sq") + (("grad",) if mid_step else ())
     tmp = durable.partial_path(path)
     try:
         os.makedirs(tmp)
         manifest["files"] = {}
-        tables = ("master", "exp_avg", "exp_avg_sq") + (("grad",) if mid_step else ())
         for file, tensors in (_owner_files(host, tables) if host is not None else _unbuilt_files(state, tables)):
             target = os.path.join(tmp, file)
             safetensors.torch.save_file(tensors, target)     # from the tensors' own memory: no copy
@@ -103,9 +104,22 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and not isinstance(e, MegacompileError):
-            raise durable.write_failed("checkpoint", path, e) from e
+            raise durable.write_failed("checkpoint", path, e, needed=size(state, tables)) from e
         raise
     rotate(path, manifest["run"], keep_last)
+
+
+def size(state: "TrainingState", tables: tuple) -> int:
+    """The bytes of the tensors a save of `tables` writes, the files' small headers aside: float32
+    elements of each table (a grad saved in bfloat16 takes less), buffers and frozen weights in their
+    own dtype."""
+    trainable, _ = state.layout()
+    elements = sum(math.prod(shape) for shape in trainable.values())
+    if state.host is not None:
+        consts = sum(t.nbytes for t in state.host.consts.values())
+    else:
+        consts = sum(lazy.numel() * lazy.dtype.itemsize for lazy in unbuilt.tables(state)[1].values())
+    return 4 * elements * len(tables) + consts
 
 
 def commit(tmp: str, path: str, manifest: dict) -> None:

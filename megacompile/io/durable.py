@@ -25,6 +25,7 @@ import shutil
 import time
 
 from ..errors import CheckpointError
+from ..ir import fmt_bytes
 
 MARKER = "COMMITTED"    # a folder holding it is complete (io/checkpoint.py writes it last, before its rename)
 _PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(partial|old|removed)$")
@@ -204,15 +205,27 @@ def prepare_parent(path: str, what: str) -> str:
     return parent
 
 
-def write_failed(what: str, path: str, e: BaseException) -> CheckpointError:
+def write_failed(what: str, path: str, e: BaseException, needed: int | None = None) -> CheckpointError:
+    """The error of a write that failed, its partial folder already removed. needed: the bytes the
+    write takes, named beside the folder's free space when the disk is full."""
     cause = (e.strerror if isinstance(e, OSError) and e.strerror
              else str(e).splitlines()[0] if str(e) else type(e).__name__)
     if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "os error 28" in str(e):
         cause = f"the disk is full ({cause})"
+        if needed is not None:
+            folder = os.path.dirname(os.path.abspath(path))
+            free = shutil.disk_usage(folder).free
+            cause += f": the {what} needs about {_amount(needed)} and {folder} has {_amount(free)} free; " + (
+                f"free {_amount(needed - free)} or more there" if free < needed
+                else "free space there (a quota or another writer may have taken it)") + ", or write it to another disk"
     elif not isinstance(e, OSError):
         cause = f"the write failed (is the disk full?): {cause}"
     previous = f"the previous {what} there is untouched" if os.path.exists(path) else "nothing was written"
     return CheckpointError(f"cannot write the {what} {path}: {cause}; {previous}")
+
+
+def _amount(n: int) -> str:
+    return f"{fmt_bytes(n)} ({n:,} bytes)"
 
 
 def replace_files(folder: str, write, replaced: list[str]) -> None:

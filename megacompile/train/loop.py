@@ -25,7 +25,7 @@ import shutil
 import time
 import warnings
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, CheckpointError, NonFiniteError, WeightsFileError
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from . import intervals, methods, preemption, resume, trained_model
@@ -159,7 +159,10 @@ def _resume(engine, resume_from: str, saved_settings: bool) -> dict:
         # strict=False: resume.py has refused what would make the resume inexact and noted the
         # rest; the engine keeps this run's settings and the model its config's own buffers
         # (a difference there is one more note).
-        extra = engine.load_checkpoint(resume_from, strict=False) or {}
+        try:
+            extra = engine.load_checkpoint(resume_from, strict=False) or {}
+        except WeightsFileError as e:      # a file missing, cut short or changed: nothing was loaded
+            raise WeightsFileError(f"{e}; {resume.broken_latest(resume_from)}") from e
     for message in dict.fromkeys(str(w.message) for w in caught):
         if not (saved_settings and "was saved with other settings" in message):   # resume.notes said it
             print(f"  resume note    {message}", flush=True)
@@ -232,6 +235,8 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                 if save(record.step):
                     saved_at, latest = record.step, (record.step, checkpoint_path(checkpoints, record.step))
             preemption.stop(stop_signals, c, engine.steps_done, latest, save_now, run_dir)
+    except (CheckpointError, NonFiniteError) as e:     # a save the disk refused; steps that kept being skipped
+        raise type(e)(f"{e}; {resume.stopped(c, run_dir, engine.steps_done, latest)}") from e
     finally:
         progress.close()
         log.close()

@@ -108,6 +108,11 @@ class StopSignals:
         self.active = False
 
 
+def resume_overrides(c, run_dir: str) -> list[str]:
+    """The key=value arguments the same command needs to go on from the run folder's latest checkpoint."""
+    return ([] if c.resume == "auto" else ["resume=auto"]) + ([] if c.run_dir else [f"run_dir={run_dir}"])
+
+
 def stop(stop_signals: StopSignals, c, step: int, latest: tuple[int, str | None], save, run_dir: str) -> None:
     """At a step boundary, when a stop signal came: the whole step `step` saved (`save()` writes its
     checkpoint and returns the path) unless `latest`, the (step, path) of the newest checkpoint
@@ -115,7 +120,7 @@ def stop(stop_signals: StopSignals, c, step: int, latest: tuple[int, str | None]
     if stop_signals.requested is None:
         return
     checkpoint = latest[1] if latest[0] == step else save()
-    again = ([] if c.resume == "auto" else ["resume=auto"]) + ([] if c.run_dir else [f"run_dir={run_dir}"])
+    again = resume_overrides(c, run_dir)
     where = (f"its checkpoint is {checkpoint}" if checkpoint
              else "no step ran, so there is nothing to save")
     message = (f"{stop_signals.name} at step {step}: stopped after the whole step; {where}; the same command"

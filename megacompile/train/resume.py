@@ -9,6 +9,9 @@ engine exists and before any file of the run folder is written.
               weight_decay, max_grad_norm, compute_dtype: the AdamW state is kept, the new values
               apply from the next step
     complete  the checkpoint is at or past the last step: nothing to train
+
+A run stopped by a fault (a checkpoint it could not write, steps that kept being skipped) or a
+signal names the checkpoint it goes on from and the command that does it (stopped).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import ArgumentError
 from .config import RunConfig
+from .preemption import resume_overrides
 from .schedule import learning_rate
 
 SCHEDULE = ("steps", "lr", "warmup", "schedule", "min_lr")
@@ -149,3 +153,25 @@ def complete(c: RunConfig, saved: Saved, run_dir: str) -> str | None:
     if holds_model(place):
         return f"{line}; its {what} is in {place}; nothing to do"
     return f"{line}; its {what} is not in {place}: writing it from the checkpoint"
+
+
+def stopped(c: RunConfig, run_dir: str, step: int, latest: tuple[int, str | None]) -> str:
+    """What a run stopped after step `step` by a fault goes on from: `latest`, the (step, path) of the
+    newest checkpoint it wrote or resumed from."""
+    at, checkpoint = latest
+    if checkpoint is None:
+        return f"the run stopped after step {step} and has no checkpoint yet: the same command starts it again"
+    again = resume_overrides(c, run_dir)
+    command = "the same command" + (f" with {' '.join(again)}" if again else "")
+    redo = ("" if step == at else f", training step {step} again" if step == at + 1
+            else f", training steps {at + 1} to {step} again")
+    return f"the run stopped after step {step}; {command} goes on from its last checkpoint, {checkpoint} (step {at}){redo}"
+
+
+def broken_latest(path: str) -> str:
+    """For a checkpoint that cannot be loaded: how the run goes on from the one before it instead."""
+    from ..io.checkpoint import committed_beside
+    earlier = [p for p in committed_beside(path) if os.path.abspath(p) != os.path.abspath(path)]
+    if not earlier:
+        return f"move {path} away to start the run afresh"
+    return f"give resume={earlier[-1]} to go on from it (or move {path} away: resume: auto then takes it)"

@@ -1,0 +1,103 @@
+"""A checkpoint of `megacompile train` that the disk refuses partway (full, or an I/O error): the run
+stops with CheckpointError naming the folder, the bytes the checkpoint needs and the free space,
+and the checkpoint it goes on from; that previous checkpoint stays committed and byte for byte as
+it was (keep_last: 1 removes nothing before the new one is complete), nothing half-written is
+left, and the same command resumes to the log of a run whose disk never filled."""
+from __future__ import annotations
+
+import errno
+import os
+import re
+
+import pytest
+import safetensors.torch
+
+from megacompile.errors import CheckpointError
+from megacompile.io import checkpoint, durable
+from megacompile.train import load, log, run
+from tests.train import files
+
+SAME = ("step", "loss", "lr", "grad_norm", "tokens", "device_peak_bytes", "predicted_device_peak_bytes", "skipped")
+TINY = dict(bundled_model=dict(dim=32, layers=1, heads=2, kv_heads=1, ffn=64), device="cpu", batch=1, seq=16,
+            steps=5, lr=3e-3, warmup=1, save_every=2, keep_last=1, resume="auto", log_every=1)
+
+
+def _rows(run_dir) -> list[dict]:
+    return [{k: r[k] for k in SAME} for r in log.read(os.path.join(run_dir, "log.csv"))]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("whole")
+    run(load(files.run_yaml(str(folder / "whole.yaml"), run_dir="whole", **TINY), []))
+    return _rows(folder / "whole")
+
+
+def _fail_in_step_4(monkeypatch, where: str, code: int) -> list:
+    """The write of step 4's checkpoint fails at `where`: a tensor file half written, its fsync, or
+    the COMMITTED marker (the last file)."""
+    hits = []
+
+    def failing(real, target_of):
+        def write(*args, **kwargs):
+            target = target_of(*args, **kwargs)
+            if ".step-000004." in target:
+                hits.append(target)
+                if where == "tensor file":
+                    with open(target, "wb") as f:
+                        f.write(b"half a file")
+                raise OSError(code, os.strerror(code), target)
+            return real(*args, **kwargs)
+        return write
+
+    if where == "tensor file":
+        monkeypatch.setattr(safetensors.torch, "save_file",
+                            failing(safetensors.torch.save_file, lambda tensors, target, *a, **k: target))
+    elif where == "fsync":
+        monkeypatch.setattr(durable, "fsync_file", failing(durable.fsync_file, lambda path: path))
+    else:
+        real = durable.write_text
+        marker = failing(real, lambda path, text: path)
+        monkeypatch.setattr(durable, "write_text",
+                            lambda path, text: (marker if path.endswith(checkpoint.MARKER) else real)(path, text))
+    return hits
+
+
+@pytest.mark.parametrize("where, code", [("tensor file", errno.ENOSPC), ("COMMITTED", errno.ENOSPC),
+                                         ("fsync", errno.EIO)])
+def test_a_failed_checkpoint_write_stops_the_run_and_the_same_command_resumes_exactly(tmp_path, monkeypatch, whole,
+                                                                                      where, code):
+    monkeypatch.chdir(tmp_path)
+    config = files.run_yaml(str(tmp_path / "full.yaml"), run_dir="full", **TINY)
+    checkpoints = tmp_path / "full" / "checkpoints"
+    hits = _fail_in_step_4(monkeypatch, where, code)
+    with pytest.raises(CheckpointError) as stopped:
+        run(load(config, []))
+    said = str(stopped.value)
+    assert hits
+    assert f"cannot write the checkpoint {checkpoints / 'step-000004'}: " in said
+    if code == errno.ENOSPC:
+        needed = _tensor_bytes(checkpoints / "step-000002")      # step 4's holds the same tensors
+        assert re.search(rf"the disk is full \(No space left on device\): the checkpoint needs about \S+ \S+ "
+                         rf"\({needed:,} bytes\) and {re.escape(str(checkpoints))} has \S+ \S+ \([\d,]+ bytes\) free",
+                         said), said
+    else:
+        assert "Input/output error" in said
+    assert said.endswith(f"the run stopped after step 4; the same command goes on from its last checkpoint, "
+                         f"{checkpoints / 'step-000002'} (step 2), training steps 3 to 4 again"), said
+    assert os.listdir(checkpoints) == ["step-000002"]           # nothing half-written beside it
+    checkpoint.verified_manifest(str(checkpoints / "step-000002"))
+    assert [r["step"] for r in _rows("full")] == ["1", "2", "3", "4"]
+
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert run(load(config, []))["steps"] == 5
+    assert _rows("full") == whole
+    assert os.listdir(checkpoints) == ["step-000005"]
+
+
+
+def _tensor_bytes(folder) -> int:
+    """The bytes of the tensors a checkpoint folder holds, its files' headers aside."""
+    return sum(t.nbytes for f in os.listdir(folder) if f.endswith(".safetensors")
+               for t in safetensors.torch.load_file(os.path.join(folder, f)).values())
