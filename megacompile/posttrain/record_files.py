@@ -20,7 +20,7 @@ def read_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     path = str(path)
     suffix = Path(path).suffix
     if suffix == ".jsonl":
-        yield from _jsonl(path)
+        yield from jsonl_records(path)
     elif suffix in BUILDERS:
         yield from _table(path, BUILDERS[suffix])
     else:
@@ -28,7 +28,9 @@ def read_records(path: str | Path) -> Iterator[tuple[str, dict]]:
                             "ending its contents have")
 
 
-def _jsonl(path: str) -> Iterator[tuple[str, dict]]:
+def jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
+    """(`file:line`, record) of each non-blank line of a .jsonl file; a line that is not a JSON
+    object is refused by its number."""
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:

@@ -17,7 +17,6 @@ file's size more drawn at random with replacement; the draw is chosen by the run
 """
 from __future__ import annotations
 
-import json
 import os
 from importlib import resources
 from typing import Iterator
@@ -25,6 +24,7 @@ from typing import Iterator
 import numpy as np
 
 from ...errors import ArgumentError
+from ...posttrain import jsonl_records
 from .entries import BUNDLED, COLUMNS, folder_files
 
 
@@ -68,7 +68,7 @@ def _raw(path: str, kind: str, readers: dict) -> Iterator[tuple[str, dict]]:
             yield path, {"text": f.read()}
     elif kind == "jsonl":
         for file in _files(path):
-            yield from _jsonl(file)
+            yield from jsonl_records(file)
     elif kind == "saved":
         yield from _rows(path, _saved(path))
     else:
@@ -90,20 +90,6 @@ def _streamed(kind: str, files: list[str]):
 
 def _files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in folder_files(path)] if os.path.isdir(path) else [path]
-
-
-def _jsonl(path: str) -> Iterator[tuple[str, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise ArgumentError(f"{path}:{n} is not a JSON object: {e}") from e
-            if not isinstance(record, dict):
-                raise ArgumentError(f"{path}:{n} is not a JSON object")
-            yield f"{path}:{n}", record
 
 
 def _saved(path: str):
