@@ -339,9 +339,9 @@ def parser() -> argparse.ArgumentParser:
                    help="with --lora-rank: the Linear modules given adapters, comma-separated (default: all, every "
                         "Linear of the decoder blocks)")
     q.add_argument("--images-per-row", type=int, default=0, metavar="N",
-                   help="a vision-language model (LLaVA, Gemma 3, Idefics3, SmolVLM, Qwen2.5-VL): N images in every "
-                        "row, laid "
-                        "out as its processor writes them; their image tokens count in --seq (default 0: text alone)")
+                   help="a vision-language model (LLaVA, Gemma 3, Idefics3, SmolVLM, Qwen2.5-VL, Qwen3-VL, "
+                        "Qwen3.5): N images in every row, laid out as its processor writes them; their image "
+                        "tokens count in --seq (default 0: text alone)")
     q.add_argument("--image-size", type=int, default=None, metavar="PX",
                    help="pixels per side of each image (default: the vision tower's); LLaVA and Gemma 3 resize every "
                         "image to the tower's size, Idefics3 and SmolVLM split it into tiles of that size, "
