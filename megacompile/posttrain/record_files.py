@@ -57,7 +57,7 @@ def _table(path: str, builder: str) -> Iterator[tuple[str, dict]]:
     try:
         rows = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True)
         for n, row in enumerate(rows):
-            yield f"{path} row {n}", _present(row)
+            yield f"{path} row {n}", present(row)
     except ArgumentError:
         raise
     except Exception as e:  # noqa: BLE001 - the library's own words, with the file named
@@ -65,9 +65,10 @@ def _table(path: str, builder: str) -> Iterator[tuple[str, dict]]:
                             f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from e
 
 
-def _present(value):
+def present(value):
+    """A table row without the None its missing keys read as (nested turns included)."""
     if isinstance(value, dict):
-        return {k: _present(v) for k, v in value.items() if v is not None}
+        return {k: present(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_present(v) for v in value]
+        return [present(v) for v in value]
     return value

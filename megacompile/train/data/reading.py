@@ -24,7 +24,7 @@ from typing import Iterator
 import numpy as np
 
 from ...errors import ArgumentError
-from ...posttrain import jsonl_records
+from ...posttrain import jsonl_records, present
 from .entries import BUNDLED, COLUMNS, folder_files
 
 
@@ -108,16 +108,7 @@ def _saved(path: str):
 
 def _rows(path: str, table) -> Iterator[tuple[str, dict]]:
     for n, row in enumerate(table):
-        yield f"{path} row {n}", _present(row)
-
-
-def _present(value):
-    """A table row without the None its missing keys read as (nested turns included)."""
-    if isinstance(value, dict):
-        return {k: _present(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_present(v) for v in value]
-    return value
+        yield f"{path} row {n}", present(row)
 
 
 def _renamer(entry: dict):
