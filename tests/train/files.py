@@ -77,3 +77,21 @@ def board_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+# The log columns a resumed run must repeat exactly from a run never broken.
+LOG_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "device_peak_bytes", "predicted_device_peak_bytes",
+               "skipped")
+
+
+def log_rows(run_dir) -> list[dict]:
+    """The run's log.csv rows, LOG_COLUMNS only."""
+    from megacompile.train import log
+    return [{k: r[k] for k in LOG_COLUMNS} for r in log.read(os.path.join(str(run_dir), "log.csv"))]
+
+
+def unbroken_run(folder, **settings) -> list[dict]:
+    """The log rows of a run of `settings` that nothing interrupts, in `folder`/whole."""
+    from megacompile.train import load, run
+    run(load(run_yaml(os.path.join(str(folder), "whole.yaml"), run_dir="whole", **settings), []))
+    return log_rows(os.path.join(str(folder), "whole"))

@@ -14,23 +14,17 @@ import safetensors.torch
 
 from megacompile.errors import CheckpointError
 from megacompile.io import checkpoint, durable
-from megacompile.train import load, log, run
+from megacompile.train import load, run
 from tests.train import files
 
-SAME = ("step", "loss", "lr", "grad_norm", "tokens", "device_peak_bytes", "predicted_device_peak_bytes", "skipped")
 TINY = dict(bundled_model=dict(dim=32, layers=1, heads=2, kv_heads=1, ffn=64), device="cpu", batch=1, seq=16,
             steps=5, lr=3e-3, warmup=1, save_every=2, keep_last=1, resume="auto", log_every=1)
 
 
-def _rows(run_dir) -> list[dict]:
-    return [{k: r[k] for k in SAME} for r in log.read(os.path.join(run_dir, "log.csv"))]
-
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory) -> list[dict]:
-    folder = tmp_path_factory.mktemp("whole")
-    run(load(files.run_yaml(str(folder / "whole.yaml"), run_dir="whole", **TINY), []))
-    return _rows(folder / "whole")
+    return files.unbroken_run(tmp_path_factory.mktemp("whole"), **TINY)
 
 
 def _fail_in_step_4(monkeypatch, where: str, code: int) -> list:
@@ -87,12 +81,12 @@ def test_a_failed_checkpoint_write_stops_the_run_and_the_same_command_resumes_ex
                          f"{checkpoints / 'step-000002'} (step 2), training steps 3 to 4 again"), said
     assert os.listdir(checkpoints) == ["step-000002"]           # nothing half-written beside it
     checkpoint.verified_manifest(str(checkpoints / "step-000002"))
-    assert [r["step"] for r in _rows("full")] == ["1", "2", "3", "4"]
+    assert [r["step"] for r in files.log_rows("full")] == ["1", "2", "3", "4"]
 
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     assert run(load(config, []))["steps"] == 5
-    assert _rows("full") == whole
+    assert files.log_rows("full") == whole
     assert os.listdir(checkpoints) == ["step-000005"]
 
 

@@ -14,23 +14,17 @@ import pytest
 
 from megacompile.errors import WeightsFileError
 from megacompile.io import checkpoint
-from megacompile.train import load, log, run
+from megacompile.train import load, run
 from tests.train import files
 
-SAME = ("step", "loss", "lr", "grad_norm", "tokens", "device_peak_bytes", "predicted_device_peak_bytes", "skipped")
 TINY = dict(bundled_model=dict(dim=32, layers=1, heads=2, kv_heads=1, ffn=64), device="cpu", batch=1, seq=16,
             steps=6, lr=3e-3, warmup=1, save_every=2, keep_last=3, resume="auto", log_every=1)
 
 
-def _rows(run_dir) -> list[dict]:
-    return [{k: r[k] for k in SAME} for r in log.read(os.path.join(run_dir, "log.csv"))]
-
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory) -> list[dict]:
-    folder = tmp_path_factory.mktemp("whole")
-    run(load(files.run_yaml(str(folder / "whole.yaml"), run_dir="whole", **TINY), []))
-    return _rows(folder / "whole")
+    return files.unbroken_run(tmp_path_factory.mktemp("whole"), **TINY)
 
 
 def _four_steps(tmp_path) -> tuple[str, str]:
@@ -65,7 +59,7 @@ def test_resume_auto_passes_over_saves_killed_mid_write(tmp_path, whole, capsys)
 
     assert run(load(config, []))["steps"] == 6
     assert f"resumed        from {step_2} at step 2" in capsys.readouterr().out
-    assert _rows(tmp_path / "run") == whole
+    assert files.log_rows(tmp_path / "run") == whole
     assert sorted(os.listdir(folder)) == ["step-000002", "step-000004", "step-000006"]
     for kept in os.listdir(folder):
         checkpoint.verified_manifest(os.path.join(folder, kept))
@@ -89,7 +83,7 @@ def test_a_committed_checkpoint_that_lost_a_file_is_refused_naming_the_one_befor
         assert f.read() == rows_before
 
     assert run(load(config, [f"resume={step_2}"]))["steps"] == 6
-    assert _rows(tmp_path / "run") == whole
+    assert files.log_rows(tmp_path / "run") == whole
     checkpoint.verified_manifest(step_4)        # written again by the resumed run, whole
     capsys.readouterr()
     assert run(load(config, []))["complete"]

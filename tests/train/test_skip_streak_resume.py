@@ -12,17 +12,13 @@ from megacompile.engine.engine import Engine
 from megacompile.engine.step import StepRecord
 from megacompile.errors import NonFiniteError
 from megacompile.io import checkpoint
-from megacompile.train import load, log, run
+from megacompile.train import load, run
 from tests.train import files
 
-SAME = ("step", "loss", "lr", "grad_norm", "tokens", "device_peak_bytes", "predicted_device_peak_bytes", "skipped")
 TINY = dict(bundled_model=dict(dim=32, layers=1, heads=2, kv_heads=1, ffn=64), device="cpu", batch=1, seq=16,
             steps=6, lr=3e-3, warmup=1, save_every=2, keep_last=3, resume="auto", log_every=1,
             max_consecutive_skips=3)
 
-
-def _rows(run_dir) -> list[dict]:
-    return [{k: r[k] for k in SAME} for r in log.read(os.path.join(run_dir, "log.csv"))]
 
 
 def _nan_from_call(monkeypatch, first: int) -> None:
@@ -56,7 +52,7 @@ def test_the_limit_names_the_last_good_checkpoint_and_the_same_command_resumes_f
     assert said.endswith(f"the run stopped after step 3; the same command goes on from its last checkpoint, "
                          f"{folder / 'step-000002'} (step 2), training step 3 again"), said
     assert os.listdir(folder) == ["step-000002"]
-    assert [(r["step"], r["skipped"]) for r in _rows("nan")][2:] == [("3", ""), ("4", "loss"), ("4", "loss"),
+    assert [(r["step"], r["skipped"]) for r in files.log_rows("nan")][2:] == [("3", ""), ("4", "loss"), ("4", "loss"),
                                                                       ("4", "loss")]
     ours = checkpoint.verified_manifest(str(folder / "step-000002"))["files"]
     assert ours == checkpoint.verified_manifest(str(tmp_path / "whole" / "checkpoints" / "step-000002"))["files"]
@@ -64,4 +60,4 @@ def test_the_limit_names_the_last_good_checkpoint_and_the_same_command_resumes_f
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     assert run(load(config, []))["steps"] == 6
-    assert _rows("nan") == _rows("whole")
+    assert files.log_rows("nan") == files.log_rows("whole")
