@@ -356,6 +356,7 @@ def _per_head(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     if sinks is None:
         return q
     assert sinks.shape == (q.shape[1],) and sinks.is_floating_point(), sinks.shape
+    assert sinks.device == q.device, f"the sinks are on {sinks.device}, the queries on {q.device}"
     return sinks.contiguous()
 
 
@@ -365,6 +366,8 @@ def _per_key(rows: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     if rows is None:
         return q
     assert rows.shape == (q.shape[0], q.shape[2]) and not rows.is_floating_point(), rows.shape
+    # A pointer the GPU cannot read (a host tensor) is refused by the launch with no name to it.
+    assert rows.device == q.device, f"a [B, S] operand is on {rows.device}, the queries on {q.device}"
     return rows.contiguous()
 
 

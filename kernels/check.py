@@ -169,8 +169,8 @@ def _case_attention(causal: bool, window: int | None = None, documents: bool = F
         hq = 3 * hkv
         q, k, v = (_randn(batch, seq, h, dim, dtype=dtype, gen=gen).transpose(1, 2) for h in (hq, hkv, hkv))
         scale = 0.7 / math.sqrt(dim)
-        starts = ref.document_starts(_documents(batch, seq)) if documents else None
-        kept = _padding(batch, seq) if padded else None
+        starts = ref.document_starts(_documents(batch, seq), device=DEVICE) if documents else None
+        kept = _padding(batch, seq).to(DEVICE) if padded else None
         if sinks:
             logits = _randn(hq, dtype=dtype, gen=gen)
             return compare_autograd(lambda q, k, v, z: attention(q, k, v, causal, scale, window, starts, kept, z),
@@ -306,11 +306,12 @@ class Row:
     seconds: float
     launches: list = field(default_factory=list)
     compiled: dict = field(default_factory=dict)  # arch -> "ok" or the first error
+    error: str = ""               # what the case raised: the row fails, the other cases still run
 
     @property
     def passed(self) -> bool:
         errors_ok = all(math.isnan(e) or e <= self.tol for e in (self.forward, self.backward))
-        return errors_ok and bool(self.launches) and all(r == "ok" for r in self.compiled.values())
+        return not self.error and errors_ok and bool(self.launches) and all(r == "ok" for r in self.compiled.values())
 
 
 def run(size: str = "check", compile_gpu: bool = True, only: str | None = None, seed: int = 0) -> list[Row]:
@@ -321,9 +322,15 @@ def run(size: str = "check", compile_gpu: bool = True, only: str | None = None, 
             continue
         for dtype in dtypes:
             start = time.perf_counter()
+            error = ""
             with record_launches() as launches:
-                fwd, bwd = case(dtype, SHAPES[size], torch.Generator().manual_seed(seed))
-            rows.append(Row(name, dtype, fwd, bwd, tol[dtype], time.perf_counter() - start, list(launches.values())))
+                try:
+                    fwd, bwd = case(dtype, SHAPES[size], torch.Generator().manual_seed(seed))
+                except Exception as e:     # one kernel failing on a new GPU must not hide the others
+                    fwd = bwd = math.nan
+                    error = f"{type(e).__name__}: {e}"
+            rows.append(Row(name, dtype, fwd, bwd, tol[dtype], time.perf_counter() - start, list(launches.values()),
+                            error=error))
     if compile_gpu:
         unique = {launch.key: launch for row in rows for launch in row.launches}
         results = compile_launches(unique.values())
@@ -354,6 +361,8 @@ def format_table(rows: list[Row]) -> str:
             f"{num(r.tol):>9}" + "".join(f"{x:>7}" for x in sm) + f" {r.seconds:>6.1f}  {'pass' if r.passed else 'FAIL'}"
         )
     for r in rows:
+        if r.error:
+            lines.append(f"  {r.kernel} {r.dtype}: {r.error}")
         for arch, result in r.compiled.items():
             if result != "ok":
                 lines.append(f"  {r.kernel} {r.dtype} sm_{arch}: {result}")

@@ -24,7 +24,8 @@ def kernel_rows(size: str = "check", only: str | None = None) -> list[Row]:
         worst = max((e for e in (r.forward, r.backward) if not math.isnan(e)), default=math.nan)
         rows.append(Row("kernels", f"{r.kernel} {str(r.dtype).replace('torch.', '')}", worst, r.tol,
                         r.passed, {"forward_error": r.forward, "backward_error": r.backward,
-                                   "seconds": r.seconds, "device": str(check.DEVICE)}))
+                                   "seconds": r.seconds, "device": str(check.DEVICE),
+                                   **({"error": r.error} if r.error else {})}))
     return rows
 
 
