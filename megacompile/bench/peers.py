@@ -218,6 +218,8 @@ def run(args, workload: Workload) -> tuple[list[dict], str]:
                 if job.system == "megacompile":
                     options.update(calibrated=calibrated, host_budget=args.host_budget, fuse=args.fuse)
                 log = logs / f"{job.system}-{job.setting.replace(' ', '-').replace(',', '')}.log"
+                if job.system == "megacompile":
+                    options["trace"] = str(log.with_suffix(".trace.json"))
                 result = _run(job.system, workload, options, timeout, scratch, log)
             result = {"system": job.system, "setting": job.setting, **result}
             print(_line(result), flush=True)

@@ -17,12 +17,13 @@ from .workload import Workload
 
 
 def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: str | None = None,
-                    host_budget: float | None = None, fuse: bool | None = None) -> dict:
+                    host_budget: float | None = None, fuse: bool | None = None, trace: str | None = None) -> dict:
     """budget: "resident" (the default budget: most of the device), or a fraction of the model's
     bf16 weights ("0.5", "0.34"), raised to the smallest budget the plan fits in when it is below.
     weights: the folder bench/weights.py wrote for this workload. calibrated: a profile's JSON to
     predict with beside the datasheet. host_budget: GiB of host RAM the plan may use. fuse:
-    compile()'s (None: the fused kernels on a GPU)."""
+    compile()'s (None: the fused kernels on a GPU). trace: where to write the Chrome trace of the step
+    run alone for the host optimizer's time, measured beside predicted (where a step's time went)."""
     from ..cost import predict
     from ..cost.backend_profile import profile_for
     from ..cost.hardware import HardwareProfile
@@ -49,6 +50,8 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     try:
         out.update(timed(workload, lambda ids, labels: engine.step(input_ids=ids, labels=labels)))
         out["measured_host_optimizer_s"] = host_optimizer_s(engine, *batches[-1])
+        if trace:
+            engine.trace(trace)
         out["ledger_device_peak_bytes"] = engine.memory_stats()["device_peak_bytes"]
         out.update(memory(workload.device))
     finally:

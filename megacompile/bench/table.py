@@ -78,7 +78,10 @@ def markdown(results: list[dict], facts: dict, workload: dict, reference: str, r
         lines.append(f"| {r['system']} | {r['setting']} | " + " | ".join(cell(r, *s[1:]) for s in SHOWN)
                      + f" | {agreed} |")
     lines += ["", f"Losses are compared step by step with {reference}'s, relative tolerance {rtol:g}."]
-    if fall is not None and not math.isnan(fall):
+    if fall is not None and not math.isnan(fall) and fall < 0:
+        lines[-1] += (f" Its loss rose by {-fall:.1%} over the run: the learning rate is too large for this model "
+                      f"to train (a smaller --lr), and systems that agree on a diverging run agree on little.")
+    elif fall is not None and not math.isnan(fall):
         weak = fall < WEAK_BELOW * rtol
         lines[-1] += (f" Its loss fell by {fall:.1%} over the run, {fall / rtol:.1f} times the tolerance"
                       + (": too little for the agreement to say much (more steps, or a larger --lr)." if weak else "."))

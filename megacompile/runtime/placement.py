@@ -10,7 +10,8 @@ A node's planned tensors (ir/arena.py ArenaTensor, found by the node's index) ar
 An op with an out= form (ir/stage_ops.py `out_form`: most ATen ops) writes its results straight
 into their arena tensors; so does a fused kernel, which takes its results from them
 (kernels/outputs.py); a factory (zeros, full, the empties, arange) or a cast (`_to_copy`) does not
-run, its result is made in its arena tensor (`in_place_form`). An op with none of these (attention)
+run, its result is made in its arena tensor (`in_place_form`). An op with none of these (attention),
+or whose out= form only runs it and copies (`allocates_inside`: the tied embedding's backward),
 runs as it is and its results are copied into their arena tensors at once:
 its own result is then scratch, freed before the next op, like the workspace it allocates inside
 itself; `copied` counts the ops that copied.
@@ -30,7 +31,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..ir.arena import ArenaTensor
-from ..ir.stage_ops import in_place_form, writes_into
+from ..ir.stage_ops import allocates_inside, in_place_form, writes_into
 from ..ir.stage_program import StageProgram, fake_storage_key, tensors_of
 from ..kernels import outputs
 from .arena import Arena, typed
@@ -94,7 +95,7 @@ def _place_op(node: fx.Node, parts: dict[int, torch.Tensor] | None, graph: Stage
             return slot
         return made
     form = writes_into(node)
-    if form is not None:
+    if form is not None and not allocates_inside(form[0]):
         overload, names = form
         outs = dict(zip(names, slots))
 

@@ -22,7 +22,9 @@ case "$*" in
   *"import deepspeed, liger_kernel"*) exit 0 ;;
   *"megacompile.bench peers"*)
     [ -n "${DIE_IN:-}" ] && [ "$out" = "$DIE_IN" ] && exit 1
-    mkdir -p "$out" && touch "$out/peers.md" ;;
+    mkdir -p "$out" && touch "$out/peers.md"
+    if [ "$out" = "${SKIPPED_IN:-none}" ]; then echo "megacompile,budget 0.34,skipped,,OutOfMemoryError" > "$out/peers.csv"
+    else echo "megacompile,budget 0.34,step_s,1.25," > "$out/peers.csv"; fi ;;
   *"megacompile.acceptance"*) mkdir -p "$out" && touch "$out/validate.md" ;;
   *"megacompile.kernels --check"*) [ -n "${ATTENTION_FAILS:-}" ] && exit 1 ;;
 esac
@@ -81,8 +83,8 @@ def test_a_command_runs_every_call_that_fits_its_time_in_order_and_a_call_that_d
     assert sorted(c.split("liger.py ")[1].split()[0] for c in calls[9:]) == kernels
     assert "3b-fsdp2 did not finish" in out and "not done yet: 3b-fsdp2" in out
     assert len(_done(tmp_path)) == len(ALL.split()) - 1
-    out, calls = _lease(tmp_path, LEASE_SECONDS="250")
-    assert calls == [] and "3b-fsdp2 needs about 300 s, 250 s are left: it runs in the next command" in out
+    out, calls = _lease(tmp_path, LEASE_SECONDS="150")
+    assert calls == [] and "3b-fsdp2 needs about 160 s, 150 s are left: it runs in the next command" in out
     out, calls = _lease(tmp_path, LEASE_SECONDS="540")
     assert len(calls) == 1 and "3b-fsdp2 done" in out and "every call is done" in out
 
@@ -187,3 +189,14 @@ def test_the_first_call_records_the_machine_and_a_machine_without_torch_goes_no_
     (tmp_path / "bare").mkdir()
     out, calls = _lease(tmp_path / "bare", "preflight", LEASE_SECONDS="100", NO_TORCH="1")
     assert "preflight did not finish" in out and _done(tmp_path / "bare") == []
+
+
+def test_a_bench_call_whose_every_row_was_skipped_is_done_but_said_to_have_measured_nothing(tmp_path):
+    """The second H100 lease: the 3B row ran out of device memory, its table held one skipped row, and
+    the runbook called it done like a measured one."""
+    out, calls = _lease(tmp_path, "preflight", "3b-megacompile", "3b-fsdp2", SKIPPED_IN="3b", LEASE_SECONDS="900")
+    assert "3b-megacompile measured nothing: every row of 3b/peers.md was skipped" in out
+    assert "== measured nothing (every row skipped; see their logs): 3b-megacompile" in out
+    assert (tmp_path / "results" / "3b-megacompile.skipped").exists()
+    assert not (tmp_path / "results" / "3b-fsdp2.skipped").exists()
+    assert _done(tmp_path) == ["3b-fsdp2", "3b-megacompile", "preflight"]

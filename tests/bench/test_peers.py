@@ -1,5 +1,6 @@
 """The peers bench (megacompile/bench): its CSV schema, the loss-agreement check, and its cpu half."""
 import csv
+import json
 import subprocess
 import sys
 
@@ -104,7 +105,13 @@ def test_perturbed_data_in_one_system_fails_the_agreement(monkeypatch, tmp_path)
         monkeypatch.setenv(key, "")     # recorded as it was, so what the one-rank group sets goes with the test
         monkeypatch.delenv(key)
     same = Workload(shape="tiny", device="cpu", batch=2, seq=32, steps=2, warmup=1, lr=3e-3)
-    mine = {"ok": True, **systems.run_megacompile(same, "resident", str(weights.write(same, tmp_path)))}
+    trace = tmp_path / "megacompile.trace.json"
+    mine = {"ok": True, **systems.run_megacompile(same, "resident", str(weights.write(same, tmp_path)),
+                                                  trace=str(trace))}
+    # The step run alone for the host optimizer's time, measured beside predicted: where the time went.
+    events = json.loads(trace.read_text())["traceEvents"]
+    measured = {e["pid"] for e in events if e["name"] == "process_name" and e["args"]["name"].startswith("measured")}
+    assert measured and any(e["ph"] == "X" and e["pid"] in measured for e in events)
     theirs = {"ok": True, **systems.run_fsdp2(same)}
     other = {"ok": True, **systems.run_fsdp2(Workload(shape="tiny", device="cpu", batch=2, seq=32, steps=2, warmup=1,
                                                       lr=3e-3, data_seed=99))}
@@ -139,3 +146,12 @@ def test_the_cpu_half_runs_end_to_end(tmp_path):
     assert "| deepspeed | ZeRO-3 offload | skipped:" in (out / "peers.md").read_text()
     assert (out / "logs" / "fsdp2-offload-fused-AdamW.log").exists()
     assert list((out / "weights").iterdir()) == [out / "weights" / "tiny-seed0"]
+
+
+def test_the_table_says_a_loss_that_rose_diverged_rather_than_that_it_fell_too_little():
+    """On the H100 the 7B row's loss went 11.19 -> 28.75 -> ... -> 16.0 at lr 1e-4."""
+    described = {**Workload(shape="tiny").to_dict(), "parameters": 1, "compute_dtype": "bf16"}
+    fall = loss_fall([11.1875, 28.75, 14.6875, 17.875, 16.0])
+    text = markdown(_results(), FACTS, described, "x", BF16_LOSS_RTOL, fall)
+    assert "rose by 43.0%" in text and "a smaller --lr" in text
+    assert "fell by" not in text and "too little" not in text
