@@ -138,7 +138,7 @@ def copied_result_bytes(node) -> int:
     """Bytes of the new storages an op returns that are copied into its arena tensors (results that
     are views of its arguments excluded): an op with no out= form, or one whose out= form allocates
     its results inside (allocates_inside). What it holds beside the arena while they are copied in;
-    on the H100 the tied embedding's backward of a 3B model held 752 MiB so."""
+    on the H100 the embedding's backward of a 3B model held 752 MiB so."""
     form = writes_into(node) if node.op == "call_function" else None
     if node.op != "call_function" or (form is not None and not allocates_inside(form[0])) \
             or in_place_form(node) is not None or takes_its_results(node):

@@ -11,7 +11,7 @@ An op with an out= form (ir/stage_ops.py `out_form`: most ATen ops) writes its r
 into their arena tensors; so does a fused kernel, which takes its results from them
 (kernels/outputs.py); a factory (zeros, full, the empties, arange) or a cast (`_to_copy`) does not
 run, its result is made in its arena tensor (`in_place_form`). An op with none of these (attention),
-or whose out= form only runs it and copies (`allocates_inside`: the tied embedding's backward),
+or whose out= form only runs it and copies (`allocates_inside`: the embedding's backward),
 runs as it is and its results are copied into their arena tensors at once:
 its own result is then scratch, freed before the next op, like the workspace it allocates inside
 itself; `copied` counts the ops that copied.
