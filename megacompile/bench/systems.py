@@ -52,7 +52,15 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
         out["measured_host_optimizer_s"] = host_optimizer_s(engine, *batches[-1])
         if trace:
             engine.trace(trace)
-        out["ledger_device_peak_bytes"] = engine.memory_stats()["device_peak_bytes"]
+        stats = engine.memory_stats()
+        out["ledger_device_peak_bytes"] = stats["device_peak_bytes"]
+        # What the arena held and what escaped it on the device (goal: nothing after the first step);
+        # the caching allocator's peak less the arena is the workspaces and op scratch beside it.
+        out["device_arena_bytes"] = stats["device_arena_bytes"]
+        out["device_allocations_last_step"] = stats["device_allocations_last_step"]
+        out["device_copies_into_arena_last_step"] = stats["device_copies_into_arena_last_step"]
+        out["host_bytes"] = stats["host_bytes"]
+        out["predicted_host_bytes"] = stats["predicted_host_bytes"]
         out.update(memory(workload.device))
     finally:
         engine.close()

@@ -112,6 +112,10 @@ def test_perturbed_data_in_one_system_fails_the_agreement(monkeypatch, tmp_path)
     events = json.loads(trace.read_text())["traceEvents"]
     measured = {e["pid"] for e in events if e["name"] == "process_name" and e["args"]["name"].startswith("measured")}
     assert measured and any(e["ph"] == "X" and e["pid"] in measured for e in events)
+    # The arena's figures travel with the row: what escaped it on the device is what the lease reads.
+    assert mine["device_arena_bytes"] > 0 and mine["device_allocations_last_step"] == 0
+    assert mine["ledger_device_peak_bytes"] <= mine["device_arena_bytes"]
+    assert mine["host_bytes"] > 0 and mine["predicted_host_bytes"] > 0
     theirs = {"ok": True, **systems.run_fsdp2(same)}
     other = {"ok": True, **systems.run_fsdp2(Workload(shape="tiny", device="cpu", batch=2, seq=32, steps=2, warmup=1,
                                                       lr=3e-3, data_seed=99))}
