@@ -31,6 +31,7 @@ from ..passes import StepKind
 from ..planner import Plan
 from ..planner.cache import PlanCache, note_new_shape
 from ..planner.measured import MeasuredRun
+from ..planner.quantized import refuse_quantized_model
 from ..cost import HardwareProfile, profile_for
 from ..cost.host_memory import default_host_budget_bytes, module_resident
 from ..planner.request import PlanRequest, disk_room, fused, host_accumulation
@@ -77,6 +78,8 @@ class Engine:
         self.budget_bytes = self.settings.budget_bytes
         if not any(True for _ in model.parameters()):
             raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
+        # A model quantized in memory (bitsandbytes, GPTQ, AWQ, HQQ, torchao, FP8, ...) would train as wrong numbers.
+        refuse_quantized_model(model)
         host_bytes = self.settings.host_budget_bytes
         optimizer = given_optimizer(optimizer)
         # Data parallelism over torch.distributed (an initialised group of 2 or more, or process_group=).

@@ -26,7 +26,7 @@ from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
 from ..settings import Settings, from_call
 from .image_inputs import image_inputs
-from .quantized import planning_note
+from .quantized import planning_note, refuse_quantized_model
 from .request import PlanRequest, fused, host_accumulation
 from .search import lowest_budget, make_baseline_plan, make_plan, place_host_state
 from .vision_share import vision_share
@@ -361,6 +361,8 @@ class _Planned:
         if style is not None and style not in STYLES:
             raise ArgumentError(f"style must be one of {', '.join(STYLES)} (or None for megacompile's plan); "
                                 f"got {style!r}")
+        if isinstance(model_or_config, nn.Module):
+            refuse_quantized_model(model_or_config)     # a model quantized in memory: refused as compile() does
         self.profile = profile = hardware_profile(hardware, nvme_bandwidth)
         model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
         if getattr(getattr(model, "config", None), "use_cache", False):
