@@ -24,7 +24,7 @@ from . import budgets
 from .agreement import BF16_LOSS_RTOL, FP32_LOSS_RTOL, agree, loss_fall
 from .shares import need_s, share_s
 from .table import markdown, read_csv, write_csv
-from .workload import Workload
+from .workload import SHAPES, Workload, width_lr
 
 # The streamed budget first: with the peers right after it, the rows the comparison rests on run
 # before the others if --minutes runs short.
@@ -63,7 +63,9 @@ def _arguments(argv):
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per system, after --warmup (9 on a GPU)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--lr", type=float, default=None, help="AdamW's learning rate (default 1e-4; 3e-3 for the toy)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW's learning rate (default: 1e-4 x 1024 / the shape's width, at most 1e-4 "
+                   "(bench/workload.py width_lr: 3.3e-5 at 3B, 2.5e-5 at 7B); 3e-3 for the toy)")
     p.add_argument("--systems", default="megacompile,deepspeed,fsdp2",
                    help=f"comma-separated, of megacompile, {', '.join(PEERS)}")
     p.add_argument("--budgets", default=",".join(MEGACOMPILE_BUDGETS),
@@ -83,10 +85,10 @@ def _arguments(argv):
 
 def _workload(args) -> Workload:
     tiny = args.tiny or not torch.cuda.is_available()
-    return Workload(shape=args.shape or ("tiny" if tiny else "llama-3b"),
-                    batch=args.batch or (2 if tiny else 4), seq=args.seq or (32 if tiny else 2048),
+    shape = args.shape or ("tiny" if tiny else "llama-3b")
+    return Workload(shape=shape, batch=args.batch or (2 if tiny else 4), seq=args.seq or (32 if tiny else 2048),
                     steps=args.steps or (3 if tiny else 9), warmup=args.warmup,
-                    lr=args.lr or (3e-3 if tiny else 1e-4), device="cpu" if tiny else "cuda")
+                    lr=args.lr or (3e-3 if tiny else width_lr(SHAPES[shape]["dim"])), device="cpu" if tiny else "cuda")
 
 
 def _jobs(args) -> list[Job]:

@@ -17,6 +17,17 @@ SHAPES = {
 }
 
 
+def width_lr(dim: int) -> float:
+    """The learning rate a deep random-init shape of width `dim` trains at in a few steps: 1e-4 at
+    1024 wide or less, 1e-4 x 1024 / dim above. AdamW moves every weight by about lr a step whatever
+    its gradient's size, so a matmul's output moves by about lr x its width against outputs that grow
+    as the square root of it: the relative move grows with the square root of the width. On the H100 the
+    Llama-2-7B shape (4096 wide, 32 layers) went 11.19 -> 28.75 in one step at 1e-4 and FSDP2's 3B
+    rows (3072 wide) rose from 12.44 to 19.13; on the host 32 layers 1024 wide fell at 1e-4
+    (10.57 -> 9.19 in 5 steps, bf16 autocast)."""
+    return 1e-4 * min(1.0, 1024 / dim)
+
+
 @dataclass
 class Workload:
     shape: str = "llama-3b"
@@ -26,6 +37,7 @@ class Workload:
     warmup: int = 1
     # With Zipf-distributed tokens (batches()), lr 1e-4 lowers a random-init model's loss by ~0.2 nats a
     # step (on the host, a 1-layer Llama 4096 wide with a 32k vocabulary: 11.2 to 9.6 in 7 steps, ~25 bf16 ulps).
+    # Deep and wide, it diverges: width_lr() is what the bench's GPU rows train at.
     lr: float = 1e-4
     weight_decay: float = 0.0
     seed: int = 0

@@ -159,3 +159,16 @@ def test_the_table_says_a_loss_that_rose_diverged_rather_than_that_it_fell_too_l
     text = markdown(_results(), FACTS, described, "x", BF16_LOSS_RTOL, fall)
     assert "rose by 43.0%" in text and "a smaller --lr" in text
     assert "fell by" not in text and "too little" not in text
+
+
+def test_the_gpu_rows_learning_rate_shrinks_with_the_width(monkeypatch):
+    """lr 1e-4 diverged on the H100 at 4096 wide (11.19 -> 28.75 in one step); the GPU rows train at
+    1e-4 x 1024 / width, the toy at 3e-3, and --lr still wins."""
+    from megacompile.bench.workload import width_lr
+    assert width_lr(1024) == width_lr(64) == 1e-4
+    assert width_lr(4096) == 2.5e-5 and abs(width_lr(3072) - 1e-4 / 3) < 1e-12
+    assert peers._workload(peers._arguments(["--tiny"])).lr == 3e-3
+    monkeypatch.setattr(peers.torch.cuda, "is_available", lambda: True)
+    assert peers._workload(peers._arguments(["--shape", "llama-7b"])).lr == 2.5e-5
+    assert peers._workload(peers._arguments([])).lr == width_lr(3072)
+    assert peers._workload(peers._arguments(["--shape", "llama-7b", "--lr", "2e-4"])).lr == 2e-4
