@@ -61,6 +61,7 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
         out["device_copies_into_arena_last_step"] = stats["device_copies_into_arena_last_step"]
         out["host_bytes"] = stats["host_bytes"]
         out["predicted_host_bytes"] = stats["predicted_host_bytes"]
+        out.update({f"setup_{phase.replace(' ', '_')}_s": s for phase, s in engine.setup_seconds.items()})
         out.update(memory(workload.device))
     finally:
         engine.close()

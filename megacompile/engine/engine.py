@@ -133,6 +133,9 @@ class Engine:
         self._captured: dict[tuple, CapturedModel] = PlanCache()
         self._compiled: dict[tuple, _Compiled] = PlanCache()
         self._shapes_seen = 0
+        # Seconds the set-up took, by phase (capture, host state: its allocation and the weights
+        # streamed into it, plan), summed over every input shape: where a first step's wait went.
+        self.setup_seconds: dict[str, float] = {}
         self._input_limits = arguments.InputLimits(model)
         self._last: _Compiled | None = None
         self._last_train: _Compiled | None = None
@@ -209,9 +212,11 @@ class Engine:
             else:
                 captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
                                    loss_fn=self.loss_fn, train=train)
+                self._spent("capture", start)
             self._captured[signature] = captured
             self._shapes_seen += 1
         if self.host is None:
+            host_start = time.perf_counter()
             # Before allocating: too little host RAM (and disk) must fail here, not in the allocator.
             # Layer-major lands one gradient sum per step: no fp32 accumulator ('auto' keeps one).
             host_accum = host_accumulation(self.grad_accum, self.accumulation)
@@ -232,6 +237,7 @@ class Engine:
             # a share: under data parallelism the module keeps its own).
             if state.materialized and self.data_parallel is None:
                 model_params.lend(state)
+            self._spent("host state", host_start)
         request = PlanRequest(
             self.budget_bytes, kind, self.backend.name, self.hardware or profile_for(self.backend.name),
             host_bytes=self.host.nbytes + self.host_cost.module_bytes, host_cost=self.host_cost,
@@ -241,7 +247,9 @@ class Engine:
         if prepared is not None and prepared.captured is captured and prepared.request == request:
             plan = prepared.plan
         else:
+            plan_start = time.perf_counter()
             plan = make_plan(captured, request)
+            self._spent("plan", plan_start)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self.state.update.adamw,
                             self.state.update.clip)
         measured = MeasuredRun(self.backend.timeline)     # its measured step, for traces and the memory picture
@@ -252,6 +260,9 @@ class Engine:
         if train:
             self._last_train = compiled
         return compiled
+
+    def _spent(self, phase: str, start: float) -> None:
+        self.setup_seconds[phase] = self.setup_seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]

@@ -116,6 +116,7 @@ def test_perturbed_data_in_one_system_fails_the_agreement(monkeypatch, tmp_path)
     assert mine["device_arena_bytes"] > 0 and mine["device_allocations_last_step"] == 0
     assert mine["ledger_device_peak_bytes"] <= mine["device_arena_bytes"]
     assert mine["host_bytes"] > 0 and mine["predicted_host_bytes"] > 0
+    assert all(mine[f"setup_{phase}_s"] > 0 for phase in ("capture", "host_state", "plan"))
     theirs = {"ok": True, **systems.run_fsdp2(same)}
     other = {"ok": True, **systems.run_fsdp2(Workload(shape="tiny", device="cpu", batch=2, seq=32, steps=2, warmup=1,
                                                       lr=3e-3, data_seed=99))}
