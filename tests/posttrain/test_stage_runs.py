@@ -169,3 +169,21 @@ def test_lora_dropout_is_refused_for_a_post_training_stage(tmp_path):
     with pytest.raises(ArgumentError, match="stage dpo with finetuning_type lora takes lora_dropout 0"):
         load(config, [])
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_resumed_dpo_run_refuses_a_reference_made_for_other_tokens(tmp_path):
+    """Reference row i is pair i's: a resume whose pairs tokenise otherwise (a tokenizer or chat template
+    changed with the data files untouched) would give every pair another's reference, so it is refused;
+    the same pairs resume."""
+    from megacompile.errors import ArgumentError
+    work = stage_files.workspace(tmp_path)
+    settings = stage_files.dpo(work, str(tmp_path / "run"), steps=1, save_every=1, resume="auto")
+    run(load(files.run_yaml(str(tmp_path / "a.yaml"), **settings), []))
+    path = str(tmp_path / "run" / "reference_logps.pt")
+    kept = torch.load(path)
+    assert set(kept["tokens"]) == {"train", "eval"}
+    run(load(files.run_yaml(str(tmp_path / "b.yaml"), **{**settings, "steps": 2}), []))    # the same pairs
+    assert [r["step"] for r in log.read(str(tmp_path / "run" / "log.csv"))] == ["1", "2"]
+    torch.save({**kept, "tokens": {**kept["tokens"], "train": "0" * 64}}, path)
+    with pytest.raises(ArgumentError, match="reference log-probabilities of other tokens than this run's train pairs"):
+        run(load(files.run_yaml(str(tmp_path / "c.yaml"), **{**settings, "steps": 3}), []))

@@ -11,6 +11,7 @@ forward-only pass of the same rows, whose log-probabilities give the logged impl
 (those of the policy the step starts from, as TRL logs them)."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -31,6 +32,16 @@ from .stage import Stage
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
 REFERENCE = "reference_logps.pt"
+
+
+def pairs_digest(pairs: list[Pair]) -> str:
+    """sha256 of the pairs' token ids, in order: what a reference row belongs to."""
+    h = hashlib.sha256()
+    for pair in pairs:
+        for ids in (pair.prompt, pair.chosen, pair.rejected):
+            h.update(len(ids).to_bytes(4, "little"))
+            h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
 
 
 class DPOStage(Stage):
@@ -108,16 +119,25 @@ class DPOStage(Stage):
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         path = os.path.join(run_dir, REFERENCE)
+        tokens = {"train": pairs_digest(self.pairs), "eval": pairs_digest(self.held)}
         if saved is not None:
             if not os.path.isfile(path):
                 raise ArgumentError(f"resume: {path} is missing: the reference log-probabilities cannot be made again "
                                     "from trained weights; start a new run_dir")
             kept = torch.load(path)
+            # Row i of the reference is pair i's: pairs tokenised otherwise (a tokenizer or chat template
+            # changed, the records edited in place) would each take another pair's reference.
+            if kept.get("tokens", tokens) != tokens:
+                changed = " and ".join(k for k in ("train", "eval") if kept["tokens"][k] != tokens[k])
+                raise ArgumentError(f"resume: {path} holds the reference log-probabilities of other tokens than this "
+                                    f"run's {changed} pairs make now (the data, the tokenizer or its chat template "
+                                    "changed since the run began); resume with what the run began with, or start a "
+                                    "new run_dir")
             self.reference, self.held_reference = kept["train"], kept["eval"]
             return
         self.reference = self._logps(engine, self.pairs)
         self.held_reference = self._logps(engine, self.held) if self.held else None
-        torch.save({"train": self.reference, "eval": self.held_reference}, path + ".tmp")
+        torch.save({"train": self.reference, "eval": self.held_reference, "tokens": tokens}, path + ".tmp")
         os.replace(path + ".tmp", path)
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
