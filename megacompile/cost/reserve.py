@@ -104,7 +104,7 @@ def largest_scratch(captured: CapturedModel) -> tuple[int, str]:
         t = stage.template
         if id(t) not in per_template:
             sizes = [(attention_backward_scratch(node) + window_scratch(node) + delta_rule_scratch(node)
-                      + copied_result_bytes(node),
+                      + embedding_backward_scratch(node) + copied_result_bytes(node),
                       str(node.target))
                      for program in (t.forward, t.backward, t.inference) if program is not None
                      for node in program.gm.graph.nodes]
@@ -137,6 +137,20 @@ def attention_backward_scratch(node) -> int:
         groups = query.shape[heads] // key.shape[heads]
         scratch += (key.numel() + value.numel()) * groups * key.element_size()
     return scratch
+
+
+def embedding_backward_scratch(node) -> int:
+    """Bytes an embedding's backward allocates inside itself beside its result (which
+    copied_result_bytes counts): on a GPU a partial sum per token row in float32 (the gradient's
+    dtype if wider), and seven index arrays of the tokens' length (the sort's keys, values and
+    buffers, the segments' offsets and counts)."""
+    if node.op != "call_function" or "embedding_dense_backward" not in str(node.target):
+        return 0
+    grad, indices = (_val(a) for a in node.args[:2])
+    if not isinstance(grad, torch.Tensor) or not isinstance(indices, torch.Tensor):
+        return 0
+    tokens = indices.numel()
+    return tokens * grad.shape[-1] * max(4, grad.element_size()) + 7 * tokens * 8
 
 
 def window_scratch(node) -> int:

@@ -14,6 +14,9 @@ from megacompile.cost.reserve import attention_backward_scratch
 GiB, MiB = 2 ** 30, 2 ** 20
 LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256}
+# A vocabulary small enough that attention's backward, not the embedding's, is the largest scratch (the
+# embedding's backward holds a float32 partial per token row, as large as attention's dq accumulator).
+ATTENTION_FIRST = dict(LLAMA, vocab_size=32)
 
 
 def test_flash_attention_backward_reserves_its_fp32_dq_accumulator():
@@ -49,8 +52,8 @@ def test_flash_attention_backward_under_gqa_reserves_its_per_query_head_dk_and_d
 
 def test_a_gqa_plan_reserves_more_than_the_same_model_with_a_head_per_query():
     """Unfused, torch's flash ops run attention (fused, kernels/attention.py does: the next test)."""
-    mha = megacompile.plan(dict(LLAMA, num_key_value_heads=4), 1.0, hardware="h100", batch=2, seq=64, fuse=False)
-    gqa = megacompile.plan(LLAMA, 1.0, hardware="h100", batch=2, seq=64, fuse=False)
+    mha = megacompile.plan(dict(ATTENTION_FIRST, num_key_value_heads=4), 1.0, hardware="h100", batch=2, seq=64, fuse=False)
+    gqa = megacompile.plan(ATTENTION_FIRST, 1.0, hardware="h100", batch=2, seq=64, fuse=False)
     query = 2 * 64 * 128 * 2       # [B, H, S, D] bf16 bytes of the query (4 heads of 32)
     # dk and dv expanded to the query's heads, less the half-size dk and dv it returns (copied in)
     assert gqa.reserve.scratch_bytes - mha.reserve.scratch_bytes == 2 * query - 2 * query // 2
@@ -60,7 +63,7 @@ def test_a_fused_plan_reserves_no_attention_scratch_and_places_the_kernels_tempo
     """Fused, attention writes its results into the arena and its backward's one temporary (delta,
     a float per query row) is a planned result: nothing of attention is left to the reserve, GQA or
     not, and the arena holds what the unfused plan reserved less the copies and accumulators."""
-    for config in (LLAMA, dict(LLAMA, num_key_value_heads=4)):
+    for config in (ATTENTION_FIRST, dict(ATTENTION_FIRST, num_key_value_heads=4)):
         fused = megacompile.plan(config, 1.0, hardware="h100", batch=2, seq=64)
         unfused = megacompile.plan(config, 1.0, hardware="h100", batch=2, seq=64, fuse=False)
         assert "attention" not in fused.reserve.scratch_op and "attention" in unfused.reserve.scratch_op
@@ -74,7 +77,7 @@ def test_a_fused_plan_reserves_no_attention_scratch_and_places_the_kernels_tempo
 
 def test_a_gpu_plan_keeps_the_reserve_free_and_says_so():
     h100 = get_profile("h100")
-    plan = megacompile.plan(LLAMA, 1.0, hardware=h100, batch=2, seq=64, fuse=False)
+    plan = megacompile.plan(ATTENTION_FIRST, 1.0, hardware=h100, batch=2, seq=64, fuse=False)
     r = plan.reserve
     assert r.workspace_bytes == h100.workspace_bytes
     # the caching allocator serves only what the arena does not hold: its share is of those bytes
@@ -86,10 +89,10 @@ def test_a_gpu_plan_keeps_the_reserve_free_and_says_so():
     line, = [x for x in plan.summary().splitlines() if x.lstrip("# ").startswith("reserve")]
     assert "5% of what the caching allocator still serves beside the arena" in line and "of the budget;" not in line
     # the smallest fit includes the reserve: planning there succeeds, just below it fails
-    smallest = megacompile.plan(LLAMA, plan.minimum_budget_bytes / GiB, hardware=h100, batch=2, seq=64, fuse=False)
+    smallest = megacompile.plan(ATTENTION_FIRST, plan.minimum_budget_bytes / GiB, hardware=h100, batch=2, seq=64, fuse=False)
     assert smallest.fits and smallest.predicted_peak_bytes + smallest.reserve.total <= smallest.budget_bytes
     with pytest.raises(megacompile.BudgetTooSmallError, match="device reserve"):
-        megacompile.plan(LLAMA, plan.minimum_budget_bytes * 0.99 / GiB, hardware=h100, batch=2, seq=64, fuse=False)
+        megacompile.plan(ATTENTION_FIRST, plan.minimum_budget_bytes * 0.99 / GiB, hardware=h100, batch=2, seq=64, fuse=False)
 
 
 def test_the_reserve_is_calibratable_and_the_simulated_device_has_none():
@@ -125,3 +128,19 @@ def test_a_tied_embeddings_backward_is_reserved_as_the_scratch_it_allocates():
                             batch=2, seq=64)
     assert plan.reserve.scratch_bytes >= vocab * hidden * 2
     assert "embedding_dense_backward" in plan.reserve.scratch_op
+
+
+def test_an_embeddings_backward_reserves_its_float32_partial_sums_and_index_arrays_beside_its_result():
+    """ATen's CUDA embedding backward sums each token row's gradient into a float32 partial before it
+    scatters them into the [vocab, hidden] result: 8192 tokens 3072 wide hold 96 MiB more."""
+    from megacompile.cost.reserve import embedding_backward_scratch
+    grad = SimpleNamespace(meta={"val": torch.empty(4, 2048, 3072, dtype=torch.bfloat16, device="meta")})
+    ids = SimpleNamespace(meta={"val": torch.empty(4, 2048, dtype=torch.int64, device="meta")})
+    node = SimpleNamespace(op="call_function", target="aten.embedding_dense_backward.default",
+                           args=(grad, ids, 128256, -1, False))
+    assert embedding_backward_scratch(node) == 8192 * 3072 * 4 + 7 * 8192 * 8
+    node.target = "aten.mm.default"
+    assert embedding_backward_scratch(node) == 0
+    vocab, hidden, tokens = 8192, 128, 2 * 64
+    plan = megacompile.plan(dict(LLAMA, vocab_size=vocab), 1.0, hardware="h100", batch=2, seq=64)
+    assert plan.reserve.scratch_bytes >= vocab * hidden * 2 + tokens * hidden * 4 + 7 * tokens * 8
