@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from megacompile.ir.program import Op
+from megacompile.ir.stage_ops import copied_result_bytes
 from megacompile.kernels import outputs
 from tests import models
 from tests.fusion.training import batches, train
@@ -24,18 +25,23 @@ def test_fused_kernels_write_their_results_where_the_plan_put_them(monkeypatch):
     data = batches(b=2, t=16, steps=2, vocab=256)
     plain, fused = train(model, "llama", data, fuse=False), train(model, "llama", data, fuse=True)
     copied, _ = _copies(fused)
-    # Attention included (kernels/attention.py), nothing of a fused Llama's step is copied in: every
-    # result is made where the plan put it (unfused, torch's attention ops are copied in).
-    assert copied == 0 and _copies(plain)[0] > 0
+    # Attention included (kernels/attention.py), a fused Llama's step copies in only the results of the
+    # ops whose out= form would allocate them anyway (the embedding and its backward, clone, pad:
+    # ir/stage_ops.py allocates_inside); unfused, torch's attention ops are copied in too.
+    program, captured = fused.engine.plan.program, fused.engine.plan.captured
+    graphs = {Op.FORWARD: "forward", Op.RECOMPUTE: "forward", Op.BACKWARD: "backward"}
+    ran = [op for n in program.nodes if n.op in graphs
+           for op in getattr(captured.stages[n.stage].template, graphs[n.op]).body]
+    inside = [op for op in ran if op.op == "call_function" and copied_result_bytes(op) > 0]
+    assert copied == len(inside) and not any("attention" in str(op.target) for op in inside)
+    assert any("embedding_dense_backward" in str(op.target) for op in inside)
+    assert _copies(plain)[0] > copied
     # The same run with the kernels allocating their own results: each kernel call is copied in.
     monkeypatch.setattr(outputs, "_take", lambda *a, **k: None)
     unplaced = train(model, "llama", data, fuse=True)
     copied_without, _ = _copies(unplaced)
     # Every kernel call of the step: copied in when the kernels allocate, written in when they take.
-    program, captured = fused.engine.plan.program, fused.engine.plan.captured
-    graphs = {Op.FORWARD: "forward", Op.RECOMPUTE: "forward", Op.BACKWARD: "backward"}
-    calls = sum(1 for n in program.nodes if n.op in graphs
-                for op in getattr(captured.stages[n.stage].template, graphs[n.op]).body if hasattr(op.target, "kernel"))
+    calls = sum(1 for op in ran if hasattr(op.target, "kernel"))
     assert copied_without - copied == calls > 0, (copied_without, copied, calls)
     torch.testing.assert_close(torch.tensor(fused.losses), torch.tensor(plain.losses), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(unplaced.losses), torch.tensor(fused.losses), rtol=0, atol=0)
