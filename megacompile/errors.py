@@ -60,8 +60,9 @@ class ArgumentError(MegacompileError, ValueError):
 
 
 class CheckpointError(MegacompileError, OSError):
-    """A checkpoint could not be written (the path is a folder, lies under a file, is not
-    writable, or the disk is full); the previous file at that path, if any, is untouched."""
+    """A checkpoint (or a training run's log) could not be written (the path is a folder, lies under
+    a file, is not writable, or the disk is full); the previous file at that path, if any, is
+    untouched, and a log keeps every row before the one refused."""
 
 
 class RetraceWarning(UserWarning):

@@ -4,8 +4,12 @@ and the progress bar."""
 from __future__ import annotations
 
 import csv
+import errno
+import io
 import os
 import sys
+
+from ..errors import CheckpointError
 
 # Every stage's columns, then the SFT stage's evaluation (a post-training stage logs its own).
 STEP_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "seconds", "tokens_per_s", "device_peak_bytes",
@@ -33,11 +37,12 @@ class RunLog:
         self.extra = tuple(c for c in columns if c not in COLUMNS)      # a stage's figures, as scalars too
         _keep_steps_up_to(self.path, resume_step, columns)
         new = not os.path.exists(self.path)
-        self._file = open(self.path, "a", newline="")
-        self._csv = csv.DictWriter(self._file, columns)
+        self._columns = columns
+        # Unbuffered, in whole rows: a row the disk refuses is cut off again (write), never left half
+        # written where a resumed run would read it.
+        self._file = open(self.path, "ab", buffering=0)
         if new:
-            self._csv.writeheader()
-            self._file.flush()
+            self._append(None, {c: c for c in columns})
         self._board = None
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
@@ -49,8 +54,8 @@ class RunLog:
 
     def write(self, row: dict) -> None:
         # repr: floats written so that they read back to the same bits
-        self._csv.writerow({k: repr(v) if isinstance(v, float) else ("" if v is None else v) for k, v in row.items()})
-        self._file.flush()
+        self._append(row["step"], {k: repr(v) if isinstance(v, float) else ("" if v is None else v)
+                                   for k, v in row.items()})
         if self._board is not None:
             for tag, value in scalars(row, self.extra).items():
                 self._board.add_scalar(tag, value, row["step"])
@@ -58,12 +63,34 @@ class RunLog:
         if self._wandb is not None:
             self._wandb.write(row["step"], scalars(row, self.extra))
 
+    def _append(self, step: int | None, fields: dict) -> None:
+        text = io.StringIO()
+        csv.DictWriter(text, self._columns).writerow(fields)
+        data, at = text.getvalue().encode(), self._file.tell()
+        try:
+            written = self._file.write(data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            try:
+                self._file.truncate(at)
+            except OSError:
+                pass
+            raise log_failed(self.path, step, e) from e
+
     def close(self) -> None:
         self._file.close()
         if self._board is not None:
             self._board.close()
         if self._wandb is not None:
             self._wandb.close()
+
+
+def log_failed(path: str, step: int | None, e: OSError) -> CheckpointError:
+    """The error of a row the disk refused: what failed, and that the log holds every step before it."""
+    cause = f"the disk is full ({e.strerror})" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    kept = "its header" if step is None else f"every step before step {step}"
+    return CheckpointError(f"cannot write the run's log {path}: {cause}; the log keeps {kept}")
 
 
 def _keep_steps_up_to(path: str, step: int, columns: tuple = COLUMNS) -> None:

@@ -95,3 +95,46 @@ def _tensor_bytes(folder) -> int:
     """The bytes of the tensors a checkpoint folder holds, its files' headers aside."""
     return sum(t.nbytes for f in os.listdir(folder) if f.endswith(".safetensors")
                for t in safetensors.torch.load_file(os.path.join(folder, f)).values())
+
+
+def test_a_log_row_the_disk_refuses_is_cut_off_and_the_same_command_resumes_exactly(tmp_path, monkeypatch, whole):
+    """Step 5's row half written when the disk fills: the run stops naming the log, the half row is
+    cut off again (a resumed run would read it as a step), and the same command goes on from step 4's
+    checkpoint to the log of a run whose disk never filled."""
+    from megacompile.train import log
+    monkeypatch.chdir(tmp_path)
+    config = files.run_yaml(str(tmp_path / "full.yaml"), run_dir="full", **{**TINY, "save_every": 4})
+    real = log.RunLog._append
+
+    def failing_file(self, step, fields):       # a file that takes half of step 5's row, then is full
+        if step != 5:
+            return real(self, step, fields)
+        file = self._file
+
+        class Half:
+            def tell(self):
+                return file.tell()
+
+            def write(self, data):
+                return file.write(data[:len(data) // 2])
+
+            def truncate(self, at):
+                return file.truncate(at)
+        self._file = Half()
+        try:
+            return real(self, step, fields)
+        finally:
+            self._file = file
+
+    monkeypatch.setattr(log.RunLog, "_append", failing_file)
+    with pytest.raises(CheckpointError) as stopped:
+        run(load(config, []))
+    said = str(stopped.value)
+    path = tmp_path / "full" / "log.csv"
+    assert said.startswith(f"cannot write the run's log {path}: the disk is full (No space left on device); the log "
+                           "keeps every step before step 5; the run stopped after step 5"), said
+    assert path.read_text().endswith("\n") and [r["step"] for r in files.log_rows("full")] == ["1", "2", "3", "4"]
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert run(load(config, []))["steps"] == 5
+    assert files.log_rows("full") == whole
