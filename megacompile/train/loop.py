@@ -30,6 +30,7 @@ from ..ir import fmt_bytes
 from ..report import write_run_views
 from . import intervals, methods, preemption, resume, trained_model
 from .config import RunConfig
+from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
 from .model import build, meta_model
 from .preemption import StopSignals
@@ -82,9 +83,11 @@ def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int,
     settings; `more`: a stage's own state. Whether it saved one."""
     if not force and (c.save_every is False or not intervals.due(c.save_every, step, c.steps)):
         return False        # save_every false (TRL's save_strategy: no): none but a stop signal's
+    sources = fingerprint_sources(fingerprint)     # what a streamed run's fingerprint hashed: resume.py names changes
     engine.save_checkpoint(checkpoint_path(folder, step),
                            extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
-                                  "settings": resume.settings(c), "finetuning": methods.saved(c), **more},
+                                  "settings": resume.settings(c), "finetuning": methods.saved(c),
+                                  **({"data_sources": sources} if sources is not None else {}), **more},
                            keep_last=c.keep_last)
     return True
 

@@ -2,7 +2,8 @@
 engine exists and before any file of the run folder is written.
 
     refused   other tokens (data, tokenizer, train_on_prompt), seq, packing, seed, eval_fraction:
-              the saved data position (rows consumed) would count other rows
+              the saved data position (rows consumed) would count other rows; a streamed run's
+              refusal names the files and settings that changed
     noted     steps, epochs, lr, warmup, schedule, min_lr: the learning rate from the next step is
               the new schedule's (the note names the jump); batch, grad_accum, global_batch: the
               data goes on from the saved row, with other rows per step; betas, eps,
@@ -94,11 +95,97 @@ def check_rows(c: RunConfig, saved: Saved) -> None:
 
 
 def check_data(saved: Saved, fingerprint: str) -> None:
-    if saved.extra.get("data") != fingerprint:
-        raise ArgumentError(f"{saved.path} was saved by a run on other tokens (token file {saved.extra.get('data')}, "
-                            f"now {fingerprint}: the data, the tokenizer or train_on_prompt changed, or the checkpoint "
-                            "predates supervised records kept whole in a row); resume it with the same data, or start "
-                            "a new run_dir")
+    """Refuse a resume on other data than the checkpoint's. A streamed run's checkpoint (stages dpo
+    and grpo too) keeps the sources its fingerprint hashed: the refusal names what changed."""
+    if saved.extra.get("data") == fingerprint:
+        return
+    from .data.tokens import sources
+    before, now = saved.extra.get("data_sources"), sources(fingerprint)
+    changed = data_changes(before, now) if isinstance(before, dict) and now is not None else []
+    if changed:
+        raise ArgumentError(f"{saved.path} was saved by a run on other data: {'; '.join(changed)}; resume it with "
+                            "the same data, tokenizer and settings, or start a new run_dir")
+    raise ArgumentError(f"{saved.path} was saved by a run on other tokens (token file {saved.extra.get('data')}, "
+                        f"now {fingerprint}: the data, the tokenizer or train_on_prompt changed, or the checkpoint "
+                        "predates supervised records kept whole in a row); resume it with the same data, or start "
+                        "a new run_dir")
+
+
+def data_changes(before: dict, now: dict) -> list[str]:
+    """What differs between two tokens._sources() dicts, one phrase each: data files added, gone,
+    moved (the same name and size in another folder), resized or touched (the same path and size,
+    another time); tokenizer files; data entries' settings; train_on_prompt, cutoff, format."""
+    out = _file_changes(_files(before), _files(now))
+    entries_before, entries_now = before.get("files") or [], now.get("files") or []
+    if len(entries_before) != len(entries_now):
+        out.append(f"{len(entries_before)} data entries -> {len(entries_now)}")
+    else:
+        for i, (a, b) in enumerate(zip(entries_before, entries_now)):
+            keys = [k for k in dict.fromkeys([*a, *b]) if k != "files" and a.get(k) != b.get(k)]
+            out += [f"data entry {i + 1} {k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys]
+    tok_before, tok_now = before.get("tokenizer") or {}, now.get("tokenizer") or {}
+    for name in sorted({*tok_before, *tok_now}):
+        if name not in tok_now:
+            out.append(f"tokenizer file {name} is gone")
+        elif name not in tok_before:
+            out.append(f"tokenizer file {name} is new")
+        elif tok_before[name] != tok_now[name]:
+            out.append(f"{name} changed")
+    names = {"train_on_prompt": "train_on_prompt", "cutoff": "cutoff (the row length records are cut to)",
+             "format": "token format"}
+    for key in dict.fromkeys([*names, *before, *now]):
+        if key not in ("files", "tokenizer") and before.get(key) != now.get(key):
+            out.append(f"{names.get(key, key)} {_show(before.get(key))} -> {_show(now.get(key))}")
+    return out
+
+
+def _files(sources: dict) -> dict[str, dict]:
+    """path -> {bytes, mtime_ns} over every data entry's files."""
+    return {f["path"]: f for entry in sources.get("files") or [] if isinstance(entry, dict)
+            for f in entry.get("files") or [] if isinstance(f, dict) and "path" in f}
+
+
+def _file_changes(before: dict[str, dict], now: dict[str, dict]) -> list[str]:
+    out = []
+    gone = [p for p in before if p not in now]
+    new = [p for p in now if p not in before]
+    moved: dict[tuple, list[str]] = {}      # (from, to) -> names: the same name and size in another folder
+    for p in list(gone):
+        match = next((q for q in new if os.path.basename(q) == os.path.basename(p)
+                      and now[q].get("bytes") == before[p].get("bytes")), None)
+        if match is not None:
+            gone.remove(p)
+            new.remove(match)
+            moved.setdefault((os.path.dirname(p), os.path.dirname(match)), []).append(p)
+    for (a, b), paths in moved.items():
+        if len(paths) == 1:
+            out.append(f"{os.path.basename(paths[0])} moved from {a} to {b} (same size, "
+                       f"{before[paths[0]].get('bytes')} bytes: if its content is the same, move it back to {a})")
+        else:
+            out.append(f"{_some([os.path.basename(p) for p in paths])} moved from {a} to {b} (same sizes: if their "
+                       f"content is the same, move them back to {a})")
+    if gone:
+        out.append(f"{_some(gone)} {'is' if len(gone) == 1 else 'are'} gone")
+    if new:
+        out.append(f"{_some(new)} {'is' if len(new) == 1 else 'are'} new")
+    kept = [p for p in before if p in now]
+    out += [f"{p} changed size ({before[p].get('bytes')} -> {now[p].get('bytes')} bytes)"
+            for p in kept if before[p].get("bytes") != now[p].get("bytes")]
+    touched = [p for p in kept if before[p].get("bytes") == now[p].get("bytes")
+               and before[p].get("mtime_ns") != now[p].get("mtime_ns")]
+    if len(touched) == 1:
+        p, ns = touched[0], before[touched[0]].get("mtime_ns")
+        again = f" (touch -d @{ns // 10**9}.{ns % 10**9:09d} {p})" if isinstance(ns, int) else ""
+        out.append(f"{p} was touched (same path and size, another modification time: if its content is the same, "
+                   f"give it back its time{again})")
+    elif touched:
+        out.append(f"{_some(touched)} were touched (same paths and sizes, other modification times: if their content "
+                   "is the same, give them back their times)")
+    return out
+
+
+def _some(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def notes(c: RunConfig, saved: Saved) -> list[str]:

@@ -109,7 +109,20 @@ def fingerprint(items: list, tokenizer_dir: str | None, train_on_prompt: bool, c
     tokenizer, settings, the row length records are truncated to), as a token file's cache key
     is made. Stages dpo and grpo name their records by it too (no cutoff)."""
     sources = _sources(as_entries(items), tokenizer_dir, train_on_prompt, cutoff)
-    return "stream-" + hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
+    made = "stream-" + hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
+    _MADE[made] = sources
+    return made
+
+
+_MADE: dict[str, dict] = {}     # fingerprint() -> the sources it hashed, in this process
+
+
+def sources(fingerprint: str) -> dict | None:
+    """The sources a fingerprint() of this process hashed (data files with their sizes and times,
+    tokenizer files' sha256, settings, format), which a checkpoint keeps beside the fingerprint so
+    that a resume on other data can name what changed (resume.py); None for a token file's sha256."""
+    found = _MADE.get(fingerprint)
+    return json.loads(json.dumps(found)) if found is not None else None
 
 
 def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: str | None,
