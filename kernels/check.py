@@ -15,6 +15,7 @@ from . import reference as ref
 from .adamw import adamw_step_
 from .attention import attention
 from .cast import accumulate_, cast, scale
+from .embedding import embedding_backward
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .gelu import geglu, gelu
 from .grouped_gemm import grouped_matmul
@@ -187,6 +188,20 @@ def _case_attention(causal: bool, window: int | None = None, documents: bool = F
     return case
 
 
+def case_embedding_backward(dtype, s, gen):
+    """The [V, H] weight gradient: ids that repeat (one in a run of 40 rows), ids no token has, a
+    padding_idx whose row stays zero; against ATen's op summing in float32 (no backward of its own)."""
+    m, n = s["rows"]
+    vocab = 97
+    ids = torch.randint(0, vocab - 2, (m,), generator=gen)      # ids 95 and 96: no token has them
+    ids[:40] = 3
+    grad = _randn(m, n, dtype=dtype, gen=gen)
+    ids = ids.to(DEVICE)
+    out = embedding_backward(grad, ids, vocab, 5)
+    expected = torch.ops.aten.embedding_dense_backward(grad.float(), ids, vocab, 5, False)
+    return relative_error(out, expected), math.nan
+
+
 def lm_inputs(dtype, s, gen, ignore_fraction: float = 0.1):
     n, hidden, vocab = s["lm"]
     h = _randn(n, hidden, dtype=dtype, gen=gen)
@@ -286,6 +301,7 @@ CASES = [
     ("attention(padded)", _case_attention(True, window=3, padded=True), DTYPES, TOLERANCE),
     ("attention(sinks)", _case_attention(True, window=3, padded=True, sinks=True), DTYPES, TOLERANCE),
     ("attention(softcap)", _case_attention(True, window=3, softcap=0.5), DTYPES, TOLERANCE),
+    ("embedding_backward", case_embedding_backward, DTYPES, TOLERANCE),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
     ("fused_linear_ce(cap)", case_fused_linear_cross_entropy_softcap, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),

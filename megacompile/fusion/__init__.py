@@ -15,6 +15,8 @@ this order, for these reasons:
                               forward groups that computed them to become one kernel each;
   forward patterns            RMSNorm, LayerNorm, SwiGLU, GELU, RoPE, softmax, in the forward
                               and in the backward (a selective variant recomputes them there);
+  embedding_backward          the embedding's backward, whose ATen op allocates its [V, H]
+                              result and float32 partials beside the arena (fusion/embedding.py);
   attention                   its backward with the backward patterns, its forward first of the
                               forward ones: the forward's extra outputs are pruned once the
                               backward stops reading them (fusion/attention.py);
@@ -32,7 +34,7 @@ from typing import Callable
 from megacompile.capture import CapturedModel, StageTemplate
 from megacompile.ir.stage_program import StageProgram
 
-from . import activations, attention, norms, rope
+from . import activations, attention, embedding, norms, rope
 from .contract import StagePair
 from .cross_entropy import fused_linear_cross_entropy
 from .elementwise import fuse_elementwise
@@ -72,6 +74,7 @@ REWRITES: list[tuple[str, Rewrite]] = [
     ("swiglu_backward", activations.swiglu_backward),
     ("gelu_backward", activations.gelu_backward),
     ("rope_backward", lambda p: rope.rope_backward(p.bwd)),
+    ("embedding_backward", lambda p: embedding.embedding_backward(p.bwd)),
     ("prune", lambda p: p.prune() or 0),
     *[(name, over_both_graphs(rewrite)) for name, rewrite in FORWARD_ONLY.items() if name in FORWARD_PATTERNS],
     ("elementwise", lambda p: fuse_elementwise(p.fwd) + fuse_elementwise(p.bwd)),

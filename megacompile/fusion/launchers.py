@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from megacompile.kernels.attention import attention_backward, attention_forward
+from megacompile.kernels.embedding import embedding_backward
 from megacompile.kernels.gelu import gelu_backward, gelu_forward
 from megacompile.kernels.layer_norm import layer_norm_backward, layer_norm_forward
 from megacompile.kernels.rms_norm import rms_norm_backward, rms_norm_forward
@@ -122,3 +123,12 @@ def attention_bwd(do, q, k, v, o, lse, causal, scale, dq_stride, dk_stride, dv_s
     """(dq, dk, dv) at the strides the replaced op made them, and delta [B, Hq, S] fp32, the kernel's
     temporary made a result so the plan places it."""
     return attention_backward(do, q, k, v, o, lse, causal, scale, dq_stride, dk_stride, dv_stride)
+
+
+# -- Embedding ----------------------------------------------------------------------------------
+@launcher("embedding_backward",
+          lambda grad, ids, num_weights, padding_idx: grad.new_empty((num_weights, grad.shape[-1])))
+def embedding_bwd(grad, ids, num_weights, padding_idx):
+    """The [V, H] weight gradient, in grad's dtype (aten.embedding_dense_backward without
+    scale_grad_by_freq)."""
+    return embedding_backward(grad, ids, num_weights, padding_idx)

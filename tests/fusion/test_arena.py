@@ -25,16 +25,18 @@ def test_fused_kernels_write_their_results_where_the_plan_put_them(monkeypatch):
     data = batches(b=2, t=16, steps=2, vocab=256)
     plain, fused = train(model, "llama", data, fuse=False), train(model, "llama", data, fuse=True)
     copied, _ = _copies(fused)
-    # Attention included (kernels/attention.py), a fused Llama's step copies in only the results of the
-    # ops whose out= form would allocate them anyway (the embedding and its backward, clone, pad:
-    # ir/stage_ops.py allocates_inside); unfused, torch's attention ops are copied in too.
+    # Attention and the embedding's backward included (kernels/attention.py, kernels/embedding.py), a
+    # fused Llama's step copies in only the results of the ops whose out= form would allocate them
+    # anyway (the embedding's lookup, clone, pad: ir/stage_ops.py allocates_inside); unfused, torch's
+    # attention ops and the embedding's backward are copied in too.
     program, captured = fused.engine.plan.program, fused.engine.plan.captured
     graphs = {Op.FORWARD: "forward", Op.RECOMPUTE: "forward", Op.BACKWARD: "backward"}
     ran = [op for n in program.nodes if n.op in graphs
            for op in getattr(captured.stages[n.stage].template, graphs[n.op]).body]
     inside = [op for op in ran if op.op == "call_function" and copied_result_bytes(op) > 0]
     assert copied == len(inside) and not any("attention" in str(op.target) for op in inside)
-    assert any("embedding_dense_backward" in str(op.target) for op in inside)
+    assert not any("embedding_dense_backward" in str(op.target) for op in inside)
+    assert any(getattr(op.target, "kernel", None) == "embedding_backward" for op in ran)
     assert _copies(plain)[0] > copied
     # The same run with the kernels allocating their own results: each kernel call is copied in.
     monkeypatch.setattr(outputs, "_take", lambda *a, **k: None)

@@ -15,7 +15,8 @@ from tests.fusion.training import BUILDERS, counts
 aten = torch.ops.aten
 
 LLAMA = {
-    "prologue": ({"elementwise": 2}, {}),                      # cos * 1.0, sin * 1.0 of the rotary table
+    # cos * 1.0, sin * 1.0 of the rotary table; the token embedding's weight gradient
+    "prologue": ({"elementwise": 2}, {"embedding_backward": 1}),
     "block": ({"rms_norm": 2, "rope": 2, "attention": 1, "swiglu": 1},
               {"rms_norm_backward": 2, "rope_backward": 2, "attention_backward": 1, "swiglu_backward": 1,
                "elementwise": 1}),
@@ -23,7 +24,7 @@ LLAMA = {
                  {"fused_linear_cross_entropy_backward": 1, "rms_norm_backward": 1}),
 }
 GPT2 = {
-    "prologue": ({}, {}),
+    "prologue": ({}, {"embedding_backward": 2}),              # the token and the position embeddings
     "block": ({"layer_norm": 2, "attention": 1, "gelu": 1},
               {"layer_norm_backward": 2, "attention_backward": 1, "gelu_backward": 1}),
     "epilogue": ({"layer_norm": 1, "fused_linear_cross_entropy": 1},
