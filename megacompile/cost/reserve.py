@@ -36,6 +36,7 @@ import torch
 from ..attention.reference import reference_scratch_bytes
 from ..capture import CapturedModel
 from ..ir.stage_ops import copied_result_bytes
+from ..kernels import embedding
 from .delta_rule import backward_scratch as delta_rule_scratch
 from .hardware import HardwareProfile
 
@@ -105,7 +106,7 @@ def largest_scratch(captured: CapturedModel) -> tuple[int, str]:
         if id(t) not in per_template:
             sizes = [(attention_backward_scratch(node) + window_scratch(node) + delta_rule_scratch(node)
                       + embedding_backward_scratch(node) + copied_result_bytes(node),
-                      str(node.target))
+                      getattr(node.target, "kernel", None) or str(node.target))
                      for program in (t.forward, t.backward, t.inference) if program is not None
                      for node in program.gm.graph.nodes]
             top = max((b for b, _ in sizes), default=0)
@@ -141,15 +142,19 @@ def attention_backward_scratch(node) -> int:
 
 def embedding_backward_scratch(node) -> int:
     """Bytes an embedding's backward allocates inside itself beside its result (which
-    copied_result_bytes counts): on a GPU a partial sum per token row in float32 (the gradient's
-    dtype if wider), and seven index arrays of the tokens' length (the sort's keys, values and
-    buffers, the segments' offsets and counts)."""
-    if node.op != "call_function" or "embedding_dense_backward" not in str(node.target):
+    copied_result_bytes counts): ATen's op on a GPU, a partial sum per token row in float32 (the
+    gradient's dtype if wider) and seven index arrays of the tokens' length (the sort's keys, values
+    and buffers, the segments' offsets and counts); the fused kernel (kernels/embedding.py), which
+    writes its result into the arena, its sorted ids alone."""
+    fused = node.op == "call_function" and getattr(node.target, "kernel", None) == "embedding_backward"
+    if node.op != "call_function" or not fused and "embedding_dense_backward" not in str(node.target):
         return 0
     grad, indices = (_val(a) for a in node.args[:2])
     if not isinstance(grad, torch.Tensor) or not isinstance(indices, torch.Tensor):
         return 0
     tokens = indices.numel()
+    if fused:       # the fused kernel's result is the arena's: only its sorted ids are beside it
+        return embedding.scratch_bytes(tokens)
     return tokens * grad.shape[-1] * max(4, grad.element_size()) + 7 * tokens * 8
 
 

@@ -97,10 +97,11 @@ _RANGES = {_aten.arange.default: _aten.arange.out, _aten.arange.start: _aten.ara
 
 def in_place_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
     """For an op whose one result can be made in a given tensor without running it: a factory of a
-    constant (zeros, ones, full, their _like and new_ forms, scalar_tensor, the empties), arange, or
-    a cast on one device (`_to_copy`). A function (that tensor, the op's args, kwargs) -> None that makes
-    the result there as the op would have made it (a cast through copy_, which rounds as `.to`
-    does). Else None."""
+    constant (zeros, ones, full, their _like and new_ forms, scalar_tensor, the empties), arange, a
+    cast on one device (`_to_copy`), a clone, a slice's backward, or an embedding's lookup (through
+    index_select): the last three are ops whose out= forms torch generates (they allocate the result,
+    then copy). A function (that tensor, the op's args, kwargs) -> None that makes the result there
+    as the op would have made it (a cast through copy_, which rounds as `.to` does). Else None."""
     result = node.meta.get("val") if node.op == "call_function" else None
     if not isinstance(result, torch.Tensor):
         return None
@@ -112,6 +113,19 @@ def in_place_form(node) -> Callable[[torch.Tensor, tuple, dict], None] | None:
     if node.target in _RANGES:          # arange's out forms take its scalars, not its dtype
         out = _RANGES[node.target]
         return lambda t, args, kwargs: out(*args, out=t)
+    if node.target is _aten.clone.default:        # clone.out is generated: it would clone, then copy
+        return lambda t, args, kwargs: t.copy_(args[0])
+    if node.target is _aten.slice_backward.default:     # zeros beside the slice the gradient fills
+        def slice_grad(t, args, kwargs):
+            grad, _, dim, start, end, step = args[:6]
+            t.zero_()
+            _aten.slice.Tensor(t, dim, start, end, step).copy_(grad)
+        return slice_grad
+    if node.target is _aten.embedding.default and result.is_contiguous():
+        # The lookup is index_select's gather, whose out= form has kernels of its own (embedding's
+        # is generated: it would allocate the [tokens, H] rows beside the arena and copy them).
+        return lambda t, args, kwargs: torch.index_select(args[0], 0, args[1].reshape(-1),
+                                                          out=t.view(-1, t.shape[-1]))
     if node.target not in _FILLS:
         return None
     fill = _FILLS[node.target]

@@ -124,10 +124,14 @@ def test_a_tied_embeddings_backward_is_reserved_as_the_scratch_it_allocates():
     """embedding_dense_backward.out allocates the whole [vocab, hidden] gradient and copies it in (on the
     H100 a 3B model's 752 MiB of it ran out of the smallest budget): the reserve holds it."""
     vocab, hidden = 8192, 128
-    plan = megacompile.plan(dict(LLAMA, vocab_size=vocab, tie_word_embeddings=True), 1.0, hardware="h100",
-                            batch=2, seq=64)
+    config = dict(LLAMA, vocab_size=vocab, tie_word_embeddings=True)
+    plan = megacompile.plan(config, 1.0, hardware="h100", batch=2, seq=64, fuse=False)
     assert plan.reserve.scratch_bytes >= vocab * hidden * 2
     assert "embedding_dense_backward" in plan.reserve.scratch_op
+    # Fused, the kernel (kernels/embedding.py) writes the gradient into the arena: no such scratch.
+    fused = megacompile.plan(config, 1.0, hardware="h100", batch=2, seq=64)
+    assert "embedding_dense_backward" not in fused.reserve.scratch_op
+    assert fused.reserve.scratch_bytes < vocab * hidden * 2 and fused.minimum_budget_bytes < plan.minimum_budget_bytes
 
 
 def test_an_embeddings_backward_reserves_its_float32_partial_sums_and_index_arrays_beside_its_result():
@@ -142,5 +146,50 @@ def test_an_embeddings_backward_reserves_its_float32_partial_sums_and_index_arra
     node.target = "aten.mm.default"
     assert embedding_backward_scratch(node) == 0
     vocab, hidden, tokens = 8192, 128, 2 * 64
-    plan = megacompile.plan(dict(LLAMA, vocab_size=vocab), 1.0, hardware="h100", batch=2, seq=64)
+    plan = megacompile.plan(dict(LLAMA, vocab_size=vocab), 1.0, hardware="h100", batch=2, seq=64, fuse=False)
     assert plan.reserve.scratch_bytes >= vocab * hidden * 2 + tokens * hidden * 4 + 7 * tokens * 8
+    # The fused kernel's node: its sorted ids beside the arena, nothing of [N, H].
+    from megacompile.fusion.launchers import embedding_bwd
+    node.target = embedding_bwd
+    assert embedding_backward_scratch(node) == 4 * 8192 * 8
+
+
+def test_an_embeddings_lookup_is_made_in_its_arena_tensor_through_index_select():
+    """embedding.out is generated (it would allocate the [tokens, H] rows and copy them in: 4 GiB at
+    512k tokens 4096 wide); index_select.out gathers straight into the arena's tensor, the same values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from megacompile.ir.stage_ops import copied_result_bytes, in_place_form
+    weight, ids = torch.randn(11, 6), torch.randint(0, 11, (2, 5))
+    node = next(n for n in make_fx(lambda i, w: torch.nn.functional.embedding(i, w), tracing_mode="fake")(
+        ids, weight).graph.nodes if n.op == "call_function")
+    assert node.target is torch.ops.aten.embedding.default and copied_result_bytes(node) == 0
+    slot = torch.full((2, 5, 6), 9.0)
+    in_place_form(node)(slot, (weight, ids), {})
+    assert torch.equal(slot, torch.nn.functional.embedding(ids, weight))
+    fused = megacompile.plan(dict(LLAMA, vocab_size=8192), 1.0, hardware="h100", batch=2, seq=64)
+    assert "aten.embedding" not in fused.reserve.scratch_op     # at most the backward kernel's sorted ids
+    assert fused.reserve.scratch_bytes <= 4 * 2 * 64 * 8 + 64 + 2 * 64 * 128 * 2
+
+
+def test_a_clone_and_a_slices_backward_are_made_in_their_arena_tensors():
+    """Both out= forms are generated (clone.out clones, then copies: 128 MiB beside the arena at the
+    Llama-2-7B shape's 4 x 4096 tokens); made in place, they hold nothing beside it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from megacompile.ir.stage_ops import copied_result_bytes, in_place_form
+    x, g = torch.randn(4, 9).t(), torch.randn(3, 5)
+
+    def ops(x, g):
+        return (torch.ops.aten.clone.default(x), torch.ops.aten.slice_backward.default(g, [7, 5], 0, 2, 5, 1),
+                torch.ops.aten.slice_backward.default(g, [3, 12], 1, -9, 2 ** 62, 2)[..., :5])
+    nodes = [n for n in make_fx(ops, tracing_mode="fake")(x, g).graph.nodes if n.op == "call_function"
+             and n.target in (torch.ops.aten.clone.default, torch.ops.aten.slice_backward.default)]
+    assert len(nodes) == 3
+    for node in nodes:
+        assert copied_result_bytes(node) == 0
+        args = tuple({"x_1": x, "g_1": g}.get(getattr(a, "name", None), a) for a in node.args)
+        meta = node.meta["val"]
+        slot = torch.full_like(torch.empty_strided(meta.shape, meta.stride()), 9.0)
+        in_place_form(node)(slot, args, {})
+        assert torch.equal(slot, node.target(*args))
