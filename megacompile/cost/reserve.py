@@ -146,8 +146,10 @@ def embedding_backward_scratch(node) -> int:
     gradient's dtype if wider) and seven index arrays of the tokens' length (the sort's keys, values
     and buffers, the segments' offsets and counts); the fused kernel (kernels/embedding.py), which
     writes its result into the arena, its sorted ids alone."""
-    fused = node.op == "call_function" and getattr(node.target, "kernel", None) == "embedding_backward"
-    if node.op != "call_function" or not fused and "embedding_dense_backward" not in str(node.target):
+    if node.op != "call_function":
+        return 0
+    fused = getattr(node.target, "kernel", None) == "embedding_backward"
+    if not fused and "embedding_dense_backward" not in str(node.target):
         return 0
     grad, indices = (_val(a) for a in node.args[:2])
     if not isinstance(grad, torch.Tensor) or not isinstance(indices, torch.Tensor):

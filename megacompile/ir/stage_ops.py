@@ -68,14 +68,15 @@ def allocates_inside(overload) -> bool:
 
 def writes_into(node) -> tuple | None:
     """out_form(node.target) where it places every result of this graph node (each a tensor, one per
-    out argument): the op then writes into its arena tensors. Otherwise None: its results, where it
-    makes new storages, are copied into them (copied_result_bytes)."""
+    out argument) and is not one torch generates (allocates_inside): the op then writes into its
+    arena tensors. Otherwise None: its results, where it makes new storages, are copied into them
+    (copied_result_bytes)."""
     form = out_form(node.target)
     results = node.meta.get("val")
     tensors = [results] if isinstance(results, torch.Tensor) else list(results) if isinstance(results, (tuple, list)) else []
     if form is None or not tensors or not all(isinstance(t, torch.Tensor) for t in tensors) or len(form[1]) != len(tensors):
         return None
-    return form
+    return None if allocates_inside(form[0]) else form
 
 
 _aten = torch.ops.aten
@@ -153,9 +154,8 @@ def copied_result_bytes(node) -> int:
     are views of its arguments excluded): an op with no out= form, or one whose out= form allocates
     its results inside (allocates_inside). What it holds beside the arena while they are copied in;
     on the H100 the embedding's backward of a 3B model held 752 MiB so."""
-    form = writes_into(node) if node.op == "call_function" else None
-    if node.op != "call_function" or (form is not None and not allocates_inside(form[0])) \
-            or in_place_form(node) is not None or takes_its_results(node):
+    if node.op != "call_function" or writes_into(node) is not None or in_place_form(node) is not None \
+            or takes_its_results(node):
         return 0      # written in: through out=, made in place, or taking its results (kernels/outputs.py)
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils import _pytree as pytree

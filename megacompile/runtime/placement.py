@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..ir.arena import ArenaTensor
-from ..ir.stage_ops import allocates_inside, in_place_form, writes_into
+from ..ir.stage_ops import in_place_form, writes_into
 from ..ir.stage_program import StageProgram, fake_storage_key, tensors_of
 from ..kernels import outputs
 from .arena import Arena, typed
@@ -95,7 +95,7 @@ def _place_op(node: fx.Node, parts: dict[int, torch.Tensor] | None, graph: Stage
             return slot
         return made
     form = writes_into(node)
-    if form is not None and not allocates_inside(form[0]):
+    if form is not None:
         overload, names = form
         outs = dict(zip(names, slots))
 
