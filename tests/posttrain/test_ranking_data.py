@@ -72,6 +72,12 @@ def test_llamafactorys_ranking_layouts_are_read_as_trls_conversations():
     assert to_pair(preference(sharegpt, "x:2"), tok) == expected
     with pytest.raises(ArgumentError, match="x:3: a preference record is TRL's .* or LlamaFactory's ranking layouts"):
         preference({"instruction": QUESTION, "output": CHOSEN}, "x:3")
+    # tools are rendered into chats by stage sft only; a pair would be scored without them
+    assert to_pair(preference({**sharegpt, "tools": ""}, "x:4"), tok) == expected      # an empty column
+    for more in ({"tools": '[{"name": "get_time"}]'}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        with pytest.raises(ArgumentError, match="x:5: stage dpo renders its pairs without tools or "
+                                                "chat_template_kwargs, and this record gives them"):
+            preference({**sharegpt, **more}, "x:5")
 
 
 def test_a_llamafactory_dpo_config_trains_on_its_ranking_datasets(work, tmp_path):

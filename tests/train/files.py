@@ -25,10 +25,10 @@ def tokenizer():
     return fast
 
 
-def model_dir(path: str, seed: int = 0, layers: int = 2, dim: int = 64) -> str:
+def model_dir(path: str, seed: int = 0, layers: int = 2, dim: int = 64, tok=None) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    tok = tokenizer()
+    tok = tok if tok is not None else tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -1,13 +1,14 @@
 """One record's tokens and targets (the loss mask, masking.py), in whichever layout it comes
-(text, chat messages, ShareGPT, Alpaca, prompt/completion), with the tokenizer's EOS closing it;
-a supervised record longer than the row is truncated as LlamaFactory truncates it (cutoff.py).
+(text, chat messages, ShareGPT, Alpaca, prompt/completion; chats with tool calls: tools.py), with
+the tokenizer's EOS closing it; a supervised record longer than the row is truncated as
+LlamaFactory truncates it (cutoff.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ...errors import ArgumentError
-from . import alpaca, images, masking, sharegpt
+from . import alpaca, images, masking, sharegpt, tools
 from . import cutoff as cutoff_len
 
 
@@ -45,10 +46,14 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
                             "vision-language model saved with its processor, and streaming: false")
     answers = None          # [start, end) of each answer; None: plain text
     if "messages" in record or "conversations" in record:
-        messages = sharegpt.messages(record)
+        messages = sharegpt.messages(record, where)
+        listed, options = tools.tools(record, where), tools.template_kwargs(record, where)
+        if paths and (listed or options):
+            raise ArgumentError(f"{where}: a record with images or videos is rendered without tools or "
+                                "chat_template_kwargs; give tool-use conversations without images")
         if media is not None:
             messages = media.messages(messages, paths, where)
-        ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt, where)
+        ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt, where, listed, options)
         if paths:
             ids, targets = media.widen(ids, targets, paths, where, tokenizer, messages)
     elif paths:

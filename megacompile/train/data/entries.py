@@ -28,7 +28,7 @@ MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
 # LlamaFactory's column names (dataset_info.json `columns`) -> the record keys read here
 COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
            "history": "history", "messages": "conversations", "text": "text", "images": "images",
-           "videos": "videos", "chosen": "chosen", "rejected": "rejected"}
+           "videos": "videos", "chosen": "chosen", "rejected": "rejected", "tools": "tools"}
 # dataset_info.json: the keys of an entry read here, and those that only say where a remote one is
 INFO_KEYS = ("file_name", "formatting", "ranking", "columns", "tags", "num_samples", "split", "subset", "folder")
 REMOTE = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")

@@ -5,41 +5,73 @@ A target mask has one bool per token: True where the model is trained to produce
 are found as the difference between the conversation rendered up to the turn's start (with the
 template's generation prompt, i.e. the assistant header) and rendered through its end. A
 template that does not render the earlier turns as a prefix of the later ones cannot be split
-this way and is refused, naming the line.
+this way and is refused, naming the line. A turn that calls tools is an assistant turn (trained);
+a tool's answer is not (tools.py).
 """
 from __future__ import annotations
 
 from ...errors import ArgumentError
+from .tools import calls as call_names
+from .tools import names as tool_names
 
 
 def _encode(tokenizer, text: str, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def _render(tokenizer, messages: list, generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    return _encode(tokenizer, text, special=False)    # the template writes its own special tokens
+def _render(tokenizer, messages: list, generation_prompt: bool, options: dict, where: str) -> list[int]:
+    # the template writes its own special tokens
+    return _encode(tokenizer, _text(tokenizer, messages, generation_prompt, options, where), special=False)
 
 
-def chat(tokenizer, messages: list, train_on_prompt: bool, where: str) -> tuple[list[int], list[bool], list]:
+def _text(tokenizer, messages: list, generation_prompt: bool, options: dict, where: str) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                             **options)
+    except Exception as e:  # noqa: BLE001 - a template's own error (jinja's, or raise_exception in it)
+        raise ArgumentError(f"{where}: the chat template fails on this conversation: {type(e).__name__}: "
+                            f"{str(e)[:300]}") from e
+
+
+def _is_turn(m) -> bool:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    if m.get("tool_calls"):     # a call may come without text (content null or left out)
+        return m.get("content") is None or isinstance(m.get("content"), str)
+    return isinstance(m.get("content"), str)
+
+
+def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: list | None = None,
+         template_kwargs: dict | None = None) -> tuple[list[int], list[bool], list]:
     """Tokens of a conversation, its target mask (assistant turns only, unless train_on_prompt)
-    and where each assistant turn lies ([start, end) token spans, in order: cutoff.py)."""
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
+    and where each assistant turn lies ([start, end) token spans, in order: cutoff.py). `tools`
+    and `template_kwargs` go to the chat template (tools.py); a template that leaves out a tool,
+    a call or a tool's answer is refused rather than trained on a conversation it dropped."""
+    if not isinstance(messages, list) or not messages or not all(_is_turn(m) for m in messages):
         raise ArgumentError(f"{where}: messages must be a non-empty list of {{role, content}} objects with string "
-                            "values (ShareGPT's conversations: {from, value})")
+                            "values (ShareGPT's conversations: {from, value}; an assistant turn with tool_calls may "
+                            "leave content out)")
     if not getattr(tokenizer, "chat_template", None):
         raise ArgumentError(f"{where}: records with messages need the tokenizer's chat template, and this tokenizer "
                             "has none (chat_template in tokenizer_config.json); use prompt/completion records")
-    ids = _render(tokenizer, messages, generation_prompt=False)
+    messages = [{**m, "content": m.get("content") or ""} if m.get("tool_calls") else m for m in messages]
+    options = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    called = [call_names(m, where, k) for k, m in enumerate(messages)]
+    text = _text(tokenizer, messages, False, options, where)
+    missing = [n for n in tool_names(tools) if n not in text]
+    if missing:
+        raise ArgumentError(f"{where}: the chat template does not write the record's tools ({', '.join(missing)}) "
+                            "into the conversation: give a tokenizer whose chat template renders tools (its "
+                            "apply_chat_template(tools=...)), or leave tools out")
+    ids = _encode(tokenizer, text, special=False)
     targets = [train_on_prompt] * len(ids)
     answers = []
     for k, message in enumerate(messages):
+        _check_written(tokenizer, messages, k, called[k], options, where)
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:k], generation_prompt=True) if k else []
-        through = _render(tokenizer, messages[:k + 1], generation_prompt=False)
+        before = _render(tokenizer, messages[:k], True, options, where) if k else []
+        through = _render(tokenizer, messages[:k + 1], False, options, where)
         if ids[:len(through)] != through or through[:len(before)] != before:
             raise ArgumentError(f"{where}: the chat template does not render the conversation up to turn {k} as a "
                                 "prefix of the whole, so the assistant's tokens cannot be told apart; use "
@@ -49,6 +81,29 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str) -> tuple[
         if len(through) > len(before):
             answers.append((len(before), len(through)))
     return ids, targets, answers
+
+
+def _check_written(tokenizer, messages: list, k: int, called: list[str], options: dict, where: str) -> None:
+    """A turn the template would drop without a word: a call (its function's name) or a turn of
+    a role other than system, user and assistant (a tool's answer: its text), looked for in what
+    the template writes for that turn."""
+    message = messages[k]
+    if not called and message["role"] in ("system", "user", "assistant"):
+        return
+    before = _text(tokenizer, messages[:k], message["role"] == "assistant", options, where) if k else ""
+    through = _text(tokenizer, messages[:k + 1], False, options, where)
+    written = through[len(before):] if through.startswith(before) else through
+    lost = [n for n in called if n not in written]
+    if lost:
+        raise ArgumentError(f"{where}: the chat template does not write turn {k}'s tool call{'s' * (len(lost) > 1)} "
+                            f"({', '.join(lost)}): give a tokenizer whose chat template renders tool_calls, or leave "
+                            "the calls out")
+    if not called and message["content"].strip() and message["content"].strip() not in written:
+        raise ArgumentError(f"{where}: the chat template does not write turn {k} (role {message['role']!r}): "
+                            + ("give a tokenizer whose chat template renders tool answers (role tool)"
+                               if message["role"] == "tool" else
+                               "its roles are system, user, assistant and tool (ShareGPT's human, gpt, "
+                               "function_call, observation); map the file's own with tags"))
 
 
 def prompt_completion(tokenizer, prompt: str, completion: str,

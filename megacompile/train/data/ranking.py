@@ -17,7 +17,7 @@ and `tags` rename a file's own names first (reading.py), as for supervised data.
 from __future__ import annotations
 
 from ...errors import ArgumentError
-from . import alpaca, sharegpt
+from . import alpaca, sharegpt, tools
 
 LAYOUTS = ("TRL's {prompt, chosen, rejected} (text or messages; the prompt may be left implicit), or "
            "LlamaFactory's ranking layouts: alpaca {instruction, input, chosen, rejected} or sharegpt "
@@ -30,6 +30,9 @@ def preference(record: dict, where: str) -> dict:
     if "chosen" not in record and "rejected" not in record and "prompt" not in record:
         raise ArgumentError(f"{where}: a preference record is {LAYOUTS}; this one has "
                             f"{', '.join(sorted(record)) or 'no keys'}")
+    if tools.tools(record, where) or tools.template_kwargs(record, where):
+        raise ArgumentError(f"{where}: stage dpo renders its pairs without tools or chat_template_kwargs, and this "
+                            "record gives them; train tool use with stage sft (its chats read both)")
     if "instruction" in record:
         _both(record, where, "alpaca")
         answers = [record["chosen"], record["rejected"]]

@@ -6,14 +6,17 @@
 ShareGPT names the speakers `human` and `gpt` and keys a turn `from` / `value`; a chat template
 and the loss mask (masking.py, which counts `assistant` turns) take `role` / `content` and
 `user` / `assistant`. Turns in either layout, under `conversations` or `messages`, are mapped;
-other roles (tool, observation, ...) pass through to the template as they are.
+LlamaFactory's `function_call` turn becomes an assistant turn with tool_calls and its
+`observation` a `tool` turn (tools.py); other roles pass through to the template as they are.
 """
 from __future__ import annotations
 
-ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+from . import tools
+
+ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool"}
 
 
-def messages(record: dict) -> list:
+def messages(record: dict, where: str = "a record") -> list:
     """The record's conversation as [{role, content}, ...]; a malformed one is returned as it is,
     for masking.chat to refuse with the line."""
     turns = record["messages"] if "messages" in record else record["conversations"]
@@ -23,9 +26,11 @@ def messages(record: dict) -> list:
     system = record.get("system")
     if "messages" not in record and isinstance(system, str) and system:
         out.append({"role": "system", "content": system})
-    for turn in turns:
+    for k, turn in enumerate(turns):
         if isinstance(turn, dict) and "from" in turn and "role" not in turn:
             turn = {"role": turn["from"], "content": turn.get("value")}
+        if isinstance(turn, dict) and turn.get("role") == "function_call":
+            turn = tools.call_turn(turn.get("content"), where, k)
         if isinstance(turn, dict) and turn.get("role") in ROLES:
             turn = {**turn, "role": ROLES[turn["role"]]}
         out.append(turn)

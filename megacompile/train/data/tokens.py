@@ -29,7 +29,7 @@ from . import entries
 from .encoding import Document, document, encode  # noqa: F401 - tokens.encode: one record's tokens
 from .reading import records
 
-CACHE_FORMAT = "megacompile-tokens/2"     # 2: where each data entry's tokens start
+CACHE_FORMAT = "megacompile-tokens/3"     # 2: where each data entry's tokens start; 3: tool calls (tools.py)
 
 
 class ByteTokenizer:
