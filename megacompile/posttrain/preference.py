@@ -29,18 +29,18 @@ def read_pairs(path: str | Path, tokenizer) -> list[Pair]:
     return [to_pair(record, tokenizer, where) for where, record in read_records(path)]
 
 
-def to_pair(record: dict, tokenizer, where: str = "a preference record") -> Pair:
+def to_pair(record: dict, tokenizer, where: str = "a preference record", template_kwargs: dict | None = None) -> Pair:
     """A TRL preference record's tokens, as TRL's DPOTrainer makes them: the completions are the
     tokens of prompt + completion after the prompt's own tokens. Text: the completions end with the
     tokenizer's eos (added unless the text ends with it), the prompt tokenised with the tokenizer's
     special tokens. Messages: rendered by the chat template, the prompt with the generation prompt,
-    no eos added (the template ends the turn). stage dpo reads LlamaFactory's ranking layouts into
-    TRL's first (train/data/ranking.py)."""
+    no eos added (the template ends the turn), `template_kwargs` handed to the template. stage dpo
+    reads LlamaFactory's ranking layouts into TRL's first (train/data/ranking.py)."""
     record = trl_record(record, where)
     prompt = record["prompt"]
     if isinstance(prompt, list):
         render = lambda messages, **kw: tokenizer(tokenizer.apply_chat_template(  # noqa: E731
-            messages, tokenize=False, **kw), add_special_tokens=False)["input_ids"]
+            messages, tokenize=False, **(template_kwargs or {}), **kw), add_special_tokens=False)["input_ids"]
         prompt_ids = render(prompt, add_generation_prompt=True)
         completions = []
         for k in ("chosen", "rejected"):

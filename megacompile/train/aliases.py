@@ -50,6 +50,13 @@ def _loss_only(key: str) -> Callable[[Any], Any]:
     return convert
 
 
+def _thinking(value: Any) -> Any:
+    """LlamaFactory's enable_thinking: the chat template's own switch (Qwen3's, and others')."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"enable_thinking must be true or false; got {value!r}")
+    return {"enable_thinking": value}
+
+
 def _bf16(value: Any) -> Any:
     if not isinstance(value, bool):
         raise ArgumentError(f"bf16 must be true or false; got {value!r}")
@@ -124,6 +131,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "resume_from_checkpoint": ("resume", _resume),
     "assistant_only_loss": ("train_on_prompt", _loss_only("assistant_only_loss")),
     "completion_only_loss": ("train_on_prompt", _loss_only("completion_only_loss")),
+    "enable_thinking": ("chat_template_kwargs", _thinking),
 }
 
 # Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->

@@ -15,7 +15,7 @@ import torch
 
 from .. import arguments
 from . import aliases
-from .data import entries
+from .data import entries, tools
 from . import preemption
 from . import intervals
 from . import their_keys
@@ -50,6 +50,7 @@ class RunConfig:
     eval: list = field(default_factory=list)
     eval_fraction: float = 0.0
     train_on_prompt: bool = False
+    chat_template_kwargs: dict | None = None    # handed to the chat template (data/tools.py)
     seq: int = 512
     packing: bool | str | None = None     # unset: text packed, supervised records one a row (placement.py)
     global_batch: int | None = None
@@ -281,6 +282,9 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         c.max_samples = _int("max_samples", c.max_samples)
         for entry in c.data + c.eval:
             entry["limit"] = c.max_samples
+    c.chat_template_kwargs = tools.checked_kwargs(c.chat_template_kwargs, "chat_template_kwargs") or None
+    for entry in c.data + c.eval:       # laid under each record's own as the data is read
+        entry["chat_template_kwargs"] = c.chat_template_kwargs
     c.eval_fraction = _number("eval_fraction", c.eval_fraction, 0.0, below=1.0)
     if c.eval and c.eval_fraction:
         raise ArgumentError("eval and eval_fraction both choose the held-out data: give one of them")

@@ -14,7 +14,7 @@ from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
 from megacompile.train.stages.grpo import GRPOStage
 from tests.posttrain import stage_files, trl_rewards
-from tests.train import files
+from tests.train import files, tool_files
 
 TRL_TEXT = [{"prompt": "the cat sat", "answer": "on", "level": 1}]
 TRL_CHAT = [{"prompt": [{"role": "system", "content": "we like to read books"},
@@ -88,6 +88,16 @@ def test_prompts_and_reward_columns_are_read_from_each_layout(work, tmp_path, so
     assert stage.prompts == [_ids(tok, prompt)] * 8         # the token ids the generator is handed
     for record in stage.records:
         assert {k: v for k, v in record.items() if k != "prompt"} == columns
+
+
+def test_chat_template_kwargs_render_the_prompts_and_are_not_handed_to_the_rewards(work, tmp_path):
+    tok = tool_files.tokenizer()        # its template writes "brief" first when asked
+    prompt = "<|system|> we like to read books <|end|> <|user|> hello there <|end|> <|assistant|>"
+    for settings, first in (({"chat_template_kwargs": {"brief": True}}, ["brief"]), ({}, [])):
+        stage = GRPOStage(_config(work, tmp_path, reward_funcs=["format_check"], data=str(work["dir"] / "chat.jsonl"),
+                                  **settings), tok)
+        assert stage.prompts == [_ids(tok, " ".join(first + [prompt]))] * 8
+        assert all(set(r) == {"prompt", "answer"} for r in stage.records)
 
 
 def test_a_llamafactory_dataset_trains_under_grpo_its_answers_handed_to_the_rewards(work, tmp_path):

@@ -14,7 +14,7 @@ from megacompile.train import load
 from megacompile.train.data.ranking import preference
 from megacompile.train.stages.dpo import DPOStage
 from tests.posttrain import stage_files
-from tests.train import files
+from tests.train import files, tool_files
 
 SYSTEM, EARLIER, ANSWER = "we like to read books at night", "what is the time now", "it is late"
 QUESTION, INPUT, CHOSEN, REJECTED = "the cat sat", "on the mat", "a dog ran in the park", "rain fell on the old town"
@@ -74,10 +74,14 @@ def test_llamafactorys_ranking_layouts_are_read_as_trls_conversations():
         preference({"instruction": QUESTION, "output": CHOSEN}, "x:3")
     # tools are rendered into chats by stage sft only; a pair would be scored without them
     assert to_pair(preference({**sharegpt, "tools": ""}, "x:4"), tok) == expected      # an empty column
-    for more in ({"tools": '[{"name": "get_time"}]'}, {"chat_template_kwargs": {"enable_thinking": False}}):
-        with pytest.raises(ArgumentError, match="x:5: stage dpo renders its pairs without tools or "
-                                                "chat_template_kwargs, and this record gives them"):
-            preference({**sharegpt, **more}, "x:5")
+    with pytest.raises(ArgumentError, match="x:5: stage dpo renders its pairs without tools, and this record gives"):
+        preference({**sharegpt, "tools": '[{"name": "get_time"}]'}, "x:5")
+    # chat_template_kwargs reach the template: here one that writes "brief" first when asked
+    briefly = tool_files.tokenizer()
+    plain, brief = to_pair(preference(sharegpt, "x:6"), briefly), to_pair(preference(sharegpt, "x:6"), briefly,
+                                                                          "x:6", {"brief": True})
+    assert briefly.convert_ids_to_tokens(brief.prompt[:1]) == ["brief"] and brief.prompt[1:] == plain.prompt
+    assert (brief.chosen, brief.rejected) == (plain.chosen, plain.rejected)
 
 
 def test_a_llamafactory_dpo_config_trains_on_its_ranking_datasets(work, tmp_path):

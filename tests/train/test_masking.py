@@ -61,3 +61,19 @@ def test_data_whose_loss_would_count_nothing_is_refused(tmp_path):
     assert not (tmp_path / "tokens" / "train.json").exists()     # no cache is left to be taken for one
     made = tokens.token_file(str(tmp_path / "tokens"), "train", [str(data)], files.tokenizer(), None, True)
     assert made.targets.all() and made.n_docs == 1
+
+
+def test_a_template_that_writes_nothing_of_a_turns_text_is_refused():
+    tok = files.tokenizer()
+    # LLaVA's templates read list contents only ([{type: text, text: ...}]) and write nothing of a string
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {% for part in m['content'] | selectattr('type', "
+                         "'equalto', 'text') %}{{ part['text'] }} {% endfor %}<|end|> {% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    with pytest.raises(ArgumentError, match="x:1: the chat template does not write turn 0 \\(role 'system'\\): the "
+                                            "template must write each turn's text as it is"):
+        tokens.encode(tok, {"messages": CHAT}, False, "x:1")
+    # the reasoning a template drops from a turn (Qwen3's, after </think>) is not looked for
+    tok.chat_template = files.TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'].split('</think>')[-1] }}")
+    thought = [*CHAT[:2], {"role": "assistant", "content": "<think> i am fine </think> it is late"}]
+    assert tokens.encode(tok, {"messages": thought}, False, "x:2") == tokens.encode(
+        tok, {"messages": [*CHAT[:2], {"role": "assistant", "content": " it is late"}]}, False, "x:2")

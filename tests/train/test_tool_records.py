@@ -56,7 +56,7 @@ def test_chat_template_kwargs_of_a_record_reach_the_template():
     assert marked[5] == ("brief", 0) and marked[:5] + marked[6:] == _marked(tok, tool_files.trl_record(0))
     with pytest.raises(ArgumentError, match="chat_template_kwargs sets add_generation_prompt, tools, which the "):
         _marked(tok, {**record, "chat_template_kwargs": {"tools": [], "add_generation_prompt": True}})
-    with pytest.raises(ArgumentError, match="tools.jsonl:1: chat_template_kwargs is an object"):
+    with pytest.raises(ArgumentError, match="tools.jsonl:1: chat_template_kwargs is a mapping"):
         _marked(tok, {**record, "chat_template_kwargs": "brief"})
 
 
@@ -152,3 +152,28 @@ def test_a_llamafactory_tool_dataset_trains_as_the_same_data_in_trls_layout(tmp_
              for r in log.read(str(tmp_path / name / "log.csv"))] for name in ("lf", "trl")]
     assert len(rows[0]) == 3 and rows[0] == rows[1]
     assert all(float(r["loss"]) > 0 for r in rows[0])
+
+
+def test_a_runs_chat_template_kwargs_lie_under_each_records_own(tmp_path):
+    """run.yaml's chat_template_kwargs (TRL's; LlamaFactory's enable_thinking is one of them) reach
+    every record's rendering, a record's own win, and the token files are keyed by them."""
+    from megacompile.train import load
+    from megacompile.train.data import reading
+    model = files.model_dir(str(tmp_path / "model"), tok=tool_files.tokenizer())
+    data = tmp_path / "calls.jsonl"
+    own = {**tool_files.trl_record(1), "chat_template_kwargs": {"brief": False}}
+    data.write_text(json.dumps(tool_files.trl_record(0)) + "\n" + json.dumps(own) + "\n")
+
+    def config(**settings):
+        return load(files.run_yaml(str(tmp_path / "run.yaml"), model=model, data=str(data), steps=1, **settings), [])
+    c = config(chat_template_kwargs={"brief": True})
+    read = [r for _, r in reading.records(c.data[0])]
+    assert [r["chat_template_kwargs"] for r in read] == [{"brief": True}, {"brief": False}]
+    tok = tool_files.tokenizer()
+    assert _marked(tok, read[0])[5] == ("brief", 0) and "brief" not in [w for w, _ in _marked(tok, read[1])]
+    assert tokens.fingerprint(c.data, model, False) != tokens.fingerprint(config().data, model, False)
+    assert config(enable_thinking=False).chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ArgumentError, match="chat_template_kwargs sets tools, which the rendering"):
+        config(chat_template_kwargs={"tools": []})
+    with pytest.raises(ArgumentError, match="enable_thinking must be true or false; got 'no thanks'"):
+        config(enable_thinking="no thanks")

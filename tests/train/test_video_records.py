@@ -93,8 +93,9 @@ def test_placeholders_that_do_not_number_the_videos_are_refused(tmp_path):
     media = grid_images.media(model)
     media.at(str(tmp_path / "data.jsonl"))
     two = {**RECORD, "videos": ["clips/a.mp4", "clips/a.mp4"]}
-    with pytest.raises(ArgumentError, match=r"data.jsonl:5: the turns hold 1 <video> placeholder and videos lists 2 "
-                                            r"files: each <video> stands for one video"):
+    with pytest.raises(ArgumentError, match=r"data.jsonl:5: the turns hold 1 <video> placeholder \(video parts "
+                                            r"counted\) and videos lists 2 files: each <video> \(or \{type: video\} "
+                                            r"part\) stands for one video"):
         media.messages(two["messages"], media.paths(two, "data.jsonl:5"), "data.jsonl:5")
 
 

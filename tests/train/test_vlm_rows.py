@@ -129,14 +129,22 @@ def test_smolvlm_without_torchvision_is_refused_with_what_to_install(tmp_path, m
 
 def test_a_template_that_drops_an_image_is_refused_naming_the_record(tmp_path):
     model = processor_files.folder(str(tmp_path / "model"), "gemma3")
-    with open(tmp_path / "model" / "chat_template.jinja", "w") as f:
-        f.write("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | replace('<start_of_image>', '') }}"
-                "<|end|>\n{% endfor %}")
-    data = processor_files.data(str(tmp_path / "data.jsonl"))
     media = Media(model)
     tokenizer = load_tokenizer(model)
-    tokenizer.chat_template = media.chat_template()
-    with pytest.raises(ArgumentError, match=r"data.jsonl:1: the chat template rendered 0 image tokens "
+    # a template that writes a string turn without its image token: the turn's text is not written
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | "
+                               "replace('<start_of_image>', '') }}<|end|>\n{% endfor %}")
+    data = processor_files.data(str(tmp_path / "data.jsonl"))
+    with pytest.raises(ArgumentError, match=r"data.jsonl:1: the chat template does not write turn 0 \(role 'user'\)"):
+        token_file(str(tmp_path / "tokens"), "train", [data], tokenizer, model, False, media)
+    # one that writes a turn's text parts and leaves its image parts out
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% for p in m['content'] %}"
+                               "{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}<|end|>\n{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " what colour is this"},
+                                          {"type": "image"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "red, then blue"}]}]
+    data = processor_files.data(str(tmp_path / "parts.jsonl"), [{**processor_files.RECORD, "messages": parts}])
+    with pytest.raises(ArgumentError, match=r"parts.jsonl:1: the chat template rendered 0 image tokens "
                                             r"\(<start_of_image>\) for 2 images"):
         token_file(str(tmp_path / "tokens"), "train", [data], tokenizer, model, False, media)
 

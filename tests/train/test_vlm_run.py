@@ -102,8 +102,8 @@ def test_bad_image_records_are_refused_naming_the_line_before_any_file_is_writte
                            {"role": "assistant", "content": "red"}]}]
     for records, message in (
             (missing, r"bad.jsonl:3: image images/gone.png is not there"),
-            (two, r"bad.jsonl:2: the turns hold 1 <image> placeholder and images lists 2 files"),
-            (stray, r"bad.jsonl:1: the turns hold 1 <image> placeholder and images lists 0 files")):
+            (two, r"bad.jsonl:2: the turns hold 1 <image> placeholder \(image parts counted\) and images lists 2 files"),
+            (stray, r"bad.jsonl:1: the turns hold 1 <image> placeholder \(image parts counted\) and images lists 0 files")):
         data = _write(str(tmp_path / "bad.jsonl"), records)
         config = files.run_yaml(str(tmp_path / "run.yaml"), model="model", data=data, seq=48, steps=1,
                                 device="cpu", run_dir="run")

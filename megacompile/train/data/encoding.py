@@ -1,5 +1,6 @@
 """One record's tokens and targets (the loss mask, masking.py), in whichever layout it comes
-(text, chat messages, ShareGPT, Alpaca, prompt/completion; chats with tool calls: tools.py), with
+(text, chat messages, ShareGPT, Alpaca, prompt/completion; chats with tool calls: tools.py; turns
+of content parts: parts.py), with
 the tokenizer's EOS closing it; a supervised record longer than the row is truncated as
 LlamaFactory truncates it (cutoff.py).
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import ArgumentError
-from . import alpaca, images, masking, sharegpt, tools
+from . import alpaca, images, masking, parts, sharegpt, tools
 from . import cutoff as cutoff_len
 
 
@@ -46,7 +47,7 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
                             "vision-language model saved with its processor, and streaming: false")
     answers = None          # [start, end) of each answer; None: plain text
     if "messages" in record or "conversations" in record:
-        messages = sharegpt.messages(record, where)
+        messages = parts.read(sharegpt.messages(record, where), media is not None, where)
         listed, options = tools.tools(record, where), tools.template_kwargs(record, where)
         if paths and (listed or options):
             raise ArgumentError(f"{where}: a record with images or videos is rendered without tools or "

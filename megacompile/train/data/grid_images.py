@@ -115,7 +115,8 @@ class GridMedia(Media):
         if len(rendered) != len(clips):
             raise ArgumentError(f"{where}: the chat template rendered {len(rendered)} video token"
                                 f"{'s' * (len(rendered) != 1)} for {len(clips)} video{'s' * (len(clips) != 1)}: "
-                                "the template must write each turn's text as it is (string contents)")
+                                "the template must write each turn's text as it is (string contents), and a video "
+                                "part as that token")
         text = (tokenizer or self.tokenizer).apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         row = self.videos.row(text, [self._open(p, where) for p in images], clips, where)
         media = set(rendered) | {i for i, t in enumerate(ids) if t == self.token_id}

@@ -40,6 +40,7 @@ from difflib import SequenceMatcher
 from functools import lru_cache
 
 from ...errors import ArgumentError
+from . import embedded, parts
 
 PLACEHOLDER = "<image>"     # what LLaVA's and LlamaFactory's records write for an image
 VIDEO = "<video>"           # and for a video (videos.py)
@@ -119,6 +120,7 @@ class Media:
         self.video_settings = None      # how videos are read (videos.Settings), for a processor that takes them
         self.written_id = self.token_id
         self.base = "."         # the folder the current data entry's image paths are relative to
+        self.embedded = None    # where images held inside records are written (keep_embedded_in)
         self.limits = None      # pixels.Limits the images are read within (pixels.attach), or none
         self._widths: dict[str, int] = {}
         self._pixels = lru_cache(maxsize=4096)(self._load_pixels)
@@ -154,14 +156,22 @@ class Media:
                                 "Qwen2.5-VL and Qwen3-VL; give the video's frames as images, or leave the record out")
         return images + [{"video": p} for p in clips]
 
+    def keep_embedded_in(self, folder: str) -> None:
+        """Images a record holds inside it (a table's Image column) are written to this folder
+        (embedded.py), and read from there like any image file."""
+        self.embedded = folder
+
     def _files(self, record: dict, key: str, where: str) -> list[str]:
         found = record.get(key)
         if found is None:
             return []
         kind = key[:-1]
+        if key == "images" and isinstance(found, list):
+            found = [embedded.path(p, self.embedded, where) for p in found]
         if not isinstance(found, list) or not all(isinstance(p, str) and p for p in found):
-            raise ArgumentError(f"{where}: {key} must be a list of {kind} file paths (relative to the data file); "
-                                f"got {found!r}")
+            raise ArgumentError(f"{where}: {key} must be a list of {kind} file paths (relative to the data file)"
+                                + (", or of images held in the table (an Image column)" if kind == "image" else "")
+                                + f"; got {str(found)[:200]}")
         out = []
         for p in found:
             path = os.path.abspath(os.path.join(self.base, p))
@@ -184,11 +194,13 @@ class Media:
         written = {}
         for placeholder, kind, files, token in ((PLACEHOLDER, "image", images_of(paths), self.written),
                                                 (VIDEO, "video", videos_of(paths), self.written_video)):
-            count = sum(t.count(placeholder) for t in texts if isinstance(t, str))
+            count = sum(t.count(placeholder) if isinstance(t, str) else parts.count(t, kind) if parts.is_parts(t)
+                        else 0 for t in texts)
             if count != len(files):
                 raise ArgumentError(f"{where}: the turns hold {count} {placeholder} placeholder{'s' * (count != 1)} "
-                                    f"and {kind}s lists {len(files)} file{'s' * (len(files) != 1)}: each "
-                                    f"{placeholder} stands for one {kind}, in order; make them agree")
+                                    f"({kind} parts counted) and {kind}s lists {len(files)} "
+                                    f"file{'s' * (len(files) != 1)}: each {placeholder} (or {{type: {kind}}} part) "
+                                    f"stands for one {kind}, in order; make them agree")
             if count and token != placeholder:
                 written[placeholder] = token
         if not written:
@@ -202,7 +214,8 @@ class Media:
         if len(at) != len(paths):
             raise ArgumentError(f"{where}: the chat template rendered {len(at)} image token{'s' * (len(at) != 1)} "
                                 f"({self.written}) for {len(paths)} image{'s' * (len(paths) != 1)}: the template "
-                                "must write each turn's text as it is (string contents)")
+                                "must write each turn's text as it is (string contents), and an image part as that "
+                                "token")
         return at
 
     def widen(self, ids: list[int], targets: list[bool], paths: list[str], where: str, tokenizer=None,

@@ -11,6 +11,7 @@ a tool's answer is not (tools.py).
 from __future__ import annotations
 
 from ...errors import ArgumentError
+from . import parts
 from .tools import calls as call_names
 from .tools import names as tool_names
 
@@ -38,7 +39,7 @@ def _is_turn(m) -> bool:
         return False
     if m.get("tool_calls"):     # a call may come without text (content null or left out)
         return m.get("content") is None or isinstance(m.get("content"), str)
-    return isinstance(m.get("content"), str)
+    return isinstance(m.get("content"), str) or parts.is_parts(m.get("content"))   # parts: a vision model's
 
 
 def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: list | None = None,
@@ -46,7 +47,7 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     """Tokens of a conversation, its target mask (assistant turns only, unless train_on_prompt)
     and where each assistant turn lies ([start, end) token spans, in order: cutoff.py). `tools`
     and `template_kwargs` go to the chat template (tools.py); a template that leaves out a tool,
-    a call or a tool's answer is refused rather than trained on a conversation it dropped."""
+    a call or a turn's text is refused rather than trained on a conversation it dropped."""
     if not isinstance(messages, list) or not messages or not all(_is_turn(m) for m in messages):
         raise ArgumentError(f"{where}: messages must be a non-empty list of {{role, content}} objects with string "
                             "values (ShareGPT's conversations: {from, value}; an assistant turn with tool_calls may "
@@ -63,11 +64,13 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
         raise ArgumentError(f"{where}: the chat template does not write the record's tools ({', '.join(missing)}) "
                             "into the conversation: give a tokenizer whose chat template renders tools (its "
                             "apply_chat_template(tools=...)), or leave tools out")
+    _check_texts(text, messages, where)
     ids = _encode(tokenizer, text, special=False)
     targets = [train_on_prompt] * len(ids)
     answers = []
     for k, message in enumerate(messages):
-        _check_written(tokenizer, messages, k, called[k], options, where)
+        if called[k]:
+            _check_calls(tokenizer, messages, k, called[k], options, where)
         if message["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:k], True, options, where) if k else []
@@ -83,14 +86,9 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     return ids, targets, answers
 
 
-def _check_written(tokenizer, messages: list, k: int, called: list[str], options: dict, where: str) -> None:
-    """A turn the template would drop without a word: a call (its function's name) or a turn of
-    a role other than system, user and assistant (a tool's answer: its text), looked for in what
-    the template writes for that turn."""
-    message = messages[k]
-    if not called and message["role"] in ("system", "user", "assistant"):
-        return
-    before = _text(tokenizer, messages[:k], message["role"] == "assistant", options, where) if k else ""
+def _check_calls(tokenizer, messages: list, k: int, called: list[str], options: dict, where: str) -> None:
+    """Each call of turn k (its function's name) in what the template writes for that turn."""
+    before = _text(tokenizer, messages[:k], True, options, where) if k else ""
     through = _text(tokenizer, messages[:k + 1], False, options, where)
     written = through[len(before):] if through.startswith(before) else through
     lost = [n for n in called if n not in written]
@@ -98,12 +96,29 @@ def _check_written(tokenizer, messages: list, k: int, called: list[str], options
         raise ArgumentError(f"{where}: the chat template does not write turn {k}'s tool call{'s' * (len(lost) > 1)} "
                             f"({', '.join(lost)}): give a tokenizer whose chat template renders tool_calls, or leave "
                             "the calls out")
-    if not called and message["content"].strip() and message["content"].strip() not in written:
-        raise ArgumentError(f"{where}: the chat template does not write turn {k} (role {message['role']!r}): "
-                            + ("give a tokenizer whose chat template renders tool answers (role tool)"
-                               if message["role"] == "tool" else
-                               "its roles are system, user, assistant and tool (ShareGPT's human, gpt, "
-                               "function_call, observation); map the file's own with tags"))
+
+
+def _check_texts(text: str, messages: list, where: str) -> None:
+    """Each turn's text in the rendered conversation: a template leaves out, without a word, the
+    roles it does not know, and contents of a kind it does not read. The reasoning before a
+    `</think>` is left out of the search (Qwen3's and DeepSeek-R1's templates drop it from earlier
+    turns)."""
+    for k, message in enumerate(messages):
+        content = message["content"]
+        looks = [t.strip() for t in (parts.texts(content) if parts.is_parts(content) else [content])]
+        looks = [t.rsplit("</think>", 1)[1].strip() if "</think>" in t else t for t in looks]
+        if all(not t or t in text for t in looks):
+            continue
+        role = message["role"]
+        if role == "tool":
+            hint = "give a tokenizer whose chat template renders tool answers (role tool)"
+        elif role in ("system", "user", "assistant"):
+            hint = ("the template must write each turn's text as it is, and this one changes it or leaves it out "
+                    "(one that reads only list contents, [{type: text, text: ...}], writes nothing of a string)")
+        else:
+            hint = ("its roles are system, user, assistant and tool (ShareGPT's human, gpt, function_call, "
+                    "observation); map the file's own with tags")
+        raise ArgumentError(f"{where}: the chat template does not write turn {k} (role {role!r}): {hint}")
 
 
 def prompt_completion(tokenizer, prompt: str, completion: str,

@@ -21,8 +21,9 @@ from .entries import COLUMNS
 
 LAYOUTS = ("TRL's {prompt, ...} (text or messages), or LlamaFactory's alpaca {instruction, input, ...} or "
            "sharegpt {conversations, ...}")
-# Columns TRL keeps from the reward functions: they are the rollout's own.
-NOT_HANDED = ("prompt", "completion", "completion_ids")
+# Columns TRL keeps from the reward functions: they are the rollout's own (chat_template_kwargs
+# is the prompt's rendering: data/tools.py).
+NOT_HANDED = ("prompt", "completion", "completion_ids", "chat_template_kwargs")
 
 
 def file_names(entry: dict) -> dict[str, str]:

@@ -30,9 +30,9 @@ def preference(record: dict, where: str) -> dict:
     if "chosen" not in record and "rejected" not in record and "prompt" not in record:
         raise ArgumentError(f"{where}: a preference record is {LAYOUTS}; this one has "
                             f"{', '.join(sorted(record)) or 'no keys'}")
-    if tools.tools(record, where) or tools.template_kwargs(record, where):
-        raise ArgumentError(f"{where}: stage dpo renders its pairs without tools or chat_template_kwargs, and this "
-                            "record gives them; train tool use with stage sft (its chats read both)")
+    if tools.tools(record, where):
+        raise ArgumentError(f"{where}: stage dpo renders its pairs without tools, and this record gives them; train "
+                            "tool use with stage sft (its chats read them)")
     if "instruction" in record:
         _both(record, where, "alpaca")
         answers = [record["chosen"], record["rejected"]]

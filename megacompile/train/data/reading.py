@@ -13,7 +13,8 @@ are renamed to the ones the record formats use as the entry's `columns` and `tag
 An entry's `num_samples` (LlamaFactory's dataset_info.json key) draws that many records, as
 LlamaFactory does: every record once in a random order, as many as are asked for, and past the
 file's size more drawn at random with replacement; the draw is chosen by the run's seed. Then
-`limit` (max_samples) keeps the first records of what was drawn.
+`limit` (max_samples) keeps the first records of what was drawn. An entry's
+`chat_template_kwargs` (run.yaml's) are laid under each record's own.
 """
 from __future__ import annotations
 
@@ -47,7 +48,15 @@ def records(entry: dict, readers: dict | None = None) -> Iterator[tuple[str, dic
     for n, (where, record) in enumerate(rows):
         if limit is not None and n >= limit:
             return
-        yield where, rename(record)
+        yield where, _with_template_kwargs(rename(record), entry.get("chat_template_kwargs"))
+
+
+def _with_template_kwargs(record: dict, run: dict | None) -> dict:
+    """The run's chat_template_kwargs laid under the record's own (TRL's column), which win."""
+    own = record.get("chat_template_kwargs")
+    if not run or not (own is None or isinstance(own, dict)):
+        return record       # a malformed column is refused where it is read (tools.py)
+    return {**record, "chat_template_kwargs": {**run, **(own or {})}}
 
 
 def _drawn(rows: list, count: int, seed: int) -> list:

@@ -88,7 +88,8 @@ def _stat(path: str) -> list[dict]:
 
 
 def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None) -> dict:
-    files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit")},
+    files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit",
+                                                                "chat_template_kwargs")},
               **({"num_samples": e["num_samples"], "seed": e.get("seed", 0)} if e.get("num_samples") else {})}
              for e in items]
     tokenizer = {}
@@ -134,6 +135,8 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
     paths = as_entries(paths)
     sources = _sources(paths, tokenizer_dir, train_on_prompt, cutoff)
     if media is not None:
+        # images held inside records, written out once beside the token files (embedded.py)
+        media.keep_embedded_in(os.path.join(os.path.dirname(os.path.abspath(folder)), "images"))
         sources["image_rows"] = images.ROWS     # how a record with images is written (images.py)
         limits = media.limits
         if limits is not None and limits.given:     # image_max_pixels / image_min_pixels change the widths

@@ -64,17 +64,21 @@ def names(listed: list[dict] | None) -> list[str]:
 
 
 def template_kwargs(record: dict, where: str) -> dict:
-    """TRL's per-record chat_template_kwargs (enable_thinking, say), checked."""
-    value = record.get("chat_template_kwargs")
+    """TRL's per-record chat_template_kwargs (enable_thinking, say), checked; a run's own
+    (run.yaml's chat_template_kwargs) are laid under them as the data is read (reading.py)."""
+    return checked_kwargs(record.get("chat_template_kwargs"), f"{where}: chat_template_kwargs")
+
+
+def checked_kwargs(value: Any, what: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ArgumentError(f"{where}: chat_template_kwargs is an object of the chat template's own settings "
-                            f"(enable_thinking: false, say); got {_short(value)}")
+        raise ArgumentError(f"{what} is a mapping of the chat template's own settings (enable_thinking: false, "
+                            f"say); got {_short(value)}")
     taken = sorted(set(value) & set(RENDER_KEYS))
     if taken:
-        raise ArgumentError(f"{where}: chat_template_kwargs sets {', '.join(taken)}, which the rendering of the loss "
-                            "mask sets itself; give tools as the record's tools, and leave the others out")
+        raise ArgumentError(f"{what} sets {', '.join(taken)}, which the rendering of the loss mask sets itself; "
+                            "give tools as the records' tools, and leave the others out")
     return dict(value)
 
 

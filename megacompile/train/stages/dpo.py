@@ -21,6 +21,7 @@ from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
 from ...posttrain import Pair, pack, preference_metrics, to_pair
 from .. import intervals
+from ..data import tools
 from ..data.ranking import preference
 from ..data.reading import records
 from ..data.tokens import fingerprint
@@ -76,7 +77,7 @@ class DPOStage(Stage):
         pairs = []
         for entry in entries:
             for where, record in records(entry):
-                pair = to_pair(preference(record, where), tokenizer, where)
+                pair = to_pair(preference(record, where), tokenizer, where, tools.template_kwargs(record, where))
                 if len(pair.prompt) > self.c.seq:
                     raise ArgumentError(f"{where}: the prompt is {len(pair.prompt)} tokens, which leaves no room for "
                                         f"its completions in rows of seq {self.c.seq}: raise seq (max_length) or "

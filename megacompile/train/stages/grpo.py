@@ -40,6 +40,7 @@ from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, Trai
                           rollout_batch, sampled_logps, sampling_correction, sampling_ratio, truncated)
 from . import rollouts
 from .. import intervals
+from ..data import tools
 from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
@@ -109,7 +110,8 @@ class GRPOStage(Stage):
             record = prompt_record(raw, where, names)
             prompt = record["prompt"]
             if isinstance(prompt, list):
-                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                          **tools.template_kwargs(raw, where))
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             else:
                 ids = self.tokenizer(prompt)["input_ids"]
