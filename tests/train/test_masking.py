@@ -77,3 +77,20 @@ def test_a_template_that_writes_nothing_of_a_turns_text_is_refused():
     thought = [*CHAT[:2], {"role": "assistant", "content": "<think> i am fine </think> it is late"}]
     assert tokens.encode(tok, {"messages": thought}, False, "x:2") == tokens.encode(
         tok, {"messages": [*CHAT[:2], {"role": "assistant", "content": " it is late"}]}, False, "x:2")
+
+
+def test_trls_conversational_prompt_completion_trains_the_completion_alone():
+    tok = files.tokenizer()
+    record = {"prompt": CHAT[:4], "completion": CHAT[4:]}      # an earlier answer in the prompt: not trained
+    ids, targets = tokens.encode(tok, record, False, "x:1")
+    whole_ids, whole = tokens.encode(tok, {"messages": CHAT}, False, "x:1")
+    assert ids == whole_ids
+    last = _words(tok, ids).index("<|assistant|>", 12)      # the completion's turn
+    assert [bool(t) for t in targets] == [bool(t) and i > last for i, t in enumerate(whole)]
+    assert sum(targets) == 5 and sum(whole) == 9          # "it is late <|end|>" and the EOS; "i am fine <|end|>" too
+    assert all(tokens.encode(tok, record, True, "x:1")[1])
+    with pytest.raises(ArgumentError, match="x:2: a prompt/completion record needs both, as strings or both as lists "
+                                            "of messages"):
+        tokens.encode(tok, {"prompt": CHAT[:4], "completion": "it is late"}, False, "x:2")
+    with pytest.raises(ArgumentError, match="x:3: the completion holds no assistant turn"):
+        tokens.encode(tok, {"prompt": CHAT[:3], "completion": [CHAT[3]]}, False, "x:3")

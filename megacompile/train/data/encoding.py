@@ -63,10 +63,20 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
     elif alpaca.is_alpaca(record):
         ids, targets, answers = masking.chat(tokenizer, alpaca.messages(record, where), train_on_prompt, where)
     elif "prompt" in record or "completion" in record:
-        if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
-            raise ArgumentError(f"{where}: a prompt/completion record needs both, as strings")
-        ids, targets, answers = masking.prompt_completion(tokenizer, record["prompt"], record["completion"],
-                                                          train_on_prompt)
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if isinstance(prompt, list) and isinstance(completion, list):     # TRL's conversational layout
+            messages = parts.read(sharegpt.messages({"messages": prompt + completion}, where), False, where)
+            ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt, where,
+                                                 tools.tools(record, where), tools.template_kwargs(record, where),
+                                                 first=len(prompt))
+            if not answers:
+                raise ArgumentError(f"{where}: the completion holds no assistant turn; give the answer as "
+                                    '[{"role": "assistant", "content": ...}]')
+        elif not (isinstance(prompt, str) and isinstance(completion, str)):
+            raise ArgumentError(f"{where}: a prompt/completion record needs both, as strings or both as lists of "
+                                "messages (TRL's conversational layout)")
+        else:
+            ids, targets, answers = masking.prompt_completion(tokenizer, prompt, completion, train_on_prompt)
     elif isinstance(record.get("text"), str):
         ids, targets = masking.text(tokenizer, record["text"])
     else:

@@ -43,11 +43,13 @@ def _is_turn(m) -> bool:
 
 
 def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: list | None = None,
-         template_kwargs: dict | None = None) -> tuple[list[int], list[bool], list]:
+         template_kwargs: dict | None = None, first: int = 0) -> tuple[list[int], list[bool], list]:
     """Tokens of a conversation, its target mask (assistant turns only, unless train_on_prompt)
     and where each assistant turn lies ([start, end) token spans, in order: cutoff.py). `tools`
     and `template_kwargs` go to the chat template (tools.py); a template that leaves out a tool,
-    a call or a turn's text is refused rather than trained on a conversation it dropped."""
+    a call or a turn's text is refused rather than trained on a conversation it dropped. `first`:
+    the turns before it are a prompt (TRL's conversational prompt/completion), its assistant
+    turns not answers."""
     if not isinstance(messages, list) or not messages or not all(_is_turn(m) for m in messages):
         raise ArgumentError(f"{where}: messages must be a non-empty list of {{role, content}} objects with string "
                             "values (ShareGPT's conversations: {from, value}; an assistant turn with tool_calls may "
@@ -71,7 +73,7 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     for k, message in enumerate(messages):
         if called[k]:
             _check_calls(tokenizer, messages, k, called[k], options, where)
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or k < first:
             continue
         before = _render(tokenizer, messages[:k], True, options, where) if k else []
         through = _render(tokenizer, messages[:k + 1], False, options, where)
