@@ -114,3 +114,31 @@ def test_an_image_held_in_a_record_needs_the_runs_folder_and_a_path_only_item_is
                                             "images held in the table"):
         token_file(str(tmp_path / "tokens"), "train", [data], load_tokenizer(model), model, False,
                    grid_images.media(model))
+
+
+def test_unmarked_images_go_first_in_the_first_user_turn_as_trl_lays_them_out(tmp_path):
+    """TRL's string conversations with an images (or one image) column and no placeholder: the same
+    document as the parts TRL's prepare_multimodal_messages makes of them."""
+    model = processor_files.folder(str(tmp_path / "model"), "llava")
+    media = grid_images.media(model)
+    tokenizer = load_tokenizer(model)
+    tokenizer.chat_template = _template(media.written)
+    red, blue = processor_files.RECORD["images"]
+    strings = [{"role": "user", "content": " what colour is this"}, {"role": "assistant", "content": "red, then blue"}]
+
+    def laid_out(n):
+        return [{"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": " what colour is this"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "red, then blue"}]}]
+    made = {}
+    for name, record in (("trl", {"messages": strings, "images": [red, blue]}),
+                         ("parts", {"messages": laid_out(2), "images": [red, blue]}),
+                         ("one", {"messages": strings, "image": red}),
+                         ("one-parts", {"messages": laid_out(1), "images": [red]})):
+        data = processor_files.data(str(tmp_path / f"{name}.jsonl"), [record])
+        found = token_file(str(tmp_path / name), "train", [data], tokenizer, model, False, media)
+        made[name] = (np.asarray(found.ids).tolist(), np.asarray(found.targets).tolist(), found.images[0][1])
+    assert made["trl"] == made["parts"] and made["one"] == made["one-parts"] and made["one"] != made["trl"]
+    data = processor_files.data(str(tmp_path / "nouser.jsonl"), [{"messages": strings[1:], "images": [red]}])
+    with pytest.raises(ArgumentError, match="nouser.jsonl:1: the record has images, no <image> placeholder marks "
+                                            "where they go, and no user turn"):
+        token_file(str(tmp_path / "nouser"), "train", [data], tokenizer, model, False, media)

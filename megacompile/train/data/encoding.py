@@ -40,8 +40,8 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
     record is never truncated: a row too short for it is refused); without it a record with
     images is refused."""
     paths = media.paths(record, where) if media is not None else []
-    if media is None and (record.get("images") or record.get("videos")):
-        kind = "images" if record.get("images") else "videos"
+    if media is None and images.held(record):
+        kind = "videos" if record.get("videos") else "images"
         raise ArgumentError(f"{where}: the record has {kind}, and they are read only with the model folder's "
                             f"processor ({' or '.join(images.PROCESSOR_FILES)}) into a token file: give a "
                             "vision-language model saved with its processor, and streaming: false")

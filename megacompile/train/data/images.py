@@ -148,6 +148,8 @@ class Media:
     def paths(self, record: dict, where: str) -> list:
         """The record's media, checked: its image files (absolute paths that exist), then its videos
         ({"video": path}; a processor that takes videos only: videos_within)."""
+        if "images" not in record and record.get("image") is not None:     # TRL's one-image column
+            record = {**record, "images": [record["image"]]}
         images = self._files(record, "images", where)
         clips = self._files(record, "videos", where)
         if clips and self.video_settings is None:
@@ -187,9 +189,11 @@ class Media:
 
     def messages(self, messages: list, paths: list, where: str) -> list:
         """The turns with each `<image>` (`<video>`) written as the processor's image (video) token,
-        after checking that the placeholders number the images (videos)."""
+        after checking that the placeholders number the images (videos); a conversation that marks
+        none of its images is laid out as TRL lays it out (parts.images_first)."""
         if not isinstance(messages, list):
             return messages         # masking.chat refuses it with the line
+        messages = parts.images_first(messages, len(images_of(paths)), PLACEHOLDER, where)
         texts = [m.get("content") for m in messages if isinstance(m, dict)]
         written = {}
         for placeholder, kind, files, token in ((PLACEHOLDER, "image", images_of(paths), self.written),
@@ -326,6 +330,11 @@ def _padded(rows: list[list[str]], load) -> dict:
             mask[r, k:k + n, :ph, :pw] = m[0] if m is not None else 1
             k += n
     return {"pixel_values": pixels, "pixel_attention_mask": mask}
+
+
+def held(record: dict) -> bool:
+    """Whether a record brings images or videos (`images`, TRL's `image`, `videos`)."""
+    return bool(record.get("images") or record.get("videos") or record.get("image") is not None)
 
 
 def images_of(items: list) -> list[str]:

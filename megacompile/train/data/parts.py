@@ -10,7 +10,10 @@ as an `<image>` placeholder does in a string (images.py). For a vision-language 
 to the chat template as they are: a processor's template reads them natively (LLaVA's reads
 nothing else), and writes each image as the processor's image token, which images.py counts. A
 text model's template takes strings: a turn of text parts alone is read as their texts joined,
-as the vision templates join them (nothing between).
+as the vision templates join them (nothing between). A conversation of strings whose record has
+images and marks none of them (no placeholder, no image part) is laid out as TRL's
+prepare_multimodal_messages lays it out: every turn made parts, the images first in the first
+user turn.
 """
 from __future__ import annotations
 
@@ -64,3 +67,22 @@ def read(messages: Any, vision: bool, where: str) -> Any:
                 m = {**m, "content": "".join(texts(m["content"]))}
         out.append(m)
     return out
+
+
+def images_first(messages: list, images: int, placeholder: str, where: str) -> list:
+    """TRL's layout of a conversation that marks none of its `images`; one that marks any, or
+    has none, as it is (the count is checked where the placeholders are read)."""
+    if not images or not all(isinstance(m, dict) for m in messages):
+        return messages
+    contents = [m.get("content") for m in messages]
+    if any(placeholder in c if isinstance(c, str) else is_parts(c) for c in contents):
+        return messages
+    if not all(isinstance(c, str) for c in contents):
+        return messages         # masking.chat refuses it with the line
+    users = [k for k, m in enumerate(messages) if m.get("role") == "user"]
+    if not users:
+        raise ArgumentError(f"{where}: the record has images, no {placeholder} placeholder marks where they go, and "
+                            "no user turn to put them in (TRL puts them first in the first one); mark them")
+    return [{**m, "content": [{"type": "image"}] * (images if k == users[0] else 0)
+             + ([{"type": "text", "text": m["content"]}] if m["content"] else [])}
+            for k, m in enumerate(messages)]

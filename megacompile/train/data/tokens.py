@@ -272,7 +272,7 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                                     (tgt_f, np.asarray(targets, dtype=np.uint8).tobytes())):
                         f.write(data)
                         content.update(data)
-                    if media is not None and (record.get("images") or record.get("videos")):
+                    if media is not None and images.held(record):
                         pictures.append([len(offsets) - 1, where, media.paths(record, where)])
                     marked.append(made.record)
                     if made.cut:
