@@ -50,7 +50,9 @@ class RunConfig:
     eval: list = field(default_factory=list)
     eval_fraction: float = 0.0
     train_on_prompt: bool = False
+    mask_history: bool = False      # LlamaFactory's: the last answer of a conversation alone trains
     chat_template_kwargs: dict | None = None    # handed to the chat template (data/tools.py)
+    dataset_text_field: str | None = None       # TRL's: the column text records are read from
     seq: int = 512
     packing: bool | str | None = None     # unset: text packed, supervised records one a row (placement.py)
     global_batch: int | None = None
@@ -282,6 +284,11 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         c.max_samples = _int("max_samples", c.max_samples)
         for entry in c.data + c.eval:
             entry["limit"] = c.max_samples
+    if c.dataset_text_field is not None:      # renames that column to `text`, as an entry's columns do
+        c.dataset_text_field = _text("dataset_text_field", c.dataset_text_field)
+        for entry in c.data + c.eval:
+            if entry["path"] != BUNDLED:
+                entry["columns"] = {"text": c.dataset_text_field, **entry["columns"]}
     c.chat_template_kwargs = tools.checked_kwargs(c.chat_template_kwargs, "chat_template_kwargs") or None
     for entry in c.data + c.eval:       # laid under each record's own as the data is read
         entry["chat_template_kwargs"] = c.chat_template_kwargs
@@ -289,6 +296,9 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.eval and c.eval_fraction:
         raise ArgumentError("eval and eval_fraction both choose the held-out data: give one of them")
     c.train_on_prompt = _flag("train_on_prompt", c.train_on_prompt)
+    c.mask_history = _flag("mask_history", c.mask_history)
+    for entry in c.data + c.eval:       # read where each record is tokenised (tokens.py, streaming.py)
+        entry["mask_history"] = c.mask_history or None
     c.streaming = _flag("streaming", c.streaming)
     if c.streaming and c.eval_fraction:
         raise ArgumentError("streaming reads the data once, in order, and cannot hold out a fraction of it: give "

@@ -18,11 +18,9 @@ NOT_TAKEN = {
     "dataset_config": f"give the data files as data: ({_LOCAL})",
     "dataset_train_split": "give the training files as data: and the held-out ones as eval: (or eval_fraction)",
     "dataset_test_split": "give the held-out files as eval: (or eval_fraction)",
-    "dataset_text_field": "text records are read from their `text` key (docs/training.md, record layouts)",
     "dataset_num_proc": "the data is tokenised once, into the run folder's token files (tokens/), reused on resume",
     "dataset_kwargs": "the record layout is found from the records' keys (docs/training.md, record layouts)",
     "tokenized_path": "token files are kept in the run folder (tokens/) and reused by a resumed run",
-    "mask_history": "not supported: the loss counts every assistant turn (train_on_prompt: true counts every token)",
     "disable_shuffling": "the document and row order are set by seed",
     # packing
     "neat_packing": "packing: isolated (packed documents do not attend to each other, position ids restart)",

@@ -67,6 +67,39 @@ def test_a_conversation_stops_adding_turns_when_the_budget_is_spent():
     assert cutoff.truncate(list(range(60)), [False] * 60, three, 30)[0] == kept     # the third turn is dropped
 
 
+def test_mask_history_grants_the_budget_from_the_last_turn_back():
+    # LlamaFactory's mask_history: the pairs reversed, the last whole, the one before cut 5 + 5,
+    # the first dropped; the kept turns in their order
+    ids = list(range(60))
+    three = [(10, 20), (30, 40), (50, 60)]
+    kept, _ = cutoff.truncate(ids, [False] * 60, three, 30, last_first=True)
+    assert kept == [*range(20, 25), *range(30, 35), *range(40, 60)]
+    assert cutoff.truncate(ids, [False] * 60, three, 60, last_first=True)[0] == ids     # it fits: whole
+
+
+def test_mask_history_trains_the_last_answer_alone(tmp_path):
+    from megacompile.train import load
+    tok = files.tokenizer()
+    chat = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "i am fine"},
+            {"role": "user", "content": "what is the time now"}, {"role": "assistant", "content": "it is late"}]
+    ids, every = tokens.encode(tok, {"messages": chat}, False, "x:1")
+    same, last = tokens.encode(tok, {"messages": chat}, False, "x:1", mask_history=True)
+    assert same == ids and sum(every) == 9 and sum(last) == 5       # "it is late <|end|>" and the EOS
+    assert [bool(t) for t in last] == [bool(t) and i >= len(ids) - 5 for i, t in enumerate(every)]
+    # train_on_prompt counts the prompts still, the earlier answer not (as LlamaFactory labels it)
+    _, prompts = tokens.encode(tok, {"messages": chat}, True, "x:1", mask_history=True)
+    assert [bool(t) for t in prompts] == [not (e and not a) for e, a in zip(every, last)]
+    # the run's key reaches the token file, keyed by it
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    model = files.model_dir(str(tmp_path / "model"))
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=model, data=str(data), steps=1, mask_history=True), [])
+    made = tokens.token_file(str(tmp_path / "tokens"), "train", c.data, tok, model, False, cutoff=64)
+    assert np.asarray(made.targets).astype(bool).tolist() == [bool(t) for t in last]
+    assert tokens.fingerprint(c.data, model, False) != tokens.fingerprint(
+        load(files.run_yaml(str(tmp_path / "run.yaml"), model=model, data=str(data), steps=1), []).data, model, False)
+
+
 def _lf_greedy_knapsack(numbers: list[int], capacity: int) -> list[list[int]]:
     """LlamaFactory's processor_utils.greedy_knapsack, as it is written there."""
     numbers = sorted(numbers)

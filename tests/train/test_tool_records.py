@@ -177,3 +177,21 @@ def test_a_runs_chat_template_kwargs_lie_under_each_records_own(tmp_path):
         config(chat_template_kwargs={"tools": []})
     with pytest.raises(ArgumentError, match="enable_thinking must be true or false; got 'no thanks'"):
         config(enable_thinking="no thanks")
+
+
+def test_trls_dataset_text_field_names_the_column_text_records_are_read_from(tmp_path):
+    from megacompile.train import load
+    from megacompile.train.data import reading
+    model = files.model_dir(str(tmp_path / "model"))
+    data = tmp_path / "notes.jsonl"
+    data.write_text(json.dumps({"body": "the cat sat on the mat", "text": "unused"}) + "\n")
+
+    def config(**settings):
+        return load(files.run_yaml(str(tmp_path / "run.yaml"), model=model, data=str(data), steps=1, **settings), [])
+    read = [r for _, r in reading.records(config(dataset_text_field="body").data[0])]
+    assert read[0]["text"] == "the cat sat on the mat"
+    assert [r for _, r in reading.records(config(dataset_text_field="text").data[0])][0]["text"] == "unused"
+    with pytest.raises(ArgumentError, match="dataset_text_field must be a string"):
+        config(dataset_text_field=3)
+    with pytest.raises(ArgumentError, match="stage dpo: dataset_text_field is not taken by dpo"):
+        config(dataset_text_field="body", stage="dpo")

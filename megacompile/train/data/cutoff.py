@@ -45,14 +45,20 @@ def pairs(length: int, answers: list[tuple[int, int]]) -> list[tuple[int, int, i
 
 
 def truncate(ids: list[int], targets: list[bool], answers: list[tuple[int, int]],
-             budget: int) -> tuple[list[int], list[bool]]:
-    """The record's tokens and targets cut to at most `budget` tokens (unchanged when it fits)."""
+             budget: int, last_first: bool = False) -> tuple[list[int], list[bool]]:
+    """The record's tokens and targets cut to at most `budget` tokens (unchanged when it fits).
+    `last_first` (mask_history): the pairs are granted the budget from the last one back, and the
+    earliest are dropped, as LlamaFactory truncates then; the kept pairs stay in their order."""
     if len(ids) <= budget:
         return ids, targets
-    kept: list[int] = []
-    for prompt_at, answer_at, answer_end in pairs(len(ids), answers):
-        if len(kept) >= budget:
+    ordered = pairs(len(ids), answers)
+    kept: list[list[int]] = []
+    used = 0
+    for prompt_at, answer_at, answer_end in reversed(ordered) if last_first else ordered:
+        if used >= budget:
             break
-        p, a = infer_seqlen(answer_at - prompt_at, answer_end - answer_at, budget - len(kept))
-        kept += [*range(prompt_at, prompt_at + p), *range(answer_at, answer_at + a)]
-    return [ids[i] for i in kept], [targets[i] for i in kept]
+        p, a = infer_seqlen(answer_at - prompt_at, answer_end - answer_at, budget - used)
+        kept.append([*range(prompt_at, prompt_at + p), *range(answer_at, answer_at + a)])
+        used += p + a
+    order = [i for pair in (reversed(kept) if last_first else kept) for i in pair]
+    return [ids[i] for i in order], [targets[i] for i in order]

@@ -25,20 +25,21 @@ class Document:
 
 
 def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None,
-           cutoff: int | None = None) -> tuple[list[int], list[bool]]:
+           cutoff: int | None = None, mask_history: bool = False) -> tuple[list[int], list[bool]]:
     """One record's tokens and targets (document())."""
-    made = document(tokenizer, record, train_on_prompt, where, media, cutoff)
+    made = document(tokenizer, record, train_on_prompt, where, media, cutoff, mask_history)
     return made.ids, made.targets
 
 
 def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None,
-             cutoff: int | None = None) -> Document:
+             cutoff: int | None = None, mask_history: bool = False) -> Document:
     """One record's tokens and targets, with the tokenizer's EOS closing the document; a
     supervised record longer than `cutoff` tokens truncated as LlamaFactory truncates it
     (cutoff.py). `media` (images.Media, a vision-language model's processor): its image paths
     resolved and checked, the document written as the processor writes it (images.py; such a
     record is never truncated: a row too short for it is refused); without it a record with
-    images is refused."""
+    images is refused. `mask_history` (LlamaFactory's): a conversation's last answer alone is
+    trained, and its truncation keeps the last turns."""
     paths = media.paths(record, where) if media is not None else []
     if media is None and images.held(record):
         kind = "videos" if record.get("videos") else "images"
@@ -54,14 +55,16 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
                                 "chat_template_kwargs; give tool-use conversations without images")
         if media is not None:
             messages = media.messages(messages, paths, where)
-        ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt, where, listed, options)
+        ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt, where, listed, options,
+                                             last_only=mask_history)
         if paths:
             ids, targets = media.widen(ids, targets, paths, where, tokenizer, messages)
     elif paths:
         raise ArgumentError(f"{where}: a record with images or videos is a conversation (messages, or ShareGPT's "
                             "conversations) whose turns hold an <image> placeholder per image (<video> per video)")
     elif alpaca.is_alpaca(record):
-        ids, targets, answers = masking.chat(tokenizer, alpaca.messages(record, where), train_on_prompt, where)
+        ids, targets, answers = masking.chat(tokenizer, alpaca.messages(record, where), train_on_prompt, where,
+                                             last_only=mask_history)
     elif "prompt" in record or "completion" in record:
         prompt, completion = record.get("prompt"), record.get("completion")
         if isinstance(prompt, list) and isinstance(completion, list):     # TRL's conversational layout
@@ -90,5 +93,5 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
         ids, targets = ids + [eos], targets + [targets[-1] if targets else True]
     whole = len(ids)
     if cutoff is not None and answers is not None and not paths:
-        ids, targets = cutoff_len.truncate(ids, targets, answers, cutoff)
+        ids, targets = cutoff_len.truncate(ids, targets, answers, cutoff, last_first=mask_history)
     return Document(ids, targets, answers is not None, whole - len(ids))

@@ -43,13 +43,15 @@ def _is_turn(m) -> bool:
 
 
 def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: list | None = None,
-         template_kwargs: dict | None = None, first: int = 0) -> tuple[list[int], list[bool], list]:
+         template_kwargs: dict | None = None, first: int = 0,
+         last_only: bool = False) -> tuple[list[int], list[bool], list]:
     """Tokens of a conversation, its target mask (assistant turns only, unless train_on_prompt)
     and where each assistant turn lies ([start, end) token spans, in order: cutoff.py). `tools`
     and `template_kwargs` go to the chat template (tools.py); a template that leaves out a tool,
     a call or a turn's text is refused rather than trained on a conversation it dropped. `first`:
     the turns before it are a prompt (TRL's conversational prompt/completion), its assistant
-    turns not answers."""
+    turns not answers. `last_only` (LlamaFactory's mask_history): the last answer alone is a
+    target, the earlier ones not even with train_on_prompt; all are answers (cutoff.py)."""
     if not isinstance(messages, list) or not messages or not all(_is_turn(m) for m in messages):
         raise ArgumentError(f"{where}: messages must be a non-empty list of {{role, content}} objects with string "
                             "values (ShareGPT's conversations: {from, value}; an assistant turn with tool_calls may "
@@ -70,6 +72,7 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     ids = _encode(tokenizer, text, special=False)
     targets = [train_on_prompt] * len(ids)
     answers = []
+    last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     for k, message in enumerate(messages):
         if called[k]:
             _check_calls(tokenizer, messages, k, called[k], options, where)
@@ -82,7 +85,7 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
                                 "prefix of the whole, so the assistant's tokens cannot be told apart; use "
                                 "prompt/completion records, or train_on_prompt: true")
         for i in range(len(before), len(through)):
-            targets[i] = True
+            targets[i] = k == last or not last_only
         if len(through) > len(before):
             answers.append((len(before), len(through)))
     return ids, targets, answers

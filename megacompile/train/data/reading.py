@@ -139,7 +139,8 @@ def _renamer(entry: dict):
         return {"from": roles.get(t[role], t[role]), "value": t.get(content)}
 
     def rename(record: dict) -> dict:
-        out = {by_file.get(k, k): v for k, v in record.items()} if by_file else dict(record)
+        out = {k: v for k, v in record.items() if k not in by_file}
+        out.update({by_file[k]: v for k, v in record.items() if k in by_file})    # a mapped column wins
         if tags and isinstance(out.get("conversations"), list):
             out["conversations"] = [turn(t) for t in out["conversations"]]
         for k in ("chosen", "rejected"):        # a ranking record's two answers are turns too

@@ -66,8 +66,9 @@ class _Producer:
             return lambda k: records(entry, readers)
         try:
             while not self.stop.is_set():
-                for _, (where, record) in interleave(weights, strategy, [passes(e) for e in entries]):
-                    made = document(tokenizer, record, train_on_prompt, where, cutoff=cutoff)
+                for i, (where, record) in interleave(weights, strategy, [passes(e) for e in entries]):
+                    made = document(tokenizer, record, train_on_prompt, where, cutoff=cutoff,
+                                    mask_history=entries[i].get("mask_history", False))
                     kind = placement.RECORD if made.record else placement.TEXT
                     if made.ids and not self._put((np.asarray(made.ids, dtype=np.int64),
                                                    np.asarray(made.targets, dtype=bool), kind)):

@@ -89,7 +89,7 @@ def _stat(path: str) -> list[dict]:
 
 def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None) -> dict:
     files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit",
-                                                                "chat_template_kwargs")},
+                                                                "chat_template_kwargs", "mask_history")},
               **({"num_samples": e["num_samples"], "seed": e.get("seed", 0)} if e.get("num_samples") else {})}
              for e in items]
     tokenizer = {}
@@ -262,7 +262,8 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                     media.at(entry["path"])
                 for where, record in tqdm(records(entry), desc=f"tokenising {split}", unit=" docs",
                                           file=sys.stderr, disable=not sys.stderr.isatty()):
-                    made = document(tokenizer, record, train_on_prompt, where, media, cutoff)
+                    made = document(tokenizer, record, train_on_prompt, where, media, cutoff,
+                                    entry.get("mask_history", False))
                     ids, targets = made.ids, made.targets
                     for role in sharegpt.roles(record):
                         count.roles[role] = count.roles.get(role, 0) + 1

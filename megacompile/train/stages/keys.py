@@ -47,9 +47,10 @@ IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
                     "generation_batch_size")} | {"steps_per_generation": 1}
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
-NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs"),
+NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
+                   "dataset_text_field", "mask_history"),
            "grpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
-                    "seq")}
+                    "seq", "dataset_text_field", "mask_history")}
 
 
 def check(c, raw: dict, folder: str | None = None) -> None:
