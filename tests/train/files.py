@@ -12,16 +12,17 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end
             "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 
 
-def tokenizer():
+def tokenizer(words: list[str] = (), special: list[str] = (), template: str = TEMPLATE):
+    """A word-level tokenizer of SENTENCES' words and `words`, SPECIAL and `special` first."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    words = sorted({w for s in SENTENCES for w in s.split()})
-    vocab = {t: i for i, t in enumerate(SPECIAL + words)}
+    words = sorted({w for s in SENTENCES for w in s.split()} | set(words))
+    vocab = {t: i for i, t in enumerate(SPECIAL + list(special) + words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>")
-    fast.chat_template = TEMPLATE
+    fast.chat_template = template
     return fast
 
 

@@ -23,16 +23,7 @@ TOOLS = [{"name": "get_time", "description": "the time in a city",
 
 
 def tokenizer(template: str = TEMPLATE):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    words = sorted({w for s in files.SENTENCES for w in s.split()} | set(WORDS))
-    vocab = {t: i for i, t in enumerate(files.SPECIAL + SPECIAL + words)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    fast.chat_template = template
-    return fast
+    return files.tokenizer(WORDS, SPECIAL, template)
 
 
 def trl_record(i: int) -> dict:
