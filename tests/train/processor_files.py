@@ -33,6 +33,19 @@ SIZES = {"red": (32, 16), "green": (16, 16), "blue": (16, 8)}       # width, hei
 RECORD = {"messages": [{"role": "user", "content": "<image> what colour is this\n<image> and this?"},
                        {"role": "assistant", "content": "red, then blue"}],
           "images": ["images/red.png", "images/blue.png"]}
+# RECORD in TRL's layout: the turns as lists of parts
+PARTS = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " what colour is this\n"},
+                                                   {"type": "image"}, {"type": "text", "text": " and this?"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "red, then blue"}]}],
+         "images": RECORD["images"]}
+
+
+def parts_template(image: str) -> str:
+    """TEMPLATE, reading list contents (TRL's parts) as the vision templates do: `image` for an
+    image part."""
+    return ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+            "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + image + "{% else %}{{ p['text'] }}{% endif %}"
+            "{% endfor %}{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def tokenizer(special: list[str], attributes: dict | None = None):

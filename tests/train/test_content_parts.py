@@ -6,42 +6,29 @@ that cannot be read are refused with the record's line."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from megacompile.errors import ArgumentError
 from megacompile.train.data import grid_images, tokens
 from megacompile.train.data.tokens import load_tokenizer, token_file
 from tests.train import files, processor_files
 
-PARTS = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " what colour is this\n"},
-                                                   {"type": "image"}, {"type": "text", "text": " and this?"}]},
-                      {"role": "assistant", "content": [{"type": "text", "text": "red, then blue"}]}],
-         "images": processor_files.RECORD["images"]}
-
-
-def _template(image: str) -> str:
-    """processor_files' template, reading list contents as the vision templates do."""
-    return ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-            "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + image + "{% else %}{{ p['text'] }}{% endif %}"
-            "{% endfor %}{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
 @pytest.mark.parametrize("family", [f for f in processor_files.FAMILIES if f != "smolvlm"])  # smolvlm: idefics3's
 def test_image_parts_make_the_document_placeholders_make(tmp_path, family):
     model = processor_files.folder(str(tmp_path / "model"), family)
     media = grid_images.media(model)
     tokenizer = load_tokenizer(model)
-    tokenizer.chat_template = _template(media.written)
+    tokenizer.chat_template = processor_files.parts_template(media.written)
     made = {}
-    for name, record in (("placeholders", processor_files.RECORD), ("parts", PARTS)):
+    for name, record in (("placeholders", processor_files.RECORD), ("parts", processor_files.PARTS)):
         data = processor_files.data(str(tmp_path / f"{name}.jsonl"), [record])
         found = token_file(str(tmp_path / name), "train", [data], tokenizer, model, False, media)
         made[name] = (np.asarray(found.ids).tolist(), np.asarray(found.targets).tolist())
     assert made["parts"] == made["placeholders"] and any(made["parts"][1])
     # one image part too many for the record's images
-    extra = {**PARTS, "messages": [{**PARTS["messages"][0], "content": [{"type": "image"}] + PARTS["messages"][0]["content"]},
-                                   PARTS["messages"][1]]}
+    extra = {**processor_files.PARTS, "messages": [{**processor_files.PARTS["messages"][0], "content": [{"type": "image"}] + processor_files.PARTS["messages"][0]["content"]},
+                                   processor_files.PARTS["messages"][1]]}
     data = processor_files.data(str(tmp_path / "extra.jsonl"), [extra])
     with pytest.raises(ArgumentError, match=r"extra.jsonl:1: the turns hold 3 <image> placeholders \(image parts "
                                             r"counted\) and images lists 2 files"):
@@ -78,13 +65,13 @@ def test_images_held_in_a_parquet_table_read_as_their_files_do(tmp_path, decode)
     model = processor_files.folder(str(tmp_path / "model"), "llava")
     media = grid_images.media(model)
     tokenizer = load_tokenizer(model)
-    tokenizer.chat_template = _template(media.written)
-    files_data = processor_files.data(str(tmp_path / "files.jsonl"), [PARTS])
-    pictures = [Image.open(tmp_path / p).copy() for p in PARTS["images"]]     # no file name: the bytes go in
+    tokenizer.chat_template = processor_files.parts_template(media.written)
+    files_data = processor_files.data(str(tmp_path / "files.jsonl"), [processor_files.PARTS])
+    pictures = [Image.open(tmp_path / p).copy() for p in processor_files.PARTS["images"]]     # no file name: the bytes go in
     features = datasets.Features({"messages": [{"role": datasets.Value("string"), "content": [
         {"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
         "images": datasets.Sequence(datasets.Image(decode=decode))})
-    table = datasets.Dataset.from_list([{**PARTS, "images": pictures}], features=features)
+    table = datasets.Dataset.from_list([{**processor_files.PARTS, "images": pictures}], features=features)
     table.to_parquet(str(tmp_path / "table.parquet"))
     made = {}
     for name, data in (("files", files_data), ("table", str(tmp_path / "table.parquet"))):
@@ -122,7 +109,7 @@ def test_unmarked_images_go_first_in_the_first_user_turn_as_trl_lays_them_out(tm
     model = processor_files.folder(str(tmp_path / "model"), "llava")
     media = grid_images.media(model)
     tokenizer = load_tokenizer(model)
-    tokenizer.chat_template = _template(media.written)
+    tokenizer.chat_template = processor_files.parts_template(media.written)
     red, blue = processor_files.RECORD["images"]
     strings = [{"role": "user", "content": " what colour is this"}, {"role": "assistant", "content": "red, then blue"}]
 

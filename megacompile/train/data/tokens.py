@@ -152,6 +152,10 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
         content = content["content"] if content.get("made_from") == made_from else None
     except (OSError, ValueError, KeyError):
         content = None
+    broken = _broken(folder, split, pictures) if content is not None else None
+    if broken:      # a copy cut short, a file lost: the sources are still there to make it again
+        print(f"  tokens         {broken}; made again from the data", flush=True)
+        content = None
     staged = None
     if content is None:     # the sources changed (or were never read): their tokens may not
         staged = folder.rstrip(os.sep) + ".new"
@@ -164,6 +168,25 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
                      docs, content, split, staged,
                      np.asarray(starts, dtype=np.int64), {int(d): (w, list(p)) for d, w, p in pictures},
                      _marked(marked, len(docs) - 1))
+
+
+def _broken(folder: str, split: str, pictures: list) -> str | None:
+    """What is wrong with a token file whose sources match, or None: the sizes its documents'
+    offsets give, and the image files its documents name."""
+    base = os.path.join(folder, split)
+    try:
+        docs = np.fromfile(base + ".docs", dtype=np.int64)
+        sizes = {ext: os.path.getsize(f"{base}.{ext}") for ext in ("ids", "targets")}
+    except (OSError, ValueError) as e:
+        return f"{split} token file unreadable ({e})"
+    n = int(docs[-1]) if len(docs) else -1
+    if n < 0 or docs[0] != 0 or (np.diff(docs) < 0).any() or sizes != {"ids": 4 * n, "targets": n}:
+        return (f"{split} token file's sizes disagree with its document offsets ({sizes['ids']} bytes of ids, "
+                f"{sizes['targets']} of targets for {max(n, 0)} tokens)")
+    lost = [p for _, _, files in pictures for p in files if isinstance(p, str) and not os.path.isfile(p)]
+    if lost:
+        return f"{split} token file names {len(lost)} image file(s) that are gone ({lost[0]})"
+    return None
 
 
 def _runs(flags: list[bool]) -> list[list[int]]:
