@@ -64,6 +64,7 @@ class Plan:
         object.__setattr__(self, "curve", simulate(self.program))
         object.__setattr__(self, "_spans", None)     # predicted_spans(), computed once on demand
         object.__setattr__(self, "_diskless_s", None)     # step_s_without_disk, computed once on demand
+        object.__setattr__(self, "_disk_need", None)      # disk_bandwidth_needed, likewise
 
     def revised(self, **changes: Any) -> Plan:
         """This plan with `changes` to the fields planning settles after the solve (the budget given,
@@ -190,12 +191,48 @@ class Plan:
 
     @property
     def disk_bandwidth_needed(self) -> float | None:
-        """B/s of disk traffic (reads plus writes) that keeps the tier hidden: one optimizer step's
-        reads and writes within the time its micro-batches take with the disk not stalling them
-        (step_s_without_disk; the predicted step already holds the disk's stall, so dividing by it
-        would always come out at or under what the disk gives). None without a prediction."""
+        """B/s of disk traffic (reads plus writes, counted as disk_bandwidth_given counts them) at
+        which the disk tier stalls the optimizer step by at most 1% of its micro-batches' time
+        without the disk (step_s_without_disk): the profile's disk scaled until the cost model says
+        so, by bisection. One step's bytes over that whole time is only a floor: an update moves
+        its stage's bytes between the stage's backward and the next step's need of its weights.
+        None without a prediction."""
         if self.prediction is None:
             return None
+        if not self.disk_bytes_per_step:
+            return 0.0
+        if self._disk_need is None:
+            object.__setattr__(self, "_disk_need", self._bisect_disk_need())
+        return self._disk_need
+
+    def _bisect_disk_need(self) -> float:
+        import dataclasses
+
+        from ..cost.predict import predict
+        hw, given = self.hardware, self.disk_bandwidth_given
+        disk = self.host_cost.disk_bytes / max(self.host_cost.params, 1)
+        without, runs = self.step_s_without_disk, self._runs_per_optimizer_step
+
+        def hidden(scale: float) -> bool:
+            faster = dataclasses.replace(hw, disk_read_bw=hw.disk_read_bw * scale,
+                                         disk_write_bw=hw.disk_write_bw * scale)
+            return predict(self.program, self.captured, faster, disk).step_s - without <= 0.01 * without * runs
+        low = 2 * self.disk_bytes_per_step / (without * runs) / given      # the floor, as a scale of the disk
+        if hidden(low):
+            return low * given
+        high = 2 * low
+        for _ in range(64):     # a disk fast enough stalls nothing: AdamW alone paces the update then
+            if hidden(high):
+                break
+            low, high = high, 2 * high
+        while high - low > 1e-3 * high:
+            mid = (low + high) / 2
+            low, high = (low, mid) if hidden(mid) else (mid, high)
+        return high * given
+
+    @property
+    def _disk_floor(self) -> float:
+        """One optimizer step's disk bytes over its micro-batches' time without the disk."""
         return 2 * self.disk_bytes_per_step / (self.step_s_without_disk * self._runs_per_optimizer_step)
 
     @property
@@ -582,9 +619,14 @@ class Plan:
                     f"writes {fmt_bytes(self.disk_bytes_per_step)} per optimizer step")
             if need is not None:
                 have, runs = self.disk_bandwidth_given, self._runs_per_optimizer_step
-                line += (f"; hidden at >= {need / 1e9:.3g} GB/s of disk traffic (reads + writes over the "
-                         f"{fmt_seconds(self.step_s_without_disk * runs)} the steps take with a disk that never "
-                         f"stalls them); the profile's disk gives {have / 1e9:.3g} GB/s")
+                spread = fmt_seconds(self.step_s_without_disk * runs)
+                why = (f"over the {spread} the steps take with a disk that never stalls them"
+                       if need <= 1.001 * self._disk_floor else
+                       f"not the {self._disk_floor / 1e9:.3g} GB/s that would spread a step's bytes over the {spread} "
+                       "its micro-batches take: an update reaches the disk only between its stage's backward and "
+                       "the next step's forward of it")
+                line += (f"; hidden at >= {need / 1e9:.3g} GB/s of disk traffic (reads + writes, {why}); the "
+                         f"profile's disk gives {have / 1e9:.3g} GB/s")
                 if self.disk_sets_pace:
                     line += (f": the disk tier sets the pace, stretching that to "
                              f"{fmt_seconds(self.prediction.step_s * runs)} (a faster disk, --nvme-bandwidth, or "

@@ -159,9 +159,31 @@ def test_plan_puts_the_moments_on_disk_when_host_ram_is_short(tmp_path, capsys, 
     assert summary["host_tiers"]["exp_avg+exp_avg_sq"]["where"] == "disk"
     assert summary["disk_read_bytes_per_step"] == summary["disk_bytes"] == 8 * summary["host_tiers"]["fp32 masters"][
         "bytes"] // 4
-    assert summary["disk_bandwidth_needed"] == pytest.approx(
-        2 * summary["disk_bytes"] / summary["predicted_step_s_without_disk"])
+    # at least one step's bytes over the step without the disk's stall: the updates cannot use all of it
+    assert summary["disk_bandwidth_needed"] >= 2 * summary["disk_bytes"] / summary["predicted_step_s_without_disk"]
     assert "disk tier" in out and "per optimizer step; hidden at >=" in out
+
+
+def test_the_disk_bandwidth_needed_is_where_the_cost_model_stops_waiting_on_the_disk():
+    """At the bandwidth the plan names, the predicted step is within 1% of the step with a disk
+    that never stalls; at 10% less it is not (the updates of the stages' last backward and the
+    next forward's first weights queue on the disk)."""
+    import dataclasses
+
+    from megacompile.cost.predict import predict
+    from megacompile.planner import plan
+    p = plan(dict(PHI_4), 24 * 0.9 * 10**9 / 2**30, hardware="rtx4090", batch=4, seq=2048, host_budget=128,
+             nvme_budget=2000)
+    need, without = p.disk_bandwidth_needed, p.step_s_without_disk
+    assert need > 1.5 * 2 * p.disk_bytes_per_step / without      # well above the floor at this shape
+    disk = p.host_cost.disk_bytes / p.host_cost.params
+
+    def step(bandwidth):
+        scale = bandwidth / p.disk_bandwidth_given
+        hw = dataclasses.replace(p.hardware, disk_read_bw=p.hardware.disk_read_bw * scale,
+                                 disk_write_bw=p.hardware.disk_write_bw * scale)
+        return predict(p.program, p.captured, hw, disk).step_s
+    assert step(need) <= 1.01 * without < step(0.9 * need)
 
 
 PHI_4 = {"model_type": "phi3", "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40,
@@ -171,9 +193,9 @@ PHI_4 = {"model_type": "phi3", "hidden_size": 5120, "intermediate_size": 17920, 
 
 def test_a_disk_slower_than_the_step_needs_is_said_to_set_the_pace(tmp_path, capsys):
     """Phi-4 on a 4090 with 128 GB of RAM: the moments go to disk, 2 x 109 GiB per step at the
-    desktop's 5.65 GB/s. The bandwidth needed comes from the step without the disk's stall (about
-    10 s), not from the stretched one (about 46 s), which would always put it under what the disk
-    gives."""
+    desktop's 5.65 GB/s. The bandwidth needed is measured against the step without the disk's
+    stall (about 10 s), not the stretched one (about 46 s), which would always put it under what
+    the disk gives."""
     config = tmp_path / "phi-4.json"
     config.write_text(json.dumps(PHI_4))
     args = ["plan", "--config", str(config), "--hardware", "rtx4090", "--host", "desktop", "--host-budget", "128",
@@ -184,7 +206,7 @@ def test_a_disk_slower_than_the_step_needs_is_said_to_set_the_pace(tmp_path, cap
     assert summary["disk_bytes"] > 0
     without = summary["predicted_step_s_without_disk"]
     assert without < summary["predicted_step_s"] / 2
-    assert summary["disk_bandwidth_needed"] == pytest.approx(2 * summary["disk_bytes"] / without)
+    assert summary["disk_bandwidth_needed"] >= 2 * summary["disk_bytes"] / without
     assert summary["disk_bandwidth_needed"] > 2 * summary["disk_bandwidth_given"]
     assert summary["disk_sets_pace"] is True
     assert "the disk tier sets the pace" in out and "(hidden)" not in out
