@@ -14,6 +14,7 @@ from ..errors import ArgumentError
 from .logprobs import IGNORE
 from .preference_format import SAME, trl_record
 from .record_files import read_records
+from .rendered import check_texts
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,10 @@ def to_pair(record: dict, tokenizer, where: str = "a preference record", templat
     record = trl_record(record, where)
     prompt = record["prompt"]
     if isinstance(prompt, list):
-        render = lambda messages, **kw: tokenizer(tokenizer.apply_chat_template(  # noqa: E731
-            messages, tokenize=False, **(template_kwargs or {}), **kw), add_special_tokens=False)["input_ids"]
+        def render(messages, **kw):
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **(template_kwargs or {}), **kw)
+            check_texts(text, messages, where)
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
         prompt_ids = render(prompt, add_generation_prompt=True)
         completions = []
         for k in ("chosen", "rejected"):

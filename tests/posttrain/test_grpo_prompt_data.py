@@ -98,6 +98,10 @@ def test_chat_template_kwargs_render_the_prompts_and_are_not_handed_to_the_rewar
                                   **settings), tok)
         assert stage.prompts == [_ids(tok, " ".join(first + [prompt]))] * 8
         assert all(set(r) == {"prompt", "answer"} for r in stage.records)
+    tok.chat_template = tool_files.TEMPLATE.replace("{% for m in messages %}",
+                                                    "{% for m in messages if m.role != 'system' %}")
+    with pytest.raises(ArgumentError, match="chat.jsonl:1: the chat template does not write turn 0 \\(role 'system'\\)"):
+        GRPOStage(_config(work, tmp_path, reward_funcs=["format_check"], data=str(work["dir"] / "chat.jsonl")), tok)
 
 
 def test_a_llamafactory_dataset_trains_under_grpo_its_answers_handed_to_the_rewards(work, tmp_path):

@@ -82,6 +82,12 @@ def test_llamafactorys_ranking_layouts_are_read_as_trls_conversations():
                                                                           "x:6", {"brief": True})
     assert briefly.convert_ids_to_tokens(brief.prompt[:1]) == ["brief"] and brief.prompt[1:] == plain.prompt
     assert (brief.chosen, brief.rejected) == (plain.chosen, plain.rejected)
+    # a template that writes nothing of a turn is refused, not scored on what is left
+    dropping = files.tokenizer()
+    dropping.chat_template = files.TEMPLATE.replace("{% for m in messages %}",
+                                                    "{% for m in messages if m['role'] != 'system' %}")
+    with pytest.raises(ArgumentError, match="x:7: the chat template does not write turn 0 \\(role 'system'\\)"):
+        to_pair(preference(sharegpt, "x:7"), dropping, "x:7")
 
 
 def test_a_llamafactory_dpo_config_trains_on_its_ranking_datasets(work, tmp_path):

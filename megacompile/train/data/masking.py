@@ -11,6 +11,7 @@ a tool's answer is not (tools.py).
 from __future__ import annotations
 
 from ...errors import ArgumentError
+from ...posttrain import check_texts
 from . import parts
 from .tools import calls as call_names
 from .tools import names as tool_names
@@ -68,7 +69,7 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
         raise ArgumentError(f"{where}: the chat template does not write the record's tools ({', '.join(missing)}) "
                             "into the conversation: give a tokenizer whose chat template renders tools (its "
                             "apply_chat_template(tools=...)), or leave tools out")
-    _check_texts(text, messages, where)
+    check_texts(text, messages, where)
     ids = _encode(tokenizer, text, special=False)
     targets = [train_on_prompt] * len(ids)
     answers = []
@@ -101,29 +102,6 @@ def _check_calls(tokenizer, messages: list, k: int, called: list[str], options: 
         raise ArgumentError(f"{where}: the chat template does not write turn {k}'s tool call{'s' * (len(lost) > 1)} "
                             f"({', '.join(lost)}): give a tokenizer whose chat template renders tool_calls, or leave "
                             "the calls out")
-
-
-def _check_texts(text: str, messages: list, where: str) -> None:
-    """Each turn's text in the rendered conversation: a template leaves out, without a word, the
-    roles it does not know, and contents of a kind it does not read. The reasoning before a
-    `</think>` is left out of the search (Qwen3's and DeepSeek-R1's templates drop it from earlier
-    turns)."""
-    for k, message in enumerate(messages):
-        content = message["content"]
-        looks = [t.strip() for t in (parts.texts(content) if parts.is_parts(content) else [content])]
-        looks = [t.rsplit("</think>", 1)[1].strip() if "</think>" in t else t for t in looks]
-        if all(not t or t in text for t in looks):
-            continue
-        role = message["role"]
-        if role == "tool":
-            hint = "give a tokenizer whose chat template renders tool answers (role tool)"
-        elif role in ("system", "user", "assistant"):
-            hint = ("the template must write each turn's text as it is, and this one changes it or leaves it out "
-                    "(one that reads only list contents, [{type: text, text: ...}], writes nothing of a string)")
-        else:
-            hint = ("its roles are system, user, assistant and tool (ShareGPT's human, gpt, function_call, "
-                    "observation); map the file's own with tags")
-        raise ArgumentError(f"{where}: the chat template does not write turn {k} (role {role!r}): {hint}")
 
 
 def prompt_completion(tokenizer, prompt: str, completion: str,

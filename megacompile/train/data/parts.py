@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ArgumentError
+from ...posttrain import texts
 
 KINDS = ("text", "image", "video")
 
@@ -40,10 +41,6 @@ def check(content: list, where: str, turn: int) -> None:
         if inline:
             raise ArgumentError(f"{where}: turn {turn} names its {kind} inside the part ({inline[0]}); give the "
                                 f"files as the record's {kind}s list, in order, and the parts as {{type: {kind}}}")
-
-
-def texts(content: list) -> list[str]:
-    return [p["text"] for p in content if p.get("type") == "text"]
 
 
 def count(content: list, kind: str) -> int:

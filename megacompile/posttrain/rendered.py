@@ -1,0 +1,38 @@
+"""What a chat template wrote, checked against the conversation it was given: a template leaves
+out, without a word, the roles it does not know and contents of a kind it does not read (LLaVA's
+reads list contents only, and writes nothing of a string), and training on what is left would be
+training on another conversation. Every chat rendering the loss is made from is checked here:
+stage sft's (train/data/masking.py), stage dpo's pairs (preference.py) and stage grpo's prompts.
+"""
+from __future__ import annotations
+
+from ..errors import ArgumentError
+
+
+def texts(content) -> list[str]:
+    """The texts of a turn's content: a string, or the text parts of a list of parts."""
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text"
+                and isinstance(p.get("text"), str)]
+    return [content] if isinstance(content, str) else []
+
+
+def check_texts(text: str, messages: list, where: str) -> None:
+    """Each turn's text somewhere in `text`, the rendering of `messages` (a whole conversation, or
+    its start). The reasoning before a `</think>` is not looked for (Qwen3's and DeepSeek-R1's
+    templates drop it from earlier turns)."""
+    for k, message in enumerate(messages):
+        looks = [t.strip() for t in texts(message.get("content"))]
+        looks = [t.rsplit("</think>", 1)[1].strip() if "</think>" in t else t for t in looks]
+        if all(not t or t in text for t in looks):
+            continue
+        role = message.get("role")
+        if role == "tool":
+            hint = "give a tokenizer whose chat template renders tool answers (role tool)"
+        elif role in ("system", "user", "assistant"):
+            hint = ("the template must write each turn's text as it is, and this one changes it or leaves it out "
+                    "(one that reads only list contents, [{type: text, text: ...}], writes nothing of a string)")
+        else:
+            hint = ("its roles are system, user, assistant and tool (ShareGPT's human, gpt, function_call, "
+                    "observation); map the file's own with tags")
+        raise ArgumentError(f"{where}: the chat template does not write turn {k} (role {role!r}): {hint}")
