@@ -129,3 +129,22 @@ def test_unmarked_images_go_first_in_the_first_user_turn_as_trl_lays_them_out(tm
     with pytest.raises(ArgumentError, match="nouser.jsonl:1: the record has images, no <image> placeholder marks "
                                             "where they go, and no user turn"):
         token_file(str(tmp_path / "nouser"), "train", [data], tokenizer, model, False, media)
+
+
+def test_template_settings_and_tools_reach_the_rendering_of_a_record_with_images(tmp_path):
+    model = processor_files.folder(str(tmp_path / "model"), "llava")
+    media = grid_images.media(model)
+    asked = load_tokenizer(model)
+    asked.chat_template = ("{% if brief %}brief {% endif %}{% for t in tools or [] %}{{ t.function.name }} "
+                           "{% endfor %}" + processor_files.parts_template(media.written))
+    fixed = load_tokenizer(model)
+    fixed.chat_template = "brief get_time " + processor_files.parts_template(media.written)
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    made = []
+    for name, tok, record in (("asked", asked, {**processor_files.PARTS, "chat_template_kwargs": {"brief": True},
+                                                "tools": [tool]}),
+                              ("fixed", fixed, processor_files.PARTS)):
+        data = processor_files.data(str(tmp_path / f"{name}.jsonl"), [record])
+        found = token_file(str(tmp_path / name), "train", [data], tok, model, False, media)
+        made.append((np.asarray(found.ids).tolist(), np.asarray(found.targets).tolist()))
+    assert made[0] == made[1]

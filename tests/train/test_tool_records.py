@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megacompile.errors import ArgumentError
-from megacompile.train.data import encoding, tokens
+from megacompile.train.data import tokens
 from tests.train import files, tool_files
 
 
@@ -106,16 +106,6 @@ def test_tool_calls_on_a_turn_not_the_assistants_are_refused():
     record["messages"][1]["tool_calls"] = [{"type": "function", "function": {"name": "get_time"}}]
     with pytest.raises(ArgumentError, match="turn 1: each of tool_calls is"):
         _marked(tool_files.tokenizer(), record)
-
-
-def test_tools_beside_images_are_refused():
-    class Media:        # a vision-language model's processor, as far as document() asks it
-        def paths(self, record, where):
-            return ["red.png"]
-    record = {**tool_files.trl_record(0)}
-    record["messages"][0]["content"] = "<image> " + record["messages"][0]["content"]
-    with pytest.raises(ArgumentError, match="x:1: a record with images or videos is rendered without tools"):
-        encoding.document(tool_files.tokenizer(), {**record, "images": ["red.png"]}, False, "x:1", Media())
 
 
 def test_a_templates_own_error_is_said_with_the_line():

@@ -50,15 +50,13 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
     if "messages" in record or "conversations" in record:
         messages = parts.read(sharegpt.messages(record, where), media is not None, where)
         listed, options = tools.tools(record, where), tools.template_kwargs(record, where)
-        if paths and (listed or options):
-            raise ArgumentError(f"{where}: a record with images or videos is rendered without tools or "
-                                "chat_template_kwargs; give tool-use conversations without images")
         if media is not None:
             messages = media.messages(messages, paths, where)
         ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt, where, listed, options,
                                              last_only=mask_history)
         if paths:
-            ids, targets = media.widen(ids, targets, paths, where, tokenizer, messages)
+            ids, targets = media.widen(ids, targets, paths, where, tokenizer, messages,
+                                       {**options, **({"tools": listed} if listed else {})})
     elif paths:
         raise ArgumentError(f"{where}: a record with images or videos is a conversation (messages, or ShareGPT's "
                             "conversations) whose turns hold an <image> placeholder per image (<video> per video)")

@@ -223,13 +223,14 @@ class Media:
         return at
 
     def widen(self, ids: list[int], targets: list[bool], paths: list[str], where: str, tokenizer=None,
-              messages: list | None = None) -> tuple[list, list]:
+              messages: list | None = None, options: dict | None = None) -> tuple[list, list]:
         """The document as the processor writes the rendered conversation with its images, and
         its targets carried over from the masked rendering (`ids`, `targets`), no image token
-        among them."""
+        among them. `options`: the template's arguments the masked rendering took (tools,
+        chat_template_kwargs)."""
         at = self._rendered(ids, paths, where)
         tokenizer = tokenizer if tokenizer is not None else self.processor.tokenizer
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, **(options or {}))
         pictures = [self._open(p, where) for p in paths]
         try:
             out = self.processor(text=[text], images=[pictures], add_special_tokens=False)
