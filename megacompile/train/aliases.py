@@ -132,6 +132,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "assistant_only_loss": ("train_on_prompt", _loss_only("assistant_only_loss")),
     "completion_only_loss": ("train_on_prompt", _loss_only("completion_only_loss")),
     "enable_thinking": ("chat_template_kwargs", _thinking),
+    "chat_template_path": ("chat_template", _same),
 }
 
 # Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->
@@ -321,6 +322,8 @@ def _template(name: Any, keys: dict) -> str:
     """LlamaFactory formats chats by a template name; megacompile by the tokenizer's own chat
     template, which it must then have."""
     where = keys.get("tokenizer") or keys.get("model")
+    if keys.get("chat_template"):
+        return f"template {name!r} is not read: chats are formatted by chat_template ({keys['chat_template']})"
     if where == "bundled" or where is None:
         raise ArgumentError(f"template {name!r}: the bundled model reads bytes and has no chat template; leave "
                             "template out")

@@ -15,7 +15,7 @@ import torch
 
 from .. import arguments
 from . import aliases
-from .data import entries, tools
+from .data import entries, template_file, tools
 from . import preemption
 from . import intervals
 from . import their_keys
@@ -51,6 +51,7 @@ class RunConfig:
     eval_fraction: float = 0.0
     train_on_prompt: bool = False
     mask_history: bool = False      # LlamaFactory's: the last answer of a conversation alone trains
+    chat_template: str | None = None            # a template file or folder in place of the tokenizer's
     chat_template_kwargs: dict | None = None    # handed to the chat template (data/tools.py)
     dataset_text_field: str | None = None       # TRL's: the column text records are read from
     seq: int = 512
@@ -225,7 +226,7 @@ def _override(item: str) -> tuple[str, Any]:
         raise ArgumentError(f"override {item!r}: the value is not valid YAML: {e}") from e
 
 
-PATH_KEYS = ("model", "tokenizer", "data", "eval", "run_dir", "export", "resume", "nvme_dir", "dump_dir", "dataset_dir")
+PATH_KEYS = ("model", "tokenizer", "chat_template", "data", "eval", "run_dir", "export", "resume", "nvme_dir", "dump_dir", "dataset_dir")
 
 
 def _relative(key: str, value: Any, base: str) -> Any:
@@ -289,6 +290,14 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         for entry in c.data + c.eval:
             if entry["path"] != BUNDLED:
                 entry["columns"] = {"text": c.dataset_text_field, **entry["columns"]}
+    c.chat_template = _text("chat_template", c.chat_template, optional=True)
+    if c.chat_template is not None:     # its digest keys the token files made with it (tokens.py)
+        if c.bundled:
+            raise ArgumentError("chat_template: the bundled model reads bytes and takes no chat template; leave it "
+                                "out")
+        digest = template_file.digest(template_file.read(c.chat_template))
+        for entry in c.data + c.eval:
+            entry["chat_template"] = digest
     c.chat_template_kwargs = tools.checked_kwargs(c.chat_template_kwargs, "chat_template_kwargs") or None
     for entry in c.data + c.eval:       # laid under each record's own as the data is read
         entry["chat_template_kwargs"] = c.chat_template_kwargs

@@ -106,9 +106,9 @@ def check_data(saved: Saved, fingerprint: str) -> None:
         raise ArgumentError(f"{saved.path} was saved by a run on other data: {'; '.join(changed)}; resume it with "
                             "the same data, tokenizer and settings, or start a new run_dir")
     raise ArgumentError(f"{saved.path} was saved by a run on other tokens (token file {saved.extra.get('data')}, "
-                        f"now {fingerprint}: the data, the tokenizer or train_on_prompt changed, or the checkpoint "
-                        "predates supervised records kept whole in a row); resume it with the same data, or start "
-                        "a new run_dir")
+                        f"now {fingerprint}: the data, the tokenizer, its chat_template or train_on_prompt changed, or "
+                        "the checkpoint predates supervised records kept whole in a row); resume it with the same "
+                        "data, or start a new run_dir")
 
 
 def data_changes(before: dict, now: dict) -> list[str]:

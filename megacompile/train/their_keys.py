@@ -31,8 +31,6 @@ NOT_TAKEN = {
     "dtype": "compute_dtype: float32 or bfloat16 (masters are float32)",
     "torch_dtype": "compute_dtype: float32 or bfloat16 (masters are float32)",
     "model_init_kwargs": "the model is built from its folder's config.json; compute_dtype sets the dtype",
-    "chat_template_path": "chats are formatted by the tokenizer's own chat template: give tokenizer: a folder "
-                          "that holds one",
     "eos_token": "the tokenizer's own end-of-sequence token is used",
     "pad_token": "the tokenizer's own padding token is used (its eos when it has none); padding is never counted",
     "cache_dir": _LOCAL,

@@ -72,7 +72,8 @@ def write(c: RunConfig, engine, tokenizer, path: str, overwrite: bool, policy: b
         export_policy(engine, path, tokenizer, dtype, overwrite=overwrite, source=c.model)
     else:
         engine.save_pretrained(path, dtype=dtype, overwrite=overwrite)
-        if isinstance(tokenizer, images.Media) or not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        if (isinstance(tokenizer, images.Media) or c.chat_template is not None
+                or not os.path.isfile(os.path.join(path, "tokenizer_config.json"))):    # the template trained with
             tokenizer.save_pretrained(path)
 
 

@@ -5,14 +5,15 @@ A target mask has one bool per token: True where the model is trained to produce
 are found as the difference between the conversation rendered up to the turn's start (with the
 template's generation prompt, i.e. the assistant header) and rendered through its end. A
 template that does not render the earlier turns as a prefix of the later ones cannot be split
-this way and is refused, naming the line. A turn that calls tools is an assistant turn (trained);
+this way and is refused, naming the line, unless it marks the assistant's text itself
+(`{% generation %}`, marks.py): then the marks say where each turn lies. A turn that calls tools is an assistant turn (trained);
 a tool's answer is not (tools.py).
 """
 from __future__ import annotations
 
 from ...errors import ArgumentError
 from ...posttrain import check_texts
-from . import parts
+from . import marks, parts
 from .tools import calls as call_names
 from .tools import names as tool_names
 
@@ -70,7 +71,11 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
                             "into the conversation: give a tokenizer whose chat template renders tools (its "
                             "apply_chat_template(tools=...)), or leave tools out")
     check_texts(text, messages, where)
-    ids = _encode(tokenizer, text, special=False)
+    if marks.marked(tokenizer, tools):
+        ids, spans = marks.blocks(tokenizer, messages, text, options, where)
+        marked = dict(zip([k for k, m in enumerate(messages) if m["role"] == "assistant"], spans))
+    else:
+        ids, marked = _encode(tokenizer, text, special=False), None
     targets = [train_on_prompt] * len(ids)
     answers = []
     last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
@@ -79,17 +84,26 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
             _check_calls(tokenizer, messages, k, called[k], options, where)
         if message["role"] != "assistant" or k < first:
             continue
-        before = _render(tokenizer, messages[:k], True, options, where) if k else []
-        through = _render(tokenizer, messages[:k + 1], False, options, where)
-        if ids[:len(through)] != through or through[:len(before)] != before:
-            raise ArgumentError(f"{where}: the chat template does not render the conversation up to turn {k} as a "
-                                "prefix of the whole, so the assistant's tokens cannot be told apart; use "
-                                "prompt/completion records, or train_on_prompt: true")
-        for i in range(len(before), len(through)):
+        start, end = marked[k] if marked is not None else _turn(tokenizer, messages, k, ids, options, where)
+        for i in range(start, end):
             targets[i] = k == last or not last_only
-        if len(through) > len(before):
-            answers.append((len(before), len(through)))
+        if end > start:
+            answers.append((start, end))
     return ids, targets, answers
+
+
+def _turn(tokenizer, messages: list, k: int, ids: list[int], options: dict, where: str) -> tuple[int, int]:
+    """Assistant turn k's [start, end) tokens in `ids` (the whole conversation's): those between
+    the conversation rendered up to the turn with the generation prompt and rendered through it."""
+    before = _render(tokenizer, messages[:k], True, options, where) if k else []
+    through = _render(tokenizer, messages[:k + 1], False, options, where)
+    if ids[:len(through)] != through or through[:len(before)] != before:
+        raise ArgumentError(f"{where}: the chat template does not render the conversation up to turn {k} as a "
+                            "prefix of the whole, so the assistant's tokens cannot be told apart; give a chat "
+                            "template that marks the assistant's text with {% generation %} ... "
+                            "{% endgeneration %} (chat_template:), use prompt/completion records, or "
+                            "train_on_prompt: true")
+    return len(before), len(through)
 
 
 def _check_calls(tokenizer, messages: list, k: int, called: list[str], options: dict, where: str) -> None:

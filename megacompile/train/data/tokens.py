@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import ArgumentError
-from . import images, sharegpt
+from . import images, sharegpt, template_file
 from . import entries
 from .encoding import Document, document, encode  # noqa: F401 - tokens.encode: one record's tokens
 from .reading import records
@@ -43,14 +43,19 @@ class ByteTokenizer:
         return {"input_ids": list(text.encode("utf-8"))}
 
 
-def load_tokenizer(path: str | None):
+def load_tokenizer(path: str | None, chat_template: str | None = None):
+    """The tokenizer of the folder `path` (the bundled model's bytes without one); `chat_template`:
+    a template file or folder whose template it renders chats with instead of its own."""
     if path is None:
         return ByteTokenizer()
     try:
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
         raise ArgumentError(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0][:300]}") from e
+    if chat_template is not None:
+        tokenizer.chat_template = template_file.read(chat_template)
+    return tokenizer
 
 
 @dataclass
@@ -90,6 +95,7 @@ def _stat(path: str) -> list[dict]:
 def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None) -> dict:
     files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit",
                                                                 "chat_template_kwargs", "mask_history")},
+              **({"chat_template": e["chat_template"]} if e.get("chat_template") else {}),
               **({"num_samples": e["num_samples"], "seed": e.get("seed", 0)} if e.get("num_samples") else {})}
              for e in items]
     tokenizer = {}

@@ -31,4 +31,4 @@ def open_stage(c, run_dir: str) -> Stage:
     if c.stage == "sft":
         return stage(c, run_dir)
     from ..data.tokens import load_tokenizer
-    return stage(c, load_tokenizer(c.tokenizer or c.model))
+    return stage(c, load_tokenizer(c.tokenizer or c.model, c.chat_template))

@@ -127,7 +127,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     the training and eval rows (None without held-out data) and what the
     training data's position refers to (its token file's sha256; the sources' when streamed)."""
     tokenizer_dir = None if c.bundled else (c.tokenizer or c.model)
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir, c.chat_template)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     folder = os.path.join(run_dir, "tokens")
     if c.streaming:
@@ -138,6 +138,8 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
         media.videos_within(videos.Settings.of(c))     # and the video_* keys, as it reads videos
     if media is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = media.chat_template()     # a processor may hold the template alone
+    elif media is not None and c.chat_template is not None:
+        media.processor.chat_template = tokenizer.chat_template     # written with the model it trained
     batch_pixels = media.inputs if media is not None else None
     train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len)
     held, eval_rows = None, None
