@@ -14,7 +14,7 @@ from ..errors import ArgumentError
 from .logprobs import IGNORE
 from .preference_format import SAME, trl_record
 from .record_files import read_records
-from .rendered import check_texts
+from .rendered import check_calls, check_texts, check_tools
 
 
 @dataclass(frozen=True)
@@ -30,24 +30,39 @@ def read_pairs(path: str | Path, tokenizer) -> list[Pair]:
     return [to_pair(record, tokenizer, where) for where, record in read_records(path)]
 
 
-def to_pair(record: dict, tokenizer, where: str = "a preference record", template_kwargs: dict | None = None) -> Pair:
+def to_pair(record: dict, tokenizer, where: str = "a preference record", template_kwargs: dict | None = None,
+            tools: list | None = None) -> Pair:
     """A TRL preference record's tokens, as TRL's DPOTrainer makes them: the completions are the
     tokens of prompt + completion after the prompt's own tokens. Text: the completions end with the
     tokenizer's eos (added unless the text ends with it), the prompt tokenised with the tokenizer's
     special tokens. Messages: rendered by the chat template, the prompt with the generation prompt,
-    no eos added (the template ends the turn), `template_kwargs` handed to the template. stage dpo
-    reads LlamaFactory's ranking layouts into TRL's first (train/data/ranking.py)."""
+    no eos added (the template ends the turn), `template_kwargs` and `tools` (transformers' tool
+    descriptions) handed to the template, which must write each tool and each call of a completion.
+    stage dpo reads LlamaFactory's ranking layouts into TRL's first (train/data/ranking.py)."""
     record = trl_record(record, where)
     prompt = record["prompt"]
+    if tools and not isinstance(prompt, list):
+        raise ArgumentError(f"{where}: the record gives tools, which a chat template renders: give the prompt and "
+                            "completions as messages")
     if isinstance(prompt, list):
         def render(messages, **kw):
-            text = tokenizer.apply_chat_template(messages, tokenize=False, **(template_kwargs or {}), **kw)
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, **(template_kwargs or {}),
+                                                     **({"tools": tools} if tools else {}), **kw)
+            except Exception as e:  # noqa: BLE001 - a template's own error (jinja's, or raise_exception in it)
+                raise ArgumentError(f"{where}: the chat template fails on this pair: {type(e).__name__}: "
+                                    f"{str(e)[:300]}") from e
             check_texts(text, messages, where)
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompt_ids = render(prompt, add_generation_prompt=True)
+            return text
+        prompt_text = render(prompt, add_generation_prompt=True)
+        check_tools(prompt_text, tools, where)
+        check_calls(prompt_text, prompt, where, "the prompt")
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         completions = []
         for k in ("chosen", "rejected"):
-            full = render(prompt + record[k])
+            text = render(prompt + record[k])
+            check_calls(text[len(prompt_text):] if text.startswith(prompt_text) else text, record[k], where, k)
+            full = tokenizer(text, add_special_tokens=False)["input_ids"]
             if full[:len(prompt_ids)] != prompt_ids:
                 raise ArgumentError(f"{where}: the chat template renders the prompt and {k} without the prompt's "
                                     "rendering (with its generation prompt) as their start, so no token separates "

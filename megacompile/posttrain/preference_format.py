@@ -26,6 +26,7 @@ def trl_record(record: dict, where: str) -> dict:
         raise ArgumentError(f"{where}: a preference record needs prompt, chosen and rejected; missing "
                             f"{', '.join(missing)}: give each record both completions (the prompt may be left out "
                             "where chosen and rejected begin with it)")
+    record = {k: _calls_with_text(v) for k, v in record.items()}
     chosen, rejected = record["chosen"], record["rejected"]
     for k in ("chosen", "rejected"):
         _check(record[k], where, k)
@@ -48,9 +49,18 @@ def trl_record(record: dict, where: str) -> dict:
         raise ArgumentError(f"{where}: the prompt is empty; DPO scores each completion given its prompt: give one")
     for k, completion in (("chosen", chosen), ("rejected", rejected)):
         text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
-        if not text.strip():
+        calls = isinstance(completion, list) and any(m.get("tool_calls") for m in completion)
+        if not text.strip() and not calls:
             raise ArgumentError(f"{where}: {k} is empty; give the {k} completion's text")
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _calls_with_text(value):
+    """Turns that call tools with their text as "" where they leave it out (TRL's tool_calls turns)."""
+    if not isinstance(value, list):
+        return value
+    return [{**m, "content": m.get("content") or ""} if isinstance(m, dict) and m.get("tool_calls") else m
+            for m in value]
 
 
 def _is_messages(value) -> bool:

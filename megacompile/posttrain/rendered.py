@@ -36,3 +36,23 @@ def check_texts(text: str, messages: list, where: str) -> None:
             hint = ("its roles are system, user, assistant and tool (ShareGPT's human, gpt, function_call, "
                     "observation); map the file's own with tags")
         raise ArgumentError(f"{where}: the chat template does not write turn {k} (role {role!r}): {hint}")
+
+
+def check_tools(text: str, tools: list | None, where: str) -> None:
+    """Each tool's name (transformers' {type: function, function: {name, ...}}) in `text`."""
+    missing = [t["function"]["name"] for t in tools or [] if t["function"]["name"] not in text]
+    if missing:
+        raise ArgumentError(f"{where}: the chat template does not write the record's tools ({', '.join(missing)}) "
+                            "into the conversation: give a tokenizer whose chat template renders tools (its "
+                            "apply_chat_template(tools=...)), or leave tools out")
+
+
+def check_calls(written: str, messages: list, where: str, what: str) -> None:
+    """The function name of each tool call of `messages` in `written`, what the template wrote of them."""
+    called = [c["function"]["name"] for m in messages for c in m.get("tool_calls") or []
+              if isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)]
+    lost = [n for n in called if n not in written]
+    if lost:
+        raise ArgumentError(f"{where}: the chat template does not write {what}'s tool call{'s' * (len(lost) > 1)} "
+                            f"({', '.join(lost)}): give a tokenizer whose chat template renders tool_calls, or leave "
+                            "the calls out")

@@ -64,8 +64,8 @@ def test_a_pairwise_dataset_gives_the_prompt_and_answer_tokens(model, tmp_path, 
     ({**ALPACA, "rejected": ALPACA["chosen"]}, "alpaca", "row 1", "chosen and rejected are the same completion"),
     ({**ALPACA, "chosen": ""}, "alpaca", "row 1", "chosen is empty; give the chosen completion's text"),
     ({**SHAREGPT, "conversations": SHAREGPT["conversations"][:2]}, "sharegpt", ":2",
-     "in the sharegpt ranking layout the conversation ends with the user's turn (chosen and rejected answer it); its "
-     "last turn is 'assistant'"),
+     "in the sharegpt ranking layout the conversation ends with the user's turn or a tool's answer (observation; "
+     "chosen and rejected answer it); its last turn is 'assistant'"),
     ({**SHAREGPT, "chosen": {"from": "human", "value": "it is late"}}, "sharegpt", ":2",
      "chosen is the model's turn (from: gpt, or role: assistant); got role 'user'"),
 ])

@@ -72,10 +72,7 @@ def test_llamafactorys_ranking_layouts_are_read_as_trls_conversations():
     assert to_pair(preference(sharegpt, "x:2"), tok) == expected
     with pytest.raises(ArgumentError, match="x:3: a preference record is TRL's .* or LlamaFactory's ranking layouts"):
         preference({"instruction": QUESTION, "output": CHOSEN}, "x:3")
-    # tools are rendered into chats by stage sft only; a pair would be scored without them
-    assert to_pair(preference({**sharegpt, "tools": ""}, "x:4"), tok) == expected      # an empty column
-    with pytest.raises(ArgumentError, match="x:5: stage dpo renders its pairs without tools, and this record gives"):
-        preference({**sharegpt, "tools": '[{"name": "get_time"}]'}, "x:5")
+    assert to_pair(preference({**sharegpt, "tools": ""}, "x:4"), tok) == expected      # an empty tools column
     # chat_template_kwargs reach the template: here one that writes "brief" first when asked
     briefly = tool_files.tokenizer()
     plain, brief = to_pair(preference(sharegpt, "x:6"), briefly), to_pair(preference(sharegpt, "x:6"), briefly,

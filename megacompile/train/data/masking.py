@@ -12,10 +12,9 @@ a tool's answer is not (tools.py).
 from __future__ import annotations
 
 from ...errors import ArgumentError
-from ...posttrain import check_texts
+from ...posttrain import check_calls, check_texts, check_tools
 from . import marks, parts
 from .tools import calls as call_names
-from .tools import names as tool_names
 
 
 def _encode(tokenizer, text: str, special: bool) -> list[int]:
@@ -65,11 +64,7 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     options = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     called = [call_names(m, where, k) for k, m in enumerate(messages)]
     text = _text(tokenizer, messages, False, options, where)
-    missing = [n for n in tool_names(tools) if n not in text]
-    if missing:
-        raise ArgumentError(f"{where}: the chat template does not write the record's tools ({', '.join(missing)}) "
-                            "into the conversation: give a tokenizer whose chat template renders tools (its "
-                            "apply_chat_template(tools=...)), or leave tools out")
+    check_tools(text, tools, where)
     check_texts(text, messages, where)
     if marks.marked(tokenizer, tools):
         ids, spans = marks.blocks(tokenizer, messages, text, options, where)
@@ -81,7 +76,7 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     for k, message in enumerate(messages):
         if called[k]:
-            _check_calls(tokenizer, messages, k, called[k], options, where)
+            _check_calls(tokenizer, messages, k, options, where)
         if message["role"] != "assistant" or k < first:
             continue
         start, end = marked[k] if marked is not None else _turn(tokenizer, messages, k, ids, options, where)
@@ -106,16 +101,11 @@ def _turn(tokenizer, messages: list, k: int, ids: list[int], options: dict, wher
     return len(before), len(through)
 
 
-def _check_calls(tokenizer, messages: list, k: int, called: list[str], options: dict, where: str) -> None:
+def _check_calls(tokenizer, messages: list, k: int, options: dict, where: str) -> None:
     """Each call of turn k (its function's name) in what the template writes for that turn."""
     before = _text(tokenizer, messages[:k], True, options, where) if k else ""
     through = _text(tokenizer, messages[:k + 1], False, options, where)
-    written = through[len(before):] if through.startswith(before) else through
-    lost = [n for n in called if n not in written]
-    if lost:
-        raise ArgumentError(f"{where}: the chat template does not write turn {k}'s tool call{'s' * (len(lost) > 1)} "
-                            f"({', '.join(lost)}): give a tokenizer whose chat template renders tool_calls, or leave "
-                            "the calls out")
+    check_calls(through[len(before):] if through.startswith(before) else through, [messages[k]], where, f"turn {k}")
 
 
 def prompt_completion(tokenizer, prompt: str, completion: str,

@@ -11,13 +11,15 @@ TRL's {prompt, chosen, rejected} for posttrain/preference.py to tokenise.
                "rejected": {...}}, optional "system" (ranking with formatting sharegpt; OpenAI-style
                `messages` with role/content too): the turns mapped as sharegpt.py maps them
 
+A record's `tools` (TRL's column, LlamaFactory's tools column) reach the template with its pair
+(posttrain/preference.py); a chosen or rejected turn may call them (function_call).
 A dataset_info.json entry's `columns` (prompt, query, chosen, rejected, messages, system, history)
 and `tags` rename a file's own names first (reading.py), as for supervised data.
 """
 from __future__ import annotations
 
 from ...errors import ArgumentError
-from . import alpaca, sharegpt, tools
+from . import alpaca, sharegpt
 
 LAYOUTS = ("TRL's {prompt, chosen, rejected} (text or messages; the prompt may be left implicit), or "
            "LlamaFactory's ranking layouts: alpaca {instruction, input, chosen, rejected} or sharegpt "
@@ -30,9 +32,6 @@ def preference(record: dict, where: str) -> dict:
     if "chosen" not in record and "rejected" not in record and "prompt" not in record:
         raise ArgumentError(f"{where}: a preference record is {LAYOUTS}; this one has "
                             f"{', '.join(sorted(record)) or 'no keys'}")
-    if tools.tools(record, where):
-        raise ArgumentError(f"{where}: stage dpo renders its pairs without tools, and this record gives them; train "
-                            "tool use with stage sft (its chats read them)")
     if "instruction" in record:
         _both(record, where, "alpaca")
         answers = [record["chosen"], record["rejected"]]
@@ -44,14 +43,15 @@ def preference(record: dict, where: str) -> dict:
                                      for k, a in zip(("chosen", "rejected"), answers)}}
     if "prompt" not in record and ("conversations" in record or "messages" in record):
         _both(record, where, "sharegpt")
-        prompt = sharegpt.messages(record)
+        prompt = sharegpt.messages(record, where)
         _check_turns(prompt, where, "conversations")
-        if prompt[-1]["role"] != "user":
+        if prompt[-1]["role"] not in ("user", "tool"):
             raise ArgumentError(f"{where}: in the sharegpt ranking layout the conversation ends with the user's turn "
-                                f"(chosen and rejected answer it); its last turn is {prompt[-1]['role']!r}")
+                                "or a tool's answer (observation; chosen and rejected answer it); its last turn is "
+                                f"{prompt[-1]['role']!r}")
         out = {"prompt": prompt}
         for k in ("chosen", "rejected"):
-            answer = sharegpt.messages({"messages": [record[k]]})
+            answer = sharegpt.messages({"messages": [record[k]]}, where)
             _check_turns(answer, where, k)
             if answer[0]["role"] != "assistant":
                 raise ArgumentError(f"{where}: {k} is the model's turn (from: gpt, or role: assistant); got role "

@@ -59,10 +59,6 @@ def tools(record: dict, where: str) -> list[dict] | None:
     return out
 
 
-def names(listed: list[dict] | None) -> list[str]:
-    return [t["function"]["name"] for t in listed or []]
-
-
 def template_kwargs(record: dict, where: str) -> dict:
     """TRL's per-record chat_template_kwargs (enable_thinking, say), checked; a run's own
     (run.yaml's chat_template_kwargs) are laid under them as the data is read (reading.py)."""

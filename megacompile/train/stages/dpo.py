@@ -77,7 +77,8 @@ class DPOStage(Stage):
         pairs = []
         for entry in entries:
             for where, record in records(entry):
-                pair = to_pair(preference(record, where), tokenizer, where, tools.template_kwargs(record, where))
+                pair = to_pair(preference(record, where), tokenizer, where, tools.template_kwargs(record, where),
+                               tools.tools(record, where))
                 if len(pair.prompt) > self.c.seq:
                     raise ArgumentError(f"{where}: the prompt is {len(pair.prompt)} tokens, which leaves no room for "
                                         f"its completions in rows of seq {self.c.seq}: raise seq (max_length) or "
