@@ -110,7 +110,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     try:
         stage = open_stage(c, run_dir)
         if saved is not None:
-            resume.check_data(saved, stage.fingerprint)
+            resume.check_data(saved, stage.fingerprint, stage.same_rows)
         if c.steps is None:
             c.steps = stage.steps_for(c.epochs)
         c.warmup = warmup_steps(c.warmup, c.steps)      # a fraction of the steps, now that they are known

@@ -94,14 +94,20 @@ def check_rows(c: RunConfig, saved: Saved) -> None:
                             "resume it with the same seq, packing, seed, eval_fraction and mixture, or start a new run_dir")
 
 
-def check_data(saved: Saved, fingerprint: str) -> None:
+def check_data(saved: Saved, fingerprint: str, same_rows=None) -> None:
     """Refuse a resume on other data than the checkpoint's. A streamed run's checkpoint (stages dpo
-    and grpo too) keeps the sources its fingerprint hashed: the refusal names what changed."""
+    and grpo too) keeps the sources its fingerprint hashed: the refusal names what changed.
+    `same_rows(extra)`: whether the changed data still gives the rows trained on before the
+    checkpoint (a streamed run reads them again to see); then the run goes on, saying so."""
     if saved.extra.get("data") == fingerprint:
         return
     from .data.tokens import sources
     before, now = saved.extra.get("data_sources"), sources(fingerprint)
     changed = data_changes(before, now) if isinstance(before, dict) and now is not None else []
+    if changed and same_rows is not None and same_rows(saved.extra):
+        print(f"  resume note    the data changed ({'; '.join(changed)}); the rows before the checkpoint's position "
+              f"(row {saved.extra['rows']:,}), read again, are the same: going on", flush=True)
+        return
     if changed:
         raise ArgumentError(f"{saved.path} was saved by a run on other data: {'; '.join(changed)}; resume it with "
                             "the same data, tokenizer and settings, or start a new run_dir")

@@ -53,16 +53,24 @@ def test_a_dpo_resume_on_its_pairs_copied_elsewhere_names_the_file_as_moved(tmp_
     assert "stream-" not in message and "is gone" not in message and "is new" not in message
 
 
-def test_a_streamed_resume_under_a_changed_tokenizer_file_names_it(tmp_path):
+def test_a_streamed_resume_under_a_changed_tokenizer_file_names_it(tmp_path, capsys):
     assert run(load(_streamed(tmp_path), []))["steps"] == 1
-    config = tmp_path / "model" / "tokenizer_config.json"
-    content = json.loads(config.read_text())
-    config.write_text(json.dumps({**content, "model_max_length": 4096}))
+    # a change that writes other tokens: refused, named
+    template = tmp_path / "model" / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|end|>", "<|end|> <|end|>"))
     with pytest.raises(ArgumentError) as refused:
         run(load(_streamed(tmp_path, steps=2), []))
     message = str(refused.value)
     print(message)
-    assert "was saved by a run on other data: tokenizer_config.json changed; resume it with the same" in message
+    assert "was saved by a run on other data: chat_template.jinja changed; resume it with the same" in message
+    # one that writes the same tokens: the rows read before the checkpoint are read again, the same
+    template.write_text(template.read_text().replace("<|end|> <|end|>", "<|end|>"))
+    config = tmp_path / "model" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 4096}))
+    capsys.readouterr()
+    assert run(load(_streamed(tmp_path, steps=2), []))["steps"] == 2
+    assert ("resume note    the data changed (tokenizer_config.json changed); the rows before the checkpoint's "
+            "position (row 1), read again, are the same: going on") in capsys.readouterr().out
 
 
 def test_a_streamed_resume_with_train_on_prompt_flipped_names_it(tmp_path):

@@ -81,3 +81,31 @@ def test_a_streamed_run_trains_and_evaluates_on_an_eval_file(tmp_path):
     rows = log.read(str(tmp_path / "run" / "log.csv"))
     assert rows[-1]["eval_loss"] and not (tmp_path / "run" / "tokens" / "train.ids").exists()
     assert (tmp_path / "run" / "tokens" / "eval.ids").exists()
+
+
+def test_a_run_stopped_by_a_bad_record_resumes_once_it_is_fixed_exactly(tmp_path, monkeypatch):
+    """The stream meets a bad record in its second window; fixed, the run resumes from its last
+    checkpoint (the rows before it read again and found the same) and trains as a run on the fixed
+    file from the start does. A change before the checkpoint's rows is refused."""
+    from megacompile.train import load, log, run
+    from megacompile.train.data import placement
+    monkeypatch.setattr(placement, "WINDOW", 6)      # documents placed together: windows of 6
+    texts = data.texts(30)
+    path = tmp_path / "notes.jsonl"
+    data.jsonl(path, texts[:9] + [{"question": "?"}] + texts[10:])
+    tiny = ["bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2", "bundled_model.kv_heads=1",
+            "bundled_model.ffn=64", "device=cpu", "batch=2", "seq=16", "steps=12", "streaming=true",
+            "save_every=1", "resume=auto", "lr=1e-3", f"data={path}"]
+    with pytest.raises(ArgumentError, match=r"notes.jsonl:10: a record is in none of the layouts read"):
+        run(load(None, tiny + [f"run_dir={tmp_path / 'run'}"]))
+    stopped = len(log.read(str(tmp_path / "run" / "log.csv")))
+    assert 0 < stopped < 12
+    data.jsonl(path, texts)                                           # fixed
+    assert run(load(None, tiny + [f"run_dir={tmp_path / 'run'}"]))["steps"] == 12
+    run(load(None, tiny + [f"run_dir={tmp_path / 'whole'}"]))
+    losses = [[float(r["loss"]) for r in log.read(str(tmp_path / name / "log.csv"))] for name in ("run", "whole")]
+    assert len(losses[0]) == 12 and losses[0] == losses[1]
+    # an early record changed: the rows a checkpoint was trained on are not those read again
+    data.jsonl(path, [{"text": "a new first document"}] + texts[1:])
+    with pytest.raises(ArgumentError, match="was saved by a run on other data: .*notes.jsonl changed size"):
+        run(load(None, tiny + [f"run_dir={tmp_path / 'run'}", "steps=14"]))

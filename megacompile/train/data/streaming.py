@@ -16,7 +16,8 @@ What streaming gives up, against a token file:
     eval       eval_fraction is refused (it needs the whole data); eval files are tokenised once
                into a token file as before
     resume     the data position is still rows consumed: a resumed run reads and tokenises the
-               stream from its start up to that row (exact, and as slow as tokenising that far)
+               stream from its start up to that row (exact, and as slow as tokenising that far);
+               data changed past it is taken when the rows before it are the same (stream_digest.py)
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from collections import deque
 import numpy as np
 
 from ...errors import ArgumentError
-from . import placement
+from . import placement, stream_digest
 from .mixture import interleave
 from .packing import fill
 from .reading import records
@@ -112,6 +113,9 @@ class StreamRows:
         self.pass_ended = False
         self.floor = 0             # the lowest row still readable without starting again
         self.counted = False       # a token the loss counts was seen in this pass
+        self.windows = stream_digest.Windows()     # the first pass's windows, as a checkpoint's digest
+        self.read_to = 0           # the rows of the first pass read so far
+        self.past_first = False    # a row of a later pass was read
 
     def _read(self) -> None:
         """One more window of documents of the pass (placement.WINDOW, as a token file's epoch is
@@ -129,11 +133,14 @@ class StreamRows:
                 break
             window.append(item)
         self.counted = self.counted or any(targets.any() for _, targets, _ in window)
+        begin = self.end
         order, starts, self.end = placement.place(self.end, np.asarray([len(ids) for ids, _, _ in window]),
                                                   np.asarray([kind for _, _, kind in window]), self.row_len,
                                                   self.packing)
-        for k, start in zip(order.tolist(), starts.tolist()):
-            self.docs.append((start, window[k][0], window[k][1]))
+        placed = [(start, window[k][0], window[k][1]) for k, start in zip(order.tolist(), starts.tolist())]
+        self.docs.extend(placed)
+        if self.pass_row == 0 and placed:
+            self.windows.add(begin, placed)
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if index < self.floor or self.producer is None:
@@ -150,8 +157,25 @@ class StreamRows:
         while self.docs and self.docs[0][0] + len(self.docs[0][1]) <= keep:
             self.docs.popleft()
         self.floor = max(self.floor, index - KEEP, self.pass_row)
+        if self.pass_row == 0:
+            self.read_to = max(self.read_to, index + 1)
+        else:
+            self.past_first = True
         hi = lo + self.row_len
         return fill(self.row_len, self.packing, self.pad_id, lo, (d for d in self.docs if d[0] < hi))
+
+    def digest(self) -> dict | None:
+        """What a checkpoint keeps of the rows read so far (stream_digest.py); None past the first pass."""
+        return None if self.past_first else self.windows.through(self.read_to, self.row_len)
+
+    def same_rows(self, saved: dict) -> bool:
+        """Whether the stream, read again up to a checkpoint's position, gives the rows it read
+        before (`saved`: its digest()): its data may then have changed further on."""
+        rows = saved.get("rows") if isinstance(saved, dict) else None
+        if not isinstance(rows, int) or rows <= 0:
+            return False
+        self.row(rows - 1)
+        return self.pass_row == 0 and self.windows.through(rows, self.row_len) == saved
 
     def close(self) -> None:
         if self.producer is not None:

@@ -116,6 +116,14 @@ class SFTStage(Stage):
                 f"{fmt_bytes(budget_bytes)}" + (f" | eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""))
         return text, {"tok/s": f"{row['tokens_per_s']:,.0f}", "peak": fmt_bytes(row["device_peak_bytes"])}
 
+    def checkpoint_extra(self) -> dict:
+        digest = self.rows.digest() if self.c.streaming else None
+        return {"stream_rows": digest} if digest is not None else {}
+
+    def same_rows(self, saved: dict) -> bool:
+        return self.c.streaming and isinstance(saved.get("stream_rows"), dict) and \
+            self.rows.same_rows(saved["stream_rows"])
+
     def close(self) -> None:
         if self.c.streaming:
             self.rows.close()        # its tokenising thread

@@ -62,5 +62,10 @@ class Stage:
         """What a checkpoint carries beside the data position and the settings."""
         return {}
 
+    def same_rows(self, saved: dict) -> bool:
+        """Whether the data, changed since a checkpoint (its `saved` extra), gives the rows it was
+        trained on before it: then the resume goes on (a streamed run's, train/data/stream_digest.py)."""
+        return False
+
     def close(self) -> None:
         pass
