@@ -73,6 +73,11 @@ def _fp16(value: Any) -> Any:
     return _DROP
 
 
+def _total_limit(value: Any) -> Any:
+    """transformers removes no checkpoint when save_total_limit is 0 or below (or null)."""
+    return None if isinstance(value, int) and not isinstance(value, bool) and value <= 0 else value
+
+
 def _val_size(value: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1:
         raise ArgumentError(f"val_size {value!r} is a count of examples; megacompile holds out a fraction "
@@ -118,7 +123,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "max_seq_length": ("seq", _same),
     "output_dir": ("run_dir", _same),
     "save_steps": ("save_every", _same),
-    "save_total_limit": ("keep_last", _same),
+    "save_total_limit": ("keep_last", _total_limit),
     "eval_steps": ("eval_every", _same),
     "logging_steps": ("log_every", _same),
     "report_to": ("log", _same),

@@ -66,6 +66,8 @@ def test_epochs_end_where_the_data_says_and_the_run_evaluates_and_saves_there(tm
     c = load(_yaml(tmp_path, batch=5, num_train_epochs=2.5, save_strategy="epoch", save_steps=500,
                    eval_strategy="epoch", eval=["d.txt"], save_total_limit=None))
     assert (c.save_every, c.eval_every, c.keep_last) == ("epoch", "epoch", None)   # save_total_limit: null keeps all
+    for kept_all in (0, -1):    # transformers rotates no checkpoint at 0 or below either
+        assert load(_yaml(tmp_path, max_steps=4, save_total_limit=kept_all)).keep_last is None
     assert "save_steps: 500 is not used: save_strategy is epoch" in capsys.readouterr().out
     result = run(c)
     assert result["steps"] == 6 and c.save_every == c.eval_every == (3, 5, 6)
