@@ -6,10 +6,17 @@ are found as the difference between the conversation rendered up to the turn's s
 template's generation prompt, i.e. the assistant header) and rendered through its end. A
 template that does not render the earlier turns as a prefix of the later ones cannot be split
 this way and is refused, naming the line, unless it marks the assistant's text itself
-(`{% generation %}`, marks.py): then the marks say where each turn lies. A turn that calls tools is an assistant turn (trained);
-a tool's answer is not (tools.py).
+(`{% generation %}`, marks.py): then the marks say where each turn lies. A turn that calls tools
+is an assistant turn (trained); a tool's answer is not (tools.py).
+
+The conversation is tokenised once: the two renderings are found as starts of its text, and the
+turn's tokens are those of the whole from the one's end to the other's (a fast tokenizer says
+where each token's text lies). Where a token of the whole straddles such an end, or the
+tokenizer cannot say, the renderings are tokenised apart and must be token prefixes of the whole.
 """
 from __future__ import annotations
+
+from bisect import bisect_left
 
 from ...errors import ArgumentError
 from ...posttrain import check_calls, check_texts, check_tools
@@ -19,11 +26,6 @@ from .tools import calls as call_names
 
 def _encode(tokenizer, text: str, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
-
-
-def _render(tokenizer, messages: list, generation_prompt: bool, options: dict, where: str) -> list[int]:
-    # the template writes its own special tokens
-    return _encode(tokenizer, _text(tokenizer, messages, generation_prompt, options, where), special=False)
 
 
 def _text(tokenizer, messages: list, generation_prompt: bool, options: dict, where: str) -> str:
@@ -66,11 +68,12 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     text = _text(tokenizer, messages, False, options, where)
     check_tools(text, tools, where)
     check_texts(text, messages, where)
+    offsets = None
     if marks.marked(tokenizer, tools):
         ids, spans = marks.blocks(tokenizer, messages, text, options, where)
         marked = dict(zip([k for k, m in enumerate(messages) if m["role"] == "assistant"], spans))
     else:
-        ids, marked = _encode(tokenizer, text, special=False), None
+        (ids, offsets), marked = _whole(tokenizer, text), None
     targets = [train_on_prompt] * len(ids)
     answers = []
     last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
@@ -79,7 +82,8 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
             _check_calls(tokenizer, messages, k, options, where)
         if message["role"] != "assistant" or k < first:
             continue
-        start, end = marked[k] if marked is not None else _turn(tokenizer, messages, k, ids, options, where)
+        start, end = (marked[k] if marked is not None
+                      else _turn(tokenizer, messages, k, text, ids, offsets, options, where))
         for i in range(start, end):
             targets[i] = k == last or not last_only
         if end > start:
@@ -87,11 +91,36 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     return ids, targets, answers
 
 
-def _turn(tokenizer, messages: list, k: int, ids: list[int], options: dict, where: str) -> tuple[int, int]:
-    """Assistant turn k's [start, end) tokens in `ids` (the whole conversation's): those between
-    the conversation rendered up to the turn with the generation prompt and rendered through it."""
-    before = _render(tokenizer, messages[:k], True, options, where) if k else []
-    through = _render(tokenizer, messages[:k + 1], False, options, where)
+def _whole(tokenizer, text: str) -> tuple[list[int], list | None]:
+    """The conversation's tokens, and where each token's text lies in `text` (None where the
+    tokenizer cannot say, or says it out of order)."""
+    if getattr(tokenizer, "is_fast", False):
+        out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = [tuple(o) for o in out["offset_mapping"]]
+        if all(a[0] <= b[0] for a, b in zip(offsets, offsets[1:])):
+            return list(out["input_ids"]), offsets
+    return _encode(tokenizer, text, special=False), None
+
+
+def _at(offsets: list, char: int) -> int | None:
+    """The first token whose text starts at or after `char`; None where a token straddles it."""
+    i = bisect_left(offsets, (char, -1))
+    return None if i and offsets[i - 1][1] > char else i
+
+
+def _turn(tokenizer, messages: list, k: int, text: str, ids: list[int], offsets: list | None, options: dict,
+          where: str) -> tuple[int, int]:
+    """Assistant turn k's [start, end) tokens in `ids` (the whole conversation's, `text`): those
+    between the conversation rendered up to the turn with the generation prompt and rendered
+    through it."""
+    head = _text(tokenizer, messages[:k], True, options, where) if k else ""
+    upto = _text(tokenizer, messages[:k + 1], False, options, where)
+    if offsets is not None and text.startswith(upto) and upto.startswith(head):
+        start, end = _at(offsets, len(head)), _at(offsets, len(upto))
+        if start is not None and end is not None:
+            return start, end
+    before = _encode(tokenizer, head, special=False) if k else []
+    through = _encode(tokenizer, upto, special=False)
     if ids[:len(through)] != through or through[:len(before)] != before:
         raise ArgumentError(f"{where}: the chat template does not render the conversation up to turn {k} as a "
                             "prefix of the whole, so the assistant's tokens cannot be told apart; give a chat "
