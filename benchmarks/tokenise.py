@@ -3,6 +3,7 @@ step every supervised run takes before its first step (and a streamed run as it 
 
     python benchmarks/tokenise.py                       # 3,000 three-answer chats
     python benchmarks/tokenise.py --records 20000 --answers 1
+    python benchmarks/tokenise.py --workers 1 2 4         # tokenize_workers: one row each
 
 The records are conversations of the bundled corpus's sentences, rendered by a ChatML-style
 template and tokenised by a byte-level BPE trained on the same corpus (no downloads). Prints a
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=3000)
     parser.add_argument("--answers", type=int, default=3, help="assistant turns a conversation holds")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1], help="tokenize_workers to time")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "tokenise.csv"))
     args = parser.parse_args()
     from megacompile.train.data import entries, tokens
@@ -75,19 +77,23 @@ def main() -> None:
         path = os.path.join(d, "chats.jsonl")
         chats(path, args.records, args.answers, lines)
         items = entries.check("data", [path], False, False)
-        for repeat in range(args.repeats):
-            t = time.perf_counter()
-            made = tokens.token_file(os.path.join(d, f"tokens{repeat}"), "train", items, tok, None, False,
-                                     cutoff=8192)
-            seconds = time.perf_counter() - t
-            rows.append({"records": args.records, "answers": args.answers, "repeat": repeat, "seconds": seconds,
-                         "records_per_s": args.records / seconds, "tokens_per_s": made.ids.size / seconds,
-                         "tokens": int(made.ids.size), **machine_facts()})
-    print(f"| records | answers | tokens | median s | records/s | tokens/s | load (1 min) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    mid = sorted(rows, key=lambda r: r["seconds"])[len(rows) // 2]
-    print(f"| {args.records:,} | {args.answers} | {mid['tokens']:,} | {mid['seconds']:.2f} | "
-          f"{mid['records_per_s']:,.0f} | {mid['tokens_per_s']:,.0f} | {mid['load_average_1min']:.2f} |")
+        for repeat in range(args.repeats):       # the worker counts side by side in each repeat
+            for workers in args.workers:
+                t = time.perf_counter()
+                made = tokens.token_file(os.path.join(d, f"tokens{repeat}-{workers}"), "train", items, tok, None,
+                                         False, cutoff=8192, workers=workers)
+                seconds = time.perf_counter() - t
+                rows.append({"records": args.records, "answers": args.answers, "workers": workers,
+                             "repeat": repeat, "seconds": seconds, "records_per_s": args.records / seconds,
+                             "tokens_per_s": made.ids.size / seconds, "tokens": int(made.ids.size),
+                             **machine_facts()})
+    print("| records | answers | workers | tokens | median s | records/s | tokens/s | load (1 min) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for workers in args.workers:
+        runs = sorted((r for r in rows if r["workers"] == workers), key=lambda r: r["seconds"])
+        mid = runs[len(runs) // 2]
+        print(f"| {args.records:,} | {args.answers} | {workers} | {mid['tokens']:,} | {mid['seconds']:.2f} | "
+              f"{mid['records_per_s']:,.0f} | {mid['tokens_per_s']:,.0f} | {mid['load_average_1min']:.2f} |")
     write_rows(args.out, rows)
 
 

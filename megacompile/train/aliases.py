@@ -138,6 +138,8 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "completion_only_loss": ("train_on_prompt", _loss_only("completion_only_loss")),
     "enable_thinking": ("chat_template_kwargs", _thinking),
     "chat_template_path": ("chat_template", _same),
+    "preprocessing_num_workers": ("tokenize_workers", _same),
+    "dataset_num_proc": ("tokenize_workers", _same),
 }
 
 # Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->
@@ -145,7 +147,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "template", "do_train",
            "eval_strategy", "evaluation_strategy", "save_strategy", "logging_strategy")
 
-IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir", "preprocessing_num_workers",
+IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
            "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32", "pad_to_multiple_of")
 WHY_IGNORED = {"per_device_eval_batch_size": "eval uses batch",

@@ -54,6 +54,7 @@ class RunConfig:
     chat_template: str | None = None            # a template file or folder in place of the tokenizer's
     chat_template_kwargs: dict | None = None    # handed to the chat template (data/tools.py)
     dataset_text_field: str | None = None       # TRL's: the column text records are read from
+    tokenize_workers: int | None = 1            # processes that make the token files (data/workers.py)
     seq: int = 512
     packing: bool | str | None = None     # unset: text packed, supervised records one a row (placement.py)
     global_batch: int | None = None
@@ -375,6 +376,9 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.streaming and intervals.EPOCH in (c.eval_every, c.save_every):
         raise ArgumentError("streaming does not know the data's size ahead, so the end of an epoch is not known: give "
                             "eval_every and save_every in steps, or streaming: false")
+    # LlamaFactory's preprocessing_num_workers: null is one process; more than the cores buy nothing
+    workers = 1 if c.tokenize_workers is None else c.tokenize_workers
+    c.tokenize_workers = min(_int("tokenize_workers", workers), os.cpu_count() or 1)
     for key in ("eval_batches", "keep_last", "max_consecutive_skips"):
         if getattr(c, key) is not None:
             setattr(c, key, _int(key, getattr(c, key)))

@@ -18,7 +18,6 @@ NOT_TAKEN = {
     "dataset_config": f"give the data files as data: ({_LOCAL})",
     "dataset_train_split": "give the training files as data: and the held-out ones as eval: (or eval_fraction)",
     "dataset_test_split": "give the held-out files as eval: (or eval_fraction)",
-    "dataset_num_proc": "the data is tokenised once, into the run folder's token files (tokens/), reused on resume",
     "dataset_kwargs": "the record layout is found from the records' keys (docs/training.md, record layouts)",
     "tokenized_path": "token files are kept in the run folder (tokens/) and reused by a resumed run",
     "disable_shuffling": "the document and row order are set by seed",

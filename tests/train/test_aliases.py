@@ -120,8 +120,7 @@ def test_keys_without_effect_and_the_template_name_are_noted(tmp_path, capsys):
     assert f"template 'llama3' is not read: chats are formatted by the tokenizer's own chat template ({model})" in out
     line = out.split("ignored (no effect in a megacompile run): ")[1].splitlines()[0]
     assert sorted(line.split(", ")) == ["dataloader_num_workers", "ddp_timeout", "flash_attn",
-                                        "overwrite_cache", "plot_loss",
-                                        "preprocessing_num_workers", "save_only_model", "trust_remote_code"]
+                                        "overwrite_cache", "plot_loss", "save_only_model", "trust_remote_code"]
 
 
 def _without_chat_template(model: str) -> None:

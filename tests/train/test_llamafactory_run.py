@@ -61,8 +61,11 @@ def test_llamafactory_names_and_own_names_train_the_same_run(tmp_path):
         device="cpu")
     a, b = load(llamafactory), load(own)
     assert [e["path"] for e in a.data] == [e["path"] for e in b.data] == [sharegpt]
-    # the same settings, field for field (the data named by dataset_info.json or by its path)
-    assert dataclasses.replace(a, run_dir=b.run_dir, data=b.data, dataset=None, dataset_dir=b.dataset_dir) == b
+    # the same settings, field for field (the data named by dataset_info.json or by its path), but
+    # preprocessing_num_workers: the same token file from that many processes (the logs below)
+    assert a.tokenize_workers == min(16, os.cpu_count() or 1) and b.tokenize_workers == 1
+    assert dataclasses.replace(a, run_dir=b.run_dir, data=b.data, dataset=None, dataset_dir=b.dataset_dir,
+                               tokenize_workers=1) == b
     run(a)
     run(b)
     lf_rows, own_rows = _rows(str(tmp_path / "saves/lf")), _rows(str(tmp_path / "saves/own"))

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import ArgumentError
-from . import images, sharegpt, template_file
+from . import images, template_file
+from . import workers as workers_of
 from . import entries
 from .encoding import Document, document, encode  # noqa: F401 - tokens.encode: one record's tokens
 from .reading import records
@@ -133,11 +134,12 @@ def sources(fingerprint: str) -> dict | None:
 
 
 def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: str | None,
-               train_on_prompt: bool, media=None, cutoff: int | None = None) -> TokenFile:
+               train_on_prompt: bool, media=None, cutoff: int | None = None, workers: int = 1) -> TokenFile:
     """The split's token file in `folder`, when one made from the same sources is there; else made
     now in `folder`.new and put in place by commit() (a run that is refused after tokenising, its
     resume checks among them, leaves the run's own token files as they were). `cutoff`: the row
-    length, to which supervised records are truncated (None: none is)."""
+    length, to which supervised records are truncated (None: none is). `workers`: processes that
+    tokenise (workers.py; the file is the same whatever their number)."""
     paths = as_entries(paths)
     sources = _sources(paths, tokenizer_dir, train_on_prompt, cutoff)
     if media is not None:
@@ -166,7 +168,7 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
     if content is None:     # the sources changed (or were never read): their tokens may not
         staged = folder.rstrip(os.sep) + ".new"
         content, starts, pictures, marked = _write(staged, split, paths, tokenizer, train_on_prompt, sources,
-                                                    made_from, media, cutoff)
+                                                    made_from, media, cutoff, workers)
     base = os.path.join(staged or folder, split)
     docs = np.fromfile(base + ".docs", dtype=np.int64)
     return TokenFile(np.memmap(base + ".ids", dtype=np.uint32, mode="r"),
@@ -267,7 +269,8 @@ class _FileCount:
 
 
 def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_prompt: bool, sources: dict,
-           made_from: str, media=None, cutoff: int | None = None) -> tuple[str, list[int], list, list]:
+           made_from: str, media=None, cutoff: int | None = None,
+           workers: int = 1) -> tuple[str, list[int], list, list]:
     """Tokenise into the three files; returns the sha256 of their contents (the image paths and
     the records included), where each entry's tokens start, [document, where, image files] of the
     documents with images, and the runs of documents that are records."""
@@ -289,27 +292,25 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                 starts.append(total)
                 if media is not None:
                     media.at(entry["path"])
-                for where, record in tqdm(records(entry), desc=f"tokenising {split}", unit=" docs",
-                                          file=sys.stderr, disable=not sys.stderr.isatty()):
-                    made = document(tokenizer, record, train_on_prompt, where, media, cutoff,
-                                    entry.get("mask_history", False))
-                    ids, targets = made.ids, made.targets
-                    for role in sharegpt.roles(record):
+                work = workers_of.Work(tokenizer, train_on_prompt, cutoff, entry.get("mask_history", False), media)
+                read = tqdm(records(entry), desc=f"tokenising {split}", unit=" docs", file=sys.stderr,
+                            disable=not sys.stderr.isatty())
+                for made in workers_of.documents(read, work, workers):
+                    for role in made.roles:
                         count.roles[role] = count.roles.get(role, 0) + 1
-                    if not ids:
+                    if not made.ids.size:
                         continue
-                    for f, data in ((ids_f, np.asarray(ids, dtype=np.uint32).tobytes()),
-                                    (tgt_f, np.asarray(targets, dtype=np.uint8).tobytes())):
+                    for f, data in ((ids_f, made.ids.tobytes()), (tgt_f, made.targets.tobytes())):
                         f.write(data)
                         content.update(data)
-                    if media is not None and images.held(record):
-                        pictures.append([len(offsets) - 1, where, media.paths(record, where)])
+                    if made.images is not None:
+                        pictures.append([len(offsets) - 1, made.where, made.images])
                     marked.append(made.record)
                     if made.cut:
                         truncated[0], truncated[1] = truncated[0] + 1, truncated[1] + made.cut
-                    total += len(ids)
-                    count.tokens += len(ids)
-                    count.counted += sum(targets)
+                    total += made.ids.size
+                    count.tokens += made.ids.size
+                    count.counted += int(made.targets.sum())
                     offsets.append(total)
         if total == 0:
             raise ArgumentError(f"{split} data ({', '.join(paths)}) holds no tokens")

@@ -149,14 +149,16 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     elif media is not None and c.chat_template is not None:
         media.processor.chat_template = tokenizer.chat_template     # written with the model it trained
     batch_pixels = media.inputs if media is not None else None
-    train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len)
+    train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len,
+                       c.tokenize_workers)
     held, eval_rows = None, None
     try:
         source, docs = train, np.arange(train.n_docs)
         if media is not None:
             media.check_packing(c.packing, train)
         if c.eval:
-            held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len)
+            held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len,
+                              c.tokenize_workers)
             if media is not None:
                 media.check_packing(c.packing, held)
             eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad, pixels=batch_pixels)
@@ -187,7 +189,8 @@ def _stream(c: RunConfig, folder: str, tokenizer, tokenizer_dir: str | None, row
     weights = [e["weight"] for e in c.data]
     held = eval_rows = None
     if c.eval:
-        held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, cutoff=row_len)
+        held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, cutoff=row_len,
+                           workers=c.tokenize_workers)
         eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
     print(f"  data           streamed from {', '.join(e['path'] for e in c.data)} ({c.mix_strategy}), tokenised "
           "as training reads it" + (f"; {_count(held, np.arange(held.n_docs))} to evaluate" if held else ""),
