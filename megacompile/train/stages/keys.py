@@ -61,7 +61,9 @@ def check(c, raw: dict, folder: str | None = None) -> None:
                             "dpo or grpo")
     if c.stage not in STAGES:
         raise ArgumentError(f"stage must be one of {', '.join(STAGES)}; got {c.stage!r}")
-    given = [k for k in ALL_KEYS if raw.get(k) is not None]
+    if c.stage == "sft" and raw.get("loss_type") is not None:
+        _sft_loss(c)
+    given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")]
     foreign = [k for k in given if k not in KEYS.get(c.stage, ())]
     if foreign:
         owners = {k: " or ".join(s for s in KEYS if k in KEYS[s]) for k in foreign}
@@ -92,6 +94,19 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         if getattr(c, key) is None:
             setattr(c, key, default)
     _dpo(c) if c.stage == "dpo" else _grpo(c, raw, folder)
+
+
+def _sft_loss(c) -> None:
+    """TRL's SFTConfig.loss_type: `nll` (its default, what SFTConfig.to_dict() writes) is the
+    cross-entropy megacompile trains with; DFT's probability-weighted loss is not here."""
+    if c.loss_type == "dft":
+        raise ArgumentError("stage sft: loss_type dft (TRL's dynamic fine-tuning, each token's loss weighted by its "
+                            "probability) is not supported; the loss is the cross-entropy of the counted tokens "
+                            "(loss_type: nll, or leave it out)")
+    if c.loss_type != "nll":
+        raise ArgumentError(f"stage sft: loss_type is nll (TRL's SFT default, the cross-entropy); got {c.loss_type!r}; "
+                            "DPO's and GRPO's loss types belong to stage dpo and grpo")
+    c.loss_type = None
 
 
 def _records(stage: str) -> str:
