@@ -45,6 +45,7 @@ class RunConfig:
     dataset: Any = None
     eval_dataset: Any = None
     dataset_dir: str | None = None
+    media_dir: str | None = None    # LlamaFactory's: the folder records' image and video paths are relative to
     streaming: bool = False
     max_samples: int | None = None
     eval: list = field(default_factory=list)
@@ -227,7 +228,7 @@ def _override(item: str) -> tuple[str, Any]:
         raise ArgumentError(f"override {item!r}: the value is not valid YAML: {e}") from e
 
 
-PATH_KEYS = ("model", "tokenizer", "chat_template", "data", "eval", "run_dir", "export", "resume", "nvme_dir", "dump_dir", "dataset_dir")
+PATH_KEYS = ("model", "tokenizer", "chat_template", "media_dir", "data", "eval", "run_dir", "export", "resume", "nvme_dir", "dump_dir", "dataset_dir")
 
 
 def _relative(key: str, value: Any, base: str) -> Any:
@@ -299,6 +300,17 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         digest = template_file.digest(template_file.read(c.chat_template))
         for entry in c.data + c.eval:
             entry["chat_template"] = digest
+    c.media_dir = _text("media_dir", c.media_dir, optional=True)
+    if c.media_dir is not None:
+        if not os.path.isdir(c.media_dir):
+            raise ArgumentError(f"media_dir {c.media_dir} is not a folder; give the folder the records' image and "
+                                "video paths are relative to, or leave it out (the data file's folder)")
+        for entry in c.data + c.eval:
+            entry["media_dir"] = os.path.abspath(c.media_dir)
+    else:       # LlamaFactory's datasets: their media paths are relative to dataset_dir, its default media_dir
+        named = (c.data if c.dataset is not None else []) + (c.eval if c.eval_dataset is not None else [])
+        for entry in named:
+            entry["media_dir"] = os.path.abspath(c.dataset_dir)
     c.chat_template_kwargs = tools.checked_kwargs(c.chat_template_kwargs, "chat_template_kwargs") or None
     for entry in c.data + c.eval:       # laid under each record's own as the data is read
         entry["chat_template_kwargs"] = c.chat_template_kwargs

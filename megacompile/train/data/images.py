@@ -120,6 +120,7 @@ class Media:
         self.video_settings = None      # how videos are read (videos.Settings), for a processor that takes them
         self.written_id = self.token_id
         self.base = "."         # the folder the current data entry's image paths are relative to
+        self.media_dir = None   # run.yaml's media_dir, where given: that folder
         self.embedded = None    # where images held inside records are written (keep_embedded_in)
         self.limits = None      # pixels.Limits the images are read within (pixels.attach), or none
         self._widths: dict[str, int] = {}
@@ -140,10 +141,11 @@ class Media:
     def chat_template(self):
         return getattr(self.processor, "chat_template", None)
 
-    def at(self, entry_path: str) -> None:
+    def at(self, entry_path: str, media_dir: str | None = None) -> None:
         """Image paths of the next records are relative to this data entry (a file's folder, or
-        the folder itself)."""
-        self.base = entry_path if os.path.isdir(entry_path) else os.path.dirname(entry_path)
+        the folder itself), or to `media_dir` (LlamaFactory's) where the run gives one."""
+        self.media_dir = media_dir
+        self.base = media_dir or (entry_path if os.path.isdir(entry_path) else os.path.dirname(entry_path))
 
     def paths(self, record: dict, where: str) -> list:
         """The record's media, checked: its image files (absolute paths that exist), then its videos
@@ -178,8 +180,9 @@ class Media:
         for p in found:
             path = os.path.abspath(os.path.join(self.base, p))
             if not os.path.isfile(path):
-                raise ArgumentError(f"{where}: {kind} {p} is not there ({path}); {kind} paths are relative to the "
-                                    "data file's folder")
+                raise ArgumentError(f"{where}: {kind} {p} is not there ({path}); {kind} paths are relative to "
+                                    + (f"media_dir ({self.media_dir})" if self.media_dir else
+                                       "the data file's folder (or to media_dir, where the run gives one)"))
             out.append(path)
         return out
 

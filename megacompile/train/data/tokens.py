@@ -96,7 +96,7 @@ def _stat(path: str) -> list[dict]:
 def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None) -> dict:
     files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit",
                                                                 "chat_template_kwargs", "mask_history")},
-              **({"chat_template": e["chat_template"]} if e.get("chat_template") else {}),
+              **{k: e[k] for k in ("chat_template", "media_dir") if e.get(k)},
               **({"num_samples": e["num_samples"], "seed": e.get("seed", 0)} if e.get("num_samples") else {})}
              for e in items]
     tokenizer = {}
@@ -291,7 +291,7 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                 count = counts[entry["path"]]
                 starts.append(total)
                 if media is not None:
-                    media.at(entry["path"])
+                    media.at(entry["path"], entry.get("media_dir"))
                 work = workers_of.Work(tokenizer, train_on_prompt, cutoff, entry.get("mask_history", False), media)
                 read = tqdm(records(entry), desc=f"tokenising {split}", unit=" docs", file=sys.stderr,
                             disable=not sys.stderr.isatty())
