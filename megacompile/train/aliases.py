@@ -149,12 +149,19 @@ SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs
 
 IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
-           "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32", "pad_to_multiple_of")
+           "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32", "pad_to_multiple_of",
+           "tool_format", "buffer_size", "preprocessing_batch_size", "ignore_pad_token_for_loss",
+           "data_shared_file_system", "eval_num_beams")
 WHY_IGNORED = {"per_device_eval_batch_size": "eval uses batch",
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
                "optim": "megacompile's AdamW is torch's",
-               "pad_to_multiple_of": "every row is seq tokens long"}
+               "pad_to_multiple_of": "every row is seq tokens long",
+               "tool_format": "tools are written by the model's chat template",
+               "buffer_size": "streamed data is read in file order, with no shuffle buffer",
+               "preprocessing_batch_size": "records are packed 1,000 at a time, LlamaFactory's default",
+               "ignore_pad_token_for_loss": "padding is never counted",
+               "eval_num_beams": "evaluation is the held-out loss; nothing is generated"}
 
 # HF schedule -> ours; `constant` has no warmup in transformers, `cosine_with_min_lr` needs a floor.
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",

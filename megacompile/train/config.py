@@ -53,6 +53,7 @@ class RunConfig:
     train_on_prompt: bool = False
     mask_history: bool = False      # LlamaFactory's: the last answer of a conversation alone trains
     chat_template: str | None = None            # a template file or folder in place of the tokenizer's
+    default_system: str | None = None           # LlamaFactory's: the system message of chats without one
     chat_template_kwargs: dict | None = None    # handed to the chat template (data/tools.py)
     dataset_text_field: str | None = None       # TRL's: the column text records are read from
     tokenize_workers: int | None = 1            # processes that make the token files (data/workers.py)
@@ -311,6 +312,13 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         named = (c.data if c.dataset is not None else []) + (c.eval if c.eval_dataset is not None else [])
         for entry in named:
             entry["media_dir"] = os.path.abspath(c.dataset_dir)
+    c.default_system = _text("default_system", c.default_system, optional=True)
+    if c.default_system is not None:
+        if c.bundled:
+            raise ArgumentError("default_system: the bundled model reads bytes and has no chat template; leave it "
+                                "out")
+        for entry in c.data + c.eval:       # laid into each chat record that has no system message (system.py)
+            entry["default_system"] = c.default_system
     c.chat_template_kwargs = tools.checked_kwargs(c.chat_template_kwargs, "chat_template_kwargs") or None
     for entry in c.data + c.eval:       # laid under each record's own as the data is read
         entry["chat_template_kwargs"] = c.chat_template_kwargs

@@ -19,6 +19,7 @@ NOT_TAKEN = {
     "dataset_train_split": "give the training files as data: and the held-out ones as eval: (or eval_fraction)",
     "dataset_test_split": "give the held-out files as eval: (or eval_fraction)",
     "dataset_kwargs": "the record layout is found from the records' keys (docs/training.md, record layouts)",
+    "eval_on_each_dataset": "not supported: the held-out loss is over all eval files together",
     "tokenized_path": "token files are kept in the run folder (tokens/) and reused by a resumed run",
     "disable_shuffling": "the document and row order are set by seed",
     # packing

@@ -26,6 +26,7 @@ import numpy as np
 
 from ...errors import ArgumentError
 from ...posttrain import jsonl_records, present
+from . import system
 from .entries import BUNDLED, COLUMNS, folder_files
 
 
@@ -48,7 +49,8 @@ def records(entry: dict, readers: dict | None = None) -> Iterator[tuple[str, dic
     for n, (where, record) in enumerate(rows):
         if limit is not None and n >= limit:
             return
-        yield where, _with_template_kwargs(rename(record), entry.get("chat_template_kwargs"))
+        record = system.with_default(rename(record), entry.get("default_system"))
+        yield where, _with_template_kwargs(record, entry.get("chat_template_kwargs"))
 
 
 def _with_template_kwargs(record: dict, run: dict | None) -> dict:
