@@ -26,6 +26,7 @@ from .shorten import Short, held_bytes, peak_with_cut, shorten, span
 from .solve import Family, Selective, candidates, families, lowest
 from ..passes.baselines import baseline_choice
 from .chunk_count import plan_chunked
+from .floor import compute_floor
 from .request import PlanRequest
 from .result import Plan
 
@@ -67,6 +68,7 @@ def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
         return built[choice]
 
     peak_of, seconds_of = judges(captured, blocks, hardware, schedule, lower_once, kind, disk_per_param)
+    floor_of = compute_floor(captured, hardware)
 
     def exact_of(c: ScheduleChoice) -> float:
         return predict(schedule(c), with_selective(captured, c.selective), hardware, disk_per_param).step_s
@@ -81,14 +83,14 @@ def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
         if accumulation != "layer" or layer == 1:
             # The fastest of each stride by the short-stack estimate, then on the whole stack.
             space = search_space(captured, blocks, hardware, host_room, device_room=room)
-            choice, minimum = solve(blocks, room, peak_of, seconds_of, space, exact_of)
+            choice, minimum = solve(blocks, room, peak_of, seconds_of, space, exact_of, floor_of=floor_of)
             least = lowest(blocks, space, peak_of)
         if layer > 1:
             # Every micro-batch of a layer-major step stashes what one would: k times the host bytes.
             space = search_space(captured, blocks, hardware, None if host_room is None else host_room // layer,
                                  device_room=room)
             choice, _ = pick_accumulation(blocks, room, peak_of, seconds_of, space, layer, choice,
-                                          None if least is None else minimum)
+                                          None if least is None else minimum, floor_of)
             least_layer = dataclasses.replace(lowest(blocks, space, lambda c: peak_of(
                 dataclasses.replace(c, micro_batches=layer))), micro_batches=layer)
             if least is None or peak_of(least_layer) < peak_of(least):
@@ -197,7 +199,7 @@ def _draws(body) -> bool:
 
 
 def pick_accumulation(blocks: list[int], plan_bytes: int, peak_of, seconds_of, space, k: int,
-                      micro_choice: ScheduleChoice | None, micro_minimum: int | None):
+                      micro_choice: ScheduleChoice | None, micro_minimum: int | None, floor_of=None):
     """The layer-major choice for k micro-batches, unless k micro-batch-major steps (`micro_choice`,
     None when not offered or nothing fit) are predicted shorter."""
     def lm(c: ScheduleChoice) -> ScheduleChoice:
@@ -205,7 +207,7 @@ def pick_accumulation(blocks: list[int], plan_bytes: int, peak_of, seconds_of, s
     # Only a layer-major step shorter than k micro-batch-major ones is taken: none slower is sought.
     bound = float("inf") if micro_choice is None else k * seconds_of(micro_choice)
     choice, minimum = solve(blocks, plan_bytes, lambda c: peak_of(lm(c)), lambda c: seconds_of(lm(c)), space,
-                            bound=bound)
+                            bound=bound, floor_of=None if floor_of is None else lambda c: floor_of(lm(c)))
     minimum = minimum if micro_minimum is None else min(minimum, micro_minimum)
     if choice is None:
         return micro_choice, minimum

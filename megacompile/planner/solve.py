@@ -86,19 +86,26 @@ def candidates(blocks: Sequence[int], family: Family) -> Candidates:
 
 
 def smallest_fit(options: Sequence[ScheduleChoice], budget_bytes: int,
-                 peak_of: Callable[[ScheduleChoice], int]) -> ScheduleChoice | None:
+                 peak_of: Callable[[ScheduleChoice], int], last: int | None = None) -> ScheduleChoice | None:
+    """The first choice whose peak fits, by bisection (None if the last does not fit). With `last`,
+    None too as soon as the answer must lie past index `last`: the probes up to then are those of
+    the whole bisection, so a fit at or before it is the same one."""
     if peak_of(options[0]) <= budget_bytes:
         return options[0]
+    if last is not None and last < 1:
+        return None
     if peak_of(options[-1]) > budget_bytes:
         return None
     lo, hi = 0, len(options) - 1
     while lo < hi:
+        if last is not None and lo > last:
+            return None
         mid = (lo + hi) // 2
         if peak_of(options[mid]) <= budget_bytes:
             hi = mid
         else:
             lo = mid + 1
-    return options[lo]
+    return None if last is not None and lo > last else options[lo]
 
 
 def families(residents: Sequence[frozenset[int]] = (frozenset(),), offload_counts: Sequence[int] = (0,),
@@ -119,11 +126,18 @@ def lowest(blocks: Sequence[int], options: Sequence[Family],
                 for f in options), key=peak_of)
 
 
+def _clearly_above(floor: float, bar: float) -> bool:
+    """Whether a floor is above `bar` by more than float noise and the rounding of seconds to the
+    nanosecond below (so the prediction it bounds is above the bar too)."""
+    return floor * (1 - 1e-9) > bar + 2e-9
+
+
 def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
           seconds_of: Callable[[ScheduleChoice], float] | None = None,
           options: Sequence[Family] | None = None,
           exact_of: Callable[[ScheduleChoice], float] | None = None,
-          bound: float = float("inf")) -> tuple[ScheduleChoice | None, int]:
+          bound: float = float("inf"),
+          floor_of: Callable[[ScheduleChoice], float] | None = None) -> tuple[ScheduleChoice | None, int]:
     """The fastest choice that fits (None if none does), and the smallest peak any choice reaches.
 
     `options`: the families to search (default: the three depths, nothing else). Without
@@ -132,7 +146,11 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
     each other (planner/shorten.py judges a strided pattern by its periods): with `exact_of`, the
     fastest choice of each stride (0: prefix/suffix) by `seconds_of` is timed by `exact_of`, and
     the fastest of those wins. `bound`: seconds a choice must not exceed to be worth finding (a
-    choice the caller already holds; None is returned when no family's fastest choice is within it)."""
+    choice the caller already holds; None is returned when no choice found is within it).
+    `floor_of`: seconds that `seconds_of` never undercuts, cheaper to know (planner/floor.py): a
+    family whose fastest choice's floor is above the bar (the fastest fit of its stride so far, or
+    `bound`) is skipped without asking `seconds_of`, and a family's bisection stops once its fit
+    could only be above that bar. Neither changes the choice returned (tests/unit/test_floor.py)."""
     options = list(options or families())
     # Every block recomputed holds the least any family can: no choice fits below it. At a budget
     # below it (the usual first try of a model that needs its blocks in sequence chunks), the
@@ -154,11 +172,20 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
         # is slower than a fit of the same stride already found, or than `bound`, its search cannot
         # win. Deep prefetch comes first and usually fits fast, so most families end here, at one
         # schedule each instead of a bisection's dozen.
-        if seconds_of is not None:
-            bar = min(fastest.get(f.stride, float("inf")), bound)
+        # With no fit of its stride yet and no bound, there is no bar to judge it against.
+        bar = min(fastest.get(f.stride, float("inf")), bound)
+        if seconds_of is not None and bar < float("inf"):
+            if floor_of is not None and _clearly_above(floor_of(options_f[0]), bar):
+                continue
             if round(seconds_of(options_f[0]), 9) > round(bar, 9):
                 continue
-        choice = smallest_fit(options_f, budget_bytes, peak_of)
+        # A fit whose floor is above the bar could be neither the fastest of its stride nor within
+        # `bound`: the bisection gives up once its answer lies past the last choice that might be.
+        last = None
+        if seconds_of is not None and floor_of is not None and bar < float("inf"):
+            last = next((k for k in reversed(range(len(options_f)))
+                         if not _clearly_above(floor_of(options_f[k]), bar)), -1)
+        choice = smallest_fit(options_f, budget_bytes, peak_of, last)
         if choice is None:
             continue
         fits.append(choice)

@@ -87,7 +87,7 @@ def test_layer_major_k4_trains_as_eager_accumulation():
     assert engine.host.nbytes == one.ram_bytes < accumulating.ram_bytes
 
 
-def _forced(blocks, budget, peak_of, seconds_of=None, options=None, bound=float("inf")):
+def _forced(blocks, budget, peak_of, seconds_of=None, options=None, exact_of=None, bound=float("inf"), floor_of=None):
     # The first block offloads its saved values, the rest recompute; every block input goes to
     # host memory: each micro-batch's stash and restore must find its own copy.
     recompute, offload = frozenset(blocks[1:]), frozenset(blocks[:1])

@@ -23,7 +23,7 @@ def test_every_other_block_recomputed_the_rest_offloaded_trains_exactly(monkeypa
     losses = eager_losses(reference, batches, "nanogpt", first_moments=eager_moments)
 
     # The solver's own search, held to the one strided family under test.
-    def strided(blocks, budget, peak_of, seconds_of=None, options=None, exact_of=None):
+    def strided(blocks, budget, peak_of, seconds_of=None, options=None, exact_of=None, floor_of=None):
         return solve(blocks, budget, peak_of, seconds_of,
                      [Family(1, offloaded=len(blocks), stride=2, lag=2, boundary=boundary)])
     monkeypatch.setattr(planner, "solve", strided)
