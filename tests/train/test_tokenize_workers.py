@@ -53,3 +53,19 @@ def test_llamafactorys_and_trls_keys_set_the_workers(tmp_path):
                 []).tokenize_workers == min(64, cores)       # more processes than cores buy nothing
     with pytest.raises(ArgumentError, match="tokenize_workers must be a whole number >= 1; got 0"):
         load(files.run_yaml(str(tmp_path / "e.yaml"), tokenize_workers=0, **common), [])
+
+
+def test_the_records_are_tokenised_in_the_workers_not_in_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(workers, "CHUNK", 3)
+    seen = tmp_path / "pids"
+    made = workers.made
+
+    def noted(where, record, work):         # the fork carries this stand-in into the workers
+        with open(seen, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return made(where, record, work)
+    monkeypatch.setattr(workers, "made", noted)
+    items = entries.check("data", [data.jsonl(tmp_path / "notes.jsonl", data.texts(24))], False, False)
+    tokens.token_file(str(tmp_path / "tokens"), "train", items, files.tokenizer(), None, False, workers=2)
+    pids = set(seen.read_text().split())
+    assert len(seen.read_text().split()) == 24 and pids and str(os.getpid()) not in pids
