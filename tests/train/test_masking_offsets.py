@@ -64,3 +64,15 @@ def test_a_token_straddling_a_turns_start_is_not_split():
     offsets = [(0, 3), (3, 5), (5, 9), (9, 9), (9, 12)]
     assert [_at(offsets, c) for c in (0, 3, 5, 9, 12)] == [0, 1, 2, 3, 5]
     assert _at(offsets, 4) is None and _at(offsets, 7) is None
+
+
+def test_a_turn_whose_ends_fall_between_tokens_is_found_without_tokenising_again(monkeypatch):
+    from megacompile.train.data import masking
+    tok = processor_files.tokenizer([])
+    tok.chat_template = CHATML
+    apart = []
+    encode = masking._encode
+    monkeypatch.setattr(masking, "_encode", lambda *a, **k: apart.append(a[1]) or encode(*a, **k))
+    messages = next(_conversations())
+    assert sum(tokens.encode(tok, {"messages": messages}, False, "x:1")[1]) > 0
+    assert apart == []      # only the whole conversation was tokenised (not through _encode)
