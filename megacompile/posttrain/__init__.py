@@ -11,7 +11,7 @@ from .advantages import nanstd
 from .hf_generator import HFGenerator
 from .preference import Pair, pack, preference_metrics, read_pairs, to_pair
 from .record_files import jsonl_records, present
-from .rendered import check_calls, check_texts, check_tools, texts
+from .rendered import check_calls, check_texts, check_tools, render, texts
 from .rewards import TrainerState
 from .rollout import EngineGenerator
 from .rollout_batch import rollout_batch, truncated
@@ -23,4 +23,4 @@ from .vllm_server import VLLMServerGenerator
 __all__ = ["DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "sequence_logprobs", "token_logprobs",
            "IGNORE", "EngineGenerator", "HFGenerator", "MISSING", "Pair", "StreamedHFGenerator", "TrainerState",
            "VLLMGenerator", "VLLMServerGenerator", "nanstd", "pack", "preference_metrics", "read_pairs", "rewards",
-           "rollout_batch", "to_pair", "jsonl_records", "present", "check_calls", "check_texts", "check_tools", "texts", "sampled_logps", "sampling_correction", "sampling_ratio", "truncated"]
+           "rollout_batch", "to_pair", "jsonl_records", "present", "check_calls", "check_texts", "check_tools", "render", "texts", "sampled_logps", "sampling_correction", "sampling_ratio", "truncated"]

@@ -14,7 +14,7 @@ from ..errors import ArgumentError
 from .logprobs import IGNORE
 from .preference_format import SAME, trl_record
 from .record_files import read_records
-from .rendered import check_calls, check_texts, check_tools
+from .rendered import check_calls, check_texts, check_tools, render
 
 
 @dataclass(frozen=True)
@@ -45,22 +45,18 @@ def to_pair(record: dict, tokenizer, where: str = "a preference record", templat
         raise ArgumentError(f"{where}: the record gives tools, which a chat template renders: give the prompt and "
                             "completions as messages")
     if isinstance(prompt, list):
-        def render(messages, **kw):
-            try:
-                text = tokenizer.apply_chat_template(messages, tokenize=False, **(template_kwargs or {}),
-                                                     **({"tools": tools} if tools else {}), **kw)
-            except Exception as e:  # noqa: BLE001 - a template's own error (jinja's, or raise_exception in it)
-                raise ArgumentError(f"{where}: the chat template fails on this pair: {type(e).__name__}: "
-                                    f"{str(e)[:300]}") from e
+        def written(messages, **kw):
+            text = render(tokenizer, messages, where, "pair", tokenize=False, **(template_kwargs or {}),
+                          **({"tools": tools} if tools else {}), **kw)
             check_texts(text, messages, where)
             return text
-        prompt_text = render(prompt, add_generation_prompt=True)
+        prompt_text = written(prompt, add_generation_prompt=True)
         check_tools(prompt_text, tools, where)
         check_calls(prompt_text, prompt, where, "the prompt")
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         completions = []
         for k in ("chosen", "rejected"):
-            text = render(prompt + record[k])
+            text = written(prompt + record[k])
             check_calls(text[len(prompt_text):] if text.startswith(prompt_text) else text, record[k], where, k)
             full = tokenizer(text, add_special_tokens=False)["input_ids"]
             if full[:len(prompt_ids)] != prompt_ids:

@@ -2,11 +2,21 @@
 out, without a word, the roles it does not know and contents of a kind it does not read (LLaVA's
 reads list contents only, and writes nothing of a string), and training on what is left would be
 training on another conversation. Every chat rendering the loss is made from is checked here:
-stage sft's (train/data/masking.py), stage dpo's pairs (preference.py) and stage grpo's prompts.
+stage sft's (train/data/masking.py), stage dpo's pairs (preference.py) and stage grpo's prompts, each rendered by `render`.
 """
 from __future__ import annotations
 
 from ..errors import ArgumentError
+
+
+def render(tokenizer, messages: list, where: str, what: str = "conversation", **options):
+    """`tokenizer.apply_chat_template(messages, **options)`, with a template's own error (jinja's, or
+    `raise_exception` in it) said as the project's, naming the record (`where`) and `what` it renders."""
+    try:
+        return tokenizer.apply_chat_template(messages, **options)
+    except Exception as e:  # noqa: BLE001 - whatever the template raises is its own
+        raise ArgumentError(f"{where}: the chat template fails on this {what}: {type(e).__name__}: "
+                            f"{str(e)[:300]}") from e
 
 
 def texts(content) -> list[str]:

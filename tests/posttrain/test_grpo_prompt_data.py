@@ -102,6 +102,10 @@ def test_chat_template_kwargs_render_the_prompts_and_are_not_handed_to_the_rewar
                                                     "{% for m in messages if m.role != 'system' %}")
     with pytest.raises(ArgumentError, match="chat.jsonl:1: the chat template does not write turn 0 \\(role 'system'\\)"):
         GRPOStage(_config(work, tmp_path, reward_funcs=["format_check"], data=str(work["dir"] / "chat.jsonl")), tok)
+    tok.chat_template = "{{ raise_exception('the prompt must end with a user turn') }}"
+    with pytest.raises(ArgumentError, match="chat.jsonl:1: the chat template fails on this prompt: "
+                                            ".*the prompt must end with a user turn"):
+        GRPOStage(_config(work, tmp_path, reward_funcs=["format_check"], data=str(work["dir"] / "chat.jsonl")), tok)
 
 
 def test_a_llamafactory_dataset_trains_under_grpo_its_answers_handed_to_the_rewards(work, tmp_path):

@@ -70,6 +70,13 @@ def test_a_template_that_drops_the_tools_or_a_call_is_refused():
               "x:5")
 
 
+def test_a_templates_own_error_on_a_pair_is_said_with_the_record():
+    failing = tool_files.tokenizer("{{ raise_exception('tools must come with a system turn') }}")
+    with pytest.raises(ArgumentError, match="x:7: the chat template fails on this pair: "
+                                            ".*tools must come with a system turn"):
+        _pair(TRL, failing, "x:7")
+
+
 def test_stage_dpo_reads_a_llamafactory_tool_ranking_dataset(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from ...errors import ArgumentError
-from ...posttrain import texts
+from ...posttrain import render, texts
 
 _MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TAGS = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
@@ -39,12 +39,8 @@ def blocks(tokenizer, messages: list, text: str, options: dict,
     if not getattr(tokenizer, "is_fast", False):
         raise ArgumentError(f"{where}: the chat template marks the assistant's text ({{% generation %}}), and "
                             "reading the marks needs a fast tokenizer (a folder with tokenizer.json)")
-    try:
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=False,
-                                            return_assistant_tokens_mask=True, **options)
-    except Exception as e:  # noqa: BLE001 - a template's own error (jinja's, or raise_exception in it)
-        raise ArgumentError(f"{where}: the chat template fails on this conversation: {type(e).__name__}: "
-                            f"{str(e)[:300]}") from e
+    out = render(tokenizer, messages, where, tokenize=True, return_dict=True, add_generation_prompt=False,
+                 return_assistant_tokens_mask=True, **options)
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     spans = _runs(mask)
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from ...errors import ArgumentError
-from ...posttrain import check_calls, check_texts, check_tools
+from ...posttrain import check_calls, check_texts, check_tools, render
 from . import marks, parts
 from .tools import calls as call_names
 
@@ -29,12 +29,7 @@ def _encode(tokenizer, text: str, special: bool) -> list[int]:
 
 
 def _text(tokenizer, messages: list, generation_prompt: bool, options: dict, where: str) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                             **options)
-    except Exception as e:  # noqa: BLE001 - a template's own error (jinja's, or raise_exception in it)
-        raise ArgumentError(f"{where}: the chat template fails on this conversation: {type(e).__name__}: "
-                            f"{str(e)[:300]}") from e
+    return render(tokenizer, messages, where, tokenize=False, add_generation_prompt=generation_prompt, **options)
 
 
 def _is_turn(m) -> bool:

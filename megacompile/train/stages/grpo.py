@@ -36,7 +36,7 @@ import torch
 
 from ...errors import ArgumentError
 from ...errors import MegacompileError
-from ...posttrain import check_texts
+from ...posttrain import check_texts, render
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, grpo_loss, nanstd, rewards,
                           rollout_batch, sampled_logps, sampling_correction, sampling_ratio, truncated)
 from . import rollouts
@@ -111,8 +111,8 @@ class GRPOStage(Stage):
             record = prompt_record(raw, where, names)
             prompt = record["prompt"]
             if isinstance(prompt, list):
-                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                                          **tools.template_kwargs(raw, where))
+                text = render(self.tokenizer, prompt, where, "prompt", tokenize=False, add_generation_prompt=True,
+                              **tools.template_kwargs(raw, where))
                 check_texts(text, prompt, where)
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             else:
