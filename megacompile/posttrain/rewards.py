@@ -49,28 +49,34 @@ def load(name: str, near: str | None = None) -> RewardFn:
     directory is looked for."""
     if name in BUILT_IN:
         return BUILT_IN[name]
+    return named(name, near, "reward function", f" or one of {', '.join(BUILT_IN)}")
+
+
+def named(name: str, near: str | None, what: str, others: str = ""):
+    """The object a run.yaml names as `module:function` or `module.function` (a reward function, a
+    tool): from the Python path, else the working directory, else `near` (the run.yaml's folder).
+    `what` names it in the errors; `others`: what else the name may be."""
     module, sep, attr = name.partition(":")
     if not sep:
         module, _, attr = name.rpartition(".")
     if not module or not attr:
-        raise ArgumentError(f"a reward function is named module:function (or TRL's module.function) or one of "
-                            f"{', '.join(BUILT_IN)}; got {name!r}")
-    found = _module(name, module, near)
+        raise ArgumentError(f"a {what} is named module:function (or TRL's module.function){others}; got {name!r}")
+    found = _module(name, module, near, what)
     if not hasattr(found, attr):
-        raise ArgumentError(f"reward function {name!r} cannot be loaded: {module} "
+        raise ArgumentError(f"{what} {name!r} cannot be loaded: {module} "
                             f"({getattr(found, '__file__', None) or 'a module'}) has no {attr}")
     return getattr(found, attr)
 
 
-def _module(name: str, module: str, near: str | None):
+def _module(name: str, module: str, near: str | None, what: str):
     top = module.split(".")[0]
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name != top:       # the module is there, and something it imports is not
-            raise ArgumentError(f"reward function {name!r} cannot be loaded: {e}") from e
+            raise ArgumentError(f"{what} {name!r} cannot be loaded: {e}") from e
     except ImportError as e:
-        raise ArgumentError(f"reward function {name!r} cannot be loaded: {e}") from e
+        raise ArgumentError(f"{what} {name!r} cannot be loaded: {e}") from e
     places = list(dict.fromkeys(p for p in (os.getcwd(), near) if p))
     for folder in places:
         if os.path.isfile(os.path.join(folder, top + ".py")) or os.path.isdir(os.path.join(folder, top)):
@@ -80,10 +86,10 @@ def _module(name: str, module: str, near: str | None):
             try:
                 return importlib.import_module(module)
             except ImportError as e:
-                raise ArgumentError(f"reward function {name!r} cannot be loaded from {folder}: {e}") from e
-    where = " or ".join(f"{what} ({p})" for what, p in zip(("the working directory", "beside the run config"), places)
-                        if p)
-    raise ArgumentError(f"reward function {name!r} cannot be loaded: no module named {top} on the Python path, in "
+                raise ArgumentError(f"{what} {name!r} cannot be loaded from {folder}: {e}") from e
+    where = " or ".join(f"{place} ({p})" for place, p in zip(("the working directory", "beside the run config"),
+                                                             places) if p)
+    raise ArgumentError(f"{what} {name!r} cannot be loaded: no module named {top} on the Python path, in "
                         f"{where}; put {top}.py in one of those folders, or add its folder to PYTHONPATH "
                         f"(PYTHONPATH=/path/to/folder megacompile train ...)")
 

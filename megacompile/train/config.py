@@ -15,7 +15,7 @@ import torch
 
 from .. import arguments
 from . import aliases
-from .data import entries, template_file, tools
+from .data import entries, run_tools, template_file, tools
 from . import preemption
 from . import intervals
 from . import their_keys
@@ -55,6 +55,7 @@ class RunConfig:
     chat_template: str | None = None            # a template file or folder in place of the tokenizer's
     default_system: str | None = None           # LlamaFactory's: the system message of chats without one
     chat_template_kwargs: dict | None = None    # handed to the chat template (data/tools.py)
+    tools: list | str | None = None             # TRL's DPOConfig.tools: every conversation's, unless it gives its own
     dataset_text_field: str | None = None       # TRL's: the column text records are read from
     tokenize_workers: int | None = 1            # processes that make the token files (data/workers.py)
     seq: int = 512
@@ -435,8 +436,27 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     from .methods import check as check_finetuning
     check_finetuning(c, raw)
     from .stages.keys import check as check_stage
-    check_stage(c, raw, os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None)
+    folder = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
+    check_stage(c, raw, folder)
+    _tools(c, folder)
     return c
+
+
+def _tools(c: RunConfig, folder: str | None) -> None:
+    """run.yaml's tools (data/run_tools.py), laid into each data entry for its conversations."""
+    if c.tools is None or c.tools == []:
+        c.tools = None
+        return
+    if c.bundled:
+        raise ArgumentError("tools: the bundled model reads bytes and has no chat template to write tools; leave "
+                            "them out")
+    if c.stage == "grpo":
+        raise ArgumentError("tools: stage grpo hands a record's tools column to the reward functions, and its "
+                            "rollouts call no tools (TRL's GRPOTrainer(tools=...) runs them while generating); "
+                            "give the tools in the prompts' records, or leave tools out")
+    c.tools = run_tools.resolve(c.tools, folder)
+    for entry in c.data + c.eval:
+        entry["tools"] = c.tools
 
 
 def _unknown(keys: list[str]) -> str:

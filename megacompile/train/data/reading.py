@@ -14,7 +14,8 @@ An entry's `num_samples` (LlamaFactory's dataset_info.json key) draws that many 
 LlamaFactory does: every record once in a random order, as many as are asked for, and past the
 file's size more drawn at random with replacement; the draw is chosen by the run's seed. Then
 `limit` (max_samples) keeps the first records of what was drawn. An entry's
-`chat_template_kwargs` (run.yaml's) are laid under each record's own.
+`chat_template_kwargs` (run.yaml's) are laid under each record's own, and run.yaml's `tools` given to each
+conversation that names none (run_tools.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from ...errors import ArgumentError
 from ...posttrain import jsonl_records, present
-from . import system
+from . import run_tools, system
 from .entries import BUNDLED, COLUMNS, folder_files
 
 
@@ -50,6 +51,7 @@ def records(entry: dict, readers: dict | None = None) -> Iterator[tuple[str, dic
         if limit is not None and n >= limit:
             return
         record = system.with_default(rename(record), entry.get("default_system"))
+        record = run_tools.with_run_tools(record, entry.get("tools"))
         yield where, _with_template_kwargs(record, entry.get("chat_template_kwargs"))
 
 
