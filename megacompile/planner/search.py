@@ -17,7 +17,7 @@ from ..cost.predict import compute_seconds
 from ..cost.host_memory import HostCost, choose_placement, host_costs, why_not
 from ..cost.reserve import device_reserve, smallest_budget
 from ..ir.arena import DeviceArena
-from ..ir.program import COMPUTE_OPS, Op, Program
+from ..ir.program import COMPUTE_OPS, Op, Program, weights
 from ..passes import ScheduleChoice, StepKind, build_schedule
 from .solve import solve
 from ..passes.lower import lower
@@ -231,10 +231,6 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
     def short(choice: ScheduleChoice) -> tuple[Short, "_ShortJudge | None"]:
         if not captured.train:      # forward only: a few choices, no backward to bound a span
             return Short(captured, choice, ()), None
-        # Blocks resident for the step hold their weights outside any one block's span, which the
-        # cut accounts for; those choices (offered only when every weight fits twice) are judged whole.
-        if not choice.resident.isdisjoint(blocks):
-            return Short(captured, choice, ()), None
         if choice in cuts:
             return cuts[choice]
         cut = shortened(choice)
@@ -246,7 +242,7 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
         if key not in judged:
             program = build_schedule(cut.captured, cut.choice, kind, check=False, lowered=lowered)
             judged[key] = _ShortJudge(program, with_selective(cut.captured, cut.choice.selective), cut.runs, hardware,
-                                      disk_per_param)
+                                      disk_per_param, cut.choice.resident)
         cuts[choice] = cut, judged[key]
         return cuts[choice]
 
@@ -267,12 +263,14 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
             peaks[choice] = simulate(schedule(choice)).peak if judge is None else judge.peak(cut.runs)
         return peaks[choice]
 
+    times: dict[ScheduleChoice, float] = {}
+
     def seconds_of(choice: ScheduleChoice) -> float:
-        cut, judge = short(choice)
-        if judge is None:
-            return predict(schedule(choice), with_selective(captured, choice.selective), hardware,
-                           disk_per_param).step_s
-        return judge.seconds(cut.runs)
+        if choice not in times:
+            cut, judge = short(choice)
+            times[choice] = (predict(schedule(choice), with_selective(captured, choice.selective), hardware,
+                                     disk_per_param).step_s if judge is None else judge.seconds(cut.runs))
+        return times[choice]
     return peak_of, seconds_of
 
 
@@ -280,15 +278,16 @@ class _ShortJudge:
     """One short schedule and what each cut block of its runs adds: bytes over a span, seconds."""
 
     def __init__(self, program: Program, captured: CapturedModel, runs: tuple, hardware: HardwareProfile,
-                 disk_per_param: float = 0.0):
+                 disk_per_param: float = 0.0, resident: frozenset[int] = frozenset()):
         self.program, self.captured, self.hardware = program, captured, hardware
         self.disk_per_param = disk_per_param
         self.peak_during = simulate(program).peak_during
         middle = next(i for i, n in enumerate(program.nodes) if n.op is Op.BACKWARD)
         self.spans = [span(program, r.first) for r in runs]
-        # Per run, what one period of its pattern holds (summed over its blocks) and takes.
-        self.held = [sum(held_bytes(program, middle, f"f{s}.") for s in range(r.first, r.first + r.period))
-                     for r in runs]
+        # Per run, what one period of its pattern holds (summed over its blocks) and takes: its
+        # saved values, and the weights of blocks resident from their forward to their backward.
+        self.held = [sum(held_bytes(program, middle, f"f{s}.", weights(s) if s in resident else None)
+                         for s in range(r.first, r.first + r.period)) for r in runs]
         self.periods = [_period(program, captured, range(r.first, r.first + r.period), hardware, disk_per_param)
                         for r in runs]
         self._step_s: float | None = None

@@ -148,9 +148,9 @@ def _ends(keep: int, period: int) -> int:
     return -(-(keep + period - 1) // period) * period
 
 
-def held_bytes(program: Program, upto: int, prefix: str) -> int:
-    """Bytes of the storages whose key starts with `prefix` that are live just before node `upto`
-    (the ledger's rule: a storage lives while any value holds it)."""
+def held_bytes(program: Program, upto: int, prefix: str, exact: str | None = None) -> int:
+    """Bytes of the storages whose key starts with `prefix`, or is `exact`, that are live just before
+    node `upto` (the ledger's rule: a storage lives while any value holds it)."""
     holders: dict[str, set[str]] = {}
     size: dict[str, int] = {}
     for n in program.nodes[:upto]:
@@ -166,7 +166,7 @@ def held_bytes(program: Program, upto: int, prefix: str) -> int:
                 for key, nbytes in program.values[v].parts:
                     holders.setdefault(key, set()).add(v)
                     size[key] = nbytes
-    return sum(size[k] for k in holders if k.startswith(prefix))
+    return sum(size[k] for k in holders if k.startswith(prefix) or k == exact)
 
 
 def span(program: Program, stage: int) -> tuple[int, int]:
