@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 
 # Every target a hardware profile names (megacompile/cost/hardware.py TARGETS): A100; RTX 3090;
 # RTX 4090, RTX 6000 Ada, L40S; H100, H200, GH200; B200; RTX 5090. The default tests build
-# FAST_ARCHS; the others, about a minute each on 2 cores, are in the slow tier.
+# FAST_ARCHS; the slow tier sm_89, and `-m long` the others (three to four minutes each on 2 cores).
 ARCHS = (80, 86, 89, 90, 100, 120)
 FAST_ARCHS = (80, 90)
 # Kernels whose results the checks hold bit-exact (or to 1e-6) against torch: on the device they

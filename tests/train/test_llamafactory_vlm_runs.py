@@ -47,8 +47,12 @@ def test_smolvlm_saved_with_its_own_processor_trains_from_the_examples(tmp_path,
     torchvision_env.call(_trains, str(tmp_path), "smolvlm", layout)
 
 
-@pytest.mark.slow   # each: a child process (torchvision_env.py), a tiny Qwen made, clips decoded, one step
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+# each: a child process (torchvision_env.py), a tiny Qwen made, clips decoded, one step; Qwen2.5-VL's
+# in the slow tier, the others (three minutes each on two cores) with -m long, their videos
+# trained in the slow tier's tests/e2e/test_vlm_videos.py
+@pytest.mark.parametrize("family", [pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
+                                    pytest.param("qwen3_vl", marks=pytest.mark.long),
+                                    pytest.param("qwen3_5", marks=pytest.mark.long)])
 def test_the_full_example_trains_qwen_on_records_with_videos(tmp_path, family):
     """LlamaFactory's mllm_video_demo layout (a `videos` column, some records with an image too) in
     the full example's keys, video_max_pixels among them: every micro-batch holds a video."""
