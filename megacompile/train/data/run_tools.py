@@ -18,7 +18,7 @@ import json
 import os
 
 from ...errors import ArgumentError
-from ...posttrain.rewards import named
+from ...posttrain import rewards
 from . import tools as record_tools
 
 
@@ -54,7 +54,7 @@ def _schema(name: str, folder: str | None) -> dict:
     """The JSON schema of the function `name` names, as transformers writes it for a template."""
     from transformers.utils import get_json_schema
 
-    function = named(name, folder, "tool")
+    function = rewards.named(name, folder, "tool")
     if not callable(function):
         raise ArgumentError(f"tool {name!r} is not a function; name a Python function or give its description")
     try:
