@@ -10,7 +10,8 @@ none of its own (a record's `tools` column wins, as its chat_template_kwargs do)
 
 or the path of a JSON file holding that list. A function is found as reward functions are: on the
 Python path, in the working directory, then beside the run.yaml. Records that are not conversations
-(text, prompt and completion strings) have no template to write tools and are left as they are.
+(text, prompt and completion strings) have no template to write tools and are left as they are, and
+so are Alpaca records, whose rendering (alpaca.py) takes no tools.
 """
 from __future__ import annotations
 
