@@ -1,8 +1,9 @@
-"""Post-training on one GPU: preference optimisation (DPO and TRL's other preference losses) and
-reinforcement learning with verifiable rewards (GRPO), with megacompile as the trainer. The losses
-here are plain torch functions of log-probabilities, so the engine captures them inside the step
-like any loss_fn."""
+"""Post-training on one GPU: preference optimisation (DPO and TRL's other preference losses),
+reinforcement learning with verifiable rewards (GRPO) and dynamic fine-tuning's token-weighted
+supervised loss (DFT), with megacompile as the trainer. The losses here are plain torch functions
+of log-probabilities, so the engine captures them inside the step like any loss_fn."""
 from .advantages import group_advantages
+from .dft import DFTObjective, dft_loss
 from .dpo import DPOLoss, DPOObjective, dpo_loss
 from .grpo import GRPOLoss, GRPOObjective, grpo_loss
 from .logprobs import IGNORE, sequence_logprobs, token_logprobs
@@ -20,7 +21,7 @@ from .streamed_copy import StreamedHFGenerator
 from .vllm_generator import MISSING, VLLMGenerator
 from .vllm_server import VLLMServerGenerator
 
-__all__ = ["DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "sequence_logprobs", "token_logprobs",
+__all__ = ["DFTObjective", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "sequence_logprobs", "token_logprobs",
            "IGNORE", "EngineGenerator", "HFGenerator", "MISSING", "Pair", "StreamedHFGenerator", "TrainerState",
            "VLLMGenerator", "VLLMServerGenerator", "nanstd", "pack", "preference_metrics", "read_pairs", "rewards",
            "rollout_batch", "to_pair", "jsonl_records", "present", "check_calls", "check_texts", "check_tools", "render", "texts", "sampled_logps", "sampling_correction", "sampling_ratio", "truncated"]

@@ -57,6 +57,13 @@ def _thinking(value: Any) -> Any:
     return {"enable_thinking": value}
 
 
+def _dft(value: Any) -> Any:
+    """LlamaFactory's use_dft_loss: true is TRL's loss_type dft; false (its default) sets nothing."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"use_dft_loss must be true or false; got {value!r}")
+    return "dft" if value else _DROP
+
+
 def _bf16(value: Any) -> Any:
     if not isinstance(value, bool):
         raise ArgumentError(f"bf16 must be true or false; got {value!r}")
@@ -137,6 +144,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "assistant_only_loss": ("train_on_prompt", _loss_only("assistant_only_loss")),
     "completion_only_loss": ("train_on_prompt", _loss_only("completion_only_loss")),
     "enable_thinking": ("chat_template_kwargs", _thinking),
+    "use_dft_loss": ("loss_type", _dft),
     "chat_template_path": ("chat_template", _same),
     "preprocessing_num_workers": ("tokenize_workers", _same),
     "dataset_num_proc": ("tokenize_workers", _same),

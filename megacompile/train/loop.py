@@ -248,7 +248,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     if place is not None:
         # overwrite: only a resumed run gets here with model files in the folder, its own (check_new_run)
         trained_model.write(c, engine, stage.tokenizer, place, overwrite=resume_from is not None,
-                            policy=c.stage != "sft")
+                            policy=stage.objective is not None)
     measured = plan.measured_peak_bytes
     result = {"steps": engine.steps_done, "skipped_steps": engine.skipped_steps, "run_dir": run_dir,
               "first_loss": losses_seen[0] if losses_seen else None,

@@ -1,4 +1,4 @@
-"""DPO and GRPO with megacompile as the trainer: the objective (policy + loss) trained through the
+"""DPO, GRPO and DFT with megacompile as the trainer: the objective (policy + loss) trained through the
 engine on the cpu backend against eager torch.optim.AdamW in fp32, at twice the weights and at
 the smallest budget: losses and first gradients to 1e-5, weights after 3 steps to the fp32 noise
 floor measured here."""
@@ -10,7 +10,7 @@ import torch
 from megacompile import AdamW, compile, minimum_budget
 from megacompile.acceptance.parity import BETAS, EPS, LR, WD, float64_noise, moment_error, weight_bytes
 from megacompile.models.llama import LlamaConfig, TinyLlama
-from megacompile.posttrain import DPOLoss, DPOObjective, GRPOLoss, GRPOObjective, group_advantages, token_logprobs
+from megacompile.posttrain import DFTObjective, DPOLoss, DPOObjective, GRPOLoss, GRPOObjective, group_advantages, token_logprobs
 from megacompile.posttrain.logprobs import IGNORE
 from tests.e2e.harness import assert_same_weights
 
@@ -56,6 +56,10 @@ def _grpo_batches(reference):
     return batches
 
 
+def _sft_batches(reference):
+    return [dict(zip(("input_ids", "labels"), _completions(4, 20 + step))) for step in range(3)]
+
+
 def _eager(objective, batches, moments=None):
     opt = torch.optim.AdamW(objective.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     names = {p: n for n, p in objective.named_parameters()}
@@ -73,6 +77,7 @@ def _eager(objective, batches, moments=None):
 
 CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1)), _dpo_batches),
          "ipo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, loss_type="ipo")), _dpo_batches),
+         "dft": (lambda p: DFTObjective(p, shifted=True), _sft_batches),
          "grpo": (lambda p: GRPOObjective(p, GRPOLoss(beta=0.04, epsilon_high=0.28, loss_type="grpo")), _grpo_batches),
          # TRL's options: a sort over the batch (aot), token counts (ipo, sft), a quantile (entropy)
          "dpo_loss_types": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1,
@@ -83,7 +88,7 @@ CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1
                                                               top_entropy_quantile=0.5)), _grpo_batches)}
 
 
-@pytest.mark.parametrize("case", ["dpo", pytest.param("ipo", marks=pytest.mark.slow),
+@pytest.mark.parametrize("case", ["dpo", "dft", pytest.param("ipo", marks=pytest.mark.slow),
                                   pytest.param("grpo", marks=pytest.mark.slow),
                                   pytest.param("dpo_loss_types", marks=pytest.mark.slow),
                                   pytest.param("grpo_options", marks=pytest.mark.slow)])

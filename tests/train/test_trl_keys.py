@@ -93,11 +93,3 @@ def test_packing_says_at_the_start_where_it_differs_from_trl_and_llamafactory(tm
     for same in (False, "isolated"):        # TRL's packing: false and packing: true
         load(_yaml(tmp_path, model="model", packing=same))
         assert _notes(capsys) == []
-
-
-def test_trls_sft_loss_type_nll_is_the_cross_entropy_and_dft_is_refused(tmp_path):
-    assert load(_yaml(tmp_path, loss_type="nll")).loss_type is None     # SFTConfig.to_dict() writes it
-    with pytest.raises(ArgumentError, match="stage sft: loss_type dft .* is not supported"):
-        load(_yaml(tmp_path, loss_type="dft"))
-    with pytest.raises(ArgumentError, match="stage sft: loss_type is nll .*; got 'sigmoid'"):
-        load(_yaml(tmp_path, loss_type="sigmoid"))

@@ -98,15 +98,13 @@ def check(c, raw: dict, folder: str | None = None) -> None:
 
 def _sft_loss(c) -> None:
     """TRL's SFTConfig.loss_type: `nll` (its default, what SFTConfig.to_dict() writes) is the
-    cross-entropy megacompile trains with; DFT's probability-weighted loss is not here."""
-    if c.loss_type == "dft":
-        raise ArgumentError("stage sft: loss_type dft (TRL's dynamic fine-tuning, each token's loss weighted by its "
-                            "probability) is not supported; the loss is the cross-entropy of the counted tokens "
-                            "(loss_type: nll, or leave it out)")
-    if c.loss_type != "nll":
-        raise ArgumentError(f"stage sft: loss_type is nll (TRL's SFT default, the cross-entropy); got {c.loss_type!r}; "
-                            "DPO's and GRPO's loss types belong to stage dpo and grpo")
-    c.loss_type = None
+    cross-entropy; `dft` (LlamaFactory's use_dft_loss) weights each token's by its probability
+    (posttrain/dft.py). Left as "dft", or None for the cross-entropy."""
+    if c.loss_type not in ("nll", "dft"):
+        raise ArgumentError(f"stage sft: loss_type is nll (TRL's SFT default, the cross-entropy) or dft (dynamic "
+                            f"fine-tuning, each token's cross-entropy weighted by its probability); got "
+                            f"{c.loss_type!r}; DPO's and GRPO's loss types belong to stage dpo and grpo")
+    c.loss_type = "dft" if c.loss_type == "dft" else None
 
 
 def _records(stage: str) -> str:

@@ -17,11 +17,14 @@ from ..data import grid_images, images, mixture, packing, pixels, split, streami
 from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
+from ...posttrain import DFTObjective
+from .keys import check_resume, saved_keys
 from .stage import Stage
 
 
 class SFTStage(Stage):
     columns = COLUMNS
+    check_resume = staticmethod(check_resume)       # a run goes on with the loss_type it began with
 
     @staticmethod
     def check_model(c: RunConfig, meta) -> None:
@@ -33,6 +36,8 @@ class SFTStage(Stage):
         """Reads the data into token files in the run folder's staging place (committed by
         commit(), dropped by discard()) and checks it against the settings."""
         self.c, self.shifted = c, c.bundled
+        if c.loss_type == "dft":        # the model under the DFT loss; the cross-entropy is its own
+            self.objective = lambda model: DFTObjective(model, shifted=self.shifted)
         self.tokenizer, self.made, self.rows, self.eval_rows, self.fingerprint = _data(c, run_dir, c.seq + self.shifted)
         try:
             available = self.rows.epoch_tokens
@@ -86,7 +91,9 @@ class SFTStage(Stage):
         return [f"weights        {fmt_bytes(setup.weight_bytes)} in {c.compute_dtype}; budget is "
                 f"{100 * plan.budget_bytes / setup.weight_bytes:.0f}% of them",
                 f"batch          {setup.batch} x {setup.grad_accum} accumulated x {c.seq} tokens per optimizer "
-                f"step; {c.steps} steps{epoch}"]
+                f"step; {c.steps} steps{epoch}"] + \
+            (["loss           dft: each token's cross-entropy weighted by its probability (eval: the cross-entropy)"]
+             if c.loss_type == "dft" else [])
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         """The micro-batches of one optimizer step from row `position` on (rows all prompt or
@@ -118,7 +125,7 @@ class SFTStage(Stage):
 
     def checkpoint_extra(self) -> dict:
         digest = self.rows.digest() if self.c.streaming else None
-        return {"stream_rows": digest} if digest is not None else {}
+        return {"stage": saved_keys(self.c), **({"stream_rows": digest} if digest is not None else {})}
 
     def same_rows(self, saved: dict) -> bool:
         return self.c.streaming and isinstance(saved.get("stream_rows"), dict) and \

@@ -1,0 +1,76 @@
+"""stage sft with TRL's loss_type dft (LlamaFactory's use_dft_loss): the run trains the
+probability-weighted loss and evaluates the plain cross-entropy; a resume keeps the loss it began
+with."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megacompile.errors import ArgumentError
+from megacompile.train import load, log, run
+from tests.train import files
+
+TINY = ["bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2", "bundled_model.kv_heads=1",
+        "bundled_model.ffn=64", "device=cpu", "batch=1", "seq=16", "resume=auto", "warmup=0"]
+
+
+@pytest.mark.parametrize("given, loss_type", [({"loss_type": "dft"}, "dft"), ({"use_dft_loss": True}, "dft"),
+                                              ({"use_dft_loss": False}, None), ({"loss_type": "nll"}, None),
+                                              ({"use_dft_loss": True, "loss_type": "dft"}, "dft")])
+def test_trl_and_llamafactory_spell_it(tmp_path, given, loss_type):
+    assert load(files.run_yaml(str(tmp_path / "run.yaml"), steps=1, **given), []).loss_type == loss_type
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"use_dft_loss": "yes"}, "use_dft_loss must be true or false; got 'yes'"),
+    ({"use_dft_loss": True, "loss_type": "nll"}, "use_dft_loss"),
+    ({"loss_type": "sigmoid"}, "stage sft: loss_type is nll (TRL's SFT default, the cross-entropy) or dft"),
+])
+def test_what_is_not_a_supervised_loss_is_refused(tmp_path, given, message):
+    with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load(files.run_yaml(str(tmp_path / "run.yaml"), steps=1, **given), [])
+
+
+def test_the_run_trains_dft_and_evaluates_the_cross_entropy(tmp_path):
+    """The first logged loss is DFT's of the first micro-batch under the model as loaded; the
+    eval loss after the step is the exported model's own cross-entropy of the held-out rows."""
+    from transformers import AutoModelForCausalLM
+
+    from megacompile.posttrain import DFTObjective
+    from megacompile.train.data import packing
+    from megacompile.train.stages.sft import SFTStage
+    work = files.workspace(tmp_path)
+    config = files.run_yaml(str(tmp_path / "run.yaml"), model=work["model"], data=work["chats"], seq=24, batch=2,
+                            steps=1, lr=1e-2, loss_type="dft", eval_fraction=0.25, eval_every=1, eval_batches=1,
+                            device="cpu", run_dir=str(tmp_path / "run"), export=str(tmp_path / "export"),
+                            log_every=1)
+    c = load(config, [])
+    stage = SFTStage(c, str(tmp_path / "inputs"))
+    try:
+        first = stage.first_inputs(2)
+        held = packing.batch(stage.eval_rows, 0, 2, shifted=False)
+    finally:
+        stage.discard()
+        stage.close()
+    run(c)
+    row = log.read(str(tmp_path / "run" / "log.csv"))[0]
+    loaded = AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
+    with torch.no_grad():
+        dft = DFTObjective(loaded)(**first).item()
+        cross_entropy = loaded(**first).loss.item()
+        eval_loss = trained(**held).loss.item()
+    assert float(row["loss"]) == pytest.approx(dft, rel=1e-5)
+    assert dft < cross_entropy          # each token's -log p weighted by its p < 1
+    assert float(row["eval_loss"]) == pytest.approx(eval_loss, rel=1e-5)
+    assert not torch.equal(trained.lm_head.weight, loaded.lm_head.weight)
+
+
+def test_a_resume_keeps_the_loss_it_began_with(tmp_path):
+    run(load(None, [*TINY, f"run_dir={tmp_path / 'run'}", "steps=1", "loss_type=dft"]))
+    with pytest.raises(ArgumentError, match=r"loss_type 'dft' -> None"):
+        run(load(None, [*TINY, f"run_dir={tmp_path / 'run'}", "steps=2"]))
+    run(load(None, [*TINY, f"run_dir={tmp_path / 'run'}", "steps=2", "use_dft_loss=true"]))
+    assert [r["step"] for r in log.read(os.path.join(tmp_path, "run", "log.csv"))] == ["1", "2"]
