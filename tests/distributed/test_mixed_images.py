@@ -51,7 +51,7 @@ def one_process(steps: list[list[dict]]) -> dict:
             "layout": [[n, s.owner, s.offset] for n, s in engine.host.slots.items()]}
 
 
-@pytest.mark.slow
+@pytest.mark.long   # about 50 s on 2 cores
 def test_micro_batches_with_and_without_images_train_the_tower_as_one_process(tmp_path):
     """ranks.MIXED: an image on rank 0 only (rank 1's first program has none, yet lays the tower
     out as rank 0's does), on both, on neither, on rank 1 only; clipped every step, so the norm

@@ -70,7 +70,7 @@ def test_interleaved_rotary_tables_written_in_place_train_as_eagerly():
     assert_parity(model, batches, weights=2.0, then_smallest=False)
 
 
-@pytest.mark.slow    # 25 s
+@pytest.mark.long    # 20-25 s
 def test_qwen3_vl_moe_trains_with_images_as_eagerly():
     assert_parity(qwen3_vl(moe=True), [qwen_batch(seed=i, images=MIXED) for i in range(3)], weights=2.0)
 

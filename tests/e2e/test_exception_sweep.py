@@ -66,9 +66,10 @@ def _sweep(e, clean: dict, injected: Injected, count: int, checkpoint: str, grad
     return count
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("k,micro,clip", [(1, 0, False), (2, 0, False), (2, 1, True)],
-                         ids=["k1", "k2-first", "k2-last-clip"])
+# 20-35 s each on two cores; the first micro-batch of two with -m long (k1 and the last one stand for it)
+@pytest.mark.parametrize("k,micro,clip", [pytest.param(1, 0, False, marks=pytest.mark.slow, id="k1"),
+                                          pytest.param(2, 0, False, marks=pytest.mark.long, id="k2-first"),
+                                          pytest.param(2, 1, True, marks=pytest.mark.slow, id="k2-last-clip")])
 def test_an_exception_anywhere_in_a_step_changes_nothing(model, tmp_path, monkeypatch, k, micro, clip):
     e = engine(copy.deepcopy(model), clip=clip, grad_accum=k)
     for seed in range(k + micro):                     # one whole step, then `micro` micro-batches

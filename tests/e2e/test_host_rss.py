@@ -50,9 +50,10 @@ def test_host_budget_is_held_with_the_disk_tier(tmp_path):
     assert r["growth_bytes"] <= r["host_budget_bytes"] + 64 * MiB
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) for p in ("from_pretrained", "accum", "moe")]
-                         # ~85 s; in CI: test_a_bf16_module_is_the_compute_copy_... below
-                         + [pytest.param("compile_bf16", marks=pytest.mark.long)])
+# 55-85 s each on two cores: from_pretrained (how a user's checkpoint comes in) in the slow tier, the
+# others with -m long (compile_bf16's stand-in in CI: test_a_bf16_module_is_the_compute_copy_... below)
+@pytest.mark.parametrize("path", [pytest.param("from_pretrained", marks=pytest.mark.slow)]
+                         + [pytest.param(p, marks=pytest.mark.long) for p in ("accum", "moe", "compile_bf16")])
 def test_resident_set_as_planned(tmp_path, path):
     r = measured(path, tmp_path)
     assert_as_planned(r)

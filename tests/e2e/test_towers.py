@@ -59,7 +59,7 @@ def test_a_tower_layer_whose_output_nothing_reads_is_no_stage_and_keeps_its_weig
     assert all(torch.equal(state[n], t) for n, t in last.items())
 
 
-@pytest.mark.slow   # the LLaVA tower above is the default tier's; this one trains a Qwen2.5-VL: ~35 s
+@pytest.mark.long   # the LLaVA tower above is the default tier's; this one trains a Qwen2.5-VL: 20-35 s
 def test_windowed_and_full_attention_tower_layers_run_two_templates():
     """Qwen2.5-VL's windowed layers split their attention by the windows' lengths, its full ones
     by the images': arrays of numbers handed to each layer, compared by value, so the layers of

@@ -142,7 +142,7 @@ def test_cross_attention_models_are_refused_with_images_and_train_on_text():
     assert engine.step(**text) == pytest.approx(m(**text).loss.item(), rel=1e-5, abs=0)
 
 
-@pytest.mark.slow   # 10 s
+@pytest.mark.long   # 10-20 s
 def test_qwen3_5_moe_trains_with_images_as_eagerly():
     """Qwen3.5-MoE: Qwen3.5's tower and merge before a hybrid decoder with routed experts."""
     batches = [batch("qwen3_5", seed=i, images=MIXED) for i in range(STEPS)]

@@ -147,7 +147,7 @@ def test_what_cannot_be_planned_with_images_is_refused_by_name():
         megacompile.minimum_budget(llava, batch=2, seq=vlm.SEQ, images_per_row=0.5, hardware="cpu")
 
 
-@pytest.mark.slow
+@pytest.mark.long   # about 60 s on two cores
 def test_minimum_budget_with_images_is_the_smallest_that_plans():
     config = vlm.llava().config
     lowest = megacompile.minimum_budget(config, batch=2, seq=vlm.SEQ, images_per_row=2, **CPU)
@@ -183,7 +183,7 @@ GEMMA3_27B = {"model_type": "gemma3", "mm_tokens_per_image": 256, "image_token_i
                                 "patch_size": 14, "vision_use_head": False}}
 
 
-@pytest.mark.slow
+@pytest.mark.long   # about 30 s on two cores
 def test_a_gemma3_27b_shaped_config_plans_with_images():
     """Gemma-3-27B's published shapes (a 27-layer SigLIP tower at 896 px, 256 tokens per image)
     on an 80 GB H100, 4 images in a row of 4096 tokens."""

@@ -32,14 +32,16 @@ def _processor(folder: str, family: str):
     return AutoProcessor.from_pretrained(folder)
 
 
-@pytest.mark.slow   # per case: a tiny VLM made, the demo data tokenised, the default budget found, one step
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("family", FAMILIES)
+# per case: a tiny VLM made, the demo data tokenised, the default budget found, one step (20-75 s on
+# two cores); the full example on Qwen2.5-VL in the slow tier, every other case with -m long
+@pytest.mark.parametrize("family, layout", [
+    pytest.param(f, layout, marks=pytest.mark.slow if (f, layout) == ("qwen2_5_vl", "full") else pytest.mark.long)
+    for f in FAMILIES for layout in sorted(LAYOUTS)])
 def test_llamafactorys_qwen2_5vl_examples_train_every_family(tmp_path, family, layout):
     _trains(str(tmp_path), family, layout)
 
 
-@pytest.mark.slow   # each: a child process (torchvision_env.py), a tiny SmolVLM made, one step
+@pytest.mark.long   # each: a child process (torchvision_env.py), a tiny SmolVLM made, one step: 20-30 s
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_smolvlm_saved_with_its_own_processor_trains_from_the_examples(tmp_path, layout):
     """SmolVLM's hub layout (SmolVLMProcessor, which transformers builds only with torchvision and
@@ -47,12 +49,10 @@ def test_smolvlm_saved_with_its_own_processor_trains_from_the_examples(tmp_path,
     torchvision_env.call(_trains, str(tmp_path), "smolvlm", layout)
 
 
-# each: a child process (torchvision_env.py), a tiny Qwen made, clips decoded, one step; Qwen2.5-VL's
-# in the slow tier, the others (three minutes each on two cores) with -m long, their videos
-# trained in the slow tier's tests/e2e/test_vlm_videos.py
-@pytest.mark.parametrize("family", [pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
-                                    pytest.param("qwen3_vl", marks=pytest.mark.long),
-                                    pytest.param("qwen3_5", marks=pytest.mark.long)])
+# each: a child process (torchvision_env.py), a tiny Qwen made, clips decoded, one step (one to three
+# minutes each on two cores), with -m long
+@pytest.mark.long
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_the_full_example_trains_qwen_on_records_with_videos(tmp_path, family):
     """LlamaFactory's mllm_video_demo layout (a `videos` column, some records with an image too) in
     the full example's keys, video_max_pixels among them: every micro-batch holds a video."""

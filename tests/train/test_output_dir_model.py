@@ -27,7 +27,7 @@ def _trl(tmp_path, work: dict, output_dir: str) -> str:
         warmup_ratio=0.0, seed=0, device="cpu")
 
 
-@pytest.mark.slow   # two short runs and two loads: ~35 s on 2 cores
+@pytest.mark.long   # two short runs and two loads: 35-60 s on 2 cores
 def test_trl_and_llamafactory_sft_runs_leave_a_model_in_output_dir(tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -108,7 +108,7 @@ def _eager(c, tmp_path) -> list[float]:
                            "image_grid_thw")
 
 
-@pytest.mark.slow   # 4 steps of a Qwen3-VL run beside eager AdamW, an export and a generation: 50-100 s on 2 cores
+@pytest.mark.long   # 4 steps of a Qwen3-VL run beside eager AdamW, an export and a generation: 25-100 s on 2 cores
 def test_a_qwen3_vl_run_trains_as_eagerly_and_exports_a_model_that_generates_from_an_image(tmp_path, monkeypatch):
     """The same records through a Qwen3-VL folder (Qwen3VLProcessor's files): its deepstack trains
     from files as eagerly, and transformers loads the export and answers an image with it."""
@@ -143,7 +143,7 @@ def test_a_qwen3_vl_run_trains_as_eagerly_and_exports_a_model_that_generates_fro
     assert out.shape[1] > ids.shape[1]
 
 
-@pytest.mark.slow   # 4 steps of a Qwen2.5-VL run beside eager AdamW, a capture per set of grids: 50-120 s on 2 cores
+@pytest.mark.long   # 4 steps of a Qwen2.5-VL run beside eager AdamW, a capture per set of grids: 50-120 s on 2 cores
 def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_path, monkeypatch):
     """Micro-batches of one and two images of two sizes: the losses are eager's; the first
     micro-batch's grids are captured once before the first step (for the budget and the engine

@@ -42,7 +42,7 @@ def test_a_frozen_vision_tower_is_exported_as_it_went_in_and_the_rest_trains(tmp
     assert set(projector) <= set(moved) and any("layers" in k.split(".") for k in moved)
 
 
-@pytest.mark.slow   # two runs of a LLaVA, one record a micro-batch: about 40 s on 2 cores
+@pytest.mark.long   # two runs of a LLaVA, one record a micro-batch: 40-50 s on 2 cores
 def test_a_micro_batch_may_hold_no_image_whatever_is_frozen(tmp_path, monkeypatch):
     """One record a micro-batch, every fourth record text alone: a trained projector is skipped by
     those steps (engine/gradless.py) and still moves; with the whole image side frozen it stays."""
@@ -61,7 +61,7 @@ def test_a_micro_batch_may_hold_no_image_whatever_is_frozen(tmp_path, monkeypatc
     assert any(not before[k].equal(after[k]) for k in before if k not in image_side)
 
 
-@pytest.mark.slow
+@pytest.mark.long   # about 60 s on 2 cores
 def test_lora_puts_adapters_on_the_language_model_alone(tmp_path, monkeypatch):
     """The tower has q_proj and v_proj too; lora_target names them, and they stay frozen."""
     monkeypatch.chdir(tmp_path)

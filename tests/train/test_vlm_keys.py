@@ -234,7 +234,7 @@ def test_llamafactorys_qwen2_5vl_full_sft_yaml_loads_as_written(tmp_path, capsys
         assert key in said.split("ignored (no effect in a megacompile run):")[1].splitlines()[0]
 
 
-@pytest.mark.slow   # the tiny Qwen2.5-VL made, its data tokenised, 2 steps of 2 micro-batches in bfloat16: 90-160 s on 2 cores
+@pytest.mark.long   # the tiny Qwen2.5-VL made, its data tokenised, 2 steps of 2 micro-batches in bfloat16: 55-160 s on 2 cores
 def test_llamafactorys_qwen2_5vl_full_sft_trains_with_the_default_budget(tmp_path, monkeypatch):
     """The example's keys as written, its sizes tiny (cutoff_len 64 for 2048, max_steps 2 for
     3 epochs), no hbm_budget: the run trains with finite losses, its frozen tower and merger come

@@ -134,7 +134,7 @@ def _eager(c, tmp_path) -> list[float]:
                            "pixel_values")
 
 
-@pytest.mark.slow   # three runs of a LLaVA and its evaluations with and without an image: ~45 s on 2 cores
+@pytest.mark.long   # three runs of a LLaVA and its evaluations with and without an image: 45-100 s on 2 cores
 def test_a_vlm_run_trains_as_eagerly_resumes_exactly_and_exports_a_model_that_generates(tmp_path, monkeypatch):
     _work(tmp_path)
     monkeypatch.chdir(tmp_path)
