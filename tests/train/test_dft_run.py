@@ -27,6 +27,8 @@ def test_trl_and_llamafactory_spell_it(tmp_path, given, loss_type):
     ({"use_dft_loss": "yes"}, "use_dft_loss must be true or false; got 'yes'"),
     ({"use_dft_loss": True, "loss_type": "nll"}, "use_dft_loss"),
     ({"loss_type": "sigmoid"}, "stage sft: loss_type is nll (TRL's SFT default, the cross-entropy) or dft"),
+    ({"stage": "dpo", "packing": None, "use_dft_loss": True}, "loss_type dft (use_dft_loss) is stage sft's"),
+    ({"stage": "grpo", "packing": None, "loss_type": "dft"}, "loss_type dft (use_dft_loss) is stage sft's"),
 ])
 def test_what_is_not_a_supervised_loss_is_refused(tmp_path, given, message):
     with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -72,6 +72,9 @@ def check(c, raw: dict, folder: str | None = None) -> None:
                             f"{'it' if len(foreign) == 1 else 'them'} out")
     if c.stage == "sft":
         return
+    if c.loss_type == "dft":
+        raise ArgumentError(f"loss_type dft (use_dft_loss) is stage sft's, a weighted supervised loss; stage {c.stage} "
+                            f"takes its own loss types (docs/posttraining.md): leave it out, or set stage: sft")
     wrong = [k for k in NOT_FOR[c.stage] if k in raw and raw[k] is not None]
     if wrong:
         raise ArgumentError(f"stage {c.stage}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not taken by "
