@@ -139,7 +139,7 @@ def assert_parity(model, batches, budgets: str = "both") -> None:
         assert stats["device_peak_bytes"] <= stats["device_arena_bytes"] <= budget
 
 
-@pytest.mark.long    # 50-140 s a family on 2 cores; the default tier's tests read, place and plan the videos
+@pytest.mark.long    # 50-140 s a family on 2 cores; the default tier trains videos alone and checks each family's forward
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_a_micro_batch_of_images_videos_and_text_trains_as_eagerly_at_two_budgets(family):
     """Rows holding an image and a video, a video, and text alone, at twice the weights' bytes and
