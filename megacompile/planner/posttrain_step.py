@@ -41,11 +41,12 @@ from ..settings import Settings
 from .from_config import hardware_profile, model_from_config, plan
 from .result import Plan
 
-STAGES = ("sft", "dpo", "grpo")
+STAGES = ("sft", "pt", "dpo", "grpo")     # pt (pretraining on text) trains as sft does
 GENERATORS = ("engine", "kv_cache", "hf_streamed")
 # Each stage's keys and their defaults (TRL's names and defaults where TRL has the key).
 KEYS: dict[str, dict[str, Any]] = {
     "sft": {},
+    "pt": {},
     "dpo": {"precompute_ref_log_probs": False},
     "grpo": {"prompts": 1, "num_generations": 8, "max_prompt_length": 512, "max_completion_length": 256,
              "num_iterations": 1, "steps_per_generation": 1, "beta": 0.0, "generator": "engine"},

@@ -2,7 +2,7 @@
 
     loop.py      the run, whatever its stage: checks, the stage's data, engine, resume, steps,
                  evaluation, checkpoints, the trained model
-    stages/      what is trained step by step: sft, dpo, grpo (TRL's keys), each a Stage
+    stages/      what is trained step by step: sft (pt too), dpo, grpo (TRL's keys), each a Stage
     data/        records read (JSONL, Parquet, ShareGPT, Alpaca, images), tokenised once into token
                  files (records truncated to a row as LlamaFactory's cutoff_len), masked, held out,
                  mixed, streamed, and packed into rows and micro-batches (a record never split)

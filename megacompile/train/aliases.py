@@ -238,7 +238,12 @@ def translate(raw: dict, default_lr: float) -> Translated:
     if out.keys.get("steps") is not None and out.spelled.get("epochs") == "num_train_epochs":
         del out.keys["epochs"]      # transformers: max_steps > 0 overrides num_train_epochs
         out.notes.append("num_train_epochs is not used: max_steps is given (as in transformers)")
-    if raw.get("template") is not None:      # template: null is no template, as leaving it out
+    if raw.get("template") is not None and raw.get("stage") == "pt":
+        out.notes.append(f"template {raw['template']!r} is not read: stage pt renders no chat, each text is closed by "
+                         "the tokenizer's EOS" + (" (LlamaFactory writes <|end_of_text|> under template llama3, which "
+                                                  "is that EOS in Llama 3's base tokenizer)"
+                                                  if raw["template"] == "llama3" else ""))
+    elif raw.get("template") is not None:      # template: null is no template, as leaving it out
         out.notes.append(_template(raw["template"], out.keys))
     if ignored:
         why = [f"{k} ({WHY_IGNORED[k]})" if k in WHY_IGNORED else k for k in ignored]

@@ -285,6 +285,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     for entry, weight in zip(c.data, weights or [None] * len(c.data)):
         entry["weight"] = weight
     c.eval = entries.check("eval", c.eval if c.eval is not None else [], allow_bundled=False, allow_weights=False)
+    entries.by_line(c.data if c.dataset is not None else [])
+    entries.by_line(c.eval if c.eval_dataset is not None else [])
     if c.max_samples is not None:       # LlamaFactory's: the first N records of each entry
         c.max_samples = _int("max_samples", c.max_samples)
         for entry in c.data + c.eval:
@@ -438,6 +440,9 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     from .stages.keys import check as check_stage
     folder = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
     check_stage(c, raw, folder)
+    if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
+        for entry in c.data + c.eval:
+            entry["pretrain"] = True
     _tools(c, folder)
     return c
 

@@ -257,7 +257,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
               "predicted_device_peak_bytes": plan.predicted_peak_bytes,
               "measured_device_peak_bytes": measured, "model": place or latest[1]}
     if losses_seen:
-        name = "" if c.stage == "sft" else f"{c.stage} "
+        name = "" if c.stage in ("sft", "pt") else f"{c.stage} "
         print(f"done: {name}loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {elapsed:.1f} s, "
               f"measured device peak {fmt_bytes(measured or 0)} (predicted {fmt_bytes(plan.predicted_peak_bytes)}, "
               f"budget {fmt_bytes(plan.budget_bytes)}); log in {os.path.join(run_dir, 'log.csv')}", flush=True)

@@ -99,6 +99,8 @@ def refusal(unknown: list[str]) -> str | None:
 def notes(c: Any, given: dict) -> list[str]:
     """One line per setting whose meaning here differs from TRL's or LlamaFactory's (not an error);
     `given`: the keys the run.yaml and the command line set."""
+    if c.stage == "pt":
+        return _pretraining(c, given)
     if c.stage != "sft" or c.bundled:
         return []
     if c.packing is None:
@@ -109,3 +111,21 @@ def notes(c: Any, given: dict) -> list[str]:
         return ["packing: true packs records whole, as LlamaFactory's packing (without neat_packing): packed "
                 "documents attend to each other; TRL's packing: true keeps them apart, which is packing: isolated here"]
     return []
+
+
+# Keys that shape a chat's tokens, which stage pt (each record read as its text) does not render.
+CHAT_KEYS = ("train_on_prompt", "mask_history", "chat_template", "chat_template_kwargs", "tools", "default_system")
+
+
+def _pretraining(c: Any, given: dict) -> list[str]:
+    out = ["stage pt: each record is one text (LlamaFactory's pretraining reading, docs/training.md), closed by the "
+           "tokenizer's EOS and every token trained; the texts fill rows end to end and continue across them, as "
+           "LlamaFactory's packing under stage pt" + (" (packing: false here starts each text on a row of its own "
+                                                      "and continues it over as many rows as it takes, where "
+                                                      "LlamaFactory cuts it at cutoff_len)" if c.packing is False
+                                                      else "")]
+    unused = [k for k in CHAT_KEYS if given.get(k) not in (None, False, [], {})]
+    if unused:
+        out.append(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used under stage pt: no chat is "
+                   "rendered, and every token trains")
+    return out

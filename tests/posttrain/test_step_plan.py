@@ -55,6 +55,9 @@ def test_a_dpo_step_is_the_sft_step_of_twice_the_rows_and_a_reference_forward(mo
     given = _stage(model, "dpo", batch=2, seq=48, precompute_ref_log_probs=True)
     assert [p.name for p in given.parts] == ["training"]
     assert given.total_s == pytest.approx(sft.prediction.step_s, rel=1e-9)
+    pretraining = _stage(model, "pt", batch=4, seq=48)      # LlamaFactory's stage pt: the sft step on text
+    assert [p.name for p in pretraining.parts] == ["training"]
+    assert pretraining.total_s == pytest.approx(sft.prediction.step_s, rel=1e-9)
 
 
 def test_grpo_parts_add_up_each_the_plan_of_its_pass(model, grpo8):
@@ -137,7 +140,7 @@ def test_a_decode_step_is_bound_by_device_memory_when_the_copy_fits_else_by_the_
 
 
 @pytest.mark.parametrize("stage, keys, message", [
-    ("ppo", {}, "stage must be one of sft, dpo, grpo; got 'ppo'"),
+    ("ppo", {}, "stage must be one of sft, pt, dpo, grpo; got 'ppo'"),
     ("dpo", {"num_generations": 4}, "stage dpo: num_generations belongs to stage grpo"),
     ("sft", {"precompute_ref_log_probs": True}, "stage sft: precompute_ref_log_probs belongs to stage dpo"),
     ("grpo", {"num_generation": 4}, "stage grpo: no key 'num_generation'; its keys are prompts, num_generations"),

@@ -22,7 +22,7 @@ from ...errors import ArgumentError
 BUNDLED = "bundled"
 # file name endings and the `datasets` builder that reads each
 BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-KINDS = ("text", "jsonl", *BUILDERS.values(), "saved")
+KINDS = ("text", "lines", "jsonl", *BUILDERS.values(), "saved")
 ENTRY_KEYS = ("path", "weight", "columns", "tags", "formatting", "num_samples")
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
 # LlamaFactory's column names (dataset_info.json `columns`) -> the record keys read here
@@ -180,6 +180,15 @@ def mixture(entries: list[dict], strategy: Any, probs: Any) -> tuple[str, list[f
     return strategy, [w / total for w in weights]
 
 
+def by_line(items: list[dict]) -> None:
+    """In place: a .txt named in dataset_info.json is read as LlamaFactory reads it, through
+    datasets' text builder, one record a line ({"text": line}); a .txt given in `data` is one
+    document."""
+    for entry in items:
+        if entry["kind"] == "text":
+            entry["kind"] = "lines"
+
+
 def llamafactory(names: Any, folder: Any, key: str = "dataset", stage: str = "sft") -> list[dict]:
     """Entries for LlamaFactory's `dataset: a,b` (or `eval_dataset`) read from
     `dataset_dir/dataset_info.json`. As in LlamaFactory, a ranking (preference) dataset trains
@@ -216,7 +225,7 @@ def llamafactory(names: Any, folder: Any, key: str = "dataset", stage: str = "sf
         ranking = spec.get("ranking", False)
         if ranking and stage != "dpo":
             reads = ("prompts from supervised (alpaca or sharegpt) datasets" if stage == "grpo"
-                     else "supervised datasets")
+                     else "text" if stage == "pt" else "supervised datasets")
             raise ArgumentError(f"{key}: {name} in {info_path} is a ranking (preference) dataset, which trains under "
                                 f"stage: dpo (as in LlamaFactory); stage {stage} reads {reads}")
         if not ranking and stage == "dpo":

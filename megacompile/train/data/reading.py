@@ -1,7 +1,8 @@
 """Records from a data entry (entries.py), one at a time, in the file's order: (where, record).
 
-A .txt file is one document ({"text": ...}); a .jsonl line is one record (read here, so errors
-name the line). Every other kind is read by the `datasets` library: .json, .parquet, .arrow and
+A .txt file is one document ({"text": ...}), except one named in LlamaFactory's dataset_info.json,
+read as LlamaFactory reads it (datasets' text builder): one record a line, kind `lines`. A .jsonl
+line is one record (read here, so errors name the line). Every other kind is read by the `datasets` library: .json, .parquet, .arrow and
 .csv files (and folders of them) through `load_dataset(builder, data_files=..., streaming=True)`,
 which reads the files as they are, without writing a copy in its cache; a save_to_disk folder through
 `load_from_disk`, which memory-maps it. Those rows are numbered from 0 in `where`.
@@ -15,7 +16,8 @@ LlamaFactory does: every record once in a random order, as many as are asked for
 file's size more drawn at random with replacement; the draw is chosen by the run's seed. Then
 `limit` (max_samples) keeps the first records of what was drawn. An entry's
 `chat_template_kwargs` (run.yaml's) are laid under each record's own, and run.yaml's `tools` given to each
-conversation that names none (run_tools.py).
+conversation that names none (run_tools.py). Under stage pt each record is read as its text
+alone (pretrain.py).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import numpy as np
 
 from ...errors import ArgumentError
 from ...posttrain import jsonl_records, present
-from . import run_tools, system
+from . import pretrain, run_tools, system
 from .entries import BUNDLED, COLUMNS, folder_files
 
 
@@ -50,6 +52,9 @@ def records(entry: dict, readers: dict | None = None) -> Iterator[tuple[str, dic
     for n, (where, record) in enumerate(rows):
         if limit is not None and n >= limit:
             return
+        if entry.get("pretrain"):
+            yield where, pretrain.record(rename(record), where)
+            continue
         record = system.with_default(rename(record), entry.get("default_system"))
         record = run_tools.with_run_tools(record, entry.get("tools"))
         yield where, _with_template_kwargs(record, entry.get("chat_template_kwargs"))
@@ -79,6 +84,10 @@ def _raw(path: str, kind: str, readers: dict) -> Iterator[tuple[str, dict]]:
     if kind == "text":
         with open(path, encoding="utf-8") as f:
             yield path, {"text": f.read()}
+    elif kind == "lines":
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):      # an empty line too is a record, as datasets reads it
+                yield f"{path} line {n}", {"text": line.rstrip("\n")}
     elif kind == "jsonl":
         for file in _files(path):
             yield from jsonl_records(file)

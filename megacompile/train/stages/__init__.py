@@ -1,7 +1,8 @@
-"""`stage: sft | dpo | grpo`: what the run's one loop (train/loop.py) trains, step by step.
+"""`stage: sft | pt | dpo | grpo`: what the run's one loop (train/loop.py) trains, step by step.
 
     stage.py   what a stage is to the loop
-    sft.py     token files, rows, micro-batches, held-out loss and perplexity
+    sft.py     token files, rows, micro-batches, held-out loss and perplexity (stage pt too: its
+               records are read as text, data/pretrain.py)
     dpo.py     preference pairs, the reference's log-probabilities, DPO's losses and metrics
     grpo.py    prompts, rollouts scored by reward functions, GRPO's loss
     keys.py    the post-training keys (TRL's names), checked before anything is read
@@ -28,7 +29,7 @@ def kind(c) -> type[Stage]:
 def open_stage(c, run_dir: str) -> Stage:
     """The configured stage with its data read and checked; what it made is staged until commit()."""
     stage = kind(c)
-    if c.stage == "sft":
+    if c.stage in ("sft", "pt"):
         return stage(c, run_dir)
     from ..data.tokens import load_tokenizer
     return stage(c, load_tokenizer(c.tokenizer or c.model, c.chat_template))

@@ -23,8 +23,8 @@ from ...posttrain import advantages, dpo_losses, grpo
 from ..methods import adapters
 from . import rollouts
 
-STAGES = ("sft", "dpo", "grpo")
-REFUSED = ("pt", "rm", "ppo", "kto")
+STAGES = ("sft", "pt", "dpo", "grpo")
+REFUSED = ("rm", "ppo", "kto")
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau"),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
@@ -58,11 +58,15 @@ def check(c, raw: dict, folder: str | None = None) -> None:
     `folder`: the run.yaml's, where reward modules are looked for too (posttrain/rewards.py)."""
     if c.stage in REFUSED:
         raise ArgumentError(f"stage {c.stage!r} is not supported; megacompile train runs stage: sft (the default), "
-                            "dpo or grpo")
+                            "pt, dpo or grpo")
     if c.stage not in STAGES:
         raise ArgumentError(f"stage must be one of {', '.join(STAGES)}; got {c.stage!r}")
     if c.stage == "sft" and raw.get("loss_type") is not None:
         _sft_loss(c)
+    if c.stage == "pt" and raw.get("loss_type") is not None:
+        raise ArgumentError(f"stage pt trains the cross-entropy of every token of the text; loss_type "
+                            f"{raw['loss_type']!r} is not taken there (stage sft takes nll or dft): leave it out, or "
+                            "set stage: sft")
     given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")]
     foreign = [k for k in given if k not in KEYS.get(c.stage, ())]
     if foreign:
@@ -70,7 +74,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         raise ArgumentError(f"stage {c.stage}: {', '.join(f'{k} (stage {owners[k]})' for k in foreign)} "
                             f"belong{'s' if len(foreign) == 1 else ''} to another stage; set stage to it, or leave "
                             f"{'it' if len(foreign) == 1 else 'them'} out")
-    if c.stage == "sft":
+    if c.stage in ("sft", "pt"):
         return
     if c.loss_type == "dft":
         raise ArgumentError(f"loss_type dft (use_dft_loss) is stage sft's, a weighted supervised loss; stage {c.stage} "

@@ -1,6 +1,7 @@
 """stage: sft, the run's step as one stage among others: token files made once from the records
 (supervised records truncated to the row), rows (packed, isolated or one document each), an
-optimizer step of micro-batches, and the held-out loss and perplexity every eval_every steps."""
+optimizer step of micro-batches, and the held-out loss and perplexity every eval_every steps.
+Stage pt is the same step over records read as text (data/pretrain.py)."""
 from __future__ import annotations
 
 import math
@@ -93,7 +94,9 @@ class SFTStage(Stage):
                 f"batch          {setup.batch} x {setup.grad_accum} accumulated x {c.seq} tokens per optimizer "
                 f"step; {c.steps} steps{epoch}"] + \
             (["loss           dft: each token's cross-entropy weighted by its probability (eval: the cross-entropy)"]
-             if c.loss_type == "dft" else [])
+             if c.loss_type == "dft" else []) + \
+            (["loss           pt: the cross-entropy of every token of each record's text, no chat template"]
+             if c.stage == "pt" else [])
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         """The micro-batches of one optimizer step from row `position` on (rows all prompt or
