@@ -6,6 +6,9 @@ by the cost model; the parts summed.
     dpo   one training step of 2 x `batch` rows (each pair's chosen and rejected rows, packed), and
           one forward-only pass of the reference over the same rows, unless its log-probabilities
           are precomputed (precompute_ref_log_probs)
+    kto   one training step of `batch` rows (completions), a forward-only pass over them (the
+          logged rewards) and, for loss_type kto, one over their KL rows (each prompt with another
+          completion); the reference's log-probabilities are computed once a run, not a step
     grpo  per rollout batch of prompts x num_generations rows, max_prompt_length +
           max_completion_length tokens wide (TRL's names), in steps_per_generation micro-batches
           (one optimizer step of them each pass, TRL's default grad_accum):
@@ -41,13 +44,14 @@ from ..settings import Settings
 from .from_config import hardware_profile, model_from_config, plan
 from .result import Plan
 
-STAGES = ("sft", "pt", "dpo", "grpo")     # pt (pretraining on text) trains as sft does
+STAGES = ("sft", "pt", "dpo", "kto", "grpo")     # pt (pretraining on text) trains as sft does
 GENERATORS = ("engine", "kv_cache", "hf_streamed")
 # Each stage's keys and their defaults (TRL's names and defaults where TRL has the key).
 KEYS: dict[str, dict[str, Any]] = {
     "sft": {},
     "pt": {},
     "dpo": {"precompute_ref_log_probs": False},
+    "kto": {"loss_type": "kto"},
     "grpo": {"prompts": 1, "num_generations": 8, "max_prompt_length": 512, "max_completion_length": 256,
              "num_iterations": 1, "steps_per_generation": 1, "beta": 0.0, "generator": "engine"},
 }
@@ -161,6 +165,8 @@ def stage_keys(stage: Any, keys: dict[str, Any]) -> dict[str, Any]:
     out = {**own, **keys}
     if stage == "dpo":
         arguments.flag("precompute_ref_log_probs", out["precompute_ref_log_probs"])
+    if stage == "kto" and out["loss_type"] not in ("kto", "apo_zero_unpaired"):
+        raise ArgumentError(f"stage kto: loss_type must be kto or apo_zero_unpaired; got {out['loss_type']!r}")
     if stage == "grpo":
         arguments.count("prompts", out["prompts"], what=" (prompts per rollout batch)")
         arguments.count("num_generations", out["num_generations"], minimum=2,
@@ -186,7 +192,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
                nvme_bandwidth: float | None = None, **keys) -> StagePlan:
     """The predicted step of a post-training stage, from its parts (see the module's docstring).
 
-    `batch`: rows (sft) or preference pairs (dpo) per step, default 1; `seq`: their width, default
+    `batch`: rows (sft, kto) or preference pairs (dpo) per step, default 1; `seq`: their width, default
     2048. grpo takes neither: its rows are prompts x num_generations, its width max_prompt_length +
     max_completion_length. `keys`: the stage's (KEYS, TRL's names). The rest as plan()'s. Raises
     BudgetTooSmallError or HostMemoryError, as plan() does, when a part does not fit."""
@@ -229,6 +235,12 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     if stage == "dpo" and not keys["precompute_ref_log_probs"]:
         forward = planned(False, rows, width)
         parts.append(_part("reference forward", 1, forward, f"one forward-only pass of {each}"))
+    if stage == "kto":
+        forward = planned(False, rows, width)
+        parts.append(_part("rewards forward", 1, forward, f"one forward-only pass of {each}"))
+        if keys["loss_type"] == "kto":
+            parts.append(_part("KL forward", 1, forward, f"one forward-only pass of {each}, each prompt with another "
+                                                         "completion"))
     if stage == "grpo":
         forward = planned(False, rows, width)
         generation = (_engine_generation(forward, keys, each, micro) if keys["generator"] == "engine" else

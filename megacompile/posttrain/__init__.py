@@ -1,4 +1,5 @@
-"""Post-training on one GPU: preference optimisation (DPO and TRL's other preference losses),
+"""Post-training on one GPU: preference optimisation (DPO and TRL's other preference losses; KTO
+on completions each marked desirable or not),
 reinforcement learning with verifiable rewards (GRPO) and dynamic fine-tuning's token-weighted
 supervised loss (DFT), with megacompile as the trainer. The losses here are plain torch functions
 of log-probabilities, so the engine captures them inside the step like any loss_fn."""
@@ -6,11 +7,13 @@ from .advantages import group_advantages
 from .dft import DFTObjective, dft_loss
 from .dpo import DPOLoss, DPOObjective, dpo_loss
 from .grpo import GRPOLoss, GRPOObjective, grpo_loss
+from .kto import KTOLoss, KTOObjective, kl_estimate, kto_loss
 from .logprobs import IGNORE, sequence_logprobs, token_logprobs
 from . import rewards, sampling_correction
 from .advantages import nanstd
 from .hf_generator import HFGenerator
-from .preference import Pair, pack, preference_metrics, read_pairs, to_pair
+from .preference_format import trl_record
+from .preference import Pair, pack, pack_rows, preference_metrics, read_pairs, to_pair, tokenised
 from .record_files import jsonl_records, present
 from .rendered import check_calls, check_texts, check_tools, render, texts
 from .rewards import TrainerState
@@ -21,7 +24,8 @@ from .streamed_copy import StreamedHFGenerator
 from .vllm_generator import MISSING, VLLMGenerator
 from .vllm_server import VLLMServerGenerator
 
-__all__ = ["DFTObjective", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "sequence_logprobs", "token_logprobs",
+__all__ = ["DFTObjective", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "KTOLoss", "KTOObjective", "kl_estimate",
+           "kto_loss", "pack_rows", "tokenised", "trl_record", "sequence_logprobs", "token_logprobs",
            "IGNORE", "EngineGenerator", "HFGenerator", "MISSING", "Pair", "StreamedHFGenerator", "TrainerState",
            "VLLMGenerator", "VLLMServerGenerator", "nanstd", "pack", "preference_metrics", "read_pairs", "rewards",
            "rollout_batch", "to_pair", "jsonl_records", "present", "check_calls", "check_texts", "check_tools", "render", "texts", "sampled_logps", "sampling_correction", "sampling_ratio", "truncated"]

@@ -40,7 +40,18 @@ def to_pair(record: dict, tokenizer, where: str = "a preference record", templat
     descriptions) handed to the template, which must write each tool and each call of a completion.
     stage dpo reads LlamaFactory's ranking layouts into TRL's first (train/data/ranking.py)."""
     record = trl_record(record, where)
-    prompt = record["prompt"]
+    prompt_ids, completions = tokenised(record["prompt"], {k: record[k] for k in ("chosen", "rejected")}, tokenizer,
+                                        where, template_kwargs, tools)
+    if completions[0] == completions[1]:
+        raise ArgumentError(f"{where}: {SAME} (their tokens are equal)")
+    return Pair(tuple(prompt_ids), tuple(completions[0]), tuple(completions[1]))
+
+
+def tokenised(prompt, completions: dict, tokenizer, where: str, template_kwargs: dict | None = None,
+              tools: list | None = None) -> tuple[list[int], list[list[int]]]:
+    """The prompt's tokens and each completion's ({name: completion}, text or messages as the
+    prompt is), as TRL tokenises them (to_pair's docstring); a completion without tokens is refused
+    by its name."""
     if tools and not isinstance(prompt, list):
         raise ArgumentError(f"{where}: the record gives tools, which a chat template renders: give the prompt and "
                             "completions as messages")
@@ -54,45 +65,48 @@ def to_pair(record: dict, tokenizer, where: str = "a preference record", templat
         check_tools(prompt_text, tools, where)
         check_calls(prompt_text, prompt, where, "the prompt")
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        completions = []
-        for k in ("chosen", "rejected"):
-            text = written(prompt + record[k])
-            check_calls(text[len(prompt_text):] if text.startswith(prompt_text) else text, record[k], where, k)
+        out = []
+        for k, completion in completions.items():
+            text = written(prompt + completion)
+            check_calls(text[len(prompt_text):] if text.startswith(prompt_text) else text, completion, where, k)
             full = tokenizer(text, add_special_tokens=False)["input_ids"]
             if full[:len(prompt_ids)] != prompt_ids:
                 raise ArgumentError(f"{where}: the chat template renders the prompt and {k} without the prompt's "
                                     "rendering (with its generation prompt) as their start, so no token separates "
                                     "prompt from completion; give the prompt and completions as text instead")
-            completions.append(full[len(prompt_ids):])
+            out.append(full[len(prompt_ids):])
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
         eos = tokenizer.eos_token
-        completions = []
-        for k in ("chosen", "rejected"):
-            text = record[k] if eos is None or record[k].endswith(eos) else record[k] + eos
+        out = []
+        for completion in completions.values():
+            text = completion if eos is None or completion.endswith(eos) else completion + eos
             joint = tokenizer(prompt + text)["input_ids"]
             if joint[:len(prompt_ids)] == prompt_ids:
-                completions.append(joint[len(prompt_ids):])
+                out.append(joint[len(prompt_ids):])
             else:
                 # The text joins across the boundary (no space between prompt and completion, say):
                 # cut there, TRL's tokens would split a word; the completion is tokenised alone.
-                completions.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+                out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not prompt_ids:
         raise ArgumentError(f"{where}: the prompt has no tokens; give it text")
-    for k, ids in zip(("chosen", "rejected"), completions):
+    for k, ids in zip(completions, out):
         if not ids:
             raise ArgumentError(f"{where}: {k} has no tokens after the prompt's; give the {k} completion's text")
-    if completions[0] == completions[1]:
-        raise ArgumentError(f"{where}: {SAME} (their tokens are equal)")
-    return Pair(tuple(prompt_ids), tuple(completions[0]), tuple(completions[1]))
+    return prompt_ids, out
 
 
 def pack(pairs: list[Pair], seq: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """(2B, seq) input_ids and labels: prompt + chosen rows, then prompt + rejected rows in the same
     order; labels count the completion tokens only (IGNORE on the prompt and the padding). A
     completion longer than the row is cut; a prompt that leaves no room for one is refused."""
-    rows = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
-    prompts = [len(p.prompt) for p in pairs] * 2
+    return pack_rows([(p.prompt, p.chosen) for p in pairs] + [(p.prompt, p.rejected) for p in pairs], seq, pad_id)
+
+
+def pack_rows(rows: list[tuple[tuple, tuple]], seq: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """(N, seq) input_ids and labels of N (prompt, completion) token rows, as pack() lays them."""
+    prompts = [len(prompt) for prompt, _ in rows]
+    rows = [prompt + completion for prompt, completion in rows]
     ids = torch.full((len(rows), seq + 1), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), seq), IGNORE, dtype=torch.long)
     for r, (row, start) in enumerate(zip(rows, prompts)):

@@ -2,7 +2,7 @@
 
     loop.py      the run, whatever its stage: checks, the stage's data, engine, resume, steps,
                  evaluation, checkpoints, the trained model
-    stages/      what is trained step by step: sft (pt too), dpo, grpo (TRL's keys), each a Stage
+    stages/      what is trained step by step: sft (pt too), dpo, kto, grpo (TRL's keys), each a Stage
     data/        records read (JSONL, Parquet, ShareGPT, Alpaca, images), tokenised once into token
                  files (records truncated to a row as LlamaFactory's cutoff_len), masked, held out,
                  mixed, streamed, and packed into rows and micro-batches (a record never split)
@@ -14,7 +14,7 @@
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice
     trained_model.py  where a run leaves its model: export, else the run folder (output_dir)
-    policy_export.py  a dpo or grpo run's trained policy as a Hugging Face model folder
+    policy_export.py  a dpo, kto or grpo run's trained policy as a Hugging Face model folder
     log.py       CSV rows per optimizer step, TensorBoard, progress
     wandb_log.py W&B scalars per optimizer step (log: [wandb])
     resume.py    a resume checked against its checkpoint: refused, noted, or already complete

@@ -145,6 +145,8 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "completion_only_loss": ("train_on_prompt", _loss_only("completion_only_loss")),
     "enable_thinking": ("chat_template_kwargs", _thinking),
     "use_dft_loss": ("loss_type", _dft),
+    "kto_chosen_weight": ("desirable_weight", _same),       # LlamaFactory's names of TRL's KTO weights
+    "kto_rejected_weight": ("undesirable_weight", _same),
     "chat_template_path": ("chat_template", _same),
     "preprocessing_num_workers": ("tokenize_workers", _same),
     "dataset_num_proc": ("tokenize_workers", _same),

@@ -1,4 +1,4 @@
-"""`megacompile train`: a run of any stage (stages/: sft, dpo, grpo) from its settings to the
+"""`megacompile train`: a run of any stage (stages/: sft, pt, dpo, kto, grpo) from its settings to the
 trained model, in one loop.
 
     settings -> checks (the model against the stage; a resume against its checkpoint: resume.py)

@@ -1,4 +1,4 @@
-"""DPO, GRPO and DFT with megacompile as the trainer: the objective (policy + loss) trained through the
+"""DPO, KTO, GRPO and DFT with megacompile as the trainer: the objective (policy + loss) trained through the
 engine on the cpu backend against eager torch.optim.AdamW in fp32, at twice the weights and at
 the smallest budget: losses and first gradients to 1e-5, weights after 3 steps to the fp32 noise
 floor measured here."""
@@ -10,7 +10,8 @@ import torch
 from megacompile import AdamW, compile, minimum_budget
 from megacompile.acceptance.parity import BETAS, EPS, LR, WD, float64_noise, moment_error, weight_bytes
 from megacompile.models.llama import LlamaConfig, TinyLlama
-from megacompile.posttrain import DFTObjective, DPOLoss, DPOObjective, GRPOLoss, GRPOObjective, group_advantages, token_logprobs
+from megacompile.posttrain import (DFTObjective, DPOLoss, DPOObjective, GRPOLoss, GRPOObjective, KTOLoss, KTOObjective,
+                                   group_advantages, token_logprobs)
 from megacompile.posttrain.logprobs import IGNORE
 from tests.e2e.harness import assert_same_weights
 
@@ -41,6 +42,18 @@ def _dpo_batches(reference):
         with torch.no_grad():
             logps, _ = token_logprobs(reference(ids), labels)
         batches.append(dict(input_ids=ids, labels=labels, ref_logps=logps.sum(-1)))
+    return batches
+
+
+def _kto_batches(reference):
+    """4 completions, desirable and not, with a KL estimate above 0 (TRL's clamp leaves it there)."""
+    batches = []
+    for step in range(3):
+        ids, labels = _completions(4, 30 + step)
+        with torch.no_grad():
+            logps, _ = token_logprobs(reference(ids), labels)
+        batches.append(dict(input_ids=ids, labels=labels, ref_logps=logps.sum(-1) + 0.1 * step,
+                            desirable=torch.tensor([1.0, 0.0, 1.0, 1.0 - step % 2]), kl=torch.tensor(0.3 * step)))
     return batches
 
 
@@ -78,6 +91,8 @@ def _eager(objective, batches, moments=None):
 CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1)), _dpo_batches),
          "ipo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, loss_type="ipo")), _dpo_batches),
          "dft": (lambda p: DFTObjective(p, shifted=True), _sft_batches),
+         "kto": (lambda p: KTOObjective(p, KTOLoss(beta=0.5, desirable_weight=1.3, undesirable_weight=0.7)),
+                 _kto_batches),
          "grpo": (lambda p: GRPOObjective(p, GRPOLoss(beta=0.04, epsilon_high=0.28, loss_type="grpo")), _grpo_batches),
          # TRL's options: a sort over the batch (aot), token counts (ipo, sft), a quantile (entropy)
          "dpo_loss_types": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1,
@@ -88,7 +103,7 @@ CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1
                                                               top_entropy_quantile=0.5)), _grpo_batches)}
 
 
-@pytest.mark.parametrize("case", ["dpo", "dft", pytest.param("ipo", marks=pytest.mark.slow),
+@pytest.mark.parametrize("case", ["dpo", "dft", "kto", pytest.param("ipo", marks=pytest.mark.slow),
                                   pytest.param("grpo", marks=pytest.mark.slow),
                                   pytest.param("dpo_loss_types", marks=pytest.mark.slow),
                                   pytest.param("grpo_options", marks=pytest.mark.slow)])

@@ -18,11 +18,11 @@ def work(tmp_path_factory):
 
 
 @pytest.mark.parametrize("stage, more, message", [
-    ("sft", {"beta": 0.1}, r"stage sft: beta \(stage dpo or grpo\) belongs to another stage"),
+    ("sft", {"beta": 0.1}, r"stage sft: beta \(stage dpo or kto or grpo\) belongs to another stage"),
     ("dpo", {"num_generations": 4}, r"stage dpo: num_generations \(stage grpo\) belongs to another stage"),
     ("grpo", {"label_smoothing": 0.1}, r"label_smoothing \(stage dpo\) belongs to another stage"),
-    ("kto", {}, "stage 'kto' is not supported"),
-    ("rlhf", {}, "stage must be one of sft, pt, dpo, grpo; got 'rlhf'"),
+    ("ppo", {}, "stage 'ppo' is not supported"),
+    ("rlhf", {}, "stage must be one of sft, pt, dpo, kto, grpo; got 'rlhf'"),
     ("dpo", {"beta": 0}, "beta must be a positive number, e.g. 0.1; got 0"),
     ("dpo", {"loss_type": "dapo"}, "DPO loss_type must be one of sigmoid, hinge, ipo, .*; got 'dapo'"),
     ("dpo", {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]},

@@ -28,7 +28,7 @@ MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
 # LlamaFactory's column names (dataset_info.json `columns`) -> the record keys read here
 COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
            "history": "history", "messages": "conversations", "text": "text", "images": "images",
-           "videos": "videos", "chosen": "chosen", "rejected": "rejected", "tools": "tools"}
+           "videos": "videos", "chosen": "chosen", "rejected": "rejected", "tools": "tools", "kto_tag": "label"}
 # dataset_info.json: the keys of an entry read here, and those that only say where a remote one is
 INFO_KEYS = ("file_name", "formatting", "ranking", "columns", "tags", "num_samples", "split", "subset", "folder")
 REMOTE = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
@@ -225,7 +225,8 @@ def llamafactory(names: Any, folder: Any, key: str = "dataset", stage: str = "sf
         ranking = spec.get("ranking", False)
         if ranking and stage != "dpo":
             reads = ("prompts from supervised (alpaca or sharegpt) datasets" if stage == "grpo"
-                     else "text" if stage == "pt" else "supervised datasets")
+                     else "text" if stage == "pt" else "datasets with a kto_tag column" if stage == "kto"
+                     else "supervised datasets")
             raise ArgumentError(f"{key}: {name} in {info_path} is a ranking (preference) dataset, which trains under "
                                 f"stage: dpo (as in LlamaFactory); stage {stage} reads {reads}")
         if not ranking and stage == "dpo":

@@ -1,9 +1,10 @@
-"""`stage: sft | pt | dpo | grpo`: what the run's one loop (train/loop.py) trains, step by step.
+"""`stage: sft | pt | dpo | kto | grpo`: what the run's one loop (train/loop.py) trains, step by step.
 
     stage.py   what a stage is to the loop
     sft.py     token files, rows, micro-batches, held-out loss and perplexity (stage pt too: its
                records are read as text, data/pretrain.py)
     dpo.py     preference pairs, the reference's log-probabilities, DPO's losses and metrics
+    kto.py     completions marked desirable or not, their KL rows, KTO's loss and metrics
     grpo.py    prompts, rollouts scored by reward functions, GRPO's loss
     keys.py    the post-training keys (TRL's names), checked before anything is read
     rollouts.py  who generates GRPO's completions (the engine, a generation copy, vLLM)
@@ -19,6 +20,9 @@ def kind(c) -> type[Stage]:
     if c.stage == "dpo":
         from .dpo import DPOStage
         return DPOStage
+    if c.stage == "kto":
+        from .kto import KTOStage
+        return KTOStage
     if c.stage == "grpo":
         from .grpo import GRPOStage
         return GRPOStage

@@ -19,22 +19,24 @@ import math
 from typing import Any
 
 from ...errors import ArgumentError
-from ...posttrain import advantages, dpo_losses, grpo
+from ...posttrain import advantages, dpo_losses, grpo, kto
 from ..methods import adapters
 from . import rollouts
 
-STAGES = ("sft", "pt", "dpo", "grpo")
-REFUSED = ("rm", "ppo", "kto")
+STAGES = ("sft", "pt", "dpo", "kto", "grpo")
+REFUSED = ("rm", "ppo")
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau"),
+        "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight"),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
                  "steps_per_generation", "generation_batch_size")
         + rollouts.KEYS}
-ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["grpo"]))
+ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["grpo"]))
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
                     "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05},
+            "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
                      "max_completion_length": 256, "temperature": 1.0, "epsilon": 0.2, "epsilon_high": None,
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
@@ -49,6 +51,8 @@ IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                    "dataset_text_field", "mask_history"),
+           "kto": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
+                   "dataset_text_field", "mask_history"),
            "grpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                     "seq", "dataset_text_field", "mask_history")}
 
@@ -58,7 +62,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
     `folder`: the run.yaml's, where reward modules are looked for too (posttrain/rewards.py)."""
     if c.stage in REFUSED:
         raise ArgumentError(f"stage {c.stage!r} is not supported; megacompile train runs stage: sft (the default), "
-                            "pt, dpo or grpo")
+                            "pt, dpo, kto or grpo")
     if c.stage not in STAGES:
         raise ArgumentError(f"stage must be one of {', '.join(STAGES)}; got {c.stage!r}")
     if c.stage == "sft" and raw.get("loss_type") is not None:
@@ -100,7 +104,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
     for key, default in DEFAULTS[c.stage].items():
         if getattr(c, key) is None:
             setattr(c, key, default)
-    _dpo(c) if c.stage == "dpo" else _grpo(c, raw, folder)
+    _dpo(c) if c.stage == "dpo" else _kto(c) if c.stage == "kto" else _grpo(c, raw, folder)
 
 
 def _sft_loss(c) -> None:
@@ -116,7 +120,22 @@ def _sft_loss(c) -> None:
 
 def _records(stage: str) -> str:
     return ("{prompt, chosen, rejected}, or LlamaFactory's ranking layouts" if stage == "dpo"
+            else "{prompt, completion, label}, or LlamaFactory's kto_tag datasets" if stage == "kto"
             else "a prompt and the columns the rewards read, or LlamaFactory's alpaca or sharegpt layouts")
+
+
+def _kto(c) -> None:
+    c.beta = _positive("beta", c.beta)
+    if c.loss_type not in kto.LOSS_TYPES:
+        raise ArgumentError(f"stage kto: loss_type must be one of {', '.join(kto.LOSS_TYPES)}; got {c.loss_type!r}")
+    c.desirable_weight = _positive("desirable_weight", c.desirable_weight)
+    c.undesirable_weight = _positive("undesirable_weight", c.undesirable_weight)
+    if c.loss_type == "kto" and c.batch < 2:
+        # the KL estimate pairs each prompt with another example's completion of the same micro-batch
+        raise ArgumentError("stage kto: batch (per_device_train_batch_size) must be at least 2: KTO's KL estimate "
+                            "scores each prompt with another completion of its micro-batch, and a micro-batch of one "
+                            "has none (it would be the completion's own reward); raise batch, or take "
+                            "loss_type apo_zero_unpaired, which has no KL term")
 
 
 def _dpo(c) -> None:

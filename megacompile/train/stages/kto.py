@@ -1,0 +1,247 @@
+"""`stage: kto`: completions each marked desirable or undesirable (data/feedback.py: TRL's
+unpaired or paired records, LlamaFactory's kto_tag datasets), trained by KTO (posttrain/kto.py).
+
+The reference is the policy before the first step, as in stage dpo: its log-probabilities of every
+example and of every example's KL row are computed once, by the objective's forward-only pass,
+and kept in the run folder (reference_logps.pt) for a resume. An example's KL row is its prompt
+with another example's completion, fixed when the data is read as TRL fixes it: in chunks of
+`batch` examples in the data's order, each takes the completion of the one before it (the first
+the last's). Each micro-batch's step is preceded by forward-only passes of its rows (the logged
+rewards) and of its KL rows (the KL estimate, a step input held constant, as TRL computes it
+without gradient), all before the step's first micro-batch: the policy the step starts from."""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import ArgumentError
+from ...posttrain import KTOLoss, KTOObjective, kl_estimate, pack_rows, tokenised
+from .. import intervals
+from ..data import feedback, tools
+from ..data.reading import records
+from ..data.tokens import fingerprint
+from ..log import STEP_COLUMNS
+from ..model import check_positions
+from .keys import check_resume, saved_keys
+from .order import stream_items
+from .stage import Stage
+
+METRICS = ("rewards_chosen", "rewards_rejected", "kl")
+REFERENCE = "reference_logps.pt"
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: tuple[int, ...]
+    completion: tuple[int, ...]
+    desirable: bool
+
+
+def kl_partners(n: int, batch: int) -> list[int]:
+    """For each of n examples, the example whose completion its KL row takes (TRL's _get_kl_dataset:
+    chunks of `batch` in order, each rotated by one)."""
+    out = []
+    for lo in range(0, n, batch):
+        chunk = list(range(lo, min(lo + batch, n)))
+        out += chunk[-1:] + chunk[:-1]
+    return out
+
+
+def examples_digest(examples: list[Example]) -> str:
+    """sha256 of the examples' token ids and labels, in order: what a reference row belongs to."""
+    h = hashlib.sha256()
+    for e in examples:
+        for ids in (e.prompt, e.completion):
+            h.update(len(ids).to_bytes(4, "little"))
+            h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+        h.update(bytes([e.desirable]))
+    return h.hexdigest()
+
+
+class KTOStage(Stage):
+    @staticmethod
+    def check_model(c, meta) -> None:
+        check_positions(c, meta)
+
+    check_resume = staticmethod(check_resume)
+
+    def __init__(self, c, tokenizer):
+        self.c, self.tokenizer = c, tokenizer
+        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        self.examples = self._read(c.data)
+        self.held: list[Example] = []
+        if c.eval:
+            self.held = self._read(c.eval)
+        elif c.eval_fraction:
+            order = torch.randperm(len(self.examples), generator=torch.Generator().manual_seed(c.seed)).tolist()
+            cut = max(1, round(c.eval_fraction * len(self.examples)))
+            if cut >= len(self.examples):
+                raise ArgumentError(f"eval_fraction {c.eval_fraction:g} of {len(self.examples)} examples leaves none "
+                                    "to train on; give a smaller fraction, or more examples")
+            self.held = [self.examples[i] for i in sorted(order[:cut])]
+            self.examples = [self.examples[i] for i in sorted(order[cut:])]
+        self.loss = KTOLoss(c.beta, c.desirable_weight, c.undesirable_weight, c.loss_type)
+        self.partners = kl_partners(len(self.examples), c.batch)
+        self.held_partners = kl_partners(len(self.held), c.batch)
+        self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS)
+                                                 if self.held else ())
+        self.reference = self.held_reference = None
+
+    def _read(self, entries: list) -> list[Example]:
+        out: list[Example] = []
+        for entry in entries:
+            paired: list[tuple[str, dict, list[dict]]] = []       # TRL unpairs them a map batch at a time
+
+            def flush():
+                out.extend(self._example(where, record, pair[k]) for k in (0, 1) for where, record, pair in paired)
+                paired.clear()
+            for where, record in records(entry):
+                if feedback.is_paired(record):
+                    paired.append((where, record, feedback.unpaired(record, where)))
+                    if len(paired) == feedback.UNPAIR_BATCH:
+                        flush()
+                else:
+                    flush()
+                    out.append(self._example(where, record, feedback.example(record, where)))
+            flush()
+        if not out:
+            raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no KTO examples")
+        return out
+
+    def _example(self, where: str, record: dict, example: dict) -> Example:
+        prompt, (completion,) = tokenised(example["prompt"], {"completion": example["completion"]}, self.tokenizer,
+                                          where, tools.template_kwargs(record, where), tools.tools(record, where))
+        if len(prompt) > self.c.seq:
+            raise ArgumentError(f"{where}: the prompt is {len(prompt)} tokens, which leaves no room for its completion "
+                                f"in rows of seq {self.c.seq}: raise seq (max_length) or shorten the prompt")
+        return Example(tuple(prompt), tuple(completion), example["label"])
+
+    def describe(self, setup) -> list[str]:
+        c, wanted = self.c, sum(e.desirable for e in self.examples)
+        held = f", {len(self.held)} held out" if self.held else ""
+        lines = [f"stage          kto: {len(self.examples)} completions ({wanted} desirable, "
+                 f"{len(self.examples) - wanted} undesirable){held}; {c.batch} x {c.grad_accum} accumulated per step, "
+                 f"rows of {c.seq} tokens; loss {c.loss_type}, beta {c.beta:g}, desirable_weight "
+                 f"{c.desirable_weight:g}, undesirable_weight {c.undesirable_weight:g}; {c.steps} steps"]
+        unwanted = len(self.examples) - wanted
+        ratio = c.desirable_weight * wanted / (c.undesirable_weight * unwanted) if unwanted else math.inf
+        if not 1 <= ratio <= 4 / 3:
+            # the range the KTO paper recommends, which TRL warns about too
+            lines.append(f"note           desirable_weight x desirable / (undesirable_weight x undesirable) is "
+                         f"{ratio:.3g}; KTO recommends 1 to 4/3: set the weights to bring it there")
+        return lines
+
+    def steps_for(self, epochs: float) -> int:
+        return max(1, -(-int(epochs * len(self.examples)) // (self.c.batch * self.c.grad_accum)))
+
+    def objective(self, policy):
+        return KTOObjective(policy, self.loss)
+
+    def _rows(self, examples: list[Example], items: list[int], partners: list[int]) -> tuple[dict, dict, torch.Tensor]:
+        """The micro-batch of `items`: its rows, its KL rows and which completions are desirable."""
+        rows = pack_rows([(examples[i].prompt, examples[i].completion) for i in items], self.c.seq, self.pad)
+        kl = pack_rows([(examples[i].prompt, examples[partners[i]].completion) for i in items], self.c.seq, self.pad)
+        return rows, kl, torch.tensor([float(examples[i].desirable) for i in items])
+
+    def first_inputs(self, batch: int) -> dict:
+        rows, _, desirable = self._rows(self.examples, [i % len(self.examples) for i in range(batch)], self.partners)
+        return {**rows, "ref_logps": torch.zeros(batch), "desirable": desirable, "kl": torch.zeros(())}
+
+    def _logps(self, engine, examples: list[Example], partners: list[int]) -> torch.Tensor:
+        """(len(examples), 2) log-probabilities (the example's row, its KL row) under the engine's
+        weights now, by micro-batches of `batch` (the last one filled up with the first, left out)."""
+        b, out = self.c.batch, []
+        for lo in range(0, len(examples), b):
+            rows, kl, _ = self._rows(examples, [(lo + k) % len(examples) for k in range(b)], partners)
+            out.append(torch.stack([torch.as_tensor(engine(**rows)).float(),
+                                    torch.as_tensor(engine(**kl)).float()], dim=1))
+        return torch.cat(out)[:len(examples)]
+
+    def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
+        path = os.path.join(run_dir, REFERENCE)
+        tokens = {"train": examples_digest(self.examples), "eval": examples_digest(self.held), "batch": self.c.batch}
+        if saved is not None:
+            if not os.path.isfile(path):
+                raise ArgumentError(f"resume: {path} is missing: the reference log-probabilities cannot be made again "
+                                    "from trained weights; start a new run_dir")
+            kept = torch.load(path)
+            if kept.get("tokens") != tokens:
+                raise ArgumentError(f"resume: {path} holds the reference log-probabilities of other examples than "
+                                    "this run's (the data, the tokenizer, its chat template or batch, which pairs "
+                                    "the KL rows, changed since the run began); resume with what the run began with, "
+                                    "or start a new run_dir")
+            self.reference, self.held_reference = kept["train"], kept["eval"]
+            return
+        self.reference = self._logps(engine, self.examples, self.partners)
+        self.held_reference = self._logps(engine, self.held, self.held_partners) if self.held else None
+        torch.save({"train": self.reference, "eval": self.held_reference, "tokens": tokens}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def _kl(self, engine, kl_rows: dict, ref: torch.Tensor) -> torch.Tensor:
+        if not self.loss.needs_kl:
+            return torch.zeros(())
+        return kl_estimate(torch.as_tensor(engine(**kl_rows)).float(), ref)
+
+    def step(self, engine, position: int) -> tuple[dict, list, int, int]:
+        """One optimizer step: grad_accum micro-batches, each after the forward-only passes of its
+        rows and KL rows (all of them before the step's first micro-batch)."""
+        micro = []
+        for _ in range(self.c.grad_accum):
+            items = stream_items(len(self.examples), self.c.seed, position, self.c.batch)
+            position += self.c.batch
+            rows, kl_rows, desirable = self._rows(self.examples, items, self.partners)
+            micro.append((rows, kl_rows, desirable, self.reference[items]))
+        policy = [torch.as_tensor(engine(**rows)).float() for rows, *_ in micro]
+        kls = [self._kl(engine, kl_rows, ref[:, 1]) for _, kl_rows, _, ref in micro]
+        losses, tokens = [], 0
+        for (rows, _, desirable, ref), kl in zip(micro, kls):
+            losses.append(engine.step(**rows, ref_logps=ref[:, 0], desirable=desirable, kl=kl))
+            counted = engine.last_step.tokens      # a skipped step's record counts none; its rows were read
+            tokens += rows["input_ids"].numel() if counted is None else counted
+            if engine.last_step.skipped:
+                break
+        metrics = self._metrics(torch.cat(policy), torch.cat([r[:, 0] for *_, r in micro]),
+                                torch.cat([d for _, _, d, _ in micro]), torch.stack(kls))
+        return metrics, losses, tokens, position
+
+    def _metrics(self, policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kls: torch.Tensor) -> dict:
+        """The mean implicit reward beta (log pi - log pi_ref) of the desirable and of the undesirable
+        completions (nan where there were none), and the KL estimate."""
+        rewards, wanted = self.c.beta * (policy - ref), desirable.bool()
+        mean = lambda x: x.mean().item() if x.numel() else math.nan      # noqa: E731
+        return {"rewards_chosen": mean(rewards[wanted]), "rewards_rejected": mean(rewards[~wanted]),
+                "kl": kls.mean().item()}
+
+    def evaluate(self, engine, step: int) -> dict:
+        c = self.c
+        if not self.held or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
+            return {}
+        held, ref = self.held, self.held_reference
+        if c.eval_batches is not None:
+            held, ref = held[:c.eval_batches * c.batch], ref[:c.eval_batches * c.batch]
+        training = engine.model.training
+        engine.model.eval()
+        try:
+            policy = self._logps(engine, held, self.held_partners)
+        finally:
+            engine.model.train(training)
+        desirable = torch.tensor([float(e.desirable) for e in held])
+        losses, kls = [], []
+        for lo in range(0, len(held), c.batch):      # the KL estimate of each micro-batch, as in training
+            part = slice(lo, lo + c.batch)
+            kl = kl_estimate(policy[part, 1], ref[part, 1]) if self.loss.needs_kl else torch.zeros(())
+            losses.append(self.loss.examples(policy[part, 0], ref[part, 0], desirable[part], kl))
+            kls.append(kl)
+        metrics = self._metrics(policy[:, 0], ref[:, 0], desirable, torch.stack(kls))
+        return {"eval_loss": torch.cat(losses).mean().item(), **{f"eval_{k}": v for k, v in metrics.items()}}
+
+    def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
+        return f"rewards {row['rewards_chosen']:.4f} / {row['rewards_rejected']:.4f} | kl {row['kl']:.4f}", {}
+
+    def checkpoint_extra(self) -> dict:
+        return {"stage": saved_keys(self.c)}
