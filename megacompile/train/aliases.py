@@ -147,6 +147,8 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "use_dft_loss": ("loss_type", _dft),
     "kto_chosen_weight": ("desirable_weight", _same),       # LlamaFactory's names of TRL's KTO weights
     "kto_rejected_weight": ("undesirable_weight", _same),
+    "pref_beta": ("beta", _same),                           # LlamaFactory's dpo and kto beta
+    "dpo_label_smoothing": ("label_smoothing", _same),
     "chat_template_path": ("chat_template", _same),
     "preprocessing_num_workers": ("tokenize_workers", _same),
     "dataset_num_proc": ("tokenize_workers", _same),
@@ -155,7 +157,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 # Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->
 # schedule, min_lr (and warmup for HF's `constant`), template -> a check of the chat template.
 SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "template", "do_train",
-           "eval_strategy", "evaluation_strategy", "save_strategy", "logging_strategy")
+           "eval_strategy", "evaluation_strategy", "save_strategy", "logging_strategy", "pref_loss")
 
 IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
@@ -237,6 +239,8 @@ def translate(raw: dict, default_lr: float) -> Translated:
     _betas(raw, out)
     _schedule(raw, out, default_lr)
     _strategies(raw, out)
+    if raw.get("pref_loss") is not None:
+        _pref_loss(raw, out)
     if out.keys.get("steps") is not None and out.spelled.get("epochs") == "num_train_epochs":
         del out.keys["epochs"]      # transformers: max_steps > 0 overrides num_train_epochs
         out.notes.append("num_train_epochs is not used: max_steps is given (as in transformers)")
@@ -251,6 +255,27 @@ def translate(raw: dict, default_lr: float) -> Translated:
         why = [f"{k} ({WHY_IGNORED[k]})" if k in WHY_IGNORED else k for k in ignored]
         out.notes.append(f"ignored (no effect in a megacompile run): {', '.join(why)}")
     return out
+
+
+# LlamaFactory's pref_loss values that are TRL's DPO loss types; its orpo and simpo need no reference
+PREF_LOSSES = ("sigmoid", "hinge", "ipo")
+
+
+def _pref_loss(raw: dict, out: Translated) -> None:
+    """LlamaFactory's pref_loss: stage dpo's loss_type where TRL has it; not read by stage kto,
+    whose loss is its own (as in LlamaFactory)."""
+    value = raw["pref_loss"]
+    if raw.get("stage") == "kto":
+        out.notes.append(f"pref_loss {value!r} is not read by stage kto (as in LlamaFactory: its loss is KTO's)")
+    elif value in PREF_LOSSES:
+        out.set("loss_type", value, "pref_loss", value)
+    elif value in ("orpo", "simpo"):
+        raise ArgumentError(f"pref_loss {value}: {value.upper()} is a preference loss without a reference model, which "
+                            f"megacompile does not have; stage dpo takes TRL's loss types (loss_type: sigmoid, hinge, "
+                            "ipo, robust, ...: docs/posttraining.md)")
+    else:
+        raise ArgumentError(f"pref_loss takes {', '.join(PREF_LOSSES)} here (TRL's DPO loss types; loss_type names "
+                            f"the others); got {value!r}")
 
 
 def _betas(raw: dict, out: Translated) -> None:

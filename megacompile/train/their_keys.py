@@ -68,11 +68,8 @@ NOT_TAKEN = {
     "metric_for_best_model": "not supported: the model written at the end is the last step's",
     "eval_on_start": "not supported: evaluation runs every eval_every steps and after the last",
     "save_safetensors": "weights are always written as safetensors",
-    # DPO (LlamaFactory's names)
-    "pref_beta": "beta",
-    "pref_loss": "loss_type",
+    # DPO (LlamaFactory's names; pref_beta, pref_loss and dpo_label_smoothing are read: aliases.py)
     "pref_ftx": "rpo_alpha (the DPO loss's term on the chosen tokens' negative log-likelihood)",
-    "dpo_label_smoothing": "label_smoothing",
     # post-training options megacompile does not have
     "multi_objective_aggregation": "not supported: the weighted rewards are summed, then scaled within their group "
                                    "(scale_rewards), as TRL's default does; leave it out",

@@ -94,8 +94,8 @@ def test_llamafactory_kto_tag_datasets_and_trl_records_train_the_same_run(work):
     lf = files.run_yaml(str(tmp / "lf.yaml"), model_name_or_path=work["model"], stage="kto", do_train=True,
                         dataset="kto_demo", dataset_dir=str(folder), cutoff_len=16, per_device_train_batch_size=2,
                         learning_rate=1e-2, max_steps=4, lr_scheduler_type="constant", logging_steps=1,
-                        kto_chosen_weight=1.2, kto_rejected_weight=0.8, output_dir=str(tmp / "lf_run"), device="cpu",
-                        hbm_budget=1)
+                        kto_chosen_weight=1.2, kto_rejected_weight=0.8, pref_beta=0.1, output_dir=str(tmp / "lf_run"),
+                        device="cpu", hbm_budget=1)
     run(load(lf))
     run(load(files.run_yaml(str(tmp / "trl.yaml"), **_kto(work, str(tmp / "trl_run"), data=work["unpaired"],
                                                          desirable_weight=1.2, undesirable_weight=0.8))))

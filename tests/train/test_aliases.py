@@ -69,7 +69,7 @@ def test_overrides_replace_the_files_value_whichever_name_either_uses(tmp_path):
 
 @pytest.mark.parametrize("settings, message", [
     ({"fp16": True}, "fp16: true is refused: megacompile computes in float32 or bfloat16"),
-    ({"stage": "kto"}, "stage 'kto' is not supported; megacompile train runs stage: sft"),
+    ({"stage": "ppo"}, "stage 'ppo' is not supported; megacompile train runs stage: sft"),
     ({"do_train": False}, "do_train False: megacompile train always trains"),
     ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type 'polynomial': megacompile follows linear, cosine"),
     ({"lr_scheduler_type": "cosine_with_min_lr"}, "cosine_with_min_lr takes one of min_lr, min_lr_rate"),

@@ -55,7 +55,7 @@ def test_save_strategy_no_is_refused_for_the_bundled_model_whose_checkpoint_is_i
     ("dataset_name", "trl-lib/Capybara", r"dataset_name -> give the data files as data:"),
     ("use_peft", True, r"use_peft -> finetuning_type: lora"),
     ("quantization_bit", 4, r"quantization_bit -> not supported: the weights train in float32 masters"),
-    ("pref_beta", 0.1, r"pref_beta -> beta"),
+    ("pref_ftx", 1.0, r"pref_ftx -> rpo_alpha"),
 ])
 def test_their_keys_megacompile_does_not_take_name_the_equivalent_or_why(tmp_path, key, value, says):
     with pytest.raises(ArgumentError, match=says) as caught:
