@@ -11,7 +11,8 @@ import pytest
 from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
 from megacompile.train.data.tokens import load_tokenizer
-from megacompile.train.stages.kto import REFERENCE, KTOStage
+from megacompile.train.stages.kto import KTOStage
+from megacompile.train.stages.reference import REFERENCE
 from tests.posttrain import stage_files
 from tests.train import files
 
@@ -124,6 +125,9 @@ def test_a_resumed_kto_run_writes_the_uninterrupted_log(work):
     assert _rows(tmp / "cut") == _rows(tmp / "whole")
     with pytest.raises(ArgumentError, match="other post-training keys .*desirable_weight 1.0 -> 2.0"):
         run(load(cut, ["steps=5", "resume=auto", "desirable_weight=2.0"]))
+    # another batch pairs other KL rows, whose reference log-probabilities the run folder does not hold
+    with pytest.raises(ArgumentError, match="reference log-probabilities of other tokens than this run's batch"):
+        run(load(cut, ["steps=5", "resume=auto", "batch=3"]))
 
 
 @pytest.mark.parametrize("more, words", [

@@ -11,8 +11,6 @@ forward-only pass of the same rows, whose log-probabilities give the logged impl
 (those of the policy the step starts from, as TRL logs them)."""
 from __future__ import annotations
 
-import hashlib
-import os
 
 import torch
 
@@ -29,20 +27,15 @@ from ..log import STEP_COLUMNS
 from ..model import check_positions
 from .order import stream_items
 from .keys import check_resume, dpo_loss_terms, saved_keys
+from . import reference
 from .stage import Stage
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
-REFERENCE = "reference_logps.pt"
 
 
 def pairs_digest(pairs: list[Pair]) -> str:
     """sha256 of the pairs' token ids, in order: what a reference row belongs to."""
-    h = hashlib.sha256()
-    for pair in pairs:
-        for ids in (pair.prompt, pair.chosen, pair.rejected):
-            h.update(len(ids).to_bytes(4, "little"))
-            h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
-    return h.hexdigest()
+    return reference.digest((p.prompt, p.chosen, p.rejected) for p in pairs)
 
 
 class DPOStage(Stage):
@@ -61,13 +54,7 @@ class DPOStage(Stage):
         if c.eval:
             self.held = self._read(c.eval, tokenizer)
         elif c.eval_fraction:
-            order = torch.randperm(len(self.pairs), generator=torch.Generator().manual_seed(c.seed)).tolist()
-            cut = max(1, round(c.eval_fraction * len(self.pairs)))
-            if cut >= len(self.pairs):
-                raise ArgumentError(f"eval_fraction {c.eval_fraction:g} of {len(self.pairs)} pairs leaves none to "
-                                    "train on; give a smaller fraction, or more pairs")
-            self.held = [self.pairs[i] for i in sorted(order[:cut])]
-            self.pairs = [self.pairs[i] for i in sorted(order[cut:])]
+            self.pairs, self.held = reference.hold_out(self.pairs, c.eval_fraction, c.seed, "pairs")
         kinds, weights = dpo_loss_terms(c)
         self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau)
         self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ())
@@ -120,27 +107,14 @@ class DPOStage(Stage):
         return torch.stack([counted[:len(pairs)], counted[len(pairs):]], dim=1)
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
-        path = os.path.join(run_dir, REFERENCE)
         tokens = {"train": pairs_digest(self.pairs), "eval": pairs_digest(self.held)}
         if saved is not None:
-            if not os.path.isfile(path):
-                raise ArgumentError(f"resume: {path} is missing: the reference log-probabilities cannot be made again "
-                                    "from trained weights; start a new run_dir")
-            kept = torch.load(path)
-            # Row i of the reference is pair i's: pairs tokenised otherwise (a tokenizer or chat template
-            # changed, the records edited in place) would each take another pair's reference.
-            if kept.get("tokens", tokens) != tokens:
-                changed = " and ".join(k for k in ("train", "eval") if kept["tokens"][k] != tokens[k])
-                raise ArgumentError(f"resume: {path} holds the reference log-probabilities of other tokens than this "
-                                    f"run's {changed} pairs make now (the data, the tokenizer or its chat template "
-                                    "changed since the run began); resume with what the run began with, or start a "
-                                    "new run_dir")
+            kept = reference.kept(run_dir, tokens, "pairs")
             self.reference, self.held_reference = kept["train"], kept["eval"]
             return
         self.reference = self._logps(engine, self.pairs)
         self.held_reference = self._logps(engine, self.held) if self.held else None
-        torch.save({"train": self.reference, "eval": self.held_reference, "tokens": tokens}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        reference.keep(run_dir, self.reference, self.held_reference, tokens)
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         """One optimizer step: grad_accum micro-batches, each first through the forward-only pass

@@ -11,9 +11,7 @@ rewards) and of its KL rows (the KL estimate, a step input held constant, as TRL
 without gradient), all before the step's first micro-batch: the policy the step starts from."""
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +26,10 @@ from ..log import STEP_COLUMNS
 from ..model import check_positions
 from .keys import check_resume, saved_keys
 from .order import stream_items
+from . import reference
 from .stage import Stage
 
 METRICS = ("rewards_chosen", "rewards_rejected", "kl")
-REFERENCE = "reference_logps.pt"
 
 
 @dataclass(frozen=True)
@@ -53,13 +51,7 @@ def kl_partners(n: int, batch: int) -> list[int]:
 
 def examples_digest(examples: list[Example]) -> str:
     """sha256 of the examples' token ids and labels, in order: what a reference row belongs to."""
-    h = hashlib.sha256()
-    for e in examples:
-        for ids in (e.prompt, e.completion):
-            h.update(len(ids).to_bytes(4, "little"))
-            h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
-        h.update(bytes([e.desirable]))
-    return h.hexdigest()
+    return reference.digest((e.prompt, e.completion, (int(e.desirable),)) for e in examples)
 
 
 class KTOStage(Stage):
@@ -78,13 +70,7 @@ class KTOStage(Stage):
         if c.eval:
             self.held = self._read(c.eval)
         elif c.eval_fraction:
-            order = torch.randperm(len(self.examples), generator=torch.Generator().manual_seed(c.seed)).tolist()
-            cut = max(1, round(c.eval_fraction * len(self.examples)))
-            if cut >= len(self.examples):
-                raise ArgumentError(f"eval_fraction {c.eval_fraction:g} of {len(self.examples)} examples leaves none "
-                                    "to train on; give a smaller fraction, or more examples")
-            self.held = [self.examples[i] for i in sorted(order[:cut])]
-            self.examples = [self.examples[i] for i in sorted(order[cut:])]
+            self.examples, self.held = reference.hold_out(self.examples, c.eval_fraction, c.seed, "examples")
         self.loss = KTOLoss(c.beta, c.desirable_weight, c.undesirable_weight, c.loss_type)
         self.partners = kl_partners(len(self.examples), c.batch)
         self.held_partners = kl_partners(len(self.held), c.batch)
@@ -163,24 +149,16 @@ class KTOStage(Stage):
         return torch.cat(out)[:len(examples)]
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
-        path = os.path.join(run_dir, REFERENCE)
-        tokens = {"train": examples_digest(self.examples), "eval": examples_digest(self.held), "batch": self.c.batch}
+        # batch pairs the KL rows: another batch makes other rows
+        tokens = {"train": examples_digest(self.examples), "eval": examples_digest(self.held),
+                  "batch": self.c.batch}
         if saved is not None:
-            if not os.path.isfile(path):
-                raise ArgumentError(f"resume: {path} is missing: the reference log-probabilities cannot be made again "
-                                    "from trained weights; start a new run_dir")
-            kept = torch.load(path)
-            if kept.get("tokens") != tokens:
-                raise ArgumentError(f"resume: {path} holds the reference log-probabilities of other examples than "
-                                    "this run's (the data, the tokenizer, its chat template or batch, which pairs "
-                                    "the KL rows, changed since the run began); resume with what the run began with, "
-                                    "or start a new run_dir")
+            kept = reference.kept(run_dir, tokens, "examples (or batch, which pairs the KL rows)")
             self.reference, self.held_reference = kept["train"], kept["eval"]
             return
         self.reference = self._logps(engine, self.examples, self.partners)
         self.held_reference = self._logps(engine, self.held, self.held_partners) if self.held else None
-        torch.save({"train": self.reference, "eval": self.held_reference, "tokens": tokens}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        reference.keep(run_dir, self.reference, self.held_reference, tokens)
 
     def _kl(self, engine, kl_rows: dict, ref: torch.Tensor) -> torch.Tensor:
         if not self.loss.needs_kl:

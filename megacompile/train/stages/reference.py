@@ -1,0 +1,58 @@
+"""What stages dpo and kto share: the data's held-out part, and the reference's log-probabilities,
+computed once before the first step (the policy at step 0 is the reference) and kept in the run
+folder, where a resumed run reads them, its weights no longer being the reference's."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+from ...errors import ArgumentError
+
+REFERENCE = "reference_logps.pt"
+
+
+def digest(rows) -> str:
+    """sha256 of the token ids of `rows` (each a tuple of token-id tuples), in order: what a
+    reference row belongs to."""
+    h = hashlib.sha256()
+    for row in rows:
+        for ids in row:
+            h.update(len(ids).to_bytes(4, "little"))
+            h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def hold_out(items: list, fraction: float, seed: int, what: str) -> tuple[list, list]:
+    """`fraction` of `items` held out (a seeded draw, each part in the data's order): (train, held)."""
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    cut = max(1, round(fraction * len(items)))
+    if cut >= len(items):
+        raise ArgumentError(f"eval_fraction {fraction:g} of {len(items)} {what} leaves none to train on; give a "
+                            f"smaller fraction, or more {what}")
+    return [items[i] for i in sorted(order[cut:])], [items[i] for i in sorted(order[:cut])]
+
+
+def kept(run_dir: str, tokens: dict, what: str) -> dict:
+    """A resumed run's reference file, refused when it belongs to other tokens than `tokens`
+    ({"train": digest, "eval": digest, ...}) say this run's data makes now."""
+    path = os.path.join(run_dir, REFERENCE)
+    if not os.path.isfile(path):
+        raise ArgumentError(f"resume: {path} is missing: the reference log-probabilities cannot be made again "
+                            "from trained weights; start a new run_dir")
+    saved = torch.load(path)
+    # Row i of the reference is item i's: items tokenised otherwise (a tokenizer or chat template
+    # changed, the records edited in place) would each take another item's reference.
+    if saved.get("tokens", tokens) != tokens:
+        changed = " and ".join(k for k in tokens if saved["tokens"].get(k) != tokens[k])
+        raise ArgumentError(f"resume: {path} holds the reference log-probabilities of other tokens than this run's "
+                            f"{changed} {what} make now (the data, the tokenizer or its chat template changed since the "
+                            "run began); resume with what the run began with, or start a new run_dir")
+    return saved
+
+
+def keep(run_dir: str, train: torch.Tensor, held: torch.Tensor | None, tokens: dict) -> None:
+    path = os.path.join(run_dir, REFERENCE)
+    torch.save({"train": train, "eval": held, "tokens": tokens}, path + ".tmp")
+    os.replace(path + ".tmp", path)
