@@ -5,6 +5,8 @@
                records are read as text, data/pretrain.py)
     dpo.py     preference pairs, the reference's log-probabilities, DPO's losses and metrics
     kto.py     completions marked desirable or not, their KL rows, KTO's loss and metrics
+    reference.py  what dpo and kto share: the reference's log-probabilities kept for a resume,
+               the held-out split
     grpo.py    prompts, rollouts scored by reward functions, GRPO's loss
     keys.py    the post-training keys (TRL's names), checked before anything is read
     rollouts.py  who generates GRPO's completions (the engine, a generation copy, vLLM)

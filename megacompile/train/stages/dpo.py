@@ -18,17 +18,13 @@ from ...errors import ArgumentError
 from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
 from ...posttrain import Pair, pack, preference_metrics, to_pair
-from .. import intervals
 from ..data import tools
 from ..data.ranking import preference
 from ..data.reading import records
-from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
-from ..model import check_positions
 from .order import stream_items
-from .keys import check_resume, dpo_loss_terms, saved_keys
+from .keys import dpo_loss_terms, saved_keys
 from . import reference
-from .stage import Stage
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
 
@@ -38,17 +34,9 @@ def pairs_digest(pairs: list[Pair]) -> str:
     return reference.digest((p.prompt, p.chosen, p.rejected) for p in pairs)
 
 
-class DPOStage(Stage):
-    @staticmethod
-    def check_model(c, meta) -> None:
-        check_positions(c, meta)
-
-    check_resume = staticmethod(check_resume)
-
+class DPOStage(reference.ReferenceStage):
     def __init__(self, c, tokenizer):
-        self.c, self.tokenizer = c, tokenizer
-        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        super().__init__(c, tokenizer)
         self.pairs = self._read(c.data, tokenizer)
         self.held: list[Pair] = []
         if c.eval:
@@ -139,18 +127,10 @@ class DPOStage(Stage):
         return preference_metrics(rows(policy), rows([r for _, r in micro]), self.c.beta), losses, tokens, position
 
     def evaluate(self, engine, step: int) -> dict:
-        c = self.c
-        if not self.held or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
+        c, due = self.c, self.held_out(engine, step, self._logps)
+        if due is None:
             return {}
-        held, ref = self.held, self.held_reference
-        if c.eval_batches is not None:
-            held, ref = held[:c.eval_batches * c.batch], ref[:c.eval_batches * c.batch]
-        training = engine.model.training
-        engine.model.eval()
-        try:
-            policy = self._logps(engine, held)
-        finally:
-            engine.model.train(training)
+        held, ref, policy = due
         counts = self._token_counts(held)
         losses = self.loss.pairs(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]),
                                  torch.cat([counts[:, 0], counts[:, 1]]))

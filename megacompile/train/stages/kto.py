@@ -18,16 +18,12 @@ import torch
 
 from ...errors import ArgumentError
 from ...posttrain import KTOLoss, KTOObjective, kl_estimate, pack_rows, tokenised
-from .. import intervals
 from ..data import feedback, tools
 from ..data.reading import records
-from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
-from ..model import check_positions
-from .keys import check_resume, saved_keys
+from .keys import saved_keys
 from .order import stream_items
 from . import reference
-from .stage import Stage
 
 METRICS = ("rewards_chosen", "rewards_rejected", "kl")
 
@@ -54,17 +50,9 @@ def examples_digest(examples: list[Example]) -> str:
     return reference.digest((e.prompt, e.completion, (int(e.desirable),)) for e in examples)
 
 
-class KTOStage(Stage):
-    @staticmethod
-    def check_model(c, meta) -> None:
-        check_positions(c, meta)
-
-    check_resume = staticmethod(check_resume)
-
+class KTOStage(reference.ReferenceStage):
     def __init__(self, c, tokenizer):
-        self.c, self.tokenizer = c, tokenizer
-        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        super().__init__(c, tokenizer)
         self.examples = self._read(c.data)
         self.held: list[Example] = []
         if c.eval:
@@ -196,18 +184,10 @@ class KTOStage(Stage):
                 "kl": kls.mean().item()}
 
     def evaluate(self, engine, step: int) -> dict:
-        c = self.c
-        if not self.held or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
+        c, due = self.c, self.held_out(engine, step, lambda e, items: self._logps(e, items, self.held_partners))
+        if due is None:
             return {}
-        held, ref = self.held, self.held_reference
-        if c.eval_batches is not None:
-            held, ref = held[:c.eval_batches * c.batch], ref[:c.eval_batches * c.batch]
-        training = engine.model.training
-        engine.model.eval()
-        try:
-            policy = self._logps(engine, held, self.held_partners)
-        finally:
-            engine.model.train(training)
+        held, ref, policy = due
         desirable = torch.tensor([float(e.desirable) for e in held])
         losses, kls = [], []
         for lo in range(0, len(held), c.batch):      # the KL estimate of each micro-batch, as in training

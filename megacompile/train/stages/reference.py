@@ -9,6 +9,11 @@ import os
 import torch
 
 from ...errors import ArgumentError
+from .. import intervals
+from ..data.tokens import fingerprint
+from ..model import check_positions
+from .keys import check_resume
+from .stage import Stage
 
 REFERENCE = "reference_logps.pt"
 
@@ -56,3 +61,34 @@ def keep(run_dir: str, train: torch.Tensor, held: torch.Tensor | None, tokens: d
     path = os.path.join(run_dir, REFERENCE)
     torch.save({"train": train, "eval": held, "tokens": tokens}, path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+class ReferenceStage(Stage):
+    """A stage trained against the reference (dpo, kto): what both check and keep of the run."""
+    check_resume = staticmethod(check_resume)
+
+    @staticmethod
+    def check_model(c, meta) -> None:
+        check_positions(c, meta)
+
+    def __init__(self, c, tokenizer):
+        self.c, self.tokenizer = c, tokenizer
+        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+    def held_out(self, engine, step: int, logps) -> tuple | None:
+        """The held-out items an evaluation at `step` reads (eval_batches x batch of them at most),
+        their reference log-probabilities and the policy's now, `logps(engine, items)` in eval mode
+        (dropout off); None when no evaluation is due."""
+        c = self.c
+        if not self.held or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
+            return None
+        held, ref = self.held, self.held_reference
+        if c.eval_batches is not None:
+            held, ref = held[:c.eval_batches * c.batch], ref[:c.eval_batches * c.batch]
+        training = engine.model.training
+        engine.model.eval()
+        try:
+            return held, ref, logps(engine, held)
+        finally:
+            engine.model.train(training)
