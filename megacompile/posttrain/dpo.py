@@ -1,6 +1,6 @@
 """Direct preference optimisation (Rafailov et al., 2023) and the other preference losses of TRL's
 DPOTrainer (dpo_losses.py: IPO, hinge, robust, BCO, SPPO, NCA, AOT, APO, EXO, DiscoPOP, SFT, and
-weighted sums of them).
+weighted sums of them), and the reference-free SimPO and ORPO of its CPO and ORPO trainers.
 
 A step holds chosen and rejected completions packed in one batch: the first half of the rows are
 the chosen ones, the second half the rejected ones, of the same prompts in the same order. The
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ArgumentError
-from .dpo_losses import LOSS_TYPES, READS_LABEL_SMOOTHING, combined_loss, loss_types
+from .dpo_losses import LOSS_TYPES, READS_LABEL_SMOOTHING, REFERENCE_FREE, combined_loss, loss_types
 from .logprobs import sequence_logprobs, token_logprobs
 
 __all__ = ["DPOLoss", "DPOObjective", "LOSS_TYPES", "dpo_loss", "logits_of"]
@@ -24,13 +24,14 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
              ref_rejected: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0,
              loss_type: str | tuple = "sigmoid", *, loss_weights=None, chosen_tokens: torch.Tensor | None = None,
              rejected_tokens: torch.Tensor | None = None,
-             discopop_tau: float = 0.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             discopop_tau: float = 0.05, simpo_gamma: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and the implicit rewards beta * (log pi - log pi_ref) of the chosen and the
     rejected completions, from sequence log-probabilities (B,) each; chosen_tokens and
     rejected_tokens (B,): the completions' token counts (ipo, sigmoid_norm and sft read them).
     loss_type: one of dpo_losses.LOSS_TYPES or several, summed with loss_weights."""
     losses = combined_loss(loss_types(loss_type), loss_weights, policy_chosen, policy_rejected, ref_chosen,
-                           ref_rejected, beta, label_smoothing, chosen_tokens, rejected_tokens, discopop_tau)
+                           ref_rejected, beta, label_smoothing, chosen_tokens, rejected_tokens, discopop_tau,
+                           simpo_gamma)
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     return losses, chosen_rewards, rejected_rewards
@@ -46,6 +47,7 @@ class DPOLoss:
     loss_type: str | tuple = "sigmoid"
     loss_weights: tuple | None = None
     discopop_tau: float = 0.05
+    simpo_gamma: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and self.beta > 0):
@@ -72,6 +74,11 @@ class DPOLoss:
         return loss_types(self.loss_type)
 
     @property
+    def needs_reference(self) -> bool:
+        """Whether a loss type reads the reference's log-probabilities (simpo, orpo and sft do not)."""
+        return any(k not in REFERENCE_FREE for k in self.kinds)
+
+    @property
     def reads_label_smoothing(self) -> bool:
         return any(k in READS_LABEL_SMOOTHING for k in self.kinds)
 
@@ -85,7 +92,7 @@ class DPOLoss:
         losses, _, _ = dpo_loss(policy[:half], policy[half:], ref[:half], ref[half:], self.beta,
                                 self.label_smoothing, self.kinds, loss_weights=self.loss_weights,
                                 chosen_tokens=tokens[:half], rejected_tokens=tokens[half:],
-                                discopop_tau=self.discopop_tau)
+                                discopop_tau=self.discopop_tau, simpo_gamma=self.simpo_gamma)
         return losses
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,13 @@ ls = label_smoothing, sigma the logistic function and n+, n- the completions' to
     discopop    -log sigma(b h) (1 - m) + exp(-b h) m, m = sigma(b h / tau)    DiscoPOP
     sigmoid_norm  -log sigma(b (c / n+ - r / n-))                        sigmoid on per-token log-ratios
     sft         -sum(log pi(y+)) / sum(n+): the chosen tokens' mean negative log-likelihood (RPO's term)
+    simpo       -log sigma(b (a+ - a-) - gamma), a = log pi(y) / n, no reference   SimPO (TRL's CPO loss_type)
+    orpo        the sft term - b log sigma(log(a+ odds) - log(a- odds)), odds(a) = e^a / (1 - e^a),
+                no reference                                              ORPO (TRL's ORPOTrainer)
+
+simpo and orpo read the policy alone (as sft does): a run whose loss types are all of these needs
+no reference log-probabilities (REFERENCE_FREE). gamma is `simpo_gamma`; orpo's lambda is beta, as
+TRL's ORPOConfig and LlamaFactory's pref_beta take it.
 
 Several loss types add up with `loss_weights` (1 each by default): the batch's loss is
 sum_k w_k mean_pairs(loss_k), as TRL combines them (MPO). label_smoothing is read by robust,
@@ -36,10 +43,11 @@ import torch.nn.functional as F
 from ..errors import ArgumentError
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft")
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft", "simpo", "orpo")
 RENAMED = {"aot_pair": "aot_unpaired"}          # TRL's earlier name
 READS_LABEL_SMOOTHING = ("robust", "exo_pair", "aot", "aot_unpaired")
-NEEDS_TOKEN_COUNTS = ("ipo", "sigmoid_norm", "sft")
+NEEDS_TOKEN_COUNTS = ("ipo", "sigmoid_norm", "sft", "simpo", "orpo")
+REFERENCE_FREE = ("sft", "simpo", "orpo")
 
 
 def loss_types(value) -> tuple[str, ...]:
@@ -61,7 +69,7 @@ def loss_types(value) -> tuple[str, ...]:
 def pair_loss(kind: str, c: torch.Tensor, r: torch.Tensor, policy_chosen: torch.Tensor,
               policy_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float,
               label_smoothing: float, chosen_tokens: torch.Tensor | None, rejected_tokens: torch.Tensor | None,
-              discopop_tau: float) -> torch.Tensor:
+              discopop_tau: float, simpo_gamma: float = 0.5) -> torch.Tensor:
     """(B,) losses of one loss type (the module docstring's formulas); c and r the log-ratios."""
     h, ls = c - r, label_smoothing
     if kind == "sigmoid":
@@ -99,13 +107,21 @@ def pair_loss(kind: str, c: torch.Tensor, r: torch.Tensor, policy_chosen: torch.
         return -F.logsigmoid(beta * h) * (1 - m) + torch.exp(-beta * h) * m
     if kind == "sft":
         return (-policy_chosen.sum() / chosen_tokens.sum().clamp(min=1)).expand_as(c)
+    if kind in ("simpo", "orpo"):
+        chosen, rejected = policy_chosen / chosen_tokens.clamp(min=1), policy_rejected / rejected_tokens.clamp(min=1)
+        if kind == "simpo":
+            return -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma)
+        odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        nll = -policy_chosen.sum() / chosen_tokens.sum().clamp(min=1)
+        return nll - beta * F.logsigmoid(odds)
     raise ArgumentError(f"DPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {kind!r}")
 
 
 def combined_loss(kinds: Sequence[str], weights: Sequence[float] | None, policy_chosen: torch.Tensor,
                   policy_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float,
                   label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,
-                  rejected_tokens: torch.Tensor | None = None, discopop_tau: float = 0.05) -> torch.Tensor:
+                  rejected_tokens: torch.Tensor | None = None, discopop_tau: float = 0.05,
+                  simpo_gamma: float = 0.5) -> torch.Tensor:
     """(B,) sum_k w_k loss_k: its mean over the pairs is TRL's sum of the weighted means (aot's
     entries follow the sorted order, not the pairs', and so does their sum; the mean is the same)."""
     weights = [1.0] * len(kinds) if weights is None else list(weights)
@@ -119,6 +135,6 @@ def combined_loss(kinds: Sequence[str], weights: Sequence[float] | None, policy_
     total = None
     for kind, w in zip(kinds, weights):
         term = w * pair_loss(kind, c, r, policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta,
-                             label_smoothing, chosen_tokens, rejected_tokens, discopop_tau)
+                             label_smoothing, chosen_tokens, rejected_tokens, discopop_tau, simpo_gamma)
         total = term if total is None else total + term
     return total

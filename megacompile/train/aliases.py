@@ -257,8 +257,8 @@ def translate(raw: dict, default_lr: float) -> Translated:
     return out
 
 
-# LlamaFactory's pref_loss values that are TRL's DPO loss types; its orpo and simpo need no reference
-PREF_LOSSES = ("sigmoid", "hinge", "ipo")
+# LlamaFactory's pref_loss values, each a loss type of stage dpo (orpo and simpo need no reference)
+PREF_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
 
 
 def _pref_loss(raw: dict, out: Translated) -> None:
@@ -269,10 +269,6 @@ def _pref_loss(raw: dict, out: Translated) -> None:
         out.notes.append(f"pref_loss {value!r} is not read by stage kto (as in LlamaFactory: its loss is KTO's)")
     elif value in PREF_LOSSES:
         out.set("loss_type", value, "pref_loss", value)
-    elif value in ("orpo", "simpo"):
-        raise ArgumentError(f"pref_loss {value}: {value.upper()} is a preference loss without a reference model, which "
-                            f"megacompile does not have; stage dpo takes TRL's loss types (loss_type: sigmoid, hinge, "
-                            "ipo, robust, ...: docs/posttraining.md)")
     else:
         raise ArgumentError(f"pref_loss takes {', '.join(PREF_LOSSES)} here (TRL's DPO loss types; loss_type names "
                             f"the others); got {value!r}")

@@ -130,6 +130,7 @@ class RunConfig:
     precompute_ref_log_probs: bool | None = None
     rpo_alpha: float | None = None
     discopop_tau: float | None = None
+    simpo_gamma: float | None = None
     desirable_weight: float | None = None
     undesirable_weight: float | None = None
     num_generations: int | None = None

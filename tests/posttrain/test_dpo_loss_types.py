@@ -12,7 +12,7 @@ from megacompile.posttrain import DPOLoss, dpo_loss
 from megacompile.posttrain.dpo_losses import LOSS_TYPES, loss_types
 from megacompile.posttrain.logprobs import IGNORE, token_logprobs
 
-B, BETA, LS, TAU = 6, 0.3, 0.1, 0.05
+B, BETA, LS, TAU, GAMMA = 6, 0.3, 0.1, 0.05, 0.5
 
 
 def sig(x):
@@ -72,6 +72,13 @@ def _reference(kind, pc, pr, rc, rr, nc, nr, beta=BETA, ls=LS):
         each = [-logsig(b * x) * (1 - sig(b * x / TAU)) + math.exp(-b * x) * sig(b * x / TAU) for x in h]
     elif kind == "sft":                                     # the chosen tokens' mean NLL (RPO's term)
         return -sum(pc) / sum(nc)
+    elif kind == "simpo":                                   # SimPO eq. 6: per-token averages, a margin, no reference
+        each = [-logsig(b * (pc[i] / nc[i] - pr[i] / nr[i]) - GAMMA) for i in range(B)]
+    elif kind == "orpo":                                    # ORPO eq. 6-7: NLL + lambda x the odds ratio's loss
+        def log_odds(a):
+            return a - math.log1p(-math.exp(a))
+        each = [-b * logsig(log_odds(pc[i] / nc[i]) - log_odds(pr[i] / nr[i])) for i in range(B)]
+        return -sum(pc) / sum(nc) + sum(each) / B
     else:
         raise AssertionError(kind)
     return sum(each) / B
@@ -91,7 +98,8 @@ def _numeric_gradient(kind, values, which, ls=LS):
 @pytest.mark.parametrize("kind", LOSS_TYPES)
 def test_each_loss_type_is_its_formula(kind):
     pc, pr, rc, rr, nc, nr = _batch()
-    losses, _, _ = dpo_loss(pc, pr, rc, rr, BETA, LS, kind, chosen_tokens=nc, rejected_tokens=nr, discopop_tau=TAU)
+    losses, _, _ = dpo_loss(pc, pr, rc, rr, BETA, LS, kind, chosen_tokens=nc, rejected_tokens=nr, discopop_tau=TAU,
+                            simpo_gamma=GAMMA)
     loss = losses.mean()
     loss.backward()
     values = [x.tolist() for x in (pc.detach(), pr.detach(), rc, rr, nc, nr)]
@@ -145,3 +153,13 @@ def test_trl_s_old_names_and_the_checks():
     assert DPOLoss(loss_type=["sigmoid"]).loss_type == "sigmoid"
     assert DPOLoss(loss_type="robust", label_smoothing=0.2).reads_label_smoothing
     assert not DPOLoss(loss_type="sigmoid", label_smoothing=0.2).reads_label_smoothing
+
+
+@pytest.mark.parametrize("kind", ["simpo", "orpo"])
+def test_simpo_and_orpo_read_the_policy_alone(kind):
+    pc, pr, rc, rr, nc, nr = _batch()
+    given = dpo_loss(pc, pr, rc, rr, BETA, LS, kind, chosen_tokens=nc, rejected_tokens=nr)[0]
+    moved = dpo_loss(pc, pr, rc + 5, rr - 3, BETA, LS, kind, chosen_tokens=nc, rejected_tokens=nr)[0]
+    assert torch.equal(given, moved)
+    assert not DPOLoss(loss_type=kind).needs_reference
+    assert DPOLoss(loss_type=[kind, "sigmoid"]).needs_reference

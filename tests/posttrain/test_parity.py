@@ -98,6 +98,9 @@ CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1
          "dpo_loss_types": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1,
                                                               loss_type=("aot", "ipo", "robust", "sft"),
                                                               loss_weights=(1.0, 0.5, 0.3, 0.2))), _dpo_batches),
+         # without a reference: per-token averages, a log-odds ratio, the chosen tokens' NLL
+         "reference_free": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, loss_type=("simpo", "orpo"),
+                                                              loss_weights=(1.0, 0.5))), _dpo_batches),
          "grpo_options": (lambda p: GRPOObjective(p, GRPOLoss(beta=0.04, loss_type="dapo", temperature=0.7,
                                                               importance_sampling_level="sequence", delta=1.5,
                                                               top_entropy_quantile=0.5)), _grpo_batches)}
@@ -106,6 +109,7 @@ CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1
 @pytest.mark.parametrize("case", ["dpo", "dft", "kto", pytest.param("ipo", marks=pytest.mark.slow),
                                   pytest.param("grpo", marks=pytest.mark.slow),
                                   pytest.param("dpo_loss_types", marks=pytest.mark.slow),
+                                  pytest.param("reference_free", marks=pytest.mark.slow),
                                   pytest.param("grpo_options", marks=pytest.mark.slow)])
 def test_post_training_objective_trains_exactly_under_the_budget(case):
     make, make_batches = CASES[case]

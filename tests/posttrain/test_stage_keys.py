@@ -93,6 +93,7 @@ def test_data_of_another_shape_is_refused_before_the_run_folder_is_made(tmp_path
 @pytest.mark.parametrize("stage, more, want", [
     ("dpo", {"pref_beta": 0.2, "pref_loss": "ipo", "dpo_label_smoothing": 0.1}, (0.2, "ipo", 0.1)),
     ("dpo", {"pref_loss": "hinge"}, (0.1, "hinge", 0.0)),
+    ("dpo", {"pref_loss": "simpo", "pref_beta": 2.0}, (2.0, "simpo", 0.0)),
     ("kto", {"pref_beta": 0.3, "pref_loss": "sigmoid"}, (0.3, "kto", None)),     # kto's loss is its own
 ])
 def test_llamafactorys_preference_keys_are_read_as_trls(tmp_path, work, stage, more, want, capsys):
@@ -103,9 +104,8 @@ def test_llamafactorys_preference_keys_are_read_as_trls(tmp_path, work, stage, m
         assert "pref_loss 'sigmoid' is not read by stage kto" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("value, words", [("orpo", "ORPO is a preference loss without a reference model"),
-                                          ("simpo", "SIMPO is a preference loss without a reference model"),
-                                          ("kto_pair", "pref_loss takes sigmoid, hinge, ipo here")])
+@pytest.mark.parametrize("value, words", [("kto_pair", "pref_loss takes sigmoid, hinge, ipo, orpo, simpo here"),
+                                          ("dpo", "pref_loss takes sigmoid, hinge, ipo, orpo, simpo here")])
 def test_a_pref_loss_megacompile_does_not_have_is_refused(tmp_path, work, value, words):
     with pytest.raises(ArgumentError, match=words):
         load(files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.dpo(work, str(tmp_path / "run")),

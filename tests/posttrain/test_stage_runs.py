@@ -91,6 +91,24 @@ def test_dpo_run_logs_margins_and_accuracy_and_evaluates_the_held_out_pairs(tmp_
     _export_is_the_trained_policy(str(tmp_path / "export"), work["model"])
 
 
+def test_simpo_and_orpo_train_the_policy_alone_named_as_llamafactory_names_them(tmp_path, capsys):
+    work = stage_files.workspace(tmp_path)
+    settings = {k: v for k, v in stage_files.dpo(work, "").items() if k != "beta"}
+    first = {}
+    for loss in ("simpo", "orpo"):
+        runs = {}
+        for name, keys in (("lf", {"pref_loss": loss, "pref_beta": 2.0}), ("own", {"loss_type": loss, "beta": 2.0})):
+            run_dir = str(tmp_path / f"{loss}_{name}")
+            run(load(files.run_yaml(str(tmp_path / f"{name}.yaml"), **{**settings, "run_dir": run_dir, **keys}), []))
+            runs[name] = [{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s")}
+                          for r in log.read(os.path.join(run_dir, "log.csv"))]
+            assert not os.path.exists(os.path.join(run_dir, "reference_logps.pt"))      # no reference pass
+        assert "no reference (the loss reads the policy alone)" in capsys.readouterr().out
+        assert runs["lf"] == runs["own"] and len(runs["lf"]) == 3
+        first[loss] = float(runs["own"][0]["loss"])
+    assert first["orpo"] > first["simpo"] > 0        # orpo adds the chosen tokens' NLL
+
+
 def test_grpo_evaluates_held_out_prompts_greedily_and_leaves_the_rollouts_as_they_were(tmp_path):
     work = stage_files.workspace(tmp_path)
     held = [s for s in files.SENTENCES[:3]]

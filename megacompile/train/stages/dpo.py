@@ -44,7 +44,7 @@ class DPOStage(reference.ReferenceStage):
         elif c.eval_fraction:
             self.pairs, self.held = reference.hold_out(self.pairs, c.eval_fraction, c.seed, "pairs")
         kinds, weights = dpo_loss_terms(c)
-        self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau)
+        self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau, c.simpo_gamma)
         self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ())
         self.reference = self.held_reference = None
 
@@ -67,7 +67,10 @@ class DPOStage(reference.ReferenceStage):
         held = f", {len(self.held)} held out" if self.held else ""
         return [f"stage          dpo: {len(self.pairs)} preference pairs{held}; {self.c.batch} pairs x "
                 f"{self.c.grad_accum} accumulated per step, rows of {self.c.seq} tokens; {_terms(self.loss)} loss, "
-                f"beta {self.c.beta:g}; {self.c.steps} steps"]
+                f"beta {self.c.beta:g}"
+                + (f", simpo_gamma {self.c.simpo_gamma:g}" if "simpo" in self.loss.kinds else "")
+                + ("; no reference (the loss reads the policy alone)" if not self.loss.needs_reference else "")
+                + f"; {self.c.steps} steps"]
 
     def steps_for(self, epochs: float) -> int:
         return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
@@ -95,6 +98,10 @@ class DPOStage(reference.ReferenceStage):
         return torch.stack([counted[:len(pairs)], counted[len(pairs):]], dim=1)
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
+        if not self.loss.needs_reference:       # simpo, orpo: the policy alone; the rewards are beta log pi
+            self.reference = torch.zeros(len(self.pairs), 2)
+            self.held_reference = torch.zeros(len(self.held), 2) if self.held else None
+            return
         tokens = {"train": pairs_digest(self.pairs), "eval": pairs_digest(self.held)}
         if saved is not None:
             kept = reference.kept(run_dir, tokens, "pairs")

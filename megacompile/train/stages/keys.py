@@ -1,10 +1,13 @@
-"""`stage: sft | dpo | grpo`: run.yaml's post-training keys (TRL's names), each checked, and each
+"""`stage: sft | pt | dpo | kto | grpo`: run.yaml's post-training keys (TRL's names), each checked, and each
 refused under a stage it does not belong to, before anything is read or written.
 
     dpo    beta (0.1), label_smoothing (0), loss_type (sigmoid, or any of posttrain/dpo_losses.py's,
            or a list of them), loss_weights (1 each), rpo_alpha (none: the sft term's weight),
-           discopop_tau (0.05), precompute_ref_log_probs (accepted either way: the reference's
-           log-probabilities are always computed once, before the first step)
+           discopop_tau (0.05), simpo_gamma (0.5), precompute_ref_log_probs (accepted either way:
+           the reference's log-probabilities are computed once, before the first step, where a loss
+           type reads them)
+    kto    beta (0.1), loss_type (kto | apo_zero_unpaired), desirable_weight (1.0),
+           undesirable_weight (1.0); batch at least 2 for kto (its KL rows)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo), num_generations (8),
            max_prompt_length (512), max_completion_length (256), temperature (1.0), epsilon (0.2),
            epsilon_high (epsilon), delta (none), reward_funcs, reward_weights (1 each),
@@ -26,7 +29,7 @@ from . import rollouts
 STAGES = ("sft", "pt", "dpo", "kto", "grpo")
 REFUSED = ("rm", "ppo")
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
-                "discopop_tau"),
+                "discopop_tau", "simpo_gamma"),
         "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight"),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
@@ -35,7 +38,7 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         + rollouts.KEYS}
 ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["grpo"]))
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
-                    "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05},
+                    "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05, "simpo_gamma": 0.5},
             "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
                      "max_completion_length": 256, "temperature": 1.0, "epsilon": 0.2, "epsilon_high": None,
@@ -45,7 +48,8 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                      "generation_batch_size": None}}
 # What a checkpoint saved before these keys existed trained with (their defaults, then as now).
 IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
-           if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "delta", "scale_rewards",
+           if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "simpo_gamma", "delta",
+                    "scale_rewards",
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
                     "generation_batch_size")} | {"steps_per_generation": 1}
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
@@ -166,6 +170,9 @@ def _dpo(c) -> None:
             raise ArgumentError("rpo_alpha adds loss_type sft with that weight, and loss_type already holds sft: "
                                 "give its weight in loss_weights and leave rpo_alpha out")
     c.discopop_tau = _positive("discopop_tau", c.discopop_tau)
+    c.simpo_gamma = _number("simpo_gamma", c.simpo_gamma)
+    if c.simpo_gamma < 0:
+        raise ArgumentError(f"simpo_gamma is SimPO's target reward margin, >= 0 (0.5 by default); got {c.simpo_gamma!r}")
     if not isinstance(c.precompute_ref_log_probs, bool):
         raise ArgumentError(f"precompute_ref_log_probs must be true or false; got {c.precompute_ref_log_probs!r}")
 
