@@ -94,3 +94,23 @@ def test_a_record_stage_kto_cannot_read_is_refused_by_line(record, words):
     with pytest.raises(ArgumentError, match="x.jsonl line 4") as e:
         feedback.example(record, "x.jsonl line 4")
     assert words in str(e.value)
+
+
+def test_a_reference_file_the_disk_refuses_leaves_nothing_and_names_the_disk(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from megacompile.errors import CheckpointError
+    from megacompile.train.stages import reference
+
+    def full(obj, path):
+        with open(path, "wb") as f:
+            f.write(b"part")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointError, match="reference log-probabilities .* the disk is full"):
+        reference.keep(str(tmp_path), torch.zeros(4, 2), None, {"train": "x"})
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    reference.keep(str(tmp_path), torch.ones(4, 2), None, {"train": "x"})
+    assert reference.kept(str(tmp_path), {"train": "x"}, "examples")["train"].sum().item() == 8

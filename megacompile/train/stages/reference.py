@@ -9,6 +9,7 @@ import os
 import torch
 
 from ...errors import ArgumentError
+from ...io import durable
 from .. import intervals
 from ..data.tokens import fingerprint
 from ..model import check_positions
@@ -58,9 +59,19 @@ def kept(run_dir: str, tokens: dict, what: str) -> dict:
 
 
 def keep(run_dir: str, train: torch.Tensor, held: torch.Tensor | None, tokens: dict) -> None:
+    """Written whole and on the disk before the first step, as every checkpoint relies on it: a
+    failed write leaves no file and names the disk's state (the run stops before training)."""
     path = os.path.join(run_dir, REFERENCE)
-    torch.save({"train": train, "eval": held, "tokens": tokens}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    try:
+        torch.save({"train": train, "eval": held, "tokens": tokens}, path + ".tmp")
+        durable.fsync_file(path + ".tmp")
+        os.replace(path + ".tmp", path)
+        durable.fsync_dir(run_dir)
+    except (OSError, RuntimeError) as e:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise durable.write_failed("reference log-probabilities", path, e,
+                                   needed=(train.numel() + (held.numel() if held is not None else 0)) * 4) from e
 
 
 class ReferenceStage(Stage):
