@@ -354,7 +354,7 @@ def parser() -> argparse.ArgumentParser:
                    help="write DIR/memory.png, device and host memory over the schedule (needs matplotlib)")
     s = q.add_argument_group("post-training (--stage; keys by TRL's names, docs/posttraining.md)")
     s.add_argument("--stage", default=None,
-                   help="sft, pt, dpo, kto or grpo: the predicted step of that stage, part by part (generation, the "
+                   help="sft, pt, dpo, kto, rm or grpo: the predicted step of that stage, part by part (generation, the "
                         "forward-only passes, the training steps) and in all")
     s.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
                    help="dpo: the reference's log-probabilities are given, no reference forward per step")

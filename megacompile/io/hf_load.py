@@ -92,9 +92,11 @@ def shard_map(path: str) -> dict[str, list[str] | None]:
 
 
 def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
-               shards: dict[str, list[str] | None]) -> list[Item]:
+               shards: dict[str, list[str] | None], unused: tuple[str, ...] = ()) -> list[Item]:
     """What to stream from where, after checking every file's header against the model.
-    canonical: state_dict key -> the parameter or buffer it names (TrainingState.canonical)."""
+    canonical: state_dict key -> the parameter or buffer it names (TrainingState.canonical);
+    unused: tensors of the files the model leaves out on purpose (a reward model's, the causal
+    LM's head its own head replaces), passed over."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     items, loaded = [], set()
@@ -126,6 +128,8 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
                 continue
             own = params.get(name) if name is not None else None
             own = own if own is not None else buffers.get(name) if name is not None else None
+            if own is None and key in unused:
+                continue
             if own is None:
                 raise WeightsFileError(f"{file} holds {key}, which the {type(model).__name__} built from "
                                        f"{path}/config.json has no place for: the weights are of another model")

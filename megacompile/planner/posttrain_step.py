@@ -9,6 +9,8 @@ by the cost model; the parts summed.
     kto   one training step of `batch` rows (completions), a forward-only pass over them (the
           logged rewards) and, for loss_type kto, one over their KL rows (each prompt with another
           completion); the reference's log-probabilities are computed once a run, not a step
+    rm    one training step of 2 x `batch` rows (each pair's chosen and rejected sequences) and a
+          forward-only pass over them (the logged rewards)
     grpo  per rollout batch of prompts x num_generations rows, max_prompt_length +
           max_completion_length tokens wide (TRL's names), in steps_per_generation micro-batches
           (one optimizer step of them each pass, TRL's default grad_accum):
@@ -44,7 +46,7 @@ from ..settings import Settings
 from .from_config import hardware_profile, model_from_config, plan
 from .result import Plan
 
-STAGES = ("sft", "pt", "dpo", "kto", "grpo")     # pt (pretraining on text) trains as sft does
+STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")     # pt (pretraining on text) trains as sft does
 GENERATORS = ("engine", "kv_cache", "hf_streamed")
 # Each stage's keys and their defaults (TRL's names and defaults where TRL has the key).
 KEYS: dict[str, dict[str, Any]] = {
@@ -52,6 +54,7 @@ KEYS: dict[str, dict[str, Any]] = {
     "pt": {},
     "dpo": {"precompute_ref_log_probs": False},
     "kto": {"loss_type": "kto"},
+    "rm": {},
     "grpo": {"prompts": 1, "num_generations": 8, "max_prompt_length": 512, "max_completion_length": 256,
              "num_iterations": 1, "steps_per_generation": 1, "beta": 0.0, "generator": "engine"},
 }
@@ -105,7 +108,7 @@ class StagePlan:
                     + (f" in {micro} micro-batches of {self.rows}" if micro > 1 else "")
                     + f" of {self.keys['max_prompt_length']} + {self.keys['max_completion_length']} tokens, "
                     f"{self.optimizer_steps} optimizer step{'s' if self.optimizer_steps > 1 else ''} each")
-        elif self.stage == "dpo":
+        elif self.stage in ("dpo", "rm"):
             what = f"{self.rows // 2} pairs: {self.rows} rows (chosen, then rejected) of {self.seq} tokens"
         else:
             what = f"{self.rows} rows of {self.seq} tokens"
@@ -192,7 +195,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
                nvme_bandwidth: float | None = None, **keys) -> StagePlan:
     """The predicted step of a post-training stage, from its parts (see the module's docstring).
 
-    `batch`: rows (sft, kto) or preference pairs (dpo) per step, default 1; `seq`: their width, default
+    `batch`: rows (sft, kto) or preference pairs (dpo, rm) per step, default 1; `seq`: their width, default
     2048. grpo takes neither: its rows are prompts x num_generations, its width max_prompt_length +
     max_completion_length. `keys`: the stage's (KEYS, TRL's names). The rest as plan()'s. Raises
     BudgetTooSmallError or HostMemoryError, as plan() does, when a part does not fit."""
@@ -209,7 +212,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     else:
         micro = 1
         batch = 1 if batch is None else batch
-        if stage == "dpo":
+        if stage in ("dpo", "rm"):
             batch = 2 * arguments.count("batch", batch, what=" (preference pairs per step, 2 rows each)")
         rows, width = arguments.tokens(batch, 2048 if seq is None else seq)
     profile = hardware_profile(hardware, nvme_bandwidth)
@@ -235,6 +238,9 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     if stage == "dpo" and not keys["precompute_ref_log_probs"]:
         forward = planned(False, rows, width)
         parts.append(_part("reference forward", 1, forward, f"one forward-only pass of {each}"))
+    if stage == "rm":
+        forward = planned(False, rows, width)
+        parts.append(_part("rewards forward", 1, forward, f"one forward-only pass of {each}"))
     if stage == "kto":
         forward = planned(False, rows, width)
         parts.append(_part("rewards forward", 1, forward, f"one forward-only pass of {each}"))

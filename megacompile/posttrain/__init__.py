@@ -8,6 +8,7 @@ from .dft import DFTObjective, dft_loss
 from .dpo import DPOLoss, DPOObjective, dpo_loss
 from .grpo import GRPOLoss, GRPOObjective, grpo_loss
 from .kto import KTOLoss, KTOObjective, kl_estimate, kto_loss
+from .reward import RewardModel, reward_loss
 from .logprobs import IGNORE, sequence_logprobs, token_logprobs
 from . import rewards, sampling_correction
 from .advantages import nanstd
@@ -25,7 +26,7 @@ from .vllm_generator import MISSING, VLLMGenerator
 from .vllm_server import VLLMServerGenerator
 
 __all__ = ["DFTObjective", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "KTOLoss", "KTOObjective", "kl_estimate",
-           "kto_loss", "pack_rows", "tokenised", "trl_record", "sequence_logprobs", "token_logprobs",
+           "kto_loss", "pack_rows", "tokenised", "trl_record", "RewardModel", "reward_loss", "sequence_logprobs", "token_logprobs",
            "IGNORE", "EngineGenerator", "HFGenerator", "MISSING", "Pair", "StreamedHFGenerator", "TrainerState",
            "VLLMGenerator", "VLLMServerGenerator", "nanstd", "pack", "preference_metrics", "read_pairs", "rewards",
            "rollout_batch", "to_pair", "jsonl_records", "present", "check_calls", "check_texts", "check_tools", "render", "texts", "sampled_logps", "sampling_correction", "sampling_ratio", "truncated"]

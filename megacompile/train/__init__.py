@@ -14,7 +14,7 @@
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice
     trained_model.py  where a run leaves its model: export, else the run folder (output_dir)
-    policy_export.py  a dpo, kto or grpo run's trained policy as a Hugging Face model folder
+    policy_export.py  a dpo, kto or grpo run's trained policy, an rm run's reward model, as a Hugging Face folder
     log.py       CSV rows per optimizer step, TensorBoard, progress
     wandb_log.py W&B scalars per optimizer step (log: [wandb])
     resume.py    a resume checked against its checkpoint: refused, noted, or already complete

@@ -133,6 +133,7 @@ class RunConfig:
     simpo_gamma: float | None = None
     desirable_weight: float | None = None
     undesirable_weight: float | None = None
+    center_rewards_coefficient: float | None = None
     num_generations: int | None = None
     max_prompt_length: int | None = None
     max_completion_length: int | None = None

@@ -191,7 +191,8 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
         if folder:
             from ..engine import compile_folder
             engine = compile_folder(module, c.model, budget, **kwargs,
-                                    file_key=_file_key(methods.adapters(c), wrap is not None))
+                                    file_key=_file_key(methods.adapters(c), wrap is not None),
+                                    unused=getattr(module, "left_out", ()))
         else:
             engine = Engine(module, budget, **kwargs)
         try:

@@ -67,6 +67,9 @@ def write(c: RunConfig, engine, tokenizer, path: str, overwrite: bool, policy: b
         from .methods.lora_export import export
         export(engine, path, tokenizer, c.merge_adapter, dtype, overwrite=overwrite, source=c.model,
                prefix="policy." if policy else "")
+    elif c.stage == "rm":
+        from .policy_export import export_reward_model
+        export_reward_model(engine, path, tokenizer, dtype, overwrite=overwrite, source=c.model)
     elif policy:
         from .policy_export import export_policy
         export_policy(engine, path, tokenizer, dtype, overwrite=overwrite, source=c.model)

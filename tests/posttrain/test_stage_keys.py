@@ -22,7 +22,7 @@ def work(tmp_path_factory):
     ("dpo", {"num_generations": 4}, r"stage dpo: num_generations \(stage grpo\) belongs to another stage"),
     ("grpo", {"label_smoothing": 0.1}, r"label_smoothing \(stage dpo\) belongs to another stage"),
     ("ppo", {}, "stage 'ppo' is not supported"),
-    ("rlhf", {}, "stage must be one of sft, pt, dpo, kto, grpo; got 'rlhf'"),
+    ("rlhf", {}, "stage must be one of sft, pt, dpo, kto, rm, grpo; got 'rlhf'"),
     ("dpo", {"beta": 0}, "beta must be a positive number, e.g. 0.1; got 0"),
     ("dpo", {"loss_type": "dapo"}, "DPO loss_type must be one of sigmoid, hinge, ipo, .*; got 'dapo'"),
     ("dpo", {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]},

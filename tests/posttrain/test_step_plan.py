@@ -69,6 +69,13 @@ def test_a_kto_step_is_the_sft_step_and_forward_passes_of_its_rows_and_kl_rows(m
     assert [p.name for p in apo.parts] == ["training", "rewards forward"]
 
 
+def test_an_rm_step_is_the_sft_step_of_twice_the_rows_and_a_forward_pass_for_the_rewards(model):
+    rm = _stage(model, "rm", batch=2, seq=48)
+    sft, forward = _plan(model, 4, 48), _plan(model, 4, 48, train=False)
+    assert [p.name for p in rm.parts] == ["training", "rewards forward"] and rm.rows == 4
+    assert rm.total_s == pytest.approx(sft.prediction.step_s + forward.prediction.step_s, rel=1e-9)
+
+
 def test_grpo_parts_add_up_each_the_plan_of_its_pass(model, grpo8):
     train, forward = _plan(model, 4, 16), _plan(model, 4, 16, train=False)
     assert [p.name for p in grpo8.parts] == ["generation", "old-policy forward", "reference forward", "training"]
@@ -149,7 +156,7 @@ def test_a_decode_step_is_bound_by_device_memory_when_the_copy_fits_else_by_the_
 
 
 @pytest.mark.parametrize("stage, keys, message", [
-    ("ppo", {}, "stage must be one of sft, pt, dpo, kto, grpo; got 'ppo'"),
+    ("ppo", {}, "stage must be one of sft, pt, dpo, kto, rm, grpo; got 'ppo'"),
     ("dpo", {"num_generations": 4}, "stage dpo: num_generations belongs to stage grpo"),
     ("sft", {"precompute_ref_log_probs": True}, "stage sft: precompute_ref_log_probs belongs to stage dpo"),
     ("grpo", {"num_generation": 4}, "stage grpo: no key 'num_generation'; its keys are prompts, num_generations"),

@@ -120,8 +120,8 @@ def test_what_stage_pt_does_not_take_is_said(tmp_path, capsys):
                              steps=1, device="cpu")
     with pytest.raises(ArgumentError, match="ranking .* stage pt reads text"):
         load(ranking)
-    with pytest.raises(ArgumentError, match="stage 'rm' is not supported.*sft \\(the default\\), pt, dpo, kto or grpo"):
-        load(yaml, ["stage=rm"])
+    with pytest.raises(ArgumentError, match="stage 'ppo' is not supported.*sft \\(the default\\), pt, dpo, kto, rm or grpo"):
+        load(yaml, ["stage=ppo"])
     capsys.readouterr()
     load(yaml, ["train_on_prompt=true", "mask_history=true"])
     assert "train_on_prompt, mask_history are not used under stage pt" in capsys.readouterr().out

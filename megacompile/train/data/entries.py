@@ -223,14 +223,14 @@ def llamafactory(names: Any, folder: Any, key: str = "dataset", stage: str = "sf
             raise ArgumentError(f"{key}: {name} in {info_path} has split {spec['split']!r}; a local file is one split, "
                                 "train (LlamaFactory's default): leave split out, or name the file of that split")
         ranking = spec.get("ranking", False)
-        if ranking and stage != "dpo":
+        if ranking and stage not in ("dpo", "rm"):
             reads = ("prompts from supervised (alpaca or sharegpt) datasets" if stage == "grpo"
                      else "text" if stage == "pt" else "datasets with a kto_tag column" if stage == "kto"
                      else "supervised datasets")
             raise ArgumentError(f"{key}: {name} in {info_path} is a ranking (preference) dataset, which trains under "
-                                f"stage: dpo (as in LlamaFactory); stage {stage} reads {reads}")
-        if not ranking and stage == "dpo":
-            raise ArgumentError(f"{key}: {name} in {info_path} is not a ranking dataset, and stage dpo trains on "
+                                f"stage: dpo or rm (as in LlamaFactory); stage {stage} reads {reads}")
+        if not ranking and stage in ("dpo", "rm"):
+            raise ArgumentError(f"{key}: {name} in {info_path} is not a ranking dataset, and stage {stage} trains on "
                                 "preference pairs: mark a dataset of them ranking: true, as LlamaFactory does")
         out.append({"path": os.path.normpath(os.path.join(str(folder), spec["file_name"])), "columns": spec.get("columns") or {},
                     "tags": spec.get("tags") or {}, "formatting": spec.get("formatting", "alpaca"),

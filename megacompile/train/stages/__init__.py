@@ -1,10 +1,11 @@
-"""`stage: sft | pt | dpo | kto | grpo`: what the run's one loop (train/loop.py) trains, step by step.
+"""`stage: sft | pt | dpo | kto | rm | grpo`: what the run's one loop (train/loop.py) trains, step by step.
 
     stage.py   what a stage is to the loop
     sft.py     token files, rows, micro-batches, held-out loss and perplexity (stage pt too: its
                records are read as text, data/pretrain.py)
     dpo.py     preference pairs, the reference's log-probabilities, DPO's losses and metrics
     kto.py     completions marked desirable or not, their KL rows, KTO's loss and metrics
+    rm.py      a reward model on preference pairs, scored at each row's last token
     reference.py  what dpo and kto share: the reference's log-probabilities kept for a resume,
                the held-out split
     grpo.py    prompts, rollouts scored by reward functions, GRPO's loss
@@ -25,6 +26,9 @@ def kind(c) -> type[Stage]:
     if c.stage == "kto":
         from .kto import KTOStage
         return KTOStage
+    if c.stage == "rm":
+        from .rm import RMStage
+        return RMStage
     if c.stage == "grpo":
         from .grpo import GRPOStage
         return GRPOStage

@@ -26,20 +26,22 @@ from ...posttrain import advantages, dpo_losses, grpo, kto
 from ..methods import adapters
 from . import rollouts
 
-STAGES = ("sft", "pt", "dpo", "kto", "grpo")
-REFUSED = ("rm", "ppo")
+STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
+REFUSED = ("ppo",)
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau", "simpo_gamma"),
         "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight"),
+        "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
                  "steps_per_generation", "generation_batch_size")
         + rollouts.KEYS}
-ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["grpo"]))
+ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["rm"] + KEYS["grpo"]))
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
                     "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05, "simpo_gamma": 0.5},
             "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0},
+            "rm": {"center_rewards_coefficient": 0.0},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
                      "max_completion_length": 256, "temperature": 1.0, "epsilon": 0.2, "epsilon_high": None,
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
@@ -57,6 +59,8 @@ NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "m
                    "dataset_text_field", "mask_history"),
            "kto": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                    "dataset_text_field", "mask_history"),
+           "rm": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
+                  "dataset_text_field", "mask_history"),
            "grpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                     "seq", "dataset_text_field", "mask_history")}
 
@@ -66,7 +70,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
     `folder`: the run.yaml's, where reward modules are looked for too (posttrain/rewards.py)."""
     if c.stage in REFUSED:
         raise ArgumentError(f"stage {c.stage!r} is not supported; megacompile train runs stage: sft (the default), "
-                            "pt, dpo, kto or grpo")
+                            "pt, dpo, kto, rm or grpo")
     if c.stage not in STAGES:
         raise ArgumentError(f"stage must be one of {', '.join(STAGES)}; got {c.stage!r}")
     if c.stage == "sft" and raw.get("loss_type") is not None:
@@ -108,7 +112,10 @@ def check(c, raw: dict, folder: str | None = None) -> None:
     for key, default in DEFAULTS[c.stage].items():
         if getattr(c, key) is None:
             setattr(c, key, default)
-    _dpo(c) if c.stage == "dpo" else _kto(c) if c.stage == "kto" else _grpo(c, raw, folder)
+    if c.stage == "rm":
+        _rm(c)
+    else:
+        _dpo(c) if c.stage == "dpo" else _kto(c) if c.stage == "kto" else _grpo(c, raw, folder)
 
 
 def _sft_loss(c) -> None:
@@ -123,9 +130,20 @@ def _sft_loss(c) -> None:
 
 
 def _records(stage: str) -> str:
-    return ("{prompt, chosen, rejected}, or LlamaFactory's ranking layouts" if stage == "dpo"
+    return ("{prompt, chosen, rejected}, or LlamaFactory's ranking layouts" if stage in ("dpo", "rm")
             else "{prompt, completion, label}, or LlamaFactory's kto_tag datasets" if stage == "kto"
             else "a prompt and the columns the rewards read, or LlamaFactory's alpaca or sharegpt layouts")
+
+
+def _rm(c) -> None:
+    c.center_rewards_coefficient = _number("center_rewards_coefficient", c.center_rewards_coefficient)
+    if c.center_rewards_coefficient < 0:
+        raise ArgumentError(f"center_rewards_coefficient weighs (r+ + r-)^2, pulling the rewards toward 0; it is >= 0 "
+                            f"(TRL suggests 0.01); got {c.center_rewards_coefficient!r}")
+    if adapters(c):
+        raise ArgumentError("stage rm trains the decoder and a new reward head in full: finetuning_type lora is not "
+                            "supported for it (a LoRA reward model would need the head saved beside the adapter); "
+                            "use finetuning_type full or freeze")
 
 
 def _kto(c) -> None:

@@ -1,0 +1,151 @@
+"""`stage: rm`: a reward model (posttrain/reward.py) trained on preference pairs, read as stage dpo
+reads them (TRL's records, LlamaFactory's ranking datasets; a record's `margin`, TRL's column,
+subtracted in the loss). The model is the folder's decoder with a new one-number head, saved at
+the end as transformers' *ForSequenceClassification (trained_model.py), which scores a sequence
+at its last token that is not padding: the rows here are scored at the same token.
+
+Each step's micro-batches first go through a forward-only pass for the logged rewards (those of
+the model the step starts from), as stage dpo's do."""
+from __future__ import annotations
+
+import torch
+
+from ...errors import ArgumentError
+from ...posttrain import Pair, RewardModel, preference_metrics, reward_loss, to_pair
+from .. import intervals
+from ..data import tools
+from ..data.ranking import preference
+from ..data.reading import records
+from ..data.tokens import fingerprint
+from ..log import STEP_COLUMNS
+from ..model import check_positions
+from .keys import check_resume, saved_keys
+from .order import stream_items
+from .reference import hold_out
+from .stage import Stage
+
+METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
+
+
+def scored_rows(pairs: list[Pair], margins: list[float], seq: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """(2B, seq) input_ids (prompt + chosen rows, then prompt + rejected rows, cut at seq tokens,
+    padded), each row's `last` token that is not padding (transformers' sequence classifiers
+    score there) and the pairs' margins."""
+    rows = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
+    ids = torch.full((len(rows), seq), pad_id, dtype=torch.long)
+    for r, row in enumerate(rows):
+        row = row[:seq]
+        ids[r, :len(row)] = torch.tensor(row)
+    positions = torch.arange(seq).expand_as(ids)
+    last = (positions * (ids != pad_id)).argmax(-1)
+    return {"input_ids": ids, "last": last, "margin": torch.tensor(margins, dtype=torch.float32)}
+
+
+class RMStage(Stage):
+    @staticmethod
+    def check_model(c, meta) -> None:
+        check_positions(c, meta)
+
+    check_resume = staticmethod(check_resume)
+
+    def __init__(self, c, tokenizer):
+        self.c, self.tokenizer = c, tokenizer
+        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        self.pairs = self._read(c.data)
+        self.held: list[tuple[Pair, float]] = []
+        if c.eval:
+            self.held = self._read(c.eval)
+        elif c.eval_fraction:
+            self.pairs, self.held = hold_out(self.pairs, c.eval_fraction, c.seed, "pairs")
+        self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS)
+                                                 if self.held else ())
+
+    def _read(self, entries: list) -> list[tuple[Pair, float]]:
+        out = []
+        for entry in entries:
+            for where, record in records(entry):
+                margin = record.get("margin", 0.0)
+                if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+                    raise ArgumentError(f"{where}: margin (TRL's column: how much the chosen completion should "
+                                        f"outscore the rejected one) is a number; got {margin!r}")
+                pair = to_pair(preference({k: v for k, v in record.items() if k != "margin"}, where), self.tokenizer,
+                               where, tools.template_kwargs(record, where), tools.tools(record, where))
+                out.append((pair, float(margin)))
+        if not out:
+            raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no preference pairs")
+        return out
+
+    def describe(self, setup) -> list[str]:
+        held = f", {len(self.held)} held out" if self.held else ""
+        center = self.c.center_rewards_coefficient
+        return [f"stage          rm: {len(self.pairs)} preference pairs{held}; {self.c.batch} pairs x "
+                f"{self.c.grad_accum} accumulated per step, rows of {self.c.seq} tokens scored at their last token; "
+                f"Bradley-Terry loss" + (f" + {center:g} x (r+ + r-)^2" if center else "") + f"; {self.c.steps} steps"]
+
+    def steps_for(self, epochs: float) -> int:
+        return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
+
+    def objective(self, model):
+        return RewardModel.of(model, seed=self.c.seed, center_rewards_coefficient=self.c.center_rewards_coefficient)
+
+    def _rows(self, items: list[tuple[Pair, float]]) -> dict:
+        return scored_rows([p for p, _ in items], [m for _, m in items], self.c.seq, self.pad)
+
+    def first_inputs(self, batch: int) -> dict:
+        return self._rows([self.pairs[i % len(self.pairs)] for i in range(batch)])
+
+    def _rewards(self, engine, rows: dict) -> torch.Tensor:
+        return torch.as_tensor(engine(input_ids=rows["input_ids"], last=rows["last"])).float()
+
+    def step(self, engine, position: int) -> tuple[dict, list, int, int]:
+        micro = []
+        for _ in range(self.c.grad_accum):
+            items = stream_items(len(self.pairs), self.c.seed, position, self.c.batch)
+            position += self.c.batch
+            micro.append(self._rows([self.pairs[i] for i in items]))
+        rewards = [self._rewards(engine, rows) for rows in micro]
+        losses, tokens = [], 0
+        for rows in micro:
+            losses.append(engine.step(**rows))
+            counted = engine.last_step.tokens      # a skipped step's record counts none; its rows were read
+            tokens += rows["input_ids"].numel() if counted is None else counted
+            if engine.last_step.skipped:
+                break
+        return _metrics(rewards), losses, tokens, position
+
+    def evaluate(self, engine, step: int) -> dict:
+        c = self.c
+        if not self.held or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
+            return {}
+        held = self.held if c.eval_batches is None else self.held[:c.eval_batches * c.batch]
+        training = engine.model.training
+        engine.model.eval()
+        try:
+            parts, losses = [], []
+            for lo in range(0, len(held), c.batch):      # the last micro-batch filled up with the first pairs
+                group = [held[(lo + k) % len(held)] for k in range(c.batch)]
+                rows = self._rows(group)
+                rewards = self._rewards(engine, rows)
+                n = min(c.batch, len(held) - lo)
+                chosen, rejected = rewards[:c.batch][:n], rewards[c.batch:][:n]
+                losses.append(reward_loss(chosen, rejected, rows["margin"][:n], c.center_rewards_coefficient))
+                parts.append(torch.cat([chosen, rejected]))
+        finally:
+            engine.model.train(training)
+        metrics = _metrics(parts)
+        return {"eval_loss": torch.cat(losses).mean().item(), **{f"eval_{k}": v for k, v in metrics.items()}}
+
+    def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
+        return f"margin {row['reward_margin']:.4f} | accuracy {row['preference_accuracy']:.2f}", {}
+
+    def checkpoint_extra(self) -> dict:
+        return {"stage": saved_keys(self.c)}
+
+
+def _metrics(parts: list[torch.Tensor]) -> dict:
+    """The micro-batches' rewards (each B chosen, then B rejected) -> the mean rewards, their margin
+    and the share of pairs whose chosen sequence scores higher."""
+    chosen = torch.cat([p[:len(p) // 2] for p in parts])
+    rejected = torch.cat([p[len(p) // 2:] for p in parts])
+    return preference_metrics(torch.cat([chosen, rejected]), torch.zeros(2 * len(chosen)), 1.0)

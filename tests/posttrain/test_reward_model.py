@@ -1,0 +1,150 @@
+"""Reward modelling (stage rm): the Bradley-Terry loss, a decoder with a one-number head that scores
+as transformers' sequence classifier does, trained through the engine exactly as eager AdamW
+trains it, and a run whose exported model is that classifier with the trained weights."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megacompile import AdamW, compile, minimum_budget
+from megacompile.acceptance.parity import BETAS, EPS, LR, WD, float64_noise, moment_error, weight_bytes
+from megacompile.errors import ArgumentError
+from megacompile.posttrain import RewardModel, reward_loss
+from megacompile.train import load, log, run
+from megacompile.train.data.tokens import load_tokenizer
+from megacompile.train.stages.rm import RMStage, scored_rows
+from tests.e2e.harness import assert_same_weights
+from tests.posttrain import stage_files
+from tests.posttrain.test_parity import _eager
+from tests.train import files
+
+GiB = 2**30
+
+
+def _causal_lm(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                        use_cache=False))
+
+
+def test_the_loss_is_bradley_terry_with_trls_margin_and_centring():
+    chosen, rejected = torch.tensor([0.5, -1.0], requires_grad=True), torch.tensor([0.25, 0.5], requires_grad=True)
+    margin = torch.tensor([0.0, 0.5])
+    got = reward_loss(chosen, rejected, margin, center=0.01)
+    log_sig = lambda x: -math.log1p(math.exp(-x))      # noqa: E731
+    want = [-log_sig(0.25) + 0.01 * 0.75 ** 2, -log_sig(-2.0) + 0.01 * 0.5 ** 2]
+    assert got.tolist() == pytest.approx(want, rel=1e-6)
+    got.sum().backward()
+    assert (chosen.grad < 0).all() and (rejected.grad > 0).all()    # the chosen pulled up, the rejected down
+
+
+def test_the_reward_model_scores_as_transformers_sequence_classifier():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    lm = _causal_lm()
+    model = RewardModel.of(lm, seed=1)
+    assert model.left_out == ("lm_head.weight",)        # the causal LM's head the files hold, unused
+    classifier = LlamaForSequenceClassification(LlamaConfig(**{**lm.config.to_dict(), "num_labels": 1}))
+    classifier.load_state_dict(model.state_dict(), strict=True)      # the same names, every one of them
+    ids = torch.randint(1, 48, (3, 8), generator=torch.Generator().manual_seed(2))
+    ids[1, 5:], ids[2, 7:] = 0, 0       # right padding, pad id 0
+    rows = {"input_ids": ids, "last": (torch.arange(8) * (ids != 0)).argmax(-1)}
+    assert rows["last"].tolist() == [7, 4, 6]
+    with torch.no_grad():
+        assert model(**rows).tolist() == pytest.approx(classifier(ids).logits.squeeze(-1).tolist(), abs=1e-6)
+
+
+def test_rows_are_scored_at_their_last_token_that_is_not_padding():
+    from megacompile.posttrain import Pair
+    pairs = [Pair((5, 6), (7, 8, 9), (7,)), Pair((5,), (6, 7, 8, 9, 10, 11), (12, 13))]
+    rows = scored_rows(pairs, [0.0, 1.5], 6, 0)
+    assert rows["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0], [5, 6, 7, 8, 9, 10],      # cut at seq
+                                          [5, 6, 7, 0, 0, 0], [5, 12, 13, 0, 0, 0]]
+    assert rows["last"].tolist() == [4, 5, 2, 2] and rows["margin"].tolist() == [0.0, 1.5]
+
+
+def test_a_reward_model_trains_through_the_engine_as_eager_adamw_trains_it():
+    lm = _causal_lm()
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for step in range(3):
+        ids = torch.randint(1, 48, (4, 10), generator=g)
+        ids[1, 7:], ids[3, 8:] = 0, 0
+        batches.append({"input_ids": ids, "last": (torch.arange(10) * (ids != 0)).argmax(-1),
+                        "margin": torch.tensor([0.0, 0.5 * step])})
+    make = lambda: RewardModel.of(copy.deepcopy(lm), seed=1, center_rewards_coefficient=0.01)      # noqa: E731
+    reference = make()
+    moments: dict = {}
+    losses = _eager(reference, batches, moments)
+    noise = float64_noise(lambda exact: _eager(exact, [{k: v.double() if v.is_floating_point() else v
+                                                         for k, v in b.items()} for b in batches]), make(), reference)
+    smallest = minimum_budget(make(), compute_dtype=torch.float32, hardware="cpu", inputs=batches[0])
+    for budget in (2 * weight_bytes(reference) / GiB, smallest):
+        engine = compile(make(), hbm_budget=budget, device="cpu", compute_dtype=torch.float32,
+                         optimizer=AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kernel="torch"))
+        ours = []
+        for i, batch in enumerate(batches):
+            ours.append(engine.step(**batch))
+            if i == 0:
+                engine.synchronize()
+                first = {n: engine.host.view("exp_avg", n).clone() for n in engine.host.slots}
+        engine.synchronize()
+        assert ours == pytest.approx(losses, rel=1e-5, abs=1e-7), (budget, ours, losses)
+        assert moment_error(first, moments) <= 1e-5
+        assert_same_weights(engine, reference, noise=noise)
+        engine.close()
+
+
+def test_an_rm_run_exports_the_classifier_that_scores_as_its_log_says(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+    work = stage_files.workspace(tmp_path)
+    settings = {**stage_files.dpo(work, str(tmp_path / "run")), "stage": "rm", "lr": 1e-3,
+                "center_rewards_coefficient": 0.01}
+    config = files.run_yaml(str(tmp_path / "rm.yaml"), **settings)
+    run(load(config))
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    assert [bool(r["eval_loss"]) for r in rows] == [False, True, True]
+    classifier = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "run")).eval()
+    assert classifier.config.num_labels == 1 and classifier.config.pad_token_id is not None
+    c = load(config)
+    stage = RMStage(c, load_tokenizer(work["model"], None))
+    held = scored_rows([p for p, _ in stage.held], [m for _, m in stage.held], c.seq, stage.pad)
+    with torch.no_grad():
+        scores = classifier(held["input_ids"]).logits.squeeze(-1)      # pooled by transformers itself
+    n = len(stage.held)
+    assert float(rows[-1]["eval_rewards_chosen"]) == pytest.approx(scores[:n].mean().item(), abs=1e-5)
+    assert float(rows[-1]["eval_rewards_rejected"]) == pytest.approx(scores[n:].mean().item(), abs=1e-5)
+    with open(tmp_path / "run" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["LlamaForSequenceClassification"]
+    assert not os.path.exists(tmp_path / "run" / "reference_logps.pt")
+
+
+@pytest.mark.parametrize("more, words", [
+    ({"finetuning_type": "lora", "lora_dropout": 0}, "stage rm trains the decoder and a new reward head in full"),
+    ({"center_rewards_coefficient": -1}, "center_rewards_coefficient weighs (r+ + r-)^2"),
+    ({"beta": 0.1}, "beta (stage dpo or kto or grpo) belongs to another stage"),
+])
+def test_rm_settings_are_checked_before_anything_runs(tmp_path, more, words):
+    work = stage_files.workspace(tmp_path)
+    with pytest.raises(ArgumentError) as e:
+        load(files.run_yaml(str(tmp_path / "rm.yaml"), **{**stage_files.dpo(work, "run"), "stage": "rm", **more}))
+    assert words in str(e.value)
+
+
+def test_llamafactorys_rm_reads_ranking_datasets_only(tmp_path):
+    work = stage_files.workspace(tmp_path)
+    with open(tmp_path / "dataset_info.json", "w") as f:
+        json.dump({"pairs": {"file_name": "pairs.jsonl", "ranking": True},
+                   "plain": {"file_name": "pairs.jsonl"}}, f)
+    lf = {"model_name_or_path": work["model"], "stage": "rm", "dataset_dir": str(tmp_path), "cutoff_len": 16,
+          "max_steps": 1, "device": "cpu"}
+    c = load(files.run_yaml(str(tmp_path / "lf.yaml"), **lf, dataset="pairs"))
+    assert c.data[0]["path"] == work["pairs"]
+    with pytest.raises(ArgumentError, match="plain in .* is not a ranking dataset, and stage rm trains on"):
+        load(files.run_yaml(str(tmp_path / "lf.yaml"), **lf, dataset="plain"))
