@@ -148,3 +148,20 @@ def test_llamafactorys_rm_reads_ranking_datasets_only(tmp_path):
     assert c.data[0]["path"] == work["pairs"]
     with pytest.raises(ArgumentError, match="plain in .* is not a ranking dataset, and stage rm trains on"):
         load(files.run_yaml(str(tmp_path / "lf.yaml"), **lf, dataset="plain"))
+
+
+def test_a_records_margin_is_read_and_one_that_is_not_a_number_refused(tmp_path):
+    work = stage_files.workspace(tmp_path)
+    pairs = [json.loads(line) for line in open(work["pairs"])]
+    for margin, name in ((1.5, "good"), ("big", "bad")):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({**p, "margin": margin if i == 1 else 0.0}) + "\n"
+                                for i, p in enumerate(pairs)))
+        c = load(files.run_yaml(str(tmp_path / "rm.yaml"), **{**stage_files.dpo(work, "run"), "stage": "rm",
+                                                               "data": str(path), "eval_fraction": 0,
+                                                               "eval_every": None}))
+        if name == "good":
+            assert [m for _, m in RMStage(c, load_tokenizer(work["model"], None)).pairs][:3] == [0.0, 1.5, 0.0]
+        else:
+            with pytest.raises(ArgumentError, match=r"bad.jsonl:2: margin .* is a number; got 'big'"):
+                RMStage(c, load_tokenizer(work["model"], None))
