@@ -88,6 +88,21 @@ def _eager(objective, batches, moments=None):
     return losses
 
 
+def through_engine(module, batches: list[dict], budget: float):
+    """`module` trained on `batches` through compile() on the cpu backend at `budget` GiB: its
+    losses, the first step's exp_avg of each parameter, and the engine (still open)."""
+    engine = compile(module, hbm_budget=budget, device="cpu", compute_dtype=torch.float32,
+                     optimizer=AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kernel="torch"))
+    ours, moments = [], {}
+    for i, batch in enumerate(batches):
+        ours.append(engine.step(**batch))
+        if i == 0:
+            engine.synchronize()
+            moments = {n: engine.host.view("exp_avg", n).clone() for n in engine.host.slots}
+    engine.synchronize()
+    return ours, moments, engine
+
+
 CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1)), _dpo_batches),
          "ipo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, loss_type="ipo")), _dpo_batches),
          "dft": (lambda p: DFTObjective(p, shifted=True), _sft_batches),
@@ -124,16 +139,7 @@ def test_post_training_objective_trains_exactly_under_the_budget(case):
     smallest = minimum_budget(make(copy.deepcopy(policy)), compute_dtype=torch.float32, hardware="cpu",
                               inputs=batches[0])
     for budget in (2 * weight_bytes(policy) / GiB, smallest):
-        engine = compile(make(copy.deepcopy(policy)), hbm_budget=budget, device="cpu",
-                         compute_dtype=torch.float32,
-                         optimizer=AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kernel="torch"))
-        ours, moments = [], {}
-        for i, batch in enumerate(batches):
-            ours.append(engine.step(**batch))
-            if i == 0:
-                engine.synchronize()
-                moments = {n: engine.host.view("exp_avg", n).clone() for n in engine.host.slots}
-        engine.synchronize()
+        ours, moments, engine = through_engine(make(copy.deepcopy(policy)), batches, budget)
         # GRPO's loss is a sum of O(1) terms whose advantages cancel to ~1e-4: 1e-5 of the terms' scale.
         assert ours == pytest.approx(losses, rel=1e-5, abs=1e-7), (budget, ours, losses)
         assert moment_error(moments, eager_moments) <= 1e-5

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from megacompile import AdamW, compile, minimum_budget
-from megacompile.acceptance.parity import BETAS, EPS, LR, WD, float64_noise, moment_error, weight_bytes
+from megacompile import minimum_budget
+from megacompile.acceptance.parity import float64_noise, moment_error, weight_bytes
 from megacompile.errors import ArgumentError
 from megacompile.posttrain import RewardModel, reward_loss
 from megacompile.train import load, log, run
@@ -20,7 +20,7 @@ from megacompile.train.data.tokens import load_tokenizer
 from megacompile.train.stages.rm import RMStage, scored_rows
 from tests.e2e.harness import assert_same_weights
 from tests.posttrain import stage_files
-from tests.posttrain.test_parity import _eager
+from tests.posttrain.test_parity import _eager, through_engine
 from tests.train import files
 
 GiB = 2**30
@@ -86,18 +86,11 @@ def test_a_reward_model_trains_through_the_engine_as_eager_adamw_trains_it():
                                                          for k, v in b.items()} for b in batches]), make(), reference)
     smallest = minimum_budget(make(), compute_dtype=torch.float32, hardware="cpu", inputs=batches[0])
     for budget in (2 * weight_bytes(reference) / GiB, smallest):
-        engine = compile(make(), hbm_budget=budget, device="cpu", compute_dtype=torch.float32,
-                         optimizer=AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kernel="torch"))
-        ours = []
-        for i, batch in enumerate(batches):
-            ours.append(engine.step(**batch))
-            if i == 0:
-                engine.synchronize()
-                first = {n: engine.host.view("exp_avg", n).clone() for n in engine.host.slots}
-        engine.synchronize()
+        ours, first, engine = through_engine(make(), batches, budget)
         assert ours == pytest.approx(losses, rel=1e-5, abs=1e-7), (budget, ours, losses)
         assert moment_error(first, moments) <= 1e-5
         assert_same_weights(engine, reference, noise=noise)
+        assert engine.memory_stats()["device_peak_bytes"] == engine.plan.predicted_peak_bytes
         engine.close()
 
 
