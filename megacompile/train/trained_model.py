@@ -86,4 +86,7 @@ def last_line(c: RunConfig, path: str | None, checkpoint: str | None) -> str:
         return f"model: {checkpoint} (the bundled model is no Hugging Face model: its weights are in this checkpoint)"
     if methods.adapters(c) and not c.merge_adapter:
         return f"model: {path} (a LoRA adapter in PEFT's format: PeftModel.from_pretrained(base, {path!r}))"
+    if c.stage == "rm":
+        return (f"model: {path} (a reward model, transformers' sequence classifier with one label: "
+                f"AutoModelForSequenceClassification.from_pretrained({path!r}) loads it)")
     return f"model: {path} (a Hugging Face model folder: transformers' from_pretrained({path!r}) loads it)"

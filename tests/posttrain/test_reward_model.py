@@ -94,13 +94,14 @@ def test_a_reward_model_trains_through_the_engine_as_eager_adamw_trains_it():
         engine.close()
 
 
-def test_an_rm_run_exports_the_classifier_that_scores_as_its_log_says(tmp_path):
+def test_an_rm_run_exports_the_classifier_that_scores_as_its_log_says(tmp_path, capsys):
     from transformers import AutoModelForSequenceClassification
     work = stage_files.workspace(tmp_path)
     settings = {**stage_files.dpo(work, str(tmp_path / "run")), "stage": "rm", "lr": 1e-3,
                 "center_rewards_coefficient": 0.01}
     config = files.run_yaml(str(tmp_path / "rm.yaml"), **settings)
     run(load(config))
+    assert "AutoModelForSequenceClassification.from_pretrained(" in capsys.readouterr().out
     rows = log.read(str(tmp_path / "run" / "log.csv"))
     assert [bool(r["eval_loss"]) for r in rows] == [False, True, True]
     classifier = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "run")).eval()
