@@ -141,3 +141,13 @@ def test_kto_settings_are_checked_before_anything_runs(work, more, words):
     with pytest.raises(ArgumentError) as e:
         load(path)
     assert words in str(e.value)
+
+
+def test_apo_zero_unpaired_runs_no_kl_rows(work):
+    import torch
+    tmp = work["tmp"]
+    run(load(files.run_yaml(str(tmp / "apo.yaml"), **_kto(work, str(tmp / "apo"), data=work["unpaired"], steps=2,
+                                                         loss_type="apo_zero_unpaired"))))
+    kept = torch.load(tmp / "apo" / REFERENCE)
+    assert kept["train"][:, 0].abs().min() > 0 and kept["train"][:, 1].eq(0).all()     # no KL row scored
+    assert all(float(r["kl"]) == 0.0 for r in log.read(str(tmp / "apo" / "log.csv")))

@@ -159,3 +159,16 @@ def test_a_records_margin_is_read_and_one_that_is_not_a_number_refused(tmp_path)
         else:
             with pytest.raises(ArgumentError, match=r"bad.jsonl:2: margin .* is a number; got 'big'"):
                 RMStage(c, load_tokenizer(work["model"], None))
+
+
+def test_a_resumed_rm_run_writes_the_uninterrupted_log(tmp_path):
+    work = stage_files.workspace(tmp_path)
+    settings = {**stage_files.dpo(work, ""), "stage": "rm", "lr": 1e-3, "steps": 4, "eval_every": 2}
+    rows = {}
+    for name, steps in (("whole", [4]), ("cut", [2, 4])):
+        config = files.run_yaml(str(tmp_path / f"{name}.yaml"), **{**settings, "run_dir": name})
+        for n in steps:
+            run(load(config, [f"steps={n}", "resume=auto"]))
+        rows[name] = [{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s")}
+                      for r in log.read(str(tmp_path / name / "log.csv"))]
+    assert len(rows["whole"]) == 4 and rows["cut"] == rows["whole"]      # the new head's trained weights resumed

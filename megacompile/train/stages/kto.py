@@ -127,13 +127,15 @@ class KTOStage(reference.ReferenceStage):
         return {**rows, "ref_logps": torch.zeros(batch), "desirable": desirable, "kl": torch.zeros(())}
 
     def _logps(self, engine, examples: list[Example], partners: list[int]) -> torch.Tensor:
-        """(len(examples), 2) log-probabilities (the example's row, its KL row) under the engine's
-        weights now, by micro-batches of `batch` (the last one filled up with the first, left out)."""
+        """(len(examples), 2) log-probabilities (the example's row, its KL row: 0 where the loss
+        has no KL term) under the engine's weights now, by micro-batches of `batch` (the last one
+        filled up with the first, left out)."""
         b, out = self.c.batch, []
         for lo in range(0, len(examples), b):
             rows, kl, _ = self._rows(examples, [(lo + k) % len(examples) for k in range(b)], partners)
-            out.append(torch.stack([torch.as_tensor(engine(**rows)).float(),
-                                    torch.as_tensor(engine(**kl)).float()], dim=1))
+            own = torch.as_tensor(engine(**rows)).float()
+            other = torch.as_tensor(engine(**kl)).float() if self.loss.needs_kl else torch.zeros_like(own)
+            out.append(torch.stack([own, other], dim=1))
         return torch.cat(out)[:len(examples)]
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
