@@ -110,3 +110,21 @@ def test_a_pref_loss_megacompile_does_not_have_is_refused(tmp_path, work, value,
     with pytest.raises(ArgumentError, match=words):
         load(files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.dpo(work, str(tmp_path / "run")),
                             pref_loss=value), [])
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto", "rm", "grpo"])
+def test_a_record_with_images_is_refused_by_the_stages_that_read_text_alone(tmp_path, work, stage):
+    import json
+    from megacompile.train.data.tokens import load_tokenizer
+    from megacompile.train.stages import kind
+    records = {"dpo": {"prompt": "<image> what is it", "chosen": "a cat", "rejected": "a dog"},
+               "kto": {"prompt": "<image> what is it", "completion": "a cat", "label": True},
+               "grpo": {"prompt": "<image> what is it"}}
+    record = {**records.get(stage, records["dpo"]), "images": ["cat.png"]}
+    path = tmp_path / "media.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    make = stage_files.grpo if stage == "grpo" else stage_files.dpo
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **{**make(work, str(tmp_path / "run")), "stage": stage,
+                                                            "data": str(path), "eval_fraction": 0, "eval_every": None}))
+    with pytest.raises(ArgumentError, match=f"media.jsonl:1: the record has images, and stage {stage} trains on text"):
+        kind(c)(c, load_tokenizer(work["model"], None))

@@ -341,6 +341,16 @@ def held(record: dict) -> bool:
     return bool(record.get("images") or record.get("videos") or record.get("image") is not None)
 
 
+def text_only(record: dict, where: str, stage: str) -> None:
+    """Refuse a record with images or videos under a stage that reads its text alone (dpo, kto, rm,
+    grpo): trained without its pixels, its placeholders would be plain tokens."""
+    if held(record):
+        kind = "videos" if record.get("videos") else "images"
+        raise ArgumentError(f"{where}: the record has {kind}, and stage {stage} trains on text alone (its images "
+                            f"would be left out and their placeholders trained as text); give text records, or train "
+                            "the images under stage: sft")
+
+
 def images_of(items: list) -> list[str]:
     """The image files of a document's media (paths), in order."""
     return [p for p in items if isinstance(p, str)]

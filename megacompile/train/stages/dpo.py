@@ -18,7 +18,7 @@ from ...errors import ArgumentError
 from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
 from ...posttrain import Pair, pack, preference_metrics, to_pair
-from ..data import tools
+from ..data import images, tools
 from ..data.ranking import preference
 from ..data.reading import records
 from ..log import STEP_COLUMNS
@@ -52,6 +52,7 @@ class DPOStage(reference.ReferenceStage):
         pairs = []
         for entry in entries:
             for where, record in records(entry):
+                images.text_only(record, where, "dpo")
                 pair = to_pair(preference(record, where), tokenizer, where, tools.template_kwargs(record, where),
                                tools.tools(record, where))
                 if len(pair.prompt) > self.c.seq:

@@ -41,7 +41,7 @@ from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, Trai
                           rollout_batch, sampled_logps, sampling_correction, sampling_ratio, truncated)
 from . import rollouts
 from .. import intervals
-from ..data import tools
+from ..data import images, tools
 from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
@@ -108,6 +108,7 @@ class GRPOStage(Stage):
     def _read(self, entry: dict, records: list, prompts: list) -> None:
         names = file_names(entry)
         for where, raw in read_records(entry):
+            images.text_only(raw, where, "grpo")
             record = prompt_record(raw, where, names)
             prompt = record["prompt"]
             if isinstance(prompt, list):

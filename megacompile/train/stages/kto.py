@@ -18,7 +18,7 @@ import torch
 
 from ...errors import ArgumentError
 from ...posttrain import KTOLoss, KTOObjective, kl_estimate, pack_rows, tokenised
-from ..data import feedback, tools
+from ..data import feedback, images, tools
 from ..data.reading import records
 from ..log import STEP_COLUMNS
 from .keys import saved_keys
@@ -75,6 +75,7 @@ class KTOStage(reference.ReferenceStage):
                 out.extend(self._example(where, record, pair[k]) for k in (0, 1) for where, record, pair in paired)
                 paired.clear()
             for where, record in records(entry):
+                images.text_only(record, where, "kto")
                 if feedback.is_paired(record):
                     paired.append((where, record, feedback.unpaired(record, where)))
                     if len(paired) == feedback.UNPAIR_BATCH:

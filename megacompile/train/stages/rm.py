@@ -13,7 +13,7 @@ import torch
 from ...errors import ArgumentError
 from ...posttrain import Pair, RewardModel, preference_metrics, reward_loss, to_pair
 from .. import intervals
-from ..data import tools
+from ..data import images, tools
 from ..data.ranking import preference
 from ..data.reading import records
 from ..data.tokens import fingerprint
@@ -65,6 +65,7 @@ class RMStage(Stage):
         out = []
         for entry in entries:
             for where, record in records(entry):
+                images.text_only(record, where, "rm")
                 margin = record.get("margin", 0.0)
                 if isinstance(margin, bool) or not isinstance(margin, (int, float)):
                     raise ArgumentError(f"{where}: margin (TRL's column: how much the chosen completion should "
