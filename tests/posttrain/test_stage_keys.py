@@ -104,6 +104,14 @@ def test_llamafactorys_preference_keys_are_read_as_trls(tmp_path, work, stage, m
         assert "pref_loss 'sigmoid' is not read by stage kto" in capsys.readouterr().out
 
 
+def test_pref_loss_orpo_says_how_its_nll_term_is_averaged(tmp_path, work, capsys):
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **{**stage_files.dpo(work, str(tmp_path / "run")),
+                                                            "pref_loss": "orpo"}), [])
+    assert c.loss_type == "orpo"
+    assert "pref_loss orpo trains TRL's ORPO, whose NLL term averages over all the batch's chosen" in \
+        capsys.readouterr().out
+
+
 @pytest.mark.parametrize("value, words", [("kto_pair", "pref_loss takes sigmoid, hinge, ipo, orpo, simpo here"),
                                           ("dpo", "pref_loss takes sigmoid, hinge, ipo, orpo, simpo here")])
 def test_a_pref_loss_megacompile_does_not_have_is_refused(tmp_path, work, value, words):
