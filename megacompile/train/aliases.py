@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from ..errors import ArgumentError
 from . import intervals
+from .data.named_template import NAMES as LAYOUTS
 from .their_keys import NOT_TAKEN, off
 
 _DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "use the epochs")
@@ -227,7 +228,7 @@ def translate(raw: dict, default_lr: float) -> Translated:
             converted = convert(value)
             if converted is not _DROP:
                 out.set(own, converted, key, value)
-        elif key in NOT_TAKEN and off(value):
+        elif key in NOT_TAKEN and off(value, key):
             continue        # neat_packing: false, push_to_hub: false, quantization_bit: null ask for nothing
         elif key not in SPECIAL and key not in IGNORED:
             out.set(key, value, key, value)
@@ -249,6 +250,11 @@ def translate(raw: dict, default_lr: float) -> Translated:
                          "the tokenizer's EOS" + (" (LlamaFactory writes <|end_of_text|> under template llama3, which "
                                                   "is that EOS in Llama 3's base tokenizer)"
                                                   if raw["template"] == "llama3" else ""))
+    elif raw.get("template") in LAYOUTS and not out.keys.get("chat_template"):
+        out.set("template", raw["template"], "template", raw["template"])      # a layout rendered here
+        out.notes.append(f"template {raw['template']!r}: chats are written in LlamaFactory's {raw['template']} layout "
+                         "(megacompile/train/data/templates/), its answers closed by <|im_end|> as the EOS; the "
+                         "trained model is written with its folder's own chat template")
     elif raw.get("template") is not None:      # template: null is no template, as leaving it out
         out.notes.append(_template(raw["template"], out.keys))
     if ignored:

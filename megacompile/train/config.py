@@ -15,7 +15,7 @@ import torch
 
 from .. import arguments
 from . import aliases
-from .data import entries, run_tools, template_file, tools
+from .data import entries, named_template, run_tools, template_file, tools
 from . import preemption
 from . import intervals
 from . import their_keys
@@ -53,6 +53,7 @@ class RunConfig:
     train_on_prompt: bool = False
     mask_history: bool = False      # LlamaFactory's: the last answer of a conversation alone trains
     chat_template: str | None = None            # a template file or folder in place of the tokenizer's
+    template: str | None = None                 # LlamaFactory's name of a layout rendered here (data/named_template.py)
     default_system: str | None = None           # LlamaFactory's: the system message of chats without one
     chat_template_kwargs: dict | None = None    # handed to the chat template (data/tools.py)
     tools: list | str | None = None             # TRL's DPOConfig.tools: every conversation's, unless it gives its own
@@ -306,6 +307,16 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
             raise ArgumentError("chat_template: the bundled model reads bytes and takes no chat template; leave it "
                                 "out")
         digest = template_file.digest(template_file.read(c.chat_template))
+        for entry in c.data + c.eval:
+            entry["chat_template"] = digest
+    if c.template is not None:
+        if c.bundled:
+            raise ArgumentError(f"template {c.template!r}: the bundled model reads bytes and has no chats; leave "
+                                "template out")
+        if c.chat_template is not None:
+            raise ArgumentError(f"template {c.template!r} and chat_template both say how chats are written: give one "
+                                "of them")
+        digest = template_file.digest(named_template.text(named_template.check(c.template)))
         for entry in c.data + c.eval:
             entry["chat_template"] = digest
     c.media_dir = _text("media_dir", c.media_dir, optional=True)

@@ -80,9 +80,16 @@ NOT_TAKEN = {
 }
 
 
-def off(value: Any) -> bool:
+# Keys whose 0 asks for nothing: LlamaFactory's defaults, which its web UI writes into every saved
+# run.yaml of the stage (pref_ftx under dpo and kto).
+ZERO_IS_OFF = ("pref_ftx", "neftune_noise_alpha")
+
+
+def off(value: Any, key: str | None = None) -> bool:
     """A value that asks for nothing (TRL's and LlamaFactory's defaults write most of these keys
     as null or false): such a key is accepted and does nothing."""
+    if key in ZERO_IS_OFF and not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0:
+        return True
     return value is None or value is False or value in ("", [], {})
 
 

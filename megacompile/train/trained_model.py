@@ -23,7 +23,7 @@ import torch
 from ..errors import ArgumentError
 from ..io.hf_save import export_files
 from . import methods
-from .data import images
+from .data import images, named_template
 from .config import RunConfig
 
 
@@ -63,6 +63,8 @@ def write(c: RunConfig, engine, tokenizer, path: str, overwrite: bool, policy: b
     post-training objective, whose `policy` is the model trained. overwrite: the run's own model
     files are there (a resumed run)."""
     dtype = getattr(torch, c.export_dtype)
+    if c.template is not None:      # written with the folder's own chat template, as LlamaFactory writes it
+        tokenizer = named_template.exported(tokenizer, c.tokenizer or c.model)
     if methods.adapters(c):
         from .methods.lora_export import export
         export(engine, path, tokenizer, c.merge_adapter, dtype, overwrite=overwrite, source=c.model,
@@ -75,8 +77,8 @@ def write(c: RunConfig, engine, tokenizer, path: str, overwrite: bool, policy: b
         export_policy(engine, path, tokenizer, dtype, overwrite=overwrite, source=c.model)
     else:
         engine.save_pretrained(path, dtype=dtype, overwrite=overwrite)
-        if (isinstance(tokenizer, images.Media) or c.chat_template is not None
-                or not os.path.isfile(os.path.join(path, "tokenizer_config.json"))):    # the template trained with
+        if (isinstance(tokenizer, images.Media) or c.chat_template is not None or c.template is not None
+                or not os.path.isfile(os.path.join(path, "tokenizer_config.json"))):    # the template or EOS trained with
             tokenizer.save_pretrained(path)
 
 

@@ -71,6 +71,11 @@ def test_their_key_beside_an_unknown_one_names_both(tmp_path):
 def test_their_keys_asking_for_nothing_are_accepted(tmp_path):
     c = load(_yaml(tmp_path, neat_packing=False, push_to_hub=False, quantization_bit=None, use_liger_kernel=False))
     assert c.packing is None        # not given: records one a row, text packed (as LlamaFactory's sft and pt)
+    # LlamaFactory's web UI writes pref_ftx: 0 (its default) into every dpo run.yaml; 0 noise is no noise
+    load(_yaml(tmp_path, pref_ftx=0, neftune_noise_alpha=0.0))
+    for asked in ({"pref_ftx": 0.1}, {"neftune_noise_alpha": 5}, {"quantization_bit": 0}):
+        with pytest.raises(ArgumentError, match=f"{next(iter(asked))} -> "):
+            load(_yaml(tmp_path, **asked))
 
 
 def test_no_key_is_both_taken_and_refused():

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import ArgumentError
-from . import images, template_file
+from . import images, named_template, template_file
 from . import workers as workers_of
 from . import entries
 from .encoding import Document, document, encode  # noqa: F401 - tokens.encode: one record's tokens
 from .reading import records
 
-CACHE_FORMAT = "megacompile-tokens/3"     # 2: where each data entry's tokens start; 3: tool calls (tools.py)
+CACHE_FORMAT = "megacompile-tokens/4"     # 2: where each data entry's tokens start; 3: tool calls (tools.py);
+                                          # 4: a chat closed by its template's EOS takes no other (encoding.py)
 
 
 class ByteTokenizer:
@@ -44,9 +45,10 @@ class ByteTokenizer:
         return {"input_ids": list(text.encode("utf-8"))}
 
 
-def load_tokenizer(path: str | None, chat_template: str | None = None):
+def load_tokenizer(path: str | None, chat_template: str | None = None, template: str | None = None):
     """The tokenizer of the folder `path` (the bundled model's bytes without one); `chat_template`:
-    a template file or folder whose template it renders chats with instead of its own."""
+    a template file or folder whose template it renders chats with instead of its own; `template`:
+    LlamaFactory's name of a layout rendered instead (named_template.py)."""
     if path is None:
         return ByteTokenizer()
     try:
@@ -54,6 +56,8 @@ def load_tokenizer(path: str | None, chat_template: str | None = None):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
         raise ArgumentError(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0][:300]}") from e
+    if template is not None:
+        named_template.apply(tokenizer, template)
     if chat_template is not None:
         tokenizer.chat_template = template_file.read(chat_template)
     return tokenizer
