@@ -252,9 +252,10 @@ def translate(raw: dict, default_lr: float) -> Translated:
                                                   if raw["template"] == "llama3" else ""))
     elif raw.get("template") in LAYOUTS and not out.keys.get("chat_template"):
         out.set("template", raw["template"], "template", raw["template"])      # a layout rendered here
+        eos = LAYOUTS[raw["template"]].eos
         out.notes.append(f"template {raw['template']!r}: chats are written in LlamaFactory's {raw['template']} layout "
-                         "(megacompile/train/data/templates/), its answers closed by <|im_end|> as the EOS; the "
-                         "trained model is written with its folder's own chat template")
+                         "(megacompile/train/data/templates/)" + (f", {eos} made the EOS" if eos else "")
+                         + "; the trained model is written with its folder's own chat template")
     elif raw.get("template") is not None:      # template: null is no template, as leaving it out
         out.notes.append(_template(raw["template"], out.keys))
     if ignored:

@@ -1,5 +1,5 @@
-"""`template: qwen3` and `qwen3_nothink` write a conversation's tokens as LlamaFactory's templates of
-those names do: each turn's slots encoded apart and laid end to end, the answers (with the empty
+"""`template: qwen3`, `qwen3_nothink` and `deepseekr1` write a conversation's tokens as LlamaFactory's
+templates of those names do: each turn's slots encoded apart and laid end to end, the answers (with the empty
 think block qwen3 adds) the targets. The reference below follows LlamaFactory's encoding step by
 step; the tokenizer keeps every run of whitespace as a token, so a newline out of place shows."""
 from __future__ import annotations
@@ -52,12 +52,16 @@ def _tokenizer(template: str = OFFICIAL, special: list[str] = SPECIAL):
     return fast
 
 
-def _llamafactory(tok, messages: list, reasoning: bool, thinking: bool = True) -> tuple[list[int], list[int]]:
-    """LlamaFactory's encode_multiturn under its qwen3 (reasoning) or qwen3_nothink template: each
-    message's slots encoded apart; a reasoning template's answer without a think block gets the
-    empty one, in the answer (thinking) or at the end of the prompt."""
+DEEPSEEK = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
+
+
+def _llamafactory(tok, messages: list, name: str, thinking: bool = True) -> tuple[list[int], list[int]]:
+    """LlamaFactory's encode_multiturn under its template `name`: each message's slots encoded
+    apart (deepseekr1's BOS and EOS as token ids); a reasoning template's answer without a think
+    block gets the empty one, in the answer (thinking) or at the end of the prompt."""
     def encode(text):
         return tok.encode(text, add_special_tokens=False)
+    reasoning = name != "qwen3_nothink"
     system, turns = (messages[0]["content"], messages[1:]) if messages[0]["role"] == "system" else ("", messages)
     if reasoning and not thinking:
         thought = re.compile(re.escape("<think>\n") + "(.*?)" + re.escape("\n</think>\n\n"), re.DOTALL)
@@ -65,12 +69,16 @@ def _llamafactory(tok, messages: list, reasoning: bool, thinking: bool = True) -
                  for m in turns]
     encoded = []
     for i, m in enumerate(turns):
-        text = f"<|im_start|>system\n{system}<|im_end|>\n" if i == 0 and system else ""
-        if m["role"] == "user":
-            text += f"<|im_start|>user\n{m['content']}<|im_end|>\n<|im_start|>assistant\n"
+        if name == "deepseekr1":
+            ids = [tok.bos_token_id] + encode(system) if i == 0 else []
+            ids += (encode(f"<｜User｜>{m['content']}<｜Assistant｜>") if m["role"] == "user"
+                    else encode(m["content"]) + [tok.eos_token_id])
         else:
-            text += f"{m['content']}<|im_end|>\n"
-        encoded.append(encode(text))
+            text = f"<|im_start|>system\n{system}<|im_end|>\n" if i == 0 and system else ""
+            text += (f"<|im_start|>user\n{m['content']}<|im_end|>\n<|im_start|>assistant\n" if m["role"] == "user"
+                     else f"{m['content']}<|im_end|>\n")
+            ids = encode(text)
+        encoded.append(ids)
     for i in range(0, len(turns), 2):
         if reasoning and "<think>" not in turns[i + 1]["content"] and "</think>" not in turns[i + 1]["content"]:
             if thinking:
@@ -84,21 +92,22 @@ def _llamafactory(tok, messages: list, reasoning: bool, thinking: bool = True) -
     return ids, targets
 
 
-@pytest.mark.parametrize("name, thinking", [("qwen3", True), ("qwen3", False), ("qwen3_nothink", True)])
+@pytest.mark.parametrize("name, thinking", [("qwen3", True), ("qwen3", False), ("qwen3_nothink", True),
+                                            ("deepseekr1", True), ("deepseekr1", False)])
 def test_a_conversation_is_written_as_llamafactory_writes_it(name, thinking):
-    tok = named_template.apply(_tokenizer(), name)
+    tok = named_template.apply(_tokenizer(special=DEEPSEEK if name == "deepseekr1" else SPECIAL), name)
     options = {} if thinking else {"chat_template_kwargs": {"enable_thinking": False}}
     ids, targets = tokens.encode(tok, {"messages": CHAT, **options}, False, "x:1")
-    want_ids, want_targets = _llamafactory(tok, CHAT, reasoning=name == "qwen3", thinking=thinking)
+    want_ids, want_targets = _llamafactory(tok, CHAT, name, thinking=thinking)
     assert ids == want_ids
     assert list(map(int, targets)) == want_targets
     assert tok.convert_tokens_to_ids("<unk>") not in ids
-    # the answers close with <|im_end|>, LlamaFactory's EOS here, and nothing follows it
-    assert tok.eos_token == "<|im_end|>"
-    assert tok.convert_ids_to_tokens(ids[-2:]) == ["<|im_end|>", "\n"]
+    # the answers close with the layout's EOS (<|im_end|> for qwen3's), and nothing follows it
+    closed = ["<|im_end|>", "\n"] if name.startswith("qwen3") else ["</s>"]
+    assert tok.convert_ids_to_tokens(ids[-len(closed):]) == closed and tok.eos_token == closed[0]
     trained = tok.decode([i for i, t in zip(ids, targets) if t])
-    first = trained.split("<|im_end|>")[0]
-    if name == "qwen3" and thinking:        # the empty block of an answer without one is trained with it
+    first = trained.split(closed[0])[0]
+    if name != "qwen3_nothink" and thinking:        # the empty block of an answer without one is trained with it
         assert first.replace(" ", "").startswith("<think>\n\n</think>\n\ni")
     else:
         assert "<think>" not in first
@@ -169,10 +178,13 @@ def test_a_preference_pair_splits_at_the_generation_prompt():
     assert tok.decode(quiet).replace(" ", "") == "iamfine<|im_end|>\n"
 
 
-def test_a_tokenizer_without_im_end_is_refused():
+def test_a_tokenizer_without_the_layouts_tokens_is_refused():
     plain = _tokenizer(special=[s for s in SPECIAL if s != "<|im_end|>"])
-    with pytest.raises(ArgumentError, match="template qwen3: the tokenizer has no <\\|im_end\\|> token"):
+    with pytest.raises(ArgumentError, match="template qwen3: the tokenizer has no <\\|im_end\\|> token, which"):
         named_template.apply(plain, "qwen3")
+    with pytest.raises(ArgumentError, match="template deepseekr1: the tokenizer has no <｜User｜> token and no "
+                                            "<｜Assistant｜> token"):
+        named_template.apply(_tokenizer(), "deepseekr1")
 
 
 def test_a_run_trains_the_layout_and_writes_the_folders_own_template(tmp_path, capsys):

@@ -2,62 +2,81 @@
 template cannot be trained on as LlamaFactory trains them.
 
 LlamaFactory formats a conversation by its named template; megacompile by the tokenizer's own
-chat template (masking.py), which gives LlamaFactory's tokens for most models. Qwen3's does not:
-its official template drops the think blocks of earlier answers once a later question follows,
-so a multi-turn conversation cannot be split into its answers (masking.py refuses it), and
-LlamaFactory's `qwen3` keeps every answer's think block (an empty one where the answer has none).
-The names here are rendered by a template of our own that writes LlamaFactory's layout and marks
-the assistant's text (`{% generation %}`, marks.py):
+chat template (masking.py), which gives LlamaFactory's tokens for most models. Reasoning models'
+do not: Qwen3's official template drops the think blocks of earlier answers once a later
+question follows, DeepSeek-R1's drops every answer's, so a conversation cannot be split into its
+answers (masking.py refuses it), while LlamaFactory's `qwen3` and `deepseekr1` keep every
+answer's think block (an empty one where the answer has none). The names here are rendered by
+templates of our own that write LlamaFactory's layout and mark the assistant's text
+(`{% generation %}`, marks.py):
 
     qwen3           templates/qwen3.jinja: each answer with its think block; enable_thinking
                     (LlamaFactory's, default true) trains an added empty block with the answer,
-                    false writes it before the answer as prompt and leaves out every thought
+                    false writes it before the answer as prompt and leaves out every thought;
+                    <|im_end|> closes each answer and becomes the EOS (its replace_eos)
     qwen3_nothink   the same file with `reasoning` false: each turn's text as it is
+    deepseekr1      templates/deepseekr1.jinja: deepseek3's slots (BOS, <｜User｜>, <｜Assistant｜>,
+                    the tokenizer's EOS after each answer) with qwen3's think blocks
 
-As LlamaFactory's, both end an answer with <|im_end|>, which they make the tokenizer's EOS
-(its replace_eos): no other EOS follows the conversation (encoding.py). The trained model is
-written with its folder's own chat template (LlamaFactory writes the model's own template too)
-and that EOS.
+A conversation closed by the EOS takes no other (encoding.py). The trained model is written with
+its folder's own chat template (LlamaFactory writes the model's own template too) and the EOS
+the layout made.
 """
 from __future__ import annotations
 
 import copy
 import os
+from dataclasses import dataclass
 
 from ...errors import ArgumentError
 
-STOP = "<|im_end|>"
-NAMES = {"qwen3": ("qwen3.jinja", ""),
-         "qwen3_nothink": ("qwen3.jinja", "{%- set reasoning = false -%}\n")}
+
+@dataclass(frozen=True)
+class Layout:
+    file: str
+    before: str = ""                # Jinja set ahead of the file's text
+    eos: str | None = None          # made the tokenizer's EOS (LlamaFactory's replace_eos)
+    tokens: tuple[str, ...] = ()    # what the layout writes as single tokens: the vocabulary must hold them
+
+
+QWEN = ("<|im_start|>", "<|im_end|>")
+NAMES = {"qwen3": Layout("qwen3.jinja", eos="<|im_end|>", tokens=QWEN),
+         "qwen3_nothink": Layout("qwen3.jinja", "{%- set reasoning = false -%}\n", eos="<|im_end|>", tokens=QWEN),
+         "deepseekr1": Layout("deepseekr1.jinja", tokens=("<｜User｜>", "<｜Assistant｜>"))}
 _FOLDER = os.path.join(os.path.dirname(__file__), "templates")
 
 
 def text(name: str) -> str:
     """The Jinja text the chats of template `name` are rendered with."""
-    file, before = NAMES[name]
-    with open(os.path.join(_FOLDER, file), encoding="utf-8") as f:
-        return before + f.read()
+    layout = NAMES[name]
+    with open(os.path.join(_FOLDER, layout.file), encoding="utf-8") as f:
+        return layout.before + f.read()
 
 
 def check(name) -> str:
     if name not in NAMES:
-        raise ArgumentError(f"template {name!r}: megacompile renders LlamaFactory's {' and '.join(NAMES)} itself; "
+        raise ArgumentError(f"template {name!r}: megacompile renders LlamaFactory's {', '.join(NAMES)} itself; "
                             "other models' chats are formatted by their tokenizer's own chat template: leave "
                             "template out, or give chat_template: FILE.jinja")
     return name
 
 
 def apply(tokenizer, name: str):
-    """`tokenizer` set to render template `name`, with its stop token as EOS (LlamaFactory's
-    replace_eos); refused where the vocabulary has no such token."""
-    stop = tokenizer.convert_tokens_to_ids(STOP)
-    if stop is None or stop == tokenizer.unk_token_id:
-        raise ArgumentError(f"template {name}: the tokenizer has no {STOP} token, with which this layout closes "
-                            "each answer; it is Qwen's: give the model's own tokenizer (or leave template out)")
+    """`tokenizer` set to render template `name`, with the layout's EOS; refused where the
+    vocabulary lacks a token the layout writes, or the EOS it closes answers with."""
+    layout = NAMES[name]
+    missing = [f"{t} token" for t in layout.tokens
+               if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if layout.eos is None and tokenizer.eos_token is None:
+        missing.append("EOS token")
+    if missing:
+        raise ArgumentError(f"template {name}: the tokenizer has no {' and no '.join(missing)}, which this layout "
+                            "writes: give the model's own tokenizer (or leave template out)")
     tokenizer.chat_template = text(name)
-    tokenizer.eos_token = STOP
-    if tokenizer.pad_token is None:     # as LlamaFactory pads: with the EOS it set
-        tokenizer.pad_token = STOP
+    if layout.eos is not None:
+        tokenizer.eos_token = layout.eos
+    if tokenizer.pad_token is None:     # as LlamaFactory pads: with the EOS
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
