@@ -22,19 +22,63 @@ def export_policy(engine, path: str, tokenizer, dtype: torch.dtype, overwrite: b
     _export(shell, weights, path, tokenizer, dtype, overwrite, source)
 
 
-def export_reward_model(engine, path: str, tokenizer, dtype: torch.dtype, overwrite: bool, source: str) -> None:
+def export_reward_model(engine, path: str, tokenizer, dtype: torch.dtype, overwrite: bool, source: str,
+                        merge: bool = True) -> None:
     """The trained reward model (posttrain/reward.py: `model.` and `score.`, the names of
     transformers' *ForSequenceClassification), with the model's config given one label and the
-    padding token it pools by; AutoModelForSequenceClassification.from_pretrained loads it."""
+    padding token it pools by; AutoModelForSequenceClassification.from_pretrained loads it. A LoRA
+    run's (its adapters' settings on the model, stages/rm.py) has its adapters merged into the
+    decoder, or without `merge` is written as PEFT's sequence-classification adapter: the adapters
+    and the head (modules_to_save), which PeftModel.from_pretrained loads over the base model's
+    AutoModelForSequenceClassification."""
     from transformers import AutoModelForSequenceClassification
+
+    from .methods import merged
     engine.synchronize()
+    weights = dict(engine.state_dict())
+    adapters = getattr(engine.model, "adapters", None)
+    if adapters is not None and not merge:
+        return _reward_adapter(weights, adapters, path, tokenizer, overwrite, source)
+    if adapters is not None:
+        weights = merged(weights, adapters.lora_alpha / adapters.r)
     config = engine.model.model.config.__class__.from_dict(engine.model.model.config.to_dict())
     config.num_labels = 1       # id2label and label2id follow
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     config.pad_token_id = pad
     with torch.device("meta"):
         shell = AutoModelForSequenceClassification.from_config(config)
-    _export(shell, dict(engine.state_dict()), path, tokenizer, dtype, overwrite, source)
+    _export(shell, weights, path, tokenizer, dtype, overwrite, source)
+
+
+def _reward_adapter(weights: dict, adapters, path: str, tokenizer, overwrite: bool, source: str) -> None:
+    """The adapters and the head in float32, as they trained, under PEFT's names for a
+    sequence classifier (`base_model.model.` ahead, no adapter name), and its adapter_config.json."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from ..io import durable
+    from ..io.hf_save import ADAPTER, COPIED, refuse_replacing, write_files
+    tensors = {"base_model.model." + k.replace(".default.", "."): t.float().contiguous() for k, t in weights.items()
+               if ".lora_A." in k or ".lora_B." in k or k.startswith("score.")}
+    config = copy.deepcopy(adapters)
+    config.task_type, config.modules_to_save, config.inference_mode = "SEQ_CLS", ["classifier", "score"], True
+    config.base_model_name_or_path = os.path.abspath(source)
+    parent = durable.prepare_parent(path, "model folder")
+    durable.clean_leftovers(parent)
+    exists = os.path.isdir(path)
+    if exists:
+        durable.recover_files(path)
+    replaced = refuse_replacing(path, set(COPIED) | {"config.json"} | set(ADAPTER), overwrite)
+
+    def write(folder: str) -> None:
+        config.save_pretrained(folder)
+        save_file(tensors, os.path.join(folder, ADAPTER[1]), metadata={"format": "pt"})
+        tokenizer.save_pretrained(folder)
+        for name in os.listdir(folder):
+            durable.fsync_file(os.path.join(folder, name))
+        durable.fsync_dir(folder)
+    write_files(path, parent, exists, write, replaced)
 
 
 def _export(shell, weights: dict, path: str, tokenizer, dtype: torch.dtype, overwrite: bool, source: str) -> None:

@@ -65,13 +65,14 @@ def write(c: RunConfig, engine, tokenizer, path: str, overwrite: bool, policy: b
     dtype = getattr(torch, c.export_dtype)
     if c.template is not None:      # written with the folder's own chat template, as LlamaFactory writes it
         tokenizer = named_template.exported(tokenizer, c.tokenizer or c.model)
-    if methods.adapters(c):
+    if c.stage == "rm":
+        from .policy_export import export_reward_model
+        export_reward_model(engine, path, tokenizer, dtype, overwrite=overwrite, source=c.model,
+                            merge=not methods.adapters(c) or c.merge_adapter)
+    elif methods.adapters(c):
         from .methods.lora_export import export
         export(engine, path, tokenizer, c.merge_adapter, dtype, overwrite=overwrite, source=c.model,
                prefix="policy." if policy else "")
-    elif c.stage == "rm":
-        from .policy_export import export_reward_model
-        export_reward_model(engine, path, tokenizer, dtype, overwrite=overwrite, source=c.model)
     elif policy:
         from .policy_export import export_policy
         export_policy(engine, path, tokenizer, dtype, overwrite=overwrite, source=c.model)
@@ -86,6 +87,9 @@ def last_line(c: RunConfig, path: str | None, checkpoint: str | None) -> str:
     """The run's last line: where its trained model is and what loads it."""
     if path is None:
         return f"model: {checkpoint} (the bundled model is no Hugging Face model: its weights are in this checkpoint)"
+    if methods.adapters(c) and not c.merge_adapter and c.stage == "rm":
+        return (f"model: {path} (a LoRA reward model in PEFT's format, its adapters and head: PeftModel."
+                f"from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, num_labels=1), {path!r}))")
     if methods.adapters(c) and not c.merge_adapter:
         return f"model: {path} (a LoRA adapter in PEFT's format: PeftModel.from_pretrained(base, {path!r}))"
     if c.stage == "rm":

@@ -119,8 +119,49 @@ def test_an_rm_run_exports_the_classifier_that_scores_as_its_log_says(tmp_path, 
     assert not os.path.exists(tmp_path / "run" / "reference_logps.pt")
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_lora_rm_run_exports_adapters_and_head_that_score_as_its_log_says(tmp_path, capsys, merge):
+    """LlamaFactory's LoRA reward example's shape: adapters on the decoder and the new head trained,
+    the base frozen; the export is PEFT's sequence-classification adapter (the adapters and the
+    head), or with merge_adapter the merged classifier, and either scores the held-out pairs as the
+    run's last eval did."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+    work = stage_files.workspace(tmp_path)
+    settings = {**stage_files.dpo(work, str(tmp_path / "run")), "stage": "rm", "lr": 1e-2, "finetuning_type": "lora",
+                "lora_rank": 4, "lora_dropout": 0, "merge_adapter": merge}
+    config = files.run_yaml(str(tmp_path / "rm.yaml"), **settings)
+    run(load(config))
+    said = capsys.readouterr().out
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    if merge:
+        classifier = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "run"))
+        assert not os.path.exists(tmp_path / "run" / "adapter_config.json")
+        base = AutoModelForSequenceClassification.from_pretrained(work["model"], num_labels=1)
+        assert torch.equal(classifier.model.embed_tokens.weight, base.model.embed_tokens.weight)    # frozen
+        assert not torch.equal(classifier.model.layers[0].self_attn.q_proj.weight,
+                               base.model.layers[0].self_attn.q_proj.weight)        # the adapter merged in
+    else:
+        assert "PeftModel.from_pretrained(AutoModelForSequenceClassification" in said
+        base = AutoModelForSequenceClassification.from_pretrained(work["model"], num_labels=1)
+        classifier = PeftModel.from_pretrained(base, str(tmp_path / "run"))
+        assert not os.path.exists(tmp_path / "run" / "config.json")
+    classifier.eval()
+    c = load(config)
+    stage = RMStage(c, load_tokenizer(work["model"], None))
+    held = scored_rows([p for p, _ in stage.held], [m for _, m in stage.held], c.seq, stage.pad)
+    with torch.no_grad():
+        scores = classifier(held["input_ids"]).logits.squeeze(-1)
+    n = len(stage.held)
+    first = float(rows[0]["rewards_chosen"])
+    assert float(rows[-1]["eval_rewards_chosen"]) == pytest.approx(scores[:n].mean().item(), abs=1e-5)
+    assert float(rows[-1]["eval_rewards_rejected"]) == pytest.approx(scores[n:].mean().item(), abs=1e-5)
+    assert float(rows[-1]["eval_rewards_chosen"]) != pytest.approx(first, abs=1e-4)     # it trained
+
+
 @pytest.mark.parametrize("more, words", [
-    ({"finetuning_type": "lora", "lora_dropout": 0}, "stage rm trains the decoder and a new reward head in full"),
+    ({"finetuning_type": "lora", "lora_dropout": 0, "lora_target": "q_proj,lm_head"},
+     "lora_target lm_head: a reward model scores with a new head"),
     ({"center_rewards_coefficient": -1}, "center_rewards_coefficient weighs (r+ + r-)^2"),
     ({"beta": 0.1}, "beta (stage dpo or kto or grpo) belongs to another stage"),
 ])

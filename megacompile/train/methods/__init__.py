@@ -32,7 +32,7 @@ import torch.nn as nn
 from ...errors import ArgumentError
 from . import vision_freeze
 from .freeze import freeze
-from .lora import base_dtype, file_key, lora_skeleton, require_peft, with_adapters
+from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, with_adapters
 from .names import names
 
 TYPES = ("full", "lora", "freeze")

@@ -94,6 +94,18 @@ def file_key(key: str) -> str:
     return key.replace(".base_layer.", ".")
 
 
+def merged(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A PEFT-wrapped module's state_dict with each adapter added into its base weight,
+    W + scaling B A (in float32), under the base model's names (no `base_layer`, no adapters)."""
+    out = {k.replace(".base_layer.", "."): t for k, t in state.items() if ".lora_A." not in k and ".lora_B." not in k}
+    for key, a in state.items():
+        if ".lora_A." in key:
+            weight = key.split(".lora_A.")[0] + ".weight"
+            b = state[key.replace(".lora_A.", ".lora_B.")]
+            out[weight] = out[weight].float() + scaling * (b.float() @ a.float())
+    return out
+
+
 def release_frozen(model: nn.Module) -> None:
     """The module's frozen weights to the meta device (a tied weight stays one parameter): their
     values are the engine's (host state), read there by lora_export."""

@@ -140,10 +140,9 @@ def _rm(c) -> None:
     if c.center_rewards_coefficient < 0:
         raise ArgumentError(f"center_rewards_coefficient weighs (r+ + r-)^2, pulling the rewards toward 0; it is >= 0 "
                             f"(TRL suggests 0.01); got {c.center_rewards_coefficient!r}")
-    if adapters(c):
-        raise ArgumentError("stage rm trains the decoder and a new reward head in full: finetuning_type lora is not "
-                            "supported for it (a LoRA reward model would need the head saved beside the adapter); "
-                            "use finetuning_type full or freeze")
+    if adapters(c) and isinstance(c.lora_target, list) and "lm_head" in c.lora_target:
+        raise ArgumentError("lora_target lm_head: a reward model scores with a new head in place of the causal LM's "
+                            "lm_head, which it does not hold; leave lm_head out of lora_target")
 
 
 def _kto(c) -> None:

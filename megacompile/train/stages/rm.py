@@ -88,7 +88,14 @@ class RMStage(Stage):
         return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
 
     def objective(self, model):
-        return RewardModel.of(model, seed=self.c.seed, center_rewards_coefficient=self.c.center_rewards_coefficient)
+        # finetuning_type lora: PEFT's wrapper around the causal LM, whose adapters sit in the LM's
+        # own modules; the reward model takes its decoder, adapters and all, and keeps the adapters'
+        # settings for the export (policy_export.py)
+        adapters = getattr(model, "peft_config", {}).get("default")
+        causal_lm = model.get_base_model() if adapters is not None else model
+        out = RewardModel.of(causal_lm, seed=self.c.seed, center_rewards_coefficient=self.c.center_rewards_coefficient)
+        out.adapters = adapters
+        return out
 
     def _rows(self, items: list[tuple[Pair, float]]) -> dict:
         return scored_rows([p for p, _ in items], [m for _, m in items], self.c.seq, self.pad)
