@@ -120,7 +120,8 @@ def _turn(tokenizer, messages: list, k: int, text: str, ids: list[int], offsets:
         raise ArgumentError(f"{where}: the chat template does not render the conversation up to turn {k} as a "
                             "prefix of the whole, so the assistant's tokens cannot be told apart; give a chat "
                             "template that marks the assistant's text with {% generation %} ... "
-                            "{% endgeneration %} (chat_template:), use prompt/completion records, or "
+                            "{% endgeneration %} (chat_template:), or for Qwen3 and DeepSeek-R1 template: qwen3 or "
+                            "deepseekr1 (LlamaFactory's layouts); or use prompt/completion records, or "
                             "train_on_prompt: true")
     return len(before), len(through)
 
