@@ -5,6 +5,7 @@ step; the tokenizer keeps every run of whitespace as a token, so a newline out o
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -213,3 +214,14 @@ def test_a_run_trains_the_layout_and_writes_the_folders_own_template(tmp_path, c
     (tmp_path / "t.jinja").write_text(OFFICIAL)      # a template file given beside it is the one read
     c = load(files.run_yaml(str(tmp_path / "both.yaml"), template="qwen3", chat_template="t.jinja", **common), [])
     assert c.template is None and c.chat_template.endswith("t.jinja")
+
+
+def test_a_vision_language_model_is_refused_before_anything_is_read(tmp_path):
+    from megacompile.train import load, run
+    from tests.train import qwen_files, vlm_files
+    model = qwen_files.model_dir(str(tmp_path / "vlm"))
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=model, template="qwen3", run_dir=str(tmp_path / "run"),
+                            data=vlm_files.records(str(tmp_path / "records.jsonl")), steps=1, device="cpu"), [])
+    with pytest.raises(ArgumentError, match="template 'qwen3' writes text chats, and .*vlm is a vision-language model"):
+        run(c)
+    assert not os.path.exists(tmp_path / "run" / "tokens")

@@ -145,15 +145,15 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     the training and eval rows (None without held-out data) and what the
     training data's position refers to (its token file's sha256; the sources' when streamed)."""
     tokenizer_dir = None if c.bundled else (c.tokenizer or c.model)
+    if c.template is not None and images.has_processor(tokenizer_dir):
+        raise ArgumentError(f"template {c.template!r} writes text chats, and {tokenizer_dir} is a vision-language "
+                            "model, whose chats its processor's own chat template writes: leave template out")
     tokenizer = load_tokenizer(tokenizer_dir, c.chat_template, c.template)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     folder = os.path.join(run_dir, "tokens")
     if c.streaming:
         return _stream(c, folder, tokenizer, tokenizer_dir, row_len, pad)
     media = grid_images.media(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
-    if media is not None and c.template is not None:
-        raise ArgumentError(f"template {c.template!r} writes text chats, and {tokenizer_dir} is a vision-language "
-                            "model, whose chats its processor's own chat template writes: leave template out")
     if media is not None:       # image_max_pixels / image_min_pixels, as LlamaFactory scales images
         pixels.attach(media, pixels.limits(c))
         media.videos_within(videos.Settings.of(c))     # and the video_* keys, as it reads videos
