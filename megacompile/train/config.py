@@ -311,8 +311,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
             entry["chat_template"] = digest
     if c.template is not None:
         if c.bundled:
-            raise ArgumentError(f"template {c.template!r}: the bundled model reads bytes and has no chats; leave "
-                                "template out")
+            raise ArgumentError(f"template {c.template!r}: the bundled model reads bytes and has no chat template; "
+                                "leave template out")
         if c.chat_template is not None:
             raise ArgumentError(f"template {c.template!r} and chat_template both say how chats are written: give one "
                                 "of them")

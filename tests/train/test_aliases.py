@@ -112,12 +112,12 @@ def test_an_unknown_key_is_named_with_the_key_it_is_closest_to_not_a_list_of_eve
 
 def test_keys_without_effect_and_the_template_name_are_noted(tmp_path, capsys):
     model = files.model_dir(str(tmp_path / "model"))
-    load(_yaml(tmp_path, model_name_or_path="model", template="llama3", stage="sft", do_train=True,
+    load(_yaml(tmp_path, model_name_or_path="model", template="qwen", stage="sft", do_train=True,
                trust_remote_code=True, overwrite_cache=True, preprocessing_num_workers=16, dataloader_num_workers=4,
                plot_loss=True, save_only_model=False, ddp_timeout=180000000, flash_attn="auto", max_samples=1000,
                max_steps=3))
     out = capsys.readouterr().out
-    assert f"template 'llama3' is not read: chats are formatted by the tokenizer's own chat template ({model})" in out
+    assert f"template 'qwen' is not read: chats are formatted by the tokenizer's own chat template ({model})" in out
     line = out.split("ignored (no effect in a megacompile run): ")[1].splitlines()[0]
     assert sorted(line.split(", ")) == ["dataloader_num_workers", "ddp_timeout", "flash_attn",
                                         "overwrite_cache", "plot_loss", "save_only_model", "trust_remote_code"]
@@ -138,8 +138,8 @@ def _without_chat_template(model: str) -> None:
 
 def test_a_template_needs_the_tokenizers_chat_template(tmp_path):
     _without_chat_template(files.model_dir(str(tmp_path / "model")))
-    with pytest.raises(ArgumentError, match="template 'llama3': megacompile formats chats with the tokenizer's own"):
-        load(_yaml(tmp_path, model_name_or_path="model", template="llama3", max_steps=3))
+    with pytest.raises(ArgumentError, match="template 'mistral': megacompile formats chats with the tokenizer's own"):
+        load(_yaml(tmp_path, model_name_or_path="model", template="mistral", max_steps=3))
 
 
 def test_template_null_is_no_template_as_leaving_it_out(tmp_path, capsys):
@@ -210,4 +210,5 @@ def test_the_llamafactory_example_in_the_docs_loads_as_it_is_written(tmp_path, c
         (2048, "bfloat16", 0.1, 500, 500, 10, ["csv"])
     assert c.run_dir == str(tmp_path / "saves/llama3-8b/full/sft") and c.resume is None
     out = capsys.readouterr().out
-    assert "template 'llama3' is not read" in out and "deepspeed (megacompile places weights" in out
+    assert "template 'llama3': chats are written in LlamaFactory's llama3 layout" in out
+    assert "deepspeed (megacompile places weights" in out

@@ -34,8 +34,14 @@ def _sharegpt(chats: str, folder: str) -> str:
     return path
 
 
+LLAMA3 = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
 def test_llamafactory_names_and_own_names_train_the_same_run(tmp_path):
-    made = files.workspace(tmp_path)
+    tok = files.tokenizer(words=["system", "user", "assistant"], special=LLAMA3)
+    tok.add_special_tokens({"additional_special_tokens": LLAMA3})      # template llama3 writes them
+    made = {"model": files.model_dir(str(tmp_path / "model"), tok=tok),
+            "chats": files.chats(str(tmp_path / "chats.jsonl"))}
     sharegpt = _sharegpt(made["chats"], str(tmp_path / "data"))
     lr, rate = 1.0e-3, 0.1
     llamafactory = files.run_yaml(
@@ -55,7 +61,7 @@ def test_llamafactory_names_and_own_names_train_the_same_run(tmp_path):
         device="cpu")
     own = files.run_yaml(
         str(tmp_path / "own.yaml"),
-        model="model", data=sharegpt, seq=32, max_samples=1000, run_dir="saves/own", log_every=1, save_every=3, log="csv",
+        model="model", data=sharegpt, template="llama3", seq=32, max_samples=1000, run_dir="saves/own", log_every=1, save_every=3, log="csv",
         batch=2, grad_accum=2, lr=lr, epochs=2.0, schedule="cosine", min_lr=lr * rate, warmup=0.25,
         compute_dtype="float32", eval_fraction=0.2, eval_every=2, betas=[0.9, 0.95], weight_decay=0.01, seed=3,
         device="cpu")

@@ -1,5 +1,5 @@
-"""`template: qwen3`, `qwen3_nothink` and `deepseekr1` write a conversation's tokens as LlamaFactory's
-templates of those names do: each turn's slots encoded apart and laid end to end, the answers (with the empty
+"""`template: qwen3`, `qwen3_nothink`, `deepseekr1` and `llama3` write a conversation's tokens as
+LlamaFactory's templates of those names do: each turn's slots encoded apart and laid end to end, the answers (with the empty
 think block qwen3 adds) the targets. The reference below follows LlamaFactory's encoding step by
 step; the tokenizer keeps every run of whitespace as a token, so a newline out of place shows."""
 from __future__ import annotations
@@ -54,6 +54,8 @@ def _tokenizer(template: str = OFFICIAL, special: list[str] = SPECIAL):
 
 
 DEEPSEEK = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
+LLAMA = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<think>", "</think>"]
+LAYOUT_TOKENS = {"deepseekr1": DEEPSEEK, "llama3": LLAMA}
 
 
 def _llamafactory(tok, messages: list, name: str, thinking: bool = True) -> tuple[list[int], list[int]]:
@@ -62,7 +64,7 @@ def _llamafactory(tok, messages: list, name: str, thinking: bool = True) -> tupl
     block gets the empty one, in the answer (thinking) or at the end of the prompt."""
     def encode(text):
         return tok.encode(text, add_special_tokens=False)
-    reasoning = name != "qwen3_nothink"
+    reasoning = name in ("qwen3", "deepseekr1")
     system, turns = (messages[0]["content"], messages[1:]) if messages[0]["role"] == "system" else ("", messages)
     if reasoning and not thinking:
         thought = re.compile(re.escape("<think>\n") + "(.*?)" + re.escape("\n</think>\n\n"), re.DOTALL)
@@ -74,6 +76,13 @@ def _llamafactory(tok, messages: list, name: str, thinking: bool = True) -> tupl
             ids = [tok.bos_token_id] + encode(system) if i == 0 else []
             ids += (encode(f"<｜User｜>{m['content']}<｜Assistant｜>") if m["role"] == "user"
                     else encode(m["content"]) + [tok.eos_token_id])
+        elif name == "llama3":
+            ids = [tok.bos_token_id] if i == 0 else []
+            text = f"<|start_header_id|>system<|end_header_id|>\n\n{system}<|eot_id|>" if i == 0 and system else ""
+            text += (f"<|start_header_id|>user<|end_header_id|>\n\n{m['content']}<|eot_id|>"
+                     "<|start_header_id|>assistant<|end_header_id|>\n\n" if m["role"] == "user"
+                     else f"{m['content']}<|eot_id|>")
+            ids += encode(text)
         else:
             text = f"<|im_start|>system\n{system}<|im_end|>\n" if i == 0 and system else ""
             text += (f"<|im_start|>user\n{m['content']}<|im_end|>\n<|im_start|>assistant\n" if m["role"] == "user"
@@ -94,9 +103,9 @@ def _llamafactory(tok, messages: list, name: str, thinking: bool = True) -> tupl
 
 
 @pytest.mark.parametrize("name, thinking", [("qwen3", True), ("qwen3", False), ("qwen3_nothink", True),
-                                            ("deepseekr1", True), ("deepseekr1", False)])
+                                            ("deepseekr1", True), ("deepseekr1", False), ("llama3", True)])
 def test_a_conversation_is_written_as_llamafactory_writes_it(name, thinking):
-    tok = named_template.apply(_tokenizer(special=DEEPSEEK if name == "deepseekr1" else SPECIAL), name)
+    tok = named_template.apply(_tokenizer(special=LAYOUT_TOKENS.get(name, SPECIAL)), name)
     options = {} if thinking else {"chat_template_kwargs": {"enable_thinking": False}}
     ids, targets = tokens.encode(tok, {"messages": CHAT, **options}, False, "x:1")
     want_ids, want_targets = _llamafactory(tok, CHAT, name, thinking=thinking)
@@ -104,15 +113,16 @@ def test_a_conversation_is_written_as_llamafactory_writes_it(name, thinking):
     assert list(map(int, targets)) == want_targets
     assert tok.convert_tokens_to_ids("<unk>") not in ids
     # the answers close with the layout's EOS (<|im_end|> for qwen3's), and nothing follows it
-    closed = ["<|im_end|>", "\n"] if name.startswith("qwen3") else ["</s>"]
+    closed = {"qwen3": ["<|im_end|>", "\n"], "qwen3_nothink": ["<|im_end|>", "\n"], "llama3": ["<|eot_id|>"]}.get(
+        name, ["</s>"])
     assert tok.convert_ids_to_tokens(ids[-len(closed):]) == closed and tok.eos_token == closed[0]
     trained = tok.decode([i for i, t in zip(ids, targets) if t])
     first = trained.split(closed[0])[0]
-    if name != "qwen3_nothink" and thinking:        # the empty block of an answer without one is trained with it
+    if name in ("qwen3", "deepseekr1") and thinking:     # an answer's empty block is trained with it
         assert first.replace(" ", "").startswith("<think>\n\n</think>\n\ni")
     else:
         assert "<think>" not in first
-    assert ("itislate" in tok.decode(ids).replace(" ", "")) == (name == "qwen3_nothink" or thinking)
+    assert ("itislate" in tok.decode(ids).replace(" ", "")) == (name not in ("qwen3", "deepseekr1") or thinking)
 
 
 def test_the_official_template_cannot_be_split_and_the_named_layout_can():

@@ -1,11 +1,12 @@
 """run.yaml's `template`: a chat layout by LlamaFactory's name, for the models whose own chat
-template cannot be trained on as LlamaFactory trains them.
+template does not write what LlamaFactory trains.
 
 LlamaFactory formats a conversation by its named template; megacompile by the tokenizer's own
-chat template (masking.py), which gives LlamaFactory's tokens for most models. Reasoning models'
-do not: Qwen3's official template drops the think blocks of earlier answers once a later
-question follows, DeepSeek-R1's drops every answer's, so a conversation cannot be split into its
-answers (masking.py refuses it), while LlamaFactory's `qwen3` and `deepseekr1` keep every
+chat template (masking.py), which gives LlamaFactory's tokens for many models, not all: Llama
+3.1's and later write a system block of knowledge dates into every conversation, which
+LlamaFactory's `llama3` does not; Qwen3's drops the think blocks of earlier answers once a later
+question follows and DeepSeek-R1's drops every answer's, so a conversation cannot be split into
+its answers (masking.py refuses it), while LlamaFactory's `qwen3` and `deepseekr1` keep every
 answer's think block (an empty one where the answer has none). The names here are rendered by
 templates of our own that write LlamaFactory's layout and mark the assistant's text
 (`{% generation %}`, marks.py):
@@ -17,6 +18,9 @@ templates of our own that write LlamaFactory's layout and mark the assistant's t
     qwen3_nothink   the same file with `reasoning` false: each turn's text as it is
     deepseekr1      templates/deepseekr1.jinja: deepseek3's slots (BOS, <｜User｜>, <｜Assistant｜>,
                     the tokenizer's EOS after each answer) with qwen3's think blocks
+    llama3          templates/llama3.jinja: Llama 3's headers, without the system block of
+                    knowledge dates that Llama 3.1's own template writes into every conversation
+                    (LlamaFactory writes none); <|eot_id|> closes each turn and becomes the EOS
 
 A conversation closed by the EOS takes no other (encoding.py). The trained model is written with
 its folder's own chat template (LlamaFactory writes the model's own template too) and the EOS
@@ -42,7 +46,9 @@ class Layout:
 QWEN = ("<|im_start|>", "<|im_end|>")
 NAMES = {"qwen3": Layout("qwen3.jinja", eos="<|im_end|>", tokens=QWEN),
          "qwen3_nothink": Layout("qwen3.jinja", "{%- set reasoning = false -%}\n", eos="<|im_end|>", tokens=QWEN),
-         "deepseekr1": Layout("deepseekr1.jinja", tokens=("<｜User｜>", "<｜Assistant｜>"))}
+         "deepseekr1": Layout("deepseekr1.jinja", tokens=("<｜User｜>", "<｜Assistant｜>")),
+         "llama3": Layout("llama3.jinja", eos="<|eot_id|>",
+                          tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))}
 _FOLDER = os.path.join(os.path.dirname(__file__), "templates")
 
 
