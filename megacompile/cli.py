@@ -183,7 +183,7 @@ STAGE_FLAGS = (("--prompts", "prompts"), ("--num-generations", "num_generations"
                ("--max-prompt-length", "max_prompt_length"), ("--max-completion-length", "max_completion_length"),
                ("--num-iterations", "num_iterations"), ("--steps-per-generation", "steps_per_generation"),
                ("--beta", "beta"), ("--generator", "generator"),
-               ("--precompute-ref-log-probs", "precompute_ref_log_probs"))
+               ("--precompute-ref-log-probs", "precompute_ref_log_probs"), ("--loss-type", "loss_type"))
 
 
 def _plan_stage(args: argparse.Namespace) -> int:
@@ -202,6 +202,9 @@ def _plan_stage(args: argparse.Namespace) -> int:
                             f"{'is' if len(refused) == 1 else 'are'} not taken with it; leave "
                             f"{'it' if len(refused) == 1 else 'them'} out")
     keys = {key: getattr(args, key) for _, key in STAGE_FLAGS if getattr(args, key) is not None}
+    if args.stage == "dpo" and "loss_type" in keys:     # TRL's names, checked as a run checks them
+        from .posttrain.dpo_losses import loss_types
+        keys["loss_type"] = list(loss_types(keys["loss_type"].split(",")))
     from .planner.from_config import hardware_profile
     hardware = hardware_profile(args.hardware, host=args.host)
     if args.hbm_budget is None:     # the card's memory, as compile() takes a GPU's (settings.DEVICE_SHARE)
@@ -301,8 +304,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--hbm-budget", type=float, default=None,
                    help="GiB of device memory the plan may use (default: 90%% of the --hardware card's memory)")
     q.add_argument("--hardware", default="h100",
-                   help="h100, h100-pcie, h200, gh200, a100, a100-40gb, b200, l40s, rtx6000-ada, rtx5090, rtx4090, "
-                        "rtx3090, cpu, or a profile.json from `megacompile calibrate` (the faithful one)")
+                   help="h100, h100-pcie, h200, gh200, a100, a100-40gb, b200, l40s, rtx6000-ada, rtx-a6000, l4, a10, "
+                        "rtx5090, rtx4090, rtx3090, cpu, or a profile.json from `megacompile calibrate` (the faithful "
+                        "one)")
     from .cost.host import HOSTS
     q.add_argument("--host", default=None, choices=list(HOSTS),
                    help="the host the card sits in: its memory bandwidth, AdamW rate and disk (default: the "
@@ -358,6 +362,9 @@ def parser() -> argparse.ArgumentParser:
                         "forward-only passes, the training steps) and in all")
     s.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
                    help="dpo: the reference's log-probabilities are given, no reference forward per step")
+    s.add_argument("--loss-type", default=None,
+                   help="dpo: TRL's loss_type, or several joined by commas (default sigmoid; simpo and orpo read no "
+                        "reference); kto: kto (default) or apo_zero_unpaired")
     s.add_argument("--prompts", type=int, default=None, help="grpo: prompts per rollout batch (default 1)")
     s.add_argument("--num-generations", type=int, default=None, help="grpo: completions per prompt (default 8)")
     s.add_argument("--max-prompt-length", type=int, default=None, help="grpo: prompt tokens (default 512)")

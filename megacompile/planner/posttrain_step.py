@@ -5,7 +5,7 @@ by the cost model; the parts summed.
     sft   one training step of `batch` rows of `seq` tokens
     dpo   one training step of 2 x `batch` rows (each pair's chosen and rejected rows, packed), and
           one forward-only pass of the reference over the same rows, unless its log-probabilities
-          are precomputed (precompute_ref_log_probs)
+          are precomputed (precompute_ref_log_probs) or no loss type reads them (simpo, orpo, sft)
     kto   one training step of `batch` rows (completions), a forward-only pass over them (the
           logged rewards) and, for loss_type kto, one over their KL rows (each prompt with another
           completion); the reference's log-probabilities are computed once a run, not a step
@@ -48,11 +48,15 @@ from .result import Plan
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")     # pt (pretraining on text) trains as sft does
 GENERATORS = ("engine", "kv_cache", "hf_streamed")
+# DPO's loss types that read the policy alone (posttrain/dpo_losses.py's REFERENCE_FREE, which
+# this layer cannot import; a test holds the two the same). Any other name is costed with the
+# reference pass: posttrain checks the names, a run refuses one it does not know.
+REFERENCE_FREE = ("sft", "simpo", "orpo")
 # Each stage's keys and their defaults (TRL's names and defaults where TRL has the key).
 KEYS: dict[str, dict[str, Any]] = {
     "sft": {},
     "pt": {},
-    "dpo": {"precompute_ref_log_probs": False},
+    "dpo": {"precompute_ref_log_probs": False, "loss_type": "sigmoid"},
     "kto": {"loss_type": "kto"},
     "rm": {},
     "grpo": {"prompts": 1, "num_generations": 8, "max_prompt_length": 512, "max_completion_length": 256,
@@ -137,7 +141,10 @@ class StagePlan:
                        f"the host link in {fmt_seconds(link)}, its compute takes {fmt_seconds(compute)}: {bound}")
         if self.keys.get("beta", 0) > 0:
             out.append("the reference's weights are a second copy on the host, beside the policy's host state")
-        if self.stage == "dpo" and self.keys["precompute_ref_log_probs"]:
+        if self.stage == "dpo" and not reads_reference(self.keys["loss_type"]):
+            out.append(f"loss_type {self.keys['loss_type']} reads the policy alone: no reference pass, no reference "
+                       "log-probabilities")
+        elif self.stage == "dpo" and self.keys["precompute_ref_log_probs"]:
             out.append("the reference's log-probabilities are given: its forward pass over each batch is paid once, "
                        "before training")
         return out
@@ -168,6 +175,10 @@ def stage_keys(stage: Any, keys: dict[str, Any]) -> dict[str, Any]:
     out = {**own, **keys}
     if stage == "dpo":
         arguments.flag("precompute_ref_log_probs", out["precompute_ref_log_probs"])
+        names = [out["loss_type"]] if isinstance(out["loss_type"], str) else out["loss_type"]
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+            raise ArgumentError(f"stage dpo: loss_type is a loss type's name or a list of them (TRL's); got "
+                                f"{out['loss_type']!r}")
     if stage == "kto" and out["loss_type"] not in ("kto", "apo_zero_unpaired"):
         raise ArgumentError(f"stage kto: loss_type must be kto or apo_zero_unpaired; got {out['loss_type']!r}")
     if stage == "grpo":
@@ -187,6 +198,11 @@ def stage_keys(stage: Any, keys: dict[str, Any]) -> dict[str, Any]:
                                 f"that copy's layers streamed from the host); got "
                                 f"{out['generator']!r}")
     return out
+
+
+def reads_reference(loss_type: str | list[str]) -> bool:
+    """Whether a DPO step of these loss types reads the reference's log-probabilities."""
+    return any(n not in REFERENCE_FREE for n in ([loss_type] if isinstance(loss_type, str) else loss_type))
 
 
 def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, batch: int | None = None,
@@ -235,7 +251,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     parts = [_part("training", passes, train, f"{passes} training step{'s' if passes > 1 else ''} of {each}"
                    + (f" ({micro} micro-batches a step)" if micro > 1 else ""))]
     forward = None
-    if stage == "dpo" and not keys["precompute_ref_log_probs"]:
+    if stage == "dpo" and not keys["precompute_ref_log_probs"] and reads_reference(keys["loss_type"]):
         forward = planned(False, rows, width)
         parts.append(_part("reference forward", 1, forward, f"one forward-only pass of {each}"))
     if stage == "rm":

@@ -60,6 +60,23 @@ def test_a_dpo_step_is_the_sft_step_of_twice_the_rows_and_a_reference_forward(mo
     assert pretraining.total_s == pytest.approx(sft.prediction.step_s, rel=1e-9)
 
 
+def test_a_dpo_step_of_reference_free_loss_types_has_no_reference_pass(model):
+    sft = _plan(model, 4, 48)
+    for free in ("simpo", "orpo", ["simpo", "sft"]):
+        alone = _stage(model, "dpo", batch=2, seq=48, loss_type=free)
+        assert [p.name for p in alone.parts] == ["training"]
+        assert alone.total_s == pytest.approx(sft.prediction.step_s, rel=1e-9)
+        assert any("reads the policy alone: no reference pass" in n for n in alone.notes())
+    mixed = _stage(model, "dpo", batch=2, seq=48, loss_type=["sigmoid", "sft"])     # TRL's RPO reads it
+    assert [p.name for p in mixed.parts] == ["training", "reference forward"]
+
+
+def test_the_planners_reference_free_losses_are_posttrains():
+    from megacompile.planner.posttrain_step import REFERENCE_FREE
+    from megacompile.posttrain.dpo_losses import REFERENCE_FREE as READ_BY_THE_LOSS
+    assert set(REFERENCE_FREE) == set(READ_BY_THE_LOSS)
+
+
 def test_a_kto_step_is_the_sft_step_and_forward_passes_of_its_rows_and_kl_rows(model):
     kto = _stage(model, "kto", batch=4, seq=48)
     sft, forward = _plan(model, 4, 48), _plan(model, 4, 48, train=False)
@@ -168,6 +185,7 @@ def test_a_decode_step_is_bound_by_device_memory_when_the_copy_fits_else_by_the_
     ("grpo", {"generator": "vllm"}, "generator must be one of engine, kv_cache"),
     ("grpo", {"batch": 8}, "stage grpo takes no batch"),
     ("dpo", {"precompute_ref_log_probs": "yes"}, "precompute_ref_log_probs must be True or False; got 'yes'"),
+    ("dpo", {"loss_type": 3}, "stage dpo: loss_type is a loss type's name or a list of them (TRL's); got 3"),
     ("dpo", {"batch": 0}, "batch (preference pairs per step, 2 rows each) must be an int >= 1; got 0"),
     ("sft", {"seq": 0}, "seq (tokens per sequence) must be an int >= 1; got 0"),
 ])
@@ -189,7 +207,13 @@ def test_plan_stage_on_the_command_line(tmp_path, capsys):
     assert shown["parts"][0]["passes"] == 4 and shown["rows"] == 4 and shown["seq"] == 12
     assert shown["total_s"] == pytest.approx(sum(p["seconds"] for p in shown["parts"]), rel=1e-12)
     assert "megacompile plan --stage grpo (2 prompts x 2 generations = 4 rows of 8 + 4 tokens" in out
+    assert main([*base, "--stage", "dpo", "--loss-type", "simpo", "--seq", "16", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in shown["parts"]] == ["training"] and shown["loss_type"] == ["simpo"]
+    assert main([*base, "--stage", "dpo", "--loss-type", "sigmoid,sft", "--seq", "16", "--json"]) == 0
+    assert [p["name"] for p in json.loads(capsys.readouterr().out)["parts"]] == ["training", "reference forward"]
     for flags, message in ((["--num-generations", "4"], "--num-generations plans a post-training step: give --stage"),
+                           (["--stage", "dpo", "--loss-type", "simpoo"], "DPO loss_type must be one of"),
                            (["--stage", "dpo", "--num-generations", "4"], "num_generations belongs to stage grpo"),
                            (["--stage", "grpo", "--global-batch", "8"], "--global-batch is not taken with it"),
                            (["--stage", "grpo", "--seq", "64"], "stage grpo takes no seq")):
