@@ -2,7 +2,7 @@
 AdamW, bf16 compute) on each datasheet profile with a typical host for that card, from `megacompile plan`.
 
 Each card gets 90% of its memory (the plan's default), its profile's own host side (a desktop for the
-GeForce cards, a workstation for the RTX 6000 Ada, a server for the rest: megacompile/cost/host.py),
+GeForce cards, a workstation for the RTX 6000 Ada and RTX A6000, a server for the rest: megacompile/cost/host.py),
 the host RAM of a typical machine with it, and one 2 TB NVMe drive as the disk tier where RAM does not
 hold the state. One micro-batch of 4 x 2048 tokens.
 
@@ -26,8 +26,8 @@ from provenance import machine_facts, write_table
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"7b": "llama-2-7b.json", "14b": "qwen2.5-14b.json", "32b": "qwen2.5-32b.json", "70b": "llama-70b.json"}
 # card: GiB of host RAM in a typical machine with it
-HOSTS = {"rtx3090": 64, "rtx4090": 128, "rtx5090": 192, "rtx6000-ada": 256, "l40s": 512, "a100-40gb": 512,
-         "h200": 1536, "b200": 2048}
+HOSTS = {"rtx3090": 64, "rtx4090": 128, "rtx5090": 192, "rtx6000-ada": 256, "rtx-a6000": 256, "l4": 128, "a10": 128,
+         "l40s": 512, "a100-40gb": 512, "h200": 1536, "b200": 2048}
 NVME_GB = 2000
 BATCH, SEQ = 4, 2048
 

@@ -44,7 +44,8 @@ def profile_for(backend: str) -> HardwareProfile:
 # Substrings of torch.cuda.get_device_name(), most specific first.
 _DEVICE_NAMES = (("gh200", "gh200"), ("h200", "h200"), ("h100", "h100"), ("b200", "b200"), ("a100", "a100"),
                  ("rtx 6000 ada", "rtx6000-ada"), ("l40s", "l40s"), ("rtx 5090", "rtx5090"),
-                 ("rtx 4090", "rtx4090"), ("rtx 3090", "rtx3090"))
+                 ("rtx 4090", "rtx4090"), ("rtx 3090", "rtx3090"), ("rtx a6000", "rtx-a6000"), ("a10", "a10"),
+                 ("l4", "l4"))
 
 
 def profile_name(device_name: str) -> str:

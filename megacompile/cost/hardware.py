@@ -127,6 +127,19 @@ PROFILES.update({
     "a100-40gb": HardwareProfile("a100 (40 GB, PCIe Gen4 host link)", 40 * 10**9, 1555 * GB, 312 * TFLOPS,
                                  19.5 * TFLOPS, PCIE_GEN4, PCIE_GEN4, op_overhead_s=5e-6,
                                  **host_fields(HOSTS["server-ddr4"])),
+    # NVIDIA RTX A6000 datasheet: 48 GB GDDR6 ECC, 768 GB/s; FP32 38.7 TFLOPS; tensor 309.7 TFLOPS
+    # is BF16 with sparsity, so 154.8 dense (FP32 accumulate at full rate on the professional card);
+    # PCIe Gen4 x16.
+    "rtx-a6000": HardwareProfile("rtx-a6000 (48 GB, PCIe Gen4 host link)", 48 * 10**9, 768 * GB, 154.8 * TFLOPS,
+                                 38.7 * TFLOPS, PCIE_GEN4, PCIE_GEN4, op_overhead_s=5e-6, **_WORKSTATION),
+    # NVIDIA A10 Tensor Core GPU datasheet: 24 GB GDDR6, 600 GB/s; FP32 31.2 TFLOPS; BF16 tensor 125
+    # TFLOPS (250 sparse); PCIe Gen4 x16. AWS's A10G is planned as it: a variant clocked lower.
+    "a10": HardwareProfile("a10 (24 GB, PCIe Gen4 host link)", 24 * 10**9, 600 * GB, 125 * TFLOPS, 31.2 * TFLOPS,
+                           PCIE_GEN4, PCIE_GEN4, op_overhead_s=5e-6, **_SERVER),
+    # NVIDIA L4 Tensor Core GPU datasheet: 24 GB GDDR6, 300 GB/s; FP32 30.3 TFLOPS; BF16 tensor 242
+    # TFLOPS with sparsity, so 121 dense; PCIe Gen4 x16.
+    "l4": HardwareProfile("l4 (24 GB, PCIe Gen4 host link)", 24 * 10**9, 300 * GB, 121 * TFLOPS, 30.3 * TFLOPS,
+                          PCIE_GEN4, PCIE_GEN4, op_overhead_s=5e-6, **_SERVER),
     # NVIDIA HGX B200 datasheet, 8-GPU totals / 8: 1.44 TB HBM3e -> 180 GB, 64 TB/s -> 8 TB/s;
     # FP16/BF16 tensor 36 PFLOPS sparse -> 2.25 PFLOPS dense; FP32 600 TFLOPS -> 75; PCIe Gen5 x16
     # to the host. No attention figure measured yet: attention runs at the matmul rate.
@@ -136,9 +149,9 @@ PROFILES.update({
 
 # The CUDA compute capability each profile's kernels are built for (kernels/gpu_compile.py and
 # megacompile/fusion/gpu_check.py compile every one of them in the tests).
-TARGETS: dict[str, int] = {"a100": 80, "a100-40gb": 80, "rtx3090": 86, "rtx4090": 89, "rtx6000-ada": 89,
-                           "l40s": 89, "h100": 90, "h100-pcie": 90, "h200": 90, "gh200": 90, "b200": 100,
-                           "rtx5090": 120}
+TARGETS: dict[str, int] = {"a100": 80, "a100-40gb": 80, "rtx3090": 86, "rtx-a6000": 86, "a10": 86, "rtx4090": 89,
+                           "rtx6000-ada": 89, "l40s": 89, "l4": 89, "h100": 90, "h100-pcie": 90, "h200": 90,
+                           "gh200": 90, "b200": 100, "rtx5090": 120}
 
 
 __all__ = ["HardwareProfile", "PROFILES", "TARGETS", "replace"]

@@ -23,6 +23,9 @@ DATASHEETS = {
     "a100": (80, 2000, 312, 19.5, 4, "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM (2039 GB/s, taken as 2000)"),
     "h200": (141, 4800, 989, 67, 5, "NVIDIA H200 Tensor Core GPU datasheet, SXM (1979 sparse)"),
     "b200": (180, 8000, 2250, 75, 5, "NVIDIA HGX B200 datasheet, 8-GPU totals / 8 (36 PFLOPS sparse BF16)"),
+    "rtx-a6000": (48, 768, 154.8, 38.7, 4, "NVIDIA RTX A6000 datasheet (309.7 tensor TFLOPS sparse / 2)"),
+    "a10": (24, 600, 125, 31.2, 4, "NVIDIA A10 Tensor Core GPU datasheet (250 sparse)"),
+    "l4": (24, 300, 121, 30.3, 4, "NVIDIA L4 Tensor Core GPU datasheet (242 sparse)"),
 }
 PCIE = {4: 25 * GB, 5: 55 * GB}   # per direction, what pinned copies reach (32 and 64 raw)
 CONSUMER = ("rtx3090", "rtx4090", "rtx5090")
@@ -44,8 +47,9 @@ def test_every_profile_names_a_target_the_kernel_tests_build():
     from megacompile.fusion.gpu_check import ARCHS as GENERATED_ARCHS
     assert set(TARGETS) == set(PROFILES)
     assert set(TARGETS.values()) <= set(ARCHS) == set(GENERATED_ARCHS)
-    assert {name: TARGETS[name] for name in ("rtx3090", "rtx4090", "l40s", "b200", "rtx5090")} == {
-        "rtx3090": 86, "rtx4090": 89, "l40s": 89, "b200": 100, "rtx5090": 120}
+    assert {name: TARGETS[name] for name in ("rtx3090", "rtx4090", "l40s", "b200", "rtx5090", "rtx-a6000", "a10",
+                                             "l4")} == {
+        "rtx3090": 86, "rtx4090": 89, "l40s": 89, "b200": 100, "rtx5090": 120, "rtx-a6000": 86, "a10": 86, "l4": 89}
 
 
 def test_consumer_cards_sit_in_a_desktop_and_the_server_profiles_keep_their_host():
@@ -55,8 +59,9 @@ def test_consumer_cards_sit_in_a_desktop_and_the_server_profiles_keep_their_host
     for name in CONSUMER:
         assert (PROFILES[name].host_bw, PROFILES[name].host_adam_params_per_s) == (
             desktop.host_bw, desktop.host_adam_params_per_s)
-    assert PROFILES["rtx6000-ada"].host_bw == HOSTS["workstation"].host_bw == 4 * 8 * 5200e6
-    for name in ("h100", "h100-pcie", "h200", "l40s", "b200"):
+    assert PROFILES["rtx6000-ada"].host_bw == PROFILES["rtx-a6000"].host_bw == HOSTS["workstation"].host_bw == \
+        4 * 8 * 5200e6
+    for name in ("h100", "h100-pcie", "h200", "l40s", "b200", "a10", "l4"):
         assert PROFILES[name].host_bw == HOSTS["server"].host_bw == 300 * GB
         assert PROFILES[name].host_adam_params_per_s == HOSTS["server"].host_adam_params_per_s
     assert PROFILES["a100"].host_adam_params_per_s == HOSTS["server-ddr4"].host_adam_params_per_s
@@ -76,6 +81,7 @@ def test_the_existing_profiles_figures_are_unchanged():
     ("NVIDIA GeForce RTX 5090", "rtx5090"), ("NVIDIA RTX 6000 Ada Generation", "rtx6000-ada"),
     ("NVIDIA L40S", "l40s"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100"),
     ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
-    ("NVIDIA GH200 480GB", "gh200"), ("NVIDIA B200", "b200")])
+    ("NVIDIA GH200 480GB", "gh200"), ("NVIDIA B200", "b200"), ("NVIDIA RTX A6000", "rtx-a6000"),
+    ("NVIDIA A10", "a10"), ("NVIDIA A10G", "a10"), ("NVIDIA L4", "l4")])
 def test_a_device_name_finds_its_profile(device, name):
     assert profile_name(device) == name
