@@ -113,7 +113,8 @@ def check_data(saved: Saved, fingerprint: str, same_rows=None) -> None:
                             "the same data, tokenizer and settings, or start a new run_dir")
     raise ArgumentError(f"{saved.path} was saved by a run on other tokens (token file {saved.extra.get('data')}, "
                         f"now {fingerprint}: the data, the tokenizer, its chat_template or train_on_prompt changed, or "
-                        "the checkpoint predates supervised records kept whole in a row); resume it with the same "
+                        "the checkpoint predates supervised records kept whole in a row, or chats that their template "
+                        "closed with the EOS taking no other); resume it with the same "
                         "data, or start a new run_dir")
 
 
