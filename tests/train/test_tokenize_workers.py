@@ -69,3 +69,20 @@ def test_the_records_are_tokenised_in_the_workers_not_in_the_run(tmp_path, monke
     tokens.token_file(str(tmp_path / "tokens"), "train", items, files.tokenizer(), None, False, workers=2)
     pids = set(seen.read_text().split())
     assert len(seen.read_text().split()) == 24 and pids and str(os.getpid()) not in pids
+
+
+def test_a_worker_that_dies_is_named_and_the_others_are_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(workers, "CHUNK", 3)
+    made = workers.made
+
+    def dies(where, record, work):          # the fork carries this stand-in into the workers
+        if where.endswith(":7"):
+            os._exit(3)
+        return made(where, record, work)
+    monkeypatch.setattr(workers, "made", dies)
+    items = entries.check("data", [data.jsonl(tmp_path / "notes.jsonl", data.texts(24))], False, False)
+    with pytest.raises(RuntimeError, match=r"a tokenize worker \(pid \d+\) ended without its result \(exit code 3\); "
+                                           "run again with tokenize_workers: 1"):
+        tokens.token_file(str(tmp_path / "tokens"), "train", items, files.tokenizer(), None, False, workers=2)
+    import multiprocessing
+    assert not [p for p in multiprocessing.active_children() if p.name == "megacompile-tokenise"]

@@ -5,9 +5,14 @@ byte for byte, and a bad record is met where a single process would meet it (the
 order, named by its line).
 
 The workers are forked from the run when a token file is made, as `datasets`' `map(num_proc=)`
-forks them, and inherit the tokenizer rather than receive it; at most a few chunks per worker are
-in flight, so memory holds a window of the data, not the data. Records with images or videos are
-tokenised in the run's own process (their processor reads and writes image files as it goes).
+forks them, and inherit the tokenizer rather than receive it; one chunk per worker is in flight,
+so memory holds a window of the data, not the data. Records with images or videos are tokenised
+in the run's own process (their processor reads and writes image files as it goes).
+
+Each worker has a pipe of its own and the run hands worker w its next chunk only once it has read
+w's last result, so neither side ever waits on a full pipe the other is not reading. No helper
+thread is involved: multiprocessing.Pool's teardown joins threads of its own, and a join that
+was never woken has been seen to hold a run (and its test) for minutes.
 """
 from __future__ import annotations
 
@@ -23,7 +28,6 @@ from . import sharegpt
 from .encoding import document
 
 CHUNK = 64          # records a task carries: large enough that a task's pickling costs little
-IN_FLIGHT = 3       # tasks per worker queued at once
 
 
 @dataclass
@@ -64,29 +68,71 @@ def documents(records: Iterable[tuple[str, dict]], work: Work, workers: int) -> 
         for where, record in records:
             yield made(where, record, work)
         return
-    global _WORK
-    _WORK = work
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")    # the tokenizer's own threads, not across forks
-    pool = multiprocessing.get_context("fork").Pool(workers)
+    context = multiprocessing.get_context("fork")
+    links, processes, finished = [], [], False
     try:
-        pending: deque = deque()
-        for chunk in _chunks(records):
-            pending.append(pool.apply_async(_tokenise, (chunk,)))
-            if len(pending) >= IN_FLIGHT * workers:
-                yield from pending.popleft().get()
-        while pending:
-            yield from pending.popleft().get()
+        for _ in range(workers):
+            here, there = context.Pipe()
+            process = context.Process(target=_serve, args=(there, work), daemon=True, name="megacompile-tokenise")
+            process.start()
+            there.close()
+            links.append(here)
+            processes.append(process)
+        chunks = _chunks(records)
+        turns: deque = deque()      # the worker of each chunk in flight, in the records' order
+        for w in range(workers):
+            chunk = next(chunks, None)
+            if chunk is None:
+                break
+            links[w].send(chunk)
+            turns.append(w)
+        while turns:
+            w = turns.popleft()
+            done = _result(links[w], processes[w])
+            chunk = next(chunks, None)
+            if chunk is not None:       # w waits for it: it sent its result
+                links[w].send(chunk)
+                turns.append(w)
+            yield from done
+        for link in links:
+            link.send(None)
+        finished = True
     finally:
-        pool.terminate()
-        pool.join()
-        _WORK = None
+        for link in links:
+            link.close()
+        for process in processes:
+            if finished:
+                process.join(timeout=10)
+            if process.exitcode is None:        # the run stopped early (an error, or closed): not waited for
+                process.kill()
+                process.join()
 
 
-_WORK: Work | None = None       # set in the run's process before the fork: the workers' copy
+def _serve(link, work: Work) -> None:
+    """A worker: chunks in, their Made out (or the first record's error, raised by the run)."""
+    while (chunk := link.recv()) is not None:
+        try:
+            out = ("made", [made(where, record, work) for where, record in chunk])
+        except Exception as e:  # noqa: BLE001 - the record's error travels to the run, which raises it
+            out = ("error", e)
+        try:
+            link.send(out)
+        except Exception as e:  # noqa: BLE001 - an error that does not pickle goes as its text
+            link.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
 
 
-def _tokenise(chunk: list[tuple[str, dict]]) -> list[Made]:
-    return [made(where, record, _WORK) for where, record in chunk]
+def _result(link, process) -> list[Made]:
+    try:
+        kind, value = link.recv()
+    except EOFError:
+        process.join(timeout=5)     # its exit code, once it is reaped
+        raise RuntimeError(f"a tokenize worker (pid {process.pid}) ended without its result (exit code "
+                           f"{process.exitcode}); run again with tokenize_workers: 1 to tokenise in the run's "
+                           "own process") from None
+    if kind == "error":
+        raise value
+    return value
 
 
 def _chunks(records: Iterable[tuple[str, dict]]) -> Iterator[list]:
