@@ -35,10 +35,10 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
              cutoff: int | None = None, mask_history: bool = False) -> Document:
     """One record's tokens and targets, with the tokenizer's EOS closing the document (unless a
     chat template closed it with the EOS, _closed()); a supervised record longer than `cutoff`
-    tokens truncated as LlamaFactory truncates it (cutoff.py). `media` (images.Media, a vision-language model's processor): its image paths
-    resolved and checked, the document written as the processor writes it (images.py; such a
-    record is never truncated: a row too short for it is refused); without it a record with
-    images is refused. `mask_history` (LlamaFactory's): a conversation's last answer alone is
+    tokens truncated as LlamaFactory truncates it (cutoff.py). `media` (images.Media, a
+    vision-language model's processor): its image paths resolved and checked, the document written
+    as the processor writes it (images.py; such a record is never truncated: a row too short for it
+    is refused); without it a record with images is refused. `mask_history` (LlamaFactory's): a conversation's last answer alone is
     trained, and its truncation keeps the last turns."""
     paths = media.paths(record, where) if media is not None else []
     if media is None and images.held(record):
