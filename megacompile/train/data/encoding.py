@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import ArgumentError
-from . import alpaca, images, masking, parts, sharegpt, tools
+from . import alpaca, images, masking, parts, sharegpt, tools, turn_ends
 from . import cutoff as cutoff_len
 
 
@@ -34,7 +34,7 @@ def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=Non
 def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None,
              cutoff: int | None = None, mask_history: bool = False) -> Document:
     """One record's tokens and targets, with the tokenizer's EOS closing the document (unless a
-    chat template closed it with the EOS, _closed()); a supervised record longer than `cutoff`
+    chat template closed it with a token that ends a turn, _closed()); a supervised record longer than `cutoff`
     tokens truncated as LlamaFactory truncates it (cutoff.py). `media` (images.Media, a
     vision-language model's processor): its image paths resolved and checked, the document written
     as the processor writes it (images.py; such a record is never truncated: a row too short for it
@@ -85,7 +85,7 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
                             "conversations (from/value); prompt and completion; Alpaca's instruction, input, output "
                             f"(history, system); this one has {', '.join(sorted(record)) or 'no keys'}")
     eos = tokenizer.eos_token_id
-    if eos is not None and (not ids or ids[-1] != eos) and not _closed(tokenizer, ids, answers, eos):
+    if eos is not None and (not ids or ids[-1] != eos) and not _closed(tokenizer, ids, answers):
         if answers and answers[-1][1] == len(ids):      # the EOS closes the last answer
             answers[-1] = (answers[-1][0], len(ids) + 1)
         ids, targets = ids + [eos], targets + [targets[-1] if targets else True]
@@ -95,14 +95,18 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
     return Document(ids, targets, answers is not None, whole - len(ids))
 
 
-def _closed(tokenizer, ids: list[int], answers: list | None, eos: int) -> bool:
-    """Whether the chat template closed the last answer with the EOS, only whitespace after it
-    (ChatML's <|im_end|> and a newline, where <|im_end|> is the EOS, as in Qwen's tokenizers):
-    TRL and LlamaFactory add nothing after such a conversation, and neither does megacompile."""
+def _closed(tokenizer, ids: list[int], answers: list | None) -> bool:
+    """Whether the chat template closed the last answer with a token that ends a turn, only
+    whitespace after it: the EOS, or a token the model folder's generation config stops at
+    (turn_ends.py). ChatML's <|im_end|> and a newline, where <|im_end|> is the EOS (Qwen's
+    tokenizers); Gemma's <end_of_turn> and a newline. TRL and LlamaFactory add nothing after such
+    a conversation, and neither does megacompile."""
     if not answers:
         return False
+    ends = turn_ends.of(tokenizer)
     tail = ids[answers[-1][0]:]
-    if eos not in tail:
+    last = max((i for i, t in enumerate(tail) if t in ends), default=None)
+    if last is None:
         return False
-    after = tail[len(tail) - tail[::-1].index(eos):]
+    after = tail[last + 1:]
     return not after or not tokenizer.decode(after).strip()

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import ArgumentError
-from . import images, named_template, template_file
+from . import images, named_template, template_file, turn_ends
 from . import workers as workers_of
 from . import entries
 from .encoding import Document, document, encode  # noqa: F401 - tokens.encode: one record's tokens
 from .reading import records
 
-CACHE_FORMAT = "megacompile-tokens/4"     # 2: where each data entry's tokens start; 3: tool calls (tools.py);
-                                          # 4: a chat closed by its template's EOS takes no other (encoding.py)
+CACHE_FORMAT = "megacompile-tokens/5"     # 2: where each data entry's tokens start; 3: tool calls (tools.py);
+                                          # 4: a chat closed by its template's EOS takes no other (encoding.py);
+                                          # 5: nor one closed by a token generation stops at (turn_ends.py)
 
 
 class ByteTokenizer:
@@ -56,6 +57,8 @@ def load_tokenizer(path: str | None, chat_template: str | None = None, template:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
         raise ArgumentError(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0][:300]}") from e
+    if os.path.isdir(path):
+        turn_ends.attach(tokenizer, path)
     if template is not None:
         named_template.apply(tokenizer, template)
     if chat_template is not None:
@@ -106,7 +109,7 @@ def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool
     tokenizer = {}
     if tokenizer_dir is not None:
         for name in sorted(os.listdir(tokenizer_dir)):
-            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template",
+            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template", turn_ends.FILE,
                                     *images.PROCESSOR_FILES)):
                 with open(os.path.join(tokenizer_dir, name), "rb") as f:
                     tokenizer[name] = hashlib.sha256(f.read()).hexdigest()
