@@ -235,3 +235,15 @@ def test_a_vision_language_model_is_refused_before_anything_is_read(tmp_path):
     with pytest.raises(ArgumentError, match="template 'qwen3' writes text chats, and .*vlm is a vision-language model"):
         run(c)
     assert not os.path.exists(tmp_path / "run" / "tokens")
+
+
+@pytest.mark.parametrize("name", sorted(named_template.NAMES))
+def test_a_system_message_after_the_first_turn_is_refused_by_every_layout(name):
+    """LlamaFactory writes the system message first and nowhere else (its converters refuse a
+    system turn later on); a layout of ours writing one mid-conversation would train a layout
+    LlamaFactory never makes (deepseekr1 has no system slot but the first: a second user turn)."""
+    tok = named_template.apply(_tokenizer(special=LAYOUT_TOKENS.get(name, SPECIAL)), name)
+    chat = [{"role": "system", "content": "be brief"}] + CHAT[1:3]
+    tokens.encode(tok, {"messages": chat}, False, "x:1")             # first: the system message's place
+    with pytest.raises(ArgumentError, match="x:2: .*a system message after the conversation's first turn"):
+        tokens.encode(tok, {"messages": chat + [{"role": "system", "content": "be brief"}] + CHAT[3:5]}, False, "x:2")
