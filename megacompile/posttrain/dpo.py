@@ -41,13 +41,18 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 class DPOLoss:
     """The DPO objective of a packed batch: (2B, T, V) logits, (2B, T) labels (chosen rows first,
     IGNORE on the prompt and padding), (2B,) reference log-probabilities of the same rows -> the
-    mean loss over the B pairs (a weighted sum of means for several loss types)."""
+    mean loss over the B pairs (a weighted sum of means for several loss types). `ftx`
+    (LlamaFactory's pref_ftx) adds ftx x each pair's chosen NLL averaged over its own tokens,
+    -log pi(y+) / n+, as LlamaFactory's DPO trainer adds it: unlike the `sft` loss type (TRL's
+    rpo_alpha), which averages over all the batch's chosen tokens, a short answer weighs as much
+    as a long one."""
     beta: float = 0.1
     label_smoothing: float = 0.0
     loss_type: str | tuple = "sigmoid"
     loss_weights: tuple | None = None
     discopop_tau: float = 0.05
     simpo_gamma: float = 0.5
+    ftx: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and self.beta > 0):
@@ -68,6 +73,9 @@ class DPOLoss:
             object.__setattr__(self, "loss_weights", weights)
         if not self.discopop_tau > 0:
             raise ArgumentError(f"DPO discopop_tau must be positive (DiscoPOP uses 0.05); got {self.discopop_tau!r}")
+        if isinstance(self.ftx, bool) or not (isinstance(self.ftx, (int, float)) and self.ftx >= 0):
+            raise ArgumentError(f"DPO pref_ftx (the weight of each pair's chosen NLL) must be a number >= 0; "
+                                f"got {self.ftx!r}")
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -93,6 +101,8 @@ class DPOLoss:
                                 self.label_smoothing, self.kinds, loss_weights=self.loss_weights,
                                 chosen_tokens=tokens[:half], rejected_tokens=tokens[half:],
                                 discopop_tau=self.discopop_tau, simpo_gamma=self.simpo_gamma)
+        if self.ftx:
+            losses = losses - self.ftx * policy[:half] / tokens[:half].clamp(min=1)
         return losses
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

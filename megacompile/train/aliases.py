@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..errors import ArgumentError
 from . import intervals
 from .data.named_template import NAMES as LAYOUTS
-from .their_keys import NOT_TAKEN, off
+from .their_keys import NOT_TAKEN, ZERO_IS_OFF, off
 
 _DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "use the epochs")
 
@@ -228,7 +228,7 @@ def translate(raw: dict, default_lr: float) -> Translated:
             converted = convert(value)
             if converted is not _DROP:
                 out.set(own, converted, key, value)
-        elif key in NOT_TAKEN and off(value, key):
+        elif (key in NOT_TAKEN or key in ZERO_IS_OFF) and off(value, key):
             continue        # neat_packing: false, push_to_hub: false, quantization_bit: null ask for nothing
         elif key not in SPECIAL and key not in IGNORED:
             out.set(key, value, key, value)

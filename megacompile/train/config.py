@@ -130,6 +130,7 @@ class RunConfig:
     loss_weights: Any = None
     precompute_ref_log_probs: bool | None = None
     rpo_alpha: float | None = None
+    pref_ftx: float | None = None
     discopop_tau: float | None = None
     simpo_gamma: float | None = None
     desirable_weight: float | None = None

@@ -69,7 +69,6 @@ NOT_TAKEN = {
     "eval_on_start": "not supported: evaluation runs every eval_every steps and after the last",
     "save_safetensors": "weights are always written as safetensors",
     # DPO (LlamaFactory's names; pref_beta, pref_loss and dpo_label_smoothing are read: aliases.py)
-    "pref_ftx": "rpo_alpha (the DPO loss's term on the chosen tokens' negative log-likelihood)",
     # post-training options megacompile does not have
     "multi_objective_aggregation": "not supported: the weighted rewards are summed, then scaled within their group "
                                    "(scale_rewards), as TRL's default does; leave it out",
@@ -81,7 +80,7 @@ NOT_TAKEN = {
 
 
 # Keys whose 0 asks for nothing: LlamaFactory's defaults, which its web UI writes into every saved
-# run.yaml of the stage (pref_ftx under dpo and kto).
+# run.yaml of the stage (pref_ftx under dpo and kto; stage dpo reads a pref_ftx above 0).
 ZERO_IS_OFF = ("pref_ftx", "neftune_noise_alpha")
 
 

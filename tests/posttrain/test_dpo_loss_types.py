@@ -84,6 +84,11 @@ def _reference(kind, pc, pr, rc, rr, nc, nr, beta=BETA, ls=LS):
     return sum(each) / B
 
 
+def _pair_nll(pc, nc):
+    """LlamaFactory's pref_ftx term: each pair's chosen NLL over its own tokens, then the batch's mean."""
+    return sum(-pc[i] / nc[i] for i in range(B)) / B
+
+
 def _numeric_gradient(kind, values, which, ls=LS):
     """d loss / d (policy chosen or rejected) by central differences on the float64 reference."""
     grads = []
@@ -163,3 +168,28 @@ def test_simpo_and_orpo_read_the_policy_alone(kind):
     assert torch.equal(given, moved)
     assert not DPOLoss(loss_type=kind).needs_reference
     assert DPOLoss(loss_type=[kind, "sigmoid"]).needs_reference
+
+
+def test_pref_ftx_adds_each_pairs_chosen_nll_per_token_as_llamafactory_does():
+    """LlamaFactory's DPO trainer adds pref_ftx x -log pi(y+) / n+ to each pair's loss; TRL's
+    rpo_alpha (the sft type) divides the batch's chosen log-probability by all its chosen tokens.
+    They differ where the chosen answers differ in length, as here, and are the same where not."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 9, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (4, 9), generator=g)
+    labels[:, :3] = IGNORE
+    labels[0, 5:] = IGNORE                                  # chosen 0: 2 tokens, chosen 1: 6
+    ref = torch.randn(4, generator=g, dtype=torch.float64) - 15
+    logps, mask = token_logprobs(logits, labels)
+    seq, n = logps.sum(-1), mask.sum(-1).double()
+    sigmoid = DPOLoss(beta=BETA)(logits, labels, ref)
+    with_ftx = DPOLoss(beta=BETA, ftx=0.5)(logits, labels, ref)
+    want = sigmoid + 0.5 * (-seq[0] / n[0] - seq[1] / n[1]) / 2
+    assert with_ftx.item() == pytest.approx(want.item(), rel=1e-12)
+    grad, = torch.autograd.grad(with_ftx, logits, retain_graph=True)
+    want_grad, = torch.autograd.grad(want, logits)
+    assert torch.allclose(grad, want_grad, rtol=1e-6, atol=1e-7)      # the log-softmax backward: float32
+    rpo = DPOLoss(beta=BETA, loss_type=("sigmoid", "sft"), loss_weights=(1.0, 0.5))(logits, labels, ref)
+    assert abs(rpo.item() - with_ftx.item()) > 1e-3         # TRL's average is another loss
+    with pytest.raises(ArgumentError, match="pref_ftx .* must be a number >= 0"):
+        DPOLoss(ftx=-1.0)

@@ -67,7 +67,7 @@ def test_each_dpo_loss_type_through_the_engine_is_its_formula():
         logps, mask = token_logprobs(policy(ids), labels)
     ref = logps.sum(-1) - torch.linspace(-1.5, 2.0, 2 * PAIRS)    # a reference on both sides of the policy
     losses = [DPOLoss(beta=BETA, label_smoothing=LS if k in SMOOTHED else 0.0, loss_type=k, discopop_tau=TAU)
-              for k in LOSS_TYPES]
+              for k in LOSS_TYPES] + [DPOLoss(beta=BETA, loss_type="sigmoid", ftx=0.7)]     # LlamaFactory's pref_ftx
     got = _through_engine(EachLoss(copy.deepcopy(policy), losses),
                           {"input_ids": ids, "labels": labels, "ref_logps": ref})
     seq, tokens = logps.double().sum(-1), mask.double().sum(-1)
@@ -76,6 +76,9 @@ def test_each_dpo_loss_type_through_the_engine_is_its_formula():
         ls = LS if kind in SMOOTHED else 0.0
         want = float(dpo_formulas._reference(kind, pc, pr, rc, rr, tokens[:PAIRS], tokens[PAIRS:], BETA, ls))
         assert value == pytest.approx(want, rel=1e-6, abs=1e-9), kind
+    want = float(dpo_formulas._reference("sigmoid", pc, pr, rc, rr, tokens[:PAIRS], tokens[PAIRS:], BETA, 0.0)
+                 + 0.7 * dpo_formulas._pair_nll(pc, tokens[:PAIRS]))
+    assert got[-1].item() == pytest.approx(want, rel=1e-6, abs=1e-9)
 
 
 def test_each_grpo_option_through_the_engine_is_its_formula():

@@ -55,7 +55,6 @@ def test_save_strategy_no_is_refused_for_the_bundled_model_whose_checkpoint_is_i
     ("dataset_name", "trl-lib/Capybara", r"dataset_name -> give the data files as data:"),
     ("use_peft", True, r"use_peft -> finetuning_type: lora"),
     ("quantization_bit", 4, r"quantization_bit -> not supported: the weights train in float32 masters"),
-    ("pref_ftx", 1.0, r"pref_ftx -> rpo_alpha"),
 ])
 def test_their_keys_megacompile_does_not_take_name_the_equivalent_or_why(tmp_path, key, value, says):
     with pytest.raises(ArgumentError, match=says) as caught:
@@ -73,9 +72,11 @@ def test_their_keys_asking_for_nothing_are_accepted(tmp_path):
     assert c.packing is None        # not given: records one a row, text packed (as LlamaFactory's sft and pt)
     # LlamaFactory's web UI writes pref_ftx: 0 (its default) into every dpo run.yaml; 0 noise is no noise
     load(_yaml(tmp_path, pref_ftx=0, neftune_noise_alpha=0.0))
-    for asked in ({"pref_ftx": 0.1}, {"neftune_noise_alpha": 5}, {"quantization_bit": 0}):
+    for asked in ({"neftune_noise_alpha": 5}, {"quantization_bit": 0}):
         with pytest.raises(ArgumentError, match=f"{next(iter(asked))} -> "):
             load(_yaml(tmp_path, **asked))
+    with pytest.raises(ArgumentError, match=r"stage sft: pref_ftx \(stage dpo\) belongs to another stage"):
+        load(_yaml(tmp_path, pref_ftx=0.1))
 
 
 def test_no_key_is_both_taken_and_refused():

@@ -44,7 +44,7 @@ class DPOStage(reference.ReferenceStage):
         elif c.eval_fraction:
             self.pairs, self.held = reference.hold_out(self.pairs, c.eval_fraction, c.seed, "pairs")
         kinds, weights = dpo_loss_terms(c)
-        self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau, c.simpo_gamma)
+        self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau, c.simpo_gamma, c.pref_ftx or 0.0)
         self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ())
         self.reference = self.held_reference = None
 
@@ -153,6 +153,6 @@ class DPOStage(reference.ReferenceStage):
 
 
 def _terms(loss: DPOLoss) -> str:
-    if loss.loss_weights is None:
-        return " + ".join(loss.kinds)
-    return " + ".join(f"{w:g} {k}" for k, w in zip(loss.kinds, loss.loss_weights))
+    terms = (" + ".join(loss.kinds) if loss.loss_weights is None
+             else " + ".join(f"{w:g} {k}" for k, w in zip(loss.kinds, loss.loss_weights)))
+    return terms + (f" + {loss.ftx:g} pref_ftx (each pair's chosen NLL per token)" if loss.ftx else "")

@@ -3,6 +3,7 @@ refused under a stage it does not belong to, before anything is read or written.
 
     dpo    beta (0.1), label_smoothing (0), loss_type (sigmoid, or any of posttrain/dpo_losses.py's,
            or a list of them), loss_weights (1 each), rpo_alpha (none: the sft term's weight),
+           pref_ftx (none: LlamaFactory's weight of each pair's chosen NLL, posttrain/dpo.py),
            discopop_tau (0.05), simpo_gamma (0.5), precompute_ref_log_probs (accepted either way:
            the reference's log-probabilities are computed once, before the first step, where a loss
            type reads them)
@@ -29,7 +30,7 @@ from . import rollouts
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
 REFUSED = ("ppo",)
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
-                "discopop_tau", "simpo_gamma"),
+                "discopop_tau", "simpo_gamma", "pref_ftx"),
         "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight"),
         "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
@@ -39,7 +40,8 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         + rollouts.KEYS}
 ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["rm"] + KEYS["grpo"]))
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
-                    "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05, "simpo_gamma": 0.5},
+                    "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05, "simpo_gamma": 0.5,
+                    "pref_ftx": None},
             "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0},
             "rm": {"center_rewards_coefficient": 0.0},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
@@ -50,7 +52,8 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                      "generation_batch_size": None}}
 # What a checkpoint saved before these keys existed trained with (their defaults, then as now).
 IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
-           if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "simpo_gamma", "delta",
+           if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "simpo_gamma", "pref_ftx",
+                    "delta",
                     "scale_rewards",
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
                     "generation_batch_size")} | {"steps_per_generation": 1}
@@ -79,6 +82,10 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         raise ArgumentError(f"stage pt trains the cross-entropy of every token of the text; loss_type "
                             f"{raw['loss_type']!r} is not taken there (stage sft takes nll or dft): leave it out, or "
                             "set stage: sft")
+    if c.stage == "kto" and raw.get("pref_ftx") is not None:
+        raise ArgumentError(f"stage kto: pref_ftx {raw['pref_ftx']!r} is not taken (LlamaFactory's KTO adds its chosen "
+                            "NLL rescaled by the batch's share of desirable records, which megacompile's kto does not "
+                            "have): leave it out or give 0")
     given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")]
     foreign = [k for k in given if k not in KEYS.get(c.stage, ())]
     if foreign:
@@ -186,6 +193,11 @@ def _dpo(c) -> None:
         if "sft" in kinds:
             raise ArgumentError("rpo_alpha adds loss_type sft with that weight, and loss_type already holds sft: "
                                 "give its weight in loss_weights and leave rpo_alpha out")
+    if c.pref_ftx is not None:
+        c.pref_ftx = _number("pref_ftx", c.pref_ftx)
+        if c.pref_ftx < 0:
+            raise ArgumentError(f"pref_ftx must be >= 0 (the weight of each pair's chosen NLL, LlamaFactory's; 0 "
+                                f"leaves it out); got {c.pref_ftx!r}")
     c.discopop_tau = _positive("discopop_tau", c.discopop_tau)
     c.simpo_gamma = _number("simpo_gamma", c.simpo_gamma)
     if c.simpo_gamma < 0:
