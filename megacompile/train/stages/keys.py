@@ -84,7 +84,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
                             "set stage: sft")
     if c.stage == "kto" and raw.get("pref_ftx") is not None:
         raise ArgumentError(f"stage kto: pref_ftx {raw['pref_ftx']!r} is not taken (LlamaFactory's KTO adds its chosen "
-                            "NLL rescaled by the batch's share of desirable records, which megacompile's kto does not "
+                            "NLL mean times the batch over its desirable count, which megacompile's kto does not "
                             "have): leave it out or give 0")
     given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")]
     foreign = [k for k in given if k not in KEYS.get(c.stage, ())]
