@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import ArgumentError
 from .policy_weights import policy_of, policy_weights, tied_names
-from .rollout import Completion, check_request
+from .rollout import Completion, check_request, stop_ids
 
 
 class _Draw:
@@ -40,7 +40,7 @@ class _Draw:
 
 
 class HFGenerator:
-    def __init__(self, engine, eos_id: int | None = None, pad_id: int = 0, seed: int = 0,
+    def __init__(self, engine, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0, seed: int = 0,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None):
         from ..io.hf_load import parameters_on_meta
         from transformers import AutoModelForCausalLM, GenerationConfig
@@ -48,7 +48,7 @@ class HFGenerator:
             raise ArgumentError(f"HFGenerator dtype is a floating torch dtype (torch.bfloat16, torch.float32); "
                                 f"got {dtype!r}")
         policy, self.prefix = policy_of(engine)
-        self.engine, self.eos_id, self.pad_id, self.dtype = engine, eos_id, pad_id, dtype
+        self.engine, self.stops, self.pad_id, self.dtype = engine, stop_ids(eos_id), pad_id, dtype
         self.device = torch.device(device if device is not None else
                                    "cuda" if getattr(engine.backend, "name", "cpu") == "cuda" else "cpu")
         self.rng = torch.Generator(self.device).manual_seed(seed)
@@ -57,7 +57,7 @@ class HFGenerator:
         with parameters_on_meta():
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         # generate's settings are these alone: no eos, temperature or top-k from the model's own files
-        self.model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+        self.model.generation_config = GenerationConfig(eos_token_id=list(self.stops) or None, pad_token_id=pad_id)
         self._fill()
         self._place()
 
@@ -124,8 +124,9 @@ class HFGenerator:
                                   logits_processor=processors, use_cache=True)
         completions = []
         for i, tokens in enumerate(out[:, width:].tolist()):
-            if self.eos_id is not None and self.eos_id in tokens:
-                tokens = tokens[:tokens.index(self.eos_id) + 1]     # what follows is generate's padding
+            stopped = next((k for k, t in enumerate(tokens) if t in self.stops), None)
+            if stopped is not None:
+                tokens = tokens[:stopped + 1]       # what follows is generate's padding
             completions.append(Completion(i // n, tuple(prompts[i // n]), tuple(tokens)))
         return completions
 

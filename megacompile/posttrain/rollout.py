@@ -18,7 +18,7 @@ from ..errors import ArgumentError
 class Completion:
     prompt_index: int
     prompt: tuple[int, ...]
-    tokens: tuple[int, ...]        # the completion, up to and including an eos
+    tokens: tuple[int, ...]        # the completion, up to and including a stop token (stop_ids)
     # the sampler's log-probability of each token, where it reports them (vLLM); None for a token
     # it did not score (a stop token it left out of its reply)
     logprobs: tuple[float | None, ...] | None = None
@@ -27,6 +27,14 @@ class Completion:
 class Generator(Protocol):
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float) -> list[Completion]:
         """n completions of each prompt, consecutive (prompt 0's n first)."""
+
+
+def stop_ids(eos_id) -> tuple[int, ...]:
+    """The ids a completion ends at: `eos_id` one id, several (as a generation config's
+    eos_token_id: Gemma's <eos> and <end_of_turn>), or None (none: max_new_tokens ends it)."""
+    if eos_id is None:
+        return ()
+    return (eos_id,) if isinstance(eos_id, int) else tuple(sorted(set(eos_id)))
 
 
 def check_request(prompts, n, max_new_tokens, temperature) -> None:
@@ -38,8 +46,8 @@ def check_request(prompts, n, max_new_tokens, temperature) -> None:
 
 
 class EngineGenerator:
-    def __init__(self, engine, eos_id: int | None = None, pad_id: int = 0, seed: int = 0):
-        self.engine, self.eos_id, self.pad_id = engine, eos_id, pad_id
+    def __init__(self, engine, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0, seed: int = 0):
+        self.engine, self.stops, self.pad_id = engine, stop_ids(eos_id), pad_id
         self.rng = torch.Generator().manual_seed(seed)
 
     def state(self) -> torch.Tensor:
@@ -89,7 +97,7 @@ class EngineGenerator:
                 out[r].append(t)
                 ids[r, length[r]] = t
                 length[r] += 1
-                done[r] = self.eos_id is not None and t == self.eos_id
+                done[r] = t in self.stops
             if bool(done.all()):
                 break
         return out

@@ -6,13 +6,13 @@ import torch
 
 from .advantages import group_advantages
 from .logprobs import IGNORE
-from .rollout import Completion
+from .rollout import Completion, stop_ids
 
 
-def truncated(completions: list[Completion], eos_id: int | None, pad_id: int | None) -> list[bool]:
-    """TRL's test of a truncated completion: its last token is neither the eos nor the pad token
-    (it stopped at max_completion_length)."""
-    ends = {t for t in (eos_id, pad_id) if t is not None}
+def truncated(completions: list[Completion], eos_id, pad_id: int | None) -> list[bool]:
+    """TRL's test of a truncated completion: its last token is neither a stop token (`eos_id`, as
+    rollout.stop_ids takes it) nor the pad token (it stopped at max_completion_length)."""
+    ends = set(stop_ids(eos_id)) | ({pad_id} if pad_id is not None else set())
     return [not c.tokens or c.tokens[-1] not in ends for c in completions]
 
 

@@ -15,7 +15,7 @@ its keys and values were computed with the old weights.
 
 Sampling: vLLM's, seeded per call (`SamplingParams(seed=...)`) from the generator's seed and a count
 of sampled calls (greedy ones draw nothing and are not counted), which is the state `state()` / `set_state()` save and restore. The tokenizer's eos is
-ignored; `eos_id` is the stop token, as for the other generators.
+ignored; `eos_id` holds the stop tokens (rollout.stop_ids), as for the other generators.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ArgumentError, MegacompileError
 from .policy_weights import policy_of, policy_weights
-from .rollout import Completion, check_request
+from .rollout import Completion, check_request, stop_ids
 
 MISSING = ("VLLMGenerator needs vLLM, which is not installed: pip install vllm (on the GPU machine that trains; "
            "the V1 engine in this process: vLLM >= 0.8 with VLLM_ENABLE_V1_MULTIPROCESSING=0), or sample with "
@@ -73,7 +73,7 @@ class SeededCalls:
 
 
 class VLLMGenerator(SeededCalls):
-    def __init__(self, engine, llm=None, *, model: str | None = None, eos_id: int | None = None, seed: int = 0,
+    def __init__(self, engine, llm=None, *, model: str | None = None, eos_id: int | tuple[int, ...] | None = None, seed: int = 0,
                  **llm_args):
         """`llm`: a colocated vllm.LLM already made; else one is made from `model` (a Hugging Face
         folder of the policy's architecture, by default the one the engine was loaded from) in bf16,
@@ -121,12 +121,12 @@ class VLLMGenerator(SeededCalls):
         return completions
 
 
-def completion_tokens(token_ids, stop_reason, eos_id: int | None) -> tuple[int, ...]:
-    """A vLLM completion's tokens, ending with the stop token where it stopped on it (vLLM may leave
-    a stop token out of token_ids)."""
+def completion_tokens(token_ids, stop_reason, eos_id) -> tuple[int, ...]:
+    """A vLLM completion's tokens, ending with the stop token where it stopped on one (vLLM may
+    leave a stop token out of token_ids); `eos_id` as rollout.stop_ids takes it."""
     tokens = tuple(token_ids)
-    if eos_id is not None and stop_reason == eos_id and (not tokens or tokens[-1] != eos_id):
-        tokens += (eos_id,)
+    if stop_reason in stop_ids(eos_id) and (not tokens or tokens[-1] != stop_reason):
+        tokens += (stop_reason,)
     return tokens
 
 
@@ -140,8 +140,8 @@ def sampled_logprobs(token_ids, logprobs, count: int) -> tuple[float | None, ...
     return (values + (None,) * count)[:count]
 
 
-def sampling(n: int, max_new_tokens: int, temperature: float, seed: int, eos_id: int | None) -> dict:
-    """vLLM's sampling settings of one call: the tokenizer's eos ignored, `eos_id` the stop token,
+def sampling(n: int, max_new_tokens: int, temperature: float, seed: int, eos_id) -> dict:
+    """vLLM's sampling settings of one call: the tokenizer's eos ignored, `eos_id` the stop tokens,
     and the sampled token's log-probability returned (the sampler's correction reads it)."""
     return dict(n=n, temperature=float(temperature), max_tokens=max_new_tokens, seed=seed, ignore_eos=True,
-                stop_token_ids=[eos_id] if eos_id is not None else None, logprobs=0)
+                stop_token_ids=list(stop_ids(eos_id)) or None, logprobs=0)

@@ -33,7 +33,7 @@ MARK = ".megacompile-rollout-weights"     # the folder is ours to overwrite: mad
 
 
 class VLLMServerGenerator(SeededCalls):
-    def __init__(self, engine, url: str, weights_dir: str, *, model: str | None = None, eos_id: int | None = None,
+    def __init__(self, engine, url: str, weights_dir: str, *, model: str | None = None, eos_id: int | tuple[int, ...] | None = None,
                  seed: int = 0, timeout: float = 600.0):
         """`url`: the server (http://host:port); `weights_dir`: an absolute folder the server reads
         at the same path; `model`: the served model's name (by default the first /v1/models lists)."""

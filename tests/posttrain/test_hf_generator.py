@@ -99,3 +99,24 @@ def test_a_policy_with_lora_adapters_is_refused():
     with pytest.raises(ArgumentError, match="LoRA"):
         HFGenerator(engine)
     engine.close()
+
+
+def test_a_completion_stops_at_any_of_several_stop_ids_in_both_generators():
+    """eos_id as a generation config's eos_token_id, a list (Gemma's <eos> and <end_of_turn>): each
+    completion ends at the first of them it samples, the same in the engine and the copy."""
+    from megacompile.posttrain.rollout_batch import truncated
+    from megacompile.posttrain.vllm_generator import completion_tokens, sampling
+    engine = _engine()
+    free = EngineGenerator(engine, eos_id=None, seed=1).generate(PROMPTS, 1, 8, temperature=0)
+    stop = free[0].tokens[2]                    # the third token of the first prompt's completion
+    never = next(t for t in range(V) if all(t not in c.tokens for c in free))
+    stops = (never, stop)
+    want = [c.tokens[:c.tokens.index(stop) + 1] if stop in c.tokens else c.tokens for c in free]
+    ours = EngineGenerator(engine, eos_id=stops, seed=1).generate(PROMPTS, 1, 8, temperature=0)
+    assert [c.tokens for c in ours] == want and len(want[0]) == 3
+    assert [c.tokens for c in HFGenerator(engine, eos_id=stops, dtype=torch.float32).generate(
+        PROMPTS, 1, 8, temperature=0)] == want
+    assert truncated(ours, stops, None) == [stop not in c for c in want]
+    assert completion_tokens([4, 5], stop, stops) == (4, 5, stop) and completion_tokens([4, 5], 9, stops) == (4, 5)
+    assert sampling(1, 8, 1.0, 0, stops)["stop_token_ids"] == sorted(stops)
+    engine.close()

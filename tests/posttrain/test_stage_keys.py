@@ -150,3 +150,19 @@ def test_pref_ftx_is_read_under_dpo_and_its_zero_asks_for_nothing_under_kto(tmp_
     assert "sigmoid + 0.25 pref_ftx (each pair's chosen NLL per token) loss" in stage.describe(None)[0]
     c = load(files.run_yaml(str(tmp_path / "run.yaml"), **{**settings, "pref_ftx": 0, "stage": "kto"}), [])
     assert c.pref_ftx is None       # LlamaFactory's web UI writes its default, 0, under kto too
+
+
+def test_grpo_completions_stop_where_the_models_generation_config_stops(tmp_path, work):
+    """A completion ends at the EOS or at an id the model folder's generation_config.json stops at
+    (Gemma's <end_of_turn>), as vLLM stops by that config: the generator stops there and a
+    completion ending there is not truncated."""
+    import json
+    from megacompile.train.data import turn_ends
+    from megacompile.train.data.tokens import load_tokenizer
+    from megacompile.train.stages import kind
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(work, str(tmp_path / "run"))), [])
+    tokenizer = load_tokenizer(work["model"], None)
+    (tmp_path / turn_ends.FILE).write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, 7]}))
+    turn_ends.attach(tokenizer, str(tmp_path))
+    stage = kind(c)(c, tokenizer)
+    assert stage.stops == tuple(sorted({tokenizer.eos_token_id, 7}))

@@ -41,7 +41,7 @@ from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, Trai
                           rollout_batch, sampled_logps, sampling_correction, sampling_ratio, truncated)
 from . import rollouts
 from .. import intervals
-from ..data import images, tools
+from ..data import images, tools, turn_ends
 from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
@@ -59,6 +59,9 @@ class GRPOStage(Stage):
         self.c, self.tokenizer = c, tokenizer
         self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        # a completion ends at the EOS or at a token the model's generation config stops at (Gemma's
+        # <end_of_turn>), as vLLM stops by that config
+        self.stops = tuple(sorted(turn_ends.of(tokenizer)))
         self.funcs = [rewards.load(name) for name in c.reward_funcs]
         self.names = [getattr(f, "__name__", name) for f, name in zip(self.funcs, c.reward_funcs)]
         if len(set(self.names)) != len(self.names):
@@ -154,7 +157,7 @@ class GRPOStage(Stage):
         return inputs
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
-        self.generator = rollouts.make(self.c, engine, self.tokenizer.eos_token_id, self.pad, run_dir)
+        self.generator = rollouts.make(self.c, engine, self.stops, self.pad, run_dir)
         self.synced = engine.steps_done         # a copy is made from the masters as they are now
         if saved is not None:
             state = base64.b64decode(saved["sampler"])      # bytes of a tensor of the dtype state() gives
@@ -167,7 +170,7 @@ class GRPOStage(Stage):
         completions = self._generate(engine, [self.prompts[i] for i in chosen], n, c.temperature)
         state = TrainerState(engine.steps_done, position / len(self.prompts), c.steps)
         rewards, each = self._score([self.records[i] for i in chosen for _ in range(n)], completions, state)
-        masked = truncated(completions, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        masked = truncated(completions, self.stops, self.tokenizer.pad_token_id)
         batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad, scale=c.scale_rewards,
                               masked=masked if c.mask_truncated_completions else None)
         rows = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": self._logps(engine, batch),

@@ -135,8 +135,9 @@ def _vllm(c, given: list[str]) -> None:
         raise MegacompileError(MISSING) from e
 
 
-def make(c, engine, eos_id: int | None, pad_id: int, run_dir: str):
-    """The run's generator over `engine`, whose masters it samples from (or copies)."""
+def make(c, engine, eos_id: int | tuple[int, ...] | None, pad_id: int, run_dir: str):
+    """The run's generator over `engine`, whose masters it samples from (or copies); `eos_id`: the
+    ids a completion stops at."""
     if c.generator == "engine":
         from ...posttrain import EngineGenerator
         return EngineGenerator(engine, eos_id=eos_id, pad_id=pad_id, seed=c.seed)
