@@ -89,12 +89,8 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
                             f"got {overwrite!r}")
     unbuilt.refuse_missing_weights(state)
     host = state.host       # None before the first step: the tensors come from where they wait
-    parent = durable.prepare_parent(path, "model folder")
     path = os.fspath(path)
-    durable.clean_leftovers(parent)
-    exists = os.path.isdir(path)
-    if exists:
-        durable.recover_files(path)     # an export into it killed mid-swap: finished first
+    durable.prepare_parent(path, "model folder")       # refused before the weights are gathered
     model_params.synchronize(state)
     tensors = []   # (name on disk, host tensor or unbuilt.Lazy)
     layout = DiskLayout(state.model)
@@ -115,7 +111,6 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
     copied = [f for f in COPIED if state.source_dir and os.path.isfile(os.path.join(state.source_dir, f))]
     new = set(names + copied + ["config.json"] + [INDEX] * (len(shards) > 1)
               + ["generation_config.json"] * (getattr(state.model, "generation_config", None) is not None))
-    replaced = refuse_replacing(path, new, overwrite)
 
     def write(folder: str) -> None:
         weight_map = {}
@@ -133,7 +128,29 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
                 durable.fsync_file(os.path.join(folder, extra))
         durable.fsync_dir(folder)
 
-    write_files(path, parent, exists, write, replaced)
+    write_export(path, new, overwrite, write)
+
+
+def write_export(path: str, new: set[str], overwrite: bool, write) -> None:
+    """The one writer of a model folder: `write(folder)` makes the export's files, `new` their
+    names, which replace a previous export's (refused unless `overwrite`, refuse_replacing). A new
+    folder is written beside `path` and renamed into place; into one that exists (an export into
+    it killed mid-swap finished first) they are staged and swapped in, nothing else of it touched."""
+    parent = durable.prepare_parent(path, "model folder")
+    durable.clean_leftovers(parent)
+    exists = os.path.isdir(path)
+    if exists:
+        durable.recover_files(path)
+    write_files(path, parent, exists, write, refuse_replacing(path, new, overwrite))
+
+
+def finish_export(folder: str, tokenizer) -> None:
+    """The tokenizer's files written beside an export transformers or PEFT wrote into `folder`,
+    and every file of it, and the folder, synced to disk."""
+    tokenizer.save_pretrained(folder)
+    for name in os.listdir(folder):
+        durable.fsync_file(os.path.join(folder, name))
+    durable.fsync_dir(folder)
 
 
 def refuse_replacing(path: str, new: set[str], overwrite: bool) -> list[str]:

@@ -57,42 +57,25 @@ def _reward_adapter(weights: dict, adapters, path: str, tokenizer, overwrite: bo
 
     from safetensors.torch import save_file
 
-    from ..io import durable
-    from ..io.hf_save import ADAPTER, COPIED, refuse_replacing, write_files
+    from ..io.hf_save import ADAPTER, COPIED, finish_export, write_export
     tensors = {"base_model.model." + k.replace(".default.", "."): t.float().contiguous() for k, t in weights.items()
                if ".lora_A." in k or ".lora_B." in k or k.startswith("score.")}
     config = copy.deepcopy(adapters)
     config.task_type, config.modules_to_save, config.inference_mode = "SEQ_CLS", ["classifier", "score"], True
     config.base_model_name_or_path = os.path.abspath(source)
-    parent = durable.prepare_parent(path, "model folder")
-    durable.clean_leftovers(parent)
-    exists = os.path.isdir(path)
-    if exists:
-        durable.recover_files(path)
-    replaced = refuse_replacing(path, set(COPIED) | {"config.json"} | set(ADAPTER), overwrite)
 
     def write(folder: str) -> None:
         config.save_pretrained(folder)
         save_file(tensors, os.path.join(folder, ADAPTER[1]), metadata={"format": "pt"})
-        tokenizer.save_pretrained(folder)
-        for name in os.listdir(folder):
-            durable.fsync_file(os.path.join(folder, name))
-        durable.fsync_dir(folder)
-    write_files(path, parent, exists, write, replaced)
+        finish_export(folder, tokenizer)
+    write_export(path, set(COPIED) | {"config.json"} | set(ADAPTER), overwrite, write)
 
 
 def _export(shell, weights: dict, path: str, tokenizer, dtype: torch.dtype, overwrite: bool, source: str) -> None:
     """`weights` loaded into `shell` (a model on meta) and written by transformers into
     io/hf_save.py's staging folder (a new folder appears whole; in one that exists only the
     export's own files are replaced, and only those of the run's own export)."""
-    from ..io import durable
-    from ..io.hf_save import COPIED, INDEX, SINGLE, refuse_replacing, write_files
-    parent = durable.prepare_parent(path, "model folder")
-    durable.clean_leftovers(parent)
-    exists = os.path.isdir(path)
-    if exists:
-        durable.recover_files(path)
-    replaced = refuse_replacing(path, set(COPIED) | {"config.json", SINGLE, INDEX}, overwrite)
+    from ..io.hf_save import COPIED, INDEX, SINGLE, finish_export, write_export
     missing = [n for n, _ in shell.named_parameters() if n not in weights]
     if missing:
         raise ArgumentError(f"the trained model has no weights for {', '.join(missing[:4])}: cannot export it")
@@ -104,8 +87,5 @@ def _export(shell, weights: dict, path: str, tokenizer, dtype: torch.dtype, over
 
     def write(folder: str) -> None:
         shell.to(dtype).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        for name in os.listdir(folder):
-            durable.fsync_file(os.path.join(folder, name))
-        durable.fsync_dir(folder)
-    write_files(path, parent, exists, write, replaced)
+        finish_export(folder, tokenizer)
+    write_export(path, set(COPIED) | {"config.json", SINGLE, INDEX}, overwrite, write)

@@ -17,8 +17,8 @@ import shutil
 import torch
 import torch.nn as nn
 
-from ...io import durable, unbuilt
-from ...io.hf_save import ADAPTER, COPIED, refuse_replacing, write_files
+from ...io import unbuilt
+from ...io.hf_save import ADAPTER, COPIED, finish_export, write_export
 
 
 def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwrite: bool, source: str,
@@ -26,14 +26,6 @@ def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwr
     """engine: the run's engine, its model the PEFT wrapper, or (prefix "policy.") a post-training
     objective whose `policy` is; source: the base model's folder. With merge, the module is merged in
     place (the export is the run's last use of it); the adapter is written in float32, as it trained."""
-    parent = durable.prepare_parent(path, "model folder")
-    durable.clean_leftovers(parent)
-    exists = os.path.isdir(path)
-    if exists:
-        durable.recover_files(path)     # an export into it killed mid-swap: finished first
-    # Either kind replaces a previous export of both kinds: an adapter left beside a merged model
-    # (or a config beside an adapter) would make transformers load the folder as the other kind.
-    replaced = refuse_replacing(path, set(COPIED) | {"config.json"} | set(ADAPTER), overwrite)
     engine.synchronize()
     model = engine.model.get_submodule(prefix.rstrip(".")) if prefix else engine.model
 
@@ -47,7 +39,7 @@ def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwr
         for name in ADAPTER:
             os.replace(os.path.join(aside, name), os.path.join(folder, name))
         shutil.rmtree(aside)
-        finish(folder)
+        finish_export(folder, tokenizer)
 
     def write_merged(folder: str) -> None:
         # The base lives in the engine's host state (the module's is on meta): the module takes
@@ -63,11 +55,7 @@ def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwr
         with open(os.path.join(source, "config.json")) as f:     # the run turned the KV cache off for training only
             merged.config.use_cache = json.load(f).get("use_cache", True)
         merged.to(dtype).save_pretrained(folder)
-        finish(folder)
-
-    def finish(folder: str) -> None:
-        tokenizer.save_pretrained(folder)
-        for name in os.listdir(folder):
-            durable.fsync_file(os.path.join(folder, name))
-        durable.fsync_dir(folder)
-    write_files(path, parent, exists, write_merged if merge else write_adapter, replaced)
+        finish_export(folder, tokenizer)
+    # Either kind replaces a previous export of both kinds: an adapter left beside a merged model
+    # (or a config beside an adapter) would make transformers load the folder as the other kind.
+    write_export(path, set(COPIED) | {"config.json"} | set(ADAPTER), overwrite, write_merged if merge else write_adapter)
