@@ -89,10 +89,28 @@ def last_line(c: RunConfig, path: str | None, checkpoint: str | None) -> str:
         return f"model: {checkpoint} (the bundled model is no Hugging Face model: its weights are in this checkpoint)"
     if methods.adapters(c) and not c.merge_adapter and c.stage == "rm":
         return (f"model: {path} (a LoRA reward model in PEFT's format, its adapters and head: PeftModel."
-                f"from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, num_labels=1), {path!r}))")
+                f"from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, num_labels=1"
+                f"{_pad_given(c, path)}), {path!r}))")
     if methods.adapters(c) and not c.merge_adapter:
         return f"model: {path} (a LoRA adapter in PEFT's format: PeftModel.from_pretrained(base, {path!r}))"
     if c.stage == "rm":
         return (f"model: {path} (a reward model, transformers' sequence classifier with one label: "
                 f"AutoModelForSequenceClassification.from_pretrained({path!r}) loads it)")
     return f"model: {path} (a Hugging Face model folder: transformers' from_pretrained({path!r}) loads it)"
+
+
+def _pad_given(c: RunConfig, path: str) -> str:
+    """`, pad_token_id=N` where the base model's config has no padding token: transformers'
+    classifier pools each row at its last token that is not padding, and without one it scores a
+    batch of one row only. N is the token the run padded with (the tokenizer's, else its EOS)."""
+    import json
+    try:
+        with open(os.path.join(c.model, "config.json")) as f:
+            if json.load(f).get("pad_token_id") is not None:
+                return ""
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return ""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return "" if pad is None else f", pad_token_id={pad}"

@@ -128,6 +128,12 @@ def test_a_lora_rm_run_exports_adapters_and_head_that_score_as_its_log_says(tmp_
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
     work = stage_files.workspace(tmp_path)
+    if not merge:       # a base config without a padding token (Llama's): the last line names the one to give
+        with open(os.path.join(work["model"], "config.json")) as f:
+            base_config = json.load(f)
+        pad = base_config.pop("pad_token_id")
+        with open(os.path.join(work["model"], "config.json"), "w") as f:
+            json.dump(base_config, f)
     settings = {**stage_files.dpo(work, str(tmp_path / "run")), "stage": "rm", "lr": 1e-2, "finetuning_type": "lora",
                 "lora_rank": 4, "lora_dropout": 0, "merge_adapter": merge}
     config = files.run_yaml(str(tmp_path / "rm.yaml"), **settings)
@@ -142,8 +148,9 @@ def test_a_lora_rm_run_exports_adapters_and_head_that_score_as_its_log_says(tmp_
         assert not torch.equal(classifier.model.layers[0].self_attn.q_proj.weight,
                                base.model.layers[0].self_attn.q_proj.weight)        # the adapter merged in
     else:
-        assert "PeftModel.from_pretrained(AutoModelForSequenceClassification" in said
-        base = AutoModelForSequenceClassification.from_pretrained(work["model"], num_labels=1)
+        assert (f"PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, "
+                f"pad_token_id={pad}), ") in said
+        base = AutoModelForSequenceClassification.from_pretrained(work["model"], num_labels=1, pad_token_id=pad)
         classifier = PeftModel.from_pretrained(base, str(tmp_path / "run"))
         assert not os.path.exists(tmp_path / "run" / "config.json")
     classifier.eval()
