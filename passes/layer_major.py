@@ -73,21 +73,24 @@ def layer_major(program: Program, k: int) -> Program:
         """The running gradient sum of stage s after micro-batch m; the last is the one offloaded."""
         return grads(s) if m == k - 1 else of_micro(grads(s), m)
 
-    def rename(v: str, m: int) -> str:
-        if values[v].kind in SHARED:
-            return v
-        if v in stage_of_grads:
-            return sum_name(stage_of_grads[v], m)
-        return of_micro(v, m)
-
-    names = [{v: rename(v, m) for v in values} for m in range(k)]
+    # The solver lays out thousands of candidate schedules this way, so the renaming is written
+    # out: `v + at[m]` is of_micro(v, m).
+    at = [of_micro("", m) for m in range(k)]
+    names: list[dict[str, str]] = [{} for _ in range(k)]
     new_values: dict[str, Value] = {}
     for v, val in values.items():
+        if val.kind in SHARED:
+            renamed = [v] * k
+        elif v in stage_of_grads:
+            renamed = [sum_name(stage_of_grads[v], m) for m in range(k)]
+        else:
+            renamed = [v + a for a in at]
         own = [key not in shared_keys and key not in grad_keys for key, _ in val.parts]
-        for m in range(k):
-            parts = (tuple((of_micro(key, m) if o else key, b) for (key, b), o in zip(val.parts, own))
+        for m, name in enumerate(renamed):
+            names[m][v] = name
+            parts = (tuple((key + at[m] if o else key, b) for (key, b), o in zip(val.parts, own))
                      if any(own) else val.parts)
-            new_values[names[m][v]] = Value(names[m][v], parts, val.kind)
+            new_values[name] = Value(name, parts, val.kind)
 
     def copy(n: Node, m: int) -> Node:
         name = names[m].__getitem__
