@@ -164,7 +164,10 @@ IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
            "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32", "pad_to_multiple_of",
            "tool_format", "buffer_size", "preprocessing_batch_size", "ignore_pad_token_for_loss",
-           "data_shared_file_system", "eval_num_beams")
+           "data_shared_file_system", "eval_num_beams", "upcast_lmhead_output", "include_num_input_tokens_seen",
+           "disable_gradient_checkpointing", "use_reentrant_gc", "low_cpu_mem_usage", "dataloader_pin_memory",
+           "remove_unused_columns", "ddp_find_unused_parameters", "eval_accumulation_steps", "offload_folder",
+           "use_cache", "print_param_status", "label_names")
 WHY_IGNORED = {"per_device_eval_batch_size": "eval uses batch",
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
@@ -174,7 +177,20 @@ WHY_IGNORED = {"per_device_eval_batch_size": "eval uses batch",
                "buffer_size": "streamed data is read in file order, with no shuffle buffer",
                "preprocessing_batch_size": "records are packed 1,000 at a time, LlamaFactory's default",
                "ignore_pad_token_for_loss": "padding is never counted",
-               "eval_num_beams": "evaluation is the held-out loss; nothing is generated"}
+               "eval_num_beams": "evaluation is the held-out loss; nothing is generated",
+               "upcast_lmhead_output": "the loss's log-softmax runs in float32",
+               "include_num_input_tokens_seen": "log.csv counts each step's tokens",
+               "disable_gradient_checkpointing": "the planner chooses what to recompute",
+               "use_reentrant_gc": "the planner chooses what to recompute",
+               "low_cpu_mem_usage": "the model is built on the meta device and its weights streamed in",
+               "dataloader_pin_memory": "the engine stages each batch itself",
+               "remove_unused_columns": "a record's layout is read from its keys",
+               "ddp_find_unused_parameters": "data parallelism reduces every gradient (docs/distributed.md)",
+               "eval_accumulation_steps": "evaluation keeps no logits",
+               "offload_folder": "megacompile places weights itself (nvme_dir for a disk tier)",
+               "use_cache": "the KV cache is off while training; the export keeps the model's own setting",
+               "print_param_status": "the run's start says what trains",
+               "label_names": "the labels are the records' tokens"}
 
 # HF schedule -> ours; `constant` has no warmup in transformers, `cosine_with_min_lr` needs a floor.
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",

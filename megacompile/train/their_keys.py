@@ -62,12 +62,51 @@ NOT_TAKEN = {
     "fsdp": "megacompile places weights and optimizer state itself (data parallelism: torchrun, "
             "docs/distributed.md)",
     "rope_scaling": "not supported: the model's config.json decides its positions",
+    "pure_bf16": "not supported: megacompile keeps float32 masters; compute_dtype: bfloat16 is the compute",
+    "upcast_layernorm": "not supported: the norms compute as the model's code has them (transformers' RMSNorm "
+                        "upcasts to float32 itself)",
+    "use_unsloth_gc": "the planner chooses what to recompute and what to offload to host memory",
+    "shift_attn": "not supported: attention is the model's own (no shifted sparse attention)",
+    "mixture_of_depths": "not supported: every token passes through every block",
+    "moe_aux_loss_coef": "not supported: the router's auxiliary loss is the model config's own "
+                         "(output_router_logits and router_aux_loss_coef in config.json)",
+    "use_kt": "not supported: megacompile streams the weights itself (KTransformers is not used)",
+    "kt_optimize_rule": "not supported: megacompile streams the weights itself (KTransformers is not used)",
+    "use_fast_tokenizer": "the tokenizer is transformers' AutoTokenizer, the fast one where the folder has it",
+    "resize_vocab": "not supported: the vocabulary is the model's; add tokens and resize the model before the run",
+    "new_special_tokens": "not supported: the vocabulary is the model's; add tokens and resize the model before "
+                          "the run",
+    "split_special_tokens": "not supported: special tokens are read as single tokens",
+    "train_from_scratch": "not supported: the weights are the model folder's",
+    "image_resolution": "image_max_pixels (LlamaFactory's current key; it bounds an image's pixel count)",
+    # other optimisers and training methods
+    "use_galore": "not supported: megacompile trains with AdamW (float32 state in host memory)",
+    "use_apollo": "not supported: megacompile trains with AdamW (float32 state in host memory)",
+    "use_badam": "not supported: megacompile trains with AdamW (float32 state in host memory)",
+    "use_adam_mini": "not supported: megacompile trains with AdamW (float32 state in host memory)",
+    "use_muon": "not supported: megacompile trains with AdamW (float32 state in host memory)",
+    "use_llama_pro": "not supported: finetuning_type: freeze trains chosen blocks of the model as it is",
+    "create_new_adapter": "not supported: a LoRA run trains one new adapter",
+    "group_by_length": "not supported: rows are ordered by seed, not by length",
     "neftune_noise_alpha": "not supported: embeddings are not noised",
     # evaluation and saving
     "load_best_model_at_end": "not supported: the model written at the end is the last step's",
     "metric_for_best_model": "not supported: the model written at the end is the last step's",
     "eval_on_start": "not supported: evaluation runs every eval_every steps and after the last",
     "save_safetensors": "weights are always written as safetensors",
+    "compute_accuracy": "not supported: evaluation reports the held-out loss and perplexity",
+    "predict_with_generate": "not supported: megacompile trains; generate with the exported model (transformers, "
+                             "vLLM)",
+    "do_predict": "not supported: megacompile trains; generate with the exported model (transformers, vLLM)",
+    "export_dir": "export: FOLDER writes the trained model at the end of the run (LlamaFactory's export_dir "
+                  "belongs to its export command)",
+    "infer_backend": "not supported: megacompile trains; serve the exported model with transformers or vLLM",
+    "infer_dtype": "not supported: megacompile trains; export_dtype sets the exported weights' dtype",
+    # logging
+    "logging_dir": "TensorBoard's logs go to the run folder's tensorboard/ (log: [tensorboard])",
+    "use_swanlab": "not supported: log: takes csv, tensorboard and wandb",
+    "swanlab_project": "not supported: log: takes csv, tensorboard and wandb",
+    "ray_run_name": "not supported: a run is one process (or torchrun's, docs/distributed.md)",
     # DPO (LlamaFactory's names; pref_beta, pref_loss and dpo_label_smoothing are read: aliases.py)
     # post-training options megacompile does not have
     "multi_objective_aggregation": "not supported: the weighted rewards are summed, then scaled within their group "
@@ -82,6 +121,8 @@ NOT_TAKEN = {
 # Keys whose 0 asks for nothing: LlamaFactory's defaults, which its web UI writes into every saved
 # run.yaml of the stage (pref_ftx under dpo and kto; stage dpo reads a pref_ftx above 0).
 ZERO_IS_OFF = ("pref_ftx", "neftune_noise_alpha")
+# Keys whose LlamaFactory default asks for nothing more than megacompile does: accepted at that value.
+DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "infer_dtype": "auto"}
 
 
 def off(value: Any, key: str | None = None) -> bool:
@@ -89,6 +130,8 @@ def off(value: Any, key: str | None = None) -> bool:
     as null or false): such a key is accepted and does nothing."""
     if key in ZERO_IS_OFF and not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0:
         return True
+    if key in DEFAULT_IS_OFF:       # its default alone: use_fast_tokenizer: false asks for another tokenizer
+        return value is None or (type(value) is type(DEFAULT_IS_OFF[key]) and value == DEFAULT_IS_OFF[key])
     return value is None or value is False or value in ("", [], {})
 
 

@@ -99,3 +99,41 @@ def test_packing_says_at_the_start_where_it_differs_from_trl_and_llamafactory(tm
     for same in (False, "isolated"):        # TRL's packing: false and packing: true
         load(_yaml(tmp_path, model="model", packing=same))
         assert _notes(capsys) == []
+
+
+# LlamaFactory's ModelArguments, FinetuningArguments and transformers' TrainingArguments keys at their
+# defaults, as a run.yaml saved by LlamaFactory's web UI or copied from its examples holds them.
+LLAMAFACTORY_DEFAULTS = {
+    "upcast_layernorm": False, "upcast_lmhead_output": False, "pure_bf16": False, "use_unsloth_gc": False,
+    "compute_accuracy": False, "predict_with_generate": False, "do_predict": False,
+    "include_num_input_tokens_seen": True, "disable_gradient_checkpointing": False, "use_reentrant_gc": True,
+    "create_new_adapter": False, "moe_aux_loss_coef": None, "print_param_status": False, "train_from_scratch": False,
+    "use_fast_tokenizer": True, "resize_vocab": False, "split_special_tokens": False, "new_special_tokens": None,
+    "low_cpu_mem_usage": True, "infer_backend": "huggingface", "infer_dtype": "auto", "export_dir": None,
+    "use_swanlab": False, "swanlab_project": None, "ray_run_name": None, "logging_dir": None,
+    "ddp_find_unused_parameters": False, "dataloader_pin_memory": True, "remove_unused_columns": False,
+    "label_names": None, "group_by_length": False, "eval_accumulation_steps": None, "use_llama_pro": False,
+    "use_adam_mini": False, "use_galore": False, "use_apollo": False, "use_badam": False, "use_muon": False,
+    "image_resolution": None, "shift_attn": False, "mixture_of_depths": None, "offload_folder": "offload",
+    "use_cache": True, "use_kt": False, "kt_optimize_rule": None}
+
+
+def test_llamafactorys_keys_at_their_defaults_are_accepted(tmp_path, capsys):
+    c = load(_yaml(tmp_path, **LLAMAFACTORY_DEFAULTS))
+    assert c.steps == 2
+    said = capsys.readouterr().out
+    assert "upcast_lmhead_output (the loss's log-softmax runs in float32)" in said       # ignored, and said so
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("pure_bf16", True, "pure_bf16 -> not supported: megacompile keeps float32 masters"),
+    ("use_galore", True, "use_galore -> not supported: megacompile trains with AdamW"),
+    ("use_fast_tokenizer", False, "use_fast_tokenizer -> the tokenizer is transformers' AutoTokenizer"),
+    ("infer_backend", "vllm", "infer_backend -> not supported: megacompile trains"),
+    ("export_dir", "out", "export_dir -> export: FOLDER writes the trained model"),
+    ("moe_aux_loss_coef", 0.01, "moe_aux_loss_coef -> not supported: the router's auxiliary loss is the model"),
+    ("image_resolution", 512, "image_resolution -> image_max_pixels"),
+])
+def test_llamafactorys_keys_asking_for_what_megacompile_does_not_do_name_why(tmp_path, key, value, says):
+    with pytest.raises(ArgumentError, match=says):
+        load(_yaml(tmp_path, **{key: value}))
