@@ -77,8 +77,13 @@ def _plan(args: argparse.Namespace) -> int:
         kwargs["ranks"] = (args.gpus, args.gpus // args.nodes)
     try:
         if args.global_batch is not None:   # the split is chosen, and with it the accumulation
+            from .planner.from_config import split_line
+            # Each split as it is planned (a 7B model's global batch takes minutes): on stderr, so
+            # that the summary and --json on stdout stay as they are.
             result, accumulate = plan_global_batch(model, global_batch=args.global_batch, settings=settings,
-                                                   accumulation=settings.accumulation, **kwargs)
+                                                   accumulation=settings.accumulation, **kwargs,
+                                                   on_split=lambda *split: print(split_line(*split), file=sys.stderr,
+                                                                                 flush=True))
         else:
             result = plan(model, settings=settings, batch=args.batch, **kwargs)
         refused = False

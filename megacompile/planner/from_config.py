@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import torch
@@ -112,13 +113,14 @@ def _divisor_near(n: int, k: int) -> int:
 
 
 def plan_global_batch(model_or_config: Any, hbm_budget: float | None = None, global_batch: int | None = None, *,
-                      settings: Settings | None = None, accumulation: str = "auto", **kwargs) -> tuple[Plan, int]:
+                      settings: Settings | None = None, accumulation: str = "auto", on_split=None,
+                      **kwargs) -> tuple[Plan, int]:
     """Choose the micro-batch for a global batch: every power-of-two divisor that fits is planned
     and the one with the highest predicted tokens/s wins. Returns the plan of one micro-batch
     step and the number of micro-batches to accumulate (compile(..., grad_accum=k)). Choosing the
     split, it lets the planner choose the accumulation too ("auto"), unless told otherwise.
     kwargs: plan()'s (not batch or grad_accum, which it chooses); `settings` as plan()'s (its
-    grad_accum is the one chosen here)."""
+    grad_accum is the one chosen here); `on_split` as choose_micro_batch's."""
     global_batch = arguments.count("global_batch", global_batch, what=" (sequences per optimizer step)")
     if settings is not None:    # its settings as keywords: one path below
         if hbm_budget is not None and hbm_budget != settings.hbm_budget:
@@ -137,7 +139,8 @@ def plan_global_batch(model_or_config: Any, hbm_budget: float | None = None, glo
     search_lowest = kwargs.pop("smallest", False)
     with blocks_grouped_once():    # blocks found alike at the first micro-batch size stay alike
         best = choose_micro_batch(global_batch, lambda micro, k: plan(
-            model, hbm_budget, batch=micro, grad_accum=k, accumulation=accumulation, smallest=False, **kwargs))
+            model, hbm_budget, batch=micro, grad_accum=k, accumulation=accumulation, smallest=False, **kwargs),
+            on_split)
     if search_lowest:
         chosen, k = best
         best = (chosen.revised(minimum_budget_bytes=min(chosen.minimum_budget_bytes, chosen.lowest_budget()),
@@ -149,23 +152,32 @@ def _same_setting(a: Any, b: Any) -> bool:
     return a is b if a is None or b is None else a == b
 
 
-def choose_micro_batch(global_batch: int, plan_one) -> tuple[Plan, int]:
+def choose_micro_batch(global_batch: int, plan_one, on_split=None) -> tuple[Plan, int]:
     """plan_one(micro, k) for every micro-batch size that divides the global batch (halving from
     the whole of it), k = global_batch // micro micro-batches a step: the plan with the highest
     predicted tokens/s among those that fit the card (Plan.fits_card; any, when none does), and
-    its k. Raises what stopped the smallest micro-batch when none fits."""
+    its k. Raises what stopped the smallest micro-batch when none fits. `on_split(micro, k,
+    outcome, seconds)` hears of each split as it is planned: its Plan, or the error that refused
+    it, and the seconds planning it took (split_line says it in a line)."""
     from ..errors import BudgetTooSmallError, HostMemoryError
     best, smallest, host_short = None, None, None
     micro = global_batch
     while micro >= 1:
         if global_batch % micro == 0:
+            began = time.perf_counter()
             try:
                 candidate = plan_one(micro, global_batch // micro)
             except BudgetTooSmallError as e:
                 smallest = e
+                if on_split is not None:
+                    on_split(micro, global_batch // micro, e, time.perf_counter() - began)
             except HostMemoryError as e:   # accumulation's gradient buffers: a larger micro-batch may fit
                 host_short = host_short or e
+                if on_split is not None:
+                    on_split(micro, global_batch // micro, e, time.perf_counter() - began)
             else:
+                if on_split is not None:
+                    on_split(micro, global_batch // micro, candidate, time.perf_counter() - began)
                 if best is None or ((candidate.fits_card, candidate.prediction.tokens_per_s)
                                     > (best[0].fits_card, best[0].prediction.tokens_per_s)):
                     best = (candidate, global_batch // micro)
@@ -174,6 +186,24 @@ def choose_micro_batch(global_batch: int, plan_one) -> tuple[Plan, int]:
         # Host RAM, when it stopped the micro-batches small enough for the device.
         raise host_short or smallest
     return best
+
+
+def split_line(micro: int, k: int, outcome, seconds: float) -> str:
+    """One split of a global batch as choose_micro_batch's on_split hears of it: its predicted step
+    and tokens/s, or why it does not fit, and how long planning it took."""
+    from ..errors import BudgetTooSmallError
+    from ..ir.printer import fmt_bytes
+    head = f"  split          {micro} x {k}".ljust(33)
+    took = f" (planned in {seconds:.0f} s)"
+    if isinstance(outcome, BudgetTooSmallError):
+        return f"{head}does not fit: its smallest budget is {fmt_bytes(outcome.minimum_bytes)}{took}"
+    if isinstance(outcome, Exception):
+        return f"{head}does not fit the host: {str(outcome).split(';')[0][:160]}{took}"
+    p = outcome.prediction
+    step = p.step_s * outcome.grad_accum / outcome.micro_batches_per_run
+    how = ", layer by layer" if outcome.micro_batches_per_run > 1 else ""
+    card = "" if outcome.fits_card else " (more than the card holds)"
+    return f"{head}{step:.2f} s a step{how}, {p.tokens_per_s:,.0f} tokens/s predicted{card}{took}"
 
 
 # plan()'s arguments that are settings of the run (megacompile/settings.py); the rest say what is

@@ -181,7 +181,9 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
             budget = max(budget, device_budget(c, module, heavy, device))
         if c.global_batch is not None:
             from ..planner import choose_micro_batch
-            _, accumulate = choose_micro_batch(c.global_batch, lambda micro, k: prepared_for(micro, k, budget).plan)
+            from ..planner.from_config import split_line
+            _, accumulate = choose_micro_batch(c.global_batch, lambda micro, k: prepared_for(micro, k, budget).plan,
+                                               lambda *split: print(split_line(*split), flush=True))
             batch = c.global_batch // accumulate
         chosen = prepared_for(batch, accumulate, budget)
         kwargs = dict(optimizer=optimizer, compute_dtype=dtype, device=device, grad_accum=accumulate,

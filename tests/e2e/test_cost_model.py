@@ -121,6 +121,11 @@ def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys)
     micro = data["grad_accum"]
     assert data["fits"] and 8 % micro == 0
     assert any(line.strip().startswith("micro-batch") for line in out)
+    # each split as it was planned, the chosen one with the plan's own prediction
+    splits = [line.split() for line in out if line.strip().startswith("split")]
+    assert [s[1:4] for s in splits] == [["8", "x", "1"], ["4", "x", "2"], ["2", "x", "4"], ["1", "x", "8"]]
+    chosen = " ".join(next(s for s in splits if s[3] == str(micro)))
+    assert f"{data['predicted_tokens_per_s']:,.0f} tokens/s predicted" in chosen and "planned in" in chosen
     # the chosen split is the fastest of those that fit
     from megacompile.planner.from_config import plan_global_batch
     best, accumulate = plan_global_batch(SMALL_LLAMA, 0.075, 8, hardware="h100", seq=64)
