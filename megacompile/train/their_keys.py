@@ -3,7 +3,8 @@ does not do: said by name rather than left to an unknown-key list (refusals) or 
 quietly differs (notes printed at the start).
 
     NOT_TAKEN   their key -> megacompile's equivalent, or why it is not supported (refused unless
-                its value is off: null, false, empty)
+                its value is off: null, false, empty; 0 for ZERO_IS_OFF's keys; LlamaFactory's
+                default, and only it, for DEFAULT_IS_OFF's)
     notes(c)    the differences of meaning a run states at its start (packing)
 """
 from __future__ import annotations
