@@ -70,20 +70,22 @@ def _plan(args: argparse.Namespace) -> int:
         from .planner.from_config import model_from_config
         from .train.methods.lora import lora_for_plan
         model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype])
-    accumulate = 1
+    accumulate, splits = 1, []
     if args.gpus > 1 or args.nodes > 1:     # one rank's plan: its share of the host state, the node's budget
         from .distributed.cost import check_gpus
         check_gpus(args.gpus, args.nodes)
         kwargs["ranks"] = (args.gpus, args.gpus // args.nodes)
     try:
         if args.global_batch is not None:   # the split is chosen, and with it the accumulation
-            from .planner.from_config import split_line
-            # Each split as it is planned (a 7B model's global batch takes minutes): on stderr, so
-            # that the summary and --json on stdout stay as they are.
+            from .planner.from_config import split_fields, split_line
+
+            def heard(*split) -> None:
+                # Each split as it is planned (a 7B model's global batch takes minutes): on stderr,
+                # so that the summary and --json on stdout stay as they are; the JSON lists them.
+                print(split_line(*split), file=sys.stderr, flush=True)
+                splits.append(split_fields(*split))
             result, accumulate = plan_global_batch(model, global_batch=args.global_batch, settings=settings,
-                                                   accumulation=settings.accumulation, **kwargs,
-                                                   on_split=lambda *split: print(split_line(*split), file=sys.stderr,
-                                                                                 flush=True))
+                                                   accumulation=settings.accumulation, **kwargs, on_split=heard)
         else:
             result = plan(model, settings=settings, batch=args.batch, **kwargs)
         refused = False
@@ -138,6 +140,8 @@ def _plan(args: argparse.Namespace) -> int:
             summary["shortfall_bytes"] = result.minimum_budget_bytes - given_bytes
         summary["card_bytes"] = result.card_bytes
         summary["grad_accum"] = accumulate
+        if args.global_batch is not None:
+            summary["splits"] = splits
         summary["weight_h2d_bytes_per_optimizer_step"] = result.weight_h2d_bytes_per_optimizer_step
         summary["weight_bytes"] = result.weight_bytes
         if scaled is not None:

@@ -206,6 +206,20 @@ def split_line(micro: int, k: int, outcome, seconds: float) -> str:
     return f"{head}{step:.2f} s a step{how}, {p.tokens_per_s:,.0f} tokens/s predicted{card}{took}"
 
 
+def split_fields(micro: int, k: int, outcome, seconds: float) -> dict:
+    """split_line's facts for `megacompile plan --json`: the split, whether it fits (the budget and
+    the card), its predicted step and tokens/s or its smallest budget, the seconds planning took."""
+    from ..errors import BudgetTooSmallError
+    fields = {"micro_batch": micro, "micro_batches": k, "planning_seconds": round(seconds, 3)}
+    if isinstance(outcome, Exception):
+        return {**fields, "fits": False, "error": str(outcome),
+                **({"smallest_budget_bytes": outcome.minimum_bytes} if isinstance(outcome, BudgetTooSmallError)
+                   else {})}
+    return {**fields, "fits": outcome.fits_card, "layer_major": outcome.micro_batches_per_run > 1,
+            "predicted_step_s": outcome.prediction.step_s * outcome.grad_accum / outcome.micro_batches_per_run,
+            "predicted_tokens_per_s": outcome.prediction.tokens_per_s}
+
+
 # plan()'s arguments that are settings of the run (megacompile/settings.py); the rest say what is
 # planned (shapes, the model's objects) or for which hardware.
 PLAN_SETTINGS = ("compute_dtype", "fuse", "host_budget", "nvme_budget", "grad_accum", "accumulation")

@@ -126,6 +126,9 @@ def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys)
     assert [s[1:4] for s in splits] == [["8", "x", "1"], ["4", "x", "2"], ["2", "x", "4"], ["1", "x", "8"]]
     chosen = " ".join(next(s for s in splits if s[3] == str(micro)))
     assert f"{data['predicted_tokens_per_s']:,.0f} tokens/s predicted" in chosen and "planned in" in chosen
+    assert [(s["micro_batch"], s["micro_batches"]) for s in data["splits"]] == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    fastest = max((s for s in data["splits"] if s["fits"]), key=lambda s: s["predicted_tokens_per_s"])
+    assert (fastest["micro_batches"], fastest["predicted_tokens_per_s"]) == (micro, data["predicted_tokens_per_s"])
     # the chosen split is the fastest of those that fit
     from megacompile.planner.from_config import plan_global_batch
     best, accumulate = plan_global_batch(SMALL_LLAMA, 0.075, 8, hardware="h100", seq=64)
