@@ -180,8 +180,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
             heavy = training_capture(module, shapes(first, heaviest), settings.replace(device=device))
             budget = max(budget, device_budget(c, module, heavy, device))
         if c.global_batch is not None:
-            from ..planner import choose_micro_batch
-            from ..planner.from_config import split_line
+            from ..planner import choose_micro_batch, split_line
             _, accumulate = choose_micro_batch(c.global_batch, lambda micro, k: prepared_for(micro, k, budget).plan,
                                                lambda *split: print(split_line(*split), flush=True))
             batch = c.global_batch // accumulate
