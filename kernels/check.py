@@ -21,6 +21,7 @@ from .gelu import geglu, gelu
 from .grouped_gemm import grouped_matmul
 from .gpu_compile import ARCHS, compile_launches, kernels, record_launches
 from .layer_norm import layer_norm
+from .linear_logprobs import linear_logprobs
 from .rms_norm import rms_norm
 from .rope import rope
 from .softmax import softmax
@@ -227,6 +228,14 @@ def case_fused_linear_cross_entropy_softcap(dtype, s, gen):
                             (h, w, labels), (0, 1))
 
 
+def case_linear_logprobs(dtype, s, gen):
+    """Each token's log-probability (the post-training losses' read), its gradient under a random
+    upstream gradient per token; ignored positions masked to token 0 first, as the losses do."""
+    h, w, labels = lm_inputs(dtype, s, gen)
+    labels = labels.clamp(min=0)
+    return compare_autograd(lambda h, w, y: linear_logprobs(h, w, y), ref.linear_logprobs_ref, (h, w, labels), (0, 1))
+
+
 def case_grouped_gemm(dtype, s, gen):
     """Rows per expert with empty experts, a one-row expert and one that takes nearly all."""
     counts, k, n = s["experts"]
@@ -304,6 +313,7 @@ CASES = [
     ("embedding_backward", case_embedding_backward, DTYPES, TOLERANCE),
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
     ("fused_linear_ce(cap)", case_fused_linear_cross_entropy_softcap, DTYPES, TOLERANCE),
+    ("linear_logprobs", case_linear_logprobs, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),
     ("cast_fp32_to_bf16", case_cast, (torch.bfloat16,), {torch.bfloat16: EXACT}),

@@ -118,6 +118,12 @@ def fused_linear_cross_entropy_ref(h, w, labels, bias=None, ignore_index: int = 
     return F.cross_entropy(logits.float().reshape(-1, w.shape[0]), labels.reshape(-1), ignore_index=ignore_index)
 
 
+def linear_logprobs_ref(h, w, labels) -> torch.Tensor:
+    """log softmax(h @ w.T)[label] per row in fp32, as the post-training losses take it from the logits."""
+    logits = (h @ w.T).float()
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [S, K] grouped by expert, w [E, K, N], offs [E] (ends) -> [S, N]: each row times its expert's
     weight, one row at a time (no grouping), in float32, cast back to x's dtype."""

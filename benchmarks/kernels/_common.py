@@ -174,6 +174,17 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def lm_head_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, ignore_every: int = 0):
+    """(h [N, H], W [V, H], labels [N]) of an lm head, both differentiable; every `ignore_every`-th
+    label -100 when asked."""
+    h = torch.randn(n, hidden, device=device(), dtype=dtype, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device=device()) * hidden**-0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device=device())
+    if ignore_every:
+        labels[::ignore_every] = -100
+    return h, w, labels
+
+
 def compiled(fn):
     """torch.compile(fn), or fn itself where inductor cannot run (smoke runs on the CPU)."""
     return torch.compile(fn) if torch.cuda.is_available() else fn

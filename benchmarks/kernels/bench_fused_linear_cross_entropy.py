@@ -6,7 +6,7 @@ torch.compile, fwd+bwd TFLOPS (6*N*H*V) and peak memory of the step.
 import sys
 
 import torch
-from _common import Point, compiled, device, kernel_module, main
+from _common import Point, compiled, kernel_module, lm_head_inputs, main
 
 kernel, ref = kernel_module("fused_linear_cross_entropy"), kernel_module("reference")
 
@@ -18,11 +18,7 @@ def points(smoke: bool) -> list[Point]:
     for n, hidden, vocab in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             def make(n=n, hidden=hidden, vocab=vocab, dtype=dtype):
-                h = torch.randn(n, hidden, device=device(), dtype=dtype, requires_grad=True)
-                w = (torch.randn(vocab, hidden, device=device()) * hidden**-0.5).to(dtype).requires_grad_()
-                labels = torch.randint(0, vocab, (n,), device=device())
-                labels[::10] = -100
-                return h, w, labels
+                return lm_head_inputs(n, hidden, vocab, dtype, ignore_every=10)
             impls = {"megacompile": kernel.fused_linear_cross_entropy, "eager": ref.fused_linear_cross_entropy_ref,
                      "compile": compiled(ref.fused_linear_cross_entropy_ref)}
             out.append(Point("fused_linear_ce", f"{n}x{hidden}x{vocab}", dtype, make, impls,

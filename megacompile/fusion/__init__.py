@@ -8,6 +8,8 @@ this order, for these reasons:
 
   fused_linear_cross_entropy  first: it changes what the forward saves (dh and dW instead of the
                               log-softmax), and the later rewrites should see the final contract;
+  linear_logprobs             the post-training losses' head, for the same reason (the fp32
+                              logits leave the saved values; logprobs.py);
   backward patterns           before the forward ones: a fused backward reads only what its
                               kernel needs (x, rstd; gate, up), so the values eager saved for
                               its own backward (xhat, silu(gate), tanh(...)) stop being saved ...
@@ -35,6 +37,7 @@ from megacompile.capture import CapturedModel, StageTemplate
 from megacompile.ir.stage_program import StageProgram
 
 from . import activations, attention, embedding, norms, rope
+from .logprobs import linear_logprobs, linear_logprobs_forward_only
 from .contract import StagePair
 from .cross_entropy import fused_linear_cross_entropy
 from .elementwise import fuse_elementwise
@@ -48,12 +51,13 @@ Rewrite = Callable[[StagePair], int]
 
 # The rewrites of an inference template, in the order they run.
 FORWARD_ONLY: dict[str, Callable[[GraphEdit], int]] = {
+    "linear_logprobs": linear_logprobs_forward_only,
     "attention": attention.attention_forward,
     "rms_norm": norms.rms_norm_forward, "layer_norm": norms.layer_norm_forward,
     "swiglu": activations.swiglu_forward, "gelu": activations.gelu_forward, "rope": rope.rope_forward,
     "softmax": activations.softmax_forward, "elementwise": fuse_elementwise,
 }
-FORWARD_PATTERNS = frozenset(FORWARD_ONLY) - {"elementwise"}
+FORWARD_PATTERNS = frozenset(FORWARD_ONLY) - {"elementwise", "linear_logprobs"}   # the latter: pair rewrite
 
 
 def over_both_graphs(forward_pattern: Callable[[GraphEdit], int]) -> Rewrite:
@@ -68,6 +72,7 @@ def over_both_graphs(forward_pattern: Callable[[GraphEdit], int]) -> Rewrite:
 # (name, rewrite), in the order they run; names are what `fuse(only=...)` selects
 REWRITES: list[tuple[str, Rewrite]] = [
     ("fused_linear_cross_entropy", fused_linear_cross_entropy),
+    ("linear_logprobs", linear_logprobs),
     ("attention_backward", lambda p: attention.attention_backward(p.bwd)),
     ("rms_norm_backward", norms.rms_norm_backward),
     ("layer_norm_backward", lambda p: norms.layer_norm_backward(p.bwd)),

@@ -277,19 +277,30 @@ def _backward_group(pair: StagePair, fwd):
         if down is None or val(down[0]).dim() != 2:
             continue
         dlogits, chain = down
-        dh = dw = None
-        transposes = []
-        for u in dlogits.users:
-            if is_call(u, aten.mm.default) and u.args[0] is dlogits and _is_transpose_of(u.args[1], w_in, 2):
-                dh = u
-            elif is_call(u, aten.t.default) and _single_user(u):
-                (v,) = u.users
-                if is_call(v, aten.mm.default) and v.args[0] is u and pair.forward_of(v.args[1]) is h:
-                    dw, transposes = v, [u]
-        if dh is None or dw is None or len(dlogits.users) != 2:
+        grads = head_grads(pair, dlogits, w_in, h)
+        if grads is None:
             continue
+        dh, dw, transposes = grads
         return peel(tangent), dh, dw, [node, back, *chain, *transposes, dh, dw]
     return None
+
+
+def head_grads(pair: StagePair, dlogits: fx.Node, w_in: fx.Node, h: fx.Node
+               ) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(dh mm, dW mm, the transpose between) where the 2-d dlogits is read by exactly the lm head's
+    two gradient matmuls: dh = dlogits @ W (W reaching the backward as w_in) and dW = dlogits.T @ h."""
+    dh = dw = None
+    transposes = []
+    for u in dlogits.users:
+        if is_call(u, aten.mm.default) and u.args[0] is dlogits and _is_transpose_of(u.args[1], w_in, 2):
+            dh = u
+        elif is_call(u, aten.t.default) and _single_user(u):
+            (v,) = u.users
+            if is_call(v, aten.mm.default) and v.args[0] is u and pair.forward_of(v.args[1]) is h:
+                dw, transposes = v, [u]
+    if dh is None or dw is None or len(dlogits.users) != 2:
+        return None
+    return dh, dw, transposes
 
 
 def _only_read_by(node: fx.Node, readers: set[fx.Node]) -> bool:

@@ -20,7 +20,7 @@ def bench_path():
 
 def test_there_is_a_benchmark_per_kernel_module():
     assert {s.removeprefix("bench_") for s in SCRIPTS} >= {
-        "rms_norm", "layer_norm", "swiglu", "gelu", "rope", "softmax", "fused_linear_cross_entropy", "adamw", "cast",
+        "rms_norm", "layer_norm", "swiglu", "gelu", "rope", "softmax", "fused_linear_cross_entropy", "linear_logprobs", "adamw", "cast",
     }
 
 

@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 from megacompile.kernels import check
 
 KERNELS = ("attention", "embedding_backward", "rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "rope", "softmax",
-           "fused_linear_cross_entropy", "grouped_matmul", "adamw_step_", "cast", "accumulate_", "scale")
+           "fused_linear_cross_entropy", "linear_logprobs", "grouped_matmul", "adamw_step_", "cast", "accumulate_", "scale")
 
 
 class Reached(Exception):

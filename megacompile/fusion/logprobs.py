@@ -1,0 +1,263 @@
+"""The lm head and the tokens' log-probabilities onto chunked kernels: the [N, V] logits never exist.
+
+Post-training losses (posttrain/logprobs.py `token_logprobs`: DPO, KTO, GRPO, DFT and the reference
+pass) take log p = logits.float().gather(label) - logsumexp(logits). Eager makes the [N, V] logits,
+their fp32 copy (saved for the backward), and in the backward exp(x - lse), the scattered one-hot
+and their sum in fp32 and its cast: five to six [N, V] tensors, 7.5 GB at 8k tokens of Qwen's 152k
+vocabulary each in fp32.
+
+Forward group:   logits = h @ W.T ; [views, cast to fp32] -> x ; gather(x, -1, idx) ; squeeze ;
+                 logsumexp(x, [-1])
+Backward group:  exp(x - lse) * g_lse + scatter_add(zeros, -1, idx, g_pick) ; [cast, views] -> dlogits
+                 dW = dlogits.T @ h      dh = dlogits @ W
+
+The forward becomes one launcher over token chunks (kernels/linear_logprobs.py) that gives the
+picked logit and the logsumexp ([N] fp32); the saved fp32 logits leave the saved values, and the
+backward launcher makes each chunk's logits again from h and W (saved or received already) to
+turn them into its rows of dh and its share of dW. Unlike the cross-entropy the upstream gradient
+differs per token and arrives only in the backward, so nothing can be taken ahead.
+
+An inference template (the reference pass, the policy's log-probabilities before a step) gets the
+forward launcher alone. Logits capped or divided (Gemma 2's softcap, GRPO's temperature) keep
+eager's graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from megacompile.kernels import outputs
+from megacompile.kernels.fused_linear_cross_entropy import default_chunk_size
+from megacompile.kernels.linear_logprobs import logits_grad_, picked_and_lse
+
+from .contract import StagePair
+from .cross_entropy import RESHAPES, _accumulate_dw, _down_from, _dw_rows, _plain_cast, _single_user, head_grads
+from .graph import GraphEdit, launcher
+from .match import PASSTHROUGH, is_call, peel, val
+
+aten = torch.ops.aten
+
+
+# -- launchers ----------------------------------------------------------------------------------
+def _forward_meta(h, w, idx, chunk_size):
+    n = h.shape[0]
+    return (torch.empty(n, dtype=torch.float32, device=h.device), torch.empty(n, dtype=torch.float32, device=h.device),
+            torch.empty((min(chunk_size, n), w.shape[0]), dtype=h.dtype, device=h.device))
+
+
+@launcher("linear_logprobs", _forward_meta)
+def linear_logprobs_forward(h, w, idx, chunk_size):
+    """(picked [N] fp32, lse [N] fp32, the [chunk, V] logits tile) for h [N, H], w [V, H] and idx
+    (N indices in [0, V), any shape): logits[i, idx[i]] and logsumexp(logits[i]). The tile is reused
+    by every chunk and returned so that the plan and the runtime count it."""
+    n = h.shape[0]
+    h, idx = h.contiguous(), idx.reshape(n)
+    picked = outputs.empty((n,), dtype=torch.float32, device=h.device)
+    lse = outputs.empty((n,), dtype=torch.float32, device=h.device)
+    tile = outputs.empty((min(chunk_size, n), w.shape[0]), dtype=h.dtype, device=h.device)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        logits = tile[:end - start]
+        torch.mm(h[start:end], w.T, out=logits)
+        picked_and_lse(logits, idx[start:end], picked[start:end], lse[start:end], chunk_size)
+    return picked, lse, tile
+
+
+def _backward_meta(g_pick, g_lse, h, w, idx, lse, chunk_size):
+    n, hidden = h.shape
+    vocab = w.shape[0]
+    exact = w.dtype == torch.float32
+    partial = _dw_rows(chunk_size, n, vocab) if h.dtype != torch.float32 else 0
+    return (torch.empty_like(h), torch.empty(w.shape, dtype=w.dtype, device=w.device),
+            torch.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device),
+            torch.empty((0 if exact else vocab, hidden), dtype=torch.float32, device=w.device),
+            torch.empty((partial, hidden), dtype=h.dtype, device=h.device))
+
+
+@launcher("linear_logprobs_backward", _backward_meta)
+def linear_logprobs_backward(g_pick, g_lse, h, w, idx, lse, chunk_size):
+    """(dh [N, H], dW [V, H] in w.dtype, the logits tile, the fp32 dW accumulator ([0, H] when W is
+    fp32 and dW is summed in place), the [rows, H] dW partial) from the gradients of the picked
+    logits and of the logsumexps ([N] fp32 each, any shape)."""
+    n, hidden = h.shape
+    vocab = w.shape[0]
+    h, idx, lse = h.contiguous(), idx.reshape(n), lse.reshape(n)
+    g_pick, g_lse = g_pick.reshape(n), g_lse.reshape(n)
+    dh = outputs.empty((n, hidden), dtype=h.dtype, device=h.device)
+    exact = w.dtype == torch.float32                             # dW summed in place, else into acc
+    dw = (outputs.zeros if exact else outputs.empty)((vocab, hidden), dtype=w.dtype, device=w.device)
+    tile = outputs.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
+    acc = outputs.zeros((0 if exact else vocab, hidden), dtype=torch.float32, device=w.device)
+    rows = _dw_rows(chunk_size, n, vocab) if h.dtype != torch.float32 else 0
+    partial = outputs.empty((rows, hidden), dtype=h.dtype, device=h.device)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        h_chunk, logits = h[start:end], tile[:end - start]
+        torch.mm(h_chunk, w.T, out=logits)
+        logits_grad_(logits, idx[start:end], lse[start:end], g_pick[start:end], g_lse[start:end], chunk_size)
+        torch.mm(logits, w, out=dh[start:end])
+        _accumulate_dw(dw if exact else acc, logits, h_chunk, partial)
+    if not exact:
+        dw.copy_(acc)                                            # one rounding of the fp32 sum
+    return dh, dw, tile, acc, partial
+
+
+# -- matching -----------------------------------------------------------------------------------
+def _last_dim(dim, node: fx.Node) -> bool:
+    return dim in (-1, val(node).dim() - 1)
+
+
+def _up_to_matmul(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """From x (the fp32 logits) up through reshapes and one cast to fp32 to the lm-head mm: (mm, the
+    nodes between). Every node above x is read by the next one alone."""
+    chain, node = [], x
+    while True:
+        if node is not x and not _single_user(node):
+            return None
+        if is_call(node, aten.mm.default):
+            return node, chain
+        if not (is_call(node, RESHAPES) or (_plain_cast(node) and node.kwargs.get("dtype") == torch.float32)):
+            return None
+        chain.append(node)
+        node = node.args[0]
+
+
+def _forward_group(edit: GraphEdit, saved_by: set[fx.Node]):
+    """(logsumexp, squeezed gather, x, idx, mm, h, W, group nodes) of the head's log-probabilities,
+    or None; x may be read besides only by the nodes in `saved_by` (the training forward's output)."""
+    for lse in edit.graph.nodes:
+        if not is_call(lse, aten.logsumexp.default):
+            continue
+        x, dims = lse.args[0], lse.args[1]
+        keepdim = lse.args[2] if len(lse.args) > 2 else lse.kwargs.get("keepdim", False)
+        if keepdim or len(dims) != 1 or not _last_dim(dims[0], x) or val(x).dtype != torch.float32:
+            continue
+        others = set(x.users) - {lse} - saved_by
+        if len(others) != 1:
+            continue
+        (gather,) = others
+        if not (is_call(gather, aten.gather.default) and gather.args[0] is x and _last_dim(gather.args[1], x)
+                and not gather.kwargs.get("sparse_grad", False) and _single_user(gather)):
+            continue
+        (squeeze,) = gather.users
+        idx = gather.args[2]
+        if not (is_call(squeeze, aten.squeeze.dim) and _last_dim(squeeze.args[1], gather)
+                and tuple(val(idx).shape) == tuple(val(x).shape[:-1]) + (1,)):
+            continue
+        found = _up_to_matmul(x)
+        if found is None:
+            continue
+        mm, chain = found
+        h, wt = mm.args
+        w = peel(wt)
+        w = peel(w.args[0]) if is_call(w, aten.t.default) else None
+        if w is None or w.op != "placeholder" or val(w).dim() != 2 or val(h).dim() != 2:
+            continue
+        if val(h).dtype != val(w).dtype or val(idx).numel() != val(h).shape[0]:
+            continue
+        group = [mm, *chain, gather, squeeze, lse]
+        if _single_user(peel(wt)):
+            group.append(peel(wt))
+        return lse, squeeze, x, idx, mm, h, w, group
+    return None
+
+
+def _unsqueezed(node: fx.Node, like: fx.Node) -> fx.Node | None:
+    """a where `node` is a.unsqueeze(last dim of `like`'s rank)."""
+    if is_call(node, aten.unsqueeze.default) and node.args[1] in (-1, val(like).dim() - 1):
+        return node.args[0]
+    return None
+
+
+def _passthrough(node: fx.Node) -> list[fx.Node]:
+    """The detach/alias nodes between node and what they peel to, when each is read only by the next."""
+    chain = []
+    while is_call(node, PASSTHROUGH) and len(node.users) == 1:
+        chain.append(node)
+        node = node.args[0]
+    return chain
+
+
+def _backward_group(pair: StagePair, fwd):
+    """(g_pick, g_lse, dh mm, dW mm, group nodes) of the head's backward for the forward group, or None."""
+    lse, _, x, idx, _, h, w, _ = fwd
+    s_x = pair.backward_of(x)
+    if s_x is None or len(s_x.users) != 1:
+        return None
+    (sub,) = s_x.users
+    if not (is_call(sub, aten.sub.Tensor) and sub.args[0] is s_x and len(sub.args) == 2 and _single_user(sub)):
+        return None
+    s_lse = _unsqueezed(sub.args[1], s_x)
+    if s_lse is None or pair.forward_of(peel(s_lse)) is not lse or not _single_user(sub.args[1]):
+        return None
+    (exp,) = sub.users
+    if not (is_call(exp, aten.exp.default) and _single_user(exp)):
+        return None
+    (mul,) = exp.users
+    if not (is_call(mul, aten.mul.Tensor) and _single_user(mul) and exp in mul.args):
+        return None
+    g_lse_u = mul.args[1] if mul.args[0] is exp else mul.args[0]
+    g_lse = _unsqueezed(g_lse_u, s_x)
+    (add,) = mul.users
+    if g_lse is None or not _single_user(g_lse_u) or not (is_call(add, aten.add.Tensor) and len(add.args) == 2):
+        return None
+    scatter = add.args[1] if add.args[0] is mul else add.args[0]
+    if not (is_call(scatter, aten.scatter_add.default) and _single_user(scatter) and _last_dim(scatter.args[1], s_x)):
+        return None
+    zeros, s_idx, src = scatter.args[0], scatter.args[2], scatter.args[3]
+    g_pick = _unsqueezed(src, s_x)
+    if not (is_call(zeros, aten.new_zeros.default) and _single_user(zeros) and g_pick is not None
+            and tuple(val(zeros).shape) == tuple(val(s_x).shape) and set(src.users) <= {zeros, scatter}
+            and pair.forward_of(peel(s_idx)) is idx):
+        return None
+    for g in (g_pick, g_lse):
+        if val(g).dtype != torch.float32 or not val(g).is_contiguous() or val(g).numel() != val(h).shape[0]:
+            return None
+    down = _down_from(add)
+    if down is None or val(down[0]).dim() != 2:
+        return None
+    dlogits, chain = down
+    grads = head_grads(pair, dlogits, pair.backward_of(w), h)
+    if grads is None:
+        return None
+    dh, dw, transposes = grads
+    group = [sub, sub.args[1], *_passthrough(s_lse), exp, mul, g_lse_u, zeros, src, scatter, add, *chain,
+             *transposes, dh, dw]
+    return g_pick, g_lse, dh, dw, group
+
+
+# -- the rewrites -------------------------------------------------------------------------------
+def _chunk(h: fx.Node, w: fx.Node) -> int:
+    n, hidden = val(h).shape
+    return int(default_chunk_size(n, hidden, val(w).shape[0]))
+
+
+def linear_logprobs(pair: StagePair) -> int:
+    """A training template's head log-probabilities and their backward, both graphs or neither."""
+    fwd = _forward_group(pair.fwd, {pair._fwd_output})
+    if fwd is None:
+        return 0
+    bwd = _backward_group(pair, fwd)
+    if bwd is None:
+        return 0
+    lse, squeeze, _, idx, _, h, w, group = fwd
+    g_pick, g_lse, dh_mm, dw_mm, bwd_group = bwd
+    chunk = _chunk(h, w)
+    args = (g_pick, g_lse, pair.input_for(h), pair.input_for(w), pair.input_for(idx), pair.input_for(lse), chunk)
+    done = pair.bwd.replace(linear_logprobs_backward, args, {}, {0: dh_mm, 1: dw_mm}, bwd_group)
+    assert done, "the head's backward group was checked but could not be replaced"
+    pair.prune()   # the fp32 logits leave the saved values
+    done = pair.fwd.replace(linear_logprobs_forward, (h, w, idx, chunk), {}, {0: squeeze, 1: lse}, group)
+    assert done, "the head's log-probability group was checked but could not be replaced"
+    return 1
+
+
+def linear_logprobs_forward_only(edit: GraphEdit) -> int:
+    """An inference template's head log-probabilities (the logits read by nothing else)."""
+    fwd = _forward_group(edit, set())
+    if fwd is None:
+        return 0
+    lse, squeeze, _, idx, _, h, w, group = fwd
+    return 1 if edit.replace(linear_logprobs_forward, (h, w, idx, _chunk(h, w)), {}, {0: squeeze, 1: lse},
+                             group) else 0
+
