@@ -51,7 +51,7 @@ GENERATORS = ("engine", "kv_cache", "hf_streamed")
 # DPO's loss types that read the policy alone (posttrain/dpo_losses.py's REFERENCE_FREE, which
 # this layer cannot import; a test holds the two the same). Any other name is costed with the
 # reference pass: posttrain checks the names, a run refuses one it does not know.
-REFERENCE_FREE = ("sft", "simpo", "orpo")
+REFERENCE_FREE = ("sft", "simpo", "orpo", "orpo_per_pair")
 # Each stage's keys and their defaults (TRL's names and defaults where TRL has the key).
 KEYS: dict[str, dict[str, Any]] = {
     "sft": {},

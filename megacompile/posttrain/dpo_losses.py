@@ -24,8 +24,10 @@ ls = label_smoothing, sigma the logistic function and n+, n- the completions' to
     simpo       -log sigma(b (a+ - a-) - gamma), a = log pi(y) / n, no reference   SimPO (TRL's CPO loss_type)
     orpo        the sft term - b log sigma(log(a+ odds) - log(a- odds)), odds(a) = e^a / (1 - e^a),
                 no reference                                              ORPO (TRL's ORPOTrainer)
+    orpo_per_pair  -a+ - b log sigma(the same log odds ratio): the NLL of each pair's chosen answer
+                over its own tokens           ORPO as LlamaFactory's pref_loss orpo trains it
 
-simpo and orpo read the policy alone (as sft does): a run whose loss types are all of these needs
+simpo and both orpo read the policy alone (as sft does): a run whose loss types are all of these needs
 no reference log-probabilities (REFERENCE_FREE). gamma is `simpo_gamma`; orpo's lambda is beta, as
 TRL's ORPOConfig and LlamaFactory's pref_beta take it.
 
@@ -43,11 +45,11 @@ import torch.nn.functional as F
 from ..errors import ArgumentError
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft", "simpo", "orpo")
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft", "simpo", "orpo", "orpo_per_pair")
 RENAMED = {"aot_pair": "aot_unpaired"}          # TRL's earlier name
 READS_LABEL_SMOOTHING = ("robust", "exo_pair", "aot", "aot_unpaired")
-NEEDS_TOKEN_COUNTS = ("ipo", "sigmoid_norm", "sft", "simpo", "orpo")
-REFERENCE_FREE = ("sft", "simpo", "orpo")
+NEEDS_TOKEN_COUNTS = ("ipo", "sigmoid_norm", "sft", "simpo", "orpo", "orpo_per_pair")
+REFERENCE_FREE = ("sft", "simpo", "orpo", "orpo_per_pair")
 
 
 def loss_types(value) -> tuple[str, ...]:
@@ -107,12 +109,13 @@ def pair_loss(kind: str, c: torch.Tensor, r: torch.Tensor, policy_chosen: torch.
         return -F.logsigmoid(beta * h) * (1 - m) + torch.exp(-beta * h) * m
     if kind == "sft":
         return (-policy_chosen.sum() / chosen_tokens.sum().clamp(min=1)).expand_as(c)
-    if kind in ("simpo", "orpo"):
+    if kind in ("simpo", "orpo", "orpo_per_pair"):
         chosen, rejected = policy_chosen / chosen_tokens.clamp(min=1), policy_rejected / rejected_tokens.clamp(min=1)
         if kind == "simpo":
             return -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma)
         odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
-        nll = -policy_chosen.sum() / chosen_tokens.sum().clamp(min=1)
+        # TRL averages the NLL over all the batch's chosen tokens; LlamaFactory within each pair
+        nll = -chosen if kind == "orpo_per_pair" else -policy_chosen.sum() / chosen_tokens.sum().clamp(min=1)
         return nll - beta * F.logsigmoid(odds)
     raise ArgumentError(f"DPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {kind!r}")
 

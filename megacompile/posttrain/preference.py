@@ -126,9 +126,15 @@ def reference_logps(engine, batches: list[dict]) -> list[torch.Tensor]:
     return [torch.as_tensor(engine(input_ids=b["input_ids"], labels=b["labels"])).float().clone() for b in batches]
 
 
-def preference_metrics(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> dict[str, float]:
+def preference_metrics(policy: torch.Tensor, reference: torch.Tensor, beta: float,
+                       tokens: torch.Tensor | None = None) -> dict[str, float]:
     """(2B,) sequence log-probabilities of a packed batch under the policy and the reference -> the
-    mean implicit rewards, their margin and the share of pairs whose chosen reward is the larger."""
+    mean implicit rewards, their margin and the share of pairs whose chosen reward is the larger.
+    With `tokens` ((2B,) completion lengths), the rewards are beta x log-probability per token, as
+    TRL's CPO and ORPO trainers and LlamaFactory reward the reference-free losses (the reference is
+    then zeros)."""
+    if tokens is not None:
+        policy = policy / tokens.clamp(min=1)
     half = policy.shape[0] // 2
     chosen = beta * (policy[:half] - reference[:half])
     rejected = beta * (policy[half:] - reference[half:])

@@ -291,11 +291,8 @@ def _pref_loss(raw: dict, out: Translated) -> None:
     if raw.get("stage") == "kto":
         out.notes.append(f"pref_loss {value!r} is not read by stage kto (as in LlamaFactory: its loss is KTO's)")
     elif value in PREF_LOSSES:
-        out.set("loss_type", value, "pref_loss", value)
-        if value == "orpo":
-            out.notes.append("pref_loss orpo trains TRL's ORPO, whose NLL term averages over all the batch's chosen "
-                             "tokens; LlamaFactory's averages within each pair first (the same when the chosen "
-                             "completions are of one length)")
+        # LlamaFactory's ORPO takes each pair's chosen NLL over its own tokens (loss_type orpo is TRL's)
+        out.set("loss_type", "orpo_per_pair" if value == "orpo" else value, "pref_loss", value)
     else:
         raise ArgumentError(f"pref_loss takes {', '.join(PREF_LOSSES)} here (TRL's DPO loss types; loss_type names "
                             f"the others); got {value!r}")

@@ -79,6 +79,10 @@ def _reference(kind, pc, pr, rc, rr, nc, nr, beta=BETA, ls=LS):
             return a - math.log1p(-math.exp(a))
         each = [-b * logsig(log_odds(pc[i] / nc[i]) - log_odds(pr[i] / nr[i])) for i in range(B)]
         return -sum(pc) / sum(nc) + sum(each) / B
+    elif kind == "orpo_per_pair":                           # LlamaFactory's odds_ratio_loss on averaged logps
+        def log_odds(a):
+            return a - math.log1p(-math.exp(a))
+        each = [-pc[i] / nc[i] - b * logsig(log_odds(pc[i] / nc[i]) - log_odds(pr[i] / nr[i])) for i in range(B)]
     else:
         raise AssertionError(kind)
     return sum(each) / B
@@ -160,7 +164,7 @@ def test_trl_s_old_names_and_the_checks():
     assert not DPOLoss(loss_type="sigmoid", label_smoothing=0.2).reads_label_smoothing
 
 
-@pytest.mark.parametrize("kind", ["simpo", "orpo"])
+@pytest.mark.parametrize("kind", ["simpo", "orpo", "orpo_per_pair"])
 def test_simpo_and_orpo_read_the_policy_alone(kind):
     pc, pr, rc, rr, nc, nr = _batch()
     given = dpo_loss(pc, pr, rc, rr, BETA, LS, kind, chosen_tokens=nc, rejected_tokens=nr)[0]

@@ -142,3 +142,16 @@ def test_grpo_settings_are_checked():
             GRPOLoss(**bad)
     with pytest.raises(ArgumentError, match="ref_logps"):
         grpo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), beta=0.1)
+
+
+def test_reference_free_rewards_are_per_token():
+    """TRL's CPO and ORPO trainers and LlamaFactory log beta x each completion's log-probability
+    per token when the loss reads the policy alone; with a reference, beta x the log-ratio of sums."""
+    from megacompile.posttrain import preference_metrics
+    policy, tokens = torch.tensor([-6.0, -9.0, -8.0, -3.0]), torch.tensor([2.0, 3.0, 4.0, 1.0])
+    per_token = preference_metrics(policy, torch.zeros(4), 0.5, tokens)
+    assert per_token["rewards_chosen"] == 0.5 * (-3.0 + -3.0) / 2
+    assert per_token["rewards_rejected"] == 0.5 * (-2.0 + -3.0) / 2
+    assert per_token["preference_accuracy"] == 0.0 and per_token["reward_margin"] == -0.25
+    summed = preference_metrics(policy, torch.zeros(4), 0.5)
+    assert summed["rewards_chosen"] == 0.5 * (-6.0 + -9.0) / 2 and summed["preference_accuracy"] == 0.5

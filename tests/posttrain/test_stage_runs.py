@@ -4,6 +4,7 @@ figures, and the export is the trained policy, loadable by transformers."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -95,9 +96,9 @@ def test_simpo_and_orpo_train_the_policy_alone_named_as_llamafactory_names_them(
     work = stage_files.workspace(tmp_path)
     settings = {k: v for k, v in stage_files.dpo(work, "").items() if k != "beta"}
     first = {}
-    for loss in ("simpo", "orpo"):
+    for loss, own in (("simpo", "simpo"), ("orpo", "orpo_per_pair")):    # LlamaFactory's orpo: NLL per pair
         runs = {}
-        for name, keys in (("lf", {"pref_loss": loss, "pref_beta": 2.0}), ("own", {"loss_type": loss, "beta": 2.0})):
+        for name, keys in (("lf", {"pref_loss": loss, "pref_beta": 2.0}), ("own", {"loss_type": own, "beta": 2.0})):
             run_dir = str(tmp_path / f"{loss}_{name}")
             run(load(files.run_yaml(str(tmp_path / f"{name}.yaml"), **{**settings, "run_dir": run_dir, **keys}), []))
             runs[name] = [{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s")}
@@ -106,6 +107,9 @@ def test_simpo_and_orpo_train_the_policy_alone_named_as_llamafactory_names_them(
         assert "no reference (the loss reads the policy alone)" in capsys.readouterr().out
         assert runs["lf"] == runs["own"] and len(runs["lf"]) == 3
         first[loss] = float(runs["own"][0]["loss"])
+        # rewards are beta x log-probability per token: an untrained model's is about -log(vocabulary)
+        vocab = len(json.load(open(os.path.join(work["model"], "tokenizer.json")))["model"]["vocab"])
+        assert -2.0 * 2 * math.log(vocab) < float(runs["own"][0]["rewards_chosen"]) < 0
     assert first["orpo"] > first["simpo"] > 0        # orpo adds the chosen tokens' NLL
 
 

@@ -99,7 +99,7 @@ class DPOStage(reference.ReferenceStage):
         return torch.stack([counted[:len(pairs)], counted[len(pairs):]], dim=1)
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
-        if not self.loss.needs_reference:       # simpo, orpo: the policy alone; the rewards are beta log pi
+        if not self.loss.needs_reference:       # simpo, orpo: the policy alone; the rewards are beta log pi per token
             self.reference = torch.zeros(len(self.pairs), 2)
             self.held_reference = torch.zeros(len(self.held), 2) if self.held else None
             return
@@ -132,7 +132,14 @@ class DPOStage(reference.ReferenceStage):
                 break
         b = self.c.batch
         rows = lambda ts: torch.cat([torch.cat([t[:b] for t in ts]), torch.cat([t[b:] for t in ts])])  # noqa: E731
-        return preference_metrics(rows(policy), rows([r for _, r in micro]), self.c.beta), losses, tokens, position
+        lengths = rows([(batch["labels"] != IGNORE).sum(-1).float() for batch, _ in micro])
+        metrics = preference_metrics(rows(policy), rows([r for _, r in micro]), self.c.beta, self._per_token(lengths))
+        return metrics, losses, tokens, position
+
+    def _per_token(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """The completions' lengths where the rewards are per token: a loss of the policy alone
+        (simpo, orpo) reads its log-probabilities so, and TRL and LlamaFactory log them so."""
+        return None if self.loss.needs_reference else lengths
 
     def evaluate(self, engine, step: int) -> dict:
         c, due = self.c, self.held_out(engine, step, self._logps)
@@ -140,9 +147,10 @@ class DPOStage(reference.ReferenceStage):
             return {}
         held, ref, policy = due
         counts = self._token_counts(held)
-        losses = self.loss.pairs(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]),
-                                 torch.cat([counts[:, 0], counts[:, 1]]))
-        both = preference_metrics(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), c.beta)
+        lengths = torch.cat([counts[:, 0], counts[:, 1]])
+        losses = self.loss.pairs(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), lengths)
+        both = preference_metrics(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), c.beta,
+                                  self._per_token(lengths))
         return {"eval_loss": losses.mean().item(), **{f"eval_{k}": v for k, v in both.items()}}
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
