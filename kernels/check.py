@@ -236,6 +236,14 @@ def case_linear_logprobs(dtype, s, gen):
     return compare_autograd(lambda h, w, y: linear_logprobs(h, w, y), ref.linear_logprobs_ref, (h, w, labels), (0, 1))
 
 
+def case_linear_logprobs_temperature(dtype, s, gen):
+    """The logits divided by GRPO's temperature before the log-softmax."""
+    h, w, labels = lm_inputs(dtype, s, gen)
+    return compare_autograd(lambda h, w, y: linear_logprobs(h, w, y, temperature=0.7),
+                            lambda h, w, y: ref.linear_logprobs_ref(h, w, y, temperature=0.7),
+                            (h, w, labels.clamp(min=0)), (0, 1))
+
+
 def case_grouped_gemm(dtype, s, gen):
     """Rows per expert with empty experts, a one-row expert and one that takes nearly all."""
     counts, k, n = s["experts"]
@@ -314,6 +322,7 @@ CASES = [
     ("fused_linear_ce", case_fused_linear_cross_entropy, DTYPES, TOLERANCE),
     ("fused_linear_ce(cap)", case_fused_linear_cross_entropy_softcap, DTYPES, TOLERANCE),
     ("linear_logprobs", case_linear_logprobs, DTYPES, TOLERANCE),
+    ("linear_logprobs(temp)", case_linear_logprobs_temperature, DTYPES, TOLERANCE),
     ("grouped_gemm", case_grouped_gemm, DTYPES, TOLERANCE),
     ("adamw", case_adamw, DTYPES, {torch.float32: 1e-6, torch.bfloat16: 1e-6}),
     ("cast_fp32_to_bf16", case_cast, (torch.bfloat16,), {torch.bfloat16: EXACT}),

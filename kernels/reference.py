@@ -118,9 +118,11 @@ def fused_linear_cross_entropy_ref(h, w, labels, bias=None, ignore_index: int = 
     return F.cross_entropy(logits.float().reshape(-1, w.shape[0]), labels.reshape(-1), ignore_index=ignore_index)
 
 
-def linear_logprobs_ref(h, w, labels) -> torch.Tensor:
-    """log softmax(h @ w.T)[label] per row in fp32, as the post-training losses take it from the logits."""
-    logits = (h @ w.T).float()
+def linear_logprobs_ref(h, w, labels, temperature: float = 0.0) -> torch.Tensor:
+    """log softmax(h @ w.T)[label] per row in fp32, as the post-training losses take it from the logits
+    (divided by GRPO's temperature first, in h.dtype, when given)."""
+    logits = h @ w.T
+    logits = (logits / temperature if temperature else logits).float()
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 

@@ -6,10 +6,10 @@ their fp32 copy (saved for the backward), and in the backward exp(x - lse), the 
 and their sum in fp32 and its cast: five to six [N, V] tensors, 7.5 GB at 8k tokens of Qwen's 152k
 vocabulary each in fp32.
 
-Forward group:   logits = h @ W.T ; [views, cast to fp32] -> x ; gather(x, -1, idx) ; squeeze ;
+Forward group:   logits = h @ W.T ; [views, / T, cast to fp32] -> x ; gather(x, -1, idx) ; squeeze ;
                  logsumexp(x, [-1])
 Backward group:  exp(x - lse) * g_lse + scatter_add(zeros, -1, idx, g_pick) ; [cast, views] -> dlogits
-                 dW = dlogits.T @ h      dh = dlogits @ W
+                 [/ T] dW = dlogits.T @ h      dh = dlogits @ W
 
 The forward becomes one launcher over token chunks (kernels/linear_logprobs.py) that gives the
 picked logit and the logsumexp ([N] fp32); the saved fp32 logits leave the saved values, and the
@@ -18,8 +18,8 @@ turn them into its rows of dh and its share of dW. Unlike the cross-entropy the 
 differs per token and arrives only in the backward, so nothing can be taken ahead.
 
 An inference template (the reference pass, the policy's log-probabilities before a step) gets the
-forward launcher alone. Logits capped or divided (Gemma 2's softcap, GRPO's temperature) keep
-eager's graph.
+forward launcher alone. Logits divided by a number (GRPO's temperature) are divided by the kernels
+as they read them, rounded as eager rounds; capped logits (Gemma 2's softcap) keep eager's graph.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from megacompile.kernels.fused_linear_cross_entropy import default_chunk_size
 from megacompile.kernels.linear_logprobs import logits_grad_, picked_and_lse
 
 from .contract import StagePair
-from .cross_entropy import RESHAPES, _accumulate_dw, _down_from, _dw_rows, _plain_cast, _single_user, head_grads
+from .cross_entropy import RESHAPES, _accumulate_dw, _dw_rows, _plain_cast, _single_user, head_grads
 from .graph import GraphEdit, launcher
 from .match import PASSTHROUGH, is_call, peel, val
 
@@ -39,17 +39,18 @@ aten = torch.ops.aten
 
 
 # -- launchers ----------------------------------------------------------------------------------
-def _forward_meta(h, w, idx, chunk_size):
+def _forward_meta(h, w, idx, chunk_size, temperature=0.0, rounded=False):
     n = h.shape[0]
     return (torch.empty(n, dtype=torch.float32, device=h.device), torch.empty(n, dtype=torch.float32, device=h.device),
             torch.empty((min(chunk_size, n), w.shape[0]), dtype=h.dtype, device=h.device))
 
 
 @launcher("linear_logprobs", _forward_meta)
-def linear_logprobs_forward(h, w, idx, chunk_size):
+def linear_logprobs_forward(h, w, idx, chunk_size, temperature=0.0, rounded=False):
     """(picked [N] fp32, lse [N] fp32, the [chunk, V] logits tile) for h [N, H], w [V, H] and idx
-    (N indices in [0, V), any shape): logits[i, idx[i]] and logsumexp(logits[i]). The tile is reused
-    by every chunk and returned so that the plan and the runtime count it."""
+    (N indices in [0, V), any shape): x[i, idx[i]] and logsumexp(x[i]), x the logits divided by
+    `temperature` where given (the quotient `rounded` to h.dtype, as eager divides bf16 logits). The
+    tile is reused by every chunk and returned so that the plan and the runtime count it."""
     n = h.shape[0]
     h, idx = h.contiguous(), idx.reshape(n)
     picked = outputs.empty((n,), dtype=torch.float32, device=h.device)
@@ -59,11 +60,11 @@ def linear_logprobs_forward(h, w, idx, chunk_size):
         end = min(start + chunk_size, n)
         logits = tile[:end - start]
         torch.mm(h[start:end], w.T, out=logits)
-        picked_and_lse(logits, idx[start:end], picked[start:end], lse[start:end], chunk_size)
+        picked_and_lse(logits, idx[start:end], picked[start:end], lse[start:end], chunk_size, temperature, rounded)
     return picked, lse, tile
 
 
-def _backward_meta(g_pick, g_lse, h, w, idx, lse, chunk_size):
+def _backward_meta(g_pick, g_lse, h, w, idx, lse, chunk_size, temperature=0.0, rounded=False):
     n, hidden = h.shape
     vocab = w.shape[0]
     exact = w.dtype == torch.float32
@@ -75,7 +76,7 @@ def _backward_meta(g_pick, g_lse, h, w, idx, lse, chunk_size):
 
 
 @launcher("linear_logprobs_backward", _backward_meta)
-def linear_logprobs_backward(g_pick, g_lse, h, w, idx, lse, chunk_size):
+def linear_logprobs_backward(g_pick, g_lse, h, w, idx, lse, chunk_size, temperature=0.0, rounded=False):
     """(dh [N, H], dW [V, H] in w.dtype, the logits tile, the fp32 dW accumulator ([0, H] when W is
     fp32 and dW is summed in place), the [rows, H] dW partial) from the gradients of the picked
     logits and of the logsumexps ([N] fp32 each, any shape)."""
@@ -94,7 +95,8 @@ def linear_logprobs_backward(g_pick, g_lse, h, w, idx, lse, chunk_size):
         end = min(start + chunk_size, n)
         h_chunk, logits = h[start:end], tile[:end - start]
         torch.mm(h_chunk, w.T, out=logits)
-        logits_grad_(logits, idx[start:end], lse[start:end], g_pick[start:end], g_lse[start:end], chunk_size)
+        logits_grad_(logits, idx[start:end], lse[start:end], g_pick[start:end], g_lse[start:end], chunk_size,
+                     temperature, rounded)
         torch.mm(logits, w, out=dh[start:end])
         _accumulate_dw(dw if exact else acc, logits, h_chunk, partial)
     if not exact:
@@ -107,16 +109,26 @@ def _last_dim(dim, node: fx.Node) -> bool:
     return dim in (-1, val(node).dim() - 1)
 
 
-def _up_to_matmul(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
-    """From x (the fp32 logits) up through reshapes and one cast to fp32 to the lm-head mm: (mm, the
-    nodes between). Every node above x is read by the next one alone."""
-    chain, node = [], x
+def _divisor(node: fx.Node) -> float | None:
+    """T where node is x / T for a positive number T (GRPO's temperature), else None."""
+    if is_call(node, aten.div.Tensor) and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool):
+        return float(node.args[1]) if node.args[1] > 0 else None
+    return None
+
+
+def _up_to_matmul(x: fx.Node) -> tuple[fx.Node, list[fx.Node], float, bool] | None:
+    """From x (the fp32 logits) up through reshapes, one cast to fp32 and one division by a number to
+    the lm-head mm: (mm, the nodes between, the divisor or 0, whether the quotient is rounded to
+    the logits' dtype). Every node above x is read by the next one alone."""
+    chain, node, divisor, rounded = [], x, 0.0, False
     while True:
         if node is not x and not _single_user(node):
             return None
         if is_call(node, aten.mm.default):
-            return node, chain
-        if not (is_call(node, RESHAPES) or (_plain_cast(node) and node.kwargs.get("dtype") == torch.float32)):
+            return node, chain, divisor, rounded
+        if _divisor(node) is not None and not divisor:
+            divisor, rounded = _divisor(node), val(node).dtype != torch.float32
+        elif not (is_call(node, RESHAPES) or (_plain_cast(node) and node.kwargs.get("dtype") == torch.float32)):
             return None
         chain.append(node)
         node = node.args[0]
@@ -147,7 +159,7 @@ def _forward_group(edit: GraphEdit, saved_by: set[fx.Node]):
         found = _up_to_matmul(x)
         if found is None:
             continue
-        mm, chain = found
+        mm, chain, divisor, rounded = found
         h, wt = mm.args
         w = peel(wt)
         w = peel(w.args[0]) if is_call(w, aten.t.default) else None
@@ -155,10 +167,12 @@ def _forward_group(edit: GraphEdit, saved_by: set[fx.Node]):
             continue
         if val(h).dtype != val(w).dtype or val(idx).numel() != val(h).shape[0]:
             continue
+        if rounded and val(mm).dtype == torch.float32:
+            continue   # divided in a dtype between fp32 logits and their fp32 read: not what the kernels round
         group = [mm, *chain, gather, squeeze, lse]
         if _single_user(peel(wt)):
             group.append(peel(wt))
-        return lse, squeeze, x, idx, mm, h, w, group
+        return lse, squeeze, x, idx, mm, h, w, group, {"temperature": divisor, "rounded": rounded}
     return None
 
 
@@ -180,7 +194,7 @@ def _passthrough(node: fx.Node) -> list[fx.Node]:
 
 def _backward_group(pair: StagePair, fwd):
     """(g_pick, g_lse, dh mm, dW mm, group nodes) of the head's backward for the forward group, or None."""
-    lse, _, x, idx, _, h, w, _ = fwd
+    lse, _, x, idx, _, h, w, _, scaling = fwd
     s_x = pair.backward_of(x)
     if s_x is None or len(s_x.users) != 1:
         return None
@@ -213,8 +227,8 @@ def _backward_group(pair: StagePair, fwd):
     for g in (g_pick, g_lse):
         if val(g).dtype != torch.float32 or not val(g).is_contiguous() or val(g).numel() != val(h).shape[0]:
             return None
-    down = _down_from(add)
-    if down is None or val(down[0]).dim() != 2:
+    down = _down_to_dlogits(add, scaling["temperature"])
+    if down is None:
         return None
     dlogits, chain = down
     grads = head_grads(pair, dlogits, pair.backward_of(w), h)
@@ -224,6 +238,21 @@ def _backward_group(pair: StagePair, fwd):
     group = [sub, sub.args[1], *_passthrough(s_lse), exp, mul, g_lse_u, zeros, src, scatter, add, *chain,
              *transposes, dh, dw]
     return g_pick, g_lse, dh, dw, group
+
+
+def _down_to_dlogits(node: fx.Node, divisor: float) -> tuple[fx.Node, list[fx.Node]] | None:
+    """From the fp32 gradient of the logits down through reshapes, casts and the division's backward
+    (by the forward's divisor, where it divided) to the 2-d dlogits."""
+    chain = []
+    while _single_user(node):
+        (u,) = node.users
+        if is_call(u, RESHAPES) or _plain_cast(u) or (divisor and _divisor(u) == divisor and u.args[0] is node):
+            divisor = 0.0 if _divisor(u) else divisor
+            chain.append(u)
+            node = u
+            continue
+        break
+    return None if divisor or val(node).dim() != 2 else (node, chain)
 
 
 # -- the rewrites -------------------------------------------------------------------------------
@@ -240,14 +269,14 @@ def linear_logprobs(pair: StagePair) -> int:
     bwd = _backward_group(pair, fwd)
     if bwd is None:
         return 0
-    lse, squeeze, _, idx, _, h, w, group = fwd
+    lse, squeeze, _, idx, _, h, w, group, scaling = fwd
     g_pick, g_lse, dh_mm, dw_mm, bwd_group = bwd
     chunk = _chunk(h, w)
     args = (g_pick, g_lse, pair.input_for(h), pair.input_for(w), pair.input_for(idx), pair.input_for(lse), chunk)
-    done = pair.bwd.replace(linear_logprobs_backward, args, {}, {0: dh_mm, 1: dw_mm}, bwd_group)
+    done = pair.bwd.replace(linear_logprobs_backward, args, scaling, {0: dh_mm, 1: dw_mm}, bwd_group)
     assert done, "the head's backward group was checked but could not be replaced"
     pair.prune()   # the fp32 logits leave the saved values
-    done = pair.fwd.replace(linear_logprobs_forward, (h, w, idx, chunk), {}, {0: squeeze, 1: lse}, group)
+    done = pair.fwd.replace(linear_logprobs_forward, (h, w, idx, chunk), scaling, {0: squeeze, 1: lse}, group)
     assert done, "the head's log-probability group was checked but could not be replaced"
     return 1
 
@@ -257,7 +286,7 @@ def linear_logprobs_forward_only(edit: GraphEdit) -> int:
     fwd = _forward_group(edit, set())
     if fwd is None:
         return 0
-    lse, squeeze, _, idx, _, h, w, group = fwd
-    return 1 if edit.replace(linear_logprobs_forward, (h, w, idx, _chunk(h, w)), {}, {0: squeeze, 1: lse},
+    lse, squeeze, _, idx, _, h, w, group, scaling = fwd
+    return 1 if edit.replace(linear_logprobs_forward, (h, w, idx, _chunk(h, w)), scaling, {0: squeeze, 1: lse},
                              group) else 0
 

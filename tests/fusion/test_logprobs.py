@@ -1,7 +1,7 @@
 """The post-training losses' head (each token's log-probability) on the chunked kernels: the same
 losses and gradients as eager, in the training pair and in the forward-only reference pass, less
-device memory by at least the logits, predicted to the byte; a head the rewrite does not know
-(logits divided by a temperature) stays eager."""
+device memory by at least the logits, predicted to the byte; GRPO's temperature divides the logits
+inside the kernels; a head the rewrite does not know (softcapped logits) stays eager."""
 from __future__ import annotations
 
 import copy
@@ -12,8 +12,9 @@ import torch
 import megacompile
 from megacompile.fusion import kernel_counts
 from megacompile.ir.stage_program import tensors_of
-from megacompile.posttrain import DPOLoss, DPOObjective, GRPOLoss, GRPOObjective, group_advantages
-from megacompile.posttrain.logprobs import IGNORE
+from megacompile.posttrain import (DFTObjective, DPOLoss, DPOObjective, GRPOLoss, GRPOObjective, KTOLoss, KTOObjective,
+                                   group_advantages)
+from megacompile.posttrain.logprobs import IGNORE, token_logprobs
 from tests import models
 from tests.fusion.training import host_grads, torch_order_adamw
 
@@ -34,16 +35,36 @@ def _dpo_inputs(seed: int) -> dict:
     return dict(input_ids=ids, labels=labels, ref_logps=torch.linspace(-40.0, -30.0, ROWS))
 
 
+def _kto_inputs(seed: int) -> dict:
+    ids, labels = _batch(seed)
+    return dict(input_ids=ids, labels=labels, ref_logps=torch.linspace(-40.0, -30.0, ROWS),
+                desirable=torch.tensor([1.0, 0.0, 1.0, 0.0]), kl=torch.tensor(0.2))
+
+
+def _grpo_inputs(seed: int) -> dict:
+    ids, labels = _batch(seed)
+    old = torch.full((ROWS, T), -8.0) + 0.01 * torch.arange(T)
+    return dict(input_ids=ids, labels=labels, old_logps=old, ref_logps=old - 0.05,
+                advantages=group_advantages(torch.tensor([1.0, 0.0, 0.5, 1.0]) + seed, 2))
+
+
+OBJECTIVES = {"kto": (lambda p: KTOObjective(p, KTOLoss(beta=0.5)), _kto_inputs),
+              "grpo": (lambda p: GRPOObjective(p, GRPOLoss(beta=0.04)), _grpo_inputs),
+              "grpo_temperature": (lambda p: GRPOObjective(p, GRPOLoss(beta=0.04, temperature=0.7)), _grpo_inputs),
+              "dft": (lambda p: DFTObjective(p, shifted=True), lambda seed: dict(zip(("input_ids", "labels"),
+                                                                                   _batch(seed))))}
+
+
 def _engine(objective, fuse: bool, dtype=torch.float32):
     return megacompile.compile(copy.deepcopy(objective), hbm_budget=64.0, device="cpu", fuse=fuse,
                                compute_dtype=dtype, optimizer=torch_order_adamw())
 
 
-def _run(objective, fuse: bool, steps: int = 2, dtype=torch.float32):
+def _run(objective, fuse: bool, steps: int = 2, dtype=torch.float32, inputs=_dpo_inputs):
     engine = _engine(objective, fuse, dtype)
     losses, grads = [], []
     for k in range(steps):
-        losses.append(engine.step(**_dpo_inputs(k)))
+        losses.append(engine.step(**inputs(k)))
         grads.append(host_grads(engine))
     return engine, losses, grads
 
@@ -80,6 +101,19 @@ def test_dpo_head_matches_eager_and_holds_no_logits(dpo):
                 assert t.numel() < ROWS * T * VOCAB, f"{node.name} holds {tuple(t.shape)}"
 
 
+@pytest.mark.parametrize("kind", OBJECTIVES)
+def test_kto_grpo_and_dft_take_the_kernels_with_eagers_numbers(kind):
+    """GRPO at a temperature too: the logits divided inside the kernels, forward and backward."""
+    make, inputs = OBJECTIVES[kind]
+    torch.manual_seed(0)
+    objective = make(models.hf_llama(layers=2, d=WIDTH, vocab=VOCAB))
+    plain, fused = (_run(objective, fuse=f, inputs=inputs) for f in (False, True))
+    assert dict(kernel_counts(_epilogue(fused[0]).backward.gm)).get("linear_logprobs_backward") == 1
+    torch.testing.assert_close(torch.tensor(fused[1]), torch.tensor(plain[1]), rtol=1e-5, atol=0)
+    for name, g in plain[2][0].items():
+        torch.testing.assert_close(fused[2][0][name], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 def test_the_reference_pass_runs_the_forward_kernel(dpo):
     ids, labels = _batch(7)
     plain, fused = _engine(dpo, fuse=False), _engine(dpo, fuse=True)
@@ -109,15 +143,24 @@ def test_bf16_head_is_as_close_to_fp32_as_eager_bf16(dpo):
         assert err[1] <= 2 * err[0] + 8e-3, (name, err)
 
 
-def test_a_temperature_keeps_the_eager_head():
-    """GRPO divides the logits by its temperature before the log-softmax: not the rewrite's pattern."""
+class _Capped(torch.nn.Module):
+    """Log-probabilities of softcapped logits (Gemma 2's final cap): not the rewrite's pattern."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, input_ids, labels):
+        logits = self.policy(input_ids).logits
+        logps, mask = token_logprobs(torch.tanh(logits / 30.0) * 30.0, labels)
+        return -(logps.sum() / mask.sum())
+
+
+def test_capped_logits_keep_the_eager_head():
     torch.manual_seed(0)
-    objective = GRPOObjective(models.hf_llama(layers=2, d=WIDTH, vocab=512), GRPOLoss(temperature=0.7))
+    objective = _Capped(models.hf_llama(layers=2, d=WIDTH, vocab=512))
     ids, labels = _batch(3)
-    labels = labels.clamp(max=511)
-    ids = ids.clamp(max=511)
-    engine = _engine(objective, fuse=True)
-    logps = torch.full((ROWS, T), -6.0)
-    engine.step(input_ids=ids, labels=labels, old_logps=logps, ref_logps=logps,
-                advantages=group_advantages(torch.tensor([1.0, 0.0, 0.5, 1.0]), 2))
-    assert "linear_logprobs" not in dict(kernel_counts(_epilogue(engine).forward.gm))
+    plain, fused = (_engine(objective, fuse=f) for f in (False, True))
+    inputs = dict(input_ids=ids.clamp(max=511), labels=labels.clamp(max=511))
+    assert fused.step(**inputs) == pytest.approx(plain.step(**inputs), rel=1e-6)
+    assert "linear_logprobs" not in dict(kernel_counts(_epilogue(fused).forward.gm))
