@@ -8,7 +8,7 @@ b = beta, sigma the logistic function and z the batch's KL estimate,
     apo_zero_unpaired   desirable: 1 - sigma(b r)           undesirable: sigma(b r)          (no z)
 
 each weighted by desirable_weight or undesirable_weight, and the batch's loss is their mean over
-its completions. z is TRL's: each prompt of the batch paired with another example's completion
+its completions (plus LlamaFactory's pref_ftx term where asked: `KTOLoss.batch`). z is TRL's: each prompt of the batch paired with another example's completion
 (x, y'), z = max(0, mean(log pi(y'|x) - log pi_ref(y'|x))), held constant (a forward pass
 without gradient); it arrives as a step input, as the reference's log-probabilities do."""
 from __future__ import annotations
@@ -56,6 +56,7 @@ class KTOLoss:
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     loss_type: str = "kto"
+    ftx: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("beta", "desirable_weight", "undesirable_weight"):
@@ -64,6 +65,9 @@ class KTOLoss:
                 raise ArgumentError(f"KTO {key} must be a positive number; got {value!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ArgumentError(f"KTO loss_type must be one of {', '.join(LOSS_TYPES)}; got {self.loss_type!r}")
+        if isinstance(self.ftx, bool) or not (isinstance(self.ftx, (int, float)) and self.ftx >= 0):
+            raise ArgumentError(f"KTO pref_ftx (the weight of the desirable completions' NLL) must be a number >= 0; "
+                                f"got {self.ftx!r}")
 
     @property
     def needs_kl(self) -> bool:
@@ -74,10 +78,24 @@ class KTOLoss:
         return kto_loss(policy, ref, desirable, kl, self.beta, self.desirable_weight, self.undesirable_weight,
                         self.loss_type)
 
+    def batch(self, policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor | float,
+              tokens: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss from its (B,) sequence log-probabilities and completion lengths: the
+        examples' mean, plus, with `ftx` (LlamaFactory's pref_ftx), ftx x the desirable completions'
+        mean NLL per token rescaled by B / (their count), as LlamaFactory's KTO trainer adds it (none
+        where no completion of the micro-batch is desirable)."""
+        loss = self.examples(policy, ref, desirable, kl).mean()
+        if not self.ftx:
+            return loss
+        wanted = desirable.bool()
+        count = wanted.sum().clamp(min=1).to(policy.dtype)
+        nll = torch.where(wanted, -policy / tokens.clamp(min=1), torch.zeros_like(policy)).sum()
+        return loss + self.ftx * nll / count / count * policy.shape[0]
+
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
                  kl: torch.Tensor) -> torch.Tensor:
-        logps, _ = token_logprobs(logits, labels)
-        return self.examples(logps.sum(-1), ref_logps, desirable, kl).mean()
+        logps, mask = token_logprobs(logits, labels)
+        return self.batch(logps.sum(-1), ref_logps, desirable, kl, mask.sum(-1).to(logps.dtype))
 
 
 class KTOObjective(nn.Module):

@@ -120,7 +120,7 @@ NOT_TAKEN = {
 
 
 # Keys whose 0 asks for nothing: LlamaFactory's defaults, which its web UI writes into every saved
-# run.yaml of the stage (pref_ftx under dpo and kto; stage dpo reads a pref_ftx above 0).
+# run.yaml of the stage (pref_ftx under dpo and kto, which read a pref_ftx above 0).
 ZERO_IS_OFF = ("pref_ftx", "neftune_noise_alpha")
 # Keys whose LlamaFactory default asks for nothing more than megacompile does: accepted at that value.
 DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "infer_dtype": "auto"}

@@ -52,6 +52,29 @@ def test_the_loss_of_logits_is_that_of_their_summed_completion_log_probabilities
         KTOLoss(desirable_weight=0)
 
 
+def test_pref_ftx_adds_the_desirable_nll_per_token_rescaled_as_llamafactory_does():
+    """LlamaFactory's KTO trainer: losses.nanmean() + ftx x mean over the desirable completions of
+    -log pi(y) / n, divided by their count and times the micro-batch's size; nothing where none is
+    desirable."""
+    torch.manual_seed(1)
+    logits, labels = torch.randn(4, 7, 11), torch.randint(0, 11, (4, 7))
+    labels[:, :2] = -100
+    labels[0, -3:] = -100                                  # completions of different lengths
+    logps, mask = token_logprobs(logits, labels)
+    seq, n = logps.sum(-1), mask.sum(-1)
+    ref, kl = torch.randn(4), torch.tensor(0.3)
+    plain, ftx = KTOLoss(beta=0.3), KTOLoss(beta=0.3, ftx=0.7)
+    for desirable in (torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 1.0, 1.0])):
+        chosen = [i for i in range(4) if desirable[i]]
+        sft = sum(-seq[i].item() / n[i].item() for i in chosen) / len(chosen)       # sft_loss.nanmean()
+        want = plain(logits, labels, ref, desirable, kl).item() + 0.7 * sft / len(chosen) * 4
+        assert ftx(logits, labels, ref, desirable, kl).item() == pytest.approx(want, rel=1e-6)   # fp32 logps
+    none = torch.zeros(4)
+    assert ftx(logits, labels, ref, none, kl).item() == plain(logits, labels, ref, none, kl).item()
+    with pytest.raises(ArgumentError, match="KTO pref_ftx .* must be a number >= 0; got -1"):
+        KTOLoss(ftx=-1)
+
+
 def test_each_prompt_takes_the_completion_before_it_in_chunks_of_the_batch():
     assert kl_partners(5, 2) == [1, 0, 3, 2, 4]       # the last chunk of one takes its own
     assert kl_partners(6, 3) == [2, 0, 1, 5, 3, 4]

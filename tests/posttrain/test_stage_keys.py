@@ -29,8 +29,8 @@ def work(tmp_path_factory):
      r"loss_weights is a list of one number per loss type \(2: sigmoid, sft\)"),
     ("dpo", {"loss_type": "exo_pair"}, r"label_smoothing is exo_pair's epsilon and must be in \(0, 1\)"),
     ("dpo", {"loss_type": ["sigmoid", "sft"], "rpo_alpha": 1.0}, "rpo_alpha adds loss_type sft"),
-    ("dpo", {"pref_ftx": -0.5}, r"pref_ftx must be >= 0 \(the weight of each pair's chosen NLL"),
-    ("kto", {"pref_ftx": 0.5}, "stage kto: pref_ftx 0.5 is not taken .* leave it out or give 0"),
+    ("dpo", {"pref_ftx": -0.5}, r"pref_ftx must be >= 0 \(the weight of the chosen completions' NLL"),
+    ("kto", {"pref_ftx": -0.5}, r"pref_ftx must be >= 0 \(the weight of the chosen completions' NLL"),
     ("dpo", {"precompute_ref_log_probs": "yes"}, "precompute_ref_log_probs must be true or false"),
     ("grpo", {"scale_rewards": "std"}, r"scale_rewards must be one of group, batch, none \(or true: group"),
     ("grpo", {"importance_sampling_level": "seq"}, "importance_sampling_level must be one of token, sequence"),
@@ -138,7 +138,7 @@ def test_a_record_with_images_is_refused_by_the_stages_that_read_text_alone(tmp_
         kind(c)(c, load_tokenizer(work["model"], None))
 
 
-def test_pref_ftx_is_read_under_dpo_and_its_zero_asks_for_nothing_under_kto(tmp_path, work, capsys):
+def test_pref_ftx_is_read_under_dpo_and_kto_and_its_zero_asks_for_nothing(tmp_path, work, capsys):
     from megacompile.train.data.tokens import load_tokenizer
     from megacompile.train.stages import kind
     settings = {**stage_files.dpo(work, str(tmp_path / "run")), "pref_ftx": 0.25}
@@ -148,6 +148,10 @@ def test_pref_ftx_is_read_under_dpo_and_its_zero_asks_for_nothing_under_kto(tmp_
     assert "sigmoid + 0.25 pref_ftx (each pair's chosen NLL per token) loss" in stage.describe(None)[0]
     c = load(files.run_yaml(str(tmp_path / "run.yaml"), **{**settings, "pref_ftx": 0, "stage": "kto"}), [])
     assert c.pref_ftx is None       # LlamaFactory's web UI writes its default, 0, under kto too
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **{**settings, "pref_ftx": 0.5, "stage": "kto"}), [])
+    stage = kind(c)(c, load_tokenizer(work["model"], None))
+    assert c.pref_ftx == 0.5 and stage.loss.ftx == 0.5
+    assert "pref_ftx 0.5 (the desirable completions' NLL per token, as LlamaFactory's kto)" in stage.describe(None)[0]
 
 
 def test_grpo_completions_stop_where_the_models_generation_config_stops(tmp_path, work):

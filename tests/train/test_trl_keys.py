@@ -75,7 +75,7 @@ def test_their_keys_asking_for_nothing_are_accepted(tmp_path):
     for asked in ({"neftune_noise_alpha": 5}, {"quantization_bit": 0}):
         with pytest.raises(ArgumentError, match=f"{next(iter(asked))} -> "):
             load(_yaml(tmp_path, **asked))
-    with pytest.raises(ArgumentError, match=r"stage sft: pref_ftx \(stage dpo\) belongs to another stage"):
+    with pytest.raises(ArgumentError, match=r"stage sft: pref_ftx \(stage dpo or kto\) belongs to another stage"):
         load(_yaml(tmp_path, pref_ftx=0.1))
 
 

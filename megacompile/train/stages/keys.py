@@ -31,7 +31,7 @@ STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
 REFUSED = ("ppo",)
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau", "simpo_gamma", "pref_ftx"),
-        "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight"),
+        "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx"),
         "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
@@ -42,7 +42,8 @@ ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["rm"] + KEYS["gr
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
                     "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05, "simpo_gamma": 0.5,
                     "pref_ftx": None},
-            "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0},
+            "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0,
+                    "pref_ftx": None},
             "rm": {"center_rewards_coefficient": 0.0},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
                      "max_completion_length": 256, "temperature": 1.0, "epsilon": 0.2, "epsilon_high": None,
@@ -82,10 +83,6 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         raise ArgumentError(f"stage pt trains the cross-entropy of every token of the text; loss_type "
                             f"{raw['loss_type']!r} is not taken there (stage sft takes nll or dft): leave it out, or "
                             "set stage: sft")
-    if c.stage == "kto" and raw.get("pref_ftx") is not None:
-        raise ArgumentError(f"stage kto: pref_ftx {raw['pref_ftx']!r} is not taken (LlamaFactory's KTO adds its chosen "
-                            "NLL mean times the batch over its desirable count, which megacompile's kto does not "
-                            "have): leave it out or give 0")
     given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")]
     foreign = [k for k in given if k not in KEYS.get(c.stage, ())]
     if foreign:
@@ -152,8 +149,17 @@ def _rm(c) -> None:
                             "lm_head, which it does not hold; leave lm_head out of lora_target")
 
 
+def _pref_ftx(c) -> None:
+    if c.pref_ftx is not None:
+        c.pref_ftx = _number("pref_ftx", c.pref_ftx)
+        if c.pref_ftx < 0:
+            raise ArgumentError(f"pref_ftx must be >= 0 (the weight of the chosen completions' NLL, LlamaFactory's; "
+                                f"0 leaves it out); got {c.pref_ftx!r}")
+
+
 def _kto(c) -> None:
     c.beta = _positive("beta", c.beta)
+    _pref_ftx(c)
     if c.loss_type not in kto.LOSS_TYPES:
         raise ArgumentError(f"stage kto: loss_type must be one of {', '.join(kto.LOSS_TYPES)}; got {c.loss_type!r}")
     c.desirable_weight = _positive("desirable_weight", c.desirable_weight)
@@ -193,11 +199,7 @@ def _dpo(c) -> None:
         if "sft" in kinds:
             raise ArgumentError("rpo_alpha adds loss_type sft with that weight, and loss_type already holds sft: "
                                 "give its weight in loss_weights and leave rpo_alpha out")
-    if c.pref_ftx is not None:
-        c.pref_ftx = _number("pref_ftx", c.pref_ftx)
-        if c.pref_ftx < 0:
-            raise ArgumentError(f"pref_ftx must be >= 0 (the weight of each pair's chosen NLL, LlamaFactory's; 0 "
-                                f"leaves it out); got {c.pref_ftx!r}")
+    _pref_ftx(c)
     c.discopop_tau = _positive("discopop_tau", c.discopop_tau)
     c.simpo_gamma = _number("simpo_gamma", c.simpo_gamma)
     if c.simpo_gamma < 0:

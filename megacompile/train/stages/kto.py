@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import ArgumentError
-from ...posttrain import KTOLoss, KTOObjective, kl_estimate, pack_rows, tokenised
+from ...posttrain import IGNORE, KTOLoss, KTOObjective, kl_estimate, pack_rows, tokenised
 from ..data import feedback, images, tools
 from ..data.reading import records
 from ..log import STEP_COLUMNS
@@ -59,7 +59,7 @@ class KTOStage(reference.ReferenceStage):
             self.held = self._read(c.eval)
         elif c.eval_fraction:
             self.examples, self.held = reference.hold_out(self.examples, c.eval_fraction, c.seed, "examples")
-        self.loss = KTOLoss(c.beta, c.desirable_weight, c.undesirable_weight, c.loss_type)
+        self.loss = KTOLoss(c.beta, c.desirable_weight, c.undesirable_weight, c.loss_type, c.pref_ftx or 0.0)
         self.partners = kl_partners(len(self.examples), c.batch)
         self.held_partners = kl_partners(len(self.held), c.batch)
         self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS)
@@ -102,7 +102,9 @@ class KTOStage(reference.ReferenceStage):
         lines = [f"stage          kto: {len(self.examples)} completions ({wanted} desirable, "
                  f"{len(self.examples) - wanted} undesirable){held}; {c.batch} x {c.grad_accum} accumulated per step, "
                  f"rows of {c.seq} tokens; loss {c.loss_type}, beta {c.beta:g}, desirable_weight "
-                 f"{c.desirable_weight:g}, undesirable_weight {c.undesirable_weight:g}; {c.steps} steps"]
+                 f"{c.desirable_weight:g}, undesirable_weight {c.undesirable_weight:g}"
+                 + (f", pref_ftx {c.pref_ftx:g} (the desirable completions' NLL per token, as LlamaFactory's kto)"
+                    if c.pref_ftx else "") + f"; {c.steps} steps"]
         unwanted = len(self.examples) - wanted
         ratio = c.desirable_weight * wanted / (c.undesirable_weight * unwanted) if unwanted else math.inf
         if not 1 <= ratio <= 4 / 3:
@@ -192,14 +194,21 @@ class KTOStage(reference.ReferenceStage):
             return {}
         held, ref, policy = due
         desirable = torch.tensor([float(e.desirable) for e in held])
+        lengths = self._lengths(held)
         losses, kls = [], []
         for lo in range(0, len(held), c.batch):      # the KL estimate of each micro-batch, as in training
             part = slice(lo, lo + c.batch)
             kl = kl_estimate(policy[part, 1], ref[part, 1]) if self.loss.needs_kl else torch.zeros(())
-            losses.append(self.loss.examples(policy[part, 0], ref[part, 0], desirable[part], kl))
+            rows = len(held[part])                   # each micro-batch's loss, weighted by its rows
+            losses.append(rows * self.loss.batch(policy[part, 0], ref[part, 0], desirable[part], kl, lengths[part]))
             kls.append(kl)
         metrics = self._metrics(policy[:, 0], ref[:, 0], desirable, torch.stack(kls))
-        return {"eval_loss": torch.cat(losses).mean().item(), **{f"eval_{k}": v for k, v in metrics.items()}}
+        return {"eval_loss": (sum(losses) / len(held)).item(), **{f"eval_{k}": v for k, v in metrics.items()}}
+
+    def _lengths(self, examples: list[Example]) -> torch.Tensor:
+        """(len(examples),) completion tokens in rows of seq (a longer one is cut)."""
+        rows = pack_rows([(e.prompt, e.completion) for e in examples], self.c.seq, self.pad)
+        return (rows["labels"] != IGNORE).sum(-1).float()
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
         return f"rewards {row['rewards_chosen']:.4f} / {row['rewards_rejected']:.4f} | kl {row['kl']:.4f}", {}
