@@ -55,6 +55,27 @@ def test_the_generation_config_is_part_of_a_token_files_key(tmp_path):
     assert tokens.fingerprint([data], folder, False) != before
 
 
+def test_the_model_folders_generation_config_counts_where_the_tokenizer_is_another_folders(tmp_path):
+    """`tokenizer:` names a folder of its own: the model folder's generation_config.json still says
+    where its answers end, as generation reads it there, and joins the token files' key."""
+    tokenizer = _folder(tmp_path / "tok")                 # no generation config of its own
+    model = tmp_path / "weights"
+    model.mkdir()
+    turn = tokens.load_tokenizer(tokenizer).convert_tokens_to_ids("<end_of_turn>")
+    (model / turn_ends.FILE).write_text(json.dumps({"eos_token_id": [turn]}))
+    tok = tokens.load_tokenizer(tokenizer, model=str(model))
+    assert turn in turn_ends.of(tok)
+    ids, _ = tokens.encode(tok, CHAT, False, "x:1")
+    assert tok.convert_ids_to_tokens(ids[-1:]) == ["<end_of_turn>"]       # no EOS after the turn's end
+    data = files.chats(str(tmp_path / "chats.jsonl"))
+    alone = tokens.fingerprint([data], tokenizer, False)
+    assert tokens.fingerprint([data], tokenizer, False, model_dir=tokenizer) == alone    # one folder: as before
+    before = tokens.fingerprint([data], tokenizer, False, model_dir=str(model))
+    assert before != alone
+    (model / turn_ends.FILE).write_text(json.dumps({"eos_token_id": [turn, 3]}))
+    assert tokens.fingerprint([data], tokenizer, False, model_dir=str(model)) != before
+
+
 @pytest.mark.parametrize("text, told", [("{not json", "cannot be read as JSON"),
                                         ('{"eos_token_id": "<end_of_turn>"}', "a token id or a list"),
                                         ('{"eos_token_id": [1, true]}', "a token id or a list")])

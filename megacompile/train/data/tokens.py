@@ -46,10 +46,12 @@ class ByteTokenizer:
         return {"input_ids": list(text.encode("utf-8"))}
 
 
-def load_tokenizer(path: str | None, chat_template: str | None = None, template: str | None = None):
+def load_tokenizer(path: str | None, chat_template: str | None = None, template: str | None = None,
+                   model: str | None = None):
     """The tokenizer of the folder `path` (the bundled model's bytes without one); `chat_template`:
     a template file or folder whose template it renders chats with instead of its own; `template`:
-    LlamaFactory's name of a layout rendered instead (named_template.py)."""
+    LlamaFactory's name of a layout rendered instead (named_template.py); `model`: the model folder,
+    where the turns' end tokens are read first when the tokenizer is another folder's (turn_ends.py)."""
     if path is None:
         return ByteTokenizer()
     try:
@@ -58,7 +60,7 @@ def load_tokenizer(path: str | None, chat_template: str | None = None, template:
     except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
         raise ArgumentError(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0][:300]}") from e
     if os.path.isdir(path):
-        turn_ends.attach(tokenizer, path)
+        turn_ends.attach(tokenizer, model if model and os.path.isdir(model) else None, path)
     if template is not None:
         named_template.apply(tokenizer, template)
     if chat_template is not None:
@@ -100,7 +102,8 @@ def _stat(path: str) -> list[dict]:
             for p in sorted(found)]
 
 
-def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None) -> dict:
+def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None,
+             model_dir: str | None = None) -> dict:
     files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit",
                                                                 "chat_template_kwargs", "mask_history")},
               **{k: e[k] for k in ("chat_template", "media_dir", "default_system", "tools", "pretrain") if e.get(k)},
@@ -113,17 +116,22 @@ def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool
                                     *images.PROCESSOR_FILES)):
                 with open(os.path.join(tokenizer_dir, name), "rb") as f:
                     tokenizer[name] = hashlib.sha256(f.read()).hexdigest()
+    ends = turn_ends.source(model_dir, tokenizer_dir)
+    if ends is not None and ends != tokenizer_dir:     # the model folder's, read before the tokenizer's
+        with open(os.path.join(ends, turn_ends.FILE), "rb") as f:
+            tokenizer["model/" + turn_ends.FILE] = hashlib.sha256(f.read()).hexdigest()
     sources = {"format": CACHE_FORMAT, "files": files, "tokenizer": tokenizer, "train_on_prompt": train_on_prompt}
     if cutoff is not None:      # records truncated to it (and marked): a token file made before is not reused
         sources["cutoff"] = cutoff
     return sources
 
 
-def fingerprint(items: list, tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None) -> str:
+def fingerprint(items: list, tokenizer_dir: str | None, train_on_prompt: bool, cutoff: int | None = None,
+                model_dir: str | None = None) -> str:
     """What a streamed run's data position refers to: its sources (files, sizes, times,
     tokenizer, settings, the row length records are truncated to), as a token file's cache key
     is made. Stages dpo and grpo name their records by it too (no cutoff)."""
-    sources = _sources(as_entries(items), tokenizer_dir, train_on_prompt, cutoff)
+    sources = _sources(as_entries(items), tokenizer_dir, train_on_prompt, cutoff, model_dir)
     made = "stream-" + hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:16]
     _MADE[made] = sources
     return made
@@ -141,14 +149,15 @@ def sources(fingerprint: str) -> dict | None:
 
 
 def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: str | None,
-               train_on_prompt: bool, media=None, cutoff: int | None = None, workers: int = 1) -> TokenFile:
+               train_on_prompt: bool, media=None, cutoff: int | None = None, workers: int = 1,
+               model_dir: str | None = None) -> TokenFile:
     """The split's token file in `folder`, when one made from the same sources is there; else made
     now in `folder`.new and put in place by commit() (a run that is refused after tokenising, its
     resume checks among them, leaves the run's own token files as they were). `cutoff`: the row
     length, to which supervised records are truncated (None: none is). `workers`: processes that
     tokenise (workers.py; the file is the same whatever their number)."""
     paths = as_entries(paths)
-    sources = _sources(paths, tokenizer_dir, train_on_prompt, cutoff)
+    sources = _sources(paths, tokenizer_dir, train_on_prompt, cutoff, model_dir)
     if media is not None:
         # images held inside records, written out once beside the token files (embedded.py)
         media.keep_embedded_in(os.path.join(os.path.dirname(os.path.abspath(folder)), "images"))

@@ -35,9 +35,16 @@ def read(folder: str) -> frozenset[int]:
     return frozenset(ids)
 
 
-def attach(tokenizer, folder: str) -> None:
-    """Keep `folder`'s turn-ending ids on the tokenizer, where encoding finds them (of())."""
-    setattr(tokenizer, _ATTRIBUTE, read(folder))
+def attach(tokenizer, *folders: str | None) -> None:
+    """Keep the turn-ending ids of the first of `folders` that holds generation_config.json on the
+    tokenizer, where encoding finds them (of()): the model folder's before a tokenizer folder of
+    its own, as generation reads the model's."""
+    setattr(tokenizer, _ATTRIBUTE, read(source(*folders) or ""))
+
+
+def source(*folders: str | None) -> str | None:
+    """The first of `folders` that holds generation_config.json."""
+    return next((f for f in folders if f and os.path.isfile(os.path.join(f, FILE))), None)
 
 
 def of(tokenizer) -> frozenset[int]:

@@ -42,4 +42,4 @@ def open_stage(c, run_dir: str) -> Stage:
     if c.stage in ("sft", "pt"):
         return stage(c, run_dir)
     from ..data.tokens import load_tokenizer
-    return stage(c, load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template))
+    return stage(c, load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model))

@@ -57,7 +57,7 @@ class GRPOStage(Stage):
 
     def __init__(self, c, tokenizer):
         self.c, self.tokenizer = c, tokenizer
-        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
+        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False, model_dir=c.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         # a completion ends at the EOS or at a token the model's generation config stops at (Gemma's
         # <end_of_turn>), as vLLM stops by that config

@@ -84,7 +84,7 @@ class ReferenceStage(Stage):
 
     def __init__(self, c, tokenizer):
         self.c, self.tokenizer = c, tokenizer
-        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
+        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False, model_dir=c.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
     def held_out(self, engine, step: int, logps) -> tuple | None:

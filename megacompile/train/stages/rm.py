@@ -50,7 +50,7 @@ class RMStage(Stage):
 
     def __init__(self, c, tokenizer):
         self.c, self.tokenizer = c, tokenizer
-        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False)
+        self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False, model_dir=c.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.pairs = self._read(c.data)
         self.held: list[tuple[Pair, float]] = []

@@ -148,7 +148,8 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     if c.template is not None and images.has_processor(tokenizer_dir):
         raise ArgumentError(f"template {c.template!r} writes text chats, and {tokenizer_dir} is a vision-language "
                             "model, whose chats its processor's own chat template writes: leave template out")
-    tokenizer = load_tokenizer(tokenizer_dir, c.chat_template, c.template)
+    model_dir = None if c.bundled else c.model
+    tokenizer = load_tokenizer(tokenizer_dir, c.chat_template, c.template, model_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     folder = os.path.join(run_dir, "tokens")
     if c.streaming:
@@ -163,7 +164,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
         media.processor.chat_template = tokenizer.chat_template     # written with the model it trained
     batch_pixels = media.inputs if media is not None else None
     train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len,
-                       c.tokenize_workers)
+                       c.tokenize_workers, model_dir)
     held, eval_rows = None, None
     try:
         source, docs = train, np.arange(train.n_docs)
@@ -171,7 +172,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
             media.check_packing(c.packing, train)
         if c.eval:
             held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len,
-                              c.tokenize_workers)
+                              c.tokenize_workers, model_dir)
             if media is not None:
                 media.check_packing(c.packing, held)
             eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad, pixels=batch_pixels)
@@ -203,7 +204,7 @@ def _stream(c: RunConfig, folder: str, tokenizer, tokenizer_dir: str | None, row
     held = eval_rows = None
     if c.eval:
         held = token_file(folder, "eval", c.eval, tokenizer, tokenizer_dir, c.train_on_prompt, cutoff=row_len,
-                           workers=c.tokenize_workers)
+                           workers=c.tokenize_workers, model_dir=c.model)
         eval_rows = packing.Rows(held, row_len, c.packing, c.seed, shuffle=False, pad_id=pad)
     print(f"  data           streamed from {', '.join(e['path'] for e in c.data)} ({c.mix_strategy}), tokenised "
           "as training reads it" + (f"; {_count(held, np.arange(held.n_docs))} to evaluate" if held else ""),
@@ -211,7 +212,7 @@ def _stream(c: RunConfig, folder: str, tokenizer, tokenizer_dir: str | None, row
     rows = streaming.StreamRows(c.data, weights if weights[0] is not None else None, c.mix_strategy, tokenizer,
                                 c.train_on_prompt, row_len, c.packing, pad)
     return tokenizer, (None, held), rows, eval_rows, tokens.fingerprint(c.data, tokenizer_dir, c.train_on_prompt,
-                                                                        row_len)
+                                                                        row_len, c.model)
 
 
 def _mix(c: RunConfig, source: TokenFile, docs: np.ndarray):
