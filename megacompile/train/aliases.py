@@ -19,6 +19,7 @@ from typing import Any, Callable
 from ..errors import ArgumentError
 from . import intervals
 from .data.named_template import NAMES as LAYOUTS
+from . import trainer_args
 from .their_keys import NOT_TAKEN, ZERO_IS_OFF, off
 
 _DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "use the epochs")
@@ -26,6 +27,11 @@ _DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _set(value: Any) -> Any:
+    """transformers' null default (run_name: None, what a TrainingArguments dump writes) sets nothing."""
+    return _DROP if value is None else value
 
 
 def _max_steps(value: Any) -> Any:
@@ -96,7 +102,8 @@ def _val_size(value: Any) -> Any:
 def _do_train(value: Any) -> None:
     if value is not True:
         raise ArgumentError(f"do_train {value!r}: megacompile train always trains; leave do_train out or "
-                            "give true")
+                            "give true (a dump of transformers' TrainingArguments writes false, its default, "
+                            "which its Trainer does not read)")
 
 
 def _strategy(key: str, own: str | None) -> Callable[[Any], Any]:
@@ -136,7 +143,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "logging_steps": ("log_every", _same),
     "report_to": ("log", _same),
     "model_name_or_path": ("model", _same),
-    "run_name": ("name", _same),
+    "run_name": ("name", _set),
     "adam_epsilon": ("eps", _same),
     "bf16": ("compute_dtype", _bf16),
     "fp16": ("compute_dtype", _fp16),
@@ -167,8 +174,9 @@ IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "data_shared_file_system", "eval_num_beams", "upcast_lmhead_output", "include_num_input_tokens_seen",
            "disable_gradient_checkpointing", "use_reentrant_gc", "low_cpu_mem_usage", "dataloader_pin_memory",
            "remove_unused_columns", "ddp_find_unused_parameters", "eval_accumulation_steps", "offload_folder",
-           "use_cache", "print_param_status", "label_names")
-WHY_IGNORED = {"per_device_eval_batch_size": "eval uses batch",
+           "use_cache", "print_param_status", "label_names", *trainer_args.NO_EFFECT)
+WHY_IGNORED = {**{k: why for k, (_, why) in trainer_args.NO_EFFECT.items()},
+               "per_device_eval_batch_size": "eval uses batch",
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
                "optim": "megacompile's AdamW is torch's",
@@ -237,7 +245,7 @@ def translate(raw: dict, default_lr: float) -> Translated:
     """`raw` (a run.yaml's keys, overrides laid over them) under megacompile's own key names;
     `default_lr` is lr's default, for a min_lr_rate when no lr is given."""
     out = Translated()
-    ignored = [k for k in raw if k in IGNORED]
+    ignored = [k for k in raw if k in IGNORED and not trainer_args.at_default(k, raw[k])]
     for key, value in raw.items():
         if key in ALIASES:
             own, convert = ALIASES[key]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import trainer_args
+
 _LOCAL = "megacompile reads local files and downloads nothing"
 
 NOT_TAKEN = {
@@ -119,6 +121,9 @@ NOT_TAKEN = {
 }
 
 
+# A TrainingArguments or TRL config dump's keys, refused away from the default it writes (trainer_args.py).
+NOT_TAKEN.update({k: why for k, (_, why) in trainer_args.ASK_NOTHING.items() if why})
+
 # Keys whose 0 asks for nothing: LlamaFactory's defaults, which its web UI writes into every saved
 # run.yaml of the stage (pref_ftx under dpo and kto, which read a pref_ftx above 0).
 ZERO_IS_OFF = ("pref_ftx", "neftune_noise_alpha")
@@ -129,6 +134,8 @@ DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "i
 def off(value: Any, key: str | None = None) -> bool:
     """A value that asks for nothing (TRL's and LlamaFactory's defaults write most of these keys
     as null or false): such a key is accepted and does nothing."""
+    if key in trainer_args.ASK_NOTHING and trainer_args.at_default(key, value):
+        return True                 # a dump's default: train_sampling_strategy: random, eos_token: <EOS_TOKEN>
     if key in ZERO_IS_OFF and not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0:
         return True
     if key in DEFAULT_IS_OFF:       # its default alone: use_fast_tokenizer: false asks for another tokenizer

@@ -8,7 +8,9 @@ refused under a stage it does not belong to, before anything is read or written.
            the reference's log-probabilities are computed once, before the first step, where a loss
            type reads them)
     kto    beta (0.1), loss_type (kto | apo_zero_unpaired), desirable_weight (1.0),
-           undesirable_weight (1.0); batch at least 2 for kto (its KL rows)
+           undesirable_weight (1.0), pref_ftx (none: LlamaFactory's), precompute_ref_log_probs
+           (accepted either way, as under dpo: the reference's are computed once a run); batch at
+           least 2 for kto (its KL rows)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo), num_generations (8),
            max_prompt_length (512), max_completion_length (256), temperature (1.0), epsilon (0.2),
            epsilon_high (epsilon), delta (none), reward_funcs, reward_weights (1 each),
@@ -31,7 +33,7 @@ STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
 REFUSED = ("ppo",)
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau", "simpo_gamma", "pref_ftx"),
-        "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx"),
+        "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx", "precompute_ref_log_probs"),
         "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
@@ -43,7 +45,7 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                     "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05, "simpo_gamma": 0.5,
                     "pref_ftx": None},
             "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0,
-                    "pref_ftx": None},
+                    "pref_ftx": None, "precompute_ref_log_probs": False},
             "rm": {"center_rewards_coefficient": 0.0},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
                      "max_completion_length": 256, "temperature": 1.0, "epsilon": 0.2, "epsilon_high": None,
@@ -160,6 +162,8 @@ def _pref_ftx(c) -> None:
 def _kto(c) -> None:
     c.beta = _positive("beta", c.beta)
     _pref_ftx(c)
+    if not isinstance(c.precompute_ref_log_probs, bool):
+        raise ArgumentError(f"precompute_ref_log_probs must be true or false; got {c.precompute_ref_log_probs!r}")
     if c.loss_type not in kto.LOSS_TYPES:
         raise ArgumentError(f"stage kto: loss_type must be one of {', '.join(kto.LOSS_TYPES)}; got {c.loss_type!r}")
     c.desirable_weight = _positive("desirable_weight", c.desirable_weight)
@@ -365,6 +369,8 @@ def check_resume(c, saved) -> None:
         before = {**rollouts.IMPLIED, **before}
     if before.get("stage") in ("dpo", "grpo"):
         before = {**{k: v for k, v in IMPLIED.items() if k in KEYS[before["stage"]]}, **before}
+    if before.get("stage") == "kto" and before.get("precompute_ref_log_probs") is None:
+        before = {**before, "precompute_ref_log_probs": False}     # saved before stage kto read the key
     changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in now if before.get(k) != now[k]]
     if changed:
         raise ArgumentError(f"resume: {saved.path} was saved by a run with other post-training keys "

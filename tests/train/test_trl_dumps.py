@@ -1,0 +1,57 @@
+"""A TRL config as its `to_dict()` writes it, every field of transformers' TrainingArguments and of
+TRL's config included (tests/train/trl_dumps/, made by TRL 1.16 with transformers 5.24), loads as a
+run.yaml with the model and the data added: the fields at their defaults ask for nothing and say
+nothing; one away from its default is refused naming why, or named in the note of ignored keys
+where it changes nothing trained."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from megacompile.errors import ArgumentError
+from megacompile.train import load
+from megacompile.train.trainer_args import ASK_NOTHING, NO_EFFECT, QUIET, at_default
+from tests.posttrain import stage_files
+from tests.train import files
+
+DUMPS = os.path.join(os.path.dirname(__file__), "trl_dumps")
+
+
+def _dump(stage: str) -> dict:
+    with open(os.path.join(DUMPS, f"{stage}.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def _keys(tmp_path, stage: str, **more) -> str:
+    work = stage_files.workspace(tmp_path)
+    data = files.chats(str(tmp_path / "chats.jsonl")) if stage == "sft" else work["pairs"]
+    keys = {**_dump(stage), "model": work["model"], "data": data, "output_dir": str(tmp_path / "out"),
+            "device": "cpu", **({"stage": stage} if stage != "sft" else {}), **more}
+    return files.run_yaml(str(tmp_path / "run.yaml"), **keys)
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo", "kto", "rm"])
+def test_a_trl_config_dump_loads_with_do_train_given(tmp_path, stage, capsys):
+    dump = _dump(stage)
+    with pytest.raises(ArgumentError, match="do_train False: megacompile train always trains; .*a dump of "
+                                            "transformers' TrainingArguments writes false"):
+        load(_keys(tmp_path, stage), [])
+    c = load(_keys(tmp_path, stage, do_train=True), [])
+    assert (c.lr, c.batch, c.grad_accum, c.compute_dtype) == (
+        dump["learning_rate"], dump["per_device_train_batch_size"], dump["gradient_accumulation_steps"], "bfloat16")
+    out = capsys.readouterr().out
+    assert "ignored (no effect in a megacompile run)" not in out, "fields at their defaults are named"
+    # every field the tables know is at a default the dump writes
+    assert all(at_default(k, dump[k]) for k in dump if k in ASK_NOTHING or k in NO_EFFECT or k in QUIET)
+
+
+def test_a_field_away_from_its_default_is_refused_or_named(tmp_path, capsys):
+    with pytest.raises(ArgumentError, match=r"torch_compile -> megacompile compiles the step itself"):
+        load(_keys(tmp_path, "sft", do_train=True, torch_compile=True), [])
+    with pytest.raises(ArgumentError, match=r"train_sampling_strategy -> not supported: rows are ordered by seed"):
+        load(_keys(tmp_path, "sft", do_train=True, train_sampling_strategy="group_by_length"), [])
+    load(_keys(tmp_path, "sft", do_train=True, train_sampling_strategy="sequential", disable_tqdm=True), [])
+    out = capsys.readouterr().out
+    assert "disable_tqdm (the run's own progress lines and log.csv)" in out and "train_sampling_strategy" not in out
