@@ -32,7 +32,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
               beta: float = 0.0, loss_type: str = "dapo", max_completion_length: int | None = None,
               importance_sampling_level: str = "token", delta: float | None = None,
               entropy_mask: torch.Tensor | None = None, sampling_ratio: torch.Tensor | None = None,
-              token_count: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+              token_count: torch.Tensor | None = None, bias_correction_kl: bool = False) -> tuple[torch.Tensor, dict]:
     """The loss of (N, T) per-token log-probabilities of the completions under the policy being
     trained, those under the policy that sampled them (old_logps), (N,) advantages and the (N, T)
     mask of completion tokens; and metrics (clip fractions, mean KL) as detached tensors.
@@ -47,7 +47,10 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     dapo, the sum over every token divided by the number of tokens; dr_grpo, the sum divided by
     N * max_completion_length (a constant). `token_count` (dapo): the count to divide by instead of
     this batch's, when the batch is one micro-batch of a larger generation batch (TRL divides by the
-    generation batch's completion tokens)."""
+    generation batch's completion tokens). `bias_correction_kl` (TRL's use_bias_correction_kl): the
+    KL term, and its logged mean, times the unclipped importance weight, which makes its gradient the
+    unbiased reverse-KL gradient (DeepSeek-V3.2); the weight is differentiable, so it changes the
+    gradient on-policy too."""
     if loss_type not in LOSS_TYPES:
         raise ArgumentError(f"GRPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {loss_type!r}")
     if importance_sampling_level not in LEVELS:
@@ -73,6 +76,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
             raise ArgumentError("GRPO with beta != 0 needs the reference policy's log-probabilities (ref_logps)")
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1
+        if bias_correction_kl:
+            kl = kl * ratio
         per_token = per_token + beta * kl
         metrics["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
     if loss_type == "grpo":
@@ -104,6 +109,7 @@ class GRPOLoss:
     importance_sampling_level: str = "token"
     delta: float | None = None
     top_entropy_quantile: float = 1.0
+    bias_correction_kl: bool = False
 
     def __post_init__(self) -> None:
         if not (0 < self.epsilon < 1):
@@ -142,7 +148,7 @@ class GRPOLoss:
             entropy = high_entropy_mask(token_entropies(logits), mask, self.top_entropy_quantile)
         loss, _ = grpo_loss(logps, old_logps, advantages, mask, ref_logps, self.epsilon, self.epsilon_high,
                             self.beta, self.loss_type, self.max_completion_length, self.importance_sampling_level,
-                            self.delta, entropy, sampling_ratio, token_count)
+                            self.delta, entropy, sampling_ratio, token_count, self.bias_correction_kl)
         return loss
 
 

@@ -149,6 +149,7 @@ class RunConfig:
     generation_batch_size: int | None = None
     scale_rewards: Any = None
     mask_truncated_completions: bool | None = None
+    use_bias_correction_kl: bool | None = None
     importance_sampling_level: str | None = None
     delta: float | None = None
     top_entropy_quantile: float | None = None

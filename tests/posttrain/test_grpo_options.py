@@ -58,9 +58,11 @@ def test_advantages_are_nan_aware_under_each_scale(scale):
     assert not any(math.isnan(a) for a in got)
 
 
-def _reference(logps, old, adv, mask, ref, eps, eps_high, beta, loss_type, max_len, level, delta, keep):
+def _reference(logps, old, adv, mask, ref, eps, eps_high, beta, loss_type, max_len, level, delta, keep,
+               corrected=False):
     """GRPO's loss, element by element: ratio per token or per sequence (exp of the mean log-ratio over
-    the completion's tokens), the unclipped ratio capped at delta, the policy term on `keep` tokens."""
+    the completion's tokens), the unclipped ratio capped at delta, the policy term on `keep` tokens;
+    `corrected`: the KL term times the unclipped ratio (TRL's use_bias_correction_kl)."""
     n, t = len(logps), len(logps[0])
     per = [[0.0] * t for _ in range(n)]
     for i in range(n):
@@ -73,7 +75,7 @@ def _reference(logps, old, adv, mask, ref, eps, eps_high, beta, loss_type, max_l
             per[i][j] = -min(capped * adv[i], clipped * adv[i]) * keep[i][j]
             if beta:
                 d = ref[i][j] - logps[i][j]
-                per[i][j] += beta * (math.exp(d) - d - 1)
+                per[i][j] += beta * (math.exp(d) - d - 1) * (r if corrected else 1.0)
     counts = [sum(mask[i]) for i in range(n)]
     if loss_type == "grpo":
         return sum(sum(per[i][j] * mask[i][j] for j in range(t)) / max(1, counts[i]) for i in range(n)) / n
@@ -95,13 +97,16 @@ def _case(seed=3, n=6, t=5):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-@pytest.mark.parametrize("level,delta,beta", [("sequence", None, 0.0), ("token", 1.3, 0.04), ("sequence", 1.1, 0.04)])
-def test_sequence_level_weights_and_two_sided_clipping_match_the_formula(loss_type, level, delta, beta):
+@pytest.mark.parametrize("level,delta,beta,corrected", [("sequence", None, 0.0, False), ("token", 1.3, 0.04, False),
+                                                        ("sequence", 1.1, 0.04, False), ("token", 1.3, 0.04, True),
+                                                        ("sequence", None, 0.04, True)])
+def test_sequence_level_weights_and_two_sided_clipping_match_the_formula(loss_type, level, delta, beta, corrected):
     logps, old, ref, adv, mask = _case()
     keep = torch.rand(6, 5, generator=torch.Generator().manual_seed(9)) > 0.3       # a token mask
-    loss, _ = grpo_loss(logps, old, adv, mask, ref, 0.2, 0.28, beta, loss_type, 8, level, delta, keep)
+    loss, _ = grpo_loss(logps, old, adv, mask, ref, 0.2, 0.28, beta, loss_type, 8, level, delta, keep,
+                        bias_correction_kl=corrected)
     want = _reference(logps.tolist(), old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, 0.28,
-                      beta, loss_type, 8, level, delta, keep.long().tolist())
+                      beta, loss_type, 8, level, delta, keep.long().tolist(), corrected)
     assert loss.item() == pytest.approx(want, rel=1e-6, abs=1e-12)
     loss.backward()
     # the gradient against central differences of the reference
@@ -112,9 +117,9 @@ def test_sequence_level_weights_and_two_sided_clipping_match_the_formula(loss_ty
         up[i][j] += 1e-6
         down[i][j] -= 1e-6
         numeric = (_reference(up, old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, 0.28, beta,
-                              loss_type, 8, level, delta, keep.long().tolist())
+                              loss_type, 8, level, delta, keep.long().tolist(), corrected)
                    - _reference(down, old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, 0.28, beta,
-                                loss_type, 8, level, delta, keep.long().tolist())) / 2e-6
+                                loss_type, 8, level, delta, keep.long().tolist(), corrected)) / 2e-6
         assert logps.grad[i, j].item() == pytest.approx(numeric, rel=1e-4, abs=1e-7)
 
 
@@ -125,6 +130,8 @@ def test_the_delta_cap_and_the_sequence_ratio_change_the_loss():
     base = grpo_loss(logps, old, adv, mask)[0].item()
     assert grpo_loss(logps, old, adv, mask, delta=1.05)[0].item() != pytest.approx(base, rel=1e-6)
     assert grpo_loss(logps, old, adv, mask, importance_sampling_level="sequence")[0].item() != pytest.approx(base)
+    kl = grpo_loss(logps, old, adv, mask, ref, beta=0.04)[0].item()
+    assert grpo_loss(logps, old, adv, mask, ref, beta=0.04, bias_correction_kl=True)[0].item() != pytest.approx(kl)
 
 
 @pytest.mark.parametrize("q", [0.0, 0.2, 0.37, 0.5, 1.0])

@@ -83,7 +83,7 @@ class GRPOStage(Stage):
         self.correct = bool(c.use_vllm and c.vllm_importance_sampling_correction)
         self.token_count = c.loss_type == "dapo" and c.steps_per_generation > 1
         self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length, c.temperature,
-                             c.importance_sampling_level, c.delta, c.top_entropy_quantile)
+                             c.importance_sampling_level, c.delta, c.top_entropy_quantile, c.use_bias_correction_kl)
         each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
         self.columns = STEP_COLUMNS + (("reward", "reward_std") + each
                         + ("kl",) * (c.beta > 0) + ("clip_ratio", "completions/mean_length", "completions/min_length",
@@ -270,7 +270,7 @@ class GRPOStage(Stage):
             engine(input_ids=part["input_ids"], labels=part["labels"])).float()
         _, measured = grpo_loss(now, old, part["advantages"], part["labels"] != IGNORE, part.get("ref_logps"),
                                 c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length,
-                                c.importance_sampling_level, c.delta)
+                                c.importance_sampling_level, c.delta, bias_correction_kl=c.use_bias_correction_kl)
         return {k: v.item() for k, v in measured.items()}
 
     def evaluate(self, engine, step: int) -> dict:

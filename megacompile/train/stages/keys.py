@@ -16,8 +16,9 @@ refused under a stage it does not belong to, before anything is read or written.
            epsilon_high (epsilon), delta (none), reward_funcs, reward_weights (1 each),
            scale_rewards (group), mask_truncated_completions (false), importance_sampling_level
            (token), top_entropy_quantile (1.0), num_iterations (1), steps_per_generation
-           (grad_accum) or generation_batch_size (batch x steps_per_generation), and the generator's
-           keys (rollouts.py)
+           (grad_accum) or generation_batch_size (batch x steps_per_generation),
+           use_bias_correction_kl (true, TRL's: the KL term weighed by the importance weight), and
+           the generator's keys (rollouts.py)
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
-                 "steps_per_generation", "generation_batch_size")
+                 "steps_per_generation", "generation_batch_size", "use_bias_correction_kl")
         + rollouts.KEYS}
 ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["rm"] + KEYS["grpo"]))
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
@@ -52,14 +53,14 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
                      "mask_truncated_completions": False, "importance_sampling_level": "token",
                      "top_entropy_quantile": 1.0, "num_iterations": 1, "steps_per_generation": None,
-                     "generation_batch_size": None}}
+                     "generation_batch_size": None, "use_bias_correction_kl": True}}
 # What a checkpoint saved before these keys existed trained with (their defaults, then as now).
 IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
            if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "simpo_gamma", "pref_ftx",
                     "delta",
                     "scale_rewards",
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
-                    "generation_batch_size")} | {"steps_per_generation": 1}
+                    "generation_batch_size")} | {"steps_per_generation": 1, "use_bias_correction_kl": False}
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                    "dataset_text_field", "mask_history"),
@@ -243,6 +244,9 @@ def _grpo(c, raw: dict, folder: str | None = None) -> None:
         raise ArgumentError(f"temperature must be > 0 (1.0: the policy's own distribution): it divides the logits of "
                             f"the sampler and of the training log-probabilities, as in TRL; got {c.temperature!r}")
     c.scale_rewards = advantages.scale_of(c.scale_rewards)
+    if not isinstance(c.use_bias_correction_kl, bool):
+        raise ArgumentError(f"use_bias_correction_kl must be true or false (TRL's default true weighs the KL term "
+                            f"by the importance weight); got {c.use_bias_correction_kl!r}")
     if not isinstance(c.mask_truncated_completions, bool):
         raise ArgumentError(f"mask_truncated_completions must be true or false; got {c.mask_truncated_completions!r}")
     if c.importance_sampling_level not in grpo.LEVELS:
