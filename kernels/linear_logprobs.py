@@ -19,7 +19,8 @@ Extra device memory: one [chunk, V] tile in h.dtype (forward and backward), and 
 fp32 dW accumulator when W is not fp32. FLOPs: 2NHV forward, 6NHV backward (one more matmul than
 eager, which keeps the logits instead).
 
-Labels must lie in [0, V): mask ignored positions before (as the losses do, reading the mask apart).
+Labels must lie in [0, V): mask ignored positions before (as the losses do, reading the mask apart);
+a label outside it picks NaN, where eager's gather raises, so that it cannot train silently.
 """
 import torch
 import triton
@@ -70,9 +71,10 @@ def logprob_forward_kernel(
         d = d * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
         m = m_new
     labels = tl.load(labels_ptr + rows, mask=row_mask, other=0)
-    picked = tl.load(logits_ptr + rows.to(tl.int64) * logits_row_stride + labels, mask=row_mask, other=0.0)
+    inside = (labels >= 0) & (labels < n_cols)      # eager's gather raises on another index: here it reads NaN
+    picked = tl.load(logits_ptr + rows.to(tl.int64) * logits_row_stride + labels, mask=row_mask & inside, other=0.0)
     picked = _scaled(picked.to(tl.float32), temperature, TEMPERATURE, ROUNDED, logits_ptr.dtype.element_ty)
-    tl.store(picked_ptr + rows, picked, mask=row_mask)
+    tl.store(picked_ptr + rows, tl.where(inside, picked, float("nan")), mask=row_mask)
     tl.store(lse_ptr + rows, m + tl.log(tl.where(row_mask, d, 1.0)), mask=row_mask)
 
 

@@ -174,3 +174,13 @@ def test_capped_logits_keep_the_eager_head():
     inputs = dict(input_ids=ids, labels=labels)
     assert fused.step(**inputs) == pytest.approx(plain.step(**inputs), rel=1e-6)
     assert "linear_logprobs" not in dict(kernel_counts(_epilogue(fused).forward.gm))
+
+
+def test_a_label_outside_the_vocabulary_picks_nan_not_another_row():
+    """Eager's gather raises on such an index; the kernel reads no memory for it and gives NaN."""
+    import torch as t
+
+    from megacompile.kernels.linear_logprobs import linear_logprobs
+    h, w = t.randn(4, 8), t.randn(16, 8)
+    out = linear_logprobs(h, w, t.tensor([3, -100, 16, 0]))
+    assert out[0].isfinite() and out[3].isfinite() and out[1].isnan() and out[2].isnan()
