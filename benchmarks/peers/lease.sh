@@ -207,8 +207,9 @@ for call in "${order[@]}"; do
         echo "== $call waits for$waiting"
         continue
     fi
-    if (( $(left) < ${NEED_S[$call]} )); then
-        echo "== $call needs about ${NEED_S[$call]} s, $(left) s are left: it runs in the next command"
+    now_left=$(left)
+    if (( now_left < ${NEED_S[$call]} )); then
+        echo "== $call needs about ${NEED_S[$call]} s, $now_left s are left: it runs in the next command"
         continue
     fi
     echo "== lease call $call ($(left) s left; results in $results)"

@@ -85,7 +85,8 @@ def test_a_command_runs_every_call_that_fits_its_time_in_order_and_a_call_that_d
     assert "3b-fsdp2 did not finish" in out and "not done yet: 3b-fsdp2" in out
     assert len(_done(tmp_path)) == len(ALL.split()) - 1
     out, calls = _lease(tmp_path, LEASE_SECONDS="150")
-    assert calls == [] and "3b-fsdp2 needs about 160 s, 150 s are left: it runs in the next command" in out
+    # A second may pass between the start and the check on a loaded machine.
+    assert calls == [] and re.search(r"3b-fsdp2 needs about 160 s, 1(50|49) s are left: it runs in the next command", out)
     out, calls = _lease(tmp_path, LEASE_SECONDS="540")
     assert len(calls) == 1 and "3b-fsdp2 done" in out and "every call is done" in out
 
