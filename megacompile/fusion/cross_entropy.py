@@ -23,8 +23,6 @@ both groups completely before it changes either.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 import triton
@@ -36,23 +34,16 @@ from megacompile.kernels.tiling import row_tile
 
 from .contract import StagePair
 from .graph import launcher
-from .match import is_call, peel, val
+from .lm_head import accumulate_dw, dw_rows, head_grads
+from .match import RESHAPES, getitems, is_call, peel, plain_cast, single_user, val
 
 aten = torch.ops.aten
-RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
-            aten.detach.default}
 
 
 # -- launchers ----------------------------------------------------------------------------------
-def _dw_rows(chunk_size: int, n: int, vocab: int) -> int:
-    """Vocab rows per dW partial product when dW is fp32 and the product is not: the [rows, H]
-    partial in h.dtype is a declared output, as large as a chunk of dh, never a [V, H] temporary."""
-    return min(vocab, chunk_size, n)
-
-
 def _forward_meta(h, w, labels, ignore_index, chunk_size, softcap=0.0):
     n, hidden = h.shape
-    partial = _dw_rows(chunk_size, n, w.shape[0]) if w.dtype != torch.float32 else 0
+    partial = dw_rows(chunk_size, n, w.shape[0]) if w.dtype != torch.float32 else 0
     return (torch.empty((), dtype=torch.float32, device=h.device),
             torch.empty((n, hidden), dtype=h.dtype, device=h.device),
             torch.empty(w.shape, dtype=torch.float32, device=w.device),
@@ -75,7 +66,7 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size, softcap
     dh = outputs.empty((n, hidden), dtype=h.dtype, device=h.device)
     dw = outputs.zeros((vocab, hidden), dtype=torch.float32, device=w.device)
     tile = outputs.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
-    rows = _dw_rows(chunk_size, n, vocab) if w.dtype != torch.float32 else 0
+    rows = dw_rows(chunk_size, n, vocab) if w.dtype != torch.float32 else 0
     partial = outputs.empty((rows, hidden), dtype=h.dtype, device=h.device)   # declared by the meta: kept on cuda too
     block_m, block_v, num_warps = row_tile(chunk_size, min(vocab, BLOCK_V_MAX), tile=4 * BLOCK_V_MAX)
     for start in range(0, n, chunk_size):
@@ -88,30 +79,9 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size, softcap
             SOFTCAP=bool(softcap), BLOCK_M=block_m, BLOCK_V=block_v, num_warps=num_warps,
         )
         torch.mm(logits, w, out=dh[start:end])                       # logits now hold d loss / d logits
-        _accumulate_dw(dw, logits, h_chunk, partial)
+        accumulate_dw(dw, logits, h_chunk, partial)
     loss = outputs.empty((), dtype=torch.float32, device=h.device)
     return torch.div(loss_rows.sum(), n_valid[0], out=loss), dh, dw, tile, partial
-
-
-def _accumulate_dw(dw: torch.Tensor, logits: torch.Tensor, h_chunk: torch.Tensor, partial: torch.Tensor) -> None:
-    """dw [V, H] fp32 += logits.T @ h_chunk. Same dtypes: one addmm. bf16 operands on cuda: one
-    cuBLAS GEMM that accumulates in fp32 and adds into dw (addmm's out_dtype). Elsewhere the product
-    goes through the [rows, H] partial in h.dtype, rows of the vocabulary at a time: on a GPU that
-    loop is V / rows small GEMMs per chunk (63 at a 32k vocabulary), launch-bound."""
-    if dw.dtype == logits.dtype:
-        dw.addmm_(logits.T, h_chunk)
-    elif logits.is_cuda and _FP32_OUT_GEMM:
-        torch.addmm(dw, logits.T, h_chunk, out_dtype=torch.float32, out=dw)
-    else:
-        rows = partial.shape[0]
-        for v in range(0, dw.shape[0], rows):                        # product in h.dtype, sum in fp32
-            part = partial[:min(rows, dw.shape[0] - v)]
-            torch.mm(logits[:, v:v + rows].T, h_chunk, out=part)
-            dw[v:v + rows] += part                                   # casts as it adds: no fp32 copy
-
-
-# addmm(..., out_dtype=float32) over bf16 operands: cuda only, in torch 2.8 and later.
-_FP32_OUT_GEMM = "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
 def _backward_meta(tangent, dh, dw, w_dtype):
@@ -127,14 +97,6 @@ def linear_cross_entropy_backward(tangent, dh, dw, w_dtype):
 
 
 # -- matching -----------------------------------------------------------------------------------
-def _single_user(n: fx.Node) -> bool:
-    return len(n.users) == 1
-
-
-def _plain_cast(n: fx.Node) -> bool:
-    return is_call(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype", "layout", "device"}
-
-
 def _cap_of(mul: fx.Node, saved_by: set[fx.Node]) -> tuple[float, list[fx.Node]] | None:
     """(c, [mul, tanh, div]) where `mul` is c * tanh(x / c) (the tanh read otherwise only by the
     saved values, `saved_by`), else None."""
@@ -144,7 +106,7 @@ def _cap_of(mul: fx.Node, saved_by: set[fx.Node]) -> tuple[float, list[fx.Node]]
     if not (is_call(tanh, aten.tanh.default) and set(tanh.users) <= {mul} | saved_by):
         return None
     div = tanh.args[0]
-    if not (is_call(div, aten.div.Tensor) and div.args[1] == cap and _single_user(div) and cap > 0):
+    if not (is_call(div, aten.div.Tensor) and div.args[1] == cap and single_user(div) and cap > 0):
         return None
     return float(cap), [mul, tanh, div]
 
@@ -154,11 +116,11 @@ def _up_to_matmul(x: fx.Node, saved_by: set[fx.Node]) -> tuple[fx.Node, list[fx.
     (mm, the nodes between, the cap or 0)."""
     chain, cap = [], 0.0
     while True:
-        if not _single_user(x):
+        if not single_user(x):
             return None
         if is_call(x, aten.mm.default):
             return x, chain, cap
-        if is_call(x, RESHAPES) or (_plain_cast(x) and x.kwargs.get("dtype") == torch.float32):
+        if is_call(x, RESHAPES) or (plain_cast(x) and x.kwargs.get("dtype") == torch.float32):
             chain.append(x)
             x = x.args[0]
             continue
@@ -174,10 +136,10 @@ def _up_to_matmul(x: fx.Node, saved_by: set[fx.Node]) -> tuple[fx.Node, list[fx.
 def _uncap_of(mul: fx.Node, cap: float, pair: StagePair, tanh: fx.Node) -> list[fx.Node] | None:
     """[mul, tanh_backward, div] where they are the cap's backward: (g * c), back through the saved
     tanh (read by nothing else), / c."""
-    if not (is_call(mul, aten.mul.Tensor) and mul.args[1] == cap and _single_user(mul)):
+    if not (is_call(mul, aten.mul.Tensor) and mul.args[1] == cap and single_user(mul)):
         return None
     (back,) = mul.users
-    if not (is_call(back, aten.tanh_backward.default) and back.args[0] is mul and _single_user(back)):
+    if not (is_call(back, aten.tanh_backward.default) and back.args[0] is mul and single_user(back)):
         return None
     saved = peel(back.args[1])
     if pair.forward_of(saved) is not tanh or not _only_read_by(saved, {back}):
@@ -193,9 +155,9 @@ def _down_from(x: fx.Node, cap: float = 0.0, pair: StagePair | None = None,
     """From _log_softmax_backward_data down through reshapes, a cast and the cap's backward (where
     the forward capped) to the 2-d dlogits; None where a cap's backward is not found."""
     chain = []
-    while _single_user(x):
+    while single_user(x):
         (u,) = x.users
-        if is_call(u, RESHAPES) or _plain_cast(u):
+        if is_call(u, RESHAPES) or plain_cast(u):
             chain.append(u)
             x = u
             continue
@@ -206,19 +168,6 @@ def _down_from(x: fx.Node, cap: float = 0.0, pair: StagePair | None = None,
             continue
         break
     return None if cap else (x, chain)
-
-
-def _getitems(node: fx.Node) -> dict[int, fx.Node]:
-    return {u.args[1]: u for u in node.users if is_call(u, operator.getitem)}
-
-
-def _is_transpose_of(x: fx.Node, w: fx.Node, times: int) -> bool:
-    for _ in range(times):
-        x = peel(x)
-        if not is_call(x, aten.t.default):
-            return False
-        x = x.args[0]
-    return peel(x) is w
 
 
 def _forward_group(pair: StagePair):
@@ -246,11 +195,11 @@ def _forward_group(pair: StagePair):
             continue
         if val(h).dtype != val(w).dtype or val(labels).dim() != 1 or val(labels).shape[0] != val(h).shape[0]:
             continue
-        items = _getitems(node)
+        items = getitems(node)
         if 0 not in items or (1 in items and set(items[1].users) - {out}) or len(items) != len(node.users):
             continue
         group = [mm, *chain, logsm, node, *items.values()]
-        if _single_user(peel(wt)):
+        if single_user(peel(wt)):
             group.append(peel(wt))
         return node, mm, h, w, labels, ignore_index, group, cap, tanh
     return None
@@ -267,7 +216,7 @@ def _backward_group(pair: StagePair, fwd):
         if (pair.forward_of(s_logsm) is not logsm or pair.forward_of(s_labels) is not labels or weight is not None
                 or reduction != 1 or ignore != ignore_index or peel(tangent) not in pair.tangents):
             continue
-        (back,) = node.users if _single_user(node) else (None,)
+        (back,) = node.users if single_user(node) else (None,)
         if (back is None or not is_call(back, aten._log_softmax_backward_data.default)
                 or peel(back.args[1]) is not peel(s_logsm)):
             continue
@@ -283,24 +232,6 @@ def _backward_group(pair: StagePair, fwd):
         dh, dw, transposes = grads
         return peel(tangent), dh, dw, [node, back, *chain, *transposes, dh, dw]
     return None
-
-
-def head_grads(pair: StagePair, dlogits: fx.Node, w_in: fx.Node, h: fx.Node
-               ) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
-    """(dh mm, dW mm, the transpose between) where the 2-d dlogits is read by exactly the lm head's
-    two gradient matmuls: dh = dlogits @ W (W reaching the backward as w_in) and dW = dlogits.T @ h."""
-    dh = dw = None
-    transposes = []
-    for u in dlogits.users:
-        if is_call(u, aten.mm.default) and u.args[0] is dlogits and _is_transpose_of(u.args[1], w_in, 2):
-            dh = u
-        elif is_call(u, aten.t.default) and _single_user(u):
-            (v,) = u.users
-            if is_call(v, aten.mm.default) and v.args[0] is u and pair.forward_of(v.args[1]) is h:
-                dw, transposes = v, [u]
-    if dh is None or dw is None or len(dlogits.users) != 2:
-        return None
-    return dh, dw, transposes
 
 
 def _only_read_by(node: fx.Node, readers: set[fx.Node]) -> bool:
@@ -336,7 +267,7 @@ def fused_linear_cross_entropy(pair: StagePair) -> int:
     assert done, "the loss backward group was checked but could not be replaced"
     pair.prune()   # the log-softmax, the capped logits' tanh, the labels' total weight and h leave the saved values
 
-    loss = _getitems(nll)[0]
+    loss = getitems(nll)[0]
     done = pair.fwd.replace(linear_cross_entropy_forward, args, kwargs, {0: loss}, group)
     assert done, "the lm-head group was checked but could not be replaced"
     _, items = done

@@ -31,9 +31,9 @@ from megacompile.kernels.fused_linear_cross_entropy import default_chunk_size
 from megacompile.kernels.linear_logprobs import logits_grad_, picked_and_lse
 
 from .contract import StagePair
-from .cross_entropy import RESHAPES, _accumulate_dw, _dw_rows, _plain_cast, _single_user, head_grads
 from .graph import GraphEdit, launcher
-from .match import PASSTHROUGH, is_call, peel, val
+from .lm_head import accumulate_dw, dw_rows, head_grads
+from .match import PASSTHROUGH, RESHAPES, is_call, peel, plain_cast, single_user, val
 
 aten = torch.ops.aten
 
@@ -68,7 +68,7 @@ def _backward_meta(g_pick, g_lse, h, w, idx, lse, chunk_size, temperature=0.0, r
     n, hidden = h.shape
     vocab = w.shape[0]
     exact = w.dtype == torch.float32
-    partial = _dw_rows(chunk_size, n, vocab) if h.dtype != torch.float32 else 0
+    partial = dw_rows(chunk_size, n, vocab) if h.dtype != torch.float32 else 0
     return (torch.empty_like(h), torch.empty(w.shape, dtype=w.dtype, device=w.device),
             torch.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device),
             torch.empty((0 if exact else vocab, hidden), dtype=torch.float32, device=w.device),
@@ -89,7 +89,7 @@ def linear_logprobs_backward(g_pick, g_lse, h, w, idx, lse, chunk_size, temperat
     dw = (outputs.zeros if exact else outputs.empty)((vocab, hidden), dtype=w.dtype, device=w.device)
     tile = outputs.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
     acc = outputs.zeros((0 if exact else vocab, hidden), dtype=torch.float32, device=w.device)
-    rows = _dw_rows(chunk_size, n, vocab) if h.dtype != torch.float32 else 0
+    rows = dw_rows(chunk_size, n, vocab) if h.dtype != torch.float32 else 0
     partial = outputs.empty((rows, hidden), dtype=h.dtype, device=h.device)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
@@ -98,7 +98,7 @@ def linear_logprobs_backward(g_pick, g_lse, h, w, idx, lse, chunk_size, temperat
         logits_grad_(logits, idx[start:end], lse[start:end], g_pick[start:end], g_lse[start:end], chunk_size,
                      temperature, rounded)
         torch.mm(logits, w, out=dh[start:end])
-        _accumulate_dw(dw if exact else acc, logits, h_chunk, partial)
+        accumulate_dw(dw if exact else acc, logits, h_chunk, partial)
     if not exact:
         dw.copy_(acc)                                            # one rounding of the fp32 sum
     return dh, dw, tile, acc, partial
@@ -122,13 +122,13 @@ def _up_to_matmul(x: fx.Node) -> tuple[fx.Node, list[fx.Node], float, bool] | No
     the logits' dtype). Every node above x is read by the next one alone."""
     chain, node, divisor, rounded = [], x, 0.0, False
     while True:
-        if node is not x and not _single_user(node):
+        if node is not x and not single_user(node):
             return None
         if is_call(node, aten.mm.default):
             return node, chain, divisor, rounded
         if _divisor(node) is not None and not divisor:
             divisor, rounded = _divisor(node), val(node).dtype != torch.float32
-        elif not (is_call(node, RESHAPES) or (_plain_cast(node) and node.kwargs.get("dtype") == torch.float32)):
+        elif not (is_call(node, RESHAPES) or (plain_cast(node) and node.kwargs.get("dtype") == torch.float32)):
             return None
         chain.append(node)
         node = node.args[0]
@@ -149,7 +149,7 @@ def _forward_group(edit: GraphEdit, saved_by: set[fx.Node]):
             continue
         (gather,) = others
         if not (is_call(gather, aten.gather.default) and gather.args[0] is x and _last_dim(gather.args[1], x)
-                and not gather.kwargs.get("sparse_grad", False) and _single_user(gather)):
+                and not gather.kwargs.get("sparse_grad", False) and single_user(gather)):
             continue
         (squeeze,) = gather.users
         idx = gather.args[2]
@@ -170,7 +170,7 @@ def _forward_group(edit: GraphEdit, saved_by: set[fx.Node]):
         if rounded and val(mm).dtype == torch.float32:
             continue   # divided in a dtype between fp32 logits and their fp32 read: not what the kernels round
         group = [mm, *chain, gather, squeeze, lse]
-        if _single_user(peel(wt)):
+        if single_user(peel(wt)):
             group.append(peel(wt))
         return lse, squeeze, x, idx, mm, h, w, group, {"temperature": divisor, "rounded": rounded}
     return None
@@ -199,28 +199,28 @@ def _backward_group(pair: StagePair, fwd):
     if s_x is None or len(s_x.users) != 1:
         return None
     (sub,) = s_x.users
-    if not (is_call(sub, aten.sub.Tensor) and sub.args[0] is s_x and len(sub.args) == 2 and _single_user(sub)):
+    if not (is_call(sub, aten.sub.Tensor) and sub.args[0] is s_x and len(sub.args) == 2 and single_user(sub)):
         return None
     s_lse = _unsqueezed(sub.args[1], s_x)
-    if s_lse is None or pair.forward_of(peel(s_lse)) is not lse or not _single_user(sub.args[1]):
+    if s_lse is None or pair.forward_of(peel(s_lse)) is not lse or not single_user(sub.args[1]):
         return None
     (exp,) = sub.users
-    if not (is_call(exp, aten.exp.default) and _single_user(exp)):
+    if not (is_call(exp, aten.exp.default) and single_user(exp)):
         return None
     (mul,) = exp.users
-    if not (is_call(mul, aten.mul.Tensor) and _single_user(mul) and exp in mul.args):
+    if not (is_call(mul, aten.mul.Tensor) and single_user(mul) and exp in mul.args):
         return None
     g_lse_u = mul.args[1] if mul.args[0] is exp else mul.args[0]
     g_lse = _unsqueezed(g_lse_u, s_x)
     (add,) = mul.users
-    if g_lse is None or not _single_user(g_lse_u) or not (is_call(add, aten.add.Tensor) and len(add.args) == 2):
+    if g_lse is None or not single_user(g_lse_u) or not (is_call(add, aten.add.Tensor) and len(add.args) == 2):
         return None
     scatter = add.args[1] if add.args[0] is mul else add.args[0]
-    if not (is_call(scatter, aten.scatter_add.default) and _single_user(scatter) and _last_dim(scatter.args[1], s_x)):
+    if not (is_call(scatter, aten.scatter_add.default) and single_user(scatter) and _last_dim(scatter.args[1], s_x)):
         return None
     zeros, s_idx, src = scatter.args[0], scatter.args[2], scatter.args[3]
     g_pick = _unsqueezed(src, s_x)
-    if not (is_call(zeros, aten.new_zeros.default) and _single_user(zeros) and g_pick is not None
+    if not (is_call(zeros, aten.new_zeros.default) and single_user(zeros) and g_pick is not None
             and tuple(val(zeros).shape) == tuple(val(s_x).shape) and set(src.users) <= {zeros, scatter}
             and pair.forward_of(peel(s_idx)) is idx):
         return None
@@ -244,9 +244,9 @@ def _down_to_dlogits(node: fx.Node, divisor: float) -> tuple[fx.Node, list[fx.No
     """From the fp32 gradient of the logits down through reshapes, casts and the division's backward
     (by the forward's divisor, where it divided) to the 2-d dlogits."""
     chain = []
-    while _single_user(node):
+    while single_user(node):
         (u,) = node.users
-        if is_call(u, RESHAPES) or _plain_cast(u) or (divisor and _divisor(u) == divisor and u.args[0] is node):
+        if is_call(u, RESHAPES) or plain_cast(u) or (divisor and _divisor(u) == divisor and u.args[0] is node):
             divisor = 0.0 if _divisor(u) else divisor
             chain.append(u)
             node = u

@@ -15,6 +15,7 @@ consumed (what the kernel will replace).
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -23,6 +24,9 @@ import torch.fx as fx
 aten = torch.ops.aten
 
 PASSTHROUGH = {aten.detach.default, aten.alias.default}
+# ops that only re-describe a tensor's shape: a chain of them is still the same values
+RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
+            aten.detach.default}
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
 # kwargs a pattern may leave unstated: they restate where the value already lives
 IGNORED_KWARGS = {"layout", "device", "pin_memory"}
@@ -43,6 +47,20 @@ def peel(value: Any) -> Any:
     while is_call(value, PASSTHROUGH):
         value = value.args[0]
     return value
+
+
+def single_user(node: fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def plain_cast(node: Any) -> bool:
+    """A dtype cast that does nothing else (no memory format, no copy flags)."""
+    return is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype", "layout", "device"}
+
+
+def getitems(node: fx.Node) -> dict[int, fx.Node]:
+    """The getitem readers of a node with several outputs, by index."""
+    return {u.args[1]: u for u in node.users if is_call(u, operator.getitem)}
 
 
 def val(node: Any) -> Any:

@@ -19,7 +19,6 @@ already saves (x, rstd), so the saved xhat falls out of the contract and the for
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx
@@ -27,7 +26,7 @@ import torch.fx as fx
 from .contract import StagePair
 from .graph import GraphEdit, alive
 from .launchers import layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
-from .match import ANY, Const, Op, Var, equals, first_match, is_call, matches, maybe_cast, number, val
+from .match import ANY, Const, Op, Var, equals, first_match, getitems, is_call, matches, maybe_cast, number, val
 
 aten = torch.ops.aten
 MUL = {aten.mul.Tensor, aten.mul.Scalar}
@@ -145,10 +144,6 @@ def _dw(pair: StagePair, dy: fx.Node, wdy_mul: fx.Node, xf: fx.Node, rstd: fx.No
 
 
 # -- LayerNorm ----------------------------------------------------------------------------------
-def _getitems(node: fx.Node) -> dict[int, fx.Node]:
-    return {u.args[1]: u for u in node.users if is_call(u, operator.getitem)}
-
-
 def layer_norm_forward(edit: GraphEdit) -> int:
     count = 0
     for node in list(edit.graph.nodes):
@@ -157,7 +152,7 @@ def layer_norm_forward(edit: GraphEdit) -> int:
         x, shape, w, b, eps = node.args
         if w is None or b is None or list(shape) != [val(x).shape[-1]]:
             continue
-        items = _getitems(node)
+        items = getitems(node)
         if len(items) != len(node.users):
             continue
         if edit.replace(layer_norm_fwd, (x, w, b, float(eps)), {}, items, [node, *items.values()]):
@@ -173,7 +168,7 @@ def layer_norm_backward(edit: GraphEdit) -> int:
         dy, x, shape, mean, rstd, w, b, mask = node.args
         if w is None or b is None or list(shape) != [val(x).shape[-1]] or not all(mask):
             continue
-        items = _getitems(node)
+        items = getitems(node)
         if len(items) != len(node.users):
             continue
         if edit.replace(layer_norm_bwd, (dy, x, w, mean, rstd), {}, items, [node, *items.values()]):
