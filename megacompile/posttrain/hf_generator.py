@@ -8,10 +8,11 @@ device, then given its weights tensor by tensor from the engine's fp32 masters, 
 (policy_weights.py); tied weights stay tied. `sync()` after each optimizer step copies the masters
 in again, tensor by tensor, into the same memory.
 
-Sampling: at temperature t > 0 each token is drawn from softmax(logits / t) by `torch.multinomial`
-with the generator's own seeded torch.Generator, as `EngineGenerator` draws it, inside transformers'
+Sampling: at temperature t > 0 each token is drawn from softmax(logits / t), through the sampling
+filters (top-k, top-p, min-p, repetition penalty: sampling_filters.py), by `torch.multinomial` with
+the generator's own seeded torch.Generator, as `EngineGenerator` draws it, inside transformers'
 loop as a logits processor that keeps only the drawn token (generate's greedy step then takes
-it); at t = 0 the argmax. The global random state is never read or moved, and `state()` /
+it); at t = 0 the argmax (after the repetition penalty). The global random state is never read or moved, and `state()` /
 `set_state()` save and restore the sampler for a checkpoint.
 """
 from __future__ import annotations
@@ -24,24 +25,31 @@ from torch import nn
 from ..errors import ArgumentError
 from .policy_weights import policy_of, policy_weights, tied_names
 from .rollout import Completion, check_request, stop_ids
+from .sampling_filters import Filters, seen_tokens
 
 
 class _Draw:
-    """A logits processor: one token per row drawn from softmax(scores / temperature) with `rng`;
-    every other token's score set to -inf, so the greedy step picks the drawn one."""
+    """A logits processor: one token per row drawn as `EngineGenerator` draws it (sampling_filters.py,
+    greedy at temperature 0) with `rng`; every other token's score set to -inf, so the greedy step
+    picks the drawn one. `starts`: where each row's tokens begin after the left padding, which the
+    repetition penalty does not count."""
 
-    def __init__(self, temperature: float, rng: torch.Generator):
-        self.temperature, self.rng = temperature, rng
+    def __init__(self, temperature: float, rng: torch.Generator, filters: Filters, starts: list[int]):
+        self.temperature, self.rng, self.filters, self.starts = temperature, rng, filters, starts
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.float() / self.temperature, -1)
-        token = torch.multinomial(probs, 1, generator=self.rng)
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+        seen = None
+        if self.filters.repetition_penalty != 1.0:
+            rows = [ids[start:] for ids, start in zip(input_ids.tolist(), self.starts)]
+            seen = seen_tokens(rows, scores.shape[-1], scores.device)
+        token = self.filters.draw(scores.float(), seen, self.temperature, self.rng)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)
 
 
 class HFGenerator:
     def __init__(self, engine, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0, seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None):
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
+                 filters: Filters = Filters()):
         from ..io.hf_load import parameters_on_meta
         from transformers import AutoModelForCausalLM, GenerationConfig
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -49,6 +57,7 @@ class HFGenerator:
                                 f"got {dtype!r}")
         policy, self.prefix = policy_of(engine)
         self.engine, self.stops, self.pad_id, self.dtype = engine, stop_ids(eos_id), pad_id, dtype
+        self.filters = filters
         self.device = torch.device(device if device is not None else
                                    "cuda" if getattr(engine.backend, "name", "cpu") == "cuda" else "cpu")
         self.rng = torch.Generator(self.device).manual_seed(seed)
@@ -118,7 +127,9 @@ class HFGenerator:
         for r, row in enumerate(rows):          # padded on the left: every row's next token at the end
             ids[r, width - len(row):] = torch.tensor(row)
             mask[r, width - len(row):] = 1
-        processors = LogitsProcessorList([_Draw(temperature, self.rng)] if temperature > 0 else [])
+        starts = [width - len(r) for r in rows]
+        drawn = temperature > 0 or self.filters.repetition_penalty != 1.0
+        processors = LogitsProcessorList([_Draw(temperature, self.rng, self.filters, starts)] if drawn else [])
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                   do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
                                   logits_processor=processors, use_cache=True)

@@ -3,7 +3,8 @@ with their token ids. `EngineGenerator` samples from the policy the engine train
 forward-only pass at a fixed row length (prompt + max_new_tokens): a causal model's logits at a
 position do not depend on what follows it, so each new token is one forward of the same shape,
 planned once, under the same budget, with no second copy of the weights. It is slow (no key-value
-cache: every token recomputes the row) and works at any size."""
+cache: every token recomputes the row) and works at any size. Each token is drawn through the
+sampling filters (sampling_filters.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Protocol
 import torch
 
 from ..errors import ArgumentError
+from .sampling_filters import Filters, seen_tokens
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,10 @@ def check_request(prompts, n, max_new_tokens, temperature) -> None:
 
 
 class EngineGenerator:
-    def __init__(self, engine, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0, seed: int = 0):
-        self.engine, self.stops, self.pad_id = engine, stop_ids(eos_id), pad_id
+    def __init__(self, engine, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0, seed: int = 0,
+                 filters: Filters = Filters()):
+        """filters: top_k, top_p, min_p and repetition_penalty (sampling_filters.py)."""
+        self.engine, self.stops, self.pad_id, self.filters = engine, stop_ids(eos_id), pad_id, filters
         self.rng = torch.Generator().manual_seed(seed)
 
     def state(self) -> torch.Tensor:
@@ -84,16 +88,18 @@ class EngineGenerator:
         length = torch.tensor([len(r) for r in rows])
         done = torch.zeros(len(rows), dtype=torch.bool)
         out: list[list[int]] = [[] for _ in rows]
+        seen = None
         for _ in range(max_new_tokens):
             logits = torch.as_tensor(self.engine(input_ids=ids, last=length - 1)).float()
-            if temperature == 0:
-                token = logits.argmax(-1)
-            else:
-                token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=self.rng).squeeze(1)
+            if seen is None and self.filters.repetition_penalty != 1.0:
+                seen = seen_tokens(rows, logits.shape[-1])
+            token = self.filters.draw(logits, seen, temperature, self.rng)
             for r in range(len(rows)):
                 if done[r]:
                     continue
                 t = int(token[r])
+                if seen is not None:
+                    seen[r, t] = True
                 out[r].append(t)
                 ids[r, length[r]] = t
                 length[r] += 1

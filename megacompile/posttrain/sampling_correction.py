@@ -4,10 +4,13 @@ token slightly different probabilities. Each completion token's loss term is wei
 of the trained policy's probability (the old policy's log-probabilities, from the forward pass
 after the rollout) to the sampler's, as TRL does:
 
-    token_truncate      min(exp(old - sampled), cap) per token                 (TIS)
-    token_mask          exp(old - sampled) per token, 0 where it exceeds cap
-    sequence_truncate   min(exp(sum of old - sampled over the completion), cap), one per completion
-    sequence_mask       the same ratio, 0 where it exceeds cap                  (TRL's default)
+    token_truncate      exp(old - sampled) per token, clamped into [clip_min, clip_max]   (TIS)
+    token_mask          exp(old - sampled) per token, 0 outside [clip_min, clip_max]
+    sequence_truncate   exp(sum of old - sampled over the completion), one per completion, clamped
+    sequence_mask       the same ratio, 0 outside the bounds                    (TRL's default)
+
+clip_max is 3.0 by default (TRL's vllm_importance_sampling_clip_max, formerly _cap), clip_min none;
+either may be None (no bound on that side), not both in a truncate mode.
 
 The weight is a constant of the step (no gradient flows through it): it multiplies the clipped
 policy term after the entropy mask and before the KL term (posttrain/grpo.py)."""
@@ -20,17 +23,27 @@ import torch
 from ..errors import ArgumentError
 
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-DEFAULT_MODE, DEFAULT_CAP = "sequence_mask", 3.0        # TRL's defaults
+DEFAULT_MODE, DEFAULT_CLIP_MAX = "sequence_mask", 3.0        # TRL's defaults
 METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
            "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
            "sampling/importance_sampling_ratio/max")
 
 
-def check(mode: str, cap) -> None:
+def check(mode: str, clip_max, clip_min=None) -> None:
     if mode not in MODES:
         raise ArgumentError(f"vllm_importance_sampling_mode must be one of {', '.join(MODES)}; got {mode!r}")
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-        raise ArgumentError(f"vllm_importance_sampling_cap must be a positive number (TRL's default 3.0); got {cap!r}")
+    for key, bound in (("clip_max", clip_max), ("clip_min", clip_min)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                  or not 0 <= bound < math.inf or (key == "clip_max" and bound == 0)):
+            raise ArgumentError(f"vllm_importance_sampling_{key} must be a {'positive' if key == 'clip_max' else '>= 0'} "
+                                f"number (TRL's default {DEFAULT_CLIP_MAX if key == 'clip_max' else 'none'}), or null "
+                                f"for no bound; got {bound!r}")
+    if clip_max is None and clip_min is None and mode.endswith("truncate"):
+        raise ArgumentError(f"vllm_importance_sampling_mode {mode} clamps the ratio into [clip_min, clip_max], and "
+                            "both are null: give vllm_importance_sampling_clip_max (3.0 by default) or _clip_min")
+    if clip_max is not None and clip_min is not None and not clip_min < clip_max:
+        raise ArgumentError(f"vllm_importance_sampling_clip_min ({clip_min}) must be below vllm_importance_sampling_"
+                            f"clip_max ({clip_max})")
 
 
 def sampled_logps(completions: list, width: int) -> torch.Tensor | None:
@@ -49,12 +62,13 @@ def sampled_logps(completions: list, width: int) -> torch.Tensor | None:
 
 
 def sampling_ratio(old_logps: torch.Tensor, sampled_logps: torch.Tensor, mask: torch.Tensor,
-                   mode: str = DEFAULT_MODE, cap: float = DEFAULT_CAP) -> tuple[torch.Tensor, dict[str, float]]:
+                   mode: str = DEFAULT_MODE, clip_max: float | None = DEFAULT_CLIP_MAX,
+                   clip_min: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """(N, T) weights of the completion tokens (`mask`; `sampled_logps` NaN where the sampler gave
     none) and the metrics TRL logs: the mean and largest |old - sampled| over the tokens, and the
     smallest, mean and largest ratio (over the tokens, or over the completions in the sequence
     modes)."""
-    check(mode, cap)
+    check(mode, clip_max, clip_min)
     mask = mask.to(torch.bool)
     scored = mask & ~torch.isnan(sampled_logps)     # a token the sampler gave no log-probability weighs 1
     diff = torch.where(scored, old_logps.double() - sampled_logps.double(), 0.0)
@@ -62,7 +76,11 @@ def sampling_ratio(old_logps: torch.Tensor, sampled_logps: torch.Tensor, mask: t
     if sequence:
         diff = diff.sum(-1, keepdim=True)
     ratio = torch.exp(diff)
-    ratio = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(ratio > cap, 0.0)
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=clip_min, max=clip_max)
+    else:
+        outside = (ratio > (math.inf if clip_max is None else clip_max)) | (ratio < (clip_min or 0.0))
+        ratio = ratio.masked_fill(outside, 0.0)
     gap = (old_logps.double() - sampled_logps.double()).abs()[scored]
     seen = ratio.flatten() if sequence else ratio[mask]
     metrics = dict(zip(METRICS, (gap.mean().item() if gap.numel() else 0.0, gap.max().item() if gap.numel() else 0.0,

@@ -24,6 +24,7 @@ import torch
 from ..errors import ArgumentError, MegacompileError
 from .policy_weights import policy_of, policy_weights
 from .rollout import Completion, check_request, stop_ids
+from .sampling_filters import Filters
 
 MISSING = ("VLLMGenerator needs vLLM, which is not installed: pip install vllm (on the GPU machine that trains; "
            "the V1 engine in this process: vLLM >= 0.8 with VLLM_ENABLE_V1_MULTIPROCESSING=0), or sample with "
@@ -74,7 +75,7 @@ class SeededCalls:
 
 class VLLMGenerator(SeededCalls):
     def __init__(self, engine, llm=None, *, model: str | None = None, eos_id: int | tuple[int, ...] | None = None, seed: int = 0,
-                 **llm_args):
+                 filters: Filters = Filters(), **llm_args):
         """`llm`: a colocated vllm.LLM already made; else one is made from `model` (a Hugging Face
         folder of the policy's architecture, by default the one the engine was loaded from) in bf16,
         with `llm_args` (gpu_memory_utilization=..., max_model_len=...). Its weights are replaced by
@@ -96,6 +97,7 @@ class VLLMGenerator(SeededCalls):
             llm_args.setdefault("logprobs_mode", "processed_logprobs")
             llm = self.vllm.LLM(model=model, dtype="bfloat16", seed=seed, tensor_parallel_size=1, **llm_args)
         self.engine, self.llm, self.eos_id, self.seed, self.calls = engine, llm, eos_id, seed, 0
+        self.filters = filters
         self.model = vllm_model(llm)
         self.sync()
 
@@ -108,7 +110,8 @@ class VLLMGenerator(SeededCalls):
 
     def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
         check_request(prompts, n, max_new_tokens, temperature)
-        params = self.vllm.SamplingParams(**sampling(n, max_new_tokens, temperature, self.next_seed(temperature), self.eos_id))
+        settings = sampling(n, max_new_tokens, temperature, self.next_seed(temperature), self.eos_id, self.filters)
+        params = self.vllm.SamplingParams(**settings)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         completions = []
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
@@ -140,8 +143,10 @@ def sampled_logprobs(token_ids, logprobs, count: int) -> tuple[float | None, ...
     return (values + (None,) * count)[:count]
 
 
-def sampling(n: int, max_new_tokens: int, temperature: float, seed: int, eos_id) -> dict:
+def sampling(n: int, max_new_tokens: int, temperature: float, seed: int, eos_id, filters: Filters = Filters()) -> dict:
     """vLLM's sampling settings of one call: the tokenizer's eos ignored, `eos_id` the stop tokens,
-    and the sampled token's log-probability returned (the sampler's correction reads it)."""
+    the sampled token's log-probability returned (the sampler's correction reads it), and top_k,
+    top_p, min_p and repetition_penalty where they are on."""
     return dict(n=n, temperature=float(temperature), max_tokens=max_new_tokens, seed=seed, ignore_eos=True,
-                stop_token_ids=list(stop_ids(eos_id)) or None, logprobs=0)
+                stop_token_ids=list(stop_ids(eos_id)) or None, logprobs=0,
+                **(filters.vllm_settings() if filters.active else {}))

@@ -26,6 +26,7 @@ from ..errors import ArgumentError, MegacompileError
 from ..io.hf_save import write_safetensors
 from .policy_weights import policy_of, policy_weights
 from .rollout import Completion, check_request
+from .sampling_filters import Filters
 from .vllm_generator import SeededCalls, completion_tokens, sampling
 
 WEIGHTS = "model.safetensors"
@@ -34,7 +35,7 @@ MARK = ".megacompile-rollout-weights"     # the folder is ours to overwrite: mad
 
 class VLLMServerGenerator(SeededCalls):
     def __init__(self, engine, url: str, weights_dir: str, *, model: str | None = None, eos_id: int | tuple[int, ...] | None = None,
-                 seed: int = 0, timeout: float = 600.0):
+                 seed: int = 0, timeout: float = 600.0, filters: Filters = Filters()):
         """`url`: the server (http://host:port); `weights_dir`: an absolute folder the server reads
         at the same path; `model`: the served model's name (by default the first /v1/models lists)."""
         if not isinstance(weights_dir, str) or not os.path.isabs(weights_dir):
@@ -43,7 +44,7 @@ class VLLMServerGenerator(SeededCalls):
         _own_folder(weights_dir)
         _, self.prefix = policy_of(engine)
         self.engine, self.url, self.weights_dir = engine, url.rstrip("/"), weights_dir
-        self.eos_id, self.seed, self.calls, self.timeout = eos_id, seed, 0, timeout
+        self.eos_id, self.seed, self.calls, self.timeout, self.filters = eos_id, seed, 0, timeout, filters
         self.model = model or self._request("v1/models", None)["data"][0]["id"]
         os.makedirs(weights_dir, exist_ok=True)
         open(os.path.join(weights_dir, MARK), "a").close()
@@ -77,7 +78,7 @@ class VLLMServerGenerator(SeededCalls):
 
     def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
         check_request(prompts, n, max_new_tokens, temperature)
-        settings = sampling(n, max_new_tokens, temperature, self.next_seed(temperature), self.eos_id)
+        settings = sampling(n, max_new_tokens, temperature, self.next_seed(temperature), self.eos_id, self.filters)
         body = dict(model=self.model, prompt=[list(p) for p in prompts], return_token_ids=True,
                     **{k: v for k, v in settings.items() if v is not None})
         choices = sorted(self._request("v1/completions", body)["choices"], key=lambda c: c["index"])

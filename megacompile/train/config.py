@@ -140,6 +140,10 @@ class RunConfig:
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
     temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     epsilon: float | None = None
     epsilon_high: float | None = None
     reward_funcs: Any = None
@@ -158,10 +162,17 @@ class RunConfig:
     use_vllm: bool | None = None
     vllm_mode: str | None = None
     vllm_server_base_url: str | None = None
+    vllm_server_host: str | None = None
+    vllm_server_port: int | None = None
+    vllm_server_timeout: float | None = None
+    vllm_max_model_length: int | None = None
+    vllm_model_impl: str | None = None
     vllm_gpu_memory_utilization: float | None = None
     vllm_importance_sampling_correction: bool | None = None
     vllm_importance_sampling_mode: str | None = None
-    vllm_importance_sampling_cap: float | None = None
+    vllm_importance_sampling_clip_max: float | None = None
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_cap: float | None = None        # TRL's old name of clip_max
 
     @property
     def bundled(self) -> bool:

@@ -57,7 +57,23 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "precompute_ref_batch_size": ((None,), "the reference pass runs batch rows at a time"),
     "train_sampling_strategy": (("random", "sequential"), "not supported: rows are ordered by seed, not by length"),
     "truncation_mode": (("keep_start",), "not supported: a record longer than seq keeps its start (keep_start)"),
+    # GRPO (TRL 1.16): what stage grpo does not do
+    "entropy_coef": ((0, 0.0), "not supported: the loss has no entropy bonus (top_entropy_quantile masks by entropy)"),
+    "use_adaptive_entropy": ((False,), "not supported: the loss has no entropy bonus"),
+    "off_policy_mask_threshold": ((None,), "not supported: every completion of the rollout batch is trained"),
+    "cast_lm_head_to_fp32": ((False,), "not supported: the lm head runs in compute_dtype, its log-probabilities "
+                                       "are taken in fp32"),
+    "max_tool_calling_iterations": ((None,), "not supported: completions make no tool calls"),
+    "num_generations_eval": ((None,), "evaluation decodes one greedy completion of each held-out prompt"),
+    "generation_kwargs": ((None,), "give the sampling settings as keys: temperature, top_k, top_p, min_p, "
+                                   "repetition_penalty"),
+    "vllm_tensor_parallel_size": ((1,), "vllm_mode colocate runs vLLM on this process's GPU; a policy split over "
+                                        "GPUs: vllm_mode server (vllm serve --tensor-parallel-size)"),
+    "vllm_enable_sleep_mode": ((False,), "not supported: a colocated vLLM keeps its memory between rollouts "
+                                         "(vllm_gpu_memory_utilization sets its share)"),
+    "vllm_structured_outputs_regex": ((None,), "not supported: completions are not constrained"),
     # their_keys.NOT_TAKEN's own, at the default a dump writes
+    "multi_objective_aggregation": (("sum_then_normalize",), ""),
     "f_divergence_type": (("reverse_kl",), ""),
     "packing_strategy": (("bfd",), ""),
     "eos_token": (("<EOS_TOKEN>",), ""),
@@ -113,6 +129,28 @@ NO_EFFECT: dict[str, tuple[tuple, str]] = {
     "f_alpha_divergence_coef": ((0.5,), "read only with f_divergence_type alpha_divergence, which is not supported"),
     "ref_model_mixup_alpha": ((0.6,), "read only with sync_ref_model, which is not supported"),
     "ref_model_sync_steps": ((512,), "read only with sync_ref_model, which is not supported"),
+    # GRPO (TRL 1.16)
+    "entropy_coef_delta": ((0.005,), "read only with use_adaptive_entropy, which is not supported"),
+    "entropy_coef_max": ((1.0,), "read only with use_adaptive_entropy, which is not supported"),
+    "entropy_coef_min": ((0.0,), "read only with use_adaptive_entropy, which is not supported"),
+    "entropy_target": ((0.2,), "read only with use_adaptive_entropy, which is not supported"),
+    "sapo_temperature_neg": ((1.05,), "read only with loss_type sapo, which is not supported"),
+    "sapo_temperature_pos": ((1.0,), "read only with loss_type sapo, which is not supported"),
+    "vespo_k_neg": ((3.0,), "read only with loss_type vespo, which is not supported"),
+    "vespo_k_pos": ((2.0,), "read only with loss_type vespo, which is not supported"),
+    "vespo_lambda_neg": ((2.0,), "read only with loss_type vespo, which is not supported"),
+    "vespo_lambda_pos": ((3.0,), "read only with loss_type vespo, which is not supported"),
+    "vllm_group_port": ((51216,), "the weights reach vLLM in this process or through files, not a NCCL group"),
+    "ds3_gather_for_generation": ((True,), _PLACES),
+    "cache_implementation": ((None,), "the generator keeps its own key-value cache"),
+    "use_transformers_paged": ((False,), "the generator is run.yaml's generator or use_vllm"),
+    "use_transformers_continuous_batching": ((False,), "the generator is run.yaml's generator or use_vllm"),
+    "transformers_continuous_batching_config": ((None,), "the generator is run.yaml's generator or use_vllm"),
+    "log_completions": ((False,), _LOGS),
+    "log_completions_hub_repo": ((None,), _LOGS),
+    "log_multimodal": ((True,), _LOGS),
+    "log_unique_prompts": ((False,), _LOGS),
+    "num_completions_to_print": ((None,), _LOGS),
 }
 
 
@@ -122,7 +160,7 @@ QUIET = {"dataloader_num_workers": (0,), "dataloader_pin_memory": (True, False),
          "ddp_timeout": (1800,), "deepspeed": (None,), "do_eval": (False,), "eval_accumulation_steps": (None,),
          "gradient_checkpointing": (True, False), "include_num_input_tokens_seen": ("no", False),
          "label_names": (None,), "optim": ("adamw_torch_fused", "adamw_torch"), "pad_to_multiple_of": (None,),
-         "per_device_eval_batch_size": (8,), "remove_unused_columns": (True,), "save_only_model": (False,),
+         "per_device_eval_batch_size": (8,), "remove_unused_columns": (True, False), "save_only_model": (False,),
          "tf32": (None,), "trust_remote_code": (False,), "use_cache": (False, True)}
 
 

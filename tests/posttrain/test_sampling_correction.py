@@ -14,6 +14,8 @@ from megacompile.posttrain.rollout_batch import rollout_batch
 from megacompile.posttrain.sampling_correction import MODES
 
 CAP = 1.5
+# (clip_max, clip_min): TRL 1.16's bounds; the lower one, and an open upper one
+BOUNDS = [(CAP, None), (CAP, 0.8), (None, 0.8)]
 
 
 def _batch():
@@ -25,7 +27,7 @@ def _batch():
     return old, sampled, mask
 
 
-def _expected(old, sampled, mask, mode):
+def _expected(old, sampled, mask, mode, clip_max=CAP, clip_min=None):
     rows, cols = old.shape
     scored = [[bool(mask[r, t]) and not math.isnan(float(sampled[r, t])) for t in range(cols)] for r in range(rows)]
     diff = [[float(old[r, t]) - float(sampled[r, t]) if scored[r][t] else 0.0 for t in range(cols)]
@@ -36,19 +38,22 @@ def _expected(old, sampled, mask, mode):
             weights = [math.exp(sum(diff[r]))] * cols
         else:
             weights = [math.exp(d) for d in diff[r]]
+        high = math.inf if clip_max is None else clip_max
+        low = -math.inf if clip_min is None else clip_min
         if mode.endswith("truncate"):
-            weights = [min(w, CAP) for w in weights]
+            weights = [max(min(w, high), low) for w in weights]
         else:
-            weights = [0.0 if w > CAP else w for w in weights]
+            weights = [0.0 if w > high or w < low else w for w in weights]
         out.append(weights)
     return torch.tensor(out, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("clip_max, clip_min", BOUNDS)
 @pytest.mark.parametrize("mode", MODES)
-def test_each_mode_weighs_the_tokens_as_its_formula(mode):
+def test_each_mode_weighs_the_tokens_as_its_formula(mode, clip_max, clip_min):
     old, sampled, mask = _batch()
-    ratio, metrics = sampling_ratio(old, sampled, mask, mode, CAP)
-    expected = _expected(old, sampled, mask, mode)
+    ratio, metrics = sampling_ratio(old, sampled, mask, mode, clip_max, clip_min)
+    expected = _expected(old, sampled, mask, mode, clip_max, clip_min)
     assert ratio.shape == old.shape
     assert torch.allclose(ratio.double()[mask], expected[mask], rtol=1e-6, atol=0)
     gaps = [abs(float(old[r, t]) - float(sampled[r, t])) for r in range(3) for t in range(5)
@@ -65,6 +70,12 @@ def test_the_modes_differ_where_the_formulas_do():
     weights = {m: sampling_ratio(old, sampled, mask, m, CAP)[0] for m in MODES}
     assert not torch.equal(weights["token_truncate"], weights["sequence_truncate"])
     assert (weights["token_mask"][mask] == 0).any() and (weights["token_truncate"][mask] == CAP).any()
+    low = sampling_ratio(old, sampled, mask, "token_truncate", CAP, 0.8)[0]
+    assert (low[mask] == 0.8).any() and not (weights["token_truncate"][mask] == 0.8).any()
+    raw = sampling_ratio(old, sampled, mask, "token_truncate", 1e9)[0][mask]        # no bound reached
+    assert (raw > CAP).any() and (raw < 0.8).any()
+    open_above = sampling_ratio(old, sampled, mask, "token_mask", None, 0.8)[0][mask]
+    assert torch.equal(open_above, torch.where(raw < 0.8, 0.0, raw))
 
 
 def test_bad_modes_and_caps_are_refused():
@@ -73,6 +84,10 @@ def test_bad_modes_and_caps_are_refused():
         sampling_ratio(old, sampled, mask, "token", CAP)
     with pytest.raises(ArgumentError, match="positive number"):
         sampling_ratio(old, sampled, mask, "token_mask", 0)
+    with pytest.raises(ArgumentError, match="both are null"):
+        sampling_ratio(old, sampled, mask, "sequence_truncate", None, None)
+    with pytest.raises(ArgumentError, match=r"clip_min \(2.0\) must be below"):
+        sampling_ratio(old, sampled, mask, "token_mask", CAP, 2.0)
 
 
 def test_the_samplers_log_probabilities_sit_at_their_label_positions():

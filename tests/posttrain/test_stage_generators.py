@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -36,12 +37,26 @@ def _untimed(path: str) -> list[dict]:
     ({"generator_dtype": "float32"}, "generator_dtype is the dtype of generator hf's copy"),
     ({"generator": "hf", "generator_dtype": "float16"}, "generator_dtype must be one of bfloat16, float32"),
     ({"use_vllm": "yes"}, "use_vllm must be true or false; got 'yes'"),
-    ({"vllm_mode": "colocate"}, "vllm_mode applies to sampling with vLLM: set use_vllm: true"),
+    ({"vllm_mode": "remote"}, "vllm_mode applies to sampling with vLLM: set use_vllm: true"),
+    ({"vllm_server_port": 9000, "vllm_importance_sampling_clip_min": 0.5},
+     "vllm_server_port, vllm_importance_sampling_clip_min apply to sampling with vLLM"),
     ({"use_vllm": True, "generator": "hf"}, "use_vllm: true samples with vLLM .* generator chooses another"),
     ({"use_vllm": True, "vllm_mode": "remote"}, "vllm_mode must be colocate .* or server .*got 'remote'"),
-    ({"use_vllm": True, "vllm_gpu_memory_utilization": 0.5}, "vllm_gpu_memory_utilization applies to vllm_mode "
-                                                               "colocate"),
-    ({"use_vllm": True, "vllm_server_base_url": "localhost:8000"}, "vllm_server_base_url is the server's address"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_gpu_memory_utilization": 0.5},
+     "vllm_gpu_memory_utilization applies to vllm_mode colocate .*vllm serve --gpu-memory-utilization"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_max_model_length": 64},
+     "vllm_max_model_length applies to vllm_mode colocate"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": "localhost:8000"},
+     "vllm_server_base_url is the server's address"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": "http://h:1", "vllm_server_port": 9000},
+     "say where the server is twice"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_server_port": "8000"},
+     "vllm_server_host and vllm_server_port are where vllm serve listens"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_server_timeout": -1}, "vllm_server_timeout is how many seconds"),
+    ({"use_vllm": True, "vllm_server_timeout": 60}, "vllm_server_timeout applies to vllm_mode server"),
+    ({"use_vllm": True, "vllm_max_model_length": 8}, r"vllm_max_model_length is vLLM's max_model_len, at least a "
+                                                     r"row's length \(max_prompt_length \+ max_completion_length = 11\)"),
+    ({"use_vllm": True, "vllm_model_impl": "torch"}, "vllm_model_impl must be one of vllm, transformers, auto"),
     ({"use_vllm": True, "vllm_mode": "colocate", "vllm_server_base_url": "http://h:1"},
      "vllm_server_base_url applies to vllm_mode server"),
     ({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 1.5},
@@ -125,22 +140,27 @@ def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rol
     monkeypatch.setattr(Engine, "step", lambda engine, **kw: steps.append(kw) or step(engine, **kw))
     config = files.run_yaml(str(tmp_path / "run.yaml"),
                             **stage_files.grpo(work, str(tmp_path / "run"), steps=2, use_vllm=True,
-                                               vllm_mode="colocate", seed=7))
+                                               seed=7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                                               vllm_model_impl="transformers"))
     run(load(config, []))
     llm, = made
     # the sampler's correction, TRL's default (sequence_mask, cap 3): vLLM's log-probabilities of
     # the sampled tokens against the old policy's, the weights handed to the step as its input
     assert len(ratios) == 2 == len(steps)
     for (args, (weights, metrics)), kw in zip(ratios, steps):
-        old, sampled, mask, mode, cap = args
-        assert (mode, cap) == ("sequence_mask", 3.0) and torch.equal(kw["sampling_ratio"], weights)
+        old, sampled, mask, mode, clip_max, clip_min = args
+        assert (mode, clip_max, clip_min) == ("sequence_mask", 3.0, None) and torch.equal(kw["sampling_ratio"], weights)
         assert torch.equal(old, kw["old_logps"]) and torch.equal(mask, kw["labels"] != -100)
         given = sampled[mask]       # NaN: the stop token vLLM left out of its reply (weighs 1)
         assert set(given[~given.isnan()].tolist()) == {fake_vllm.LOGPROB, fake_vllm.LOGPROB - 1}
     for row, (_, (_, metrics)) in zip(log.read(str(tmp_path / "run" / "log.csv")), ratios):
         assert all(float(row[k]) == pytest.approx(v) for k, v in metrics.items())
+    # vllm_mode colocate is TRL's default
     assert llm.args == dict(model=work["model"], dtype="bfloat16", seed=7, tensor_parallel_size=1,
-                            gpu_memory_utilization=0.3, max_model_len=11, logprobs_mode="processed_logprobs")
+                            gpu_memory_utilization=0.3, max_model_len=11, logprobs_mode="processed_logprobs",
+                            model_impl="transformers")
+    # the sampling filters, as vLLM names them
+    assert [(p.top_k, p.top_p, p.min_p, p.repetition_penalty) for _, p in llm.requests] == [(5, 0.9, 0.05, 1.1)] * 2
     assert [params.seed for _, params in llm.requests] == [7, 8]          # the seed and the count of calls
     assert [params.n for _, params in llm.requests] == [4, 4]
     assert len(llm.model.loads) == 2                # at the start, and before the rollout after step 1
@@ -159,7 +179,8 @@ def test_use_vllm_server_writes_the_weights_in_the_run_folder(tmp_path):
     from tests.posttrain.test_vllm_generator import _engine
     server = _Server()
     try:
-        c = SimpleNamespace(generator="vllm", vllm_mode="server", vllm_server_base_url=server.url, seed=3)
+        c = SimpleNamespace(generator="vllm", vllm_mode="server", vllm_server_base_url=server.url, seed=3,
+                            vllm_server_timeout=5.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0)
         generator = rollout_generator.make(c, _engine(False), 3, 0, str(tmp_path / "run"))
         weights = os.path.abspath(str(tmp_path / "run" / rollout_generator.WEIGHTS_DIR))
         assert generator.weights_dir == weights and generator.seed == 3
@@ -167,3 +188,39 @@ def test_use_vllm_server_writes_the_weights_in_the_run_folder(tmp_path):
         generator.engine.close()
     finally:
         server.http.shutdown()
+
+
+def test_the_run_waits_for_the_server_up_to_vllm_server_timeout():
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Health(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]       # nothing listens there once the socket is closed
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    with pytest.raises(MegacompileError, match=rf"the vLLM server at {url} did not answer in vllm_server_timeout "
+                                               r"0.5 s.*raise vllm_server_timeout"):
+        rollout_generator.wait_for_server(url, 0.5, poll=0.1)
+    assert time.monotonic() - started < 5
+    servers = []                        # vllm serve still loading when the run starts: up 0.5 s later
+    started = time.monotonic()
+    timer = threading.Timer(0.5, lambda: servers.append(ThreadingHTTPServer(("127.0.0.1", port), Health)) or
+                            threading.Thread(target=servers[0].serve_forever, daemon=True).start())
+    timer.start()
+    try:
+        rollout_generator.wait_for_server(url, 30.0, poll=0.1)
+        assert servers and time.monotonic() - started >= 0.5
+    finally:
+        timer.join()
+        for server in servers:
+            server.shutdown()

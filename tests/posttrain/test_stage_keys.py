@@ -46,7 +46,8 @@ def work(tmp_path_factory):
     ("grpo", {"batch": 3, "grad_accum": 2}, r"batch 3 x steps_per_generation 2 = 6"),     # TRL's default: grad_accum
     ("grpo", {"batch": 2, "grad_accum": 2, "steps_per_generation": 3},
      "steps_per_generation 3 must be a multiple of grad_accum 2.* give steps_per_generation 4"),
-    ("grpo", {"steps_per_generation": 2, "generation_batch_size": 16}, "say the same thing twice"),
+    ("grpo", {"steps_per_generation": 2, "generation_batch_size": 24},
+     r"steps_per_generation 2 and generation_batch_size 24 disagree \(generation_batch_size = batch 8 x"),
     ("grpo", {"generation_batch_size": 12}, "generation_batch_size 12 must be a multiple of batch 8"),
     ("grpo", {"steps_per_generation": 0}, "steps_per_generation must be a whole number >= 1; got 0"),
     ("grpo", {"steps_per_generation": 2, "num_iterations": 2, "steps": 6},
@@ -57,7 +58,18 @@ def work(tmp_path_factory):
     ("grpo", {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_mode": "tis"},
      "vllm_importance_sampling_mode must be one of token_truncate"),
     ("grpo", {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_cap": -1},
-     "vllm_importance_sampling_cap must be a positive number"),
+     "vllm_importance_sampling_clip_max must be a positive number"),
+    ("grpo", {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_cap": 2.0,
+              "vllm_importance_sampling_clip_max": 4.0}, "_cap is TRL's old name of vllm_importance_sampling_clip_max"),
+    ("grpo", {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_clip_min": 2.0,
+              "vllm_importance_sampling_clip_max": 2.0}, r"clip_min \(2.0\) must be below"),
+    ("grpo", {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_mode": "token_truncate",
+              "vllm_importance_sampling_clip_max": None}, "token_truncate clamps the ratio.* both are null"),
+    ("grpo", {"top_k": -1}, r"top_k is the number of likeliest tokens a rollout draws from, a whole number >= 0"),
+    ("grpo", {"top_p": 0}, r"top_p must be in \(0, 1\]"),
+    ("grpo", {"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+    ("grpo", {"repetition_penalty": 0}, "repetition_penalty must be a positive number"),
+    ("dpo", {"top_p": 0.9}, r"top_p \(stage grpo\) belongs to another stage"),
     ("grpo", {"epsilon": 1.5}, r"epsilon must be in \(0, 1\), e.g. 0.2; got 1.5"),
     ("grpo", {"temperature": -1}, "temperature must be > 0"),
     ("grpo", {"reward_funcs": []}, "reward_funcs is a list of reward functions"),
@@ -168,3 +180,22 @@ def test_grpo_completions_stop_where_the_models_generation_config_stops(tmp_path
     turn_ends.attach(tokenizer, str(tmp_path))
     stage = kind(c)(c, tokenizer)
     assert stage.stops == tuple(sorted({tokenizer.eos_token_id, 7}))
+
+
+def test_a_grpo_checkpoint_saved_before_the_sampling_keys_resumes_and_one_sampled_otherwise_is_refused(tmp_path, work):
+    from types import SimpleNamespace
+    from megacompile.train.stages import keys
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(work, str(tmp_path / "run"),
+                                                                          use_vllm=True, vllm_mode="server")), [])
+    assert (c.vllm_importance_sampling_clip_max, c.vllm_importance_sampling_clip_min) == (3.0, None)
+    assert (c.vllm_server_base_url, c.vllm_server_timeout) == ("http://localhost:8000", 240.0)
+    newer = ("top_k", "top_p", "min_p", "repetition_penalty", "vllm_importance_sampling_clip_max",
+             "vllm_importance_sampling_clip_min", "vllm_max_model_length", "vllm_model_impl")
+    old = {k: v for k, v in keys.saved_keys(c).items() if k not in newer}
+    old["vllm_importance_sampling_cap"] = 3.0           # the name clip_max was saved under
+    keys.check_resume(c, SimpleNamespace(extra={"stage": old}, path="ckpt"))
+    filtered = load(files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "run"), use_vllm=True, vllm_mode="server", top_p=0.9,
+        vllm_importance_sampling_clip_max=2.0)), [])
+    with pytest.raises(ArgumentError, match=r"top_p 1.0 -> 0.9, .*vllm_importance_sampling_clip_max 3.0 -> 2.0"):
+        keys.check_resume(filtered, SimpleNamespace(extra={"stage": old}, path="ckpt"))

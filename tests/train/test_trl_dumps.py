@@ -26,13 +26,15 @@ def _dump(stage: str) -> dict:
 
 def _keys(tmp_path, stage: str, **more) -> str:
     work = stage_files.workspace(tmp_path)
-    data = files.chats(str(tmp_path / "chats.jsonl")) if stage == "sft" else work["pairs"]
+    data = {"sft": files.chats(str(tmp_path / "chats.jsonl")), "grpo": work["prompts"]}.get(stage, work["pairs"])
+    # a GRPOTrainer takes its reward functions as an argument, not from its config
+    rewards = {"reward_funcs": ["format_check"]} if stage == "grpo" else {}
     keys = {**_dump(stage), "model": work["model"], "data": data, "output_dir": str(tmp_path / "out"),
-            "device": "cpu", **({"stage": stage} if stage != "sft" else {}), **more}
+            "device": "cpu", **({"stage": stage} if stage != "sft" else {}), **rewards, **more}
     return files.run_yaml(str(tmp_path / "run.yaml"), **keys)
 
 
-@pytest.mark.parametrize("stage", ["sft", "dpo", "kto", "rm"])
+@pytest.mark.parametrize("stage", ["sft", "dpo", "kto", "rm", "grpo"])
 def test_a_trl_config_dump_loads_with_do_train_given(tmp_path, stage, capsys):
     dump = _dump(stage)
     with pytest.raises(ArgumentError, match="do_train False: megacompile train always trains; .*a dump of "

@@ -194,7 +194,8 @@ class GRPOStage(Stage):
             rows["sampling_ratio"], measured = sampling_ratio(rows["old_logps"], sampled,
                                                               batch["labels"] != IGNORE,
                                                               c.vllm_importance_sampling_mode,
-                                                              c.vllm_importance_sampling_cap)
+                                                              c.vllm_importance_sampling_clip_max,
+                                                              c.vllm_importance_sampling_clip_min)
             metrics.update(measured)
         if c.steps_per_generation > 1:      # TRL shuffles the generation batch before cutting it
             order = torch.randperm(self.rows, generator=torch.Generator().manual_seed(c.seed + engine.steps_done))

@@ -12,7 +12,9 @@ refused under a stage it does not belong to, before anything is read or written.
            (accepted either way, as under dpo: the reference's are computed once a run); batch at
            least 2 for kto (its KL rows)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo), num_generations (8),
-           max_prompt_length (512), max_completion_length (256), temperature (1.0), epsilon (0.2),
+           max_prompt_length (512), max_completion_length (256), temperature (1.0), the sampling
+           filters top_k (0: off), top_p (1.0), min_p (none) and repetition_penalty (1.0: off,
+           posttrain/sampling_filters.py), epsilon (0.2),
            epsilon_high (epsilon), delta (none), reward_funcs, reward_weights (1 each),
            scale_rewards (group), mask_truncated_completions (false), importance_sampling_level
            (token), top_entropy_quantile (1.0), num_iterations (1), steps_per_generation
@@ -26,7 +28,7 @@ import math
 from typing import Any
 
 from ...errors import ArgumentError
-from ...posttrain import advantages, dpo_losses, grpo, kto
+from ...posttrain import advantages, dpo_losses, grpo, kto, sampling_filters
 from ..methods import adapters
 from . import rollouts
 
@@ -37,7 +39,7 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx", "precompute_ref_log_probs"),
         "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
-                 "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
+                 "top_k", "top_p", "min_p", "repetition_penalty", "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
                  "steps_per_generation", "generation_batch_size", "use_bias_correction_kl")
         + rollouts.KEYS}
@@ -49,18 +51,20 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                     "pref_ftx": None, "precompute_ref_log_probs": False},
             "rm": {"center_rewards_coefficient": 0.0},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
-                     "max_completion_length": 256, "temperature": 1.0, "epsilon": 0.2, "epsilon_high": None,
+                     "max_completion_length": 256, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None,
+                     "repetition_penalty": 1.0, "epsilon": 0.2, "epsilon_high": None,
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
                      "mask_truncated_completions": False, "importance_sampling_level": "token",
                      "top_entropy_quantile": 1.0, "num_iterations": 1, "steps_per_generation": None,
                      "generation_batch_size": None, "use_bias_correction_kl": True}}
 # What a checkpoint saved before these keys existed trained with (their defaults, then as now).
-IMPLIED = {k: v for stage in DEFAULTS.values() for k, v in stage.items()
+IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
            if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "simpo_gamma", "pref_ftx",
                     "delta",
                     "scale_rewards",
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
-                    "generation_batch_size")} | {"steps_per_generation": 1, "use_bias_correction_kl": False}
+                    "generation_batch_size", "top_k", "top_p", "min_p", "repetition_penalty")}
+           | {"steps_per_generation": 1, "use_bias_correction_kl": False})
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
                    "dataset_text_field", "mask_history"),
@@ -243,6 +247,10 @@ def _grpo(c, raw: dict, folder: str | None = None) -> None:
     if c.temperature <= 0:
         raise ArgumentError(f"temperature must be > 0 (1.0: the policy's own distribution): it divides the logits of "
                             f"the sampler and of the training log-probabilities, as in TRL; got {c.temperature!r}")
+    for key in ("top_p", "min_p", "repetition_penalty"):
+        if isinstance(getattr(c, key), str):
+            setattr(c, key, _number(key, getattr(c, key)))
+    sampling_filters.check(c.top_k, c.top_p, c.min_p, c.repetition_penalty)
     c.scale_rewards = advantages.scale_of(c.scale_rewards)
     if not isinstance(c.use_bias_correction_kl, bool):
         raise ArgumentError(f"use_bias_correction_kl must be true or false (TRL's default true weighs the KL term "
@@ -307,9 +315,12 @@ def _generation_batch(c) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ArgumentError(f"{key} must be a whole number >= 1; got {value!r}")
     if c.steps_per_generation is not None and c.generation_batch_size is not None:
-        raise ArgumentError(f"steps_per_generation {c.steps_per_generation} and generation_batch_size "
-                            f"{c.generation_batch_size} say the same thing twice (generation_batch_size = batch x "
-                            "steps_per_generation): give one")
+        # TRL's config dump writes both, the one it derived from the other
+        if c.generation_batch_size != c.batch * c.steps_per_generation:
+            raise ArgumentError(f"steps_per_generation {c.steps_per_generation} and generation_batch_size "
+                                f"{c.generation_batch_size} disagree (generation_batch_size = batch {c.batch} x "
+                                "steps_per_generation): give one")
+        c.generation_batch_size = None
     if c.generation_batch_size is not None:
         if c.generation_batch_size % c.batch:
             raise ArgumentError(f"generation_batch_size {c.generation_batch_size} must be a multiple of batch "
@@ -370,7 +381,7 @@ def check_resume(c, saved) -> None:
     if not isinstance(before, dict):
         before = {"stage": "sft"}
     if before.get("stage") == "grpo":
-        before = {**rollouts.IMPLIED, **before}
+        before = rollouts.saved(before)
     if before.get("stage") in ("dpo", "grpo"):
         before = {**{k: v for k, v in IMPLIED.items() if k in KEYS[before["stage"]]}, **before}
     if before.get("stage") == "kto" and before.get("precompute_ref_log_probs") is None:
