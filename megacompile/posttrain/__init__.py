@@ -6,6 +6,7 @@ of log-probabilities, so the engine captures them inside the step like any loss_
 from .advantages import group_advantages
 from .dft import DFTObjective, dft_loss
 from .dpo import DPOLoss, DPOObjective, dpo_loss
+from .dpo_losses import orpo_metrics
 from .grpo import GRPOLoss, GRPOObjective, grpo_loss
 from .kto import KTOLoss, KTOObjective, kl_estimate, kto_loss
 from .reward import RewardModel, reward_loss
@@ -26,7 +27,7 @@ from .streamed_copy import StreamedHFGenerator
 from .vllm_generator import MISSING, VLLMGenerator
 from .vllm_server import VLLMServerGenerator
 
-__all__ = ["DFTObjective", "Filters", "sampling_filters", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "KTOLoss", "KTOObjective", "kl_estimate",
+__all__ = ["DFTObjective", "Filters", "orpo_metrics", "sampling_filters", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "KTOLoss", "KTOObjective", "kl_estimate",
            "kto_loss", "pack_rows", "tokenised", "trl_record", "RewardModel", "reward_loss", "sequence_logprobs", "token_logprobs",
            "IGNORE", "EngineGenerator", "HFGenerator", "MISSING", "Pair", "StreamedHFGenerator", "TrainerState",
            "VLLMGenerator", "VLLMServerGenerator", "nanstd", "pack", "preference_metrics", "read_pairs", "rewards",

@@ -120,6 +120,20 @@ def pair_loss(kind: str, c: torch.Tensor, r: torch.Tensor, policy_chosen: torch.
     raise ArgumentError(f"DPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {kind!r}")
 
 
+def orpo_metrics(kind: str, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, chosen_tokens: torch.Tensor,
+                 rejected_tokens: torch.Tensor) -> dict[str, float]:
+    """ORPO's two terms as their trainers log them: TRL's ORPOTrainer for `orpo` (nll_loss over all
+    the batch's chosen tokens, log_odds_ratio = mean log sigma(log odds), log_odds_chosen = the mean
+    log odds) and LlamaFactory's for `orpo_per_pair` (sft_loss = each pair's chosen NLL per token,
+    odds_ratio_loss = -log sigma(log odds), both averaged over the pairs)."""
+    chosen, rejected = policy_chosen / chosen_tokens.clamp(min=1), policy_rejected / rejected_tokens.clamp(min=1)
+    odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+    if kind == "orpo":
+        return {"nll_loss": (-policy_chosen.sum() / chosen_tokens.sum().clamp(min=1)).item(),
+                "log_odds_ratio": F.logsigmoid(odds).mean().item(), "log_odds_chosen": odds.mean().item()}
+    return {"sft_loss": (-chosen).mean().item(), "odds_ratio_loss": (-F.logsigmoid(odds)).mean().item()}
+
+
 def combined_loss(kinds: Sequence[str], weights: Sequence[float] | None, policy_chosen: torch.Tensor,
                   policy_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float,
                   label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,

@@ -197,3 +197,25 @@ def test_pref_ftx_adds_each_pairs_chosen_nll_per_token_as_llamafactory_does():
     assert abs(rpo.item() - with_ftx.item()) > 1e-3         # TRL's average is another loss
     with pytest.raises(ArgumentError, match="pref_ftx .* must be a number >= 0"):
         DPOLoss(ftx=-1.0)
+
+
+@pytest.mark.parametrize("kind, names", [("orpo", ("nll_loss", "log_odds_ratio", "log_odds_chosen")),
+                                         ("orpo_per_pair", ("sft_loss", "odds_ratio_loss"))])
+def test_orpos_terms_are_logged_by_their_trainers_names_and_make_its_loss(kind, names):
+    from megacompile.posttrain import orpo_metrics
+    pc, pr, rc, rr, nc, nr = _batch()
+    loss = dpo_loss(pc, pr, rc, rr, BETA, LS, kind, chosen_tokens=nc, rejected_tokens=nr)[0].mean().item()
+    metrics = orpo_metrics(kind, pc.detach(), pr.detach(), nc, nr)
+    assert tuple(metrics) == names
+    # TRL: nll_loss - beta x log_odds_ratio; LlamaFactory: sft_loss + beta x odds_ratio_loss
+    terms = (metrics["nll_loss"] - BETA * metrics["log_odds_ratio"] if kind == "orpo"
+             else metrics["sft_loss"] + BETA * metrics["odds_ratio_loss"])
+    assert terms == pytest.approx(loss, rel=1e-6)
+    if kind == "orpo":
+        chosen, rejected = [_reference_avg(p, n) for p, n in ((pc, nc), (pr, nr))]
+        odds = [(c - r) - (math.log1p(-math.exp(c)) - math.log1p(-math.exp(r))) for c, r in zip(chosen, rejected)]
+        assert metrics["log_odds_chosen"] == pytest.approx(sum(odds) / len(odds), rel=1e-6)
+
+
+def _reference_avg(policy, tokens):
+    return [p / max(n, 1) for p, n in zip(policy.tolist(), tokens.tolist())]

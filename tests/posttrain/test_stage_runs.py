@@ -110,6 +110,10 @@ def test_simpo_and_orpo_train_the_policy_alone_named_as_llamafactory_names_them(
         # rewards are beta x log-probability per token: an untrained model's is about -log(vocabulary)
         vocab = len(json.load(open(os.path.join(work["model"], "tokenizer.json")))["model"]["vocab"])
         assert -2.0 * 2 * math.log(vocab) < float(runs["own"][0]["rewards_chosen"]) < 0
+        if loss == "orpo":      # LlamaFactory's two terms, logged by its names: the loss is their sum
+            for row in runs["own"]:
+                assert float(row["loss"]) == pytest.approx(float(row["sft_loss"]) + 2.0 * float(row["odds_ratio_loss"]),
+                                                           rel=1e-5)
     assert first["orpo"] > first["simpo"] > 0        # orpo adds the chosen tokens' NLL
 
 

@@ -17,7 +17,7 @@ import torch
 from ...errors import ArgumentError
 from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
-from ...posttrain import Pair, pack, preference_metrics, to_pair
+from ...posttrain import Pair, orpo_metrics, pack, preference_metrics, to_pair
 from ..data import images, tools
 from ..data.ranking import preference
 from ..data.reading import records
@@ -27,6 +27,8 @@ from .keys import dpo_loss_terms, saved_keys
 from . import reference
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
+# ORPO's two terms, as TRL's ORPO trainer and LlamaFactory's DPO trainer log them (dpo_losses.orpo_metrics)
+ORPO_METRICS = {"orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"), "orpo_per_pair": ("sft_loss", "odds_ratio_loss")}
 
 
 def pairs_digest(pairs: list[Pair]) -> str:
@@ -45,7 +47,9 @@ class DPOStage(reference.ReferenceStage):
             self.pairs, self.held = reference.hold_out(self.pairs, c.eval_fraction, c.seed, "pairs")
         kinds, weights = dpo_loss_terms(c)
         self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau, c.simpo_gamma, c.pref_ftx or 0.0)
-        self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ())
+        self.orpo = [k for k in ORPO_METRICS if k in self.loss.kinds]
+        self.columns = (STEP_COLUMNS + METRICS + tuple(m for k in self.orpo for m in ORPO_METRICS[k])
+                        + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ()))
         self.reference = self.held_reference = None
 
     def _read(self, entries: list, tokenizer) -> list[Pair]:
@@ -134,6 +138,9 @@ class DPOStage(reference.ReferenceStage):
         rows = lambda ts: torch.cat([torch.cat([t[:b] for t in ts]), torch.cat([t[b:] for t in ts])])  # noqa: E731
         lengths = rows([(batch["labels"] != IGNORE).sum(-1).float() for batch, _ in micro])
         metrics = preference_metrics(rows(policy), rows([r for _, r in micro]), self.c.beta, self._per_token(lengths))
+        for kind in self.orpo:
+            both, half = rows(policy), len(lengths) // 2
+            metrics.update(orpo_metrics(kind, both[:half], both[half:], lengths[:half], lengths[half:]))
         return metrics, losses, tokens, position
 
     def _per_token(self, lengths: torch.Tensor) -> torch.Tensor | None:
