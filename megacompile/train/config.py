@@ -31,6 +31,7 @@ DEVICES = ("cpu", "cuda")
 LOGGERS = ("csv", "tensorboard", "wandb")
 BUNDLED = "bundled"
 BUNDLED_MODEL = {"dim": 384, "layers": 6, "heads": 6, "kv_heads": 2, "ffn": 1024}
+DROPOUT_OFF = ("dpo", "kto", "rm")      # the stages whose TRL and LlamaFactory trainers disable dropout
 
 
 @dataclass
@@ -106,6 +107,9 @@ class RunConfig:
     lora_rank: int = 8
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
+    # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
+    # dpo, kto and rm, as TRL's and LlamaFactory's trainers of them default, false otherwise
+    disable_dropout: bool | None = None
     lora_target: Any = "all"
     merge_adapter: bool = False
     freeze_trainable_layers: int = 2
@@ -361,6 +365,9 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     for entry in c.data + c.eval:       # read where each record is tokenised (tokens.py, streaming.py)
         entry["mask_history"] = c.mask_history or None
     c.streaming = _flag("streaming", c.streaming)
+    if c.disable_dropout is None:
+        c.disable_dropout = c.stage in DROPOUT_OFF
+    c.disable_dropout = _flag("disable_dropout", c.disable_dropout)
     if c.streaming and c.eval_fraction:
         raise ArgumentError("streaming reads the data once, in order, and cannot hold out a fraction of it: give "
                             "eval files instead of eval_fraction, or streaming: false")

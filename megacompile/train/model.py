@@ -20,7 +20,7 @@ from ..optim import AdamW, hf_no_decay
 from ..planner import minimum_budget_of
 from ..settings import Settings, default_hbm_budget
 from . import methods
-from .config import RunConfig
+from .config import DROPOUT_OFF, RunConfig
 
 GiB = 2 ** 30
 
@@ -109,6 +109,18 @@ def device_budget(c: RunConfig, model: nn.Module, captured, device: str) -> floa
     return max(weight_bytes * c.budget_fraction / GiB, smallest * 1.02)
 
 
+def disable_dropout(model: nn.Module) -> int:
+    """TRL's `disable_dropout`: every nn.Dropout of the model (a LoRA adapter's too) at p 0, as TRL's
+    trainers set it; a rate the model's attention reads from its config (Llama's attention_dropout)
+    is left, as TRL leaves it. The count of modules that dropped anything before."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            count += module.p > 0
+            module.p = 0.0
+    return count
+
+
 def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_inputs=None) -> Setup:
     """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes;
     wrap(model) -> the module the engine trains instead of the model (a post-training objective,
@@ -148,6 +160,12 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
         module = auto_class(meta.config).from_config(meta.config, dtype=torch.float32)
     if not methods.adapters(c) or not folder:
         module = methods.apply(c, module)
+    if c.disable_dropout:
+        off = disable_dropout(module)
+        if off:
+            print(f"  note           disable_dropout: {off} dropout module{'s' if off > 1 else ''} of the model at p 0"
+                  + (f" (stage {c.stage}'s default, as in TRL and LlamaFactory; disable_dropout: false keeps them)"
+                     if c.stage in DROPOUT_OFF else ""), flush=True)
     if wrap is not None:
         module = wrap(module)
 

@@ -124,8 +124,6 @@ NO_EFFECT: dict[str, tuple[tuple, str]] = {
     "activation_checkpointing_kwargs": ((None,), _PLANNER),
     "activation_offloading": ((False,), _PLANNER),
     "shuffle_dataset": ((False, True), "rows are ordered by seed"),
-    # TRL's DPO, KTO and reward configs default to true; the note says so, as a model with dropout differs
-    "disable_dropout": ((False,), "the model's dropout is its config.json's (none in most language models)"),
     "f_alpha_divergence_coef": ((0.5,), "read only with f_divergence_type alpha_divergence, which is not supported"),
     "ref_model_mixup_alpha": ((0.6,), "read only with sync_ref_model, which is not supported"),
     "ref_model_sync_steps": ((512,), "read only with sync_ref_model, which is not supported"),

@@ -187,14 +187,19 @@ def test_a_lora_grpo_run_with_a_kl_term_trains_the_adapter_alone(tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(export))
 
 
-def test_lora_dropout_is_refused_for_a_post_training_stage(tmp_path):
+def test_lora_dropout_is_refused_for_a_post_training_stage_that_keeps_dropout(tmp_path):
     from megacompile.errors import ArgumentError
     work = stage_files.workspace(tmp_path)
     config = files.run_yaml(str(tmp_path / "dpo.yaml"), **stage_files.dpo(
-        work, str(tmp_path / "run"), finetuning_type="lora", lora_rank=4, lora_dropout=0.1))
-    with pytest.raises(ArgumentError, match="stage dpo with finetuning_type lora takes lora_dropout 0"):
+        work, str(tmp_path / "run"), finetuning_type="lora", lora_rank=4, lora_dropout=0.1, disable_dropout=False))
+    with pytest.raises(ArgumentError, match="stage dpo with finetuning_type lora takes lora_dropout 0.*or "
+                                            "disable_dropout: true"):
         load(config, [])
     assert not os.path.exists(tmp_path / "run")
+    # stage dpo's default, as TRL's: the adapters' dropout goes with the model's
+    config = files.run_yaml(str(tmp_path / "dpo.yaml"), **stage_files.dpo(
+        work, str(tmp_path / "run"), finetuning_type="lora", lora_rank=4, lora_dropout=0.1))
+    assert load(config, []).disable_dropout is True
 
 
 def test_a_resumed_dpo_run_refuses_a_reference_made_for_other_tokens(tmp_path):

@@ -45,12 +45,11 @@ def test_a_trl_config_dump_loads_with_do_train_given(tmp_path, stage, capsys):
         dump["learning_rate"], dump["per_device_train_batch_size"], dump["gradient_accumulation_steps"], "bfloat16")
     out = capsys.readouterr().out
     ignored = out.split("ignored (no effect in a megacompile run): ")[1].splitlines()[0] if "ignored (" in out else ""
-    # fields at their defaults are not named; TRL's disable_dropout: true is, as dropout stays the model's
-    assert ignored == ("disable_dropout (the model's dropout is its config.json's (none in most language models))"
-                       if dump.get("disable_dropout") else ""), ignored
+    # fields at their defaults are not named; disable_dropout is read (TRL's default of the stage)
+    assert ignored == "", ignored
+    assert c.disable_dropout is dump.get("disable_dropout", False)
     # every field the tables know is at a default the dump writes
-    assert all(at_default(k, dump[k]) for k in dump
-               if (k in ASK_NOTHING or k in NO_EFFECT or k in QUIET) and k != "disable_dropout")
+    assert all(at_default(k, dump[k]) for k in dump if k in ASK_NOTHING or k in NO_EFFECT or k in QUIET)
 
 
 def test_a_field_away_from_its_default_is_refused_or_named(tmp_path, capsys):

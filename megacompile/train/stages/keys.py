@@ -107,12 +107,13 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         raise ArgumentError(f"stage {c.stage}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not taken by "
                             f"{c.stage} (docs/posttraining.md lists its keys); leave "
                             f"{'it' if len(wrong) == 1 else 'them'} out")
-    if adapters(c) and c.lora_dropout not in (None, 0):
+    if adapters(c) and c.lora_dropout not in (None, 0) and c.disable_dropout is not True:
         # The reference, the old-policy and the metrics passes run the policy forward in training
         # mode: dropout there would make each a random draw, not the policy's log-probabilities.
         raise ArgumentError(f"stage {c.stage} with finetuning_type lora takes lora_dropout 0 (the reference and "
                             f"old-policy log-probabilities are forward passes that dropout would randomise, as TRL "
-                            f"disables it); got lora_dropout {c.lora_dropout!r}")
+                            f"disables it); got lora_dropout {c.lora_dropout!r}: set it to 0, or disable_dropout: "
+                            "true (TRL's default), which sets it to 0")
     if c.bundled:
         raise ArgumentError(f"stage {c.stage} needs a Hugging Face model folder and its tokenizer (model: FOLDER); "
                             "the bundled model reads bytes and has no end-of-sequence token")
