@@ -13,7 +13,9 @@ together. Built in: an exact-match answer and a format check.
 
 A function is named `module:function` or, as TRL's scripts name it, `module.function`. A module
 not on the Python path is looked up in the working directory (TRL's scripts put it on sys.path)
-and then beside the run.yaml; the folder it is found in is added to the end of sys.path."""
+and then beside the run.yaml; the folder it is found in is added to the end of sys.path. A folder
+of a reward model (a sequence classifier with one label, as stage rm writes) is a reward function
+too, as TRL takes one (reward_models.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import ArgumentError
+from .reward_models import RewardModelFunction, is_reward_model
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -43,13 +46,28 @@ class TrainerState:
     max_steps: int = 0
 
 
-def load(name: str, near: str | None = None) -> RewardFn:
-    """`module:function` or TRL's `module.function` (as named in a run.yaml), or a built-in's name;
-    `near`: the run.yaml's folder, where a module not found on the path or in the working
-    directory is looked for."""
+def load(name: str, near: str | None = None, device: str = "cpu") -> RewardFn:
+    """`module:function` or TRL's `module.function` (as named in a run.yaml), a built-in's name, or
+    a reward model's folder (reward_models.py: read at its first call, onto `device`); `near`: the
+    run.yaml's folder, where a module or folder not found on the path or in the working directory
+    is looked for."""
     if name in BUILT_IN:
         return BUILT_IN[name]
-    return named(name, near, "reward function", f" or one of {', '.join(BUILT_IN)}")
+    folder = model_folder(name, near)
+    if folder is not None:
+        return RewardModelFunction(folder, device)
+    return named(name, near, "reward function", f", one of {', '.join(BUILT_IN)}, or a reward model's folder")
+
+
+def model_folder(name: str, near: str | None = None) -> str | None:
+    """The absolute folder `name` is, as given, from the working directory or beside the run.yaml,
+    if it holds a model (config.json); else None."""
+    for base in ("", os.getcwd(), near):
+        if base is not None:
+            path = os.path.abspath(os.path.join(base, os.path.expanduser(name)))
+            if is_reward_model(path):
+                return path
+    return None
 
 
 def named(name: str, near: str | None, what: str, others: str = ""):

@@ -62,7 +62,8 @@ class GRPOStage(Stage):
         # a completion ends at the EOS or at a token the model's generation config stops at (Gemma's
         # <end_of_turn>), as vLLM stops by that config
         self.stops = tuple(sorted(turn_ends.of(tokenizer)))
-        self.funcs = [rewards.load(name) for name in c.reward_funcs]
+        device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.funcs = [rewards.load(name, device=device) for name in c.reward_funcs]
         self.names = [getattr(f, "__name__", name) for f, name in zip(self.funcs, c.reward_funcs)]
         if len(set(self.names)) != len(self.names):
             raise ArgumentError(f"reward_funcs {c.reward_funcs}: two functions share a name, and the log keeps each "

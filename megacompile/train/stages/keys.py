@@ -278,12 +278,14 @@ def _grpo(c, raw: dict, folder: str | None = None) -> None:
     funcs = [c.reward_funcs] if isinstance(c.reward_funcs, str) else c.reward_funcs
     if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) and f for f in funcs):
         raise ArgumentError(f"reward_funcs is a list of reward functions, each module:function (or TRL's "
-                            f"module.function) or a built-in (exact_answer, format_check); got {c.reward_funcs!r}")
+                            f"module.function), a built-in (exact_answer, format_check) or a reward model's folder; "
+                            f"got {c.reward_funcs!r}")
     from ...posttrain import rewards
     # importable now, and taking TRL's keywords: refused before the model is read (the data's
     # columns are checked against them once read, before the run folder is written: grpo.py)
     rewards.check_callable([rewards.load(name, near=folder) for name in funcs])
-    c.reward_funcs = funcs
+    # a reward model's folder, as found (beside the run.yaml, say): the stage reads it from there
+    c.reward_funcs = [rewards.model_folder(name, folder) or name for name in funcs]
     if c.reward_weights is not None:
         weights = c.reward_weights
         if not isinstance(weights, list) or len(weights) != len(funcs):
