@@ -38,10 +38,14 @@ def test_every_dropout_module_goes_to_p_0_and_is_counted(tmp_path):
     assert disable_dropout(adapted) == 0
 
 
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return stage_files.workspace(tmp_path_factory.mktemp("dropout"))
+
+
 @pytest.mark.parametrize("stage, default", [("dpo", True), ("kto", True), ("rm", True), ("grpo", False),
                                             ("sft", False)])
-def test_the_default_is_the_stages_trainers(tmp_path, stage, default):
-    work = stage_files.workspace(tmp_path)
+def test_the_default_is_the_stages_trainers(tmp_path, work, stage, default):
     keys = stage_files.grpo(work, str(tmp_path / "run")) if stage == "grpo" else {
         **stage_files.dpo(work, str(tmp_path / "run")), "stage": stage}
     if stage == "sft":
@@ -51,9 +55,8 @@ def test_the_default_is_the_stages_trainers(tmp_path, stage, default):
     assert load(files.run_yaml(str(tmp_path / "run.yaml"), **keys), []).disable_dropout is (not default)
 
 
-def test_a_dpo_run_of_a_model_with_dropout_takes_its_reference_without_it(tmp_path, capsys):
-    work = stage_files.workspace(tmp_path)
-    work["model"] = _gpt2(str(tmp_path / "gpt2"))
+def test_a_dpo_run_of_a_model_with_dropout_takes_its_reference_without_it(tmp_path, work, capsys):
+    work = {**work, "model": _gpt2(str(tmp_path / "gpt2"))}
 
     def reference(name: str, **more) -> torch.Tensor:
         run_dir = str(tmp_path / name)
