@@ -1,5 +1,6 @@
 """Group relative policy optimisation (Shao et al., 2024) with the loss normalisations in use since:
-Dr. GRPO (Liu et al., 2025) and DAPO (Yu et al., 2025), named as TRL names them, and TRL's options:
+Dr. GRPO (Liu et al., 2025) and DAPO (Yu et al., 2025), the policy terms of CISPO (MiniMax-M1), SAPO
+and LUSPO, named as TRL names them, and TRL's options:
 sequence-level importance sampling (GSPO, Zheng et al., 2025), two-sided clipping (`delta`,
 INTELLECT-2) and the high-entropy token mask (`top_entropy_quantile`, entropy_mask.py).
 
@@ -21,7 +22,8 @@ from .dpo import logits_of
 from .entropy_mask import high_entropy_mask, token_entropies
 from .logprobs import token_logprobs
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")      # PPO's clipped surrogate; their clip fraction
 LEVELS = ("token", "sequence")
 
 __all__ = ["GRPOLoss", "GRPOObjective", "LEVELS", "LOSS_TYPES", "group_advantages", "grpo_loss"]
@@ -32,7 +34,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
               beta: float = 0.0, loss_type: str = "dapo", max_completion_length: int | None = None,
               importance_sampling_level: str = "token", delta: float | None = None,
               entropy_mask: torch.Tensor | None = None, sampling_ratio: torch.Tensor | None = None,
-              token_count: torch.Tensor | None = None, bias_correction_kl: bool = False) -> tuple[torch.Tensor, dict]:
+              token_count: torch.Tensor | None = None, bias_correction_kl: bool = False,
+              sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> tuple[torch.Tensor, dict]:
     """The loss of (N, T) per-token log-probabilities of the completions under the policy being
     trained, those under the policy that sampled them (old_logps), (N,) advantages and the (N, T)
     mask of completion tokens; and metrics (clip fractions, mean KL) as detached tensors.
@@ -43,11 +46,18 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     policy term counts (the KL term counts on every token). `sampling_ratio` (N, T): the sampler's
     correction (sampling_correction.py), a weight of the policy term.
 
-    Normalisation (loss_type): grpo, each sequence's mean then the mean over sequences; bnpo and
-    dapo, the sum over every token divided by the number of tokens; dr_grpo, the sum divided by
-    N * max_completion_length (a constant). `token_count` (dapo): the count to divide by instead of
-    this batch's, when the batch is one micro-batch of a larger generation batch (TRL divides by the
-    generation batch's completion tokens). `bias_correction_kl` (TRL's use_bias_correction_kl): the
+    Policy term (loss_type): PPO's clipped surrogate -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A),
+    except cispo, -sg(min(r, epsilon_high)) A logp (the weight clipped, its gradient stopped, as TRL
+    clips it: epsilon_high itself is the cap, 5.0 in the ScaleRL paper), and sapo, a soft gate
+    -sigmoid(tau (r - 1)) 4 / tau A, tau the first of `sapo_temperatures` where A > 0, else the second.
+
+    Normalisation: grpo and sapo, each sequence's mean then the mean over sequences; bnpo, dapo and
+    cispo, the sum over every token divided by the number of tokens; dr_grpo, the sum divided by
+    N * max_completion_length (a constant); luspo, each sequence's sum, then the mean over sequences
+    (GSPO's weight, with importance_sampling_level sequence, scaled by the completion's length).
+    `token_count` (dapo, cispo): the count to divide by instead of this batch's, when the batch is
+    one micro-batch of a larger generation batch (TRL divides by the generation batch's completion
+    tokens). `bias_correction_kl` (TRL's use_bias_correction_kl): the
     KL term, and its logged mean, times the unclipped importance weight, which makes its gradient the
     unbiased reverse-KL gradient (DeepSeek-V3.2); the weight is differentiable, so it changes the
     gradient on-policy too."""
@@ -62,10 +72,16 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     if importance_sampling_level == "sequence":         # (N, 1): one weight per completion
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
-    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
     a = advantages.unsqueeze(1).to(logps.dtype)
-    per_token = -torch.min(capped * a, clipped * a).expand_as(logps)
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=high).detach() * a * logps
+    elif loss_type == "sapo":
+        tau = torch.where(a > 0, sapo_temperatures[0], sapo_temperatures[1])
+        per_token = (-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a).expand_as(logps)
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
+        capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        per_token = -torch.min(capped * a, clipped * a).expand_as(logps)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.to(logps.dtype)
     if sampling_ratio is not None:
@@ -80,21 +96,27 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
             kl = kl * ratio
         per_token = per_token + beta * kl
         metrics["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     elif loss_type == "dr_grpo":
         length = max_completion_length if max_completion_length is not None else mask.shape[1]
         loss = (per_token * mask).sum() / (mask.shape[0] * length)
-    elif loss_type == "dapo" and token_count is not None:
+    elif loss_type == "luspo":
+        loss = (per_token * mask).sum(-1).mean()
+    elif loss_type in ("dapo", "cispo") and token_count is not None:
         loss = (per_token * mask).sum() / token_count.to(logps.dtype).clamp(min=1)
     else:
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     tokens = mask.sum().clamp(min=1)
-    low_clip = ((ratio < 1 - epsilon) & (a < 0)).expand_as(logps)
-    high_clip = ((ratio > 1 + high) & (a > 0)).expand_as(logps)
-    metrics["clip_ratio_low"] = ((low_clip * mask).sum() / tokens).detach()
-    metrics["clip_ratio_high"] = ((high_clip * mask).sum() / tokens).detach()
-    metrics["clip_ratio"] = (((low_clip | high_clip) * mask).sum() / tokens).detach()
+    if loss_type in CLIPPED:
+        low_clip = ((ratio < 1 - epsilon) & (a < 0)).expand_as(logps)
+        high_clip = ((ratio > 1 + high) & (a > 0)).expand_as(logps)
+        metrics["clip_ratio_low"] = ((low_clip * mask).sum() / tokens).detach()
+        metrics["clip_ratio_high"] = ((high_clip * mask).sum() / tokens).detach()
+        metrics["clip_ratio"] = (((low_clip | high_clip) * mask).sum() / tokens).detach()
+    elif loss_type == "cispo":
+        capped = ((ratio > high) & (a > 0)).expand_as(logps)
+        metrics["cispo_clip_ratio"] = ((capped * mask).sum() / tokens).detach()
     return loss, metrics
 
 
@@ -110,6 +132,7 @@ class GRPOLoss:
     delta: float | None = None
     top_entropy_quantile: float = 1.0
     bias_correction_kl: bool = False
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)       # TRL's sapo_temperature_pos, _neg
 
     def __post_init__(self) -> None:
         if not (0 < self.epsilon < 1):
@@ -132,6 +155,9 @@ class GRPOLoss:
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ArgumentError(f"GRPO top_entropy_quantile must be in [0, 1] (1: every token); got "
                                 f"{self.top_entropy_quantile!r}")
+        if not all(t > 0 for t in self.sapo_temperatures):
+            raise ArgumentError(f"GRPO sapo temperatures must be positive (TRL's 1.0 and 1.05); got "
+                                f"{self.sapo_temperatures!r}")
 
     def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probabilities at the sampling temperature, and the mask of counted tokens."""
@@ -148,7 +174,8 @@ class GRPOLoss:
             entropy = high_entropy_mask(token_entropies(logits), mask, self.top_entropy_quantile)
         loss, _ = grpo_loss(logps, old_logps, advantages, mask, ref_logps, self.epsilon, self.epsilon_high,
                             self.beta, self.loss_type, self.max_completion_length, self.importance_sampling_level,
-                            self.delta, entropy, sampling_ratio, token_count, self.bias_correction_kl)
+                            self.delta, entropy, sampling_ratio, token_count, self.bias_correction_kl,
+                            self.sapo_temperatures)
         return loss
 
 

@@ -150,6 +150,8 @@ class RunConfig:
     repetition_penalty: float | None = None
     epsilon: float | None = None
     epsilon_high: float | None = None
+    sapo_temperature_pos: float | None = None
+    sapo_temperature_neg: float | None = None
     reward_funcs: Any = None
     reward_weights: Any = None
     num_iterations: int | None = None

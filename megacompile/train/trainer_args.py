@@ -132,8 +132,6 @@ NO_EFFECT: dict[str, tuple[tuple, str]] = {
     "entropy_coef_max": ((1.0,), "read only with use_adaptive_entropy, which is not supported"),
     "entropy_coef_min": ((0.0,), "read only with use_adaptive_entropy, which is not supported"),
     "entropy_target": ((0.2,), "read only with use_adaptive_entropy, which is not supported"),
-    "sapo_temperature_neg": ((1.05,), "read only with loss_type sapo, which is not supported"),
-    "sapo_temperature_pos": ((1.0,), "read only with loss_type sapo, which is not supported"),
     "vespo_k_neg": ((3.0,), "read only with loss_type vespo, which is not supported"),
     "vespo_k_pos": ((2.0,), "read only with loss_type vespo, which is not supported"),
     "vespo_lambda_neg": ((2.0,), "read only with loss_type vespo, which is not supported"),

@@ -59,26 +59,38 @@ def test_advantages_are_nan_aware_under_each_scale(scale):
 
 
 def _reference(logps, old, adv, mask, ref, eps, eps_high, beta, loss_type, max_len, level, delta, keep,
-               corrected=False):
+               corrected=False, sapo=(1.0, 1.05), weighed_at=None):
     """GRPO's loss, element by element: ratio per token or per sequence (exp of the mean log-ratio over
     the completion's tokens), the unclipped ratio capped at delta, the policy term on `keep` tokens;
-    `corrected`: the KL term times the unclipped ratio (TRL's use_bias_correction_kl)."""
+    `corrected`: the KL term times the unclipped ratio (TRL's use_bias_correction_kl). cispo's weight
+    is a constant: `weighed_at`, the log-probabilities it is taken at (by default `logps`)."""
     n, t = len(logps), len(logps[0])
+    at = logps if weighed_at is None else weighed_at
     per = [[0.0] * t for _ in range(n)]
     for i in range(n):
         counted = [j for j in range(t) if mask[i][j]]
         seq_ratio = math.exp(sum(logps[i][j] - old[i][j] for j in counted) / max(1, len(counted)))
+        seq_at = math.exp(sum(at[i][j] - old[i][j] for j in counted) / max(1, len(counted)))
         for j in range(t):
             r = seq_ratio if level == "sequence" else math.exp(logps[i][j] - old[i][j])
-            clipped = min(max(r, 1 - eps), 1 + eps_high)
-            capped = r if delta is None else min(r, delta)
-            per[i][j] = -min(capped * adv[i], clipped * adv[i]) * keep[i][j]
+            if loss_type == "cispo":
+                weight = min(seq_at if level == "sequence" else math.exp(at[i][j] - old[i][j]), eps_high)
+                per[i][j] = -weight * adv[i] * logps[i][j] * keep[i][j]
+            elif loss_type == "sapo":
+                tau = sapo[0] if adv[i] > 0 else sapo[1]
+                per[i][j] = -4 / tau / (1 + math.exp(-tau * (r - 1))) * adv[i] * keep[i][j]
+            else:
+                clipped = min(max(r, 1 - eps), 1 + eps_high)
+                capped = r if delta is None else min(r, delta)
+                per[i][j] = -min(capped * adv[i], clipped * adv[i]) * keep[i][j]
             if beta:
                 d = ref[i][j] - logps[i][j]
                 per[i][j] += beta * (math.exp(d) - d - 1) * (r if corrected else 1.0)
     counts = [sum(mask[i]) for i in range(n)]
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return sum(sum(per[i][j] * mask[i][j] for j in range(t)) / max(1, counts[i]) for i in range(n)) / n
+    if loss_type == "luspo":
+        return sum(sum(per[i][j] * mask[i][j] for j in range(t)) for i in range(n)) / n
     if loss_type == "dr_grpo":
         return sum(per[i][j] * mask[i][j] for i in range(n) for j in range(t)) / (n * max_len)
     return sum(per[i][j] * mask[i][j] for i in range(n) for j in range(t)) / sum(counts)
@@ -121,6 +133,33 @@ def test_sequence_level_weights_and_two_sided_clipping_match_the_formula(loss_ty
                    - _reference(down, old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, 0.28, beta,
                                 loss_type, 8, level, delta, keep.long().tolist(), corrected)) / 2e-6
         assert logps.grad[i, j].item() == pytest.approx(numeric, rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo"])
+@pytest.mark.parametrize("level,beta", [("token", 0.0), ("sequence", 0.04)])
+def test_cispo_sapo_and_luspo_match_their_formulas_and_cispos_weight_carries_no_gradient(loss_type, level, beta):
+    logps, old, ref, adv, mask = _case()
+    keep = torch.rand(6, 5, generator=torch.Generator().manual_seed(9)) > 0.3
+    high = 1.3 if loss_type == "cispo" else 0.28             # CISPO's cap on the weight itself
+    loss, metrics = grpo_loss(logps, old, adv, mask, ref, 0.2, high, beta, loss_type, 8, level, None, keep,
+                              sapo_temperatures=(0.9, 1.2))
+    args = (old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, high, beta, loss_type, 8, level,
+            None, keep.long().tolist())
+    base = logps.detach().tolist()
+    assert loss.item() == pytest.approx(_reference(base, *args, sapo=(0.9, 1.2)), rel=1e-6, abs=1e-12)
+    assert set(metrics) == ({"cispo_clip_ratio"} if loss_type == "cispo" else set() if loss_type == "sapo"
+                            else {"clip_ratio", "clip_ratio_low", "clip_ratio_high"}) | ({"kl"} if beta else set())
+    loss.backward()
+    for i, j in ((0, 0), (1, 2), (3, 4), (5, 1)):
+        up = [row[:] for row in base]
+        down = [row[:] for row in base]
+        up[i][j] += 1e-6
+        down[i][j] -= 1e-6
+        numeric = (_reference(up, *args, sapo=(0.9, 1.2), weighed_at=base)
+                   - _reference(down, *args, sapo=(0.9, 1.2), weighed_at=base)) / 2e-6
+        assert logps.grad[i, j].item() == pytest.approx(numeric, rel=1e-4, abs=1e-7)
+    if loss_type == "cispo":      # the weight differs from the ratio where it is capped
+        assert 0 < metrics["cispo_clip_ratio"].item() < 1
 
 
 def test_the_delta_cap_and_the_sequence_ratio_change_the_loss():

@@ -33,6 +33,9 @@ GRPO_CASES = [(t, "token", None, 1.0, 1.0, 0.0, None, False, False) for t in ("g
     ("dapo", "token", None, 1.0, 1.0, 0.0, None, True, False),
     ("dapo", "token", None, 1.0, 1.0, 0.0, None, False, True),
     ("dapo", "sequence", 1.3, 0.4, 0.8, 0.04, 0.28, True, True),
+    ("cispo", "token", None, 1.0, 1.0, 0.0, 1.3, False, True),
+    ("sapo", "token", None, 1.0, 0.7, 0.04, None, True, False),
+    ("luspo", "sequence", None, 1.0, 1.0, 0.0, None, False, False),
 ]
 
 
@@ -111,7 +114,7 @@ def test_each_grpo_option_through_the_engine_is_its_formula():
         want = grpo_formulas._reference(logps.tolist(), old.double().tolist(), advantages.double().tolist(),
                                         mask.long().tolist(), ref.double().tolist(), 0.2, 0.2 if hi is None else hi,
                                         b, t, 9, level, delta, keep.tolist())
-        if counted and t == "dapo":
+        if counted and t in ("dapo", "cispo"):
             want = want * float(mask.sum()) / float(token_count)
         # the loss sums terms of the advantages' scale (about 1) that cancel to a few hundredths: 1e-6
         # of the terms' scale (the engine's float32 logits against eager's differ by rounding)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from megacompile.errors import ArgumentError
-from megacompile.train import load, run
+from megacompile.train import load, log, run
 from tests.posttrain import stage_files
 from tests.train import files
 
@@ -199,3 +199,22 @@ def test_a_grpo_checkpoint_saved_before_the_sampling_keys_resumes_and_one_sample
         vllm_importance_sampling_clip_max=2.0)), [])
     with pytest.raises(ArgumentError, match=r"top_p 1.0 -> 0.9, .*vllm_importance_sampling_clip_max 3.0 -> 2.0"):
         keys.check_resume(filtered, SimpleNamespace(extra={"stage": old}, path="ckpt"))
+
+
+def test_cispo_and_sapo_runs_log_the_clip_fraction_their_loss_has(tmp_path, work, capsys):
+    from megacompile.train.data.tokens import load_tokenizer
+    from megacompile.train.stages.grpo import GRPOStage
+    c = load(files.run_yaml(str(tmp_path / "sapo.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "sapo"), loss_type="sapo", sapo_temperature_neg=1.2)), [])
+    assert (c.sapo_temperature_pos, c.sapo_temperature_neg) == (1.0, 1.2)
+    stage = GRPOStage(c, load_tokenizer(c.model))
+    assert stage.loss.sapo_temperatures == (1.0, 1.2) and "clip_ratio" not in stage.columns
+    config = files.run_yaml(str(tmp_path / "cispo.yaml"), **stage_files.grpo(work, str(tmp_path / "cispo"),
+                                                                             loss_type="cispo", steps=1))
+    c = load(config, [])
+    assert "loss_type cispo caps each token's weight at epsilon_high itself, here epsilon's 0.2" in \
+        capsys.readouterr().out
+    run(c)
+    (row,) = log.read(str(tmp_path / "cispo" / "log.csv"))
+    # ratio 1 at the first step, above the cap of 0.2: every token of a positive advantage is capped
+    assert 0 < float(row["cispo_clip_ratio"]) < 1 and "clip_ratio" not in row

@@ -82,13 +82,16 @@ class GRPOStage(Stage):
         self.groups = self.rows // c.num_generations        # prompts per rollout batch
         self.per_rollout = rollout_steps(c)                 # optimizer steps per rollout batch
         self.correct = bool(c.use_vllm and c.vllm_importance_sampling_correction)
-        self.token_count = c.loss_type == "dapo" and c.steps_per_generation > 1
+        self.token_count = c.loss_type in ("dapo", "cispo") and c.steps_per_generation > 1
         self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length, c.temperature,
-                             c.importance_sampling_level, c.delta, c.top_entropy_quantile, c.use_bias_correction_kl)
+                             c.importance_sampling_level, c.delta, c.top_entropy_quantile, c.use_bias_correction_kl,
+                             (c.sapo_temperature_pos, c.sapo_temperature_neg))
+        # the clip fraction the loss type has: PPO's clipped surrogate's, CISPO's capped weights', none (SAPO)
+        self.clip = {"cispo": ("cispo_clip_ratio",), "sapo": ()}.get(c.loss_type, ("clip_ratio",))
         each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
         self.columns = STEP_COLUMNS + (("reward", "reward_std") + each
-                        + ("kl",) * (c.beta > 0) + ("clip_ratio", "completions/mean_length", "completions/min_length",
-                                                   "completions/max_length")
+                        + ("kl",) * (c.beta > 0) + self.clip + ("completions/mean_length", "completions/min_length",
+                                                                 "completions/max_length")
                         + sampling_correction.METRICS * self.correct)
         if self.held_prompts:
             self.columns += (("eval_reward",) + tuple(f"eval_rewards/{n}/mean" for n in self.names)
@@ -258,7 +261,7 @@ class GRPOStage(Stage):
             tokens += part["input_ids"].numel() if record.tokens is None else record.tokens
             if record.skipped:
                 break
-        metrics = {**self.rollout["metrics"], "clip_ratio": sum(m["clip_ratio"] for m in measured) / len(measured)}
+        metrics = {**self.rollout["metrics"], **{k: sum(m[k] for m in measured) / len(measured) for k in self.clip}}
         if c.beta > 0:
             metrics["kl"] = sum(m["kl"] for m in measured) / len(measured)
         return metrics, losses, tokens, position

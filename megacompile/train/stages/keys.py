@@ -11,7 +11,8 @@ refused under a stage it does not belong to, before anything is read or written.
            undesirable_weight (1.0), pref_ftx (none: LlamaFactory's), precompute_ref_log_probs
            (accepted either way, as under dpo: the reference's are computed once a run); batch at
            least 2 for kto (its KL rows)
-    grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo), num_generations (8),
+    grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo | cispo | sapo | luspo),
+           sapo_temperature_pos (1.0) and _neg (1.05), num_generations (8),
            max_prompt_length (512), max_completion_length (256), temperature (1.0), the sampling
            filters top_k (0: off), top_p (1.0), min_p (none) and repetition_penalty (1.0: off,
            posttrain/sampling_filters.py), epsilon (0.2),
@@ -39,7 +40,8 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx", "precompute_ref_log_probs"),
         "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
-                 "top_k", "top_p", "min_p", "repetition_penalty", "epsilon", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
+                 "top_k", "top_p", "min_p", "repetition_penalty", "epsilon", "sapo_temperature_pos",
+                 "sapo_temperature_neg", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
                  "steps_per_generation", "generation_batch_size", "use_bias_correction_kl")
         + rollouts.KEYS}
@@ -52,7 +54,8 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
             "rm": {"center_rewards_coefficient": 0.0},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
                      "max_completion_length": 256, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None,
-                     "repetition_penalty": 1.0, "epsilon": 0.2, "epsilon_high": None,
+                     "repetition_penalty": 1.0, "epsilon": 0.2, "epsilon_high": None, "sapo_temperature_pos": 1.0,
+                     "sapo_temperature_neg": 1.05,
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
                      "mask_truncated_completions": False, "importance_sampling_level": "token",
                      "top_entropy_quantile": 1.0, "num_iterations": 1, "steps_per_generation": None,
@@ -63,7 +66,8 @@ IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "delta",
                     "scale_rewards",
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
-                    "generation_batch_size", "top_k", "top_p", "min_p", "repetition_penalty")}
+                    "generation_batch_size", "top_k", "top_p", "min_p", "repetition_penalty",
+                    "sapo_temperature_pos", "sapo_temperature_neg")}
            | {"steps_per_generation": 1, "use_bias_correction_kl": False})
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
@@ -270,11 +274,16 @@ def _grpo(c, raw: dict, folder: str | None = None) -> None:
     if not 0.0 <= c.top_entropy_quantile <= 1.0:
         raise ArgumentError(f"top_entropy_quantile must be in [0, 1] (1: every token; the paper uses 0.2); got "
                             f"{c.top_entropy_quantile!r}")
+    c.sapo_temperature_pos = _positive("sapo_temperature_pos", c.sapo_temperature_pos)
+    c.sapo_temperature_neg = _positive("sapo_temperature_neg", c.sapo_temperature_neg)
     c.epsilon = _number("epsilon", c.epsilon)
     if not 0 < c.epsilon < 1:
         raise ArgumentError(f"epsilon must be in (0, 1), e.g. 0.2; got {c.epsilon!r}")
     if c.epsilon_high is not None and _number("epsilon_high", c.epsilon_high) <= 0:
         raise ArgumentError(f"epsilon_high must be positive (DAPO uses 0.28); got {c.epsilon_high!r}")
+    if c.loss_type == "cispo" and c.epsilon_high is None:
+        _note(f"loss_type cispo caps each token's weight at epsilon_high itself, here epsilon's {c.epsilon:g} as in "
+              "TRL; ScaleRL uses 5.0 (epsilon_high: 5.0)")
     funcs = [c.reward_funcs] if isinstance(c.reward_funcs, str) else c.reward_funcs
     if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) and f for f in funcs):
         raise ArgumentError(f"reward_funcs is a list of reward functions, each module:function (or TRL's "
