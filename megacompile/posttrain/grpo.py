@@ -1,6 +1,6 @@
 """Group relative policy optimisation (Shao et al., 2024) with the loss normalisations in use since:
-Dr. GRPO (Liu et al., 2025) and DAPO (Yu et al., 2025), the policy terms of CISPO (MiniMax-M1), SAPO
-and LUSPO, named as TRL names them, and TRL's options:
+Dr. GRPO (Liu et al., 2025) and DAPO (Yu et al., 2025), the policy terms of CISPO (MiniMax-M1), SAPO,
+LUSPO and VESPO, named as TRL names them, and TRL's options:
 sequence-level importance sampling (GSPO, Zheng et al., 2025), two-sided clipping (`delta`,
 INTELLECT-2) and the high-entropy token mask (`top_entropy_quantile`, entropy_mask.py).
 
@@ -11,6 +11,7 @@ policy (the k3 estimator, beta 0 by default). The log-probabilities are those of
 by the sampling temperature, as TRL computes them for the loss, the old policy and the reference."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from .dpo import logits_of
 from .entropy_mask import high_entropy_mask, token_entropies
 from .logprobs import token_logprobs
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")      # PPO's clipped surrogate; their clip fraction
 LEVELS = ("token", "sequence")
 
@@ -35,7 +36,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
               importance_sampling_level: str = "token", delta: float | None = None,
               entropy_mask: torch.Tensor | None = None, sampling_ratio: torch.Tensor | None = None,
               token_count: torch.Tensor | None = None, bias_correction_kl: bool = False,
-              sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> tuple[torch.Tensor, dict]:
+              sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+              vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)) -> tuple[torch.Tensor, dict]:
     """The loss of (N, T) per-token log-probabilities of the completions under the policy being
     trained, those under the policy that sampled them (old_logps), (N,) advantages and the (N, T)
     mask of completion tokens; and metrics (clip fractions, mean KL) as detached tensors.
@@ -49,13 +51,17 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     Policy term (loss_type): PPO's clipped surrogate -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A),
     except cispo, -sg(min(r, epsilon_high)) A logp (the weight clipped, its gradient stopped, as TRL
     clips it: epsilon_high itself is the cap, 5.0 in the ScaleRL paper), and sapo, a soft gate
-    -sigmoid(tau (r - 1)) 4 / tau A, tau the first of `sapo_temperatures` where A > 0, else the second.
+    -sigmoid(tau (r - 1)) 4 / tau A, tau the first of `sapo_temperatures` where A > 0, else the second,
+    and vespo, -sg(phi(w)) A logp with w the completion's whole importance ratio (exp of the summed
+    log-ratios, times the sampler's correction, token by token) and phi(w) = e^lam w^k e^(-lam w),
+    `vespo` = (k, lam) where A >= 0 then (k, lam) where A < 0 (TRL's vespo_k_pos, _lambda_pos,
+    _k_neg, _lambda_neg); the sampler's correction is then inside phi, not a factor of the term.
 
-    Normalisation: grpo and sapo, each sequence's mean then the mean over sequences; bnpo, dapo and
-    cispo, the sum over every token divided by the number of tokens; dr_grpo, the sum divided by
+    Normalisation: grpo and sapo, each sequence's mean then the mean over sequences; bnpo, dapo,
+    cispo and vespo, the sum over every token divided by the number of tokens; dr_grpo, the sum divided by
     N * max_completion_length (a constant); luspo, each sequence's sum, then the mean over sequences
     (GSPO's weight, with importance_sampling_level sequence, scaled by the completion's length).
-    `token_count` (dapo, cispo): the count to divide by instead of this batch's, when the batch is
+    `token_count` (dapo, cispo, vespo): the count to divide by instead of this batch's, when the batch is
     one micro-batch of a larger generation batch (TRL divides by the generation batch's completion
     tokens). `bias_correction_kl` (TRL's use_bias_correction_kl): the
     KL term, and its logged mean, times the unclipped importance weight, which makes its gradient the
@@ -78,13 +84,16 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     elif loss_type == "sapo":
         tau = torch.where(a > 0, sapo_temperatures[0], sapo_temperatures[1])
         per_token = (-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a).expand_as(logps)
+    elif loss_type == "vespo":
+        phi = _gamma_weights(logps - old_logps, mask, a, sampling_ratio, vespo)
+        per_token = -phi * a * logps
     else:
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
         capped = ratio if delta is None else torch.clamp(ratio, max=delta)
         per_token = -torch.min(capped * a, clipped * a).expand_as(logps)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.to(logps.dtype)
-    if sampling_ratio is not None:
+    if sampling_ratio is not None and loss_type != "vespo":
         per_token = per_token * sampling_ratio.to(logps.dtype)
     metrics = {}
     if beta != 0.0:
@@ -103,7 +112,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
         loss = (per_token * mask).sum() / (mask.shape[0] * length)
     elif loss_type == "luspo":
         loss = (per_token * mask).sum(-1).mean()
-    elif loss_type in ("dapo", "cispo") and token_count is not None:
+    elif loss_type in ("dapo", "cispo", "vespo") and token_count is not None:
         loss = (per_token * mask).sum() / token_count.to(logps.dtype).clamp(min=1)
     else:
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
@@ -117,7 +126,25 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     elif loss_type == "cispo":
         capped = ((ratio > high) & (a > 0)).expand_as(logps)
         metrics["cispo_clip_ratio"] = ((capped * mask).sum() / tokens).detach()
+    elif loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = ((phi * mask).sum() / tokens).detach()
     return loss, metrics
+
+
+@torch.no_grad()
+def _gamma_weights(log_ratio: torch.Tensor, mask: torch.Tensor, a: torch.Tensor, sampling_ratio: torch.Tensor | None,
+                   vespo: tuple[float, float, float, float]) -> torch.Tensor:
+    """(N, 1) VESPO's phi(w), a constant of the step: log w clamped into [log 1e-8, 20] (each token's
+    log-ratio into [-20, 20] first), as TRL computes it."""
+    floor = math.log(1e-8)
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if sampling_ratio is not None:
+        log_w = log_w + torch.log(sampling_ratio.to(log_w.dtype)).clamp(floor, 20.0).sum(-1, keepdim=True)
+    log_w = log_w.clamp(floor, 20.0)
+    k_pos, lam_pos, k_neg, lam_neg = vespo
+    k = torch.where(a >= 0, k_pos, k_neg)
+    lam = torch.where(a >= 0, lam_pos, lam_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @dataclass(frozen=True)
@@ -133,6 +160,7 @@ class GRPOLoss:
     top_entropy_quantile: float = 1.0
     bias_correction_kl: bool = False
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)       # TRL's sapo_temperature_pos, _neg
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)     # vespo_k_pos, _lambda_pos, _k_neg, _lambda_neg
 
     def __post_init__(self) -> None:
         if not (0 < self.epsilon < 1):
@@ -175,7 +203,7 @@ class GRPOLoss:
         loss, _ = grpo_loss(logps, old_logps, advantages, mask, ref_logps, self.epsilon, self.epsilon_high,
                             self.beta, self.loss_type, self.max_completion_length, self.importance_sampling_level,
                             self.delta, entropy, sampling_ratio, token_count, self.bias_correction_kl,
-                            self.sapo_temperatures)
+                            self.sapo_temperatures, self.vespo)
         return loss
 
 

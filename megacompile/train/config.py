@@ -152,6 +152,10 @@ class RunConfig:
     epsilon_high: float | None = None
     sapo_temperature_pos: float | None = None
     sapo_temperature_neg: float | None = None
+    vespo_k_pos: float | None = None
+    vespo_lambda_pos: float | None = None
+    vespo_k_neg: float | None = None
+    vespo_lambda_neg: float | None = None
     reward_funcs: Any = None
     reward_weights: Any = None
     num_iterations: int | None = None

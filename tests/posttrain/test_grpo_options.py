@@ -59,11 +59,12 @@ def test_advantages_are_nan_aware_under_each_scale(scale):
 
 
 def _reference(logps, old, adv, mask, ref, eps, eps_high, beta, loss_type, max_len, level, delta, keep,
-               corrected=False, sapo=(1.0, 1.05), weighed_at=None):
+               corrected=False, sapo=(1.0, 1.05), weighed_at=None, vespo=(2.0, 3.0, 3.0, 2.0), sampled=None):
     """GRPO's loss, element by element: ratio per token or per sequence (exp of the mean log-ratio over
     the completion's tokens), the unclipped ratio capped at delta, the policy term on `keep` tokens;
     `corrected`: the KL term times the unclipped ratio (TRL's use_bias_correction_kl). cispo's weight
-    is a constant: `weighed_at`, the log-probabilities it is taken at (by default `logps`)."""
+    and vespo's are constants: `weighed_at`, the log-probabilities they are taken at (by default
+    `logps`); `sampled`, the sampler's correction, which vespo takes into its weight."""
     n, t = len(logps), len(logps[0])
     at = logps if weighed_at is None else weighed_at
     per = [[0.0] * t for _ in range(n)]
@@ -76,6 +77,14 @@ def _reference(logps, old, adv, mask, ref, eps, eps_high, beta, loss_type, max_l
             if loss_type == "cispo":
                 weight = min(seq_at if level == "sequence" else math.exp(at[i][j] - old[i][j]), eps_high)
                 per[i][j] = -weight * adv[i] * logps[i][j] * keep[i][j]
+            elif loss_type == "vespo":
+                log_w = sum(min(max(at[i][m] - old[i][m], -20), 20) for m in counted)
+                log_w += sum(min(max(math.log(x) if x > 0 else -math.inf, math.log(1e-8)), 20)
+                             for x in (sampled[i] if sampled else []))
+                log_w = min(max(log_w, math.log(1e-8)), 20)
+                k, lam = vespo[:2] if adv[i] >= 0 else vespo[2:]
+                phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+                per[i][j] = -phi * adv[i] * logps[i][j] * keep[i][j]
             elif loss_type == "sapo":
                 tau = sapo[0] if adv[i] > 0 else sapo[1]
                 per[i][j] = -4 / tau / (1 + math.exp(-tau * (r - 1))) * adv[i] * keep[i][j]
@@ -135,28 +144,38 @@ def test_sequence_level_weights_and_two_sided_clipping_match_the_formula(loss_ty
         assert logps.grad[i, j].item() == pytest.approx(numeric, rel=1e-4, abs=1e-7)
 
 
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo"])
-@pytest.mark.parametrize("level,beta", [("token", 0.0), ("sequence", 0.04)])
-def test_cispo_sapo_and_luspo_match_their_formulas_and_cispos_weight_carries_no_gradient(loss_type, level, beta):
+METRICS = {"cispo": {"cispo_clip_ratio"}, "sapo": set(), "vespo": {"vespo/phi_seq_mean"},
+           "luspo": {"clip_ratio", "clip_ratio_low", "clip_ratio_high"}}
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
+@pytest.mark.parametrize("level,beta,corrected", [("token", 0.0, False), ("sequence", 0.04, False),
+                                                  ("token", 0.0, True)])
+def test_cispo_sapo_luspo_and_vespo_match_their_formulas_and_their_weights_carry_no_gradient(loss_type, level, beta,
+                                                                                            corrected):
     logps, old, ref, adv, mask = _case()
     keep = torch.rand(6, 5, generator=torch.Generator().manual_seed(9)) > 0.3
+    sampled = 0.6 + torch.rand(6, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     high = 1.3 if loss_type == "cispo" else 0.28             # CISPO's cap on the weight itself
+    shape = (2.5, 1.5, 3.5, 2.2)
     loss, metrics = grpo_loss(logps, old, adv, mask, ref, 0.2, high, beta, loss_type, 8, level, None, keep,
-                              sapo_temperatures=(0.9, 1.2))
+                              sampled if corrected else None, sapo_temperatures=(0.9, 1.2), vespo=shape)
+    # the sampler's correction: a factor of the policy term, or (vespo) inside its weight
+    factor = keep.double() * (sampled if corrected and loss_type != "vespo" else 1.0)
     args = (old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, high, beta, loss_type, 8, level,
-            None, keep.long().tolist())
+            None, factor.tolist())
+    more = dict(sapo=(0.9, 1.2), vespo=shape, sampled=sampled.tolist() if corrected else None)
     base = logps.detach().tolist()
-    assert loss.item() == pytest.approx(_reference(base, *args, sapo=(0.9, 1.2)), rel=1e-6, abs=1e-12)
-    assert set(metrics) == ({"cispo_clip_ratio"} if loss_type == "cispo" else set() if loss_type == "sapo"
-                            else {"clip_ratio", "clip_ratio_low", "clip_ratio_high"}) | ({"kl"} if beta else set())
+    assert loss.item() == pytest.approx(_reference(base, *args, **more), rel=1e-6, abs=1e-12)
+    assert set(metrics) == METRICS[loss_type] | ({"kl"} if beta else set())
     loss.backward()
     for i, j in ((0, 0), (1, 2), (3, 4), (5, 1)):
         up = [row[:] for row in base]
         down = [row[:] for row in base]
         up[i][j] += 1e-6
         down[i][j] -= 1e-6
-        numeric = (_reference(up, *args, sapo=(0.9, 1.2), weighed_at=base)
-                   - _reference(down, *args, sapo=(0.9, 1.2), weighed_at=base)) / 2e-6
+        numeric = (_reference(up, *args, weighed_at=base, **more)
+                   - _reference(down, *args, weighed_at=base, **more)) / 2e-6
         assert logps.grad[i, j].item() == pytest.approx(numeric, rel=1e-4, abs=1e-7)
     if loss_type == "cispo":      # the weight differs from the ratio where it is capped
         assert 0 < metrics["cispo_clip_ratio"].item() < 1

@@ -36,6 +36,7 @@ GRPO_CASES = [(t, "token", None, 1.0, 1.0, 0.0, None, False, False) for t in ("g
     ("cispo", "token", None, 1.0, 1.0, 0.0, 1.3, False, True),
     ("sapo", "token", None, 1.0, 0.7, 0.04, None, True, False),
     ("luspo", "sequence", None, 1.0, 1.0, 0.0, None, False, False),
+    ("vespo", "token", None, 1.0, 1.0, 0.0, None, True, True),
 ]
 
 
@@ -109,12 +110,13 @@ def test_each_grpo_option_through_the_engine_is_its_formula():
         keep = torch.ones_like(logps)
         if q < 1.0:
             keep = high_entropy_mask(token_entropies(scaled), mask, q).double()
-        if corrected:
+        if corrected and t != "vespo":      # vespo takes the correction into its weight
             keep = keep * sampling_ratio.double()
         want = grpo_formulas._reference(logps.tolist(), old.double().tolist(), advantages.double().tolist(),
                                         mask.long().tolist(), ref.double().tolist(), 0.2, 0.2 if hi is None else hi,
-                                        b, t, 9, level, delta, keep.tolist())
-        if counted and t in ("dapo", "cispo"):
+                                        b, t, 9, level, delta, keep.tolist(),
+                                        sampled=sampling_ratio.double().tolist() if corrected else None)
+        if counted and t in ("dapo", "cispo", "vespo"):
             want = want * float(mask.sum()) / float(token_count)
         # the loss sums terms of the advantages' scale (about 1) that cancel to a few hundredths: 1e-6
         # of the terms' scale (the engine's float32 logits against eager's differ by rounding)

@@ -82,12 +82,14 @@ class GRPOStage(Stage):
         self.groups = self.rows // c.num_generations        # prompts per rollout batch
         self.per_rollout = rollout_steps(c)                 # optimizer steps per rollout batch
         self.correct = bool(c.use_vllm and c.vllm_importance_sampling_correction)
-        self.token_count = c.loss_type in ("dapo", "cispo") and c.steps_per_generation > 1
+        self.token_count = c.loss_type in ("dapo", "cispo", "vespo") and c.steps_per_generation > 1
         self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length, c.temperature,
                              c.importance_sampling_level, c.delta, c.top_entropy_quantile, c.use_bias_correction_kl,
-                             (c.sapo_temperature_pos, c.sapo_temperature_neg))
+                             (c.sapo_temperature_pos, c.sapo_temperature_neg),
+                             (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg))
         # the clip fraction the loss type has: PPO's clipped surrogate's, CISPO's capped weights', none (SAPO)
-        self.clip = {"cispo": ("cispo_clip_ratio",), "sapo": ()}.get(c.loss_type, ("clip_ratio",))
+        self.clip = {"cispo": ("cispo_clip_ratio",), "sapo": (), "vespo": ("vespo/phi_seq_mean",)}.get(
+            c.loss_type, ("clip_ratio",))
         each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
         self.columns = STEP_COLUMNS + (("reward", "reward_std") + each
                         + ("kl",) * (c.beta > 0) + self.clip + ("completions/mean_length", "completions/min_length",
@@ -275,7 +277,8 @@ class GRPOStage(Stage):
             engine(input_ids=part["input_ids"], labels=part["labels"])).float()
         _, measured = grpo_loss(now, old, part["advantages"], part["labels"] != IGNORE, part.get("ref_logps"),
                                 c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length,
-                                c.importance_sampling_level, c.delta, bias_correction_kl=c.use_bias_correction_kl)
+                                c.importance_sampling_level, c.delta, sampling_ratio=part.get("sampling_ratio"),
+                                bias_correction_kl=c.use_bias_correction_kl, vespo=self.loss.vespo)
         return {k: v.item() for k, v in measured.items()}
 
     def evaluate(self, engine, step: int) -> dict:

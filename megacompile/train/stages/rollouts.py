@@ -127,6 +127,11 @@ def _vllm(c, given: list[str], raw: dict) -> None:
                             f"{'it' if len(ours) == 1 else 'them'} out, or set use_vllm: false")
     c.generator = "vllm"
     _correction(c, raw)
+    if c.loss_type == "vespo" and c.vllm_importance_sampling_correction and \
+            not c.vllm_importance_sampling_mode.startswith("token"):
+        raise ArgumentError(f"loss_type vespo takes the sampler's correction token by token into its weight: "
+                            f"vllm_importance_sampling_mode token_truncate or token_mask, as TRL requires; got "
+                            f"{c.vllm_importance_sampling_mode}")
     c.vllm_mode = "colocate" if c.vllm_mode is None else c.vllm_mode
     if c.vllm_mode not in MODES:
         raise ArgumentError(f"vllm_mode must be colocate (vLLM in this process, sharing the GPU; TRL's default) or "
