@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 
-def token_entropies(logits: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) logits -> (B, T) entropies of the softmax, in fp32, without a gradient (the mask
-    they choose is not differentiated, as in TRL)."""
-    logits = logits.detach().to(torch.promote_types(logits.dtype, torch.float32))
+def token_entropies(logits: torch.Tensor, gradient: bool = False) -> torch.Tensor:
+    """(B, T, V) logits -> (B, T) entropies of the softmax, in fp32: without a gradient for the mask
+    they choose (not differentiated, as in TRL), with one for the entropy bonus (entropy_coef)."""
+    logits = (logits if gradient else logits.detach()).to(torch.promote_types(logits.dtype, torch.float32))
     logz = torch.logsumexp(logits, dim=-1, keepdim=True)
     p = torch.exp(logits - logz)
     return (logz.squeeze(-1) - (p * logits).sum(-1))

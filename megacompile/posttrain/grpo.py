@@ -161,6 +161,9 @@ class GRPOLoss:
     bias_correction_kl: bool = False
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)       # TRL's sapo_temperature_pos, _neg
     vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)     # vespo_k_pos, _lambda_pos, _k_neg, _lambda_neg
+    # TRL's entropy bonus: the loss less entropy_coef x the mean entropy of the counted tokens (those
+    # the entropy mask keeps), whatever the loss type's normalisation
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0 < self.epsilon < 1):
@@ -200,11 +203,16 @@ class GRPOLoss:
         entropy = None
         if self.top_entropy_quantile < 1.0:
             entropy = high_entropy_mask(token_entropies(logits), mask, self.top_entropy_quantile)
+        bonus = 0.0
+        if self.entropy_coef:
+            counted = mask if entropy is None else mask & entropy
+            h = token_entropies(logits, gradient=True)
+            bonus = self.entropy_coef * (h * counted).sum() / counted.sum().clamp(min=1)
         loss, _ = grpo_loss(logps, old_logps, advantages, mask, ref_logps, self.epsilon, self.epsilon_high,
                             self.beta, self.loss_type, self.max_completion_length, self.importance_sampling_level,
                             self.delta, entropy, sampling_ratio, token_count, self.bias_correction_kl,
                             self.sapo_temperatures, self.vespo)
-        return loss
+        return loss - bonus
 
 
 class GRPOObjective(nn.Module):

@@ -152,6 +152,7 @@ class RunConfig:
     epsilon_high: float | None = None
     sapo_temperature_pos: float | None = None
     sapo_temperature_neg: float | None = None
+    entropy_coef: float | None = None
     vespo_k_pos: float | None = None
     vespo_lambda_pos: float | None = None
     vespo_k_neg: float | None = None

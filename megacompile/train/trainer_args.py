@@ -58,8 +58,8 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "train_sampling_strategy": (("random", "sequential"), "not supported: rows are ordered by seed, not by length"),
     "truncation_mode": (("keep_start",), "not supported: a record longer than seq keeps its start (keep_start)"),
     # GRPO (TRL 1.16): what stage grpo does not do
-    "entropy_coef": ((0, 0.0), "not supported: the loss has no entropy bonus (top_entropy_quantile masks by entropy)"),
-    "use_adaptive_entropy": ((False,), "not supported: the loss has no entropy bonus"),
+    "use_adaptive_entropy": ((False,), "not supported: the entropy bonus's coefficient is entropy_coef, fixed "
+                                       "through the run"),
     "off_policy_mask_threshold": ((None,), "not supported: every completion of the rollout batch is trained"),
     "cast_lm_head_to_fp32": ((False,), "not supported: the lm head runs in compute_dtype, its log-probabilities "
                                        "are taken in fp32"),

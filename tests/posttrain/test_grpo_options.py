@@ -262,3 +262,34 @@ def test_truncated_completions_leave_the_loss_but_keep_their_rewards():
     assert (batch["labels"][1] == IGNORE).all() and (batch["labels"][2] == IGNORE).all()
     assert batch["labels"][0].tolist() == [-100, 7, 2, -100, -100]
     assert batch["advantages"].tolist() == pytest.approx(group_advantages(rewards, 2).tolist())
+
+
+@pytest.mark.parametrize("coef,quantile", [(0.05, 1.0), (-0.2, 0.5)])
+def test_the_entropy_bonus_subtracts_coef_times_the_counted_tokens_mean_entropy_with_its_gradient(coef, quantile):
+    """TRL's entropy_coef: the loss less coef x the mean entropy over the tokens the policy term counts
+    (the entropy mask's, when top_entropy_quantile < 1), differentiated through the entropy."""
+    g = torch.Generator().manual_seed(13)
+    n, t, v = 4, 6, 9
+    logits = (torch.randn(n, t, v, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    labels = torch.randint(0, v, (n, t), generator=g)
+    labels[:, :2] = IGNORE
+    old = torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3 - 2.5
+    adv = torch.tensor([1.0, -0.5, 0.8, -1.3], dtype=torch.float64)
+    plain = GRPOLoss(loss_type="grpo", temperature=0.8, top_entropy_quantile=quantile)
+    bonus = GRPOLoss(loss_type="grpo", temperature=0.8, top_entropy_quantile=quantile, entropy_coef=coef)
+    got = bonus(logits, labels, old, adv)
+    # the same bonus written out: the entropy of softmax(logits / 0.8) per token, its mean over the counted
+    scaled = logits / 0.8
+    entropy = -(scaled.softmax(-1) * scaled.log_softmax(-1)).sum(-1)
+    counted = labels != IGNORE
+    if quantile < 1.0:
+        threshold = torch.quantile(entropy.detach()[counted], 1 - quantile)
+        counted = counted & (entropy.detach() >= threshold)
+        assert 0 < counted.sum() < (labels != IGNORE).sum()
+    want = plain(logits, labels, old, adv) - coef * entropy[counted].mean()
+    assert got.item() == pytest.approx(want.item(), rel=1e-9, abs=1e-12)
+    grad, = torch.autograd.grad(got, logits)
+    expected, = torch.autograd.grad(want, logits)
+    torch.testing.assert_close(grad, expected, rtol=1e-7, atol=1e-10)
+    unbonused, = torch.autograd.grad(plain(logits, labels, old, adv), logits)
+    assert not torch.allclose(grad, unbonused)          # the bonus has a gradient of its own

@@ -101,8 +101,12 @@ def test_each_grpo_option_through_the_engine_is_its_formula():
               for t, level, delta, q, temp, b, hi, _, _ in GRPO_CASES]
     inputs = {"input_ids": ids, "labels": labels, "old_logps": old, "advantages": advantages, "ref_logps": ref}
     wrapped = [_Inputs(loss, corrected, counted) for loss, (*_, corrected, counted) in zip(losses, GRPO_CASES)]
-    got = _through_engine(EachLoss(copy.deepcopy(policy), wrapped),
+    # TRL's entropy bonus reads the logits beside the log-probabilities: its own eager value
+    bonus = GRPOLoss(loss_type="dapo", temperature=0.8, top_entropy_quantile=0.5, entropy_coef=0.1)
+    got = _through_engine(EachLoss(copy.deepcopy(policy), wrapped + [_Inputs(bonus, False, False)]),
                           {**inputs, "sampling_ratio": sampling_ratio, "token_count": token_count})
+    want = bonus(logits.double(), labels, old.double(), advantages.double()).item()
+    assert got[-1].item() == pytest.approx(want, rel=1e-6, abs=1e-6)
     for case, loss, value in zip(GRPO_CASES, losses, got.tolist()):
         t, level, delta, q, temp, b, hi, corrected, counted = case
         scaled = logits.double() / temp

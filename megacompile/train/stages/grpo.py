@@ -86,7 +86,7 @@ class GRPOStage(Stage):
         self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length, c.temperature,
                              c.importance_sampling_level, c.delta, c.top_entropy_quantile, c.use_bias_correction_kl,
                              (c.sapo_temperature_pos, c.sapo_temperature_neg),
-                             (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg))
+                             (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg), c.entropy_coef)
         # the clip fraction the loss type has: PPO's clipped surrogate's, CISPO's capped weights', none (SAPO)
         self.clip = {"cispo": ("cispo_clip_ratio",), "sapo": (), "vespo": ("vespo/phi_seq_mean",)}.get(
             c.loss_type, ("clip_ratio",))

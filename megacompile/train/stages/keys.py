@@ -13,7 +13,7 @@ refused under a stage it does not belong to, before anything is read or written.
            least 2 for kto (its KL rows)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo | cispo | sapo | luspo | vespo),
            sapo_temperature_pos (1.0) and _neg (1.05), vespo_k_pos (2.0), _lambda_pos (3.0), _k_neg
-           (3.0), _lambda_neg (2.0), num_generations (8),
+           (3.0), _lambda_neg (2.0), entropy_coef (0: TRL's entropy bonus off), num_generations (8),
            max_prompt_length (512), max_completion_length (256), temperature (1.0), the sampling
            filters top_k (0: off), top_p (1.0), min_p (none) and repetition_penalty (1.0: off,
            posttrain/sampling_filters.py), epsilon (0.2),
@@ -42,7 +42,8 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "top_k", "top_p", "min_p", "repetition_penalty", "epsilon", "sapo_temperature_pos",
-                 "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
+                 "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+                 "entropy_coef", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
                  "steps_per_generation", "generation_batch_size", "use_bias_correction_kl")
         + rollouts.KEYS}
@@ -57,7 +58,7 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                      "max_completion_length": 256, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None,
                      "repetition_penalty": 1.0, "epsilon": 0.2, "epsilon_high": None, "sapo_temperature_pos": 1.0,
                      "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
-                     "vespo_lambda_neg": 2.0,
+                     "vespo_lambda_neg": 2.0, "entropy_coef": 0.0,
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
                      "mask_truncated_completions": False, "importance_sampling_level": "token",
                      "top_entropy_quantile": 1.0, "num_iterations": 1, "steps_per_generation": None,
@@ -70,7 +71,7 @@ IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
                     "generation_batch_size", "top_k", "top_p", "min_p", "repetition_penalty",
                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-                    "vespo_k_neg", "vespo_lambda_neg")}
+                    "vespo_k_neg", "vespo_lambda_neg", "entropy_coef")}
            | {"steps_per_generation": 1, "use_bias_correction_kl": False})
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
@@ -279,7 +280,7 @@ def _grpo(c, raw: dict, folder: str | None = None) -> None:
                             f"{c.top_entropy_quantile!r}")
     c.sapo_temperature_pos = _positive("sapo_temperature_pos", c.sapo_temperature_pos)
     c.sapo_temperature_neg = _positive("sapo_temperature_neg", c.sapo_temperature_neg)
-    for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+    for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef"):
         setattr(c, key, _number(key, getattr(c, key)))
     c.epsilon = _number("epsilon", c.epsilon)
     if not 0 < c.epsilon < 1:
