@@ -51,6 +51,25 @@ from .order import stream_items
 from .stage import Stage
 
 
+COMPLETION_METRICS = ("completions/mean_length", "completions/min_length", "completions/max_length",
+                      "completions/clipped_ratio", "completions/mean_terminated_length",
+                      "completions/min_terminated_length", "completions/max_terminated_length", "frac_reward_zero_std")
+
+
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, rewards: torch.Tensor, n: int) -> dict:
+    """What TRL logs of a rollout batch's completions: their lengths, the share cut at
+    max_completion_length (clipped_ratio) and the lengths of the others (0 where none ended), and
+    the share of groups whose rewards do not differ (frac_reward_zero_std: no advantage to learn)."""
+    ended = lengths[~truncated]
+    std = nanstd(rewards.view(-1, n), dim=1)
+    return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": ended.mean().item() if len(ended) else 0.0,
+            "completions/min_terminated_length": ended.min().item() if len(ended) else 0.0,
+            "completions/max_terminated_length": ended.max().item() if len(ended) else 0.0,
+            "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
+
+
 class GRPOStage(Stage):
     check_model = staticmethod(check_row_length)
     check_resume = staticmethod(check_resume)
@@ -92,8 +111,7 @@ class GRPOStage(Stage):
             c.loss_type, ("clip_ratio",))
         each = tuple(f"rewards/{n}/{s}" for n in self.names for s in ("mean", "std"))
         self.columns = STEP_COLUMNS + (("reward", "reward_std") + each
-                        + ("kl",) * (c.beta > 0) + self.clip + ("completions/mean_length", "completions/min_length",
-                                                                 "completions/max_length")
+                        + ("kl",) * (c.beta > 0) + self.clip + COMPLETION_METRICS
                         + sampling_correction.METRICS * self.correct)
         if self.held_prompts:
             self.columns += (("eval_reward",) + tuple(f"eval_rewards/{n}/mean" for n in self.names)
@@ -189,8 +207,7 @@ class GRPOStage(Stage):
         for name in self.names:
             metrics[f"rewards/{name}/mean"] = torch.nanmean(each[name]).item()
             metrics[f"rewards/{name}/std"] = nanstd(each[name]).item()
-        metrics.update({"completions/mean_length": lengths.mean().item(),
-                        "completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
+        metrics.update(completion_metrics(lengths, torch.tensor(masked), rewards, n))
         if self.correct:
             sampled = sampled_logps(completions, c.seq)
             if sampled is None:
