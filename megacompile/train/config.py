@@ -153,6 +153,8 @@ class RunConfig:
     sapo_temperature_pos: float | None = None
     sapo_temperature_neg: float | None = None
     entropy_coef: float | None = None
+    log_completions: bool | None = None
+    num_completions_to_print: int | None = None
     vespo_k_pos: float | None = None
     vespo_lambda_pos: float | None = None
     vespo_k_neg: float | None = None

@@ -138,11 +138,9 @@ NO_EFFECT: dict[str, tuple[tuple, str]] = {
     "use_transformers_paged": ((False,), "the generator is run.yaml's generator or use_vllm"),
     "use_transformers_continuous_batching": ((False,), "the generator is run.yaml's generator or use_vllm"),
     "transformers_continuous_batching_config": ((None,), "the generator is run.yaml's generator or use_vllm"),
-    "log_completions": ((False,), _LOGS),
     "log_completions_hub_repo": ((None,), _LOGS),
     "log_multimodal": ((True,), _LOGS),
     "log_unique_prompts": ((False,), _LOGS),
-    "num_completions_to_print": ((None,), _LOGS),
 }
 
 

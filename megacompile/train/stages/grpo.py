@@ -46,6 +46,7 @@ from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
+from .completions_log import CompletionsLog
 from .keys import check_resume, check_row_length, rollout_steps, saved_keys
 from .order import stream_items
 from .stage import Stage
@@ -116,7 +117,7 @@ class GRPOStage(Stage):
         if self.held_prompts:
             self.columns += (("eval_reward",) + tuple(f"eval_rewards/{n}/mean" for n in self.names)
                              + ("eval_completions/mean_length",))
-        self.generator = self.reference = None
+        self.generator = self.reference = self.completions = None
         self.needs_reference = c.beta > 0
         self.rollout: dict | None = None
         self.epoch = 0.0        # the passes over the prompts the rollouts so far made (TRL's state.epoch)
@@ -182,6 +183,8 @@ class GRPOStage(Stage):
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         self.generator = rollouts.make(self.c, engine, self.stops, self.pad, run_dir)
+        self.completions = (CompletionsLog(run_dir, engine.steps_done, self.c.num_completions_to_print)
+                            if self.c.log_completions else None)
         self.synced = engine.steps_done         # a copy is made from the masters as they are now
         if saved is not None:
             state = base64.b64decode(saved["sampler"])      # bytes of a tensor of the dtype state() gives
@@ -201,6 +204,11 @@ class GRPOStage(Stage):
                 "advantages": batch["advantages"]}
         if self.reference is not None:
             rows["ref_logps"] = self._logps(self.reference, batch)
+        if self.completions is not None:
+            texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
+            self.completions.write(engine.steps_done + 1, [self.records[i]["prompt"] for i in chosen for _ in range(n)],
+                                   texts, rewards.tolist(), {k: v.tolist() for k, v in each.items()},
+                                   batch["advantages"].tolist())
         lengths = torch.tensor([float(len(x.tokens)) for x in completions])
         # nan-aware, as TRL logs them: a function's mean over the completions it scored
         metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item()}

@@ -13,7 +13,8 @@ refused under a stage it does not belong to, before anything is read or written.
            least 2 for kto (its KL rows)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo | cispo | sapo | luspo | vespo),
            sapo_temperature_pos (1.0) and _neg (1.05), vespo_k_pos (2.0), _lambda_pos (3.0), _k_neg
-           (3.0), _lambda_neg (2.0), entropy_coef (0: TRL's entropy bonus off), num_generations (8),
+           (3.0), _lambda_neg (2.0), entropy_coef (0: TRL's entropy bonus off), log_completions (false)
+           and num_completions_to_print (all: completions_log.py), num_generations (8),
            max_prompt_length (512), max_completion_length (256), temperature (1.0), the sampling
            filters top_k (0: off), top_p (1.0), min_p (none) and repetition_penalty (1.0: off,
            posttrain/sampling_filters.py), epsilon (0.2),
@@ -43,7 +44,7 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "top_k", "top_p", "min_p", "repetition_penalty", "epsilon", "sapo_temperature_pos",
                  "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
-                 "entropy_coef", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
+                 "entropy_coef", "log_completions", "num_completions_to_print", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
                  "steps_per_generation", "generation_batch_size", "use_bias_correction_kl")
         + rollouts.KEYS}
@@ -58,7 +59,8 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                      "max_completion_length": 256, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None,
                      "repetition_penalty": 1.0, "epsilon": 0.2, "epsilon_high": None, "sapo_temperature_pos": 1.0,
                      "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
-                     "vespo_lambda_neg": 2.0, "entropy_coef": 0.0,
+                     "vespo_lambda_neg": 2.0, "entropy_coef": 0.0, "log_completions": False,
+                     "num_completions_to_print": None,
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
                      "mask_truncated_completions": False, "importance_sampling_level": "token",
                      "top_entropy_quantile": 1.0, "num_iterations": 1, "steps_per_generation": None,
@@ -278,6 +280,12 @@ def _grpo(c, raw: dict, folder: str | None = None) -> None:
     if not 0.0 <= c.top_entropy_quantile <= 1.0:
         raise ArgumentError(f"top_entropy_quantile must be in [0, 1] (1: every token; the paper uses 0.2); got "
                             f"{c.top_entropy_quantile!r}")
+    if not isinstance(c.log_completions, bool):
+        raise ArgumentError(f"log_completions must be true or false; got {c.log_completions!r}")
+    shown = c.num_completions_to_print
+    if shown is not None and (isinstance(shown, bool) or not isinstance(shown, int) or shown < 0):
+        raise ArgumentError(f"num_completions_to_print is how many of each rollout's completions to print, a whole "
+                            f"number >= 0 (all when left out); got {shown!r}")
     c.sapo_temperature_pos = _positive("sapo_temperature_pos", c.sapo_temperature_pos)
     c.sapo_temperature_neg = _positive("sapo_temperature_neg", c.sapo_temperature_neg)
     for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef"):
@@ -389,9 +397,13 @@ def _positive(key: str, value: Any) -> float:
     return number
 
 
+# what a resumed run may change: where vLLM is reached, and what is written of the rollouts
+MAY_CHANGE = rollouts.MAY_CHANGE + ("log_completions", "num_completions_to_print")
+
+
 def saved_keys(c) -> dict:
     """The post-training keys a resume keeps (a checkpoint of another stage or other keys is refused)."""
-    return {"stage": c.stage, **{k: getattr(c, k) for k in ALL_KEYS if k not in rollouts.MAY_CHANGE}}
+    return {"stage": c.stage, **{k: getattr(c, k) for k in ALL_KEYS if k not in MAY_CHANGE}}
 
 
 def check_resume(c, saved) -> None:
