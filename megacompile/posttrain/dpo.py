@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ArgumentError
-from .dpo_losses import LOSS_TYPES, READS_LABEL_SMOOTHING, REFERENCE_FREE, combined_loss, loss_types
+from .dpo_losses import LOSS_TYPES, READS_LABEL_SMOOTHING, REFERENCE_FREE, check_f_divergence, combined_loss, loss_types
 from .logprobs import sequence_logprobs, token_logprobs
 
 __all__ = ["DPOLoss", "DPOObjective", "LOSS_TYPES", "dpo_loss", "logits_of"]
@@ -24,14 +24,16 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
              ref_rejected: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0,
              loss_type: str | tuple = "sigmoid", *, loss_weights=None, chosen_tokens: torch.Tensor | None = None,
              rejected_tokens: torch.Tensor | None = None,
-             discopop_tau: float = 0.05, simpo_gamma: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             discopop_tau: float = 0.05, simpo_gamma: float = 0.5,
+             f_divergence: tuple[str, float] = ("reverse_kl", 0.5)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and the implicit rewards beta * (log pi - log pi_ref) of the chosen and the
     rejected completions, from sequence log-probabilities (B,) each; chosen_tokens and
     rejected_tokens (B,): the completions' token counts (ipo, sigmoid_norm and sft read them).
-    loss_type: one of dpo_losses.LOSS_TYPES or several, summed with loss_weights."""
+    loss_type: one of dpo_losses.LOSS_TYPES or several, summed with loss_weights. f_divergence:
+    (TRL's f_divergence_type, f_alpha_divergence_coef)."""
     losses = combined_loss(loss_types(loss_type), loss_weights, policy_chosen, policy_rejected, ref_chosen,
                            ref_rejected, beta, label_smoothing, chosen_tokens, rejected_tokens, discopop_tau,
-                           simpo_gamma)
+                           simpo_gamma, f_divergence)
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     return losses, chosen_rewards, rejected_rewards
@@ -53,6 +55,8 @@ class DPOLoss:
     discopop_tau: float = 0.05
     simpo_gamma: float = 0.5
     ftx: float = 0.0
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and self.beta > 0):
@@ -71,6 +75,7 @@ class DPOLoss:
             if len(weights) != len(kinds):
                 raise ArgumentError(f"DPO loss_weights has {len(weights)} weights for {len(kinds)} loss types")
             object.__setattr__(self, "loss_weights", weights)
+        check_f_divergence(kinds, self.f_divergence_type, self.f_alpha_divergence_coef)
         if not self.discopop_tau > 0:
             raise ArgumentError(f"DPO discopop_tau must be positive (DiscoPOP uses 0.05); got {self.discopop_tau!r}")
         if isinstance(self.ftx, bool) or not (isinstance(self.ftx, (int, float)) and self.ftx >= 0):
@@ -100,7 +105,8 @@ class DPOLoss:
         losses, _, _ = dpo_loss(policy[:half], policy[half:], ref[:half], ref[half:], self.beta,
                                 self.label_smoothing, self.kinds, loss_weights=self.loss_weights,
                                 chosen_tokens=tokens[:half], rejected_tokens=tokens[half:],
-                                discopop_tau=self.discopop_tau, simpo_gamma=self.simpo_gamma)
+                                discopop_tau=self.discopop_tau, simpo_gamma=self.simpo_gamma,
+                                f_divergence=(self.f_divergence_type, self.f_alpha_divergence_coef))
         if self.ftx:
             losses = losses - self.ftx * policy[:half] / tokens[:half].clamp(min=1)
         return losses

@@ -31,6 +31,12 @@ simpo and both orpo read the policy alone (as sft does): a run whose loss types 
 no reference log-probabilities (REFERENCE_FREE). gamma is `simpo_gamma`; orpo's lambda is beta, as
 TRL's ORPOConfig and LlamaFactory's pref_beta take it.
 
+f-DPO (Wang et al., 2023; TRL's `f_divergence_type`): the log-ratios c and r are first mapped
+through the divergence's f'(e^x): reverse_kl x (DPO itself), forward_kl 1 - e^-x, js_divergence
+log 2 + log sigma(x), alpha_divergence (e^((a - 1) x) - 1) / (a - 1) (x, as reverse_kl, where
+a = 1; (a - 1) x clamped at 80 first, as TRL does). Only the loss types of h and of per-token
+log-ratios take it (F_DIVERGENCE_LOSS_TYPES); the rewards logged stay b times the log-ratios.
+
 Several loss types add up with `loss_weights` (1 each by default): the batch's loss is
 sum_k w_k mean_pairs(loss_k), as TRL combines them (MPO). label_smoothing is read by robust,
 exo_pair, aot and aot_unpaired only, as in TRL."""
@@ -50,6 +56,33 @@ RENAMED = {"aot_pair": "aot_unpaired"}          # TRL's earlier name
 READS_LABEL_SMOOTHING = ("robust", "exo_pair", "aot", "aot_unpaired")
 NEEDS_TOKEN_COUNTS = ("ipo", "sigmoid_norm", "sft", "simpo", "orpo", "orpo_per_pair")
 REFERENCE_FREE = ("sft", "simpo", "orpo", "orpo_per_pair")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# f-DPO leaves a beta log Z(x) term that cancels only in the difference of the two scores: TRL's list
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+
+
+def check_f_divergence(kinds: Sequence[str], divergence: str, alpha: float) -> None:
+    if divergence not in F_DIVERGENCES:
+        raise ArgumentError(f"f_divergence_type must be one of {', '.join(F_DIVERGENCES)}; got {divergence!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ArgumentError(f"f_alpha_divergence_coef must be a number (TRL's 0.5); got {alpha!r}")
+    other = [k for k in kinds if k not in F_DIVERGENCE_LOSS_TYPES]
+    if divergence != "reverse_kl" and other:
+        raise ArgumentError(f"f_divergence_type {divergence} applies to loss types {', '.join(F_DIVERGENCE_LOSS_TYPES)} "
+                            f"(f-DPO's log Z term cancels only in their difference of scores), not to "
+                            f"{', '.join(other)}: use f_divergence_type reverse_kl with them")
+
+
+def f_scores(logratio: torch.Tensor, divergence: str = "reverse_kl", alpha: float = 0.5) -> torch.Tensor:
+    """The log-ratio mapped through the divergence's f'(e^x) (the module docstring)."""
+    if divergence == "reverse_kl" or (divergence == "alpha_divergence" and abs(alpha - 1.0) < 1e-6):
+        return logratio
+    if divergence == "forward_kl":
+        return 1 - torch.exp(-logratio)
+    if divergence == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratio)
+    t = ((alpha - 1.0) * logratio).float().clamp(max=80.0)
+    return ((torch.exp(t) - 1.0) / (alpha - 1.0)).to(logratio.dtype)
 
 
 def loss_types(value) -> tuple[str, ...]:
@@ -138,7 +171,7 @@ def combined_loss(kinds: Sequence[str], weights: Sequence[float] | None, policy_
                   policy_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float,
                   label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,
                   rejected_tokens: torch.Tensor | None = None, discopop_tau: float = 0.05,
-                  simpo_gamma: float = 0.5) -> torch.Tensor:
+                  simpo_gamma: float = 0.5, f_divergence: tuple[str, float] = ("reverse_kl", 0.5)) -> torch.Tensor:
     """(B,) sum_k w_k loss_k: its mean over the pairs is TRL's sum of the weighted means (aot's
     entries follow the sorted order, not the pairs', and so does their sum; the mean is the same)."""
     weights = [1.0] * len(kinds) if weights is None else list(weights)
@@ -148,7 +181,8 @@ def combined_loss(kinds: Sequence[str], weights: Sequence[float] | None, policy_
     if missing and (chosen_tokens is None or rejected_tokens is None):
         raise ArgumentError(f"DPO loss_type {', '.join(missing)} needs the completions' token counts "
                             "(chosen_tokens, rejected_tokens)")
-    c, r = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    check_f_divergence(kinds, *f_divergence)
+    c, r = f_scores(policy_chosen - ref_chosen, *f_divergence), f_scores(policy_rejected - ref_rejected, *f_divergence)
     total = None
     for kind, w in zip(kinds, weights):
         term = w * pair_loss(kind, c, r, policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta,

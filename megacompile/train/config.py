@@ -137,6 +137,8 @@ class RunConfig:
     pref_ftx: float | None = None
     discopop_tau: float | None = None
     simpo_gamma: float | None = None
+    f_divergence_type: str | None = None
+    f_alpha_divergence_coef: float | None = None
     desirable_weight: float | None = None
     undesirable_weight: float | None = None
     center_rewards_coefficient: float | None = None

@@ -74,7 +74,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "vllm_structured_outputs_regex": ((None,), "not supported: completions are not constrained"),
     # their_keys.NOT_TAKEN's own, at the default a dump writes
     "multi_objective_aggregation": (("sum_then_normalize",), ""),
-    "f_divergence_type": (("reverse_kl",), ""),
     "packing_strategy": (("bfd",), ""),
     "eos_token": (("<EOS_TOKEN>",), ""),
     "pad_token": (("<PAD_TOKEN>",), ""),
@@ -124,7 +123,6 @@ NO_EFFECT: dict[str, tuple[tuple, str]] = {
     "activation_checkpointing_kwargs": ((None,), _PLANNER),
     "activation_offloading": ((False,), _PLANNER),
     "shuffle_dataset": ((False, True), "rows are ordered by seed"),
-    "f_alpha_divergence_coef": ((0.5,), "read only with f_divergence_type alpha_divergence, which is not supported"),
     "ref_model_mixup_alpha": ((0.6,), "read only with sync_ref_model, which is not supported"),
     "ref_model_sync_steps": ((512,), "read only with sync_ref_model, which is not supported"),
     # GRPO (TRL 1.16)

@@ -33,11 +33,22 @@ def _batch():
     return pc.requires_grad_(), pr.requires_grad_(), rc, rr, nc, nr
 
 
-def _reference(kind, pc, pr, rc, rr, nc, nr, beta=BETA, ls=LS):
+def _f(x, divergence, alpha):
+    """f-DPO's score of a log-ratio: f'(u) at u = e^x for the divergence (Wang et al., 2023, Table 1)."""
+    if divergence == "forward_kl":              # f(u) = -log u: f'(u) = -1/u, shifted by 1 as TRL writes it
+        return 1 - math.exp(-x)
+    if divergence == "js_divergence":           # f'(u) = log(2u / (1 + u))
+        return math.log(2 * math.exp(x) / (1 + math.exp(x)))
+    if divergence == "alpha_divergence" and alpha != 1:     # f'(u) = (u^(a-1) - 1) / (a - 1); log u at a = 1
+        return (math.exp(x) ** (alpha - 1) - 1) / (alpha - 1)
+    return x
+
+
+def _reference(kind, pc, pr, rc, rr, nc, nr, beta=BETA, ls=LS, divergence="reverse_kl", alpha=0.5):
     """The batch's loss (the mean over its pairs), from the formulas."""
     b = beta
-    c = [pc[i] - rc[i] for i in range(B)]
-    r = [pr[i] - rr[i] for i in range(B)]
+    c = [_f(pc[i] - rc[i], divergence, alpha) for i in range(B)]
+    r = [_f(pr[i] - rr[i], divergence, alpha) for i in range(B)]
     h = [c[i] - r[i] for i in range(B)]
     if kind == "sigmoid":                                   # DPO, Rafailov et al. eq. 7
         each = [-logsig(b * x) for x in h]
@@ -219,3 +230,38 @@ def test_orpos_terms_are_logged_by_their_trainers_names_and_make_its_loss(kind, 
 
 def _reference_avg(policy, tokens):
     return [p / max(n, 1) for p, n in zip(policy.tolist(), tokens.tolist())]
+
+
+@pytest.mark.parametrize("divergence,alpha", [("forward_kl", 0.5), ("js_divergence", 0.5), ("alpha_divergence", 0.3),
+                                              ("alpha_divergence", 1.0)])
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "robust", "discopop"])
+def test_f_dpo_maps_each_log_ratio_through_the_divergence_with_its_gradient(kind, divergence, alpha):
+    pc, pr, rc, rr, nc, nr = _batch()
+    rc, rr = pc.detach() + torch.linspace(-1.0, 1.5, B, dtype=torch.float64), pr.detach() - 0.7   # ratios near 1
+    loss = DPOLoss(beta=BETA, label_smoothing=LS if kind == "robust" else 0.0, loss_type=kind, discopop_tau=TAU,
+                   f_divergence_type=divergence, f_alpha_divergence_coef=alpha)
+    tokens = torch.cat([nc, nr])
+    got = loss.pairs(torch.cat([pc, pr]), torch.cat([rc, rr]), tokens).mean()
+    values = [x.tolist() for x in (pc.detach(), pr.detach(), rc, rr, nc, nr)]
+    ls = LS if kind == "robust" else 0.0
+    want = _reference(kind, *values, ls=ls, divergence=divergence, alpha=alpha)
+    assert got.item() == pytest.approx(want, rel=1e-6, abs=1e-9)
+    plain = _reference(kind, *values, ls=ls)
+    assert (got.item() == pytest.approx(plain, rel=1e-9)) == (divergence == "alpha_divergence" and alpha == 1.0)
+    got.backward()
+    for which, tensor in ((0, pc), (1, pr)):
+        for i in (0, 3):
+            up, down = [list(v) for v in values], [list(v) for v in values]
+            up[which][i] += 1e-6
+            down[which][i] -= 1e-6
+            numeric = (_reference(kind, *up, ls=ls, divergence=divergence, alpha=alpha)
+                       - _reference(kind, *down, ls=ls, divergence=divergence, alpha=alpha)) / 2e-6
+            assert tensor.grad[i].item() == pytest.approx(numeric, rel=1e-4, abs=1e-8)
+
+
+def test_f_dpo_is_refused_for_the_losses_whose_log_z_does_not_cancel():
+    with pytest.raises(ArgumentError, match="f_divergence_type js_divergence applies to loss types sigmoid, .*not to "
+                                            "nca_pair, apo_zero"):
+        DPOLoss(loss_type=["sigmoid", "nca_pair", "apo_zero"], f_divergence_type="js_divergence")
+    with pytest.raises(ArgumentError, match="f_divergence_type must be one of reverse_kl, forward_kl"):
+        DPOLoss(f_divergence_type="chi2")
