@@ -57,6 +57,9 @@ class DPOLoss:
     ftx: float = 0.0
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
+    # WPO (Zhou et al., 2024; TRL's use_weighting): each pair's loss times w+ w-, w = exp of the mean
+    # over the completion's tokens of log p(token) - log sum_v p(v)^2, constants of the step
+    use_weighting: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and self.beta > 0):
@@ -76,6 +79,9 @@ class DPOLoss:
                 raise ArgumentError(f"DPO loss_weights has {len(weights)} weights for {len(kinds)} loss types")
             object.__setattr__(self, "loss_weights", weights)
         check_f_divergence(kinds, self.f_divergence_type, self.f_alpha_divergence_coef)
+        if self.use_weighting and {"aot", "aot_unpaired"} & set(kinds):
+            raise ArgumentError("DPO use_weighting (WPO) weighs each pair, and loss types aot and aot_unpaired sort "
+                                "the pairs, which would misalign the weights (as TRL refuses them)")
         if not self.discopop_tau > 0:
             raise ArgumentError(f"DPO discopop_tau must be positive (DiscoPOP uses 0.05); got {self.discopop_tau!r}")
         if isinstance(self.ftx, bool) or not (isinstance(self.ftx, (int, float)) and self.ftx >= 0):
@@ -95,8 +101,10 @@ class DPOLoss:
     def reads_label_smoothing(self) -> bool:
         return any(k in READS_LABEL_SMOOTHING for k in self.kinds)
 
-    def pairs(self, policy: torch.Tensor, ref: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """(B,) losses of (2B,) packed sequence log-probabilities, reference ones and token counts."""
+    def pairs(self, policy: torch.Tensor, ref: torch.Tensor, tokens: torch.Tensor,
+              weights: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) losses of (2B,) packed sequence log-probabilities, reference ones and token counts;
+        `weights` (B,): WPO's, each pair's losses (not pref_ftx's NLL) times its weight."""
         if policy.shape[0] % 2 or ref.shape != policy.shape:
             raise ArgumentError(f"a DPO batch packs chosen rows then as many rejected rows, with one reference "
                                 f"log-probability per row; got {policy.shape[0]} rows and ref_logps of shape "
@@ -107,13 +115,29 @@ class DPOLoss:
                                 chosen_tokens=tokens[:half], rejected_tokens=tokens[half:],
                                 discopop_tau=self.discopop_tau, simpo_gamma=self.simpo_gamma,
                                 f_divergence=(self.f_divergence_type, self.f_alpha_divergence_coef))
+        if weights is not None:
+            losses = losses * weights
         if self.ftx:
             losses = losses - self.ftx * policy[:half] / tokens[:half].clamp(min=1)
         return losses
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
         logps, mask = token_logprobs(logits, labels)
-        return self.pairs(logps.sum(-1), ref_logps, mask.sum(-1).to(logps.dtype)).mean()
+        weights = wpo_weights(logits, logps, mask) if self.use_weighting else None
+        return self.pairs(logps.sum(-1), ref_logps, mask.sum(-1).to(logps.dtype), weights).mean()
+
+
+@torch.no_grad()
+def wpo_weights(logits: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) WPO's weight of each pair of a packed batch (chosen rows first): w+ w-, w the exp of the
+    mean over the completion's tokens of log p(token) - log sum_v p(v)^2 (how likely the completion
+    is under the policy, against how peaked each step's distribution is)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    log_sum_sq = torch.logsumexp(2 * logits, dim=-1) - 2 * torch.logsumexp(logits, dim=-1)
+    aligned = ((logps - log_sum_sq) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    w = torch.exp(aligned)
+    half = w.shape[0] // 2
+    return w[:half] * w[half:]
 
 
 class DPOObjective(nn.Module):

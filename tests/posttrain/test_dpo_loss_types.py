@@ -265,3 +265,36 @@ def test_f_dpo_is_refused_for_the_losses_whose_log_z_does_not_cancel():
         DPOLoss(loss_type=["sigmoid", "nca_pair", "apo_zero"], f_divergence_type="js_divergence")
     with pytest.raises(ArgumentError, match="f_divergence_type must be one of reverse_kl, forward_kl"):
         DPOLoss(f_divergence_type="chi2")
+
+
+def test_wpo_weighs_each_pair_by_its_completions_likelihood_against_the_peakedness_of_each_step():
+    """TRL's use_weighting: w = exp(mean over the completion's tokens of log p(y_t) - log sum_v p(v)^2),
+    each pair's loss times w+ w-, the weights constants of the step."""
+    from megacompile.posttrain.dpo import wpo_weights
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, 5, 7, generator=g, dtype=torch.float64) * 1.5).requires_grad_()
+    labels = torch.randint(0, 7, (4, 5), generator=g)
+    labels[:, :2] = IGNORE
+    labels[1, 4] = IGNORE
+    ref = torch.tensor([-6.0, -5.5, -7.0, -6.2], dtype=torch.float64)
+    logps, mask = token_logprobs(logits, labels)
+    w = []
+    for row in range(4):
+        terms = []
+        for t in range(5):
+            if labels[row, t] != IGNORE:
+                p = torch.softmax(logits[row, t].detach(), -1).tolist()
+                terms.append(math.log(p[labels[row, t]]) - math.log(sum(x * x for x in p)))
+        w.append(math.exp(sum(terms) / len(terms)))
+    weights = wpo_weights(logits, logps, mask)
+    # the log-probabilities are token_logprobs' fp32 ones
+    assert weights.tolist() == pytest.approx([w[0] * w[2], w[1] * w[3]], rel=1e-6)
+    assert not weights.requires_grad
+    weighted = DPOLoss(beta=BETA, use_weighting=True)(logits, labels, ref)
+    plain = DPOLoss(beta=BETA).pairs(logps.sum(-1), ref, mask.sum(-1).double())
+    assert weighted.item() == pytest.approx((plain * weights).mean().item(), rel=1e-12)
+    grad, = torch.autograd.grad(weighted, logits)
+    expected, = torch.autograd.grad((plain * weights.detach()).mean(), logits)
+    torch.testing.assert_close(grad, expected)
+    with pytest.raises(ArgumentError, match="aot and aot_unpaired sort the pairs"):
+        DPOLoss(loss_type="aot", use_weighting=True)

@@ -68,10 +68,15 @@ def test_each_dpo_loss_type_through_the_engine_is_its_formula():
     policy = _policy()
     ids, labels = _completions(2 * PAIRS, 21)                  # chosen rows first, then the rejected
     with torch.no_grad():
-        logps, mask = token_logprobs(policy(ids), labels)
+        logits = policy(ids)
+        logps, mask = token_logprobs(logits, labels)
     ref = logps.sum(-1) - torch.linspace(-1.5, 2.0, 2 * PAIRS)    # a reference on both sides of the policy
+    # then LlamaFactory's pref_ftx, f-DPO and WPO's weights (which read the logits beside the log-probabilities)
+    more = [DPOLoss(beta=BETA, loss_type="sigmoid", ftx=0.7),
+            DPOLoss(beta=BETA, loss_type="ipo", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3),
+            DPOLoss(beta=BETA, loss_type="sigmoid", use_weighting=True)]
     losses = [DPOLoss(beta=BETA, label_smoothing=LS if k in SMOOTHED else 0.0, loss_type=k, discopop_tau=TAU)
-              for k in LOSS_TYPES] + [DPOLoss(beta=BETA, loss_type="sigmoid", ftx=0.7)]     # LlamaFactory's pref_ftx
+              for k in LOSS_TYPES] + more
     got = _through_engine(EachLoss(copy.deepcopy(policy), losses),
                           {"input_ids": ids, "labels": labels, "ref_logps": ref})
     seq, tokens = logps.double().sum(-1), mask.double().sum(-1)
@@ -82,7 +87,9 @@ def test_each_dpo_loss_type_through_the_engine_is_its_formula():
         assert value == pytest.approx(want, rel=1e-6, abs=1e-9), kind
     want = float(dpo_formulas._reference("sigmoid", pc, pr, rc, rr, tokens[:PAIRS], tokens[PAIRS:], BETA, 0.0)
                  + 0.7 * dpo_formulas._pair_nll(pc, tokens[:PAIRS]))
-    assert got[-1].item() == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert got[-3].item() == pytest.approx(want, rel=1e-6, abs=1e-9)
+    for loss, value in zip(more[1:], got[-2:].tolist()):       # eager, in float64
+        assert value == pytest.approx(loss(logits.double(), labels, ref.double()).item(), rel=1e-6, abs=1e-9)
 
 
 def test_each_grpo_option_through_the_engine_is_its_formula():
