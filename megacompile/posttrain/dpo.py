@@ -60,6 +60,10 @@ class DPOLoss:
     # WPO (Zhou et al., 2024; TRL's use_weighting): each pair's loss times w+ w-, w = exp of the mean
     # over the completion's tokens of log p(token) - log sum_v p(v)^2, constants of the step
     use_weighting: bool = False
+    # LD-DPO (Liu et al., 2024; TRL's ld_alpha): a completion's log-probability is the sum over its
+    # first tokens, as many as the pair's shorter completion has, plus ld_alpha x the sum over the
+    # rest (None: the plain sum), the policy's and the reference's alike
+    ld_alpha: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and self.beta > 0):
@@ -79,6 +83,15 @@ class DPOLoss:
                 raise ArgumentError(f"DPO loss_weights has {len(weights)} weights for {len(kinds)} loss types")
             object.__setattr__(self, "loss_weights", weights)
         check_f_divergence(kinds, self.f_divergence_type, self.f_alpha_divergence_coef)
+        if self.ld_alpha is not None:
+            if isinstance(self.ld_alpha, bool) or not isinstance(self.ld_alpha, (int, float)) \
+                    or not 0 <= self.ld_alpha <= 1:
+                raise ArgumentError(f"DPO ld_alpha weighs the tokens past the shorter completion's length, in [0, 1] "
+                                    f"(LD-DPO uses values around 0.5); got {self.ld_alpha!r}")
+            plain = [k for k in kinds if k in ("sft", "simpo", "orpo", "orpo_per_pair")] + (["pref_ftx"] * bool(self.ftx))
+            if plain:
+                raise ArgumentError(f"DPO ld_alpha reweighs the completions' log-probabilities, and {', '.join(plain)} "
+                                    "read their plain negative log-likelihood: train them without ld_alpha")
         if self.use_weighting and {"aot", "aot_unpaired"} & set(kinds):
             raise ArgumentError("DPO use_weighting (WPO) weighs each pair, and loss types aot and aot_unpaired sort "
                                 "the pairs, which would misalign the weights (as TRL refuses them)")
@@ -121,10 +134,22 @@ class DPOLoss:
             losses = losses - self.ftx * policy[:half] / tokens[:half].clamp(min=1)
         return losses
 
+    def sequences(self, logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(2B,) each packed row's log-probability from its (2B, T) per-token ones: their sum, or
+        LD-DPO's with ld_alpha."""
+        if self.ld_alpha is None:
+            return logps.sum(-1)
+        position = mask.long().cumsum(-1)                       # 1, 2, ... over each completion's tokens
+        lengths = mask.sum(-1)
+        half = lengths.shape[0] // 2
+        shared = torch.minimum(lengths[:half], lengths[half:]).repeat(2).unsqueeze(-1)
+        early = mask & (position <= shared)
+        return (logps * early).sum(-1) + self.ld_alpha * (logps * (mask & ~early)).sum(-1)
+
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
         logps, mask = token_logprobs(logits, labels)
         weights = wpo_weights(logits, logps, mask) if self.use_weighting else None
-        return self.pairs(logps.sum(-1), ref_logps, mask.sum(-1).to(logps.dtype), weights).mean()
+        return self.pairs(self.sequences(logps, mask), ref_logps, mask.sum(-1).to(logps.dtype), weights).mean()
 
 
 @torch.no_grad()
@@ -150,11 +175,14 @@ class DPOObjective(nn.Module):
         self.policy, self.loss = policy, loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
-        """The loss; without ref_logps, each row's log p(completion | prompt), (2B,): the
-        forward-only pass that gives the reference's log-probabilities before training moves it."""
+        """The loss; without ref_logps, each row's log p(completion | prompt), (2B,) (LD-DPO's with
+        ld_alpha): the forward-only pass that gives the reference's log-probabilities before training
+        moves it, and the policy's for the logged rewards."""
         logits = logits_of(self.policy(input_ids))
         if ref_logps is None:
-            return sequence_logprobs(logits, labels)
+            if self.loss.ld_alpha is None:
+                return sequence_logprobs(logits, labels)
+            return self.loss.sequences(*token_logprobs(logits, labels))
         return self.loss(logits, labels, ref_logps)
 
 

@@ -140,6 +140,7 @@ class RunConfig:
     f_divergence_type: str | None = None
     f_alpha_divergence_coef: float | None = None
     use_weighting: bool | None = None
+    ld_alpha: float | None = None
     desirable_weight: float | None = None
     undesirable_weight: float | None = None
     center_rewards_coefficient: float | None = None

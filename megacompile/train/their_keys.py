@@ -114,7 +114,6 @@ NOT_TAKEN = {
     # post-training options megacompile does not have
     "multi_objective_aggregation": "not supported: the weighted rewards are summed, then scaled within their group "
                                    "(scale_rewards), as TRL's default does; leave it out",
-    "ld_alpha": "not supported: each completion's log-probability is the sum over all its tokens",
     "sync_ref_model": "not supported: the reference is the policy at step 0 throughout",
 }
 

@@ -298,3 +298,37 @@ def test_wpo_weighs_each_pair_by_its_completions_likelihood_against_the_peakedne
     torch.testing.assert_close(grad, expected)
     with pytest.raises(ArgumentError, match="aot and aot_unpaired sort the pairs"):
         DPOLoss(loss_type="aot", use_weighting=True)
+
+
+def test_ld_dpo_weighs_the_tokens_past_the_shorter_completion_in_the_policy_and_the_reference():
+    """TRL's ld_alpha: log pi(y) = the sum over y's first min(n+, n-) tokens + ld_alpha x the rest,
+    for the policy (the loss) and for the reference (DPOObjective's forward-only pass) alike."""
+    from megacompile.posttrain import DPOObjective
+    logps = torch.tensor([[0.0, -1.0, -2.0, -3.0, 0.0, 0.0],      # chosen: 3 tokens
+                          [-1.0, -1.0, -1.0, -1.0, -1.0, 0.0]],    # rejected: 5 tokens, 2 past the shared 3
+                         dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    loss = DPOLoss(beta=BETA, ld_alpha=0.25)
+    assert loss.sequences(logps, mask).tolist() == [-6.0, -3.0 + 0.25 * -2.0]
+    assert DPOLoss(beta=BETA).sequences(logps, mask).tolist() == [-6.0, -5.0]
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, logits):
+            super().__init__()
+            self.logits, self.w = logits, torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, ids):
+            return self.logits + self.w
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 6, 5, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 5, (2, 6), generator=g).masked_fill(~mask, IGNORE)
+    per_token, counted = token_logprobs(logits, labels)
+    ref = DPOObjective(Fixed(logits), loss)(torch.zeros(2, 6, dtype=torch.long), labels)
+    assert torch.allclose(ref, loss.sequences(per_token, counted))
+    ref = ref - torch.tensor([0.3, -0.4], dtype=torch.float64)
+    want = dpo_loss(*loss.sequences(per_token, counted).chunk(2), *ref.chunk(2), BETA)[0].mean()
+    assert loss(logits, labels, ref).item() == pytest.approx(want.item(), rel=1e-12)
+    for bad, words in [(dict(loss_type="sft"), "sft read their plain negative log-likelihood"),
+                       (dict(ftx=0.5), "pref_ftx read"), (dict(ld_alpha=1.5), r"in \[0, 1\]")]:
+        with pytest.raises(ArgumentError, match=words):
+            DPOLoss(**{"ld_alpha": 0.5, **bad})

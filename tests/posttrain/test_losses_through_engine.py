@@ -71,10 +71,12 @@ def test_each_dpo_loss_type_through_the_engine_is_its_formula():
         logits = policy(ids)
         logps, mask = token_logprobs(logits, labels)
     ref = logps.sum(-1) - torch.linspace(-1.5, 2.0, 2 * PAIRS)    # a reference on both sides of the policy
-    # then LlamaFactory's pref_ftx, f-DPO and WPO's weights (which read the logits beside the log-probabilities)
+    # then LlamaFactory's pref_ftx, f-DPO, WPO's weights (which read the logits beside the log-probabilities)
+    # and LD-DPO's reweighed log-probabilities
     more = [DPOLoss(beta=BETA, loss_type="sigmoid", ftx=0.7),
             DPOLoss(beta=BETA, loss_type="ipo", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3),
-            DPOLoss(beta=BETA, loss_type="sigmoid", use_weighting=True)]
+            DPOLoss(beta=BETA, loss_type="sigmoid", use_weighting=True),
+            DPOLoss(beta=BETA, loss_type="sigmoid_norm", ld_alpha=0.4)]
     losses = [DPOLoss(beta=BETA, label_smoothing=LS if k in SMOOTHED else 0.0, loss_type=k, discopop_tau=TAU)
               for k in LOSS_TYPES] + more
     got = _through_engine(EachLoss(copy.deepcopy(policy), losses),
@@ -87,8 +89,8 @@ def test_each_dpo_loss_type_through_the_engine_is_its_formula():
         assert value == pytest.approx(want, rel=1e-6, abs=1e-9), kind
     want = float(dpo_formulas._reference("sigmoid", pc, pr, rc, rr, tokens[:PAIRS], tokens[PAIRS:], BETA, 0.0)
                  + 0.7 * dpo_formulas._pair_nll(pc, tokens[:PAIRS]))
-    assert got[-3].item() == pytest.approx(want, rel=1e-6, abs=1e-9)
-    for loss, value in zip(more[1:], got[-2:].tolist()):       # eager, in float64
+    assert got[-4].item() == pytest.approx(want, rel=1e-6, abs=1e-9)
+    for loss, value in zip(more[1:], got[-3:].tolist()):       # eager, in float64
         assert value == pytest.approx(loss(logits.double(), labels, ref.double()).item(), rel=1e-6, abs=1e-9)
 
 

@@ -65,6 +65,8 @@ def work(tmp_path_factory):
               "vllm_importance_sampling_clip_max": 2.0}, r"clip_min \(2.0\) must be below"),
     ("grpo", {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_mode": "token_truncate",
               "vllm_importance_sampling_clip_max": None}, "token_truncate clamps the ratio.* both are null"),
+    ("dpo", {"ld_alpha": 0.5, "rpo_alpha": 1.0}, "ld_alpha reweighs the completions' log-probabilities, and sft "),
+    ("dpo", {"ld_alpha": 2}, r"ld_alpha weighs the tokens past the shorter completion's length, in \[0, 1\]"),
     ("dpo", {"loss_type": "bco_pair", "f_divergence_type": "forward_kl"},
      "f_divergence_type forward_kl applies to loss types sigmoid.*not to bco_pair"),
     ("dpo", {"f_divergence_type": "alpha", "f_alpha_divergence_coef": 0.3}, "f_divergence_type must be one of"),

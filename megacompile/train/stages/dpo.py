@@ -47,7 +47,7 @@ class DPOStage(reference.ReferenceStage):
             self.pairs, self.held = reference.hold_out(self.pairs, c.eval_fraction, c.seed, "pairs")
         kinds, weights = dpo_loss_terms(c)
         self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau, c.simpo_gamma, c.pref_ftx or 0.0,
-                            c.f_divergence_type, c.f_alpha_divergence_coef, c.use_weighting)
+                            c.f_divergence_type, c.f_alpha_divergence_coef, c.use_weighting, c.ld_alpha)
         self.orpo = [k for k in ORPO_METRICS if k in self.loss.kinds]
         self.columns = (STEP_COLUMNS + METRICS + tuple(m for k in self.orpo for m in ORPO_METRICS[k])
                         + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ()))

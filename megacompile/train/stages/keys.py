@@ -5,7 +5,8 @@ refused under a stage it does not belong to, before anything is read or written.
            or a list of them), loss_weights (1 each), rpo_alpha (none: the sft term's weight),
            pref_ftx (none: LlamaFactory's weight of each pair's chosen NLL, posttrain/dpo.py),
            discopop_tau (0.05), simpo_gamma (0.5), f_divergence_type (reverse_kl) and
-           f_alpha_divergence_coef (0.5), use_weighting (false: WPO's pair weights),
+           f_alpha_divergence_coef (0.5), use_weighting (false: WPO's pair weights), ld_alpha
+           (none: LD-DPO's weight of the tokens past the shorter completion),
            precompute_ref_log_probs (accepted either way:
            the reference's log-probabilities are computed once, before the first step, where a loss
            type reads them)
@@ -33,7 +34,7 @@ import math
 from typing import Any
 
 from ...errors import ArgumentError
-from ...posttrain import advantages, dpo_losses, grpo, kto, sampling_filters
+from ...posttrain import DPOLoss, advantages, dpo_losses, grpo, kto, sampling_filters
 from ..methods import adapters
 from . import rollouts
 
@@ -41,7 +42,7 @@ STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
 REFUSED = ("ppo",)
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau", "simpo_gamma", "pref_ftx", "f_divergence_type", "f_alpha_divergence_coef",
-                "use_weighting"),
+                "use_weighting", "ld_alpha"),
         "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx", "precompute_ref_log_probs"),
         "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
@@ -55,7 +56,7 @@ ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["rm"] + KEYS["gr
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
                     "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05, "simpo_gamma": 0.5,
                     "pref_ftx": None, "f_divergence_type": "reverse_kl", "f_alpha_divergence_coef": 0.5,
-                    "use_weighting": False},
+                    "use_weighting": False, "ld_alpha": None},
             "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0,
                     "pref_ftx": None, "precompute_ref_log_probs": False},
             "rm": {"center_rewards_coefficient": 0.0},
@@ -72,7 +73,7 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
 # What a checkpoint saved before these keys existed trained with (their defaults, then as now).
 IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
            if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "simpo_gamma", "pref_ftx",
-                    "f_divergence_type", "f_alpha_divergence_coef", "use_weighting",
+                    "f_divergence_type", "f_alpha_divergence_coef", "use_weighting", "ld_alpha",
                     "delta",
                     "scale_rewards",
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
@@ -233,6 +234,11 @@ def _dpo(c) -> None:
     if c.use_weighting and {"aot", "aot_unpaired"} & set(dpo_loss_terms(c)[0]):
         raise ArgumentError("use_weighting (WPO) weighs each pair, and loss types aot and aot_unpaired sort the "
                             "pairs, which would misalign the weights (as TRL refuses them)")
+    if c.ld_alpha is not None:
+        c.ld_alpha = _number("ld_alpha", c.ld_alpha)
+        kinds_, _ = dpo_loss_terms(c)
+        # the loss's own checks of ld_alpha (its range, the plain-NLL terms it cannot reweigh)
+        DPOLoss(c.beta, c.label_smoothing, kinds_, None, ftx=c.pref_ftx or 0.0, ld_alpha=c.ld_alpha)
     c.simpo_gamma = _number("simpo_gamma", c.simpo_gamma)
     if c.simpo_gamma < 0:
         raise ArgumentError(f"simpo_gamma is SimPO's target reward margin, >= 0 (0.5 by default); got {c.simpo_gamma!r}")
