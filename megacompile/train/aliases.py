@@ -165,7 +165,8 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 # Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->
 # schedule, min_lr (and warmup for HF's `constant`), template -> a check of the chat template.
 SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "template", "do_train",
-           "eval_strategy", "evaluation_strategy", "save_strategy", "logging_strategy", "pref_loss")
+           "eval_strategy", "evaluation_strategy", "save_strategy", "logging_strategy", "pref_loss",
+           "packing_strategy")
 
 IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
@@ -264,6 +265,8 @@ def translate(raw: dict, default_lr: float) -> Translated:
     _betas(raw, out)
     _schedule(raw, out, default_lr)
     _strategies(raw, out)
+    if "packing_strategy" in raw:
+        _packing_strategy(raw["packing_strategy"], out)
     if raw.get("pref_loss") is not None:
         _pref_loss(raw, out)
     if out.keys.get("steps") is not None and out.spelled.get("epochs") == "num_train_epochs":
@@ -367,6 +370,20 @@ def _schedule(raw: dict, out: Translated, default_lr: float) -> None:
 
 HF_LOGGING_STEPS = 500     # transformers' default logging_steps, which eval_strategy: steps falls back on
 HF_SAVE_STEPS = 500        # transformers' default save_steps
+
+
+def _packing_strategy(strategy: Any, out: Translated) -> None:
+    """TRL's packing_strategy, read with packing: true. TRL's default, bfd, keeps each packed
+    document apart (its position ids restart, padding-free): megacompile's packing: isolated, whose
+    rows are filled in the data's order rather than best-fit. wrapped cuts the token stream into rows
+    regardless of documents: packing: true, LlamaFactory's packing."""
+    if strategy not in ("bfd", "wrapped"):
+        raise ArgumentError(f"packing_strategy must be bfd (TRL's default: the documents kept apart) or wrapped (the "
+                            f"token stream cut into rows); got {strategy!r}")
+    if out.keys.get("packing") is True and strategy == "bfd":
+        out.keys["packing"] = "isolated"
+        out.notes.append("packing: true with packing_strategy bfd keeps the packed documents apart, as TRL's bfd does "
+                         "(packing: isolated; rows are filled in the data's order, not best-fit)")
 
 
 def _strategies(raw: dict, out: Translated) -> None:

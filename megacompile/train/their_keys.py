@@ -28,8 +28,6 @@ NOT_TAKEN = {
     # packing
     "neat_packing": "packing: isolated (packed documents do not attend to each other, position ids restart)",
     "padding_free": "packing: isolated (documents packed without padding, kept apart by their position ids)",
-    "packing_strategy": "packing: true fills rows end to end (TRL's wrapped), packing: isolated keeps the documents "
-                        "apart as TRL's bfd does; there is no best-fit packing",
     # model and tokenizer
     "dtype": "compute_dtype: float32 or bfloat16 (masters are float32)",
     "torch_dtype": "compute_dtype: float32 or bfloat16 (masters are float32)",

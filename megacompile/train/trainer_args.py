@@ -74,7 +74,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "vllm_structured_outputs_regex": ((None,), "not supported: completions are not constrained"),
     # their_keys.NOT_TAKEN's own, at the default a dump writes
     "multi_objective_aggregation": (("sum_then_normalize",), ""),
-    "packing_strategy": (("bfd",), ""),
     "eos_token": (("<EOS_TOKEN>",), ""),
     "pad_token": (("<PAD_TOKEN>",), ""),
 }

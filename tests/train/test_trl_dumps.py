@@ -60,3 +60,15 @@ def test_a_field_away_from_its_default_is_refused_or_named(tmp_path, capsys):
     load(_keys(tmp_path, "sft", do_train=True, train_sampling_strategy="sequential", disable_tqdm=True), [])
     out = capsys.readouterr().out
     assert "disable_tqdm (the run's own progress lines and log.csv)" in out and "train_sampling_strategy" not in out
+
+
+@pytest.mark.parametrize("strategy, packing", [("bfd", "isolated"), ("wrapped", True)])
+def test_packing_reads_trls_packing_strategy(tmp_path, capsys, strategy, packing):
+    """TRL's bfd (its default) keeps the packed documents apart; wrapped cuts the token stream into
+    rows, as LlamaFactory's packing: true does."""
+    c = load(_keys(tmp_path, "sft", do_train=True, packing=True, packing_strategy=strategy), [])
+    assert c.packing == packing
+    assert ("packing_strategy bfd keeps the packed documents apart" in capsys.readouterr().out) == (strategy == "bfd")
+    assert load(_keys(tmp_path, "sft", do_train=True, packing=False, packing_strategy=strategy), []).packing is False
+    with pytest.raises(ArgumentError, match="packing_strategy must be bfd .* or wrapped"):
+        load(_keys(tmp_path, "sft", do_train=True, packing=True, packing_strategy="best_fit"), [])
