@@ -9,6 +9,8 @@ completion, or a standard deviation from fewer than two, gives its completions 0
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import ArgumentError
@@ -54,3 +56,26 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str | bool =
     elif scale == "batch":
         advantages = advantages / (nanstd(grouped.reshape(-1)) + eps)
     return torch.nan_to_num(advantages.reshape(-1), nan=0.0)
+
+
+def decoupled_rewards(per_function: torch.Tensor, weights, group_size: int, eps: float = EPS) -> torch.Tensor:
+    """GDPO's rewards (TRL's multi_objective_aggregation normalize_then_sum): (N, K) rewards of K
+    functions (NaN: not scored) -> (N,): each function's rewards normalised within their group (less
+    the group's mean, over its standard deviation + eps), then summed with the weights (a nansum);
+    NaN where no function scored the completion."""
+    n, k = per_function.shape
+    if group_size < 1 or n % group_size:
+        raise ArgumentError(f"GRPO: {n} rewards do not split into groups of num_generations={group_size}")
+    weights = torch.ones(k) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
+    grouped = per_function.float().view(-1, group_size, k)
+    normalised = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + eps)
+    summed = torch.nansum(normalised.reshape(n, k) * weights, dim=1)
+    summed[torch.isnan(per_function).all(dim=1)] = math.nan
+    return summed
+
+
+def decoupled_advantages(per_function: torch.Tensor, weights, group_size: int, eps: float = EPS) -> torch.Tensor:
+    """(N,) GDPO's advantages: decoupled_rewards normalised over the whole batch; 0 where no function
+    scored the completion, or where the statistics are NaN."""
+    summed = decoupled_rewards(per_function, weights, group_size, eps)
+    return torch.nan_to_num((summed - torch.nanmean(summed)) / (nanstd(summed) + eps), nan=0.0)

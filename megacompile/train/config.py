@@ -169,6 +169,7 @@ class RunConfig:
     steps_per_generation: int | None = None
     generation_batch_size: int | None = None
     scale_rewards: Any = None
+    multi_objective_aggregation: str | None = None
     mask_truncated_completions: bool | None = None
     use_bias_correction_kl: bool | None = None
     importance_sampling_level: str | None = None

@@ -110,8 +110,6 @@ NOT_TAKEN = {
     "ray_run_name": "not supported: a run is one process (or torchrun's, docs/distributed.md)",
     # DPO (LlamaFactory's names; pref_beta, pref_loss and dpo_label_smoothing are read: aliases.py)
     # post-training options megacompile does not have
-    "multi_objective_aggregation": "not supported: the weighted rewards are summed, then scaled within their group "
-                                   "(scale_rewards), as TRL's default does; leave it out",
     "sync_ref_model": "not supported: the reference is the policy at step 0 throughout",
 }
 

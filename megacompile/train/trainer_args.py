@@ -73,7 +73,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
                                          "(vllm_gpu_memory_utilization sets its share)"),
     "vllm_structured_outputs_regex": ((None,), "not supported: completions are not constrained"),
     # their_keys.NOT_TAKEN's own, at the default a dump writes
-    "multi_objective_aggregation": (("sum_then_normalize",), ""),
     "eos_token": (("<EOS_TOKEN>",), ""),
     "pad_token": (("<PAD_TOKEN>",), ""),
 }

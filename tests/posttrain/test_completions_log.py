@@ -50,3 +50,19 @@ def test_a_resume_keeps_the_lines_up_to_its_checkpoint(tmp_path):
     assert rows[1]["prompt"] == [{"role": "user", "content": "q"}]
     CompletionsLog(str(tmp_path), 0, shown=0)                         # a new run starts the file empty
     assert open(tmp_path / FILE).read() == ""
+
+
+def test_a_gdpo_run_trains_the_decoupled_advantages_of_the_logged_rewards(tmp_path):
+    import torch
+    from megacompile.posttrain import decoupled_advantages
+    work = stage_files.workspace(tmp_path)
+    config = files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "run"), steps=1, log_completions=True, num_completions_to_print=0,
+        multi_objective_aggregation="normalize_then_sum"))
+    run(load(config, []))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / FILE)]
+    nan = float("nan")
+    per = torch.tensor([[nan if r["rewards"][f] is None else r["rewards"][f]
+                         for f in ("starts_like_prompt", "format_check")] for r in rows])
+    want = decoupled_advantages(per, [1.0, 0.5], 4)
+    assert [r["advantage"] for r in rows] == pytest.approx(want.tolist(), abs=1e-6)

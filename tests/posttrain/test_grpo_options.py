@@ -293,3 +293,34 @@ def test_the_entropy_bonus_subtracts_coef_times_the_counted_tokens_mean_entropy_
     torch.testing.assert_close(grad, expected, rtol=1e-7, atol=1e-10)
     unbonused, = torch.autograd.grad(plain(logits, labels, old, adv), logits)
     assert not torch.allclose(grad, unbonused)          # the bonus has a gradient of its own
+
+
+def test_gdpo_normalises_each_reward_function_in_its_group_then_the_weighted_sum_over_the_batch():
+    """TRL's multi_objective_aggregation normalize_then_sum, element by element: per function and
+    group, (r - mean) / (std + 1e-4) over the scored rewards; the weighted nansum; then over the
+    whole batch the same; a completion no function scored gets 0."""
+    from megacompile.posttrain import decoupled_advantages
+    per = [[1.0, 0.0], [0.0, NAN], [1.0, 1.0],           # group 0: function 2 scored twice
+           [0.2, 5.0], [0.4, 3.0], [NAN, NAN],           # group 1: the last unscored
+           [0.0, 2.0], [0.0, 2.0], [0.0, 4.0]]           # group 2: function 1 all alike
+    weights = [1.0, 0.5]
+    n, k = 3, 2
+    summed = []
+    for i, row in enumerate(per):
+        g = i // n * n
+        total, scored = 0.0, False
+        for j in range(k):
+            column = [per[m][j] for m in range(g, g + n) if not math.isnan(per[m][j])]
+            if math.isnan(row[j]) or len(column) < 2:
+                continue
+            scored = True
+            total += weights[j] * (row[j] - _mean(column)) / (_std(column) + 1e-4)
+        summed.append(total if scored or not all(math.isnan(x) for x in row) else NAN)
+    kept = [s for s in summed if not math.isnan(s)]
+    want = [0.0 if math.isnan(s) else (s - _mean(kept)) / (_std(kept) + 1e-4) for s in summed]
+    got = decoupled_advantages(torch.tensor(per), weights, n)
+    assert got.tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert got[5].item() == 0.0
+    # not the sum-then-normalise advantages of the same rewards
+    weighted = torch.nansum(torch.tensor(per) * torch.tensor(weights), dim=1)
+    assert not torch.allclose(got, group_advantages(weighted, n))

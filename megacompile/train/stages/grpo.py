@@ -37,8 +37,9 @@ import torch
 from ...errors import ArgumentError
 from ...errors import MegacompileError
 from ...posttrain import check_texts, render
-from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, grpo_loss, nanstd, rewards,
-                          rollout_batch, sampled_logps, sampling_correction, sampling_ratio, truncated)
+from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, decoupled_advantages,
+                          decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
+                          sampling_correction, sampling_ratio, truncated)
 from . import rollouts
 from .. import intervals
 from ..data import images, tools, turn_ends
@@ -57,18 +58,20 @@ COMPLETION_METRICS = ("completions/mean_length", "completions/min_length", "comp
                       "completions/min_terminated_length", "completions/max_terminated_length", "frac_reward_zero_std")
 
 
-def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, rewards: torch.Tensor, n: int) -> dict:
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, spread: torch.Tensor) -> dict:
     """What TRL logs of a rollout batch's completions: their lengths, the share cut at
     max_completion_length (clipped_ratio) and the lengths of the others (0 where none ended), and
-    the share of groups whose rewards do not differ (frac_reward_zero_std: no advantage to learn)."""
+    the share of completions whose rewards' spread is 0 (frac_reward_zero_std: no advantage to learn).
+    `spread` (N,): the standard deviation each completion's advantage is scaled by, as TRL takes it
+    (its group's; the batch's under scale_rewards batch and under GDPO, of the summed normalised
+    rewards)."""
     ended = lengths[~truncated]
-    std = nanstd(rewards.view(-1, n), dim=1)
     return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
             "completions/mean_terminated_length": ended.mean().item() if len(ended) else 0.0,
             "completions/min_terminated_length": ended.min().item() if len(ended) else 0.0,
             "completions/max_terminated_length": ended.max().item() if len(ended) else 0.0,
-            "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
+            "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()}
 
 
 class GRPOStage(Stage):
@@ -200,6 +203,14 @@ class GRPOStage(Stage):
         masked = truncated(completions, self.stops, self.tokenizer.pad_token_id)
         batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad, scale=c.scale_rewards,
                               masked=masked if c.mask_truncated_completions else None)
+        if c.multi_objective_aggregation == "normalize_then_sum":      # GDPO: each function normalised first
+            per_function = torch.stack([each[name] for name in self.names], dim=1)
+            batch["advantages"] = decoupled_advantages(per_function, c.reward_weights, n)
+            spread = nanstd(decoupled_rewards(per_function, c.reward_weights, n)).expand(len(completions))
+        elif c.scale_rewards == "batch":
+            spread = nanstd(rewards).expand(len(completions))
+        else:
+            spread = nanstd(rewards.view(-1, n), dim=1).repeat_interleave(n)
         rows = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": self._logps(engine, batch),
                 "advantages": batch["advantages"]}
         if self.reference is not None:
@@ -215,7 +226,7 @@ class GRPOStage(Stage):
         for name in self.names:
             metrics[f"rewards/{name}/mean"] = torch.nanmean(each[name]).item()
             metrics[f"rewards/{name}/std"] = nanstd(each[name]).item()
-        metrics.update(completion_metrics(lengths, torch.tensor(masked), rewards, n))
+        metrics.update(completion_metrics(lengths, torch.tensor(masked), spread))
         if self.correct:
             sampled = sampled_logps(completions, c.seq)
             if sampled is None:

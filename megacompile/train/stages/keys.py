@@ -22,7 +22,8 @@ refused under a stage it does not belong to, before anything is read or written.
            filters top_k (0: off), top_p (1.0), min_p (none) and repetition_penalty (1.0: off,
            posttrain/sampling_filters.py), epsilon (0.2),
            epsilon_high (epsilon), delta (none), reward_funcs, reward_weights (1 each),
-           scale_rewards (group), mask_truncated_completions (false), importance_sampling_level
+           scale_rewards (group), multi_objective_aggregation (sum_then_normalize | normalize_then_sum:
+           GDPO), mask_truncated_completions (false), importance_sampling_level
            (token), top_entropy_quantile (1.0), num_iterations (1), steps_per_generation
            (grad_accum) or generation_batch_size (batch x steps_per_generation),
            use_bias_correction_kl (true, TRL's: the KL term weighed by the importance weight), and
@@ -39,6 +40,7 @@ from ..methods import adapters
 from . import rollouts
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 REFUSED = ("ppo",)
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau", "simpo_gamma", "pref_ftx", "f_divergence_type", "f_alpha_divergence_coef",
@@ -48,7 +50,7 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "top_k", "top_p", "min_p", "repetition_penalty", "epsilon", "sapo_temperature_pos",
                  "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
-                 "entropy_coef", "log_completions", "num_completions_to_print", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
+                 "entropy_coef", "log_completions", "num_completions_to_print", "multi_objective_aggregation", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
                  "steps_per_generation", "generation_batch_size", "use_bias_correction_kl")
         + rollouts.KEYS}
@@ -65,7 +67,7 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                      "repetition_penalty": 1.0, "epsilon": 0.2, "epsilon_high": None, "sapo_temperature_pos": 1.0,
                      "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
                      "vespo_lambda_neg": 2.0, "entropy_coef": 0.0, "log_completions": False,
-                     "num_completions_to_print": None,
+                     "num_completions_to_print": None, "multi_objective_aggregation": "sum_then_normalize",
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
                      "mask_truncated_completions": False, "importance_sampling_level": "token",
                      "top_entropy_quantile": 1.0, "num_iterations": 1, "steps_per_generation": None,
@@ -79,7 +81,7 @@ IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
                     "generation_batch_size", "top_k", "top_p", "min_p", "repetition_penalty",
                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-                    "vespo_k_neg", "vespo_lambda_neg", "entropy_coef")}
+                    "vespo_k_neg", "vespo_lambda_neg", "entropy_coef", "multi_objective_aggregation")}
            | {"steps_per_generation": 1, "use_bias_correction_kl": False})
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
@@ -281,6 +283,11 @@ def _grpo(c, raw: dict, folder: str | None = None) -> None:
             setattr(c, key, _number(key, getattr(c, key)))
     sampling_filters.check(c.top_k, c.top_p, c.min_p, c.repetition_penalty)
     c.scale_rewards = advantages.scale_of(c.scale_rewards)
+    if c.multi_objective_aggregation not in AGGREGATIONS:
+        raise ArgumentError(f"multi_objective_aggregation must be sum_then_normalize (TRL's default: the weighted "
+                            f"rewards summed, then scaled as scale_rewards says) or normalize_then_sum (GDPO: each "
+                            f"function's rewards normalised in their group, then summed, then over the batch); got "
+                            f"{c.multi_objective_aggregation!r}")
     if not isinstance(c.use_bias_correction_kl, bool):
         raise ArgumentError(f"use_bias_correction_kl must be true or false (TRL's default true weighs the KL term "
                             f"by the importance weight); got {c.use_bias_correction_kl!r}")
