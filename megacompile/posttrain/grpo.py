@@ -37,7 +37,9 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
               entropy_mask: torch.Tensor | None = None, sampling_ratio: torch.Tensor | None = None,
               token_count: torch.Tensor | None = None, bias_correction_kl: bool = False,
               sapo_temperatures: tuple[float, float] = (1.0, 1.05),
-              vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)) -> tuple[torch.Tensor, dict]:
+              vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+              off_policy_threshold: float | None = None,
+              sampling_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The loss of (N, T) per-token log-probabilities of the completions under the policy being
     trained, those under the policy that sampled them (old_logps), (N,) advantages and the (N, T)
     mask of completion tokens; and metrics (clip fractions, mean KL) as detached tensors.
@@ -56,6 +58,11 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     log-ratios, times the sampler's correction, token by token) and phi(w) = e^lam w^k e^(-lam w),
     `vespo` = (k, lam) where A >= 0 then (k, lam) where A < 0 (TRL's vespo_k_pos, _lambda_pos,
     _k_neg, _lambda_neg); the sampler's correction is then inside phi, not a factor of the term.
+
+    `off_policy_threshold` (TRL's off_policy_mask_threshold, DeepSeek-V3.2's off-policy sequence
+    mask): a completion of negative advantage whose mean over its tokens of sampler's log-probability
+    less the policy's (a constant) exceeds it leaves the policy term; the sampler's are
+    `sampling_logps` (vLLM's, NaN where it gave none: 0 there) or else old_logps.
 
     Normalisation: grpo and sapo, each sequence's mean then the mean over sequences; bnpo, dapo,
     cispo and vespo, the sum over every token divided by the number of tokens; dr_grpo, the sum divided by
@@ -91,6 +98,11 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
         capped = ratio if delta is None else torch.clamp(ratio, max=delta)
         per_token = -torch.min(capped * a, clipped * a).expand_as(logps)
+    if off_policy_threshold is not None:
+        sampler = old_logps if sampling_logps is None else sampling_logps
+        drift = torch.nan_to_num(sampler - logps.detach(), nan=0.0) * mask
+        drift = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        per_token = per_token * ((a >= 0) | (drift <= off_policy_threshold)).to(logps.dtype)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.to(logps.dtype)
     if sampling_ratio is not None and loss_type != "vespo":
@@ -164,6 +176,7 @@ class GRPOLoss:
     # TRL's entropy bonus: the loss less entropy_coef x the mean entropy of the counted tokens (those
     # the entropy mask keeps), whatever the loss type's normalisation
     entropy_coef: float = 0.0
+    off_policy_mask_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if not (0 < self.epsilon < 1):
@@ -196,7 +209,7 @@ class GRPOLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
                  ref_logps: torch.Tensor | None = None, sampling_ratio: torch.Tensor | None = None,
-                 token_count: torch.Tensor | None = None) -> torch.Tensor:
+                 token_count: torch.Tensor | None = None, sampling_logps: torch.Tensor | None = None) -> torch.Tensor:
         if self.temperature != 1.0:
             logits = logits / self.temperature
         logps, mask = token_logprobs(logits, labels)
@@ -211,7 +224,7 @@ class GRPOLoss:
         loss, _ = grpo_loss(logps, old_logps, advantages, mask, ref_logps, self.epsilon, self.epsilon_high,
                             self.beta, self.loss_type, self.max_completion_length, self.importance_sampling_level,
                             self.delta, entropy, sampling_ratio, token_count, self.bias_correction_kl,
-                            self.sapo_temperatures, self.vespo)
+                            self.sapo_temperatures, self.vespo, self.off_policy_mask_threshold, sampling_logps)
         return loss - bonus
 
 
@@ -219,7 +232,8 @@ class GRPOObjective(nn.Module):
     """The policy with the GRPO loss on top, for compile(). One module, three uses, told apart by
     the inputs given (each set of inputs is captured and planned once):
 
-    - forward(input_ids, labels, old_logps, advantages[, ref_logps, sampling_ratio, token_count]) ->
+    - forward(input_ids, labels, old_logps, advantages[, ref_logps, sampling_ratio, token_count,
+      sampling_logps]) ->
       the loss (a training step); labels IGNORE outside the completions;
     - forward(input_ids, labels) -> (N, T) per-token log-probabilities at the loss's temperature
       (forward only: the old policy's or the reference's);
@@ -232,10 +246,10 @@ class GRPOObjective(nn.Module):
         self.policy, self.loss = policy, loss
 
     def forward(self, input_ids, labels=None, old_logps=None, advantages=None, ref_logps=None, last=None,
-                sampling_ratio=None, token_count=None):
+                sampling_ratio=None, token_count=None, sampling_logps=None):
         logits = logits_of(self.policy(input_ids))
         if last is not None:
             return logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1).float()
         if advantages is None:
             return self.loss.logprobs(logits, labels)[0]
-        return self.loss(logits, labels, old_logps, advantages, ref_logps, sampling_ratio, token_count)
+        return self.loss(logits, labels, old_logps, advantages, ref_logps, sampling_ratio, token_count, sampling_logps)

@@ -170,6 +170,7 @@ class RunConfig:
     generation_batch_size: int | None = None
     scale_rewards: Any = None
     multi_objective_aggregation: str | None = None
+    off_policy_mask_threshold: float | None = None
     mask_truncated_completions: bool | None = None
     use_bias_correction_kl: bool | None = None
     importance_sampling_level: str | None = None

@@ -60,7 +60,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     # GRPO (TRL 1.16): what stage grpo does not do
     "use_adaptive_entropy": ((False,), "not supported: the entropy bonus's coefficient is entropy_coef, fixed "
                                        "through the run"),
-    "off_policy_mask_threshold": ((None,), "not supported: every completion of the rollout batch is trained"),
     "cast_lm_head_to_fp32": ((False,), "not supported: the lm head runs in compute_dtype, its log-probabilities "
                                        "are taken in fp32"),
     "max_tool_calling_iterations": ((None,), "not supported: completions make no tool calls"),

@@ -324,3 +324,29 @@ def test_gdpo_normalises_each_reward_function_in_its_group_then_the_weighted_sum
     # not the sum-then-normalise advantages of the same rewards
     weighted = torch.nansum(torch.tensor(per) * torch.tensor(weights), dim=1)
     assert not torch.allclose(got, group_advantages(weighted, n))
+
+
+@pytest.mark.parametrize("sampler", ["old", "vllm"])
+def test_the_off_policy_mask_drops_the_drifted_completions_of_negative_advantage(sampler):
+    """TRL's off_policy_mask_threshold (DeepSeek-V3.2): a completion with A < 0 whose mean over its
+    tokens of sampler log-probability - policy log-probability exceeds the threshold leaves the policy
+    term (the KL term stays); the sampler's are vLLM's where given (NaN: no evidence), else old_logps."""
+    logps, old, ref, adv, mask = _case()
+    sampled = old + 0.3 * torch.randn(6, 5, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    sampled[2, 1] = NAN
+    given = sampled if sampler == "vllm" else None
+    source = sampled if sampler == "vllm" else old
+    drift = []
+    for i in range(6):
+        counted = [j for j in range(5) if mask[i, j]]
+        terms = [0.0 if math.isnan(source[i, j].item()) else source[i, j].item() - logps[i, j].item() for j in counted]
+        drift.append(sum(terms) / len(counted))
+    threshold = sorted(drift)[2] + 1e-9          # about half the completions drift beyond it
+    keep = [[1.0 if adv[i] >= 0 or drift[i] <= threshold else 0.0] * 5 for i in range(6)]
+    assert 0 < sum(k[0] for k in keep) < 6
+    loss, _ = grpo_loss(logps, old, adv, mask, ref, 0.2, 0.28, 0.04, "grpo", 8, "token", None,
+                        off_policy_threshold=threshold, sampling_logps=given)
+    want = _reference(logps.tolist(), old.tolist(), adv.tolist(), mask.long().tolist(), ref.tolist(), 0.2, 0.28,
+                      0.04, "grpo", 8, "token", None, keep)
+    assert loss.item() == pytest.approx(want, rel=1e-6, abs=1e-12)
+    assert loss.item() != pytest.approx(grpo_loss(logps, old, adv, mask, ref, 0.2, 0.28, 0.04, "grpo", 8)[0].item())

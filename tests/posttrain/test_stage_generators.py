@@ -141,7 +141,7 @@ def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rol
     config = files.run_yaml(str(tmp_path / "run.yaml"),
                             **stage_files.grpo(work, str(tmp_path / "run"), steps=2, use_vllm=True,
                                                seed=7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                                               vllm_model_impl="transformers"))
+                                               vllm_model_impl="transformers", off_policy_mask_threshold=0.5))
     run(load(config, []))
     llm, = made
     # the sampler's correction, TRL's default (sequence_mask, cap 3): vLLM's log-probabilities of
@@ -151,6 +151,8 @@ def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rol
         old, sampled, mask, mode, clip_max, clip_min = args
         assert (mode, clip_max, clip_min) == ("sequence_mask", 3.0, None) and torch.equal(kw["sampling_ratio"], weights)
         assert torch.equal(old, kw["old_logps"]) and torch.equal(mask, kw["labels"] != -100)
+        # the off-policy mask measures the drift from vLLM's own log-probabilities: a step input
+        torch.testing.assert_close(kw["sampling_logps"], sampled, equal_nan=True)
         given = sampled[mask]       # NaN: the stop token vLLM left out of its reply (weighs 1)
         assert set(given[~given.isnan()].tolist()) == {fake_vllm.LOGPROB, fake_vllm.LOGPROB - 1}
     for row, (_, (_, metrics)) in zip(log.read(str(tmp_path / "run" / "log.csv")), ratios):

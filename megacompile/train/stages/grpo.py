@@ -109,7 +109,10 @@ class GRPOStage(Stage):
         self.loss = GRPOLoss(c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length, c.temperature,
                              c.importance_sampling_level, c.delta, c.top_entropy_quantile, c.use_bias_correction_kl,
                              (c.sapo_temperature_pos, c.sapo_temperature_neg),
-                             (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg), c.entropy_coef)
+                             (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg), c.entropy_coef,
+                             c.off_policy_mask_threshold)
+        # the off-policy mask measures the drift from vLLM's log-probabilities where they are kept
+        self.sampler_logps = self.correct and c.off_policy_mask_threshold is not None
         # the clip fraction the loss type has: PPO's clipped surrogate's, CISPO's capped weights', none (SAPO)
         self.clip = {"cispo": ("cispo_clip_ratio",), "sapo": (), "vespo": ("vespo/phi_seq_mean",)}.get(
             c.loss_type, ("clip_ratio",))
@@ -180,6 +183,8 @@ class GRPOStage(Stage):
             inputs["ref_logps"] = torch.zeros(batch, self.c.seq)
         if self.correct:
             inputs["sampling_ratio"] = torch.ones(batch, self.c.seq)
+        if self.sampler_logps:
+            inputs["sampling_logps"] = torch.zeros(batch, self.c.seq)
         if self.token_count:
             inputs["token_count"] = torch.ones(())
         return inputs
@@ -239,6 +244,8 @@ class GRPOStage(Stage):
                                                               c.vllm_importance_sampling_clip_max,
                                                               c.vllm_importance_sampling_clip_min)
             metrics.update(measured)
+            if self.sampler_logps:
+                rows["sampling_logps"] = sampled
         if c.steps_per_generation > 1:      # TRL shuffles the generation batch before cutting it
             order = torch.randperm(self.rows, generator=torch.Generator().manual_seed(c.seed + engine.steps_done))
             rows = {k: v[order] for k, v in rows.items()}

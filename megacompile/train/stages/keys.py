@@ -16,7 +16,8 @@ refused under a stage it does not belong to, before anything is read or written.
            least 2 for kto (its KL rows)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo | cispo | sapo | luspo | vespo),
            sapo_temperature_pos (1.0) and _neg (1.05), vespo_k_pos (2.0), _lambda_pos (3.0), _k_neg
-           (3.0), _lambda_neg (2.0), entropy_coef (0: TRL's entropy bonus off), log_completions (false)
+           (3.0), _lambda_neg (2.0), entropy_coef (0: TRL's entropy bonus off), off_policy_mask_threshold
+           (none: DeepSeek-V3.2's off-policy sequence mask off), log_completions (false)
            and num_completions_to_print (all: completions_log.py), num_generations (8),
            max_prompt_length (512), max_completion_length (256), temperature (1.0), the sampling
            filters top_k (0: off), top_p (1.0), min_p (none) and repetition_penalty (1.0: off,
@@ -50,7 +51,8 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
         "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
                  "top_k", "top_p", "min_p", "repetition_penalty", "epsilon", "sapo_temperature_pos",
                  "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
-                 "entropy_coef", "log_completions", "num_completions_to_print", "multi_objective_aggregation", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
+                 "entropy_coef", "log_completions", "num_completions_to_print", "multi_objective_aggregation",
+                 "off_policy_mask_threshold", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
                  "steps_per_generation", "generation_batch_size", "use_bias_correction_kl")
         + rollouts.KEYS}
@@ -68,6 +70,7 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                      "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
                      "vespo_lambda_neg": 2.0, "entropy_coef": 0.0, "log_completions": False,
                      "num_completions_to_print": None, "multi_objective_aggregation": "sum_then_normalize",
+                     "off_policy_mask_threshold": None,
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
                      "mask_truncated_completions": False, "importance_sampling_level": "token",
                      "top_entropy_quantile": 1.0, "num_iterations": 1, "steps_per_generation": None,
@@ -81,7 +84,8 @@ IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile",
                     "generation_batch_size", "top_k", "top_p", "min_p", "repetition_penalty",
                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-                    "vespo_k_neg", "vespo_lambda_neg", "entropy_coef", "multi_objective_aggregation")}
+                    "vespo_k_neg", "vespo_lambda_neg", "entropy_coef", "multi_objective_aggregation",
+                    "off_policy_mask_threshold")}
            | {"steps_per_generation": 1, "use_bias_correction_kl": False})
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
@@ -283,6 +287,8 @@ def _grpo(c, raw: dict, folder: str | None = None) -> None:
             setattr(c, key, _number(key, getattr(c, key)))
     sampling_filters.check(c.top_k, c.top_p, c.min_p, c.repetition_penalty)
     c.scale_rewards = advantages.scale_of(c.scale_rewards)
+    if c.off_policy_mask_threshold is not None:
+        c.off_policy_mask_threshold = _number("off_policy_mask_threshold", c.off_policy_mask_threshold)
     if c.multi_objective_aggregation not in AGGREGATIONS:
         raise ArgumentError(f"multi_objective_aggregation must be sum_then_normalize (TRL's default: the weighted "
                             f"rewards summed, then scaled as scale_rewards says) or normalize_then_sum (GDPO: each "
