@@ -48,7 +48,8 @@ from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
 from .completions_log import CompletionsLog
-from .keys import check_resume, check_row_length, rollout_steps, saved_keys
+from .grpo_keys import rollout_steps
+from .keys import check_resume, check_row_length, saved_keys
 from .order import stream_items
 from .stage import Stage
 

@@ -32,16 +32,14 @@ refused under a stage it does not belong to, before anything is read or written.
 """
 from __future__ import annotations
 
-import math
-from typing import Any
 
 from ...errors import ArgumentError
-from ...posttrain import DPOLoss, advantages, dpo_losses, grpo, kto, sampling_filters
+from ...posttrain import DPOLoss, dpo_losses, kto
 from ..methods import adapters
-from . import rollouts
+from . import grpo_keys, rollouts
+from .checks import note, number, positive
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 REFUSED = ("ppo",)
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau", "simpo_gamma", "pref_ftx", "f_divergence_type", "f_alpha_divergence_coef",
@@ -149,7 +147,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
     if c.stage == "rm":
         _rm(c)
     else:
-        _dpo(c) if c.stage == "dpo" else _kto(c) if c.stage == "kto" else _grpo(c, raw, folder)
+        _dpo(c) if c.stage == "dpo" else _kto(c) if c.stage == "kto" else grpo_keys.check(c, raw, folder)
 
 
 def _sft_loss(c) -> None:
@@ -170,7 +168,7 @@ def _records(stage: str) -> str:
 
 
 def _rm(c) -> None:
-    c.center_rewards_coefficient = _number("center_rewards_coefficient", c.center_rewards_coefficient)
+    c.center_rewards_coefficient = number("center_rewards_coefficient", c.center_rewards_coefficient)
     if c.center_rewards_coefficient < 0:
         raise ArgumentError(f"center_rewards_coefficient weighs (r+ + r-)^2, pulling the rewards toward 0; it is >= 0 "
                             f"(TRL suggests 0.01); got {c.center_rewards_coefficient!r}")
@@ -181,21 +179,21 @@ def _rm(c) -> None:
 
 def _pref_ftx(c) -> None:
     if c.pref_ftx is not None:
-        c.pref_ftx = _number("pref_ftx", c.pref_ftx)
+        c.pref_ftx = number("pref_ftx", c.pref_ftx)
         if c.pref_ftx < 0:
             raise ArgumentError(f"pref_ftx must be >= 0 (the weight of the chosen completions' NLL, LlamaFactory's; "
                                 f"0 leaves it out); got {c.pref_ftx!r}")
 
 
 def _kto(c) -> None:
-    c.beta = _positive("beta", c.beta)
+    c.beta = positive("beta", c.beta)
     _pref_ftx(c)
     if not isinstance(c.precompute_ref_log_probs, bool):
         raise ArgumentError(f"precompute_ref_log_probs must be true or false; got {c.precompute_ref_log_probs!r}")
     if c.loss_type not in kto.LOSS_TYPES:
         raise ArgumentError(f"stage kto: loss_type must be one of {', '.join(kto.LOSS_TYPES)}; got {c.loss_type!r}")
-    c.desirable_weight = _positive("desirable_weight", c.desirable_weight)
-    c.undesirable_weight = _positive("undesirable_weight", c.undesirable_weight)
+    c.desirable_weight = positive("desirable_weight", c.desirable_weight)
+    c.undesirable_weight = positive("undesirable_weight", c.undesirable_weight)
     if c.loss_type == "kto" and c.batch < 2:
         # the KL estimate pairs each prompt with another example's completion of the same micro-batch
         raise ArgumentError("stage kto: batch (per_device_train_batch_size) must be at least 2: KTO's KL estimate "
@@ -205,10 +203,10 @@ def _kto(c) -> None:
 
 
 def _dpo(c) -> None:
-    c.beta = _positive("beta", c.beta)
+    c.beta = positive("beta", c.beta)
     kinds = dpo_losses.loss_types(c.loss_type)
     c.loss_type = kinds[0] if len(kinds) == 1 else list(kinds)
-    c.label_smoothing = _number("label_smoothing", c.label_smoothing)
+    c.label_smoothing = number("label_smoothing", c.label_smoothing)
     if "exo_pair" in kinds:
         if not 0.0 < c.label_smoothing < 1.0:
             raise ArgumentError(f"label_smoothing is exo_pair's epsilon and must be in (0, 1) (EXO recommends 1e-3); "
@@ -216,15 +214,15 @@ def _dpo(c) -> None:
     elif not 0.0 <= c.label_smoothing < 0.5:
         raise ArgumentError(f"label_smoothing must be in [0, 0.5) (0: plain DPO); got {c.label_smoothing!r}")
     if c.label_smoothing and not any(k in dpo_losses.READS_LABEL_SMOOTHING for k in kinds):
-        _note(f"label_smoothing {c.label_smoothing:g} is not read by loss_type {', '.join(kinds)}: as in TRL, only "
+        note(f"label_smoothing {c.label_smoothing:g} is not read by loss_type {', '.join(kinds)}: as in TRL, only "
               f"{', '.join(dpo_losses.READS_LABEL_SMOOTHING)} read it")
     if c.loss_weights is not None:
         if not isinstance(c.loss_weights, list) or len(c.loss_weights) != len(kinds):
             raise ArgumentError(f"loss_weights is a list of one number per loss type ({len(kinds)}: "
                                 f"{', '.join(kinds)}); got {c.loss_weights!r}")
-        c.loss_weights = [_number("loss_weights", w) for w in c.loss_weights]
+        c.loss_weights = [number("loss_weights", w) for w in c.loss_weights]
     if c.rpo_alpha is not None:
-        c.rpo_alpha = _number("rpo_alpha", c.rpo_alpha)
+        c.rpo_alpha = number("rpo_alpha", c.rpo_alpha)
         if c.rpo_alpha < 0:
             raise ArgumentError(f"rpo_alpha must be >= 0 (the weight of the chosen completions' NLL, RPO uses 1.0); "
                                 f"got {c.rpo_alpha!r}")
@@ -232,8 +230,8 @@ def _dpo(c) -> None:
             raise ArgumentError("rpo_alpha adds loss_type sft with that weight, and loss_type already holds sft: "
                                 "give its weight in loss_weights and leave rpo_alpha out")
     _pref_ftx(c)
-    c.discopop_tau = _positive("discopop_tau", c.discopop_tau)
-    c.f_alpha_divergence_coef = _number("f_alpha_divergence_coef", c.f_alpha_divergence_coef)
+    c.discopop_tau = positive("discopop_tau", c.discopop_tau)
+    c.f_alpha_divergence_coef = number("f_alpha_divergence_coef", c.f_alpha_divergence_coef)
     dpo_losses.check_f_divergence(dpo_loss_terms(c)[0], c.f_divergence_type, c.f_alpha_divergence_coef)
     if not isinstance(c.use_weighting, bool):
         raise ArgumentError(f"use_weighting must be true or false; got {c.use_weighting!r}")
@@ -241,11 +239,11 @@ def _dpo(c) -> None:
         raise ArgumentError("use_weighting (WPO) weighs each pair, and loss types aot and aot_unpaired sort the "
                             "pairs, which would misalign the weights (as TRL refuses them)")
     if c.ld_alpha is not None:
-        c.ld_alpha = _number("ld_alpha", c.ld_alpha)
+        c.ld_alpha = number("ld_alpha", c.ld_alpha)
         kinds_, _ = dpo_loss_terms(c)
         # the loss's own checks of ld_alpha (its range, the plain-NLL terms it cannot reweigh)
         DPOLoss(c.beta, c.label_smoothing, kinds_, None, ftx=c.pref_ftx or 0.0, ld_alpha=c.ld_alpha)
-    c.simpo_gamma = _number("simpo_gamma", c.simpo_gamma)
+    c.simpo_gamma = number("simpo_gamma", c.simpo_gamma)
     if c.simpo_gamma < 0:
         raise ArgumentError(f"simpo_gamma is SimPO's target reward margin, >= 0 (0.5 by default); got {c.simpo_gamma!r}")
     if not isinstance(c.precompute_ref_log_probs, bool):
@@ -261,171 +259,6 @@ def dpo_loss_terms(c) -> tuple[tuple[str, ...], list[float] | None]:
         weights = (weights or [1.0] * len(kinds)) + [c.rpo_alpha]
         kinds = kinds + ("sft",)
     return kinds, weights
-
-
-def _note(text: str) -> None:
-    print(f"  note           {text}", flush=True)
-
-
-def _grpo(c, raw: dict, folder: str | None = None) -> None:
-    c.beta = _number("beta", c.beta)
-    if c.beta < 0:
-        raise ArgumentError(f"beta must be >= 0 (0 turns the KL term off, as TRL's default); got {c.beta!r}")
-    _loss_type(c, grpo.LOSS_TYPES)
-    for key, least in (("num_generations", 2), ("max_prompt_length", 1), ("max_completion_length", 1),
-                       ("num_iterations", 1)):
-        value = getattr(c, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ArgumentError(f"{key} must be a whole number >= {least}; got {value!r}"
-                                + ("; a group of one completion has no advantage" if key == "num_generations" else ""))
-    c.temperature = _number("temperature", c.temperature)
-    if c.temperature <= 0:
-        raise ArgumentError(f"temperature must be > 0 (1.0: the policy's own distribution): it divides the logits of "
-                            f"the sampler and of the training log-probabilities, as in TRL; got {c.temperature!r}")
-    for key in ("top_p", "min_p", "repetition_penalty"):
-        if isinstance(getattr(c, key), str):
-            setattr(c, key, _number(key, getattr(c, key)))
-    sampling_filters.check(c.top_k, c.top_p, c.min_p, c.repetition_penalty)
-    c.scale_rewards = advantages.scale_of(c.scale_rewards)
-    if c.off_policy_mask_threshold is not None:
-        c.off_policy_mask_threshold = _number("off_policy_mask_threshold", c.off_policy_mask_threshold)
-    if c.multi_objective_aggregation not in AGGREGATIONS:
-        raise ArgumentError(f"multi_objective_aggregation must be sum_then_normalize (TRL's default: the weighted "
-                            f"rewards summed, then scaled as scale_rewards says) or normalize_then_sum (GDPO: each "
-                            f"function's rewards normalised in their group, then summed, then over the batch); got "
-                            f"{c.multi_objective_aggregation!r}")
-    if not isinstance(c.use_bias_correction_kl, bool):
-        raise ArgumentError(f"use_bias_correction_kl must be true or false (TRL's default true weighs the KL term "
-                            f"by the importance weight); got {c.use_bias_correction_kl!r}")
-    if not isinstance(c.mask_truncated_completions, bool):
-        raise ArgumentError(f"mask_truncated_completions must be true or false; got {c.mask_truncated_completions!r}")
-    if c.importance_sampling_level not in grpo.LEVELS:
-        raise ArgumentError(f"importance_sampling_level must be one of {', '.join(grpo.LEVELS)} (sequence: GSPO); "
-                            f"got {c.importance_sampling_level!r}")
-    if c.delta is not None:
-        c.delta = _number("delta", c.delta)
-        if c.delta <= 1:
-            raise ArgumentError(f"delta caps the importance weight from above (two-sided clipping) and must be > 1, "
-                                f"above 1 + epsilon_high (INTELLECT-2 uses 4); got {c.delta!r}")
-    c.top_entropy_quantile = _number("top_entropy_quantile", c.top_entropy_quantile)
-    if not 0.0 <= c.top_entropy_quantile <= 1.0:
-        raise ArgumentError(f"top_entropy_quantile must be in [0, 1] (1: every token; the paper uses 0.2); got "
-                            f"{c.top_entropy_quantile!r}")
-    if not isinstance(c.log_completions, bool):
-        raise ArgumentError(f"log_completions must be true or false; got {c.log_completions!r}")
-    shown = c.num_completions_to_print
-    if shown is not None and (isinstance(shown, bool) or not isinstance(shown, int) or shown < 0):
-        raise ArgumentError(f"num_completions_to_print is how many of each rollout's completions to print, a whole "
-                            f"number >= 0 (all when left out); got {shown!r}")
-    c.sapo_temperature_pos = _positive("sapo_temperature_pos", c.sapo_temperature_pos)
-    c.sapo_temperature_neg = _positive("sapo_temperature_neg", c.sapo_temperature_neg)
-    for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef"):
-        setattr(c, key, _number(key, getattr(c, key)))
-    c.epsilon = _number("epsilon", c.epsilon)
-    if not 0 < c.epsilon < 1:
-        raise ArgumentError(f"epsilon must be in (0, 1), e.g. 0.2; got {c.epsilon!r}")
-    if c.epsilon_high is not None and _number("epsilon_high", c.epsilon_high) <= 0:
-        raise ArgumentError(f"epsilon_high must be positive (DAPO uses 0.28); got {c.epsilon_high!r}")
-    if c.loss_type == "cispo" and c.epsilon_high is None:
-        _note(f"loss_type cispo caps each token's weight at epsilon_high itself, here epsilon's {c.epsilon:g} as in "
-              "TRL; ScaleRL uses 5.0 (epsilon_high: 5.0)")
-    funcs = [c.reward_funcs] if isinstance(c.reward_funcs, str) else c.reward_funcs
-    if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) and f for f in funcs):
-        raise ArgumentError(f"reward_funcs is a list of reward functions, each module:function (or TRL's "
-                            f"module.function), a built-in (exact_answer, format_check) or a reward model's folder; "
-                            f"got {c.reward_funcs!r}")
-    from ...posttrain import rewards
-    # importable now, and taking TRL's keywords: refused before the model is read (the data's
-    # columns are checked against them once read, before the run folder is written: grpo.py)
-    rewards.check_callable([rewards.load(name, near=folder) for name in funcs])
-    # a reward model's folder, as found (beside the run.yaml, say): the stage reads it from there
-    c.reward_funcs = [rewards.model_folder(name, folder) or name for name in funcs]
-    if c.reward_weights is not None:
-        weights = c.reward_weights
-        if not isinstance(weights, list) or len(weights) != len(funcs):
-            raise ArgumentError(f"reward_weights is a list of one number per reward function ({len(funcs)}); got "
-                                f"{weights!r}")
-        c.reward_weights = [_number("reward_weights", w) for w in weights]
-    _generation_batch(c)
-    per_rollout = rollout_steps(c)
-    for key in ("steps", "save_every"):
-        value = getattr(c, key)
-        if isinstance(value, float):        # a fraction of steps that epochs leave unknown until the data is read
-            raise ArgumentError(f"{key} {value} is a fraction of the steps, which epochs give once the prompts are "
-                                f"read, and a checkpoint must fall between rollout batches of {per_rollout} optimizer "
-                                f"steps: give {key} in steps, a multiple of {per_rollout}, or epoch")
-        if isinstance(value, int) and value % per_rollout:
-            raise ArgumentError(f"{key} {value} must be a multiple of {per_rollout}, the optimizer steps of a rollout "
-                                f"batch (steps_per_generation {c.steps_per_generation} / grad_accum {c.grad_accum} x "
-                                f"num_iterations {c.num_iterations}): a checkpoint falls between rollout batches")
-    c.seq = c.max_prompt_length + c.max_completion_length
-    rollouts.check(c, raw)
-
-
-def _generation_batch(c) -> None:
-    """TRL's generation batch: batch x steps_per_generation completions sampled at once, then cut
-    into steps_per_generation micro-batches of `batch` rows; grad_accum of them make an optimizer
-    step. steps_per_generation defaults to grad_accum (one optimizer step per rollout batch);
-    generation_batch_size is the other way to give it. After this, generation_batch_size is None."""
-    for key in ("steps_per_generation", "generation_batch_size"):
-        value = getattr(c, key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ArgumentError(f"{key} must be a whole number >= 1; got {value!r}")
-    if c.steps_per_generation is not None and c.generation_batch_size is not None:
-        # TRL's config dump writes both, the one it derived from the other
-        if c.generation_batch_size != c.batch * c.steps_per_generation:
-            raise ArgumentError(f"steps_per_generation {c.steps_per_generation} and generation_batch_size "
-                                f"{c.generation_batch_size} disagree (generation_batch_size = batch {c.batch} x "
-                                "steps_per_generation): give one")
-        c.generation_batch_size = None
-    if c.generation_batch_size is not None:
-        if c.generation_batch_size % c.batch:
-            raise ArgumentError(f"generation_batch_size {c.generation_batch_size} must be a multiple of batch "
-                                f"{c.batch} (TRL's per_device_train_batch_size): it is cut into micro-batches of "
-                                "batch rows")
-        c.steps_per_generation = c.generation_batch_size // c.batch
-    elif c.steps_per_generation is None:
-        c.steps_per_generation = c.grad_accum           # TRL's default
-    c.generation_batch_size = None
-    if c.steps_per_generation % c.grad_accum:
-        raise ArgumentError(f"steps_per_generation {c.steps_per_generation} must be a multiple of grad_accum "
-                            f"{c.grad_accum}: here each rollout batch trains whole optimizer steps (a new rollout "
-                            f"inside an optimizer step is not supported); give steps_per_generation "
-                            f"{c.grad_accum * -(-c.steps_per_generation // c.grad_accum)}")
-    rows = c.batch * c.steps_per_generation
-    if rows % c.num_generations:
-        raise ArgumentError(f"the rollout batch, batch {c.batch} x steps_per_generation {c.steps_per_generation} = "
-                            f"{rows} completions (TRL's generation_batch_size), must be a multiple of num_generations "
-                            f"{c.num_generations}: it holds whole groups of completions of a prompt")
-
-
-def rollout_steps(c) -> int:
-    """The optimizer steps one rollout batch trains: its micro-batches make steps_per_generation /
-    grad_accum steps, num_iterations times."""
-    return c.steps_per_generation // c.grad_accum * c.num_iterations
-
-
-def _loss_type(c, allowed: tuple) -> None:
-    if c.loss_type not in allowed:
-        raise ArgumentError(f"loss_type for stage {c.stage} must be one of {', '.join(allowed)}; got {c.loss_type!r}")
-
-
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value)        # YAML reads 1e-3 (no dot) as a string
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ArgumentError(f"{key} must be a number; got {value!r}")
-    return float(value)
-
-
-def _positive(key: str, value: Any) -> float:
-    number = _number(key, value)
-    if number <= 0:
-        raise ArgumentError(f"{key} must be a positive number, e.g. 0.1; got {value!r}")
-    return number
 
 
 # what a resumed run may change: where vLLM is reached, and what is written of the rollouts
