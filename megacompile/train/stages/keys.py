@@ -28,7 +28,7 @@ refused under a stage it does not belong to, before anything is read or written.
            (token), top_entropy_quantile (1.0), num_iterations (1), steps_per_generation
            (grad_accum) or generation_batch_size (batch x steps_per_generation),
            use_bias_correction_kl (true, TRL's: the KL term weighed by the importance weight), and
-           the generator's keys (rollouts.py)
+           the generator's keys (rollouts.py); checked in grpo_keys.py
 """
 from __future__ import annotations
 
