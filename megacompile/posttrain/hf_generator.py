@@ -36,13 +36,16 @@ class _Draw:
 
     def __init__(self, temperature: float, rng: torch.Generator, filters: Filters, starts: list[int]):
         self.temperature, self.rng, self.filters, self.starts = temperature, rng, filters, starts
+        self.seen = None        # [rows, V]: the tokens each row holds, kept up to date call by call
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        seen = None
         if self.filters.repetition_penalty != 1.0:
-            rows = [ids[start:] for ids, start in zip(input_ids.tolist(), self.starts)]
-            seen = seen_tokens(rows, scores.shape[-1], scores.device)
-        token = self.filters.draw(scores.float(), seen, self.temperature, self.rng)
+            if self.seen is None:
+                rows = [ids[start:] for ids, start in zip(input_ids.tolist(), self.starts)]
+                self.seen = seen_tokens(rows, scores.shape[-1], scores.device)
+            else:                           # the token drawn last call is the row's newest
+                self.seen[torch.arange(len(input_ids), device=scores.device), input_ids[:, -1]] = True
+        token = self.filters.draw(scores.float(), self.seen, self.temperature, self.rng)
         return torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)
 
 
