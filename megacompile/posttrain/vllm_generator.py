@@ -75,11 +75,17 @@ class SeededCalls:
 
 class VLLMGenerator(SeededCalls):
     def __init__(self, engine, llm=None, *, model: str | None = None, eos_id: int | tuple[int, ...] | None = None, seed: int = 0,
-                 filters: Filters = Filters(), **llm_args):
+                 filters: Filters = Filters(), sleep: bool = False, **llm_args):
         """`llm`: a colocated vllm.LLM already made; else one is made from `model` (a Hugging Face
         folder of the policy's architecture, by default the one the engine was loaded from) in bf16,
         with `llm_args` (gpu_memory_utilization=..., max_model_len=...). Its weights are replaced by
-        the engine's at once."""
+        the engine's at once.
+
+        `sleep` (TRL's vllm_enable_sleep_mode; an LLM made here is made with enable_sleep_mode): between
+        rollouts vLLM sleeps at level 2, its weights and key-value cache released from the device while
+        the engine trains. `sync()` wakes the weights and loads the masters, `generate()` wakes the
+        cache, samples and puts both to sleep again, loading the masters first if they went with the
+        last sleep and no sync came since, as TRL does."""
         self.vllm = _vllm()
         _, self.prefix = policy_of(engine)
         if llm_args.pop("tensor_parallel_size", 1) != 1:
@@ -95,14 +101,24 @@ class VLLMGenerator(SeededCalls):
             # (vLLM's default, raw_logprobs, is before it): the sampling correction compares them
             # with the policy's at the temperature
             llm_args.setdefault("logprobs_mode", "processed_logprobs")
+            if sleep:
+                llm_args["enable_sleep_mode"] = True
             llm = self.vllm.LLM(model=model, dtype="bfloat16", seed=seed, tensor_parallel_size=1, **llm_args)
         self.engine, self.llm, self.eos_id, self.seed, self.calls = engine, llm, eos_id, seed, 0
-        self.filters = filters
+        self.filters, self.sleep, self.weights_asleep = filters, sleep, False
         self.model = vllm_model(llm)
+        if sleep:
+            self.llm.sleep(level=2)
+            self.weights_asleep = True
         self.sync()
 
     def sync(self) -> None:
         """Hand the engine's current masters to vLLM, each cast to bf16 when vLLM reads it."""
+        if self.weights_asleep:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()        # what the engine's allocator holds back, for vLLM to map again
+            self.llm.wake_up(tags=["weights"])
+            self.weights_asleep = False
         self.model.load_weights(policy_weights(self.engine, self.prefix, torch.bfloat16))
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if reset is not None:
@@ -112,7 +128,16 @@ class VLLMGenerator(SeededCalls):
         check_request(prompts, n, max_new_tokens, temperature)
         settings = sampling(n, max_new_tokens, temperature, self.next_seed(temperature), self.eos_id, self.filters)
         params = self.vllm.SamplingParams(**settings)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        if self.weights_asleep:
+            self.sync()                 # the masters went with the last sleep, and no step has changed them
+        if self.sleep:
+            self.llm.wake_up(tags=["kv_cache"])
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        finally:
+            if self.sleep:
+                self.llm.sleep(level=2)
+                self.weights_asleep = True
         completions = []
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
             if len(out.outputs) != n:

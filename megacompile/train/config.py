@@ -186,6 +186,7 @@ class RunConfig:
     vllm_server_timeout: float | None = None
     vllm_max_model_length: int | None = None
     vllm_model_impl: str | None = None
+    vllm_enable_sleep_mode: bool | None = None
     vllm_gpu_memory_utilization: float | None = None
     vllm_importance_sampling_correction: bool | None = None
     vllm_importance_sampling_mode: str | None = None

@@ -68,8 +68,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
                                    "repetition_penalty"),
     "vllm_tensor_parallel_size": ((1,), "vllm_mode colocate runs vLLM on this process's GPU; a policy split over "
                                         "GPUs: vllm_mode server (vllm serve --tensor-parallel-size)"),
-    "vllm_enable_sleep_mode": ((False,), "not supported: a colocated vLLM keeps its memory between rollouts "
-                                         "(vllm_gpu_memory_utilization sets its share)"),
     "vllm_structured_outputs_regex": ((None,), "not supported: completions are not constrained"),
     # their_keys.NOT_TAKEN's own, at the default a dump writes
     "eos_token": (("<EOS_TOKEN>",), ""),

@@ -22,7 +22,7 @@ class Model:
 
     def __init__(self):
         self.loads, self.kept, self.check = [], {}, None
-        self.keep = True
+        self.keep, self.events = True, None
 
     def load_weights(self, weights):
         seen = []
@@ -33,6 +33,8 @@ class Model:
             if self.keep:
                 self.kept[name] = w.clone()
         self.loads.append(seen)
+        if self.events is not None:
+            self.events.append("load")
         return {name for name, _, _ in seen}
 
 
@@ -42,6 +44,8 @@ class LLM:
         (the engine core in another process: no model_runner here)."""
         self.args = dict(model=model, **kwargs)
         self.model, self.requests, self.resets = Model(), [], 0
+        self.events: list[str] = []         # sleep and wake calls, loads and generations, in order
+        self.model.events = self.events
         worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.model))
         driver = {"v1": SimpleNamespace(worker=worker), "v0": worker, "remote": SimpleNamespace()}[layout]
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=driver))
@@ -49,10 +53,17 @@ class LLM:
     def reset_prefix_cache(self):
         self.resets += 1
 
+    def sleep(self, level=1):
+        self.events.append(f"sleep {level}")
+
+    def wake_up(self, tags=None):
+        self.events.append(f"wake {','.join(tags) if tags else 'all'}")
+
     def generate(self, prompts, params, use_tqdm=True):
         """Completion j of a prompt: (last prompt token + seed + j) % 50, then the stop token, which
         the reply leaves out of token_ids for odd j (a stop token vLLM does not list)."""
         self.requests.append((prompts, params))
+        self.events.append("generate")
         out = []
         for p in prompts:
             completions = []

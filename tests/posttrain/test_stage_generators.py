@@ -46,6 +46,9 @@ def _untimed(path: str) -> list[dict]:
      "vllm_gpu_memory_utilization applies to vllm_mode colocate .*vllm serve --gpu-memory-utilization"),
     ({"use_vllm": True, "vllm_mode": "server", "vllm_max_model_length": 64},
      "vllm_max_model_length applies to vllm_mode colocate"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_enable_sleep_mode": True},
+     "vllm_enable_sleep_mode applies to vllm_mode colocate"),
+    ({"use_vllm": True, "vllm_enable_sleep_mode": "yes"}, "vllm_enable_sleep_mode must be true or false"),
     ({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": "localhost:8000"},
      "vllm_server_base_url is the server's address"),
     ({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": "http://h:1", "vllm_server_port": 9000},
@@ -141,7 +144,8 @@ def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rol
     config = files.run_yaml(str(tmp_path / "run.yaml"),
                             **stage_files.grpo(work, str(tmp_path / "run"), steps=2, use_vllm=True,
                                                seed=7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                                               vllm_model_impl="transformers", off_policy_mask_threshold=0.5))
+                                               vllm_model_impl="transformers", off_policy_mask_threshold=0.5,
+                                               vllm_enable_sleep_mode=True))
     run(load(config, []))
     llm, = made
     # the sampler's correction, TRL's default (sequence_mask, cap 3): vLLM's log-probabilities of
@@ -160,7 +164,10 @@ def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rol
     # vllm_mode colocate is TRL's default
     assert llm.args == dict(model=work["model"], dtype="bfloat16", seed=7, tensor_parallel_size=1,
                             gpu_memory_utilization=0.3, max_model_len=11, logprobs_mode="processed_logprobs",
-                            model_impl="transformers")
+                            model_impl="transformers", enable_sleep_mode=True)
+    # asleep between the two rollouts: each woke the weights for the masters, then the cache
+    rollout = ["wake weights", "load", "wake kv_cache", "generate", "sleep 2"]
+    assert llm.events == ["sleep 2"] + rollout * 2
     # the sampling filters, as vLLM names them
     assert [(p.top_k, p.top_p, p.min_p, p.repetition_penalty) for _, p in llm.requests] == [(5, 0.9, 0.05, 1.1)] * 2
     assert [params.seed for _, params in llm.requests] == [7, 8]          # the seed and the count of calls

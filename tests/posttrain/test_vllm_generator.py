@@ -140,3 +140,30 @@ def test_a_weight_update_grows_the_process_by_one_tensor_not_a_bf16_copy(vllm):
     print(f"host growth of a weight update: {growth / MiB:.1f} MiB (largest bf16 tensor {largest / MiB:.1f} MiB, "
           f"whole bf16 model {sum(p.numel() for p in policy.parameters()) * 2 / MiB:.0f} MiB)")
     engine.close()
+
+
+def test_sleep_mode_releases_vllm_between_rollouts_and_reloads_the_masters_it_let_go(vllm, monkeypatch):
+    """TRL's vllm_enable_sleep_mode: vLLM made with enable_sleep_mode sleeps at level 2 (weights and
+    cache released) between rollouts; a sync wakes the weights and loads the masters; a rollout wakes
+    the cache, samples and sleeps; a rollout with no sync since the last sleep loads the masters
+    first. On cuda, what the engine's allocator holds back is released before the weights wake."""
+    engine = _engine(False)
+    released = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    generator = VLLMGenerator(engine, model="/models/policy", eos_id=fake_vllm.EOS, seed=5, sleep=True)
+    llm = generator.llm
+    assert llm.args["enable_sleep_mode"] is True
+    assert llm.events == ["sleep 2", "wake weights", "load"]
+    generator.generate([[5, 6]], 2, 4)
+    assert llm.events[3:] == ["wake kv_cache", "generate", "sleep 2"]
+    generator.sync()                                  # after a step: the masters, then the next rollout
+    generator.generate([[5, 6]], 2, 4)
+    assert llm.events[6:] == ["wake weights", "load", "wake kv_cache", "generate", "sleep 2"]
+    generator.generate([[7]], 1, 4, temperature=0)    # an evaluation with no step since: the masters again
+    assert llm.events[11:] == ["wake weights", "load", "wake kv_cache", "generate", "sleep 2"]
+    assert len(released) == 3 and len(llm.model.loads) == 3
+    awake = VLLMGenerator(engine, llm=vllm.LLM(model="x"))
+    awake.generate([[5]], 1, 2)
+    assert awake.llm.events == ["load", "generate"] and "enable_sleep_mode" not in awake.llm.args
+    engine.close()

@@ -11,6 +11,8 @@
     vllm_max_model_length        colocate: vLLM's max_model_len (by default the row's length,
                                  max_prompt_length + max_completion_length)
     vllm_model_impl              vllm (default) | transformers | auto: colocate, vLLM's model_impl
+    vllm_enable_sleep_mode       false (default) | true: colocate, vLLM's weights and cache released
+                                 from the device between rollouts (posttrain/vllm_generator.py)
     vllm_importance_sampling_correction  true (TRL's default): weigh each completion token by the
                                  trained policy's probability over vLLM's (posttrain/sampling_correction.py)
     vllm_importance_sampling_mode        sequence_mask (default) | sequence_truncate | token_mask |
@@ -45,17 +47,17 @@ MODES = ("colocate", "server")
 IMPLS = ("vllm", "transformers", "auto")
 KEYS = ("generator", "generator_dtype", "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host",
         "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_max_model_length",
-        "vllm_model_impl", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+        "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
         "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
 CORRECTION = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": sampling_correction.DEFAULT_MODE,
               "vllm_importance_sampling_clip_max": sampling_correction.DEFAULT_CLIP_MAX}       # TRL's defaults
 # what TRL's GRPOConfig writes of the vLLM keys without use_vllm (vllm_mode: server before TRL 1)
 TRL_DEFAULTS = {**CORRECTION, "vllm_mode": ("colocate", "server"), "vllm_server_host": "0.0.0.0",
                 "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_gpu_memory_utilization": 0.3,
-                "vllm_model_impl": "vllm"}
+                "vllm_model_impl": "vllm", "vllm_enable_sleep_mode": False}
 # where vLLM is reached: a resumed run may name another server or share of the GPU
 MAY_CHANGE = ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-              "vllm_gpu_memory_utilization")
+              "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode")
 # what a checkpoint saved before these keys existed sampled with
 IMPLIED = {"generator": "engine", "use_vllm": False, "vllm_importance_sampling_correction": False,
            "vllm_importance_sampling_clip_min": None, "vllm_max_model_length": None, "vllm_model_impl": None}
@@ -136,7 +138,8 @@ def _vllm(c, given: list[str], raw: dict) -> None:
     if c.vllm_mode not in MODES:
         raise ArgumentError(f"vllm_mode must be colocate (vLLM in this process, sharing the GPU; TRL's default) or "
                             f"server (a vllm serve on this machine); got {c.vllm_mode!r}")
-    mine = ("vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_model_impl") if c.vllm_mode == "server" else \
+    mine = ("vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_model_impl", "vllm_enable_sleep_mode") \
+        if c.vllm_mode == "server" else \
         ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout")
     other = [k for k in given if k in mine and not _at_trl_default(k, raw[k])]
     if other:
@@ -224,6 +227,9 @@ def _colocate(c) -> None:
                             f"{c.vllm_model_impl!r}")
     if c.vllm_model_impl == "vllm":
         c.vllm_model_impl = None            # vLLM's default, as a checkpoint saved before the key says
+    c.vllm_enable_sleep_mode = False if c.vllm_enable_sleep_mode is None else c.vllm_enable_sleep_mode
+    if not isinstance(c.vllm_enable_sleep_mode, bool):
+        raise ArgumentError(f"vllm_enable_sleep_mode must be true or false; got {c.vllm_enable_sleep_mode!r}")
     if not os.path.isdir(c.model):
         raise ArgumentError(f"use_vllm with vllm_mode colocate starts vLLM from the model's folder; model {c.model} "
                             "is not a folder: give the Hugging Face model folder, or set vllm_mode: server")
@@ -273,6 +279,7 @@ def make(c, engine, eos_id: int | tuple[int, ...] | None, pad_id: int, run_dir: 
         from ...posttrain import VLLMGenerator
         impl = {} if c.vllm_model_impl is None else {"model_impl": c.vllm_model_impl}
         return VLLMGenerator(engine, model=c.model, eos_id=eos_id, seed=c.seed, filters=drawn,
+                             sleep=c.vllm_enable_sleep_mode,
                              gpu_memory_utilization=c.vllm_gpu_memory_utilization,
                              max_model_len=c.vllm_max_model_length or c.seq, **impl)
     from ...posttrain import VLLMServerGenerator
