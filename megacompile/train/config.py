@@ -152,6 +152,7 @@ class RunConfig:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    generation_kwargs: Any = None
     epsilon: float | None = None
     epsilon_high: float | None = None
     sapo_temperature_pos: float | None = None

@@ -74,6 +74,9 @@ def work(tmp_path_factory):
     ("grpo", {"loss_type": "vespo", "use_vllm": True, "vllm_mode": "server"},
      "loss_type vespo takes the sampler's correction token by token .*got sequence_mask"),
     ("grpo", {"loss_type": "sapo", "sapo_temperature_neg": 0}, "sapo_temperature_neg must be a positive number"),
+    ("grpo", {"generation_kwargs": {"max_tokens": 5, "top_k": 3}}, "generation_kwargs: max_tokens is not supported"),
+    ("grpo", {"generation_kwargs": {"temperature": 0.7}}, "temperature divides the training log-probabilities too"),
+    ("grpo", {"generation_kwargs": {"top_p": 2.0}}, r"top_p must be in \(0, 1\]"),
     ("grpo", {"top_k": -1}, r"top_k is the number of likeliest tokens a rollout draws from, a whole number >= 0"),
     ("grpo", {"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ("grpo", {"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
@@ -227,3 +230,10 @@ def test_cispo_and_sapo_runs_log_the_clip_fraction_their_loss_has(tmp_path, work
     (row,) = log.read(str(tmp_path / "cispo" / "log.csv"))
     # ratio 1 at the first step, above the cap of 0.2: every token of a positive advantage is capped
     assert 0 < float(row["cispo_clip_ratio"]) < 1 and "clip_ratio" not in row
+
+
+def test_generation_kwargs_sets_the_sampling_filters_over_their_keys_as_in_trl(tmp_path, work, capsys):
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "run"), top_k=3, generation_kwargs={"top_k": 7, "repetition_penalty": 1.2})), [])
+    assert (c.top_k, c.repetition_penalty, c.top_p, c.generation_kwargs) == (7, 1.2, 1.0, None)
+    assert "generation_kwargs' top_k 7 overrides top_k: 3, as in TRL" in capsys.readouterr().out

@@ -26,6 +26,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
     if c.temperature <= 0:
         raise ArgumentError(f"temperature must be > 0 (1.0: the policy's own distribution): it divides the logits of "
                             f"the sampler and of the training log-probabilities, as in TRL; got {c.temperature!r}")
+    _generation_kwargs(c, raw)
     for key in ("top_p", "min_p", "repetition_penalty"):
         if isinstance(getattr(c, key), str):
             setattr(c, key, number(key, getattr(c, key)))
@@ -147,3 +148,31 @@ def rollout_steps(c) -> int:
     """The optimizer steps one rollout batch trains: its micro-batches make steps_per_generation /
     grad_accum steps, num_iterations times."""
     return c.steps_per_generation // c.grad_accum * c.num_iterations
+
+
+FILTERS = ("top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def _generation_kwargs(c, raw: dict) -> None:
+    """TRL's generation_kwargs, which override its sampling keys: the sampling filters are read from
+    it (and said where they override a key given too); anything else is refused, naming it. After
+    this, generation_kwargs is None and the filters hold what it gave."""
+    given = c.generation_kwargs
+    c.generation_kwargs = None
+    if not given:
+        return
+    if not isinstance(given, dict):
+        raise ArgumentError(f"generation_kwargs is a mapping of sampling settings (TRL's), e.g. {{top_k: 50}}; got "
+                            f"{given!r}")
+    if "temperature" in given:
+        raise ArgumentError("generation_kwargs: temperature divides the training log-probabilities too, so it is a "
+                            "key of its own: give temperature: and leave it out of generation_kwargs")
+    other = [k for k in given if k not in FILTERS]
+    if other:
+        raise ArgumentError(f"generation_kwargs: {', '.join(map(str, other))} "
+                            f"{'is' if len(other) == 1 else 'are'} not supported; rollouts take "
+                            f"{', '.join(FILTERS)} (and temperature, as its own key)")
+    for key, value in given.items():
+        if raw.get(key) is not None and raw[key] != value:
+            note(f"generation_kwargs' {key} {value!r} overrides {key}: {raw[key]!r}, as in TRL")
+        setattr(c, key, value)
