@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from megacompile.capture import capture
@@ -18,6 +19,7 @@ from megacompile.planner.search import judges, search_space
 from tests import models
 
 
+@pytest.mark.slow       # about 30 s on 2 cores: every kind of choice over a whole stack
 def test_short_stack_gives_the_whole_stacks_peak_for_every_kind_of_choice():
     torch.manual_seed(0)
     model = models.hf_llama(layers=14, d=32)
