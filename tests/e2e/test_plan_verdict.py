@@ -37,8 +37,8 @@ def _line(out: list[str], label: str) -> str:
     return next(line.strip() for line in out if line.strip().startswith(label))
 
 
-# about 30 s on 2 cores, in the slow tier: the config's minimum-budget test below holds the same verdict
-@pytest.mark.slow
+# about 30 s on 2 cores, with -m long: the config's minimum-budget test below holds the same verdict
+@pytest.mark.long
 def test_the_smallest_fit_plans_and_a_little_less_does_not():
     # Long sequences on a narrow model: below the whole blocks' smallest budget the planner runs
     # the blocks over sequence chunks, which fit less.

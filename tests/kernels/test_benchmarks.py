@@ -24,8 +24,8 @@ def test_there_is_a_benchmark_per_kernel_module():
     }
 
 
-# attention's (about 20 s on 2 cores) in the slow tier; the other kernels' scripts run the same harness
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s == "bench_attention" else s
+# attention's (about 20 s on 2 cores) with -m long; the other kernels' scripts run the same harness
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.long) if s == "bench_attention" else s
                                     for s in SCRIPTS])
 def test_benchmark_script_runs(script, bench_path, capsys, tmp_path):
     module = importlib.import_module(script)
