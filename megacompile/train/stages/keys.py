@@ -232,20 +232,18 @@ def _dpo(c) -> None:
     _pref_ftx(c)
     c.discopop_tau = positive("discopop_tau", c.discopop_tau)
     c.f_alpha_divergence_coef = number("f_alpha_divergence_coef", c.f_alpha_divergence_coef)
-    dpo_losses.check_f_divergence(dpo_loss_terms(c)[0], c.f_divergence_type, c.f_alpha_divergence_coef)
     if not isinstance(c.use_weighting, bool):
         raise ArgumentError(f"use_weighting must be true or false; got {c.use_weighting!r}")
-    if c.use_weighting and {"aot", "aot_unpaired"} & set(dpo_loss_terms(c)[0]):
-        raise ArgumentError("use_weighting (WPO) weighs each pair, and loss types aot and aot_unpaired sort the "
-                            "pairs, which would misalign the weights (as TRL refuses them)")
     if c.ld_alpha is not None:
         c.ld_alpha = number("ld_alpha", c.ld_alpha)
-        kinds_, _ = dpo_loss_terms(c)
-        # the loss's own checks of ld_alpha (its range, the plain-NLL terms it cannot reweigh)
-        DPOLoss(c.beta, c.label_smoothing, kinds_, None, ftx=c.pref_ftx or 0.0, ld_alpha=c.ld_alpha)
     c.simpo_gamma = number("simpo_gamma", c.simpo_gamma)
     if c.simpo_gamma < 0:
         raise ArgumentError(f"simpo_gamma is SimPO's target reward margin, >= 0 (0.5 by default); got {c.simpo_gamma!r}")
+    # the loss's own checks of how the keys combine (f-DPO's loss types, WPO with aot, LD-DPO with the
+    # plain-NLL terms), before anything is read: the stage builds the same loss from them
+    kinds, weights = dpo_loss_terms(c)
+    DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau, c.simpo_gamma, c.pref_ftx or 0.0,
+            c.f_divergence_type, c.f_alpha_divergence_coef, c.use_weighting, c.ld_alpha)
     if not isinstance(c.precompute_ref_log_probs, bool):
         raise ArgumentError(f"precompute_ref_log_probs must be true or false; got {c.precompute_ref_log_probs!r}")
 

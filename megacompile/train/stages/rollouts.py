@@ -97,9 +97,9 @@ def check(c, raw: dict) -> None:
         return
     # TRL's own defaults of the vLLM keys, which its GRPOConfig writes out: they do nothing here
     given = [k for k in given if not _at_trl_default(k, raw[k])]
-    for key in KEYS[4:]:
-        setattr(c, key, None)
-    c.vllm_mode = None
+    for key in KEYS:
+        if key.startswith("vllm_"):
+            setattr(c, key, None)
     c.vllm_importance_sampling_correction = False
     vllm_only = [k for k in given if k.startswith("vllm_")]
     if vllm_only:
