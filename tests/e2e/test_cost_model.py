@@ -23,6 +23,7 @@ SMALL_LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 2
                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256}
 
 
+@pytest.mark.slow     # 12 s
 def test_more_budget_never_predicts_a_slower_step():
     model = models.hf_llama(layers=6, d=64)
     ids = models.batch(96, 4, 32)

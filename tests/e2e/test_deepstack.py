@@ -101,6 +101,7 @@ def test_qwen3_vl_plans_its_images_from_a_config_and_measures_the_planned_peak()
     plans_images_as_measured(qwen3_vl(patch=16), "qwen3_vl", seed=0)
 
 
+@pytest.mark.slow     # Qwen3-VL's above is the default tier's
 def test_qwen3_5_plans_its_images_from_a_config_and_measures_the_planned_peak():
     """Qwen3.5: Qwen3-VL's tower without deepstack and its inputs, before the hybrid decoder."""
     plans_images_as_measured(qwen3_5_vl(patch=16), "qwen3_5", seed=1)

@@ -43,6 +43,7 @@ def test_compile_holds_one_copy_of_the_weights(tmp_path):
     assert r["predicted_host_bytes"] == 14 * r["params"] + r["host_parts"]["frozen weights and buffers"]
 
 
+@pytest.mark.slow     # 13 s; the plain path's resident set above is the default tier's
 def test_host_budget_is_held_with_the_disk_tier(tmp_path):
     r = measured("disk", tmp_path)
     assert_as_planned(r)

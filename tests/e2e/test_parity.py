@@ -1,7 +1,8 @@
 """Parity, the spine: 10 steps through megacompile equal 10 eager steps of torch.optim.AdamW.
 
 Models x budgets: unlimited, 50% and 25% of the weights' bytes, and the smallest budget the
-compiler reports. Losses and the first step's gradients agree to 1e-5, the weights after the
+compiler reports. The default tier runs each model at one budget (two at the smallest); the slow
+tier the other cases. Losses and the first step's gradients agree to 1e-5, the weights after the
 steps to the noise floor measured beside them (harness.weight_noise). Each run also holds the
 budget: the measured device peak stays within it and within 10% of the predicted peak.
 """
@@ -58,8 +59,16 @@ def noise(eager):
     return get
 
 
-@pytest.mark.parametrize("kind", list(BUILDERS))
-@pytest.mark.parametrize("fraction", [None, 0.5, 0.25, "minimum"])
+# (kind, budget) in the default tier: every model, and each budget, once
+DEFAULT_TIER = {("llama", "minimum"), ("qwen2", "minimum"), ("gpt2", 0.25), ("nanogpt", 0.5), ("llama", None)}
+
+
+def _tiered(kinds, fractions):
+    return [pytest.param(kind, fraction, marks=() if (kind, fraction) in DEFAULT_TIER else pytest.mark.slow,
+                         id=f"{fraction}-{kind}") for fraction in fractions for kind in kinds]
+
+
+@pytest.mark.parametrize("kind, fraction", _tiered(list(BUILDERS), [None, 0.5, 0.25, "minimum"]))
 def test_parity_under_budget(kind, fraction, eager, noise):
     model, batches, reference, losses, eager_moments = eager(kind)
     if fraction == "minimum":
@@ -82,7 +91,7 @@ def test_parity_under_budget(kind, fraction, eager, noise):
         assert run.predicted < weight_bytes(model) or fraction == "minimum"
 
 
-@pytest.mark.parametrize("kind", list(BUILDERS))
+@pytest.mark.parametrize("kind", [k if k == "llama" else pytest.param(k, marks=pytest.mark.slow) for k in BUILDERS])
 def test_parity_of_losses_with_the_fused_host_adamw(kind, eager):
     """The native fused AdamW rounds differently from torch: losses still agree to 1e-5 over 10
     steps (weights too, except parameters with no true gradient; see docs/decisions.md)."""

@@ -59,7 +59,8 @@ def test_the_smallest_fit_plans_and_a_little_less_does_not():
 
 
 # the meta module's search (about 30 s on 2 cores) with -m long: the config's is the same search
-@pytest.mark.parametrize("given", ["config", pytest.param("meta module", marks=pytest.mark.long)])
+@pytest.mark.parametrize("given", [pytest.param("config", marks=pytest.mark.slow),    # 30 s
+                                   pytest.param("meta module", marks=pytest.mark.long)])
 def test_minimum_budget_is_the_budget_the_refusal_names_and_it_fits(given):
     # Blocks that fit whole only above what they fit over sequence chunks: the lowest of both.
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=256, num_hidden_layers=2,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import megacompile
@@ -52,6 +53,7 @@ def test_the_counts_come_back_on_resume(tmp_path):
         _assert_same(resumed, straight)
 
 
+@pytest.mark.slow     # 18 s; the counts' resume above is the default tier's
 def test_a_checkpoint_saved_between_micro_batches_keeps_which_parameters_have_a_sum(tmp_path):
     """Step 2 is text then image: saved after the text micro-batch, the tower's gradient buffer
     holds step 1's sum, which the resumed image micro-batch must not add to."""

@@ -6,6 +6,7 @@ noise floor measured per tensor, and the skipped parameters' masters and moments
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 import megacompile
@@ -127,6 +128,7 @@ def test_with_the_vision_side_frozen_text_only_steps_train_as_eagerly():
     assert_parity([[batch(seed=0)], [text_only(1)], [batch(seed=2)]], model=model)
 
 
+@pytest.mark.slow     # 9 s
 def test_with_masters_and_moments_on_disk_the_skipped_parameters_stay_as_in_ram(tmp_path, monkeypatch):
     """The disk tier streams each owner in pieces of 4096 parameters; the runs of stepped
     parameters cross the pieces' edges, and the run agrees bit for bit with the same run in RAM."""

@@ -27,6 +27,7 @@ def stage_layout(captured) -> list[str]:
     return [st.origin.rsplit(".", 1)[0] if st.template.kind == "block" else st.name for st in captured.stages]
 
 
+@pytest.mark.slow     # 12 s
 def test_a_tower_larger_than_the_budget_streams_its_layers_and_trains_as_eagerly():
     model = llava(tower_width=128, tower_layers=4)
     tower_bytes = 4 * sum(p.numel() for p in model.model.vision_tower.encoder.layers.parameters())
@@ -59,7 +60,7 @@ def test_a_tower_layer_whose_output_nothing_reads_is_no_stage_and_keeps_its_weig
     assert all(torch.equal(state[n], t) for n, t in last.items())
 
 
-@pytest.mark.long   # the LLaVA tower above is the default tier's; this one trains a Qwen2.5-VL: 20-35 s
+@pytest.mark.long   # the LLaVA tower above is the slow tier's; this one trains a Qwen2.5-VL: 20-35 s
 def test_windowed_and_full_attention_tower_layers_run_two_templates():
     """Qwen2.5-VL's windowed layers split their attention by the windows' lengths, its full ones
     by the images': arrays of numbers handed to each layer, compared by value, so the layers of

@@ -8,7 +8,8 @@ and its 3D positions are computed before the step (capture/rope_positions.py; te
 Qwen3-VL's and Qwen3.5's towers read them the same way. Each trains 3 steps on batches whose rows
 hold 0, 1 and 2 images, against eager torch.optim.AdamW in float32: losses to 1e-5, first-step
 gradients to 1e-5 or their rounding floor (acceptance/parity.py), weights to the noise floor, at twice the weights' bytes and at the smallest budget the plan reports (harness in
-test_vlm.py); with the vision tower frozen, at twice the weights' bytes (`-m slow`).
+test_vlm.py): Qwen2.5-VL and Qwen3-VL in the default tier, the others in the slow one; with the
+vision tower frozen, at twice the weights' bytes (`-m slow`).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ TOWERS = {"gemma3": "model.vision_tower.", "idefics3": "model.vision_model.", "s
 MIXED = (0, 1, 2)     # images per row
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f if f in ("qwen2_5_vl", "qwen3_vl") else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
 def test_trains_with_0_1_and_2_images_per_row_as_eagerly(family):
     batches = [batch(family, seed=i, images=MIXED) for i in range(STEPS)]
     assert_parity(model(family), batches, weights=2.0, block_path=BLOCKS[family])

@@ -12,7 +12,8 @@ float32, two ways:
                  the runs into a visible step, in any two runs that do not round identically.
 bfloat16: the fused run's losses are within BF16_LOSS_TOL of the float32 run's, as the unfused bf16
 run's are. docs/fusion.md has the measured numbers. The attention kernel runs in the step-by-step
-runs; the others leave torch's attention in place (training.torch_attention).
+runs; the others leave torch's attention in place (training.torch_attention). The default tier
+runs the step-by-step and bf16 comparisons on nanoGPT, the slow tier on the other models.
 """
 from __future__ import annotations
 
@@ -73,7 +74,11 @@ def _kernels(run: Run):
     return total
 
 
-@pytest.mark.parametrize("kind", list(BUILDERS))
+def _slow_but_nanogpt(kinds):
+    return [k if k == "nanogpt" else pytest.param(k, marks=pytest.mark.slow) for k in kinds]
+
+
+@pytest.mark.parametrize("kind", _slow_but_nanogpt(BUILDERS))
 def test_float32_every_step_matches_unfused(kind, runs):
     forced = runs(kind, "forced")
     counts = _kernels(forced)
@@ -92,7 +97,7 @@ def test_float32_training_matches_unfused(kind, runs):
     assert drifted <= DRIFT_FRACTION * total
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "nanogpt"])
+@pytest.mark.parametrize("kind", _slow_but_nanogpt(["llama", "gpt2", "nanogpt"]))
 def test_bfloat16_training_tracks_float32(kind, runs):
     reference = torch.tensor(runs(kind).losses)
     plain = torch.tensor(runs(kind, "plain", torch.bfloat16).losses)

@@ -1,6 +1,6 @@
 """Every kernel compiles for every target a hardware profile names, in the specializations the
-interpreter ran: sm_80 and sm_90 in the default tier, sm_89's attention in the slow one, every target
-with `-m long`.
+interpreter ran: sm_80 and sm_90 and sm_89's attention in the slow tier (a minute and a half of the
+default tier's CPU; CI runs both tiers), every target with `-m long`.
 
 Attention (causal, over a sliding window, within packed documents, over padding, with sinks, softcapped) is compiled in the tiles, pipeline stages and warps
 each target launches instead (kernels/attention.py `tiles`): under the interpreter its tiles are small and widened to fp32,
@@ -78,6 +78,7 @@ def _compile(archs, head_dims, every_kernel: bool = True):
     assert all(set(per) == set(archs) for per in results.values())
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_to_ptx_for_sm80_and_sm90():
     _compile(FAST_ARCHS, HEAD_DIMS)
 

@@ -83,7 +83,8 @@ def _settings(tmp_path, name: str, **more) -> dict:
 SAME = ("step", "loss", "lr", "grad_norm", "tokens")
 
 
-@pytest.mark.parametrize("streaming", [False, pytest.param(True, marks=pytest.mark.slow)])   # ~30 s each
+@pytest.mark.parametrize("streaming", [pytest.param(False, marks=pytest.mark.slow),
+                                       pytest.param(True, marks=pytest.mark.long)])   # 20-30 s each
 def test_a_mixture_killed_mid_way_resumes_to_the_rows_of_the_uninterrupted_run(tmp_path, streaming):
     files.model_dir(str(tmp_path / "model"))
     whole = run(load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings(tmp_path, "whole",

@@ -115,6 +115,7 @@ def test_a_templates_own_error_is_said_with_the_line():
         _marked(tok, tool_files.trl_record(0))
 
 
+@pytest.mark.slow     # 15 s: two runs; the records' tokens above are the default tier's
 def test_a_llamafactory_tool_dataset_trains_as_the_same_data_in_trls_layout(tmp_path):
     """glaive's layout named in dataset_info.json (its own column and tag names, as that file maps
     them) and TRL's messages: the same log.csv, every column but the timings."""

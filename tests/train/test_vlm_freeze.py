@@ -29,6 +29,7 @@ def _weights(path) -> dict:
     return safetensors.torch.load_file(str(path / "model.safetensors"))
 
 
+@pytest.mark.slow     # 18 s; test_vlm.py's frozen tower trains as eagerly in the default tier
 def test_a_frozen_vision_tower_is_exported_as_it_went_in_and_the_rest_trains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run(load(_run_yaml(tmp_path, "tower", freeze_vision_tower=True), []))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from megacompile.capture import capture
@@ -18,6 +19,7 @@ from megacompile.planner.solve import candidates
 from tests import models
 
 
+@pytest.mark.slow     # 13 s of schedules built and predicted
 def test_the_floor_is_under_every_prediction_and_estimate():
     torch.manual_seed(0)
     model = models.hf_llama(layers=10, d=32)
