@@ -145,6 +145,7 @@ class RunConfig:
     undesirable_weight: float | None = None
     center_rewards_coefficient: float | None = None
     num_generations: int | None = None
+    num_generations_eval: int | None = None
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
     temperature: float | None = None

@@ -63,7 +63,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "cast_lm_head_to_fp32": ((False,), "not supported: the lm head runs in compute_dtype, its log-probabilities "
                                        "are taken in fp32"),
     "max_tool_calling_iterations": ((None,), "not supported: completions make no tool calls"),
-    "num_generations_eval": ((None,), "evaluation decodes one greedy completion of each held-out prompt"),
     "vllm_tensor_parallel_size": ((1,), "vllm_mode colocate runs vLLM on this process's GPU; a policy split over "
                                         "GPUs: vllm_mode server (vllm serve --tensor-parallel-size)"),
     "vllm_structured_outputs_regex": ((None,), "not supported: completions are not constrained"),

@@ -213,6 +213,20 @@ def test_a_grpo_checkpoint_saved_before_the_sampling_keys_resumes_and_one_sample
         keys.check_resume(filtered, SimpleNamespace(extra={"stage": old}, path="ckpt"))
 
 
+def test_a_resume_may_change_what_is_logged_but_not_what_is_sampled(tmp_path, work):
+    from types import SimpleNamespace
+    from megacompile.train.stages import keys
+    saved = keys.saved_keys(load(files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "run"))), []))
+    logged = load(files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "run"), num_generations_eval=2, log_completions=True)), [])
+    keys.check_resume(logged, SimpleNamespace(extra={"stage": saved}, path="ckpt"))
+    hotter = load(files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "run"), temperature=1.5)), [])
+    with pytest.raises(ArgumentError, match=r"temperature 1.0 -> 1.5"):
+        keys.check_resume(hotter, SimpleNamespace(extra={"stage": saved}, path="ckpt"))
+
+
 def test_cispo_and_sapo_runs_log_the_clip_fraction_their_loss_has(tmp_path, work, capsys):
     from megacompile.train.data.tokens import load_tokenizer
     from megacompile.train.stages.grpo import GRPOStage

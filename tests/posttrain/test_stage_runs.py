@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
 from tests.posttrain import stage_files
 from tests.train import files
@@ -218,3 +219,46 @@ def test_a_resumed_dpo_run_refuses_a_reference_made_for_other_tokens(tmp_path):
     torch.save({**kept, "tokens": {**kept["tokens"], "train": "0" * 64}}, path)
     with pytest.raises(ArgumentError, match="reference log-probabilities of other tokens than this run's train pairs"):
         run(load(files.run_yaml(str(tmp_path / "c.yaml"), **{**settings, "steps": 3}), []))
+
+
+def test_grpo_samples_num_generations_eval_of_each_held_out_prompt_and_leaves_the_rollouts_as_they_were(tmp_path):
+    work = stage_files.workspace(tmp_path)
+    held = [s for s in files.SENTENCES[:3]]
+    with open(tmp_path / "held.jsonl", "w") as f:
+        for s in held:
+            f.write(json.dumps({"prompt": s, "answer": s.split()[-1]}) + "\n")
+    runs = {}
+    for name, more in (("plain", {}), ("evaluated", {"eval": str(tmp_path / "held.jsonl"), "eval_every": 1,
+                                                     "num_generations_eval": 4})):
+        stage_files.CALLS.clear()
+        config = files.run_yaml(str(tmp_path / f"{name}.yaml"), **stage_files.grpo(work, str(tmp_path / name), **more))
+        run(load(config, []))
+        runs[name] = (log.read(str(tmp_path / name / "log.csv")), list(stage_files.CALLS))
+    (plain, plain_calls), (evaluated, calls) = runs["plain"], runs["evaluated"]
+    # batch 8 rows a call, 4 completions of each prompt: two calls of two prompts, the second's
+    # second prompt the first again, left out
+    rollouts, evals = calls[0::2], calls[1::2]
+    assert len(rollouts) == len(evals) == 2
+    assert rollouts == plain_calls            # the sampler's state was put back after evaluating
+    for row, plain_row, call in zip(evaluated, plain, evals):
+        assert call["prompts"] == [p for p in held for _ in range(4)]
+        groups = [call["completions"][i:i + 4] for i in range(0, 12, 4)]
+        assert any(len(set(g)) > 1 for g in groups)         # sampled, not greedy
+        assert row["reward"] == plain_row["reward"] and row["loss"] == plain_row["loss"]
+        mine = torch.tensor(call["rewards"])
+        assert float(row["eval_rewards/starts_like_prompt/mean"]) == pytest.approx(mine.mean().item())
+        assert float(row["eval_rewards/starts_like_prompt/std"]) == pytest.approx(mine.std().item())
+        fmt = float(row["eval_rewards/format_check/mean"])
+        assert float(row["eval_reward"]) == pytest.approx(mine.mean().item() + 0.5 * fmt)
+        assert 0.0 <= float(row["eval_frac_reward_zero_std"]) <= 1.0 and "eval_reward_std" in row
+
+
+@pytest.mark.parametrize("value, message", [(3, "must divide batch 8"), (0, "whole number >= 1"),
+                                            (True, "whole number >= 1")])
+def test_num_generations_eval_that_cannot_fill_whole_calls_is_refused(tmp_path, value, message):
+    work = stage_files.workspace(tmp_path)
+    config = files.run_yaml(str(tmp_path / "bad.yaml"), **stage_files.grpo(work, str(tmp_path / "run"),
+                                                                          num_generations_eval=value))
+    with pytest.raises(ArgumentError, match=message):
+        load(config, [])
+    assert not os.path.exists(tmp_path / "run")

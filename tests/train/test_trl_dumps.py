@@ -72,3 +72,10 @@ def test_packing_reads_trls_packing_strategy(tmp_path, capsys, strategy, packing
     assert load(_keys(tmp_path, "sft", do_train=True, packing=False, packing_strategy=strategy), []).packing is False
     with pytest.raises(ArgumentError, match="packing_strategy must be bfd .* or wrapped"):
         load(_keys(tmp_path, "sft", do_train=True, packing=True, packing_strategy="best_fit"), [])
+
+
+def test_grpo_reads_num_generations_eval(tmp_path):
+    """TRL samples num_generations_eval completions of each eval prompt (stage grpo's evaluation);
+    left at null, the evaluation here is one greedy completion of each."""
+    assert load(_keys(tmp_path, "grpo", do_train=True), []).num_generations_eval is None
+    assert load(_keys(tmp_path, "grpo", do_train=True, num_generations_eval=4), []).num_generations_eval == 4

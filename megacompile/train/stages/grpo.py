@@ -24,10 +24,13 @@ carries the sampler's state beside the prompt position: a resumed run samples th
 completions.
 
 Evaluation (`eval` files or `eval_fraction`, every `eval_every` steps and at the last): one greedy
-completion (temperature 0) of each held-out prompt, in calls of `batch` prompts (the rollout's row
-count, so generation is planned once; the last call filled up with the first prompts, left out),
-scored by the same rewards: eval_reward, eval_rewards/NAME/mean, eval_completions/mean_length.
-Greedy decoding draws nothing from the sampler, so evaluating leaves the rollouts as they were."""
+completion (temperature 0) of each held-out prompt, or with num_generations_eval n, n sampled at the
+rollouts' temperature, as TRL evaluates; in calls of `batch` rows (the rollout's row count, so
+generation is planned once; the last call filled up with the first prompts, left out), scored by
+the same rewards: eval_reward, eval_rewards/NAME/mean, eval_completions/mean_length, and with n:
+eval_reward_std, eval_rewards/NAME/std and eval_frac_reward_zero_std (of the groups). Greedy
+decoding draws nothing from the sampler; sampling draws from it and puts its state back, so
+evaluating leaves the rollouts as they were."""
 from __future__ import annotations
 
 import base64
@@ -124,6 +127,9 @@ class GRPOStage(Stage):
         if self.held_prompts:
             self.columns += (("eval_reward",) + tuple(f"eval_rewards/{n}/mean" for n in self.names)
                              + ("eval_completions/mean_length",))
+            if c.num_generations_eval is not None:
+                self.columns += (("eval_reward_std",) + tuple(f"eval_rewards/{n}/std" for n in self.names)
+                                 + ("eval_frac_reward_zero_std",))
         self.generator = self.reference = self.completions = None
         self.needs_reference = c.beta > 0
         self.rollout: dict | None = None
@@ -162,7 +168,11 @@ class GRPOStage(Stage):
 
     def describe(self, setup) -> list[str]:
         c = self.c
-        held = f", {len(self.held_prompts)} held out" if self.held_prompts else ""
+        held = ""
+        if self.held_prompts:
+            each = ("one greedy completion" if c.num_generations_eval is None
+                    else f"{c.num_generations_eval} sampled completion(s)")
+            held = f", {len(self.held_prompts)} held out ({each} of each)"
         return [f"stage          grpo: {len(self.prompts)} prompts{held}; {self.groups} prompts x {c.num_generations} "
                 f"completions of up to {c.max_completion_length} tokens per rollout batch, in "
                 f"{c.steps_per_generation} micro-batch(es) of {c.batch}, {self.per_rollout} optimizer step(s) each; "
@@ -331,15 +341,28 @@ class GRPOStage(Stage):
             return {}
         count = len(self.held_prompts) if c.eval_batches is None else min(len(self.held_prompts),
                                                                           c.eval_batches * c.batch)
+        n = c.num_generations_eval or 1
+        per_call = c.batch // n         # prompts a call of batch rows
+        sampler = self.generator.state() if c.num_generations_eval else None
         completions = []
-        for i in range(0, count, c.batch):
-            group = [self.held_prompts[(i + k) % count] for k in range(c.batch)]
-            completions += self._generate(engine, group, 1, 0.0)[:count - i]
+        for i in range(0, count, per_call):
+            group = [self.held_prompts[(i + k) % count] for k in range(per_call)]
+            completions += self._generate(engine, group, n, c.temperature if sampler is not None else 0.0)[
+                :(count - i) * n]
+        if sampler is not None:         # the next rollout draws what it would have drawn without evaluation
+            self.generator.set_state(sampler)
         state = TrainerState(engine.steps_done, self.epoch, c.steps)
-        rewards, each = self._score(self.held_records[:count], completions, state)
-        return {"eval_reward": torch.nanmean(rewards).item(),
-                **{f"eval_rewards/{name}/mean": torch.nanmean(each[name]).item() for name in self.names},
-                "eval_completions/mean_length": sum(len(x.tokens) for x in completions) / count}
+        rewards, each = self._score([r for r in self.held_records[:count] for _ in range(n)], completions, state)
+        metrics = {"eval_reward": torch.nanmean(rewards).item(),
+                   **{f"eval_rewards/{name}/mean": torch.nanmean(each[name]).item() for name in self.names},
+                   "eval_completions/mean_length": sum(len(x.tokens) for x in completions) / len(completions)}
+        if sampler is not None:
+            spread = nanstd(rewards.view(-1, n), dim=1)
+            metrics.update({"eval_reward_std": nanstd(rewards).item(),
+                            **{f"eval_rewards/{name}/std": nanstd(each[name]).item() for name in self.names},
+                            "eval_frac_reward_zero_std":
+                                torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()})
+        return metrics
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
         return f"reward {row['reward']:.4f} | completion length {row['completions/mean_length']:.1f}", {}

@@ -22,6 +22,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ArgumentError(f"{key} must be a whole number >= {least}; got {value!r}"
                                 + ("; a group of one completion has no advantage" if key == "num_generations" else ""))
+    _eval_generations(c)
     c.temperature = number("temperature", c.temperature)
     if c.temperature <= 0:
         raise ArgumentError(f"temperature must be > 0 (1.0: the policy's own distribution): it divides the logits of "
@@ -142,6 +143,22 @@ def _generation_batch(c) -> None:
         raise ArgumentError(f"the rollout batch, batch {c.batch} x steps_per_generation {c.steps_per_generation} = "
                             f"{rows} completions (TRL's generation_batch_size), must be a multiple of num_generations "
                             f"{c.num_generations}: it holds whole groups of completions of a prompt")
+
+
+def _eval_generations(c) -> None:
+    """num_generations_eval: None evaluates one greedy completion of each held-out prompt; n samples
+    n of each at the rollouts' temperature and filters, as TRL evaluates (its default, n =
+    num_generations, is given here by naming it), `batch` rows a call."""
+    n = c.num_generations_eval
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ArgumentError(f"num_generations_eval must be a whole number >= 1 (completions sampled of each held-out "
+                            f"prompt), or null for one greedy completion of each; got {n!r}")
+    if c.batch % n:
+        raise ArgumentError(f"num_generations_eval {n} must divide batch {c.batch}: evaluation generates batch rows "
+                            f"a call, whole groups of completions of a prompt (TRL asks the same of its eval batch); "
+                            f"give a divisor of {c.batch}")
 
 
 def rollout_steps(c) -> int:

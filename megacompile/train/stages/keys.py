@@ -19,6 +19,8 @@ refused under a stage it does not belong to, before anything is read or written.
            (3.0), _lambda_neg (2.0), entropy_coef (0: TRL's entropy bonus off), off_policy_mask_threshold
            (none: DeepSeek-V3.2's off-policy sequence mask off), log_completions (false)
            and num_completions_to_print (all: completions_log.py), num_generations (8),
+           num_generations_eval (none: one greedy completion of each held-out prompt; n: n sampled
+           ones, as TRL evaluates),
            max_prompt_length (512), max_completion_length (256), temperature (1.0), the sampling
            filters top_k (0: off), top_p (1.0), min_p (none) and repetition_penalty (1.0: off,
            posttrain/sampling_filters.py), epsilon (0.2),
@@ -46,7 +48,7 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
                 "use_weighting", "ld_alpha"),
         "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx", "precompute_ref_log_probs"),
         "rm": ("center_rewards_coefficient",),
-        "grpo": ("beta", "loss_type", "num_generations", "max_prompt_length", "max_completion_length", "temperature",
+        "grpo": ("beta", "loss_type", "num_generations", "num_generations_eval", "max_prompt_length", "max_completion_length", "temperature",
                  "top_k", "top_p", "min_p", "repetition_penalty", "generation_kwargs", "epsilon", "sapo_temperature_pos",
                  "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
                  "entropy_coef", "log_completions", "num_completions_to_print", "multi_objective_aggregation",
@@ -62,7 +64,8 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
             "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0,
                     "pref_ftx": None, "precompute_ref_log_probs": False},
             "rm": {"center_rewards_coefficient": 0.0},
-            "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_prompt_length": 512,
+            "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "num_generations_eval": None,
+                     "max_prompt_length": 512,
                      "max_completion_length": 256, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None,
                      "repetition_penalty": 1.0, "generation_kwargs": None, "epsilon": 0.2, "epsilon_high": None, "sapo_temperature_pos": 1.0,
                      "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
@@ -260,7 +263,8 @@ def dpo_loss_terms(c) -> tuple[tuple[str, ...], list[float] | None]:
 
 
 # what a resumed run may change: where vLLM is reached, and what is written of the rollouts
-MAY_CHANGE = rollouts.MAY_CHANGE + ("log_completions", "num_completions_to_print")
+# what the run logs, not what it trains: a resume may change them
+MAY_CHANGE = rollouts.MAY_CHANGE + ("log_completions", "num_completions_to_print", "num_generations_eval")
 
 
 def saved_keys(c) -> dict:
