@@ -11,7 +11,7 @@ from .grpo import GRPOLoss, GRPOObjective, grpo_loss
 from .kto import KTOLoss, KTOObjective, kl_estimate, kto_loss
 from .reward import RewardModel, reward_loss
 from .logprobs import IGNORE, sequence_logprobs, token_logprobs
-from . import rewards, sampling_correction, sampling_filters
+from . import reference_sync, rewards, sampling_correction, sampling_filters
 from .advantages import decoupled_advantages, decoupled_rewards, nanstd
 from .hf_generator import HFGenerator
 from .preference_format import trl_record
@@ -27,7 +27,7 @@ from .streamed_copy import StreamedHFGenerator
 from .vllm_generator import MISSING, VLLMGenerator
 from .vllm_server import VLLMServerGenerator
 
-__all__ = ["decoupled_advantages", "decoupled_rewards", "DFTObjective", "Filters", "orpo_metrics", "sampling_filters", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "KTOLoss", "KTOObjective", "kl_estimate",
+__all__ = ["decoupled_advantages", "reference_sync", "decoupled_rewards", "DFTObjective", "Filters", "orpo_metrics", "sampling_filters", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "KTOLoss", "KTOObjective", "kl_estimate",
            "kto_loss", "pack_rows", "tokenised", "trl_record", "RewardModel", "reward_loss", "sequence_logprobs", "token_logprobs",
            "IGNORE", "EngineGenerator", "HFGenerator", "MISSING", "Pair", "StreamedHFGenerator", "TrainerState",
            "VLLMGenerator", "VLLMServerGenerator", "nanstd", "pack", "preference_metrics", "read_pairs", "rewards",

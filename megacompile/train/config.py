@@ -146,6 +146,9 @@ class RunConfig:
     center_rewards_coefficient: float | None = None
     num_generations: int | None = None
     num_generations_eval: int | None = None
+    sync_ref_model: bool | None = None
+    ref_model_mixup_alpha: float | None = None
+    ref_model_sync_steps: int | None = None
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
     temperature: float | None = None

@@ -37,8 +37,7 @@ from .preemption import StopSignals
 from .schedule import warmup_steps
 from .skip_streak import SkipStreak
 from .stages import Stage, kind, open_stage
-
-CHECKPOINTS = "checkpoints"
+from .stages.stage import CHECKPOINTS
 
 
 def _run_dir(c: RunConfig) -> str:

@@ -109,8 +109,6 @@ NOT_TAKEN = {
     "swanlab_project": "not supported: log: takes csv, tensorboard and wandb",
     "ray_run_name": "not supported: a run is one process (or torchrun's, docs/distributed.md)",
     # DPO (LlamaFactory's names; pref_beta, pref_loss and dpo_label_smoothing are read: aliases.py)
-    # post-training options megacompile does not have
-    "sync_ref_model": "not supported: the reference is the policy at step 0 throughout",
 }
 
 

@@ -115,8 +115,6 @@ NO_EFFECT: dict[str, tuple[tuple, str]] = {
     "activation_checkpointing_kwargs": ((None,), _PLANNER),
     "activation_offloading": ((False,), _PLANNER),
     "shuffle_dataset": ((False, True), "rows are ordered by seed"),
-    "ref_model_mixup_alpha": ((0.6,), "read only with sync_ref_model, which is not supported"),
-    "ref_model_sync_steps": ((512,), "read only with sync_ref_model, which is not supported"),
     # GRPO (TRL 1.16)
     "entropy_coef_delta": ((0.005,), "read only with use_adaptive_entropy, which is not supported"),
     "entropy_coef_max": ((1.0,), "read only with use_adaptive_entropy, which is not supported"),

@@ -18,7 +18,9 @@ after the rollout. With loss_type dapo the loss divides by the rollout batch's c
 as TRL's does (`token_count`). With vLLM, each token is weighed by the sampler's correction
 (posttrain/sampling_correction.py). With beta > 0 the
 reference is a second engine over the model as it was loaded, forward only (a second copy of the
-weights on the host). A generator that holds a copy of the weights takes the masters before each
+weights on the host); with sync_ref_model, TRL's reference updates mix the policy into it every
+ref_model_sync_steps steps, each update kept in the run folder for a resume
+(posttrain/reference_sync.py). A generator that holds a copy of the weights takes the masters before each
 rollout that follows a step (`sync()`). A checkpoint falls between rollout batches (stages.py) and
 carries the sampler's state beside the prompt position: a resumed run samples the same
 completions.
@@ -34,12 +36,15 @@ evaluating leaves the rollouts as they were."""
 from __future__ import annotations
 
 import base64
+import os
+import re
 
 import torch
 
 from ...errors import ArgumentError
 from ...errors import MegacompileError
 from ...posttrain import check_texts, render
+from ...posttrain import reference_sync
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, decoupled_advantages,
                           decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
                           sampling_correction, sampling_ratio, truncated)
@@ -54,7 +59,7 @@ from .completions_log import CompletionsLog
 from .grpo_keys import rollout_steps
 from .keys import check_resume, check_row_length, saved_keys
 from .order import stream_items
-from .stage import Stage
+from .stage import CHECKPOINTS, Stage
 
 
 COMPLETION_METRICS = ("completions/mean_length", "completions/min_length", "completions/max_length",
@@ -205,6 +210,10 @@ class GRPOStage(Stage):
         self.completions = (CompletionsLog(run_dir, engine.steps_done, self.c.num_completions_to_print)
                             if self.c.log_completions else None)
         self.synced = engine.steps_done         # a copy is made from the masters as they are now
+        self.run_dir = run_dir
+        every = self.c.ref_model_sync_steps
+        if self.c.sync_ref_model and engine.steps_done >= every:     # the reference of the last update
+            reference_sync.load(self.reference, run_dir, engine.steps_done // every * every)
         if saved is not None:
             state = base64.b64decode(saved["sampler"])      # bytes of a tensor of the dtype state() gives
             dtype = self.generator.state().dtype
@@ -320,7 +329,20 @@ class GRPOStage(Stage):
         metrics = {**self.rollout["metrics"], **{k: sum(m[k] for m in measured) / len(measured) for k in self.clip}}
         if c.beta > 0:
             metrics["kl"] = sum(m["kl"] for m in measured) / len(measured)
+        if c.sync_ref_model and engine.steps_done % c.ref_model_sync_steps == 0:
+            self._update_reference(engine)
         return metrics, losses, tokens, position
+
+    def _update_reference(self, engine) -> None:
+        """TRL's SyncRefModelCallback at the end of the step, and the result kept for a resume
+        before the step's checkpoint is written; the updates no checkpoint reads are dropped."""
+        every = self.c.ref_model_sync_steps
+        reference_sync.mix(self.reference, engine, self.c.ref_model_mixup_alpha)
+        reference_sync.keep(self.reference, self.run_dir, engine.steps_done)
+        folder = os.path.join(self.run_dir, CHECKPOINTS)
+        saved = [int(m.group(1)) for m in (re.fullmatch(r"step-(\d+)", e) for e in
+                                           (os.listdir(folder) if os.path.isdir(folder) else [])) if m]
+        reference_sync.prune(self.run_dir, engine.steps_done, {s // every * every for s in saved})
 
     def _measure(self, engine, part: dict) -> dict[str, float]:
         """The clip fraction (and KL) of a micro-batch under the policy the step starts from: the

@@ -29,7 +29,9 @@ refused under a stage it does not belong to, before anything is read or written.
            GDPO), mask_truncated_completions (false), importance_sampling_level
            (token), top_entropy_quantile (1.0), num_iterations (1), steps_per_generation
            (grad_accum) or generation_batch_size (batch x steps_per_generation),
-           use_bias_correction_kl (true, TRL's: the KL term weighed by the importance weight), and
+           use_bias_correction_kl (true, TRL's: the KL term weighed by the importance weight),
+           sync_ref_model (false; true: TR-DPO's reference updates, with beta > 0,
+           ref_model_mixup_alpha 0.6 and ref_model_sync_steps 512: posttrain/reference_sync.py), and
            the generator's keys (rollouts.py); checked in grpo_keys.py
 """
 from __future__ import annotations
@@ -54,7 +56,8 @@ KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precomp
                  "entropy_coef", "log_completions", "num_completions_to_print", "multi_objective_aggregation",
                  "off_policy_mask_threshold", "epsilon_high", "delta", "reward_funcs", "reward_weights", "scale_rewards",
                  "mask_truncated_completions", "importance_sampling_level", "top_entropy_quantile", "num_iterations",
-                 "steps_per_generation", "generation_batch_size", "use_bias_correction_kl")
+                 "steps_per_generation", "generation_batch_size", "use_bias_correction_kl", "sync_ref_model",
+                 "ref_model_mixup_alpha", "ref_model_sync_steps")
         + rollouts.KEYS}
 ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["rm"] + KEYS["grpo"]))
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
@@ -75,7 +78,8 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                      "delta": None, "reward_weights": None, "scale_rewards": "group",
                      "mask_truncated_completions": False, "importance_sampling_level": "token",
                      "top_entropy_quantile": 1.0, "num_iterations": 1, "steps_per_generation": None,
-                     "generation_batch_size": None, "use_bias_correction_kl": True}}
+                     "generation_batch_size": None, "use_bias_correction_kl": True, "sync_ref_model": False,
+                     "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512}}
 # What a checkpoint saved before these keys existed trained with (their defaults, then as now).
 IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
            if k in ("loss_weights", "precompute_ref_log_probs", "rpo_alpha", "discopop_tau", "simpo_gamma", "pref_ftx",
@@ -86,7 +90,7 @@ IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "generation_batch_size", "top_k", "top_p", "min_p", "repetition_penalty",
                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
                     "vespo_k_neg", "vespo_lambda_neg", "entropy_coef", "multi_objective_aggregation",
-                    "off_policy_mask_threshold")}
+                    "off_policy_mask_threshold", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")}
            | {"steps_per_generation": 1, "use_bias_correction_kl": False})
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
@@ -113,7 +117,9 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         raise ArgumentError(f"stage pt trains the cross-entropy of every token of the text; loss_type "
                             f"{raw['loss_type']!r} is not taken there (stage sft takes nll or dft): leave it out, or "
                             "set stage: sft")
-    given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")]
+    _reference_updates_elsewhere(c, raw)
+    given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")
+             and not (c.stage != "grpo" and k in SYNC and raw[k] == DEFAULTS["grpo"][k])]
     foreign = [k for k in given if k not in KEYS.get(c.stage, ())]
     if foreign:
         owners = {k: " or ".join(s for s in KEYS if k in KEYS[s]) for k in foreign}
@@ -151,6 +157,18 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         _rm(c)
     else:
         _dpo(c) if c.stage == "dpo" else _kto(c) if c.stage == "kto" else grpo_keys.check(c, raw, folder)
+
+
+SYNC = ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
+
+
+def _reference_updates_elsewhere(c, raw: dict) -> None:
+    """TRL's DPOConfig writes sync_ref_model (false) and its two numbers: at those defaults they ask
+    for nothing under any stage; sync_ref_model true is stage grpo's alone here."""
+    if c.stage != "grpo" and raw.get("sync_ref_model") is True:
+        raise ArgumentError(f"sync_ref_model (TR-DPO's reference updates) is not supported under stage {c.stage}: "
+                            f"the reference's log-probabilities are computed once, before the first step, from the "
+                            f"policy at step 0; stage grpo takes it (with beta > 0)")
 
 
 def _sft_loss(c) -> None:

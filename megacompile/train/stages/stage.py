@@ -3,6 +3,8 @@ objective and the shapes of a training step, makes each optimizer step and its l
 and names what its checkpoints carry beside the data position."""
 from __future__ import annotations
 
+CHECKPOINTS = "checkpoints"     # the run folder's folder of checkpoints (one step-NNNNNN each)
+
 
 class Stage:
     columns: tuple = ()         # the log's columns (log.COLUMNS and the stage's own figures)
