@@ -118,19 +118,25 @@ def test_simpo_and_orpo_train_the_policy_alone_named_as_llamafactory_names_them(
     assert first["orpo"] > first["simpo"] > 0        # orpo adds the chosen tokens' NLL
 
 
-def test_grpo_evaluates_held_out_prompts_greedily_and_leaves_the_rollouts_as_they_were(tmp_path):
+def _runs_with_and_without_evaluation(tmp_path, **more) -> tuple[list, tuple, tuple]:
+    """Three held-out prompts; a GRPO run without evaluation and one evaluating every step with
+    `more`: (held, (plain log, its reward calls), (evaluated log, its reward calls))."""
     work = stage_files.workspace(tmp_path)
     held = [s for s in files.SENTENCES[:3]]
     with open(tmp_path / "held.jsonl", "w") as f:
         for s in held:
             f.write(json.dumps({"prompt": s, "answer": s.split()[-1]}) + "\n")
     runs = {}
-    for name, more in (("plain", {}), ("evaluated", {"eval": str(tmp_path / "held.jsonl"), "eval_every": 1})):
+    for name, keys in (("plain", {}), ("evaluated", {"eval": str(tmp_path / "held.jsonl"), "eval_every": 1, **more})):
         stage_files.CALLS.clear()
-        config = files.run_yaml(str(tmp_path / f"{name}.yaml"), **stage_files.grpo(work, str(tmp_path / name), **more))
+        config = files.run_yaml(str(tmp_path / f"{name}.yaml"), **stage_files.grpo(work, str(tmp_path / name), **keys))
         run(load(config, []))
         runs[name] = (log.read(str(tmp_path / name / "log.csv")), list(stage_files.CALLS))
-    (plain, plain_calls), (evaluated, calls) = runs["plain"], runs["evaluated"]
+    return held, runs["plain"], runs["evaluated"]
+
+
+def test_grpo_evaluates_held_out_prompts_greedily_and_leaves_the_rollouts_as_they_were(tmp_path):
+    held, (plain, plain_calls), (evaluated, calls) = _runs_with_and_without_evaluation(tmp_path)
     # each step: its rollout, then the evaluation of the three held-out prompts (batch 8: one call)
     rollouts, evals = calls[0::2], calls[1::2]
     assert len(rollouts) == len(evals) == 2 and [r["prompts"] for r in evals] == [held, held]
@@ -222,19 +228,8 @@ def test_a_resumed_dpo_run_refuses_a_reference_made_for_other_tokens(tmp_path):
 
 
 def test_grpo_samples_num_generations_eval_of_each_held_out_prompt_and_leaves_the_rollouts_as_they_were(tmp_path):
-    work = stage_files.workspace(tmp_path)
-    held = [s for s in files.SENTENCES[:3]]
-    with open(tmp_path / "held.jsonl", "w") as f:
-        for s in held:
-            f.write(json.dumps({"prompt": s, "answer": s.split()[-1]}) + "\n")
-    runs = {}
-    for name, more in (("plain", {}), ("evaluated", {"eval": str(tmp_path / "held.jsonl"), "eval_every": 1,
-                                                     "num_generations_eval": 4})):
-        stage_files.CALLS.clear()
-        config = files.run_yaml(str(tmp_path / f"{name}.yaml"), **stage_files.grpo(work, str(tmp_path / name), **more))
-        run(load(config, []))
-        runs[name] = (log.read(str(tmp_path / name / "log.csv")), list(stage_files.CALLS))
-    (plain, plain_calls), (evaluated, calls) = runs["plain"], runs["evaluated"]
+    held, (plain, plain_calls), (evaluated, calls) = _runs_with_and_without_evaluation(tmp_path,
+                                                                                    num_generations_eval=4)
     # batch 8 rows a call, 4 completions of each prompt: two calls of two prompts, the second's
     # second prompt the first again, left out
     rollouts, evals = calls[0::2], calls[1::2]
