@@ -140,7 +140,8 @@ def rotate(path: str, run: str, keep_last: int | None) -> None:
     if keep_last is None:
         return
     mine = [p for p in committed_beside(path, run=run) if os.path.abspath(p) != os.path.abspath(path)]
-    for old in mine[:len(mine) - (keep_last - 1)]:
+    # fewer than keep_last - 1 others: none goes (a negative cut would slice from the end)
+    for old in mine[:max(0, len(mine) - (keep_last - 1))]:
         remove(old)
 
 

@@ -86,6 +86,14 @@ def _trained(steps=1):
     return engine
 
 
+@pytest.mark.parametrize("keep_last", [1, 3, 4, 6])
+def test_keep_last_keeps_that_many_from_the_first_save_on(tmp_path, keep_last):
+    engine = _trained()
+    for i in range(7):
+        engine.save_checkpoint(str(tmp_path / f"step-{i}"), keep_last=keep_last)
+        assert sorted(os.listdir(tmp_path)) == [f"step-{j}" for j in range(max(0, i + 1 - keep_last), i + 1)]
+
+
 def test_keep_last_rotates_and_an_uncommitted_one_names_the_last_good(tmp_path):
     engine = _trained()
     for i in range(4):
