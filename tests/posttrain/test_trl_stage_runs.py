@@ -118,7 +118,7 @@ def test_a_skipped_dpo_step_is_logged_and_the_run_goes_on(tmp_path, monkeypatch)
 
     def poisoned(self, engine, run_dir, saved, batch):
         begin(self, engine, run_dir, saved, batch)
-        self.reference = torch.full_like(self.reference, math.nan)
+        self.table = torch.full_like(self.table, math.nan)
     monkeypatch.setattr(DPOStage, "begin", poisoned)
     settings = stage_files.dpo(work, str(tmp_path / "run"), steps=2, max_consecutive_skips=2)
     del settings["eval_fraction"], settings["eval_every"]

@@ -8,7 +8,12 @@ every held-out pair) are computed once, by the objective's forward-only pass on 
 before the first step, and kept in the run folder (reference_logps.pt): a resumed run reads them
 there, as its weights are no longer the reference's. Each micro-batch's step is preceded by a
 forward-only pass of the same rows, whose log-probabilities give the logged implicit rewards
-(those of the policy the step starts from, as TRL logs them)."""
+(those of the policy the step starts from, as TRL logs them).
+
+With sync_ref_model (TR-DPO) the reference moves: it is a second engine over the model as loaded
+(a second copy of the weights on the host), whose forward-only pass gives each micro-batch's and
+each evaluation's reference log-probabilities, and into which the policy is mixed every
+ref_model_sync_steps steps (reference.update)."""
 from __future__ import annotations
 
 
@@ -51,7 +56,9 @@ class DPOStage(reference.ReferenceStage):
         self.orpo = [k for k in ORPO_METRICS if k in self.loss.kinds]
         self.columns = (STEP_COLUMNS + METRICS + tuple(m for k in self.orpo for m in ORPO_METRICS[k])
                         + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS) if self.held else ()))
-        self.reference = self.held_reference = None
+        self.table = self.held_reference = None      # the reference's log-probabilities, computed once
+        self.needs_reference = bool(c.sync_ref_model)   # a reference engine that moves (TR-DPO)
+        self.reference = None
 
     def _read(self, entries: list, tokenizer) -> list[Pair]:
         pairs = []
@@ -104,18 +111,22 @@ class DPOStage(reference.ReferenceStage):
         return torch.stack([counted[:len(pairs)], counted[len(pairs):]], dim=1)
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
+        self.run_dir = run_dir
+        if self.needs_reference:        # read from the reference engine at each step
+            reference.resume(self.reference, self.c, run_dir, engine.steps_done)
+            return
         if not self.loss.needs_reference:       # simpo, orpo: the policy alone; the rewards are beta log pi per token
-            self.reference = torch.zeros(len(self.pairs), 2)
+            self.table = torch.zeros(len(self.pairs), 2)
             self.held_reference = torch.zeros(len(self.held), 2) if self.held else None
             return
         tokens = {"train": pairs_digest(self.pairs), "eval": pairs_digest(self.held)}
         if saved is not None:
             kept = reference.kept(run_dir, tokens, "pairs")
-            self.reference, self.held_reference = kept["train"], kept["eval"]
+            self.table, self.held_reference = kept["train"], kept["eval"]
             return
-        self.reference = self._logps(engine, self.pairs)
+        self.table = self._logps(engine, self.pairs)
         self.held_reference = self._logps(engine, self.held) if self.held else None
-        reference.keep(run_dir, self.reference, self.held_reference, tokens)
+        reference.keep(run_dir, self.table, self.held_reference, tokens)
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         """One optimizer step: grad_accum micro-batches, each first through the forward-only pass
@@ -124,8 +135,10 @@ class DPOStage(reference.ReferenceStage):
         for _ in range(self.c.grad_accum):
             chosen = stream_items(len(self.pairs), self.c.seed, position, self.c.batch)
             position += self.c.batch
-            ref = torch.cat([self.reference[chosen, 0], self.reference[chosen, 1]])
-            micro.append((pack([self.pairs[i] for i in chosen], self.c.seq, self.pad), ref))
+            rows = pack([self.pairs[i] for i in chosen], self.c.seq, self.pad)
+            ref = (torch.as_tensor(self.reference(**rows)).float().clone() if self.needs_reference
+                   else torch.cat([self.table[chosen, 0], self.table[chosen, 1]]))
+            micro.append((rows, ref))
         policy = [torch.as_tensor(engine(**batch)).float() for batch, _ in micro]
         losses, tokens = [], 0
         for batch, ref in micro:
@@ -142,6 +155,8 @@ class DPOStage(reference.ReferenceStage):
         for kind in self.orpo:
             both, half = rows(policy), len(lengths) // 2
             metrics.update(orpo_metrics(kind, both[:half], both[half:], lengths[:half], lengths[half:]))
+        if self.needs_reference:
+            reference.update(self.reference, engine, self.c, self.run_dir)
         return metrics, losses, tokens, position
 
     def _per_token(self, lengths: torch.Tensor) -> torch.Tensor | None:
@@ -154,6 +169,8 @@ class DPOStage(reference.ReferenceStage):
         if due is None:
             return {}
         held, ref, policy = due
+        if self.needs_reference:        # the reference as the last update left it
+            ref = self.held_logps(self.reference, held, self._logps)
         counts = self._token_counts(held)
         lengths = torch.cat([counts[:, 0], counts[:, 1]])
         losses = self.loss.pairs(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), lengths)

@@ -36,15 +36,12 @@ evaluating leaves the rollouts as they were."""
 from __future__ import annotations
 
 import base64
-import os
-import re
 
 import torch
 
 from ...errors import ArgumentError
 from ...errors import MegacompileError
 from ...posttrain import check_texts, render
-from ...posttrain import reference_sync
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, decoupled_advantages,
                           decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
                           sampling_correction, sampling_ratio, truncated)
@@ -59,7 +56,8 @@ from .completions_log import CompletionsLog
 from .grpo_keys import rollout_steps
 from .keys import check_resume, check_row_length, saved_keys
 from .order import stream_items
-from .stage import CHECKPOINTS, Stage
+from . import reference
+from .stage import Stage
 
 
 COMPLETION_METRICS = ("completions/mean_length", "completions/min_length", "completions/max_length",
@@ -211,9 +209,7 @@ class GRPOStage(Stage):
                             if self.c.log_completions else None)
         self.synced = engine.steps_done         # a copy is made from the masters as they are now
         self.run_dir = run_dir
-        every = self.c.ref_model_sync_steps
-        if self.c.sync_ref_model and engine.steps_done >= every:     # the reference of the last update
-            reference_sync.load(self.reference, run_dir, engine.steps_done // every * every)
+        reference.resume(self.reference, self.c, run_dir, engine.steps_done)
         if saved is not None:
             state = base64.b64decode(saved["sampler"])      # bytes of a tensor of the dtype state() gives
             dtype = self.generator.state().dtype
@@ -329,20 +325,8 @@ class GRPOStage(Stage):
         metrics = {**self.rollout["metrics"], **{k: sum(m[k] for m in measured) / len(measured) for k in self.clip}}
         if c.beta > 0:
             metrics["kl"] = sum(m["kl"] for m in measured) / len(measured)
-        if c.sync_ref_model and engine.steps_done % c.ref_model_sync_steps == 0:
-            self._update_reference(engine)
+        reference.update(self.reference, engine, c, self.run_dir)
         return metrics, losses, tokens, position
-
-    def _update_reference(self, engine) -> None:
-        """TRL's SyncRefModelCallback at the end of the step, and the result kept for a resume
-        before the step's checkpoint is written; the updates no checkpoint reads are dropped."""
-        every = self.c.ref_model_sync_steps
-        reference_sync.mix(self.reference, engine, self.c.ref_model_mixup_alpha)
-        reference_sync.keep(self.reference, self.run_dir, engine.steps_done)
-        folder = os.path.join(self.run_dir, CHECKPOINTS)
-        saved = [int(m.group(1)) for m in (re.fullmatch(r"step-(\d+)", e) for e in
-                                           (os.listdir(folder) if os.path.isdir(folder) else [])) if m]
-        reference_sync.prune(self.run_dir, engine.steps_done, {s // every * every for s in saved})
 
     def _measure(self, engine, part: dict) -> dict[str, float]:
         """The clip fraction (and KL) of a micro-batch under the policy the step starts from: the

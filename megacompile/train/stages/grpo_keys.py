@@ -5,8 +5,7 @@ from __future__ import annotations
 from ...errors import ArgumentError
 from ...posttrain import advantages, grpo, sampling_filters
 from . import rollouts
-from ..methods import adapters
-from .checks import loss_type_in, note, number, positive
+from .checks import loss_type_in, note, number, positive, reference_updates
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
@@ -24,7 +23,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
             raise ArgumentError(f"{key} must be a whole number >= {least}; got {value!r}"
                                 + ("; a group of one completion has no advantage" if key == "num_generations" else ""))
     _eval_generations(c)
-    _reference_updates(c)
+    reference_updates(c, "beta 0 turns the KL term off: there is none to update; give beta > 0" if c.beta == 0 else None)
     c.temperature = number("temperature", c.temperature)
     if c.temperature <= 0:
         raise ArgumentError(f"temperature must be > 0 (1.0: the policy's own distribution): it divides the logits of "
@@ -145,30 +144,6 @@ def _generation_batch(c) -> None:
         raise ArgumentError(f"the rollout batch, batch {c.batch} x steps_per_generation {c.steps_per_generation} = "
                             f"{rows} completions (TRL's generation_batch_size), must be a multiple of num_generations "
                             f"{c.num_generations}: it holds whole groups of completions of a prompt")
-
-
-def _reference_updates(c) -> None:
-    """sync_ref_model: TRL's reference updates (TR-DPO): every ref_model_sync_steps steps the
-    reference becomes (1 - alpha) policy-mixed; they need a reference (beta > 0) of full weights."""
-    if not isinstance(c.sync_ref_model, bool):
-        raise ArgumentError(f"sync_ref_model must be true or false; got {c.sync_ref_model!r}")
-    c.ref_model_mixup_alpha = number("ref_model_mixup_alpha", c.ref_model_mixup_alpha)
-    if not 0.0 <= c.ref_model_mixup_alpha <= 1.0:
-        raise ArgumentError(f"ref_model_mixup_alpha must be in [0, 1] (the policy's share of the updated reference; "
-                            f"TRL's default 0.6); got {c.ref_model_mixup_alpha!r}")
-    steps = c.ref_model_sync_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ArgumentError(f"ref_model_sync_steps must be a whole number >= 1 (optimizer steps between reference "
-                            f"updates; TRL's default 512); got {steps!r}")
-    if not c.sync_ref_model:
-        return
-    if c.beta == 0:
-        raise ArgumentError("sync_ref_model updates the reference of the KL term, and beta 0 has none: give beta > 0, "
-                            "or leave sync_ref_model out")
-    if adapters(c):
-        raise ArgumentError("sync_ref_model with finetuning_type lora: the reference is the model "
-                            "without its adapters, which an update cannot mix into (TRL refuses it with PEFT too); "
-                            "train full weights, or leave sync_ref_model out")
 
 
 def _eval_generations(c) -> None:

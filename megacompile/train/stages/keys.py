@@ -6,7 +6,8 @@ refused under a stage it does not belong to, before anything is read or written.
            pref_ftx (none: LlamaFactory's weight of each pair's chosen NLL, posttrain/dpo.py),
            discopop_tau (0.05), simpo_gamma (0.5), f_divergence_type (reverse_kl) and
            f_alpha_divergence_coef (0.5), use_weighting (false: WPO's pair weights), ld_alpha
-           (none: LD-DPO's weight of the tokens past the shorter completion),
+           (none: LD-DPO's weight of the tokens past the shorter completion), sync_ref_model (false;
+           true: TR-DPO's reference updates, ref_model_mixup_alpha 0.6, ref_model_sync_steps 512),
            precompute_ref_log_probs (accepted either way:
            the reference's log-probabilities are computed once, before the first step, where a loss
            type reads them)
@@ -41,13 +42,13 @@ from ...errors import ArgumentError
 from ...posttrain import DPOLoss, dpo_losses, kto
 from ..methods import adapters
 from . import grpo_keys, rollouts
-from .checks import note, number, positive
+from .checks import note, number, positive, reference_updates
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
 REFUSED = ("ppo",)
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau", "simpo_gamma", "pref_ftx", "f_divergence_type", "f_alpha_divergence_coef",
-                "use_weighting", "ld_alpha"),
+                "use_weighting", "ld_alpha", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
         "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx", "precompute_ref_log_probs"),
         "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "num_generations_eval", "max_prompt_length", "max_completion_length", "temperature",
@@ -63,7 +64,8 @@ ALL_KEYS = tuple(dict.fromkeys(KEYS["dpo"] + KEYS["kto"] + KEYS["rm"] + KEYS["gr
 DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": None,
                     "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05, "simpo_gamma": 0.5,
                     "pref_ftx": None, "f_divergence_type": "reverse_kl", "f_alpha_divergence_coef": 0.5,
-                    "use_weighting": False, "ld_alpha": None},
+                    "use_weighting": False, "ld_alpha": None, "sync_ref_model": False, "ref_model_mixup_alpha": 0.6,
+                    "ref_model_sync_steps": 512},
             "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0,
                     "pref_ftx": None, "precompute_ref_log_probs": False},
             "rm": {"center_rewards_coefficient": 0.0},
@@ -119,7 +121,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
                             "set stage: sft")
     _reference_updates_elsewhere(c, raw)
     given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")
-             and not (c.stage != "grpo" and k in SYNC and raw[k] == DEFAULTS["grpo"][k])]
+             and not (c.stage not in ("grpo", "dpo") and k in SYNC and raw[k] == DEFAULTS["grpo"][k])]
     foreign = [k for k in given if k not in KEYS.get(c.stage, ())]
     if foreign:
         owners = {k: " or ".join(s for s in KEYS if k in KEYS[s]) for k in foreign}
@@ -163,12 +165,12 @@ SYNC = ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
 
 
 def _reference_updates_elsewhere(c, raw: dict) -> None:
-    """TRL's DPOConfig writes sync_ref_model (false) and its two numbers: at those defaults they ask
-    for nothing under any stage; sync_ref_model true is stage grpo's alone here."""
-    if c.stage != "grpo" and raw.get("sync_ref_model") is True:
+    """TRL's configs write sync_ref_model (false) and its two numbers: at those defaults they ask
+    for nothing under any stage; sync_ref_model true is stage dpo's and grpo's alone here."""
+    if c.stage not in ("grpo", "dpo") and raw.get("sync_ref_model") is True:
         raise ArgumentError(f"sync_ref_model (TR-DPO's reference updates) is not supported under stage {c.stage}: "
                             f"the reference's log-probabilities are computed once, before the first step, from the "
-                            f"policy at step 0; stage grpo takes it (with beta > 0)")
+                            f"policy at step 0; stage dpo and grpo (with beta > 0) take it")
 
 
 def _sft_loss(c) -> None:
@@ -267,6 +269,10 @@ def _dpo(c) -> None:
             c.f_divergence_type, c.f_alpha_divergence_coef, c.use_weighting, c.ld_alpha)
     if not isinstance(c.precompute_ref_log_probs, bool):
         raise ArgumentError(f"precompute_ref_log_probs must be true or false; got {c.precompute_ref_log_probs!r}")
+    reads = any(k not in dpo_losses.REFERENCE_FREE for k in kinds)
+    reference_updates(c, f"loss_type {', '.join(kinds)} reads no reference" if not reads else
+                      "precompute_ref_log_probs true computes the reference's log-probabilities once (TRL refuses "
+                      "the two together); set it to false" if c.precompute_ref_log_probs else None)
 
 
 def dpo_loss_terms(c) -> tuple[tuple[str, ...], list[float] | None]:
@@ -280,8 +286,8 @@ def dpo_loss_terms(c) -> tuple[tuple[str, ...], list[float] | None]:
     return kinds, weights
 
 
-# what a resumed run may change: where vLLM is reached, and what is written of the rollouts
-# what the run logs, not what it trains: a resume may change them
+# what a resumed run may change: where vLLM is reached, and what is written of the rollouts and
+# evaluated (what the run logs, not what it trains)
 MAY_CHANGE = rollouts.MAY_CHANGE + ("log_completions", "num_completions_to_print", "num_generations_eval")
 
 

@@ -1,20 +1,24 @@
 """What stages dpo and kto share: the data's held-out part, and the reference's log-probabilities,
 computed once before the first step (the policy at step 0 is the reference) and kept in the run
-folder, where a resumed run reads them, its weights no longer being the reference's."""
+folder, where a resumed run reads them, its weights no longer being the reference's. And what
+stages dpo and grpo share of a reference that moves (sync_ref_model): its updates, kept in the run
+folder, and the one a resume reads."""
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import torch
 
 from ...errors import ArgumentError
 from ...io import durable
+from ...posttrain import reference_sync
 from .. import intervals
 from ..data.tokens import fingerprint
 from ..model import check_positions
 from .keys import check_resume
-from .stage import Stage
+from .stage import CHECKPOINTS, Stage
 
 REFERENCE = "reference_logps.pt"
 
@@ -74,6 +78,29 @@ def keep(run_dir: str, train: torch.Tensor, held: torch.Tensor | None, tokens: d
                                    needed=(train.numel() + (held.numel() if held is not None else 0)) * 4) from e
 
 
+def update(reference_engine, policy, c, run_dir: str) -> None:
+    """After an optimizer step, every ref_model_sync_steps (TRL's SyncRefModelCallback at the step's
+    end): the policy mixed into the reference, the result kept for a resume before the step's
+    checkpoint is written, and the kept updates no checkpoint reads dropped."""
+    every = c.ref_model_sync_steps
+    if not c.sync_ref_model or policy.steps_done % every:
+        return
+    reference_sync.mix(reference_engine, policy, c.ref_model_mixup_alpha)
+    reference_sync.keep(reference_engine, run_dir, policy.steps_done)
+    folder = os.path.join(run_dir, CHECKPOINTS)
+    saved = [int(m.group(1)) for m in (re.fullmatch(r"step-(\d+)", e)
+                                       for e in (os.listdir(folder) if os.path.isdir(folder) else [])) if m]
+    reference_sync.prune(run_dir, policy.steps_done, {s // every * every for s in saved})
+
+
+def resume(reference_engine, c, run_dir: str, steps_done: int) -> None:
+    """A resumed run's reference: the model as loaded until the first update, then the last update
+    before `steps_done`, read from the run folder."""
+    every = c.ref_model_sync_steps
+    if c.sync_ref_model and steps_done >= every:
+        reference_sync.load(reference_engine, run_dir, steps_done // every * every)
+
+
 class ReferenceStage(Stage):
     """A stage trained against the reference (dpo, kto): what both check and keep of the run."""
     check_resume = staticmethod(check_resume)
@@ -96,10 +123,16 @@ class ReferenceStage(Stage):
             return None
         held, ref = self.held, self.held_reference
         if c.eval_batches is not None:
-            held, ref = held[:c.eval_batches * c.batch], ref[:c.eval_batches * c.batch]
+            held = held[:c.eval_batches * c.batch]
+            ref = ref[:c.eval_batches * c.batch] if ref is not None else None
+        return held, ref, self.held_logps(engine, held, logps)
+
+    @staticmethod
+    def held_logps(engine, held: list, logps):
+        """`logps(engine, held)` in eval mode (dropout off)."""
         training = engine.model.training
         engine.model.eval()
         try:
-            return held, ref, logps(engine, held)
+            return logps(engine, held)
         finally:
             engine.model.train(training)
