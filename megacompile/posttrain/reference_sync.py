@@ -1,5 +1,5 @@
 """TR-DPO's reference updates (Gorbatovski et al., 2024), as TRL's `sync_ref_model` makes them for
-GRPO: every `ref_model_sync_steps` optimizer steps the reference engine's weights become
+DPO and GRPO: every `ref_model_sync_steps` optimizer steps the reference engine's weights become
 (1 - alpha) * reference + alpha * policy, parameter by parameter (buffers stay), in float32 on the
 masters, one tensor at a time.
 
