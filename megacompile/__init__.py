@@ -40,7 +40,7 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
             grad_accum: int = Settings.grad_accum, fuse: bool | None = None, host_budget: float | None = None,
             on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None, nvme_budget: float | None = None,
             process_group=None, accumulation: str = Settings.accumulation,
-            max_consecutive_skips: int | None = None) -> Engine:
+            max_consecutive_skips: int | None = None, share_device: Engine | None = None) -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -70,6 +70,11 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
                    "layer" (the step's micro-batches through each block together: weights cross
                    the link once per direction per step; the first grad_accum-1 calls of a step
                    return None and the last runs them all) or "auto" (the planner's choice)
+    share_device:  an open Engine whose device this one runs on, taking turns with it: the same
+                   budget (give the same hbm_budget), streams and device arena, so the two hold one
+                   budget between them, and this engine's host state placed in the host budget the
+                   other's leaves (a frozen reference model beside its policy: forward calls only,
+                   its weights kept once in their own dtype, no moments)
 
     settings:      a megacompile.Settings holding the plain settings above (hbm_budget included)
                    instead of keywords; a keyword given beside it must agree with it
@@ -81,7 +86,7 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
         grad_accum=grad_accum, fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite, nvme_dir=nvme_dir,
         nvme_budget=nvme_budget, accumulation=accumulation))
     return Engine(model, optimizer=optimizer, loss_fn=loss_fn, process_group=process_group,
-                  max_consecutive_skips=max_consecutive_skips, **plain)
+                  max_consecutive_skips=max_consecutive_skips, share_device=share_device, **plain)
 
 
 __all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "hf_no_decay",

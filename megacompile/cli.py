@@ -192,7 +192,8 @@ STAGE_FLAGS = (("--prompts", "prompts"), ("--num-generations", "num_generations"
                ("--max-prompt-length", "max_prompt_length"), ("--max-completion-length", "max_completion_length"),
                ("--num-iterations", "num_iterations"), ("--steps-per-generation", "steps_per_generation"),
                ("--beta", "beta"), ("--generator", "generator"),
-               ("--precompute-ref-log-probs", "precompute_ref_log_probs"), ("--loss-type", "loss_type"))
+               ("--precompute-ref-log-probs", "precompute_ref_log_probs"), ("--loss-type", "loss_type"),
+               ("--sync-ref-model", "sync_ref_model"))
 
 
 def _plan_stage(args: argparse.Namespace) -> int:
@@ -371,6 +372,9 @@ def parser() -> argparse.ArgumentParser:
                         "forward-only passes, the training steps) and in all")
     s.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
                    help="dpo: the reference's log-probabilities are given, no reference forward per step")
+    s.add_argument("--sync-ref-model", action="store_true", default=None,
+                   help="dpo: the reference moves (TRL's sync_ref_model): a second engine runs it every step, its "
+                        "weights a second copy on the host")
     s.add_argument("--loss-type", default=None,
                    help="dpo: TRL's loss_type, or several joined by commas (default sigmoid; simpo and orpo read no "
                         "reference); kto: kto (default) or apo_zero_unpaired")

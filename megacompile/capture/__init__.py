@@ -63,7 +63,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
              compute_dtype: torch.dtype, loss_fn: LossFn | None = None, train: bool = True) -> CapturedModel:
     start = time.perf_counter()
     state = model_state(model)
-    if not any(e.trainable for e in state.values()):
+    if train and not any(e.trainable for e in state.values()):     # a frozen model still runs its forward
         raise CaptureError(f"{type(model).__name__} has no trainable parameters: there is nothing to "
                            "train (check requires_grad, or that the model builds its layers in __init__)")
     refuse_unsupported(model)

@@ -7,7 +7,6 @@ gradients) is shared by every plan.
 """
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -24,7 +23,7 @@ from ..capture.grid_constants import describe_grids
 from ..capture.loss import LossFn
 from ..capture.rope_positions import with_rope_positions
 from .. import arguments
-from ..errors import ArgumentError, InputMismatchError, MegacompileError
+from ..errors import ArgumentError, HostMemoryError, InputMismatchError, MegacompileError
 from ..optim import AdamW
 from ..optim.adamw import given_optimizer
 from ..passes import StepKind
@@ -46,6 +45,7 @@ from ..distributed import data_parallel_for
 from ..distributed.checkpoint import ShardedCheckpoints
 from .layer_major_step import layer_major_step
 from .prepared import Prepared, signature
+from .shared_device import SharedDevice, join
 from .skip_streak import SkipStreak
 from .step import StepRecord, run_step, tokens
 
@@ -67,7 +67,8 @@ class Engine:
                  grad_accum: int = Settings.grad_accum, fuse: bool | None = None, host_budget: float | None = None,
                  on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None,
                  nvme_budget: float | None = None, process_group=None, accumulation: str = Settings.accumulation,
-                 hardware: HardwareProfile | None = None, max_consecutive_skips: int | None = None):
+                 hardware: HardwareProfile | None = None, max_consecutive_skips: int | None = None,
+                 share_device: "Engine | None" = None):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         # Every plain setting checked at once, by the one check (megacompile/settings.py).
@@ -115,10 +116,16 @@ class Engine:
         if self.nvme_dir is not None and self.data_parallel is not None:
             raise ArgumentError("the disk tier (nvme_dir) is not sharded across ranks: drop nvme_dir with process "
                                 "groups (each rank keeps its share of the host state in RAM: docs/distributed.md)")
-        self.backend = make_backend(device, self.budget_bytes)
-        # Its threads end at close(), when the engine is dropped, or at exit (runtime/shutdown.py).
-        shutdown.watch(self.backend)
-        self._end = weakref.finalize(self, shutdown.end, self.backend)
+        if share_device is None:
+            self.backend = make_backend(device, self.budget_bytes)
+            self.device_share, self._device_owner = SharedDevice(self.backend), None
+            # Its threads end at close(), when the engine is dropped, or at exit (runtime/shutdown.py).
+            shutdown.watch(self.backend)
+            self._end = weakref.finalize(self, shutdown.end, self.backend)
+        else:       # the owner's device (engine/shared_device.py); held, so it outlives this engine
+            self.device_share = join(share_device, self.budget_bytes, device, self.data_parallel)
+            self.backend, self._device_owner, self._end = self.device_share.backend, share_device, lambda: None
+        self.device_share.engines.add(self)
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
         self.fuse = fused(fuse, on_gpu=self.backend.name == "cuda")
@@ -148,7 +155,7 @@ class Engine:
         self.skip_streak = SkipStreak(max_consecutive_skips, "compile(..., max_consecutive_skips=N) sets how many "
                                       "skipped steps in a row raise this (None: never)")
         self.last_step: StepRecord | None = None
-        self._busy = threading.Lock()
+        self._busy = self.device_share.lock      # one call at a time on the device, whichever engine's
         self._closed = False
         model_params.attach(self.state)   # model.state_dict() reads the trained weights
 
@@ -220,10 +227,16 @@ class Engine:
             # Before allocating: too little host RAM (and disk) must fail here, not in the allocator.
             # Layer-major lands one gradient sum per step: no fp32 accumulator ('auto' keeps one).
             host_accum = host_accumulation(self.grad_accum, self.accumulation)
-            self.host_cost = place_host_state(captured, self.compute_dtype, host_accum, self.host_budget_bytes,
-                                              disk_room(self.nvme_dir, self.nvme_budget_bytes),
-                                              ranks=None if self.data_parallel is None else self.data_parallel.shape,
-                                              module_resident=module_resident(self.model))
+            room, shared = self.device_share.host_room(self, self.host_budget_bytes)
+            try:
+                self.host_cost = place_host_state(captured, self.compute_dtype, host_accum, room,
+                                                  disk_room(self.nvme_dir, self.nvme_budget_bytes),
+                                                  ranks=None if self.data_parallel is None else self.data_parallel.shape,
+                                                  module_resident=module_resident(self.model))
+            except HostMemoryError as e:
+                if not shared:
+                    raise
+                raise HostMemoryError(f"{e}{shared}", e.facts) from e
             host = (HostState if self.data_parallel is None else self.data_parallel.host_state)(
                 captured, self.compute_dtype, pin=self.backend.name == "cuda",
                 grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir)
@@ -241,7 +254,7 @@ class Engine:
         request = PlanRequest(
             self.budget_bytes, kind, self.backend.name, self.hardware or profile_for(self.backend.name),
             host_bytes=self.host.nbytes + self.host_cost.module_bytes, host_cost=self.host_cost,
-            host_budget_bytes=self.host_budget_bytes, fuse=self.fuse, grad_accum=self.grad_accum,
+            host_budget_bytes=self._host_room(), fuse=self.fuse, grad_accum=self.grad_accum,
             accumulation=self.accumulation, dump_dir=self.dump_dir)
         prepared = self._prepared
         if prepared is not None and prepared.captured is captured and prepared.request == request:
@@ -260,6 +273,17 @@ class Engine:
         if train:
             self._last_train = compiled
         return compiled
+
+    def _host_room(self) -> int:
+        """The host budget this engine's state plans in: the machine's, less what the engines sharing
+        its device hold (engine/shared_device.py)."""
+        return self.device_share.host_room(self, self.host_budget_bytes)[0]
+
+    def host_plan_bytes(self) -> int:
+        """Host bytes this engine's plans say it holds: its state, as placed (0 before its first
+        plan), and the offloaded activations of its largest plan."""
+        state = self.host_cost.ram_bytes if self.host_cost is not None else 0
+        return state + max((c.plan.stash_bytes for c in self._compiled.values()), default=0)
 
     def _spent(self, phase: str, start: float) -> None:
         self.setup_seconds[phase] = self.setup_seconds.get(phase, 0.0) + time.perf_counter() - start
@@ -313,9 +337,13 @@ class Engine:
         if self._closed:
             raise MegacompileError(f"{what} on a closed engine: close() stopped its streams; "
                                    "compile the model again to keep training")
+        if self.device_share.closed:
+            raise MegacompileError(f"{what} on an engine whose shared device was closed (the engine it was compiled "
+                                   "with share_device= closed its streams)")
         if not self._busy.acquire(blocking=False):
-            raise MegacompileError(f"{what} was called while another call runs on this engine (another thread): "
-                                   "an engine runs one step or forward at a time; use one engine per thread")
+            raise MegacompileError(f"{what} was called while another call runs on this engine or one sharing its "
+                                   "device (another thread): a device runs one step or forward at a time; use one "
+                                   "engine per thread")
         try:
             yield
         finally:
@@ -387,7 +415,7 @@ class Engine:
         executor = compiled.executor if compiled else None
         arena = executor.arena_plan if executor is not None else None
         return {
-            "device_peak_bytes": self.backend.memory.peak_bytes if compiled else None,
+            "device_peak_bytes": compiled.measured.peak_bytes if compiled else None,
             "predicted_device_peak_bytes": compiled.plan.predicted_peak_bytes if compiled else None,
             "device_budget_bytes": self.budget_bytes,
             "device_live_bytes": self.backend.memory.live_bytes,
@@ -467,9 +495,15 @@ class Engine:
         readable (state_dict, save_checkpoint). Closing twice is harmless."""
         if self._closed:
             return
+        if self.device_share.closed:     # a sharer after its device's owner: nothing of it runs there
+            self.synchronize()
+            self._closed = True
+            return
         with self._in_use("close()"):
             self.synchronize()        # the model's own parameters get the trained weights
             self._closed = True
+            if self._device_owner is None:     # the device's owner: its streams stop
+                self.device_share.closed = True
             self._end()
 
 

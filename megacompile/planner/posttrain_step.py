@@ -24,6 +24,12 @@ by the cost model; the parts summed.
           reference   the same when beta > 0 (the reference's own copy of the weights)
           training    num_iterations passes of a training step per micro-batch
 
+A stage that runs a reference model at every step (grpo with beta > 0, dpo with sync_ref_model)
+holds it as a second engine on the policy's device (train/reference_model.py): its forward plan is
+one of the device's, in the same budget, and its weights, frozen in their own dtype, are a second
+copy on the host, placed in what the policy's host state and offloaded activations leave of the
+host budget; too little there is a HostMemoryError, as at the run's start.
+
 The objectives' per-token log-probabilities are costed as the model's own loss: the same lm-head
 matmul and a log-softmax over the vocabulary either way. Generation is costed at
 max_completion_length tokens, its bound: a batch whose rows all end early stops early.
@@ -40,7 +46,7 @@ import torch.nn as nn
 from .. import arguments
 from ..cost import graph_cost
 from ..cost.decode import BF16, cache_bytes_per_token, decode_step
-from ..errors import ArgumentError, BudgetTooSmallError
+from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..ir.printer import fmt_bytes, fmt_seconds
 from ..settings import Settings
 from .from_config import hardware_profile, model_from_config, plan
@@ -56,7 +62,7 @@ REFERENCE_FREE = ("sft", "simpo", "orpo", "orpo_per_pair")
 KEYS: dict[str, dict[str, Any]] = {
     "sft": {},
     "pt": {},
-    "dpo": {"precompute_ref_log_probs": False, "loss_type": "sigmoid"},
+    "dpo": {"precompute_ref_log_probs": False, "loss_type": "sigmoid", "sync_ref_model": False},
     "kto": {"loss_type": "kto"},
     "rm": {},
     "grpo": {"prompts": 1, "num_generations": 8, "max_prompt_length": 512, "max_completion_length": 256,
@@ -88,6 +94,7 @@ class StagePlan:
     forward: Plan | None      # the forward-only pass over the training step's rows, when a part runs it
     parts: list[StepPart] = field(default_factory=list)
     optimizer_steps: int = 1  # optimizer steps the parts make (grpo: num_iterations per rollout batch)
+    reference_host_bytes: int = 0   # a reference engine's frozen weights on the host (0: none runs)
 
     @property
     def total_s(self) -> float:
@@ -139,8 +146,11 @@ class StagePlan:
                      else "the host link and compute take about as long")
             out.append(f"generation is {generation.seconds / self.total_s:.0%} of the rollout batch; its weights cross "
                        f"the host link in {fmt_seconds(link)}, its compute takes {fmt_seconds(compute)}: {bound}")
-        if self.keys.get("beta", 0) > 0:
-            out.append("the reference's weights are a second copy on the host, beside the policy's host state")
+        if self.reference_host_bytes:
+            held = self.train.host_bytes + self.train.stash_bytes
+            out.append(f"the reference's weights are a second copy on the host, frozen: "
+                       f"{fmt_bytes(self.reference_host_bytes)} beside the policy's {fmt_bytes(held)}, "
+                       f"{fmt_bytes(held + self.reference_host_bytes)} in all")
         if self.stage == "dpo" and not reads_reference(self.keys["loss_type"]):
             out.append(f"loss_type {self.keys['loss_type']} reads the policy alone: no reference pass, no reference "
                        "log-probabilities")
@@ -154,6 +164,7 @@ class StagePlan:
                 "parts": [p.to_dict() for p in self.parts], "total_s": self.total_s,
                 "optimizer_steps": self.optimizer_steps, "per_optimizer_step_s": self.per_optimizer_step_s,
                 "weight_h2d_bytes": self.weight_h2d_bytes, "hardware": self.train.hardware.name,
+                "reference_host_bytes": self.reference_host_bytes,
                 "train_step_s": self.train.prediction.step_s,
                 "forward_s": self.forward.prediction.step_s if self.forward is not None else None}
 
@@ -175,10 +186,14 @@ def stage_keys(stage: Any, keys: dict[str, Any]) -> dict[str, Any]:
     out = {**own, **keys}
     if stage == "dpo":
         arguments.flag("precompute_ref_log_probs", out["precompute_ref_log_probs"])
+        arguments.flag("sync_ref_model", out["sync_ref_model"])
         names = [out["loss_type"]] if isinstance(out["loss_type"], str) else out["loss_type"]
         if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
             raise ArgumentError(f"stage dpo: loss_type is a loss type's name or a list of them (TRL's); got "
                                 f"{out['loss_type']!r}")
+        if out["sync_ref_model"] and (out["precompute_ref_log_probs"] or not reads_reference(names)):
+            raise ArgumentError("stage dpo: sync_ref_model moves a reference the loss reads at every step; it is not "
+                                "taken with precompute_ref_log_probs or a loss type that reads the policy alone")
     if stage == "kto" and out["loss_type"] not in ("kto", "apo_zero_unpaired"):
         raise ArgumentError(f"stage kto: loss_type must be kto or apo_zero_unpaired; got {out['loss_type']!r}")
     if stage == "grpo":
@@ -272,7 +287,25 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         parts[:0] = [generation, _part("old-policy forward", micro, forward, passes)]
         if keys["beta"] > 0:
             parts.insert(2, _part("reference forward", micro, forward, f"{passes} (beta > 0)"))
-    return StagePlan(stage, rows, width, keys, train, forward, parts, steps)
+    reference = stage == "grpo" and keys["beta"] > 0 or stage == "dpo" and keys["sync_ref_model"]
+    held = _reference_host_bytes(model, train, host_budget) if reference else 0
+    return StagePlan(stage, rows, width, keys, train, forward, parts, steps, held)
+
+
+def _reference_host_bytes(model: nn.Module, train: Plan, host_budget: float | None) -> int:
+    """The reference engine's frozen weights and buffers on the host, in their own dtype;
+    HostMemoryError when they do not fit in what the policy leaves of the host budget."""
+    held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    budget = arguments.budget_bytes("host_budget", host_budget, optional=True)
+    policy = train.host_bytes + train.stash_bytes
+    if budget is not None and policy + held > budget:
+        raise HostMemoryError(
+            f"the reference model's frozen weights ({fmt_bytes(held)}) do not fit beside the policy's host state and "
+            f"offloaded activations ({fmt_bytes(policy)}) in the host budget of {fmt_bytes(budget)}: give a host "
+            f"budget of at least {math.ceil((policy + held) / 2 ** 30 * 100) / 100:.2f} GiB, or a stage without a "
+            "reference at every step (grpo: beta 0; dpo: sync_ref_model false, whose reference log-probabilities "
+            "are computed once)", {"smallest_host_budget_bytes": policy + held, "reference_host_bytes": held})
+    return held
 
 
 def _part(name: str, passes: int, p: Plan, detail: str) -> StepPart:

@@ -33,6 +33,7 @@ from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
 from .model import build, meta_model
+from .reference_model import reference_engine
 from .preemption import StopSignals
 from .schedule import warmup_steps
 from .skip_streak import SkipStreak
@@ -139,8 +140,8 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         wrap = stage.objective
         setup = build(c, meta, stage.first_inputs, wrap=wrap, heaviest_inputs=stage.heaviest_inputs)
         try:
-            if stage.needs_reference:     # the model as loaded, forward only
-                stage.reference = build(c, meta, stage.first_inputs, wrap=wrap).engine
+            if stage.needs_reference:     # the model as loaded, forward only, on the policy's device
+                stage.reference = reference_engine(c, meta, setup, stage.first_inputs, wrap)
             result = _train(c, setup, stage, run_dir, resume_from,
                             saved_settings=saved is not None and isinstance(saved.extra.get("settings"), dict))
             if result["first_loss"] is not None:      # a step ran here: its record is the one to show

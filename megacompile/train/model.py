@@ -121,6 +121,45 @@ def disable_dropout(model: nn.Module) -> int:
     return count
 
 
+def make_module(c: RunConfig, meta: nn.Module, wrap=None, quiet: bool = False) -> nn.Module:
+    """The module the engine trains, its random draws (a config's init, LoRA's adapters) from the
+    global stream as it stands: the bundled model, a folder's model on meta (its weights stream
+    from the files), or a config's, seeded; the method's (LoRA) applied, dropout off as asked, and
+    `wrap`ped by the stage's objective."""
+    folder = not c.bundled and _hf_weights(c.model)
+    if c.bundled:
+        from ..models import LlamaConfig, TinyLlama
+        module = TinyLlama(LlamaConfig(**c.bundled_model))
+    elif folder and methods.adapters(c):
+        module = methods.lora_skeleton(c)      # adapters made, the base on meta: it streams from the files
+    elif folder:
+        from ..io.hf_load import build_model
+        module = build_model(c.model)
+    else:                                           # a config: random init, seeded
+        from ..io.hf_load import auto_class
+        module = auto_class(meta.config).from_config(meta.config, dtype=torch.float32)
+    if not methods.adapters(c) or not folder:
+        module = methods.apply(c, module)
+    if c.disable_dropout:
+        off = disable_dropout(module)
+        if off and not quiet:
+            print(f"  note           disable_dropout: {off} dropout module{'s' if off > 1 else ''} of the model at p 0"
+                  + (f" (stage {c.stage}'s default, as in TRL and LlamaFactory; disable_dropout: false keeps them)"
+                     if c.stage in DROPOUT_OFF else ""), flush=True)
+    return module if wrap is None else wrap(module)
+
+
+def compile_module(c: RunConfig, module: nn.Module, budget: float, wrap=None, **kwargs) -> Engine:
+    """An engine over `module` (make_module's), its weights streamed from the model folder where
+    there is one."""
+    if not c.bundled and _hf_weights(c.model):
+        from ..engine import compile_folder
+        return compile_folder(module, c.model, budget, **kwargs,
+                              file_key=_file_key(methods.adapters(c), wrap is not None),
+                              unused=getattr(module, "left_out", ()))
+    return Engine(module, budget, **kwargs)
+
+
 def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_inputs=None) -> Setup:
     """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes;
     wrap(model) -> the module the engine trains instead of the model (a post-training objective,
@@ -146,28 +185,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
                       no_decay=hf_no_decay)
     settings = c.settings()
     torch.manual_seed(c.seed)
-    folder = not c.bundled and _hf_weights(c.model)
-    if c.bundled:
-        from ..models import LlamaConfig, TinyLlama
-        module = TinyLlama(LlamaConfig(**c.bundled_model))
-    elif folder and methods.adapters(c):
-        module = methods.lora_skeleton(c)      # adapters made, the base on meta: it streams from the files
-    elif folder:
-        from ..io.hf_load import build_model
-        module = build_model(c.model)
-    else:                                           # a config: random init, seeded
-        from ..io.hf_load import auto_class
-        module = auto_class(meta.config).from_config(meta.config, dtype=torch.float32)
-    if not methods.adapters(c) or not folder:
-        module = methods.apply(c, module)
-    if c.disable_dropout:
-        off = disable_dropout(module)
-        if off:
-            print(f"  note           disable_dropout: {off} dropout module{'s' if off > 1 else ''} of the model at p 0"
-                  + (f" (stage {c.stage}'s default, as in TRL and LlamaFactory; disable_dropout: false keeps them)"
-                     if c.stage in DROPOUT_OFF else ""), flush=True)
-    if wrap is not None:
-        module = wrap(module)
+    module = make_module(c, meta, wrap)
 
     def shapes(b: int, given: dict | None = None) -> dict:
         # As the engine's step sees them: Qwen2.5-VL's 3D positions computed from the values, its
@@ -207,13 +225,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
                       host_budget=c.host_budget, accumulation=c.accumulation, fuse=c.fuse,
                       on_nonfinite=c.on_nonfinite, nvme_dir=c.nvme_dir, nvme_budget=c.nvme_budget,
                       dump_dir=c.dump_dir, retrace=c.retrace)
-        if folder:
-            from ..engine import compile_folder
-            engine = compile_folder(module, c.model, budget, **kwargs,
-                                    file_key=_file_key(methods.adapters(c), wrap is not None),
-                                    unused=getattr(module, "left_out", ()))
-        else:
-            engine = Engine(module, budget, **kwargs)
+        engine = compile_module(c, module, budget, wrap, **kwargs)
         try:
             engine.adopt(chosen)
             engine.prepare(**first_inputs(batch))   # takes the capture and plan made above

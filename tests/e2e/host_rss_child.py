@@ -7,7 +7,9 @@ beside the plan's host figure.
 
 PATH: compile (the model's own fp32 weights) | compile_bf16 (a bf16 module, bf16 compute) |
 from_pretrained | disk (from_pretrained with a host budget of 6 B/param and a disk tier) |
-accum (from_pretrained, grad_accum=2) | moe (compile, a Qwen2-MoE). SIZE: small | medium.
+accum (from_pretrained, grad_accum=2) | moe (compile, a Qwen2-MoE) | reference (compile, and beside it the same
+model frozen, compiled with share_device: a post-training reference; the figures are the two engines'
+together, the policy's steps each after a forward of the reference). SIZE: small | medium.
 FOLDER: where the Hugging Face folder and the disk tier go. bf16 compute, cpu backend.
 """
 from __future__ import annotations
@@ -65,6 +67,14 @@ def main(path: str, size: str, folder: str) -> None:
             m = m.to(torch.bfloat16)
         engine = megacompile.compile(m, budget, device="cpu", compute_dtype=torch.bfloat16)
         del m
+    elif path == "reference":
+        torch.manual_seed(0)
+        engine = megacompile.compile(model(path, size), budget, device="cpu", compute_dtype=torch.bfloat16)
+        torch.manual_seed(0)
+        frozen = model(path, size).requires_grad_(False)
+        reference = megacompile.compile(frozen, budget, device="cpu", compute_dtype=torch.bfloat16,
+                                        share_device=engine)
+        del frozen
     else:
         extra = {"grad_accum": 2} if path == "accum" else {}
         if path == "disk":
@@ -73,18 +83,26 @@ def main(path: str, size: str, folder: str) -> None:
             extra = {"host_budget": 6 * n / 2 ** 30, "nvme_dir": os.path.join(folder, "tier")}
         engine = megacompile.from_pretrained(src, hbm_budget=budget, device="cpu", compute_dtype=torch.bfloat16,
                                              **extra)
+    engines = [engine] if path != "reference" else [engine, reference]
     for _ in range(2):
+        if path == "reference":
+            reference(input_ids=ids, labels=ids)
         engine.step(input_ids=ids, labels=ids)
     engine.synchronize()
     stats = engine.memory_stats()
+    parts = {}
+    for e in engines:
+        for k, v in e.memory_stats()["host_parts"].items():
+            parts[k] = parts.get(k, 0) + v
     print(json.dumps({
         "path": path, "params": sum(p.numel() for p in engine.model.parameters()),
         # The cpu backend's simulated device is host memory: its arena (held from the first step on,
         # as a GPU's is) is the device's, not the host state the plan figures.
         "growth_bytes": resident_set_bytes() - base - stats["device_arena_bytes"],
         "device_arena_bytes": stats["device_arena_bytes"],
-        "predicted_host_bytes": engine.host_cost.ram_bytes, "plan_host_bytes": engine.plan.host_bytes,
-        "host_bytes": stats["host_bytes"], "host_parts": stats.get("host_parts"),
+        "predicted_host_bytes": sum(e.host_cost.ram_bytes for e in engines),
+        "plan_host_bytes": sum(e.plan.host_bytes for e in engines),
+        "host_bytes": sum(e.memory_stats()["host_bytes"] for e in engines), "host_parts": parts,
         "host_budget_bytes": engine.host_budget_bytes, "placement": engine.host_cost.placement.describe(),
     }))
 

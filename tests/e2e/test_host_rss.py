@@ -1,7 +1,7 @@
 """The process holds what the plan says on the host: resident set growth from before the model
 exists to after two steps (a fresh process each: tests/e2e/host_rss_child.py) within 5% + 64 MiB
 of the plan's host figure, by every path a model comes in; the user's fp32 module is no second
-copy of the weights; a host budget is held."""
+copy of the weights; a reference model beside its policy is its weights once; a host budget is held."""
 from __future__ import annotations
 
 import json
@@ -41,6 +41,18 @@ def test_compile_holds_one_copy_of_the_weights(tmp_path):
     assert_as_planned(r)
     assert r["host_parts"]["the model's own weights"] == 0
     assert r["predicted_host_bytes"] == 14 * r["params"] + r["host_parts"]["frozen weights and buffers"]
+
+
+def test_a_reference_beside_its_policy_is_its_weights_once_on_the_policys_device(tmp_path):
+    # A frozen model compiled with share_device (a post-training reference): its fp32 weights once
+    # (4 B/param, no moments, gradients or compute copies; the module's own tensors lent to them),
+    # and no second device arena: the growth less the one arena is what the two plans say.
+    r = measured("reference", tmp_path)
+    assert_as_planned(r)
+    parts, n = r["host_parts"], r["params"]
+    assert parts["exp_avg+exp_avg_sq"] == 8 * n and parts["fp32 masters"] == 4 * n     # the policy's alone
+    assert 0 <= parts["frozen weights and buffers"] - 4 * n < MiB                       # the reference's weights
+    assert parts["the model's own weights"] == 0
 
 
 @pytest.mark.slow     # 13 s; the plain path's resident set above is the default tier's

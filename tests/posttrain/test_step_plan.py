@@ -11,7 +11,8 @@ from megacompile import plan, plan_stage
 from megacompile.cli import main
 from megacompile.cost import PROFILES
 from megacompile.cost.decode import decode_step
-from megacompile.errors import ArgumentError, BudgetTooSmallError
+from megacompile.errors import ArgumentError, BudgetTooSmallError, HostMemoryError
+from megacompile.ir.printer import fmt_bytes
 from megacompile.planner import model_from_config
 
 CONFIG = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -187,6 +188,8 @@ def test_a_decode_step_is_bound_by_device_memory_when_the_copy_fits_else_by_the_
     ("dpo", {"precompute_ref_log_probs": "yes"}, "precompute_ref_log_probs must be True or False; got 'yes'"),
     ("dpo", {"loss_type": 3}, "stage dpo: loss_type is a loss type's name or a list of them (TRL's); got 3"),
     ("dpo", {"batch": 0}, "batch (preference pairs per step, 2 rows each) must be an int >= 1; got 0"),
+    ("dpo", {"sync_ref_model": True, "precompute_ref_log_probs": True}, "sync_ref_model moves a reference"),
+    ("dpo", {"sync_ref_model": True, "loss_type": "simpo"}, "sync_ref_model moves a reference"),
     ("sft", {"seq": 0}, "seq (tokens per sequence) must be an int >= 1; got 0"),
 ])
 def test_bad_keys_and_values_are_refused_before_anything_is_planned(stage, keys, message):
@@ -212,6 +215,9 @@ def test_plan_stage_on_the_command_line(tmp_path, capsys):
     assert [p["name"] for p in shown["parts"]] == ["training"] and shown["loss_type"] == ["simpo"]
     assert main([*base, "--stage", "dpo", "--loss-type", "sigmoid,sft", "--seq", "16", "--json"]) == 0
     assert [p["name"] for p in json.loads(capsys.readouterr().out)["parts"]] == ["training", "reference forward"]
+    assert main([*base, "--stage", "dpo", "--sync-ref-model", "--seq", "16", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["reference_host_bytes"] > 0 and "the reference's weights are a second" in captured.err
     for flags, message in ((["--num-generations", "4"], "--num-generations plans a post-training step: give --stage"),
                            (["--stage", "dpo", "--loss-type", "simpoo"], "DPO loss_type must be one of"),
                            (["--stage", "dpo", "--num-generations", "4"], "num_generations belongs to stage grpo"),
@@ -219,6 +225,24 @@ def test_plan_stage_on_the_command_line(tmp_path, capsys):
                            (["--stage", "grpo", "--seq", "64"], "stage grpo takes no seq")):
         assert main([*base, *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_reference_at_every_step_is_its_weights_once_more_on_the_host_checked_against_the_budget(model, grpo8,
+                                                                                                   grpo16):
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    assert grpo8.reference_host_bytes == weights and grpo16.reference_host_bytes == 0     # beta 0.04, beta 0
+    moving = _stage(model, "dpo", batch=2, seq=48, sync_ref_model=True)
+    assert moving.reference_host_bytes == weights and _stage(model, "dpo", batch=2, seq=48).reference_host_bytes == 0
+    held = moving.train.host_bytes + moving.train.stash_bytes
+    note = [n for n in moving.notes() if n.startswith("the reference's weights")]
+    assert note and note[0].endswith(f"{fmt_bytes(held + weights)} in all")
+    assert moving.to_json()["reference_host_bytes"] == weights
+    # A host budget the policy fits and the reference beside it does not: refused, naming the smallest that fits.
+    budget = (held + weights // 2) / 2 ** 30
+    assert plan_stage(model, BUDGET, "dpo", batch=2, seq=48, fuse=False, host_budget=budget).reference_host_bytes == 0
+    with pytest.raises(HostMemoryError, match="the reference model's frozen weights") as e:
+        plan_stage(model, BUDGET, "dpo", batch=2, seq=48, fuse=False, host_budget=budget, sync_ref_model=True)
+    assert e.value.facts["smallest_host_budget_bytes"] == held + weights
 
 
 def test_the_note_names_what_bounds_generation(grpo16):

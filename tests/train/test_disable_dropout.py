@@ -1,16 +1,17 @@
 """TRL's `disable_dropout`: every nn.Dropout of the model at p 0 (a LoRA adapter's too), by default
 under stage dpo, kto and rm as TRL's and LlamaFactory's trainers of them do. A model with dropout
-then gives a DPO run the same reference log-probabilities whatever the seed; kept, the seed's
-dropout masks change them."""
+then gives a DPO run the same reference log-probabilities whatever the seed; kept, dropout acts in
+the policy's steps while the reference runs in eval mode, as TRL's does."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from megacompile.train import load, run
+from megacompile.train import load, log, run
 from megacompile.train.model import disable_dropout
 from tests.posttrain import stage_files
 from tests.train import files
@@ -68,5 +69,10 @@ def test_a_dpo_run_of_a_model_with_dropout_takes_its_reference_without_it(tmp_pa
     said = capsys.readouterr().out
     assert torch.equal(reference("seed2", seed=2), first)
     assert "disable_dropout: 7 dropout modules of the model at p 0 (stage dpo's default" in said
+    # Kept, dropout acts in the policy's steps; the reference still runs in eval mode, as TRL's
+    # (create_reference_model hands back its copy in eval mode).
     kept = reference("kept", seed=1, disable_dropout=False)
-    assert not torch.equal(kept, first)
+    assert torch.equal(kept, first)
+    first_loss = {name: float(log.read(str(tmp_path / name / "log.csv"))[0]["loss"]) for name in ("seed1", "kept")}
+    assert first_loss["seed1"] == pytest.approx(math.log(2), abs=1e-6)     # the policy is the reference at step 1
+    assert abs(first_loss["kept"] - math.log(2)) > 1e-4                   # its dropout masks move it off

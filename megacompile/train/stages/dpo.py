@@ -124,8 +124,9 @@ class DPOStage(reference.ReferenceStage):
             kept = reference.kept(run_dir, tokens, "pairs")
             self.table, self.held_reference = kept["train"], kept["eval"]
             return
-        self.table = self._logps(engine, self.pairs)
-        self.held_reference = self._logps(engine, self.held) if self.held else None
+        # In eval mode, as TRL runs its reference (prepared with evaluation_mode): dropout off.
+        self.table = self.eval_logps(engine, self.pairs, self._logps)
+        self.held_reference = self.eval_logps(engine, self.held, self._logps) if self.held else None
         reference.keep(run_dir, self.table, self.held_reference, tokens)
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
@@ -170,7 +171,7 @@ class DPOStage(reference.ReferenceStage):
             return {}
         held, ref, policy = due
         if self.needs_reference:        # the reference as the last update left it
-            ref = self.held_logps(self.reference, held, self._logps)
+            ref = self.eval_logps(self.reference, held, self._logps)
         counts = self._token_counts(held)
         lengths = torch.cat([counts[:, 0], counts[:, 1]])
         losses = self.loss.pairs(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), lengths)

@@ -149,8 +149,10 @@ class KTOStage(reference.ReferenceStage):
             kept = reference.kept(run_dir, tokens, "examples (or batch, which pairs the KL rows)")
             self.reference, self.held_reference = kept["train"], kept["eval"]
             return
-        self.reference = self._logps(engine, self.examples, self.partners)
-        self.held_reference = self._logps(engine, self.held, self.held_partners) if self.held else None
+        # In eval mode, as TRL runs its reference (prepared with evaluation_mode): dropout off.
+        self.reference = self.eval_logps(engine, self.examples, lambda e, x: self._logps(e, x, self.partners))
+        self.held_reference = (self.eval_logps(engine, self.held, lambda e, x: self._logps(e, x, self.held_partners))
+                               if self.held else None)
         reference.keep(run_dir, self.reference, self.held_reference, tokens)
 
     def _kl(self, engine, kl_rows: dict, ref: torch.Tensor) -> torch.Tensor:

@@ -125,10 +125,10 @@ class ReferenceStage(Stage):
         if c.eval_batches is not None:
             held = held[:c.eval_batches * c.batch]
             ref = ref[:c.eval_batches * c.batch] if ref is not None else None
-        return held, ref, self.held_logps(engine, held, logps)
+        return held, ref, self.eval_logps(engine, held, logps)
 
     @staticmethod
-    def held_logps(engine, held: list, logps):
+    def eval_logps(engine, held: list, logps):
         """`logps(engine, held)` in eval mode (dropout off)."""
         training = engine.model.training
         engine.model.eval()
