@@ -1,7 +1,8 @@
 """The device arena on the cuda backend's own code, on a stand-in torch.cuda (tests/runtime/fake_gpu.py):
 the arena's tensors are made through the CUDA array interface over the one allocation, the step's
 tensors are all among them, training is eager's, and a plan needing a larger arena replaces it
-once (the old one given back first), after which both plans serve from the new one."""
+once (the old one given back first), after which both plans serve from the new one; a frozen
+reference compiled with share_device serves from that same one allocation."""
 from __future__ import annotations
 
 import pytest
@@ -72,3 +73,40 @@ def test_a_plan_with_a_larger_arena_replaces_it_once_and_both_plans_serve_from_t
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
     finally:
         engine.close()
+
+
+def test_a_reference_sharing_the_device_serves_from_the_same_single_arena(gpu, monkeypatch):
+    # compile(..., share_device=): a frozen model beside the trained one on the cuda backend's own
+    # code: one allocation for both, every tensor of either's runs inside it, both exact.
+    import copy
+
+    import megacompile
+    torch.manual_seed(0)
+    model = models.NanoGPT(vocab=96, d=64, layers=4)
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    batches = [models.batch(96, 2, 16, seed=i) for i in range(2)]
+    expected = eager_losses(clone(model), batches, "nanogpt")
+    with torch.no_grad():
+        expected_reference = [frozen(**make_inputs("nanogpt", ids))[1].item() for ids in batches]
+    engine = _engine(gpu, monkeypatch, clone(model))
+    reference = megacompile.compile(frozen, hbm_budget=1.0, fuse=False, share_device=engine)
+    try:
+        losses, referred = [], []
+        for ids in batches:
+            referred.append(float(reference(**make_inputs("nanogpt", ids))[1]))
+            losses.append(engine.step(**make_inputs("nanogpt", ids)))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert referred == pytest.approx(expected_reference, rel=1e-6)
+        assert reference.backend is engine.backend and reference.device == engine.device
+        arena = engine.backend.arena
+        assert arena.size == max(engine.plan.arena.size, reference.plan.arena.size) and arena.regrown <= 1
+        base = arena.buffer.data_ptr()
+        made = [(ptr, n) for kind, *rest in gpu.log if kind == "interface" for ptr, n in [rest]]
+        assert all(base <= ptr and ptr + n <= base + arena.size for ptr, n in made[-len(engine.plan.arena.tensors):])
+        for e in (engine, reference):
+            stats = e.memory_stats()
+            assert stats["device_allocations_last_step"] == 0, stats["device_allocations_outside"]
+        assert set(reference.host.parts()) == {"frozen weights and buffers"}
+    finally:
+        engine.close()
+        reference.close()
