@@ -18,16 +18,17 @@ from .preference_format import trl_record
 from .preference import Pair, pack, pack_rows, preference_metrics, read_pairs, to_pair, tokenised
 from .record_files import jsonl_records, present
 from .rendered import check_calls, check_texts, check_tools, render, texts
+from .reward_models import RewardModelFunction
 from .rewards import TrainerState
 from .rollout import EngineGenerator
 from .rollout_batch import rollout_batch, truncated
 from .sampling_correction import sampled_logps, sampling_ratio
 from .sampling_filters import Filters
-from .streamed_copy import StreamedHFGenerator
+from .streamed_copy import StreamedHFGenerator, decoder_layers
 from .vllm_generator import MISSING, VLLMGenerator
 from .vllm_server import VLLMServerGenerator
 
-__all__ = ["decoupled_advantages", "reference_sync", "decoupled_rewards", "DFTObjective", "Filters", "orpo_metrics", "sampling_filters", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "KTOLoss", "KTOObjective", "kl_estimate",
+__all__ = ["decoupled_advantages", "decoder_layers", "RewardModelFunction", "reference_sync", "decoupled_rewards", "DFTObjective", "Filters", "orpo_metrics", "sampling_filters", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective", "group_advantages", "grpo_loss", "KTOLoss", "KTOObjective", "kl_estimate",
            "kto_loss", "pack_rows", "tokenised", "trl_record", "RewardModel", "reward_loss", "sequence_logprobs", "token_logprobs",
            "IGNORE", "EngineGenerator", "HFGenerator", "MISSING", "Pair", "StreamedHFGenerator", "TrainerState",
            "VLLMGenerator", "VLLMServerGenerator", "nanstd", "pack", "preference_metrics", "read_pairs", "rewards",

@@ -6,7 +6,7 @@ text. The texts are tokenized without added special tokens, padded on the right,
 the classifier's one logit, as TRL computes it.
 
 The model is read at its first call, not when the run's keys are checked, onto the run's device:
-in bfloat16 on cuda, where it sits beside the engine's budget (the run's start says its size), and
+in bfloat16 on cuda, where it sits beside the engine's plans (a run takes it out of its hbm_budget first), and
 in float32 on the cpu. It scores `batch` texts at a time."""
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class RewardModelFunction:
         self.model.eval()
         size = sum(p.numel() * p.element_size() for p in self.model.parameters())
         print(f"  note           reward model {self.__name__}: {size / 2**30:.2f} GiB in {str(dtype)[6:]} on "
-              f"{self.device}" + (", beside the engine's budget" if self.device.type == "cuda" else ""), flush=True)
+              f"{self.device}" + (", beside the engine's plans" if self.device.type == "cuda" else ""), flush=True)
 
     def texts(self, prompts: list, completions: list) -> list[str]:
         out = []

@@ -138,7 +138,8 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
             for note in resume.notes(c, saved):
                 print(f"  resume note    {note}", flush=True)
         wrap = stage.objective
-        setup = build(c, meta, stage.first_inputs, wrap=wrap, heaviest_inputs=stage.heaviest_inputs)
+        setup = build(c, meta, stage.first_inputs, wrap=wrap, heaviest_inputs=stage.heaviest_inputs,
+                      beside_of=stage.device_beside)
         try:
             if stage.needs_reference:     # the model as loaded, forward only, on the policy's device
                 stage.reference = reference_engine(c, meta, setup, stage.first_inputs, wrap)

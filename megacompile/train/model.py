@@ -15,11 +15,11 @@ import torch.nn as nn
 from ..capture import CHECKED_LINEAR_ATTENTION, GRID_INPUTS
 from ..capture import with_rope_positions
 from ..engine import Engine, Prepared, prepare, training_capture
-from ..errors import ArgumentError
+from ..errors import ArgumentError, BudgetTooSmallError
 from ..optim import AdamW, hf_no_decay
 from ..planner import minimum_budget_of
 from ..settings import Settings, default_hbm_budget
-from . import methods
+from . import device_beside, methods
 from .config import DROPOUT_OFF, RunConfig
 
 GiB = 2 ** 30
@@ -160,12 +160,14 @@ def compile_module(c: RunConfig, module: nn.Module, budget: float, wrap=None, **
     return Engine(module, budget, **kwargs)
 
 
-def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_inputs=None) -> Setup:
+def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_inputs=None, beside_of=None) -> Setup:
     """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes;
     wrap(model) -> the module the engine trains instead of the model (a post-training objective,
     whose parameters carry the model's names under `policy.`); heaviest_inputs(batch) -> a
     micro-batch whose shapes need more memory than the first's (more image tokens), or None: the
-    default budget (no hbm_budget) fits its smallest plan too.
+    default budget (no hbm_budget) fits its smallest plan too; beside_of(meta, card_bytes) -> what
+    the run holds on a GPU beside the engine's plans (train/device_beside.py), taken out of the
+    budget first.
 
     Each input shape is captured and planned once before the first step, on the module the engine
     trains and with the request the engine makes (engine/prepared.py): the smallest micro-batch's
@@ -210,17 +212,23 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
         first = 1 if c.global_batch else batch
         if first not in captures:
             captures[first] = training_capture(module, shapes(first), settings.replace(device=device))
-        budget = device_budget(c, module, captures[first], device)
+        budget, beside = device_beside.for_engine(device, device_budget(c, module, captures[first], device), meta,
+                                                  beside_of)
         heaviest = heaviest_inputs(first) if heaviest_inputs is not None and c.hbm_budget is None else None
         if heaviest is not None and device != "cuda":   # a later micro-batch with more image tokens fits too
             heavy = training_capture(module, shapes(first, heaviest), settings.replace(device=device))
             budget = max(budget, device_budget(c, module, heavy, device))
-        if c.global_batch is not None:
-            from ..planner import choose_micro_batch, split_line
-            _, accumulate = choose_micro_batch(c.global_batch, lambda micro, k: prepared_for(micro, k, budget).plan,
-                                               lambda *split: print(split_line(*split), flush=True))
-            batch = c.global_batch // accumulate
-        chosen = prepared_for(batch, accumulate, budget)
+        try:
+            if c.global_batch is not None:
+                from ..planner import choose_micro_batch, split_line
+                _, accumulate = choose_micro_batch(c.global_batch, lambda micro, k: prepared_for(micro, k, budget).plan,
+                                                   lambda *split: print(split_line(*split), flush=True))
+                batch = c.global_batch // accumulate
+            chosen = prepared_for(batch, accumulate, budget)
+        except BudgetTooSmallError as e:
+            if not beside:
+                raise
+            raise device_beside.too_small(e, beside) from e
         kwargs = dict(optimizer=optimizer, compute_dtype=dtype, device=device, grad_accum=accumulate,
                       host_budget=c.host_budget, accumulation=c.accumulation, fuse=c.fuse,
                       on_nonfinite=c.on_nonfinite, nvme_dir=c.nvme_dir, nvme_budget=c.nvme_budget,

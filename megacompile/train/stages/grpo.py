@@ -41,12 +41,12 @@ import torch
 
 from ...errors import ArgumentError
 from ...errors import MegacompileError
-from ...posttrain import check_texts, render
+from ...posttrain import RewardModelFunction, check_texts, render
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, decoupled_advantages,
                           decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
                           sampling_correction, sampling_ratio, truncated)
 from . import rollouts
-from .. import intervals
+from .. import device_beside, intervals
 from ..data import images, tools, turn_ends
 from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
@@ -202,6 +202,11 @@ class GRPOStage(Stage):
         if self.token_count:
             inputs["token_count"] = torch.ones(())
         return inputs
+
+    def device_beside(self, meta, card_bytes: int) -> list:
+        """The generator's copy and cache, or colocated vLLM's share, and each reward model's copy."""
+        return device_beside.generator_copy(self.c, meta, card_bytes) + [
+            device_beside.reward_model(f.folder) for f in self.funcs if isinstance(f, RewardModelFunction)]
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         self.generator = rollouts.make(self.c, engine, self.stops, self.pad, run_dir)

@@ -41,6 +41,11 @@ class Stage:
         budget to fit too; None: the first micro-batch stands for all."""
         return None
 
+    def device_beside(self, meta, card_bytes: int) -> list:
+        """What the stage holds on a GPU of `card_bytes` beside the engine's plans for the whole run
+        (train/device_beside.py's Beside): taken out of the device budget before planning."""
+        return []
+
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         """The engine is built and resumed: the stage's own state from the checkpoint's `saved`."""
 

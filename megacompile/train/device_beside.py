@@ -1,0 +1,130 @@
+"""What a run holds on a GPU beside the engine's plans, taken out of the device budget first.
+
+hbm_budget (or, without one, 90% of the card) is the run's device memory, not the engine's alone.
+Stage grpo can hold more than the engine's arena on the GPU for the whole run: a generator's copy of
+the policy (`generator: hf` in generator_dtype; `hf_streamed`: its resident parts and two decoder
+layers) with the key-value cache of a rollout batch, colocated vLLM's share of the card
+(`vllm_gpu_memory_utilization`, as TRL gives it), a reward model's bfloat16 copy. Each is sized here
+before anything is planned, and the engine plans in what is left: a run whose parts do not fit
+beside the smallest plan stops before it trains, naming them.
+
+On the cpu backend these copies live in host memory and the simulated device holds the engine's
+plans alone. Not counted: transformers' own transient tensors while it generates (the prefill's
+activations, a step's logits), which pass before the engine runs again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..errors import BudgetTooSmallError
+from ..ir import fmt_bytes
+from .config import RunConfig
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Beside:
+    what: str
+    nbytes: int
+
+
+def _bytes(tensors, dtype: torch.dtype) -> int:
+    return sum(t.numel() * (dtype.itemsize if t.dtype.is_floating_point else t.element_size()) for t in tensors)
+
+
+def _model_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """A copy of `model` made in `dtype`: its floating parameters in it, its buffers as the model makes
+    them (rotary frequencies stay float32)."""
+    return _bytes(model.parameters(), dtype) + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def _cache_per_token(model: nn.Module, dtype: torch.dtype) -> int | None:
+    """A row's key-value cache per token in `dtype`, from the model's Hugging Face config; None where
+    it does not say (no attention layer count, heads or head size)."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)()
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if isinstance(heads, int) else None)
+    if not all(isinstance(x, int) for x in (layers, kv_heads, head_dim)):
+        return None
+    return 2 * layers * kv_heads * head_dim * dtype.itemsize
+
+
+def generator_copy(c: RunConfig, meta: nn.Module, card_bytes: int) -> list[Beside]:
+    """The rollout generator's share of the device, per run.yaml's generator keys."""
+    if c.use_vllm and c.vllm_mode == "colocate":
+        share = c.vllm_gpu_memory_utilization
+        return [Beside(f"colocated vLLM's vllm_gpu_memory_utilization {share:g} of the card", int(share * card_bytes))]
+    if c.generator not in ("hf", "hf_streamed") or c.use_vllm:
+        return []
+    dtype = getattr(torch, c.generator_dtype)
+    if c.generator == "hf":
+        copy, what = _model_bytes(meta, dtype), f"generator hf's {c.generator_dtype} copy of the policy"
+    else:
+        from ..posttrain import decoder_layers
+        layers = decoder_layers(meta)
+        per_layer = [_bytes(m.parameters(), dtype) for m in layers]
+        copy = _model_bytes(meta, dtype) - sum(per_layer) + 2 * max(per_layer, default=0)
+        what = f"generator hf_streamed's resident parts and two decoder layers in {c.generator_dtype}"
+    out = [Beside(what, copy)]
+    rows = c.batch * c.steps_per_generation
+    per_token = _cache_per_token(meta, dtype)
+    if per_token is not None:
+        out.append(Beside(f"its key-value cache of {rows} rows x {c.seq} tokens", rows * c.seq * per_token))
+    return out
+
+
+def reward_model(folder: str) -> Beside:
+    """A reward model's bfloat16 copy (posttrain/reward_models.py), sized from its config on meta."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from ..io.hf_load import parameters_on_meta
+    with parameters_on_meta():
+        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(folder))
+    return Beside(f"reward model {folder} in bfloat16", _model_bytes(model, torch.bfloat16))
+
+
+def split(total_gib: float, beside: list[Beside]) -> tuple[float, str | None]:
+    """The engine's budget (GiB) once `beside` is taken out of the run's `total_gib`, and the line the
+    run's start prints (None: nothing beside)."""
+    taken = sum(b.nbytes for b in beside)
+    if not taken:
+        return total_gib, None
+    parts = "; ".join(f"{b.what}: {fmt_bytes(b.nbytes)}" for b in beside)
+    left = total_gib - taken / GiB
+    return left, (f"device budget  {fmt_bytes(total_gib * GiB)}: {fmt_bytes(max(0.0, left) * GiB)} for the engine's "
+                  f"plans, {fmt_bytes(taken)} beside them ({parts})")
+
+
+def for_engine(device: str, total_gib: float, meta: nn.Module, beside_of) -> tuple[float, list[Beside]]:
+    """The engine's budget in GiB on `device` out of the run's `total_gib`: on a GPU, less what
+    `beside_of(meta, card_bytes)` holds beside it (the line saying so printed); elsewhere all of it."""
+    if device != "cuda" or beside_of is None:
+        return total_gib, []
+    card = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    beside = beside_of(meta, card)
+    left, line = split(total_gib, beside)
+    if line is not None:
+        print(f"  {line}", flush=True)
+    if left <= 0:
+        taken = sum(b.nbytes for b in beside)
+        raise BudgetTooSmallError(
+            f"the device budget of {fmt_bytes(total_gib * GiB)} leaves nothing for the engine's plans beside "
+            f"{fmt_bytes(taken)} the run holds on the GPU besides them ({'; '.join(b.what for b in beside)}): give a "
+            "larger hbm_budget, a smaller generator share (vllm_gpu_memory_utilization, fewer rollout rows), or "
+            "generator engine", taken)
+    return left, beside
+
+
+def too_small(error: BudgetTooSmallError, beside: list[Beside]) -> BudgetTooSmallError:
+    """The planner's refusal of the engine's budget, with what the run holds beside it named: the
+    smallest run budget is the smallest plan's and theirs together."""
+    taken = sum(b.nbytes for b in beside)
+    return BudgetTooSmallError(f"{error}; the run's hbm_budget also holds {fmt_bytes(taken)} beside the engine's plans "
+                               f"({'; '.join(b.what for b in beside)}), so the smallest hbm_budget that fits is "
+                               f"{fmt_bytes(error.minimum_bytes + taken)}", error.minimum_bytes + taken)
