@@ -17,9 +17,10 @@ by the cost model; the parts summed.
           generation  engine generator: one forward-only pass of each micro-batch's rows per new
                       token, at the full width (posttrain/rollout.py's EngineGenerator); kv_cache: a
                       prefill over the prompts and one decode step per token from a bfloat16 copy
-                      (cost/decode.py), on the device where it fits beside the cache, else streamed;
-                      hf_streamed: the copy's layers streamed from the host every step
-                      (posttrain/streamed_copy.py)
+                      (cost/decode.py), on the device where the engine's plans fit beside it and
+                      the cache, else streamed; hf_streamed: the copy's layers streamed from the
+                      host every step (posttrain/streamed_copy.py). What the copy and the cache
+                      hold on the device comes out of the budget the other parts plan in.
           old policy  a forward-only pass per micro-batch: the sampling policy's log-probabilities
           reference   the same when beta > 0 (the reference's own copy of the weights)
           training    num_iterations passes of a training step per micro-batch
@@ -248,18 +249,41 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         rows, width = arguments.tokens(batch, 2048 if seq is None else seq)
     profile = hardware_profile(hardware, nvme_bandwidth)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
-    per_token = None
+    per_token, places = None, [("engine", 0)]
     if stage == "grpo" and keys["generator"] != "engine":     # a cache past the whole budget: before planning
         per_token = _cache_bytes_per_token(model)    # a copy with a cache generates the rollout batch at once
-        _check_cache(rollout * width * per_token, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rollout,
-                     width)
+        cache = rollout * width * per_token
+        _check_cache(cache, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rollout, width)
+        places = _copy_places(model, keys["generator"], cache)
     settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
                     nvme_budget=nvme_budget)
-
-    def planned(train: bool, n: int, width: int) -> Plan:
-        return plan(model, hbm_budget, batch=n, seq=width, train=train, **settings)
-
-    train = planned(True, rows, width)
+    # What the generator holds on the device for the whole run comes out of the budget first, as a run
+    # takes it (train/device_beside.py): the copy on the device if the engine's plans fit beside it and
+    # the cache, else (and for hf_streamed) the streamed copy's resident parts and two layers.
+    for place, beside in places:
+        def planned(train: bool, n: int, width: int) -> Plan:
+            return plan(model, hbm_budget - beside / 2 ** 30, batch=n, seq=width, train=train, **settings)
+        try:
+            if beside >= arguments.budget_bytes("hbm_budget", hbm_budget):
+                raise BudgetTooSmallError("the budget leaves the engine's plans nothing", 0)
+            train = planned(True, rows, width)
+            # grpo's forward passes (and a cache generator's prefill) plan in the same room
+            rollout_forward = planned(False, rows, width) if stage == "grpo" else None
+            prefill = planned(False, rollout, keys["max_prompt_length"]) if per_token is not None else None
+            break
+        except BudgetTooSmallError as e:
+            if place != places[-1][0]:
+                continue
+            if not beside:
+                raise
+            need = e.minimum_bytes + beside
+            raise BudgetTooSmallError(
+                f"the generator holds {fmt_bytes(beside)} on the device for the whole run (its {place} copy and "
+                f"the rollout's key-value cache), which leaves the engine's plans "
+                f"{fmt_bytes(max(0, arguments.budget_bytes('hbm_budget', hbm_budget) - beside))}, and their smallest "
+                f"needs {fmt_bytes(e.minimum_bytes)}: give hbm_budget >= {math.ceil(need / 2 ** 30 * 100) / 100:.2f}, "
+                "or fewer rollout rows or tokens (a smaller cache), or generator engine. The planner: " + str(e),
+                need) from e
     steps = keys["num_iterations"] if stage == "grpo" else 1
     each = f"{rows} x {width} tokens"
     passes = steps * micro
@@ -279,10 +303,10 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
             parts.append(_part("KL forward", 1, forward, f"one forward-only pass of {each}, each prompt with another "
                                                          "completion"))
     if stage == "grpo":
-        forward = planned(False, rows, width)
+        forward = rollout_forward
         generation = (_engine_generation(forward, keys, each, micro) if keys["generator"] == "engine" else
-                      _kv_generation(per_token, forward, planned(False, rollout, keys["max_prompt_length"]), keys,
-                                     rollout, streamed=keys["generator"] == "hf_streamed"))
+                      _kv_generation(per_token, forward, prefill, keys, rollout, on_device=place == "device",
+                                     beside=beside))
         passes = f"one forward-only pass of {each}" if micro == 1 else f"{micro} forward-only passes of {each}"
         parts[:0] = [generation, _part("old-policy forward", micro, forward, passes)]
         if keys["beta"] > 0:
@@ -345,20 +369,40 @@ def _check_cache(cache_bytes: int, room: int, reserve: int, rows: int, width: in
             cache_bytes + reserve)
 
 
+def _copy_places(model: nn.Module, generator: str, cache: int) -> list[tuple[str, int]]:
+    """Where a key-value cache generator's bfloat16 copy may live, in the order tried, each with the
+    device bytes it holds beside the engine's plans for the whole run: "device" (kv_cache: the
+    copy whole, a run's generator hf) and "streamed" (hf_streamed, or kv_cache's fallback: the
+    resident parts and two decoder layers). Both hold the rollout's cache."""
+    copy = (sum(p.numel() * (BF16 if p.dtype.is_floating_point else p.element_size()) for p in model.parameters())
+            + sum(b.numel() * b.element_size() for b in model.buffers()))
+    layers = _decoder_layer_bytes(model)
+    streamed = ("streamed", copy - sum(layers) + 2 * max(layers, default=0) + cache)
+    return ([("device", copy + cache)] if generator == "kv_cache" else []) + [streamed]
+
+
+def _decoder_layer_bytes(model: nn.Module) -> list[int]:
+    """Each decoder layer's parameters in bfloat16: the outermost modules of a class the model names
+    in `_no_split_modules` (as the streamed copy moves them, posttrain/streamed_copy.py)."""
+    kinds, out, inside = set(getattr(model, "_no_split_modules", None) or ()), [], ()
+    for name, module in model.named_modules():
+        if type(module).__name__ in kinds and not any(name.startswith(p) for p in inside):
+            out.append(sum(p.numel() * BF16 for p in module.parameters()))
+            inside += (name + ".",)
+    return out
+
+
 def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, rows: int,
-                   streamed: bool = False) -> StepPart:
+                   on_device: bool, beside: int) -> StepPart:
     """A prefill over the prompts, then max_completion_length decode steps from a bfloat16 copy of
-    the weights: on the device when the copy and the full cache fit the budget (sent once per
-    rollout batch), else (and always when `streamed`) streamed from the host every step with the
-    cache on the device."""
+    the weights: on the device (sent once per rollout batch), or streamed from the host every step;
+    the cache on the device either way. `beside`: what the copy and cache hold on the device."""
     captured, hw = forward.captured, forward.hardware
     weight_bytes = sum(e.numel * (BF16 if e.dtype.is_floating_point else e.dtype.itemsize)
                        for e in captured.state.values())
     prompt, tokens = keys["max_prompt_length"], keys["max_completion_length"]
     full_cache = rows * (prompt + tokens) * per_token
-    room = forward.budget_bytes - forward.reserve.total
-    _check_cache(full_cache, room, forward.reserve.total, rows, prompt + tokens)
-    on_device = not streamed and weight_bytes + full_cache <= room
+    streamed = keys["generator"] == "hf_streamed"
     ops = sum(graph_cost(st.template.inference, hw, captured.compute_dtype).ops for st in captured.stages)
     # The cache read at each step grows with the tokens generated: its mean is the cache at half of them.
     mean_cache = rows * (prompt + (tokens + 1) / 2) * per_token
@@ -367,8 +411,10 @@ def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, row
     copy_s = weight_bytes / hw.h2d_bw if on_device else 0.0
     where = ("the copy on the device, sent once" if on_device else
              f"the copy ({fmt_bytes(weight_bytes)}) streamed from the host every step, layer by layer"
-             if streamed else f"the copy ({fmt_bytes(weight_bytes)}) does not fit the budget beside the cache "
-             f"({fmt_bytes(full_cache)}): streamed from the host every step")
+             if streamed else f"the copy ({fmt_bytes(weight_bytes)}) does not fit beside the cache "
+             f"({fmt_bytes(full_cache)}) and the engine's plans: streamed from the host every step (a run's "
+             "generator hf_streamed)")
+    where += f"; {fmt_bytes(beside)} of the budget held beside the engine's plans"
     traffic = weight_bytes * (1 if on_device else tokens) + prefill.weight_h2d_bytes_per_step
     return StepPart("generation", tokens, prefill.prediction.step_s + copy_s + tokens * step.seconds, traffic,
                     f"{keys['generator']} generator on a bfloat16 copy: a forward-only prefill of {rows} x {prompt} tokens "

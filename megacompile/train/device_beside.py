@@ -14,6 +14,7 @@ activations, a step's logits), which pass before the engine runs again.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +126,9 @@ def too_small(error: BudgetTooSmallError, beside: list[Beside]) -> BudgetTooSmal
     """The planner's refusal of the engine's budget, with what the run holds beside it named: the
     smallest run budget is the smallest plan's and theirs together."""
     taken = sum(b.nbytes for b in beside)
-    return BudgetTooSmallError(f"{error}; the run's hbm_budget also holds {fmt_bytes(taken)} beside the engine's plans "
-                               f"({'; '.join(b.what for b in beside)}), so the smallest hbm_budget that fits is "
-                               f"{fmt_bytes(error.minimum_bytes + taken)}", error.minimum_bytes + taken)
+    need = error.minimum_bytes + taken
+    return BudgetTooSmallError(f"the run holds {fmt_bytes(taken)} on the GPU beside the engine's plans "
+                               f"({'; '.join(b.what for b in beside)}), and the plans' smallest needs "
+                               f"{fmt_bytes(error.minimum_bytes)}: give hbm_budget >= {math.ceil(need / GiB * 100) / 100:.2f}"
+                               ", or a smaller generator share (vllm_gpu_memory_utilization, fewer rollout rows or "
+                               f"tokens), or generator engine. The planner: {error}", need)

@@ -149,6 +149,38 @@ def test_a_kv_cache_generator_sends_its_copy_once_and_refuses_a_cache_past_the_b
                generator="kv_cache")
 
 
+def test_the_copy_and_cache_come_out_of_the_budget_the_engines_parts_plan_in(model):
+    # As a run takes them (train/device_beside.py): the copy in bfloat16 (buffers in their own
+    # dtype) and the cache of 4 rows x 24 tokens at 512 B a token.
+    copy = 2 * sum(p.numel() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    cache = 4 * 24 * 512
+    budget = int(BUDGET * 2 ** 30)
+    kv = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache")
+    assert kv.train.budget_bytes == kv.forward.budget_bytes == budget - (copy + cache)
+    assert f"{fmt_bytes(copy + cache)} of the budget held beside the engine's plans" in kv.part("generation").detail
+    streamed = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="hf_streamed")
+    assert streamed.train.budget_bytes == budget - (copy + cache)       # two layers of two: all of it
+
+
+def test_a_kv_cache_copy_the_engines_parts_do_not_fit_beside_is_streamed():
+    deep = model_from_config({**CONFIG, "num_hidden_layers": 4})
+    copy = 2 * sum(p.numel() for p in deep.parameters()) + sum(b.numel() * b.element_size() for b in deep.buffers())
+    layer = 2 * sum(p.numel() for p in deep.model.layers[0].parameters())
+    cache = 4 * 24 * 2 * 4 * 2 * 32 * 2          # 4 rows x 24 tokens, keys and values of 4 layers, 2 heads of 32
+    streamed = copy - 2 * layer + cache             # the resident parts, two decoder layers, the cache
+    with pytest.raises(BudgetTooSmallError) as e:
+        plan(deep, 0.001, batch=4, seq=24, train=True, fuse=False)
+    smallest = e.value.minimum_bytes               # the training step's smallest budget
+    between = (smallest + streamed + layer) / 2 ** 30     # room for the streamed copy's parts, not the whole copy's
+    kv = plan_stage(deep, between, "grpo", fuse=False, **GRPO, max_completion_length=16, generator="kv_cache")
+    assert kv.train.budget_bytes == int(between * 2 ** 30) - streamed
+    assert "does not fit beside the cache" in kv.part("generation").detail
+    with pytest.raises(BudgetTooSmallError, match="the generator holds .* on the device for the whole run") as e:
+        plan_stage(deep, (smallest + streamed) / 2 ** 30 - 1e-6, "grpo", fuse=False, **GRPO, max_completion_length=16,
+                   generator="hf_streamed")
+    assert e.value.minimum_bytes == pytest.approx(smallest + streamed, abs=2)
+
+
 def test_a_streamed_copy_sends_its_weights_every_token(model):
     kv = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache")
     streamed = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="hf_streamed")

@@ -100,8 +100,9 @@ def test_parts_that_leave_nothing_or_too_little_are_refused_naming_them(gpu):
     beside = [device_beside.Beside("generator hf's copy", 3 * GiB)]
     error = device_beside.too_small(BudgetTooSmallError("the budget is too small", 5 * GiB), beside)
     assert error.minimum_bytes == 8 * GiB
-    assert "also holds 3.00 GiB beside the engine's plans (generator hf's copy)" in str(error)
-    assert "the smallest hbm_budget that fits is 8.00 GiB" in str(error)
+    assert "holds 3.00 GiB on the GPU beside the engine's plans (generator hf's copy), and the plans' smallest " \
+           "needs 5.00 GiB: give hbm_budget >= 8.00" in str(error)
+    assert str(error).endswith("The planner: the budget is too small")
 
 
 @pytest.mark.parametrize("kind", ["hf", "hf_streamed"])
