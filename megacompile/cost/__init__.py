@@ -3,7 +3,8 @@ from .estimate import GraphCost, graph_cost, recomputed_bytes, recomputed_region
 from .hardware import PROFILES, HardwareProfile
 from .profiles import get_profile
 from .backend_profile import profile_for
+from .host_memory import default_host_budget_bytes
 from .predict import StepPrediction, predict
 
-__all__ = ["GraphCost", "HardwareProfile", "PROFILES", "StepPrediction", "get_profile", "graph_cost", "predict",
+__all__ = ["GraphCost", "default_host_budget_bytes", "HardwareProfile", "PROFILES", "StepPrediction", "get_profile", "graph_cost", "predict",
            "profile_for", "recomputed_bytes", "recomputed_region"]

@@ -258,7 +258,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
                     nvme_budget=nvme_budget)
     # What the generator holds on the device for the whole run comes out of the budget first, as a run
-    # takes it (train/device_beside.py): the copy on the device if the engine's plans fit beside it and
+    # takes it (train/beside.py): the copy on the device if the engine's plans fit beside it and
     # the cache, else (and for hf_streamed) the streamed copy's resident parts and two layers.
     for place, beside in places:
         def planned(train: bool, n: int, width: int) -> Plan:

@@ -2,7 +2,7 @@
 cache: one forward per new token over the new token alone, where `EngineGenerator` recomputes
 whole rows. The copy costs the policy's size in `dtype` (2 bytes a parameter in bf16) on `device`,
 beside the engine's plans (a run takes it and the cache out of its hbm_budget first:
-train/device_beside.py).
+train/beside.py).
 
 The copy is the policy's architecture built from its config with its parameters on the meta
 device, then given its weights tensor by tensor from the engine's fp32 masters, each cast alone

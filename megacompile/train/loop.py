@@ -139,7 +139,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
                 print(f"  resume note    {note}", flush=True)
         wrap = stage.objective
         setup = build(c, meta, stage.first_inputs, wrap=wrap, heaviest_inputs=stage.heaviest_inputs,
-                      beside_of=stage.device_beside)
+                      beside_of=stage.device_beside, host_beside_of=stage.host_beside)
         try:
             if stage.needs_reference:     # the model as loaded, forward only, on the policy's device
                 stage.reference = reference_engine(c, meta, setup, stage.first_inputs, wrap)

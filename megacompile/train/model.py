@@ -15,11 +15,12 @@ import torch.nn as nn
 from ..capture import CHECKED_LINEAR_ATTENTION, GRID_INPUTS
 from ..capture import with_rope_positions
 from ..engine import Engine, Prepared, prepare, training_capture
-from ..errors import ArgumentError, BudgetTooSmallError
+from ..cost import default_host_budget_bytes
+from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..optim import AdamW, hf_no_decay
 from ..planner import minimum_budget_of
 from ..settings import Settings, default_hbm_budget
-from . import device_beside, methods
+from . import beside, methods
 from .config import DROPOUT_OFF, RunConfig
 
 GiB = 2 ** 30
@@ -32,6 +33,7 @@ class Setup:
     grad_accum: int
     shifted: bool      # labels already shifted (the bundled model) or shifted inside (Hugging Face)
     weight_bytes: int
+    host_budget: float | None = None   # GiB the engine's host state was placed in (None: the machine's share)
 
 
 def _hf_weights(path: str) -> bool:
@@ -160,14 +162,16 @@ def compile_module(c: RunConfig, module: nn.Module, budget: float, wrap=None, **
     return Engine(module, budget, **kwargs)
 
 
-def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_inputs=None, beside_of=None) -> Setup:
+def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_inputs=None, beside_of=None,
+          host_beside_of=None) -> Setup:
     """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes;
     wrap(model) -> the module the engine trains instead of the model (a post-training objective,
     whose parameters carry the model's names under `policy.`); heaviest_inputs(batch) -> a
     micro-batch whose shapes need more memory than the first's (more image tokens), or None: the
     default budget (no hbm_budget) fits its smallest plan too; beside_of(meta, card_bytes) -> what
-    the run holds on a GPU beside the engine's plans (train/device_beside.py), taken out of the
-    budget first.
+    the run holds on a GPU beside the engine's plans (train/beside.py), taken out of the
+    budget first; host_beside_of(meta, device) -> what it holds in host memory beside the engine's
+    state, taken out of the host budget.
 
     Each input shape is captured and planned once before the first step, on the module the engine
     trains and with the request the engine makes (engine/prepared.py): the smallest micro-batch's
@@ -186,6 +190,12 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
                       # and norm weights exempt
                       no_decay=hf_no_decay)
     settings = c.settings()
+    held = host_beside_of(meta, device) if host_beside_of is not None else []
+    host_budget = c.host_budget
+    if held:        # the engine's state in what they leave of the run's host budget
+        total = c.host_budget if c.host_budget is not None else default_host_budget_bytes() / GiB
+        host_budget = beside.host_for_engine(total, held)
+        settings = settings.replace(host_budget=host_budget)
     torch.manual_seed(c.seed)
     module = make_module(c, meta, wrap)
 
@@ -212,8 +222,8 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
         first = 1 if c.global_batch else batch
         if first not in captures:
             captures[first] = training_capture(module, shapes(first), settings.replace(device=device))
-        budget, beside = device_beside.for_engine(device, device_budget(c, module, captures[first], device), meta,
-                                                  beside_of)
+        budget, on_device = beside.for_engine(device, device_budget(c, module, captures[first], device), meta,
+                                              beside_of)
         heaviest = heaviest_inputs(first) if heaviest_inputs is not None and c.hbm_budget is None else None
         if heaviest is not None and device != "cuda":   # a later micro-batch with more image tokens fits too
             heavy = training_capture(module, shapes(first, heaviest), settings.replace(device=device))
@@ -226,11 +236,15 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
                 batch = c.global_batch // accumulate
             chosen = prepared_for(batch, accumulate, budget)
         except BudgetTooSmallError as e:
-            if not beside:
+            if not on_device:
                 raise
-            raise device_beside.too_small(e, beside) from e
+            raise beside.too_small(e, on_device) from e
+        except HostMemoryError as e:
+            if not held:
+                raise
+            raise beside.host_short(e, held) from e
         kwargs = dict(optimizer=optimizer, compute_dtype=dtype, device=device, grad_accum=accumulate,
-                      host_budget=c.host_budget, accumulation=c.accumulation, fuse=c.fuse,
+                      host_budget=host_budget, accumulation=c.accumulation, fuse=c.fuse,
                       on_nonfinite=c.on_nonfinite, nvme_dir=c.nvme_dir, nvme_budget=c.nvme_budget,
                       dump_dir=c.dump_dir, retrace=c.retrace)
         engine = compile_module(c, module, budget, wrap, **kwargs)
@@ -241,7 +255,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
             engine.close()
             raise
     weight_bytes = sum(p.numel() * dtype.itemsize for p in meta.parameters())
-    return Setup(engine, batch, accumulate, shifted, weight_bytes)
+    return Setup(engine, batch, accumulate, shifted, weight_bytes, host_budget)
 
 
 def _file_key(lora: bool, objective: bool):

@@ -31,7 +31,7 @@ def reference_engine(c: RunConfig, meta: nn.Module, setup: Setup, first_inputs, 
     module.requires_grad_(False)
     module.eval()
     engine = compile_module(c, module, policy.budget_bytes / 2 ** 30, wrap, compute_dtype=policy.compute_dtype,
-                            host_budget=c.host_budget, fuse=c.fuse, retrace=c.retrace, share_device=policy)
+                            host_budget=setup.host_budget, fuse=c.fuse, retrace=c.retrace, share_device=policy)
     try:
         plan = engine.prepare(**first_inputs(setup.batch), train=False)
     except BaseException:

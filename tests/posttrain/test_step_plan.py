@@ -150,7 +150,7 @@ def test_a_kv_cache_generator_sends_its_copy_once_and_refuses_a_cache_past_the_b
 
 
 def test_the_copy_and_cache_come_out_of_the_budget_the_engines_parts_plan_in(model):
-    # As a run takes them (train/device_beside.py): the copy in bfloat16 (buffers in their own
+    # As a run takes them (train/beside.py): the copy in bfloat16 (buffers in their own
     # dtype) and the cache of 4 rows x 24 tokens at 512 B a token.
     copy = 2 * sum(p.numel() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
     cache = 4 * 24 * 512

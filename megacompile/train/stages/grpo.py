@@ -46,7 +46,7 @@ from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, Trai
                           decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
                           sampling_correction, sampling_ratio, truncated)
 from . import rollouts
-from .. import device_beside, intervals
+from .. import beside, intervals
 from ..data import images, tools, turn_ends
 from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
@@ -205,8 +205,15 @@ class GRPOStage(Stage):
 
     def device_beside(self, meta, card_bytes: int) -> list:
         """The generator's copy and cache, or colocated vLLM's share, and each reward model's copy."""
-        return device_beside.generator_copy(self.c, meta, card_bytes) + [
-            device_beside.reward_model(f.folder) for f in self.funcs if isinstance(f, RewardModelFunction)]
+        return beside.generator_copy(self.c, meta, card_bytes) + [
+            beside.reward_model(f.folder) for f in self.funcs if isinstance(f, RewardModelFunction)]
+
+    def host_beside(self, meta, device: str) -> list:
+        """On the cpu backend the generator's copy and cache and each reward model's float32 copy;
+        on a GPU the streamed copy's decoder layers."""
+        models = [] if device == "cuda" else [beside.reward_model(f.folder, torch.float32) for f in self.funcs
+                                             if isinstance(f, RewardModelFunction)]
+        return beside.generator_host(self.c, meta, device) + models
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         self.generator = rollouts.make(self.c, engine, self.stops, self.pad, run_dir)

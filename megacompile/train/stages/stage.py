@@ -43,7 +43,12 @@ class Stage:
 
     def device_beside(self, meta, card_bytes: int) -> list:
         """What the stage holds on a GPU of `card_bytes` beside the engine's plans for the whole run
-        (train/device_beside.py's Beside): taken out of the device budget before planning."""
+        (train/beside.py's Beside): taken out of the device budget before planning."""
+        return []
+
+    def host_beside(self, meta, device: str) -> list:
+        """What the stage holds in host memory beside the engine's state for the whole run
+        (train/beside.py's Beside): taken out of the host budget before the state is placed."""
         return []
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:

@@ -1,4 +1,5 @@
-"""What a run holds on a GPU beside the engine's plans, taken out of the device budget first.
+"""What a run holds beside the engine, taken out of its budgets first: on a GPU beside the engine's
+plans, in host memory beside its state.
 
 hbm_budget (or, without one, 90% of the card) is the run's device memory, not the engine's alone.
 Stage grpo can hold more than the engine's arena on the GPU for the whole run: a generator's copy of
@@ -8,9 +9,14 @@ layers) with the key-value cache of a rollout batch, colocated vLLM's share of t
 before anything is planned, and the engine plans in what is left: a run whose parts do not fit
 beside the smallest plan stops before it trains, naming them.
 
-On the cpu backend these copies live in host memory and the simulated device holds the engine's
-plans alone. Not counted: transformers' own transient tensors while it generates (the prefill's
-activations, a step's logits), which pass before the engine runs again.
+host_budget (or 90% of the machine's RAM) is likewise the run's host memory. Beside the engine's
+state (masters, moments, gradients, offloaded activations) stage grpo holds, for the whole run, the
+streamed copy's decoder layers (`hf_streamed` on a GPU: pinned host memory), and on the cpu
+backend, whose simulated device is host memory, the generator's whole copy and cache and each reward
+model's float32 copy. The engine's state is placed in what they leave.
+
+Not counted: transformers' own transient tensors while it generates (the prefill's activations, a
+step's logits), which pass before the engine runs again; vLLM's own host memory.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..errors import BudgetTooSmallError
+from ..errors import BudgetTooSmallError, HostMemoryError
 from ..ir import fmt_bytes
 from .config import RunConfig
 
@@ -58,7 +64,7 @@ def _cache_per_token(model: nn.Module, dtype: torch.dtype) -> int | None:
 
 
 def generator_copy(c: RunConfig, meta: nn.Module, card_bytes: int) -> list[Beside]:
-    """The rollout generator's share of the device, per run.yaml's generator keys."""
+    """The rollout generator's share of the GPU, per run.yaml's generator keys."""
     if c.use_vllm and c.vllm_mode == "colocate":
         share = c.vllm_gpu_memory_utilization
         return [Beside(f"colocated vLLM's vllm_gpu_memory_utilization {share:g} of the card", int(share * card_bytes))]
@@ -73,21 +79,42 @@ def generator_copy(c: RunConfig, meta: nn.Module, card_bytes: int) -> list[Besid
         per_layer = [_bytes(m.parameters(), dtype) for m in layers]
         copy = _model_bytes(meta, dtype) - sum(per_layer) + 2 * max(per_layer, default=0)
         what = f"generator hf_streamed's resident parts and two decoder layers in {c.generator_dtype}"
-    out = [Beside(what, copy)]
+    return [Beside(what, copy)] + _cache(c, meta, dtype)
+
+
+def _cache(c: RunConfig, meta: nn.Module, dtype: torch.dtype) -> list[Beside]:
+    """The key-value cache of a rollout batch, generated at once: its rows x the row's width."""
     rows = c.batch * c.steps_per_generation
     per_token = _cache_per_token(meta, dtype)
-    if per_token is not None:
-        out.append(Beside(f"its key-value cache of {rows} rows x {c.seq} tokens", rows * c.seq * per_token))
-    return out
+    if per_token is None:
+        return []
+    return [Beside(f"its key-value cache of {rows} rows x {c.seq} tokens", rows * c.seq * per_token)]
 
 
-def reward_model(folder: str) -> Beside:
-    """A reward model's bfloat16 copy (posttrain/reward_models.py), sized from its config on meta."""
+def generator_host(c: RunConfig, meta: nn.Module, device: str) -> list[Beside]:
+    """What the rollout generator holds in host memory: on the cpu backend its copy and cache (the
+    simulated device is host memory), on a GPU hf_streamed's decoder layers."""
+    if c.use_vllm or c.generator not in ("hf", "hf_streamed"):
+        return []
+    dtype = getattr(torch, c.generator_dtype)
+    if device != "cuda":
+        return [Beside(f"generator {c.generator}'s {c.generator_dtype} copy of the policy", _model_bytes(meta, dtype))
+                ] + _cache(c, meta, dtype)
+    if c.generator == "hf":
+        return []
+    from ..posttrain import decoder_layers
+    return [Beside(f"generator hf_streamed's decoder layers in {c.generator_dtype}, pinned",
+                   sum(_bytes(m.parameters(), dtype) for m in decoder_layers(meta)))]
+
+
+def reward_model(folder: str, dtype: torch.dtype = torch.bfloat16) -> Beside:
+    """A reward model's copy (posttrain/reward_models.py: bfloat16 on cuda, float32 on the cpu),
+    sized from its config on meta."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
     from ..io.hf_load import parameters_on_meta
     with parameters_on_meta():
         model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(folder))
-    return Beside(f"reward model {folder} in bfloat16", _model_bytes(model, torch.bfloat16))
+    return Beside(f"reward model {folder} in {str(dtype)[6:]}", _model_bytes(model, dtype))
 
 
 def split(total_gib: float, beside: list[Beside]) -> tuple[float, str | None]:
@@ -132,3 +159,33 @@ def too_small(error: BudgetTooSmallError, beside: list[Beside]) -> BudgetTooSmal
                                f"{fmt_bytes(error.minimum_bytes)}: give hbm_budget >= {math.ceil(need / GiB * 100) / 100:.2f}"
                                ", or a smaller generator share (vllm_gpu_memory_utilization, fewer rollout rows or "
                                f"tokens), or generator engine. The planner: {error}", need)
+
+
+def host_for_engine(total_gib: float, beside: list[Beside]) -> float:
+    """The engine's host budget in GiB out of the run's `total_gib`, less `beside` (the line saying so
+    printed); HostMemoryError when they leave nothing."""
+    taken = sum(b.nbytes for b in beside)
+    if not taken:
+        return total_gib
+    left = total_gib - taken / GiB
+    parts = "; ".join(f"{b.what}: {fmt_bytes(b.nbytes)}" for b in beside)
+    print(f"  host budget    {fmt_bytes(total_gib * GiB)}: {fmt_bytes(max(0.0, left) * GiB)} for the engine's state, "
+          f"{fmt_bytes(taken)} beside it ({parts})", flush=True)
+    if left <= 0:
+        raise HostMemoryError(f"the host budget of {fmt_bytes(total_gib * GiB)} leaves nothing for the engine's "
+                              f"state beside {fmt_bytes(taken)} the run holds in host memory besides it ({parts}): "
+                              "give a larger host_budget, or generator engine",
+                              {"smallest_host_budget_bytes": None, "beside_bytes": taken})
+    return left
+
+
+def host_short(error: HostMemoryError, beside: list[Beside]) -> HostMemoryError:
+    """The engine's refusal of its host budget, with what the run holds beside it named."""
+    taken = sum(b.nbytes for b in beside)
+    smallest = error.facts.get("smallest_host_budget_bytes")
+    need = (f": give host_budget >= {math.ceil((smallest + taken) / GiB * 100) / 100:.2f}"
+            if smallest is not None else "")
+    return HostMemoryError(f"the run holds {fmt_bytes(taken)} in host memory beside the engine's state "
+                           f"({'; '.join(b.what for b in beside)}){need}. The planner: {error}",
+                           {**error.facts, "beside_bytes": taken,
+                            **({"smallest_host_budget_bytes": smallest + taken} if smallest is not None else {})})
