@@ -6,6 +6,7 @@ log.csv, from the update kept in the run folder."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 
@@ -68,6 +69,10 @@ def test_the_reference_is_mixed_with_the_policy_every_sync_steps_as_trl_mixes_it
         assert float(synced[0]["eval_reward_margin"]) == pytest.approx(float(fixed[0]["eval_reward_margin"]), rel=1e-6)
         assert float(synced[1]["eval_reward_margin"]) != pytest.approx(float(fixed[1]["eval_reward_margin"]),
                                                                        rel=1e-3)
+    # The policy's run is the shared device's last (an evaluation reads the reference first): the
+    # trace pairs the policy's plan with its own measured run.
+    trace = json.loads((run_dir / "step.json").read_text())
+    assert any(e["name"] == "process_name" and e["args"]["name"].startswith("measured") for e in trace["traceEvents"])
 
 
 @pytest.mark.parametrize("stage", ["grpo", "dpo"])

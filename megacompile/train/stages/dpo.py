@@ -166,12 +166,11 @@ class DPOStage(reference.ReferenceStage):
         return None if self.loss.needs_reference else lengths
 
     def evaluate(self, engine, step: int) -> dict:
-        c, due = self.c, self.held_out(engine, step, self._logps)
+        # with sync_ref_model the reference as the last update left it
+        c, due = self.c, self.held_out(engine, step, self._logps, self.reference if self.needs_reference else None)
         if due is None:
             return {}
         held, ref, policy = due
-        if self.needs_reference:        # the reference as the last update left it
-            ref = self.eval_logps(self.reference, held, self._logps)
         counts = self._token_counts(held)
         lengths = torch.cat([counts[:, 0], counts[:, 1]])
         losses = self.loss.pairs(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), lengths)

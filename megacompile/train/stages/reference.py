@@ -114,10 +114,12 @@ class ReferenceStage(Stage):
         self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False, model_dir=c.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
-    def held_out(self, engine, step: int, logps) -> tuple | None:
+    def held_out(self, engine, step: int, logps, reference=None) -> tuple | None:
         """The held-out items an evaluation at `step` reads (eval_batches x batch of them at most),
         their reference log-probabilities and the policy's now, `logps(engine, items)` in eval mode
-        (dropout off); None when no evaluation is due."""
+        (dropout off); None when no evaluation is due. With a `reference` engine (one that moves) its
+        log-probabilities are taken from it, first: the policy's run is the device's last, which the
+        run's trace shows."""
         c = self.c
         if not self.held or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
             return None
@@ -125,6 +127,8 @@ class ReferenceStage(Stage):
         if c.eval_batches is not None:
             held = held[:c.eval_batches * c.batch]
             ref = ref[:c.eval_batches * c.batch] if ref is not None else None
+        if reference is not None:
+            ref = self.eval_logps(reference, held, logps)
         return held, ref, self.eval_logps(engine, held, logps)
 
     @staticmethod
