@@ -40,7 +40,8 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
             grad_accum: int = Settings.grad_accum, fuse: bool | None = None, host_budget: float | None = None,
             on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None, nvme_budget: float | None = None,
             process_group=None, accumulation: str = Settings.accumulation,
-            max_consecutive_skips: int | None = None, share_device: Engine | None = None) -> Engine:
+            max_consecutive_skips: int | None = None, share_device: Engine | None = None,
+            share_frozen: bool = False) -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -75,6 +76,10 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
                    budget between them, and this engine's host state placed in the host budget the
                    other's leaves (a frozen reference model beside its policy: forward calls only,
                    its weights kept once in their own dtype, no moments)
+    share_frozen:  with share_device: the frozen weights and buffers this model holds that the
+                   other engine holds frozen too (same names, shapes and dtypes: a reference
+                   beside a LoRA policy's base) are that engine's host tensors, not copies; every
+                   value loaded into one is checked to be the one already there
 
     settings:      a megacompile.Settings holding the plain settings above (hbm_budget included)
                    instead of keywords; a keyword given beside it must agree with it
@@ -86,7 +91,8 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
         grad_accum=grad_accum, fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite, nvme_dir=nvme_dir,
         nvme_budget=nvme_budget, accumulation=accumulation))
     return Engine(model, optimizer=optimizer, loss_fn=loss_fn, process_group=process_group,
-                  max_consecutive_skips=max_consecutive_skips, share_device=share_device, **plain)
+                  max_consecutive_skips=max_consecutive_skips, share_device=share_device,
+                  share_frozen=share_frozen, **plain)
 
 
 __all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "hf_no_decay",

@@ -139,9 +139,11 @@ def held_owners(captured, every_trainable: bool = True) -> dict[str, int]:
     return owner_of
 
 
-def owner_sizes(captured, every_trainable: bool = True) -> tuple[dict[int, int], set[int], int]:
+def owner_sizes(captured, every_trainable: bool = True,
+                borrowed: frozenset[str] = frozenset()) -> tuple[dict[int, int], set[int], int]:
     """Per owning stage its trainable parameters (held_owners); the owners whose gradients are
-    summed in fp32 (a parameter used by several stages); bytes of frozen weights and buffers."""
+    summed in fp32 (a parameter used by several stages); bytes of frozen weights and buffers, less
+    those `borrowed` from another engine (runtime/host.py)."""
     owner_of = held_owners(captured, every_trainable)
     sizes: dict[int, int] = {}
     for name, s in owner_of.items():
@@ -152,7 +154,7 @@ def owner_sizes(captured, every_trainable: bool = True) -> tuple[dict[int, int],
             if name in owner_of:
                 uses[name] = uses.get(name, 0) + 1
     summed = {owner_of[n] for n, k in uses.items() if k > 1}
-    frozen = sum(e.numel * e.dtype.itemsize for n, e in captured.state.items() if n not in owner_of)
+    frozen = sum(e.numel * e.dtype.itemsize for n, e in captured.state.items() if n not in owner_of and n not in borrowed)
     return sizes, summed, frozen
 
 
@@ -175,10 +177,10 @@ def module_bytes(captured, resident: frozenset[str], placement: Placement, compu
 
 
 def host_costs(captured, compute_dtype: torch.dtype, grad_accum: int = 1,
-               module_resident: frozenset[str] = frozenset()) -> list[HostCost]:
+               module_resident: frozenset[str] = frozenset(), borrowed: frozenset[str] = frozenset()) -> list[HostCost]:
     """The cost of each placement level, in spill order; `module_resident`: the names of the
     module's tensors that hold real host memory (none for a model on the meta device)."""
-    sizes, summed, frozen = owner_sizes(captured)
+    sizes, summed, frozen = owner_sizes(captured, borrowed=borrowed)
     return [host_cost(sizes, summed, frozen, compute_dtype, grad_accum, p, module_bytes(captured, module_resident, p, compute_dtype))
             for p in LEVELS]
 

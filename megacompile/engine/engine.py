@@ -68,7 +68,7 @@ class Engine:
                  on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None,
                  nvme_budget: float | None = None, process_group=None, accumulation: str = Settings.accumulation,
                  hardware: HardwareProfile | None = None, max_consecutive_skips: int | None = None,
-                 share_device: "Engine | None" = None):
+                 share_device: "Engine | None" = None, share_frozen: bool = False):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         # Every plain setting checked at once, by the one check (megacompile/settings.py).
@@ -126,6 +126,11 @@ class Engine:
             self.device_share = join(share_device, self.budget_bytes, device, self.data_parallel)
             self.backend, self._device_owner, self._end = self.device_share.backend, share_device, lambda: None
         self.device_share.engines.add(self)
+        if share_frozen is not False and (share_frozen is not True or share_device is None):
+            raise ArgumentError(f"share_frozen is True or False, and True only with share_device=engine (whose frozen "
+                                f"weights this one then shares); got share_frozen={share_frozen!r}"
+                                + ("" if share_device is not None else " without share_device"))
+        self._share_frozen = share_frozen
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
         self.fuse = fused(fuse, on_gpu=self.backend.name == "cuda")
@@ -228,18 +233,20 @@ class Engine:
             # Layer-major lands one gradient sum per step: no fp32 accumulator ('auto' keeps one).
             host_accum = host_accumulation(self.grad_accum, self.accumulation)
             room, shared = self.device_share.host_room(self, self.host_budget_bytes)
+            lent = self._frozen_lent(captured)
             try:
                 self.host_cost = place_host_state(captured, self.compute_dtype, host_accum, room,
                                                   disk_room(self.nvme_dir, self.nvme_budget_bytes),
                                                   ranks=None if self.data_parallel is None else self.data_parallel.shape,
-                                                  module_resident=module_resident(self.model))
+                                                  module_resident=module_resident(self.model), borrowed=frozenset(lent))
             except HostMemoryError as e:
                 if not shared:
                     raise
                 raise HostMemoryError(f"{e}{shared}", e.facts) from e
             host = (HostState if self.data_parallel is None else self.data_parallel.host_state)(
                 captured, self.compute_dtype, pin=self.backend.name == "cuda",
-                grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir)
+                grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir,
+                **({"borrowed": lent} if lent else {}))
             if host.disk is not None:
                 host.disk.record_into(self.backend.timeline)
             # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
@@ -278,6 +285,17 @@ class Engine:
         """The host budget this engine's state plans in: the machine's, less what the engines sharing
         its device hold (engine/shared_device.py)."""
         return self.device_share.host_room(self, self.host_budget_bytes)[0]
+
+    def _frozen_lent(self, captured: CapturedModel) -> dict[str, torch.Tensor]:
+        """With share_frozen: the frozen weights and buffers of the engine this one shares the device
+        with that this capture holds frozen too, by name, shape and dtype (runtime/host.py borrows them)."""
+        owner = self._device_owner
+        if not self._share_frozen or owner is None or owner.host is None:
+            return {}
+        state = captured.state
+        return {n: t for n, t in owner.host.consts.items()
+                if n in state and not state[n].trainable and tuple(t.shape) == tuple(state[n].shape)
+                and t.dtype == state[n].dtype}
 
     def host_plan_bytes(self) -> int:
         """Host bytes this engine's plans say it holds: its state, as placed (0 before its first

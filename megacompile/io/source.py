@@ -105,7 +105,7 @@ def _write_part(host, it: Item, t: torch.Tensor) -> None:
     if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
         raise WeightsFileError(f"{it.path}: {it.key} holds inf or NaN, or is not floating point; nothing was loaded")
     if it.name in host.consts:      # a frozen expert weight
-        part_of(host.consts[it.name], it.part).copy_(t)
+        host.fill_const(it.name, part_of(host.consts[it.name], it.part), t)
         return
     part_of(host.view("master", it.name), it.part).copy_(t)
     buffers = host.owners[host.slots[it.name].owner]

@@ -347,13 +347,14 @@ def _host_facts(costs: list[HostCost], smallest_bytes: int) -> dict:
 
 def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, host_budget_bytes: int | None,
                      nvme_budget_bytes: int | None, ranks: tuple[int, int] | None = None,
-                     module_resident: frozenset[str] = frozenset()) -> HostCost:
+                     module_resident: frozenset[str] = frozenset(), borrowed: frozenset[str] = frozenset()) -> HostCost:
     """Where the masters and AdamW state live: all in host RAM if they fit the host budget, else
     the moments on disk, else the masters too (cost/host_memory.py); HostMemoryError, saying what
     each placement needs, when none fits both budgets. `ranks`: (R, L), data parallelism over R
     ranks, L per node: the rank's sharded figure against its budget (cost/host_shards.py).
     `module_resident`: the names of the user's module's tensors that hold real host memory, whose
-    bytes count where the host state cannot share them (host_memory.module_bytes)."""
+    bytes count where the host state cannot share them (host_memory.module_bytes). `borrowed`: frozen
+    weights another engine holds for this one (runtime/host.py), not counted."""
     if ranks is not None:
         from ..cost.host_shards import sharded_host_cost
         module = sum(e.numel * e.dtype.itemsize for n, e in captured.state.items() if n in module_resident)
@@ -361,7 +362,7 @@ def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, ho
         require_host_room(cost.ram_bytes, host_budget_bytes, f" ({cost.describe()}; the budget is 1/{ranks[1]} "
                           "of the node's host budget)", _host_facts([cost], cost.ram_bytes * ranks[1]))
         return cost
-    costs = host_costs(captured, compute_dtype, grad_accum, module_resident)
+    costs = host_costs(captured, compute_dtype, grad_accum, module_resident, borrowed)
     chosen = choose_placement(costs, host_budget_bytes, nvme_budget_bytes)
     if chosen is None:
         hint = ("" if nvme_budget_bytes is not None else

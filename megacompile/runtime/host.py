@@ -24,6 +24,7 @@ from ..capture.model_graph import owners
 from ..cost.host_memory import OwnerLayout, Placement, held_owners, owner_layout
 from ..optim.fused_adamw import grad_sq_norm
 from ..disk.owner_state import DiskState, UpdateFn
+from ..errors import ArgumentError
 from .page_locked import pinned_empty
 
 
@@ -81,7 +82,7 @@ class OwnerBuffers:
 class HostState:
     def __init__(self, captured: CapturedModel, compute_dtype: torch.dtype, pin: bool = False, grad_accum: int = 1,
                  placement: Placement = Placement(), nvme_dir: str | None = None, verify: bool | None = None,
-                 every_trainable: bool = True):
+                 every_trainable: bool = True, borrowed: dict[str, torch.Tensor] | None = None):
         self.compute_dtype = compute_dtype
         self.placement = placement
         self.contributors = owners(captured)[1]
@@ -126,8 +127,17 @@ class HostState:
         self._unfolded: set[str] = set()
         self._fold_at_update: dict[int, list[str]] = {}
         self.consts: dict[str, torch.Tensor] = {}
+        # Frozen weights another engine on the device holds with the same values (compile(...,
+        # share_frozen=True): a reference beside a LoRA policy's base): its tensors, not copies, and
+        # never written here; a load into one checks that it holds the same values.
+        self.borrowed = frozenset(n for n, t in (borrowed or {}).items()
+                                  if n in captured.state and n not in self.slots
+                                  and tuple(t.shape) == tuple(captured.state[n].shape)
+                                  and t.dtype == captured.state[n].dtype)
         for name, entry in captured.state.items():
-            if name not in self.slots:
+            if name in self.borrowed:
+                self.consts[name] = borrowed[name]
+            elif name not in self.slots:
                 # Kept in the model's own dtype (a frozen fp32 weight stays exact); the prefetch
                 # casts to the compute dtype as it copies. Page-locked like the masters: a
                 # non_blocking copy from pageable memory is a synchronous one.
@@ -229,14 +239,14 @@ class HostState:
     def nbytes(self) -> int:
         """Host RAM of the state: owners' buffers, frozen weights and buffers, the disk tier's pool."""
         return (sum(b.nbytes for b in self.owners.values())
-                + sum(t.untyped_storage().nbytes() for t in self.consts.values())
+                + sum(t.untyped_storage().nbytes() for n, t in self.consts.items() if n not in self.borrowed)
                 + (self.disk.tier.pool.total_bytes if self.disk is not None else 0))
 
     # -- values in and out ---------------------------------------------------------------
     def load_problems(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Everything that would make load() fail or load nonsense, found before it writes: not a
         tensor, on the meta device, a wrong shape, a dtype that does not cast (an integer tensor
-        for a float weight), an inf or NaN."""
+        for a float weight), an inf or NaN, other values for a borrowed weight."""
         problems = []
         for name, t in tensors.items():
             own = (torch.empty(self.slots[name].shape, device="meta") if name in self.slots
@@ -254,6 +264,8 @@ class HostState:
                 problems.append(f"{name} has dtype {t.dtype}, expected {own.dtype}")
             elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 problems.append(f"{name} holds inf or NaN")
+            elif name in self.borrowed and not torch.equal(own, t.to(own.dtype)):
+                problems.append(self._borrowed_differs(name))
         return problems
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -270,9 +282,22 @@ class HostState:
                     if self.owners[owner].compute is not self.owners[owner].master:
                         self.source(name).copy_(t)
                 elif name in self.consts:
-                    self.consts[name].copy_(t)
+                    self.fill_const(name, self.consts[name], t)
             for owner, flat in masters.items():
                 self.disk.write(owner, "master", flat)
+
+    def fill_const(self, name: str, target: torch.Tensor, t: torch.Tensor) -> None:
+        """`t` into `target` (a frozen weight or buffer, or a part of one); into a borrowed one only
+        the check that it holds those values already."""
+        if name not in self.borrowed:
+            target.copy_(t)
+        elif not torch.equal(target, t.to(target.dtype)):
+            raise ArgumentError(self._borrowed_differs(name))
+
+    @staticmethod
+    def _borrowed_differs(name: str) -> str:
+        return (f"frozen weight {name} differs from the one the engine it is shared with holds (share_frozen "
+                "shares only weights both hold alike): compile without share_frozen")
 
     def load_module(self, model: nn.Module) -> None:
         self.load(dict(model.named_parameters()) | dict(model.named_buffers()))
@@ -333,8 +358,9 @@ class HostState:
             add("compute copies", b.compute)
             add("grads", b.grad)
             add("grads", b.landing)
-        for t in self.consts.values():
-            add("frozen weights and buffers", t)
+        for n, t in self.consts.items():
+            if n not in self.borrowed:
+                add("frozen weights and buffers", t)
         if self.disk is not None:
             out["disk-tier pool"] = self.disk.tier.pool.total_bytes
         return out

@@ -6,8 +6,11 @@ one budget and one device arena serve both, as they take turns, and its host sta
 host budget the policy's leaves. Its parameters are frozen, so the host keeps its weights once, in
 their own dtype (float32: the masters' precision, which sync_ref_model's mixing reads and writes),
 with no AdamW moments, gradients or compute copies. It runs in eval mode, as TRL prepares its
-reference (dropout off whatever disable_dropout says of the policy). Its plan and host state are
-made before the first step, so a reference that does not fit stops the run before it trains.
+reference (dropout off whatever disable_dropout says of the policy). Beside a LoRA policy the
+frozen base is the policy's own host tensors (compile(..., share_frozen=True)): the reference adds
+only its adapters (whose B is zero, so it is the base, as TRL's reference with the adapter
+disabled). Its plan and host state are made before the first step, so a reference that does not fit
+stops the run before it trains.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch.nn as nn
 
 from ..engine import Engine
 from ..ir import fmt_bytes
+from . import methods
 from .config import RunConfig
 from .model import Setup, compile_module, make_module
 
@@ -31,7 +35,9 @@ def reference_engine(c: RunConfig, meta: nn.Module, setup: Setup, first_inputs, 
     module.requires_grad_(False)
     module.eval()
     engine = compile_module(c, module, policy.budget_bytes / 2 ** 30, wrap, compute_dtype=policy.compute_dtype,
-                            host_budget=setup.host_budget, fuse=c.fuse, retrace=c.retrace, share_device=policy)
+                            host_budget=setup.host_budget, fuse=c.fuse, retrace=c.retrace, share_device=policy,
+                            # a LoRA policy's base is frozen and the reference's own: held once, by the policy
+                            share_frozen=bool(methods.adapters(c)))
     try:
         plan = engine.prepare(**first_inputs(setup.batch), train=False)
     except BaseException:

@@ -114,3 +114,42 @@ def test_disagreeing_settings_and_a_closed_owner_are_refused():
     reference.close()        # harmless after the owner's
     with pytest.raises(ArgumentError, match="that engine is closed"):
         megacompile.compile(frozen, 1.0, device="cpu", share_device=policy)
+
+
+def test_share_frozen_holds_the_owners_frozen_weights_once_and_checks_what_is_loaded_into_them():
+    ids = models.batch(96, 2, 16)
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=2, d=32)
+    for name, p in model.named_parameters():        # a LoRA policy's shape: the base frozen, a part trained
+        p.requires_grad_(name.startswith("lm_head"))
+    frozen = copy.deepcopy(model).requires_grad_(False).eval()
+    with torch.no_grad():
+        want = frozen(input_ids=ids).logits
+    policy = megacompile.compile(model, 1.0, device="cpu")
+    policy.prepare(input_ids=ids, labels=ids)
+    reference = megacompile.compile(frozen, 1.0, share_device=policy, share_frozen=True)
+    torch.testing.assert_close(reference(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+    host, owner = reference.host, policy.host
+    base = {n for n in owner.consts if not n.startswith("lm_head")}
+    assert host.borrowed == frozenset(owner.consts) and base
+    for name in base:
+        assert host.consts[name] is owner.consts[name]      # the same tensor, not a copy
+    # Its own: the weights the policy trains (a reference keeps them as they were), held frozen here.
+    head = sum(p.numel() * 4 for n, p in frozen.named_parameters() if n.startswith("lm_head"))
+    assert reference.host.nbytes == reference.host_cost.ram_bytes == head
+    assert set(reference.host.parts()) == {"frozen weights and buffers"}
+    policy.step(input_ids=ids, labels=ids)             # the policy trains; the shared base does not move
+    torch.testing.assert_close(reference(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+    # A load into a shared weight is a check: the same values pass, others are refused, nothing written.
+    key = "model.layers.0.mlp.up_proj.weight"
+    same = frozen.state_dict()[key].clone()
+    reference.load_state_dict({key: same}, strict=False)
+    before = owner.consts[key].clone()
+    with pytest.raises(MegacompileError, match=f"frozen weight {key} differs from the one the engine it is shared "
+                                               "with holds.*nothing was loaded"):
+        reference.load_state_dict({key: same + 1}, strict=False)
+    assert torch.equal(owner.consts[key], before)
+    with pytest.raises(ArgumentError, match="True only with share_device"):
+        megacompile.compile(copy.deepcopy(frozen), 1.0, device="cpu", share_frozen=True)
+    policy.close()
+    reference.close()

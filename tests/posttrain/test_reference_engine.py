@@ -48,3 +48,26 @@ def test_the_reference_is_the_loaded_model_frozen_on_the_policys_device(tmp_path
     alone = log.read(str(tmp_path / "none" / "log.csv"))
     assert alone[0]["reward"] == rows[0]["reward"] and alone[0]["completions/mean_length"] == \
         rows[0]["completions/mean_length"]
+
+
+def test_beside_a_lora_policy_the_reference_holds_only_its_adapters(tmp_path, monkeypatch):
+    work = stage_files.workspace(tmp_path)
+    made = []
+    build = loop.reference_engine
+
+    def keep(c, meta, setup, first_inputs, wrap):
+        engine = build(c, meta, setup, first_inputs, wrap)
+        made.append((setup.engine, engine))
+        return engine
+    monkeypatch.setattr(loop, "reference_engine", keep)
+    run(load(files.run_yaml(str(tmp_path / "lora.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "lora"), beta=0.05, finetuning_type="lora", lora_rank=4)), []))
+    (policy, reference), = made
+    owner, host = policy.host, reference.host
+    base = [n for n in owner.consts if "lora_" not in n]
+    assert base and host.borrowed >= set(base)
+    assert all(host.consts[n] is owner.consts[n] for n in base)      # the base once, the policy's
+    adapters = sum(p.numel() * p.element_size() for n, p in reference.model.named_parameters() if "lora_" in n)
+    assert reference.host.nbytes == reference.host_cost.ram_bytes == adapters
+    rows = log.read(str(tmp_path / "lora" / "log.csv"))
+    assert float(rows[0]["kl"]) == 0.0           # the policy at step 1 is the base: B = 0
