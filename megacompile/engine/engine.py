@@ -116,6 +116,10 @@ class Engine:
         if self.nvme_dir is not None and self.data_parallel is not None:
             raise ArgumentError("the disk tier (nvme_dir) is not sharded across ranks: drop nvme_dir with process "
                                 "groups (each rank keeps its share of the host state in RAM: docs/distributed.md)")
+        if not isinstance(share_frozen, bool) or (share_frozen and share_device is None):
+            raise ArgumentError(f"share_frozen is True or False, and True only with share_device=engine (whose frozen "
+                                f"weights this one then shares); got share_frozen={share_frozen!r}"
+                                + ("" if share_device is not None else " without share_device"))
         if share_device is None:
             self.backend = make_backend(device, self.budget_bytes)
             self.device_share, self._device_owner = SharedDevice(self.backend), None
@@ -126,10 +130,6 @@ class Engine:
             self.device_share = join(share_device, self.budget_bytes, device, self.data_parallel)
             self.backend, self._device_owner, self._end = self.device_share.backend, share_device, lambda: None
         self.device_share.engines.add(self)
-        if share_frozen is not False and (share_frozen is not True or share_device is None):
-            raise ArgumentError(f"share_frozen is True or False, and True only with share_device=engine (whose frozen "
-                                f"weights this one then shares); got share_frozen={share_frozen!r}"
-                                + ("" if share_device is not None else " without share_device"))
         self._share_frozen = share_frozen
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.

@@ -143,7 +143,8 @@ def checker(state: "TrainingState", trainable: dict) -> SimpleNamespace:
     parameters, the model's own tensors (meta or not: only shape and dtype are read) for the rest."""
     consts = {state.canonical.get(n, n): t for n, t in list(state.model.named_parameters())
               + list(state.model.named_buffers()) if state.canonical.get(n, n) not in trainable}
-    return SimpleNamespace(slots={n: SimpleNamespace(shape=s) for n, s in trainable.items()}, consts=consts)
+    return SimpleNamespace(slots={n: SimpleNamespace(shape=s) for n, s in trainable.items()}, consts=consts,
+                           borrowed=frozenset())
 
 
 def _own_tensors(host: HostState, model, parts: LoadedParts) -> None:
