@@ -15,8 +15,8 @@ from tests.posttrain import stage_files
 from tests.train import files
 
 
-def test_the_reference_is_the_loaded_model_frozen_on_the_policys_device(tmp_path, monkeypatch, capsys):
-    work = stage_files.workspace(tmp_path)
+def _engines(monkeypatch) -> list:
+    """(policy, reference) of each run from now on, as the loop builds them."""
     made = []
     build = loop.reference_engine
 
@@ -25,6 +25,12 @@ def test_the_reference_is_the_loaded_model_frozen_on_the_policys_device(tmp_path
         made.append((setup.engine, engine))
         return engine
     monkeypatch.setattr(loop, "reference_engine", keep)
+    return made
+
+
+def test_the_reference_is_the_loaded_model_frozen_on_the_policys_device(tmp_path, monkeypatch, capsys):
+    work = stage_files.workspace(tmp_path)
+    made = _engines(monkeypatch)
     run(load(files.run_yaml(str(tmp_path / "kl.yaml"), **stage_files.grpo(work, str(tmp_path / "kl"), beta=0.05)), []))
     (policy, reference), = made
     assert "reference      the model as loaded, forward only, in eval mode" in capsys.readouterr().out
@@ -52,14 +58,7 @@ def test_the_reference_is_the_loaded_model_frozen_on_the_policys_device(tmp_path
 
 def test_beside_a_lora_policy_the_reference_holds_only_its_adapters(tmp_path, monkeypatch):
     work = stage_files.workspace(tmp_path)
-    made = []
-    build = loop.reference_engine
-
-    def keep(c, meta, setup, first_inputs, wrap):
-        engine = build(c, meta, setup, first_inputs, wrap)
-        made.append((setup.engine, engine))
-        return engine
-    monkeypatch.setattr(loop, "reference_engine", keep)
+    made = _engines(monkeypatch)
     run(load(files.run_yaml(str(tmp_path / "lora.yaml"), **stage_files.grpo(
         work, str(tmp_path / "lora"), beta=0.05, finetuning_type="lora", lora_rank=4)), []))
     (policy, reference), = made
