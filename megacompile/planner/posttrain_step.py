@@ -29,7 +29,9 @@ A stage that runs a reference model at every step (grpo with beta > 0, dpo with 
 holds it as a second engine on the policy's device (train/reference_model.py): its forward plan is
 one of the device's, in the same budget, and its weights, frozen in their own dtype, are a second
 copy on the host, placed in what the policy's host state and offloaded activations leave of the
-host budget; too little there is a HostMemoryError, as at the run's start.
+host budget; too little there is a HostMemoryError, as at the run's start. A streamed generation
+copy's decoder layers are pinned in host memory for the whole run: they come out of the host budget
+before the other parts are planned.
 
 The objectives' per-token log-probabilities are costed as the model's own loss: the same lm-head
 matmul and a log-softmax over the vocabulary either way. Generation is costed at
@@ -96,6 +98,7 @@ class StagePlan:
     parts: list[StepPart] = field(default_factory=list)
     optimizer_steps: int = 1  # optimizer steps the parts make (grpo: num_iterations per rollout batch)
     reference_host_bytes: int = 0   # a reference engine's frozen weights on the host (0: none runs)
+    generator_host_bytes: int = 0   # a streamed generation copy's decoder layers, pinned on the host
 
     @property
     def total_s(self) -> float:
@@ -147,6 +150,10 @@ class StagePlan:
                      else "the host link and compute take about as long")
             out.append(f"generation is {generation.seconds / self.total_s:.0%} of the rollout batch; its weights cross "
                        f"the host link in {fmt_seconds(link)}, its compute takes {fmt_seconds(compute)}: {bound}")
+        if self.generator_host_bytes:
+            out.append(f"the streamed copy's decoder layers are pinned in host memory: "
+                       f"{fmt_bytes(self.generator_host_bytes)} of the host budget, the policy's state planned in "
+                       "the rest")
         if self.reference_host_bytes:
             held = self.train.host_bytes + self.train.stash_bytes
             out.append(f"the reference's weights are a second copy on the host, frozen: "
@@ -165,7 +172,7 @@ class StagePlan:
                 "parts": [p.to_dict() for p in self.parts], "total_s": self.total_s,
                 "optimizer_steps": self.optimizer_steps, "per_optimizer_step_s": self.per_optimizer_step_s,
                 "weight_h2d_bytes": self.weight_h2d_bytes, "hardware": self.train.hardware.name,
-                "reference_host_bytes": self.reference_host_bytes,
+                "reference_host_bytes": self.reference_host_bytes, "generator_host_bytes": self.generator_host_bytes,
                 "train_step_s": self.train.prediction.step_s,
                 "forward_s": self.forward.prediction.step_s if self.forward is not None else None}
 
@@ -255,15 +262,24 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         cache = rollout * width * per_token
         _check_cache(cache, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rollout, width)
         places = _copy_places(model, keys["generator"], cache)
-    settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
-                    nvme_budget=nvme_budget)
+    settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, nvme_budget=nvme_budget)
+    host_total = arguments.budget_bytes("host_budget", host_budget, optional=True)
     # What the generator holds on the device for the whole run comes out of the budget first, as a run
     # takes it (train/beside.py): the copy on the device if the engine's plans fit beside it and
-    # the cache, else (and for hf_streamed) the streamed copy's resident parts and two layers.
+    # the cache, else (and for hf_streamed) the streamed copy's resident parts and two layers, its
+    # decoder layers then pinned in host memory, out of the host budget.
     for place, beside in places:
+        layers_held = sum(_decoder_layer_bytes(model)) if place == "streamed" else 0
+        host_left = None if host_total is None else (host_total - layers_held) / 2 ** 30
+
         def planned(train: bool, n: int, width: int) -> Plan:
-            return plan(model, hbm_budget - beside / 2 ** 30, batch=n, seq=width, train=train, **settings)
+            return plan(model, hbm_budget - beside / 2 ** 30, batch=n, seq=width, train=train, host_budget=host_left,
+                        **settings)
         try:
+            if host_left is not None and host_left <= 0:
+                raise HostMemoryError(f"the streamed copy's decoder layers ({fmt_bytes(layers_held)}, pinned in host "
+                                      f"memory) take the whole host budget of {fmt_bytes(host_total)}: give a larger "
+                                      "host budget, or generator engine")
             if beside >= arguments.budget_bytes("hbm_budget", hbm_budget):
                 raise BudgetTooSmallError("the budget leaves the engine's plans nothing", 0)
             train = planned(True, rows, width)
@@ -312,8 +328,8 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         if keys["beta"] > 0:
             parts.insert(2, _part("reference forward", micro, forward, f"{passes} (beta > 0)"))
     reference = stage == "grpo" and keys["beta"] > 0 or stage == "dpo" and keys["sync_ref_model"]
-    held = _reference_host_bytes(model, train, host_budget) if reference else 0
-    return StagePlan(stage, rows, width, keys, train, forward, parts, steps, held)
+    held = _reference_host_bytes(model, train, host_left) if reference else 0
+    return StagePlan(stage, rows, width, keys, train, forward, parts, steps, held, layers_held)
 
 
 def _reference_host_bytes(model: nn.Module, train: Plan, host_budget: float | None) -> int:

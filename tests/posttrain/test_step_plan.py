@@ -162,6 +162,21 @@ def test_the_copy_and_cache_come_out_of_the_budget_the_engines_parts_plan_in(mod
     assert streamed.train.budget_bytes == budget - (copy + cache)       # two layers of two: all of it
 
 
+def test_a_streamed_copys_layers_come_out_of_the_host_budget(model):
+    layers = 2 * sum(p.numel() for p in model.model.layers.parameters())      # two decoder layers in bfloat16
+    streamed = plan_stage(model, BUDGET, "grpo", fuse=False, host_budget=4, **GRPO, max_completion_length=16,
+                          generator="hf_streamed")
+    assert streamed.generator_host_bytes == layers and streamed.to_json()["generator_host_bytes"] == layers
+    assert streamed.train.host_budget_bytes == 4 * 2 ** 30 - layers
+    assert any(n.startswith("the streamed copy's decoder layers are pinned in host memory") for n in streamed.notes())
+    on_device = plan_stage(model, BUDGET, "grpo", fuse=False, host_budget=4, **GRPO, max_completion_length=16,
+                           generator="kv_cache")
+    assert on_device.generator_host_bytes == 0 and on_device.train.host_budget_bytes == 4 * 2 ** 30
+    with pytest.raises(HostMemoryError, match="take the whole host budget"):
+        plan_stage(model, BUDGET, "grpo", fuse=False, host_budget=layers / 2 ** 30, **GRPO, max_completion_length=16,
+                   generator="hf_streamed")
+
+
 def test_a_kv_cache_copy_the_engines_parts_do_not_fit_beside_is_streamed():
     deep = model_from_config({**CONFIG, "num_hidden_layers": 4})
     copy = 2 * sum(p.numel() for p in deep.parameters()) + sum(b.numel() * b.element_size() for b in deep.buffers())
