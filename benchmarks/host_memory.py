@@ -18,7 +18,7 @@ import tempfile
 
 import provenance
 
-PATHS = ("compile", "compile_bf16", "from_pretrained", "disk", "accum", "moe")
+PATHS = ("compile", "compile_bf16", "from_pretrained", "disk", "accum", "moe", "reference")
 CHILD = os.path.join(provenance.ROOT, "tests", "e2e", "host_rss_child.py")
 
 
