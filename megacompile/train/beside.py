@@ -33,6 +33,11 @@ from .config import RunConfig
 GiB = 2 ** 30
 
 
+def on_gpu(device: str) -> bool:
+    """'cuda' or 'cuda:N'."""
+    return torch.device(device).type == "cuda"
+
+
 @dataclass(frozen=True)
 class Beside:
     what: str
@@ -97,7 +102,7 @@ def generator_host(c: RunConfig, meta: nn.Module, device: str) -> list[Beside]:
     if c.use_vllm or c.generator not in ("hf", "hf_streamed"):
         return []
     dtype = getattr(torch, c.generator_dtype)
-    if device != "cuda":
+    if not on_gpu(device):
         return [Beside(f"generator {c.generator}'s {c.generator_dtype} copy of the policy", _model_bytes(meta, dtype))
                 ] + _cache(c, meta, dtype)
     if c.generator == "hf":
@@ -132,7 +137,7 @@ def split(total_gib: float, beside: list[Beside]) -> tuple[float, str | None]:
 def for_engine(device: str, total_gib: float, meta: nn.Module, beside_of) -> tuple[float, list[Beside]]:
     """The engine's budget in GiB on `device` out of the run's `total_gib`: on a GPU, less what
     `beside_of(meta, card_bytes)` holds beside it (the line saying so printed); elsewhere all of it."""
-    if device != "cuda" or beside_of is None:
+    if not on_gpu(device) or beside_of is None:
         return total_gib, []
     card = torch.cuda.get_device_properties(torch.device(device)).total_memory
     beside = beside_of(meta, card)

@@ -95,6 +95,7 @@ def test_the_engine_plans_in_what_the_parts_leave_of_the_run_budget(gpu, capsys)
     # the cpu backend's copies live in host memory: the simulated device is the engine's alone
     assert beside.for_engine("cpu", 1.0, _meta(), beside_of) == (1.0, []) and len(asked) == 1
     assert beside.for_engine("cuda", 72.0, _meta(), lambda meta, card: []) == (72.0, [])
+    assert beside.for_engine("cuda:1", 72.0, _meta(), beside_of)[0] == 64.0         # any GPU of the machine
 
 
 def test_parts_that_leave_nothing_or_too_little_are_refused_naming_them(gpu):

@@ -211,7 +211,7 @@ class GRPOStage(Stage):
     def host_beside(self, meta, device: str) -> list:
         """On the cpu backend the generator's copy and cache and each reward model's float32 copy;
         on a GPU the streamed copy's decoder layers."""
-        models = [] if device == "cuda" else [beside.reward_model(f.folder, torch.float32) for f in self.funcs
+        models = [] if beside.on_gpu(device) else [beside.reward_model(f.folder, torch.float32) for f in self.funcs
                                              if isinstance(f, RewardModelFunction)]
         return beside.generator_host(self.c, meta, device) + models
 
