@@ -179,8 +179,7 @@ def host_for_engine(total_gib: float, beside: list[Beside]) -> float:
     if left <= 0:
         raise HostMemoryError(f"the host budget of {fmt_bytes(total_gib * GiB)} leaves nothing for the engine's "
                               f"state beside {fmt_bytes(taken)} the run holds in host memory besides it ({parts}): "
-                              "give a larger host_budget, or generator engine",
-                              {"smallest_host_budget_bytes": None, "beside_bytes": taken})
+                              "give a larger host_budget, or generator engine", {"beside_bytes": taken})
     return left
 
 

@@ -43,7 +43,11 @@ def reference_engine(c: RunConfig, meta: nn.Module, setup: Setup, first_inputs, 
     except BaseException:
         engine.close()
         raise
+    host = engine.host
+    shared = sum(host.consts[n].untyped_storage().nbytes() for n in host.borrowed)
     print(f"  reference      the model as loaded, forward only, in eval mode: {fmt_bytes(engine.host_cost.ram_bytes)} "
-          f"of frozen weights on the host beside the policy's state; its plan's device peak "
-          f"{fmt_bytes(plan.predicted_peak_bytes)} within the policy's budget, on its device", flush=True)
+          f"of frozen weights on the host beside the policy's state"
+          + (f" (the {fmt_bytes(shared)} of frozen weights both hold are the policy's)" if shared else "")
+          + f"; its plan's device peak {fmt_bytes(plan.predicted_peak_bytes)} within the policy's budget, on its "
+          "device", flush=True)
     return engine

@@ -10,6 +10,7 @@ import os
 
 from safetensors.torch import load_file
 
+from megacompile.ir import fmt_bytes
 from megacompile.train import load, log, loop, run
 from tests.posttrain import stage_files
 from tests.train import files
@@ -56,7 +57,7 @@ def test_the_reference_is_the_loaded_model_frozen_on_the_policys_device(tmp_path
         rows[0]["completions/mean_length"]
 
 
-def test_beside_a_lora_policy_the_reference_holds_only_its_adapters(tmp_path, monkeypatch):
+def test_beside_a_lora_policy_the_reference_holds_only_its_adapters(tmp_path, monkeypatch, capsys):
     work = stage_files.workspace(tmp_path)
     made = _engines(monkeypatch)
     run(load(files.run_yaml(str(tmp_path / "lora.yaml"), **stage_files.grpo(
@@ -68,5 +69,7 @@ def test_beside_a_lora_policy_the_reference_holds_only_its_adapters(tmp_path, mo
     assert all(host.consts[n] is owner.consts[n] for n in base)      # the base once, the policy's
     adapters = sum(p.numel() * p.element_size() for n, p in reference.model.named_parameters() if "lora_" in n)
     assert reference.host.nbytes == reference.host_cost.ram_bytes == adapters
+    shared = sum(owner.consts[n].untyped_storage().nbytes() for n in host.borrowed)
+    assert f"(the {fmt_bytes(shared)} of frozen weights both hold are the policy's)" in capsys.readouterr().out
     rows = log.read(str(tmp_path / "lora" / "log.csv"))
     assert float(rows[0]["kl"]) == 0.0           # the policy at step 1 is the base: B = 0
