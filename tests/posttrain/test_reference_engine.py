@@ -73,3 +73,19 @@ def test_beside_a_lora_policy_the_reference_holds_only_its_adapters(tmp_path, mo
     assert f"(the {fmt_bytes(shared)} of frozen weights both hold are the policy's)" in capsys.readouterr().out
     rows = log.read(str(tmp_path / "lora" / "log.csv"))
     assert float(rows[0]["kl"]) == 0.0           # the policy at step 1 is the base: B = 0
+
+
+def test_a_reference_of_a_config_without_weights_is_the_policys_random_init(tmp_path, monkeypatch):
+    """A model folder with a config and no weights trains from a seeded random init: the reference
+    draws the same init (the run's seed, the policy's draw order), so the KL term starts at 0."""
+    work = stage_files.workspace(tmp_path)
+    for f in glob.glob(os.path.join(work["model"], "*.safetensors")):
+        os.remove(f)
+    made = _engines(monkeypatch)
+    run(load(files.run_yaml(str(tmp_path / "init.yaml"), **stage_files.grpo(work, str(tmp_path / "init"), beta=0.05,
+                                                                           seed=7)), []))
+    (policy, reference), = made
+    rows = log.read(str(tmp_path / "init" / "log.csv"))
+    assert float(rows[0]["kl"]) == 0.0 and float(rows[1]["kl"]) > 0
+    held = reference.state_dict()
+    assert not any(t.eq(0).all() for t in held.values() if t.dim() > 1)      # drawn, not left empty
