@@ -19,8 +19,9 @@ by the cost model; the parts summed.
                       prefill over the prompts and one decode step per token from a bfloat16 copy
                       (cost/decode.py), on the device where the engine's plans fit beside it and
                       the cache, else streamed; hf_streamed: the copy's layers streamed from the
-                      host every step (posttrain/streamed_copy.py). What the copy and the cache
-                      hold on the device comes out of the budget the other parts plan in.
+                      host every step (posttrain/streamed_copy.py). What the copy, the cache and
+                      generate's passing tensors (cost/generation_memory.py) hold on the
+                      device comes out of the budget the other parts plan in.
           old policy  a forward-only pass per micro-batch: the sampling policy's log-probabilities
           reference   the same when beta > 0 (the reference's own copy of the weights)
           training    num_iterations passes of a training step per micro-batch
@@ -49,6 +50,7 @@ import torch.nn as nn
 from .. import arguments
 from ..cost import graph_cost
 from ..cost.decode import BF16, cache_bytes_per_token, decode_step
+from ..cost.generation_memory import generate_transient_bytes, prefill_chunk
 from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..ir.printer import fmt_bytes, fmt_seconds
 from ..settings import Settings
@@ -261,7 +263,9 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         per_token = _cache_bytes_per_token(model)    # a copy with a cache generates the rollout batch at once
         cache = rollout * width * per_token
         _check_cache(cache, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rollout, width)
-        places = _copy_places(model, keys["generator"], cache)
+        # and, while it samples, transformers' passing tensors (a prefill of the prompts, a step's logits)
+        passing = generate_transient_bytes(model.config, rollout, keys["max_prompt_length"], BF16) or 0
+        places = _copy_places(model, keys["generator"], cache + passing)
     settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, nvme_budget=nvme_budget)
     host_total = arguments.budget_bytes("host_budget", host_budget, optional=True)
     # What the generator holds on the device for the whole run comes out of the budget first, as a run
@@ -294,9 +298,9 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
                 raise
             need = e.minimum_bytes + beside
             raise BudgetTooSmallError(
-                f"the generator holds {fmt_bytes(beside)} on the device for the whole run (its {place} copy and "
-                f"the rollout's key-value cache), which leaves the engine's plans "
-                f"{fmt_bytes(max(0, arguments.budget_bytes('hbm_budget', hbm_budget) - beside))}, and their smallest "
+                f"the generator holds {fmt_bytes(beside)} on the device for the whole run (its {place} copy, "
+                f"the rollout's key-value cache and the tensors its generate passes through), which leaves the "
+                f"engine's plans {fmt_bytes(max(0, arguments.budget_bytes('hbm_budget', hbm_budget) - beside))}, and their smallest "
                 f"needs {fmt_bytes(e.minimum_bytes)}: give hbm_budget >= {math.ceil(need / 2 ** 30 * 100) / 100:.2f}, "
                 "or fewer rollout rows or tokens (a smaller cache), or generator engine. The planner: " + str(e),
                 need) from e
@@ -389,7 +393,8 @@ def _copy_places(model: nn.Module, generator: str, cache: int) -> list[tuple[str
     """Where a key-value cache generator's bfloat16 copy may live, in the order tried, each with the
     device bytes it holds beside the engine's plans for the whole run: "device" (kv_cache: the
     copy whole, a run's generator hf) and "streamed" (hf_streamed, or kv_cache's fallback: the
-    resident parts and two decoder layers). Both hold the rollout's cache."""
+    resident parts and two decoder layers). Both hold `cache`: the rollout's cache and the
+    tensors generate passes through."""
     copy = (sum(p.numel() * (BF16 if p.dtype.is_floating_point else p.element_size()) for p in model.parameters())
             + sum(b.numel() * b.element_size() for b in model.buffers()))
     layers = _decoder_layer_bytes(model)
@@ -412,7 +417,8 @@ def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, row
                    on_device: bool, beside: int) -> StepPart:
     """A prefill over the prompts, then max_completion_length decode steps from a bfloat16 copy of
     the weights: on the device (sent once per rollout batch), or streamed from the host every step;
-    the cache on the device either way. `beside`: what the copy and cache hold on the device."""
+    the cache on the device either way. `beside`: what the copy, the cache and generate's passing
+    tensors hold on the device."""
     captured, hw = forward.captured, forward.hardware
     weight_bytes = sum(e.numel * (BF16 if e.dtype.is_floating_point else e.dtype.itemsize)
                        for e in captured.state.values())
@@ -425,15 +431,21 @@ def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, row
     step = decode_step(hw, weight_bytes=weight_bytes, flop_params=captured.flop_params, rows=rows,
                        cache_bytes=math.ceil(mean_cache), ops=ops, weights_on_device=on_device)
     copy_s = weight_bytes / hw.h2d_bw if on_device else 0.0
+    # The prefill runs in chunks of the prompts (cost/generation_memory.py); a copy off the device
+    # sends its weights again for each chunk after the first.
+    chunks = math.ceil(prompt / prefill_chunk(rows))
+    resent = 0 if on_device else (chunks - 1) * weight_bytes
     where = ("the copy on the device, sent once" if on_device else
              f"the copy ({fmt_bytes(weight_bytes)}) streamed from the host every step, layer by layer"
              if streamed else f"the copy ({fmt_bytes(weight_bytes)}) does not fit beside the cache "
              f"({fmt_bytes(full_cache)}) and the engine's plans: streamed from the host every step (a run's "
              "generator hf_streamed)")
     where += f"; {fmt_bytes(beside)} of the budget held beside the engine's plans"
-    traffic = weight_bytes * (1 if on_device else tokens) + prefill.weight_h2d_bytes_per_step
-    return StepPart("generation", tokens, prefill.prediction.step_s + copy_s + tokens * step.seconds, traffic,
-                    f"{keys['generator']} generator on a bfloat16 copy: a forward-only prefill of {rows} x {prompt} tokens "
-                    f"({fmt_seconds(prefill.prediction.step_s)}), then {tokens} decode steps of "
+    traffic = weight_bytes * (1 if on_device else tokens) + prefill.weight_h2d_bytes_per_step + resent
+    prefill_s = prefill.prediction.step_s + resent / hw.h2d_bw
+    in_chunks = f" in {chunks} chunks" if chunks > 1 else ""
+    return StepPart("generation", tokens, prefill_s + copy_s + tokens * step.seconds, traffic,
+                    f"{keys['generator']} generator on a bfloat16 copy: a forward-only prefill of {rows} x {prompt} "
+                    f"tokens{in_chunks} ({fmt_seconds(prefill_s)}), then {tokens} decode steps of "
                     f"{fmt_seconds(step.seconds)}, {where}",
                     prefill.prediction.compute_s + tokens * max(step.compute_s, step.device_read_s))

@@ -9,6 +9,9 @@ device, then given its weights tensor by tensor from the engine's fp32 masters, 
 (policy_weights.py); tied weights stay tied. `sync()` after each optimizer step copies the masters
 in again, tensor by tensor, into the same memory.
 
+The prompts' prefill runs in chunks of their positions, about 4096 tokens of all the rows each
+(cost/generation_memory.py): what it passes through stays bounded beside the engine's arena.
+
 Sampling: at temperature t > 0 each token is drawn from softmax(logits / t), through the sampling
 filters (top-k, top-p, min-p, repetition penalty: sampling_filters.py), by `torch.multinomial` with
 the generator's own seeded torch.Generator, as `EngineGenerator` draws it, inside transformers'
@@ -23,6 +26,7 @@ import copy
 import torch
 from torch import nn
 
+from ..cost.generation_memory import prefill_chunk
 from ..errors import ArgumentError
 from .policy_weights import policy_of, policy_weights, tied_names
 from .rollout import Completion, check_request, stop_ids
@@ -134,9 +138,11 @@ class HFGenerator:
         starts = [width - len(r) for r in rows]
         drawn = temperature > 0 or self.filters.repetition_penalty != 1.0
         processors = LogitsProcessorList([_Draw(temperature, self.rng, self.filters, starts)] if drawn else [])
+        chunk = prefill_chunk(len(rows))       # the prompts' prefill in chunks: what it passes stays bounded
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                   do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
-                                  logits_processor=processors, use_cache=True)
+                                  logits_processor=processors, use_cache=True,
+                                  prefill_chunk_size=chunk if width > chunk else None)
         completions = []
         for i, tokens in enumerate(out[:, width:].tolist()):
             stopped = next((k for k, t in enumerate(tokens) if t in self.stops), None)

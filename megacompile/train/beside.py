@@ -15,8 +15,9 @@ streamed copy's decoder layers (`hf_streamed` on a GPU: pinned host memory), and
 backend, whose simulated device is host memory, the generator's whole copy and cache and each reward
 model's float32 copy. The engine's state is placed in what they leave.
 
-Not counted: transformers' own transient tensors while it generates (the prefill's activations, a
-step's logits), which pass before the engine runs again; vLLM's own host memory.
+transformers' tensors that pass while it generates (the prefill's largest layer, a step's logits
+and sampling: cost/generation_memory.py) are counted with the copy: they pass before the engine
+runs again, but the engine's arena is held meanwhile. Not counted: vLLM's own host memory.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..cost import generate_transient_bytes, prefill_chunk
 from ..errors import BudgetTooSmallError, HostMemoryError
 from ..ir import fmt_bytes
 from .config import RunConfig
@@ -84,7 +86,7 @@ def generator_copy(c: RunConfig, meta: nn.Module, card_bytes: int) -> list[Besid
         per_layer = [_bytes(m.parameters(), dtype) for m in layers]
         copy = _model_bytes(meta, dtype) - sum(per_layer) + 2 * max(per_layer, default=0)
         what = f"generator hf_streamed's resident parts and two decoder layers in {c.generator_dtype}"
-    return [Beside(what, copy)] + _cache(c, meta, dtype)
+    return [Beside(what, copy)] + _cache(c, meta, dtype) + _passing(c, meta, dtype)
 
 
 def _cache(c: RunConfig, meta: nn.Module, dtype: torch.dtype) -> list[Beside]:
@@ -96,6 +98,19 @@ def _cache(c: RunConfig, meta: nn.Module, dtype: torch.dtype) -> list[Beside]:
     return [Beside(f"its key-value cache of {rows} rows x {c.seq} tokens", rows * c.seq * per_token)]
 
 
+def _passing(c: RunConfig, meta: nn.Module, dtype: torch.dtype) -> list[Beside]:
+    """What transformers' generate holds while it samples the rollout batch, besides the copy and
+    the cache: the bound of cost/generation_memory.py."""
+    rows, prompt = c.batch * c.steps_per_generation, c.max_prompt_length or c.seq
+    passing = generate_transient_bytes(getattr(meta, "config", None), rows, prompt, dtype.itemsize)
+    if passing is None:
+        return []
+    chunk = min(prompt, prefill_chunk(rows))
+    prefill = f"{rows} x {prompt} tokens" + (f" in chunks of {chunk} positions" if chunk < prompt else "")
+    return [Beside(f"the tensors its generate passes through (a prefill of {prefill}, a step's logits and sampling)",
+                   passing)]
+
+
 def generator_host(c: RunConfig, meta: nn.Module, device: str) -> list[Beside]:
     """What the rollout generator holds in host memory: on the cpu backend its copy and cache (the
     simulated device is host memory), on a GPU hf_streamed's decoder layers."""
@@ -104,7 +119,7 @@ def generator_host(c: RunConfig, meta: nn.Module, device: str) -> list[Beside]:
     dtype = getattr(torch, c.generator_dtype)
     if not on_gpu(device):
         return [Beside(f"generator {c.generator}'s {c.generator_dtype} copy of the policy", _model_bytes(meta, dtype))
-                ] + _cache(c, meta, dtype)
+                ] + _cache(c, meta, dtype) + _passing(c, meta, dtype)
     if c.generator == "hf":
         return []
     from ..posttrain import decoder_layers

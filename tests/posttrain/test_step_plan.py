@@ -9,7 +9,8 @@ import pytest
 
 from megacompile import plan, plan_stage
 from megacompile.cli import main
-from megacompile.cost import PROFILES
+from megacompile.cost import PROFILES, generate_transient_bytes
+from megacompile.cost import generation_memory
 from megacompile.cost.decode import decode_step
 from megacompile.errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from megacompile.ir.printer import fmt_bytes
@@ -151,9 +152,10 @@ def test_a_kv_cache_generator_sends_its_copy_once_and_refuses_a_cache_past_the_b
 
 def test_the_copy_and_cache_come_out_of_the_budget_the_engines_parts_plan_in(model):
     # As a run takes them (train/beside.py): the copy in bfloat16 (buffers in their own
-    # dtype) and the cache of 4 rows x 24 tokens at 512 B a token.
+    # dtype), the cache of 4 rows x 24 tokens at 512 B a token, and what generate passes through
+    # (a prefill of 4 x 8 prompt tokens, a sampling step: cost/generation_memory.py).
     copy = 2 * sum(p.numel() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
-    cache = 4 * 24 * 512
+    cache = 4 * 24 * 512 + generate_transient_bytes(model.config, 4, 8, 2)
     budget = int(BUDGET * 2 ** 30)
     kv = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache")
     assert kv.train.budget_bytes == kv.forward.budget_bytes == budget - (copy + cache)
@@ -182,6 +184,7 @@ def test_a_kv_cache_copy_the_engines_parts_do_not_fit_beside_is_streamed():
     copy = 2 * sum(p.numel() for p in deep.parameters()) + sum(b.numel() * b.element_size() for b in deep.buffers())
     layer = 2 * sum(p.numel() for p in deep.model.layers[0].parameters())
     cache = 4 * 24 * 2 * 4 * 2 * 32 * 2          # 4 rows x 24 tokens, keys and values of 4 layers, 2 heads of 32
+    cache += generate_transient_bytes(deep.config, 4, 8, 2)     # and what generate passes through
     streamed = copy - 2 * layer + cache             # the resident parts, two decoder layers, the cache
     with pytest.raises(BudgetTooSmallError) as e:
         plan(deep, 0.001, batch=4, seq=24, train=True, fuse=False)
@@ -205,6 +208,20 @@ def test_a_streamed_copy_sends_its_weights_every_token(model):
     assert generation.weight_h2d_bytes == 16 * copy + prefill.weight_h2d_bytes_per_step
     assert "streamed from the host every step, layer by layer" in generation.detail
     assert generation.seconds > kv.part("generation").seconds     # the copy fits here: resident is quicker
+
+
+def test_a_streamed_copy_sends_its_weights_again_for_each_prefill_chunk(model, monkeypatch):
+    whole = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="hf_streamed").part("generation")
+    monkeypatch.setattr(generation_memory, "PREFILL_TOKENS", 4 * 2)      # 4 rows: chunks of 2 of the 8 positions
+    chunked = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="hf_streamed").part("generation")
+    copy = 2 * sum(t.numel() for t in [*model.parameters(), *model.buffers()])
+    assert chunked.weight_h2d_bytes == whole.weight_h2d_bytes + 3 * copy
+    assert chunked.seconds == pytest.approx(whole.seconds + 3 * copy / H100.h2d_bw)
+    assert "a forward-only prefill of 4 x 8 tokens in 4 chunks (" in chunked.detail
+    resident = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache").part("generation")
+    monkeypatch.undo()
+    assert resident.weight_h2d_bytes == _stage(model, "grpo", **GRPO, max_completion_length=16,
+                                               generator="kv_cache").part("generation").weight_h2d_bytes
 
 
 def test_a_decode_step_is_bound_by_device_memory_when_the_copy_fits_else_by_the_link():

@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers import AutoModelForSequenceClassification
 
+from megacompile.cost import generate_transient_bytes
 from megacompile.errors import BudgetTooSmallError, HostMemoryError
 from megacompile.ir import fmt_bytes
 from megacompile.train import beside
@@ -31,7 +32,7 @@ def _meta():
 
 def _run(**keys):
     base = dict(use_vllm=False, vllm_mode="colocate", generator="engine", generator_dtype="bfloat16", batch=4,
-                steps_per_generation=2, seq=24, vllm_gpu_memory_utilization=0.3)
+                steps_per_generation=2, seq=24, max_prompt_length=None, vllm_gpu_memory_utilization=0.3)
     return SimpleNamespace(**{**base, **keys})
 
 
@@ -42,20 +43,29 @@ PARAMS = 2 * VOCAB * HIDDEN + LAYERS * LAYER + HIDDEN
 ROTARY = 2 * (HEAD // 2)     # the rotary inv_freq and original_inv_freq buffers: float32 in any copy
 
 
-def test_generator_hf_holds_its_copy_and_the_rollouts_cache():
+def test_generator_hf_holds_its_copy_the_rollouts_cache_and_what_generate_passes():
     parts = beside.generator_copy(_run(generator="hf"), _meta(), 80 * GiB)
-    copy, cache = parts
+    copy, cache, passing = parts
     assert copy.nbytes == 2 * PARAMS + 4 * ROTARY and "generator hf's bfloat16 copy" in copy.what
     # keys and values of every layer, kv heads x head size each, 2 bytes, for 4 x 2 rows of 24 tokens
     assert cache.nbytes == 8 * 24 * 2 * LAYERS * KV_HEADS * HEAD * 2 and "8 rows x 24 tokens" in cache.what
     wide = beside.generator_copy(_run(generator="hf", generator_dtype="float32"), _meta(), 80 * GiB)
-    assert [b.nbytes for b in wide] == [4 * (PARAMS + ROTARY), 2 * cache.nbytes]
+    # the prefill of 8 rows x 24 prompt tokens (no max_prompt_length: the row's width; one chunk), per
+    # token the MLP's gate, up and product, eight hidden-size tensors and a mask element per key, in
+    # bf16; above a sampling step's 8 rows x VOCAB x (2 + 48)
+    assert passing.nbytes == 8 * 24 * 2 * (3 * FFN + 8 * HIDDEN + 24) > 8 * VOCAB * 50
+    assert "a prefill of 8 x 24 tokens" in passing.what
+    (_, _, short) = beside.generator_copy(_run(generator="hf", max_prompt_length=4), _meta(), 80 * GiB)
+    assert short.nbytes == 8 * VOCAB * 50 > 8 * 4 * 2 * (3 * FFN + 8 * HIDDEN + 4)      # sampling's, then
+    assert [b.nbytes for b in wide] == [4 * (PARAMS + ROTARY), 2 * cache.nbytes,
+                                        8 * 24 * 4 * (3 * FFN + 8 * HIDDEN + 24)]
 
 
 def test_generator_hf_streamed_holds_its_resident_parts_and_two_layers():
-    copy, cache = beside.generator_copy(_run(generator="hf_streamed"), _meta(), 80 * GiB)
+    copy, cache, passing = beside.generator_copy(_run(generator="hf_streamed"), _meta(), 80 * GiB)
     assert copy.nbytes == 2 * (PARAMS - LAYERS * LAYER + 2 * LAYER) + 4 * ROTARY
     assert cache.nbytes == 8 * 24 * 2 * LAYERS * KV_HEADS * HEAD * 2
+    assert passing == beside.generator_copy(_run(generator="hf"), _meta(), 80 * GiB)[2]
 
 
 def test_colocated_vllm_holds_its_share_of_the_card_and_the_engine_generator_nothing():
@@ -123,17 +133,18 @@ def test_the_generators_copy_is_what_it_holds(kind):
     if kind == "hf_streamed":      # two decoder layers at a time on the device, the rest resident
         layer = sum(p.numel() * p.element_size() for p in decoder_layers(made)[0].parameters())
         held += (2 - LAYERS) * layer
-    (copy, _) = beside.generator_copy(_run(generator=kind), _meta(), 80 * GiB)
+    (copy, _, _) = beside.generator_copy(_run(generator=kind), _meta(), 80 * GiB)
     assert copy.nbytes == held
     engine.close()
 
 
 def test_the_generator_in_host_memory_is_its_copy_and_cache_on_the_cpu_and_the_streamed_layers_on_a_gpu():
     meta = _meta()
-    copy, cache = beside.generator_host(_run(generator="hf"), meta, "cpu")
+    copy, cache, passing = beside.generator_host(_run(generator="hf"), meta, "cpu")
     assert copy.nbytes == 2 * PARAMS + 4 * ROTARY and cache.nbytes == 8 * 24 * 2 * LAYERS * KV_HEADS * HEAD * 2
+    assert passing == beside.generator_copy(_run(generator="hf"), meta, 80 * GiB)[2]
     assert [b.nbytes for b in beside.generator_host(_run(generator="hf_streamed"), meta, "cpu")] == \
-        [copy.nbytes, cache.nbytes]         # the simulated device is host memory: all of it
+        [copy.nbytes, cache.nbytes, passing.nbytes]         # the simulated device is host memory: all of it
     assert beside.generator_host(_run(generator="hf"), meta, "cuda") == []
     (layers,) = beside.generator_host(_run(generator="hf_streamed"), meta, "cuda")
     assert layers.nbytes == 2 * LAYERS * LAYER and "pinned" in layers.what
@@ -179,5 +190,6 @@ def test_a_cpu_run_with_generator_hf_places_the_engines_state_beside_the_copy(tm
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) * 4
     cache = 8 * (8 + 3) * per_token          # 2 prompts x 4 completions of 8 + 3 tokens, in float32
-    assert abs(setup.engine.host_budget_bytes - (2 * GiB - copy - cache)) <= 1, line
+    passing = generate_transient_bytes(config, 8, 8, 4)     # the prefill of their prompts, a sampling step
+    assert abs(setup.engine.host_budget_bytes - (2 * GiB - copy - cache - passing)) <= 1, line
     assert f"generator hf's float32 copy of the policy: {fmt_bytes(copy)}" in line

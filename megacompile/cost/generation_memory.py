@@ -1,0 +1,68 @@
+"""What transformers' `generate` holds while it samples a rollout batch, besides the copy's weights
+and its key-value cache: tensors that pass (the prefill's largest layer, each step's logits and
+sampling), freed before the engine runs again, yet held beside its arena while they live.
+
+The prefill runs in chunks of the prompts' positions (generate's `prefill_chunk_size`) of about
+PREFILL_TOKENS tokens over all the rows: enough rows for a GPU's matmuls to run near their peak,
+and a bound on what a chunk passes through, where the whole prompt at once would hold (a 70B's
+32 rows of 512 tokens) 4.6 GiB. The completions are the same either way.
+
+The figure is a bound, from the model's Hugging Face config, made of the larger of two moments:
+
+- a prefill chunk: its tokens through one decoder layer at a time, per token the MLP's
+  intermediates (gate, up and their product: 3 x intermediate_size; a mixture of experts' routed
+  copies, 5 x k x moe_intermediate_size, beside its shared experts'), about eight hidden-size
+  tensors (the residual, the norm's float32 pass, attention's query, rotated keys and output) and
+  one element per key (up to the prompt's length) of the attention mask of left-padded rows, which
+  a chunk takes in the copy's dtype;
+- a sampling step: each row's logits in the copy's dtype, their float32 copy, and the sampling
+  filters' passes over them (sort values and int64 indices, softmax, cumulative sum, masks): at
+  most 48 bytes a vocabulary entry with top-k, top-p, min-p and a repetition penalty all on.
+
+Measured by counting the live storages ops create inside `generate` on the cpu (a dispatch mode,
+tests/posttrain/test_generation_memory.py): dense and mixture-of-experts configs, short and long
+prompts, small and large vocabularies, bfloat16 and float32 each stay under the bound, within 25%.
+"""
+from __future__ import annotations
+
+PREFILL_TOKENS = 4096   # the tokens of all rows a prefill chunk takes
+PER_HIDDEN = 8        # hidden-size tensors alive at once in a layer's prefill, in the copy's dtype
+PER_VOCAB = 48        # bytes a vocabulary entry of a sampling step takes beyond its logits
+PER_ROUTED = 5        # a routed expert's intermediates, per token and its k experts
+
+
+def _text(config):
+    return getattr(config, "get_text_config", lambda: config)()
+
+
+def mlp_width(config) -> int:
+    """The intermediate elements a token holds at the peak of a decoder layer's MLP: a dense layer's
+    three (gate, up, their product), or a mixture's shared experts' three beside its routed
+    copies'."""
+    text = _text(config)
+    dense = 3 * (getattr(text, "intermediate_size", 0) or 0)
+    k = getattr(text, "num_experts_per_tok", None)
+    if not k:
+        return dense
+    expert = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0) or 0
+    shared = (getattr(text, "shared_expert_intermediate_size", None)
+              or (getattr(text, "n_shared_experts", 0) or 0) * expert)
+    return max(dense, 3 * shared + PER_ROUTED * k * expert)
+
+
+def prefill_chunk(rows: int) -> int:
+    """The prompt positions a prefill chunk of `rows` rows takes."""
+    return max(1, PREFILL_TOKENS // rows)
+
+
+def generate_transient_bytes(config, rows: int, prompt: int, dtype_bytes: int) -> int | None:
+    """The bound above for `rows` rows of prompts up to `prompt` tokens, generated at once by a copy
+    in a dtype of `dtype_bytes`; None where the config does not say its hidden or vocabulary size."""
+    text = _text(config)
+    hidden, vocab = getattr(text, "hidden_size", None), getattr(text, "vocab_size", None)
+    if not isinstance(hidden, int) or not isinstance(vocab, int):
+        return None
+    chunk = min(prompt, prefill_chunk(rows))
+    prefill = rows * chunk * dtype_bytes * (mlp_width(config) + PER_HIDDEN * hidden + prompt)
+    sampling = rows * vocab * (dtype_bytes + PER_VOCAB)
+    return max(prefill, sampling)
