@@ -1,11 +1,11 @@
 """run.yaml: every key, its default and its check. A run's settings are read from the file, the
 command line's `key=value` overrides are laid over them, and every key is checked (type, range,
 files that must exist, keys that exclude each other) before a model, tokenizer or data file is
-opened: a bad run fails in a second, naming the key, what it got and what it takes.
+opened: a bad run fails in a second, naming the key, what it got and what it takes. The data keys
+are checked in config_data.py, single values (a number in a range, a flag) in config_values.py.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -15,7 +15,9 @@ import torch
 
 from .. import arguments
 from . import aliases
-from .data import entries, named_template, run_tools, template_file, tools
+from .config_data import check_data, check_media, lay_tools
+from .config_values import choice, flag, folder_or_file, integer, loggers, number, numeric, text, warmup
+from .data import entries
 from . import preemption
 from . import intervals
 from . import their_keys
@@ -28,8 +30,7 @@ SCHEDULES = ("constant", "linear", "cosine")
 PACKING = (False, True, "isolated")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
-LOGGERS = ("csv", "tensorboard", "wandb")
-BUNDLED = "bundled"
+BUNDLED = entries.BUNDLED
 BUNDLED_MODEL = {"dim": 384, "layers": 6, "heads": 6, "kv_heads": 2, "ffn": 1024}
 DROPOUT_OFF = ("dpo", "kto", "rm")      # the stages whose TRL and LlamaFactory trainers disable dropout
 
@@ -298,107 +299,24 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if unknown:
         raise ArgumentError(f"{source}: {_unknown(unknown)}")
     c = RunConfig(**{k: v for k, v in raw.items()})
-    c.model = _text("model", c.model)
+    c.model = text("model", c.model)
     if not c.bundled:
-        _folder_or_file("model", c.model, "a Hugging Face model folder (config.json, safetensors, tokenizer files), "
-                        "a config.json to train from scratch, or 'bundled'")
-    c.tokenizer = _text("tokenizer", c.tokenizer, optional=True)
+        folder_or_file("model", c.model, "a Hugging Face model folder (config.json, safetensors, tokenizer files), "
+                       "a config.json to train from scratch, or 'bundled'")
+    c.tokenizer = text("tokenizer", c.tokenizer, optional=True)
     if c.tokenizer is not None:
         if c.bundled:
             raise ArgumentError("tokenizer: the bundled model reads bytes and takes no tokenizer; leave it out")
-        _folder_or_file("tokenizer", c.tokenizer, "a folder with tokenizer.json / tokenizer_config.json")
+        folder_or_file("tokenizer", c.tokenizer, "a folder with tokenizer.json / tokenizer_config.json")
     elif not c.bundled and not os.path.isdir(c.model):
         raise ArgumentError(f"tokenizer: model {c.model} is a config file, which holds no tokenizer; "
                             "name a tokenizer folder")
     c.bundled_model = _bundled_model(c.bundled_model)
-    if c.dataset is not None:       # LlamaFactory's keys: names in dataset_dir/dataset_info.json
-        if "data" in raw:
-            raise ArgumentError("data and dataset both name the training data: give one of them")
-        c.data = entries.llamafactory(c.dataset, c.dataset_dir, stage=c.stage)
-    elif c.dataset_dir is not None and c.eval_dataset is None:
-        raise ArgumentError("dataset_dir is the folder of dataset_info.json, read for dataset: name the datasets")
-    if c.eval_dataset is not None:
-        if raw.get("eval"):
-            raise ArgumentError("eval and eval_dataset both name the held-out data: give one of them")
-        c.eval = entries.llamafactory(c.eval_dataset, c.dataset_dir, key="eval_dataset", stage=c.stage)
-    c.data = entries.check("data", c.data, allow_bundled=True, allow_weights=True)
-    if not c.data:
-        raise ArgumentError("data: name at least one data file")
-    c.mix_strategy, weights = entries.mixture(c.data, c.mix_strategy, c.interleave_probs)
-    for entry, weight in zip(c.data, weights or [None] * len(c.data)):
-        entry["weight"] = weight
-    c.eval = entries.check("eval", c.eval if c.eval is not None else [], allow_bundled=False, allow_weights=False)
-    entries.by_line(c.data if c.dataset is not None else [])
-    entries.by_line(c.eval if c.eval_dataset is not None else [])
-    if c.max_samples is not None:       # LlamaFactory's: the first N records of each entry
-        c.max_samples = _int("max_samples", c.max_samples)
-        for entry in c.data + c.eval:
-            entry["limit"] = c.max_samples
-    if c.dataset_text_field is not None:      # renames that column to `text`, as an entry's columns do
-        c.dataset_text_field = _text("dataset_text_field", c.dataset_text_field)
-        for entry in c.data + c.eval:
-            if entry["path"] != BUNDLED:
-                entry["columns"] = {"text": c.dataset_text_field, **entry["columns"]}
-    c.chat_template = _text("chat_template", c.chat_template, optional=True)
-    if c.chat_template is not None:     # its digest keys the token files made with it (tokens.py)
-        if c.bundled:
-            raise ArgumentError("chat_template: the bundled model reads bytes and takes no chat template; leave it "
-                                "out")
-        digest = template_file.digest(template_file.read(c.chat_template))
-        for entry in c.data + c.eval:
-            entry["chat_template"] = digest
-    if c.template is not None:
-        if c.bundled:
-            raise ArgumentError(f"template {c.template!r}: the bundled model reads bytes and has no chat template; "
-                                "leave template out")
-        if c.chat_template is not None:
-            raise ArgumentError(f"template {c.template!r} and chat_template both say how chats are written: give one "
-                                "of them")
-        digest = template_file.digest(named_template.text(named_template.check(c.template)))
-        for entry in c.data + c.eval:
-            entry["chat_template"] = digest
-    c.media_dir = _text("media_dir", c.media_dir, optional=True)
-    if c.media_dir is not None:
-        if not os.path.isdir(c.media_dir):
-            raise ArgumentError(f"media_dir {c.media_dir} is not a folder; give the folder the records' image and "
-                                "video paths are relative to, or leave it out (the data file's folder)")
-        for entry in c.data + c.eval:
-            entry["media_dir"] = os.path.abspath(c.media_dir)
-    else:       # LlamaFactory's datasets: their media paths are relative to dataset_dir, its default media_dir
-        named = (c.data if c.dataset is not None else []) + (c.eval if c.eval_dataset is not None else [])
-        for entry in named:
-            entry["media_dir"] = os.path.abspath(c.dataset_dir)
-    c.default_system = _text("default_system", c.default_system, optional=True)
-    if c.default_system is not None:
-        if c.bundled:
-            raise ArgumentError("default_system: the bundled model reads bytes and has no chat template; leave it "
-                                "out")
-        for entry in c.data + c.eval:       # laid into each chat record that has no system message (system.py)
-            entry["default_system"] = c.default_system
-    c.chat_template_kwargs = tools.checked_kwargs(c.chat_template_kwargs, "chat_template_kwargs") or None
-    for entry in c.data + c.eval:       # laid under each record's own as the data is read
-        entry["chat_template_kwargs"] = c.chat_template_kwargs
-    c.eval_fraction = _number("eval_fraction", c.eval_fraction, 0.0, below=1.0)
-    if c.eval and c.eval_fraction:
-        raise ArgumentError("eval and eval_fraction both choose the held-out data: give one of them")
-    c.train_on_prompt = _flag("train_on_prompt", c.train_on_prompt)
-    c.mask_history = _flag("mask_history", c.mask_history)
-    for entry in c.data + c.eval:       # read where each record is tokenised (tokens.py, streaming.py)
-        entry["mask_history"] = c.mask_history or None
-    c.streaming = _flag("streaming", c.streaming)
+    check_data(c, raw)
     if c.disable_dropout is None:
         c.disable_dropout = c.stage in DROPOUT_OFF
-    c.disable_dropout = _flag("disable_dropout", c.disable_dropout)
-    if c.streaming and c.eval_fraction:
-        raise ArgumentError("streaming reads the data once, in order, and cannot hold out a fraction of it: give "
-                            "eval files instead of eval_fraction, or streaming: false")
-    if c.streaming and any(e["num_samples"] for e in c.data):
-        raise ArgumentError("num_samples draws records from the whole of a dataset, which streaming does not hold: "
-                            "give streaming: false, or leave num_samples out")
-    if c.streaming and raw.get("epochs") is not None:
-        raise ArgumentError("streaming does not know the data's size ahead, so epochs cannot be turned into steps: "
-                            "give steps, or streaming: false")
-    c.seq = _int("seq", c.seq, 2)
+    c.disable_dropout = flag("disable_dropout", c.disable_dropout)
+    c.seq = integer("seq", c.seq, 2)
     if c.packing is not None and (c.packing not in PACKING or isinstance(c.packing, int)
                                   and not isinstance(c.packing, bool)):
         raise ArgumentError(f"packing must be false, true or isolated; got {c.packing!r}")
@@ -406,45 +324,45 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("packing: isolated needs a model that takes position_ids (a Hugging Face decoder); "
                             "the bundled model does not; use packing: true")
     if c.global_batch is not None:
-        c.global_batch = _int("global_batch", c.global_batch)
+        c.global_batch = integer("global_batch", c.global_batch)
         if raw.get("batch") is not None or raw.get("grad_accum") is not None:
             raise ArgumentError("global_batch lets the planner choose batch and grad_accum: give global_batch, "
                                 "or batch and grad_accum, not both")
-    c.batch = _int("batch", c.batch)
-    c.lr = _number("lr", c.lr, 0.0)
+    c.batch = integer("batch", c.batch)
+    c.lr = number("lr", c.lr, 0.0)
     if c.lr > MAX_LR:
         raise ArgumentError(f"lr {c.lr:g} is not a learning rate AdamW can train with: each step moves every weight "
                             f"by about lr, so lr is at most {MAX_LR:g} (fine-tuning takes 1e-6 to 1e-4, "
                             "pretraining up to about 1e-3)")
-    c.warmup = _warmup(c.warmup)
+    c.warmup = warmup(c.warmup)
     if c.schedule not in SCHEDULES:
         raise ArgumentError(f"schedule must be one of {', '.join(SCHEDULES)}; got {c.schedule!r}")
-    c.min_lr = _number("min_lr", c.min_lr, 0.0)
+    c.min_lr = number("min_lr", c.min_lr, 0.0)
     if c.min_lr > c.lr:
         raise ArgumentError(f"min_lr {c.min_lr:g} is above lr {c.lr:g}: the schedule decays from lr to min_lr")
-    c.weight_decay = _number("weight_decay", c.weight_decay, 0.0)
+    c.weight_decay = number("weight_decay", c.weight_decay, 0.0)
     if not isinstance(c.betas, (list, tuple)) or len(c.betas) != 2:
         raise ArgumentError(f"betas must be a list of two numbers in [0, 1), e.g. [0.9, 0.999]; got {c.betas!r}")
-    c.betas = [_number("betas", b, 0.0, below=1.0) for b in c.betas]
-    c.eps = _number("eps", c.eps, 0.0, strict=True, below=1.0)
+    c.betas = [number("betas", b, 0.0, below=1.0) for b in c.betas]
+    c.eps = number("eps", c.eps, 0.0, strict=True, below=1.0)
     if c.lr * c.weight_decay >= 1:
         raise ArgumentError(f"weight_decay {c.weight_decay:g} with lr {c.lr:g}: AdamW multiplies each weight by "
                             f"1 - lr * weight_decay = {1 - c.lr * c.weight_decay:g} a step, which erases or flips it; "
                             "give lr * weight_decay < 1 (weight_decay is usually 0 to 0.1)")
-    c.max_grad_norm = None if c.max_grad_norm is None else _number("max_grad_norm", c.max_grad_norm, 0.0, strict=True)
-    c.budget_fraction = _number("budget_fraction", c.budget_fraction, 0.0, strict=True)
-    c.compute_dtype = _choice("compute_dtype", c.compute_dtype, DTYPES)
-    c.export_dtype = _choice("export_dtype", c.export_dtype, DTYPES)
-    c.device = None if c.device is None else _choice("device", c.device, DEVICES)
+    c.max_grad_norm = None if c.max_grad_norm is None else number("max_grad_norm", c.max_grad_norm, 0.0, strict=True)
+    c.budget_fraction = number("budget_fraction", c.budget_fraction, 0.0, strict=True)
+    c.compute_dtype = choice("compute_dtype", c.compute_dtype, DTYPES)
+    c.export_dtype = choice("export_dtype", c.export_dtype, DTYPES)
+    c.device = None if c.device is None else choice("device", c.device, DEVICES)
     # compile()'s settings: YAML reads 2e-5 (no dot) and inf as strings, so budgets are numbers first.
     for key in ("hbm_budget", "host_budget", "nvme_budget"):
-        setattr(c, key, _numeric(getattr(c, key)))
+        setattr(c, key, numeric(getattr(c, key)))
     c.settings().for_a_run()
     if (c.steps is None) == (c.epochs is None):
         raise ArgumentError("give steps (optimizer steps) or epochs (passes over the training data), one of them; "
                             f"got steps={c.steps!r}, epochs={c.epochs!r}")
-    c.steps = None if c.steps is None else _int("steps", c.steps)
-    c.epochs = None if c.epochs is None else _number("epochs", c.epochs, 0.0, strict=True)
+    c.steps = None if c.steps is None else integer("steps", c.steps)
+    c.epochs = None if c.epochs is None else number("epochs", c.epochs, 0.0, strict=True)
     for key in intervals.KEYS:
         value = getattr(c, key)
         if key == "log_every" or not (value is None or key == "save_every" and value is False):
@@ -457,10 +375,10 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
                             "eval_every and save_every in steps, or streaming: false")
     # LlamaFactory's preprocessing_num_workers: null is one process; more than the cores buy nothing
     workers = 1 if c.tokenize_workers is None else c.tokenize_workers
-    c.tokenize_workers = min(_int("tokenize_workers", workers), os.cpu_count() or 1)
+    c.tokenize_workers = min(integer("tokenize_workers", workers), os.cpu_count() or 1)
     for key in ("eval_batches", "keep_last", "max_consecutive_skips"):
         if getattr(c, key) is not None:
-            setattr(c, key, _int(key, getattr(c, key)))
+            setattr(c, key, integer(key, getattr(c, key)))
     if c.save_every is False and c.bundled:
         raise ArgumentError("save_every: false (save_strategy: no) writes no checkpoint, and the bundled model, "
                             "no Hugging Face model, has no other place for its trained weights: give save_every, "
@@ -468,29 +386,29 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.eval_every is not None and not (c.eval or c.eval_fraction):
         raise ArgumentError("eval_every needs held-out data: give eval (files) or eval_fraction")
     c.stop_signals = preemption.signal_names(c.stop_signals)
-    c.resume = _text("resume", c.resume, optional=True)
+    c.resume = text("resume", c.resume, optional=True)
     if c.resume not in (None, "auto") and not os.path.isdir(c.resume):
         raise ArgumentError(f"resume is 'auto' (the latest committed checkpoint in run_dir), a checkpoint folder, "
                             f"or null; {c.resume} is not a folder")
-    c.run_dir = _text("run_dir", c.run_dir, optional=True)
+    c.run_dir = text("run_dir", c.run_dir, optional=True)
     if c.resume == "auto" and c.run_dir is None:
         raise ArgumentError("resume: auto looks for checkpoints in run_dir: name the run_dir of the run to resume")
     arguments.folder("run_dir", c.run_dir)
-    c.name = _text("name", c.name)
+    c.name = text("name", c.name)
     if not c.name or os.sep in c.name:
         raise ArgumentError(f"name is the run's name (runs/NAME-TIME), one path component; got {c.name!r}")
-    c.log = _loggers(c.log)
-    c.wandb_project = _text("wandb_project", c.wandb_project, optional=True)
-    c.export = _text("export", c.export, optional=True)
+    c.log = loggers(c.log)
+    c.wandb_project = text("wandb_project", c.wandb_project, optional=True)
+    c.export = text("export", c.export, optional=True)
     arguments.folder("export", c.export)
     if c.export is not None and c.bundled:
         raise ArgumentError("export writes a Hugging Face model folder, and the bundled model is not a Hugging Face "
                             "model; leave export out (its checkpoints hold the weights)")
-    c.seed = _int("seed", c.seed, 0)
+    c.seed = integer("seed", c.seed, 0)
     for entry in c.data + c.eval:
         if entry["num_samples"]:
             entry["seed"] = c.seed      # which records num_samples draws (reading.py)
-    _media(c)
+    check_media(c)
     from .methods import check as check_finetuning
     check_finetuning(c, raw)
     from .stages.keys import check as check_stage
@@ -499,25 +417,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
         for entry in c.data + c.eval:
             entry["pretrain"] = True
-    _tools(c, folder)
+    lay_tools(c, folder)
     return c
-
-
-def _tools(c: RunConfig, folder: str | None) -> None:
-    """run.yaml's tools (data/run_tools.py), laid into each data entry for its conversations."""
-    if c.tools is None or c.tools == []:
-        c.tools = None
-        return
-    if c.bundled:
-        raise ArgumentError("tools: the bundled model reads bytes and has no chat template to write tools; leave "
-                            "them out")
-    if c.stage == "grpo":
-        raise ArgumentError("tools: stage grpo hands a record's tools column to the reward functions, and its "
-                            "rollouts call no tools (TRL's GRPOTrainer(tools=...) runs them while generating); "
-                            "give the tools in the prompts' records, or leave tools out")
-    c.tools = run_tools.resolve(c.tools, folder)
-    for entry in c.data + c.eval:
-        entry["tools"] = c.tools
 
 
 def _unknown(keys: list[str]) -> str:
@@ -532,132 +433,6 @@ def _unknown(keys: list[str]) -> str:
             "megacompile's and the LlamaFactory and transformers/TRL names read as them")
 
 
-def _media(c: RunConfig) -> None:
-    """LlamaFactory's image and video keys: pixel counts (whole numbers >= 1, min <= max), frames a
-    second and most frames (numbers > 0). The image keys reach the processor (data/pixels.py), the
-    video keys the reading of a record's videos (data/videos.py)."""
-    for kind in ("image", "video"):
-        low, high = f"{kind}_min_pixels", f"{kind}_max_pixels"
-        for key in (low, high):
-            if getattr(c, key) is not None:
-                setattr(c, key, _pixels(key, getattr(c, key)))
-        if getattr(c, low) is not None and getattr(c, high) is not None and getattr(c, low) > getattr(c, high):
-            raise ArgumentError(f"{low} {getattr(c, low):,} is above {high} {getattr(c, high):,}: an image is "
-                                f"resized to at most {high} and at least {low} pixels (width x height)")
-    if c.video_fps is not None:
-        c.video_fps = _number("video_fps", c.video_fps, 0.0, strict=True)
-    if c.video_maxlen is not None:
-        c.video_maxlen = _int("video_maxlen", c.video_maxlen)
-
-
-def _pixels(key: str, value: Any) -> int:
-    """A pixel count (width x height): a whole number >= 1 (YAML reads 768*768 as text: write the
-    product, 589824)."""
-    number = _numeric(value)
-    if isinstance(number, float) and number.is_integer():
-        number = int(number)
-    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-        raise ArgumentError(f"{key} is a number of pixels (width x height), a whole number >= 1, e.g. 262144 for "
-                            f"512 x 512; got {value!r}")
-    return number
-
-
-def _warmup(value: Any) -> int | float:
-    """Steps, or a fraction of the run's steps below 1 (transformers' warmup_ratio, and its
-    warmup_steps below 1): schedule.warmup_steps makes it steps once the steps are known."""
-    number = _numeric(value)
-    ok = isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number) and number >= 0
-    if ok and (number < 1 or float(number).is_integer()):
-        return float(number) if number < 1 else int(number)
-    raise ArgumentError(f"warmup is a number of steps (a whole number >= 0) or a fraction of the steps below 1 "
-                        f"(warmup_ratio: 0.1); got {value!r}")
-
-
-def _loggers(value: Any) -> list[str]:
-    """csv (always written) and any of tensorboard, wandb; `none` and `all` as in transformers'
-    report_to (all: every one whose package is installed)."""
-    names = value.split(",") if isinstance(value, str) else value
-    if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
-        raise ArgumentError(f"log is a list (or a comma-separated string) of {', '.join(LOGGERS)}, none or all; "
-                            f"got {value!r}")
-    names = [x.strip() for x in names if x.strip()]
-    if "all" in names:
-        names = [x for x in LOGGERS if x == "csv" or _installed(x)]
-    elif "none" in names:
-        if len(names) > 1:
-            raise ArgumentError(f"log: none goes alone (csv is always written); got {value!r}")
-        names = []
-    bad = [x for x in names if x not in LOGGERS]
-    if bad:
-        raise ArgumentError(f"log is a list of {', '.join(LOGGERS)}, none or all (csv is always written); got "
-                            f"{', '.join(map(repr, bad))}")
-    for name in names:
-        if name != "csv" and not _installed(name):
-            raise ArgumentError(f"log: {name} needs `pip install {name}`; or leave it out")
-    return ["csv"] + [x for x in dict.fromkeys(names) if x != "csv"]
-
-
-def _installed(module: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(module) is not None
-
-
-def _text(key: str, value: Any, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
-        raise ArgumentError(f"{key} must be a string{' or null' if optional else ''}; got {value!r}")
-    return value
-
-
-def _flag(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ArgumentError(f"{key} must be true or false; got {value!r}")
-    return value
-
-
-def _choice(key: str, value: Any, allowed: tuple) -> str:
-    if value not in allowed:
-        raise ArgumentError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
-    return value
-
-
-def _int(key: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ArgumentError(f"{key} must be a whole number >= {minimum}; got {value!r}")
-    return value
-
-
-def _numeric(value: Any) -> Any:
-    """A string YAML did not read as a number (1e3, inf) as a float; anything else as it is."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
-def _number(key: str, value: Any, minimum: float, *, strict: bool = False, below: float | None = None) -> float:
-    """A number; YAML reads 2e-5 (no dot) as a string, so numeric strings are taken too."""
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-          and (value > minimum if strict else value >= minimum) and (below is None or value < below))
-    if not ok:
-        bound = f"{'>' if strict else '>='} {minimum:g}" + (f" and < {below:g}" if below is not None else "")
-        raise ArgumentError(f"{key} must be a number {bound}; got {value!r}")
-    return float(value)
-
-
-def _folder_or_file(key: str, path: str, what: str) -> None:
-    if not os.path.exists(path):
-        raise ArgumentError(f"{key}: {path} does not exist; give {what}")
-
-
 def _bundled_model(value: Any) -> dict:
     if not isinstance(value, dict):
         raise ArgumentError(f"bundled_model is a mapping of {', '.join(BUNDLED_MODEL)}; got {value!r}")
@@ -666,7 +441,7 @@ def _bundled_model(value: Any) -> dict:
         raise ArgumentError(f"bundled_model: unknown key {', '.join(unknown)}; the keys are {', '.join(BUNDLED_MODEL)}")
     merged = {**BUNDLED_MODEL, **value}
     for k, v in merged.items():
-        _int(f"bundled_model.{k}", v)
+        integer(f"bundled_model.{k}", v)
     if merged["dim"] % merged["heads"] or (merged["dim"] // merged["heads"]) % 2:
         raise ArgumentError(f"bundled_model: heads {merged['heads']} must split dim {merged['dim']} into an even "
                             "head size (rotary embeddings)")
