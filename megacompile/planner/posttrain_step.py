@@ -48,13 +48,14 @@ import torch
 import torch.nn as nn
 
 from .. import arguments
-from ..cost import graph_cost
-from ..cost.decode import BF16, cache_bytes_per_token, decode_step
-from ..cost.generation_memory import generate_transient_bytes, prefill_chunk
+from ..cost.decode import BF16
+from ..cost.generation_memory import generate_transient_bytes
 from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..ir.printer import fmt_bytes, fmt_seconds
 from ..settings import Settings
 from .from_config import hardware_profile, model_from_config, plan
+from .kv_generation import (Prefill, StepPart, cache_per_token, copy_places, decoder_layer_bytes, kv_cache_note,
+                            kv_generation)
 from .result import Plan
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")     # pt (pretraining on text) trains as sft does
@@ -75,20 +76,6 @@ KEYS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass(frozen=True)
-class StepPart:
-    name: str                 # "training", "reference forward", "generation", "old-policy forward"
-    passes: int               # training steps, forward-only passes or decode steps
-    seconds: float            # all of them
-    weight_h2d_bytes: int     # weights over the host link, all of them
-    detail: str               # what one pass is, for the reader
-    compute_s: float = 0.0    # the device's own work in it (the compute stream's busy time), all passes
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "passes": self.passes, "seconds": self.seconds, "compute_s": self.compute_s,
-                "weight_h2d_bytes": self.weight_h2d_bytes, "detail": self.detail}
-
-
 @dataclass
 class StagePlan:
     stage: str
@@ -101,6 +88,7 @@ class StagePlan:
     optimizer_steps: int = 1  # optimizer steps the parts make (grpo: num_iterations per rollout batch)
     reference_host_bytes: int = 0   # a reference engine's frozen weights on the host (0: none runs)
     generator_host_bytes: int = 0   # a streamed generation copy's decoder layers, pinned on the host
+    generator_note: str | None = None   # with the engine generator: a copy with a cache would be quicker
 
     @property
     def total_s(self) -> float:
@@ -152,6 +140,8 @@ class StagePlan:
                      else "the host link and compute take about as long")
             out.append(f"generation is {generation.seconds / self.total_s:.0%} of the rollout batch; its weights cross "
                        f"the host link in {fmt_seconds(link)}, its compute takes {fmt_seconds(compute)}: {bound}")
+        if self.generator_note:
+            out.append(self.generator_note)
         if self.generator_host_bytes:
             out.append(f"the streamed copy's decoder layers are pinned in host memory: "
                        f"{fmt_bytes(self.generator_host_bytes)} of the host budget, the policy's state planned in "
@@ -175,7 +165,7 @@ class StagePlan:
                 "optimizer_steps": self.optimizer_steps, "per_optimizer_step_s": self.per_optimizer_step_s,
                 "weight_h2d_bytes": self.weight_h2d_bytes, "hardware": self.train.hardware.name,
                 "reference_host_bytes": self.reference_host_bytes, "generator_host_bytes": self.generator_host_bytes,
-                "train_step_s": self.train.prediction.step_s,
+                "train_step_s": self.train.prediction.step_s, "notes": self.notes(),
                 "forward_s": self.forward.prediction.step_s if self.forward is not None else None}
 
 
@@ -260,12 +250,12 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     per_token, places = None, [("engine", 0)]
     if stage == "grpo" and keys["generator"] != "engine":     # a cache past the whole budget: before planning
-        per_token = _cache_bytes_per_token(model)    # a copy with a cache generates the rollout batch at once
+        per_token = cache_per_token(model)    # a copy with a cache generates the rollout batch at once
         cache = rollout * width * per_token
         _check_cache(cache, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rollout, width)
         # and, while it samples, transformers' passing tensors (a prefill of the prompts, a step's logits)
         passing = generate_transient_bytes(model.config, rollout, keys["max_prompt_length"], BF16) or 0
-        places = _copy_places(model, keys["generator"], cache + passing)
+        places = copy_places(model, keys["generator"], cache + passing)
     settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, nvme_budget=nvme_budget)
     host_total = arguments.budget_bytes("host_budget", host_budget, optional=True)
     # What the generator holds on the device for the whole run comes out of the budget first, as a run
@@ -273,7 +263,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     # the cache, else (and for hf_streamed) the streamed copy's resident parts and two layers, its
     # decoder layers then pinned in host memory, out of the host budget.
     for place, beside in places:
-        layers_held = sum(_decoder_layer_bytes(model)) if place == "streamed" else 0
+        layers_held = sum(decoder_layer_bytes(model)) if place == "streamed" else 0
         host_left = None if host_total is None else (host_total - layers_held) / 2 ** 30
 
         def planned(train: bool, n: int, width: int) -> Plan:
@@ -322,18 +312,22 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         if keys["loss_type"] == "kto":
             parts.append(_part("KL forward", 1, forward, f"one forward-only pass of {each}, each prompt with another "
                                                          "completion"))
+    advice = None
     if stage == "grpo":
         forward = rollout_forward
         generation = (_engine_generation(forward, keys, each, micro) if keys["generator"] == "engine" else
-                      _kv_generation(per_token, forward, prefill, keys, rollout, on_device=place == "device",
-                                     beside=beside))
+                      kv_generation(per_token, forward, Prefill.of(prefill), keys, rollout,
+                                    on_device=place == "device", beside=beside))
+        if keys["generator"] == "engine":
+            advice = kv_cache_note(model, train, forward, keys, rollout, rows, width,
+                                   arguments.budget_bytes("hbm_budget", hbm_budget), generation)
         passes = f"one forward-only pass of {each}" if micro == 1 else f"{micro} forward-only passes of {each}"
         parts[:0] = [generation, _part("old-policy forward", micro, forward, passes)]
         if keys["beta"] > 0:
             parts.insert(2, _part("reference forward", micro, forward, f"{passes} (beta > 0)"))
     reference = stage == "grpo" and keys["beta"] > 0 or stage == "dpo" and keys["sync_ref_model"]
     held = _reference_host_bytes(model, train, host_left) if reference else 0
-    return StagePlan(stage, rows, width, keys, train, forward, parts, steps, held, layers_held)
+    return StagePlan(stage, rows, width, keys, train, forward, parts, steps, held, layers_held, advice)
 
 
 def _reference_host_bytes(model: nn.Module, train: Plan, host_budget: float | None) -> int:
@@ -365,21 +359,6 @@ def _engine_generation(forward: Plan, keys: dict, each: str, micro: int = 1) -> 
                  f"{fmt_seconds(forward.prediction.step_s)} each")
 
 
-def _cache_bytes_per_token(model: nn.Module) -> int:
-    """A row's key-value cache per token, from the model's Hugging Face config."""
-    config = getattr(model, "config", None)
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if isinstance(heads, int) else None)
-    if not all(isinstance(x, int) for x in (layers, kv_heads, head_dim)):
-        raise ArgumentError("generators kv_cache and hf_streamed size the cache from the model's Hugging Face "
-                            "config "
-                            "(num_hidden_layers, num_key_value_heads, head_dim); this model has none: use generator "
-                            "engine")
-    return cache_bytes_per_token(layers, kv_heads, head_dim)
-
-
 def _check_cache(cache_bytes: int, room: int, reserve: int, rows: int, width: int) -> None:
     if cache_bytes > room:
         raise BudgetTooSmallError(
@@ -387,65 +366,3 @@ def _check_cache(cache_bytes: int, room: int, reserve: int, rows: int, width: in
             f"does not fit "
             f"the {fmt_bytes(room)} the budget leaves; fewer prompts or generations, or generator engine",
             cache_bytes + reserve)
-
-
-def _copy_places(model: nn.Module, generator: str, cache: int) -> list[tuple[str, int]]:
-    """Where a key-value cache generator's bfloat16 copy may live, in the order tried, each with the
-    device bytes it holds beside the engine's plans for the whole run: "device" (kv_cache: the
-    copy whole, a run's generator hf) and "streamed" (hf_streamed, or kv_cache's fallback: the
-    resident parts and two decoder layers). Both hold `cache`: the rollout's cache and the
-    tensors generate passes through."""
-    copy = (sum(p.numel() * (BF16 if p.dtype.is_floating_point else p.element_size()) for p in model.parameters())
-            + sum(b.numel() * b.element_size() for b in model.buffers()))
-    layers = _decoder_layer_bytes(model)
-    streamed = ("streamed", copy - sum(layers) + 2 * max(layers, default=0) + cache)
-    return ([("device", copy + cache)] if generator == "kv_cache" else []) + [streamed]
-
-
-def _decoder_layer_bytes(model: nn.Module) -> list[int]:
-    """Each decoder layer's parameters in bfloat16: the outermost modules of a class the model names
-    in `_no_split_modules` (as the streamed copy moves them, posttrain/streamed_copy.py)."""
-    kinds, out, inside = set(getattr(model, "_no_split_modules", None) or ()), [], ()
-    for name, module in model.named_modules():
-        if type(module).__name__ in kinds and not any(name.startswith(p) for p in inside):
-            out.append(sum(p.numel() * BF16 for p in module.parameters()))
-            inside += (name + ".",)
-    return out
-
-
-def _kv_generation(per_token: int, forward: Plan, prefill: Plan, keys: dict, rows: int,
-                   on_device: bool, beside: int) -> StepPart:
-    """A prefill over the prompts, then max_completion_length decode steps from a bfloat16 copy of
-    the weights: on the device (sent once per rollout batch), or streamed from the host every step;
-    the cache on the device either way. `beside`: what the copy, the cache and generate's passing
-    tensors hold on the device."""
-    captured, hw = forward.captured, forward.hardware
-    weight_bytes = sum(e.numel * (BF16 if e.dtype.is_floating_point else e.dtype.itemsize)
-                       for e in captured.state.values())
-    prompt, tokens = keys["max_prompt_length"], keys["max_completion_length"]
-    full_cache = rows * (prompt + tokens) * per_token
-    streamed = keys["generator"] == "hf_streamed"
-    ops = sum(graph_cost(st.template.inference, hw, captured.compute_dtype).ops for st in captured.stages)
-    # The cache read at each step grows with the tokens generated: its mean is the cache at half of them.
-    mean_cache = rows * (prompt + (tokens + 1) / 2) * per_token
-    step = decode_step(hw, weight_bytes=weight_bytes, flop_params=captured.flop_params, rows=rows,
-                       cache_bytes=math.ceil(mean_cache), ops=ops, weights_on_device=on_device)
-    copy_s = weight_bytes / hw.h2d_bw if on_device else 0.0
-    # The prefill runs in chunks of the prompts (cost/generation_memory.py); a copy off the device
-    # sends its weights again for each chunk after the first.
-    chunks = math.ceil(prompt / prefill_chunk(rows))
-    resent = 0 if on_device else (chunks - 1) * weight_bytes
-    where = ("the copy on the device, sent once" if on_device else
-             f"the copy ({fmt_bytes(weight_bytes)}) streamed from the host every step, layer by layer"
-             if streamed else f"the copy ({fmt_bytes(weight_bytes)}) does not fit beside the cache "
-             f"({fmt_bytes(full_cache)}) and the engine's plans: streamed from the host every step (a run's "
-             "generator hf_streamed)")
-    where += f"; {fmt_bytes(beside)} of the budget held beside the engine's plans"
-    traffic = weight_bytes * (1 if on_device else tokens) + prefill.weight_h2d_bytes_per_step + resent
-    prefill_s = prefill.prediction.step_s + resent / hw.h2d_bw
-    in_chunks = f" in {chunks} chunks" if chunks > 1 else ""
-    return StepPart("generation", tokens, prefill_s + copy_s + tokens * step.seconds, traffic,
-                    f"{keys['generator']} generator on a bfloat16 copy: a forward-only prefill of {rows} x {prompt} "
-                    f"tokens{in_chunks} ({fmt_seconds(prefill_s)}), then {tokens} decode steps of "
-                    f"{fmt_seconds(step.seconds)}, {where}",
-                    prefill.prediction.compute_s + tokens * max(step.compute_s, step.device_read_s))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import re
+
 import pytest
 
 from megacompile import plan, plan_stage
@@ -315,3 +317,21 @@ def test_the_note_names_what_bounds_generation(grpo16):
     # under a MiB of weights a pass against 16 passes' kernels: the link is not what it waits on
     assert generation.weight_h2d_bytes / H100.h2d_bw < 0.1 * generation.compute_s
     assert [n for n in grpo16.notes() if n.startswith("generation is")][0].endswith(": compute bounds it")
+
+
+def test_an_engine_generator_plan_says_when_a_copy_with_a_cache_would_generate_sooner(model, grpo16):
+    """The note's figure is kv_cache's own plan's, within the estimate of its prefill (the forward's
+    time scaled to the prompts' tokens), and it names the run's generator for where the copy lives."""
+    (note,) = [n for n in grpo16.notes() if n.startswith("generator kv_cache")]
+    kv = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache").part("generation")
+    said = float(re.search(r"would generate in about ([0-9.]+) ms", note).group(1)) / 1e3
+    assert said == pytest.approx(kv.seconds, rel=0.1)
+    ratio = float(re.search(r", ([0-9.]+)x less than the engine generator's", note).group(1))
+    assert ratio == pytest.approx(grpo16.part("generation").seconds / kv.seconds, rel=0.1) and ratio > 1.25
+    assert "a run's generator: hf)" in note and "on the device beside the plans" in note
+    assert note in grpo16.to_json()["notes"]
+    # one new token: the copy's prefill and a decode step are not quicker than the engine's one pass
+    one = _stage(model, "grpo", **GRPO, max_completion_length=1)
+    assert not any(n.startswith("generator kv_cache") for n in one.notes())
+    chosen = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache")
+    assert not any(n.startswith("generator kv_cache (") for n in chosen.notes())
