@@ -138,3 +138,19 @@ def test_a_model_that_names_no_decoder_layers_is_refused(monkeypatch):
     with pytest.raises(ArgumentError, match="names none .* use generator hf"):
         StreamedHFGenerator(engine)
     engine.close()
+
+
+def test_a_prefill_in_chunks_streams_the_layers_once_a_chunk_and_gives_the_same_completions(monkeypatch):
+    from megacompile.cost import generation_memory
+    engine = _engine()
+    resident = HFGenerator(engine, eos_id=EOS, seed=1, dtype=torch.float32)
+    whole = resident.generate(PROMPTS, 1, 4, temperature=0)
+    counted = _Counted(monkeypatch)
+    streamed = StreamedHFGenerator(engine, eos_id=EOS, seed=1, dtype=torch.float32)
+    counted.watch(streamed)
+    monkeypatch.setattr(generation_memory, "PREFILL_TOKENS", 3 * 2)     # 3 rows: chunks of 2 of the 4 positions
+    assert streamed.generate(PROMPTS, 1, 4, temperature=0) == whole
+    n, params = len(streamed.model.model.layers), sum(1 for _ in streamed.model.model.layers[0].parameters())
+    # two prefill chunks, then a forward for each new token after the first: the layers brought each time
+    assert counted.copies == (2 + 3) * n * params and counted.live == 0
+    engine.close()
