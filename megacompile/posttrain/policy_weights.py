@@ -7,6 +7,13 @@ itself; its state_dict keys are the objective's, `policy.model.layers.0...`. The
 Hugging Face model inside it (a `PreTrainedModel`); its prefix is stripped. Each tensor is a view
 of the fp32 master (io/unbuilt.py: never a copy of the whole state); a tied weight is given once,
 under its first name, as transformers saves it.
+
+A policy trained with LoRA adapters (PEFT's LoRA layers on the model's Linear modules) is given
+as the plain model a copy is built as: each adapted weight merged, W + scaling B A in float32,
+under the base model's name (no `base_layer`, no adapters), made one tensor at a time when the
+consumer asks for it, as TRL merges a PEFT policy before it hands vLLM the weights. The adapters'
+dropout is a training-time mask and plays no part. A PEFT layer that is not plain LoRA (DoRA's
+magnitudes, another tuner) is refused.
 """
 from __future__ import annotations
 
@@ -25,16 +32,30 @@ def policy_of(engine) -> tuple[nn.Module, str]:
     from transformers import PreTrainedModel
     for name, module in engine.state.model.named_modules():
         if isinstance(module, PreTrainedModel):
-            adapted = [n for n, _ in module.named_parameters() if ".base_layer." in n]
-            if adapted:
-                raise ArgumentError(
-                    f"the policy carries LoRA adapters ({adapted[0]}, ...), and a generation copy takes plain "
-                    "weights under the model's own names: sample with EngineGenerator, or train without adapters")
+            adapters(module)            # a PEFT layer a merge would not reproduce: refused here
             return module, f"{name}." if name else ""
     raise ArgumentError(
         f"a generation copy is built from a Hugging Face model's config, and the engine trains "
         f"{type(engine.state.model).__name__}, which holds none: compile a transformers model (or an objective "
         "around one), or sample with EngineGenerator")
+
+
+def adapters(policy: nn.Module) -> dict[str, float]:
+    """Each LoRA-adapted module under the policy (its name) -> the scaling its adapter's B A is
+    added with; {} for a policy without adapters."""
+    out = {}
+    for name, module in policy.named_modules():
+        if not hasattr(module, "base_layer"):
+            continue
+        names = list(getattr(module, "active_adapters", None) or [])
+        dora = any(getattr(module, "use_dora", {}).get(a) for a in names)
+        if not hasattr(module, "lora_A") or dora or len(names) != 1 or names[0] not in module.lora_A:
+            raise ArgumentError(
+                f"{name} is a PEFT layer ({type(module).__name__}) other than one plain LoRA adapter (DoRA, another "
+                "tuner, several adapters): a generation copy takes the weights merged, which is done for LoRA "
+                "alone; sample with EngineGenerator")
+        out[name] = float(module.scaling[names[0]])
+    return out
 
 
 def tied_names(engine, prefix: str) -> dict[str, str]:
@@ -46,11 +67,33 @@ def tied_names(engine, prefix: str) -> dict[str, str]:
 def policy_weights(engine, prefix: str, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name without the prefix, tensor) for every weight and persistent buffer of the policy, one
     at a time: the master itself where `dtype` is None or its own, else that tensor alone cast to
-    `dtype` (floating tensors only), made when the consumer asks for it."""
+    `dtype` (floating tensors only), made when the consumer asks for it. An adapted weight is
+    merged (float32, or `dtype`)."""
     canonical = engine.state.canonical
+    policy = engine.state.model.get_submodule(prefix[:-1]) if prefix else engine.state.model
+    scaling = adapters(policy)
+    factors = {}           # the adapters' A and B (small), read before the weights they are added to
+    if scaling:
+        factors = {key[len(prefix):]: t for key, t in unbuilt.state_tensors(engine.state)
+                   if key.startswith(prefix) and (".lora_A." in key or ".lora_B." in key)}
     for key, t in unbuilt.state_tensors(engine.state):
         if canonical.get(key, key) != key or not key.startswith(prefix):
             continue          # a tied alias, or the objective's own tensors
+        name = key[len(prefix):]
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        if ".base_layer." in name:
+            owner = name.split(".base_layer.")[0]
+            name = name.replace(".base_layer.", ".")
+            if name == f"{owner}.weight" and owner in scaling:
+                a, b = (factors[k] for k in _factor_keys(owner, factors))
+                t = t.float() + scaling[owner] * (b.float() @ a.float())
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
-        yield key[len(prefix):], t
+        yield name, t
+
+
+def _factor_keys(owner: str, factors: dict) -> tuple[str, str]:
+    """The names of `owner`'s adapter A and B weights (PEFT's `<owner>.lora_A.<adapter>.weight`)."""
+    a = next(k for k in factors if k.startswith(f"{owner}.lora_A.") and k.endswith(".weight"))
+    return a, a.replace(".lora_A.", ".lora_B.", 1)

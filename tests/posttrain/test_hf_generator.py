@@ -89,14 +89,46 @@ def test_a_model_without_a_hugging_face_config_is_refused():
     engine.close()
 
 
-def test_a_policy_with_lora_adapters_is_refused():
+def _lora_engine(**lora):
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(0)
-    policy = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2, use_cache=False))
-    adapted = get_peft_model(policy, LoraConfig(r=2, target_modules=["q_proj"]))
-    engine = compile(GRPOObjective(adapted, GRPOLoss()), hbm_budget=0.01, device="cpu", compute_dtype=torch.float32)
-    with pytest.raises(ArgumentError, match="LoRA"):
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+                                          use_cache=False))
+    # no adapter dropout: the engine's own forward would mask at random, the merged copy does not
+    adapted = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                target_modules=["q_proj", "v_proj", "down_proj"], **lora))
+    return compile(GRPOObjective(adapted, GRPOLoss()), hbm_budget=0.01, device="cpu", compute_dtype=torch.float32,
+                   optimizer=AdamW(lr=5e-2, weight_decay=0.0))
+
+
+def test_a_lora_policys_copy_holds_its_weights_merged_and_generates_what_the_engine_generates():
+    engine = _lora_engine()
+    ours = EngineGenerator(engine, eos_id=EOS, seed=1)
+    copy = HFGenerator(engine, eos_id=EOS, seed=1, dtype=torch.float32)
+    assert not any("lora_" in n or "base_layer" in n for n, _ in copy.model.named_parameters())
+    for _ in range(2):      # B starts at zero: steps make the adapters count
+        sampled = ours.generate(PROMPTS, 3, 6, temperature=1.0)
+        batch = rollout_batch(sampled, torch.arange(9.0), 3, width=4 + 6)
+        engine.step(**batch, old_logps=torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])))
+    copy.sync()
+    # the merge, W + (alpha / r) B A, by hand from the engine's own tensors
+    state = engine.state_dict()
+    pre = "policy.base_model.model.model.layers.0.self_attn.q_proj."
+    b, a = state[pre + "lora_B.default.weight"], state[pre + "lora_A.default.weight"]
+    assert b.abs().sum() > 0
+    merged = state[pre + "base_layer.weight"] + 2.0 * (b @ a)
+    torch.testing.assert_close(copy.model.model.layers[0].self_attn.q_proj.weight, merged, rtol=0, atol=1e-6)
+    assert copy.generate(PROMPTS, 2, 6, temperature=0) == ours.generate(PROMPTS, 2, 6, temperature=0)
+    fresh = EngineGenerator(engine, eos_id=EOS, seed=5)
+    copy.set_state(fresh.state())                   # the same draws from the same sampler state
+    assert copy.generate(PROMPTS, 3, 6, temperature=1.0) == fresh.generate(PROMPTS, 3, 6, temperature=1.0)
+    engine.close()
+
+
+def test_a_peft_layer_other_than_plain_lora_is_refused():
+    engine = _lora_engine(use_dora=True)
+    with pytest.raises(ArgumentError, match="other than one plain LoRA adapter"):
         HFGenerator(engine)
     engine.close()
 

@@ -65,9 +65,6 @@ def _untimed(path: str) -> list[dict]:
     ({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 1.5},
      r"vllm_gpu_memory_utilization is the share of the GPU vLLM may take, in \(0, 1\]"),
     ({"use_vllm": True, "vllm_mode": "colocate"}, "VLLMGenerator needs vLLM, which is not installed"),
-    ({"finetuning_type": "lora", "generator": "hf"}, "finetuning_type: lora with generator: hf: a generation copy "
-                                                     "takes plain weights"),
-    ({"finetuning_type": "lora", "use_vllm": True}, "finetuning_type: lora with use_vllm: true"),
 ])
 def test_a_bad_generator_key_is_refused_naming_it_before_anything_is_written(tmp_path, work, more, message,
                                                                               monkeypatch):
@@ -233,3 +230,12 @@ def test_the_run_waits_for_the_server_up_to_vllm_server_timeout():
         timer.join()
         for server in servers:
             server.shutdown()
+
+
+def test_a_lora_policys_copy_takes_its_adapters_merged_and_writes_the_engine_generators_log(tmp_path, work):
+    lora = dict(finetuning_type="lora", lora_rank=4, lora_target="all", lr=5e-2)
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "hf").mkdir()
+    engine = _grpo_log(str(tmp_path / "engine"), work=work, **lora)
+    assert _grpo_log(str(tmp_path / "hf"), work=work, generator="hf", generator_dtype="float32", **lora) == engine
+    assert len({r["completions/mean_length"] + r["reward"] for r in engine}) > 1     # the adapters moved it

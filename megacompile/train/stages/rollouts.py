@@ -39,7 +39,6 @@ import torch
 
 from ...errors import ArgumentError, MegacompileError
 from ...posttrain import Filters, sampling_correction
-from ..methods import adapters
 
 GENERATORS = ("engine", "hf", "hf_streamed")
 DTYPES = ("bfloat16", "float32")
@@ -87,11 +86,6 @@ def check(c, raw: dict) -> None:
         c.use_vllm = False
     if not isinstance(c.use_vllm, bool):
         raise ArgumentError(f"use_vllm must be true or false; got {c.use_vllm!r}")
-    if adapters(c) and (c.use_vllm or c.generator not in (None, "engine")):
-        chosen = "use_vllm: true" if c.use_vllm else f"generator: {c.generator}"
-        raise ArgumentError(f"finetuning_type: lora with {chosen}: a generation copy takes plain weights, and a "
-                            "LoRA policy's are the frozen base plus its adapters; sample with generator: engine "
-                            "(the policy's own forward), or train full")
     if c.use_vllm:
         _vllm(c, given, raw)
         return
