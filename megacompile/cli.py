@@ -203,8 +203,7 @@ def _plan_stage(args: argparse.Namespace) -> int:
     from .errors import ArgumentError, BudgetTooSmallError, HostMemoryError
     from .planner import plan_stage
     refused = [flag for flag, given in (("--global-batch", args.global_batch is not None), ("--gpus", args.gpus != 1),
-                                        ("--nodes", args.nodes != 1), ("--lora-rank", args.lora_rank is not None),
-                                        ("--smallest", args.smallest), ("--trace", args.trace is not None),
+                                        ("--nodes", args.nodes != 1), ("--smallest", args.smallest), ("--trace", args.trace is not None),
                                         ("--plot", args.plot is not None), ("--images-per-row", args.images_per_row != 0),
                                         ("--image-size", args.image_size is not None)) if given]
     if refused:
@@ -223,8 +222,13 @@ def _plan_stage(args: argparse.Namespace) -> int:
     host_budget, host_source = _host_budget(args)
     from .ir.printer import fmt_bytes
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
+    model = args.config
+    if args.lora_rank is not None:      # the base frozen, LoRA adapters on it, as a run with lora holds it
+        from .planner.from_config import model_from_config
+        from .train.methods.lora import lora_for_plan
+        model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype])
     try:
-        staged = plan_stage(args.config, args.hbm_budget, args.stage, batch=args.batch, seq=args.seq,
+        staged = plan_stage(model, args.hbm_budget, args.stage, batch=args.batch, seq=args.seq,
                             hardware=hardware, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
                             nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth, **keys)
     except (BudgetTooSmallError, HostMemoryError) as e:

@@ -66,7 +66,7 @@ def copy_places(model: nn.Module, generator: str, cache: int) -> list[tuple[str,
     copy whole, a run's generator hf) and "streamed" (hf_streamed, or kv_cache's fallback: the
     resident parts and two decoder layers). Both hold `cache`: the rollout's cache and the
     tensors generate passes through."""
-    copy = (sum(p.numel() * (BF16 if p.dtype.is_floating_point else p.element_size()) for p in model.parameters())
+    copy = (sum(p.numel() * (BF16 if p.dtype.is_floating_point else p.element_size()) for p in plain(model))
             + sum(b.numel() * b.element_size() for b in model.buffers()))
     layers = decoder_layer_bytes(model)
     streamed = ("streamed", copy - sum(layers) + 2 * max(layers, default=0) + cache)
@@ -79,9 +79,21 @@ def decoder_layer_bytes(model: nn.Module) -> list[int]:
     kinds, out, inside = set(getattr(model, "_no_split_modules", None) or ()), [], ()
     for name, module in model.named_modules():
         if type(module).__name__ in kinds and not any(name.startswith(p) for p in inside):
-            out.append(sum(p.numel() * BF16 for p in module.parameters()))
+            out.append(sum(p.numel() * BF16 for p in plain(module)))
             inside += (name + ".",)
     return out
+
+
+def plain(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a copy of `model` holds: a LoRA model's without its adapters, which a copy
+    takes merged into the weights they adapt (posttrain/policy_weights.py)."""
+    return [p for n, p in model.named_parameters() if ".lora_A." not in n and ".lora_B." not in n]
+
+
+def adapter_bytes(model: nn.Module) -> int | None:
+    """A LoRA model's adapters, in their own dtype; None for a model without adapters."""
+    held = [p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n]
+    return sum(p.numel() * p.element_size() for p in held) if held else None
 
 
 def kv_generation(per_token: int, forward: Plan, prefill: Prefill, keys: dict, rows: int,

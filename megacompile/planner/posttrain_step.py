@@ -54,8 +54,8 @@ from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..ir.printer import fmt_bytes, fmt_seconds
 from ..settings import Settings
 from .from_config import hardware_profile, model_from_config, plan
-from .kv_generation import (Prefill, StepPart, cache_per_token, copy_places, decoder_layer_bytes, kv_cache_note,
-                            kv_generation)
+from .kv_generation import (Prefill, StepPart, adapter_bytes, cache_per_token, copy_places, decoder_layer_bytes,
+                            kv_cache_note, kv_generation)
 from .result import Plan
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")     # pt (pretraining on text) trains as sft does
@@ -89,6 +89,7 @@ class StagePlan:
     reference_host_bytes: int = 0   # a reference engine's frozen weights on the host (0: none runs)
     generator_host_bytes: int = 0   # a streamed generation copy's decoder layers, pinned on the host
     generator_note: str | None = None   # with the engine generator: a copy with a cache would be quicker
+    reference_shares_base: bool = False     # a LoRA policy's reference: its adapters alone, the base the policy's
 
     @property
     def total_s(self) -> float:
@@ -148,8 +149,9 @@ class StagePlan:
                        "the rest")
         if self.reference_host_bytes:
             held = self.train.host_bytes + self.train.stash_bytes
-            out.append(f"the reference's weights are a second copy on the host, frozen: "
-                       f"{fmt_bytes(self.reference_host_bytes)} beside the policy's {fmt_bytes(held)}, "
+            what = ("the reference holds its own LoRA adapters on the host, the frozen base being the policy's"
+                    if self.reference_shares_base else "the reference's weights are a second copy on the host, frozen")
+            out.append(f"{what}: {fmt_bytes(self.reference_host_bytes)} beside the policy's {fmt_bytes(held)}, "
                        f"{fmt_bytes(held + self.reference_host_bytes)} in all")
         if self.stage == "dpo" and not reads_reference(self.keys["loss_type"]):
             out.append(f"loss_type {self.keys['loss_type']} reads the policy alone: no reference pass, no reference "
@@ -327,13 +329,17 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
             parts.insert(2, _part("reference forward", micro, forward, f"{passes} (beta > 0)"))
     reference = stage == "grpo" and keys["beta"] > 0 or stage == "dpo" and keys["sync_ref_model"]
     held = _reference_host_bytes(model, train, host_left) if reference else 0
-    return StagePlan(stage, rows, width, keys, train, forward, parts, steps, held, layers_held, advice)
+    return StagePlan(stage, rows, width, keys, train, forward, parts, steps, held, layers_held, advice,
+                     reference_shares_base=adapter_bytes(model) is not None)
 
 
 def _reference_host_bytes(model: nn.Module, train: Plan, host_budget: float | None) -> int:
     """The reference engine's frozen weights and buffers on the host, in their own dtype;
-    HostMemoryError when they do not fit in what the policy leaves of the host budget."""
-    held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    HostMemoryError when they do not fit in what the policy leaves of the host budget. Beside a LoRA
+    policy the frozen base is the policy's own (compile(..., share_frozen=True)): only the adapters."""
+    held = adapter_bytes(model)
+    if held is None:
+        held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     budget = arguments.budget_bytes("host_budget", host_budget, optional=True)
     policy = train.host_bytes + train.stash_bytes
     if budget is not None and policy + held > budget:

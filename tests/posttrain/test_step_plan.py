@@ -4,10 +4,10 @@ training step or a forward-only pass), planned independently."""
 from __future__ import annotations
 
 import json
-
 import re
 
 import pytest
+import torch
 
 from megacompile import plan, plan_stage
 from megacompile.cli import main
@@ -335,3 +335,26 @@ def test_an_engine_generator_plan_says_when_a_copy_with_a_cache_would_generate_s
     assert not any(n.startswith("generator kv_cache") for n in one.notes())
     chosen = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache")
     assert not any(n.startswith("generator kv_cache (") for n in chosen.notes())
+
+
+def test_a_lora_policys_stage_holds_its_reference_as_adapters_and_its_copy_merged(tmp_path, capsys):
+    """--stage with --lora-rank plans the LoRA policy a run trains: its reference holds only the
+    adapters on the host (the frozen base is the policy's), and a generation copy is the plain
+    model's size, the adapters merged into it."""
+    from megacompile.train.methods.lora import lora_for_plan
+    lora = lora_for_plan(model_from_config(dict(CONFIG)), 4, "all", torch.bfloat16)
+    adapters = sum(p.numel() * p.element_size() for n, p in lora.named_parameters() if "lora_" in n)
+    staged = plan_stage(lora, BUDGET, "grpo", fuse=False, **GRPO, max_completion_length=16, beta=0.04,
+                        generator="kv_cache")
+    assert 0 < staged.reference_host_bytes == adapters
+    assert any(n.startswith("the reference holds its own LoRA adapters on the host") for n in staged.notes())
+    plain = model_from_config(dict(CONFIG))
+    full = plan_stage(plain, BUDGET, "grpo", fuse=False, **GRPO, max_completion_length=16, generator="kv_cache")
+    held = re.search(r"([0-9.]+ [KM]iB) of the budget held beside", staged.part("generation").detail).group(1)
+    assert f"{held} of the budget held beside" in full.part("generation").detail      # the plain copy's
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert main(["plan", "--config", str(path), "--hbm-budget", str(BUDGET), "--host-budget", "4", "--stage", "grpo",
+                 "--prompts", "2", "--num-generations", "2", "--max-prompt-length", "8", "--max-completion-length", "4",
+                 "--beta", "0.04", "--lora-rank", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reference_host_bytes"] == adapters
