@@ -322,9 +322,9 @@ def test_a_load_waits_for_a_replacement_under_way(tmp_path):
     try:
         aside = str(tmp_path / f".ck.{writer.pid}.old")
         os.rename(old, aside)
-        threading.Timer(0.3, lambda: (os.rename(new, old), os.rename(aside, aside + "-gone"))).start()
-        engine = _engine()
+        engine = _engine()      # built first: the writer's 0.3 s run from the load's start, however long this takes
         started = time.monotonic()
+        threading.Timer(0.3, lambda: (os.rename(new, old), os.rename(aside, aside + "-gone"))).start()
         engine.load_checkpoint(old)
         assert engine.steps_done == 2 and 0.2 < time.monotonic() - started < 4
     finally:
