@@ -72,6 +72,13 @@ def policy_weights(engine, prefix: str, dtype: torch.dtype | None = None) -> Ite
     canonical = engine.state.canonical
     policy = engine.state.model.get_submodule(prefix[:-1]) if prefix else engine.state.model
     scaling = adapters(policy)
+    tied = [o for o in scaling if canonical.get(f"{prefix}{o}.base_layer.weight", "") not in
+            ("", f"{prefix}{o}.base_layer.weight")]
+    if tied:
+        raise ArgumentError(f"{tied[0]} carries a LoRA adapter on a weight tied to another "
+                            f"({canonical[prefix + tied[0] + '.base_layer.weight'][len(prefix):]}): a generation copy "
+                            "keeps the two tied, and cannot hold one of them merged; leave it out of lora_target, or "
+                            "sample with EngineGenerator")
     factors = {}           # the adapters' A and B (small), read before the weights they are added to
     if scaling:
         factors = {key[len(prefix):]: t for key, t in unbuilt.state_tensors(engine.state)

@@ -126,9 +126,18 @@ def test_a_lora_policys_copy_holds_its_weights_merged_and_generates_what_the_eng
     engine.close()
 
 
-def test_a_peft_layer_other_than_plain_lora_is_refused():
+def test_a_peft_layer_other_than_plain_lora_or_on_a_tied_weight_is_refused():
     engine = _lora_engine(use_dora=True)
     with pytest.raises(ArgumentError, match="other than one plain LoRA adapter"):
+        HFGenerator(engine)
+    engine.close()
+    from peft import LoraConfig, get_peft_model
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                          use_cache=False))
+    adapted = get_peft_model(policy, LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj", "lm_head"]))
+    engine = compile(GRPOObjective(adapted, GRPOLoss()), hbm_budget=0.01, device="cpu", compute_dtype=torch.float32)
+    with pytest.raises(ArgumentError, match="lm_head carries a LoRA adapter on a weight tied to another"):
         HFGenerator(engine)
     engine.close()
 
