@@ -19,9 +19,13 @@ The figure is a bound, from the model's Hugging Face config, made of the larger 
   filters' passes over them (sort values and int64 indices, softmax, cumulative sum, masks): at
   most 48 bytes a vocabulary entry with top-k, top-p, min-p and a repetition penalty all on.
 
-Measured by counting the live storages ops create inside `generate` on the cpu (a dispatch mode,
-tests/posttrain/test_generation_memory.py): dense and mixture-of-experts configs, short and long
-prompts, small and large vocabularies, bfloat16 and float32 each stay under the bound, within 25%.
+The prefill's figure is any forward-only pass's: a reward model scoring completions
+(posttrain/reward_models.py) passes the same through its layers, `forward_transient_bytes`.
+
+Measured by counting the live storages ops create inside `generate` and a reward model's forward on
+the cpu (a dispatch mode, tests/posttrain/test_generation_memory.py): dense and mixture-of-experts
+configs, short and long prompts, small and large vocabularies, bfloat16 and float32 each stay under
+the bound, within 25%.
 """
 from __future__ import annotations
 
@@ -55,14 +59,22 @@ def prefill_chunk(rows: int) -> int:
     return max(1, PREFILL_TOKENS // rows)
 
 
+def forward_transient_bytes(config, rows: int, tokens: int, dtype_bytes: int, keys: int | None = None) -> int | None:
+    """What a forward-only pass of `rows` x `tokens` passes through one decoder layer at a time (no
+    cache, no logits over a vocabulary: a prefill chunk, a reward model's scoring), attending to
+    `keys` positions (default `tokens`); None where the config does not say its hidden size."""
+    hidden = getattr(_text(config), "hidden_size", None)
+    if not isinstance(hidden, int):
+        return None
+    return rows * tokens * dtype_bytes * (mlp_width(config) + PER_HIDDEN * hidden + (tokens if keys is None else keys))
+
+
 def generate_transient_bytes(config, rows: int, prompt: int, dtype_bytes: int) -> int | None:
     """The bound above for `rows` rows of prompts up to `prompt` tokens, generated at once by a copy
     in a dtype of `dtype_bytes`; None where the config does not say its hidden or vocabulary size."""
-    text = _text(config)
-    hidden, vocab = getattr(text, "hidden_size", None), getattr(text, "vocab_size", None)
-    if not isinstance(hidden, int) or not isinstance(vocab, int):
+    vocab = getattr(_text(config), "vocab_size", None)
+    prefill = forward_transient_bytes(config, rows, min(prompt, prefill_chunk(rows)), dtype_bytes, keys=prompt)
+    if prefill is None or not isinstance(vocab, int):
         return None
-    chunk = min(prompt, prefill_chunk(rows))
-    prefill = rows * chunk * dtype_bytes * (mlp_width(config) + PER_HIDDEN * hidden + prompt)
     sampling = rows * vocab * (dtype_bytes + PER_VOCAB)
     return max(prefill, sampling)

@@ -16,8 +16,9 @@ backend, whose simulated device is host memory, the generator's whole copy and c
 model's float32 copy. The engine's state is placed in what they leave.
 
 transformers' tensors that pass while it generates (the prefill's largest layer, a step's logits
-and sampling: cost/generation_memory.py) are counted with the copy: they pass before the engine
-runs again, but the engine's arena is held meanwhile. Not counted: vLLM's own host memory.
+and sampling: cost/generation_memory.py) are counted with the copy, and those of a reward model's
+forward as it scores a batch of completions with it: they pass before the engine runs again, but
+the engine's arena is held meanwhile. Not counted: vLLM's own host memory.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..cost import generate_transient_bytes, prefill_chunk
+from ..cost import forward_transient_bytes, generate_transient_bytes, prefill_chunk
 from ..errors import BudgetTooSmallError, HostMemoryError
 from ..ir import fmt_bytes
 from .config import RunConfig
@@ -127,14 +128,21 @@ def generator_host(c: RunConfig, meta: nn.Module, device: str) -> list[Beside]:
                    sum(_bytes(m.parameters(), dtype) for m in decoder_layers(meta)))]
 
 
-def reward_model(folder: str, dtype: torch.dtype = torch.bfloat16) -> Beside:
+def reward_model(folder: str, dtype: torch.dtype = torch.bfloat16, rows: int = 16, tokens: int = 0) -> list[Beside]:
     """A reward model's copy (posttrain/reward_models.py: bfloat16 on cuda, float32 on the cpu),
-    sized from its config on meta."""
+    sized from its config on meta, and what its forward passes through as it scores `rows`
+    completions at a time of about `tokens` tokens (the run's row width: the reward model's own
+    tokenizer and chat template may make a little more)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
     from ..io.hf_load import parameters_on_meta
+    config = AutoConfig.from_pretrained(folder)
     with parameters_on_meta():
-        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(folder))
-    return Beside(f"reward model {folder} in {str(dtype)[6:]}", _model_bytes(model, dtype))
+        model = AutoModelForSequenceClassification.from_config(config)
+    held = [Beside(f"reward model {folder} in {str(dtype)[6:]}", _model_bytes(model, dtype))]
+    passing = forward_transient_bytes(config, rows, tokens, dtype.itemsize) if tokens else None
+    if passing:
+        held.append(Beside(f"the tensors its forward passes through ({rows} completions of {tokens} tokens)", passing))
+    return held
 
 
 def split(total_gib: float, beside: list[Beside]) -> tuple[float, str | None]:

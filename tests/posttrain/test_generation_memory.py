@@ -85,3 +85,22 @@ def test_a_prefill_in_chunks_gives_the_completions_of_a_whole_one(monkeypatch):
     assert generation_memory.prefill_chunk(4) == 20
     assert copy.generate(prompts, 1, 6, temperature=0) == whole
     engine.close()
+
+
+@pytest.mark.parametrize("rows,tokens,dtype", [(16, 128, torch.bfloat16), (4, 512, torch.bfloat16),
+                                               (8, 256, torch.float32)])
+def test_what_a_reward_models_forward_passes_through_stays_within_the_bound(rows, tokens, dtype):
+    """A reward model scores a batch of right-padded completions in one forward (posttrain/
+    reward_models.py): the prefill's bound, forward_transient_bytes, holds it too."""
+    from transformers import LlamaForSequenceClassification
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    scorer = LlamaForSequenceClassification(config).to(dtype).eval()
+    ids = torch.randint(3, 512, (rows, tokens))
+    mask = torch.ones_like(ids)
+    mask[::2, tokens // 2:] = 0                 # every other completion half as long: padded on the right
+    with torch.inference_mode(), PeakLiveBytes(existing=list(scorer.parameters()) + list(scorer.buffers())) as seen:
+        scorer(input_ids=ids, attention_mask=mask)
+    bound = generation_memory.forward_transient_bytes(config, rows, tokens, dtype.itemsize)
+    assert 0.75 * bound <= seen.peak <= bound, (seen.peak, bound)

@@ -81,10 +81,15 @@ def test_a_reward_models_copy_is_its_parameters_in_bfloat16(tmp_path):
                                       num_labels=1, pad_token_id=0)
     model = transformers.LlamaForSequenceClassification(config)
     model.save_pretrained(tmp_path / "rm")
-    held = beside.reward_model(str(tmp_path / "rm"))
+    (held,) = beside.reward_model(str(tmp_path / "rm"))
     copy = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", dtype=torch.bfloat16)   # as it is read
     real = sum(t.numel() * t.element_size() for t in list(copy.parameters()) + list(copy.buffers()))
     assert held.nbytes == real and "in bfloat16" in held.what
+    # scoring 16 completions of 24 tokens at a time: per token the MLP's three, eight hidden-size
+    # tensors and a mask element per key, in bf16 (cost/generation_memory.py)
+    (same, passing) = beside.reward_model(str(tmp_path / "rm"), rows=16, tokens=24)
+    assert same == held and passing.nbytes == 16 * 24 * 2 * (3 * FFN + 8 * HIDDEN + 24)
+    assert "16 completions of 24 tokens" in passing.what
 
 
 @pytest.fixture

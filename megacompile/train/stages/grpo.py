@@ -204,15 +204,18 @@ class GRPOStage(Stage):
         return inputs
 
     def device_beside(self, meta, card_bytes: int) -> list:
-        """The generator's copy and cache, or colocated vLLM's share, and each reward model's copy."""
+        """The generator's copy and cache, or colocated vLLM's share, and each reward model's copy and
+        what its forward passes through."""
         return beside.generator_copy(self.c, meta, card_bytes) + [
-            beside.reward_model(f.folder) for f in self.funcs if isinstance(f, RewardModelFunction)]
+            part for f in self.funcs if isinstance(f, RewardModelFunction)
+            for part in beside.reward_model(f.folder, rows=f.batch, tokens=self.c.seq)]
 
     def host_beside(self, meta, device: str) -> list:
-        """On the cpu backend the generator's copy and cache and each reward model's float32 copy;
-        on a GPU the streamed copy's decoder layers."""
-        models = [] if beside.on_gpu(device) else [beside.reward_model(f.folder, torch.float32) for f in self.funcs
-                                             if isinstance(f, RewardModelFunction)]
+        """On the cpu backend the generator's copy and cache and each reward model's float32 copy and
+        forward; on a GPU the streamed copy's decoder layers."""
+        models = [] if beside.on_gpu(device) else [
+            part for f in self.funcs if isinstance(f, RewardModelFunction)
+            for part in beside.reward_model(f.folder, torch.float32, rows=f.batch, tokens=self.c.seq)]
         return beside.generator_host(self.c, meta, device) + models
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
