@@ -54,9 +54,8 @@ def cache_per_token(model: nn.Module) -> int:
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if isinstance(heads, int) else None)
     if not all(isinstance(x, int) for x in (layers, kv_heads, head_dim)):
         raise ArgumentError("generators kv_cache and hf_streamed size the cache from the model's Hugging Face "
-                            "config "
-                            "(num_hidden_layers, num_key_value_heads, head_dim); this model has none: use generator "
-                            "engine")
+                            "config (num_hidden_layers, num_key_value_heads, head_dim); this model has none: use "
+                            "generator engine")
     return cache_bytes_per_token(layers, kv_heads, head_dim)
 
 
@@ -137,10 +136,10 @@ def kv_generation(per_token: int, forward: Plan, prefill: Prefill, keys: dict, r
 def kv_cache_note(model: nn.Module, train: Plan, forward: Plan, keys: dict, rollout: int, rows: int, width: int,
                   budget_bytes: int, engine: StepPart) -> str | None:
     """For a step planned with the engine generator (`forward`: its pass over `rows` x `width`
-    tokens): what generator kv_cache would take instead, when
-    its copy fits beside the training step's smallest plan (on the device, else streamed) and it
-    generates in under 80% of the engine's time; else None. The prefill is the forward's time scaled
-    to the prompts' tokens: an estimate, said so."""
+    tokens): what generator kv_cache would take instead, when its copy fits beside the training
+    step's smallest plan (on the device, else streamed) and it generates in under 80% of the
+    engine's time; else None. The prefill is the forward's time scaled to the prompts' tokens: an
+    estimate, said so."""
     try:
         per_token = cache_per_token(model)
     except ArgumentError:           # no Hugging Face config to size a cache from
