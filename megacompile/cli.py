@@ -203,8 +203,8 @@ def _plan_stage(args: argparse.Namespace) -> int:
     from .errors import ArgumentError, BudgetTooSmallError, HostMemoryError
     from .planner import plan_stage
     refused = [flag for flag, given in (("--global-batch", args.global_batch is not None), ("--gpus", args.gpus != 1),
-                                        ("--nodes", args.nodes != 1), ("--smallest", args.smallest), ("--trace", args.trace is not None),
-                                        ("--plot", args.plot is not None), ("--images-per-row", args.images_per_row != 0),
+                                        ("--nodes", args.nodes != 1), ("--smallest", args.smallest),
+                                        ("--trace", args.trace is not None), ("--plot", args.plot is not None), ("--images-per-row", args.images_per_row != 0),
                                         ("--image-size", args.image_size is not None)) if given]
     if refused:
         raise ArgumentError(f"--stage plans one GPU's step of one micro-batch, part by part: {', '.join(refused)} "
