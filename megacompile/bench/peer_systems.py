@@ -4,6 +4,7 @@ to the host and DeepSpeedCPUAdam. Both keep fp32 masters and AdamW state on the 
 in bf16, as megacompile does."""
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import time
@@ -27,6 +28,12 @@ def _one_rank_group(backend: str) -> None:
                       WORLD_SIZE="1")
     folder = tempfile.mkdtemp(prefix="megacompile-bench-group-")
     dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=0, world_size=1)
+
+
+def set_lr(groups, lr: float) -> None:
+    """The step's rate (Workload.lr_at) into a torch optimizer's groups, which it reads as it steps."""
+    for group in groups:
+        group["lr"] = lr
 
 
 def _free_port() -> int:
@@ -60,10 +67,12 @@ def run_fsdp2(workload: Workload, fused: bool = True) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=workload.weight_decay,
                                       fused=fused)
         device = torch.device(workload.device)
+        steps = itertools.count(1)
 
         def step(ids, labels):
             loss = model(ids.to(device), labels.to(device))
             loss.backward()
+            set_lr(optimizer.param_groups, workload.lr_at(next(steps)))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return loss.detach().float().cpu()
@@ -113,10 +122,13 @@ def run_deepspeed(workload: Workload, weights: str) -> dict:
         safe_set_full_fp32_param(p, value)      # the fp32 master on the host
     say("bf16 parameters and fp32 masters set from the weights")
     device = engine.device
+    steps = itertools.count(1)
 
     def step(ids, labels):
         loss = engine(ids.to(device), labels.to(device))
         engine.backward(loss)
+        # ZeRO's optimizer hands its groups on to DeepSpeedCPUAdam, which reads lr at each step.
+        set_lr(engine.optimizer.param_groups, workload.lr_at(next(steps)))
         engine.step()
         return loss.detach().float().cpu()
     out.update(timed(workload, step))

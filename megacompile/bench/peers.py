@@ -66,6 +66,9 @@ def _arguments(argv):
     p.add_argument("--lr", type=float, default=None,
                    help="AdamW's learning rate (default: 1e-4 x 1024 / the shape's width, at most 1e-4 "
                    "(bench/workload.py width_lr: 3.3e-5 at 3B, 2.5e-5 at 7B); 3e-3 for the toy)")
+    p.add_argument("--lr-warmup", type=int, default=None, metavar="STEPS",
+                   help="steps over which the rate rises linearly to --lr, from --lr / STEPS at the first "
+                   "(default: every step of the run, --warmup and --steps; 0: --lr from the first)")
     p.add_argument("--systems", default="megacompile,deepspeed,fsdp2",
                    help=f"comma-separated, of megacompile, {', '.join(PEERS)}")
     p.add_argument("--budgets", default=",".join(MEGACOMPILE_BUDGETS),
@@ -86,9 +89,15 @@ def _arguments(argv):
 def _workload(args) -> Workload:
     tiny = args.tiny or not torch.cuda.is_available()
     shape = args.shape or ("tiny" if tiny else "llama-3b")
+    steps = args.steps or (3 if tiny else 9)
+    if args.lr_warmup is not None and args.lr_warmup < 0:
+        from ..errors import ArgumentError
+        raise ArgumentError(f"--lr-warmup must be 0 (no warmup) or more steps, got {args.lr_warmup}")
     return Workload(shape=shape, batch=args.batch or (2 if tiny else 4), seq=args.seq or (32 if tiny else 2048),
-                    steps=args.steps or (3 if tiny else 9), warmup=args.warmup,
-                    lr=args.lr or (3e-3 if tiny else width_lr(SHAPES[shape]["dim"])), device="cpu" if tiny else "cuda")
+                    steps=steps, warmup=args.warmup,
+                    lr=args.lr or (3e-3 if tiny else width_lr(SHAPES[shape]["dim"])),
+                    lr_warmup=args.warmup + steps if args.lr_warmup is None else args.lr_warmup,
+                    device="cpu" if tiny else "cuda")
 
 
 def _jobs(args) -> list[Job]:

@@ -79,7 +79,8 @@ def engine_at(workload: Workload, gib: float, weights: str, batch: tuple, host_b
     while True:
         engine = compile_folder(workload.meta_model(), str(weights), gib, device=workload.device,
                                 compute_dtype=workload.compute_dtype, host_budget=host_budget, fuse=fuse,
-                                optimizer=AdamW(lr=workload.lr, weight_decay=workload.weight_decay))
+                                optimizer=AdamW(lr=workload.lr_at if workload.lr_warmup else workload.lr,
+                                              weight_decay=workload.weight_decay))
         try:
             return engine, engine.prepare(input_ids=ids, labels=labels), gib, raised
         except BudgetTooSmallError as e:

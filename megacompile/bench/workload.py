@@ -39,6 +39,11 @@ class Workload:
     # step (on the host, a 1-layer Llama 4096 wide with a 32k vocabulary: 11.2 to 9.6 in 7 steps, ~25 bf16 ulps).
     # Deep and wide, it diverges: width_lr() is what the bench's GPU rows train at.
     lr: float = 1e-4
+    # Steps over which the rate rises linearly to lr (lr / lr_warmup at the first, as a user's run
+    # warms up); 0: lr from the first step. AdamW's first update moves every weight by about lr,
+    # whatever its gradient: at lr 3.3e-5 the 3B shape's loss rose from 12.44 to 14.6 in two steps
+    # on the H200 in every system, and their roundings then drew them apart (docs/gpu.md).
+    lr_warmup: int = 0
     weight_decay: float = 0.0
     seed: int = 0
     data_seed: int | None = None    # the batches' seed (default: seed + 1)
@@ -48,6 +53,10 @@ class Workload:
     @property
     def config(self) -> dict:
         return {**SHAPES[self.shape], **self.dims}
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the 1-based optimizer step `step`: every system steps at these."""
+        return self.lr * min(1.0, step / self.lr_warmup) if self.lr_warmup > 0 else self.lr
 
     @property
     def compute_dtype(self) -> torch.dtype:

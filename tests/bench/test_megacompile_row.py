@@ -3,6 +3,7 @@ engine is freed before the next one allocates, the host optimizer is timed over 
 the model handed to the engine holds no weights (they stream in from the weights folder)."""
 import gc
 import weakref
+from dataclasses import replace
 
 from megacompile.bench import systems
 from megacompile.bench.budgets import GiB
@@ -110,3 +111,16 @@ def test_fuse_as_asked_reaches_compile(monkeypatch):
         assert args.fuse is fuse
         systems.engine_at(TINY, 1.0, "/weights/tiny-seed0", (None, None), fuse=args.fuse)
     assert given == [False, True, None]
+
+
+def test_the_engine_steps_at_the_workloads_rates(monkeypatch):
+    """The same schedule as the peers': megacompile's AdamW takes it as a function of the 1-based step."""
+    given = []
+    monkeypatch.setattr(systems, "compile_folder", lambda model, path, gib, **kwargs: given.append(kwargs["optimizer"])
+                        or RefusingEngine(gib, minimum=0.0))
+    warm = replace(TINY, lr_warmup=4)
+    systems.engine_at(warm, 1.0, "/weights", (None, None))
+    systems.engine_at(TINY, 1.0, "/weights", (None, None))
+    warmed, constant = given
+    assert [warmed.lr_at(k) for k in (1, 2, 4, 9)] == [warm.lr / 4, warm.lr / 2, warm.lr, warm.lr]
+    assert [constant.lr_at(k) for k in (1, 2)] == [TINY.lr, TINY.lr]

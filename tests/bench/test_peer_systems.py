@@ -4,6 +4,7 @@ from the fp32 weights every system starts from. DeepSpeed is a stand-in module h
 import sys
 import types
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ class FakeDeepSpeed:
     """What run_deepspeed calls of deepspeed, recording the order of events and the masters set."""
 
     def __init__(self):
-        self.inside_init, self.events, self.masters, self.gathered = False, [], {}, []
+        self.inside_init, self.events, self.masters, self.gathered, self.rates = False, [], {}, [], []
         zero = types.SimpleNamespace(Init=self.Init, GatheredParameters=self.GatheredParameters)
         self.modules = {
             "deepspeed": types.SimpleNamespace(zero=zero, initialize=self.initialize),
@@ -85,8 +86,11 @@ class FakeDeepSpeed:
             def backward(self, loss):
                 loss.backward()
 
+            optimizer = types.SimpleNamespace(param_groups=[{"lr": config["optimizer"]["params"]["lr"]}])
+
             def step(self):
                 fake.events.append("step")
+                fake.rates.append(self.optimizer.param_groups[0]["lr"])
         return Engine(), None, None, None
 
 
@@ -111,3 +115,28 @@ def test_deepspeed_builds_its_model_under_zero_init_and_its_masters_from_fp32_we
         assert fake.masters[id(p)].dtype == torch.float32
         assert torch.equal(fake.masters[id(p)], reference[name]), name
     assert len(out["losses"]) == 3 and out["cpu_adam_op_s"] >= 0
+    assert fake.rates == [TINY.lr] * 3      # no warmup asked: lr from the first step
+
+
+def test_deepspeed_steps_at_the_workloads_rates(monkeypatch, tmp_path):
+    fake = FakeDeepSpeed()
+    for name, module in fake.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(peer_systems, "_one_rank_group", lambda backend: None)
+    warm = replace(TINY, lr_warmup=4)
+    peer_systems.run_deepspeed(warm, str(weights.write(warm, tmp_path)))
+    assert fake.rates == [warm.lr / 4, warm.lr / 2, 3 * warm.lr / 4]
+
+
+def test_fsdp2_steps_at_the_workloads_rates(monkeypatch, no_rank_environment):
+    """A real run on the cpu: the fused AdamW reads its group's lr as each step starts."""
+    rates = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            rates.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+    monkeypatch.setattr(torch.optim, "AdamW", Recording)
+    warm = replace(TINY, lr_warmup=3)
+    peer_systems.run_fsdp2(warm)
+    assert rates == [warm.lr / 3, 2 * warm.lr / 3, warm.lr]
