@@ -22,8 +22,10 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     bf16 weights ("0.5", "0.34"), raised to the smallest budget the plan fits in when it is below.
     weights: the folder bench/weights.py wrote for this workload. calibrated: a profile's JSON to
     predict with beside the datasheet. host_budget: GiB of host RAM the plan may use. fuse:
-    compile()'s (None: the fused kernels on a GPU). trace: where to write the Chrome trace of the step
-    run alone for the host optimizer's time, measured beside predicted (where a step's time went)."""
+    compile()'s (None: the fused kernels on a GPU). trace: where to write the Chrome trace of the last
+    timed step, measured beside predicted (where a step's time went: its forward beside the host
+    updates of the step before, as a training loop runs them); the step run alone for the host
+    optimizer's time goes beside it (alone_trace)."""
     from ..cost import predict
     from ..cost.backend_profile import profile_for
     from ..cost.hardware import HardwareProfile
@@ -49,9 +51,11 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
         out[f"predicted_tflops_6nd_{name}"] = p.tflops_6nd
     try:
         out.update(timed(workload, lambda ids, labels: engine.step(input_ids=ids, labels=labels)))
-        out["measured_host_optimizer_s"] = host_optimizer_s(engine, *batches[-1])
         if trace:
             engine.trace(trace)
+        out["measured_host_optimizer_s"] = host_optimizer_s(engine, *batches[-1])
+        if trace:
+            engine.trace(alone_trace(trace))
         stats = engine.memory_stats()
         out["ledger_device_peak_bytes"] = stats["device_peak_bytes"]
         # What the arena held and what escaped it on the device (goal: nothing after the first step);
@@ -95,6 +99,12 @@ def engine_at(workload: Workload, gib: float, weights: str, batch: tuple, host_b
         del engine
         gc.collect()
         gib, raised = minimum / GiB, True
+
+
+def alone_trace(trace: str) -> str:
+    """Where the trace of the step run alone goes, beside the timed step's."""
+    stem = trace[:-len(".trace.json")] if trace.endswith(".trace.json") else trace
+    return stem + ".alone.trace.json"
 
 
 def host_optimizer_s(engine, ids, labels) -> float:
