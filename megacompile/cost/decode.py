@@ -15,9 +15,22 @@ from .hardware import HardwareProfile
 BF16 = 2    # bytes per element of the generator's weights and cache
 
 
-def cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
-    """A row's key and value cache, per token: each layer's keys and values, in bfloat16."""
-    return 2 * layers * kv_heads * head_dim * BF16
+def cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, itemsize: int = BF16) -> int:
+    """A row's key and value cache, per token: each layer's keys and values (bfloat16 by default)."""
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+def cache_shape(model) -> tuple[int, int, int] | None:
+    """(layers, key-value heads, head size) of a model's key-value cache, from its Hugging Face config
+    (a vision-language model's text config); None where the config does not say."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)()
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if isinstance(heads, int) else None)
+    shape = (layers, kv_heads, head_dim)
+    return shape if all(isinstance(x, int) for x in shape) else None
 
 
 @dataclass(frozen=True)

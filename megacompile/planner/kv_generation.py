@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..cost import graph_cost
-from ..cost.decode import BF16, cache_bytes_per_token, decode_step
+from ..cost.decode import BF16, cache_bytes_per_token, cache_shape, decode_step
 from ..cost.generation_memory import generate_transient_bytes, prefill_chunk
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes, fmt_seconds
@@ -46,17 +46,13 @@ class Prefill:
 
 
 def cache_per_token(model: nn.Module) -> int:
-    """A row's key-value cache per token, from the model's Hugging Face config."""
-    config = getattr(model, "config", None)
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if isinstance(heads, int) else None)
-    if not all(isinstance(x, int) for x in (layers, kv_heads, head_dim)):
+    """A row's key-value cache per token in bfloat16, from the model's Hugging Face config."""
+    shape = cache_shape(model)
+    if shape is None:
         raise ArgumentError("generators kv_cache and hf_streamed size the cache from the model's Hugging Face "
                             "config (num_hidden_layers, num_key_value_heads, head_dim); this model has none: use "
                             "generator engine")
-    return cache_bytes_per_token(layers, kv_heads, head_dim)
+    return cache_bytes_per_token(*shape)
 
 
 def copy_places(model: nn.Module, generator: str, cache: int) -> list[tuple[str, int]]:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..cost import forward_transient_bytes, generate_transient_bytes, prefill_chunk
+from ..cost import (cache_bytes_per_token, cache_shape, forward_transient_bytes, generate_transient_bytes,
+                    prefill_chunk)
 from ..errors import BudgetTooSmallError, HostMemoryError
 from ..ir import fmt_bytes
 from .config import RunConfig
@@ -57,20 +58,6 @@ def _model_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     return _bytes(model.parameters(), dtype) + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-def _cache_per_token(model: nn.Module, dtype: torch.dtype) -> int | None:
-    """A row's key-value cache per token in `dtype`, from the model's Hugging Face config; None where
-    it does not say (no attention layer count, heads or head size)."""
-    config = getattr(model, "config", None)
-    text = getattr(config, "get_text_config", lambda: config)()
-    layers = getattr(text, "num_hidden_layers", None)
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if isinstance(heads, int) else None)
-    if not all(isinstance(x, int) for x in (layers, kv_heads, head_dim)):
-        return None
-    return 2 * layers * kv_heads * head_dim * dtype.itemsize
-
-
 def generator_copy(c: RunConfig, meta: nn.Module, card_bytes: int) -> list[Beside]:
     """The rollout generator's share of the GPU, per run.yaml's generator keys."""
     if c.use_vllm and c.vllm_mode == "colocate":
@@ -93,9 +80,10 @@ def generator_copy(c: RunConfig, meta: nn.Module, card_bytes: int) -> list[Besid
 def _cache(c: RunConfig, meta: nn.Module, dtype: torch.dtype) -> list[Beside]:
     """The key-value cache of a rollout batch, generated at once: its rows x the row's width."""
     rows = c.batch * c.steps_per_generation
-    per_token = _cache_per_token(meta, dtype)
-    if per_token is None:
+    shape = cache_shape(meta)
+    if shape is None:
         return []
+    per_token = cache_bytes_per_token(*shape, itemsize=dtype.itemsize)
     return [Beside(f"its key-value cache of {rows} rows x {c.seq} tokens", rows * c.seq * per_token)]
 
 
