@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from .workload import Workload
 
-# Measured on the first H100 lease (docs/gpu.md, 2026-11-23; 16 host cores) at the Llama-3.2-3B
-# shape, 4 x 2048 tokens: the set-up (model, host state, process group; DeepSpeed's initialize,
-# its CPUAdam op built if it is not yet) and one step. DeepSpeed's are bounds (it did not finish
-# its set-up and 5 steps in 370 s); its step is ZeRO-3 offload's ~40 TFLOPS at 14B, halved.
+# Measured at the Llama-3.2-3B shape, 4 x 2048 tokens (docs/gpu.md; 16 host cores), with a margin:
+# the set-up (model, host state, process group; DeepSpeed's initialize, its CPUAdam op built if it
+# is not yet) and one step. megacompile's from the first H100 lease (93 s for its set-up and 3
+# steps, the weights' writing included); FSDP2's (fused host AdamW: 74 s to build and shard, 1.77 s
+# a step) and DeepSpeed's (46 s to its first step under zero.Init, 2.38 s a step) from the H200
+# lease. The first lease had DeepSpeed's at 300 s and 10 s, bounds from a run that did not finish.
 REFERENCE_PARAMETERS, REFERENCE_TOKENS = 3.6e9, 4 * 2048
-SETUP_S = {"megacompile": 90.0, "fsdp2": 170.0, "deepspeed": 300.0}
-STEP_S = {"megacompile": 1.4, "fsdp2": 6.3, "deepspeed": 10.0}
+SETUP_S = {"megacompile": 90.0, "fsdp2": 90.0, "deepspeed": 60.0}
+STEP_S = {"megacompile": 1.4, "fsdp2": 1.8, "deepspeed": 2.4}
 FLOOR_S = 20.0          # a process that imports torch and builds a toy
 
 

@@ -16,23 +16,31 @@ def _call(monkeypatch, tmp_path, *argv):
     return runs, results
 
 
-def test_the_needs_are_what_the_first_lease_measured():
-    assert need_s("deepspeed", GPU_3B) > 370
-    assert 200 <= need_s("fsdp2", GPU_3B) < 400
+def test_the_needs_are_what_the_leases_measured():
+    """On the H200 the 3B processes took 74 s (DeepSpeed), 103 s (FSDP2) and 102 s (megacompile,
+    writing the weights too) for their set-up and 10 steps."""
+    assert 74 < need_s("deepspeed", GPU_3B) < 120
+    assert 103 < need_s("fsdp2", GPU_3B) < 150
+    assert 93 < need_s("megacompile", GPU_3B) < 150
     assert need_s("megacompile", Workload(shape="llama-7b", device="cuda", batch=4, seq=4096, steps=4)) < 9 * 60
 
 
-def test_the_default_call_starts_every_system_with_what_it_needs_or_names_the_call_to_run_it_in(monkeypatch, tmp_path):
+def test_the_default_call_starts_every_system_with_what_it_needs(monkeypatch, tmp_path):
     runs, results = _call(monkeypatch, tmp_path)
     started = {(system, options.get("budget")): timeout for system, options, timeout in runs.calls}
     for (system, _), timeout in started.items():
         assert timeout >= need_s(system, GPU_3B), (system, timeout)
+    assert {system for system, _ in started} == {"megacompile", "deepspeed", "fsdp2"}
+    assert all(r["ok"] for r in results), [r.get("reason") for r in results]
+
+
+def test_a_system_whose_need_is_not_left_is_named_with_the_call_to_run_it_in(monkeypatch, tmp_path):
+    runs, results = _call(monkeypatch, tmp_path, "--minutes", "3")
+    started = {system for system, _, _ in runs.calls}
     skipped = [r for r in results if not r["ok"]]
-    assert skipped, "a 9.5-minute call cannot hold every system's need at 3B"
+    assert skipped and len(started) < 3, "3 minutes cannot hold every system's need at 3B"
     for r in skipped:
         assert "a call of its own (--systems" in r["reason"], r["reason"]
-    assert ("deepspeed", None) in started or any(r["system"] == "deepspeed" and "--systems deepspeed)" in r["reason"]
-                                                 for r in skipped)
 
 
 def test_a_system_alone_gets_the_whole_call(monkeypatch, tmp_path):
