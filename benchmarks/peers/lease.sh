@@ -14,6 +14,8 @@
 # RESULTS is $LEASE_RESULTS, by default tmp/lease in the checkout (git-ignored). The calls, most
 # important first:
 #   preflight       the machine as found (GPU, driver, versions, cores, RAM, the weights' disk), seconds
+#   calibrate       this GPU's profile (megacompile calibrate), which the rows are predicted under,
+#                   unless the shipped calibrated profile was measured on this card (an H100 80GB HBM3)
 #   7b-streamed     the Llama-2-7B shape at 0.34x of its bf16 weights (the 100B ratio), megacompile
 #                   alone, 4 x 4096 tokens, beside its prediction under the calibrated profile; the
 #                   attention kernel is checked on the device first, and where it fails the row runs
@@ -43,13 +45,13 @@ python=${PYTHON:-python3}
 site=${SITE:-/tmp/megacompile-site}
 out=${LEASE_OUT:-}
 deadline=$(( SECONDS + ${LEASE_SECONDS:-540} ))
-order=(preflight 7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels)
+order=(preflight calibrate 7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels)
 # Seconds each call needs: the leases' wall times (docs/gpu.md; 16 host cores) and a margin.
 # Writing a shape's fp32 weights, a megacompile process's set-up (capture, plan, host state, the
 # first step's kernel compiles), its steps: 7b-streamed took 278 s in the second lease; in the
 # third (an H200) 3b-megacompile 164 s (the 3B weights written in it), 3b-fsdp2 122 s, deepspeed-op
 # 52 s, 3b-deepspeed 101 s, kernels-check 101 s, 3b-resident 58 s.
-declare -A NEED_S=([preflight]=20 [7b-streamed]=330 [3b-megacompile]=180 [3b-fsdp2]=140 [deepspeed-op]=60
+declare -A NEED_S=([preflight]=20 [calibrate]=120 [7b-streamed]=330 [3b-megacompile]=180 [3b-fsdp2]=140 [deepspeed-op]=60
                    [3b-deepspeed]=130 [kernels-check]=120 [3b-resident]=75 [acceptance]=300 [kernels]=90)
 # The bench calls' tables: one with no measured row (every system skipped: the log says why) is
 # done but marked skipped, so the summary says so and the calls set beside it know.
@@ -85,7 +87,7 @@ weights_folder() {
     return 1
 }
 weights=$(weights_folder) || exit 2
-profile=$root/benchmarks/results/peers-h100/h100-calibrated-profile.json
+shipped=$root/benchmarks/results/peers-h100/h100-calibrated-profile.json
 export TORCH_EXTENSIONS_DIR=$results/torch-extensions     # DeepSpeed's CPUAdam op, built once
 if [ -n "${LEASE_RESUME:-}" ]; then
     tar -xzf "$LEASE_RESUME" -C "$results" --skip-old-files
@@ -98,6 +100,8 @@ if ! $python -c "import megacompile.passes" 2> /dev/null && compgen -G "$root/.w
 fi
 
 left() { echo $(( deadline - SECONDS )); }
+# The profile the rows are predicted under: this card's, measured by the calibrate call, else the shipped one.
+profile() { if [ -e "$results/profile.json" ]; then echo "$results/profile.json"; else echo "$shipped"; fi; }
 # --minutes for a call: what is left, at most $1 minutes.
 minutes() { awk -v s="$(left)" -v cap="$1" 'BEGIN { m = s / 60 - 0.2; printf "%.2f", (m < cap ? m : cap) }'; }
 pack() {
@@ -127,6 +131,16 @@ call_preflight() {
     cat preflight.txt
     grep -q "^torch " preflight.txt
 }
+call_calibrate() {
+    local card
+    card=$($python -c "import torch; print(torch.cuda.get_device_name())")
+    if grep -qF "\"$card (measured)\"" "$shipped"; then
+        echo "the shipped profile was measured on this card ($card): the rows are predicted under it"
+        return 0
+    fi
+    echo "this card ($card) is not the shipped profile's: measuring its own"
+    $python -m megacompile calibrate --device cuda --out profile.json     # written whole or not at all
+}
 call_7b_streamed() {
     rm -f 7b-streamed/peers.md
     # The attention kernel runs on a GPU for the first time here: checked first (seconds), and
@@ -139,13 +153,13 @@ call_7b_streamed() {
         echo "the attention kernel failed its check on this GPU (7b-streamed/attention-check.txt): the row runs unfused"
     fi
     bench --shape llama-7b --batch 4 --seq 4096 --warmup 1 --steps 4 --systems megacompile --budgets 0.34 \
-        --host-budget 120 --profile "$profile" --minutes "$(minutes 8)" --out 7b-streamed $fuse
+        --host-budget 120 --profile "$(profile)" --minutes "$(minutes 8)" --out 7b-streamed $fuse
     rm -rf "$weights"/llama-7b-*
     [ -e 7b-streamed/peers.md ]
 }
 call_3b_megacompile() {
     rm -f 3b/peers.md
-    bench --systems megacompile --budgets 0.34 --profile "$profile" --minutes "$(minutes 9.5)" --out 3b
+    bench --systems megacompile --budgets 0.34 --profile "$(profile)" --minutes "$(minutes 9.5)" --out 3b
     [ -e 3b/peers.md ]
 }
 call_3b_fsdp2() {
@@ -168,7 +182,7 @@ call_kernels_check() {
 }
 call_3b_resident() {
     rm -f 3b-resident/peers.md
-    bench --systems megacompile --budgets resident --profile "$profile" $(compare) \
+    bench --systems megacompile --budgets resident --profile "$(profile)" $(compare) \
         --minutes "$(minutes 9.5)" --out 3b-resident
     [ -e 3b-resident/peers.md ]
 }

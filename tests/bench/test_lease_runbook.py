@@ -21,6 +21,8 @@ case "$*" in
   *"import megacompile.passes"*) exit 0 ;;
   *"import torch, triton"*) [ -z "${NO_TORCH:-}" ] && echo "torch 2.11.0" ; exit 0 ;;
   *"import deepspeed, liger_kernel"*) exit 0 ;;
+  *"get_device_name"*) echo "${GPU_NAME:-NVIDIA H100 80GB HBM3}" ; exit 0 ;;
+  *"megacompile calibrate"*) echo '{"name": "measured here"}' > profile.json ; exit 0 ;;
   *"megacompile.bench peers"*)
     [ -n "${DIE_IN:-}" ] && [ "$out" = "$DIE_IN" ] && exit 1
     mkdir -p "$out" && touch "$out/peers.md"
@@ -39,7 +41,7 @@ for dir in $IN_RAM; do [ "${@: -1}" = "$dir" ] && { echo tmpfs; exit 0; }; done
 echo ext2/ext3
 """
 
-ALL = "preflight 7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels"
+ALL = "preflight calibrate 7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels"
 
 
 def _lease(tmp_path, *args, status=0, **env):
@@ -57,7 +59,8 @@ def _lease(tmp_path, *args, status=0, **env):
     proc = subprocess.run(["bash", str(LEASE), *args], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in env.items() if v is not None})
     assert proc.returncode == status, proc.stdout + proc.stderr
-    preflight = ("import megacompile.passes", "import torch, triton", "import deepspeed, liger_kernel")
+    preflight = ("import megacompile.passes", "import torch, triton", "import deepspeed, liger_kernel",
+                 "get_device_name")
     return proc.stdout + proc.stderr, [line for line in calls.read_text().splitlines()
                                        if not any(p in line for p in preflight)]
 
@@ -115,6 +118,19 @@ def test_a_peer_waits_for_the_row_it_is_held_to_in_a_command_that_runs_it_and_ru
     out, calls = _lease(alone, "deepspeed-op", "3b-deepspeed", LEASE_SECONDS="900")
     assert "CPUAdamBuilder().load()" in calls[0] and "--systems deepspeed --minutes" in calls[1]
     assert _done(alone) == ["3b-deepspeed", "deepspeed-op"]
+
+
+def test_the_rows_are_predicted_under_a_profile_of_the_card_they_run_on(tmp_path):
+    """The shipped profile was measured on an H100 80GB HBM3; on another card (the third lease's was
+    an H200) the calibrate call measures that card's first."""
+    out, calls = _lease(tmp_path, "calibrate", "3b-megacompile", LEASE_SECONDS="900")
+    assert "measured on this card (NVIDIA H100 80GB HBM3)" in out and len(calls) == 1
+    assert "h100-calibrated-profile.json" in calls[0]
+    (tmp_path / "h200").mkdir()
+    out, calls = _lease(tmp_path / "h200", "calibrate", "3b-megacompile", LEASE_SECONDS="900", GPU_NAME="NVIDIA H200")
+    assert "not the shipped profile's" in out
+    assert "megacompile calibrate --device cuda --out profile.json" in calls[0]
+    assert f"--profile {tmp_path / 'h200' / 'results' / 'profile.json'} " in calls[1]
 
 
 def test_an_unknown_call_is_refused(tmp_path):
