@@ -69,7 +69,8 @@ def step_rows(device, shape: str, layers: int, profile, batch: int = 4, seq: int
     return [Row("step", f"{shape} x {layers} layers, {batch} x {seq} tokens", measured, prediction.step_s, None, {
         "predicted_step_s": prediction.step_s, "ratio_measured_to_predicted": measured / prediction.step_s,
         "step_latency_s": latency,
-        "predicted_exposed_transfer_s": prediction.exposed_s,
+        "predicted_exposed_transfer_s": prediction.exposed_transfer_s,
+        "predicted_exposed_update_s": prediction.exposed_update_s,
         "measured_host_optimizer_s": statistics.median(host[1:]), "predicted_host_optimizer_s": prediction.host_s,
         "measured_tflops_6nd": prediction.model_flops / measured / 1e12, "predicted_tflops_6nd": prediction.tflops_6nd,
         "hbm_budget_gib": hbm_budget, "ledger_peak_bytes": stats["device_peak_bytes"],

@@ -46,7 +46,8 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     for name, profile in profiles.items():
         p = predict(plan.program, plan.captured, profile)
         out[f"predicted_step_s_{name}"] = p.step_s
-        out[f"predicted_exposed_transfer_s_{name}"] = p.exposed_s
+        out[f"predicted_exposed_transfer_s_{name}"] = p.exposed_transfer_s
+        out[f"predicted_exposed_update_s_{name}"] = p.exposed_update_s
         out[f"predicted_host_optimizer_s_{name}"] = p.host_s
         out[f"predicted_tflops_6nd_{name}"] = p.tflops_6nd
     try:

@@ -30,6 +30,12 @@ class StepPrediction:
     model_flops: float          # 6 * N * tokens, N the active (per-token) parameters
     tokens: int
     network_s: float = 0.0      # data parallelism: the gradients' reduce
+    exposed_update_s: float = 0.0   # the part of exposed_s spent waiting on the host's AdamW updates
+
+    @property
+    def exposed_transfer_s(self) -> float:
+        """The part of exposed_s spent waiting on copies (and collectives), not on updates."""
+        return self.exposed_s - self.exposed_update_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -49,7 +55,8 @@ class StepPrediction:
 
     def to_dict(self) -> dict:
         return {"predicted_step_s": self.step_s, "predicted_compute_s": self.compute_s,
-                "predicted_exposed_transfer_s": self.exposed_s, "predicted_tokens_per_s": self.tokens_per_s,
+                "predicted_exposed_s": self.exposed_s, "predicted_exposed_transfer_s": self.exposed_transfer_s,
+                "predicted_exposed_update_s": self.exposed_update_s, "predicted_tokens_per_s": self.tokens_per_s,
                 "predicted_tflops_6nd": self.tflops_6nd, "predicted_hardware_tflops": self.hardware_tflops,
                 "hardware_flops_per_model_flops": self.hardware_flops_per_model_flop,
                 "h2d_busy_s": self.h2d_s, "d2h_busy_s": self.d2h_s, "host_busy_s": self.host_s,
@@ -88,11 +95,11 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
     free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "network": 0.0}
     busy = {k: 0.0 for k in free}
     ready: dict[str, float] = {}
-    exposed = flops = 0.0
+    exposed = exposed_update = flops = 0.0
     ends = []
     for play in range(2):
         busy = {k: 0.0 for k in free}
-        exposed = flops = 0.0
+        exposed = exposed_update = flops = 0.0
         start_of_step = free["compute"]
         record = spans if play == 1 else None
         for i, n in enumerate(program.nodes):
@@ -107,6 +114,8 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
                 until = ready.get(n.reads[0], 0.0)
                 if until > free["compute"]:
                     exposed += until - free["compute"]
+                    if program.values[n.reads[0]].kind == "host":     # an owner's masters: its update
+                        exposed_update += until - free["compute"]
                     free["compute"] = until
             elif n.op in (Op.PREFETCH, Op.OFFLOAD, Op.OPTIMIZER_STEP, Op.CLIP_GRADS):
                 stream = n.stream
@@ -153,7 +162,7 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
     tokens *= program.facts.get("micro_batches", 1)     # a layer-major program runs every micro-batch of a step
     model_flops = (6 if captured.train else 2) * flop_params * tokens
     return StepPrediction(ends[-1], busy["compute"], exposed, busy["h2d"], busy["d2h"], busy["host"],
-                          flops, model_flops, tokens, network_s=busy["network"])
+                          flops, model_flops, tokens, network_s=busy["network"], exposed_update_s=exposed_update)
 
 
 def _owned_params(captured: CapturedModel) -> dict[int, int]:

@@ -71,8 +71,18 @@ def summary(plan, measured: MeasuredRun | None = None) -> str:
     if p is not None:
         lines.append(f"  predicted      {per_step(plan, p.step_s)} on {plan.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "
                      f"{fmt_rate(p.tflops_6nd)} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
-                     f"per model FLOP, {fmt_seconds(p.exposed_s)} waiting on transfers")
+                     f"per model FLOP, {waiting(p)}")
     return "\n".join(lines)
+
+
+def waiting(p) -> str:
+    """What the compute stream waits on: the copies, and the host's AdamW updates a prefetch of the
+    next step needs (a step bound by those gains nothing from a larger budget, and takes more tokens
+    a step at almost no cost)."""
+    if p.exposed_update_s <= 0:
+        return f"{fmt_seconds(p.exposed_s)} waiting on transfers"
+    return (f"{fmt_seconds(p.exposed_s)} waiting: {fmt_seconds(p.exposed_transfer_s)} on transfers, "
+            f"{fmt_seconds(p.exposed_update_s)} on the host's AdamW updates")
 
 
 def per_step(plan, step_s: float) -> str:

@@ -188,3 +188,21 @@ def test_host_budget_below_the_masters_is_named(tmp_path, capsys):
     with pytest.raises(megacompile.HostMemoryError, match="cannot hold the fp32 masters"):
         engine.step(idx=ids, targets=ids)
     assert engine.host is None, "nothing is allocated for a plan that cannot fit"
+
+
+def test_the_prediction_says_how_much_of_its_wait_is_on_the_hosts_updates():
+    """On the H200 the 3B step at its smallest budget was bound by the host AdamW (0.60 s a step),
+    which the next forward waits on block by block: the plan says so apart from the copies."""
+    from dataclasses import replace
+
+    from megacompile.cost import PROFILES, predict
+    from megacompile.planner.plan_summary import waiting
+    plan = megacompile.plan(SMALL_LLAMA, hbm_budget=1.0, hardware="h200", batch=2, seq=64)
+    fast, slow = (replace(PROFILES["h200"], host_adam_params_per_s=rate) for rate in (1e15, 1e6))
+    quick, bound = (predict(plan.program, plan.captured, hw) for hw in (fast, slow))
+    assert quick.exposed_update_s == 0 and quick.exposed_transfer_s == quick.exposed_s
+    # A host this slow takes seconds an update: the next step's forward waits on nearly all of them.
+    assert bound.exposed_update_s > 0.9 * bound.host_s and bound.step_s > bound.host_s
+    assert bound.exposed_update_s + bound.exposed_transfer_s == pytest.approx(bound.exposed_s)
+    assert bound.to_dict()["predicted_exposed_update_s"] == bound.exposed_update_s
+    assert "on the host's AdamW updates" in waiting(bound) and "on the host" not in waiting(quick)
