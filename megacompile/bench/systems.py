@@ -52,6 +52,7 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
         out[f"predicted_tflops_6nd_{name}"] = p.tflops_6nd
     try:
         out.update(timed(workload, lambda ids, labels: engine.step(input_ids=ids, labels=labels)))
+        out["measured_wait_update_s"] = update_wait_s(engine, plan.program)
         if trace:
             engine.trace(trace)
         out["measured_host_optimizer_s"] = host_optimizer_s(engine, *batches[-1])
@@ -100,6 +101,17 @@ def engine_at(workload: Workload, gib: float, weights: str, batch: tuple, host_b
         del engine
         gc.collect()
         gib, raised = minimum / GiB, True
+
+
+def update_wait_s(engine, program) -> float:
+    """Seconds the last timed step's compute thread stood at WAITs on an owner's masters, for the
+    host AdamW update of the step before (a host-side wait, so timed as it is on every backend):
+    what `predicted_exposed_update_s` predicts. The waits on copies are stream-side on a GPU and
+    show in the trace instead."""
+    nodes, values = program.nodes, program.values
+    return sum(s.end - s.start for s in engine.timeline.on("compute")
+               if s.node is not None and s.node < len(nodes) and nodes[s.node].op.value == "wait"
+               and values[nodes[s.node].reads[0]].kind == "host")
 
 
 def alone_trace(trace: str) -> str:

@@ -124,3 +124,29 @@ def test_the_engine_steps_at_the_workloads_rates(monkeypatch):
     warmed, constant = given
     assert [warmed.lr_at(k) for k in (1, 2, 4, 9)] == [warm.lr / 4, warm.lr / 2, warm.lr, warm.lr]
     assert [constant.lr_at(k) for k in (1, 2)] == [TINY.lr, TINY.lr]
+
+
+def test_the_row_measures_the_wait_on_the_host_updates_beside_its_prediction(tmp_path, monkeypatch):
+    """A real run on the cpu: the last timed step's forward waits for the updates of the step before,
+    and with every update slowed (MEGACOMPILE_INJECT_DELAYS: 0-50 ms each) it waits longer."""
+    from megacompile.bench import weights
+    folder = str(weights.write(TINY, tmp_path))
+    plain = systems.run_megacompile(TINY, "resident", folder)
+    monkeypatch.setenv("MEGACOMPILE_INJECT_DELAYS", "1")
+    slowed = systems.run_megacompile(TINY, "resident", folder)
+    assert "predicted_exposed_update_s_datasheet" in plain
+    assert slowed["measured_wait_update_s"] > 0.03
+    assert slowed["measured_wait_update_s"] > 3 * plain["measured_wait_update_s"]
+
+
+def test_only_the_waits_on_masters_count_as_waits_on_updates():
+    from types import SimpleNamespace as NS
+
+    from megacompile.runtime.timeline import Span
+    nodes = [NS(op=NS(value="wait"), reads=("masters0",)), NS(op=NS(value="wait"), reads=("w1",)),
+             NS(op=NS(value="forward"), reads=("w1",))]
+    values = {"masters0": NS(kind="host"), "w1": NS(kind="weights")}
+    spans = [Span("compute", "wait prologue", 0.0, 0.25, node=0), Span("compute", "wait block.0", 0.3, 0.4, node=1),
+             Span("compute", "forward block.0", 0.4, 0.9, node=2), Span("host", "adamw", 0.0, 0.2, node=None)]
+    engine = NS(timeline=NS(on=lambda stream: [s for s in spans if s.stream == stream]))
+    assert systems.update_wait_s(engine, NS(nodes=nodes, values=values)) == 0.25
