@@ -21,11 +21,11 @@ from __future__ import annotations
 from .result import Plan
 from .search import make_plan
 from .from_config import minimum_budget, model_from_config, plan, plan_global_batch
-from .posttrain_step import StagePlan, plan_stage
+from .posttrain_step import StagePlan, engine_generator_advice, plan_stage
 from .from_config import choose_micro_batch, minimum_budget_of, split_fields, split_line
 from .quantized import refuse_quantized_weights
 
 
 __all__ = ["Plan", "StagePlan", "make_plan", "minimum_budget", "model_from_config", "plan", "plan_global_batch",
-           "plan_stage", "choose_micro_batch", "minimum_budget_of", "refuse_quantized_weights", "split_fields",
+           "plan_stage", "engine_generator_advice", "choose_micro_batch", "minimum_budget_of", "refuse_quantized_weights", "split_fields",
            "split_line"]

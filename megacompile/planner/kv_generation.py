@@ -130,12 +130,12 @@ def kv_generation(per_token: int, forward: Plan, prefill: Prefill, keys: dict, r
 
 
 def kv_cache_note(model: nn.Module, train: Plan, forward: Plan, keys: dict, rollout: int, rows: int, width: int,
-                  budget_bytes: int, engine: StepPart) -> str | None:
+                  budget_bytes: int, engine: StepPart, for_run: bool = False) -> str | None:
     """For a step planned with the engine generator (`forward`: its pass over `rows` x `width`
     tokens): what generator kv_cache would take instead, when its copy fits beside the training
     step's smallest plan (on the device, else streamed) and it generates in under 80% of the
     engine's time; else None. The prefill is the forward's time scaled to the prompts' tokens: an
-    estimate, said so."""
+    estimate, said so. for_run: worded for a run's start, in run.yaml's generator names."""
     try:
         per_token = cache_per_token(model)
     except ArgumentError:           # no Hugging Face config to size a cache from
@@ -158,7 +158,10 @@ def kv_cache_note(model: nn.Module, train: Plan, forward: Plan, keys: dict, roll
     where = ("its copy, cache and generation's passing tensors on the device beside the plans" if place == "device"
              else "its layers streamed from the host, the copy not fitting on the device beside the plans")
     run = "hf" if place == "device" else "hf_streamed"
-    return (f"generator kv_cache (a bfloat16 copy with a key-value cache; a run's generator: {run}) would generate in "
-            f"about {fmt_seconds(kv.seconds)}, {engine.seconds / kv.seconds:.1f}x less than the engine generator's "
-            f"{fmt_seconds(engine.seconds)}, with {fmt_bytes(held)} held beside the engine's plans ({where}): "
+    faster = (f"would generate a rollout batch in about {fmt_seconds(kv.seconds)}, {engine.seconds / kv.seconds:.1f}x less than the "
+              f"engine generator's {fmt_seconds(engine.seconds)}, with {fmt_bytes(held)} held beside the engine's plans "
+              f"({where})")
+    if for_run:
+        return f"{run} (a bfloat16 copy of the policy with a key-value cache) {faster}: run.yaml's generator: {run}"
+    return (f"generator kv_cache (a bfloat16 copy with a key-value cache; a run's generator: {run}) {faster}: "
             "--generator kv_cache plans it")

@@ -357,6 +357,16 @@ def _part(name: str, passes: int, p: Plan, detail: str) -> StepPart:
                     passes * p.prediction.compute_s)
 
 
+def engine_generator_advice(model: nn.Module, train: Plan, forward: Plan, keys: dict, rollout: int,
+                            micro: int, budget_bytes: int) -> str | None:
+    """For a run's GRPO with the engine generator, at its start: what a copy with a key-value cache
+    would take instead (kv_cache_note), from the plans the run made. `forward`: the plan of the
+    generator's pass, over one call's rows, run once per new token in each of `micro` calls."""
+    rows, width = forward.captured.inputs[0].shape[:2]
+    engine = _engine_generation(forward, keys, f"{rows} x {width} tokens", micro)
+    return kv_cache_note(model, train, forward, keys, rollout, rows, width, budget_bytes, engine, for_run=True)
+
+
 def _engine_generation(forward: Plan, keys: dict, each: str, micro: int = 1) -> StepPart:
     tokens = keys["max_completion_length"]
     per = "one per new token" if micro == 1 else f"{micro} per new token (a micro-batch's rows each)"

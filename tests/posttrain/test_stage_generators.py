@@ -100,6 +100,14 @@ def test_an_fp32_copy_writes_the_engine_generators_log(tmp_path, work, engine_lo
     assert len({r["completions/mean_length"] + r["reward"] for r in engine_log}) > 1
 
 
+def test_a_run_with_a_copy_generator_gives_no_advice_on_generators(tmp_path, work, capsys):
+    config = files.run_yaml(os.path.join(tmp_path, "run.yaml"),
+                            **stage_files.grpo(work, os.path.join(tmp_path, "run"), steps=1, generator="hf"))
+    run(load(config, []))
+    out = capsys.readouterr().out
+    assert "  stage          grpo:" in out and "would generate a rollout batch" not in out
+
+
 def test_the_copys_sampler_resumes_from_a_checkpoint(tmp_path, work):
     def settings(name: str, steps: int) -> dict:
         return stage_files.grpo(work, str(tmp_path / name), steps=steps, save_every=1, resume="auto",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def _board_holds_the_log(run_dir: str, rows: list[dict], columns: tuple) -> None
         assert want and board[tag] == [(s, pytest.approx(v, rel=1e-6)) for s, v in want], (tag, board.get(tag))
 
 
-def test_grpo_run_logs_the_rewards_of_its_rollouts_and_exports_the_policy(tmp_path):
+def test_grpo_run_logs_the_rewards_of_its_rollouts_and_exports_the_policy(tmp_path, capsys):
     work = stage_files.workspace(tmp_path)
     stage_files.CALLS.clear()
     config = files.run_yaml(str(tmp_path / "grpo.yaml"),
@@ -50,6 +51,11 @@ def test_grpo_run_logs_the_rewards_of_its_rollouts_and_exports_the_policy(tmp_pa
                                                log=["csv", "tensorboard"]))
     result = run(load(config, []))
     assert result["steps"] == 2
+    # The engine generator (the default): the run's start says what a copy with a cache would take.
+    said = re.search(r"generator +hf \(a bfloat16 copy of the policy with a key-value cache\) would generate a "
+                     r"rollout batch in about [0-9.]+ [mµu]?s, ([0-9.]+)x less than the engine generator's",
+                     capsys.readouterr().out)
+    assert said and float(said.group(1)) > 1.25
     rows = log.read(str(tmp_path / "run" / "log.csv"))
     assert len(stage_files.CALLS) == 2 == len(rows)                 # one rollout batch per step
     for row, call in zip(rows, stage_files.CALLS):

@@ -324,7 +324,7 @@ def test_an_engine_generator_plan_says_when_a_copy_with_a_cache_would_generate_s
     time scaled to the prompts' tokens), and it names the run's generator for where the copy lives."""
     (note,) = [n for n in grpo16.notes() if n.startswith("generator kv_cache")]
     kv = _stage(model, "grpo", **GRPO, max_completion_length=16, generator="kv_cache").part("generation")
-    said = float(re.search(r"would generate in about ([0-9.]+) ms", note).group(1)) / 1e3
+    said = float(re.search(r"would generate a rollout batch in about ([0-9.]+) ms", note).group(1)) / 1e3
     assert said == pytest.approx(kv.seconds, rel=0.1)
     ratio = float(re.search(r", ([0-9.]+)x less than the engine generator's", note).group(1))
     assert ratio == pytest.approx(grpo16.part("generation").seconds / kv.seconds, rel=0.1) and ratio > 1.25

@@ -41,6 +41,7 @@ import torch
 
 from ...errors import ArgumentError
 from ...errors import MegacompileError
+from ...planner import engine_generator_advice
 from ...posttrain import RewardModelFunction, check_texts, render
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, decoupled_advantages,
                           decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
@@ -176,10 +177,28 @@ class GRPOStage(Stage):
             each = ("one greedy completion" if c.num_generations_eval is None
                     else f"{c.num_generations_eval} sampled completion(s)")
             held = f", {len(self.held_prompts)} held out ({each} of each)"
-        return [f"stage          grpo: {len(self.prompts)} prompts{held}; {self.groups} prompts x {c.num_generations} "
-                f"completions of up to {c.max_completion_length} tokens per rollout batch, in "
-                f"{c.steps_per_generation} micro-batch(es) of {c.batch}, {self.per_rollout} optimizer step(s) each; "
-                f"rewards {', '.join(c.reward_funcs)}; {c.steps} steps"]
+        lines = [f"stage          grpo: {len(self.prompts)} prompts{held}; {self.groups} prompts x {c.num_generations} "
+                 f"completions of up to {c.max_completion_length} tokens per rollout batch, in "
+                 f"{c.steps_per_generation} micro-batch(es) of {c.batch}, {self.per_rollout} optimizer step(s) each; "
+                 f"rewards {', '.join(c.reward_funcs)}; {c.steps} steps"]
+        advice = self._generator_advice(setup)
+        return lines + ([f"generator      {advice}"] if advice else [])
+
+    def _generator_advice(self, setup) -> str | None:
+        """With the engine generator: what a copy with a key-value cache would take instead, when the
+        plans say it fits and is quicker (planner/posttrain_step.py), from the run's own plans: the
+        training step's and the forward-only pass the generator runs once per new token."""
+        c = self.c
+        if c.generator != "engine" or c.use_vllm:
+            return None
+        engine, ids = setup.engine, torch.zeros(c.batch, c.seq, dtype=torch.long)
+        train = engine.prepare(**self.first_inputs(setup.batch))      # the run's own, planned already
+        # The generator's pass: a call's rows at the run's width, the logits at each row's last token.
+        forward = engine.prepare(input_ids=ids, last=torch.zeros(c.batch, dtype=torch.long), train=False)
+        keys = {"max_prompt_length": c.max_prompt_length, "max_completion_length": c.max_completion_length,
+                "generator": "engine"}
+        return engine_generator_advice(engine.model.policy, train, forward, keys, c.batch * c.steps_per_generation,
+                                       c.steps_per_generation, engine.budget_bytes)
 
     def steps_for(self, epochs: float) -> int:
         batches = max(1, -(-int(epochs * len(self.prompts)) // self.groups))
