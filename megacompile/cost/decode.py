@@ -28,7 +28,9 @@ def cache_shape(model) -> tuple[int, int, int] | None:
     layers = getattr(text, "num_hidden_layers", None)
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if isinstance(heads, int) else None)
+    hidden = getattr(text, "hidden_size", None)
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                                   and heads > 0 else None)
     shape = (layers, kv_heads, head_dim)
     return shape if all(isinstance(x, int) for x in shape) else None
 
