@@ -67,9 +67,9 @@ def markdown(results: list[dict], facts: dict, workload: dict, reference: str, r
         return fmt.format(v * scale)
     lines = [f"Model: {workload['shape']} ({workload['parameters'] / 1e9:.2f} B parameters), "
              f"{workload['batch']} x {workload['seq']} tokens per step, {workload['steps']} timed steps after "
-             f"{workload['warmup']} warmup, compute {workload['compute_dtype']}, fp32 masters and AdamW state on the host; "
-             f"AdamW lr {workload['lr']:g}" + (f", rising linearly over the first {workload['lr_warmup']} steps."
-                                               if workload.get("lr_warmup") else "."),
+             f"{workload['warmup']} warmup, compute {workload['compute_dtype']}, fp32 masters and AdamW state on the "
+             f"host; AdamW lr {workload['lr']:g}" + (f", rising linearly over the first {workload['lr_warmup']} steps."
+                                                    if workload.get("lr_warmup") else "."),
              "", "| system | setting | " + " | ".join(h for h, *_ in SHOWN) + " | losses agree |",
              "|---|---|" + "---|" * (len(SHOWN) + 1)]
     for r in results:

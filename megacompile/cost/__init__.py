@@ -8,5 +8,7 @@ from .generation_memory import forward_transient_bytes, generate_transient_bytes
 from .host_memory import default_host_budget_bytes
 from .predict import StepPrediction, predict
 
-__all__ = ["GraphCost", "cache_bytes_per_token", "cache_shape", "default_host_budget_bytes", "forward_transient_bytes", "generate_transient_bytes", "HardwareProfile", "PROFILES", "StepPrediction", "get_profile", "graph_cost", "predict", "prefill_chunk",
-           "profile_for", "recomputed_bytes", "recomputed_region"]
+__all__ = ["GraphCost", "cache_bytes_per_token", "cache_shape", "default_host_budget_bytes",
+           "forward_transient_bytes", "generate_transient_bytes", "HardwareProfile", "PROFILES", "StepPrediction",
+           "get_profile", "graph_cost", "predict", "prefill_chunk", "profile_for", "recomputed_bytes",
+           "recomputed_region"]

@@ -27,5 +27,5 @@ from .quantized import refuse_quantized_weights
 
 
 __all__ = ["Plan", "StagePlan", "make_plan", "minimum_budget", "model_from_config", "plan", "plan_global_batch",
-           "plan_stage", "engine_generator_advice", "choose_micro_batch", "minimum_budget_of", "refuse_quantized_weights", "split_fields",
-           "split_line"]
+           "plan_stage", "engine_generator_advice", "choose_micro_batch", "minimum_budget_of",
+           "refuse_quantized_weights", "split_fields", "split_line"]

@@ -158,9 +158,9 @@ def kv_cache_note(model: nn.Module, train: Plan, forward: Plan, keys: dict, roll
     where = ("its copy, cache and generation's passing tensors on the device beside the plans" if place == "device"
              else "its layers streamed from the host, the copy not fitting on the device beside the plans")
     run = "hf" if place == "device" else "hf_streamed"
-    faster = (f"would generate a rollout batch in about {fmt_seconds(kv.seconds)}, {engine.seconds / kv.seconds:.1f}x less than the "
-              f"engine generator's {fmt_seconds(engine.seconds)}, with {fmt_bytes(held)} held beside the engine's plans "
-              f"({where})")
+    faster = (f"would generate a rollout batch in about {fmt_seconds(kv.seconds)}, "
+              f"{engine.seconds / kv.seconds:.1f}x less than the engine generator's {fmt_seconds(engine.seconds)}, "
+              f"with {fmt_bytes(held)} held beside the engine's plans ({where})")
     if for_run:
         return f"{run} (a bfloat16 copy of the policy with a key-value cache) {faster}: run.yaml's generator: {run}"
     return (f"generator kv_cache (a bfloat16 copy with a key-value cache; a run's generator: {run}) {faster}: "
