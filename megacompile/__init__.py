@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
 
 from .engine import Engine
 from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, HostMemoryError, InputMismatchError,
-                     LossError, MegacompileError, NonFiniteError, OptimizerInputError, PlanVerificationError,
-                     StorageError, WeightsFileError)
+                     LossError, MegacompileError, NonFiniteError, OptimizerInputError, PartialStepError,
+                     PlanVerificationError, StorageError, WeightsFileError)
 from .optim import AdamW, hf_no_decay
 from .settings import Settings, from_call
 from .engine import from_pretrained
@@ -41,7 +41,7 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
             on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None, nvme_budget: float | None = None,
             process_group=None, accumulation: str = Settings.accumulation,
             max_consecutive_skips: int | None = None, share_device: Engine | None = None,
-            share_frozen: bool = False) -> Engine:
+            share_frozen: bool = False, updates: str = Settings.updates) -> Engine:
     """Compile `model` for training under `hbm_budget` GiB (2**30 bytes) of device memory.
 
     optimizer:     megacompile.AdamW(...) (defaults as torch.optim.AdamW); masters are always float32
@@ -71,6 +71,13 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
                    "layer" (the step's micro-batches through each block together: weights cross
                    the link once per direction per step; the first grad_accum-1 calls of a step
                    return None and the last runs them all) or "auto" (the planner's choice)
+    updates:       when each owner's host AdamW update starts: "at_commit" (default: once the whole
+                   step is known sound, loss and every gradient finite, overlapping the next
+                   forward) or "as_gradients_land" (as soon as the owner's gradients are on the
+                   host and finite, overlapping the rest of the backward: a shorter step where the
+                   host AdamW is as long as the backward; no clipping, grad_accum=1, one process,
+                   no disk tier; a step that fails after its first update leaves the engine to be
+                   reloaded from a checkpoint)
     share_device:  an open Engine whose device this one runs on, taking turns with it: the same
                    budget (give the same hbm_budget), streams and device arena, so the two hold one
                    budget between them, and this engine's host state placed in the host budget the
@@ -89,7 +96,7 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
     plain = from_call(compile, settings, dict(
         hbm_budget=hbm_budget, compute_dtype=compute_dtype, device=device, retrace=retrace, dump_dir=dump_dir,
         grad_accum=grad_accum, fuse=fuse, host_budget=host_budget, on_nonfinite=on_nonfinite, nvme_dir=nvme_dir,
-        nvme_budget=nvme_budget, accumulation=accumulation))
+        nvme_budget=nvme_budget, accumulation=accumulation, updates=updates))
     return Engine(model, optimizer=optimizer, loss_fn=loss_fn, process_group=process_group,
                   max_consecutive_skips=max_consecutive_skips, share_device=share_device,
                   share_frozen=share_frozen, **plain)
@@ -99,4 +106,4 @@ __all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engin
            "MegacompileError",
            "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
-           "OptimizerInputError", "NonFiniteError", "StorageError", "from_pretrained", "WeightsFileError"]
+           "OptimizerInputError", "NonFiniteError", "PartialStepError", "StorageError", "from_pretrained", "WeightsFileError"]

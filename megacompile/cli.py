@@ -42,7 +42,7 @@ def _plan(args: argparse.Namespace) -> int:
     args.batch = 1 if args.batch is None else args.batch
     args.seq = 2048 if args.seq is None else args.seq
 
-    from .errors import BudgetTooSmallError, HostMemoryError
+    from .errors import ArgumentError, BudgetTooSmallError, HostMemoryError
     from .ir.printer import fmt_bytes
     from .planner.from_config import hardware_profile, minimum_budget, plan, plan_global_batch
     from .settings import Settings
@@ -57,8 +57,10 @@ def _plan(args: argparse.Namespace) -> int:
         args.hbm_budget = DEVICE_SHARE * hardware.device_bytes / 2**30
     # The flags that are settings, as one Settings (the door plan() and compile() take); the rest
     # say what is planned and for which hardware.
+    if args.updates != Settings.updates and args.global_batch is not None:
+        raise ArgumentError(f"--updates {args.updates} needs one micro-batch per step: give --batch, not --global-batch")
     settings = Settings(hbm_budget=args.hbm_budget, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
-                        nvme_budget=args.nvme_budget,
+                        nvme_budget=args.nvme_budget, updates=args.updates,
                         accumulation="auto" if args.global_batch is not None else Settings.accumulation)
     given_bytes = settings.budget_bytes
     kwargs = dict(hardware=hardware, seq=args.seq)
@@ -331,6 +333,9 @@ def parser() -> argparse.ArgumentParser:
                    help="sequences per optimizer step: choose the micro-batch and accumulation that train fastest")
     q.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
     q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
+    q.add_argument("--updates", choices=["at_commit", "as_gradients_land"], default="at_commit",
+                   help="when each host AdamW update starts (compile()'s updates): once the step is known sound "
+                        "(default), or as its gradients land, beside the rest of the backward")
     q.add_argument("--host-budget", type=float, default=None,
                    help="GiB of host RAM for masters, AdamW state and offloaded activations (default: 90%% of this "
                         "machine's RAM, as compile() takes it; give it to plan for another machine); per node with "

@@ -54,6 +54,12 @@ class NonFiniteError(MegacompileError):
     was updated."""
 
 
+class PartialStepError(MegacompileError):
+    """A step failed after some of its host updates had run (compile(..., updates="as_gradients_land")):
+    the masters hold part of a step, so the engine trains, saves and exports nothing more until
+    load_checkpoint() puts a whole state back."""
+
+
 class ArgumentError(MegacompileError, ValueError):
     """An argument of compile(), plan(), AdamW or the command line has the wrong type or lies out
     of range (a budget of inf or True, a device "gpu", a sequence length of 0)."""

@@ -26,6 +26,10 @@ GiB = 2 ** 30
 ACCUMULATION = ("micro", "layer", "auto")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 ON_NONFINITE = ("skip", "raise")
+# When each owner's host AdamW update starts (passes/optimizer.py): once the whole step is known
+# sound, or as soon as its gradients have landed (docs/decisions.md, "A step either happens
+# completely or not at all").
+UPDATES = ("at_commit", "as_gradients_land")
 # The share of a GPU's memory a run plans in when no hbm_budget is given; the rest is left to the
 # CUDA context, other processes and what the allocator cannot hand out.
 DEVICE_SHARE = 0.9
@@ -47,6 +51,7 @@ class Settings:
     nvme_dir: str | None = None
     nvme_budget: float | None = None
     accumulation: str = "micro"
+    updates: str = "at_commit"
 
     def __post_init__(self):
         arguments.budget_bytes("hbm_budget", self.hbm_budget, optional=True)
@@ -70,6 +75,34 @@ class Settings:
                                 "through each block while its weights are on the device) or 'auto' (the planner's "
                                 f"choice by predicted time); accumulation must be one of {', '.join(ACCUMULATION)}; "
                                 f"got {self.accumulation!r}")
+
+        if self.updates not in UPDATES:
+            raise ArgumentError("updates says when each owner's host AdamW update starts: 'at_commit' (the default: "
+                                "once the whole step is known sound, overlapping the next forward) or "
+                                "'as_gradients_land' (as soon as its gradients are on the host, overlapping the "
+                                f"rest of the backward); got {self.updates!r}")
+        if self.updates == "as_gradients_land":
+            if self.grad_accum > 1:
+                raise ArgumentError(f"updates='as_gradients_land' needs grad_accum=1 (an update starts as its owner's "
+                                    f"gradient lands, which is the step's whole gradient only then); got grad_accum="
+                                    f"{self.grad_accum}: use updates='at_commit' with accumulation")
+            if self.nvme_dir is not None:
+                raise ArgumentError("updates='as_gradients_land' is not built for the disk tier (nvme_dir), which "
+                                    "reads each owner's state ahead in the order the updates start at commit: drop "
+                                    "nvme_dir or use updates='at_commit'")
+
+    def check_updates(self, *, clip: bool, ranks: int = 1) -> None:
+        """What `updates` needs of the optimizer and the process group: an update that starts as its
+        gradients land cannot wait for a global norm, nor for the other ranks' sums."""
+        if self.updates != "as_gradients_land":
+            return
+        if clip:
+            raise ArgumentError("updates='as_gradients_land' cannot clip gradients: the global norm is known only "
+                                "after the last gradient lands, and every update scales by it; use AdamW("
+                                "max_grad_norm=None) or updates='at_commit'")
+        if ranks > 1:
+            raise ArgumentError("updates='as_gradients_land' is not built for data parallelism (a step commits "
+                                "or skips on every rank together): use updates='at_commit' with process groups")
 
     def replace(self, **changes: Any) -> Settings:
         """These settings with some changed, checked again."""

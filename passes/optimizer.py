@@ -10,6 +10,11 @@ all"). So the updates (after CLIP_GRADS when clipping) follow the last gradient 
 forward order; the runtime hands them to the host stream when the step commits, and they run
 while the next step's forward begins, block 0's first.
 
+With `as_gradients_land` (compile(..., updates="as_gradients_land")) each owner's update is placed
+right after the WAIT of the last gradient it needs instead, so the host AdamW runs beside the rest
+of the backward. The runtime starts it there, once that owner's gradients are on the host and
+finite; a step that fails after an update started cannot be undone (runtime/early_updates.py).
+
 An update may still be running when the step ends; the next step reads a stage's masters only
 after a WAIT on them, placed before the stage's first prefetch. Plans that only accumulate
 (every micro-batch but the last) have no optimizer nodes, but keep the waits.
@@ -22,7 +27,7 @@ from megacompile.ir.program import Node, Op, Program, Value, grads, masters
 
 
 def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers: dict[int, set[int]],
-                    *, update: bool, clip: bool, serial: bool = False) -> Program:
+                    *, update: bool, clip: bool, serial: bool = False, as_gradients_land: bool = False) -> Program:
     """`owner_stages[s]`: stages whose gradients touch masters stage s owns;
     `readers[s]`: owners whose masters stage s's weights are copied from."""
     values = dict(program.values)
@@ -38,10 +43,17 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
             missing = [c for c in contributors if c not in waited_at]
             if missing:
                 raise ValueError(f"stage {s}'s gradients from stages {missing} are never offloaded")
-        last = max(waited_at.values())
-        after[last] = [Node(Op.CLIP_GRADS, origin="all gradients",
-                            note="global norm, then one scale for every update")] if clip else []
-        after[last] += [_step(program, s, "once the step is known finite") for s in sorted(owner_stages)]
+        if as_gradients_land:
+            if clip:
+                raise ValueError("updates as gradients land cannot clip: the global norm comes after the last one")
+            for s in sorted(owner_stages):
+                landed = max(waited_at[c] for c in owner_stages[s])
+                after.setdefault(landed, []).append(_step(program, s, "as soon as its gradients have landed"))
+        else:
+            last = max(waited_at.values())
+            after[last] = [Node(Op.CLIP_GRADS, origin="all gradients",
+                                note="global norm, then one scale for every update")] if clip else []
+            after[last] += [_step(program, s, "once the step is known finite") for s in sorted(owner_stages)]
     # Before each prefetch, wait for the masters it copies unless already waited for since
     # their last update.
     fresh: set[int] = set()
@@ -51,8 +63,12 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
             nodes.append(Node(Op.WAIT, owner, reads=(masters(owner),), origin=program.stage_names[owner],
                               note="serial optimizer: all updates first"))
             fresh.add(owner)
+    updated: set[int] = set()
     for i, n in enumerate(program.nodes):
         if n.op is Op.PREFETCH and program.values[n.writes[0]].kind == "weights":
+            if readers[n.stage] & updated:     # only an update placed before its owner's last use
+                raise ValueError(f"stage {n.stage}'s weights are fetched after an update of masters "
+                                 f"{sorted(readers[n.stage] & updated)} in the same step")
             for owner in sorted(readers[n.stage] - fresh):
                 nodes.append(Node(Op.WAIT, owner, reads=(masters(owner),), origin=program.stage_names[owner],
                                   note="the last update of these masters"))
@@ -63,6 +79,7 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
             nodes.append(m)
             if m.op is Op.OPTIMIZER_STEP:
                 fresh.discard(m.stage)
+                updated.add(m.stage)
     out = program.copy(nodes)
     out.values = values
     return out
@@ -71,3 +88,22 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
 def _step(program: Program, s: int, note: str) -> Node:
     return Node(Op.OPTIMIZER_STEP, s, writes=(masters(s),), origin=program.stage_names[s],
                 note=f"AdamW on the host fp32 masters, {note}")
+
+
+def updates_moved_to_landing(program: Program, owner_stages: dict[int, set[int]]) -> Program:
+    """The same schedule with each OPTIMIZER_STEP moved to just after the WAIT of the last gradient
+    its owner takes: where `as_gradients_land` places it, for timing a plan made with updates at
+    commit the other way (a program that clips has no such twin)."""
+    if any(n.op is Op.CLIP_GRADS for n in program.nodes):
+        raise ValueError("a program that clips gradients cannot update as gradients land")
+    steps = {n.stage: n for n in program.nodes if n.op is Op.OPTIMIZER_STEP}
+    nodes = [n for n in program.nodes if n.op is not Op.OPTIMIZER_STEP]
+    waited = {n.stage: i for i, n in enumerate(nodes) if n.op is Op.WAIT and grads(n.stage) in n.reads}
+    after: dict[int, list[Node]] = {}
+    for s, node in sorted(steps.items()):
+        after.setdefault(max(waited[c] for c in owner_stages[s]), []).append(node)
+    out: list[Node] = []
+    for i, n in enumerate(nodes):
+        out.append(n)
+        out += after.get(i, [])
+    return program.copy(out)

@@ -51,6 +51,7 @@ class StepKind:
     """What a step does besides forward and backward (set by the user, not the solver)."""
     update: bool = True     # run the optimizer (False: a micro-batch that only accumulates)
     clip: bool = False      # global-norm clipping before the updates
+    updates: str = "at_commit"   # or "as_gradients_land": each update right after its last gradient
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ Pass = Callable[[Program, CapturedModel, ScheduleChoice, StepKind], Program]
 
 def _optimizer(p: Program, c: CapturedModel, ch: ScheduleChoice, kind: StepKind) -> Program:
     return place_optimizer(p, owners(c)[1], readers(c), update=kind.update and c.train, clip=kind.clip,
-                           serial=ch.serial_optimizer)
+                           serial=ch.serial_optimizer, as_gradients_land=kind.updates == "as_gradients_land")
 
 
 TRAINING_PASSES: list[tuple[str, Pass]] = [

@@ -68,14 +68,15 @@ class Engine:
                  on_nonfinite: str = Settings.on_nonfinite, nvme_dir: str | None = None,
                  nvme_budget: float | None = None, process_group=None, accumulation: str = Settings.accumulation,
                  hardware: HardwareProfile | None = None, max_consecutive_skips: int | None = None,
-                 share_device: "Engine | None" = None, share_frozen: bool = False):
+                 share_device: "Engine | None" = None, share_frozen: bool = False,
+                 updates: str = Settings.updates):
         if not isinstance(model, nn.Module):
             raise MegacompileError(f"compile() takes an nn.Module, got {type(model).__name__}")
         # Every plain setting checked at once, by the one check (megacompile/settings.py).
         self.settings = Settings(hbm_budget=hbm_budget, compute_dtype=compute_dtype, device=device, retrace=retrace,
                                  dump_dir=dump_dir, grad_accum=grad_accum, fuse=fuse, host_budget=host_budget,
                                  on_nonfinite=on_nonfinite, nvme_dir=nvme_dir, nvme_budget=nvme_budget,
-                                 accumulation=accumulation).for_a_run()
+                                 accumulation=accumulation, updates=updates).for_a_run()
         self.budget_bytes = self.settings.budget_bytes
         if not any(True for _ in model.parameters()):
             raise MegacompileError(f"{type(model).__name__} has no parameters: there is nothing to train")
@@ -85,6 +86,8 @@ class Engine:
         optimizer = given_optimizer(optimizer)
         # Data parallelism over torch.distributed (an initialised group of 2 or more, or process_group=).
         self.data_parallel = data_parallel_for(process_group)
+        self.settings.check_updates(clip=optimizer.max_grad_norm is not None,
+                                    ranks=1 if self.data_parallel is None else 2)
         device = self.settings.device
         if device is None and self.data_parallel is not None:
             device = arguments.device(self.data_parallel.default_device())
@@ -197,7 +200,8 @@ class Engine:
 
     def _compile(self, args: tuple, kwargs: dict, train: bool, update: bool = True) -> _Compiled:
         signature = self._signature(args, kwargs, train)
-        kind = StepKind(update=update and train, clip=self.optimizer.max_grad_norm is not None)
+        kind = StepKind(update=update and train, clip=self.optimizer.max_grad_norm is not None,
+                        updates=self.settings.updates)
         compiled = self._compiled.get((signature, kind))
         if compiled is not None:
             return compiled
@@ -328,6 +332,7 @@ class Engine:
         fp32 masters. With k=1 (the default) every call is a full optimizer step.
         """
         self._input_limits.check(args, kwargs, self.backend.name)
+        self.state.refuse_partial("step()")
         # A step trains whatever the caller's grad mode (what runs eagerly inside it, such as the
         # gated delta rule's backward, takes gradients).
         with self._in_use("step()"), torch.enable_grad():
@@ -476,6 +481,7 @@ class Engine:
         written always among them) and removes its older ones; checkpoints of other runs there are
         never touched (a run is this engine, or the run it resumed with load_checkpoint).
         With data parallelism each rank writes its share (distributed/checkpoint.py)."""
+        self.state.refuse_partial("save_checkpoint()")
         self._checkpoints.save(self.state, path, extra=extra, keep_last=keep_last)
 
     def load_checkpoint(self, path: str, *, strict: bool = True) -> Any:
@@ -503,6 +509,7 @@ class Engine:
         does not have (shards of another count, a single file) are removed. The new files are staged in
         the folder and swapped in once complete: a failed or killed export leaves the previous one
         as it was (io/hf_save.py)."""
+        self.state.refuse_partial("save_pretrained()")
         if self.data_parallel is not None:    # rank 0 writes, the masters gathered
             return self.data_parallel.on_rank_zero(self.state.host_or_error(), lambda: hf_save.save_pretrained(
                 self.state, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))

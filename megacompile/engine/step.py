@@ -6,6 +6,11 @@ and the device ledger as they were, and puts the random state back (a retry draw
 masks); a non-finite loss or gradient skips the whole step, the micro-batches already accumulated
 in it included (their sum may hold the inf or NaN). With data parallelism every rank hears of a
 failure or a skip on any of them, so they all commit or all skip.
+
+Under compile(..., updates="as_gradients_land") the updates start during the walk (runtime/
+early_updates.py): a step is still skipped whole when none of them ran, but one that failed after
+the first ran is only partly applied, and the engine then refuses to go on (PartialStepError)
+until a checkpoint is loaded.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, PartialStepError
 from ..runtime.executor import NonFiniteLoss
 from .gradless import enter_program
 
@@ -82,12 +87,17 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     except NonFiniteLoss as e:
         if dp is not None:   # the other ranks wait for this one's word
             dp.agree(host, e.loss, last)
+        _refuse_if_partial(engine, compiled, context, f"the loss is {e.loss}")
         return _skip(engine, compiled, e.loss, "loss", f"the loss is {e.loss}", micro, earlier_committed)
     except BaseException as e:
         if dp is not None:
             dp.failed(e)
         backend.set_rng_state(rng)
         host.restore_copies()
+        early = compiled.executor.early
+        if early is not None and early.started:    # the failed walk waited for the updates it started
+            state.step_partly_applied(_partly(context, early, f"{type(e).__name__}: {e}"))
+            e.add_note(f"megacompile: {state.partial_step}; load_checkpoint(path) to go on")
         raise
     finally:
         compiled.measured.peak_bytes = backend.memory.peak_bytes
@@ -99,6 +109,8 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
         return _skip(engine, compiled, loss, *refused, micro, earlier_committed)
     bad = host.nonfinite_grads() if last else []
     if bad:
+        _refuse_if_partial(engine, compiled, context,
+                           f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})")
         return _skip(engine, compiled, loss, "gradient",
                      f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})", micro, earlier_committed)
     host.commit_micro_batch()
@@ -118,6 +130,23 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     if dp is not None:
         dp.step_done(compiled.plan, engine.last_step.seconds)
     return loss
+
+
+def _refuse_if_partial(engine, compiled, context: dict, why: str) -> None:
+    """A step found unsound once its walk ended: skipped whole as always when none of its early
+    updates ran (they are waited for first), else the state keeps part of it and the engine stops."""
+    early = compiled.executor.early
+    if early is None:
+        return
+    engine.state.wait_updates()
+    if early.started:
+        engine.state.step_partly_applied(_partly(context, early, why))
+        raise PartialStepError(f"{engine.state.partial_step}; load_checkpoint(path) to go on")
+
+
+def _partly(context: dict, early, why: str) -> str:
+    return (f"step {context['step']} failed ({why}) after {early.started} of its {early.owners} owners' host "
+            "updates had run (compile(..., updates='as_gradients_land') starts them as gradients land)")
 
 
 def _skip(engine, compiled, loss: float, what: str, why: str, micro: int,

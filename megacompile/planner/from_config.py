@@ -258,7 +258,8 @@ def plan(model_or_config: Any, hbm_budget: float | None = None, *, settings: Set
          fuse: bool | None = Settings.fuse, host_budget: float | None = None, nvme_budget: float | None = None,
          nvme_bandwidth: float | None = None, grad_accum: int = Settings.grad_accum,
          accumulation: str = Settings.accumulation, ranks: tuple[int, int] | None = None,
-         smallest: bool = False, images_per_row: int = 0, image_size: int | None = None) -> Plan:
+         smallest: bool = False, images_per_row: int = 0, image_size: int | None = None,
+         updates: str = Settings.updates) -> Plan:
     """The plan megacompile.compile() would run, built without weights or a device.
 
     `inputs` defaults to input_ids and labels of shape (batch, seq); any tensors given only lend
@@ -286,13 +287,15 @@ def plan(model_or_config: Any, hbm_budget: float | None = None, *, settings: Set
     With `smallest` it is the smallest budget any plan fits (planning at it fits, a little below it
     is refused; megacompile.minimum_budget names it without a plan): every chunk count is captured
     and solved, which can take as long again as the plan.
+    `updates` ("at_commit" as compile()'s default, "as_gradients_land") where the host AdamW updates
+    are placed and timed (compile()'s `updates`).
     `settings`: a megacompile.Settings holding the plain settings (hbm_budget, compute_dtype, fuse,
-    host_budget, nvme_budget, grad_accum, accumulation) instead of keywords; a keyword given beside
+    host_budget, nvme_budget, grad_accum, accumulation, updates) instead of keywords; a keyword given beside
     it must agree with it.
     """
     settings = Settings(**from_call(plan, settings, dict(
         hbm_budget=hbm_budget, compute_dtype=compute_dtype, fuse=fuse, host_budget=host_budget,
-        nvme_budget=nvme_budget, grad_accum=grad_accum, accumulation=accumulation)))
+        nvme_budget=nvme_budget, grad_accum=grad_accum, accumulation=accumulation, updates=updates)))
     budget_bytes = settings.budget_bytes
     planned = _Planned(model_or_config, settings, hardware=hardware, batch=batch, seq=seq, inputs=inputs,
                        optimizer=optimizer, loss_fn=loss_fn, train=train, style=style, nvme_bandwidth=nvme_bandwidth,
@@ -432,7 +435,10 @@ class _Planned:
             with blocks_grouped_once():   # planning: the first blocks of each group stand for the rest
                 captured = capture(model, (), inputs, device=device, compute_dtype=settings.compute_dtype,
                                    loss_fn=loss_fn, train=train)
-        self.kind = StepKind(update=train, clip=optimizer.max_grad_norm is not None)
+        clip = optimizer.max_grad_norm is not None
+        if train:
+            settings.check_updates(clip=clip, ranks=1 if ranks is None else ranks[0])
+        self.kind = StepKind(update=train, clip=clip, updates=settings.updates)
         if fused(settings.fuse, on_gpu=not profile.name.startswith("cpu")):   # as compile() would there
             from ..fusion import fuse as fuse_stages
             captured = fuse_stages(captured)

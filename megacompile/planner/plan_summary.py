@@ -72,7 +72,26 @@ def summary(plan, measured: MeasuredRun | None = None) -> str:
         lines.append(f"  predicted      {per_step(plan, p.step_s)} on {plan.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "
                      f"{fmt_rate(p.tflops_6nd)} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
                      f"per model FLOP, {waiting(p)}")
+        lines += updates_line(plan)
     return "\n".join(lines)
+
+
+def updates_line(plan) -> list[str]:
+    """When the host updates start (compile()'s `updates`), and, for a plan at commit that would run
+    at least 5% faster with them started as gradients land, that figure and how to ask for it."""
+    kind = plan.program.facts.get("step_kind")
+    if kind is None or not plan.captured.train or not kind.update:
+        return []
+    if kind.updates == "as_gradients_land":
+        return ["  updates        as gradients land: each owner's host AdamW starts once its gradients are on the host "
+                "and finite, beside the rest of the backward; a step that fails after its first update stops the "
+                "engine until a checkpoint is loaded"]
+    step_s, other = plan.prediction.step_s, plan.step_s_updates_as_gradients_land
+    if other is None or other > 0.95 * step_s:
+        return []
+    return [f"  updates        at commit (a step commits whole or not at all); started as their gradients land they "
+            f"would take {per_step(plan, other)} ({other / step_s - 1:+.0%}): compile(..., "
+            "updates='as_gradients_land') or --updates as_gradients_land (no clipping, one micro-batch per step)"]
 
 
 def waiting(p) -> str:

@@ -65,6 +65,7 @@ class Plan:
         object.__setattr__(self, "_spans", None)     # predicted_spans(), computed once on demand
         object.__setattr__(self, "_diskless_s", None)     # step_s_without_disk, computed once on demand
         object.__setattr__(self, "_disk_need", None)      # disk_bandwidth_needed, likewise
+        object.__setattr__(self, "_landing_s", None)      # step_s_updates_as_gradients_land, likewise
 
     def revised(self, **changes: Any) -> Plan:
         """This plan with `changes` to the fields planning settles after the solve (the budget given,
@@ -175,6 +176,25 @@ class Plan:
     def disk_bytes_per_step(self) -> int:
         """Bytes the disk tier reads per optimizer step; it writes as many."""
         return self.host_cost.disk_bytes_per_step if self.host_cost is not None else 0
+
+    @property
+    def step_s_updates_as_gradients_land(self) -> float | None:
+        """The predicted step of this schedule with its host updates started as their gradients land
+        (compile(..., updates="as_gradients_land")), for a plan made with updates at commit; None
+        where that setting cannot run it (no updates, clipping, accumulation, a disk tier) or it
+        already does."""
+        kind = self.program.facts.get("step_kind")
+        ops = {n.op for n in self.program.nodes}
+        if (self.prediction is None or kind is None or kind.updates != "at_commit" or Op.OPTIMIZER_STEP not in ops
+                or Op.CLIP_GRADS in ops or self.grad_accum != 1 or self.disk_bytes_per_step):
+            return None
+        if self._landing_s is None:
+            from ..capture.model_graph import owners
+            from ..cost.predict import predict
+            from ..passes.optimizer import updates_moved_to_landing
+            moved = updates_moved_to_landing(self.program, owners(self.captured)[1])
+            object.__setattr__(self, "_landing_s", predict(moved, self.captured, self.hardware).step_s)
+        return self._landing_s
 
     @property
     def step_s_without_disk(self) -> float | None:

@@ -11,7 +11,8 @@ same rule the plan was simulated with.
 A step either happens completely or not at all. CLIP_GRADS and OPTIMIZER_STEP are staged, not
 started: `commit()` hands them to the host stream once the caller knows the step is sound (the
 walk finished, loss and gradients finite). A step that raises anywhere commits nothing, and
-leaves the device ledger as it found it.
+leaves the device ledger as it found it. Under compile(..., updates="as_gradients_land") each
+OPTIMIZER_STEP starts its update where it stands instead (runtime/early_updates.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ..ir.program import COMPUTE_OPS, SEED, Node, Op, Program, base_name, restor
 from ..passes.arena import graph_of
 from .arena import flat_views
 from .backend import Backend, Event, flat_empty
+from .early_updates import EarlyUpdates
 from .host import HostState, owner_map
 from .placement import Copied, NodePlacement, place_node
 from .stash import rebuild, stash_storages
@@ -81,6 +83,10 @@ class Executor:
         self._placed: dict[int, NodePlacement] = {}
         self._generation = None
         self._at: NodePlacement | None = None     # the placement of the node running now
+        self._i = 0                                # the index of the node running now
+        kind = facts.get("step_kind")
+        self.early = (EarlyUpdates(captured, program, host, self._owner)
+                      if getattr(kind, "updates", None) == "as_gradients_land" else None)
         self.copied = Copied()                     # op results copied into the arena, this step
 
     # -- one step ------------------------------------------------------------------------
@@ -98,6 +104,8 @@ class Executor:
         self._check_loss = check_loss
         self._clip_staged, self._staged = False, []
         self._outputs = []
+        if self.early is not None:
+            self.early.begin(self._context.get("step"))
         self.memory.reset_peak()
         self.backend.reset_allocator_peak()
         self._serve_arena()
@@ -132,7 +140,7 @@ class Executor:
         own span comes from the backend, device-timed on cuda; a transfer's from its stream) and the
         device bytes live after it and at most while it ran."""
         timeline, ledger = self.backend.timeline, self.memory.ledger
-        timeline.node = i
+        timeline.node = self._i = i
         self._at = self._placement(i, node) if self.arena_plan is not None else None
         peak_so_far, ledger.peak_bytes = ledger.peak_bytes, ledger.live_bytes
         start = time.perf_counter()
@@ -415,6 +423,11 @@ class Executor:
 
     def _optimizer_step(self, node: Node) -> None:
         owner = self._owner(node.stage)
+        if self.early is not None:
+            context = self._context
+            self.early.start(self._i, owner, self._landed, self.backend, lambda: self.update(owner, context),
+                             f"adamw {self.program.stage_names[node.stage]}")
+            return
         if owner not in self._staged:      # several stages of this program may update one owner
             self._staged.append(owner)
             self._update_node[owner] = self.backend.timeline.node

@@ -418,27 +418,43 @@ class HostState(HostWeights):
         parameter whose .grad is None: its master, moments and count stay as they are."""
         self._in_copy = set()    # committed: the updates overwrite the copies
         if step is not None:
-            for owner in owners:
-                runs: list[tuple[int, int, int, bool]] = []
-                for name in self._by_owner.get(owner, []):
-                    if name not in self._reached:
-                        continue
-                    slot = self.slots[name]
-                    kind = (step - self.missed.get(name, 0), name not in self.no_decay)
-                    if runs and runs[-1][1] == slot.offset and runs[-1][2:] == kind:
-                        runs[-1] = (runs[-1][0], slot.offset + slot.numel, *kind)
-                    else:
-                        runs.append((slot.offset, slot.offset + slot.numel, *kind))
-                self._runs[owner] = runs
-            for name in self.slots:
-                if name not in self._reached:
-                    self.missed[name] = self.missed.get(name, 0) + 1
+            self.plan_updates(owners, step, self._reached)
         staged = set(owners)
         for name in [n for n in self._unfolded if self.slots[n].owner in staged]:
             self._unfolded.discard(name)
             self._fold_at_update.setdefault(self.slots[name].owner, []).append(name)
         if self.disk is not None:
             self.disk.schedule(owners)
+
+    def plan_updates(self, owners: list[int], step: int, reached: set[str]) -> None:
+        """Fix the step's AdamW step counts: each owner's runs (schedule_updates), and one more
+        missed step for every parameter not `reached`. An update that starts as its gradients land
+        (runtime/early_updates.py) calls this itself, before the step's first update."""
+        for owner in owners:
+            runs: list[tuple[int, int, int, bool]] = []
+            for name in self._by_owner.get(owner, []):
+                if name not in reached:
+                    continue
+                slot = self.slots[name]
+                kind = (step - self.missed.get(name, 0), name not in self.no_decay)
+                if runs and runs[-1][1] == slot.offset and runs[-1][2:] == kind:
+                    runs[-1] = (runs[-1][0], slot.offset + slot.numel, *kind)
+                else:
+                    runs.append((slot.offset, slot.offset + slot.numel, *kind))
+            self._runs[owner] = runs
+        for name in self.slots:
+            if name not in reached:
+                self.missed[name] = self.missed.get(name, 0) + 1
+
+    @property
+    def checks(self) -> dict[str, float]:
+        """The running micro-batch's check of each gradient it landed (see `_sq`); the next
+        micro-batch starts a new dict, so one taken here stays that micro-batch's."""
+        return self._sq
+
+    def nonfinite_in(self, owner: int, checks: dict[str, float]) -> list[str]:
+        """The owner's parameters whose landed gradient holds an inf or NaN, by `checks`."""
+        return [n for n in self._by_owner.get(owner, []) if n in checks and not math.isfinite(checks[n])]
 
     def update_owner(self, owner: int, fn: UpdateFn) -> None:
         """fn(master, grad, exp_avg, exp_avg_sq, out, step, decays) over the owner's flat buffers,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from ..errors import MegacompileError
+from ..errors import MegacompileError, PartialStepError
 from ..optim import AdamW
 from ..optim.host_update import HostUpdate
 from ..optim.lr_handle import LearningRateHandle
@@ -67,6 +67,9 @@ class TrainingState:
         # The counters' weights_version the module's own tensors were last brought up to date at
         # (io/model_params.py).
         self._module_version: tuple | None = None
+        # Why the masters hold part of a step (a step failed after its first update started:
+        # runtime/early_updates.py); None while the state is whole.
+        self.partial_step: str | None = None
 
     # -- where the weights are -------------------------------------------------------------
     @property
@@ -146,6 +149,7 @@ class TrainingState:
         counters take its values (Counters.load_state_dict: those it holds), and the LR handle's
         param group its values (param_group: lr, initial_lr, betas, eps, weight_decay)."""
         self.weights_arrive(weights)
+        self.partial_step = None
         self.counters.load_state_dict(counters)
         if param_group:
             self.torch_optimizer.param_groups[0].update(param_group)
@@ -183,6 +187,17 @@ class TrainingState:
         self.counters.committed(micro_batches, step_ends)
         if step_ends:
             self.torch_optimizer.step()   # tells attached torch LR schedulers a step happened
+
+    def step_partly_applied(self, why: str) -> None:
+        """A step failed after some of its updates ran: nothing more trains or saves until a
+        checkpoint is loaded (restore)."""
+        self.partial_step = why
+
+    def refuse_partial(self, what: str) -> None:
+        if self.partial_step is not None:
+            raise PartialStepError(f"{what} refused: {self.partial_step}. The masters and AdamW moments hold part of "
+                                   "that step; load_checkpoint(path) puts a whole state back (or compile the model "
+                                   "again)")
 
     def step_skipped(self, dropped_micro_batches: int) -> None:
         """A step dropped for an inf or NaN, with the micro-batches of it committed before."""

@@ -28,15 +28,19 @@ def setup():
 
 
 # tight: offload, recompute and no prefetch overlap; roomy: prefetch two stages ahead and
-# updates running into the next step. grad_accum=2 adds gradient sums across micro-batches.
-@pytest.mark.parametrize("budget, grad_accum", [("tight", 1), pytest.param("roomy", 2, marks=pytest.mark.slow)])
-def test_delays_change_no_bit(budget, grad_accum, setup, monkeypatch):
+# updates running into the next step. grad_accum=2 adds gradient sums across micro-batches. Updates
+# as gradients land run during the backward, and the last step's may still run as the next begins.
+@pytest.mark.parametrize("budget, grad_accum, updates", [
+    ("tight", 1, "at_commit"), ("tight", 1, "as_gradients_land"),
+    pytest.param("roomy", 2, "at_commit", marks=pytest.mark.slow),
+    pytest.param("roomy", 1, "as_gradients_land", marks=pytest.mark.slow)])
+def test_delays_change_no_bit(budget, grad_accum, updates, setup, monkeypatch):
     model, batches, minimum, eager = setup
     budget_gib = minimum * 1.2 / GiB if budget == "tight" else 2 * weight_bytes(model) / GiB
     monkeypatch.delenv(ENV, raising=False)
-    plain = megacompile_run(clone(model), batches, "llama", budget_gib, grad_accum=grad_accum)
+    plain = megacompile_run(clone(model), batches, "llama", budget_gib, grad_accum=grad_accum, updates=updates)
     monkeypatch.setenv(ENV, "7")
-    injected = megacompile_run(clone(model), batches, "llama", budget_gib, grad_accum=grad_accum)
+    injected = megacompile_run(clone(model), batches, "llama", budget_gib, grad_accum=grad_accum, updates=updates)
     assert injected.engine.backend.host._delay is not None, "the switch did not reach the streams"
     assert injected.losses == plain.losses
     ours, theirs = injected.engine.state_dict(), plain.engine.state_dict()

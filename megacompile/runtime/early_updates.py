@@ -1,0 +1,90 @@
+"""Host AdamW updates that start as their owner's gradients land (compile(..., updates="as_gradients_land")).
+
+The optimizer pass (passes/optimizer.py) puts each owner's OPTIMIZER_STEP right after the WAIT of
+the last gradient it needs. There the executor hands this owner's update to the host stream
+instead of staging it for commit(); the host AdamW then runs beside the rest of the backward.
+
+Each update first waits until its gradients are on the host (their landing checked them), and
+updates nothing if one of them holds an inf or NaN; nor does any update after it. The AdamW step
+counts of the step (host.plan_updates) are fixed by the first update that runs, so a step in
+which none ran changes nothing and can still be skipped whole. One that failed after an update
+ran cannot be undone: `started` says so, and the engine then refuses to go on until a checkpoint
+is loaded (engine/step.py).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..capture import CapturedModel
+from ..capture.model_graph import owners
+from ..ir.program import Op, Program
+from .backend import Backend, Event
+from .host import HostState
+
+
+class EarlyUpdates:
+    def __init__(self, captured: CapturedModel, program: Program, host: HostState, owner_of: Callable[[int], int]):
+        self.host = host
+        contributors = owners(captured)[1]
+        # Per host owner: the node its update starts at (its program's last OPTIMIZER_STEP for it,
+        # after every gradient it needs), and the stages whose gradients it waits for.
+        self.start_at: dict[int, int] = {}
+        self.waits_for: dict[int, set[int]] = {}
+        for i, n in enumerate(program.nodes):
+            if n.op is Op.OPTIMIZER_STEP:
+                owner = owner_of(n.stage)
+                self.start_at[owner] = i
+                self.waits_for.setdefault(owner, set()).update(contributors.get(n.stage, {n.stage}))
+        self.this_step = _Step(None, set(), {})
+
+    def begin(self, step: int | None) -> None:
+        """A step starts (`step`: the optimizer step its updates make; enter_program and
+        begin_micro_batch have run). Its updates keep their own record: the last step's may still
+        be running on the host stream."""
+        self.this_step = _Step(step, set(self.host.uses), self.host.checks)
+
+    @property
+    def started(self) -> int:
+        """The running step's owners updated so far (all of them once the host stream drained)."""
+        return self.this_step.started
+
+    @property
+    def owners(self) -> int:
+        return len(self.start_at)
+
+    def start(self, node_index: int, owner: int, landed: dict[int, Event], backend: Backend,
+              update: Callable[[], None], what: str) -> bool:
+        """At an OPTIMIZER_STEP node: hand `owner`'s update to the host stream if this is the node
+        it starts at (True), else nothing (a later node of the same owner starts it)."""
+        if self.start_at.get(owner) != node_index:
+            return False
+        events = [landed[s] for s in sorted(self.waits_for[owner]) if s in landed]
+        step, host, owners = self.this_step, self.host, sorted(self.start_at)
+
+        def run() -> None:
+            for event in events:
+                event.wait()
+            if step.refused is not None:
+                return
+            bad = host.nonfinite_in(owner, step.checks)
+            if bad:
+                step.refused = f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})"
+                return
+            if not step.planned:     # the step's AdamW step counts, once its first update runs
+                host.plan_updates(owners, step.number, step.reached)
+                step.planned = True
+            update()
+            step.started += 1
+        host.pending[owner] = backend.host_task(run, what)
+        return True
+
+
+class _Step:
+    """One step's early updates: the parameters its program reaches, the checks its gradients got
+    as they landed (HostState.checks: a new dict every micro-batch), and how far its updates got."""
+
+    def __init__(self, number: int | None, reached: set[str], checks: dict[str, float]):
+        self.number, self.reached, self.checks = number, reached, checks
+        self.started = 0
+        self.refused: str | None = None     # why its updates stopped (a gradient not finite)
+        self.planned = False

@@ -1,0 +1,169 @@
+"""compile(..., updates="as_gradients_land"): each owner's host AdamW update starts as soon as its
+gradients have landed, beside the rest of the backward.
+
+The same arithmetic as updates at commit, bit for bit; a non-finite step in which no update ran
+yet is still skipped whole; one that fails after an update ran leaves the engine refusing to go
+on until a checkpoint is loaded. Settings it cannot honour are refused."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import megacompile
+from megacompile.errors import ArgumentError, PartialStepError
+from megacompile.ir.program import Op, grads
+from megacompile.runtime.executor import Executor
+from tests import models
+from tests.e2e.atomic import Poisoned, assert_bit_equal, assert_same_state, engine, inputs, masters, snapshot
+
+LAND = "as_gradients_land"
+
+
+class PoisonedEmbedding(Poisoned):
+    """Poisoned whose NaN gradient (grad_poison=0) is the position embedding's: its owner, the
+    prologue, lands its gradients last, after every block's update has run."""
+
+    def forward(self, idx, targets, loss_scale, grad_poison):
+        _, loss = self.gpt(idx, targets)
+        w = self.gpt.transformer.wpe.weight
+        return loss * loss_scale + 0.0 * torch.sqrt(grad_poison * w.abs().sum())
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Poisoned(layers=2, d=16)
+
+
+def test_updates_as_gradients_land_train_exactly_as_at_commit():
+    """Losses and every master after several steps, bit for bit, in bf16 compute with a frozen
+    parameter (its owner keeps the others' runs)."""
+    torch.manual_seed(0)
+    base = models.NanoGPT(vocab=96, d=32, layers=3, heads=2)
+    base.transformer.h[1].attn.qkv.weight.requires_grad_(False)
+    runs = {}
+    for updates in ("at_commit", LAND):
+        e = megacompile.compile(copy.deepcopy(base), hbm_budget=1.0, device="cpu", compute_dtype=torch.bfloat16,
+                                optimizer=megacompile.AdamW(lr=1e-2, weight_decay=0.1), updates=updates)
+        losses = [e.step(idx=ids, targets=ids) for ids in (models.batch(96, 2, 16, seed=s) for s in range(4))]
+        runs[updates] = (losses, masters(e), e.steps_done)
+        e.close()
+    assert runs["at_commit"][0] == runs[LAND][0]
+    assert runs["at_commit"][2] == runs[LAND][2] == 4
+    assert_bit_equal(runs["at_commit"][1], runs[LAND][1])
+
+
+def test_each_update_is_placed_after_its_last_gradient_and_predicted_shorter():
+    """In the plan every OPTIMIZER_STEP follows the WAIT of each gradient its owner takes, and all
+    but the last two owners' stand before the last backward node (a gradient's WAIT comes after the
+    next compute node); the cost model times the overlap."""
+    # A shape whose host AdamW is about as long as its backward on the h100 profile (5 and 5 ms).
+    config = {"model_type": "llama", "vocab_size": 512, "hidden_size": 1024, "intermediate_size": 2752,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "max_position_embeddings": 1024, "tie_word_embeddings": True}
+    at_commit = megacompile.plan(config, hbm_budget=0.3, hardware="h100", batch=4, seq=512)
+    early = megacompile.plan(config, hbm_budget=0.3, hardware="h100", batch=4, seq=512, updates=LAND)
+    nodes = early.program.nodes
+    waited = {n.stage: i for i, n in enumerate(nodes) if n.op is Op.WAIT and grads(n.stage) in n.reads}
+    steps = [(i, n) for i, n in enumerate(nodes) if n.op is Op.OPTIMIZER_STEP]
+    from megacompile.capture.model_graph import owners
+    contributors = owners(early.captured)[1]
+    for i, n in steps:
+        assert all(waited[c] < i for c in contributors[n.stage]), n
+    last_backward = max(i for i, n in enumerate(nodes) if n.op is Op.BACKWARD)
+    assert sum(i < last_backward for i, _ in steps) == len(steps) - 2
+    assert all(i > max(j for j, m in enumerate(at_commit.program.nodes) if m.op is Op.BACKWARD)
+               for i, m in enumerate(at_commit.program.nodes) if m.op is Op.OPTIMIZER_STEP)
+    assert early.prediction.step_s < 0.9 * at_commit.prediction.step_s
+
+
+def test_a_non_finite_gradient_before_any_update_skips_the_whole_step(model):
+    """ln_f's gradient lands first: its update refuses, and so does every later one."""
+    ours, reference = engine(copy.deepcopy(model), updates=LAND), engine(copy.deepcopy(model))
+    for e in (ours, reference):
+        e.step(**inputs(0))
+    before = snapshot(ours)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        ours.step(**inputs(1, grad_poison=0.0))
+    assert ours.last_step.skipped == "gradient" and "transformer.ln_f.weight" in ours.last_step.reason
+    assert_same_state(before, snapshot(ours), grads=False)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        ours.step(**inputs(2, loss_scale=float("nan")))
+    assert_same_state(before, snapshot(ours), grads=False)
+    for e in (ours, reference):
+        e.step(**inputs(3))
+    assert ours.steps_done == reference.steps_done == 2
+    assert_bit_equal(masters(ours), masters(reference))
+
+
+def test_a_step_that_fails_after_an_update_ran_stops_the_engine_until_a_load(tmp_path):
+    torch.manual_seed(0)
+    e = engine(PoisonedEmbedding(layers=2, d=16), updates=LAND)
+    e.step(**inputs(0))
+    checkpoint = str(tmp_path / "whole")
+    e.save_checkpoint(checkpoint)
+    expected = snapshot(e)
+    with pytest.raises(PartialStepError, match=r"step 2 failed \(1 gradients hold inf or NaN .*wpe.*\) after 3 of "
+                                               r"its 4 owners' host updates had run"):
+        e.step(**inputs(1, grad_poison=0.0))
+    for refused, call in (("step()", lambda: e.step(**inputs(2))),
+                          ("save_checkpoint()", lambda: e.save_checkpoint(str(tmp_path / "partial"))),
+                          ("save_pretrained()", lambda: e.save_pretrained(str(tmp_path / "export")))):
+        with pytest.raises(PartialStepError, match=rf"{refused.replace('(', '[(]').replace(')', '[)]')} refused: "
+                                                   r"step 2 failed .* load_checkpoint"):
+            call()
+    assert not (tmp_path / "partial").exists() and not (tmp_path / "export").exists()
+    e.load_checkpoint(checkpoint)
+    assert_same_state(expected, snapshot(e), grads=False)
+    e.step(**inputs(2))
+    assert e.steps_done == 2
+
+
+def test_an_exception_after_an_update_ran_says_so(model, tmp_path, monkeypatch):
+    """The prologue's backward is the step's last: by then every block's update has started."""
+    e = engine(copy.deepcopy(model), updates=LAND)
+    e.step(**inputs(0))
+    e.save_checkpoint(str(tmp_path / "whole"))
+    backward = Executor._backward
+
+    def failing(self, node):
+        if node.stage == 0:
+            raise RuntimeError("injected")
+        return backward(self, node)
+    monkeypatch.setattr(Executor, "_backward", failing)
+    with pytest.raises(RuntimeError, match="injected") as raised:
+        e.step(**inputs(1))
+    assert any("load_checkpoint" in note for note in raised.value.__notes__)
+    monkeypatch.setattr(Executor, "_backward", backward)
+    with pytest.raises(PartialStepError, match="RuntimeError: injected"):
+        e.step(**inputs(1))
+    e.load_checkpoint(str(tmp_path / "whole"))
+    e.step(**inputs(1))
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"updates": "eager"}, "updates says when each owner's host AdamW update starts"),
+    ({"updates": LAND, "grad_accum": 2}, "needs grad_accum=1"),
+    ({"updates": LAND, "clip": True}, "cannot clip gradients"),
+])
+def test_settings_updates_cannot_honour_are_refused(model, kw, words):
+    with pytest.raises(ArgumentError, match=words):
+        engine(copy.deepcopy(model), **kw)
+
+
+def test_plan_refuses_clipping_with_updates_as_gradients_land():
+    config = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ArgumentError, match="cannot clip gradients"):
+            megacompile.plan(config, hbm_budget=1, batch=1, seq=64, updates=LAND,
+                             optimizer=megacompile.AdamW(max_grad_norm=1.0))
+
+
+def test_the_disk_tier_is_refused_with_updates_as_gradients_land(model, tmp_path):
+    with pytest.raises(ArgumentError, match="not built for the disk tier"):
+        engine(copy.deepcopy(model), updates=LAND, nvme_dir=str(tmp_path))
