@@ -75,7 +75,8 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
                    step is known sound, loss and every gradient finite, overlapping the next
                    forward) or "as_gradients_land" (as soon as the owner's gradients are on the
                    host and finite, overlapping the rest of the backward: a shorter step where the
-                   host AdamW is as long as the backward; no clipping, grad_accum=1, one process,
+                   host AdamW is as long as the backward; no clipping (max_grad_norm None, or
+                   math.inf, which only measures the norm), grad_accum=1, one process,
                    no disk tier; a step that fails after its first update leaves the engine to be
                    reloaded from a checkpoint)
     share_device:  an open Engine whose device this one runs on, taking turns with it: the same

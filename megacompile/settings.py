@@ -93,13 +93,16 @@ class Settings:
 
     def check_updates(self, *, clip: bool, ranks: int = 1) -> None:
         """What `updates` needs of the optimizer and the process group: an update that starts as its
-        gradients land cannot wait for a global norm, nor for the other ranks' sums."""
+        gradients land cannot wait for a global norm, nor for the other ranks' sums. clip: the
+        optimizer scales by the global norm (a finite max_grad_norm; math.inf only measures it,
+        which needs no wait)."""
         if self.updates != "as_gradients_land":
             return
         if clip:
             raise ArgumentError("updates='as_gradients_land' cannot clip gradients: the global norm is known only "
                                 "after the last gradient lands, and every update scales by it; use AdamW("
-                                "max_grad_norm=None) or updates='at_commit'")
+                                "max_grad_norm=None) (math.inf measures the norm without clipping) or "
+                                "updates='at_commit'")
         if ranks > 1:
             raise ArgumentError("updates='as_gradients_land' is not built for data parallelism (a step commits "
                                 "or skips on every rank together): use updates='at_commit' with process groups")

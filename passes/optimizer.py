@@ -44,11 +44,14 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
             if missing:
                 raise ValueError(f"stage {s}'s gradients from stages {missing} are never offloaded")
         if as_gradients_land:
-            if clip:
-                raise ValueError("updates as gradients land cannot clip: the global norm comes after the last one")
+            # The settings refuse a finite max_grad_norm with it: a CLIP_GRADS here, after the last
+            # gradient, only measures the norm (math.inf), and its scale is 1 whatever it finds.
             for s in sorted(owner_stages):
                 landed = max(waited_at[c] for c in owner_stages[s])
                 after.setdefault(landed, []).append(_step(program, s, "as soon as its gradients have landed"))
+            if clip:
+                after.setdefault(max(waited_at.values()), []).append(
+                    Node(Op.CLIP_GRADS, origin="all gradients", note="the global norm, measured only"))
         else:
             last = max(waited_at.values())
             after[last] = [Node(Op.CLIP_GRADS, origin="all gradients",

@@ -22,6 +22,8 @@
 #                   unfused
 #   3b-megacompile  the Llama-3.2-3B shape, 4 x 2048 tokens, megacompile at its smallest budget
 #                   (0.34x, raised): the row the peers are set beside, and its allocator retries
+#   3b-landing      the same with its host updates started as their gradients land (compile()'s
+#                   updates="as_gradients_land"), its losses against 3b-megacompile's
 #   3b-fsdp2        FSDP2 CPU offload with the fused host AdamW, the same model and batches, its
 #                   losses against 3b-megacompile's
 #   deepspeed-op    DeepSpeedCPUAdam's op built, outside any timed call
@@ -45,22 +47,22 @@ python=${PYTHON:-python3}
 site=${SITE:-/tmp/megacompile-site}
 out=${LEASE_OUT:-}
 deadline=$(( SECONDS + ${LEASE_SECONDS:-540} ))
-order=(preflight calibrate 7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels)
+order=(preflight calibrate 7b-streamed 3b-megacompile 3b-landing 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels)
 # Seconds each call needs: the leases' wall times (docs/gpu.md; 16 host cores) and a margin.
 # Writing a shape's fp32 weights, a megacompile process's set-up (capture, plan, host state, the
 # first step's kernel compiles), its steps: 7b-streamed took 278 s in the second lease; in the
 # third (an H200) 3b-megacompile 164 s (the 3B weights written in it), 3b-fsdp2 122 s, deepspeed-op
 # 52 s, 3b-deepspeed 101 s, kernels-check 101 s, 3b-resident 58 s.
-declare -A NEED_S=([preflight]=20 [calibrate]=120 [7b-streamed]=330 [3b-megacompile]=180 [3b-fsdp2]=140 [deepspeed-op]=60
-                   [3b-deepspeed]=130 [kernels-check]=120 [3b-resident]=75 [acceptance]=300 [kernels]=90)
+declare -A NEED_S=([preflight]=20 [calibrate]=120 [7b-streamed]=330 [3b-megacompile]=180 [3b-landing]=120
+                   [3b-fsdp2]=140 [deepspeed-op]=60 [3b-deepspeed]=130 [kernels-check]=120 [3b-resident]=75 [acceptance]=300 [kernels]=90)
 # The bench calls' tables: one with no measured row (every system skipped: the log says why) is
 # done but marked skipped, so the summary says so and the calls set beside it know.
-declare -A TABLE=([7b-streamed]=7b-streamed [3b-megacompile]=3b [3b-fsdp2]=3b-fsdp2 [3b-deepspeed]=3b-deepspeed
-                  [3b-resident]=3b-resident)
+declare -A TABLE=([7b-streamed]=7b-streamed [3b-megacompile]=3b [3b-landing]=3b-landing [3b-fsdp2]=3b-fsdp2
+                  [3b-deepspeed]=3b-deepspeed [3b-resident]=3b-resident)
 # Calls that read another's results. The peers' losses are held to 3b-megacompile's row: in a
 # command that runs it too, they wait for it; named without it, they run alone (compared with it if
 # an earlier command measured it), so a lease can give DeepSpeed its own first command.
-declare -A AFTER=([3b-fsdp2]=3b-megacompile [3b-deepspeed]="3b-megacompile deepspeed-op"
+declare -A AFTER=([3b-landing]=3b-megacompile [3b-fsdp2]=3b-megacompile [3b-deepspeed]="3b-megacompile deepspeed-op"
                   [3b-resident]=3b-megacompile)
 for call in "$@"; do
     [ -n "${NEED_S[$call]:-}" ] || { echo "no call $call: the calls are ${order[*]}" >&2; exit 2; }
@@ -161,6 +163,12 @@ call_3b_megacompile() {
     rm -f 3b/peers.md
     bench --systems megacompile --budgets 0.34 --profile "$(profile)" --minutes "$(minutes 9.5)" --out 3b
     [ -e 3b/peers.md ]
+}
+call_3b_landing() {
+    rm -f 3b-landing/peers.md
+    bench --systems megacompile --budgets 0.34 --updates as_gradients_land --profile "$(profile)" $(compare) \
+        --minutes "$(minutes 9.5)" --out 3b-landing
+    [ -e 3b-landing/peers.md ]
 }
 call_3b_fsdp2() {
     rm -f 3b-fsdp2/peers.md

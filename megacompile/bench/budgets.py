@@ -23,14 +23,15 @@ def resident_gib(device: str) -> float:
     return default_hbm_budget(device) if device.startswith("cuda") else 64.0
 
 
-def same_plan(workload: Workload, budget: str, rows: list[dict]) -> dict | None:
-    """The megacompile row already run that this budget would repeat: one raised to its minimum
-    when this budget is at or below that minimum, or one run at this very budget."""
+def same_plan(workload: Workload, budget: str, updates: str, rows: list[dict]) -> dict | None:
+    """The megacompile row already run that this budget would repeat: one with the same `updates`
+    raised to its minimum when this budget is at or below that minimum, or one run at this very
+    budget."""
     asked = asked_gib(workload, budget)
     if asked is None:
         return None
     for r in rows:
-        if not (r.get("ok") and r.get("system") == "megacompile"):
+        if not (r.get("ok") and r.get("system") == "megacompile" and r.get("updates", "at_commit") == updates):
             continue
         used = r["hbm_budget_gib"]
         if (r.get("budget_raised_to_minimum") and asked <= used) or abs(asked - used) <= 1e-9 * used:
@@ -40,6 +41,7 @@ def same_plan(workload: Workload, budget: str, rows: list[dict]) -> dict | None:
 
 def merge(row: dict, budget: str) -> None:
     """`row` stands for `budget` too."""
-    requested = row.get("requested_budgets", row["setting"].removeprefix("budget "))
+    requested = row.get("requested_budgets", row["setting"].removeprefix("budget ").split(", ")[0])
     row["requested_budgets"] = f"{requested},{budget}"
-    row["setting"] = f"budget {row['requested_budgets']}"
+    updates = row.get("updates", "at_commit")
+    row["setting"] = f"budget {row['requested_budgets']}" + ("" if updates == "at_commit" else f", updates {updates}")

@@ -25,6 +25,7 @@ from .agreement import BF16_LOSS_RTOL, FP32_LOSS_RTOL, agree, loss_fall
 from .shares import need_s, share_s
 from .table import markdown, read_csv, write_csv
 from .workload import SHAPES, Workload, width_lr
+from ..settings import UPDATES
 
 # The streamed budget first: with the peers right after it, the rows the comparison rests on run
 # before the others if --minutes runs short.
@@ -48,7 +49,7 @@ class Job:
     def alone(self) -> str:
         """The arguments that run this row in a call of its own."""
         if self.system == "megacompile":
-            return f"--systems megacompile --budgets {self.options['budget']}"
+            return f"--systems megacompile --budgets {self.options['budget']} --updates {self.options['updates']}"
         return f"--systems {self.name}"
 
 
@@ -73,6 +74,9 @@ def _arguments(argv):
                    help=f"comma-separated, of megacompile, {', '.join(PEERS)}")
     p.add_argument("--budgets", default=",".join(MEGACOMPILE_BUDGETS),
                    help="megacompile's budgets: resident, or fractions of the bf16 weights")
+    p.add_argument("--updates", default="at_commit",
+                   help="when megacompile's host updates start (compile()'s updates): at_commit, as_gradients_land, "
+                        "or both comma-separated (a row for each at every budget)")
     p.add_argument("--host-budget", type=float, default=None, help="GiB of host RAM megacompile's plan may use")
     p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
                    help="megacompile's fused Triton kernels (default: on a GPU, as compile() does)")
@@ -106,8 +110,14 @@ def _jobs(args) -> list[Job]:
     if unknown:
         from ..errors import ArgumentError
         raise ArgumentError(f"--systems: {', '.join(unknown)} is not one of megacompile, {', '.join(PEERS)}")
-    ours = [Job("megacompile", "megacompile", f"budget {b}", {"budget": b})
-            for b in args.budgets.split(",") if "megacompile" in names]
+    placements = [u.strip() for u in args.updates.split(",") if u.strip()]
+    wrong = [u for u in placements if u not in UPDATES]
+    if wrong or not placements:
+        from ..errors import ArgumentError
+        raise ArgumentError(f"--updates: {', '.join(wrong) or 'nothing'} is not one of {', '.join(UPDATES)}")
+    ours = [Job("megacompile", "megacompile", f"budget {b}" + ("" if u == "at_commit" else f", updates {u}"),
+                {"budget": b, "updates": u})
+            for b in args.budgets.split(",") for u in placements if "megacompile" in names]
     return ours[:1] + [Job(n, *PEERS[n]) for n in names if n != "megacompile"] + ours[1:]
 
 
@@ -198,7 +208,7 @@ def run(args, workload: Workload) -> tuple[list[dict], str]:
             calibrated = _calibrate(scratch, 120)
         started = 0
         for n, job in enumerate(jobs):
-            merged = budgets.same_plan(workload, job.options["budget"], results) \
+            merged = budgets.same_plan(workload, job.options["budget"], job.options["updates"], results) \
                 if job.system == "megacompile" else None
             if merged is not None:
                 print(f"megacompile  {job.setting}: the plan of {merged['setting']} (raised to "

@@ -17,7 +17,8 @@ from .workload import Workload
 
 
 def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: str | None = None,
-                    host_budget: float | None = None, fuse: bool | None = None, trace: str | None = None) -> dict:
+                    host_budget: float | None = None, fuse: bool | None = None, trace: str | None = None,
+                    updates: str = "at_commit") -> dict:
     """budget: "resident" (the default budget: most of the device), or a fraction of the model's
     bf16 weights ("0.5", "0.34"), raised to the smallest budget the plan fits in when it is below.
     weights: the folder bench/weights.py wrote for this workload. calibrated: a profile's JSON to
@@ -25,7 +26,8 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     compile()'s (None: the fused kernels on a GPU). trace: where to write the Chrome trace of the last
     timed step, measured beside predicted (where a step's time went: its forward beside the host
     updates of the step before, as a training loop runs them); the step run alone for the host
-    optimizer's time goes beside it (alone_trace)."""
+    optimizer's time goes beside it (alone_trace). updates: compile()'s ("as_gradients_land": each host
+    update beside the rest of the backward)."""
     from ..cost import predict
     from ..cost.backend_profile import profile_for
     from ..cost.hardware import HardwareProfile
@@ -33,11 +35,12 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     asked = asked_gib(workload, budget)
     asked = resident_gib(workload.device) if asked is None else asked
     batches = workload.batches()
-    engine, plan, gib, raised = engine_at(workload, asked, weights, batches[0], host_budget, fuse)
+    engine, plan, gib, raised = engine_at(workload, asked, weights, batches[0], host_budget, fuse, updates)
     say(f"planned at {gib:.3f} GiB")
     out = {"hbm_budget_gib": gib, "fused": plan.fused, "asked_budget_gib": asked, "budget_raised_to_minimum": raised,
            "budget_share_of_bf16_weights": gib * GiB / (2 * workload.parameters),
-           "recomputed_blocks": len(plan.recomputed), "predicted_device_peak_bytes": plan.predicted_peak_bytes}
+           "recomputed_blocks": len(plan.recomputed), "predicted_device_peak_bytes": plan.predicted_peak_bytes,
+           "updates": updates}
     if host_budget is not None:
         out["host_budget_gib"] = host_budget
     profiles = {"datasheet": profile_for("cuda" if cuda else "cpu")}
@@ -75,7 +78,7 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
 
 
 def engine_at(workload: Workload, gib: float, weights: str, batch: tuple, host_budget: float | None = None,
-              fuse: bool | None = None):
+              fuse: bool | None = None, updates: str = "at_commit"):
     """(engine, plan, budget GiB, raised): the engine planned at `gib`, or, when `gib` is below the
     smallest budget the plan fits in, at that smallest one. The model is built on the meta device;
     its fp32 weights stream from `weights` into the masters when the plan is first built."""
@@ -85,6 +88,7 @@ def engine_at(workload: Workload, gib: float, weights: str, batch: tuple, host_b
     while True:
         engine = compile_folder(workload.meta_model(), str(weights), gib, device=workload.device,
                                 compute_dtype=workload.compute_dtype, host_budget=host_budget, fuse=fuse,
+                                updates=updates,
                                 optimizer=AdamW(lr=workload.lr_at if workload.lr_warmup else workload.lr,
                                               weight_decay=workload.weight_decay))
         try:

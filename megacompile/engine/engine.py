@@ -7,6 +7,7 @@ gradients) is shared by every plan.
 """
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections import OrderedDict
@@ -86,7 +87,7 @@ class Engine:
         optimizer = given_optimizer(optimizer)
         # Data parallelism over torch.distributed (an initialised group of 2 or more, or process_group=).
         self.data_parallel = data_parallel_for(process_group)
-        self.settings.check_updates(clip=optimizer.max_grad_norm is not None,
+        self.settings.check_updates(clip=optimizer.max_grad_norm not in (None, math.inf),
                                     ranks=1 if self.data_parallel is None else 2)
         device = self.settings.device
         if device is None and self.data_parallel is not None:

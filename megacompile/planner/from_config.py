@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import math
 import time
 from typing import Any
 
@@ -437,7 +438,8 @@ class _Planned:
                                    loss_fn=loss_fn, train=train)
         clip = optimizer.max_grad_norm is not None
         if train:
-            settings.check_updates(clip=clip, ranks=1 if ranks is None else ranks[0])
+            settings.check_updates(clip=optimizer.max_grad_norm not in (None, math.inf),
+                                   ranks=1 if ranks is None else ranks[0])
         self.kind = StepKind(update=train, clip=clip, updates=settings.updates)
         if fused(settings.fuse, on_gpu=not profile.name.startswith("cpu")):   # as compile() would there
             from ..fusion import fuse as fuse_stages

@@ -67,6 +67,7 @@ class RunConfig:
     batch: int = 1
     grad_accum: int = 1
     accumulation: str = Settings.accumulation
+    updates: str = Settings.updates
     lr: float = 2e-5
     warmup: int = 0
     schedule: str = "cosine"
@@ -210,7 +211,8 @@ class RunConfig:
         return Settings(hbm_budget=self.hbm_budget, compute_dtype=getattr(torch, self.compute_dtype),
                         device=self.device, retrace=self.retrace, dump_dir=self.dump_dir, grad_accum=self.grad_accum,
                         fuse=self.fuse, host_budget=self.host_budget, on_nonfinite=self.on_nonfinite,
-                        nvme_dir=self.nvme_dir, nvme_budget=self.nvme_budget, accumulation=self.accumulation)
+                        nvme_dir=self.nvme_dir, nvme_budget=self.nvme_budget, accumulation=self.accumulation,
+                        updates=self.updates)
 
 
 KEYS = tuple(f.name for f in fields(RunConfig))
@@ -357,6 +359,14 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     # compile()'s settings: YAML reads 2e-5 (no dot) and inf as strings, so budgets are numbers first.
     for key in ("hbm_budget", "host_budget", "nvme_budget"):
         setattr(c, key, numeric(getattr(c, key)))
+    if c.updates == "as_gradients_land":    # compile()'s refusals, in run.yaml's words
+        if c.max_grad_norm is not None:
+            raise ArgumentError(f"updates: as_gradients_land cannot clip gradients (max_grad_norm {c.max_grad_norm:g}; "
+                                "run.yaml clips at 1.0 unless told): the global norm is known only after the last "
+                                "gradient lands; set max_grad_norm: null, or updates: at_commit")
+        if c.global_batch is not None:
+            raise ArgumentError("updates: as_gradients_land needs one micro-batch per step: give batch (and "
+                                "grad_accum 1), not global_batch")
     c.settings().for_a_run()
     if (c.steps is None) == (c.epochs is None):
         raise ArgumentError("give steps (optimizer steps) or epochs (passes over the training data), one of them; "

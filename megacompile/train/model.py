@@ -106,7 +106,7 @@ def device_budget(c: RunConfig, model: nn.Module, captured, device: str) -> floa
     weight_bytes = sum(p.numel() * dtype.itemsize for p in model.parameters())
     # With a global batch the accumulation is not chosen yet: the smallest micro-batch's plan.
     accumulate = 1 if c.global_batch else c.grad_accum
-    settings = Settings(compute_dtype=dtype, grad_accum=accumulate, accumulation=c.accumulation)
+    settings = Settings(compute_dtype=dtype, grad_accum=accumulate, accumulation=c.accumulation, updates=c.updates)
     smallest = minimum_budget_of(captured, model, settings, hardware="cpu")
     return max(weight_bytes * c.budget_fraction / GiB, smallest * 1.02)
 
@@ -244,7 +244,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
                 raise
             raise beside.host_short(e, held) from e
         kwargs = dict(optimizer=optimizer, compute_dtype=dtype, device=device, grad_accum=accumulate,
-                      host_budget=host_budget, accumulation=c.accumulation, fuse=c.fuse,
+                      host_budget=host_budget, accumulation=c.accumulation, updates=c.updates, fuse=c.fuse,
                       on_nonfinite=c.on_nonfinite, nvme_dir=c.nvme_dir, nvme_budget=c.nvme_budget,
                       dump_dir=c.dump_dir, retrace=c.retrace)
         engine = compile_module(c, module, budget, wrap, **kwargs)

@@ -22,7 +22,7 @@ class StubRuns:
             fraction = options["budget"]
             asked = 64.0 if fraction == "resident" else float(fraction) * workload.parameters * 2 / 2**30
             row.update(hbm_budget_gib=max(asked, self.minimum_gib), asked_budget_gib=asked,
-                       budget_raised_to_minimum=asked < self.minimum_gib)
+                       budget_raised_to_minimum=asked < self.minimum_gib, updates=options["updates"])
         return row
 
     def install(self, monkeypatch, peers) -> "StubRuns":

@@ -41,7 +41,7 @@ for dir in $IN_RAM; do [ "${@: -1}" = "$dir" ] && { echo tmpfs; exit 0; }; done
 echo ext2/ext3
 """
 
-ALL = "preflight calibrate 7b-streamed 3b-megacompile 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels"
+ALL = "preflight calibrate 7b-streamed 3b-megacompile 3b-landing 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels"
 
 
 def _lease(tmp_path, *args, status=0, **env):
@@ -77,14 +77,16 @@ def test_a_command_runs_every_call_that_fits_its_time_in_order_and_a_call_that_d
     assert "h100-calibrated-profile.json" in calls[1] and "--systems megacompile " in calls[1]
     assert calls[1].endswith("--fuse")
     assert "--systems megacompile --budgets 0.34 " in calls[2] and "--out 3b " in calls[2] + " "
-    assert "--systems fsdp2 --compare-with 3b/peers.csv" in calls[3]
-    assert "CPUAdamBuilder().load()" in calls[4]
-    assert "--systems deepspeed --compare-with 3b/peers.csv" in calls[5]
-    assert "--skip parity,budget,calibrate,step" in calls[6]
-    assert "--budgets resident" in calls[7] and "--compare-with 3b/peers.csv" in calls[7]
-    assert "--skip kernels" in calls[8]
+    assert "--budgets 0.34 --updates as_gradients_land" in calls[3] and "--compare-with 3b/peers.csv" in calls[3]
+    assert "--out 3b-landing" in calls[3]
+    assert "--systems fsdp2 --compare-with 3b/peers.csv" in calls[4]
+    assert "CPUAdamBuilder().load()" in calls[5]
+    assert "--systems deepspeed --compare-with 3b/peers.csv" in calls[6]
+    assert "--skip parity,budget,calibrate,step" in calls[7]
+    assert "--budgets resident" in calls[8] and "--compare-with 3b/peers.csv" in calls[8]
+    assert "--skip kernels" in calls[9]
     kernels = sorted(p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks" / "kernels").glob("bench_*.py"))
-    assert sorted(c.split("liger.py ")[1].split()[0] for c in calls[9:]) == kernels
+    assert sorted(c.split("liger.py ")[1].split()[0] for c in calls[10:]) == kernels
     assert "3b-fsdp2 did not finish" in out and "not done yet: 3b-fsdp2" in out
     assert len(_done(tmp_path)) == len(ALL.split()) - 1
     out, calls = _lease(tmp_path, LEASE_SECONDS="130")

@@ -28,3 +28,21 @@ def test_a_budget_above_the_minimum_gets_its_own_row(monkeypatch, tmp_path):
     ran, results = _call(monkeypatch, tmp_path, minimum_gib=3.0)
     assert ran == ["0.34", "0.5", "resident"]
     assert [r["setting"] for r in results] == ["budget 0.34", "budget 0.5", "budget resident"]
+
+
+def test_each_placement_of_the_updates_gets_its_own_row_per_budget_used(monkeypatch, tmp_path):
+    runs = StubRuns(minimum_gib=3.55, use_all_time=False).install(monkeypatch, peers)
+    args = peers._arguments(["--out", str(tmp_path), "--no-calibrate", "--systems", "megacompile",
+                             "--budgets", "0.34,0.5", "--updates", "at_commit,as_gradients_land"])
+    results, _ = peers.run(args, GPU_3B)
+    assert [(o["budget"], o["updates"]) for _, o, _ in runs.calls] == [("0.34", "at_commit"),
+                                                                      ("0.34", "as_gradients_land")]
+    assert [r["setting"] for r in results] == ["budget 0.34,0.5", "budget 0.34,0.5, updates as_gradients_land"]
+    assert peers._jobs(args)[1].alone() == "--systems megacompile --budgets 0.34 --updates as_gradients_land"
+
+
+def test_an_unknown_placement_is_refused(tmp_path):
+    import pytest
+    from megacompile.errors import ArgumentError
+    with pytest.raises(ArgumentError, match="--updates: eager is not one of at_commit, as_gradients_land"):
+        peers._jobs(peers._arguments(["--out", str(tmp_path), "--updates", "eager"]))

@@ -167,3 +167,24 @@ def test_plan_refuses_clipping_with_updates_as_gradients_land():
 def test_the_disk_tier_is_refused_with_updates_as_gradients_land(model, tmp_path):
     with pytest.raises(ArgumentError, match="not built for the disk tier"):
         engine(copy.deepcopy(model), updates=LAND, nvme_dir=str(tmp_path))
+
+
+def test_a_norm_measured_only_is_recorded_and_changes_nothing():
+    """max_grad_norm=math.inf measures the global norm (its scale is 1): the updates need not wait
+    for it, and each step's record holds the same norm as at commit."""
+    import math
+    torch.manual_seed(0)
+    base = models.NanoGPT(vocab=96, d=32, layers=2, heads=2)
+    runs = {}
+    for updates in ("at_commit", LAND):
+        e = megacompile.compile(copy.deepcopy(base), hbm_budget=1.0, device="cpu", updates=updates,
+                                optimizer=megacompile.AdamW(lr=1e-2, max_grad_norm=math.inf))
+        norms = []
+        for s in range(3):
+            ids = models.batch(96, 2, 16, seed=s)
+            e.step(idx=ids, targets=ids)
+            norms.append(e.last_step.grad_norm)
+        runs[updates] = (norms, masters(e))
+        e.close()
+    assert runs[LAND][0] == runs["at_commit"][0] and all(n > 0 for n in runs[LAND][0])
+    assert_bit_equal(runs["at_commit"][1], runs[LAND][1])

@@ -22,6 +22,12 @@ def _yaml(tmp_path, **settings) -> str:
     ({"learnin_rate": 1e-3}, [], "unknown key learnin_rate (did you mean learning_rate?)"),
     ({"schedule": "exp"}, [], "schedule must be one of constant, linear, cosine; got 'exp'"),
     ({"accumulation": "block"}, [], "accumulation must be one of micro, layer, auto; got 'block'"),
+    ({"updates": "as_gradients_land"}, [], "updates: as_gradients_land cannot clip gradients (max_grad_norm 1; "),
+    ({"updates": "as_gradients_land", "max_grad_norm": None, "global_batch": 8}, [],
+     "updates: as_gradients_land needs one micro-batch per step: give batch"),
+    ({"updates": "as_gradients_land", "max_grad_norm": None, "grad_accum": 2}, [],
+     "updates='as_gradients_land' needs grad_accum=1"),
+    ({"updates": "sooner"}, [], "updates says when each owner's host AdamW update starts"),
     ({}, ["packing=always"], "packing must be false, true or isolated; got 'always'"),
     ({}, ["packing=isolated"], "packing: isolated needs a model that takes position_ids"),
     ({"global_batch": 8, "batch": 2}, [], "give global_batch, or batch and grad_accum, not both"),
@@ -79,10 +85,13 @@ def test_compile_settings_in_run_yaml_reach_the_engine(tmp_path):
     dump = tmp_path / "passes"
     tiny = dict(dim=32, layers=1, heads=2, kv_heads=1, ffn=64)
     c = load(_yaml(tmp_path, model="bundled", data="bundled", bundled_model=tiny, device="cpu", seq=16, steps=1,
-                   on_nonfinite="raise", dump_dir="passes", fuse=False))
+                   on_nonfinite="raise", dump_dir="passes", fuse=False, updates="as_gradients_land",
+                   max_grad_norm=None))
     assert c.dump_dir == str(dump) and c.settings().on_nonfinite == "raise"
     run(c)
     assert any(dump.iterdir())      # the schedule after each planning pass
+    placed = "".join(p.read_text() for p in dump.iterdir() if "optimizer" in p.name)
+    assert "as soon as its gradients have landed" in placed
 
 
 def test_the_embedded_default_is_a_valid_run():
