@@ -54,6 +54,7 @@ def to_json(plan) -> dict:
         "vision": plan.vision.to_json() if plan.vision is not None else None,
         "hardware": plan.hardware.name if plan.hardware else None,
         **(plan.prediction.to_dict() if plan.prediction else {}),
+        **updates_json(plan),
         "passes": plan.program.passes,
         "pass_seconds": plan.program.facts.get("pass_seconds", {}),
         "trace_seconds": plan.captured.trace_seconds,
@@ -67,6 +68,18 @@ def to_json(plan) -> dict:
              "predicted": timing.get(i, [])}
             for i, n in enumerate(plan.program.nodes)],
     }
+
+
+def updates_json(plan) -> dict:
+    """When a training step's host updates start (compile()'s `updates`), and the step predicted with
+    them started as gradients land where the plan starts them at commit and could."""
+    kind = plan.program.facts.get("step_kind")
+    if kind is None or not plan.captured.train or not kind.update:
+        return {}
+    out = {"updates": kind.updates}
+    if plan.step_s_updates_as_gradients_land is not None:
+        out["predicted_step_s_updates_as_gradients_land"] = plan.step_s_updates_as_gradients_land
+    return out
 
 
 def params_json(plan) -> dict:
