@@ -188,3 +188,43 @@ def test_a_norm_measured_only_is_recorded_and_changes_nothing():
         e.close()
     assert runs[LAND][0] == runs["at_commit"][0] and all(n > 0 for n in runs[LAND][0])
     assert_bit_equal(runs["at_commit"][1], runs[LAND][1])
+
+
+@pytest.mark.slow      # about 6 s on two cores
+def test_an_exception_at_any_node_changes_nothing_before_the_first_update_and_stops_the_engine_after(
+        model, tmp_path, monkeypatch):
+    """Every node of the step fails in turn: up to the first OPTIMIZER_STEP (which starts nothing when
+    it fails itself) the state is as it was and a retry is exact; after it, the step's updates ran
+    (the failed walk waits for them), so the engine refuses to go on until the checkpoint is loaded,
+    and the step taken after the load is the uninjected one."""
+    from tests.e2e.test_exception_sweep import Injected
+    e = engine(copy.deepcopy(model), updates=LAND)
+    e.step(**inputs(0))
+    checkpoint = str(tmp_path / "before")
+    e.save_checkpoint(checkpoint)
+    clean = inputs(99)
+    before = snapshot(e)
+    e.step(**clean)
+    expected = snapshot(e)
+    e.load_checkpoint(checkpoint)
+    nodes = e._compile((), clean, train=True).plan.program.nodes
+    first_update = min(i for i, n in enumerate(nodes) if n.op is Op.OPTIMIZER_STEP)
+    injected = Injected()
+    for op in Op:
+        monkeypatch.setattr(Executor, "_" + op.value, injected.wrap(getattr(Executor, "_" + op.value)))
+    for at in range(len(nodes)):
+        injected.arm(at, RuntimeError)
+        with pytest.raises(RuntimeError, match="injected"):
+            e.step(**clean)
+        if at <= first_update:
+            assert e.state.partial_step is None, at
+            assert_same_state(before, snapshot(e), grads=False)
+        else:
+            assert "RuntimeError: injected" in e.state.partial_step, at
+            with pytest.raises(PartialStepError):
+                e.step(**clean)
+            e.load_checkpoint(checkpoint)
+            assert_same_state(before, snapshot(e), grads=False)
+        e.step(**clean)
+        assert_same_state(expected, snapshot(e))
+        e.load_checkpoint(checkpoint)
