@@ -25,7 +25,7 @@ import shutil
 import time
 import warnings
 
-from ..errors import ArgumentError, CheckpointError, NonFiniteError, WeightsFileError
+from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStepError, WeightsFileError
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from . import intervals, methods, preemption, resume, trained_model
@@ -239,7 +239,9 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                 if save(record.step):
                     saved_at, latest = record.step, (record.step, checkpoint_path(checkpoints, record.step))
             preemption.stop(stop_signals, c, engine.steps_done, latest, save_now, run_dir)
-    except (CheckpointError, NonFiniteError) as e:     # a save the disk refused; steps that kept being skipped
+    # A save the disk refused; steps that kept being skipped; a step that failed after its first
+    # update (updates: as_gradients_land), which left the engine to be reloaded.
+    except (CheckpointError, NonFiniteError, PartialStepError) as e:
         raise type(e)(f"{e}; {resume.stopped(c, run_dir, engine.steps_done, latest)}") from e
     finally:
         progress.close()
