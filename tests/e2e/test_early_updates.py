@@ -228,3 +228,12 @@ def test_an_exception_at_any_node_changes_nothing_before_the_first_update_and_st
         e.step(**clean)
         assert_same_state(expected, snapshot(e))
         e.load_checkpoint(checkpoint)
+
+
+def test_data_parallelism_is_refused_with_updates_as_gradients_land():
+    """The check every door runs (compile() with a process group, plan(..., ranks=))."""
+    from megacompile import Settings
+    Settings(updates=LAND).check_updates(clip=False, ranks=1)
+    with pytest.raises(ArgumentError, match="not built for data parallelism"):
+        Settings(updates=LAND).check_updates(clip=False, ranks=2)
+    Settings().check_updates(clip=True, ranks=2)        # at commit: anything goes
