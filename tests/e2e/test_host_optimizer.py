@@ -183,7 +183,7 @@ def test_with_clipping_each_gradients_norm_is_taken_as_it_lands(monkeypatch):
     test_clipping_is_exact...)."""
     import threading
 
-    from megacompile.runtime import host as host_module
+    from megacompile.runtime import host_grads as host_module
     calls = []
     real = host_module.grad_sq_norm
 
