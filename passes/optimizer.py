@@ -47,8 +47,8 @@ def place_optimizer(program: Program, owner_stages: dict[int, set[int]], readers
             # The settings refuse a finite max_grad_norm with it: a CLIP_GRADS here, after the last
             # gradient, only measures the norm (math.inf), and its scale is 1 whatever it finds.
             for s in sorted(owner_stages):
-                landed = max(waited_at[c] for c in owner_stages[s])
-                after.setdefault(landed, []).append(_step(program, s, "as soon as its gradients have landed"))
+                after.setdefault(_last_gradient(waited_at, owner_stages[s]), []).append(
+                    _step(program, s, "as soon as its gradients have landed"))
             if clip:
                 after.setdefault(max(waited_at.values()), []).append(
                     Node(Op.CLIP_GRADS, origin="all gradients", note="the global norm, measured only"))
@@ -104,9 +104,14 @@ def updates_moved_to_landing(program: Program, owner_stages: dict[int, set[int]]
     waited = {n.stage: i for i, n in enumerate(nodes) if n.op is Op.WAIT and grads(n.stage) in n.reads}
     after: dict[int, list[Node]] = {}
     for s, node in sorted(steps.items()):
-        after.setdefault(max(waited[c] for c in owner_stages[s]), []).append(node)
+        after.setdefault(_last_gradient(waited, owner_stages[s]), []).append(node)
     out: list[Node] = []
     for i, n in enumerate(nodes):
         out.append(n)
         out += after.get(i, [])
     return program.copy(out)
+
+
+def _last_gradient(waited_at: dict[int, int], contributors: set[int]) -> int:
+    """The node of the WAIT on the last gradient an owner takes: where its update may start."""
+    return max(waited_at[c] for c in contributors)

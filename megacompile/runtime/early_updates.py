@@ -58,7 +58,8 @@ class EarlyUpdates:
         it starts at (True), else nothing (a later node of the same owner starts it)."""
         if self.start_at.get(owner) != node_index:
             return False
-        events = [landed[s] for s in sorted(self.waits_for[owner]) if s in landed]
+        # Every stage it waits for offloaded its gradients before this node (passes/optimizer.py).
+        events = [landed[s] for s in sorted(self.waits_for[owner])]
         step, host, owners = self.this_step, self.host, sorted(self.start_at)
 
         def run() -> None:
