@@ -79,6 +79,8 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
         dp.before_step(compiled.plan)
     context = state.step_context()
     rng = backend.get_rng_state()
+    if compiled.executor.early is not None:    # a failure before the walk began must not read the last step's
+        compiled.executor.early.clear()
     try:
         # Before anything runs; with data parallelism the other ranks hear of it as of any failure.
         enter_program(compiled.captured, host, data_parallel=dp is not None)

@@ -35,13 +35,18 @@ class EarlyUpdates:
                 owner = owner_of(n.stage)
                 self.start_at[owner] = i
                 self.waits_for.setdefault(owner, set()).update(contributors.get(n.stage, {n.stage}))
-        self.this_step = _Step(None, set(), {})
+        self.clear()
 
     def begin(self, step: int | None) -> None:
         """A step starts (`step`: the optimizer step its updates make; enter_program and
         begin_micro_batch have run). Its updates keep their own record: the last step's may still
         be running on the host stream."""
         self.this_step = _Step(step, set(self.host.uses), self.host.checks)
+
+    def clear(self) -> None:
+        """Before a step of this program: nothing of it has run yet (the record of the last step
+        stays with that step's own updates, which may still be running)."""
+        self.this_step = _Step(None, set(), {})
 
     @property
     def started(self) -> int:

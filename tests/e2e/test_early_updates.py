@@ -237,3 +237,24 @@ def test_data_parallelism_is_refused_with_updates_as_gradients_land():
     with pytest.raises(ArgumentError, match="not built for data parallelism"):
         Settings(updates=LAND).check_updates(clip=False, ranks=2)
     Settings().check_updates(clip=True, ranks=2)        # at commit: anything goes
+
+
+def test_a_step_refused_before_its_walk_began_is_not_taken_for_a_partial_one(model, monkeypatch):
+    """The last step's updates all ran; a failure before this step's walk (its program's check)
+    must not be read as this step's updates having run."""
+    from megacompile.engine import step as step_module
+    e = engine(copy.deepcopy(model), updates=LAND)
+    e.step(**inputs(0))
+    before = snapshot(e)
+    enter = step_module.enter_program
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("refused before the walk")
+    monkeypatch.setattr(step_module, "enter_program", refused)
+    with pytest.raises(RuntimeError, match="refused before the walk"):
+        e.step(**inputs(1))
+    assert e.state.partial_step is None
+    assert_same_state(before, snapshot(e), grads=False)
+    monkeypatch.setattr(step_module, "enter_program", enter)
+    e.step(**inputs(1))
+    assert e.steps_done == 2
