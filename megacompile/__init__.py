@@ -107,4 +107,5 @@ __all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engin
            "MegacompileError",
            "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",
-           "OptimizerInputError", "NonFiniteError", "PartialStepError", "StorageError", "from_pretrained", "WeightsFileError"]
+           "OptimizerInputError", "NonFiniteError", "PartialStepError", "StorageError", "from_pretrained",
+           "WeightsFileError"]

@@ -58,7 +58,8 @@ def _plan(args: argparse.Namespace) -> int:
     # The flags that are settings, as one Settings (the door plan() and compile() take); the rest
     # say what is planned and for which hardware.
     if args.updates != Settings.updates and args.global_batch is not None:
-        raise ArgumentError(f"--updates {args.updates} needs one micro-batch per step: give --batch, not --global-batch")
+        raise ArgumentError(f"--updates {args.updates} needs one micro-batch per step: give --batch, "
+                            "not --global-batch")
     settings = Settings(hbm_budget=args.hbm_budget, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
                         nvme_budget=args.nvme_budget, updates=args.updates,
                         accumulation="auto" if args.global_batch is not None else Settings.accumulation)

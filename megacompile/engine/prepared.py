@@ -79,7 +79,8 @@ def prepare(module: nn.Module, inputs: dict, settings: Settings, clip: bool,
                                  disk_room(settings.nvme_dir, settings.nvme_budget_bytes),
                                  module_resident=module_resident(module))
     request = PlanRequest(
-        settings.budget_bytes, StepKind(update=True, clip=clip, updates=settings.updates), backend, profile_for(backend),
+        settings.budget_bytes, StepKind(update=True, clip=clip, updates=settings.updates), backend,
+        profile_for(backend),
         host_bytes=host_cost.ram_bytes, host_cost=host_cost, host_budget_bytes=host_budget,
         fuse=fused(settings.fuse, on_gpu=backend == "cuda"), grad_accum=settings.grad_accum,
         accumulation=settings.accumulation)

@@ -91,7 +91,8 @@ def updates_line(plan) -> list[str]:
         return []
     return [f"  updates        at commit (a step commits whole or not at all); started as their gradients land they "
             f"would take {per_step(plan, other)} ({other / step_s - 1:+.0%}): compile(..., "
-            "updates='as_gradients_land') or --updates as_gradients_land (no clipping, one micro-batch per step, one process)"]
+            "updates='as_gradients_land') or --updates as_gradients_land (no clipping, one micro-batch per step, "
+            "one process)"]
 
 
 def waiting(p) -> str:

@@ -41,7 +41,8 @@ for dir in $IN_RAM; do [ "${@: -1}" = "$dir" ] && { echo tmpfs; exit 0; }; done
 echo ext2/ext3
 """
 
-ALL = "preflight calibrate 7b-streamed 3b-megacompile 3b-landing 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check 3b-resident acceptance kernels"
+ALL = ("preflight calibrate 7b-streamed 3b-megacompile 3b-landing 3b-fsdp2 deepspeed-op 3b-deepspeed kernels-check "
+       "3b-resident acceptance kernels")
 
 
 def _lease(tmp_path, *args, status=0, **env):
