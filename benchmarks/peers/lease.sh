@@ -21,7 +21,8 @@
 #                   attention kernel is checked on the device first, and where it fails the row runs
 #                   unfused
 #   3b-megacompile  the Llama-3.2-3B shape, 4 x 2048 tokens, megacompile at its smallest budget
-#                   (0.34x, raised): the row the peers are set beside, and its allocator retries
+#                   (0.34x, raised): the row the peers are set beside, and its allocator retries;
+#                   then its step on fewer host AdamW threads (cores - 2, cores / 2)
 #   3b-landing      the same with its host updates started as their gradients land (compile()'s
 #                   updates="as_gradients_land"), its losses against 3b-megacompile's
 #   3b-fsdp2        FSDP2 CPU offload with the fused host AdamW, the same model and batches, its
@@ -159,9 +160,19 @@ call_7b_streamed() {
     rm -rf "$weights"/llama-7b-*
     [ -e 7b-streamed/peers.md ]
 }
+# The host AdamW thread counts the 3B row's step is timed at again after its timed steps (those run
+# on every core): two cores left to the compute thread and the copies, and half the cores. The third
+# lease's timed step was no faster than the step run alone, as if the updates held the next forward
+# back; if fewer threads make it faster, they were contending for the host.
+thread_counts() {
+    local n fewer half
+    n=$(nproc); fewer=$(( n > 3 ? n - 2 : 1 )); half=$(( n > 1 ? n / 2 : 1 ))
+    if [ "$fewer" = "$half" ]; then echo "$fewer"; else echo "$fewer,$half"; fi
+}
 call_3b_megacompile() {
     rm -f 3b/peers.md
-    bench --systems megacompile --budgets 0.34 --profile "$(profile)" --minutes "$(minutes 9.5)" --out 3b
+    bench --systems megacompile --budgets 0.34 --profile "$(profile)" --host-threads "$(thread_counts)" \
+        --minutes "$(minutes 9.5)" --out 3b
     [ -e 3b/peers.md ]
 }
 call_3b_landing() {

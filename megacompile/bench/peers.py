@@ -23,7 +23,7 @@ import torch
 from . import budgets
 from .agreement import BF16_LOSS_RTOL, FP32_LOSS_RTOL, agree, loss_fall
 from .shares import need_s, share_s
-from .table import markdown, read_csv, write_csv
+from .table import markdown, read_csv, thread_sweep, write_csv
 from .workload import SHAPES, Workload, width_lr
 from ..settings import UPDATES
 
@@ -78,6 +78,10 @@ def _arguments(argv):
                    help="when megacompile's host updates start (compile()'s updates): at_commit, as_gradients_land, "
                         "or both comma-separated (a row for each at every budget)")
     p.add_argument("--host-budget", type=float, default=None, help="GiB of host RAM megacompile's plan may use")
+    p.add_argument("--host-threads", type=_thread_counts, default=None, metavar="N[,N...]",
+                   help="after megacompile's timed steps, time a few more with its host AdamW on each of these "
+                        "thread counts (default: every core of the rank): whether the updates contend with the "
+                        "compute thread and the copies")
     p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
                    help="megacompile's fused Triton kernels (default: on a GPU, as compile() does)")
     p.add_argument("--minutes", type=float, default=9.5, help="time for the whole call; late systems are skipped")
@@ -102,6 +106,13 @@ def _workload(args) -> Workload:
                     lr=args.lr or (3e-3 if tiny else width_lr(SHAPES[shape]["dim"])),
                     lr_warmup=args.warmup + steps if args.lr_warmup is None else args.lr_warmup,
                     device="cpu" if tiny else "cuda")
+
+
+def _thread_counts(text: str) -> list[int]:
+    counts = [c.strip() for c in text.split(",") if c.strip()]
+    if not counts or not all(c.isdigit() and int(c) > 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"thread counts are whole numbers >= 1, comma-separated (14,8), got {text!r}")
+    return [int(c) for c in counts]
 
 
 def _jobs(args) -> list[Job]:
@@ -237,7 +248,8 @@ def run(args, workload: Workload) -> tuple[list[dict], str]:
                 if job.system in NEEDS_WEIGHTS:
                     options["weights"] = weights[0]
                 if job.system == "megacompile":
-                    options.update(calibrated=calibrated, host_budget=args.host_budget, fuse=args.fuse)
+                    options.update(calibrated=calibrated, host_budget=args.host_budget, fuse=args.fuse,
+                                   host_threads=args.host_threads)
                 log = logs / f"{job.system}-{job.setting.replace(' ', '-').replace(',', '')}.log"
                 if job.system == "megacompile":
                     options["trace"] = str(log.with_suffix(".trace.json"))
@@ -278,7 +290,8 @@ def _line(r: dict) -> str:
     if not r.get("ok"):
         return f"{r['system']:12s} {r['setting']:14s} skipped: {r.get('reason')}\n{r.get('traceback', '')}"
     return (f"{r['system']:12s} {r['setting']:14s} {r['step_s']:.3f} s/step  {r['tokens_per_s']:,.0f} tokens/s  "
-            f"{r['tflops_6nd']:.1f} TFLOPS  losses {', '.join(f'{x:.4f}' for x in r['losses'])}")
+            f"{r['tflops_6nd']:.1f} TFLOPS  losses {', '.join(f'{x:.4f}' for x in r['losses'])}"
+            + "".join(f"\n{' ' * 27}{line}" for line in thread_sweep(r)))
 
 
 def main(argv=None) -> int:

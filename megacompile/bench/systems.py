@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from pathlib import Path
 
 from ..engine.from_pretrained import compile_folder
 from ..errors import BudgetTooSmallError
 from .budgets import GiB, asked_gib, resident_gib
 from .peer_systems import run_deepspeed, run_fsdp2
-from .timing import memory, say, timed
+from .timing import memory, say, sync, timed
 from .workload import Workload
 
 
 def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: str | None = None,
                     host_budget: float | None = None, fuse: bool | None = None, trace: str | None = None,
-                    updates: str = "at_commit") -> dict:
+                    updates: str = "at_commit", host_threads: list[int] | None = None) -> dict:
     """budget: "resident" (the default budget: most of the device), or a fraction of the model's
     bf16 weights ("0.5", "0.34"), raised to the smallest budget the plan fits in when it is below.
     weights: the folder bench/weights.py wrote for this workload. calibrated: a profile's JSON to
@@ -27,7 +28,8 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     timed step, measured beside predicted (where a step's time went: its forward beside the host
     updates of the step before, as a training loop runs them); the step run alone for the host
     optimizer's time goes beside it (alone_trace). updates: compile()'s ("as_gradients_land": each host
-    update beside the rest of the backward)."""
+    update beside the rest of the backward). host_threads: thread counts of the host AdamW to time
+    the step at too, after the timed steps (host_thread_sweep)."""
     from ..cost import predict
     from ..cost.backend_profile import profile_for
     from ..cost.hardware import HardwareProfile
@@ -58,6 +60,8 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
         out["measured_wait_update_s"] = update_wait_s(engine, plan.program)
         if trace:
             engine.trace(trace)
+        if host_threads:
+            out.update(host_thread_sweep(engine, plan.program, workload, host_threads))
         out["measured_host_optimizer_s"] = host_optimizer_s(engine, *batches[-1])
         if trace:
             engine.trace(alone_trace(trace))
@@ -116,6 +120,32 @@ def update_wait_s(engine, program) -> float:
     return sum(s.end - s.start for s in engine.timeline.on("compute")
                if s.node is not None and s.node < len(nodes) and nodes[s.node].op.value == "wait"
                and values[nodes[s.node].reads[0]].kind == "host")
+
+
+def host_thread_sweep(engine, program, workload: Workload, counts: list[int]) -> dict:
+    """The step timed again with the host AdamW on each of `counts` threads (the timed steps ran on
+    every core this rank has: optim/host_threads.py): whether the updates, the copies and the
+    compute thread contend for the host's cores or its memory. A few steps per count, back to back,
+    on the workload's last batches; the arithmetic is the same on any count (optim/fused_adamw.py),
+    so only the time changes. Each count's step_s and its wait on the updates of the step before."""
+    from ..optim import fused_adamw
+    from ..optim.host_threads import host_threads
+    batches = workload.batches()[-min(3, workload.steps):]
+    out: dict = {"host_threads": host_threads()}
+    try:
+        for n in counts:
+            fused_adamw.set_num_threads(n)
+            engine.synchronize()
+            start = time.perf_counter()
+            for ids, labels in batches:
+                engine.step(input_ids=ids, labels=labels)
+            sync(workload.device)
+            out[f"step_s_host_threads_{n}"] = (time.perf_counter() - start) / len(batches)
+            out[f"measured_wait_update_s_host_threads_{n}"] = update_wait_s(engine, program)
+            say(f"{len(batches)} steps on {n} host threads")
+    finally:
+        fused_adamw.set_num_threads(None)
+    return out
 
 
 def alone_trace(trace: str) -> str:

@@ -57,6 +57,20 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def thread_sweep(r: dict) -> list[str]:
+    """A megacompile row's steps on other host AdamW thread counts (systems.host_thread_sweep), one
+    line each beside the timed steps' count."""
+    prefix = "step_s_host_threads_"
+    counts = sorted((int(k[len(prefix):]) for k in r if k.startswith(prefix)), reverse=True)
+    if not counts:
+        return []
+    lines = [f"{r.get('host_threads', '?')} host threads (the timed steps): {r['step_s']:.3f} s/step, "
+             f"{r.get('measured_wait_update_s', math.nan):.3f} s of it waiting on the updates"]
+    return lines + [f"{n} host threads: {r[prefix + str(n)]:.3f} s/step, "
+                    f"{r.get(f'measured_wait_update_s_host_threads_{n}', math.nan):.3f} s of it waiting on the updates"
+                    for n in counts]
+
+
 def markdown(results: list[dict], facts: dict, workload: dict, reference: str, rtol: float,
              fall: float | None = None) -> str:
     """fall: how far the reference's loss fell over its run, relative (agreement.loss_fall)."""
@@ -79,6 +93,10 @@ def markdown(results: list[dict], facts: dict, workload: dict, reference: str, r
         agreed = "yes" if r.get("losses_agree") else "NO"
         lines.append(f"| {r['system']} | {r['setting']} | " + " | ".join(cell(r, *s[1:]) for s in SHOWN)
                      + f" | {agreed} |")
+    sweeps = [f"{r['system']} {r['setting']}: {line}" for r in results if r.get("ok") for line in thread_sweep(r)]
+    if sweeps:
+        lines += ["", "The step again with the host AdamW on other thread counts (the same arithmetic):", "",
+                  *(f"- {line}" for line in sweeps)]
     lines += ["", f"Losses are compared step by step with {reference}'s, relative tolerance {rtol:g}."]
     if fall is not None and not math.isnan(fall) and fall < 0:
         lines[-1] += (f" Its loss rose by {-fall:.1%} over the run: the learning rate is too large for this model "

@@ -200,6 +200,8 @@ def test_every_command_the_runbook_gives_is_one_its_program_takes(tmp_path):
             assert kernels_parser().parse_args(argv[2:]).check
             seen.add("kernels")
     assert seen == {"peers", "acceptance", "kernels"}
+    row = next(peers._arguments(c.split()[3:]) for c in calls if " --out 3b " in f"{c} ")
+    assert row.host_threads and all(n < os.cpu_count() or n == 1 for n in row.host_threads)
 
 
 def test_acceptance_refuses_a_section_it_does_not_have(capsys):

@@ -131,10 +131,11 @@ def test_the_row_measures_the_wait_on_the_host_updates_beside_its_prediction(tmp
     and with every update slowed (MEGACOMPILE_INJECT_DELAYS: 0-50 ms each) it waits longer."""
     from megacompile.bench import weights
     folder = str(weights.write(TINY, tmp_path))
-    plain = systems.run_megacompile(TINY, "resident", folder)
+    plain = systems.run_megacompile(TINY, "resident", folder, host_threads=[2, 1])
     monkeypatch.setenv("MEGACOMPILE_INJECT_DELAYS", "1")
     slowed = systems.run_megacompile(TINY, "resident", folder)
     assert "predicted_exposed_update_s_datasheet" in plain
+    assert plain["step_s_host_threads_2"] > 0 and plain["step_s_host_threads_1"] > 0
     assert slowed["measured_wait_update_s"] > 0.03
     assert slowed["measured_wait_update_s"] > 3 * plain["measured_wait_update_s"]
 
@@ -150,3 +151,65 @@ def test_only_the_waits_on_masters_count_as_waits_on_updates():
              Span("compute", "forward block.0", 0.4, 0.9, node=2), Span("host", "adamw", 0.0, 0.2, node=None)]
     engine = NS(timeline=NS(on=lambda stream: [s for s in spans if s.stream == stream]))
     assert systems.update_wait_s(engine, NS(nodes=nodes, values=values)) == 0.25
+
+
+class CountingEngine:
+    """Records the host AdamW's thread count (optim/fused_adamw.py) each step runs its updates on."""
+
+    def __init__(self, fail_at: int | None = None):
+        from megacompile.optim import fused_adamw
+        self.fused_adamw, self.fail_at, self.seen = fused_adamw, fail_at, []
+        self.timeline = Timeline()
+
+    def step(self, **inputs):
+        self.seen.append(self.fused_adamw.get_num_threads())
+        if len(self.seen) == self.fail_at:
+            raise RuntimeError("a step failed")
+
+    def synchronize(self):
+        pass
+
+
+def test_the_thread_sweep_steps_on_each_count_then_gives_the_kernel_its_default_back():
+    """`bench peers --host-threads 14,8`: a few steps on each count after the timed steps, each
+    count's time in the row, and the kernel back on the rank's cores after it, also when a step fails."""
+    import pytest
+    from megacompile.optim import fused_adamw
+    default = fused_adamw.get_num_threads()
+    engine = CountingEngine()
+    from types import SimpleNamespace
+    program = SimpleNamespace(nodes=[], values={})
+    out = systems.host_thread_sweep(engine, program, TINY, [3, 1])
+    steps = min(3, TINY.steps)
+    assert engine.seen == [3] * steps + [1] * steps
+    assert out["step_s_host_threads_3"] >= 0 and out["step_s_host_threads_1"] >= 0
+    assert out["measured_wait_update_s_host_threads_1"] == 0
+    assert fused_adamw.get_num_threads() == default
+    with pytest.raises(RuntimeError, match="a step failed"):
+        systems.host_thread_sweep(CountingEngine(fail_at=1), program, TINY, [5])
+    assert fused_adamw.get_num_threads() == default
+
+
+def test_the_sweep_is_asked_for_by_thread_counts_and_shown_under_the_table():
+    import argparse
+
+    import pytest
+    from megacompile.bench import peers, table
+    assert peers._arguments(["--host-threads", "14, 8"]).host_threads == [14, 8]
+    assert peers._arguments([]).host_threads is None
+    for wrong in ("0", "eight", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole numbers >= 1"):
+            peers._thread_counts(wrong)
+    row = {"system": "megacompile", "setting": "budget 0.34", "ok": True, "losses": [1.0], "step_s": 1.43,
+           "tokens_per_s": 1.0, "tflops_6nd": 1.0, "host_threads": 16, "measured_wait_update_s": 0.5,
+           "step_s_host_threads_8": 1.25, "measured_wait_update_s_host_threads_8": 0.25,
+           "step_s_host_threads_14": 1.0, "measured_wait_update_s_host_threads_14": 0.125}
+    lines = table.thread_sweep(row)
+    assert lines == ["16 host threads (the timed steps): 1.430 s/step, 0.500 s of it waiting on the updates",
+                     "14 host threads: 1.000 s/step, 0.125 s of it waiting on the updates",
+                     "8 host threads: 1.250 s/step, 0.250 s of it waiting on the updates"]
+    described = {"shape": "llama-3b", "parameters": 3e9, "batch": 4, "seq": 2048, "steps": 1, "warmup": 1,
+                 "compute_dtype": "torch.bfloat16", "lr": 1e-4}
+    md = table.markdown([row], {}, described, "megacompile budget 0.34", 0.01)
+    assert "- megacompile budget 0.34: 14 host threads: 1.000 s/step" in md
+    assert table.thread_sweep({"step_s": 1.0}) == []
