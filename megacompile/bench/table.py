@@ -66,7 +66,7 @@ def thread_sweep(r: dict) -> list[str]:
         return []
     lines = [f"{r.get('host_threads', '?')} host threads (the timed steps): {r['step_s']:.3f} s/step, "
              f"{r.get('measured_wait_update_s', math.nan):.3f} s of it waiting on the updates"]
-    return lines + [f"{n} host threads: {r[prefix + str(n)]:.3f} s/step, "
+    return lines + [f"{n} host thread{'' if n == 1 else 's'}: {r[prefix + str(n)]:.3f} s/step, "
                     f"{r.get(f'measured_wait_update_s_host_threads_{n}', math.nan):.3f} s of it waiting on the updates"
                     for n in counts]
 
