@@ -39,6 +39,7 @@ import safetensors.torch
 from ..errors import CheckpointError, MegacompileError, WeightsFileError
 from . import checkpoint_path, durable, manifest as schema, model_params, own_buffers, run_state, unbuilt
 from .header import read_header
+from .foreign_checkpoint import describe as describe_foreign
 
 from .source import CONST, MASTER, TABLES, Item, PendingLoad
 
@@ -211,7 +212,8 @@ def verified_manifest(path: str) -> dict:
         raise _refuse(path, "there is no checkpoint folder there")
     marker = os.path.join(path, MARKER)
     if not os.path.isfile(marker):
-        raise _refuse(path, f"it is not committed (no {MARKER}: its save did not finish)")
+        foreign = describe_foreign(path)
+        raise _refuse(path, f"it is {foreign}" if foreign else f"it is not committed (no {MARKER}: its save did not finish)")
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             text = f.read()

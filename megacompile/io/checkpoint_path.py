@@ -1,7 +1,8 @@
 """What the path given to load_checkpoint is, when it is not a checkpoint folder.
 
-A file of a checkpoint (its manifest.json, COMMITTED or a safetensors file of it), a Hugging Face
-model folder or its weights file, or any other file is refused with what to pass instead, before
+A file of a checkpoint (its manifest.json, COMMITTED or a safetensors file of it), another trainer's
+checkpoint folder (io/foreign_checkpoint.py), a Hugging Face model folder or its weights file, or any
+other file is refused with what to pass instead, before
 anything is read: the one-file format of earlier releases is a torch zip archive, and only such a
 file goes to its loader (whose torch.load would otherwise answer with its own weights_only text).
 The folder of a manifest is not taken in its place: the caller's path is kept to what it names.
@@ -13,6 +14,7 @@ import zipfile
 
 from ..errors import WeightsFileError
 from .durable import MARKER
+from .foreign_checkpoint import describe as describe_foreign
 from .hf_layout import INDEX, SINGLE
 from .manifest import NAME as MANIFEST
 
@@ -25,6 +27,9 @@ def refusal(path: str) -> WeightsFileError | None:
     folder, name = os.path.split(os.path.abspath(path))
     start = f"cannot load the checkpoint {path}: "
     if os.path.isdir(path):
+        foreign = describe_foreign(path) if not os.path.isfile(os.path.join(path, MARKER)) else None
+        if foreign:
+            return WeightsFileError(start + f"it is {foreign}; nothing was loaded")
         if not os.path.isfile(os.path.join(path, MANIFEST)) and any(
                 os.path.isfile(os.path.join(path, f)) for f in (INDEX, SINGLE)):
             return WeightsFileError(start + "it is a Hugging Face model folder, not a checkpoint: load it with "

@@ -50,6 +50,9 @@ class Context:
         self.config = os.path.join(tmp, "config.json")
         with open(self.config, "w") as f:
             json.dump(CONFIG, f)
+        self.hf_trainer = _trainer_checkpoint(tmp, "trainer_state.json", "config.json", "model.safetensors",
+                                              "optimizer.pt")
+        self.deepspeed = _trainer_checkpoint(tmp, "trainer_state.json", "global_step500/x_optim_states.pt")
 
     def cli(self, *argv):
         """The command line's way of failing: exit status 2 and one line, no traceback."""
@@ -93,6 +96,17 @@ def _step(**inputs):
 def _under_inference_mode(c):
     with torch.inference_mode():
         c.engine.step(idx=IDS, targets=IDS)
+
+
+def _trainer_checkpoint(tmp, *files: str) -> str:
+    """A folder laid out as another trainer writes its checkpoints (the files' contents do not matter:
+    the layout alone says what it is)."""
+    folder = os.path.join(tmp, "checkpoint-" + "-".join(f.split("/")[0] for f in files))
+    for name in files:
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("{}")
+    return folder
 
 
 def _train(*flags):
@@ -243,6 +257,13 @@ CASES = [
          r"missing \['transformer.ln_f.bias'\].*nothing was loaded.*other parts", _partial_load),
     Case("load_state_dict: unknown name", megacompile.MegacompileError, r"unexpected \['nope'\]",
          lambda c: _meta_engine().load_state_dict({"nope": torch.zeros(1)}, strict=False)),
+    Case("load_checkpoint: a Hugging Face Trainer checkpoint", WeightsFileError,
+         r"it is a Hugging Face Trainer checkpoint .*its AdamW state \(optimizer.pt\) cannot be taken in: start a "
+         r"new run from its weights instead \(run.yaml `model: .*checkpoint-trainer_state.json",
+         lambda c: c.engine.load_checkpoint(c.hf_trainer)),
+    Case("cli train resume=<a DeepSpeed checkpoint>", SystemExit,
+         r"it is a DeepSpeed checkpoint \(its ZeRO partitions are in global_step500/\).*zero_to_fp32.py",
+         lambda c: _train(f"resume={c.deepspeed}")(c)),
     Case("load_checkpoint: not a checkpoint", WeightsFileError, r"cannot load the checkpoint .*a_file: it is a file, not a checkpoint",
          lambda c: c.engine.load_checkpoint(c.file)),
     # the command line: exit status 2, one line naming the problem

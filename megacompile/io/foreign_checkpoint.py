@@ -1,0 +1,54 @@
+"""What another trainer's checkpoint folder is, when one is given where megacompile's is asked for.
+
+A LlamaFactory or TRL user resumes with `resume_from_checkpoint: saves/run/checkpoint-500`: a
+folder transformers' Trainer wrote, not one megacompile saved. Its AdamW state is not taken in
+(optimizer.pt is torch's AdamW state_dict, keyed by the Trainer's parameter groups; DeepSpeed and
+FSDP shard it in layouts of their own), so the refusal says what the folder is and what works: its
+weights start a new run as the model, and the AdamW moments and the learning-rate schedule start
+afresh. Without this, the folder is refused as a megacompile checkpoint "whose save did not
+finish", which sends the user looking for a broken save.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+# What starting from a folder's weights means, said once for every layout.
+_START = ("start a new run from its weights instead (run.yaml `model: {weights}`, or "
+          "megacompile.from_pretrained('{weights}', hbm_budget)): the AdamW moments and the learning-rate "
+          "schedule then start afresh, and the data from its first row")
+
+
+def describe(path: str) -> str | None:
+    """Why `path` is another trainer's checkpoint and what to do with it, or None when it is not one."""
+    if not os.path.isdir(path):
+        return None
+    has = lambda *names: any(os.path.exists(os.path.join(path, n)) for n in names)   # noqa: E731
+    deepspeed = sorted(glob.glob(os.path.join(path, "global_step*")))
+    weights_here = has("model.safetensors", "model.safetensors.index.json")   # what from_pretrained reads
+    if deepspeed:
+        what = (f"a DeepSpeed checkpoint (its ZeRO partitions are in {os.path.basename(deepspeed[-1])}/), "
+                "not one megacompile saved")
+        if weights_here and has("config.json"):
+            return f"{what}; its optimizer state cannot be taken in: " + _START.format(weights=path)
+        return (f"{what}; its optimizer state cannot be taken in: write its fp32 weights with the zero_to_fp32.py "
+                f"DeepSpeed leaves in it (python zero_to_fp32.py {path} OUT --safe_serialization), put the "
+                "model's config.json beside them, and " + _START.format(weights="OUT"))
+    if has("pytorch_model_fsdp_0", "optimizer_0"):
+        return ("an FSDP checkpoint in torch.distributed.checkpoint's sharded layout, not one megacompile saved; "
+                "its optimizer state cannot be taken in: gather its weights into one file (torch's "
+                "torch.distributed.checkpoint.format_utils.dcp_to_torch_save), save them as a Hugging Face folder, "
+                "and " + _START.format(weights="that folder"))
+    if has("trainer_state.json"):
+        what = ("a Hugging Face Trainer checkpoint (LlamaFactory's and TRL's checkpoint-N), not one megacompile "
+                "saved; its AdamW state (optimizer.pt) cannot be taken in")
+        if weights_here and has("config.json"):
+            return f"{what}: " + _START.format(weights=path)
+        if has("adapter_model.safetensors", "adapter_model.bin"):
+            return (f"{what}, and it holds a LoRA adapter only: merge it into its base model (PEFT's "
+                    "merge_and_unload, then save_pretrained), and " + _START.format(weights="the merged folder"))
+        return f"{what}, nor does it hold the model's weights and config.json to start from"
+    if has("recipe_state.pt"):
+        return ("a torchtune checkpoint, not one megacompile saved; its optimizer state (recipe_state.pt) cannot "
+                "be taken in: " + _START.format(weights="the folder of its model files (with their config.json)"))
+    return None
