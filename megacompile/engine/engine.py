@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ from ..runtime import Executor, HostState, make_backend, shutdown
 from ..runtime.host_heap import resident_set_bytes
 from ..settings import Settings
 from ..state import TrainingState
-from ..io import hf_save, model_params, state_dict, unbuilt
+from ..io import hf_save, model_params, state_dict, trainer_checkpoint, unbuilt
 from ..io.checkpoint import LocalCheckpoints
 from ..distributed import data_parallel_for
 from ..distributed.checkpoint import ShardedCheckpoints
@@ -495,6 +496,23 @@ class Engine:
         warning naming them. Returns the `extra` state it was saved with."""
         extra = self._checkpoints.load(self.state, path, strict=strict)
         return extra
+
+    def load_trainer_checkpoint(self, path: str, *, strict: bool = True) -> dict:
+        """Go on from a checkpoint transformers' Trainer saved (LlamaFactory's and TRL's `checkpoint-N`:
+        its weights, optimizer.pt's AdamW moments and step counts, trainer_state.json's global_step as
+        this engine's steps done, so a schedule of the step goes on where the Trainer's was). Every
+        index of the optimizer's state is matched to its parameter by the Trainer's param groups and
+        checked by shape before any state changes (io/trainer_checkpoint.py). strict=True refuses
+        other AdamW betas, eps or weight decays than this engine's; strict=False keeps this engine's,
+        with a warning. Returns trainer_state.json."""
+        if self.data_parallel is not None:
+            raise MegacompileError("load_trainer_checkpoint runs in one process: take the checkpoint in there, "
+                                   "save_checkpoint, and load that one on every rank")
+        load, counters, notes, trainer_state = trainer_checkpoint.read(self.state, str(path), strict)
+        self.state.restore(load, counters)
+        for note in notes:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
+        return trainer_state
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
                         max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:

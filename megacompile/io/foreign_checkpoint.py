@@ -1,12 +1,13 @@
 """What another trainer's checkpoint folder is, when one is given where megacompile's is asked for.
 
 A LlamaFactory or TRL user resumes with `resume_from_checkpoint: saves/run/checkpoint-500`: a
-folder transformers' Trainer wrote, not one megacompile saved. Its AdamW state is not taken in
-(optimizer.pt is torch's AdamW state_dict, keyed by the Trainer's parameter groups; DeepSpeed and
-FSDP shard it in layouts of their own), so the refusal says what the folder is and what works: its
-weights start a new run as the model, and the AdamW moments and the learning-rate schedule start
-afresh. Without this, the folder is refused as a megacompile checkpoint "whose save did not
-finish", which sends the user looking for a broken save.
+folder transformers' Trainer wrote, not one megacompile saved. A Trainer's own layout (weights,
+optimizer.pt) is taken in by engine.load_trainer_checkpoint (io/trainer_checkpoint.py), and the
+refusal of load_checkpoint names it; DeepSpeed and FSDP shard the optimizer's state in layouts of
+their own, which are not taken in: the refusal says what the folder is and how its weights start a
+new run as the model, the AdamW moments and the learning-rate schedule afresh. Without this, the
+folder is refused as a megacompile checkpoint "whose save did not finish", which sends the user
+looking for a broken save.
 """
 from __future__ import annotations
 
@@ -41,7 +42,11 @@ def describe(path: str) -> str | None:
                 "and " + _START.format(weights="that folder"))
     if has("trainer_state.json"):
         what = ("a Hugging Face Trainer checkpoint (LlamaFactory's and TRL's checkpoint-N), not one megacompile "
-                "saved; its AdamW state (optimizer.pt) cannot be taken in")
+                "saved")
+        if weights_here and has("config.json") and has("optimizer.pt"):
+            return (f"{what}: engine.load_trainer_checkpoint({path!r}) takes in its weights, AdamW moments and "
+                    "steps (run.yaml: `resume` takes it so); or " + _START.format(weights=path))
+        what += "; its AdamW state (optimizer.pt) cannot be taken in"
         if weights_here and has("config.json"):
             return f"{what}: " + _START.format(weights=path)
         if has("adapter_model.safetensors", "adapter_model.bin"):

@@ -47,6 +47,9 @@ class PendingLoad:
     # Saved between a step's micro-batches: the parameters whose gradient sums they made (None: saved
     # at a step boundary).
     reached: frozenset | None = None
+    # Tensors already in memory, by the `path` their items give in place of a file, then by key
+    # (io/trainer_checkpoint.py: the moments of a torch optimizer's state_dict).
+    memory: dict | None = None
 
     def missing(self, host) -> list[str]:
         have = defaultdict(set)
@@ -70,6 +73,10 @@ class PendingLoad:
             for it in self.items:
                 by_file[it.path].append(it)
             for path, items in by_file.items():
+                if self.memory is not None and path in self.memory:
+                    for it in items:
+                        _write(host, it, self.memory[path][it.key])
+                    continue
                 try:
                     with safe_open(path, framework="pt", backend="pread") as f:
                         for it in items:

@@ -28,6 +28,7 @@ import warnings
 from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStepError, WeightsFileError
 from ..ir import fmt_bytes
 from ..report import write_run_views
+from ..io import trainer_checkpoint
 from . import intervals, methods, preemption, resume, trained_model
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
@@ -59,16 +60,27 @@ def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
     return c.resume
 
 
-def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None]:
+def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None, str | None]:
     """The run folder, the checkpoint to resume from (None: a new run) and its manifest, checked;
-    and the trained model's folder checked against a new run."""
+    the Trainer checkpoint a new run starts from (`resume` naming one: io/trainer_checkpoint.py),
+    or None; and the trained model's folder checked against a new run."""
     run_dir = _run_dir(c)
-    resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
-    if c.resume not in (None, "auto"):
-        resume_from = c.resume
+    imported = c.resume if c.resume not in (None, "auto") and trainer_checkpoint.is_trainer_checkpoint(c.resume) \
+        else None
+    if imported is not None:
+        # The Trainer's checkpoint starts this run; once the run saved checkpoints of its own (it
+        # was stopped), the same command goes on from its latest instead.
+        from ..io.checkpoint import committed_beside
+        folder = os.path.join(run_dir, CHECKPOINTS)
+        found = committed_beside(os.path.join(folder, "latest")) if os.path.isdir(folder) else []
+        resume_from = found[-1] if found else None
+    else:
+        resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
+        if c.resume not in (None, "auto"):
+            resume_from = c.resume
     saved = resume.read(resume_from) if resume_from is not None else None
     trained_model.check_new_run(c, run_dir, resume_from)
-    return run_dir, resume_from, saved
+    return run_dir, resume_from, saved, imported if resume_from is None else None
 
 
 def checkpoint_path(folder: str, step: int) -> str:
@@ -97,7 +109,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     gets that step's Chrome trace (step.json, or `trace`) and memory.png (docs/plan-format.md).
     Every check (settings against the model and the data, a resume against its checkpoint) comes
     before any file of the run folder is written and before the engine exists."""
-    run_dir, resume_from, saved = starting_point(c)
+    run_dir, resume_from, saved, imported = starting_point(c)
     meta = meta_model(c)
     kind(c).check_model(c, meta)
     meta = methods.apply(c, meta)      # the names it gives checked against the model, before the data is read
@@ -144,7 +156,8 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
             if stage.needs_reference:     # the model as loaded, forward only, on the policy's device
                 stage.reference = reference_engine(c, meta, setup, stage.first_inputs, wrap)
             result = _train(c, setup, stage, run_dir, resume_from,
-                            saved_settings=saved is not None and isinstance(saved.extra.get("settings"), dict))
+                            saved_settings=saved is not None and isinstance(saved.extra.get("settings"), dict),
+                            imported=imported)
             if result["first_loss"] is not None:      # a step ran here: its record is the one to show
                 write_run_views(setup.engine, run_dir, trace)
             print(trained_model.last_line(c, trained_model.folder(c, run_dir), result["model"]), flush=True)
@@ -173,14 +186,26 @@ def _resume(engine, resume_from: str, saved_settings: bool) -> dict:
     return extra
 
 
+def _take_in(engine, imported: str) -> None:
+    """A Trainer checkpoint's weights, AdamW moments and steps into the engine (its own checks
+    before any state changes); this run's AdamW settings are kept, a difference said once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.load_trainer_checkpoint(imported, strict=False)
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        print(f"  resume note    {message}", flush=True)
+
+
 def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | None,
-           saved_settings: bool = False) -> dict:
+           saved_settings: bool = False, imported: str | None = None) -> dict:
     engine = setup.engine
     plan = engine.prepare(**stage.first_inputs(setup.batch))
     position, extra = 0, None
     if resume_from is not None:     # its own checks (model, files, checksums) before the plan is written
         extra = _resume(engine, resume_from, saved_settings)
         position = int(extra["rows"])
+    elif imported is not None:
+        _take_in(engine, imported)
     print(plan.summary(), flush=True)
     for line in stage.describe(setup):
         print(f"  {line}", flush=True)
@@ -188,6 +213,10 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     print(f"  plan dump      {os.path.join(run_dir, 'plan')}/plan.txt, plan.json", flush=True)
     if resume_from is not None:
         print(f"  resumed        from {resume_from} at step {engine.steps_done}", flush=True)
+    elif imported is not None:
+        print(f"  resumed        from the Trainer checkpoint {imported} at step {engine.steps_done} (its weights, "
+              "AdamW moments and steps; the data from this run's first row: the Trainer's order is its own)",
+              flush=True)
     stage.begin(engine, run_dir, extra, setup.batch)
     start_step = engine.steps_done
     log = RunLog(run_dir, c.log, start_step, settings=dataclasses.asdict(c), columns=stage.columns)

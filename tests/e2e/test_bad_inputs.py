@@ -258,9 +258,16 @@ CASES = [
     Case("load_state_dict: unknown name", megacompile.MegacompileError, r"unexpected \['nope'\]",
          lambda c: _meta_engine().load_state_dict({"nope": torch.zeros(1)}, strict=False)),
     Case("load_checkpoint: a Hugging Face Trainer checkpoint", WeightsFileError,
-         r"it is a Hugging Face Trainer checkpoint .*its AdamW state \(optimizer.pt\) cannot be taken in: start a "
-         r"new run from its weights instead \(run.yaml `model: .*checkpoint-trainer_state.json",
+         r"it is a Hugging Face Trainer checkpoint .*engine.load_trainer_checkpoint\('.*checkpoint-trainer_state.json"
+         r".*'\) takes in its weights, AdamW moments and steps .*; or start a new run from its weights",
          lambda c: c.engine.load_checkpoint(c.hf_trainer)),
+    Case("load_trainer_checkpoint: no global_step", WeightsFileError,
+         r"trainer_state.json: global_step is None, not a count of steps",
+         lambda c: c.engine.load_trainer_checkpoint(c.hf_trainer)),
+    Case("load_trainer_checkpoint: a DeepSpeed checkpoint", WeightsFileError,
+         r"cannot take in the Trainer checkpoint .*: a DeepSpeed checkpoint \(its ZeRO partitions are in "
+         r"global_step500/\).*; nothing was loaded",
+         lambda c: c.engine.load_trainer_checkpoint(c.deepspeed)),
     Case("cli train resume=<a DeepSpeed checkpoint>", SystemExit,
          r"it is a DeepSpeed checkpoint \(its ZeRO partitions are in global_step500/\).*zero_to_fp32.py",
          lambda c: _train(f"resume={c.deepspeed}")(c)),

@@ -21,9 +21,12 @@ def _folder(tmp_path, name, *files):
 
 @pytest.mark.parametrize("files, says", [
     (("trainer_state.json", "config.json", "model.safetensors", "optimizer.pt", "scheduler.pt"),
-     ["Hugging Face Trainer checkpoint", "optimizer.pt", "`model: {path}`", "from_pretrained('{path}'"]),
+     ["Hugging Face Trainer checkpoint", "engine.load_trainer_checkpoint('{path}') takes in its weights, AdamW",
+      "`model: {path}`", "from_pretrained('{path}'"]),
     (("trainer_state.json", "config.json", "model.safetensors.index.json", "optimizer.pt"),
-     ["Hugging Face Trainer checkpoint", "`model: {path}`"]),
+     ["Hugging Face Trainer checkpoint", "load_trainer_checkpoint", "`model: {path}`"]),
+    (("trainer_state.json", "config.json", "model.safetensors"),
+     ["Hugging Face Trainer checkpoint", "its AdamW state (optimizer.pt) cannot be taken in", "`model: {path}`"]),
     (("trainer_state.json", "adapter_model.safetensors", "adapter_config.json", "optimizer.pt"),
      ["LoRA adapter only", "merge_and_unload", "the merged folder"]),
     (("trainer_state.json", "optimizer.pt"), ["nor does it hold the model's weights"]),

@@ -1,0 +1,186 @@
+"""A transformers Trainer checkpoint taken in: the weights, AdamW's moments and step counts.
+
+    checkpoint-500/                 what Trainer._save_checkpoint writes (LlamaFactory's and TRL's too)
+        config.json, model.safetensors (or shards and their index)
+        optimizer.pt                torch.optim.AdamW's state_dict(): per parameter index its
+                                    exp_avg, exp_avg_sq and step, and the param groups
+        trainer_state.json          global_step: the optimizer steps taken
+        scheduler.pt, rng_state.pth, training_args.bin   (not read: see below)
+
+The Trainer makes two param groups (Trainer.create_optimizer): the decayed parameters, then the
+ones its rule exempts (optim/weight_decay.py hf_no_decay), each in named_parameters() order, and
+numbers the parameters across both. The same split of this engine's trainable parameters by its
+AdamW `no_decay` gives each index its name; one group, as a Trainer given its own optimizer may
+make, is every trainable parameter in order. Every index's moments must have its parameter's
+shape, and the groups' sizes and weight decays must be the split's, or nothing is loaded: a
+mapping that only looks right would train the moments of one parameter into another.
+
+The learning rate follows this engine's schedule at global_step (the masters' step counter), not
+scheduler.pt; the random states and the data order are the run's own (a Trainer's sampler is not
+replayed). Moments come through a memory map of optimizer.pt: its pages are read once, into the
+host state, and dropped with the load.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from ..errors import MegacompileError, WeightsFileError
+from .foreign_checkpoint import describe as describe_foreign
+from .hf_layout import INDEX, SINGLE
+from .hf_load import plan_items, shard_map
+from .source import MASTER, Item, PendingLoad
+
+if TYPE_CHECKING:
+    from ..state.training import TrainingState
+
+OPTIMIZER, TRAINER_STATE = "optimizer.pt", "trainer_state.json"
+
+
+def is_trainer_checkpoint(path: str) -> bool:
+    """A folder a Trainer saved with its weights and its optimizer (what load() takes)."""
+    has = lambda name: os.path.isfile(os.path.join(path, name))   # noqa: E731
+    return (os.path.isdir(path) and has(TRAINER_STATE) and has(OPTIMIZER) and has("config.json")
+            and (has(SINGLE) or has(INDEX)))
+
+
+def read(state: "TrainingState", path: str, strict: bool = True) -> tuple[PendingLoad, dict, list[str], dict]:
+    """(the load, the counters, notes, trainer_state.json) of the Trainer checkpoint `path`, checked
+    against the state: nothing changes here."""
+    if not is_trainer_checkpoint(path):
+        foreign = describe_foreign(path) if os.path.isdir(path) else None
+        missing = [n for n in (TRAINER_STATE, OPTIMIZER, "config.json") if not os.path.isfile(os.path.join(path, n))]
+        why = (foreign if foreign and "Hugging Face Trainer" not in foreign else
+               f"a Trainer checkpoint holds {TRAINER_STATE}, {OPTIMIZER}, config.json and the model's safetensors; "
+               f"this one lacks {', '.join(missing) or SINGLE}" + (" (a Trainer saving with save_only_model writes "
+                                                                     "no optimizer.pt: start from its weights)"
+                                                                     if OPTIMIZER in missing else ""))
+        raise WeightsFileError(f"cannot take in the Trainer checkpoint {path}: {why}; nothing was loaded")
+    trainer_state = _json(os.path.join(path, TRAINER_STATE))
+    steps = trainer_state.get("global_step")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise WeightsFileError(f"{path}/{TRAINER_STATE}: global_step is {steps!r}, not a count of steps")
+    model = state.model
+    weights = plan_items(state.canonical, model, path, shard_map(path))
+    saved = _optimizer_state(os.path.join(path, OPTIMIZER))
+    names = _names_by_index(state, model, saved["param_groups"], path)
+    shapes = state.layout()[0]
+    tensors, missed, problems = {}, {}, []
+    for index, name in enumerate(names):
+        entry = saved["state"].get(index)
+        if entry is None:       # never stepped (no gradient yet): AdamW's state is made at its first update
+            tensors[f"exp_avg/{name}"] = tensors[f"exp_avg_sq/{name}"] = torch.zeros(shapes[name])
+            missed[name] = steps
+            continue
+        for table in ("exp_avg", "exp_avg_sq"):
+            t = entry.get(table)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shapes[name]:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                problems.append(f"parameter {index}'s {table} is {got}, {name} is {shapes[name]}")
+            else:
+                tensors[f"{table}/{name}"] = t
+        taken = int(entry.get("step", 0))
+        if not 0 <= taken <= steps:
+            problems.append(f"parameter {index} ({name}) took {taken} AdamW steps of the {steps} global steps")
+        elif taken < steps:
+            missed[name] = steps - taken
+    if problems:
+        raise WeightsFileError(f"cannot take in the Trainer checkpoint {path}: its {OPTIMIZER} does not fit this "
+                               f"model's trainable parameters in the Trainer's order: {'; '.join(problems[:3])}; "
+                               "nothing was loaded")
+    notes = _settings(state, saved["param_groups"], path, strict)
+    items = weights + [Item(_MEMORY, key, key.partition("/")[0], key.partition("/")[2]) for key in tensors]
+    load = PendingLoad(items, own_buffers=True, needs=(MASTER, "exp_avg", "exp_avg_sq"),
+                       describe=f"the Trainer checkpoint {path}", memory={_MEMORY: tensors})
+    counters = {"steps_done": steps, "micro_batches": steps * state.grad_accum, "skipped_steps": 0,
+                "missed_steps": missed}
+    return load, counters, notes, trainer_state
+
+
+_MEMORY = "<optimizer.pt>"      # the items the load takes from tensors in memory, not from a file
+
+
+def _json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise WeightsFileError(f"cannot read {path}: {e}") from e
+    if not isinstance(value, dict):
+        raise WeightsFileError(f"{path} holds {type(value).__name__}, not the Trainer's state")
+    return value
+
+
+def _optimizer_state(path: str) -> dict:
+    try:     # weights_only: tensors, numbers and containers, nothing a pickle could run
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file: name it
+        raise WeightsFileError(f"cannot read {path} as torch's optimizer state_dict: {e}") from e
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
+            and isinstance(saved.get("param_groups"), list) and saved["param_groups"]):
+        raise WeightsFileError(f"{path} is not an optimizer's state_dict (state and param_groups)")
+    amsgrad = [g for g in saved["param_groups"] if g.get("amsgrad")]
+    if amsgrad:
+        raise WeightsFileError(f"{path} was written by AdamW with amsgrad=True, which megacompile's AdamW does not "
+                               "run; nothing was loaded")
+    return saved
+
+
+def _names_by_index(state: "TrainingState", model: nn.Module, groups: list[dict], path: str) -> list[str]:
+    """The trainable parameter each index of the optimizer's state names (module docstring)."""
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    decayed = [n for n in trainable if n not in state.no_decay]
+    exempt = [n for n in trainable if n in state.no_decay]
+    sizes = [len(g.get("params", ())) for g in groups]
+    if len(groups) == 2 and sizes == [len(decayed), len(exempt)]:
+        order = decayed + exempt
+    elif len(groups) == 1 and sizes == [len(trainable)]:
+        order = trainable
+    else:
+        raise WeightsFileError(
+            f"cannot take in the Trainer checkpoint {path}: its optimizer has param groups of {sizes} parameters; "
+            f"this model has {len(trainable)} trainable ones, {len(decayed)} decayed and {len(exempt)} exempt by "
+            "this engine's AdamW no_decay (the Trainer's split is megacompile.hf_no_decay): give the optimizer "
+            "no_decay=megacompile.hf_no_decay, or the model the checkpoint was trained from; nothing was loaded")
+    indices = [i for g in groups for i in g["params"]]
+    if sorted(indices) != list(range(len(order))):
+        raise WeightsFileError(f"cannot take in the Trainer checkpoint {path}: its param groups number the "
+                               f"parameters {indices[:6]}..., not 0 to {len(order) - 1}; nothing was loaded")
+    names = [""] * len(order)
+    for position, index in enumerate(indices):
+        names[index] = order[position]
+    return names
+
+
+def _settings(state: "TrainingState", groups: list[dict], path: str, strict: bool) -> list[str]:
+    """AdamW's betas, eps and weight decays in the checkpoint against this engine's: refused when
+    strict, kept as this engine's with a note otherwise."""
+    opt = state.optimizer
+    first = groups[0]
+    differences = []
+    if not _close(list(first.get("betas", opt.betas)), list(opt.betas)):
+        differences.append(f"betas: the checkpoint has {list(first['betas'])}, this engine {list(opt.betas)}")
+    if not _close([first.get("eps", opt.eps)], [opt.eps]):
+        differences.append(f"eps: the checkpoint has {first['eps']!r}, this engine {opt.eps!r}")
+    decays = [g.get("weight_decay", 0.0) for g in groups]
+    wanted = [opt.weight_decay, 0.0][:len(groups)] if len(groups) == 2 else [opt.weight_decay]
+    if not _close(decays, wanted):
+        differences.append(f"weight_decay of its param groups: the checkpoint has {decays}, this engine {wanted}")
+    if len(groups) == 1 and state.no_decay:
+        differences.append(f"the checkpoint decays every parameter alike, this engine exempts {len(state.no_decay)} "
+                           "(its AdamW no_decay)")
+    if differences and strict:
+        raise MegacompileError(f"the Trainer checkpoint {path} differs from this engine: {'; '.join(differences)}; "
+                               "nothing was loaded (strict=False loads it and keeps this engine's settings)")
+    return [f"the Trainer checkpoint {path} was saved with other AdamW settings, this engine's are kept: "
+            f"{'; '.join(differences)}"] * bool(differences)
+
+
+def _close(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(isinstance(x, (int, float)) and math.isclose(x, y, rel_tol=1e-12, abs_tol=0)
+                                    for x, y in zip(a, b))

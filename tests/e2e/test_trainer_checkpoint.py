@@ -1,0 +1,160 @@
+"""A checkpoint transformers' Trainer saved, taken in by engine.load_trainer_checkpoint: training goes
+on as the Trainer's torch AdamW would from the same files (losses to 1e-5, weights to the noise floor
+of eager float32 against float64 from the same checkpoint), its moments, step counts and the step of
+the learning-rate schedule included; a checkpoint that does not fit is refused with nothing loaded."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import megacompile
+from megacompile.acceptance.parity import WEIGHT_NOISE_FACTOR, weight_errors
+from megacompile.errors import MegacompileError, WeightsFileError
+from tests import models
+
+LR, WD, BETAS, EPS, WARMUP = 1e-2, 0.1, (0.9, 0.95), 1e-8, 4
+BATCHES = [models.batch(96, 2, 16, seed=s) for s in range(5)]
+SAVED_AT = 2      # optimizer steps the Trainer took before its checkpoint
+
+
+def lr_at(step: int) -> float:
+    """The learning rate of the 1-based optimizer step: a warmup, so a resume at the wrong step shows."""
+    return LR * min(1.0, step / WARMUP)
+
+
+def _llama(tied: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=tied))
+
+
+def trainer_optimizer(model) -> torch.optim.AdamW:
+    """Trainer.create_optimizer's: the decayed parameters, then the exempt ones, in named_parameters() order."""
+    exempt = set(megacompile.hf_no_decay(model))
+    return torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if n not in exempt], "weight_decay": WD},
+                              {"params": [p for n, p in model.named_parameters() if n in exempt], "weight_decay": 0.0}],
+                             lr=LR, betas=BETAS, eps=EPS)
+
+
+def train(model, optimizer, batches, first_step: int) -> list[float]:
+    losses = []
+    for step, ids in enumerate(batches, start=first_step):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def trainer_checkpoint(folder: str, tied: bool, edit=None) -> str:
+    """What Trainer._save_checkpoint leaves after SAVED_AT steps; edit(state_dict) changes the
+    optimizer's state before it is written."""
+    model = _llama(tied)
+    optimizer = trainer_optimizer(model)
+    train(model, optimizer, BATCHES[:SAVED_AT], 1)
+    model.save_pretrained(folder)
+    saved = optimizer.state_dict()
+    if edit is not None:
+        edit(saved)
+    torch.save(saved, os.path.join(folder, "optimizer.pt"))
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": SAVED_AT, "epoch": 0.4, "log_history": []}, f)
+    torch.save({"last_epoch": SAVED_AT}, os.path.join(folder, "scheduler.pt"))
+    return folder
+
+
+def eager_from(folder: str, dtype: torch.dtype):
+    """The Trainer's run going on from its files: the model and optimizer loaded as it loads them."""
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).to(dtype)
+    optimizer = trainer_optimizer(model)
+    optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True))
+    losses = train(model, optimizer, BATCHES[SAVED_AT:], SAVED_AT + 1)
+    return model, losses
+
+
+def engine_for(folder: str, **adamw):
+    settings = dict(lr=lr_at, betas=BETAS, eps=EPS, weight_decay=WD, no_decay=megacompile.hf_no_decay) | adamw
+    return megacompile.from_pretrained(folder, hbm_budget=1.0, device="cpu", optimizer=megacompile.AdamW(**settings))
+
+
+def _never_stepped(saved: dict) -> None:
+    """The first exempt parameter had no gradient in the Trainer's steps: torch keeps no state for it."""
+    del saved["state"][saved["param_groups"][1]["params"][0]]
+
+
+def _stepped_once(saved: dict) -> None:
+    """The first decayed parameter had a gradient in one of the Trainer's steps only."""
+    saved["state"][saved["param_groups"][0]["params"][0]]["step"] = torch.tensor(1.0)
+
+
+@pytest.mark.parametrize("tied, edit", [(False, None), (True, None), (False, _never_stepped), (False, _stepped_once)],
+                         ids=["untied", "tied", "a parameter never stepped", "a parameter stepped once"])
+def test_training_goes_on_as_the_trainers_adamw_would(tmp_path, tied, edit):
+    folder = trainer_checkpoint(str(tmp_path / "checkpoint-2"), tied, edit)
+    reference, eager_losses = eager_from(folder, torch.float32)
+    exact, _ = eager_from(folder, torch.float64)
+    noise = max(weight_errors(exact, reference).values())
+    engine = engine_for(folder)
+    trainer_state = engine.load_trainer_checkpoint(folder)
+    assert trainer_state["global_step"] == SAVED_AT and engine.state.steps_done == SAVED_AT
+    losses = [engine.step(input_ids=ids, labels=ids) for ids in BATCHES[SAVED_AT:]]
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    tolerance = max(1e-5, WEIGHT_NOISE_FACTOR * noise)
+    errors = weight_errors(engine, reference)
+    assert max(errors.values()) <= tolerance, (errors, noise)
+    # The same weights without the Trainer's moments and steps (a new run from its weights) land
+    # far from the Trainer's: the import is what the agreement above rests on.
+    fresh = engine_for(folder)
+    for ids in BATCHES[SAVED_AT:]:
+        fresh.step(input_ids=ids, labels=ids)
+    assert max(weight_errors(fresh, reference).values()) > 10 * tolerance
+
+
+def _masters(engine) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in engine.state_dict().items()}
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_path):
+    folder = trainer_checkpoint(str(tmp_path / "checkpoint-2"), tied=False)
+    engine = engine_for(folder)
+    engine.step(input_ids=BATCHES[0], labels=BATCHES[0])
+    before, steps = _masters(engine), engine.state.steps_done
+
+    def unchanged():
+        after = _masters(engine)
+        assert engine.state.steps_done == steps and all(torch.equal(before[n], after[n]) for n in before)
+
+    # This engine's AdamW decays every parameter: the Trainer's two groups do not split its parameters so.
+    with pytest.raises(WeightsFileError, match=r"param groups of \[\d+, \d+\].*no_decay=megacompile.hf_no_decay"):
+        engine_for(folder, no_decay=()).load_trainer_checkpoint(folder)
+    # The groups' order swapped: every index names another parameter, and the shapes say so.
+    swapped = trainer_checkpoint(str(tmp_path / "swapped"), tied=False,
+                                 edit=lambda s: s["param_groups"].reverse())
+    with pytest.raises(WeightsFileError, match=r"param groups of|does not fit this model's trainable parameters"):
+        engine.load_trainer_checkpoint(swapped)
+    unchanged()
+    # Other betas: refused, or kept as this engine's with a warning under strict=False.
+    other = trainer_checkpoint(str(tmp_path / "betas"), tied=False,
+                               edit=lambda s: [g.update(betas=(0.8, 0.99)) for g in s["param_groups"]])
+    with pytest.raises(MegacompileError, match=r"betas: the checkpoint has \[0.8, 0.99\], this engine \[0.9, 0.95\]"):
+        engine.load_trainer_checkpoint(other)
+    unchanged()
+    with pytest.warns(RuntimeWarning, match="this engine's are kept: betas"):
+        engine.load_trainer_checkpoint(other, strict=False)
+    assert engine.state.steps_done == SAVED_AT
+    # Saved with save_only_model: no optimizer.pt.
+    os.remove(os.path.join(other, "optimizer.pt"))
+    with pytest.raises(WeightsFileError, match=r"lacks optimizer.pt \(a Trainer saving with save_only_model"):
+        engine.load_trainer_checkpoint(other)
+    # A DeepSpeed checkpoint is named as one.
+    os.makedirs(os.path.join(other, "global_step2"))
+    with pytest.raises(WeightsFileError, match=r"a DeepSpeed checkpoint"):
+        engine.load_trainer_checkpoint(other)

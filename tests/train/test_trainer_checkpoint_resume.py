@@ -1,0 +1,77 @@
+"""run.yaml's `resume` (LlamaFactory's and TRL's resume_from_checkpoint) naming a checkpoint a
+transformers Trainer saved: the run starts from its weights, AdamW moments and step, and trains as
+the Trainer's torch AdamW would go on over this run's rows; stopped and run again, the same command
+goes on from the run's own checkpoint, not from the Trainer's again."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megacompile.train import load, log, run
+from megacompile.train.data import packing
+from tests.train import files, finetune_runs
+
+SEQ, BATCH, SAVED_AT, STEPS, LR, WD = 16, 2, 2, 4, 3e-3, 0.1
+
+
+def _trainer_checkpoint(model_dir: str, folder: str) -> None:
+    """What Trainer._save_checkpoint leaves after SAVED_AT steps on batches of its own."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(finetune_runs.trainer_groups(model, WD), lr=LR)
+    vocab = model.config.vocab_size
+    for step in range(SAVED_AT):
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    model.save_pretrained(folder)
+    torch.save(optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": SAVED_AT}, f)
+
+
+def _eager_from(folder: str, rows) -> tuple[torch.nn.Module, list[float]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(finetune_runs.trainer_groups(model, WD), lr=LR)
+    optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True))
+    losses = []
+    for k in range(STEPS - SAVED_AT):       # this run's rows from its first, as a new run reads them
+        optimizer.zero_grad()
+        loss = model(**packing.batch(rows, k * BATCH, BATCH, shifted=False)).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def test_a_run_resumed_from_a_trainer_checkpoint_goes_on_as_its_adamw_would(tmp_path, capsys):
+    work = files.workspace(tmp_path)
+    checkpoint = str(tmp_path / "saves" / "checkpoint-2")
+    _trainer_checkpoint(work["model"], checkpoint)
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=work["model"], data=[work["notes"]], eval=[work["notes"]], seq=SEQ,
+                            batch=BATCH, steps=STEPS, lr=LR, schedule="constant", weight_decay=WD,
+                            max_grad_norm=None, device="cpu", run_dir=str(tmp_path / "run"), log_every=1,
+                            save_every=STEPS, resume_from_checkpoint=checkpoint), [])
+    run(c)
+    said = capsys.readouterr().out
+    assert f"resumed        from the Trainer checkpoint {checkpoint} at step {SAVED_AT}" in said
+    rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
+    eager, losses = _eager_from(checkpoint, rows)
+    logged = log.read(os.path.join(c.run_dir, "log.csv"))
+    assert [int(r["step"]) for r in logged] == list(range(SAVED_AT + 1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in logged]), torch.tensor(losses),
+                               rtol=1e-5, atol=0)
+    masters = finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", f"step-{STEPS:06d}"), "master")
+    for name, p in eager.named_parameters():
+        ref = p.detach()
+        assert (masters[name] - ref).abs().max() <= 1e-5 * ref.abs().max(), name
+
+    # The same command again: the run holds its own checkpoint now, which it goes on from (here:
+    # already complete), never the Trainer's again.
+    run(load(str(tmp_path / "run.yaml"), []))
+    again = capsys.readouterr().out
+    assert "from the Trainer checkpoint" not in again and "complete" in again, again
