@@ -158,3 +158,37 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_pat
     os.makedirs(os.path.join(other, "global_step2"))
     with pytest.raises(WeightsFileError, match=r"a DeepSpeed checkpoint"):
         engine.load_trainer_checkpoint(other)
+
+
+def test_a_checkpoint_the_trainer_wrote_goes_on_to_the_trainers_own_last_step(tmp_path):
+    """transformers' Trainer itself (its fused AdamW, its groups, a linear schedule with warmup) runs
+    4 steps and saves at step 2; the engine takes checkpoint-2 in and runs steps 3 and 4 on the
+    batches the Trainer fed: its losses and last weights are the Trainer's."""
+    from transformers import Trainer, TrainingArguments
+    fed: list[torch.Tensor] = []
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            fed.append(inputs["input_ids"].clone())
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    model = _llama(tied=False)
+    rows = [{"input_ids": ids, "labels": ids} for batch in BATCHES for ids in batch]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4, save_steps=2,
+                             learning_rate=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+                             adam_epsilon=EPS, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=0.0,
+                             report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True, seed=0)
+    trainer = Recording(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    def linear(step: int) -> float:       # the Trainer's LambdaLR: step k runs at lambda(k - 1)
+        k = step - 1
+        return LR * (k / 1 if k < 1 else max(0.0, (4 - k) / 3))
+    folder = str(tmp_path / "checkpoint-2")
+    engine = engine_for(folder, lr=linear)
+    engine.load_trainer_checkpoint(folder)
+    ours = [engine.step(input_ids=ids, labels=ids) for ids in fed[2:]]
+    assert ours == pytest.approx(losses[2:], rel=1e-4)      # the Trainer logs its losses rounded to 4 digits
+    errors = weight_errors(engine, model)
+    assert max(errors.values()) <= 1e-5, errors
