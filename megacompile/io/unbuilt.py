@@ -89,8 +89,10 @@ def tables(state: "TrainingState") -> tuple[dict[str, dict[str, Lazy]], dict[str
         by_name = defaultdict(list)
         for it in pending.items:
             by_name[(MASTER if it.table in (WEIGHT, CONST) else it.table, it.name)].append(it)
+        memory = pending.memory or {}
         for (table, name), items in by_name.items():
-            sources[table][name] = lambda items=items, name=name: _read(items, trainable.get(name) or const[name])
+            sources[table][name] = lambda items=items, name=name: _read(items, trainable.get(name) or const[name],
+                                                                        memory)
     for name, t in kept.items():
         sources[MASTER][name] = lambda t=t: t
     out: dict[str, dict[str, Lazy]] = {}
@@ -111,9 +113,12 @@ def _fp32(produce: Callable | None, shape: tuple) -> Callable[[], torch.Tensor]:
     return lambda: produce().to(torch.float32)
 
 
-def _read(items: list, shape: tuple) -> torch.Tensor:
-    """One tensor from its file, or a fused expert weight from its per-expert tensors."""
+def _read(items: list, shape: tuple, memory: dict) -> torch.Tensor:
+    """One tensor from its file (or from `memory`, PendingLoad's tensors held in memory), or a fused
+    expert weight from its per-expert tensors."""
     from .hf_layout import part_of
+    if len(items) == 1 and items[0].path in memory:
+        return memory[items[0].path][items[0].key]
     if len(items) == 1 and items[0].part is None:
         with safe_open(items[0].path, framework="pt", backend="pread") as f:
             return f.get_tensor(items[0].key)

@@ -192,3 +192,17 @@ def test_a_checkpoint_the_trainer_wrote_goes_on_to_the_trainers_own_last_step(tm
     assert ours == pytest.approx(losses[2:], rel=1e-4)      # the Trainer logs its losses rounded to 4 digits
     errors = weight_errors(engine, model)
     assert max(errors.values()) <= 1e-5, errors
+
+
+def test_taken_in_then_saved_before_any_step_the_checkpoint_holds_the_trainers_state(tmp_path):
+    """Before its first step the engine has no host state: a save writes what waits to load, the
+    Trainer's moments from memory included, and a fresh engine loading that save trains alike."""
+    folder = trainer_checkpoint(str(tmp_path / "checkpoint-2"), tied=False)
+    taken = engine_for(folder)
+    taken.load_trainer_checkpoint(folder)
+    taken.save_checkpoint(str(tmp_path / "ours"))
+    again = engine_for(folder)
+    again.load_checkpoint(str(tmp_path / "ours"))
+    for ids in BATCHES[SAVED_AT:]:
+        assert taken.step(input_ids=ids, labels=ids) == again.step(input_ids=ids, labels=ids)
+    assert all(torch.equal(a, b) for a, b in zip(taken.state_dict().values(), again.state_dict().values()))
