@@ -41,7 +41,7 @@ from ..runtime import Executor, HostState, make_backend, shutdown
 from ..runtime.host_heap import resident_set_bytes
 from ..settings import Settings
 from ..state import TrainingState
-from ..io import hf_save, model_params, state_dict, trainer_checkpoint, unbuilt
+from ..io import hf_save, model_params, state_dict, trainer_checkpoint, trainer_export, unbuilt
 from ..io.checkpoint import LocalCheckpoints
 from ..distributed import data_parallel_for
 from ..distributed.checkpoint import ShardedCheckpoints
@@ -513,6 +513,23 @@ class Engine:
         for note in notes:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
         return trainer_state
+
+    def save_trainer_checkpoint(self, path: str, *, batch_size: int, logging_steps: int = 500, eval_steps: int = 500,
+                                save_steps: int = 500) -> None:
+        """Write a checkpoint transformers' Trainer resumes from (`checkpoint-N`:
+        Trainer.train(resume_from_checkpoint=path), LlamaFactory's and TRL's resume_from_checkpoint):
+        the fp32 masters as a Hugging Face model folder, optimizer.pt with the AdamW moments and step
+        counts in the Trainer's param groups, scheduler.pt and trainer_state.json at this engine's steps
+        (io/trainer_export.py); batch_size: the rows of each micro-batch the Trainer runs (its
+        per_device_train_batch_size); logging_steps, eval_steps, save_steps: the intervals the Trainer
+        goes on with (it reads them from the checkpoint, not its arguments; its defaults here). Needs
+        AdamW(no_decay=megacompile.hf_no_decay), the Trainer's groups."""
+        self.state.refuse_partial("save_trainer_checkpoint()")
+        if self.data_parallel is not None:
+            raise MegacompileError("save_trainer_checkpoint runs in one process: save_checkpoint, load it in one "
+                                   "process, and write the Trainer checkpoint there")
+        trainer_export.save(self.state, path, batch_size,
+                            {"logging_steps": logging_steps, "eval_steps": eval_steps, "save_steps": save_steps})
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
                         max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:

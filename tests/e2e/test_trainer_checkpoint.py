@@ -206,3 +206,57 @@ def test_taken_in_then_saved_before_any_step_the_checkpoint_holds_the_trainers_s
     for ids in BATCHES[SAVED_AT:]:
         assert taken.step(input_ids=ids, labels=ids) == again.step(input_ids=ids, labels=ids)
     assert all(torch.equal(a, b) for a, b in zip(taken.state_dict().values(), again.state_dict().values()))
+
+
+def test_the_trainer_resumes_from_a_checkpoint_the_engine_wrote_and_trains_as_the_engine(tmp_path):
+    """The way back: the engine trains 2 steps and writes checkpoint-2; transformers' Trainer resumes
+    from it (a linear schedule with warmup, over 4 steps) and its steps 3 and 4 land where the
+    engine's own steps 3 and 4 on the same batches do."""
+    from transformers import Trainer, TrainingArguments
+    fed: list[torch.Tensor] = []
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            fed.append(inputs["input_ids"].clone())
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    source = str(tmp_path / "model")
+    _llama(tied=False).save_pretrained(source)
+
+    def linear(step: int) -> float:       # the Trainer's schedule below: step k runs at lambda(k - 1)
+        k = step - 1
+        return LR * (k / 1 if k < 1 else max(0.0, (4 - k) / 3))
+    engine = engine_for(source, lr=linear)
+    for ids in BATCHES[:SAVED_AT]:
+        engine.step(input_ids=ids, labels=ids)
+    folder = str(tmp_path / "out" / "checkpoint-2")
+    engine.save_trainer_checkpoint(folder, batch_size=2, logging_steps=1)
+    assert sorted(os.listdir(os.path.dirname(folder))) == ["checkpoint-2"]       # nothing left beside it
+
+    model = LlamaForCausalLM.from_pretrained(source)
+    rows = [{"input_ids": ids, "labels": ids} for batch in BATCHES for ids in batch]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=4,
+                             learning_rate=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+                             adam_epsilon=EPS, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=0.0,
+                             report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True, save_strategy="no")
+    trainer = Recording(model=model, args=args, train_dataset=rows)
+    trainer.train(resume_from_checkpoint=folder)
+    assert trainer.state.global_step == 4 and len(fed) == 2
+    theirs = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    ours = [engine.step(input_ids=ids, labels=ids) for ids in fed]
+    assert ours == pytest.approx(theirs, rel=1e-4)      # the Trainer logs its losses rounded to 4 digits
+    errors = weight_errors(engine, model)
+    assert max(errors.values()) <= 1e-5, errors
+    # And read back by the engine's own import, it is the state it was written from.
+    again = engine_for(source, lr=linear)
+    again.load_trainer_checkpoint(folder)
+    assert again.state.steps_done == SAVED_AT
+    with pytest.raises(megacompile.errors.CheckpointError, match="something is there already"):
+        engine.save_trainer_checkpoint(folder, batch_size=2)
+    with pytest.raises(MegacompileError, match="no_decay=megacompile.hf_no_decay"):
+        engine_for(source, no_decay=()).save_trainer_checkpoint(str(tmp_path / "other"), batch_size=2)
+    with pytest.raises(megacompile.errors.ArgumentError, match="per_device_train_batch_size"):
+        engine.save_trainer_checkpoint(str(tmp_path / "other"), batch_size=0)
+    with pytest.raises(megacompile.errors.ArgumentError, match=r"logging_steps from this checkpoint on.*got 0"):
+        engine.save_trainer_checkpoint(str(tmp_path / "other"), batch_size=2, logging_steps=0)
+    assert not os.path.exists(tmp_path / "other")
