@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 import time
 import warnings
@@ -78,9 +79,21 @@ def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None, 
         resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None
         if c.resume not in (None, "auto"):
             resume_from = c.resume
+        elif c.resume == "auto" and resume_from is None and os.path.isdir(run_dir):
+            # LlamaFactory's resume_from_checkpoint: true over its own output_dir: the latest
+            # checkpoint-N its Trainer left there starts this run.
+            imported = _latest_trainer_checkpoint(run_dir)
     saved = resume.read(resume_from) if resume_from is not None else None
     trained_model.check_new_run(c, run_dir, resume_from)
     return run_dir, resume_from, saved, imported if resume_from is None else None
+
+
+def _latest_trainer_checkpoint(run_dir: str) -> str | None:
+    """The Trainer checkpoint (checkpoint-N, io/trainer_checkpoint.py) of the highest N in run_dir."""
+    found = [(int(name.rpartition("-")[2]), os.path.join(run_dir, name)) for name in os.listdir(run_dir)
+             if re.fullmatch(r"checkpoint-\d+", name)]
+    found = [(n, path) for n, path in sorted(found) if trainer_checkpoint.is_trainer_checkpoint(path)]
+    return found[-1][1] if found else None
 
 
 def checkpoint_path(folder: str, step: int) -> str:

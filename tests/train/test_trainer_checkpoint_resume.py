@@ -75,3 +75,24 @@ def test_a_run_resumed_from_a_trainer_checkpoint_goes_on_as_its_adamw_would(tmp_
     run(load(str(tmp_path / "run.yaml"), []))
     again = capsys.readouterr().out
     assert "from the Trainer checkpoint" not in again and "complete" in again, again
+
+
+def test_resume_from_checkpoint_true_takes_the_latest_checkpoint_its_trainer_left_in_the_output_dir(tmp_path, capsys):
+    """LlamaFactory's resume_from_checkpoint: true over its own output_dir: the checkpoint-N of the
+    highest N (not the last in the folder's alphabetical order), a folder that is no Trainer
+    checkpoint passed over."""
+    import shutil
+    work = files.workspace(tmp_path)
+    out = tmp_path / "saves"
+    _trainer_checkpoint(work["model"], str(out / "checkpoint-2"))
+    shutil.copytree(out / "checkpoint-2", out / "checkpoint-10")
+    (out / "checkpoint-10" / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    (out / "checkpoint-11").mkdir()           # cut short: no weights, no optimizer
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=work["model"], data=[work["notes"]], seq=SEQ,
+                            batch=BATCH, steps=STEPS, lr=LR, schedule="constant", weight_decay=WD,
+                            max_grad_norm=None, device="cpu", output_dir=str(out), save_every=STEPS,
+                            resume_from_checkpoint=True), [])
+    run(c)
+    said = capsys.readouterr().out
+    assert f"resumed        from the Trainer checkpoint {out / 'checkpoint-10'} at step 3" in said, said
+    assert [int(r["step"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))] == [4]
