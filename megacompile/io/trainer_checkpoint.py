@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zipfile
 from typing import TYPE_CHECKING
 
 import torch
@@ -118,7 +119,8 @@ def _json(path: str) -> dict:
 
 def _optimizer_state(path: str) -> dict:
     try:     # weights_only: tensors, numbers and containers, nothing a pickle could run
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # A memory map needs torch.save's zip format; a file of the legacy format is read whole.
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as e:  # noqa: BLE001 - any unreadable file: name it
         raise WeightsFileError(f"cannot read {path} as torch's optimizer state_dict: {e}") from e
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)

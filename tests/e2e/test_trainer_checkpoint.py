@@ -260,3 +260,17 @@ def test_the_trainer_resumes_from_a_checkpoint_the_engine_wrote_and_trains_as_th
     with pytest.raises(megacompile.errors.ArgumentError, match=r"logging_steps from this checkpoint on.*got 0"):
         engine.save_trainer_checkpoint(str(tmp_path / "other"), batch_size=2, logging_steps=0)
     assert not os.path.exists(tmp_path / "other")
+
+
+def test_an_optimizer_file_of_torchs_legacy_format_is_read_too(tmp_path):
+    """torch.save(..., _use_new_zipfile_serialization=False) writes no zip archive, which no memory
+    map reads: the file is read whole instead, to the same state."""
+    folder = trainer_checkpoint(str(tmp_path / "checkpoint-2"), tied=False)
+    path = os.path.join(folder, "optimizer.pt")
+    torch.save(torch.load(path, weights_only=True), path, _use_new_zipfile_serialization=False)
+    zipped = trainer_checkpoint(str(tmp_path / "zipped"), tied=False)
+    a, b = engine_for(folder), engine_for(zipped)
+    a.load_trainer_checkpoint(folder)
+    b.load_trainer_checkpoint(zipped)
+    for ids in BATCHES[SAVED_AT:]:
+        assert a.step(input_ids=ids, labels=ids) == b.step(input_ids=ids, labels=ids)
