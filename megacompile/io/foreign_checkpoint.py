@@ -46,6 +46,10 @@ def describe(path: str) -> str | None:
         if weights_here and has("config.json") and has("optimizer.pt"):
             return (f"{what}: engine.load_trainer_checkpoint({path!r}) takes in its weights, AdamW moments and "
                     "steps (run.yaml: `resume` takes it so); or " + _START.format(weights=path))
+        if has("adapter_model.safetensors", "adapter_config.json") and has("optimizer.pt"):
+            return (f"{what}, of a LoRA run: engine.load_trainer_checkpoint({path!r}) takes in its adapter, AdamW "
+                    "moments and steps into a model with the same adapters on its base (run.yaml: `resume` with "
+                    "finetuning_type: lora and the adapter's lora_rank, lora_alpha and lora_target takes it so)")
         what += "; its AdamW state (optimizer.pt) cannot be taken in"
         if weights_here and has("config.json"):
             return f"{what}: " + _START.format(weights=path)

@@ -1,7 +1,8 @@
 """A transformers Trainer checkpoint taken in: the weights, AdamW's moments and step counts.
 
     checkpoint-500/                 what Trainer._save_checkpoint writes (LlamaFactory's and TRL's too)
-        config.json, model.safetensors (or shards and their index)
+        config.json, model.safetensors (or shards and their index); or, for a LoRA run,
+        adapter_config.json, adapter_model.safetensors (PEFT's: lora_adapter.py)
         optimizer.pt                torch.optim.AdamW's state_dict(): per parameter index its
                                     exp_avg, exp_avg_sq and step, and the param groups
         trainer_state.json          global_step: the optimizer steps taken
@@ -32,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import MegacompileError, WeightsFileError
+from . import lora_adapter
 from .foreign_checkpoint import describe as describe_foreign
 from .hf_layout import INDEX, SINGLE
 from .hf_load import plan_items, shard_map
@@ -44,10 +46,11 @@ OPTIMIZER, TRAINER_STATE = "optimizer.pt", "trainer_state.json"
 
 
 def is_trainer_checkpoint(path: str) -> bool:
-    """A folder a Trainer saved with its weights and its optimizer (what load() takes)."""
+    """A folder a Trainer saved with its weights (a model's, or a LoRA adapter's: lora_adapter.py)
+    and its optimizer (what load() takes)."""
     has = lambda name: os.path.isfile(os.path.join(path, name))   # noqa: E731
-    return (os.path.isdir(path) and has(TRAINER_STATE) and has(OPTIMIZER) and has("config.json")
-            and (has(SINGLE) or has(INDEX)))
+    return (os.path.isdir(path) and has(TRAINER_STATE) and has(OPTIMIZER)
+            and ((has("config.json") and (has(SINGLE) or has(INDEX))) or lora_adapter.holds_adapter(path)))
 
 
 def read(state: "TrainingState", path: str, strict: bool = True) -> tuple[PendingLoad, dict, list[str], dict]:
@@ -67,7 +70,8 @@ def read(state: "TrainingState", path: str, strict: bool = True) -> tuple[Pendin
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise WeightsFileError(f"{path}/{TRAINER_STATE}: global_step is {steps!r}, not a count of steps")
     model = state.model
-    weights = plan_items(state.canonical, model, path, shard_map(path))
+    adapter = lora_adapter.holds_adapter(path)
+    weights = lora_adapter.items(state, path) if adapter else plan_items(state.canonical, model, path, shard_map(path))
     saved = _optimizer_state(os.path.join(path, OPTIMIZER))
     names = _names_by_index(state, model, saved["param_groups"], path)
     shapes = state.layout()[0]
@@ -98,6 +102,8 @@ def read(state: "TrainingState", path: str, strict: bool = True) -> tuple[Pendin
     items = weights + [Item(_MEMORY, key, key.partition("/")[0], key.partition("/")[2]) for key in tensors]
     load = PendingLoad(items, own_buffers=True, needs=(MASTER, "exp_avg", "exp_avg_sq"),
                        describe=f"the Trainer checkpoint {path}", memory={_MEMORY: tensors})
+    if adapter:
+        load = lora_adapter.beside_the_base(state, load)
     counters = {"steps_done": steps, "micro_batches": steps * state.grad_accum, "skipped_steps": 0,
                 "missed_steps": missed}
     return load, counters, notes, trainer_state

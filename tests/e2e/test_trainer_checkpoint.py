@@ -36,8 +36,9 @@ def _llama(tied: bool) -> LlamaForCausalLM:
 def trainer_optimizer(model) -> torch.optim.AdamW:
     """Trainer.create_optimizer's: the decayed parameters, then the exempt ones, in named_parameters() order."""
     exempt = set(megacompile.hf_no_decay(model))
-    return torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if n not in exempt], "weight_decay": WD},
-                              {"params": [p for n, p in model.named_parameters() if n in exempt], "weight_decay": 0.0}],
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for n, p in trained if n not in exempt], "weight_decay": WD},
+                              {"params": [p for n, p in trained if n in exempt], "weight_decay": 0.0}],
                              lr=LR, betas=BETAS, eps=EPS)
 
 
@@ -274,3 +275,65 @@ def test_an_optimizer_file_of_torchs_legacy_format_is_read_too(tmp_path):
     b.load_trainer_checkpoint(zipped)
     for ids in BATCHES[SAVED_AT:]:
         assert a.step(input_ids=ids, labels=ids) == b.step(input_ids=ids, labels=ids)
+
+
+def _with_lora(model, seed: int):
+    import peft
+    torch.manual_seed(seed)
+    return peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "v_proj"]))
+
+
+@pytest.mark.parametrize("first_step", [False, True], ids=["taken in first", "taken in after a step"])
+def test_a_lora_runs_trainer_checkpoint_goes_on_as_its_adamw_would(tmp_path, first_step):
+    """A LoRA run's checkpoint-N holds PEFT's adapter (not the model) and the AdamW state of the adapters:
+    the engine takes it in beside its own base weights, before its host state exists or after."""
+    import peft
+    base = str(tmp_path / "base")
+    _llama(tied=False).save_pretrained(base)
+    trainer = _with_lora(LlamaForCausalLM.from_pretrained(base), seed=1)
+    optimizer = trainer_optimizer(trainer)
+    train(trainer, optimizer, BATCHES[:SAVED_AT], 1)
+    folder = str(tmp_path / "checkpoint-2")
+    trainer.save_pretrained(folder)
+    torch.save(optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": SAVED_AT}, f)
+
+    reference = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), folder, is_trainable=True)
+    going_on = trainer_optimizer(reference)
+    going_on.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True))
+    eager_losses = train(reference, going_on, BATCHES[SAVED_AT:], SAVED_AT + 1)
+
+    model = _with_lora(LlamaForCausalLM.from_pretrained(base), seed=2)      # other adapters until the load
+    engine = megacompile.compile(model, 1.0, device="cpu", optimizer=megacompile.AdamW(
+        lr=lr_at, betas=BETAS, eps=EPS, weight_decay=WD, no_decay=megacompile.hf_no_decay))
+    if first_step:
+        engine.prepare(input_ids=BATCHES[0], labels=BATCHES[0])
+    engine.load_trainer_checkpoint(folder)
+    losses = [engine.step(input_ids=ids, labels=ids) for ids in BATCHES[SAVED_AT:]]
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    errors = weight_errors(engine, reference)
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_a_lora_adapter_of_another_rank_is_refused_by_name(tmp_path):
+    import peft
+    base = str(tmp_path / "base")
+    _llama(tied=False).save_pretrained(base)
+    other = peft.get_peft_model(LlamaForCausalLM.from_pretrained(base), peft.LoraConfig(
+        task_type="CAUSAL_LM", r=8, lora_alpha=8, target_modules=["q_proj"]))
+    folder = str(tmp_path / "checkpoint-1")
+    other.save_pretrained(folder)
+    torch.save(trainer_optimizer(other).state_dict(), os.path.join(folder, "optimizer.pt"))
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": 0}, f)
+    engine = megacompile.compile(_with_lora(LlamaForCausalLM.from_pretrained(base), seed=2), 1.0, device="cpu",
+                                 optimizer=megacompile.AdamW(lr=LR, no_decay=megacompile.hf_no_decay))
+    with pytest.raises(WeightsFileError, match=r"not this model's: r 8 \(this model 4; run.yaml lora_rank\); "
+                                               r"target_modules q_proj \(this model q_proj, v_proj"):
+        engine.load_trainer_checkpoint(folder)
+    full = engine_for(base)
+    with pytest.raises(WeightsFileError, match=r"holds a LoRA adapter \(rank 8, alpha 8, on q_proj\) and this model "
+                                               r"has none"):
+        full.load_trainer_checkpoint(folder)

@@ -96,3 +96,47 @@ def test_resume_from_checkpoint_true_takes_the_latest_checkpoint_its_trainer_lef
     said = capsys.readouterr().out
     assert f"resumed        from the Trainer checkpoint {out / 'checkpoint-10'} at step 3" in said, said
     assert [int(r["step"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))] == [4]
+
+
+def test_a_lora_run_resumed_from_its_trainer_checkpoint_goes_on_as_its_adamw_would(tmp_path, capsys):
+    """finetuning_type: lora and resume_from_checkpoint naming a LoRA run's checkpoint-N (PEFT's adapter,
+    the adapters' AdamW state): the adapters and moments are the Trainer's, the base the model folder's."""
+    import peft
+    from transformers import AutoModelForCausalLM
+    work = files.workspace(tmp_path)
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trainer = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32),
+                                  peft.LoraConfig(task_type="CAUSAL_LM", **lora))
+    optimizer = torch.optim.AdamW(finetune_runs.trainer_groups(trainer, WD), lr=LR)
+    for step in range(SAVED_AT):
+        ids = torch.randint(0, trainer.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        trainer(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    checkpoint = str(tmp_path / "saves" / "checkpoint-2")
+    trainer.save_pretrained(checkpoint)
+    torch.save(optimizer.state_dict(), os.path.join(checkpoint, "optimizer.pt"))
+    with open(os.path.join(checkpoint, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": SAVED_AT}, f)
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=work["model"], data=[work["notes"]],
+                            eval=[work["notes"]], seq=SEQ, batch=BATCH, steps=STEPS, lr=LR, schedule="constant",
+                            weight_decay=WD, max_grad_norm=None, device="cpu", run_dir=str(tmp_path / "run"),
+                            log_every=1, save_every=STEPS, finetuning_type="lora", lora_rank=4, lora_alpha=8,
+                            lora_dropout=0.0, lora_target="q_proj,v_proj", resume_from_checkpoint=checkpoint), [])
+    run(c)
+    assert f"from the Trainer checkpoint {checkpoint} at step {SAVED_AT}" in capsys.readouterr().out
+    rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
+    reference = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32),
+                                               checkpoint, is_trainable=True)
+    going_on = torch.optim.AdamW(finetune_runs.trainer_groups(reference, WD), lr=LR)
+    going_on.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True))
+    losses = []
+    for k in range(STEPS - SAVED_AT):
+        going_on.zero_grad()
+        loss = reference(**packing.batch(rows, k * BATCH, BATCH, shifted=False)).loss
+        loss.backward()
+        going_on.step()
+        losses.append(loss.item())
+    logged = log.read(os.path.join(c.run_dir, "log.csv"))
+    torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in logged]), torch.tensor(losses),
+                               rtol=1e-5, atol=0)

@@ -28,6 +28,8 @@ def _folder(tmp_path, name, *files):
     (("trainer_state.json", "config.json", "model.safetensors"),
      ["Hugging Face Trainer checkpoint", "its AdamW state (optimizer.pt) cannot be taken in", "`model: {path}`"]),
     (("trainer_state.json", "adapter_model.safetensors", "adapter_config.json", "optimizer.pt"),
+     ["of a LoRA run: engine.load_trainer_checkpoint('{path}') takes in its adapter", "finetuning_type: lora"]),
+    (("trainer_state.json", "adapter_model.safetensors", "adapter_config.json"),
      ["LoRA adapter only", "merge_and_unload", "the merged folder"]),
     (("trainer_state.json", "optimizer.pt"), ["nor does it hold the model's weights"]),
     (("trainer_state.json", "config.json", "global_step80/mp_rank_00_model_states.pt", "zero_to_fp32.py"),
