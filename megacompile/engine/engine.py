@@ -41,7 +41,7 @@ from ..runtime import Executor, HostState, make_backend, shutdown
 from ..runtime.host_heap import resident_set_bytes
 from ..settings import Settings
 from ..state import TrainingState
-from ..io import hf_save, model_params, state_dict, trainer_checkpoint, trainer_export, unbuilt
+from ..io import hf_save, lora_adapter, model_params, state_dict, trainer_checkpoint, trainer_export, unbuilt
 from ..io.checkpoint import LocalCheckpoints
 from ..distributed import data_parallel_for
 from ..distributed.checkpoint import ShardedCheckpoints
@@ -513,6 +513,13 @@ class Engine:
         for note in notes:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
         return trainer_state
+
+    def load_adapter(self, path: str) -> None:
+        """Start the model's LoRA adapters from the PEFT adapter folder `path` (adapter_config.json,
+        adapter_model.safetensors; LlamaFactory's adapter_name_or_path): its tensors into the
+        adapters' masters, its config held to the model's adapters (rank, alpha, targets), the AdamW
+        state untouched (io/lora_adapter.py)."""
+        lora_adapter.load(self.state, str(path))
 
     def save_trainer_checkpoint(self, path: str, *, batch_size: int, logging_steps: int = 500, eval_steps: int = 500,
                                 save_steps: int = 500) -> None:

@@ -34,7 +34,7 @@ def holds_adapter(path: str) -> bool:
 
 def items(state: "TrainingState", path: str) -> list[Item]:
     """The adapter's tensors as loads of the engine's trainable parameters, every one of them checked."""
-    _check_config(state.model, path)
+    check_config(state.model, path)
     trainable = state.layout()[0]
     plain = {name.replace(".default.", "."): name for name in trainable}
     file = os.path.join(path, WEIGHTS)
@@ -55,6 +55,13 @@ def items(state: "TrainingState", path: str) -> list[Item]:
     return out
 
 
+def load(state: "TrainingState", path: str) -> None:
+    """The adapter's weights into the engine's adapters (their masters and compute copies); the AdamW
+    state is untouched (a new run's: none yet)."""
+    load = PendingLoad(items(state, path), own_buffers=True, describe=f"the LoRA adapter in {path}")
+    state.weights_arrive(beside_the_base(state, load))
+
+
 def beside_the_base(state: "TrainingState", load: PendingLoad) -> PendingLoad:
     """The adapter's load, with the base weights where they wait (module_params: the module's own)."""
     if state.host is not None:
@@ -73,7 +80,8 @@ def beside_the_base(state: "TrainingState", load: PendingLoad) -> PendingLoad:
                                           if not p.is_meta and n not in adapters))
 
 
-def _check_config(model, path: str) -> None:
+def check_config(model, path: str) -> None:
+    """The adapter's config is the model's adapters': refused by name otherwise."""
     try:
         with open(os.path.join(path, CONFIG)) as f:
             saved = json.load(f)

@@ -143,6 +143,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "logging_steps": ("log_every", _same),
     "report_to": ("log", _same),
     "model_name_or_path": ("model", _same),
+    "adapter_name_or_path": ("adapter", _same),
     "run_name": ("name", _set),
     "adam_epsilon": ("eps", _same),
     "bf16": ("compute_dtype", _bf16),

@@ -114,6 +114,7 @@ class RunConfig:
     disable_dropout: bool | None = None
     lora_target: Any = "all"
     merge_adapter: bool = False
+    adapter: str | None = None          # a LoRA adapter folder (PEFT's) the run's adapters start from
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: Any = "all"
     freeze_extra_modules: Any = None

@@ -126,6 +126,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     meta = meta_model(c)
     kind(c).check_model(c, meta)
     meta = methods.apply(c, meta)      # the names it gives checked against the model, before the data is read
+    methods.check_adapter(c, meta)
     if saved is not None:
         resume.check_rows(c, saved)
         methods.check_resume(c, saved.extra)
@@ -219,6 +220,8 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         position = int(extra["rows"])
     elif imported is not None:
         _take_in(engine, imported)
+    elif c.adapter is not None:        # a new run: its adapters start from the given ones
+        engine.load_adapter(c.adapter)
     print(plan.summary(), flush=True)
     for line in stage.describe(setup):
         print(f"  {line}", flush=True)
@@ -226,6 +229,8 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     print(f"  plan dump      {os.path.join(run_dir, 'plan')}/plan.txt, plan.json", flush=True)
     if resume_from is not None:
         print(f"  resumed        from {resume_from} at step {engine.steps_done}", flush=True)
+    elif imported is None and c.adapter is not None:
+        print(f"  adapter        from {c.adapter} (its weights; AdamW starts afresh)", flush=True)
     elif imported is not None:
         print(f"  resumed        from the Trainer checkpoint {imported} at step {engine.steps_done} (its weights, "
               "AdamW moments and steps; the data from this run's first row: the Trainer's order is its own)",

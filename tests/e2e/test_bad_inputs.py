@@ -271,6 +271,9 @@ CASES = [
     Case("cli train resume=<a DeepSpeed checkpoint>", SystemExit,
          r"it is a DeepSpeed checkpoint \(its ZeRO partitions are in global_step500/\).*zero_to_fp32.py",
          lambda c: _train(f"resume={c.deepspeed}")(c)),
+    Case("cli train adapter=<folder> without finetuning_type lora", SystemExit,
+         r"adapter: .* is a LoRA adapter to go on training, which needs finetuning_type: lora",
+         lambda c: _train(f"adapter={c.tmp}")(c)),
     Case("load_checkpoint: not a checkpoint", WeightsFileError, r"cannot load the checkpoint .*a_file: it is a file, not a checkpoint",
          lambda c: c.engine.load_checkpoint(c.file)),
     # the command line: exit status 2, one line naming the problem

@@ -140,3 +140,52 @@ def test_a_lora_run_resumed_from_its_trainer_checkpoint_goes_on_as_its_adamw_wou
     logged = log.read(os.path.join(c.run_dir, "log.csv"))
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in logged]), torch.tensor(losses),
                                rtol=1e-5, atol=0)
+
+
+def test_a_lora_run_starts_its_adapters_from_adapter_name_or_path(tmp_path, capsys):
+    """LlamaFactory's adapter_name_or_path: the run's adapters start as the given PEFT adapter (its B
+    not zero), AdamW afresh, and train as eager PEFT from PeftModel.from_pretrained(..., is_trainable=True)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+    work = files.workspace(tmp_path)
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trained = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32),
+                                  peft.LoraConfig(task_type="CAUSAL_LM", **lora))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    adapter = str(tmp_path / "sft-adapter")
+    trained.save_pretrained(adapter)
+    settings = dict(model=work["model"], data=[work["notes"]], eval=[work["notes"]], seq=SEQ, batch=BATCH, steps=2,
+                    lr=LR, schedule="constant", weight_decay=WD, max_grad_norm=None, device="cpu",
+                    run_dir=str(tmp_path / "run"), log_every=1, save_every=2, finetuning_type="lora", lora_rank=4,
+                    lora_alpha=8, lora_dropout=0.0, lora_target="q_proj,v_proj", adapter_name_or_path=adapter)
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **settings), [])
+    run(c)
+    assert f"adapter        from {adapter} (its weights; AdamW starts afresh)" in capsys.readouterr().out
+    rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
+    reference = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32),
+                                               adapter, is_trainable=True)
+    optimizer = torch.optim.AdamW(finetune_runs.trainer_groups(reference, WD), lr=LR)
+    losses = []
+    for k in range(2):
+        optimizer.zero_grad()
+        loss = reference(**packing.batch(rows, k * BATCH, BATCH, shifted=False)).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    logged = log.read(os.path.join(c.run_dir, "log.csv"))
+    torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in logged]), torch.tensor(losses),
+                               rtol=1e-5, atol=0)
+
+    # An adapter of another rank is refused by name before anything of the run is written.
+    import pytest
+    from megacompile.errors import WeightsFileError
+    other = load(files.run_yaml(str(tmp_path / "other.yaml"), **{**settings, "lora_rank": 8, "lora_alpha": 16,
+                                                                   "run_dir": str(tmp_path / "other")}), [])
+    with pytest.raises(WeightsFileError, match=r"not this model's: r 4 \(this model 8; run.yaml lora_rank\); "
+                                               r"lora_alpha 8 \(this model 16"):
+        run(other)
+    assert not os.path.exists(tmp_path / "other")

@@ -81,7 +81,33 @@ def check(c, raw: dict) -> None:
                             "format); the bundled model is not one: use full or freeze")
     if c.finetuning_type == "lora":
         require_peft("finetuning_type: lora")
+    _check_adapter(c)
     vision_freeze.check(c, adapters(c))
+
+
+def _check_adapter(c) -> None:
+    """adapter (LlamaFactory's adapter_name_or_path): one PEFT adapter folder the run's LoRA adapters
+    start from; its config is held to the run's lora keys once the model is built (check_adapter)."""
+    from ...io import lora_adapter
+    if c.adapter is None:
+        return
+    if c.finetuning_type != "lora":
+        raise ArgumentError(f"adapter: {c.adapter!r} is a LoRA adapter to go on training, which needs finetuning_type: "
+                            "lora; to train the whole model from it, merge it into the model first (PEFT's "
+                            "merge_and_unload, then save_pretrained) and give that folder as model")
+    if not isinstance(c.adapter, str) or "," in c.adapter:
+        raise ArgumentError(f"adapter takes one adapter folder; got {c.adapter!r}: merge the earlier adapters into "
+                            "the model first (PEFT's merge_and_unload), and give the last one here")
+    if not lora_adapter.holds_adapter(c.adapter):
+        raise ArgumentError(f"adapter: {c.adapter} holds no PEFT adapter (adapter_config.json and "
+                            "adapter_model.safetensors)")
+
+
+def check_adapter(c, model: nn.Module) -> None:
+    """The adapter's config against the run's LoRA adapters on `model` (rank, alpha, targets)."""
+    from ...io import lora_adapter
+    if c.adapter is not None:
+        lora_adapter.check_config(model, c.adapter)
 
 
 def saved(c) -> dict:
