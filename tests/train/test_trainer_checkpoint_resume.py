@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from megacompile.train import load, log, run
@@ -98,6 +99,7 @@ def test_resume_from_checkpoint_true_takes_the_latest_checkpoint_its_trainer_lef
     assert [int(r["step"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))] == [4]
 
 
+@pytest.mark.slow    # the default tier holds the engine's LoRA import (tests/e2e/test_trainer_checkpoint.py)
 def test_a_lora_run_resumed_from_its_trainer_checkpoint_goes_on_as_its_adamw_would(tmp_path, capsys):
     """finetuning_type: lora and resume_from_checkpoint naming a LoRA run's checkpoint-N (PEFT's adapter,
     the adapters' AdamW state): the adapters and moments are the Trainer's, the base the model folder's."""
@@ -142,6 +144,7 @@ def test_a_lora_run_resumed_from_its_trainer_checkpoint_goes_on_as_its_adamw_wou
                                rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow    # a LoRA run's set-up; the refusals are in the default tier's catalogue
 def test_a_lora_run_starts_its_adapters_from_adapter_name_or_path(tmp_path, capsys):
     """LlamaFactory's adapter_name_or_path: the run's adapters start as the given PEFT adapter (its B
     not zero), AdamW afresh, and train as eager PEFT from PeftModel.from_pretrained(..., is_trainable=True)."""
@@ -181,7 +184,6 @@ def test_a_lora_run_starts_its_adapters_from_adapter_name_or_path(tmp_path, caps
                                rtol=1e-5, atol=0)
 
     # An adapter of another rank is refused by name before anything of the run is written.
-    import pytest
     from megacompile.errors import WeightsFileError
     other = load(files.run_yaml(str(tmp_path / "other.yaml"), **{**settings, "lora_rank": 8, "lora_alpha": 16,
                                                                    "run_dir": str(tmp_path / "other")}), [])
