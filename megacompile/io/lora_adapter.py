@@ -87,7 +87,7 @@ def check_config(model, path: str) -> None:
             saved = json.load(f)
     except (OSError, ValueError) as e:
         raise WeightsFileError(f"cannot read {os.path.join(path, CONFIG)}: {e}") from e
-    ours = _peft_config(model)
+    ours = peft_config(model)
     if ours is None:
         raise WeightsFileError(
             f"{path} holds a LoRA adapter (rank {saved.get('r')}, alpha {saved.get('lora_alpha')}, on "
@@ -108,7 +108,8 @@ def check_config(model, path: str) -> None:
                                "was loaded")
 
 
-def _peft_config(model):
+def peft_config(model):
+    """The model's LoRA config (PEFT's, of its first adapter), or None where it carries no adapters."""
     for module in model.modules():
         configs = getattr(module, "peft_config", None)
         if isinstance(configs, dict) and configs:

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ArgumentError, CheckpointError, MegacompileError
 from ..optim.weight_decay import exempt_parameters, hf_no_decay
-from . import durable, hf_save, unbuilt
+from . import durable, hf_save, lora_adapter, unbuilt
 
 if TYPE_CHECKING:
     from ..state.training import TrainingState
@@ -47,6 +47,10 @@ def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str
     if os.path.lexists(path):
         raise CheckpointError(f"cannot write the Trainer checkpoint {path}: something is there already; give a new "
                               "path (a Trainer names its checkpoints checkpoint-<step>)")
+    if lora_adapter.peft_config(state.model) is not None:
+        raise MegacompileError("save_trainer_checkpoint writes a full fine-tune's checkpoint; a LoRA model's (PEFT's "
+                               "adapter beside optimizer.pt) is not written yet: save_checkpoint keeps the run, and "
+                               "the adapter alone is exported with the model's save_pretrained")
     trainable = [n for n, p in state.model.named_parameters() if p.requires_grad]
     theirs = exempt_parameters(hf_no_decay, state.model)
     if set(state.no_decay) != set(theirs):

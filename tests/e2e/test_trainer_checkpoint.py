@@ -333,6 +333,9 @@ def test_a_lora_adapter_of_another_rank_is_refused_by_name(tmp_path):
     with pytest.raises(WeightsFileError, match=r"not this model's: r 8 \(this model 4; run.yaml lora_rank\); "
                                                r"target_modules q_proj \(this model q_proj, v_proj"):
         engine.load_trainer_checkpoint(folder)
+    with pytest.raises(MegacompileError, match="a LoRA model's .* is not written yet"):     # the way back: not built
+        engine.save_trainer_checkpoint(str(tmp_path / "back"), batch_size=2)
+    assert not os.path.exists(tmp_path / "back")
     full = engine_for(base)
     with pytest.raises(WeightsFileError, match=r"holds a LoRA adapter \(rank 8, alpha 8, on q_proj\) and this model "
                                                r"has none"):
