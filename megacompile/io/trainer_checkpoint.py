@@ -132,6 +132,12 @@ def _optimizer_state(path: str) -> dict:
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
             and isinstance(saved.get("param_groups"), list) and saved["param_groups"]):
         raise WeightsFileError(f"{path} is not an optimizer's state_dict (state and param_groups)")
+    kinds = {key for entry in saved["state"].values() if isinstance(entry, dict) for key in entry}
+    if saved["state"] and not {"exp_avg", "exp_avg_sq"} <= kinds:
+        raise WeightsFileError(f"{path} is not AdamW's state (it holds {', '.join(sorted(map(str, kinds))[:5])}, not "
+                               "exp_avg and exp_avg_sq: Adafactor's, an 8-bit AdamW's or another optimizer's): "
+                               "megacompile's AdamW cannot go on from it; start a new run from the checkpoint's "
+                               "weights; nothing was loaded")
     amsgrad = [g for g in saved["param_groups"] if g.get("amsgrad")]
     if amsgrad:
         raise WeightsFileError(f"{path} was written by AdamW with amsgrad=True, which megacompile's AdamW does not "

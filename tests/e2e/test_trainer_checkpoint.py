@@ -142,6 +142,12 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_pat
     with pytest.raises(WeightsFileError, match=r"param groups of|does not fit this model's trainable parameters"):
         engine.load_trainer_checkpoint(swapped)
     unchanged()
+    # Another optimizer's state (an 8-bit AdamW keeps state1 and state2).
+    eight_bit = trainer_checkpoint(str(tmp_path / "8bit"), tied=False, edit=lambda s: s.update(
+        state={i: {"step": e["step"], "state1": e["exp_avg"], "state2": e["exp_avg_sq"]} for i, e in s["state"].items()}))
+    with pytest.raises(WeightsFileError, match=r"is not AdamW's state \(it holds state1, state2, step, not exp_avg"):
+        engine.load_trainer_checkpoint(eight_bit)
+    unchanged()
     # Other betas: refused, or kept as this engine's with a warning under strict=False.
     other = trainer_checkpoint(str(tmp_path / "betas"), tied=False,
                                edit=lambda s: [g.update(betas=(0.8, 0.99)) for g in s["param_groups"]])

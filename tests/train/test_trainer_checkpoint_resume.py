@@ -34,19 +34,26 @@ def _trainer_checkpoint(model_dir: str, folder: str) -> None:
         json.dump({"global_step": SAVED_AT}, f)
 
 
-def _eager_from(folder: str, rows) -> tuple[torch.nn.Module, list[float]]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+def _eager_steps(model, rows, steps: int, saved: str | None = None) -> list[float]:
+    """torch.optim.AdamW over the Trainer's groups (its state from `saved`'s optimizer.pt, if given),
+    `steps` steps on this run's rows from its first, as a new run reads them."""
     optimizer = torch.optim.AdamW(finetune_runs.trainer_groups(model, WD), lr=LR)
-    optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True))
+    if saved is not None:
+        optimizer.load_state_dict(torch.load(os.path.join(saved, "optimizer.pt"), weights_only=True))
     losses = []
-    for k in range(STEPS - SAVED_AT):       # this run's rows from its first, as a new run reads them
+    for k in range(steps):
         optimizer.zero_grad()
         loss = model(**packing.batch(rows, k * BATCH, BATCH, shifted=False)).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return model, losses
+    return losses
+
+
+def _eager_from(folder: str, rows) -> tuple[torch.nn.Module, list[float]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model, _eager_steps(model, rows, STEPS - SAVED_AT, saved=folder)
 
 
 def test_a_run_resumed_from_a_trainer_checkpoint_goes_on_as_its_adamw_would(tmp_path, capsys):
@@ -130,15 +137,7 @@ def test_a_lora_run_resumed_from_its_trainer_checkpoint_goes_on_as_its_adamw_wou
     rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
     reference = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32),
                                                checkpoint, is_trainable=True)
-    going_on = torch.optim.AdamW(finetune_runs.trainer_groups(reference, WD), lr=LR)
-    going_on.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True))
-    losses = []
-    for k in range(STEPS - SAVED_AT):
-        going_on.zero_grad()
-        loss = reference(**packing.batch(rows, k * BATCH, BATCH, shifted=False)).loss
-        loss.backward()
-        going_on.step()
-        losses.append(loss.item())
+    losses = _eager_steps(reference, rows, STEPS - SAVED_AT, saved=checkpoint)
     logged = log.read(os.path.join(c.run_dir, "log.csv"))
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in logged]), torch.tensor(losses),
                                rtol=1e-5, atol=0)
@@ -171,14 +170,7 @@ def test_a_lora_run_starts_its_adapters_from_adapter_name_or_path(tmp_path, caps
     rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
     reference = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32),
                                                adapter, is_trainable=True)
-    optimizer = torch.optim.AdamW(finetune_runs.trainer_groups(reference, WD), lr=LR)
-    losses = []
-    for k in range(2):
-        optimizer.zero_grad()
-        loss = reference(**packing.batch(rows, k * BATCH, BATCH, shifted=False)).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = _eager_steps(reference, rows, 2)
     logged = log.read(os.path.join(c.run_dir, "log.csv"))
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in logged]), torch.tensor(losses),
                                rtol=1e-5, atol=0)
