@@ -497,18 +497,19 @@ class Engine:
         extra = self._checkpoints.load(self.state, path, strict=strict)
         return extra
 
-    def load_trainer_checkpoint(self, path: str, *, strict: bool = True) -> dict:
+    def load_trainer_checkpoint(self, path: str, *, strict: bool = True, file_key=None) -> dict:
         """Go on from a checkpoint transformers' Trainer saved (LlamaFactory's and TRL's `checkpoint-N`:
         its weights, optimizer.pt's AdamW moments and step counts, trainer_state.json's global_step as
         this engine's steps done, so a schedule of the step goes on where the Trainer's was). Every
         index of the optimizer's state is matched to its parameter by the Trainer's param groups and
         checked by shape before any state changes (io/trainer_checkpoint.py). strict=True refuses
         other AdamW betas, eps or weight decays than this engine's; strict=False keeps this engine's,
-        with a warning. Returns trainer_state.json."""
+        with a warning. file_key: a state_dict key's name in the checkpoint's files, where the module
+        wraps the Trainer's model (as compile_folder's). Returns trainer_state.json."""
         if self.data_parallel is not None:
             raise MegacompileError("load_trainer_checkpoint runs in one process: take the checkpoint in there, "
                                    "save_checkpoint, and load that one on every rank")
-        load, counters, notes, trainer_state = trainer_checkpoint.read(self.state, str(path), strict)
+        load, counters, notes, trainer_state = trainer_checkpoint.read(self.state, str(path), strict, file_key)
         self.state.restore(load, counters)
         for note in notes:
             warnings.warn(note, RuntimeWarning, stacklevel=2)

@@ -27,7 +27,7 @@ import json
 import math
 import os
 import zipfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -53,9 +53,11 @@ def is_trainer_checkpoint(path: str) -> bool:
             and ((has("config.json") and (has(SINGLE) or has(INDEX))) or lora_adapter.holds_adapter(path)))
 
 
-def read(state: "TrainingState", path: str, strict: bool = True) -> tuple[PendingLoad, dict, list[str], dict]:
+def read(state: "TrainingState", path: str, strict: bool = True,
+         file_key: Callable[[str], str] | None = None) -> tuple[PendingLoad, dict, list[str], dict]:
     """(the load, the counters, notes, trainer_state.json) of the Trainer checkpoint `path`, checked
-    against the state: nothing changes here."""
+    against the state: nothing changes here. file_key: a state_dict key's name in the folder's
+    files, where the module wraps the Trainer's model (from_pretrained.compile_folder's)."""
     if not is_trainer_checkpoint(path):
         foreign = describe_foreign(path) if os.path.isdir(path) else None
         missing = [n for n in (TRAINER_STATE, OPTIMIZER, "config.json") if not os.path.isfile(os.path.join(path, n))]
@@ -71,7 +73,8 @@ def read(state: "TrainingState", path: str, strict: bool = True) -> tuple[Pendin
         raise WeightsFileError(f"{path}/{TRAINER_STATE}: global_step is {steps!r}, not a count of steps")
     model = state.model
     adapter = lora_adapter.holds_adapter(path)
-    weights = lora_adapter.items(state, path) if adapter else plan_items(state.canonical, model, path, shard_map(path))
+    canonical = state.canonical if file_key is None else {file_key(k): n for k, n in state.canonical.items()}
+    weights = lora_adapter.items(state, path) if adapter else plan_items(canonical, model, path, shard_map(path))
     saved = _optimizer_state(os.path.join(path, OPTIMIZER))
     names = _names_by_index(state, model, saved["param_groups"], path)
     shapes = state.layout()[0]

@@ -34,7 +34,7 @@ from . import intervals, methods, preemption, resume, trained_model
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
-from .model import build, meta_model
+from .model import build, file_key, meta_model
 from .reference_model import reference_engine
 from .preemption import StopSignals
 from .schedule import warmup_steps
@@ -200,12 +200,12 @@ def _resume(engine, resume_from: str, saved_settings: bool) -> dict:
     return extra
 
 
-def _take_in(engine, imported: str) -> None:
+def _take_in(c: RunConfig, engine, imported: str, objective: bool) -> None:
     """A Trainer checkpoint's weights, AdamW moments and steps into the engine (its own checks
     before any state changes); this run's AdamW settings are kept, a difference said once."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine.load_trainer_checkpoint(imported, strict=False)
+        engine.load_trainer_checkpoint(imported, strict=False, file_key=file_key(methods.adapters(c), objective))
     for message in dict.fromkeys(str(w.message) for w in caught):
         print(f"  resume note    {message}", flush=True)
 
@@ -218,10 +218,6 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     if resume_from is not None:     # its own checks (model, files, checksums) before the plan is written
         extra = _resume(engine, resume_from, saved_settings)
         position = int(extra["rows"])
-    elif imported is not None:
-        _take_in(engine, imported)
-    elif c.adapter is not None:        # a new run: its adapters start from the given ones
-        engine.load_adapter(c.adapter)
     print(plan.summary(), flush=True)
     for line in stage.describe(setup):
         print(f"  {line}", flush=True)
@@ -229,13 +225,18 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     print(f"  plan dump      {os.path.join(run_dir, 'plan')}/plan.txt, plan.json", flush=True)
     if resume_from is not None:
         print(f"  resumed        from {resume_from} at step {engine.steps_done}", flush=True)
-    elif imported is None and c.adapter is not None:
-        print(f"  adapter        from {c.adapter} (its weights; AdamW starts afresh)", flush=True)
-    elif imported is not None:
+    stage.begin(engine, run_dir, extra, setup.batch)
+    # A new run's own starting weights come after the stage began: a reference it makes from the
+    # policy (DPO's and KTO's tables) is then the model folder's, as a Trainer's reference is the
+    # model it was given (TRL's, for a PEFT policy, the base with the adapter disabled).
+    if imported is not None:
+        _take_in(c, engine, imported, stage.objective is not None)
         print(f"  resumed        from the Trainer checkpoint {imported} at step {engine.steps_done} (its weights, "
               "AdamW moments and steps; the data from this run's first row: the Trainer's order is its own)",
               flush=True)
-    stage.begin(engine, run_dir, extra, setup.batch)
+    elif resume_from is None and c.adapter is not None:
+        engine.load_adapter(c.adapter)
+        print(f"  adapter        from {c.adapter} (its weights; AdamW starts afresh)", flush=True)
     start_step = engine.steps_done
     log = RunLog(run_dir, c.log, start_step, settings=dataclasses.asdict(c), columns=stage.columns)
     progress = Progress(c.steps, start_step, c.log_every)

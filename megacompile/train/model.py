@@ -157,7 +157,7 @@ def compile_module(c: RunConfig, module: nn.Module, budget: float, wrap=None, **
     if not c.bundled and _hf_weights(c.model):
         from ..engine import compile_folder
         return compile_folder(module, c.model, budget, **kwargs,
-                              file_key=_file_key(methods.adapters(c), wrap is not None),
+                              file_key=file_key(methods.adapters(c), wrap is not None),
                               unused=getattr(module, "left_out", ()))
     return Engine(module, budget, **kwargs)
 
@@ -258,7 +258,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
     return Setup(engine, batch, accumulate, shifted, weight_bytes, host_budget)
 
 
-def _file_key(lora: bool, objective: bool):
+def file_key(lora: bool, objective: bool):
     """The module's state_dict key -> the name the model folder's files give it: a post-training
     objective's keys less `policy.`, a PEFT model's less its wrapping (methods.file_key)."""
     if not (lora or objective):

@@ -183,3 +183,21 @@ def test_a_lora_run_starts_its_adapters_from_adapter_name_or_path(tmp_path, caps
                                                r"lora_alpha 8 \(this model 16"):
         run(other)
     assert not os.path.exists(tmp_path / "other")
+
+
+def test_a_dpo_run_resumed_from_a_trainer_checkpoint_starts_its_policy_from_it(tmp_path, capsys):
+    """Under stage dpo the engine's module is the objective around the policy (keys `policy.`...): the
+    checkpoint's files are named without it. The policy starts from the checkpoint, the reference is
+    the model folder's (as TRL's reference is the model it was given): at the first step their
+    implicit rewards already differ, where a new run's are 0."""
+    from tests.posttrain import stage_files
+    work = stage_files.workspace(tmp_path)
+    checkpoint = str(tmp_path / "saves" / "checkpoint-2")
+    _trainer_checkpoint(work["model"], checkpoint)
+    config = files.run_yaml(str(tmp_path / "dpo.yaml"), **stage_files.dpo(
+        work, str(tmp_path / "run"), steps=3, lr=LR, weight_decay=WD,
+        resume_from_checkpoint=checkpoint))
+    run(load(config, []))
+    assert f"from the Trainer checkpoint {checkpoint} at step {SAVED_AT}" in capsys.readouterr().out
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    assert [r["step"] for r in rows] == ["3"] and float(rows[0]["reward_margin"]) != 0.0
