@@ -47,10 +47,15 @@ def _run_dir(c: RunConfig) -> str:
     return c.run_dir or os.path.join("runs", time.strftime(f"{c.name}-%Y%m%d-%H%M%S"))
 
 
-def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
+def _own_checkpoints(run_dir: str) -> list[str]:
+    """The committed checkpoints this run folder holds, oldest first."""
     from ..io.checkpoint import committed_beside
     folder = os.path.join(run_dir, CHECKPOINTS)
-    found = committed_beside(os.path.join(folder, "latest")) if os.path.isdir(folder) else []
+    return committed_beside(os.path.join(folder, "latest")) if os.path.isdir(folder) else []
+
+
+def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
+    found = _own_checkpoints(run_dir)
     if c.resume is None:
         if found:
             raise ArgumentError(f"run_dir {run_dir} already holds checkpoints ({os.path.basename(found[-1])}); "
@@ -71,9 +76,7 @@ def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None, 
     if imported is not None:
         # The Trainer's checkpoint starts this run; once the run saved checkpoints of its own (it
         # was stopped), the same command goes on from its latest instead.
-        from ..io.checkpoint import committed_beside
-        folder = os.path.join(run_dir, CHECKPOINTS)
-        found = committed_beside(os.path.join(folder, "latest")) if os.path.isdir(folder) else []
+        found = _own_checkpoints(run_dir)
         resume_from = found[-1] if found else None
     else:
         resume_from = _latest_checkpoint(c, run_dir) if os.path.isdir(run_dir) else None

@@ -85,7 +85,8 @@ NOT_TAKEN = {
     "use_adam_mini": "not supported: megacompile trains with AdamW (float32 state in host memory)",
     "use_muon": "not supported: megacompile trains with AdamW (float32 state in host memory)",
     "use_llama_pro": "not supported: finetuning_type: freeze trains chosen blocks of the model as it is",
-    "create_new_adapter": "not supported: a LoRA run trains one new adapter",
+    "create_new_adapter": "not supported: a LoRA run trains one adapter, a new one or the one adapter_name_or_path "
+                          "gives; to train a new adapter over a trained one, merge that one into the model first",
     "group_by_length": "not supported: rows are ordered by seed, not by length",
     "neftune_noise_alpha": "not supported: embeddings are not noised",
     # evaluation and saving
