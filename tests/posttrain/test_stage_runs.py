@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from megacompile.cost.hardware import HardwareProfile
 from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
 from tests.posttrain import stage_files
@@ -43,7 +44,16 @@ def _board_holds_the_log(run_dir: str, rows: list[dict], columns: tuple) -> None
         assert want and board[tag] == [(s, pytest.approx(v, rel=1e-6)) for s, v in want], (tag, board.get(tag))
 
 
-def test_grpo_run_logs_the_rewards_of_its_rollouts_and_exports_the_policy(tmp_path, capsys):
+# The cpu profile of an idle 2-core machine. Whether a copy with a cache would be quicker on a tiny
+# model turns on the measured costs per call and per node, which a loaded machine measures otherwise:
+# the run's advice is planned on these figures, not on whatever this machine measured.
+IDLE_CPU = HardwareProfile("cpu (simulated device, measured)", 2**40, 6.5e10, 2.66e11, 2.66e11, 1.08e10, 1.08e10,
+                           6.5e10, 1.2e9, 7.2e-6, matmul_efficiency=1.0, memory_efficiency=1.0, node_overhead_s=2.7e-4,
+                           workspace_bytes=0, fragmentation=0.0, hidden_scratch=False)
+
+
+def test_grpo_run_logs_the_rewards_of_its_rollouts_and_exports_the_policy(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("megacompile.cost.backend_profile.cached_cpu_profile", lambda: IDLE_CPU)
     work = stage_files.workspace(tmp_path)
     stage_files.CALLS.clear()
     config = files.run_yaml(str(tmp_path / "grpo.yaml"),
