@@ -92,11 +92,13 @@ def shard_map(path: str) -> dict[str, list[str] | None]:
 
 
 def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
-               shards: dict[str, list[str] | None], unused: tuple[str, ...] = ()) -> list[Item]:
+               shards: dict[str, list[str] | None], unused: tuple[str, ...] = (),
+               on_meta: bool = False) -> list[Item]:
     """What to stream from where, after checking every file's header against the model.
     canonical: state_dict key -> the parameter or buffer it names (TrainingState.canonical);
     unused: tensors of the files the model leaves out on purpose (a reward model's, the causal
-    LM's head its own head replaces), passed over."""
+    LM's head its own head replaces), passed over. on_meta: the model is wholly on meta, a check
+    before any is built: the buffers it computes and does not save are not asked of the files."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     items, loaded = [], set()
@@ -156,7 +158,8 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
         raise WeightsFileError(f"the weights in {path} hold only some of the per-expert tensors of "
                                f"{', '.join(torn[:3])}; nothing was loaded")
     missing = [n for n, p in params.items() if n not in loaded and p.is_meta]     # a real one is the module's own
-    missing += [n for n, b in buffers.items() if b.is_meta and n not in loaded]
+    saved = set(canonical.values())
+    missing += [n for n, b in buffers.items() if b.is_meta and n not in loaded and (n in saved or not on_meta)]
     if missing:
         raise WeightsFileError(f"the weights in {path} lack {len(missing)} tensors of the model "
                                f"({', '.join(missing[:4])}); nothing was loaded")

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import torch.nn as nn
 
 from ..errors import WeightsFileError
 from .header import read_header
@@ -34,8 +37,16 @@ def holds_adapter(path: str) -> bool:
 
 def items(state: "TrainingState", path: str) -> list[Item]:
     """The adapter's tensors as loads of the engine's trainable parameters, every one of them checked."""
-    check_config(state.model, path)
-    trainable = state.layout()[0]
+    return _items(state.model, state.layout()[0], path)
+
+
+def check(model: nn.Module, path: str) -> None:
+    """What load() refuses, refused against a model before any engine exists (on meta will do)."""
+    _items(model, {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}, path)
+
+
+def _items(model: nn.Module, trainable: dict[str, tuple], path: str) -> list[Item]:
+    check_config(model, path)
     plain = {name.replace(".default.", "."): name for name in trainable}
     file = os.path.join(path, WEIGHTS)
     out, problems = [], []
@@ -110,11 +121,32 @@ def check_config(model, path: str) -> None:
 
 def peft_config(model):
     """The model's LoRA config (PEFT's, of its first adapter), or None where it carries no adapters."""
-    for module in model.modules():
+    found = peft_model(model)
+    return None if found is None else next(iter(found[1].peft_config.values()))
+
+
+def peft_model(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(its name's prefix in `model`, the PEFT model): the module carrying the adapters' configs (the
+    model itself, or a post-training objective's `policy`); None where there is none."""
+    for name, module in model.named_modules():
         configs = getattr(module, "peft_config", None)
         if isinstance(configs, dict) and configs:
-            return next(iter(configs.values()))
+            return (f"{name}." if name else ""), module
     return None
+
+
+def save(state: "TrainingState", folder: str) -> None:
+    """The adapters' fp32 masters as PEFT writes an adapter (what load() and PeftModel.from_pretrained
+    read): adapter_config.json and adapter_model.safetensors in `folder`, PEFT's model card left out."""
+    from . import unbuilt
+    prefix, model = peft_model(state.model)
+    trainable = state.layout()[0]
+    adapters = {key.removeprefix(prefix): t for key, t in unbuilt.state_tensors(state) if key in trainable}
+    aside = os.path.join(folder, ".peft")
+    model.save_pretrained(aside, state_dict=adapters)
+    for name in (CONFIG, WEIGHTS):
+        os.replace(os.path.join(aside, name), os.path.join(folder, name))
+    shutil.rmtree(aside)
 
 
 def _targets(value) -> str:

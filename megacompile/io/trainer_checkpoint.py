@@ -40,6 +40,7 @@ from .hf_load import plan_items, shard_map
 from .source import MASTER, Item, PendingLoad
 
 if TYPE_CHECKING:
+    from ..optim import AdamW
     from ..state.training import TrainingState
 
 OPTIMIZER, TRAINER_STATE = "optimizer.pt", "trainer_state.json"
@@ -53,11 +54,48 @@ def is_trainer_checkpoint(path: str) -> bool:
             and ((has("config.json") and (has(SINGLE) or has(INDEX))) or lora_adapter.holds_adapter(path)))
 
 
+def check(model: nn.Module, optimizer: "AdamW", path: str, file_key: Callable[[str], str] | None = None) -> None:
+    """What read() refuses, refused before any engine exists: the checkpoint `path` against the
+    model (on meta will do) and the AdamW its engine will have; optimizer.pt's moments are only
+    mapped, never read. A run checks its Trainer import so before anything of it is written."""
+    from ..state.training import TrainingState
+    _checked(TrainingState(model, optimizer, compute_dtype=torch.float32, grad_accum=1), path, False, file_key,
+             on_meta=True)
+
+
 def read(state: "TrainingState", path: str, strict: bool = True,
          file_key: Callable[[str], str] | None = None) -> tuple[PendingLoad, dict, list[str], dict]:
     """(the load, the counters, notes, trainer_state.json) of the Trainer checkpoint `path`, checked
     against the state: nothing changes here. file_key: a state_dict key's name in the folder's
     files, where the module wraps the Trainer's model (from_pretrained.compile_folder's)."""
+    weights, saved, names, notes, trainer_state = _checked(state, path, strict, file_key)
+    steps, shapes = trainer_state["global_step"], state.layout()[0]
+    tensors, missed = {}, {}
+    for index, name in enumerate(names):
+        entry = saved["state"].get(index)
+        if entry is None:       # never stepped (no gradient yet): AdamW's state is made at its first update
+            tensors[f"exp_avg/{name}"] = tensors[f"exp_avg_sq/{name}"] = torch.zeros(shapes[name])
+            missed[name] = steps
+            continue
+        tensors[f"exp_avg/{name}"], tensors[f"exp_avg_sq/{name}"] = entry["exp_avg"], entry["exp_avg_sq"]
+        taken = int(entry.get("step", 0))
+        if taken < steps:
+            missed[name] = steps - taken
+    items = weights + [Item(_MEMORY, key, key.partition("/")[0], key.partition("/")[2]) for key in tensors]
+    load = PendingLoad(items, own_buffers=True, needs=(MASTER, "exp_avg", "exp_avg_sq"),
+                       describe=f"the Trainer checkpoint {path}", memory={_MEMORY: tensors})
+    if lora_adapter.holds_adapter(path):
+        load = lora_adapter.beside_the_base(state, load)
+    counters = {"steps_done": steps, "micro_batches": steps * state.grad_accum, "skipped_steps": 0,
+                "missed_steps": missed}
+    return load, counters, notes, trainer_state
+
+
+def _checked(state: "TrainingState", path: str, strict: bool, file_key: Callable[[str], str] | None,
+             on_meta: bool = False) -> tuple[list[Item], dict, list[str], list[str], dict]:
+    """(the weights' items, optimizer.pt's state_dict, each index's parameter name, notes,
+    trainer_state.json), every refusal of the module docstring made: nothing is allocated.
+    on_meta: the state's model is wholly on meta (hf_load.plan_items)."""
     if not is_trainer_checkpoint(path):
         foreign = describe_foreign(path) if os.path.isdir(path) else None
         missing = [n for n in (TRAINER_STATE, OPTIMIZER, "config.json") if not os.path.isfile(os.path.join(path, n))]
@@ -72,44 +110,30 @@ def read(state: "TrainingState", path: str, strict: bool = True,
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise WeightsFileError(f"{path}/{TRAINER_STATE}: global_step is {steps!r}, not a count of steps")
     model = state.model
-    adapter = lora_adapter.holds_adapter(path)
     canonical = state.canonical if file_key is None else {file_key(k): n for k, n in state.canonical.items()}
-    weights = lora_adapter.items(state, path) if adapter else plan_items(canonical, model, path, shard_map(path))
+    weights = (lora_adapter.items(state, path) if lora_adapter.holds_adapter(path)
+               else plan_items(canonical, model, path, shard_map(path), on_meta=on_meta))
     saved = _optimizer_state(os.path.join(path, OPTIMIZER))
     names = _names_by_index(state, model, saved["param_groups"], path)
     shapes = state.layout()[0]
-    tensors, missed, problems = {}, {}, []
+    problems = []
     for index, name in enumerate(names):
         entry = saved["state"].get(index)
-        if entry is None:       # never stepped (no gradient yet): AdamW's state is made at its first update
-            tensors[f"exp_avg/{name}"] = tensors[f"exp_avg_sq/{name}"] = torch.zeros(shapes[name])
-            missed[name] = steps
+        if entry is None:
             continue
         for table in ("exp_avg", "exp_avg_sq"):
             t = entry.get(table)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shapes[name]:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 problems.append(f"parameter {index}'s {table} is {got}, {name} is {shapes[name]}")
-            else:
-                tensors[f"{table}/{name}"] = t
         taken = int(entry.get("step", 0))
         if not 0 <= taken <= steps:
             problems.append(f"parameter {index} ({name}) took {taken} AdamW steps of the {steps} global steps")
-        elif taken < steps:
-            missed[name] = steps - taken
     if problems:
         raise WeightsFileError(f"cannot take in the Trainer checkpoint {path}: its {OPTIMIZER} does not fit this "
                                f"model's trainable parameters in the Trainer's order: {'; '.join(problems[:3])}; "
                                "nothing was loaded")
-    notes = _settings(state, saved["param_groups"], path, strict)
-    items = weights + [Item(_MEMORY, key, key.partition("/")[0], key.partition("/")[2]) for key in tensors]
-    load = PendingLoad(items, own_buffers=True, needs=(MASTER, "exp_avg", "exp_avg_sq"),
-                       describe=f"the Trainer checkpoint {path}", memory={_MEMORY: tensors})
-    if adapter:
-        load = lora_adapter.beside_the_base(state, load)
-    counters = {"steps_done": steps, "micro_batches": steps * state.grad_accum, "skipped_steps": 0,
-                "missed_steps": missed}
-    return load, counters, notes, trainer_state
+    return weights, saved, names, _settings(state, saved["param_groups"], path, strict), trainer_state
 
 
 _MEMORY = "<optimizer.pt>"      # the items the load takes from tensors in memory, not from a file

@@ -1,6 +1,8 @@
 """A checkpoint transformers' Trainer resumes from, written from the engine: the way back.
 
-    checkpoint-N/   the model folder save_pretrained writes (fp32 masters, config, tokenizer files)
+    checkpoint-N/   the model folder save_pretrained writes (fp32 masters, config, tokenizer files);
+                    a LoRA model's: PEFT's adapter (adapter_config.json, adapter_model.safetensors,
+                    the adapters' fp32 masters), as a LoRA run's Trainer writes it
         optimizer.pt        torch.optim.AdamW's state_dict over the Trainer's two param groups
         scheduler.pt        the LambdaLR's step count (its base rates stay the resuming Trainer's)
         trainer_state.json  global_step, train_batch_size (the Trainer compares it with its own) and
@@ -47,10 +49,6 @@ def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str
     if os.path.lexists(path):
         raise CheckpointError(f"cannot write the Trainer checkpoint {path}: something is there already; give a new "
                               "path (a Trainer names its checkpoints checkpoint-<step>)")
-    if lora_adapter.peft_config(state.model) is not None:
-        raise MegacompileError("save_trainer_checkpoint writes a full fine-tune's checkpoint; a LoRA model's (PEFT's "
-                               "adapter beside optimizer.pt) is not written yet: save_checkpoint keeps the run, and "
-                               "the adapter alone is exported with the model's save_pretrained")
     trainable = [n for n, p in state.model.named_parameters() if p.requires_grad]
     theirs = exempt_parameters(hf_no_decay, state.model)
     if set(state.no_decay) != set(theirs):
@@ -63,7 +61,11 @@ def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str
     groups = [[n for n in trainable if n not in theirs], [n for n in trainable if n in theirs]]
     tmp = durable.partial_path(path)
     try:
-        hf_save.save_pretrained(state, tmp, dtype=torch.float32)
+        if lora_adapter.peft_model(state.model) is not None:      # PEFT's adapter, as a LoRA run's Trainer saves
+            os.makedirs(tmp)
+            lora_adapter.save(state, tmp)
+        else:
+            hf_save.save_pretrained(state, tmp, dtype=torch.float32)
         torch.save(_optimizer(state, groups), os.path.join(tmp, "optimizer.pt"))
         torch.save({"last_epoch": state.steps_done, "_step_count": state.steps_done + 1,
                     "_last_lr": [_next_lr(state)] * len(groups), "lr_lambdas": [None] * len(groups)},

@@ -34,7 +34,7 @@ from . import intervals, methods, preemption, resume, trained_model
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
-from .model import build, file_key, meta_model
+from .model import build, check_import, file_key, meta_model
 from .reference_model import reference_engine
 from .preemption import StopSignals
 from .schedule import warmup_steps
@@ -130,6 +130,8 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     kind(c).check_model(c, meta)
     meta = methods.apply(c, meta)      # the names it gives checked against the model, before the data is read
     methods.check_adapter(c, meta)
+    if imported is not None:
+        check_import(c, meta, imported)
     if saved is not None:
         resume.check_rows(c, saved)
         methods.check_resume(c, saved.extra)

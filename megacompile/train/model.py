@@ -162,6 +162,24 @@ def compile_module(c: RunConfig, module: nn.Module, budget: float, wrap=None, **
     return Engine(module, budget, **kwargs)
 
 
+def adamw(c: RunConfig, lr) -> AdamW:
+    """The run's AdamW at the learning rate (or schedule) `lr`."""
+    return AdamW(lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
+                 # null: the norm is still measured for the log (clip_grad_norm_ at inf never clips)
+                 max_grad_norm=math.inf if c.max_grad_norm is None else c.max_grad_norm,
+                 # weight_decay as Hugging Face Trainer (so TRL, LlamaFactory) applies it: biases
+                 # and norm weights exempt
+                 no_decay=hf_no_decay)
+
+
+def check_import(c: RunConfig, meta: nn.Module, imported: str) -> None:
+    """The Trainer checkpoint a new run starts from, checked against the run's model on meta (the
+    fine-tuning method's parameters applied) and its AdamW, before anything of the run is written:
+    what the engine's import would refuse is refused here (io/trainer_checkpoint.py)."""
+    from ..io import trainer_checkpoint
+    trainer_checkpoint.check(meta, adamw(c, c.lr), imported, file_key=file_key(methods.adapters(c), False))
+
+
 def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_inputs=None, beside_of=None,
           host_beside_of=None) -> Setup:
     """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes;
@@ -182,13 +200,7 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
     shifted = c.bundled
     batch, accumulate = c.batch, c.grad_accum
     from .schedule import learning_rate
-    optimizer = AdamW(lr=learning_rate(c.lr, c.schedule, c.warmup, c.min_lr, c.steps), betas=tuple(c.betas),
-                      eps=c.eps, weight_decay=c.weight_decay,
-                      # null: the norm is still measured for the log (clip_grad_norm_ at inf never clips)
-                      max_grad_norm=math.inf if c.max_grad_norm is None else c.max_grad_norm,
-                      # weight_decay as Hugging Face Trainer (so TRL, LlamaFactory) applies it: biases
-                      # and norm weights exempt
-                      no_decay=hf_no_decay)
+    optimizer = adamw(c, learning_rate(c.lr, c.schedule, c.warmup, c.min_lr, c.steps))
     settings = c.settings()
     held = host_beside_of(meta, device) if host_beside_of is not None else []
     host_budget = c.host_budget

@@ -339,10 +339,54 @@ def test_a_lora_adapter_of_another_rank_is_refused_by_name(tmp_path):
     with pytest.raises(WeightsFileError, match=r"not this model's: r 8 \(this model 4; run.yaml lora_rank\); "
                                                r"target_modules q_proj \(this model q_proj, v_proj"):
         engine.load_trainer_checkpoint(folder)
-    with pytest.raises(MegacompileError, match="a LoRA model's .* is not written yet"):     # the way back: not built
-        engine.save_trainer_checkpoint(str(tmp_path / "back"), batch_size=2)
-    assert not os.path.exists(tmp_path / "back")
     full = engine_for(base)
     with pytest.raises(WeightsFileError, match=r"holds a LoRA adapter \(rank 8, alpha 8, on q_proj\) and this model "
                                                r"has none"):
         full.load_trainer_checkpoint(folder)
+
+
+def test_the_trainer_resumes_a_lora_run_from_the_adapter_and_moments_the_engine_wrote(tmp_path):
+    """The way back for a LoRA run: checkpoint-2 holds PEFT's adapter (no model: the base is the
+    Trainer's own) and the adapters' AdamW state; transformers' Trainer over a PEFT model whose
+    adapters start elsewhere resumes from it, and its steps 3 and 4 land where the engine's do."""
+    from transformers import Trainer, TrainingArguments
+    fed: list[torch.Tensor] = []
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            fed.append(inputs["input_ids"].clone())
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    base = str(tmp_path / "base")
+    _llama(tied=False).save_pretrained(base)
+    engine = megacompile.compile(_with_lora(LlamaForCausalLM.from_pretrained(base), seed=1), 1.0, device="cpu",
+                                 optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                                             no_decay=megacompile.hf_no_decay))
+    for ids in BATCHES[:SAVED_AT]:
+        engine.step(input_ids=ids, labels=ids)
+    folder = str(tmp_path / "out" / "checkpoint-2")
+    engine.save_trainer_checkpoint(folder, batch_size=2, logging_steps=1)
+    assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors", "optimizer.pt",
+                                          "scheduler.pt", "trainer_state.json"]
+
+    model = _with_lora(LlamaForCausalLM.from_pretrained(base), seed=2)      # other adapters until the resume
+    rows = [{"input_ids": ids, "labels": ids} for batch in BATCHES for ids in batch]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=4,
+                             learning_rate=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+                             adam_epsilon=EPS, lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[],
+                             use_cpu=True, logging_steps=1, disable_tqdm=True, save_strategy="no")
+    trainer = Recording(model=model, args=args, train_dataset=rows)
+    trainer.train(resume_from_checkpoint=folder)
+    assert trainer.state.global_step == 4 and len(fed) == 2
+    theirs = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    ours = [engine.step(input_ids=ids, labels=ids) for ids in fed]
+    assert ours == pytest.approx(theirs, rel=1e-4)      # the Trainer logs its losses rounded to 4 digits
+    errors = weight_errors(engine, model)
+    assert max(errors.values()) <= 1e-5, errors
+    # PEFT reads the adapter as the engine's masters held it at step 2: the engine's own import of the
+    # checkpoint then trains alike.
+    again = megacompile.compile(_with_lora(LlamaForCausalLM.from_pretrained(base), seed=3), 1.0, device="cpu",
+                                optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                                            no_decay=megacompile.hf_no_decay))
+    again.load_trainer_checkpoint(folder)
+    assert [again.step(input_ids=ids, labels=ids) for ids in fed] == ours

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -201,3 +202,63 @@ def test_a_dpo_run_resumed_from_a_trainer_checkpoint_starts_its_policy_from_it(t
     assert f"from the Trainer checkpoint {checkpoint} at step {SAVED_AT}" in capsys.readouterr().out
     rows = log.read(str(tmp_path / "run" / "log.csv"))
     assert [r["step"] for r in rows] == ["3"] and float(rows[0]["reward_margin"]) != 0.0
+
+
+def _tree(folder) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, names in os.walk(folder) for f in names)
+
+
+def test_a_trainer_checkpoint_that_does_not_fit_is_refused_before_anything_of_the_run_is_written(tmp_path):
+    """Its optimizer.pt checked against the run's model on meta and the run's AdamW, before any
+    engine exists: no run folder is made, and a run over the Trainer's own output_dir
+    (resume_from_checkpoint: true) leaves that folder as it was."""
+    from megacompile.errors import WeightsFileError
+    work = files.workspace(tmp_path)
+    out = tmp_path / "saves"
+    checkpoint = out / "checkpoint-2"
+    _trainer_checkpoint(work["model"], str(checkpoint))
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    saved["state"][0]["exp_avg"] = saved["state"][0]["exp_avg"][:-1]
+    torch.save(saved, checkpoint / "optimizer.pt")
+    settings = dict(model=work["model"], data=[work["notes"]], seq=SEQ, batch=BATCH, steps=STEPS, lr=LR,
+                    weight_decay=WD, device="cpu")
+    given = load(files.run_yaml(str(tmp_path / "run.yaml"), **settings, run_dir=str(tmp_path / "run"),
+                                resume_from_checkpoint=str(checkpoint)), [])
+    with pytest.raises(WeightsFileError, match=r"optimizer.pt does not fit this model's trainable parameters in the "
+                                               r"Trainer's order: parameter 0's exp_avg is \(\d+, \d+\), "
+                                               r"model.embed_tokens.weight is"):
+        run(given)
+    assert not os.path.exists(tmp_path / "run")
+    before = _tree(out)
+    latest = load(files.run_yaml(str(tmp_path / "auto.yaml"), **settings, output_dir=str(out),
+                                 resume_from_checkpoint=True), [])
+    with pytest.raises(WeightsFileError, match="parameter 0's exp_avg"):
+        run(latest)
+    assert _tree(out) == before
+
+
+def test_an_adapter_missing_a_tensor_is_refused_before_anything_of_the_run_is_written(tmp_path):
+    """adapter_name_or_path: every tensor of the PEFT adapter named and shaped against the run's
+    adapters on meta, not only its config, before the run folder exists."""
+    import peft
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM
+
+    from megacompile.errors import WeightsFileError
+    work = files.workspace(tmp_path)
+    adapter = str(tmp_path / "adapter")
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(work["model"]),
+                        peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8,
+                                        target_modules=["q_proj", "v_proj"])).save_pretrained(adapter)
+    weights = os.path.join(adapter, "adapter_model.safetensors")
+    tensors = safetensors.torch.load_file(weights)
+    dropped = sorted(tensors)[0]
+    safetensors.torch.save_file({k: v for k, v in tensors.items() if k != dropped}, weights)
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=work["model"], data=[work["notes"]], seq=SEQ,
+                            batch=BATCH, steps=1, device="cpu", run_dir=str(tmp_path / "run"), finetuning_type="lora",
+                            lora_rank=4, lora_alpha=8, lora_target="q_proj,v_proj", adapter_name_or_path=adapter), [])
+    layer = dropped.split(".layers.")[1].split(".lora_")[0]
+    with pytest.raises(WeightsFileError, match=rf"cannot take in the LoRA adapter in {adapter}: it holds nothing for "
+                                               rf"\S*layers.{re.escape(layer)}"):
+        run(c)
+    assert not os.path.exists(tmp_path / "run")

@@ -104,10 +104,11 @@ def _check_adapter(c) -> None:
 
 
 def check_adapter(c, model: nn.Module) -> None:
-    """The adapter's config against the run's LoRA adapters on `model` (rank, alpha, targets)."""
+    """The adapter against the run's LoRA adapters on `model`: its config (rank, alpha, targets) and
+    every tensor's name and shape."""
     from ...io import lora_adapter
     if c.adapter is not None:
-        lora_adapter.check_config(model, c.adapter)
+        lora_adapter.check(model, c.adapter)
 
 
 def saved(c) -> dict:
