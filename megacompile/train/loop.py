@@ -91,6 +91,15 @@ def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None, 
     return run_dir, resume_from, saved, imported if resume_from is None else None
 
 
+def _first_missing(path: str) -> str | None:
+    """The outermost folder of `path` that does not exist yet (path itself when only it is missing);
+    None when path exists."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path):
+        path, missing = os.path.dirname(path), path
+    return missing
+
+
 def _latest_trainer_checkpoint(run_dir: str) -> str | None:
     """The Trainer checkpoint (checkpoint-N, io/trainer_checkpoint.py) of the highest N in run_dir."""
     found = [(int(name.rpartition("-")[2]), os.path.join(run_dir, name)) for name in os.listdir(run_dir)
@@ -136,7 +145,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         resume.check_rows(c, saved)
         methods.check_resume(c, saved.extra)
         kind(c).check_resume(c, saved)
-    fresh = not os.path.exists(run_dir)
+    made = _first_missing(run_dir)      # the run folder, or the folder above it the run makes first
     stage = None
     try:
         stage = open_stage(c, run_dir)
@@ -150,8 +159,8 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         if stage is not None:
             stage.discard()
             stage.close()
-        if fresh:       # the run folder was made for this run alone: nothing of it is left
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if made is not None:     # made for this run alone (folders above it too): nothing of it is left
+            shutil.rmtree(made, ignore_errors=True)
         raise
     try:
         os.makedirs(run_dir, exist_ok=True)

@@ -84,7 +84,7 @@ def test_a_sliding_window_trains_as_eager_with_no_mask_at_all():
     assert "megacompile.window_attention.default" in ops and not any("scaled_dot_product" in op for op in ops)
 
 
-@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("side", [pytest.param("right", marks=pytest.mark.slow), "left"])
 def test_a_padding_mask_trains_as_eager_with_no_square_mask(side):
     """Left padding leaves the first queries of a row no key to see: o = 0 and no gradient there,
     as torch's SDPA gives them."""
@@ -145,7 +145,7 @@ def _gpt_oss():
                                           max_position_embeddings=64, use_cache=False))
 
 
-@pytest.mark.parametrize("layout", ["left padding", "packed documents"])
+@pytest.mark.parametrize("layout", ["left padding", pytest.param("packed documents", marks=pytest.mark.slow)])
 def test_gpt_oss_trains_as_its_eager_attention_with_sinks_and_no_square_mask(layout):
     """GPT-OSS runs eager attention (scores, an additive [B, 1, S, S] mask, the sinks as one more
     column, [B, Hq, S, S + 1] probabilities saved for the backward); captured, its sliding-window

@@ -112,6 +112,7 @@ def test_baseline_schedules_cost_what_their_systems_do():
     assert ours.prediction.step_s < min(megatrain.prediction.step_s, zero3.prediction.step_s)
 
 
+@pytest.mark.slow    # a search per micro-batch size; run.yaml's global_batch stays in the default tier
 def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL_LLAMA))

@@ -102,7 +102,7 @@ def _trains_from_the_arena(build, twice_the_weights: bool):
 # default tier packs the text models; the vision-language ones (8 s each) run in the slow tier.
 @pytest.mark.parametrize("family, twice_the_weights", [
     pytest.param(family, twice, id=f"{family}-{'twice-the-weights' if twice else 'smallest'}",
-                 marks=pytest.mark.slow if twice or family in ("llava", "gemma3") else ())
+                 marks=pytest.mark.slow if twice or family != "llama" else ())
     for family in sorted(CASES) for twice in (True, False)])
 def test_every_device_tensor_of_a_step_comes_from_the_planned_arena(family, twice_the_weights):
     _trains_from_the_arena(CASES[family], twice_the_weights)

@@ -33,7 +33,7 @@ STEPS = 3
 # latent attention (v narrower than q and k) onto it too, sum for sum with SDPA's math path.
 # Qwen3.5: a hybrid, gated delta-net linear attention (a causal conv and a chunked recurrence in
 # torch) beside gated full attention, two templates.
-DEFAULT = {"gemma2", "gptj", "bloom", "mixtral", "qwen2_sliding", "gpt_oss", "deepseek_v3", "qwen3_5"}
+DEFAULT = {"gemma2", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_5"}
 
 # Families that cannot be captured yet, with the error they raise.
 REFUSED = {

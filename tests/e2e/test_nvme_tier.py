@@ -164,6 +164,7 @@ def test_plan_puts_the_moments_on_disk_when_host_ram_is_short(tmp_path, capsys, 
     assert "disk tier" in out and "per optimizer step; hidden at >=" in out
 
 
+@pytest.mark.slow    # a sweep of disk speeds; the disk setting the pace stays in the default tier
 def test_the_disk_bandwidth_needed_is_where_the_cost_model_stops_waiting_on_the_disk():
     """At the bandwidth the plan names, the predicted step is within 1% of the step with a disk
     that never stalls; at 10% less it is not (the updates of the stages' last backward and the

@@ -60,7 +60,7 @@ def noise(eager):
 
 
 # (kind, budget) in the default tier: every model, and each budget, once
-DEFAULT_TIER = {("llama", "minimum"), ("qwen2", "minimum"), ("gpt2", 0.25), ("nanogpt", 0.5), ("llama", None)}
+DEFAULT_TIER = {("llama", "minimum"), ("gpt2", 0.25), ("llama", None)}
 
 
 def _tiered(kinds, fractions):

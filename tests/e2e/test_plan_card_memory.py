@@ -66,6 +66,7 @@ def test_plan_says_the_same_from_python():
     assert roomy.fits and "card_bytes" not in roomy.to_json()      # a plan that fits keeps its JSON
 
 
+@pytest.mark.slow    # a search down to the smallest budget; the card's memory rows stay in the default tier
 def test_a_refusal_says_when_no_budget_fits_the_card(tmp_path, capsys):
     with pytest.raises(BudgetTooSmallError):
         megacompile.plan(CONFIG, hbm_budget=0.04, seq=64, hardware=SMALL)

@@ -76,6 +76,7 @@ def test_selective_blocks_train_as_eager_and_bit_equal_to_saving_everything(kind
         assert_same_weights(sel.engine, reference, noise=weight_noise(model, batches, kind, reference))
 
 
+@pytest.mark.slow    # a 14B plan's search; the default tier trains selective blocks
 def test_plan_says_which_blocks_save_selectively():
     config = {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,
               "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,

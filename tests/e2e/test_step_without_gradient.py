@@ -88,6 +88,7 @@ def assert_parity(steps: list[list[dict]], grad_accum: int = 1, max_grad_norm: f
     return engine
 
 
+@pytest.mark.slow    # a first text-only step stays in the default tier
 def test_a_text_only_step_between_image_steps_trains_as_eagerly():
     """Through the native kernel: each run of parameters of one step count is its own call."""
     engine = assert_parity([[batch(seed=0)], [text_only(1)], [batch(seed=2)]], untouched_after=1, kernel="fused")
@@ -105,6 +106,7 @@ def test_a_first_step_without_images_still_trains_the_tower_later_as_eagerly():
     assert_parity([[text_only(0)], [batch(seed=1)], [batch(seed=2)]])
 
 
+@pytest.mark.slow    # the step without a gradient stays in the default tier
 def test_accumulation_steps_a_parameter_any_micro_batch_reaches():
     """Step 1: image then text; step 2: text then image (the tower's gradient starts from zero at
     the second micro-batch, not from the buffer's old sum); step 3: text alone."""

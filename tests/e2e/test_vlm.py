@@ -98,6 +98,7 @@ def test_llava_trains_as_eagerly_below_the_weights_and_at_the_smallest_budget():
     assert_parity(model, [batch(seed=i) for i in range(STEPS)])
 
 
+@pytest.mark.slow    # LLaVA's parity at every budget stays in the default tier
 def test_a_row_without_an_image_trains_as_eagerly():
     """pixel_values hold one image per image in the batch, not per row: a text-only row beside one
     with an image."""

@@ -62,6 +62,7 @@ def test_the_planned_peak_is_what_the_model_measures_with_images_of_that_size(fa
         budget = plan.minimum_budget_bytes / GiB
 
 
+@pytest.mark.slow    # four plans; the planned grid and its measured peak stay in the default tier
 def test_more_images_or_larger_images_raise_the_vision_share():
     config = vlm.llava().config
     one, two = (megacompile.plan(config, hbm_budget=1.0, batch=2, seq=vlm.SEQ, images_per_row=n, **CPU).vision

@@ -64,6 +64,7 @@ def _through_engine(module: EachLoss, inputs: dict) -> torch.Tensor:
     return out
 
 
+@pytest.mark.slow    # every loss type; their formulas stay in the default tier
 def test_each_dpo_loss_type_through_the_engine_is_its_formula():
     policy = _policy()
     ids, labels = _completions(2 * PAIRS, 21)                  # chosen rows first, then the rejected
@@ -94,6 +95,7 @@ def test_each_dpo_loss_type_through_the_engine_is_its_formula():
         assert value == pytest.approx(loss(logits.double(), labels, ref.double()).item(), rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.slow    # every option; their formulas stay in the default tier
 def test_each_grpo_option_through_the_engine_is_its_formula():
     policy = _policy()
     ids, labels = _completions(6, 31)

@@ -40,7 +40,7 @@ def _rows(path: str) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMED} for r in log.read(path)]
 
 
-@pytest.mark.parametrize("stage", ["grpo", "dpo"])
+@pytest.mark.parametrize("stage", [pytest.param("grpo", marks=pytest.mark.slow), "dpo"])
 def test_the_reference_is_mixed_with_the_policy_every_sync_steps_as_trl_mixes_it(tmp_path, stage):
     work = stage_files.workspace(tmp_path)
     run(load(files.run_yaml(str(tmp_path / "sync.yaml"), **_settings(work, str(tmp_path / "sync"), stage)), []))
@@ -75,7 +75,7 @@ def test_the_reference_is_mixed_with_the_policy_every_sync_steps_as_trl_mixes_it
     assert any(e["name"] == "process_name" and e["args"]["name"].startswith("measured") for e in trace["traceEvents"])
 
 
-@pytest.mark.parametrize("stage", ["grpo", "dpo"])
+@pytest.mark.parametrize("stage", [pytest.param("grpo", marks=pytest.mark.slow), "dpo"])
 def test_a_run_resumed_between_updates_reads_the_kept_reference_and_writes_the_uninterrupted_log(tmp_path, stage):
     work = stage_files.workspace(tmp_path)
     run(load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings(work, str(tmp_path / "whole"), stage)), []))

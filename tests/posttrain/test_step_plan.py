@@ -181,6 +181,7 @@ def test_a_streamed_copys_layers_come_out_of_the_host_budget(model):
                    generator="hf_streamed")
 
 
+@pytest.mark.slow    # a budget search; the streamed copy's traffic stays in the default tier
 def test_a_kv_cache_copy_the_engines_parts_do_not_fit_beside_is_streamed():
     deep = model_from_config({**CONFIG, "num_hidden_layers": 4})
     copy = 2 * sum(p.numel() for p in deep.parameters()) + sum(b.numel() * b.element_size() for b in deep.buffers())

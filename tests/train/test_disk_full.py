@@ -57,8 +57,9 @@ def _fail_in_step_4(monkeypatch, where: str, code: int) -> list:
     return hits
 
 
-@pytest.mark.parametrize("where, code", [("tensor file", errno.ENOSPC), ("COMMITTED", errno.ENOSPC),
-                                         ("fsync", errno.EIO)])
+@pytest.mark.parametrize("where, code", [("tensor file", errno.ENOSPC),
+                                         pytest.param("COMMITTED", errno.ENOSPC, marks=pytest.mark.slow),
+                                         pytest.param("fsync", errno.EIO, marks=pytest.mark.slow)])
 def test_a_failed_checkpoint_write_stops_the_run_and_the_same_command_resumes_exactly(tmp_path, monkeypatch, whole,
                                                                                       where, code):
     monkeypatch.chdir(tmp_path)

@@ -84,7 +84,7 @@ def _rows(run_dir: str) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING} for row in read(os.path.join(run_dir, "log.csv"))]
 
 
-def test_llamafactory_pretraining_trains_as_the_same_texts_given_as_text_records(tmp_path, capsys):
+def test_llamafactory_pretraining_trains_as_the_same_texts_given_as_text_records(tmp_path, capsys, monkeypatch):
     files.workspace(tmp_path)
     c4, wiki = _llamafactory_data(str(tmp_path / "data"))
     for name, texts in (("c4_texts.jsonl", c4), ("wiki_texts.jsonl", wiki)):
@@ -106,8 +106,14 @@ def test_llamafactory_pretraining_trains_as_the_same_texts_given_as_text_records
     assert len(lf_rows) == 4 and lf_rows == own_rows
     # the same records under stage sft (the tokenizer's own chat template: this one has no llama3
     # tokens) are Alpaca instructions without an answer: not text
+    # Refused, the run leaves nothing: not its folder, nor the folders above it it made (an override's
+    # path is the working folder's).
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     with pytest.raises(ArgumentError, match="none of the layouts read"):
         run(load(lf, ["stage=sft", "output_dir=saves/sft", "template=null"]))
+    assert os.listdir(elsewhere) == []
 
 
 def test_what_stage_pt_does_not_take_is_said(tmp_path, capsys):

@@ -162,6 +162,6 @@ def _row_is_the_processors(folder: str, family: str) -> None:
         assert inputs["second_per_grid_ts"].tolist() == [1.0]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 def test_a_record_with_a_video_is_the_processors_row_and_its_answer_alone_is_counted(tmp_path, family):
     torchvision_env.call(_row_is_the_processors, str(tmp_path), family)
