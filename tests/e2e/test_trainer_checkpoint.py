@@ -215,10 +215,10 @@ def test_taken_in_then_saved_before_any_step_the_checkpoint_holds_the_trainers_s
     assert all(torch.equal(a, b) for a, b in zip(taken.state_dict().values(), again.state_dict().values()))
 
 
-def test_the_trainer_resumes_from_a_checkpoint_the_engine_wrote_and_trains_as_the_engine(tmp_path):
-    """The way back: the engine trains 2 steps and writes checkpoint-2; transformers' Trainer resumes
-    from it (a linear schedule with warmup, over 4 steps) and its steps 3 and 4 land where the
-    engine's own steps 3 and 4 on the same batches do."""
+def resumed_trainer(model, folder: str, **schedule) -> tuple[list[float], list[torch.Tensor]]:
+    """transformers' Trainer over `model` resumed from `folder` to step 4 on BATCHES' rows, with
+    this file's AdamW and `schedule` (its lr_scheduler_type, ...): (its logged losses, the
+    input_ids it fed each resumed step)."""
     from transformers import Trainer, TrainingArguments
     fed: list[torch.Tensor] = []
 
@@ -227,6 +227,21 @@ def test_the_trainer_resumes_from_a_checkpoint_the_engine_wrote_and_trains_as_th
             fed.append(inputs["input_ids"].clone())
             return super().compute_loss(model, inputs, *args, **kwargs)
 
+    rows = [{"input_ids": ids, "labels": ids} for batch in BATCHES for ids in batch]
+    args = TrainingArguments(output_dir=os.path.dirname(folder), per_device_train_batch_size=2, max_steps=4,
+                             learning_rate=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+                             adam_epsilon=EPS, max_grad_norm=0.0, report_to=[], use_cpu=True, logging_steps=1,
+                             disable_tqdm=True, save_strategy="no", **schedule)
+    trainer = Recording(model=model, args=args, train_dataset=rows)
+    trainer.train(resume_from_checkpoint=folder)
+    assert trainer.state.global_step == 4 and len(fed) == 2
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e], fed
+
+
+def test_the_trainer_resumes_from_a_checkpoint_the_engine_wrote_and_trains_as_the_engine(tmp_path):
+    """The way back: the engine trains 2 steps and writes checkpoint-2; transformers' Trainer resumes
+    from it (a linear schedule with warmup, over 4 steps) and its steps 3 and 4 land where the
+    engine's own steps 3 and 4 on the same batches do."""
     source = str(tmp_path / "model")
     _llama(tied=False).save_pretrained(source)
 
@@ -241,15 +256,7 @@ def test_the_trainer_resumes_from_a_checkpoint_the_engine_wrote_and_trains_as_th
     assert sorted(os.listdir(os.path.dirname(folder))) == ["checkpoint-2"]       # nothing left beside it
 
     model = LlamaForCausalLM.from_pretrained(source)
-    rows = [{"input_ids": ids, "labels": ids} for batch in BATCHES for ids in batch]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=4,
-                             learning_rate=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-                             adam_epsilon=EPS, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=0.0,
-                             report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True, save_strategy="no")
-    trainer = Recording(model=model, args=args, train_dataset=rows)
-    trainer.train(resume_from_checkpoint=folder)
-    assert trainer.state.global_step == 4 and len(fed) == 2
-    theirs = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    theirs, fed = resumed_trainer(model, folder, lr_scheduler_type="linear", warmup_steps=1)
     ours = [engine.step(input_ids=ids, labels=ids) for ids in fed]
     assert ours == pytest.approx(theirs, rel=1e-4)      # the Trainer logs its losses rounded to 4 digits
     errors = weight_errors(engine, model)
@@ -349,14 +356,6 @@ def test_the_trainer_resumes_a_lora_run_from_the_adapter_and_moments_the_engine_
     """The way back for a LoRA run: checkpoint-2 holds PEFT's adapter (no model: the base is the
     Trainer's own) and the adapters' AdamW state; transformers' Trainer over a PEFT model whose
     adapters start elsewhere resumes from it, and its steps 3 and 4 land where the engine's do."""
-    from transformers import Trainer, TrainingArguments
-    fed: list[torch.Tensor] = []
-
-    class Recording(Trainer):
-        def compute_loss(self, model, inputs, *args, **kwargs):
-            fed.append(inputs["input_ids"].clone())
-            return super().compute_loss(model, inputs, *args, **kwargs)
-
     base = str(tmp_path / "base")
     _llama(tied=False).save_pretrained(base)
     engine = megacompile.compile(_with_lora(LlamaForCausalLM.from_pretrained(base), seed=1), 1.0, device="cpu",
@@ -370,15 +369,7 @@ def test_the_trainer_resumes_a_lora_run_from_the_adapter_and_moments_the_engine_
                                           "scheduler.pt", "trainer_state.json"]
 
     model = _with_lora(LlamaForCausalLM.from_pretrained(base), seed=2)      # other adapters until the resume
-    rows = [{"input_ids": ids, "labels": ids} for batch in BATCHES for ids in batch]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=4,
-                             learning_rate=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-                             adam_epsilon=EPS, lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[],
-                             use_cpu=True, logging_steps=1, disable_tqdm=True, save_strategy="no")
-    trainer = Recording(model=model, args=args, train_dataset=rows)
-    trainer.train(resume_from_checkpoint=folder)
-    assert trainer.state.global_step == 4 and len(fed) == 2
-    theirs = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    theirs, fed = resumed_trainer(model, folder, lr_scheduler_type="constant")
     ours = [engine.step(input_ids=ids, labels=ids) for ids in fed]
     assert ours == pytest.approx(theirs, rel=1e-4)      # the Trainer logs its losses rounded to 4 digits
     errors = weight_errors(engine, model)
