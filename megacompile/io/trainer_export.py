@@ -16,8 +16,10 @@ that is this engine's schedule, which is the Trainer's only when the two schedul
 
 The folder is written beside its place and renamed into it once whole: a failed export leaves no
 folder the Trainer would resume from without its optimizer (it would start AdamW afresh silently).
-optimizer.pt is made with torch.save, which takes every tensor at once: the moments are copied out of
-the host state for it (8 bytes per parameter while it is written).
+optimizer.pt is made with torch.save, which takes every tensor at once: each moment goes in as a view
+of its owner's flat buffer, which torch.save writes once for all its views, so the host state is
+written as it stands, with no copy. Moments on the disk tier are read into RAM for it and copied out
+parameter by parameter (8 bytes per parameter while it is written).
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def _optimizer(state: "TrainingState", groups: list[list[str]]) -> dict:
         for name in names:
             steps = state.adamw_step(name)
             if steps > 0:
-                pair = [host.view(t, name).clone() if host is not None else _waiting(tables, t, name, state)
+                pair = [_moment(host, t, name) if host is not None else _waiting(tables, t, name, state)
                         for t in ("exp_avg", "exp_avg_sq")]
                 moments[index] = {"step": torch.tensor(float(steps)), "exp_avg": pair[0], "exp_avg_sq": pair[1]}
             index += 1
@@ -103,6 +105,14 @@ def _optimizer(state: "TrainingState", groups: list[list[str]]) -> dict:
         numbered.append({**settings, "weight_decay": decay, "params": list(range(first, first + len(names)))})
         first += len(names)
     return {"state": moments, "param_groups": numbered}
+
+
+def _moment(host, table: str, name: str) -> torch.Tensor:
+    """A view of the owner's flat buffer, which torch.save writes once for all its views: no copy.
+    A disk tier's read is a fresh buffer of the whole owner, which a view would keep alive for each
+    of the owner's parameters: that one is copied, its read let go."""
+    view = host.view(table, name)
+    return view.clone() if host.disk is not None and host.disk.holds(table) else view
 
 
 def _waiting(tables: dict, table: str, name: str, state: "TrainingState") -> torch.Tensor:

@@ -86,6 +86,13 @@ def engine_for(folder: str, **adamw):
     return megacompile.from_pretrained(folder, hbm_budget=1.0, device="cpu", optimizer=megacompile.AdamW(**settings))
 
 
+def trainer_order(engine) -> list[str]:
+    """The trainable parameters in the Trainer's numbering: the decayed ones, then the exempt ones."""
+    exempt = set(megacompile.hf_no_decay(engine.model))
+    trained = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+    return [n for n in trained if n not in exempt] + [n for n in trained if n in exempt]
+
+
 def _never_stepped(saved: dict) -> None:
     """The first exempt parameter had no gradient in the Trainer's steps: torch keeps no state for it."""
     del saved["state"][saved["param_groups"][1]["params"][0]]
@@ -381,3 +388,46 @@ def test_the_trainer_resumes_a_lora_run_from_the_adapter_and_moments_the_engine_
                                                             no_decay=megacompile.hf_no_decay))
     again.load_trainer_checkpoint(folder)
     assert [again.step(input_ids=ids, labels=ids) for ids in fed] == ours
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_optimizer_pt_is_written_from_the_host_state_itself_and_reads_back_as_it(tmp_path, monkeypatch, tier):
+    """Every moment goes to torch.save as a view of its owner's flat buffer (torch.save writes a
+    storage once, whatever shares it): writing the checkpoint copies none of the host state's 8 bytes
+    per parameter of moments, and the file reads back as the engine holds them. On the disk tier each
+    moment is its own copy: a view would keep its owner's whole read alive for every parameter."""
+    from megacompile.cost.host_memory import host_costs
+    from megacompile.io import trainer_export
+    source = str(tmp_path / "model")
+    _llama(tied=False).save_pretrained(source)
+    engine = engine_for(source)
+    if tier == "disk":      # the moments on disk, streamed in pieces of 4096 parameters (a pool this small)
+        monkeypatch.setenv("MEGACOMPILE_TIER_PIECE", "4096")
+        budget = host_costs(engine.prepare(input_ids=BATCHES[0], labels=BATCHES[0]).captured,
+                            torch.float32)[1].ram_bytes / 2 ** 30
+        engine = megacompile.from_pretrained(source, hbm_budget=1.0, device="cpu", nvme_dir=str(tmp_path / "tier"),
+                                             host_budget=budget, optimizer=megacompile.AdamW(
+                                                 lr=lr_at, betas=BETAS, eps=EPS, weight_decay=WD,
+                                                 no_decay=megacompile.hf_no_decay))
+    for ids in BATCHES[:SAVED_AT]:
+        engine.step(input_ids=ids, labels=ids)
+    engine.synchronize()        # the last step's host updates done: what the save writes
+    host = engine.state.host
+    held = {(i, k): host.view(k, n).clone() for i, n in enumerate(trainer_order(engine))
+            for k in ("exp_avg", "exp_avg_sq")}
+    saved = []
+    real_save = torch.save
+    monkeypatch.setattr(trainer_export.torch, "save", lambda obj, f, **kw: (saved.append(obj), real_save(obj, f, **kw)))
+    folder = str(tmp_path / "checkpoint-2")
+    engine.save_trainer_checkpoint(folder, batch_size=2)
+    (optimizer,) = [obj for obj in saved if "param_groups" in obj]
+    moments = [t for entry in optimizer["state"].values() for t in (entry["exp_avg"], entry["exp_avg_sq"])]
+    if tier == "ram":
+        buffers = {b.untyped_storage().data_ptr() for o in host.owners.values() for b in (o.exp_avg, o.exp_avg_sq)}
+        assert moments and all(t.untyped_storage().data_ptr() in buffers for t in moments)
+    else:
+        assert host.disk is not None and host.disk.holds("exp_avg")
+        assert all(t.untyped_storage().nbytes() == 4 * t.numel() for t in moments)
+    read = torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True)
+    assert read["state"].keys() == {i for i, _ in held}
+    assert all(torch.equal(read["state"][i][k], t) for (i, k), t in held.items())
