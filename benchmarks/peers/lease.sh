@@ -38,8 +38,8 @@
 # megacompile (with deepspeed and liger-kernel) installed already. The model's fp32 weights are
 # written once per shape into $WEIGHTS (27 GB at 7B, removed after its call; 14 GB at 3B), a folder
 # on a disk: in a file system in RAM (tmpfs) they would sit beside the 7B run's host state, more
-# than the machine's 128 GiB hold. Without WEIGHTS, the first of tmp/lease-weights in the checkout,
-# /var/tmp and /tmp that is not in RAM.
+# than the machine's 128 GiB hold. Without WEIGHTS, the first of lease-weights beside RESULTS
+# (tmp/lease-weights in the checkout), /var/tmp and /tmp that is not in RAM.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 results=${LEASE_RESULTS:-$root/tmp/lease}
@@ -72,7 +72,7 @@ done
 
 weights_folder() {
     local dir kind
-    for dir in ${WEIGHTS:+"$WEIGHTS"} "$root/tmp/lease-weights" /var/tmp/megacompile-bench-weights \
+    for dir in ${WEIGHTS:+"$WEIGHTS"} "$(dirname "$results")/lease-weights" /var/tmp/megacompile-bench-weights \
                /tmp/megacompile-bench-weights; do
         mkdir -p "$dir" 2> /dev/null || continue
         kind=$(stat -f -c %T "$dir")

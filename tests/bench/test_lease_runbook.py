@@ -161,13 +161,13 @@ def test_the_weights_go_to_a_disk_never_to_a_file_system_in_ram(tmp_path):
     weights = str(tmp_path / "weights")
     out, calls = _lease(tmp_path, status=2, IN_RAM=weights)
     assert f"WEIGHTS={weights} is on tmpfs, a file system in RAM" in out and calls == []
-    # Without WEIGHTS: the checkout's tmp/lease-weights, unless it is in RAM too.
-    ours = ROOT / "tmp" / "lease-weights"
+    # Without WEIGHTS: lease-weights beside the results (the checkout's tmp/), unless it is in RAM too.
+    ours = tmp_path / "lease-weights"
     out, calls = _lease(tmp_path, WEIGHTS=None, IN_RAM=f"{ours} /var/tmp/megacompile-bench-weights")
     assert f"--weights {os.path.realpath('/tmp/megacompile-bench-weights')} " in calls[1]
     (tmp_path / "again").mkdir()
     out, calls = _lease(tmp_path / "again", WEIGHTS=None)
-    assert f"--weights {ours} " in calls[1]
+    assert f"--weights {tmp_path / 'again' / 'lease-weights'} " in calls[1]
 
 
 def test_the_7b_row_runs_unfused_when_the_attention_kernel_fails_its_check_on_the_gpu(tmp_path):
