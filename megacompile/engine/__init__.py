@@ -1,8 +1,10 @@
 """The Engine that compile() returns, and its way in from a Hugging Face folder.
 
-    engine.py            Engine: plans per input signature, step(), the forward, reading and
-                         writing its state (through io/ and distributed/, which receive the
-                         TrainingState, never the engine)
+    engine.py            Engine: plans per input signature, step(), the forward, the memory picture
+    host_setup.py        its host state, placed in the host budget, allocated and filled once
+    state_io.py          reading and writing its state: state_dict, checkpoints, Trainer checkpoints,
+                         adapters, the Hugging Face export (through io/ and distributed/, which
+                         receive the TrainingState, never the engine)
     step.py              the step protocol, once: commit or leave nothing; StepRecord
     layer_major_step.py  a step's micro-batches held until the last, then run as one program
     from_pretrained.py   megacompile.from_pretrained

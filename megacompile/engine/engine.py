@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 import weakref
-from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +23,7 @@ from ..capture.grid_constants import describe_grids
 from ..capture.loss import LossFn
 from ..capture.rope_positions import with_rope_positions
 from .. import arguments
-from ..errors import ArgumentError, HostMemoryError, InputMismatchError, MegacompileError
+from ..errors import ArgumentError, InputMismatchError, MegacompileError
 from ..optim import AdamW
 from ..optim.adamw import given_optimizer
 from ..passes import StepKind
@@ -34,21 +32,23 @@ from ..planner.cache import PlanCache, note_new_shape
 from ..planner.measured import MeasuredRun
 from ..planner.quantized import refuse_quantized_model
 from ..cost import HardwareProfile, profile_for
-from ..cost.host_memory import default_host_budget_bytes, module_resident
-from ..planner.request import PlanRequest, disk_room, fused, host_accumulation
-from ..planner.search import make_plan, place_host_state
+from ..cost.host_memory import default_host_budget_bytes
+from ..planner.request import PlanRequest, fused
+from ..planner.search import make_plan
 from ..runtime import Executor, HostState, make_backend, shutdown
 from ..runtime.host_heap import resident_set_bytes
 from ..settings import Settings
 from ..state import TrainingState
-from ..io import hf_save, lora_adapter, model_params, state_dict, trainer_checkpoint, trainer_export, unbuilt
+from ..io import model_params, state_dict
 from ..io.checkpoint import LocalCheckpoints
 from ..distributed import data_parallel_for
 from ..distributed.checkpoint import ShardedCheckpoints
+from .host_setup import build_host_state
 from .layer_major_step import layer_major_step
 from .prepared import Prepared, signature
 from .shared_device import SharedDevice, join
 from .skip_streak import SkipStreak
+from .state_io import StateIO
 from .step import StepRecord, run_step, tokens
 
 GiB = 2 ** 30
@@ -62,7 +62,7 @@ class _Compiled:
     measured: MeasuredRun     # what its runs measured, beside the plan: its peak, the backend's last step
 
 
-class Engine:
+class Engine(StateIO):
     def __init__(self, model: nn.Module, hbm_budget: float, *, optimizer: AdamW | None = None,
                  compute_dtype: torch.dtype = Settings.compute_dtype, device: str | torch.device | None = None,
                  loss_fn: LossFn | None = None, retrace: bool = Settings.retrace, dump_dir: str | None = None,
@@ -127,15 +127,15 @@ class Engine:
                                 + ("" if share_device is not None else " without share_device"))
         if share_device is None:
             self.backend = make_backend(device, self.budget_bytes)
-            self.device_share, self._device_owner = SharedDevice(self.backend), None
+            self.device_share, self.device_owner = SharedDevice(self.backend), None
             # Its threads end at close(), when the engine is dropped, or at exit (runtime/shutdown.py).
             shutdown.watch(self.backend)
             self._end = weakref.finalize(self, shutdown.end, self.backend)
         else:       # the owner's device (engine/shared_device.py); held, so it outlives this engine
             self.device_share = join(share_device, self.budget_bytes, device, self.data_parallel)
-            self.backend, self._device_owner, self._end = self.device_share.backend, share_device, lambda: None
+            self.backend, self.device_owner, self._end = self.device_share.backend, share_device, lambda: None
         self.device_share.engines.add(self)
-        self._share_frozen = share_frozen
+        self.share_frozen = share_frozen     # borrow the owner's frozen weights (engine/host_setup.py)
         # Fused kernels by default on a GPU; on the cpu backend they run in Triton's interpreter,
         # far slower than ATen, so only when asked for.
         self.fuse = fused(fuse, on_gpu=self.backend.name == "cuda")
@@ -235,34 +235,7 @@ class Engine:
             self._shapes_seen += 1
         if self.host is None:
             host_start = time.perf_counter()
-            # Before allocating: too little host RAM (and disk) must fail here, not in the allocator.
-            # Layer-major lands one gradient sum per step: no fp32 accumulator ('auto' keeps one).
-            host_accum = host_accumulation(self.grad_accum, self.accumulation)
-            room, shared = self.device_share.host_room(self, self.host_budget_bytes)
-            lent = self._frozen_lent(captured)
-            try:
-                self.host_cost = place_host_state(captured, self.compute_dtype, host_accum, room,
-                                                  disk_room(self.nvme_dir, self.nvme_budget_bytes),
-                                                  ranks=None if self.data_parallel is None else self.data_parallel.shape,
-                                                  module_resident=module_resident(self.model), borrowed=frozenset(lent))
-            except HostMemoryError as e:
-                if not shared:
-                    raise
-                raise HostMemoryError(f"{e}{shared}", e.facts) from e
-            host = (HostState if self.data_parallel is None else self.data_parallel.host_state)(
-                captured, self.compute_dtype, pin=self.backend.name == "cuda",
-                grad_accum=host_accum, placement=self.host_cost.placement, nvme_dir=self.nvme_dir,
-                **({"borrowed": lent} if lent else {}))
-            if host.disk is not None:
-                host.disk.record_into(self.backend.timeline)
-            # Weights waiting in files (load_checkpoint or from_pretrained before the first trace)
-            # stream in now, one tensor at a time; a failure leaves the engine without host state.
-            state = self.state
-            state.host_built(host)
-            # One copy of the weights: the module's become views of the masters (a rank's masters are
-            # a share: under data parallelism the module keeps its own).
-            if state.materialized and self.data_parallel is None:
-                model_params.lend(state)
+            build_host_state(self, captured)     # engine/host_setup.py
             self._spent("host state", host_start)
         request = PlanRequest(
             self.budget_bytes, kind, self.backend.name, self.hardware or profile_for(self.backend.name),
@@ -291,17 +264,6 @@ class Engine:
         """The host budget this engine's state plans in: the machine's, less what the engines sharing
         its device hold (engine/shared_device.py)."""
         return self.device_share.host_room(self, self.host_budget_bytes)[0]
-
-    def _frozen_lent(self, captured: CapturedModel) -> dict[str, torch.Tensor]:
-        """With share_frozen: the frozen weights and buffers of the engine this one shares the device
-        with that this capture holds frozen too, by name, shape and dtype (runtime/host.py borrows them)."""
-        owner = self._device_owner
-        if not self._share_frozen or owner is None or owner.host is None:
-            return {}
-        state = captured.state
-        return {n: t for n, t in owner.host.consts.items()
-                if n in state and not state[n].trainable and tuple(t.shape) == tuple(state[n].shape)
-                and t.dtype == state[n].dtype}
 
     def host_plan_bytes(self) -> int:
         """Host bytes this engine's plans say it holds: its state, as placed (0 before its first
@@ -457,108 +419,6 @@ class Engine:
             **self.backend.allocator_stats(),
         }
 
-    def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
-        """float32 masters (and buffers) under the model's own names, tied names included: the
-        trained ones, or before the first step the ones it will start from (a checkpoint or weights
-        loaded, else the model's own)."""
-        return OrderedDict((key, t.clone()) for key, t in self._state_tensors())
-
-    def _state_tensors(self):
-        """(state_dict key, tensor), one at a time and not copied (io/unbuilt.py)."""
-        return unbuilt.state_tensors(self.state)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load weights into the masters, whole or one part (a shard) at a time with strict=False;
-        strict=True (the last part, or {}) checks that every weight has been loaded. Every name,
-        shape, dtype and value of a call is checked before it writes anything. A model built on
-        meta trains once its parts are complete (its first step names what is missing)."""
-        state_dict.load(self.state, state, strict=strict)
-
-    def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
-        """Write a checkpoint folder at `path`: masters, AdamW moments, counters, optimizer settings,
-        LR-schedule state (attached torch schedulers too), random states and `extra` (JSON: e.g.
-        the data loader's position). Returns once it is durable; a checkpoint already at `path` is
-        replaced only then (until the new one is committed, the old one stays loadable). keep_last=N
-        keeps this run's N latest committed checkpoints in the same parent folder (the one just
-        written always among them) and removes its older ones; checkpoints of other runs there are
-        never touched (a run is this engine, or the run it resumed with load_checkpoint).
-        With data parallelism each rank writes its share (distributed/checkpoint.py)."""
-        self.state.refuse_partial("save_checkpoint()")
-        self._checkpoints.save(self.state, path, extra=extra, keep_last=keep_last)
-
-    def load_checkpoint(self, path: str, *, strict: bool = True) -> Any:
-        """Resume from a checkpoint folder (no prepare() needed): training continues exactly where
-        the saved run left off. Every file, name, shape, checksum and manifest field is checked
-        before any state changes. strict=True (the default): a checkpoint whose optimizer settings
-        or grad_accum differ from this engine's, or whose buffers differ from those the model built
-        itself (rotary inv_freq from another rope_theta), is refused, naming each difference.
-        strict=False loads it keeping this engine's settings and the model's own buffers, with a
-        warning naming them. Returns the `extra` state it was saved with."""
-        extra = self._checkpoints.load(self.state, path, strict=strict)
-        return extra
-
-    def load_trainer_checkpoint(self, path: str, *, strict: bool = True, file_key=None) -> dict:
-        """Go on from a checkpoint transformers' Trainer saved (LlamaFactory's and TRL's `checkpoint-N`:
-        its weights, optimizer.pt's AdamW moments and step counts, trainer_state.json's global_step as
-        this engine's steps done, so a schedule of the step goes on where the Trainer's was). Every
-        index of the optimizer's state is matched to its parameter by the Trainer's param groups and
-        checked by shape before any state changes (io/trainer_checkpoint.py). strict=True refuses
-        other AdamW betas, eps or weight decays than this engine's; strict=False keeps this engine's,
-        with a warning. file_key: a state_dict key's name in the checkpoint's files, where the module
-        wraps the Trainer's model (as compile_folder's). Returns trainer_state.json."""
-        if self.data_parallel is not None:
-            raise MegacompileError("load_trainer_checkpoint runs in one process: take the checkpoint in there, "
-                                   "save_checkpoint, and load that one on every rank")
-        load, counters, notes, trainer_state = trainer_checkpoint.read(self.state, str(path), strict, file_key)
-        self.state.restore(load, counters)
-        for note in notes:
-            warnings.warn(note, RuntimeWarning, stacklevel=2)
-        return trainer_state
-
-    def load_adapter(self, path: str) -> None:
-        """Start the model's LoRA adapters from the PEFT adapter folder `path` (adapter_config.json,
-        adapter_model.safetensors; LlamaFactory's adapter_name_or_path): its tensors into the
-        adapters' masters, its config held to the model's adapters (rank, alpha, targets), the AdamW
-        state untouched (io/lora_adapter.py)."""
-        lora_adapter.load(self.state, str(path))
-
-    def save_trainer_checkpoint(self, path: str, *, batch_size: int, logging_steps: int = 500, eval_steps: int = 500,
-                                save_steps: int = 500) -> None:
-        """Write a checkpoint transformers' Trainer resumes from (`checkpoint-N`:
-        Trainer.train(resume_from_checkpoint=path), LlamaFactory's and TRL's resume_from_checkpoint):
-        the fp32 masters as a Hugging Face model folder, optimizer.pt with the AdamW moments and step
-        counts in the Trainer's param groups, scheduler.pt and trainer_state.json at this engine's steps
-        (io/trainer_export.py); batch_size: the rows of each micro-batch the Trainer runs (its
-        per_device_train_batch_size); logging_steps, eval_steps, save_steps: the intervals the Trainer
-        goes on with (it reads them from the checkpoint, not its arguments; its defaults here). Needs
-        AdamW(no_decay=megacompile.hf_no_decay), the Trainer's groups."""
-        self.state.refuse_partial("save_trainer_checkpoint()")
-        if self.data_parallel is not None:
-            raise MegacompileError("save_trainer_checkpoint runs in one process: save_checkpoint, load it in one "
-                                   "process, and write the Trainer checkpoint there")
-        trainer_export.save(self.state, path, batch_size,
-                            {"logging_steps": logging_steps, "eval_steps": eval_steps, "save_steps": save_steps})
-
-    def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
-                        max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:
-        """Export the masters as a Hugging Face model folder (sharded safetensors, index, config,
-        and the tokenizer and generation files of the folder from_pretrained read), streamed one
-        tensor at a time in `dtype`; AutoModelForCausalLM.from_pretrained loads it.
-
-        Only the export's own files are written; anything else in the folder (README.md, LICENSE,
-        .gitattributes, .git/, your files) is never touched, with or without overwrite. A folder
-        holding files this export would replace (weights, index, config, the tokenizer and
-        generation files it writes) or weights of another export is refused, naming them, unless
-        overwrite=True: then they are replaced, and the previous export's weights that the new one
-        does not have (shards of another count, a single file) are removed. The new files are staged in
-        the folder and swapped in once complete: a failed or killed export leaves the previous one
-        as it was (io/hf_save.py)."""
-        self.state.refuse_partial("save_pretrained()")
-        if self.data_parallel is not None:    # rank 0 writes, the masters gathered
-            return self.data_parallel.on_rank_zero(self.state.host_or_error(), lambda: hf_save.save_pretrained(
-                self.state, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))
-        hf_save.save_pretrained(self.state, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
-
     def close(self) -> None:
         """Stop the engine's streams (after the running updates finish); the host state stays
         readable (state_dict, save_checkpoint). Closing twice is harmless."""
@@ -571,7 +431,7 @@ class Engine:
         with self._in_use("close()"):
             self.synchronize()        # the model's own parameters get the trained weights
             self._closed = True
-            if self._device_owner is None:     # the device's owner: its streams stop
+            if self.device_owner is None:     # the device's owner: its streams stop
                 self.device_share.closed = True
             self._end()
 

@@ -207,20 +207,20 @@ def test_bf16_gradients_reach_adamw_unwidened_and_train_the_same():
     """With bf16 compute and one micro-batch a step, owners whose gradients are not summed keep them
     in bf16 (no fp32 copy); the values are the device's bf16 gradients either way, so training is
     bit-identical to widening them first."""
-    from megacompile.engine import engine as engine_module
+    from megacompile.engine import host_setup
     model, batches = models.hf_llama(layers=2, d=32), _batches(3)
 
     def run(widen: bool):
         torch.manual_seed(0)
         eng = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu", compute_dtype=torch.bfloat16,
                                   optimizer=megacompile.AdamW(lr=LR))
-        real = engine_module.HostState
+        real = host_setup.HostState
         if widen:   # a HostState told of accumulation keeps fp32 grads
-            engine_module.HostState = lambda *a, **k: real(*a, **{**k, "grad_accum": 2})
+            host_setup.HostState = lambda *a, **k: real(*a, **{**k, "grad_accum": 2})
         try:
             losses = [eng.step(input_ids=ids, labels=ids) for ids in batches]
         finally:
-            engine_module.HostState = real
+            host_setup.HostState = real
         dtypes = {b.grad.dtype for b in eng.host.owners.values()}
         state = eng.state_dict()
         eng.close()
