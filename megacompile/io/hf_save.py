@@ -108,7 +108,7 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
     shards = _shards(tensors, dtype, limit)
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                               for i in range(len(shards))]
-    copied = [f for f in COPIED if state.source_dir and os.path.isfile(os.path.join(state.source_dir, f))]
+    copied = source_files(state)
     new = set(names + copied + ["config.json"] + [INDEX] * (len(shards) > 1)
               + ["generation_config.json"] * (getattr(state.model, "generation_config", None) is not None))
 
@@ -122,10 +122,7 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
             durable.write_text(os.path.join(folder, INDEX), json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         _write_config(state, config, dtype, folder)
-        for extra in copied:
-            if not os.path.exists(os.path.join(folder, extra)):
-                shutil.copyfile(os.path.join(state.source_dir, extra), os.path.join(folder, extra))
-                durable.fsync_file(os.path.join(folder, extra))
+        copy_source_files(state, folder, copied)
         durable.fsync_dir(folder)
 
     write_export(path, new, overwrite, write)
@@ -142,6 +139,21 @@ def write_export(path: str, new: set[str], overwrite: bool, write) -> None:
     if exists:
         durable.recover_files(path)
     write_files(path, parent, exists, write, refuse_replacing(path, new, overwrite))
+
+
+def source_files(state: "TrainingState", names: tuple[str, ...] = COPIED) -> list[str]:
+    """Of `names`, the tokenizer and generation files the folder the model came from (from_pretrained's)
+    holds: an export carries them, so the folder loads with its tokenizer."""
+    return [f for f in names if state.source_dir and os.path.isfile(os.path.join(state.source_dir, f))]
+
+
+def copy_source_files(state: "TrainingState", folder: str, names: list[str]) -> None:
+    """Copy `names` (source_files') from the source folder into `folder`, each synced; a file the
+    export wrote itself is kept."""
+    for name in names:
+        if not os.path.exists(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(state.source_dir, name), os.path.join(folder, name))
+            durable.fsync_file(os.path.join(folder, name))
 
 
 def finish_export(folder: str, tokenizer) -> None:

@@ -2,7 +2,8 @@
 
     checkpoint-N/   the model folder save_pretrained writes (fp32 masters, config, tokenizer files);
                     a LoRA model's: PEFT's adapter (adapter_config.json, adapter_model.safetensors,
-                    the adapters' fp32 masters), as a LoRA run's Trainer writes it
+                    the adapters' fp32 masters) and the tokenizer files of the folder the model
+                    came from, as a LoRA run's Trainer writes it
         optimizer.pt        torch.optim.AdamW's state_dict over the Trainer's two param groups
         scheduler.pt        the LambdaLR's step count (its base rates stay the resuming Trainer's)
         trainer_state.json  global_step, train_batch_size (the Trainer compares it with its own) and
@@ -37,6 +38,8 @@ from . import durable, hf_save, lora_adapter, unbuilt
 if TYPE_CHECKING:
     from ..state.training import TrainingState
 
+TOKENIZER_FILES = tuple(f for f in hf_save.COPIED if f != "generation_config.json")
+
 
 def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str, int]) -> None:
     """intervals: logging_steps, eval_steps, save_steps, which a Trainer resuming from a checkpoint
@@ -66,6 +69,8 @@ def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str
         if lora_adapter.peft_model(state.model) is not None:      # PEFT's adapter, as a LoRA run's Trainer saves
             os.makedirs(tmp)
             lora_adapter.save(state, tmp)
+            # The Trainer saves its tokenizer beside the adapter; the base model's generation config is not the adapter's.
+            hf_save.copy_source_files(state, tmp, hf_save.source_files(state, TOKENIZER_FILES))
         else:
             hf_save.save_pretrained(state, tmp, dtype=torch.float32)
         torch.save(_optimizer(state, groups), os.path.join(tmp, "optimizer.pt"))

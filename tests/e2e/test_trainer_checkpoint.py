@@ -9,10 +9,11 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import megacompile
 from megacompile.acceptance.parity import WEIGHT_NOISE_FACTOR, weight_errors
+from megacompile.engine import compile_folder
 from megacompile.errors import MegacompileError, WeightsFileError
 from tests import models
 
@@ -363,17 +364,23 @@ def test_the_trainer_resumes_a_lora_run_from_the_adapter_and_moments_the_engine_
     """The way back for a LoRA run: checkpoint-2 holds PEFT's adapter (no model: the base is the
     Trainer's own) and the adapters' AdamW state; transformers' Trainer over a PEFT model whose
     adapters start elsewhere resumes from it, and its steps 3 and 4 land where the engine's do."""
+    from megacompile.train.methods.lora import file_key
+    from tests.train.files import tokenizer
     base = str(tmp_path / "base")
     _llama(tied=False).save_pretrained(base)
-    engine = megacompile.compile(_with_lora(LlamaForCausalLM.from_pretrained(base), seed=1), 1.0, device="cpu",
-                                 optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                                             no_decay=megacompile.hf_no_decay))
+    tokenizer().save_pretrained(base)
+    # Compiled on the folder, as a LoRA run is: the checkpoint takes its tokenizer from there, as a Trainer saves it.
+    engine = compile_folder(_with_lora(LlamaForCausalLM.from_pretrained(base), seed=1), base, 1.0, file_key=file_key,
+                            device="cpu", optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                                                      no_decay=megacompile.hf_no_decay))
     for ids in BATCHES[:SAVED_AT]:
         engine.step(input_ids=ids, labels=ids)
     folder = str(tmp_path / "out" / "checkpoint-2")
     engine.save_trainer_checkpoint(folder, batch_size=2, logging_steps=1)
-    assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors", "optimizer.pt",
-                                          "scheduler.pt", "trainer_state.json"]
+    assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors", "chat_template.jinja",
+                                          "optimizer.pt", "scheduler.pt", "tokenizer.json", "tokenizer_config.json",
+                                          "trainer_state.json"]
+    assert AutoTokenizer.from_pretrained(folder).get_vocab() == AutoTokenizer.from_pretrained(base).get_vocab()
 
     model = _with_lora(LlamaForCausalLM.from_pretrained(base), seed=2)      # other adapters until the resume
     theirs, fed = resumed_trainer(model, folder, lr_scheduler_type="constant")
