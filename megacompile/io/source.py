@@ -19,6 +19,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from ..errors import WeightsFileError
+from . import pages
 
 # What a stored tensor becomes: a model weight (master and compute copy, or a buffer), or one of
 # a checkpoint's optimizer tables for a trainable parameter.
@@ -50,6 +51,9 @@ class PendingLoad:
     # Tensors already in memory, by the `path` their items give in place of a file, then by key
     # (io/trainer_checkpoint.py: the moments of a torch optimizer's state_dict).
     memory: dict | None = None
+    # The keys of `memory` whose tensors view a memory-mapped file: each one's pages are given back
+    # once it is written (io/pages.py), so the file is never held whole beside the host state.
+    mapped: frozenset[str] = frozenset()
 
     def missing(self, host) -> list[str]:
         have = defaultdict(set)
@@ -75,7 +79,10 @@ class PendingLoad:
             for path, items in by_file.items():
                 if self.memory is not None and path in self.memory:
                     for it in items:
-                        _write(host, it, self.memory[path][it.key])
+                        t = self.memory[path][it.key]
+                        _write(host, it, t)
+                        if it.key in self.mapped:
+                            pages.drop(t)
                     continue
                 try:
                     with safe_open(path, framework="pt", backend="pread") as f:

@@ -18,8 +18,9 @@ mapping that only looks right would train the moments of one parameter into anot
 
 The learning rate follows this engine's schedule at global_step (the masters' step counter), not
 scheduler.pt; the random states and the data order are the run's own (a Trainer's sampler is not
-replayed). Moments come through a memory map of optimizer.pt: its pages are read once, into the
-host state, and dropped with the load.
+replayed). Moments come through a memory map of optimizer.pt: each one's pages are read once, into
+the host state, and given back as soon as it is copied (pages.py), so the file is never held whole
+beside the host state (8 bytes per parameter more at the end of the load).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import MegacompileError, WeightsFileError
-from . import lora_adapter
+from . import lora_adapter, pages
 from .foreign_checkpoint import describe as describe_foreign
 from .hf_layout import INDEX, SINGLE
 from .hf_load import plan_items, shard_map
@@ -70,7 +71,7 @@ def read(state: "TrainingState", path: str, strict: bool = True,
     files, where the module wraps the Trainer's model (from_pretrained.compile_folder's)."""
     weights, saved, names, notes, trainer_state = _checked(state, path, strict, file_key)
     steps, shapes = trainer_state["global_step"], state.layout()[0]
-    tensors, missed = {}, {}
+    tensors, missed, stored = {}, {}, set()
     for index, name in enumerate(names):
         entry = saved["state"].get(index)
         if entry is None:       # never stepped (no gradient yet): AdamW's state is made at its first update
@@ -78,12 +79,20 @@ def read(state: "TrainingState", path: str, strict: bool = True,
             missed[name] = steps
             continue
         tensors[f"exp_avg/{name}"], tensors[f"exp_avg_sq/{name}"] = entry["exp_avg"], entry["exp_avg_sq"]
+        stored |= {f"exp_avg/{name}", f"exp_avg_sq/{name}"}
         taken = int(entry.get("step", 0))
         if taken < steps:
             missed[name] = steps - taken
     items = weights + [Item(_MEMORY, key, key.partition("/")[0], key.partition("/")[2]) for key in tensors]
+    mapped = _mapped(os.path.join(path, OPTIMIZER))
+    if mapped:      # what the checks read (the steps, and their pages' neighbours) goes back before the load
+        for entry in saved["state"].values():
+            for t in entry.values():
+                if isinstance(t, torch.Tensor):
+                    pages.drop(t)
     load = PendingLoad(items, own_buffers=True, needs=(MASTER, "exp_avg", "exp_avg_sq"),
-                       describe=f"the Trainer checkpoint {path}", memory={_MEMORY: tensors})
+                       describe=f"the Trainer checkpoint {path}", memory={_MEMORY: tensors},
+                       mapped=frozenset(stored) if mapped else frozenset())
     if lora_adapter.holds_adapter(path):
         load = lora_adapter.beside_the_base(state, load)
     counters = {"steps_done": steps, "micro_batches": steps * state.grad_accum, "skipped_steps": 0,
@@ -150,10 +159,15 @@ def _json(path: str) -> dict:
     return value
 
 
+def _mapped(path: str) -> bool:
+    """Whether optimizer.pt is read through a memory map: torch.save's zip format is; a file of the
+    legacy format is read whole."""
+    return zipfile.is_zipfile(path)
+
+
 def _optimizer_state(path: str) -> dict:
     try:     # weights_only: tensors, numbers and containers, nothing a pickle could run
-        # A memory map needs torch.save's zip format; a file of the legacy format is read whole.
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=_mapped(path))
     except Exception as e:  # noqa: BLE001 - any unreadable file: name it
         raise WeightsFileError(f"cannot read {path} as torch's optimizer state_dict: {e}") from e
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)

@@ -74,6 +74,18 @@ def test_resident_set_as_planned(tmp_path, path):
         assert r["host_parts"]["the model's own weights"] == 0
 
 
+@pytest.mark.slow     # 30 s: the checkpoint is written in a process of its own first
+def test_a_trainer_checkpoint_is_read_in_holding_the_host_state_and_one_tensor_more(tmp_path):
+    """A Trainer checkpoint taken in: while prepare() reads its weights and optimizer.pt (8 bytes per
+    parameter, through a memory map) into the host state, the process holds the plan's host figure
+    and at most about its largest tensor more; after the steps, what the plan says."""
+    r = measured("trainer", tmp_path)
+    assert_as_planned(r)
+    predicted = r["predicted_host_bytes"]
+    assert r["load_peak_growth_bytes"] <= 1.05 * predicted + 64 * MiB + r["largest_tensor_bytes"], (
+        r["load_peak_growth_bytes"] / MiB, predicted / MiB)
+
+
 def test_module_parameters_are_the_masters_and_read_as_trained():
     torch.manual_seed(0)
     model = models.hf_llama(layers=2, d=32)

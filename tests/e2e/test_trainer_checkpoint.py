@@ -298,6 +298,50 @@ def test_an_optimizer_file_of_torchs_legacy_format_is_read_too(tmp_path):
         assert a.step(input_ids=ids, labels=ids) == b.step(input_ids=ids, labels=ids)
 
 
+def _mapped_resident(name: str) -> int:
+    """Resident bytes of this process's memory maps of files named `name` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):     # a mapping's first line
+                inside = head[-1].endswith(os.sep + name)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_optimizer_pt_is_not_held_in_memory_beside_the_host_state_it_is_read_into(tmp_path, monkeypatch):
+    """optimizer.pt comes in through a memory map; each moment's pages go back once it is in the host
+    state, so the file (8 bytes per parameter) is never resident whole beside the host state: while
+    the moments are read in, no more of it is resident than about its largest moment."""
+    from megacompile.io import source
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    optimizer = trainer_optimizer(model)
+    train(model, optimizer, BATCHES[:1], 1)
+    folder = str(tmp_path / "checkpoint-1")
+    model.save_pretrained(folder)
+    torch.save(optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": 1}, f)
+    moments = 8 * sum(p.numel() for p in model.parameters())
+    largest = 4 * max(p.numel() for p in model.parameters())
+    resident, write = [], source._write
+
+    def measured_write(host, item, t):
+        write(host, item, t)
+        resident.append(_mapped_resident("optimizer.pt"))
+    monkeypatch.setattr(source, "_write", measured_write)
+    engine = engine_for(folder)
+    engine.load_trainer_checkpoint(folder)
+    engine.prepare(input_ids=BATCHES[1], labels=BATCHES[1])     # the host state is built and the moments read in
+    assert engine.host.view("exp_avg", "model.embed_tokens.weight").abs().sum() > 0
+    assert len(resident) > 2 * 20 and max(resident) <= 2 * largest < moments / 4, (max(resident), largest, moments)
+
+
 def _with_lora(model, seed: int):
     import peft
     torch.manual_seed(seed)
