@@ -2,9 +2,11 @@
 whose model carries the same adapters: a LoRA run's Trainer checkpoint (trainer_checkpoint.py).
 
 PEFT writes each adapter tensor without its adapter's name (`...q_proj.lora_A.weight` for the
-module's `...q_proj.lora_A.default.weight`) and under the PEFT model's own prefix, which a wrapper
-around it (a post-training objective's `policy.`) lengthens: a file key names the trainable
-parameter whose name, less `.default`, ends with it, and each must name exactly one. The adapter's
+module's `...q_proj.lora_A.default.weight`; a DoRA magnitude as `...q_proj.lora_magnitude_vector`; a
+module trained whole, modules_to_save, under its own name: `lm_head.weight`) and under the PEFT
+model's own prefix, which a wrapper around it (a post-training objective's `policy.`) lengthens: a
+file key names the trainable parameter whose name, so written (saved_as), ends with it, and each
+must name exactly one. The adapter's
 config must be the model's (rank, alpha, target modules): moments of rank 16 would not fit rank 8,
 and another alpha would scale the same weights otherwise; a difference is refused by name.
 
@@ -47,7 +49,9 @@ def check(model: nn.Module, path: str) -> None:
 
 def _items(model: nn.Module, trainable: dict[str, tuple], path: str) -> list[Item]:
     check_config(model, path)
-    plain = {name.replace(".default.", "."): name for name in trainable}
+    found = peft_model(model)
+    adapter = next(iter(found[1].peft_config)) if found is not None else "default"
+    plain = {saved_as(name, adapter): name for name in trainable}
     file = os.path.join(path, WEIGHTS)
     out, problems = [], []
     for key, entry in read_header(file).items():
@@ -64,6 +68,16 @@ def _items(model: nn.Module, trainable: dict[str, tuple], path: str) -> list[Ite
         raise WeightsFileError(f"cannot take in the LoRA adapter in {path}: {'; '.join(problems[:4])}; nothing was "
                                "loaded")
     return out
+
+
+def saved_as(name: str, adapter: str = "default") -> str:
+    """A trainable parameter's name as PEFT's adapter file has it: without its adapter's name
+    (`lora_A.default.weight` as `lora_A.weight`), a DoRA magnitude without `.weight` too, and a
+    module trained whole (modules_to_save: `lm_head.modules_to_save.default.weight`) under the
+    wrapped module's own name (`lm_head.weight`)."""
+    name = name.replace(f".modules_to_save.{adapter}.", ".")
+    name = name.replace(f".lora_magnitude_vector.{adapter}.weight", ".lora_magnitude_vector")
+    return name.replace(f".{adapter}.", ".")
 
 
 def load(state: "TrainingState", path: str) -> None:
