@@ -102,31 +102,55 @@ INFERENCE_PASSES: list[tuple[str, Pass]] = [
 ]
 
 
+# The passes that place what each block keeps between its forward and its backward. They lead
+# the training pipeline and read only the lowered program and these fields of the choice.
+BLOCK_PASSES = ("remat", "offload", "boundary", "layer_major")
+
+
+def _blocks_key(captured: CapturedModel, choice: ScheduleChoice) -> tuple:
+    # The lowered program by the templates the stages run, as the solver's cached `lower` keys it.
+    return (tuple(id(st.template) for st in captured.stages), choice.recompute, choice.extra_forwards,
+            choice.offload, choice.offload_lag, choice.boundary, choice.micro_batches)
+
+
 def build_schedule(captured: CapturedModel, choice: ScheduleChoice, kind: StepKind = StepKind(), *,
                    check: bool = True, dump_dir: str | None = None,
-                   lowered: Callable[[CapturedModel], Program] = lower, arena: bool = False) -> Program:
+                   lowered: Callable[[CapturedModel], Program] = lower, arena: bool = False,
+                   placed: dict | None = None) -> Program:
     """Run the pipeline; verify after every pass when `check`; write each pass's output to `dump_dir`.
 
     `lowered` makes the first program; the solver passes a cached `lower` (it builds hundreds of
     schedules over a few distinct sets of templates). The arena pass runs only with `arena`: it
     costs a hundred times the rest of the pipeline, and the solver judges its candidates by their
-    simulated peak; the planner lays out the schedules it keeps."""
+    simulated peak; the planner lays out the schedules it keeps. `placed`: a table the solver
+    keeps, with that cached `lower`, of the programs the BLOCK_PASSES made: candidates that differ
+    only in what later passes read (prefetch depth, residents) start from the same one. It is
+    used only for a training schedule built without `check`, dumps or `arena`."""
     dump_dir = dump_dir or os.environ.get("MEGACOMPILE_DUMP_DIR")
     captured = with_selective(captured, choice.selective)
-    contributors = owners(captured)[1] if captured.train else None
-    start = time.perf_counter()
-    program = lowered(captured)
-    seconds = {"lower": time.perf_counter() - start}
+    contributors = owners(captured)[1] if captured.train and check else None
     passes = TRAINING_PASSES if captured.train else INFERENCE_PASSES
-    _after_pass(program, "lower", 0, check, dump_dir, None)
+    key = _blocks_key(captured, choice) if placed is not None and captured.train and not (
+        check or dump_dir or arena) else None
+    if key is not None and key in placed:
+        kept, seconds = placed[key]
+        program, seconds, done = kept.copy(), dict(seconds), BLOCK_PASSES
+    else:
+        done = ()
+        start = time.perf_counter()
+        program = lowered(captured)
+        seconds = {"lower": time.perf_counter() - start}
+        _after_pass(program, "lower", 0, check, dump_dir, None)
     for k, (name, run) in enumerate(passes, start=1):
-        if name == "arena" and not arena:
+        if name in done or name == "arena" and not arena:
             continue
         start = time.perf_counter()
         program = run(program, captured, choice, kind)
         seconds[name] = time.perf_counter() - start
         program.passes.append(name)
         _after_pass(program, name, k, check, dump_dir, contributors if name in ("optimizer", "lifetimes", "arena") else None)
+        if key is not None and name == BLOCK_PASSES[-1] and key not in placed:
+            placed[key] = program, dict(seconds)
     program.facts["pass_seconds"] = seconds
     program.facts["choice"] = choice
     program.facts["step_kind"] = kind

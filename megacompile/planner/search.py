@@ -27,6 +27,7 @@ from .solve import Family, Selective, candidates, families, lowest
 from ..passes.baselines import baseline_choice
 from .chunk_count import plan_chunked
 from .floor import compute_floor
+from .judged import judged_before
 from .request import PlanRequest
 from .result import Plan
 
@@ -54,6 +55,7 @@ def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
     disk_per_param = host_cost.disk_bytes / max(host_cost.params, 1) if host_cost is not None else 0.0
     built: dict[ScheduleChoice, Program] = {}
     lowered: dict[tuple, Program] = {}
+    placed: dict[tuple, tuple] = {}      # build_schedule's: what the block passes made, shared by candidates
 
     def lower_once(c: CapturedModel) -> Program:
         # Keyed by the templates the stages run (the selective set); passes never edit their input.
@@ -64,14 +66,19 @@ def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
 
     def schedule(choice: ScheduleChoice) -> Program:
         if choice not in built:
-            built[choice] = build_schedule(captured, choice, kind, check=False, lowered=lower_once)
+            built[choice] = build_schedule(captured, choice, kind, check=False, lowered=lower_once, placed=placed)
         return built[choice]
 
-    peak_of, seconds_of = judges(captured, blocks, hardware, schedule, lower_once, kind, disk_per_param)
+    peak_of, seconds_of = judges(captured, blocks, hardware, schedule, lower_once, kind, disk_per_param, placed)
+    # Figures judged in an earlier plan of this model are taken as they were (planner/judged.py).
+    timed = (kind, hardware, disk_per_param)
+    peak_of = remembered(peak_of, judged_before(captured, "peak", kind))
+    seconds_of = remembered(seconds_of, judged_before(captured, "seconds", *timed))
     floor_of = compute_floor(captured, hardware)
 
-    def exact_of(c: ScheduleChoice) -> float:
+    def whole_step_s(c: ScheduleChoice) -> float:
         return predict(schedule(c), with_selective(captured, c.selective), hardware, disk_per_param).step_s
+    exact_of = remembered(whole_step_s, judged_before(captured, "whole step", *timed))
 
     host_room = None if host_budget_bytes is None else host_budget_bytes - host_bytes
     layer = layer_major_k(captured, kind, grad_accum, accumulation)
@@ -157,6 +164,15 @@ def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
                 reserve=reserve, host_cost=host_cost, grad_accum=grad_accum)
 
 
+def remembered(judge: Callable[[ScheduleChoice], float], table: dict) -> Callable[[ScheduleChoice], float]:
+    """`judge`, asked once per choice: its answers are kept in `table`."""
+    def judged(choice: ScheduleChoice) -> float:
+        if choice not in table:
+            table[choice] = judge(choice)
+        return table[choice]
+    return judged
+
+
 def lowest_budget(plan_at: Callable[[int], Plan]) -> int:
     """The smallest budget any plan fits: planned at no budget, make_plan's refusal names the
     lowest over the whole blocks and the sequence chunk counts it tries (megacompile/planner/chunk_count.py). A plan's
@@ -218,12 +234,13 @@ def pick_accumulation(blocks: list[int], plan_bytes: int, peak_of, seconds_of, s
 
 def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile,
            schedule: Callable[[ScheduleChoice], Program], lowered: Callable[[CapturedModel], Program],
-           kind: StepKind, disk_per_param: float = 0.0
+           kind: StepKind, disk_per_param: float = 0.0, placed: dict | None = None
            ) -> tuple[Callable[[ScheduleChoice], int], Callable[[ScheduleChoice], float]]:
     """The solver's two functions, choice -> peak bytes and choice -> predicted seconds, judged on
     the stack with each run of like blocks cut short (megacompile/planner/shorten.py): the peak exactly, the
     seconds as the short step plus each cut block's period (the busiest stream's time for one
-    block of its run). Stacks too short to cut, and forward-only plans, are judged whole."""
+    block of its run). Stacks too short to cut, and forward-only plans, are judged whole.
+    `placed`: build_schedule's table for the short schedules, kept with `lowered`."""
     judged: dict[tuple, _ShortJudge] = {}
     cuts: dict[ScheduleChoice, tuple[Short, _ShortJudge | None]] = {}
     peaks: dict[ScheduleChoice, int] = {}
@@ -240,7 +257,7 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
         # Choices that differ only in how many blocks each run loses share one short schedule.
         key = (len(cut.captured.stages), cut.choice, tuple((r.first, r.key) for r in cut.runs))
         if key not in judged:
-            program = build_schedule(cut.captured, cut.choice, kind, check=False, lowered=lowered)
+            program = build_schedule(cut.captured, cut.choice, kind, check=False, lowered=lowered, placed=placed)
             judged[key] = _ShortJudge(program, with_selective(cut.captured, cut.choice.selective), cut.runs, hardware,
                                       disk_per_param, cut.choice.resident)
         cuts[choice] = cut, judged[key]
