@@ -96,14 +96,19 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
             stages, outputs, notes = build_stages(top, model, stack, fakes,
                                                   {n: e.trainable for n, e in state.items()}, input_fakes, train)
 
+    rechunked: dict[int, CapturedModel] = {}
+
     def rechunk(n: int) -> CapturedModel:
         """The same capture with the blocks' token-wise parts run over n sequence chunks (chunk.py);
-        the top-level trace is reused, the stages are traced again."""
-        with _grad_mode(train), static_experts(model), span_attention(), delta_rule_as_op(model), fake_mode, \
-                chunked(n):
-            again, _, _ = build_stages(top, model, stack, fakes, {k: e.trainable for k, e in state.items()},
-                                       input_fakes, train)
-        return dataclasses.replace(captured, stages=again, rechunk=None)
+        the top-level trace is reused, the stages are traced again, once per n: a model planned
+        again (the smallest budget, then the user's) tries the same counts."""
+        if n not in rechunked:
+            with _grad_mode(train), static_experts(model), span_attention(), delta_rule_as_op(model), fake_mode, \
+                    chunked(n):
+                again, _, _ = build_stages(top, model, stack, fakes, {k: e.trainable for k, e in state.items()},
+                                           input_fakes, train)
+            rechunked[n] = dataclasses.replace(captured, stages=again, rechunk=None)
+        return rechunked[n]
     captured = CapturedModel(
         stages=stages, state=state, inputs=[TensorMeta.of(t, False) for t in tensor_leaves],
         input_spec=spec, input_constants=[None if isinstance(x, torch.Tensor) else x for x in leaves],

@@ -421,9 +421,8 @@ def search_space(captured: CapturedModel, blocks: list[int], hardware: HardwareP
     # A block that neither keeps nor saves may also send its input to host memory (boundary.py).
     # Every m-th block of the offloaded stretch may recompute instead (solve.py: `stride`); tried
     # for stretches of half the blocks or more, where the copies out bind the forward.
-    options = families(residents, offload_counts, selective,
-                       lambda mode: max(_offload_lag(captured, held(s, mode), hardware) for s in distinct),
-                       (False, True), (0, *STRIDES))
+    lags = {mode: max(_offload_lag(captured, held(s, mode), hardware) for s in distinct) for mode in selective}
+    options = families(residents, offload_counts, selective, lags.__getitem__, (False, True), (0, *STRIDES))
     options = [f for f in options if not f.stride or 2 * f.offloaded >= n]
     if host_room is None:
         return options

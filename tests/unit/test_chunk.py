@@ -78,7 +78,7 @@ def test_a_chunked_block_computes_the_whole_blocks_outputs_and_gradients(make, p
     # The comparison sees a chunk boundary gone wrong: slices one token off their place.
     right = chunk._slices
     monkeypatch.setattr(chunk, "_slices", lambda x, n: [c.roll(1, dims=1) for c in right(x, n)])
-    assert not _same(_run(_block(captured, 4)), reference)
+    assert not _same(_run(_block(_capture(*make()), 4)), reference)     # a capture keeps what it traced: a new one
 
 
 class _Mixer(nn.Module):

@@ -71,3 +71,12 @@ def test_a_model_planned_again_is_judged_by_the_new_kind_and_hardware():
                                                                       alone.prediction.step_s)
         chosen.append(plan.program.facts["choice"])
     assert chosen[0] != chosen[1]     # the hardware changes the choice at this budget
+
+
+def test_a_chunk_count_is_traced_once_per_capture():
+    """rechunk(n) keeps what it traced: planning the smallest budget, then the user's, tries the same
+    counts on the same capture."""
+    captured = _captured()
+    two = captured.rechunk(2)
+    assert two is captured.rechunk(2) and two is not captured.rechunk(4)
+    assert any(st.template.chunked for st in two.stages) and two.rechunk is None
