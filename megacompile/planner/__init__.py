@@ -11,6 +11,7 @@
                     processor lays them out
     vision_share.py the vision tower's share of a plan's predicted time and device peak
     cache.py        PlanCache: the engine's plans, one per input signature
+    judged.py       the peaks and seconds judged of a captured model, kept for its next plans
     posttrain_step.py  plan_stage(): a post-training stage's step (sft, pt, dpo, kto, rm, grpo) from its parts,
                     each a training step or forward-only pass planned as plan() plans it
 
