@@ -72,12 +72,14 @@ def _items(model: nn.Module, trainable: dict[str, tuple], path: str) -> list[Ite
 
 def saved_as(name: str, adapter: str = "default") -> str:
     """A trainable parameter's name as PEFT's adapter file has it: without its adapter's name
-    (`lora_A.default.weight` as `lora_A.weight`), a DoRA magnitude without `.weight` too, and a
+    (`lora_A.default.weight` as `lora_A.weight`, an Embedding's `lora_embedding_A.default` as
+    `lora_embedding_A`), a DoRA magnitude without `.weight` too, and a
     module trained whole (modules_to_save: `lm_head.modules_to_save.default.weight`) under the
     wrapped module's own name (`lm_head.weight`)."""
     name = name.replace(f".modules_to_save.{adapter}.", ".")
     name = name.replace(f".lora_magnitude_vector.{adapter}.weight", ".lora_magnitude_vector")
-    return name.replace(f".{adapter}.", ".")
+    # An Embedding's adapters are parameters of its own, named by the adapter alone (lora_embedding_A.default).
+    return name.replace(f".{adapter}.", ".").removesuffix(f".{adapter}")
 
 
 def load(state: "TrainingState", path: str) -> None:

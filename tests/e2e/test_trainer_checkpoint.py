@@ -441,19 +441,21 @@ def test_the_trainer_resumes_a_lora_run_from_the_adapter_and_moments_the_engine_
     assert [again.step(input_ids=ids, labels=ids) for ids in fed] == ours
 
 
-@pytest.mark.parametrize("adapter", [{"use_dora": True}, {"modules_to_save": ["lm_head"]}],
-                         ids=["DoRA", "modules_to_save"])
-def test_dora_and_modules_to_save_adapters_go_out_and_come_back_in_as_peft_names_them(tmp_path, adapter):
-    """PEFT writes a DoRA magnitude as `...lora_magnitude_vector` and a module trained whole as the
-    wrapped module's own name (`lm_head.weight`): the engine's Trainer checkpoint is read by PEFT as
-    the engine holds it, and read back by an engine whose adapters start elsewhere, which then
-    trains as the engine that wrote it."""
+@pytest.mark.parametrize("adapter", [{"use_dora": True}, {"modules_to_save": ["lm_head"]},
+                                     {"target_modules": ["embed_tokens", "q_proj"]}],
+                         ids=["DoRA", "modules_to_save", "an Embedding's adapters"])
+def test_dora_modules_to_save_and_embedding_adapters_go_out_and_come_back_in_as_peft_names_them(tmp_path, adapter):
+    """PEFT writes a DoRA magnitude as `...lora_magnitude_vector`, a module trained whole as the
+    wrapped module's own name (`lm_head.weight`) and an Embedding's adapters as `lora_embedding_A`:
+    the engine's Trainer checkpoint is read by PEFT as the engine holds it, and read back by an engine
+    whose adapters start elsewhere, which then trains as the engine that wrote it."""
     import peft
 
     def model(seed: int):
         torch.manual_seed(seed)
         return peft.get_peft_model(_llama(tied=False), peft.LoraConfig(
-            task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], **adapter))
+            task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, **{"target_modules": ["q_proj", "v_proj"],
+                                                                          **adapter}))
 
     def engine(seed: int):
         return megacompile.compile(model(seed), 1.0, device="cpu", optimizer=megacompile.AdamW(
@@ -466,7 +468,7 @@ def test_dora_and_modules_to_save_adapters_go_out_and_come_back_in_as_peft_names
     read = peft.PeftModel.from_pretrained(model(3).base_model.model, folder)
     ours, theirs = first.state_dict(), read.state_dict()
     trained = [n for n, p in first.model.named_parameters() if p.requires_grad]
-    assert len(trained) > 8 and all(torch.equal(ours[n], theirs[n]) for n in trained)
+    assert len(trained) >= 6 and all(torch.equal(ours[n], theirs[n]) for n in trained)
     second = engine(2)
     second.load_trainer_checkpoint(folder)
     losses = [second.step(input_ids=ids, labels=ids) for ids in BATCHES[SAVED_AT:]]
