@@ -121,10 +121,11 @@ def check_config(model, path: str) -> None:
             f"{_targets(saved.get('target_modules'))}) and this model has none: give it the same adapters "
             "(run.yaml finetuning_type: lora with that lora_rank, lora_alpha and lora_target); nothing was loaded")
     differences = []
-    for key, run_key in (("r", "lora_rank"), ("lora_alpha", "lora_alpha"), ("use_dora", None),
-                         ("use_rslora", None)):
-        theirs, mine = saved.get(key, False if run_key is None else None), getattr(ours, key, None)
-        if theirs != mine and not (run_key is None and not theirs and not mine):
+    # (key, run.yaml's, whether absent means off)
+    for key, run_key, flag in (("r", "lora_rank", False), ("lora_alpha", "lora_alpha", False),
+                               ("use_dora", "use_dora", True), ("use_rslora", None, True)):
+        theirs, mine = saved.get(key, False if flag else None), getattr(ours, key, None)
+        if theirs != mine and not (flag and not theirs and not mine):
             differences.append(f"{key} {theirs!r} (this model {mine!r}" + (f"; run.yaml {run_key}" if run_key else "")
                                + ")")
     if _targets(saved.get("target_modules")) != _targets(ours.target_modules):

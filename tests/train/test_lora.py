@@ -93,6 +93,32 @@ def test_a_lora_run_trains_as_eager_peft_and_its_exports_load(tmp_path):
     assert result["steps"] == STEPS
 
 
+def test_a_dora_run_trains_as_eager_peft_dora_and_its_merged_export_is_peft_merge(tmp_path):
+    """use_dora: true (LlamaFactory's key): PEFT's DoRA, a learned magnitude per output beside each
+    adapter, trains as eager PEFT DoRA does; the merged export (PEFT's merge) and megacompile's own
+    merge of a state_dict (methods.merged, which a reward model's export uses) give the same weights."""
+    from transformers import AutoModelForCausalLM
+    from megacompile.train.methods import merged
+    work = files.workspace(tmp_path)
+    # DoRA's norm of each adapted weight holds a weight's size more in its block: a budget of 1.5x the weights
+    c = load(files.run_yaml(str(tmp_path / "dora.yaml"), **{**_settings(work, tmp_path, "dora", use_dora=True),
+                                                            "merge_adapter": True, "hbm_budget": 0.0012}), [])
+    run(c)
+    rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
+    eager, losses, eager_first = finetune_runs.eager(c, rows)
+    assert any("lora_magnitude_vector" in n for n, p in eager.named_parameters() if p.requires_grad)
+    ours = [float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
+    first = finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", "step-000001"), "exp_avg")
+    assert moment_error(first, eager_first) <= 1e-5
+    exported = AutoModelForCausalLM.from_pretrained(c.export, dtype=torch.float32).state_dict()
+    ours_merged = merged(eager.base_model.model.state_dict(), c.lora_alpha / c.lora_rank)
+    theirs = eager.merge_and_unload().state_dict()
+    for name, t in theirs.items():
+        assert (ours_merged[name] - t).abs().max() <= 1e-5 * t.abs().max(), name
+        assert (exported[name] - t).abs().max() <= 1e-5 * t.abs().max(), name
+
+
 def test_a_bfloat16_lora_run_holds_its_frozen_base_in_bfloat16(tmp_path):
     """bfloat16 compute reads the base in bfloat16 only: the host holds it so (half the RAM), and
     the run trains as eager float32 PEFT does, to bfloat16's rounding."""

@@ -36,7 +36,7 @@ from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, wit
 from .names import names
 
 TYPES = ("full", "lora", "freeze")
-LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "merge_adapter")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_dora", "merge_adapter")
 FREEZE_KEYS = ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules")
 
 
@@ -66,6 +66,9 @@ def check(c, raw: dict) -> None:
             or not 0 <= c.lora_dropout < 1):
         raise ArgumentError(f"lora_dropout must be a number in [0, 1); got {c.lora_dropout!r}")
     c.lora_target = names("lora_target", c.lora_target)
+    if not isinstance(c.use_dora, bool):
+        raise ArgumentError(f"use_dora must be true (DoRA: PEFT's LoRA with a learned magnitude per output) or false; "
+                            f"got {c.use_dora!r}")
     if not isinstance(c.merge_adapter, bool):
         raise ArgumentError(f"merge_adapter must be true (export the merged model) or false (export the adapter); "
                             f"got {c.merge_adapter!r}")
@@ -122,6 +125,8 @@ def check_resume(c, extra: dict) -> None:
     """A resume trains the parameters its checkpoint trained: other fine-tuning keys are refused
     (a checkpoint without them is of a full fine-tune)."""
     before, now = extra.get("finetuning") or {"finetuning_type": "full"}, saved(c)
+    if before.get("finetuning_type") == "lora":
+        before = {**before, "use_dora": before.get("use_dora", False)}     # saved before it was a key: plain LoRA
     if before != now:
         changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in dict.fromkeys([*before, *now])
                    if before.get(k) != now.get(k)]
@@ -134,7 +139,7 @@ def apply(c, model: nn.Module) -> nn.Module:
     its requires_grad set, for freeze). On the meta device too: the names are checked there."""
     if c.finetuning_type == "lora":
         wrapped = with_adapters(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target,
-                                base_dtype(c.compute_dtype))
+                                base_dtype(c.compute_dtype), dora=c.use_dora)
         vision_freeze.apply(c, wrapped)
         return wrapped
     if c.finetuning_type == "freeze":

@@ -41,7 +41,7 @@ def base_dtype(compute_dtype: str | torch.dtype) -> torch.dtype:
 
 
 def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str,
-         base: torch.dtype = torch.float32, key: str = "lora_target") -> nn.Module:
+                  base: torch.dtype = torch.float32, key: str = "lora_target", dora: bool = False) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     everywhere = linear_names(model)
     vision = vision_freeze.is_vision_language(model)
@@ -57,7 +57,7 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
     if vision:      # the language model's modules alone: the vision tower has q_proj and the like too
         modules = vision_freeze.language_model_names(model, modules)
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=modules)
+                        target_modules=modules, use_dora=dora)
     wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
@@ -79,13 +79,37 @@ def lora_skeleton(c) -> nn.Module:
     with no_init_weights():
         base = auto_class(config).from_config(config, dtype=torch.float32)
         base.tie_weights()
-    wrapped = with_adapters(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target)
+    wrapped = with_adapters(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target, dora=c.use_dora)
+    if c.use_dora:
+        dora_magnitudes(wrapped, c.model)
     release_frozen(wrapped)
     held = base_dtype(c.compute_dtype)
     for p in wrapped.parameters():
         if p.is_meta and p.dtype != held:
             p.data = p.data.to(held)
     return wrapped
+
+
+def dora_magnitudes(wrapped: nn.Module, folder: str) -> None:
+    """DoRA's magnitudes start as the norm of each output's row of the weight they sit beside (its
+    adapter adds nothing yet), which PEFT computes from the weights it wraps; the skeleton's base
+    is uninitialised, so each norm is taken from the folder's file, one weight at a time, in float32
+    (the weight as transformers loads it in a float32 model)."""
+    from safetensors import safe_open
+    from ...io.hf_load import shard_map
+    wanted = {}
+    for name, module in wrapped.named_modules():
+        magnitudes = getattr(module, "lora_magnitude_vector", None)
+        if magnitudes is not None and len(magnitudes):
+            wanted[file_key(f"{name}.base_layer.weight")] = [m.weight for m in magnitudes.values()]
+    for path, keys in shard_map(folder).items():
+        with safe_open(path, framework="pt", backend="pread") as f:
+            for key in (keys if keys is not None else f.keys()):
+                for magnitude in wanted.pop(key, ()):
+                    with torch.no_grad():
+                        magnitude.copy_(torch.linalg.norm(f.get_tensor(key).float(), dim=1))
+    if wanted:
+        raise ArgumentError(f"use_dora: {folder} holds no {next(iter(wanted))}, whose norm DoRA's magnitude starts from")
 
 
 def file_key(key: str) -> str:
@@ -96,13 +120,20 @@ def file_key(key: str) -> str:
 
 def merged(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """A PEFT-wrapped module's state_dict with each adapter added into its base weight,
-    W + scaling B A (in float32), under the base model's names (no `base_layer`, no adapters)."""
-    out = {k.replace(".base_layer.", "."): t for k, t in state.items() if ".lora_A." not in k and ".lora_B." not in k}
+    W + scaling B A (in float32), under the base model's names (no `base_layer`, no adapters). With
+    DoRA's magnitude m beside it, that sum is scaled row by row to m: m / ||W + s B A|| (each
+    output's norm over its inputs), as PEFT's merge does."""
+    adapter = (".lora_A.", ".lora_B.", ".lora_magnitude_vector.")
+    out = {k.replace(".base_layer.", "."): t for k, t in state.items() if not any(a in k for a in adapter)}
     for key, a in state.items():
         if ".lora_A." in key:
-            weight = key.split(".lora_A.")[0] + ".weight"
+            owner, name = key.split(".lora_A.")
+            weight = owner + ".weight"
             b = state[key.replace(".lora_A.", ".lora_B.")]
             out[weight] = out[weight].float() + scaling * (b.float() @ a.float())
+            magnitude = state.get(f"{owner}.lora_magnitude_vector.{name}")
+            if magnitude is not None:
+                out[weight] = out[weight] * (magnitude.float() / out[weight].norm(dim=1)).unsqueeze(1)
     return out
 
 
