@@ -132,6 +132,11 @@ def _clearly_above(floor: float, bar: float) -> bool:
     return floor * (1 - 1e-9) > bar + 2e-9
 
 
+def _plain(f: Family) -> bool:
+    """Whether a family's first choice keeps every block whole: no offload, selective or boundary."""
+    return not (f.offloaded or f.stride or f.boundary) and f.selective is Selective.NONE
+
+
 def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleChoice], int],
           seconds_of: Callable[[ScheduleChoice], float] | None = None,
           options: Sequence[Family] | None = None,
@@ -150,7 +155,10 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
     `floor_of`: seconds that `seconds_of` never undercuts, cheaper to know (planner/floor.py): a
     family whose fastest choice's floor is above the bar (the fastest fit of its stride so far, or
     `bound`) is skipped without asking `seconds_of`, and a family's bisection stops once its fit
-    could only be above that bar. Neither changes the choice returned (tests/unit/test_floor.py)."""
+    could only be above that bar; with `exact_of` too, a strided family's bar is also the exact
+    seconds of the fastest prefix fit. None of the skips changes the choice returned
+    (tests/unit/test_floor.py holds the floor under what it bounds, tests/unit/test_solve_pruning.py
+    the choice to that of every family searched in full)."""
     options = list(options or families())
     # Every block recomputed holds the least any family can: no choice fits below it. At a budget
     # below it (the usual first try of a model that needs its blocks in sequence chunks), the
@@ -158,14 +166,29 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
     minimum = peak_of(lowest(blocks, options, peak_of))
     if minimum > budget_bytes:
         return None, minimum
+    # The same holds at each depth: no family of a depth whose choices of every block recomputed
+    # do not fit can fit (deep prefetch at a tight budget is most of the families, each asked twice).
+    too_deep = {d for d in {f.depth for f in options}
+                if peak_of(lowest(blocks, [f for f in options if f.depth == d], peak_of)) > budget_bytes}
     fits: list[ScheduleChoice] = []
     stride_of: dict[ScheduleChoice, int] = {}
     settled: set[tuple] = set()
+    outrun: set[tuple] = set()        # (depth, resident) pairs whose plain choice is slower than the bar
     fastest: dict[int, float] = {}    # per stride, the fastest fit so far (with seconds_of)
-    for f in options:
+    # The prefix families first (each stride's search is its own, so the order changes no fit):
+    # then the strided ones meet a ceiling, the exact seconds of the fastest prefix fit. A strided
+    # choice whose floor is above it loses the final comparison to that fit, so it is never
+    # sought; without it, another choice may be the fastest of its stride by the estimate, and it
+    # reaches the final comparison only if its exact seconds are lower still.
+    ceiling = None
+    for f in [f for f in options if not f.stride] + [f for f in options if f.stride]:
         # Once a depth and resident set fit with every block kept whole, the other families of
         # that pair only add work (offload traffic, recompute, redone cheap ops): skip them.
-        if (f.depth, f.resident) in settled:
+        if (f.depth, f.resident) in settled or f.depth in too_deep:
+            continue
+        # For the same reason, once a pair's choice with every block kept whole is slower than the
+        # fastest prefix fit, its other prefix families (which add work to it) are slower too.
+        if not f.stride and (f.depth, f.resident) in outrun:
             continue
         options_f = candidates(blocks, f)
         # A family's fastest choice is its first (more recompute never speeds a step up): when that
@@ -174,17 +197,22 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
         # schedule each instead of a bisection's dozen.
         # With no fit of its stride yet and no bound, there is no bar to judge it against.
         bar = min(fastest.get(f.stride, float("inf")), bound)
-        if seconds_of is not None and bar < float("inf"):
-            if floor_of is not None and _clearly_above(floor_of(options_f[0]), bar):
-                continue
-            if round(seconds_of(options_f[0]), 9) > round(bar, 9):
-                continue
+        if f.stride and ceiling is None:
+            ceiling = _exact_fastest(fits, seconds_of, exact_of) if floor_of is not None else float("inf")
+        floor_bar = min(bar, ceiling) if f.stride else bar
+        if seconds_of is not None and floor_of is not None and _clearly_above(floor_of(options_f[0]), floor_bar):
+            continue
+        if seconds_of is not None and bar < float("inf") and round(seconds_of(options_f[0]), 9) > round(bar, 9):
+            if _plain(f) and bar == fastest.get(0):
+                outrun.add((f.depth, f.resident))
+            continue
         # A fit whose floor is above the bar could be neither the fastest of its stride nor within
-        # `bound`: the bisection gives up once its answer lies past the last choice that might be.
+        # `bound` (nor, strided, below the ceiling): the bisection gives up once its answer lies past
+        # the last choice that might be.
         last = None
-        if seconds_of is not None and floor_of is not None and bar < float("inf"):
+        if seconds_of is not None and floor_of is not None and floor_bar < float("inf"):
             last = next((k for k in reversed(range(len(options_f)))
-                         if not _clearly_above(floor_of(options_f[k]), bar)), -1)
+                         if not _clearly_above(floor_of(options_f[k]), floor_bar)), -1)
         choice = smallest_fit(options_f, budget_bytes, peak_of, last)
         if choice is None:
             continue
@@ -198,15 +226,32 @@ def solve(blocks: Sequence[int], budget_bytes: int, peak_of: Callable[[ScheduleC
         return None, minimum
     if seconds_of is None:
         return min(fits, key=lambda c: (len(c.recompute), -c.prefetch_depth)), minimum
-    # Predictions equal to the nanosecond are ties (float noise must not pick the schedule): then
-    # less recompute, less offload, deeper prefetch, fewer residents and selective blocks win.
-    def ties(c: ScheduleChoice) -> tuple:
-        return len(c.recompute), len(c.offload), -c.prefetch_depth, len(c.resident), len(c.selective)
-    best = {}
+    best = _fastest_per_stride(fits, stride_of, seconds_of)
+    if exact_of is None or len(best) == 1:
+        return min(best.values(), key=lambda c: (round(seconds_of(c), 9), *_ties(c))), minimum
+    return min(best.values(), key=lambda c: (round(exact_of(c), 9), *_ties(c))), minimum
+
+
+def _ties(c: ScheduleChoice) -> tuple:
+    """Predictions equal to the nanosecond are ties (float noise must not pick the schedule): then
+    less recompute, less offload, deeper prefetch, fewer residents and selective blocks win."""
+    return len(c.recompute), len(c.offload), -c.prefetch_depth, len(c.resident), len(c.selective)
+
+
+def _fastest_per_stride(fits: list[ScheduleChoice], stride_of: dict[ScheduleChoice, int],
+                        seconds_of: Callable[[ScheduleChoice], float]) -> dict[int, ScheduleChoice]:
+    """Per stride, its fastest fit by `seconds_of` (the first of equal ones)."""
+    best: dict[int, ScheduleChoice] = {}
     for c in fits:
         m = stride_of[c]
-        if m not in best or (round(seconds_of(c), 9), *ties(c)) < (round(seconds_of(best[m]), 9), *ties(best[m])):
+        if m not in best or (round(seconds_of(c), 9), *_ties(c)) < (round(seconds_of(best[m]), 9), *_ties(best[m])):
             best[m] = c
-    if exact_of is None or len(best) == 1:
-        return min(best.values(), key=lambda c: (round(seconds_of(c), 9), *ties(c))), minimum
-    return min(best.values(), key=lambda c: (round(exact_of(c), 9), *ties(c))), minimum
+    return best
+
+
+def _exact_fastest(fits: list[ScheduleChoice], seconds_of, exact_of) -> float:
+    """The exact seconds of the fastest prefix fit (all of `fits` so far): the ceiling of the
+    strided search (infinite without a fit, an estimate or the exact judge)."""
+    if not fits or seconds_of is None or exact_of is None:
+        return float("inf")
+    return exact_of(_fastest_per_stride(fits, dict.fromkeys(fits, 0), seconds_of)[0])
