@@ -123,7 +123,7 @@ def check_config(model, path: str) -> None:
     differences = []
     # (key, run.yaml's, whether absent means off)
     for key, run_key, flag in (("r", "lora_rank", False), ("lora_alpha", "lora_alpha", False),
-                               ("use_dora", "use_dora", True), ("use_rslora", None, True)):
+                               ("use_dora", "use_dora", True), ("use_rslora", "use_rslora", True)):
         theirs, mine = saved.get(key, False if flag else None), getattr(ours, key, None)
         if theirs != mine and not (flag and not theirs and not mine):
             differences.append(f"{key} {theirs!r} (this model {mine!r}" + (f"; run.yaml {run_key}" if run_key else "")

@@ -110,6 +110,7 @@ class RunConfig:
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
     use_dora: bool = False              # DoRA: a learned magnitude per output beside each adapter (PEFT's)
+    use_rslora: bool = False            # rank-stabilised LoRA: the adapters' scale is lora_alpha / sqrt(lora_rank)
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
     # dpo, kto and rm, as TRL's and LlamaFactory's trainers of them default, false otherwise
     disable_dropout: bool | None = None

@@ -43,7 +43,6 @@ NOT_TAKEN = {
     "use_peft": "finetuning_type: lora",
     "lora_r": "lora_rank",
     "lora_target_modules": "lora_target",
-    "use_rslora": "not supported: the adapters' scale is lora_alpha / lora_rank",
     "pissa_init": "not supported: the adapters are initialised as PEFT's default LoRA",
     "loraplus_lr_ratio": "not supported: every trained parameter takes lr",
     "additional_target": "not supported with LoRA; finetuning_type: freeze with freeze_extra_modules trains "

@@ -40,6 +40,8 @@ def _config(tmp_path, work, **settings):
     ({"finetuning_type": "lora", "merge_adapter": "yes"}, "merge_adapter must be true"),
     ({"finetuning_type": "lora", "use_dora": "yes"}, "use_dora must be true"),
     ({"use_dora": True}, "use_dora applies to finetuning_type: lora"),
+    ({"finetuning_type": "lora", "use_rslora": 1}, "use_rslora must be true"),
+    ({"use_rslora": True}, "use_rslora applies to finetuning_type: lora"),
     ({"finetuning_type": "freeze", "freeze_trainable_layers": 0}, "freeze_trainable_layers must be a whole number"),
     ({"finetuning_type": "freeze", "freeze_trainable_modules": []}, "freeze_trainable_modules is a comma-separated"),
     ({"finetuning_type": "freeze", "freeze_extra_modules": "all"}, "freeze_extra_modules: all is not taken here"),
@@ -87,13 +89,16 @@ def test_lora_target_all_is_every_linear_of_the_blocks_and_freeze_counts_blocks_
     assert all(".layers.1." in n for n, p in last.named_parameters() if p.requires_grad and "layers" in n)
 
 
-def test_a_lora_checkpoint_saved_before_use_dora_was_a_key_resumes_as_plain_lora(tmp_path, work):
+def test_a_lora_checkpoint_saved_before_use_dora_and_use_rslora_were_keys_resumes_as_plain_lora(tmp_path, work):
     from megacompile.train.methods import check_resume, saved
     c = _config(tmp_path, work, finetuning_type="lora", lora_rank=2)
-    before = {k: v for k, v in saved(c).items() if k != "use_dora"}
+    before = {k: v for k, v in saved(c).items() if k not in ("use_dora", "use_rslora")}
     check_resume(c, {"finetuning": before})
     with pytest.raises(ArgumentError, match="use_dora False -> True"):
         check_resume(_config(tmp_path, work, finetuning_type="lora", lora_rank=2, use_dora=True), {"finetuning": before})
+    with pytest.raises(ArgumentError, match="use_rslora False -> True"):
+        check_resume(_config(tmp_path, work, finetuning_type="lora", lora_rank=2, use_rslora=True),
+                     {"finetuning": before})
 
 
 def test_a_resume_with_other_fine_tuning_keys_is_refused(tmp_path, work):

@@ -119,6 +119,51 @@ def test_a_dora_run_trains_as_eager_peft_dora_and_its_merged_export_is_peft_merg
         assert (exported[name] - t).abs().max() <= 1e-5 * t.abs().max(), name
 
 
+def test_a_rank_stabilised_lora_run_trains_as_eager_peft_and_its_adapter_loads_so(tmp_path):
+    """use_rslora: true (LlamaFactory's and TRL's key): PEFT's rank-stabilised LoRA, whose adapters
+    scale by lora_alpha / sqrt(lora_rank), trains as eager PEFT built with it does; the exported
+    adapter says so in its config, and PEFT loads it to the engine's own eval loss."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from megacompile.train.methods import merged, scaling
+    work = files.workspace(tmp_path)
+    c = load(files.run_yaml(str(tmp_path / "rslora.yaml"), **_settings(work, tmp_path, "rslora", use_rslora=True)), [])
+    run(c)
+    rows, eval_rows = finetune_runs.rows(c, tmp_path, SEQ)
+    # The reference is PEFT's own wrapper with use_rslora, not the run's method code.
+    torch.manual_seed(c.seed)
+    base = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
+    base.config.use_cache = False
+    eager = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=RANK, lora_alpha=c.lora_alpha,
+                                            lora_dropout=c.lora_dropout, target_modules=TARGET, use_rslora=True))
+    adapted = eager.base_model.model.model.layers[0].self_attn.q_proj
+    assert adapted.scaling["default"] == c.lora_alpha / RANK ** 0.5 == scaling(eager.peft_config["default"])
+    opt = torch.optim.AdamW(finetune_runs.trainer_groups(eager, c.weight_decay), lr=c.lr, betas=tuple(c.betas),
+                            eps=c.eps)
+    losses = []
+    for step in range(c.steps):
+        opt.zero_grad(set_to_none=True)
+        loss = eager(**packing.batch(rows, step * c.batch, c.batch, shifted=False)).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    logged = log.read(os.path.join(c.run_dir, "log.csv"))
+    torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in logged]), torch.tensor(losses),
+                               rtol=1e-5, atol=0)
+    with open(os.path.join(c.export, "adapter_config.json")) as f:
+        assert json.load(f)["use_rslora"] is True
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32),
+                                       c.export).eval()
+    with torch.no_grad():
+        loss = loaded(**packing.batch(eval_rows, 0, BATCH, shifted=False)).loss.item()
+    engine_eval = float(logged[-1]["eval_loss"])
+    assert abs(loss - engine_eval) <= 1e-5 * engine_eval
+    # megacompile's merge (a reward model's export) at the rank-stabilised scale is PEFT's.
+    ours = merged(eager.base_model.model.state_dict(), scaling(eager.peft_config["default"]))
+    for name, t in eager.merge_and_unload().state_dict().items():
+        assert (ours[name] - t).abs().max() <= 1e-5 * t.abs().max(), name
+
+
 def test_a_bfloat16_lora_run_holds_its_frozen_base_in_bfloat16(tmp_path):
     """bfloat16 compute reads the base in bfloat16 only: the host holds it so (half the RAM), and
     the run trains as eager float32 PEFT does, to bfloat16's rounding."""

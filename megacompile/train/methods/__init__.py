@@ -32,11 +32,11 @@ import torch.nn as nn
 from ...errors import ArgumentError
 from . import vision_freeze
 from .freeze import freeze
-from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, with_adapters
+from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, scaling, with_adapters
 from .names import names
 
 TYPES = ("full", "lora", "freeze")
-LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_dora", "merge_adapter")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_dora", "use_rslora", "merge_adapter")
 FREEZE_KEYS = ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules")
 
 
@@ -69,6 +69,9 @@ def check(c, raw: dict) -> None:
     if not isinstance(c.use_dora, bool):
         raise ArgumentError(f"use_dora must be true (DoRA: PEFT's LoRA with a learned magnitude per output) or false; "
                             f"got {c.use_dora!r}")
+    if not isinstance(c.use_rslora, bool):
+        raise ArgumentError(f"use_rslora must be true (rank-stabilised LoRA: the adapters' scale is lora_alpha / "
+                            f"sqrt(lora_rank)) or false (lora_alpha / lora_rank); got {c.use_rslora!r}")
     if not isinstance(c.merge_adapter, bool):
         raise ArgumentError(f"merge_adapter must be true (export the merged model) or false (export the adapter); "
                             f"got {c.merge_adapter!r}")
@@ -126,7 +129,8 @@ def check_resume(c, extra: dict) -> None:
     (a checkpoint without them is of a full fine-tune)."""
     before, now = extra.get("finetuning") or {"finetuning_type": "full"}, saved(c)
     if before.get("finetuning_type") == "lora":
-        before = {**before, "use_dora": before.get("use_dora", False)}     # saved before it was a key: plain LoRA
+        # Saved before they were keys: plain LoRA.
+        before = {**before, "use_dora": before.get("use_dora", False), "use_rslora": before.get("use_rslora", False)}
     if before != now:
         changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in dict.fromkeys([*before, *now])
                    if before.get(k) != now.get(k)]
@@ -139,7 +143,7 @@ def apply(c, model: nn.Module) -> nn.Module:
     its requires_grad set, for freeze). On the meta device too: the names are checked there."""
     if c.finetuning_type == "lora":
         wrapped = with_adapters(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target,
-                                base_dtype(c.compute_dtype), dora=c.use_dora)
+                                base_dtype(c.compute_dtype), dora=c.use_dora, rslora=c.use_rslora)
         vision_freeze.apply(c, wrapped)
         return wrapped
     if c.finetuning_type == "freeze":

@@ -2,6 +2,8 @@
 model's alone in a vision-language model), the base frozen and held in the dtype compute reads."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -41,7 +43,8 @@ def base_dtype(compute_dtype: str | torch.dtype) -> torch.dtype:
 
 
 def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str,
-                  base: torch.dtype = torch.float32, key: str = "lora_target", dora: bool = False) -> nn.Module:
+                  base: torch.dtype = torch.float32, key: str = "lora_target", dora: bool = False,
+                  rslora: bool = False) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     everywhere = linear_names(model)
     vision = vision_freeze.is_vision_language(model)
@@ -57,7 +60,7 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
     if vision:      # the language model's modules alone: the vision tower has q_proj and the like too
         modules = vision_freeze.language_model_names(model, modules)
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=modules, use_dora=dora)
+                        target_modules=modules, use_dora=dora, use_rslora=rslora)
     wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
@@ -79,7 +82,8 @@ def lora_skeleton(c) -> nn.Module:
     with no_init_weights():
         base = auto_class(config).from_config(config, dtype=torch.float32)
         base.tie_weights()
-    wrapped = with_adapters(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target, dora=c.use_dora)
+    wrapped = with_adapters(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target, dora=c.use_dora,
+                            rslora=c.use_rslora)
     if c.use_dora:
         dora_magnitudes(wrapped, c.model)
     release_frozen(wrapped)
@@ -116,6 +120,12 @@ def file_key(key: str) -> str:
     """A PEFT model's state_dict key as the wrapped model's files name it."""
     key = key.removeprefix("base_model.model.")
     return key.replace(".base_layer.", ".")
+
+
+def scaling(config) -> float:
+    """The factor on an adapter's B A under a PEFT LoraConfig: lora_alpha / r, or with rank-stabilised
+    LoRA (use_rslora) lora_alpha / sqrt(r)."""
+    return config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
 
 
 def merged(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
