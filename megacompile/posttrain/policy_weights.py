@@ -11,9 +11,10 @@ under its first name, as transformers saves it.
 A policy trained with LoRA adapters (PEFT's LoRA layers on the model's Linear modules) is given
 as the plain model a copy is built as: each adapted weight merged, W + scaling B A in float32,
 under the base model's name (no `base_layer`, no adapters), made one tensor at a time when the
-consumer asks for it, as TRL merges a PEFT policy before it hands vLLM the weights. The adapters'
-dropout is a training-time mask and plays no part. A PEFT layer that is not plain LoRA (DoRA's
-magnitudes, another tuner) is refused.
+consumer asks for it, as TRL merges a PEFT policy before it hands vLLM the weights. With DoRA's
+magnitude m beside the adapter, that sum is scaled row by row to m, m / ||W + scaling B A|| (each
+output's norm over its inputs), as PEFT merges DoRA. The adapters' dropout is a training-time mask
+and plays no part. A PEFT layer of another tuner, or of several adapters, is refused.
 """
 from __future__ import annotations
 
@@ -48,12 +49,11 @@ def adapters(policy: nn.Module) -> dict[str, float]:
         if not hasattr(module, "base_layer"):
             continue
         names = list(getattr(module, "active_adapters", None) or [])
-        dora = any(getattr(module, "use_dora", {}).get(a) for a in names)
-        if not hasattr(module, "lora_A") or dora or len(names) != 1 or names[0] not in module.lora_A:
+        if not hasattr(module, "lora_A") or len(names) != 1 or names[0] not in module.lora_A:
             raise ArgumentError(
-                f"{name} is a PEFT layer ({type(module).__name__}) other than one plain LoRA adapter (DoRA, another "
-                "tuner, several adapters): a generation copy takes the weights merged, which is done for LoRA "
-                "alone; sample with EngineGenerator")
+                f"{name} is a PEFT layer ({type(module).__name__}) other than one LoRA adapter (another tuner, "
+                "several adapters): a generation copy takes the weights merged, which is done for one LoRA or "
+                "DoRA adapter alone; sample with EngineGenerator")
         out[name] = float(module.scaling[names[0]])
     return out
 
@@ -79,25 +79,31 @@ def policy_weights(engine, prefix: str, dtype: torch.dtype | None = None) -> Ite
                             f"({canonical[prefix + tied[0] + '.base_layer.weight'][len(prefix):]}): a generation copy "
                             "keeps the two tied, and cannot hold one of them merged; leave it out of lora_target, or "
                             "sample with EngineGenerator")
-    factors = {}           # the adapters' A and B (small), read before the weights they are added to
+    factors = {}           # the adapters' A, B and DoRA magnitudes (small), read before the weights they go into
     if scaling:
         factors = {key[len(prefix):]: t for key, t in unbuilt.state_tensors(engine.state)
-                   if key.startswith(prefix) and (".lora_A." in key or ".lora_B." in key)}
+                   if key.startswith(prefix) and any(f in key for f in _FACTORS)}
     for key, t in unbuilt.state_tensors(engine.state):
         if canonical.get(key, key) != key or not key.startswith(prefix):
             continue          # a tied alias, or the objective's own tensors
         name = key[len(prefix):]
-        if ".lora_A." in name or ".lora_B." in name:
+        if any(f in name for f in _FACTORS):
             continue
         if ".base_layer." in name:
             owner = name.split(".base_layer.")[0]
             name = name.replace(".base_layer.", ".")
             if name == f"{owner}.weight" and owner in scaling:
-                a, b = (factors[k] for k in _factor_keys(owner, factors))
-                t = t.float() + scaling[owner] * (b.float() @ a.float())
+                a_key, b_key = _factor_keys(owner, factors)
+                t = t.float() + scaling[owner] * (factors[b_key].float() @ factors[a_key].float())
+                magnitude = factors.get(a_key.replace(".lora_A.", ".lora_magnitude_vector.", 1))
+                if magnitude is not None:       # DoRA
+                    t = t * (magnitude.float() / t.norm(dim=1)).unsqueeze(1)
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
         yield name, t
+
+
+_FACTORS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector.")
 
 
 def _factor_keys(owner: str, factors: dict) -> tuple[str, str]:

@@ -102,8 +102,10 @@ def _lora_engine(**lora):
                    optimizer=AdamW(lr=5e-2, weight_decay=0.0))
 
 
-def test_a_lora_policys_copy_holds_its_weights_merged_and_generates_what_the_engine_generates():
-    engine = _lora_engine()
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_a_lora_policys_copy_holds_its_weights_merged_and_generates_what_the_engine_generates(dora):
+    """Plain LoRA, and DoRA (its magnitudes scale each merged row, as PEFT's merge does)."""
+    engine = _lora_engine(use_dora=dora)
     ours = EngineGenerator(engine, eos_id=EOS, seed=1)
     copy = HFGenerator(engine, eos_id=EOS, seed=1, dtype=torch.float32)
     assert not any("lora_" in n or "base_layer" in n for n, _ in copy.model.named_parameters())
@@ -112,12 +114,16 @@ def test_a_lora_policys_copy_holds_its_weights_merged_and_generates_what_the_eng
         batch = rollout_batch(sampled, torch.arange(9.0), 3, width=4 + 6)
         engine.step(**batch, old_logps=torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])))
     copy.sync()
-    # the merge, W + (alpha / r) B A, by hand from the engine's own tensors
+    # the merge, W + (alpha / r) B A, by hand from the engine's own tensors; DoRA's rows scaled to m
     state = engine.state_dict()
     pre = "policy.base_model.model.model.layers.0.self_attn.q_proj."
     b, a = state[pre + "lora_B.default.weight"], state[pre + "lora_A.default.weight"]
     assert b.abs().sum() > 0
     merged = state[pre + "base_layer.weight"] + 2.0 * (b @ a)
+    if dora:
+        magnitude = state[pre + "lora_magnitude_vector.default.weight"]
+        assert not torch.allclose(magnitude, merged.norm(dim=1))      # trained away from the norm it started at
+        merged = merged * (magnitude / merged.norm(dim=1)).unsqueeze(1)
     torch.testing.assert_close(copy.model.model.layers[0].self_attn.q_proj.weight, merged, rtol=0, atol=1e-6)
     assert copy.generate(PROMPTS, 2, 6, temperature=0) == ours.generate(PROMPTS, 2, 6, temperature=0)
     fresh = EngineGenerator(engine, eos_id=EOS, seed=5)
@@ -126,12 +132,14 @@ def test_a_lora_policys_copy_holds_its_weights_merged_and_generates_what_the_eng
     engine.close()
 
 
-def test_a_peft_layer_other_than_plain_lora_or_on_a_tied_weight_is_refused():
-    engine = _lora_engine(use_dora=True)
-    with pytest.raises(ArgumentError, match="other than one plain LoRA adapter"):
+def test_a_peft_layer_other_than_one_lora_adapter_or_on_a_tied_weight_is_refused():
+    from peft import LoraConfig, get_peft_model
+    engine = _lora_engine()
+    engine.model.policy.add_adapter("second", LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj"]))
+    engine.model.policy.base_model.set_adapter(["default", "second"])
+    with pytest.raises(ArgumentError, match="other than one LoRA adapter"):
         HFGenerator(engine)
     engine.close()
-    from peft import LoraConfig, get_peft_model
     policy = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                           use_cache=False))
