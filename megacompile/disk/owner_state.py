@@ -14,9 +14,11 @@ from ..cost.host_memory import DEPTH, Placement, piece_numel
 from ..errors import StorageError
 from .tier import DiskTier
 
-# update(master, grad, exp_avg, exp_avg_sq, out, step, decays): one AdamW call over flat slices of
-# one owner, with those parameters' own step count; decays: False where AdamW no_decay exempts them.
-UpdateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int, bool], None]
+# update(master, grad, exp_avg, exp_avg_sq, out, step, decays, ratio): one AdamW call over flat slices
+# of one owner, with those parameters' own step count; decays: False where AdamW no_decay exempts them;
+# ratio: their lr's multiple of the step's (AdamW lr_ratios).
+UpdateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int, bool, float],
+                    None]
 # over(start, master, grad, exp_avg, exp_avg_sq, out): the update of a piece of one owner, the
 # buffers holding its flat [start, start + len) (runtime/host.py runs it over the piece's parameters).
 PieceFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]

@@ -39,13 +39,15 @@ def optimizer_settings(state: "TrainingState") -> dict:
     return {"lr": "callable" if callable(opt.lr) else opt.lr, "betas": list(opt.betas), "eps": opt.eps,
             "weight_decay": opt.weight_decay, "max_grad_norm": opt.max_grad_norm, "kernel": opt.kernel,
             "grad_accum": state.grad_accum, "compute_dtype": str(state.compute_dtype).replace("torch.", ""),
-            "no_decay": sorted(state.no_decay)}
+            "no_decay": sorted(state.no_decay), "lr_ratios": dict(sorted(state.lr_ratios.items()))}
 
 
 def setting_differences(saved: dict, state: "TrainingState") -> list[str]:
     """Each setting but no_decay (no_decay_difference) in which the engine differs from the run
     that saved the checkpoint."""
     own = optimizer_settings(state)
+    # A checkpoint saved before lr_ratios was recorded stepped every parameter at lr.
+    saved = {"lr_ratios": {}, **saved}
     return [f"{key}: the checkpoint has {saved.get(key)!r}, this engine {value!r}"
             for key, value in own.items() if key != "no_decay" and saved.get(key) != value]
 

@@ -62,6 +62,11 @@ def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str
             "megacompile.hf_no_decay; this engine's AdamW no_decay exempts other parameters "
             f"({_some(set(state.no_decay) ^ set(theirs))}), so a Trainer would resume them under another decay: "
             "compile with AdamW(no_decay=megacompile.hf_no_decay)")
+    if state.lr_ratios:
+        raise MegacompileError(
+            "save_trainer_checkpoint writes the Trainer's two param groups at one lr; this engine's AdamW lr_ratios "
+            f"steps {len(state.lr_ratios)} parameters at other lrs ({_some(set(state.lr_ratios))}), which a Trainer "
+            "would resume at its one lr: save_checkpoint keeps them")
     state.wait_updates()
     groups = [[n for n in trainable if n not in theirs], [n for n in trainable if n in theirs]]
     tmp = durable.partial_path(path)

@@ -9,6 +9,7 @@ from typing import Callable, Union
 import torch
 
 from ..errors import ArgumentError, OptimizerInputError
+from .lr_ratio import LrRatios, check_lr_ratios
 from .weight_decay import NoDecay, check_no_decay
 
 LearningRate = Union[float, Callable[[int], float]]
@@ -36,6 +37,9 @@ class AdamW:
     model.named_parameters() spells them, or a function of the model that returns them, such as
     megacompile.hf_no_decay (Hugging Face Trainer's biases and norm weights); checked against the
     model by compile(). Default: none, every parameter decays (torch.optim.AdamW's meaning).
+    `lr_ratios`: {parameter name: ratio}, or a function of the model that returns it: each named
+    parameter steps at lr x its ratio (torch.optim.AdamW's param groups of lrs that are multiples
+    of one, as LoRA+ makes them; a schedule scales them all alike). Default: every one at lr.
     """
     lr: LearningRate = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -44,6 +48,7 @@ class AdamW:
     max_grad_norm: float | None = None
     kernel: str = "fused"
     no_decay: NoDecay = frozenset()
+    lr_ratios: LrRatios = ()
 
     def __post_init__(self) -> None:
         betas = self.betas
@@ -69,6 +74,7 @@ class AdamW:
                                       f"by about lr) or a function of the step, got {self.lr!r}")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
         object.__setattr__(self, "no_decay", check_no_decay(self.no_decay))
+        object.__setattr__(self, "lr_ratios", check_lr_ratios(self.lr_ratios))
 
     def lr_at(self, step: int) -> float:
         lr = self.lr(step) if callable(self.lr) else self.lr

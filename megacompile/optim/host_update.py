@@ -29,10 +29,11 @@ class HostUpdate:
         beta1, beta2 = context["betas"]
 
         # step: the parameters' own AdamW step count, the global one less the steps that gave them
-        # no gradient; decays: False for those AdamW no_decay names (runtime/host.py schedule_updates).
-        def update(master, grad, exp_avg, exp_avg_sq, out, step: int, decays: bool) -> None:
+        # no gradient; decays: False for those AdamW no_decay names; ratio: their lr's multiple of
+        # the step's (AdamW lr_ratios; runtime/host.py schedule_updates).
+        def update(master, grad, exp_avg, exp_avg_sq, out, step: int, decays: bool, ratio: float) -> None:
             adamw_update_(master, grad, exp_avg, exp_avg_sq,
-                          lr=context["lr"], beta1=beta1, beta2=beta2, eps=context["eps"],
+                          lr=context["lr"] * ratio, beta1=beta1, beta2=beta2, eps=context["eps"],
                           weight_decay=context["weight_decay"] if decays else 0.0, step=step,
                           grad_scale=context["grad_scale"],
                           out=out, **({"backend": "torch"} if opt.kernel == "torch" else {}))

@@ -110,11 +110,14 @@ class HostState(HostWeights, HostGradients):
         # The parameters AdamW steps with weight decay 0 (AdamW no_decay): the engine hands in its
         # TrainingState's set.
         self.no_decay: frozenset[str] = frozenset()
+        # Each parameter AdamW steps at lr x a ratio other than 1 (AdamW lr_ratios): the engine hands
+        # in its TrainingState's dict.
+        self.lr_ratios: dict[str, float] = {}
         self._reached: set[str] = set()    # parameters the step's committed micro-batches' programs reach
         self._summed: set[str] = set()     # parameters whose gradient sum holds a committed micro-batch's
         self._got: set[str] = set()        # parameters the running micro-batch landed a gradient for
-        # per staged owner: (lo, hi, AdamW step, decays)
-        self._runs: dict[int, list[tuple[int, int, int, bool]]] = {}
+        # per staged owner: (lo, hi, AdamW step, decays, lr ratio)
+        self._runs: dict[int, list[tuple[int, int, int, bool, float]]] = {}
 
         self.owners = {s: self._owner_buffers(s, n, compute_dtype, pin,
                                               owner_layout(compute_dtype, grad_accum, s in summed, placement))
@@ -254,8 +257,9 @@ class HostState(HostWeights, HostGradients):
 
         step: the optimizer step these updates make (1-based), given at the step's last
         micro-batch. Each owner is updated in runs of neighbouring parameters of one AdamW step
-        count and one weight decay (decayed, or exempt by AdamW no_decay): one run, the whole
-        owner, when every parameter has had a gradient in every step and all decay alike. A
+        count, one weight decay (decayed, or exempt by AdamW no_decay) and one lr ratio (AdamW
+        lr_ratios): one run, the whole owner, when every parameter has had a gradient in every
+        step and all decay and step alike. A
         parameter the step's programs gave no gradient is left out, as torch.optim.AdamW skips a
         parameter whose .grad is None: its master, moments and count stay as they are."""
         self._in_copy = set()    # committed: the updates overwrite the copies
@@ -273,12 +277,12 @@ class HostState(HostWeights, HostGradients):
         missed step for every parameter not `reached`. An update that starts as its gradients land
         (runtime/early_updates.py) calls this itself, before the step's first update."""
         for owner in owners:
-            runs: list[tuple[int, int, int, bool]] = []
+            runs: list[tuple[int, int, int, bool, float]] = []
             for name in self._by_owner.get(owner, []):
                 if name not in reached:
                     continue
                 slot = self.slots[name]
-                kind = (step - self.missed.get(name, 0), name not in self.no_decay)
+                kind = (step - self.missed.get(name, 0), name not in self.no_decay, self.lr_ratios.get(name, 1.0))
                 if runs and runs[-1][1] == slot.offset and runs[-1][2:] == kind:
                     runs[-1] = (runs[-1][0], slot.offset + slot.numel, *kind)
                 else:
@@ -289,7 +293,7 @@ class HostState(HostWeights, HostGradients):
                 self.missed[name] = self.missed.get(name, 0) + 1
 
     def update_owner(self, owner: int, fn: UpdateFn) -> None:
-        """fn(master, grad, exp_avg, exp_avg_sq, out, step, decays) over the owner's flat buffers,
+        """fn(master, grad, exp_avg, exp_avg_sq, out, step, decays, ratio) over the owner's flat buffers,
         once per run that schedule_updates found (all of them, or piece by piece through the disk
         tier)."""
         b = self.owners[owner]
@@ -301,12 +305,12 @@ class HostState(HostWeights, HostGradients):
         def over(start: int, master, grad, exp_avg, exp_avg_sq, out) -> None:
             """The runs' parts within these buffers, which hold the owner's flat [start, start + len)."""
             end = start + grad.numel()
-            for lo, hi, step, decays in runs:
+            for lo, hi, step, decays, ratio in runs:
                 lo, hi = max(lo, start), min(hi, end)
                 if lo < hi:
                     part = slice(lo - start, hi - start)
                     fn(master[part], grad[part], exp_avg[part], exp_avg_sq[part],
-                       None if out is None else out[part], step, decays)
+                       None if out is None else out[part], step, decays, ratio)
         if self.disk is None:
             # The buffers hold [grad_lo, grad_lo + len) (a data-parallel rank's range); the compute
             # copy (out) is the whole owner's.

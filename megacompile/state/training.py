@@ -34,6 +34,7 @@ from ..errors import MegacompileError, PartialStepError
 from ..optim import AdamW
 from ..optim.host_update import HostUpdate
 from ..optim.lr_handle import LearningRateHandle
+from ..optim.lr_ratio import parameter_ratios
 from ..optim.weight_decay import exempt_parameters
 from .counters import Counters
 
@@ -53,6 +54,8 @@ class TrainingState:
         self.update = HostUpdate(optimizer)
         # The parameters AdamW steps with weight decay 0 (AdamW no_decay), by canonical name.
         self.no_decay = exempt_parameters(optimizer.no_decay, model)
+        # Each parameter AdamW steps at lr x a ratio other than 1 (AdamW lr_ratios), by canonical name.
+        self.lr_ratios = parameter_ratios(optimizer.lr_ratios, model)
         self.compute_dtype = compute_dtype
         self.grad_accum = grad_accum
         self.data_parallel = data_parallel   # distributed.DataParallel, or None for one process
@@ -137,6 +140,7 @@ class TrainingState:
         without host state, the weights where they were."""
         host.missed = self.counters.missed_steps     # per-parameter step counts, kept by checkpoints
         host.no_decay = self.no_decay
+        host.lr_ratios = self.lr_ratios
         if self._pending is not None:
             self._pending.apply(host, self.model)
         elif self._complete:

@@ -169,7 +169,7 @@ def adamw(c: RunConfig, lr) -> AdamW:
                  max_grad_norm=math.inf if c.max_grad_norm is None else c.max_grad_norm,
                  # weight_decay as Hugging Face Trainer (so TRL, LlamaFactory) applies it: biases
                  # and norm weights exempt
-                 no_decay=hf_no_decay)
+                 no_decay=hf_no_decay, lr_ratios=methods.lr_ratios(c))
 
 
 def check_import(c: RunConfig, meta: nn.Module, imported: str) -> None:

@@ -44,7 +44,8 @@ NOT_TAKEN = {
     "lora_r": "lora_rank",
     "lora_target_modules": "lora_target",
     "pissa_init": "not supported: the adapters are initialised as PEFT's default LoRA",
-    "loraplus_lr_ratio": "not supported: every trained parameter takes lr",
+    "loraplus_lr_embedding": "not supported: adapters sit on Linear modules alone (lora_target), none on an "
+                             "embedding for it to apply to; its default, 1e-06, is taken",
     "additional_target": "not supported with LoRA; finetuning_type: freeze with freeze_extra_modules trains "
                          "whole modules",
     # kernels, precision, memory
@@ -116,7 +117,8 @@ NOT_TAKEN.update({k: why for k, (_, why) in trainer_args.ASK_NOTHING.items() if 
 # run.yaml of the stage (pref_ftx under dpo and kto, which read a pref_ftx above 0).
 ZERO_IS_OFF = ("pref_ftx", "neftune_noise_alpha")
 # Keys whose LlamaFactory default asks for nothing more than megacompile does: accepted at that value.
-DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "infer_dtype": "auto"}
+DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "infer_dtype": "auto",
+                  "loraplus_lr_embedding": 1e-6}
 
 
 def off(value: Any, key: str | None = None) -> bool:

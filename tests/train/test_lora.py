@@ -164,6 +164,52 @@ def test_a_rank_stabilised_lora_run_trains_as_eager_peft_and_its_adapter_loads_s
         assert (ours[name] - t).abs().max() <= 1e-5 * t.abs().max(), name
 
 
+def test_a_loraplus_run_trains_as_llamafactorys_loraplus_groups(tmp_path):
+    """loraplus_lr_ratio (LlamaFactory's LoRA+): each adapter's B and every trained 1-D parameter
+    (DoRA's magnitudes here) at lr x the ratio, the A matrices at lr, weight decay as the Trainer
+    splits it. Eager PEFT trained with those param groups of torch.optim.AdamW gives the same losses
+    and first moments to 1e-5; the checkpoint records the ratios, which a resume holds to."""
+    from transformers import Trainer
+    ratio = 16.0
+    work = files.workspace(tmp_path)
+    c = load(files.run_yaml(str(tmp_path / "plus.yaml"), **{**_settings(work, tmp_path, "plus", use_dora=True,
+                                                                         loraplus_lr_ratio=ratio, weight_decay=0.01),
+                                                           "hbm_budget": 0.0012}), [])
+    run(c)
+    rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
+    torch.manual_seed(c.seed)
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
+    base.config.use_cache = False
+    eager = apply_finetuning(c, base)
+    decayed = set(Trainer.get_decay_parameter_names(None, eager))
+    trainable = {n: p for n, p in eager.named_parameters() if p.requires_grad}
+    plus = {n for n, p in trainable.items() if "lora_B" in n or p.ndim == 1}      # LlamaFactory's rule
+    assert any("lora_magnitude_vector" in n for n in plus) and any("lora_A" in n for n in set(trainable) - plus)
+    groups = [{"params": [p for n, p in trainable.items() if n not in plus], "lr": c.lr, "weight_decay": c.weight_decay},
+              {"params": [p for n, p in trainable.items() if n in plus and n in decayed], "lr": c.lr * ratio,
+               "weight_decay": c.weight_decay},
+              {"params": [p for n, p in trainable.items() if n in plus and n not in decayed], "lr": c.lr * ratio,
+               "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], betas=tuple(c.betas), eps=c.eps)
+    losses, first = [], {}
+    for step in range(c.steps):
+        opt.zero_grad(set_to_none=True)
+        loss = eager(**packing.batch(rows, step * c.batch, c.batch, shifted=False)).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step == 0:
+            first = {n: opt.state[p]["exp_avg"].clone() for n, p in trainable.items()}
+    ours = [float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
+    assert moment_error(finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", "step-000001"), "exp_avg"),
+                        first) <= 1e-5
+    with open(os.path.join(c.run_dir, "checkpoints", f"step-{STEPS:06d}", "manifest.json")) as f:
+        recorded = json.load(f)["optimizer"]["lr_ratios"]
+    assert recorded == {n: ratio for n in sorted(plus)}
+
+
 def test_a_bfloat16_lora_run_holds_its_frozen_base_in_bfloat16(tmp_path):
     """bfloat16 compute reads the base in bfloat16 only: the host holds it so (half the RAM), and
     the run trains as eager float32 PEFT does, to bfloat16's rounding."""

@@ -115,7 +115,7 @@ LLAMAFACTORY_DEFAULTS = {
     "label_names": None, "group_by_length": False, "eval_accumulation_steps": None, "use_llama_pro": False,
     "use_adam_mini": False, "use_galore": False, "use_apollo": False, "use_badam": False, "use_muon": False,
     "image_resolution": None, "shift_attn": False, "mixture_of_depths": None, "offload_folder": "offload",
-    "use_cache": True, "use_kt": False, "kt_optimize_rule": None}
+    "use_cache": True, "use_kt": False, "kt_optimize_rule": None, "loraplus_lr_embedding": 1e-6}
 
 
 def test_llamafactorys_keys_at_their_defaults_are_accepted(tmp_path, capsys):
@@ -133,6 +133,7 @@ def test_llamafactorys_keys_at_their_defaults_are_accepted(tmp_path, capsys):
     ("export_dir", "out", "export_dir -> export: FOLDER writes the trained model"),
     ("moe_aux_loss_coef", 0.01, "moe_aux_loss_coef -> not supported: the router's auxiliary loss is the model"),
     ("image_resolution", 512, "image_resolution -> image_max_pixels"),
+    ("loraplus_lr_embedding", 1e-4, "loraplus_lr_embedding -> not supported: adapters sit on Linear modules alone"),
 ])
 def test_llamafactorys_keys_asking_for_what_megacompile_does_not_do_name_why(tmp_path, key, value, says):
     with pytest.raises(ArgumentError, match=says):

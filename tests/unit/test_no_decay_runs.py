@@ -1,6 +1,6 @@
-"""The host update's runs under AdamW no_decay: an owner's update is cut where neighbouring
-parameters differ in weight decay (as in step count), one AdamW call a run; parameters all alike
-stay one call for the whole owner. A data-parallel rank runs the same runs over its own range.
+"""The host update's runs under AdamW no_decay and lr_ratios: an owner's update is cut where
+neighbouring parameters differ in weight decay or lr ratio (as in step count), one AdamW call a run;
+parameters all alike stay one call for the whole owner. A data-parallel rank runs the same runs over its own range.
 
 On host states built from a stand-in program (no trace, no device, no step): one owner of four
 parameters, w1 b1 w2 norm in its flat order.
@@ -25,9 +25,11 @@ CAPTURED = SimpleNamespace(
     state={n: StateEntry(s, torch.float32, trainable=True, is_buffer=False) for n, s in SHAPES.items()})
 
 
-def _calls(host: HostState, no_decay: set[str], grad=lambda name: None) -> list[tuple[int, int, bool]]:
-    """One step over every parameter; each AdamW call's (first element, elements, decays)."""
+def _calls(host: HostState, no_decay: set[str], grad=lambda name: None, ratios=None) -> list[tuple]:
+    """One step over every parameter; each AdamW call's (first element, elements, decays), and its
+    lr ratio with `ratios`."""
     host.no_decay = frozenset(no_decay)
+    host.lr_ratios = dict(ratios or {})
     host.begin_micro_batch(first=True, last=True)
     host.enter_program(program_uses(CAPTURED, host.slots), gradient_order(CAPTURED))
     for name in gradient_order(CAPTURED):
@@ -37,8 +39,8 @@ def _calls(host: HostState, no_decay: set[str], grad=lambda name: None) -> list[
     host.schedule_updates([owner], step=1)
     base = host.owners[owner].master.data_ptr() - 4 * host.owners[owner].grad_lo
     calls = []
-    host.update_owner(owner, lambda master, grad, m, v, out, step, decays: calls.append(
-        ((master.data_ptr() - base) // 4, master.numel(), decays)))
+    host.update_owner(owner, lambda master, grad, m, v, out, step, decays, ratio: calls.append(
+        ((master.data_ptr() - base) // 4, master.numel(), decays) + ((ratio,) if ratios is not None else ())))
     return calls
 
 
@@ -55,6 +57,23 @@ def test_an_owner_is_updated_in_runs_of_one_weight_decay(no_decay, expected):
     def grad(name):
         host.accumulate_grad(name, torch.ones(SHAPES[name]))
     assert _calls(host, no_decay, grad) == expected
+
+
+@pytest.mark.parametrize("ratios, expected", [
+    ({}, [(0, 14, True, 1.0)]),
+    ({"b1": 16.0, "norm": 16.0}, [(0, 6, True, 1.0), (6, 2, True, 16.0), (8, 4, True, 1.0), (12, 2, True, 16.0)]),
+    ({"w2": 0.5, "norm": 0.5}, [(0, 8, True, 1.0), (8, 6, True, 0.5)]),
+])
+def test_an_owner_is_updated_in_runs_of_one_lr_ratio(ratios, expected):
+    host = HostState(CAPTURED, torch.float32)
+
+    def grad(name):
+        host.accumulate_grad(name, torch.ones(SHAPES[name]))
+    assert _calls(host, set(), grad, ratios) == expected
+    # with no_decay beside them, a run is one decay and one ratio
+    host = HostState(CAPTURED, torch.float32)
+    assert _calls(host, {"norm"}, grad, {"b1": 2.0, "norm": 2.0}) == [
+        (0, 6, True, 1.0), (6, 2, True, 2.0), (8, 4, True, 1.0), (12, 2, False, 2.0)]
 
 
 class _NodeCopy(StubCopy):

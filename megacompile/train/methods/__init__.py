@@ -36,7 +36,8 @@ from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, sca
 from .names import names
 
 TYPES = ("full", "lora", "freeze")
-LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_dora", "use_rslora", "merge_adapter")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_dora", "use_rslora", "loraplus_lr_ratio",
+             "merge_adapter")
 FREEZE_KEYS = ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules")
 
 
@@ -72,6 +73,10 @@ def check(c, raw: dict) -> None:
     if not isinstance(c.use_rslora, bool):
         raise ArgumentError(f"use_rslora must be true (rank-stabilised LoRA: the adapters' scale is lora_alpha / "
                             f"sqrt(lora_rank)) or false (lora_alpha / lora_rank); got {c.use_rslora!r}")
+    ratio = c.loraplus_lr_ratio
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1e6):
+        raise ArgumentError(f"loraplus_lr_ratio must be a number > 0 (LoRA+: each adapter's B trains at lr x it, "
+                            f"e.g. 16), or null (every adapter at lr); got {ratio!r}")
     if not isinstance(c.merge_adapter, bool):
         raise ArgumentError(f"merge_adapter must be true (export the merged model) or false (export the adapter); "
                             f"got {c.merge_adapter!r}")
@@ -130,12 +135,26 @@ def check_resume(c, extra: dict) -> None:
     before, now = extra.get("finetuning") or {"finetuning_type": "full"}, saved(c)
     if before.get("finetuning_type") == "lora":
         # Saved before they were keys: plain LoRA.
-        before = {**before, "use_dora": before.get("use_dora", False), "use_rslora": before.get("use_rslora", False)}
+        before = {**before, "use_dora": before.get("use_dora", False), "use_rslora": before.get("use_rslora", False),
+                  "loraplus_lr_ratio": before.get("loraplus_lr_ratio")}
     if before != now:
         changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in dict.fromkeys([*before, *now])
                    if before.get(k) != now.get(k)]
         raise ArgumentError(f"resume: the checkpoint trained other parameters ({', '.join(changed)}): a resume "
                             "keeps the fine-tuning keys of its run; set them back, or start a new run_dir")
+
+
+def lr_ratios(c):
+    """AdamW's lr_ratios for the run: LoRA+ (loraplus_lr_ratio) as LlamaFactory groups it, each
+    trained adapter's B and every other trained 1-D parameter (a DoRA magnitude, a bias) at lr x the
+    ratio, the A matrices at lr; () for every other run."""
+    if not adapters(c) or c.loraplus_lr_ratio is None:
+        return ()
+    ratio = float(c.loraplus_lr_ratio)
+
+    def loraplus(model: nn.Module) -> dict[str, float]:
+        return {n: ratio for n, p in model.named_parameters() if p.requires_grad and (".lora_B." in n or p.dim() == 1)}
+    return loraplus
 
 
 def apply(c, model: nn.Module) -> nn.Module:
