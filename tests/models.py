@@ -70,3 +70,14 @@ class NanoGPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
+
+
+def captured_llama(layers: int, d: int, rows: int, seq: int):
+    """A seeded hf_llama of `layers` blocks of width `d`, captured for training on the cpu in float32
+    on (rows, seq) token ids: what the planner's unit tests plan."""
+    from megacompile.capture import capture
+    torch.manual_seed(0)
+    model = hf_llama(layers=layers, d=d)
+    ids = batch(96, rows, seq)
+    return capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
+                   compute_dtype=torch.float32)

@@ -20,8 +20,14 @@ def eager(c, rows) -> tuple[torch.nn.Module, list[float], dict]:
     base = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
     base.config.use_cache = False
     model = apply_finetuning(c, base)
+    return model, *train(model, c, rows, trainer_groups(model, c.weight_decay))
+
+
+def train(model: torch.nn.Module, c, rows, groups: list[dict]) -> tuple[list[float], dict]:
+    """`model` trained on the run's batches with torch.optim.AdamW over `groups` (a group without its
+    own lr takes c.lr): the losses, and each trainable parameter's exp_avg after the first step."""
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    opt = torch.optim.AdamW(trainer_groups(model, c.weight_decay), lr=c.lr, betas=tuple(c.betas), eps=c.eps)
+    opt = torch.optim.AdamW(groups, lr=c.lr, betas=tuple(c.betas), eps=c.eps)
     losses, first = [], {}
     for step in range(c.steps):
         opt.zero_grad(set_to_none=True)
@@ -31,7 +37,7 @@ def eager(c, rows) -> tuple[torch.nn.Module, list[float], dict]:
         losses.append(loss.item())
         if step == 0:
             first = {n: opt.state[p]["exp_avg"].clone() for n, p in trainable.items()}
-    return model, losses, first
+    return losses, first
 
 
 def trainer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

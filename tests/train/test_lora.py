@@ -138,15 +138,7 @@ def test_a_rank_stabilised_lora_run_trains_as_eager_peft_and_its_adapter_loads_s
                                             lora_dropout=c.lora_dropout, target_modules=TARGET, use_rslora=True))
     adapted = eager.base_model.model.model.layers[0].self_attn.q_proj
     assert adapted.scaling["default"] == c.lora_alpha / RANK ** 0.5 == scaling(eager.peft_config["default"])
-    opt = torch.optim.AdamW(finetune_runs.trainer_groups(eager, c.weight_decay), lr=c.lr, betas=tuple(c.betas),
-                            eps=c.eps)
-    losses = []
-    for step in range(c.steps):
-        opt.zero_grad(set_to_none=True)
-        loss = eager(**packing.batch(rows, step * c.batch, c.batch, shifted=False)).loss
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, _ = finetune_runs.train(eager, c, rows, finetune_runs.trainer_groups(eager, c.weight_decay))
     logged = log.read(os.path.join(c.run_dir, "log.csv"))
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in logged]), torch.tensor(losses),
                                rtol=1e-5, atol=0)
@@ -191,16 +183,7 @@ def test_a_loraplus_run_trains_as_llamafactorys_loraplus_groups(tmp_path):
                "weight_decay": c.weight_decay},
               {"params": [p for n, p in trainable.items() if n in plus and n not in decayed], "lr": c.lr * ratio,
                "weight_decay": 0.0}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], betas=tuple(c.betas), eps=c.eps)
-    losses, first = [], {}
-    for step in range(c.steps):
-        opt.zero_grad(set_to_none=True)
-        loss = eager(**packing.batch(rows, step * c.batch, c.batch, shifted=False)).loss
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if step == 0:
-            first = {n: opt.state[p]["exp_avg"].clone() for n, p in trainable.items()}
+    losses, first = finetune_runs.train(eager, c, rows, [g for g in groups if g["params"]])
     ours = [float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
     assert moment_error(finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", "step-000001"), "exp_avg"),

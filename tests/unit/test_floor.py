@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from megacompile.capture import capture
 from megacompile.cost import get_profile, predict
 from megacompile.passes import StepKind, build_schedule
 from megacompile.passes.lower import lower
@@ -21,11 +19,7 @@ from tests import models
 
 @pytest.mark.slow     # 13 s of schedules built and predicted
 def test_the_floor_is_under_every_prediction_and_estimate():
-    torch.manual_seed(0)
-    model = models.hf_llama(layers=10, d=32)
-    ids = models.batch(96, 8, 32)
-    captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
-                       compute_dtype=torch.float32)
+    captured = models.captured_llama(layers=10, d=32, rows=8, seq=32)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     hardware = get_profile("h100")
 

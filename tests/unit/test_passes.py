@@ -1,9 +1,7 @@
 """Passes and the solver: what each adds, and that the choice is monotone in the budget."""
 from __future__ import annotations
 
-import torch
 
-from megacompile.capture import capture
 from megacompile.ir.program import Op
 from megacompile.ir.simulate import simulate
 from megacompile.passes import ScheduleChoice, build_schedule
@@ -12,11 +10,7 @@ from tests import models
 
 
 def _captured(layers=4):
-    torch.manual_seed(0)
-    model = models.hf_llama(layers=layers, d=64)
-    ids = models.batch(96, 2, 16)
-    return capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
-                   compute_dtype=torch.float32)
+    return models.captured_llama(layers=layers, d=64, rows=2, seq=16)
 
 
 def _blocks(captured):

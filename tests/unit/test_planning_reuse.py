@@ -7,9 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import torch
 
-from megacompile.capture import capture
 from megacompile.cost import get_profile
 from megacompile.passes import ScheduleChoice, StepKind, build_schedule
 from megacompile.planner.request import PlanRequest
@@ -18,11 +16,7 @@ from tests import models
 
 
 def _captured(layers=3):
-    torch.manual_seed(0)
-    model = models.hf_llama(layers=layers, d=32)
-    ids = models.batch(96, 2, 16)
-    return capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
-                   compute_dtype=torch.float32)
+    return models.captured_llama(layers=layers, d=32, rows=2, seq=16)
 
 
 def _same(a, b) -> bool:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from megacompile.capture import capture
 from megacompile.cost import get_profile, predict
 from megacompile.ir.simulate import simulate
 from megacompile.passes import StepKind, build_schedule
@@ -21,11 +19,7 @@ from tests import models
 
 @pytest.mark.slow       # about 30 s on 2 cores: every kind of choice over a whole stack
 def test_short_stack_gives_the_whole_stacks_peak_for_every_kind_of_choice():
-    torch.manual_seed(0)
-    model = models.hf_llama(layers=14, d=32)
-    ids = models.batch(96, 8, 32)
-    captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
-                       compute_dtype=torch.float32)
+    captured = models.captured_llama(layers=14, d=32, rows=8, seq=32)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     hardware = get_profile("h100")
 

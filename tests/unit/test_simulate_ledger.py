@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 
-from megacompile.capture import capture
 from megacompile.cost import get_profile
 from megacompile.ir.ledger import StorageLedger
 from megacompile.ir.program import Op
@@ -38,11 +36,7 @@ def _by_ledger(program) -> tuple[list[int], list[int]]:
 
 
 def test_the_simulators_curve_is_the_ledgers_on_every_kind_of_schedule():
-    torch.manual_seed(0)
-    model = models.hf_llama(layers=6, d=32)
-    ids = models.batch(96, 8, 32)
-    captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
-                       compute_dtype=torch.float32)
+    captured = models.captured_llama(layers=6, d=32, rows=8, seq=32)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     space = search_space(captured, blocks, get_profile("h100"), device_room=2 ** 40)
     checked, shared = 0, 0

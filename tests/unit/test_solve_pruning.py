@@ -6,9 +6,7 @@ the pruned search returns what the search of every family, each bisected in full
 from __future__ import annotations
 
 import pytest
-import torch
 
-from megacompile.capture import capture
 from megacompile.cost import get_profile, predict
 from megacompile.passes import StepKind, build_schedule
 from megacompile.passes.lower import lower
@@ -16,6 +14,7 @@ from megacompile.passes.selective import with_selective
 from megacompile.planner.floor import compute_floor
 from megacompile.planner.search import judges, search_space
 from megacompile.planner.solve import _fastest_per_stride, _ties, candidates, smallest_fit, solve
+from tests import models
 
 
 def exhaustive(blocks, budget, peak_of, seconds_of, options, exact_of):
@@ -34,12 +33,7 @@ def exhaustive(blocks, budget, peak_of, seconds_of, options, exact_of):
 
 @pytest.mark.parametrize("profile", ["h100", pytest.param("rtx4090", marks=pytest.mark.slow)])
 def test_the_pruned_search_chooses_what_the_exhaustive_one_does(profile):
-    from tests import models
-    torch.manual_seed(0)
-    model = models.hf_llama(layers=6, d=64)
-    ids = models.batch(96, 4, 64)
-    captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
-                       compute_dtype=torch.float32)
+    captured = models.captured_llama(layers=6, d=64, rows=4, seq=64)
     blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
     hardware = get_profile(profile)
     built = {}
