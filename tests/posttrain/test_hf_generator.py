@@ -102,10 +102,12 @@ def _lora_engine(**lora):
                    optimizer=AdamW(lr=5e-2, weight_decay=0.0))
 
 
-@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-def test_a_lora_policys_copy_holds_its_weights_merged_and_generates_what_the_engine_generates(dora):
-    """Plain LoRA, and DoRA (its magnitudes scale each merged row, as PEFT's merge does)."""
-    engine = _lora_engine(use_dora=dora)
+@pytest.mark.parametrize("kind", ["lora", "dora", "rslora"])
+def test_a_lora_policys_copy_holds_its_weights_merged_and_generates_what_the_engine_generates(kind):
+    """Plain LoRA; DoRA (its magnitudes scale each merged row, as PEFT's merge does); rank-stabilised
+    LoRA (B A scaled by alpha / sqrt(r))."""
+    dora, rslora = kind == "dora", kind == "rslora"
+    engine = _lora_engine(use_dora=dora, use_rslora=rslora)
     ours = EngineGenerator(engine, eos_id=EOS, seed=1)
     copy = HFGenerator(engine, eos_id=EOS, seed=1, dtype=torch.float32)
     assert not any("lora_" in n or "base_layer" in n for n, _ in copy.model.named_parameters())
@@ -114,12 +116,13 @@ def test_a_lora_policys_copy_holds_its_weights_merged_and_generates_what_the_eng
         batch = rollout_batch(sampled, torch.arange(9.0), 3, width=4 + 6)
         engine.step(**batch, old_logps=torch.as_tensor(engine(input_ids=batch["input_ids"], labels=batch["labels"])))
     copy.sync()
-    # the merge, W + (alpha / r) B A, by hand from the engine's own tensors; DoRA's rows scaled to m
+    # the merge, W + s B A (s = alpha / r = 2, or alpha / sqrt(r) = 4), by hand from the engine's own
+    # tensors; DoRA's rows scaled to m
     state = engine.state_dict()
     pre = "policy.base_model.model.model.layers.0.self_attn.q_proj."
     b, a = state[pre + "lora_B.default.weight"], state[pre + "lora_A.default.weight"]
     assert b.abs().sum() > 0
-    merged = state[pre + "base_layer.weight"] + 2.0 * (b @ a)
+    merged = state[pre + "base_layer.weight"] + (4.0 if rslora else 2.0) * (b @ a)
     if dora:
         magnitude = state[pre + "lora_magnitude_vector.default.weight"]
         assert not torch.allclose(magnitude, merged.norm(dim=1))      # trained away from the norm it started at
