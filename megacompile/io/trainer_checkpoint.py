@@ -12,7 +12,8 @@ The Trainer makes two param groups (Trainer.create_optimizer): the decayed param
 ones its rule exempts (optim/weight_decay.py hf_no_decay), each in named_parameters() order, and
 numbers the parameters across both. The same split of this engine's trainable parameters by its
 AdamW `no_decay` gives each index its name; one group, as a Trainer given its own optimizer may
-make, is every trainable parameter in order. Every index's moments must have its parameter's
+make, is every trainable parameter in order; with AdamW `lr_ratios`, LlamaFactory's LoRA+ four
+groups (_layouts) are read too, their lrs' ratio held to this engine's. Every index's moments must have its parameter's
 shape, and the groups' sizes and weight decays must be the split's, or nothing is loaded: a
 mapping that only looks right would train the moments of one parameter into another.
 
@@ -186,16 +187,39 @@ def _optimizer_state(path: str) -> dict:
     return saved
 
 
+def _layouts(state: "TrainingState", trainable: list[str]) -> list[tuple[list[list[str]], list[float]]]:
+    """The param groups a Trainer of this engine's AdamW makes, each as (the groups' parameter
+    names, their weight decays): the Trainer's two, decayed and exempt; one, every parameter; and
+    with lr_ratios, LlamaFactory's LoRA+ four: lr (the A matrices), lr x ratio decayed and exempt
+    (each B, the 1-D parameters), and its adapters on embeddings (none here: Linear modules alone)."""
+    wd = state.optimizer.weight_decay
+    decayed = [n for n in trainable if n not in state.no_decay]
+    exempt = [n for n in trainable if n in state.no_decay]
+    layouts = [([decayed, exempt], [wd, 0.0]), ([trainable], [wd])]
+    if state.lr_ratios:
+        at_lr = [n for n in trainable if n not in state.lr_ratios]
+        scaled = [n for n in trainable if n in state.lr_ratios]
+        layouts.append(([at_lr, [n for n in scaled if n not in state.no_decay],
+                         [n for n in scaled if n in state.no_decay], []], [wd, wd, 0.0, wd]))
+    return layouts
+
+
+def _layout(state: "TrainingState", groups: list[dict]) -> tuple[list[list[str]], list[float]] | None:
+    """The layout (_layouts) whose group sizes the checkpoint's param groups have, or None."""
+    trainable = [n for n, p in state.model.named_parameters() if p.requires_grad]
+    sizes = [len(g.get("params", ())) for g in groups]
+    return next((layout for layout in _layouts(state, trainable) if [len(g) for g in layout[0]] == sizes), None)
+
+
 def _names_by_index(state: "TrainingState", model: nn.Module, groups: list[dict], path: str) -> list[str]:
     """The trainable parameter each index of the optimizer's state names (module docstring)."""
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     decayed = [n for n in trainable if n not in state.no_decay]
     exempt = [n for n in trainable if n in state.no_decay]
     sizes = [len(g.get("params", ())) for g in groups]
-    if len(groups) == 2 and sizes == [len(decayed), len(exempt)]:
-        order = decayed + exempt
-    elif len(groups) == 1 and sizes == [len(trainable)]:
-        order = trainable
+    layout = _layout(state, groups)
+    if layout is not None:
+        order = [n for group in layout[0] for n in group]
     else:
         raise WeightsFileError(
             f"cannot take in the Trainer checkpoint {path}: its optimizer has param groups of {sizes} parameters; "
@@ -223,9 +247,17 @@ def _settings(state: "TrainingState", groups: list[dict], path: str, strict: boo
     if not _close([first.get("eps", opt.eps)], [opt.eps]):
         differences.append(f"eps: the checkpoint has {first['eps']!r}, this engine {opt.eps!r}")
     decays = [g.get("weight_decay", 0.0) for g in groups]
-    wanted = [opt.weight_decay, 0.0][:len(groups)] if len(groups) == 2 else [opt.weight_decay]
+    layout = _layout(state, groups)
+    wanted = layout[1] if layout is not None else [opt.weight_decay]
     if not _close(decays, wanted):
         differences.append(f"weight_decay of its param groups: the checkpoint has {decays}, this engine {wanted}")
+    if layout is not None and len(layout[0]) == 4:     # LoRA+: its B groups' lr over its A group's, the ratio
+        ratio = {state.lr_ratios[n] for n in layout[0][1] + layout[0][2]}
+        lrs = [g.get("lr") for g in groups[:3]]
+        if len(ratio) != 1 or not all(isinstance(x, (int, float)) and x > 0 for x in lrs) or \
+                not _close([lrs[1] / lrs[0], lrs[2] / lrs[0]], [ratio.copy().pop()] * 2):
+            differences.append(f"lr of its LoRA+ param groups: the checkpoint has {lrs}, whose ratio this engine's "
+                               f"AdamW lr_ratios ({sorted(ratio)}) is not")
     if len(groups) == 1 and state.no_decay:
         differences.append(f"the checkpoint decays every parameter alike, this engine exempts {len(state.no_decay)} "
                            "(its AdamW no_decay)")

@@ -53,6 +53,22 @@ def trainer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def loraplus_groups(model: torch.nn.Module, lr: float, weight_decay: float, ratio: float) -> list[dict]:
+    """LlamaFactory's LoRA+ param groups (its _create_loraplus_optimizer): the A matrices at lr; each
+    B and every trained 1-D parameter at lr x ratio, decayed as the Trainer decays them or not; and
+    the adapters on embeddings (none here: an empty group, as LlamaFactory keeps it)."""
+    from transformers import Trainer
+    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    plus = {n for n, p in trainable.items() if "lora_B" in n or p.ndim == 1}
+    return [{"params": [p for n, p in trainable.items() if n not in plus], "lr": lr, "weight_decay": weight_decay},
+            {"params": [p for n, p in trainable.items() if n in plus and n in decayed], "lr": lr * ratio,
+             "weight_decay": weight_decay},
+            {"params": [p for n, p in trainable.items() if n in plus and n not in decayed], "lr": lr * ratio,
+             "weight_decay": 0.0},
+            {"params": [], "lr": 1e-6, "weight_decay": weight_decay}]
+
+
 def tables(checkpoint: str, table: str) -> dict:
     out = {}
     for f in sorted(os.listdir(checkpoint)):

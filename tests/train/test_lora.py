@@ -161,7 +161,6 @@ def test_a_loraplus_run_trains_as_llamafactorys_loraplus_groups(tmp_path):
     (DoRA's magnitudes here) at lr x the ratio, the A matrices at lr, weight decay as the Trainer
     splits it. Eager PEFT trained with those param groups of torch.optim.AdamW gives the same losses
     and first moments to 1e-5; the checkpoint records the ratios, which a resume holds to."""
-    from transformers import Trainer
     ratio = 16.0
     work = files.workspace(tmp_path)
     c = load(files.run_yaml(str(tmp_path / "plus.yaml"), **{**_settings(work, tmp_path, "plus", use_dora=True,
@@ -174,16 +173,11 @@ def test_a_loraplus_run_trains_as_llamafactorys_loraplus_groups(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
     base.config.use_cache = False
     eager = apply_finetuning(c, base)
-    decayed = set(Trainer.get_decay_parameter_names(None, eager))
     trainable = {n: p for n, p in eager.named_parameters() if p.requires_grad}
     plus = {n for n, p in trainable.items() if "lora_B" in n or p.ndim == 1}      # LlamaFactory's rule
     assert any("lora_magnitude_vector" in n for n in plus) and any("lora_A" in n for n in set(trainable) - plus)
-    groups = [{"params": [p for n, p in trainable.items() if n not in plus], "lr": c.lr, "weight_decay": c.weight_decay},
-              {"params": [p for n, p in trainable.items() if n in plus and n in decayed], "lr": c.lr * ratio,
-               "weight_decay": c.weight_decay},
-              {"params": [p for n, p in trainable.items() if n in plus and n not in decayed], "lr": c.lr * ratio,
-               "weight_decay": 0.0}]
-    losses, first = finetune_runs.train(eager, c, rows, [g for g in groups if g["params"]])
+    losses, first = finetune_runs.train(eager, c, rows, finetune_runs.loraplus_groups(eager, c.lr, c.weight_decay,
+                                                                                      ratio))
     ours = [float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-5, atol=0)
     assert moment_error(finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", "step-000001"), "exp_avg"),

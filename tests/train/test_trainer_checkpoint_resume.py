@@ -35,10 +35,10 @@ def _trainer_checkpoint(model_dir: str, folder: str) -> None:
         json.dump({"global_step": SAVED_AT}, f)
 
 
-def _eager_steps(model, rows, steps: int, saved: str | None = None) -> list[float]:
-    """torch.optim.AdamW over the Trainer's groups (its state from `saved`'s optimizer.pt, if given),
-    `steps` steps on this run's rows from its first, as a new run reads them."""
-    optimizer = torch.optim.AdamW(finetune_runs.trainer_groups(model, WD), lr=LR)
+def _eager_steps(model, rows, steps: int, saved: str | None = None, groups=None) -> list[float]:
+    """torch.optim.AdamW over the Trainer's groups, or `groups` (its state from `saved`'s
+    optimizer.pt, if given), `steps` steps on this run's rows from its first, as a new run reads them."""
+    optimizer = torch.optim.AdamW(groups or finetune_runs.trainer_groups(model, WD), lr=LR)
     if saved is not None:
         optimizer.load_state_dict(torch.load(os.path.join(saved, "optimizer.pt"), weights_only=True))
     losses = []
@@ -108,16 +108,21 @@ def test_resume_from_checkpoint_true_takes_the_latest_checkpoint_its_trainer_lef
 
 
 @pytest.mark.slow    # the default tier holds the engine's LoRA import (tests/e2e/test_trainer_checkpoint.py)
-def test_a_lora_run_resumed_from_its_trainer_checkpoint_goes_on_as_its_adamw_would(tmp_path, capsys):
+@pytest.mark.parametrize("loraplus", [None, 16.0], ids=["lora", "loraplus"])
+def test_a_lora_run_resumed_from_its_trainer_checkpoint_goes_on_as_its_adamw_would(tmp_path, capsys, loraplus):
     """finetuning_type: lora and resume_from_checkpoint naming a LoRA run's checkpoint-N (PEFT's adapter,
-    the adapters' AdamW state): the adapters and moments are the Trainer's, the base the model folder's."""
+    the adapters' AdamW state): the adapters and moments are the Trainer's, the base the model folder's.
+    With loraplus_lr_ratio, the checkpoint is LlamaFactory's LoRA+ one, of its four param groups."""
     import peft
     from transformers import AutoModelForCausalLM
     work = files.workspace(tmp_path)
     lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     trainer = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32),
                                   peft.LoraConfig(task_type="CAUSAL_LM", **lora))
-    optimizer = torch.optim.AdamW(finetune_runs.trainer_groups(trainer, WD), lr=LR)
+
+    def groups(model):
+        return None if loraplus is None else finetune_runs.loraplus_groups(model, LR, WD, loraplus)
+    optimizer = torch.optim.AdamW(groups(trainer) or finetune_runs.trainer_groups(trainer, WD), lr=LR)
     for step in range(SAVED_AT):
         ids = torch.randint(0, trainer.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
         optimizer.zero_grad()
@@ -132,13 +137,14 @@ def test_a_lora_run_resumed_from_its_trainer_checkpoint_goes_on_as_its_adamw_wou
                             eval=[work["notes"]], seq=SEQ, batch=BATCH, steps=STEPS, lr=LR, schedule="constant",
                             weight_decay=WD, max_grad_norm=None, device="cpu", run_dir=str(tmp_path / "run"),
                             log_every=1, save_every=STEPS, finetuning_type="lora", lora_rank=4, lora_alpha=8,
-                            lora_dropout=0.0, lora_target="q_proj,v_proj", resume_from_checkpoint=checkpoint), [])
+                            lora_dropout=0.0, lora_target="q_proj,v_proj", resume_from_checkpoint=checkpoint,
+                            loraplus_lr_ratio=loraplus), [])
     run(c)
     assert f"from the Trainer checkpoint {checkpoint} at step {SAVED_AT}" in capsys.readouterr().out
     rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
     reference = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32),
                                                checkpoint, is_trainable=True)
-    losses = _eager_steps(reference, rows, STEPS - SAVED_AT, saved=checkpoint)
+    losses = _eager_steps(reference, rows, STEPS - SAVED_AT, saved=checkpoint, groups=groups(reference))
     logged = log.read(os.path.join(c.run_dir, "log.csv"))
     torch.testing.assert_close(torch.tensor([float(r["loss"]) for r in logged]), torch.tensor(losses),
                                rtol=1e-5, atol=0)
