@@ -75,6 +75,11 @@ class AdamW:
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
         object.__setattr__(self, "no_decay", check_no_decay(self.no_decay))
         object.__setattr__(self, "lr_ratios", check_lr_ratios(self.lr_ratios))
+        top = max((r for _, r in self.lr_ratios), default=1.0) if isinstance(self.lr_ratios, tuple) else 1.0
+        if not callable(self.lr) and self.lr * top > MAX_LR:
+            raise OptimizerInputError(f"AdamW lr_ratios steps a parameter at lr {self.lr!r} x {top:g} = "
+                                      f"{self.lr * top:g}, above {MAX_LR:g} (each step moves a weight by about its "
+                                      "lr): give smaller ratios or a smaller lr")
 
     def lr_at(self, step: int) -> float:
         lr = self.lr(step) if callable(self.lr) else self.lr

@@ -68,6 +68,8 @@ def test_bad_ratios_and_unknown_names_are_refused():
                          ({3: 2.0}, "not a parameter name")]:
         with pytest.raises(OptimizerInputError, match=message):
             megacompile.AdamW(lr_ratios=bad)
+    with pytest.raises(OptimizerInputError, match=r"at lr 0.01 x 200 = 2, above 1"):
+        megacompile.AdamW(lr=0.01, lr_ratios={name: 200.0})
     with pytest.raises(OptimizerInputError, match="'transformer.ln_f.wieght'.*named_parameters"):
         megacompile.compile(_model(), hbm_budget=1.0, device="cpu",
                             optimizer=megacompile.AdamW(lr_ratios={"transformer.ln_f.wieght": 2.0}))

@@ -44,6 +44,7 @@ def _config(tmp_path, work, **settings):
     ({"use_rslora": True}, "use_rslora applies to finetuning_type: lora"),
     ({"finetuning_type": "lora", "loraplus_lr_ratio": -1}, "loraplus_lr_ratio must be a number > 0"),
     ({"loraplus_lr_ratio": 16}, "loraplus_lr_ratio applies to finetuning_type: lora"),
+    ({"finetuning_type": "lora", "lr": 1e-3, "loraplus_lr_ratio": 1600}, "lr 1.6, above the 1 AdamW can train with"),
     ({"finetuning_type": "freeze", "freeze_trainable_layers": 0}, "freeze_trainable_layers must be a whole number"),
     ({"finetuning_type": "freeze", "freeze_trainable_modules": []}, "freeze_trainable_modules is a comma-separated"),
     ({"finetuning_type": "freeze", "freeze_extra_modules": "all"}, "freeze_extra_modules: all is not taken here"),

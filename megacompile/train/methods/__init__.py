@@ -30,6 +30,7 @@ from typing import Any
 import torch.nn as nn
 
 from ...errors import ArgumentError
+from ...optim import MAX_LR
 from . import vision_freeze
 from .freeze import freeze
 from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, scaling, with_adapters
@@ -77,6 +78,10 @@ def check(c, raw: dict) -> None:
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1e6):
         raise ArgumentError(f"loraplus_lr_ratio must be a number > 0 (LoRA+: each adapter's B trains at lr x it, "
                             f"e.g. 16), or null (every adapter at lr); got {ratio!r}")
+    if ratio is not None and c.lr * ratio > MAX_LR:
+        raise ArgumentError(f"loraplus_lr_ratio {ratio:g} with lr {c.lr:g} trains each adapter's B at lr "
+                            f"{c.lr * ratio:g}, above the {MAX_LR:g} AdamW can train with; LoRA+ takes ratios of "
+                            "2 to 256 (16 is usual)")
     if not isinstance(c.merge_adapter, bool):
         raise ArgumentError(f"merge_adapter must be true (export the merged model) or false (export the adapter); "
                             f"got {c.merge_adapter!r}")
