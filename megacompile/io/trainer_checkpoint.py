@@ -13,7 +13,8 @@ ones its rule exempts (optim/weight_decay.py hf_no_decay), each in named_paramet
 numbers the parameters across both. The same split of this engine's trainable parameters by its
 AdamW `no_decay` gives each index its name; one group, as a Trainer given its own optimizer may
 make, is every trainable parameter in order; with AdamW `lr_ratios`, LlamaFactory's LoRA+ four
-groups (_layouts) are read too, their lrs' ratio held to this engine's. Every index's moments must have its parameter's
+groups (_layouts) are read too, their lrs' ratio held to this engine's. Every index's moments must
+have its parameter's
 shape, and the groups' sizes and weight decays must be the split's, or nothing is loaded: a
 mapping that only looks right would train the moments of one parameter into another.
 
@@ -254,8 +255,11 @@ def _settings(state: "TrainingState", groups: list[dict], path: str, strict: boo
     if layout is not None and len(layout[0]) == 4:     # LoRA+: its B groups' lr over its A group's, the ratio
         ratio = {state.lr_ratios[n] for n in layout[0][1] + layout[0][2]}
         lrs = [g.get("lr") for g in groups[:3]]
-        if len(ratio) != 1 or not all(isinstance(x, (int, float)) and x > 0 for x in lrs) or \
-                not _close([lrs[1] / lrs[0], lrs[2] / lrs[0]], [ratio.copy().pop()] * 2):
+        numbers = all(isinstance(x, (int, float)) and x >= 0 for x in lrs)
+        if numbers and lrs == [0, 0, 0]:      # a schedule at 0 when it saved: no ratio to read
+            pass
+        elif len(ratio) != 1 or not numbers or not lrs[0] or \
+                not _close([lrs[1] / lrs[0], lrs[2] / lrs[0]], [next(iter(ratio))] * 2):
             differences.append(f"lr of its LoRA+ param groups: the checkpoint has {lrs}, whose ratio this engine's "
                                f"AdamW lr_ratios ({sorted(ratio)}) is not")
     if len(groups) == 1 and state.no_decay:

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from ...errors import ArgumentError
 from ...optim import MAX_LR
+from ...optim.lr_ratio import MAX_RATIO
 from . import vision_freeze
 from .freeze import freeze
 from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, scaling, with_adapters
@@ -75,7 +76,7 @@ def check(c, raw: dict) -> None:
         raise ArgumentError(f"use_rslora must be true (rank-stabilised LoRA: the adapters' scale is lora_alpha / "
                             f"sqrt(lora_rank)) or false (lora_alpha / lora_rank); got {c.use_rslora!r}")
     ratio = c.loraplus_lr_ratio
-    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1e6):
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= MAX_RATIO):
         raise ArgumentError(f"loraplus_lr_ratio must be a number > 0 (LoRA+: each adapter's B trains at lr x it, "
                             f"e.g. 16), or null (every adapter at lr); got {ratio!r}")
     if ratio is not None and c.lr * ratio > MAX_LR:
