@@ -1,6 +1,7 @@
 """The host optimizer: AdamW over float32 masters, one stage's flat buffers at a time."""
 from .adamw import AdamW
 from .adamw import MAX_LR
+from .lr_ratio import MAX_RATIO
 from .weight_decay import hf_no_decay
 
-__all__ = ["AdamW", "MAX_LR", "hf_no_decay"]
+__all__ = ["AdamW", "MAX_LR", "MAX_RATIO", "hf_no_decay"]

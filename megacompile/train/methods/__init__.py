@@ -30,8 +30,7 @@ from typing import Any
 import torch.nn as nn
 
 from ...errors import ArgumentError
-from ...optim import MAX_LR
-from ...optim.lr_ratio import MAX_RATIO
+from ...optim import MAX_LR, MAX_RATIO
 from . import vision_freeze
 from .freeze import freeze
 from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, scaling, with_adapters
