@@ -73,7 +73,10 @@ class StateIO:
         checked by shape before any state changes (io/trainer_checkpoint.py). strict=True refuses
         other AdamW betas, eps or weight decays than this engine's; strict=False keeps this engine's,
         with a warning. file_key: a state_dict key's name in the checkpoint's files, where the module
-        wraps the Trainer's model (as compile_folder's). Returns trainer_state.json."""
+        wraps the Trainer's model (as compile_folder's). A folder with DeepSpeed ZeRO's partitions in
+        place of optimizer.pt (a Trainer's under DeepSpeed, or DeepSpeed's own save) is taken in the
+        same way, its fp32 masters gathered from them (io/deepspeed_checkpoint.py). Returns
+        trainer_state.json ({"global_step": ...} for DeepSpeed's own save)."""
         if self.data_parallel is not None:
             raise MegacompileError("load_trainer_checkpoint runs in one process: take the checkpoint in there, "
                                    "save_checkpoint, and load that one on every rank")

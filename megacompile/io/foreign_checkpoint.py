@@ -2,10 +2,11 @@
 
 A LlamaFactory or TRL user resumes with `resume_from_checkpoint: saves/run/checkpoint-500`: a
 folder transformers' Trainer wrote, not one megacompile saved. A Trainer's own layout (weights,
-optimizer.pt) is taken in by engine.load_trainer_checkpoint (io/trainer_checkpoint.py), and the
-refusal of load_checkpoint names it; DeepSpeed and FSDP shard the optimizer's state in layouts of
-their own, which are not taken in: the refusal says what the folder is and how its weights start a
-new run as the model, the AdamW moments and the learning-rate schedule afresh. Without this, the
+optimizer.pt) and DeepSpeed's ZeRO partitions are taken in by engine.load_trainer_checkpoint
+(io/trainer_checkpoint.py, io/deepspeed_checkpoint.py), and the refusal of load_checkpoint names
+it; FSDP shards the optimizer's state in a layout of its own, which is not taken in: the refusal
+says what the folder is and how its weights start a new run, the AdamW moments and the
+learning-rate schedule afresh. Without this, the
 folder is refused as a megacompile checkpoint "whose save did not finish", which sends the user
 looking for a broken save.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import glob
 import os
+
+from . import zero_layout
 
 # What starting from a folder's weights means, said once for every layout.
 _START = ("start a new run from its weights instead (run.yaml `model: {weights}`, or "
@@ -27,12 +30,17 @@ def describe(path: str) -> str | None:
     has = lambda *names: any(os.path.exists(os.path.join(path, n)) for n in names)   # noqa: E731
     deepspeed = sorted(glob.glob(os.path.join(path, "global_step*")))
     weights_here = has("model.safetensors", "model.safetensors.index.json")   # what from_pretrained reads
+    if zero_layout.holds(path):
+        return (f"a DeepSpeed checkpoint (its ZeRO partitions are in {os.path.basename(zero_layout.tag_folder(path))}/), "
+                f"not one megacompile saved: engine.load_trainer_checkpoint({path!r}) takes in its fp32 masters, AdamW "
+                "moments and steps into the same model (run.yaml: `resume` takes it so)"
+                + ("; or " + _START.format(weights=path) if weights_here and has("config.json") else ""))
     if deepspeed:
         what = (f"a DeepSpeed checkpoint (its ZeRO partitions are in {os.path.basename(deepspeed[-1])}/), "
                 "not one megacompile saved")
         if weights_here and has("config.json"):
-            return f"{what}; its optimizer state cannot be taken in: " + _START.format(weights=path)
-        return (f"{what}; its optimizer state cannot be taken in: write its fp32 weights with the zero_to_fp32.py "
+            return f"{what}; its optimizer files are not all there: " + _START.format(weights=path)
+        return (f"{what}; its optimizer files are not all there: write its fp32 weights with the zero_to_fp32.py "
                 f"DeepSpeed leaves in it (python zero_to_fp32.py {path} OUT --safe_serialization), put the "
                 "model's config.json beside them, and " + _START.format(weights="OUT"))
     if has("pytorch_model_fsdp_0", "optimizer_0"):

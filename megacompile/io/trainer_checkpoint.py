@@ -8,6 +8,9 @@
         trainer_state.json          global_step: the optimizer steps taken
         scheduler.pt, rng_state.pth, training_args.bin   (not read: see below)
 
+A Trainer running DeepSpeed saves no optimizer.pt: its global_stepN/ partitions (ZeRO) are taken
+in by deepspeed_checkpoint.py, which read() and check() hand such a folder to.
+
 The Trainer makes two param groups (Trainer.create_optimizer): the decayed parameters, then the
 ones its rule exempts (optim/weight_decay.py hf_no_decay), each in named_parameters() order, and
 numbers the parameters across both. The same split of this engine's trainable parameters by its
@@ -27,7 +30,6 @@ beside the host state (8 bytes per parameter more at the end of the load).
 from __future__ import annotations
 
 import json
-import math
 import os
 import zipfile
 from typing import TYPE_CHECKING, Callable
@@ -35,8 +37,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn as nn
 
-from ..errors import MegacompileError, WeightsFileError
-from . import lora_adapter, pages
+from ..errors import WeightsFileError
+from . import deepspeed_checkpoint, lora_adapter, pages, zero_layout
+from .adamw_settings import betas_and_eps, close, settled
 from .foreign_checkpoint import describe as describe_foreign
 from .hf_layout import INDEX, SINGLE
 from .hf_load import plan_items, shard_map
@@ -51,10 +54,17 @@ OPTIMIZER, TRAINER_STATE = "optimizer.pt", "trainer_state.json"
 
 def is_trainer_checkpoint(path: str) -> bool:
     """A folder a Trainer saved with its weights (a model's, or a LoRA adapter's: lora_adapter.py)
-    and its optimizer (what load() takes)."""
+    and its optimizer (what read() takes), or one with DeepSpeed ZeRO's partitions, a Trainer's or
+    DeepSpeed's own (deepspeed_checkpoint.py)."""
     has = lambda name: os.path.isfile(os.path.join(path, name))   # noqa: E731
     return (os.path.isdir(path) and has(TRAINER_STATE) and has(OPTIMIZER)
-            and ((has("config.json") and (has(SINGLE) or has(INDEX))) or lora_adapter.holds_adapter(path)))
+            and ((has("config.json") and (has(SINGLE) or has(INDEX))) or lora_adapter.holds_adapter(path))
+            or _deepspeed(path))
+
+
+def _deepspeed(path: str) -> bool:
+    """Whether the checkpoint's optimizer state is DeepSpeed's partitions, not an optimizer.pt."""
+    return not os.path.isfile(os.path.join(path, OPTIMIZER)) and zero_layout.holds(path)
 
 
 def check(model: nn.Module, optimizer: "AdamW", path: str, file_key: Callable[[str], str] | None = None) -> None:
@@ -62,8 +72,11 @@ def check(model: nn.Module, optimizer: "AdamW", path: str, file_key: Callable[[s
     model (on meta will do) and the AdamW its engine will have; optimizer.pt's moments are only
     mapped, never read. A run checks its Trainer import so before anything of it is written."""
     from ..state.training import TrainingState
-    _checked(TrainingState(model, optimizer, compute_dtype=torch.float32, grad_accum=1), path, False, file_key,
-             on_meta=True)
+    state = TrainingState(model, optimizer, compute_dtype=torch.float32, grad_accum=1)
+    if _deepspeed(path):
+        deepspeed_checkpoint.check(state, path, file_key)
+        return
+    _checked(state, path, False, file_key, on_meta=True)
 
 
 def read(state: "TrainingState", path: str, strict: bool = True,
@@ -71,6 +84,8 @@ def read(state: "TrainingState", path: str, strict: bool = True,
     """(the load, the counters, notes, trainer_state.json) of the Trainer checkpoint `path`, checked
     against the state: nothing changes here. file_key: a state_dict key's name in the folder's
     files, where the module wraps the Trainer's model (from_pretrained.compile_folder's)."""
+    if _deepspeed(path):
+        return deepspeed_checkpoint.read(state, path, strict, file_key)
     weights, saved, names, notes, trainer_state = _checked(state, path, strict, file_key)
     steps, shapes = trainer_state["global_step"], state.layout()[0]
     tensors, missed, stored = {}, {}, set()
@@ -241,16 +256,11 @@ def _settings(state: "TrainingState", groups: list[dict], path: str, strict: boo
     """AdamW's betas, eps and weight decays in the checkpoint against this engine's: refused when
     strict, kept as this engine's with a note otherwise."""
     opt = state.optimizer
-    first = groups[0]
-    differences = []
-    if not _close(list(first.get("betas", opt.betas)), list(opt.betas)):
-        differences.append(f"betas: the checkpoint has {list(first['betas'])}, this engine {list(opt.betas)}")
-    if not _close([first.get("eps", opt.eps)], [opt.eps]):
-        differences.append(f"eps: the checkpoint has {first['eps']!r}, this engine {opt.eps!r}")
+    differences = betas_and_eps(opt, groups[0])
     decays = [g.get("weight_decay", 0.0) for g in groups]
     layout = _layout(state, groups)
     wanted = layout[1] if layout is not None else [opt.weight_decay]
-    if not _close(decays, wanted):
+    if not close(decays, wanted):
         differences.append(f"weight_decay of its param groups: the checkpoint has {decays}, this engine {wanted}")
     if layout is not None and len(layout[0]) == 4:     # LoRA+: its B groups' lr over its A group's, the ratio
         ratio = {state.lr_ratios[n] for n in layout[0][1] + layout[0][2]}
@@ -259,19 +269,11 @@ def _settings(state: "TrainingState", groups: list[dict], path: str, strict: boo
         if numbers and lrs == [0, 0, 0]:      # a schedule at 0 when it saved: no ratio to read
             pass
         elif len(ratio) != 1 or not numbers or not lrs[0] or \
-                not _close([lrs[1] / lrs[0], lrs[2] / lrs[0]], [next(iter(ratio))] * 2):
+                not close([lrs[1] / lrs[0], lrs[2] / lrs[0]], [next(iter(ratio))] * 2):
             differences.append(f"lr of its LoRA+ param groups: the checkpoint has {lrs}, whose ratio this engine's "
                                f"AdamW lr_ratios ({sorted(ratio)}) is not")
     if len(groups) == 1 and state.no_decay:
         differences.append(f"the checkpoint decays every parameter alike, this engine exempts {len(state.no_decay)} "
                            "(its AdamW no_decay)")
-    if differences and strict:
-        raise MegacompileError(f"the Trainer checkpoint {path} differs from this engine: {'; '.join(differences)}; "
-                               "nothing was loaded (strict=False loads it and keeps this engine's settings)")
-    return [f"the Trainer checkpoint {path} was saved with other AdamW settings, this engine's are kept: "
-            f"{'; '.join(differences)}"] * bool(differences)
+    return settled(differences, f"the Trainer checkpoint {path}", strict)
 
-
-def _close(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(isinstance(x, (int, float)) and math.isclose(x, y, rel_tol=1e-12, abs_tol=0)
-                                    for x, y in zip(a, b))

@@ -27,6 +27,7 @@ DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "errors.md")
 CONFIG = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 64}
+DEEPSPEED_ZERO3 = os.path.join(os.path.dirname(__file__), "..", "data", "deepspeed", "zero3")
 TINY_TRAIN = ["train", "steps=1", "bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2",
               "bundled_model.kv_heads=1", "bundled_model.ffn=64", "seq=16", "batch=1", "device=cpu"]
 
@@ -264,12 +265,16 @@ CASES = [
     Case("load_trainer_checkpoint: no global_step", WeightsFileError,
          r"trainer_state.json: global_step is None, not a count of steps",
          lambda c: c.engine.load_trainer_checkpoint(c.hf_trainer)),
-    Case("load_trainer_checkpoint: a DeepSpeed checkpoint", WeightsFileError,
+    Case("load_trainer_checkpoint: a DeepSpeed checkpoint without its optimizer files", WeightsFileError,
          r"cannot take in the Trainer checkpoint .*: a DeepSpeed checkpoint \(its ZeRO partitions are in "
-         r"global_step500/\).*; nothing was loaded",
+         r"global_step500/\).*its optimizer files are not all there.*; nothing was loaded",
          lambda c: c.engine.load_trainer_checkpoint(c.deepspeed)),
-    Case("cli train resume=<a DeepSpeed checkpoint>", SystemExit,
-         r"it is a DeepSpeed checkpoint \(its ZeRO partitions are in global_step500/\).*zero_to_fp32.py",
+    Case("load_trainer_checkpoint: a DeepSpeed checkpoint of another model", WeightsFileError,
+         r"cannot take in the DeepSpeed checkpoint .*zero3: its trained parameters are not this model's: "
+         r"model.embed_tokens.weight is no parameter of this model.*; nothing was loaded",
+         lambda c: c.engine.load_trainer_checkpoint(DEEPSPEED_ZERO3)),
+    Case("cli train resume=<a DeepSpeed checkpoint without its optimizer files>", SystemExit,
+         r"it is a DeepSpeed checkpoint \(its ZeRO partitions are in global_step500/\).*not all there.*zero_to_fp32.py",
          lambda c: _train(f"resume={c.deepspeed}")(c)),
     Case("cli train adapter=<folder> without finetuning_type lora", SystemExit,
          r"adapter: .* is a LoRA adapter to go on training, which needs finetuning_type: lora",

@@ -1,0 +1,210 @@
+"""DeepSpeed ZeRO's partitions read back as whole tensors: each parameter's fp32 master and AdamW
+moments, by the name DeepSpeed saved it under.
+
+    save_dir/ (or a Trainer's checkpoint-N)
+        latest                                      the tag of the last save: global_stepN
+        global_stepN/
+            mp_rank_00_model_states.pt              ZeRO 1/2: param_shapes, global_steps, ...
+            zero_pp_rank_R_mp_rank_00_model_states.pt    ZeRO 3: the same, one per rank
+            [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   rank R's share of the masters and moments
+
+param_shapes lists the trained parameters, group by group, in the order they were flattened.
+ZeRO 1/2 flatten a param group into one buffer, a parameter after another (each followed by its
+param_alignment_paddings entry, where the file has them), split over the ranks: the ranks' shares
+(single_partition_of_fp32_groups) back to back are that buffer, the padding DeepSpeed aligns it
+with cut from the last rank's share as it saves. ZeRO 3 splits every parameter itself: rank R holds elements
+[R x ceil(n / ranks), ...) of each one, the shares of a sub-group's parameters back to back
+(fp32_flat_groups; param_shapes then has one entry per sub-group). The moments
+(exp_avg, exp_avg_sq) lie as the masters do, one torch AdamW state per flat group.
+
+The files pickle a few DeepSpeed objects (the ZeRO stage enum, the loss scaler); they are read
+with torch's weights_only loader, each such object stood in for by an inert _Opaque: DeepSpeed need
+not be installed, and nothing in the files runs. Flats are memory-mapped: a tensor is gathered from
+the ranks' files when asked for, and the pages it read are given back (pages.py), so a model's
+partitions are never held whole beside the host state.
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import WeightsFileError
+from . import pages
+
+TABLES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def tag_folder(path: str) -> str | None:
+    """The global_stepN folder of the checkpoint `path` (the tag `latest` names, else the one
+    global_step* folder; `path` itself when it is one), or None when `path` holds no ZeRO files."""
+    if glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt")):
+        return path
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            folder = os.path.join(path, f.read().strip())
+        return folder if os.path.isdir(folder) else None
+    found = [d for d in glob.glob(os.path.join(path, "global_step*")) if os.path.isdir(d)]
+    return found[0] if len(found) == 1 else None
+
+
+def holds(path: str) -> bool:
+    """Whether `path` is a DeepSpeed checkpoint with ZeRO partitions (module docstring)."""
+    folder = tag_folder(path) if os.path.isdir(path) else None
+    return folder is not None and bool(glob.glob(os.path.join(folder, "*zero_pp_rank_*_optim_states.pt")))
+
+
+class _Opaque:
+    """A DeepSpeed object of a checkpoint file: what it was built from, nothing of it run."""
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs, self.state = args, kwargs, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+_UNSUPPORTED = re.compile(r"GLOBAL (\S+) was not an allowed global")
+
+
+def load(path: str) -> dict:
+    """torch.load(weights_only, memory-mapped) of a DeepSpeed file, its deepspeed.* objects opaque."""
+    stand_ins: list[tuple] = []
+    while True:
+        try:
+            with torch.serialization.safe_globals(stand_ins):
+                saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            break
+        except Exception as e:  # noqa: BLE001 - any unreadable file: name it
+            found = _UNSUPPORTED.search(str(e))
+            if found and found.group(1).startswith("deepspeed.") and len(stand_ins) < 32:
+                stand_ins.append((_Opaque, found.group(1)))
+                continue
+            raise WeightsFileError(f"cannot read {path} as a DeepSpeed checkpoint file: {str(e)[:300]}") from e
+    if not isinstance(saved, dict):
+        raise WeightsFileError(f"{path} holds {type(saved).__name__}, not a DeepSpeed checkpoint's dict")
+    return saved
+
+
+@dataclass
+class Slot:
+    """Where one parameter lies: its flat group, its offset in the gathered flat (ZeRO 1/2) or in
+    each rank's share (ZeRO 3), and its shape."""
+    flat: int
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class Partitions:
+    """The ranks' optimizer files of one save, read as whole tensors per parameter (tensor())."""
+
+    def __init__(self, path: str):
+        self.path = path
+        folder = tag_folder(path)
+        if folder is None:
+            raise WeightsFileError(f"{path} holds no DeepSpeed ZeRO checkpoint (no global_step*/ of "
+                                   "*zero_pp_rank_*_optim_states.pt files, nor a `latest` naming one)")
+        self.folder = folder
+        _refuse_model_parallel(folder)
+        model_states = sorted(glob.glob(os.path.join(folder, "*model_states.pt")))
+        if not model_states:
+            raise WeightsFileError(f"{folder} holds no *model_states.pt: the save did not finish, or its files were "
+                                   "not all copied")
+        self.model_states = load(model_states[0])
+        self.ranks = self._rank_files()
+        optim = [load(f).get("optimizer_state_dict") for f in self.ranks]
+        if any(not isinstance(o, dict) for o in optim):
+            raise WeightsFileError(f"{folder}: an optim_states file holds no optimizer_state_dict")
+        self.stage = 3 if "fp32_flat_groups" in optim[0] else 1
+        key = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
+        inner = "optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"
+        try:
+            self.flats = [list(o[key]) for o in optim]
+            self.states = [o[inner]["state"] for o in optim]
+            self.param_groups = optim[0][inner]["param_groups"]
+        except (KeyError, TypeError) as e:
+            raise WeightsFileError(f"{folder}: its optim_states files lack {e} of ZeRO stage {self.stage}'s "
+                                   "layout; nothing was loaded") from e
+        self.paddings = optim[0].get("param_alignment_paddings")
+        self.slots = self._slots()
+
+    def _rank_files(self) -> list[str]:
+        found = {}
+        for f in glob.glob(os.path.join(self.folder, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")):
+            found[int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1))] = f
+        world = self.model_states.get("dp_world_size", len(found))
+        if sorted(found) != list(range(world)):
+            raise WeightsFileError(f"{self.folder} holds the optimizer files of ranks {sorted(found)}, the save was "
+                                   f"made by {world} ranks: a rank's file is missing; nothing was loaded")
+        return [found[r] for r in range(world)]
+
+    def _slots(self) -> dict[str, Slot]:
+        shapes = self.model_states.get("param_shapes")
+        if not isinstance(shapes, list) or len(shapes) != len(self.flats[0]):
+            raise WeightsFileError(f"{self.folder}: param_shapes has {len(shapes or ())} groups, the optimizer files "
+                                   f"{len(self.flats[0])} flat groups; nothing was loaded")
+        world, slots = len(self.ranks), {}
+        for flat, group in enumerate(shapes):
+            offset = 0
+            pads = self.paddings[flat] if self.paddings else [0] * len(group)
+            for (name, shape), pad in zip(group.items(), pads):
+                slots[name] = Slot(flat, offset, tuple(shape))
+                offset += -(-slots[name].numel // world) if self.stage == 3 else slots[name].numel + pad
+            held = [f[flat].numel() for f in self.flats]
+            fits = all(h == offset for h in held) if self.stage == 3 else offset <= sum(held)
+            if not fits:
+                raise WeightsFileError(f"{self.folder}: flat group {flat} holds {held} elements on its ranks, its "
+                                       f"parameters need {offset} (ZeRO stage {self.stage}); nothing was loaded")
+        return slots
+
+    def step(self, flat: int) -> int | None:
+        """The AdamW steps flat group `flat` took; None when it holds no state (never stepped)."""
+        entry = self.states[0].get(flat)
+        return None if not entry else int(entry["step"])
+
+    def weight_decay(self, flat: int) -> float:
+        """The weight decay of the param group flat group `flat` belongs to."""
+        if self.stage != 3:
+            return self.param_groups[flat]["weight_decay"]
+        return next(g["weight_decay"] for g in self.param_groups if flat in g["params"])
+
+    def tensor(self, table: str, name: str) -> torch.Tensor:
+        """The whole fp32 `table` (TABLES) of the parameter `name`, gathered from the ranks; a
+        tensor of the process's own (the files' pages it read are given back)."""
+        slot = self.slots[name]
+        if table == "master":
+            sources = [f[slot.flat] for f in self.flats]
+        else:
+            sources = [s[slot.flat][table] for s in self.states]
+        if self.stage == 3:
+            share = -(-slot.numel // len(sources))
+            out = torch.cat([s.narrow(0, slot.offset, share) for s in sources])[:slot.numel]
+        else:   # the ranks' shares back to back are the group's flat
+            starts = [0]
+            for s in sources:
+                starts.append(starts[-1] + s.numel())
+            begin, end = slot.offset, slot.offset + slot.numel
+            pieces = [s.narrow(0, max(begin - lo, 0), min(end, hi) - max(begin, lo))
+                      for s, lo, hi in zip(sources, starts, starts[1:]) if lo < end and begin < hi]
+            out = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+        for s in sources:
+            pages.drop(s)
+        return out.float().view(slot.shape)
+
+
+def _refuse_model_parallel(folder: str) -> None:
+    """A save split by tensor or pipeline parallelism as well: its shards are not whole parameters."""
+    other = [f for f in os.listdir(folder) if re.search(r"mp_rank_0*[1-9]\d*_", f) or f.startswith("layer_")]
+    if other:
+        raise WeightsFileError(f"{folder} was saved with tensor or pipeline parallelism ({sorted(other)[0]}): its "
+                               "files hold slices of parameters, which are not taken in; gather it into one "
+                               "model first (DeepSpeed's universal checkpoint, ds_to_universal.py), then start from "
+                               "its weights; nothing was loaded")

@@ -1,0 +1,168 @@
+"""DeepSpeed ZeRO checkpoints (tests/data/deepspeed, written by DeepSpeed itself: make.py), taken
+in by engine.load_trainer_checkpoint without DeepSpeed installed: the fp32 masters and AdamW
+moments are what DeepSpeed gathers from its own partitions, to the bit, for ZeRO 1, 2 and 3, two to
+four ranks, bf16 or fp32, sub-groups and padding; training goes on as DeepSpeed's went on (losses
+to 1e-5, weights to the noise floor of eager float32 against float64 from the same state); a
+checkpoint that does not fit is refused with nothing loaded."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import megacompile
+from megacompile.acceptance.parity import WEIGHT_NOISE_FACTOR, weight_errors
+from megacompile.errors import MegacompileError, WeightsFileError
+from megacompile.io import foreign_checkpoint, trainer_checkpoint
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "deepspeed")
+_spec = importlib.util.spec_from_file_location("deepspeed_fixtures", os.path.join(DATA, "make.py"))
+make = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make)
+
+FP32 = [name for name, (_, _, bf16, *_) in make.CASES.items() if not bf16]
+
+
+def _folder(case: str) -> str:
+    return os.path.join(DATA, case)
+
+
+def _expected(case: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(DATA, f"{case}.expected.safetensors"))
+
+
+def _model(case: str, seed: int = 1) -> LlamaForCausalLM:
+    """The case's model with other weights than DeepSpeed's: what it holds after the import is the import's."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**make.CONFIG, tie_word_embeddings=make.CASES[case][3]))
+
+
+def _adamw(**changes) -> megacompile.AdamW:
+    settings = dict(lr=make.LR, betas=make.BETAS, eps=make.EPS, weight_decay=make.WD, max_grad_norm=math.inf,
+                    no_decay=megacompile.hf_no_decay) | changes
+    return megacompile.AdamW(**settings)
+
+
+def _engine(case: str, model=None, **adamw):
+    return megacompile.compile(model if model is not None else _model(case), hbm_budget=1.0, device="cpu",
+                               optimizer=_adamw(**adamw))
+
+
+def _batches(expected) -> list[torch.Tensor]:
+    return [expected[f"after/ids.{s}"] for s in range(make.SAVED_AT, make.SAVED_AT + make.GOING_ON)]
+
+
+@pytest.mark.parametrize("case", list(make.CASES))
+def test_the_masters_and_moments_are_deepspeeds_own_to_the_bit(case):
+    expected = _expected(case)
+    engine = _engine(case)
+    trainer_state = engine.load_trainer_checkpoint(_folder(case))
+    assert trainer_state["global_step"] == make.SAVED_AT and engine.state.steps_done == make.SAVED_AT
+    ids = _batches(expected)[0]
+    engine.prepare(input_ids=ids, labels=ids)
+    host = engine.host
+    assert set(host.slots) == {k.partition("/")[2] for k in expected if k.startswith("master/")}
+    for name in host.slots:
+        for table in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(host.view(table, name), expected[f"{table}/{name}"]), (table, name)
+
+
+def _eager(case: str, expected, dtype: torch.dtype) -> tuple[LlamaForCausalLM, list[float]]:
+    """DeepSpeed's state going on in eager torch: its masters, and torch AdamW with its moments."""
+    model = _model(case).to(dtype)
+    names = [n for n, _ in model.named_parameters()]
+    model.load_state_dict({n: expected[f"master/{n}"] for n in names}, strict=False)
+    exempt = set(megacompile.hf_no_decay(model))
+    named = list(model.named_parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in named if n not in exempt], "weight_decay": make.WD},
+                                   {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}],
+                                  lr=make.LR, betas=make.BETAS, eps=make.EPS)
+    for n, p in named:
+        optimizer.state[p] = {"step": torch.tensor(float(make.SAVED_AT)),
+                              "exp_avg": expected[f"exp_avg/{n}"].to(dtype),
+                              "exp_avg_sq": expected[f"exp_avg_sq/{n}"].to(dtype)}
+    losses = []
+    for ids in _batches(expected):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+@pytest.mark.parametrize("case", FP32)
+def test_training_goes_on_as_deepspeeds_went_on(case):
+    expected = _expected(case)
+    reference, eager_losses = _eager(case, expected, torch.float32)
+    exact, _ = _eager(case, expected, torch.float64)
+    tolerance = max(1e-5, WEIGHT_NOISE_FACTOR * max(weight_errors(exact, reference).values()))
+    engine = _engine(case)
+    engine.load_trainer_checkpoint(_folder(case))
+    losses = [engine.step(input_ids=ids, labels=ids) for ids in _batches(expected)]
+    assert losses == pytest.approx(expected["after/losses"].tolist(), rel=1e-5)
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    ours = engine.state_dict()
+    deepspeed = {n: (ours[n] - expected[f"after/{n}"]).abs().max().item() / expected[f"after/{n}"].abs().max().item()
+                 for n in engine.host.slots}
+    assert max(deepspeed.values()) <= tolerance, deepspeed
+    assert max(weight_errors(engine, reference).values()) <= tolerance
+
+
+def test_a_trainers_deepspeed_checkpoint_is_one_a_run_resumes_from():
+    folder = _folder("checkpoint-3")
+    assert trainer_checkpoint.is_trainer_checkpoint(folder)
+    assert "load_trainer_checkpoint" in foreign_checkpoint.describe(folder)
+    with torch.device("meta"):
+        meta = _model("checkpoint-3")
+    trainer_checkpoint.check(meta, _adamw(), folder)       # a run's check before anything is written
+    with pytest.raises(WeightsFileError, match="not this model's"):
+        with torch.device("meta"):
+            wider = LlamaForCausalLM(LlamaConfig(**make.CONFIG | {"intermediate_size": 24}))
+        trainer_checkpoint.check(wider, _adamw(), folder)
+
+
+def _copy(tmp_path, case: str) -> str:
+    return shutil.copytree(_folder(case), str(tmp_path / case))
+
+
+def _refused_untouched(engine, folder: str, error, match: str, **kwargs) -> None:
+    before = {n: t.clone() for n, t in engine.state_dict().items()}
+    with pytest.raises(error, match=match):
+        engine.load_trainer_checkpoint(folder, **kwargs)
+    assert engine.state.steps_done == 0
+    assert all(torch.equal(t, before[n]) for n, t in engine.state_dict().items())
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_path):
+    folder = _copy(tmp_path, "zero3")
+    other = LlamaForCausalLM(LlamaConfig(**make.CONFIG | {"num_hidden_layers": 3}))
+    _refused_untouched(_engine("zero3", other), folder, WeightsFileError, r"layers\.2\..* are not in it")
+    frozen = _model("zero3")
+    frozen.model.embed_tokens.weight.requires_grad_(False)
+    _refused_untouched(_engine("zero3", frozen), folder, WeightsFileError, "frozen parameters")
+    _refused_untouched(_engine("zero3", lr_ratios={"lm_head.weight": 2.0}), folder, WeightsFileError, "lr_ratios")
+    _refused_untouched(_engine("zero3", weight_decay=0.05), folder, MegacompileError,
+                       r"weight decay of 16 parameters.*strict=False")
+    os.remove(os.path.join(folder, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    _refused_untouched(_engine("zero3"), folder, WeightsFileError, r"ranks \[0\], the save was made by 2")
+
+
+def test_a_save_split_by_tensor_parallelism_too_is_refused(tmp_path):
+    folder = _copy(tmp_path, "zero1")
+    shutil.copy(os.path.join(folder, "global_step3", "mp_rank_00_model_states.pt"),
+                os.path.join(folder, "global_step3", "mp_rank_01_model_states.pt"))
+    _refused_untouched(_engine("zero1"), folder, WeightsFileError, "tensor or pipeline parallelism")
+
+
+def test_other_adamw_settings_load_with_a_warning_when_not_strict():
+    engine = _engine("zero2", weight_decay=0.05, betas=(0.9, 0.99))
+    with pytest.warns(RuntimeWarning, match=r"betas: the checkpoint has \[0\.9, 0\.95\].*weight decay"):
+        engine.load_trainer_checkpoint(_folder("zero2"), strict=False)
+    assert engine.state.steps_done == make.SAVED_AT
