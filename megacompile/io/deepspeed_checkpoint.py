@@ -8,8 +8,9 @@ one: DeepSpeed's own save_checkpoint folder, and the checkpoint-N of transformer
 LlamaFactory's and TRL's) running DeepSpeed, whose trainer_state.json gives the steps.
 
 Nothing is loaded unless everything fits: the saved trained parameters must be this model's trainable
-ones, by name and shape, every one (a model with frozen parameters is refused: a LoRA or freeze run's
-checkpoint is not taken in). Weight decays, betas and eps as in trainer_checkpoint.py: refused when
+ones, by name and shape, every one, and the ones its run froze (a LoRA run's base, a freeze run's
+layers) the ones this model freezes. Only the trained ones are read: a frozen base is this model's
+own (its `model` folder), as DeepSpeed's run had it. Weight decays, betas and eps as in trainer_checkpoint.py: refused when
 strict, kept as this engine's with a note otherwise. The learning rate follows this engine's schedule
 at the steps done; DeepSpeed's lr scheduler state, random states and data order are not replayed.
 """
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import WeightsFileError
+from . import lora_adapter
 from .adamw_settings import betas_and_eps, close, settled
 from .source import MASTER, Item, PendingLoad
 from .zero_layout import TABLES, Partitions
@@ -64,6 +66,8 @@ def read(state: "TrainingState", path: str, strict: bool = True,
     load = PendingLoad(items, own_buffers=True, needs=(MASTER, "exp_avg", "exp_avg_sq"),
                        describe=f"the DeepSpeed checkpoint {path}",
                        memory={_MEMORY: _Gathered(partitions, saved_as)})
+    if any(not p.requires_grad for p in state.model.parameters()):
+        load = lora_adapter.beside_the_base(state, load)     # the frozen base stays where it waits
     counters = {"steps_done": steps, "micro_batches": steps * state.grad_accum, "skipped_steps": 0,
                 "missed_steps": missed}
     return load, counters, notes, trainer_state
@@ -77,17 +81,11 @@ def check(state: "TrainingState", path: str, file_key: Callable[[str], str] | No
 def _checked(state: "TrainingState", path: str, strict: bool, file_key: Callable[[str], str] | None):
     partitions = Partitions(path)
     where = f"the DeepSpeed checkpoint {path}"
-    frozen = partitions.model_states.get("frozen_param_shapes") or {}
-    own_frozen = [n for n, p in state.model.named_parameters() if not p.requires_grad]
-    if frozen or own_frozen:
-        which = f"the checkpoint's {len(frozen)}" if frozen else f"this model's {len(own_frozen)}"
-        raise WeightsFileError(f"cannot take in {where}: {which} frozen parameters (a LoRA or freeze run) are not "
-                               "taken in from DeepSpeed's partitions; start a new run from its weights (DeepSpeed's "
-                               "zero_to_fp32.py writes them); nothing was loaded")
+    canonical = _canonical(state, file_key)
+    _check_frozen(state, partitions, where, canonical)
     if state.lr_ratios:
         raise WeightsFileError(f"cannot take in {where} into an AdamW with lr_ratios: DeepSpeed's param groups "
                                "are not read for ratios; nothing was loaded")
-    canonical = state.canonical if file_key is None else {file_key(k): n for k, n in state.canonical.items()}
     shapes = state.layout()[0]
     trainable = [n for n, p in state.model.named_parameters() if p.requires_grad]
     saved_as, problems = {}, []
@@ -113,6 +111,31 @@ def _checked(state: "TrainingState", path: str, strict: bool, file_key: Callable
             raise WeightsFileError(f"cannot take in {where}: {saved} took {taken} AdamW steps of the {steps} "
                                    "global steps; nothing was loaded")
     return partitions, saved_as, _settings(state, partitions, saved_as, where, strict), steps, trainer_state
+
+
+def _canonical(state: "TrainingState", file_key: Callable[[str], str] | None) -> dict[str, str]:
+    """A name in the checkpoint -> this model's parameter it is. DeepSpeed saves the names of the
+    module it trained: this module's own where it is the same (a PEFT model included), file_key's
+    where this one wraps it (a post-training objective's policy)."""
+    if file_key is None:
+        return state.canonical
+    return {file_key(k): n for k, n in state.canonical.items()} | state.canonical
+
+
+def _check_frozen(state: "TrainingState", partitions: Partitions, where: str, canonical: dict[str, str]) -> None:
+    """The parameters the checkpoint's run froze (a LoRA run's base) must be the ones this model
+    freezes, by name and shape, where the checkpoint records them (ZeRO 2 and 3 do)."""
+    recorded = partitions.model_states.get("frozen_param_shapes")
+    if recorded is None:
+        return
+    theirs = {canonical.get(n, n): tuple(shape) for n, shape in recorded.items()}
+    ours = {n: tuple(p.shape) for n, p in state.model.named_parameters() if not p.requires_grad}
+    if theirs != ours:
+        differ = sorted(set(theirs) ^ set(ours)) or sorted(n for n in ours if theirs[n] != ours[n])
+        raise WeightsFileError(f"cannot take in {where}: it froze {len(theirs)} parameters, this model freezes "
+                               f"{len(ours)} ({', '.join(differ[:3])} differ): a LoRA run's checkpoint goes into a model "
+                               "with the same adapters on the same base (run.yaml: finetuning_type lora with its "
+                               "lora_rank and lora_target); nothing was loaded")
 
 
 def _steps(partitions: Partitions, path: str) -> tuple[int, dict]:

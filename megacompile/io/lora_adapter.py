@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ..errors import WeightsFileError
 from .header import read_header
-from .source import WEIGHT, Item, PendingLoad
+from .source import MASTER, WEIGHT, Item, PendingLoad
 
 if TYPE_CHECKING:
     from ..state.training import TrainingState
@@ -93,7 +93,7 @@ def beside_the_base(state: "TrainingState", load: PendingLoad) -> PendingLoad:
     """The adapter's load, with the base weights where they wait (module_params: the module's own)."""
     if state.host is not None:
         return load          # the base is in the host state: only the adapters and moments are written
-    adapters = {it.name for it in load.items if it.table == WEIGHT}
+    adapters = {it.name for it in load.items if it.table in (WEIGHT, MASTER)}
     pending = state.pending_load
     if isinstance(pending, PendingLoad):
         return replace(load, items=[it for it in pending.items if it.name not in adapters] + load.items,

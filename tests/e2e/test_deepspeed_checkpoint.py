@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO checkpoints (tests/data/deepspeed, written by DeepSpeed itself: make.py), taken
 in by engine.load_trainer_checkpoint without DeepSpeed installed: the fp32 masters and AdamW
 moments are what DeepSpeed gathers from its own partitions, to the bit, for ZeRO 1, 2 and 3, two to
-four ranks, bf16 or fp32, sub-groups and padding; training goes on as DeepSpeed's went on (losses
+four ranks, bf16 or fp32, sub-groups and padding, LoRA adapters on a frozen base; training goes on as DeepSpeed's went on (losses
 to 1e-5, weights to the noise floor of eager float32 against float64 from the same state); a
 checkpoint that does not fit is refused with nothing loaded."""
 from __future__ import annotations
@@ -27,6 +27,7 @@ make = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make)
 
 FP32 = [name for name, (_, _, bf16, *_) in make.CASES.items() if not bf16]
+LORA = [name for name in make.CASES if name.startswith("lora_")]
 
 
 def _folder(case: str) -> str:
@@ -37,10 +38,17 @@ def _expected(case: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(DATA, f"{case}.expected.safetensors"))
 
 
-def _model(case: str, seed: int = 1) -> LlamaForCausalLM:
-    """The case's model with other weights than DeepSpeed's: what it holds after the import is the import's."""
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**make.CONFIG, tie_word_embeddings=make.CASES[case][3]))
+def _model(case: str, seed: int = 1):
+    """The case's model with other weights than DeepSpeed's: what it holds after the import is the
+    import's. A LoRA case's base is DeepSpeed's own (make.py's seed), its adapters other ones."""
+    torch.manual_seed(0 if case in LORA else seed)
+    model = LlamaForCausalLM(LlamaConfig(**make.CONFIG, tie_word_embeddings=make.CASES[case][3]))
+    if case in LORA:
+        import peft
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(model, peft.LoraConfig(**make.LORA))
+        torch.nn.init.normal_(model.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight)
+    return model
 
 
 def _adamw(**changes) -> megacompile.AdamW:
@@ -76,10 +84,11 @@ def test_the_masters_and_moments_are_deepspeeds_own_to_the_bit(case):
 def _eager(case: str, expected, dtype: torch.dtype) -> tuple[LlamaForCausalLM, list[float]]:
     """DeepSpeed's state going on in eager torch: its masters, and torch AdamW with its moments."""
     model = _model(case).to(dtype)
-    names = [n for n, _ in model.named_parameters()]
-    model.load_state_dict({n: expected[f"master/{n}"] for n in names}, strict=False)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(expected[f"master/{n}"])
     exempt = set(megacompile.hf_no_decay(model))
-    named = list(model.named_parameters())
     optimizer = torch.optim.AdamW([{"params": [p for n, p in named if n not in exempt], "weight_decay": make.WD},
                                    {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}],
                                   lr=make.LR, betas=make.BETAS, eps=make.EPS)
@@ -111,8 +120,19 @@ def test_training_goes_on_as_deepspeeds_went_on(case):
     ours = engine.state_dict()
     deepspeed = {n: (ours[n] - expected[f"after/{n}"]).abs().max().item() / expected[f"after/{n}"].abs().max().item()
                  for n in engine.host.slots}
+    assert set(deepspeed) == {k.partition("/")[2] for k in expected if k.startswith("master/")}
     assert max(deepspeed.values()) <= tolerance, deepspeed
     assert max(weight_errors(engine, reference).values()) <= tolerance
+
+
+def test_a_lora_runs_checkpoint_goes_into_a_model_with_the_same_adapters_on_the_same_base():
+    folder = _folder("lora_zero3")
+    _refused_untouched(_engine("zero3"), folder, WeightsFileError, r"it froze 21 parameters, this model freezes 0")
+    wider = _model("zero3")
+    import peft
+    wider = peft.get_peft_model(wider, peft.LoraConfig(**make.LORA | {"target_modules": ["q_proj", "k_proj", "v_proj"]}))
+    _refused_untouched(_engine("lora_zero3", wider), folder, WeightsFileError,
+                       r"it froze 21 parameters, this model freezes 21 \(.*k_proj.*differ\)")
 
 
 def test_a_trainers_deepspeed_checkpoint_is_one_a_run_resumes_from():
@@ -146,7 +166,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_pat
     _refused_untouched(_engine("zero3", other), folder, WeightsFileError, r"layers\.2\..* are not in it")
     frozen = _model("zero3")
     frozen.model.embed_tokens.weight.requires_grad_(False)
-    _refused_untouched(_engine("zero3", frozen), folder, WeightsFileError, "frozen parameters")
+    _refused_untouched(_engine("zero3", frozen), folder, WeightsFileError, r"froze 0 parameters, this model freezes 1")
     _refused_untouched(_engine("zero3", lr_ratios={"lm_head.weight": 2.0}), folder, WeightsFileError, "lr_ratios")
     _refused_untouched(_engine("zero3", weight_decay=0.05), folder, MegacompileError,
                        r"weight decay of 16 parameters.*strict=False")

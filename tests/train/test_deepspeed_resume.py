@@ -1,13 +1,14 @@
-"""run.yaml's `resume` naming the checkpoint-N a Trainer running DeepSpeed ZeRO-3 saved
-(tests/data/deepspeed/checkpoint-3, written by DeepSpeed: make.py): the run starts from its fp32
-masters, AdamW moments and step, and trains as torch AdamW goes on from DeepSpeed's state over this
-run's rows."""
+"""run.yaml's `resume` naming the checkpoint-N a Trainer running DeepSpeed ZeRO-3 saved, or a LoRA
+run's DeepSpeed save (tests/data/deepspeed, written by DeepSpeed: make.py): the run starts from its
+fp32 masters, AdamW moments and step (a LoRA run: its adapters' on the `model` folder's base), and
+trains as torch AdamW goes on from DeepSpeed's state over this run's rows."""
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -23,22 +24,28 @@ _spec.loader.exec_module(make)
 SEQ, BATCH, STEPS = 8, 2, make.SAVED_AT + 2
 
 
-def _model_folder(path: str) -> str:
-    """The model the DeepSpeed run trained, as a folder a run starts from: its config, other
-    weights (the import replaces them all), and the tokenizer whose vocabulary it has."""
-    torch.manual_seed(5)
+def _model_folder(path: str, seed: int) -> str:
+    """The model the DeepSpeed run trained, as a folder a run starts from: its config, weights of
+    `seed` (make.py's, 0, for a LoRA run's base), and the tokenizer whose vocabulary it has."""
+    torch.manual_seed(seed)
     LlamaForCausalLM(LlamaConfig(**make.CONFIG)).save_pretrained(path)
     files.tokenizer().save_pretrained(path)
     return path
 
 
-def _eager(model_dir: str, expected: dict, rows) -> LlamaForCausalLM:
+def _eager(model_dir: str, expected: dict, rows, lora: bool):
     """torch AdamW going on from DeepSpeed's gathered masters and moments over the run's rows."""
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.load_state_dict({n: expected[f"master/{n}"] for n, _ in model.named_parameters()}, strict=False)
+    if lora:
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(**make.LORA))
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with torch.no_grad():
+        for n, p in trained:
+            p.copy_(expected[f"master/{n}"])
     optimizer = torch.optim.AdamW(finetune_runs.trainer_groups(model, make.WD), lr=make.LR, betas=make.BETAS,
                                   eps=make.EPS)
-    for n, p in model.named_parameters():
+    for n, p in trained:
         optimizer.state[p] = {"step": torch.tensor(float(make.SAVED_AT)), "exp_avg": expected[f"exp_avg/{n}"],
                               "exp_avg_sq": expected[f"exp_avg_sq/{n}"]}
     for k in range(STEPS - make.SAVED_AT):
@@ -48,11 +55,17 @@ def _eager(model_dir: str, expected: dict, rows) -> LlamaForCausalLM:
     return model
 
 
-def test_a_run_resumed_from_a_deepspeed_trainer_checkpoint_goes_on_from_deepspeeds_masters(tmp_path, capsys):
+LORA_KEYS = dict(finetuning_type="lora", lora_rank=make.LORA["r"], lora_alpha=make.LORA["lora_alpha"],
+                 lora_dropout=0.0, lora_target=",".join(make.LORA["target_modules"]))
+
+
+@pytest.mark.parametrize("case", ["checkpoint-3", "lora_zero3"])
+def test_a_run_resumed_from_a_deepspeed_checkpoint_goes_on_from_deepspeeds_masters(tmp_path, capsys, case):
     work = files.workspace(tmp_path)
-    model_dir = _model_folder(str(tmp_path / "deepspeed_model"))
-    checkpoint = shutil.copytree(os.path.join(DATA, "checkpoint-3"), str(tmp_path / "saves" / "checkpoint-3"))
-    c = load(files.run_yaml(str(tmp_path / "run.yaml"), model=model_dir, data=[work["notes"]], eval=[work["notes"]], seq=SEQ, batch=BATCH,
+    lora = case.startswith("lora_")
+    model_dir = _model_folder(str(tmp_path / "deepspeed_model"), seed=0 if lora else 5)
+    checkpoint = shutil.copytree(os.path.join(DATA, case), str(tmp_path / "saves" / case))
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **(LORA_KEYS if lora else {}), model=model_dir, data=[work["notes"]], eval=[work["notes"]], seq=SEQ, batch=BATCH,
                             steps=STEPS, lr=make.LR, schedule="constant", weight_decay=make.WD,
                             betas=list(make.BETAS), eps=make.EPS, max_grad_norm=None, device="cpu",
                             run_dir=str(tmp_path / "run"), log_every=1, save_every=STEPS,
@@ -62,8 +75,10 @@ def test_a_run_resumed_from_a_deepspeed_trainer_checkpoint_goes_on_from_deepspee
     logged = log.read(os.path.join(c.run_dir, "log.csv"))
     assert [int(r["step"]) for r in logged] == list(range(make.SAVED_AT + 1, STEPS + 1))
     rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
-    eager = _eager(model_dir, load_file(os.path.join(DATA, "checkpoint-3.expected.safetensors")), rows)
+    eager = _eager(model_dir, load_file(os.path.join(DATA, f"{case}.expected.safetensors")), rows, lora)
     masters = finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", f"step-{STEPS:06d}"), "master")
-    for name, p in eager.named_parameters():
+    trained = [(n, p) for n, p in eager.named_parameters() if p.requires_grad]
+    assert sorted(masters) == sorted(n for n, _ in trained)
+    for name, p in trained:
         ref = p.detach()
         assert (masters[name] - ref).abs().max() <= 1e-5 * ref.abs().max(), name

@@ -2,7 +2,7 @@
 DeepSpeed itself says it holds. Run by hand where DeepSpeed is installed (these were written by
 DeepSpeed 0.19.8 on the CPU accelerator, gloo between the ranks):
 
-    python tests/data/deepspeed/make.py
+    python tests/data/deepspeed/make.py [CASE ...]      (every case, or those named)
 
 Each case trains a small Llama for SAVED_AT steps with ZeRO at its stage and world size, its AdamW
 param groups as transformers' Trainer makes them (decayed, then exempt), and saves:
@@ -32,7 +32,8 @@ LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 # vocabulary of tests/train/files.tokenizer(), so that a run.yaml goes on from checkpoint-3.
 CONFIG = dict(vocab_size=51, hidden_size=18, intermediate_size=22, num_hidden_layers=2, num_attention_heads=3,
               num_key_value_heads=1, max_position_embeddings=32)
-# name: (ZeRO stage, ranks, bf16, tied embeddings, more zero_optimization settings, a Trainer's checkpoint-N)
+# name: (ZeRO stage, ranks, bf16, tied embeddings, more zero_optimization settings, a Trainer's checkpoint-N);
+# a case named lora_* trains PEFT LoRA adapters (LORA) on the frozen model.
 CASES = {
     "zero1": (1, 2, False, False, {}, False),
     "zero2": (2, 2, False, False, {}, False),
@@ -41,12 +42,19 @@ CASES = {
     "zero3_four_ranks_tied_subgroups": (3, 4, False, True, {"sub_group_size": 200}, False),
     "bf16_zero1": (1, 2, True, False, {}, False),
     "checkpoint-3": (3, 2, True, False, {}, True),
+    "lora_zero2": (2, 2, False, False, {}, False),
+    "lora_zero3": (3, 2, False, False, {}, False),
 }
+LORA = dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 
 
 def batch(step: int, rank: int, world: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + 7)
     return torch.randint(0, CONFIG["vocab_size"], (ROWS * world, SEQ), generator=g)[rank * ROWS:(rank + 1) * ROWS]
+
+
+def trained(model) -> list:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def run(name: str) -> None:
@@ -65,8 +73,11 @@ def run(name: str) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(**CONFIG, tie_word_embeddings=tied)
     model = LlamaForCausalLM(config)
+    if name.startswith("lora_"):
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
     decayed = set(Trainer.get_decay_parameter_names(None, model))
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if n in decayed], "weight_decay": WD},
               {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
@@ -81,7 +92,7 @@ def run(name: str) -> None:
     if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):     # ZeRO 1/2 link them lazily
         engine.optimizer._hp_optimizer_states_linked = False
         engine.optimizer._lazy_init_hp_params_optimizer_state()
-    for n, p in engine.module.named_parameters():
+    for n, p in trained(engine.module):
         master = safe_get_full_fp32_param(p)
         moments = {table: safe_get_full_optimizer_state(p, table) for table in ("exp_avg", "exp_avg_sq")}
         if rank == 0:
@@ -96,7 +107,7 @@ def run(name: str) -> None:
         torch.distributed.all_reduce(mean)
         losses.append(mean / world)
         expected[f"after/ids.{step}"] = torch.cat([batch(step, r, world) for r in range(world)])
-    for n, p in engine.module.named_parameters():
+    for n, p in trained(engine.module):
         master = safe_get_full_fp32_param(p)
         if rank == 0:
             expected[f"after/{n}"] = master.clone()
@@ -113,10 +124,12 @@ def run(name: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    if os.environ.get("LOCAL_RANK") is not None:     # one of a case's ranks
         run(sys.argv[1])
         sys.exit(0)
     for name, (_, world, *_) in CASES.items():
+        if sys.argv[1:] and name not in sys.argv[1:]:
+            continue
         shutil.rmtree(os.path.join(HERE, name), ignore_errors=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                         "--master_port", "29533", os.path.abspath(__file__), name], check=True)
