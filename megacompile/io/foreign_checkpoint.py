@@ -2,10 +2,10 @@
 
 A LlamaFactory or TRL user resumes with `resume_from_checkpoint: saves/run/checkpoint-500`: a
 folder transformers' Trainer wrote, not one megacompile saved. A Trainer's own layout (weights,
-optimizer.pt) and DeepSpeed's ZeRO partitions are taken in by engine.load_trainer_checkpoint
-(io/trainer_checkpoint.py, io/deepspeed_checkpoint.py), and the refusal of load_checkpoint names
-it; FSDP shards the optimizer's state in a layout of its own, which is not taken in: the refusal
-says what the folder is and how its weights start a new run, the AdamW moments and the
+optimizer.pt), DeepSpeed's ZeRO partitions and FSDP's shards (as Accelerate saves them) are taken
+in by engine.load_trainer_checkpoint (io/trainer_checkpoint.py, io/sharded_checkpoint.py), and the
+refusal of load_checkpoint names it; a layout that is not taken in (torchtune's, one whose files
+are not all there) is named with how its weights start a new run, the AdamW moments and the
 learning-rate schedule afresh. Without this, the
 folder is refused as a megacompile checkpoint "whose save did not finish", which sends the user
 looking for a broken save.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import os
 
-from . import zero_layout
+from . import dcp_layout, zero_layout
 
 # What starting from a folder's weights means, said once for every layout.
 _START = ("start a new run from its weights instead (run.yaml `model: {weights}`, or "
@@ -43,6 +43,10 @@ def describe(path: str) -> str | None:
         return (f"{what}; its optimizer files are not all there: write its fp32 weights with the zero_to_fp32.py "
                 f"DeepSpeed leaves in it (python zero_to_fp32.py {path} OUT --safe_serialization), put the "
                 "model's config.json beside them, and " + _START.format(weights="OUT"))
+    if dcp_layout.holds(path):
+        return ("an FSDP checkpoint in torch.distributed.checkpoint's sharded layout, not one megacompile saved: "
+                f"engine.load_trainer_checkpoint({path!r}) takes in its fp32 masters, AdamW moments and steps into the "
+                "same model (run.yaml: `resume` takes it so)")
     if has("pytorch_model_fsdp_0", "optimizer_0"):
         return ("an FSDP checkpoint in torch.distributed.checkpoint's sharded layout, not one megacompile saved; "
                 "its optimizer state cannot be taken in: gather its weights into one file (torch's "

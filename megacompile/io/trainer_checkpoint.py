@@ -8,8 +8,9 @@
         trainer_state.json          global_step: the optimizer steps taken
         scheduler.pt, rng_state.pth, training_args.bin   (not read: see below)
 
-A Trainer running DeepSpeed saves no optimizer.pt: its global_stepN/ partitions (ZeRO) are taken
-in by deepspeed_checkpoint.py, which read() and check() hand such a folder to.
+A Trainer running DeepSpeed or FSDP saves no optimizer.pt: its global_stepN/ partitions (ZeRO),
+or its pytorch_model_fsdp_0/ and optimizer_0/ shards, are taken in by sharded_checkpoint.py, which
+read() and check() hand such a folder to.
 
 The Trainer makes two param groups (Trainer.create_optimizer): the decayed parameters, then the
 ones its rule exempts (optim/weight_decay.py hf_no_decay), each in named_parameters() order, and
@@ -38,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import WeightsFileError
-from . import deepspeed_checkpoint, lora_adapter, pages, zero_layout
+from . import dcp_layout, lora_adapter, pages, sharded_checkpoint, zero_layout
 from .adamw_settings import betas_and_eps, close, settled
 from .foreign_checkpoint import describe as describe_foreign
 from .hf_layout import INDEX, SINGLE
@@ -54,17 +55,26 @@ OPTIMIZER, TRAINER_STATE = "optimizer.pt", "trainer_state.json"
 
 def is_trainer_checkpoint(path: str) -> bool:
     """A folder a Trainer saved with its weights (a model's, or a LoRA adapter's: lora_adapter.py)
-    and its optimizer (what read() takes), or one with DeepSpeed ZeRO's partitions, a Trainer's or
-    DeepSpeed's own (deepspeed_checkpoint.py)."""
+    and its optimizer (what read() takes), or one with DeepSpeed ZeRO's partitions (a Trainer's or
+    DeepSpeed's own) or FSDP's shards in place of optimizer.pt (sharded_checkpoint.py)."""
     has = lambda name: os.path.isfile(os.path.join(path, name))   # noqa: E731
     return (os.path.isdir(path) and has(TRAINER_STATE) and has(OPTIMIZER)
             and ((has("config.json") and (has(SINGLE) or has(INDEX))) or lora_adapter.holds_adapter(path))
-            or _deepspeed(path))
+            or _sharded_here(path))
 
 
-def _deepspeed(path: str) -> bool:
-    """Whether the checkpoint's optimizer state is DeepSpeed's partitions, not an optimizer.pt."""
-    return not os.path.isfile(os.path.join(path, OPTIMIZER)) and zero_layout.holds(path)
+def _sharded_here(path: str) -> bool:
+    """Whether the folder's optimizer state is another trainer's shards (DeepSpeed ZeRO's
+    partitions, FSDP's) in place of an optimizer.pt (sharded_checkpoint.py)."""
+    return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, OPTIMIZER))
+            and (zero_layout.holds(path) or dcp_layout.holds(path)))
+
+
+def _sharded(path: str):
+    """The source that reads the folder's shards, or None (_sharded_here)."""
+    if not _sharded_here(path):
+        return None
+    return zero_layout.Partitions(path) if zero_layout.holds(path) else dcp_layout.Shards(path)
 
 
 def check(model: nn.Module, optimizer: "AdamW", path: str, file_key: Callable[[str], str] | None = None) -> None:
@@ -73,8 +83,9 @@ def check(model: nn.Module, optimizer: "AdamW", path: str, file_key: Callable[[s
     mapped, never read. A run checks its Trainer import so before anything of it is written."""
     from ..state.training import TrainingState
     state = TrainingState(model, optimizer, compute_dtype=torch.float32, grad_accum=1)
-    if _deepspeed(path):
-        deepspeed_checkpoint.check(state, path, file_key)
+    source = _sharded(path)
+    if source is not None:
+        sharded_checkpoint.check(state, source, path, file_key)
         return
     _checked(state, path, False, file_key, on_meta=True)
 
@@ -84,8 +95,9 @@ def read(state: "TrainingState", path: str, strict: bool = True,
     """(the load, the counters, notes, trainer_state.json) of the Trainer checkpoint `path`, checked
     against the state: nothing changes here. file_key: a state_dict key's name in the folder's
     files, where the module wraps the Trainer's model (from_pretrained.compile_folder's)."""
-    if _deepspeed(path):
-        return deepspeed_checkpoint.read(state, path, strict, file_key)
+    source = _sharded(path)
+    if source is not None:
+        return sharded_checkpoint.read(state, source, path, strict, file_key)
     weights, saved, names, notes, trainer_state = _checked(state, path, strict, file_key)
     steps, shapes = trainer_state["global_step"], state.layout()[0]
     tensors, missed, stored = {}, {}, set()

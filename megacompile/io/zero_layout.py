@@ -36,7 +36,6 @@ import torch
 from ..errors import WeightsFileError
 from . import pages
 
-TABLES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def tag_folder(path: str) -> str | None:
@@ -108,6 +107,7 @@ class Partitions:
 
     def __init__(self, path: str):
         self.path = path
+        self.describe = f"the DeepSpeed checkpoint {path}"
         folder = tag_folder(path)
         if folder is None:
             raise WeightsFileError(f"{path} holds no DeepSpeed ZeRO checkpoint (no global_step*/ of "
@@ -165,13 +165,34 @@ class Partitions:
                                        f"parameters need {offset} (ZeRO stage {self.stage}); nothing was loaded")
         return slots
 
-    def step(self, flat: int) -> int | None:
-        """The AdamW steps flat group `flat` took; None when it holds no state (never stepped)."""
-        entry = self.states[0].get(flat)
+    # -- what io/sharded_checkpoint.py reads of a source ---------------------------------------
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The trained parameters, by the name DeepSpeed saved them under."""
+        return {name: slot.shape for name, slot in self.slots.items()}
+
+    @property
+    def frozen(self) -> dict[str, tuple[int, ...]] | None:
+        """The parameters the run froze, where the save records them (ZeRO 2 and 3 do)."""
+        recorded = self.model_states.get("frozen_param_shapes")
+        return None if recorded is None else {n: tuple(shape) for n, shape in recorded.items()}
+
+    @property
+    def global_steps(self) -> int | None:
+        return self.model_states.get("global_steps")
+
+    @property
+    def first_group(self) -> dict:
+        return self.param_groups[0]
+
+    def step(self, name: str) -> int | None:
+        """The AdamW steps the parameter took; None when its flat group holds no state (never stepped)."""
+        entry = self.states[0].get(self.slots[name].flat)
         return None if not entry else int(entry["step"])
 
-    def weight_decay(self, flat: int) -> float:
-        """The weight decay of the param group flat group `flat` belongs to."""
+    def weight_decay(self, name: str) -> float:
+        """The weight decay of the param group the parameter was trained in."""
+        flat = self.slots[name].flat
         if self.stage != 3:
             return self.param_groups[flat]["weight_decay"]
         return next(g["weight_decay"] for g in self.param_groups if flat in g["params"])

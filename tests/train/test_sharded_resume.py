@@ -1,7 +1,8 @@
-"""run.yaml's `resume` naming the checkpoint-N a Trainer running DeepSpeed ZeRO-3 saved, or a LoRA
-run's DeepSpeed save (tests/data/deepspeed, written by DeepSpeed: make.py): the run starts from its
-fp32 masters, AdamW moments and step (a LoRA run: its adapters' on the `model` folder's base), and
-trains as torch AdamW goes on from DeepSpeed's state over this run's rows."""
+"""run.yaml's `resume` naming a checkpoint whose optimizer state another trainer sharded: a LoRA
+run's DeepSpeed ZeRO-3 save (tests/data/deepspeed, written by DeepSpeed), the checkpoint-N a Trainer
+running FSDP saved (tests/data/fsdp, written by FSDP2). The run starts from its fp32 masters, AdamW
+moments and step (a LoRA run: its adapters' on the `model` folder's base), and trains as torch
+AdamW goes on from the trainer's state over this run's rows."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,15 +18,15 @@ from megacompile.train import load, log, run
 from megacompile.train.data import packing
 from tests.train import files, finetune_runs
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "data", "deepspeed")
-_spec = importlib.util.spec_from_file_location("deepspeed_fixtures", os.path.join(DATA, "make.py"))
+DATA = os.path.join(os.path.dirname(__file__), "..", "data")
+_spec = importlib.util.spec_from_file_location("deepspeed_fixtures", os.path.join(DATA, "deepspeed", "make.py"))
 make = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make)
 SEQ, BATCH, STEPS = 8, 2, make.SAVED_AT + 2
 
 
 def _model_folder(path: str, seed: int) -> str:
-    """The model the DeepSpeed run trained, as a folder a run starts from: its config, weights of
+    """The model the other trainer's run trained, as a folder a run starts from: its config, weights of
     `seed` (make.py's, 0, for a LoRA run's base), and the tokenizer whose vocabulary it has."""
     torch.manual_seed(seed)
     LlamaForCausalLM(LlamaConfig(**make.CONFIG)).save_pretrained(path)
@@ -34,7 +35,7 @@ def _model_folder(path: str, seed: int) -> str:
 
 
 def _eager(model_dir: str, expected: dict, rows, lora: bool):
-    """torch AdamW going on from DeepSpeed's gathered masters and moments over the run's rows."""
+    """torch AdamW going on from the trainer's gathered masters and moments over the run's rows."""
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if lora:
         import peft
@@ -59,12 +60,12 @@ LORA_KEYS = dict(finetuning_type="lora", lora_rank=make.LORA["r"], lora_alpha=ma
                  lora_dropout=0.0, lora_target=",".join(make.LORA["target_modules"]))
 
 
-@pytest.mark.parametrize("case", ["checkpoint-3", "lora_zero3"])
-def test_a_run_resumed_from_a_deepspeed_checkpoint_goes_on_from_deepspeeds_masters(tmp_path, capsys, case):
+@pytest.mark.parametrize("case", ["deepspeed/lora_zero3", "fsdp/checkpoint-3"])
+def test_a_run_resumed_from_a_sharded_checkpoint_goes_on_from_the_trainers_masters(tmp_path, capsys, case):
     work = files.workspace(tmp_path)
-    lora = case.startswith("lora_")
-    model_dir = _model_folder(str(tmp_path / "deepspeed_model"), seed=0 if lora else 5)
-    checkpoint = shutil.copytree(os.path.join(DATA, case), str(tmp_path / "saves" / case))
+    lora = case.partition("/")[2].startswith("lora_")
+    model_dir = _model_folder(str(tmp_path / "their_model"), seed=0 if lora else 5)
+    checkpoint = shutil.copytree(os.path.join(DATA, case), str(tmp_path / "saves" / case.partition("/")[2]))
     c = load(files.run_yaml(str(tmp_path / "run.yaml"), **(LORA_KEYS if lora else {}), model=model_dir, data=[work["notes"]], eval=[work["notes"]], seq=SEQ, batch=BATCH,
                             steps=STEPS, lr=make.LR, schedule="constant", weight_decay=make.WD,
                             betas=list(make.BETAS), eps=make.EPS, max_grad_norm=None, device="cpu",

@@ -21,13 +21,23 @@ from megacompile.acceptance.parity import WEIGHT_NOISE_FACTOR, weight_errors
 from megacompile.errors import MegacompileError, WeightsFileError
 from megacompile.io import foreign_checkpoint, trainer_checkpoint
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "data", "deepspeed")
-_spec = importlib.util.spec_from_file_location("deepspeed_fixtures", os.path.join(DATA, "make.py"))
-make = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make)
+DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 
-FP32 = [name for name, (_, _, bf16, *_) in make.CASES.items() if not bf16]
-LORA = [name for name in make.CASES if name.startswith("lora_")]
+
+def _fixtures(layout: str):
+    spec = importlib.util.spec_from_file_location(f"{layout}_fixtures", os.path.join(DATA, layout, "make.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make, fsdp = _fixtures("deepspeed"), _fixtures("fsdp")
+CASES = [f"deepspeed/{name}" for name in make.CASES] + [f"fsdp/{name}" for name in fsdp.CASES]
+FP32 = [case for case in CASES if not (case.startswith("deepspeed/") and make.CASES[case.partition("/")[2]][2])]
+
+
+def _lora(case: str) -> bool:
+    return case.partition("/")[2].startswith("lora_")
 
 
 def _folder(case: str) -> str:
@@ -39,11 +49,13 @@ def _expected(case: str) -> dict[str, torch.Tensor]:
 
 
 def _model(case: str, seed: int = 1):
-    """The case's model with other weights than DeepSpeed's: what it holds after the import is the
-    import's. A LoRA case's base is DeepSpeed's own (make.py's seed), its adapters other ones."""
-    torch.manual_seed(0 if case in LORA else seed)
-    model = LlamaForCausalLM(LlamaConfig(**make.CONFIG, tie_word_embeddings=make.CASES[case][3]))
-    if case in LORA:
+    """The case's model with other weights than the trainer's: what it holds after the import is the
+    import's. A LoRA case's base is the trainer's own (make.py's seed), its adapters other ones."""
+    layout, _, name = case.partition("/")
+    torch.manual_seed(0 if _lora(case) else seed)
+    tied = layout == "deepspeed" and make.CASES[name][3]
+    model = LlamaForCausalLM(LlamaConfig(**make.CONFIG, tie_word_embeddings=tied))
+    if _lora(case):
         import peft
         torch.manual_seed(seed)
         model = peft.get_peft_model(model, peft.LoraConfig(**make.LORA))
@@ -66,8 +78,8 @@ def _batches(expected) -> list[torch.Tensor]:
     return [expected[f"after/ids.{s}"] for s in range(make.SAVED_AT, make.SAVED_AT + make.GOING_ON)]
 
 
-@pytest.mark.parametrize("case", list(make.CASES))
-def test_the_masters_and_moments_are_deepspeeds_own_to_the_bit(case):
+@pytest.mark.parametrize("case", CASES)
+def test_the_masters_and_moments_are_the_trainers_own_to_the_bit(case):
     expected = _expected(case)
     engine = _engine(case)
     trainer_state = engine.load_trainer_checkpoint(_folder(case))
@@ -82,7 +94,7 @@ def test_the_masters_and_moments_are_deepspeeds_own_to_the_bit(case):
 
 
 def _eager(case: str, expected, dtype: torch.dtype) -> tuple[LlamaForCausalLM, list[float]]:
-    """DeepSpeed's state going on in eager torch: its masters, and torch AdamW with its moments."""
+    """The trainer's state going on in eager torch: its masters, and torch AdamW with its moments."""
     model = _model(case).to(dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with torch.no_grad():
@@ -107,7 +119,7 @@ def _eager(case: str, expected, dtype: torch.dtype) -> tuple[LlamaForCausalLM, l
 
 
 @pytest.mark.parametrize("case", FP32)
-def test_training_goes_on_as_deepspeeds_went_on(case):
+def test_training_goes_on_as_the_trainers_went_on(case):
     expected = _expected(case)
     reference, eager_losses = _eager(case, expected, torch.float32)
     exact, _ = _eager(case, expected, torch.float64)
@@ -118,29 +130,32 @@ def test_training_goes_on_as_deepspeeds_went_on(case):
     assert losses == pytest.approx(expected["after/losses"].tolist(), rel=1e-5)
     assert losses == pytest.approx(eager_losses, rel=1e-5)
     ours = engine.state_dict()
-    deepspeed = {n: (ours[n] - expected[f"after/{n}"]).abs().max().item() / expected[f"after/{n}"].abs().max().item()
-                 for n in engine.host.slots}
-    assert set(deepspeed) == {k.partition("/")[2] for k in expected if k.startswith("master/")}
-    assert max(deepspeed.values()) <= tolerance, deepspeed
+    theirs = {n: (ours[n] - expected[f"after/{n}"]).abs().max().item() / expected[f"after/{n}"].abs().max().item()
+              for n in engine.host.slots}
+    assert set(theirs) == {k.partition("/")[2] for k in expected if k.startswith("master/")}
+    assert max(theirs.values()) <= tolerance, theirs
     assert max(weight_errors(engine, reference).values()) <= tolerance
 
 
-def test_a_lora_runs_checkpoint_goes_into_a_model_with_the_same_adapters_on_the_same_base():
-    folder = _folder("lora_zero3")
-    _refused_untouched(_engine("zero3"), folder, WeightsFileError, r"it froze 21 parameters, this model freezes 0")
-    wider = _model("zero3")
+@pytest.mark.parametrize("case", ["deepspeed/lora_zero3", "fsdp/lora_checkpoint-3"])
+def test_a_lora_runs_checkpoint_goes_into_a_model_with_the_same_adapters_on_the_same_base(case):
+    folder = _folder(case)
+    _refused_untouched(_engine("deepspeed/zero3"), folder, WeightsFileError,
+                       r"it froze 21 parameters, this model freezes 0")
+    wider = _model("deepspeed/zero3")
     import peft
     wider = peft.get_peft_model(wider, peft.LoraConfig(**make.LORA | {"target_modules": ["q_proj", "k_proj", "v_proj"]}))
-    _refused_untouched(_engine("lora_zero3", wider), folder, WeightsFileError,
+    _refused_untouched(_engine(case, wider), folder, WeightsFileError,
                        r"it froze 21 parameters, this model freezes 21 \(.*k_proj.*differ\)")
 
 
-def test_a_trainers_deepspeed_checkpoint_is_one_a_run_resumes_from():
-    folder = _folder("checkpoint-3")
+@pytest.mark.parametrize("case", ["deepspeed/checkpoint-3", "fsdp/checkpoint-3"])
+def test_a_trainers_sharded_checkpoint_is_one_a_run_resumes_from(case):
+    folder = _folder(case)
     assert trainer_checkpoint.is_trainer_checkpoint(folder)
     assert "load_trainer_checkpoint" in foreign_checkpoint.describe(folder)
     with torch.device("meta"):
-        meta = _model("checkpoint-3")
+        meta = _model(case)
     trainer_checkpoint.check(meta, _adamw(), folder)       # a run's check before anything is written
     with pytest.raises(WeightsFileError, match="not this model's"):
         with torch.device("meta"):
@@ -149,7 +164,7 @@ def test_a_trainers_deepspeed_checkpoint_is_one_a_run_resumes_from():
 
 
 def _copy(tmp_path, case: str) -> str:
-    return shutil.copytree(_folder(case), str(tmp_path / case))
+    return shutil.copytree(_folder(case), str(tmp_path / case.replace("/", "_")))
 
 
 def _refused_untouched(engine, folder: str, error, match: str, **kwargs) -> None:
@@ -161,28 +176,40 @@ def _refused_untouched(engine, folder: str, error, match: str, **kwargs) -> None
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_path):
-    folder = _copy(tmp_path, "zero3")
+    folder = _copy(tmp_path, "deepspeed/zero3")
+    case = "deepspeed/zero3"
     other = LlamaForCausalLM(LlamaConfig(**make.CONFIG | {"num_hidden_layers": 3}))
-    _refused_untouched(_engine("zero3", other), folder, WeightsFileError, r"layers\.2\..* are not in it")
-    frozen = _model("zero3")
+    _refused_untouched(_engine(case, other), folder, WeightsFileError, r"layers\.2\..* are not in it")
+    frozen = _model(case)
     frozen.model.embed_tokens.weight.requires_grad_(False)
-    _refused_untouched(_engine("zero3", frozen), folder, WeightsFileError, r"froze 0 parameters, this model freezes 1")
-    _refused_untouched(_engine("zero3", lr_ratios={"lm_head.weight": 2.0}), folder, WeightsFileError, "lr_ratios")
-    _refused_untouched(_engine("zero3", weight_decay=0.05), folder, MegacompileError,
+    _refused_untouched(_engine(case, frozen), folder, WeightsFileError, r"froze 0 parameters, this model freezes 1")
+    _refused_untouched(_engine(case, lr_ratios={"lm_head.weight": 2.0}), folder, WeightsFileError, "lr_ratios")
+    _refused_untouched(_engine(case, weight_decay=0.05), folder, MegacompileError,
                        r"weight decay of 16 parameters.*strict=False")
     os.remove(os.path.join(folder, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
-    _refused_untouched(_engine("zero3"), folder, WeightsFileError, r"ranks \[0\], the save was made by 2")
+    _refused_untouched(_engine(case), folder, WeightsFileError, r"ranks \[0\], the save was made by 2")
+
+
+def test_an_fsdp_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_path):
+    folder = _copy(tmp_path, "fsdp/checkpoint-3")
+    case = "fsdp/checkpoint-3"
+    other = LlamaForCausalLM(LlamaConfig(**make.CONFIG | {"intermediate_size": 24}))
+    _refused_untouched(_engine(case, other), folder, WeightsFileError, r"gate_proj.weight is \(22, 18\)")
+    _refused_untouched(_engine(case, betas=(0.9, 0.99)), folder, MegacompileError, r"betas: the checkpoint has")
+    os.remove(os.path.join(folder, "optimizer_0", "__1_0.distcp"))
+    _refused_untouched(_engine(case), folder, WeightsFileError, r"cannot read optimizer\.\S+ from .*optimizer_0: "
+                       r".*No such file.*__1_0\.distcp'; nothing was loaded")
 
 
 def test_a_save_split_by_tensor_parallelism_too_is_refused(tmp_path):
-    folder = _copy(tmp_path, "zero1")
+    folder = _copy(tmp_path, "deepspeed/zero1")
     shutil.copy(os.path.join(folder, "global_step3", "mp_rank_00_model_states.pt"),
                 os.path.join(folder, "global_step3", "mp_rank_01_model_states.pt"))
-    _refused_untouched(_engine("zero1"), folder, WeightsFileError, "tensor or pipeline parallelism")
+    _refused_untouched(_engine("deepspeed/zero1"), folder, WeightsFileError, "tensor or pipeline parallelism")
 
 
 def test_other_adamw_settings_load_with_a_warning_when_not_strict():
-    engine = _engine("zero2", weight_decay=0.05, betas=(0.9, 0.99))
+    engine = _engine("deepspeed/zero2", weight_decay=0.05, betas=(0.9, 0.99))
     with pytest.warns(RuntimeWarning, match=r"betas: the checkpoint has \[0\.9, 0\.95\].*weight decay"):
-        engine.load_trainer_checkpoint(_folder("zero2"), strict=False)
+        engine.load_trainer_checkpoint(_folder("deepspeed/zero2"), strict=False)
     assert engine.state.steps_done == make.SAVED_AT

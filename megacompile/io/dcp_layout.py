@@ -1,0 +1,104 @@
+"""An FSDP checkpoint's shards read back as whole tensors: each parameter's master and AdamW
+moments, by its fully qualified name.
+
+    checkpoint-N/
+        pytorch_model_fsdp_0/     torch.distributed.checkpoint of {"model": the model's state_dict}
+        optimizer_0/              ... of {"optimizer": the optimizer's state_dict keyed by name}
+                                  (get_optimizer_state_dict, FSDP.optim_state_dict)
+
+That is what Accelerate's FSDP writes with SHARDED_STATE_DICT (FSDP1 and FSDP2 alike), so a
+Trainer's (LlamaFactory's, TRL's). Every rank wrote its shard of each tensor (__R_0.distcp) and
+.metadata says where each piece lies; torch.distributed.checkpoint reads a named tensor back
+whole in one process, from its pieces, without a process group. The sharded parameters FSDP's
+AdamW stepped are the masters (fp32 under FSDP's mixed precision: it computes in bf16 copies).
+A parameter with no optimizer state was frozen (a LoRA run's base).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from ..errors import WeightsFileError
+
+MODEL, OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def holds(path: str) -> bool:
+    """Whether `path` holds an FSDP checkpoint in this layout (module docstring)."""
+    return all(os.path.isfile(os.path.join(path, folder, ".metadata")) for folder in (MODEL, OPTIMIZER))
+
+
+def _metadata(folder: str) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        return FileSystemReader(folder).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - any unreadable folder: name it
+        raise WeightsFileError(f"cannot read {folder} as a torch.distributed.checkpoint: {e}") from e
+
+
+def _read(folder: str, keys: set[str]) -> dict:
+    """The entries `keys` of a torch.distributed.checkpoint folder, each read whole, in this process."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    try:
+        with warnings.catch_warnings():       # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            return _load_state_dict_from_keys(keys, checkpoint_id=folder)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a shard missing or unreadable: name it
+        # (CheckpointException, what a missing shard raises, is a BaseException)
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__   # not every rank's traceback
+        raise WeightsFileError(f"cannot read {sorted(keys)[0]} from {folder}: {why}; nothing was loaded") from e
+
+
+class Shards:
+    """The two folders of one save, read as whole tensors per parameter (tensor())."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.describe = f"the FSDP checkpoint {path}"
+        self.model_folder, self.optimizer_folder = (os.path.join(path, f) for f in (MODEL, OPTIMIZER))
+        weights = {k.removeprefix("model."): tuple(m.size) for k, m in _metadata(self.model_folder).items()
+                   if k.startswith("model.") and hasattr(m, "size")}
+        tables: dict[str, set[str]] = {}
+        for key in _metadata(self.optimizer_folder):
+            if key.startswith("optimizer.state."):
+                name, _, table = key.removeprefix("optimizer.state.").rpartition(".")
+                tables.setdefault(name, set()).add(table)
+        if not weights or not tables:
+            raise WeightsFileError(f"{path}: {MODEL}/ and {OPTIMIZER}/ hold no model state_dict under \"model\" and "
+                                   "no optimizer state under \"optimizer\" (as Accelerate's FSDP saves them); nothing "
+                                   "was loaded")
+        odd = sorted(n for n, t in tables.items() if not set(_MOMENTS) <= t or n not in weights)
+        if odd:
+            raise WeightsFileError(f"{self.describe}: the optimizer state of {odd[0]} is not AdamW's (exp_avg and "
+                                   f"exp_avg_sq), or names no weight of {MODEL}/; nothing was loaded")
+        self.shapes = {n: weights[n] for n in tables}
+        self.frozen = {n: shape for n, shape in weights.items() if n not in tables}
+        optimizer = _read(self.optimizer_folder, {"optimizer.param_groups"} |
+                          {f"optimizer.state.{n}.step" for n, t in tables.items() if "step" in t})["optimizer"]
+        self.param_groups = optimizer["param_groups"]
+        self._steps = {n: int(entry["step"]) for n, entry in optimizer.get("state", {}).items()}
+        self.first_group = self.param_groups[0]
+        self.global_steps = max(self._steps.values(), default=0)
+        amsgrad = [g for g in self.param_groups if g.get("amsgrad")]
+        if amsgrad:
+            raise WeightsFileError(f"{self.describe} was written by AdamW with amsgrad=True, which megacompile's AdamW "
+                                   "does not run; nothing was loaded")
+
+    def step(self, name: str) -> int | None:
+        return self._steps.get(name)
+
+    def weight_decay(self, name: str) -> float:
+        group = next((g for g in self.param_groups if name in g.get("params", ())), None)
+        if group is None:
+            raise WeightsFileError(f"{self.describe}: no param group of its optimizer names {name}; nothing was loaded")
+        return group["weight_decay"]
+
+    def tensor(self, table: str, name: str) -> torch.Tensor:
+        """The whole fp32 `table` of the parameter `name`, read from every rank's shard."""
+        if table == "master":
+            return _read(self.model_folder, {f"model.{name}"})["model"][name].float()
+        return _read(self.optimizer_folder, {f"optimizer.state.{name}.{table}"})["optimizer"]["state"][name][table].float()

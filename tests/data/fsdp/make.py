@@ -1,0 +1,109 @@
+"""Writes the FSDP checkpoints tests/e2e/test_fsdp_checkpoint.py takes in, each with what torch
+itself gathers from it. Run by hand (torch alone; FSDP2 on the CPU, gloo between the ranks):
+
+    python tests/data/fsdp/make.py [CASE ...]      (every case, or those named)
+
+Each case trains the Llama of tests/data/deepspeed/make.py with FSDP2 (fully_shard per decoder
+layer, then the model) over two ranks, torch AdamW in the param groups of transformers' Trainer,
+for SAVED_AT steps, and saves what Accelerate's FSDP saves with SHARDED_STATE_DICT, as
+checkpoint-N of a Trainer:
+
+    CASE/pytorch_model_fsdp_0/   torch.distributed.checkpoint of {"model": the model's state_dict}
+    CASE/optimizer_0/            torch.distributed.checkpoint of {"optimizer": get_optimizer_state_dict}
+    CASE/trainer_state.json, config.json
+    CASE.expected.safetensors    as tests/data/deepspeed's: master/, exp_avg/, exp_avg_sq/ gathered
+                                 whole (full_state_dict), after/ GOING_ON more steps
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("deepspeed_make", os.path.join(HERE, "..", "deepspeed", "make.py"))
+ds = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ds)
+WORLD = 2
+CASES = ("checkpoint-3", "lora_checkpoint-3")
+
+
+def run(name: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    config = LlamaConfig(**ds.CONFIG)
+    model = LlamaForCausalLM(config)
+    inner = model
+    if name.startswith("lora_"):
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(**ds.LORA))
+    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    for layer in inner.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in named if n in decayed], "weight_decay": ds.WD},
+                                   {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}],
+                                  lr=ds.LR, betas=ds.BETAS, eps=ds.EPS)
+
+    def step(s: int) -> torch.Tensor:
+        ids = ds.batch(s, rank, WORLD)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    for s in range(ds.SAVED_AT):
+        step(s)
+    out = os.path.join(HERE, name)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(out, "pytorch_model_fsdp_0"))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(out, "optimizer_0"))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    masters = get_model_state_dict(model, options=full)
+    moments = get_optimizer_state_dict(model, optimizer, options=full)     # on rank 0 alone
+    expected = {}
+    for n, _ in named if rank == 0 else ():
+        expected[f"master/{n}"] = masters[n].clone()
+        expected |= {f"{t}/{n}": moments["state"][n][t].clone() for t in ("exp_avg", "exp_avg_sq")}
+    losses = []
+    for s in range(ds.SAVED_AT, ds.SAVED_AT + ds.GOING_ON):
+        loss = step(s)
+        dist.all_reduce(loss)
+        losses.append(loss / WORLD)
+        expected[f"after/ids.{s}"] = torch.cat([ds.batch(s, r, WORLD) for r in range(WORLD)])
+    masters = get_model_state_dict(model, options=full)
+    if rank == 0:
+        expected |= {f"after/{n}": masters[n].clone() for n, _ in named}
+        expected["after/losses"] = torch.stack(losses)
+        save_file({k: v.contiguous() for k, v in expected.items()}, f"{out}.expected.safetensors")
+        config.save_pretrained(out)
+        with open(os.path.join(out, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": ds.SAVED_AT, "epoch": 0.5, "log_history": []}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if os.environ.get("LOCAL_RANK") is not None:     # one of a case's ranks
+        run(sys.argv[1])
+        sys.exit(0)
+    for name in CASES:
+        if sys.argv[1:] and name not in sys.argv[1:]:
+            continue
+        shutil.rmtree(os.path.join(HERE, name), ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+                        "--master_port", "29534", os.path.abspath(__file__), name], check=True)
