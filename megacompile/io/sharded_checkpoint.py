@@ -15,15 +15,16 @@ goes on as the other trainer's did. Nothing is loaded unless everything fits: th
 parameters must be this model's trainable ones, by name and shape, every one, and the ones its run
 froze (a LoRA run's base, a freeze run's layers) the ones this model freezes. Only the trained ones
 are read: a frozen base is this model's own (its `model` folder), as it was the other run's.
-Weight decays, betas and eps as in trainer_checkpoint.py: refused when strict, kept as this
-engine's with a note otherwise. The learning rate follows this engine's schedule at the steps done
+Weight decays, betas and eps as in trainer_checkpoint.py, and an Adam that is not AdamW (L2 decay,
+no bias correction): refused when strict, kept as this engine's with a note otherwise. The learning rate follows this engine's schedule at the steps done
 (trainer_state.json's global_step, else the save's own count); the other trainer's scheduler,
 random states and data order are not replayed.
 
 A source has: describe (the checkpoint, named), shapes (trained parameter -> shape, by the name it
 was saved under), frozen (the same for the frozen ones, None where not recorded), global_steps,
-first_group (torch AdamW's first param group: betas, eps), step(name), weight_decay(name) and
-tensor(table, name) for table in "master", "exp_avg", "exp_avg_sq".
+param_groups (torch's or DeepSpeed's, for their settings), first_group (the first: betas, eps),
+step(name), weight_decay(name) and tensor(table, name) for table in "master", "exp_avg",
+"exp_avg_sq".
 """
 from __future__ import annotations
 
@@ -137,7 +138,9 @@ def _check_frozen(state: "TrainingState", source: Any, where: str, canonical: di
     freezes, by name and shape, where the checkpoint records them."""
     if source.frozen is None:
         return
-    theirs = {canonical.get(n, n): tuple(shape) for n, shape in source.frozen.items()}
+    buffers = {n for n, _ in state.model.named_buffers()}     # a state_dict's buffers: not parameters at all
+    theirs = {canonical.get(n, n): tuple(shape) for n, shape in source.frozen.items()
+              if canonical.get(n, n) not in buffers}
     ours = {n: tuple(p.shape) for n, p in state.model.named_parameters() if not p.requires_grad}
     if theirs != ours:
         differ = sorted(set(theirs) ^ set(ours)) or sorted(n for n in ours if theirs[n] != ours[n])
@@ -169,6 +172,17 @@ def _settings(state: "TrainingState", source: Any, saved_as: dict[str, str], whe
     """The checkpoint's AdamW betas, eps and each parameter's weight decay against this engine's."""
     opt = state.optimizer
     differences = betas_and_eps(opt, source.first_group)
+    for group in source.param_groups:
+        # torch's Adam (or DeepSpeed's with adam_w_mode off) adds its decay to the gradient, AdamW
+        # to the update; Adam without bias correction moves its first steps otherwise.
+        if group.get("weight_decay") and (group.get("decoupled_weight_decay") is False or
+                                          group.get("adamw_mode") is False):
+            differences.append("its optimizer is Adam with L2 weight decay (added to the gradient), not AdamW's "
+                               "decoupled decay")
+            break
+        if group.get("bias_correction") is False:
+            differences.append("its Adam ran without bias correction")
+            break
     decays = []
     for name, saved in saved_as.items():
         theirs = source.weight_decay(saved)

@@ -32,7 +32,8 @@ def _fixtures(layout: str):
 
 
 make, fsdp = _fixtures("deepspeed"), _fixtures("fsdp")
-CASES = [f"deepspeed/{name}" for name in make.CASES] + [f"fsdp/{name}" for name in fsdp.CASES]
+CASES = [f"deepspeed/{name}" for name in make.CASES if not name.startswith("adam_l2")] + \
+    [f"fsdp/{name}" for name in fsdp.CASES]
 FP32 = [case for case in CASES if not (case.startswith("deepspeed/") and make.CASES[case.partition("/")[2]][2])]
 
 
@@ -206,6 +207,15 @@ def test_a_save_split_by_tensor_parallelism_too_is_refused(tmp_path):
     shutil.copy(os.path.join(folder, "global_step3", "mp_rank_00_model_states.pt"),
                 os.path.join(folder, "global_step3", "mp_rank_01_model_states.pt"))
     _refused_untouched(_engine("deepspeed/zero1"), folder, WeightsFileError, "tensor or pipeline parallelism")
+
+
+def test_adam_with_l2_decay_is_not_taken_for_adamw():
+    case = "deepspeed/adam_l2_zero2"
+    _refused_untouched(_engine(case), _folder(case), MegacompileError,
+                       r"its optimizer is Adam with L2 weight decay .*; nothing was loaded")
+    engine = _engine(case)
+    with pytest.warns(RuntimeWarning, match=r"this engine's are kept: its optimizer is Adam with L2"):
+        engine.load_trainer_checkpoint(_folder(case), strict=False)
 
 
 def test_other_adamw_settings_load_with_a_warning_when_not_strict():

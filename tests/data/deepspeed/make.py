@@ -33,7 +33,8 @@ LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 CONFIG = dict(vocab_size=51, hidden_size=18, intermediate_size=22, num_hidden_layers=2, num_attention_heads=3,
               num_key_value_heads=1, max_position_embeddings=32)
 # name: (ZeRO stage, ranks, bf16, tied embeddings, more zero_optimization settings, a Trainer's checkpoint-N);
-# a case named lora_* trains PEFT LoRA adapters (LORA) on the frozen model.
+# a case named lora_* trains PEFT LoRA adapters (LORA) on the frozen model; adam_l2_* torch's Adam, whose
+# weight decay is L2 (added to the gradient), not AdamW's.
 CASES = {
     "zero1": (1, 2, False, False, {}, False),
     "zero2": (2, 2, False, False, {}, False),
@@ -44,6 +45,7 @@ CASES = {
     "checkpoint-3": (3, 2, True, False, {}, True),
     "lora_zero2": (2, 2, False, False, {}, False),
     "lora_zero3": (3, 2, False, False, {}, False),
+    "adam_l2_zero2": (2, 2, False, False, {}, False),
 }
 LORA = dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 
@@ -80,7 +82,8 @@ def run(name: str) -> None:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if n in decayed], "weight_decay": WD},
               {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    adam = torch.optim.Adam if name.startswith("adam_l2") else torch.optim.AdamW
+    optimizer = adam(groups, lr=LR, betas=BETAS, eps=EPS)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     step_of = lambda s: engine(input_ids=(ids := batch(s, rank, world)), labels=ids).loss   # noqa: E731
     for step in range(SAVED_AT):
