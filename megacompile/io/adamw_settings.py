@@ -26,6 +26,19 @@ def betas_and_eps(optimizer: "AdamW", group: dict) -> list[str]:
     return differences
 
 
+def not_adamw(groups: list[dict]) -> list[str]:
+    """How the optimizer of the param groups `groups` (torch's, or DeepSpeed's Adam) is not AdamW."""
+    for group in groups:
+        # torch's Adam (DeepSpeed's with adam_w_mode off) adds its decay to the gradient, AdamW to
+        # the update; Adam without bias correction takes its first steps otherwise.
+        if group.get("weight_decay") and (group.get("decoupled_weight_decay") is False
+                                          or group.get("adamw_mode") is False):
+            return ["its optimizer is Adam with L2 weight decay (added to the gradient), not AdamW's decoupled decay"]
+        if group.get("bias_correction") is False:
+            return ["its Adam ran without bias correction"]
+    return []
+
+
 def settled(differences: list[str], where: str, strict: bool) -> list[str]:
     """The differences `where` (the checkpoint, named) has from this engine: refused when strict,
     else one note that this engine's settings are kept (none when there are none)."""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import WeightsFileError
 from . import lora_adapter
-from .adamw_settings import betas_and_eps, close, settled
+from .adamw_settings import betas_and_eps, close, not_adamw, settled
 from .source import MASTER, Item, PendingLoad
 
 if TYPE_CHECKING:
@@ -172,17 +172,7 @@ def _settings(state: "TrainingState", source: Any, saved_as: dict[str, str], whe
     """The checkpoint's AdamW betas, eps and each parameter's weight decay against this engine's."""
     opt = state.optimizer
     differences = betas_and_eps(opt, source.first_group)
-    for group in source.param_groups:
-        # torch's Adam (or DeepSpeed's with adam_w_mode off) adds its decay to the gradient, AdamW
-        # to the update; Adam without bias correction moves its first steps otherwise.
-        if group.get("weight_decay") and (group.get("decoupled_weight_decay") is False or
-                                          group.get("adamw_mode") is False):
-            differences.append("its optimizer is Adam with L2 weight decay (added to the gradient), not AdamW's "
-                               "decoupled decay")
-            break
-        if group.get("bias_correction") is False:
-            differences.append("its Adam ran without bias correction")
-            break
+    differences += not_adamw(source.param_groups)
     decays = []
     for name, saved in saved_as.items():
         theirs = source.weight_decay(saved)

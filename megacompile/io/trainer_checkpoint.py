@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from ..errors import WeightsFileError
 from . import dcp_layout, lora_adapter, pages, sharded_checkpoint, zero_layout
-from .adamw_settings import betas_and_eps, close, settled
+from .adamw_settings import betas_and_eps, close, not_adamw, settled
 from .foreign_checkpoint import describe as describe_foreign
 from .hf_layout import INDEX, SINGLE
 from .hf_load import plan_items, shard_map
@@ -268,7 +268,7 @@ def _settings(state: "TrainingState", groups: list[dict], path: str, strict: boo
     """AdamW's betas, eps and weight decays in the checkpoint against this engine's: refused when
     strict, kept as this engine's with a note otherwise."""
     opt = state.optimizer
-    differences = betas_and_eps(opt, groups[0])
+    differences = betas_and_eps(opt, groups[0]) + not_adamw(groups)
     decays = [g.get("weight_decay", 0.0) for g in groups]
     layout = _layout(state, groups)
     wanted = layout[1] if layout is not None else [opt.weight_decay]

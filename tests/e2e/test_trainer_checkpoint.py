@@ -156,6 +156,12 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_pat
     with pytest.raises(WeightsFileError, match=r"is not AdamW's state \(it holds state1, state2, step, not exp_avg"):
         engine.load_trainer_checkpoint(eight_bit)
     unchanged()
+    # torch's Adam, whose weight decay is L2 (its param groups say decoupled_weight_decay False).
+    adam = trainer_checkpoint(str(tmp_path / "adam"), tied=False,
+                              edit=lambda s: [g.update(decoupled_weight_decay=False) for g in s["param_groups"]])
+    with pytest.raises(MegacompileError, match=r"its optimizer is Adam with L2 weight decay"):
+        engine.load_trainer_checkpoint(adam)
+    unchanged()
     # Other betas: refused, or kept as this engine's with a warning under strict=False.
     other = trainer_checkpoint(str(tmp_path / "betas"), tied=False,
                                edit=lambda s: [g.update(betas=(0.8, 0.99)) for g in s["param_groups"]])
