@@ -133,6 +133,15 @@ class Partitions:
         except (KeyError, TypeError) as e:
             raise WeightsFileError(f"{folder}: its optim_states files lack {e} of ZeRO stage {self.stage}'s "
                                    "layout; nothing was loaded") from e
+        kinds = [set(entry) for st in self.states for entry in st.values()]
+        if any(not {"exp_avg", "exp_avg_sq"} <= k or k - {"step", "exp_avg", "exp_avg_sq"} for k in kinds):
+            held = sorted(set().union(*kinds))
+            raise WeightsFileError(f"{folder}: its optimizer state is not AdamW's (it holds {', '.join(held[:5])}, not "
+                                   "exp_avg and exp_avg_sq): megacompile's AdamW cannot go on from it; nothing was "
+                                   "loaded")
+        if any(g.get("amsgrad") for g in self.param_groups):
+            raise WeightsFileError(f"{folder} was written by AdamW with amsgrad=True, which megacompile's AdamW does not "
+                                   "run; nothing was loaded")
         self.paddings = optim[0].get("param_alignment_paddings")
         self.slots = self._slots()
 

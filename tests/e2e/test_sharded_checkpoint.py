@@ -32,7 +32,7 @@ def _fixtures(layout: str):
 
 
 make, fsdp = _fixtures("deepspeed"), _fixtures("fsdp")
-CASES = [f"deepspeed/{name}" for name in make.CASES if not name.startswith("adam_l2")] + \
+CASES = [f"deepspeed/{name}" for name in make.CASES if not name.startswith(("adam_l2", "sgd_"))] + \
     [f"fsdp/{name}" for name in fsdp.CASES]
 FP32 = [case for case in CASES if not (case.startswith("deepspeed/") and make.CASES[case.partition("/")[2]][2])]
 
@@ -216,6 +216,12 @@ def test_adam_with_l2_decay_is_not_taken_for_adamw():
     engine = _engine(case)
     with pytest.warns(RuntimeWarning, match=r"this engine's are kept: its optimizer is Adam with L2"):
         engine.load_trainer_checkpoint(_folder(case), strict=False)
+
+
+def test_another_optimizers_state_is_refused():
+    case = "deepspeed/sgd_zero2"
+    _refused_untouched(_engine(case), _folder(case), WeightsFileError,
+                       r"its optimizer state is not AdamW's \(it holds momentum_buffer, not exp_avg and exp_avg_sq\)")
 
 
 def test_other_adamw_settings_load_with_a_warning_when_not_strict():

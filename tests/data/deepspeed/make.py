@@ -34,7 +34,7 @@ CONFIG = dict(vocab_size=51, hidden_size=18, intermediate_size=22, num_hidden_la
               num_key_value_heads=1, max_position_embeddings=32)
 # name: (ZeRO stage, ranks, bf16, tied embeddings, more zero_optimization settings, a Trainer's checkpoint-N);
 # a case named lora_* trains PEFT LoRA adapters (LORA) on the frozen model; adam_l2_* torch's Adam, whose
-# weight decay is L2 (added to the gradient), not AdamW's.
+# weight decay is L2 (added to the gradient), not AdamW's; sgd_* torch's SGD with momentum.
 CASES = {
     "zero1": (1, 2, False, False, {}, False),
     "zero2": (2, 2, False, False, {}, False),
@@ -46,6 +46,7 @@ CASES = {
     "lora_zero2": (2, 2, False, False, {}, False),
     "lora_zero3": (3, 2, False, False, {}, False),
     "adam_l2_zero2": (2, 2, False, False, {}, False),
+    "sgd_zero2": (2, 2, False, False, {}, False),
 }
 LORA = dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 
@@ -82,8 +83,12 @@ def run(name: str) -> None:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if n in decayed], "weight_decay": WD},
               {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
-    adam = torch.optim.Adam if name.startswith("adam_l2") else torch.optim.AdamW
-    optimizer = adam(groups, lr=LR, betas=BETAS, eps=EPS)
+    if name.startswith("sgd_"):
+        optimizer = torch.optim.SGD(groups, lr=LR, momentum=0.9)
+        cfg["zero_allow_untested_optimizer"] = True
+    else:
+        adam = torch.optim.Adam if name.startswith("adam_l2") else torch.optim.AdamW
+        optimizer = adam(groups, lr=LR, betas=BETAS, eps=EPS)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     step_of = lambda s: engine(input_ids=(ids := batch(s, rank, world)), labels=ids).loss   # noqa: E731
     for step in range(SAVED_AT):
@@ -97,7 +102,8 @@ def run(name: str) -> None:
         engine.optimizer._lazy_init_hp_params_optimizer_state()
     for n, p in trained(engine.module):
         master = safe_get_full_fp32_param(p)
-        moments = {table: safe_get_full_optimizer_state(p, table) for table in ("exp_avg", "exp_avg_sq")}
+        moments = {table: safe_get_full_optimizer_state(p, table) for table in
+                   (("momentum_buffer",) if name.startswith("sgd_") else ("exp_avg", "exp_avg_sq"))}
         if rank == 0:
             expected[f"master/{n}"] = master.clone()
             expected |= {f"{table}/{n}": t.clone() for table, t in moments.items()}
