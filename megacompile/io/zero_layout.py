@@ -231,10 +231,12 @@ class Partitions:
 
 
 def _refuse_model_parallel(folder: str) -> None:
-    """A save split by tensor or pipeline parallelism as well: its shards are not whole parameters."""
-    other = [f for f in os.listdir(folder) if re.search(r"mp_rank_0*[1-9]\d*_", f) or f.startswith("layer_")]
+    """A save split by tensor, pipeline or expert parallelism as well: its shards are not whole
+    parameters, or not all of them (an MoE's experts are saved apart)."""
+    other = [f for f in os.listdir(folder)
+             if re.search(r"mp_rank_0*[1-9]\d*_", f) or f.startswith(("layer_", "expp_rank_"))]
     if other:
-        raise WeightsFileError(f"{folder} was saved with tensor or pipeline parallelism ({sorted(other)[0]}): its "
+        raise WeightsFileError(f"{folder} was saved with tensor, pipeline or expert parallelism ({sorted(other)[0]}): its "
                                "files hold slices of parameters, which are not taken in; gather it into one "
                                "model first (DeepSpeed's universal checkpoint, ds_to_universal.py), then start from "
                                "its weights; nothing was loaded")

@@ -206,7 +206,8 @@ def test_a_save_split_by_tensor_parallelism_too_is_refused(tmp_path):
     folder = _copy(tmp_path, "deepspeed/zero1")
     shutil.copy(os.path.join(folder, "global_step3", "mp_rank_00_model_states.pt"),
                 os.path.join(folder, "global_step3", "mp_rank_01_model_states.pt"))
-    _refused_untouched(_engine("deepspeed/zero1"), folder, WeightsFileError, "tensor or pipeline parallelism")
+    _refused_untouched(_engine("deepspeed/zero1"), folder, WeightsFileError,
+                       "tensor, pipeline or expert parallelism")
 
 
 def test_adam_with_l2_decay_is_not_taken_for_adamw():
