@@ -34,7 +34,8 @@ CONFIG = dict(vocab_size=51, hidden_size=18, intermediate_size=22, num_hidden_la
               num_key_value_heads=1, max_position_embeddings=32)
 # name: (ZeRO stage, ranks, bf16, tied embeddings, more zero_optimization settings, a Trainer's checkpoint-N);
 # a case named lora_* trains PEFT LoRA adapters (LORA) on the frozen model; adam_l2_* torch's Adam, whose
-# weight decay is L2 (added to the gradient), not AdamW's; sgd_* torch's SGD with momentum.
+# weight decay is L2 (added to the gradient), not AdamW's; sgd_* torch's SGD with momentum; *_offload
+# DeepSpeed's own CPU Adam (ZeRO-Offload, its adamw_mode), the optimizer of offload runs.
 CASES = {
     "zero1": (1, 2, False, False, {}, False),
     "zero2": (2, 2, False, False, {}, False),
@@ -47,6 +48,7 @@ CASES = {
     "lora_zero3": (3, 2, False, False, {}, False),
     "adam_l2_zero2": (2, 2, False, False, {}, False),
     "sgd_zero2": (2, 2, False, False, {}, False),
+    "zero3_offload": (3, 2, False, False, {"offload_optimizer": {"device": "cpu"}}, False),
 }
 LORA = dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 
@@ -89,7 +91,12 @@ def run(name: str) -> None:
     else:
         adam = torch.optim.Adam if name.startswith("adam_l2") else torch.optim.AdamW
         optimizer = adam(groups, lr=LR, betas=BETAS, eps=EPS)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    if name.endswith("_offload"):      # DeepSpeed makes its CPU Adam over the same groups
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                         "weight_decay": WD}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     step_of = lambda s: engine(input_ids=(ids := batch(s, rank, world)), labels=ids).loss   # noqa: E731
     for step in range(SAVED_AT):
         engine.backward(step_of(step))
