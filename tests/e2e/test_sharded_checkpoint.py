@@ -230,3 +230,21 @@ def test_other_adamw_settings_load_with_a_warning_when_not_strict():
     with pytest.warns(RuntimeWarning, match=r"betas: the checkpoint has \[0\.9, 0\.95\].*weight decay"):
         engine.load_trainer_checkpoint(_folder("deepspeed/zero2"), strict=False)
     assert engine.state.steps_done == make.SAVED_AT
+
+
+@pytest.mark.parametrize("case", ["deepspeed/zero2", "deepspeed/zero3"])
+def test_the_partitions_pages_are_given_back_as_each_parameter_is_gathered(monkeypatch, case):
+    """The ranks' files are memory-mapped; every flat a parameter is gathered from has its pages
+    given back (io/pages.py), so the partitions are never resident whole beside the host state."""
+    from megacompile.io import pages, zero_layout
+    dropped = set()
+    monkeypatch.setattr(pages, "drop", lambda t: dropped.add(t.untyped_storage().data_ptr()) or True)
+    source = zero_layout.Partitions(_folder(case))
+    expected = _expected(case)
+    for name in source.shapes:
+        for table in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(source.tensor(table, name), expected[f"{table}/{name}"])
+    flats = {t.untyped_storage().data_ptr() for rank in source.flats for t in rank}
+    flats |= {entry[t].untyped_storage().data_ptr() for rank in source.states for entry in rank.values()
+              for t in ("exp_avg", "exp_avg_sq")}
+    assert flats and flats <= dropped
