@@ -43,6 +43,10 @@ def describe(path: str) -> str | None:
         return (f"{what}; its optimizer files are not all there: write its fp32 weights with the zero_to_fp32.py "
                 f"DeepSpeed leaves in it (python zero_to_fp32.py {path} OUT --safe_serialization), put the "
                 "model's config.json beside them, and " + _START.format(weights="OUT"))
+    if dcp_layout.holds_whole(path) and not has("optimizer.pt"):
+        return ("an FSDP checkpoint gathered whole (FULL_STATE_DICT), not one megacompile saved: "
+                f"engine.load_trainer_checkpoint({path!r}) takes in its fp32 masters, AdamW moments and steps into the "
+                "same model (run.yaml: `resume` takes it so)")
     if dcp_layout.holds(path):
         return ("an FSDP checkpoint in torch.distributed.checkpoint's sharded layout, not one megacompile saved: "
                 f"engine.load_trainer_checkpoint({path!r}) takes in its fp32 masters, AdamW moments and steps into the "

@@ -8,7 +8,8 @@ from the shards (so a model's checkpoint is never held whole beside the host sta
         folder DeepSpeed's save_checkpoint wrote, or the checkpoint-N of transformers' Trainer
         (LlamaFactory's, TRL's) running DeepSpeed
     FSDP (dcp_layout.py): pytorch_model_fsdp_0/ and optimizer_0/, torch.distributed.checkpoint
-        folders as Accelerate's FSDP saves them (SHARDED_STATE_DICT), a Trainer's checkpoint-N
+        folders as Accelerate's FSDP saves them (SHARDED_STATE_DICT), or pytorch_model_fsdp.bin
+        and optimizer.bin gathered whole (FULL_STATE_DICT); a Trainer's checkpoint-N
 
 The masters come from the shards (fp32, truer than any bf16 weights saved beside them), so the run
 goes on as the other trainer's did. Nothing is loaded unless everything fits: the saved trained

@@ -67,14 +67,16 @@ def _sharded_here(path: str) -> bool:
     """Whether the folder's optimizer state is another trainer's shards (DeepSpeed ZeRO's
     partitions, FSDP's) in place of an optimizer.pt (sharded_checkpoint.py)."""
     return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, OPTIMIZER))
-            and (zero_layout.holds(path) or dcp_layout.holds(path)))
+            and (zero_layout.holds(path) or dcp_layout.holds(path) or dcp_layout.holds_whole(path)))
 
 
 def _sharded(path: str):
     """The source that reads the folder's shards, or None (_sharded_here)."""
     if not _sharded_here(path):
         return None
-    return zero_layout.Partitions(path) if zero_layout.holds(path) else dcp_layout.Shards(path)
+    if zero_layout.holds(path):
+        return zero_layout.Partitions(path)
+    return dcp_layout.Shards(path) if dcp_layout.holds(path) else dcp_layout.Whole(path)
 
 
 def check(model: nn.Module, optimizer: "AdamW", path: str, file_key: Callable[[str], str] | None = None) -> None:

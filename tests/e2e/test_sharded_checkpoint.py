@@ -150,7 +150,7 @@ def test_a_lora_runs_checkpoint_goes_into_a_model_with_the_same_adapters_on_the_
                        r"it froze 21 parameters, this model freezes 21 \(.*k_proj.*differ\)")
 
 
-@pytest.mark.parametrize("case", ["deepspeed/checkpoint-3", "fsdp/checkpoint-3"])
+@pytest.mark.parametrize("case", ["deepspeed/checkpoint-3", "fsdp/checkpoint-3", "fsdp/full_checkpoint-3"])
 def test_a_trainers_sharded_checkpoint_is_one_a_run_resumes_from(case):
     folder = _folder(case)
     assert trainer_checkpoint.is_trainer_checkpoint(folder)
@@ -248,3 +248,18 @@ def test_the_partitions_pages_are_given_back_as_each_parameter_is_gathered(monke
     flats |= {entry[t].untyped_storage().data_ptr() for rank in source.states for entry in rank.values()
               for t in ("exp_avg", "exp_avg_sq")}
     assert flats and flats <= dropped
+
+
+def test_the_gathered_fsdp_files_pages_are_given_back_as_each_tensor_is_copied(monkeypatch):
+    from megacompile.io import dcp_layout, pages
+    dropped = set()
+    monkeypatch.setattr(pages, "drop", lambda t: dropped.add(t.untyped_storage().data_ptr()) or True)
+    case = "fsdp/full_checkpoint-3"
+    source = dcp_layout.Whole(_folder(case))
+    expected = _expected(case)
+    for name in source.shapes:
+        for table in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(source.tensor(table, name), expected[f"{table}/{name}"])
+    held = {source.model[n].untyped_storage().data_ptr() for n in source.shapes}
+    held |= {source.state[n][t].untyped_storage().data_ptr() for n in source.shapes for t in ("exp_avg", "exp_avg_sq")}
+    assert held and held <= dropped

@@ -43,6 +43,8 @@ def _folder(tmp_path, name, *files):
      ["FSDP checkpoint", "dcp_to_torch_save"]),
     (("trainer_state.json", "pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"),
      ["FSDP checkpoint", "engine.load_trainer_checkpoint('{path}') takes in its fp32 masters", "`resume`"]),
+    (("trainer_state.json", "pytorch_model_fsdp.bin", "optimizer.bin"),
+     ["FSDP checkpoint gathered whole", "engine.load_trainer_checkpoint('{path}') takes in its fp32 masters"]),
     (("recipe_state.pt", "model-00001-of-00001.safetensors"), ["torchtune checkpoint", "recipe_state.pt"]),
 ])
 def test_each_layout_is_named_with_the_way_to_its_weights(tmp_path, files, says):

@@ -5,11 +5,12 @@ itself gathers from it. Run by hand (torch alone; FSDP2 on the CPU, gloo between
 
 Each case trains the Llama of tests/data/deepspeed/make.py with FSDP2 (fully_shard per decoder
 layer, then the model) over two ranks, torch AdamW in the param groups of transformers' Trainer,
-for SAVED_AT steps, and saves what Accelerate's FSDP saves with SHARDED_STATE_DICT, as
-checkpoint-N of a Trainer:
+for SAVED_AT steps, and saves what Accelerate's FSDP saves with SHARDED_STATE_DICT (FULL_STATE_DICT
+for full_*), as checkpoint-N of a Trainer:
 
     CASE/pytorch_model_fsdp_0/   torch.distributed.checkpoint of {"model": the model's state_dict}
     CASE/optimizer_0/            torch.distributed.checkpoint of {"optimizer": get_optimizer_state_dict}
+    (full_*: CASE/pytorch_model_fsdp.bin and CASE/optimizer.bin, the same gathered whole by rank 0)
     CASE/trainer_state.json, config.json
     CASE.expected.safetensors    as tests/data/deepspeed's: master/, exp_avg/, exp_avg_sq/ gathered
                                  whole (full_state_dict), after/ GOING_ON more steps
@@ -30,7 +31,7 @@ _spec = importlib.util.spec_from_file_location("deepspeed_make", os.path.join(HE
 ds = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ds)
 WORLD = 2
-CASES = ("checkpoint-3", "lora_checkpoint-3")
+CASES = ("checkpoint-3", "lora_checkpoint-3", "full_checkpoint-3")     # full_*: FULL_STATE_DICT
 
 
 def run(name: str) -> None:
@@ -71,9 +72,17 @@ def run(name: str) -> None:
     for s in range(ds.SAVED_AT):
         step(s)
     out = os.path.join(HERE, name)
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(out, "pytorch_model_fsdp_0"))
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(out, "optimizer_0"))
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if name.startswith("full_"):      # whole tensors gathered to rank 0, saved by it alone
+        whole = (get_model_state_dict(model, options=full), get_optimizer_state_dict(model, optimizer, options=full))
+        if rank == 0:
+            os.makedirs(out, exist_ok=True)
+            torch.save(whole[0], os.path.join(out, "pytorch_model_fsdp.bin"))
+            torch.save(whole[1], os.path.join(out, "optimizer.bin"))
+    else:
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(out, "pytorch_model_fsdp_0"))
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+                 checkpoint_id=os.path.join(out, "optimizer_0"))
     masters = get_model_state_dict(model, options=full)
     moments = get_optimizer_state_dict(model, optimizer, options=full)     # on rank 0 alone
     expected = {}
