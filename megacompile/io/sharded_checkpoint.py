@@ -174,6 +174,10 @@ def _settings(state: "TrainingState", source: Any, saved_as: dict[str, str], whe
     opt = state.optimizer
     differences = betas_and_eps(opt, source.first_group)
     differences += not_adamw(source.param_groups)
+    lrs = sorted({g["lr"] for g in source.param_groups if isinstance(g.get("lr"), (int, float))})
+    if len(lrs) > 1:        # LoRA+'s groups, or lrs of the user's own: this engine steps all at one lr
+        differences.append(f"its param groups ran at {len(lrs)} learning rates ({', '.join(map(repr, lrs[:4]))}), "
+                           "this engine runs every parameter at one")
     decays = []
     for name, saved in saved_as.items():
         theirs = source.weight_decay(saved)

@@ -263,3 +263,18 @@ def test_the_gathered_fsdp_files_pages_are_given_back_as_each_tensor_is_copied(m
     held = {source.model[n].untyped_storage().data_ptr() for n in source.shapes}
     held |= {source.state[n][t].untyped_storage().data_ptr() for n in source.shapes for t in ("exp_avg", "exp_avg_sq")}
     assert held and held <= dropped
+
+
+def test_param_groups_at_other_learning_rates_are_named():
+    """LoRA+ (or a user's own groups) under DeepSpeed runs its groups at other lrs; this engine runs
+    one: refused under strict, never taken silently."""
+    from megacompile.io import sharded_checkpoint, zero_layout
+    from megacompile.state.training import TrainingState
+    case = "deepspeed/zero2"
+    source = zero_layout.Partitions(_folder(case))
+    source.param_groups[1]["lr"] = 2 * make.LR
+    state = TrainingState(_model(case), _adamw(), compute_dtype=torch.float32, grad_accum=1)
+    with pytest.raises(MegacompileError, match=r"its param groups ran at 2 learning rates \(0\.01, 0\.02\)"):
+        sharded_checkpoint.read(state, source, _folder(case))
+    _, _, notes, _ = sharded_checkpoint.read(state, source, _folder(case), strict=False)
+    assert "2 learning rates" in notes[0]
