@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -43,7 +44,9 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def build_model(path: str) -> nn.Module:
+def build_model(path: str, edit: Callable | None = None) -> nn.Module:
+    """The model of the folder `path` with its weights on meta, as its config.json builds it
+    (`edit`: called with the config first, a run's changes to it)."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise WeightsFileError(f"{path} has no config.json: from_pretrained builds the model from it")
@@ -57,6 +60,8 @@ def build_model(path: str) -> nn.Module:
     check_attention_shape(config)
     refuse_quantized_weights(config, path)
     config.use_cache = False
+    if edit is not None:
+        edit(config)
     with parameters_on_meta():
         model = auto_class(config).from_config(config, dtype=torch.float32)
         # no_init_weights also skips the tying that init_weights does (tie_word_embeddings)

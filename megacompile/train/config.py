@@ -19,6 +19,7 @@ from .config_data import check_data, check_media, lay_tools
 from .config_values import choice, flag, folder_or_file, integer, loggers, number, numeric, text, warmup
 from .data import entries
 from . import preemption
+from . import router_loss
 from . import intervals
 from . import their_keys
 from ..errors import ArgumentError
@@ -112,6 +113,7 @@ class RunConfig:
     use_dora: bool = False              # DoRA: a learned magnitude per output beside each adapter (PEFT's)
     use_rslora: bool = False            # rank-stabilised LoRA: the adapters' scale is lora_alpha / sqrt(lora_rank)
     loraplus_lr_ratio: float | None = None   # LoRA+: the adapters' B (and trained 1-D parameters) at lr x this
+    moe_aux_loss_coef: float | None = None   # the routers' load-balancing loss on, at this weight (router_loss.py)
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
     # dpo, kto and rm, as TRL's and LlamaFactory's trainers of them default, false otherwise
     disable_dropout: bool | None = None
@@ -428,6 +430,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     from .stages.keys import check as check_stage
     folder = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
     check_stage(c, raw, folder)
+    router_loss.check(c)
     if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
         for entry in c.data + c.eval:
             entry["pretrain"] = True

@@ -3,6 +3,7 @@
 and, for global_batch, the micro-batch and accumulation the planner chooses."""
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import os
@@ -20,7 +21,7 @@ from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..optim import AdamW, hf_no_decay
 from ..planner import minimum_budget_of
 from ..settings import Settings, default_hbm_budget
-from . import beside, methods
+from . import beside, methods, router_loss
 from .config import DROPOUT_OFF, RunConfig
 
 GiB = 2 ** 30
@@ -56,10 +57,16 @@ def meta_model(c: RunConfig) -> nn.Module:
             refuse_quantized_weights(config, c.model)
         if getattr(config, "vision_config", None) is not None:   # as the folder's weights are built
             config.use_cache = False
+            router_loss.edit(config, c, c.model)
             with torch.device("meta"):
                 return auto_class(config).from_config(config)
     from ..planner import model_from_config
-    return model_from_config(c.model)
+    model = model_from_config(c.model)
+    if c.moe_aux_loss_coef is None:
+        return model
+    config = copy.deepcopy(model.config)      # the config as transformers reads it, then the run's change
+    router_loss.edit(config, c, c.model)
+    return model_from_config(config)
 
 
 def check_isolation(model: nn.Module) -> None:
@@ -136,7 +143,7 @@ def make_module(c: RunConfig, meta: nn.Module, wrap=None, quiet: bool = False) -
         module = methods.lora_skeleton(c)      # adapters made, the base on meta: it streams from the files
     elif folder:
         from ..io.hf_load import build_model
-        module = build_model(c.model)
+        module = build_model(c.model, edit=lambda config: router_loss.edit(config, c, c.model))
     else:                                           # a config: random init, seeded
         from ..io.hf_load import auto_class
         module = auto_class(meta.config).from_config(meta.config, dtype=torch.float32)

@@ -66,8 +66,6 @@ NOT_TAKEN = {
     "use_unsloth_gc": "the planner chooses what to recompute and what to offload to host memory",
     "shift_attn": "not supported: attention is the model's own (no shifted sparse attention)",
     "mixture_of_depths": "not supported: every token passes through every block",
-    "moe_aux_loss_coef": "not supported: the router's auxiliary loss is the model config's own "
-                         "(output_router_logits and router_aux_loss_coef in config.json)",
     "use_kt": "not supported: megacompile streams the weights itself (KTransformers is not used)",
     "kt_optimize_rule": "not supported: megacompile streams the weights itself (KTransformers is not used)",
     "use_fast_tokenizer": "the tokenizer is transformers' AutoTokenizer, the fast one where the folder has it",

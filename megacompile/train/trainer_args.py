@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_SAME_AS_LOSS = "not supported: the router's auxiliary loss is the model config's own (output_router_logits and " \
-                "router_aux_loss_coef in config.json)"
+_ROUTER_LOSS = "moe_aux_loss_coef: VALUE turns the routers' load-balancing loss on at that weight (LlamaFactory's key)"
 _COMPILE = "megacompile compiles the step itself (fuse: true runs its fused kernels)"
 _PLACES = "megacompile places weights and optimizer state itself (data parallelism: torchrun, docs/distributed.md)"
 _BEST = "not supported: the model written at the end is the last step's"
@@ -52,7 +51,7 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "liger_kernel_config": ((None,), "fuse: true runs megacompile's own fused kernels"),
     "optim_args": ((None,), "megacompile trains with AdamW; its betas, eps and weight_decay are keys of their own"),
     "optim_target_modules": ((None,), "not supported: megacompile trains with AdamW"),
-    "router_aux_loss_coef": ((None,), _SAME_AS_LOSS),
+    "router_aux_loss_coef": ((None,), _ROUTER_LOSS),
     "use_cpu": ((False,), "device: cpu"),
     "precompute_ref_batch_size": ((None,), "the reference pass runs batch rows at a time"),
     "train_sampling_strategy": (("random", "sequential"), "not supported: rows are ordered by seed, not by length"),

@@ -131,7 +131,6 @@ def test_llamafactorys_keys_at_their_defaults_are_accepted(tmp_path, capsys):
     ("use_fast_tokenizer", False, "use_fast_tokenizer -> the tokenizer is transformers' AutoTokenizer"),
     ("infer_backend", "vllm", "infer_backend -> not supported: megacompile trains"),
     ("export_dir", "out", "export_dir -> export: FOLDER writes the trained model"),
-    ("moe_aux_loss_coef", 0.01, "moe_aux_loss_coef -> not supported: the router's auxiliary loss is the model"),
     ("image_resolution", 512, "image_resolution -> image_max_pixels"),
     ("loraplus_lr_embedding", 1e-4, "loraplus_lr_embedding -> not supported: adapters sit on Linear modules alone"),
 ])

@@ -1,0 +1,52 @@
+"""`moe_aux_loss_coef` (LlamaFactory's key): a mixture-of-experts model trains with its routers'
+load-balancing loss added to the language-model loss, at this coefficient.
+
+transformers' MoE models compute that loss themselves where their config asks for it
+(`output_router_logits`), times the config's `router_aux_loss_coef`, and add it to the loss their
+forward returns with labels; megacompile captures it with exact gradients (docs/families.md). The
+key sets those two fields of the config before the model is built, as LlamaFactory does (a
+vision-language model's are its text_config's), so the config.json an export writes says what was
+trained. Null or 0 leaves the folder's config.json as it is, as in LlamaFactory.
+
+Stages sft and pt train the model's own loss, which holds the term. The preference and RL stages
+train an objective of the logits alone, as LlamaFactory's trainers of them do; the key is refused
+there rather than taken and left without effect.
+"""
+from __future__ import annotations
+
+from ..errors import ArgumentError
+from .config_values import number
+
+KEY = "moe_aux_loss_coef"
+STAGES = ("sft", "pt")      # the stages whose loss is the model's own, the routers' term in it
+
+
+def check(c) -> None:
+    """The coefficient read (None for null and 0: the config's own), and refused where no loss takes it."""
+    coef = None if c.moe_aux_loss_coef is None else number(KEY, c.moe_aux_loss_coef, 0.0)
+    c.moe_aux_loss_coef = coef or None
+    if c.moe_aux_loss_coef is None:
+        return
+    if c.bundled:
+        raise ArgumentError(f"{KEY}: the bundled model has no experts, so no router loss; leave {KEY} out")
+    if c.stage not in STAGES:
+        raise ArgumentError(f"{KEY} adds the routers' load-balancing loss to the language-model loss, which stages "
+                            f"sft and pt train; stage {c.stage} trains its objective from the logits alone (as "
+                            f"LlamaFactory's {c.stage} trainer does, whatever {KEY} says): leave {KEY} out")
+
+
+def edit(config, c, source: str) -> None:
+    """Turn the router loss on in `config` (a transformers PretrainedConfig, changed in place) at the
+    run's coefficient; nothing without one. `source` names the config in the refusal."""
+    coef = c.moe_aux_loss_coef
+    if coef is None:
+        return
+    holder = config if hasattr(config, "router_aux_loss_coef") else getattr(config, "text_config", None)
+    if holder is None or not hasattr(holder, "router_aux_loss_coef") or not hasattr(holder, "output_router_logits"):
+        kind = getattr(config, "model_type", type(config).__name__)
+        raise ArgumentError(f"{KEY} {coef:g}: the {kind} model of {source} computes no router load-balancing loss "
+                            "in transformers (its config has no router_aux_loss_coef): a dense model routes nothing, "
+                            "and some MoE families balance their experts otherwise (DeepSeek-V3's score-correction "
+                            f"bias); leave {KEY} out")
+    holder.output_router_logits = True
+    holder.router_aux_loss_coef = coef
