@@ -63,6 +63,18 @@ def is_trainer_checkpoint(path: str) -> bool:
             or _sharded_here(path))
 
 
+def named(path: str) -> str:
+    """What a run's log calls the checkpoint (is_trainer_checkpoint) it starts from."""
+    if zero_layout.holds(path):
+        sharded = "DeepSpeed ZeRO"
+    elif dcp_layout.holds(path) or dcp_layout.holds_whole(path):
+        sharded = "FSDP"
+    else:
+        return "the Trainer checkpoint"
+    by_a_trainer = os.path.isfile(os.path.join(path, TRAINER_STATE))
+    return f"the Trainer's {sharded} checkpoint" if by_a_trainer else f"the {sharded} checkpoint"
+
+
 def _sharded_here(path: str) -> bool:
     """Whether the folder's optimizer state is another trainer's shards (DeepSpeed ZeRO's
     partitions, FSDP's) in place of an optimizer.pt (sharded_checkpoint.py)."""

@@ -123,7 +123,9 @@ class Partitions:
         optim = [load(f).get("optimizer_state_dict") for f in self.ranks]
         if any(not isinstance(o, dict) for o in optim):
             raise WeightsFileError(f"{folder}: an optim_states file holds no optimizer_state_dict")
-        self.stage = 3 if "fp32_flat_groups" in optim[0] else 1
+        self.stage = 3 if "fp32_flat_groups" in optim[0] else 1      # the layout: stages 1 and 2 share one
+        written = getattr(optim[0].get("zero_stage"), "args", ())     # DeepSpeed's ZeroStageEnum(n)
+        self.named = f"ZeRO stage {written[0] if len(written) == 1 and isinstance(written[0], int) else self.stage}"
         key = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
         inner = "optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"
         try:
@@ -131,7 +133,7 @@ class Partitions:
             self.states = [o[inner]["state"] for o in optim]
             self.param_groups = optim[0][inner]["param_groups"]
         except (KeyError, TypeError) as e:
-            raise WeightsFileError(f"{folder}: its optim_states files lack {e} of ZeRO stage {self.stage}'s "
+            raise WeightsFileError(f"{folder}: its optim_states files lack {e} of {self.named}'s "
                                    "layout; nothing was loaded") from e
         kinds = [set(entry) for st in self.states for entry in st.values()]
         if any(not {"exp_avg", "exp_avg_sq"} <= k or k - {"step", "exp_avg", "exp_avg_sq"} for k in kinds):
@@ -171,7 +173,7 @@ class Partitions:
             fits = all(h == offset for h in held) if self.stage == 3 else offset <= sum(held)
             if not fits:
                 raise WeightsFileError(f"{self.folder}: flat group {flat} holds {held} elements on its ranks, its "
-                                       f"parameters need {offset} (ZeRO stage {self.stage}); nothing was loaded")
+                                       f"parameters need {offset} ({self.named}); nothing was loaded")
         return slots
 
     # -- what io/sharded_checkpoint.py reads of a source ---------------------------------------

@@ -245,9 +245,9 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     # model it was given (TRL's, for a PEFT policy, the base with the adapter disabled).
     if imported is not None:
         _take_in(c, engine, imported, stage.objective is not None)
-        print(f"  resumed        from the Trainer checkpoint {imported} at step {engine.steps_done} (its weights, "
-              "AdamW moments and steps; the data from this run's first row: the Trainer's order is its own)",
-              flush=True)
+        print(f"  resumed        from {trainer_checkpoint.named(imported)} {imported} at step {engine.steps_done} "
+              "(its weights, AdamW moments and steps; the data from this run's first row: the trainer's order is its "
+              "own)", flush=True)
     elif resume_from is None and c.adapter is not None:
         engine.load_adapter(c.adapter)
         print(f"  adapter        from {c.adapter} (its weights; AdamW starts afresh)", flush=True)

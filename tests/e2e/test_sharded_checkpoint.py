@@ -278,3 +278,10 @@ def test_param_groups_at_other_learning_rates_are_named():
         sharded_checkpoint.read(state, source, _folder(case))
     _, _, notes, _ = sharded_checkpoint.read(state, source, _folder(case), strict=False)
     assert "2 learning rates" in notes[0]
+
+
+@pytest.mark.parametrize("case, stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])
+def test_the_stage_a_refusal_names_is_the_one_deepspeed_wrote(case, stage):
+    """ZeRO 1 and 2 share one layout: the messages name the stage the files say, not the layout's."""
+    from megacompile.io.zero_layout import Partitions
+    assert Partitions(os.path.join(DATA, "deepspeed", case)).named == f"ZeRO stage {stage}"

@@ -72,7 +72,8 @@ def test_a_run_resumed_from_a_sharded_checkpoint_goes_on_from_the_trainers_maste
                             run_dir=str(tmp_path / "run"), log_every=1, save_every=STEPS,
                             resume_from_checkpoint=checkpoint), [])
     run(c)
-    assert f"resumed        from the Trainer checkpoint {checkpoint} at step {make.SAVED_AT}" in capsys.readouterr().out
+    named = "the DeepSpeed ZeRO checkpoint" if case.startswith("deepspeed") else "the Trainer's FSDP checkpoint"
+    assert f"resumed        from {named} {checkpoint} at step {make.SAVED_AT}" in capsys.readouterr().out
     logged = log.read(os.path.join(c.run_dir, "log.csv"))
     assert [int(r["step"]) for r in logged] == list(range(make.SAVED_AT + 1, STEPS + 1))
     rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
