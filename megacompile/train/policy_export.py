@@ -33,14 +33,14 @@ def export_reward_model(engine, path: str, tokenizer, dtype: torch.dtype, overwr
     AutoModelForSequenceClassification."""
     from transformers import AutoModelForSequenceClassification
 
-    from .methods import merged, scaling
+    from .methods import merged, scaling, transposed
     engine.synchronize()
     weights = dict(engine.state_dict())
     adapters = getattr(engine.model, "adapters", None)
     if adapters is not None and not merge:
         return _reward_adapter(weights, adapters, path, tokenizer, overwrite, source)
     if adapters is not None:
-        weights = merged(weights, scaling(adapters))
+        weights = merged(weights, scaling(adapters), transposed(engine.model))
     config = engine.model.model.config.__class__.from_dict(engine.model.model.config.to_dict())
     config.num_labels = 1       # id2label and label2id follow
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -33,7 +33,7 @@ from ...errors import ArgumentError
 from ...optim import MAX_LR, MAX_RATIO
 from . import vision_freeze
 from .freeze import freeze
-from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, scaling, with_adapters
+from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, scaling, transposed, with_adapters
 from .names import names
 
 TYPES = ("full", "lora", "freeze")

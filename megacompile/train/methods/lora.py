@@ -130,11 +130,20 @@ def scaling(config) -> float:
     return config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
 
 
-def merged(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+def transposed(model: nn.Module) -> frozenset[str]:
+    """The names of `model`'s LoRA layers over a weight held (in, out), as GPT-2's Conv1D holds it
+    (PEFT's fan_in_fan_out): their B A is added transposed."""
+    return frozenset(name for name, m in model.named_modules()
+                     if hasattr(m, "lora_A") and getattr(m, "fan_in_fan_out", False) is True)
+
+
+def merged(state: dict[str, torch.Tensor], scaling: float, transposed: frozenset[str] = frozenset()
+           ) -> dict[str, torch.Tensor]:
     """A PEFT-wrapped module's state_dict with each adapter added into its base weight,
     W + scaling B A (in float32), under the base model's names (no `base_layer`, no adapters). With
     DoRA's magnitude m beside it, that sum is scaled row by row to m: m / ||W + s B A|| (each
-    output's norm over its inputs), as PEFT's merge does."""
+    output's norm over its inputs), as PEFT's merge does. The layers named in `transposed`
+    (transposed(model)) hold W as (in, out): the sum and the norms are taken on W's transpose."""
     adapter = (".lora_A.", ".lora_B.", ".lora_magnitude_vector.")
     out = {k.replace(".base_layer.", "."): t for k, t in state.items() if not any(a in k for a in adapter)}
     for key, a in state.items():
@@ -142,10 +151,13 @@ def merged(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Te
             owner, name = key.split(".lora_A.")
             weight = owner + ".weight"
             b = state[key.replace(".lora_A.", ".lora_B.")]
-            out[weight] = out[weight].float() + scaling * (b.float() @ a.float())
+            flip = owner in transposed
+            w = out[weight].float().T if flip else out[weight].float()        # (out, in)
+            w = w + scaling * (b.float() @ a.float())
             magnitude = state.get(f"{owner}.lora_magnitude_vector.{name}")
             if magnitude is not None:
-                out[weight] = out[weight] * (magnitude.float() / out[weight].norm(dim=1)).unsqueeze(1)
+                w = w * (magnitude.float() / w.norm(dim=1)).unsqueeze(1)
+            out[weight] = w.T.contiguous() if flip else w
     return out
 
 
