@@ -89,6 +89,24 @@ class AdamW:
         return float(lr)
 
 
+def check_step_lr(lr: float, weight_decay: float, top_ratio: float, step: int) -> None:
+    """The lr one step runs at (a schedule's, or what was written into the LR handle's param group),
+    bounded as a constant lr is when AdamW is made: refused before the step runs, so that no
+    master moves by more than MAX_LR and no decay erases a weight."""
+    where = f"step {step} runs at lr {lr:g}"
+    if lr > MAX_LR:
+        raise OptimizerInputError(f"{where}, above {MAX_LR:g} (each step moves every weight by about lr): the schedule "
+                                  "or engine.torch_optimizer.param_groups[0]['lr'] gave it; nothing was updated")
+    if lr * top_ratio > MAX_LR:
+        raise OptimizerInputError(f"{where}, and lr_ratios steps a parameter at {top_ratio:g} x that = "
+                                  f"{lr * top_ratio:g}, above {MAX_LR:g} (each step moves a weight by about its lr): "
+                                  "give smaller ratios or a smaller schedule; nothing was updated")
+    if lr * weight_decay >= 1:
+        raise OptimizerInputError(f"{where} with weight_decay {weight_decay:g}: AdamW multiplies each weight by "
+                                  f"1 - lr * weight_decay = {1 - lr * weight_decay:g}, erasing or flipping it; give "
+                                  "lr * weight_decay < 1; nothing was updated")
+
+
 def _real(x: object) -> bool:
     """A real number, not a bool (True would read as 1) nor a string."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)

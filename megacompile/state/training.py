@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import MegacompileError, PartialStepError
-from ..optim import AdamW
+from ..optim import AdamW, check_step_lr
 from ..optim.host_update import HostUpdate
 from ..optim.lr_handle import LearningRateHandle
 from ..optim.lr_ratio import parameter_ratios
@@ -240,4 +240,5 @@ class TrainingState:
         context = self.torch_optimizer.settings()
         if callable(opt.lr):
             context["lr"] = opt.lr_at(step)
+        check_step_lr(context["lr"], context["weight_decay"], max(self.lr_ratios.values(), default=1.0), step)
         return context | {"step": step, "grad_scale": 1.0}

@@ -75,6 +75,32 @@ def test_bad_ratios_and_unknown_names_are_refused():
                             optimizer=megacompile.AdamW(lr_ratios={"transformer.ln_f.wieght": 2.0}))
 
 
+@pytest.mark.parametrize("how, says", [
+    ("schedule", r"step 2 runs at lr 0.02, and lr_ratios steps a parameter at 100 x that = 2, above 1"),
+    ("param_groups", r"step 2 runs at lr 0.5 with weight_decay 4: AdamW multiplies each weight by 1 - lr"),
+    ("param_groups_lr", r"step 2 runs at lr 3, above 1 .*param_groups\[0\]\['lr'\] gave it"),
+])
+def test_a_steps_lr_out_of_bounds_is_refused_before_anything_moves(how, says):
+    """A schedule (a function of the step) or a value written into the LR handle's param group is
+    held to the bounds a constant lr is held to when AdamW is made, each step, before it runs."""
+    name = "transformer.h.0.mlp.0.weight"
+    lr = (lambda step: 0.01 * step) if how == "schedule" else 0.01
+    engine = megacompile.compile(_model(), hbm_budget=1.0, device="cpu", optimizer=megacompile.AdamW(
+        lr=lr, weight_decay=0.0 if how == "schedule" else 0.1, lr_ratios={name: 100.0} if how == "schedule" else ()))
+    ids = _batches(1)[0]
+    engine.step(idx=ids, targets=ids)
+    if how == "param_groups":
+        engine.torch_optimizer.param_groups[0].update(lr=0.5, weight_decay=4.0)
+    elif how == "param_groups_lr":
+        engine.torch_optimizer.param_groups[0]["lr"] = 3.0
+    before = {n: t.clone() for n, t in engine.state_dict().items()}
+    with pytest.raises(OptimizerInputError, match=says):
+        engine.step(idx=ids, targets=ids)
+    assert engine.steps_done == 1
+    assert all(torch.equal(t, before[n]) for n, t in engine.state_dict().items())
+    engine.close()
+
+
 def test_a_checkpoint_keeps_its_ratios_and_an_engine_of_other_ratios_is_refused(tmp_path):
     batches = _batches(2)
     first = megacompile.compile(_model(), hbm_budget=1.0, device="cpu",
