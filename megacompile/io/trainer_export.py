@@ -4,7 +4,8 @@
                     a LoRA model's: PEFT's adapter (adapter_config.json, adapter_model.safetensors,
                     the adapters' fp32 masters) and the tokenizer files of the folder the model
                     came from, as a LoRA run's Trainer writes it
-        optimizer.pt        torch.optim.AdamW's state_dict over the Trainer's two param groups
+        optimizer.pt        torch.optim.AdamW's state_dict over the Trainer's two param groups (with
+                            AdamW lr_ratios, LlamaFactory's LoRA+ four)
         scheduler.pt        the LambdaLR's step count (its base rates stay the resuming Trainer's)
         trainer_state.json  global_step, train_batch_size (the Trainer compares it with its own) and
                             the logging, eval and save intervals (the Trainer takes them from here)
@@ -27,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -62,13 +63,8 @@ def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str
             "megacompile.hf_no_decay; this engine's AdamW no_decay exempts other parameters "
             f"({_some(set(state.no_decay) ^ set(theirs))}), so a Trainer would resume them under another decay: "
             "compile with AdamW(no_decay=megacompile.hf_no_decay)")
-    if state.lr_ratios:
-        raise MegacompileError(
-            "save_trainer_checkpoint writes the Trainer's two param groups at one lr; this engine's AdamW lr_ratios "
-            f"steps {len(state.lr_ratios)} parameters at other lrs ({_some(set(state.lr_ratios))}), which a Trainer "
-            "would resume at its one lr: save_checkpoint keeps them")
+    groups = _groups(state, trainable, theirs)
     state.wait_updates()
-    groups = [[n for n in trainable if n not in theirs], [n for n in trainable if n in theirs]]
     tmp = durable.partial_path(path)
     try:
         if lora_adapter.peft_model(state.model) is not None:      # PEFT's adapter, as a LoRA run's Trainer saves
@@ -80,7 +76,7 @@ def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str
             hf_save.save_pretrained(state, tmp, dtype=torch.float32)
         torch.save(_optimizer(state, groups), os.path.join(tmp, "optimizer.pt"))
         torch.save({"last_epoch": state.steps_done, "_step_count": state.steps_done + 1,
-                    "_last_lr": [_next_lr(state)] * len(groups), "lr_lambdas": [None] * len(groups)},
+                    "_last_lr": [_next_lr(state) * g.ratio for g in groups], "lr_lambdas": [None] * len(groups)},
                    os.path.join(tmp, "scheduler.pt"))
         durable.write_text(os.path.join(tmp, "trainer_state.json"),
                            json.dumps({"global_step": state.steps_done, "train_batch_size": batch_size,
@@ -93,27 +89,57 @@ def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str
         raise
 
 
-def _optimizer(state: "TrainingState", groups: list[list[str]]) -> dict:
+class Group(NamedTuple):
+    names: list[str]
+    ratio: float             # its lr over the schedule's
+    weight_decay: float
+
+
+def _groups(state: "TrainingState", trainable: list[str], exempt: set[str]) -> list[Group]:
+    """The param groups a Trainer makes for this engine's AdamW: its two, decayed and exempt; with
+    lr_ratios of one ratio, LlamaFactory's LoRA+ four (trainer_checkpoint._layouts reads them back):
+    lr and decayed (the A matrices), lr x ratio decayed and exempt (each B, the 1-D parameters), and
+    its group for adapters on embeddings (none: adapters sit on Linear modules alone)."""
+    wd = state.optimizer.weight_decay
+    if not state.lr_ratios:
+        return [Group([n for n in trainable if n not in exempt], 1.0, wd), Group([n for n in trainable if n in exempt],
+                                                                                 1.0, 0.0)]
+    ratios = sorted(set(state.lr_ratios.values()))
+    at_lr = [n for n in trainable if n not in state.lr_ratios]
+    held = [n for n in at_lr if n in exempt]
+    if len(ratios) > 1 or held:
+        why = (f"its ratios are {', '.join(f'{r:g}' for r in ratios)}" if len(ratios) > 1 else
+               f"{_some(set(held))} step at lr yet are exempt from weight decay, which that group applies")
+        raise MegacompileError(
+            "save_trainer_checkpoint writes the Trainer's param groups: with AdamW lr_ratios, LlamaFactory's LoRA+ "
+            f"four (one ratio for each B and every 1-D parameter); this engine's lr_ratios do not fit them ({why}), "
+            "so a Trainer would resume them at other lrs: save_checkpoint keeps them")
+    scaled = [n for n in trainable if n in state.lr_ratios]
+    return [Group(at_lr, 1.0, wd), Group([n for n in scaled if n not in exempt], ratios[0], wd),
+            Group([n for n in scaled if n in exempt], ratios[0], 0.0), Group([], 1.0, wd)]
+
+
+def _optimizer(state: "TrainingState", groups: list[Group]) -> dict:
     """torch.optim.AdamW's state_dict: every parameter numbered across the groups in order; one that
     never took a step has no state, as torch keeps it."""
     opt, host = state.optimizer, state.host
     tables = None if host is not None else unbuilt.tables(state)[0]
     moments, index = {}, 0
-    for names in groups:
-        for name in names:
+    for group in groups:
+        for name in group.names:
             steps = state.adamw_step(name)
             if steps > 0:
                 pair = [_moment(host, t, name) if host is not None else _waiting(tables, t, name, state)
                         for t in ("exp_avg", "exp_avg_sq")]
                 moments[index] = {"step": torch.tensor(float(steps)), "exp_avg": pair[0], "exp_avg_sq": pair[1]}
             index += 1
-    settings = {"lr": _next_lr(state), "betas": tuple(opt.betas), "eps": opt.eps, "amsgrad": False, "maximize": False,
-                "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-                "decoupled_weight_decay": True}
-    numbered, first = [], 0
-    for names, decay in zip(groups, (opt.weight_decay, 0.0)):
-        numbered.append({**settings, "weight_decay": decay, "params": list(range(first, first + len(names)))})
-        first += len(names)
+    settings = {"betas": tuple(opt.betas), "eps": opt.eps, "amsgrad": False, "maximize": False, "foreach": None,
+                "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+    numbered, first, lr = [], 0, _next_lr(state)
+    for group in groups:
+        numbered.append({"lr": lr * group.ratio, **settings, "weight_decay": group.weight_decay,
+                         "params": list(range(first, first + len(group.names)))})
+        first += len(group.names)
     return {"state": moments, "param_groups": numbered}
 
 

@@ -229,10 +229,11 @@ def test_taken_in_then_saved_before_any_step_the_checkpoint_holds_the_trainers_s
     assert all(torch.equal(a, b) for a, b in zip(taken.state_dict().values(), again.state_dict().values()))
 
 
-def resumed_trainer(model, folder: str, **schedule) -> tuple[list[float], list[torch.Tensor]]:
+def resumed_trainer(model, folder: str, groups: list[dict] | None = None, **schedule
+                    ) -> tuple[list[float], list[torch.Tensor]]:
     """transformers' Trainer over `model` resumed from `folder` to step 4 on BATCHES' rows, with
-    this file's AdamW and `schedule` (its lr_scheduler_type, ...): (its logged losses, the
-    input_ids it fed each resumed step)."""
+    this file's AdamW (over `groups`, as a trainer that makes its own optimizer hands it over) and
+    `schedule` (its lr_scheduler_type, ...): (its logged losses, the input_ids it fed each resumed step)."""
     from transformers import Trainer, TrainingArguments
     fed: list[torch.Tensor] = []
 
@@ -246,7 +247,8 @@ def resumed_trainer(model, folder: str, **schedule) -> tuple[list[float], list[t
                              learning_rate=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
                              adam_epsilon=EPS, max_grad_norm=0.0, report_to=[], use_cpu=True, logging_steps=1,
                              disable_tqdm=True, save_strategy="no", **schedule)
-    trainer = Recording(model=model, args=args, train_dataset=rows)
+    optimizers = (None, None) if groups is None else (torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS), None)
+    trainer = Recording(model=model, args=args, train_dataset=rows, optimizers=optimizers)
     trainer.train(resume_from_checkpoint=folder)
     assert trainer.state.global_step == 4 and len(fed) == 2
     return [e["loss"] for e in trainer.state.log_history if "loss" in e], fed
@@ -444,6 +446,47 @@ def test_the_trainer_resumes_a_lora_run_from_the_adapter_and_moments_the_engine_
                                 optimizer=megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                                                             no_decay=megacompile.hf_no_decay))
     again.load_trainer_checkpoint(folder)
+    assert [again.step(input_ids=ids, labels=ids) for ids in fed] == ours
+
+
+def test_a_loraplus_runs_checkpoint_is_llamafactorys_four_groups_and_the_trainer_resumes_it(tmp_path):
+    """With AdamW lr_ratios of one ratio on each B (LoRA+, run.yaml's loraplus_lr_ratio) the checkpoint
+    holds LlamaFactory's LoRA+ param groups: a Trainer handed that optimizer (LlamaFactory's
+    create_custom_optimizer) resumes from it and its steps land where the engine's do; the engine's own
+    import reads the groups back."""
+    from megacompile.train.methods.lora import file_key
+    from tests.train.files import tokenizer
+    from tests.train.finetune_runs import loraplus_groups
+    ratio = 16.0
+    base = str(tmp_path / "base")
+    _llama(tied=False).save_pretrained(base)
+    tokenizer().save_pretrained(base)
+
+    def adamw(model):
+        plus = {n: ratio for n, p in model.named_parameters() if p.requires_grad and ("lora_B" in n or p.ndim == 1)}
+        return megacompile.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, no_decay=megacompile.hf_no_decay,
+                                 lr_ratios=plus)
+    model = _with_lora(LlamaForCausalLM.from_pretrained(base), seed=1)
+    engine = compile_folder(model, base, 1.0, file_key=file_key, device="cpu", optimizer=adamw(model))
+    for ids in BATCHES[:SAVED_AT]:
+        engine.step(input_ids=ids, labels=ids)
+    folder = str(tmp_path / "out" / "checkpoint-2")
+    engine.save_trainer_checkpoint(folder, batch_size=2, logging_steps=1)
+    groups = torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True)["param_groups"]
+    assert [len(g["params"]) for g in groups] == [4, 4, 0, 0]
+    assert [g["lr"] for g in groups] == pytest.approx([LR, LR * ratio, LR * ratio, LR])
+    assert [g["weight_decay"] for g in groups] == [WD, WD, 0.0, WD]
+
+    theirs_model = _with_lora(LlamaForCausalLM.from_pretrained(base), seed=2)     # other adapters until the resume
+    theirs, fed = resumed_trainer(theirs_model, folder, loraplus_groups(theirs_model, LR, WD, ratio),
+                                  lr_scheduler_type="constant")
+    ours = [engine.step(input_ids=ids, labels=ids) for ids in fed]
+    assert ours == pytest.approx(theirs, rel=1e-4)      # the Trainer logs its losses rounded to 4 digits
+    errors = weight_errors(engine, theirs_model)
+    assert max(errors.values()) <= 1e-5, errors
+    again_model = _with_lora(LlamaForCausalLM.from_pretrained(base), seed=3)
+    again = megacompile.compile(again_model, 1.0, device="cpu", optimizer=adamw(again_model))
+    again.load_trainer_checkpoint(folder, strict=True)
     assert [again.step(input_ids=ids, labels=ids) for ids in fed] == ours
 
 
