@@ -113,6 +113,7 @@ class RunConfig:
     use_dora: bool = False              # DoRA: a learned magnitude per output beside each adapter (PEFT's)
     use_rslora: bool = False            # rank-stabilised LoRA: the adapters' scale is lora_alpha / sqrt(lora_rank)
     loraplus_lr_ratio: float | None = None   # LoRA+: the adapters' B (and trained 1-D parameters) at lr x this
+    additional_target: Any = None       # LoRA: modules trained whole beside the adapters (PEFT's modules_to_save)
     moe_aux_loss_coef: float | None = None   # the routers' load-balancing loss on, at this weight (router_loss.py)
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
     # dpo, kto and rm, as TRL's and LlamaFactory's trainers of them default, false otherwise

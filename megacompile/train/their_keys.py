@@ -46,8 +46,6 @@ NOT_TAKEN = {
     "pissa_init": "not supported: the adapters are initialised as PEFT's default LoRA",
     "loraplus_lr_embedding": "not supported: adapters sit on Linear modules alone (lora_target), none on an "
                              "embedding for it to apply to; its default, 1e-06, is taken",
-    "additional_target": "not supported with LoRA; finetuning_type: freeze with freeze_extra_modules trains "
-                         "whole modules",
     # kernels, precision, memory
     "quantization_bit": "not supported: the weights train in float32 masters; what does not fit the GPU streams "
                         "from host memory (host_budget) or disk (nvme_dir)",

@@ -3,7 +3,8 @@
     lora    the model wrapped by PEFT (LoraConfig + get_peft_model): the base weights frozen, only
             the adapters trained (fp32 masters and AdamW state for them alone); lora_target names
             the Linear modules (their last name: q_proj, ...) or `all`, every Linear of the
-            decoder blocks (not lm_head).
+            decoder blocks (not lm_head); additional_target names modules trained whole beside
+            them (PEFT's modules_to_save).
     freeze  freeze_trainable_layers N: the last N decoder blocks trained (-N: the first N);
             freeze_trainable_modules: which modules of those blocks (all, or names);
             freeze_extra_modules: modules trained besides (embed_tokens, lm_head, norm).
@@ -38,7 +39,8 @@ from .names import names
 
 TYPES = ("full", "lora", "freeze")
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_dora", "use_rslora", "loraplus_lr_ratio",
-             "merge_adapter")
+             "additional_target", "merge_adapter")
+WHOLE_STAGES = ("sft", "pt")        # the stages whose objective trains additional_target's copies as PEFT does
 FREEZE_KEYS = ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules")
 
 
@@ -82,6 +84,12 @@ def check(c, raw: dict) -> None:
         raise ArgumentError(f"loraplus_lr_ratio {ratio:g} with lr {c.lr:g} trains each adapter's B at lr "
                             f"{c.lr * ratio:g}, above the {MAX_LR:g} AdamW can train with; LoRA+ takes ratios of "
                             "2 to 256 (16 is usual)")
+    whole = c.additional_target
+    c.additional_target = [] if whole is None else names("additional_target", whole, allow_all=False)
+    if c.additional_target and c.stage not in WHOLE_STAGES:
+        raise ArgumentError(f"additional_target trains whole modules beside the adapters in stages sft and pt; under "
+                            f"stage {c.stage} the reference would be the policy's own copies, not the base's modules: "
+                            "leave it out (or train those modules in an sft run first)")
     if not isinstance(c.merge_adapter, bool):
         raise ArgumentError(f"merge_adapter must be true (export the merged model) or false (export the adapter); "
                             f"got {c.merge_adapter!r}")
@@ -167,7 +175,8 @@ def apply(c, model: nn.Module) -> nn.Module:
     its requires_grad set, for freeze). On the meta device too: the names are checked there."""
     if c.finetuning_type == "lora":
         wrapped = with_adapters(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target,
-                                base_dtype(c.compute_dtype), dora=c.use_dora, rslora=c.use_rslora)
+                                base_dtype(c.compute_dtype), dora=c.use_dora, rslora=c.use_rslora,
+                                whole=c.additional_target)
         vision_freeze.apply(c, wrapped)
         return wrapped
     if c.finetuning_type == "freeze":

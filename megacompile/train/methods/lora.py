@@ -45,8 +45,12 @@ def base_dtype(compute_dtype: str | torch.dtype) -> torch.dtype:
 
 def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str,
                   base: torch.dtype = torch.float32, key: str = "lora_target", dora: bool = False,
-                  rslora: bool = False) -> nn.Module:
+                  rslora: bool = False, whole: list[str] = ()) -> nn.Module:
+    """`model` wrapped by PEFT's LoRA on the Linear modules `target` names; `whole` (run.yaml's
+    additional_target): modules trained whole beside the adapters, PEFT's modules_to_save (a
+    trained copy of each module whose name ends with one of them; the original stays frozen)."""
     from peft import LoraConfig, get_peft_model
+    _check_whole(model, whole, target)
     everywhere = linear_names(model)
     vision = vision_freeze.is_vision_language(model)
     if target == ALL:
@@ -61,12 +65,53 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
     if vision:      # the language model's modules alone: the vision tower has q_proj and the like too
         modules = vision_freeze.language_model_names(model, modules)
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=modules, use_dora=dora, use_rslora=rslora)
+                        target_modules=modules, use_dora=dora, use_rslora=rslora, modules_to_save=list(whole) or None)
     wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
             p.data = p.data.to(base)
     return wrapped
+
+
+def _check_whole(model: nn.Module, whole: list[str], target: list[str] | str) -> None:
+    """additional_target's names against the model, before PEFT matches them (by the end of a
+    module's name, as it matches modules_to_save)."""
+    modules = [n for n, _ in model.named_modules() if n]
+    unknown = [w for w in whole if not any(n.endswith(w) for n in modules)]
+    if unknown:
+        tops = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and not len(m._modules)}
+                      - set(linear_names(model)))
+        raise ArgumentError(f"additional_target: {', '.join(unknown)} names no module of {type(model).__name__} (a "
+                            f"module trained whole is named by the end of its name, e.g. embed_tokens, lm_head; its "
+                            f"modules that are not Linear end in {', '.join(tops)})")
+    both = [w for w in whole if target != ALL and w in target]
+    if both:
+        raise ArgumentError(f"additional_target: {', '.join(both)} {'is' if len(both) == 1 else 'are'} in lora_target "
+                            "too: a module takes adapters or trains whole, not both; leave it out of one of them")
+
+
+def whole_copies(wrapped: nn.Module, folder: str) -> None:
+    """The trained copy of each module additional_target names (PEFT's modules_to_save) starts as
+    the module; the skeleton's base is uninitialised, so each copy is read from the folder's files,
+    one tensor at a time, in float32 (as transformers loads it in a float32 model)."""
+    from peft.utils import ModulesToSaveWrapper
+    from safetensors import safe_open
+    from ...io.hf_load import shard_map
+    wanted: dict[str, list[torch.Tensor]] = {}
+    for name, module in wrapped.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            for copy in module.modules_to_save.values():
+                for leaf, t in copy.named_parameters():
+                    wanted.setdefault(file_key(f"{name}.{leaf}"), []).append(t)      # the module's own name
+    for path, keys in shard_map(folder).items():
+        with safe_open(path, framework="pt", backend="pread") as f:
+            for key in (keys if keys is not None else f.keys()):
+                for t in wanted.pop(key, ()):
+                    with torch.no_grad():
+                        t.copy_(f.get_tensor(key).to(t.dtype))
+    if wanted:
+        raise ArgumentError(f"additional_target: {folder} holds no {next(iter(wanted))}, which the module trained whole "
+                            "starts from (a weight tied to another is not in the files: name the module that owns it)")
 
 
 def lora_skeleton(c) -> nn.Module:
@@ -85,9 +130,11 @@ def lora_skeleton(c) -> nn.Module:
         base = auto_class(config).from_config(config, dtype=torch.float32)
         base.tie_weights()
     wrapped = with_adapters(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target, dora=c.use_dora,
-                            rslora=c.use_rslora)
+                            rslora=c.use_rslora, whole=c.additional_target)
     if c.use_dora:
         dora_magnitudes(wrapped, c.model)
+    if c.additional_target:
+        whole_copies(wrapped, c.model)
     release_frozen(wrapped)
     held = base_dtype(c.compute_dtype)
     for p in wrapped.parameters():
@@ -121,7 +168,7 @@ def dora_magnitudes(wrapped: nn.Module, folder: str) -> None:
 def file_key(key: str) -> str:
     """A PEFT model's state_dict key as the wrapped model's files name it."""
     key = key.removeprefix("base_model.model.")
-    return key.replace(".base_layer.", ".")
+    return key.replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
 def scaling(config) -> float:
