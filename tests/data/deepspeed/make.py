@@ -3,6 +3,9 @@ DeepSpeed itself says it holds. Run by hand where DeepSpeed is installed (these 
 DeepSpeed 0.19.8 on the CPU accelerator, gloo between the ranks):
 
     python tests/data/deepspeed/make.py [CASE ...]      (every case, or those named)
+    python tests/data/deepspeed/make.py --out DIR --config JSON CASE ...
+                        (a larger model, LlamaConfig's fields in JSON over CONFIG's, saved under DIR:
+                         its checkpoint alone, for benchmarks/import_memory.py)
 
 Each case trains a small Llama for SAVED_AT steps with ZeRO at its stage and world size, its AdamW
 param groups as transformers' Trainer makes them (decayed, then exempt), and saves:
@@ -17,6 +20,7 @@ param groups as transformers' Trainer makes them (decayed, then exempt), and sav
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -62,7 +66,9 @@ def trained(model) -> list:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def run(name: str) -> None:
+def run(name: str, root: str = HERE, sizes: dict | None = None) -> None:
+    """The case `name` written under `root`; with `sizes` (LlamaConfig fields over CONFIG's) its
+    checkpoint alone, the expected tensors not gathered."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -73,10 +79,12 @@ def run(name: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     zero = {"stage": stage} | more
+    if sizes:       # DeepSpeed allocates its buckets whole: 500M elements each by default
+        zero |= {"reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7, "stage3_prefetch_bucket_size": 5e7}
     cfg = {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 0.0, "zero_optimization": zero,
            "bf16": {"enabled": bf16}, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 6}
     torch.manual_seed(0)
-    config = LlamaConfig(**CONFIG, tie_word_embeddings=tied)
+    config = LlamaConfig(**(CONFIG | (sizes or {})), tie_word_embeddings=tied)
     model = LlamaForCausalLM(config)
     if name.startswith("lora_"):
         import peft
@@ -101,8 +109,12 @@ def run(name: str) -> None:
     for step in range(SAVED_AT):
         engine.backward(step_of(step))
         engine.step()
-    out = os.path.join(HERE, name)
+    out = os.path.join(root, name)
     engine.save_checkpoint(out)
+    if sizes:
+        if rank == 0:
+            _finish(out, config, trainer)
+        return
     expected = {}
     if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):     # ZeRO 1/2 link them lazily
         engine.optimizer._hp_optimizer_states_linked = False
@@ -130,22 +142,39 @@ def run(name: str) -> None:
     if rank == 0:
         expected["after/losses"] = torch.stack(losses)
         save_file({k: v.contiguous() for k, v in expected.items()}, f"{out}.expected.safetensors")
-        for spare in ("zero_to_fp32.py", "zero_to_torch.py"):
-            if os.path.exists(os.path.join(out, spare)):
-                os.remove(os.path.join(out, spare))
-        if trainer:
-            config.save_pretrained(out)
-            with open(os.path.join(out, "trainer_state.json"), "w") as f:
-                json.dump({"global_step": SAVED_AT, "epoch": 0.5, "log_history": []}, f)
+        _finish(out, config, trainer)
+
+
+def _finish(out: str, config, trainer: bool) -> None:
+    """Rank 0, the save written: DeepSpeed's scripts beside it removed, a Trainer's files added."""
+    for spare in ("zero_to_fp32.py", "zero_to_torch.py"):
+        if os.path.exists(os.path.join(out, spare)):
+            os.remove(os.path.join(out, spare))
+    if trainer:
+        config.save_pretrained(out)
+        with open(os.path.join(out, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": SAVED_AT, "epoch": 0.5, "log_history": []}, f)
+
+
+def arguments(argv: list[str], here: str = HERE) -> argparse.Namespace:
+    """make.py's command line (this one's, and tests/data/fsdp/make.py's with its folder `here`)."""
+    parser = argparse.ArgumentParser(description="Writes checkpoint fixtures by the trainer itself.")
+    parser.add_argument("cases", nargs="*", help="the cases to write (every one if none)")
+    parser.add_argument("--out", default=here, help=f"the folder the cases go in ({here})")
+    parser.add_argument("--config", type=json.loads, default=None,
+                        help="LlamaConfig fields over CONFIG's, as JSON: the checkpoint alone is written")
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
+    args = arguments(sys.argv[1:])
     if os.environ.get("LOCAL_RANK") is not None:     # one of a case's ranks
-        run(sys.argv[1])
+        run(args.cases[0], args.out, args.config)
         sys.exit(0)
+    more = ["--out", args.out] + (["--config", json.dumps(args.config)] if args.config else [])
     for name, (_, world, *_) in CASES.items():
-        if sys.argv[1:] and name not in sys.argv[1:]:
+        if args.cases and name not in args.cases:
             continue
-        shutil.rmtree(os.path.join(HERE, name), ignore_errors=True)
+        shutil.rmtree(os.path.join(args.out, name), ignore_errors=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                        "--master_port", "29533", os.path.abspath(__file__), name], check=True)
+                        "--master_port", "29533", os.path.abspath(__file__), name, *more], check=True)

@@ -2,6 +2,8 @@
 itself gathers from it. Run by hand (torch alone; FSDP2 on the CPU, gloo between the ranks):
 
     python tests/data/fsdp/make.py [CASE ...]      (every case, or those named)
+    python tests/data/fsdp/make.py --out DIR --config JSON CASE ...
+                        (a larger model, as tests/data/deepspeed/make.py's: its checkpoint alone)
 
 Each case trains the Llama of tests/data/deepspeed/make.py with FSDP2 (fully_shard per decoder
 layer, then the model) over two ranks, torch AdamW in the param groups of transformers' Trainer,
@@ -34,7 +36,9 @@ WORLD = 2
 CASES = ("checkpoint-3", "lora_checkpoint-3", "full_checkpoint-3")     # full_*: FULL_STATE_DICT
 
 
-def run(name: str) -> None:
+def run(name: str, root: str = HERE, sizes: dict | None = None) -> None:
+    """The case `name` written under `root`; with `sizes` (LlamaConfig fields over the config's) its
+    checkpoint alone, the expected tensors not gathered."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
@@ -46,7 +50,7 @@ def run(name: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    config = LlamaConfig(**ds.CONFIG)
+    config = LlamaConfig(**(ds.CONFIG | (sizes or {})))
     model = LlamaForCausalLM(config)
     inner = model
     if name.startswith("lora_"):
@@ -71,7 +75,7 @@ def run(name: str) -> None:
 
     for s in range(ds.SAVED_AT):
         step(s)
-    out = os.path.join(HERE, name)
+    out = os.path.join(root, name)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if name.startswith("full_"):      # whole tensors gathered to rank 0, saved by it alone
         whole = (get_model_state_dict(model, options=full), get_optimizer_state_dict(model, optimizer, options=full))
@@ -83,6 +87,11 @@ def run(name: str) -> None:
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(out, "pytorch_model_fsdp_0"))
         dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
                  checkpoint_id=os.path.join(out, "optimizer_0"))
+    if sizes:
+        if rank == 0:
+            _finish(out, config)
+        dist.destroy_process_group()
+        return
     masters = get_model_state_dict(model, options=full)
     moments = get_optimizer_state_dict(model, optimizer, options=full)     # on rank 0 alone
     expected = {}
@@ -100,19 +109,26 @@ def run(name: str) -> None:
         expected |= {f"after/{n}": masters[n].clone() for n, _ in named}
         expected["after/losses"] = torch.stack(losses)
         save_file({k: v.contiguous() for k, v in expected.items()}, f"{out}.expected.safetensors")
-        config.save_pretrained(out)
-        with open(os.path.join(out, "trainer_state.json"), "w") as f:
-            json.dump({"global_step": ds.SAVED_AT, "epoch": 0.5, "log_history": []}, f)
+        _finish(out, config)
     dist.destroy_process_group()
 
 
+def _finish(out: str, config) -> None:
+    """Rank 0, the save written: a Trainer's files beside it."""
+    config.save_pretrained(out)
+    with open(os.path.join(out, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": ds.SAVED_AT, "epoch": 0.5, "log_history": []}, f)
+
+
 if __name__ == "__main__":
+    args = ds.arguments(sys.argv[1:], HERE)
     if os.environ.get("LOCAL_RANK") is not None:     # one of a case's ranks
-        run(sys.argv[1])
+        run(args.cases[0], args.out, args.config)
         sys.exit(0)
+    more = ["--out", args.out] + (["--config", json.dumps(args.config)] if args.config else [])
     for name in CASES:
-        if sys.argv[1:] and name not in sys.argv[1:]:
+        if args.cases and name not in args.cases:
             continue
-        shutil.rmtree(os.path.join(HERE, name), ignore_errors=True)
+        shutil.rmtree(os.path.join(args.out, name), ignore_errors=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-                        "--master_port", "29534", os.path.abspath(__file__), name], check=True)
+                        "--master_port", "29534", os.path.abspath(__file__), name, *more], check=True)
