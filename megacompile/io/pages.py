@@ -40,3 +40,13 @@ def drop(t: torch.Tensor) -> bool:
     start = storage.data_ptr() // _PAGE * _PAGE
     end = -(-(storage.data_ptr() + storage.nbytes()) // _PAGE) * _PAGE
     return _madvise()(start, end - start, _MADV_DONTNEED) == 0
+
+
+def drop_view(t: torch.Tensor) -> bool:
+    """drop() for the pages under the contiguous view `t` alone (whole pages around it), not its
+    whole storage: a large mapped tensor copied out a piece at a time gives back each piece's pages."""
+    if not sys.platform.startswith("linux") or t.numel() == 0 or t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    start = t.data_ptr() // _PAGE * _PAGE
+    end = -(-(t.data_ptr() + t.numel() * t.element_size()) // _PAGE) * _PAGE
+    return _madvise()(start, end - start, _MADV_DONTNEED) == 0

@@ -83,6 +83,7 @@ class PendingLoad:
                         _write(host, it, t)
                         if it.key in self.mapped:
                             pages.drop(t)
+                        del t       # before the next is gathered: one such tensor alive at a time
                     continue
                 try:
                     with safe_open(path, framework="pt", backend="pread") as f:

@@ -218,7 +218,7 @@ class Partitions:
             sources = [s[slot.flat][table] for s in self.states]
         if self.stage == 3:
             share = -(-slot.numel // len(sources))
-            out = torch.cat([s.narrow(0, slot.offset, share) for s in sources])[:slot.numel]
+            pieces = [s.narrow(0, slot.offset, share) for s in sources]
         else:   # the ranks' shares back to back are the group's flat
             starts = [0]
             for s in sources:
@@ -226,10 +226,25 @@ class Partitions:
             begin, end = slot.offset, slot.offset + slot.numel
             pieces = [s.narrow(0, max(begin - lo, 0), min(end, hi) - max(begin, lo))
                       for s, lo, hi in zip(sources, starts, starts[1:]) if lo < end and begin < hi]
-            out = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
-        for s in sources:
-            pages.drop(s)
-        return out.float().view(slot.shape)
+        return _gathered(pieces, slot.numel).view(slot.shape)
+
+
+CHUNK = 4 << 20      # elements copied out of the mapping before their pages are given back
+
+
+def _gathered(pieces: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """The first `numel` elements of the mapped `pieces` back to back, in float32: copied into one
+    new tensor a chunk at a time, each chunk's file pages given back once copied, so the resident
+    set grows by the tensor and a chunk, not by the file's pages under it too."""
+    out = torch.empty(numel, dtype=torch.float32)
+    done = 0
+    for piece in pieces:
+        for start in range(0, min(piece.numel(), numel - done), CHUNK):
+            part = piece.narrow(0, start, min(CHUNK, piece.numel() - start, numel - done - start))
+            out.narrow(0, done + start, part.numel()).copy_(part)
+            pages.drop_view(part)
+        done += min(piece.numel(), numel - done)
+    return out
 
 
 def _refuse_model_parallel(folder: str) -> None:

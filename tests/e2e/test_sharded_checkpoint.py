@@ -233,12 +233,22 @@ def test_other_adamw_settings_load_with_a_warning_when_not_strict():
 
 
 @pytest.mark.parametrize("case", ["deepspeed/zero2", "deepspeed/zero3"])
-def test_the_partitions_pages_are_given_back_as_each_parameter_is_gathered(monkeypatch, case):
+@pytest.mark.parametrize("chunk", [None, 7], ids=["whole pieces", "chunks of 7"])
+def test_the_partitions_pages_are_given_back_as_each_parameter_is_gathered(monkeypatch, case, chunk):
     """The ranks' files are memory-mapped; every flat a parameter is gathered from has its pages
-    given back (io/pages.py), so the partitions are never resident whole beside the host state."""
+    given back (io/pages.py) a chunk at a time as it is copied, so neither the partitions nor one
+    parameter's share of them are resident beside the host state (chunks of 7 elements cut every
+    piece, the last chunk of a piece and of a parameter short)."""
     from megacompile.io import pages, zero_layout
-    dropped = set()
-    monkeypatch.setattr(pages, "drop", lambda t: dropped.add(t.untyped_storage().data_ptr()) or True)
+    dropped, largest = set(), []
+
+    def spy(t):
+        dropped.add(t.untyped_storage().data_ptr())
+        largest.append(t.numel())
+        return True
+    monkeypatch.setattr(pages, "drop_view", spy)
+    if chunk is not None:
+        monkeypatch.setattr(zero_layout, "CHUNK", chunk)
     source = zero_layout.Partitions(_folder(case))
     expected = _expected(case)
     for name in source.shapes:
@@ -248,6 +258,7 @@ def test_the_partitions_pages_are_given_back_as_each_parameter_is_gathered(monke
     flats |= {entry[t].untyped_storage().data_ptr() for rank in source.states for entry in rank.values()
               for t in ("exp_avg", "exp_avg_sq")}
     assert flats and flats <= dropped
+    assert max(largest) <= (chunk or zero_layout.CHUNK)
 
 
 def test_the_gathered_fsdp_files_pages_are_given_back_as_each_tensor_is_copied(monkeypatch):

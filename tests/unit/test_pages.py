@@ -37,3 +37,22 @@ def test_a_mapped_tensors_pages_go_back_and_it_reads_the_same(tmp_path):
 
 def test_nothing_is_dropped_under_an_empty_tensor():
     assert not pages.drop(torch.empty(0))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's madvise and /proc/self/smaps")
+def test_a_views_pages_go_back_and_the_tensor_reads_the_same(tmp_path):
+    """drop_view gives back the pages under a piece of a mapped tensor: a gather that copies a large
+    tensor out a chunk at a time holds a chunk's pages, not the tensor's. (The kernel may drop more
+    around it, a large folio of the page cache at a time: they read back from the file.)"""
+    path = str(tmp_path / "flat.pt")
+    torch.manual_seed(0)
+    saved = torch.randn(1 << 20)        # 4 MiB
+    torch.save(saved, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)
+    mapped.sum()            # every page touched
+    whole = _resident(path)
+    assert whole >= 4 << 20
+    assert pages.drop_view(mapped.narrow(0, 0, 1 << 19))     # the first half
+    assert whole - _resident(path) >= (2 << 20) - 8192
+    assert torch.equal(mapped, saved)
+    assert not pages.drop_view(torch.empty(0)) and not pages.drop_view(torch.empty(4, 4).t())
