@@ -41,22 +41,39 @@ def holds_whole(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in (WHOLE_MODEL, WHOLE_OPTIMIZER))
 
 
-def _metadata(folder: str) -> dict:
+def _reader(folder: str):
+    """torch's reader of the folder, its .metadata unpickled once: torch's loader reads it again on
+    every call, which is most of the cost of reading one tensor (some 77 ms of 93 for a 543-parameter
+    model's optimizer folder, so an import of a few hundred parameters took minutes)."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        _read_once = None
+
+        def read_metadata(self, *args, **kwargs):
+            if self._read_once is None:
+                self._read_once = super().read_metadata(*args, **kwargs)
+            return self._read_once
+    return Reader(folder)
+
+
+def _metadata(reader) -> dict:
     try:
-        return FileSystemReader(folder).read_metadata().state_dict_metadata
+        return reader.read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - any unreadable folder: name it
-        raise WeightsFileError(f"cannot read {folder} as a torch.distributed.checkpoint: {e}") from e
+        raise WeightsFileError(f"cannot read {reader.path} as a torch.distributed.checkpoint: {e}") from e
 
 
-def _read(folder: str, keys: set[str]) -> dict:
-    """The entries `keys` of a torch.distributed.checkpoint folder, each read whole, in this process."""
+def _read(reader, keys: set[str]) -> dict:
+    """The entries `keys` of a torch.distributed.checkpoint folder (its _reader), each read whole, in
+    this process."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    folder = reader.path
     try:
         with warnings.catch_warnings():       # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            return _load_state_dict_from_keys(keys, checkpoint_id=folder)
+            return _load_state_dict_from_keys(keys, storage_reader=reader)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - a shard missing or unreadable: name it
         # (CheckpointException, what a missing shard raises, is a BaseException)
         why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__   # not every rank's traceback
@@ -103,23 +120,23 @@ class Shards(_ByName):
     def __init__(self, path: str):
         self.path = path
         self.describe = f"the FSDP checkpoint {path}"
-        self.model_folder, self.optimizer_folder = (os.path.join(path, f) for f in (MODEL, OPTIMIZER))
-        weights = {k.removeprefix("model."): tuple(m.size) for k, m in _metadata(self.model_folder).items()
+        self.model_reader, self.optimizer_reader = (_reader(os.path.join(path, f)) for f in (MODEL, OPTIMIZER))
+        weights = {k.removeprefix("model."): tuple(m.size) for k, m in _metadata(self.model_reader).items()
                    if k.startswith("model.") and hasattr(m, "size")}
         tables: dict[str, set[str]] = {}
-        for key in _metadata(self.optimizer_folder):
+        for key in _metadata(self.optimizer_reader):
             if key.startswith("optimizer.state."):
                 name, _, table = key.removeprefix("optimizer.state.").rpartition(".")
                 tables.setdefault(name, set()).add(table)
         self._named(weights, tables, f"{MODEL}/ and {OPTIMIZER}/")
-        self._grouped(_read(self.optimizer_folder, {"optimizer.param_groups"} |
+        self._grouped(_read(self.optimizer_reader, {"optimizer.param_groups"} |
                             {f"optimizer.state.{n}.step" for n, t in tables.items() if "step" in t})["optimizer"])
 
     def tensor(self, table: str, name: str) -> torch.Tensor:
         """The whole fp32 `table` of the parameter `name`, read from every rank's shard."""
         if table == "master":
-            return _read(self.model_folder, {f"model.{name}"})["model"][name].float()
-        return _read(self.optimizer_folder, {f"optimizer.state.{name}.{table}"})["optimizer"]["state"][name][table].float()
+            return _read(self.model_reader, {f"model.{name}"})["model"][name].float()
+        return _read(self.optimizer_reader, {f"optimizer.state.{name}.{table}"})["optimizer"]["state"][name][table].float()
 
 
 class Whole(_ByName):

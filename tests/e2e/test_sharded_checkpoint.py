@@ -296,3 +296,19 @@ def test_the_stage_a_refusal_names_is_the_one_deepspeed_wrote(case, stage):
     """ZeRO 1 and 2 share one layout: the messages name the stage the files say, not the layout's."""
     from megacompile.io.zero_layout import Partitions
     assert Partitions(os.path.join(DATA, "deepspeed", case)).named == f"ZeRO stage {stage}"
+
+
+def test_an_fsdp_folders_metadata_is_read_once_not_once_a_tensor(monkeypatch):
+    """torch's loader reads a folder's .metadata again on every call, most of the cost of one tensor's
+    read: the import's reader unpickles it once per folder, whatever the count of tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from megacompile.io import dcp_layout
+    read = FileSystemReader.read_metadata
+    calls = []
+    monkeypatch.setattr(FileSystemReader, "read_metadata", lambda self, *a, **k: calls.append(1) or read(self, *a, **k))
+    source = dcp_layout.Shards(_folder("fsdp/checkpoint-3"))
+    expected = _expected("fsdp/checkpoint-3")
+    for name in source.shapes:
+        for table in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(source.tensor(table, name), expected[f"{table}/{name}"])
+    assert len(source.shapes) > 10 and len(calls) == 2
