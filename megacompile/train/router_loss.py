@@ -32,7 +32,8 @@ def check(c) -> None:
     if c.stage not in STAGES:
         raise ArgumentError(f"{KEY} adds the routers' load-balancing loss to the language-model loss, which stages "
                             f"sft and pt train; stage {c.stage} trains its objective from the logits alone (as "
-                            f"LlamaFactory's {c.stage} trainer does, whatever {KEY} says): leave {KEY} out")
+                            f"LlamaFactory's DPO, KTO and reward-model trainers do, whatever {KEY} says): leave {KEY} "
+                            "out")
 
 
 def edit(config, c, source: str) -> None:
@@ -50,3 +51,16 @@ def edit(config, c, source: str) -> None:
                             f"bias); leave {KEY} out")
     holder.output_router_logits = True
     holder.router_aux_loss_coef = coef
+
+
+def note(c, model) -> str | None:
+    """The line a run prints where the model's own config.json asks for the router loss and the
+    stage's objective leaves it out (None elsewhere): TRL's DPOTrainer would add the term, so the
+    difference is said rather than left to be found."""
+    config = getattr(model, "config", None)
+    holder = getattr(config, "text_config", None) if not hasattr(config, "output_router_logits") else config
+    if c.stage in STAGES or not getattr(holder, "output_router_logits", False):
+        return None
+    return (f"  note           the model's config asks for the routers' load-balancing loss (output_router_logits); "
+            f"stage {c.stage} trains its objective from the logits alone (as LlamaFactory's DPO, KTO and reward-model "
+            "trainers do), so the term is not trained (TRL's DPO and KTO trainers add it)")

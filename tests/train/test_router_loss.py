@@ -151,3 +151,21 @@ def test_a_vision_language_models_text_config_takes_it_and_deepseek_v3_refuses_i
     assert vlm.text_config.output_router_logits is True and vlm.text_config.router_aux_loss_coef == COEF
     with pytest.raises(ArgumentError, match="the deepseek_v3 model of ds computes no router load-balancing loss"):
         router_loss.edit(DeepseekV3Config(), c, "ds")
+
+
+def test_a_stage_that_leaves_the_models_own_router_loss_out_says_so():
+    """A config.json that asks for the term (output_router_logits) under a stage whose objective is of
+    the logits alone: the run says the term is not trained, where TRL's DPO and KTO trainers add it."""
+    from types import SimpleNamespace
+
+    from transformers import MixtralConfig, Qwen3VLMoeConfig
+    from megacompile.train import router_loss
+    on = SimpleNamespace(config=MixtralConfig(output_router_logits=True))
+    off = SimpleNamespace(config=MixtralConfig())
+    vlm = Qwen3VLMoeConfig()
+    vlm.text_config.output_router_logits = True
+    said = router_loss.note(SimpleNamespace(stage="dpo"), on)
+    assert "stage dpo trains its objective from the logits alone" in said and "TRL's DPO and KTO trainers add it" in said
+    assert router_loss.note(SimpleNamespace(stage="kto"), SimpleNamespace(config=vlm)) is not None
+    assert router_loss.note(SimpleNamespace(stage="sft"), on) is None
+    assert router_loss.note(SimpleNamespace(stage="dpo"), off) is None
