@@ -108,10 +108,16 @@ class _ByName:
         return self._steps.get(name)
 
     def weight_decay(self, name: str) -> float:
+        return self._group(name)["weight_decay"]
+
+    def lr(self, name: str) -> float | None:
+        return self._group(name).get("lr")
+
+    def _group(self, name: str) -> dict:
         group = next((g for g in self.param_groups if name in g.get("params", ())), None)
         if group is None:
             raise WeightsFileError(f"{self.describe}: no param group of its optimizer names {name}; nothing was loaded")
-        return group["weight_decay"]
+        return group
 
 
 class Shards(_ByName):

@@ -95,9 +95,6 @@ def _checked(state: "TrainingState", source: Any, path: str, strict: bool, file_
     where = source.describe
     canonical = _canonical(state, file_key)
     _check_frozen(state, source, where, canonical)
-    if state.lr_ratios:
-        raise WeightsFileError(f"cannot take in {where} into an AdamW with lr_ratios: its param groups are not read "
-                               "for ratios; nothing was loaded")
     shapes = state.layout()[0]
     trainable = [n for n, p in state.model.named_parameters() if p.requires_grad]
     saved_as, problems = {}, []
@@ -168,16 +165,32 @@ def _steps(source: Any, path: str) -> tuple[int, dict]:
     return steps, trainer_state
 
 
+def _lrs(state: "TrainingState", source: Any, saved_as: dict[str, str]) -> list[str]:
+    """Each parameter's lr in the checkpoint over its AdamW lr_ratios ratio here must be one lr: one
+    group's lr without ratios; LoRA+'s groups (each B at lr x ratio) with the ratio this engine has."""
+    lrs = {name: source.lr(saved) for name, saved in saved_as.items()}
+    if not all(isinstance(lr, (int, float)) for lr in lrs.values()) or not any(lrs.values()):
+        return []       # no lr written, or a schedule at 0 when it saved: no ratio to read
+    base = {name: lr / state.lr_ratios.get(name, 1.0) for name, lr in lrs.items()}
+    if close(list(base.values()), [next(iter(base.values()))] * len(base)):
+        return []
+    ran = sorted(set(lrs.values()))
+    if not state.lr_ratios:     # LoRA+'s groups, or lrs of the user's own: this engine steps all at one lr
+        return [f"its param groups ran at {len(ran)} learning rates ({', '.join(map(repr, ran[:4]))}), this engine "
+                "runs every parameter at one (LoRA+: give the run its loraplus_lr_ratio, AdamW its lr_ratios)"]
+    ratios = sorted(set(state.lr_ratios.values()))
+    return [f"its param groups ran at learning rates {', '.join(map(repr, ran[:4]))}, whose ratios are not this "
+            f"engine's AdamW lr_ratios ({', '.join(f'{r:g}' for r in ratios[:4])} on {len(state.lr_ratios)} "
+            "parameters)"]
+
+
 def _settings(state: "TrainingState", source: Any, saved_as: dict[str, str], where: str,
               strict: bool) -> list[str]:
     """The checkpoint's AdamW betas, eps and each parameter's weight decay against this engine's."""
     opt = state.optimizer
     differences = betas_and_eps(opt, source.first_group)
     differences += not_adamw(source.param_groups)
-    lrs = sorted({g["lr"] for g in source.param_groups if isinstance(g.get("lr"), (int, float))})
-    if len(lrs) > 1:        # LoRA+'s groups, or lrs of the user's own: this engine steps all at one lr
-        differences.append(f"its param groups ran at {len(lrs)} learning rates ({', '.join(map(repr, lrs[:4]))}), "
-                           "this engine runs every parameter at one")
+    differences += _lrs(state, source, saved_as)
     decays = []
     for name, saved in saved_as.items():
         theirs = source.weight_decay(saved)

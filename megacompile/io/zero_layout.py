@@ -203,10 +203,17 @@ class Partitions:
 
     def weight_decay(self, name: str) -> float:
         """The weight decay of the param group the parameter was trained in."""
+        return self._group(name)["weight_decay"]
+
+    def lr(self, name: str) -> float | None:
+        """The learning rate of that group when it saved."""
+        return self._group(name).get("lr")
+
+    def _group(self, name: str) -> dict:
         flat = self.slots[name].flat
         if self.stage != 3:
-            return self.param_groups[flat]["weight_decay"]
-        return next(g["weight_decay"] for g in self.param_groups if flat in g["params"])
+            return self.param_groups[flat]
+        return next(g for g in self.param_groups if flat in g["params"])
 
     def tensor(self, table: str, name: str) -> torch.Tensor:
         """The whole fp32 `table` (TABLES) of the parameter `name`, gathered from the ranks; a

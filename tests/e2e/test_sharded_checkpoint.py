@@ -70,9 +70,17 @@ def _adamw(**changes) -> megacompile.AdamW:
     return megacompile.AdamW(**settings)
 
 
+def _plus(case: str, model) -> dict[str, float]:
+    """A LoRA+ case's ratios (each B, and any trained 1-D parameter, at lr x make.PLUS); none otherwise."""
+    if not case.partition("/")[2].startswith("lora_plus"):
+        return {}
+    return {n: make.PLUS for n, p in model.named_parameters() if p.requires_grad and ("lora_B" in n or p.ndim == 1)}
+
+
 def _engine(case: str, model=None, **adamw):
-    return megacompile.compile(model if model is not None else _model(case), hbm_budget=1.0, device="cpu",
-                               optimizer=_adamw(**adamw))
+    model = model if model is not None else _model(case)
+    adamw.setdefault("lr_ratios", _plus(case, model))
+    return megacompile.compile(model, hbm_budget=1.0, device="cpu", optimizer=_adamw(**adamw))
 
 
 def _batches(expected) -> list[torch.Tensor]:
@@ -101,9 +109,9 @@ def _eager(case: str, expected, dtype: torch.dtype) -> tuple[LlamaForCausalLM, l
     with torch.no_grad():
         for n, p in named:
             p.copy_(expected[f"master/{n}"])
-    exempt = set(megacompile.hf_no_decay(model))
-    optimizer = torch.optim.AdamW([{"params": [p for n, p in named if n not in exempt], "weight_decay": make.WD},
-                                   {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}],
+    exempt, plus = set(megacompile.hf_no_decay(model)), _plus(case, model)
+    optimizer = torch.optim.AdamW([{"params": [p], "weight_decay": 0.0 if n in exempt else make.WD,
+                                    "lr": make.LR * plus.get(n, 1.0)} for n, p in named],
                                   lr=make.LR, betas=make.BETAS, eps=make.EPS)
     for n, p in named:
         optimizer.state[p] = {"step": torch.tensor(float(make.SAVED_AT)),
@@ -184,7 +192,8 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_pat
     frozen = _model(case)
     frozen.model.embed_tokens.weight.requires_grad_(False)
     _refused_untouched(_engine(case, frozen), folder, WeightsFileError, r"froze 0 parameters, this model freezes 1")
-    _refused_untouched(_engine(case, lr_ratios={"lm_head.weight": 2.0}), folder, WeightsFileError, "lr_ratios")
+    _refused_untouched(_engine(case, lr_ratios={"lm_head.weight": 2.0}), folder, MegacompileError,
+                       r"ran at learning rates 0\.01, whose ratios are not this engine's AdamW lr_ratios \(2 on 1 ")
     _refused_untouched(_engine(case, weight_decay=0.05), folder, MegacompileError,
                        r"weight decay of 16 parameters.*strict=False")
     os.remove(os.path.join(folder, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
@@ -289,6 +298,20 @@ def test_param_groups_at_other_learning_rates_are_named():
         sharded_checkpoint.read(state, source, _folder(case))
     _, _, notes, _ = sharded_checkpoint.read(state, source, _folder(case), strict=False)
     assert "2 learning rates" in notes[0]
+
+
+def test_loraplus_groups_go_on_at_this_engines_ratio_and_another_ratio_is_named():
+    """LlamaFactory's LoRA+ groups under DeepSpeed (each B at lr x 4): taken in by an engine whose
+    lr_ratios are the same (the going-on tests above train it on); refused by name under another
+    ratio or none, never taken silently."""
+    case = "deepspeed/lora_plus_zero2"
+    folder = _folder(case)
+    model = _model(case)
+    other = {n: 2 * r for n, r in _plus(case, model).items()}
+    _refused_untouched(_engine(case, lr_ratios=other), folder, MegacompileError,
+                       r"ran at learning rates 0\.01, 0\.04, whose ratios are not this engine's AdamW lr_ratios \(8 on")
+    _refused_untouched(_engine(case, lr_ratios={}), folder, MegacompileError,
+                       r"its param groups ran at 2 learning rates \(0\.01, 0\.04\).*loraplus_lr_ratio")
 
 
 @pytest.mark.parametrize("case, stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])

@@ -32,12 +32,14 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAVED_AT, GOING_ON, ROWS, SEQ = 3, 2, 2, 8     # ROWS: each rank's micro-batch
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
+PLUS = 4.0      # lora_plus_*: LoRA+'s ratio, each B at LR x PLUS
 # Sizes not multiples of the ranks or of ZeRO's alignment, so that the files hold padding; the
 # vocabulary of tests/train/files.tokenizer(), so that a run.yaml goes on from checkpoint-3.
 CONFIG = dict(vocab_size=51, hidden_size=18, intermediate_size=22, num_hidden_layers=2, num_attention_heads=3,
               num_key_value_heads=1, max_position_embeddings=32)
 # name: (ZeRO stage, ranks, bf16, tied embeddings, more zero_optimization settings, a Trainer's checkpoint-N);
-# a case named lora_* trains PEFT LoRA adapters (LORA) on the frozen model; adam_l2_* torch's Adam, whose
+# a case named lora_* trains PEFT LoRA adapters (LORA) on the frozen model, lora_plus_* in LlamaFactory's LoRA+
+# param groups (each B at LR x PLUS, the empty groups as it passes them); adam_l2_* torch's Adam, whose
 # weight decay is L2 (added to the gradient), not AdamW's; sgd_* torch's SGD with momentum; *_offload
 # DeepSpeed's own CPU Adam (ZeRO-Offload, its adamw_mode), the optimizer of offload runs.
 CASES = {
@@ -50,6 +52,7 @@ CASES = {
     "checkpoint-3": (3, 2, True, False, {}, True),
     "lora_zero2": (2, 2, False, False, {}, False),
     "lora_zero3": (3, 2, False, False, {}, False),
+    "lora_plus_zero2": (2, 2, False, False, {}, False),
     "adam_l2_zero2": (2, 2, False, False, {}, False),
     "sgd_zero2": (2, 2, False, False, {}, False),
     "zero3_offload": (3, 2, False, False, {"offload_optimizer": {"device": "cpu"}}, False),
@@ -93,6 +96,13 @@ def run(name: str, root: str = HERE, sizes: dict | None = None) -> None:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if n in decayed], "weight_decay": WD},
               {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
+    if name.startswith("lora_plus"):       # LlamaFactory's LoRA+ groups (its _create_loraplus_optimizer)
+        plus = {n for n, p in named if "lora_B" in n or p.ndim == 1}
+        groups = [{"params": [p for n, p in named if n not in plus], "lr": LR, "weight_decay": WD},
+                  {"params": [p for n, p in named if n in plus and n in decayed], "lr": LR * PLUS, "weight_decay": WD},
+                  {"params": [p for n, p in named if n in plus and n not in decayed], "lr": LR * PLUS,
+                   "weight_decay": 0.0},
+                  {"params": [], "lr": 1e-6, "weight_decay": WD}]
     if name.startswith("sgd_"):
         optimizer = torch.optim.SGD(groups, lr=LR, momentum=0.9)
         cfg["zero_allow_untested_optimizer"] = True
