@@ -6,7 +6,7 @@ itself gathers from it. Run by hand (torch alone; FSDP2 on the CPU, gloo between
                         (a larger model, as tests/data/deepspeed/make.py's: its checkpoint alone)
 
 Each case trains the Llama of tests/data/deepspeed/make.py with FSDP2 (fully_shard per decoder
-layer, then the model) over two ranks, torch AdamW in the param groups of transformers' Trainer,
+layer, then the model; fsdp1_*: FSDP1, FullyShardedDataParallel wrapping each decoder layer) over two ranks, torch AdamW in the param groups of transformers' Trainer,
 for SAVED_AT steps, and saves what Accelerate's FSDP saves with SHARDED_STATE_DICT (FULL_STATE_DICT
 for full_*), as checkpoint-N of a Trainer:
 
@@ -33,7 +33,9 @@ _spec = importlib.util.spec_from_file_location("deepspeed_make", os.path.join(HE
 ds = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ds)
 WORLD = 2
-CASES = ("checkpoint-3", "lora_checkpoint-3", "full_checkpoint-3")     # full_*: FULL_STATE_DICT
+# full_*: FULL_STATE_DICT; fsdp1_*: FSDP1 (FullyShardedDataParallel, each decoder layer wrapped, orig params as
+# Accelerate's default), saved as Accelerate saves it (its sharded state_dict and FSDP.optim_state_dict)
+CASES = ("checkpoint-3", "lora_checkpoint-3", "full_checkpoint-3", "fsdp1_checkpoint-3")
 
 
 def run(name: str, root: str = HERE, sizes: dict | None = None) -> None:
@@ -57,10 +59,15 @@ def run(name: str, root: str = HERE, sizes: dict | None = None) -> None:
         import peft
         model = peft.get_peft_model(model, peft.LoraConfig(**ds.LORA))
     decayed = set(Trainer.get_decay_parameter_names(None, model))
-    for layer in inner.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    one = name.startswith("fsdp1_")
+    if one:
+        model = _fsdp1(model, type(inner.model.layers[0]))
+    else:
+        for layer in inner.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    # FSDP1 names its wrapped modules into the parameters' names; its state dicts use the model's own
+    named = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([{"params": [p for n, p in named if n in decayed], "weight_decay": ds.WD},
                                    {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}],
                                   lr=ds.LR, betas=ds.BETAS, eps=ds.EPS)
@@ -77,7 +84,9 @@ def run(name: str, root: str = HERE, sizes: dict | None = None) -> None:
         step(s)
     out = os.path.join(root, name)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if name.startswith("full_"):      # whole tensors gathered to rank 0, saved by it alone
+    if one:
+        _save_fsdp1(model, optimizer, out)
+    elif name.startswith("full_"):      # whole tensors gathered to rank 0, saved by it alone
         whole = (get_model_state_dict(model, options=full), get_optimizer_state_dict(model, optimizer, options=full))
         if rank == 0:
             os.makedirs(out, exist_ok=True)
@@ -92,8 +101,9 @@ def run(name: str, root: str = HERE, sizes: dict | None = None) -> None:
             _finish(out, config)
         dist.destroy_process_group()
         return
-    masters = get_model_state_dict(model, options=full)
-    moments = get_optimizer_state_dict(model, optimizer, options=full)     # on rank 0 alone
+    masters, moments = (_gathered_fsdp1(model, optimizer) if one else
+                        (get_model_state_dict(model, options=full),
+                         get_optimizer_state_dict(model, optimizer, options=full)))     # on rank 0 alone
     expected = {}
     for n, _ in named if rank == 0 else ():
         expected[f"master/{n}"] = masters[n].clone()
@@ -104,13 +114,46 @@ def run(name: str, root: str = HERE, sizes: dict | None = None) -> None:
         dist.all_reduce(loss)
         losses.append(loss / WORLD)
         expected[f"after/ids.{s}"] = torch.cat([ds.batch(s, r, WORLD) for r in range(WORLD)])
-    masters = get_model_state_dict(model, options=full)
+    masters = _gathered_fsdp1(model, optimizer)[0] if one else get_model_state_dict(model, options=full)
     if rank == 0:
         expected |= {f"after/{n}": masters[n].clone() for n, _ in named}
         expected["after/losses"] = torch.stack(losses)
         save_file({k: v.contiguous() for k, v in expected.items()}, f"{out}.expected.safetensors")
         _finish(out, config)
     dist.destroy_process_group()
+
+
+def _fsdp1(model, layer_class):
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_class})
+    return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def _save_fsdp1(model, optimizer, out: str) -> None:
+    """As Accelerate's save_fsdp_model and save_fsdp_optimizer write SHARDED_STATE_DICT under FSDP1 (without
+    its offload_to_cpu: the ranks are on the CPU, where FSDP1's offload copy corrupts the live AdamW state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                              ShardedOptimStateDictConfig()):
+        dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(os.path.join(out, "pytorch_model_fsdp_0")))
+        dcp.save({"optimizer": FSDP.optim_state_dict(model, optimizer)},
+                 storage_writer=dcp.FileSystemWriter(os.path.join(out, "optimizer_0")))
+
+
+def _gathered_fsdp1(model, optimizer) -> tuple[dict, dict]:
+    """The masters and the optimizer state gathered whole by torch's state_dict API (FSDP1's own
+    FULL_STATE_DICT gather on the CPU hands back exp_avg_sq's values as exp_avg, or crashes with
+    offload_to_cpu), each tensor cloned before the next gather."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    full = StateDictOptions(full_state_dict=True)
+    masters = {n: t.clone() for n, t in get_model_state_dict(model, options=full).items()}
+    state = get_optimizer_state_dict(model, optimizer, options=full)
+    return masters, {"state": {n: {k: v.clone() for k, v in s.items()} for n, s in state["state"].items()}}
 
 
 def _finish(out: str, config) -> None:
