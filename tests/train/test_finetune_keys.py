@@ -95,8 +95,11 @@ def test_lora_target_all_is_every_linear_of_the_blocks_and_freeze_counts_blocks_
 def test_a_lora_checkpoint_saved_before_use_dora_and_use_rslora_were_keys_resumes_as_plain_lora(tmp_path, work):
     from megacompile.train.methods import check_resume, saved
     c = _config(tmp_path, work, finetuning_type="lora", lora_rank=2)
-    before = {k: v for k, v in saved(c).items() if k not in ("use_dora", "use_rslora")}
+    before = {k: v for k, v in saved(c).items() if k not in ("use_dora", "use_rslora", "additional_target")}
     check_resume(c, {"finetuning": before})
+    with pytest.raises(ArgumentError, match=r"additional_target \[\] -> \['lm_head'\]"):
+        check_resume(_config(tmp_path, work, finetuning_type="lora", lora_rank=2, additional_target="lm_head"),
+                     {"finetuning": before})
     with pytest.raises(ArgumentError, match="use_dora False -> True"):
         check_resume(_config(tmp_path, work, finetuning_type="lora", lora_rank=2, use_dora=True), {"finetuning": before})
     with pytest.raises(ArgumentError, match="use_rslora False -> True"):

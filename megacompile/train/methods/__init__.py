@@ -149,7 +149,8 @@ def check_resume(c, extra: dict) -> None:
     if before.get("finetuning_type") == "lora":
         # Saved before they were keys: plain LoRA.
         before = {**before, "use_dora": before.get("use_dora", False), "use_rslora": before.get("use_rslora", False),
-                  "loraplus_lr_ratio": before.get("loraplus_lr_ratio")}
+                  "loraplus_lr_ratio": before.get("loraplus_lr_ratio"),
+                  "additional_target": before.get("additional_target", [])}
     if before != now:
         changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in dict.fromkeys([*before, *now])
                    if before.get(k) != now.get(k)]
