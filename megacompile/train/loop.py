@@ -151,7 +151,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     made = _first_missing(run_dir)      # the run folder, or the folder above it the run makes first
     stage = None
     try:
-        stage = open_stage(c, run_dir)
+        stage = open_stage(c, run_dir, meta)
         if saved is not None:
             resume.check_data(saved, stage.fingerprint, stage.same_rows)
         if c.steps is None:

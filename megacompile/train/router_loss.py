@@ -8,7 +8,10 @@ key sets those two fields of the config before the model is built, as LlamaFacto
 vision-language model's are its text_config's), so the config.json an export writes says what was
 trained. Null or 0 leaves the folder's config.json as it is, as in LlamaFactory.
 
-Stages sft and pt train the model's own loss, which holds the term. The preference and RL stages
+Stages sft and pt train the model's own loss, which holds the term. Its statistics count the tokens
+the attention_mask marks: where the term is on, the rows carry one (0 on a row's padding, as
+LlamaFactory's collator pads), so padding is neither routed into the load-balancing statistics nor
+averaged over. The preference and RL stages
 train an objective of the logits alone, as LlamaFactory's trainers of them do; the key is refused
 there rather than taken and left without effect.
 """
@@ -53,13 +56,23 @@ def edit(config, c, source: str) -> None:
     holder.router_aux_loss_coef = coef
 
 
+def _holder(model):
+    """The config that says whether the routers' loss is computed (a VLM's text_config), or None."""
+    config = getattr(model, "config", None)
+    return config if hasattr(config, "output_router_logits") else getattr(config, "text_config", None)
+
+
+def on(model) -> bool:
+    """Whether `model`'s own loss holds the routers' load-balancing term (its config asks for it,
+    or the run's moe_aux_loss_coef turned it on): its rows then carry an attention_mask."""
+    return bool(getattr(_holder(model), "output_router_logits", False))
+
+
 def note(c, model) -> str | None:
     """The line a run prints where the model's own config.json asks for the router loss and the
     stage's objective leaves it out (None elsewhere): TRL's DPOTrainer would add the term, so the
     difference is said rather than left to be found."""
-    config = getattr(model, "config", None)
-    holder = getattr(config, "text_config", None) if not hasattr(config, "output_router_logits") else config
-    if c.stage in STAGES or not getattr(holder, "output_router_logits", False):
+    if c.stage in STAGES or not on(model):
         return None
     return (f"  note           the model's config asks for the routers' load-balancing loss (output_router_logits); "
             f"stage {c.stage} trains its objective from the logits alone (as LlamaFactory's DPO, KTO and reward-model "

@@ -80,9 +80,15 @@ def test_unpacked_rows_hold_one_document_each(tmp_path):
     rows = _rows(tmp_path, False)
     assert rows.rows_per_epoch == len(files.SENTENCES)
     for i in range(rows.rows_per_epoch):
-        ids, targets, _ = rows.row(i)
+        ids, targets, _, kept = rows.row(i)
         eos = files.tokenizer().eos_token_id
-        assert int((ids == eos).sum()) == 1 and not targets[int(np.argmax(ids == eos)) + 1:].any()
+        end = int(np.argmax(ids == eos)) + 1
+        assert int((ids == eos).sum()) == 1 and not targets[end:].any()
+        assert kept[:end].all() and not kept[end:].any()       # the document's tokens, then padding
+    masked = packing.batch(rows, 0, 3, shifted=False, padding_mask=True)["attention_mask"]
+    assert masked.dtype == torch.long and torch.equal(masked, torch.from_numpy(
+        np.stack([rows.row(i)[3] for i in range(3)])).long())
+    assert "attention_mask" not in packing.batch(rows, 0, 3, shifted=False)
 
 
 def test_isolated_packing_is_refused_for_a_model_that_does_not_mask_by_position():

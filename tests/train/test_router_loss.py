@@ -13,6 +13,7 @@ import torch
 from megacompile.acceptance.parity import WEIGHT_NOISE_FACTOR, float64_noise
 from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
+from megacompile.train.data import packing
 from tests.train import files, finetune_runs
 
 SEQ, COEF = 16, 0.5
@@ -169,3 +170,78 @@ def test_a_stage_that_leaves_the_models_own_router_loss_out_says_so():
     assert router_loss.note(SimpleNamespace(stage="kto"), SimpleNamespace(config=vlm)) is not None
     assert router_loss.note(SimpleNamespace(stage="sft"), on) is None
     assert router_loss.note(SimpleNamespace(stage="dpo"), off) is None
+
+
+def _attended(rows, index: int, seq: int) -> torch.Tensor:
+    """Row `index`'s attention_mask as LlamaFactory's collator pads a record: 1 on the record's
+    tokens, 0 after them (one record a row, at its start)."""
+    (doc,) = rows.documents(index)
+    length = int(rows.tokens.docs[doc + 1] - rows.tokens.docs[doc])
+    return (torch.arange(seq) < length).long()
+
+
+def test_padding_is_left_out_of_the_routers_statistics_as_llamafactory_leaves_it(tmp_path):
+    """Records one a row, the rest padding: the routers' term counts the records' tokens alone, as
+    eager transformers given LlamaFactory's attention_mask counts them. Without the mask the padding's
+    routing enters the term, and the losses differ by far more than the tolerance."""
+    from transformers import AutoModelForCausalLM
+    model = _mixtral_dir(str(tmp_path / "mixtral"))
+    seq = 48
+    chats = files.chats(str(tmp_path / "chats.jsonl"))
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **{**_settings(tmp_path, model, moe_aux_loss_coef=COEF),
+                                                         "data": [chats], "eval": None, "seq": seq,
+                                                         "save_every": False}), [])
+    run(c)
+    ours = torch.tensor([float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))])
+    from megacompile.train.data.tokens import load_tokenizer, token_file
+    tok = load_tokenizer(c.model)
+    made = token_file(str(tmp_path / "tokens"), "train", c.data, tok, c.model, c.train_on_prompt)
+    rows = packing.Rows(made, seq, c.packing, c.seed, pad_id=tok.pad_token_id)
+
+    def eager(masked: bool) -> torch.Tensor:
+        eager = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32, output_router_logits=True,
+                                                     router_aux_loss_coef=COEF)
+        opt = torch.optim.AdamW(finetune_runs.trainer_groups(eager, 0.0), lr=c.lr, betas=tuple(c.betas), eps=c.eps)
+        losses = []
+        for step in range(c.steps):
+            first = step * c.batch
+            inputs = packing.batch(rows, first, c.batch, shifted=False)
+            assert (inputs["input_ids"][:, -1] == rows.pad_id).all()     # every row ends in padding
+            if masked:
+                inputs["attention_mask"] = torch.stack([_attended(rows, i, seq) for i in range(first, first + c.batch)])
+            opt.zero_grad(set_to_none=True)
+            loss = eager(**inputs).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return torch.tensor(losses)
+
+    torch.testing.assert_close(ours, eager(True), rtol=1e-5, atol=0)
+    assert (ours - eager(False)).abs().max() > 1e-3 * ours.abs().max()
+
+
+@pytest.mark.parametrize("packed", [False, True, "isolated"])
+def test_rows_carry_the_mask_where_the_routers_count_them_and_isolation_is_kept(tmp_path, packed):
+    """The rows of a model whose loss holds the routers' term say where their padding is, except under
+    isolated packing, whose position ids transformers reads only without an attention_mask; a dense
+    model's rows carry none."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, MixtralConfig
+    from megacompile.train.stages import open_stage
+    model = _mixtral_dir(str(tmp_path / "mixtral"))
+    settings = {**_settings(tmp_path, model), "data": [files.chats(str(tmp_path / "chats.jsonl"))], "eval": None,
+                "seq": 48, "packing": packed}
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), [])
+    routed = SimpleNamespace(config=MixtralConfig(output_router_logits=True))
+    for meta, masked in ((routed, packed != "isolated"), (SimpleNamespace(config=LlamaConfig()), False)):
+        stage = open_stage(c, str(tmp_path / "run"), meta)
+        try:
+            inputs = stage.first_inputs(2)
+        finally:
+            stage.discard()
+        assert ("attention_mask" in inputs) == masked
+        assert ("position_ids" in inputs) == (packed == "isolated")
+        if masked:
+            ids, kept = inputs["input_ids"], inputs["attention_mask"].bool()
+            assert not kept.all() and (ids[~kept] == stage.tokenizer.pad_token_id).all()

@@ -17,6 +17,13 @@ rest padded, so a row holds all of an image's tokens or none, and a micro-batch'
 are the images of its rows' documents, in row order. Such a document longer than a row is
 refused: its image tokens would be cut from their pixels.
 
+A row's padding is kept out of the attention where the model counts its tokens beyond the loss
+(a mixture-of-experts router's load-balancing statistics, train/router_loss.py): its micro-batches
+then carry an attention_mask, 1 on every document's tokens and 0 on the padding, as LlamaFactory's
+collator pads. Elsewhere none is passed: right padding changes no real token's output, and the
+loss skips it. Nor under isolated packing, whose position ids keep documents apart only where
+transformers is given no attention_mask: there a row's padding (a packed row's tail) is counted.
+
 Row r of the run is a pure function of (seed, r): the data position saved with a checkpoint is
 one number, the rows consumed.
 """
@@ -105,8 +112,9 @@ class Rows:
             return []
         return [p for d in self.documents(index) for p in self.tokens.images.get(d, ("", []))[1]]
 
-    def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Row `index` of the run (epochs follow each other): tokens, targets, positions."""
+    def row(self, index: int) -> tuple[np.ndarray, ...]:
+        """Row `index` of the run (epochs follow each other): tokens, targets, positions, and
+        which tokens are a document's (False on padding)."""
         order, starts, lo, hi = self._span(index)
         first = int(np.searchsorted(starts, lo, side="right")) - 1
         last = int(np.searchsorted(starts, hi, side="left"))
@@ -123,30 +131,33 @@ def fill(row_len: int, packing: bool | str, pad_id: int, lo: int, pieces) -> tup
     ids = np.full(row_len, pad_id, dtype=np.int64)
     targets = np.zeros(row_len, dtype=bool)
     positions = np.arange(row_len, dtype=np.int64)
+    kept = np.zeros(row_len, dtype=bool)
     for s, doc_ids, doc_targets in pieces:
         a, b = max(lo, s), min(hi, s + len(doc_ids))        # stream span of this document in the row
         if a >= b:
             continue
         ids[a - lo:b - lo] = doc_ids[a - s:b - s]
         targets[a - lo:b - lo] = doc_targets[a - s:b - s]
+        kept[a - lo:b - lo] = True
         if packing == "isolated":
             positions[a - lo:b - lo] = np.arange(b - a)
             if a == s and a > lo:
                 targets[a - lo] = False    # no document is asked to predict the next one's start
-    return ids, targets, positions
+    return ids, targets, positions, kept
 
 
-def batch(rows: Rows, start: int, size: int, *, shifted: bool) -> dict[str, torch.Tensor]:
+def batch(rows: Rows, start: int, size: int, *, shifted: bool, padding_mask: bool = False) -> dict[str, torch.Tensor]:
     """The model inputs for rows start .. start+size-1.
 
     Hugging Face decoders take labels aligned with input_ids and shift them inside (the token at
     i is the target of position i-1): rows are `seq` long. The bundled model takes labels already
-    shifted: rows are seq + 1 long and the last token is only a target.
+    shifted: rows are seq + 1 long and the last token is only a target. `padding_mask`: with an
+    attention_mask, 0 on the rows' padding (for a Hugging Face decoder).
     """
-    return batch_of(rows, range(start, start + size), shifted=shifted)
+    return batch_of(rows, range(start, start + size), shifted=shifted, padding_mask=padding_mask)
 
 
-def batch_of(rows: Rows, indices, *, shifted: bool) -> dict[str, torch.Tensor]:
+def batch_of(rows: Rows, indices, *, shifted: bool, padding_mask: bool = False) -> dict[str, torch.Tensor]:
     """batch() for these rows, in this order."""
     got = [rows.row(i) for i in indices]
     # streamed rows (streaming.py) hold no images
@@ -157,6 +168,8 @@ def batch_of(rows: Rows, indices, *, shifted: bool) -> dict[str, torch.Tensor]:
     if shifted:
         return {"input_ids": ids[:, :-1].contiguous(), "labels": labels[:, 1:].contiguous()}
     inputs = {"input_ids": ids, "labels": labels}
+    if padding_mask:
+        inputs["attention_mask"] = torch.from_numpy(np.stack([g[3] for g in got])).long()
     if any(pictures):
         inputs.update(rows.pixels(pictures, ids))
     if rows.packing == "isolated":

@@ -142,7 +142,7 @@ class StreamRows:
         if self.pass_row == 0 and placed:
             self.windows.add(begin, placed)
 
-    def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def row(self, index: int) -> tuple[np.ndarray, ...]:
         if index < self.floor or self.producer is None:
             self._restart()
         while True:

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+from .. import router_loss
 from .stage import Stage
 
 
@@ -36,10 +37,12 @@ def kind(c) -> type[Stage]:
     return SFTStage
 
 
-def open_stage(c, run_dir: str) -> Stage:
-    """The configured stage with its data read and checked; what it made is staged until commit()."""
+def open_stage(c, run_dir: str, meta=None) -> Stage:
+    """The configured stage with its data read and checked; what it made is staged until commit().
+    `meta`: the model to be trained (its routers' loss, where it has one, counts the attended
+    tokens: the rows then say which they are)."""
     stage = kind(c)
     if c.stage in ("sft", "pt"):
-        return stage(c, run_dir)
+        return stage(c, run_dir, padding_mask=meta is not None and router_loss.on(meta))
     from ..data.tokens import load_tokenizer
     return stage(c, load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model))

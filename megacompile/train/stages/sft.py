@@ -33,10 +33,14 @@ class SFTStage(Stage):
             check_isolation(meta)     # before the data is read: the model decides whether it can be done
         check_positions(c, meta)
 
-    def __init__(self, c: RunConfig, run_dir: str):
+    def __init__(self, c: RunConfig, run_dir: str, padding_mask: bool = False):
         """Reads the data into token files in the run folder's staging place (committed by
-        commit(), dropped by discard()) and checks it against the settings."""
+        commit(), dropped by discard()) and checks it against the settings. `padding_mask`: the
+        micro-batches carry an attention_mask (the model's loss counts more than the targets:
+        data/packing.py). Not under isolated packing: transformers keeps packed documents apart
+        by their position ids only where no attention_mask is given."""
         self.c, self.shifted = c, c.bundled
+        self.padding_mask = padding_mask and not c.bundled and c.packing != "isolated"
         if c.loss_type == "dft":        # the model under the DFT loss; the cross-entropy is its own
             self.objective = lambda model: DFTObjective(model, shifted=self.shifted)
         self.tokenizer, self.made, self.rows, self.eval_rows, self.fingerprint = _data(c, run_dir, c.seq + self.shifted)
@@ -66,7 +70,7 @@ class SFTStage(Stage):
                 tokens.discard(made)
 
     def first_inputs(self, batch: int) -> dict:
-        return packing.batch(self.rows, 0, batch, shifted=self.shifted)
+        return packing.batch(self.rows, 0, batch, shifted=self.shifted, padding_mask=self.padding_mask)
 
     def heaviest_inputs(self, batch: int) -> dict | None:
         """A micro-batch of the `batch` rows of an epoch with the most image tokens (None without
@@ -81,7 +85,7 @@ class SFTStage(Stage):
         if not any(load):
             return None
         heaviest = sorted(sorted(range(len(load)), key=lambda i: -load[i])[:batch])
-        return packing.batch_of(rows, heaviest, shifted=self.shifted)
+        return packing.batch_of(rows, heaviest, shifted=self.shifted, padding_mask=self.padding_mask)
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         self.batch = batch      # the micro-batch: given, or the planner's choice for global_batch
@@ -103,7 +107,8 @@ class SFTStage(Stage):
         padding are passed over: their loss would be 0/0)."""
         losses, count, done = [], 0, engine.steps_done
         while engine.steps_done == done:
-            inputs = packing.batch(self.rows, position, self.batch, shifted=self.shifted)
+            inputs = packing.batch(self.rows, position, self.batch, shifted=self.shifted,
+                                   padding_mask=self.padding_mask)
             position += self.batch
             if packing.target_count(inputs, shifted=self.shifted) == 0:
                 continue
@@ -118,7 +123,8 @@ class SFTStage(Stage):
         c = self.c
         if self.eval_rows is None or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
             return {}
-        loss, perplexity = _evaluate(engine, self.eval_rows, self.batch, c.eval_batches, self.shifted)
+        loss, perplexity = _evaluate(engine, self.eval_rows, self.batch, c.eval_batches, self.shifted,
+                                     self.padding_mask)
         return {"eval_loss": loss, "eval_perplexity": perplexity}
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
@@ -248,7 +254,8 @@ def _check_images(c: RunConfig, rows) -> None:
                             "grad_accum (or freeze_vision_tower and freeze_multi_modal_projector)")
 
 
-def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted: bool) -> tuple[float, float]:
+def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted: bool,
+              padding_mask: bool) -> tuple[float, float]:
     """Mean loss per target token over the held-out rows, and its perplexity (forward only)."""
     n_batches = -(-rows.rows_per_epoch // batch)
     if limit is not None:
@@ -258,7 +265,7 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
     engine.model.eval()         # dropout (lora_dropout, a model's own) off, as in eager evaluation
     try:
         for i in range(n_batches):
-            inputs = packing.batch(rows, i * batch, batch, shifted=shifted)
+            inputs = packing.batch(rows, i * batch, batch, shifted=shifted, padding_mask=padding_mask)
             n = packing.target_count(inputs, shifted=shifted)
             if n == 0:
                 continue
