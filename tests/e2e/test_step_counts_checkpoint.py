@@ -29,7 +29,9 @@ def _assert_same(a, b) -> None:
         assert torch.equal(t, theirs[name]), name
 
 
-def test_the_counts_come_back_on_resume(tmp_path):
+# Loaded into an engine whose host state exists (a step ran) and into a fresh one: the slow tier's.
+@pytest.mark.parametrize("loaded_before_a_step", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_the_counts_come_back_on_resume(tmp_path, loaded_before_a_step):
     model = llava()
     micro_batches = [batch(seed=0), text_only(1), batch(seed=2), batch(seed=3)]
     straight = _engine(clone(model))
@@ -42,15 +44,14 @@ def test_the_counts_come_back_on_resume(tmp_path):
     with open(tmp_path / "ck" / "manifest.json") as f:
         saved = json.load(f)["missed_steps"]
     assert saved == first.state.missed_steps and saved["model.multi_modal_projector.linear_1.weight"] == 1
-    for loaded_before_a_step in (True, False):
-        resumed = _engine(clone(model))
-        if not loaded_before_a_step:       # the host state exists when the checkpoint comes in
-            resumed.step(**micro_batches[0])
-        resumed.load_checkpoint(str(tmp_path / "ck"))
-        assert resumed.state.missed_steps == saved
-        for b in micro_batches[2:]:
-            resumed.step(**b)
-        _assert_same(resumed, straight)
+    resumed = _engine(clone(model))
+    if not loaded_before_a_step:       # the host state exists when the checkpoint comes in
+        resumed.step(**micro_batches[0])
+    resumed.load_checkpoint(str(tmp_path / "ck"))
+    assert resumed.state.missed_steps == saved
+    for b in micro_batches[2:]:
+        resumed.step(**b)
+    _assert_same(resumed, straight)
 
 
 @pytest.mark.slow     # 18 s; the counts' resume above is the default tier's

@@ -72,10 +72,17 @@ def test_modules_trained_whole_beside_the_adapters_train_and_export_as_peft(tmp_
         base = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32).eval()(**eval_batch).loss.item()
     assert off == pytest.approx(base, rel=1e-6)
 
-    merged_c = load(files.run_yaml(str(tmp_path / "merged.yaml"), **_settings(work, tmp_path, "merged",
-                                                                              merge_adapter=True)), [])
-    run(merged_c)
-    merged = AutoModelForCausalLM.from_pretrained(merged_c.export, dtype=torch.float32).state_dict()
+
+@pytest.mark.slow       # 7 s; the merge itself is test_lora_merge.py's in the default tier
+def test_the_merged_export_with_modules_trained_whole_is_peft_merge(tmp_path):
+    from transformers import AutoModelForCausalLM
+    work = files.workspace(tmp_path)
+    c = load(files.run_yaml(str(tmp_path / "merged.yaml"), **_settings(work, tmp_path, "merged", merge_adapter=True)),
+             [])
+    run(c)
+    rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
+    eager, _ = _eager(c, rows)
+    merged = AutoModelForCausalLM.from_pretrained(c.export, dtype=torch.float32).state_dict()
     for name, t in eager.merge_and_unload().state_dict().items():
         assert (merged[name] - t).abs().max() <= 1e-5 * t.abs().max(), name
 
