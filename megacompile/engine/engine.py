@@ -302,11 +302,28 @@ class Engine(StateIO):
         with self._in_use("step()"), torch.enable_grad():
             return self._step(args, with_rope_positions(self.model, args, kwargs))
 
-    def _step(self, args: tuple, kwargs: dict) -> float:
+    def weighted_step(self, weight: float, *args, **kwargs) -> float:
+        """step() whose micro-batch weighs `weight` in the optimizer step: its loss gradient is
+        `weight`, not 1/grad_accum. Token-weighted accumulation, as transformers' Trainer weighs
+        micro-batches by num_items_in_batch: weight = the micro-batch's counted tokens over the
+        step's, so the step trains the mean over all its tokens rather than the mean of its
+        micro-batches' means. A step's weights should add up to 1 (nothing checks it: a sum of
+        2 doubles the gradient). Under data parallelism each rank's gradient is still averaged
+        with the others' (docs/distributed.md)."""
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or weight <= 0:
+            raise ArgumentError(f"weighted_step: weight must be a finite number > 0 (the micro-batch's share of the "
+                                f"step, such as its counted tokens over the step's); got {weight!r}")
+        self._input_limits.check(args, kwargs, self.backend.name)
+        self.state.refuse_partial("step()")
+        with self._in_use("step()"), torch.enable_grad():
+            return self._step(args, with_rope_positions(self.model, args, kwargs), float(weight))
+
+    def _step(self, args: tuple, kwargs: dict, weight: float | None = None) -> float:
         """One micro-batch, all or nothing (engine/step.py)."""
         started = time.perf_counter()
         if self.grad_accum > 1 and self.accumulation != "micro":
-            loss = layer_major_step(self, args, kwargs, started)
+            loss = layer_major_step(self, args, kwargs, started, weight)
             if loss is not NotImplemented:
                 return loss
         micro = self.state.micro_batches % self.grad_accum
@@ -315,7 +332,7 @@ class Engine(StateIO):
         compiled.captured.check_inputs(self._inputs(args, kwargs))
         self._require_weights()
         return run_step(self, compiled, self._inputs(args, kwargs), micro=micro, last=last,
-                        tokens=tokens(args, kwargs), started=started)
+                        tokens=tokens(args, kwargs), started=started, weights=[weight])
 
     @contextmanager
     def _in_use(self, what: str):

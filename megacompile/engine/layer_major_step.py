@@ -20,10 +20,11 @@ from ..errors import InputMismatchError, NonFiniteError
 from .step import StepRecord, run_step, tokens
 
 
-def layer_major_step(engine, args: tuple, kwargs: dict, started: float):
+def layer_major_step(engine, args: tuple, kwargs: dict, started: float, weight: float | None = None):
     """Run (or hold) one micro-batch of a layer-major step; NotImplemented when the plan for these
     inputs is micro-batch-major (accumulation='auto' chose it), so the caller runs it that way.
-    started: the call's perf_counter() at entry, for the record's seconds."""
+    started: the call's perf_counter() at entry, for the record's seconds; weight: the
+    micro-batch's loss gradient (Engine.weighted_step), None for 1/k."""
     compiled = engine._compile(args, kwargs, train=True, update=True)
     k = compiled.plan.program.facts.get("micro_batches", 1)
     if k == 1:
@@ -40,6 +41,7 @@ def layer_major_step(engine, args: tuple, kwargs: dict, started: float):
             "give them the same shapes (pad), or compile with accumulation='micro'")
     if len(waiting) < k - 1:
         waiting.append(inputs)
+        state.waiting_weights.append(weight)
         # No loss and no peak yet: the micro-batch only waits. Its tokens count for the step.
         engine.last_step = StepRecord(state.steps_done + 1, None, len(waiting) - 1, False,
                                       lr=state.step_context()["lr"], tokens=tokens(args, kwargs),
@@ -47,9 +49,11 @@ def layer_major_step(engine, args: tuple, kwargs: dict, started: float):
         return None
     try:
         loss = run_step(engine, compiled, waiting + [inputs], micro=k - 1, last=True, tokens=tokens(args, kwargs),
-                        started=started, micro_batches=k)
+                        started=started, micro_batches=k, weights=state.waiting_weights + [weight])
     except NonFiniteError:
         waiting.clear()      # the step was dropped, its waiting micro-batches with it
+        state.waiting_weights.clear()
         raise
     waiting.clear()
+    state.waiting_weights.clear()
     return loss

@@ -59,12 +59,13 @@ class StepRecord:
 
 
 def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: int | None,
-             started: float, micro_batches: int = 1) -> float:
+             started: float, micro_batches: int = 1, weights: list[float | None] | None = None) -> float:
     """Run `compiled` over `inputs` and commit, or leave nothing; returns the (last) loss.
 
     micro: the index in the optimizer step of the micro-batch this call commits (the last one, for
     a layer-major program); micro_batches: how many micro-batches the program runs together (1:
     `inputs` is one micro-batch's tensors; k: a list of k of them, the whole step at once).
+    weights: each micro-batch's loss gradient (Engine.weighted_step), None for 1/grad_accum.
     started: the call's perf_counter() at entry, for the record's seconds."""
     state, backend = engine.state, engine.backend
     host, dp = state.host, state.data_parallel
@@ -84,7 +85,7 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     try:
         # Before anything runs; with data parallelism the other ranks hear of it as of any failure.
         enter_program(compiled.captured, host, data_parallel=dp is not None)
-        outputs = compiled.executor.run(inputs, seed=1.0 / (micro_batches if micro_batches > 1 else state.grad_accum),
+        outputs = compiled.executor.run(inputs, seed=_seeds(weights, micro_batches, state.grad_accum),
                                         context=context, check_loss=True)
     except NonFiniteLoss as e:
         if dp is not None:   # the other ranks wait for this one's word
@@ -132,6 +133,16 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     if dp is not None:
         dp.step_done(compiled.plan, engine.last_step.seconds)
     return loss
+
+
+def _seeds(weights: list[float | None] | None, micro_batches: int, grad_accum: int) -> float | list[float]:
+    """The loss gradients the program starts its backward from: one for a micro-batch's program,
+    one a micro-batch for a layer-major step's; 1/k where no weight was given."""
+    even = 1.0 / (micro_batches if micro_batches > 1 else grad_accum)
+    if weights is None or all(w is None for w in weights):
+        return even
+    seeds = [even if w is None else w for w in weights]
+    return seeds if micro_batches > 1 else seeds[0]
 
 
 def _refuse_if_partial(engine, compiled, context: dict, why: str) -> None:

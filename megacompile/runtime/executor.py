@@ -90,13 +90,14 @@ class Executor:
         self.copied = Copied()                     # op results copied into the arena, this step
 
     # -- one step ------------------------------------------------------------------------
-    def run(self, inputs: list[torch.Tensor], seed: float = 1.0, context: dict | None = None,
+    def run(self, inputs: list[torch.Tensor], seed: float | list[float] = 1.0, context: dict | None = None,
             check_loss: bool = False) -> list[torch.Tensor]:
         """Execute the schedule once; returns the OUTPUT node's values on the host.
 
-        `seed` is the loss gradient (1/k for one of k accumulated micro-batches). A layer-major
-        program (passes/layer_major.py) takes one list of inputs per micro-batch and returns the
-        outputs of each micro-batch in turn. With
+        `seed` is the loss gradient (1/k for one of k accumulated micro-batches, or the micro-batch's
+        weight). A layer-major program (passes/layer_major.py) takes one list of inputs per
+        micro-batch (and a seed for each, or one for all) and returns the outputs of each
+        micro-batch in turn. With
         `check_loss`, a non-finite loss raises NonFiniteLoss once the walk ends. The
         updates this step stages start only at `commit()`.
         """
@@ -252,7 +253,7 @@ class Executor:
                 slot = self._slot(name)
                 seed = (self.backend.empty((), loss_meta.dtype) if slot is None
                         else slot[:loss_meta.dtype.itemsize].view(loss_meta.dtype).view(()))
-                seed.fill_(self._seed)
+                seed.fill_(self._seed[node.micro] if isinstance(self._seed, list) else self._seed)
                 self._put(name, seed)
 
     def _prefetch(self, node: Node) -> None:

@@ -63,6 +63,7 @@ class TrainingState:
         self.canonical = {k: first.get(id(t), k) for k, t in model.state_dict(keep_vars=True).items()}
         self.counters = Counters()
         self.waiting_micro_batches: list[list[torch.Tensor]] = []   # a layer-major step's inputs so far
+        self.waiting_weights: list[float | None] = []     # and their weights (Engine.weighted_step; None: 1/k)
         self._complete = not any(p.is_meta for p in model.parameters())
         self._pending = None         # anything with apply(host, model): io.source.PendingLoad, ...
         self._parts = None           # io.state_dict.LoadedParts: what load_state_dict calls have loaded

@@ -283,7 +283,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                               else [x for x in losses if x is not None])
                 if done == start_step:
                     plan.dump(os.path.join(run_dir, "plan"))      # now with the measured peak beside the prediction
-                row = {"step": record.step, "loss": sum(losses) / len(losses) if losses else math.nan,
+                row = {"step": record.step, "loss": stage.step_loss(losses) if losses else math.nan,
                        "lr": record.lr, "grad_norm": record.grad_norm, "tokens": tokens, "seconds": seconds,
                        # a skipped step's record may count no tokens (the stage reports what it read)
                        "tokens_per_s": tokens / seconds if tokens is not None else math.nan,

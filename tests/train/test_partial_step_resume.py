@@ -19,7 +19,7 @@ def test_a_step_partly_applied_stops_the_run_which_the_same_command_resumes(tmp_
     monkeypatch.chdir(tmp_path)
     run(load(files.run_yaml(str(tmp_path / "whole.yaml"), run_dir="whole", **TINY), []))
     config = files.run_yaml(str(tmp_path / "cut.yaml"), run_dir="cut", **TINY)
-    step, calls = Engine.step, []
+    step, calls = Engine.weighted_step, []
 
     def failing(self, *args, **kwargs):     # the 4th step fails after its first update ran
         calls.append(1)
@@ -29,13 +29,13 @@ def test_a_step_partly_applied_stops_the_run_which_the_same_command_resumes(tmp_
                                            "updates had run")
             raise PartialStepError(f"{self.state.partial_step}; load_checkpoint(path) to go on")
         return loss
-    monkeypatch.setattr(Engine, "step", failing)
+    monkeypatch.setattr(Engine, "weighted_step", failing)
     with pytest.raises(PartialStepError) as stopped:
         run(load(config, []))
     said = str(stopped.value)
     assert said.startswith("step 4 failed (RuntimeError: injected)")
     assert "the same command goes on from its last checkpoint" in said and "step-000002" in said, said
-    monkeypatch.setattr(Engine, "step", step)
+    monkeypatch.setattr(Engine, "weighted_step", step)
     run(load(config, []))
     whole, cut = files.log_rows("whole"), files.log_rows("cut")
     assert [r["loss"] for r in cut if r["step"] in ("3", "4")][-2:] == [r["loss"] for r in whole][2:4]

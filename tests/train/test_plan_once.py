@@ -37,7 +37,7 @@ def test_each_shape_is_captured_and_planned_once_before_the_first_step(tmp_path,
             counts["plans"] += 1
             super().__init__(*args, **kwargs)
 
-    step = Engine.step
+    step = Engine.weighted_step
 
     def first_step_counted(self, *args, **kwargs):
         at_first_step.setdefault("captures", list(counts["captures"]))
@@ -46,7 +46,7 @@ def test_each_shape_is_captured_and_planned_once_before_the_first_step(tmp_path,
 
     monkeypatch.setattr(capture_room, "trace_top", counted_trace)
     monkeypatch.setattr(search, "Plan", CountedPlan)
-    monkeypatch.setattr(Engine, "step", first_step_counted)
+    monkeypatch.setattr(Engine, "weighted_step", first_step_counted)
     run(load(files.run_yaml(str(tmp_path / "run.yaml"), **RUN, **split, run_dir=str(tmp_path / "run"))))
     assert set(at_first_step["captures"]) == shapes
     assert len(at_first_step["captures"]) == len(shapes), at_first_step

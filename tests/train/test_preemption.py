@@ -53,13 +53,13 @@ def _rows(run_dir) -> list[dict]:
 
 def _signal_at_step(monkeypatch, at: int, signum=signal.SIGTERM) -> None:
     """The signal comes as the first micro-batch of optimizer step `at` begins: that step is in flight."""
-    step = Engine.step
+    step = Engine.weighted_step
 
     def step_with_signal(self, *args, **kwargs):
         if self.steps_done == at - 1 and self.state.micro_batches % self.state.grad_accum == 0:
             os.kill(os.getpid(), signum)
         return step(self, *args, **kwargs)
-    monkeypatch.setattr(Engine, "step", step_with_signal)
+    monkeypatch.setattr(Engine, "weighted_step", step_with_signal)
 
 
 def test_sigterm_mid_step_saves_that_step_and_the_same_command_resumes_exactly(tmp_path, monkeypatch, capsys,

@@ -154,19 +154,19 @@ def test_a_qwen_vl_run_trains_as_eagerly_capturing_each_set_of_grids_once(tmp_pa
     _work(tmp_path)
     monkeypatch.chdir(tmp_path)
     captures, steps = [0], []
-    trace_top, step = capture_room.trace_top, Engine.step
+    trace_top, step = capture_room.trace_top, Engine.weighted_step
 
     def counted_trace(*args, **kwargs):
         captures[0] += 1
         return trace_top(*args, **kwargs)
 
-    def counted_step(self, **inputs):
+    def counted_step(self, weight, **inputs):
         before = captures[0]
-        out = step(self, **inputs)
+        out = step(self, weight, **inputs)
         steps.append((before, captures[0] - before, tuple(map(tuple, inputs["image_grid_thw"].tolist()))))
         return out
     monkeypatch.setattr(capture_room, "trace_top", counted_trace)
-    monkeypatch.setattr(Engine, "step", counted_step)
+    monkeypatch.setattr(Engine, "weighted_step", counted_step)
     # packed (whole records): rows of two records mix the grids of one and two images
     config = load(files.run_yaml(str(tmp_path / "whole.yaml"), **_settings("whole", export=None, packing=True)), [])
     run(config)

@@ -16,9 +16,9 @@ TINY = ["bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2
 
 
 def _non_finite_at(monkeypatch, poisoned) -> list:
-    """Engine.step as the engine skips a step whose loss is NaN, on the calls `poisoned(call)` picks;
+    """Engine.weighted_step as the engine skips a step whose loss is NaN, on the calls `poisoned(call)` picks;
     more than 40 calls fail the test (a run that never stops)."""
-    step, calls = Engine.step, []
+    step, calls = Engine.weighted_step, []
 
     def maybe_poisoned(self, *args, **kwargs):
         calls.append(1)
@@ -30,7 +30,7 @@ def _non_finite_at(monkeypatch, poisoned) -> list:
         self.last_step = StepRecord(self.steps_done + 1, float("nan"), 0, True, skipped="loss",
                                     reason="the loss is nan")
         return float("nan")
-    monkeypatch.setattr(Engine, "step", maybe_poisoned)
+    monkeypatch.setattr(Engine, "weighted_step", maybe_poisoned)
     return calls
 
 

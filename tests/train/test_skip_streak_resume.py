@@ -22,8 +22,8 @@ TINY = dict(bundled_model=dict(dim=32, layers=1, heads=2, kv_heads=1, ffn=64), d
 
 
 def _nan_from_call(monkeypatch, first: int) -> None:
-    """Engine.step from its `first`-th call on as the engine skips a step whose loss is NaN."""
-    step, calls = Engine.step, []
+    """Engine.weighted_step from its `first`-th call on as the engine skips a step whose loss is NaN."""
+    step, calls = Engine.weighted_step, []
 
     def poisoned(self, *args, **kwargs):
         calls.append(1)
@@ -34,7 +34,7 @@ def _nan_from_call(monkeypatch, first: int) -> None:
         self.last_step = StepRecord(self.steps_done + 1, float("nan"), 0, True, skipped="loss",
                                     reason="the loss is nan")
         return float("nan")
-    monkeypatch.setattr(Engine, "step", poisoned)
+    monkeypatch.setattr(Engine, "weighted_step", poisoned)
 
 
 def test_the_limit_names_the_last_good_checkpoint_and_the_same_command_resumes_from_it(tmp_path, monkeypatch):

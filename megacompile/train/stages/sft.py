@@ -104,20 +104,34 @@ class SFTStage(Stage):
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         """The micro-batches of one optimizer step from row `position` on (rows all prompt or
-        padding are passed over: their loss would be 0/0)."""
-        losses, count, done = [], 0, engine.steps_done
-        while engine.steps_done == done:
+        padding are passed over: their loss would be 0/0), each weighted by its share of the
+        step's target tokens, as transformers' Trainer weighs them (num_items_in_batch): the step
+        trains the mean over all its target tokens, not the mean of its micro-batches' means."""
+        drawn = []          # (inputs, target tokens, the position after them)
+        while len(drawn) < engine.grad_accum:
             inputs = packing.batch(self.rows, position, self.batch, shifted=self.shifted,
                                    padding_mask=self.padding_mask)
             position += self.batch
-            if packing.target_count(inputs, shifted=self.shifted) == 0:
-                continue
-            losses.append(engine.step(**inputs))
+            counted = packing.target_count(inputs, shifted=self.shifted)
+            if counted:
+                drawn.append((inputs, counted, position))
+        total = sum(counted for _, counted, _ in drawn)
+        self.weights = [counted / total for _, counted, _ in drawn]
+        losses, count = [], 0
+        for (inputs, _, after), weight in zip(drawn, self.weights):
+            losses.append(engine.weighted_step(weight, **inputs))
+            position = after
             record = engine.last_step
             count += record.tokens or 0      # a skipped step counts none
             if record.skipped:
                 break
         return {}, losses, count, position
+
+    def step_loss(self, losses: list[float]) -> float:
+        """The step's loss as the Trainer logs it: its micro-batches' losses weighted by their
+        target tokens (the mean over the step's tokens)."""
+        weights = self.weights[:len(losses)]
+        return sum(w * x for w, x in zip(weights, losses)) / sum(weights)
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c

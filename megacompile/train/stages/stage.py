@@ -63,6 +63,10 @@ class Stage:
         micro-batches' losses, tokens trained on, the position after)."""
         raise NotImplementedError
 
+    def step_loss(self, losses: list[float]) -> float:
+        """The logged loss of a step whose micro-batches' losses are `losses` (at least one): their mean."""
+        return sum(losses) / len(losses)
+
     def evaluate(self, engine, step: int) -> dict:
         return {}
 
