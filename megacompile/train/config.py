@@ -19,7 +19,7 @@ from .config_data import check_data, check_media, lay_tools
 from .config_values import choice, flag, folder_or_file, integer, loggers, number, numeric, text, warmup
 from .data import entries
 from . import preemption
-from . import router_loss
+from . import neftune, router_loss
 from . import intervals
 from . import their_keys
 from ..errors import ArgumentError
@@ -115,6 +115,7 @@ class RunConfig:
     loraplus_lr_ratio: float | None = None   # LoRA+: the adapters' B (and trained 1-D parameters) at lr x this
     additional_target: Any = None       # LoRA: modules trained whole beside the adapters (PEFT's modules_to_save)
     moe_aux_loss_coef: float | None = None   # the routers' load-balancing loss on, at this weight (router_loss.py)
+    neftune_noise_alpha: float | None = None   # NEFTune's noise on the input embeddings (neftune.py)
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
     # dpo, kto and rm, as TRL's and LlamaFactory's trainers of them default, false otherwise
     disable_dropout: bool | None = None
@@ -432,6 +433,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     folder = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
     check_stage(c, raw, folder)
     router_loss.check(c)
+    neftune.check(c)
     if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
         for entry in c.data + c.eval:
             entry["pretrain"] = True

@@ -21,7 +21,7 @@ from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..optim import AdamW, hf_no_decay
 from ..planner import minimum_budget_of
 from ..settings import Settings, default_hbm_budget
-from . import beside, methods, router_loss
+from . import beside, methods, neftune, router_loss
 from .config import DROPOUT_OFF, RunConfig
 
 GiB = 2 ** 30
@@ -155,6 +155,7 @@ def make_module(c: RunConfig, meta: nn.Module, wrap=None, quiet: bool = False) -
             print(f"  note           disable_dropout: {off} dropout module{'s' if off > 1 else ''} of the model at p 0"
                   + (f" (stage {c.stage}'s default, as in TRL and LlamaFactory; disable_dropout: false keeps them)"
                      if c.stage in DROPOUT_OFF else ""), flush=True)
+    neftune.apply(c, module)
     return module if wrap is None else wrap(module)
 
 

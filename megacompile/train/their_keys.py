@@ -83,7 +83,6 @@ NOT_TAKEN = {
     "create_new_adapter": "not supported: a LoRA run trains one adapter, a new one or the one adapter_name_or_path "
                           "gives; to train a new adapter over a trained one, merge that one into the model first",
     "group_by_length": "not supported: rows are ordered by seed, not by length",
-    "neftune_noise_alpha": "not supported: embeddings are not noised",
     # evaluation and saving
     "load_best_model_at_end": "not supported: the model written at the end is the last step's",
     "metric_for_best_model": "not supported: the model written at the end is the last step's",
@@ -111,7 +110,7 @@ NOT_TAKEN.update({k: why for k, (_, why) in trainer_args.ASK_NOTHING.items() if 
 
 # Keys whose 0 asks for nothing: LlamaFactory's defaults, which its web UI writes into every saved
 # run.yaml of the stage (pref_ftx under dpo and kto, which read a pref_ftx above 0).
-ZERO_IS_OFF = ("pref_ftx", "neftune_noise_alpha")
+ZERO_IS_OFF = ("pref_ftx",)
 # Keys whose LlamaFactory default asks for nothing more than megacompile does: accepted at that value.
 DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "infer_dtype": "auto",
                   "loraplus_lr_embedding": 1e-6}
