@@ -116,6 +116,7 @@ class RunConfig:
     additional_target: Any = None       # LoRA: modules trained whole beside the adapters (PEFT's modules_to_save)
     moe_aux_loss_coef: float | None = None   # the routers' load-balancing loss on, at this weight (router_loss.py)
     neftune_noise_alpha: float | None = None   # NEFTune's noise on the input embeddings (neftune.py)
+    disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
     # dpo, kto and rm, as TRL's and LlamaFactory's trainers of them default, false otherwise
     disable_dropout: bool | None = None
@@ -326,6 +327,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.disable_dropout is None:
         c.disable_dropout = c.stage in DROPOUT_OFF
     c.disable_dropout = flag("disable_dropout", c.disable_dropout)
+    c.disable_shuffling = flag("disable_shuffling", c.disable_shuffling)
     c.seq = integer("seq", c.seq, 2)
     if c.packing is not None and (c.packing not in PACKING or isinstance(c.packing, int)
                                   and not isinstance(c.packing, bool)):

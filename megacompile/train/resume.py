@@ -63,7 +63,8 @@ def rows_layout(c: RunConfig) -> dict:
     # a row: records_packed tells them apart (a checkpoint without it predates records kept whole, and
     # its records' token file differs from today's: its sha256 refuses the resume if it held any)
     layout = {"seq": c.seq, "packing": True if c.packing is None else c.packing,
-              "records_packed": c.packing not in (None, False), "seed": c.seed, "eval_fraction": c.eval_fraction}
+              "records_packed": c.packing not in (None, False), "seed": c.seed, "eval_fraction": c.eval_fraction,
+              "shuffle": not c.disable_shuffling}
     weights = [e["weight"] for e in c.data]
     if weights[0] is not None or c.streaming:     # mixture.py: the order of documents
         layout.update(mixture=[c.mix_strategy, weights], streaming=c.streaming)
@@ -91,7 +92,8 @@ def check_rows(c: RunConfig, saved: Saved) -> None:
         changed.append("eval_fraction of the documents -> of the tokens")    # saved before split.py
     if changed:     # the rows a position counts would be other rows: the resumed run would see other data
         raise ArgumentError(f"{saved.path} was saved by a run that cut its rows otherwise ({', '.join(changed)}); "
-                            "resume it with the same seq, packing, seed, eval_fraction and mixture, or start a new run_dir")
+                            "resume it with the same seq, packing, seed, eval_fraction, mixture and disable_shuffling, or start a "
+                            "new run_dir")
 
 
 def check_data(saved: Saved, fingerprint: str, same_rows=None) -> None:

@@ -24,7 +24,6 @@ NOT_TAKEN = {
     "dataset_kwargs": "the record layout is found from the records' keys (docs/training.md, record layouts)",
     "eval_on_each_dataset": "not supported: the held-out loss is over all eval files together",
     "tokenized_path": "token files are kept in the run folder (tokens/) and reused by a resumed run",
-    "disable_shuffling": "the document and row order are set by seed",
     # packing
     "neat_packing": "packing: isolated (packed documents do not attend to each other, position ids restart)",
     "padding_free": "packing: isolated (documents packed without padding, kept apart by their position ids)",

@@ -134,7 +134,7 @@ class DPOStage(reference.ReferenceStage):
         (all of them before the step's first micro-batch: the policy the step starts from)."""
         micro = []
         for _ in range(self.c.grad_accum):
-            chosen = stream_items(len(self.pairs), self.c.seed, position, self.c.batch)
+            chosen = stream_items(len(self.pairs), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
             position += self.c.batch
             rows = pack([self.pairs[i] for i in chosen], self.c.seq, self.pad)
             ref = (torch.as_tensor(self.reference(**rows)).float().clone() if self.needs_reference

@@ -251,7 +251,7 @@ class GRPOStage(Stage):
 
     def _rollout(self, engine, position: int) -> int:
         c, n = self.c, self.c.num_generations
-        chosen = stream_items(len(self.prompts), c.seed, position, self.groups)
+        chosen = stream_items(len(self.prompts), c.seed, position, self.groups, not c.disable_shuffling)
         completions = self._generate(engine, [self.prompts[i] for i in chosen], n, c.temperature)
         state = TrainerState(engine.steps_done, position / len(self.prompts), c.steps)
         rewards, each = self._score([self.records[i] for i in chosen for _ in range(n)], completions, state)

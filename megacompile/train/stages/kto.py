@@ -165,7 +165,7 @@ class KTOStage(reference.ReferenceStage):
         rows and KL rows (all of them before the step's first micro-batch)."""
         micro = []
         for _ in range(self.c.grad_accum):
-            items = stream_items(len(self.examples), self.c.seed, position, self.c.batch)
+            items = stream_items(len(self.examples), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
             position += self.c.batch
             rows, kl_rows, desirable = self._rows(self.examples, items, self.partners)
             micro.append((rows, kl_rows, desirable, self.reference[items]))

@@ -109,7 +109,7 @@ class RMStage(Stage):
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         micro = []
         for _ in range(self.c.grad_accum):
-            items = stream_items(len(self.pairs), self.c.seed, position, self.c.batch)
+            items = stream_items(len(self.pairs), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
             position += self.c.batch
             micro.append(self._rows([self.pairs[i] for i in items]))
         rewards = [self._rewards(engine, rows) for rows in micro]

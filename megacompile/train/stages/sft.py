@@ -208,8 +208,8 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
                   + ("; one document cut between them)" if cut.cut else ")"), flush=True)
         else:
             print(f"  data           {_count(train, docs)} to train", flush=True)
-        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, pad_id=pad, mix=_mix(c, source, docs),
-                            pixels=batch_pixels)
+        rows = packing.Rows(source, row_len, c.packing, c.seed, docs=docs, shuffle=not c.disable_shuffling, pad_id=pad,
+                            mix=_mix(c, source, docs), pixels=batch_pixels)
     except BaseException:
         for made in (train, held):
             if made is not None:
@@ -245,7 +245,8 @@ def _mix(c: RunConfig, source: TokenFile, docs: np.ndarray):
     print("  mixture        " + "; ".join(f"{os.path.basename(e['path'])} weight {w:.0%} ({len(d):,} documents)"
                                          for e, w, d in zip(c.data, weights, by_source))
           + f"; {c.mix_strategy}", flush=True)
-    return lambda epoch: mixture.epoch_order(by_source, weights, c.mix_strategy, c.seed, epoch)
+    return lambda epoch: mixture.epoch_order(by_source, weights, c.mix_strategy, c.seed, epoch,
+                                             shuffle=not c.disable_shuffling)
 
 
 def _count(tokens: TokenFile, docs: np.ndarray) -> str:
