@@ -117,6 +117,7 @@ class RunConfig:
     moe_aux_loss_coef: float | None = None   # the routers' load-balancing loss on, at this weight (router_loss.py)
     neftune_noise_alpha: float | None = None   # NEFTune's noise on the input embeddings (neftune.py)
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
+    train_from_scratch: bool = False   # LlamaFactory's: the model folder's config, randomly initialised
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
     # dpo, kto and rm, as TRL's and LlamaFactory's trainers of them default, false otherwise
     disable_dropout: bool | None = None
@@ -274,6 +275,21 @@ def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
     return c
 
 
+def _from_scratch(c: RunConfig) -> None:
+    """LlamaFactory's train_from_scratch: the model folder's config.json, randomly initialised (seeded
+    by `seed`), its tokenizer the folder's: the same run as `model: FOLDER/config.json`."""
+    c.train_from_scratch = flag("train_from_scratch", c.train_from_scratch)
+    if not c.train_from_scratch:
+        return
+    if c.bundled:
+        raise ArgumentError("train_from_scratch: the bundled model always starts from random weights; leave it out")
+    if not os.path.isdir(c.model):
+        raise ArgumentError(f"train_from_scratch: model {c.model} is a config file, which a run trains from scratch "
+                            "already; leave train_from_scratch out")
+    c.tokenizer = c.tokenizer or c.model
+    c.model = os.path.join(c.model, "config.json")
+
+
 def _override(item: str) -> tuple[str, Any]:
     import yaml
     key, sep, text = item.partition("=")
@@ -314,6 +330,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if not c.bundled:
         folder_or_file("model", c.model, "a Hugging Face model folder (config.json, safetensors, tokenizer files), "
                        "a config.json to train from scratch, or 'bundled'")
+    _from_scratch(c)
     c.tokenizer = text("tokenizer", c.tokenizer, optional=True)
     if c.tokenizer is not None:
         if c.bundled:

@@ -70,7 +70,6 @@ NOT_TAKEN = {
     "new_special_tokens": "not supported: the vocabulary is the model's; add tokens and resize the model before "
                           "the run",
     "split_special_tokens": "not supported: special tokens are read as single tokens",
-    "train_from_scratch": "not supported: the weights are the model folder's",
     "image_resolution": "image_max_pixels (LlamaFactory's current key; it bounds an image's pixel count)",
     # other optimisers and training methods
     "use_galore": "not supported: megacompile trains with AdamW (float32 state in host memory)",
