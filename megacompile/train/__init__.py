@@ -14,6 +14,8 @@
     trainer_args.py  a TrainingArguments or TRL config dump's other fields: accepted at their defaults
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice
+    router_loss.py  moe_aux_loss_coef: a mixture-of-experts model's load-balancing loss turned on
+    neftune.py   neftune_noise_alpha: NEFTune's noise on the input embeddings (transformers' hook)
     trained_model.py  where a run leaves its model: export, else the run folder (output_dir)
     policy_export.py  a dpo, kto or grpo run's trained policy, an rm run's reward model, as a Hugging Face folder
     log.py       CSV rows per optimizer step, TensorBoard, progress
