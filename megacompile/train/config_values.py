@@ -63,6 +63,12 @@ def number(key: str, value: Any, minimum: float, *, strict: bool = False, below:
     return float(value)
 
 
+def weight_or_off(key: str, value: Any) -> float | None:
+    """A weight >= 0 where null and 0 both mean off (None), as transformers' and LlamaFactory's
+    coefficients do."""
+    return (None if value is None else number(key, value, 0.0)) or None
+
+
 def folder_or_file(key: str, path: str, what: str) -> None:
     if not os.path.exists(path):
         raise ArgumentError(f"{key}: {path} does not exist; give {what}")

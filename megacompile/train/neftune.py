@@ -15,7 +15,7 @@ this project's stages compute otherwise; the key is refused there rather than tr
 from __future__ import annotations
 
 from ..errors import ArgumentError
-from .config_values import number
+from .config_values import weight_or_off
 
 KEY = "neftune_noise_alpha"
 STAGES = ("sft", "pt")
@@ -23,8 +23,7 @@ STAGES = ("sft", "pt")
 
 def check(c) -> None:
     """The alpha read (None for null and 0), and refused where it would not mean what it does in transformers."""
-    alpha = None if c.neftune_noise_alpha is None else number(KEY, c.neftune_noise_alpha, 0.0)
-    c.neftune_noise_alpha = alpha or None
+    c.neftune_noise_alpha = weight_or_off(KEY, c.neftune_noise_alpha)
     if c.neftune_noise_alpha is None:
         return
     if c.bundled:

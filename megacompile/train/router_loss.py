@@ -18,7 +18,7 @@ there rather than taken and left without effect.
 from __future__ import annotations
 
 from ..errors import ArgumentError
-from .config_values import number
+from .config_values import weight_or_off
 
 KEY = "moe_aux_loss_coef"
 STAGES = ("sft", "pt")      # the stages whose loss is the model's own, the routers' term in it
@@ -26,8 +26,7 @@ STAGES = ("sft", "pt")      # the stages whose loss is the model's own, the rout
 
 def check(c) -> None:
     """The coefficient read (None for null and 0: the config's own), and refused where no loss takes it."""
-    coef = None if c.moe_aux_loss_coef is None else number(KEY, c.moe_aux_loss_coef, 0.0)
-    c.moe_aux_loss_coef = coef or None
+    c.moe_aux_loss_coef = weight_or_off(KEY, c.moe_aux_loss_coef)
     if c.moe_aux_loss_coef is None:
         return
     if c.bundled:
