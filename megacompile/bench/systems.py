@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+import weakref
 from pathlib import Path
 
 from ..engine.from_pretrained import compile_folder
@@ -106,9 +107,20 @@ def engine_at(workload: Workload, gib: float, weights: str, batch: tuple, host_b
         # and through them its host state, until the block ends; a collection inside it frees
         # nothing. The refused engine's host buffers go before the next engine allocates its own.
         engine.close()
+        refused = weakref.ref(engine)
         del engine
-        gc.collect()
+        _collect(refused)
         gib, raised = minimum / GiB, True
+
+
+def _collect(refused: weakref.ref, tries: int = 20) -> None:
+    """Collect until the refused engine is gone: gc.collect() returns at once, freeing nothing, while
+    another thread's collection is under way (a background thread's allocation may start one)."""
+    for _ in range(tries):
+        gc.collect()
+        if refused() is None:
+            return
+        time.sleep(0.01)
 
 
 def update_wait_s(engine, program) -> float:
