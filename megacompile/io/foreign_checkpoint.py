@@ -4,9 +4,9 @@ A LlamaFactory or TRL user resumes with `resume_from_checkpoint: saves/run/check
 folder transformers' Trainer wrote, not one megacompile saved. A Trainer's own layout (weights,
 optimizer.pt), DeepSpeed's ZeRO partitions and FSDP's shards (as Accelerate saves them) are taken
 in by engine.load_trainer_checkpoint (io/trainer_checkpoint.py, io/sharded_checkpoint.py), and the
-refusal of load_checkpoint names it; a layout that is not taken in (torchtune's, one whose files
-are not all there) is named with how its weights start a new run, the AdamW moments and the
-learning-rate schedule afresh. Without this, the
+refusal of load_checkpoint names it; so is a torchtune save (io/torchtune_layout.py). A layout
+that is not taken in (one whose files are not all there) is named with how its weights start a
+new run, the AdamW moments and the learning-rate schedule afresh. Without this, the
 folder is refused as a megacompile checkpoint "whose save did not finish", which sends the user
 looking for a broken save.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import os
 
-from . import dcp_layout, zero_layout
+from . import dcp_layout, torchtune_layout, zero_layout
 
 # What starting from a folder's weights means, said once for every layout.
 _START = ("start a new run from its weights instead (run.yaml `model: {weights}`, or "
@@ -73,7 +73,13 @@ def describe(path: str) -> str | None:
             return (f"{what}, and it holds a LoRA adapter only: merge it into its base model (PEFT's "
                     "merge_and_unload, then save_pretrained), and " + _START.format(weights="the merged folder"))
         return f"{what}, nor does it hold the model's weights and config.json to start from"
+    if torchtune_layout.holds(path):
+        return (f"a torchtune checkpoint (its optimizer state in {torchtune_layout.recipe_file(path)}), not one "
+                f"megacompile saved: engine.load_trainer_checkpoint({path!r}) takes in its weights, AdamW moments and "
+                "steps into the same model (run.yaml: `resume` takes it so); or " + _START.format(weights=path))
     if has("recipe_state.pt"):
-        return ("a torchtune checkpoint, not one megacompile saved; its optimizer state (recipe_state.pt) cannot "
-                "be taken in: " + _START.format(weights="the folder of its model files (with their config.json)"))
+        return ("a torchtune checkpoint, not one megacompile saved, without the weights of its save (torchtune's "
+                "Hugging Face checkpointer writes them beside recipe_state.pt, in epoch_N/); its optimizer state "
+                "cannot be taken in without them: " + _START.format(weights="the folder of its model files (with "
+                                                                            "their config.json)"))
     return None

@@ -1,7 +1,7 @@
 """A checkpoint whose optimizer state another trainer sharded, taken in: the fp32 masters, AdamW's
 moments and step counts.
 
-Two layouts are read, each by a source of its own that gathers one parameter's tensor at a time
+Three layouts are read, each by a source of its own that gathers one parameter's tensor at a time
 from the shards (so a model's checkpoint is never held whole beside the host state):
 
     DeepSpeed ZeRO 1, 2 or 3 (zero_layout.py): global_stepN/ with every rank's partitions; the
@@ -10,6 +10,8 @@ from the shards (so a model's checkpoint is never held whole beside the host sta
     FSDP (dcp_layout.py): pytorch_model_fsdp_0/ and optimizer_0/, torch.distributed.checkpoint
         folders as Accelerate's FSDP saves them (SHARDED_STATE_DICT), or pytorch_model_fsdp.bin
         and optimizer.bin gathered whole (FULL_STATE_DICT); a Trainer's checkpoint-N
+    torchtune (torchtune_layout.py): an epoch_N/ its Hugging Face checkpointer wrote and the
+        recipe_state.pt of that save (its optimizer state under torchtune's names)
 
 The masters come from the shards (fp32, truer than any bf16 weights saved beside them), so the run
 goes on as the other trainer's did. Nothing is loaded unless everything fits: the saved trained

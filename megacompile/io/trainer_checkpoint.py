@@ -10,7 +10,8 @@
 
 A Trainer running DeepSpeed or FSDP saves no optimizer.pt: its global_stepN/ partitions (ZeRO),
 or its pytorch_model_fsdp_0/ and optimizer_0/ shards, are taken in by sharded_checkpoint.py, which
-read() and check() hand such a folder to.
+read() and check() hand such a folder to; so is a torchtune save (its recipe_state.pt:
+torchtune_layout.py).
 
 The Trainer makes two param groups (Trainer.create_optimizer): the decayed parameters, then the
 ones its rule exempts (optim/weight_decay.py hf_no_decay), each in named_parameters() order, and
@@ -39,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import WeightsFileError
-from . import dcp_layout, lora_adapter, pages, sharded_checkpoint, zero_layout
+from . import dcp_layout, lora_adapter, pages, sharded_checkpoint, torchtune_layout, zero_layout
 from .adamw_settings import betas_and_eps, close, not_adamw, settled
 from .foreign_checkpoint import describe as describe_foreign
 from .hf_layout import INDEX, SINGLE
@@ -56,7 +57,8 @@ OPTIMIZER, TRAINER_STATE = "optimizer.pt", "trainer_state.json"
 def is_trainer_checkpoint(path: str) -> bool:
     """A folder a Trainer saved with its weights (a model's, or a LoRA adapter's: lora_adapter.py)
     and its optimizer (what read() takes), or one with DeepSpeed ZeRO's partitions (a Trainer's or
-    DeepSpeed's own) or FSDP's shards in place of optimizer.pt (sharded_checkpoint.py)."""
+    DeepSpeed's own), FSDP's shards or torchtune's recipe_state.pt in place of optimizer.pt
+    (sharded_checkpoint.py)."""
     has = lambda name: os.path.isfile(os.path.join(path, name))   # noqa: E731
     return (os.path.isdir(path) and has(TRAINER_STATE) and has(OPTIMIZER)
             and ((has("config.json") and (has(SINGLE) or has(INDEX))) or lora_adapter.holds_adapter(path))
@@ -65,6 +67,8 @@ def is_trainer_checkpoint(path: str) -> bool:
 
 def named(path: str) -> str:
     """What a run's log calls the checkpoint (is_trainer_checkpoint) it starts from."""
+    if torchtune_layout.holds(path):
+        return "the torchtune checkpoint"
     if zero_layout.holds(path):
         sharded = "DeepSpeed ZeRO"
     elif dcp_layout.holds(path) or dcp_layout.holds_whole(path):
@@ -79,7 +83,8 @@ def _sharded_here(path: str) -> bool:
     """Whether the folder's optimizer state is another trainer's shards (DeepSpeed ZeRO's
     partitions, FSDP's) in place of an optimizer.pt (sharded_checkpoint.py)."""
     return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, OPTIMIZER))
-            and (zero_layout.holds(path) or dcp_layout.holds(path) or dcp_layout.holds_whole(path)))
+            and (zero_layout.holds(path) or dcp_layout.holds(path) or dcp_layout.holds_whole(path)
+                 or torchtune_layout.holds(path)))
 
 
 def _sharded(path: str):
@@ -88,6 +93,8 @@ def _sharded(path: str):
         return None
     if zero_layout.holds(path):
         return zero_layout.Partitions(path)
+    if torchtune_layout.holds(path):
+        return torchtune_layout.Recipe(path)
     return dcp_layout.Shards(path) if dcp_layout.holds(path) else dcp_layout.Whole(path)
 
 

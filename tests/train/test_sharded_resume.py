@@ -1,6 +1,8 @@
 """run.yaml's `resume` naming a checkpoint whose optimizer state another trainer sharded: a LoRA
 run's DeepSpeed ZeRO-3 save (tests/data/deepspeed, written by DeepSpeed), the checkpoint-N a Trainer
-running FSDP saved (tests/data/fsdp, written by FSDP2). The run starts from its fp32 masters, AdamW
+running FSDP saved (tests/data/fsdp, written by FSDP2), torchtune's epoch_0 (tests/data/torchtune,
+written by torchtune: its AdamW decayed every parameter, the run's exempts the Trainer's, as the
+run says and goes on). The run starts from its fp32 masters, AdamW
 moments and step (a LoRA run: its adapters' on the `model` folder's base), and trains as torch
 AdamW goes on from the trainer's state over this run's rows."""
 from __future__ import annotations
@@ -60,20 +62,25 @@ LORA_KEYS = dict(finetuning_type="lora", lora_rank=make.LORA["r"], lora_alpha=ma
                  lora_dropout=0.0, lora_target=",".join(make.LORA["target_modules"]))
 
 
-@pytest.mark.parametrize("case", ["deepspeed/lora_zero3", "fsdp/checkpoint-3"])
+NAMED = {"deepspeed/lora_zero3": "the DeepSpeed ZeRO checkpoint", "fsdp/checkpoint-3": "the Trainer's FSDP checkpoint",
+         "torchtune/llama": "the torchtune checkpoint"}
+
+
+@pytest.mark.parametrize("case", list(NAMED))
 def test_a_run_resumed_from_a_sharded_checkpoint_goes_on_from_the_trainers_masters(tmp_path, capsys, case):
     work = files.workspace(tmp_path)
     lora = case.partition("/")[2].startswith("lora_")
     model_dir = _model_folder(str(tmp_path / "their_model"), seed=0 if lora else 5)
     checkpoint = shutil.copytree(os.path.join(DATA, case), str(tmp_path / "saves" / case.partition("/")[2]))
+    if case.startswith("torchtune/"):   # its epoch folder, torchtune 0.6's recipe_state/ beside it
+        checkpoint = os.path.join(checkpoint, "epoch_0")
     c = load(files.run_yaml(str(tmp_path / "run.yaml"), **(LORA_KEYS if lora else {}), model=model_dir, data=[work["notes"]], eval=[work["notes"]], seq=SEQ, batch=BATCH,
                             steps=STEPS, lr=make.LR, schedule="constant", weight_decay=make.WD,
                             betas=list(make.BETAS), eps=make.EPS, max_grad_norm=None, device="cpu",
                             run_dir=str(tmp_path / "run"), log_every=1, save_every=STEPS,
                             resume_from_checkpoint=checkpoint), [])
     run(c)
-    named = "the DeepSpeed ZeRO checkpoint" if case.startswith("deepspeed") else "the Trainer's FSDP checkpoint"
-    assert f"resumed        from {named} {checkpoint} at step {make.SAVED_AT}" in capsys.readouterr().out
+    assert f"resumed        from {NAMED[case]} {checkpoint} at step {make.SAVED_AT}" in capsys.readouterr().out
     logged = log.read(os.path.join(c.run_dir, "log.csv"))
     assert [int(r["step"]) for r in logged] == list(range(make.SAVED_AT + 1, STEPS + 1))
     rows, _ = finetune_runs.rows(c, tmp_path, SEQ)

@@ -45,7 +45,11 @@ def _folder(tmp_path, name, *files):
      ["FSDP checkpoint", "engine.load_trainer_checkpoint('{path}') takes in its fp32 masters", "`resume`"]),
     (("trainer_state.json", "pytorch_model_fsdp.bin", "optimizer.bin"),
      ["FSDP checkpoint gathered whole", "engine.load_trainer_checkpoint('{path}') takes in its fp32 masters"]),
-    (("recipe_state.pt", "model-00001-of-00001.safetensors"), ["torchtune checkpoint", "recipe_state.pt"]),
+    (("recipe_state.pt", "model-00001-of-00001.safetensors"), ["torchtune checkpoint", "without the weights of its save",
+                                                              "recipe_state.pt"]),
+    (("recipe_state.pt", "config.json", "model.safetensors"),
+     ["a torchtune checkpoint (its optimizer state in {path}/recipe_state.pt)",
+      "engine.load_trainer_checkpoint('{path}') takes in its weights, AdamW moments and steps", "`model: {path}`"]),
 ])
 def test_each_layout_is_named_with_the_way_to_its_weights(tmp_path, files, says):
     path = _folder(tmp_path, "checkpoint-80", *files)
