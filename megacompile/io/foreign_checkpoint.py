@@ -74,8 +74,14 @@ def describe(path: str) -> str | None:
                     "merge_and_unload, then save_pretrained), and " + _START.format(weights="the merged folder"))
         return f"{what}, nor does it hold the model's weights and config.json to start from"
     if torchtune_layout.holds(path):
-        return (f"a torchtune checkpoint (its optimizer state in {torchtune_layout.recipe_file(path)}), not one "
-                f"megacompile saved: engine.load_trainer_checkpoint({path!r}) takes in its weights, AdamW moments and "
+        what = (f"a torchtune checkpoint (its optimizer state in {torchtune_layout.recipe_file(path)}), not one "
+                "megacompile saved")
+        if has(torchtune_layout.ADAPTER):
+            return (f"{what}, of a LoRA run: engine.load_trainer_checkpoint({path!r}) takes in its adapters, AdamW "
+                    "moments and steps into a model with the same adapters on its base (run.yaml: `resume` with "
+                    "finetuning_type: lora and the adapter's lora_rank, lora_alpha and lora_target takes it so); "
+                    "or " + _START.format(weights=path) + " (its weights are merged with the adapters)")
+        return (f"{what}: engine.load_trainer_checkpoint({path!r}) takes in its weights, AdamW moments and "
                 "steps into the same model (run.yaml: `resume` takes it so); or " + _START.format(weights=path))
     if has("recipe_state.pt"):
         return ("a torchtune checkpoint, not one megacompile saved, without the weights of its save (torchtune's "

@@ -95,6 +95,8 @@ def check(state: "TrainingState", source: Any, path: str, file_key: Callable[[st
 
 def _checked(state: "TrainingState", source: Any, path: str, strict: bool, file_key: Callable[[str], str] | None):
     where = source.describe
+    if lora_adapter.holds_adapter(path):    # its adapter's config (a Trainer's or torchtune's): rank, alpha, targets
+        lora_adapter.check_config(state.model, path)
     canonical = _canonical(state, file_key)
     _check_frozen(state, source, where, canonical)
     shapes = state.layout()[0]

@@ -4,7 +4,7 @@ torchtune's own tune_to_hf makes of its state, to the bit, whether its optimizer
 index (torchtune 0.6's single-device recipes, its recipe_state.pt beside the epoch folders) or by
 name (its distributed recipes and later releases, recipe_state.pt in the epoch folder), for a
 Llama (whose q_proj and k_proj rows torchtune permutes) and a Qwen2 with biases and tied
-embeddings; training goes on as torchtune's went on (losses to 1e-5, weights to the noise floor of
+embeddings, full runs and LoRA runs (the adapters onto the model's own base); training goes on as torchtune's went on (losses to 1e-5, weights to the noise floor of
 eager float32 against float64 from the same state); what does not fit is refused with nothing
 loaded."""
 from __future__ import annotations
@@ -38,12 +38,35 @@ def _expected(case: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(DATA, f"{case}.expected.safetensors"))
 
 
-def _model(case: str, seed: int = 1, **sizes):
-    """The case's model with other weights than torchtune's: what it holds after the import is the import's."""
-    torch.manual_seed(seed)
+# torchtune's LoRA modules -> PEFT's target_modules
+PEFT_TARGETS = {"q_proj": ["q_proj"], "k_proj": ["k_proj"], "v_proj": ["v_proj"],
+                "mlp": ["gate_proj", "up_proj", "down_proj"]}
+
+
+def _lora_config(case: str, **changes):
+    import peft
+    modules, mlp = make.LORA[case]
+    targets = [t for m in modules + ["mlp"] * mlp for t in PEFT_TARGETS[m]]
+    return peft.LoraConfig(**dict(r=make.RANK, lora_alpha=make.ALPHA, lora_dropout=0.0, target_modules=targets)
+                           | changes)
+
+
+def _model(case: str, seed: int = 1, lora: dict | None = None, **sizes):
+    """The case's model with other weights than torchtune's: what it holds after the import is the
+    import's. A LoRA case's base is torchtune's own (make.py's seed), its adapters other ones."""
+    torch.manual_seed(0 if case in make.LORA else seed)
     if case.endswith("qwen2"):
-        return Qwen2ForCausalLM(Qwen2Config(**make.QWEN2 | sizes))
-    return LlamaForCausalLM(LlamaConfig(**make.ds.CONFIG | sizes))
+        model = Qwen2ForCausalLM(Qwen2Config(**make.QWEN2 | sizes))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**make.ds.CONFIG | sizes))
+    if case in make.LORA:
+        import peft
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(model, _lora_config(case, **(lora or {})))
+        for p in model.parameters():
+            if p.requires_grad:
+                torch.nn.init.normal_(p)
+    return model
 
 
 def _adamw(**changes) -> megacompile.AdamW:
@@ -79,12 +102,13 @@ def test_the_weights_and_moments_are_torchtunes_own_to_the_bit(case):
 def _eager(case: str, expected, dtype: torch.dtype):
     """torchtune's state going on in eager torch: its weights, and torch AdamW with its moments."""
     model = _model(case).to(dtype)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for n, p in trained:
             p.copy_(expected[f"master/{n}"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=make.LR, betas=make.BETAS, eps=make.EPS,
+    optimizer = torch.optim.AdamW([p for _, p in trained], lr=make.LR, betas=make.BETAS, eps=make.EPS,
                                   weight_decay=make.WD)
-    for n, p in model.named_parameters():
+    for n, p in trained:
         optimizer.state[p] = {"step": torch.tensor(float(make.SAVED_AT)),
                               "exp_avg": expected[f"exp_avg/{n}"].to(dtype),
                               "exp_avg_sq": expected[f"exp_avg_sq/{n}"].to(dtype)}
@@ -203,3 +227,28 @@ def test_torchtunes_decay_of_every_parameter_is_named_where_this_engine_exempts_
     with pytest.warns(RuntimeWarning, match="this engine's are kept"):
         engine.load_trainer_checkpoint(_folder("fqn_llama"), strict=False)
     assert engine.state.steps_done == make.SAVED_AT
+
+
+def test_a_lora_runs_checkpoint_goes_into_a_model_with_the_same_adapters_on_the_same_base():
+    folder = _folder("lora_llama")
+    _refused_untouched(_engine("llama"), folder, WeightsFileError,
+                       r"holds a LoRA adapter \(rank 4, alpha 8.0, on down_proj, gate_proj, k_proj, q_proj, up_proj, "
+                       r"v_proj\) and this model has none")
+    _refused_untouched(_engine("lora_llama", _model("lora_llama", lora={"lora_alpha": 16})), folder,
+                       WeightsFileError, r"not this model's: lora_alpha 8.0 \(this model 16; run.yaml lora_alpha\)")
+    fewer = _model("lora_llama", lora={"target_modules": ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]})
+    _refused_untouched(_engine("lora_llama", fewer), folder, WeightsFileError, r"target_modules")
+
+
+def test_a_dora_runs_magnitudes_are_refused(tmp_path):
+    folder = os.path.join(_copy(tmp_path, "fqn_lora_qwen2"), "epoch_0")
+
+    def dora(saved):
+        name = "layers.0.attn.q_proj.magnitude"
+        saved["optimizer"]["state"][name] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(16),
+                                             "exp_avg_sq": torch.zeros(16)}
+        saved["optimizer"]["param_groups"][0]["params"].append(name)
+    _edit_recipe(os.path.join(folder, torchtune_layout.RECIPE_STATE), dora)
+    _refused_untouched(_engine("fqn_lora_qwen2"), folder, WeightsFileError,
+                       r"its trained parameter layers\.0\.attn\.q_proj\.magnitude is none of the weights it wrote "
+                       r"\(a DoRA magnitude")

@@ -36,12 +36,12 @@ def _model_folder(path: str, seed: int) -> str:
     return path
 
 
-def _eager(model_dir: str, expected: dict, rows, lora: bool):
+def _eager(model_dir: str, expected: dict, rows, lora: dict | None):
     """torch AdamW going on from the trainer's gathered masters and moments over the run's rows."""
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if lora:
         import peft
-        model = peft.get_peft_model(model, peft.LoraConfig(**make.LORA))
+        model = peft.get_peft_model(model, peft.LoraConfig(**lora))
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with torch.no_grad():
         for n, p in trained:
@@ -58,23 +58,30 @@ def _eager(model_dir: str, expected: dict, rows, lora: bool):
     return model
 
 
-LORA_KEYS = dict(finetuning_type="lora", lora_rank=make.LORA["r"], lora_alpha=make.LORA["lora_alpha"],
-                 lora_dropout=0.0, lora_target=",".join(make.LORA["target_modules"]))
+# each LoRA case's adapters: DeepSpeed's fixtures', and torchtune's lora_llama (tests/data/torchtune/make.py)
+LORAS = {"deepspeed/lora_zero3": make.LORA,
+         "torchtune/lora_llama": dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+                                      target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])}
+
+
+def _lora_keys(lora: dict) -> dict:
+    return dict(finetuning_type="lora", lora_rank=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=0.0,
+                lora_target=",".join(lora["target_modules"]))
 
 
 NAMED = {"deepspeed/lora_zero3": "the DeepSpeed ZeRO checkpoint", "fsdp/checkpoint-3": "the Trainer's FSDP checkpoint",
-         "torchtune/llama": "the torchtune checkpoint"}
+         "torchtune/llama": "the torchtune checkpoint", "torchtune/lora_llama": "the torchtune checkpoint"}
 
 
 @pytest.mark.parametrize("case", list(NAMED))
 def test_a_run_resumed_from_a_sharded_checkpoint_goes_on_from_the_trainers_masters(tmp_path, capsys, case):
     work = files.workspace(tmp_path)
-    lora = case.partition("/")[2].startswith("lora_")
+    lora = LORAS.get(case)
     model_dir = _model_folder(str(tmp_path / "their_model"), seed=0 if lora else 5)
     checkpoint = shutil.copytree(os.path.join(DATA, case), str(tmp_path / "saves" / case.partition("/")[2]))
     if case.startswith("torchtune/"):   # its epoch folder, torchtune 0.6's recipe_state/ beside it
         checkpoint = os.path.join(checkpoint, "epoch_0")
-    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **(LORA_KEYS if lora else {}), model=model_dir, data=[work["notes"]], eval=[work["notes"]], seq=SEQ, batch=BATCH,
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **(_lora_keys(lora) if lora else {}), model=model_dir, data=[work["notes"]], eval=[work["notes"]], seq=SEQ, batch=BATCH,
                             steps=STEPS, lr=make.LR, schedule="constant", weight_decay=make.WD,
                             betas=list(make.BETAS), eps=make.EPS, max_grad_norm=None, device="cpu",
                             run_dir=str(tmp_path / "run"), log_every=1, save_every=STEPS,

@@ -50,6 +50,9 @@ def _folder(tmp_path, name, *files):
     (("recipe_state.pt", "config.json", "model.safetensors"),
      ["a torchtune checkpoint (its optimizer state in {path}/recipe_state.pt)",
       "engine.load_trainer_checkpoint('{path}') takes in its weights, AdamW moments and steps", "`model: {path}`"]),
+    (("recipe_state.pt", "config.json", "model.safetensors", "adapter_model.pt", "adapter_config.json"),
+     ["a torchtune checkpoint", "of a LoRA run: engine.load_trainer_checkpoint('{path}') takes in its adapters",
+      "finetuning_type: lora", "its weights are merged with the adapters"]),
 ])
 def test_each_layout_is_named_with_the_way_to_its_weights(tmp_path, files, says):
     path = _folder(tmp_path, "checkpoint-80", *files)
