@@ -19,7 +19,7 @@ from .config_data import check_data, check_media, lay_tools
 from .config_values import choice, flag, folder_or_file, integer, loggers, number, numeric, text, warmup
 from .data import entries
 from . import preemption
-from . import neftune, router_loss
+from . import neftune, rope_scaling, router_loss
 from . import intervals
 from . import their_keys
 from ..errors import ArgumentError
@@ -116,6 +116,7 @@ class RunConfig:
     additional_target: Any = None       # LoRA: modules trained whole beside the adapters (PEFT's modules_to_save)
     moe_aux_loss_coef: float | None = None   # the routers' load-balancing loss on, at this weight (router_loss.py)
     neftune_noise_alpha: float | None = None   # NEFTune's noise on the input embeddings (neftune.py)
+    rope_scaling: str | None = None     # linear, yarn or llama3: the rotary embedding stretched to seq (rope_scaling.py)
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
     train_from_scratch: bool = False   # LlamaFactory's: the model folder's config, randomly initialised
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
@@ -452,6 +453,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     folder = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
     check_stage(c, raw, folder)
     router_loss.check(c)
+    rope_scaling.check(c)
     neftune.check(c)
     if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
         for entry in c.data + c.eval:

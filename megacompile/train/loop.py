@@ -30,7 +30,7 @@ from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStep
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
-from . import intervals, methods, preemption, resume, router_loss, trained_model
+from . import intervals, methods, preemption, resume, rope_scaling, router_loss, trained_model
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
@@ -137,9 +137,9 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     run_dir, resume_from, saved, imported = starting_point(c)
     meta = meta_model(c)
     kind(c).check_model(c, meta)
-    said = router_loss.note(c, meta)
-    if said:
-        print(said, flush=True)
+    for said in (router_loss.note(c, meta), rope_scaling.note(c)):
+        if said:
+            print(said, flush=True)
     meta = methods.apply(c, meta)      # the names it gives checked against the model, before the data is read
     methods.check_adapter(c, meta)
     if imported is not None:

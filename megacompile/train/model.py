@@ -21,7 +21,7 @@ from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..optim import AdamW, hf_no_decay
 from ..planner import minimum_budget_of
 from ..settings import Settings, default_hbm_budget
-from . import beside, methods, neftune, router_loss
+from . import beside, methods, model_config, neftune
 from .config import DROPOUT_OFF, RunConfig
 
 GiB = 2 ** 30
@@ -57,15 +57,15 @@ def meta_model(c: RunConfig) -> nn.Module:
             refuse_quantized_weights(config, c.model)
         if getattr(config, "vision_config", None) is not None:   # as the folder's weights are built
             config.use_cache = False
-            router_loss.edit(config, c, c.model)
+            model_config.edit(config, c)
             with torch.device("meta"):
                 return auto_class(config).from_config(config)
     from ..planner import model_from_config
     model = model_from_config(c.model)
-    if c.moe_aux_loss_coef is None:
+    if not model_config.edited(c):
         return model
     config = copy.deepcopy(model.config)      # the config as transformers reads it, then the run's change
-    router_loss.edit(config, c, c.model)
+    model_config.edit(config, c)
     return model_from_config(config)
 
 
@@ -98,7 +98,8 @@ def check_positions(c: RunConfig, model: nn.Module) -> None:
     if isinstance(limit, int) and c.seq > limit:
         config = os.path.join(c.model, "config.json") if os.path.isdir(c.model) else c.model
         raise ArgumentError(f"seq {c.seq:,} is longer than the model's max_position_embeddings, {limit:,} "
-                            f"({config}): give seq <= {limit:,}")
+                            f"({config}): give seq <= {limit:,}, or rope_scaling: linear, yarn or llama3 to stretch "
+                            "its rotary embedding to seq (LlamaFactory's key)")
 
 
 def device_budget(c: RunConfig, model: nn.Module, captured, device: str) -> float:
@@ -143,7 +144,7 @@ def make_module(c: RunConfig, meta: nn.Module, wrap=None, quiet: bool = False) -
         module = methods.lora_skeleton(c)      # adapters made, the base on meta: it streams from the files
     elif folder:
         from ..io.hf_load import build_model
-        module = build_model(c.model, edit=lambda config: router_loss.edit(config, c, c.model))
+        module = build_model(c.model, edit=lambda config: model_config.edit(config, c))
     else:                                           # a config: random init, seeded
         from ..io.hf_load import auto_class
         module = auto_class(meta.config).from_config(meta.config, dtype=torch.float32)

@@ -56,7 +56,6 @@ NOT_TAKEN = {
     "auto_find_batch_size": "global_batch: the planner chooses the micro-batch that fits the budget",
     "fsdp": "megacompile places weights and optimizer state itself (data parallelism: torchrun, "
             "docs/distributed.md)",
-    "rope_scaling": "not supported: the model's config.json decides its positions",
     "pure_bf16": "not supported: megacompile keeps float32 masters; compute_dtype: bfloat16 is the compute",
     "upcast_layernorm": "not supported: the norms compute as the model's code has them (transformers' RMSNorm "
                         "upcasts to float32 itself)",

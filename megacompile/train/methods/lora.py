@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ...errors import ArgumentError
-from .. import router_loss
+from .. import model_config
 from . import vision_freeze
 from .freeze import blocks
 from .names import ALL, names
@@ -125,7 +125,7 @@ def lora_skeleton(c) -> nn.Module:
     from ...io.hf_load import auto_class
     config = AutoConfig.from_pretrained(c.model)
     config.use_cache = False
-    router_loss.edit(config, c, c.model)
+    model_config.edit(config, c)
     with no_init_weights():
         base = auto_class(config).from_config(config, dtype=torch.float32)
         base.tie_weights()
