@@ -29,17 +29,21 @@ def from_pretrained(path: str, hbm_budget: float, **compile_kwargs: Any) -> Engi
 
 
 def compile_folder(model: nn.Module, path: str, hbm_budget: float, file_key: Callable[[str], str] | None = None,
-                   unused: tuple[str, ...] = (), **compile_kwargs: Any) -> Engine:
+                   unused: tuple[str, ...] = (), grown=None, **compile_kwargs: Any) -> Engine:
     """from_pretrained, for the module build_model(path) made (a caller that planned on it first:
     megacompile train). file_key: a state_dict key's name in the folder's files, where the module
     wraps the folder's model (a PEFT model); its parameters that are not on meta (the adapters)
     are the module's own and load from it. unused: tensors of the files the module leaves out on
-    purpose (io/hf_load.py's plan_items)."""
+    purpose (io/hf_load.py's plan_items). grown: a vocabulary grown past the folder's
+    (io/grown_vocab.py): its tensors' rows made as they stream in."""
     shards = shard_map(path)
     engine = Engine(model, hbm_budget, **compile_kwargs)
     state = engine.state
     canonical = state.canonical if file_key is None else {file_key(k): n for k, n in state.canonical.items()}
     own = tuple(n for n, p in model.named_parameters() if not p.is_meta)
-    state.weights_arrive(PendingLoad(plan_items(canonical, model, path, shards, unused), own_buffers=True, own_params=own,
-                                     describe=f"the weights in {path}"), source_dir=path)
+    items, memory = plan_items(canonical, model, path, shards, unused, grown=grown), None
+    if grown is not None:
+        items, memory = grown.route(items)
+    state.weights_arrive(PendingLoad(items, own_buffers=True, own_params=own, describe=f"the weights in {path}",
+                                     memory=memory), source_dir=path)
     return engine

@@ -98,12 +98,14 @@ def shard_map(path: str) -> dict[str, list[str] | None]:
 
 def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
                shards: dict[str, list[str] | None], unused: tuple[str, ...] = (),
-               on_meta: bool = False) -> list[Item]:
+               on_meta: bool = False, grown=None) -> list[Item]:
     """What to stream from where, after checking every file's header against the model.
     canonical: state_dict key -> the parameter or buffer it names (TrainingState.canonical);
     unused: tensors of the files the model leaves out on purpose (a reward model's, the causal
     LM's head its own head replaces), passed over. on_meta: the model is wholly on meta, a check
-    before any is built: the buffers it computes and does not save are not asked of the files."""
+    before any is built: the buffers it computes and does not save are not asked of the files.
+    grown: the run's GrownVocab (io/grown_vocab.py), whose tensors may have fewer rows than the
+    model's: they grow as they stream in (its route())."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     items, loaded = [], set()
@@ -141,7 +143,7 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
                 raise WeightsFileError(f"{file} holds {key}, which the {type(model).__name__} built from "
                                        f"{path}/config.json has no place for: the weights are of another model")
             expected = tuple(own.shape) if part is None else part_shape(tuple(own.shape), part)
-            if entry.shape != expected:
+            if entry.shape != expected and not (grown is not None and grown.holds(key, entry.shape, expected)):
                 raise WeightsFileError(f"{file}: {key} has shape {entry.shape}, the model built from config.json "
                                        f"has {expected}" + (f" for it (a part of {name})" if part else "")
                                        + ": the weights are of another model or config")

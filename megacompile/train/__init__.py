@@ -14,7 +14,10 @@
     trainer_args.py  a TrainingArguments or TRL config dump's other fields: accepted at their defaults
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice
+    model_config.py  the run's changes to the folder's config before the model is built, for every build
     router_loss.py  moe_aux_loss_coef: a mixture-of-experts model's load-balancing loss turned on
+    rope_scaling.py rope_scaling: the rotary embedding stretched to seq, as LlamaFactory's configure_rope
+    vocab.py     add_tokens, add_special_tokens, resize_vocab: tokens added, the model's rows grown
     neftune.py   neftune_noise_alpha: NEFTune's noise on the input embeddings (transformers' hook)
     trained_model.py  where a run leaves its model: export, else the run folder (output_dir)
     policy_export.py  a dpo, kto or grpo run's trained policy, an rm run's reward model, as a Hugging Face folder

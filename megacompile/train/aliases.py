@@ -135,6 +135,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "warmup_steps": ("warmup", _same),
     "cutoff_len": ("seq", _same),
     "max_length": ("seq", _same),
+    "new_special_tokens": ("add_special_tokens", _same),     # LlamaFactory's name before add_special_tokens
     "max_seq_length": ("seq", _same),
     "output_dir": ("run_dir", _same),
     "save_steps": ("save_every", _same),

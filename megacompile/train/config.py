@@ -19,7 +19,7 @@ from .config_data import check_data, check_media, lay_tools
 from .config_values import choice, flag, folder_or_file, integer, loggers, number, numeric, text, warmup
 from .data import entries
 from . import preemption
-from . import neftune, rope_scaling, router_loss
+from . import neftune, rope_scaling, router_loss, vocab
 from . import intervals
 from . import their_keys
 from ..errors import ArgumentError
@@ -117,6 +117,11 @@ class RunConfig:
     moe_aux_loss_coef: float | None = None   # the routers' load-balancing loss on, at this weight (router_loss.py)
     neftune_noise_alpha: float | None = None   # NEFTune's noise on the input embeddings (neftune.py)
     rope_scaling: str | None = None     # linear, yarn or llama3: the rotary embedding stretched to seq (rope_scaling.py)
+    add_tokens: Any = None              # tokens added to the tokenizer (vocab.py)
+    add_special_tokens: Any = None      # special tokens added to the tokenizer (vocab.py)
+    resize_vocab: bool = False          # the model's rows grown to the tokenizer's (vocab.py)
+    # what the run makes of the three (io/grown_vocab.py's GrownVocab, vocab.resolve); no key of run.yaml
+    grown: Any = field(default=None, metadata={"derived": True})
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
     train_from_scratch: bool = False   # LlamaFactory's: the model folder's config, randomly initialised
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
@@ -226,7 +231,7 @@ class RunConfig:
                         updates=self.updates)
 
 
-KEYS = tuple(f.name for f in fields(RunConfig))
+KEYS = tuple(f.name for f in fields(RunConfig) if not f.metadata.get("derived"))
 
 
 def embedded_default_path() -> str:
@@ -454,6 +459,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     check_stage(c, raw, folder)
     router_loss.check(c)
     rope_scaling.check(c)
+    vocab.check(c)
     neftune.check(c)
     if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
         for entry in c.data + c.eval:

@@ -30,7 +30,7 @@ from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStep
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
-from . import intervals, methods, preemption, resume, rope_scaling, router_loss, trained_model
+from . import intervals, methods, preemption, resume, rope_scaling, router_loss, trained_model, vocab
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
@@ -136,6 +136,10 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     before any file of the run folder is written and before the engine exists."""
     run_dir, resume_from, saved, imported = starting_point(c)
     meta = meta_model(c)
+    for said in vocab.resolve(c, meta):
+        print(said, flush=True)
+    if c.grown is not None:
+        meta = meta_model(c)      # built again with the grown vocabulary
     kind(c).check_model(c, meta)
     for said in (router_loss.note(c, meta), rope_scaling.note(c)):
         if said:

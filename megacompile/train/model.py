@@ -167,7 +167,7 @@ def compile_module(c: RunConfig, module: nn.Module, budget: float, wrap=None, **
         from ..engine import compile_folder
         return compile_folder(module, c.model, budget, **kwargs,
                               file_key=file_key(methods.adapters(c), wrap is not None),
-                              unused=getattr(module, "left_out", ()))
+                              unused=getattr(module, "left_out", ()), grown=c.grown)
     return Engine(module, budget, **kwargs)
 
 

@@ -41,6 +41,10 @@ def check(c) -> None:
     if c.bundled:
         raise ArgumentError(f"{KEY}: the bundled model's positions are its own (no transformers config); give a "
                             f"model folder, or leave {KEY} out")
+    if getattr(c, "generator", None) == "vllm":
+        raise ArgumentError(f"{KEY}: vLLM builds the policy it samples from the model folder's config.json, whose "
+                            "positions the run stretches; it would sample another model than the one trained: give "
+                            f"generator: hf (use_vllm: false), or leave {KEY} out")
     c.rope_scaling = kind
 
 

@@ -65,9 +65,6 @@ NOT_TAKEN = {
     "use_kt": "not supported: megacompile streams the weights itself (KTransformers is not used)",
     "kt_optimize_rule": "not supported: megacompile streams the weights itself (KTransformers is not used)",
     "use_fast_tokenizer": "the tokenizer is transformers' AutoTokenizer, the fast one where the folder has it",
-    "resize_vocab": "not supported: the vocabulary is the model's; add tokens and resize the model before the run",
-    "new_special_tokens": "not supported: the vocabulary is the model's; add tokens and resize the model before "
-                          "the run",
     "split_special_tokens": "not supported: special tokens are read as single tokens",
     "image_resolution": "image_max_pixels (LlamaFactory's current key; it bounds an image's pixel count)",
     # other optimisers and training methods

@@ -79,7 +79,8 @@ def write(c: RunConfig, engine, tokenizer, path: str, overwrite: bool, policy: b
     else:
         engine.save_pretrained(path, dtype=dtype, overwrite=overwrite)
         if (isinstance(tokenizer, images.Media) or c.chat_template is not None or c.template is not None
-                or not os.path.isfile(os.path.join(path, "tokenizer_config.json"))):    # the template or EOS trained with
+                or c.add_tokens or c.add_special_tokens     # the template, EOS or tokens trained with
+                or not os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
             tokenizer.save_pretrained(path)
 
 

@@ -80,8 +80,10 @@ def tables(checkpoint: str, table: str) -> dict:
 
 def rows(c, tmp, seq: int) -> tuple[packing.Rows, packing.Rows]:
     """The run's training rows and held-out rows, as the run reads them."""
+    from megacompile.train import vocab
     from megacompile.train.data.tokens import load_tokenizer, token_file
     tok = load_tokenizer(c.model)
+    vocab.add(tok, c)       # the tokens the run adds (add_tokens, add_special_tokens)
     train = token_file(str(tmp / "tokens"), "train", c.data, tok, c.model, c.train_on_prompt)
     held = token_file(str(tmp / "tokens"), "eval", c.eval, tok, c.model, c.train_on_prompt)
     return (packing.Rows(train, seq, c.packing, c.seed, pad_id=tok.pad_token_id),

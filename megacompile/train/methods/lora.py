@@ -90,10 +90,11 @@ def _check_whole(model: nn.Module, whole: list[str], target: list[str] | str) ->
                             "too: a module takes adapters or trains whole, not both; leave it out of one of them")
 
 
-def whole_copies(wrapped: nn.Module, folder: str) -> None:
+def whole_copies(wrapped: nn.Module, folder: str, grown=None) -> None:
     """The trained copy of each module additional_target names (PEFT's modules_to_save) starts as
     the module; the skeleton's base is uninitialised, so each copy is read from the folder's files,
-    one tensor at a time, in float32 (as transformers loads it in a float32 model)."""
+    one tensor at a time, in float32 (as transformers loads it in a float32 model). grown: the
+    run's grown vocabulary (io/grown_vocab.py), whose rows a copy gets."""
     from peft.utils import ModulesToSaveWrapper
     from safetensors import safe_open
     from ...io.hf_load import shard_map
@@ -107,8 +108,11 @@ def whole_copies(wrapped: nn.Module, folder: str) -> None:
         with safe_open(path, framework="pt", backend="pread") as f:
             for key in (keys if keys is not None else f.keys()):
                 for t in wanted.pop(key, ()):
+                    value = f.get_tensor(key)
+                    if grown is not None and key in grown.keys:
+                        value = grown.grow(key, value)
                     with torch.no_grad():
-                        t.copy_(f.get_tensor(key).to(t.dtype))
+                        t.copy_(value.to(t.dtype))
     if wanted:
         raise ArgumentError(f"additional_target: {folder} holds no {next(iter(wanted))}, which the module trained whole "
                             "starts from (a weight tied to another is not in the files: name the module that owns it)")
@@ -134,7 +138,7 @@ def lora_skeleton(c) -> nn.Module:
     if c.use_dora:
         dora_magnitudes(wrapped, c.model)
     if c.additional_target:
-        whole_copies(wrapped, c.model)
+        whole_copies(wrapped, c.model, c.grown)
     release_frozen(wrapped)
     held = base_dtype(c.compute_dtype)
     for p in wrapped.parameters():

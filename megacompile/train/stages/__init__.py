@@ -15,7 +15,7 @@
 """
 from __future__ import annotations
 
-from .. import router_loss
+from .. import router_loss, vocab
 from .stage import Stage
 
 
@@ -45,4 +45,6 @@ def open_stage(c, run_dir: str, meta=None) -> Stage:
     if c.stage in ("sft", "pt"):
         return stage(c, run_dir, padding_mask=meta is not None and router_loss.on(meta))
     from ..data.tokens import load_tokenizer
-    return stage(c, load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model))
+    tokenizer = load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model)
+    vocab.add(tokenizer, c)
+    return stage(c, tokenizer)

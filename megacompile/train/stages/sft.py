@@ -12,7 +12,7 @@ import numpy as np
 from ...errors import ArgumentError
 from ...ir import fmt_bytes
 from .. import intervals
-from .. import methods
+from .. import methods, vocab
 from ..config import RunConfig
 from ..data import grid_images, images, mixture, packing, pixels, split, streaming, tokens, videos
 from ..data.tokens import TokenFile, load_tokenizer, token_file
@@ -170,6 +170,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
                             "model, whose chats its processor's own chat template writes: leave template out")
     model_dir = None if c.bundled else c.model
     tokenizer = load_tokenizer(tokenizer_dir, c.chat_template, c.template, model_dir)
+    vocab.add(tokenizer, c)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     folder = os.path.join(run_dir, "tokens")
     if c.streaming:

@@ -1,0 +1,91 @@
+"""A vocabulary grown past the model folder's: the rows of the tokens a run adds to its tokenizer
+(LlamaFactory's add_tokens and add_special_tokens with resize_vocab), made as its weights stream in.
+
+The model is built with `rows` token rows (config.vocab_size, set before the build); the folder's
+embedding (and an untied output projection) has fewer, or as many where the tokenizer's new ids
+fall in rows the model had padded. Each such tensor is read from its file and grown as
+transformers' resize_token_embeddings(rows, mean_resizing=False) grows it, then as LlamaFactory
+initialises the new tokens' rows:
+
+    rows the file holds        the file's (a new token's row among them is re-made below)
+    rows past the file's       drawn from N(0, initializer_range), as the model's _init_weights
+                               draws a new embedding (the padding up to a multiple of 64)
+    the new tokens' rows       the mean of every other row, plus N(0, 1 / sqrt(hidden)) noise
+
+The draws come from a generator seeded by the run's seed and the tensor's name, so every load of
+the folder (the policy's, a DPO reference's, a LoRA run's trained copy) makes the same rows.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+_MARK = "<grown>"      # an item's source: its file, read through GrownVocab.memory
+
+
+@dataclass(frozen=True)
+class GrownVocab:
+    rows: int                       # the model's token rows
+    new_ids: tuple[int, ...]        # the added tokens' ids
+    keys: frozenset[str]            # the file keys of the tensors with a row per token
+    std: float                      # the config's initializer_range
+    seed: int
+
+    def holds(self, key: str, saved: tuple, own: tuple) -> bool:
+        """Whether the file's tensor `key`, of shape `saved`, grows into the model's `own`."""
+        return key in self.keys and len(saved) == 2 and saved[1:] == own[1:] and saved[0] <= own[0] == self.rows
+
+    def grow(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """The file's tensor `key` with the model's rows (module docstring), float32."""
+        generator = torch.Generator().manual_seed(_seed(self.seed, key))
+        out = torch.empty(self.rows, t.shape[1], dtype=torch.float32)
+        out[:t.shape[0]] = t
+        if self.rows > t.shape[0]:
+            out[t.shape[0]:] = torch.randn(self.rows - t.shape[0], t.shape[1], generator=generator) * self.std
+        if self.new_ids:
+            ids = torch.tensor(self.new_ids)
+            others = torch.ones(self.rows, dtype=torch.bool)
+            others[ids] = False
+            mean = out[others].double().mean(dim=0, keepdim=True).float()
+            noise = torch.randn(len(ids), t.shape[1], generator=generator) / math.sqrt(t.shape[1])
+            out[ids] = mean + noise
+        return out
+
+    def route(self, items: list) -> tuple[list, dict]:
+        """The load's items with those of the grown tensors read through `memory` (io/source.py's
+        PendingLoad.memory): (items, memory)."""
+        from dataclasses import replace
+        memory, out = {}, []
+        for it in items:
+            if it.key in self.keys:
+                path = _MARK + it.path
+                memory.setdefault(path, _Grown(it.path, self))
+                it = replace(it, path=path)
+            out.append(it)
+        return out, memory
+
+
+def _seed(seed: int, key: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") & (2 ** 63 - 1)
+
+
+class _Grown(Mapping):
+    """key -> the file's tensor `key` grown (GrownVocab.grow), read when asked for."""
+
+    def __init__(self, file: str, vocab: GrownVocab):
+        self.file, self.vocab = file, vocab
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+        with safe_open(self.file, framework="pt", backend="pread") as f:
+            return self.vocab.grow(key, f.get_tensor(key))
+
+    def __iter__(self):
+        return iter(sorted(self.vocab.keys))
+
+    def __len__(self) -> int:
+        return len(self.vocab.keys)

@@ -1,0 +1,47 @@
+"""io/grown_vocab.py: which stored tensors may grow into the model's rows, and the rows they get
+(the stored ones kept, the padding drawn at initializer_range, the new tokens' at the mean of the
+others plus noise), the same on every load and another for each tensor."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megacompile.io.grown_vocab import GrownVocab
+
+KEY, OTHER = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _grown(**changes) -> GrownVocab:
+    return GrownVocab(**dict(rows=64, new_ids=(50, 51), keys=frozenset({KEY, OTHER}), std=0.02, seed=3) | changes)
+
+
+def test_only_its_tensors_grow_and_only_in_rows():
+    grown = _grown()
+    assert grown.holds(KEY, (50, 16), (64, 16)) and grown.holds(OTHER, (64, 16), (64, 16))
+    assert not grown.holds("model.norm.weight", (16,), (16,))
+    assert not grown.holds(KEY, (50, 8), (64, 16))          # another hidden size: another model
+    assert not grown.holds(KEY, (80, 16), (64, 16))         # more rows than the model's
+    assert not grown.holds(KEY, (50, 16), (128, 16))        # a model of other rows than the run's
+
+
+def test_the_rows_are_the_files_the_padding_and_the_new_tokens():
+    stored = torch.randn(50, 256)
+    grown = _grown()
+    out = grown.grow(KEY, stored)
+    assert out.shape == (64, 256) and torch.equal(out[:50], stored)
+    assert 0.015 < out[52:].std().item() < 0.025                           # N(0, initializer_range)
+    others = torch.ones(64, dtype=torch.bool)
+    others[[50, 51]] = False
+    noise = out[[50, 51]] - out[others].mean(dim=0)
+    assert 0.8 < noise.std().item() * math.sqrt(256) < 1.2                 # N(0, 1/sqrt(hidden)) about the mean
+    assert torch.equal(out, grown.grow(KEY, stored))                       # every load makes the same rows
+    assert not torch.equal(out[50:], grown.grow(OTHER, stored)[50:])       # each tensor draws its own
+    assert not torch.equal(out[50:], _grown(seed=4).grow(KEY, stored)[50:])
+
+
+def test_a_new_token_in_rows_the_model_had_padded_is_made_again():
+    stored = torch.randn(64, 32)
+    out = _grown(new_ids=(60,)).grow(KEY, stored)
+    assert torch.equal(out[:60], stored[:60]) and torch.equal(out[61:], stored[61:])
+    assert not torch.equal(out[60], stored[60])
