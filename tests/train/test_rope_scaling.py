@@ -50,7 +50,8 @@ def _losses(model, c, rows) -> list[float]:
     return finetune_runs.train(model, c, rows, finetune_runs.trainer_groups(model, 0.0))[0]
 
 
-@pytest.mark.parametrize("kind", ["linear", "yarn", "llama3"])
+@pytest.mark.parametrize("kind", [pytest.param("linear", marks=pytest.mark.slow), "yarn",
+                                  pytest.param("llama3", marks=pytest.mark.slow)])
 def test_a_longer_run_trains_the_scaled_model_and_exports_its_config(tmp_path, capsys, kind):
     c = load(files.run_yaml(str(tmp_path / "r.yaml"), **_settings(tmp_path, rope_scaling=kind.upper())), [])
     run(c)
@@ -70,6 +71,7 @@ def test_a_longer_run_trains_the_scaled_model_and_exports_its_config(tmp_path, c
     assert exported["rope_parameters"]["rope_type"] == kind and exported["rope_parameters"]["factor"] == 3.0
 
 
+@pytest.mark.slow
 def test_a_lora_run_builds_its_adapters_on_the_scaled_model(tmp_path):
     import peft
     c = load(files.run_yaml(str(tmp_path / "r.yaml"), **_settings(
