@@ -43,21 +43,23 @@ class ShardedCheckpoints:
     """The checkpoint writer of a data-parallel run: io/checkpoint.py's LocalCheckpoints interface,
     each rank writing and reading its share."""
 
-    def save(self, state: "TrainingState", path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
-        save(state, path, extra=extra, keep_last=keep_last)
+    def save(self, state: "TrainingState", path: str, *, extra: Any = None, keep_last: int | None = None,
+             keep: tuple[str, ...] = ()) -> None:
+        save(state, path, extra=extra, keep_last=keep_last, keep=keep)
 
     def load(self, state: "TrainingState", path: str, *, strict: bool = True) -> Any:
         return load(state, path, strict=strict)
 
 
-def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None,
+         keep: tuple[str, ...] = ()) -> None:
     ranks = state.data_parallel.ranks
     with ranks.patient():
-        _save(state, path, extra, keep_last)
+        _save(state, path, extra, keep_last, keep)
     ranks.checkpoint = (os.fspath(path), state.steps_done)
 
 
-def _save(state: "TrainingState", path: str, extra: Any, keep_last: int | None) -> None:
+def _save(state: "TrainingState", path: str, extra: Any, keep_last: int | None, keep: tuple[str, ...] = ()) -> None:
     checkpoint.check_keep_last(keep_last)
     state.host_or_error()       # refuses before the first step, while there is nothing to save
     unbuilt.refuse_missing_weights(state)
@@ -84,14 +86,15 @@ def _save(state: "TrainingState", path: str, extra: Any, keep_last: int | None) 
     if isinstance(tmp, Exception):
         raise tmp
     try:
-        _write_and_commit(state, path, tmp, extra, keep_last)
+        _write_and_commit(state, path, tmp, extra, keep_last, keep)
     except DistributedError:
         if ranks.rank == 0:       # a rank died or hung: this save never commits
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _write_and_commit(state: "TrainingState", path: str, tmp: str, extra: Any, keep_last: int | None) -> None:
+def _write_and_commit(state: "TrainingState", path: str, tmp: str, extra: Any, keep_last: int | None,
+                      keep: tuple[str, ...] = ()) -> None:
     ranks, host = state.data_parallel.ranks, state.host_or_error()
     model_params.synchronize(state)
     written, error = {}, None
@@ -116,7 +119,7 @@ def _write_and_commit(state: "TrainingState", path: str, tmp: str, extra: Any, k
                         "files": {k: v for r in reports for k, v in r[0].items()}}
             checkpoint.commit(tmp, path, manifest)
             ranks.checkpoint = (path, state.steps_done)     # committed, whatever the others do now
-            checkpoint.rotate(path, manifest["run"], keep_last)
+            checkpoint.rotate(path, manifest["run"], keep_last, keep)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = e if isinstance(e, MegacompileError) else durable.write_failed("checkpoint", path, e)

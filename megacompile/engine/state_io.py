@@ -42,17 +42,19 @@ class StateIO:
         meta trains once its parts are complete (its first step names what is missing)."""
         state_dict.load(self.state, state, strict=strict)
 
-    def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
+    def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None,
+                        keep: tuple[str, ...] = ()) -> None:
         """Write a checkpoint folder at `path`: masters, AdamW moments, counters, optimizer settings,
         LR-schedule state (attached torch schedulers too), random states and `extra` (JSON: e.g.
         the data loader's position). Returns once it is durable; a checkpoint already at `path` is
         replaced only then (until the new one is committed, the old one stays loadable). keep_last=N
         keeps this run's N latest committed checkpoints in the same parent folder (the one just
         written always among them) and removes its older ones; checkpoints of other runs there are
-        never touched (a run is this engine, or the run it resumed with load_checkpoint).
+        never touched (a run is this engine, or the run it resumed with load_checkpoint). `keep`:
+        checkpoints that stay whatever their age (a run's best), counted among the keep_last.
         With data parallelism each rank writes its share (distributed/checkpoint.py)."""
         self.state.refuse_partial("save_checkpoint()")
-        self._checkpoints.save(self.state, path, extra=extra, keep_last=keep_last)
+        self._checkpoints.save(self.state, path, extra=extra, keep_last=keep_last, keep=tuple(keep))
 
     def load_checkpoint(self, path: str, *, strict: bool = True) -> Any:
         """Resume from a checkpoint folder (no prepare() needed): training continues exactly where

@@ -55,8 +55,9 @@ class LocalCheckpoints:
     """The checkpoint writer of one process; distributed/checkpoint.py's ShardedCheckpoints is the
     same interface for a data-parallel run (each rank writes its share into one folder)."""
 
-    def save(self, state: "TrainingState", path: str, *, extra: Any = None, keep_last: int | None = None) -> None:
-        save(state, path, extra=extra, keep_last=keep_last)
+    def save(self, state: "TrainingState", path: str, *, extra: Any = None, keep_last: int | None = None,
+             keep: tuple[str, ...] = ()) -> None:
+        save(state, path, extra=extra, keep_last=keep_last, keep=keep)
 
     def load(self, state: "TrainingState", path: str, *, strict: bool = True) -> Any:
         return load(state, path, strict=strict)
@@ -68,7 +69,8 @@ def check_keep_last(keep_last: int | None) -> None:
                               f"got {keep_last!r}")
 
 
-def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None) -> None:
+def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None,
+         keep: tuple[str, ...] = ()) -> None:
     check_keep_last(keep_last)
     extra = run_state.extra_json(extra)
     unbuilt.refuse_missing_weights(state)
@@ -107,7 +109,7 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
         if isinstance(e, Exception) and not isinstance(e, MegacompileError):
             raise durable.write_failed("checkpoint", path, e, needed=size(state, tables)) from e
         raise
-    rotate(path, manifest["run"], keep_last)
+    rotate(path, manifest["run"], keep_last, keep)
 
 
 def size(state: "TrainingState", tables: tuple) -> int:
@@ -134,15 +136,19 @@ def commit(tmp: str, path: str, manifest: dict) -> None:
     durable.rename_into_place(tmp, path)
 
 
-def rotate(path: str, run: str, keep_last: int | None) -> None:
+def rotate(path: str, run: str, keep_last: int | None, keep: tuple[str, ...] = ()) -> None:
     """keep_last: remove the older committed checkpoints of run `run` beside `path` (just written),
-    so that `path` and the keep_last - 1 latest others of the run remain. Checkpoints of other runs
+    so that `path` and the keep_last - 1 latest others of the run remain. `keep`: checkpoints that
+    stay whatever their age (a run's best, as transformers' Trainer keeps its best beside its
+    save_total_limit), counted among the keep_last where they are older. Checkpoints of other runs
     (another run id, or none: written before checkpoints named their run) are never touched."""
     if keep_last is None:
         return
+    kept = {os.path.abspath(p) for p in keep} - {os.path.abspath(path)}
     mine = [p for p in committed_beside(path, run=run) if os.path.abspath(p) != os.path.abspath(path)]
-    # fewer than keep_last - 1 others: none goes (a negative cut would slice from the end)
-    for old in mine[:max(0, len(mine) - (keep_last - 1))]:
+    others = [p for p in mine if os.path.abspath(p) not in kept]
+    # fewer than the others to keep: none goes (a negative cut would slice from the end)
+    for old in others[:max(0, len(others) - max(0, keep_last - 1 - (len(mine) - len(others))))]:
         remove(old)
 
 

@@ -20,6 +20,7 @@
     vocab.py     add_tokens, add_special_tokens, resize_vocab: tokens added, the model's rows grown
     neftune.py   neftune_noise_alpha: NEFTune's noise on the input embeddings (transformers' hook)
     trained_model.py  where a run leaves its model: export, else the run folder (output_dir)
+    best_model.py  load_best_model_at_end: the best checkpoint's weights are the model written
     policy_export.py  a dpo, kto or grpo run's trained policy, an rm run's reward model, as a Hugging Face folder
     log.py       CSV rows per optimizer step, TensorBoard, progress
     wandb_log.py W&B scalars per optimizer step (log: [wandb])

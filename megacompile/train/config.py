@@ -19,7 +19,7 @@ from .config_data import check_data, check_media, lay_tools
 from .config_values import choice, flag, folder_or_file, integer, loggers, number, numeric, text, warmup
 from .data import entries
 from . import preemption
-from . import neftune, rope_scaling, router_loss, vocab
+from . import best_model, neftune, rope_scaling, router_loss, vocab
 from . import intervals
 from . import their_keys
 from ..errors import ArgumentError
@@ -120,6 +120,9 @@ class RunConfig:
     add_tokens: Any = None              # tokens added to the tokenizer (vocab.py)
     add_special_tokens: Any = None      # special tokens added to the tokenizer (vocab.py)
     resize_vocab: bool = False          # the model's rows grown to the tokenizer's (vocab.py)
+    load_best_model_at_end: bool = False    # the model written is the best checkpoint's (best_model.py)
+    metric_for_best_model: str | None = None    # its evaluation metric (eval_loss by default)
+    greater_is_better: bool | None = None       # None: lower is better for a loss, higher for the rest
     # what the run makes of the three (io/grown_vocab.py's GrownVocab, vocab.resolve); no key of run.yaml
     grown: Any = field(default=None, metadata={"derived": True})
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
@@ -460,6 +463,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     router_loss.check(c)
     rope_scaling.check(c)
     vocab.check(c)
+    best_model.check(c)
     neftune.check(c)
     if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
         for entry in c.data + c.eval:

@@ -30,7 +30,7 @@ from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStep
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
-from . import intervals, methods, preemption, resume, rope_scaling, router_loss, trained_model, vocab
+from . import best_model, intervals, methods, preemption, resume, rope_scaling, router_loss, trained_model, vocab
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
@@ -113,7 +113,7 @@ def checkpoint_path(folder: str, step: int) -> str:
 
 
 def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int, fingerprint: str,
-                    force: bool = False, **more) -> bool:
+                    force: bool = False, keep: tuple[str, ...] = (), **more) -> bool:
     """At every save_every-th step (or each epoch's end: intervals.py) and the last one (or now:
     `force`, when a stop signal came), a checkpoint in `folder` with what a resume checks and goes
     on from: the data position (rows, or a stage's pairs or prompts), what it refers to, the
@@ -125,7 +125,7 @@ def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int,
                            extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
                                   "settings": resume.settings(c), "finetuning": methods.saved(c),
                                   **({"data_sources": sources} if sources is not None else {}), **more},
-                           keep_last=c.keep_last)
+                           keep_last=c.keep_last, keep=keep)
     return True
 
 
@@ -162,6 +162,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
             c.steps = stage.steps_for(c.epochs)
         c.warmup = warmup_steps(c.warmup, c.steps)      # a fraction of the steps, now that they are known
         intervals.resolve(c, stage.steps_for)
+        best_model.check_intervals(c, list(stage.columns))
     except BaseException:
         if stage is not None:
             stage.discard()
@@ -264,14 +265,25 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     checkpoints = os.path.join(run_dir, CHECKPOINTS)
     saved_at, losses_seen, started = None, [], time.perf_counter()
     latest = (start_step, resume_from) if resume_from is not None else (0, None)    # (step, checkpoint)
+    best = best_model.Best(c, extra)
 
-    def save(step: int, force: bool = False) -> bool:
-        return save_checkpoint(c, engine, checkpoints, step, position, stage.fingerprint, force=force,
-                               **stage.checkpoint_extra())
+    def at(step: int) -> str:
+        return checkpoint_path(checkpoints, step)
+
+    def save(step: int, force: bool = False, row: dict | None = None) -> bool:
+        """A checkpoint at `step` where due (or forced); `row`: the step's logged figures, whose
+        evaluation may make it the best (best_model.py)."""
+        proposed = best.proposed(step, row or {})
+        made = save_checkpoint(c, engine, checkpoints, step, position, stage.fingerprint, force=force,
+                               keep=best.kept(at) if proposed == best.state() else (),
+                               **stage.checkpoint_extra(), **({"best": proposed} if proposed else {}))
+        if made:
+            best.keep(proposed)
+        return made
 
     def save_now() -> str:
         save(engine.steps_done, force=True)
-        return checkpoint_path(checkpoints, engine.steps_done)
+        return at(engine.steps_done)
 
     skips = SkipStreak(c.max_consecutive_skips)
     try:
@@ -305,8 +317,8 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                 text, figures = stage.progress(row, plan.budget_bytes)
                 progress.update(record.step, f"loss {row['loss']:.4f} | {text}", {"loss": f"{row['loss']:.4f}",
                                 **figures}, eval_loss=row.get("eval_loss"))
-                if save(record.step):
-                    saved_at, latest = record.step, (record.step, checkpoint_path(checkpoints, record.step))
+                if save(record.step, row=row):
+                    saved_at, latest = record.step, (record.step, at(record.step))
             preemption.stop(stop_signals, c, engine.steps_done, latest, save_now, run_dir)
     # A save the disk refused; steps that kept being skipped; a step that failed after its first
     # update (updates: as_gradients_land), which left the engine to be reloaded.
@@ -316,13 +328,17 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         progress.close()
         log.close()
     elapsed = time.perf_counter() - started
+    steps_done = engine.steps_done
+    said = best.load(engine, at)
+    if said:
+        print(said, flush=True)
     place = trained_model.folder(c, run_dir)        # a post-training stage needs a Hugging Face model: never None
     if place is not None:
         # overwrite: only a resumed run gets here with model files in the folder, its own (check_new_run)
         trained_model.write(c, engine, stage.tokenizer, place, overwrite=resume_from is not None,
                             policy=stage.objective is not None)
     measured = plan.measured_peak_bytes
-    result = {"steps": engine.steps_done, "skipped_steps": engine.skipped_steps, "run_dir": run_dir,
+    result = {"steps": steps_done, "skipped_steps": engine.skipped_steps, "run_dir": run_dir,
               "first_loss": losses_seen[0] if losses_seen else None,
               "final_loss": losses_seen[-1] if losses_seen else None,
               "seconds": elapsed, "last_checkpoint": saved_at, "budget_bytes": plan.budget_bytes,

@@ -78,8 +78,6 @@ NOT_TAKEN = {
                           "gives; to train a new adapter over a trained one, merge that one into the model first",
     "group_by_length": "not supported: rows are ordered by seed, not by length",
     # evaluation and saving
-    "load_best_model_at_end": "not supported: the model written at the end is the last step's",
-    "metric_for_best_model": "not supported: the model written at the end is the last step's",
     "eval_on_start": "not supported: evaluation runs every eval_every steps and after the last",
     "save_safetensors": "weights are always written as safetensors",
     "compute_accuracy": "not supported: evaluation reports the held-out loss and perplexity",

@@ -21,7 +21,6 @@ from typing import Any
 _ROUTER_LOSS = "moe_aux_loss_coef: VALUE turns the routers' load-balancing loss on at that weight (LlamaFactory's key)"
 _COMPILE = "megacompile compiles the step itself (fuse: true runs its fused kernels)"
 _PLACES = "megacompile places weights and optimizer state itself (data parallelism: torchrun, docs/distributed.md)"
-_BEST = "not supported: the model written at the end is the last step's"
 _EVAL = "evaluation is the held-out loss"
 _HUB = "megacompile uploads nothing"
 _LOGS = "the run's own progress lines and log.csv"
@@ -44,7 +43,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "eval_packing": ((None,), "held-out rows are packed as the training rows are (packing)"),
     "full_determinism": ((False,), "not supported: seed sets the data order and initialisation; torch's "
                                    "deterministic algorithms are not forced"),
-    "greater_is_better": ((None,), _BEST),
     "ignore_data_skip": ((False,), "not supported: a resumed run continues from its data position"),
     "label_smoothing_factor": ((0, 0.0), "not supported: the cross-entropy is not smoothed"),
     "length_column_name": (("length",), "not supported: rows are ordered by seed, not by length"),

@@ -94,6 +94,17 @@ def test_keep_last_keeps_that_many_from_the_first_save_on(tmp_path, keep_last):
         assert sorted(os.listdir(tmp_path)) == [f"step-{j}" for j in range(max(0, i + 1 - keep_last), i + 1)]
 
 
+@pytest.mark.parametrize("keep_last, left", [(1, [1, 6]), (2, [1, 6]), (3, [1, 5, 6])])
+def test_a_kept_checkpoint_stays_and_counts_among_keep_last(tmp_path, keep_last, left):
+    """transformers' Trainer keeps its best checkpoint beside save_total_limit: with 1, the last and
+    the best; with N, the best and the N - 1 latest."""
+    engine = _trained()
+    for i in range(7):
+        engine.save_checkpoint(str(tmp_path / f"step-{i}"), keep_last=keep_last,
+                               keep=(str(tmp_path / "step-1"),) if i >= 1 else ())
+    assert sorted(os.listdir(tmp_path)) == [f"step-{j}" for j in left]
+
+
 def test_keep_last_rotates_and_an_uncommitted_one_names_the_last_good(tmp_path):
     engine = _trained()
     for i in range(4):

@@ -1,0 +1,91 @@
+"""load_best_model_at_end, metric_for_best_model and greater_is_better: the model a run writes is
+its best checkpoint's weights, chosen as transformers' Trainer chooses (each checkpoint's own
+evaluation; lower is better for a loss unless greater_is_better), the best kept beside keep_last's
+latest, carried across a resume; settings under which a checkpoint has no evaluation are refused."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megacompile.errors import ArgumentError
+from megacompile.train import load, log, run
+from tests.train import files, finetune_runs
+
+
+def _settings(tmp_path, **extra) -> dict:
+    chats = files.chats(str(tmp_path / "chats.jsonl"))
+    return dict(model=files.model_dir(str(tmp_path / "llama"), dim=32), data=[chats], eval=[chats], eval_batches=1,
+                seq=32, batch=2, steps=4, lr=1e-2, schedule="constant", max_grad_norm=None, device="cpu",
+                run_dir=str(tmp_path / "run"), log_every=1, eval_every=1, save_every=1, save_total_limit=1,
+                export_dtype="float32", load_best_model_at_end=True) | extra
+
+
+def _exported_is_checkpoint(c, step: int) -> None:
+    masters = finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", f"step-{step:06d}"), "master")
+    exported = load_file(os.path.join(c.run_dir, "model.safetensors"))
+    assert set(masters) <= set(exported)
+    for name, master in masters.items():
+        assert torch.equal(exported[name], master), name
+
+
+def test_the_model_written_is_the_best_checkpoints(tmp_path, capsys):
+    # the highest held-out loss is "best": the first step's, on a run whose loss falls
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **_settings(tmp_path, greater_is_better=True,
+                                                                   metric_for_best_model="loss")), [])
+    run(c)
+    losses = [float(r["eval_loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    best = 1 + max(range(len(losses)), key=lambda i: losses[i])
+    assert best != len(losses)
+    assert (f"best           step {best} (eval_loss {losses[best - 1]:.6g}): its checkpoint's weights are the model "
+            "written") in capsys.readouterr().out
+    _exported_is_checkpoint(c, best)
+    # save_total_limit 1: the last checkpoint and the best, as the Trainer keeps them
+    assert sorted(os.listdir(os.path.join(c.run_dir, "checkpoints"))) == [f"step-{best:06d}", "step-000004"]
+
+
+def test_a_loss_is_best_lowest_and_the_last_step_may_be_it(tmp_path, capsys):
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **_settings(tmp_path)), [])
+    run(c)
+    losses = [float(r["eval_loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    best = 1 + min(range(len(losses)), key=lambda i: losses[i])
+    assert c.metric_for_best_model == "eval_loss" and c.greater_is_better is False
+    out = capsys.readouterr().out
+    assert ("best           step" in out) == (best != 4)
+    _exported_is_checkpoint(c, best)
+
+
+def test_a_resumed_run_goes_on_comparing_with_the_best_before_it(tmp_path):
+    settings = _settings(tmp_path, greater_is_better=True, steps=2, save_total_limit=None)
+    run(load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), []))
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **settings | {"steps": 4, "resume": "auto"}), [])
+    run(c)
+    losses = [float(r["eval_loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    assert len(losses) == 4
+    _exported_is_checkpoint(c, 1 + max(range(4), key=lambda i: losses[i]))
+
+
+@pytest.mark.parametrize("extra, says", [
+    (dict(eval=None, eval_every=None), "load_best_model_at_end keeps the checkpoint whose evaluation was best: give "
+                                       "held-out data"),
+    (dict(save_every=False), "save_every: false (save_strategy: no) writes none"),
+    (dict(load_best_model_at_end="yes"), "load_best_model_at_end must be true or false"),
+])
+def test_settings_without_an_evaluated_checkpoint_are_refused(tmp_path, extra, says):
+    with pytest.raises(ArgumentError) as e:
+        load(files.run_yaml(str(tmp_path / "r.yaml"), **_settings(tmp_path, **extra)), [])
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (dict(save_every=3, eval_every=2), r"save_every \(3\) must be a multiple of eval_every \(2\)"),
+    (dict(metric_for_best_model="accuracy"), "metric_for_best_model eval_accuracy is not evaluated by stage sft; it "
+                                             "evaluates eval_loss, eval_perplexity"),
+])
+def test_a_checkpoint_without_its_evaluation_is_refused_before_training(tmp_path, extra, says):
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **_settings(tmp_path, **extra)), [])
+    with pytest.raises(ArgumentError, match=says):
+        run(c)
+    assert not os.path.isdir(os.path.join(c.run_dir, "checkpoints"))
