@@ -46,6 +46,7 @@ def test_the_model_written_is_the_best_checkpoints(tmp_path, capsys):
     assert sorted(os.listdir(os.path.join(c.run_dir, "checkpoints"))) == [f"step-{best:06d}", "step-000004"]
 
 
+@pytest.mark.slow
 def test_a_loss_is_best_lowest_and_the_last_step_may_be_it(tmp_path, capsys):
     c = load(files.run_yaml(str(tmp_path / "r.yaml"), **_settings(tmp_path)), [])
     run(c)
@@ -57,6 +58,7 @@ def test_a_loss_is_best_lowest_and_the_last_step_may_be_it(tmp_path, capsys):
     _exported_is_checkpoint(c, best)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_goes_on_comparing_with_the_best_before_it(tmp_path):
     settings = _settings(tmp_path, greater_is_better=True, steps=2, save_total_limit=None)
     run(load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), []))
