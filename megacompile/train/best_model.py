@@ -46,14 +46,22 @@ def check_intervals(c, columns: list[str]) -> None:
     checkpoint has an evaluation of its own step, and the metric is one the stage evaluates."""
     if not c.load_best_model_at_end:
         return
-    if not c.eval_every or c.save_every % c.eval_every:
-        raise ArgumentError(f"load_best_model_at_end needs each checkpoint's step evaluated: save_every "
-                            f"({c.save_every}) must be a multiple of eval_every ({c.eval_every}), as the Trainer "
-                            "requires of save_steps and eval_steps")
+    from .intervals import due
+    unjudged = next((s for s in range(1, c.steps + 1) if due(c.save_every, s, c.steps)
+                     and not (c.eval_every and due(c.eval_every, s, c.steps))), None)
+    if unjudged is not None:
+        raise ArgumentError(f"load_best_model_at_end needs each checkpoint's step evaluated, and the checkpoint at step "
+                            f"{unjudged} would have none: save_every ({_shown(c.save_every)}) must be a multiple of "
+                            f"eval_every ({_shown(c.eval_every)}), as the Trainer requires of save_steps and "
+                            "eval_steps")
     evaluated = [k for k in columns if k.startswith("eval_")]
     if c.metric_for_best_model not in evaluated:
         raise ArgumentError(f"metric_for_best_model {c.metric_for_best_model} is not evaluated by stage {c.stage}; "
                             f"it evaluates {', '.join(evaluated)}")
+
+
+def _shown(every) -> str:
+    return "epoch" if isinstance(every, tuple) else str(every)
 
 
 class Best:

@@ -82,7 +82,10 @@ def test_settings_without_an_evaluated_checkpoint_are_refused(tmp_path, extra, s
 
 
 @pytest.mark.parametrize("extra, says", [
-    (dict(save_every=3, eval_every=2), r"save_every \(3\) must be a multiple of eval_every \(2\)"),
+    (dict(save_every=3, eval_every=2), r"the checkpoint at step 3 would have none: save_every \(3\) must be a "
+                                       r"multiple of eval_every \(2\)"),
+    (dict(save_every=1, eval_every="epoch"), r"the checkpoint at step 1 would have none: save_every \(1\) must be "
+                                             r"a multiple of eval_every \(epoch\)"),
     (dict(metric_for_best_model="accuracy"), "metric_for_best_model eval_accuracy is not evaluated by stage sft; it "
                                              "evaluates eval_loss, eval_perplexity"),
 ])
