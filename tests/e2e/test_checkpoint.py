@@ -94,7 +94,8 @@ def test_keep_last_keeps_that_many_from_the_first_save_on(tmp_path, keep_last):
         assert sorted(os.listdir(tmp_path)) == [f"step-{j}" for j in range(max(0, i + 1 - keep_last), i + 1)]
 
 
-@pytest.mark.parametrize("keep_last, left", [(1, [1, 6]), (2, [1, 6]), (3, [1, 5, 6])])
+@pytest.mark.parametrize("keep_last, left", [pytest.param(1, [1, 6], marks=pytest.mark.slow),
+                                             pytest.param(2, [1, 6], marks=pytest.mark.slow), (3, [1, 5, 6])])
 def test_a_kept_checkpoint_stays_and_counts_among_keep_last(tmp_path, keep_last, left):
     """transformers' Trainer keeps its best checkpoint beside save_total_limit: with 1, the last and
     the best; with N, the best and the N - 1 latest."""

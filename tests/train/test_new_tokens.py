@@ -84,6 +84,7 @@ def test_the_tokens_are_added_the_rows_grown_and_the_run_trains_as_eager(tmp_pat
                                  rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_lora_run_trains_the_embedding_and_output_whole(tmp_path, capsys):
     import peft
     settings = _settings(tmp_path, finetuning_type="lora", lora_rank=4, lora_alpha=8, lora_dropout=0.0,

@@ -73,7 +73,7 @@ NAMED = {"deepspeed/lora_zero3": "the DeepSpeed ZeRO checkpoint", "fsdp/checkpoi
          "torchtune/llama": "the torchtune checkpoint", "torchtune/lora_llama": "the torchtune checkpoint"}
 
 
-@pytest.mark.parametrize("case", [c if c != "torchtune/llama" else pytest.param(c, marks=pytest.mark.slow)
+@pytest.mark.parametrize("case", [c if not c.startswith("torchtune/") else pytest.param(c, marks=pytest.mark.slow)
                                   for c in NAMED])
 def test_a_run_resumed_from_a_sharded_checkpoint_goes_on_from_the_trainers_masters(tmp_path, capsys, case):
     work = files.workspace(tmp_path)
