@@ -123,6 +123,7 @@ class RunConfig:
     load_best_model_at_end: bool = False    # the model written is the best checkpoint's (best_model.py)
     metric_for_best_model: str | None = None    # its evaluation metric (eval_loss by default)
     greater_is_better: bool | None = None       # None: lower is better for a loss, higher for the rest
+    compute_accuracy: bool = False      # LlamaFactory's: the held-out token accuracy beside the loss (stage sft)
     # what the run makes of the three (io/grown_vocab.py's GrownVocab, vocab.resolve); no key of run.yaml
     grown: Any = field(default=None, metadata={"derived": True})
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
@@ -464,6 +465,14 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     rope_scaling.check(c)
     vocab.check(c)
     best_model.check(c)
+    c.compute_accuracy = flag("compute_accuracy", c.compute_accuracy)
+    if c.compute_accuracy and (c.stage != "sft" or c.bundled or c.loss_type == "dft"
+                               or not (c.eval or c.eval_fraction)):
+        raise ArgumentError("compute_accuracy is LlamaFactory's held-out token accuracy of a Hugging Face model under "
+                            "stage sft (its cross-entropy loss): it needs held-out data (eval or eval_fraction) and "
+                            f"the model's logits; here stage {c.stage}"
+                            + (", the bundled model" if c.bundled else "") + (", loss_type dft" if c.loss_type == "dft"
+                                                                              else ""))
     neftune.check(c)
     if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
         for entry in c.data + c.eval:

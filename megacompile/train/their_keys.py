@@ -80,7 +80,6 @@ NOT_TAKEN = {
     # evaluation and saving
     "eval_on_start": "not supported: evaluation runs every eval_every steps and after the last",
     "save_safetensors": "weights are always written as safetensors",
-    "compute_accuracy": "not supported: evaluation reports the held-out loss and perplexity",
     "predict_with_generate": "not supported: megacompile trains; generate with the exported model (transformers, "
                              "vLLM)",
     "do_predict": "not supported: megacompile trains; generate with the exported model (transformers, vLLM)",

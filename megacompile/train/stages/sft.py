@@ -40,6 +40,8 @@ class SFTStage(Stage):
         data/packing.py). Not under isolated packing: transformers keeps packed documents apart
         by their position ids only where no attention_mask is given."""
         self.c, self.shifted = c, c.bundled
+        if c.compute_accuracy:
+            self.columns = COLUMNS + ("eval_accuracy",)
         self.padding_mask = padding_mask and not c.bundled and c.packing != "isolated"
         if c.loss_type == "dft":        # the model under the DFT loss; the cross-entropy is its own
             self.objective = lambda model: DFTObjective(model, shifted=self.shifted)
@@ -137,9 +139,12 @@ class SFTStage(Stage):
         c = self.c
         if self.eval_rows is None or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
             return {}
+        accuracy = [] if c.compute_accuracy else None
         loss, perplexity = _evaluate(engine, self.eval_rows, self.batch, c.eval_batches, self.shifted,
-                                     self.padding_mask)
-        return {"eval_loss": loss, "eval_perplexity": perplexity}
+                                     self.padding_mask, accuracy)
+        return {"eval_loss": loss, "eval_perplexity": perplexity,
+                **({"eval_accuracy": sum(accuracy) / len(accuracy) if accuracy else math.nan}
+                   if accuracy is not None else {})}
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
         text = (f"{row['tokens_per_s']:,.0f} tok/s | device peak {fmt_bytes(row['device_peak_bytes'])} / "
@@ -271,8 +276,9 @@ def _check_images(c: RunConfig, rows) -> None:
 
 
 def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted: bool,
-              padding_mask: bool) -> tuple[float, float]:
-    """Mean loss per target token over the held-out rows, and its perplexity (forward only)."""
+              padding_mask: bool, accuracy: list | None = None) -> tuple[float, float]:
+    """Mean loss per target token over the held-out rows, and its perplexity (forward only).
+    `accuracy`: a list given gets each row's token accuracy (row_accuracies)."""
     n_batches = -(-rows.rows_per_epoch // batch)
     if limit is not None:
         n_batches = min(n_batches, limit)
@@ -289,7 +295,17 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
             loss = out.loss if hasattr(out, "loss") else out
             total += float(loss) * n
             count += n
+            if accuracy is not None:
+                accuracy += row_accuracies(out.logits, inputs["labels"])
     finally:
         engine.model.train(training)
     mean = total / count if count else float("nan")
     return mean, math.exp(min(mean, 700.0))
+
+
+def row_accuracies(logits, labels) -> list[float]:
+    """LlamaFactory's compute_accuracy, per row: the share of its target tokens that are the
+    logits' argmax at the position before them (rows without a target count none)."""
+    predicted, target = logits[:, :-1].argmax(dim=-1), labels[:, 1:]
+    counted = target != packing.IGNORE
+    return [float((p[m] == t[m]).float().mean()) for p, t, m in zip(predicted, target, counted) if m.any()]
