@@ -87,3 +87,29 @@ def test_a_preference_stage_refuses_it_and_zero_is_off(tmp_path):
         load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), [])
     settings["neftune_noise_alpha"] = 0
     assert load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), []).neftune_noise_alpha is None
+
+
+@pytest.mark.slow
+def test_a_lora_runs_noise_is_on_the_base_models_embeddings_as_the_trainer_hooks_it(tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.neftune import activate_neftune
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **_settings(
+        tmp_path, neftune_noise_alpha=ALPHA, finetuning_type="lora", lora_rank=4, lora_alpha=8, lora_dropout=0.0,
+        lora_target="q_proj,v_proj")), [])
+    run(c)
+    rows, _ = finetune_runs.rows(c, tmp_path, SEQ)
+    ours = torch.tensor([float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))])
+
+    def eager(alpha: float | None) -> list[float]:
+        """The adapters drawn from the run's seed, the noise from the same stream after them."""
+        torch.manual_seed(c.seed)
+        model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32),
+                                    peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                    target_modules=["q_proj", "v_proj"]))
+        if alpha is not None:
+            activate_neftune(model, alpha)
+        model.train()
+        return finetune_runs.train(model, c, rows, finetune_runs.trainer_groups(model, 0.0))[0]
+    torch.testing.assert_close(ours, torch.tensor(eager(ALPHA)), rtol=1e-5, atol=0)
+    assert (ours - torch.tensor(eager(None))).abs().max() > 1e-3 * ours.abs().max()      # the noise is there
