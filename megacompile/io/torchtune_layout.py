@@ -23,7 +23,7 @@ torchtune's own tensors, rather than from its PEFT file: torchtune 0.6 permutes 
 q and k lora_B rows for every family, Qwen2's too, whose weights it does not permute. torchtune's
 recipes give AdamW every parameter in one group, every one decayed, and train in the model's dtype
 (bf16 by default: no fp32 masters, the moments bf16 too); the masters then start from the bf16
-parameters. The other families torchtune maps (Gemma's norms, Phi-3's fused projections, Llama 4,
+parameters. The other families torchtune maps (Gemma 2's extra norms, Phi-3's fused projections, Llama 4,
 the vision models) and DoRA are not read: the refusal names how to start from their weights.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ attn.output_proj, mlp.w1/w2/w3, sa_norm, mlp_norm, norm, output) and a norm's we
 LoRA module keeps its base weight and bias and adds lora_a and lora_b, which PEFT names lora_A and
 lora_B under its model's prefix (`base_model.model.`) and the adapter's name (`default`).
 
-Rows: for Llama and Mistral, torchtune's rotary embedding pairs a head's features (0, 1), (2, 3),
+Rows: for Llama, Mistral and Gemma, torchtune's rotary embedding pairs a head's features (0, 1), (2, 3),
 ... where Hugging Face's pairs feature i with i + head_dim / 2, so torchtune's checkpointer
 permutes the output rows of q_proj and k_proj as it writes them (and of their lora_B, whose rows
 are the projection's). Qwen2 and Qwen3 use Hugging Face's rotary layout in torchtune: nothing is
@@ -19,7 +19,7 @@ import re
 import torch
 
 # Hugging Face's model_type -> whether torchtune's checkpointer permutes q_proj's and k_proj's rows
-FAMILIES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False}
+FAMILIES = {"llama": True, "mistral": True, "gemma": True, "qwen2": False, "qwen3": False}
 PEFT_PREFIX = "base_model.model."
 # a decoder layer's modules, torchtune's -> Hugging Face's, in the order torchtune's layer registers
 # them (MultiHeadAttention's projections and norms, FeedForward's w1, w2, w3, the layer's norms)

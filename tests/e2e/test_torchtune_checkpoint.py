@@ -3,10 +3,11 @@ engine.load_trainer_checkpoint without torchtune installed: the weights and Adam
 torchtune's own tune_to_hf makes of its state, to the bit, whether its optimizer state is keyed by
 index (torchtune 0.6's single-device recipes, its recipe_state.pt beside the epoch folders) or by
 name (its distributed recipes and later releases, recipe_state.pt in the epoch folder), for a
-Llama (whose q_proj and k_proj rows torchtune permutes) and a Qwen2 with biases and tied
-embeddings, full runs and LoRA runs (the adapters onto the model's own base); training goes on as torchtune's went on (losses to 1e-5, weights to the noise floor of
-eager float32 against float64 from the same state); what does not fit is refused with nothing
-loaded."""
+Llama and a Gemma (whose q_proj and k_proj rows torchtune permutes; the Gemma's heads wider than
+hidden / heads) and a Qwen2 with biases and tied embeddings, full runs and LoRA runs (the
+adapters onto the model's own base); training goes on as torchtune's went on (losses to 1e-5,
+weights to the noise floor of eager float32 against float64 from the same state); what does not
+fit is refused with nothing loaded."""
 from __future__ import annotations
 
 import importlib.util
@@ -55,7 +56,10 @@ def _model(case: str, seed: int = 1, lora: dict | None = None, **sizes):
     """The case's model with other weights than torchtune's: what it holds after the import is the
     import's. A LoRA case's base is torchtune's own (make.py's seed), its adapters other ones."""
     torch.manual_seed(0 if case in make.LORA else seed)
-    if case.endswith("qwen2"):
+    if case.endswith("gemma"):
+        from transformers import GemmaConfig, GemmaForCausalLM
+        model = GemmaForCausalLM(GemmaConfig(**make.GEMMA | sizes))
+    elif case.endswith("qwen2"):
         model = Qwen2ForCausalLM(Qwen2Config(**make.QWEN2 | sizes))
     else:
         model = LlamaForCausalLM(LlamaConfig(**make.ds.CONFIG | sizes))
@@ -215,7 +219,7 @@ def test_an_index_keyed_state_of_another_model_and_another_family_are_refused(tm
     with open(config, "w") as f:
         f.write(text.replace('"model_type": "llama"', '"model_type": "phi3"'))
     _refused_untouched(_engine("llama"), folder, WeightsFileError,
-                       r"its model is 'phi3'; torchtune's names are read for llama, mistral, qwen2, qwen3; start a new "
+                       r"its model is 'phi3'; torchtune's names are read for llama, mistral, gemma, qwen2, qwen3; start a new "
                        r"run from its weights")
 
 

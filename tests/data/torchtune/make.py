@@ -5,7 +5,8 @@ written by torchtune 0.6.1 on the CPU, torchao 0.10 beside it):
     python tests/data/torchtune/make.py [CASE ...]      (every case, or those named)
 
 Each case starts torchtune's model from a small Hugging Face model (the Llama of
-tests/data/deepspeed/make.py, or a Qwen2 with tied embeddings) through FullModelHFCheckpointer, as
+tests/data/deepspeed/make.py, a Qwen2 or a Gemma, both with tied embeddings, the Gemma's heads
+wider than hidden / heads) through FullModelHFCheckpointer, as
 a torchtune recipe does, trains it SAVED_AT steps with torch's AdamW in float32 (one param group,
 every parameter decayed, as torchtune's recipes build it), and saves an intermediate checkpoint
 as the recipes do:
@@ -51,7 +52,9 @@ SAVED_AT, GOING_ON, ROWS, SEQ = 3, 2, 2, 8
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 QWEN2 = dict(vocab_size=51, hidden_size=16, intermediate_size=22, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, rope_theta=10000.0)
-CASES = ("llama", "qwen2", "fqn_llama", "fqn_qwen2", "lora_llama", "fqn_lora_qwen2")
+GEMMA = dict(vocab_size=51, hidden_size=16, intermediate_size=22, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=8, max_position_embeddings=32, rope_theta=10000.0)
+CASES = ("llama", "qwen2", "fqn_llama", "fqn_qwen2", "lora_llama", "fqn_lora_qwen2", "fqn_gemma")
 # each LoRA case's modules (torchtune's lora_attn_modules, apply_lora_to_mlp), rank and alpha
 LORA = {"lora_llama": (["q_proj", "k_proj", "v_proj"], True), "fqn_lora_qwen2": (["q_proj", "k_proj"], False)}
 RANK, ALPHA = 4, 8.0
@@ -68,6 +71,18 @@ def _models(name: str, folder: str):
     torch.manual_seed(0)
     lora = dict(lora_attn_modules=LORA[name][0], apply_lora_to_mlp=LORA[name][1], lora_rank=RANK,
                 lora_alpha=ALPHA) if name in LORA else {}
+    if name.endswith("gemma"):
+        from torchtune.models.gemma._component_builders import gemma
+        from transformers import GemmaConfig, GemmaForCausalLM
+        config = GemmaConfig(**GEMMA)
+        hf = GemmaForCausalLM(config)
+        tune = gemma(vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
+                     num_heads=config.num_attention_heads, head_dim=config.head_dim,
+                     num_kv_heads=config.num_key_value_heads, embed_dim=config.hidden_size,
+                     intermediate_dim=config.intermediate_size, max_seq_len=32, norm_eps=config.rms_norm_eps,
+                     rope_base=config.rope_parameters["rope_theta"])
+        hf.save_pretrained(folder)
+        return hf, tune, "GEMMA"
     if name.endswith("qwen2"):
         from torchtune.models.qwen2 import lora_qwen2, qwen2
         config = Qwen2Config(**QWEN2)
@@ -106,7 +121,7 @@ def _to_hf(kind: str, tensors: dict, config) -> dict:
                                 tie_word_embeddings=True)
     from torchtune.models.convert_weights import tune_to_hf
     return tune_to_hf(tensors, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-                      dim=config.hidden_size)
+                      dim=config.hidden_size, head_dim=getattr(config, "head_dim", None))
 
 
 def _adapters_to_hf(kind: str, tensors: dict, config) -> dict:
