@@ -25,6 +25,7 @@ import torch
 
 from ..errors import WeightsFileError
 from . import pages
+from .saved_dict import torch_dict
 
 MODEL, OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
 WHOLE_MODEL, WHOLE_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
@@ -152,8 +153,8 @@ class Whole(_ByName):
     def __init__(self, path: str):
         self.path = path
         self.describe = f"the FSDP checkpoint {path}"
-        self.model = _load(os.path.join(path, WHOLE_MODEL))
-        optimizer = _load(os.path.join(path, WHOLE_OPTIMIZER))
+        self.model = torch_dict(os.path.join(path, WHOLE_MODEL))
+        optimizer = torch_dict(os.path.join(path, WHOLE_OPTIMIZER))
         if not isinstance(optimizer.get("state"), dict) or not isinstance(optimizer.get("param_groups"), list):
             raise WeightsFileError(f"{path}/{WHOLE_OPTIMIZER} is not an optimizer state_dict keyed by parameter name; "
                                    "nothing was loaded")
@@ -168,13 +169,3 @@ class Whole(_ByName):
         out = source.float().clone()
         pages.drop(source)
         return out
-
-
-def _load(file: str) -> dict:
-    try:     # weights_only: tensors, numbers and containers, nothing a pickle could run
-        saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file: name it
-        raise WeightsFileError(f"cannot read {file}: {e}; nothing was loaded") from e
-    if not isinstance(saved, dict):
-        raise WeightsFileError(f"{file} holds {type(saved).__name__}, not a state_dict; nothing was loaded")
-    return saved

@@ -28,7 +28,6 @@ the vision models) and DoRA are not read: the refusal names how to start from th
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -36,6 +35,7 @@ import torch
 
 from ..errors import WeightsFileError
 from . import pages
+from .saved_dict import json_object, torch_dict
 from . import torchtune_names as names
 from .hf_layout import INDEX, SINGLE
 
@@ -72,7 +72,7 @@ class Recipe:
         if self.file is None:
             raise WeightsFileError(f"{path} holds no torchtune checkpoint (config.json, the model's safetensors and "
                                    f"{RECIPE_STATE}); nothing was loaded")
-        self._config = config = _json(os.path.join(path, "config.json"))
+        self._config = config = json_object(os.path.join(path, "config.json"))
         self.family = config.get("model_type")
         if self.family not in names.FAMILIES:
             raise WeightsFileError(f"cannot take in {self.describe}: its model is {self.family!r}; torchtune's names "
@@ -83,8 +83,8 @@ class Recipe:
         self._head_dim = config.get("head_dim") or config["hidden_size"] // heads
         self._weights = _weight_files(path)
         adapter = os.path.join(path, ADAPTER)
-        self._adapters = _load(adapter) if os.path.isfile(adapter) else {}
-        recipe = _load(self.file)
+        self._adapters = torch_dict(adapter) if os.path.isfile(adapter) else {}
+        recipe = torch_dict(self.file, "torchtune's recipe state")
         optimizer = recipe.get("optimizer")
         if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict) \
                 or not isinstance(optimizer.get("param_groups"), list) or not optimizer["param_groups"]:
@@ -194,7 +194,7 @@ def _weight_files(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Each weight the folder's safetensors hold -> (its file, its shape), from the headers."""
     from safetensors import safe_open
     index = os.path.join(path, INDEX)
-    files = sorted(set(_json(index)["weight_map"].values())) if os.path.isfile(index) else [SINGLE]
+    files = sorted(set(json_object(index)["weight_map"].values())) if os.path.isfile(index) else [SINGLE]
     out = {}
     for file in files:
         full = os.path.join(path, file)
@@ -205,24 +205,3 @@ def _weight_files(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         except Exception as e:  # noqa: BLE001 - any unreadable file: name it
             raise WeightsFileError(f"cannot read {full}: {e}; nothing was loaded") from e
     return out
-
-
-def _json(file: str) -> dict:
-    try:
-        with open(file) as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise WeightsFileError(f"cannot read {file}: {e}; nothing was loaded") from e
-    if not isinstance(value, dict):
-        raise WeightsFileError(f"{file} holds {type(value).__name__}, not a JSON object; nothing was loaded")
-    return value
-
-
-def _load(file: str) -> dict:
-    try:     # weights_only: tensors, numbers and containers, nothing a pickle could run
-        saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file: name it
-        raise WeightsFileError(f"cannot read {file}: {e}; nothing was loaded") from e
-    if not isinstance(saved, dict):
-        raise WeightsFileError(f"{file} holds {type(saved).__name__}, not torchtune's recipe state; nothing was loaded")
-    return saved

@@ -31,7 +31,6 @@ beside the host state (8 bytes per parameter more at the end of the load).
 """
 from __future__ import annotations
 
-import json
 import os
 import zipfile
 from typing import TYPE_CHECKING, Callable
@@ -44,6 +43,7 @@ from . import dcp_layout, lora_adapter, pages, sharded_checkpoint, torchtune_lay
 from .adamw_settings import betas_and_eps, close, not_adamw, settled
 from .foreign_checkpoint import describe as describe_foreign
 from .hf_layout import INDEX, SINGLE
+from .saved_dict import json_object
 from .hf_load import plan_items, shard_map
 from .source import MASTER, Item, PendingLoad
 
@@ -164,7 +164,7 @@ def _checked(state: "TrainingState", path: str, strict: bool, file_key: Callable
                                                                      "no optimizer.pt: start from its weights)"
                                                                      if OPTIMIZER in missing else ""))
         raise WeightsFileError(f"cannot take in the Trainer checkpoint {path}: {why}; nothing was loaded")
-    trainer_state = _json(os.path.join(path, TRAINER_STATE))
+    trainer_state = json_object(os.path.join(path, TRAINER_STATE), "the Trainer's state")
     steps = trainer_state.get("global_step")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise WeightsFileError(f"{path}/{TRAINER_STATE}: global_step is {steps!r}, not a count of steps")
@@ -196,17 +196,6 @@ def _checked(state: "TrainingState", path: str, strict: bool, file_key: Callable
 
 
 _MEMORY = "<optimizer.pt>"      # the items the load takes from tensors in memory, not from a file
-
-
-def _json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise WeightsFileError(f"cannot read {path}: {e}") from e
-    if not isinstance(value, dict):
-        raise WeightsFileError(f"{path} holds {type(value).__name__}, not the Trainer's state")
-    return value
 
 
 def _mapped(path: str) -> bool:
