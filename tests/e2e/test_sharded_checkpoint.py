@@ -20,6 +20,7 @@ import megacompile
 from megacompile.acceptance.parity import WEIGHT_NOISE_FACTOR, weight_errors
 from megacompile.errors import MegacompileError, WeightsFileError
 from megacompile.io import foreign_checkpoint, trainer_checkpoint
+from tests.e2e.imported import assert_host_is, refused_untouched
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 
@@ -93,13 +94,7 @@ def test_the_masters_and_moments_are_the_trainers_own_to_the_bit(case):
     engine = _engine(case)
     trainer_state = engine.load_trainer_checkpoint(_folder(case))
     assert trainer_state["global_step"] == make.SAVED_AT and engine.state.steps_done == make.SAVED_AT
-    ids = _batches(expected)[0]
-    engine.prepare(input_ids=ids, labels=ids)
-    host = engine.host
-    assert set(host.slots) == {k.partition("/")[2] for k in expected if k.startswith("master/")}
-    for name in host.slots:
-        for table in ("master", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(host.view(table, name), expected[f"{table}/{name}"]), (table, name)
+    assert_host_is(engine, expected, _batches(expected)[0])
 
 
 def _eager(case: str, expected, dtype: torch.dtype) -> tuple[LlamaForCausalLM, list[float]]:
@@ -149,12 +144,12 @@ def test_training_goes_on_as_the_trainers_went_on(case):
 @pytest.mark.parametrize("case", ["deepspeed/lora_zero3", "fsdp/lora_checkpoint-3"])
 def test_a_lora_runs_checkpoint_goes_into_a_model_with_the_same_adapters_on_the_same_base(case):
     folder = _folder(case)
-    _refused_untouched(_engine("deepspeed/zero3"), folder, WeightsFileError,
+    refused_untouched(_engine("deepspeed/zero3"), folder, WeightsFileError,
                        r"it froze 21 parameters, this model freezes 0")
     wider = _model("deepspeed/zero3")
     import peft
     wider = peft.get_peft_model(wider, peft.LoraConfig(**make.LORA | {"target_modules": ["q_proj", "k_proj", "v_proj"]}))
-    _refused_untouched(_engine(case, wider), folder, WeightsFileError,
+    refused_untouched(_engine(case, wider), folder, WeightsFileError,
                        r"it froze 21 parameters, this model freezes 21 \(.*k_proj.*differ\)")
 
 
@@ -176,38 +171,30 @@ def _copy(tmp_path, case: str) -> str:
     return shutil.copytree(_folder(case), str(tmp_path / case.replace("/", "_")))
 
 
-def _refused_untouched(engine, folder: str, error, match: str, **kwargs) -> None:
-    before = {n: t.clone() for n, t in engine.state_dict().items()}
-    with pytest.raises(error, match=match):
-        engine.load_trainer_checkpoint(folder, **kwargs)
-    assert engine.state.steps_done == 0
-    assert all(torch.equal(t, before[n]) for n, t in engine.state_dict().items())
-
-
 def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_path):
     folder = _copy(tmp_path, "deepspeed/zero3")
     case = "deepspeed/zero3"
     other = LlamaForCausalLM(LlamaConfig(**make.CONFIG | {"num_hidden_layers": 3}))
-    _refused_untouched(_engine(case, other), folder, WeightsFileError, r"layers\.2\..* are not in it")
+    refused_untouched(_engine(case, other), folder, WeightsFileError, r"layers\.2\..* are not in it")
     frozen = _model(case)
     frozen.model.embed_tokens.weight.requires_grad_(False)
-    _refused_untouched(_engine(case, frozen), folder, WeightsFileError, r"froze 0 parameters, this model freezes 1")
-    _refused_untouched(_engine(case, lr_ratios={"lm_head.weight": 2.0}), folder, MegacompileError,
+    refused_untouched(_engine(case, frozen), folder, WeightsFileError, r"froze 0 parameters, this model freezes 1")
+    refused_untouched(_engine(case, lr_ratios={"lm_head.weight": 2.0}), folder, MegacompileError,
                        r"ran at learning rates 0\.01, whose ratios are not this engine's AdamW lr_ratios \(2 on 1 ")
-    _refused_untouched(_engine(case, weight_decay=0.05), folder, MegacompileError,
+    refused_untouched(_engine(case, weight_decay=0.05), folder, MegacompileError,
                        r"weight decay of 16 parameters.*strict=False")
     os.remove(os.path.join(folder, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
-    _refused_untouched(_engine(case), folder, WeightsFileError, r"ranks \[0\], the save was made by 2")
+    refused_untouched(_engine(case), folder, WeightsFileError, r"ranks \[0\], the save was made by 2")
 
 
 def test_an_fsdp_checkpoint_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_path):
     folder = _copy(tmp_path, "fsdp/checkpoint-3")
     case = "fsdp/checkpoint-3"
     other = LlamaForCausalLM(LlamaConfig(**make.CONFIG | {"intermediate_size": 24}))
-    _refused_untouched(_engine(case, other), folder, WeightsFileError, r"gate_proj.weight is \(22, 18\)")
-    _refused_untouched(_engine(case, betas=(0.9, 0.99)), folder, MegacompileError, r"betas: the checkpoint has")
+    refused_untouched(_engine(case, other), folder, WeightsFileError, r"gate_proj.weight is \(22, 18\)")
+    refused_untouched(_engine(case, betas=(0.9, 0.99)), folder, MegacompileError, r"betas: the checkpoint has")
     os.remove(os.path.join(folder, "optimizer_0", "__1_0.distcp"))
-    _refused_untouched(_engine(case), folder, WeightsFileError, r"cannot read optimizer\.\S+ from .*optimizer_0: "
+    refused_untouched(_engine(case), folder, WeightsFileError, r"cannot read optimizer\.\S+ from .*optimizer_0: "
                        r".*No such file.*__1_0\.distcp'; nothing was loaded")
 
 
@@ -215,13 +202,13 @@ def test_a_save_split_by_tensor_parallelism_too_is_refused(tmp_path):
     folder = _copy(tmp_path, "deepspeed/zero1")
     shutil.copy(os.path.join(folder, "global_step3", "mp_rank_00_model_states.pt"),
                 os.path.join(folder, "global_step3", "mp_rank_01_model_states.pt"))
-    _refused_untouched(_engine("deepspeed/zero1"), folder, WeightsFileError,
+    refused_untouched(_engine("deepspeed/zero1"), folder, WeightsFileError,
                        "tensor, pipeline or expert parallelism")
 
 
 def test_adam_with_l2_decay_is_not_taken_for_adamw():
     case = "deepspeed/adam_l2_zero2"
-    _refused_untouched(_engine(case), _folder(case), MegacompileError,
+    refused_untouched(_engine(case), _folder(case), MegacompileError,
                        r"its optimizer is Adam with L2 weight decay .*; nothing was loaded")
     engine = _engine(case)
     with pytest.warns(RuntimeWarning, match=r"this engine's are kept: its optimizer is Adam with L2"):
@@ -230,7 +217,7 @@ def test_adam_with_l2_decay_is_not_taken_for_adamw():
 
 def test_another_optimizers_state_is_refused():
     case = "deepspeed/sgd_zero2"
-    _refused_untouched(_engine(case), _folder(case), WeightsFileError,
+    refused_untouched(_engine(case), _folder(case), WeightsFileError,
                        r"its optimizer state is not AdamW's \(it holds momentum_buffer, not exp_avg and exp_avg_sq\)")
 
 
@@ -308,9 +295,9 @@ def test_loraplus_groups_go_on_at_this_engines_ratio_and_another_ratio_is_named(
     folder = _folder(case)
     model = _model(case)
     other = {n: 2 * r for n, r in _plus(case, model).items()}
-    _refused_untouched(_engine(case, lr_ratios=other), folder, MegacompileError,
+    refused_untouched(_engine(case, lr_ratios=other), folder, MegacompileError,
                        r"ran at learning rates 0\.01, 0\.04, whose ratios are not this engine's AdamW lr_ratios \(8 on")
-    _refused_untouched(_engine(case, lr_ratios={}), folder, MegacompileError,
+    refused_untouched(_engine(case, lr_ratios={}), folder, MegacompileError,
                        r"its param groups ran at 2 learning rates \(0\.01, 0\.04\).*loraplus_lr_ratio")
 
 

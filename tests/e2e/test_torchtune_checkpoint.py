@@ -24,6 +24,7 @@ import megacompile
 from megacompile.acceptance.parity import WEIGHT_NOISE_FACTOR, weight_errors
 from megacompile.errors import MegacompileError, WeightsFileError
 from megacompile.io import foreign_checkpoint, torchtune_layout, trainer_checkpoint
+from tests.e2e.imported import assert_host_is, refused_untouched
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "torchtune")
 _spec = importlib.util.spec_from_file_location("torchtune_fixtures", os.path.join(DATA, "make.py"))
@@ -94,13 +95,7 @@ def test_the_weights_and_moments_are_torchtunes_own_to_the_bit(case):
     engine = _engine(case)
     engine.load_trainer_checkpoint(_folder(case))
     assert engine.state.steps_done == make.SAVED_AT
-    ids = _batches(expected)[0]
-    engine.prepare(input_ids=ids, labels=ids)
-    host = engine.host
-    assert set(host.slots) == {k.partition("/")[2] for k in expected if k.startswith("master/")}
-    for name in host.slots:
-        for table in ("master", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(host.view(table, name), expected[f"{table}/{name}"]), (table, name)
+    assert_host_is(engine, expected, _batches(expected)[0])
 
 
 def _eager(case: str, expected, dtype: torch.dtype):
@@ -155,14 +150,6 @@ def test_a_torchtune_save_is_one_a_run_resumes_from(case):
         trainer_checkpoint.check(wider, _adamw(), folder)
 
 
-def _refused_untouched(engine, folder: str, error, match: str, **kwargs) -> None:
-    before = {n: t.clone() for n, t in engine.state_dict().items()}
-    with pytest.raises(error, match=match):
-        engine.load_trainer_checkpoint(folder, **kwargs)
-    assert engine.state.steps_done == 0
-    assert all(torch.equal(t, before[n]) for n, t in engine.state_dict().items())
-
-
 def _copy(tmp_path, case: str) -> str:
     return shutil.copytree(os.path.join(DATA, case), str(tmp_path / case))
 
@@ -177,7 +164,7 @@ def test_the_recipe_state_of_another_epoch_is_refused(tmp_path):
     root = _copy(tmp_path, "llama")
     later = os.path.join(root, "epoch_1")
     shutil.copytree(os.path.join(root, "epoch_0"), later)
-    _refused_untouched(_engine("llama"), later, WeightsFileError,
+    refused_untouched(_engine("llama"), later, WeightsFileError,
                        r"recipe_state\.pt is the state of the save after 1 epochs, not of this folder's: .*go on from "
                        r"epoch_0")
 
@@ -186,24 +173,24 @@ def test_what_torchtune_saved_otherwise_is_refused_and_nothing_is_loaded(tmp_pat
     folder = os.path.join(_copy(tmp_path, "fqn_llama"), "epoch_0")
     recipe = os.path.join(folder, torchtune_layout.RECIPE_STATE)
     engine = _engine("fqn_llama")
-    _refused_untouched(_engine("fqn_llama", betas=(0.9, 0.99)), folder, MegacompileError, r"betas: the checkpoint has")
-    _refused_untouched(_engine("fqn_llama", _model("fqn_llama", num_hidden_layers=3)), folder, WeightsFileError, r"layers\.2\..* are not in it")
+    refused_untouched(_engine("fqn_llama", betas=(0.9, 0.99)), folder, MegacompileError, r"betas: the checkpoint has")
+    refused_untouched(_engine("fqn_llama", _model("fqn_llama", num_hidden_layers=3)), folder, WeightsFileError, r"layers\.2\..* are not in it")
 
     def lora(saved):        # a LoRA run's adapter among the trained parameters
         name = "layers.0.attn.q_proj.lora_a.weight"
         saved["optimizer"]["state"][name] = saved["optimizer"]["state"]["layers.0.attn.q_proj.weight"]
         saved["optimizer"]["param_groups"][0]["params"].append(name)
     _edit_recipe(recipe, lora)
-    _refused_untouched(engine, folder, WeightsFileError, r"lora_a\.weight is none of the weights it wrote")
+    refused_untouched(engine, folder, WeightsFileError, r"lora_a\.weight is none of the weights it wrote")
 
     def sgd(saved):
         saved["optimizer"]["state"] = {n: {"momentum_buffer": e["exp_avg"]}
                                        for n, e in saved["optimizer"]["state"].items() if "lora" not in n}
         saved["optimizer"]["param_groups"][0]["params"].pop()
     _edit_recipe(recipe, sgd)
-    _refused_untouched(engine, folder, WeightsFileError, r"is not AdamW's \(exp_avg and exp_avg_sq\)")
+    refused_untouched(engine, folder, WeightsFileError, r"is not AdamW's \(exp_avg and exp_avg_sq\)")
     _edit_recipe(recipe, lambda saved: saved.pop("optimizer"))
-    _refused_untouched(engine, folder, WeightsFileError, r"holds no optimizer state_dict .*optimizer_in_bwd")
+    refused_untouched(engine, folder, WeightsFileError, r"holds no optimizer state_dict .*optimizer_in_bwd")
 
 
 def test_an_index_keyed_state_of_another_model_and_another_family_are_refused(tmp_path):
@@ -211,21 +198,21 @@ def test_an_index_keyed_state_of_another_model_and_another_family_are_refused(tm
     folder = os.path.join(root, "epoch_0")
     _edit_recipe(os.path.join(root, "recipe_state", torchtune_layout.RECIPE_STATE),
                  lambda saved: saved["optimizer"]["param_groups"][0]["params"].append(21))
-    _refused_untouched(_engine("llama"), folder, WeightsFileError,
+    refused_untouched(_engine("llama"), folder, WeightsFileError,
                        r"its optimizer holds 22 parameters, the model it wrote has 21")
     config = os.path.join(folder, "config.json")
     with open(config) as f:
         text = f.read()
     with open(config, "w") as f:
         f.write(text.replace('"model_type": "llama"', '"model_type": "phi3"'))
-    _refused_untouched(_engine("llama"), folder, WeightsFileError,
+    refused_untouched(_engine("llama"), folder, WeightsFileError,
                        r"its model is 'phi3'; torchtune's names are read for llama, mistral, gemma, qwen2, qwen3; start a new "
                        r"run from its weights")
 
 
 def test_torchtunes_decay_of_every_parameter_is_named_where_this_engine_exempts_some():
     engine = _engine("fqn_llama", no_decay=megacompile.hf_no_decay)
-    _refused_untouched(engine, _folder("fqn_llama"), MegacompileError,
+    refused_untouched(engine, _folder("fqn_llama"), MegacompileError,
                        r"the weight decay of 5 parameters: model\.layers\.0\.input_layernorm\.weight 0\.1 \(this "
                        r"engine 0\.0\).*strict=False")
     with pytest.warns(RuntimeWarning, match="this engine's are kept"):
@@ -235,13 +222,13 @@ def test_torchtunes_decay_of_every_parameter_is_named_where_this_engine_exempts_
 
 def test_a_lora_runs_checkpoint_goes_into_a_model_with_the_same_adapters_on_the_same_base():
     folder = _folder("lora_llama")
-    _refused_untouched(_engine("llama"), folder, WeightsFileError,
+    refused_untouched(_engine("llama"), folder, WeightsFileError,
                        r"holds a LoRA adapter \(rank 4, alpha 8.0, on down_proj, gate_proj, k_proj, q_proj, up_proj, "
                        r"v_proj\) and this model has none")
-    _refused_untouched(_engine("lora_llama", _model("lora_llama", lora={"lora_alpha": 16})), folder,
+    refused_untouched(_engine("lora_llama", _model("lora_llama", lora={"lora_alpha": 16})), folder,
                        WeightsFileError, r"not this model's: lora_alpha 8.0 \(this model 16; run.yaml lora_alpha\)")
     fewer = _model("lora_llama", lora={"target_modules": ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]})
-    _refused_untouched(_engine("lora_llama", fewer), folder, WeightsFileError, r"target_modules")
+    refused_untouched(_engine("lora_llama", fewer), folder, WeightsFileError, r"target_modules")
 
 
 def test_a_dora_runs_magnitudes_are_refused(tmp_path):
@@ -253,6 +240,6 @@ def test_a_dora_runs_magnitudes_are_refused(tmp_path):
                                              "exp_avg_sq": torch.zeros(16)}
         saved["optimizer"]["param_groups"][0]["params"].append(name)
     _edit_recipe(os.path.join(folder, torchtune_layout.RECIPE_STATE), dora)
-    _refused_untouched(_engine("fqn_lora_qwen2"), folder, WeightsFileError,
+    refused_untouched(_engine("fqn_lora_qwen2"), folder, WeightsFileError,
                        r"its trained parameter layers\.0\.attn\.q_proj\.magnitude is none of the weights it wrote "
                        r"\(a DoRA magnitude")
