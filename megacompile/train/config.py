@@ -124,6 +124,7 @@ class RunConfig:
     metric_for_best_model: str | None = None    # its evaluation metric (eval_loss by default)
     greater_is_better: bool | None = None       # None: lower is better for a loss, higher for the rest
     compute_accuracy: bool = False      # LlamaFactory's: the held-out token accuracy beside the loss (stage sft)
+    eval_on_start: bool = False         # transformers': an evaluation before the first step (intervals.evaluates)
     # what the run makes of the three (io/grown_vocab.py's GrownVocab, vocab.resolve); no key of run.yaml
     grown: Any = field(default=None, metadata={"derived": True})
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
@@ -465,6 +466,10 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     rope_scaling.check(c)
     vocab.check(c)
     best_model.check(c)
+    c.eval_on_start = flag("eval_on_start", c.eval_on_start)
+    if c.eval_on_start and not c.eval_every:
+        raise ArgumentError("eval_on_start evaluates before the first step, as the evaluations every eval_every steps "
+                            "do: give held-out data (eval or eval_fraction) and eval_every")
     c.compute_accuracy = flag("compute_accuracy", c.compute_accuracy)
     if c.compute_accuracy and (c.stage != "sft" or c.bundled or c.loss_type == "dft"
                                or not (c.eval or c.eval_fraction)):

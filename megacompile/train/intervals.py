@@ -65,6 +65,12 @@ def epoch_ends(steps_for: Callable[[float], int], steps: int) -> tuple[int, ...]
     return (*ends, steps)
 
 
+def evaluates(c: Any, step: int) -> bool:
+    """Whether the run evaluates at `step`: eval_every's steps, and step 0 (before the first
+    update) with eval_on_start, as transformers' eval_on_start."""
+    return (step == 0 and c.eval_on_start) or (step > 0 and due(c.eval_every, step, c.steps))
+
+
 def due(every: Any, step: int, last: int) -> bool:
     """Whether `step` is one of a resolved interval's steps, or the last step."""
     if step == last:

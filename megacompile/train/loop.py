@@ -261,6 +261,11 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         print(f"  adapter        from {c.adapter} (its weights; AdamW starts afresh)", flush=True)
     start_step = engine.steps_done
     log = RunLog(run_dir, c.log, start_step, settings=dataclasses.asdict(c), columns=stage.columns)
+    if c.eval_on_start and start_step == 0:       # transformers' eval_on_start: the model as it starts
+        first = stage.evaluate(engine, 0)
+        log.write({"step": 0, **first})
+        print("  eval on start  " + ", ".join(f"{k} {v:.4f}" for k, v in first.items() if isinstance(v, float)),
+              flush=True)
     progress = Progress(c.steps, start_step, c.log_every)
     checkpoints = os.path.join(run_dir, CHECKPOINTS)
     saved_at, losses_seen, started = None, [], time.perf_counter()

@@ -78,7 +78,6 @@ NOT_TAKEN = {
                           "gives; to train a new adapter over a trained one, merge that one into the model first",
     "group_by_length": "not supported: rows are ordered by seed, not by length",
     # evaluation and saving
-    "eval_on_start": "not supported: evaluation runs every eval_every steps and after the last",
     "save_safetensors": "weights are always written as safetensors",
     "predict_with_generate": "not supported: megacompile trains; generate with the exported model (transformers, "
                              "vLLM)",

@@ -94,3 +94,26 @@ def test_a_checkpoint_without_its_evaluation_is_refused_before_training(tmp_path
     with pytest.raises(ArgumentError, match=says):
         run(c)
     assert not os.path.isdir(os.path.join(c.run_dir, "checkpoints"))
+
+
+def test_eval_on_start_evaluates_the_model_it_starts_from(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+    from megacompile.train.data import packing
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **_settings(
+        tmp_path, eval_on_start=True, steps=1, load_best_model_at_end=False)), [])
+    run(c)
+    logged = log.read(os.path.join(c.run_dir, "log.csv"))
+    assert [int(r["step"]) for r in logged] == [0, 1] and logged[0]["loss"] == ""
+    _, eval_rows = finetune_runs.rows(c, tmp_path, c.seq)
+    model = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        held = model(**packing.batch(eval_rows, 0, c.batch, shifted=False)).loss.item()
+    assert float(logged[0]["eval_loss"]) == pytest.approx(held, rel=1e-5)
+    assert f"eval on start  eval_loss {held:.4f}" in capsys.readouterr().out
+
+
+def test_eval_on_start_without_evaluations_is_refused(tmp_path):
+    settings = _settings(tmp_path, eval_on_start=True, load_best_model_at_end=False)
+    del settings["eval_every"]
+    with pytest.raises(ArgumentError, match="eval_on_start evaluates before the first step"):
+        load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), [])

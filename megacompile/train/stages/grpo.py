@@ -377,7 +377,7 @@ class GRPOStage(Stage):
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c
-        if not self.held_prompts or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
+        if not self.held_prompts or not c.eval_every or not intervals.evaluates(c, step):
             return {}
         count = len(self.held_prompts) if c.eval_batches is None else min(len(self.held_prompts),
                                                                           c.eval_batches * c.batch)

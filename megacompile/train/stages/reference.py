@@ -121,7 +121,7 @@ class ReferenceStage(Stage):
         log-probabilities are taken from it, first: the policy's run is the device's last, which the
         run's trace shows."""
         c = self.c
-        if not self.held or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
+        if not self.held or not c.eval_every or not intervals.evaluates(c, step):
             return None
         held, ref = self.held, self.held_reference
         if c.eval_batches is not None:

@@ -124,7 +124,7 @@ class RMStage(Stage):
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c
-        if not self.held or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
+        if not self.held or not c.eval_every or not intervals.evaluates(c, step):
             return {}
         held = self.held if c.eval_batches is None else self.held[:c.eval_batches * c.batch]
         training = engine.model.training

@@ -137,7 +137,7 @@ class SFTStage(Stage):
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c
-        if self.eval_rows is None or not c.eval_every or not intervals.due(c.eval_every, step, c.steps):
+        if self.eval_rows is None or not c.eval_every or not intervals.evaluates(c, step):
             return {}
         accuracy = [] if c.compute_accuracy else None
         loss, perplexity = _evaluate(engine, self.eval_rows, self.batch, c.eval_batches, self.shifted,
