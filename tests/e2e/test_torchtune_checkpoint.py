@@ -118,7 +118,8 @@ def _eager(case: str, expected, dtype: torch.dtype):
     return model
 
 
-@pytest.mark.parametrize("case", make.CASES)
+@pytest.mark.parametrize("case", [c if c in ("llama", "fqn_lora_qwen2") else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in make.CASES])
 def test_training_goes_on_as_torchtunes_went_on(case):
     expected = _expected(case)
     reference, exact = _eager(case, expected, torch.float32), _eager(case, expected, torch.float64)

@@ -99,9 +99,8 @@ def test_save_strategy_epoch_with_max_steps_saves_at_the_epochs_ends_within_them
     ({"eval_steps": 0.0, "eval": ["d.txt"]}, r"eval_steps \(megacompile's eval_every\): eval_every must be a whole"),
     ({"streaming": True, "save_strategy": "epoch"}, "streaming does not know the data's size ahead, so the end of "
                                                     "an epoch is not known"),
-    ({"load_best_model_at_end": True}, "load_best_model_at_end -> not supported: the model written at the end is "
-                                       "the last step's"),
-    ({"metric_for_best_model": "eval_loss"}, "metric_for_best_model -> not supported"),
+    ({"load_best_model_at_end": True}, "load_best_model_at_end keeps the checkpoint whose evaluation was best: give "
+                                       "held-out data"),     # test_best_model.py: what it does with them
 ])
 def test_what_the_trainer_does_and_megacompile_cannot_is_refused_by_name(tmp_path, settings, message):
     with pytest.raises(ArgumentError, match=message):
