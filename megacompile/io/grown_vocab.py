@@ -13,7 +13,9 @@ initialises the new tokens' rows:
     the new tokens' rows       the mean of every other row, plus N(0, 1 / sqrt(hidden)) noise
 
 The draws come from a generator seeded by the run's seed and the tensor's name, so every load of
-the folder (the policy's, a DPO reference's, a LoRA run's trained copy) makes the same rows.
+the folder (the policy's, a DPO reference's, a LoRA run's trained copy) makes the same rows. A
+grown tensor is held twice while it is made (the file's and the grown one), then streams into the
+host state as any other.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 _MARK = "<grown>"      # an item's source: its file, read through GrownVocab.memory
+_ROWS = 4096            # rows summed at a time for the mean
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,14 @@ class GrownVocab:
         if self.rows > t.shape[0]:
             out[t.shape[0]:] = torch.randn(self.rows - t.shape[0], t.shape[1], generator=generator) * self.std
         if self.new_ids:
-            ids = torch.tensor(self.new_ids)
-            others = torch.ones(self.rows, dtype=torch.bool)
-            others[ids] = False
-            mean = out[others].double().mean(dim=0, keepdim=True).float()
+            ids = torch.tensor(sorted(set(self.new_ids)))
+            # the other rows' mean, summed in float64 a block of rows at a time: never a second
+            # copy of the whole tensor (a large vocabulary's embedding is gigabytes)
+            total = torch.zeros(t.shape[1], dtype=torch.float64)
+            for start in range(0, self.rows, _ROWS):
+                total += out[start:start + _ROWS].sum(dim=0, dtype=torch.float64)
+            total -= out[ids].sum(dim=0, dtype=torch.float64)
+            mean = (total / (self.rows - len(ids))).float()
             noise = torch.randn(len(ids), t.shape[1], generator=generator) / math.sqrt(t.shape[1])
             out[ids] = mean + noise
         return out

@@ -45,3 +45,18 @@ def test_a_new_token_in_rows_the_model_had_padded_is_made_again():
     out = _grown(new_ids=(60,)).grow(KEY, stored)
     assert torch.equal(out[:60], stored[:60]) and torch.equal(out[61:], stored[61:])
     assert not torch.equal(out[60], stored[60])
+
+
+def test_the_mean_is_the_other_rows_over_blocks_of_rows(monkeypatch):
+    from megacompile.io import grown_vocab
+    monkeypatch.setattr(grown_vocab, "_ROWS", 7)        # blocks that do not divide the rows
+    stored = torch.randn(60, 16, dtype=torch.float64).float()
+    grown = _grown(new_ids=(51, 50, 51), std=0.0)       # repeated ids count once; no padding draw
+    out = grown.grow(KEY, stored)
+    others = torch.ones(64, dtype=torch.bool)
+    others[[50, 51]] = False
+    generator = torch.Generator().manual_seed(grown_vocab._seed(3, KEY))
+    torch.randn(4, 16, generator=generator)             # the padding rows' draw (std 0 here)
+    noise = torch.randn(2, 16, generator=generator) / 4.0
+    expected = out[others].double().mean(dim=0).float() + noise
+    torch.testing.assert_close(out[[50, 51]], expected, rtol=0, atol=1e-6)
