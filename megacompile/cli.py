@@ -30,8 +30,55 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+# The flags a run.yaml decides with --run, and its key for each (given after it as key=value).
+RUN_FLAGS = (("--config", "config", "model"), ("--hbm-budget", "hbm_budget", "hbm_budget"),
+             ("--batch", "batch", "batch"), ("--global-batch", "global_batch", "global_batch"),
+             ("--seq", "seq", "seq"), ("--dtype", "dtype", "compute_dtype"), ("--updates", "updates", "updates"),
+             ("--host-budget", "host_budget", "host_budget"), ("--nvme-budget", "nvme_budget", "nvme_budget"),
+             ("--lora-rank", "lora_rank", "lora_rank"), ("--lora-target", "lora_target", "lora_target"),
+             ("--stage", "stage", "stage"))
+
+
+def _from_run(args: argparse.Namespace) -> None:
+    """--run run.yaml [key=value ...]: the model and the settings as the run resolves them
+    (train/run_plan.py), laid into the flags they stand for."""
+    from .errors import ArgumentError
+    given = [(flag, key) for flag, attr, key in RUN_FLAGS + tuple((f, k, k) for f, k in STAGE_FLAGS)
+             if getattr(args, attr) is not None]
+    if given:
+        raise ArgumentError(f"{', '.join(flag for flag, _ in given)}: with --run the run.yaml says "
+                            f"{'it' if len(given) == 1 else 'them'}; give {' '.join(f'{key}=...' for _, key in given)} "
+                            "after the run.yaml to plan another value")
+    from .train import load
+    from .train.run_plan import resolve
+    run = resolve(load(args.run_yaml, args.overrides))
+    for note in run.notes:
+        print(note, flush=True)
+    args.config, args.batch, args.seq, args.global_batch = run.model, run.batch, run.seq, run.global_batch
+    args.grad_accum, args.accumulation, args.dtype, args.updates = (run.grad_accum, run.accumulation,
+                                                                    run.compute_dtype, run.updates)
+    args.hbm_budget, args.host_budget, args.nvme_budget = run.hbm_budget, run.host_budget, run.nvme_budget
+    args.host_source = "the run's host_budget"
+    if run.stage not in ("sft", "pt"):
+        args.stage = run.stage
+        if run.stage == "grpo":     # its rows and width are its generation keys'
+            args.batch = args.seq = None
+        for key, value in run.stage_keys.items():
+            setattr(args, key, value)
+
+
 def _plan(args: argparse.Namespace) -> int:
     import json
+    from .settings import Settings
+    if args.run_yaml is not None:
+        _from_run(args)
+    elif args.overrides:
+        from .errors import ArgumentError
+        raise ArgumentError(f"{' '.join(args.overrides)}: key=value settings are a run.yaml's, laid over it: give "
+                            "--run run.yaml before them")
+    args.dtype = args.dtype or "bfloat16"
+    args.updates = args.updates or Settings.updates
+    args.lora_target = args.lora_target or "all"
     if args.stage is not None:
         return _plan_stage(args)
     given = [flag for flag, key in STAGE_FLAGS if getattr(args, key) is not None]
@@ -45,7 +92,6 @@ def _plan(args: argparse.Namespace) -> int:
     from .errors import ArgumentError, BudgetTooSmallError, HostMemoryError
     from .ir.printer import fmt_bytes
     from .planner.from_config import hardware_profile, minimum_budget, plan, plan_global_batch
-    from .settings import Settings
     from .report.outputs import check_outputs, write_plan_views
     check_outputs(trace=args.trace, plot_dir=args.plot)
     # The flags that are settings, checked as compile() checks them (megacompile/settings.py).
@@ -60,9 +106,10 @@ def _plan(args: argparse.Namespace) -> int:
     if args.updates != Settings.updates and args.global_batch is not None:
         raise ArgumentError(f"--updates {args.updates} needs one micro-batch per step: give --batch, "
                             "not --global-batch")
+    accumulation = args.accumulation or ("auto" if args.global_batch is not None else Settings.accumulation)
     settings = Settings(hbm_budget=args.hbm_budget, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
-                        nvme_budget=args.nvme_budget, updates=args.updates,
-                        accumulation="auto" if args.global_batch is not None else Settings.accumulation)
+                        nvme_budget=args.nvme_budget, updates=args.updates, grad_accum=args.grad_accum,
+                        accumulation=accumulation)
     given_bytes = settings.budget_bytes
     kwargs = dict(hardware=hardware, seq=args.seq)
     if args.images_per_row or args.image_size is not None:    # a vision-language model's rows hold images
@@ -73,7 +120,7 @@ def _plan(args: argparse.Namespace) -> int:
         from .planner.from_config import model_from_config
         from .train.methods.lora import lora_for_plan
         model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype])
-    accumulate, splits = 1, []
+    accumulate, splits = args.grad_accum, []
     if args.gpus > 1 or args.nodes > 1:     # one rank's plan: its share of the host state, the node's budget
         from .distributed.cost import check_gpus
         check_gpus(args.gpus, args.nodes)
@@ -102,7 +149,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  verdict        does NOT fit: {e}")
         if args.json:
             print(json.dumps({"fits": False, "host_budget_bytes": int(host_budget * 2**30),
-                              "host_budget_source": "--host-budget" if args.host_budget is not None else "this machine",
+                              "host_budget_source": _host_source(args),
                               "error": str(e), **e.facts}), file=args.json_out)
         return DOES_NOT_FIT
     except BudgetTooSmallError as e:
@@ -110,7 +157,8 @@ def _plan(args: argparse.Namespace) -> int:
         # smallest budget any plan fits (megacompile.minimum_budget's figure: planning at it fits).
         batch = 1 if args.global_batch else args.batch
         result = plan(model, settings=settings.replace(hbm_budget=e.minimum_bytes / 2**30,
-                                                       grad_accum=args.global_batch // batch if args.global_batch else 1),
+                                                       grad_accum=args.global_batch // batch if args.global_batch
+                                                       else args.grad_accum),
                       batch=batch, **kwargs)
         result = result.revised(minimum_budget_bytes=e.minimum_bytes, minimum_over_chunks=True,
                                 given_budget_bytes=given_bytes)
@@ -138,7 +186,7 @@ def _plan(args: argparse.Namespace) -> int:
         summary["fits"] = fits
         summary["budget_bytes"] = given_bytes
         summary["host_budget_bytes"] = int(host_budget * 2**30)
-        summary["host_budget_source"] = "--host-budget" if args.host_budget is not None else "this machine"
+        summary["host_budget_source"] = _host_source(args)
         if refused:
             summary["shortfall_bytes"] = result.minimum_budget_bytes - given_bytes
         summary["card_bytes"] = result.card_bytes
@@ -214,7 +262,7 @@ def _plan_stage(args: argparse.Namespace) -> int:
                             f"{'is' if len(refused) == 1 else 'are'} not taken with it; leave "
                             f"{'it' if len(refused) == 1 else 'them'} out")
     keys = {key: getattr(args, key) for _, key in STAGE_FLAGS if getattr(args, key) is not None}
-    if args.stage == "dpo" and "loss_type" in keys:     # TRL's names, checked as a run checks them
+    if args.stage == "dpo" and isinstance(keys.get("loss_type"), str):     # TRL's names, checked as a run checks them
         from .posttrain.dpo_losses import loss_types
         keys["loss_type"] = list(loss_types(keys["loss_type"].split(",")))
     from .planner.from_config import hardware_profile
@@ -243,13 +291,24 @@ def _plan_stage(args: argparse.Namespace) -> int:
     print(staged.train.summary())
     print(host_line)
     print(staged.summary())
+    if args.grad_accum > 1 and args.stage != "grpo":     # a run's accumulation: its steps are micro-batches
+        from .ir.printer import fmt_seconds
+        print(f"  accumulation       grad_accum {args.grad_accum}: an optimizer step is {args.grad_accum} of these "
+              f"steps, {fmt_seconds(args.grad_accum * staged.total_s)}")
     over = next((p for p in (staged.train, staged.forward) if p is not None and not p.fits_card), None)
     if over is not None:
         print(f"  verdict        {_verdict(over, False, staged.train.budget_bytes)}")
     if args.json:
-        print(json.dumps({"fits": over is None, "budget_bytes": staged.train.budget_bytes,
+        print(json.dumps({"fits": over is None, "budget_bytes": staged.train.budget_bytes, "grad_accum": args.grad_accum,
                           "card_bytes": staged.train.card_bytes, **staged.to_json()}), file=args.json_out)
     return 0 if over is None else DOES_NOT_FIT
+
+
+def _host_source(args: argparse.Namespace) -> str:
+    """Where the host budget came from, as --json says it."""
+    if args.host_budget is None:
+        return "this machine"
+    return "run.yaml" if args.run_yaml is not None else "--host-budget"
 
 
 def _host_budget(args: argparse.Namespace) -> tuple[float, str]:
@@ -259,10 +318,11 @@ def _host_budget(args: argparse.Namespace) -> tuple[float, str]:
     from .ir.printer import fmt_bytes
     node = " per node" if args.gpus > 1 or args.nodes > 1 else ""
     if args.host_budget is not None:
-        return args.host_budget, f"given with --host-budget{node}"
+        return args.host_budget, getattr(args, "host_source", "given with --host-budget") + node
     return (default_host_budget_bytes() / 2**30,
             f"this machine's RAM ({HOST_SHARE:.0%} of {fmt_bytes(physical_ram())}, as compile() takes it){node}; "
-            "--host-budget GiB to plan for another machine")
+            + ("host_budget=GiB after the run.yaml" if args.run_yaml is not None else "--host-budget GiB")
+            + " to plan for another machine")
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -315,9 +375,16 @@ def parser() -> argparse.ArgumentParser:
                    help="where the last step's Chrome trace goes (default: RUN_DIR/step.json)")
     t.set_defaults(run=_train)
 
-    q = sub.add_parser("plan", help="plan a model from its Hugging Face config.json without weights or a GPU")
-    q.add_argument("--config", required=True,
-                   help="config.json (or its folder) of a causal LM or a vision-language model")
+    q = sub.add_parser("plan", help="plan a model from its Hugging Face config.json, or a run from its run.yaml, "
+                                    "without weights, data or a GPU")
+    what = q.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", default=None,
+                      help="config.json (or its folder) of a causal LM or a vision-language model")
+    what.add_argument("--run", dest="run_yaml", default=None, metavar="RUN_YAML",
+                      help="the run `megacompile train --config RUN_YAML` would start: its model as the run builds "
+                           "it (rope_scaling, added tokens, LoRA or frozen layers), its batch, seq, accumulation, "
+                           "budgets, dtype and stage; key=value after it as train takes them")
+    q.add_argument("overrides", nargs="*", metavar="key=value", help="with --run: settings laid over run.yaml")
     q.add_argument("--hbm-budget", type=float, default=None,
                    help="GiB of device memory the plan may use (default: 90%% of the --hardware card's memory)")
     q.add_argument("--hardware", default="h100",
@@ -333,8 +400,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step: choose the micro-batch and accumulation that train fastest")
     q.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
-    q.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype; masters are float32")
-    q.add_argument("--updates", choices=["at_commit", "as_gradients_land"], default="at_commit",
+    q.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="compute dtype (default bfloat16); masters are float32")
+    q.add_argument("--updates", choices=["at_commit", "as_gradients_land"], default=None,
                    help="when each host AdamW update starts (compile()'s updates): once the step is known sound "
                         "(default), or as its gradients land, beside the rest of the backward")
     q.add_argument("--host-budget", type=float, default=None,
@@ -359,7 +427,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--lora-rank", type=int, default=None, metavar="R",
                    help="plan LoRA fine-tuning: adapters of rank R trained, the base frozen (no masters or AdamW "
                         "state for it, no gradient offload)")
-    q.add_argument("--lora-target", default="all",
+    q.add_argument("--lora-target", default=None,
                    help="with --lora-rank: the Linear modules given adapters, comma-separated (default: all, every "
                         "Linear of the decoder blocks)")
     q.add_argument("--images-per-row", type=int, default=0, metavar="N",
@@ -402,7 +470,7 @@ def parser() -> argparse.ArgumentParser:
                    help="grpo: engine (default: the engine's own forward, the rows at full width, once per token) "
                         "or kv_cache (a bfloat16 copy with a key-value cache: what one would take) or hf_streamed "
                         "(that copy's layers streamed from the host every token)")
-    q.set_defaults(run=_json_alone(_plan))
+    q.set_defaults(run=_json_alone(_plan), grad_accum=1, accumulation=None)
 
     c = sub.add_parser("calibrate", help="measure this machine's GPU and host into a hardware profile")
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

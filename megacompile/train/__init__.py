@@ -14,6 +14,7 @@
     trainer_args.py  a TrainingArguments or TRL config dump's other fields: accepted at their defaults
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice
+    run_plan.py  `megacompile plan --run run.yaml`: the run's model and settings, planned before it
     model_config.py  the run's changes to the folder's config before the model is built, for every build
     router_loss.py  moe_aux_loss_coef: a mixture-of-experts model's load-balancing loss turned on
     rope_scaling.py rope_scaling: the rotary embedding stretched to seq, as LlamaFactory's configure_rope

@@ -1,0 +1,86 @@
+"""`megacompile plan --run run.yaml`: the step a run would take, planned before the run, on any machine.
+
+The model is the one `megacompile train` builds, on the meta device: its config as the run edits it
+(rope_scaling, added tokens, the router's loss), checked against the stage as the run checks it
+(seq against the positions, isolated packing), and shaped by the fine-tuning method (LoRA's
+adapters, frozen layers, a vision tower held still). The settings are the run's: its rows and
+width, its micro-batch and accumulation or its global batch, its dtype, its budgets, its stage's
+keys. Nothing is read of the data or the weights, and nothing is written.
+
+What the run learns only from its data is left to the command's flags: a vision-language run's
+images per row and their size. A run's rows are planned at `seq` tokens, the width every
+micro-batch is padded or packed to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from ..errors import ArgumentError
+from . import methods, rope_scaling, router_loss, vocab
+from .config import RunConfig
+from .model import meta_model
+from .stages import kind
+
+POST_TRAINING = ("dpo", "kto", "rm", "grpo")
+# run.yaml's keys of each post-training stage that the stage's plan reads (planner/posttrain_step.py)
+STAGE_KEYS = {"dpo": ("precompute_ref_log_probs", "loss_type", "sync_ref_model"),
+              "kto": ("loss_type",),
+              "rm": (),
+              "grpo": ("num_generations", "max_prompt_length", "max_completion_length", "num_iterations",
+                       "steps_per_generation", "beta", "generator")}
+# run.yaml's generator -> the plan's name for it
+GENERATORS = {"engine": "engine", "hf": "kv_cache", "hf_streamed": "hf_streamed"}
+
+
+@dataclass
+class RunPlan:
+    """What `megacompile plan` plans for a run: the model (on meta) and the run's settings."""
+    model: nn.Module
+    stage: str                          # sft and pt plan one training step; the others, plan_stage's parts
+    compute_dtype: str
+    seq: int
+    batch: int                          # rows per micro-batch (dpo, rm: preference pairs)
+    grad_accum: int
+    global_batch: int | None            # the planner chooses batch x grad_accum
+    accumulation: str
+    updates: str
+    hbm_budget: float | None            # None: the card's share, as a run on it takes
+    host_budget: float | None           # None: this machine's share
+    nvme_budget: float | None
+    stage_keys: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve(c: RunConfig) -> RunPlan:
+    """The model and settings `c` (a loaded run.yaml) plans with, checked as `megacompile train`
+    checks them before it reads its data."""
+    if c.bundled:
+        raise ArgumentError("model: bundled is the small Llama `megacompile train` runs on this machine's own budget; "
+                            "plan --run plans a Hugging Face model folder or config: give model: PATH")
+    meta = meta_model(c)
+    notes = list(vocab.resolve(c, meta))
+    if c.grown is not None:
+        meta = meta_model(c)      # built again with the grown vocabulary
+    kind(c).check_model(c, meta)
+    notes += [said for said in (router_loss.note(c, meta), rope_scaling.note(c)) if said]
+    model = methods.apply(c, meta)
+    keys: dict[str, Any] = {}
+    if c.stage in POST_TRAINING:
+        if c.global_batch is not None:
+            raise ArgumentError(f"plan --run plans stage {c.stage}'s step one micro-batch at a time: give batch and "
+                                "grad_accum rather than global_batch")
+        keys = {k: getattr(c, k) for k in STAGE_KEYS[c.stage] if getattr(c, k) is not None}
+        if c.stage == "grpo":     # TRL's generation batch: batch x steps_per_generation rows, num_generations a prompt
+            if c.generator == "vllm":
+                raise ArgumentError("use_vllm: vLLM's share of the device is vLLM's own to size: plan --run plans "
+                                    "the engine's generators; give generator: hf (a copy with a key-value cache, "
+                                    "what vLLM holds too) in place of use_vllm to plan the run's step")
+            keys["generator"] = GENERATORS[c.generator]
+            keys["prompts"] = c.batch * c.steps_per_generation // c.num_generations
+    return RunPlan(model=model, stage=c.stage, compute_dtype=c.compute_dtype, seq=c.seq, batch=c.batch,
+                   grad_accum=c.grad_accum, global_batch=c.global_batch, accumulation=c.accumulation,
+                   updates=c.updates, hbm_budget=c.hbm_budget, host_budget=c.host_budget, nvme_budget=c.nvme_budget,
+                   stage_keys=keys, notes=notes)

@@ -1,0 +1,121 @@
+"""`megacompile plan --run run.yaml`: the step a run would take, planned before it on any machine.
+
+The plan it prints is the plan the run then runs (every memory and schedule figure of the run's
+plan.json, on the cpu backend where both can be made here), with the run's config edits (added
+tokens, rope_scaling), its fine-tuning method and its accumulation; a post-training run plans as
+`plan --stage` does with the same keys; what the run.yaml decides is not taken twice."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from megacompile.cli import main
+from tests.posttrain import fake_vllm, stage_files
+from tests.train import files
+
+# Every field of plan.json that says what the step holds and moves, and how it is scheduled; the
+# timings are measured calibrations, the backend's name and the measured peak the run's alone.
+TIMED = {"backend", "measured_device_peak_bytes", "predicted_step_s", "predicted_tokens_per_s", "predicted_tflops_6nd",
+         "predicted_hardware_tflops", "host_busy_s", "pass_seconds", "trace_seconds", "predicted_compute_s",
+         "predicted_exposed_s", "predicted_exposed_transfer_s", "predicted_exposed_update_s", "h2d_busy_s",
+         "d2h_busy_s", "network_busy_s"}
+
+
+def _run_yaml(tmp_path, **more) -> str:
+    text = str(tmp_path / "text.jsonl")
+    with open(text, "w") as f:
+        for s in files.SENTENCES * 3:
+            f.write(json.dumps({"text": s}) + "\n")
+    settings = dict(model=files.model_dir(str(tmp_path / "llama"), dim=32), data=[text], seq=16, batch=2, grad_accum=2,
+                    steps=1, finetuning_type="lora", lora_rank=4, rope_scaling="linear", add_tokens=["zorblax"],
+                    hbm_budget=1, compute_dtype="bfloat16", device="cpu", run_dir=str(tmp_path / "run")) | more
+    return files.run_yaml(str(tmp_path / "r.yaml"), **{k: v for k, v in settings.items() if v is not None})
+
+
+def _plan_json(capsys, *argv) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_plan_before_the_run_is_the_plan_the_run_runs(tmp_path, capsys):
+    path = _run_yaml(tmp_path)
+    before = _plan_json(capsys, "--run", path, "--hardware", "cpu")
+    assert not os.path.exists(tmp_path / "run")       # nothing of the run is written, its data not read
+    assert main(["train", "--config", path]) == 0
+    capsys.readouterr()
+    with open(tmp_path / "run" / "plan" / "plan.json") as f:
+        ran = json.load(f)
+    shared = [k for k in ran if k in before and k not in TIMED]
+    assert len(shared) > 50
+    assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
+    # What the run.yaml changed in the model and the step is in both: the grown vocabulary's rows
+    # trained whole beside the adapters (additional_target), and two micro-batches a step.
+    assert before["grad_accum"] == 2
+    vocab_rows, dim = 64, 32       # 51 tokens and the one added, rounded up to 64 rows
+    linears = [(32, 32), (32, 16), (32, 16), (32, 32), (32, 64), (32, 64), (64, 32)]    # q k v o gate up down
+    adapters = 2 * sum(4 * (fan_in + fan_out) for fan_in, fan_out in linears)     # rank 4, both blocks
+    assert before["trainable_params"] == 2 * vocab_rows * dim + adapters
+
+
+def test_the_run_yaml_and_its_overrides_decide_what_the_flags_would(tmp_path, capsys):
+    path = _run_yaml(tmp_path, finetuning_type="full", lora_rank=None, add_tokens=None, rope_scaling=None)
+    full = _plan_json(capsys, "--run", path, "--hardware", "h100")
+    assert full["grad_accum"] == 2 and full["budget_bytes"] == 2 ** 30
+    assert full["host_budget_source"] == "this machine"
+    same = _plan_json(capsys, "--config", str(tmp_path / "llama"), "--hardware", "h100", "--batch", "2", "--seq", "16",
+                      "--hbm-budget", "1")
+    assert full["device_peak_bytes"] == same["device_peak_bytes"]       # one micro-batch's peak either way
+    assert full["trainable_params"] == same["trainable_params"]
+    wider = _plan_json(capsys, "--run", path, "--hardware", "h100", "seq=32", "host_budget=4", "grad_accum=1")
+    assert (wider["grad_accum"], wider["host_budget_bytes"], wider["host_budget_source"]) == (1, 4 * 2 ** 30,
+                                                                                              "run.yaml")
+    assert wider["device_peak_bytes"] > full["device_peak_bytes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "4", "--dtype", "float32"], "--batch, --dtype: with --run the run.yaml says them; give batch=... "
+                                             "compute_dtype=... after the run.yaml to plan another value"),
+    (["--beta", "0.1"], "--beta: with --run the run.yaml says it; give beta=..."),
+    (["hbm_budget=none_such"], "hbm_budget"),
+])
+def test_a_flag_the_run_yaml_decides_is_refused_naming_its_key(tmp_path, capsys, argv, message):
+    path = _run_yaml(tmp_path)
+    assert main(["plan", "--run", path, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_settings_without_a_run_yaml_and_the_bundled_model_are_refused(tmp_path, capsys):
+    config = files.model_dir(str(tmp_path / "llama"), dim=32)
+    assert main(["plan", "--config", config, "seq=64"]) == 2
+    assert "seq=64: key=value settings are a run.yaml's, laid over it: give --run run.yaml before them" in \
+        capsys.readouterr().err
+    path = files.run_yaml(str(tmp_path / "b.yaml"), model="bundled", data="bundled", seq=16, steps=1)
+    assert main(["plan", "--run", path]) == 2
+    assert "plan --run plans a Hugging Face model folder or config: give model: PATH" in capsys.readouterr().err
+
+
+def test_a_post_training_run_plans_as_plan_stage_with_its_keys(tmp_path, capsys, monkeypatch):
+    work = stage_files.workspace(tmp_path)
+    path = files.run_yaml(str(tmp_path / "g.yaml"), **stage_files.grpo(work, str(tmp_path / "run"), beta=0.04,
+                                                                         steps_per_generation=2))
+    staged = _plan_json(capsys, "--run", path, "--hardware", "h100")
+    # batch 8 x steps_per_generation 2 = 16 completions a rollout, 4 to a prompt: 4 prompts
+    flags = _plan_json(capsys, "--config", work["model"], "--stage", "grpo", "--hardware", "h100", "--hbm-budget", "1",
+                       "--dtype", "float32", "--prompts", "4", "--num-generations", "4", "--max-prompt-length", "8",
+                       "--max-completion-length", "3", "--steps-per-generation", "2", "--beta", "0.04")
+    assert staged == flags
+    assert (staged["prompts"], staged["rows"], staged["beta"]) == (4, 8, 0.04)     # a micro-batch: batch 8 rows
+    dpo = files.run_yaml(str(tmp_path / "d.yaml"), **stage_files.dpo(work, str(tmp_path / "run"), grad_accum=2))
+    assert main(["plan", "--run", dpo, "--hardware", "h100", "--json"]) == 0
+    out = capsys.readouterr()
+    pairs = _plan_json(capsys, "--config", work["model"], "--stage", "dpo", "--hardware", "h100", "--hbm-budget", "1",
+                       "--dtype", "float32", "--batch", "2", "--seq", "16", "--loss-type", "sigmoid")
+    assert json.loads(out.out) == pairs | {"grad_accum": 2}
+    assert "grad_accum 2: an optimizer step is 2 of these steps" in out.err
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm.module())       # vLLM needs a GPU: not installed here
+    vllm = files.run_yaml(str(tmp_path / "v.yaml"), **stage_files.grpo(work, str(tmp_path / "run"), use_vllm=True))
+    assert main(["plan", "--run", vllm]) == 2
+    assert "give generator: hf (a copy with a key-value cache" in capsys.readouterr().err
