@@ -13,9 +13,10 @@ initialises the new tokens' rows:
     the new tokens' rows       the mean of every other row, plus N(0, 1 / sqrt(hidden)) noise
 
 The draws come from a generator seeded by the run's seed and the tensor's name, so every load of
-the folder (the policy's, a DPO reference's, a LoRA run's trained copy) makes the same rows. A
-grown tensor is held twice while it is made (the file's and the grown one), then streams into the
-host state as any other.
+the folder (the policy's, a DPO reference's, a LoRA run's trained copy) makes the same rows. The
+file's rows are read into the grown tensor a block at a time (safetensors' slices), so a grown
+tensor is held once while it is made, as any tensor the load reads, then streams into the host
+state as any other.
 """
 from __future__ import annotations
 
@@ -42,23 +43,27 @@ class GrownVocab:
         """Whether the file's tensor `key`, of shape `saved`, grows into the model's `own`."""
         return key in self.keys and len(saved) == 2 and saved[1:] == own[1:] and saved[0] <= own[0] == self.rows
 
-    def grow(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """The file's tensor `key` with the model's rows (module docstring), float32."""
+    def grow(self, key: str, t) -> torch.Tensor:
+        """The file's tensor `key` with the model's rows (module docstring), float32. `t`: the tensor,
+        or safetensors' slice of it, read a block of rows at a time."""
+        stored, dim = tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
         generator = torch.Generator().manual_seed(_seed(self.seed, key))
-        out = torch.empty(self.rows, t.shape[1], dtype=torch.float32)
-        out[:t.shape[0]] = t
-        if self.rows > t.shape[0]:
-            out[t.shape[0]:] = torch.randn(self.rows - t.shape[0], t.shape[1], generator=generator) * self.std
+        out = torch.empty(self.rows, dim, dtype=torch.float32)
+        # A large vocabulary's embedding is gigabytes: neither the file's whole tensor beside the
+        # grown one nor a float64 copy of it, only a block of rows at a time.
+        for start in range(0, stored, _ROWS):
+            end = min(start + _ROWS, stored)
+            out[start:end] = t[start:end]
+        if self.rows > stored:
+            out[stored:] = torch.randn(self.rows - stored, dim, generator=generator) * self.std
         if self.new_ids:
             ids = torch.tensor(sorted(set(self.new_ids)))
-            # the other rows' mean, summed in float64 a block of rows at a time: never a second
-            # copy of the whole tensor (a large vocabulary's embedding is gigabytes)
-            total = torch.zeros(t.shape[1], dtype=torch.float64)
+            total = torch.zeros(dim, dtype=torch.float64)      # the other rows' mean, summed in float64
             for start in range(0, self.rows, _ROWS):
                 total += out[start:start + _ROWS].sum(dim=0, dtype=torch.float64)
             total -= out[ids].sum(dim=0, dtype=torch.float64)
             mean = (total / (self.rows - len(ids))).float()
-            noise = torch.randn(len(ids), t.shape[1], generator=generator) / math.sqrt(t.shape[1])
+            noise = torch.randn(len(ids), dim, generator=generator) / math.sqrt(dim)
             out[ids] = mean + noise
         return out
 
@@ -89,7 +94,7 @@ class _Grown(Mapping):
     def __getitem__(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
         with safe_open(self.file, framework="pt", backend="pread") as f:
-            return self.vocab.grow(key, f.get_tensor(key))
+            return self.vocab.grow(key, f.get_slice(key))
 
     def __iter__(self):
         return iter(sorted(self.vocab.keys))

@@ -60,3 +60,48 @@ def test_the_mean_is_the_other_rows_over_blocks_of_rows(monkeypatch):
     noise = torch.randn(2, 16, generator=generator) / 4.0
     expected = out[others].double().mean(dim=0).float() + noise
     torch.testing.assert_close(out[[50, 51]], expected, rtol=0, atol=1e-6)
+
+
+def test_the_file_is_read_a_block_of_rows_at_a_time_never_whole(tmp_path, monkeypatch):
+    import safetensors
+    from safetensors.torch import save_file
+
+    from megacompile.io import grown_vocab
+    monkeypatch.setattr(grown_vocab, "_ROWS", 7)
+    stored = torch.randn(50, 16).bfloat16()
+    path = str(tmp_path / "model.safetensors")
+    save_file({KEY: stored}, path)
+    reads, safe_open = [], safetensors.safe_open
+
+    class Opened:
+        """safe_open's file, its reads recorded: a whole tensor read is a failure."""
+        def __init__(self, *args, **kwargs):
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def get_tensor(self, key):
+            raise AssertionError(f"{key} read whole: twice its size held while it grows")
+
+        def get_slice(self, key):
+            inner = self.inner.get_slice(key)
+
+            class Rows:
+                def get_shape(self):
+                    return inner.get_shape()
+
+                def __getitem__(self, rows):
+                    reads.append(rows.stop - rows.start)
+                    return inner[rows]
+            return Rows()
+    monkeypatch.setattr(safetensors, "safe_open", Opened)
+    grown = _grown()
+    out = grown_vocab._Grown(path, grown)[KEY]       # what the load reads for the file's KEY
+    assert reads == [7] * 7 + [1]
+    assert torch.equal(out, grown.grow(KEY, stored))       # the same rows as from the whole tensor
+
