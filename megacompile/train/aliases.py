@@ -179,7 +179,8 @@ IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "remove_unused_columns", "ddp_find_unused_parameters", "eval_accumulation_steps", "offload_folder",
            "use_cache", "print_param_status", "label_names", *trainer_args.NO_EFFECT)
 WHY_IGNORED = {**{k: why for k, (_, why) in trainer_args.NO_EFFECT.items()},
-               "per_device_eval_batch_size": "eval uses batch",
+               "per_device_eval_batch_size": "eval runs batches of batch rows: eval_loss is the Trainer's at that "
+                                             "eval batch size",
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
                "optim": "megacompile's AdamW is torch's",

@@ -277,29 +277,35 @@ def _check_images(c: RunConfig, rows) -> None:
 
 def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted: bool,
               padding_mask: bool, accuracy: list | None = None) -> tuple[float, float]:
-    """Mean loss per target token over the held-out rows, and its perplexity (forward only).
+    """The held-out loss as transformers' Trainer evaluates it (so LlamaFactory and TRL): its
+    batches' losses, each the mean over that batch's target tokens, averaged with a weight of the
+    batch's rows (the Trainer repeats a batch's loss once a row; a batch with no target is left
+    out, as it filters that NaN); and its perplexity, the loss's exponential (forward only).
     `accuracy`: a list given gets each row's token accuracy (row_accuracies)."""
     n_batches = -(-rows.rows_per_epoch // batch)
     if limit is not None:
         n_batches = min(n_batches, limit)
-    total, count = 0.0, 0
+    losses, weights = [], []
     training = engine.model.training
     engine.model.eval()         # dropout (lora_dropout, a model's own) off, as in eager evaluation
     try:
         for i in range(n_batches):
             inputs = packing.batch(rows, i * batch, batch, shifted=shifted, padding_mask=padding_mask)
-            n = packing.target_count(inputs, shifted=shifted)
-            if n == 0:
+            # The Trainer's last batch holds the rows that are left; this one keeps its shape (no
+            # new plan) and the rows past the held-out set, the next epoch's first, count nothing.
+            past = (i + 1) * batch - rows.rows_per_epoch
+            if past > 0:
+                inputs["labels"][batch - past:] = packing.IGNORE
+            if packing.target_count(inputs, shifted=shifted) == 0:
                 continue
             out = engine(**inputs)
-            loss = out.loss if hasattr(out, "loss") else out
-            total += float(loss) * n
-            count += n
+            losses.append(float(out.loss if hasattr(out, "loss") else out))
+            weights.append(batch - max(past, 0))
             if accuracy is not None:
                 accuracy += row_accuracies(out.logits, inputs["labels"])
     finally:
         engine.model.train(training)
-    mean = total / count if count else float("nan")
+    mean = sum(w * x for w, x in zip(weights, losses)) / sum(weights) if losses else float("nan")
     return mean, math.exp(min(mean, 700.0))
 
 
