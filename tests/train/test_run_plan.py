@@ -119,3 +119,23 @@ def test_a_post_training_run_plans_as_plan_stage_with_its_keys(tmp_path, capsys,
     vllm = files.run_yaml(str(tmp_path / "v.yaml"), **stage_files.grpo(work, str(tmp_path / "run"), use_vllm=True))
     assert main(["plan", "--run", vllm]) == 2
     assert "give generator: hf (a copy with a key-value cache" in capsys.readouterr().err
+
+
+def test_a_vision_language_run_plans_with_the_images_its_rows_hold(tmp_path, capsys, monkeypatch):
+    from tests.train import vlm_files
+    monkeypatch.chdir(tmp_path)
+    vlm_files.model_dir("model")
+    vlm_files.records("data.jsonl")
+    vlm_files.records("eval.jsonl", n=4)
+    settings = vlm_files.settings("run", seq=64, steps=1, hbm_budget=1)
+    del settings["resume"], settings["export"]
+    path = files.run_yaml("r.yaml", **settings)
+    # its first micro-batch: two rows of one image each (the data's every fourth record has none)
+    before = _plan_json(capsys, "--run", path, "--hardware", "cpu", "--images-per-row", "1")
+    assert main(["train", "--config", path]) == 0
+    capsys.readouterr()
+    with open(tmp_path / "run" / "plan" / "plan.json") as f:
+        ran = json.load(f)
+    assert before["vision"]["images"]["images_per_row"] == 1       # said by the plan made from a config alone
+    shared = [k for k in ran if k in before and k not in TIMED | {"vision"}]
+    assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
