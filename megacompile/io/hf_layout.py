@@ -28,6 +28,18 @@ INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"   # a sharde
 Part = tuple[int, int | None, int | None]
 
 
+def inner_model(model: nn.Module) -> nn.Module:
+    """The transformers model a trained module holds, whose names the files use: a PEFT model's base,
+    a stage objective's `policy` (its keys are the files' without `policy.`), or `model` itself."""
+    while True:
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "policy", None), nn.Module):
+            model = model.policy
+        else:
+            return model
+
+
 class DiskLayout:
     def __init__(self, model: nn.Module):
         self.model = model

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..errors import WeightsFileError
 from .header import read_header
-from .hf_layout import INDEX, SINGLE, DiskLayout, part_shape
+from .hf_layout import INDEX, SINGLE, DiskLayout, inner_model, part_shape
 from .source import CONST, WEIGHT, Item
 
 
@@ -114,7 +114,7 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
     computed = {n.rsplit(".", 1)[-1] for n in buffers if n not in canonical}
     # Per-expert tensors of fused experts, transformers' renamings: the wrapped model's (a PEFT
     # model's base), placed by the keys `canonical` names, then mapped to the module's own names.
-    layout = DiskLayout(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    layout = DiskLayout(inner_model(model))
     shapes = {n: tuple(t.shape) for n, t in list(params.items()) + list(buffers.items())}
     key_shapes = {k: shapes[n] for k, n in canonical.items() if n in shapes}
     parts: dict[str, set] = {}

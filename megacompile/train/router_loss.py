@@ -8,7 +8,12 @@ key sets those two fields of the config before the model is built, as LlamaFacto
 vision-language model's are its text_config's), so the config.json an export writes says what was
 trained. Null or 0 leaves the folder's config.json as it is, as in LlamaFactory.
 
-Stages sft and pt train the model's own loss, which holds the term. Its statistics count the tokens
+Stages sft and pt train the model's own loss, which holds the term. Their steps weigh each
+micro-batch by its share of the step's target tokens (as the Trainer's num_items_in_batch does),
+and the Trainer adds each micro-batch's router term whole beside it: with k micro-batches a step
+trains k times the coefficient times their mean term. `WholeTerm` keeps that: the step hands each
+micro-batch 1/weight (`SCALE`), and the term is scaled by it inside the loss, so weighted it is
+whole again (one micro-batch a step: a scale of 1, the model's loss as it is). Its statistics count the tokens
 the attention_mask marks: where the term is on, the rows carry one (0 on a row's padding, as
 LlamaFactory's collator pads), so padding is neither routed into the load-balancing statistics nor
 averaged over. The preference and RL stages
@@ -16,6 +21,9 @@ train an objective of the logits alone, as LlamaFactory's trainers of them do; t
 there rather than taken and left without effect.
 """
 from __future__ import annotations
+
+import torch
+import torch.nn as nn
 
 from ..errors import ArgumentError
 from .config_values import weight_or_off
@@ -76,3 +84,23 @@ def note(c, model) -> str | None:
     return (f"  note           the model's config asks for the routers' load-balancing loss (output_router_logits); "
             f"stage {c.stage} trains its objective from the logits alone (as LlamaFactory's DPO, KTO and reward-model "
             "trainers do), so the term is not trained (TRL's DPO and KTO trainers add it)")
+
+
+SCALE = "router_scale"     # the input WholeTerm takes: 1 / the micro-batch's weight in its step
+
+
+class WholeTerm(nn.Module):
+    """A mixture-of-experts causal LM whose loss holds its routers' term, for a step that weighs its
+    micro-batches (Engine.weighted_step): forward(router_scale, **inputs) -> the model's output, its
+    loss the language-model loss plus the term times router_scale, so that weighted by 1/router_scale
+    the micro-batch adds its whole term (module docstring). The rest of the output is the model's."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.coef = float(_holder(policy).router_aux_loss_coef)
+
+    def forward(self, router_scale: torch.Tensor, **inputs):
+        out = self.policy(**inputs)
+        out["loss"] = out.loss + (router_scale - 1) * self.coef * out.aux_loss
+        return out

@@ -74,8 +74,8 @@ def test_moe_aux_loss_coef_trains_the_routers_loss_as_eager_transformers(tmp_pat
     masters = finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", "step-000003"), "master")
 
     tol = max(1e-5, WEIGHT_NOISE_FACTOR * noise)
-    for name, p in eager.named_parameters():
-        err = (masters[name] - p.detach()).abs().max() / p.detach().abs().max()
+    for name, p in eager.named_parameters():     # the engine trains the model as WholeTerm's policy
+        err = (masters[f"policy.{name}"] - p.detach()).abs().max() / p.detach().abs().max()
         assert err <= tol, f"{name}: {err:.3g} (tolerance {tol:.3g})"
 
     with open(os.path.join(str(tmp_path / "out"), "config.json")) as f:
@@ -245,3 +245,56 @@ def test_rows_carry_the_mask_where_the_routers_count_them_and_isolation_is_kept(
         if masked:
             ids, kept = inputs["input_ids"], inputs["attention_mask"].bool()
             assert not kept.all() and (ids[~kept] == stage.tokenizer.pad_token_id).all()
+
+
+def test_each_micro_batch_adds_its_whole_term_to_the_step_as_the_trainer_adds_it(tmp_path):
+    """grad_accum 2 over records of uneven length: each micro-batch's cross-entropy weighs its share
+    of the step's target tokens (num_items_in_batch) and its router term is added whole, as the
+    Trainer steps transformers' MoE model; losses and weights as eager's."""
+    from transformers import AutoModelForCausalLM
+    model = _mixtral_dir(str(tmp_path / "mixtral"))
+    chats = files.chats(str(tmp_path / "chats.jsonl"))
+    settings = _settings(tmp_path, model, moe_aux_loss_coef=COEF, grad_accum=2) | dict(data=[chats], eval=[chats],
+                                                                                       seq=32)
+    c = load(files.run_yaml(str(tmp_path / "moe.yaml"), **settings), [])
+    run(c)
+    rows, _ = finetune_runs.rows(c, tmp_path, c.seq)
+
+    def trainer_steps(eager) -> tuple[list[float], list[tuple[float, float]]]:
+        """The Trainer's steps: the losses, and each micro-batch's (weight, weighted router term)."""
+        opt = torch.optim.AdamW(eager.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=0.0)
+        losses, shares = [], []
+        for step in range(c.steps):
+            micro = [packing.batch(rows, (2 * step + i) * c.batch, c.batch, shifted=False, padding_mask=True)
+                     for i in range(2)]
+            counts = [packing.target_count(m, shifted=False) for m in micro]
+            total = 0.0
+            for inputs, n in zip(micro, counts):
+                out = eager(**inputs, num_items_in_batch=sum(counts))
+                out.loss.backward()
+                total += out.loss.item()
+                shares.append((n / sum(counts), COEF * out.aux_loss.item()))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(total)
+        return losses, shares
+
+    eager = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32, output_router_logits=True,
+                                                 router_aux_loss_coef=COEF)
+    start = {n: p.detach().clone() for n, p in eager.named_parameters()}
+    losses, shares = trainer_steps(eager)
+    assert shares[0][0] != shares[1][0]           # the micro-batches weigh differently
+    ours = torch.tensor([float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))])
+    torch.testing.assert_close(ours, torch.tensor(losses), rtol=1e-5, atol=0)
+    # Weighted as the cross-entropy is, each term would count its weight alone: far outside the tolerance.
+    assert sum((1 - w) * term for w, term in shares[:2]) > 1e-3 * losses[0]
+
+    def train_again(exact):       # the same training in float64, from the same weights
+        exact.config._experts_implementation = "eager"       # torch's grouped GEMM takes no float64
+        exact.load_state_dict({n: w.double() for n, w in start.items()})
+        trainer_steps(exact)
+    tol = max(1e-5, WEIGHT_NOISE_FACTOR * float64_noise(train_again, eager, eager))
+    masters = finetune_runs.tables(os.path.join(c.run_dir, "checkpoints", "step-000003"), "master")
+    for name, p in eager.named_parameters():
+        err = (masters[f"policy.{name}"] - p.detach()).abs().max() / p.detach().abs().max()
+        assert err <= tol, f"{name}: {err:.3g} (tolerance {tol:.3g})"

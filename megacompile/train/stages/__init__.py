@@ -43,7 +43,7 @@ def open_stage(c, run_dir: str, meta=None) -> Stage:
     tokens: the rows then say which they are)."""
     stage = kind(c)
     if c.stage in ("sft", "pt"):
-        return stage(c, run_dir, padding_mask=meta is not None and router_loss.on(meta))
+        return stage(c, run_dir, router=meta is not None and router_loss.on(meta))
     from ..data.tokens import load_tokenizer
     tokenizer = load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model)
     vocab.add(tokenizer, c)

@@ -8,11 +8,12 @@ import math
 import os
 
 import numpy as np
+import torch
 
 from ...errors import ArgumentError
 from ...ir import fmt_bytes
 from .. import intervals
-from .. import methods, vocab
+from .. import methods, router_loss, vocab
 from ..config import RunConfig
 from ..data import grid_images, images, mixture, packing, pixels, split, streaming, tokens, videos
 from ..data.tokens import TokenFile, load_tokenizer, token_file
@@ -33,18 +34,25 @@ class SFTStage(Stage):
             check_isolation(meta)     # before the data is read: the model decides whether it can be done
         check_positions(c, meta)
 
-    def __init__(self, c: RunConfig, run_dir: str, padding_mask: bool = False):
+    def __init__(self, c: RunConfig, run_dir: str, router: bool = False):
         """Reads the data into token files in the run folder's staging place (committed by
-        commit(), dropped by discard()) and checks it against the settings. `padding_mask`: the
-        micro-batches carry an attention_mask (the model's loss counts more than the targets:
-        data/packing.py). Not under isolated packing: transformers keeps packed documents apart
-        by their position ids only where no attention_mask is given."""
+        commit(), dropped by discard()) and checks it against the settings. `router`: the model's
+        own loss holds its routers' term (router_loss.on), so the micro-batches carry an
+        attention_mask (the term counts more than the targets: data/packing.py; not under isolated
+        packing, where transformers keeps packed documents apart by their position ids only when
+        no attention_mask is given) and each adds its whole term to the step (WholeTerm)."""
         self.c, self.shifted = c, c.bundled
         if c.compute_accuracy:
             self.columns = COLUMNS + ("eval_accuracy",)
-        self.padding_mask = padding_mask and not c.bundled and c.packing != "isolated"
+        router = router and not c.bundled
+        self.padding_mask = router and c.packing != "isolated"
+        # The routers' term of a token-weighted step, each micro-batch's whole (router_loss.py); the
+        # DFT loss is the logits' alone, without the model's own loss or the term (as TRL's).
+        self.whole_router = router and c.loss_type != "dft"
         if c.loss_type == "dft":        # the model under the DFT loss; the cross-entropy is its own
             self.objective = lambda model: DFTObjective(model, shifted=self.shifted)
+        elif self.whole_router:
+            self.objective = router_loss.WholeTerm
         self.tokenizer, self.made, self.rows, self.eval_rows, self.fingerprint = _data(c, run_dir, c.seq + self.shifted)
         try:
             available = self.rows.epoch_tokens
@@ -72,7 +80,13 @@ class SFTStage(Stage):
                 tokens.discard(made)
 
     def first_inputs(self, batch: int) -> dict:
-        return packing.batch(self.rows, 0, batch, shifted=self.shifted, padding_mask=self.padding_mask)
+        return self._scaled(packing.batch(self.rows, 0, batch, shifted=self.shifted, padding_mask=self.padding_mask))
+
+    def _scaled(self, inputs: dict, scale: float = 1.0) -> dict:
+        """`inputs` with the routers' term scaled (WholeTerm's input) where the objective takes one."""
+        if self.whole_router:
+            inputs[router_loss.SCALE] = torch.tensor(scale, dtype=torch.float32)
+        return inputs
 
     def heaviest_inputs(self, batch: int) -> dict | None:
         """A micro-batch of the `batch` rows of an epoch with the most image tokens (None without
@@ -87,7 +101,7 @@ class SFTStage(Stage):
         if not any(load):
             return None
         heaviest = sorted(sorted(range(len(load)), key=lambda i: -load[i])[:batch])
-        return packing.batch_of(rows, heaviest, shifted=self.shifted, padding_mask=self.padding_mask)
+        return self._scaled(packing.batch_of(rows, heaviest, shifted=self.shifted, padding_mask=self.padding_mask))
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         self.batch = batch      # the micro-batch: given, or the planner's choice for global_batch
@@ -121,7 +135,7 @@ class SFTStage(Stage):
         self.weights = [counted / total for _, counted, _ in drawn]
         losses, count = [], 0
         for (inputs, _, after), weight in zip(drawn, self.weights):
-            losses.append(engine.weighted_step(weight, **inputs))
+            losses.append(engine.weighted_step(weight, **self._scaled(inputs, 1.0 / weight)))
             position = after
             record = engine.last_step
             count += record.tokens or 0      # a skipped step counts none
@@ -141,7 +155,7 @@ class SFTStage(Stage):
             return {}
         accuracy = [] if c.compute_accuracy else None
         loss, perplexity = _evaluate(engine, self.eval_rows, self.batch, c.eval_batches, self.shifted,
-                                     self.padding_mask, accuracy)
+                                     self.padding_mask, accuracy, self._scaled)
         return {"eval_loss": loss, "eval_perplexity": perplexity,
                 **({"eval_accuracy": sum(accuracy) / len(accuracy) if accuracy else math.nan}
                    if accuracy is not None else {})}
@@ -276,12 +290,13 @@ def _check_images(c: RunConfig, rows) -> None:
 
 
 def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted: bool,
-              padding_mask: bool, accuracy: list | None = None) -> tuple[float, float]:
+              padding_mask: bool, accuracy: list | None = None, scaled=lambda inputs: inputs) -> tuple[float, float]:
     """The held-out loss as transformers' Trainer evaluates it (so LlamaFactory and TRL): its
     batches' losses, each the mean over that batch's target tokens, averaged with a weight of the
     batch's rows (the Trainer repeats a batch's loss once a row; a batch with no target is left
     out, as it filters that NaN); and its perplexity, the loss's exponential (forward only).
-    `accuracy`: a list given gets each row's token accuracy (row_accuracies)."""
+    `accuracy`: a list given gets each row's token accuracy (row_accuracies); `scaled`: the stage's
+    inputs of the objective (its routers' term whole)."""
     n_batches = -(-rows.rows_per_epoch // batch)
     if limit is not None:
         n_batches = min(n_batches, limit)
@@ -298,7 +313,7 @@ def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted
                 inputs["labels"][batch - past:] = packing.IGNORE
             if packing.target_count(inputs, shifted=shifted) == 0:
                 continue
-            out = engine(**inputs)
+            out = engine(**scaled(inputs))
             losses.append(float(out.loss if hasattr(out, "loss") else out))
             weights.append(batch - max(past, 0))
             if accuracy is not None:
