@@ -121,6 +121,7 @@ def test_a_post_training_run_plans_as_plan_stage_with_its_keys(tmp_path, capsys,
     assert "give generator: hf (a copy with a key-value cache" in capsys.readouterr().err
 
 
+@pytest.mark.slow     # the second case of the first test's guard: a vision-language model's
 def test_a_vision_language_run_plans_with_the_images_its_rows_hold(tmp_path, capsys, monkeypatch):
     from tests.train import vlm_files
     monkeypatch.chdir(tmp_path)
