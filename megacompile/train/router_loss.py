@@ -102,5 +102,6 @@ class WholeTerm(nn.Module):
 
     def forward(self, router_scale: torch.Tensor, **inputs):
         out = self.policy(**inputs)
-        out["loss"] = out.loss + (router_scale - 1) * self.coef * out.aux_loss
+        if getattr(out, "aux_loss", None) is not None:     # else the model added no term to its loss
+            out["loss"] = out.loss + (router_scale - 1) * self.coef * out.aux_loss
         return out
