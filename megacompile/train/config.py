@@ -124,6 +124,7 @@ class RunConfig:
     metric_for_best_model: str | None = None    # its evaluation metric (eval_loss by default)
     greater_is_better: bool | None = None       # None: lower is better for a loss, higher for the rest
     compute_accuracy: bool = False      # LlamaFactory's: the held-out token accuracy beside the loss (stage sft)
+    eval_on_each_dataset: bool = False  # LlamaFactory's: each eval file (eval_dataset name) evaluated on its own too
     eval_on_start: bool = False         # transformers': an evaluation before the first step (intervals.evaluates)
     # what the run makes of the three (io/grown_vocab.py's GrownVocab, vocab.resolve); no key of run.yaml
     grown: Any = field(default=None, metadata={"derived": True})
@@ -478,6 +479,12 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
                             f"the model's logits; here stage {c.stage}"
                             + (", the bundled model" if c.bundled else "") + (", loss_type dft" if c.loss_type == "dft"
                                                                               else ""))
+    c.eval_on_each_dataset = flag("eval_on_each_dataset", c.eval_on_each_dataset)
+    if c.eval_on_each_dataset and (c.stage not in ("sft", "pt") or not c.eval):
+        raise ArgumentError("eval_on_each_dataset evaluates each held-out file (eval, or eval_dataset's names) on its "
+                            "own, as LlamaFactory does, under stages sft and pt: "
+                            + (f"stage {c.stage} evaluates its own figures" if c.stage not in ("sft", "pt") else
+                               "give the held-out data as files (eval_fraction's rows are one set)"))
     neftune.check(c)
     if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
         for entry in c.data + c.eval:

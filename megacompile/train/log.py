@@ -34,8 +34,8 @@ class RunLog:
         """`settings`: the run's settings, W&B's run config (its name and wandb_project too);
         `columns`: the CSV's (a post-training stage logs its own)."""
         self.path = os.path.join(run_dir, "log.csv")
+        columns = _keep_steps_up_to(self.path, resume_step, columns)
         self.extra = tuple(c for c in columns if c not in COLUMNS)      # a stage's figures, as scalars too
-        _keep_steps_up_to(self.path, resume_step, columns)
         new = not os.path.exists(self.path)
         self._columns = columns
         # Unbuffered, in whole rows: a row the disk refuses is cut off again (write), never left half
@@ -93,18 +93,23 @@ def log_failed(path: str, step: int | None, e: OSError) -> CheckpointError:
     return CheckpointError(f"cannot write the run's log {path}: {cause}; the log keeps {kept}")
 
 
-def _keep_steps_up_to(path: str, step: int, columns: tuple = COLUMNS) -> None:
+def _keep_steps_up_to(path: str, step: int, columns: tuple = COLUMNS) -> tuple:
     """A resumed run goes on from its checkpoint: rows of the steps after it are dropped (they are
-    written again), in a copy renamed over the old file."""
+    written again), in a copy renamed over the old file. The log's columns from here on: `columns`,
+    and after them any the log had that they lack (a figure the run logged before its settings
+    changed, such as compute_accuracy's), kept with the rows that hold it."""
     if not os.path.exists(path):
-        return
+        return columns
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    columns = tuple(columns) + tuple(c for c in reader.fieldnames or () if c not in columns)
     with open(path + ".tmp", "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
         writer.writerows(r for r in rows if int(r["step"]) <= step)
     os.replace(path + ".tmp", path)
+    return columns
 
 
 def read(path: str) -> list[dict]:

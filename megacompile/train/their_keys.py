@@ -22,7 +22,6 @@ NOT_TAKEN = {
     "dataset_train_split": "give the training files as data: and the held-out ones as eval: (or eval_fraction)",
     "dataset_test_split": "give the held-out files as eval: (or eval_fraction)",
     "dataset_kwargs": "the record layout is found from the records' keys (docs/training.md, record layouts)",
-    "eval_on_each_dataset": "not supported: the held-out loss is over all eval files together",
     "tokenized_path": "token files are kept in the run folder (tokens/) and reused by a resumed run",
     # packing
     "neat_packing": "packing: isolated (packed documents do not attend to each other, position ids restart)",

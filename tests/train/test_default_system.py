@@ -58,5 +58,5 @@ def test_llamafactorys_other_data_keys_are_noted_or_refused_by_name(tmp_path, ca
                  "buffer_size (streamed data is read in file order, with no shuffle buffer)",
                  "ignore_pad_token_for_loss (padding is never counted)"):
         assert said in note
-    with pytest.raises(ArgumentError, match="eval_on_each_dataset -> not supported: the held-out loss is over all"):
-        load(files.run_yaml(str(tmp_path / "b.yaml"), eval_on_each_dataset=True, **common), [])
+    with pytest.raises(ArgumentError, match="use_galore -> not supported"):
+        load(files.run_yaml(str(tmp_path / "b.yaml"), use_galore=True, **common), [])

@@ -44,6 +44,10 @@ class SFTStage(Stage):
         self.c, self.shifted = c, c.bundled
         if c.compute_accuracy:
             self.columns = COLUMNS + ("eval_accuracy",)
+        self.names = eval_names(c) if c.eval_on_each_dataset else []
+        self.columns = self.columns + tuple(f"eval_{name}_{figure}" for name in self.names
+                                            for figure in ("loss", "perplexity")
+                                            + (("accuracy",) if c.compute_accuracy else ()))
         router = router and not c.bundled
         self.padding_mask = router and c.packing != "isolated"
         # The routers' term of a token-weighted step, each micro-batch's whole (router_loss.py); the
@@ -55,6 +59,7 @@ class SFTStage(Stage):
             self.objective = router_loss.WholeTerm
         self.tokenizer, self.made, self.rows, self.eval_rows, self.fingerprint = _data(c, run_dir, c.seq + self.shifted)
         try:
+            self.each_rows = _each(self.eval_rows, self.names) if self.names else []
             available = self.rows.epoch_tokens
             if available is not None and c.seq > available:
                 raise ArgumentError(f"seq {c.seq:,} is longer than the training data, {available:,} tokens"
@@ -153,12 +158,16 @@ class SFTStage(Stage):
         c = self.c
         if self.eval_rows is None or not c.eval_every or not intervals.evaluates(c, step):
             return {}
-        accuracy = [] if c.compute_accuracy else None
-        loss, perplexity = _evaluate(engine, self.eval_rows, self.batch, c.eval_batches, self.shifted,
-                                     self.padding_mask, accuracy, self._scaled)
-        return {"eval_loss": loss, "eval_perplexity": perplexity,
-                **({"eval_accuracy": sum(accuracy) / len(accuracy) if accuracy else math.nan}
-                   if accuracy is not None else {})}
+        out = {}
+        # All the held-out data, then with eval_on_each_dataset each file on its own (its names' columns).
+        for prefix, rows in [("eval", self.eval_rows)] + [(f"eval_{n}", r) for n, r in zip(self.names, self.each_rows)]:
+            accuracy = [] if c.compute_accuracy else None
+            loss, perplexity = _evaluate(engine, rows, self.batch, c.eval_batches, self.shifted, self.padding_mask,
+                                         accuracy, self._scaled)
+            out |= {f"{prefix}_loss": loss, f"{prefix}_perplexity": perplexity,
+                    **({f"{prefix}_accuracy": sum(accuracy) / len(accuracy) if accuracy else math.nan}
+                       if accuracy is not None else {})}
+        return out
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
         text = (f"{row['tokens_per_s']:,.0f} tok/s | device peak {fmt_bytes(row['device_peak_bytes'])} / "
@@ -253,6 +262,36 @@ def _stream(c: RunConfig, folder: str, tokenizer, tokenizer_dir: str | None, row
                                 c.train_on_prompt, row_len, c.packing, pad)
     return tokenizer, (None, held), rows, eval_rows, tokens.fingerprint(c.data, tokenizer_dir, c.train_on_prompt,
                                                                         row_len, c.model)
+
+
+def eval_names(c: RunConfig) -> list[str]:
+    """eval_on_each_dataset's name of each held-out entry, as LlamaFactory keys its evaluations:
+    eval_dataset's names, else each eval file's name less its extension (a repeated one numbered)."""
+    if c.eval_dataset is not None:
+        names = [n.strip() for n in c.eval_dataset.split(",") if n.strip()] if isinstance(c.eval_dataset, str) \
+            else [str(n) for n in c.eval_dataset]
+    else:
+        names = [os.path.splitext(os.path.basename(os.path.normpath(e["path"])))[0] for e in c.eval]
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return out
+
+
+def _each(rows: packing.Rows, names: list[str]) -> list[packing.Rows]:
+    """The held-out rows of each eval entry on its own (eval_on_each_dataset), packed as the whole
+    held-out set is, from its own documents alone."""
+    source = mixture.source_of(rows.tokens, rows.docs)
+    out = []
+    for i, name in enumerate(names):
+        docs = rows.docs[source == i]
+        if not len(docs):
+            raise ArgumentError(f"eval_on_each_dataset: the held-out entry {name} holds no record to evaluate")
+        out.append(packing.Rows(rows.tokens, rows.row_len, rows.packing, rows.seed, docs=docs, shuffle=False,
+                                pad_id=rows.pad_id, pixels=rows.pixels))
+    return out
 
 
 def _mix(c: RunConfig, source: TokenFile, docs: np.ndarray):
