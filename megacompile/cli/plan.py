@@ -40,6 +40,7 @@ def _from_run(args: argparse.Namespace) -> None:
                                                                     run.compute_dtype, run.updates)
     args.hbm_budget, args.host_budget, args.nvme_budget = run.hbm_budget, run.host_budget, run.nvme_budget
     args.host_source = "the run's host_budget"
+    args.run_steps = run.steps
     if run.stage not in ("sft", "pt"):
         args.stage = run.stage
         if run.stage == "grpo":     # its rows and width are its generation keys
@@ -158,6 +159,7 @@ def plan(args: argparse.Namespace) -> int:
         print(f"  micro-batch    {micro} x {accumulate} accumulated = {args.global_batch} "
               f"(compile(..., grad_accum={accumulate}"
               + (", accumulation='layer'" if result.micro_batches_per_run > 1 else "") + ")), the fastest split that fits")
+    run_s = _run_line(args, result, accumulate) if fits else None
     print(f"  verdict        {_verdict(result, refused, given_bytes)}")
     peak = result.peak_breakdown(5, described=True)
     print("  at the peak    " + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in peak))
@@ -178,8 +180,25 @@ def plan(args: argparse.Namespace) -> int:
         summary["weight_bytes"] = result.weight_bytes
         if scaled is not None:
             summary["data_parallel"] = scaled.to_json()
+        if run_s is not None:
+            summary["run_steps"], summary["run_predicted_s"] = args.run_steps, run_s
         print(json.dumps(summary), file=args.json_out)
     return 0 if fits else DOES_NOT_FIT
+
+
+def _run_line(args: argparse.Namespace, result, accumulate: int) -> float | None:
+    """--run: the run's steps at the predicted time of one, printed; the seconds, or None where the
+    run gives epochs (its steps are known once its data is tokenised)."""
+    if args.run_yaml is None:
+        return None
+    if args.run_steps is None:
+        print("  run            epochs: its steps are known once its data is tokenised (megacompile train says them)")
+        return None
+    from ..ir.printer import fmt_seconds
+    step_s = result.prediction.step_s * max(1, accumulate // result.micro_batches_per_run)
+    print(f"  run            {args.run_steps:,} optimizer step{'s' * (args.run_steps != 1)} x {fmt_seconds(step_s)} = "
+          f"{fmt_seconds(args.run_steps * step_s)} predicted (evaluations and checkpoints besides)")
+    return args.run_steps * step_s
 
 
 def _verdict(result, refused: bool, given_bytes: int) -> str:

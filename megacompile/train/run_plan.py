@@ -50,6 +50,7 @@ class RunPlan:
     hbm_budget: float | None            # None: the card's share, as a run on it takes
     host_budget: float | None           # None: this machine's share
     nvme_budget: float | None
+    steps: int | None                   # None: epochs, whose steps the data's rows decide
     stage_keys: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -83,4 +84,4 @@ def resolve(c: RunConfig) -> RunPlan:
     return RunPlan(model=model, stage=c.stage, compute_dtype=c.compute_dtype, seq=c.seq, batch=c.batch,
                    grad_accum=c.grad_accum, global_batch=c.global_batch, accumulation=c.accumulation,
                    updates=c.updates, hbm_budget=c.hbm_budget, host_budget=c.host_budget, nvme_budget=c.nvme_budget,
-                   stage_keys=keys, notes=notes)
+                   steps=c.steps, stage_keys=keys, notes=notes)

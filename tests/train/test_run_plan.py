@@ -73,6 +73,13 @@ def test_the_run_yaml_and_its_overrides_decide_what_the_flags_would(tmp_path, ca
     assert (wider["grad_accum"], wider["host_budget_bytes"], wider["host_budget_source"]) == (1, 4 * 2 ** 30,
                                                                                               "run.yaml")
     assert wider["device_peak_bytes"] > full["device_peak_bytes"]
+    # The run's length: its steps at the predicted optimizer step (two micro-batches of the one planned).
+    assert main(["plan", "--run", path, "--hardware", "h100", "steps=5000"]) == 0
+    said = capsys.readouterr().out
+    longer = _plan_json(capsys, "--run", path, "--hardware", "h100", "steps=5000")
+    assert longer["run_steps"] == 5000
+    assert longer["run_predicted_s"] == pytest.approx(5000 * 2 * longer["predicted_step_s"], rel=1e-9)   # a run each
+    assert "  run            5,000 optimizer steps x " in said
 
 
 @pytest.mark.parametrize("argv, message", [
