@@ -273,3 +273,22 @@ def test_num_generations_eval_that_cannot_fill_whole_calls_is_refused(tmp_path, 
     with pytest.raises(ArgumentError, match=message):
         load(config, [])
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_mixture_of_experts_folder_in_the_hubs_layout_trains_under_a_stage_objective(tmp_path):
+    """A Mixtral folder stores one tensor per expert, which transformers 5 fuses on load; under stage
+    dpo the engine trains the objective around the model, and the files are placed into the fused
+    experts by the model's own conversion all the same: at a step of almost nothing the export is the
+    folder's weights, written back per expert."""
+    from safetensors.torch import load_file
+    from tests.train.test_router_loss import _mixtral_dir
+    work = {"model": _mixtral_dir(str(tmp_path / "mixtral")), "pairs": stage_files.pairs(str(tmp_path / "p.jsonl"))}
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **stage_files.dpo(work, str(tmp_path / "run"), steps=1,
+                                                                         lr=1e-12, export=str(tmp_path / "out"),
+                                                                         export_dtype="float32")), [])
+    run(c)
+    folder = load_file(os.path.join(work["model"], "model.safetensors"))
+    exported = load_file(os.path.join(str(tmp_path / "out"), "model.safetensors"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in folder and set(exported) == set(folder)
+    for key, w in folder.items():
+        torch.testing.assert_close(exported[key], w.float(), rtol=1e-6, atol=1e-9)
