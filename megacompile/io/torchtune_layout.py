@@ -104,7 +104,7 @@ class Recipe:
         self._tune = {}         # a trained parameter's Hugging Face name -> torchtune's
         self.shapes = {}
         for name in self.state:
-            hf = names.to_hf(name)
+            hf = names.to_hf(name, self.family)
             if hf is None or (name not in self._adapters and hf not in self._weights):
                 raise WeightsFileError(f"cannot take in {self.describe}: its trained parameter {name} is none of the "
                                        f"weights it wrote ({'a DoRA magnitude, ' if 'magnitude' in name else ''}or a "
@@ -119,7 +119,7 @@ class Recipe:
                                            f"{self.shapes[hf]}; nothing was loaded")
         # the frozen parameters are not named here: a LoRA run's base is this model's own (its `model` folder)
         self.frozen = None if self._adapters else {}
-        self.param_groups = [g | {"params": [names.to_hf(by_key[k]) for k in g["params"]]}
+        self.param_groups = [g | {"params": [names.to_hf(by_key[k], self.family) for k in g["params"]]}
                              for g in optimizer["param_groups"]]
         self.first_group = self.param_groups[0]
         steps = recipe.get("steps_run")
@@ -134,7 +134,7 @@ class Recipe:
         if sorted(keys) != list(range(len(keys))):
             raise WeightsFileError(f"cannot take in {self.describe}: its optimizer numbers the parameters "
                                    f"{keys[:6]}..., not 0 to {len(keys) - 1}; nothing was loaded")
-        order = sorted(self._tune_parameters(), key=names.order)
+        order = sorted(self._tune_parameters(), key=lambda n: names.order(n, self.family))
         if len(order) != len(keys):
             raise WeightsFileError(f"cannot take in {self.describe}: its optimizer holds {len(keys)} parameters, the "
                                    f"model it wrote has {len(order)} (a model torchtune builds otherwise, or adapters "
@@ -145,7 +145,7 @@ class Recipe:
         """torchtune's names of its model's parameters: the weights it wrote (an lm_head it wrote
         beside tied embeddings, as for Qwen3, is none of them) and a LoRA run's adapters."""
         tied = bool(self._config.get("tie_word_embeddings"))
-        model = [names.from_hf(hf) or hf for hf in self._weights if not (tied and hf == "lm_head.weight")]
+        model = [names.from_hf(hf, self.family) or hf for hf in self._weights if not (tied and hf == "lm_head.weight")]
         return model + [n for n in self._adapters if ".lora_a." in n or ".lora_b." in n]
 
     def _check_epoch(self, recipe: dict) -> None:

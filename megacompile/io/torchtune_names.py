@@ -6,7 +6,7 @@ attn.output_proj, mlp.w1/w2/w3, sa_norm, mlp_norm, norm, output) and a norm's we
 LoRA module keeps its base weight and bias and adds lora_a and lora_b, which PEFT names lora_A and
 lora_B under its model's prefix (`base_model.model.`) and the adapter's name (`default`).
 
-Rows: for Llama, Mistral and Gemma, torchtune's rotary embedding pairs a head's features (0, 1), (2, 3),
+Rows: for Llama, Mistral, Gemma and Gemma 2, torchtune's rotary embedding pairs a head's features (0, 1), (2, 3),
 ... where Hugging Face's pairs feature i with i + head_dim / 2, so torchtune's checkpointer
 permutes the output rows of q_proj and k_proj as it writes them (and of their lora_B, whose rows
 are the projection's). Qwen2 and Qwen3 use Hugging Face's rotary layout in torchtune: nothing is
@@ -19,7 +19,7 @@ import re
 import torch
 
 # Hugging Face's model_type -> whether torchtune's checkpointer permutes q_proj's and k_proj's rows
-FAMILIES = {"llama": True, "mistral": True, "gemma": True, "qwen2": False, "qwen3": False}
+FAMILIES = {"llama": True, "mistral": True, "gemma": True, "gemma2": True, "qwen2": False, "qwen3": False}
 PEFT_PREFIX = "base_model.model."
 # a decoder layer's modules, torchtune's -> Hugging Face's, in the order torchtune's layer registers
 # them (MultiHeadAttention's projections and norms, FeedForward's w1, w2, w3, the layer's norms)
@@ -32,6 +32,19 @@ _TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": 
 _TENSORS = {"weight": "weight", "scale": "weight", "bias": "bias",
             "lora_a.weight": "lora_A.default.weight", "lora_b.weight": "lora_B.default.weight"}
 _NORMS = {"attn.q_norm", "attn.k_norm", "sa_norm", "mlp_norm", "norm"}
+# Gemma 2's layer has four norms, which torchtune names crosswise to Hugging Face's (its
+# gemma2 convert_weights): sa_scale after the attention, mlp_scale before the MLP, mlp_norm after
+# it; its final norm sits inside a module that caps the logits.
+_GEMMA2_LAYER = {**{k: v for k, v in _LAYER.items() if k.startswith(("attn.", "mlp."))},
+                 "sa_norm": "input_layernorm", "mlp_norm": "post_feedforward_layernorm",
+                 "sa_scale": "post_attention_layernorm", "mlp_scale": "pre_feedforward_layernorm"}
+_GEMMA2_TOP = {"tok_embeddings": "model.embed_tokens", "norm.rms_norm": "model.norm", "output": "lm_head"}
+_GEMMA2_NORMS = {"sa_norm", "mlp_norm", "sa_scale", "mlp_scale", "norm.rms_norm"}
+
+
+def _tables(family: str) -> tuple[dict, dict, set]:
+    """The family's (layer modules, top modules, norms): torchtune's names -> Hugging Face's."""
+    return (_GEMMA2_LAYER, _GEMMA2_TOP, _GEMMA2_NORMS) if family == "gemma2" else (_LAYER, _TOP, _NORMS)
 _TUNE_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -41,11 +54,12 @@ def _split(name: str, modules: dict[str, str]) -> tuple[str, str] | None:
     return next(((m, name[len(m) + 1:]) for m in modules if name.startswith(m + ".")), None)
 
 
-def to_hf(name: str) -> str | None:
+def to_hf(name: str, family: str = "llama") -> str | None:
     """The Hugging Face name of torchtune's parameter `name` (a LoRA adapter's: the PEFT model's),
     or None where it has none."""
+    layer, top, _ = _tables(family)
     found = _TUNE_LAYER.fullmatch(name)
-    prefix, modules, rest = (f"model.layers.{found.group(1)}.", _LAYER, found.group(2)) if found else ("", _TOP, name)
+    prefix, modules, rest = (f"model.layers.{found.group(1)}.", layer, found.group(2)) if found else ("", top, name)
     split = _split(rest, modules)
     if split is None or split[1] not in _TENSORS:
         return None
@@ -53,29 +67,31 @@ def to_hf(name: str) -> str | None:
     return PEFT_PREFIX + out if split[1].startswith("lora_") else out
 
 
-def from_hf(name: str) -> str | None:
+def from_hf(name: str, family: str = "llama") -> str | None:
     """torchtune's name of the Hugging Face weight `name` (a model's, not an adapter's), or None."""
+    layer, top, norms = _tables(family)
     found = _HF_LAYER.fullmatch(name)
-    prefix, modules, rest = (f"layers.{found.group(1)}.", _LAYER, found.group(2)) if found else ("", _TOP, name)
+    prefix, modules, rest = (f"layers.{found.group(1)}.", layer, found.group(2)) if found else ("", top, name)
     module = next((m for m, hf in modules.items() if rest.startswith(hf + ".")), None)
     if module is None or rest[len(modules[module]) + 1:] not in ("weight", "bias"):
         return None
     tensor = rest[len(modules[module]) + 1:]
-    return f"{prefix}{module}.{'scale' if module in _NORMS and tensor == 'weight' else tensor}"
+    return f"{prefix}{module}.{'scale' if module in norms and tensor == 'weight' else tensor}"
 
 
-def order(name: str) -> tuple:
+def order(name: str, family: str = "llama") -> tuple:
     """Where torchtune's decoder registers the parameter `name` among its model.parameters(): the
-    embedding, the layers in turn (each module in _LAYER's order, its tensors in _TENSORS'), the
-    final norm, the output projection."""
+    embedding, the layers in turn (each module in the family's layer table's order, its tensors in
+    _TENSORS'), the final norm, the output projection."""
+    layer, top, _ = _tables(family)
     found = _TUNE_LAYER.fullmatch(name)
-    modules, rest = (_LAYER, found.group(2)) if found else (_TOP, name)
+    modules, rest = (layer, found.group(2)) if found else (top, name)
     split = _split(rest, modules) or ("", "")
     where = (list(modules).index(split[0]) if split[0] else len(modules),
              list(_TENSORS).index(split[1]) if split[1] in _TENSORS else len(_TENSORS))
     if found:
         return (1, int(found.group(1))) + where
-    return ({"tok_embeddings": 0, "norm": 2, "output": 3}.get(split[0], 4), 0) + where
+    return ({"tok_embeddings": 0, "norm": 2, "norm.rms_norm": 2, "output": 3}.get(split[0], 4), 0) + where
 
 
 def permute(name: str, t: torch.Tensor, family: str, heads: dict[str, int], head_dim: int) -> torch.Tensor:

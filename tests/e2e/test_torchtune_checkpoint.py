@@ -57,7 +57,10 @@ def _model(case: str, seed: int = 1, lora: dict | None = None, **sizes):
     """The case's model with other weights than torchtune's: what it holds after the import is the
     import's. A LoRA case's base is torchtune's own (make.py's seed), its adapters other ones."""
     torch.manual_seed(0 if case in make.LORA else seed)
-    if case.endswith("gemma"):
+    if case.endswith("gemma2"):
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+        model = Gemma2ForCausalLM(Gemma2Config(**make.GEMMA2 | sizes))
+    elif case.endswith("gemma"):
         from transformers import GemmaConfig, GemmaForCausalLM
         model = GemmaForCausalLM(GemmaConfig(**make.GEMMA | sizes))
     elif case.endswith("qwen2"):
@@ -98,8 +101,9 @@ def test_the_weights_and_moments_are_torchtunes_own_to_the_bit(case):
     assert_host_is(engine, expected, _batches(expected)[0])
 
 
-def _eager(case: str, expected, dtype: torch.dtype):
-    """torchtune's state going on in eager torch: its weights, and torch AdamW with its moments."""
+def _eager(case: str, expected, dtype: torch.dtype, losses: list | None = None):
+    """torchtune's state going on in eager torch: its weights, and torch AdamW with its moments;
+    `losses`, a list given, gets each step's."""
     model = _model(case).to(dtype)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with torch.no_grad():
@@ -113,21 +117,35 @@ def _eager(case: str, expected, dtype: torch.dtype):
                               "exp_avg_sq": expected[f"exp_avg_sq/{n}"].to(dtype)}
     for ids in _batches(expected):
         optimizer.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         optimizer.step()
+        if losses is not None:
+            losses.append(loss.item())
     return model
+
+
+# Cases whose torchtune model computes otherwise than transformers' at the same weights: Gemma 2's
+# losses differ by 8e-5 of themselves (measured at the imported state); the run is held to
+# transformers' there, and to torchtune's at this tolerance.
+OWN_MODEL = {"gemma2": 1e-3}
 
 
 @pytest.mark.parametrize("case", [c if c in ("llama", "fqn_lora_qwen2") else pytest.param(c, marks=pytest.mark.slow)
                                   for c in make.CASES])
 def test_training_goes_on_as_torchtunes_went_on(case):
-    expected = _expected(case)
-    reference, exact = _eager(case, expected, torch.float32), _eager(case, expected, torch.float64)
+    expected, eager_losses = _expected(case), []
+    reference = _eager(case, expected, torch.float32, eager_losses)
+    exact = _eager(case, expected, torch.float64)
     tolerance = max(1e-5, WEIGHT_NOISE_FACTOR * max(weight_errors(exact, reference).values()))
     engine = _engine(case)
     engine.load_trainer_checkpoint(_folder(case))
     losses = [engine.step(input_ids=ids, labels=ids) for ids in _batches(expected)]
-    assert losses == pytest.approx(expected["after/losses"].tolist(), rel=1e-5)
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    assert losses == pytest.approx(expected["after/losses"].tolist(), rel=OWN_MODEL.get(case, 1e-5))
+    if case in OWN_MODEL:       # their weights went on from their own gradients
+        assert max(weight_errors(engine, reference).values()) <= tolerance
+        return
     ours = engine.state_dict()
     theirs = {n: (ours[n] - expected[f"after/{n}"]).abs().max().item() / expected[f"after/{n}"].abs().max().item()
               for n in engine.host.slots}
@@ -207,7 +225,8 @@ def test_an_index_keyed_state_of_another_model_and_another_family_are_refused(tm
     with open(config, "w") as f:
         f.write(text.replace('"model_type": "llama"', '"model_type": "phi3"'))
     refused_untouched(_engine("llama"), folder, WeightsFileError,
-                       r"its model is 'phi3'; torchtune's names are read for llama, mistral, gemma, qwen2, qwen3; start a new "
+                       r"its model is 'phi3'; torchtune's names are read for llama, mistral, gemma, gemma2, qwen2, qwen3; start a "
+                       r"new "
                        r"run from its weights")
 
 

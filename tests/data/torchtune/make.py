@@ -54,7 +54,10 @@ QWEN2 = dict(vocab_size=51, hidden_size=16, intermediate_size=22, num_hidden_lay
              num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, rope_theta=10000.0)
 GEMMA = dict(vocab_size=51, hidden_size=16, intermediate_size=22, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=1, head_dim=8, max_position_embeddings=32, rope_theta=10000.0)
-CASES = ("llama", "qwen2", "fqn_llama", "fqn_qwen2", "lora_llama", "fqn_lora_qwen2", "fqn_gemma")
+# Gemma 2: its four norms per layer and its final norm inside the logits' cap, named otherwise
+GEMMA2 = GEMMA | dict(query_pre_attn_scalar=8, sliding_window=4096, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0)
+CASES = ("llama", "qwen2", "fqn_llama", "fqn_qwen2", "lora_llama", "fqn_lora_qwen2", "fqn_gemma", "gemma2")
 # each LoRA case's modules (torchtune's lora_attn_modules, apply_lora_to_mlp), rank and alpha
 LORA = {"lora_llama": (["q_proj", "k_proj", "v_proj"], True), "fqn_lora_qwen2": (["q_proj", "k_proj"], False)}
 RANK, ALPHA = 4, 8.0
@@ -71,6 +74,19 @@ def _models(name: str, folder: str):
     torch.manual_seed(0)
     lora = dict(lora_attn_modules=LORA[name][0], apply_lora_to_mlp=LORA[name][1], lora_rank=RANK,
                 lora_alpha=ALPHA) if name in LORA else {}
+    if name.endswith("gemma2"):
+        from torchtune.models.gemma2._component_builders import gemma2
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+        config = Gemma2Config(**GEMMA2)
+        hf = Gemma2ForCausalLM(config)
+        tune = gemma2(vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
+                      num_heads=config.num_attention_heads, head_dim=config.head_dim,
+                      num_kv_heads=config.num_key_value_heads, embed_dim=config.hidden_size,
+                      intermediate_dim=config.intermediate_size, max_seq_len=32, norm_eps=config.rms_norm_eps,
+                      rope_base=config.rope_parameters["rope_theta"], hidden_capping_value=50.0,
+                      final_capping_value=30.0, sliding_window_size=4096, query_pre_attn_scalar=8)
+        hf.save_pretrained(folder)
+        return hf, tune, "GEMMA2"
     if name.endswith("gemma"):
         from torchtune.models.gemma._component_builders import gemma
         from transformers import GemmaConfig, GemmaForCausalLM
@@ -114,6 +130,11 @@ def _to_hf(kind: str, tensors: dict, config) -> dict:
     adapters = {n: t for n, t in tensors.items() if ".lora_" in n}
     if adapters:
         return _adapters_to_hf(kind, adapters, config)
+    if kind == "GEMMA2":
+        from torchtune.models.gemma2._convert_weights import gemma2_tune_to_hf
+        return gemma2_tune_to_hf(tensors, num_heads=config.num_attention_heads,
+                                 num_kv_heads=config.num_key_value_heads, dim=config.hidden_size,
+                                 head_dim=config.head_dim)
     if kind == "QWEN2":
         from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
         return qwen2_tune_to_hf(tensors, num_heads=config.num_attention_heads,
