@@ -74,31 +74,26 @@ def _models(name: str, folder: str):
     torch.manual_seed(0)
     lora = dict(lora_attn_modules=LORA[name][0], apply_lora_to_mlp=LORA[name][1], lora_rank=RANK,
                 lora_alpha=ALPHA) if name in LORA else {}
-    if name.endswith("gemma2"):
-        from torchtune.models.gemma2._component_builders import gemma2
-        from transformers import Gemma2Config, Gemma2ForCausalLM
-        config = Gemma2Config(**GEMMA2)
-        hf = Gemma2ForCausalLM(config)
-        tune = gemma2(vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
-                      num_heads=config.num_attention_heads, head_dim=config.head_dim,
-                      num_kv_heads=config.num_key_value_heads, embed_dim=config.hidden_size,
-                      intermediate_dim=config.intermediate_size, max_seq_len=32, norm_eps=config.rms_norm_eps,
-                      rope_base=config.rope_parameters["rope_theta"], hidden_capping_value=50.0,
-                      final_capping_value=30.0, sliding_window_size=4096, query_pre_attn_scalar=8)
-        hf.save_pretrained(folder)
-        return hf, tune, "GEMMA2"
-    if name.endswith("gemma"):
-        from torchtune.models.gemma._component_builders import gemma
-        from transformers import GemmaConfig, GemmaForCausalLM
-        config = GemmaConfig(**GEMMA)
-        hf = GemmaForCausalLM(config)
-        tune = gemma(vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
+    if name.endswith(("gemma", "gemma2")):
+        if name.endswith("gemma2"):
+            from torchtune.models.gemma2._component_builders import gemma2 as build
+            from transformers import Gemma2Config as Config, Gemma2ForCausalLM as Model
+            sizes, kind = GEMMA2, "GEMMA2"
+            extra = dict(hidden_capping_value=50.0, final_capping_value=30.0, sliding_window_size=4096,
+                         query_pre_attn_scalar=8)
+        else:
+            from torchtune.models.gemma._component_builders import gemma as build
+            from transformers import GemmaConfig as Config, GemmaForCausalLM as Model
+            sizes, kind, extra = GEMMA, "GEMMA", {}
+        config = Config(**sizes)
+        hf = Model(config)
+        tune = build(vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
                      num_heads=config.num_attention_heads, head_dim=config.head_dim,
                      num_kv_heads=config.num_key_value_heads, embed_dim=config.hidden_size,
                      intermediate_dim=config.intermediate_size, max_seq_len=32, norm_eps=config.rms_norm_eps,
-                     rope_base=config.rope_parameters["rope_theta"])
+                     rope_base=config.rope_parameters["rope_theta"], **extra)
         hf.save_pretrained(folder)
-        return hf, tune, "GEMMA"
+        return hf, tune, kind
     if name.endswith("qwen2"):
         from torchtune.models.qwen2 import lora_qwen2, qwen2
         config = Qwen2Config(**QWEN2)
