@@ -76,10 +76,16 @@ def on(model) -> bool:
 
 
 def note(c, model) -> str | None:
-    """The line a run prints where the model's own config.json asks for the router loss and the
-    stage's objective leaves it out (None elsewhere): TRL's DPOTrainer would add the term, so the
-    difference is said rather than left to be found."""
-    if c.stage in STAGES or not on(model):
+    """The line a run prints where the model's loss would hold the router term and the objective
+    leaves it out (None elsewhere): a stage of the logits alone (TRL's DPOTrainer would add the
+    term), or the DFT loss (TRL's and LlamaFactory's leave it out too), said rather than left to be
+    found."""
+    if not on(model):
+        return None
+    if c.stage in STAGES and getattr(c, "loss_type", None) == "dft":
+        return ("  note           loss_type dft trains its loss from the logits alone, so the routers' load-balancing "
+                "term is not trained (as TRL's and LlamaFactory's DFT loss leave it out)")
+    if c.stage in STAGES:
         return None
     return (f"  note           the model's config asks for the routers' load-balancing loss (output_router_logits); "
             f"stage {c.stage} trains its objective from the logits alone (as LlamaFactory's DPO, KTO and reward-model "

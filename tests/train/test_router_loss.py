@@ -168,8 +168,11 @@ def test_a_stage_that_leaves_the_models_own_router_loss_out_says_so():
     said = router_loss.note(SimpleNamespace(stage="dpo"), on)
     assert "stage dpo trains its objective from the logits alone" in said and "TRL's DPO and KTO trainers add it" in said
     assert router_loss.note(SimpleNamespace(stage="kto"), SimpleNamespace(config=vlm)) is not None
-    assert router_loss.note(SimpleNamespace(stage="sft"), on) is None
+    assert router_loss.note(SimpleNamespace(stage="sft", loss_type="nll"), on) is None
     assert router_loss.note(SimpleNamespace(stage="dpo"), off) is None
+    dft = router_loss.note(SimpleNamespace(stage="sft", loss_type="dft"), on)
+    assert "loss_type dft trains its loss from the logits alone" in dft
+    assert router_loss.note(SimpleNamespace(stage="pt", loss_type="dft"), off) is None
 
 
 def _attended(rows, index: int, seq: int) -> torch.Tensor:
@@ -247,15 +250,17 @@ def test_rows_carry_the_mask_where_the_routers_count_them_and_isolation_is_kept(
             assert not kept.all() and (ids[~kept] == stage.tokenizer.pad_token_id).all()
 
 
-def test_each_micro_batch_adds_its_whole_term_to_the_step_as_the_trainer_adds_it(tmp_path):
+@pytest.mark.parametrize("accumulation", ["micro", pytest.param("layer", marks=pytest.mark.slow)])
+def test_each_micro_batch_adds_its_whole_term_to_the_step_as_the_trainer_adds_it(tmp_path, accumulation):
     """grad_accum 2 over records of uneven length: each micro-batch's cross-entropy weighs its share
     of the step's target tokens (num_items_in_batch) and its router term is added whole, as the
-    Trainer steps transformers' MoE model; losses and weights as eager's."""
+    Trainer steps transformers' MoE model; losses and weights as eager's, with the micro-batches
+    one after another through the model or layer by layer (their scales inputs of one program)."""
     from transformers import AutoModelForCausalLM
     model = _mixtral_dir(str(tmp_path / "mixtral"))
     chats = files.chats(str(tmp_path / "chats.jsonl"))
     settings = _settings(tmp_path, model, moe_aux_loss_coef=COEF, grad_accum=2) | dict(data=[chats], eval=[chats],
-                                                                                       seq=32)
+                                                                                       seq=32, accumulation=accumulation)
     c = load(files.run_yaml(str(tmp_path / "moe.yaml"), **settings), [])
     run(c)
     rows, _ = finetune_runs.rows(c, tmp_path, c.seq)
