@@ -128,6 +128,7 @@ def _strategy(key: str, own: str | None) -> Callable[[Any], Any]:
 ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "learning_rate": ("lr", _same),
     "per_device_train_batch_size": ("batch", _same),
+    "per_device_eval_batch_size": ("eval_batch", _same),
     "gradient_accumulation_steps": ("grad_accum", _same),
     "num_train_epochs": ("epochs", _same),
     "max_steps": ("steps", _max_steps),
@@ -172,15 +173,13 @@ SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs
 
 IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
-           "per_device_eval_batch_size", "do_eval", "gradient_checkpointing", "optim", "tf32", "pad_to_multiple_of",
+           "do_eval", "gradient_checkpointing", "optim", "tf32", "pad_to_multiple_of",
            "tool_format", "buffer_size", "preprocessing_batch_size", "ignore_pad_token_for_loss",
            "data_shared_file_system", "eval_num_beams", "upcast_lmhead_output", "include_num_input_tokens_seen",
            "disable_gradient_checkpointing", "use_reentrant_gc", "low_cpu_mem_usage", "dataloader_pin_memory",
            "remove_unused_columns", "ddp_find_unused_parameters", "eval_accumulation_steps", "offload_folder",
            "use_cache", "print_param_status", "label_names", *trainer_args.NO_EFFECT)
 WHY_IGNORED = {**{k: why for k, (_, why) in trainer_args.NO_EFFECT.items()},
-               "per_device_eval_batch_size": "eval runs batches of batch rows: eval_loss is the Trainer's at that "
-                                             "eval batch size",
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
                "optim": "megacompile's AdamW is torch's",

@@ -93,7 +93,8 @@ class RunConfig:
     steps: int | None = None
     epochs: float | None = None
     eval_every: int | float | str | None = None     # steps, a fraction of them, or epoch (intervals.py)
-    eval_batches: int | None = None
+    eval_batches: int | None = None     # at most this many eval batches an evaluation
+    eval_batch: int | None = None       # rows an eval batch, as the Trainer averages them (held_out.py); None: batch
     save_every: int | float | str | bool | None = None      # as eval_every; false: no checkpoint (save_strategy: no)
     keep_last: int | None = 3
     resume: str | None = None
@@ -425,7 +426,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     # LlamaFactory's preprocessing_num_workers: null is one process; more than the cores buy nothing
     workers = 1 if c.tokenize_workers is None else c.tokenize_workers
     c.tokenize_workers = min(integer("tokenize_workers", workers), os.cpu_count() or 1)
-    for key in ("eval_batches", "keep_last", "max_consecutive_skips"):
+    for key in ("eval_batches", "eval_batch", "keep_last", "max_consecutive_skips"):
         if getattr(c, key) is not None:
             setattr(c, key, integer(key, getattr(c, key)))
     if c.save_every is False and c.bundled:

@@ -44,6 +44,12 @@ def check(c) -> None:
                             f"sft and pt train; stage {c.stage} trains its objective from the logits alone (as "
                             f"LlamaFactory's DPO, KTO and reward-model trainers do, whatever {KEY} says): leave {KEY} "
                             "out")
+    if c.eval_batch is not None and (c.global_batch is not None or c.eval_batch != c.batch):
+        raise ArgumentError(f"{KEY} with eval_batch (per_device_eval_batch_size) {c.eval_batch}: the held-out loss "
+                            "holds the routers' term over an eval batch's tokens, and the engine computes it over a "
+                            "micro-batch of batch rows; give eval_batch equal to batch"
+                            + (" (and batch with grad_accum rather than global_batch)" if c.global_batch else "")
+                            + ", or leave it out")
 
 
 def edit(config, c, source: str) -> None:

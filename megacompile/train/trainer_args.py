@@ -135,7 +135,7 @@ QUIET = {"dataloader_num_workers": (0,), "dataloader_pin_memory": (True, False),
          "ddp_timeout": (1800,), "deepspeed": (None,), "do_eval": (False,), "eval_accumulation_steps": (None,),
          "gradient_checkpointing": (True, False), "include_num_input_tokens_seen": ("no", False),
          "label_names": (None,), "optim": ("adamw_torch_fused", "adamw_torch"), "pad_to_multiple_of": (None,),
-         "per_device_eval_batch_size": (8,), "remove_unused_columns": (True, False), "save_only_model": (False,),
+         "remove_unused_columns": (True, False), "save_only_model": (False,),
          "tf32": (None,), "trust_remote_code": (False,), "use_cache": (False, True)}
 
 

@@ -137,3 +137,31 @@ def test_a_reference_file_the_disk_refuses_leaves_nothing_and_names_the_disk(tmp
     monkeypatch.undo()
     reference.keep(str(tmp_path), torch.ones(4, 2), None, {"train": "x"})
     assert reference.kept(str(tmp_path), {"train": "x"}, "examples")["train"].sum().item() == 8
+
+
+@pytest.mark.parametrize("eval_batch", [None, 3])
+def test_the_held_out_loss_estimates_the_kl_over_each_eval_batch_as_trl_does(eval_batch):
+    """TRL's KTO evaluates in batches of per_device_eval_batch_size (eval_batch; batch without it):
+    each batch's KL estimate from its own KL rows, its loss weighted by its rows."""
+    from types import SimpleNamespace
+
+    from megacompile.train.stages.kto import KTOStage
+    torch.manual_seed(0)
+    n, beta = 5, 0.5
+    policy, ref = -torch.rand(n, 2) * 3, -torch.rand(n, 2) * 3      # (example, [completion, its KL row])
+    policy[:, 1] = ref[:, 1] + torch.tensor([0.1, 2.0, 0.3, 1.5, 0.2])     # KL estimates above 0, each batch's own
+    desirable = [True, False, True, True, False]
+    stage = KTOStage.__new__(KTOStage)
+    stage.c = SimpleNamespace(batch=2, eval_batch=eval_batch, beta=beta)
+    stage.loss = KTOLoss(beta, 1.0, 1.0, "kto", 0.0)
+    held = [SimpleNamespace(desirable=d) for d in desirable]
+    stage.held_out = lambda engine, step, logps: (held, ref, policy)
+    stage._lengths = lambda examples: torch.ones(len(examples))
+    got = stage.evaluate(None, 1)["eval_loss"]
+    step, total = eval_batch or 2, 0.0
+    for lo in range(0, n, step):
+        part = slice(lo, lo + step)
+        kl = max(0.0, float((policy[part, 1] - ref[part, 1]).mean()))
+        losses = kto_loss(policy[part, 0], ref[part, 0], torch.tensor(desirable[part], dtype=torch.float32), kl, beta)
+        total += losses.mean().item() * len(desirable[part])
+    assert got == pytest.approx(total / n, rel=1e-6)

@@ -63,6 +63,29 @@ def test_the_held_out_loss_is_what_trainer_evaluate_gives_for_the_trained_model(
     assert abs(sum(means) / len(means) - theirs["eval_loss"]) > 1e-3 * theirs["eval_loss"]
 
 
+@pytest.mark.parametrize("eval_batch", [3, pytest.param(1, marks=pytest.mark.slow)])
+def test_per_device_eval_batch_size_groups_the_held_out_rows_as_the_trainer_does(tmp_path, eval_batch):
+    """Micro-batches of 2 rows, eval batches of 3 (2 rows and 1 of the next micro-batch, then the
+    rest) or of 1: each eval batch's mean over its tokens, weighted by its rows, as Trainer.evaluate
+    averages at that per_device_eval_batch_size; the figure at batch's size is another."""
+    from transformers import AutoModelForCausalLM
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), model=files.model_dir(str(tmp_path / "llama"), dim=32),
+                            data=[files.chats(str(tmp_path / "chats.jsonl"))],
+                            eval=[files.chats(str(tmp_path / "held.jsonl"), n=HELD)], seq=64, steps=2, lr=1e-2,
+                            per_device_train_batch_size=2, per_device_eval_batch_size=eval_batch, schedule="constant",
+                            device="cpu", run_dir=str(tmp_path / "run"), eval_every=2, export_dtype="float32"), [])
+    assert (c.batch, c.eval_batch) == (2, eval_batch)
+    run(c)
+    logged = float(log.read(os.path.join(c.run_dir, "log.csv"))[-1]["eval_loss"])
+    _, held = finetune_runs.rows(c, tmp_path, c.seq)
+    rows = _rows(held, range(HELD))
+    model = AutoModelForCausalLM.from_pretrained(c.run_dir, dtype=torch.float32)
+    theirs = _trainer_loss(model, rows, eval_batch, str(tmp_path / "trainer"))
+    assert logged == pytest.approx(theirs, rel=1e-5)
+    at_batch = _trainer_loss(model, rows, c.batch, str(tmp_path / "at_batch"))
+    assert abs(at_batch - theirs) > 1e-3 * theirs
+
+
 def test_eval_on_each_dataset_evaluates_each_held_out_file_as_the_trainer_does_each(tmp_path):
     """LlamaFactory's eval_on_each_dataset: each eval file's loss on its own (eval_NAME_loss, as the
     Trainer names an evaluation dataset's), beside the loss over all of them; the best model may be

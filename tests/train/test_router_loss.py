@@ -94,6 +94,8 @@ def test_null_or_zero_leaves_the_config_as_it_is(tmp_path, value):
     (dict(moe_aux_loss_coef=-0.1), "moe_aux_loss_coef must be a number >= 0; got -0.1"),
     (dict(moe_aux_loss_coef="much"), "moe_aux_loss_coef must be a number >= 0; got 'much'"),
     (dict(moe_aux_loss_coef=0.01, model="bundled"), "moe_aux_loss_coef: the bundled model has no experts"),
+    (dict(moe_aux_loss_coef=0.01, batch=2, per_device_eval_batch_size=1),
+     "moe_aux_loss_coef with eval_batch (per_device_eval_batch_size) 1: the held-out loss holds the routers' term"),
 ])
 def test_a_coefficient_nothing_can_take_is_refused(tmp_path, extra, says):
     settings = {**_settings(tmp_path, str(tmp_path)), **extra}

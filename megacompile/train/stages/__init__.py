@@ -3,6 +3,7 @@
     stage.py   what a stage is to the loop
     sft.py     token files, rows, micro-batches, held-out loss and perplexity (stage pt too: its
                records are read as text, data/pretrain.py)
+    held_out.py  sft's held-out loss averaged over eval batches as transformers' Trainer averages it
     dpo.py     preference pairs, the reference's log-probabilities, DPO's losses and metrics
     kto.py     completions marked desirable or not, their KL rows, KTO's loss and metrics
     rm.py      a reward model on preference pairs, scored at each row's last token

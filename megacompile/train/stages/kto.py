@@ -198,10 +198,11 @@ class KTOStage(reference.ReferenceStage):
         desirable = torch.tensor([float(e.desirable) for e in held])
         lengths = self._lengths(held)
         losses, kls = [], []
-        for lo in range(0, len(held), c.batch):      # the KL estimate of each micro-batch, as in training
-            part = slice(lo, lo + c.batch)
+        step = c.eval_batch or c.batch
+        for lo in range(0, len(held), step):         # the KL estimate of each eval batch, as TRL's
+            part = slice(lo, lo + step)
             kl = kl_estimate(policy[part, 1], ref[part, 1]) if self.loss.needs_kl else torch.zeros(())
-            rows = len(held[part])                   # each micro-batch's loss, weighted by its rows
+            rows = len(held[part])                   # each eval batch's loss, weighted by its rows
             losses.append(rows * self.loss.batch(policy[part, 0], ref[part, 0], desirable[part], kl, lengths[part]))
             kls.append(kl)
         metrics = self._metrics(policy[:, 0], ref[:, 0], desirable, torch.stack(kls))

@@ -20,6 +20,7 @@ from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
 from ...posttrain import DFTObjective
+from . import held_out
 from .keys import check_resume, saved_keys
 from .stage import Stage
 
@@ -162,8 +163,8 @@ class SFTStage(Stage):
         # All the held-out data, then with eval_on_each_dataset each file on its own (its names' columns).
         for prefix, rows in [("eval", self.eval_rows)] + [(f"eval_{n}", r) for n, r in zip(self.names, self.each_rows)]:
             accuracy = [] if c.compute_accuracy else None
-            loss, perplexity = _evaluate(engine, rows, self.batch, c.eval_batches, self.shifted, self.padding_mask,
-                                         accuracy, self._scaled)
+            loss, perplexity = held_out.evaluate(engine, rows, self.batch, c.eval_batch or self.batch, c.eval_batches,
+                                                 self.shifted, self.padding_mask, accuracy, self._scaled)
             out |= {f"{prefix}_loss": loss, f"{prefix}_perplexity": perplexity,
                     **({f"{prefix}_accuracy": sum(accuracy) / len(accuracy) if accuracy else math.nan}
                        if accuracy is not None else {})}
@@ -326,46 +327,3 @@ def _check_images(c: RunConfig, rows) -> None:
         raise ArgumentError("global_batch: the data has records with images and the vision tower or projector "
                             "trains, and the planner does not pick the micro-batch of such a run; give batch and "
                             "grad_accum (or freeze_vision_tower and freeze_multi_modal_projector)")
-
-
-def _evaluate(engine, rows: packing.Rows, batch: int, limit: int | None, shifted: bool,
-              padding_mask: bool, accuracy: list | None = None, scaled=lambda inputs: inputs) -> tuple[float, float]:
-    """The held-out loss as transformers' Trainer evaluates it (so LlamaFactory and TRL): its
-    batches' losses, each the mean over that batch's target tokens, averaged with a weight of the
-    batch's rows (the Trainer repeats a batch's loss once a row; a batch with no target is left
-    out, as it filters that NaN); and its perplexity, the loss's exponential (forward only).
-    `accuracy`: a list given gets each row's token accuracy (row_accuracies); `scaled`: the stage's
-    inputs of the objective (its routers' term whole)."""
-    n_batches = -(-rows.rows_per_epoch // batch)
-    if limit is not None:
-        n_batches = min(n_batches, limit)
-    losses, weights = [], []
-    training = engine.model.training
-    engine.model.eval()         # dropout (lora_dropout, a model's own) off, as in eager evaluation
-    try:
-        for i in range(n_batches):
-            inputs = packing.batch(rows, i * batch, batch, shifted=shifted, padding_mask=padding_mask)
-            # The Trainer's last batch holds the rows that are left; this one keeps its shape (no
-            # new plan) and the rows past the held-out set, the next epoch's first, count nothing.
-            past = (i + 1) * batch - rows.rows_per_epoch
-            if past > 0:
-                inputs["labels"][batch - past:] = packing.IGNORE
-            if packing.target_count(inputs, shifted=shifted) == 0:
-                continue
-            out = engine(**scaled(inputs))
-            losses.append(float(out.loss if hasattr(out, "loss") else out))
-            weights.append(batch - max(past, 0))
-            if accuracy is not None:
-                accuracy += row_accuracies(out.logits, inputs["labels"])
-    finally:
-        engine.model.train(training)
-    mean = sum(w * x for w, x in zip(weights, losses)) / sum(weights) if losses else float("nan")
-    return mean, math.exp(min(mean, 700.0))
-
-
-def row_accuracies(logits, labels) -> list[float]:
-    """LlamaFactory's compute_accuracy, per row: the share of its target tokens that are the
-    logits' argmax at the position before them (rows without a target count none)."""
-    predicted, target = logits[:, :-1].argmax(dim=-1), labels[:, 1:]
-    counted = target != packing.IGNORE
-    return [float((p[m] == t[m]).float().mean()) for p, t, m in zip(predicted, target, counted) if m.any()]
