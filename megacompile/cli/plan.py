@@ -40,7 +40,7 @@ def _from_run(args: argparse.Namespace) -> None:
                                                                     run.compute_dtype, run.updates)
     args.hbm_budget, args.host_budget, args.nvme_budget = run.hbm_budget, run.host_budget, run.nvme_budget
     args.host_source = "the run's host_budget"
-    args.run_steps = run.steps
+    args.run_steps, args.run_epochs = run.steps, run.epochs
     if run.stage not in ("sft", "pt"):
         args.stage = run.stage
         if run.stage == "grpo":     # its rows and width are its generation keys
@@ -159,7 +159,8 @@ def plan(args: argparse.Namespace) -> int:
         print(f"  micro-batch    {micro} x {accumulate} accumulated = {args.global_batch} "
               f"(compile(..., grad_accum={accumulate}"
               + (", accumulation='layer'" if result.micro_batches_per_run > 1 else "") + ")), the fastest split that fits")
-    run_s = _run_line(args, result, accumulate) if fits else None
+    run_s = _run_line(args, result.prediction.step_s * max(1, accumulate // result.micro_batches_per_run)) \
+        if fits else None
     print(f"  verdict        {_verdict(result, refused, given_bytes)}")
     peak = result.peak_breakdown(5, described=True)
     print("  at the peak    " + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in peak))
@@ -186,18 +187,16 @@ def plan(args: argparse.Namespace) -> int:
     return 0 if fits else DOES_NOT_FIT
 
 
-def _run_line(args: argparse.Namespace, result, accumulate: int) -> float | None:
-    """--run: the run's steps at the predicted time of one, printed; the seconds, or None where the
-    run gives epochs (its steps are known once its data is tokenised)."""
-    if args.run_yaml is None:
-        return None
-    if args.run_steps is None:
-        print("  run            epochs: its steps are known once its data is tokenised (megacompile train says them)")
+def _run_line(args: argparse.Namespace, step_s: float) -> float | None:
+    """--run: the run's steps (its epochs' where it gives epochs) at `step_s` seconds an optimizer
+    step, printed; the seconds (None without --run, or for a GRPO run given epochs)."""
+    if args.run_yaml is None or args.run_steps is None:
         return None
     from ..ir.printer import fmt_seconds
-    step_s = result.prediction.step_s * max(1, accumulate // result.micro_batches_per_run)
-    print(f"  run            {args.run_steps:,} optimizer step{'s' * (args.run_steps != 1)} x {fmt_seconds(step_s)} = "
-          f"{fmt_seconds(args.run_steps * step_s)} predicted (evaluations and checkpoints besides)")
+    epochs = "" if args.run_epochs is None else f"{args.run_epochs:g} epoch{'s' * (args.run_epochs != 1)} = "
+    print(f"  run            {epochs}{args.run_steps:,} optimizer step{'s' * (args.run_steps != 1)} x "
+          f"{fmt_seconds(step_s)} = {fmt_seconds(args.run_steps * step_s)} predicted (evaluations and checkpoints "
+          "besides)")
     return args.run_steps * step_s
 
 
@@ -284,11 +283,15 @@ def _plan_stage(args: argparse.Namespace) -> int:
         print(f"  accumulation       grad_accum {args.grad_accum}: an optimizer step is {args.grad_accum} of these "
               f"steps, {fmt_seconds(args.grad_accum * staged.total_s)}")
     over = next((p for p in (staged.train, staged.forward) if p is not None and not p.fits_card), None)
+    # GRPO's optimizer steps share its generation's rounds (steps_per_generation): no time a step
+    run_s = _run_line(args, max(1, args.grad_accum) * staged.total_s) if over is None and args.stage != "grpo" \
+        else None
     if over is not None:
         print(f"  verdict        {_verdict(over, False, staged.train.budget_bytes)}")
     if args.json:
+        run = {"run_steps": args.run_steps, "run_predicted_s": run_s} if run_s is not None else {}
         print(json.dumps({"fits": over is None, "budget_bytes": staged.train.budget_bytes, "grad_accum": args.grad_accum,
-                          "card_bytes": staged.train.card_bytes, **staged.to_json()}), file=args.json_out)
+                          "card_bytes": staged.train.card_bytes, **staged.to_json(), **run}), file=args.json_out)
     return 0 if over is None else DOES_NOT_FIT
 
 

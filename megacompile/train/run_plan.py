@@ -5,7 +5,9 @@ The model is the one `megacompile train` builds, on the meta device: its config 
 (seq against the positions, isolated packing), and shaped by the fine-tuning method (LoRA's
 adapters, frozen layers, a vision tower held still). The settings are the run's: its rows and
 width, its micro-batch and accumulation or its global batch, its dtype, its budgets, its stage's
-keys. Nothing is read of the data or the weights, and nothing is written.
+keys. Nothing is read of the weights, and nothing of the run is written. The data is read only
+where the run gives epochs, not steps: the stage reads and tokenises it as the run would, in a
+temporary folder removed after, to count the optimizer steps of those epochs.
 
 What the run learns only from its data is left to the command's flags: a vision-language run's
 images per row and their size. A run's rows are planned at `seq` tokens, the width every
@@ -13,6 +15,8 @@ micro-batch is padded or packed to.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +26,7 @@ from ..errors import ArgumentError
 from . import methods, rope_scaling, router_loss, vocab
 from .config import RunConfig
 from .model import meta_model
-from .stages import kind
+from .stages import kind, open_stage
 
 POST_TRAINING = ("dpo", "kto", "rm", "grpo")
 # run.yaml's keys of each post-training stage that the stage's plan reads (planner/posttrain_step.py)
@@ -50,7 +54,8 @@ class RunPlan:
     hbm_budget: float | None            # None: the card's share, as a run on it takes
     host_budget: float | None           # None: this machine's share
     nvme_budget: float | None
-    steps: int | None                   # None: epochs, whose steps the data's rows decide
+    steps: int | None                   # optimizer steps: given, or the epochs' (epoch_steps; None: grpo's)
+    epochs: float | None                # the run's epochs, where it gives them in place of steps
     stage_keys: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -81,7 +86,22 @@ def resolve(c: RunConfig) -> RunPlan:
                                     "what vLLM holds too) in place of use_vllm to plan the run's step")
             keys["generator"] = GENERATORS[c.generator]
             keys["prompts"] = c.batch * c.steps_per_generation // c.num_generations
+    # GRPO's plan prints no run time (cli/plan.py), so its epochs are not counted
+    steps = c.steps if c.steps is not None or c.stage == "grpo" else epoch_steps(c, model)
     return RunPlan(model=model, stage=c.stage, compute_dtype=c.compute_dtype, seq=c.seq, batch=c.batch,
                    grad_accum=c.grad_accum, global_batch=c.global_batch, accumulation=c.accumulation,
                    updates=c.updates, hbm_budget=c.hbm_budget, host_budget=c.host_budget, nvme_budget=c.nvme_budget,
-                   steps=c.steps, stage_keys=keys, notes=notes)
+                   steps=steps, epochs=c.epochs, stage_keys=keys, notes=notes)
+
+
+def epoch_steps(c: RunConfig, model: nn.Module) -> int:
+    """The optimizer steps `c`'s epochs make of its data, as `megacompile train` counts them: the
+    stage reads its records (max_samples, the held-out split, packing) into a run folder in the
+    temporary directory (TMPDIR), removed with what the stage made there."""
+    with tempfile.TemporaryDirectory(prefix="megacompile-plan-") as folder:
+        stage = open_stage(c, os.path.join(folder, "run"), model)
+        try:
+            return stage.steps_for(c.epochs)
+        finally:
+            stage.discard()
+            stage.close()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+import tempfile
 
 import pytest
 
@@ -120,12 +122,39 @@ def test_a_post_training_run_plans_as_plan_stage_with_its_keys(tmp_path, capsys,
     out = capsys.readouterr()
     pairs = _plan_json(capsys, "--config", work["model"], "--stage", "dpo", "--hardware", "h100", "--hbm-budget", "1",
                        "--dtype", "float32", "--batch", "2", "--seq", "16", "--loss-type", "sigmoid")
-    assert json.loads(out.out) == pairs | {"grad_accum": 2}
+    said = json.loads(out.out)
+    assert said.pop("run_predicted_s") == pytest.approx(3 * 2 * pairs["total_s"], rel=1e-9)    # steps 3 of 2 each
+    assert said == pairs | {"grad_accum": 2, "run_steps": 3}
     assert "grad_accum 2: an optimizer step is 2 of these steps" in out.err
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm.module())       # vLLM needs a GPU: not installed here
     vllm = files.run_yaml(str(tmp_path / "v.yaml"), **stage_files.grpo(work, str(tmp_path / "run"), use_vllm=True))
     assert main(["plan", "--run", vllm]) == 2
     assert "give generator: hf (a copy with a key-value cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", ["sft", pytest.param("dpo", marks=pytest.mark.slow)])
+def test_a_run_given_epochs_plans_the_steps_its_data_makes_of_them(tmp_path, capsys, monkeypatch, stage):
+    """LlamaFactory's runs give num_train_epochs: the plan reads and tokenises the data as the run
+    does (max_samples, the held-out split) to count the optimizer steps, and leaves nothing behind."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    if stage == "sft":
+        path = files.run_yaml(str(tmp_path / "e.yaml"), model=files.model_dir(str(tmp_path / "llama"), dim=32),
+                              data=[files.chats(str(tmp_path / "chats.jsonl"), n=23)], max_samples=21,
+                              eval_fraction=0.2, seq=32, batch=2, grad_accum=2, num_train_epochs=1.5, device="cpu",
+                              hbm_budget=1, run_dir=str(tmp_path / "run"))
+    else:
+        work = stage_files.workspace(tmp_path)
+        path = files.run_yaml(str(tmp_path / "e.yaml"), **stage_files.dpo(work, str(tmp_path / "run"), steps=None,
+                                                                          epochs=2, grad_accum=2))
+    planned = _plan_json(capsys, "--run", path, "--hardware", "h100")
+    assert not os.path.exists(tmp_path / "run") and os.listdir(scratch) == []
+    assert main(["plan", "--run", path, "--hardware", "h100"]) == 0
+    assert f"epochs = {planned['run_steps']:,} optimizer steps x " in capsys.readouterr().out
+    assert main(["train", "--config", path]) == 0
+    said = capsys.readouterr().out
+    assert re.search(rf"step +{planned['run_steps']}/{planned['run_steps']} \|", said)     # the run's last step
 
 
 @pytest.mark.slow     # the second case of the first test's guard: a vision-language model's
