@@ -44,4 +44,8 @@ class DFTObjective(nn.Module):
         logits = logits_of(self.policy(input_ids, **inputs))
         if not self.shifted:
             logits, labels = logits[:, :-1], labels[:, 1:]
+        return self.loss(logits, labels)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of shifted logits and labels: DFT's in training, the cross-entropy in eval mode."""
         return dft_loss(logits, labels, weighted=self.training)

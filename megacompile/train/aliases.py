@@ -71,6 +71,13 @@ def _dft(value: Any) -> Any:
     return "dft" if value else _DROP
 
 
+def _eaft(value: Any) -> Any:
+    """LlamaFactory's use_eaft_loss: true is loss_type eaft; false (its default) sets nothing."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"use_eaft_loss must be true or false; got {value!r}")
+    return "eaft" if value else _DROP
+
+
 def _bf16(value: Any) -> Any:
     if not isinstance(value, bool):
         raise ArgumentError(f"bf16 must be true or false; got {value!r}")
@@ -156,6 +163,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "completion_only_loss": ("train_on_prompt", _loss_only("completion_only_loss")),
     "enable_thinking": ("chat_template_kwargs", _thinking),
     "use_dft_loss": ("loss_type", _dft),
+    "use_eaft_loss": ("loss_type", _eaft),
     "kto_chosen_weight": ("desirable_weight", _same),       # LlamaFactory's names of TRL's KTO weights
     "kto_rejected_weight": ("undesirable_weight", _same),
     "pref_beta": ("beta", _same),                           # LlamaFactory's dpo and kto beta

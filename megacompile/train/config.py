@@ -156,6 +156,7 @@ class RunConfig:
     beta: float | None = None
     label_smoothing: float | None = None
     loss_type: Any = None
+    eaft_alpha: Any = None              # loss_type eaft's power on the entropy weight (stages/keys.py)
     loss_weights: Any = None
     precompute_ref_log_probs: bool | None = None
     rpo_alpha: float | None = None
@@ -473,12 +474,12 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("eval_on_start evaluates before the first step, as the evaluations every eval_every steps "
                             "do: give held-out data (eval or eval_fraction) and eval_every")
     c.compute_accuracy = flag("compute_accuracy", c.compute_accuracy)
-    if c.compute_accuracy and (c.stage != "sft" or c.bundled or c.loss_type == "dft"
+    if c.compute_accuracy and (c.stage != "sft" or c.bundled or c.loss_type in ("dft", "eaft")
                                or not (c.eval or c.eval_fraction)):
         raise ArgumentError("compute_accuracy is LlamaFactory's held-out token accuracy of a Hugging Face model under "
                             "stage sft (its cross-entropy loss): it needs held-out data (eval or eval_fraction) and "
                             f"the model's logits; here stage {c.stage}"
-                            + (", the bundled model" if c.bundled else "") + (", loss_type dft" if c.loss_type == "dft"
+                            + (", the bundled model" if c.bundled else "") + (f", loss_type {c.loss_type}" if c.loss_type in ("dft", "eaft")
                                                                               else ""))
     c.eval_on_each_dataset = flag("eval_on_each_dataset", c.eval_on_each_dataset)
     if c.eval_on_each_dataset and (c.stage not in ("sft", "pt") or not c.eval):

@@ -88,9 +88,9 @@ def note(c, model) -> str | None:
     found."""
     if not on(model):
         return None
-    if c.stage in STAGES and getattr(c, "loss_type", None) == "dft":
-        return ("  note           loss_type dft trains its loss from the logits alone, so the routers' load-balancing "
-                "term is not trained (as TRL's and LlamaFactory's DFT loss leave it out)")
+    if c.stage in STAGES and getattr(c, "loss_type", None) in ("dft", "eaft"):
+        return (f"  note           loss_type {c.loss_type} trains its loss from the logits alone, so the routers' "
+                f"load-balancing term is not trained (as LlamaFactory's {c.loss_type.upper()} loss leaves it out)")
     if c.stage in STAGES:
         return None
     return (f"  note           the model's config asks for the routers' load-balancing loss (output_router_logits); "

@@ -72,6 +72,10 @@ NOT_TAKEN = {
     "use_badam": "not supported: megacompile trains with AdamW (float32 state in host memory)",
     "use_adam_mini": "not supported: megacompile trains with AdamW (float32 state in host memory)",
     "use_muon": "not supported: megacompile trains with AdamW (float32 state in host memory)",
+    "use_asft_loss": "not supported: its KL term to the reference model reads the reference's whole distribution "
+                     "at every token beside the policy's; its other term is loss_type dft (use_dft_loss)",
+    "asft_alpha": "not supported: the weight of ASFT's KL term (use_asft_loss, not supported); its default, 0.1, is "
+                  "taken",
     "use_llama_pro": "not supported: finetuning_type: freeze trains chosen blocks of the model as it is",
     "create_new_adapter": "not supported: a LoRA run trains one adapter, a new one or the one adapter_name_or_path "
                           "gives; to train a new adapter over a trained one, merge that one into the model first",
@@ -102,7 +106,7 @@ NOT_TAKEN.update({k: why for k, (_, why) in trainer_args.ASK_NOTHING.items() if 
 ZERO_IS_OFF = ("pref_ftx",)
 # Keys whose LlamaFactory default asks for nothing more than megacompile does: accepted at that value.
 DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "infer_dtype": "auto",
-                  "loraplus_lr_embedding": 1e-6}
+                  "loraplus_lr_embedding": 1e-6, "asft_alpha": 0.1}
 
 
 def off(value: Any, key: str | None = None) -> bool:

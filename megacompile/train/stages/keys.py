@@ -117,8 +117,9 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         _sft_loss(c)
     if c.stage == "pt" and raw.get("loss_type") is not None:
         raise ArgumentError(f"stage pt trains the cross-entropy of every token of the text; loss_type "
-                            f"{raw['loss_type']!r} is not taken there (stage sft takes nll or dft): leave it out, or "
-                            "set stage: sft")
+                            f"{raw['loss_type']!r} is not taken there (stage sft takes nll, dft or eaft): leave it out, "
+                            "or set stage: sft")
+    _eaft_alpha(c, raw)
     _reference_updates_elsewhere(c, raw)
     given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")
              and not (c.stage not in ("grpo", "dpo") and k in SYNC and raw[k] == DEFAULTS["grpo"][k])]
@@ -130,9 +131,10 @@ def check(c, raw: dict, folder: str | None = None) -> None:
                             f"{'it' if len(foreign) == 1 else 'them'} out")
     if c.stage in ("sft", "pt"):
         return
-    if c.loss_type == "dft":
-        raise ArgumentError(f"loss_type dft (use_dft_loss) is stage sft's, a weighted supervised loss; stage {c.stage} "
-                            f"takes its own loss types (docs/posttraining.md): leave it out, or set stage: sft")
+    if c.loss_type in ("dft", "eaft"):
+        raise ArgumentError(f"loss_type {c.loss_type} (use_{c.loss_type}_loss) is stage sft's, a weighted supervised "
+                            f"loss; stage {c.stage} takes its own loss types (docs/posttraining.md): leave it out, or set "
+                            "stage: sft")
     wrong = [k for k in NOT_FOR[c.stage] if k in raw and raw[k] is not None]
     if wrong:
         raise ArgumentError(f"stage {c.stage}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not taken by "
@@ -176,12 +178,34 @@ def _reference_updates_elsewhere(c, raw: dict) -> None:
 def _sft_loss(c) -> None:
     """TRL's SFTConfig.loss_type: `nll` (its default, what SFTConfig.to_dict() writes) is the
     cross-entropy; `dft` (LlamaFactory's use_dft_loss) weights each token's by its probability
-    (posttrain/dft.py). Left as "dft", or None for the cross-entropy."""
-    if c.loss_type not in ("nll", "dft"):
-        raise ArgumentError(f"stage sft: loss_type is nll (TRL's SFT default, the cross-entropy) or dft (dynamic "
-                            f"fine-tuning, each token's cross-entropy weighted by its probability); got "
-                            f"{c.loss_type!r}; DPO's and GRPO's loss types belong to stage dpo and grpo")
-    c.loss_type = "dft" if c.loss_type == "dft" else None
+    (posttrain/dft.py), `eaft` (LlamaFactory's use_eaft_loss) by the model's entropy there
+    (posttrain/eaft.py). Left as "dft" or "eaft", or None for the cross-entropy."""
+    if c.loss_type not in ("nll", "dft", "eaft"):
+        raise ArgumentError(f"stage sft: loss_type is nll (TRL's SFT default, the cross-entropy), dft (dynamic "
+                            f"fine-tuning, each token's cross-entropy weighted by its probability) or eaft "
+                            f"(entropy-adaptive, weighted by the model's entropy there); got {c.loss_type!r}; DPO's "
+                            "and GRPO's loss types belong to stage dpo and grpo")
+    c.loss_type = None if c.loss_type == "nll" else c.loss_type
+
+
+EAFT_ALPHA = 1.0        # LlamaFactory's default eaft_alpha
+
+
+def _eaft_alpha(c, raw: dict) -> None:
+    """eaft_alpha, the power on EAFT's entropy weight: a number >= 0 (0: the plain cross-entropy),
+    EAFT_ALPHA by default; refused without loss_type eaft, but at its default (LlamaFactory writes it
+    into every saved config)."""
+    if c.loss_type != "eaft":
+        if raw.get("eaft_alpha") is not None and raw["eaft_alpha"] != EAFT_ALPHA:
+            raise ArgumentError(f"eaft_alpha {raw['eaft_alpha']!r} weights the EAFT loss, which this run does not "
+                                "train: give use_eaft_loss: true (loss_type: eaft, stage sft), or leave eaft_alpha out")
+        c.eaft_alpha = None
+        return
+    alpha = number("eaft_alpha", EAFT_ALPHA if c.eaft_alpha is None else c.eaft_alpha)
+    if alpha < 0:
+        raise ArgumentError(f"eaft_alpha must be a number >= 0 (the power on the entropy weight; 0 is the plain "
+                            f"cross-entropy); got {c.eaft_alpha!r}")
+    c.eaft_alpha = alpha
 
 
 def _records(stage: str) -> str:
@@ -293,7 +317,8 @@ MAY_CHANGE = rollouts.MAY_CHANGE + ("log_completions", "num_completions_to_print
 
 def saved_keys(c) -> dict:
     """The post-training keys a resume keeps (a checkpoint of another stage or other keys is refused)."""
-    return {"stage": c.stage, **{k: getattr(c, k) for k in ALL_KEYS if k not in MAY_CHANGE}}
+    return {"stage": c.stage, **{k: getattr(c, k) for k in ALL_KEYS if k not in MAY_CHANGE},
+            **({"eaft_alpha": c.eaft_alpha} if c.loss_type == "eaft" else {})}
 
 
 def check_resume(c, saved) -> None:

@@ -19,7 +19,7 @@ from ..data import grid_images, images, mixture, packing, pixels, split, streami
 from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
-from ...posttrain import DFTObjective
+from ...posttrain import DFTObjective, EAFTObjective
 from . import held_out
 from .keys import check_resume, saved_keys
 from .stage import Stage
@@ -53,9 +53,11 @@ class SFTStage(Stage):
         self.padding_mask = router and c.packing != "isolated"
         # The routers' term of a token-weighted step, each micro-batch's whole (router_loss.py); the
         # DFT loss is the logits' alone, without the model's own loss or the term (as TRL's).
-        self.whole_router = router and c.loss_type != "dft"
+        self.whole_router = router and c.loss_type not in ("dft", "eaft")
         if c.loss_type == "dft":        # the model under the DFT loss; the cross-entropy is its own
             self.objective = lambda model: DFTObjective(model, shifted=self.shifted)
+        elif c.loss_type == "eaft":
+            self.objective = lambda model: EAFTObjective(model, c.eaft_alpha, shifted=self.shifted)
         elif self.whole_router:
             self.objective = router_loss.WholeTerm
         self.tokenizer, self.made, self.rows, self.eval_rows, self.fingerprint = _data(c, run_dir, c.seq + self.shifted)
@@ -121,6 +123,8 @@ class SFTStage(Stage):
                 f"step; {c.steps} steps{epoch}"] + \
             (["loss           dft: each token's cross-entropy weighted by its probability (eval: the cross-entropy)"]
              if c.loss_type == "dft" else []) + \
+            ([f"loss           eaft: each token's cross-entropy weighted by (its top-20 entropy / 3) ** "
+              f"{c.eaft_alpha:g} (eval: the cross-entropy)"] if c.loss_type == "eaft" else []) + \
             (["loss           pt: the cross-entropy of every token of each record's text, no chat template"]
              if c.stage == "pt" else [])
 
