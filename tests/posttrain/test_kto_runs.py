@@ -1,6 +1,7 @@
 """stage: kto from run.yaml: TRL's unpaired and paired records and LlamaFactory's kto_tag datasets
-train the same run from the same examples, each prompt's KL row takes the completion TRL gives it,
-and a resumed run writes the uninterrupted run's log."""
+train the same run from the same examples, each prompt's KL row takes the completion TRL gives it
+(LlamaFactory's datasets: the one LlamaFactory gives it, so its batch of one trains), and a resumed
+run writes the uninterrupted run's log."""
 from __future__ import annotations
 
 import json
@@ -83,25 +84,54 @@ def test_each_prompts_kl_row_takes_the_completion_trl_gives_it(work):
     assert desirable.tolist() == [0.0, 1.0]     # labels i % 3 != 1 (_conversations)
 
 
-def test_llamafactory_kto_tag_datasets_and_trl_records_train_the_same_run(work):
+def _llamafactory(work, name: str, **more) -> str:
+    """A LlamaFactory KTO run.yaml over a kto_tag dataset of _conversations()."""
     tmp = work["tmp"]
     folder = tmp / "lf"
-    folder.mkdir()
-    _write(folder / "kto.jsonl", [{"messages": prompt + answer, "label": label} for prompt, answer, label in
-                                  _conversations()])
-    (folder / "dataset_info.json").write_text(json.dumps({"kto_demo": {
-        "file_name": "kto.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages", "kto_tag": "label"},
-        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
-    lf = files.run_yaml(str(tmp / "lf.yaml"), model_name_or_path=work["model"], stage="kto", do_train=True,
-                        dataset="kto_demo", dataset_dir=str(folder), cutoff_len=16, per_device_train_batch_size=2,
-                        learning_rate=1e-2, max_steps=4, lr_scheduler_type="constant", logging_steps=1,
-                        kto_chosen_weight=1.2, kto_rejected_weight=0.8, pref_beta=0.1, output_dir=str(tmp / "lf_run"),
-                        device="cpu", hbm_budget=1)
-    run(load(lf))
-    run(load(files.run_yaml(str(tmp / "trl.yaml"), **_kto(work, str(tmp / "trl_run"), data=work["unpaired"],
+    if not folder.exists():
+        folder.mkdir()
+        _write(folder / "kto.jsonl", [{"messages": prompt + answer, "label": label} for prompt, answer, label in
+                                      _conversations()])
+        (folder / "dataset_info.json").write_text(json.dumps({"kto_demo": {
+            "file_name": "kto.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages", "kto_tag": "label"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
+    settings = dict(model_name_or_path=work["model"], stage="kto", do_train=True, dataset="kto_demo",
+                    dataset_dir=str(folder), cutoff_len=16, per_device_train_batch_size=10, learning_rate=1e-2,
+                    max_steps=4, lr_scheduler_type="constant", logging_steps=1, kto_chosen_weight=1.2,
+                    kto_rejected_weight=0.8, pref_beta=0.1, output_dir=str(tmp / name), device="cpu", hbm_budget=1)
+    return files.run_yaml(str(tmp / f"{name}.yaml"), **(settings | more))
+
+
+def test_llamafactory_kto_tag_datasets_and_trl_records_train_the_same_run(work):
+    """The same examples read from either layout; at a batch of all ten examples TRL's chunk and
+    LlamaFactory's (1,000) pair the same KL rows, so the runs are the same run."""
+    tmp = work["tmp"]
+    run(load(_llamafactory(work, "lf_run")))
+    run(load(files.run_yaml(str(tmp / "trl.yaml"), **_kto(work, str(tmp / "trl_run"), data=work["unpaired"], batch=10,
                                                          desirable_weight=1.2, undesirable_weight=0.8))))
     a, b = _rows(tmp / "lf_run"), _rows(tmp / "trl_run")
     assert len(a) == 4 and a == b
+
+
+def test_llamafactory_pairs_the_kl_rows_across_its_preprocessing_batch_before_the_split(work, capsys):
+    """LlamaFactory's feedback processor gives each example the completion of the one before it
+    over its preprocessing batch (1,000), before val_size holds examples out: a micro-batch of
+    one (its own KTO example's per_device_train_batch_size) has the KL row of another completion."""
+    c = load(_llamafactory(work, "lf_one", per_device_train_batch_size=1, val_size=0.3, eval_strategy="steps",
+                           eval_steps=2))
+    stage = KTOStage(c, load_tokenizer(work["model"], None))
+    whole = KTOStage(load(_llamafactory(work, "lf_whole", per_device_train_batch_size=1)),
+                     load_tokenizer(work["model"], None))
+    before = {e.prompt: whole.examples[i - 1].completion for i, e in enumerate(whole.examples)}
+    assert len(stage.examples) == 7 and len(stage.held) == 3
+    assert all(e.kl == before[e.prompt] != e.completion for e in stage.examples + stage.held)
+    rows, kl, _ = stage._rows(stage.examples, [4], stage.partners)
+    ids = stage.examples[4].prompt + before[stage.examples[4].prompt]
+    assert kl["input_ids"][0, :len(ids)].tolist() == list(ids)
+    result = run(c)
+    assert result["steps"] == 4
+    assert "kl rows        each prompt with the completion before it, in chunks of 1,000 examples" in \
+        capsys.readouterr().out
 
 
 def test_paired_records_train_as_trl_unpairs_them(work):

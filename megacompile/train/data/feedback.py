@@ -23,6 +23,12 @@ LAYOUTS = ("TRL's unpaired {prompt, completion, label} or paired {prompt, chosen
 UNPAIR_BATCH = 1000     # datasets' map batch in which TRL's unpair_preference_dataset orders its examples
 
 
+def llamafactory_pairing(entries: list) -> bool:
+    """Whether a KTO run's KL rows are paired as LlamaFactory pairs them (stages/kto.py): every
+    training entry is one of its kto_tag datasets (dataset_info.json names the column)."""
+    return bool(entries) and all("kto_tag" in (e.get("columns") or {}) for e in entries)
+
+
 def is_paired(record: dict) -> bool:
     return "chosen" in record or "rejected" in record
 

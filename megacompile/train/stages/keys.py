@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from ...errors import ArgumentError
 from ...posttrain import DPOLoss, dpo_losses, kto
+from ..data import feedback
 from ..methods import adapters
 from . import grpo_keys, rollouts
 from .checks import note, number, positive, reference_updates
@@ -241,12 +242,14 @@ def _kto(c) -> None:
         raise ArgumentError(f"stage kto: loss_type must be one of {', '.join(kto.LOSS_TYPES)}; got {c.loss_type!r}")
     c.desirable_weight = positive("desirable_weight", c.desirable_weight)
     c.undesirable_weight = positive("undesirable_weight", c.undesirable_weight)
-    if c.loss_type == "kto" and c.batch < 2:
-        # the KL estimate pairs each prompt with another example's completion of the same micro-batch
+    if c.loss_type == "kto" and c.batch < 2 and not feedback.llamafactory_pairing(c.data):
+        # TRL's pairing: each prompt with another example's completion of the same micro-batch
         raise ArgumentError("stage kto: batch (per_device_train_batch_size) must be at least 2: KTO's KL estimate "
-                            "scores each prompt with another completion of its micro-batch, and a micro-batch of one "
-                            "has none (it would be the completion's own reward); raise batch, or take "
-                            "loss_type apo_zero_unpaired, which has no KL term")
+                            "scores each prompt with another completion of its micro-batch (TRL's pairing, of records "
+                            "{prompt, completion, label}), and a micro-batch of one has none (it would be the "
+                            "completion's own reward); raise batch, take loss_type apo_zero_unpaired, which has no KL "
+                            "term, or give the data as a LlamaFactory kto_tag dataset (dataset_info.json), whose KL "
+                            "rows are paired across 1,000 examples")
 
 
 def _dpo(c) -> None:

@@ -4,15 +4,18 @@ unpaired or paired records, LlamaFactory's kto_tag datasets), trained by KTO (po
 The reference is the policy before the first step, as in stage dpo: its log-probabilities of every
 example and of every example's KL row are computed once, by the objective's forward-only pass,
 and kept in the run folder (reference_logps.pt) for a resume. An example's KL row is its prompt
-with another example's completion, fixed when the data is read as TRL fixes it: in chunks of
-`batch` examples in the data's order, each takes the completion of the one before it (the first
-the last's). Each micro-batch's step is preceded by forward-only passes of its rows (the logged
+with another example's completion, fixed when the data is read: in chunks of examples in the
+data's order, each takes the completion of the one before it (the first the last's). The chunks
+are TRL's, `batch` examples of the training and the held-out data each (_get_kl_dataset), or,
+where every training entry is a LlamaFactory kto_tag dataset (dataset_info.json), LlamaFactory's:
+1,000 examples (its preprocessing batch), paired before eval_fraction holds examples out, so a
+micro-batch of one has a KL row of another completion too. Each micro-batch's step is preceded by forward-only passes of its rows (the logged
 rewards) and of its KL rows (the KL estimate, a step input held constant, as TRL computes it
 without gradient), all before the step's first micro-batch: the policy the step starts from."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,11 +31,21 @@ from . import reference
 METRICS = ("rewards_chosen", "rewards_rejected", "kl")
 
 
+LLAMAFACTORY_CHUNK = 1000      # LlamaFactory's preprocessing_batch_size, in which its KL rows are paired
+
+
 @dataclass(frozen=True)
 class Example:
     prompt: tuple[int, ...]
     completion: tuple[int, ...]
     desirable: bool
+    kl: tuple[int, ...] | None = None       # its KL row's completion, where paired as LlamaFactory pairs
+
+
+def with_kl(examples: list[Example], chunk: int) -> list[Example]:
+    """`examples`, each with its KL row's completion: the one before it in its chunk (LlamaFactory's
+    feedback processor, over its preprocessing batch)."""
+    return [replace(e, kl=examples[p].completion) for e, p in zip(examples, kl_partners(len(examples), chunk))]
 
 
 def kl_partners(n: int, batch: int) -> list[int]:
@@ -47,16 +60,22 @@ def kl_partners(n: int, batch: int) -> list[int]:
 
 def examples_digest(examples: list[Example]) -> str:
     """sha256 of the examples' token ids and labels, in order: what a reference row belongs to."""
-    return reference.digest((e.prompt, e.completion, (int(e.desirable),)) for e in examples)
+    return reference.digest((e.prompt, e.completion, (int(e.desirable),)) + ((e.kl,) if e.kl is not None else ())
+                            for e in examples)
 
 
 class KTOStage(reference.ReferenceStage):
     def __init__(self, c, tokenizer):
         super().__init__(c, tokenizer)
+        self.llamafactory = feedback.llamafactory_pairing(c.data)
         self.examples = self._read(c.data)
         self.held: list[Example] = []
+        if self.llamafactory:
+            self.examples = with_kl(self.examples, LLAMAFACTORY_CHUNK)
         if c.eval:
             self.held = self._read(c.eval)
+            if self.llamafactory:
+                self.held = with_kl(self.held, LLAMAFACTORY_CHUNK)
         elif c.eval_fraction:
             self.examples, self.held = reference.hold_out(self.examples, c.eval_fraction, c.seed, "examples")
         self.loss = KTOLoss(c.beta, c.desirable_weight, c.undesirable_weight, c.loss_type, c.pref_ftx or 0.0)
@@ -105,6 +124,10 @@ class KTOStage(reference.ReferenceStage):
                  f"{c.desirable_weight:g}, undesirable_weight {c.undesirable_weight:g}"
                  + (f", pref_ftx {c.pref_ftx:g} (the desirable completions' NLL per token, as LlamaFactory's kto)"
                     if c.pref_ftx else "") + f"; {c.steps} steps"]
+        if self.loss.needs_kl:
+            lines.append("kl rows        each prompt with the completion before it, in chunks of "
+                         + (f"{LLAMAFACTORY_CHUNK:,} examples before the held-out split (LlamaFactory's kto_tag "
+                            "datasets)" if self.llamafactory else f"{c.batch} examples (TRL's)"))
         unwanted = len(self.examples) - wanted
         ratio = c.desirable_weight * wanted / (c.undesirable_weight * unwanted) if unwanted else math.inf
         if not 1 <= ratio <= 4 / 3:
@@ -122,7 +145,8 @@ class KTOStage(reference.ReferenceStage):
     def _rows(self, examples: list[Example], items: list[int], partners: list[int]) -> tuple[dict, dict, torch.Tensor]:
         """The micro-batch of `items`: its rows, its KL rows and which completions are desirable."""
         rows = pack_rows([(examples[i].prompt, examples[i].completion) for i in items], self.c.seq, self.pad)
-        kl = pack_rows([(examples[i].prompt, examples[partners[i]].completion) for i in items], self.c.seq, self.pad)
+        kl = pack_rows([(examples[i].prompt, examples[i].kl if examples[i].kl is not None
+                         else examples[partners[i]].completion) for i in items], self.c.seq, self.pad)
         return rows, kl, torch.tensor([float(examples[i].desirable) for i in items])
 
     def first_inputs(self, batch: int) -> dict:
