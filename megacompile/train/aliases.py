@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..errors import ArgumentError
 from . import intervals
 from .data.named_template import NAMES as LAYOUTS
-from . import trainer_args
+from . import their_llamafactory, trainer_args
 from .their_keys import NOT_TAKEN, ZERO_IS_OFF, off
 
 _DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "use the epochs")
@@ -186,8 +186,9 @@ IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "data_shared_file_system", "eval_num_beams", "upcast_lmhead_output", "include_num_input_tokens_seen",
            "disable_gradient_checkpointing", "use_reentrant_gc", "low_cpu_mem_usage", "dataloader_pin_memory",
            "remove_unused_columns", "ddp_find_unused_parameters", "eval_accumulation_steps", "offload_folder",
-           "use_cache", "print_param_status", "label_names", *trainer_args.NO_EFFECT)
+           "use_cache", "print_param_status", "label_names", *trainer_args.NO_EFFECT, *their_llamafactory.NO_EFFECT)
 WHY_IGNORED = {**{k: why for k, (_, why) in trainer_args.NO_EFFECT.items()},
+               **{k: why for k, (_, why) in their_llamafactory.NO_EFFECT.items()},
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
                "optim": "megacompile's AdamW is torch's",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import trainer_args
+from . import their_llamafactory, trainer_args
 
 _LOCAL = "megacompile reads local files and downloads nothing"
 
@@ -76,6 +76,8 @@ NOT_TAKEN = {
                      "at every token beside the policy's; its other term is loss_type dft (use_dft_loss)",
     "asft_alpha": "not supported: the weight of ASFT's KL term (use_asft_loss, not supported); its default, 0.1, is "
                   "taken",
+    "pref_bco_weight": "not supported: DPO with BCO's term (LlamaFactory's pref_bco_weight); give pref_loss for "
+                       "TRL's DPO loss types",
     "use_llama_pro": "not supported: finetuning_type: freeze trains chosen blocks of the model as it is",
     "create_new_adapter": "not supported: a LoRA run trains one adapter, a new one or the one adapter_name_or_path "
                           "gives; to train a new adapter over a trained one, merge that one into the model first",
@@ -100,13 +102,17 @@ NOT_TAKEN = {
 
 # A TrainingArguments or TRL config dump's keys, refused away from the default it writes (trainer_args.py).
 NOT_TAKEN.update({k: why for k, (_, why) in trainer_args.ASK_NOTHING.items() if why})
+# LlamaFactory's keys of what megacompile does not do, refused away from its default (their_llamafactory.py).
+NOT_TAKEN.update({k: why for k, (_, why) in their_llamafactory.KEYS.items()})
 
 # Keys whose 0 asks for nothing: LlamaFactory's defaults, which its web UI writes into every saved
 # run.yaml of the stage (pref_ftx under dpo and kto, which read a pref_ftx above 0).
-ZERO_IS_OFF = ("pref_ftx",)
+ZERO_IS_OFF = ("pref_ftx", "pref_bco_weight")
 # Keys whose LlamaFactory default asks for nothing more than megacompile does: accepted at that value.
 DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "infer_dtype": "auto",
-                  "loraplus_lr_embedding": 1e-6, "asft_alpha": 0.1}
+                  "loraplus_lr_embedding": 1e-6, "asft_alpha": 0.1,
+                  **{k: default for k, (default, _) in their_llamafactory.KEYS.items()
+                     if default is not None and default is not False}}
 
 
 def off(value: Any, key: str | None = None) -> bool:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import their_llamafactory
+
 _ROUTER_LOSS = "moe_aux_loss_coef: VALUE turns the routers' load-balancing loss on at that weight (LlamaFactory's key)"
 _COMPILE = "megacompile compiles the step itself (fuse: true runs its fused kernels)"
 _PLACES = "megacompile places weights and optimizer state itself (data parallelism: torchrun, docs/distributed.md)"
@@ -143,4 +145,6 @@ def at_default(key: str, value: Any) -> bool:
     """`value` is one of the defaults a dump writes for `key` (a bool is not taken for a number)."""
     table = ASK_NOTHING.get(key) or NO_EFFECT.get(key)
     defaults = table[0] if table is not None else QUIET.get(key, ())
+    if key in their_llamafactory.NO_EFFECT:      # LlamaFactory's default, and null
+        defaults = (their_llamafactory.NO_EFFECT[key][0], None)
     return any(type(value) is type(d) and value == d for d in defaults)

@@ -1,0 +1,98 @@
+"""LlamaFactory's keys for what megacompile does not do, by family, each with its default and why.
+Its configs written by its web UI or copied from its examples carry many of them at their
+defaults, which ask for nothing.
+
+    KEYS       key -> (LlamaFactory's default, why it is not taken): refused away from the default,
+               naming the reason (their_keys.py)
+    NO_EFFECT  key -> (its default, why): keys its training does not read either (its inference and
+               export commands', the ones it derives): accepted, named in the run's note of
+               ignored keys away from the default (aliases.py)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_PISSA = "not supported: the adapters are initialised as PEFT's default LoRA (pissa_init)"
+_OFT = "not supported: finetuning_type is full, freeze or lora (orthogonal fine-tuning, oft, is not)"
+_PPO = "not supported: stage ppo is not (megacompile trains sft, pt, dpo, kto, rm and grpo)"
+_REFERENCE = ("the reference of stage dpo and kto is the model folder's weights, the policy before training (TRL's "
+              "ref_model); another reference model is not supported")
+_OPTIMIZER = "not supported: megacompile trains with AdamW (float32 state in host memory)"
+_SWANLAB = "not supported: log: takes csv, tensorboard and wandb"
+_PARALLEL = ("megacompile places weights and optimizer state itself (data parallelism: torchrun, "
+             "docs/distributed.md); Megatron and HyperParallel are not used")
+_TOKENS = "add_tokens and add_special_tokens take the new tokens; their rows start as LlamaFactory's noise_init"
+_QUANTIZED = "not supported: the weights train in float32 masters (quantization_bit is not taken)"
+_AUDIO = "not supported: records hold text, images and videos; audio is not read"
+_KT = "not supported: megacompile streams the weights itself (KTransformers is not used)"
+_RAY = "not supported: a run is one process (or torchrun's, docs/distributed.md)"
+_PROFILER = "megacompile writes each run's timeline itself: step.json in the run folder (trace: FILE for another)"
+_FP8 = "not supported: compute_dtype is bfloat16 or float32, over float32 masters"
+
+KEYS: dict[str, tuple[Any, str]] = {
+    "pissa_iter": (16, _PISSA), "pissa_convert": (False, _PISSA),
+    "oft_rank": (0, _OFT), "oft_block_size": (32, _OFT), "oft_target": ("all", _OFT), "module_dropout": (0.0, _OFT),
+    "ppo_buffer_size": (1, _PPO), "ppo_epochs": (4, _PPO), "ppo_score_norm": (False, _PPO), "ppo_target": (6.0, _PPO),
+    "ppo_whiten_rewards": (False, _PPO), "reward_model": (None, _PPO), "reward_model_adapters": (None, _PPO),
+    "reward_model_quantization_bit": (None, _PPO), "reward_model_type": ("lora", _PPO),
+    "ref_model": (None, _REFERENCE), "ref_model_adapters": (None, _REFERENCE),
+    "ref_model_quantization_bit": (None, _REFERENCE),
+    "galore_target": ("all", _OPTIMIZER), "galore_rank": (16, _OPTIMIZER), "galore_update_interval": (200, _OPTIMIZER),
+    "galore_scale": (2.0, _OPTIMIZER), "galore_proj_type": ("std", _OPTIMIZER), "galore_layerwise": (False, _OPTIMIZER),
+    "apollo_target": ("all", _OPTIMIZER), "apollo_rank": (16, _OPTIMIZER), "apollo_update_interval": (200, _OPTIMIZER),
+    "apollo_scale": (32.0, _OPTIMIZER), "apollo_proj": ("random", _OPTIMIZER), "apollo_proj_type": ("std", _OPTIMIZER),
+    "apollo_scale_type": ("channel", _OPTIMIZER), "apollo_layerwise": (False, _OPTIMIZER),
+    "apollo_scale_front": (False, _OPTIMIZER),
+    "badam_mode": ("layer", _OPTIMIZER), "badam_start_block": (None, _OPTIMIZER),
+    "badam_switch_mode": ("ascending", _OPTIMIZER), "badam_switch_interval": (50, _OPTIMIZER),
+    "badam_update_ratio": (0.05, _OPTIMIZER), "badam_mask_mode": ("adjacent", _OPTIMIZER), "badam_verbose": (0, _OPTIMIZER),
+    "swanlab_workspace": (None, _SWANLAB), "swanlab_run_name": (None, _SWANLAB), "swanlab_mode": ("cloud", _SWANLAB),
+    "swanlab_api_key": (None, _SWANLAB), "swanlab_logdir": (None, _SWANLAB), "swanlab_lark_webhook_url": (None, _SWANLAB),
+    "swanlab_lark_secret": (None, _SWANLAB),
+    "use_mca": (False, _PARALLEL), "use_megatron_bridge": (False, _PARALLEL), "megatron_bridge_args": (None, _PARALLEL),
+    "use_hyper_parallel": (False, _PARALLEL), "hyper_parallel_args": (None, _PARALLEL),
+    "hyper_parallel_cp_size": (1, _PARALLEL),
+    "adapter_folder": (None, "adapter_name_or_path names the adapter folder to start from"),
+    "new_special_tokens_config": (None, _TOKENS), "init_special_tokens": ("noise_init", _TOKENS),
+    "use_v1_kernels": (False, "fuse: true runs megacompile's own fused kernels"),
+    "ms_hub_token": (None, "megacompile reads local files and downloads nothing"),
+    "om_hub_token": (None, "megacompile reads local files and downloads nothing"),
+    "quantization_type": ("nf4", _QUANTIZED), "double_quantization": (True, _QUANTIZED),
+    "quantization_device_map": (None, _QUANTIZED),
+    "image_do_pan_and_scan": (False, "not supported: images are processed as the model folder's processor config "
+                                     "says (Gemma 3's pan and scan is not turned on by run.yaml)"),
+    "crop_to_patches": (False, "not supported: images are processed as the model folder's processor config says"),
+    "use_audio_in_video": (False, _AUDIO), "audio_sampling_rate": (16000, _AUDIO),
+    **{k: (None, _KT) for k in ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path",
+                                "kt_expert_checkpoint_path", "kt_use_lora_experts", "kt_lora_expert_num",
+                                "kt_lora_expert_intermediate_size")},
+    "ray_num_workers": (1, _RAY), "ray_init_kwargs": (None, _RAY),
+    "enable_torch_profiler": (False, _PROFILER), "profiler_output_dir": (None, _PROFILER),
+    "profiler_wait_steps": (1, _PROFILER), "profiler_warmup_steps": (1, _PROFILER),
+    "profiler_active_steps": (1, _PROFILER), "profiler_repeat": (1, _PROFILER),
+    "profiler_record_shapes": (True, _PROFILER), "profiler_profile_memory": (True, _PROFILER),
+    "profiler_with_stack": (True, _PROFILER), "profile_modules": (None, _PROFILER),
+    "fp8": (False, _FP8), "fp8_backend": ("auto", _FP8), "fp8_enable_fsdp_float8_all_gather": (False, _FP8),
+}
+
+_EXPORT = "LlamaFactory's export command's; export: FOLDER writes the trained model"
+_INFERENCE = "LlamaFactory's inference's; serve the exported model with vLLM"
+_DERIVED = "derived by LlamaFactory from its other keys"
+
+NO_EFFECT: dict[str, tuple[Any, str]] = {
+    "include_effective_tokens_per_second": (False, "log.csv writes each step's tokens and tokens_per_s"),
+    "use_kv_cache": (True, _INFERENCE),
+    **{k: (d, _INFERENCE) for k, d in (("vllm_maxlen", 4096), ("vllm_gpu_util", 0.7), ("vllm_enforce_eager", False),
+                                       ("vllm_max_lora_rank", 32), ("vllm_config", None), ("sglang_maxlen", 4096),
+                                       ("sglang_mem_fraction", 0.7), ("sglang_tp_size", -1), ("sglang_config", None),
+                                       ("sglang_lora_backend", "triton"))},
+    **{k: (d, _EXPORT) for k, d in (("export_size", 5), ("export_device", "cpu"), ("export_quantization_bit", None),
+                                    ("export_quantization_dataset", None), ("export_quantization_nsamples", 128),
+                                    ("export_quantization_maxlen", 1024), ("export_legacy_format", False),
+                                    ("export_hub_model_id", None))},
+    "device_map": (None, "megacompile places the model itself"),
+    "model_max_length": (None, _DERIVED + " (cutoff_len here)"),
+    "block_diag_attn": (False, _DERIVED + " (neat_packing: packing: isolated here)"),
+    "master_addr": (None, "torchrun's rendezvous is read (docs/distributed.md)"),
+    "master_port": (None, "torchrun's rendezvous is read (docs/distributed.md)"),
+}
