@@ -12,6 +12,7 @@
     aliases.py   LlamaFactory's and transformers/TRL's key names read as run.yaml's own
     their_keys.py  their keys not taken here (the equivalent, or why), and where a meaning differs
     their_llamafactory.py  LlamaFactory's keys for what is not done here, with its defaults
+    early_stopping.py  early_stopping_patience: the run stops when its evaluations stop improving
     trainer_args.py  a TrainingArguments or TRL config dump's other fields: accepted at their defaults
     schedule.py  learning-rate schedules
     model.py     the model, engine, device budget and the planner's micro-batch choice

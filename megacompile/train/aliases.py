@@ -136,6 +136,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "learning_rate": ("lr", _same),
     "per_device_train_batch_size": ("batch", _same),
     "per_device_eval_batch_size": ("eval_batch", _same),
+    "early_stopping_steps": ("early_stopping_patience", _same),
     "gradient_accumulation_steps": ("grad_accum", _same),
     "num_train_epochs": ("epochs", _same),
     "max_steps": ("steps", _max_steps),

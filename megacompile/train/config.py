@@ -19,7 +19,7 @@ from .config_data import check_data, check_media, lay_tools
 from .config_values import choice, flag, folder_or_file, integer, loggers, number, numeric, text, warmup
 from .data import entries
 from . import preemption
-from . import best_model, neftune, rope_scaling, router_loss, vocab
+from . import best_model, early_stopping, neftune, rope_scaling, router_loss, vocab
 from . import intervals
 from . import their_keys
 from ..errors import ArgumentError
@@ -124,6 +124,7 @@ class RunConfig:
     load_best_model_at_end: bool = False    # the model written is the best checkpoint's (best_model.py)
     metric_for_best_model: str | None = None    # its evaluation metric (eval_loss by default)
     greater_is_better: bool | None = None       # None: lower is better for a loss, higher for the rest
+    early_stopping_patience: int | None = None  # stop after this many evaluations without improvement (early_stopping.py)
     compute_accuracy: bool = False      # LlamaFactory's: the held-out token accuracy beside the loss (stage sft)
     eval_on_each_dataset: bool = False  # LlamaFactory's: each eval file (eval_dataset name) evaluated on its own too
     eval_on_start: bool = False         # transformers': an evaluation before the first step (intervals.evaluates)
@@ -469,6 +470,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     rope_scaling.check(c)
     vocab.check(c)
     best_model.check(c)
+    early_stopping.check(c)
     c.eval_on_start = flag("eval_on_start", c.eval_on_start)
     if c.eval_on_start and not c.eval_every:
         raise ArgumentError("eval_on_start evaluates before the first step, as the evaluations every eval_every steps "

@@ -30,7 +30,7 @@ from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStep
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
-from . import best_model, intervals, methods, preemption, resume, rope_scaling, router_loss, trained_model, vocab
+from . import best_model, early_stopping, intervals, methods, preemption, resume, rope_scaling, router_loss, trained_model, vocab
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
@@ -163,6 +163,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         c.warmup = warmup_steps(c.warmup, c.steps)      # a fraction of the steps, now that they are known
         intervals.resolve(c, stage.steps_for)
         best_model.check_intervals(c, list(stage.columns))
+        early_stopping.check_metric(c, list(stage.columns))
     except BaseException:
         if stage is not None:
             stage.discard()
@@ -271,6 +272,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     saved_at, losses_seen, started = None, [], time.perf_counter()
     latest = (start_step, resume_from) if resume_from is not None else (0, None)    # (step, checkpoint)
     best = best_model.Best(c, extra)
+    patience = early_stopping.Patience(c, extra)
 
     def at(step: int) -> str:
         return checkpoint_path(checkpoints, step)
@@ -281,7 +283,8 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         proposed = best.proposed(step, row or {})
         made = save_checkpoint(c, engine, checkpoints, step, position, stage.fingerprint, force=force,
                                keep=best.kept(at) if proposed == best.state() else (),
-                               **stage.checkpoint_extra(), **({"best": proposed} if proposed else {}))
+                               **stage.checkpoint_extra(), **({"best": proposed} if proposed else {}),
+                               **patience.extra())
         if made:
             best.keep(proposed)
         return made
@@ -318,12 +321,16 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                 skips.updated()
                 losses_seen.append(row["loss"])
                 row.update(stage.evaluate(engine, record.step))
+                patience.evaluated(row)
                 log.write(row)
                 text, figures = stage.progress(row, plan.budget_bytes)
                 progress.update(record.step, f"loss {row['loss']:.4f} | {text}", {"loss": f"{row['loss']:.4f}",
                                 **figures}, eval_loss=row.get("eval_loss"))
-                if save(record.step, row=row):
+                # the step the patience ran out at is the run's last: its checkpoint says so to a resume
+                if save(record.step, force=patience.stop and c.save_every is not False, row=row):
                     saved_at, latest = record.step, (record.step, at(record.step))
+                if patience.stop:
+                    break
             preemption.stop(stop_signals, c, engine.steps_done, latest, save_now, run_dir)
     # A save the disk refused; steps that kept being skipped; a step that failed after its first
     # update (updates: as_gradients_land), which left the engine to be reloaded.
@@ -334,6 +341,8 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         log.close()
     elapsed = time.perf_counter() - started
     steps_done = engine.steps_done
+    if patience.stop:
+        print(patience.line(steps_done), flush=True)
     said = best.load(engine, at)
     if said:
         print(said, flush=True)

@@ -235,10 +235,14 @@ def _show(value) -> str:
 
 
 def complete(c: RunConfig, saved: Saved, run_dir: str) -> str | None:
-    """The line that says the run is already complete, or None when steps are left to train."""
-    if saved.steps_done < c.steps:
+    """The line that says the run is already complete, or None when steps are left to train (a run
+    that stopped early, early_stopping.py, is complete)."""
+    from .early_stopping import stopped
+    early = saved.steps_done < c.steps and stopped(saved.extra)
+    if saved.steps_done < c.steps and not early:
         return None
     at = (f"step {saved.steps_done} of {c.steps}" if saved.steps_done == c.steps
+          else f"stopped early at step {saved.steps_done} of {c.steps}" if early
           else f"step {saved.steps_done}, past steps={c.steps}")
     line = f"the run in {run_dir} is already complete ({at}, checkpoint {saved.path})"
     from .trained_model import folder, holds_model
