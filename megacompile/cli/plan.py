@@ -283,9 +283,7 @@ def _plan_stage(args: argparse.Namespace) -> int:
         print(f"  accumulation       grad_accum {args.grad_accum}: an optimizer step is {args.grad_accum} of these "
               f"steps, {fmt_seconds(args.grad_accum * staged.total_s)}")
     over = next((p for p in (staged.train, staged.forward) if p is not None and not p.fits_card), None)
-    # GRPO's optimizer steps share its generation's rounds (steps_per_generation): no time a step
-    run_s = _run_line(args, max(1, args.grad_accum) * staged.total_s) if over is None and args.stage != "grpo" \
-        else None
+    run_s = _run_line(args, _optimizer_step_s(staged, args.grad_accum)) if over is None else None
     if over is not None:
         print(f"  verdict        {_verdict(over, False, staged.train.budget_bytes)}")
     if args.json:
@@ -293,6 +291,16 @@ def _plan_stage(args: argparse.Namespace) -> int:
         print(json.dumps({"fits": over is None, "budget_bytes": staged.train.budget_bytes, "grad_accum": args.grad_accum,
                           "card_bytes": staged.train.card_bytes, **staged.to_json(), **run}), file=args.json_out)
     return 0 if over is None else DOES_NOT_FIT
+
+
+def _optimizer_step_s(staged, grad_accum: int) -> float:
+    """An optimizer step of the planned stage: grad_accum of its steps; under grpo, grad_accum
+    micro-batch passes of a rollout batch's num_iterations x steps_per_generation (its generation
+    and forward passes shared among them)."""
+    if staged.stage != "grpo":
+        return max(1, grad_accum) * staged.total_s
+    passes = staged.keys["num_iterations"] * staged.keys["steps_per_generation"]
+    return max(1, grad_accum) * staged.total_s / passes
 
 
 def _host_source(args: argparse.Namespace) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 from . import their_llamafactory, trainer_args
 
 _LOCAL = "megacompile reads local files and downloads nothing"
+_PLACES = "megacompile places weights and optimizer state itself (data parallelism: torchrun, docs/distributed.md)"
 
 NOT_TAKEN = {
     # data
@@ -49,12 +50,10 @@ NOT_TAKEN = {
                         "from host memory (host_budget) or disk (nvme_dir)",
     "quantization_method": "not supported: the weights train in float32 masters, streamed from the host",
     "use_unsloth": "not supported: megacompile runs its own fused kernels (fuse)",
-    "enable_liger_kernel": "fuse: true runs megacompile's own fused kernels",
-    "use_liger_kernel": "fuse: true runs megacompile's own fused kernels",
     "gradient_checkpointing_kwargs": "the planner chooses what to recompute",
     "auto_find_batch_size": "global_batch: the planner chooses the micro-batch that fits the budget",
-    "fsdp": "megacompile places weights and optimizer state itself (data parallelism: torchrun, "
-            "docs/distributed.md)",
+    "fsdp": _PLACES,
+    "fsdp_transformer_layer_cls_to_wrap": _PLACES,
     "pure_bf16": "not supported: megacompile keeps float32 masters; compute_dtype: bfloat16 is the compute",
     "upcast_layernorm": "not supported: the norms compute as the model's code has them (transformers' RMSNorm "
                         "upcasts to float32 itself)",

@@ -54,7 +54,6 @@ KEYS: dict[str, tuple[Any, str]] = {
     "hyper_parallel_cp_size": (1, _PARALLEL),
     "adapter_folder": (None, "adapter_name_or_path names the adapter folder to start from"),
     "new_special_tokens_config": (None, _TOKENS), "init_special_tokens": ("noise_init", _TOKENS),
-    "use_v1_kernels": (False, "fuse: true runs megacompile's own fused kernels"),
     "ms_hub_token": (None, "megacompile reads local files and downloads nothing"),
     "om_hub_token": (None, "megacompile reads local files and downloads nothing"),
     "quantization_type": ("nf4", _QUANTIZED), "double_quantization": (True, _QUANTIZED),

@@ -138,7 +138,8 @@ QUIET = {"dataloader_num_workers": (0,), "dataloader_pin_memory": (True, False),
          "gradient_checkpointing": (True, False), "include_num_input_tokens_seen": ("no", False),
          "label_names": (None,), "optim": ("adamw_torch_fused", "adamw_torch"), "pad_to_multiple_of": (None,),
          "remove_unused_columns": (True, False), "save_only_model": (False,),
-         "tf32": (None,), "trust_remote_code": (False,), "use_cache": (False, True)}
+         "tf32": (None,), "trust_remote_code": (False,), "use_cache": (False, True),
+         "enable_liger_kernel": (False,), "use_liger_kernel": (False,), "use_v1_kernels": (False,)}
 
 
 def at_default(key: str, value: Any) -> bool:

@@ -115,7 +115,9 @@ def test_a_post_training_run_plans_as_plan_stage_with_its_keys(tmp_path, capsys,
     flags = _plan_json(capsys, "--config", work["model"], "--stage", "grpo", "--hardware", "h100", "--hbm-budget", "1",
                        "--dtype", "float32", "--prompts", "4", "--num-generations", "4", "--max-prompt-length", "8",
                        "--max-completion-length", "3", "--steps-per-generation", "2", "--beta", "0.04")
-    assert staged == flags
+    # steps 2 of grad_accum 1 micro-batch pass each: a rollout batch (2 passes) is one optimizer step's twice
+    assert staged.pop("run_predicted_s") == pytest.approx(2 * flags["total_s"] / 2, rel=1e-9)
+    assert staged == flags | {"run_steps": 2}
     assert (staged["prompts"], staged["rows"], staged["beta"]) == (4, 8, 0.04)     # a micro-batch: batch 8 rows
     dpo = files.run_yaml(str(tmp_path / "d.yaml"), **stage_files.dpo(work, str(tmp_path / "run"), grad_accum=2))
     assert main(["plan", "--run", dpo, "--hardware", "h100", "--json"]) == 0

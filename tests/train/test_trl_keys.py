@@ -136,3 +136,15 @@ def test_llamafactorys_keys_at_their_defaults_are_accepted(tmp_path, capsys):
 def test_llamafactorys_keys_asking_for_what_megacompile_does_not_do_name_why(tmp_path, key, value, says):
     with pytest.raises(ArgumentError, match=says):
         load(_yaml(tmp_path, **{key: value}))
+
+
+@pytest.mark.parametrize("key", ["enable_liger_kernel", "use_liger_kernel", "use_v1_kernels"])
+def test_asking_for_their_fused_kernels_runs_megacompiles(tmp_path, capsys, key):
+    """Liger's kernels (LlamaFactory's enable_liger_kernel, TRL's use_liger_kernel) or LlamaFactory's
+    own: what they ask for, fused kernels, is megacompile's own (fuse), said in the run's note."""
+    plain = load(_yaml(tmp_path))
+    capsys.readouterr()
+    assert load(_yaml(tmp_path, **{key: True})) == plain
+    assert f"{key} (megacompile's own fused Triton kernels run in their place" in capsys.readouterr().out
+    load(_yaml(tmp_path, **{key: False}))
+    assert key not in capsys.readouterr().out
