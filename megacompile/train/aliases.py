@@ -137,6 +137,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "per_device_train_batch_size": ("batch", _same),
     "per_device_eval_batch_size": ("eval_batch", _same),
     "early_stopping_steps": ("early_stopping_patience", _same),
+    "lora_modules_to_save": ("additional_target", _same),       # TRL's ModelConfig
     "gradient_accumulation_steps": ("grad_accum", _same),
     "num_train_epochs": ("epochs", _same),
     "max_steps": ("steps", _max_steps),
@@ -182,6 +183,8 @@ SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs
 
 # Liger's kernels (TRL, LlamaFactory) and LlamaFactory's own: megacompile's fused kernels run in their place
 KERNELS = ("enable_liger_kernel", "use_liger_kernel", "use_v1_kernels")
+# TRL's ModelConfig keys whose choice the run makes itself
+MODEL_CHOICES = ("attn_implementation", "lora_task_type")
 IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
            "do_eval", "gradient_checkpointing", "optim", "tf32", "pad_to_multiple_of",
@@ -189,12 +192,16 @@ IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "data_shared_file_system", "eval_num_beams", "upcast_lmhead_output", "include_num_input_tokens_seen",
            "disable_gradient_checkpointing", "use_reentrant_gc", "low_cpu_mem_usage", "dataloader_pin_memory",
            "remove_unused_columns", "ddp_find_unused_parameters", "eval_accumulation_steps", "offload_folder",
-           "use_cache", "print_param_status", "label_names", *KERNELS, *trainer_args.NO_EFFECT,
+           "use_cache", "print_param_status", "label_names", *KERNELS, *MODEL_CHOICES, *trainer_args.NO_EFFECT,
            *their_llamafactory.NO_EFFECT)
 WHY_IGNORED = {**{k: why for k, (_, why) in trainer_args.NO_EFFECT.items()},
                **{k: why for k, (_, why) in their_llamafactory.NO_EFFECT.items()},
                **{k: "megacompile's own fused Triton kernels run in their place (fuse: on by default on a GPU)"
                   for k in KERNELS},
+               "attn_implementation": "attention runs as megacompile captured and planned it (its fused kernels on "
+                                      "a GPU); the kernels compute the same attention",
+               "lora_task_type": "the stage sets PEFT's task type (CAUSAL_LM; a reward model's score head trains "
+                                 "whole)",
                "deepspeed": "megacompile places weights and optimizer state itself",
                "gradient_checkpointing": "the planner chooses what to recompute",
                "optim": "megacompile's AdamW is torch's",

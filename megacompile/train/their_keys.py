@@ -14,6 +14,7 @@ from typing import Any
 from . import their_llamafactory, trainer_args
 
 _LOCAL = "megacompile reads local files and downloads nothing"
+_QUANTIZED = "not supported: the weights train in float32 masters; bitsandbytes' quantised loading is not used"
 _PLACES = "megacompile places weights and optimizer state itself (data parallelism: torchrun, docs/distributed.md)"
 
 NOT_TAKEN = {
@@ -42,6 +43,13 @@ NOT_TAKEN = {
     "use_peft": "finetuning_type: lora",
     "lora_r": "lora_rank",
     "lora_target_modules": "lora_target",
+    "lora_target_parameters": "not supported: adapters sit on Linear modules alone (lora_target), none on a bare "
+                              "parameter (a mixture-of-experts' stacked expert weights)",
+    "load_in_8bit": _QUANTIZED,
+    "load_in_4bit": _QUANTIZED,
+    "bnb_4bit_quant_type": _QUANTIZED,
+    "use_bnb_nested_quant": _QUANTIZED,
+    "bnb_4bit_quant_storage": _QUANTIZED,
     "pissa_init": "not supported: the adapters are initialised as PEFT's default LoRA",
     "loraplus_lr_embedding": "not supported: adapters sit on Linear modules alone (lora_target), none on an "
                              "embedding for it to apply to; its default, 1e-06, is taken",
@@ -109,7 +117,7 @@ NOT_TAKEN.update({k: why for k, (_, why) in their_llamafactory.KEYS.items()})
 ZERO_IS_OFF = ("pref_ftx", "pref_bco_weight")
 # Keys whose LlamaFactory default asks for nothing more than megacompile does: accepted at that value.
 DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "infer_dtype": "auto",
-                  "loraplus_lr_embedding": 1e-6, "asft_alpha": 0.1,
+                  "loraplus_lr_embedding": 1e-6, "asft_alpha": 0.1, "bnb_4bit_quant_type": "nf4",
                   **{k: default for k, (default, _) in their_llamafactory.KEYS.items()
                      if default is not None and default is not False}}
 

@@ -139,7 +139,8 @@ QUIET = {"dataloader_num_workers": (0,), "dataloader_pin_memory": (True, False),
          "label_names": (None,), "optim": ("adamw_torch_fused", "adamw_torch"), "pad_to_multiple_of": (None,),
          "remove_unused_columns": (True, False), "save_only_model": (False,),
          "tf32": (None,), "trust_remote_code": (False,), "use_cache": (False, True),
-         "enable_liger_kernel": (False,), "use_liger_kernel": (False,), "use_v1_kernels": (False,)}
+         "enable_liger_kernel": (False,), "use_liger_kernel": (False,), "use_v1_kernels": (False,),
+         "attn_implementation": (None,), "lora_task_type": ("CAUSAL_LM",)}
 
 
 def at_default(key: str, value: Any) -> bool:

@@ -148,3 +148,20 @@ def test_asking_for_their_fused_kernels_runs_megacompiles(tmp_path, capsys, key)
     assert f"{key} (megacompile's own fused Triton kernels run in their place" in capsys.readouterr().out
     load(_yaml(tmp_path, **{key: False}))
     assert key not in capsys.readouterr().out
+
+
+def test_trls_model_config_keys_are_read_or_refused_by_name(tmp_path, capsys):
+    """TRL's ModelConfig (the `trl sft --config` scripts' model keys): lora_modules_to_save is
+    additional_target; attn_implementation and lora_task_type are the run's own choice, said in a
+    note; bitsandbytes' quantised loading is refused by name, accepted at its defaults."""
+    c = load(_yaml(tmp_path, model=files.model_dir(str(tmp_path / "llama"), dim=32), finetuning_type="lora",
+                   lora_modules_to_save=["lm_head"],
+                   attn_implementation="flash_attention_2", lora_task_type="CAUSAL_LM", bnb_4bit_quant_type="nf4",
+                   load_in_4bit=False))
+    assert c.additional_target == ["lm_head"]
+    said = capsys.readouterr().out
+    assert "attn_implementation (attention runs as megacompile captured and planned it" in said
+    assert "lora_task_type" not in said     # at TRL's default
+    for key, value in (("load_in_4bit", True), ("bnb_4bit_quant_type", "fp4"), ("lora_target_parameters", ["w"])):
+        with pytest.raises(ArgumentError, match=f"{key} -> not supported"):
+            load(_yaml(tmp_path, **{key: value}))
