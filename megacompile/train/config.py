@@ -112,6 +112,9 @@ class RunConfig:
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
     use_dora: bool = False              # DoRA: a learned magnitude per output beside each adapter (PEFT's)
+    pissa_init: bool = False            # PiSSA: adapters start as each weight's principal part (methods/pissa.py)
+    pissa_iter: int = 16                # its randomised SVD's iterations; -1: the full SVD
+    pissa_convert: bool = False         # the exported adapter is always converted (methods/pissa.py)
     use_rslora: bool = False            # rank-stabilised LoRA: the adapters' scale is lora_alpha / sqrt(lora_rank)
     loraplus_lr_ratio: float | None = None   # LoRA+: the adapters' B (and trained 1-D parameters) at lr x this
     additional_target: Any = None       # LoRA: modules trained whole beside the adapters (PEFT's modules_to_save)
@@ -130,6 +133,10 @@ class RunConfig:
     eval_on_start: bool = False         # transformers': an evaluation before the first step (intervals.evaluates)
     # what the run makes of the three (io/grown_vocab.py's GrownVocab, vocab.resolve); no key of run.yaml
     grown: Any = field(default=None, metadata={"derived": True})
+    # pissa_init's initial adapters: the run folder's file a resumed run reads them from (None: made
+    # from the weights), and what they make of the base (methods/pissa.py's Residual); no keys of run.yaml
+    pissa_kept: Any = field(default=None, metadata={"derived": True})
+    pissa: Any = field(default=None, metadata={"derived": True})
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
     train_from_scratch: bool = False   # LlamaFactory's: the model folder's config, randomly initialised
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage

@@ -152,6 +152,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         resume.check_rows(c, saved)
         methods.check_resume(c, saved.extra)
         kind(c).check_resume(c, saved)
+    methods.pissa.check_start(c, run_dir, saved is not None, imported)
     made = _first_missing(run_dir)      # the run folder, or the folder above it the run makes first
     stage = None
     try:
@@ -189,6 +190,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         wrap = stage.objective
         setup = build(c, meta, stage.first_inputs, wrap=wrap, heaviest_inputs=stage.heaviest_inputs,
                       beside_of=stage.device_beside, host_beside_of=stage.host_beside)
+        methods.pissa.keep(c, run_dir)
         try:
             if stage.needs_reference:     # the model as loaded, forward only, on the policy's device
                 stage.reference = reference_engine(c, meta, setup, stage.first_inputs, wrap)

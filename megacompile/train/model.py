@@ -167,7 +167,8 @@ def compile_module(c: RunConfig, module: nn.Module, budget: float, wrap=None, **
         from ..engine import compile_folder
         return compile_folder(module, c.model, budget, **kwargs,
                               file_key=file_key(methods.adapters(c), wrap is not None),
-                              unused=getattr(module, "left_out", ()), grown=c.grown)
+                              unused=getattr(module, "left_out", ()), grown=c.grown,
+                              edits=(c.pissa,) if c.pissa is not None else ())
     return Engine(module, budget, **kwargs)
 
 

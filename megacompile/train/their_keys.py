@@ -50,7 +50,6 @@ NOT_TAKEN = {
     "bnb_4bit_quant_type": _QUANTIZED,
     "use_bnb_nested_quant": _QUANTIZED,
     "bnb_4bit_quant_storage": _QUANTIZED,
-    "pissa_init": "not supported: the adapters are initialised as PEFT's default LoRA",
     "loraplus_lr_embedding": "not supported: adapters sit on Linear modules alone (lora_target), none on an "
                              "embedding for it to apply to; its default, 1e-06, is taken",
     # kernels, precision, memory

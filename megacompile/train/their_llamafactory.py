@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-_PISSA = "not supported: the adapters are initialised as PEFT's default LoRA (pissa_init)"
 _OFT = "not supported: finetuning_type is full, freeze or lora (orthogonal fine-tuning, oft, is not)"
 _PPO = "not supported: stage ppo is not (megacompile trains sft, pt, dpo, kto, rm and grpo)"
 _REFERENCE = ("the reference of stage dpo and kto is the model folder's weights, the policy before training (TRL's "
@@ -30,7 +29,6 @@ _PROFILER = "megacompile writes each run's timeline itself: step.json in the run
 _FP8 = "not supported: compute_dtype is bfloat16 or float32, over float32 masters"
 
 KEYS: dict[str, tuple[Any, str]] = {
-    "pissa_iter": (16, _PISSA), "pissa_convert": (False, _PISSA),
     "oft_rank": (0, _OFT), "oft_block_size": (32, _OFT), "oft_target": ("all", _OFT), "module_dropout": (0.0, _OFT),
     "ppo_buffer_size": (1, _PPO), "ppo_epochs": (4, _PPO), "ppo_score_norm": (False, _PPO), "ppo_target": (6.0, _PPO),
     "ppo_whiten_rewards": (False, _PPO), "reward_model": (None, _PPO), "reward_model_adapters": (None, _PPO),

@@ -72,7 +72,7 @@ def write(c: RunConfig, engine, tokenizer, path: str, overwrite: bool, policy: b
     elif methods.adapters(c):
         from .methods.lora_export import export
         export(engine, path, tokenizer, c.merge_adapter, dtype, overwrite=overwrite, source=c.model,
-               prefix="policy." if policy else "")
+               prefix="policy." if policy else "", pissa=c.pissa)
     elif policy:
         from .policy_export import export_policy
         export_policy(engine, path, tokenizer, dtype, overwrite=overwrite, source=c.model)

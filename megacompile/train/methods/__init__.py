@@ -4,7 +4,8 @@
             the adapters trained (fp32 masters and AdamW state for them alone); lora_target names
             the Linear modules (their last name: q_proj, ...) or `all`, every Linear of the
             decoder blocks (not lm_head); additional_target names modules trained whole beside
-            them (PEFT's modules_to_save).
+            them (PEFT's modules_to_save); pissa_init starts the adapters as each weight's principal
+            part, the base streaming as the residual (pissa.py).
     freeze  freeze_trainable_layers N: the last N decoder blocks trained (-N: the first N);
             freeze_trainable_modules: which modules of those blocks (all, or names);
             freeze_extra_modules: modules trained besides (embed_tokens, lm_head, norm).
@@ -15,7 +16,8 @@
     full    every parameter trains: the model as it is.
 
     lora.py, freeze.py  the two methods; vision_freeze.py  a vision-language model's parts;
-    lora_export.py  a LoRA run's export; names.py  module names as run.yaml gives them.
+    lora_export.py  a LoRA run's export; pissa.py  PiSSA's start; names.py  module names as run.yaml
+    gives them.
 This package is the one place (with config.py) that reads finetuning_type: the rest of train/
 asks `adapters(c)`, `apply(c, model)`, `saved(c)`.
 
@@ -32,7 +34,7 @@ import torch.nn as nn
 
 from ...errors import ArgumentError
 from ...optim import MAX_LR, MAX_RATIO
-from . import vision_freeze
+from . import pissa, vision_freeze
 from .freeze import freeze
 from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, scaling, transposed, with_adapters
 from .names import names
@@ -106,6 +108,7 @@ def check(c, raw: dict) -> None:
     if c.finetuning_type == "lora":
         require_peft("finetuning_type: lora")
     _check_adapter(c)
+    pissa.check(c)
     vision_freeze.check(c, adapters(c))
 
 
@@ -139,7 +142,8 @@ def saved(c) -> dict:
     """The keys that say which parameters train, kept in every checkpoint (merge_adapter aside:
     it shapes the export only)."""
     keys = {"full": (), "lora": LORA_KEYS[:-1], "freeze": FREEZE_KEYS}[c.finetuning_type]
-    return {"finetuning_type": c.finetuning_type, **{k: getattr(c, k) for k in keys}, **vision_freeze.given(c)}
+    return {"finetuning_type": c.finetuning_type, **{k: getattr(c, k) for k in keys}, **vision_freeze.given(c),
+            **({"pissa_init": True, "pissa_iter": c.pissa_iter} if c.pissa_init else {})}
 
 
 def check_resume(c, extra: dict) -> None:

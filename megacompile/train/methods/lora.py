@@ -45,10 +45,12 @@ def base_dtype(compute_dtype: str | torch.dtype) -> torch.dtype:
 
 def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str,
                   base: torch.dtype = torch.float32, key: str = "lora_target", dora: bool = False,
-                  rslora: bool = False, whole: list[str] = ()) -> nn.Module:
+                  rslora: bool = False, whole: list[str] = (), initialised: bool = True) -> nn.Module:
     """`model` wrapped by PEFT's LoRA on the Linear modules `target` names; `whole` (run.yaml's
     additional_target): modules trained whole beside the adapters, PEFT's modules_to_save (a
-    trained copy of each module whose name ends with one of them; the original stays frozen)."""
+    trained copy of each module whose name ends with one of them; the original stays frozen).
+    initialised=False: the adapters are left as their Linear modules made them, to be set by the
+    caller (PiSSA's, which PEFT makes without LoRA's own initialisation and its random draws)."""
     from peft import LoraConfig, get_peft_model
     _check_whole(model, whole, target)
     everywhere = linear_names(model)
@@ -65,7 +67,8 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
     if vision:      # the language model's modules alone: the vision tower has q_proj and the like too
         modules = vision_freeze.language_model_names(model, modules)
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=modules, use_dora=dora, use_rslora=rslora, modules_to_save=list(whole) or None)
+                        target_modules=modules, use_dora=dora, use_rslora=rslora, modules_to_save=list(whole) or None,
+                        init_lora_weights=initialised)
     wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
@@ -134,9 +137,12 @@ def lora_skeleton(c) -> nn.Module:
         base = auto_class(config).from_config(config, dtype=torch.float32)
         base.tie_weights()
     wrapped = with_adapters(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target, dora=c.use_dora,
-                            rslora=c.use_rslora, whole=c.additional_target)
+                            rslora=c.use_rslora, whole=c.additional_target, initialised=not c.pissa_init)
     if c.use_dora:
         dora_magnitudes(wrapped, c.model)
+    if c.pissa_init:
+        from .pissa import initialise
+        c.pissa = initialise(wrapped, c)
     if c.additional_target:
         whole_copies(wrapped, c.model, c.grown)
     release_frozen(wrapped)

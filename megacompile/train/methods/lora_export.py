@@ -19,13 +19,17 @@ import torch.nn as nn
 
 from ...io import unbuilt
 from ...io.hf_save import ADAPTER, COPIED, finish_export, write_export
+from .pissa import converted
 
 
 def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwrite: bool, source: str,
-           prefix: str = "") -> None:
+           prefix: str = "", pissa=None) -> None:
     """engine: the run's engine, its model the PEFT wrapper, or (prefix "policy.") a post-training
     objective whose `policy` is; source: the base model's folder. With merge, the module is merged in
-    place (the export is the run's last use of it); the adapter is written in float32, as it trained."""
+    place (the export is the run's last use of it); the adapter is written in float32, as it trained.
+    pissa: a PiSSA run's Residual (methods/pissa.py): its adapter is written converted, a LoRA of
+    twice the rank on the folder's own weights (its base in the host state is the residual, which
+    a merge adds the adapters to)."""
     engine.synchronize()
     model = engine.model.get_submodule(prefix.rstrip(".")) if prefix else engine.model
 
@@ -35,7 +39,17 @@ def export(engine, path: str, tokenizer, merge: bool, dtype: torch.dtype, overwr
         aside = os.path.join(folder, ".peft")
         # The adapters only: the module's base is on meta (its values are the engine's).
         adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-        model.save_pretrained(aside, state_dict=adapters)
+        config = model.peft_config["default"]
+        before = config.r, config.lora_alpha, config.init_lora_weights
+        if pissa is not None:
+            from .lora import file_key
+            adapters = converted(adapters, pissa, lambda n: file_key(n.split(".lora_")[0] + ".base_layer.weight"))
+            config.r, config.lora_alpha = 2 * config.r, 2 * config.lora_alpha      # the same scaling
+            config.init_lora_weights = True     # a plain LoRA now, loaded as any
+        try:
+            model.save_pretrained(aside, state_dict=adapters)
+        finally:
+            config.r, config.lora_alpha, config.init_lora_weights = before
         for name in ADAPTER:
             os.replace(os.path.join(aside, name), os.path.join(folder, name))
         shutil.rmtree(aside)
