@@ -36,7 +36,8 @@ from ...errors import ArgumentError
 from ...optim import MAX_LR, MAX_RATIO
 from . import pissa, vision_freeze
 from .freeze import freeze
-from .lora import base_dtype, file_key, lora_skeleton, merged, require_peft, scaling, transposed, with_adapters
+from .lora import base_dtype, file_key, merged, require_peft, scaling, transposed, with_adapters
+from .lora import lora_skeleton as _lora_skeleton
 from .names import names
 
 TYPES = ("full", "lora", "freeze")
@@ -108,7 +109,7 @@ def check(c, raw: dict) -> None:
     if c.finetuning_type == "lora":
         require_peft("finetuning_type: lora")
     _check_adapter(c)
-    pissa.check(c)
+    pissa.check(c, adapters(c))
     vision_freeze.check(c, adapters(c))
 
 
@@ -160,6 +161,15 @@ def check_resume(c, extra: dict) -> None:
                    if before.get(k) != now.get(k)]
         raise ArgumentError(f"resume: the checkpoint trained other parameters ({', '.join(changed)}): a resume "
                             "keeps the fine-tuning keys of its run; set them back, or start a new run_dir")
+
+
+def lora_skeleton(c) -> nn.Module:
+    """The LoRA model of a run on a model folder (lora.py's lora_skeleton), its adapters PiSSA's where
+    pissa_init asks (c.pissa: the residual its base streams as)."""
+    wrapped = _lora_skeleton(c)
+    if c.pissa_init:
+        c.pissa = pissa.initialise(wrapped, c)
+    return wrapped
 
 
 def lr_ratios(c):

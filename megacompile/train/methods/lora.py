@@ -140,9 +140,6 @@ def lora_skeleton(c) -> nn.Module:
                             rslora=c.use_rslora, whole=c.additional_target, initialised=not c.pissa_init)
     if c.use_dora:
         dora_magnitudes(wrapped, c.model)
-    if c.pissa_init:
-        from .pissa import initialise
-        c.pissa = initialise(wrapped, c)
     if c.additional_target:
         whole_copies(wrapped, c.model, c.grown)
     release_frozen(wrapped)

@@ -210,8 +210,9 @@ def keep(c, run_dir: str) -> None:
     c.pissa_kept = path
 
 
-def check(c) -> None:
-    """pissa_init and its keys, refused where the run cannot take them (before anything is opened)."""
+def check(c, lora: bool) -> None:
+    """pissa_init and its keys, refused where the run cannot take them (before anything is opened);
+    `lora`: the run trains LoRA adapters."""
     from ..config_values import flag
     c.pissa_init = flag("pissa_init", c.pissa_init)
     c.pissa_convert = flag("pissa_convert", c.pissa_convert)
@@ -220,7 +221,7 @@ def check(c) -> None:
                             f"got {c.pissa_iter!r}")
     if not c.pissa_init:
         return
-    why = ("finetuning_type is not lora" if c.finetuning_type != "lora"
+    why = ("finetuning_type is not lora" if not lora
            else f"stage {c.stage}'s reference is the base with the adapters off, which under PiSSA is the residual, "
                 "not the model" if c.stage not in ("sft", "pt")
            else "use_dora's magnitudes start from the weight's norms, not the residual's" if c.use_dora
@@ -228,5 +229,5 @@ def check(c) -> None:
            else "an adapter_name_or_path start trains that adapter, not PiSSA's" if c.adapter is not None
            else None)
     if why:
-        raise ArgumentError(f"pissa_init: {why}; leave pissa_init out" + (" or set finetuning_type: lora"
-                                                                           if c.finetuning_type != "lora" else ""))
+        raise ArgumentError(f"pissa_init: {why}; leave pissa_init out" + ("" if lora else
+                                                                           " or set finetuning_type: lora"))
