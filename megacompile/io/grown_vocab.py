@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from .source import made_as_read
 
 _MARK = "<grown>"      # an item's source: its file, read through GrownVocab.memory
 _ROWS = 4096            # rows summed at a time for the mean
@@ -69,35 +70,9 @@ class GrownVocab:
 
     def route(self, items: list) -> tuple[list, dict]:
         """The load's items with those of the grown tensors read through `memory` (io/source.py's
-        PendingLoad.memory): (items, memory)."""
-        from dataclasses import replace
-        memory, out = {}, []
-        for it in items:
-            if it.key in self.keys:
-                path = _MARK + it.path
-                memory.setdefault(path, _Grown(it.path, self))
-                it = replace(it, path=path)
-            out.append(it)
-        return out, memory
+        PendingLoad.memory), each grown from its file's slice: (items, memory)."""
+        return made_as_read(items, self.keys, _MARK, lambda f, key: self.grow(key, f.get_slice(key)))
 
 
 def _seed(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") & (2 ** 63 - 1)
-
-
-class _Grown(Mapping):
-    """key -> the file's tensor `key` grown (GrownVocab.grow), read when asked for."""
-
-    def __init__(self, file: str, vocab: GrownVocab):
-        self.file, self.vocab = file, vocab
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-        with safe_open(self.file, framework="pt", backend="pread") as f:
-            return self.vocab.grow(key, f.get_slice(key))
-
-    def __iter__(self):
-        return iter(sorted(self.vocab.keys))
-
-    def __len__(self) -> int:
-        return len(self.vocab.keys)

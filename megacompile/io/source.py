@@ -12,7 +12,8 @@ the trace) keeps the load as pending and the engine runs it when it builds the h
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -126,3 +127,35 @@ def _write_part(host, it: Item, t: torch.Tensor) -> None:
     buffers = host.owners[host.slots[it.name].owner]
     if buffers.compute is not buffers.master:
         part_of(host.source(it.name), it.part).copy_(t)
+
+
+def made_as_read(items: list, keys, mark: str, make: Callable) -> tuple[list, dict]:
+    """The load's `items` with those whose key is in `keys` read through PendingLoad.memory rather
+    than from their file: `make(f, key)`, `f` the file opened (safetensors, pread), gives each such
+    tensor as a run makes it from the file's own (io/grown_vocab.py, train/methods/pissa.py), when the
+    load asks for it, one at a time. `mark` tells their sources from the files'. (items, memory)."""
+    memory, out = {}, []
+    for it in items:
+        if it.key in keys:
+            path = mark + it.path
+            memory.setdefault(path, _MadeAsRead(it.path, frozenset(keys), make))
+            it = replace(it, path=path)
+        out.append(it)
+    return out, memory
+
+
+class _MadeAsRead(Mapping):
+    """key -> make(f, key) for the file `file` (made_as_read)."""
+
+    def __init__(self, file: str, keys: frozenset[str], make: Callable):
+        self.file, self.keys, self.make = file, keys, make
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        with safe_open(self.file, framework="pt", backend="pread") as f:
+            return self.make(f, key)
+
+    def __iter__(self):
+        return iter(sorted(self.keys))
+
+    def __len__(self) -> int:
+        return len(self.keys)

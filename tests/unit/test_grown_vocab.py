@@ -99,9 +99,11 @@ def test_the_file_is_read_a_block_of_rows_at_a_time_never_whole(tmp_path, monkey
                     reads.append(rows.stop - rows.start)
                     return inner[rows]
             return Rows()
-    monkeypatch.setattr(safetensors, "safe_open", Opened)
+    from megacompile.io import source
+    monkeypatch.setattr(source, "safe_open", Opened)
     grown = _grown()
-    out = grown_vocab._Grown(path, grown)[KEY]       # what the load reads for the file's KEY
+    _, memory = grown.route([source.Item(path, KEY, "weight", "embed.weight")])
+    out = next(iter(memory.values()))[KEY]       # what the load reads for the file's KEY
     assert reads == [7] * 7 + [1]
     assert torch.equal(out, grown.grow(KEY, stored))       # the same rows as from the whole tensor
 

@@ -21,13 +21,13 @@ export can write an adapter for the folder's own weights (converted).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ...errors import ArgumentError
+from ...io.source import made_as_read
 
 INITIAL = "pissa_init.safetensors"      # the initial adapters, A0 and B0 by file key, in the run folder
 _MARK = "<pissa>"                       # an item's source: its file, read through Residual.memory
@@ -50,15 +50,8 @@ class Residual:
 
     def route(self, items: list) -> tuple[list, dict]:
         """The load's items with the adapted weights read through `memory` (io/source.py's
-        PendingLoad.memory): (items, memory)."""
-        memory, out = {}, []
-        for it in items:
-            if it.key in self.initial:
-                path = _MARK + it.path
-                memory.setdefault(path, _Residuals(it.path, self))
-                it = replace(it, path=path)
-            out.append(it)
-        return out, memory
+        PendingLoad.memory), each as the residual: (items, memory)."""
+        return made_as_read(items, self.initial, _MARK, lambda f, key: self.residual(key, f.get_tensor(key)))
 
     def save(self, path: str) -> None:
         from safetensors.torch import save_file
@@ -66,24 +59,6 @@ class Residual:
         tensors |= {f"{k}.lora_B": b for k, (_, b) in self.initial.items()}
         save_file({k: t.contiguous() for k, t in tensors.items()}, path,
                   metadata={"scaling": repr(self.scaling), "transposed": ",".join(sorted(self.transposed))})
-
-
-class _Residuals(Mapping):
-    """key -> the file's weight `key` as the residual base (Residual.residual), read when asked for."""
-
-    def __init__(self, file: str, residual: Residual):
-        self.file, self.of = file, residual
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-        with safe_open(self.file, framework="pt", backend="pread") as f:
-            return self.of.residual(key, f.get_tensor(key))
-
-    def __iter__(self):
-        return iter(sorted(self.of.initial))
-
-    def __len__(self) -> int:
-        return len(self.of.initial)
 
 
 def principal(weight: torch.Tensor, rank: int, scaling: float, niter: int, seed: int) -> tuple[torch.Tensor,
