@@ -91,6 +91,11 @@ def initialise(wrapped: nn.Module, c) -> Residual:
     layers = {file_key(f"{n}.base_layer.weight"): m for n, m in wrapped.named_modules()
               if hasattr(m, "lora_A") and "default" in m.lora_A}
     flipped = frozenset(file_key(f"{n}.base_layer.weight") for n in transposed(wrapped)) & set(layers)
+    grows = sorted(set(layers) & (c.grown.keys if c.grown is not None else set()))
+    if grows:
+        raise ArgumentError(f"pissa_init: {grows[0]} takes an adapter and grows by the tokens the run adds, so its "
+                            "principal part would be the file's smaller weight's: leave it out of lora_target, or add "
+                            "the tokens without pissa_init")
     if c.pissa_kept is not None:
         initial = _read(c.pissa_kept, layers)
     else:
