@@ -152,7 +152,7 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         resume.check_rows(c, saved)
         methods.check_resume(c, saved.extra)
         kind(c).check_resume(c, saved)
-    methods.pissa.check_start(c, run_dir, saved is not None, imported)
+    methods.pissa.check_start(c, meta, run_dir, saved is not None, imported)
     made = _first_missing(run_dir)      # the run folder, or the folder above it the run makes first
     stage = None
     try:

@@ -130,3 +130,12 @@ def test_what_pissa_cannot_start_is_refused(tmp_path, more, says):
     settings = {k: v for k, v in {**_settings(work, tmp_path, "r"), **more}.items() if v is not None}
     with pytest.raises(ArgumentError, match=says.replace("(", r"\(").replace(")", r"\)")):
         load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), [])
+
+
+def test_a_weight_the_added_tokens_grow_takes_no_pissa_adapter(tmp_path):
+    work = files.workspace(tmp_path)
+    settings = {**_settings(work, tmp_path, "g"), "lora_target": "q_proj,lm_head", "add_tokens": ["zorblax"],
+                "additional_target": ["embed_tokens"]}
+    with pytest.raises(ArgumentError, match="pissa_init: lm_head.weight takes an adapter and grows by the tokens"):
+        run(load(files.run_yaml(str(tmp_path / "g.yaml"), **settings), []))
+    assert not os.path.exists(tmp_path / "g")

@@ -88,14 +88,8 @@ def initialise(wrapped: nn.Module, c) -> Residual:
     model folder's weights one at a time; the Residual the base streams as."""
     from .lora import file_key, scaling, transposed
     s = scaling(wrapped.peft_config["default"])
-    layers = {file_key(f"{n}.base_layer.weight"): m for n, m in wrapped.named_modules()
-              if hasattr(m, "lora_A") and "default" in m.lora_A}
+    layers = _adapted(wrapped)
     flipped = frozenset(file_key(f"{n}.base_layer.weight") for n in transposed(wrapped)) & set(layers)
-    grows = sorted(set(layers) & (c.grown.keys if c.grown is not None else set()))
-    if grows:
-        raise ArgumentError(f"pissa_init: {grows[0]} takes an adapter and grows by the tokens the run adds, so its "
-                            "principal part would be the file's smaller weight's: leave it out of lora_target, or add "
-                            "the tokens without pissa_init")
     if c.pissa_kept is not None:
         initial = _read(c.pissa_kept, layers)
     else:
@@ -159,11 +153,24 @@ def converted(adapters: dict[str, torch.Tensor], residual: Residual, key_of) -> 
     return out
 
 
-def check_start(c, run_dir: str, resumed: bool, imported: str | None) -> None:
+def _adapted(wrapped: nn.Module) -> dict[str, nn.Module]:
+    """The LoRA layers of `wrapped` by the file key of the weight each adapts."""
+    from .lora import file_key
+    return {file_key(f"{n}.base_layer.weight"): m for n, m in wrapped.named_modules()
+            if hasattr(m, "lora_A") and "default" in m.lora_A}
+
+
+def check_start(c, meta: nn.Module, run_dir: str, resumed: bool, imported: str | None) -> None:
     """Where a PiSSA run's initial adapters come from (c.pissa_kept), checked before anything of the
-    run is written: a resumed run's from its run folder, a new run's made from the weights."""
+    run is written: a resumed run's from its run folder, a new run's made from the weights of
+    `meta` (the run's LoRA model on the meta device)."""
     if not c.pissa_init:
         return
+    grows = sorted(set(_adapted(meta)) & (c.grown.keys if c.grown is not None else set()))
+    if grows:
+        raise ArgumentError(f"pissa_init: {grows[0]} takes an adapter and grows by the tokens the run adds, so its "
+                            "principal part would be the file's smaller weight's: leave it out of lora_target, or add "
+                            "the tokens without pissa_init")
     if imported is not None:
         raise ArgumentError(f"pissa_init: {imported} is a Trainer's checkpoint, whose adapters were trained over the "
                             "residual its own PiSSA start left, which it does not hold; start a new run without "
