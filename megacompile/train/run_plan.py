@@ -73,6 +73,10 @@ def resolve(c: RunConfig) -> RunPlan:
     kind(c).check_model(c, meta)
     notes += [said for said in (router_loss.note(c, meta), rope_scaling.note(c)) if said]
     model = methods.apply(c, meta)
+    if c.stage == "sft" and c.loss_type in ("dft", "eaft"):
+        # the weighted loss reads the whole logits (no fused cross-entropy): the run's objective
+        from ..posttrain import DFTObjective, EAFTObjective
+        model = DFTObjective(model) if c.loss_type == "dft" else EAFTObjective(model, c.eaft_alpha)
     keys: dict[str, Any] = {}
     if c.stage in POST_TRAINING:
         if c.global_batch is not None:

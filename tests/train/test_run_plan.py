@@ -178,3 +178,20 @@ def test_a_vision_language_run_plans_with_the_images_its_rows_hold(tmp_path, cap
     assert before["vision"]["images"]["images_per_row"] == 1       # said by the plan made from a config alone
     shared = [k for k in ran if k in before and k not in TIMED | {"vision"}]
     assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
+
+
+def test_a_weighted_supervised_loss_plans_its_objective(tmp_path, capsys):
+    """loss_type eaft (dft the same) trains its objective over the whole logits: the plan before the
+    run is the run's, and not the cross-entropy run's."""
+    path = _run_yaml(tmp_path, finetuning_type="full", lora_rank=None, add_tokens=None, rope_scaling=None,
+                     loss_type="eaft")
+    before = _plan_json(capsys, "--run", path, "--hardware", "cpu")
+    plain = _plan_json(capsys, "--run", path, "--hardware", "cpu", "loss_type=nll")
+    assert not os.path.exists(tmp_path / "run")
+    assert main(["train", "--config", path]) == 0
+    capsys.readouterr()
+    with open(tmp_path / "run" / "plan" / "plan.json") as f:
+        ran = json.load(f)
+    shared = [k for k in ran if k in before and k not in TIMED]
+    assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
+    assert plain["arena_tensor_count"] != ran["arena_tensor_count"]
