@@ -2,8 +2,9 @@
 
 The model is the one `megacompile train` builds, on the meta device: its config as the run edits it
 (rope_scaling, added tokens, the router's loss), checked against the stage as the run checks it
-(seq against the positions, isolated packing), and shaped by the fine-tuning method (LoRA's
-adapters, frozen layers, a vision tower held still). The settings are the run's: its rows and
+(seq against the positions, isolated packing), shaped by the fine-tuning method (LoRA's
+adapters, frozen layers, a vision tower held still), and under dft or eaft inside the objective the
+run trains. The settings are the run's: its rows and
 width, its micro-batch and accumulation or its global batch, its dtype, its budgets, its stage's
 keys. Nothing is read of the weights, and nothing of the run is written. The data is read only
 where the run gives epochs, not steps: the stage reads and tokenises it as the run would, in a
