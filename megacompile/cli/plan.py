@@ -189,8 +189,8 @@ def plan(args: argparse.Namespace) -> int:
 
 def _run_line(args: argparse.Namespace, step_s: float) -> float | None:
     """--run: the run's steps (its epochs' where it gives epochs) at `step_s` seconds an optimizer
-    step, printed; the seconds (None without --run, or for a GRPO run given epochs)."""
-    if args.run_yaml is None or args.run_steps is None:
+    step, printed; the seconds (None without --run)."""
+    if args.run_yaml is None:
         return None
     from ..ir.printer import fmt_seconds
     epochs = "" if args.run_epochs is None else f"{args.run_epochs:g} epoch{'s' * (args.run_epochs != 1)} = "

@@ -55,7 +55,7 @@ class RunPlan:
     hbm_budget: float | None            # None: the card's share, as a run on it takes
     host_budget: float | None           # None: this machine's share
     nvme_budget: float | None
-    steps: int | None                   # optimizer steps: given, or the epochs' (epoch_steps; None: grpo's)
+    steps: int                          # optimizer steps: given, or the epochs' (epoch_steps)
     epochs: float | None                # the run's epochs, where it gives them in place of steps
     stage_keys: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -91,8 +91,7 @@ def resolve(c: RunConfig) -> RunPlan:
                                     "what vLLM holds too) in place of use_vllm to plan the run's step")
             keys["generator"] = GENERATORS[c.generator]
             keys["prompts"] = c.batch * c.steps_per_generation // c.num_generations
-    # GRPO's plan prints no run time (cli/plan.py), so its epochs are not counted
-    steps = c.steps if c.steps is not None or c.stage == "grpo" else epoch_steps(c, model)
+    steps = c.steps if c.steps is not None else epoch_steps(c, model)
     return RunPlan(model=model, stage=c.stage, compute_dtype=c.compute_dtype, seq=c.seq, batch=c.batch,
                    grad_accum=c.grad_accum, global_batch=c.global_batch, accumulation=c.accumulation,
                    updates=c.updates, hbm_budget=c.hbm_budget, host_budget=c.host_budget, nvme_budget=c.nvme_budget,
@@ -102,7 +101,11 @@ def resolve(c: RunConfig) -> RunPlan:
 def epoch_steps(c: RunConfig, model: nn.Module) -> int:
     """The optimizer steps `c`'s epochs make of its data, as `megacompile train` counts them: the
     stage reads its records (max_samples, the held-out split, packing) into a run folder in the
-    temporary directory (TMPDIR), removed with what the stage made there."""
+    temporary directory (TMPDIR), removed with what the stage made there; a grpo run's prompts are
+    counted from its records (its reward functions are not loaded)."""
+    if c.stage == "grpo":
+        from .stages.grpo_keys import epoch_steps as grpo_steps, training_prompts
+        return grpo_steps(c, training_prompts(c), c.epochs)
     with tempfile.TemporaryDirectory(prefix="megacompile-plan-") as folder:
         stage = open_stage(c, os.path.join(folder, "run"), model)
         try:

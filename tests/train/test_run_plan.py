@@ -134,7 +134,8 @@ def test_a_post_training_run_plans_as_plan_stage_with_its_keys(tmp_path, capsys,
     assert "give generator: hf (a copy with a key-value cache" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stage", ["sft", pytest.param("dpo", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage", ["sft", pytest.param("dpo", marks=pytest.mark.slow),
+                                   pytest.param("grpo", marks=pytest.mark.slow)])
 def test_a_run_given_epochs_plans_the_steps_its_data_makes_of_them(tmp_path, capsys, monkeypatch, stage):
     """LlamaFactory's runs give num_train_epochs: the plan reads and tokenises the data as the run
     does (max_samples, the held-out split) to count the optimizer steps, and leaves nothing behind."""
@@ -148,10 +149,13 @@ def test_a_run_given_epochs_plans_the_steps_its_data_makes_of_them(tmp_path, cap
                               hbm_budget=1, run_dir=str(tmp_path / "run"))
     else:
         work = stage_files.workspace(tmp_path)
-        path = files.run_yaml(str(tmp_path / "e.yaml"), **stage_files.dpo(work, str(tmp_path / "run"), steps=None,
-                                                                          epochs=2, grad_accum=2))
+        make = stage_files.dpo if stage == "dpo" else stage_files.grpo
+        more = dict(grad_accum=2) if stage == "dpo" else dict(eval_fraction=0.25)
+        path = files.run_yaml(str(tmp_path / "e.yaml"), **make(work, str(tmp_path / "run"), steps=None, epochs=2,
+                                                               **more))
     planned = _plan_json(capsys, "--run", path, "--hardware", "h100")
-    assert not os.path.exists(tmp_path / "run") and os.listdir(scratch) == []
+    assert not os.path.exists(tmp_path / "run")
+    assert not [f for f in os.listdir(scratch) if f.startswith("megacompile")]       # torch's own caches aside
     assert main(["plan", "--run", path, "--hardware", "h100"]) == 0
     assert f"epochs = {planned['run_steps']:,} optimizer steps x " in capsys.readouterr().out
     assert main(["train", "--config", path]) == 0

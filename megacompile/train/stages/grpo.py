@@ -54,7 +54,7 @@ from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
 from .completions_log import CompletionsLog
-from .grpo_keys import rollout_steps
+from .grpo_keys import epoch_steps, rollout_steps
 from .keys import check_resume, check_row_length, saved_keys
 from .order import stream_items
 from . import reference
@@ -201,8 +201,7 @@ class GRPOStage(Stage):
                                        c.steps_per_generation, engine.budget_bytes)
 
     def steps_for(self, epochs: float) -> int:
-        batches = max(1, -(-int(epochs * len(self.prompts)) // self.groups))
-        return batches * self.per_rollout
+        return epoch_steps(self.c, len(self.prompts), epochs)
 
     def objective(self, policy):
         return GRPOObjective(policy, self.loss)

@@ -168,6 +168,21 @@ def rollout_steps(c) -> int:
     return c.steps_per_generation // c.grad_accum * c.num_iterations
 
 
+def epoch_steps(c, prompts: int, epochs: float) -> int:
+    """The optimizer steps `epochs` passes over `prompts` training prompts make: rollout batches of
+    batch x steps_per_generation / num_generations prompts, rollout_steps of them each."""
+    groups = c.batch * c.steps_per_generation // c.num_generations
+    return max(1, -(-int(epochs * prompts) // groups)) * rollout_steps(c)
+
+
+def training_prompts(c) -> int:
+    """The prompts a run trains on, counted from its data's records without reading them further:
+    one a record, less what eval_fraction holds out (stages/grpo.py reads and checks them)."""
+    from ..data.reading import records
+    n = sum(1 for entry in c.data for _ in records(entry))
+    return n - max(1, round(c.eval_fraction * n)) if c.eval_fraction else n
+
+
 FILTERS = ("top_k", "top_p", "min_p", "repetition_penalty")
 
 
