@@ -127,7 +127,8 @@ class RunConfig:
     load_best_model_at_end: bool = False    # the model written is the best checkpoint's (best_model.py)
     metric_for_best_model: str | None = None    # its evaluation metric (eval_loss by default)
     greater_is_better: bool | None = None       # None: lower is better for a loss, higher for the rest
-    early_stopping_patience: int | None = None  # stop after this many evaluations without improvement (early_stopping.py)
+    # stop after this many evaluations without improvement (early_stopping.py)
+    early_stopping_patience: int | None = None
     compute_accuracy: bool = False      # LlamaFactory's: the held-out token accuracy beside the loss (stage sft)
     eval_on_each_dataset: bool = False  # LlamaFactory's: each eval file (eval_dataset name) evaluated on its own too
     eval_on_start: bool = False         # transformers': an evaluation before the first step (intervals.evaluates)
@@ -488,7 +489,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("compute_accuracy is LlamaFactory's held-out token accuracy of a Hugging Face model under "
                             "stage sft (its cross-entropy loss): it needs held-out data (eval or eval_fraction) and "
                             f"the model's logits; here stage {c.stage}"
-                            + (", the bundled model" if c.bundled else "") + (f", loss_type {c.loss_type}" if c.loss_type in ("dft", "eaft")
+                            + (", the bundled model" if c.bundled else "")
+                            + (f", loss_type {c.loss_type}" if c.loss_type in ("dft", "eaft")
                                                                               else ""))
     c.eval_on_each_dataset = flag("eval_on_each_dataset", c.eval_on_each_dataset)
     if c.eval_on_each_dataset and (c.stage not in ("sft", "pt") or not c.eval):

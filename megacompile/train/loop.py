@@ -30,7 +30,8 @@ from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStep
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
-from . import best_model, early_stopping, intervals, methods, preemption, resume, rope_scaling, router_loss, trained_model, vocab
+from . import (best_model, early_stopping, intervals, methods, preemption, resume, rope_scaling, router_loss,
+               trained_model, vocab)
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog

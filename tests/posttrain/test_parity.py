@@ -123,7 +123,8 @@ CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1
 
 
 # ipo alone with -m long: dpo_loss_types sums it with three others
-@pytest.mark.parametrize("case", ["dpo", "eaft", pytest.param("dft", marks=pytest.mark.slow), pytest.param("kto", marks=pytest.mark.slow),
+@pytest.mark.parametrize("case", ["dpo", "eaft", pytest.param("dft", marks=pytest.mark.slow),
+                                  pytest.param("kto", marks=pytest.mark.slow),
                                   pytest.param("ipo", marks=pytest.mark.long),
                                   pytest.param("grpo", marks=pytest.mark.slow),
                                   pytest.param("dpo_loss_types", marks=pytest.mark.slow),

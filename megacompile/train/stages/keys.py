@@ -118,8 +118,8 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         _sft_loss(c)
     if c.stage == "pt" and raw.get("loss_type") is not None:
         raise ArgumentError(f"stage pt trains the cross-entropy of every token of the text; loss_type "
-                            f"{raw['loss_type']!r} is not taken there (stage sft takes nll, dft or eaft): leave it out, "
-                            "or set stage: sft")
+                            f"{raw['loss_type']!r} is not taken there (stage sft takes nll, dft or eaft): leave it "
+                            "out, or set stage: sft")
     _eaft_alpha(c, raw)
     _reference_updates_elsewhere(c, raw)
     given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")
@@ -134,8 +134,8 @@ def check(c, raw: dict, folder: str | None = None) -> None:
         return
     if c.loss_type in ("dft", "eaft"):
         raise ArgumentError(f"loss_type {c.loss_type} (use_{c.loss_type}_loss) is stage sft's, a weighted supervised "
-                            f"loss; stage {c.stage} takes its own loss types (docs/posttraining.md): leave it out, or set "
-                            "stage: sft")
+                            f"loss; stage {c.stage} takes its own loss types (docs/posttraining.md): leave it out, or "
+                            "set stage: sft")
     wrong = [k for k in NOT_FOR[c.stage] if k in raw and raw[k] is not None]
     if wrong:
         raise ArgumentError(f"stage {c.stage}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not taken by "

@@ -9,9 +9,10 @@ data's order, each takes the completion of the one before it (the first the last
 are TRL's, `batch` examples of the training and the held-out data each (_get_kl_dataset), or,
 where every training entry is a LlamaFactory kto_tag dataset (dataset_info.json), LlamaFactory's:
 1,000 examples (its preprocessing batch), paired before eval_fraction holds examples out, so a
-micro-batch of one has a KL row of another completion too. Each micro-batch's step is preceded by forward-only passes of its rows (the logged
-rewards) and of its KL rows (the KL estimate, a step input held constant, as TRL computes it
-without gradient), all before the step's first micro-batch: the policy the step starts from."""
+micro-batch of one has a KL row of another completion too. Each micro-batch's step is preceded by
+forward-only passes of its rows (the logged rewards) and of its KL rows (the KL estimate, a step
+input held constant, as TRL computes it without gradient), all before the step's first
+micro-batch: the policy the step starts from."""
 from __future__ import annotations
 
 import math
