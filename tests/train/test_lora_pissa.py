@@ -72,6 +72,8 @@ def test_a_pissa_run_trains_as_eager_peft_pissa_and_its_exports_are_the_trained_
     work = files.workspace(tmp_path)
     c = load(files.run_yaml(str(tmp_path / "p.yaml"), **_settings(work, tmp_path, "p", pissa_convert=True)), [])
     run(c)
+    # kept in the run folder before the first step, the initial adapters are read from there, not held
+    assert c.pissa.initial is None and c.pissa.path == os.path.join(c.run_dir, pissa.INITIAL)
     rows, eval_rows = finetune_runs.rows(c, tmp_path, SEQ)
     eager, eager_losses, eager_first = _eager(c, rows)
     ours = [float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]

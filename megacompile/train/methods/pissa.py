@@ -15,13 +15,13 @@ float32 from the weight as the files hold it, as PEFT computes them.
 The base is never loaded whole: the adapters are made from each weight read from its file in turn
 (initialise), and the residual is made as each weight streams into the host state (Residual.route,
 the load's in-memory source, as io/grown_vocab.py's), held in the base's dtype. The initial
-adapters are kept in the run folder (INITIAL), so a resumed run streams the same residual and the
-export can write an adapter for the folder's own weights (converted).
+adapters are kept in the run folder (INITIAL) before the first step and read from there after, so a
+resumed run streams the same residual, the export can write an adapter for the folder's own weights
+(converted), and the process holds no copy of them beside the plan's host state.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -33,16 +33,33 @@ INITIAL = "pissa_init.safetensors"      # the initial adapters, A0 and B0 by fil
 _MARK = "<pissa>"                       # an item's source: its file, read through Residual.memory
 
 
-@dataclass(frozen=True)
 class Residual:
-    """The initial adapters of a PiSSA run, and the residual base they leave."""
-    initial: dict[str, tuple[torch.Tensor, torch.Tensor]]     # file key of W -> (A0 (r, in), B0 (out, r))
-    scaling: float
-    transposed: frozenset[str] = frozenset()                  # keys of weights held (in, out), GPT-2's Conv1D
+    """The initial adapters of a PiSSA run, and the residual base they leave. They are held in memory
+    until the run folder keeps them (kept), then read from there a weight at a time: the process
+    holds the plan's host state, not a second copy of the adapters beside it."""
+
+    def __init__(self, initial: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, scaling: float,
+                 transposed: frozenset[str] = frozenset(), keys: frozenset[str] | None = None,
+                 path: str | None = None):
+        self.initial = initial          # file key of W -> (A0 (r, in), B0 (out, r)); None: read from `path`
+        self.keys = frozenset(initial) if keys is None else keys
+        self.scaling, self.transposed, self.path = scaling, transposed, path   # transposed: GPT-2's Conv1D
+
+    def pair(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A0, B0) of the weight `key`."""
+        if self.initial is not None:
+            return self.initial[key]
+        from safetensors import safe_open
+        with safe_open(self.path, framework="pt", backend="pread") as f:
+            return f.get_tensor(f"{key}.lora_A"), f.get_tensor(f"{key}.lora_B")
+
+    def kept(self, path: str) -> None:
+        """The initial adapters are in the file `path` now: read from there, dropped from memory."""
+        self.initial, self.path = None, path
 
     def residual(self, key: str, weight: torch.Tensor) -> torch.Tensor:
         """The file's weight `key` less its initial adapters' product, float32."""
-        a0, b0 = self.initial[key]
+        a0, b0 = self.pair(key)
         w = weight.float()
         w = w.T if key in self.transposed else w
         out = w - self.scaling * b0 @ a0
@@ -51,7 +68,7 @@ class Residual:
     def route(self, items: list) -> tuple[list, dict]:
         """The load's items with the adapted weights read through `memory` (io/source.py's
         PendingLoad.memory), each as the residual: (items, memory)."""
-        return made_as_read(items, self.initial, _MARK, lambda f, key: self.residual(key, f.get_tensor(key)))
+        return made_as_read(items, self.keys, _MARK, lambda f, key: self.residual(key, f.get_tensor(key)))
 
     def save(self, path: str) -> None:
         from safetensors.torch import save_file
@@ -99,6 +116,8 @@ def initialise(wrapped: nn.Module, c) -> Residual:
         with torch.no_grad():
             module.lora_A["default"].weight.copy_(a0)
             module.lora_B["default"].weight.copy_(b0)
+    if c.pissa_kept is not None:        # a resumed run's: read from the run folder as the base streams
+        return Residual(None, s, flipped, frozenset(initial), c.pissa_kept)
     return Residual(initial, s, flipped)
 
 
@@ -145,9 +164,9 @@ def converted(adapters: dict[str, torch.Tensor], residual: Residual, key_of) -> 
     out = {}
     for name, t in adapters.items():
         if ".lora_A." in name:
-            out[name] = torch.cat([t, residual.initial[key_of(name)][0].to(t.dtype)], dim=0)
+            out[name] = torch.cat([t, residual.pair(key_of(name))[0].to(t.dtype)], dim=0)
         elif ".lora_B." in name:
-            out[name] = torch.cat([t, -residual.initial[key_of(name)][1].to(t.dtype)], dim=1)
+            out[name] = torch.cat([t, -residual.pair(key_of(name))[1].to(t.dtype)], dim=1)
         else:
             out[name] = t
     return out
@@ -195,6 +214,7 @@ def keep(c, run_dir: str) -> None:
     os.replace(partial, path)
     fsync_dir(run_dir)
     c.pissa_kept = path
+    c.pissa.kept(path)
 
 
 def check(c, lora: bool) -> None:
