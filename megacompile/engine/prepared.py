@@ -57,11 +57,11 @@ class Prepared:
                 and torch.device(device) == self.device and compute_dtype == self.compute_dtype)
 
 
-def training_capture(module: nn.Module, inputs: dict, settings: Settings) -> CapturedModel:
+def training_capture(module: nn.Module, inputs: dict, settings: Settings, train: bool = True) -> CapturedModel:
     """The capture an engine with these settings makes of `module` at its first step with these
-    inputs (meta tensors lend their shapes)."""
+    inputs (meta tensors lend their shapes); `train` False: at its first forward-only call."""
     device = normalize_device(settings.device)      # as make_backend: cuda -> cuda:N, the one the engine runs on
-    return capture(module, (), inputs, device=device, compute_dtype=settings.compute_dtype, train=True)
+    return capture(module, (), inputs, device=device, compute_dtype=settings.compute_dtype, train=train)
 
 
 def prepare(module: nn.Module, inputs: dict, settings: Settings, clip: bool,

@@ -352,11 +352,14 @@ def minimum_budget(model_or_config: Any, *, settings: Settings | None = None,
     return _Planned(model_or_config, settings, **kwargs).lowest() / GiB
 
 
-def minimum_budget_of(captured: CapturedModel, model: nn.Module, settings: Settings, hardware: Any) -> float:
-    """minimum_budget(model, ...) from a training capture of it already made: a run that plans
-    before it trains captures each input shape once (engine/prepared.py)."""
+def minimum_budget_of(captured: CapturedModel, model: nn.Module, settings: Settings, hardware: Any,
+                      train: bool = True) -> float:
+    """minimum_budget(model, ...) from a training capture of it already made (`train` False: a
+    forward-only one): a run that plans before it trains captures each input shape once
+    (engine/prepared.py)."""
     ids = torch.empty(1, 1, dtype=torch.long, device="meta")     # stand-ins: the capture holds the shapes
-    return _Planned(model, settings, hardware=hardware, inputs={"input_ids": ids}, captured=captured).lowest() / GiB
+    return _Planned(model, settings, hardware=hardware, inputs={"input_ids": ids}, captured=captured,
+                    train=train).lowest() / GiB
 
 
 def _context_notes(model: nn.Module, seq: int) -> tuple[str, ...]:

@@ -174,11 +174,13 @@ class DPOObjective(nn.Module):
         super().__init__()
         self.policy, self.loss = policy, loss
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None = None,
+                **media) -> torch.Tensor:
         """The loss; without ref_logps, each row's log p(completion | prompt), (2B,) (LD-DPO's with
         ld_alpha): the forward-only pass that gives the reference's log-probabilities before training
-        moves it, and the policy's for the logged rewards."""
-        logits = logits_of(self.policy(input_ids))
+        moves it, and the policy's for the logged rewards. `media`: a vision-language policy's image
+        inputs (pixel_values, image_grid_thw, ...), handed to it as they are."""
+        logits = logits_of(self.policy(input_ids, **media))
         if ref_logps is None:
             if self.loss.ld_alpha is None:
                 return sequence_logprobs(logits, labels)

@@ -22,6 +22,9 @@ class Pair:
     prompt: tuple[int, ...]
     chosen: tuple[int, ...]
     rejected: tuple[int, ...]
+    # a vision-language model's pair: the prompt's images (paths) and videos, in order, which the
+    # chosen and the rejected rows each hold (train/data/image_pairs.py)
+    media: tuple = ()
 
 
 def read_pairs(path: str | Path, tokenizer) -> list[Pair]:

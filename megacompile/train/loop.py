@@ -190,7 +190,8 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
                 print(f"  resume note    {note}", flush=True)
         wrap = stage.objective
         setup = build(c, meta, stage.first_inputs, wrap=wrap, heaviest_inputs=stage.heaviest_inputs,
-                      beside_of=stage.device_beside, host_beside_of=stage.host_beside)
+                      beside_of=stage.device_beside, host_beside_of=stage.host_beside,
+                      forward_inputs=stage.forward_inputs)
         methods.pissa.keep(c, run_dir)
         try:
             if stage.needs_reference:     # the model as loaded, forward only, on the policy's device

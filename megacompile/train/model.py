@@ -119,6 +119,13 @@ def device_budget(c: RunConfig, model: nn.Module, captured, device: str) -> floa
     return max(weight_bytes * c.budget_fraction / GiB, smallest * 1.02)
 
 
+def forward_budget(c: RunConfig, model: nn.Module, captured) -> float:
+    """GiB: the smallest plan of a forward-only capture on the cpu backend (a post-training stage's
+    pass that scores its rows without a step), with device_budget's margin."""
+    settings = Settings(compute_dtype=getattr(torch, c.compute_dtype))
+    return minimum_budget_of(captured, model, settings, hardware="cpu", train=False) * 1.02
+
+
 def disable_dropout(model: nn.Module) -> int:
     """TRL's `disable_dropout`: every nn.Dropout of the model (a LoRA adapter's too) at p 0, as TRL's
     trainers set it; a rate the model's attention reads from its config (Llama's attention_dropout)
@@ -191,7 +198,7 @@ def check_import(c: RunConfig, meta: nn.Module, imported: str) -> None:
 
 
 def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_inputs=None, beside_of=None,
-          host_beside_of=None) -> Setup:
+          host_beside_of=None, forward_inputs=None) -> Setup:
     """meta: meta_model(c); first_inputs(batch) -> the inputs of one micro-batch, for their shapes;
     wrap(model) -> the module the engine trains instead of the model (a post-training objective,
     whose parameters carry the model's names under `policy.`); heaviest_inputs(batch) -> a
@@ -250,6 +257,10 @@ def build(c: RunConfig, meta: nn.Module, first_inputs, wrap=None, heaviest_input
         if heaviest is not None and device != "cuda":   # a later micro-batch with more image tokens fits too
             heavy = training_capture(module, shapes(first, heaviest), settings.replace(device=device))
             budget = max(budget, device_budget(c, module, heavy, device))
+        forward = forward_inputs(first) if forward_inputs is not None and c.hbm_budget is None else None
+        if forward is not None and device != "cuda":    # and the stage's forward-only pass at its heaviest
+            ahead = training_capture(module, shapes(first, forward), settings.replace(device=device), train=False)
+            budget = max(budget, forward_budget(c, module, ahead))
         try:
             if c.global_batch is not None:
                 from ..planner import choose_micro_batch, split_line

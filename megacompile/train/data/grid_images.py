@@ -25,9 +25,9 @@ import os
 import shutil
 
 from ...errors import ArgumentError
-from . import videos
+from . import pixels, videos
 from .grid_videos import GridVideos
-from .images import Media, images_of, processor_class, targets_on, videos_of
+from .images import Media, has_processor, images_of, processor_class, targets_on, videos_of
 
 GRID_PROCESSORS = ("Qwen2_5_VLProcessor", "Qwen3VLProcessor")
 PAD, START, END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
@@ -46,6 +46,26 @@ def media(folder: str) -> Media:
     return GridMedia(folder) if is_grid_processor(folder) else Media(folder)
 
 
+def for_run(c, tokenizer, folder: str | None) -> Media | None:
+    """The run's processor where `folder` holds one (None where not): its images read within the
+    run's image_max_pixels / image_min_pixels, as LlamaFactory scales them, its videos by the video_*
+    keys, and one chat template for the tokenizer and the processor (a processor may hold the
+    template alone; a run's own chat_template is written with the model it trained)."""
+    if not has_processor(folder):
+        return None
+    if c.template is not None:
+        raise ArgumentError(f"template {c.template!r} writes text chats, and {folder} is a vision-language "
+                            "model, whose chats its processor's own chat template writes: leave template out")
+    found = media(folder)
+    pixels.attach(found, pixels.limits(c))
+    found.videos_within(videos.Settings.of(c))
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = found.chat_template()
+    elif c.chat_template is not None:
+        found.use_template(tokenizer.chat_template)
+    return found
+
+
 class GridMedia(Media):
     """images.Media for a Qwen2.5-VL folder: its tokenizer, image processor (PIL) and chat
     template; an image's width and pixels come from its grid."""
@@ -57,6 +77,7 @@ class GridMedia(Media):
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
             self.image_processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
             self.template = ProcessorMixin.get_processor_dict(folder)[0].get("chat_template")
+            self.own_template = False       # the run's chat_template in place of the folder's (use_template)
         except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
             raise ArgumentError(f"cannot load the processor from {folder}: {str(e).splitlines()[0][:300]}") from e
         self.merge = getattr(self.image_processor, "merge_size", None)
@@ -80,10 +101,17 @@ class GridMedia(Media):
         self.video_settings = settings
         self.videos = GridVideos(self.folder, self.image_processor, settings)
 
+    def use_template(self, template: str) -> None:
+        self.template = self.tokenizer.chat_template = template
+        self.own_template = True
+
     def save_pretrained(self, path: str) -> None:
-        """The tokenizer and the folder's own processor files, beside an export."""
+        """The tokenizer and the folder's own processor files, beside an export (its chat template
+        the run's, where the run gave one: the tokenizer writes it)."""
         self.tokenizer.save_pretrained(path)
         for name in EXPORTED_FILES:
+            if self.own_template and name.startswith("chat_template"):
+                continue
             if os.path.isfile(os.path.join(self.folder, name)):
                 shutil.copyfile(os.path.join(self.folder, name), os.path.join(path, name))
 

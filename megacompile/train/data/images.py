@@ -141,6 +141,11 @@ class Media:
     def chat_template(self):
         return getattr(self.processor, "chat_template", None)
 
+    def use_template(self, template: str) -> None:
+        """The run's chat template (run.yaml's chat_template) in place of the processor's own: what
+        the processor writes, and what its export saves."""
+        self.processor.chat_template = template
+
     def at(self, entry_path: str, media_dir: str | None = None) -> None:
         """Image paths of the next records are relative to this data entry (a file's folder, or
         the folder itself), or to `media_dir` (LlamaFactory's) where the run gives one."""
@@ -342,13 +347,18 @@ def held(record: dict) -> bool:
 
 
 def text_only(record: dict, where: str, stage: str) -> None:
-    """Refuse a record with images or videos under a stage that reads its text alone (dpo, kto, rm,
-    grpo): trained without its pixels, its placeholders would be plain tokens."""
-    if held(record):
-        kind = "videos" if record.get("videos") else "images"
-        raise ArgumentError(f"{where}: the record has {kind}, and stage {stage} trains on text alone (its images "
-                            f"would be left out and their placeholders trained as text); give text records, or train "
-                            "the images under stage: sft")
+    """Refuse a record with images or videos under a stage that reads its text alone (kto, rm, grpo;
+    dpo without a processor): trained without its pixels, its placeholders would be plain tokens."""
+    if not held(record):
+        return
+    kind = "videos" if record.get("videos") else "images"
+    if stage == "dpo":
+        raise ArgumentError(f"{where}: the record has {kind}, which stage dpo reads only through a vision-language "
+                            f"model's processor ({' or '.join(PROCESSOR_FILES)} in the model folder): give such a "
+                            "model, or text records")
+    raise ArgumentError(f"{where}: the record has {kind}, and stage {stage} trains on text alone (its images "
+                        f"would be left out and their placeholders trained as text); give text records, or train "
+                        "the images under stage: sft or dpo")
 
 
 def images_of(items: list) -> list[str]:

@@ -48,4 +48,4 @@ def open_stage(c, run_dir: str, meta=None) -> Stage:
     from ..data.tokens import load_tokenizer
     tokenizer = load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model)
     vocab.add(tokenizer, c)
-    return stage(c, tokenizer)
+    return stage(c, tokenizer, run_dir) if c.stage == "dpo" else stage(c, tokenizer)

@@ -13,9 +13,17 @@ forward-only pass of the same rows, whose log-probabilities give the logged impl
 With sync_ref_model (TR-DPO) the reference moves: it is a second engine over the model as loaded
 (a second copy of the weights on the host), whose forward-only pass gives each micro-batch's and
 each evaluation's reference log-probabilities, and into which the policy is mixed every
-ref_model_sync_steps steps (reference.update)."""
+ref_model_sync_steps steps (reference.update).
+
+A vision-language model (a folder with its processor) trains pairs with images too (LlamaFactory's
+rlhf_v layout, TRL's vision preference records: data/image_pairs.py): each micro-batch's chosen
+and rejected rows hold their prompt's images, read by the processor when the micro-batch is
+packed, so every pass (reference, policy, evaluation) sees the pixels the prompt shows. Its export
+gets the processor's files beside it."""
 from __future__ import annotations
 
+
+import os
 
 import torch
 
@@ -23,7 +31,8 @@ from ...errors import ArgumentError
 from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
 from ...posttrain import Pair, orpo_metrics, pack, preference_metrics, to_pair
-from ..data import images, tools
+from ..data import grid_images, images, tools
+from ..data.image_pairs import image_pair
 from ..data.ranking import preference
 from ..data.reading import records
 from ..log import STEP_COLUMNS
@@ -37,13 +46,27 @@ ORPO_METRICS = {"orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"), "orpo
 
 
 def pairs_digest(pairs: list[Pair]) -> str:
-    """sha256 of the pairs' token ids, in order: what a reference row belongs to."""
-    return reference.digest((p.prompt, p.chosen, p.rejected) for p in pairs)
+    """sha256 of the pairs' token ids, in order, and of the paths of their images: what a reference
+    row belongs to."""
+    return reference.digest((p.prompt, p.chosen, p.rejected) + ((_media_ids(p.media),) if p.media else ())
+                            for p in pairs)
+
+
+def _media_ids(media: tuple) -> tuple[int, ...]:
+    """A pair's image and video paths as numbers the digest reads."""
+    return tuple(str(media).encode())
 
 
 class DPOStage(reference.ReferenceStage):
-    def __init__(self, c, tokenizer):
+    def __init__(self, c, tokenizer, run_dir: str | None = None):
         super().__init__(c, tokenizer)
+        # a vision-language model's processor: pairs with images are tokenised and packed through it,
+        # and it is what the trained model's folder saves beside it
+        self.media = grid_images.for_run(c, tokenizer, c.tokenizer or c.model)
+        if self.media is not None:
+            self.tokenizer = self.media
+            if run_dir is not None:     # images held inside records are written there (data/embedded.py)
+                self.media.keep_embedded_in(os.path.join(run_dir, "images"))
         self.pairs = self._read(c.data, tokenizer)
         self.held: list[Pair] = []
         if c.eval:
@@ -63,10 +86,15 @@ class DPOStage(reference.ReferenceStage):
     def _read(self, entries: list, tokenizer) -> list[Pair]:
         pairs = []
         for entry in entries:
+            if self.media is not None:
+                self.media.at(entry["path"], entry.get("media_dir"))
             for where, record in records(entry):
-                images.text_only(record, where, "dpo")
-                pair = to_pair(preference(record, where), tokenizer, where, tools.template_kwargs(record, where),
-                               tools.tools(record, where))
+                if self.media is not None and images.held(record):
+                    pair = image_pair(record, where, tokenizer, self.media)
+                else:
+                    images.text_only(record, where, "dpo")
+                    pair = to_pair(preference(record, where), tokenizer, where,
+                                   tools.template_kwargs(record, where), tools.tools(record, where))
                 if len(pair.prompt) > self.c.seq:
                     raise ArgumentError(f"{where}: the prompt is {len(pair.prompt)} tokens, which leaves no room for "
                                         f"its completions in rows of seq {self.c.seq}: raise seq (max_length) or "
@@ -78,6 +106,8 @@ class DPOStage(reference.ReferenceStage):
 
     def describe(self, setup) -> list[str]:
         held = f", {len(self.held)} held out" if self.held else ""
+        shown = sum(bool(p.media) for p in self.pairs)
+        held += f", {shown} with images" if shown else ""
         return [f"stage          dpo: {len(self.pairs)} preference pairs{held}; {self.c.batch} pairs x "
                 f"{self.c.grad_accum} accumulated per step, rows of {self.c.seq} tokens; {_terms(self.loss)} loss, "
                 f"beta {self.c.beta:g}"
@@ -92,8 +122,33 @@ class DPOStage(reference.ReferenceStage):
         return DPOObjective(policy, self.loss)
 
     def first_inputs(self, batch: int) -> dict:
-        return {**pack([self.pairs[i % len(self.pairs)] for i in range(batch)], self.c.seq, self.pad),
+        return {**self._pack([self.pairs[i % len(self.pairs)] for i in range(batch)]),
                 "ref_logps": torch.zeros(2 * batch)}
+
+    def heaviest_inputs(self, batch: int) -> dict | None:
+        """The `batch` pairs whose images fill the most tokens (None without images): the default
+        budget fits their micro-batch too, not only the first one."""
+        if self.media is None or not any(p.media for p in self.pairs):
+            return None
+        width = getattr(self.media, "width", lambda path, where: 1)     # Qwen's grids; else one per image
+        load = [sum(width(m, str(m)) for m in p.media) for p in self.pairs]
+        heaviest = sorted(sorted(range(len(load)), key=lambda i: -load[i])[:batch])
+        group = [self.pairs[heaviest[k % len(heaviest)]] for k in range(batch)]
+        return {**self._pack(group), "ref_logps": torch.zeros(2 * batch)}
+
+    def forward_inputs(self, batch: int) -> dict | None:
+        """With images, the forward-only pass's (the reference's and the logged rewards'), whose
+        smallest plan of a vision-language model is larger than its training step's."""
+        heaviest = self.heaviest_inputs(batch)
+        return None if heaviest is None else {k: v for k, v in heaviest.items() if k != "ref_logps"}
+
+    def _pack(self, group: list[Pair]) -> dict:
+        """The micro-batch of these pairs (pack()), with the image inputs of their rows: the chosen
+        rows' images, then the rejected rows', each a pair's prompt's."""
+        rows = pack(group, self.c.seq, self.pad)
+        if self.media is not None and any(p.media for p in group):
+            rows.update(self.media.inputs([list(p.media) for p in group] * 2, rows["input_ids"]))
+        return rows
 
     def _logps(self, engine, pairs: list[Pair]) -> torch.Tensor:
         """(len(pairs), 2) log-probabilities (chosen, rejected) under the engine's weights now, by
@@ -101,7 +156,7 @@ class DPOStage(reference.ReferenceStage):
         b, out = self.c.batch, []
         for i in range(0, len(pairs), b):
             group = [pairs[(i + k) % len(pairs)] for k in range(b)]
-            both = torch.as_tensor(engine(**pack(group, self.c.seq, self.pad))).float()
+            both = torch.as_tensor(engine(**self._pack(group))).float()
             out.append(torch.stack([both[:b], both[b:]], dim=1))
         return torch.cat(out)[:len(pairs)]
 
@@ -136,7 +191,7 @@ class DPOStage(reference.ReferenceStage):
         for _ in range(self.c.grad_accum):
             chosen = stream_items(len(self.pairs), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
             position += self.c.batch
-            rows = pack([self.pairs[i] for i in chosen], self.c.seq, self.pad)
+            rows = self._pack([self.pairs[i] for i in chosen])
             ref = (torch.as_tensor(self.reference(**rows)).float().clone() if self.needs_reference
                    else torch.cat([self.table[chosen, 0], self.table[chosen, 1]]))
             micro.append((rows, ref))

@@ -15,7 +15,7 @@ from ...ir import fmt_bytes
 from .. import intervals
 from .. import methods, router_loss, vocab
 from ..config import RunConfig
-from ..data import grid_images, images, mixture, packing, pixels, split, streaming, tokens, videos
+from ..data import grid_images, mixture, packing, split, streaming, tokens
 from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
@@ -198,24 +198,14 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     the training and eval rows (None without held-out data) and what the
     training data's position refers to (its token file's sha256; the sources' when streamed)."""
     tokenizer_dir = None if c.bundled else (c.tokenizer or c.model)
-    if c.template is not None and images.has_processor(tokenizer_dir):
-        raise ArgumentError(f"template {c.template!r} writes text chats, and {tokenizer_dir} is a vision-language "
-                            "model, whose chats its processor's own chat template writes: leave template out")
     model_dir = None if c.bundled else c.model
     tokenizer = load_tokenizer(tokenizer_dir, c.chat_template, c.template, model_dir)
     vocab.add(tokenizer, c)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     folder = os.path.join(run_dir, "tokens")
+    media = grid_images.for_run(c, tokenizer, tokenizer_dir)
     if c.streaming:
         return _stream(c, folder, tokenizer, tokenizer_dir, row_len, pad)
-    media = grid_images.media(tokenizer_dir) if images.has_processor(tokenizer_dir) else None
-    if media is not None:       # image_max_pixels / image_min_pixels, as LlamaFactory scales images
-        pixels.attach(media, pixels.limits(c))
-        media.videos_within(videos.Settings.of(c))     # and the video_* keys, as it reads videos
-    if media is not None and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = media.chat_template()     # a processor may hold the template alone
-    elif media is not None and c.chat_template is not None:
-        media.processor.chat_template = tokenizer.chat_template     # written with the model it trained
     batch_pixels = media.inputs if media is not None else None
     train = token_file(folder, "train", c.data, tokenizer, tokenizer_dir, c.train_on_prompt, media, row_len,
                        c.tokenize_workers, model_dir)

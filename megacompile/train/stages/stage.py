@@ -41,6 +41,12 @@ class Stage:
         budget to fit too; None: the first micro-batch stands for all."""
         return None
 
+    def forward_inputs(self, batch: int) -> dict | None:
+        """The inputs of the stage's forward-only pass at its heaviest, where its smallest plan may
+        need more device memory than a training step's (a vision-language model's), for the default
+        budget to fit it too; None: the training step's budget fits it."""
+        return None
+
     def device_beside(self, meta, card_bytes: int) -> list:
         """What the stage holds on a GPU of `card_bytes` beside the engine's plans for the whole run
         (train/beside.py's Beside): taken out of the device budget before planning."""
