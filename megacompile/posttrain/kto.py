@@ -109,8 +109,10 @@ class KTOObjective(nn.Module):
         self.policy, self.loss = policy, loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None = None,
-                desirable: torch.Tensor | None = None, kl: torch.Tensor | None = None) -> torch.Tensor:
-        logits = logits_of(self.policy(input_ids))
+                desirable: torch.Tensor | None = None, kl: torch.Tensor | None = None, **media) -> torch.Tensor:
+        """The loss; without ref_logps, each row's log p(completion | prompt). `media`: a
+        vision-language policy's image inputs, handed to it as they are."""
+        logits = logits_of(self.policy(input_ids, **media))
         if ref_logps is None:
             return sequence_logprobs(logits, labels)
         return self.loss(logits, labels, ref_logps, desirable, kl)

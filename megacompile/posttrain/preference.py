@@ -23,7 +23,7 @@ class Pair:
     chosen: tuple[int, ...]
     rejected: tuple[int, ...]
     # a vision-language model's pair: the prompt's images (paths) and videos, in order, which the
-    # chosen and the rejected rows each hold (train/data/image_pairs.py)
+    # chosen and the rejected rows each hold (train/data/image_answers.py)
     media: tuple = ()
 
 

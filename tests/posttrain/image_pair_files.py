@@ -1,7 +1,8 @@
 """Preference records with images, as LlamaFactory's rlhf_v dataset writes them (its sharegpt
 ranking layout with an `images` column, named in dataset_info.json), and as TRL's vision
 preference records write them ({prompt, chosen, rejected} messages, an image part in the prompt),
-for tests/train/qwen_files.py's tiny Qwen2.5-VL: the right colour is chosen, another rejected."""
+for tests/train/qwen_files.py's tiny Qwen2.5-VL: the right colour is chosen, another rejected; and
+LlamaFactory's kto_tag layout with images."""
 from __future__ import annotations
 
 import json
@@ -50,3 +51,26 @@ def trl_records(path: str, n: int = 4) -> str:
                 "rejected": [{"role": "assistant", "content": f"this is {wrong}"}],
                 "images": [f"images/{colour}.png"]}) + "\n")
     return path
+
+
+def kto_tagged(folder: str, n: int = 6) -> str:
+    """dataset_info.json naming `kto_mllm`: LlamaFactory's kto_tag layout (sharegpt messages ending
+    with the answer, the kto_tag column renamed to label) with an `images` column; the answer names
+    the image's colour (desirable) or another (not), images red or green (one grid). The folder."""
+    qwen_files.images(os.path.join(folder, "kto_data"))
+    records = []
+    for i in range(n):
+        colour = ("green", "red")[i % 2]
+        right = i % 3 != 1
+        records.append({"messages": [{"role": "user", "content": "<image>what colour is this"},
+                                     {"role": "assistant", "content": f"this is {colour if right else 'blue'}"}],
+                        "label": right, "images": [f"kto_data/images/{colour}.png"]})
+    with open(os.path.join(folder, "kto_mllm.json"), "w") as f:
+        json.dump(records, f, indent=2)
+    info = {"kto_mllm": {"file_name": "kto_mllm.json", "formatting": "sharegpt",
+                         "columns": {"messages": "messages", "kto_tag": "label", "images": "images"},
+                         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                  "assistant_tag": "assistant"}}}
+    with open(os.path.join(folder, "dataset_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return folder

@@ -116,7 +116,7 @@ def test_trls_vision_records_read_as_llamafactorys_and_the_refusals_name_the_rec
     for bad, words in (({**record, "prompt": "<image> describe this"}, "gives its prompt as a conversation"),
                        ({**record, "chosen": record["chosen"] * 2}, "chosen is the model's one answer")):
         path.write_text(json.dumps(bad) + "\n")
-        with pytest.raises(ArgumentError, match=f"sharegpt.jsonl:1: a preference record with images {words}"
+        with pytest.raises(ArgumentError, match=f"sharegpt.jsonl:1: a record with images {words}"
                            if "prompt" in words else f"sharegpt.jsonl:1: with images, {words}"):
             _stage(tmp_path, str(path), chat_template=str(template))
 

@@ -53,9 +53,7 @@ def for_run(c, tokenizer, folder: str | None) -> Media | None:
     template alone; a run's own chat_template is written with the model it trained)."""
     if not has_processor(folder):
         return None
-    if c.template is not None:
-        raise ArgumentError(f"template {c.template!r} writes text chats, and {folder} is a vision-language "
-                            "model, whose chats its processor's own chat template writes: leave template out")
+    check_template(c, folder)
     found = media(folder)
     pixels.attach(found, pixels.limits(c))
     found.videos_within(videos.Settings.of(c))
@@ -64,6 +62,14 @@ def for_run(c, tokenizer, folder: str | None) -> Media | None:
     elif c.chat_template is not None:
         found.use_template(tokenizer.chat_template)
     return found
+
+
+def check_template(c, folder: str | None) -> None:
+    """LlamaFactory's `template` names a text layout, which a vision-language model's processor does
+    not write: refused before its tokenizer is loaded with it."""
+    if c.template is not None and has_processor(folder):
+        raise ArgumentError(f"template {c.template!r} writes text chats, and {folder} is a vision-language "
+                            "model, whose chats its processor's own chat template writes: leave template out")
 
 
 class GridMedia(Media):

@@ -347,18 +347,18 @@ def held(record: dict) -> bool:
 
 
 def text_only(record: dict, where: str, stage: str) -> None:
-    """Refuse a record with images or videos under a stage that reads its text alone (kto, rm, grpo;
-    dpo without a processor): trained without its pixels, its placeholders would be plain tokens."""
+    """Refuse a record with images or videos under a stage that reads its text alone (rm, grpo; dpo
+    and kto without a processor): trained without its pixels, its placeholders would be plain tokens."""
     if not held(record):
         return
     kind = "videos" if record.get("videos") else "images"
-    if stage == "dpo":
-        raise ArgumentError(f"{where}: the record has {kind}, which stage dpo reads only through a vision-language "
+    if stage in ("dpo", "kto"):
+        raise ArgumentError(f"{where}: the record has {kind}, which stage {stage} reads only through a vision-language "
                             f"model's processor ({' or '.join(PROCESSOR_FILES)} in the model folder): give such a "
                             "model, or text records")
     raise ArgumentError(f"{where}: the record has {kind}, and stage {stage} trains on text alone (its images "
                         f"would be left out and their placeholders trained as text); give text records, or train "
-                        "the images under stage: sft or dpo")
+                        "the images under stage: sft, dpo or kto")
 
 
 def images_of(items: list) -> list[str]:

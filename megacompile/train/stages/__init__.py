@@ -45,7 +45,9 @@ def open_stage(c, run_dir: str, meta=None) -> Stage:
     stage = kind(c)
     if c.stage in ("sft", "pt"):
         return stage(c, run_dir, router=meta is not None and router_loss.on(meta))
+    from ..data import grid_images
     from ..data.tokens import load_tokenizer
+    grid_images.check_template(c, c.tokenizer or c.model)
     tokenizer = load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model)
     vocab.add(tokenizer, c)
-    return stage(c, tokenizer, run_dir) if c.stage == "dpo" else stage(c, tokenizer)
+    return stage(c, tokenizer, run_dir) if c.stage in ("dpo", "kto") else stage(c, tokenizer)

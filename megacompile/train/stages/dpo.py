@@ -16,7 +16,7 @@ each evaluation's reference log-probabilities, and into which the policy is mixe
 ref_model_sync_steps steps (reference.update).
 
 A vision-language model (a folder with its processor) trains pairs with images too (LlamaFactory's
-rlhf_v layout, TRL's vision preference records: data/image_pairs.py): each micro-batch's chosen
+rlhf_v layout, TRL's vision preference records: data/image_answers.py): each micro-batch's chosen
 and rejected rows hold their prompt's images, read by the processor when the micro-batch is
 packed, so every pass (reference, policy, evaluation) sees the pixels the prompt shows. Its export
 gets the processor's files beside it."""
@@ -32,7 +32,7 @@ from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
 from ...posttrain import Pair, orpo_metrics, pack, preference_metrics, to_pair
 from ..data import grid_images, images, tools
-from ..data.image_pairs import image_pair
+from ..data.image_answers import heaviest, image_pair, with_media
 from ..data.ranking import preference
 from ..data.reading import records
 from ..log import STEP_COLUMNS
@@ -128,13 +128,10 @@ class DPOStage(reference.ReferenceStage):
     def heaviest_inputs(self, batch: int) -> dict | None:
         """The `batch` pairs whose images fill the most tokens (None without images): the default
         budget fits their micro-batch too, not only the first one."""
-        if self.media is None or not any(p.media for p in self.pairs):
+        items = heaviest([p.media for p in self.pairs], self.media, batch)
+        if items is None:
             return None
-        width = getattr(self.media, "width", lambda path, where: 1)     # Qwen's grids; else one per image
-        load = [sum(width(m, str(m)) for m in p.media) for p in self.pairs]
-        heaviest = sorted(sorted(range(len(load)), key=lambda i: -load[i])[:batch])
-        group = [self.pairs[heaviest[k % len(heaviest)]] for k in range(batch)]
-        return {**self._pack(group), "ref_logps": torch.zeros(2 * batch)}
+        return {**self._pack([self.pairs[i] for i in items]), "ref_logps": torch.zeros(2 * batch)}
 
     def forward_inputs(self, batch: int) -> dict | None:
         """With images, the forward-only pass's (the reference's and the logged rewards'), whose
@@ -145,10 +142,7 @@ class DPOStage(reference.ReferenceStage):
     def _pack(self, group: list[Pair]) -> dict:
         """The micro-batch of these pairs (pack()), with the image inputs of their rows: the chosen
         rows' images, then the rejected rows', each a pair's prompt's."""
-        rows = pack(group, self.c.seq, self.pad)
-        if self.media is not None and any(p.media for p in group):
-            rows.update(self.media.inputs([list(p.media) for p in group] * 2, rows["input_ids"]))
-        return rows
+        return with_media(pack(group, self.c.seq, self.pad), self.media, [p.media for p in group] * 2)
 
     def _logps(self, engine, pairs: list[Pair]) -> torch.Tensor:
         """(len(pairs), 2) log-probabilities (chosen, rejected) under the engine's weights now, by

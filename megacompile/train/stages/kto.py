@@ -12,17 +12,23 @@ where every training entry is a LlamaFactory kto_tag dataset (dataset_info.json)
 micro-batch of one has a KL row of another completion too. Each micro-batch's step is preceded by
 forward-only passes of its rows (the logged rewards) and of its KL rows (the KL estimate, a step
 input held constant, as TRL computes it without gradient), all before the step's first
-micro-batch: the policy the step starts from."""
+micro-batch: the policy the step starts from.
+
+On a vision-language model (a folder with its processor) an example may show images
+(data/image_answers.py): its row and its KL row hold its prompt's images, read by the processor
+when the micro-batch is packed; the export gets the processor's files beside it."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from ...errors import ArgumentError
 from ...posttrain import IGNORE, KTOLoss, KTOObjective, kl_estimate, pack_rows, tokenised
-from ..data import feedback, images, tools
+from ..data import feedback, grid_images, images, tools
+from ..data.image_answers import answered, heaviest, with_media
 from ..data.reading import records
 from ..log import STEP_COLUMNS
 from .keys import saved_keys
@@ -41,6 +47,7 @@ class Example:
     completion: tuple[int, ...]
     desirable: bool
     kl: tuple[int, ...] | None = None       # its KL row's completion, where paired as LlamaFactory pairs
+    media: tuple = ()       # a vision-language model's example: its prompt's images (paths), in order
 
 
 def with_kl(examples: list[Example], chunk: int) -> list[Example]:
@@ -62,12 +69,19 @@ def kl_partners(n: int, batch: int) -> list[int]:
 def examples_digest(examples: list[Example]) -> str:
     """sha256 of the examples' token ids and labels, in order: what a reference row belongs to."""
     return reference.digest((e.prompt, e.completion, (int(e.desirable),)) + ((e.kl,) if e.kl is not None else ())
-                            for e in examples)
+                            + ((tuple(str(e.media).encode()),) if e.media else ()) for e in examples)
 
 
 class KTOStage(reference.ReferenceStage):
-    def __init__(self, c, tokenizer):
+    def __init__(self, c, tokenizer, run_dir: str | None = None):
         super().__init__(c, tokenizer)
+        # a vision-language model's processor, as stage dpo keeps it (stages/dpo.py)
+        self.media = grid_images.for_run(c, tokenizer, c.tokenizer or c.model)
+        if self.media is not None:
+            self.tokenizer = self.media
+            if run_dir is not None:
+                self.media.keep_embedded_in(os.path.join(run_dir, "images"))
+        self.text_tokenizer = tokenizer
         self.llamafactory = feedback.llamafactory_pairing(c.data)
         self.examples = self._read(c.data)
         self.held: list[Example] = []
@@ -94,8 +108,11 @@ class KTOStage(reference.ReferenceStage):
             def flush():
                 out.extend(self._example(where, record, pair[k]) for k in (0, 1) for where, record, pair in paired)
                 paired.clear()
+            if self.media is not None:
+                self.media.at(entry["path"], entry.get("media_dir"))
             for where, record in records(entry):
-                images.text_only(record, where, "kto")
+                if self.media is None or not images.held(record):
+                    images.text_only(record, where, "kto")
                 if feedback.is_paired(record):
                     paired.append((where, record, feedback.unpaired(record, where)))
                     if len(paired) == feedback.UNPAIR_BATCH:
@@ -109,16 +126,25 @@ class KTOStage(reference.ReferenceStage):
         return out
 
     def _example(self, where: str, record: dict, example: dict) -> Example:
-        prompt, (completion,) = tokenised(example["prompt"], {"completion": example["completion"]}, self.tokenizer,
-                                          where, tools.template_kwargs(record, where), tools.tools(record, where))
+        shown = ()
+        if self.media is not None and images.held(record):
+            prompt, (completion,) = answered(record, example["prompt"], {"completion": example["completion"]}, where,
+                                             self.text_tokenizer, self.media)
+            shown = tuple(self.media.paths(record, where))
+        else:
+            prompt, (completion,) = tokenised(example["prompt"], {"completion": example["completion"]},
+                                              self.text_tokenizer, where, tools.template_kwargs(record, where),
+                                              tools.tools(record, where))
         if len(prompt) > self.c.seq:
             raise ArgumentError(f"{where}: the prompt is {len(prompt)} tokens, which leaves no room for its completion "
                                 f"in rows of seq {self.c.seq}: raise seq (max_length) or shorten the prompt")
-        return Example(tuple(prompt), tuple(completion), example["label"])
+        return Example(tuple(prompt), tuple(completion), example["label"], media=shown)
 
     def describe(self, setup) -> list[str]:
         c, wanted = self.c, sum(e.desirable for e in self.examples)
         held = f", {len(self.held)} held out" if self.held else ""
+        shown = sum(bool(e.media) for e in self.examples)
+        held += f", {shown} with images" if shown else ""
         lines = [f"stage          kto: {len(self.examples)} completions ({wanted} desirable, "
                  f"{len(self.examples) - wanted} undesirable){held}; {c.batch} x {c.grad_accum} accumulated per step, "
                  f"rows of {c.seq} tokens; loss {c.loss_type}, beta {c.beta:g}, desirable_weight "
@@ -144,15 +170,32 @@ class KTOStage(reference.ReferenceStage):
         return KTOObjective(policy, self.loss)
 
     def _rows(self, examples: list[Example], items: list[int], partners: list[int]) -> tuple[dict, dict, torch.Tensor]:
-        """The micro-batch of `items`: its rows, its KL rows and which completions are desirable."""
+        """The micro-batch of `items`: its rows, its KL rows (each with its own prompt's images) and
+        which completions are desirable."""
+        shown = [examples[i].media for i in items]
         rows = pack_rows([(examples[i].prompt, examples[i].completion) for i in items], self.c.seq, self.pad)
         kl = pack_rows([(examples[i].prompt, examples[i].kl if examples[i].kl is not None
                          else examples[partners[i]].completion) for i in items], self.c.seq, self.pad)
-        return rows, kl, torch.tensor([float(examples[i].desirable) for i in items])
+        return (with_media(rows, self.media, shown), with_media(kl, self.media, shown),
+                torch.tensor([float(examples[i].desirable) for i in items]))
 
     def first_inputs(self, batch: int) -> dict:
-        rows, _, desirable = self._rows(self.examples, [i % len(self.examples) for i in range(batch)], self.partners)
-        return {**rows, "ref_logps": torch.zeros(batch), "desirable": desirable, "kl": torch.zeros(())}
+        return self._inputs([i % len(self.examples) for i in range(batch)])
+
+    def _inputs(self, items: list[int]) -> dict:
+        rows, _, desirable = self._rows(self.examples, items, self.partners)
+        return {**rows, "ref_logps": torch.zeros(len(items)), "desirable": desirable, "kl": torch.zeros(())}
+
+    def heaviest_inputs(self, batch: int) -> dict | None:
+        """The `batch` examples whose images fill the most tokens (None without images)."""
+        items = heaviest([e.media for e in self.examples], self.media, batch)
+        return None if items is None else self._inputs(items)
+
+    def forward_inputs(self, batch: int) -> dict | None:
+        """With images, the forward-only pass's (the reference's, the rewards' and the KL rows'),
+        whose smallest plan of a vision-language model is larger than its training step's."""
+        items = heaviest([e.media for e in self.examples], self.media, batch)
+        return None if items is None else self._rows(self.examples, items, self.partners)[0]
 
     def _logps(self, engine, examples: list[Example], partners: list[int]) -> torch.Tensor:
         """(len(examples), 2) log-probabilities (the example's row, its KL row: 0 where the loss

@@ -199,6 +199,7 @@ def _data(c: RunConfig, run_dir: str, row_len: int):
     training data's position refers to (its token file's sha256; the sources' when streamed)."""
     tokenizer_dir = None if c.bundled else (c.tokenizer or c.model)
     model_dir = None if c.bundled else c.model
+    grid_images.check_template(c, tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir, c.chat_template, c.template, model_dir)
     vocab.add(tokenizer, c)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
