@@ -242,8 +242,8 @@ def _plan_stage(args: argparse.Namespace) -> int:
     from ..planner import plan_stage
     refused = [flag for flag, given in (("--global-batch", args.global_batch is not None), ("--gpus", args.gpus != 1),
                                         ("--nodes", args.nodes != 1), ("--smallest", args.smallest),
-                                        ("--trace", args.trace is not None), ("--plot", args.plot is not None), ("--images-per-row", args.images_per_row != 0),
-                                        ("--image-size", args.image_size is not None)) if given]
+                                        ("--trace", args.trace is not None), ("--plot", args.plot is not None))
+               if given]
     if refused:
         raise ArgumentError(f"--stage plans one GPU's step of one micro-batch, part by part: {', '.join(refused)} "
                             f"{'is' if len(refused) == 1 else 'are'} not taken with it; leave "
@@ -268,7 +268,8 @@ def _plan_stage(args: argparse.Namespace) -> int:
     try:
         staged = plan_stage(model, args.hbm_budget, args.stage, batch=args.batch, seq=args.seq,
                             hardware=hardware, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
-                            nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth, **keys)
+                            nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth,
+                            images_per_row=args.images_per_row, image_size=args.image_size, **keys)
     except (BudgetTooSmallError, HostMemoryError) as e:
         print(host_line)
         print(f"  verdict        does NOT fit: {e}")

@@ -225,14 +225,23 @@ def reads_reference(loss_type: str | list[str]) -> bool:
 def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, batch: int | None = None,
                seq: int | None = None, hardware: Any = "h100", compute_dtype: torch.dtype = torch.bfloat16,
                fuse: bool | None = Settings.fuse, host_budget: float | None = None, nvme_budget: float | None = None,
-               nvme_bandwidth: float | None = None, **keys) -> StagePlan:
+               nvme_bandwidth: float | None = None, images_per_row: int = 0, image_size: int | None = None,
+               **keys) -> StagePlan:
     """The predicted step of a post-training stage, from its parts (see the module's docstring).
 
     `batch`: rows (sft, kto) or preference pairs (dpo, rm) per step, default 1; `seq`: their width, default
     2048. grpo takes neither: its rows are prompts x num_generations, its width max_prompt_length +
-    max_completion_length. `keys`: the stage's (KEYS, TRL's names). The rest as plan()'s. Raises
-    BudgetTooSmallError or HostMemoryError, as plan() does, when a part does not fit."""
+    max_completion_length. `keys`: the stage's (KEYS, TRL's names). `images_per_row`, `image_size`: a
+    vision-language model's rows with images (dpo, kto and sft: every part, training and forward-only,
+    plans them). The rest as plan()'s. Raises BudgetTooSmallError or HostMemoryError, as plan() does,
+    when a part does not fit."""
     keys = stage_keys(stage, keys)
+    images = {}
+    if images_per_row or image_size is not None:
+        if stage not in ("sft", "dpo", "kto"):
+            raise ArgumentError(f"stage {stage} trains on text alone: images_per_row and image_size plan the rows "
+                                "of stages sft, dpo and kto with images; leave them out")
+        images = dict(images_per_row=images_per_row, image_size=image_size)
     if stage == "grpo":
         given = [k for k, v in (("batch", batch), ("seq", seq)) if v is not None]
         if given:
@@ -270,7 +279,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
 
         def planned(train: bool, n: int, width: int) -> Plan:
             return plan(model, hbm_budget - beside / 2 ** 30, batch=n, seq=width, train=train, host_budget=host_left,
-                        **settings)
+                        **settings, **images)
         try:
             if host_left is not None and host_left <= 0:
                 raise HostMemoryError(f"the streamed copy's decoder layers ({fmt_bytes(layers_held)}, pinned in host "

@@ -171,9 +171,12 @@ def test_the_command_plans_a_config_folder_with_images(tmp_path, capsys):
     assert 0 < vision["time_share"] < 1 and 0 < vision["memory_share"] < 1
     assert "images         2 per row of 64 x 64 px, resized to the tower's 16 x 16 px" in out
     assert "parameters (tower and projector)" in out
-    assert main(["plan", "--config", str(tmp_path), "--hbm-budget", "1", "--stage", "sft",
+    assert main(["plan", "--config", str(tmp_path), "--hbm-budget", "1", "--stage", "dpo", "--seq", "48",
+                 "--images-per-row", "1", "--host-budget", "4", "--json"]) == 0     # each part plans the tower
+    assert all(p["name"] in ("training", "reference forward") for p in json.loads(capsys.readouterr().out)["parts"])
+    assert main(["plan", "--config", str(tmp_path), "--hbm-budget", "1", "--stage", "rm",
                  "--images-per-row", "1"]) == 2
-    assert "--images-per-row is not taken with it" in capsys.readouterr().err
+    assert "stage rm trains on text alone: images_per_row and image_size" in capsys.readouterr().err
 
 
 GEMMA3_27B = {"model_type": "gemma3", "mm_tokens_per_image": 256, "image_token_index": 262144,

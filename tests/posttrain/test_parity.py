@@ -103,6 +103,26 @@ def through_engine(module, batches: list[dict], budget: float):
     return ours, moments, engine
 
 
+def as_eagerly(make, batches: list[dict], budget: float):
+    """make() -> a fresh objective (the same weights each call), trained on `batches` by eager
+    torch.optim.AdamW and through the engine at `budget` GiB: losses and first moments agree to
+    1e-5, weights to the float32 noise floor measured here. The engine (open) and the eager objective."""
+    reference, eager_moments = make(), {}
+    losses = _eager(reference, batches, eager_moments)
+    noise = float64_noise(lambda exact: _eager(exact, [{k: v.double() if v.is_floating_point() else v
+                                                         for k, v in b.items()} for b in batches]),
+                          make(), reference)
+    ours, moments, engine = through_engine(make(), batches, budget)
+    try:
+        assert ours == pytest.approx(losses, rel=1e-5, abs=1e-7)
+        assert moment_error(moments, eager_moments) <= 1e-5
+        assert_same_weights(engine, reference, noise=noise)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, reference
+
+
 CASES = {"dpo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, label_smoothing=0.1)), _dpo_batches),
          "ipo": (lambda p: DPOObjective(p, DPOLoss(beta=0.5, loss_type="ipo")), _dpo_batches),
          "dft": (lambda p: DFTObjective(p, shifted=True), _sft_batches),

@@ -359,3 +359,27 @@ def test_a_lora_policys_stage_holds_its_reference_as_adapters_and_its_copy_merge
                  "--prompts", "2", "--num-generations", "2", "--max-prompt-length", "8", "--max-completion-length", "4",
                  "--beta", "0.04", "--lora-rank", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["reference_host_bytes"] == adapters
+
+
+def test_a_dpo_or_kto_step_with_images_plans_the_vision_tower_in_every_part(capsys):
+    """images_per_row (--images-per-row) plans each part's rows with images, the training step's and
+    the forward-only passes' alike: the same plans megacompile.plan makes of those rows; the stages
+    that train on text alone refuse them by name."""
+    import megacompile
+    from tests import vlm
+    config = vlm.llava().config
+    cpu = dict(hardware="cpu", compute_dtype=torch.float32)
+    dpo = plan_stage(config, 1.0, "dpo", batch=1, seq=vlm.SEQ, images_per_row=1, **cpu)
+    assert [p.name for p in dpo.parts] == ["training", "reference forward"]
+    for part, train in ((dpo.train, True), (dpo.forward, False)):
+        alone = megacompile.plan(config, hbm_budget=1.0, batch=2, seq=vlm.SEQ, train=train, images_per_row=1, **cpu)
+        assert part.vision is not None and part.vision.vision_peak_bytes > 0
+        assert part.predicted_peak_bytes == alone.predicted_peak_bytes
+    text = plan_stage(config, 1.0, "dpo", batch=1, seq=vlm.SEQ, **cpu)
+    assert text.train.vision is None and text.train.prediction.step_s < dpo.train.prediction.step_s
+    kto = plan_stage(config, 1.0, "kto", batch=2, seq=vlm.SEQ, images_per_row=1, **cpu)
+    assert [p.name for p in kto.parts] == ["training", "rewards forward", "KL forward"]
+    assert kto.forward.vision is not None
+    for stage in ("rm", "grpo"):
+        with pytest.raises(ArgumentError, match=f"stage {stage} trains on text alone: images_per_row and image_size"):
+            plan_stage(config, 1.0, stage, images_per_row=1, **cpu)
