@@ -182,3 +182,36 @@ def test_llamafactorys_qwen3vl_lora_dpo_example_trains_and_exports_its_adapter_w
         assert any("lora_A" in n for n, _ in trained.named_parameters())
     finally:
         os.chdir(here)
+
+
+@pytest.mark.slow   # a tiny Qwen2.5-VL trained twice and killed once: about a minute on two cores
+def test_a_dpo_run_with_images_killed_mid_way_resumes_to_the_uninterrupted_log(tmp_path):
+    """Pairs with images of two sizes beside text pairs, held-out pairs evaluated: killed with
+    SIGKILL after step 3 and resumed with `resume: auto` from its step-2 checkpoint, the run writes
+    the uninterrupted run's log.csv (losses, rewards, eval figures), its reference read back from the
+    run folder."""
+    import signal
+    import subprocess
+    import sys
+    image_pair_files.rlhf_v(str(tmp_path / "data"), n=9)
+    model = qwen_files.model_dir(str(tmp_path / "model"))
+
+    def config(name: str) -> str:
+        settings = {"model": model, "stage": "dpo", "dataset": "rlhf_v", "dataset_dir": str(tmp_path / "data"),
+                    "batch": 1, "grad_accum": 2, "seq": 48, "steps": 4, "lr": 1e-2, "device": "cpu",
+                    "eval_fraction": 0.25, "eval_every": 2, "save_every": 2, "resume": "auto",
+                    "run_dir": str(tmp_path / name)}
+        return files.run_yaml(str(tmp_path / f"{name}.yaml"), **settings)
+    assert run(load(config("whole"), []))["steps"] == 4
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.run([sys.executable, os.path.join(root, "tests", "train", "crash_child.py"), config("cut"),
+                            "3"], cwd=root, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": root})
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["step-000002"]
+    assert run(load(config("cut"), []))["steps"] == 4
+    timed = ("seconds", "tokens_per_s")
+    whole, cut = (log.read(str(tmp_path / name / "log.csv")) for name in ("whole", "cut"))
+    assert [{k: v for k, v in r.items() if k not in timed} for r in whole] == \
+        [{k: v for k, v in r.items() if k not in timed} for r in cut]
+    assert any(r.get("eval_loss") for r in whole) and len({r["loss"] for r in whole}) > 1
