@@ -3,8 +3,9 @@ TRL's vision records) for a tiny Qwen2.5-VL folder (tests/train/qwen_files.py). 
 the processor's (each image widened to its grid's tokens in the shared prompt), its micro-batch
 carries the images' pixels for the chosen and the rejected rows alike; the objective trains through
 the engine as eager torch.optim.AdamW trains it; LlamaFactory's qwen3vl_lora_dpo example runs as
-written, its reference log-probabilities are eager transformers' with the pixels, and its adapter
-comes out with the processor's files."""
+written on each family, its reference log-probabilities are eager transformers' with the pixels,
+and its adapter comes out with the processor's files; a run killed mid-way resumes to the
+uninterrupted one's log."""
 from __future__ import annotations
 
 import copy
@@ -19,11 +20,12 @@ from megacompile.errors import ArgumentError
 from megacompile.posttrain import DPOLoss, DPOObjective
 from megacompile.posttrain.logprobs import IGNORE, sequence_logprobs
 from megacompile.train import load, log, run
+from megacompile.train.data import images
 from megacompile.train.data.tokens import load_tokenizer
 from megacompile.train.stages import kind
 from tests.posttrain import image_pair_files
 from tests.posttrain.test_parity import as_eagerly
-from tests.train import files, qwen_files
+from tests.train import files, processor_files, qwen_files
 
 GiB = 2 ** 30
 PAD, START, END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
@@ -147,20 +149,27 @@ def test_dpo_with_images_trains_through_the_engine_as_eagerly(tmp_path):
         engine.close()
 
 
-def test_llamafactorys_qwen3vl_lora_dpo_example_trains_and_exports_its_adapter_with_the_processor(tmp_path):
-    """The example's keys as written (its model and data pointed at a tiny Qwen3-VL folder and an
-    rlhf_v dataset_info.json entry, sizes cut to tiny, float32), no hbm_budget: the run trains; its
-    reference log-probabilities are eager transformers' of each pair's rows with the pixels; the
-    output folder holds an adapter PEFT loads onto the model and the processor's files."""
+# each: a tiny model made, one step of two micro-batches and its reference pass (10-20 s on two cores);
+# Qwen3-VL (the example's family) in the default tier, LLaVA and Gemma 3 in the slow one, the rest with -m long
+@pytest.mark.parametrize("family", ["qwen3_vl", pytest.param("llava", marks=pytest.mark.slow),
+                                    pytest.param("gemma3", marks=pytest.mark.slow),
+                                    pytest.param("idefics3", marks=pytest.mark.long),
+                                    pytest.param("qwen2_5_vl", marks=pytest.mark.long)])
+def test_llamafactorys_qwen3vl_lora_dpo_example_trains_and_exports_its_adapter_with_the_processor(tmp_path, family):
+    """The example's keys as written (its model and data pointed at a tiny folder of the family and
+    an rlhf_v dataset_info.json entry, sizes cut to tiny, float32), no hbm_budget: the run trains;
+    its reference log-probabilities are eager transformers' of each pair's rows with the pixels;
+    the output folder holds an adapter PEFT loads onto the model and the processor's files."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
     here = os.getcwd()
     os.chdir(tmp_path)
     try:
-        qwen_files.model_dir("model", family="qwen3_vl")
+        processor_files.model_dir("model", family)
         image_pair_files.rlhf_v("data", n=4, mixed=False)
-        settings = {**QWEN3VL_LORA_DPO, "model_name_or_path": "model", "cutoff_len": 32, "max_steps": 2,
-                    "gradient_accumulation_steps": 2, "logging_steps": 1, "bf16": False, "learning_rate": 1e-2}
+        settings = {**QWEN3VL_LORA_DPO, "model_name_or_path": "model", "max_steps": 2, "logging_steps": 1,
+                    "cutoff_len": 128 if family == "idefics3" else 48, "gradient_accumulation_steps": 2,
+                    "bf16": False, "learning_rate": 1e-2}
         c = load(files.run_yaml("run.yaml", **settings), ["device=cpu"])
         assert c.hbm_budget is None and c.stage == "dpo"
         assert run(c)["steps"] == 2
@@ -168,6 +177,7 @@ def test_llamafactorys_qwen3vl_lora_dpo_example_trains_and_exports_its_adapter_w
         assert len(rows) == 2 and float(rows[1]["reward_margin"]) != 0.0
         table = torch.load(os.path.join(c.run_dir, "reference_logps.pt"))["train"]
         stage = kind(c)(c, load_tokenizer("model", None), None)
+        assert all(p.media for p in stage.pairs)
         eager = AutoModelForImageTextToText.from_pretrained("model", dtype=torch.float32).eval()
         with torch.no_grad():
             for i, pair in enumerate(stage.pairs):
@@ -176,8 +186,7 @@ def test_llamafactorys_qwen3vl_lora_dpo_example_trains_and_exports_its_adapter_w
                 assert "pixel_values" in rows
                 both = sequence_logprobs(eager(**rows).logits, labels)
                 assert both.tolist() == pytest.approx(table[i].tolist(), rel=1e-5, abs=1e-5)
-        with open(os.path.join(c.run_dir, "preprocessor_config.json")) as f:
-            assert json.load(f)["processor_class"] == "Qwen3VLProcessor"
+        assert images.has_processor(c.run_dir) and os.path.isfile(os.path.join(c.run_dir, "tokenizer_config.json"))
         trained = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained("model"), c.run_dir)
         assert any("lora_A" in n for n, _ in trained.named_parameters())
     finally:
