@@ -38,6 +38,18 @@ def rlhf_v(folder: str, n: int = 8, mixed: bool = True) -> str:
     return folder
 
 
+def parts_template(path: str) -> str:
+    """files.TEMPLATE reading content parts, an image part written as Qwen's templates write it;
+    the file's path (run.yaml's chat_template)."""
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    with open(path, "w") as f:
+        f.write("{% for m in messages %}<|{{ m['role'] }}|> {% if m['content'] is string %}{{ m['content'] }}"
+                "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + image
+                + "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %} <|end|> {% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    return path
+
+
 def trl_records(path: str, n: int = 4) -> str:
     """TRL's layout: the prompt a user turn of parts (an image, then text), each answer one
     assistant turn; `images` beside them."""

@@ -106,3 +106,24 @@ def test_kto_with_images_trains_through_the_engine_as_eagerly(tmp_path):
             batches.append({**rows, "ref_logps": ref - 0.1, "desirable": desirable, "kl": kl})
     weights = sum(p.numel() * 4 for p in policy.parameters())
     as_eagerly(make, batches, 2 * weights / 2 ** 30)[0].close()
+
+
+def test_paired_records_with_images_make_the_examples_stage_dpo_makes_of_them(tmp_path):
+    """TRL's paired layout (the prompt's turn of an image part and text) under kto: each record two
+    examples, its chosen answer desirable and its rejected one not (TRL's order: the records' chosen
+    ones, then their rejected ones), with the prompt, completions and images stage dpo reads."""
+    model = qwen_files.model_dir(str(tmp_path / "model"))
+    data = image_pair_files.trl_records(str(tmp_path / "trl.jsonl"), 2)
+    template = image_pair_files.parts_template(str(tmp_path / "parts.jinja"))
+    made = {}
+    for stage in ("kto", "dpo"):
+        c = load(files.run_yaml(str(tmp_path / f"{stage}.yaml"), model=model, stage=stage, data=data,
+                                chat_template=template, batch=2, seq=32, steps=1, device="cpu",
+                                run_dir=str(tmp_path / stage)), [])
+        made[stage] = kind(c)(c, load_tokenizer(model, c.chat_template), None)
+    pairs, examples = made["dpo"].pairs, made["kto"].examples
+    assert [e.desirable for e in examples] == [True, True, False, False]
+    for i, pair in enumerate(pairs):
+        for example, completion in ((examples[i], pair.chosen), (examples[2 + i], pair.rejected)):
+            assert (example.prompt, example.completion, example.media) == (pair.prompt, completion, pair.media)
+            assert pair.media and example.prompt.count(made["kto"].text_tokenizer.convert_tokens_to_ids(PAD)) > 0

@@ -97,11 +97,8 @@ def test_trls_vision_records_read_as_llamafactorys_and_the_refusals_name_the_rec
     LlamaFactory's layout makes, under the run's chat_template, which the processor's files of the
     export carry; a text prompt, or an answer of two turns, with images is refused."""
     trl = image_pair_files.trl_records(str(tmp_path / "trl.jsonl"), 2)
-    template = tmp_path / "parts.jinja"     # files.TEMPLATE, writing an image part as Qwen's templates do
-    template.write_text("{% for m in messages %}<|{{ m['role'] }}|> {% if m['content'] is string %}{{ m['content'] }}"
-                        "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + START + PAD + END
-                        + "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %} <|end|> {% endfor %}"
-                        "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    template = tmp_path / "parts.jinja"     # writes an image part as Qwen's templates do
+    image_pair_files.parts_template(str(template))
     stage = _stage(tmp_path, trl, chat_template=str(template))
     with open(trl) as f:
         record = json.loads(f.readline())

@@ -17,6 +17,7 @@ from __future__ import annotations
 from ...errors import ArgumentError
 from ...posttrain import trl_record
 from . import alpaca, sharegpt
+from .ranking import preference
 
 LAYOUTS = ("TRL's unpaired {prompt, completion, label} or paired {prompt, chosen, rejected}, or LlamaFactory's "
            "kto_tag datasets (a sharegpt conversation or an alpaca record, with its kto_tag column as label)")
@@ -33,9 +34,11 @@ def is_paired(record: dict) -> bool:
     return "chosen" in record or "rejected" in record
 
 
-def unpaired(record: dict, where: str) -> list[dict]:
-    """A paired record's two examples, {prompt, completion, label}: the chosen one, the rejected one."""
-    pair = trl_record(record, where)
+def unpaired(record: dict, where: str, shown: bool = False) -> list[dict]:
+    """A paired record's two examples, {prompt, completion, label}: the chosen one, the rejected one.
+    `shown`: the record has images, read by a vision-language model's processor, and is laid out as
+    stage dpo reads such a pair (ranking.py; its turns may be content parts, data/image_answers.py)."""
+    pair = preference(record, where) if shown else trl_record(record, where)
     return [{"prompt": pair["prompt"], "completion": pair["chosen"], "label": True},
             {"prompt": pair["prompt"], "completion": pair["rejected"], "label": False}]
 

@@ -114,7 +114,8 @@ class KTOStage(reference.ReferenceStage):
                 if self.media is None or not images.held(record):
                     images.text_only(record, where, "kto")
                 if feedback.is_paired(record):
-                    paired.append((where, record, feedback.unpaired(record, where)))
+                    shown = self.media is not None and images.held(record)
+                    paired.append((where, record, feedback.unpaired(record, where, shown)))
                     if len(paired) == feedback.UNPAIR_BATCH:
                         flush()
                 else:
