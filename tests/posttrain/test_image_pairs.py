@@ -56,7 +56,8 @@ def test_a_pair_with_images_is_the_processors_rows_and_its_micro_batch_carries_t
     """Each image widens to its grid's tokens inside the prompt both completions share, no image
     token among the completions; a text record is a pair without images; a micro-batch's
     pixel_values and image_grid_thw are the image processor's for the chosen rows' images, then the
-    rejected rows', and mm_token_type_ids marks exactly the image tokens."""
+    rejected rows', and mm_token_type_ids marks exactly the image tokens; an image rewritten in place
+    changes the digest a resumed run's reference is checked against."""
     data = image_pair_files.rlhf_v(str(tmp_path / "data"))
     stage = _stage(tmp_path)
     tok = load_tokenizer(str(tmp_path / "model"), None)
@@ -90,6 +91,11 @@ def test_a_pair_with_images_is_the_processors_rows_and_its_micro_batch_carries_t
         assert rows["input_ids"][r, :len(pair.prompt)].tolist() == list(pair.prompt)
         assert rows["labels"][r][rows["labels"][r] != IGNORE].tolist() == list(completion)
     assert set(stage._pack([p for p in stage.pairs if not p.media][:2])) == {"input_ids", "labels"}
+    # the reference a resume reads belongs to the images as they were: one rewritten in place is another pair
+    from megacompile.train.stages.dpo import pairs_digest
+    kept = pairs_digest(stage.pairs)
+    Image.new("RGB", Image.open(shown[0].media[0]).size, (1, 2, 3)).save(shown[0].media[0])
+    assert pairs_digest(stage.pairs) != kept
 
 
 def test_trls_vision_records_read_as_llamafactorys_and_the_refusals_name_the_record(tmp_path):

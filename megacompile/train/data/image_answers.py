@@ -21,6 +21,8 @@ every row holds its prompt's images.
 """
 from __future__ import annotations
 
+import os
+
 from ...errors import ArgumentError
 from ...posttrain import Pair
 from . import encoding
@@ -77,6 +79,18 @@ def with_media(rows: dict, media, shown: list[tuple]) -> dict:
     if media is not None and any(shown):
         rows.update(media.inputs([list(m) for m in shown], rows["input_ids"]))
     return rows
+
+
+def media_digest(shown: tuple) -> tuple[int, ...]:
+    """An item's images and videos (paths) as numbers a reference digest reads: each path with its
+    file's size and time, so that a reference kept for a resume is refused for images changed in
+    place, as the data files' own are (tokens.fingerprint)."""
+    found = []
+    for item in shown:
+        path = item["video"] if isinstance(item, dict) else item
+        stat = os.stat(path)
+        found.append((path, stat.st_size, stat.st_mtime_ns))
+    return tuple(repr(found).encode())
 
 
 def heaviest(shown: list[tuple], media, batch: int) -> list[int] | None:

@@ -32,7 +32,7 @@ from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
 from ...posttrain import Pair, orpo_metrics, pack, preference_metrics, to_pair
 from ..data import grid_images, images, tools
-from ..data.image_answers import heaviest, image_pair, with_media
+from ..data.image_answers import heaviest, image_pair, media_digest, with_media
 from ..data.ranking import preference
 from ..data.reading import records
 from ..log import STEP_COLUMNS
@@ -46,15 +46,10 @@ ORPO_METRICS = {"orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"), "orpo
 
 
 def pairs_digest(pairs: list[Pair]) -> str:
-    """sha256 of the pairs' token ids, in order, and of the paths of their images: what a reference
-    row belongs to."""
-    return reference.digest((p.prompt, p.chosen, p.rejected) + ((_media_ids(p.media),) if p.media else ())
+    """sha256 of the pairs' token ids, in order, and of their images (paths, sizes, times): what a
+    reference row belongs to."""
+    return reference.digest((p.prompt, p.chosen, p.rejected) + ((media_digest(p.media),) if p.media else ())
                             for p in pairs)
-
-
-def _media_ids(media: tuple) -> tuple[int, ...]:
-    """A pair's image and video paths as numbers the digest reads."""
-    return tuple(str(media).encode())
 
 
 class DPOStage(reference.ReferenceStage):

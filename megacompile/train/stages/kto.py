@@ -28,7 +28,7 @@ import torch
 from ...errors import ArgumentError
 from ...posttrain import IGNORE, KTOLoss, KTOObjective, kl_estimate, pack_rows, tokenised
 from ..data import feedback, grid_images, images, tools
-from ..data.image_answers import answered, heaviest, with_media
+from ..data.image_answers import answered, heaviest, media_digest, with_media
 from ..data.reading import records
 from ..log import STEP_COLUMNS
 from .keys import saved_keys
@@ -69,7 +69,7 @@ def kl_partners(n: int, batch: int) -> list[int]:
 def examples_digest(examples: list[Example]) -> str:
     """sha256 of the examples' token ids and labels, in order: what a reference row belongs to."""
     return reference.digest((e.prompt, e.completion, (int(e.desirable),)) + ((e.kl,) if e.kl is not None else ())
-                            + ((tuple(str(e.media).encode()),) if e.media else ()) for e in examples)
+                            + ((media_digest(e.media),) if e.media else ()) for e in examples)
 
 
 class KTOStage(reference.ReferenceStage):
