@@ -239,15 +239,18 @@ class GRPOObjective(nn.Module):
       (forward only: the old policy's or the reference's);
     - forward(input_ids, last=positions) -> (N, V) logits at each row's last position (forward
       only: sampling a next token at a fixed row length, so generation plans once; the sampler
-      divides them by its temperature)."""
+      divides them by its temperature).
+
+    `media`: a vision-language policy's image inputs (pixel_values, image_grid_thw, ...) for the
+    rows, handed to it as they are, in any of the three."""
 
     def __init__(self, policy: nn.Module, loss: GRPOLoss = GRPOLoss()):
         super().__init__()
         self.policy, self.loss = policy, loss
 
     def forward(self, input_ids, labels=None, old_logps=None, advantages=None, ref_logps=None, last=None,
-                sampling_ratio=None, token_count=None, sampling_logps=None):
-        logits = logits_of(self.policy(input_ids))
+                sampling_ratio=None, token_count=None, sampling_logps=None, **media):
+        logits = logits_of(self.policy(input_ids, **media))
         if last is not None:
             return logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1).float()
         if advantages is None:

@@ -361,10 +361,11 @@ def test_a_lora_policys_stage_holds_its_reference_as_adapters_and_its_copy_merge
     assert json.loads(capsys.readouterr().out)["reference_host_bytes"] == adapters
 
 
-def test_a_dpo_or_kto_step_with_images_plans_the_vision_tower_in_every_part(capsys):
+def test_a_dpo_kto_or_grpo_step_with_images_plans_the_vision_tower_in_every_part(capsys):
     """images_per_row (--images-per-row) plans each part's rows with images, the training step's and
-    the forward-only passes' alike: the same plans megacompile.plan makes of those rows; the stages
-    that train on text alone refuse them by name."""
+    the forward-only passes' alike (grpo's generation too): the same plans megacompile.plan makes of
+    those rows; stage rm, which trains on text alone, and a grpo copy with a cache refuse them by
+    name."""
     import megacompile
     from tests import vlm
     config = vlm.llava().config
@@ -380,6 +381,14 @@ def test_a_dpo_or_kto_step_with_images_plans_the_vision_tower_in_every_part(caps
     kto = plan_stage(config, 1.0, "kto", batch=2, seq=vlm.SEQ, images_per_row=1, **cpu)
     assert [p.name for p in kto.parts] == ["training", "rewards forward", "KL forward"]
     assert kto.forward.vision is not None
-    for stage in ("rm", "grpo"):
-        with pytest.raises(ArgumentError, match=f"stage {stage} trains on text alone: images_per_row and image_size"):
-            plan_stage(config, 1.0, stage, images_per_row=1, **cpu)
+    grpo = plan_stage(config, 1.0, "grpo", images_per_row=1, prompts=1, num_generations=2,
+                      max_prompt_length=vlm.SEQ - 4, max_completion_length=4, **cpu)
+    assert [p.name for p in grpo.parts] == ["generation", "old-policy forward", "training"]
+    alone = megacompile.plan(config, hbm_budget=1.0, batch=2, seq=vlm.SEQ, train=False, images_per_row=1, **cpu)
+    assert grpo.forward.vision is not None and grpo.forward.predicted_peak_bytes == alone.predicted_peak_bytes
+    assert grpo.train.vision is not None
+    with pytest.raises(ArgumentError, match="stage rm trains on text alone: images_per_row and image_size"):
+        plan_stage(config, 1.0, "rm", images_per_row=1, **cpu)
+    with pytest.raises(ArgumentError, match="stage grpo samples prompts with images with the engine generator alone"):
+        plan_stage(config, 1.0, "grpo", images_per_row=1, prompts=1, num_generations=2, max_prompt_length=8,
+                   generator="kv_cache", **cpu)

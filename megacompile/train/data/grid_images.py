@@ -125,14 +125,16 @@ class GridMedia(Media):
         return self.template
 
     def widen(self, ids: list[int], targets: list[bool], paths: list, where: str, tokenizer=None,
-              messages: list | None = None, options: dict | None = None) -> tuple[list, list]:
+              messages: list | None = None, options: dict | None = None,
+              generation_prompt: bool = False) -> tuple[list, list]:
         """Each rendered pad token widened to the image's tokens, none of them a target: what
         Qwen2_5_VLProcessor does (the pad is a special token, so the text around it tokenises
         the same either way). A record with videos is written by the processor itself
         (grid_videos.py)."""
         images, clips = images_of(paths), videos_of(paths)
         if clips:
-            return self._with_videos(ids, targets, images, clips, where, tokenizer, messages, options)
+            return self._with_videos(ids, targets, images, clips, where, tokenizer, messages, options,
+                                     generation_prompt)
         at = self._rendered(ids, images, where)
         out_ids, out_targets, last = [], [], 0
         for i, path in zip(at, images):
@@ -141,7 +143,8 @@ class GridMedia(Media):
             last = i + 1
         return out_ids + ids[last:], out_targets + targets[last:]
 
-    def _with_videos(self, ids, targets, images, clips, where, tokenizer, messages, options) -> tuple[list, list]:
+    def _with_videos(self, ids, targets, images, clips, where, tokenizer, messages, options,
+                     generation_prompt: bool = False) -> tuple[list, list]:
         if self.video_id is None:
             raise ArgumentError(f"{where}: the record has videos, and the tokenizer in {self.folder} has no "
                                 f"{VIDEO_PAD} token: Qwen's video token")
@@ -151,7 +154,8 @@ class GridMedia(Media):
                                 f"{'s' * (len(rendered) != 1)} for {len(clips)} video{'s' * (len(clips) != 1)}: "
                                 "the template must write each turn's text as it is (string contents), and a video "
                                 "part as that token")
-        text = (tokenizer or self.tokenizer).apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+        text = (tokenizer or self.tokenizer).apply_chat_template(messages, tokenize=False,
+                                                                 add_generation_prompt=generation_prompt,
                                                                  **(options or {}))
         row = self.videos.row(text, [self._open(p, where) for p in images], clips, where)
         media = set(rendered) | {i for i, t in enumerate(ids) if t == self.token_id}

@@ -231,14 +231,17 @@ class Media:
         return at
 
     def widen(self, ids: list[int], targets: list[bool], paths: list[str], where: str, tokenizer=None,
-              messages: list | None = None, options: dict | None = None) -> tuple[list, list]:
+              messages: list | None = None, options: dict | None = None,
+              generation_prompt: bool = False) -> tuple[list, list]:
         """The document as the processor writes the rendered conversation with its images, and
         its targets carried over from the masked rendering (`ids`, `targets`), no image token
         among them. `options`: the template's arguments the masked rendering took (tools,
-        chat_template_kwargs)."""
+        chat_template_kwargs); `generation_prompt`: it was rendered with the generation prompt
+        (a prompt to sample from)."""
         at = self._rendered(ids, paths, where)
         tokenizer = tokenizer if tokenizer is not None else self.processor.tokenizer
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, **(options or {}))
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                             **(options or {}))
         pictures = [self._open(p, where) for p in paths]
         try:
             out = self.processor(text=[text], images=[pictures], add_special_tokens=False)
@@ -347,18 +350,18 @@ def held(record: dict) -> bool:
 
 
 def text_only(record: dict, where: str, stage: str) -> None:
-    """Refuse a record with images or videos under a stage that reads its text alone (rm, grpo; dpo
-    and kto without a processor): trained without its pixels, its placeholders would be plain tokens."""
+    """Refuse a record with images or videos under a stage that reads its text alone (rm; dpo, kto
+    and grpo without a processor): trained without its pixels, its placeholders would be plain tokens."""
     if not held(record):
         return
     kind = "videos" if record.get("videos") else "images"
-    if stage in ("dpo", "kto"):
+    if stage in ("dpo", "kto", "grpo"):
         raise ArgumentError(f"{where}: the record has {kind}, which stage {stage} reads only through a vision-language "
                             f"model's processor ({' or '.join(PROCESSOR_FILES)} in the model folder): give such a "
                             "model, or text records")
     raise ArgumentError(f"{where}: the record has {kind}, and stage {stage} trains on text alone (its images "
                         f"would be left out and their placeholders trained as text); give text records, or train "
-                        "the images under stage: sft, dpo or kto")
+                        "the images under stage: sft, dpo, kto or grpo")
 
 
 def images_of(items: list) -> list[str]:

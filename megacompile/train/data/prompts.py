@@ -31,19 +31,20 @@ def file_names(entry: dict) -> dict[str, str]:
     return {COLUMNS[ours]: theirs for ours, theirs in (entry.get("columns") or {}).items()}
 
 
-def prompt_record(record: dict, where: str, names: dict[str, str] | None = None) -> dict:
-    """{"prompt": ..., **columns} for the reward functions; `names`: file_names(entry)."""
+def prompt_record(record: dict, where: str, names: dict[str, str] | None = None, vision: bool = False) -> dict:
+    """{"prompt": ..., **columns} for the reward functions; `names`: file_names(entry); `vision`: the
+    record has images, and its turns may be lists of content parts (data/image_prompts.py)."""
     names = names or {}
     if "prompt" in record:
         prompt, used, extra = record["prompt"], ("prompt",), {}
-        _check_prompt(prompt, where)
+        _check_prompt(prompt, where, vision)
     elif "instruction" in record:
         prompt, used, extra = alpaca.prompt(record, where), ("instruction", "input", "system", "history"), {}
         if not prompt[-1]["content"].strip():
             raise ArgumentError(f"{where}: the instruction and input are empty; give the question as the instruction")
     elif "conversations" in record or "messages" in record:
         turns = sharegpt.messages(record)
-        _check_turns(turns, where)
+        _check_turns(turns, where, vision)
         users = [i for i, t in enumerate(turns) if t["role"] == "user"]
         if not users:
             raise ArgumentError(f"{where}: the conversation has no user turn to prompt with; give the question as a "
@@ -58,21 +59,23 @@ def prompt_record(record: dict, where: str, names: dict[str, str] | None = None)
     return {"prompt": prompt, **{k: v for k, v in {**columns, **extra}.items() if k not in NOT_HANDED}}
 
 
-def _check_prompt(prompt, where: str) -> None:
+def _check_prompt(prompt, where: str, vision: bool) -> None:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ArgumentError(f"{where}: the prompt is empty; give the question as its text")
         return
     if not isinstance(prompt, list):
         raise ArgumentError(f"{where}: prompt is text or a list of messages {{role, content}}; got {prompt!r}"[:300])
-    _check_turns(prompt, where)
+    _check_turns(prompt, where, vision)
 
 
-def _check_turns(turns, where: str) -> None:
-    if not isinstance(turns, list) or not turns or not all(_is_message(t) for t in turns):
+def _check_turns(turns, where: str, vision: bool = False) -> None:
+    if not isinstance(turns, list) or not turns or not all(_is_message(t, vision) for t in turns):
         raise ArgumentError(f"{where}: the prompt's messages are a non-empty list of {{role, content}} (or sharegpt's "
-                            "{from, value}) with string values")
+                            "{from, value}) with string values" + (" or lists of content parts" if vision else ""))
 
 
-def _is_message(turn) -> bool:
-    return isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)
+def _is_message(turn, vision: bool) -> bool:
+    content = turn.get("content") if isinstance(turn, dict) else None
+    return (isinstance(turn, dict) and isinstance(turn.get("role"), str)
+            and (isinstance(content, str) or vision and isinstance(content, list)))

@@ -32,10 +32,19 @@ generation is planned once; the last call filled up with the first prompts, left
 the same rewards: eval_reward, eval_rewards/NAME/mean, eval_completions/mean_length, and with n:
 eval_reward_std, eval_rewards/NAME/std and eval_frac_reward_zero_std (of the groups). Greedy
 decoding draws nothing from the sampler; sampling draws from it and puts its state back, so
-evaluating leaves the rollouts as they were."""
+evaluating leaves the rollouts as they were.
+
+A vision-language model (a folder with its processor) samples prompts with images too, as TRL's
+GRPOTrainer reads a vision dataset (data/image_prompts.py): each rollout row holds its prompt's
+images, read by the processor when the rows are batched, and every pass over it (each new token's
+forward, the old policy's and the reference's log-probabilities, the step, evaluation) sees the
+pixels its prompt shows. The engine generator samples them, never drawing an image token; hf and
+vLLM's rollouts of images are not built, and are refused. Its export gets the processor's files
+beside it."""
 from __future__ import annotations
 
 import base64
+import os
 
 import torch
 
@@ -48,7 +57,9 @@ from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, Trai
                           sampling_correction, sampling_ratio, truncated)
 from . import rollouts
 from .. import beside, intervals
-from ..data import images, tools, turn_ends
+from ..data import grid_images, images, tools, turn_ends
+from ..data.image_answers import heaviest
+from ..data.image_prompts import image_prompt
 from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
@@ -86,8 +97,14 @@ class GRPOStage(Stage):
     check_model = staticmethod(check_row_length)
     check_resume = staticmethod(check_resume)
 
-    def __init__(self, c, tokenizer):
-        self.c, self.tokenizer = c, tokenizer
+    def __init__(self, c, tokenizer, run_dir: str | None = None):
+        self.c, self.text = c, tokenizer
+        # a vision-language model's processor: prompts with images are written through it, and it is
+        # what the trained model's folder saves beside it
+        self.media = grid_images.for_run(c, tokenizer, c.tokenizer or c.model)
+        self.tokenizer = tokenizer if self.media is None else self.media
+        if self.media is not None and run_dir is not None:     # images held inside records go there
+            self.media.keep_embedded_in(os.path.join(run_dir, "images"))
         self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False, model_dir=c.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         # a completion ends at the EOS or at a token the model's generation config stops at (Gemma's
@@ -99,14 +116,20 @@ class GRPOStage(Stage):
         if len(set(self.names)) != len(self.names):
             raise ArgumentError(f"reward_funcs {c.reward_funcs}: two functions share a name, and the log keeps each "
                                 "function's rewards by name; give each its own")
-        self.records, self.prompts = [], []
+        # each prompt's record (its columns for the rewards), tokens and images (paths; () for none)
+        self.records, self.prompts, self.shown = [], [], []
         for entry in c.data:
-            self._read(entry, self.records, self.prompts)
-        self.held_records, self.held_prompts = [], []
+            self._read(entry, self.records, self.prompts, self.shown)
+        self.held_records, self.held_prompts, self.held_shown = [], [], []
         for entry in c.eval:
-            self._read(entry, self.held_records, self.held_prompts)
+            self._read(entry, self.held_records, self.held_prompts, self.held_shown)
         if c.eval_fraction:
             self._hold_out(c.eval_fraction)
+        self.with_images = any(self.shown) or any(self.held_shown)
+        if self.with_images and (c.use_vllm or c.generator != "engine"):
+            raise ArgumentError(f"the prompts show images, and {'vLLM' if c.use_vllm else 'generator ' + c.generator} "
+                                "does not sample prompts with images here: leave generator and use_vllm out (the "
+                                "engine generator samples them from the policy's own forward)")
         columns = dict.fromkeys(k for r in self.records + self.held_records for k in r)
         rewards.check_callable(self.funcs, [k for k in columns if k not in ("prompt", "completion", "completion_ids")])
         self.rows = c.batch * c.steps_per_generation       # completions per rollout batch
@@ -148,25 +171,34 @@ class GRPOStage(Stage):
                                 "on; give a smaller fraction, or more prompts")
         held, kept = sorted(order[:cut]), sorted(order[cut:])
         self.held_records, self.held_prompts = [self.records[i] for i in held], [self.prompts[i] for i in held]
+        self.held_shown = [self.shown[i] for i in held]
         self.records, self.prompts = [self.records[i] for i in kept], [self.prompts[i] for i in kept]
+        self.shown = [self.shown[i] for i in kept]
 
-    def _read(self, entry: dict, records: list, prompts: list) -> None:
+    def _read(self, entry: dict, records: list, prompts: list, shown: list) -> None:
         names = file_names(entry)
+        if self.media is not None:
+            self.media.at(entry["path"], entry.get("media_dir"))
         for where, raw in read_records(entry):
-            images.text_only(raw, where, "grpo")
-            record = prompt_record(raw, where, names)
-            prompt = record["prompt"]
-            if isinstance(prompt, list):
-                text = render(self.tokenizer, prompt, where, "prompt", tokenize=False, add_generation_prompt=True,
+            vision = self.media is not None and images.held(raw)
+            if not vision:
+                images.text_only(raw, where, "grpo")
+            record = prompt_record(raw, where, names, vision)
+            prompt, media = record["prompt"], ()
+            if vision:
+                ids, media = image_prompt(raw, prompt, where, self.text, self.media, self.c.max_prompt_length)
+            elif isinstance(prompt, list):
+                text = render(self.text, prompt, where, "prompt", tokenize=False, add_generation_prompt=True,
                               **tools.template_kwargs(raw, where))
                 check_texts(text, prompt, where)
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids = self.text(text, add_special_tokens=False)["input_ids"]
             else:
-                ids = self.tokenizer(prompt)["input_ids"]
+                ids = self.text(prompt)["input_ids"]
             if not ids:
                 raise ArgumentError(f"{where}: the prompt has no tokens; give it text")
             records.append(record)
             prompts.append(ids[-self.c.max_prompt_length:])
+            shown.append(media)
         if not records:
             raise ArgumentError(f"{entry['path']} holds no prompts")
 
@@ -177,6 +209,8 @@ class GRPOStage(Stage):
             each = ("one greedy completion" if c.num_generations_eval is None
                     else f"{c.num_generations_eval} sampled completion(s)")
             held = f", {len(self.held_prompts)} held out ({each} of each)"
+        shown = sum(bool(m) for m in self.shown)
+        held += f", {shown} with images" if shown else ""
         lines = [f"stage          grpo: {len(self.prompts)} prompts{held}; {self.groups} prompts x {c.num_generations} "
                  f"completions of up to {c.max_completion_length} tokens per rollout batch, in "
                  f"{c.steps_per_generation} micro-batch(es) of {c.batch}, {self.per_rollout} optimizer step(s) each; "
@@ -189,7 +223,7 @@ class GRPOStage(Stage):
         plans say it fits and is quicker (planner/posttrain_step.py), from the run's own plans: the
         training step's and the forward-only pass the generator runs once per new token."""
         c = self.c
-        if c.generator != "engine" or c.use_vllm:
+        if c.generator != "engine" or c.use_vllm or self.with_images:     # no other generator takes images
             return None
         engine, ids = setup.engine, torch.zeros(c.batch, c.seq, dtype=torch.long)
         train = engine.prepare(**self.first_inputs(setup.batch))      # the run's own, planned already
@@ -219,7 +253,40 @@ class GRPOStage(Stage):
             inputs["sampling_logps"] = torch.zeros(batch, self.c.seq)
         if self.token_count:
             inputs["token_count"] = torch.ones(())
-        return inputs
+        return self._showing(inputs, [i % len(self.prompts) for i in range(batch)])
+
+    def heaviest_inputs(self, batch: int) -> dict | None:
+        """A step's inputs over the `batch` prompts whose images fill the most tokens (None without
+        images): the default budget fits their micro-batch too, not only the first one."""
+        items = heaviest(self.shown, self.media, batch)
+        return None if items is None else self._showing(self.first_inputs(batch), items)
+
+    def forward_inputs(self, batch: int) -> dict | None:
+        """With images, the generator's forward (a next token of each row) over the heaviest prompts,
+        whose smallest plan of a vision-language model is larger than its training step's."""
+        items = heaviest(self.shown, self.media, batch)
+        if items is None:
+            return None
+        rows = self._showing({"input_ids": torch.zeros(batch, self.c.seq, dtype=torch.long)}, items)
+        return {**rows, "last": torch.zeros(batch, dtype=torch.long)}
+
+    def _showing(self, inputs: dict, items: list[int]) -> dict:
+        """`inputs` with these prompts' tokens at the start of its rows and the image inputs of their
+        images, where any shows one: for their shapes (a plan per grid of images)."""
+        shown = [self.shown[i] for i in items]
+        if not any(shown):
+            return inputs
+        ids = torch.full_like(inputs["input_ids"], self.pad)
+        for r, i in enumerate(items):
+            ids[r, :len(self.prompts[i])] = torch.tensor(self.prompts[i])
+        return {**inputs, "input_ids": ids, **self._media(shown, ids)}
+
+    def _media(self, shown: list[tuple], input_ids: torch.Tensor) -> dict:
+        """The image inputs of rows showing `shown` (each row's images), as the processor batches
+        them; none where no row shows one."""
+        if self.media is None or not any(shown):
+            return {}
+        return self.media.inputs([list(m) for m in shown], input_ids)
 
     def device_beside(self, meta, card_bytes: int) -> list:
         """The generator's copy and cache, or colocated vLLM's share, and each reward model's copy and
@@ -237,7 +304,11 @@ class GRPOStage(Stage):
         return beside.generator_host(self.c, meta, device) + models
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
-        self.generator = rollouts.make(self.c, engine, self.stops, self.pad, run_dir)
+        never = ()      # the image and video tokens: a completion asks for no image it was not shown
+        if self.with_images:
+            never = tuple(self.media.image_ids) + tuple(t for t in (getattr(self.media, "video_id", None),)
+                                                        if t is not None)
+        self.generator = rollouts.make(self.c, engine, self.stops, self.pad, run_dir, never)
         self.completions = (CompletionsLog(run_dir, engine.steps_done, self.c.num_completions_to_print)
                             if self.c.log_completions else None)
         self.synced = engine.steps_done         # a copy is made from the masters as they are now
@@ -251,10 +322,11 @@ class GRPOStage(Stage):
     def _rollout(self, engine, position: int) -> int:
         c, n = self.c, self.c.num_generations
         chosen = stream_items(len(self.prompts), c.seed, position, self.groups, not c.disable_shuffling)
-        completions = self._generate(engine, [self.prompts[i] for i in chosen], n, c.temperature)
+        completions = self._generate(engine, [self.prompts[i] for i in chosen], n, c.temperature,
+                                     [self.shown[i] for i in chosen])
         state = TrainerState(engine.steps_done, position / len(self.prompts), c.steps)
         rewards, each = self._score([self.records[i] for i in chosen for _ in range(n)], completions, state)
-        masked = truncated(completions, self.stops, self.tokenizer.pad_token_id)
+        masked = truncated(completions, self.stops, self.text.pad_token_id)
         batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad, scale=c.scale_rewards,
                               masked=masked if c.mask_truncated_completions else None)
         if c.multi_objective_aggregation == "normalize_then_sum":      # GDPO: each function normalised first
@@ -265,12 +337,13 @@ class GRPOStage(Stage):
             spread = nanstd(rewards).expand(len(completions))
         else:
             spread = nanstd(rewards.view(-1, n), dim=1).repeat_interleave(n)
-        rows = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": self._logps(engine, batch),
-                "advantages": batch["advantages"]}
+        shown = [self.shown[i] for i in chosen for _ in range(n)]      # each row's images
+        rows = {"input_ids": batch["input_ids"], "labels": batch["labels"],
+                "old_logps": self._logps(engine, batch, shown), "advantages": batch["advantages"]}
         if self.reference is not None:
-            rows["ref_logps"] = self._logps(self.reference, batch)
+            rows["ref_logps"] = self._logps(self.reference, batch, shown)
         if self.completions is not None:
-            texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
+            texts = [self.text.decode(x.tokens, skip_special_tokens=True) for x in completions]
             self.completions.write(engine.steps_done + 1, [self.records[i]["prompt"] for i in chosen for _ in range(n)],
                                    texts, rewards.tolist(), {k: v.tolist() for k, v in each.items()},
                                    batch["advantages"].tolist())
@@ -298,31 +371,37 @@ class GRPOStage(Stage):
         if c.steps_per_generation > 1:      # TRL shuffles the generation batch before cutting it
             order = torch.randperm(self.rows, generator=torch.Generator().manual_seed(c.seed + engine.steps_done))
             rows = {k: v[order] for k, v in rows.items()}
+            shown = [shown[i] for i in order.tolist()]
         # dapo: the rollout batch's completion tokens; each micro-batch's gradient is also divided
         # by grad_accum in the engine, so its loss divides by the count over grad_accum
         count = (batch["labels"] != IGNORE).sum().float() / c.grad_accum
-        self.rollout = {"rows": rows, "metrics": metrics, "step": engine.steps_done, "token_count": count}
+        self.rollout = {"rows": rows, "shown": shown, "metrics": metrics, "step": engine.steps_done,
+                        "token_count": count}
         self.epoch = (position + self.groups) / len(self.prompts)
         return position + self.groups
 
-    def _logps(self, engine, batch: dict) -> torch.Tensor:
-        """Per-token log-probabilities of the rollout batch under `engine`, in forwards of `batch` rows."""
-        b = self.c.batch
-        return torch.cat([torch.as_tensor(engine(input_ids=batch["input_ids"][i:i + b],
-                                                 labels=batch["labels"][i:i + b])).float().clone()
+    def _logps(self, engine, batch: dict, shown: list[tuple]) -> torch.Tensor:
+        """Per-token log-probabilities of the rollout batch under `engine`, in forwards of `batch` rows
+        (`shown`: each row's images)."""
+        b, ids = self.c.batch, batch["input_ids"]
+        return torch.cat([torch.as_tensor(engine(input_ids=ids[i:i + b], labels=batch["labels"][i:i + b],
+                                                 **self._media(shown[i:i + b], ids[i:i + b]))).float().clone()
                           for i in range(0, self.rows, b)])
 
-    def _generate(self, engine, prompts: list, n: int, temperature: float) -> list:
+    def _generate(self, engine, prompts: list, n: int, temperature: float, shown: list[tuple]) -> list:
+        """n completions of each prompt, `shown[k]` prompt k's images."""
         if engine.steps_done != self.synced and hasattr(self.generator, "sync"):
             self.generator.sync()               # the copy takes the steps since the last rollout
         self.synced = engine.steps_done
         # EngineGenerator's rows at one width, `batch` of them a forward: generation planned once
         shape = ({"width": self.c.seq, "rows_per_call": self.c.batch} if isinstance(self.generator, EngineGenerator)
                  else {})
+        if any(shown):      # each call's rows with their prompts' images (the engine generator alone takes them)
+            shape["inputs"] = lambda rows, ids: self._media([shown[r // n] for r in rows], ids)
         return self.generator.generate(prompts, n, self.c.max_completion_length, temperature, **shape)
 
     def _score(self, records: list[dict], completions: list, state: TrainerState) -> tuple[torch.Tensor, dict]:
-        texts = [self.tokenizer.decode(x.tokens, skip_special_tokens=True) for x in completions]
+        texts = [self.text.decode(x.tokens, skip_special_tokens=True) for x in completions]
         # TRL's conversational completions: the assistant's message, for a prompt given as messages
         shown = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t
                  for r, t in zip(records, texts)]
@@ -341,15 +420,17 @@ class GRPOStage(Stage):
             raise ArgumentError(f"step {engine.steps_done + 1} is inside a rollout batch whose completions are not "
                                 f"kept: resume from a checkpoint at a multiple of {self.per_rollout}")
         first = k % (c.steps_per_generation // c.grad_accum) * c.grad_accum
-        parts = [{key: v[(first + a) * c.batch:(first + a + 1) * c.batch] for key, v in self.rollout["rows"].items()}
-                 for a in range(c.grad_accum)]
+        at = [slice((first + a) * c.batch, (first + a + 1) * c.batch) for a in range(c.grad_accum)]
+        parts = [{key: v[cut] for key, v in self.rollout["rows"].items()} for cut in at]
         if self.token_count:
             for part in parts:
                 part["token_count"] = self.rollout["token_count"]
-        measured = [self._measure(engine, part) for part in parts]      # before the step moves the policy
+        shown = [self._media(self.rollout["shown"][cut], part["input_ids"]) for part, cut in zip(parts, at)]
+        # before the step moves the policy
+        measured = [self._measure(engine, part, media) for part, media in zip(parts, shown)]
         losses, tokens = [], 0
-        for part in parts:          # in first_inputs' order: the inputs of the step planned before the first one
-            losses.append(engine.step(**part))
+        for part, media in zip(parts, shown):   # in first_inputs' order: the inputs of the step planned first
+            losses.append(engine.step(**part, **media))
             record = engine.last_step
             # a skipped step's record counts no tokens; the rollout's rows were read all the same
             tokens += part["input_ids"].numel() if record.tokens is None else record.tokens
@@ -361,13 +442,13 @@ class GRPOStage(Stage):
         reference.update(self.reference, engine, c, self.run_dir)
         return metrics, losses, tokens, position
 
-    def _measure(self, engine, part: dict) -> dict[str, float]:
-        """The clip fraction (and KL) of a micro-batch under the policy the step starts from: the
-        sampling one (ratio 1) until an optimizer step has moved it."""
+    def _measure(self, engine, part: dict, media: dict) -> dict[str, float]:
+        """The clip fraction (and KL) of a micro-batch (`media`: its rows' image inputs) under the
+        policy the step starts from: the sampling one (ratio 1) until an optimizer step has moved it."""
         c = self.c
         old = part["old_logps"]
         now = old if engine.steps_done == self.rollout["step"] else torch.as_tensor(
-            engine(input_ids=part["input_ids"], labels=part["labels"])).float()
+            engine(input_ids=part["input_ids"], labels=part["labels"], **media)).float()
         _, measured = grpo_loss(now, old, part["advantages"], part["labels"] != IGNORE, part.get("ref_logps"),
                                 c.epsilon, c.epsilon_high, c.beta, c.loss_type, c.max_completion_length,
                                 c.importance_sampling_level, c.delta, sampling_ratio=part.get("sampling_ratio"),
@@ -385,9 +466,10 @@ class GRPOStage(Stage):
         sampler = self.generator.state() if c.num_generations_eval else None
         completions = []
         for i in range(0, count, per_call):
-            group = [self.held_prompts[(i + k) % count] for k in range(per_call)]
-            completions += self._generate(engine, group, n, c.temperature if sampler is not None else 0.0)[
-                :(count - i) * n]
+            group = [(i + k) % count for k in range(per_call)]
+            completions += self._generate(engine, [self.held_prompts[k] for k in group], n,
+                                          c.temperature if sampler is not None else 0.0,
+                                          [self.held_shown[k] for k in group])[:(count - i) * n]
         if sampler is not None:         # the next rollout draws what it would have drawn without evaluation
             self.generator.set_state(sampler)
         state = TrainerState(engine.steps_done, self.epoch, c.steps)

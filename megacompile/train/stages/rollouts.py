@@ -256,13 +256,14 @@ def wait_for_server(url: str, timeout: float, poll: float = 2.0) -> None:
         time.sleep(poll)
 
 
-def make(c, engine, eos_id: int | tuple[int, ...] | None, pad_id: int, run_dir: str):
+def make(c, engine, eos_id: int | tuple[int, ...] | None, pad_id: int, run_dir: str, never: tuple[int, ...] = ()):
     """The run's generator over `engine`, whose masters it samples from (or copies); `eos_id`: the
-    ids a completion stops at."""
+    ids a completion stops at; `never`: ids it never draws (a vision-language model's image tokens,
+    for the engine generator, the one that samples prompts with images)."""
     drawn = filters(c)
     if c.generator == "engine":
         from ...posttrain import EngineGenerator
-        return EngineGenerator(engine, eos_id=eos_id, pad_id=pad_id, seed=c.seed, filters=drawn)
+        return EngineGenerator(engine, eos_id=eos_id, pad_id=pad_id, seed=c.seed, filters=drawn, never=never)
     if c.generator in ("hf", "hf_streamed"):
         from ...posttrain import HFGenerator
         from ...posttrain import StreamedHFGenerator
