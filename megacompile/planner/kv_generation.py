@@ -130,19 +130,22 @@ def kv_generation(per_token: int, forward: Plan, prefill: Prefill, keys: dict, r
 
 
 def kv_cache_note(model: nn.Module, train: Plan, forward: Plan, keys: dict, rollout: int, rows: int, width: int,
-                  budget_bytes: int, engine: StepPart, for_run: bool = False) -> str | None:
+                  budget_bytes: int, engine: StepPart, for_run: bool = False,
+                  images: tuple[int, int] | None = None) -> str | None:
     """For a step planned with the engine generator (`forward`: its pass over `rows` x `width`
     tokens): what generator kv_cache would take instead, when its copy fits beside the training
     step's smallest plan (on the device, else streamed) and it generates in under 80% of the
     engine's time; else None. The prefill is the forward's time scaled to the prompts' tokens: an
-    estimate, said so. for_run: worded for a run's start, in run.yaml's generator names."""
+    estimate, said so. for_run: worded for a run's start, in run.yaml's generator names. images: the
+    rollout's images (their pixel values' elements, the largest image's), which the copy's prefill
+    passes through its tower."""
     try:
         per_token = cache_per_token(model)
     except ArgumentError:           # no Hugging Face config to size a cache from
         return None
     prompt, tokens = keys["max_prompt_length"], keys["max_completion_length"]
     cache = rollout * (prompt + tokens) * per_token
-    cache += generate_transient_bytes(model.config, rollout, prompt, BF16) or 0
+    cache += generate_transient_bytes(model.config, rollout, prompt, BF16, images) or 0
     fitting = [(place, held) for place, held in copy_places(model, "kv_cache", cache)
                if train.minimum_budget_bytes + held <= budget_bytes]
     if not fitting:

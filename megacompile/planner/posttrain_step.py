@@ -232,19 +232,16 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     `batch`: rows (sft, kto) or preference pairs (dpo, rm) per step, default 1; `seq`: their width, default
     2048. grpo takes neither: its rows are prompts x num_generations, its width max_prompt_length +
     max_completion_length. `keys`: the stage's (KEYS, TRL's names). `images_per_row`, `image_size`: a
-    vision-language model's rows with images (sft, dpo, kto, and grpo with the engine generator: every
-    part, training and forward-only, generation's included, plans them). The rest as plan()'s. Raises
-    BudgetTooSmallError or HostMemoryError, as plan() does, when a part does not fit."""
+    vision-language model's rows with images (sft, dpo, kto and grpo: every part, training and
+    forward-only, generation's included, plans them; a grpo copy's generate holds the tower's pass over
+    the rollout's images beside it). The rest as plan()'s. Raises BudgetTooSmallError or
+    HostMemoryError, as plan() does, when a part does not fit."""
     keys = stage_keys(stage, keys)
     images = {}
     if images_per_row or image_size is not None:
         if stage not in ("sft", "dpo", "kto", "grpo"):
             raise ArgumentError(f"stage {stage} trains on text alone: images_per_row and image_size plan the rows "
                                 "of stages sft, dpo, kto and grpo with images; leave them out")
-        if stage == "grpo" and keys["generator"] != "engine":
-            raise ArgumentError(f"stage grpo samples prompts with images with the engine generator alone (a "
-                                f"{keys['generator']} copy takes no images here): give generator engine, or leave "
-                                "images_per_row and image_size out")
         images = dict(images_per_row=images_per_row, image_size=image_size)
     if stage == "grpo":
         given = [k for k, v in (("batch", batch), ("seq", seq)) if v is not None]
@@ -264,12 +261,13 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     profile = hardware_profile(hardware, nvme_bandwidth)
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     per_token, places = None, [("engine", 0)]
+    pixels = _rollout_pixels(model, rollout, width, images) if stage == "grpo" and images else None
     if stage == "grpo" and keys["generator"] != "engine":     # a cache past the whole budget: before planning
         per_token = cache_per_token(model)    # a copy with a cache generates the rollout batch at once
         cache = rollout * width * per_token
         _check_cache(cache, arguments.budget_bytes("hbm_budget", hbm_budget), 0, rollout, width)
         # and, while it samples, transformers' passing tensors (a prefill of the prompts, a step's logits)
-        passing = generate_transient_bytes(model.config, rollout, keys["max_prompt_length"], BF16) or 0
+        passing = generate_transient_bytes(model.config, rollout, keys["max_prompt_length"], BF16, pixels) or 0
         places = copy_places(model, keys["generator"], cache + passing)
     settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, nvme_budget=nvme_budget)
     host_total = arguments.budget_bytes("host_budget", host_budget, optional=True)
@@ -335,7 +333,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
                                     on_device=place == "device", beside=beside))
         if keys["generator"] == "engine":
             advice = kv_cache_note(model, train, forward, keys, rollout, rows, width,
-                                   arguments.budget_bytes("hbm_budget", hbm_budget), generation)
+                                   arguments.budget_bytes("hbm_budget", hbm_budget), generation, images=pixels)
         passes = f"one forward-only pass of {each}" if micro == 1 else f"{micro} forward-only passes of {each}"
         parts[:0] = [generation, _part("old-policy forward", micro, forward, passes)]
         if keys["beta"] > 0:
@@ -344,6 +342,15 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     held = _reference_host_bytes(model, train, host_left) if reference else 0
     return StagePlan(stage, rows, width, keys, train, forward, parts, steps, held, layers_held, advice,
                      reference_shares_base=adapter_bytes(model) is not None)
+
+
+def _rollout_pixels(model: nn.Module, rows: int, width: int, images: dict) -> tuple[int, int]:
+    """The pixel values' elements of a rollout batch of `rows` rows with these images each, and of its
+    largest image (one tile): what a generation copy's tower passes over."""
+    from .image_inputs import image_inputs
+    inputs, signature = image_inputs(model, 1, width, images["images_per_row"], images["image_size"])
+    per_row = inputs["pixel_values"].numel()
+    return rows * per_row, per_row // (signature.images_per_row * signature.tiles_per_image)
 
 
 def _reference_host_bytes(model: nn.Module, train: Plan, host_budget: float | None) -> int:

@@ -4,9 +4,10 @@ whole rows. The copy costs the policy's size in `dtype` (2 bytes a parameter in 
 beside the engine's plans (a run takes it and the cache out of its hbm_budget first:
 train/beside.py).
 
-The copy is the policy's architecture built from its config with its parameters on the meta
-device, then given its weights tensor by tensor from the engine's fp32 masters, each cast alone
-(policy_weights.py; a LoRA policy's adapters merged into them); tied weights stay tied. `sync()`
+The copy is the policy's architecture (its own class: a vision-language model's keeps its tower)
+built from its config with its parameters on the meta device, then given its weights tensor by
+tensor from the engine's fp32 masters, each cast alone (policy_weights.py; a LoRA policy's adapters
+merged into them); tied weights stay tied. `sync()`
 after each optimizer step copies the masters in again, tensor by tensor, into the same memory.
 
 The prompts' prefill runs in chunks of their positions, about 4096 tokens of all the rows each
@@ -18,6 +19,11 @@ the generator's own seeded torch.Generator, as `EngineGenerator` draws it, insid
 loop as a logits processor that keeps only the drawn token (generate's greedy step then takes
 it); at t = 0 the argmax (after the repetition penalty). The global random state is never read or moved, and `state()` /
 `set_state()` save and restore the sampler for a checkpoint.
+
+Prompts with images (a vision-language policy): `inputs(rows, input_ids)` gives the rows' image
+inputs for the left-padded prompts, handed to `generate`, whose prefill then runs whole (chunks of
+positions would part an image's features from its tokens), and the image tokens (`never`) are
+suppressed, as the engine generator never draws them.
 """
 from __future__ import annotations
 
@@ -57,22 +63,22 @@ class _Draw:
 class HFGenerator:
     def __init__(self, engine, eos_id: int | tuple[int, ...] | None = None, pad_id: int = 0, seed: int = 0,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
-                 filters: Filters = Filters()):
+                 filters: Filters = Filters(), never: tuple[int, ...] = ()):
         from ..io.hf_load import parameters_on_meta
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ArgumentError(f"HFGenerator dtype is a floating torch dtype (torch.bfloat16, torch.float32); "
                                 f"got {dtype!r}")
         policy, self.prefix = policy_of(engine)
         self.engine, self.stops, self.pad_id, self.dtype = engine, stop_ids(eos_id), pad_id, dtype
-        self.filters = filters
+        self.filters, self.never = filters, sorted(set(never))
         self.device = torch.device(device if device is not None else
                                    "cuda" if getattr(engine.backend, "name", "cpu") == "cuda" else "cpu")
         self.rng = torch.Generator(self.device).manual_seed(seed)
         config = copy.deepcopy(policy.config)
         config.use_cache = True                 # the engine's copy turned it off for training
         with parameters_on_meta():
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            self.model = type(policy)._from_config(config, dtype=dtype)
         # generate's settings are these alone: no eos, temperature or top-k from the model's own files
         self.model.generation_config = GenerationConfig(eos_token_id=list(self.stops) or None, pad_token_id=pad_id)
         self._fill()
@@ -125,7 +131,9 @@ class HFGenerator:
         self.rng.set_state(state)
 
     @torch.no_grad()
-    def generate(self, prompts, n, max_new_tokens, temperature=1.0) -> list[Completion]:
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0, inputs=None) -> list[Completion]:
+        """inputs(rows, input_ids) -> the other inputs of these rows (range over len(prompts) x n,
+        prompt 0's n first), given their left-padded input_ids: a vision-language policy's images."""
         from transformers import LogitsProcessorList
         check_request(prompts, n, max_new_tokens, temperature)
         rows = [list(p) for p in prompts for _ in range(n)]
@@ -138,10 +146,14 @@ class HFGenerator:
         starts = [width - len(r) for r in rows]
         drawn = temperature > 0 or self.filters.repetition_penalty != 1.0
         processors = LogitsProcessorList([_Draw(temperature, self.rng, self.filters, starts)] if drawn else [])
-        chunk = prefill_chunk(len(rows))       # the prompts' prefill in chunks: what it passes stays bounded
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+        more = {} if inputs is None else {
+            k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
+            for k, v in inputs(range(len(rows)), ids).items()}
+        # the prompts' prefill in chunks: what it passes stays bounded (whole with images)
+        chunk = prefill_chunk(len(rows)) if not more else width
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **more,
                                   do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
-                                  logits_processor=processors, use_cache=True,
+                                  logits_processor=processors, use_cache=True, suppress_tokens=self.never or None,
                                   prefill_chunk_size=chunk if width > chunk else None)
         completions = []
         for i, tokens in enumerate(out[:, width:].tolist()):

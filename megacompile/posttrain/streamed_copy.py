@@ -168,8 +168,8 @@ class StreamedHFGenerator(HFGenerator):
         self.model.eval()
         self.streamer = LayerStreamer(decoder_layers(self.model), self.mover)
 
-    def generate(self, prompts, n, max_new_tokens, temperature=1.0):
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0, inputs=None):
         try:
-            return super().generate(prompts, n, max_new_tokens, temperature)
+            return super().generate(prompts, n, max_new_tokens, temperature, inputs)
         finally:
             self.streamer.unload_all()

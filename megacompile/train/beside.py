@@ -58,8 +58,10 @@ def _model_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     return _bytes(model.parameters(), dtype) + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-def generator_copy(c: RunConfig, meta: nn.Module, card_bytes: int) -> list[Beside]:
-    """The rollout generator's share of the GPU, per run.yaml's generator keys."""
+def generator_copy(c: RunConfig, meta: nn.Module, card_bytes: int, images: tuple[int, int] | None = None
+                   ) -> list[Beside]:
+    """The rollout generator's share of the GPU, per run.yaml's generator keys; `images`: a rollout
+    batch's images at their heaviest (their pixel values' elements, the largest image's)."""
     if c.use_vllm and c.vllm_mode == "colocate":
         share = c.vllm_gpu_memory_utilization
         return [Beside(f"colocated vLLM's vllm_gpu_memory_utilization {share:g} of the card", int(share * card_bytes))]
@@ -74,7 +76,7 @@ def generator_copy(c: RunConfig, meta: nn.Module, card_bytes: int) -> list[Besid
         per_layer = [_bytes(m.parameters(), dtype) for m in layers]
         copy = _model_bytes(meta, dtype) - sum(per_layer) + 2 * max(per_layer, default=0)
         what = f"generator hf_streamed's resident parts and two decoder layers in {c.generator_dtype}"
-    return [Beside(what, copy)] + _cache(c, meta, dtype) + _passing(c, meta, dtype)
+    return [Beside(what, copy)] + _cache(c, meta, dtype) + _passing(c, meta, dtype, images)
 
 
 def _cache(c: RunConfig, meta: nn.Module, dtype: torch.dtype) -> list[Beside]:
@@ -87,28 +89,32 @@ def _cache(c: RunConfig, meta: nn.Module, dtype: torch.dtype) -> list[Beside]:
     return [Beside(f"its key-value cache of {rows} rows x {c.seq} tokens", rows * c.seq * per_token)]
 
 
-def _passing(c: RunConfig, meta: nn.Module, dtype: torch.dtype) -> list[Beside]:
+def _passing(c: RunConfig, meta: nn.Module, dtype: torch.dtype, images: tuple[int, int] | None = None
+             ) -> list[Beside]:
     """What transformers' generate holds while it samples the rollout batch, besides the copy and
-    the cache: the bound of cost/generation_memory.py."""
+    the cache: the bound of cost/generation_memory.py (prompts with images: `images`)."""
     rows, prompt = c.batch * c.steps_per_generation, c.max_prompt_length or c.seq
-    passing = generate_transient_bytes(getattr(meta, "config", None), rows, prompt, dtype.itemsize)
+    passing = generate_transient_bytes(getattr(meta, "config", None), rows, prompt, dtype.itemsize, images)
     if passing is None:
         return []
-    chunk = min(prompt, prefill_chunk(rows))
+    chunk = prompt if images else min(prompt, prefill_chunk(rows))
     prefill = f"{rows} x {prompt} tokens" + (f" in chunks of {chunk} positions" if chunk < prompt else "")
-    return [Beside(f"the tensors its generate passes through (a prefill of {prefill}, a step's logits and sampling)",
-                   passing)]
+    tower = ", the vision tower's pass over their images" if images else ""
+    return [Beside(f"the tensors its generate passes through (a prefill of {prefill}{tower}, a step's logits and "
+                   "sampling)", passing)]
 
 
-def generator_host(c: RunConfig, meta: nn.Module, device: str) -> list[Beside]:
+def generator_host(c: RunConfig, meta: nn.Module, device: str, images: tuple[int, int] | None = None
+                   ) -> list[Beside]:
     """What the rollout generator holds in host memory: on the cpu backend its copy and cache (the
-    simulated device is host memory), on a GPU hf_streamed's decoder layers."""
+    simulated device is host memory), on a GPU hf_streamed's decoder layers; `images`: as
+    generator_copy's."""
     if c.use_vllm or c.generator not in ("hf", "hf_streamed"):
         return []
     dtype = getattr(torch, c.generator_dtype)
     if not on_gpu(device):
         return [Beside(f"generator {c.generator}'s {c.generator_dtype} copy of the policy", _model_bytes(meta, dtype))
-                ] + _cache(c, meta, dtype) + _passing(c, meta, dtype)
+                ] + _cache(c, meta, dtype) + _passing(c, meta, dtype, images)
     if c.generator == "hf":
         return []
     from ..posttrain import decoder_layers

@@ -3,8 +3,10 @@
 dispatch mode that counts the live storages its ops make (tests/posttrain/live_bytes.py); its peak
 less the key-value cache stays under the bound and within 25% of it, over dense and mixture-of-
 experts configs, prefill-bound (whole and in chunks) and sampling-bound shapes, bfloat16 and
-float32. A chunked prefill gives the completions of a whole one. A run counts the bound beside the
-copy (train/beside.py) and so does the stage's plan (planner/posttrain_step.py)."""
+float32; prompts with images, prefilled whole, under the bound and above half of it (the tower's pass
+or the decoder's prefill dominating). A chunked prefill gives the completions of a whole one. A run
+counts the bound beside the copy (train/beside.py) and so does the stage's plan
+(planner/posttrain_step.py)."""
 from __future__ import annotations
 
 import pytest
@@ -104,3 +106,58 @@ def test_what_a_reward_models_forward_passes_through_stays_within_the_bound(rows
         scorer(input_ids=ids, attention_mask=mask)
     bound = generation_memory.forward_transient_bytes(config, rows, tokens, dtype.itemsize)
     assert 0.75 * bound <= seen.peak <= bound, (seen.peak, bound)
+
+
+def _qwen_vl(tower: int, hidden: int):
+    """A Qwen2.5-VL of 2 tower layers (one windowed, one full) `tower` wide and 2 decoder layers
+    `hidden` wide, 4 x 4 pixel patches merged 2 x 2."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    text = dict(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, use_cache=False,
+                bos_token_id=None, eos_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [hidden // 32, 3 * hidden // 64, 3 * hidden // 64]})
+    vision = dict(depth=2, hidden_size=tower, intermediate_size=4 * tower, num_heads=4, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=32, out_hidden_size=hidden,
+                  fullatt_block_indexes=[1])
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=500, video_token_id=503, vision_start_token_id=501,
+        vision_end_token_id=502, use_cache=False))
+
+
+# (tower width, decoder width, image side in patches, rows, dtype): the tower's pass dominates, the
+# decoder's prefill does, a float32 copy of few rows over large images
+IMAGE_CASES = {"tower": (256, 128, 32, 4, torch.bfloat16), "decoder": (64, 256, 16, 8, torch.bfloat16),
+               "float32": (256, 128, 48, 2, torch.float32)}
+
+
+@pytest.mark.parametrize("case", list(IMAGE_CASES))
+def test_what_generate_holds_for_prompts_with_images_stays_within_the_bound(case):
+    """Prompts with an image each, prefilled whole by the copy: the tower's pass or the decoder's
+    prefill, whichever is larger, and the pixels the images hold stay under the bound, and above half
+    of it."""
+    tower, hidden, side, rows, dtype = IMAGE_CASES[case]
+    policy = _qwen_vl(tower, hidden)
+    engine = _engine(policy)
+    copy = HFGenerator(engine, eos_id=None, seed=0, dtype=dtype, filters=EVERY_FILTER, never=(500, 503))
+    patches, grid = side * side, torch.tensor([[1, side, side]])
+    prompts = [[3, 501] + [500] * (patches // 4) + [502] + [5 + r, 6, 7][:1 + r % 3] for r in range(rows)]
+
+    def inputs(chosen, ids):
+        n = len(chosen)
+        return {"pixel_values": torch.randn(n * patches, 3 * 2 * 4 * 4), "image_grid_thw": grid.repeat(n, 1),
+                "mm_token_type_ids": (ids == 500).long()}
+    weights = list(copy.model.parameters()) + list(copy.model.buffers())
+    new = 4
+    with PeakLiveBytes(existing=weights) as seen:
+        copy.generate(prompts, 1, new, temperature=1.0, inputs=inputs)
+    width = max(len(p) for p in prompts)
+    text = policy.config.text_config
+    head = text.hidden_size // text.num_attention_heads
+    cache = rows * (width + new) * 2 * text.num_hidden_layers * text.num_key_value_heads * head * dtype.itemsize
+    pixels = patches * 3 * 2 * 4 * 4
+    bound = generate_transient_bytes(policy.config, rows, width, dtype.itemsize, images=(rows * pixels, pixels))
+    measured = seen.peak - cache
+    assert 0.5 * bound <= measured <= bound, (measured, bound)
+    engine.close()

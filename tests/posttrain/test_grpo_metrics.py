@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megacompile.posttrain import nanstd
-from megacompile.train.stages.grpo import COMPLETION_METRICS, completion_metrics
+from megacompile.train.stages.rollout_metrics import COMPLETION_METRICS, completion_metrics
 
 
 def test_lengths_the_clipped_share_and_the_groups_without_spread():

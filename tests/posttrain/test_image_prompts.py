@@ -113,12 +113,15 @@ def test_a_prompt_with_images_is_the_templates_with_the_generation_prompt_each_i
     ({"prompt": [{"role": "user", "content": "<image>what colour is this"}], "image": "images/red.png"},
      {"max_prompt_length": 8}, "the prompt is 13 tokens with its images, past max_prompt_length 8"),
     ({"prompt": [{"role": "user", "content": "<image>what colour is this"}], "image": "images/red.png"},
-     {"generator": "hf"}, "the prompts show images, and generator hf does not sample prompts with images"),
+     {"use_vllm": True}, "the prompts show images, and vLLM does not sample prompts with images here"),
     ({"prompt": [{"role": "user", "content": "<image>what"}], "image": "images/mauve.png"}, {},
      "image images/mauve.png is not there"),
 ])
-def test_a_prompt_with_images_that_cannot_train_is_refused_naming_the_record_and_the_fix(tmp_path, record, more,
-                                                                                          message):
+def test_a_prompt_with_images_that_cannot_train_is_refused_naming_the_record_and_the_fix(tmp_path, monkeypatch,
+                                                                                          record, more, message):
+    import sys
+    from tests.posttrain import fake_vllm
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm.module())      # a stand-in: vLLM needs a GPU
     path = tmp_path / "data" / "bad.jsonl"
     qwen_files.images(str(path.parent))
     path.write_text(json.dumps({**record, "solution": "red"}) + "\n")
@@ -131,11 +134,13 @@ def _policy(tmp_path):
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
 
 
-def test_the_engine_generator_samples_a_prompt_with_images_as_transformers_generate(tmp_path):
-    """Greedy completions of prompts with images of two sizes (and a text prompt), two rows a
-    call, are transformers' generate's on each prompt alone with its pixels, the image and video
-    tokens suppressed as the generator never draws them."""
+def test_each_generator_samples_a_prompt_with_images_as_transformers_generate(tmp_path):
+    """Greedy completions of prompts with images of two sizes (and a text prompt) are transformers'
+    generate's on each prompt alone with its pixels, the image and video tokens suppressed as the
+    generators never draw them: the engine generator's, two rows a call, and the hf copies' (whole
+    and streamed, the prompts left-padded together, in float32)."""
     from megacompile import compile
+    from megacompile.posttrain import HFGenerator, StreamedHFGenerator
     stage = _stage(tmp_path, trl_prompts(str(tmp_path / "data" / "prompts.jsonl"), n=4, text_every=4))
     policy = _policy(tmp_path).eval()
     tok = stage.text
@@ -144,15 +149,20 @@ def test_the_engine_generator_samples_a_prompt_with_images_as_transformers_gener
     try:
         generator = EngineGenerator(engine, eos_id=tok.eos_token_id, pad_id=stage.pad, never=tuple(never))
         order = [2, 0, 3, 1]        # blue beside red, the text prompt beside green
-        made = generator.generate([stage.prompts[i] for i in order], 1, 4, 0.0, width=24, rows_per_call=2,
-                                  inputs=lambda rows, ids: stage._media([stage.shown[order[r]] for r in rows], ids))
+        inputs = lambda rows, ids: stage._media([stage.shown[order[r]] for r in rows], ids)  # noqa: E731
+        made = {"engine": generator.generate([stage.prompts[i] for i in order], 1, 4, 0.0, width=24, rows_per_call=2,
+                                             inputs=inputs)}
+        for made_by in (HFGenerator, StreamedHFGenerator):
+            held = made_by(engine, eos_id=tok.eos_token_id, pad_id=stage.pad, dtype=torch.float32, never=tuple(never))
+            made[made_by.__name__] = held.generate([stage.prompts[i] for i in order], 1, 4, 0.0, inputs=inputs)
     finally:
         engine.close()
-    for i, completion in zip(order, made):
+    for k, i in enumerate(order):
         ids = torch.tensor([stage.prompts[i]])
         want = policy.generate(input_ids=ids, **stage._media([stage.shown[i]], ids), max_new_tokens=4,
                                do_sample=False, suppress_tokens=never, eos_token_id=tok.eos_token_id)
-        assert list(completion.tokens) == want[0, ids.shape[1]:].tolist()
+        for name, completions in made.items():
+            assert list(completions[k].tokens) == want[0, ids.shape[1]:].tolist(), name
 
 
 # each: a tiny model made and 4 tokens of 2 prompts sampled both ways, 1-3 s on two cores
@@ -263,21 +273,28 @@ TRL_VLM_GRPO = {"per_device_train_batch_size": 4, "num_generations": 2, "max_pro
                 "remove_unused_columns": False}
 
 
-def test_a_trl_grpo_run_over_prompts_with_images_hands_the_rewards_their_columns_and_exports_the_processor(tmp_path):
+# the engine generator in the default tier; the hf copy (its bound counted beside the engine) in the slow one
+@pytest.mark.parametrize("generator", ["engine", pytest.param("hf", marks=pytest.mark.slow)])
+def test_a_trl_grpo_run_over_prompts_with_images_hands_the_rewards_their_columns_and_exports_the_processor(
+        tmp_path, capsys, generator):
     """TRL's keys over TRL's vision records (and a text prompt among them), a fifth held out: the
     run trains 2 steps; each reward call gets every completion beside its prompt's `image` and
     `solution`; no completion holds an image token; held-out prompts are evaluated with their
     images; the output folder holds the trained policy, which transformers loads, and the
-    processor's files."""
+    processor's files. With the hf copy, what its generate passes through counts the tower's pass
+    over the rollout's images."""
     from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
     CALLS.clear()
     data = trl_prompts(str(tmp_path / "data" / "prompts.jsonl"), n=10, text_every=5)
     settings = {k: v for k, v in _settings(tmp_path, data).items()
                 if k not in ("batch", "num_generations", "max_prompt_length", "max_completion_length", "steps",
                              "lr", "log_every")}
-    settings = {**settings, **TRL_VLM_GRPO, "max_prompt_length": 16, "eval_fraction": 0.2, "eval_every": 2}
+    settings = {**settings, **TRL_VLM_GRPO, "max_prompt_length": 16, "eval_fraction": 0.2, "eval_every": 2,
+                **({"generator": generator} if generator != "engine" else {})}
     c = load(files.run_yaml(str(tmp_path / "run.yaml"), **settings), [])
     assert run(c)["steps"] == 2
+    if generator == "hf":
+        assert "a prefill of 4 x 16 tokens, the vision tower's pass over their images" in capsys.readouterr().out
     rows = log.read(str(tmp_path / "run" / "log.csv"))
     assert len(rows) == 2 and rows[1]["eval_reward"] != ""
     tok = load_tokenizer(c.model, c.chat_template)

@@ -363,9 +363,9 @@ def test_a_lora_policys_stage_holds_its_reference_as_adapters_and_its_copy_merge
 
 def test_a_dpo_kto_or_grpo_step_with_images_plans_the_vision_tower_in_every_part(capsys):
     """images_per_row (--images-per-row) plans each part's rows with images, the training step's and
-    the forward-only passes' alike (grpo's generation too): the same plans megacompile.plan makes of
-    those rows; stage rm, which trains on text alone, and a grpo copy with a cache refuse them by
-    name."""
+    the forward-only passes' alike (grpo's generation too, a copy's with the tower's pass beside it):
+    the same plans megacompile.plan makes of those rows; stage rm, which trains on text alone,
+    refuses them by name."""
     import megacompile
     from tests import vlm
     config = vlm.llava().config
@@ -389,6 +389,11 @@ def test_a_dpo_kto_or_grpo_step_with_images_plans_the_vision_tower_in_every_part
     assert grpo.train.vision is not None
     with pytest.raises(ArgumentError, match="stage rm trains on text alone: images_per_row and image_size"):
         plan_stage(config, 1.0, "rm", images_per_row=1, **cpu)
-    with pytest.raises(ArgumentError, match="stage grpo samples prompts with images with the engine generator alone"):
-        plan_stage(config, 1.0, "grpo", images_per_row=1, prompts=1, num_generations=2, max_prompt_length=8,
-                   generator="kv_cache", **cpu)
+    # a copy with a cache: its generate's passing tensors count the tower's pass over the rollout's images
+    copied = plan_stage(config, 1.0, "grpo", images_per_row=1, prompts=1, num_generations=2,
+                        max_prompt_length=vlm.SEQ - 4, max_completion_length=4, generator="kv_cache", **cpu)
+    alone = plan_stage(config, 1.0, "grpo", prompts=1, num_generations=2, max_prompt_length=vlm.SEQ - 4,
+                       max_completion_length=4, generator="kv_cache", **cpu)
+    held = lambda staged: re.search(r"([0-9.]+ [KM]iB) of the budget held beside",  # noqa: E731
+                                    staged.part("generation").detail).group(1)
+    assert held(copied) != held(alone) and copied.part("generation").seconds > alone.part("generation").seconds

@@ -285,6 +285,12 @@ class Media:
     def check_packing(self, packing: bool | str, tokens) -> None:
         """Whether documents with images can train under this packing (they fill rows of their own)."""
 
+    def pixel_elements(self, item) -> int:
+        """The elements of an image's (a video's) pixel values, as a batch holding it carries them."""
+        import torch
+        made = self.inputs([[item]], torch.zeros(1, 1, dtype=torch.long))
+        return sum(v.numel() for k, v in made.items() if k.startswith("pixel_values"))
+
     def _load_pixels(self, path: str) -> dict:
         """The image processor's tensors for this image alone, batch dimension first."""
         import torch

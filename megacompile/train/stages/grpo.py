@@ -38,9 +38,9 @@ A vision-language model (a folder with its processor) samples prompts with image
 GRPOTrainer reads a vision dataset (data/image_prompts.py): each rollout row holds its prompt's
 images, read by the processor when the rows are batched, and every pass over it (each new token's
 forward, the old policy's and the reference's log-probabilities, the step, evaluation) sees the
-pixels its prompt shows. The engine generator samples them, never drawing an image token; hf and
-vLLM's rollouts of images are not built, and are refused. Its export gets the processor's files
-beside it."""
+pixels its prompt shows. The engine generator and the hf copies sample them, never drawing an image
+token (the copies prefill such prompts whole); vLLM's rollouts of images are not built, and are
+refused. Its export gets the processor's files beside it."""
 from __future__ import annotations
 
 import base64
@@ -55,42 +55,21 @@ from ...posttrain import RewardModelFunction, check_texts, render
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, decoupled_advantages,
                           decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
                           sampling_correction, sampling_ratio, truncated)
-from . import rollouts
+from . import prompt_images, rollouts
 from .. import beside, intervals
 from ..data import grid_images, images, tools, turn_ends
-from ..data.image_answers import heaviest
 from ..data.image_prompts import image_prompt
 from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
 from .completions_log import CompletionsLog
+from .rollout_metrics import COMPLETION_METRICS, completion_metrics
 from .grpo_keys import epoch_steps, rollout_steps
 from .keys import check_resume, check_row_length, saved_keys
 from .order import stream_items
 from . import reference
 from .stage import Stage
-
-
-COMPLETION_METRICS = ("completions/mean_length", "completions/min_length", "completions/max_length",
-                      "completions/clipped_ratio", "completions/mean_terminated_length",
-                      "completions/min_terminated_length", "completions/max_terminated_length", "frac_reward_zero_std")
-
-
-def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, spread: torch.Tensor) -> dict:
-    """What TRL logs of a rollout batch's completions: their lengths, the share cut at
-    max_completion_length (clipped_ratio) and the lengths of the others (0 where none ended), and
-    the share of completions whose rewards' spread is 0 (frac_reward_zero_std: no advantage to learn).
-    `spread` (N,): the standard deviation each completion's advantage is scaled by, as TRL takes it
-    (its group's; the batch's under scale_rewards batch and under GDPO, of the summed normalised
-    rewards)."""
-    ended = lengths[~truncated]
-    return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
-            "completions/mean_terminated_length": ended.mean().item() if len(ended) else 0.0,
-            "completions/min_terminated_length": ended.min().item() if len(ended) else 0.0,
-            "completions/max_terminated_length": ended.max().item() if len(ended) else 0.0,
-            "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()}
 
 
 class GRPOStage(Stage):
@@ -126,10 +105,9 @@ class GRPOStage(Stage):
         if c.eval_fraction:
             self._hold_out(c.eval_fraction)
         self.with_images = any(self.shown) or any(self.held_shown)
-        if self.with_images and (c.use_vllm or c.generator != "engine"):
-            raise ArgumentError(f"the prompts show images, and {'vLLM' if c.use_vllm else 'generator ' + c.generator} "
-                                "does not sample prompts with images here: leave generator and use_vllm out (the "
-                                "engine generator samples them from the policy's own forward)")
+        if self.with_images and c.use_vllm:
+            raise ArgumentError("the prompts show images, and vLLM does not sample prompts with images here: leave "
+                                "use_vllm out (generator engine, hf or hf_streamed samples them)")
         columns = dict.fromkeys(k for r in self.records + self.held_records for k in r)
         rewards.check_callable(self.funcs, [k for k in columns if k not in ("prompt", "completion", "completion_ids")])
         self.rows = c.batch * c.steps_per_generation       # completions per rollout batch
@@ -258,40 +236,30 @@ class GRPOStage(Stage):
     def heaviest_inputs(self, batch: int) -> dict | None:
         """A step's inputs over the `batch` prompts whose images fill the most tokens (None without
         images): the default budget fits their micro-batch too, not only the first one."""
-        items = heaviest(self.shown, self.media, batch)
+        items = prompt_images.heaviest_prompts(self.media, self.shown, batch)
         return None if items is None else self._showing(self.first_inputs(batch), items)
 
     def forward_inputs(self, batch: int) -> dict | None:
         """With images, the generator's forward (a next token of each row) over the heaviest prompts,
         whose smallest plan of a vision-language model is larger than its training step's."""
-        items = heaviest(self.shown, self.media, batch)
+        items = prompt_images.heaviest_prompts(self.media, self.shown, batch)
         if items is None:
             return None
         rows = self._showing({"input_ids": torch.zeros(batch, self.c.seq, dtype=torch.long)}, items)
         return {**rows, "last": torch.zeros(batch, dtype=torch.long)}
 
-    def _showing(self, inputs: dict, items: list[int]) -> dict:
-        """`inputs` with these prompts' tokens at the start of its rows and the image inputs of their
-        images, where any shows one: for their shapes (a plan per grid of images)."""
-        shown = [self.shown[i] for i in items]
-        if not any(shown):
-            return inputs
-        ids = torch.full_like(inputs["input_ids"], self.pad)
-        for r, i in enumerate(items):
-            ids[r, :len(self.prompts[i])] = torch.tensor(self.prompts[i])
-        return {**inputs, "input_ids": ids, **self._media(shown, ids)}
+    def _showing(self, rows: dict, items: list[int]) -> dict:
+        return prompt_images.showing(self.media, rows, [self.prompts[i] for i in items],
+                                     [self.shown[i] for i in items], self.pad)
 
     def _media(self, shown: list[tuple], input_ids: torch.Tensor) -> dict:
-        """The image inputs of rows showing `shown` (each row's images), as the processor batches
-        them; none where no row shows one."""
-        if self.media is None or not any(shown):
-            return {}
-        return self.media.inputs([list(m) for m in shown], input_ids)
+        return prompt_images.inputs(self.media, shown, input_ids)
 
     def device_beside(self, meta, card_bytes: int) -> list:
         """The generator's copy and cache, or colocated vLLM's share, and each reward model's copy and
         what its forward passes through."""
-        return beside.generator_copy(self.c, meta, card_bytes) + [
+        pixels = prompt_images.rollout_pixels(self.media, self.shown, self.rows)
+        return beside.generator_copy(self.c, meta, card_bytes, pixels) + [
             part for f in self.funcs if isinstance(f, RewardModelFunction)
             for part in beside.reward_model(f.folder, rows=f.batch, tokens=self.c.seq)]
 
@@ -301,13 +269,11 @@ class GRPOStage(Stage):
         models = [] if beside.on_gpu(device) else [
             part for f in self.funcs if isinstance(f, RewardModelFunction)
             for part in beside.reward_model(f.folder, torch.float32, rows=f.batch, tokens=self.c.seq)]
-        return beside.generator_host(self.c, meta, device) + models
+        pixels = prompt_images.rollout_pixels(self.media, self.shown, self.rows)
+        return beside.generator_host(self.c, meta, device, pixels) + models
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
-        never = ()      # the image and video tokens: a completion asks for no image it was not shown
-        if self.with_images:
-            never = tuple(self.media.image_ids) + tuple(t for t in (getattr(self.media, "video_id", None),)
-                                                        if t is not None)
+        never = prompt_images.never(self.media) if self.with_images else ()
         self.generator = rollouts.make(self.c, engine, self.stops, self.pad, run_dir, never)
         self.completions = (CompletionsLog(run_dir, engine.steps_done, self.c.num_completions_to_print)
                             if self.c.log_completions else None)
@@ -396,7 +362,7 @@ class GRPOStage(Stage):
         # EngineGenerator's rows at one width, `batch` of them a forward: generation planned once
         shape = ({"width": self.c.seq, "rows_per_call": self.c.batch} if isinstance(self.generator, EngineGenerator)
                  else {})
-        if any(shown):      # each call's rows with their prompts' images (the engine generator alone takes them)
+        if any(shown):      # each call's rows with their prompts' images
             shape["inputs"] = lambda rows, ids: self._media([shown[r // n] for r in rows], ids)
         return self.generator.generate(prompts, n, self.c.max_completion_length, temperature, **shape)
 

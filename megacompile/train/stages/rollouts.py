@@ -259,7 +259,7 @@ def wait_for_server(url: str, timeout: float, poll: float = 2.0) -> None:
 def make(c, engine, eos_id: int | tuple[int, ...] | None, pad_id: int, run_dir: str, never: tuple[int, ...] = ()):
     """The run's generator over `engine`, whose masters it samples from (or copies); `eos_id`: the
     ids a completion stops at; `never`: ids it never draws (a vision-language model's image tokens,
-    for the engine generator, the one that samples prompts with images)."""
+    for the generators that sample prompts with images: the engine's and the hf copies)."""
     drawn = filters(c)
     if c.generator == "engine":
         from ...posttrain import EngineGenerator
@@ -269,7 +269,7 @@ def make(c, engine, eos_id: int | tuple[int, ...] | None, pad_id: int, run_dir: 
         from ...posttrain import StreamedHFGenerator
         kind = HFGenerator if c.generator == "hf" else StreamedHFGenerator
         return kind(engine, eos_id=eos_id, pad_id=pad_id, seed=c.seed, dtype=getattr(torch, c.generator_dtype),
-                    filters=drawn)
+                    filters=drawn, never=never)
     if c.vllm_mode == "colocate":
         from ...posttrain import VLLMGenerator
         impl = {} if c.vllm_model_impl is None else {"model_impl": c.vllm_model_impl}

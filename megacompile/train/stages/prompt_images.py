@@ -1,0 +1,52 @@
+"""The images stage grpo's prompts show (a vision-language model: data/image_prompts.py), beside
+their tokens: what a batch of rows over them carries (the processor's image inputs, made when the
+rows are batched), the rows that stand for the heaviest of them when a run chooses its budget, the
+pixels a generation copy's tower passes over, and the tokens no completion may hold.
+
+`shown[i]` is prompt i's images (paths; () for a text prompt); `media` the run's processor
+(data/images.py's Media), None for a text model."""
+from __future__ import annotations
+
+import torch
+
+from ..data.image_answers import heaviest
+
+
+def inputs(media, shown: list[tuple], input_ids: torch.Tensor) -> dict:
+    """The image inputs of rows showing `shown` (each row's images), as the processor batches them;
+    none where no row shows one."""
+    if media is None or not any(shown):
+        return {}
+    return media.inputs([list(m) for m in shown], input_ids)
+
+
+def showing(media, rows: dict, prompts: list[list[int]], shown: list[tuple], pad: int) -> dict:
+    """`rows` (a batch for its shapes: input_ids first) with these prompts' tokens at the start of
+    its rows and the image inputs of their images, where any shows one (a plan per grid of images)."""
+    if not any(shown):
+        return rows
+    ids = torch.full_like(rows["input_ids"], pad)
+    for r, prompt in enumerate(prompts):
+        ids[r, :len(prompt)] = torch.tensor(prompt)
+    return {**rows, "input_ids": ids, **inputs(media, shown, ids)}
+
+
+def heaviest_prompts(media, shown: list[tuple], rows: int) -> list[int] | None:
+    """`rows` prompts whose images fill the most tokens (repeated where fewer); None without images."""
+    return heaviest(shown, media, rows)
+
+
+def rollout_pixels(media, shown: list[tuple], rows: int) -> tuple[int, int] | None:
+    """A rollout batch's pixel values at their heaviest (its `rows` rows those of the prompts whose
+    images fill the most tokens) and its largest image's, as elements; None without images."""
+    items = heaviest(shown, media, rows)
+    if items is None:
+        return None
+    each = [media.pixel_elements(m) for i in items for m in shown[i]]
+    return sum(each), max(each)
+
+
+def never(media) -> tuple[int, ...]:
+    """The image and video tokens: a completion holding one would ask the model for an image it was
+    not shown, in every forward of its row."""
+    return tuple(media.image_ids) + tuple(t for t in (getattr(media, "video_id", None),) if t is not None)
