@@ -32,9 +32,16 @@ def _from_run(args: argparse.Namespace) -> None:
                             "after the run.yaml to plan another value")
     from ..train import load
     from ..train.run_plan import resolve
-    run = resolve(load(args.run_yaml, args.overrides))
+    c = load(args.run_yaml, args.overrides)
+    run = resolve(c)
     for note in run.notes:
         print(note, flush=True)
+    if not args.images_per_row and args.image_size is None:    # a vision-language run: its data's images
+        from ..train.run_images import heaviest
+        found = heaviest(c, run.model)
+        if found is not None:
+            print(found.describe(), flush=True)
+            args.images_per_row, args.image_size = found.per_row, found.size
     args.config, args.batch, args.seq, args.global_batch = run.model, run.batch, run.seq, run.global_batch
     args.grad_accum, args.accumulation, args.dtype, args.updates = (run.grad_accum, run.accumulation,
                                                                     run.compute_dtype, run.updates)

@@ -71,6 +71,12 @@ class ImageSignature:
                 "tokens_per_image": self.tokens_per_image}
 
 
+def sized_by_area(model: nn.Module) -> bool:
+    """Whether the model's processor keeps each image's size, its tokens following the image's area
+    (Qwen's grids), rather than resizing or tiling it by its sides."""
+    return FAMILIES[family_of(model)] == "grid"
+
+
 def family_of(model: nn.Module) -> str:
     """The model's vision-language family, or an ArgumentError naming why it cannot plan images."""
     config = getattr(model, "config", None)

@@ -10,8 +10,8 @@ keys. Nothing is read of the weights, and nothing of the run is written. The dat
 where the run gives epochs, not steps: the stage reads and tokenises it as the run would, in a
 temporary folder removed after, to count the optimizer steps of those epochs.
 
-What the run learns only from its data is left to the command's flags: a vision-language run's
-images per row and their size. A run's rows are planned at `seq` tokens, the width every
+A vision-language run's images per row and their size are read from its data (run_images.py),
+unless the command's flags give them. A run's rows are planned at `seq` tokens, the width every
 micro-batch is padded or packed to.
 """
 from __future__ import annotations

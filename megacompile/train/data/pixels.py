@@ -11,6 +11,7 @@ image_max_pixels / (patch_size * merge_size)**2 tokens.
 
     limits(c)             the run's Limits (RunConfig's image_max_pixels, image_min_pixels)
     fit(image, limits)    the PIL image scaled within them (the image itself when within)
+    fitted_size(w, h, limits)  the size fit gives, read from no pixels
     attach(media, limits) a data/images.Media (or GridMedia) set to read its images within them
 """
 from __future__ import annotations
@@ -42,15 +43,30 @@ def fit(image, within: Limits = NONE):
     """`image` (PIL) scaled by one factor on both sides so that width * height <= max_pixels, then
     >= min_pixels: LlamaFactory's rule (it rounds the sides down; here a side is at least 1
     pixel, and scaling up rounds up, so the image does reach min_pixels)."""
-    width, height = image.size
-    if within.max_pixels is not None and width * height > within.max_pixels:
-        factor = math.sqrt(within.max_pixels / (width * height))
-        image = image.resize((max(1, int(width * factor)), max(1, int(height * factor))))
-        width, height = image.size
-    if within.min_pixels is not None and width * height < within.min_pixels:
-        factor = math.sqrt(within.min_pixels / (width * height))
-        image = image.resize((math.ceil(width * factor), math.ceil(height * factor)))
-    return image
+    down = _down(*image.size, within)
+    if down != image.size:
+        image = image.resize(down)
+    up = _up(*image.size, within)
+    return image if up == image.size else image.resize(up)
+
+
+def fitted_size(width: int, height: int, within: Limits = NONE) -> tuple[int, int]:
+    """The (width, height) fit() gives an image of this size, without reading its pixels."""
+    return _up(*_down(width, height, within), within)
+
+
+def _down(width: int, height: int, within: Limits) -> tuple[int, int]:
+    if within.max_pixels is None or width * height <= within.max_pixels:
+        return width, height
+    factor = math.sqrt(within.max_pixels / (width * height))
+    return max(1, int(width * factor)), max(1, int(height * factor))
+
+
+def _up(width: int, height: int, within: Limits) -> tuple[int, int]:
+    if within.min_pixels is None or width * height >= within.min_pixels:
+        return width, height
+    factor = math.sqrt(within.min_pixels / (width * height))
+    return math.ceil(width * factor), math.ceil(height * factor)
 
 
 def keeps_size(image_processor) -> bool:

@@ -17,7 +17,8 @@ def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, spread: t
     rewards)."""
     ended = lengths[~truncated]
     return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
             "completions/mean_terminated_length": ended.mean().item() if len(ended) else 0.0,
             "completions/min_terminated_length": ended.min().item() if len(ended) else 0.0,
             "completions/max_terminated_length": ended.max().item() if len(ended) else 0.0,

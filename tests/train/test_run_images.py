@@ -1,0 +1,83 @@
+"""`megacompile plan --run` of a vision-language run plans the images its data shows (train/run_images.py):
+the most images a record shows per row and the largest image as the run reads it, planned as the
+same flags plan them; the flags, where given, win; a run's pixel limits scale what is read; the
+sizes are read from the images' headers as the run's scaling makes them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from megacompile.cli import main
+from megacompile.train.data import pixels
+from tests.train import files, qwen_files, vlm_files
+from tests.train.test_run_plan import TIMED
+
+
+def _run_yaml(tmp_path, **more) -> str:
+    model = qwen_files.model_dir(str(tmp_path / "model"))
+    data = qwen_files.records(str(tmp_path / "data.jsonl"), n=6, text_every=3)
+    settings = dict(model=model, data=[data], seq=64, batch=2, steps=1, hbm_budget=1, compute_dtype="float32",
+                    device="cpu", run_dir=str(tmp_path / "run")) | more
+    return files.run_yaml(str(tmp_path / "r.yaml"), **settings)
+
+
+def _plan(capsys, *argv) -> tuple[dict, str]:
+    assert main(["plan", *argv, "--hardware", "cpu", "--json"]) == 0
+    out = capsys.readouterr()
+    return json.loads(out.out), out.err
+
+
+def test_a_qwen_run_is_planned_with_its_datas_images_as_the_flags_plan_them(tmp_path, capsys):
+    """Red and green 16 x 16, blue 16 x 8, one a record: planned as one 16 px image a row, the plan
+    the flags make; with image_max_pixels 128 the largest image read is blue (red and green scale
+    to 11 x 11), a 12 px square of its pixels."""
+    path = _run_yaml(tmp_path)
+    derived, said = _plan(capsys, "--run", path)
+    assert ("images         from the run's data: 4 record(s) with images, at most 1 in one, the largest 16 x 16 px "
+            "as the run reads it: planned as 1 per row of 16 x 16 px") in said
+    flagged, said = _plan(capsys, "--run", path, "--images-per-row", "1", "--image-size", "16")
+    assert "from the run's data" not in said
+    assert {k: v for k, v in derived.items() if k not in TIMED} == {k: v for k, v in flagged.items() if k not in TIMED}
+    assert derived["vision"]["images"]["images_per_row"] == 1
+    scaled, said = _plan(capsys, "--run", path, "image_max_pixels=128")
+    assert "the largest 16 x 8 px as the run reads it: planned as 1 per row of 12 x 12 px" in said
+    assert scaled["vision"]["images"]["image_size"] == 12
+    given, _ = _plan(capsys, "--run", path, "--images-per-row", "1", "--image-size", "8")   # the flags win
+    assert given["vision"]["images"]["image_size"] == 8
+
+
+def test_the_most_images_of_a_record_are_a_rows_and_a_text_run_plans_none(tmp_path, capsys):
+    path = _run_yaml(tmp_path)
+    with open(tmp_path / "data.jsonl", "a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "<image> <image> what colour is this"},
+                                         {"role": "assistant", "content": "this is red"}],
+                            "images": ["images/red.png", "images/blue.png"]}) + "\n")
+    planned, said = _plan(capsys, "--run", path, "seq=128")
+    assert "5 record(s) with images, at most 2 in one" in said and planned["vision"]["images"]["images_per_row"] == 2
+    text = files.run_yaml(str(tmp_path / "text.yaml"), model=files.model_dir(str(tmp_path / "llama"), dim=32),
+                          data=[files.chats(str(tmp_path / "chats.jsonl"))], seq=16, batch=2, steps=1, hbm_budget=1,
+                          device="cpu", run_dir=str(tmp_path / "text-run"))
+    planned, said = _plan(capsys, "--run", text)
+    assert "from the run's data" not in said and planned["vision"] is None
+
+
+@pytest.mark.slow   # a LLaVA folder and its CLIP tower planned twice
+def test_a_llava_run_plans_its_largest_images_longest_side(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    vlm_files.model_dir("model")
+    vlm_files.records("data.jsonl")
+    path = files.run_yaml("r.yaml", model="model", data=["data.jsonl"], seq=64, batch=2, steps=1, hbm_budget=1,
+                          device="cpu", run_dir="run")
+    largest = max(Image.open(p).size for p in vlm_files.images(".").values())
+    planned, said = _plan(capsys, "--run", path)
+    assert f"planned as 1 per row of {max(largest)} x {max(largest)} px" in said
+    assert planned["vision"]["images"]["image_size"] == max(largest)
+
+
+@pytest.mark.parametrize("size", [(640, 480), (17, 3), (3000, 20), (8, 8)])
+@pytest.mark.parametrize("limits", [pixels.Limits(), pixels.Limits(max_pixels=4096),
+                                    pixels.Limits(min_pixels=1024), pixels.Limits(max_pixels=300, min_pixels=290)])
+def test_the_size_read_from_a_header_is_the_size_the_run_scales_an_image_to(size, limits):
+    assert pixels.fitted_size(*size, limits) == pixels.fit(Image.new("RGB", size), limits).size
