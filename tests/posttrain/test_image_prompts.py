@@ -314,3 +314,34 @@ def test_a_trl_grpo_run_over_prompts_with_images_hands_the_rewards_their_columns
     trained = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "run"))
     before = _policy(tmp_path).state_dict()
     assert any(not torch.equal(v, before[k]) for k, v in trained.state_dict().items())
+
+
+@pytest.mark.slow   # a tiny Qwen2.5-VL's grpo run twice and a killed one: about a minute on two cores
+def test_a_grpo_run_over_prompts_with_images_killed_mid_way_resumes_to_the_uninterrupted_log(tmp_path):
+    """Rollout batches of two micro-batches (two optimizer steps) over prompts with images of two sizes
+    (a text prompt among them), a KL term: killed with SIGKILL after step 3 and resumed with `resume:
+    auto` from its step-2 checkpoint, the run writes the uninterrupted run's log.csv, rewards and KL
+    included (the rollout sampled again with each row's pixels, the shuffle moving the images with
+    their rows)."""
+    import signal
+    import subprocess
+    import sys
+    data = trl_prompts(str(tmp_path / "data" / "prompts.jsonl"), n=8, text_every=4)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def config(name: str) -> str:
+        settings = _settings(tmp_path, data, batch=2, steps_per_generation=2, steps=4, beta=0.05,
+                             save_every=2, resume="auto", run_dir=str(tmp_path / name))
+        return files.run_yaml(str(tmp_path / f"{name}.yaml"), **settings)
+    assert run(load(config("whole"), []))["steps"] == 4
+    child = subprocess.run([sys.executable, os.path.join(root, "tests", "train", "crash_child.py"), config("cut"),
+                            "3"], cwd=root, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": root})
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["step-000002"]
+    assert run(load(config("cut"), []))["steps"] == 4
+    timed = ("seconds", "tokens_per_s")
+    whole, cut = (log.read(str(tmp_path / name / "log.csv")) for name in ("whole", "cut"))
+    assert [{k: v for k, v in r.items() if k not in timed} for r in whole] == \
+        [{k: v for k, v in r.items() if k not in timed} for r in cut]
+    assert len({r["reward"] for r in whole}) > 1 and any(float(r["kl"]) > 0 for r in whole)
