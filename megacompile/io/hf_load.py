@@ -96,6 +96,23 @@ def shard_map(path: str) -> dict[str, list[str] | None]:
                            "(.bin checkpoints are not read; convert them to safetensors)")
 
 
+def stored_keys(path: str, model: nn.Module, names: set[str]) -> dict[str, str]:
+    """Each of the model's tensors `names` (its own state_dict names) -> the key the folder's files
+    store it under: the name itself, or an older layout's key transformers renames to it (a
+    vision-language checkpoint's `model.embed_tokens.weight` for `model.language_model.embed_tokens.weight`).
+    A name no file holds is left out."""
+    inner = inner_model(model)
+    layout = DiskLayout(inner)
+    shapes = {n: tuple(t.shape) for n, t in inner.state_dict(keep_vars=True).items()}
+    found = {}
+    for file, listed in shard_map(path).items():
+        for key in (listed if listed is not None else read_header(file)):
+            name = key if key in names else (layout.place(key, shapes) or (None, None))[0]
+            if name in names:
+                found[name] = key
+    return found
+
+
 def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
                shards: dict[str, list[str] | None], unused: tuple[str, ...] = (),
                on_meta: bool = False, grown=None) -> list[Item]:

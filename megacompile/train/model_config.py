@@ -17,5 +17,5 @@ def edit(config, c) -> None:
     """The run's changes into `config` (a transformers PretrainedConfig, changed in place)."""
     router_loss.edit(config, c, c.model)
     rope_scaling.edit(config, c, c.model)
-    if c.grown is not None:
-        config.vocab_size = c.grown.rows
+    if c.grown is not None:     # a vision-language model's vocabulary is its text model's
+        config.get_text_config().vocab_size = c.grown.rows

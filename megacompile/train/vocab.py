@@ -18,6 +18,8 @@ model whose output projection is tied to its embedding, which PEFT's trained cop
 """
 from __future__ import annotations
 
+import os
+
 from ..errors import ArgumentError
 from .config_values import flag
 
@@ -81,10 +83,6 @@ def resolve(c, meta) -> list[str]:
     from ..io.grown_vocab import GrownVocab
     from .data.tokens import load_tokenizer
     config = meta.config
-    if getattr(config, "vision_config", None) is not None:
-        raise ArgumentError("add_tokens, add_special_tokens and resize_vocab grow a language model's vocabulary; "
-                            f"{type(meta).__name__} is a vision-language model, whose processor and text model "
-                            "would both change: add the tokens to its folder first")
     tokenizer = load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model)
     added = add(tokenizer, c)
     embedding = meta.get_input_embeddings().weight
@@ -102,8 +100,11 @@ def resolve(c, meta) -> list[str]:
     keys = {f"{modules[meta.get_input_embeddings()]}.weight"}
     if output is not None and output.weight is not embedding:
         keys.add(f"{modules[output]}.weight")
+    if getattr(config, "vision_config", None) is not None and os.path.isdir(c.model):
+        from ..io.hf_load import stored_keys     # an older layout's keys (the grown rows are read by them)
+        keys = set(stored_keys(c.model, meta, keys).values()) or keys
     c.grown = GrownVocab(rows=rows, new_ids=tuple(tokenizer.convert_tokens_to_ids(added)), keys=frozenset(keys),
-                         std=float(getattr(config, "initializer_range", 0.02)), seed=c.seed)
+                         std=float(getattr(config.get_text_config(), "initializer_range", 0.02)), seed=c.seed)
     from .methods import adapters
     if adapters(c) and output is not None and output.weight is embedding:
         raise ArgumentError(f"{type(meta).__name__} ties its output projection to its embedding, and the new tokens' "

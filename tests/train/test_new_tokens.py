@@ -3,7 +3,8 @@ each in the run's data and in the exported tokenizer, the model grown to the tok
 rounded up to 64 rows, the new tokens' rows at the mean of the others plus noise of std
 1/sqrt(hidden) (LlamaFactory's noise_init), the rows the folder had untouched; the run trains as
 eager transformers does from those rows (losses to 1e-5), full and LoRA (the embedding and output
-trained whole, as LlamaFactory adds them); what cannot train so is refused."""
+trained whole, as LlamaFactory adds them), a vision-language model's text model too, its processor
+given the tokens; what cannot train so is refused."""
 from __future__ import annotations
 
 import json
@@ -152,3 +153,96 @@ def test_vllm_sampling_from_the_folders_config_is_refused_for_a_changed_model(tm
     settings = stage_files.grpo(work, str(tmp_path / "run"), use_vllm=True, **extra)
     with pytest.raises(ArgumentError, match=says):
         load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), [])
+
+
+def _vlm_chats(folder) -> str:
+    """Qwen2.5-VL records whose answers hold the added tokens."""
+    from tests.train import qwen_files
+    qwen_files.images(str(folder))
+    path = str(folder / "data.jsonl")
+    with open(path, "w") as f:
+        for i, colour in enumerate(["red", "green", "blue"] * 2):
+            f.write(json.dumps({"messages": [{"role": "user", "content": "<image> what colour is this"},
+                                             {"role": "assistant", "content": f"<think> zorblax </think> {colour}"}],
+                                "images": [f"images/{colour}.png"]}) + "\n")
+    return path
+
+
+def test_a_vision_language_run_adds_its_tokens_to_the_processor_and_trains_as_eager(tmp_path):
+    """Qwen2.5-VL (a folder in the hub's older layout, `model.embed_tokens`): the tokens are one id
+    each in the processor's rows, the text model grows to 128 rows (its text config's vocab_size),
+    its embedding and output grown from the files' keys as a text model's are; the run's losses are
+    eager transformers' from those rows (resize_token_embeddings, then the run's rows), and the
+    export, its processor's tokenizer holding the tokens, loads."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from megacompile.train.data import grid_images, packing
+    from megacompile.train.data.tokens import load_tokenizer, token_file
+    from tests.train import qwen_files, vlm_files
+    model = qwen_files.model_dir(str(tmp_path / "model"))
+    data = _vlm_chats(tmp_path)
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), model=model, data=[data], seq=32, batch=2, steps=3, lr=1e-2,
+                            schedule="constant", max_grad_norm=1.0, device="cpu", compute_dtype="float32",
+                            run_dir=str(tmp_path / "run"), log_every=1, add_special_tokens="<think>,</think>",
+                            add_tokens=["zorblax"]), [])
+    run(c)
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert c.grown.rows == 128 and set(c.grown.keys) <= stored and "model.embed_tokens.weight" in c.grown.keys
+    before = len(qwen_files.tokenizer())
+    new = [before, before + 1, before + 2]
+    exported = AutoTokenizer.from_pretrained(c.run_dir)
+    assert exported("<think> zorblax </think>", add_special_tokens=False)["input_ids"] == [new[1], new[0], new[2]]
+    with open(os.path.join(c.run_dir, "config.json")) as f:
+        assert json.load(f)["text_config"]["vocab_size"] == 128
+
+    media = grid_images.media(model)
+    tokenizer = load_tokenizer(model)
+    from megacompile.train import vocab
+    vocab.add(tokenizer, c)
+    vocab.add(media.tokenizer, c)
+    tokens = token_file(str(tmp_path / "tokens"), "train", [data], tokenizer, model, False, media)
+    rows = packing.Rows(tokens, c.seq, c.packing, c.seed, pad_id=tokenizer.pad_token_id, pixels=media.inputs)
+    assert set(new) <= set(rows.tokens.ids.tolist())
+    eager = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32)
+    eager.resize_token_embeddings(c.grown.rows, mean_resizing=False)
+    saved = load_file(os.path.join(model, "model.safetensors"))
+    with torch.no_grad():
+        eager.get_input_embeddings().weight.copy_(c.grown.grow("model.embed_tokens.weight",
+                                                               saved["model.embed_tokens.weight"]))
+        if "lm_head.weight" in c.grown.keys:
+            eager.get_output_embeddings().weight.copy_(c.grown.grow("lm_head.weight", saved["lm_head.weight"]))
+    ours = [float(r["loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    assert ours == pytest.approx(vlm_files.eager(c, eager, rows, "image_grid_thw"), rel=1e-5)
+    assert AutoModelForImageTextToText.from_pretrained(c.run_dir).get_input_embeddings().weight.shape[0] == 128
+
+
+def test_a_llava_processor_writes_the_added_tokens_as_one_id_and_exports_them(tmp_path, monkeypatch):
+    """LLaVA's processor (built whole, its own tokenizer inside): the rows the run trains on hold each
+    added token as one id, and the exported processor's tokenizer has them."""
+    from transformers import AutoProcessor
+
+    from tests.train import vlm_files
+    monkeypatch.chdir(tmp_path)
+    vlm_files.model_dir("model")
+    pictures = vlm_files.images(".")
+    with open("data.jsonl", "w") as f:
+        for colour in sorted(pictures) * 2:
+            f.write(json.dumps({"messages": [{"role": "user", "content": "<image> what colour is this"},
+                                             {"role": "assistant", "content": f"<think> {colour} </think> {colour}"}],
+                                "images": [pictures[colour]]}) + "\n")
+    c = load(files.run_yaml("r.yaml", model="model", data=["data.jsonl"], seq=48, batch=2, steps=1, device="cpu",
+                            compute_dtype="float32", run_dir="run", add_special_tokens="<think>,</think>"), [])
+    run(c)
+    tokenizer = AutoProcessor.from_pretrained("run").tokenizer
+    think, end = list(c.grown.new_ids)
+    assert tokenizer("<think> red </think>", add_special_tokens=False)["input_ids"][::2] == [think, end]
+    from megacompile.train import vocab
+    from megacompile.train.data import grid_images
+    from megacompile.train.data.tokens import load_tokenizer, token_file
+    media, text = grid_images.media("model"), load_tokenizer("model")
+    vocab.add(media.processor.tokenizer, c)
+    vocab.add(text, c)
+    rows = token_file(str(tmp_path / "tokens"), "train", c.data, text, "model", False, media)
+    assert {think, end} <= set(rows.ids.tolist())

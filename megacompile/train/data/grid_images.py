@@ -55,6 +55,8 @@ def for_run(c, tokenizer, folder: str | None) -> Media | None:
         return None
     check_template(c, folder)
     found = media(folder)
+    from .. import vocab       # the run's added tokens, in the tokenizer the processor writes with too
+    vocab.add(found.tokenizer if isinstance(found, GridMedia) else found.processor.tokenizer, c)
     pixels.attach(found, pixels.limits(c))
     found.videos_within(videos.Settings.of(c))
     if not getattr(tokenizer, "chat_template", None):
