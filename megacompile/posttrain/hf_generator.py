@@ -7,8 +7,8 @@ train/beside.py).
 The copy is the policy's architecture (its own class: a vision-language model's keeps its tower)
 built from its config with its parameters on the meta device, then given its weights tensor by
 tensor from the engine's fp32 masters, each cast alone (policy_weights.py; a LoRA policy's adapters
-merged into them); tied weights stay tied. `sync()`
-after each optimizer step copies the masters in again, tensor by tensor, into the same memory.
+merged into them); tied weights stay tied. `sync()` after each optimizer step copies the masters in
+again, tensor by tensor, into the same memory.
 
 The prompts' prefill runs in chunks of their positions, about 4096 tokens of all the rows each
 (cost/generation_memory.py): what it passes through stays bounded beside the engine's arena.

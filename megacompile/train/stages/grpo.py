@@ -201,7 +201,8 @@ class GRPOStage(Stage):
         plans say it fits and is quicker (planner/posttrain_step.py), from the run's own plans: the
         training step's and the forward-only pass the generator runs once per new token."""
         c = self.c
-        if c.generator != "engine" or c.use_vllm or self.with_images:     # no other generator takes images
+        # with images a copy would also prefill them whole through the tower, which this advice does not count
+        if c.generator != "engine" or c.use_vllm or self.with_images:
             return None
         engine, ids = setup.engine, torch.zeros(c.batch, c.seq, dtype=torch.long)
         train = engine.prepare(**self.first_inputs(setup.batch))      # the run's own, planned already
