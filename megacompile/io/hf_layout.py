@@ -36,6 +36,8 @@ def inner_model(model: nn.Module) -> nn.Module:
             model = model.get_base_model()
         elif isinstance(getattr(model, "policy", None), nn.Module):
             model = model.policy
+        elif callable(getattr(model, "files_like", None)):     # a reward model: its causal LM's files
+            return model.files_like()
         else:
             return model
 

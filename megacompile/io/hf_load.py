@@ -154,7 +154,7 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
                 continue
             own = params.get(name) if name is not None else None
             own = own if own is not None else buffers.get(name) if name is not None else None
-            if own is None and key in unused:
+            if own is None and (key in unused or name in unused):
                 continue
             if own is None:
                 raise WeightsFileError(f"{file} holds {key}, which the {type(model).__name__} built from "

@@ -232,16 +232,13 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     `batch`: rows (sft, kto) or preference pairs (dpo, rm) per step, default 1; `seq`: their width, default
     2048. grpo takes neither: its rows are prompts x num_generations, its width max_prompt_length +
     max_completion_length. `keys`: the stage's (KEYS, TRL's names). `images_per_row`, `image_size`: a
-    vision-language model's rows with images (sft, dpo, kto and grpo: every part, training and
-    forward-only, generation's included, plans them; a grpo copy's generate holds the tower's pass over
-    the rollout's images beside it). The rest as plan()'s. Raises BudgetTooSmallError or
+    vision-language model's rows with images (every stage: every part, training and forward-only,
+    generation's included, plans them; a grpo copy's generate holds the tower's pass over the
+    rollout's images beside it). The rest as plan()'s. Raises BudgetTooSmallError or
     HostMemoryError, as plan() does, when a part does not fit."""
     keys = stage_keys(stage, keys)
     images = {}
     if images_per_row or image_size is not None:
-        if stage not in ("sft", "dpo", "kto", "grpo"):
-            raise ArgumentError(f"stage {stage} trains on text alone: images_per_row and image_size plan the rows "
-                                "of stages sft, dpo, kto and grpo with images; leave them out")
         images = dict(images_per_row=images_per_row, image_size=image_size)
     if stage == "grpo":
         given = [k for k, v in (("batch", batch), ("seq", seq)) if v is not None]

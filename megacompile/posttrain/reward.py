@@ -7,7 +7,9 @@ Bradley-Terry loss
 averaged over the pairs (margin: a record's own, 0 without; c: TRL's center_rewards_coefficient,
 0 without). The model is laid out as transformers' *ForSequenceClassification with one label
 (`model`, the decoder; `score`, a bias-free linear map to one number), so its weights are that
-class's: the trained reward model loads with AutoModelForSequenceClassification."""
+class's: the trained reward model loads with AutoModelForSequenceClassification. A vision-language
+model's decoder is its whole model (tower, projector and text model), as transformers' sequence
+classifier of the family holds it (Gemma 3's), and its rows' image inputs go to it as they are."""
 from __future__ import annotations
 
 import torch
@@ -44,21 +46,34 @@ class RewardModel(nn.Module):
     def of(cls, causal_lm: nn.Module, seed: int = 0, center_rewards_coefficient: float = 0.0) -> "RewardModel":
         """The decoder of a causal LM (its lm_head left out) with a new head, initialised as
         transformers initialises a classifier's score: normal(0, initializer_range), seeded."""
-        config = causal_lm.config
+        config = causal_lm.config.get_text_config()      # a vision-language model's: its text model's
         decoder = getattr(causal_lm, causal_lm.base_model_prefix)
         score = nn.Linear(config.hidden_size, 1, bias=False)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            score.weight.normal_(0.0, getattr(config, "initializer_range", 0.02), generator=generator)
+            std = getattr(config, "initializer_range", None) or getattr(causal_lm.config, "initializer_range", 0.02)
+            score.weight.normal_(0.0, std, generator=generator)
         out = cls(decoder, score, center_rewards_coefficient)
+        out.stored_as = (type(causal_lm), causal_lm.config)     # its files are the causal LM's (files_like)
         # the causal LM's tensors the reward model has no place for (its head): a file of the causal
         # LM holds them, and loading it passes them over
         kept = {id(p) for p in decoder.parameters()}
         out.left_out = tuple(n for n, p in causal_lm.named_parameters() if id(p) not in kept)
         return out
 
-    def forward(self, input_ids: torch.Tensor, last: torch.Tensor, margin: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.model(input_ids, use_cache=False).last_hidden_state      # a cache would be an output too
+    def files_like(self) -> nn.Module:
+        """The causal LM (on meta) whose files this model's weights are read from: the names an older
+        layout stores (a vision-language model's `language_model.model.*`) are renamed by its rules."""
+        kind, config = getattr(self, "stored_as", (None, None))
+        if kind is None:
+            return self
+        with torch.device("meta"):
+            return kind(config)
+
+    def forward(self, input_ids: torch.Tensor, last: torch.Tensor, margin: torch.Tensor | None = None,
+                **media) -> torch.Tensor:
+        """`media`: a vision-language model's image inputs for the rows."""
+        hidden = self.model(input_ids, use_cache=False, **media).last_hidden_state    # a cache would be an output too
         picked = hidden.gather(1, last.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])).squeeze(1)
         rewards = self.score(picked).squeeze(-1).float()
         if margin is None:

@@ -45,6 +45,7 @@ def export_reward_model(engine, path: str, tokenizer, dtype: torch.dtype, overwr
     config.num_labels = 1       # id2label and label2id follow
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     config.pad_token_id = pad
+    config.get_text_config().pad_token_id = pad     # where a vision-language model's classifier reads it
     with torch.device("meta"):
         shell = AutoModelForSequenceClassification.from_config(config)
     _export(shell, weights, path, tokenizer, dtype, overwrite, source)

@@ -3,7 +3,7 @@ from its data as the run reads it, so that the plan before the run is made with 
 text alone.
 
 A row holds one record's images (documents with images fill rows of their own under stage sft;
-under dpo, kto and grpo each row holds its prompt's), so the plan's `images_per_row` is the most
+under dpo, kto, grpo and rm each row holds its prompt's), so the plan's `images_per_row` is the most
 images a record of the run's data shows, and its `image_size` the largest image as the run reads it
 (scaled within image_max_pixels and image_min_pixels, pixels.py): for a family whose processor keeps
 each image's size (Qwen's grids) the side of a square of its pixels, which fills the tokens it
@@ -27,7 +27,7 @@ from .data import grid_images, images, pixels
 from .data.reading import records
 from .data.tokens import load_tokenizer
 
-STAGES = ("sft", "dpo", "kto", "grpo")      # the stages that train records with images
+STAGES = ("sft", "dpo", "kto", "grpo", "rm")      # the stages that train records with images
 
 
 @dataclass(frozen=True)

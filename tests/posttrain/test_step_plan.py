@@ -364,8 +364,7 @@ def test_a_lora_policys_stage_holds_its_reference_as_adapters_and_its_copy_merge
 def test_a_dpo_kto_or_grpo_step_with_images_plans_the_vision_tower_in_every_part(capsys):
     """images_per_row (--images-per-row) plans each part's rows with images, the training step's and
     the forward-only passes' alike (grpo's generation too, a copy's with the tower's pass beside it):
-    the same plans megacompile.plan makes of those rows; stage rm, which trains on text alone,
-    refuses them by name."""
+    the same plans megacompile.plan makes of those rows (stage rm's too)."""
     import megacompile
     from tests import vlm
     config = vlm.llava().config
@@ -387,8 +386,8 @@ def test_a_dpo_kto_or_grpo_step_with_images_plans_the_vision_tower_in_every_part
     alone = megacompile.plan(config, hbm_budget=1.0, batch=2, seq=vlm.SEQ, train=False, images_per_row=1, **cpu)
     assert grpo.forward.vision is not None and grpo.forward.predicted_peak_bytes == alone.predicted_peak_bytes
     assert grpo.train.vision is not None
-    with pytest.raises(ArgumentError, match="stage rm trains on text alone: images_per_row and image_size"):
-        plan_stage(config, 1.0, "rm", images_per_row=1, **cpu)
+    rm = plan_stage(config, 1.0, "rm", batch=1, seq=vlm.SEQ, images_per_row=1, **cpu)
+    assert [p.name for p in rm.parts] == ["training", "rewards forward"] and rm.forward.vision is not None
     # a copy with a cache: its generate's passing tensors count the tower's pass over the rollout's images
     copied = plan_stage(config, 1.0, "grpo", images_per_row=1, prompts=1, num_generations=2,
                         max_prompt_length=vlm.SEQ - 4, max_completion_length=4, generator="kv_cache", **cpu)

@@ -134,6 +134,15 @@ class Media:
         return [k for k, v in out.items() if k not in TEXT_KEYS and isinstance(v, list) and v
                 and isinstance(v[0], list) and len(v[0]) == n and all(isinstance(x, int) for x in v[0])]
 
+    @property
+    def pad_token_id(self) -> int | None:
+        """The padding token of the tokenizer the processor writes with (an export reads it)."""
+        return (self.tokenizer if hasattr(self, "tokenizer") else self.processor.tokenizer).pad_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return (self.tokenizer if hasattr(self, "tokenizer") else self.processor.tokenizer).eos_token_id
+
     def save_pretrained(self, path: str) -> None:
         """The processor's files (tokenizer, image processor, chat template) beside an export."""
         self.processor.save_pretrained(path)
@@ -356,18 +365,14 @@ def held(record: dict) -> bool:
 
 
 def text_only(record: dict, where: str, stage: str) -> None:
-    """Refuse a record with images or videos under a stage that reads its text alone (rm; dpo, kto
-    and grpo without a processor): trained without its pixels, its placeholders would be plain tokens."""
+    """Refuse a record with images or videos under a post-training stage (dpo, kto, grpo, rm) of a
+    model without a processor: trained without its pixels, its placeholders would be plain tokens."""
     if not held(record):
         return
     kind = "videos" if record.get("videos") else "images"
-    if stage in ("dpo", "kto", "grpo"):
-        raise ArgumentError(f"{where}: the record has {kind}, which stage {stage} reads only through a vision-language "
-                            f"model's processor ({' or '.join(PROCESSOR_FILES)} in the model folder): give such a "
-                            "model, or text records")
-    raise ArgumentError(f"{where}: the record has {kind}, and stage {stage} trains on text alone (its images "
-                        f"would be left out and their placeholders trained as text); give text records, or train "
-                        "the images under stage: sft, dpo, kto or grpo")
+    raise ArgumentError(f"{where}: the record has {kind}, which stage {stage} reads only through a vision-language "
+                        f"model's processor ({' or '.join(PROCESSOR_FILES)} in the model folder): give such a "
+                        "model, or text records")
 
 
 def images_of(items: list) -> list[str]:

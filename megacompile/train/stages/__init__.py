@@ -50,4 +50,4 @@ def open_stage(c, run_dir: str, meta=None) -> Stage:
     grid_images.check_template(c, c.tokenizer or c.model)
     tokenizer = load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model)
     vocab.add(tokenizer, c)
-    return stage(c, tokenizer, run_dir) if c.stage in ("dpo", "kto", "grpo") else stage(c, tokenizer)
+    return stage(c, tokenizer, run_dir)

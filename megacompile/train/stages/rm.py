@@ -5,15 +5,24 @@ the end as transformers' *ForSequenceClassification (trained_model.py), which sc
 at its last token that is not padding: the rows here are scored at the same token.
 
 Each step's micro-batches first go through a forward-only pass for the logged rewards (those of
-the model the step starts from), as stage dpo's do."""
+the model the step starts from), as stage dpo's do.
+
+A vision-language model whose family transformers gives a sequence classifier (Gemma 3's, Qwen3.5's:
+the whole model under a score) trains pairs with images as stage dpo reads them (LlamaFactory's
+rlhf_v layout, TRL's vision records: data/image_answers.py), each row holding its prompt's images;
+its export carries the processor's files. A family without such a classifier is refused before
+anything is read: its reward model could be neither saved nor loaded."""
 from __future__ import annotations
+
+import os
 
 import torch
 
 from ...errors import ArgumentError
 from ...posttrain import Pair, RewardModel, preference_metrics, reward_loss, to_pair
 from .. import intervals
-from ..data import images, tools
+from ..data import grid_images, images, tools
+from ..data.image_answers import heaviest, image_pair, with_media
 from ..data.ranking import preference
 from ..data.reading import records
 from ..data.tokens import fingerprint
@@ -45,11 +54,25 @@ class RMStage(Stage):
     @staticmethod
     def check_model(c, meta) -> None:
         check_positions(c, meta)
+        config = meta.config
+        if getattr(config, "vision_config", None) is not None:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+            if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+                raise ArgumentError(f"stage rm saves the reward model as transformers' sequence classifier of its "
+                                    f"family (AutoModelForSequenceClassification), and transformers has none for "
+                                    f"{config.model_type} ({type(meta).__name__}): train the reward model from a "
+                                    "family that has one (Gemma 3, Qwen3.5), or from the text model alone")
 
     check_resume = staticmethod(check_resume)
 
-    def __init__(self, c, tokenizer):
-        self.c, self.tokenizer = c, tokenizer
+    def __init__(self, c, tokenizer, run_dir: str | None = None):
+        self.c, self.text = c, tokenizer
+        # a vision-language model's processor: pairs with images are written through it, and it is
+        # what the trained reward model's folder saves beside it
+        self.media = grid_images.for_run(c, tokenizer, c.tokenizer or c.model)
+        self.tokenizer = tokenizer if self.media is None else self.media
+        if self.media is not None and run_dir is not None:
+            self.media.keep_embedded_in(os.path.join(run_dir, "images"))
         self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False, model_dir=c.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.pairs = self._read(c.data)
@@ -64,14 +87,20 @@ class RMStage(Stage):
     def _read(self, entries: list) -> list[tuple[Pair, float]]:
         out = []
         for entry in entries:
+            if self.media is not None:
+                self.media.at(entry["path"], entry.get("media_dir"))
             for where, record in records(entry):
-                images.text_only(record, where, "rm")
                 margin = record.get("margin", 0.0)
                 if isinstance(margin, bool) or not isinstance(margin, (int, float)):
                     raise ArgumentError(f"{where}: margin (TRL's column: how much the chosen completion should "
                                         f"outscore the rejected one) is a number; got {margin!r}")
-                pair = to_pair(preference({k: v for k, v in record.items() if k != "margin"}, where), self.tokenizer,
-                               where, tools.template_kwargs(record, where), tools.tools(record, where))
+                ranked = {k: v for k, v in record.items() if k != "margin"}
+                if self.media is not None and images.held(record):
+                    pair = image_pair(ranked, where, self.text, self.media)
+                else:
+                    images.text_only(record, where, "rm")
+                    pair = to_pair(preference(ranked, where), self.text, where, tools.template_kwargs(record, where),
+                                   tools.tools(record, where))
                 out.append((pair, float(margin)))
         if not out:
             raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no preference pairs")
@@ -98,13 +127,28 @@ class RMStage(Stage):
         return out
 
     def _rows(self, items: list[tuple[Pair, float]]) -> dict:
-        return scored_rows([p for p, _ in items], [m for _, m in items], self.c.seq, self.pad)
+        """The micro-batch of these pairs (scored_rows), with the image inputs of their rows: the
+        chosen rows' images, then the rejected rows', each a pair's prompt's."""
+        rows = scored_rows([p for p, _ in items], [m for _, m in items], self.c.seq, self.pad)
+        return with_media(rows, self.media, [p.media for p, _ in items] * 2)
 
     def first_inputs(self, batch: int) -> dict:
         return self._rows([self.pairs[i % len(self.pairs)] for i in range(batch)])
 
+    def heaviest_inputs(self, batch: int) -> dict | None:
+        """The `batch` pairs whose images fill the most tokens (None without images): the default
+        budget fits their micro-batch too, not only the first one."""
+        items = heaviest([p.media for p, _ in self.pairs], self.media, batch)
+        return None if items is None else self._rows([self.pairs[i] for i in items])
+
+    def forward_inputs(self, batch: int) -> dict | None:
+        """With images, the forward-only pass's (the logged rewards'), whose smallest plan of a
+        vision-language model is larger than its training step's."""
+        heaviest_rows = self.heaviest_inputs(batch)
+        return None if heaviest_rows is None else {k: v for k, v in heaviest_rows.items() if k != "margin"}
+
     def _rewards(self, engine, rows: dict) -> torch.Tensor:
-        return torch.as_tensor(engine(input_ids=rows["input_ids"], last=rows["last"])).float()
+        return torch.as_tensor(engine(**{k: v for k, v in rows.items() if k != "margin"})).float()
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         micro = []
