@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from PIL import Image
 
 from megacompile.errors import ArgumentError
 from megacompile.posttrain import EngineGenerator, GRPOLoss, GRPOObjective, group_advantages
@@ -278,8 +279,8 @@ TRL_VLM_GRPO = {"per_device_train_batch_size": 4, "num_generations": 2, "max_pro
 def test_a_trl_grpo_run_over_prompts_with_images_hands_the_rewards_their_columns_and_exports_the_processor(
         tmp_path, capsys, generator):
     """TRL's keys over TRL's vision records (and a text prompt among them), a fifth held out: the
-    run trains 2 steps; each reward call gets every completion beside its prompt's `image` and
-    `solution`; no completion holds an image token; held-out prompts are evaluated with their
+    run trains 2 steps; each reward call gets every completion beside its prompt's `image` (the
+    picture, as TRL hands a datasets Image column on) and `solution`; no completion holds an image token; held-out prompts are evaluated with their
     images; the output folder holds the trained policy, which transformers loads, and the
     processor's files. With the hf copy, what its generate passes through counts the tower's pass
     over the rollout's images."""
@@ -305,7 +306,12 @@ def test_a_trl_grpo_run_over_prompts_with_images_hands_the_rewards_their_columns
         assert len(call["completions"]) == 4 and call["prompts"][0::2] == call["prompts"][1::2]
         for prompt, image, solution in zip(call["prompts"], call["image"], call["solution"]):
             record = next(r for r in records if r["prompt"] == prompt and r["solution"] == solution)
-            assert image == record.get("image")
+            if "image" not in record:       # a text prompt: no picture
+                assert image is None
+                continue
+            with Image.open(tmp_path / "data" / record["image"]) as shown:     # TRL's: the picture itself
+                assert isinstance(image, Image.Image) and image.size == shown.size
+                assert image.convert("RGB").tobytes() == shown.convert("RGB").tobytes()
         for completion in call["completions"]:
             assert not banned & set(tok(completion[0]["content"], add_special_tokens=False)["input_ids"])
     assert len(CALLS) == 3 and len(CALLS[2]["completions"]) == 2      # the two held-out prompts, greedily

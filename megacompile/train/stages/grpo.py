@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import base64
 import os
+from functools import lru_cache
 
 import torch
 
@@ -84,6 +85,7 @@ class GRPOStage(Stage):
         self.tokenizer = tokenizer if self.media is None else self.media
         if self.media is not None and run_dir is not None:     # images held inside records go there
             self.media.keep_embedded_in(os.path.join(run_dir, "images"))
+        self.pictures = lru_cache(maxsize=256)(prompt_images.picture)    # what the rewards are handed
         self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False, model_dir=c.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         # a completion ends at the EOS or at a token the model's generation config stops at (Gemma's
@@ -292,7 +294,8 @@ class GRPOStage(Stage):
         completions = self._generate(engine, [self.prompts[i] for i in chosen], n, c.temperature,
                                      [self.shown[i] for i in chosen])
         state = TrainerState(engine.steps_done, position / len(self.prompts), c.steps)
-        rewards, each = self._score([self.records[i] for i in chosen for _ in range(n)], completions, state)
+        rewards, each = self._score([self.records[i] for i in chosen for _ in range(n)], completions, state,
+                                    [self.shown[i] for i in chosen for _ in range(n)])
         masked = truncated(completions, self.stops, self.text.pad_token_id)
         batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad, scale=c.scale_rewards,
                               masked=masked if c.mask_truncated_completions else None)
@@ -367,7 +370,11 @@ class GRPOStage(Stage):
             shape["inputs"] = lambda rows, ids: self._media([shown[r // n] for r in rows], ids)
         return self.generator.generate(prompts, n, self.c.max_completion_length, temperature, **shape)
 
-    def _score(self, records: list[dict], completions: list, state: TrainerState) -> tuple[torch.Tensor, dict]:
+    def _score(self, records: list[dict], completions: list, state: TrainerState,
+               shown: list[tuple]) -> tuple[torch.Tensor, dict]:
+        """The rewards of the completions of these records (`shown`: each one's prompt's images,
+        handed to the rewards as pictures in the record's image columns, as TRL hands them)."""
+        records = [prompt_images.handed(r, s, self.pictures) for r, s in zip(records, shown)]
         texts = [self.text.decode(x.tokens, skip_special_tokens=True) for x in completions]
         # TRL's conversational completions: the assistant's message, for a prompt given as messages
         shown = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t
@@ -440,7 +447,8 @@ class GRPOStage(Stage):
         if sampler is not None:         # the next rollout draws what it would have drawn without evaluation
             self.generator.set_state(sampler)
         state = TrainerState(engine.steps_done, self.epoch, c.steps)
-        rewards, each = self._score([r for r in self.held_records[:count] for _ in range(n)], completions, state)
+        rewards, each = self._score([r for r in self.held_records[:count] for _ in range(n)], completions, state,
+                                    [s for s in self.held_shown[:count] for _ in range(n)])
         metrics = {"eval_reward": torch.nanmean(rewards).item(),
                    **{f"eval_rewards/{name}/mean": torch.nanmean(each[name]).item() for name in self.names},
                    "eval_completions/mean_length": sum(len(x.tokens) for x in completions) / len(completions)}

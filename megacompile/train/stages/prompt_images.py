@@ -50,3 +50,26 @@ def never(media) -> tuple[int, ...]:
     """The image and video tokens: a completion holding one would ask the model for an image it was
     not shown, in every forward of its row."""
     return tuple(media.image_ids) + tuple(t for t in (getattr(media, "video_id", None),) if t is not None)
+
+
+def handed(record: dict, shown: tuple, opened) -> dict:
+    """`record` as the reward functions are handed it: its `image` and `images` columns the pictures
+    its prompt shows (PIL images, as a datasets Image column decodes them and TRL hands them on),
+    `image` the first, `images` all; `opened(path)` reads one."""
+    if not shown or not {"image", "images"} & set(record):
+        return record
+    pictures = [opened(p) for p in shown if isinstance(p, str)]
+    out = dict(record)
+    if "image" in out:
+        out["image"] = pictures[0]
+    if "images" in out:
+        out["images"] = pictures
+    return out
+
+
+def picture(path: str):
+    """The image file as a PIL image, read whole (a datasets Image column's decoding)."""
+    from PIL import Image
+    with Image.open(path) as image:
+        image.load()
+        return image.copy()
