@@ -39,7 +39,9 @@ GiB = 2 ** 30
 def model_from_config(config: Any) -> nn.Module:
     """A causal LM on the meta device from a Hugging Face config (a path to config.json or its
     folder, a dict, or a PretrainedConfig). Needs the `transformers` package."""
+    folder = None
     if isinstance(config, (str, os.PathLike)):
+        folder = os.fspath(config) if os.path.isdir(config) else None
         path = os.path.join(config, "config.json") if os.path.isdir(config) else config
         try:
             with open(path) as f:
@@ -75,6 +77,8 @@ def model_from_config(config: Any) -> nn.Module:
                         "(AutoModelForImageTextToText, a config with a vision_config)")
     if hasattr(config, "text_config"):
         config.text_config.use_cache = False
+    if folder is not None:      # where its image processor is read from (image_inputs.py)
+        config._name_or_path = folder
     return _on_meta(AutoModelForImageTextToText, config, f"a {type(config).__name__} has a vision_config but "
                     "transformers builds no image-text-to-text model from it (AutoModelForImageTextToText): plan its "
                     "language model's config (text_config) instead")

@@ -124,6 +124,29 @@ def image_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
     return inputs, signature
 
 
+def folder_pixels(config) -> dict:
+    """The pixel range of the image processor in the folder a config was read from (its
+    preprocessor_config.json: `size` {shortest_edge, longest_edge}, or min_pixels and max_pixels), as
+    Qwen2VLImageProcessor's `size`; {} where there is none (the processor's defaults, Qwen2-VL's)."""
+    import json
+    import os
+    folder = getattr(config, "_name_or_path", None)
+    path = os.path.join(folder, "preprocessor_config.json") if isinstance(folder, str) and folder else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    size = saved.get("size") if isinstance(saved.get("size"), dict) else {}
+    low = size.get("shortest_edge", saved.get("min_pixels"))
+    high = size.get("longest_edge", saved.get("max_pixels"))
+    if not (isinstance(low, int) and isinstance(high, int)):
+        return {}
+    return {"size": {"shortest_edge": low, "longest_edge": high}}
+
+
 def _features_per_image(model: nn.Module, pixels: int) -> int:
     """Image tokens one image fills: the features the model's own tower and projector give it
     (on the meta device no weight is read; a model with weights encodes one blank image)."""
@@ -169,7 +192,8 @@ def _grid_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
     patch, merge, frames = int(vision.patch_size), int(vision.spatial_merge_size), int(vision.temporal_patch_size)
     import numpy as np
     from transformers import Qwen2VLImageProcessorPil
-    processor = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, temporal_patch_size=frames)
+    processor = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, temporal_patch_size=frames,
+                                         **folder_pixels(model.config))
     written = processor([np.zeros((image_size, image_size, 3), dtype=np.uint8)], return_tensors="pt")
     grid = [int(v) for v in written["image_grid_thw"][0]]
     patches = grid[0] * grid[1] * grid[2]

@@ -18,7 +18,7 @@ from tests.train.test_run_plan import TIMED
 def _run_yaml(tmp_path, **more) -> str:
     model = qwen_files.model_dir(str(tmp_path / "model"))
     data = qwen_files.records(str(tmp_path / "data.jsonl"), n=6, text_every=3)
-    settings = dict(model=model, data=[data], seq=64, batch=2, steps=1, hbm_budget=1, compute_dtype="float32",
+    settings = dict(model=model, data=[data], seq=32, batch=2, steps=1, hbm_budget=1, compute_dtype="float32",
                     device="cpu", run_dir=str(tmp_path / "run")) | more
     return files.run_yaml(str(tmp_path / "r.yaml"), **settings)
 
@@ -31,21 +31,25 @@ def _plan(capsys, *argv) -> tuple[dict, str]:
 
 def test_a_qwen_run_is_planned_with_its_datas_images_as_the_flags_plan_them(tmp_path, capsys):
     """Red and green 16 x 16, blue 16 x 8, one a record: planned as one 16 px image a row, the plan
-    the flags make; with image_max_pixels 128 the largest image read is blue (red and green scale
-    to 11 x 11), a 12 px square of its pixels."""
+    the flags make, its grid the folder's processor's (4 tokens, as the run writes red); with
+    image_max_pixels 128 the largest image read is blue (red and green scale to 11 x 11), a 12 px
+    square of its pixels."""
     path = _run_yaml(tmp_path)
     derived, said = _plan(capsys, "--run", path)
     assert ("images         from the run's data: 4 record(s) with images, at most 1 in one, the largest 16 x 16 px "
             "as the run reads it: planned as 1 per row of 16 x 16 px") in said
     flagged, said = _plan(capsys, "--run", path, "--images-per-row", "1", "--image-size", "16")
     assert "from the run's data" not in said
-    assert {k: v for k, v in derived.items() if k not in TIMED} == {k: v for k, v in flagged.items() if k not in TIMED}
+    same = TIMED | {"vision"}       # its shares are timings; its images are compared below
+    assert {k: v for k, v in derived.items() if k not in same} == {k: v for k, v in flagged.items() if k not in same}
+    assert derived["vision"]["images"] == flagged["vision"]["images"]
     assert derived["vision"]["images"]["images_per_row"] == 1
+    assert derived["vision"]["images"]["tokens_per_image"] == qwen_files.TOKENS["red"]
     scaled, said = _plan(capsys, "--run", path, "image_max_pixels=128")
     assert "the largest 16 x 8 px as the run reads it: planned as 1 per row of 12 x 12 px" in said
     assert scaled["vision"]["images"]["image_size"] == 12
-    given, _ = _plan(capsys, "--run", path, "--images-per-row", "1", "--image-size", "8")   # the flags win
-    assert given["vision"]["images"]["image_size"] == 8
+    given, _ = _plan(capsys, "--run", path, "--images-per-row", "2", "--image-size", "16")   # the flags win
+    assert given["vision"]["images"]["images_per_row"] == 2
 
 
 def test_the_most_images_of_a_record_are_a_rows_and_a_text_run_plans_none(tmp_path, capsys):
@@ -54,7 +58,7 @@ def test_the_most_images_of_a_record_are_a_rows_and_a_text_run_plans_none(tmp_pa
         f.write(json.dumps({"messages": [{"role": "user", "content": "<image> <image> what colour is this"},
                                          {"role": "assistant", "content": "this is red"}],
                             "images": ["images/red.png", "images/blue.png"]}) + "\n")
-    planned, said = _plan(capsys, "--run", path, "seq=128")
+    planned, said = _plan(capsys, "--run", path)
     assert "5 record(s) with images, at most 2 in one" in said and planned["vision"]["images"]["images_per_row"] == 2
     text = files.run_yaml(str(tmp_path / "text.yaml"), model=files.model_dir(str(tmp_path / "llama"), dim=32),
                           data=[files.chats(str(tmp_path / "chats.jsonl"))], seq=16, batch=2, steps=1, hbm_budget=1,
