@@ -202,9 +202,7 @@ def test_a_dpo_run_with_images_killed_mid_way_resumes_to_the_uninterrupted_log(t
     SIGKILL after step 3 and resumed with `resume: auto` from its step-2 checkpoint, the run writes
     the uninterrupted run's log.csv (losses, rewards, eval figures), its reference read back from the
     run folder."""
-    import signal
-    import subprocess
-    import sys
+    from tests.train import killed
     image_pair_files.rlhf_v(str(tmp_path / "data"), n=9)
     model = qwen_files.model_dir(str(tmp_path / "model"))
 
@@ -214,16 +212,5 @@ def test_a_dpo_run_with_images_killed_mid_way_resumes_to_the_uninterrupted_log(t
                     "eval_fraction": 0.25, "eval_every": 2, "save_every": 2, "resume": "auto",
                     "run_dir": str(tmp_path / name)}
         return files.run_yaml(str(tmp_path / f"{name}.yaml"), **settings)
-    assert run(load(config("whole"), []))["steps"] == 4
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.run([sys.executable, os.path.join(root, "tests", "train", "crash_child.py"), config("cut"),
-                            "3"], cwd=root, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "PYTHONPATH": root})
-    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
-    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["step-000002"]
-    assert run(load(config("cut"), []))["steps"] == 4
-    timed = ("seconds", "tokens_per_s")
-    whole, cut = (log.read(str(tmp_path / name / "log.csv")) for name in ("whole", "cut"))
-    assert [{k: v for k, v in r.items() if k not in timed} for r in whole] == \
-        [{k: v for k, v in r.items() if k not in timed} for r in cut]
+    whole = killed.resumes_as_whole(config, tmp_path, steps=4, kill_at=3, kept=["step-000002"])
     assert any(r.get("eval_loss") for r in whole) and len({r["loss"] for r in whole}) > 1

@@ -329,25 +329,12 @@ def test_a_grpo_run_over_prompts_with_images_killed_mid_way_resumes_to_the_unint
     auto` from its step-2 checkpoint, the run writes the uninterrupted run's log.csv, rewards and KL
     included (the rollout sampled again with each row's pixels, the shuffle moving the images with
     their rows)."""
-    import signal
-    import subprocess
-    import sys
+    from tests.train import killed
     data = trl_prompts(str(tmp_path / "data" / "prompts.jsonl"), n=8, text_every=4)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def config(name: str) -> str:
         settings = _settings(tmp_path, data, batch=2, steps_per_generation=2, steps=4, beta=0.05,
                              save_every=2, resume="auto", run_dir=str(tmp_path / name))
         return files.run_yaml(str(tmp_path / f"{name}.yaml"), **settings)
-    assert run(load(config("whole"), []))["steps"] == 4
-    child = subprocess.run([sys.executable, os.path.join(root, "tests", "train", "crash_child.py"), config("cut"),
-                            "3"], cwd=root, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "PYTHONPATH": root})
-    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
-    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["step-000002"]
-    assert run(load(config("cut"), []))["steps"] == 4
-    timed = ("seconds", "tokens_per_s")
-    whole, cut = (log.read(str(tmp_path / name / "log.csv")) for name in ("whole", "cut"))
-    assert [{k: v for k, v in r.items() if k not in timed} for r in whole] == \
-        [{k: v for k, v in r.items() if k not in timed} for r in cut]
+    whole = killed.resumes_as_whole(config, tmp_path, steps=4, kill_at=3, kept=["step-000002"])
     assert len({r["reward"] for r in whole}) > 1 and any(float(r["kl"]) > 0 for r in whole)

@@ -1,0 +1,40 @@
+"""A run killed with SIGKILL right after one step's log row is written (crash_child.py: as a crash or
+the OOM killer would end it), and the log rows a resumed run is compared by."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from megacompile.train import log
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMED = ("seconds", "tokens_per_s")
+
+
+def kill_after(config: str, step: int) -> None:
+    """`megacompile train --config CONFIG` in a child process (the tests' modules importable, for
+    reward functions), killed right after step `step`'s row."""
+    child = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "train", "crash_child.py"), config, str(step)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+
+
+def untimed(path) -> list[dict]:
+    """A log.csv's rows without their timings: what a resumed run must write as the whole one did."""
+    return [{k: v for k, v in row.items() if k not in TIMED} for row in log.read(str(path))]
+
+
+def resumes_as_whole(config, folder, steps: int, kill_at: int, kept: list[str]) -> list[dict]:
+    """config(name) -> a run.yaml of `steps` steps whose run folder is folder/name: the run `whole`
+    goes to its end; `cut` is killed after step `kill_at` (its checkpoints then `kept`) and resumed
+    with the same command, and writes whole's log. whole's rows, without timings."""
+    from megacompile.train import load, run
+    assert run(load(config("whole"), []))["steps"] == steps
+    kill_after(config("cut"), kill_at)
+    assert sorted(os.listdir(os.path.join(folder, "cut", "checkpoints"))) == kept
+    assert run(load(config("cut"), []))["steps"] == steps
+    whole, cut = (untimed(os.path.join(folder, name, "log.csv")) for name in ("whole", "cut"))
+    assert whole == cut
+    return whole
