@@ -280,10 +280,10 @@ def test_a_trl_grpo_run_over_prompts_with_images_hands_the_rewards_their_columns
         tmp_path, capsys, generator):
     """TRL's keys over TRL's vision records (and a text prompt among them), a fifth held out: the
     run trains 2 steps; each reward call gets every completion beside its prompt's `image` (the
-    picture, as TRL hands a datasets Image column on) and `solution`; no completion holds an image token; held-out prompts are evaluated with their
-    images; the output folder holds the trained policy, which transformers loads, and the
-    processor's files. With the hf copy, what its generate passes through counts the tower's pass
-    over the rollout's images."""
+    picture, as TRL hands a datasets Image column on) and `solution`; no completion holds an image
+    token; held-out prompts are evaluated with their images; the output folder holds the trained
+    policy, which transformers loads, and the processor's files. With the hf copy, what its generate
+    passes through counts the tower's pass over the rollout's images."""
     from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
     CALLS.clear()
     data = trl_prompts(str(tmp_path / "data" / "prompts.jsonl"), n=10, text_every=5)

@@ -36,8 +36,8 @@ def _settings(tmp_path, family: str = "gemma3", **more) -> dict:
 def test_a_reward_model_over_pairs_with_images_trains_through_the_engine_as_eagerly(tmp_path):
     """Micro-batches of two pairs (chosen rows, then rejected, each with its prompt's image; a text
     pair among them), margins given: RewardModel over Gemma 3 through the engine at four times the
-    weights' bytes (its tower's prologue needs more than twice) gives eager AdamW's losses and first moments to 1e-5 and its weights to the float32 noise
-    floor; the engine's rewards are then eager's."""
+    weights' bytes (its tower's prologue needs more than twice) gives eager AdamW's losses and first
+    moments to 1e-5 and its weights to the float32 noise floor; the engine's rewards are then eager's."""
     from transformers import Gemma3ForConditionalGeneration
     c = load(files.run_yaml(str(tmp_path / "run.yaml"), **_settings(tmp_path)), [])
     stage = kind(c)(c, load_tokenizer(c.model, None), c.run_dir)
@@ -84,8 +84,8 @@ def test_a_reward_model_run_with_images_exports_a_classifier_that_scores_as_it_t
             batch = stage._rows([pair, pair])
             inputs = {k: v for k, v in batch.items() if k not in ("last", "margin")}
             theirs = exported(**inputs).logits.squeeze(-1)
-            assert theirs.tolist() == pytest.approx(scorer(**{k: v for k, v in batch.items() if k != "margin"}).tolist(),
-                                                    rel=1e-5, abs=1e-6)
+            ours = scorer(**{k: v for k, v in batch.items() if k != "margin"})
+            assert theirs.tolist() == pytest.approx(ours.tolist(), rel=1e-5, abs=1e-6)
 
 
 def test_a_family_without_a_sequence_classifier_is_refused_before_anything_is_read(tmp_path):

@@ -17,7 +17,8 @@ def kill_after(config: str, step: int) -> None:
     """`megacompile train --config CONFIG` in a child process (the tests' modules importable, for
     reward functions), killed right after step `step`'s row."""
     child = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "train", "crash_child.py"), config, str(step)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+                           cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": ROOT})
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
 
 
