@@ -23,7 +23,8 @@ micro-batch is read. (Qwen2.5-VL / Qwen3-VL: grid_images.py.)
 The pixels are made by the processor's image processor when a micro-batch reads them (inputs:
 pixel_values, and what else the image processor writes beside them: Idefics3's
 pixel_attention_mask), not kept in the token file: the token file holds each document's image
-paths. Images are processed one by one (cached) and laid out as the processor lays out a batch:
+paths. Images are processed one by one (kept while the last read fill at most 256 MiB: PixelCache)
+and laid out as the processor lays out a batch:
 one after another ([images, 3, H, W]), or padded per row ([rows, most images in a row, 3, H, W],
 zeros and a zero pixel_attention_mask where a row has fewer, or an image is smaller).
 
@@ -36,8 +37,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections import OrderedDict
 from difflib import SequenceMatcher
-from functools import lru_cache
 
 from ...errors import ArgumentError
 from . import embedded, parts
@@ -124,7 +125,7 @@ class Media:
         self.embedded = None    # where images held inside records are written (keep_embedded_in)
         self.limits = None      # pixels.Limits the images are read within (pixels.attach), or none
         self._widths: dict[str, int] = {}
-        self._pixels = lru_cache(maxsize=4096)(self._load_pixels)
+        self._pixels = PixelCache(self._load_pixels)
 
     def _probe(self) -> list[str]:
         """The per-token inputs (beside input_ids) the processor writes for a text with an image."""
@@ -322,6 +323,31 @@ class Media:
             return image
         from .pixels import fit
         return fit(image, self.limits)
+
+
+class PixelCache:
+    """Each image's processed pixels, read once and kept while the images last read fill at most
+    LIMIT bytes: a step reads a micro-batch's images in each of its passes (the reference's, the
+    policy's, the step's), and a dataset of large images must not pile up in host memory beside the
+    run's planned state (a 768 x 768 image is 14 MiB of Qwen patches in float32)."""
+    LIMIT = 256 * 2 ** 20
+
+    def __init__(self, load):
+        self.load, self.kept, self.held = load, OrderedDict(), 0
+
+    def __call__(self, path):
+        if path in self.kept:
+            self.kept.move_to_end(path)
+            return self.kept[path][0]
+        made = self.load(path)
+        size = sum(t.numel() * t.element_size() for t in (made.values() if isinstance(made, dict) else made)
+                   if hasattr(t, "element_size"))
+        self.kept[path] = (made, size)
+        self.held += size
+        while self.held > self.LIMIT and len(self.kept) > 1:
+            _, (_, dropped) = self.kept.popitem(last=False)
+            self.held -= dropped
+        return made
 
 
 def targets_on(ids: list[int], targets: list[bool], row: list[int], image_ids: set, where: str) -> list[bool]:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import base64
 import os
-from functools import lru_cache
 
 import torch
 
@@ -85,7 +84,6 @@ class GRPOStage(Stage):
         self.tokenizer = tokenizer if self.media is None else self.media
         if self.media is not None and run_dir is not None:     # images held inside records go there
             self.media.keep_embedded_in(os.path.join(run_dir, "images"))
-        self.pictures = lru_cache(maxsize=256)(prompt_images.picture)    # what the rewards are handed
         self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False, model_dir=c.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         # a completion ends at the EOS or at a token the model's generation config stops at (Gemma's
@@ -374,7 +372,7 @@ class GRPOStage(Stage):
                shown: list[tuple]) -> tuple[torch.Tensor, dict]:
         """The rewards of the completions of these records (`shown`: each one's prompt's images,
         handed to the rewards as pictures in the record's image columns, as TRL hands them)."""
-        records = [prompt_images.handed(r, s, self.pictures) for r, s in zip(records, shown)]
+        records = prompt_images.handed(records, shown)
         texts = [self.text.decode(x.tokens, skip_special_tokens=True) for x in completions]
         # TRL's conversational completions: the assistant's message, for a prompt given as messages
         shown = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t

@@ -52,13 +52,24 @@ def never(media) -> tuple[int, ...]:
     return tuple(media.image_ids) + tuple(t for t in (getattr(media, "video_id", None),) if t is not None)
 
 
-def handed(record: dict, shown: tuple, opened) -> dict:
-    """`record` as the reward functions are handed it: its `image` and `images` columns the pictures
-    its prompt shows (PIL images, as a datasets Image column decodes them and TRL hands them on),
-    `image` the first, `images` all; `opened(path)` reads one."""
+def handed(records: list[dict], shown: list[tuple]) -> list[dict]:
+    """The records as the reward functions are handed them: their `image` and `images` columns the
+    pictures their prompts show (PIL images, as a datasets Image column decodes them and TRL hands
+    them on), `image` the first, `images` all. Each picture is read once for the call and let go
+    after it: nothing is kept beside the run's planned host memory."""
+    opened: dict[str, object] = {}
+
+    def read(path: str):
+        if path not in opened:
+            opened[path] = picture(path)
+        return opened[path]
+    return [_handed(r, s, read) for r, s in zip(records, shown)]
+
+
+def _handed(record: dict, shown: tuple, read) -> dict:
     if not shown or not {"image", "images"} & set(record):
         return record
-    pictures = [opened(p) for p in shown if isinstance(p, str)]
+    pictures = [read(p) for p in shown if isinstance(p, str)]
     out = dict(record)
     if "image" in out:
         out["image"] = pictures[0]
