@@ -94,3 +94,15 @@ def test_a_family_without_a_sequence_classifier_is_refused_before_anything_is_re
                                             "of its family .* transformers has none for qwen2_5_vl"):
         run(load(config, []))
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_pair_whose_prompt_with_its_images_passes_seq_is_refused_while_reading(tmp_path):
+    """Rows are cut at seq; a prompt past it would lose image tokens its pixels still fill, so the
+    pair is refused by record, naming both lengths, before any step (a text pair is cut, as TRL cuts)."""
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **_settings(tmp_path)), [])
+    stage = kind(c)(c, load_tokenizer(c.model, None), None)
+    prompt = max(len(p.prompt) for p, _ in stage.pairs if p.media)
+    short = load(files.run_yaml(str(tmp_path / "short.yaml"), **_settings(tmp_path, seq=prompt - 1)), [])
+    with pytest.raises(ArgumentError, match=rf"the prompt is {prompt} tokens with its images, past rows of seq "
+                                            rf"{prompt - 1}: .*raise seq"):
+        kind(short)(short, load_tokenizer(short.model, None), None)

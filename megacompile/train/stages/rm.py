@@ -97,6 +97,13 @@ class RMStage(Stage):
                 ranked = {k: v for k, v in record.items() if k != "margin"}
                 if self.media is not None and images.held(record):
                     pair = image_pair(ranked, where, self.text, self.media)
+                    if len(pair.prompt) > self.c.seq:
+                        # a row is cut at seq; cut inside the prompt, it would lose image tokens the
+                        # step's pixels still fill (text pairs are cut, as TRL cuts them)
+                        raise ArgumentError(f"{where}: the prompt is {len(pair.prompt)} tokens with its images, "
+                                            f"past rows of seq {self.c.seq}: cutting it would cut its images' "
+                                            "tokens; raise seq (max_length), or scale the images down "
+                                            "(image_max_pixels)")
                 else:
                     images.text_only(record, where, "rm")
                     pair = to_pair(preference(ranked, where), self.text, where, tools.template_kwargs(record, where),
