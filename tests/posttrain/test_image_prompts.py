@@ -105,6 +105,31 @@ def test_a_prompt_with_images_is_the_templates_with_the_generation_prompt_each_i
     assert other.prompts == [stage.prompts[0]] * 2 and other.shown == [stage.shown[0]] * 2
 
 
+def test_an_images_column_renamed_by_dataset_info_is_handed_to_the_rewards_as_pictures_under_its_name(tmp_path):
+    """LlamaFactory's dataset_info.json may name the images column otherwise (`images: pics`): the
+    reward functions get that column under the file's name, as they get every column, and as the
+    pictures the prompt shows (PIL images, as TRL hands a datasets Image column), not their paths."""
+    from megacompile.train.stages import prompt_images
+    folder = tmp_path / "data"
+    qwen_files.images(str(folder))
+    records = [{"conversations": [{"from": "human", "value": "<image>what colour is this"}],
+                "pics": [f"images/{colour}.png"], "solution": colour} for colour in COLOURS[:2]]
+    (folder / "shown.json").write_text(json.dumps(records))
+    (folder / "dataset_info.json").write_text(json.dumps({"shown": {
+        "file_name": "shown.json", "formatting": "sharegpt",
+        "columns": {"messages": "conversations", "images": "pics"}}}))
+    settings = {k: v for k, v in _settings(tmp_path, "").items() if k != "data"}
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **settings, dataset="shown", dataset_dir=str(folder)), [])
+    stage = kind(c)(c, load_tokenizer(c.model, c.chat_template), c.run_dir)
+    handed = prompt_images.handed(stage.records, stage.shown)
+    for record, colour in zip(handed, COLOURS):
+        assert "images" not in record and record["solution"] == colour
+        (picture,) = record["pics"]
+        with Image.open(folder / "images" / f"{colour}.png") as image:
+            assert isinstance(picture, Image.Image) and picture.tobytes() == image.convert(picture.mode).tobytes()
+    assert stage.records[0]["pics"] == ["images/red.png"]      # the records themselves keep the paths
+
+
 @pytest.mark.parametrize("record, more, message", [
     ({"prompt": "<image> what colour is this", "image": "images/red.png"}, {},
      "a prompt with images is a conversation"),

@@ -11,7 +11,8 @@ are handed by name}.
               and every other column go to the reward functions
 
 The reward functions get each column under the file's own name: a dataset_info.json entry whose
-`columns` map `response` to `answer` hands them `answer=`, as the file names it.
+`columns` map `response` to `answer` hands them `answer=`, as the file names it. The images column
+keeps the file's name too (`PromptRecord.images_column`), and is handed as pictures under it.
 """
 from __future__ import annotations
 
@@ -31,7 +32,15 @@ def file_names(entry: dict) -> dict[str, str]:
     return {COLUMNS[ours]: theirs for ours, theirs in (entry.get("columns") or {}).items()}
 
 
-def prompt_record(record: dict, where: str, names: dict[str, str] | None = None, vision: bool = False) -> dict:
+class PromptRecord(dict):
+    """A prompt record as the reward functions are handed it; `images_column`: the name its images
+    column goes by there (the file's, where dataset_info.json renamed it), whose paths are handed
+    as the pictures (stages/prompt_images.handed)."""
+    images_column = "images"
+
+
+def prompt_record(record: dict, where: str, names: dict[str, str] | None = None,
+                  vision: bool = False) -> PromptRecord:
     """{"prompt": ..., **columns} for the reward functions; `names`: file_names(entry); `vision`: the
     record has images, and its turns may be lists of content parts (data/image_prompts.py)."""
     names = names or {}
@@ -56,7 +65,9 @@ def prompt_record(record: dict, where: str, names: dict[str, str] | None = None,
         raise ArgumentError(f"{where}: a grpo record is {LAYOUTS}; this one has "
                             f"{', '.join(sorted(record)) or 'no keys'}: give each record its prompt")
     columns = {names.get(k, k): v for k, v in record.items() if k not in used}
-    return {"prompt": prompt, **{k: v for k, v in {**columns, **extra}.items() if k not in NOT_HANDED}}
+    out = PromptRecord({"prompt": prompt, **{k: v for k, v in {**columns, **extra}.items() if k not in NOT_HANDED}})
+    out.images_column = names.get("images", "images")
+    return out
 
 
 def _check_prompt(prompt, where: str, vision: bool) -> None:

@@ -53,10 +53,11 @@ def never(media) -> tuple[int, ...]:
 
 
 def handed(records: list[dict], shown: list[tuple]) -> list[dict]:
-    """The records as the reward functions are handed them: their `image` and `images` columns the
+    """The records as the reward functions are handed them: their `image` and images columns the
     pictures their prompts show (PIL images, as a datasets Image column decodes them and TRL hands
-    them on), `image` the first, `images` all. Each picture is read once for the call and let go
-    after it: nothing is kept beside the run's planned host memory."""
+    them on), `image` the first, the images column (`images`, or the file's name for it where
+    dataset_info.json renames it: data/prompts.PromptRecord) all. Each picture is read once for the
+    call and let go after it: nothing is kept beside the run's planned host memory."""
     opened: dict[str, object] = {}
 
     def read(path: str):
@@ -67,14 +68,15 @@ def handed(records: list[dict], shown: list[tuple]) -> list[dict]:
 
 
 def _handed(record: dict, shown: tuple, read) -> dict:
-    if not shown or not {"image", "images"} & set(record):
+    many = getattr(record, "images_column", "images")
+    if not shown or not {"image", many} & set(record):
         return record
     pictures = [read(p) for p in shown if isinstance(p, str)]
     out = dict(record)
     if "image" in out:
         out["image"] = pictures[0]
-    if "images" in out:
-        out["images"] = pictures
+    if many in out:
+        out[many] = pictures
     return out
 
 
