@@ -15,6 +15,10 @@ streamed copy's decoder layers (`hf_streamed` on a GPU: pinned host memory), and
 backend, whose simulated device is host memory, the generator's whole copy and cache and each reward
 model's float32 copy. The engine's state is placed in what they leave.
 
+A vision-language run of any stage holds processed pixels in host memory too: those kept for the
+images read again (data/images.PixelCache, at most its limit), a micro-batch's pixel inputs while
+its step runs, and in stage grpo a rollout's (the engine generator's: a call's rows).
+
 transformers' tensors that pass while it generates (the prefill's largest layer, a step's logits
 and sampling: cost/generation_memory.py) are counted with the copy, and those of a reward model's
 forward as it scores a batch of completions with it: they pass before the engine runs again, but
@@ -120,6 +124,21 @@ def generator_host(c: RunConfig, meta: nn.Module, device: str, images: tuple[int
     from ..posttrain import decoder_layers
     return [Beside(f"generator hf_streamed's decoder layers in {c.generator_dtype}, pinned",
                    sum(_bytes(m.parameters(), dtype) for m in decoder_layers(meta)))]
+
+
+def kept_pixels() -> list[Beside]:
+    """The processed pixels a vision-language run keeps for the images it reads again: at most the
+    cache's limit (data/images.PixelCache)."""
+    from .data.images import PixelCache
+    return [Beside("processed pixels kept for the images read again, at most", PixelCache.LIMIT)]
+
+
+def pixel_inputs(inputs: dict | None, what: str) -> list[Beside]:
+    """The pixel inputs of a batch (`pixel_values`, `pixel_values_videos`), made in host memory
+    for as long as it is used; none without images."""
+    nbytes = sum(v.numel() * v.element_size() for k, v in (inputs or {}).items()
+                 if k.startswith("pixel_values") and isinstance(v, torch.Tensor))
+    return [Beside(what, nbytes)] if nbytes else []
 
 
 def reward_model(folder: str, dtype: torch.dtype = torch.bfloat16, rows: int = 16, tokens: int = 0) -> list[Beside]:

@@ -329,7 +329,9 @@ class PixelCache:
     """Each image's processed pixels, read once and kept while the images last read fill at most
     LIMIT bytes: a step reads a micro-batch's images in each of its passes (the reference's, the
     policy's, the step's), and a dataset of large images must not pile up in host memory beside the
-    run's planned state (a 768 x 768 image is 14 MiB of Qwen patches in float32)."""
+    run's planned state (a 768 x 768 image is 14 MiB of Qwen patches in float32). LIMIT is a bound
+    the run counts beside that state (train/beside.py), so an image past it alone is not kept: it is
+    processed at each read."""
     LIMIT = 256 * 2 ** 20
 
     def __init__(self, load):
@@ -344,7 +346,7 @@ class PixelCache:
                    if hasattr(t, "element_size"))
         self.kept[path] = (made, size)
         self.held += size
-        while self.held > self.LIMIT and len(self.kept) > 1:
+        while self.held > self.LIMIT:
             _, (_, dropped) = self.kept.popitem(last=False)
             self.held -= dropped
         return made

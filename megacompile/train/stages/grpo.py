@@ -266,12 +266,32 @@ class GRPOStage(Stage):
 
     def host_beside(self, meta, device: str) -> list:
         """On the cpu backend the generator's copy and cache and each reward model's float32 copy and
-        forward; on a GPU the streamed copy's decoder layers."""
+        forward; on a GPU the streamed copy's decoder layers. With images, the pixels every stage
+        holds (Stage.host_beside) and a rollout's: the engine generator makes a call's (`batch`
+        rows a forward), a copy the whole rollout's, in host memory before they go to the GPU (on
+        the cpu backend the copy's are counted with its generate)."""
         models = [] if beside.on_gpu(device) else [
             part for f in self.funcs if isinstance(f, RewardModelFunction)
             for part in beside.reward_model(f.folder, torch.float32, rows=f.batch, tokens=self.c.seq)]
         pixels = prompt_images.rollout_pixels(self.media, self.shown, self.rows)
-        return beside.generator_host(self.c, meta, device, pixels) + models
+        return beside.generator_host(self.c, meta, device, pixels) + models + self._pixels_held(device)
+
+    def _pixels_held(self, device: str) -> list:
+        if not any(self.shown):
+            return []
+        held = super().host_beside(None, device)
+        if self.c.use_vllm:         # refused with images before here
+            return held
+        if self.c.generator not in ("hf", "hf_streamed"):
+            rows, what = self.c.batch, f"a generator call's pixel inputs, at the heaviest {self.c.batch} rows'"
+        elif beside.on_gpu(device):
+            rows = self.rows
+            what = f"a rollout's pixel inputs before they go to the GPU, at the heaviest {rows} rows'"
+        else:
+            return held
+        items = prompt_images.heaviest_prompts(self.media, self.shown, rows)
+        return held + beside.pixel_inputs(self._media([self.shown[i] for i in items], torch.zeros(
+            rows, 1, dtype=torch.long)), what)
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         never = prompt_images.never(self.media) if self.with_images else ()

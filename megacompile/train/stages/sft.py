@@ -15,7 +15,7 @@ from ...ir import fmt_bytes
 from .. import intervals
 from .. import methods, router_loss, vocab
 from ..config import RunConfig
-from ..data import grid_images, mixture, packing, split, streaming, tokens
+from ..data import grid_images, images, mixture, packing, split, streaming, tokens
 from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
@@ -61,6 +61,7 @@ class SFTStage(Stage):
         elif self.whole_router:
             self.objective = router_loss.WholeTerm
         self.tokenizer, self.made, self.rows, self.eval_rows, self.fingerprint = _data(c, run_dir, c.seq + self.shifted)
+        self.media = self.tokenizer if isinstance(self.tokenizer, images.Media) else None
         try:
             self.each_rows = _each(self.eval_rows, self.names) if self.names else []
             available = self.rows.epoch_tokens

@@ -11,6 +11,7 @@ class Stage:
     tokenizer = None            # what the trained model's folder saves beside it
     fingerprint: str = ""       # what the data position refers to (a resume checks it)
     needs_reference = False     # a second engine over the model as loaded, forward only (`reference`)
+    media = None                # a vision-language run's processor (data/images.Media): its pixels are host memory
 
     @staticmethod
     def check_model(c, meta) -> None:
@@ -54,8 +55,16 @@ class Stage:
 
     def host_beside(self, meta, device: str) -> list:
         """What the stage holds in host memory beside the engine's state for the whole run
-        (train/beside.py's Beside): taken out of the host budget before the state is placed."""
-        return []
+        (train/beside.py's Beside): taken out of the host budget before the state is placed. With
+        images (`media`), the pixels kept for the images read again and the heaviest micro-batch's
+        pixel inputs."""
+        if self.media is None:
+            return []
+        from .. import beside
+        batch = self.c.global_batch or self.c.batch      # the largest micro-batch the planner may choose
+        inputs = self.heaviest_inputs(batch) or self.first_inputs(batch)
+        pixels = beside.pixel_inputs(inputs, f"a micro-batch's pixel inputs, at the heaviest {batch} rows'")
+        return beside.kept_pixels() + pixels if pixels else []       # a model shown no images reads none
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
         """The engine is built and resumed: the stage's own state from the checkpoint's `saved`."""
