@@ -124,16 +124,17 @@ VISION_START = VOCAB - 4
 VIDEO_TOKEN = VOCAB - 5
 
 
-def qwen2_5_vl(seed: int = 0, depth: int = 2, full_attention: tuple[int, ...] = (1,)):
+def qwen2_5_vl(seed: int = 0, depth: int = 2, full_attention: tuple[int, ...] = (1,), window: int = 8):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                 bos_token_id=None, eos_token_id=None,
                 num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
-    # windows of 8 x 8 pixels (one merged token) in the first tower layer, full attention in the second
+    # windows of 8 x 8 pixels (one merged token; `window`) in the first tower layer, full attention in the second
     vision = dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, window_size=8, out_hidden_size=32, fullatt_block_indexes=list(full_attention))
+                  temporal_patch_size=2, window_size=window, out_hidden_size=32,
+                  fullatt_block_indexes=list(full_attention))
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
                               video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
                               vision_end_token_id=END_OF_IMAGE, use_cache=False)

@@ -25,6 +25,7 @@ from .refuse import CHECKED_LINEAR_ATTENTION, refuse_unsupported
 from .segment import build_stages
 from .stage import ParamSlot, StageTemplate, TensorMeta
 from .top import trace_top
+from .vision_chunks import batched_chunks
 from .grid_constants import GRID_INPUTS
 from .rope_positions import with_rope_positions
 
@@ -88,7 +89,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         fake_leaves.append(next(it) if isinstance(x, torch.Tensor) else x)
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
     grids: dict[str, GridConstants] = {}
-    with static_experts(model) as routed, span_attention(), delta_rule_as_op(model):
+    with static_experts(model) as routed, span_attention(), batched_chunks(model), delta_rule_as_op(model):
         with causal_attention_without_mask(model, args, kwargs), spans_without_mask(), \
                 static_image_merge(model, tensor_leaves, grids) as image_tokens:
             top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
@@ -103,8 +104,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         the top-level trace is reused, the stages are traced again, once per n: a model planned
         again (the smallest budget, then the user's) tries the same counts."""
         if n not in rechunked:
-            with _grad_mode(train), static_experts(model), span_attention(), delta_rule_as_op(model), fake_mode, \
-                    chunked(n):
+            with _grad_mode(train), static_experts(model), span_attention(), batched_chunks(model), \
+                    delta_rule_as_op(model), fake_mode, chunked(n):
                 again, _, _ = build_stages(top, model, stack, fakes, {k: e.trainable for k, e in state.items()},
                                            input_fakes, train)
             rechunked[n] = dataclasses.replace(captured, stages=again, rechunk=None)

@@ -10,7 +10,9 @@ those tables eagerly from the step's real grids with transformers' own helpers
 (`transformers.vision_utils`), and hands them to the tower as the precomputed inputs it accepts; in
 the graph they are constants, and the lengths the attention splits by are plain numbers. Images
 and videos go through the same tower (`get_image_features`, `get_video_features`); a step with
-both runs it once over the two (`GridTower.encode`, grid_media.py).
+both runs it once over the two (`GridTower.encode`, grid_media.py). The attention, which splits by
+the lengths and calls the attention function per chunk, runs once per chunk length instead while
+capturing (vision_chunks.py).
 
 A capture is then valid for its grids only. `grid_key` puts the grids' values beside the inputs'
 shapes in the keys captures are found by (the engine's, engine/prepared.py's), so a batch with other grids

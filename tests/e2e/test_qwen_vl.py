@@ -36,6 +36,27 @@ def test_a_batch_with_other_grids_is_captured_anew_and_trains_as_eagerly():
         assert engine.memory_stats()["device_peak_bytes"] == engine.plan.predicted_peak_bytes
 
 
+def test_windows_of_uneven_lengths_train_as_eagerly_with_one_attention_call_per_length():
+    """Windows of 16 x 16 pixels over images of 24 x 40 and 16 x 16 (windows of 16, 8 and 4
+    patches, lengths that lie apart): the capture's windowed tower layer calls attention once per
+    window length (capture/vision_chunks.py), its full-attention layer once per image size, and two
+    steps are the eager ones."""
+    grids = ((1, 6, 10), (1, 4, 4), (1, 6, 10))
+    batches = [qwen_batch(seed=s, images=(1, 1, 1), grids=grids) for s in (0, 1)]
+    model = qwen2_5_vl(window=16)
+    losses = eager(clone(model), batches)
+    engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
+    for inputs, loss in zip(batches, losses):
+        assert engine.step(**inputs) == pytest.approx(loss, rel=1e-5, abs=0)
+    stages = {s.name: s for s in engine.plan.captured.stages}
+
+    def attention_calls(stage) -> int:
+        return sum("scaled_dot_product" in str(n.target) for n in stage.template.forward.body)
+    assert [stages["block.0"].origin, stages["block.1"].origin] == ["model.visual.blocks.0", "model.visual.blocks.1"]
+    assert attention_calls(stages["block.0"]) == 3        # 13 windows of 16, 8 and 4 patches
+    assert attention_calls(stages["block.1"]) == 2        # 3 images of 60 and 16 patches
+
+
 def test_other_grids_are_refused_without_retrace_and_a_capture_checks_its_own():
     """At the smallest budget (the device peak the predicted one), with retrace=False."""
     model = qwen2_5_vl()
