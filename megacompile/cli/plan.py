@@ -36,17 +36,24 @@ def _from_run(args: argparse.Namespace) -> None:
     run = resolve(c)
     for note in run.notes:
         print(note, flush=True)
+    from ..train.run_images import heaviest, held_beside
     if not args.images_per_row and args.image_size is None:    # a vision-language run: its data's images
-        from ..train.run_images import heaviest
         found = heaviest(c, run.model)
         if found is not None:
             print(found.describe(), flush=True)
             args.images_per_row, args.image_size = found.per_row, found.size
+    held = held_beside(c, run.model, args.images_per_row, args.image_size, run.global_batch or run.batch) \
+        if args.images_per_row or args.image_size is not None else []
     args.config, args.batch, args.seq, args.global_batch = run.model, run.batch, run.seq, run.global_batch
     args.grad_accum, args.accumulation, args.dtype, args.updates = (run.grad_accum, run.accumulation,
                                                                     run.compute_dtype, run.updates)
     args.hbm_budget, args.host_budget, args.nvme_budget = run.hbm_budget, run.host_budget, run.nvme_budget
     args.host_source = "the run's host_budget"
+    if held:        # as the run does: the engine's state is placed in what its pixels leave
+        from ..train.beside import host_for_engine
+        total = args.host_budget if args.host_budget is not None else _host_budget(args)[0]
+        args.host_budget = host_for_engine(total, held)
+        args.host_source = "the run's host_budget, less what the run holds beside the engine's state"
     args.run_steps, args.run_epochs = run.steps, run.epochs
     if run.stage not in ("sft", "pt"):
         args.stage = run.stage

@@ -21,7 +21,8 @@ import tempfile
 from dataclasses import dataclass
 
 from ..errors import ArgumentError
-from ..planner import sized_by_area
+from ..planner import image_inputs, sized_by_area
+from . import beside
 from .config import RunConfig
 from .data import grid_images, images, pixels
 from .data.reading import records
@@ -75,6 +76,16 @@ def heaviest(c: RunConfig, model) -> RunImages | None:
     if largest is None:
         return None
     return RunImages(most, _side(largest, model), largest, shown, videos)
+
+
+def held_beside(c: RunConfig, model, per_row: int, size: int | None, rows: int) -> list[beside.Beside]:
+    """What the run holds in host memory beside the engine's state for its images, as its stage
+    counts it (Stage.host_beside), at the planned row (`per_row` images of `size` px): the pixels
+    kept for images read again, and a micro-batch of `rows` such rows' pixel inputs. Stage grpo's
+    rollout pixels are not here."""
+    inputs, signature = image_inputs(model, rows, c.seq, per_row, size)
+    return beside.kept_pixels() + beside.pixel_inputs(
+        inputs, f"a micro-batch's pixel inputs, {rows} rows of {per_row} images of {signature.image_size} px")
 
 
 def _read_size(path: str, where: str, limits: pixels.Limits) -> tuple[int, int]:

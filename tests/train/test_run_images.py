@@ -52,6 +52,27 @@ def test_a_qwen_run_is_planned_with_its_datas_images_as_the_flags_plan_them(tmp_
     assert given["vision"]["images"]["images_per_row"] == 2
 
 
+def test_a_run_with_images_is_planned_in_the_host_budget_its_pixels_leave(tmp_path, capsys):
+    """As the run places the engine's state (Stage.host_beside): the pixels kept for images read
+    again and a micro-batch's pixel inputs come out of the run's host_budget first, the line the
+    run prints said; with the largest images in the heaviest rows, the plan's figure is the run's."""
+    from megacompile.train import load
+    from megacompile.train.data.images import PixelCache
+    from megacompile.train.stages.sft import SFTStage
+    path = _run_yaml(tmp_path, host_budget=2)
+    planned, said = _plan(capsys, "--run", path)
+    stage = SFTStage(load(path, []), str(tmp_path / "run"))
+    try:
+        held = stage.host_beside(None, "cpu")
+    finally:
+        stage.discard()
+    assert [b.nbytes for b in held] == [PixelCache.LIMIT, 2 * 16 * 96 * 4]     # 2 rows of a 4 x 4 grid's patches
+    taken = sum(b.nbytes for b in held)
+    assert planned["host_budget_bytes"] == int((2 * 2 ** 30 - taken) / 2 ** 30 * 2 ** 30)
+    assert ("host budget    2.00 GiB: " in said and "beside it (processed pixels kept for the images read again, "
+            "at most: 256.00 MiB; a micro-batch's pixel inputs, 2 rows of 1 images of 16 px: 12.00 KiB)" in said)
+
+
 def test_the_most_images_of_a_record_are_a_rows_and_a_text_run_plans_none(tmp_path, capsys):
     path = _run_yaml(tmp_path)
     with open(tmp_path / "data.jsonl", "a") as f:
