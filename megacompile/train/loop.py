@@ -309,8 +309,9 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                 if None in losses:      # a layer-major step: its losses exist once its last micro-batch ran
                     losses = (list(engine.accumulated_losses) if record.updated
                               else [x for x in losses if x is not None])
-                if done == start_step:
-                    plan.dump(os.path.join(run_dir, "plan"))      # now with the measured peak beside the prediction
+                if done == start_step:      # the plan the step ran (another than the first inputs' where its
+                    # images differ), now with the measured peak beside the prediction
+                    engine.plan.dump(os.path.join(run_dir, "plan"))
                 row = {"step": record.step, "loss": stage.step_loss(losses) if losses else math.nan,
                        "lr": record.lr, "grad_norm": record.grad_norm, "tokens": tokens, "seconds": seconds,
                        # a skipped step's record may count no tokens (the stage reports what it read)
@@ -355,6 +356,9 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         # overwrite: only a resumed run gets here with model files in the folder, its own (check_new_run)
         trained_model.write(c, engine, stage.tokenizer, place, overwrite=resume_from is not None,
                             policy=stage.objective is not None)
+    # The last training plan used: micro-batches of other shapes or image grids than the first
+    # inputs' run plans of their own, and the first inputs' may never have run.
+    plan = engine.plan
     measured = plan.measured_peak_bytes
     result = {"steps": steps_done, "skipped_steps": engine.skipped_steps, "run_dir": run_dir,
               "first_loss": losses_seen[0] if losses_seen else None,

@@ -106,3 +106,30 @@ def test_a_pair_whose_prompt_with_its_images_passes_seq_is_refused_while_reading
     with pytest.raises(ArgumentError, match=rf"the prompt is {prompt} tokens with its images, past rows of seq "
                                             rf"{prompt - 1}: .*raise seq"):
         kind(short)(short, load_tokenizer(short.model, None), None)
+
+
+def test_a_qwen3_5_reward_model_over_pairs_with_images_exports_its_classifier(tmp_path):
+    """Qwen3.5's classifier holds the whole vision-language model under its score: 2 steps over
+    rlhf_v pairs with images, exported as Qwen3_5ForSequenceClassification, which scores each
+    pair's rows with their pixels as the trained reward model does; the run's last line is of the
+    plan its last step ran, its measured device peak the predicted one. (transformers maps the
+    qwen3_5 model type to its byte-level BPE tokenizer whatever the folder's tokenizer.json holds,
+    and the tiny folders' vocabulary is whole words: the run reads the same tokenizer and processor
+    from a tiny Qwen3-VL folder, `tokenizer:`.)"""
+    from transformers import AutoModelForSequenceClassification
+    from tests.train import qwen_files
+    tokenizer = qwen_files.model_dir(str(tmp_path / "tokenizer"), family="qwen3_vl")
+    c = load(files.run_yaml(str(tmp_path / "run.yaml"), **_settings(tmp_path, "qwen3_5", tokenizer=tokenizer)), [])
+    result = run(c)
+    assert result["steps"] == 2 and 0 < result["measured_device_peak_bytes"] == result["predicted_device_peak_bytes"]
+    exported = AutoModelForSequenceClassification.from_pretrained(c.run_dir, dtype=torch.float32).eval()
+    assert type(exported).__name__ == "Qwen3_5ForSequenceClassification"
+    stage = kind(c)(c, load_tokenizer(c.tokenizer, None), None)
+    assert sum(bool(p.media) for p, _ in stage.pairs) == 4
+    scorer = RewardModel(exported.model, exported.score).eval()
+    with torch.no_grad():
+        for pair in stage.pairs:
+            batch = stage._rows([pair, pair])
+            theirs = exported(**{k: v for k, v in batch.items() if k not in ("last", "margin")}).logits.squeeze(-1)
+            ours = scorer(**{k: v for k, v in batch.items() if k != "margin"})
+            assert theirs.tolist() == pytest.approx(ours.tolist(), rel=1e-5, abs=1e-6)
