@@ -363,3 +363,78 @@ def test_a_grpo_run_over_prompts_with_images_killed_mid_way_resumes_to_the_unint
         return files.run_yaml(str(tmp_path / f"{name}.yaml"), **settings)
     whole = killed.resumes_as_whole(config, tmp_path, steps=4, kill_at=3, kept=["step-000002"])
     assert len({r["reward"] for r in whole}) > 1 and any(float(r["kl"]) > 0 for r in whole)
+
+
+def _videos_sample_as_transformers_generate(folder: str) -> None:
+    """In a process where torchvision imports (the video processor needs it): grpo prompts with a
+    video (LlamaFactory's conversations and `videos` column) beside one with an image, the engine
+    generator's greedy completions, two rows a call, are transformers' generate's on each prompt
+    alone with its pixels (pixel_values_videos, video_grid_thw, second_per_grid_ts), image and
+    video tokens suppressed; a 1-step run over them logs a finite loss."""
+    import math
+
+    from megacompile import compile
+    from tests.train import video_files
+    tmp = __import__("pathlib").Path(folder)
+    video_files.model_dir(str(tmp / "model"), "qwen2_5_vl")
+    video_files.clip(str(tmp / "data" / "clips" / "a.mp4"))
+    qwen_files.images(str(tmp / "data"))
+    with open(tmp / "data" / "prompts.jsonl", "w") as f:
+        for shown in ({"videos": ["clips/a.mp4"]}, {"images": ["images/blue.png"]}, {"videos": ["clips/a.mp4"]}):
+            mark = "<video>" if "videos" in shown else "<image>"
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"{mark} what colour is this"}],
+                                **shown, "solution": "red"}) + "\n")
+    c = load(files.run_yaml(str(tmp / "run.yaml"), **_settings(tmp, str(tmp / "data" / "prompts.jsonl"),
+                                                               max_prompt_length=64, steps=1)), [])
+    stage = kind(c)(c, load_tokenizer(c.model, c.chat_template), c.run_dir)
+    assert [len(s) for s in stage.shown] == [1, 1, 1] and "a.mp4" in str(stage.shown[0][0])
+    tok = stage.text
+    video = tok.convert_tokens_to_ids(VIDEO)
+    assert video in stage.prompts[0] and video not in stage.prompts[1]
+    never = [tok.convert_tokens_to_ids(t) for t in (PAD, VIDEO)]
+    policy = _policy(tmp).eval()
+    engine = compile(GRPOObjective(copy.deepcopy(policy)), hbm_budget=1, device="cpu", compute_dtype=torch.float32)
+    order = [0, 1, 2, 1]
+    try:
+        generator = EngineGenerator(engine, eos_id=tok.eos_token_id, pad_id=stage.pad, never=tuple(never))
+        inputs = lambda rows, ids: stage._media([stage.shown[order[r]] for r in rows], ids)  # noqa: E731
+        made = generator.generate([stage.prompts[i] for i in order], 1, 4, 0.0, width=64, rows_per_call=2,
+                                  inputs=inputs)
+    finally:
+        engine.close()
+    for k, i in enumerate(order):
+        ids = torch.tensor([stage.prompts[i]])
+        given = stage._media([stage.shown[i]], ids)
+        assert ("pixel_values_videos" in given) == (i != 1)
+        want = policy.generate(input_ids=ids, **given, max_new_tokens=4, do_sample=False, suppress_tokens=never,
+                               eos_token_id=tok.eos_token_id)
+        assert list(made[k].tokens) == want[0, ids.shape[1]:].tolist(), i
+    rows = log.read(os.path.join(c.run_dir, "log.csv")) if run(c)["steps"] == 1 else []
+    assert len(rows) == 1 and math.isfinite(float(rows[0]["loss"]))
+
+
+@pytest.mark.slow      # a child process where torchvision imports, two generations and a run: ~45 s
+def test_prompts_with_videos_sample_as_transformers_generate_and_train(tmp_path):
+    from tests import torchvision_env
+    torchvision_env.call(_videos_sample_as_transformers_generate, str(tmp_path))
+
+
+def test_the_heaviest_rows_repeat_a_prompt_as_its_completions_do(tmp_path):
+    """A rollout's rows hold each prompt's num_generations completions, so its heaviest micro-batch,
+    generator call or rollout is the heaviest prompts' rows, each repeated: the default budget and
+    the host's pixel figures are sized on them (a held-out prompt among them), not on as many
+    distinct prompts."""
+    from megacompile.train.data.image_answers import heaviest
+
+    class Widths:
+        def width(self, path, where):
+            return {"big": 10, "mid": 9, "small": 1}[path]
+    shown = [("small",), ("big",), ("mid",), ()]
+    assert heaviest(shown, Widths(), 4) == [0, 1, 2, 3] and heaviest(shown, Widths(), 3) == [0, 1, 2]
+    assert heaviest(shown, Widths(), 4, each=2) == [1, 1, 2, 2]
+    assert heaviest(shown, Widths(), 3, each=4) == [1, 1, 1]
+    data = trl_prompts(str(tmp_path / "data" / "prompts.jsonl"), n=4, text_every=4)     # red, green, blue, text
+    stage = _stage(tmp_path, data, batch=4, num_generations=2, eval_fraction=0.25, seed=1)
+    assert len(stage.held_prompts) == 1
+    grids = {tuple(g) for g in stage.heaviest_inputs(4)["image_grid_thw"].tolist()}
+    assert grids == {qwen_files.GRIDS["red"]}          # red's and green's rows, twice each: no blue

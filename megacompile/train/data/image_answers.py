@@ -93,12 +93,14 @@ def media_digest(shown: tuple) -> tuple[int, ...]:
     return tuple(repr(found).encode())
 
 
-def heaviest(shown: list[tuple], media, batch: int) -> list[int] | None:
-    """The `batch` items (each showing `shown[i]`) whose images fill the most tokens, in order (one
-    repeated where there are fewer); None where none shows an image."""
+def heaviest(shown: list[tuple], media, batch: int, each: int = 1) -> list[int] | None:
+    """The `batch` items (each showing `shown[i]`) whose images fill the most tokens, in order, an
+    item at most `each` times (a grpo rollout's rows repeat each prompt: its completions), one
+    repeated where there are fewer; None where none shows an image."""
     if media is None or not any(shown):
         return None
     width = getattr(media, "width", lambda path, where: 1)     # Qwen's grids; else one per image
     load = [sum(width(m, str(m)) for m in items) for items in shown]
-    chosen = sorted(sorted(range(len(load)), key=lambda i: -load[i])[:batch])
+    ranked = sorted(range(len(load)), key=lambda i: -load[i])
+    chosen = sorted([i for i in ranked for _ in range(each)][:batch])
     return [chosen[k % len(chosen)] for k in range(batch)]

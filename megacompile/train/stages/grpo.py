@@ -235,23 +235,39 @@ class GRPOStage(Stage):
         return self._showing(inputs, [i % len(self.prompts) for i in range(batch)])
 
     def heaviest_inputs(self, batch: int) -> dict | None:
-        """A step's inputs over the `batch` prompts whose images fill the most tokens (None without
-        images): the default budget fits their micro-batch too, not only the first one."""
-        items = prompt_images.heaviest_prompts(self.media, self.shown, batch)
+        """A step's inputs over the `batch` rows whose prompts' images fill the most tokens (None
+        without images): the default budget fits their micro-batch too, not only the first one."""
+        items = self._heaviest(batch)
         return None if items is None else self._showing(self.first_inputs(batch), items)
+
+    def _heaviest(self, rows: int) -> list[int] | None:
+        """`rows` rows at their heaviest, as indices of _pool(): a rollout's rows repeat each prompt
+        (num_generations of them, or num_generations_eval held-out), and held-out prompts are
+        sampled too, so any of them may fill a micro-batch, a generator call or a rollout."""
+        each = max(self.c.num_generations, self.c.num_generations_eval or 1)
+        return prompt_images.heaviest_prompts(self.media, self._pool()[1], rows, each)
+
+    def _pool(self) -> tuple[list, list]:
+        """The prompts and their images, training ones then held-out ones."""
+        return self.prompts + self.held_prompts, self.shown + self.held_shown
 
     def forward_inputs(self, batch: int) -> dict | None:
         """With images, the generator's forward (a next token of each row) over the heaviest prompts,
         whose smallest plan of a vision-language model is larger than its training step's."""
-        items = prompt_images.heaviest_prompts(self.media, self.shown, batch)
+        items = self._heaviest(batch)
         if items is None:
             return None
         rows = self._showing({"input_ids": torch.zeros(batch, self.c.seq, dtype=torch.long)}, items)
         return {**rows, "last": torch.zeros(batch, dtype=torch.long)}
 
     def _showing(self, rows: dict, items: list[int]) -> dict:
-        return prompt_images.showing(self.media, rows, [self.prompts[i] for i in items],
-                                     [self.shown[i] for i in items], self.pad)
+        prompts, shown = self._pool()
+        return prompt_images.showing(self.media, rows, [prompts[i] for i in items], [shown[i] for i in items],
+                                     self.pad)
+
+    def _rollout_pixels(self) -> tuple[int, int] | None:
+        each = max(self.c.num_generations, self.c.num_generations_eval or 1)
+        return prompt_images.rollout_pixels(self.media, self._pool()[1], self.rows, each)
 
     def _media(self, shown: list[tuple], input_ids: torch.Tensor) -> dict:
         return prompt_images.inputs(self.media, shown, input_ids)
@@ -259,7 +275,7 @@ class GRPOStage(Stage):
     def device_beside(self, meta, card_bytes: int) -> list:
         """The generator's copy and cache, or colocated vLLM's share, and each reward model's copy and
         what its forward passes through."""
-        pixels = prompt_images.rollout_pixels(self.media, self.shown, self.rows)
+        pixels = self._rollout_pixels()
         return beside.generator_copy(self.c, meta, card_bytes, pixels) + [
             part for f in self.funcs if isinstance(f, RewardModelFunction)
             for part in beside.reward_model(f.folder, rows=f.batch, tokens=self.c.seq)]
@@ -273,11 +289,11 @@ class GRPOStage(Stage):
         models = [] if beside.on_gpu(device) else [
             part for f in self.funcs if isinstance(f, RewardModelFunction)
             for part in beside.reward_model(f.folder, torch.float32, rows=f.batch, tokens=self.c.seq)]
-        pixels = prompt_images.rollout_pixels(self.media, self.shown, self.rows)
+        pixels = self._rollout_pixels()
         return beside.generator_host(self.c, meta, device, pixels) + models + self._pixels_held(device)
 
     def _pixels_held(self, device: str) -> list:
-        if not any(self.shown):
+        if not self.with_images:
             return []
         held = super().host_beside(None, device)
         if self.c.use_vllm:         # refused with images before here
@@ -289,8 +305,8 @@ class GRPOStage(Stage):
             what = f"a rollout's pixel inputs before they go to the GPU, at the heaviest {rows} rows'"
         else:
             return held
-        items = prompt_images.heaviest_prompts(self.media, self.shown, rows)
-        return held + beside.pixel_inputs(self._media([self.shown[i] for i in items], torch.zeros(
+        shown = self._pool()[1]
+        return held + beside.pixel_inputs(self._media([shown[i] for i in self._heaviest(rows)], torch.zeros(
             rows, 1, dtype=torch.long)), what)
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:

@@ -31,15 +31,17 @@ def showing(media, rows: dict, prompts: list[list[int]], shown: list[tuple], pad
     return {**rows, "input_ids": ids, **inputs(media, shown, ids)}
 
 
-def heaviest_prompts(media, shown: list[tuple], rows: int) -> list[int] | None:
-    """`rows` prompts whose images fill the most tokens (repeated where fewer); None without images."""
-    return heaviest(shown, media, rows)
+def heaviest_prompts(media, shown: list[tuple], rows: int, each: int = 1) -> list[int] | None:
+    """`rows` rows of the prompts whose images fill the most tokens, a prompt in at most `each` of
+    them (the rows of its completions), repeated where fewer; None without images."""
+    return heaviest(shown, media, rows, each)
 
 
-def rollout_pixels(media, shown: list[tuple], rows: int) -> tuple[int, int] | None:
+def rollout_pixels(media, shown: list[tuple], rows: int, each: int = 1) -> tuple[int, int] | None:
     """A rollout batch's pixel values at their heaviest (its `rows` rows those of the prompts whose
-    images fill the most tokens) and its largest image's, as elements; None without images."""
-    items = heaviest(shown, media, rows)
+    images fill the most tokens, a prompt in at most `each`) and its largest image's, as elements;
+    None without images."""
+    items = heaviest(shown, media, rows, each)
     if items is None:
         return None
     each = [media.pixel_elements(m) for i in items for m in shown[i]]
