@@ -25,9 +25,9 @@ from .from_config import minimum_budget, model_from_config, plan, plan_global_ba
 from .posttrain_step import StagePlan, engine_generator_advice, plan_stage
 from .from_config import choose_micro_batch, minimum_budget_of, split_fields, split_line
 from .quantized import refuse_quantized_weights
-from .image_inputs import image_inputs, sized_by_area
+from .image_inputs import grid_tokens, image_inputs, sized_by_area
 
 
 __all__ = ["Plan", "StagePlan", "make_plan", "minimum_budget", "model_from_config", "plan", "plan_global_batch",
            "plan_stage", "engine_generator_advice", "choose_micro_batch", "minimum_budget_of",
-           "refuse_quantized_weights", "image_inputs", "sized_by_area", "split_fields", "split_line"]
+           "refuse_quantized_weights", "grid_tokens", "image_inputs", "sized_by_area", "split_fields", "split_line"]

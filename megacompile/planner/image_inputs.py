@@ -179,6 +179,32 @@ def _fits(signature: ImageSignature, seq: int) -> ImageSignature:
     return signature
 
 
+def _grid_processor(model: nn.Module):
+    """The image processor Qwen's grids are planned with: the PIL class at the tower's patch, merge and
+    frames, within the folder's pixel range."""
+    from transformers import Qwen2VLImageProcessorPil
+    vision = model.config.vision_config
+    return Qwen2VLImageProcessorPil(patch_size=int(vision.patch_size), merge_size=int(vision.spatial_merge_size),
+                                    temporal_patch_size=int(vision.temporal_patch_size), **folder_pixels(model.config))
+
+
+def grid_tokens(model: nn.Module):
+    """(width, height) -> the image tokens a Qwen image of that size fills, as the processor the plan
+    uses resizes it (multiples of patch x merge within its pixel range); None for a family whose
+    images are not sized by their area (sized_by_area)."""
+    if not sized_by_area(model):
+        return None
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    processor = _grid_processor(model)
+    patch, merge = processor.patch_size, processor.merge_size
+
+    def tokens(width: int, height: int) -> int:
+        h, w = smart_resize(height, width, factor=patch * merge, min_pixels=processor.size["shortest_edge"],
+                            max_pixels=processor.size["longest_edge"])
+        return (h // patch) * (w // patch) // merge ** 2
+    return tokens
+
+
 def _grid_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
                  image_size: int | None) -> tuple[dict[str, torch.Tensor], ImageSignature]:
     """Qwen2.5-VL's and Qwen3-VL's images: flattened patches, each image's grid, its token types and 3D
@@ -189,11 +215,9 @@ def _grid_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
                             "the pixels per side of each image, e.g. image_size=448 (--image-size 448)")
     image_size = arguments.count("image_size", image_size, what=" (pixels per side of each image)")
     vision = model.config.vision_config
-    patch, merge, frames = int(vision.patch_size), int(vision.spatial_merge_size), int(vision.temporal_patch_size)
+    patch, merge = int(vision.patch_size), int(vision.spatial_merge_size)
     import numpy as np
-    from transformers import Qwen2VLImageProcessorPil
-    processor = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, temporal_patch_size=frames,
-                                         **folder_pixels(model.config))
+    processor = _grid_processor(model)
     written = processor([np.zeros((image_size, image_size, 3), dtype=np.uint8)], return_tensors="pt")
     grid = [int(v) for v in written["image_grid_thw"][0]]
     patches = grid[0] * grid[1] * grid[2]

@@ -3,13 +3,15 @@ from its data as the run reads it, so that the plan before the run is made with 
 text alone.
 
 A row holds one record's images (documents with images fill rows of their own under stage sft;
-under dpo, kto, grpo and rm each row holds its prompt's), so the plan's `images_per_row` is the most
-images a record of the run's data shows, and its `image_size` the largest image as the run reads it
-(scaled within image_max_pixels and image_min_pixels, pixels.py): for a family whose processor keeps
-each image's size (Qwen's grids) the side of a square of its pixels, which fills the tokens it
-fills; for the others its longest side (their processors resize or tile by it). The most images and
-the largest image may come from different records: the plan is of a row at least as heavy as any
-the run meets. Only each image's header is read. Videos are not planned (the planner's rows hold
+under dpo, kto, grpo and rm each row holds its prompt's), and the plan's rows hold images of one
+size. For a family whose processor keeps each image's size (Qwen's grids: its tokens follow its
+area), the plan's row is the heaviest record's: its images' count, each a square of the smallest
+side whose tokens, that many times, are at least the record's (each image as the run reads it,
+scaled within image_max_pixels and image_min_pixels, pixels.py, then resized as the processor
+resizes it). For the others the plan's `images_per_row` is the most images a record shows and its
+`image_size` the largest image's longest side (their processors resize or tile by it), which may
+come from different records. Either way the plan is of a row at least as heavy as any the run
+meets. Only each image's header is read. Videos are not planned (the planner's rows hold
 images), and said so. The command's --images-per-row and --image-size, where given, are planned in
 their place.
 """
@@ -21,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 
 from ..errors import ArgumentError
-from ..planner import image_inputs, sized_by_area
+from ..planner import grid_tokens, image_inputs, sized_by_area
 from . import beside
 from .config import RunConfig
 from .data import grid_images, images, pixels
@@ -38,13 +40,17 @@ class RunImages:
     largest: tuple[int, int]    # the largest image as the run reads it (width, height)
     shown: int              # records with images
     videos: int             # records with videos (not planned)
+    most: int = 0           # the most images a record shows
+    tokens: int | None = None   # the heaviest record's image tokens (Qwen's grids)
 
     def describe(self) -> str:
         videos = (f"; {self.videos} record(s) with videos, which the plan leaves out" if self.videos else "")
-        return (f"  images         from the run's data: {self.shown:,} record(s) with images, at most {self.per_row} "
-                f"in one, the largest {self.largest[0]} x {self.largest[1]} px as the run reads it: planned as "
-                f"{self.per_row} per row of {self.size} x {self.size} px (--images-per-row and --image-size plan "
-                f"others){videos}")
+        heaviest = ("" if self.tokens is None else f", the heaviest {self.per_row} image(s) filling "
+                    f"{self.tokens:,} tokens")
+        return (f"  images         from the run's data: {self.shown:,} record(s) with images, at most "
+                f"{self.most or self.per_row} in one, the largest {self.largest[0]} x {self.largest[1]} px as the run "
+                f"reads it{heaviest}: planned as {self.per_row} per row of {self.size} x {self.size} px "
+                f"(--images-per-row and --image-size plan others){videos}")
 
 
 def heaviest(c: RunConfig, model) -> RunImages | None:
@@ -55,7 +61,8 @@ def heaviest(c: RunConfig, model) -> RunImages | None:
         return None
     media = grid_images.for_run(c, load_tokenizer(folder, c.chat_template, None, c.model), folder)
     limits = pixels.limits(c)
-    most, shown, videos, largest = 0, 0, 0, None
+    tokens = grid_tokens(model)
+    most, shown, videos, largest, heavy = 0, 0, 0, None, (0, 0)      # heavy: the heaviest record's tokens, images
     with tempfile.TemporaryDirectory(prefix="megacompile-plan-") as kept:
         media.keep_embedded_in(kept)        # images a table holds, written there to read their size
         for entry in c.data:
@@ -69,13 +76,35 @@ def heaviest(c: RunConfig, model) -> RunImages | None:
                 if not files:
                     continue
                 shown, most = shown + 1, max(most, len(files))
-                for path in files:
-                    size = _read_size(path, where, limits)
+                sizes = [_read_size(path, where, limits) for path in files]
+                for size in sizes:
                     if largest is None or _weight(size, model) > _weight(largest, model):
                         largest = size
+                if tokens is not None:
+                    heavy = max(heavy, (sum(tokens(*size) for size in sizes), len(sizes)))
     if largest is None:
         return None
-    return RunImages(most, _side(largest, model), largest, shown, videos)
+    if tokens is None:
+        return RunImages(most, _side(largest, model), largest, shown, videos, most)
+    filled, count = heavy
+    return RunImages(count, _square(tokens, filled, count, largest), largest, shown, videos, most, filled)
+
+
+def _square(tokens, filled: int, count: int, largest: tuple[int, int]) -> int:
+    """The side of a square image whose tokens, `count` times, are the fewest at least `filled`: the
+    largest side that fills them (the processor rounds sides to its patches), never above the side
+    of a square of the largest image's pixels, which holds every record's."""
+    top = _side_of_area(largest)
+    side = max(1, math.isqrt(max(filled // count, 1)))
+    while side < top and count * tokens(side, side) < filled:
+        side += 1
+    while side < top and tokens(side + 1, side + 1) == tokens(side, side):
+        side += 1
+    return side
+
+
+def _side_of_area(size: tuple[int, int]) -> int:
+    return math.ceil(math.sqrt(size[0] * size[1]))
 
 
 def held_beside(c: RunConfig, model, per_row: int, size: int | None, rows: int) -> list[beside.Beside]:
@@ -105,4 +134,4 @@ def _weight(size: tuple[int, int], model) -> int:
 
 
 def _side(size: tuple[int, int], model) -> int:
-    return math.ceil(math.sqrt(size[0] * size[1])) if sized_by_area(model) else max(size)
+    return _side_of_area(size) if sized_by_area(model) else max(size)

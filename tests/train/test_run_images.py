@@ -37,7 +37,7 @@ def test_a_qwen_run_is_planned_with_its_datas_images_as_the_flags_plan_them(tmp_
     path = _run_yaml(tmp_path)
     derived, said = _plan(capsys, "--run", path)
     assert ("images         from the run's data: 4 record(s) with images, at most 1 in one, the largest 16 x 16 px "
-            "as the run reads it: planned as 1 per row of 16 x 16 px") in said
+            "as the run reads it, the heaviest 1 image(s) filling 4 tokens: planned as 1 per row of 16 x 16 px") in said
     flagged, said = _plan(capsys, "--run", path, "--images-per-row", "1", "--image-size", "16")
     assert "from the run's data" not in said
     same = TIMED | {"vision"}       # its shares are timings; its images are compared below
@@ -46,7 +46,8 @@ def test_a_qwen_run_is_planned_with_its_datas_images_as_the_flags_plan_them(tmp_
     assert derived["vision"]["images"]["images_per_row"] == 1
     assert derived["vision"]["images"]["tokens_per_image"] == qwen_files.TOKENS["red"]
     scaled, said = _plan(capsys, "--run", path, "image_max_pixels=128")
-    assert "the largest 16 x 8 px as the run reads it: planned as 1 per row of 12 x 12 px" in said
+    assert ("the largest 16 x 8 px as the run reads it, the heaviest 1 image(s) filling 2 tokens: planned as 1 per "
+            "row of 12 x 12 px") in said
     assert scaled["vision"]["images"]["image_size"] == 12
     given, _ = _plan(capsys, "--run", path, "--images-per-row", "2", "--image-size", "16")   # the flags win
     assert given["vision"]["images"]["images_per_row"] == 2
@@ -71,6 +72,33 @@ def test_a_run_with_images_is_planned_in_the_host_budget_its_pixels_leave(tmp_pa
     assert planned["host_budget_bytes"] == int((2 * 2 ** 30 - taken) / 2 ** 30 * 2 ** 30)
     assert ("host budget    2.00 GiB: " in said and "beside it (processed pixels kept for the images read again, "
             "at most: 256.00 MiB; a micro-batch's pixel inputs, 2 rows of 1 images of 16 px: 12.00 KiB)" in said)
+
+
+def test_a_qwen_run_plans_its_heaviest_record_not_its_most_images_beside_its_largest(tmp_path, capsys):
+    """The folder's processor resizes within 32 x 32 px: a 64 x 64 image fills 16 tokens, three
+    16 x 16 ones 12 together, two 40 x 40 ones 32. The plan's row is the heaviest record's (16
+    tokens, then 32), where three of the largest image (48 tokens) would pass the rows of 40
+    tokens that every record fits in and the plan would refuse the run."""
+    path = _run_yaml(tmp_path, seq=40)
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(tmp_path / "images" / "big.png")
+    Image.new("RGB", (40, 40), (30, 200, 30)).save(tmp_path / "images" / "mid.png")
+
+    def record(*names):
+        marks = " ".join("<image>" for _ in names)
+        return json.dumps({"messages": [{"role": "user", "content": f"{marks} what colour is this"},
+                                        {"role": "assistant", "content": "this is red"}],
+                           "images": [f"images/{n}.png" for n in names]}) + "\n"
+    with open(tmp_path / "data.jsonl", "a") as f:
+        f.write(record("big") + record("red", "green", "red"))
+    planned, said = _plan(capsys, "--run", path)
+    assert ("at most 3 in one, the largest 64 x 64 px as the run reads it, the heaviest 1 image(s) filling 16 tokens: "
+            "planned as 1 per row of 64 x 64 px") in said
+    assert planned["vision"]["images"]["images_per_row"] == 1 and planned["vision"]["images"]["tokens_per_image"] == 16
+    with open(tmp_path / "data.jsonl", "a") as f:
+        f.write(record("mid", "mid"))
+    planned, said = _plan(capsys, "--run", path)
+    assert "the heaviest 2 image(s) filling 32 tokens: planned as 2 per row of 64 x 64 px" in said
+    assert planned["vision"]["images"]["images_per_row"] == 2 and planned["vision"]["images"]["tokens_per_image"] == 16
 
 
 def test_the_most_images_of_a_record_are_a_rows_and_a_text_run_plans_none(tmp_path, capsys):
