@@ -55,7 +55,8 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
     fuse:          rewrite the stage graphs onto megacompile's fused Triton kernels (megacompile/fusion);
                    default: on for cuda, off for cpu (where Triton runs in its slow interpreter)
     host_budget:   GiB of host RAM for masters, AdamW state and offloaded activations; default: 90%
-                   of this machine's RAM. Too little for the masters raises HostMemoryError.
+                   of this machine's RAM, or of this process's memory cgroup limit where lower (a
+                   container's, a SLURM job's). Too little for the masters raises HostMemoryError.
     on_nonfinite:  a step whose loss or any gradient is inf or NaN updates nothing; "skip" (default)
                    warns and goes on, "raise" raises NonFiniteError. `engine.last_step` says which.
     max_consecutive_skips: with "skip", this many optimizer steps skipped in a row raise

@@ -120,8 +120,8 @@ def parser() -> argparse.ArgumentParser:
                         "(default), or as its gradients land, beside the rest of the backward")
     q.add_argument("--host-budget", type=float, default=None,
                    help="GiB of host RAM for masters, AdamW state and offloaded activations (default: 90%% of this "
-                        "machine's RAM, as compile() takes it; give it to plan for another machine); per node with "
-                        "--gpus")
+                        "machine's RAM, or of this process's memory cgroup limit where lower, as compile() takes it; "
+                        "give it to plan for another machine); per node with --gpus")
     q.add_argument("--nvme-budget", type=float, default=None,
                    help="GiB of disk for a disk tier: when host RAM is short the AdamW moments, then the fp32 masters, "
                         "go there (default: no disk tier)")

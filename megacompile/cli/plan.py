@@ -328,12 +328,21 @@ def _host_source(args: argparse.Namespace) -> str:
 def _host_budget(args: argparse.Namespace) -> tuple[float, str]:
     """GiB of host RAM the plan is checked against, and where that figure came from: --host-budget,
     or as compile() takes it, a share of this machine's RAM."""
-    from ..cost.host_memory import HOST_SHARE, default_host_budget_bytes, physical_ram
+    from ..cost.host_memory import HOST_SHARE, default_host_budget_bytes, physical_ram, process_ram
     from ..ir.printer import fmt_bytes
     node = " per node" if args.gpus > 1 or args.nodes > 1 else ""
     if args.host_budget is not None:
         return args.host_budget, getattr(args, "host_source", "given with --host-budget") + node
     return (default_host_budget_bytes() / 2**30,
-            f"this machine's RAM ({HOST_SHARE:.0%} of {fmt_bytes(physical_ram())}, as compile() takes it){node}; "
+            _ram_said(HOST_SHARE, process_ram(), physical_ram(), fmt_bytes) + node + "; "
             + ("host_budget=GiB after the run.yaml" if args.run_yaml is not None else "--host-budget GiB")
             + " to plan for another machine")
+
+
+def _ram_said(share: float, usable: tuple[int, int | None], ram: int, fmt_bytes) -> str:
+    """Where the default host budget came from, in words: the machine's RAM, or a lower memory
+    limit of this process's cgroup (a container's, a SLURM job's)."""
+    if usable[1] is None:
+        return f"this machine's RAM ({share:.0%} of {fmt_bytes(ram)}, as compile() takes it)"
+    return (f"this process's memory limit ({share:.0%} of the {fmt_bytes(usable[1])} its cgroup allows, of "
+            f"{fmt_bytes(ram)} of RAM on the machine; as compile() takes it)")

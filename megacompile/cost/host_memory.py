@@ -28,6 +28,8 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from .ram_limit import cgroup_memory_limit, machine_ram
+
 import torch
 
 GiB = 2 ** 30
@@ -243,19 +245,28 @@ def free_disk_bytes(folder: str) -> int:
     return shutil.disk_usage(folder).free
 
 
-# Share of this machine's RAM a run may fill when no host budget is given: the rest is the
-# operating system's, the page cache's and the Python process's own.
+# Share of the RAM a run may fill when no host budget is given: the rest is the operating
+# system's, the page cache's and the Python process's own.
 HOST_SHARE = 0.9
 
 
 def physical_ram() -> int:
     """Bytes of RAM this machine has."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return machine_ram()
+
+
+def process_ram() -> tuple[int, int | None]:
+    """(bytes of RAM this process may fill, the memory cgroup limit that sets it, or None where the
+    machine's RAM does: ram_limit.py)."""
+    ram, limit = physical_ram(), cgroup_memory_limit()
+    return (limit, limit) if limit is not None and limit < ram else (ram, None)
 
 
 def default_host_budget_bytes() -> int:
-    """The host budget compile() and `megacompile plan` take when none is given."""
-    return int(HOST_SHARE * physical_ram())
+    """The host budget compile() and `megacompile plan` take when none is given: a share of the RAM
+    this process may fill (a container's or a SLURM job's memory limit, where lower than the
+    machine's RAM)."""
+    return int(HOST_SHARE * process_ram()[0])
 
 
 def save_transient(captured) -> tuple[int, str]:

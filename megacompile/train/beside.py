@@ -9,8 +9,9 @@ layers) with the key-value cache of a rollout batch, colocated vLLM's share of t
 before anything is planned, and the engine plans in what is left: a run whose parts do not fit
 beside the smallest plan stops before it trains, naming them.
 
-host_budget (or 90% of the machine's RAM) is likewise the run's host memory. Beside the engine's
-state (masters, moments, gradients, offloaded activations) stage grpo holds, for the whole run, the
+host_budget (or its default, 90% of the RAM the process may fill) is likewise the run's host
+memory. Beside the engine's state (masters, moments, gradients, offloaded activations) stage grpo
+holds, for the whole run, the
 streamed copy's decoder layers (`hf_streamed` on a GPU: pinned host memory), and on the cpu
 backend, whose simulated device is host memory, the generator's whole copy and cache and each reward
 model's float32 copy. The engine's state is placed in what they leave.

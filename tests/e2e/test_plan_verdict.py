@@ -92,6 +92,19 @@ def test_the_host_budget_defaults_to_this_machines_ram_and_says_so(tmp_path, cap
     assert json.loads(out[-1])["host_budget_source"] == "--host-budget"
 
 
+def test_the_host_budget_defaults_to_a_lower_memory_cgroup_limit_and_says_so(tmp_path, capsys, monkeypatch):
+    """A container's or a SLURM job's memory limit below the machine's RAM is what the process may
+    fill: the default host budget is its share of that, and the line names it."""
+    monkeypatch.setattr(host_memory, "physical_ram", lambda: 64 * 2 ** 30)
+    monkeypatch.setattr(host_memory, "cgroup_memory_limit", lambda: 8 * 2 ** 20)
+    rc, out = _cli(tmp_path, capsys, "--hbm-budget", "1", "--json")
+    assert rc == 3 and json.loads(out[-1])["host_budget_bytes"] == int(0.9 * 8 * 2 ** 20)
+    assert ("this process's memory limit (90% of the 8.00 MiB its cgroup allows, of 64.00 GiB of RAM on the "
+            "machine; as compile() takes it)") in _line(out, "host budget")
+    monkeypatch.setattr(host_memory, "cgroup_memory_limit", lambda: 128 * 2 ** 30)     # above the RAM: the RAM
+    assert host_memory.default_host_budget_bytes() == int(0.9 * 64 * 2 ** 30)
+
+
 def test_a_refusal_shows_the_budget_given_and_the_shortfall(tmp_path, capsys):
     rc, out = _cli(tmp_path, capsys, "--hbm-budget", "0.01", "--json")
     assert rc == 3
