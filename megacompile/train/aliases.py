@@ -179,7 +179,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 # schedule, min_lr (and warmup for HF's `constant`), template -> a check of the chat template.
 SPECIAL = ("adam_beta1", "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "template", "do_train",
            "eval_strategy", "evaluation_strategy", "save_strategy", "logging_strategy", "pref_loss",
-           "packing_strategy")
+           "packing_strategy", "neat_packing")
 
 # Liger's kernels (TRL, LlamaFactory) and LlamaFactory's own: megacompile's fused kernels run in their place
 KERNELS = ("enable_liger_kernel", "use_liger_kernel", "use_v1_kernels")
@@ -291,6 +291,8 @@ def translate(raw: dict, default_lr: float) -> Translated:
     _strategies(raw, out)
     if "packing_strategy" in raw:
         _packing_strategy(raw["packing_strategy"], out)
+    if "neat_packing" in raw:
+        _neat_packing(raw["neat_packing"], out)
     if raw.get("pref_loss") is not None:
         _pref_loss(raw, out)
     if out.keys.get("steps") is not None and out.spelled.get("epochs") == "num_train_epochs":
@@ -408,6 +410,22 @@ def _packing_strategy(strategy: Any, out: Translated) -> None:
         out.keys["packing"] = "isolated"
         out.notes.append("packing: true with packing_strategy bfd keeps the packed documents apart, as TRL's bfd does "
                          "(packing: isolated; rows are filled in the data's order, not best-fit)")
+
+
+def _neat_packing(neat: Any, out: Translated) -> None:
+    """LlamaFactory's neat_packing: packing with each packed document apart (its own attention, its
+    position ids from 0), which turns packing on whatever `packing` says: megacompile's packing:
+    isolated, whose rows are filled in the data's order rather than by LlamaFactory's knapsack."""
+    if not isinstance(neat, bool):
+        raise ArgumentError(f"neat_packing is true or false (LlamaFactory's: pack records, each kept apart); "
+                            f"got {neat!r}")
+    if not neat:
+        return
+    out.keys["packing"] = "isolated"
+    out.spelled["packing"], out.written["packing"] = "neat_packing", True
+    out.notes.append("neat_packing: the packed records are kept apart, each attending to itself with position ids "
+                     "from 0, as LlamaFactory's neat_packing keeps them (packing: isolated; rows are filled in the "
+                     "data's order, not by LlamaFactory's knapsack)")
 
 
 def _strategies(raw: dict, out: Translated) -> None:

@@ -26,7 +26,6 @@ NOT_TAKEN = {
     "dataset_kwargs": "the record layout is found from the records' keys (docs/training.md, record layouts)",
     "tokenized_path": "token files are kept in the run folder (tokens/) and reused by a resumed run",
     # packing
-    "neat_packing": "packing: isolated (packed documents do not attend to each other, position ids restart)",
     "padding_free": "packing: isolated (documents packed without padding, kept apart by their position ids)",
     # model and tokenizer
     "dtype": "compute_dtype: float32 or bfloat16 (masters are float32)",

@@ -51,7 +51,7 @@ def test_save_strategy_no_is_refused_for_the_bundled_model_whose_checkpoint_is_i
 
 
 @pytest.mark.parametrize("key, value, says", [
-    ("neat_packing", True, r"neat_packing -> packing: isolated"),
+    ("padding_free", True, r"padding_free -> packing: isolated"),
     ("dataset_name", "trl-lib/Capybara", r"dataset_name -> give the data files as data:"),
     ("use_peft", True, r"use_peft -> finetuning_type: lora"),
     ("quantization_bit", 4, r"quantization_bit -> not supported: the weights train in float32 masters"),
@@ -63,8 +63,8 @@ def test_their_keys_megacompile_does_not_take_name_the_equivalent_or_why(tmp_pat
 
 
 def test_their_key_beside_an_unknown_one_names_both(tmp_path):
-    with pytest.raises(ArgumentError, match=r"neat_packing -> packing: isolated.*; unknown key not_a_key"):
-        load(_yaml(tmp_path, neat_packing=True, not_a_key=1))
+    with pytest.raises(ArgumentError, match=r"padding_free -> packing: isolated.*; unknown key not_a_key"):
+        load(_yaml(tmp_path, padding_free=True, not_a_key=1))
 
 
 def test_their_keys_asking_for_nothing_are_accepted(tmp_path):
@@ -165,3 +165,15 @@ def test_trls_model_config_keys_are_read_or_refused_by_name(tmp_path, capsys):
     for key, value in (("load_in_4bit", True), ("bnb_4bit_quant_type", "fp4"), ("lora_target_parameters", ["w"])):
         with pytest.raises(ArgumentError, match=f"{key} -> not supported"):
             load(_yaml(tmp_path, **{key: value}))
+
+
+def test_llamafactorys_neat_packing_is_packing_isolated_whatever_packing_says(tmp_path, capsys):
+    """LlamaFactory turns packing on under neat_packing and keeps each packed record apart."""
+    files.model_dir(str(tmp_path / "model"))
+    for packing in (None, False, True):
+        c = load(_yaml(tmp_path, model="model", neat_packing=True, **({} if packing is None else {"packing": packing})))
+        assert c.packing == "isolated"
+        assert any("neat_packing: the packed records are kept apart" in line for line in _notes(capsys))
+    assert load(_yaml(tmp_path, model="model", neat_packing=False)).packing is None
+    with pytest.raises(ArgumentError, match="neat_packing is true or false"):
+        load(_yaml(tmp_path, model="model", neat_packing="yes"))
