@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..capture import CapturedModel, capture
-from ..capture.grid_constants import describe_grids
+from ..capture.grid_constants import describe_grids, grid_key
 from ..capture.loss import LossFn
 from ..capture.rope_positions import with_rope_positions
 from .. import arguments
@@ -255,7 +255,8 @@ class Engine(StateIO):
         compiled = _Compiled(plan.captured, plan.with_measured(measured), executor, measured)
         self._compiled[(signature, kind)] = compiled
         if start is not None:   # a new input signature: traced and planned just now
-            note_new_shape(self._shapes_seen, time.perf_counter() - start, _describe(args, kwargs))
+            note_new_shape(self._shapes_seen, time.perf_counter() - start, _describe(args, kwargs),
+                           grids=bool(grid_key(kwargs)))
         if train:
             self._last_train = compiled
         return compiled

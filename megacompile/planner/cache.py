@@ -38,12 +38,16 @@ class PlanCache(OrderedDict):
             self.popitem(last=False)
 
 
-def note_new_shape(seen: int, seconds: float, shapes: str, limit: int = LIMIT) -> None:
-    """Warn at the FIRST_WARNING-th new input signature, and at every doubling after it."""
+def note_new_shape(seen: int, seconds: float, shapes: str, limit: int = LIMIT, grids: bool = False) -> None:
+    """Warn at the FIRST_WARNING-th new input signature, and at every doubling after it. `grids`:
+    the inputs carry image grids (Qwen's), constants of a capture, which new image sizes change."""
     if seen < FIRST_WARNING or seen & (seen - 1):
         return
+    images = (" Images of sizes not met before are new captures too (their grids are constants of a capture, "
+              "as shapes are): resize the images beforehand to a few sizes (e.g. 448 x 448 px) so that their "
+              "grids repeat." if grids else "")
     warnings.warn(
         f"step()/forward has now been called with {seen} different input shapes (the last: {shapes}); each new "
         f"shape traces and plans the model again (the last took {seconds:.2f} s) and keeps its plan "
         f"(the {limit} most recent are kept). Pad inputs to a few fixed lengths (buckets, e.g. multiples of "
-        "64 tokens) so that plans are reused.", RetraceWarning, stacklevel=4)
+        f"64 tokens) so that plans are reused.{images}", RetraceWarning, stacklevel=4)

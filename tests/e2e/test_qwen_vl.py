@@ -57,6 +57,25 @@ def test_windows_of_uneven_lengths_train_as_eagerly_with_one_attention_call_per_
     assert attention_calls(stages["block.1"]) == 2        # 3 images of 60 and 16 patches
 
 
+def test_grids_that_keep_changing_warn_with_the_fix_for_images(monkeypatch):
+    """A retrace's warning names images when the inputs carry grids: resize them to a few sizes."""
+    import warnings
+
+    from megacompile.errors import RetraceWarning
+    from megacompile.planner import cache
+    monkeypatch.setattr(cache, "FIRST_WARNING", 2)
+    engine = megacompile.compile(qwen2_5_vl(), hbm_budget=1.0, device="cpu")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for inputs in (qwen_batch(seed=0, images=MIXED), qwen_batch(seed=1, images=MIXED, grids=OTHER_GRIDS)):
+                engine.step(**inputs)
+    finally:
+        engine.close()
+    (said,) = [str(w.message) for w in caught if issubclass(w.category, RetraceWarning)]
+    assert "image_grid_thw [(1, 4, 4), (1, 4, 2)" in said and "resize the images beforehand to a few sizes" in said
+
+
 def test_other_grids_are_refused_without_retrace_and_a_capture_checks_its_own():
     """At the smallest budget (the device peak the predicted one), with retrace=False."""
     model = qwen2_5_vl()
