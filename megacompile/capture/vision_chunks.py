@@ -5,9 +5,9 @@ image (each video frame) in its full-attention layers, each window of merged pat
 windowed layers. Its attention module splits the patches by the chunks' lengths
 (`torch.split(..., lengths.tolist())`) and calls the attention function once per chunk, so a trace
 holds an attention call per chunk per layer: 16 windows of an image of 448 x 448 px in each of 28
-windowed layers of a Qwen2.5-VL-7B. Those calls were about 70% of the time a new set of image sizes
-took to capture and plan (11-13 s against 3.5 s without them), and each is a small kernel of its own
-on a GPU.
+windowed layers of a Qwen2.5-VL-7B. Those calls were about half the time a new set of image sizes
+took to capture and plan (benchmarks/image_replan.py: 10.2-13.4 s with them, 5.1-7.3 s batched by
+length), and each is a small kernel of its own on a GPU.
 
 While capturing, such an attention module is handed the whole sequence as one chunk (`cu_seqlens`
 [0, N]), and the attention function it asks transformers for (whatever its config names: sdpa, eager)

@@ -244,8 +244,11 @@ class GRPOStage(Stage):
         """`rows` rows at their heaviest, as indices of _pool(): a rollout's rows repeat each prompt
         (num_generations of them, or num_generations_eval held-out), and held-out prompts are
         sampled too, so any of them may fill a micro-batch, a generator call or a rollout."""
-        each = max(self.c.num_generations, self.c.num_generations_eval or 1)
-        return prompt_images.heaviest_prompts(self.media, self._pool()[1], rows, each)
+        return prompt_images.heaviest_prompts(self.media, self._pool()[1], rows, self._repeats())
+
+    def _repeats(self) -> int:
+        """The most rows a prompt fills in one rollout: its completions."""
+        return max(self.c.num_generations, self.c.num_generations_eval or 1)
 
     def _pool(self) -> tuple[list, list]:
         """The prompts and their images, training ones then held-out ones."""
@@ -266,8 +269,7 @@ class GRPOStage(Stage):
                                      self.pad)
 
     def _rollout_pixels(self) -> tuple[int, int] | None:
-        each = max(self.c.num_generations, self.c.num_generations_eval or 1)
-        return prompt_images.rollout_pixels(self.media, self._pool()[1], self.rows, each)
+        return prompt_images.rollout_pixels(self.media, self._pool()[1], self.rows, self._repeats())
 
     def _media(self, shown: list[tuple], input_ids: torch.Tensor) -> dict:
         return prompt_images.inputs(self.media, shown, input_ids)
