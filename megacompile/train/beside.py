@@ -11,10 +11,9 @@ beside the smallest plan stops before it trains, naming them.
 
 host_budget (or its default, 90% of the RAM the process may fill) is likewise the run's host
 memory. Beside the engine's state (masters, moments, gradients, offloaded activations) stage grpo
-holds, for the whole run, the
-streamed copy's decoder layers (`hf_streamed` on a GPU: pinned host memory), and on the cpu
-backend, whose simulated device is host memory, the generator's whole copy and cache and each reward
-model's float32 copy. The engine's state is placed in what they leave.
+holds, for the whole run, the streamed copy's decoder layers (`hf_streamed` on a GPU: pinned host
+memory), and on the cpu backend, whose simulated device is host memory, the generator's whole copy
+and cache and each reward model's float32 copy. The engine's state is placed in what they leave.
 
 A vision-language run of any stage holds processed pixels in host memory too: those kept for the
 images read again (data/images.PixelCache, at most its limit), a micro-batch's pixel inputs while
