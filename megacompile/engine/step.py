@@ -22,6 +22,7 @@ import torch
 
 from ..errors import NonFiniteError, PartialStepError
 from ..runtime.executor import NonFiniteLoss
+from ..runtime.host_heap import resident_set_bytes
 from .gradless import enter_program
 
 
@@ -37,7 +38,9 @@ class StepRecord:
     input_ids (or first input); seconds: the call's wall time; device_peak_bytes and
     predicted_device_peak_bytes: the plan's measured and predicted device peaks; host_threads:
     the threads the host AdamW runs the step's update on (this rank's share of the cores it may
-    use, optim/host_threads.py; an owner under 64K elements a thread takes fewer).
+    use, optim/host_threads.py; an owner under 64K elements a thread takes fewer);
+    host_resident_bytes: the process's resident set as the call returns (its host memory, the
+    interpreter, torch and the caller's data included).
     """
     step: int
     loss: float
@@ -52,6 +55,7 @@ class StepRecord:
     device_peak_bytes: int | None = None
     predicted_device_peak_bytes: int | None = None
     host_threads: int | None = None
+    host_resident_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.skipped:
@@ -127,7 +131,7 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
                                   lr=context["lr"], tokens=tokens, seconds=time.perf_counter() - started,
                                   device_peak_bytes=compiled.measured.peak_bytes,
                                   predicted_device_peak_bytes=compiled.plan.predicted_peak_bytes,
-                                  host_threads=backend.host.threads)
+                                  host_threads=backend.host.threads, host_resident_bytes=resident_set_bytes())
     if last:
         engine.skip_streak.updated()
     if dp is not None:
@@ -171,7 +175,8 @@ def _skip(engine, compiled, loss: float, what: str, why: str, micro: int,
     state.host.restore_copies()
     state.step_skipped(earlier_committed)
     step = state.steps_done + 1
-    engine.last_step = StepRecord(step, loss, micro, True, skipped=what, reason=why)
+    engine.last_step = StepRecord(step, loss, micro, True, skipped=what, reason=why,
+                                  host_resident_bytes=resident_set_bytes())
     message = (f"step {step} skipped: {why}; masters, AdamW moments and counters are unchanged"
                + (f", and its {micro} earlier micro-batches dropped" if micro else ""))
     if engine.on_nonfinite == "raise":

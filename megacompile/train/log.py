@@ -13,11 +13,12 @@ from ..errors import CheckpointError
 
 # Every stage's columns, then the SFT stage's evaluation (a post-training stage logs its own).
 STEP_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "seconds", "tokens_per_s", "device_peak_bytes",
-                "predicted_device_peak_bytes", "skipped")
+                "predicted_device_peak_bytes", "host_resident_bytes", "skipped")
 COLUMNS = STEP_COLUMNS + ("eval_loss", "eval_perplexity")
 
 
-SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "device_peak_bytes", "eval_loss", "eval_perplexity")
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "device_peak_bytes", "host_resident_bytes", "eval_loss",
+           "eval_perplexity")
 
 
 def scalars(row: dict, extra: tuple = ()) -> dict[str, float]:

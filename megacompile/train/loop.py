@@ -40,6 +40,7 @@ from .reference_model import reference_engine
 from .preemption import StopSignals
 from .schedule import warmup_steps
 from .skip_streak import SkipStreak
+from .host_watch import watch_host
 from .stages import Stage, kind, open_stage
 from .stages.stage import CHECKPOINTS
 
@@ -298,6 +299,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         return at(engine.steps_done)
 
     skips = SkipStreak(c.max_consecutive_skips)
+    host_watch = watch_host(c, engine)
     try:
         with StopSignals(c.stop_signals) as stop_signals:
             while engine.steps_done < c.steps:
@@ -317,8 +319,9 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                        # a skipped step's record may count no tokens (the stage reports what it read)
                        "tokens_per_s": tokens / seconds if tokens is not None else math.nan,
                        "device_peak_bytes": record.device_peak_bytes,
-                       "predicted_device_peak_bytes": record.predicted_device_peak_bytes, "skipped": record.skipped,
-                       **metrics}
+                       "predicted_device_peak_bytes": record.predicted_device_peak_bytes,
+                       "host_resident_bytes": record.host_resident_bytes, "skipped": record.skipped, **metrics}
+                host_watch.check(record.host_resident_bytes, record.step)
                 if record.skipped:      # nothing changed: no evaluation, progress or checkpoint
                     log.write(row)
                     skips.skipped(record)

@@ -16,6 +16,7 @@ from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
 from tests.posttrain import stage_files
 from tests.train import files
+from tests.train.killed import TIMED
 
 
 def _weights(folder: str) -> dict:
@@ -118,7 +119,7 @@ def test_simpo_and_orpo_train_the_policy_alone_named_as_llamafactory_names_them(
         for name, keys in (("lf", {"pref_loss": loss, "pref_beta": 2.0}), ("own", {"loss_type": own, "beta": 2.0})):
             run_dir = str(tmp_path / f"{loss}_{name}")
             run(load(files.run_yaml(str(tmp_path / f"{name}.yaml"), **{**settings, "run_dir": run_dir, **keys}), []))
-            runs[name] = [{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s")}
+            runs[name] = [{k: v for k, v in r.items() if k not in TIMED}
                           for r in log.read(os.path.join(run_dir, "log.csv"))]
             assert not os.path.exists(os.path.join(run_dir, "reference_logps.pt"))      # no reference pass
         assert "no reference (the loss reads the policy alone)" in capsys.readouterr().out

@@ -10,7 +10,7 @@ import sys
 from megacompile.train import log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TIMED = ("seconds", "tokens_per_s")
+TIMED = ("seconds", "tokens_per_s", "host_resident_bytes")     # measured: they differ run to run
 
 
 def kill_after(config: str, step: int) -> None:

@@ -11,6 +11,7 @@ import pytest
 from megacompile.errors import ArgumentError
 from megacompile.train.data import tokens
 from tests.train import files, tool_files
+from tests.train.killed import TIMED
 
 
 def _marked(tok, record, train_on_prompt=False):
@@ -139,7 +140,7 @@ def test_a_llamafactory_tool_dataset_trains_as_the_same_data_in_trls_layout(tmp_
     run(load(files.run_yaml(str(tmp_path / "lf.yaml"), dataset="calls", dataset_dir=str(data), run_dir="lf",
                             **common), []))
     run(load(files.run_yaml(str(tmp_path / "trl.yaml"), data=str(trl), run_dir="trl", **common), []))
-    rows = [[{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s")}
+    rows = [[{k: v for k, v in r.items() if k not in TIMED}
              for r in log.read(str(tmp_path / name / "log.csv"))] for name in ("lf", "trl")]
     assert len(rows[0]) == 3 and rows[0] == rows[1]
     assert all(float(r["loss"]) > 0 for r in rows[0])
