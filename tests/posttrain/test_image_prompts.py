@@ -438,3 +438,11 @@ def test_the_heaviest_rows_repeat_a_prompt_as_its_completions_do(tmp_path):
     assert len(stage.held_prompts) == 1
     grids = {tuple(g) for g in stage.heaviest_inputs(4)["image_grid_thw"].tolist()}
     assert grids == {qwen_files.GRIDS["red"]}          # red's and green's rows, twice each: no blue
+
+
+def test_a_stage_says_how_many_of_its_records_show_images_or_videos():
+    from megacompile.train.data.images import counted
+    assert counted([(), ()]) == ""
+    assert counted([("a.png",), (), ("b.png", "c.png")]) == ", 2 with images"
+    assert counted([({"video": "a.mp4"},), ()]) == ", 1 with videos"
+    assert counted([("a.png",), ({"video": "a.mp4"},)]) == ", 2 with images or videos"

@@ -413,6 +413,17 @@ def videos_of(items: list) -> list[str]:
     return [p["video"] for p in items if isinstance(p, dict)]
 
 
+def counted(media: list) -> str:
+    """", N with images" (or videos, or images or videos) of documents' media lists, for a stage's
+    line; "" where none shows any."""
+    shown = sum(bool(m) for m in media)
+    if not shown:
+        return ""
+    kinds = [k for k, found in (("images", any(images_of(m) for m in media)),
+                                ("videos", any(videos_of(m) for m in media))) if found]
+    return f", {shown} with {' or '.join(kinds)}"
+
+
 def _written(text: str, written: dict) -> str:
     for placeholder, token in written.items():
         text = text.replace(placeholder, token)

@@ -101,8 +101,7 @@ class DPOStage(reference.ReferenceStage):
 
     def describe(self, setup) -> list[str]:
         held = f", {len(self.held)} held out" if self.held else ""
-        shown = sum(bool(p.media) for p in self.pairs)
-        held += f", {shown} with images" if shown else ""
+        held += images.counted([p.media for p in self.pairs])
         return [f"stage          dpo: {len(self.pairs)} preference pairs{held}; {self.c.batch} pairs x "
                 f"{self.c.grad_accum} accumulated per step, rows of {self.c.seq} tokens; {_terms(self.loss)} loss, "
                 f"beta {self.c.beta:g}"

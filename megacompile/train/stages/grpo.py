@@ -187,8 +187,7 @@ class GRPOStage(Stage):
             each = ("one greedy completion" if c.num_generations_eval is None
                     else f"{c.num_generations_eval} sampled completion(s)")
             held = f", {len(self.held_prompts)} held out ({each} of each)"
-        shown = sum(bool(m) for m in self.shown)
-        held += f", {shown} with images" if shown else ""
+        held += images.counted(self.shown)
         lines = [f"stage          grpo: {len(self.prompts)} prompts{held}; {self.groups} prompts x {c.num_generations} "
                  f"completions of up to {c.max_completion_length} tokens per rollout batch, in "
                  f"{c.steps_per_generation} micro-batch(es) of {c.batch}, {self.per_rollout} optimizer step(s) each; "

@@ -144,8 +144,7 @@ class KTOStage(reference.ReferenceStage):
     def describe(self, setup) -> list[str]:
         c, wanted = self.c, sum(e.desirable for e in self.examples)
         held = f", {len(self.held)} held out" if self.held else ""
-        shown = sum(bool(e.media) for e in self.examples)
-        held += f", {shown} with images" if shown else ""
+        held += images.counted([e.media for e in self.examples])
         lines = [f"stage          kto: {len(self.examples)} completions ({wanted} desirable, "
                  f"{len(self.examples) - wanted} undesirable){held}; {c.batch} x {c.grad_accum} accumulated per step, "
                  f"rows of {c.seq} tokens; loss {c.loss_type}, beta {c.beta:g}, desirable_weight "
