@@ -17,7 +17,9 @@ computes each chunk; chunks of one length that are not adjacent are gathered by 
 in order after, so the graph holds no index tensor (a constant of many elements would keep the
 blocks that read it from sharing a template). The lengths are the tables' constants the tower was
 given (grid_constants.py): only host arrays of numbers are taken, any other `cu_seqlens` runs the
-model's own code.
+model's own code. A module handed one chunk that does not then call its attention function once
+over all its patches (a release that builds a mask from cu_seqlens, say) would attend across the
+chunks: it is refused with a CaptureError instead.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import sys
 import numpy
 import torch
 import torch.nn as nn
+
+from ..errors import CaptureError
 
 _ABSENT = object()
 
@@ -78,33 +82,42 @@ def _one_call_per_length(forward):
         cu_seqlens = kwargs["cu_seqlens"] if named else (args[0] if args else None)
         lengths = chunk_lengths(cu_seqlens)
         total = hidden_states.shape[0]
-        if lengths is None or sum(lengths) != total or len(lengths) < 2:
+        interface = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
+        if lengths is None or sum(lengths) != total or len(lengths) < 2 or interface is None:
             return forward(hidden_states, *args, **kwargs)
         whole = numpy.asarray([0, total], dtype=numpy.asarray(cu_seqlens).dtype)
         if named:
             kwargs["cu_seqlens"] = whole
         else:
             args = (whole,) + args[1:]
-        with _attention_by_length(lengths):
-            return forward(hidden_states, *args, **kwargs)
+        with _attention_by_length(interface, lengths) as ran:
+            out = forward(hidden_states, *args, **kwargs)
+        # Handed one chunk, the module must have called its attention function once over all of
+        # its patches, which ran per chunk length; anything else attended across the chunks.
+        if ran != [True]:
+            module = type(getattr(forward, "__self__", forward)).__name__
+            raise CaptureError(f"{module}: this transformers release's vision attention did not call its attention "
+                               f"function once over its patches (calls batched by chunk length: {ran}), the way "
+                               "megacompile runs it chunk by chunk; train it with a transformers release whose "
+                               "vision attention splits its patches by cu_seqlens and calls the function per chunk "
+                               "(5.17 to 5.24)")
+        return out
     return run
 
 
 @contextlib.contextmanager
-def _attention_by_length(lengths: list[int]):
-    """While inside: the attention functions transformers hands out run per chunk length."""
-    interface = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
-    if interface is None:
-        yield
-        return
+def _attention_by_length(interface, lengths: list[int]):
+    """While inside: the attention functions transformers hands out run per chunk length; yields
+    a list that gets True for each call so run, False for each run as given."""
     own = interface.__dict__.get("get_interface", _ABSENT)
     current = interface.get_interface
+    ran: list[bool] = []
 
     def get_interface(attn_implementation, default):
-        return by_length(current(attn_implementation, default), lengths)
+        return by_length(current(attn_implementation, default), lengths, ran)
     interface.get_interface = get_interface
     try:
-        yield
+        yield ran
     finally:
         if own is _ABSENT:
             del interface.get_interface
@@ -112,14 +125,18 @@ def _attention_by_length(lengths: list[int]):
             interface.get_interface = own
 
 
-def by_length(attention, lengths: list[int]):
+def by_length(attention, lengths: list[int], ran: list[bool] | None = None):
     """transformers' attention function `attention`, run over [1, heads, sum(lengths), head_dim]
     queries, keys and values as over each chunk on its own: once per distinct length, the chunks of
-    that length as a batch. Anything else (a mask, queries of another shape) runs it as given."""
+    that length as a batch. Anything else (a mask, queries of another shape) runs it as given.
+    `ran` gets True for each call batched, False for each run as given."""
     def run(module, query, key, value, attention_mask, *args, **kwargs):
         total = sum(lengths)
-        if attention_mask is not None or args or any(t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != total
-                                                     for t in (query, key, value)):
+        batched = attention_mask is None and not args and all(t.dim() == 4 and t.shape[0] == 1 and t.shape[2] == total
+                                                              for t in (query, key, value))
+        if ran is not None:
+            ran.append(batched)
+        if not batched:
             return attention(module, query, key, value, attention_mask, *args, **kwargs)
         runs = _runs(lengths)
         groups: dict[int, list[int]] = {}               # length -> its runs, in order

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megacompile.capture.grid_constants import _vision_tables
-from megacompile.capture.vision_chunks import batched_chunks, by_length, chunk_lengths
+from megacompile.capture.vision_chunks import _one_call_per_length, batched_chunks, by_length, chunk_lengths
+from megacompile.errors import CaptureError
 from tests.vlm_families import VOCAB, qwen3_vl
 
 # Qwen2.5-VL's windows of 2 x 2 merged patches (16 x 16 pixels): an image of 6 x 10 patches (3 x 5
@@ -109,3 +110,25 @@ def test_a_mask_other_shapes_or_lengths_given_as_a_tensor_run_as_given():
     assert torch.equal(out, q.transpose(1, 2))          # every position back in its place
     assert chunk_lengths(torch.tensor([0, 4, 6])) is None
     assert chunk_lengths(numpy.array([0, 4, 4, 6])) == [4, 2]      # an empty chunk left out
+
+
+def test_an_attention_module_that_does_not_call_its_function_once_over_its_patches_is_refused():
+    """Handed its patches as one chunk, a module that masks instead (or calls nothing) would attend
+    across the chunks: a CaptureError, not a wrong trace."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    class Masking(torch.nn.Module):
+        def forward(self, hidden_states, cu_seqlens):
+            q = hidden_states.view(1, 1, -1, 4)
+            mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool)
+            return ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)(self, q, q, q, mask)[0]
+
+    class Silent(torch.nn.Module):
+        def forward(self, hidden_states, cu_seqlens):
+            return hidden_states
+
+    h = torch.randn(6, 4)
+    for module in (Masking(), Silent()):
+        with pytest.raises(CaptureError, match="did not call its attention function once over its patches"):
+            _one_call_per_length(module.forward)(h, cu_seqlens=numpy.array([0, 2, 6]))
+    assert torch.equal(_one_call_per_length(Silent().forward)(h, cu_seqlens=numpy.array([0, 6])), h)  # one chunk
