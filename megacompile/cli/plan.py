@@ -319,9 +319,11 @@ def _optimizer_step_s(staged, grad_accum: int) -> float:
 
 
 def _host_source(args: argparse.Namespace) -> str:
-    """Where the host budget came from, as --json says it."""
+    """Where the host budget came from, as --json says it: "this machine", or "this process's memory
+    limit" where a container's or a SLURM job's cgroup allows less than the machine's RAM."""
     if args.host_budget is None:
-        return "this machine"
+        from ..cost.host_memory import process_ram
+        return "this machine" if process_ram()[1] is None else "this process's memory limit"
     return "run.yaml" if args.run_yaml is not None else "--host-budget"
 
 

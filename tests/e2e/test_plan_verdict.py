@@ -99,6 +99,7 @@ def test_the_host_budget_defaults_to_a_lower_memory_cgroup_limit_and_says_so(tmp
     monkeypatch.setattr(host_memory, "cgroup_memory_limit", lambda: 8 * 2 ** 20)
     rc, out = _cli(tmp_path, capsys, "--hbm-budget", "1", "--json")
     assert rc == 3 and json.loads(out[-1])["host_budget_bytes"] == int(0.9 * 8 * 2 ** 20)
+    assert json.loads(out[-1])["host_budget_source"] == "this process's memory limit"
     assert ("this process's memory limit (90% of the 8.00 MiB its cgroup allows, of 64.00 GiB of RAM on the "
             "machine; as compile() takes it)") in _line(out, "host budget")
     monkeypatch.setattr(host_memory, "cgroup_memory_limit", lambda: 128 * 2 ** 30)     # above the RAM: the RAM

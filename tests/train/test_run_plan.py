@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 from megacompile.cli import main
+from megacompile.cost import host_memory
 from tests.posttrain import fake_vllm, stage_files
 from tests.train import files
 
@@ -62,7 +63,8 @@ def test_the_plan_before_the_run_is_the_plan_the_run_runs(tmp_path, capsys):
     assert before["trainable_params"] == 2 * vocab_rows * dim + adapters
 
 
-def test_the_run_yaml_and_its_overrides_decide_what_the_flags_would(tmp_path, capsys):
+def test_the_run_yaml_and_its_overrides_decide_what_the_flags_would(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(host_memory, "cgroup_memory_limit", lambda: None)    # the machine's RAM, in any container
     path = _run_yaml(tmp_path, finetuning_type="full", lora_rank=None, add_tokens=None, rope_scaling=None)
     full = _plan_json(capsys, "--run", path, "--hardware", "h100")
     assert full["grad_accum"] == 2 and full["budget_bytes"] == 2 ** 30
