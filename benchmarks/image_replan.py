@@ -7,8 +7,12 @@ sizes not met before is captured and planned anew. Each mode runs in a fresh Pyt
 warm it (imports, the model on the meta device), then one plan per image size, timed, with the
 capture's own seconds (trace_seconds) beside the whole. The modes:
 
-    batched     the capture as it runs: the tower's attention once per chunk length (capture/vision_chunks.py)
+    batched     as a run captures: every block logged that an earlier capture did not log called alike
+                (capture.top.blocks_logged_before), the tower's attention once per chunk length
+                (capture/vision_chunks.py)
     per-chunk   the peer, in the same run: transformers' own attention call per chunk (each image, each window)
+    planned     as `megacompile plan` captures: batched, the first two and the last block of each group
+                built alike logged for the rest (capture/alike.py)
 
 Side lengths that are multiples of 112 px give windows of one length; the others, windows of
 several. Prints a table and appends to benchmarks/results/image_replan.csv (long format, with the
@@ -25,23 +29,30 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("batched", "per-chunk")
+MODES = ("batched", "per-chunk", "planned")
 
 
 def one_mode(args) -> dict:
     """Plan once per size in this process (after a warm-up plan); the seconds of each."""
     import torch
     import megacompile.capture as capture
-    from megacompile.planner.from_config import plan
+    import megacompile.planner.from_config as from_config
+    from megacompile.planner.from_config import model_from_config, plan
     if args.mode == "per-chunk":
         capture.batched_chunks = lambda model: contextlib.nullcontext()
+    if args.mode != "planned":
+        # As a run's engine captures: every block logged, but for those called as an earlier
+        # capture of the run called them (the language model's, when only the images change).
+        memo: dict = {}
+        from_config.blocks_grouped_once = lambda: capture.blocks_logged_before(memo)
     kwargs = dict(batch=args.batch, seq=args.seq, images_per_row=args.images_per_row, host_budget=args.host_budget,
                   compute_dtype=torch.bfloat16)
-    plan(args.config, args.hbm_budget, image_size=args.warm_size, **kwargs)
+    model = model_from_config(args.config)      # one model, as a run holds it
+    plan(model, args.hbm_budget, image_size=args.warm_size, **kwargs)
     rows = []
     for size in args.sizes:
         t = time.perf_counter()
-        result = plan(args.config, args.hbm_budget, image_size=size, **kwargs)
+        result = plan(model, args.hbm_budget, image_size=size, **kwargs)
         rows.append({"image_size": size, "plan_s": time.perf_counter() - t,
                      "trace_s": result.captured.trace_seconds, "predicted_step_s": result.prediction.step_s})
     return {"rows": rows}
@@ -79,10 +90,11 @@ def main() -> None:
 
     print(f"{os.path.basename(args.config)}: {args.batch} x {args.seq} tokens, {args.images_per_row} images a row, "
           f"{args.hbm_budget:g} GiB; seconds to capture and plan a new image size (capture's own in brackets)")
-    print(f"{'image px':>9} {'batched':>16} {'per-chunk':>16} {'per-chunk / batched':>20}")
-    for ours, theirs in zip(results["batched"]["rows"], results["per-chunk"]["rows"]):
+    print(f"{'image px':>9} {'batched':>16} {'per-chunk':>16} {'per-chunk / batched':>20} {'planned':>16}")
+    for ours, theirs, planned in zip(*(results[m]["rows"] for m in MODES)):
         print(f"{ours['image_size']:>9} {ours['plan_s']:>8.2f} ({ours['trace_s']:>5.2f}) "
-              f"{theirs['plan_s']:>8.2f} ({theirs['trace_s']:>5.2f}) {theirs['plan_s'] / ours['plan_s']:>19.2f}x")
+              f"{theirs['plan_s']:>8.2f} ({theirs['trace_s']:>5.2f}) {theirs['plan_s'] / ours['plan_s']:>19.2f}x "
+              f"{planned['plan_s']:>8.2f} ({planned['trace_s']:>5.2f})")
     for mode, r in results.items():
         print(f"{mode}: load average (1 min) {r['load_before']:.2f} -> {r['load_after']:.2f}")
     facts = machine_facts()

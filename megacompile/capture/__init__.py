@@ -24,14 +24,14 @@ from .model_graph import CapturedModel, Port, StageInstance, StateEntry
 from .refuse import CHECKED_LINEAR_ATTENTION, refuse_unsupported
 from .segment import build_stages
 from .stage import ParamSlot, StageTemplate, TensorMeta
-from .top import trace_top
+from .top import blocks_logged_before, trace_top
 from .vision_chunks import batched_chunks
 from .grid_constants import GRID_INPUTS
 from .rope_positions import with_rope_positions
 
 __all__ = ["capture", "CapturedModel", "StageInstance", "StageTemplate", "TensorMeta", "ParamSlot",
            "Port", "StateEntry", "find_block_stack", "extract_loss", "BlockStack", "ImageTokens", "GRID_INPUTS", "with_rope_positions",
-           "CHECKED_LINEAR_ATTENTION"]
+           "CHECKED_LINEAR_ATTENTION", "blocks_logged_before"]
 
 
 def model_state(model: nn.Module) -> dict[str, StateEntry]:

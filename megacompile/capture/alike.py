@@ -7,7 +7,8 @@ agree in everything but their layer number: the same classes nested the same way
 parameter and buffer names, shapes and dtypes, and the same attributes (values for numbers,
 strings and flags; identity for other objects, so blocks sharing one config agree and blocks
 holding their own callables do not; a function bound to the module itself, as capturing patches
-experts modules, by the function). Any hook makes a block its own group.
+experts modules, by the function; a function made for each module by one factory, as capturing
+wraps the vision attention, by its code and what it holds). Any hook makes a block its own group.
 
 The check behind it (top.py): a sampled block whose fingerprint differs from its group's first
 makes the capture start again with every block logged. A difference only the unsampled middle
@@ -50,14 +51,26 @@ def _value(v: Any, owner: nn.Module | None = None) -> Any:
         # A function bound to the module itself (a forward patched per instance, as capturing does
         # to experts modules): the same function is the same code over the same module.
         return ("own method", id(v.__func__))
+    if isinstance(v, types.FunctionType):
+        # A function made for each module by one factory (capturing wraps the vision attention's
+        # forward so: vision_chunks.py): the same code over values alike is the same function.
+        return ("function", v.__code__, _value(v.__defaults__, owner), _value(v.__kwdefaults__, owner),
+                tuple(_value(_cell(c), owner) for c in v.__closure__ or ()))
     if isinstance(v, float):
         return ("float", v.hex() if math.isfinite(v) else repr(v))
     if isinstance(v, (tuple, list)):
-        return (type(v).__name__, tuple(_value(x) for x in v))
+        return (type(v).__name__, tuple(_value(x, owner) for x in v))
     if isinstance(v, dict):
         # Empty hook dicts compare equal; a hook, held by identity, sets its block apart.
-        return ("dict", tuple((repr(k), _value(x)) for k, x in v.items()))
+        return ("dict", tuple((repr(k), _value(x, owner)) for k, x in v.items()))
     return ("object", id(v))
+
+
+def _cell(cell) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:      # a cell not yet filled
+        return ("empty cell",)
 
 
 def sampled_groups(blocks: list[nn.Module]) -> tuple[dict[int, int], dict[int, int]]:

@@ -62,6 +62,43 @@ def blocks_grouped_once():
         _GROUPS.reset(token)
 
 
+# Within blocks_logged_before(memo): per block, the calls earlier captures of its model logged.
+_LOGGED: ContextVar[dict | None] = ContextVar("megacompile_logged_blocks", default=None)
+_LOGGED_KEPT = 8       # calls kept per block: as many as the engine keeps captures
+
+
+@contextlib.contextmanager
+def blocks_logged_before(memo: dict):
+    """The captures of one model inside (an engine's, one per input shape) log a block only when
+    no capture inside logged it called the same way before (the same constants, input shapes and
+    work folded in); one that did gives its fingerprint and output shapes. A vision-language run
+    meeting a new image size so logs its tower's blocks again, not its language model's, whose
+    inputs did not change. The model's code and attributes are taken not to change in between,
+    as the engine takes them when it reuses a whole capture for inputs of a shape it met before.
+    `memo` is the caller's, kept between the captures."""
+    token = _LOGGED.set(memo)
+    try:
+        yield
+    finally:
+        _LOGGED.reset(token)
+
+
+def _logged_before(block: nn.Module, index: int, train: bool, probe: BlockCall, shapes: list) -> BlockCall | None:
+    memo = _LOGGED.get()
+    for call, its_shapes in reversed(() if memo is None else memo.get((id(block), index, train), ())):
+        if its_shapes == shapes and not call.side_keys and _same_call(probe, call):
+            return call
+    return None
+
+
+def _log(block: nn.Module, index: int, train: bool, call: BlockCall, shapes: list) -> None:
+    memo = _LOGGED.get()
+    if memo is not None and not call.side_keys:
+        kept = memo.setdefault((id(block), index, train), [])
+        kept.append((call, shapes))
+        del kept[:-_LOGGED_KEPT]
+
+
 _ABSENT = object()
 
 
@@ -81,6 +118,16 @@ def _alike(c: BlockCall, d: BlockCall, shapes: dict[int, list]) -> bool:
     """Whether block call `c` computes what the earlier `d` does, so it may share its template."""
     return (d.fingerprint == c.fingerprint and shapes[d.index] == shapes[c.index] and _same_call(c, d)
             and not d.side_keys)
+
+
+def _contradicts(check: BlockCall, first: BlockCall, shapes: dict[int, list]) -> bool:
+    """Whether a sampled block, called as its group's first was, computed otherwise. One called
+    otherwise (other constants or shapes: the last of Qwen2.5-VL's tower attends over whole images
+    where the first attends within windows) was logged for itself, as is every block so called,
+    and says nothing of the blocks that took the first's fingerprint."""
+    if shapes[check.index] != shapes[first.index] or not _same_call(check, first):
+        return False
+    return not _alike(check, first, shapes)
 
 
 @contextlib.contextmanager
@@ -117,7 +164,9 @@ def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[Bl
             like = next((c for c in calls if j is not None and (c.index == j or known.get(c.index) == j)
                          and c.attached_key == key), None)
             probe = BlockCall(in_spec, constants, positions, None, [], [], index, (), keys, attached=attached)
-            if like is not None and shapes[like.index] == shapes[index] and _same_call(probe, like):
+            if like is None or shapes[like.index] != shapes[index] or not _same_call(probe, like):
+                like = _logged_before(block, index, train, probe, shapes[index])
+            if like is not None:
                 calls.append(BlockCall(in_spec, constants, positions, like.out_spec, like.out_meta,
                                        like.out_constants, index, like.fingerprint, keys, (), attached,
                                        like.attached_meta))
@@ -133,6 +182,7 @@ def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[Bl
                 calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants, index,
                                        fingerprint, keys, side.tensor_keys, attached,
                                        [(x.shape, x.dtype, x.device) for x in added]))
+                _log(block, index, train, calls[-1], shapes[index])
             meta = calls[-1].out_meta
             side_meta = [] if side is None else [(x.shape, x.dtype, x.device) for x in side.tensors]
             set_out_meta(index, [m for m in meta if m is not None] + side_meta + calls[-1].attached_meta)
@@ -170,7 +220,7 @@ def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[Bl
         by_index = {c.index: c for c in calls}
         # A stack the model did not call (a vision tower, given no image) checks nothing; nor do
         # blocks told apart by the work folded into them, which the model's structure names.
-        if any(not _alike(by_index[i], by_index[j], shapes) for i, j in checks.items()
+        if any(_contradicts(by_index[i], by_index[j], shapes) for i, j in checks.items()
                if i in by_index and j in by_index and by_index[i].attached_key == by_index[j].attached_key):
             groups[(stack_key, "log every block")] = True
             raise _LogEveryBlock

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..capture import CapturedModel, capture
+from ..capture import CapturedModel, blocks_logged_before, capture
 from ..capture.grid_constants import describe_grids, grid_key
 from ..capture.loss import LossFn
 from ..capture.rope_positions import with_rope_positions
@@ -148,6 +148,7 @@ class Engine(StateIO):
                 c.use_cache = False
         self.device = self.backend.device
         self._captured: dict[tuple, CapturedModel] = PlanCache()
+        self._logged_blocks: dict = {}    # the blocks' calls its captures logged (capture.top.blocks_logged_before)
         self._compiled: dict[tuple, _Compiled] = PlanCache()
         self._shapes_seen = 0
         # Seconds the set-up took, by phase (capture, host state: its allocation and the weights
@@ -228,8 +229,9 @@ class Engine(StateIO):
                                                                  self.loss_fn):
                 captured = prepared.captured
             else:
-                captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
-                                   loss_fn=self.loss_fn, train=train)
+                with blocks_logged_before(self._logged_blocks):
+                    captured = capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
+                                       loss_fn=self.loss_fn, train=train)
                 self._spent("capture", start)
             self._captured[signature] = captured
             self._shapes_seen += 1

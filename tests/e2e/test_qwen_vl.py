@@ -20,20 +20,29 @@ MIXED = (0, 1, 2)
 OTHER_GRIDS = ((1, 4, 4), (1, 4, 2))    # the second image size turned: the same shapes, other grids
 
 
-def test_a_batch_with_other_grids_is_captured_anew_and_trains_as_eagerly():
+def test_a_batch_with_other_grids_is_captured_anew_and_trains_as_eagerly(monkeypatch):
     """A second batch whose inputs have the first's shapes but other grids (an image of 2 x 4
     patches turned 4 x 2): a capture of its own, and both steps are the eager ones; the device peak
-    is the predicted one."""
-    batches = [qwen_batch(seed=0, images=MIXED), qwen_batch(seed=1, images=MIXED, grids=OTHER_GRIDS)]
+    is the predicted one. A later capture logs again only the blocks called otherwise than before
+    (capture.top.blocks_logged_before): none for the turned image, whose windows are the same; the
+    tower's, not the language model's, for a third batch of other image sizes."""
+    import megacompile.capture.top as top
+    batches = [qwen_batch(seed=0, images=MIXED), qwen_batch(seed=1, images=MIXED, grids=OTHER_GRIDS),
+               qwen_batch(seed=2, images=MIXED, grids=((1, 4, 4),))]
     assert {k: v.shape for k, v in batches[0].items()} == {k: v.shape for k, v in batches[1].items()}
     assert not torch.equal(batches[0]["image_grid_thw"], batches[1]["image_grid_thw"])
     model = qwen2_5_vl()
     losses = eager(clone(model), batches)
     engine = megacompile.compile(clone(model), hbm_budget=1.0, device="cpu")
-    for inputs, loss in zip(batches, losses):
+    logged, record = [], top.record
+    monkeypatch.setattr(top, "record", lambda block, *a, **k: logged.append(block) or record(block, *a, **k))
+    tower, text = list(engine.model.model.visual.blocks), list(engine.model.model.language_model.layers)
+    for inputs, loss, relogged in zip(batches, losses, (tower + text, [], tower)):
+        logged.clear()
         assert engine.step(**inputs) == pytest.approx(loss, rel=1e-5, abs=0)
         assert [g.values for g in engine.plan.captured.grids] == [tuple(map(tuple, inputs["image_grid_thw"].tolist()))]
         assert engine.memory_stats()["device_peak_bytes"] == engine.plan.predicted_peak_bytes
+        assert logged == relogged
 
 
 def test_windows_of_uneven_lengths_train_as_eagerly_with_one_attention_call_per_length():

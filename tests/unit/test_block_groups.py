@@ -113,3 +113,27 @@ def test_a_block_whose_own_forward_is_another_function_is_its_own_group():
     for block, f in ((a, doubled), (b, doubled), (c, doubled_too)):
         block.mlp.forward = types.MethodType(f, block.mlp)
     assert structure_key(a) == structure_key(b) != structure_key(c)
+
+
+def test_blocks_whose_forwards_one_factory_wrapped_are_alike_unless_what_it_holds_differs():
+    """Capturing wraps some modules' forwards in a closure of their own (the vision attention:
+    capture/vision_chunks.py); blocks so wrapped by one factory over values alike still group."""
+    from megacompile.capture.alike import structure_key
+    model = models.hf_llama(layers=4, d=32).to("meta")
+
+    def scaled(forward, scale):
+        def run(*args, **kwargs):
+            return forward(*args, **kwargs) * scale
+        return run
+
+    def other(forward, scale):
+        def run(*args, **kwargs):
+            return forward(*args, **kwargs) * scale
+        return run
+    a, b, c, d = model.model.layers
+    for block, factory, scale in ((a, scaled, 1.0), (b, scaled, 1.0), (c, scaled, 2.0), (d, other, 1.0)):
+        block.mlp.forward = factory(block.mlp.forward, scale)
+    keys = [structure_key(block) for block in (a, b, c, d)]
+    assert keys[0] == keys[1] and keys[2] != keys[0] and keys[3] != keys[0]
+    b.mlp.forward = scaled(a.mlp.forward, 1.0)     # wraps another block's module: not alike
+    assert structure_key(b) != keys[0]

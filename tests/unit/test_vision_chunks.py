@@ -5,6 +5,8 @@ function is called once per distinct length in a layer, not once per chunk; anyt
 mask, a tensor of cumulative lengths) runs as given."""
 from __future__ import annotations
 
+import copy
+
 import numpy
 import pytest
 import torch
@@ -19,14 +21,14 @@ from tests.vlm_families import VOCAB, qwen3_vl
 UNEVEN = ((1, 6, 10), (1, 4, 4), (1, 6, 10))
 
 
-def _qwen2_5_vl():
+def _qwen2_5_vl(depth: int = 2, full_attention: tuple[int, ...] = (1,), layers: int = 1):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                 num_key_value_heads=2, use_cache=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, window_size=16, out_hidden_size=32, fullatt_block_indexes=[1])
+    vision = dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=16, out_hidden_size=32, fullatt_block_indexes=list(full_attention))
     return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
 
 
@@ -132,3 +134,35 @@ def test_an_attention_module_that_does_not_call_its_function_once_over_its_patch
         with pytest.raises(CaptureError, match="did not call its attention function once over its patches"):
             _one_call_per_length(module.forward)(h, cu_seqlens=numpy.array([0, 2, 6]))
     assert torch.equal(_one_call_per_length(Silent().forward)(h, cu_seqlens=numpy.array([0, 6])), h)  # one chunk
+
+
+def test_the_towers_blocks_stay_built_alike_while_their_attention_is_batched():
+    """Planning logs few blocks of a group built alike (capture/alike.py): wrapping each attention
+    module's forward must not set every block of the tower apart."""
+    from megacompile.capture.alike import structure_key
+    model = _qwen2_5_vl()
+    blocks = model.model.visual.blocks
+    config = blocks[0].attn.config
+    blocks.append(copy.deepcopy(blocks[0], memo={id(config): config}))      # a third block, on the tower's config
+    with batched_chunks(model):
+        assert all(type(b.attn).forward is not b.attn.forward for b in blocks)
+        keys = [structure_key(b) for b in blocks]
+    assert len(set(keys)) == 1
+
+
+def test_planning_logs_the_first_two_and_the_full_attention_blocks_of_the_tower(monkeypatch):
+    """The last block of the tower attends over whole images where the first attends within
+    windows: called otherwise, it is logged for itself and does not make planning log every block."""
+    import megacompile
+    import megacompile.capture.top as top
+    model = _qwen2_5_vl(depth=6, full_attention=(2, 5), layers=2).to("meta")
+    tower = list(model.model.visual.blocks)
+    logged: list[int] = []
+    real = top.record
+
+    def counting(block, *a, **k):
+        logged.extend(i for i, b in enumerate(tower) if b is block)
+        return real(block, *a, **k)
+    monkeypatch.setattr(top, "record", counting)
+    megacompile.plan(model, 1, batch=1, seq=64, images_per_row=1, image_size=32, hardware="h100")
+    assert logged == [0, 1, 2, 5]
