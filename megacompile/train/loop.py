@@ -30,7 +30,7 @@ from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStep
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
-from . import (best_model, early_stopping, intervals, methods, preemption, resume, rope_scaling, router_loss,
+from . import (best_model, early_stopping, intervals, methods, preemption, resume, rope_scaling, router_loss, run_lock,
                trained_model, vocab)
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
@@ -68,11 +68,10 @@ def _latest_checkpoint(c: RunConfig, run_dir: str) -> str | None:
     return c.resume
 
 
-def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None, str | None]:
-    """The run folder, the checkpoint to resume from (None: a new run) and its manifest, checked;
-    the Trainer checkpoint a new run starts from (`resume` naming one: io/trainer_checkpoint.py),
-    or None; and the trained model's folder checked against a new run."""
-    run_dir = _run_dir(c)
+def starting_point(c: RunConfig, run_dir: str) -> tuple[str | None, resume.Saved | None, str | None]:
+    """The checkpoint to resume from (None: a new run) and its manifest, checked; the Trainer
+    checkpoint a new run starts from (`resume` naming one: io/trainer_checkpoint.py), or None; and
+    the trained model's folder checked against a new run."""
     imported = c.resume if c.resume not in (None, "auto") and trainer_checkpoint.is_trainer_checkpoint(c.resume) \
         else None
     if imported is not None:
@@ -90,7 +89,30 @@ def starting_point(c: RunConfig) -> tuple[str, str | None, resume.Saved | None, 
             imported = _latest_trainer_checkpoint(run_dir)
     saved = resume.read(resume_from) if resume_from is not None else None
     trained_model.check_new_run(c, run_dir, resume_from)
-    return run_dir, resume_from, saved, imported if resume_from is None else None
+    return resume_from, saved, imported if resume_from is None else None
+
+
+def _set_aside_later(run_dir: str, resume_from: str) -> str | None:
+    """Resumed from a checkpoint of its own folder that later ones follow (the run branches: other
+    settings from an earlier step), those later ones are the abandoned branch's. Left in place, a
+    later `resume: auto` would go on from them, and this run's saves would replace some of them.
+    They are moved, whole, to checkpoints/set-aside-at-<step>/; what is said of it, or None."""
+    found = _own_checkpoints(run_dir)
+    mine = [os.path.realpath(f) for f in found]
+    if os.path.realpath(resume_from) not in mine:
+        return None
+    later = found[mine.index(os.path.realpath(resume_from)) + 1:]
+    if not later:
+        return None
+    aside = os.path.join(run_dir, CHECKPOINTS, f"set-aside-at-{os.path.basename(os.path.normpath(resume_from))}")
+    os.makedirs(aside, exist_ok=True)
+    for path in later:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    from ..io.durable import fsync_dir
+    fsync_dir(os.path.dirname(later[0]))
+    names = ", ".join(os.path.basename(p) for p in later)
+    return (f"the checkpoints after the one resumed from ({names}) are of the run it branches from: moved to "
+            f"{aside}, so that resume: auto goes on from this run's")
 
 
 def _first_missing(path: str) -> str | None:
@@ -135,8 +157,29 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     """Train as `c` says; returns the figures the final line prints. After the last step the run dir
     gets that step's Chrome trace (step.json, or `trace`) and memory.png (docs/plan-format.md).
     Every check (settings against the model and the data, a resume against its checkpoint) comes
-    before any file of the run folder is written and before the engine exists."""
-    run_dir, resume_from, saved, imported = starting_point(c)
+    before any file of the run folder is written and before the engine exists; the run holds the
+    folder alone throughout (run_lock.py), and a run that ends before it commits anything leaves
+    no folder it made."""
+    run_dir = _run_dir(c)
+    made = _first_missing(run_dir)      # the run folder, or the folder above it the run makes first
+    with run_lock.holding(run_dir):
+        return _run_in(c, run_dir, made, trace)
+
+
+def _run_in(c: RunConfig, run_dir: str, made: str | None, trace: str | None) -> dict:
+    try:
+        resume_from, saved, imported = starting_point(c, run_dir)
+        stage, meta = _checked_stage(c, run_dir, resume_from, saved, imported)
+    except BaseException:
+        if made is not None:     # made for this run alone (folders above it too): nothing of it is left
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    return _train_checked(c, run_dir, stage, resume_from, saved, imported, meta, trace)
+
+
+def _checked_stage(c: RunConfig, run_dir: str, resume_from: str | None, saved, imported: str | None):
+    """The model on the meta device and the stage's data, each checked against the settings and a
+    resumed run's checkpoint (before the engine exists)."""
     meta = meta_model(c)
     for said in vocab.resolve(c, meta):
         print(said, flush=True)
@@ -155,10 +198,8 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         methods.check_resume(c, saved.extra)
         kind(c).check_resume(c, saved)
     methods.pissa.check_start(c, meta, run_dir, saved is not None, imported)
-    made = _first_missing(run_dir)      # the run folder, or the folder above it the run makes first
-    stage = None
+    stage = open_stage(c, run_dir, meta)
     try:
-        stage = open_stage(c, run_dir, meta)
         if saved is not None:
             resume.check_data(saved, stage.fingerprint, stage.same_rows)
         if c.steps is None:
@@ -168,12 +209,14 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         best_model.check_intervals(c, list(stage.columns))
         early_stopping.check_metric(c, list(stage.columns))
     except BaseException:
-        if stage is not None:
-            stage.discard()
-            stage.close()
-        if made is not None:     # made for this run alone (folders above it too): nothing of it is left
-            shutil.rmtree(made, ignore_errors=True)
+        stage.discard()
+        stage.close()
         raise
+    return stage, meta
+
+
+def _train_checked(c: RunConfig, run_dir: str, stage: Stage, resume_from: str | None, saved, imported: str | None,
+                   meta, trace: str | None) -> dict:
     try:
         os.makedirs(run_dir, exist_ok=True)
         stage.commit(run_dir)
@@ -189,6 +232,9 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
         elif saved is not None:
             for note in resume.notes(c, saved):
                 print(f"  resume note    {note}", flush=True)
+            set_aside = _set_aside_later(run_dir, resume_from)
+            if set_aside:
+                print(f"  resume note    {set_aside}", flush=True)
         wrap = stage.objective
         setup = build(c, meta, stage.first_inputs, wrap=wrap, heaviest_inputs=stage.heaviest_inputs,
                       beside_of=stage.device_beside, host_beside_of=stage.host_beside,
