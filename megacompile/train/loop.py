@@ -189,7 +189,10 @@ def _checked_stage(c: RunConfig, run_dir: str, resume_from: str | None, saved, i
     for said in (router_loss.note(c, meta), rope_scaling.note(c)):
         if said:
             print(said, flush=True)
-    meta = methods.apply(c, meta)      # the names it gives checked against the model, before the data is read
+    said: list[str] = []
+    meta = methods.apply(c, meta, said)      # the names it gives checked against the model, before the data is read
+    for note in said:
+        print(f"  note           {note}", flush=True)
     methods.check_adapter(c, meta)
     if imported is not None:
         check_import(c, meta, imported)

@@ -8,7 +8,8 @@
             part, the base streaming as the residual (pissa.py).
     freeze  freeze_trainable_layers N: the last N decoder blocks trained (-N: the first N);
             freeze_trainable_modules: which modules of those blocks (all, or names);
-            freeze_extra_modules: modules trained besides (embed_tokens, lm_head, norm).
+            freeze_extra_modules: modules trained besides (embed_tokens, lm_head, norm); each name
+            matched as LlamaFactory matches it, a substring of the parameters' names (freeze.py).
     A vision-language model's freeze_vision_tower, freeze_multi_modal_projector and
     freeze_language_model freeze those parts on top of either (vision_freeze.py); LoRA's adapters
     go on its language model alone.
@@ -185,9 +186,11 @@ def lr_ratios(c):
     return loraplus
 
 
-def apply(c, model: nn.Module) -> nn.Module:
+def apply(c, model: nn.Module, said: list[str] | None = None) -> nn.Module:
     """The module to train as c.finetuning_type says (the PEFT wrapper for lora; `model` itself,
-    its requires_grad set, for freeze). On the meta device too: the names are checked there."""
+    its requires_grad set, for freeze). On the meta device too: the names are checked there.
+    `said`, when given, gets freeze's notes (what LlamaFactory's substring matching trains beyond
+    the modules named), for the run to print once."""
     if c.finetuning_type == "lora":
         wrapped = with_adapters(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target,
                                 base_dtype(c.compute_dtype), dora=c.use_dora, rslora=c.use_rslora,
@@ -195,7 +198,10 @@ def apply(c, model: nn.Module) -> nn.Module:
         vision_freeze.apply(c, wrapped)
         return wrapped
     if c.finetuning_type == "freeze":
-        freeze(model, c.freeze_trainable_layers, c.freeze_trainable_modules, c.freeze_extra_modules)
+        notes = freeze(model, c.freeze_trainable_layers, c.freeze_trainable_modules, c.freeze_extra_modules,
+                       c.freeze_vision_tower, c.freeze_multi_modal_projector, c.freeze_language_model)
+        if said is not None:
+            said.extend(notes)
     vision_freeze.apply(c, model)
     return model
 
