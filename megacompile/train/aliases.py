@@ -44,19 +44,6 @@ def _resume(value: Any) -> Any:
     return None if value is False else value
 
 
-def _loss_only(key: str) -> Callable[[Any], Any]:
-    """TRL's assistant_only_loss / completion_only_loss: true is megacompile's default. TRL's
-    completion_only_loss defaults to None (what SFTConfig.to_dict() writes): the completion alone
-    where the records have one, which is megacompile's default too."""
-    def convert(value: Any) -> Any:
-        if value is None and key == "completion_only_loss":
-            return _DROP
-        if not isinstance(value, bool):
-            raise ArgumentError(f"{key} must be true or false; got {value!r}")
-        return not value
-    return convert
-
-
 def _thinking(value: Any) -> Any:
     """LlamaFactory's enable_thinking: the chat template's own switch (Qwen3's, and others')."""
     if not isinstance(value, bool):
@@ -161,8 +148,6 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "fp16": ("compute_dtype", _fp16),
     "val_size": ("eval_fraction", _val_size),
     "resume_from_checkpoint": ("resume", _resume),
-    "assistant_only_loss": ("train_on_prompt", _loss_only("assistant_only_loss")),
-    "completion_only_loss": ("train_on_prompt", _loss_only("completion_only_loss")),
     "enable_thinking": ("chat_template_kwargs", _thinking),
     "use_dft_loss": ("loss_type", _dft),
     "use_eaft_loss": ("loss_type", _eaft),

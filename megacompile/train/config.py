@@ -54,6 +54,8 @@ class RunConfig:
     eval: list = field(default_factory=list)
     eval_fraction: float = 0.0
     train_on_prompt: bool = False
+    assistant_only_loss: bool | None = None     # TRL's: a conversation's loss on its assistant turns (data/encoding.py)
+    completion_only_loss: bool | None = None    # TRL's: a prompt/completion record's loss on its completion
     mask_history: bool = False      # LlamaFactory's: the last answer of a conversation alone trains
     chat_template: str | None = None            # a template file or folder in place of the tokenizer's
     template: str | None = None                 # LlamaFactory's name of a layout rendered here (data/named_template.py)

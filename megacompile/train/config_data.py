@@ -86,6 +86,7 @@ def check_data(c, raw: dict) -> None:
     if c.eval and c.eval_fraction:
         raise ArgumentError("eval and eval_fraction both choose the held-out data: give one of them")
     c.train_on_prompt = flag("train_on_prompt", c.train_on_prompt)
+    _trl_loss(c)
     c.mask_history = flag("mask_history", c.mask_history)
     for entry in c.data + c.eval:       # read where each record is tokenised (tokens.py, streaming.py)
         entry["mask_history"] = c.mask_history or None
@@ -99,6 +100,25 @@ def check_data(c, raw: dict) -> None:
     if c.streaming and raw.get("epochs") is not None:
         raise ArgumentError("streaming does not know the data's size ahead, so epochs cannot be turned into steps: "
                             "give steps, or streaming: false")
+
+
+def _trl_loss(c) -> None:
+    """TRL's assistant_only_loss and completion_only_loss, two settings, each laid where given into
+    every data entry (read as its records are tokenised, data/encoding.py): assistant_only_loss
+    governs conversations (messages), completion_only_loss prompt/completion records, and both a
+    conversational prompt/completion record. Null (TRL's completion_only_loss default) is not given:
+    megacompile's default stands, as TRL's null means on prompt/completion records."""
+    for key in ("assistant_only_loss", "completion_only_loss"):
+        value = getattr(c, key)
+        if value is None:
+            continue
+        flag(key, value)
+        if value and c.train_on_prompt:
+            raise ArgumentError(f"train_on_prompt: true trains every token, and {key}: true only the "
+                                f"{'assistant turns' if key == 'assistant_only_loss' else 'completion'}: give one "
+                                "of them")
+        for entry in c.data + c.eval:
+            entry[key] = value
 
 
 def check_media(c) -> None:

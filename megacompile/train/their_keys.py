@@ -157,7 +157,8 @@ def notes(c: Any, given: dict) -> list[str]:
 
 
 # Keys that shape a chat's tokens, which stage pt (each record read as its text) does not render.
-CHAT_KEYS = ("train_on_prompt", "mask_history", "chat_template", "chat_template_kwargs", "tools", "default_system")
+CHAT_KEYS = ("train_on_prompt", "assistant_only_loss", "completion_only_loss", "mask_history", "chat_template",
+             "chat_template_kwargs", "tools", "default_system")
 
 
 def _pretraining(c: Any, given: dict) -> list[str]:

@@ -91,11 +91,16 @@ def test_what_megacompile_cannot_honour_is_refused_by_name(tmp_path, settings, m
     assert not os.path.exists(tmp_path / "run")
 
 
-def test_trls_loss_switches_are_train_on_prompt_negated(tmp_path):
-    assert load(_yaml(tmp_path, steps=2, assistant_only_loss=False)).train_on_prompt is True
-    assert load(_yaml(tmp_path, steps=2, completion_only_loss=True, assistant_only_loss=True)).train_on_prompt is False
-    with pytest.raises(ArgumentError, match="assistant_only_loss: True and completion_only_loss: False set the same"):
-        load(_yaml(tmp_path, steps=2, assistant_only_loss=True, completion_only_loss=False))
+def test_trls_loss_switches_are_two_settings_not_train_on_prompt(tmp_path):
+    # TRL's defaults as SFTConfig.to_dict() writes them: no prompt training (tests/train/test_trl_loss_keys.py)
+    c = load(_yaml(tmp_path, steps=2, assistant_only_loss=False, completion_only_loss=None))
+    assert (c.train_on_prompt, c.assistant_only_loss, c.completion_only_loss) == (False, False, None)
+    c = load(_yaml(tmp_path, steps=2, assistant_only_loss=True, completion_only_loss=False))     # no conflict
+    assert (c.train_on_prompt, c.assistant_only_loss, c.completion_only_loss) == (False, True, False)
+    assert load(_yaml(tmp_path, steps=2, completion_only_loss=True, assistant_only_loss=False)).train_on_prompt is False
+    with pytest.raises(ArgumentError, match="train_on_prompt: true trains every token, and completion_only_loss: "
+                                            "true only the completion"):
+        load(_yaml(tmp_path, steps=2, train_on_prompt=True, completion_only_loss=True))
 
 
 @pytest.mark.parametrize("typo, told", [("lora_rnk", "lora_rnk (did you mean lora_rank?)"),

@@ -24,22 +24,43 @@ class Document:
     cut: int = 0
 
 
+LOSS_KEYS = ("assistant_only_loss", "completion_only_loss")
+
+
+def loss_keys(entry: dict) -> dict:
+    """TRL's assistant_only_loss and completion_only_loss, where the data entry gives them
+    (config_data.py): document()'s keywords."""
+    return {k: entry[k] for k in LOSS_KEYS if entry.get(k) is not None}
+
+
 def encode(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None,
-           cutoff: int | None = None, mask_history: bool = False) -> tuple[list[int], list[bool]]:
+           cutoff: int | None = None, mask_history: bool = False, **loss: bool) -> tuple[list[int], list[bool]]:
     """One record's tokens and targets (document())."""
-    made = document(tokenizer, record, train_on_prompt, where, media, cutoff, mask_history)
+    made = document(tokenizer, record, train_on_prompt, where, media, cutoff, mask_history, **loss)
     return made.ids, made.targets
 
 
 def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=None,
-             cutoff: int | None = None, mask_history: bool = False) -> Document:
+             cutoff: int | None = None, mask_history: bool = False, assistant_only_loss: bool | None = None,
+             completion_only_loss: bool | None = None) -> Document:
     """One record's tokens and targets, with the tokenizer's EOS closing the document (unless a
     chat template closed it with a token that ends a turn, _closed()); a supervised record longer than `cutoff`
     tokens truncated as LlamaFactory truncates it (cutoff.py). `media` (images.Media, a
     vision-language model's processor): its image paths resolved and checked, the document written
     as the processor writes it (images.py; such a record is never truncated: a row too short for it
     is refused); without it a record with images is refused. `mask_history` (LlamaFactory's): a conversation's last answer alone is
-    trained, and its truncation keeps the last turns."""
+    trained, and its truncation keeps the last turns.
+
+    Which tokens are targets: `train_on_prompt` (LlamaFactory's): every token of every layout.
+    Else TRL's two settings, where given (None: not given, megacompile's default, true for both),
+    each for its layouts as TRL reads it: `assistant_only_loss` false trains every token of a
+    conversation (messages, ShareGPT's conversations), true its assistant turns; `completion_only_loss`
+    false trains the prompt of a prompt/completion record too, true (or null) its completion alone.
+    A conversational prompt/completion record (both lists of messages) takes both, as TRL's
+    targets are those in both masks: the completion's assistant turns (both true, the default); the
+    whole completion, its tool turns and template text among them (assistant_only_loss false);
+    every assistant turn, the prompt's too (completion_only_loss false); every token (both false).
+    Alpaca records (LlamaFactory's layout) follow train_on_prompt alone; text trains every token."""
     paths = media.paths(record, where) if media is not None else []
     if media is None and images.held(record):
         kind = "videos" if record.get("videos") else "images"
@@ -52,8 +73,8 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
         listed, options = tools.tools(record, where), tools.template_kwargs(record, where)
         if media is not None:
             messages = media.messages(messages, paths, where)
-        ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt, where, listed, options,
-                                             last_only=mask_history)
+        ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt or assistant_only_loss is False,
+                                             where, listed, options, last_only=mask_history)
         if paths:
             ids, targets = media.widen(ids, targets, paths, where, tokenizer, messages,
                                        {**options, **({"tools": listed} if listed else {})})
@@ -67,9 +88,11 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
         prompt, completion = record.get("prompt"), record.get("completion")
         if isinstance(prompt, list) and isinstance(completion, list):     # TRL's conversational layout
             messages = parts.read(sharegpt.messages({"messages": prompt + completion}, where), False, where)
-            ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt, where,
+            every = train_on_prompt or (assistant_only_loss is False and completion_only_loss is False)
+            ids, targets, answers = masking.chat(tokenizer, messages, every, where,
                                                  tools.tools(record, where), tools.template_kwargs(record, where),
-                                                 first=len(prompt))
+                                                 first=len(prompt), prompt_turns=completion_only_loss is False,
+                                                 whole_completion=assistant_only_loss is False)
             if not answers:
                 raise ArgumentError(f"{where}: the completion holds no assistant turn; give the answer as "
                                     '[{"role": "assistant", "content": ...}]')
@@ -77,7 +100,8 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
             raise ArgumentError(f"{where}: a prompt/completion record needs both, as strings or both as lists of "
                                 "messages (TRL's conversational layout)")
         else:
-            ids, targets, answers = masking.prompt_completion(tokenizer, prompt, completion, train_on_prompt)
+            ids, targets, answers = masking.prompt_completion(tokenizer, prompt, completion,
+                                                              train_on_prompt or completion_only_loss is False)
     elif isinstance(record.get("text"), str):
         ids, targets = masking.text(tokenizer, record["text"])
     else:

@@ -41,15 +41,19 @@ def _is_turn(m) -> bool:
 
 
 def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: list | None = None,
-         template_kwargs: dict | None = None, first: int = 0,
-         last_only: bool = False) -> tuple[list[int], list[bool], list]:
+         template_kwargs: dict | None = None, first: int = 0, last_only: bool = False, prompt_turns: bool = False,
+         whole_completion: bool = False) -> tuple[list[int], list[bool], list]:
     """Tokens of a conversation, its target mask (assistant turns only, unless train_on_prompt)
     and where each assistant turn lies ([start, end) token spans, in order: cutoff.py). `tools`
     and `template_kwargs` go to the chat template (tools.py); a template that leaves out a tool,
     a call or a turn's text is refused rather than trained on a conversation it dropped. `first`:
     the turns before it are a prompt (TRL's conversational prompt/completion), its assistant
-    turns not answers. `last_only` (LlamaFactory's mask_history): the last answer alone is a
-    target, the earlier ones not even with train_on_prompt; all are answers (cutoff.py)."""
+    turns not answers (nor targets, unless `prompt_turns`: TRL's completion_only_loss false with
+    assistant_only_loss). `whole_completion` (TRL's completion_only_loss without assistant_only_loss):
+    every token from the completion's first answer to the end is a target, what the template writes
+    between and after its turns and its other turns (a tool's answer) too. `last_only` (LlamaFactory's
+    mask_history): the last answer alone is a target, the earlier ones not even with
+    train_on_prompt; all are answers (cutoff.py)."""
     if not isinstance(messages, list) or not messages or not all(_is_turn(m) for m in messages):
         raise ArgumentError(f"{where}: messages must be a non-empty list of {{role, content}} objects with string "
                             "values (ShareGPT's conversations: {from, value}; an assistant turn with tool_calls may "
@@ -75,14 +79,16 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     for k, message in enumerate(messages):
         if called[k]:
             _check_calls(tokenizer, messages, k, options, where)
-        if message["role"] != "assistant" or k < first:
+        if message["role"] != "assistant" or (k < first and not prompt_turns):
             continue
         start, end = (marked[k] if marked is not None
                       else _turn(tokenizer, messages, k, text, ids, offsets, options, where))
         for i in range(start, end):
             targets[i] = k == last or not last_only
-        if end > start:
+        if end > start and k >= first:
             answers.append((start, end))
+    if whole_completion and answers:
+        targets[answers[0][0]:] = [True] * (len(ids) - answers[0][0])
     return ids, targets, answers
 
 

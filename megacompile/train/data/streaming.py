@@ -32,7 +32,7 @@ from . import placement, stream_digest
 from .mixture import interleave
 from .packing import fill
 from .reading import records
-from .tokens import document
+from .tokens import document, loss_keys
 
 QUEUE = 1024        # documents tokenised ahead
 KEEP = 16           # rows kept behind the furthest one read (a few batches asked for again cost nothing)
@@ -69,7 +69,7 @@ class _Producer:
             while not self.stop.is_set():
                 for i, (where, record) in interleave(weights, strategy, [passes(e) for e in entries]):
                     made = document(tokenizer, record, train_on_prompt, where, cutoff=cutoff,
-                                    mask_history=entries[i].get("mask_history", False))
+                                    mask_history=entries[i].get("mask_history", False), **loss_keys(entries[i]))
                     kind = placement.RECORD if made.record else placement.TEXT
                     if made.ids and not self._put((np.asarray(made.ids, dtype=np.int64),
                                                    np.asarray(made.targets, dtype=bool), kind)):

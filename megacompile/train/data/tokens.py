@@ -27,7 +27,7 @@ from ...errors import ArgumentError
 from . import images, named_template, template_file, turn_ends
 from . import workers as workers_of
 from . import entries
-from .encoding import Document, document, encode  # noqa: F401 - tokens.encode: one record's tokens
+from .encoding import Document, document, encode, loss_keys  # noqa: F401 - tokens.encode: one record's tokens
 from .reading import records
 
 CACHE_FORMAT = "megacompile-tokens/5"     # 2: where each data entry's tokens start; 3: tool calls (tools.py);
@@ -108,6 +108,7 @@ def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool
                                                                 "chat_template_kwargs", "mask_history")},
               **{k: e[k] for k in ("chat_template", "media_dir", "default_system", "tools", "pretrain", "added_tokens")
                  if e.get(k)},
+              **loss_keys(e),
               **({"num_samples": e["num_samples"], "seed": e.get("seed", 0)} if e.get("num_samples") else {})}
              for e in items]
     tokenizer = {}
@@ -309,7 +310,8 @@ def _write(folder: str, split: str, items: list[dict], tokenizer, train_on_promp
                 starts.append(total)
                 if media is not None:
                     media.at(entry["path"], entry.get("media_dir"))
-                work = workers_of.Work(tokenizer, train_on_prompt, cutoff, entry.get("mask_history", False), media)
+                work = workers_of.Work(tokenizer, train_on_prompt, cutoff, entry.get("mask_history", False), media,
+                                      loss_keys(entry))
                 read = tqdm(records(entry), desc=f"tokenising {split}", unit=" docs", file=sys.stderr,
                             disable=not sys.stderr.isatty())
                 for made in workers_of.documents(read, work, workers):

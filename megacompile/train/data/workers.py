@@ -19,7 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -38,6 +38,7 @@ class Work:
     cutoff: int | None
     mask_history: bool
     media: object = None
+    loss: dict = field(default_factory=dict)   # TRL's assistant_only_loss, completion_only_loss where given
 
 
 @dataclass
@@ -53,7 +54,8 @@ class Made:
 
 
 def made(where: str, record: dict, work: Work) -> Made:
-    doc = document(work.tokenizer, record, work.train_on_prompt, where, work.media, work.cutoff, work.mask_history)
+    doc = document(work.tokenizer, record, work.train_on_prompt, where, work.media, work.cutoff, work.mask_history,
+                   **work.loss)
     shown = None
     if work.media is not None:
         from .images import held

@@ -96,14 +96,15 @@ IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "off_policy_mask_threshold", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")}
            | {"steps_per_generation": 1, "use_bias_correction_kl": False})
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
+_SFT_LOSS = ("assistant_only_loss", "completion_only_loss")     # TRL's SFTConfig's
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
-                   "dataset_text_field", "mask_history"),
+                   "dataset_text_field", "mask_history", *_SFT_LOSS),
            "kto": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
-                   "dataset_text_field", "mask_history"),
+                   "dataset_text_field", "mask_history", *_SFT_LOSS),
            "rm": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
-                  "dataset_text_field", "mask_history"),
+                  "dataset_text_field", "mask_history", *_SFT_LOSS),
            "grpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
-                    "seq", "dataset_text_field", "mask_history")}
+                    "seq", "dataset_text_field", "mask_history", *_SFT_LOSS)}
 
 
 def check(c, raw: dict, folder: str | None = None) -> None:
