@@ -188,6 +188,9 @@ WHY_IGNORED = {**{k: why for k, (_, why) in trainer_args.NO_EFFECT.items()},
                "lora_task_type": "the stage sets PEFT's task type (CAUSAL_LM; a reward model's score head trains "
                                  "whole)",
                "deepspeed": "megacompile places weights and optimizer state itself",
+               "overwrite_output_dir": "a run_dir holding a run's checkpoints is never overwritten: resume: auto goes "
+                                       "on from its latest and a new run there is refused (give it another "
+                                       "output_dir)",
                "gradient_checkpointing": "the planner chooses what to recompute",
                "optim": "megacompile's AdamW is torch's",
                "pad_to_multiple_of": "every row is seq tokens long",

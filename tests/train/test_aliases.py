@@ -120,13 +120,15 @@ def test_keys_without_effect_and_the_template_name_are_noted(tmp_path, capsys):
     load(_yaml(tmp_path, model_name_or_path="model", template="qwen", stage="sft", do_train=True,
                trust_remote_code=True, overwrite_cache=True, preprocessing_num_workers=16, dataloader_num_workers=4,
                plot_loss=True, save_only_model=False, ddp_timeout=180000000, flash_attn="auto", max_samples=1000,
-               max_steps=3))
+               max_steps=3, overwrite_output_dir=True))
     out = capsys.readouterr().out
     assert f"template 'qwen' is not read: chats are formatted by the tokenizer's own chat template ({model})" in out
     line = out.split("ignored (no effect in a megacompile run): ")[1].splitlines()[0]
     # save_only_model: false is transformers' default, which asks for nothing and is not named
-    assert sorted(line.split(", ")) == ["dataloader_num_workers", "ddp_timeout", "flash_attn",
-                                        "overwrite_cache", "plot_loss", "trust_remote_code"]
+    assert sorted(line.split(", ")) == ["dataloader_num_workers", "ddp_timeout", "flash_attn", "overwrite_cache",
+                                        "overwrite_output_dir (a run_dir holding a run's checkpoints is never "
+                                        "overwritten: resume: auto goes on from its latest and a new run there is "
+                                        "refused (give it another output_dir))", "plot_loss", "trust_remote_code"]
 
 
 def _without_chat_template(model: str) -> None:
