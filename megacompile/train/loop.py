@@ -19,6 +19,7 @@ have, and writes the same log rows from its checkpoint on.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import re
@@ -30,8 +31,8 @@ from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStep
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
-from . import (best_model, early_stopping, intervals, methods, preemption, resume, rope_scaling, router_loss, run_lock,
-               trained_model, vocab)
+from . import (best_model, early_stopping, intervals, methods, preemption, resume, resume_model, rope_scaling,
+               router_loss, run_lock, trained_model, vocab)
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
@@ -115,6 +116,16 @@ def _set_aside_later(run_dir: str, resume_from: str) -> str | None:
             f"{aside}, so that resume: auto goes on from this run's")
 
 
+def _dump(plan, run_dir: str) -> None:
+    """The plan into RUN/plan; a disk that refuses it is the run's error, naming the folder."""
+    folder = os.path.join(run_dir, "plan")
+    try:
+        plan.dump(folder)
+    except OSError as e:
+        cause = f"the disk is full ({e.strerror})" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise CheckpointError(f"cannot write the plan dump {folder}: {cause}") from e
+
+
 def _first_missing(path: str) -> str | None:
     """The outermost folder of `path` that does not exist yet (path itself when only it is missing);
     None when path exists."""
@@ -162,19 +173,21 @@ def run(c: RunConfig, trace: str | None = None) -> dict:
     no folder it made."""
     run_dir = _run_dir(c)
     made = _first_missing(run_dir)      # the run folder, or the folder above it the run makes first
-    with run_lock.holding(run_dir):
-        return _run_in(c, run_dir, made, trace)
+    with run_lock.holding(run_dir) as lock:
+        return _run_in(c, run_dir, made, lock, trace)
 
 
-def _run_in(c: RunConfig, run_dir: str, made: str | None, trace: str | None) -> dict:
+def _run_in(c: RunConfig, run_dir: str, made: str | None, lock: run_lock.Held, trace: str | None) -> dict:
     try:
         resume_from, saved, imported = starting_point(c, run_dir)
-        stage, meta = _checked_stage(c, run_dir, resume_from, saved, imported)
+        stage, meta, model_config = _checked_stage(c, run_dir, resume_from, saved, imported)
     except BaseException:
         if made is not None:     # made for this run alone (folders above it too): nothing of it is left
             shutil.rmtree(made, ignore_errors=True)
+        else:                    # a folder it found: left as it was
+            lock.leave()
         raise
-    return _train_checked(c, run_dir, stage, resume_from, saved, imported, meta, trace)
+    return _train_checked(c, run_dir, stage, resume_from, saved, imported, meta, model_config, trace)
 
 
 def _checked_stage(c: RunConfig, run_dir: str, resume_from: str | None, saved, imported: str | None):
@@ -186,6 +199,9 @@ def _checked_stage(c: RunConfig, run_dir: str, resume_from: str | None, saved, i
     if c.grown is not None:
         meta = meta_model(c)      # built again with the grown vocabulary
     kind(c).check_model(c, meta)
+    model_config = resume_model.saved(meta)      # kept with every checkpoint
+    if saved is not None:
+        resume_model.check(saved.path, saved.extra, meta)
     for said in (router_loss.note(c, meta), rope_scaling.note(c)):
         if said:
             print(said, flush=True)
@@ -215,11 +231,11 @@ def _checked_stage(c: RunConfig, run_dir: str, resume_from: str | None, saved, i
         stage.discard()
         stage.close()
         raise
-    return stage, meta
+    return stage, meta, model_config
 
 
 def _train_checked(c: RunConfig, run_dir: str, stage: Stage, resume_from: str | None, saved, imported: str | None,
-                   meta, trace: str | None) -> dict:
+                   meta, model_config: dict, trace: str | None) -> dict:
     try:
         os.makedirs(run_dir, exist_ok=True)
         stage.commit(run_dir)
@@ -246,7 +262,7 @@ def _train_checked(c: RunConfig, run_dir: str, stage: Stage, resume_from: str | 
         try:
             if stage.needs_reference:     # the model as loaded, forward only, on the policy's device
                 stage.reference = reference_engine(c, meta, setup, stage.first_inputs, wrap)
-            result = _train(c, setup, stage, run_dir, resume_from,
+            result = _train(c, setup, stage, run_dir, resume_from, model_config,
                             saved_settings=saved is not None and isinstance(saved.extra.get("settings"), dict),
                             imported=imported)
             if result["first_loss"] is not None:      # a step ran here: its record is the one to show
@@ -287,7 +303,7 @@ def _take_in(c: RunConfig, engine, imported: str, objective: bool) -> None:
         print(f"  resume note    {message}", flush=True)
 
 
-def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | None,
+def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | None, model_config: dict,
            saved_settings: bool = False, imported: str | None = None) -> dict:
     engine = setup.engine
     plan = engine.prepare(**stage.first_inputs(setup.batch))
@@ -298,7 +314,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     print(plan.summary(), flush=True)
     for line in stage.describe(setup):
         print(f"  {line}", flush=True)
-    plan.dump(os.path.join(run_dir, "plan"))
+    _dump(plan, run_dir)
     print(f"  plan dump      {os.path.join(run_dir, 'plan')}/plan.txt, plan.json", flush=True)
     if resume_from is not None:
         print(f"  resumed        from {resume_from} at step {engine.steps_done}", flush=True)
@@ -338,7 +354,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         made = save_checkpoint(c, engine, checkpoints, step, position, stage.fingerprint, force=force,
                                keep=best.kept(at) if proposed == best.state() else (),
                                **stage.checkpoint_extra(), **({"best": proposed} if proposed else {}),
-                               **patience.extra())
+                               **patience.extra(), **{resume_model.KEY: model_config})
         if made:
             best.keep(proposed)
         return made
@@ -362,7 +378,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                               else [x for x in losses if x is not None])
                 if done == start_step:      # the plan the step ran (another than the first inputs' where its
                     # images differ), now with the measured peak beside the prediction
-                    engine.plan.dump(os.path.join(run_dir, "plan"))
+                    _dump(engine.plan, run_dir)
                 row = {"step": record.step, "loss": stage.step_loss(losses) if losses else math.nan,
                        "lr": record.lr, "grad_norm": record.grad_norm, "tokens": tokens, "seconds": seconds,
                        # a skipped step's record may count no tokens (the stage reports what it read)

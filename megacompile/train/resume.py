@@ -3,7 +3,8 @@ engine exists and before any file of the run folder is written.
 
     refused   other tokens (data, tokenizer, train_on_prompt), seq, packing, seed, eval_fraction:
               the saved data position (rows consumed) would count other rows; a streamed run's
-              refusal names the files and settings that changed
+              refusal names the files and settings that changed; a model configured otherwise
+              (resume_model.py)
     noted     steps, epochs, lr, warmup, schedule, min_lr: the learning rate from the next step is
               the new schedule's (the note names the jump); batch, grad_accum, global_batch: the
               data goes on from the saved row, with other rows per step; betas, eps,

@@ -26,12 +26,26 @@ class RunFolderBusyError(ArgumentError):
     """Another process is training in this run folder."""
 
 
+class Held:
+    """The lock a run holds; `created`: its file is new (a run refused before it commits anything
+    removes it again: `leave`, so a folder it found is left as it was)."""
+
+    def __init__(self, path: str, created: bool):
+        self.path, self.created = path, created
+
+    def leave(self) -> None:
+        if self.created:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+
+
 @contextlib.contextmanager
 def holding(run_dir: str):
     """While inside, this process alone trains in `run_dir` (made if missing: the caller removes it
-    again if the run ends before it commits anything)."""
+    again if the run ends before it commits anything). Yields a Held."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LOCK)
+    created = not os.path.exists(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -43,9 +57,11 @@ def holding(run_dir: str):
                 f"run_dir {run_dir} is in use by another run ({_holder(fd)}): two runs in one folder would "
                 "resume from and remove each other's checkpoints; wait for it to end (resume: auto then goes "
                 "on from its latest checkpoint), stop it, or give this run another run_dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
-        yield
+        me = f"{socket.gethostname()} {os.getpid()}\n".encode()
+        if os.pread(fd, 256, 0) != me:      # written only when another holder's: the folder is left as it was
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me, 0)
+        yield Held(path, created)
     finally:
         os.close(fd)        # releases the lock
 

@@ -1,6 +1,7 @@
 """A run folder is one run's: a second process is refused while the first trains in it (run_lock.py),
 and takes it once the first is gone however it ended; a run resumed from an earlier checkpoint of
-its own folder sets the later ones aside, so that `resume: auto` goes on from the new branch."""
+its own folder sets the later ones aside, so that `resume: auto` goes on from the new branch; a
+plan dump the disk refuses is the run's own error, naming the folder."""
 from __future__ import annotations
 
 import os
@@ -87,3 +88,18 @@ def test_the_lock_is_the_kernels_and_ends_with_its_process(tmp_path):
     from megacompile.train.run_lock import holding
     with holding(str(tmp_path / "run")):
         assert (tmp_path / "run" / ".lock").read_text().split()[1] == str(os.getpid())
+
+
+def test_a_plan_dump_the_disk_refuses_names_the_folder(tmp_path, monkeypatch):
+    import errno
+
+    from megacompile.errors import CheckpointError
+    from megacompile.planner import Plan
+
+    def full(self, folder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Plan, "dump", full)
+    with pytest.raises(CheckpointError, match=r"cannot write the plan dump .*run/plan: the disk is full "
+                                              r"\(No space left on device\)"):
+        run(load(_yaml(tmp_path, steps=2), []))
