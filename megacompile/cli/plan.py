@@ -55,6 +55,7 @@ def _from_run(args: argparse.Namespace) -> None:
         args.host_budget = host_for_engine(total, held)
         args.host_source = "the run's host_budget, less what the run holds beside the engine's state"
     args.run_steps, args.run_epochs = run.steps, run.epochs
+    args.trained, args.trained_inputs = run.trained, run.inputs     # stage rm: its reward model
     if run.stage not in ("sft", "pt"):
         args.stage = run.stage
         if run.stage == "grpo":     # its rows and width are its generation keys
@@ -283,7 +284,9 @@ def _plan_stage(args: argparse.Namespace) -> int:
         staged = plan_stage(model, args.hbm_budget, args.stage, batch=args.batch, seq=args.seq,
                             hardware=hardware, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,
                             nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth,
-                            images_per_row=args.images_per_row, image_size=args.image_size, **keys)
+                            images_per_row=args.images_per_row, image_size=args.image_size,
+                            trained=getattr(args, "trained", None), inputs=getattr(args, "trained_inputs", None),
+                            **keys)
     except (BudgetTooSmallError, HostMemoryError) as e:
         print(host_line)
         print(f"  verdict        does NOT fit: {e}")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,7 @@ from ..settings import Settings
 from .from_config import hardware_profile, model_from_config, plan
 from .kv_generation import (Prefill, StepPart, adapter_bytes, cache_per_token, copy_places, decoder_layer_bytes,
                             kv_cache_note, kv_generation)
+from .plan_json import params_json
 from .result import Plan
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")     # pt (pretraining on text) trains as sft does
@@ -168,6 +169,7 @@ class StagePlan:
                 "weight_h2d_bytes": self.weight_h2d_bytes, "hardware": self.train.hardware.name,
                 "reference_host_bytes": self.reference_host_bytes, "generator_host_bytes": self.generator_host_bytes,
                 "train_step_s": self.train.prediction.step_s, "notes": self.notes(),
+                **{k: v for k, v in params_json(self.train).items() if k.endswith("_params")},
                 "forward_s": self.forward.prediction.step_s if self.forward is not None else None}
 
 
@@ -226,6 +228,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
                seq: int | None = None, hardware: Any = "h100", compute_dtype: torch.dtype = torch.bfloat16,
                fuse: bool | None = Settings.fuse, host_budget: float | None = None, nvme_budget: float | None = None,
                nvme_bandwidth: float | None = None, images_per_row: int = 0, image_size: int | None = None,
+               trained: nn.Module | None = None, inputs: Callable[[dict, bool], dict] | None = None,
                **keys) -> StagePlan:
     """The predicted step of a post-training stage, from its parts (see the module's docstring).
 
@@ -234,7 +237,11 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     max_completion_length. `keys`: the stage's (KEYS, TRL's names). `images_per_row`, `image_size`: a
     vision-language model's rows with images (every stage: every part, training and forward-only,
     generation's included, plans them; a grpo copy's generate holds the tower's pass over the
-    rollout's images beside it). The rest as plan()'s. Raises BudgetTooSmallError or
+    rollout's images beside it). `trained`, `inputs`: the module a run of the stage trains in place of
+    the model (stage rm's reward model: the model's decoder under a one-number score, no lm_head) and
+    its inputs, inputs(rows, train), from the rows the parts plan the model with (input_ids and labels,
+    and the family's image inputs laid out for the model); each part then plans `trained` on them, as
+    `megacompile plan --run` plans such a run. The rest as plan()'s. Raises BudgetTooSmallError or
     HostMemoryError, as plan() does, when a part does not fit."""
     keys = stage_keys(stage, keys)
     images = {}
@@ -277,6 +284,9 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         host_left = None if host_total is None else (host_total - layers_held) / 2 ** 30
 
         def planned(train: bool, n: int, width: int) -> Plan:
+            if trained is not None:
+                return plan(trained, hbm_budget - beside / 2 ** 30, train=train, host_budget=host_left,
+                            inputs=inputs(_rows(model, n, width, images), train), **settings)
             return plan(model, hbm_budget - beside / 2 ** 30, batch=n, seq=width, train=train, host_budget=host_left,
                         **settings, **images)
         try:
@@ -339,6 +349,17 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     held = _reference_host_bytes(model, train, host_left) if reference else 0
     return StagePlan(stage, rows, width, keys, train, forward, parts, steps, held, layers_held, advice,
                      reference_shares_base=adapter_bytes(model) is not None)
+
+
+def _rows(model: nn.Module, rows: int, width: int, images: dict) -> dict:
+    """The meta inputs plan() lays out for `model`'s `rows` rows of `width` tokens: input ids and
+    labels, and with `images` the family's image inputs."""
+    if images:
+        from .image_inputs import image_inputs
+        return image_inputs(model, rows, width, images["images_per_row"], images["image_size"])[0]
+    rows, width = arguments.tokens(rows, width)
+    ids = torch.empty(rows, width, dtype=torch.long, device="meta")
+    return {"input_ids": ids, "labels": ids}
 
 
 def _rollout_pixels(model: nn.Module, rows: int, width: int, images: dict) -> tuple[int, int]:

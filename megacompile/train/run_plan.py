@@ -4,7 +4,8 @@ The model is the one `megacompile train` builds, on the meta device: its config 
 (rope_scaling, added tokens, the router's loss), checked against the stage as the run checks it
 (seq against the positions, isolated packing), shaped by the fine-tuning method (LoRA's
 adapters, frozen layers, a vision tower held still), and under dft or eaft inside the objective the
-run trains. The settings are the run's: its rows and
+run trains; under stage rm the reward model the run trains (the decoder under a one-number score,
+without the lm_head), planned on the rows the run scores. The settings are the run's: its rows and
 width, its micro-batch and accumulation or its global batch, its dtype, its budgets, its stage's
 keys. Nothing is read of the weights, and nothing of the run is written. The data is read only
 where the run gives epochs, not steps: the stage reads and tokenises it as the run would, in a
@@ -19,7 +20,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -59,6 +60,10 @@ class RunPlan:
     epochs: float | None                # the run's epochs, where it gives them in place of steps
     stage_keys: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # the module the run's engine trains in place of `model` (stage rm's reward model: the decoder
+    # under a one-number score, no lm_head), and its inputs from the model's rows (plan_stage's)
+    trained: nn.Module | None = None
+    inputs: Callable[[dict, bool], dict] | None = None
 
 
 def resolve(c: RunConfig) -> RunPlan:
@@ -91,11 +96,15 @@ def resolve(c: RunConfig) -> RunPlan:
                                     "what vLLM holds too) in place of use_vllm to plan the run's step")
             keys["generator"] = GENERATORS[c.generator]
             keys["prompts"] = c.batch * c.steps_per_generation // c.num_generations
+    trained = inputs = None
+    if c.stage == "rm":       # the run trains the model's reward model (stages/rm.py), not its causal LM
+        from .stages.rm import planned_rows, reward_model
+        trained, inputs = reward_model(c, model), planned_rows
     steps = c.steps if c.steps is not None else epoch_steps(c, model)
     return RunPlan(model=model, stage=c.stage, compute_dtype=c.compute_dtype, seq=c.seq, batch=c.batch,
                    grad_accum=c.grad_accum, global_batch=c.global_batch, accumulation=c.accumulation,
                    updates=c.updates, hbm_budget=c.hbm_budget, host_budget=c.host_budget, nvme_budget=c.nvme_budget,
-                   steps=steps, epochs=c.epochs, stage_keys=keys, notes=notes)
+                   steps=steps, epochs=c.epochs, stage_keys=keys, notes=notes, trained=trained, inputs=inputs)
 
 
 def epoch_steps(c: RunConfig, model: nn.Module) -> int:

@@ -201,3 +201,40 @@ def test_a_weighted_supervised_loss_plans_its_objective(tmp_path, capsys):
     shared = [k for k in ran if k in before and k not in TIMED]
     assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
     assert plain["arena_tensor_count"] != ran["arena_tensor_count"]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_reward_model_run_plans_the_reward_model_it_trains(tmp_path, capsys, monkeypatch, method):
+    """stage rm trains the decoder under a one-number score, not the causal LM: the plan counts the
+    parameters the run trains and holds (a score, no lm_head), and its training step is the run's
+    (LlamaFactory's LoRA reward model of a tiny Qwen3: 16,384 trainable and 330,112 frozen planned,
+    16,448 and 202,112 trained)."""
+    import megacompile.planner
+    work = stage_files.workspace(tmp_path)
+    more = dict(finetuning_type="lora", lora_rank=4) if method == "lora" else {}
+    path = files.run_yaml(str(tmp_path / "rm.yaml"), **stage_files.dpo(work, str(tmp_path / "run"), stage="rm", steps=1,
+                                                                        **more))
+    planned = []
+    plan_stage = megacompile.planner.plan_stage
+    monkeypatch.setattr(megacompile.planner, "plan_stage", lambda *a, **k: planned.append(plan_stage(*a, **k))
+                        or planned[-1])
+    before = _plan_json(capsys, "--run", path, "--hardware", "cpu")
+    assert main(["train", "--config", path]) == 0
+    said = capsys.readouterr().out
+    with open(tmp_path / "run" / "plan" / "plan.json") as f:
+        ran = json.load(f)
+    step = planned[0].train.to_json()
+    counts = ("trainable_params", "frozen_params")
+    assert [step[k] for k in counts] == [ran[k] for k in counts]
+    assert [before.get(k) for k in counts] == [ran[k] for k in counts]        # --json says them
+    assert f"model          {ran['trainable_params']:,} trainable parameters" in said
+    # the training step planned is the run's: its rows scored at their last token (no logits over
+    # the vocabulary); the run's clip of the gradients (max_grad_norm) aside, a host op at the end
+    shared = [k for k in ran if k in step and k not in TIMED | {"schedule", "arena_tensors"}]
+    assert len(shared) > 50
+    assert {k: step[k] for k in shared} == {k: ran[k] for k in shared}
+    ops = [[{k: v for k, v in op.items() if k not in ("predicted", "device_bytes_during", "device_bytes_after")}
+            for op in where["schedule"] if op["op"] != "clip_grads"] for where in (step, ran)]
+    assert ops[0] == ops[1]
+    names = [name for name, _ in planned[0].train.captured.state.items()]
+    assert any(n.endswith("score.weight") for n in names) and not any("lm_head" in n for n in names)

@@ -50,6 +50,31 @@ def scored_rows(pairs: list[Pair], margins: list[float], seq: int, pad_id: int) 
     return {"input_ids": ids, "last": last, "margin": torch.tensor(margins, dtype=torch.float32)}
 
 
+def reward_model(c, model) -> RewardModel:
+    """The module the run trains: the reward model of `model` (the run's causal LM, its method
+    applied). finetuning_type lora: PEFT's wrapper around the causal LM, whose adapters sit in the
+    LM's own modules; the reward model takes its decoder, adapters and all, and keeps the adapters'
+    settings for the export (policy_export.py). `megacompile plan --run` plans this module too
+    (run_plan.py)."""
+    adapters = getattr(model, "peft_config", {}).get("default")
+    causal_lm = model.get_base_model() if adapters is not None else model
+    out = RewardModel.of(causal_lm, seed=c.seed, center_rewards_coefficient=c.center_rewards_coefficient)
+    out.adapters = adapters
+    return out
+
+
+def planned_rows(rows: dict, train: bool) -> dict:
+    """The reward model's inputs in place of a causal LM's `rows` (input_ids, labels and a vision-language
+    model's image inputs, as the planner lays them out on the meta device): as scored_rows and with_media
+    give them, each row's `last` token in place of the labels, the pairs' margins for a training
+    step (a forward-only pass, the logged rewards, takes none)."""
+    ids = rows["input_ids"]
+    out = {"input_ids": ids, "last": torch.empty(ids.shape[0], dtype=torch.long, device=ids.device)}
+    if train:
+        out["margin"] = torch.empty(ids.shape[0] // 2, dtype=torch.float32, device=ids.device)
+    return out | {k: v for k, v in rows.items() if k not in ("input_ids", "labels")}
+
+
 class RMStage(Stage):
     @staticmethod
     def check_model(c, meta) -> None:
@@ -124,14 +149,7 @@ class RMStage(Stage):
         return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
 
     def objective(self, model):
-        # finetuning_type lora: PEFT's wrapper around the causal LM, whose adapters sit in the LM's
-        # own modules; the reward model takes its decoder, adapters and all, and keeps the adapters'
-        # settings for the export (policy_export.py)
-        adapters = getattr(model, "peft_config", {}).get("default")
-        causal_lm = model.get_base_model() if adapters is not None else model
-        out = RewardModel.of(causal_lm, seed=self.c.seed, center_rewards_coefficient=self.c.center_rewards_coefficient)
-        out.adapters = adapters
-        return out
+        return reward_model(self.c, model)
 
     def _rows(self, items: list[tuple[Pair, float]]) -> dict:
         """The micro-batch of these pairs (scored_rows), with the image inputs of their rows: the
