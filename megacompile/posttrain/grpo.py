@@ -70,10 +70,10 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     (GSPO's weight, with importance_sampling_level sequence, scaled by the completion's length).
     `token_count` (dapo, cispo, vespo): the count to divide by instead of this batch's, when the batch is
     one micro-batch of a larger generation batch (TRL divides by the generation batch's completion
-    tokens). `bias_correction_kl` (TRL's use_bias_correction_kl): the
-    KL term, and its logged mean, times the unclipped importance weight, which makes its gradient the
-    unbiased reverse-KL gradient (DeepSeek-V3.2); the weight is differentiable, so it changes the
-    gradient on-policy too."""
+    tokens x gradient_accumulation_steps / steps_per_generation: one accumulation window's share).
+    `bias_correction_kl` (TRL's use_bias_correction_kl): the KL term, and its logged mean, times the
+    unclipped importance weight, which makes its gradient the unbiased reverse-KL gradient
+    (DeepSeek-V3.2); the weight is differentiable, so it changes the gradient on-policy too."""
     if loss_type not in LOSS_TYPES:
         raise ArgumentError(f"GRPO loss_type must be one of {', '.join(LOSS_TYPES)}; got {loss_type!r}")
     if importance_sampling_level not in LEVELS:

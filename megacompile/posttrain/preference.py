@@ -101,8 +101,10 @@ def tokenised(prompt, completions: dict, tokenizer, where: str, template_kwargs:
 
 def pack(pairs: list[Pair], seq: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """(2B, seq) input_ids and labels: prompt + chosen rows, then prompt + rejected rows in the same
-    order; labels count the completion tokens only (IGNORE on the prompt and the padding). A
-    completion longer than the row is cut; a prompt that leaves no room for one is refused."""
+    order; labels count the completion tokens only (IGNORE on the prompt and the padding). A row
+    longer than seq keeps its first seq tokens, as TRL's DPOTrainer and KTOTrainer cut prompt +
+    completion at max_length (keep_start), so the completion tokens scored are those among the
+    row's first seq; a prompt that leaves no room for one (seq tokens or more) is refused."""
     return pack_rows([(p.prompt, p.chosen) for p in pairs] + [(p.prompt, p.rejected) for p in pairs], seq, pad_id)
 
 
@@ -110,17 +112,19 @@ def pack_rows(rows: list[tuple[tuple, tuple]], seq: int, pad_id: int = 0) -> dic
     """(N, seq) input_ids and labels of N (prompt, completion) token rows, as pack() lays them."""
     prompts = [len(prompt) for prompt, _ in rows]
     rows = [prompt + completion for prompt, completion in rows]
-    ids = torch.full((len(rows), seq + 1), pad_id, dtype=torch.long)
+    ids = torch.full((len(rows), seq), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), seq), IGNORE, dtype=torch.long)
     for r, (row, start) in enumerate(zip(rows, prompts)):
-        if start >= seq + 1:
+        if start >= seq:
             raise ArgumentError(f"a prompt of {start} tokens leaves no room for its completion in rows of {seq} "
                                 f"tokens: raise the sequence length (max_length) or shorten the prompt")
-        row = row[:seq + 1]
+        # TRL's keep_start: prompt + completion cut at seq tokens; a row's last token is then only
+        # a target (the model reads seq tokens and scores the seq - 1 after the first)
+        row = row[:seq]
         ids[r, :len(row)] = torch.tensor(row)
         # labels[t] is the token after position t: the completion's tokens sit at t >= start - 1
         labels[r, start - 1:len(row) - 1] = torch.tensor(row[start:])
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": labels}
+    return {"input_ids": ids, "labels": labels}
 
 
 def reference_logps(engine, batches: list[dict]) -> list[torch.Tensor]:

@@ -30,10 +30,39 @@ def test_pack_puts_chosen_rows_first_and_counts_the_completions_only():
     pairs = [Pair((5, 6, 7), (8, 9), (10,)), Pair((3,), (4, 4, 4), (2, 2))]
     batch = pack(pairs, seq=4)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [3, 4, 4, 4], [5, 6, 7, 10], [3, 2, 2, 0]]
-    assert batch["labels"].tolist() == [[IGNORE, IGNORE, 8, 9], [4, 4, 4, IGNORE], [IGNORE, IGNORE, 10, IGNORE],
+    # the first chosen row is 5 tokens: cut at seq 4 (TRL's keep_start), its last completion token 9 is gone
+    assert batch["labels"].tolist() == [[IGNORE, IGNORE, 8, IGNORE], [4, 4, 4, IGNORE], [IGNORE, IGNORE, 10, IGNORE],
                                         [2, 2, IGNORE, IGNORE]]
-    with pytest.raises(ArgumentError, match="no room for its completion"):
-        pack([Pair((1,) * 5, (2,), (3,))], seq=4)
+    for prompt in (5, 4):       # a prompt of seq tokens or more leaves no completion token (TRL drops it)
+        with pytest.raises(ArgumentError, match="no room for its completion"):
+            pack([Pair((1,) * prompt, (2,), (3,))], seq=4)
+
+
+def _trl_scored(prompt: tuple, completion: tuple, max_length: int) -> list[int]:
+    """The completion tokens TRL 1.16's DPOTrainer (and KTOTrainer) scores, written out from its
+    collator and loss: completion_mask = [0] x prompt + [1] x completion, prompt + completion and
+    the mask cut to [:max_length] (keep_start), then the model's logits at t predict token t + 1, so
+    the tokens scored are those of input_ids[1:] where completion_mask[1:] is 1."""
+    ids = list(prompt + completion)[:max_length]
+    mask = ([0] * len(prompt) + [1] * len(completion))[:max_length]
+    return [tok for tok, m in zip(ids[1:], mask[1:]) if m]
+
+
+@pytest.mark.parametrize("seq", [6, 9, 10, 13, 20])
+def test_rows_score_the_completion_tokens_trl_keeps_at_max_length(seq):
+    rng = random.Random(seq)
+    pairs = [Pair(tuple(rng.randrange(2, V) for _ in range(rng.randrange(1, 6))),
+                  tuple(rng.randrange(2, V) for _ in range(rng.randrange(1, 20))),
+                  tuple(rng.randrange(2, V) for _ in range(rng.randrange(1, 20)))) for _ in range(16)]
+    # rows of seq + 1 and seq tokens: one completion token past max_length, then none
+    pairs.append(Pair((3, 4, 5), tuple(range(2, seq)), tuple(range(2, seq - 1))))
+    batch = pack(pairs, seq=seq, pad_id=0)
+    rows = [(p.prompt, p.chosen) for p in pairs] + [(p.prompt, p.rejected) for p in pairs]
+    assert batch["input_ids"].shape == batch["labels"].shape == (len(rows), seq)
+    for (prompt, completion), labels in zip(rows, batch["labels"].tolist()):
+        want = _trl_scored(prompt, completion, seq)
+        assert len(want) == min(len(completion), seq - len(prompt))
+        assert [t for t in labels if t != IGNORE] == want
 
 
 @pytest.mark.slow

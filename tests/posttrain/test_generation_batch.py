@@ -79,7 +79,8 @@ def test_a_rollout_batch_in_micro_batches_trains_as_trl_divides_it():
 def test_a_grpo_run_samples_one_rollout_batch_for_the_optimizer_steps_it_makes(tmp_path, monkeypatch):
     """batch 4, grad_accum 2, steps_per_generation 4: one rollout of 16 completions (4 prompts x 4)
     trains 2 optimizer steps of 2 micro-batches of 4 rows, each row once, shuffled; dapo divides
-    by the rollout batch's completion tokens over grad_accum."""
+    by the rollout batch's completion tokens over steps_per_generation (TRL's x grad_accum /
+    steps_per_generation, with the engine's 1 / grad_accum of each micro-batch's gradient)."""
     work = stage_files.workspace(tmp_path)
     stage_files.CALLS.clear()
     steps = []
@@ -113,6 +114,51 @@ def test_a_grpo_run_samples_one_rollout_batch_for_the_optimizer_steps_it_makes(t
     assert sorted(map(tuple, trained.tolist())) == sorted(map(tuple, sampled.tolist()))
     assert not torch.equal(trained, sampled)
     counted = (rollout["labels"] != IGNORE).sum().item()
-    assert all(s["token_count"].item() == pytest.approx(counted / 2) for s in steps)
+    assert all(s["token_count"].item() == pytest.approx(counted / 4) for s in steps)
     logged = log.read(str(tmp_path / "run" / "log.csv"))
     assert [int(r["step"]) for r in logged] == [1, 2] and logged[0]["reward"] == logged[1]["reward"]
+
+
+def text_length(completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def test_dapo_with_more_generation_steps_than_accumulated_logs_trls_loss(tmp_path, monkeypatch):
+    """batch 4, grad_accum 1, steps_per_generation 2: TRL 1.16's _compute_loss divides a micro-batch's
+    token sum by num_items_in_batch (the generation batch's completion tokens) x
+    gradient_accumulation_steps / steps_per_generation, and logs the window's sum of those losses. The
+    policy stays the sampling one (lr 1e-9: ratio 1, nothing clipped), so each token's loss is -A: TRL's
+    loss of a step is -sum(A x completion tokens) of its micro-batch / (N x 1 / 2)."""
+    work = stage_files.workspace(tmp_path)
+    steps, rollouts = [], []
+    step = Engine.step
+
+    def recorded(engine, *args, **kwargs):
+        steps.append({k: v.clone() for k, v in kwargs.items()})
+        return step(engine, *args, **kwargs)
+
+    def kept(*args, **kwargs):
+        rollouts.append(rollout_batch(*args, **kwargs))
+        return rollouts[-1]
+
+    monkeypatch.setattr(Engine, "step", recorded)
+    monkeypatch.setattr(grpo_stage, "rollout_batch", kept)
+    # one prompt's 8 completions, rewarded by their length: each micro-batch's half of the group
+    # has advantages that do not cancel
+    settings = stage_files.grpo(work, str(tmp_path / "run"), batch=4, grad_accum=1, steps_per_generation=2,
+                                num_generations=8, loss_type="dapo", max_completion_length=4, steps=2, lr=1e-9,
+                                reward_funcs=["tests.posttrain.test_generation_batch:text_length"],
+                                reward_weights=[1.0])
+    run(load(files.run_yaml(str(tmp_path / "grpo.yaml"), **settings), []))
+    rollout, = rollouts                            # one generation batch of 8 for both steps
+    assert len(steps) == 2
+    num_items_in_batch = (rollout["labels"] != IGNORE).sum().item()
+    ga, spg = 1, 2
+    trl = []
+    for micro in steps:
+        tokens = (micro["labels"] != IGNORE).sum(-1).double()
+        assert tokens.sum() < num_items_in_batch      # a micro-batch is half the generation batch
+        trl.append(-(micro["advantages"].double() * tokens).sum().item() / (num_items_in_batch * ga / spg))
+    logged = [float(r["loss"]) for r in log.read(str(tmp_path / "run" / "log.csv"))]
+    assert max(map(abs, trl)) > 1e-3
+    assert logged == pytest.approx(trl, rel=1e-4, abs=1e-6)

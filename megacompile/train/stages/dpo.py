@@ -90,7 +90,7 @@ class DPOStage(reference.ReferenceStage):
                     images.text_only(record, where, "dpo")
                     pair = to_pair(preference(record, where), tokenizer, where,
                                    tools.template_kwargs(record, where), tools.tools(record, where))
-                if len(pair.prompt) > self.c.seq:
+                if len(pair.prompt) >= self.c.seq:
                     raise ArgumentError(f"{where}: the prompt is {len(pair.prompt)} tokens, which leaves no room for "
                                         f"its completions in rows of seq {self.c.seq}: raise seq (max_length) or "
                                         "shorten the prompt")

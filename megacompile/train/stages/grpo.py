@@ -14,8 +14,9 @@ shuffles it) cut into steps_per_generation micro-batches of `batch` rows; grad_a
 an optimizer step, and the rollout batch is trained num_iterations times. Every forward takes
 `batch` rows, so generation (EngineGenerator), the forward-only passes and the step are each
 planned once. The sampling policy's log-probabilities (old_logps) come from forward-only passes
-after the rollout. With loss_type dapo the loss divides by the rollout batch's completion tokens,
-as TRL's does (`token_count`). With vLLM, each token is weighed by the sampler's correction
+after the rollout. With loss_type dapo (cispo, vespo) the loss divides by the rollout batch's
+completion tokens x grad_accum / steps_per_generation (one accumulation window's share), as TRL's
+does (`token_count`). With vLLM, each token is weighed by the sampler's correction
 (posttrain/sampling_correction.py). With beta > 0 the
 reference is a second engine over the model as it was loaded, forward only (a second copy of the
 weights on the host); with sync_ref_model, TRL's reference updates mix the policy into it every
@@ -377,9 +378,11 @@ class GRPOStage(Stage):
             order = torch.randperm(self.rows, generator=torch.Generator().manual_seed(c.seed + engine.steps_done))
             rows = {k: v[order] for k, v in rows.items()}
             shown = [shown[i] for i in order.tolist()]
-        # dapo: the rollout batch's completion tokens; each micro-batch's gradient is also divided
-        # by grad_accum in the engine, so its loss divides by the count over grad_accum
-        count = (batch["labels"] != IGNORE).sum().float() / c.grad_accum
+        # dapo, cispo, vespo: TRL divides each micro-batch's loss by the rollout batch's completion
+        # tokens rescaled to one accumulation window, x grad_accum / steps_per_generation (its logged
+        # loss the window's sum of them); the engine divides each micro-batch's gradient by grad_accum
+        # and logs their mean, so the loss here divides by the count / steps_per_generation
+        count = (batch["labels"] != IGNORE).sum().float() / c.steps_per_generation
         self.rollout = {"rows": rows, "shown": shown, "metrics": metrics, "step": engine.steps_done,
                         "token_count": count}
         self.epoch = (position + self.groups) / len(self.prompts)

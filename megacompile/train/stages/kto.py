@@ -136,7 +136,7 @@ class KTOStage(reference.ReferenceStage):
             prompt, (completion,) = tokenised(example["prompt"], {"completion": example["completion"]},
                                               self.text_tokenizer, where, tools.template_kwargs(record, where),
                                               tools.tools(record, where))
-        if len(prompt) > self.c.seq:
+        if len(prompt) >= self.c.seq:
             raise ArgumentError(f"{where}: the prompt is {len(prompt)} tokens, which leaves no room for its completion "
                                 f"in rows of seq {self.c.seq}: raise seq (max_length) or shorten the prompt")
         return Example(tuple(prompt), tuple(completion), example["label"], media=shown)
