@@ -141,6 +141,7 @@ class RunConfig:
     pissa_kept: Any = field(default=None, metadata={"derived": True})
     pissa: Any = field(default=None, metadata={"derived": True})
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
+    trim_padding: bool = True     # a step's rows cut after their longest document (data/trim.py)
     train_from_scratch: bool = False   # LlamaFactory's: the model folder's config, randomly initialised
     # TRL's: every nn.Dropout of the model at p 0 (model.disable_dropout); None: true under stage
     # dpo, kto and rm, as TRL's and LlamaFactory's trainers of them default, false otherwise
@@ -370,6 +371,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         c.disable_dropout = c.stage in DROPOUT_OFF
     c.disable_dropout = flag("disable_dropout", c.disable_dropout)
     c.disable_shuffling = flag("disable_shuffling", c.disable_shuffling)
+    c.trim_padding = flag("trim_padding", c.trim_padding)
     c.seq = integer("seq", c.seq, 2)
     if c.packing is not None and (c.packing not in PACKING or isinstance(c.packing, int)
                                   and not isinstance(c.packing, bool)):

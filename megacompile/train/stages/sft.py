@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 import torch
 
-from ...errors import ArgumentError
+from ...errors import ArgumentError, RetraceWarning
 from ...ir import fmt_bytes
 from .. import intervals
 from .. import methods, router_loss, vocab
 from ..config import RunConfig
-from ..data import grid_images, images, mixture, packing, split, streaming, tokens
+from ..data import grid_images, images, mixture, packing, split, streaming, tokens, trim
 from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
@@ -54,6 +55,10 @@ class SFTStage(Stage):
         # The routers' term of a token-weighted step, each micro-batch's whole (router_loss.py); the
         # DFT loss is the logits' alone, without the model's own loss or the term (as TRL's).
         self.whole_router = router and c.loss_type not in ("dft", "eaft")
+        # A step's rows cut after their longest document (data/trim.py): not where the routers' term
+        # may count padding, nor NEFTune's noise (scaled by the row's length), nor over streamed rows
+        # (read once, in order)
+        self.trim = c.trim_padding and c.retrace and not router and not c.neftune_noise_alpha and not c.streaming
         if c.loss_type == "dft":        # the model under the DFT loss; the cross-entropy is its own
             self.objective = lambda model: DFTObjective(model, shifted=self.shifted)
         elif c.loss_type == "eaft":
@@ -135,18 +140,28 @@ class SFTStage(Stage):
         step's target tokens, as transformers' Trainer weighs them (num_items_in_batch): the step
         trains the mean over all its target tokens, not the mean of its micro-batches' means."""
         drawn = []          # (inputs, target tokens, the position after them)
+        needed = 0
         while len(drawn) < engine.grad_accum:
             inputs = packing.batch(self.rows, position, self.batch, shifted=self.shifted,
                                    padding_mask=self.padding_mask)
-            position += self.batch
             counted = packing.target_count(inputs, shifted=self.shifted)
             if counted:
-                drawn.append((inputs, counted, position))
+                drawn.append((inputs, counted, position + self.batch))
+                if self.trim:
+                    needed = max(needed, trim.filled(self.rows, position, self.batch, self.shifted))
+            position += self.batch
+        # every micro-batch of the step at one length, one program for all; rows with images whole
+        if needed and all(set(inputs) <= trim.TEXT for inputs, _, _ in drawn):
+            columns = trim.length(needed, drawn[0][0]["input_ids"].shape[1])
+            drawn = [(trim.trimmed(inputs, columns), counted, after) for inputs, counted, after in drawn]
         total = sum(counted for _, counted, _ in drawn)
         self.weights = [counted / total for _, counted, _ in drawn]
         losses, count = [], 0
         for (inputs, _, after), weight in zip(drawn, self.weights):
-            losses.append(engine.weighted_step(weight, **self._scaled(inputs, 1.0 / weight)))
+            with warnings.catch_warnings():
+                if needed:      # the run's own few lengths (trim.PARTS), not inputs that keep changing
+                    warnings.simplefilter("ignore", RetraceWarning)
+                losses.append(engine.weighted_step(weight, **self._scaled(inputs, 1.0 / weight)))
             position = after
             record = engine.last_step
             count += record.tokens or 0      # a skipped step counts none
