@@ -14,7 +14,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, MegacompileError
-from .alike import sampled_groups
+from .alike import sampled_groups, structure_key
 from .blocks import BlockStack, same_constants
 from .checkpointing import without_gradient_checkpointing
 from .deepstack import deepstack_in_blocks
@@ -73,8 +73,8 @@ def blocks_logged_before(memo: dict):
     no capture inside logged it called the same way before (the same constants, input shapes and
     work folded in); one that did gives its fingerprint and output shapes. A vision-language run
     meeting a new image size so logs its tower's blocks again, not its language model's, whose
-    inputs did not change. The model's code and attributes are taken not to change in between,
-    as the engine takes them when it reuses a whole capture for inputs of a shape it met before.
+    inputs did not change. A block whose modules changed since (alike.structure_key: eval(), a
+    parameter frozen, an attribute set) is logged again; its class's code is taken not to change.
     `memo` is the caller's, kept between the captures."""
     token = _LOGGED.set(memo)
     try:
@@ -83,19 +83,23 @@ def blocks_logged_before(memo: dict):
         _LOGGED.reset(token)
 
 
-def _logged_before(block: nn.Module, index: int, train: bool, probe: BlockCall, shapes: list) -> BlockCall | None:
+def _logged_before(block: nn.Module, index: int, train: bool, probe: BlockCall, shapes: list,
+                   built: tuple | None) -> BlockCall | None:
+    """An earlier capture's call of this block called and built as it is now (`built`: its
+    structure_key before capturing patched its forward: a flag set by eval(), a parameter frozen)."""
     memo = _LOGGED.get()
-    for call, its_shapes in reversed(() if memo is None else memo.get((id(block), index, train), ())):
-        if its_shapes == shapes and not call.side_keys and _same_call(probe, call):
+    kept = () if memo is None else memo.get((id(block), index, train), ())
+    for call, its_shapes, its_built in reversed(kept):
+        if its_shapes == shapes and not call.side_keys and _same_call(probe, call) and its_built == built:
             return call
     return None
 
 
-def _log(block: nn.Module, index: int, train: bool, call: BlockCall, shapes: list) -> None:
+def _log(block: nn.Module, index: int, train: bool, call: BlockCall, shapes: list, built: tuple | None) -> None:
     memo = _LOGGED.get()
     if memo is not None and not call.side_keys:
         kept = memo.setdefault((id(block), index, train), [])
-        kept.append((call, shapes))
+        kept.append((call, shapes, built))
         del kept[:-_LOGGED_KEPT]
 
 
@@ -165,7 +169,7 @@ def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[Bl
                          and c.attached_key == key), None)
             probe = BlockCall(in_spec, constants, positions, None, [], [], index, (), keys, attached=attached)
             if like is None or shapes[like.index] != shapes[index] or not _same_call(probe, like):
-                like = _logged_before(block, index, train, probe, shapes[index])
+                like = _logged_before(block, index, train, probe, shapes[index], built.get(index))
             if like is not None:
                 calls.append(BlockCall(in_spec, constants, positions, like.out_spec, like.out_meta,
                                        like.out_constants, index, like.fingerprint, keys, (), attached,
@@ -182,7 +186,7 @@ def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[Bl
                 calls.append(BlockCall(in_spec, constants, positions, out_spec, meta, out_constants, index,
                                        fingerprint, keys, side.tensor_keys, attached,
                                        [(x.shape, x.dtype, x.device) for x in added]))
-                _log(block, index, train, calls[-1], shapes[index])
+                _log(block, index, train, calls[-1], shapes[index], built.get(index))
             meta = calls[-1].out_meta
             side_meta = [] if side is None else [(x.shape, x.dtype, x.device) for x in side.tensors]
             set_out_meta(index, [m for m in meta if m is not None] + side_meta + calls[-1].attached_meta)
@@ -212,6 +216,8 @@ def _blocks_as_leaves(model: nn.Module, stack: BlockStack | None, calls: list[Bl
         first_place.setdefault(id(block), i)
     patched = [(i, block, block.__dict__.get("forward", _ABSENT)) for i, block in enumerate(stack.blocks)
                if first_place[id(block)] == i]
+    # Each block as built before its forward is patched here, where earlier captures are consulted
+    built = {i: structure_key(block) for i, block, _ in patched} if _LOGGED.get() is not None else {}
     try:
         for i, block, _ in patched:
             block.forward = make_leaf(i, originals[i])
