@@ -31,10 +31,15 @@ def scalars(row: dict, extra: tuple = ()) -> dict[str, float]:
 
 class RunLog:
     def __init__(self, run_dir: str, loggers: list[str], resume_step: int, settings: dict | None = None,
-                 columns: tuple = COLUMNS):
+                 columns: tuple = COLUMNS, steps: int | None = None, every: int = 1):
         """`settings`: the run's settings, W&B's run config (its name and wandb_project too);
-        `columns`: the CSV's (a post-training stage logs its own)."""
+        `columns`: the CSV's (a post-training stage logs its own); `steps`, `every`: the run's steps
+        and log_every, for LlamaFactory's trainer_log.jsonl beside it (trainer_log.py)."""
         self.path = os.path.join(run_dir, "log.csv")
+        self._trainer = None
+        if steps is not None:
+            from .trainer_log import TrainerLog
+            self._trainer = TrainerLog(run_dir, steps, every, resume_step)
         columns = _keep_steps_up_to(self.path, resume_step, columns)
         self.extra = tuple(c for c in columns if c not in COLUMNS)      # a stage's figures, as scalars too
         new = not os.path.exists(self.path)
@@ -63,6 +68,11 @@ class RunLog:
             self._board.flush()
         if self._wandb is not None:
             self._wandb.write(row["step"], scalars(row, self.extra))
+        if self._trainer is not None:
+            try:
+                self._trainer.write(row)
+            except OSError as e:
+                raise log_failed(self._trainer.path, row["step"], e) from e
 
     def _append(self, step: int | None, fields: dict) -> None:
         text = io.StringIO()

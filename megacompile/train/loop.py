@@ -331,7 +331,8 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         engine.load_adapter(c.adapter)
         print(f"  adapter        from {c.adapter} (its weights; AdamW starts afresh)", flush=True)
     start_step = engine.steps_done
-    log = RunLog(run_dir, c.log, start_step, settings=dataclasses.asdict(c), columns=stage.columns)
+    log = RunLog(run_dir, c.log, start_step, settings=dataclasses.asdict(c), columns=stage.columns, steps=c.steps,
+                 every=c.log_every)
     if c.eval_on_start and start_step == 0:       # transformers' eval_on_start: the model as it starts
         first = stage.evaluate(engine, 0)
         log.write({"step": 0, **first})

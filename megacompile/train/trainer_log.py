@@ -1,0 +1,65 @@
+"""trainer_log.jsonl, as LlamaFactory writes it beside its checkpoints: the file LlamaBoard draws its
+loss curve from and users' scripts read (`current_steps`, `loss`, `eval_loss`, ...).
+
+A line every `log_every` steps (the Trainer's logging_steps) and after the last one, whose loss is
+the mean of the steps' losses since the line before, rounded to 4 places, as transformers' Trainer
+logs it; a line of its own for each evaluation; each with the steps done and to do, the percentage
+and LlamaFactory's elapsed and remaining times (h:mm:ss, from this process's start). Keys without a
+value are left out, as LlamaFactory leaves them. A resumed run drops the lines past its checkpoint
+first, as log.csv drops its rows.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from datetime import timedelta
+
+NAME = "trainer_log.jsonl"
+
+
+class TrainerLog:
+    def __init__(self, run_dir: str, steps: int, every: int, resume_step: int):
+        self.path = os.path.join(run_dir, NAME)
+        self.steps, self.every = steps, max(1, every)
+        self.started, self.losses = time.time(), []
+        _keep_steps_up_to(self.path, resume_step)
+
+    def write(self, row: dict) -> None:
+        step, loss = row["step"], row.get("loss")
+        if isinstance(loss, float) and math.isfinite(loss) and not row.get("skipped"):
+            self.losses.append(loss)
+        if step and (step % self.every == 0 or step == self.steps):     # step 0: eval_on_start's alone
+            mean = round(sum(self.losses) / len(self.losses), 4) if self.losses else None
+            self._line(step, loss=mean, lr=row.get("lr"))
+            self.losses = []
+        if row.get("eval_loss") is not None:
+            self._line(step, eval_loss=row["eval_loss"])
+
+    def _line(self, step: int, **figures) -> None:
+        elapsed = time.time() - self.started
+        remaining = (self.steps - step) * elapsed / step if step else 0.0
+        line = {"current_steps": step, "total_steps": self.steps, **figures,
+                "percentage": round(step / self.steps * 100, 2) if self.steps else 100,
+                "elapsed_time": str(timedelta(seconds=int(elapsed))),
+                "remaining_time": str(timedelta(seconds=int(remaining)))}
+        with open(self.path, "a", encoding="utf-8") as f:      # an OSError: the run's log says it (log.py)
+            f.write(json.dumps({k: v for k, v in line.items() if v is not None}) + "\n")
+
+
+def _keep_steps_up_to(path: str, step: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:     # a line cut short by a kill is dropped too
+        kept = [line for line in f if (_step(line) or math.inf) <= step]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def _step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["current_steps"])
+    except (ValueError, TypeError, KeyError):
+        return None
