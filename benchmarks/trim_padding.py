@@ -1,0 +1,105 @@
+"""What cutting a step's rows after their longest document saves a fine-tune of short records.
+
+    python benchmarks/trim_padding.py       # a 4-layer Llama of 256 wide, chats of 1-6 exchanges, seq 256 (its positions)
+
+The same run.yaml twice, each in a fresh Python on the cpu backend: `trim_padding: true` (rows cut
+to seq/8, seq/4, seq/2 or seq: train/data/trim.py) and `false` (every row seq tokens, the peer).
+Seconds per step are the median of the steps after the first of each length met (the first at a
+length captures and plans); the whole run's seconds too. The losses of the two runs are printed
+side by side: the same to float32 rounding. Prints a table and appends to
+benchmarks/results/trim_padding.csv (long format, with the machine and its load). No timed
+asserts: the figures move with the machine's load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SENTENCES = ["the cat sat on the mat", "a dog ran in the park after the ball", "rain fell on the quiet town all night",
+             "she wrote a letter to her brother", "the river carried leaves down to the sea"]
+
+
+def one_run(args) -> dict:
+    sys.path.insert(0, ROOT)
+    from megacompile.train import load, log, run
+    from tests.train import files
+    folder = args.folder
+    model = os.path.join(folder, "model")
+    if not os.path.isdir(model):
+        files.model_dir(model, layers=4, dim=256)
+    chats = os.path.join(folder, "chats.jsonl")
+    with open(chats, "w") as f:
+        for i in range(400):
+            turns = []
+            for k in range(1 + (i * 7) % 6):
+                turns += [{"role": "user", "content": SENTENCES[(i + k) % len(SENTENCES)]},
+                          {"role": "assistant", "content": SENTENCES[(i + 2 * k + 1) % len(SENTENCES)]}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    run_dir = os.path.join(folder, args.mode)
+    c = load(files.run_yaml(os.path.join(folder, f"{args.mode}.yaml"), model=model, data=[chats], seq=args.seq,
+                            batch=args.batch, steps=args.steps, device="cpu", run_dir=run_dir,
+                            trim_padding=args.mode == "trimmed", save_every=False), [])
+    began = time.perf_counter()
+    run(c)
+    whole = time.perf_counter() - began
+    rows = log.read(os.path.join(run_dir, "log.csv"))
+    seen, steady = set(), []
+    for r in rows:      # the first step at each length captures and plans: left out
+        length = int(r["tokens"])
+        if length in seen:
+            steady.append(float(r["seconds"]))
+        seen.add(length)
+    return {"step_s": statistics.median(steady), "run_s": whole, "lengths": sorted(seen),
+            "losses": [float(r["loss"]) for r in rows]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--csv", default=os.path.join(HERE, "results", "trim_padding.csv"))
+    ap.add_argument("--mode", choices=("trimmed", "whole"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.mode is not None:       # the child
+        print(json.dumps(one_run(args)))
+        return
+    sys.path.insert(0, HERE)
+    from plan_time import append_rows
+    from provenance import machine_facts
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for mode in ("trimmed", "whole"):
+            load = os.getloadavg()[0]
+            cmd = [sys.executable, __file__, "--mode", mode, "--folder", folder, "--seq", str(args.seq),
+                   "--batch", str(args.batch), "--steps", str(args.steps)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            results[mode] = {**json.loads(out), "load_before": load, "load_after": os.getloadavg()[0]}
+    trimmed, whole = results["trimmed"], results["whole"]
+    print(f"{args.steps} steps of {args.batch} x {args.seq} tokens, chats of 1-6 exchanges, a 4-layer Llama of 256")
+    print(f"{'':>16} {'s/step':>9} {'run s':>8}  input lengths (tokens a step)")
+    for mode, r in results.items():
+        print(f"{mode:>16} {r['step_s']:>9.3f} {r['run_s']:>8.1f}  {r['lengths']}")
+    ratios = whole["step_s"] / trimmed["step_s"], whole["run_s"] / trimmed["run_s"]
+    print(f"{'whole / trimmed':>16} {ratios[0]:>8.2f}x {ratios[1]:>7.2f}x")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(trimmed["losses"], whole["losses"]))
+    print(f"losses: largest relative difference {worst:.2e} over {len(whole['losses'])} steps")
+    for mode, r in results.items():
+        print(f"{mode}: load average (1 min) {r['load_before']:.2f} -> {r['load_after']:.2f}")
+    facts = machine_facts()
+    append_rows(args.csv, [{**facts, "seq": args.seq, "batch": args.batch, "steps": args.steps, "mode": mode,
+                            "figure": figure, "value": r[figure]}
+                           for mode, r in results.items() for figure in ("step_s", "run_s")])
+
+
+if __name__ == "__main__":
+    main()
