@@ -20,7 +20,7 @@ from ..errors import ArgumentError
 from . import intervals
 from .data.named_template import NAMES as LAYOUTS
 from . import their_llamafactory, trainer_args
-from .their_keys import NOT_TAKEN, ZERO_IS_OFF, off
+from .their_keys import NOT_TAKEN, ONLY_WITH, ZERO_IS_OFF, off
 
 _DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "use the epochs")
 
@@ -158,6 +158,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "chat_template_path": ("chat_template", _same),
     "preprocessing_num_workers": ("tokenize_workers", _same),
     "dataset_num_proc": ("tokenize_workers", _same),
+    "use_cpu": ("device", lambda value: "cpu" if value is True else _DROP),     # transformers' TrainingArguments
 }
 
 # Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->
@@ -177,7 +178,8 @@ IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
            "data_shared_file_system", "eval_num_beams", "upcast_lmhead_output", "include_num_input_tokens_seen",
            "disable_gradient_checkpointing", "use_reentrant_gc", "low_cpu_mem_usage", "dataloader_pin_memory",
            "remove_unused_columns", "ddp_find_unused_parameters", "eval_accumulation_steps", "offload_folder",
-           "use_cache", "print_param_status", "label_names", *KERNELS, *MODEL_CHOICES, *trainer_args.NO_EFFECT,
+           "use_cache", "print_param_status", "label_names", "gradient_checkpointing_kwargs", "torch_dtype", "dtype",
+           *KERNELS, *MODEL_CHOICES, *trainer_args.NO_EFFECT,
            *their_llamafactory.NO_EFFECT)
 WHY_IGNORED = {**{k: why for k, (_, why) in trainer_args.NO_EFFECT.items()},
                **{k: why for k, (_, why) in their_llamafactory.NO_EFFECT.items()},
@@ -192,6 +194,9 @@ WHY_IGNORED = {**{k: why for k, (_, why) in trainer_args.NO_EFFECT.items()},
                                        "on from its latest and a new run there is refused (give it another "
                                        "output_dir)",
                "gradient_checkpointing": "the planner chooses what to recompute",
+               "gradient_checkpointing_kwargs": "the planner chooses what to recompute",
+               **{k: "the weights train in float32 masters; the compute's dtype is compute_dtype (bf16: true for "
+                     "bfloat16)" for k in ("torch_dtype", "dtype")},
                "optim": "megacompile's AdamW is torch's",
                "pad_to_multiple_of": "a step's rows are cut to seq/8, seq/4, seq/2 or seq (trim_padding)",
                "tool_format": "tools are written by the model's chat template",
@@ -267,6 +272,8 @@ def translate(raw: dict, default_lr: float) -> Translated:
                 out.set(own, converted, key, value)
         elif (key in NOT_TAKEN or key in ZERO_IS_OFF) and off(value, key):
             continue        # neat_packing: false, push_to_hub: false, quantization_bit: null ask for nothing
+        elif key in ONLY_WITH and off(raw.get(ONLY_WITH[key]), ONLY_WITH[key]):
+            continue        # hub_model_id without push_to_hub: a recipe's name for an upload it does not ask for
         elif key not in SPECIAL and key not in IGNORED:
             out.set(key, value, key, value)
     if "optim" in raw and raw["optim"] not in OPTIMIZERS:

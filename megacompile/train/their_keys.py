@@ -28,13 +28,10 @@ NOT_TAKEN = {
     # packing
     "padding_free": "packing: isolated (documents packed without padding, kept apart by their position ids)",
     # model and tokenizer
-    "dtype": "compute_dtype: float32 or bfloat16 (masters are float32)",
-    "torch_dtype": "compute_dtype: float32 or bfloat16 (masters are float32)",
     "model_init_kwargs": "the model is built from its folder's config.json; compute_dtype sets the dtype",
     "eos_token": "the tokenizer's own end-of-sequence token is used",
     "pad_token": "the tokenizer's own padding token is used (its eos when it has none); padding is never counted",
     "cache_dir": _LOCAL,
-    "model_revision": _LOCAL,
     "hf_hub_token": _LOCAL,
     "push_to_hub": "the trained model is written to output_dir (run_dir) or export; megacompile uploads nothing",
     "hub_model_id": "the trained model is written to output_dir (run_dir) or export; megacompile uploads nothing",
@@ -56,7 +53,6 @@ NOT_TAKEN = {
                         "from host memory (host_budget) or disk (nvme_dir)",
     "quantization_method": "not supported: the weights train in float32 masters, streamed from the host",
     "use_unsloth": "not supported: megacompile runs its own fused kernels (fuse)",
-    "gradient_checkpointing_kwargs": "the planner chooses what to recompute",
     "auto_find_batch_size": "global_batch: the planner chooses the micro-batch that fits the budget",
     "fsdp": _PLACES,
     "fsdp_transformer_layer_cls_to_wrap": _PLACES,
@@ -118,6 +114,11 @@ DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "i
                   "loraplus_lr_embedding": 1e-6, "asft_alpha": 0.1, "bnb_4bit_quant_type": "nf4",
                   **{k: default for k, (default, _) in their_llamafactory.KEYS.items()
                      if default is not None and default is not False}}
+
+
+# Keys that ask for nothing while the key they serve is off (a recipe names its hub repository
+# whether or not it uploads).
+ONLY_WITH = {"hub_model_id": "push_to_hub"}
 
 
 def off(value: Any, key: str | None = None) -> bool:

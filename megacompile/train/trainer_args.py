@@ -52,7 +52,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "optim_args": ((None,), "megacompile trains with AdamW; its betas, eps and weight_decay are keys of their own"),
     "optim_target_modules": ((None,), "not supported: megacompile trains with AdamW"),
     "router_aux_loss_coef": ((None,), _ROUTER_LOSS),
-    "use_cpu": ((False,), "device: cpu"),
     "precompute_ref_batch_size": ((None,), "the reference pass runs batch rows at a time"),
     "train_sampling_strategy": (("random", "sequential"), "not supported: rows are ordered by seed, not by length"),
     "truncation_mode": (("keep_start",), "not supported: a record longer than seq keeps its start (keep_start)"),
@@ -65,6 +64,8 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "vllm_tensor_parallel_size": ((1,), "vllm_mode colocate runs vLLM on this process's GPU; a policy split over "
                                         "GPUs: vllm_mode server (vllm serve --tensor-parallel-size)"),
     "vllm_structured_outputs_regex": ((None,), "not supported: completions are not constrained"),
+    # TRL's ModelConfig: the hub's default branch, which asks for nothing of a local folder
+    "model_revision": (("main",), "megacompile reads local files and downloads nothing"),
     # their_keys.NOT_TAKEN's own, at the default a dump writes
     "eos_token": (("<EOS_TOKEN>",), ""),
     "pad_token": (("<PAD_TOKEN>",), ""),
@@ -140,7 +141,8 @@ QUIET = {"dataloader_num_workers": (0,), "dataloader_pin_memory": (True, False),
          "remove_unused_columns": (True, False), "save_only_model": (False,),
          "tf32": (None,), "trust_remote_code": (False,), "use_cache": (False, True),
          "enable_liger_kernel": (False,), "use_liger_kernel": (False,), "use_v1_kernels": (False,),
-         "attn_implementation": (None,), "lora_task_type": ("CAUSAL_LM",)}
+         "attn_implementation": (None,), "lora_task_type": ("CAUSAL_LM",), "gradient_checkpointing_kwargs": (None,),
+         "torch_dtype": (None, "auto", "float32"), "dtype": (None, "auto", "float32")}
 
 
 def at_default(key: str, value: Any) -> bool:

@@ -177,3 +177,20 @@ def test_llamafactorys_neat_packing_is_packing_isolated_whatever_packing_says(tm
     assert load(_yaml(tmp_path, model="model", neat_packing=False)).packing is None
     with pytest.raises(ArgumentError, match="neat_packing is true or false"):
         load(_yaml(tmp_path, model="model", neat_packing="yes"))
+
+
+def test_a_recipes_model_and_hub_keys_run_as_written(tmp_path, capsys):
+    """The alignment-handbook's and open-r1's recipes carry torch_dtype, model_revision: main,
+    gradient_checkpointing_kwargs and a hub_model_id they do not push to; a dump made on a CPU
+    machine, use_cpu: true."""
+    c = load(_yaml(tmp_path, torch_dtype="bfloat16", bf16=True, model_revision="main",
+                   gradient_checkpointing_kwargs={"use_reentrant": False}, hub_model_id="org/model", push_to_hub=False,
+                   use_cpu=True))
+    assert (c.compute_dtype, c.device) == ("bfloat16", "cpu")
+    line = next(x for x in capsys.readouterr().out.splitlines() if "ignored (no effect" in x)
+    assert "torch_dtype (the weights train in float32 masters; the compute's dtype is compute_dtype" in line
+    assert "gradient_checkpointing_kwargs (the planner chooses what to recompute)" in line
+    with pytest.raises(ArgumentError, match="hub_model_id -> the trained model is written to output_dir"):
+        load(_yaml(tmp_path, hub_model_id="org/model", push_to_hub=True))
+    with pytest.raises(ArgumentError, match="model_revision -> megacompile reads local files"):
+        load(_yaml(tmp_path, model_revision="v2"))
