@@ -45,6 +45,9 @@ def test_records_that_cannot_be_masked_are_refused_with_their_line():
     tok = files.tokenizer()
     with pytest.raises(ArgumentError, match="x:3: a record is in none of the layouts read: text; messages; ShareGPT"):
         tokens.encode(tok, {"question": "?"}, False, "x:3")
+    for text, held in ((None, "null"), (["a", "b"], "a list")):
+        with pytest.raises(ArgumentError, match=f"x:5: text is {held}; a text record's text is a string"):
+            tokens.encode(tok, {"text": text}, False, "x:5")
     tok.chat_template = None
     with pytest.raises(ArgumentError, match="x:4: records with messages need the tokenizer's chat template"):
         tokens.encode(tok, {"messages": CHAT}, False, "x:4")

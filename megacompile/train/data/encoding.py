@@ -104,6 +104,10 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
                                                               train_on_prompt or completion_only_loss is False)
     elif isinstance(record.get("text"), str):
         ids, targets = masking.text(tokenizer, record["text"])
+    elif "text" in record:
+        held = "null" if record["text"] is None else f"a {type(record['text']).__name__}"
+        raise ArgumentError(f"{where}: text is {held}; a text record's text is a string (leave the record out, or "
+                            "give it its text)")
     else:
         raise ArgumentError(f"{where}: a record is in none of the layouts read: text; messages; ShareGPT's "
                             "conversations (from/value); prompt and completion; Alpaca's instruction, input, output "
