@@ -3,6 +3,7 @@ weights, data or a GPU (docs/planning.md); --stage, a post-training step part by
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -55,6 +56,8 @@ def _from_run(args: argparse.Namespace) -> None:
         args.host_budget = host_for_engine(total, held)
         args.host_source = "the run's host_budget, less what the run holds beside the engine's state"
     args.run_steps, args.run_epochs = run.steps, run.epochs
+    # The run computes the gradients' norm every step (to clip at max_grad_norm, or to log it at inf)
+    args.max_grad_norm = math.inf if c.max_grad_norm is None else c.max_grad_norm
     args.trained, args.trained_inputs = run.trained, run.inputs     # stage rm: its reward model
     if run.stage not in ("sft", "pt"):
         args.stage = run.stage
@@ -109,6 +112,9 @@ def plan(args: argparse.Namespace) -> int:
                         accumulation=accumulation)
     given_bytes = settings.budget_bytes
     kwargs = dict(hardware=hardware, seq=args.seq)
+    if getattr(args, "max_grad_norm", None) is not None:       # --run: the run's AdamW clips
+        from ..optim import AdamW
+        kwargs["optimizer"] = AdamW(max_grad_norm=args.max_grad_norm)
     if args.images_per_row or args.image_size is not None:    # a vision-language model's rows hold images
         kwargs.update(images_per_row=args.images_per_row, image_size=args.image_size)
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"

@@ -238,3 +238,21 @@ def test_a_reward_model_run_plans_the_reward_model_it_trains(tmp_path, capsys, m
     assert ops[0] == ops[1]
     names = [name for name, _ in planned[0].train.captured.state.items()]
     assert any(n.endswith("score.weight") for n in names) and not any("lm_head" in n for n in names)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, None])
+def test_the_plan_before_the_run_computes_the_gradients_norm_as_the_run_does(tmp_path, capsys, max_grad_norm):
+    """The run takes the gradients' norm every step (to clip at max_grad_norm; at null, to log it):
+    the plan before it does too, so it does not offer updates as gradients land, which clipping
+    rules out."""
+    path = _run_yaml(tmp_path, finetuning_type="full", lora_rank=None, add_tokens=None, rope_scaling=None,
+                     grad_accum=1, max_grad_norm=max_grad_norm)
+    before = _plan_json(capsys, "--run", path, "--hardware", "cpu")
+    bare = _plan_json(capsys, "--config", str(tmp_path / "llama"), "--hardware", "cpu", "--batch", "2", "--seq", "16",
+                      "--hbm-budget", "1")
+    assert main(["train", "--config", path]) == 0
+    capsys.readouterr()
+    with open(tmp_path / "run" / "plan" / "plan.json") as f:
+        ran = json.load(f)
+    landing = "predicted_step_s_updates_as_gradients_land"
+    assert landing in bare and landing not in ran and landing not in before
