@@ -397,14 +397,20 @@ def _packing_strategy(strategy: Any, out: Translated) -> None:
     """TRL's packing_strategy, read with packing: true. TRL's default, bfd, keeps each packed
     document apart (its position ids restart, padding-free): megacompile's packing: isolated, whose
     rows are filled in the data's order rather than best-fit. wrapped cuts the token stream into rows
-    regardless of documents: packing: true, LlamaFactory's packing."""
-    if strategy not in ("bfd", "wrapped"):
-        raise ArgumentError(f"packing_strategy must be bfd (TRL's default: the documents kept apart) or wrapped (the "
-                            f"token stream cut into rows); got {strategy!r}")
-    if out.keys.get("packing") is True and strategy == "bfd":
+    regardless of documents: packing: true, LlamaFactory's packing. ffd, bfd's name in earlier TRL
+    releases (first-fit decreasing), is read as bfd; bfd_split, which splits a document longer than
+    a row across rows, is refused: a supervised record here is cut to its row."""
+    if strategy == "bfd_split":
+        raise ArgumentError("packing_strategy bfd_split splits a document longer than a row across rows; megacompile "
+                            "cuts a supervised record to its row (as LlamaFactory cuts it) and keeps text flowing "
+                            "across rows: give packing_strategy: bfd")
+    if strategy not in ("bfd", "ffd", "wrapped"):
+        raise ArgumentError(f"packing_strategy must be bfd (TRL's default: the documents kept apart; ffd, its earlier "
+                            f"name) or wrapped (the token stream cut into rows); got {strategy!r}")
+    if out.keys.get("packing") is True and strategy in ("bfd", "ffd"):
         out.keys["packing"] = "isolated"
-        out.notes.append("packing: true with packing_strategy bfd keeps the packed documents apart, as TRL's bfd does "
-                         "(packing: isolated; rows are filled in the data's order, not best-fit)")
+        out.notes.append(f"packing: true with packing_strategy {strategy} keeps the packed documents apart, as TRL's "
+                         f"{strategy} does (packing: isolated; rows are filled in the data's order, not best-fit)")
 
 
 def _neat_packing(neat: Any, out: Translated) -> None:

@@ -62,16 +62,20 @@ def test_a_field_away_from_its_default_is_refused_or_named(tmp_path, capsys):
     assert "disable_tqdm (the run's own progress lines and log.csv)" in out and "train_sampling_strategy" not in out
 
 
-@pytest.mark.parametrize("strategy, packing", [("bfd", "isolated"), ("wrapped", True)])
+@pytest.mark.parametrize("strategy, packing", [("bfd", "isolated"), ("ffd", "isolated"), ("wrapped", True)])
 def test_packing_reads_trls_packing_strategy(tmp_path, capsys, strategy, packing):
-    """TRL's bfd (its default) keeps the packed documents apart; wrapped cuts the token stream into
-    rows, as LlamaFactory's packing: true does."""
+    """TRL's bfd (its default; ffd, its earlier name, as in SmolLM3's recipe) keeps the packed
+    documents apart; wrapped cuts the token stream into rows, as LlamaFactory's packing: true does;
+    bfd_split, which splits a long document across rows, is refused."""
     c = load(_keys(tmp_path, "sft", do_train=True, packing=True, packing_strategy=strategy), [])
     assert c.packing == packing
-    assert ("packing_strategy bfd keeps the packed documents apart" in capsys.readouterr().out) == (strategy == "bfd")
+    said = capsys.readouterr().out
+    assert (f"packing_strategy {strategy} keeps the packed documents apart" in said) == (packing == "isolated")
     assert load(_keys(tmp_path, "sft", do_train=True, packing=False, packing_strategy=strategy), []).packing is False
     with pytest.raises(ArgumentError, match="packing_strategy must be bfd .* or wrapped"):
         load(_keys(tmp_path, "sft", do_train=True, packing=True, packing_strategy="best_fit"), [])
+    with pytest.raises(ArgumentError, match="packing_strategy bfd_split splits a document longer than a row"):
+        load(_keys(tmp_path, "sft", do_train=True, packing=True, packing_strategy="bfd_split"), [])
 
 
 def test_grpo_reads_num_generations_eval(tmp_path):
