@@ -21,7 +21,7 @@ from .data import entries
 from . import preemption
 from . import best_model, early_stopping, neftune, rope_scaling, router_loss, vocab
 from . import intervals
-from . import their_keys
+from . import eos_token, their_keys
 from ..errors import ArgumentError
 from ..optim import MAX_LR
 from ..settings import Settings
@@ -41,6 +41,7 @@ class RunConfig:
     """One run's settings; docs/training.md explains each key."""
     model: str = BUNDLED
     tokenizer: str | None = None
+    eos_token: str | None = None    # TRL's: taken where it is the tokenizer's own EOS (eos_token.py)
     bundled_model: dict = field(default_factory=lambda: dict(BUNDLED_MODEL))
     data: list = field(default_factory=lambda: [BUNDLED])
     mix_strategy: str | None = None
@@ -365,6 +366,8 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     elif not c.bundled and not os.path.isdir(c.model):
         raise ArgumentError(f"tokenizer: model {c.model} is a config file, which holds no tokenizer; "
                             "name a tokenizer folder")
+    c.eos_token = text("eos_token", c.eos_token, optional=True)
+    eos_token.check(c)
     c.bundled_model = _bundled_model(c.bundled_model)
     check_data(c, raw)
     if c.disable_dropout is None:

@@ -29,7 +29,6 @@ NOT_TAKEN = {
     "padding_free": "packing: isolated (documents packed without padding, kept apart by their position ids)",
     # model and tokenizer
     "model_init_kwargs": "the model is built from its folder's config.json; compute_dtype sets the dtype",
-    "eos_token": "the tokenizer's own end-of-sequence token is used",
     "pad_token": "the tokenizer's own padding token is used (its eos when it has none); padding is never counted",
     "cache_dir": _LOCAL,
     "hf_hub_token": _LOCAL,

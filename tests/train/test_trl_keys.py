@@ -194,3 +194,18 @@ def test_a_recipes_model_and_hub_keys_run_as_written(tmp_path, capsys):
         load(_yaml(tmp_path, hub_model_id="org/model", push_to_hub=True))
     with pytest.raises(ArgumentError, match="model_revision -> megacompile reads local files"):
         load(_yaml(tmp_path, model_revision="v2"))
+
+
+def test_eos_token_is_taken_where_it_is_the_tokenizers_own(tmp_path):
+    """SmolLM3's recipe names <|im_end|>, its tokenizer's own EOS: taken. Another token, with which
+    TRL would close every record, is refused; so is any for the bundled model (no tokenizer)."""
+    from transformers import AutoTokenizer
+    model = files.model_dir(str(tmp_path / "model"))
+    own = AutoTokenizer.from_pretrained(model).eos_token
+    assert load(_yaml(tmp_path, model=model, eos_token=own)).eos_token == own
+    with pytest.raises(ArgumentError, match=rf"eos_token '<other>': megacompile closes each record with the "
+                                            rf"tokenizer's own end-of-sequence token, '{own}'"):
+        load(_yaml(tmp_path, model=model, eos_token="<other>"))
+    with pytest.raises(ArgumentError, match="eos_token: the bundled model reads bytes"):
+        load(_yaml(tmp_path, eos_token=own))
+    assert load(_yaml(tmp_path, model=model, eos_token="<EOS_TOKEN>")).eos_token is None     # a dump's placeholder
