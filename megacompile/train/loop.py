@@ -105,8 +105,13 @@ def _set_aside_later(run_dir: str, resume_from: str) -> str | None:
     later = found[mine.index(os.path.realpath(resume_from)) + 1:]
     if not later:
         return None
-    aside = os.path.join(run_dir, CHECKPOINTS, f"set-aside-at-{os.path.basename(os.path.normpath(resume_from))}")
-    os.makedirs(aside, exist_ok=True)
+    name = f"set-aside-at-{os.path.basename(os.path.normpath(resume_from))}"
+    aside = os.path.join(run_dir, CHECKPOINTS, name)
+    n = 1
+    while os.path.exists(aside):        # a second branch from the same checkpoint: its own folder
+        n += 1
+        aside = os.path.join(run_dir, CHECKPOINTS, f"{name}-{n}")
+    os.makedirs(aside)
     for path in later:
         os.replace(path, os.path.join(aside, os.path.basename(path)))
     from ..io.durable import fsync_dir

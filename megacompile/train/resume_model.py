@@ -58,8 +58,10 @@ def check(path: str, extra: dict, model: nn.Module) -> None:
 
 
 def _changes(before: dict, now: dict, prefix: str = "") -> list[str]:
+    """The entries both configs hold with other values. An entry one of them lacks is a release of
+    transformers writing another set of defaults (a field added), not a model changed."""
     changed = []
-    for k in sorted(set(before) | set(now)):
+    for k in sorted(set(before) & set(now)):
         a, b = before.get(k), now.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
             changed += _changes(a, b, f"{prefix}{k}.")

@@ -79,6 +79,12 @@ def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path,
     run(load(_yaml(tmp_path, steps=5, save_every=1, keep_last=None, lr=1e-4, resume="auto"), []))
     assert f"resumed        from {checkpoints / 'step-000003'} at step 3" in capsys.readouterr().out
     assert [int(r["step"]) for r in log.read(str(tmp_path / "run" / "log.csv"))] == [1, 2, 3, 4, 5]
+    # A second branch from the same checkpoint sets its later ones aside in a folder of their own.
+    run(load(_yaml(tmp_path, steps=3, save_every=1, keep_last=None, lr=2e-4, resume="run/checkpoints/step-000002"),
+             []))
+    assert sorted(os.listdir(aside)) == ["step-000003", "step-000004"]
+    assert sorted(os.listdir(checkpoints / "set-aside-at-step-000002-2")) == ["step-000003", "step-000004",
+                                                                                "step-000005"]
 
 
 def test_the_lock_is_the_kernels_and_ends_with_its_process(tmp_path):
