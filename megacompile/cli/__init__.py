@@ -192,6 +192,9 @@ def parser() -> argparse.ArgumentParser:
                    help="measure the disk tier's disk here (1 GiB written and read back); default: keep the "
                         "profile's disk figures")
     c.set_defaults(run=_calibrate)
+
+    from .export import add_to as add_export      # export.py: `megacompile export`
+    add_export(sub)
     return p
 
 

@@ -25,6 +25,10 @@
     trained_model.py  where a run leaves its model: export, else the run folder (output_dir)
     best_model.py  load_best_model_at_end: the best checkpoint's weights are the model written
     policy_export.py  a dpo, kto or grpo run's trained policy, an rm run's reward model, as a Hugging Face folder
+    checkpoint_export.py  `megacompile export`: a checkpoint of a run written as the run writes its model
+    run_args.py  training_args.yaml: the run's settings as given, which export reads the run back from
+    results.py   the Trainer's train_results.json, all_results.json, trainer_state.json at the run's end
+    loss_plot.py plot_loss: training_loss.png, as LlamaFactory draws it
     log.py       CSV rows per optimizer step, TensorBoard, progress
     wandb_log.py W&B scalars per optimizer step (log: [wandb])
     resume.py    a resume checked against its checkpoint: refused, noted, or already complete

@@ -172,7 +172,7 @@ KERNELS = ("enable_liger_kernel", "use_liger_kernel", "use_v1_kernels")
 # TRL's ModelConfig keys whose choice the run makes itself
 MODEL_CHOICES = ("attn_implementation", "lora_task_type")
 IGNORED = ("trust_remote_code", "overwrite_cache", "overwrite_output_dir",
-           "dataloader_num_workers", "plot_loss", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
+           "dataloader_num_workers", "save_only_model", "ddp_timeout", "flash_attn", "deepspeed",
            "do_eval", "gradient_checkpointing", "optim", "tf32", "pad_to_multiple_of",
            "tool_format", "buffer_size", "preprocessing_batch_size", "ignore_pad_token_for_loss",
            "data_shared_file_system", "eval_num_beams", "upcast_lmhead_output", "include_num_input_tokens_seen",

@@ -6,6 +6,7 @@ are checked in config_data.py, single values (a number in a range, a flag) in co
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -135,12 +136,16 @@ class RunConfig:
     compute_accuracy: bool = False      # LlamaFactory's: the held-out token accuracy beside the loss (stage sft)
     eval_on_each_dataset: bool = False  # LlamaFactory's: each eval file (eval_dataset name) evaluated on its own too
     eval_on_start: bool = False         # transformers': an evaluation before the first step (intervals.evaluates)
+    plot_loss: bool = False     # LlamaFactory's: training_loss.png at the end (loss_plot.py)
     # what the run makes of the three (io/grown_vocab.py's GrownVocab, vocab.resolve); no key of run.yaml
     grown: Any = field(default=None, metadata={"derived": True})
     # pissa_init's initial adapters: the run folder's file a resumed run reads them from (None: made
     # from the weights), and what they make of the base (methods/pissa.py's Residual); no keys of run.yaml
     pissa_kept: Any = field(default=None, metadata={"derived": True})
     pissa: Any = field(default=None, metadata={"derived": True})
+    # the settings as given, paths made absolute and overrides laid over: the run folder's
+    # training_args.yaml (run_args.py), which `megacompile export` reads the run back from
+    given: Any = field(default=None, compare=False, repr=False, metadata={"derived": True})
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
     trim_padding: bool = True     # a step's rows cut after their longest document (data/trim.py)
     train_from_scratch: bool = False   # LlamaFactory's: the model folder's config, randomly initialised
@@ -300,6 +305,7 @@ def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
     for note in own.notes + their_keys.notes(c, own.keys):
         print(f"  note           {note}", flush=True)
     return c
+    c.given = raw
 
 
 def _from_scratch(c: RunConfig) -> None:
@@ -491,6 +497,10 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("eval_on_start evaluates before the first step, as the evaluations every eval_every steps "
                             "do: give held-out data (eval or eval_fraction) and eval_every")
     c.compute_accuracy = flag("compute_accuracy", c.compute_accuracy)
+    c.plot_loss = flag("plot_loss", c.plot_loss)
+    if c.plot_loss and importlib.util.find_spec("matplotlib") is None:
+        raise ArgumentError("plot_loss: true draws training_loss.png with matplotlib, which is not installed: "
+                            "pip install 'megacompile[plot]' (or pip install matplotlib), or set plot_loss: false")
     if c.compute_accuracy and (c.stage != "sft" or c.bundled or c.loss_type in ("dft", "eaft")
                                or not (c.eval or c.eval_fraction)):
         raise ArgumentError("compute_accuracy is LlamaFactory's held-out token accuracy of a Hugging Face model under "

@@ -32,7 +32,7 @@ from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
 from . import (best_model, early_stopping, intervals, methods, preemption, resume, resume_model, rope_scaling,
-               router_loss, run_lock, trained_model, vocab)
+               results, router_loss, run_args, run_lock, trained_model, vocab)
 from .config import RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
@@ -160,7 +160,7 @@ def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int,
     settings; `more`: a stage's own state. Whether it saved one."""
     if not force and (c.save_every is False or not intervals.due(c.save_every, step, c.steps)):
         return False        # save_every false (TRL's save_strategy: no): none but a stop signal's
-    sources = fingerprint_sources(fingerprint)     # what a streamed run's fingerprint hashed: resume.py names changes
+    sources = fingerprint_sources(fingerprint)     # what the data was made from: resume.py names changes
     engine.save_checkpoint(checkpoint_path(folder, step),
                            extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
                                   "settings": resume.settings(c), "finetuning": methods.saved(c),
@@ -243,6 +243,7 @@ def _train_checked(c: RunConfig, run_dir: str, stage: Stage, resume_from: str | 
                    meta, model_config: dict, trace: str | None) -> dict:
     try:
         os.makedirs(run_dir, exist_ok=True)
+        run_args.write(c, run_dir)
         stage.commit(run_dir)
         done = saved is not None and resume.complete(c, saved, run_dir)
         if done:
@@ -439,10 +440,12 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
               "final_loss": losses_seen[-1] if losses_seen else None,
               "seconds": elapsed, "last_checkpoint": saved_at, "budget_bytes": plan.budget_bytes,
               "predicted_device_peak_bytes": plan.predicted_peak_bytes,
-              "measured_device_peak_bytes": measured, "model": place or latest[1]}
+              "measured_device_peak_bytes": measured, "model": place or latest[1], "steps_run": steps_done - start_step}
     if losses_seen:
         name = "" if c.stage in ("sft", "pt") else f"{c.stage} "
         print(f"done: {name}loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {elapsed:.1f} s, "
               f"measured device peak {fmt_bytes(measured or 0)} (predicted {fmt_bytes(plan.predicted_peak_bytes)}, "
               f"budget {fmt_bytes(plan.budget_bytes)}); log in {os.path.join(run_dir, 'log.csv')}", flush=True)
+    print(results.finish(c, run_dir, result, stage, engine.model, best.state(),
+                         None if best.step is None else at(best.step)), flush=True)
     return result

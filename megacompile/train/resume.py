@@ -98,8 +98,9 @@ def check_rows(c: RunConfig, saved: Saved) -> None:
 
 
 def check_data(saved: Saved, fingerprint: str, same_rows=None) -> None:
-    """Refuse a resume on other data than the checkpoint's. A streamed run's checkpoint (stages dpo
-    and grpo too) keeps the sources its fingerprint hashed: the refusal names what changed.
+    """Refuse a resume on other data than the checkpoint's. A checkpoint keeps the sources its data
+    (a token file, a streamed run's or a post-training stage's fingerprint) was made from: the
+    refusal names what changed.
     `same_rows(extra)`: whether the changed data still gives the rows trained on before the
     checkpoint (a streamed run reads them again to see); then the run goes on, saying so."""
     if saved.extra.get("data") == fingerprint:

@@ -128,7 +128,7 @@ def test_keys_without_effect_and_the_template_name_are_noted(tmp_path, capsys):
     assert sorted(line.split(", ")) == ["dataloader_num_workers", "ddp_timeout", "flash_attn", "overwrite_cache",
                                         "overwrite_output_dir (a run_dir holding a run's checkpoints is never "
                                         "overwritten: resume: auto goes on from its latest and a new run there is "
-                                        "refused (give it another output_dir))", "plot_loss", "trust_remote_code"]
+                                        "refused (give it another output_dir))", "trust_remote_code"]
 
 
 def _without_chat_template(model: str) -> None:

@@ -4,6 +4,7 @@ evaluation; lower is better for a loss unless greater_is_better), the best kept 
 latest, carried across a resume; settings under which a checkpoint has no evaluation are refused."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -44,6 +45,10 @@ def test_the_model_written_is_the_best_checkpoints(tmp_path, capsys):
     _exported_is_checkpoint(c, best)
     # save_total_limit 1: the last checkpoint and the best, as the Trainer keeps them
     assert sorted(os.listdir(os.path.join(c.run_dir, "checkpoints"))) == [f"step-{best:06d}", "step-000004"]
+    with open(os.path.join(c.run_dir, "trainer_state.json")) as f:      # as the Trainer's names them
+        state = json.load(f)
+    assert state["best_metric"] == losses[best - 1]
+    assert state["best_model_checkpoint"] == os.path.join(c.run_dir, "checkpoints", f"step-{best:06d}")
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_result(tmp_path):
     # Other tokens under the same run_dir: refused, not resumed on a different data stream.
     with open(work["chats"], "a") as f:
         f.write('{"text": "the dog sat on the cat"}\n')
-    with pytest.raises(ArgumentError, match="was saved by a run on other tokens"):
+    with pytest.raises(ArgumentError, match=r"was saved by a run on other data: .*chats.jsonl changed size"):
         run(load(config, []))
 
 

@@ -69,7 +69,7 @@ def test_a_finished_run_run_again_says_it_is_complete_and_does_nothing(tmp_path,
 @pytest.mark.parametrize("change, message", [
     ("seed=1", r"cut its rows otherwise \(seed 0 -> 1\)"),
     ("eval_fraction=0.1", r"cut its rows otherwise \(eval_fraction 0.0 -> 0.1\)"),
-    ("data=OTHER", "was saved by a run on other tokens"),
+    ("data=OTHER", r"was saved by a run on other data: .*other.txt is new"),
 ])
 def test_a_refused_resume_leaves_the_run_folder_as_it_was(tmp_path, change, message):
     _run(tmp_path, "steps=1")

@@ -1,6 +1,7 @@
-"""A streamed run's checkpoint (stages dpo and grpo too) keeps the sources its data fingerprint was
-made from, and a resume on other data is refused naming what changed: a data file moved (same
-size), a tokenizer file, train_on_prompt. A checkpoint that kept none gets the refusal by hashes."""
+"""A run's checkpoint (a token file's, a streamed run's, stages dpo and grpo too) keeps the sources
+its data was made from, and a resume on other data is refused naming what changed: a data file
+grown, moved (same size), a tokenizer file, train_on_prompt. A checkpoint that kept none gets the
+refusal by hashes."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,25 @@ def _streamed(tmp_path, **more) -> str:
 def _manifest(tmp_path) -> str:
     folder = tmp_path / "run" / "checkpoints"
     return str(folder / sorted(n for n in os.listdir(folder) if n.startswith("step-"))[-1] / "manifest.json")
+
+
+def test_a_token_file_resume_on_a_grown_data_file_names_the_file(tmp_path):
+    assert run(load(_streamed(tmp_path, streaming=False), []))["steps"] == 1
+    with open(_manifest(tmp_path)) as f:
+        extra = json.load(f)["extra"]
+    assert not extra["data"].startswith("stream-")      # the token file's own hash, its sources beside it
+    assert extra["data_sources"]["files"][0]["files"][0]["path"] == str(tmp_path / "chats.jsonl")
+    before = os.path.getsize(tmp_path / "chats.jsonl")
+    with open(tmp_path / "chats.jsonl", "a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "the dog"},
+                                         {"role": "assistant", "content": "sat on the cat"}]}) + "\n")
+    with pytest.raises(ArgumentError) as refused:
+        run(load(_streamed(tmp_path, streaming=False, steps=2), []))
+    message = str(refused.value)
+    print(message)
+    assert message.startswith(f"{os.path.dirname(_manifest(tmp_path))} was saved by a run on other data: ")
+    assert str(tmp_path / "chats.jsonl") in message and f"{before}" in message
+    assert "token file" not in message
 
 
 def test_a_dpo_resume_on_its_pairs_copied_elsewhere_names_the_file_as_moved(tmp_path):

@@ -230,7 +230,7 @@ def test_llamafactorys_qwen2_5vl_full_sft_yaml_loads_as_written(tmp_path, capsys
     assert [os.path.basename(e["path"]) for e in c.data] == ["mllm_demo.json", "identity.json", "alpaca_en_demo.json"]
     said = capsys.readouterr().out
     assert "video_max_pixels" not in said       # used: records with videos read within it (test_video_records.py)
-    for key in ("trust_remote_code", "deepspeed", "pad_to_multiple_of", "overwrite_cache", "plot_loss", "ddp_timeout"):
+    for key in ("trust_remote_code", "deepspeed", "pad_to_multiple_of", "overwrite_cache", "ddp_timeout"):
         assert key in said.split("ignored (no effect in a megacompile run):")[1].splitlines()[0]
 
 

@@ -139,13 +139,13 @@ def fingerprint(items: list, tokenizer_dir: str | None, train_on_prompt: bool, c
     return made
 
 
-_MADE: dict[str, dict] = {}     # fingerprint() -> the sources it hashed, in this process
+_MADE: dict[str, dict] = {}     # fingerprint() or a token file's sha256 -> its sources, in this process
 
 
 def sources(fingerprint: str) -> dict | None:
-    """The sources a fingerprint() of this process hashed (data files with their sizes and times,
-    tokenizer files' sha256, settings, format), which a checkpoint keeps beside the fingerprint so
-    that a resume on other data can name what changed (resume.py); None for a token file's sha256."""
+    """The sources a fingerprint() or a token file of this process was made from (data files with
+    their sizes and times, tokenizer files' sha256, settings, format), which a checkpoint keeps
+    beside the fingerprint so that a resume on other data can name what changed (resume.py)."""
     found = _MADE.get(fingerprint)
     return json.loads(json.dumps(found)) if found is not None else None
 
@@ -187,6 +187,7 @@ def token_file(folder: str, split: str, paths: list, tokenizer, tokenizer_dir: s
         staged = folder.rstrip(os.sep) + ".new"
         content, starts, pictures, marked = _write(staged, split, paths, tokenizer, train_on_prompt, sources,
                                                     made_from, media, cutoff, workers)
+    _MADE[content] = sources    # a checkpoint keeps them too: a resume on changed data is told what changed
     base = os.path.join(staged or folder, split)
     docs = np.fromfile(base + ".docs", dtype=np.int64)
     return TokenFile(np.memmap(base + ".ids", dtype=np.uint32, mode="r"),

@@ -1,0 +1,195 @@
+"""A checkpoint of a run written as the run writes its trained model (`megacompile export`): the
+best step of a run that went on past it, or the last of a run that was stopped.
+
+    run.yaml (the run's) -> the model as the run builds it (added tokens, rope_scaling, LoRA or
+                            frozen layers), on meta
+    checkpoint           -> checked against it: stage, fine-tuning keys, model config, tensors
+    engine               -> never built nor stepped: its weights wait in the checkpoint's files
+    trained_model.write  -> the run's own writers (save_pretrained, lora_export, policy_export)
+
+A checkpoint keeps the model's config and fine-tuning keys but not the model folder, tokenizer or
+template the run read: those come from the training_args.yaml the run left in its folder
+(run_args.py), or from a run.yaml given beside it, as LlamaFactory's export takes its YAML beside
+the adapter.
+
+Memory: the weights stream from the checkpoint's files into the export one tensor at a time for a
+full or freeze run's model; a LoRA export holds what the run's own export holds (the adapters, or
+for a merged model the base and the merged weights).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+
+import torch
+import torch.nn as nn
+
+from ..errors import ArgumentError, MegacompileError
+from . import methods, resume, resume_model, run_args, trained_model, vocab
+from .config import load
+from .stages.stage import CHECKPOINTS
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Policy(nn.Module):
+    """The module a post-training run trained (its objective holds the model as `policy` and
+    nothing else): the checkpoint's `policy.` names, and what the run's writers read."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+
+def checkpoint_of(path: str) -> str:
+    """`path` itself when it is a checkpoint folder; for a run folder, its latest committed one."""
+    from ..io.checkpoint import MARKER, committed_beside
+    folder = os.path.join(path, CHECKPOINTS)
+    if os.path.isfile(os.path.join(path, MARKER)) or not os.path.isdir(folder):
+        return path
+    found = committed_beside(os.path.join(folder, "latest"))
+    if not found:
+        raise ArgumentError(f"the run folder {path} holds no committed checkpoint in {folder}: give a checkpoint "
+                            "folder (RUN/checkpoints/step-NNNNNN)")
+    return found[-1]
+
+
+def export(checkpoint: str, out: str, config: str | None = None, overrides: list[str] = (),
+           merge_adapter: bool | None = None, dtype: str | None = None, overwrite: bool = False) -> str:
+    """The model of `checkpoint` (a checkpoint folder, or a run folder: its latest) written into
+    `out` as the run of `config` (its run.yaml, `overrides` laid over it as train takes them;
+    None: the training_args.yaml its run left in the run folder) writes its model; merge_adapter
+    and dtype in place of the run.yaml's merge_adapter and export_dtype. Returns the line that
+    says what `out` holds and what loads it."""
+    path = checkpoint_of(checkpoint)
+    saved = resume.read(path)       # a folder that is no committed checkpoint is refused here, by name
+    if config is None:
+        config = run_args.beside(path)
+        if config is None:
+            raise ArgumentError(f"export needs --config, the run.yaml of the run that saved {path}: its run folder "
+                                f"holds no {run_args.NAME} (which a run writes as it starts) to read the model "
+                                "folder, tokenizer and template from")
+    _check_out(out, path, overwrite)
+    with contextlib.redirect_stdout(io.StringIO()):     # its notes are of training, not of the export
+        c = load(config, list(overrides))
+    _check_run(c, saved, config, merge_adapter, dtype)
+    if merge_adapter is not None:
+        c.merge_adapter = merge_adapter
+    if dtype is not None:
+        c.export_dtype = dtype
+    meta = _meta(c, saved, config)
+    policy = _trained_as_policy(path)
+    engine = _engine(c, meta, policy)
+    try:
+        _load(engine, path, config)
+        trained_model.write(c, engine, _tokenizer(c), out, overwrite=overwrite, policy=policy)
+    finally:
+        engine.close()
+    return trained_model.last_line(c, out, path)
+
+
+def _check_out(out: str, checkpoint: str, overwrite: bool) -> None:
+    """Before anything is read: `out` is a folder (or none yet) holding no model, unless overwrite."""
+    from ..io.hf_save import export_files
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ArgumentError(f"OUT {out} is a file: give a folder to write the model into")
+    if os.path.realpath(out) == os.path.realpath(checkpoint):
+        raise ArgumentError(f"OUT {out} is the checkpoint itself: give another folder")
+    found = export_files(out)
+    if found and not overwrite:
+        shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
+        raise ArgumentError(f"OUT {out} already holds a model ({shown}): give another folder, or --overwrite to "
+                            "replace those files (the folder's other files are kept either way)")
+
+
+def _check_run(c, saved: resume.Saved, config: str, merge_adapter: bool | None, dtype: str | None) -> None:
+    """The run file describes the run that saved the checkpoint, and asks for an export this
+    command writes."""
+    if c.bundled:
+        raise ArgumentError(f"{config} trains the bundled model, which is no Hugging Face model: its weights are in "
+                            "the checkpoint itself (engine.load_checkpoint reads it)")
+    if c.stage == "rm":
+        raise ArgumentError(f"{saved.path} is a reward model's checkpoint (stage rm): export writes a causal LM or a "
+                            "LoRA adapter; a reward model is written by its run at its end")
+    stage = (saved.extra.get("stage") or {}).get("stage", "sft")
+    if stage != c.stage:
+        raise ArgumentError(f"{saved.path} was saved by a stage {stage} run and {config} is a stage {c.stage} run: "
+                            "give the run.yaml of the run that saved it")
+    before, now = saved.extra.get("finetuning") or {"finetuning_type": "full"}, methods.saved(c)
+    # A key only one side holds (one added since the checkpoint was saved) is not compared.
+    changed = [f"{k} {before[k]!r} -> {now[k]!r}" for k in before if k in now and before[k] != now[k]]
+    if changed:
+        raise ArgumentError(f"{saved.path} trained other parameters than {config} says ({', '.join(changed[:4])}): "
+                            "give the run.yaml of the run that saved it, or set those keys back (key=value)")
+    if merge_adapter is not None and not methods.adapters(c):
+        raise ArgumentError(f"--merge-adapter: {saved.path} is of a finetuning_type {c.finetuning_type} run, which "
+                            "has no adapter to merge; leave the flag out")
+    if c.pissa_init:
+        raise ArgumentError(f"{saved.path} is of a PiSSA run (pissa_init), whose base in the checkpoint is the "
+                            "residual: export it at the run's end (export, merge_adapter)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ArgumentError(f"--dtype is one of {', '.join(DTYPES)}; got {dtype!r}")
+
+
+def _meta(c, saved: resume.Saved, config: str) -> nn.Module:
+    """The run's model on meta, as loop.py builds it, its config checked against the checkpoint's."""
+    from .model import meta_model
+    meta = meta_model(c)
+    if getattr(meta.config, "vision_config", None) is not None:
+        raise ArgumentError(f"{saved.path} is of a vision-language model ({type(meta).__name__}): export writes "
+                            "text models; its run writes it at its end (export)")
+    for said in vocab.resolve(c, meta):
+        print(said, flush=True)
+    if c.grown is not None:
+        meta = meta_model(c)      # built again with the grown vocabulary
+    before = saved.extra.get(resume_model.KEY)
+    changed = resume_model._changes(before, resume_model.saved(meta)) if isinstance(before, dict) else []
+    if changed:
+        raise ArgumentError(f"{saved.path} was saved by a run of a model configured otherwise than {config} builds "
+                            f"it ({', '.join(changed[:4])}): give the run.yaml of the run that saved it")
+    return methods.apply(c, meta, [])
+
+
+def _trained_as_policy(path: str) -> bool:
+    """Whether the checkpoint's names are an objective's (`policy.`): every stage but sft and pt,
+    and those under an objective of their own (loss_type dft, moe_aux_loss_coef)."""
+    import json
+
+    from ..io.checkpoint import MANIFEST
+    from ..io.header import read_header
+    with open(os.path.join(path, MANIFEST)) as f:     # checked by resume.read; the files' hashes by the load
+        files = json.load(f)["files"]
+    return any(key.partition("/")[2].startswith("policy.") for file in files
+               if os.path.isfile(os.path.join(path, file))       # one missing: the load names it
+               for key in read_header(os.path.join(path, file)))
+
+
+def _engine(c, meta: nn.Module, policy: bool):
+    """An engine over the module the run trained, its weights waiting in the model folder's files
+    until the checkpoint's take their place; on the cpu, since it never steps."""
+    from .model import adamw, compile_module, make_module
+    wrap = _Policy if policy else None
+    module = make_module(c, meta, wrap, quiet=True)
+    return compile_module(c, module, c.hbm_budget or 1.0, wrap, optimizer=adamw(c, c.lr), device="cpu",
+                          compute_dtype=getattr(torch, c.compute_dtype))
+
+
+def _load(engine, path: str, config: str) -> None:
+    """The checkpoint's weights in place of the folder's (its files read when written). The run's
+    optimizer settings are not the export's: a difference is no note here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            engine.load_checkpoint(path, strict=False)
+        except MegacompileError as e:
+            raise type(e)(f"{e} (the model {config} builds)") from e
+
+
+def _tokenizer(c):
+    """The tokenizer the run trained with: its folder's, with the run's template and added tokens."""
+    from .data.tokens import load_tokenizer
+    tokenizer = load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model)
+    vocab.add(tokenizer, c)
+    return tokenizer

@@ -1,0 +1,31 @@
+"""training_args.yaml in the run folder: the run's settings as given (its run.yaml with the
+command's key=value overrides laid over it, paths made absolute), as LlamaFactory leaves
+training_args.yaml in output_dir. Written as the run starts training (a resumed run's replaces
+it); `megacompile export` reads the run back from it (checkpoint_export.py), so a checkpoint
+exports without its run.yaml at hand."""
+from __future__ import annotations
+
+import os
+
+from .stages.stage import CHECKPOINTS
+
+NAME = "training_args.yaml"
+
+
+def write(c, run_dir: str) -> None:
+    import yaml
+    if c.given is None:     # a RunConfig made in code, not by load()
+        return
+    path = os.path.join(run_dir, NAME)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        yaml.safe_dump(c.given, f, sort_keys=False)
+    os.replace(path + ".tmp", path)
+
+
+def beside(checkpoint: str) -> str | None:
+    """The training_args.yaml of the run a checkpoint (RUN/checkpoints/step-NNNNNN) belongs to."""
+    folder = os.path.dirname(os.path.abspath(checkpoint))
+    if os.path.basename(folder) != CHECKPOINTS:
+        return None
+    path = os.path.join(os.path.dirname(folder), NAME)
+    return path if os.path.isfile(path) else None
