@@ -24,6 +24,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
 
@@ -416,6 +417,10 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     # update (updates: as_gradients_land), which left the engine to be reloaded.
     except (CheckpointError, NonFiniteError, PartialStepError) as e:
         raise type(e)(f"{e}; {resume.stopped(c, run_dir, engine.steps_done, latest)}") from e
+    except KeyboardInterrupt:       # Ctrl-C, SIGINT not among stop_signals: the step in flight left whole undone
+        print(f"\n  interrupted    {resume.stopped(c, run_dir, engine.steps_done, latest)} (with SIGINT among "
+              "stop_signals, Ctrl-C finishes the step in flight and saves it first)", file=sys.stderr, flush=True)
+        raise
     finally:
         progress.close()
         log.close()

@@ -146,3 +146,27 @@ def test_a_scheduler_sigterm_from_outside(tmp_path):
     step = int(log.read(str(csv))[-1]["step"])
     assert os.listdir(tmp_path / "cut" / "checkpoints") == [f"step-{step:06d}"]
     assert "resume with   megacompile train --config" in err
+
+
+def test_ctrl_c_outside_stop_signals_says_which_checkpoint_the_same_command_goes_on_from(tmp_path, monkeypatch,
+                                                                                        capsys, whole):
+    """SIGINT not among stop_signals: the step in flight is dropped whole (KeyboardInterrupt), and the
+    run says where it goes on from; with SIGINT among them Ctrl-C saves the step first."""
+    monkeypatch.chdir(tmp_path)
+    config = _config(tmp_path, "cut")
+    _signal_at_step(monkeypatch, 3, signal.SIGINT)
+    assert main(["train", "--config", config]) == 130
+    said = capsys.readouterr().err
+    assert "interrupted    the run stopped after step 2; the same command goes on from its last checkpoint, " in said
+    assert "step-000002 (step 2) (with SIGINT among stop_signals, Ctrl-C finishes the step in flight and saves it " \
+           "first)" in said
+    assert [r["step"] for r in _rows("cut")] == ["1", "2"]
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", config]) == 0
+    assert _rows("cut") == whole
+
+    _signal_at_step(monkeypatch, 2, signal.SIGINT)
+    assert main(["train", "--config", _config(tmp_path, "saved", stop_signals=["SIGINT"])]) == 130
+    assert "SIGINT at step 2: stopped after the whole step; its checkpoint is " in capsys.readouterr().err
+    assert sorted(os.listdir("saved/checkpoints")) == ["step-000002"]
