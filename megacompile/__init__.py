@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     # anything below imports triton (torch's flop counter does).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from .capture import LossAndOutputs
 from .engine import Engine
 from .errors import (BudgetExceededError, BudgetTooSmallError, CaptureError, HostMemoryError, InputMismatchError,
                      LossError, MegacompileError, NonFiniteError, OptimizerInputError, PartialStepError,
@@ -105,6 +106,7 @@ def compile(model: nn.Module, hbm_budget: float | None = None, *, settings: Sett
 
 
 __all__ = ["compile", "plan", "plan_stage", "minimum_budget", "Settings", "Engine", "Plan", "AdamW", "hf_no_decay",
+           "LossAndOutputs",
            "MegacompileError",
            "BudgetTooSmallError", "HostMemoryError",
            "BudgetExceededError", "CaptureError", "LossError", "InputMismatchError", "PlanVerificationError",

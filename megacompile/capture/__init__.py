@@ -19,7 +19,7 @@ from .hf_delta_rule import delta_rule_as_op
 from .hf_masks import causal_attention_without_mask
 from .hf_windows import span_attention, spans_without_mask
 from .image_tokens import ImageTokens, static_image_merge
-from .loss import LossFn, extract_loss
+from .loss import LossAndOutputs, LossFn, extract_loss
 from .model_graph import CapturedModel, Port, StageInstance, StateEntry
 from .refuse import CHECKED_LINEAR_ATTENTION, refuse_unsupported
 from .segment import build_stages
@@ -30,7 +30,7 @@ from .grid_constants import GRID_INPUTS
 from .rope_positions import with_rope_positions
 
 __all__ = ["capture", "CapturedModel", "StageInstance", "StageTemplate", "TensorMeta", "ParamSlot",
-           "Port", "StateEntry", "find_block_stack", "extract_loss", "BlockStack", "ImageTokens", "GRID_INPUTS", "with_rope_positions",
+           "Port", "StateEntry", "find_block_stack", "extract_loss", "LossAndOutputs", "BlockStack", "ImageTokens", "GRID_INPUTS", "with_rope_positions",
            "CHECKED_LINEAR_ATTENTION", "blocks_logged_before"]
 
 
@@ -114,7 +114,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         stages=stages, state=state, inputs=[TensorMeta.of(t, False) for t in tensor_leaves],
         input_spec=spec, input_constants=[None if isinstance(x, torch.Tensor) else x for x in leaves],
         outputs=outputs, out_spec=top.out_spec, out_constants=top.out_constants,
-        out_is_tensor=top.out_is_tensor, train=train, compute_dtype=compute_dtype,
+        out_is_tensor=top.out_is_tensor, train=train, extra_outputs=top.extra_names, compute_dtype=compute_dtype,
         block_path=stack.path if stack else None, towers=stack.towers if stack else (), template_notes=notes,
         routed_fractions=spread_over_templates(routed_fractions(model, routed), stages),
         image_tokens=list(image_tokens.values()), grids=list(grids.values()),

@@ -1,13 +1,24 @@
-"""Take the scalar loss out of whatever the model's forward returned."""
+"""Take the scalar loss out of whatever the model's forward returned, and the tensors it hands out
+beside it (LossAndOutputs)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from ..errors import LossError
 
 LossFn = Callable[..., torch.Tensor]
+
+
+class LossAndOutputs(NamedTuple):
+    """What a model's forward may return to hand out, beside its loss, a few tensors of the same
+    forward (per-row log-probabilities, rewards): the step carries them out detached, no gradient
+    through them, and the engine holds them after the step (`engine.last_outputs`). Values the
+    loss reads come out as the loss read them, with no second forward for them. Eagerly it is a
+    tuple `(loss, outputs)` with `.loss`, as a Hugging Face output has."""
+    loss: torch.Tensor
+    outputs: dict[str, torch.Tensor]
 
 
 def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -44,6 +55,20 @@ def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict)
     if not loss.dtype.is_floating_point:
         raise LossError(f"{where} has dtype {loss.dtype}; the loss must be floating point")
     return loss
+
+
+def extract_outputs(output: Any) -> dict[str, torch.Tensor]:
+    """The tensors a LossAndOutputs hands out beside the loss, detached, by name ({} for any other
+    output: only what the model names is carried out of the step)."""
+    if not isinstance(output, LossAndOutputs):
+        return {}
+    if not isinstance(output.outputs, dict):
+        raise LossError(f"LossAndOutputs.outputs is a dict of named tensors; got a {type(output.outputs).__name__}")
+    for name, value in output.outputs.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise LossError(f"LossAndOutputs.outputs maps names (str) to tensors; got {name!r}: "
+                            f"{type(value).__name__}")
+    return {name: value.detach() for name, value in output.outputs.items()}
 
 
 def require_gradient(needs_grad: bool) -> None:

@@ -53,11 +53,14 @@ class CapturedModel:
     inputs: list[TensorMeta]          # the model's input tensors, flattened from (args, kwargs)
     input_spec: pytree.TreeSpec
     input_constants: list[Any]        # non-tensor input leaves (None at tensor positions)
-    outputs: list[Port]               # training: [loss]; inference: the output's tensors
+    outputs: list[Port]               # training: [loss, *extras]; inference: the output's tensors
     out_spec: pytree.TreeSpec | None = None
     out_constants: list[Any] = field(default_factory=list)
     out_is_tensor: list[bool] = field(default_factory=list)
     train: bool = True
+    # Training: the names of outputs[1:], the tensors the forward handed out beside its loss
+    # (loss.py LossAndOutputs), detached: no tangent flows into them.
+    extra_outputs: tuple[str, ...] = ()
     compute_dtype: torch.dtype = torch.float32
     block_path: str | None = None
     # Module paths of the towers whose layers stream as blocks beside the decoder's (a vision tower).

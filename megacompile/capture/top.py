@@ -21,7 +21,7 @@ from .deepstack import deepstack_in_blocks
 from .fingerprint import record
 from .image_tokens import traced_inputs
 from .leaf import BlockCall, clear_out_meta, set_out_meta
-from .loss import LossFn, extract_loss
+from .loss import LossFn, extract_loss, extract_outputs
 from .rope_positions import held_rope_deltas
 from .side_outputs import active_keys, hand_back, recording
 from .state_writes import refuse_state_writes
@@ -37,6 +37,7 @@ class TopGraph:
     out_spec: pytree.TreeSpec | None  # eval mode: the model output's tree (loss mode: None)
     out_constants: list[Any]
     out_is_tensor: list[bool]
+    extra_names: tuple[str, ...] = ()  # training: the outputs handed out beside the loss (LossAndOutputs)
 
 
 # Within blocks_grouped_once(): per block stack, which earlier block each block computed the same
@@ -266,7 +267,9 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
         with traced_inputs(input_tensors):
             output = functional_call(model, dict(zip(names, state_tensors)), a, kw, strict=False)
         if train:
-            return [extract_loss(output, loss_fn, a, kw)]
+            extras = extract_outputs(output)
+            out_info["extra_names"] = tuple(extras)
+            return [extract_loss(output, loss_fn, a, kw), *extras.values()]
         out_leaves, out_info["spec"] = pytree.tree_flatten(output)
         held = held_rope_deltas(model)      # returned as the model holds them, not computed by the graph
         out_info["is_tensor"] = [isinstance(x, torch.Tensor) and id(x) not in held for x in out_leaves]
@@ -289,7 +292,7 @@ def trace_top(model: nn.Module, stack: BlockStack | None, state: dict[str, torch
     refuse_state_writes(gm, names, f"{type(model).__name__}")
     calls = _drop_unread(gm, calls)
     return TopGraph(gm, names, len(tensor_pos), calls, out_info.get("spec"),
-                    out_info.get("constants", []), out_info.get("is_tensor", []))
+                    out_info.get("constants", []), out_info.get("is_tensor", []), out_info.get("extra_names", ()))
 
 
 def _drop_unread(gm: fx.GraphModule, calls: list[BlockCall]) -> list[BlockCall]:

@@ -292,7 +292,7 @@ def _plan_stage(args: argparse.Namespace) -> int:
                             nvme_budget=args.nvme_budget, nvme_bandwidth=args.nvme_bandwidth,
                             images_per_row=args.images_per_row, image_size=args.image_size,
                             trained=getattr(args, "trained", None), inputs=getattr(args, "trained_inputs", None),
-                            **keys)
+                            **_engine_settings(args), **keys)
     except (BudgetTooSmallError, HostMemoryError) as e:
         print(host_line)
         print(f"  verdict        does NOT fit: {e}")
@@ -315,6 +315,19 @@ def _plan_stage(args: argparse.Namespace) -> int:
         print(json.dumps({"fits": over is None, "budget_bytes": staged.train.budget_bytes, "grad_accum": args.grad_accum,
                           "card_bytes": staged.train.card_bytes, **staged.to_json(), **run}), file=args.json_out)
     return 0 if over is None else DOES_NOT_FIT
+
+
+def _engine_settings(args: argparse.Namespace) -> dict:
+    """What the run's engine plans each part with beside the shapes: --run's AdamW, whose gradients'
+    norm is taken every step (clipped at max_grad_norm, or at inf for the log), and its accumulation;
+    a plain --stage's are compile()'s defaults."""
+    from ..settings import Settings
+    out = dict(grad_accum=args.grad_accum, accumulation=args.accumulation or Settings.accumulation,
+               updates=args.updates)
+    if getattr(args, "max_grad_norm", None) is not None:
+        from ..optim import AdamW
+        out["optimizer"] = AdamW(max_grad_norm=args.max_grad_norm)
+    return out
 
 
 def _optimizer_step_s(staged, grad_accum: int) -> float:

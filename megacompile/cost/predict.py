@@ -97,6 +97,7 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
     ready: dict[str, float] = {}
     exposed = exposed_update = flops = 0.0
     ends = []
+    costs: dict[tuple, tuple[float, float]] = {}    # per (stage, op): every block's nodes, played twice
     for play in range(2):
         busy = {k: 0.0 for k in free}
         exposed = exposed_update = flops = 0.0
@@ -106,7 +107,10 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
             issued = free["compute"]
             free["compute"] += hw.node_overhead_s
             if n.op in COMPUTE_OPS:
-                seconds, f = compute_seconds(captured, n, hw)
+                key = (n.stage, n.op)
+                if key not in costs:
+                    costs[key] = compute_seconds(captured, n, hw)
+                seconds, f = costs[key]
                 free["compute"] += seconds
                 busy["compute"] += seconds
                 flops += f

@@ -166,6 +166,9 @@ class Engine(StateIO):
         self.skip_streak = SkipStreak(max_consecutive_skips, "compile(..., max_consecutive_skips=N) sets how many "
                                       "skipped steps in a row raise this (None: never)")
         self.last_step: StepRecord | None = None
+        # What the last step() call's forward handed out beside its loss (step(), engine/step.py _hand_out).
+        self.last_outputs: dict[str, torch.Tensor] | None = None
+        self.accumulated_outputs: list[dict[str, torch.Tensor]] = []
         self._busy = self.device_share.lock      # one call at a time on the device, whichever engine's
         self._closed = False
         model_params.attach(self.state)   # model.state_dict() reads the trained weights
@@ -297,7 +300,15 @@ class Engine(StateIO):
         With grad_accum=k (compile), gradients of k consecutive calls add up (each scaled by 1/k,
         as eager code does with (loss / k).backward()) and the k-th call runs host AdamW over the
         fp32 masters. With k=1 (the default) every call is a full optimizer step.
+
+        A model whose forward returns `megacompile.LossAndOutputs(loss, {name: tensor})` hands
+        those tensors out of the same forward whose gradient the step takes, detached: after the
+        call `engine.last_outputs` maps each name to its value on the host (the call's micro-batch;
+        None where the call raised, or its micro-batch waits for the rest of a layer-major step,
+        whose last call sets `engine.accumulated_outputs`, one dict per micro-batch). A step
+        skipped for an inf or NaN still hands out its forward's values; other models give {}.
         """
+        self.last_outputs, self.accumulated_outputs = None, []      # set once a walk has ended
         self._input_limits.check(args, kwargs, self.backend.name)
         self.state.refuse_partial("step()")
         # A step trains whatever the caller's grad mode (what runs eagerly inside it, such as the
@@ -317,6 +328,7 @@ class Engine(StateIO):
                 or weight <= 0:
             raise ArgumentError(f"weighted_step: weight must be a finite number > 0 (the micro-batch's share of the "
                                 f"step, such as its counted tokens over the step's); got {weight!r}")
+        self.last_outputs, self.accumulated_outputs = None, []
         self._input_limits.check(args, kwargs, self.backend.name)
         self.state.refuse_partial("step()")
         with self._in_use("step()"), torch.enable_grad():

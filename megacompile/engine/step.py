@@ -92,6 +92,7 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
         outputs = compiled.executor.run(inputs, seed=_seeds(weights, micro_batches, state.grad_accum),
                                         context=context, check_loss=True)
     except NonFiniteLoss as e:
+        _hand_out(engine, compiled.captured, e.outputs)     # the walk's own values: read, though dropped
         if dp is not None:   # the other ranks wait for this one's word
             dp.agree(host, e.loss, last)
         _refuse_if_partial(engine, compiled, context, f"the loss is {e.loss}")
@@ -110,6 +111,7 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
         compiled.measured.peak_bytes = backend.memory.peak_bytes
         engine._last = engine._last_train = compiled
     losses = [float(x) for x in outputs[::len(compiled.captured.outputs)]]     # one per micro-batch
+    _hand_out(engine, compiled.captured, outputs)
     loss = losses[-1]
     refused = dp.agree(host, loss, last) if dp is not None else None
     if refused is not None:
@@ -137,6 +139,19 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     if dp is not None:
         dp.step_done(compiled.plan, engine.last_step.seconds)
     return loss
+
+
+def _hand_out(engine, captured, outputs: list) -> None:
+    """The tensors each micro-batch's forward handed out beside its loss (capture/loss.py
+    LossAndOutputs), by name, from the walk's OUTPUT values (each micro-batch's loss, then they):
+    `engine.last_outputs` the call's last micro-batch's, `engine.accumulated_outputs` every
+    micro-batch's of a layer-major program. Set once the walk has ended, so a step that raised
+    leaves None (step() clears them first), never the values of an earlier step."""
+    n = len(captured.outputs)
+    each = [dict(zip(captured.extra_outputs, outputs[i + 1:i + n])) for i in range(0, len(outputs), n)]
+    if each:
+        engine.last_outputs = each[-1]
+        engine.accumulated_outputs = each if len(each) > 1 else []
 
 
 def _seeds(weights: list[float | None] | None, micro_batches: int, grad_accum: int) -> float | list[float]:

@@ -6,11 +6,11 @@ by the cost model; the parts summed.
     dpo   one training step of 2 x `batch` rows (each pair's chosen and rejected rows, packed), and
           one forward-only pass of the reference over the same rows, unless its log-probabilities
           are precomputed (precompute_ref_log_probs) or no loss type reads them (simpo, orpo, sft)
-    kto   one training step of `batch` rows (completions), a forward-only pass over them (the
-          logged rewards) and, for loss_type kto, one over their KL rows (each prompt with another
-          completion); the reference's log-probabilities are computed once a run, not a step
-    rm    one training step of 2 x `batch` rows (each pair's chosen and rejected sequences) and a
-          forward-only pass over them (the logged rewards)
+    kto   one training step of `batch` rows (completions) and, for loss_type kto, a forward-only
+          pass over their KL rows (each prompt with another completion); the reference's
+          log-probabilities are computed once a run, not a step
+    rm    one training step of 2 x `batch` rows (each pair's chosen and rejected sequences)
+    (the logged rewards of dpo, kto and rm come out of the training step's own forward)
     grpo  per rollout batch of prompts x num_generations rows, max_prompt_length +
           max_completion_length tokens wide (TRL's names), in steps_per_generation micro-batches
           (one optimizer step of them each pass, TRL's default grad_accum):
@@ -52,6 +52,7 @@ from ..cost.decode import BF16
 from ..cost.generation_memory import generate_transient_bytes
 from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
 from ..ir.printer import fmt_bytes, fmt_seconds
+from ..optim import AdamW
 from ..settings import Settings
 from .from_config import hardware_profile, model_from_config, plan
 from .kv_generation import (Prefill, StepPart, adapter_bytes, cache_per_token, copy_places, decoder_layer_bytes,
@@ -229,7 +230,8 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
                fuse: bool | None = Settings.fuse, host_budget: float | None = None, nvme_budget: float | None = None,
                nvme_bandwidth: float | None = None, images_per_row: int = 0, image_size: int | None = None,
                trained: nn.Module | None = None, inputs: Callable[[dict, bool], dict] | None = None,
-               **keys) -> StagePlan:
+               optimizer: AdamW | None = None, grad_accum: int = Settings.grad_accum,
+               accumulation: str = Settings.accumulation, updates: str = Settings.updates, **keys) -> StagePlan:
     """The predicted step of a post-training stage, from its parts (see the module's docstring).
 
     `batch`: rows (sft, kto) or preference pairs (dpo, rm) per step, default 1; `seq`: their width, default
@@ -241,7 +243,10 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     the model (stage rm's reward model: the model's decoder under a one-number score, no lm_head) and
     its inputs, inputs(rows, train), from the rows the parts plan the model with (input_ids and labels,
     and the family's image inputs laid out for the model); each part then plans `trained` on them, as
-    `megacompile plan --run` plans such a run. The rest as plan()'s. Raises BudgetTooSmallError or
+    `megacompile plan --run` plans such a run. `optimizer`, `grad_accum`, `accumulation`, `updates`: the
+    run's engine's, which every part planned on it takes (its AdamW's max_grad_norm puts the gradients'
+    norm in the training step; grad_accum > 1 the accumulation's gradient buffers in its host state);
+    grpo's grad_accum is the run's, of micro-batches. The rest as plan()'s. Raises BudgetTooSmallError or
     HostMemoryError, as plan() does, when a part does not fit."""
     keys = stage_keys(stage, keys)
     images = {}
@@ -273,7 +278,8 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
         # and, while it samples, transformers' passing tensors (a prefill of the prompts, a step's logits)
         passing = generate_transient_bytes(model.config, rollout, keys["max_prompt_length"], BF16, pixels) or 0
         places = copy_places(model, keys["generator"], cache + passing)
-    settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, nvme_budget=nvme_budget)
+    settings = dict(hardware=profile, compute_dtype=compute_dtype, fuse=fuse, nvme_budget=nvme_budget,
+                    optimizer=optimizer, grad_accum=grad_accum, accumulation=accumulation, updates=updates)
     host_total = arguments.budget_bytes("host_budget", host_budget, optional=True)
     # What the generator holds on the device for the whole run comes out of the budget first, as a run
     # takes it (train/beside.py): the copy on the device if the engine's plans fit beside it and
@@ -323,15 +329,10 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
     if stage == "dpo" and not keys["precompute_ref_log_probs"] and reads_reference(keys["loss_type"]):
         forward = planned(False, rows, width)
         parts.append(_part("reference forward", 1, forward, f"one forward-only pass of {each}"))
-    if stage == "rm":
+    if stage == "kto" and keys["loss_type"] == "kto":
         forward = planned(False, rows, width)
-        parts.append(_part("rewards forward", 1, forward, f"one forward-only pass of {each}"))
-    if stage == "kto":
-        forward = planned(False, rows, width)
-        parts.append(_part("rewards forward", 1, forward, f"one forward-only pass of {each}"))
-        if keys["loss_type"] == "kto":
-            parts.append(_part("KL forward", 1, forward, f"one forward-only pass of {each}, each prompt with another "
-                                                         "completion"))
+        parts.append(_part("KL forward", 1, forward, f"one forward-only pass of {each}, each prompt with another "
+                                                     "completion"))
     advice = None
     if stage == "grpo":
         forward = rollout_forward

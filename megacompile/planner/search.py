@@ -22,7 +22,7 @@ from ..passes import ScheduleChoice, StepKind, build_schedule
 from .solve import solve
 from ..passes.lower import lower
 from ..passes.selective import with_selective
-from .shorten import Short, held_bytes, peak_with_cut, shorten, span
+from .shorten import Short, held_bytes, live_bytes, peak_with_cut, shorten, span
 from .solve import Family, Selective, candidates, families, lowest
 from ..passes.baselines import baseline_choice
 from .chunk_count import plan_chunked
@@ -292,31 +292,40 @@ def judges(captured: CapturedModel, blocks: list[int], hardware: HardwareProfile
 
 
 class _ShortJudge:
-    """One short schedule and what each cut block of its runs adds: bytes over a span, seconds."""
+    """One short schedule and what each cut block of its runs adds: bytes over a span, seconds.
+    Each half is worked out when first asked: most short schedules are only timed (a family's
+    fastest choice held to a bar), fewer only have their peak found (a bisection's probes)."""
 
     def __init__(self, program: Program, captured: CapturedModel, runs: tuple, hardware: HardwareProfile,
                  disk_per_param: float = 0.0, resident: frozenset[int] = frozenset()):
         self.program, self.captured, self.hardware = program, captured, hardware
-        self.disk_per_param = disk_per_param
-        self.peak_during = simulate(program).peak_during
-        middle = next(i for i, n in enumerate(program.nodes) if n.op is Op.BACKWARD)
-        self.spans = [span(program, r.first) for r in runs]
-        # Per run, what one period of its pattern holds (summed over its blocks) and takes: its
-        # saved values, and the weights of blocks resident from their forward to their backward.
-        self.held = [sum(held_bytes(program, middle, f"f{s}.", weights(s) if s in resident else None)
-                         for s in range(r.first, r.first + r.period)) for r in runs]
-        self.periods = [_period(program, captured, range(r.first, r.first + r.period), hardware, disk_per_param)
-                        for r in runs]
+        self.disk_per_param, self.runs, self.resident = disk_per_param, runs, resident
+        self._bytes: tuple[list[int], list, list[int]] | None = None
+        self._periods: list[float] | None = None
         self._step_s: float | None = None
 
+    def _held(self) -> tuple[list[int], list, list[int]]:
+        if self._bytes is None:
+            program = self.program
+            middle = next(i for i, n in enumerate(program.nodes) if n.op is Op.BACKWARD)
+            live = live_bytes(program, middle)
+            # Per run, what one period of its pattern holds (summed over its blocks): its saved
+            # values, and the weights of blocks resident from their forward to their backward.
+            held = [sum(held_bytes(program, middle, f"f{s}.", weights(s) if s in self.resident else None, live)
+                        for s in range(r.first, r.first + r.period)) for r in self.runs]
+            self._bytes = simulate(program).peak_during, [span(program, r.first) for r in self.runs], held
+        return self._bytes
+
     def peak(self, runs: tuple) -> int:
-        return peak_with_cut(self.peak_during, [(*sp, r.removed // r.period * b)
-                                                for sp, r, b in zip(self.spans, runs, self.held)])
+        peak_during, spans, held = self._held()
+        return peak_with_cut(peak_during, [(*sp, r.removed // r.period * b) for sp, r, b in zip(spans, runs, held)])
 
     def seconds(self, runs: tuple) -> float:
         if self._step_s is None:
             self._step_s = predict(self.program, self.captured, self.hardware, self.disk_per_param).step_s
-        return self._step_s + sum(r.removed // r.period * p for r, p in zip(runs, self.periods))
+            self._periods = [_period(self.program, self.captured, range(r.first, r.first + r.period), self.hardware,
+                                     self.disk_per_param) for r in self.runs]
+        return self._step_s + sum(r.removed // r.period * p for r, p in zip(runs, self._periods))
 
 
 def _period(program: Program, captured: CapturedModel, stages: range, hw: HardwareProfile,

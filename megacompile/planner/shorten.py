@@ -148,9 +148,17 @@ def _ends(keep: int, period: int) -> int:
     return -(-(keep + period - 1) // period) * period
 
 
-def held_bytes(program: Program, upto: int, prefix: str, exact: str | None = None) -> int:
+def held_bytes(program: Program, upto: int, prefix: str, exact: str | None = None,
+               live: dict[str, int] | None = None) -> int:
     """Bytes of the storages whose key starts with `prefix`, or is `exact`, that are live just before
-    node `upto` (the ledger's rule: a storage lives while any value holds it)."""
+    node `upto` (the ledger's rule: a storage lives while any value holds it). `live`:
+    live_bytes(program, upto), when already known (one walk serves every prefix)."""
+    live = live_bytes(program, upto) if live is None else live
+    return sum(nbytes for k, nbytes in live.items() if k.startswith(prefix) or k == exact)
+
+
+def live_bytes(program: Program, upto: int) -> dict[str, int]:
+    """The storages live just before node `upto`, by key, and their bytes."""
     holders: dict[str, set[str]] = {}
     size: dict[str, int] = {}
     for n in program.nodes[:upto]:
@@ -166,7 +174,7 @@ def held_bytes(program: Program, upto: int, prefix: str, exact: str | None = Non
                 for key, nbytes in program.values[v].parts:
                     holders.setdefault(key, set()).add(v)
                     size[key] = nbytes
-    return sum(size[k] for k in holders if k.startswith(prefix) or k == exact)
+    return {k: size[k] for k in holders}
 
 
 def span(program: Program, stage: int) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..capture import LossAndOutputs
 from ..errors import ArgumentError
 from .dpo_losses import LOSS_TYPES, READS_LABEL_SMOOTHING, REFERENCE_FREE, check_f_divergence, combined_loss, loss_types
 from .logprobs import sequence_logprobs, token_logprobs
@@ -147,9 +148,15 @@ class DPOLoss:
         return (logps * early).sum(-1) + self.ld_alpha * (logps * (mask & ~early)).sum(-1)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+        return self.with_sequences(logits, labels, ref_logps)[0]
+
+    def with_sequences(self, logits: torch.Tensor, labels: torch.Tensor,
+                       ref_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss and the (2B,) rows' log-probabilities it read (sequences())."""
         logps, mask = token_logprobs(logits, labels)
         weights = wpo_weights(logits, logps, mask) if self.use_weighting else None
-        return self.pairs(self.sequences(logps, mask), ref_logps, mask.sum(-1).to(logps.dtype), weights).mean()
+        rows = self.sequences(logps, mask)
+        return self.pairs(rows, ref_logps, mask.sum(-1).to(logps.dtype), weights).mean(), rows
 
 
 @torch.no_grad()
@@ -168,24 +175,29 @@ def wpo_weights(logits: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor) -
 class DPOObjective(nn.Module):
     """The policy with the DPO loss on top, as one module for compile(): its forward takes the packed
     batch and returns the loss, so the engine trains it like any model whose output is its loss.
-    The policy's parameters keep their names under `policy.`."""
+    The policy's parameters keep their names under `policy.`. With `hand_out`, the loss comes as
+    LossAndOutputs(loss, {"logps": the (2B,) rows' log-probabilities the loss read}): the policy's
+    for the logged rewards, out of the training step's own forward."""
 
-    def __init__(self, policy: nn.Module, loss: DPOLoss = DPOLoss()):
+    def __init__(self, policy: nn.Module, loss: DPOLoss = DPOLoss(), hand_out: bool = False):
         super().__init__()
-        self.policy, self.loss = policy, loss
+        self.policy, self.loss, self.hand_out = policy, loss, hand_out
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None = None,
                 **media) -> torch.Tensor:
         """The loss; without ref_logps, each row's log p(completion | prompt), (2B,) (LD-DPO's with
         ld_alpha): the forward-only pass that gives the reference's log-probabilities before training
-        moves it, and the policy's for the logged rewards. `media`: a vision-language policy's image
+        moves it, and the policy's on held-out pairs. `media`: a vision-language policy's image
         inputs (pixel_values, image_grid_thw, ...), handed to it as they are."""
         logits = logits_of(self.policy(input_ids, **media))
         if ref_logps is None:
             if self.loss.ld_alpha is None:
                 return sequence_logprobs(logits, labels)
             return self.loss.sequences(*token_logprobs(logits, labels))
-        return self.loss(logits, labels, ref_logps)
+        if not self.hand_out:
+            return self.loss(logits, labels, ref_logps)
+        loss, rows = self.loss.with_sequences(logits, labels, ref_logps)
+        return LossAndOutputs(loss, {"logps": rows})
 
 
 def logits_of(output) -> torch.Tensor:

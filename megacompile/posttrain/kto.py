@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..capture import LossAndOutputs
 from ..errors import ArgumentError
 from .dpo import logits_of
 from .logprobs import sequence_logprobs, token_logprobs
@@ -94,19 +95,27 @@ class KTOLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
                  kl: torch.Tensor) -> torch.Tensor:
+        return self.with_sequences(logits, labels, ref_logps, desirable, kl)[0]
+
+    def with_sequences(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor,
+                       desirable: torch.Tensor, kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss and the (B,) rows' log-probabilities it read."""
         logps, mask = token_logprobs(logits, labels)
-        return self.batch(logps.sum(-1), ref_logps, desirable, kl, mask.sum(-1).to(logps.dtype))
+        rows = logps.sum(-1)
+        return self.batch(rows, ref_logps, desirable, kl, mask.sum(-1).to(logps.dtype)), rows
 
 
 class KTOObjective(nn.Module):
     """The policy with the KTO loss on top, as one module for compile(): forward(input_ids, labels,
     ref_logps, desirable, kl) -> the loss; forward(input_ids, labels) -> each row's log
     p(completion | prompt), (B,): the forward-only pass that gives the reference's log-probabilities
-    before training moves it, and the policy's on the mismatched rows of the KL estimate."""
+    before training moves it, and the policy's on the mismatched rows of the KL estimate. With
+    `hand_out`, the loss comes as LossAndOutputs(loss, {"logps": the (B,) rows' log-probabilities the
+    loss read}), for the logged rewards."""
 
-    def __init__(self, policy: nn.Module, loss: KTOLoss = KTOLoss()):
+    def __init__(self, policy: nn.Module, loss: KTOLoss = KTOLoss(), hand_out: bool = False):
         super().__init__()
-        self.policy, self.loss = policy, loss
+        self.policy, self.loss, self.hand_out = policy, loss, hand_out
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None = None,
                 desirable: torch.Tensor | None = None, kl: torch.Tensor | None = None, **media) -> torch.Tensor:
@@ -115,4 +124,7 @@ class KTOObjective(nn.Module):
         logits = logits_of(self.policy(input_ids, **media))
         if ref_logps is None:
             return sequence_logprobs(logits, labels)
-        return self.loss(logits, labels, ref_logps, desirable, kl)
+        if not self.hand_out:
+            return self.loss(logits, labels, ref_logps, desirable, kl)
+        loss, rows = self.loss.with_sequences(logits, labels, ref_logps, desirable, kl)
+        return LossAndOutputs(loss, {"logps": rows})

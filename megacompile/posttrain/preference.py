@@ -99,28 +99,37 @@ def tokenised(prompt, completions: dict, tokenizer, where: str, template_kwargs:
     return prompt_ids, out
 
 
-def pack(pairs: list[Pair], seq: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+def pack(pairs: list[Pair], seq: int, pad_id: int = 0, keep: str = "keep_start") -> dict[str, torch.Tensor]:
     """(2B, seq) input_ids and labels: prompt + chosen rows, then prompt + rejected rows in the same
     order; labels count the completion tokens only (IGNORE on the prompt and the padding). A row
-    longer than seq keeps its first seq tokens, as TRL's DPOTrainer and KTOTrainer cut prompt +
-    completion at max_length (keep_start), so the completion tokens scored are those among the
-    row's first seq; a prompt that leaves no room for one (seq tokens or more) is refused."""
-    return pack_rows([(p.prompt, p.chosen) for p in pairs] + [(p.prompt, p.rejected) for p in pairs], seq, pad_id)
+    longer than seq is cut as TRL's DPOTrainer and KTOTrainer cut prompt + completion at max_length
+    (`keep`, its truncation_mode): keep_start keeps its first seq tokens, keep_end its last, so the
+    completion tokens scored are those among them. Under keep_start a prompt that leaves no room
+    for one (seq tokens or more) is refused: the stages drop such pairs as TRL does
+    (train/stages/truncation.py)."""
+    return pack_rows([(p.prompt, p.chosen) for p in pairs] + [(p.prompt, p.rejected) for p in pairs], seq, pad_id,
+                     keep)
 
 
-def pack_rows(rows: list[tuple[tuple, tuple]], seq: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+def pack_rows(rows: list[tuple[tuple, tuple]], seq: int, pad_id: int = 0,
+              keep: str = "keep_start") -> dict[str, torch.Tensor]:
     """(N, seq) input_ids and labels of N (prompt, completion) token rows, as pack() lays them."""
     prompts = [len(prompt) for prompt, _ in rows]
     rows = [prompt + completion for prompt, completion in rows]
     ids = torch.full((len(rows), seq), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), seq), IGNORE, dtype=torch.long)
     for r, (row, start) in enumerate(zip(rows, prompts)):
-        if start >= seq:
+        if keep == "keep_end":
+            # TRL's keep_end: the row's last seq tokens; its first is then only read, never a target
+            cut = max(len(row) - seq, 0)
+            row, start = row[cut:], max(start - cut, 1)
+        elif start >= seq:
             raise ArgumentError(f"a prompt of {start} tokens leaves no room for its completion in rows of {seq} "
                                 f"tokens: raise the sequence length (max_length) or shorten the prompt")
-        # TRL's keep_start: prompt + completion cut at seq tokens; a row's last token is then only
-        # a target (the model reads seq tokens and scores the seq - 1 after the first)
-        row = row[:seq]
+        else:
+            # TRL's keep_start: prompt + completion cut at seq tokens; a row's last token is then
+            # only a target (the model reads seq tokens and scores the seq - 1 after the first)
+            row = row[:seq]
         ids[r, :len(row)] = torch.tensor(row)
         # labels[t] is the token after position t: the completion's tokens sit at t >= start - 1
         labels[r, start - 1:len(row) - 1] = torch.tensor(row[start:])

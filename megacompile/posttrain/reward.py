@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..capture import LossAndOutputs
 from ..errors import ArgumentError
 
 __all__ = ["RewardModel", "reward_loss"]
@@ -33,7 +34,11 @@ class RewardModel(nn.Module):
     """A decoder with a reward head, for compile(): forward(input_ids, last) -> (N,) rewards, each
     row's score at position `last` (its last token: transformers pools at the last token that is
     not padding); forward(input_ids, last, margin) -> the mean loss of a batch packing B chosen
-    rows, then the B rejected rows of the same pairs, `margin` (B,) their margins (zeros: none)."""
+    rows, then the B rejected rows of the same pairs, `margin` (B,) their margins (zeros: none).
+    With `hand_out` set, the loss comes as LossAndOutputs(loss, {"rewards": the (2B,) rewards the loss
+    read}), for the logged rewards."""
+
+    hand_out = False
 
     def __init__(self, model: nn.Module, score: nn.Linear, center_rewards_coefficient: float = 0.0):
         super().__init__()
@@ -79,4 +84,5 @@ class RewardModel(nn.Module):
         if margin is None:
             return rewards
         half = rewards.shape[0] // 2
-        return reward_loss(rewards[:half], rewards[half:], margin, self.center).mean()
+        loss = reward_loss(rewards[:half], rewards[half:], margin, self.center).mean()
+        return LossAndOutputs(loss, {"rewards": rewards}) if self.hand_out else loss

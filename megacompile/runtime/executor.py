@@ -43,11 +43,12 @@ STASHED = ("saved", "activation")
 
 
 class NonFiniteLoss(Exception):
-    """The loss of a training step is inf or NaN: raised when the walk ends, before any commit."""
+    """The loss of a training step is inf or NaN: raised when the walk ends, before any commit.
+    `outputs`: the walk's OUTPUT values all the same (what run() would have returned)."""
 
-    def __init__(self, loss: float):
+    def __init__(self, loss: float, outputs: list | None = None):
         super().__init__(f"the loss is {loss}")
-        self.loss = loss
+        self.loss, self.outputs = loss, outputs or []
 
 
 class Executor:
@@ -133,7 +134,7 @@ class Executor:
         if self._check_loss:
             for loss in self._outputs[::len(self.captured.outputs)]:    # each micro-batch's loss
                 if not torch.isfinite(loss).all():
-                    raise NonFiniteLoss(float(loss.float().sum()))
+                    raise NonFiniteLoss(float(loss.float().sum()), self._outputs)
         return self._outputs
 
     def _node(self, i: int, node: Node) -> None:

@@ -195,6 +195,7 @@ class RunConfig:
     ref_model_sync_steps: int | None = None
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
+    truncation_mode: str | None = None      # stage dpo's and kto's (stages/truncation.py)
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -304,8 +305,8 @@ def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
         raise aliases.named(e, own) from e
     for note in own.notes + their_keys.notes(c, own.keys):
         print(f"  note           {note}", flush=True)
-    return c
     c.given = raw
+    return c
 
 
 def _from_scratch(c: RunConfig) -> None:
@@ -496,11 +497,11 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.eval_on_start and not c.eval_every:
         raise ArgumentError("eval_on_start evaluates before the first step, as the evaluations every eval_every steps "
                             "do: give held-out data (eval or eval_fraction) and eval_every")
-    c.compute_accuracy = flag("compute_accuracy", c.compute_accuracy)
     c.plot_loss = flag("plot_loss", c.plot_loss)
     if c.plot_loss and importlib.util.find_spec("matplotlib") is None:
         raise ArgumentError("plot_loss: true draws training_loss.png with matplotlib, which is not installed: "
                             "pip install 'megacompile[plot]' (or pip install matplotlib), or set plot_loss: false")
+    c.compute_accuracy = flag("compute_accuracy", c.compute_accuracy)
     if c.compute_accuracy and (c.stage != "sft" or c.bundled or c.loss_type in ("dft", "eaft")
                                or not (c.eval or c.eval_fraction)):
         raise ArgumentError("compute_accuracy is LlamaFactory's held-out token accuracy of a Hugging Face model under "

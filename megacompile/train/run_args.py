@@ -17,8 +17,13 @@ def write(c, run_dir: str) -> None:
     if c.given is None:     # a RunConfig made in code, not by load()
         return
     path = os.path.join(run_dir, NAME)
+    text = yaml.safe_dump(c.given, sort_keys=False)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:        # the same settings (a finished run run again): the file left as it is
+                return
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        yaml.safe_dump(c.given, f, sort_keys=False)
+        f.write(text)
     os.replace(path + ".tmp", path)
 
 

@@ -54,7 +54,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "router_aux_loss_coef": ((None,), _ROUTER_LOSS),
     "precompute_ref_batch_size": ((None,), "the reference pass runs batch rows at a time"),
     "train_sampling_strategy": (("random", "sequential"), "not supported: rows are ordered by seed, not by length"),
-    "truncation_mode": (("keep_start",), "not supported: a record longer than seq keeps its start (keep_start)"),
     # GRPO (TRL 1.16): what stage grpo does not do
     "use_adaptive_entropy": ((False,), "not supported: the entropy bonus's coefficient is entropy_coef, fixed "
                                        "through the run"),

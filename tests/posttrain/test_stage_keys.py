@@ -111,7 +111,8 @@ def test_data_of_another_shape_is_refused_before_the_run_folder_is_made(tmp_path
     with pytest.raises(ArgumentError, match="a preference record needs prompt, chosen and rejected; missing chosen"):
         run(load(config, []))
     config = files.run_yaml(str(tmp_path / "run.yaml"), **{**stage_files.dpo(work, str(tmp_path / "run")), "seq": 3})
-    with pytest.raises(ArgumentError, match="leaves no room for its completions in rows of seq 3"):
+    with pytest.raises(ArgumentError, match="hold no preference pairs: the prompts of its 10 pairs each fill rows "
+                                            "of seq 3, and truncation_mode keep_start drops them as TRL does"):
         run(load(config, []))
     assert not os.path.exists(tmp_path / "run")
 

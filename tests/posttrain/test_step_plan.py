@@ -81,20 +81,21 @@ def test_the_planners_reference_free_losses_are_posttrains():
     assert set(REFERENCE_FREE) == set(READ_BY_THE_LOSS)
 
 
-def test_a_kto_step_is_the_sft_step_and_forward_passes_of_its_rows_and_kl_rows(model):
+def test_a_kto_step_is_the_sft_step_and_a_forward_pass_of_its_kl_rows(model):
+    """The logged rewards come out of the training step's forward: no pass of the rows for them."""
     kto = _stage(model, "kto", batch=4, seq=48)
     sft, forward = _plan(model, 4, 48), _plan(model, 4, 48, train=False)
-    assert [p.name for p in kto.parts] == ["training", "rewards forward", "KL forward"]
-    assert kto.total_s == pytest.approx(sft.prediction.step_s + 2 * forward.prediction.step_s, rel=1e-9)
+    assert [p.name for p in kto.parts] == ["training", "KL forward"]
+    assert kto.total_s == pytest.approx(sft.prediction.step_s + forward.prediction.step_s, rel=1e-9)
     apo = _stage(model, "kto", batch=4, seq=48, loss_type="apo_zero_unpaired")      # no KL term
-    assert [p.name for p in apo.parts] == ["training", "rewards forward"]
+    assert [p.name for p in apo.parts] == ["training"]
 
 
-def test_an_rm_step_is_the_sft_step_of_twice_the_rows_and_a_forward_pass_for_the_rewards(model):
+def test_an_rm_step_is_the_sft_step_of_twice_the_rows(model):
     rm = _stage(model, "rm", batch=2, seq=48)
-    sft, forward = _plan(model, 4, 48), _plan(model, 4, 48, train=False)
-    assert [p.name for p in rm.parts] == ["training", "rewards forward"] and rm.rows == 4
-    assert rm.total_s == pytest.approx(sft.prediction.step_s + forward.prediction.step_s, rel=1e-9)
+    sft = _plan(model, 4, 48)
+    assert [p.name for p in rm.parts] == ["training"] and rm.rows == 4
+    assert rm.total_s == pytest.approx(sft.prediction.step_s, rel=1e-9)
 
 
 def test_grpo_parts_add_up_each_the_plan_of_its_pass(model, grpo8):
@@ -378,7 +379,7 @@ def test_a_dpo_kto_or_grpo_step_with_images_plans_the_vision_tower_in_every_part
     text = plan_stage(config, 1.0, "dpo", batch=1, seq=vlm.SEQ, **cpu)
     assert text.train.vision is None and text.train.prediction.step_s < dpo.train.prediction.step_s
     kto = plan_stage(config, 1.0, "kto", batch=2, seq=vlm.SEQ, images_per_row=1, **cpu)
-    assert [p.name for p in kto.parts] == ["training", "rewards forward", "KL forward"]
+    assert [p.name for p in kto.parts] == ["training", "KL forward"]
     assert kto.forward.vision is not None
     grpo = plan_stage(config, 1.0, "grpo", images_per_row=1, prompts=1, num_generations=2,
                       max_prompt_length=vlm.SEQ - 4, max_completion_length=4, **cpu)
@@ -387,7 +388,7 @@ def test_a_dpo_kto_or_grpo_step_with_images_plans_the_vision_tower_in_every_part
     assert grpo.forward.vision is not None and grpo.forward.predicted_peak_bytes == alone.predicted_peak_bytes
     assert grpo.train.vision is not None
     rm = plan_stage(config, 1.0, "rm", batch=1, seq=vlm.SEQ, images_per_row=1, **cpu)
-    assert [p.name for p in rm.parts] == ["training", "rewards forward"] and rm.forward.vision is not None
+    assert [p.name for p in rm.parts] == ["training"] and rm.train.vision is not None
     # a copy with a cache: its generate's passing tensors count the tower's pass over the rollout's images
     copied = plan_stage(config, 1.0, "grpo", images_per_row=1, prompts=1, num_generations=2,
                         max_prompt_length=vlm.SEQ - 4, max_completion_length=4, generator="kv_cache", **cpu)

@@ -1,14 +1,16 @@
 """`stage: dpo`: preference pairs from records {prompt, chosen, rejected} (text or messages,
 posttrain/preference.py) or in LlamaFactory's ranking layouts (data/ranking.py), read from any
 data file or dataset_info.json entry as supervised records are (data/reading.py), trained by DPO or another of TRL's preference losses (loss_type, several
-summed with loss_weights; rpo_alpha adds the sft term).
+summed with loss_weights; rpo_alpha adds the sft term). Each pair is fitted to rows of seq as TRL
+fits it (truncation.py: max_prompt_length, max_completion_length, truncation_mode; under keep_start
+a pair whose prompt fills the row is dropped), and the run's start says how many were cut or dropped.
 
 The reference is the policy before the first step. Its log-probabilities of every pair (and of
 every held-out pair) are computed once, by the objective's forward-only pass on the same engine,
 before the first step, and kept in the run folder (reference_logps.pt): a resumed run reads them
-there, as its weights are no longer the reference's. Each micro-batch's step is preceded by a
-forward-only pass of the same rows, whose log-probabilities give the logged implicit rewards
-(those of the policy the step starts from, as TRL logs them).
+there, as its weights are no longer the reference's. Each micro-batch's training forward hands out
+the policy's log-probabilities of its rows beside the loss, which give the logged implicit rewards
+(those of the policy the step starts from, as TRL logs them: handed_out.py).
 
 With sync_ref_model (TR-DPO) the reference moves: it is a second engine over the model as loaded
 (a second copy of the weights on the host), whose forward-only pass gives each micro-batch's and
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -37,8 +40,9 @@ from ..data.ranking import preference
 from ..data.reading import records
 from ..log import STEP_COLUMNS
 from .order import stream_items
+from .handed_out import step_micro_batches
 from .keys import dpo_loss_terms, saved_keys
-from . import reference
+from . import reference, truncation
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
 # ORPO's two terms, as TRL's ORPO trainer and LlamaFactory's DPO trainer log them (dpo_losses.orpo_metrics)
@@ -62,6 +66,7 @@ class DPOStage(reference.ReferenceStage):
             self.tokenizer = self.media
             if run_dir is not None:     # images held inside records are written there (data/embedded.py)
                 self.media.keep_embedded_in(os.path.join(run_dir, "images"))
+        self.cuts = truncation.Cuts(c, "pair")      # what fitting rows of seq cut or dropped, counted
         self.pairs = self._read(c.data, tokenizer)
         self.held: list[Pair] = []
         if c.eval:
@@ -90,13 +95,13 @@ class DPOStage(reference.ReferenceStage):
                     images.text_only(record, where, "dpo")
                     pair = to_pair(preference(record, where), tokenizer, where,
                                    tools.template_kwargs(record, where), tools.tools(record, where))
-                if len(pair.prompt) >= self.c.seq:
-                    raise ArgumentError(f"{where}: the prompt is {len(pair.prompt)} tokens, which leaves no room for "
-                                        f"its completions in rows of seq {self.c.seq}: raise seq (max_length) or "
-                                        "shorten the prompt")
-                pairs.append(pair)
+                fitted = self.cuts.fit(pair.prompt, (pair.chosen, pair.rejected), where, bool(pair.media))
+                if fitted is not None:      # None: dropped, as TRL drops a prompt that fills the row
+                    (prompt, (chosen, rejected)) = fitted
+                    pairs.append(replace(pair, prompt=prompt, chosen=chosen, rejected=rejected))
         if not pairs:
-            raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no preference pairs")
+            raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no preference pairs"
+                                + self.cuts.none_left())
         return pairs
 
     def describe(self, setup) -> list[str]:
@@ -107,13 +112,13 @@ class DPOStage(reference.ReferenceStage):
                 f"beta {self.c.beta:g}"
                 + (f", simpo_gamma {self.c.simpo_gamma:g}" if "simpo" in self.loss.kinds else "")
                 + ("; no reference (the loss reads the policy alone)" if not self.loss.needs_reference else "")
-                + f"; {self.c.steps} steps"]
+                + f"; {self.c.steps} steps"] + self.cuts.lines()
 
     def steps_for(self, epochs: float) -> int:
         return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
 
     def objective(self, policy):
-        return DPOObjective(policy, self.loss)
+        return DPOObjective(policy, self.loss, hand_out=True)
 
     def first_inputs(self, batch: int) -> dict:
         return {**self._pack([self.pairs[i % len(self.pairs)] for i in range(batch)]),
@@ -128,7 +133,7 @@ class DPOStage(reference.ReferenceStage):
         return {**self._pack([self.pairs[i] for i in items]), "ref_logps": torch.zeros(2 * batch)}
 
     def forward_inputs(self, batch: int) -> dict | None:
-        """With images, the forward-only pass's (the reference's and the logged rewards'), whose
+        """With images, the forward-only pass's (the reference's and an evaluation's), whose
         smallest plan of a vision-language model is larger than its training step's."""
         heaviest = self.heaviest_inputs(batch)
         return None if heaviest is None else {k: v for k, v in heaviest.items() if k != "ref_logps"}
@@ -136,7 +141,8 @@ class DPOStage(reference.ReferenceStage):
     def _pack(self, group: list[Pair]) -> dict:
         """The micro-batch of these pairs (pack()), with the image inputs of their rows: the chosen
         rows' images, then the rejected rows', each a pair's prompt's."""
-        return with_media(pack(group, self.c.seq, self.pad), self.media, [p.media for p in group] * 2)
+        return with_media(pack(group, self.c.seq, self.pad, self.c.truncation_mode), self.media,
+                          [p.media for p in group] * 2)
 
     def _logps(self, engine, pairs: list[Pair]) -> torch.Tensor:
         """(len(pairs), 2) log-probabilities (chosen, rejected) under the engine's weights now, by
@@ -150,7 +156,7 @@ class DPOStage(reference.ReferenceStage):
 
     def _token_counts(self, pairs: list[Pair]) -> torch.Tensor:
         """(len(pairs), 2) completion tokens (chosen, rejected) in rows of seq (a longer one is cut)."""
-        counted = (pack(pairs, self.c.seq, self.pad)["labels"] != IGNORE).sum(-1).float()
+        counted = (pack(pairs, self.c.seq, self.pad, self.c.truncation_mode)["labels"] != IGNORE).sum(-1).float()
         return torch.stack([counted[:len(pairs)], counted[len(pairs):]], dim=1)
 
     def begin(self, engine, run_dir: str, saved: dict | None, batch: int) -> None:
@@ -173,8 +179,8 @@ class DPOStage(reference.ReferenceStage):
         reference.keep(run_dir, self.table, self.held_reference, tokens)
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
-        """One optimizer step: grad_accum micro-batches, each first through the forward-only pass
-        (all of them before the step's first micro-batch: the policy the step starts from)."""
+        """One optimizer step: grad_accum micro-batches, whose training forwards hand out the policy's
+        log-probabilities for the logged rewards (the policy the step starts from: handed_out.py)."""
         micro = []
         for _ in range(self.c.grad_accum):
             chosen = stream_items(len(self.pairs), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
@@ -183,15 +189,9 @@ class DPOStage(reference.ReferenceStage):
             ref = (torch.as_tensor(self.reference(**rows)).float().clone() if self.needs_reference
                    else torch.cat([self.table[chosen, 0], self.table[chosen, 1]]))
             micro.append((rows, ref))
-        policy = [torch.as_tensor(engine(**batch)).float() for batch, _ in micro]
-        losses, tokens = [], 0
-        for batch, ref in micro:
-            losses.append(engine.step(**batch, ref_logps=ref))
-            # a skipped step's record counts no tokens; the micro-batch's rows were read all the same
-            counted = engine.last_step.tokens
-            tokens += batch["input_ids"].numel() if counted is None else counted
-            if engine.last_step.skipped:
-                break
+        losses, tokens, outputs = step_micro_batches(engine, [{**batch, "ref_logps": ref} for batch, ref in micro])
+        micro = micro[:len(outputs)]        # those whose forward ran: a skip ends the step
+        policy = [o["logps"].float() for o in outputs]
         b = self.c.batch
         rows = lambda ts: torch.cat([torch.cat([t[:b] for t in ts]), torch.cat([t[b:] for t in ts])])  # noqa: E731
         lengths = rows([(batch["labels"] != IGNORE).sum(-1).float() for batch, _ in micro])

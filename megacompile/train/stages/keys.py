@@ -10,10 +10,12 @@ refused under a stage it does not belong to, before anything is read or written.
            true: TR-DPO's reference updates, ref_model_mixup_alpha 0.6, ref_model_sync_steps 512),
            precompute_ref_log_probs (accepted either way:
            the reference's log-probabilities are computed once, before the first step, where a loss
-           type reads them)
+           type reads them), max_prompt_length and max_completion_length (none), truncation_mode
+           (keep_start): how a pair fits rows of seq, checked in truncation.py
     kto    beta (0.1), loss_type (kto | apo_zero_unpaired), desirable_weight (1.0),
            undesirable_weight (1.0), pref_ftx (none: LlamaFactory's), precompute_ref_log_probs
-           (accepted either way, as under dpo: the reference's are computed once a run); batch at
+           (accepted either way, as under dpo: the reference's are computed once a run),
+           max_prompt_length, max_completion_length and truncation_mode (as under dpo); batch at
            least 2 for kto (its KL rows)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo | cispo | sapo | luspo | vespo),
            sapo_temperature_pos (1.0) and _neg (1.05), vespo_k_pos (2.0), _lambda_pos (3.0), _k_neg
@@ -42,15 +44,18 @@ from ...errors import ArgumentError
 from ...posttrain import DPOLoss, dpo_losses, kto
 from ..data import feedback
 from ..methods import adapters
-from . import grpo_keys, rollouts
+from . import grpo_keys, rollouts, truncation
 from .checks import note, number, positive, reference_updates
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
 REFUSED = ("ppo",)
+# TRL's preference keys of a row's length, read by stages/truncation.py
+CUTS = ("max_prompt_length", "max_completion_length", "truncation_mode")
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau", "simpo_gamma", "pref_ftx", "f_divergence_type", "f_alpha_divergence_coef",
-                "use_weighting", "ld_alpha", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
-        "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx", "precompute_ref_log_probs"),
+                "use_weighting", "ld_alpha", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps") + CUTS,
+        "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight", "pref_ftx", "precompute_ref_log_probs")
+        + CUTS,
         "rm": ("center_rewards_coefficient",),
         "grpo": ("beta", "loss_type", "num_generations", "num_generations_eval", "max_prompt_length", "max_completion_length", "temperature",
                  "top_k", "top_p", "min_p", "repetition_penalty", "generation_kwargs", "epsilon", "sapo_temperature_pos",
@@ -66,9 +71,10 @@ DEFAULTS = {"dpo": {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
                     "precompute_ref_log_probs": False, "rpo_alpha": None, "discopop_tau": 0.05, "simpo_gamma": 0.5,
                     "pref_ftx": None, "f_divergence_type": "reverse_kl", "f_alpha_divergence_coef": 0.5,
                     "use_weighting": False, "ld_alpha": None, "sync_ref_model": False, "ref_model_mixup_alpha": 0.6,
-                    "ref_model_sync_steps": 512},
+                    "ref_model_sync_steps": 512, **{k: None for k in CUTS}, "truncation_mode": "keep_start"},
             "kto": {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0,
-                    "pref_ftx": None, "precompute_ref_log_probs": False},
+                    "pref_ftx": None, "precompute_ref_log_probs": False, **{k: None for k in CUTS},
+                    "truncation_mode": "keep_start"},
             "rm": {"center_rewards_coefficient": 0.0},
             "grpo": {"beta": 0.0, "loss_type": "dapo", "num_generations": 8, "num_generations_eval": None,
                      "max_prompt_length": 512,
@@ -93,7 +99,8 @@ IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "generation_batch_size", "top_k", "top_p", "min_p", "repetition_penalty",
                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
                     "vespo_k_neg", "vespo_lambda_neg", "entropy_coef", "multi_objective_aggregation",
-                    "off_policy_mask_threshold", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")}
+                    "off_policy_mask_threshold", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+                    "truncation_mode")}
            | {"steps_per_generation": 1, "use_bias_correction_kl": False})
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 _SFT_LOSS = ("assistant_only_loss", "completion_only_loss")     # TRL's SFTConfig's
@@ -123,7 +130,9 @@ def check(c, raw: dict, folder: str | None = None) -> None:
                             "out, or set stage: sft")
     _eaft_alpha(c, raw)
     _reference_updates_elsewhere(c, raw)
+    _truncation_elsewhere(c, raw)
     given = [k for k in ALL_KEYS if raw.get(k) is not None and not (c.stage == "sft" and k == "loss_type")
+             and not (k == "truncation_mode" and c.truncation_mode is None)
              and not (c.stage not in ("grpo", "dpo") and k in SYNC and raw[k] == DEFAULTS["grpo"][k])]
     foreign = [k for k in given if k not in KEYS.get(c.stage, ())]
     if foreign:
@@ -175,6 +184,19 @@ def _reference_updates_elsewhere(c, raw: dict) -> None:
         raise ArgumentError(f"sync_ref_model (TR-DPO's reference updates) is not supported under stage {c.stage}: "
                             f"the reference's log-probabilities are computed once, before the first step, from the "
                             f"policy at step 0; stage dpo and grpo (with beta > 0) take it")
+
+
+def _truncation_elsewhere(c, raw: dict) -> None:
+    """truncation_mode: keep_start, TRL's default, which its SFTConfig dumps write too, asks
+    for nothing under the other stages (a supervised record keeps its start, data/cutoff.py); keep_end
+    is stage dpo's and kto's alone."""
+    if c.stage in ("dpo", "kto") or raw.get("truncation_mode") is None:
+        return
+    if raw["truncation_mode"] != "keep_start":
+        raise ArgumentError(f"truncation_mode {raw['truncation_mode']!r} is not supported under stage {c.stage}: a "
+                            "record longer than seq keeps its start (keep_start, as LlamaFactory's cutoff_len cuts "
+                            "it); stage dpo and kto take keep_end; leave truncation_mode out")
+    c.truncation_mode = None
 
 
 def _sft_loss(c) -> None:
@@ -237,6 +259,7 @@ def _pref_ftx(c) -> None:
 def _kto(c) -> None:
     c.beta = positive("beta", c.beta)
     _pref_ftx(c)
+    truncation.check(c)
     if not isinstance(c.precompute_ref_log_probs, bool):
         raise ArgumentError(f"precompute_ref_log_probs must be true or false; got {c.precompute_ref_log_probs!r}")
     if c.loss_type not in kto.LOSS_TYPES:
@@ -255,6 +278,7 @@ def _kto(c) -> None:
 
 def _dpo(c) -> None:
     c.beta = positive("beta", c.beta)
+    truncation.check(c)
     kinds = dpo_losses.loss_types(c.loss_type)
     c.loss_type = kinds[0] if len(kinds) == 1 else list(kinds)
     c.label_smoothing = number("label_smoothing", c.label_smoothing)
@@ -335,6 +359,8 @@ def check_resume(c, saved) -> None:
         before = {**{k: v for k, v in IMPLIED.items() if k in KEYS[before["stage"]]}, **before}
     if before.get("stage") == "kto" and before.get("precompute_ref_log_probs") is None:
         before = {**before, "precompute_ref_log_probs": False}     # saved before stage kto read the key
+    if before.get("stage") == "kto" and before.get("truncation_mode") is None:
+        before = {**before, "truncation_mode": "keep_start"}       # saved before stage kto read the key
     changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in now if before.get(k) != now[k]]
     if changed:
         raise ArgumentError(f"resume: {saved.path} was saved by a run with other post-training keys "

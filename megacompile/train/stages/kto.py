@@ -1,5 +1,7 @@
 """`stage: kto`: completions each marked desirable or undesirable (data/feedback.py: TRL's
 unpaired or paired records, LlamaFactory's kto_tag datasets), trained by KTO (posttrain/kto.py).
+Each example is fitted to rows of seq as stage dpo fits a pair (truncation.py), before the KL rows
+are paired, as TRL drops examples before pairing them.
 
 The reference is the policy before the first step, as in stage dpo: its log-probabilities of every
 example and of every example's KL row are computed once, by the objective's forward-only pass,
@@ -10,9 +12,10 @@ are TRL's, `batch` examples of the training and the held-out data each (_get_kl_
 where every training entry is a LlamaFactory kto_tag dataset (dataset_info.json), LlamaFactory's:
 1,000 examples (its preprocessing batch), paired before eval_fraction holds examples out, so a
 micro-batch of one has a KL row of another completion too. Each micro-batch's step is preceded by
-forward-only passes of its rows (the logged rewards) and of its KL rows (the KL estimate, a step
-input held constant, as TRL computes it without gradient), all before the step's first
-micro-batch: the policy the step starts from.
+a forward-only pass of its KL rows (the KL estimate, a step input held constant, as TRL computes
+it without gradient), all before the step's first micro-batch: the policy the step starts from.
+Its rows' log-probabilities, for the logged rewards, come out of its training forward beside the
+loss (handed_out.py), of the same policy.
 
 On a vision-language model (a folder with its processor) an example may show images
 (data/image_answers.py): its row and its KL row hold its prompt's images, read by the processor
@@ -31,9 +34,10 @@ from ..data import feedback, grid_images, images, tools
 from ..data.image_answers import answered, heaviest, media_digest, with_media
 from ..data.reading import records
 from ..log import STEP_COLUMNS
+from .handed_out import step_micro_batches
 from .keys import saved_keys
 from .order import stream_items
-from . import reference
+from . import reference, truncation
 
 METRICS = ("rewards_chosen", "rewards_rejected", "kl")
 
@@ -83,6 +87,7 @@ class KTOStage(reference.ReferenceStage):
                 self.media.keep_embedded_in(os.path.join(run_dir, "images"))
         self.text_tokenizer = tokenizer
         self.llamafactory = feedback.llamafactory_pairing(c.data)
+        self.cuts = truncation.Cuts(c, "example")   # what fitting rows of seq cut or dropped, counted
         self.examples = self._read(c.data)
         self.held: list[Example] = []
         if self.llamafactory:
@@ -106,7 +111,8 @@ class KTOStage(reference.ReferenceStage):
             paired: list[tuple[str, dict, list[dict]]] = []       # TRL unpairs them a map batch at a time
 
             def flush():
-                out.extend(self._example(where, record, pair[k]) for k in (0, 1) for where, record, pair in paired)
+                fitted = (self._example(where, record, pair[k]) for k in (0, 1) for where, record, pair in paired)
+                out.extend(e for e in fitted if e is not None)
                 paired.clear()
             if self.media is not None:
                 self.media.at(entry["path"], entry.get("media_dir"))
@@ -120,13 +126,17 @@ class KTOStage(reference.ReferenceStage):
                         flush()
                 else:
                     flush()
-                    out.append(self._example(where, record, feedback.example(record, where)))
+                    fitted = self._example(where, record, feedback.example(record, where))
+                    if fitted is not None:
+                        out.append(fitted)
             flush()
         if not out:
-            raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no KTO examples")
+            raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no KTO examples"
+                                + self.cuts.none_left())
         return out
 
-    def _example(self, where: str, record: dict, example: dict) -> Example:
+    def _example(self, where: str, record: dict, example: dict) -> Example | None:
+        """The example's tokens fitted to rows of seq (truncation.py), None where it is dropped."""
         shown = ()
         if self.media is not None and images.held(record):
             prompt, (completion,) = answered(record, example["prompt"], {"completion": example["completion"]}, where,
@@ -136,10 +146,11 @@ class KTOStage(reference.ReferenceStage):
             prompt, (completion,) = tokenised(example["prompt"], {"completion": example["completion"]},
                                               self.text_tokenizer, where, tools.template_kwargs(record, where),
                                               tools.tools(record, where))
-        if len(prompt) >= self.c.seq:
-            raise ArgumentError(f"{where}: the prompt is {len(prompt)} tokens, which leaves no room for its completion "
-                                f"in rows of seq {self.c.seq}: raise seq (max_length) or shorten the prompt")
-        return Example(tuple(prompt), tuple(completion), example["label"], media=shown)
+        fitted = self.cuts.fit(tuple(prompt), (tuple(completion),), where, bool(shown))
+        if fitted is None:      # dropped, as TRL drops an example whose prompt fills the row
+            return None
+        (prompt, (completion,)) = fitted
+        return Example(prompt, completion, example["label"], media=shown)
 
     def describe(self, setup) -> list[str]:
         c, wanted = self.c, sum(e.desirable for e in self.examples)
@@ -161,21 +172,22 @@ class KTOStage(reference.ReferenceStage):
             # the range the KTO paper recommends, which TRL warns about too
             lines.append(f"note           desirable_weight x desirable / (undesirable_weight x undesirable) is "
                          f"{ratio:.3g}; KTO recommends 1 to 4/3: set the weights to bring it there")
-        return lines
+        return lines + self.cuts.lines()
 
     def steps_for(self, epochs: float) -> int:
         return max(1, -(-int(epochs * len(self.examples)) // (self.c.batch * self.c.grad_accum)))
 
     def objective(self, policy):
-        return KTOObjective(policy, self.loss)
+        return KTOObjective(policy, self.loss, hand_out=True)
 
     def _rows(self, examples: list[Example], items: list[int], partners: list[int]) -> tuple[dict, dict, torch.Tensor]:
         """The micro-batch of `items`: its rows, its KL rows (each with its own prompt's images) and
         which completions are desirable."""
         shown = [examples[i].media for i in items]
-        rows = pack_rows([(examples[i].prompt, examples[i].completion) for i in items], self.c.seq, self.pad)
+        keep = self.c.truncation_mode
+        rows = pack_rows([(examples[i].prompt, examples[i].completion) for i in items], self.c.seq, self.pad, keep)
         kl = pack_rows([(examples[i].prompt, examples[i].kl if examples[i].kl is not None
-                         else examples[partners[i]].completion) for i in items], self.c.seq, self.pad)
+                         else examples[partners[i]].completion) for i in items], self.c.seq, self.pad, keep)
         return (with_media(rows, self.media, shown), with_media(kl, self.media, shown),
                 torch.tensor([float(examples[i].desirable) for i in items]))
 
@@ -192,7 +204,7 @@ class KTOStage(reference.ReferenceStage):
         return None if items is None else self._inputs(items)
 
     def forward_inputs(self, batch: int) -> dict | None:
-        """With images, the forward-only pass's (the reference's, the rewards' and the KL rows'),
+        """With images, the forward-only pass's (the reference's, an evaluation's and the KL rows'),
         whose smallest plan of a vision-language model is larger than its training step's."""
         items = heaviest([e.media for e in self.examples], self.media, batch)
         return None if items is None else self._rows(self.examples, items, self.partners)[0]
@@ -229,25 +241,24 @@ class KTOStage(reference.ReferenceStage):
         return kl_estimate(torch.as_tensor(engine(**kl_rows)).float(), ref)
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
-        """One optimizer step: grad_accum micro-batches, each after the forward-only passes of its
-        rows and KL rows (all of them before the step's first micro-batch)."""
+        """One optimizer step: grad_accum micro-batches, each after the forward-only pass of its KL
+        rows (all of them before the step's first micro-batch: the KL estimate is an input of the
+        loss); the training forwards hand out the rows' log-probabilities for the logged rewards
+        (the policy the step starts from: handed_out.py)."""
         micro = []
         for _ in range(self.c.grad_accum):
             items = stream_items(len(self.examples), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
             position += self.c.batch
             rows, kl_rows, desirable = self._rows(self.examples, items, self.partners)
             micro.append((rows, kl_rows, desirable, self.reference[items]))
-        policy = [torch.as_tensor(engine(**rows)).float() for rows, *_ in micro]
         kls = [self._kl(engine, kl_rows, ref[:, 1]) for _, kl_rows, _, ref in micro]
-        losses, tokens = [], 0
-        for (rows, _, desirable, ref), kl in zip(micro, kls):
-            losses.append(engine.step(**rows, ref_logps=ref[:, 0], desirable=desirable, kl=kl))
-            counted = engine.last_step.tokens      # a skipped step's record counts none; its rows were read
-            tokens += rows["input_ids"].numel() if counted is None else counted
-            if engine.last_step.skipped:
-                break
-        metrics = self._metrics(torch.cat(policy), torch.cat([r[:, 0] for *_, r in micro]),
-                                torch.cat([d for _, _, d, _ in micro]), torch.stack(kls))
+        losses, tokens, outputs = step_micro_batches(
+            engine, [{**rows, "ref_logps": ref[:, 0], "desirable": desirable, "kl": kl}
+                     for (rows, _, desirable, ref), kl in zip(micro, kls)])
+        ran = micro[:len(outputs)]          # those whose forward ran: a skip ends the step
+        metrics = self._metrics(torch.cat([o["logps"].float() for o in outputs]),
+                                torch.cat([r[:, 0] for *_, r in ran]), torch.cat([d for _, _, d, _ in ran]),
+                                torch.stack(kls))
         return metrics, losses, tokens, position
 
     def _metrics(self, policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kls: torch.Tensor) -> dict:
@@ -278,7 +289,7 @@ class KTOStage(reference.ReferenceStage):
 
     def _lengths(self, examples: list[Example]) -> torch.Tensor:
         """(len(examples),) completion tokens in rows of seq (a longer one is cut)."""
-        rows = pack_rows([(e.prompt, e.completion) for e in examples], self.c.seq, self.pad)
+        rows = pack_rows([(e.prompt, e.completion) for e in examples], self.c.seq, self.pad, self.c.truncation_mode)
         return (rows["labels"] != IGNORE).sum(-1).float()
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:

@@ -4,8 +4,8 @@ subtracted in the loss). The model is the folder's decoder with a new one-number
 the end as transformers' *ForSequenceClassification (trained_model.py), which scores a sequence
 at its last token that is not padding: the rows here are scored at the same token.
 
-Each step's micro-batches first go through a forward-only pass for the logged rewards (those of
-the model the step starts from), as stage dpo's do.
+The logged rewards are those of the model the step starts from: each micro-batch's training forward
+hands them out beside its loss (handed_out.py), the masters moving only after the step's last.
 
 A vision-language model whose family transformers gives a sequence classifier (Gemma 3's, Qwen3.5's:
 the whole model under a score) trains pairs with images as stage dpo reads them (LlamaFactory's
@@ -28,6 +28,7 @@ from ..data.reading import records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
 from ..model import check_positions
+from .handed_out import step_micro_batches
 from .keys import check_resume, saved_keys
 from .order import stream_items
 from .reference import hold_out
@@ -60,6 +61,7 @@ def reward_model(c, model) -> RewardModel:
     causal_lm = model.get_base_model() if adapters is not None else model
     out = RewardModel.of(causal_lm, seed=c.seed, center_rewards_coefficient=c.center_rewards_coefficient)
     out.adapters = adapters
+    out.hand_out = True         # the logged rewards, out of the training forward
     return out
 
 
@@ -67,7 +69,7 @@ def planned_rows(rows: dict, train: bool) -> dict:
     """The reward model's inputs in place of a causal LM's `rows` (input_ids, labels and a vision-language
     model's image inputs, as the planner lays them out on the meta device): as scored_rows and with_media
     give them, each row's `last` token in place of the labels, the pairs' margins for a training
-    step (a forward-only pass, the logged rewards, takes none)."""
+    step (a forward-only pass, an evaluation's rewards, takes none)."""
     ids = rows["input_ids"]
     out = {"input_ids": ids, "last": torch.empty(ids.shape[0], dtype=torch.long, device=ids.device)}
     if train:
@@ -167,7 +169,7 @@ class RMStage(Stage):
         return None if items is None else self._rows([self.pairs[i] for i in items])
 
     def forward_inputs(self, batch: int) -> dict | None:
-        """With images, the forward-only pass's (the logged rewards'), whose smallest plan of a
+        """With images, the forward-only pass's (an evaluation's rewards), whose smallest plan of a
         vision-language model is larger than its training step's."""
         heaviest_rows = self.heaviest_inputs(batch)
         return None if heaviest_rows is None else {k: v for k, v in heaviest_rows.items() if k != "margin"}
@@ -181,15 +183,8 @@ class RMStage(Stage):
             items = stream_items(len(self.pairs), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
             position += self.c.batch
             micro.append(self._rows([self.pairs[i] for i in items]))
-        rewards = [self._rewards(engine, rows) for rows in micro]
-        losses, tokens = [], 0
-        for rows in micro:
-            losses.append(engine.step(**rows))
-            counted = engine.last_step.tokens      # a skipped step's record counts none; its rows were read
-            tokens += rows["input_ids"].numel() if counted is None else counted
-            if engine.last_step.skipped:
-                break
-        return _metrics(rewards), losses, tokens, position
+        losses, tokens, outputs = step_micro_batches(engine, micro)
+        return _metrics([o["rewards"].float() for o in outputs]), losses, tokens, position
 
     def evaluate(self, engine, step: int) -> dict:
         c = self.c
