@@ -107,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
     from ..cost.host import HOSTS
     q.add_argument("--host", default=None, choices=list(HOSTS),
                    help="the host the card sits in: its memory bandwidth, AdamW rate and disk (default: the "
-                        "--hardware profile's own; consumer cards a desktop, data-centre cards a server)")
+                        "--hardware profile's own; consumer cards a DDR5 desktop, data-centre cards a server)")
     q.add_argument("--batch", type=int, default=None,
                    help="sequences per step (default 1); with --stage dpo, preference pairs (2 rows each)")
     q.add_argument("--global-batch", type=int, default=None,

@@ -147,13 +147,16 @@ def plan(args: argparse.Namespace) -> int:
             lowest = minimum_budget(model, settings=settings.replace(grad_accum=accumulate), batch=micro, **kwargs)
             result = result.revised(minimum_budget_bytes=min(result.minimum_budget_bytes, int(lowest * 2**30)),
                                     minimum_over_chunks=True)
-    except HostMemoryError as e:    # the masters alone do not fit the host: nothing else matters
+    except HostMemoryError as e:    # the masters alone do not fit the host: the plan where they would
         print(host_line)
         print(f"  verdict        does NOT fit: {e}")
+        room = (None if args.global_batch is not None or "ranks" in kwargs else     # one plan, one process
+                _with_room(model, settings, kwargs, args.batch, e.facts, host_budget))
         if args.json:
             print(json.dumps({"fits": False, "host_budget_bytes": int(host_budget * 2**30),
                               "host_budget_source": _host_source(args),
-                              "error": str(e), **e.facts}), file=args.json_out)
+                              "error": str(e), **e.facts, **({"with_room": room} if room else {})}),
+                  file=args.json_out)
         return DOES_NOT_FIT
     except BudgetTooSmallError as e:
         # Show the smallest plan, so the reader sees what it would take. The refusal names the
@@ -206,6 +209,39 @@ def plan(args: argparse.Namespace) -> int:
             summary["run_steps"], summary["run_predicted_s"] = args.run_steps, run_s
         print(json.dumps(summary), file=args.json_out)
     return 0 if fits else DOES_NOT_FIT
+
+
+def _with_room(model, settings, kwargs: dict, batch: int, facts: dict, host_budget: float) -> dict | None:
+    """After a host refusal: the plan at the host and disk budgets its advice leads to (the disk
+    beside the host given, else the smallest host that fits), printed in a line, so the reader
+    sees whether the device fits and how fast a step runs before buying RAM or a drive; its
+    figures, or None."""
+    from ..errors import BudgetTooSmallError, HostMemoryError
+    from ..ir.printer import fmt_bytes, fmt_seconds
+    from ..planner.from_config import plan
+    from ..planner.host_advice import fitting_budgets
+    from ..planner.step_bound import bound
+    budgets = fitting_budgets(facts, host_budget, settings.nvme_budget)
+    if budgets is None:
+        return None
+    host, nvme = budgets
+    flags = f"--host-budget {host:g}" + (f" --nvme-budget {nvme}" if nvme else "")
+    try:
+        result = plan(model, settings=settings.replace(host_budget=host, nvme_budget=nvme), batch=batch, **kwargs)
+    except BudgetTooSmallError as e:
+        print(f"  with room      {flags}: the device does NOT fit either, its smallest budget "
+              f"{fmt_bytes(e.minimum_bytes)} of the {fmt_bytes(settings.budget_bytes)} given")
+        return {"host_budget_gib": host, "nvme_budget_gib": nvme, "fits": False,
+                "smallest_budget_bytes": e.minimum_bytes}
+    except HostMemoryError:
+        return None
+    p = result.prediction
+    print(f"  with room      {flags}: device peak {fmt_bytes(result.predicted_peak_bytes)} of the "
+          f"{fmt_bytes(result.budget_bytes)} budget, {fmt_seconds(p.step_s)} per step, {p.tokens_per_s:,.0f} tok/s"
+          + "".join(f"; bound by {what}" for what, _ in filter(None, [bound(result)])))
+    return {"host_budget_gib": host, "nvme_budget_gib": nvme, "fits": result.fits_card,
+            "device_peak_bytes": result.predicted_peak_bytes, "predicted_step_s": p.step_s,
+            "predicted_tokens_per_s": p.tokens_per_s}
 
 
 def _run_line(args: argparse.Namespace, step_s: float) -> float | None:

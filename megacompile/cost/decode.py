@@ -38,7 +38,7 @@ def cache_shape(model) -> tuple[int, int, int] | None:
 @dataclass(frozen=True)
 class DecodeStep:
     seconds: float            # one token for every row
-    compute_s: float          # the matmul work: 2 FLOPs per parameter per row (CapturedModel.flop_params)
+    compute_s: float          # the matmul work: 2 FLOPs per parameter per row (model_flops.forward_params)
     device_read_s: float      # weights (when held on the device) and the cache, from device memory
     link_s: float             # the weights over the host link (0 when the copy is on the device)
     weights_on_device: bool

@@ -39,6 +39,9 @@ def ddr(channels: int, megatransfers: int) -> float:
 HOSTS: dict[str, HostProfile] = {
     # AM5 / LGA1700 desktop: DDR5-5600, two channels (89.6 GB/s)
     "desktop": bandwidth_bound("desktop (DDR5-5600, 2 channels)", ddr(2, 5600)),
+    # AM4 / LGA1200 desktop, where many RTX 3090s sit: DDR4-3200, two channels (51.2 GB/s), its
+    # AdamW 57% of the DDR5 desktop's
+    "desktop-ddr4": bandwidth_bound("desktop (DDR4-3200, 2 channels)", ddr(2, 3200)),
     # TRX50 / W790 workstation: DDR5-5200, four channels (166.4 GB/s)
     "workstation": bandwidth_bound("workstation (DDR5-5200, 4 channels)", ddr(4, 5200)),
     # The host the H100/H200 server profiles have always assumed: one socket's share of a

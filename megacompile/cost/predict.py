@@ -16,6 +16,7 @@ from ..capture import CapturedModel
 from ..ir.program import COMPUTE_OPS, Op, Program
 from .estimate import graph_cost
 from .hardware import HardwareProfile
+from .model_flops import model_flops as count_model_flops
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class StepPrediction:
     d2h_s: float
     host_s: float
     hardware_flops: float       # FLOPs the device executes, recompute included
-    model_flops: float          # 6 * N * tokens, N the active (per-token) parameters
+    model_flops: float          # 6ND for the trained parameters, 4ND or 2ND for frozen ones (model_flops.py)
     tokens: int
     network_s: float = 0.0      # data parallelism: the gradients' reduce
     exposed_update_s: float = 0.0   # the part of exposed_s spent waiting on the host's AdamW updates
@@ -159,12 +160,11 @@ def predict(program: Program, captured: CapturedModel, hw: HardwareProfile,
             if record is not None:
                 record.append((i, "compute", issued - start_of_step, free["compute"] - start_of_step))
         ends.append(free["compute"] - start_of_step)
-    # 6ND with N the parameters whose matmuls a token runs: a routed expert layer counts top_k of its
-    # experts, an embedding lookup none.
-    flop_params = captured.flop_params
+    # 6ND with N the trained parameters whose matmuls a token runs (a routed expert layer counts top_k
+    # of its experts, an embedding lookup none), and 4ND or 2ND for the frozen ones (model_flops.py).
     tokens = captured.inputs[0].shape[0] * (captured.inputs[0].shape[1] if len(captured.inputs[0].shape) > 1 else 1)
     tokens *= program.facts.get("micro_batches", 1)     # a layer-major program runs every micro-batch of a step
-    model_flops = (6 if captured.train else 2) * flop_params * tokens
+    model_flops = count_model_flops(captured, tokens)
     return StepPrediction(ends[-1], busy["compute"], exposed, busy["h2d"], busy["d2h"], busy["host"],
                           flops, model_flops, tokens, network_s=busy["network"], exposed_update_s=exposed_update)
 

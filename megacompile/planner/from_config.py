@@ -198,7 +198,7 @@ def split_line(micro: int, k: int, outcome, seconds: float) -> str:
     and tokens/s, or why it does not fit, and how long planning it took."""
     from ..errors import BudgetTooSmallError
     from ..ir.printer import fmt_bytes
-    head = f"  split          {micro} x {k}".ljust(33)
+    head = f"  split          {micro} row{'s' * (micro != 1)} x {k} accumulated".ljust(44)   # as `micro-batch` says it
     took = f" (planned in {seconds:.0f} s)"
     if isinstance(outcome, BudgetTooSmallError):
         return f"{head}does not fit: its smallest budget is {fmt_bytes(outcome.minimum_bytes)}{took}"

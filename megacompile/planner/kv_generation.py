@@ -13,6 +13,7 @@ import torch.nn as nn
 from ..cost import graph_cost
 from ..cost.decode import BF16, cache_bytes_per_token, cache_shape, decode_step
 from ..cost.generation_memory import generate_transient_bytes, prefill_chunk
+from ..cost.model_flops import forward_params
 from ..errors import ArgumentError
 from ..ir.printer import fmt_bytes, fmt_seconds
 from .result import Plan
@@ -106,7 +107,8 @@ def kv_generation(per_token: int, forward: Plan, prefill: Prefill, keys: dict, r
     ops = sum(graph_cost(st.template.inference, hw, captured.compute_dtype).ops for st in captured.stages)
     # The cache read at each step grows with the tokens generated: its mean is the cache at half of them.
     mean_cache = rows * (prompt + (tokens + 1) / 2) * per_token
-    step = decode_step(hw, weight_bytes=weight_bytes, flop_params=captured.flop_params, rows=rows,
+    # Every weight's matmul, a LoRA base's too (model_flops.py): the adapters alone left a decode step's work out.
+    step = decode_step(hw, weight_bytes=weight_bytes, flop_params=round(forward_params(captured)), rows=rows,
                        cache_bytes=math.ceil(mean_cache), ops=ops, weights_on_device=on_device)
     copy_s = weight_bytes / hw.h2d_bw if on_device else 0.0
     # The prefill runs in chunks of the prompts (cost/generation_memory.py); a copy off the device

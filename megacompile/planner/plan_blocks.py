@@ -62,16 +62,14 @@ def block_decisions(plan) -> list[str]:
     """blocks() as text, grouped over runs of blocks with the same decision."""
     groups: list[list[dict]] = []
     for r in blocks(plan):
-        key = ("hold", "selective", "template", "saved_bytes", "input_to_host_bytes")
-        if groups and all(groups[-1][-1][k] == r[k] for k in key):
+        if groups and all(groups[-1][-1][k] == r[k] for k in DECISION):
             groups[-1].append(r)
         else:
             groups.append([r])
     lines = []
     several = len({r["template"] for g in groups for r in g}) > 1
-    for g in groups:
+    for g, span in periodic(groups):
         r = g[0]
-        span = r["stage"] if len(g) == 1 else f"{r['stage']}..{g[-1]['stage']}"
         held = fmt_bytes(r["saved_bytes"])
         cost = f", costs {fmt_seconds(r['forward_s'])} of forward each" if "forward_s" in r else ""
         if r["hold"] == "recompute":
@@ -93,6 +91,45 @@ def block_decisions(plan) -> list[str]:
             line = f"[template {r['template']}] {line}"
         lines.append(f"  {span:<14} {line}")
     return lines
+
+
+# A pattern of groups repeated this many times or more prints once: the solver's mixes of offload and
+# recompute (one block in four recomputed, say) otherwise print a line per group, 40 for a 70B.
+REPEATS = 3
+DECISION = ("hold", "selective", "template", "saved_bytes", "input_to_host_bytes")
+
+
+def periodic(groups: list[list[dict]]) -> list[tuple[list[dict], str]]:
+    """The groups with their span's text, a run of groups that repeats a pattern of up to four
+    groups REPEATS times or more folded into one per group of the pattern ("block.1..block.79,
+    3 of every 4 (60 blocks)"); the rest as they are."""
+    def same(a: list[dict], b: list[dict]) -> bool:
+        return len(a) == len(b) and all(a[0][k] == b[0][k] for k in DECISION)
+
+    out: list[tuple[list[dict], str]] = []
+    i = 0
+    while i < len(groups):
+        best = (1, 0)     # (repeats, period in groups)
+        for period in range(2, 5):
+            n = 1
+            while (i + (n + 1) * period <= len(groups)
+                   and all(same(groups[i + j], groups[i + n * period + j]) for j in range(period))):
+                n += 1
+            if n >= REPEATS and n * period > best[0] * best[1]:
+                best = (n, period)
+        n, period = best
+        if period == 0:
+            g = groups[i]
+            out.append((g, g[0]["stage"] if len(g) == 1 else f"{g[0]['stage']}..{g[-1]['stage']}"))
+            i += 1
+            continue
+        every = sum(len(groups[i + j]) for j in range(period))
+        for j in range(period):
+            first, last = groups[i + j], groups[i + (n - 1) * period + j]
+            out.append((first, f"{first[0]['stage']}..{last[-1]['stage']}, {len(first)} of every {every} "
+                               f"({n * len(first)} blocks)"))
+        i += n * period
+    return out
 
 
 def recompute_why(plan) -> list[dict]:

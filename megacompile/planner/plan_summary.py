@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from ..cost.model_flops import frozen_flop_weights
 from ..ir.printer import fmt_bytes, fmt_rate, fmt_seconds
 from . import plan_blocks, plan_json
 from .measured import MeasuredRun
+from .step_bound import bound_line
 
 
 def summary(plan, measured: MeasuredRun | None = None) -> str:
@@ -70,10 +72,20 @@ def summary(plan, measured: MeasuredRun | None = None) -> str:
     p = plan.prediction
     if p is not None:
         lines.append(f"  predicted      {per_step(plan, p.step_s)} on {plan.hardware.name}: {p.tokens_per_s:,.0f} tok/s, "
-                     f"{fmt_rate(p.tflops_6nd)} TFLOPS (6ND), {p.hardware_flops_per_model_flop:.3f} hardware FLOPs "
-                     f"per model FLOP, {waiting(p)}")
+                     f"{fmt_rate(p.tflops_6nd)} TFLOPS ({flops_rule(c)}), "
+                     f"{p.hardware_flops_per_model_flop:.3f} hardware FLOPs per model FLOP, {waiting(p)}")
+        lines += bound_line(plan)
         lines += updates_line(plan)
     return "\n".join(lines)
+
+
+def flops_rule(captured) -> str:
+    """How the model FLOPs were counted (cost/model_flops.py): 6ND, and frozen weights' 4ND (behind a
+    trained one: forward and the input's gradient) or 2ND (before every trained one)."""
+    if not captured.train:
+        return "2ND"
+    behind, before = frozen_flop_weights(captured)
+    return "6ND" + (" trained + 4ND frozen" if behind else "") + (" + 2ND frozen before them" if before else "")
 
 
 def updates_line(plan) -> list[str]:

@@ -23,6 +23,7 @@ from .solve import solve
 from ..passes.lower import lower
 from ..passes.selective import with_selective
 from .shorten import Short, held_bytes, live_bytes, peak_with_cut, shorten, span
+from .host_advice import disk_advice, lora_advice
 from .solve import Family, Selective, candidates, families, lowest
 from ..passes.baselines import baseline_choice
 from .chunk_count import plan_chunked
@@ -358,8 +359,8 @@ def require_host_room(host_bytes: int, host_budget_bytes: int | None, detail: st
     if host_budget_bytes is not None and host_bytes > host_budget_bytes:
         raise HostMemoryError(
             f"the host RAM budget of {host_budget_bytes / GiB:.4g} GiB cannot hold the fp32 masters, AdamW "
-            f"moments, gradients and compute copies, which take {host_bytes / GiB:.4g} GiB "
-            f"({fmt_bytes(host_bytes)}); raise the host budget, or train a smaller model{detail}", facts)
+            f"moments, gradients and compute copies, which take {fmt_bytes(host_bytes)}; raise the host budget, "
+            f"or train a smaller model{detail}", facts)
 
 
 def _host_facts(costs: list[HostCost], smallest_bytes: int) -> dict:
@@ -391,8 +392,8 @@ def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, ho
     costs = host_costs(captured, compute_dtype, grad_accum, module_resident, borrowed)
     chosen = choose_placement(costs, host_budget_bytes, nvme_budget_bytes)
     if chosen is None:
-        hint = ("" if nvme_budget_bytes is not None else
-                ", or give a disk tier (compile(..., nvme_dir=PATH), --nvme-budget GiB) for the AdamW moments and masters")
+        hint = (disk_advice(costs, host_budget_bytes, nvme_budget_bytes)
+                + lora_advice(captured, compute_dtype, host_budget_bytes))
         room = [c for c in costs if c.disk_bytes == 0 or (nvme_budget_bytes is not None and c.disk_bytes <= nvme_budget_bytes)]
         least = min(room, key=lambda c: c.ram_bytes)
         smallest = (f". The smallest host budget that fits is {math.ceil(least.ram_bytes / GiB * 100) / 100:.2f} GiB "

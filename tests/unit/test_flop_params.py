@@ -102,3 +102,45 @@ def test_the_bench_counts_6nd_as_the_capture_does():
     model = workload.meta_model()
     assert workload.flop_parameters == sum(p.numel() for n, p in model.named_parameters() if n != "embed.weight")
     assert workload.flop_parameters == _plan(model).captured.flop_params
+
+
+def test_frozen_weights_count_4nd_behind_the_first_trained_one_and_2nd_before_it():
+    """A frozen weight runs its forward, and its input's gradient where something before it trains;
+    counting only the trained ones made a LoRA plan's model FLOPs a sliver of the card's work."""
+    model = _llama(tied=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    trained = model.model.layers[1]
+    for p in trained.parameters():
+        p.requires_grad_(True)
+    plan = _plan(model)
+    n_trained = sum(p.numel() for p in trained.parameters())
+    before = sum(p.numel() for p in model.model.layers[0].parameters())
+    behind = model.model.norm.weight.numel() + model.lm_head.weight.numel()
+    assert plan.captured.flop_params == n_trained
+    assert plan.prediction.model_flops == (6 * n_trained + 4 * behind + 2 * before) * BATCH * SEQ
+
+
+def test_a_lora_plan_counts_its_frozen_base_so_hardware_flops_stay_near_model_flops():
+    from megacompile.train.methods.lora import lora_for_plan
+    model = lora_for_plan(_llama(tied=False), 4, "all", torch.float32)
+    plan = _plan(model)
+    assert plan.captured.flop_params < _all(model) / 10      # the adapters alone: a small share
+    assert 0.9 < plan.prediction.hardware_flops_per_model_flop < 2.0
+
+
+def test_a_lora_policys_decode_step_counts_the_matmuls_of_its_frozen_base(monkeypatch):
+    """A kv_cache generator's decode step runs every weight's matmul, the frozen base's too."""
+    import megacompile.planner.kv_generation as kv_generation
+    from megacompile.train.methods.lora import lora_for_plan
+    seen = []
+    decode_step = kv_generation.decode_step
+    monkeypatch.setattr(kv_generation, "decode_step",
+                        lambda hw, **k: seen.append(k["flop_params"]) or decode_step(hw, **k))
+    base = _llama(tied=False)
+    n = _all(base) - base.get_input_embeddings().weight.numel()
+    model = lora_for_plan(base, 4, "all", torch.float32)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    megacompile.plan_stage(model, 1.0, "grpo", hardware="h100", fuse=False, prompts=2, num_generations=2,
+                           max_prompt_length=8, max_completion_length=8, generator="kv_cache")
+    assert seen and all(f == n + adapters for f in seen)

@@ -47,3 +47,13 @@ def test_plan_takes_the_host_and_the_cards_memory(tmp_path, capsys):
     assert desktop["host_busy_s"] == pytest.approx(server["host_busy_s"] * 300 / 89.6, rel=1e-6)
     _, card = _plan(tmp_path, capsys, "--hardware", "rtx4090", "--hbm-budget", "20")
     assert card["budget_bytes"] == 20 * 2**30
+
+
+def test_a_ddr4_desktop_times_the_host_adamw_at_its_bandwidth(tmp_path, capsys):
+    """A 3090 often sits in a DDR4 desktop (DDR4-3200, two channels: 51.2 GB/s), whose AdamW runs at
+    57% of the DDR5 desktop's the GeForce profiles assume."""
+    assert HOSTS["desktop-ddr4"].host_bw == 2 * 8 * 3200e6
+    rc, ddr4 = _plan(tmp_path, capsys, "--hardware", "rtx3090", "--host", "desktop-ddr4")
+    assert rc == 0
+    _, ddr5 = _plan(tmp_path, capsys, "--hardware", "rtx3090")
+    assert ddr4["host_busy_s"] == pytest.approx(ddr5["host_busy_s"] * 89.6 / 51.2, rel=1e-6)
