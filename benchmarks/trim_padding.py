@@ -1,6 +1,7 @@
 """What cutting a step's rows after their longest document saves a fine-tune of short records.
 
     python benchmarks/trim_padding.py       # a 4-layer Llama of 256 wide, chats of 1-6 exchanges, seq 256 (its positions)
+    python benchmarks/trim_padding.py --stage dpo   # the same model, pairs of a sentence each, 8 pairs a step
 
 The same run.yaml twice, each in a fresh Python on the cpu backend: `trim_padding: true` (rows cut
 to seq/8, seq/4, seq/2 or seq: train/data/trim.py) and `false` (every row seq tokens, the peer).
@@ -9,6 +10,10 @@ length captures and plans); the whole run's seconds too. The losses of the two r
 side by side: the same to float32 rounding. Prints a table and appends to
 benchmarks/results/trim_padding.csv (long format, with the machine and its load). No timed
 asserts: the figures move with the machine's load.
+
+--stage dpo: a DPO run over short preference pairs (prompt, chosen and rejected a sentence each),
+its rows cut as stages dpo, kto and rm cut them; its reward columns are compared too, and its
+figures go to benchmarks/results/trim_padding_dpo.csv.
 """
 from __future__ import annotations
 
@@ -27,6 +32,28 @@ SENTENCES = ["the cat sat on the mat", "a dog ran in the park after the ball", "
              "she wrote a letter to her brother", "the river carried leaves down to the sea"]
 
 
+def chats(path: str) -> str:
+    """Conversations of one to six exchanges: rows filled to several lengths."""
+    with open(path, "w") as f:
+        for i in range(400):
+            turns = []
+            for k in range(1 + (i * 7) % 6):
+                turns += [{"role": "user", "content": SENTENCES[(i + k) % len(SENTENCES)]},
+                          {"role": "assistant", "content": SENTENCES[(i + 2 * k + 1) % len(SENTENCES)]}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    return path
+
+
+def pairs(path: str) -> str:
+    """Preference pairs of a sentence each: rows a tenth of seq 256 or less."""
+    with open(path, "w") as f:
+        for i in range(200):
+            # the chosen sentence the one after the prompt's, the rejected one two to four after it
+            f.write(json.dumps({"prompt": SENTENCES[i % 5], "chosen": SENTENCES[(i + 1) % 5],
+                                "rejected": SENTENCES[(i + 2 + i // 5 % 3) % 5]}) + "\n")
+    return path
+
+
 def one_run(args) -> dict:
     sys.path.insert(0, ROOT)
     from megacompile.train import load, log, run
@@ -35,17 +62,10 @@ def one_run(args) -> dict:
     model = os.path.join(folder, "model")
     if not os.path.isdir(model):
         files.model_dir(model, layers=4, dim=256)
-    chats = os.path.join(folder, "chats.jsonl")
-    with open(chats, "w") as f:
-        for i in range(400):
-            turns = []
-            for k in range(1 + (i * 7) % 6):
-                turns += [{"role": "user", "content": SENTENCES[(i + k) % len(SENTENCES)]},
-                          {"role": "assistant", "content": SENTENCES[(i + 2 * k + 1) % len(SENTENCES)]}]
-            f.write(json.dumps({"messages": turns}) + "\n")
+    data = (pairs if args.stage == "dpo" else chats)(os.path.join(folder, f"{args.stage}.jsonl"))
     run_dir = os.path.join(folder, args.mode)
-    c = load(files.run_yaml(os.path.join(folder, f"{args.mode}.yaml"), model=model, data=[chats], seq=args.seq,
-                            batch=args.batch, steps=args.steps, device="cpu", run_dir=run_dir,
+    c = load(files.run_yaml(os.path.join(folder, f"{args.mode}.yaml"), model=model, stage=args.stage, data=[data],
+                            seq=args.seq, batch=args.batch, steps=args.steps, device="cpu", run_dir=run_dir,
                             trim_padding=args.mode == "trimmed", save_every=False), [])
     began = time.perf_counter()
     run(c)
@@ -58,7 +78,8 @@ def one_run(args) -> dict:
             steady.append(float(r["seconds"]))
         seen.add(length)
     return {"step_s": statistics.median(steady), "run_s": whole, "lengths": sorted(seen),
-            "losses": [float(r["loss"]) for r in rows]}
+            "losses": [float(r["loss"]) for r in rows],
+            "rewards": [float(r[k]) for r in rows for k in ("rewards_chosen", "rewards_rejected") if k in r]}
 
 
 def main() -> None:
@@ -66,7 +87,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--csv", default=os.path.join(HERE, "results", "trim_padding.csv"))
+    ap.add_argument("--stage", choices=("sft", "dpo"), default="sft")
+    ap.add_argument("--csv", default=None, help="default: benchmarks/results/trim_padding.csv "
+                                                "(trim_padding_dpo.csv with --stage dpo)")
     ap.add_argument("--mode", choices=("trimmed", "whole"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -81,11 +104,13 @@ def main() -> None:
         for mode in ("trimmed", "whole"):
             load = os.getloadavg()[0]
             cmd = [sys.executable, __file__, "--mode", mode, "--folder", folder, "--seq", str(args.seq),
-                   "--batch", str(args.batch), "--steps", str(args.steps)]
+                   "--batch", str(args.batch), "--steps", str(args.steps), "--stage", args.stage]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             results[mode] = {**json.loads(out), "load_before": load, "load_after": os.getloadavg()[0]}
     trimmed, whole = results["trimmed"], results["whole"]
-    print(f"{args.steps} steps of {args.batch} x {args.seq} tokens, chats of 1-6 exchanges, a 4-layer Llama of 256")
+    what = (f"{args.batch} pairs ({2 * args.batch} rows) x {args.seq} tokens, pairs of a sentence each"
+            if args.stage == "dpo" else f"{args.batch} x {args.seq} tokens, chats of 1-6 exchanges")
+    print(f"{args.steps} {args.stage} steps of {what}, a 4-layer Llama of 256")
     print(f"{'':>16} {'s/step':>9} {'run s':>8}  input lengths (tokens a step)")
     for mode, r in results.items():
         print(f"{mode:>16} {r['step_s']:>9.3f} {r['run_s']:>8.1f}  {r['lengths']}")
@@ -93,12 +118,16 @@ def main() -> None:
     print(f"{'whole / trimmed':>16} {ratios[0]:>8.2f}x {ratios[1]:>7.2f}x")
     worst = max(abs(a - b) / abs(b) for a, b in zip(trimmed["losses"], whole["losses"]))
     print(f"losses: largest relative difference {worst:.2e} over {len(whole['losses'])} steps")
+    if whole["rewards"]:    # beta (log pi - log pi_ref): a difference of two sums, compared absolutely
+        gap = max(abs(a - b) for a, b in zip(trimmed["rewards"], whole["rewards"]))
+        print(f"rewards (chosen, rejected): largest absolute difference {gap:.2e}")
     for mode, r in results.items():
         print(f"{mode}: load average (1 min) {r['load_before']:.2f} -> {r['load_after']:.2f}")
     facts = machine_facts()
-    append_rows(args.csv, [{**facts, "seq": args.seq, "batch": args.batch, "steps": args.steps, "mode": mode,
-                            "figure": figure, "value": r[figure]}
-                           for mode, r in results.items() for figure in ("step_s", "run_s")])
+    csv = args.csv or os.path.join(HERE, "results", "trim_padding_dpo.csv" if args.stage == "dpo" else "trim_padding.csv")
+    append_rows(csv, [{**facts, "seq": args.seq, "batch": args.batch, "steps": args.steps, "mode": mode,
+                       "figure": figure, "value": r[figure]}
+                      for mode, r in results.items() for figure in ("step_s", "run_s")])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ A vision-language model (a folder with its processor) trains pairs with images t
 rlhf_v layout, TRL's vision preference records: data/image_answers.py): each micro-batch's chosen
 and rejected rows hold their prompt's images, read by the processor when the micro-batch is
 packed, so every pass (reference, policy, evaluation) sees the pixels the prompt shows. Its export
-gets the processor's files beside it."""
+gets the processor's files beside it.
+
+With trim_padding (and retrace) a step's micro-batches, and the rows of each forward-only pass
+(the reference's, an evaluation's), are cut after the last completion token of their longest row
+(data/trim.py), pairs with images excepted: the log-probabilities are those of rows of seq."""
 from __future__ import annotations
 
 
@@ -34,7 +38,7 @@ from ...errors import ArgumentError
 from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
 from ...posttrain import Pair, orpo_metrics, pack, preference_metrics, to_pair
-from ..data import grid_images, images, tools
+from ..data import grid_images, images, tools, trim
 from ..data.image_answers import heaviest, image_pair, media_digest, with_media
 from ..data.ranking import preference
 from ..data.reading import records
@@ -82,6 +86,8 @@ class DPOStage(reference.ReferenceStage):
         self.table = self.held_reference = None      # the reference's log-probabilities, computed once
         self.needs_reference = bool(c.sync_ref_model)   # a reference engine that moves (TR-DPO)
         self.reference = None
+        # rows cut after their longest (data/trim.py): not under retrace: false, whose one program has one shape
+        self.trim = c.trim_padding and c.retrace
 
     def _read(self, entries: list, tokenizer) -> list[Pair]:
         pairs = []
@@ -150,7 +156,8 @@ class DPOStage(reference.ReferenceStage):
         b, out = self.c.batch, []
         for i in range(0, len(pairs), b):
             group = [pairs[(i + k) % len(pairs)] for k in range(b)]
-            both = torch.as_tensor(engine(**self._pack(group))).float()
+            with trim.own_lengths(self.trim):
+                both = torch.as_tensor(engine(**trim.together([self._pack(group)], self.trim)[0])).float()
             out.append(torch.stack([both[:b], both[b:]], dim=1))
         return torch.cat(out)[:len(pairs)]
 
@@ -181,15 +188,18 @@ class DPOStage(reference.ReferenceStage):
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         """One optimizer step: grad_accum micro-batches, whose training forwards hand out the policy's
         log-probabilities for the logged rewards (the policy the step starts from: handed_out.py)."""
-        micro = []
+        drawn = []
         for _ in range(self.c.grad_accum):
-            chosen = stream_items(len(self.pairs), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
+            drawn.append(stream_items(len(self.pairs), self.c.seed, position, self.c.batch,
+                                      not self.c.disable_shuffling))
             position += self.c.batch
-            rows = self._pack([self.pairs[i] for i in chosen])
-            ref = (torch.as_tensor(self.reference(**rows)).float().clone() if self.needs_reference
-                   else torch.cat([self.table[chosen, 0], self.table[chosen, 1]]))
-            micro.append((rows, ref))
-        losses, tokens, outputs = step_micro_batches(engine, [{**batch, "ref_logps": ref} for batch, ref in micro])
+        # every micro-batch of the step at one length (data/trim.py): one program for all of them
+        packed = trim.together([self._pack([self.pairs[i] for i in chosen]) for chosen in drawn], self.trim)
+        with trim.own_lengths(self.trim):
+            micro = [(rows, torch.as_tensor(self.reference(**rows)).float().clone() if self.needs_reference
+                      else torch.cat([self.table[chosen, 0], self.table[chosen, 1]]))
+                     for rows, chosen in zip(packed, drawn)]
+            losses, tokens, outputs = step_micro_batches(engine, [{**batch, "ref_logps": ref} for batch, ref in micro])
         micro = micro[:len(outputs)]        # those whose forward ran: a skip ends the step
         policy = [o["logps"].float() for o in outputs]
         b = self.c.batch

@@ -19,7 +19,11 @@ loss (handed_out.py), of the same policy.
 
 On a vision-language model (a folder with its processor) an example may show images
 (data/image_answers.py): its row and its KL row hold its prompt's images, read by the processor
-when the micro-batch is packed; the export gets the processor's files beside it."""
+when the micro-batch is packed; the export gets the processor's files beside it.
+
+With trim_padding (and retrace) a step's rows, its KL rows, and the rows of each forward-only
+pass (the reference's, an evaluation's) are cut after the last completion token of their longest
+row (data/trim.py), examples with images excepted: the log-probabilities are those of rows of seq."""
 from __future__ import annotations
 
 import math
@@ -30,7 +34,7 @@ import torch
 
 from ...errors import ArgumentError
 from ...posttrain import IGNORE, KTOLoss, KTOObjective, kl_estimate, pack_rows, tokenised
-from ..data import feedback, grid_images, images, tools
+from ..data import feedback, grid_images, images, tools, trim
 from ..data.image_answers import answered, heaviest, media_digest, with_media
 from ..data.reading import records
 from ..log import STEP_COLUMNS
@@ -104,6 +108,8 @@ class KTOStage(reference.ReferenceStage):
         self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS)
                                                  if self.held else ())
         self.reference = self.held_reference = None
+        # rows cut after their longest (data/trim.py): not under retrace: false, whose one program has one shape
+        self.trim = c.trim_padding and c.retrace
 
     def _read(self, entries: list) -> list[Example]:
         out: list[Example] = []
@@ -216,8 +222,10 @@ class KTOStage(reference.ReferenceStage):
         b, out = self.c.batch, []
         for lo in range(0, len(examples), b):
             rows, kl, _ = self._rows(examples, [(lo + k) % len(examples) for k in range(b)], partners)
-            own = torch.as_tensor(engine(**rows)).float()
-            other = torch.as_tensor(engine(**kl)).float() if self.loss.needs_kl else torch.zeros_like(own)
+            with trim.own_lengths(self.trim):
+                own = torch.as_tensor(engine(**trim.together([rows], self.trim)[0])).float()
+                other = (torch.as_tensor(engine(**trim.together([kl], self.trim)[0])).float() if self.loss.needs_kl
+                         else torch.zeros_like(own))
             out.append(torch.stack([own, other], dim=1))
         return torch.cat(out)[:len(examples)]
 
@@ -251,10 +259,14 @@ class KTOStage(reference.ReferenceStage):
             position += self.c.batch
             rows, kl_rows, desirable = self._rows(self.examples, items, self.partners)
             micro.append((rows, kl_rows, desirable, self.reference[items]))
-        kls = [self._kl(engine, kl_rows, ref[:, 1]) for _, kl_rows, _, ref in micro]
-        losses, tokens, outputs = step_micro_batches(
-            engine, [{**rows, "ref_logps": ref[:, 0], "desirable": desirable, "kl": kl}
-                     for (rows, _, desirable, ref), kl in zip(micro, kls)])
+        # the step's rows at one length, its KL rows at one length (data/trim.py): one program for each
+        cut = zip(trim.together([m[0] for m in micro], self.trim), trim.together([m[1] for m in micro], self.trim))
+        micro = [(rows, kl_rows, desirable, ref) for (rows, kl_rows), (_, _, desirable, ref) in zip(cut, micro)]
+        with trim.own_lengths(self.trim):
+            kls = [self._kl(engine, kl_rows, ref[:, 1]) for _, kl_rows, _, ref in micro]
+            losses, tokens, outputs = step_micro_batches(
+                engine, [{**rows, "ref_logps": ref[:, 0], "desirable": desirable, "kl": kl}
+                         for (rows, _, desirable, ref), kl in zip(micro, kls)])
         ran = micro[:len(outputs)]          # those whose forward ran: a skip ends the step
         metrics = self._metrics(torch.cat([o["logps"].float() for o in outputs]),
                                 torch.cat([r[:, 0] for *_, r in ran]), torch.cat([d for _, _, d, _ in ran]),

@@ -11,7 +11,11 @@ A vision-language model whose family transformers gives a sequence classifier (G
 the whole model under a score) trains pairs with images as stage dpo reads them (LlamaFactory's
 rlhf_v layout, TRL's vision records: data/image_answers.py), each row holding its prompt's images;
 its export carries the processor's files. A family without such a classifier is refused before
-anything is read: its reward model could be neither saved nor loaded."""
+anything is read: its reward model could be neither saved nor loaded.
+
+With trim_padding (and retrace) a step's micro-batches, and an evaluation's, are cut after the
+last scored token of their longest row (data/trim.py), pairs with images excepted: a decoder is
+causal, so the rewards are those of rows of seq."""
 from __future__ import annotations
 
 import os
@@ -21,7 +25,7 @@ import torch
 from ...errors import ArgumentError
 from ...posttrain import Pair, RewardModel, preference_metrics, reward_loss, to_pair
 from .. import intervals
-from ..data import grid_images, images, tools
+from ..data import grid_images, images, tools, trim
 from ..data.image_answers import heaviest, image_pair, with_media
 from ..data.ranking import preference
 from ..data.reading import records
@@ -103,6 +107,8 @@ class RMStage(Stage):
         self.fingerprint = fingerprint(c.data + c.eval, c.tokenizer or c.model, False, model_dir=c.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.pairs = self._read(c.data)
+        # rows cut after their longest (data/trim.py): not under retrace: false, whose one program has one shape
+        self.trim = c.trim_padding and c.retrace
         self.held: list[tuple[Pair, float]] = []
         if c.eval:
             self.held = self._read(c.eval)
@@ -175,7 +181,8 @@ class RMStage(Stage):
         return None if heaviest_rows is None else {k: v for k, v in heaviest_rows.items() if k != "margin"}
 
     def _rewards(self, engine, rows: dict) -> torch.Tensor:
-        return torch.as_tensor(engine(**{k: v for k, v in rows.items() if k != "margin"})).float()
+        with trim.own_lengths(self.trim):
+            return torch.as_tensor(engine(**{k: v for k, v in rows.items() if k != "margin"})).float()
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         micro = []
@@ -183,7 +190,8 @@ class RMStage(Stage):
             items = stream_items(len(self.pairs), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
             position += self.c.batch
             micro.append(self._rows([self.pairs[i] for i in items]))
-        losses, tokens, outputs = step_micro_batches(engine, micro)
+        with trim.own_lengths(self.trim):      # every micro-batch of the step at one length: one program
+            losses, tokens, outputs = step_micro_batches(engine, trim.together(micro, self.trim))
         return _metrics([o["rewards"].float() for o in outputs]), losses, tokens, position
 
     def evaluate(self, engine, step: int) -> dict:
@@ -197,7 +205,7 @@ class RMStage(Stage):
             parts, losses = [], []
             for lo in range(0, len(held), c.batch):      # the last micro-batch filled up with the first pairs
                 group = [held[(lo + k) % len(held)] for k in range(c.batch)]
-                rows = self._rows(group)
+                rows = trim.together([self._rows(group)], self.trim)[0]
                 rewards = self._rewards(engine, rows)
                 n = min(c.batch, len(held) - lo)
                 chosen, rejected = rewards[:c.batch][:n], rewards[c.batch:][:n]
