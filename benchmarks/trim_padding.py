@@ -1,6 +1,6 @@
 """What cutting a step's rows after their longest document saves a fine-tune of short records.
 
-    python benchmarks/trim_padding.py       # a 4-layer Llama of 256 wide, chats of 1-6 exchanges, seq 256 (its positions)
+    python benchmarks/trim_padding.py       # a 4-layer Llama of 256 wide, chats of 1-6 exchanges, seq 256
     python benchmarks/trim_padding.py --stage dpo   # the same model, pairs of a sentence each, 8 pairs a step
 
 The same run.yaml twice, each in a fresh Python on the cpu backend: `trim_padding: true` (rows cut
@@ -124,7 +124,8 @@ def main() -> None:
     for mode, r in results.items():
         print(f"{mode}: load average (1 min) {r['load_before']:.2f} -> {r['load_after']:.2f}")
     facts = machine_facts()
-    csv = args.csv or os.path.join(HERE, "results", "trim_padding_dpo.csv" if args.stage == "dpo" else "trim_padding.csv")
+    name = "trim_padding_dpo.csv" if args.stage == "dpo" else "trim_padding.csv"
+    csv = args.csv or os.path.join(HERE, "results", name)
     append_rows(csv, [{**facts, "seq": args.seq, "batch": args.batch, "steps": args.steps, "mode": mode,
                        "figure": figure, "value": r[figure]}
                       for mode, r in results.items() for figure in ("step_s", "run_s")])

@@ -30,7 +30,8 @@ from .grid_constants import GRID_INPUTS
 from .rope_positions import with_rope_positions
 
 __all__ = ["capture", "CapturedModel", "StageInstance", "StageTemplate", "TensorMeta", "ParamSlot",
-           "Port", "StateEntry", "find_block_stack", "extract_loss", "LossAndOutputs", "BlockStack", "ImageTokens", "GRID_INPUTS", "with_rope_positions",
+           "Port", "StateEntry", "find_block_stack", "extract_loss", "LossAndOutputs", "BlockStack", "ImageTokens",
+           "GRID_INPUTS", "with_rope_positions",
            "CHECKED_LINEAR_ATTENTION", "blocks_logged_before"]
 
 

@@ -124,7 +124,8 @@ def _check_run(c, saved: resume.Saved, config: str, merge_adapter: bool | None, 
         raise ArgumentError(f"{saved.path} trained other parameters than {config} says ({', '.join(changed[:4])}): "
                             "give the run.yaml of the run that saved it, or set those keys back (key=value)")
     if merge_adapter is not None and not methods.adapters(c):
-        raise ArgumentError(f"--merge-adapter: {saved.path} is of a finetuning_type {now.get('finetuning_type')} run, which "
+        raise ArgumentError(f"--merge-adapter: {saved.path} is of a finetuning_type "
+                            f"{now.get('finetuning_type')} run, which "
                             "has no adapter to merge; leave the flag out")
     if c.pissa_init:
         raise ArgumentError(f"{saved.path} is of a PiSSA run (pissa_init), whose base in the checkpoint is the "

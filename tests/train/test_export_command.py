@@ -1,7 +1,8 @@
 """`megacompile export CHECKPOINT OUT [--config run.yaml]`: a checkpoint of a run written as the run
-writes its model, the run read back from the training_args.yaml it left in its folder. An intermediate step's export loads with transformers (a LoRA one with PEFT, or
-merged) and evaluates to the held-out loss the run logged at that step; a run folder means its
-latest checkpoint; what cannot be exported is refused by name, and nothing is written."""
+writes its model, the run read back from the training_args.yaml it left in its folder. An
+intermediate step's export loads with transformers (a LoRA one with PEFT, or merged) and
+evaluates to the held-out loss the run logged at that step; a run folder means its latest
+checkpoint; what cannot be exported is refused by name, and nothing is written."""
 from __future__ import annotations
 
 import os

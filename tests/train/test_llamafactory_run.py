@@ -62,7 +62,8 @@ def test_llamafactory_names_and_own_names_train_the_same_run(tmp_path):
         device="cpu")
     own = files.run_yaml(
         str(tmp_path / "own.yaml"),
-        model="model", data=sharegpt, template="llama3", seq=32, max_samples=1000, run_dir="saves/own", log_every=1, save_every=3, log="csv", plot_loss=True,
+        model="model", data=sharegpt, template="llama3", seq=32, max_samples=1000, run_dir="saves/own", log_every=1, save_every=3, log="csv",
+        plot_loss=True,
         batch=2, grad_accum=2, lr=lr, epochs=2.0, schedule="cosine", min_lr=lr * rate, warmup=0.25,
         compute_dtype="float32", eval_fraction=0.2, eval_every=2, eval_batch=1, betas=[0.9, 0.95], weight_decay=0.01,
         seed=3,
