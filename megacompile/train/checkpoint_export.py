@@ -146,7 +146,7 @@ def _meta(c, saved: resume.Saved, config: str) -> nn.Module:
     if c.grown is not None:
         meta = meta_model(c)      # built again with the grown vocabulary
     before = saved.extra.get(resume_model.KEY)
-    changed = resume_model._changes(before, resume_model.saved(meta)) if isinstance(before, dict) else []
+    changed = resume_model.changes(before, resume_model.saved(meta)) if isinstance(before, dict) else []
     if changed:
         raise ArgumentError(f"{saved.path} was saved by a run of a model configured otherwise than {config} builds "
                             f"it ({', '.join(changed[:4])}): give the run.yaml of the run that saved it")

@@ -34,7 +34,7 @@ from ..report import write_run_views
 from ..io import trainer_checkpoint
 from . import (best_model, early_stopping, intervals, methods, preemption, resume, resume_model, rope_scaling,
                results, router_loss, run_args, run_lock, trained_model, vocab)
-from .config import RunConfig
+from .config import KEYS, RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
 from .model import build, check_import, file_key, meta_model
@@ -338,7 +338,8 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         engine.load_adapter(c.adapter)
         print(f"  adapter        from {c.adapter} (its weights; AdamW starts afresh)", flush=True)
     start_step = engine.steps_done
-    log = RunLog(run_dir, c.log, start_step, settings=dataclasses.asdict(c), columns=stage.columns, steps=c.steps,
+    settings = {k: v for k, v in dataclasses.asdict(c).items() if k in KEYS}     # run.yaml's keys, not derived
+    log = RunLog(run_dir, c.log, start_step, settings=settings, columns=stage.columns, steps=c.steps,
                  every=c.log_every)
     if c.eval_on_start and start_step == 0:       # transformers' eval_on_start: the model as it starts
         first = stage.evaluate(engine, 0)

@@ -49,7 +49,7 @@ def check(path: str, extra: dict, model: nn.Module) -> None:
     before = extra.get(KEY)
     if not isinstance(before, dict) or not before:
         return
-    changed = _changes(before, saved(model))
+    changed = changes(before, saved(model))
     if changed:
         shown = ", ".join(changed[:4]) + (f", ... ({len(changed) - 4} more)" if len(changed) > 4 else "")
         raise ArgumentError(f"{path} was saved by a run of a model configured otherwise ({shown}): its weights would "
@@ -57,14 +57,14 @@ def check(path: str, extra: dict, model: nn.Module) -> None:
                             "folder's config.json, bundled_model and rope_scaling), or start a new run_dir")
 
 
-def _changes(before: dict, now: dict, prefix: str = "") -> list[str]:
+def changes(before: dict, now: dict, prefix: str = "") -> list[str]:
     """The entries both configs hold with other values. An entry one of them lacks is a release of
     transformers writing another set of defaults (a field added), not a model changed."""
     changed = []
     for k in sorted(set(before) & set(now)):
         a, b = before.get(k), now.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
-            changed += _changes(a, b, f"{prefix}{k}.")
+            changed += changes(a, b, f"{prefix}{k}.")
         elif a != b:
             changed.append(f"{prefix}{k} {a!r} -> {b!r}")
     return changed

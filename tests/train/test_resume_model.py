@@ -60,8 +60,8 @@ def test_a_model_folder_whose_config_changed_is_refused(tmp_path, monkeypatch):
 def test_an_entry_one_config_lacks_is_a_transformers_release_not_a_change():
     """A transformers release that adds a config field writes it into the resumed model's config,
     not into the checkpoint's: only the values both hold are compared."""
-    from megacompile.train.resume_model import _changes
+    from megacompile.train.resume_model import changes
     before = {"heads": 4, "text_config": {"rope_theta": 1e4}}
-    assert _changes(before, {"heads": 4, "new_field": 1, "text_config": {"rope_theta": 1e4, "added": 0}}) == []
-    assert _changes(before, {"heads": 8, "text_config": {"rope_theta": 2e4}}) == [
+    assert changes(before, {"heads": 4, "new_field": 1, "text_config": {"rope_theta": 1e4, "added": 0}}) == []
+    assert changes(before, {"heads": 8, "text_config": {"rope_theta": 2e4}}) == [
         "heads 4 -> 8", "text_config.rope_theta 10000.0 -> 20000.0"]

@@ -106,6 +106,7 @@ def test_offline_run_history_holds_the_loss_of_every_step_and_a_resume_continues
     assert info.project == "keys" and info.display_name == "tiny"
     config = {item.key: json.loads(item.value_json) for item in info.config.update}
     assert config["steps"] == 3 and config["log"] == ["csv", "wandb"]
+    assert "given" not in config and "grown" not in config       # run.yaml's keys alone, not what the run derives
     with open(os.path.join(run_dir, "wandb-run-id")) as f:
         assert f.read() == info.run_id
 
