@@ -10,6 +10,9 @@ import os
 from .stages.stage import CHECKPOINTS
 
 NAME = "training_args.yaml"
+# The first line of the file a run writes: a training_args.yaml without it is the user's own (the
+# run.yaml this run was started from, kept in its output_dir, say) and is never replaced.
+MARK = "# megacompile train: this run's settings as given (overrides laid over, paths absolute)\n"
 
 
 def write(c, run_dir: str) -> None:
@@ -17,11 +20,12 @@ def write(c, run_dir: str) -> None:
     if c.given is None:     # a RunConfig made in code, not by load()
         return
     path = os.path.join(run_dir, NAME)
-    text = yaml.safe_dump(c.given, sort_keys=False)
+    text = MARK + yaml.safe_dump(c.given, sort_keys=False)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            if f.read() == text:        # the same settings (a finished run run again): the file left as it is
-                return
+            found = f.read()
+        if found == text or not found.startswith(MARK):     # the same settings, or the user's own file
+            return
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(path + ".tmp", path)

@@ -193,3 +193,18 @@ def test_a_failed_write_leaves_no_half_folder(full, tmp_path, capsys, monkeypatc
     assert _export(_step(full, 2), str(out), "--config", _yaml(full)) == 2
     assert "the disk is full (No space left on device); nothing was written" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_a_training_args_yaml_of_the_users_own_in_the_run_folder_is_never_replaced(tmp_path):
+    """A run started from the run.yaml it keeps in its own folder under LlamaFactory's name."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    model = files.model_dir(str(tmp_path / "llama"), dim=32)
+    files.chats(str(tmp_path / "chats.jsonl"))
+    mine = files.run_yaml(str(folder / "training_args.yaml"), model=model, data=[str(tmp_path / "chats.jsonl")],
+                          seq=32, batch=2, steps=1, device="cpu", run_dir=str(folder), export_dtype="float32")
+    with open(mine) as f:
+        before = f.read()
+    run(load(mine, ["lr=1e-3"]))
+    with open(mine) as f:
+        assert f.read() == before
