@@ -117,9 +117,10 @@ class TemplateGroups:
         self.why: dict[int, tuple[int, str]] = {}   # per later group of a list: the block its first one
         # was compared with, and how it differs
 
-    def source(self, i: int, grads: tuple[bool, ...], handed: tuple = ()) -> int:
+    def source(self, i: int, grads: tuple[bool, ...], handed: tuple = (), inputs: int | None = None) -> int:
         """The call whose template call `i` runs (`i` itself when it starts a group); `grads`:
-        which of its tensor inputs need a gradient, known only once the earlier stages are traced;
+        which of its tensor inputs need a gradient, known only once the earlier stages are traced,
+        then which of its outputs are read (`inputs` of them are inputs; None: all);
         `handed`: which of its inputs are the model's parameters or buffers as they are, and which
         of the stage's tensors each is (segment.py)."""
         for j, g, h in self.firsts:
@@ -130,8 +131,8 @@ class TemplateGroups:
             j, g, h = mine[0]
             self.why[i] = (self.calls[j].index, _difference(self.stack, self.calls[j], self.calls[i])
                            or ("which of its inputs are the model's own parameters or buffers, handed as they are"
-                               if h != handed else f"which inputs need a gradient and which outputs are read "
-                               f"({list(grads)} where the other has {list(g)})"))
+                               if h != handed else _grad_difference(grads, g, len(grads) if inputs is None else inputs,
+                                                                    self.stack.block_path(self.calls[j].index))))
         self.firsts.append((i, grads, handed))
         return i
 
@@ -155,6 +156,21 @@ def _difference(stack: BlockStack, a: BlockCall, b: BlockCall) -> str | None:
     if a.fingerprint != b.fingerprint:
         return f"what it computes ({_first_op_difference(a.fingerprint, b.fingerprint)})"
     return None
+
+
+def _grad_difference(mine: tuple[bool, ...], other: tuple[bool, ...], inputs: int, other_path: str) -> str:
+    """Which of a block's inputs need a gradient and which of its outputs are read, in words: a
+    frozen embedding's output needs none, so the first decoder layer of a LoRA model differs from
+    the second in its input 0."""
+    said = []
+    for k, (x, y) in enumerate(zip(mine, other)):
+        if x != y and k < inputs:
+            said.append(f"its input {k} needs a gradient and {other_path}'s does not" if x else
+                        f"its input {k} needs no gradient and {other_path}'s does")
+        elif x != y:
+            said.append(f"its output {k - inputs} is read and {other_path}'s is not" if x else
+                        f"its output {k - inputs} is not read and {other_path}'s is")
+    return "which inputs need a gradient and which outputs are read (" + "; ".join(said) + ")"
 
 
 def _classes(sa: tuple, sb: tuple) -> str:

@@ -198,7 +198,7 @@ def _add_blocks(stages, calls, first: int, groups: TemplateGroups, templates: di
         acts = [fake_act(a) for k, a in enumerate(node.args[0]) if k not in handed]
         read = _outputs_read(node, _returned(call) + len(call.side_keys) + len(call.attached_meta))
         grads = tuple(bool(train and a.requires_grad) for a in acts) + read
-        source = groups.source(b, grads, slots)
+        source = groups.source(b, grads, slots, inputs=len(acts))
         if source == b:
             templates[b] = _trace_block(block, path, call, local, full, len(own), slots, acts, fakes, trainable,
                                         train, read, chunk=call.index in stack.decoder)

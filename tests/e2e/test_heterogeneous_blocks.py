@@ -221,6 +221,17 @@ def test_the_plan_names_the_layer_and_what_differs():
     assert [b["template"] for b in blocks] == [0, 1, 0, 1]
 
 
+def test_a_frozen_embedding_gives_the_first_layer_a_template_named_in_words():
+    """The first layer's input comes from a frozen embedding and needs no gradient; the second's
+    does: the note says so by input, not as two lists of booleans."""
+    torch.manual_seed(0)
+    model = Stack([Block() for _ in range(3)])
+    model.emb.weight.requires_grad_(False)
+    notes = _capture(model, models.batch(VOCAB, b=2, t=T)).template_notes
+    assert notes == {"block.1": "h.1 has its own template: it differs from h.0 in which inputs need a gradient and "
+                                "which outputs are read (its input 0 needs a gradient and h.0's does not)"}
+
+
 def _capture(model, ids):
     return capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
                    compute_dtype=torch.float32)
