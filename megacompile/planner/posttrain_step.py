@@ -291,8 +291,10 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
 
         def planned(train: bool, n: int, width: int) -> Plan:
             if trained is not None:
-                return plan(trained, hbm_budget - beside / 2 ** 30, train=train, host_budget=host_left,
-                            inputs=inputs(_rows(model, n, width, images), train), **settings)
+                given = inputs(_rows(model, n, width, images), train)
+                p = plan(trained, hbm_budget - beside / 2 ** 30, train=train, host_budget=host_left, inputs=given,
+                         **settings)
+                return p.revised(vision=_trained_vision(p, model, n, width, images, given)) if images else p
             return plan(model, hbm_budget - beside / 2 ** 30, batch=n, seq=width, train=train, host_budget=host_left,
                         **settings, **images)
         try:
@@ -361,6 +363,15 @@ def _rows(model: nn.Module, rows: int, width: int, images: dict) -> dict:
     rows, width = arguments.tokens(rows, width)
     ids = torch.empty(rows, width, dtype=torch.long, device="meta")
     return {"input_ids": ids, "labels": ids}
+
+
+def _trained_vision(p: Plan, model: nn.Module, rows: int, width: int, images: dict, given: dict):
+    """The vision tower's share of a plan of the module a run trains in place of the model (stage
+    rm's reward model), on the image inputs laid out for the model, as plan() gives a model's."""
+    from .image_inputs import image_inputs
+    from .vision_share import vision_share
+    signature = image_inputs(model, rows, width, images["images_per_row"], images["image_size"])[1]
+    return vision_share(p, signature, [i for i, k in enumerate(given) if k.startswith("pixel_")])
 
 
 def _rollout_pixels(model: nn.Module, rows: int, width: int, images: dict) -> tuple[int, int]:

@@ -389,6 +389,16 @@ def test_a_dpo_kto_or_grpo_step_with_images_plans_the_vision_tower_in_every_part
     assert grpo.train.vision is not None
     rm = plan_stage(config, 1.0, "rm", batch=1, seq=vlm.SEQ, images_per_row=1, **cpu)
     assert [p.name for p in rm.parts] == ["training"] and rm.train.vision is not None
+    # as `plan --run` plans it: the reward model the run trains, on the model's rows with images
+    from megacompile.planner import model_from_config
+    from megacompile.posttrain import RewardModel
+    from megacompile.train.stages.rm import planned_rows
+    model = model_from_config(config)
+    scored = plan_stage(model, 1.0, "rm", batch=1, seq=vlm.SEQ, images_per_row=1, trained=RewardModel.of(model),
+                        inputs=planned_rows, **cpu)
+    assert scored.train.vision is not None and scored.train.vision.vision_peak_bytes > 0
+    assert scored.train.vision.vision_params == rm.train.vision.vision_params
+    assert "vision tower" in scored.train.summary()
     # a copy with a cache: its generate's passing tensors count the tower's pass over the rollout's images
     copied = plan_stage(config, 1.0, "grpo", images_per_row=1, prompts=1, num_generations=2,
                         max_prompt_length=vlm.SEQ - 4, max_completion_length=4, generator="kv_cache", **cpu)
