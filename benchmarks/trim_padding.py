@@ -14,6 +14,11 @@ asserts: the figures move with the machine's load.
 --stage dpo: a DPO run over short preference pairs (prompt, chosen and rejected a sentence each),
 its rows cut as stages dpo, kto and rm cut them; its reward columns are compared too, and its
 figures go to benchmarks/results/trim_padding_dpo.csv.
+
+--stage grpo: a GRPO run (beta 0.04: the reference's pass too) over prompts of a sentence each,
+4 completions of up to 32 tokens each, in rows of seq (max_prompt_length seq - 32): its rollouts cut
+as train/stages/rollout_trim.py cuts them; generation keeps whole rows in both runs. Its reward
+column is compared too; its figures go to benchmarks/results/trim_padding_grpo.csv.
 """
 from __future__ import annotations
 
@@ -54,6 +59,14 @@ def pairs(path: str) -> str:
     return path
 
 
+def prompts(path: str) -> str:
+    """Prompts of a sentence each, with the last word as the answer stage_files' reward looks for."""
+    with open(path, "w") as f:
+        for s in SENTENCES:
+            f.write(json.dumps({"prompt": s, "answer": s.split()[-1]}) + "\n")
+    return path
+
+
 def one_run(args) -> dict:
     sys.path.insert(0, ROOT)
     from megacompile.train import load, log, run
@@ -62,11 +75,15 @@ def one_run(args) -> dict:
     model = os.path.join(folder, "model")
     if not os.path.isdir(model):
         files.model_dir(model, layers=4, dim=256)
-    data = (pairs if args.stage == "dpo" else chats)(os.path.join(folder, f"{args.stage}.jsonl"))
+    data = {"dpo": pairs, "grpo": prompts}.get(args.stage, chats)(os.path.join(folder, f"{args.stage}.jsonl"))
     run_dir = os.path.join(folder, args.mode)
+    # grpo takes no seq: its rows are max_prompt_length + max_completion_length
+    shape = ({"max_prompt_length": args.seq - 32, "max_completion_length": 32, "num_generations": 4, "beta": 0.04,
+              "reward_funcs": ["tests.posttrain.stage_files:starts_like_prompt"], "lr": 1e-3}
+             if args.stage == "grpo" else {"seq": args.seq})
     c = load(files.run_yaml(os.path.join(folder, f"{args.mode}.yaml"), model=model, stage=args.stage, data=[data],
-                            seq=args.seq, batch=args.batch, steps=args.steps, device="cpu", run_dir=run_dir,
-                            trim_padding=args.mode == "trimmed", save_every=False), [])
+                            batch=args.batch, steps=args.steps, device="cpu", run_dir=run_dir,
+                            trim_padding=args.mode == "trimmed", save_every=False, **shape), [])
     began = time.perf_counter()
     run(c)
     whole = time.perf_counter() - began
@@ -79,7 +96,7 @@ def one_run(args) -> dict:
         seen.add(length)
     return {"step_s": statistics.median(steady), "run_s": whole, "lengths": sorted(seen),
             "losses": [float(r["loss"]) for r in rows],
-            "rewards": [float(r[k]) for r in rows for k in ("rewards_chosen", "rewards_rejected") if k in r]}
+            "rewards": [float(r[k]) for r in rows for k in ("rewards_chosen", "rewards_rejected", "reward") if k in r]}
 
 
 def main() -> None:
@@ -87,9 +104,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--stage", choices=("sft", "dpo"), default="sft")
+    ap.add_argument("--stage", choices=("sft", "dpo", "grpo"), default="sft")
     ap.add_argument("--csv", default=None, help="default: benchmarks/results/trim_padding.csv "
-                                                "(trim_padding_dpo.csv with --stage dpo)")
+                                                "(trim_padding_dpo.csv, _grpo.csv with --stage dpo, grpo)")
     ap.add_argument("--mode", choices=("trimmed", "whole"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -108,23 +125,24 @@ def main() -> None:
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             results[mode] = {**json.loads(out), "load_before": load, "load_after": os.getloadavg()[0]}
     trimmed, whole = results["trimmed"], results["whole"]
-    what = (f"{args.batch} pairs ({2 * args.batch} rows) x {args.seq} tokens, pairs of a sentence each"
-            if args.stage == "dpo" else f"{args.batch} x {args.seq} tokens, chats of 1-6 exchanges")
+    what = {"dpo": f"{args.batch} pairs ({2 * args.batch} rows) x {args.seq} tokens, pairs of a sentence each",
+            "grpo": f"{args.batch} rollouts x {args.seq} tokens, prompts of a sentence, completions of up to 32",
+            }.get(args.stage, f"{args.batch} x {args.seq} tokens, chats of 1-6 exchanges")
     print(f"{args.steps} {args.stage} steps of {what}, a 4-layer Llama of 256")
     print(f"{'':>16} {'s/step':>9} {'run s':>8}  input lengths (tokens a step)")
     for mode, r in results.items():
         print(f"{mode:>16} {r['step_s']:>9.3f} {r['run_s']:>8.1f}  {r['lengths']}")
     ratios = whole["step_s"] / trimmed["step_s"], whole["run_s"] / trimmed["run_s"]
     print(f"{'whole / trimmed':>16} {ratios[0]:>8.2f}x {ratios[1]:>7.2f}x")
-    worst = max(abs(a - b) / abs(b) for a, b in zip(trimmed["losses"], whole["losses"]))
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(trimmed["losses"], whole["losses"]))
     print(f"losses: largest relative difference {worst:.2e} over {len(whole['losses'])} steps")
     if whole["rewards"]:    # beta (log pi - log pi_ref): a difference of two sums, compared absolutely
         gap = max(abs(a - b) for a, b in zip(trimmed["rewards"], whole["rewards"]))
-        print(f"rewards (chosen, rejected): largest absolute difference {gap:.2e}")
+        print(f"rewards: largest absolute difference {gap:.2e}")
     for mode, r in results.items():
         print(f"{mode}: load average (1 min) {r['load_before']:.2f} -> {r['load_after']:.2f}")
     facts = machine_facts()
-    name = "trim_padding_dpo.csv" if args.stage == "dpo" else "trim_padding.csv"
+    name = "trim_padding.csv" if args.stage == "sft" else f"trim_padding_{args.stage}.csv"
     csv = args.csv or os.path.join(HERE, "results", name)
     append_rows(csv, [{**facts, "seq": args.seq, "batch": args.batch, "steps": args.steps, "mode": mode,
                        "figure": figure, "value": r[figure]}

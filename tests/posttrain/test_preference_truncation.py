@@ -1,7 +1,9 @@
 """stage dpo and kto fit long pairs into rows of seq as TRL does (train/stages/truncation.py):
 max_prompt_length keeps a prompt's last tokens, max_completion_length a completion's first, and
 truncation_mode cuts the row at seq (keep_start, dropping a pair whose prompt fills the row, or
-keep_end); the run's start says what was cut or dropped; a prompt with images is never cut."""
+keep_end); the run's start says what was cut or dropped; a prompt with images is never cut. Stage
+kto takes KTOConfig's meanings instead (train/stages/example_cuts.py): max_prompt_length cuts only
+a prompt whose row is too long, at the end truncation_mode names."""
 from __future__ import annotations
 
 import json
@@ -127,16 +129,63 @@ def test_kto_drops_an_example_whose_prompt_fills_the_row_before_pairing_kl_rows(
     stage = KTOStage(load(files.run_yaml(str(work["tmp"] / "kto.yaml"), **settings), []), tokenizer)
     assert len(stage.examples) == 5 and stage.partners == [1, 0, 3, 2, 4]      # TRL pairs what is left
     assert "truncation     1 example dropped" in stage.describe(None)[-1]
-    short = KTOStage(load(files.run_yaml(str(work["tmp"] / "kto.yaml"),
-                                         **settings, max_completion_length=2, truncation_mode="keep_end"), []),
-                     tokenizer)
-    assert len(short.examples) == 6 and all(len(e.completion) <= 2 for e in short.examples)
+
+
+def _kto(work, seq: int, **more) -> KTOStage:
+    settings = {"model": work["model"], "stage": "kto", "data": work["examples"], "batch": 2, "seq": seq, "steps": 2,
+                "device": "cpu", "run_dir": str(work["tmp"] / "kto")}
+    return KTOStage(load(files.run_yaml(str(work["tmp"] / "kto.yaml"), **settings, **more), []),
+                    load_tokenizer(work["model"], None))
+
+
+def test_kto_cuts_a_prompt_only_where_its_row_is_too_long_at_the_end_truncation_mode_names(work):
+    """KTOConfig's meaning (TRL up to 0.26), not DPOConfig's: max_prompt_length cuts only a prompt
+    whose row passes seq, keeping its first (keep_start) or last (keep_end, the default with
+    max_prompt_length) tokens, and a row still too long keeps seq - max_prompt_length completion tokens."""
+    whole = _kto(work, 128).examples            # prompts of 5 or 6 tokens and completions of 6 or 7; one of 53
+    start = _kto(work, 16, max_prompt_length=4, truncation_mode="keep_start")
+    end = _kto(work, 16, max_prompt_length=4)
+    assert end.c.truncation_mode == "keep_end"
+    for w, s, e in zip(whole, start.examples, end.examples, strict=True):
+        if len(w.prompt) + len(w.completion) <= 16:     # a prompt past 4 tokens kept whole: its row fits
+            assert (s.prompt, s.completion) == (e.prompt, e.completion) == (w.prompt, w.completion)
+        else:
+            assert (s.prompt, e.prompt) == (w.prompt[:4], w.prompt[-4:]) and s.completion == w.completion
+    assert sum(len(w.prompt) > 4 for w in whole) == 6 and len(LONG) > 16
+    assert "the prompts of 1 example longer than seq 16 cut to their first 4 tokens" in start.describe(None)[-1]
+    long = _kto(work, 16, max_prompt_length=12)         # 12 + 6 > 16: the completion keeps 16 - 12 tokens
+    assert [len(e.completion) for e in long.examples] == [len(w.completion) for w in whole[:2]] + [4] + \
+        [len(w.completion) for w in whole[3:]]
+    # a KL row is fitted by the same rule: the long prompt beside another completion
+    assert long.cuts.kl_row(whole[2].prompt, whole[0].completion, False) == (whole[2].prompt[-12:],
+                                                                              whole[0].completion[:4])
+
+
+def test_kto_drops_an_example_max_prompt_length_leaves_no_completion_token(work):
+    left = _kto(work, 16, max_prompt_length=16)     # every row of 5 or 6 + 6 or 7 tokens fits; the long one's not
+    assert len(left.examples) == 5 and "1 example dropped, no completion token left" in left.describe(None)[-1]
+
+
+def test_kto_refuses_keep_end_without_max_prompt_length_which_would_cut_nothing(work):
+    with pytest.raises(ArgumentError, match="stage kto: truncation_mode keep_end keeps the last max_prompt_length "
+                                            "tokens"):
+        _kto(work, 16, truncation_mode="keep_end")
+
+
+def test_kto_takes_a_trl_max_completion_length_which_cuts_a_decoders_rows_by_nothing(work, capsys):
+    """A KTOConfig of TRL 0.26 gives max_completion_length, which its trainer read for an
+    encoder-decoder alone: the run takes it, says so, and cuts as without it."""
+    given = _kto(work, 16, max_completion_length=2)
+    assert "max_completion_length 2 cuts nothing, as TRL's KTOTrainer cut only an encoder-decoder's" in \
+        capsys.readouterr().out
+    assert [(e.prompt, e.completion) for e in given.examples] == \
+        [(e.prompt, e.completion) for e in _kto(work, 16).examples]
 
 
 @pytest.mark.parametrize("more, message", [
     ({"truncation_mode": "keep_middle"}, r"truncation_mode must be one of keep_start, keep_end \(TRL's: which end"),
     ({"max_prompt_length": 0}, "max_prompt_length must be a whole number >= 1; got 0"),
-    ({"stage": "kto", "max_completion_length": "ten"}, "max_completion_length must be a whole number >= 1"),
+    ({"stage": "kto", "max_prompt_length": "ten"}, "max_prompt_length must be a whole number >= 1"),
     ({"stage": "sft", "truncation_mode": "keep_end"}, "truncation_mode 'keep_end' is not supported under stage sft: "
                                                       r"a record longer than seq keeps its start \(keep_start"),
 ])

@@ -13,7 +13,9 @@ and given its advantages whole, then (shuffled, when it is more than one micro-b
 shuffles it) cut into steps_per_generation micro-batches of `batch` rows; grad_accum of them make
 an optimizer step, and the rollout batch is trained num_iterations times. Every forward takes
 `batch` rows, so generation (EngineGenerator), the forward-only passes and the step are each
-planned once. The sampling policy's log-probabilities (old_logps) come from forward-only passes
+planned once at a row width; with trim_padding (and retrace) a step's micro-batches, and each
+forward-only pass of the old policy and the reference, are cut after their longest completion to
+one of four widths (rollout_trim.py), rollouts with images excepted: the loss is that of whole rows. The sampling policy's log-probabilities (old_logps) come from forward-only passes
 after the rollout. With loss_type dapo (cispo, vespo) the loss divides by the rollout batch's
 completion tokens x grad_accum / steps_per_generation (one accumulation window's share), as TRL's
 does (`token_count`). With vLLM, each token is weighed by the sampler's correction
@@ -58,7 +60,7 @@ from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, Trai
                           sampling_correction, sampling_ratio, truncated)
 from . import prompt_images, rollouts
 from .. import beside, intervals
-from ..data import grid_images, images, tools, turn_ends
+from ..data import grid_images, images, tools, trim, turn_ends
 from ..data.image_prompts import image_prompt
 from ..data.prompts import file_names, prompt_record
 from ..data.reading import records as read_records
@@ -69,7 +71,7 @@ from .rollout_metrics import COMPLETION_METRICS, completion_metrics
 from .grpo_keys import epoch_steps, rollout_steps
 from .keys import check_resume, check_row_length, saved_keys
 from .order import stream_items
-from . import reference
+from . import reference, rollout_trim
 from .stage import Stage
 
 
@@ -139,6 +141,9 @@ class GRPOStage(Stage):
         self.generator = self.reference = self.completions = None
         self.needs_reference = c.beta > 0
         self.rollout: dict | None = None
+        # rows cut after their longest completion (rollout_trim.py): not under retrace: false, whose one
+        # program has one shape
+        self.trim = c.trim_padding and c.retrace
         self.epoch = 0.0        # the passes over the prompts the rollouts so far made (TRL's state.epoch)
 
     def _hold_out(self, fraction: float) -> None:
@@ -392,8 +397,8 @@ class GRPOStage(Stage):
         """Per-token log-probabilities of the rollout batch under `engine`, in forwards of `batch` rows
         (`shown`: each row's images)."""
         b, ids = self.c.batch, batch["input_ids"]
-        return torch.cat([torch.as_tensor(engine(input_ids=ids[i:i + b], labels=batch["labels"][i:i + b],
-                                                 **self._media(shown[i:i + b], ids[i:i + b]))).float().clone()
+        return torch.cat([rollout_trim.forward_logps(engine, ids[i:i + b], batch["labels"][i:i + b],
+                                                     self._media(shown[i:i + b], ids[i:i + b]), self.trim)
                           for i in range(0, self.rows, b)])
 
     def _generate(self, engine, prompts: list, n: int, temperature: float, shown: list[tuple]) -> list:
@@ -434,20 +439,24 @@ class GRPOStage(Stage):
         first = k % (c.steps_per_generation // c.grad_accum) * c.grad_accum
         at = [slice((first + a) * c.batch, (first + a + 1) * c.batch) for a in range(c.grad_accum)]
         parts = [{key: v[cut] for key, v in self.rollout["rows"].items()} for cut in at]
+        # the step's micro-batches at one length, their rows' images excepted (rollout_trim.py)
+        whole = any(any(self.rollout["shown"][cut]) for cut in at)
+        parts = rollout_trim.step_parts(parts, self.trim and not whole)
         if self.token_count:
             for part in parts:
                 part["token_count"] = self.rollout["token_count"]
         shown = [self._media(self.rollout["shown"][cut], part["input_ids"]) for part, cut in zip(parts, at)]
-        # before the step moves the policy
-        measured = [self._measure(engine, part, media) for part, media in zip(parts, shown)]
         losses, tokens = [], 0
-        for part, media in zip(parts, shown):   # in first_inputs' order: the inputs of the step planned first
-            losses.append(engine.step(**part, **media))
-            record = engine.last_step
-            # a skipped step's record counts no tokens; the rollout's rows were read all the same
-            tokens += part["input_ids"].numel() if record.tokens is None else record.tokens
-            if record.skipped:
-                break
+        with trim.own_lengths(self.trim):
+            # before the step moves the policy
+            measured = [self._measure(engine, part, media) for part, media in zip(parts, shown)]
+            for part, media in zip(parts, shown):   # in first_inputs' order: the inputs of the step planned first
+                losses.append(engine.step(**part, **media))
+                record = engine.last_step
+                # a skipped step's record counts no tokens; the rollout's rows were read all the same
+                tokens += part["input_ids"].numel() if record.tokens is None else record.tokens
+                if record.skipped:
+                    break
         metrics = {**self.rollout["metrics"], **{k: sum(m[k] for m in measured) / len(measured) for k in self.clip}}
         if c.beta > 0:
             metrics["kl"] = sum(m["kl"] for m in measured) / len(measured)

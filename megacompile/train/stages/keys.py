@@ -15,8 +15,9 @@ refused under a stage it does not belong to, before anything is read or written.
     kto    beta (0.1), loss_type (kto | apo_zero_unpaired), desirable_weight (1.0),
            undesirable_weight (1.0), pref_ftx (none: LlamaFactory's), precompute_ref_log_probs
            (accepted either way, as under dpo: the reference's are computed once a run),
-           max_prompt_length, max_completion_length and truncation_mode (as under dpo); batch at
-           least 2 for kto (its KL rows)
+           max_prompt_length (none) and truncation_mode (keep_start; keep_end where
+           max_prompt_length is given alone), KTOConfig's meanings, not DPOConfig's: checked in
+           example_cuts.py; batch at least 2 for kto (its KL rows)
     grpo   beta (0: no KL term), loss_type (dapo | grpo | bnpo | dr_grpo | cispo | sapo | luspo | vespo),
            sapo_temperature_pos (1.0) and _neg (1.05), vespo_k_pos (2.0), _lambda_pos (3.0), _k_neg
            (3.0), _lambda_neg (2.0), entropy_coef (0: TRL's entropy bonus off), off_policy_mask_threshold
@@ -44,12 +45,12 @@ from ...errors import ArgumentError
 from ...posttrain import DPOLoss, dpo_losses, kto
 from ..data import feedback
 from ..methods import adapters
-from . import grpo_keys, rollouts, truncation
+from . import example_cuts, grpo_keys, rollouts, truncation
 from .checks import note, number, positive, reference_updates
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")
 REFUSED = ("ppo",)
-# TRL's preference keys of a row's length, read by stages/truncation.py
+# TRL's preference keys of a row's length, read by stages/truncation.py (kto: example_cuts.py)
 CUTS = ("max_prompt_length", "max_completion_length", "truncation_mode")
 KEYS = {"dpo": ("beta", "label_smoothing", "loss_type", "loss_weights", "precompute_ref_log_probs", "rpo_alpha",
                 "discopop_tau", "simpo_gamma", "pref_ftx", "f_divergence_type", "f_alpha_divergence_coef",
@@ -171,7 +172,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
     if c.stage == "rm":
         _rm(c)
     else:
-        _dpo(c) if c.stage == "dpo" else _kto(c) if c.stage == "kto" else grpo_keys.check(c, raw, folder)
+        _dpo(c) if c.stage == "dpo" else _kto(c, raw) if c.stage == "kto" else grpo_keys.check(c, raw, folder)
 
 
 SYNC = ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
@@ -256,10 +257,11 @@ def _pref_ftx(c) -> None:
                                 f"0 leaves it out); got {c.pref_ftx!r}")
 
 
-def _kto(c) -> None:
+def _kto(c, raw: dict) -> None:
     c.beta = positive("beta", c.beta)
     _pref_ftx(c)
     truncation.check(c)
+    example_cuts.check(c, raw.get("truncation_mode") is not None)
     if not isinstance(c.precompute_ref_log_probs, bool):
         raise ArgumentError(f"precompute_ref_log_probs must be true or false; got {c.precompute_ref_log_probs!r}")
     if c.loss_type not in kto.LOSS_TYPES:

@@ -1,7 +1,9 @@
 """`stage: kto`: completions each marked desirable or undesirable (data/feedback.py: TRL's
 unpaired or paired records, LlamaFactory's kto_tag datasets), trained by KTO (posttrain/kto.py).
-Each example is fitted to rows of seq as stage dpo fits a pair (truncation.py), before the KL rows
-are paired, as TRL drops examples before pairing them.
+Each example is fitted to rows of seq as TRL's KTOTrainer fits it (example_cuts.py: a row keeps its
+first seq tokens; max_prompt_length and truncation_mode take KTOConfig's meaning, not DPOConfig's),
+before the KL rows are paired, as TRL drops examples before pairing them; each KL row is fitted by
+the same rule.
 
 The reference is the policy before the first step, as in stage dpo: its log-probabilities of every
 example and of every example's KL row are computed once, by the objective's forward-only pass,
@@ -41,7 +43,7 @@ from ..log import STEP_COLUMNS
 from .handed_out import step_micro_batches
 from .keys import saved_keys
 from .order import stream_items
-from . import reference, truncation
+from . import example_cuts, reference
 
 METRICS = ("rewards_chosen", "rewards_rejected", "kl")
 
@@ -91,7 +93,7 @@ class KTOStage(reference.ReferenceStage):
                 self.media.keep_embedded_in(os.path.join(run_dir, "images"))
         self.text_tokenizer = tokenizer
         self.llamafactory = feedback.llamafactory_pairing(c.data)
-        self.cuts = truncation.Cuts(c, "example")   # what fitting rows of seq cut or dropped, counted
+        self.cuts = example_cuts.ExampleCuts(c)     # what fitting rows of seq cut or dropped, counted
         self.examples = self._read(c.data)
         self.held: list[Example] = []
         if self.llamafactory:
@@ -142,7 +144,7 @@ class KTOStage(reference.ReferenceStage):
         return out
 
     def _example(self, where: str, record: dict, example: dict) -> Example | None:
-        """The example's tokens fitted to rows of seq (truncation.py), None where it is dropped."""
+        """The example's tokens fitted to rows of seq (example_cuts.py), None where it is dropped."""
         shown = ()
         if self.media is not None and images.held(record):
             prompt, (completion,) = answered(record, example["prompt"], {"completion": example["completion"]}, where,
@@ -190,10 +192,12 @@ class KTOStage(reference.ReferenceStage):
         """The micro-batch of `items`: its rows, its KL rows (each with its own prompt's images) and
         which completions are desirable."""
         shown = [examples[i].media for i in items]
-        keep = self.c.truncation_mode
-        rows = pack_rows([(examples[i].prompt, examples[i].completion) for i in items], self.c.seq, self.pad, keep)
-        kl = pack_rows([(examples[i].prompt, examples[i].kl if examples[i].kl is not None
-                         else examples[partners[i]].completion) for i in items], self.c.seq, self.pad, keep)
+        # fitted examples: a row longer than seq keeps its first seq tokens (example_cuts.py)
+        rows = pack_rows([(examples[i].prompt, examples[i].completion) for i in items], self.c.seq, self.pad,
+                         "keep_start")
+        kl = pack_rows([self.cuts.kl_row(examples[i].prompt, examples[i].kl if examples[i].kl is not None
+                                         else examples[partners[i]].completion, bool(examples[i].media))
+                        for i in items], self.c.seq, self.pad, "keep_start")
         return (with_media(rows, self.media, shown), with_media(kl, self.media, shown),
                 torch.tensor([float(examples[i].desirable) for i in items]))
 
@@ -301,7 +305,7 @@ class KTOStage(reference.ReferenceStage):
 
     def _lengths(self, examples: list[Example]) -> torch.Tensor:
         """(len(examples),) completion tokens in rows of seq (a longer one is cut)."""
-        rows = pack_rows([(e.prompt, e.completion) for e in examples], self.c.seq, self.pad, self.c.truncation_mode)
+        rows = pack_rows([(e.prompt, e.completion) for e in examples], self.c.seq, self.pad, "keep_start")
         return (rows["labels"] != IGNORE).sum(-1).float()
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
