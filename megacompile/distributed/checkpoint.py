@@ -44,22 +44,24 @@ class ShardedCheckpoints:
     each rank writing and reading its share."""
 
     def save(self, state: "TrainingState", path: str, *, extra: Any = None, keep_last: int | None = None,
-             keep: tuple[str, ...] = ()) -> None:
-        save(state, path, extra=extra, keep_last=keep_last, keep=keep)
+             keep: tuple[str, ...] = (), side_files: dict[str, str] | None = None) -> None:
+        save(state, path, extra=extra, keep_last=keep_last, keep=keep, side_files=side_files)
 
     def load(self, state: "TrainingState", path: str, *, strict: bool = True) -> Any:
         return load(state, path, strict=strict)
 
 
 def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None,
-         keep: tuple[str, ...] = ()) -> None:
+         keep: tuple[str, ...] = (), side_files: dict[str, str] | None = None) -> None:
+    """`side_files`: rank 0's (io/checkpoint.py commit)."""
     ranks = state.data_parallel.ranks
     with ranks.patient():
-        _save(state, path, extra, keep_last, keep)
+        _save(state, path, extra, keep_last, keep, side_files)
     ranks.checkpoint = (os.fspath(path), state.steps_done)
 
 
-def _save(state: "TrainingState", path: str, extra: Any, keep_last: int | None, keep: tuple[str, ...] = ()) -> None:
+def _save(state: "TrainingState", path: str, extra: Any, keep_last: int | None, keep: tuple[str, ...] = (),
+          side_files: dict[str, str] | None = None) -> None:
     checkpoint.check_keep_last(keep_last)
     state.host_or_error()       # refuses before the first step, while there is nothing to save
     unbuilt.refuse_missing_weights(state)
@@ -86,7 +88,7 @@ def _save(state: "TrainingState", path: str, extra: Any, keep_last: int | None, 
     if isinstance(tmp, Exception):
         raise tmp
     try:
-        _write_and_commit(state, path, tmp, extra, keep_last, keep)
+        _write_and_commit(state, path, tmp, extra, keep_last, keep, side_files)
     except DistributedError:
         if ranks.rank == 0:       # a rank died or hung: this save never commits
             shutil.rmtree(tmp, ignore_errors=True)
@@ -94,7 +96,7 @@ def _save(state: "TrainingState", path: str, extra: Any, keep_last: int | None, 
 
 
 def _write_and_commit(state: "TrainingState", path: str, tmp: str, extra: Any, keep_last: int | None,
-                      keep: tuple[str, ...] = ()) -> None:
+                      keep: tuple[str, ...] = (), side_files: dict[str, str] | None = None) -> None:
     ranks, host = state.data_parallel.ranks, state.host_or_error()
     model_params.synchronize(state)
     written, error = {}, None
@@ -117,7 +119,7 @@ def _write_and_commit(state: "TrainingState", path: str, tmp: str, extra: Any, k
                         "optimizer": run_state.optimizer_settings(state), "schedule": run_state.schedule_state(state),
                         "rng": reports[0][1], "rng_ranks": [r[1] for r in reports], "extra": extra,
                         "files": {k: v for r in reports for k, v in r[0].items()}}
-            checkpoint.commit(tmp, path, manifest)
+            checkpoint.commit(tmp, path, manifest, side_files)
             ranks.checkpoint = (path, state.steps_done)     # committed, whatever the others do now
             checkpoint.rotate(path, manifest["run"], keep_last, keep)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it

@@ -43,7 +43,7 @@ class StateIO:
         state_dict.load(self.state, state, strict=strict)
 
     def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None,
-                        keep: tuple[str, ...] = ()) -> None:
+                        keep: tuple[str, ...] = (), side_files: dict[str, str] | None = None) -> None:
         """Write a checkpoint folder at `path`: masters, AdamW moments, counters, optimizer settings,
         LR-schedule state (attached torch schedulers too), random states and `extra` (JSON: e.g.
         the data loader's position). Returns once it is durable; a checkpoint already at `path` is
@@ -52,9 +52,12 @@ class StateIO:
         written always among them) and removes its older ones; checkpoints of other runs there are
         never touched (a run is this engine, or the run it resumed with load_checkpoint). `keep`:
         checkpoints that stay whatever their age (a run's best), counted among the keep_last.
-        With data parallelism each rank writes its share (distributed/checkpoint.py)."""
+        `side_files`: name -> text of small files written into the folder before it is committed
+        (a run's trainer_state.json), which no load reads. With data parallelism each rank writes
+        its share (distributed/checkpoint.py)."""
         self.state.refuse_partial("save_checkpoint()")
-        self._checkpoints.save(self.state, path, extra=extra, keep_last=keep_last, keep=tuple(keep))
+        self._checkpoints.save(self.state, path, extra=extra, keep_last=keep_last, keep=tuple(keep),
+                               side_files=side_files)
 
     def load_checkpoint(self, path: str, *, strict: bool = True) -> Any:
         """Resume from a checkpoint folder (no prepare() needed): training continues exactly where

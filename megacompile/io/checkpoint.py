@@ -56,8 +56,8 @@ class LocalCheckpoints:
     same interface for a data-parallel run (each rank writes its share into one folder)."""
 
     def save(self, state: "TrainingState", path: str, *, extra: Any = None, keep_last: int | None = None,
-             keep: tuple[str, ...] = ()) -> None:
-        save(state, path, extra=extra, keep_last=keep_last, keep=keep)
+             keep: tuple[str, ...] = (), side_files: dict[str, str] | None = None) -> None:
+        save(state, path, extra=extra, keep_last=keep_last, keep=keep, side_files=side_files)
 
     def load(self, state: "TrainingState", path: str, *, strict: bool = True) -> Any:
         return load(state, path, strict=strict)
@@ -70,7 +70,7 @@ def check_keep_last(keep_last: int | None) -> None:
 
 
 def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | None = None,
-         keep: tuple[str, ...] = ()) -> None:
+         keep: tuple[str, ...] = (), side_files: dict[str, str] | None = None) -> None:
     check_keep_last(keep_last)
     extra = run_state.extra_json(extra)
     unbuilt.refuse_missing_weights(state)
@@ -103,7 +103,7 @@ def save(state: "TrainingState", path: str, extra: Any = None, keep_last: int | 
             safetensors.torch.save_file(tensors, target)     # from the tensors' own memory: no copy
             durable.fsync_file(target)
             manifest["files"][file] = {"bytes": os.path.getsize(target), "sha256": durable.sha256_of(target)}
-        commit(tmp, path, manifest)
+        commit(tmp, path, manifest, side_files)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and not isinstance(e, MegacompileError):
@@ -125,11 +125,17 @@ def size(state: "TrainingState", tables: tuple) -> int:
     return 4 * elements * len(tables) + consts
 
 
-def commit(tmp: str, path: str, manifest: dict) -> None:
-    """The end of every save (this module's and distributed/checkpoint.py's): the manifest, then
+def commit(tmp: str, path: str, manifest: dict, side_files: dict[str, str] | None = None) -> None:
+    """The end of every save (this module's and distributed/checkpoint.py's): the side files (text
+    beside the tensors that no load reads, such as a run's trainer_state.json), the manifest, then
     COMMITTED (the manifest's sha256), written and fsynced in the finished folder `tmp`, which then
     takes the place of `path` (durable.rename_into_place). The checkpoint it replaces stays committed
     at `path`, or moved aside beside it, until the new one, already committed, is there."""
+    for name, text in (side_files or {}).items():
+        if os.path.basename(name) != name or name.startswith(".") or name in (MANIFEST, MARKER, *manifest["files"]):
+            raise CheckpointError(f"cannot write the checkpoint {path}: side file {name!r} is no plain file name of "
+                                  "its own (the checkpoint's own files and paths are refused)")
+        durable.write_text(os.path.join(tmp, name), text)
     durable.write_text(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
     durable.write_text(os.path.join(tmp, MARKER), durable.sha256_of(os.path.join(tmp, MANIFEST)) + "\n")
     durable.fsync_dir(tmp)

@@ -161,6 +161,21 @@ def write_text(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def replace_text(path: str, text: str) -> None:
+    """The file `path` replaced whole by `text`: written and fsynced as `path`.tmp, then renamed
+    over it, so that a reader, or a run killed meanwhile, finds the old file or the new one, never
+    part of one."""
+    tmp = path + ".tmp"
+    try:
+        write_text(tmp, text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
 def rename_into_place(tmp: str, path: str) -> None:
     """Atomically put the finished folder `tmp` at `path`. A folder already there is moved aside
     first and removed after: a crash between the two renames leaves it as `.<name>.<pid>.old` with

@@ -1,6 +1,13 @@
 """The run's log: one CSV row per optimizer step, flushed as it is written (a run killed at any
 moment keeps every step it finished), TensorBoard and W&B scalars (wandb_log.py) when asked for,
-and the progress bar."""
+and the progress bar.
+
+A step skipped for an inf or NaN (on_nonfinite: skip) updates nothing and counts as no step: the
+next batch is that step again, under the same number. Its row keeps that number, with `skipped`
+saying why (loss, gradient), and comes before the row of the step that updated; the rows whose
+`skipped` is empty are one per step, in order (log.csv is also a record of what ran). TensorBoard,
+W&B and trainer_log.jsonl take those rows alone, one value per step, as the Trainer's logs hold a
+non-finite loss out of theirs (logging_nan_inf_filter)."""
 from __future__ import annotations
 
 import csv
@@ -62,6 +69,8 @@ class RunLog:
         # repr: floats written so that they read back to the same bits
         self._append(row["step"], {k: repr(v) if isinstance(v, float) else ("" if v is None else v)
                                    for k, v in row.items()})
+        if row.get("skipped"):      # its number is the next update's: a second value at that step
+            return
         if self._board is not None:
             for tag, value in scalars(row, self.extra).items():
                 self._board.add_scalar(tag, value, row["step"])

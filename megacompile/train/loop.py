@@ -27,6 +27,7 @@ import shutil
 import sys
 import time
 import warnings
+from typing import Callable
 
 from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStepError, WeightsFileError
 from ..ir import fmt_bytes
@@ -154,11 +155,13 @@ def checkpoint_path(folder: str, step: int) -> str:
 
 
 def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int, fingerprint: str,
-                    force: bool = False, keep: tuple[str, ...] = (), **more) -> bool:
+                    force: bool = False, keep: tuple[str, ...] = (),
+                    side_files: Callable[[], dict[str, str]] | None = None, **more) -> bool:
     """At every save_every-th step (or each epoch's end: intervals.py) and the last one (or now:
     `force`, when a stop signal came), a checkpoint in `folder` with what a resume checks and goes
     on from: the data position (rows, or a stage's pairs or prompts), what it refers to, the
-    settings; `more`: a stage's own state. Whether it saved one."""
+    settings; `more`: a stage's own state; `side_files`: called for the files it carries beside its
+    tensors (results.checkpoint_files), which its commit includes. Whether it saved one."""
     if not force and (c.save_every is False or not intervals.due(c.save_every, step, c.steps)):
         return False        # save_every false (TRL's save_strategy: no): none but a stop signal's
     sources = fingerprint_sources(fingerprint)     # what the data was made from: resume.py names changes
@@ -166,7 +169,7 @@ def save_checkpoint(c: RunConfig, engine, folder: str, step: int, position: int,
                            extra={"rows": position, "data": fingerprint, "rows_layout": resume.rows_layout(c),
                                   "settings": resume.settings(c), "finetuning": methods.saved(c),
                                   **({"data_sources": sources} if sources is not None else {}), **more},
-                           keep_last=c.keep_last, keep=keep)
+                           keep_last=c.keep_last, keep=keep, side_files=side_files() if side_files else None)
     return True
 
 
@@ -352,6 +355,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     latest = (start_step, resume_from) if resume_from is not None else (0, None)    # (step, checkpoint)
     best = best_model.Best(c, extra)
     patience = early_stopping.Patience(c, extra)
+    steps_per_epoch, params = results.epoch_steps(c, stage), results.counted_parameters(engine.model)
 
     def at(step: int) -> str:
         return checkpoint_path(checkpoints, step)
@@ -360,8 +364,13 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         """A checkpoint at `step` where due (or forced); `row`: the step's logged figures, whose
         evaluation may make it the best (best_model.py)."""
         proposed = best.proposed(step, row or {})
+
+        def trainer_state() -> dict[str, str]:      # the checkpoint's trainer_state.json, the run up to `step`
+            return results.checkpoint_files(c, run_dir, step, steps_per_epoch, params, proposed,
+                                            proposed and at(proposed["step"]), step >= c.steps or patience.stop)
+
         made = save_checkpoint(c, engine, checkpoints, step, position, stage.fingerprint, force=force,
-                               keep=best.kept(at) if proposed == best.state() else (),
+                               keep=best.kept(at) if proposed == best.state() else (), side_files=trainer_state,
                                **stage.checkpoint_extra(), **({"best": proposed} if proposed else {}),
                                **patience.extra(), **{resume_model.KEY: model_config})
         if made:

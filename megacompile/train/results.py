@@ -1,14 +1,21 @@
-"""The run's end figures, as transformers' Trainer and LlamaFactory leave them in output_dir for the
+"""The run's figures, as transformers' Trainer and LlamaFactory leave them in output_dir for the
 scripts that read them:
 
     train_results.json   epoch, total_flos, train_loss, train_runtime, train_samples_per_second,
                          train_steps_per_second (Trainer.save_metrics("train", ...))
     eval_results.json    the last step's evaluation (eval_loss, ...), where the last step evaluated
     all_results.json     both together
-    trainer_state.json   global_step, max_steps, epoch, the intervals, best_metric and
-                         best_model_checkpoint, and log_history: a record per logging step (the mean
-                         loss since the one before, learning_rate, grad_norm), one per evaluation
-                         and the train figures last (Trainer.save_state())
+    trainer_state.json   TrainerState's fields: global_step, max_steps, epoch, num_train_epochs,
+                         the intervals, train_batch_size, total_flos, best_metric, best_global_step
+                         and best_model_checkpoint, the process flags, and log_history: a record per
+                         logging step (the mean loss since the one before, learning_rate,
+                         grad_norm), one per evaluation and the train figures last
+                         (Trainer.save_state())
+
+Each checkpoint (RUN/checkpoints/step-NNNNNN) carries a trainer_state.json of its own, of the run
+up to its step, as the Trainer's checkpoint-N does: written in the folder before it is committed
+(checkpoint_files), never read back by a resume. Its log_history is the run folder's, cut at the
+step, without the train figures.
 
 Every figure but the runtime's is the whole run's, read back from log.csv (a resumed run's too):
 train_loss is the mean loss of the steps that updated, total_flos is transformers' estimate, 6 x
@@ -23,6 +30,7 @@ import json
 import math
 import os
 
+from ..io import durable
 from . import log
 
 STATE = "trainer_state.json"
@@ -31,11 +39,7 @@ STATE = "trainer_state.json"
 def finish(c, run_dir: str, result: dict, stage, model, best: dict | None, best_path: str | None) -> str:
     """After the run's last step: the files above (and the plot_loss pictures); the line the run
     prints. `model`: the trained module (its parameters counted as transformers counts them)."""
-    import torch.nn as nn
-    embeddings = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
-    params = sum(p.numel() for p in model.parameters()) - embeddings
-    steps_per_epoch = None if c.streaming else stage.steps_for(1.0)     # streamed: an epoch's length is unknown
-    written = write(c, run_dir, result, steps_per_epoch, params, best, best_path)
+    written = write(c, run_dir, result, epoch_steps(c, stage), counted_parameters(model), best, best_path)
     names = list(written)
     if c.plot_loss:
         from .loss_plot import draw
@@ -43,19 +47,31 @@ def finish(c, run_dir: str, result: dict, stage, model, best: dict | None, best_
     return f"  results        {', '.join(names)} in {run_dir} (as transformers' Trainer writes them)"
 
 
+def epoch_steps(c, stage) -> int | None:
+    """The steps of an epoch; None when streamed (an epoch's length is unknown)."""
+    return None if c.streaming else stage.steps_for(1.0)
+
+
+def counted_parameters(model) -> int:
+    """The parameters transformers' floating-point estimate counts: all but the embeddings'."""
+    import torch.nn as nn
+    embeddings = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
+    return sum(p.numel() for p in model.parameters()) - embeddings
+
+
 def write(c, run_dir: str, result: dict, steps_per_epoch: int | None, params: int, best: dict | None,
           best_path: str | None) -> dict[str, dict]:
     """The files above in `run_dir` after the run's last step: name -> content. `result` is the
     run's (its steps, this process's seconds and steps_run), `params` the model's parameters less
     its embeddings'."""
-    rows = [_parsed(r) for r in log.read(os.path.join(run_dir, "log.csv"))]
+    rows = _rows(run_dir)
     trained = [r for r in rows if r["step"] > 0 and not r["skipped"] and _finite(r.get("loss"))]
     steps = result["steps"]
-    epoch = round(steps / steps_per_epoch, 4) if steps_per_epoch else None
+    state = trainer_state(c, rows, steps, steps_per_epoch, params, best, best_path,
+                          last=rows[-1]["step"] if rows else 0)
     seconds, ran = result["seconds"], result["steps_run"]
     per_step = c.global_batch or c.batch * c.grad_accum
-    train = {"epoch": epoch,
-             "total_flos": float(6 * params * sum(r.get("tokens") or 0 for r in rows if r["step"] > 0)),
+    train = {"epoch": state["epoch"], "total_flos": state["total_flos"],
              "train_loss": sum(r["loss"] for r in trained) / len(trained) if trained else None,
              "train_runtime": round(seconds, 4),
              "train_samples_per_second": round(ran * per_step / seconds, 3) if seconds > 0 else None,
@@ -65,42 +81,75 @@ def write(c, run_dir: str, result: dict, steps_per_epoch: int | None, params: in
     evaluated = {k: v for k, v in last.items() if k.startswith("eval_") and _finite(v)}
     written = {"train_results.json": train, "all_results.json": {**train, **evaluated}}
     if evaluated:
-        written["eval_results.json"] = {**({"epoch": epoch} if epoch is not None else {}), **evaluated}
-    written[STATE] = {
-        "global_step": steps, "max_steps": c.steps, "epoch": epoch,
-        "num_train_epochs": math.ceil(c.steps / steps_per_epoch) if steps_per_epoch else None,
-        "logging_steps": c.log_every, "eval_steps": _interval(c.eval_every), "save_steps": _interval(c.save_every),
-        "train_batch_size": c.batch, "total_flos": train["total_flos"],
-        "best_metric": None if best is None else best["value"], "best_model_checkpoint": best_path,
-        "log_history": history(rows, c.log_every, steps_per_epoch) + [{"epoch": epoch, "step": steps, **train}]}
+        written["eval_results.json"] = {**_epoch(steps, steps_per_epoch), **evaluated}
+    state["log_history"].append({"epoch": state["epoch"], "step": steps, **train})
+    written[STATE] = state
     for name, content in written.items():
-        _write_json(os.path.join(run_dir, name), content)
+        durable.replace_text(os.path.join(run_dir, name), as_json(content))
     return written
 
 
-def history(rows: list[dict], every: int, steps_per_epoch: int | None) -> list[dict]:
-    """log_history's records, as the Trainer logs them: every `every` steps (and at the last) the
-    mean loss of the steps since the record before (rounded to 4 places), the step's learning rate
-    and gradient norm; a record of its own for each evaluation."""
+def checkpoint_files(c, run_dir: str, step: int, steps_per_epoch: int | None, params: int, best: dict | None,
+                     best_path: str | None, final: bool) -> dict[str, str]:
+    """The files a checkpoint at `step` carries beside its tensors: {trainer_state.json: its text},
+    the run up to `step` as log.csv holds it (the rows the checkpoint's step logged included);
+    `final`: no step follows it (the last, or the one early stopping ends at), whose record
+    log_history has whether or not it is a logging step."""
+    rows = [r for r in _rows(run_dir) if r["step"] <= step]
+    state = trainer_state(c, rows, step, steps_per_epoch, params, best, best_path, last=step if final else None)
+    return {STATE: as_json(state)}
+
+
+def trainer_state(c, rows: list[dict], steps: int, steps_per_epoch: int | None, params: int, best: dict | None,
+                  best_path: str | None, last: int | None) -> dict:
+    """TrainerState's fields after `steps`, from log.csv's `rows` up to it (`last`: history's).
+    num_input_tokens_seen: the input tokens the steps read (log.csv's `tokens`), as the Trainer
+    counts them with include_num_input_tokens_seen; one process writes, so both process flags hold."""
+    tokens = sum(r.get("tokens") or 0 for r in rows if r["step"] > 0)
+    return {
+        "epoch": _epoch(steps, steps_per_epoch).get("epoch"), "global_step": steps, "max_steps": c.steps,
+        "num_train_epochs": math.ceil(c.steps / steps_per_epoch) if steps_per_epoch else None,
+        "logging_steps": c.log_every, "eval_steps": _interval(c.eval_every), "save_steps": _interval(c.save_every),
+        "train_batch_size": c.batch, "num_input_tokens_seen": tokens, "total_flos": float(6 * params * tokens),
+        "log_history": history(rows, c.log_every, steps_per_epoch, last),
+        "best_metric": (best or {}).get("value"), "best_global_step": (best or {}).get("step"),
+        "best_model_checkpoint": best_path,
+        "is_local_process_zero": True, "is_world_process_zero": True, "is_hyper_param_search": False,
+        "trial_name": None, "trial_params": None, "stateful_callbacks": {}}
+
+
+def history(rows: list[dict], every: int, steps_per_epoch: int | None, last: int | None) -> list[dict]:
+    """log_history's records, as the Trainer logs them: every `every` steps (and at `last`, the
+    run's last step) the mean loss of the steps since the record before (rounded to 4 places), the
+    step's learning rate and gradient norm; a record of its own for each evaluation. A skipped
+    step's row (log.csv's `skipped`) makes none and adds no loss."""
     out, losses = [], []
-    last = rows[-1]["step"] if rows else 0
-
-    def epoch(step: int) -> dict:
-        return {"epoch": round(step / steps_per_epoch, 4)} if steps_per_epoch else {}
-
     for r in rows:
         step = r["step"]
         if step > 0 and not r["skipped"] and _finite(r.get("loss")):
             losses.append(r["loss"])
         if step > 0 and not r["skipped"] and (step % every == 0 or step == last):
-            record = {**epoch(step), "grad_norm": r.get("grad_norm"), "learning_rate": r.get("lr"),
+            record = {**_epoch(step, steps_per_epoch), "grad_norm": r.get("grad_norm"), "learning_rate": r.get("lr"),
                       "loss": round(sum(losses) / len(losses), 4) if losses else None, "step": step}
             out.append({k: v for k, v in record.items() if v is not None})
             losses = []
         evaluated = {k: v for k, v in r.items() if k.startswith("eval_") and _finite(v)}
         if evaluated:
-            out.append({**epoch(step), **evaluated, "step": step})
+            out.append({**_epoch(step, steps_per_epoch), **evaluated, "step": step})
     return out
+
+
+def as_json(content: dict) -> str:
+    """As transformers' TrainerState.save_to_json writes it (and save_metrics, sorted too)."""
+    return json.dumps(content, indent=2, sort_keys=True) + "\n"
+
+
+def _rows(run_dir: str) -> list[dict]:
+    return [_parsed(r) for r in log.read(os.path.join(run_dir, "log.csv"))]
+
+
+def _epoch(step: int, steps_per_epoch: int | None) -> dict:
+    return {"epoch": round(step / steps_per_epoch, 4)} if steps_per_epoch else {}
 
 
 def _parsed(row: dict) -> dict:
@@ -126,10 +175,3 @@ def _finite(value) -> bool:
 def _interval(every) -> int | None:
     """An interval in steps, as trainer_state.json holds it (epoch-wise or none: null)."""
     return every if isinstance(every, int) and not isinstance(every, bool) else None
-
-
-def _write_json(path: str, content: dict) -> None:
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(content, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(path + ".tmp", path)

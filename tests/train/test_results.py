@@ -1,9 +1,11 @@
 """The run's end figures as transformers' Trainer writes them (train/results.py): train_results.json,
 eval_results.json, all_results.json and trainer_state.json, each read back from log.csv over the
-whole run (a resumed one too), trainer_state.json loaded by transformers' own TrainerState; with
-plot_loss, LlamaFactory's pictures."""
+whole run (a resumed one too), trainer_state.json loaded by transformers' own TrainerState, and
+each checkpoint's own, of the run up to its step, committed with it; with plot_loss, LlamaFactory's
+pictures."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -11,6 +13,7 @@ import os
 import re
 
 import pytest
+from transformers import TrainerState
 
 from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
@@ -38,8 +41,10 @@ def _rows(tmp_path) -> list[dict]:
     return log.read(str(tmp_path / "run" / "log.csv"))
 
 
-def test_the_trainers_files_hold_the_whole_runs_figures_and_transformers_reads_its_state(tmp_path, capsys):
-    result = run(load(_yaml(tmp_path, plot_loss=True), []))
+def test_the_trainers_files_hold_the_whole_runs_figures_and_transformers_reads_its_state(tmp_path, capsys,
+                                                                                         monkeypatch):
+    committed = _watch_commits(monkeypatch)
+    result = run(load(_yaml(tmp_path, plot_loss=True, save_every=1), []))
     out = capsys.readouterr().out
     assert "results        train_results.json, all_results.json, eval_results.json, trainer_state.json, " \
            "training_loss.png, training_eval_loss.png in " in out
@@ -71,13 +76,43 @@ def test_the_trainers_files_hold_the_whole_runs_figures_and_transformers_reads_i
     assert [(r["step"], r["eval_loss"]) for r in evaluated] == [(int(r["step"]), float(r["eval_loss"]))
                                                                 for r in rows if r["eval_loss"]]
     assert state["log_history"][-1]["train_loss"] == train["train_loss"]
-    from transformers import TrainerState
     read = TrainerState.load_from_json(str(tmp_path / "run" / "trainer_state.json"))
-    assert (read.global_step, read.max_steps, read.logging_steps, read.eval_steps, read.save_steps) == (5, 5, 2, 2, 2)
+    assert (read.global_step, read.max_steps, read.logging_steps, read.eval_steps, read.save_steps) == (5, 5, 2, 2, 1)
     assert read.train_batch_size == 1 and read.log_history == state["log_history"]
     for name in ("training_loss.png", "training_eval_loss.png"):
         with open(tmp_path / "run" / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    # Each checkpoint's own trainer_state.json: the run up to its step, in the folder when it was committed;
+    # step 3's has no record of step 3 (not a logging step, nor the last).
+    assert committed == {f"step-{n:06d}": True for n in range(1, 6)}
+    tokens = [int(r["tokens"]) for r in rows]
+    for n in (3, 4, 5):         # keep_last: 3
+        path = tmp_path / "run" / "checkpoints" / f"step-{n:06d}" / "trainer_state.json"
+        with open(path) as f:
+            saved = json.load(f)
+        assert {f.name for f in dataclasses.fields(TrainerState)} <= set(saved)
+        assert (saved["global_step"], saved["max_steps"], saved["epoch"]) == (n, 5, round(n / steps_per_epoch, 4))
+        assert saved["num_input_tokens_seen"] == sum(tokens[:n])
+        assert saved["total_flos"] == pytest.approx(state["total_flos"] / sum(tokens) * sum(tokens[:n]), rel=1e-12)
+        assert saved["log_history"] == [r for r in state["log_history"][:-1] if r["step"] <= n]
+        assert TrainerState.load_from_json(str(path)).log_history == saved["log_history"]
+    assert {k: v for k, v in saved.items() if k != "log_history"} == {
+        k: v for k, v in state.items() if k != "log_history"}      # the last step's: the run's but the train figures
+
+
+def _watch_commits(monkeypatch) -> dict:
+    """Checkpoint name -> whether trainer_state.json was in its folder when the folder was committed."""
+    from megacompile.io import durable
+    seen, real = {}, durable.rename_into_place
+
+    def watched(tmp, path):
+        names = os.listdir(tmp)
+        if durable.MARKER in names:
+            seen[os.path.basename(path)] = "trainer_state.json" in names
+        return real(tmp, path)
+    monkeypatch.setattr(durable, "rename_into_place", watched)
+    return seen
 
 
 def test_a_resumed_runs_train_loss_counts_the_steps_before_its_checkpoint(tmp_path):
@@ -91,6 +126,9 @@ def test_a_resumed_runs_train_loss_counts_the_steps_before_its_checkpoint(tmp_pa
     assert "eval_loss" not in _json(tmp_path, "all_results.json")
     state = _json(tmp_path, "trainer_state.json")
     assert [r["step"] for r in state["log_history"] if "loss" in r] == [1, 2, 3, 4]
+    # the resumed run's checkpoint carries the history from step 1
+    with open(tmp_path / "run" / "checkpoints" / "step-000004" / "trainer_state.json") as f:
+        assert json.load(f)["log_history"] == state["log_history"][:-1]
     assert not os.path.exists(tmp_path / "run" / "training_loss.png")      # plot_loss not asked for
 
 

@@ -3,6 +3,8 @@ in a row the run stops with NonFiniteError, naming the last reason and the key; 
 updates only restarts the count."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megacompile.engine.engine import Engine
@@ -15,9 +17,10 @@ TINY = ["bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2
         "bundled_model.ffn=64", "device=cpu", "batch=1", "seq=16", "log_every=1"]
 
 
-def _non_finite_at(monkeypatch, poisoned) -> list:
-    """Engine.weighted_step as the engine skips a step whose loss is NaN, on the calls `poisoned(call)` picks;
-    more than 40 calls fail the test (a run that never stops)."""
+def _non_finite_at(monkeypatch, poisoned, loss: float = float("nan"), what: str = "loss") -> list:
+    """Engine.weighted_step as the engine skips a step whose loss is NaN (`what`: gradient, a step whose gradient
+    is, its `loss` finite), on the calls `poisoned(call)` picks; more than 40 calls fail the test (a run that
+    never stops)."""
     step, calls = Engine.weighted_step, []
 
     def maybe_poisoned(self, *args, **kwargs):
@@ -27,9 +30,8 @@ def _non_finite_at(monkeypatch, poisoned) -> list:
             return step(self, *args, **kwargs)
         self.state.step_skipped(0)
         # As engine/step.py's _skip records it: a skipped step's record has no token count.
-        self.last_step = StepRecord(self.steps_done + 1, float("nan"), 0, True, skipped="loss",
-                                    reason="the loss is nan")
-        return float("nan")
+        self.last_step = StepRecord(self.steps_done + 1, loss, 0, True, skipped=what, reason=f"the {what} is nan")
+        return loss
     monkeypatch.setattr(Engine, "weighted_step", maybe_poisoned)
     return calls
 
@@ -43,9 +45,23 @@ def test_every_step_non_finite_stops_after_the_limit(tmp_path, monkeypatch):
 
 
 def test_skips_between_updates_restart_the_count(tmp_path, monkeypatch):
-    _non_finite_at(monkeypatch, lambda call: call % 3 != 0)         # two skipped, one updated, ...
+    # two skipped for their gradient (a finite loss), one updated, ...
+    _non_finite_at(monkeypatch, lambda call: call % 3 != 0, loss=9.0, what="gradient")
     result = run(load(None, ["steps=3", "max_consecutive_skips=3", f"run_dir={tmp_path / 'run'}", *TINY]))
     assert result["steps"] == 3 and result["skipped_steps"] == 6
+    # log.csv: each skipped try under the number of the step it tried, before the row of the step that updated,
+    # which are one per step; the logs made from it hold those alone
+    rows = log.read(str(tmp_path / "run" / "log.csv"))
+    assert [(r["step"], r["skipped"]) for r in rows] == [(str(n), why) for n in (1, 2, 3)
+                                                         for why in ("gradient", "gradient", "")]
+    with open(tmp_path / "run" / "trainer_log.jsonl") as f:
+        assert [json.loads(line)["current_steps"] for line in f] == [1, 2, 3]
+    with open(tmp_path / "run" / "trainer_state.json") as f:
+        state = json.load(f)
+    updated = [float(r["loss"]) for r in rows if not r["skipped"]]
+    assert [(r["step"], r["loss"]) for r in state["log_history"][:-1]] == [(n, round(x, 4)) for n, x in
+                                                                           zip((1, 2, 3), updated)]
+    assert state["log_history"][-1]["train_loss"] == pytest.approx(sum(updated) / 3, rel=1e-12)
 
 
 def test_the_streak_alone():

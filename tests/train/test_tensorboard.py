@@ -1,5 +1,6 @@
 """`log: [csv, tensorboard]` writes each step's scalars as TensorBoard events, and a resumed run's
-events replace those of the steps after its checkpoint, as its CSV rows do."""
+events replace those of the steps after its checkpoint, as its CSV rows do; a skipped step's row
+(its number the next update's) is the CSV's alone."""
 from __future__ import annotations
 
 import pytest
@@ -32,3 +33,14 @@ def test_scalars_are_written_and_a_resume_replaces_the_steps_after_its_checkpoin
     log.write(_row(3, 0.25))
     log.close()
     assert files.board_scalars(run_dir)["train/loss"] == [(1, 3.0), (2, 2.0), (3, 0.25)]
+
+
+def test_a_skipped_steps_row_is_in_the_csv_alone(tmp_path):
+    run_dir = str(tmp_path)
+    log = RunLog(run_dir, ["csv", "tensorboard"], resume_step=0)
+    log.write(_row(1, 3.0))
+    log.write({**_row(2, 9.0), "lr": None, "grad_norm": None, "skipped": "gradient"})   # tried again as step 2
+    log.write(_row(2, 2.0))
+    log.close()
+    assert files.board_scalars(run_dir)["train/loss"] == [(1, 3.0), (2, 2.0)]
+    assert [(r["step"], r["skipped"]) for r in files.log_rows(run_dir)] == [("1", ""), ("2", "gradient"), ("2", "")]
