@@ -14,7 +14,9 @@ def add_to(sub) -> None:
     e = sub.add_parser("export", help="write a checkpoint of a run as a Hugging Face model folder (with LoRA, the "
                                       "adapter in PEFT's format or the merged model), as the run writes its model")
     e.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a checkpoint folder (RUN/checkpoints/step-NNNNNN), or a run folder: its latest checkpoint")
+                   help="a checkpoint folder (RUN/checkpoints/step-NNNNNN), or a run folder (RUN, RUN/checkpoints or "
+                        "RUN/checkpoints/latest): its latest checkpoint, pinned against the run's keep_last while "
+                        "it is read")
     e.add_argument("out", metavar="OUT", help="the folder to write the model into (made if new; its other files kept)")
     # The overrides ride on --config: argparse gives a positional list after CHECKPOINT OUT nothing
     # that follows an option.

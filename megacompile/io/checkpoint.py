@@ -22,7 +22,8 @@ step (it waits for running updates first).
 
 The manifest names the run that wrote it (`run`: engine.run_id, made with the engine and taken
 over by load_checkpoint, so a resumed run keeps it). keep_last=N removes older checkpoints of
-this run only, never the one just written nor another run's (rotate).
+this run only, never the one just written nor another run's, nor one a reader pins (rotate,
+checkpoint_pin.py).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import safetensors.torch
 
 from ..errors import CheckpointError, MegacompileError, WeightsFileError
-from . import checkpoint_path, durable, manifest as schema, model_params, own_buffers, run_state, unbuilt
+from . import checkpoint_path, checkpoint_pin, durable, manifest as schema, model_params, own_buffers, run_state
+from . import unbuilt
 from .header import read_header
 from .foreign_checkpoint import describe as describe_foreign
 
@@ -154,8 +156,9 @@ def rotate(path: str, run: str, keep_last: int | None, keep: tuple[str, ...] = (
     mine = [p for p in committed_beside(path, run=run) if os.path.abspath(p) != os.path.abspath(path)]
     others = [p for p in mine if os.path.abspath(p) not in kept]
     # fewer than the others to keep: none goes (a negative cut would slice from the end)
+    # one pinned by a reader (an export of it: checkpoint_pin.py) stays, until a rotation after its release
     for old in others[:max(0, len(others) - max(0, keep_last - 1 - (len(mine) - len(others))))]:
-        remove(old)
+        checkpoint_pin.remove_unless_pinned(old, remove)
 
 
 def _owner_files(host, tables: tuple) -> Iterator[tuple[str, dict]]:

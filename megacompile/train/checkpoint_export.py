@@ -10,7 +10,8 @@ best step of a run that went on past it, or the last of a run that was stopped.
 A checkpoint keeps the model's config and fine-tuning keys but not the model folder, tokenizer or
 template the run read: those come from the training_args.yaml the run left in its folder
 (run_args.py), or from a run.yaml given beside it, as LlamaFactory's export takes its YAML beside
-the adapter.
+the adapter. The run's data is never read nor looked for (config.load's model_only): a run folder
+exports with its data gone.
 
 Memory: the weights stream from the checkpoint's files into the export one tensor at a time for a
 full or freeze run's model; a LoRA export holds what the run's own export holds (the adapters, or
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import warnings
 
 import torch
@@ -32,6 +34,8 @@ from .config import load
 from .stages.stage import CHECKPOINTS
 
 DTYPES = ("float32", "bfloat16", "float16")
+LATEST = "latest"       # RUN/checkpoints/latest: the run's latest committed checkpoint
+_CHOICES = 3            # how many times a run folder's latest is chosen again, each removed before its pin
 
 
 class _Policy(nn.Module):
@@ -44,15 +48,21 @@ class _Policy(nn.Module):
 
 
 def checkpoint_of(path: str) -> str:
-    """`path` itself when it is a checkpoint folder; for a run folder, its latest committed one."""
+    """`path` itself when it is a checkpoint folder; for a run folder, its checkpoints folder or
+    RUN/checkpoints/latest (a name no checkpoint has), the latest committed checkpoint."""
     from ..io.checkpoint import MARKER, committed_beside
-    folder = os.path.join(path, CHECKPOINTS)
-    if os.path.isfile(os.path.join(path, MARKER)) or not os.path.isdir(folder):
+    path = os.path.normpath(path)       # RUN/checkpoints/step-000002/ is the checkpoint
+    if os.path.isfile(os.path.join(path, MARKER)):
         return path
-    found = committed_beside(os.path.join(folder, "latest"))
+    if os.path.basename(path) == LATEST and not os.path.exists(path):
+        path = os.path.dirname(path)
+    folder = path if os.path.basename(path) == CHECKPOINTS else os.path.join(path, CHECKPOINTS)
+    if not os.path.isdir(folder):
+        return path
+    found = committed_beside(os.path.join(folder, LATEST))
     if not found:
-        raise ArgumentError(f"the run folder {path} holds no committed checkpoint in {folder}: give a checkpoint "
-                            "folder (RUN/checkpoints/step-NNNNNN)")
+        raise ArgumentError(f"the run folder {os.path.dirname(os.path.abspath(folder))} holds no committed checkpoint "
+                            f"in {folder}: give a checkpoint folder (RUN/checkpoints/step-NNNNNN)")
     return found[-1]
 
 
@@ -61,9 +71,34 @@ def export(checkpoint: str, out: str, config: str | None = None, overrides: list
     """The model of `checkpoint` (a checkpoint folder, or a run folder: its latest) written into
     `out` as the run of `config` (its run.yaml, `overrides` laid over it as train takes them;
     None: the training_args.yaml its run left in the run folder) writes its model; merge_adapter
-    and dtype in place of the run.yaml's merge_adapter and export_dtype. Returns the line that
-    says what `out` holds and what loads it."""
-    path = checkpoint_of(checkpoint)
+    and dtype in place of the run.yaml's merge_adapter and export_dtype. The checkpoint is pinned
+    against the keep_last of a run still training in its folder while it is read
+    (io/checkpoint_pin.py). Returns the lines that say which checkpoint it was, what `out` holds
+    and what loads it."""
+    with _pinned(checkpoint) as path:
+        return _export(path, out, config, overrides, merge_adapter, dtype, overwrite)
+
+
+@contextlib.contextmanager
+def _pinned(checkpoint: str):
+    """The checkpoint `checkpoint` names, pinned while inside (yielded). A run folder's latest that
+    a rotation removed between its choice and its pin (a run that saved meanwhile): the latest
+    again. A checkpoint folder named is read as found: one removed is refused by resume.read."""
+    from ..io.checkpoint_pin import pinned
+    from ..io.durable import committed
+    for _ in range(_CHOICES):
+        path = checkpoint_of(checkpoint)
+        with pinned(path):
+            if path == os.path.normpath(checkpoint) or committed(path):
+                yield path
+                return
+    raise ArgumentError(f"the latest checkpoint of {checkpoint} was removed {_CHOICES} times before it could be "
+                        "read (the run's keep_last, as it saves): give a checkpoint folder "
+                        "(RUN/checkpoints/step-NNNNNN)")
+
+
+def _export(path: str, out: str, config: str | None, overrides: list[str], merge_adapter: bool | None,
+            dtype: str | None, overwrite: bool) -> str:
     saved = resume.read(path)       # a folder that is no committed checkpoint is refused here, by name
     if config is None:
         config = run_args.beside(path)
@@ -72,8 +107,7 @@ def export(checkpoint: str, out: str, config: str | None = None, overrides: list
                                 f"holds no {run_args.NAME} (which a run writes as it starts) to read the model "
                                 "folder, tokenizer and template from")
     _check_out(out, path, overwrite)
-    with contextlib.redirect_stdout(io.StringIO()):     # its notes are of training, not of the export
-        c = load(config, list(overrides))
+    c = _config(config, overrides, path)
     _check_run(c, saved, config, merge_adapter, dtype)
     if merge_adapter is not None:
         c.merge_adapter = merge_adapter
@@ -87,7 +121,21 @@ def export(checkpoint: str, out: str, config: str | None = None, overrides: list
         trained_model.write(c, engine, _tokenizer(c), out, overwrite=overwrite, policy=policy)
     finally:
         engine.close()
-    return trained_model.last_line(c, out, path)
+    return f"checkpoint: {path} (step {saved.steps_done})\n" + trained_model.last_line(c, out, path)
+
+
+def _config(config: str, overrides: list[str], path: str):
+    """The run's settings for its model alone: its data files may be gone since (config.load's
+    model_only). A model folder or tokenizer gone is refused, saying how to name where it is now."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):     # its notes are of training, not of the export
+            return load(config, list(overrides), model_only=True)
+    except ArgumentError as e:
+        if not re.search(r"\b(model|tokenizer): .+ does not exist; give", str(e)):
+            raise
+        raise ArgumentError(f"{e} ({config}, the settings of the run that saved {path}: export reads the model "
+                            f"folder and tokenizer the run trained from; where they are elsewhere now, give --config "
+                            f"{config} model=FOLDER (or tokenizer=FOLDER))") from e
 
 
 def _check_out(out: str, checkpoint: str, overwrite: bool) -> None:
@@ -97,11 +145,28 @@ def _check_out(out: str, checkpoint: str, overwrite: bool) -> None:
         raise ArgumentError(f"OUT {out} is a file: give a folder to write the model into")
     if os.path.realpath(out) == os.path.realpath(checkpoint):
         raise ArgumentError(f"OUT {out} is the checkpoint itself: give another folder")
+    inside = _checkpoint_around(out)
+    if inside is not None:
+        raise ArgumentError(f"OUT {out} lies inside the checkpoint {inside}, which the run's keep_last removes with "
+                            "everything in it: give a folder outside it")
     found = export_files(out)
     if found and not overwrite:
         shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
         raise ArgumentError(f"OUT {out} already holds a model ({shown}): give another folder, or --overwrite to "
                             "replace those files (the folder's other files are kept either way)")
+
+
+def _checkpoint_around(out: str) -> str | None:
+    """The committed checkpoint folder `out` lies in, if any."""
+    from ..io.checkpoint import MARKER
+    folder = os.path.realpath(out)
+    while True:
+        if os.path.isfile(os.path.join(folder, MARKER)):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
 
 
 def _check_run(c, saved: resume.Saved, config: str, merge_adapter: bool | None, dtype: str | None) -> None:

@@ -266,8 +266,11 @@ def embedded_default_path() -> str:
     return str(resources.files("megacompile.train").joinpath("default.yaml"))
 
 
-def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
-    """Settings from `path` (the embedded default when None) with `key=value` overrides, checked."""
+def load(path: str | None, overrides: list[str] = (), model_only: bool = False) -> RunConfig:
+    """Settings from `path` (the embedded default when None) with `key=value` overrides, checked.
+    model_only: for what reads the run's model alone (megacompile export): the model, tokenizer and
+    template are checked as for a run, the data, eval, media_dir, tools and resume keys as values,
+    the files they name neither looked for nor read (a run's data gone since it trained)."""
     import yaml
     path = path or embedded_default_path()
     try:
@@ -300,7 +303,7 @@ def load(path: str | None, overrides: list[str] = ()) -> RunConfig:
         raw["dataset_dir"] = os.path.join(base, "data")     # LlamaFactory's default, beside the file like any path
     own = aliases.translate(raw, RunConfig.lr)
     try:
-        c = check(own.keys, source=path)
+        c = check(own.keys, source=path, model_only=model_only)
     except ArgumentError as e:
         raise aliases.named(e, own) from e
     for note in own.notes + their_keys.notes(c, own.keys):
@@ -351,7 +354,7 @@ def _relative(key: str, value: Any, base: str) -> Any:
     return value
 
 
-def check(raw: dict, source: str = "the run config") -> RunConfig:
+def check(raw: dict, source: str = "the run config", model_only: bool = False) -> RunConfig:
     unknown = sorted(set(raw) - set(KEYS))
     told = their_keys.refusal(unknown)
     if told:        # TRL's or LlamaFactory's keys megacompile does not take: what to give instead, or why
@@ -376,7 +379,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     c.eos_token = text("eos_token", c.eos_token, optional=True)
     eos_token.check(c)
     c.bundled_model = _bundled_model(c.bundled_model)
-    check_data(c, raw)
+    check_data(c, raw, files=not model_only)
     if c.disable_dropout is None:
         c.disable_dropout = c.stage in DROPOUT_OFF
     c.disable_dropout = flag("disable_dropout", c.disable_dropout)
@@ -461,7 +464,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
         raise ArgumentError("eval_every needs held-out data: give eval (files) or eval_fraction")
     c.stop_signals = preemption.signal_names(c.stop_signals)
     c.resume = text("resume", c.resume, optional=True)
-    if c.resume not in (None, "auto") and not os.path.isdir(c.resume):
+    if c.resume not in (None, "auto") and not os.path.isdir(c.resume) and not model_only:
         raise ArgumentError(f"resume is 'auto' (the latest committed checkpoint in run_dir), a checkpoint folder, "
                             f"or null; {c.resume} is not a folder")
     c.run_dir = text("run_dir", c.run_dir, optional=True)
@@ -520,7 +523,7 @@ def check(raw: dict, source: str = "the run config") -> RunConfig:
     if c.stage == "pt":     # LlamaFactory's pretraining: every record read as its text (data/pretrain.py)
         for entry in c.data + c.eval:
             entry["pretrain"] = True
-    lay_tools(c, folder)
+    lay_tools(c, folder, files=not model_only)
     return c
 
 

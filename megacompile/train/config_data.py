@@ -11,27 +11,29 @@ from .config_values import flag, integer, number, pixels, text
 from .data import entries, named_template, run_tools, template_file, tools
 
 
-def check_data(c, raw: dict) -> None:
+def check_data(c, raw: dict, files: bool = True) -> None:
     """The data keys, checked and laid into each data entry: the files or LlamaFactory's named
     datasets, the held-out data, the mixture, the chat template, media folder, system prompt and
-    masking that each record is read with, and what streaming cannot do."""
+    masking that each record is read with, and what streaming cannot do. files False: the data
+    files, dataset_info.json and media_dir are not looked at (a run read for its model alone)."""
     if c.dataset is not None:       # LlamaFactory's keys: names in dataset_dir/dataset_info.json
         if "data" in raw:
             raise ArgumentError("data and dataset both name the training data: give one of them")
-        c.data = entries.llamafactory(c.dataset, c.dataset_dir, stage=c.stage)
+        c.data = entries.llamafactory(c.dataset, c.dataset_dir, stage=c.stage, files=files)
     elif c.dataset_dir is not None and c.eval_dataset is None:
         raise ArgumentError("dataset_dir is the folder of dataset_info.json, read for dataset: name the datasets")
     if c.eval_dataset is not None:
         if raw.get("eval"):
             raise ArgumentError("eval and eval_dataset both name the held-out data: give one of them")
-        c.eval = entries.llamafactory(c.eval_dataset, c.dataset_dir, key="eval_dataset", stage=c.stage)
-    c.data = entries.check("data", c.data, allow_bundled=True, allow_weights=True)
+        c.eval = entries.llamafactory(c.eval_dataset, c.dataset_dir, key="eval_dataset", stage=c.stage, files=files)
+    c.data = entries.check("data", c.data, allow_bundled=True, allow_weights=True, files=files)
     if not c.data:
         raise ArgumentError("data: name at least one data file")
     c.mix_strategy, weights = entries.mixture(c.data, c.mix_strategy, c.interleave_probs)
     for entry, weight in zip(c.data, weights or [None] * len(c.data)):
         entry["weight"] = weight
-    c.eval = entries.check("eval", c.eval if c.eval is not None else [], allow_bundled=False, allow_weights=False)
+    c.eval = entries.check("eval", c.eval if c.eval is not None else [], allow_bundled=False, allow_weights=False,
+                           files=files)
     entries.by_line(c.data if c.dataset is not None else [])
     entries.by_line(c.eval if c.eval_dataset is not None else [])
     if c.max_samples is not None:       # LlamaFactory's: the first N records of each entry
@@ -63,7 +65,7 @@ def check_data(c, raw: dict) -> None:
             entry["chat_template"] = digest
     c.media_dir = text("media_dir", c.media_dir, optional=True)
     if c.media_dir is not None:
-        if not os.path.isdir(c.media_dir):
+        if files and not os.path.isdir(c.media_dir):
             raise ArgumentError(f"media_dir {c.media_dir} is not a folder; give the folder the records' image and "
                                 "video paths are relative to, or leave it out (the data file's folder)")
         for entry in c.data + c.eval:
@@ -139,8 +141,9 @@ def check_media(c) -> None:
         c.video_maxlen = integer("video_maxlen", c.video_maxlen)
 
 
-def lay_tools(c, folder: str | None) -> None:
-    """run.yaml's tools (data/run_tools.py), laid into each data entry for its conversations."""
+def lay_tools(c, folder: str | None, files: bool = True) -> None:
+    """run.yaml's tools (data/run_tools.py), laid into each data entry for its conversations;
+    files False: as given, a tools file not read (a run read for its model alone)."""
     if c.tools is None or c.tools == []:
         c.tools = None
         return
@@ -151,6 +154,7 @@ def lay_tools(c, folder: str | None) -> None:
         raise ArgumentError("tools: stage grpo hands a record's tools column to the reward functions, and its "
                             "rollouts call no tools (TRL's GRPOTrainer(tools=...) runs them while generating); "
                             "give the tools in the prompts' records, or leave tools out")
-    c.tools = run_tools.resolve(c.tools, folder)
+    if files:
+        c.tools = run_tools.resolve(c.tools, folder)
     for entry in c.data + c.eval:
         entry["tools"] = c.tools

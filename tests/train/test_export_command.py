@@ -5,6 +5,7 @@ evaluates to the held-out loss the run logged at that step; a run folder means i
 checkpoint; what cannot be exported is refused by name, and nothing is written."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -161,6 +162,9 @@ def test_what_is_no_checkpoint_is_refused_and_nothing_written(full, tmp_path, ca
     said = _refused(capsys, out, str(alone), out)
     assert f"export needs --config, the run.yaml of the run that saved {alone}: its run folder holds no " \
            "training_args.yaml" in said
+    inside = os.path.join(_step(full, 3), "model")
+    said = _refused(capsys, inside, _step(full, 2), inside)
+    assert f"lies inside the checkpoint {os.path.realpath(_step(full, 3))}, which the run's keep_last removes" in said
     said = _refused(capsys, out, _step(full, 2), out, "--config", _yaml(full), "--merge-adapter")
     assert "has no adapter to merge" in said
     said = _refused(capsys, out, _step(full, 2), out, "--config", _yaml(full), "stage=rm")
@@ -208,3 +212,65 @@ def test_a_training_args_yaml_of_the_users_own_in_the_run_folder_is_never_replac
     run(load(mine, ["lr=1e-3"]))
     with open(mine) as f:
         assert f.read() == before
+
+
+def _copied_run(full, tmp_path, **changed) -> str:
+    """The run folder copied elsewhere (to another machine, say), its training_args.yaml changed."""
+    run_dir = shutil.copytree(full.run_dir, tmp_path / "run", ignore=shutil.ignore_patterns("tokens", "plan"))
+    with open(run_dir / "training_args.yaml") as f:
+        given = yaml.safe_load(f)
+    for key, value in changed.items():
+        given.pop(key, None) if value is None else given.__setitem__(key, value)
+    with open(run_dir / "training_args.yaml", "w") as f:
+        yaml.safe_dump(given, f)
+    return str(run_dir)
+
+
+def test_the_runs_data_gone_is_no_matter_its_model_gone_is_refused(full, tmp_path, capsys):
+    from megacompile.errors import ArgumentError
+    gone = str(tmp_path / "gone")
+    run_dir = _copied_run(full, tmp_path, data=None, dataset="mine", dataset_dir=gone,
+                          eval=[os.path.join(gone, "held.jsonl")], resume=os.path.join(gone, "step-000001"))
+    step = os.path.join(run_dir, "checkpoints", "step-000002")
+    with pytest.raises(ArgumentError, match="cannot read .*dataset_info.json"):     # train still checks them
+        load(os.path.join(run_dir, "training_args.yaml"), [])
+    out = str(tmp_path / "out")
+    assert _export(step, out) == 0
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert all(torch.equal(exported[n], t) for n, t in finetune_runs.tables(step, "master").items())
+    said = _refused(capsys, str(tmp_path / "no"), step, str(tmp_path / "no"), "--config",
+                    os.path.join(run_dir, "training_args.yaml"), f"model={gone}")
+    assert f"model: {gone} does not exist" in said and "model=FOLDER" in said
+
+
+def test_an_export_pins_its_checkpoint_against_the_live_runs_keep_last(full, tmp_path, monkeypatch, capsys):
+    """The run saves step 3 and rotates (keep_last 1) while step 2 is being exported."""
+    from megacompile.io import checkpoint
+    from megacompile.train import checkpoint_export
+    run_dir = _copied_run(full, tmp_path)
+    folder = os.path.join(run_dir, "checkpoints")
+    step2, step3 = (os.path.join(folder, f"step-00000{n}") for n in (2, 3))
+    masters = finetune_runs.tables(step2, "master")
+    with open(os.path.join(step3, checkpoint.MANIFEST)) as f:
+        run_id = json.load(f)["run"]
+    write = checkpoint_export.trained_model.write
+
+    def saved_meanwhile(*args, **kwargs):
+        checkpoint.rotate(step3, run_id, keep_last=1)
+        return write(*args, **kwargs)
+    monkeypatch.setattr(checkpoint_export.trained_model, "write", saved_meanwhile)
+    out = str(tmp_path / "out")
+    assert _export(step2, out) == 0
+    assert f"checkpoint: {step2} (step 2)" in capsys.readouterr().out
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert all(torch.equal(exported[n], t) for n, t in masters.items())
+    assert sorted(os.listdir(folder)) == ["step-000002", "step-000003"]     # step 1 went, no pin file is left
+    checkpoint.rotate(step3, run_id, keep_last=1)
+    assert os.listdir(folder) == ["step-000003"]
+
+
+@pytest.mark.parametrize("given", ["checkpoints/latest", "checkpoints/", "checkpoints", ""])
+def test_the_checkpoints_folder_or_latest_means_the_latest(full, tmp_path, capsys, given):
+    out = str(tmp_path / "out")
+    assert _export(os.path.join(full.run_dir, given), out) == 0
+    assert f"checkpoint: {_step(full, 3)} (step 3)" in capsys.readouterr().out

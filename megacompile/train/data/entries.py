@@ -76,6 +76,16 @@ def _kind(key: str, path: str) -> str:
                         f"read: the run uses no network); save it with datasets' save_to_disk, or give {WHAT}")
 
 
+def named_kind(path: str) -> str | None:
+    """How a path is read, told by its name alone (None: a folder's, which only its files tell): an
+    entry of a run read for its model alone, whose data files are not looked at (config.load's
+    model_only)."""
+    for end, kind in ((".txt", "text"), (".jsonl", "jsonl"), *BUILDERS.items()):
+        if path.endswith(end):
+            return kind
+    return None
+
+
 def folder_files(path: str) -> list[str]:
     """The data files of a folder, in name order (hidden files and others skipped)."""
     ends = (".txt", ".jsonl", *BUILDERS)
@@ -83,8 +93,9 @@ def folder_files(path: str) -> list[str]:
                   and os.path.isfile(os.path.join(path, n)))
 
 
-def check(key: str, value: Any, allow_bundled: bool, allow_weights: bool) -> list[dict]:
-    """The entries of `data` or `eval`, checked; weights are None when no entry gives one."""
+def check(key: str, value: Any, allow_bundled: bool, allow_weights: bool, files: bool = True) -> list[dict]:
+    """The entries of `data` or `eval`, checked; weights are None when no entry gives one. files
+    False: the paths are not looked at (their kind told by the name: named_kind)."""
     items = [value] if isinstance(value, (str, dict)) else value
     if not isinstance(items, list):
         raise ArgumentError(f"{key} is a path or a list of paths or {{path, weight}} entries; got {value!r}")
@@ -106,7 +117,7 @@ def check(key: str, value: Any, allow_bundled: bool, allow_weights: bool) -> lis
         if path == BUNDLED and allow_bundled:
             kind = "text"
         else:
-            kind = kind_of(key, path)
+            kind = kind_of(key, path) if files else named_kind(path)
         columns = entry.get("columns") or {}
         tags = entry.get("tags") or {}
         if not isinstance(columns, dict) or not isinstance(tags, dict):
@@ -189,15 +200,18 @@ def by_line(items: list[dict]) -> None:
             entry["kind"] = "lines"
 
 
-def llamafactory(names: Any, folder: Any, key: str = "dataset", stage: str = "sft") -> list[dict]:
+def llamafactory(names: Any, folder: Any, key: str = "dataset", stage: str = "sft", files: bool = True) -> list[dict]:
     """Entries for LlamaFactory's `dataset: a,b` (or `eval_dataset`) read from
     `dataset_dir/dataset_info.json`. As in LlamaFactory, a ranking (preference) dataset trains
-    under stage dpo and only there; stage grpo takes its prompts from the others."""
+    under stage dpo and only there; stage grpo takes its prompts from the others. files False:
+    dataset_info.json is not read, each name an entry of its own (dataset_dir/NAME)."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise ArgumentError(f"{key} is a name or a comma-separated list of names in dataset_info.json; got {names!r}")
     folder = folder if folder is not None else "data"
+    if not files:
+        return [{"path": os.path.normpath(os.path.join(str(folder), name))} for name in names]
     info_path = os.path.normpath(os.path.join(str(folder), "dataset_info.json"))
     try:
         with open(info_path) as f:
