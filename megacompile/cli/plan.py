@@ -273,11 +273,12 @@ def _verdict(result, refused: bool, given_bytes: int) -> str:
         return "fits"
     need, name = result.device_bytes_needed, result.hardware.name
     from ..settings import DEVICE_SHARE
-    # Datasheet profiles but the h100's count the datasheet's GB, a little under what the card shows torch.
+    # A named card's profile holds what torch reports on a current driver (cost/hardware.py); one's own
+    # card, its driver and ECC setting, may leave a little more or less.
     measure = ("" if name.endswith("(measured)") else ", or plan with a profile measured on the card (`megacompile "
-               "calibrate`), which counts the memory torch sees rather than the datasheet's")
+               "calibrate`), which counts the memory torch sees under its own driver and ECC setting")
     return (f"does NOT fit the {name}: the plan needs {fmt_bytes(need)} of device memory (its peak and reserve), the "
-            f"card has {fmt_bytes(card)} ({card / 1e9:.4g} GB): {fmt_bytes(need - card)} short; the budget given is "
+            f"card has {fmt_bytes(card)}: {fmt_bytes(need - card)} short; the budget given is "
             f"more than the card: give one within it (without --hbm-budget, {DEVICE_SHARE:.0%} of it: "
             f"{DEVICE_SHARE * card / 2**30:.2f} GiB){measure}")
 

@@ -208,7 +208,7 @@ def split_line(micro: int, k: int, outcome, seconds: float) -> str:
     step = p.step_s * outcome.grad_accum / outcome.micro_batches_per_run
     how = ", layer by layer" if outcome.micro_batches_per_run > 1 else ""
     card = "" if outcome.fits_card else " (more than the card holds)"
-    return f"{head}{step:.2f} s a step{how}, {p.tokens_per_s:,.0f} tokens/s predicted{card}{took}"
+    return f"{head}{step:.2f} s a step{how}, {p.tokens_per_s:,.0f} tok/s predicted{card}{took}"
 
 
 def split_fields(micro: int, k: int, outcome, seconds: float) -> dict:

@@ -128,7 +128,7 @@ def test_plan_command_splits_a_global_batch_into_micro_batches(tmp_path, capsys)
     assert [s[1:6] for s in splits] == [["8", "rows", "x", "1", "accumulated"], ["4", "rows", "x", "2", "accumulated"],
                                         ["2", "rows", "x", "4", "accumulated"], ["1", "row", "x", "8", "accumulated"]]
     chosen = " ".join(next(s for s in splits if s[4] == str(micro)))
-    assert f"{data['predicted_tokens_per_s']:,.0f} tokens/s predicted" in chosen and "planned in" in chosen
+    assert f"{data['predicted_tokens_per_s']:,.0f} tok/s predicted" in chosen and "planned in" in chosen
     assert [(s["micro_batch"], s["micro_batches"]) for s in data["splits"]] == [(8, 1), (4, 2), (2, 4), (1, 8)]
     fastest = max((s for s in data["splits"] if s["fits"]), key=lambda s: s["predicted_tokens_per_s"])
     assert (fastest["micro_batches"], fastest["predicted_tokens_per_s"]) == (micro, data["predicted_tokens_per_s"])

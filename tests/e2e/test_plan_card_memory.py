@@ -47,10 +47,10 @@ def test_a_plan_that_needs_more_than_the_card_does_not_fit_it(tmp_path, capsys):
     assert need > 48 * MiB and "shortfall_bytes" not in summary      # the budget itself was enough
     assert _line(text, "verdict") == (
         f"verdict        does NOT fit the small card: the plan needs {fmt_bytes(need)} of device memory (its peak and "
-        f"reserve), the card has 48.00 MiB (0.05033 GB): {fmt_bytes(need - 48 * MiB)} short; the budget given is more "
+        f"reserve), the card has 48.00 MiB: {fmt_bytes(need - 48 * MiB)} short; the budget given is more "
         "than the card: give one within it (without --hbm-budget, 90% of it: 0.04 GiB), or plan with a profile "
-        "measured on the card (`megacompile calibrate`), which counts the memory torch sees rather than the "
-        "datasheet's")
+        "measured on the card (`megacompile calibrate`), which counts the memory torch sees under its own driver "
+        "and ECC setting")
     assert _line(text, "card") == (f"card           48.00 MiB of memory on the small card: the plan needs "
                                    f"{fmt_bytes(need)} (its peak and reserve), {fmt_bytes(need - 48 * MiB)} more: it "
                                    "does NOT fit the card; plan at a budget within the card")
@@ -100,7 +100,7 @@ def test_a_stage_plan_is_held_to_the_card_too(tmp_path, capsys):
 
 def test_the_simulated_cpu_device_is_no_card():
     assert card_bytes(replace(SMALL, name="cpu (simulated device, measured)")) is None
-    assert card_bytes(get_profile("rtx4090")) == 24 * 10 ** 9
+    assert card_bytes(get_profile("rtx4090")) == 24080 * MiB   # 23.52 GiB, what torch reports
 
 
 def test_a_global_batch_takes_the_fastest_split_that_fits_the_card():

@@ -1,5 +1,6 @@
-"""Each datasheet profile holds its datasheet's figures (dense, no sparsity), names a compile target
-the kernel tests build for, and a consumer card is planned with a desktop's host."""
+"""Each datasheet profile holds its datasheet's figures (dense, no sparsity) and the memory torch
+reports for the card, names a compile target the kernel tests build for, and a consumer card is
+planned with a desktop's host."""
 from __future__ import annotations
 
 import pytest
@@ -33,13 +34,36 @@ CONSUMER = ("rtx3090", "rtx4090", "rtx5090")
 
 @pytest.mark.parametrize("name", sorted(DATASHEETS))
 def test_profile_holds_its_datasheet_figures(name):
-    memory, bandwidth, bf16, fp32, gen, _source = DATASHEETS[name]
+    _memory, bandwidth, bf16, fp32, gen, _source = DATASHEETS[name]
     p = get_profile(name)
-    assert p.device_bytes == memory * 10**9
     assert p.device_bw == pytest.approx(bandwidth * GB, rel=1e-9)
     assert p.peak_flops(torch.bfloat16) == pytest.approx(bf16 * T, rel=1e-9)
     assert p.peak_flops(torch.float32) == pytest.approx(fp32 * T, rel=1e-9)
     assert p.h2d_bw == p.d2h_bw == PCIE[gen]
+
+
+# What torch reports each card to hold (get_device_properties().total_memory), in GiB as a CUDA OOM
+# message prints it ("GPU 0 has a total capacity of 23.52 GiB"), and the card's datasheet GB; hardware.py
+# names the sources. None: no report found, the profile holds the datasheet's GB (10**9).
+TORCH_GIB = {"rtx3090": (23.56, 24), "rtx4090": (23.52, 24), "rtx5090": (31.36, 32), "rtx6000-ada": (47.48, 48),
+             "rtx-a6000": (47.54, 48), "l40s": (44.39, 48), "l4": (21.96, 24), "a10": (22.06, 24),
+             "a100": (79.25, 80), "a100-40gb": (39.38, 40), "h100": (79.18, 80), "h100-pcie": (79.11, 80),
+             "h200": (139.72, 141), "gh200": (None, 96), "b200": (178.35, 180)}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_GIB))
+def test_each_profile_holds_the_memory_torch_reports_and_no_more_than_the_card_has(name):
+    assert set(TORCH_GIB) == set(PROFILES)
+    gib, datasheet = TORCH_GIB[name]
+    memory = PROFILES[name].device_bytes
+    if gib is None:
+        assert memory == datasheet * 10**9
+        return
+    assert f"{memory / 2**30:.2f}" == f"{gib:.2f}"
+    assert memory % 2**20 == 0   # whole MiB, as the sources give it
+    # The datasheet's "24 GB" is the chips' binary capacity, 24 GiB, of which the driver keeps a part (and
+    # ECC, on by default on the datacenter GDDR cards, more: an L4, A10 or L40S reports below 10**9 GB).
+    assert memory < datasheet * 2**30
 
 
 def test_every_profile_names_a_target_the_kernel_tests_build():
