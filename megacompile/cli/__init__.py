@@ -46,6 +46,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from ..arguments import file_in_the_way
     from ..errors import ArgumentError
     from ..calibrate import measure, measure_gpu
+    from ..io import durable
     if args.device == "cuda" and not torch.cuda.is_available():
         raise MegacompileError("--device cuda: torch sees no GPU here; calibrate the cpu profile with --device cpu")
     from ..arguments import disk_folder
@@ -63,16 +64,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         profile = replace(profile, disk_read_bw=disk["read_bw"], disk_write_bw=disk["write_bw"])
     for key, value in profile.to_dict().items():
         print(f"  {key:<24} {value:.4g}" if isinstance(value, float) else f"  {key:<24} {value}")
-    tmp = f"{args.out}.tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(profile.to_dict(), f, indent=1)
-        os.replace(tmp, args.out)
+        durable.replace_text(args.out, json.dumps(profile.to_dict(), indent=1))
     except OSError as e:
         raise MegacompileError(f"cannot write the profile to {args.out}: {e.strerror or e}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     print(f"wrote {args.out}: use it with `megacompile plan --hardware {args.out}`")
     return 0
 

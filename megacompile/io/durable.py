@@ -155,7 +155,7 @@ def sha256_of(path: str) -> str:
 
 
 def write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:     # whatever the locale: the readers read UTF-8
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -17,6 +17,7 @@ import os
 import sys
 
 from ..errors import CheckpointError
+from ..io import durable
 
 # Every stage's columns, then the SFT stage's evaluation (a post-training stage logs its own).
 STEP_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "seconds", "tokens_per_s", "device_peak_bytes",
@@ -65,7 +66,8 @@ class RunLog:
             from .wandb_log import WandbLog
             self._wandb = WandbLog(run_dir, settings or {}, resume_step)
 
-    def write(self, row: dict) -> None:
+    def write(self, row: dict, last: bool = False) -> None:
+        """last: the step early stopping ends the run at (trainer_log.jsonl logs it as the last step)."""
         # repr: floats written so that they read back to the same bits
         self._append(row["step"], {k: repr(v) if isinstance(v, float) else ("" if v is None else v)
                                    for k, v in row.items()})
@@ -79,7 +81,7 @@ class RunLog:
             self._wandb.write(row["step"], scalars(row, self.extra))
         if self._trainer is not None:
             try:
-                self._trainer.write(row)
+                self._trainer.write(row, last)
             except OSError as e:
                 raise log_failed(self._trainer.path, row["step"], e) from e
 
@@ -124,11 +126,11 @@ def _keep_steps_up_to(path: str, step: int, columns: tuple = COLUMNS) -> tuple:
         reader = csv.DictReader(f)
         rows = list(reader)
     columns = tuple(columns) + tuple(c for c in reader.fieldnames or () if c not in columns)
-    with open(path + ".tmp", "w", newline="") as f:
-        writer = csv.DictWriter(f, columns)
-        writer.writeheader()
-        writer.writerows(r for r in rows if int(r["step"]) <= step)
-    os.replace(path + ".tmp", path)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, columns)
+    writer.writeheader()
+    writer.writerows(r for r in rows if int(r["step"]) <= step)
+    durable.replace_text(path, text.getvalue())
     return columns
 
 

@@ -413,7 +413,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                 losses_seen.append(row["loss"])
                 row.update(stage.evaluate(engine, record.step))
                 patience.evaluated(row)
-                log.write(row)
+                log.write(row, last=patience.stop)
                 text, figures = stage.progress(row, plan.budget_bytes)
                 progress.update(record.step, f"loss {row['loss']:.4f} | {text}", {"loss": f"{row['loss']:.4f}",
                                 **figures}, eval_loss=row.get("eval_loss"))

@@ -1,7 +1,8 @@
 """trainer_log.jsonl, as LlamaFactory writes it beside its checkpoints: the file LlamaBoard draws its
 loss curve from and users' scripts read (`current_steps`, `loss`, `eval_loss`, ...).
 
-A line every `log_every` steps (the Trainer's logging_steps) and after the last one, whose loss is
+A line every `log_every` steps (the Trainer's logging_steps) and after the last one (the one early
+stopping ends the run at too, as trainer_state.json's log_history has a record there), whose loss is
 the mean of the steps' losses since the line before, rounded to 4 places, as transformers' Trainer
 logs it; a line of its own for each evaluation; each with the steps done and to do, the percentage
 and LlamaFactory's elapsed and remaining times (h:mm:ss, from this process's start). Keys without a
@@ -16,6 +17,8 @@ import os
 import time
 from datetime import timedelta
 
+from ..io import durable
+
 NAME = "trainer_log.jsonl"
 
 
@@ -26,11 +29,12 @@ class TrainerLog:
         self.started, self.losses = time.time(), []
         _keep_steps_up_to(self.path, resume_step)
 
-    def write(self, row: dict) -> None:
+    def write(self, row: dict, last: bool = False) -> None:
+        """last: the run ends at this step before `steps` (early stopping), which logs as the last does."""
         step, loss = row["step"], row.get("loss")
         if isinstance(loss, float) and math.isfinite(loss) and not row.get("skipped"):
             self.losses.append(loss)
-        if step and (step % self.every == 0 or step == self.steps):     # step 0: eval_on_start's alone
+        if step and (step % self.every == 0 or step == self.steps or last):     # step 0: eval_on_start's alone
             mean = round(sum(self.losses) / len(self.losses), 4) if self.losses else None
             self._line(step, loss=mean, lr=row.get("lr"))
             self.losses = []
@@ -53,9 +57,7 @@ def _keep_steps_up_to(path: str, step: int) -> None:
         return
     with open(path, encoding="utf-8") as f:     # a line cut short by a kill is dropped too
         kept = [line for line in f if (_step(line) or math.inf) <= step]
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    durable.replace_text(path, "".join(kept))
 
 
 def _step(line: str) -> int | None:

@@ -15,6 +15,8 @@ import netrc
 import os
 from urllib.parse import urlparse
 
+from ..io import durable
+
 ID_FILE = "wandb-run-id"
 DEFAULT_PROJECT = "megacompile"
 
@@ -35,9 +37,7 @@ class WandbLog:
                               or DEFAULT_PROJECT, name=settings.get("name"), dir=run_dir, config=settings,
                               mode=mode, id=run_id, resume="allow" if run_id else None)
         if self.run.id != run_id:
-            with open(id_path + ".tmp", "w") as f:
-                f.write(self.run.id)
-            os.replace(id_path + ".tmp", id_path)
+            durable.replace_text(id_path, self.run.id)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)

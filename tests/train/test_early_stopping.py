@@ -3,6 +3,7 @@ transformers' EarlyStoppingCallback stops the Trainer at, judged against the Tra
 metric, writes that step's checkpoint and its model, and is complete when run again."""
 from __future__ import annotations
 
+import json
 import math
 import os
 from types import SimpleNamespace
@@ -64,6 +65,16 @@ def test_a_run_stops_where_the_trainer_would_and_is_complete_after(tmp_path, cap
     assert "early stop     step 3: eval_loss has not improved for 2 evaluations" in capsys.readouterr().out
     assert os.path.isdir(tmp_path / "run" / "checkpoints" / "step-000003")     # save_every 5: the stop's own
     assert os.path.isfile(tmp_path / "run" / "model.safetensors")
+    # LlamaFactory's trainer_log.jsonl logs the step the run ends at, not a logging step (log_every 10),
+    # as trainer_state.json's log_history does: the mean loss of steps 1 to 3, then the evaluation
+    with open(tmp_path / "run" / "trainer_log.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    with open(tmp_path / "run" / "trainer_state.json") as f:
+        history = json.load(f)["log_history"][:-1]      # the train figures last, of no line
+    assert [(x["current_steps"], x.get("loss"), x.get("eval_loss")) for x in lines] == [
+        (r["step"], r.get("loss"), r.get("eval_loss")) for r in history]
+    assert [(x["current_steps"], "loss" in x) for x in lines] == [(1, False), (2, False), (3, True), (3, False)]
+    assert lines[2]["loss"] == round(sum(float(r["loss"]) for r in rows) / 3, 4)
     run(load(config, ["resume=auto"]))
     assert "already complete (stopped early at step 3 of 10" in capsys.readouterr().out
     assert len(log.read(str(tmp_path / "run" / "log.csv"))) == 3
