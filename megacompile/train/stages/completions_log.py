@@ -12,6 +12,8 @@ import json
 import math
 import os
 
+from ...io import durable
+
 FILE = "completions.jsonl"
 
 
@@ -21,11 +23,9 @@ class CompletionsLog:
         self.path, self.shown = os.path.join(run_dir, FILE), shown
         kept = []
         if os.path.exists(self.path):
-            with open(self.path) as f:
+            with open(self.path, encoding="utf-8") as f:
                 kept = [line for line in f if _step(line) <= steps_done]
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(self.path + ".tmp", self.path)
+        durable.replace_text(self.path, "".join(kept))
 
     def write(self, step: int, prompts: list, texts: list[str], rewards: list[float], each: dict[str, list[float]],
               advantages: list[float]) -> None:
@@ -33,7 +33,7 @@ class CompletionsLog:
                  "rewards": {name: _number(values[i]) for name, values in each.items()},
                  "advantage": _number(advantages[i])}
                 for i, (prompt, text, reward) in enumerate(zip(prompts, texts, rewards))]
-        with open(self.path, "a") as f:
+        with open(self.path, "a", encoding="utf-8") as f:
             f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
         for row in rows[:len(rows) if self.shown is None else self.shown]:
             prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1].get("content", "")
