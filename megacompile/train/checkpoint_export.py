@@ -5,13 +5,15 @@ best step of a run that went on past it, or the last of a run that was stopped.
                             frozen layers), on meta
     checkpoint           -> checked against it: stage, fine-tuning keys, model config, tensors
     engine               -> never built nor stepped: its weights wait in the checkpoint's files
-    trained_model.write  -> the run's own writers (save_pretrained, lora_export, policy_export)
+    trained_model.write  -> the run's own writers (save_pretrained, lora_export, policy_export: a
+                            policy, or stage rm's sequence classifier), with a vision-language
+                            model's processor files
 
 A checkpoint keeps the model's config and fine-tuning keys but not the model folder, tokenizer or
 template the run read: those come from the training_args.yaml the run left in its folder
 (run_args.py), or from a run.yaml given beside it, as LlamaFactory's export takes its YAML beside
-the adapter. The run's data is never read nor looked for (config.load's model_only): a run folder
-exports with its data gone.
+the adapter. The run's data is never read nor looked for (config.load's model_only), nor its tools
+file, reward functions or starting adapter: a run folder exports with them gone.
 
 Memory: the weights stream from the checkpoint's files into the export one tensor at a time for a
 full or freeze run's model; a LoRA export holds what the run's own export holds (the adapters, or
@@ -115,7 +117,7 @@ def _export(path: str, out: str, config: str | None, overrides: list[str], merge
         c.export_dtype = dtype
     meta = _meta(c, saved, config)
     policy = _trained_as_policy(path)
-    engine = _engine(c, meta, policy)
+    engine = _engine(c, meta, _objective(c, policy))
     try:
         _load(engine, path, config)
         trained_model.write(c, engine, _tokenizer(c), out, overwrite=overwrite, policy=policy)
@@ -175,9 +177,6 @@ def _check_run(c, saved: resume.Saved, config: str, merge_adapter: bool | None, 
     if c.bundled:
         raise ArgumentError(f"{config} trains the bundled model, which is no Hugging Face model: its weights are in "
                             "the checkpoint itself (engine.load_checkpoint reads it)")
-    if c.stage == "rm":
-        raise ArgumentError(f"{saved.path} is a reward model's checkpoint (stage rm): export writes a causal LM or a "
-                            "LoRA adapter; a reward model is written by its run at its end")
     stage = (saved.extra.get("stage") or {}).get("stage", "sft")
     if stage != c.stage:
         raise ArgumentError(f"{saved.path} was saved by a stage {stage} run and {config} is a stage {c.stage} run: "
@@ -193,8 +192,11 @@ def _check_run(c, saved: resume.Saved, config: str, merge_adapter: bool | None, 
                             f"{now.get('finetuning_type')} run, which "
                             "has no adapter to merge; leave the flag out")
     if c.pissa_init:
-        raise ArgumentError(f"{saved.path} is of a PiSSA run (pissa_init), whose base in the checkpoint is the "
-                            "residual: export it at the run's end (export, merge_adapter)")
+        # The adapters trained over the residual base, made from the initial adapters the run keeps
+        # in its folder (methods/pissa.py's INITIAL); the checkpoint holds neither.
+        raise ArgumentError(f"{saved.path} is of a PiSSA run (pissa_init), whose adapters trained over the residual "
+                            "base its run made from the initial adapters it keeps in its folder, not in the "
+                            "checkpoint: the run writes its model at its end (export, merge_adapter)")
     if dtype is not None and dtype not in DTYPES:
         raise ArgumentError(f"--dtype is one of {', '.join(DTYPES)}; got {dtype!r}")
 
@@ -203,9 +205,6 @@ def _meta(c, saved: resume.Saved, config: str) -> nn.Module:
     """The run's model on meta, as loop.py builds it, its config checked against the checkpoint's."""
     from .model import meta_model
     meta = meta_model(c)
-    if getattr(meta.config, "vision_config", None) is not None:
-        raise ArgumentError(f"{saved.path} is of a vision-language model ({type(meta).__name__}): export writes "
-                            "text models; its run writes it at its end (export)")
     for said in vocab.resolve(c, meta):
         print(said, flush=True)
     if c.grown is not None:
@@ -232,11 +231,19 @@ def _trained_as_policy(path: str) -> bool:
                for key in read_header(os.path.join(path, file)))
 
 
-def _engine(c, meta: nn.Module, policy: bool):
+def _objective(c, policy: bool):
+    """What the run wrapped its model in (its stage's objective), as far as the checkpoint's names
+    and the writers go: a reward model's decoder and head (stage rm), a policy, or nothing."""
+    if c.stage == "rm":
+        from .stages.rm import reward_model
+        return lambda model: reward_model(c, model)
+    return _Policy if policy else None
+
+
+def _engine(c, meta: nn.Module, wrap):
     """An engine over the module the run trained, its weights waiting in the model folder's files
     until the checkpoint's take their place; on the cpu, since it never steps."""
     from .model import adamw, compile_module, make_module
-    wrap = _Policy if policy else None
     module = make_module(c, meta, wrap, quiet=True)
     return compile_module(c, module, c.hbm_budget or 1.0, wrap, optimizer=adamw(c, c.lr), device="cpu",
                           compute_dtype=getattr(torch, c.compute_dtype))
@@ -254,8 +261,12 @@ def _load(engine, path: str, config: str) -> None:
 
 
 def _tokenizer(c):
-    """The tokenizer the run trained with: its folder's, with the run's template and added tokens."""
+    """What the run saves beside its model: its tokenizer (its folder's, with the run's template and
+    added tokens), or for a vision-language model folder the processor the stages read images with."""
+    from .data import grid_images
     from .data.tokens import load_tokenizer
-    tokenizer = load_tokenizer(c.tokenizer or c.model, c.chat_template, c.template, c.model)
+    folder = c.tokenizer or c.model
+    grid_images.check_template(c, folder)
+    tokenizer = load_tokenizer(folder, c.chat_template, c.template, c.model)
     vocab.add(tokenizer, c)
-    return tokenizer
+    return grid_images.for_run(c, tokenizer, folder) or tokenizer

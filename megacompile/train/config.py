@@ -269,8 +269,9 @@ def embedded_default_path() -> str:
 def load(path: str | None, overrides: list[str] = (), model_only: bool = False) -> RunConfig:
     """Settings from `path` (the embedded default when None) with `key=value` overrides, checked.
     model_only: for what reads the run's model alone (megacompile export): the model, tokenizer and
-    template are checked as for a run, the data, eval, media_dir, tools and resume keys as values,
-    the files they name neither looked for nor read (a run's data gone since it trained)."""
+    template are checked as for a run, the data, eval, media_dir, tools, resume, adapter and
+    reward_funcs keys as values, the files they name neither looked for nor read nor imported (a
+    run's data gone since it trained)."""
     import yaml
     path = path or embedded_default_path()
     try:
@@ -338,11 +339,15 @@ def _override(item: str) -> tuple[str, Any]:
         raise ArgumentError(f"override {item!r}: the value is not valid YAML: {e}") from e
 
 
-PATH_KEYS = ("model", "tokenizer", "chat_template", "media_dir", "data", "eval", "run_dir", "export", "resume", "nvme_dir", "dump_dir", "dataset_dir")
+PATH_KEYS = ("model", "tokenizer", "chat_template", "media_dir", "data", "eval", "run_dir", "export", "resume",
+             "nvme_dir", "dump_dir", "dataset_dir")
+FILE_KEYS = ("tools",)      # a path where the value is one string (a list names functions or describes them)
 
 
 def _relative(key: str, value: Any, base: str) -> Any:
     """Paths in a run.yaml are relative to the file's folder."""
+    if key in FILE_KEYS and isinstance(value, str):
+        return _relative(PATH_KEYS[0], value, base)
     if key not in PATH_KEYS or value in (None, BUNDLED, "auto"):
         return value
     if isinstance(value, list):
@@ -487,10 +492,10 @@ def check(raw: dict, source: str = "the run config", model_only: bool = False) -
             entry["seed"] = c.seed      # which records num_samples draws (reading.py)
     check_media(c)
     from .methods import check as check_finetuning
-    check_finetuning(c, raw)
+    check_finetuning(c, raw, files=not model_only)
     from .stages.keys import check as check_stage
     folder = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
-    check_stage(c, raw, folder)
+    check_stage(c, raw, folder, files=not model_only)
     router_loss.check(c)
     rope_scaling.check(c)
     vocab.check(c)

@@ -168,7 +168,7 @@ def test_what_is_no_checkpoint_is_refused_and_nothing_written(full, tmp_path, ca
     said = _refused(capsys, out, _step(full, 2), out, "--config", _yaml(full), "--merge-adapter")
     assert "has no adapter to merge" in said
     said = _refused(capsys, out, _step(full, 2), out, "--config", _yaml(full), "stage=rm")
-    assert "is a reward model's checkpoint (stage rm)" in said
+    assert f"{_step(full, 2)} was saved by a stage sft run and {_yaml(full)} is a stage rm run" in said
     said = _refused(capsys, out, _step(full, 2), out, "--config", _yaml(full), "finetuning_type=lora")
     assert "trained other parameters than" in said and "finetuning_type 'full' -> 'lora'" in said
 

@@ -105,7 +105,7 @@ def test_dpo_pairs_under_the_runs_tools_are_the_pairs_of_records_that_carry_them
                                    "signature and docstring"),
     ([{"description": "no name"}], "a tool is \\{type: function, function:"),
     ([DESCRIBED[0], tool_files.TOOLS[0]], "tools: get_time given twice"),
-    ("missing.json", "tools: 'missing.json' is not a file"),
+    ("missing.json", "tools: '/.*/missing.json' is not a file"),     # beside the run.yaml
     (7, "tools is a list of tools, each a module:function name or a function description"),
 ])
 def test_what_cannot_be_a_tool_is_refused_by_name(tmp_path, tools, message):

@@ -54,8 +54,10 @@ def adapters(c) -> bool:
     return c.finetuning_type == "lora"
 
 
-def check(c, raw: dict) -> None:
-    """run.yaml's fine-tuning keys on the RunConfig `c` (raw: the keys as given), in place."""
+def check(c, raw: dict, files: bool = True) -> None:
+    """run.yaml's fine-tuning keys on the RunConfig `c` (raw: the keys as given), in place; files
+    False: the adapter folder not looked for (a run read for its model alone, whose checkpoint holds
+    the adapters it trained)."""
     if c.finetuning_type not in TYPES:
         raise ArgumentError(f"finetuning_type must be one of {', '.join(TYPES)}; got {c.finetuning_type!r}")
     for keys, kind in ((LORA_KEYS, "lora"), (FREEZE_KEYS, "freeze")):
@@ -109,12 +111,12 @@ def check(c, raw: dict) -> None:
                             "format); the bundled model is not one: use full or freeze")
     if c.finetuning_type == "lora":
         require_peft("finetuning_type: lora")
-    _check_adapter(c)
+    _check_adapter(c, files)
     pissa.check(c, adapters(c))
     vision_freeze.check(c, adapters(c))
 
 
-def _check_adapter(c) -> None:
+def _check_adapter(c, files: bool) -> None:
     """adapter (LlamaFactory's adapter_name_or_path): one PEFT adapter folder the run's LoRA adapters
     start from; its config is held to the run's lora keys once the model is built (check_adapter)."""
     from ...io import lora_adapter
@@ -127,7 +129,7 @@ def _check_adapter(c) -> None:
     if not isinstance(c.adapter, str) or "," in c.adapter:
         raise ArgumentError(f"adapter takes one adapter folder; got {c.adapter!r}: merge the earlier adapters into "
                             "the model first (PEFT's merge_and_unload), and give the last one here")
-    if not lora_adapter.holds_adapter(c.adapter):
+    if files and not lora_adapter.holds_adapter(c.adapter):
         raise ArgumentError(f"adapter: {c.adapter} holds no PEFT adapter (adapter_config.json and "
                             "adapter_model.safetensors)")
 

@@ -10,8 +10,9 @@ from .checks import loss_type_in, note, number, positive, reference_updates
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
-def check(c, raw: dict, folder: str | None = None) -> None:
-    """Stage grpo's keys, in place, its defaults filled in (keys.py); `folder`: the run.yaml's."""
+def check(c, raw: dict, folder: str | None = None, files: bool = True) -> None:
+    """Stage grpo's keys, in place, its defaults filled in (keys.py); `folder`: the run.yaml's.
+    files False: the reward functions' modules are not imported (a run read for its model alone)."""
     c.beta = number("beta", c.beta)
     if c.beta < 0:
         raise ArgumentError(f"beta must be >= 0 (0 turns the KL term off, as TRL's default); got {c.beta!r}")
@@ -82,9 +83,10 @@ def check(c, raw: dict, folder: str | None = None) -> None:
                             f"module.function), a built-in (exact_answer, format_check) or a reward model's folder; "
                             f"got {c.reward_funcs!r}")
     from ...posttrain import rewards
-    # importable now, and taking TRL's keywords: refused before the model is read (the data's
-    # columns are checked against them once read, before the run folder is written: grpo.py)
-    rewards.check_callable([rewards.load(name, near=folder) for name in funcs])
+    if files:
+        # importable now, and taking TRL's keywords: refused before the model is read (the data's
+        # columns are checked against them once read, before the run folder is written: grpo.py)
+        rewards.check_callable([rewards.load(name, near=folder) for name in funcs])
     # a reward model's folder, as found (beside the run.yaml, say): the stage reads it from there
     c.reward_funcs = [rewards.model_folder(name, folder) or name for name in funcs]
     if c.reward_weights is not None:

@@ -115,9 +115,10 @@ NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "m
                     "seq", "dataset_text_field", "mask_history", *_SFT_LOSS)}
 
 
-def check(c, raw: dict, folder: str | None = None) -> None:
+def check(c, raw: dict, folder: str | None = None, files: bool = True) -> None:
     """c.stage and its keys, in place; `raw`: the keys the run.yaml gave (defaults are not given);
-    `folder`: the run.yaml's, where reward modules are looked for too (posttrain/rewards.py)."""
+    `folder`: the run.yaml's, where reward modules are looked for too (posttrain/rewards.py); files
+    False: those modules not imported (a run read for its model alone)."""
     if c.stage in REFUSED:
         raise ArgumentError(f"stage {c.stage!r} is not supported; megacompile train runs stage: sft (the default), "
                             "pt, dpo, kto, rm or grpo")
@@ -172,7 +173,7 @@ def check(c, raw: dict, folder: str | None = None) -> None:
     if c.stage == "rm":
         _rm(c)
     else:
-        _dpo(c) if c.stage == "dpo" else _kto(c, raw) if c.stage == "kto" else grpo_keys.check(c, raw, folder)
+        _dpo(c) if c.stage == "dpo" else _kto(c, raw) if c.stage == "kto" else grpo_keys.check(c, raw, folder, files)
 
 
 SYNC = ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
