@@ -58,3 +58,28 @@ def dpo(work: dict, name: str, **more) -> dict:
     return {"model": work["model"], "stage": "dpo", "data": work["pairs"], "batch": 2, "seq": 16, "steps": 3,
             "lr": 1e-2, "schedule": "constant", "device": "cpu", "hbm_budget": 1, "run_dir": name, "log_every": 1,
             "eval_fraction": 0.2, "eval_every": 2, **more}
+
+
+def run_counting_widths(monkeypatch, settings: dict, yaml_path: str, run_dir: str,
+                        labelled_only: bool = False) -> tuple[list[dict], dict[str, list[int]]]:
+    """`megacompile train` of `settings`, counting the row width of every engine.step and every
+    forward-only call (`labelled_only`: those given labels, not a sampling forward): the run's
+    log.csv rows and {"step": [...], "forward": [...]}."""
+    from megacompile.engine import Engine
+    from megacompile.train import load, log, run
+    widths: dict[str, list[int]] = {"step": [], "forward": []}
+    forward, step = Engine.__call__, Engine.step
+
+    def counted_forward(self, *args, **kwargs):
+        if not labelled_only or "labels" in kwargs:
+            widths["forward"].append(kwargs["input_ids"].shape[1])
+        return forward(self, *args, **kwargs)
+
+    def counted_step(self, **inputs):
+        widths["step"].append(inputs["input_ids"].shape[1])
+        return step(self, **inputs)
+    monkeypatch.setattr(Engine, "__call__", counted_forward)
+    monkeypatch.setattr(Engine, "step", counted_step)
+    run(load(files.run_yaml(yaml_path, **settings), []))
+    monkeypatch.undo()
+    return log.read(os.path.join(run_dir, "log.csv")), widths

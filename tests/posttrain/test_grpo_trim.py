@@ -7,12 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacompile.engine import Engine
 from megacompile.posttrain import IGNORE
-from megacompile.train import load, log, run
 from megacompile.train.stages import rollout_trim
 from tests.posttrain import stage_files
-from tests.train import files
 
 PROMPT, COMPLETION = 56, 8      # rows of 64: the prompts are a sentence each, a fifth of the row or less
 FIGURES = ("loss", "reward", "reward_std", "kl", "clip_ratio", "completions/mean_length")
@@ -25,22 +22,9 @@ def _run(tmp_path, monkeypatch, name: str, **more) -> tuple[list[dict], dict[str
     settings = stage_files.grpo(work, str(tmp_path / name / "run"), max_prompt_length=PROMPT,
                                 max_completion_length=COMPLETION, grad_accum=2, steps_per_generation=2, steps=2,
                                 beta=0.04, **more)
-    widths: dict[str, list[int]] = {"step": [], "forward": []}
-    forward, step = Engine.__call__, Engine.step
-
-    def counted_forward(self, *args, **kwargs):
-        if "labels" in kwargs:      # not a sampling forward (its rows are always whole)
-            widths["forward"].append(kwargs["input_ids"].shape[1])
-        return forward(self, *args, **kwargs)
-
-    def counted_step(self, **inputs):
-        widths["step"].append(inputs["input_ids"].shape[1])
-        return step(self, **inputs)
-    monkeypatch.setattr(Engine, "__call__", counted_forward)
-    monkeypatch.setattr(Engine, "step", counted_step)
-    run(load(files.run_yaml(str(tmp_path / f"{name}.yaml"), **settings), []))
-    monkeypatch.undo()
-    return log.read(str(tmp_path / name / "run" / "log.csv")), widths
+    # the forwards given labels: not a sampling forward, whose rows are always whole
+    return stage_files.run_counting_widths(monkeypatch, settings, str(tmp_path / f"{name}.yaml"),
+                                           str(tmp_path / name / "run"), labelled_only=True)
 
 
 @pytest.mark.slow        # two grpo runs, 14 s

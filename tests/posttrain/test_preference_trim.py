@@ -12,9 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megacompile.engine import Engine
 from megacompile.posttrain import IGNORE
-from megacompile.train import load, log, run
 from megacompile.train.data import trim
 from tests.posttrain import image_pair_files, stage_files
 from tests.posttrain.test_image_pairs import _stage as image_stage
@@ -35,21 +33,8 @@ def _run(tmp_path, monkeypatch, name: str, stage: str, **more) -> tuple[list[dic
                             "rejected": files.SENTENCES[5]}) + "\n")
     settings = stage_files.dpo(work, str(tmp_path / name / "run"), stage=stage, seq=SEQ, grad_accum=2, steps=3,
                                lr=1e-2 if stage != "rm" else 1e-3, **more)
-    widths: dict[str, list[int]] = {"step": [], "forward": []}
-    forward, step = Engine.__call__, Engine.step
-
-    def counted_forward(self, *args, **kwargs):
-        widths["forward"].append(kwargs["input_ids"].shape[1])
-        return forward(self, *args, **kwargs)
-
-    def counted_step(self, **inputs):
-        widths["step"].append(inputs["input_ids"].shape[1])
-        return step(self, **inputs)
-    monkeypatch.setattr(Engine, "__call__", counted_forward)
-    monkeypatch.setattr(Engine, "step", counted_step)
-    run(load(files.run_yaml(str(tmp_path / f"{name}.yaml"), **settings), []))
-    monkeypatch.undo()
-    return log.read(str(tmp_path / name / "run" / "log.csv")), widths
+    return stage_files.run_counting_widths(monkeypatch, settings, str(tmp_path / f"{name}.yaml"),
+                                           str(tmp_path / name / "run"))
 
 
 def _same_figures(cut: list[dict], whole: list[dict], stage: str) -> None:
