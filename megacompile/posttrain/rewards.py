@@ -13,13 +13,16 @@ together. Built in: an exact-match answer and a format check.
 
 A function is named `module:function` or, as TRL's scripts name it, `module.function`. A module
 not on the Python path is looked up in the working directory (TRL's scripts put it on sys.path)
-and then beside the run.yaml; the folder it is found in is added to the end of sys.path. A folder
+and then beside the run.yaml; the folder it is found in is added to the end of sys.path. Or it is
+named by its module's file, `FILE.py:function` (in a run.yaml relative to its folder, as its other
+paths), the file imported as a module named after it. A folder
 of a reward model (a sequence classifier with one label, as stage rm writes) is a reward function
 too, as TRL takes one (reward_models.py)."""
 from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import inspect
 import math
 import os
@@ -73,7 +76,13 @@ def model_folder(name: str, near: str | None = None) -> str | None:
 def named(name: str, near: str | None, what: str, others: str = ""):
     """The object a run.yaml names as `module:function` or `module.function` (a reward function, a
     tool): from the Python path, else the working directory, else `near` (the run.yaml's folder).
-    `what` names it in the errors; `others`: what else the name may be."""
+    `what` names it in the errors; `others`: what else the name may be. FILE.py:function: the file's."""
+    file, sep, attr = name.rpartition(":")
+    if sep and file.endswith(".py"):
+        found = _file_module(name, file, what)
+        if not hasattr(found, attr):
+            raise ArgumentError(f"{what} {name!r} cannot be loaded: {found.__file__} has no {attr}")
+        return getattr(found, attr)
     module, sep, attr = name.partition(":")
     if not sep:
         module, _, attr = name.rpartition(".")
@@ -84,6 +93,51 @@ def named(name: str, near: str | None, what: str, others: str = ""):
         raise ArgumentError(f"{what} {name!r} cannot be loaded: {module} "
                             f"({getattr(found, '__file__', None) or 'a module'}) has no {attr}")
     return getattr(found, attr)
+
+
+def _file_module(name: str, file: str, what: str):
+    """The module of FILE.py (from the working directory where relative), named after the file, as
+    importing it from its folder names it; the module of that name where it is that file already."""
+    path = os.path.abspath(os.path.expanduser(file))
+    if not os.path.isfile(path):
+        raise ArgumentError(f"{what} {name!r} cannot be loaded: {path} is not a file")
+    module = os.path.basename(path)[:-3]
+    known = sys.modules.get(module)
+    if known is not None and os.path.abspath(getattr(known, "__file__", None) or "") == path:
+        return known
+    spec = importlib.util.spec_from_file_location(module, path)
+    found = importlib.util.module_from_spec(spec)
+    if known is None:       # where another module holds the name, this one is loaded without it
+        sys.modules[module] = found
+    try:
+        spec.loader.exec_module(found)
+    except Exception as e:
+        if sys.modules.get(module) is found:
+            del sys.modules[module]
+        raise ArgumentError(f"{what} {name!r} cannot be loaded: {type(e).__name__}: {e}") from e
+    return found
+
+
+def written(name: str, near: str | None) -> str:
+    """`name` as a run's training_args.yaml writes it, for a run started elsewhere: a FILE.py:function
+    with its file absolute, and a `module:function` (or module.function) whose module the run
+    imported from a file MODULE.py in the working directory or `near` (the run.yaml's folder) as
+    that file's FILE.py:function; anything else (a module on the Python path, a package's, a
+    built-in, a folder) as it is."""
+    file, sep, attr = name.rpartition(":")
+    if sep and file.endswith(".py"):
+        return f"{os.path.abspath(os.path.expanduser(file))}:{attr}"
+    if name in BUILT_IN or os.path.isdir(name):
+        return name
+    module, sep, attr = name.partition(":")
+    if not sep:
+        module, _, attr = name.rpartition(".")
+    path = getattr(sys.modules.get(module), "__file__", None) if module and "." not in module else None
+    if path is None or os.path.basename(path) != module + ".py":
+        return name
+    path = os.path.abspath(path)
+    places = {os.getcwd(), *([os.path.abspath(near)] if near else [])}
+    return f"{path}:{attr}" if os.path.dirname(path) in places else name
 
 
 def _module(name: str, module: str, near: str | None, what: str):

@@ -287,7 +287,7 @@ def load(path: str | None, overrides: list[str] = (), model_only: bool = False) 
                             f"{type(raw).__name__}")
     base = os.path.dirname(os.path.abspath(path))
     raw = {k: _relative(aliases.own_key(k), v, base) for k, v in raw.items()}
-    in_file = set(raw)
+    in_file, overridden = set(raw), set()
     for item in overrides:
         key, value = _override(item)
         if "." in key:      # bundled_model.dim=64
@@ -300,6 +300,7 @@ def load(path: str | None, overrides: list[str] = (), model_only: bool = False) 
                 del raw[old]
                 in_file.discard(old)
             raw[key] = value
+            overridden.add(key)
     if ("dataset" in raw or "eval_dataset" in raw) and raw.get("dataset_dir") is None:
         raw["dataset_dir"] = os.path.join(base, "data")     # LlamaFactory's default, beside the file like any path
     own = aliases.translate(raw, RunConfig.lr)
@@ -309,8 +310,39 @@ def load(path: str | None, overrides: list[str] = (), model_only: bool = False) 
         raise aliases.named(e, own) from e
     for note in own.notes + their_keys.notes(c, own.keys):
         print(f"  note           {note}", flush=True)
-    c.given = raw
+    c.given = _given(c, {k: _overridden(k, v, base) if k in overridden else v for k, v in raw.items()}, base)
     return c
+
+
+def _overridden(key: str, value: Any, base: str) -> Any:
+    """An override's value with its paths absolute, as the run read them: from the working directory,
+    a tools file from the run.yaml's folder (data/run_tools.py)."""
+    own = aliases.own_key(key)
+    return _relative(own, value, base if own in FILE_KEYS and isinstance(value, str) else os.getcwd())
+
+
+def _given(c: RunConfig, raw: dict, folder: str) -> dict:
+    """The settings as given, which the run folder's training_args.yaml holds (run_args.py): `raw`,
+    the run.yaml's with the overrides laid over, PATH_KEYS absolute (the file's from its folder
+    `folder`, the overrides' from the working directory), with what the run found elsewhere made
+    absolute too: an adapter folder (read from the working directory, as LlamaFactory reads
+    adapter_name_or_path) and, among reward_funcs, a reward model's folder (found as given, in the
+    working directory or beside the run.yaml: grpo_keys.py) and the file of a reward function's (or
+    a tool's) module found in the working directory or beside the run.yaml, as FILE.py:function
+    (posttrain/rewards.py's `written`)."""
+    out = {}
+    for key, value in raw.items():
+        own = aliases.own_key(key)
+        if own == "adapter" and isinstance(value, str):
+            value = os.path.abspath(value)
+        elif own == "reward_funcs" and isinstance(c.reward_funcs, list):
+            from ..posttrain import rewards
+            value = [rewards.written(name, folder) for name in c.reward_funcs]     # each folder as found
+        elif own == "tools" and isinstance(value, list):
+            from ..posttrain import rewards
+            value = [rewards.written(tool, folder) if isinstance(tool, str) else tool for tool in value]
+        out[key] = value
+    return out
 
 
 def _from_scratch(c: RunConfig) -> None:
@@ -342,12 +374,15 @@ def _override(item: str) -> tuple[str, Any]:
 PATH_KEYS = ("model", "tokenizer", "chat_template", "media_dir", "data", "eval", "run_dir", "export", "resume",
              "nvme_dir", "dump_dir", "dataset_dir")
 FILE_KEYS = ("tools",)      # a path where the value is one string (a list names functions or describes them)
+FUNCTION_KEYS = ("reward_funcs", "tools")     # functions named module:function, or FILE.py:function
 
 
 def _relative(key: str, value: Any, base: str) -> Any:
     """Paths in a run.yaml are relative to the file's folder."""
     if key in FILE_KEYS and isinstance(value, str):
         return _relative(PATH_KEYS[0], value, base)
+    if key in FUNCTION_KEYS:    # a FILE.py:function among module:function names (posttrain/rewards.py)
+        return [_function(v, base) for v in value] if isinstance(value, list) else _function(value, base)
     if key not in PATH_KEYS or value in (None, BUNDLED, "auto"):
         return value
     if isinstance(value, list):
@@ -357,6 +392,11 @@ def _relative(key: str, value: Any, base: str) -> Any:
     if isinstance(value, str) and not os.path.isabs(value):
         return os.path.join(base, value)
     return value
+
+
+def _function(value: Any, base: str) -> Any:
+    file, sep, function = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    return f"{_relative(PATH_KEYS[0], file, base)}:{function}" if sep and file.endswith(".py") else value
 
 
 def check(raw: dict, source: str = "the run config", model_only: bool = False) -> RunConfig:

@@ -39,15 +39,17 @@ def scalars(row: dict, extra: tuple = ()) -> dict[str, float]:
 
 class RunLog:
     def __init__(self, run_dir: str, loggers: list[str], resume_step: int, settings: dict | None = None,
-                 columns: tuple = COLUMNS, steps: int | None = None, every: int = 1):
+                 columns: tuple = COLUMNS, steps: int | None = None, every: int = 1,
+                 steps_per_epoch: int | None = None):
         """`settings`: the run's settings, W&B's run config (its name and wandb_project too);
-        `columns`: the CSV's (a post-training stage logs its own); `steps`, `every`: the run's steps
-        and log_every, for LlamaFactory's trainer_log.jsonl beside it (trainer_log.py)."""
+        `columns`: the CSV's (a post-training stage logs its own); `steps`, `every`,
+        `steps_per_epoch`: the run's steps, log_every and an epoch's steps (None: streamed), for
+        LlamaFactory's trainer_log.jsonl beside it (trainer_log.py)."""
         self.path = os.path.join(run_dir, "log.csv")
         self._trainer = None
         if steps is not None:
             from .trainer_log import TrainerLog
-            self._trainer = TrainerLog(run_dir, steps, every, resume_step)
+            self._trainer = TrainerLog(run_dir, steps, every, resume_step, steps_per_epoch)
         columns = _keep_steps_up_to(self.path, resume_step, columns)
         self.extra = tuple(c for c in columns if c not in COLUMNS)      # a stage's figures, as scalars too
         new = not os.path.exists(self.path)

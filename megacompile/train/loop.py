@@ -342,8 +342,9 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         print(f"  adapter        from {c.adapter} (its weights; AdamW starts afresh)", flush=True)
     start_step = engine.steps_done
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k in KEYS}     # run.yaml's keys, not derived
+    steps_per_epoch = results.epoch_steps(c, stage)
     log = RunLog(run_dir, c.log, start_step, settings=settings, columns=stage.columns, steps=c.steps,
-                 every=c.log_every)
+                 every=c.log_every, steps_per_epoch=steps_per_epoch)
     if c.eval_on_start and start_step == 0:       # transformers' eval_on_start: the model as it starts
         first = stage.evaluate(engine, 0)
         log.write({"step": 0, **first})
@@ -355,7 +356,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     latest = (start_step, resume_from) if resume_from is not None else (0, None)    # (step, checkpoint)
     best = best_model.Best(c, extra)
     patience = early_stopping.Patience(c, extra)
-    steps_per_epoch, params = results.epoch_steps(c, stage), results.counted_parameters(engine.model)
+    params = results.counted_parameters(engine.model)
 
     def at(step: int) -> str:
         return checkpoint_path(checkpoints, step)

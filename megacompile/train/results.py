@@ -32,6 +32,7 @@ import os
 
 from ..io import durable
 from . import log
+from .trainer_log import epoch_of
 
 STATE = "trainer_state.json"
 
@@ -81,7 +82,7 @@ def write(c, run_dir: str, result: dict, steps_per_epoch: int | None, params: in
     evaluated = {k: v for k, v in last.items() if k.startswith("eval_") and _finite(v)}
     written = {"train_results.json": train, "all_results.json": {**train, **evaluated}}
     if evaluated:
-        written["eval_results.json"] = {**_epoch(steps, steps_per_epoch), **evaluated}
+        written["eval_results.json"] = {**epoch_of(steps, steps_per_epoch), **evaluated}
     state["log_history"].append({"epoch": state["epoch"], "step": steps, **train})
     written[STATE] = state
     for name, content in written.items():
@@ -107,7 +108,7 @@ def trainer_state(c, rows: list[dict], steps: int, steps_per_epoch: int | None, 
     counts them with include_num_input_tokens_seen; one process writes, so both process flags hold."""
     tokens = sum(r.get("tokens") or 0 for r in rows if r["step"] > 0)
     return {
-        "epoch": _epoch(steps, steps_per_epoch).get("epoch"), "global_step": steps, "max_steps": c.steps,
+        "epoch": epoch_of(steps, steps_per_epoch).get("epoch"), "global_step": steps, "max_steps": c.steps,
         "num_train_epochs": math.ceil(c.steps / steps_per_epoch) if steps_per_epoch else None,
         "logging_steps": c.log_every, "eval_steps": _interval(c.eval_every), "save_steps": _interval(c.save_every),
         "train_batch_size": c.batch, "num_input_tokens_seen": tokens, "total_flos": float(6 * params * tokens),
@@ -129,13 +130,13 @@ def history(rows: list[dict], every: int, steps_per_epoch: int | None, last: int
         if step > 0 and not r["skipped"] and _finite(r.get("loss")):
             losses.append(r["loss"])
         if step > 0 and not r["skipped"] and (step % every == 0 or step == last):
-            record = {**_epoch(step, steps_per_epoch), "grad_norm": r.get("grad_norm"), "learning_rate": r.get("lr"),
+            record = {**epoch_of(step, steps_per_epoch), "grad_norm": r.get("grad_norm"), "learning_rate": r.get("lr"),
                       "loss": round(sum(losses) / len(losses), 4) if losses else None, "step": step}
             out.append({k: v for k, v in record.items() if v is not None})
             losses = []
         evaluated = {k: v for k, v in r.items() if k.startswith("eval_") and _finite(v)}
         if evaluated:
-            out.append({**_epoch(step, steps_per_epoch), **evaluated, "step": step})
+            out.append({**epoch_of(step, steps_per_epoch), **evaluated, "step": step})
     return out
 
 
@@ -146,10 +147,6 @@ def as_json(content: dict) -> str:
 
 def _rows(run_dir: str) -> list[dict]:
     return [_parsed(r) for r in log.read(os.path.join(run_dir, "log.csv"))]
-
-
-def _epoch(step: int, steps_per_epoch: int | None) -> dict:
-    return {"epoch": round(step / steps_per_epoch, 4)} if steps_per_epoch else {}
 
 
 def _parsed(row: dict) -> dict:

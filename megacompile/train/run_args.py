@@ -1,8 +1,8 @@
 """training_args.yaml in the run folder: the run's settings as given (its run.yaml with the
-command's key=value overrides laid over it, paths made absolute: _found), as LlamaFactory leaves
-training_args.yaml in output_dir. Written as the run starts training (a resumed run's replaces
-it); `megacompile export` reads the run back from it (checkpoint_export.py), so a checkpoint
-exports without its run.yaml at hand."""
+command's key=value overrides laid over it, paths made absolute: config.py's _given, the run's
+`given`), as LlamaFactory leaves training_args.yaml in output_dir. Written as the run starts
+training (a resumed run's replaces it); `megacompile export` reads the run back from it
+(checkpoint_export.py), so a checkpoint exports without its run.yaml at hand."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,7 @@ def write(c, run_dir: str) -> None:
     if c.given is None:     # a RunConfig made in code, not by load()
         return
     path = os.path.join(run_dir, NAME)
-    text = MARK + yaml.safe_dump(_found(c), sort_keys=False)
+    text = MARK + yaml.safe_dump(c.given, sort_keys=False)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             found = f.read()
@@ -28,24 +28,6 @@ def write(c, run_dir: str) -> None:
             return
     from ..io import durable
     durable.replace_text(path, text)
-
-
-def _found(c) -> dict:
-    """The settings as given, with the folders the run found elsewhere than beside its run.yaml
-    (config.py's PATH_KEYS are made absolute from there as it reads them) made absolute too: an
-    adapter folder (read from the working directory, as LlamaFactory reads adapter_name_or_path)
-    and a reward model's folder among reward_funcs (found as given, in the working directory or
-    beside the run.yaml: grpo_keys.py). A reward function's module:function is a name, kept."""
-    from .aliases import own_key
-    out = {}
-    for key, value in c.given.items():
-        own = own_key(key)
-        if own == "adapter" and isinstance(value, str):
-            value = os.path.abspath(value)
-        elif own == "reward_funcs" and isinstance(c.reward_funcs, list):
-            value = list(c.reward_funcs)        # each folder as found: absolute
-        out[key] = value
-    return out
 
 
 def beside(checkpoint: str) -> str | None:

@@ -6,8 +6,9 @@ stopping ends the run at too, as trainer_state.json's log_history has a record t
 the mean of the steps' losses since the line before, rounded to 4 places, as transformers' Trainer
 logs it; a line of its own for each evaluation; each with the steps done and to do, the percentage
 and LlamaFactory's elapsed and remaining times (h:mm:ss, from this process's start). Keys without a
-value are left out, as LlamaFactory leaves them. A resumed run drops the lines past its checkpoint
-first, as log.csv drops its rows.
+value are left out, as LlamaFactory leaves them: `epoch` (the step over an epoch's steps, as
+trainer_state.json's log_history has it: results.py) is left out of a streamed run's, whose epoch
+length is unknown. A resumed run drops the lines past its checkpoint first, as log.csv drops its rows.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ NAME = "trainer_log.jsonl"
 
 
 class TrainerLog:
-    def __init__(self, run_dir: str, steps: int, every: int, resume_step: int):
+    def __init__(self, run_dir: str, steps: int, every: int, resume_step: int, steps_per_epoch: int | None = None):
+        """steps_per_epoch: the optimizer steps of an epoch (None: streamed, no epoch written)."""
         self.path = os.path.join(run_dir, NAME)
-        self.steps, self.every = steps, max(1, every)
+        self.steps, self.every, self.steps_per_epoch = steps, max(1, every), steps_per_epoch
         self.started, self.losses = time.time(), []
         _keep_steps_up_to(self.path, resume_step)
 
@@ -45,6 +47,7 @@ class TrainerLog:
         elapsed = time.time() - self.started
         remaining = (self.steps - step) * elapsed / step if step else 0.0
         line = {"current_steps": step, "total_steps": self.steps, **figures,
+                "epoch": epoch_of(step, self.steps_per_epoch).get("epoch"),
                 "percentage": round(step / self.steps * 100, 2) if self.steps else 100,
                 "elapsed_time": str(timedelta(seconds=int(elapsed))),
                 "remaining_time": str(timedelta(seconds=int(remaining)))}
@@ -65,3 +68,9 @@ def _step(line: str) -> int | None:
         return int(json.loads(line)["current_steps"])
     except (ValueError, TypeError, KeyError):
         return None
+
+
+def epoch_of(step: int, steps_per_epoch: int | None) -> dict:
+    """A log record's epoch at `step`, as the Trainer logs it (trainer_state.json's log_history too:
+    results.py); {} when streamed, an epoch's length unknown."""
+    return {"epoch": round(step / steps_per_epoch, 4)} if steps_per_epoch else {}

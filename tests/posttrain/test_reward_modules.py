@@ -1,7 +1,8 @@
 """reward_funcs name modules as TRL's scripts find them: on the Python path, in the working
 directory, or (megacompile's addition) beside the run.yaml, as module:function or TRL's
-module.function; one found nowhere is refused saying where it was looked for, and a function that
-cannot take TRL's keywords (or the data's columns) is refused before the run folder is written."""
+module.function, or by the module's file as FILE.py:function (relative to the run.yaml's folder);
+one found nowhere is refused saying where it was looked for, and a function that cannot take TRL's
+keywords (or the data's columns) is refused before the run folder is written."""
 from __future__ import annotations
 
 import os
@@ -48,6 +49,22 @@ def test_a_reward_module_beside_the_run_yaml_or_in_the_working_directory_loads(w
     monkeypatch.chdir(tmp_path / "cwd")
     c = load(_config(work, tmp_path, [f"{name}{spelled}correct"]))
     assert c.reward_funcs == [f"{name}{spelled}correct"]
+    # training_args.yaml (run_args.py) names its file, for a run started from it elsewhere
+    assert c.given["reward_funcs"] == [f"{tmp_path / place / name}.py:correct"]
+
+
+def test_a_reward_function_named_by_its_file_is_read_from_the_run_yamls_folder(work, tmp_path, monkeypatch):
+    name = _module(tmp_path / "conf" / "mine", f"file_rewards_{tmp_path.name}", GOOD)
+    os.makedirs(tmp_path / "cwd")
+    monkeypatch.chdir(tmp_path / "cwd")
+    c = load(_config(work, tmp_path, [f"mine/{name}.py:correct"]))
+    path = str(tmp_path / "conf" / "mine" / f"{name}.py")
+    assert c.reward_funcs == c.given["reward_funcs"] == [f"{path}:correct"]
+    assert sys.modules[name].__file__ == path and str(tmp_path / "conf" / "mine") not in sys.path
+    with pytest.raises(ArgumentError, match=f"reward function .*: {tmp_path / 'conf' / name}.py is not a file"):
+        load(_config(work, tmp_path, [f"{name}.py:correct"]))
+    with pytest.raises(ArgumentError, match=f"{name}.py has no wrong"):
+        load(_config(work, tmp_path, [f"mine/{name}.py:wrong"]))
 
 
 def test_a_reward_module_found_nowhere_is_refused_saying_where_it_looked(work, tmp_path, monkeypatch):

@@ -43,11 +43,18 @@ def test_a_grpo_runs_checkpoint_exports_with_its_reward_module_and_model_gone(tm
     monkeypatch.chdir(tmp_path)     # not the run.yaml's folder: both are found beside it
     run(load(files.run_yaml(str(project / "grpo.yaml"), **settings), []))
     run_dir = str(project / "run")
-    assert _training_args(run_dir)["reward_funcs"] == [f"{REWARDS}:short", str(project / "judge")]
-    shutil.rmtree(project / "judge")
-    os.remove(project / f"{REWARDS}.py")
+    module = str(project / f"{REWARDS}.py")
+    assert _training_args(run_dir)["reward_funcs"] == [f"{module}:short", str(project / "judge")]
     monkeypatch.delitem(sys.modules, REWARDS)
-    with pytest.raises(ArgumentError, match=f"reward function '{REWARDS}:short' cannot be loaded"):
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(project)])    # as a run started afresh
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    again = load(os.path.join(run_dir, run_args.NAME), [])      # its module read from its file
+    assert again.reward_funcs == [f"{module}:short", str(project / "judge")] and sys.modules[REWARDS].__file__ == module
+    shutil.rmtree(project / "judge")
+    os.remove(module)
+    monkeypatch.delitem(sys.modules, REWARDS)
+    with pytest.raises(ArgumentError, match=f"reward function '{module}:short' cannot be loaded"):
         load(os.path.join(run_dir, run_args.NAME), [])      # a run still imports them
     step = os.path.join(run_dir, "checkpoints", "step-000001")
     out = str(tmp_path / "out")
@@ -86,3 +93,27 @@ def test_a_tools_file_and_a_starting_adapter_are_named_absolute_and_not_needed_f
         load(os.path.join(run_dir, run_args.NAME), [])      # a run still starts from it
     read = load(os.path.join(run_dir, run_args.NAME), [], model_only=True)
     assert read.adapter == str(tmp_path / "start") and read.tools == str(project / "tools.json")
+
+
+def test_relative_paths_given_on_the_command_line_are_written_as_the_run_read_them(tmp_path, monkeypatch):
+    project, work = tmp_path / "project", tmp_path / "work"
+    project.mkdir()
+    work.mkdir()
+    files.model_dir(str(tmp_path / "models" / "llama"), dim=32)
+    files.chats(str(project / "chats.jsonl"))
+    files.chats(str(work / "extra.jsonl"))
+    (project / "tools.json").write_text('[{"name": "search", "description": "look it up", "parameters": {}}]')
+    config = files.run_yaml(str(project / "run.yaml"), model="bundled", data=["chats.jsonl"], seq=32, batch=2,
+                            steps=1, device="cpu", run_dir="run")
+    monkeypatch.chdir(work)     # the overrides' paths are read from here, a tools file beside the run.yaml
+    c = load(config, ["model_name_or_path=../models/llama", "data=extra.jsonl", "tools=tools.json"])
+    run_dir = str(project / "run")
+    os.makedirs(run_dir)
+    run_args.write(c, run_dir)
+    given = _training_args(run_dir)
+    assert all(os.path.isabs(given[k]) for k in ("model_name_or_path", "data", "tools"))
+    monkeypatch.chdir(tmp_path)     # a run started from it elsewhere reads the same files
+    again = load(os.path.join(run_dir, run_args.NAME), [])
+    assert os.path.samefile(again.model, tmp_path / "models" / "llama")
+    assert [os.path.samefile(e["path"], work / "extra.jsonl") for e in again.data] == [True]
+    assert again.tools == c.tools and given["tools"] == str(project / "tools.json")

@@ -73,6 +73,8 @@ def test_a_python_function_beside_the_run_yaml_is_described_by_its_schema(tmp_pa
                                                                           "description": "the city to ask about"}
     (_, record), = records(c.data[0])
     assert record["tools"] == c.tools
+    # training_args.yaml names the module's file, for a run started from it elsewhere (run_args.py)
+    assert c.given["tools"] == [f"{tmp_path / 'clock_tools.py'}:get_time", DESCRIBED[1]]
     # a JSON file holding the list, named beside the run.yaml
     (tmp_path / "tools.json").write_text(json.dumps(DESCRIBED))
     assert _sft(tmp_path, [_without_tools(tool_files.trl_record(0))], tools="tools.json").tools == DESCRIBED

@@ -39,6 +39,19 @@ def test_the_lines_are_llamafactorys(tmp_path, monkeypatch):
     assert {x["total_steps"] for x in lines} == {5} and lines[-1]["percentage"] == 100.0
     assert all(set(x) >= {"elapsed_time", "remaining_time"} for x in lines)
     assert lines[0]["percentage"] == 40.0
+    with open(tmp_path / "run" / "trainer_state.json") as f:      # the epoch of its log_history's records
+        epochs = {(r["step"], "loss" in r, "eval_loss" in r): r["epoch"] for r in json.load(f)["log_history"]}
+    assert [x["epoch"] for x in lines] == [epochs[x["current_steps"], "loss" in x, "eval_loss" in x] for x in lines]
+    assert 0 < lines[0]["epoch"] < lines[-1]["epoch"]
+    assert list(lines[0]) == ["current_steps", "total_steps", "loss", "lr", "epoch", "percentage", "elapsed_time",
+                              "remaining_time"]     # LlamaFactory's order
+
+
+def test_a_streamed_run_writes_no_epoch(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _run(tmp_path, steps=2, streaming=True, eval=[], eval_every=None)
+    lines = _lines(tmp_path)
+    assert [x["current_steps"] for x in lines] == [2] and "epoch" not in lines[0] and "loss" in lines[0]
 
 
 def test_a_resumed_run_drops_the_lines_past_its_checkpoint(tmp_path, monkeypatch):

@@ -80,8 +80,8 @@ def check(c, raw: dict, folder: str | None = None, files: bool = True) -> None:
     funcs = [c.reward_funcs] if isinstance(c.reward_funcs, str) else c.reward_funcs
     if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) and f for f in funcs):
         raise ArgumentError(f"reward_funcs is a list of reward functions, each module:function (or TRL's "
-                            f"module.function), a built-in (exact_answer, format_check) or a reward model's folder; "
-                            f"got {c.reward_funcs!r}")
+                            f"module.function, or FILE.py:function), a built-in (exact_answer, format_check) or a "
+                            f"reward model's folder; got {c.reward_funcs!r}")
     from ...posttrain import rewards
     if files:
         # importable now, and taking TRL's keywords: refused before the model is read (the data's
