@@ -95,10 +95,10 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("overrides", nargs="*", metavar="key=value", help="with --run: settings laid over run.yaml")
     q.add_argument("--hbm-budget", type=float, default=None,
                    help="GiB of device memory the plan may use (default: 90%% of the --hardware card's memory)")
-    q.add_argument("--hardware", default="h100",
+    q.add_argument("--hardware", default=None,
                    help="h100, h100-pcie, h200, gh200, a100, a100-40gb, b200, l40s, rtx6000-ada, rtx-a6000, l4, a10, "
                         "rtx5090, rtx4090, rtx3090, cpu, or a profile.json from `megacompile calibrate` (the faithful "
-                        "one)")
+                        "one); default h100, or cpu for a --run whose run.yaml says device: cpu")
     from ..cost.host import HOSTS
     q.add_argument("--host", default=None, choices=list(HOSTS),
                    help="the host the card sits in: its memory bandwidth, AdamW rate and disk (default: the "

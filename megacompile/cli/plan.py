@@ -49,6 +49,13 @@ def _from_run(args: argparse.Namespace) -> None:
     args.grad_accum, args.accumulation, args.dtype, args.updates = (run.grad_accum, run.accumulation,
                                                                     run.compute_dtype, run.updates)
     args.hbm_budget, args.host_budget, args.nvme_budget = run.hbm_budget, run.host_budget, run.nvme_budget
+    if args.hardware is None and c.device == "cpu":      # the run's own device: the cpu backend
+        args.hardware = "cpu"
+    if args.hardware == "cpu" and run.hbm_budget is None:    # a budget of the weights, as the run takes it there
+        from ..train.run_plan import cpu_budget
+        args.hbm_budget = cpu_budget(c, run)
+        print(f"  note           hbm_budget not given: {args.hbm_budget:.4g} GiB, as a run on the cpu backend takes "
+              f"it (budget_fraction {c.budget_fraction:g} of the weights, or its smallest plan if more)", flush=True)
     args.host_source = "the run's host_budget"
     if held:        # as the run does: the engine's state is placed in what its pixels leave
         from ..train.beside import host_for_engine
@@ -76,6 +83,7 @@ def plan(args: argparse.Namespace) -> int:
         from ..errors import ArgumentError
         raise ArgumentError(f"{' '.join(args.overrides)}: key=value settings are a run.yaml's, laid over it: give "
                             "--run run.yaml before them")
+    args.hardware = args.hardware or "h100"
     args.dtype = args.dtype or "bfloat16"
     args.updates = args.updates or Settings.updates
     args.lora_target = args.lora_target or "all"

@@ -107,6 +107,33 @@ def resolve(c: RunConfig) -> RunPlan:
                    steps=steps, epochs=c.epochs, stage_keys=keys, notes=notes, trained=trained, inputs=inputs)
 
 
+def cpu_budget(c: RunConfig, run: RunPlan) -> float:
+    """GiB a run on the cpu backend takes without hbm_budget, as it takes it (model.device_budget):
+    budget_fraction of the trained module's weights in the compute dtype, so that it streams, and
+    never less than 1.02 x the smallest plan of its first micro-batch (a preference pair's two rows
+    each, a grpo micro-batch of rollouts; the reward model on the rows it scores). The heavier
+    micro-batches a run sizes the budget for too (more image tokens, kto's KL rows) are not
+    looked at here."""
+    import torch
+    from ..planner import minimum_budget
+    from ..settings import Settings
+    dtype = getattr(torch, c.compute_dtype)
+    module = run.trained if run.trained is not None else run.model
+    weight_bytes = sum(p.numel() * dtype.itemsize for p in module.parameters())
+    rows = 1 if c.global_batch else c.batch
+    rows, width = (2 * rows if c.stage in ("dpo", "rm") else rows,
+                   c.max_prompt_length + c.max_completion_length if c.stage == "grpo" else c.seq)
+    settings = Settings(compute_dtype=dtype, grad_accum=1 if c.global_batch else c.grad_accum,
+                        accumulation=c.accumulation, updates=c.updates)
+    if run.inputs is not None:
+        ids = torch.empty(rows, width, dtype=torch.long, device="meta")
+        smallest = minimum_budget(module, settings=settings, hardware="cpu", inputs=run.inputs(
+            {"input_ids": ids, "labels": ids}, True))
+    else:
+        smallest = minimum_budget(module, settings=settings, hardware="cpu", batch=rows, seq=width)
+    return max(weight_bytes * c.budget_fraction / 2**30, smallest * 1.02)
+
+
 def epoch_steps(c: RunConfig, model: nn.Module) -> int:
     """The optimizer steps `c`'s epochs make of its data, as `megacompile train` counts them: the
     stage reads its records (max_samples, the held-out split, packing) into a run folder in the

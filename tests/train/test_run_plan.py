@@ -63,6 +63,21 @@ def test_the_plan_before_the_run_is_the_plan_the_run_runs(tmp_path, capsys):
     assert before["trainable_params"] == 2 * vocab_rows * dim + adapters
 
 
+def test_a_cpu_run_without_a_budget_is_planned_on_its_device_at_the_budget_it_takes(tmp_path, capsys):
+    """device: cpu and no hbm_budget: the run takes budget_fraction of its weights (or its smallest
+    plan); plan --run, without --hardware, plans that on the cpu backend, not an h100's 90%."""
+    path = _run_yaml(tmp_path, hbm_budget=None, finetuning_type="full", lora_rank=None, rope_scaling=None,
+                     add_tokens=None)
+    before = _plan_json(capsys, "--run", path)
+    assert main(["train", "--config", path]) == 0
+    capsys.readouterr()
+    with open(tmp_path / "run" / "plan" / "plan.json") as f:
+        ran = json.load(f)
+    assert before["hardware"] == ran["hardware"] and before["budget_bytes"] == ran["budget_bytes"]
+    shared = [k for k in ran if k in before and k not in TIMED]
+    assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
+
+
 def test_the_run_yaml_and_its_overrides_decide_what_the_flags_would(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(host_memory, "cgroup_memory_limit", lambda: None)    # the machine's RAM, in any container
     path = _run_yaml(tmp_path, finetuning_type="full", lora_rank=None, add_tokens=None, rope_scaling=None)
