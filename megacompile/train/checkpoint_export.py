@@ -32,11 +32,10 @@ import torch.nn as nn
 
 from ..errors import ArgumentError, MegacompileError
 from . import methods, resume, resume_model, run_args, trained_model, vocab
+from .resume import checkpoint_of
 from .config import load
-from .stages.stage import CHECKPOINTS
 
 DTYPES = ("float32", "bfloat16", "float16")
-LATEST = "latest"       # RUN/checkpoints/latest: the run's latest committed checkpoint
 _CHOICES = 3            # how many times a run folder's latest is chosen again, each removed before its pin
 
 
@@ -47,25 +46,6 @@ class _Policy(nn.Module):
     def __init__(self, policy: nn.Module):
         super().__init__()
         self.policy = policy
-
-
-def checkpoint_of(path: str) -> str:
-    """`path` itself when it is a checkpoint folder; for a run folder, its checkpoints folder or
-    RUN/checkpoints/latest (a name no checkpoint has), the latest committed checkpoint."""
-    from ..io.checkpoint import MARKER, committed_beside
-    path = os.path.normpath(path)       # RUN/checkpoints/step-000002/ is the checkpoint
-    if os.path.isfile(os.path.join(path, MARKER)):
-        return path
-    if os.path.basename(path) == LATEST and not os.path.exists(path):
-        path = os.path.dirname(path)
-    folder = path if os.path.basename(path) == CHECKPOINTS else os.path.join(path, CHECKPOINTS)
-    if not os.path.isdir(folder):
-        return path
-    found = committed_beside(os.path.join(folder, LATEST))
-    if not found:
-        raise ArgumentError(f"the run folder {os.path.dirname(os.path.abspath(folder))} holds no committed checkpoint "
-                            f"in {folder}: give a checkpoint folder (RUN/checkpoints/step-NNNNNN)")
-    return found[-1]
 
 
 def export(checkpoint: str, out: str, config: str | None = None, overrides: list[str] = (),

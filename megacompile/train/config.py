@@ -509,9 +509,11 @@ def check(raw: dict, source: str = "the run config", model_only: bool = False) -
         raise ArgumentError("eval_every needs held-out data: give eval (files) or eval_fraction")
     c.stop_signals = preemption.signal_names(c.stop_signals)
     c.resume = text("resume", c.resume, optional=True)
-    if c.resume not in (None, "auto") and not os.path.isdir(c.resume) and not model_only:
-        raise ArgumentError(f"resume is 'auto' (the latest committed checkpoint in run_dir), a checkpoint folder, "
-                            f"or null; {c.resume} is not a folder")
+    latest = os.path.basename(os.path.normpath(c.resume or "")) == "latest"    # RUN/checkpoints/latest (resume.py)
+    if c.resume not in (None, "auto") and not model_only and not (
+            os.path.isdir(c.resume) or latest and os.path.isdir(os.path.dirname(os.path.normpath(c.resume)))):
+        raise ArgumentError(f"resume is 'auto' (the latest committed checkpoint in run_dir), a checkpoint folder, a "
+                            f"run folder (its latest checkpoint), or null; {c.resume} is not a folder")
     c.run_dir = text("run_dir", c.run_dir, optional=True)
     if c.resume == "auto" and c.run_dir is None:
         raise ArgumentError("resume: auto looks for checkpoints in run_dir: name the run_dir of the run to resume")

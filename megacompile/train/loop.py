@@ -75,6 +75,15 @@ def starting_point(c: RunConfig, run_dir: str) -> tuple[str | None, resume.Saved
     """The checkpoint to resume from (None: a new run) and its manifest, checked; the Trainer
     checkpoint a new run starts from (`resume` naming one: io/trainer_checkpoint.py), or None; and
     the trained model's folder checked against a new run."""
+    if c.resume not in (None, "auto"):
+        # A run folder of megacompile's (RUN, RUN/checkpoints or RUN/checkpoints/latest): its latest
+        # committed checkpoint, as export takes it. Checked first: a finished LoRA run's folder
+        # holds an adapter and a trainer_state.json, as a Trainer's checkpoint-N does.
+        latest = resume.checkpoint_of(c.resume)
+        if latest != os.path.normpath(c.resume):
+            print(f"  resume         {c.resume} is a run folder: going on from its latest checkpoint, "
+                  f"{os.path.relpath(latest, c.resume)}", flush=True)
+            c.resume = latest
     imported = c.resume if c.resume not in (None, "auto") and trainer_checkpoint.is_trainer_checkpoint(c.resume) \
         else None
     if imported is not None:

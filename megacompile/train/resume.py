@@ -27,6 +27,7 @@ from .preemption import resume_overrides
 from .schedule import learning_rate
 
 SCHEDULE = ("steps", "lr", "warmup", "schedule", "min_lr")
+LATEST = "latest"       # RUN/checkpoints/latest: the run's latest committed checkpoint
 ROWS = ("batch", "grad_accum", "global_batch")
 OPTIMIZER = ("betas", "eps", "weight_decay", "max_grad_norm", "compute_dtype")
 
@@ -37,6 +38,27 @@ class Saved:
     path: str
     steps_done: int
     extra: dict
+
+
+def checkpoint_of(path: str) -> str:
+    """`path` itself when it is a checkpoint folder; for a run folder, its checkpoints folder or
+    RUN/checkpoints/latest (a name no checkpoint has), the latest committed checkpoint (what
+    `megacompile export RUN` exports and `resume: RUN` goes on from)."""
+    from ..io.checkpoint import MARKER, committed_beside
+    from .stages.stage import CHECKPOINTS
+    path = os.path.normpath(path)       # RUN/checkpoints/step-000002/ is the checkpoint
+    if os.path.isfile(os.path.join(path, MARKER)):
+        return path
+    if os.path.basename(path) == LATEST and not os.path.exists(path):
+        path = os.path.dirname(path)
+    folder = path if os.path.basename(path) == CHECKPOINTS else os.path.join(path, CHECKPOINTS)
+    if not os.path.isdir(folder):
+        return path
+    found = committed_beside(os.path.join(folder, LATEST))
+    if not found:
+        raise ArgumentError(f"the run folder {os.path.dirname(os.path.abspath(folder))} holds no committed checkpoint "
+                            f"in {folder}: give a checkpoint folder (RUN/checkpoints/step-NNNNNN)")
+    return found[-1]
 
 
 def read(path: str) -> Saved:

@@ -87,6 +87,20 @@ def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path,
                                                                                 "step-000005"]
 
 
+@pytest.mark.parametrize("named", ["run", "run/checkpoints", "run/checkpoints/latest"])
+def test_resume_naming_a_run_folder_goes_on_from_its_latest_checkpoint(tmp_path, monkeypatch, capsys, named):
+    """LlamaFactory's resume_from_checkpoint given megacompile's run folder (or its checkpoints
+    folder) rather than a checkpoint in it: its latest committed checkpoint, as export takes it."""
+    monkeypatch.chdir(tmp_path)
+    run(load(_yaml(tmp_path, steps=2, save_every=1), []))
+    capsys.readouterr()
+    run(load(_yaml(tmp_path, steps=3, run_dir="next", resume=named), []))
+    said = capsys.readouterr().out
+    assert f"resume         {tmp_path / named} is a run folder: going on from its latest checkpoint" in said
+    assert f"resumed        from {tmp_path / 'run' / 'checkpoints' / 'step-000002'} at step 2" in said
+    assert [int(r["step"]) for r in log.read(str(tmp_path / "next" / "log.csv")) if int(r["step"]) > 0] == [3]
+
+
 def test_the_lock_is_the_kernels_and_ends_with_its_process(tmp_path):
     holder = _holder(tmp_path / "run")
     os.kill(holder.pid, signal.SIGKILL)
