@@ -232,9 +232,10 @@ def own_key(key: str) -> str:
     return "schedule" if key == "lr_scheduler_type" else key
 
 
-def named(error: ArgumentError, t: "Translated") -> ArgumentError:
-    """`error` from the check of an own key, naming the alias the run.yaml gave it by."""
-    for own, spelled in t.spelled.items():
+def named(error: ArgumentError, t: "Translated | dict[str, str]") -> ArgumentError:
+    """`error` from the check of an own key, naming the alias the run.yaml gave it by (`t`: the
+    translation, or its own key -> alias map, RunConfig.spelled)."""
+    for own, spelled in (t if isinstance(t, dict) else t.spelled).items():
         if spelled != own and re.match(rf"{own}\b(?!_)", str(error)):
             return ArgumentError(f"{spelled} (megacompile's {own}): {error}")
     return error

@@ -146,6 +146,9 @@ class RunConfig:
     # the settings as given, paths made absolute and overrides laid over: the run folder's
     # training_args.yaml (run_args.py), which `megacompile export` reads the run back from
     given: Any = field(default=None, compare=False, repr=False, metadata={"derived": True})
+    # own key -> the name the run.yaml gave it by (cutoff_len for seq): a refusal after the checks
+    # names the key as written (aliases.named)
+    spelled: Any = field(default=None, compare=False, repr=False, metadata={"derived": True})
     disable_shuffling: bool = False   # LlamaFactory's: documents in the files' order, rows in stream order
     trim_padding: bool = True     # a step's rows cut after their longest document (data/trim.py)
     train_from_scratch: bool = False   # LlamaFactory's: the model folder's config, randomly initialised
@@ -308,6 +311,7 @@ def load(path: str | None, overrides: list[str] = (), model_only: bool = False) 
         c = check(own.keys, source=path, model_only=model_only)
     except ArgumentError as e:
         raise aliases.named(e, own) from e
+    c.spelled = dict(own.spelled)
     for note in own.notes + their_keys.notes(c, own.keys):
         print(f"  note           {note}", flush=True)
     c.given = _given(c, {k: _overridden(k, v, base) if k in overridden else v for k, v in raw.items()}, base)

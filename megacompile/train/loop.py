@@ -33,8 +33,8 @@ from ..errors import ArgumentError, CheckpointError, NonFiniteError, PartialStep
 from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
-from . import (best_model, early_stopping, intervals, methods, preemption, resume, resume_model, rope_scaling,
-               results, router_loss, run_args, run_lock, trained_model, vocab)
+from . import (aliases, best_model, early_stopping, intervals, methods, preemption, resume, resume_model,
+               rope_scaling, results, router_loss, run_args, run_lock, trained_model, vocab)
 from .config import KEYS, RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
@@ -199,11 +199,13 @@ def _run_in(c: RunConfig, run_dir: str, made: str | None, lock: run_lock.Held, t
     try:
         resume_from, saved, imported = starting_point(c, run_dir)
         stage, meta, model_config = _checked_stage(c, run_dir, resume_from, saved, imported)
-    except BaseException:
+    except BaseException as e:
         if made is not None:     # made for this run alone (folders above it too): nothing of it is left
             shutil.rmtree(made, ignore_errors=True)
         else:                    # a folder it found: left as it was
             lock.leave()
+        if type(e) is ArgumentError and c.spelled:      # a key named as the run.yaml wrote it (cutoff_len)
+            raise aliases.named(e, c.spelled) from e
         raise
     return _train_checked(c, run_dir, stage, resume_from, saved, imported, meta, model_config, trace)
 

@@ -142,18 +142,32 @@ def refusal(unknown: list[str]) -> str | None:
 def notes(c: Any, given: dict) -> list[str]:
     """One line per setting whose meaning here differs from TRL's or LlamaFactory's (not an error);
     `given`: the keys the run.yaml and the command line set."""
+    kept = _kept_checkpoints(c, given)
     if c.stage == "pt":
-        return _pretraining(c, given)
+        return kept + _pretraining(c, given)
     if c.stage != "sft" or c.bundled:
-        return []
+        return kept
     if c.packing is None:
-        return ["packing not given: supervised records (chat, Alpaca, prompt/completion) are not packed, one a row "
-                "truncated to seq, as in LlamaFactory's and TRL's SFT; plain-text documents fill rows end to end and "
-                "continue across them, as in LlamaFactory's stage pt (TRL cuts each at max_length)"]
+        return kept + ["packing not given: supervised records (chat, Alpaca, prompt/completion) are not packed, one a "
+                       "row truncated to seq, as in LlamaFactory's and TRL's SFT; plain-text documents fill rows end "
+                       "to end and continue across them, as in LlamaFactory's stage pt (TRL cuts each at max_length)"]
     if c.packing is True:
-        return ["packing: true packs records whole, as LlamaFactory's packing (without neat_packing): packed "
-                "documents attend to each other; TRL's packing: true keeps them apart, which is packing: isolated here"]
-    return []
+        return kept + ["packing: true packs records whole, as LlamaFactory's packing (without neat_packing): packed "
+                       "documents attend to each other; TRL's packing: true keeps them apart, which is packing: "
+                       "isolated here"]
+    return kept
+
+
+def _kept_checkpoints(c: Any, given: dict) -> list[str]:
+    """The Trainer keeps every checkpoint-N unless save_total_limit says otherwise; a run here keeps
+    keep_last's (3 by default: each holds the fp32 masters and AdamW moments, 12 B a parameter). Said
+    where the run.yaml asks for checkpoints in the Trainer's words and leaves the count out."""
+    asked = (getattr(c, "spelled", None) or {}).get("save_every") in ("save_steps", "save_strategy")
+    if not asked or "keep_last" in given or c.keep_last is None:
+        return []
+    return [f"save_total_limit not given: the {c.keep_last} latest checkpoints are kept (keep_last {c.keep_last}; "
+            "each holds the fp32 masters and AdamW moments), older ones removed as the run saves, where the Trainer "
+            "keeps every checkpoint-N; give save_total_limit: null to keep them all"]
 
 
 # Keys that shape a chat's tokens, which stage pt (each record read as its text) does not render.

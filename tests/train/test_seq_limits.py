@@ -29,3 +29,14 @@ def test_a_seq_longer_than_the_models_positions_is_refused(tmp_path):
         run(load(None, ["device=cpu", "steps=1", "seq=300", f"model={model}", f"data={notes}",
                         f"run_dir={tmp_path / 'run'}"]))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_refusal_after_the_checks_names_the_key_as_the_run_yaml_wrote_it(tmp_path):
+    """LlamaFactory's cutoff_len is seq here: the refusal says cutoff_len, which the user wrote."""
+    model = files.model_dir(str(tmp_path / "model"))          # max_position_embeddings: 256
+    notes = files.text(str(tmp_path / "notes.txt"))
+    with pytest.raises(ArgumentError, match=r"^cutoff_len \(megacompile's seq\): seq 300 is longer than the model's "
+                                            "max_position_embeddings, 256"):
+        run(load(None, ["device=cpu", "steps=1", "cutoff_len=300", f"model={model}", f"data={notes}",
+                        f"run_dir={tmp_path / 'run'}"]))
+    assert not (tmp_path / "run").exists()

@@ -209,3 +209,15 @@ def test_eos_token_is_taken_where_it_is_the_tokenizers_own(tmp_path):
     with pytest.raises(ArgumentError, match="eos_token: the bundled model reads bytes"):
         load(_yaml(tmp_path, eos_token=own))
     assert load(_yaml(tmp_path, model=model, eos_token="<EOS_TOKEN>")).eos_token is None     # a dump's placeholder
+
+
+@pytest.mark.parametrize("more, said", [({"save_steps": 4}, True), ({"save_steps": 4, "save_total_limit": 5}, False),
+                                        ({"save_steps": 4, "save_total_limit": None}, False),
+                                        ({"save_every": 4}, False)])
+def test_the_trainers_save_steps_without_a_limit_hears_that_three_checkpoints_are_kept(tmp_path, capsys, more, said):
+    """The Trainer keeps every checkpoint-N unless save_total_limit is given; keep_last's 3 here."""
+    files.model_dir(str(tmp_path / "model"))
+    c = load(_yaml(tmp_path, model="model", **more))
+    out = capsys.readouterr().out
+    assert ("save_total_limit not given: the 3 latest checkpoints are kept (keep_last 3;" in out) is said
+    assert c.keep_last == (5 if more.get("save_total_limit") == 5 else None if "save_total_limit" in more else 3)
