@@ -465,6 +465,13 @@ def _template(name: Any, keys: dict) -> str:
     """LlamaFactory formats chats by a template name; megacompile by the tokenizer's own chat
     template, which it must then have."""
     where = keys.get("tokenizer") or keys.get("model")
+    if name not in their_llamafactory.TEMPLATES:     # a typo: LlamaFactory refuses it too
+        import difflib
+        near = difflib.get_close_matches(str(name), sorted(their_llamafactory.TEMPLATES | set(LAYOUTS)), n=1)
+        raise ArgumentError(f"template {name!r} is no template LlamaFactory has"
+                            + (f" (did you mean {near[0]!r}?)" if near else "")
+                            + f"; megacompile renders {', '.join(LAYOUTS)} itself and formats other chats with the "
+                            "tokenizer's own chat template: give one of those, or leave template out")
     if keys.get("chat_template"):
         return f"template {name!r} is not read: chats are formatted by chat_template ({keys['chat_template']})"
     if where == "bundled" or where is None:

@@ -7,6 +7,9 @@ defaults, which ask for nothing.
     NO_EFFECT  key -> (its default, why): keys its training does not read either (its inference and
                export commands', the ones it derives): accepted, named in the run's note of
                ignored keys away from the default (aliases.py)
+    TEMPLATES  the names its `template:` takes (src/llamafactory/data/template.py's register_template,
+               as of 2026-08): a name among them that megacompile does not render is noted, any
+               other refused as LlamaFactory refuses it (aliases.py)
 """
 from __future__ import annotations
 
@@ -95,3 +98,21 @@ NO_EFFECT: dict[str, tuple[Any, str]] = {
     "master_addr": (None, "torchrun's rendezvous is read (docs/distributed.md)"),
     "master_port": (None, "torchrun's rendezvous is read (docs/distributed.md)"),
 }
+
+TEMPLATES = frozenset((
+    "aeva", "alpaca", "bailing", "bailing_v2", "base", "breeze", "chatglm3", "chatml", "chatml_de", "cohere", "cpm4",
+    "custom", "dbrx", "deepseek", "deepseek3", "deepseekcoder", "deepseekr1", "default", "dots_ocr", "empty",
+    "ernie", "ernie_nothink", "ernie_vl", "exaone", "falcon", "falcon_h1", "fewshot", "gemma", "gemma2", "gemma3",
+    "gemma3n", "gemma4", "gemma4n", "glm4", "glm4_5v", "glm4_7", "glm4_moe", "glm4v", "glm_ocr", "glmz1", "gpt_oss",
+    "granite3", "granite3_vision", "granite4", "hunyuan", "hunyuan_small", "hy3", "hy_dense_1_8b", "hy_dense_7b",
+    "index", "intern2", "intern_s1", "intern_vl", "keye_vl", "kimi_vl", "lfm2", "lfm2_vl", "llama2", "llama2_zh",
+    "llama3", "llama4", "llava", "llava_next", "llava_next_llama3", "llava_next_mistral", "llava_next_qwen",
+    "llava_next_video", "llava_next_video_mistral", "llava_next_video_yi", "llava_next_yi", "mimo", "mimo_v2",
+    "mimo_vl", "minicpm_o", "minicpm_v", "minicpm_v_4_6", "minimax1", "minimax2", "ministral", "ministral3",
+    "mistral", "mistral_small", "mllama", "moonlight", "moss_vl", "olmo", "openchat", "openchat-3.6", "opencoder",
+    "paligemma", "paligemma_chat", "phi", "phi4", "phi4_mini", "phi_small", "pixtral", "qwen", "qwen2_audio",
+    "qwen2_omni", "qwen2_vl", "qwen3", "qwen3_5", "qwen3_5_nothink", "qwen3_6", "qwen3_nothink", "qwen3_omni",
+    "qwen3_omni_nothink", "qwen3_vl", "qwen3_vl_nothink", "sailor", "seed_coder", "seed_oss", "smollm", "smollm2",
+    "solar", "starchat", "telechat2", "vicuna", "video_llava", "xuanyuan", "yi", "yi_vl", "youtu", "youtu_vl",
+    "yuan", "zephyr"
+))

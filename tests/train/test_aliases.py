@@ -115,6 +115,14 @@ def test_an_unknown_key_is_named_with_the_key_it_is_closest_to_not_a_list_of_eve
     assert len(str(e.value)) < 300
 
 
+def test_a_template_name_llamafactory_does_not_have_is_refused_naming_the_closest(tmp_path):
+    """LlamaFactory refuses a template it has not registered; a typo is not left to a note."""
+    files.model_dir(str(tmp_path / "model"))
+    with pytest.raises(ArgumentError, match=r"template 'qwen3_nothnk' is no template LlamaFactory has \(did you mean "
+                                            r"'qwen3_nothink'\?\); megacompile renders qwen3, qwen3_nothink"):
+        load(_yaml(tmp_path, model_name_or_path="model", template="qwen3_nothnk", max_steps=3))
+
+
 def test_keys_without_effect_and_the_template_name_are_noted(tmp_path, capsys):
     model = files.model_dir(str(tmp_path / "model"))
     load(_yaml(tmp_path, model_name_or_path="model", template="qwen", stage="sft", do_train=True,
