@@ -166,6 +166,7 @@ class InputLimits:
         positions = [m.num_embeddings for n, m in named if _positional(n) and m is not embed
                      and (not home or n.startswith(home + "."))]
         self.max_seq = min(positions) if positions else None
+        self.causal_lm = _causal_lm(model)
 
     def check(self, args: tuple, kwargs: dict, device_type: str, train: bool = True) -> None:
         if train and torch.is_inference_mode_enabled():
@@ -180,6 +181,8 @@ class InputLimits:
             if isinstance(x, torch.Tensor) and x.numel() == 0:
                 raise InputMismatchError(f"an input tensor has shape {tuple(x.shape)}, with no elements: an empty "
                                          "batch has no loss to train on")
+        if self.causal_lm:
+            _check_causal_lm_labels(kwargs)
         if self.vocab is None:
             return
         # By name; positionally, only integer tensors (a float first input or a mask is not token ids).
@@ -213,6 +216,30 @@ class InputLimits:
             ignored = f" (or {' or '.join(map(str, allowed))}, ignored)" if allowed else ""
             raise InputMismatchError(f"{name} holds token id {bad}, outside the model's vocabulary of {self.vocab}; "
                                      f"ids must lie in [0, {self.vocab}){ignored}")
+
+
+def _causal_lm(model: nn.Module) -> bool:
+    """A transformers causal LM (or PEFT's wrapper of one): its loss shifts `labels` against the
+    logits of `input_ids`, so the two have one shape, and takes them as int64 class indices."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return type(base).__name__.endswith("ForCausalLM") and type(base).__module__.startswith("transformers")
+
+
+def _check_causal_lm_labels(kwargs: dict) -> None:
+    """labels a causal LM's loss would fail on, refused before capture (where the failure would
+    read as a trace's): another shape than input_ids', or integers other than int64. int32
+    input_ids are taken, as the embedding takes them in eager transformers; floats and bools are
+    _check_ids' to refuse."""
+    ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor):
+        return
+    if isinstance(ids, torch.Tensor) and labels.shape != ids.shape:
+        raise InputMismatchError(f"labels has shape {tuple(labels.shape)} and input_ids {tuple(ids.shape)}: a causal "
+                                 "LM's labels are one per input token (the model shifts them itself); pass labels "
+                                 "of input_ids' shape, -100 where a token is not trained on")
+    if labels.dtype not in (torch.int64, torch.bool) and not (labels.is_floating_point() or labels.is_complex()):
+        raise InputMismatchError(f"labels must be int64 token ids (the loss's cross_entropy takes no other integers), "
+                                 f"got {str(labels.dtype).replace('torch.', '')}; pass labels.long()")
 
 
 def _parent_path(name: str) -> str:

@@ -347,6 +347,6 @@ def _describe_trace_failure(model: nn.Module, e: Exception) -> str:
         tb = tb.tb_next
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return (f"cannot capture the model: module '{module_path}' ({op}) failed while tracing: "
-            f"{type(e).__name__}: {first_line}. megacompile traces with fake tensors; code that "
+            f"{type(e).__name__}: {first_line.rstrip('.')}. megacompile traces with fake tensors; code that "
             "reads tensor values in Python (.item(), data-dependent control flow, numpy) cannot be "
             "captured: compute it with torch ops, or move it out of forward()")

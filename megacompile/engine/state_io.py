@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import MegacompileError
-from ..io import hf_save, lora_adapter, state_dict, trainer_checkpoint, trainer_export, unbuilt
+from ..io import hf_save, lora_adapter, lora_save, state_dict, trainer_checkpoint, trainer_export, unbuilt
 from ..state import TrainingState
 
 
@@ -116,20 +116,38 @@ class StateIO:
                             {"logging_steps": logging_steps, "eval_steps": eval_steps, "save_steps": save_steps})
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
-                        max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:
+                        max_shard_size: int | str = "5GB", overwrite: bool = False,
+                        merge_adapter: bool = False) -> None:
         """Export the masters as a Hugging Face model folder (sharded safetensors, index, config,
         and the tokenizer and generation files of the folder from_pretrained read), streamed one
         tensor at a time in `dtype`; AutoModelForCausalLM.from_pretrained loads it.
 
+        A PEFT model (get_peft_model's, with one LoRA adapter) is written as PEFT writes it: the
+        adapter (adapter_config.json, adapter_model.safetensors, the trained fp32 masters in float32
+        whatever `dtype`, and the tokenizer files of the folder it came from), which
+        PeftModel.from_pretrained(base, path) loads on the base model; with merge_adapter=True,
+        the base model with the adapter merged in `dtype`, which AutoModelForCausalLM.from_pretrained
+        loads (io/lora_save.py). Neither changes the engine's state or the model. merge_adapter on
+        a model without adapters is refused, and so is a PEFT model under data parallelism.
+
         Only the export's own files are written; anything else in the folder (README.md, LICENSE,
         .gitattributes, .git/, your files) is never touched, with or without overwrite. A folder
         holding files this export would replace (weights, index, config, the tokenizer and
-        generation files it writes) or weights of another export is refused, naming them, unless
-        overwrite=True: then they are replaced, and the previous export's weights that the new one
-        does not have (shards of another count, a single file) are removed. The new files are staged in
-        the folder and swapped in once complete: a failed or killed export leaves the previous one
-        as it was (io/hf_save.py)."""
+        generation files it writes, an adapter) or weights of another export is refused, naming
+        them, unless overwrite=True: then they are replaced, and the previous export's weights that
+        the new one does not have (shards of another count, a single file) are removed. The new
+        files are staged in the folder and swapped in once complete: a failed or killed export
+        leaves the previous one as it was (io/hf_save.py)."""
         self.state.refuse_partial("save_pretrained()")
+        carries = lora_save.carries_adapters(self.state)
+        lora_save.check_merge_adapter(merge_adapter, carries)
+        if carries:
+            if self.data_parallel is not None:
+                raise MegacompileError(
+                    "save_pretrained of a PEFT model runs in one process: save_checkpoint on every rank, "
+                    "load_checkpoint into an engine of the same PEFT model in one process, and save_pretrained there")
+            return lora_save.save(self.state, path, merge=merge_adapter, dtype=dtype, overwrite=overwrite,
+                                  max_shard_size=max_shard_size)
         if self.data_parallel is not None:    # rank 0 writes, the masters gathered
             return self.data_parallel.on_rank_zero(self.state.host_or_error(), lambda: hf_save.save_pretrained(
                 self.state, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))

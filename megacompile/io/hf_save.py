@@ -42,10 +42,12 @@ from .hf_layout import INDEX, SINGLE, DiskLayout
 if TYPE_CHECKING:
     from ..state import TrainingState
 
-# a PEFT adapter export (train/methods/lora_export.py)
+# a PEFT adapter export (io/lora_save.py)
 ADAPTER = ("adapter_config.json", "adapter_model.safetensors")
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+# beside an adapter: the base model's generation config is not the adapter's
+TOKENIZER_FILES = tuple(f for f in COPIED if f != "generation_config.json")
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -76,17 +78,12 @@ def export_files(path: str) -> list[str]:
 
 def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torch.float32,
                     max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:
-    if dtype not in CODES or not dtype.is_floating_point:
-        raise ArgumentError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, torch.float16); "
-                            f"got {dtype!r}")
+    check_export_arguments(dtype, overwrite)
     limit = shard_bytes(max_shard_size)
     config = getattr(state.model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         raise MegacompileError("save_pretrained writes a Hugging Face model folder and needs a transformers model "
                                f"(one with a .config); {type(state.model).__name__} has none: use save_checkpoint")
-    if not isinstance(overwrite, bool):
-        raise ArgumentError(f"overwrite is True or False (replace the files of an export already in the folder); "
-                            f"got {overwrite!r}")
     unbuilt.refuse_missing_weights(state)
     host = state.host       # None before the first step: the tensors come from where they wait
     path = os.fspath(path)
@@ -126,6 +123,25 @@ def save_pretrained(state: "TrainingState", path: str, dtype: torch.dtype = torc
         durable.fsync_dir(folder)
 
     write_export(path, new, overwrite, write)
+
+
+def check_export_arguments(dtype: torch.dtype, overwrite: bool) -> None:
+    if not isinstance(dtype, torch.dtype) or dtype not in CODES or not dtype.is_floating_point:
+        raise ArgumentError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, torch.float16); "
+                            f"got {dtype!r}")
+    if not isinstance(overwrite, bool):
+        raise ArgumentError(f"overwrite is True or False (replace the files of an export already in the folder); "
+                            f"got {overwrite!r}")
+
+
+def source_use_cache(source_dir: str | None) -> bool:
+    """use_cache as the config.json of the folder the model came from says (True without one): the
+    engine turns the KV cache off for training only."""
+    source = os.path.join(source_dir or "", "config.json")
+    if source_dir and os.path.isfile(source):
+        with open(source) as f:
+            return json.load(f).get("use_cache", True)
+    return True
 
 
 def write_export(path: str, new: set[str], overwrite: bool, write) -> None:
@@ -259,12 +275,7 @@ def _write_shard(target: str, shard: list, dtype: torch.dtype) -> None:
 
 def _write_config(state: "TrainingState", config, dtype: torch.dtype, folder: str) -> None:
     config = copy.deepcopy(config)
-    source = os.path.join(state.source_dir or "", "config.json")
-    use_cache = True
-    if state.source_dir and os.path.isfile(source):
-        with open(source) as f:
-            use_cache = json.load(f).get("use_cache", True)
-    config.use_cache = use_cache           # the engine turned the KV cache off for training only
+    config.use_cache = source_use_cache(state.source_dir)
     config.dtype = dtype
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config     # the weights written are full precision, whatever the config said

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -150,20 +149,6 @@ def peft_model(model: nn.Module) -> tuple[str, nn.Module] | None:
         if isinstance(configs, dict) and configs:
             return (f"{name}." if name else ""), module
     return None
-
-
-def save(state: "TrainingState", folder: str) -> None:
-    """The adapters' fp32 masters as PEFT writes an adapter (what load() and PeftModel.from_pretrained
-    read): adapter_config.json and adapter_model.safetensors in `folder`, PEFT's model card left out."""
-    from . import unbuilt
-    prefix, model = peft_model(state.model)
-    trainable = state.layout()[0]
-    adapters = {key.removeprefix(prefix): t for key, t in unbuilt.state_tensors(state) if key in trainable}
-    aside = os.path.join(folder, ".peft")
-    model.save_pretrained(aside, state_dict=adapters)
-    for name in (CONFIG, WEIGHTS):
-        os.replace(os.path.join(aside, name), os.path.join(folder, name))
-    shutil.rmtree(aside)
 
 
 def _targets(value) -> str:

@@ -34,12 +34,10 @@ import torch
 
 from ..errors import ArgumentError, CheckpointError, MegacompileError
 from ..optim.weight_decay import exempt_parameters, hf_no_decay
-from . import durable, hf_save, lora_adapter, unbuilt
+from . import durable, hf_save, lora_adapter, lora_save, unbuilt
 
 if TYPE_CHECKING:
     from ..state.training import TrainingState
-
-TOKENIZER_FILES = tuple(f for f in hf_save.COPIED if f != "generation_config.json")
 
 
 def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str, int]) -> None:
@@ -69,9 +67,9 @@ def save(state: "TrainingState", path: str, batch_size: int, intervals: dict[str
     try:
         if lora_adapter.peft_model(state.model) is not None:      # PEFT's adapter, as a LoRA run's Trainer saves
             os.makedirs(tmp)
-            lora_adapter.save(state, tmp)
+            lora_save.write_adapter(state, tmp)
             # The Trainer saves its tokenizer beside the adapter; the base model's generation config is not the adapter's.
-            hf_save.copy_source_files(state, tmp, hf_save.source_files(state, TOKENIZER_FILES))
+            hf_save.copy_source_files(state, tmp, hf_save.source_files(state, hf_save.TOKENIZER_FILES))
         else:
             hf_save.save_pretrained(state, tmp, dtype=torch.float32)
         torch.save(_optimizer(state, groups), os.path.join(tmp, "optimizer.pt"))

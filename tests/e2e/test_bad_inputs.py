@@ -94,6 +94,11 @@ def _step(**inputs):
     return lambda c: c.engine.step(**inputs)
 
 
+def _causal_lm_step(**inputs):
+    """A step of a transformers causal LM (the labels checks are its), refused before capture."""
+    return lambda c: megacompile.compile(models.hf_llama(layers=1, d=32), 1.0, device="cpu").step(**inputs)
+
+
 def _under_inference_mode(c):
     with torch.inference_mode():
         c.engine.step(idx=IDS, targets=IDS)
@@ -243,6 +248,10 @@ CASES = [
     Case("step: empty batch", megacompile.InputMismatchError, r"no elements", _step(idx=IDS[:0], targets=IDS[:0])),
     Case("step: inputs on meta", megacompile.InputMismatchError, r"is on meta",
          _step(idx=IDS.to("meta"), targets=IDS.to("meta"))),
+    Case("step: causal LM labels of another shape than input_ids", megacompile.InputMismatchError,
+         r"labels has shape \(2, 15\) and input_ids \(2, 16\)", _causal_lm_step(input_ids=IDS, labels=IDS[:, :15])),
+    Case("step: causal LM int32 labels", megacompile.InputMismatchError, r"got int32; pass labels\.long\(\)",
+         _causal_lm_step(input_ids=IDS, labels=IDS.int())),
     Case("step: no tensor inputs", megacompile.CaptureError, r"hold no tensor",
          lambda c: megacompile.compile(_tiny(), 1.0, device="cpu").step()),
     Case("step: under torch.inference_mode()", megacompile.MegacompileError, r"inference_mode",
@@ -254,6 +263,9 @@ CASES = [
          _save(lambda c: os.path.join(c.file, "ck.pt"))),
     Case("save_checkpoint: a meta model before its weights", megacompile.MegacompileError,
          r"no weights for .*load them .*before saving", lambda c: _meta_engine().save_checkpoint(os.path.join(c.tmp, "x"))),
+    Case("save_pretrained: merge_adapter=True on a model without adapters", ArgumentError,
+         r"merge_adapter=True merges a PEFT model's LoRA adapter.*carries none",
+         lambda c: c.engine.save_pretrained(os.path.join(c.tmp, "merged"), merge_adapter=True)),
     Case("load_state_dict: a part, then strict=True", megacompile.MegacompileError,
          r"missing \['transformer.ln_f.bias'\].*nothing was loaded.*other parts", _partial_load),
     Case("load_state_dict: unknown name", megacompile.MegacompileError, r"unexpected \['nope'\]",
@@ -382,6 +394,29 @@ def test_labels_may_hold_the_ignore_index():
     expected = model(input_ids=IDS, labels=labels).loss.item()
     assert engine.step(input_ids=IDS, labels=labels) == pytest.approx(expected, rel=1e-5)
     engine.close()
+
+
+def test_int32_input_ids_train_as_in_eager_transformers():
+    """int32 token ids are taken (the embedding reads them as eager transformers does); only
+    labels, which cross_entropy takes as int64 alone, are refused in another integer dtype."""
+    model = models.hf_llama(layers=1, d=32)
+    engine = megacompile.compile(model, 1.0, device="cpu")
+    expected = model(input_ids=IDS.int(), labels=IDS).loss.item()
+    assert engine.step(input_ids=IDS.int(), labels=IDS) == pytest.approx(expected, rel=1e-5)
+    engine.close()
+
+
+def test_labels_of_another_shape_are_a_causal_lms_refusal_only():
+    """A sequence classifier's labels are one per row: not refused by the causal LM's check."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from megacompile.arguments import InputLimits
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=3)
+    rows = torch.tensor([0, 2])
+    InputLimits(LlamaForSequenceClassification(config)).check((), {"input_ids": IDS, "labels": rows}, "cpu")
+    with pytest.raises(megacompile.InputMismatchError, match=r"labels has shape \(2,\) and input_ids \(2, 16\)"):
+        InputLimits(models.hf_llama(layers=1, d=32)).check((), {"input_ids": IDS, "labels": rows}, "cpu")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")

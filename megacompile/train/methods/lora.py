@@ -217,7 +217,7 @@ def merged(state: dict[str, torch.Tensor], scaling: float, transposed: frozenset
 
 def release_frozen(model: nn.Module) -> None:
     """The module's frozen weights to the meta device (a tied weight stays one parameter): their
-    values are the engine's (host state), read there by lora_export."""
+    values are the engine's (host state), read there by io/lora_save.py."""
     moved: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
