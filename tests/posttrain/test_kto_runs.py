@@ -181,3 +181,9 @@ def test_apo_zero_unpaired_runs_no_kl_rows(work):
     kept = torch.load(tmp / "apo" / REFERENCE)
     assert kept["train"][:, 0].abs().min() > 0 and kept["train"][:, 1].eq(0).all()     # no KL row scored
     assert all(float(r["kl"]) == 0.0 for r in log.read(str(tmp / "apo" / "log.csv")))
+
+
+def test_the_progress_line_shows_no_nan_for_a_kind_a_step_had_none_of():
+    """A step of desirable examples alone has no rejected reward: the bar shows '-', not nan."""
+    text, _ = KTOStage.progress(None, {"rewards_chosen": 0.125, "rewards_rejected": float("nan"), "kl": 0.5}, 0)
+    assert text == "rewards 0.1250 / - | kl 0.5000"

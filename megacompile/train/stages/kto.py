@@ -309,7 +309,10 @@ class KTOStage(reference.ReferenceStage):
         return (rows["labels"] != IGNORE).sum(-1).float()
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
-        return f"rewards {row['rewards_chosen']:.4f} / {row['rewards_rejected']:.4f} | kl {row['kl']:.4f}", {}
+        # a step whose examples are all desirable (or all undesirable) has no reward of the other kind
+        shown = [("-" if v is None or math.isnan(v) else f"{v:.4f}") for v in (row["rewards_chosen"],
+                                                                               row["rewards_rejected"], row["kl"])]
+        return f"rewards {shown[0]} / {shown[1]} | kl {shown[2]}", {}
 
     def checkpoint_extra(self) -> dict:
         return {"stage": saved_keys(self.c)}
