@@ -258,3 +258,18 @@ def test_the_engine_holds_the_frozen_base_once(tmp_path):
         assert setup.engine.host.nbytes == setup.engine.plan.host_bytes
     finally:
         setup.engine.close()
+
+
+def test_wrapping_a_model_in_adapters_prints_no_warning_between_peft_and_transformers():
+    """PEFT reads transformers' deprecated is_gradient_checkpointing: every run and plan with LoRA
+    printed that FutureWarning, which nothing in a run.yaml could change."""
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megacompile.train.methods.lora import with_adapters
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with_adapters(model, 2, 4.0, 0.0, "all")

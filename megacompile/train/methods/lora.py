@@ -3,6 +3,7 @@ model's alone in a vision-language model), the base frozen and held in the dtype
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn as nn
@@ -69,7 +70,11 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=modules, use_dora=dora, use_rslora=rslora, modules_to_save=list(whole) or None,
                         init_lora_weights=initialised)
-    wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
+    with warnings.catch_warnings():
+        # PEFT reads transformers' deprecated is_gradient_checkpointing: a warning between the two
+        # libraries, which says nothing a run could change
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
             p.data = p.data.to(base)
