@@ -289,7 +289,9 @@ def load(path: str | None, overrides: list[str] = (), model_only: bool = False) 
         raise ArgumentError(f"{path} must hold a mapping of keys (model: ..., data: ...), not a "
                             f"{type(raw).__name__}")
     base = os.path.dirname(os.path.abspath(path))
-    raw = {k: _relative(aliases.own_key(k), v, base) for k, v in raw.items()}
+    from_cwd: list[str] = []      # inputs found from the working directory alone (_beside_or_here)
+    raw = {k: _beside_or_here(aliases.own_key(k), v, _relative(aliases.own_key(k), v, base), from_cwd)
+           for k, v in raw.items()}
     in_file, overridden = set(raw), set()
     for item in overrides:
         key, value = _override(item)
@@ -305,13 +307,19 @@ def load(path: str | None, overrides: list[str] = (), model_only: bool = False) 
             raw[key] = value
             overridden.add(key)
     if ("dataset" in raw or "eval_dataset" in raw) and raw.get("dataset_dir") is None:
-        raw["dataset_dir"] = os.path.join(base, "data")     # LlamaFactory's default, beside the file like any path
+        # LlamaFactory's default, beside the file like any path (or in the working directory, where
+        # LlamaFactory reads it, when only there)
+        raw["dataset_dir"] = _beside_or_here("dataset_dir", "data", os.path.join(base, "data"), from_cwd)
     own = aliases.translate(raw, RunConfig.lr)
     try:
         c = check(own.keys, source=path, model_only=model_only)
     except ArgumentError as e:
         raise aliases.named(e, own) from e
     c.spelled = dict(own.spelled)
+    if from_cwd:
+        own.notes.append(f"{', '.join(from_cwd)}: not beside {os.path.basename(path)} but in the working directory, "
+                         "read from there as LlamaFactory reads its paths (a path in a run.yaml is read from its "
+                         "folder first)")
     for note in own.notes + their_keys.notes(c, own.keys):
         print(f"  note           {note}", flush=True)
     c.given = _given(c, {k: _overridden(k, v, base) if k in overridden else v for k, v in raw.items()}, base)
@@ -396,6 +404,29 @@ def _relative(key: str, value: Any, base: str) -> Any:
     if isinstance(value, str) and not os.path.isabs(value):
         return os.path.join(base, value)
     return value
+
+
+# What a run reads (not what it writes): a relative path not found beside the run.yaml is looked
+# for in the working directory, where LlamaFactory reads its paths from (its examples are run from
+# its repository's root: `dataset_dir: data`, `model_name_or_path: saves/...`).
+READ_KEYS = ("model", "tokenizer", "chat_template", "media_dir", "data", "eval", "resume", "dataset_dir")
+
+
+def _beside_or_here(key: str, written: Any, resolved: Any, found: list[str]) -> Any:
+    """`resolved` (`written` made relative to the run.yaml's folder), unless it names nothing there
+    while `written` names something in the working directory: then that, its key added to `found`."""
+    if key not in READ_KEYS:
+        return resolved
+    if isinstance(written, list) and isinstance(resolved, list) and len(written) == len(resolved):
+        return [_beside_or_here(key, w, r, found) for w, r in zip(written, resolved)]
+    if isinstance(written, dict) and isinstance(resolved, dict) and "path" in written:
+        return {**resolved, "path": _beside_or_here(key, written["path"], resolved["path"], found)}
+    if (isinstance(written, str) and written != resolved and not os.path.isabs(written)
+            and not os.path.exists(resolved) and os.path.exists(written)):
+        if key not in found:
+            found.append(key)
+        return os.path.abspath(written)
+    return resolved
 
 
 def _function(value: Any, base: str) -> Any:

@@ -205,6 +205,26 @@ def test_a_scheduler_type_and_warmup_ratio_follow_transformers(tmp_path, name, k
         assert abs(ours(step) - hf[step]) < 1e-12 and hf[0] == 0.0
 
 
+def test_a_llamafactory_yaml_run_from_its_repositorys_root_reads_the_paths_from_there(tmp_path, monkeypatch, capsys):
+    """LlamaFactory's examples sit in examples/train_lora/ and name `data` and its model from the
+    root they are run from: what is not beside the run.yaml is read from the working directory;
+    what is beside it wins."""
+    files.model_dir(str(tmp_path / "tiny"))
+    os.makedirs(tmp_path / "data")
+    (tmp_path / "data" / "identity.json").write_text(json.dumps([{"instruction": "hello", "output": "hi"}]))
+    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps({"identity": {"file_name": "identity.json"}}))
+    os.makedirs(tmp_path / "examples" / "train_lora")
+    path = files.run_yaml(str(tmp_path / "examples" / "train_lora" / "sft.yaml"), model_name_or_path="tiny",
+                          dataset="identity", stage="sft", max_steps=2, device="cpu")
+    monkeypatch.chdir(tmp_path)
+    c = load(path)
+    assert c.model == str(tmp_path / "tiny") and c.data[0]["path"] == str(tmp_path / "data" / "identity.json")
+    assert ("model, dataset_dir: not beside sft.yaml but in the working directory, read from there as "
+            "LlamaFactory reads its paths") in capsys.readouterr().out
+    files.model_dir(str(tmp_path / "examples" / "train_lora" / "tiny"))      # beside the run.yaml: that one
+    assert load(path).model == str(tmp_path / "examples" / "train_lora" / "tiny")
+
+
 def test_the_llamafactory_example_in_the_docs_loads_as_it_is_written(tmp_path, capsys):
     docs = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "training.md")
     with open(docs) as f:
