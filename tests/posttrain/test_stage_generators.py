@@ -158,10 +158,14 @@ def test_use_vllm_colocated_samples_from_vllm_handed_the_masters_before_each_rol
     assert len(ratios) == 2 == len(steps)
     for (args, (weights, metrics)), kw in zip(ratios, steps):
         old, sampled, mask, mode, clip_max, clip_min = args
-        assert (mode, clip_max, clip_min) == ("sequence_mask", 3.0, None) and torch.equal(kw["sampling_ratio"], weights)
-        assert torch.equal(old, kw["old_logps"]) and torch.equal(mask, kw["labels"] != -100)
+        # the step's rows are cut after their longest completion (trim_padding): no label past the cut
+        cut = kw["input_ids"].shape[1]
+        assert not mask[:, cut:].any()
+        assert (mode, clip_max, clip_min) == ("sequence_mask", 3.0, None)
+        assert torch.equal(kw["sampling_ratio"], weights[:, :cut])
+        assert torch.equal(old[:, :cut], kw["old_logps"]) and torch.equal(mask[:, :cut], kw["labels"] != -100)
         # the off-policy mask measures the drift from vLLM's own log-probabilities: a step input
-        torch.testing.assert_close(kw["sampling_logps"], sampled, equal_nan=True)
+        torch.testing.assert_close(kw["sampling_logps"], sampled[:, :cut], equal_nan=True)
         given = sampled[mask]       # NaN: the stop token vLLM left out of its reply (weighs 1)
         assert set(given[~given.isnan()].tolist()) == {fake_vllm.LOGPROB, fake_vllm.LOGPROB - 1}
     for row, (_, (_, metrics)) in zip(log.read(str(tmp_path / "run" / "log.csv")), ratios):
