@@ -11,8 +11,8 @@ config, kill_at = sys.argv[1], int(sys.argv[2])
 write = log.RunLog.write
 
 
-def write_then_die(self, row):
-    write(self, row)
+def write_then_die(self, row, **more):
+    write(self, row, **more)
     if row["step"] == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -104,8 +104,8 @@ def resumes_as_whole(tmp_path, monkeypatch, settings: dict, stop_after: int, ste
     config = files.run_yaml(str(tmp_path / "cut.yaml"), **settings)
     write = log.RunLog.write
 
-    def write_then_stop(self, row):
-        write(self, row)
+    def write_then_stop(self, row, **more):
+        write(self, row, **more)
         if row["step"] == stop_after:
             raise KeyboardInterrupt
     monkeypatch.setattr(log.RunLog, "write", write_then_stop)
