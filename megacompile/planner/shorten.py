@@ -179,9 +179,11 @@ def live_bytes(program: Program, upto: int) -> dict[str, int]:
 
 def span(program: Program, stage: int) -> tuple[int, int]:
     """Node indices of `stage`'s first forward and of its last backward (with layer-major
-    accumulation a stage runs once per micro-batch in each pass)."""
+    accumulation a stage runs once per micro-batch in each pass). A stage with no backward (a frozen
+    vision tower ahead of everything trained) spans its forwards."""
     at = [(n.op, i) for i, n in enumerate(program.nodes) if n.stage == stage and n.op in (Op.FORWARD, Op.BACKWARD)]
-    return (min(i for op, i in at if op is Op.FORWARD), max(i for op, i in at if op is Op.BACKWARD))
+    backward = [i for op, i in at if op is Op.BACKWARD]
+    return (min(i for op, i in at if op is Op.FORWARD), max(backward or [i for _, i in at]))
 
 
 def peak_with_cut(peak_during: list[int], added: list[tuple[int, int, int]]) -> int:

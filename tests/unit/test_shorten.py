@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
+from megacompile.capture import capture
 from megacompile.cost import get_profile, predict
 from megacompile.ir.simulate import simulate
 from megacompile.passes import StepKind, build_schedule
@@ -56,3 +58,27 @@ def test_short_stack_gives_the_whole_stacks_peak_for_every_kind_of_choice():
     assert resident >= 10       # weights resident from forward to backward among them
     # and some that recompute every m-th offloaded block, cut by whole periods of that pattern
     assert periodic >= 10
+
+
+def test_a_frozen_run_ahead_of_the_trained_blocks_is_cut_at_the_whole_stacks_peak():
+    # finetuning_type freeze (or a frozen vision tower): the first ten blocks have no backward, and a
+    # run that long is cut; its blocks span their forwards only.
+    torch.manual_seed(0)
+    model = models.hf_llama(layers=14, d=32)
+    for module in (model.model.embed_tokens, *model.model.layers[:10]):
+        module.requires_grad_(False)
+    ids = models.batch(96, 8, 32)
+    captured = capture(model, (), {"input_ids": ids, "labels": ids}, device=torch.device("cpu"),
+                       compute_dtype=torch.float32)
+    blocks = [s for s, st in enumerate(captured.stages) if st.template.kind == "block"]
+    hardware = get_profile("h100")
+
+    def whole(choice):
+        return build_schedule(captured, choice, check=False)
+    peak_of, _ = judges(captured, blocks, hardware, whole, lower, StepKind())
+    cut = 0
+    for family in search_space(captured, blocks, hardware, device_room=2 ** 40)[::3]:
+        for choice in candidates(blocks, family)[::12]:
+            cut += bool(shorten(captured, blocks, choice, max(choice.offload_lag, choice.prefetch_depth) + 1).runs)
+            assert peak_of(choice) == simulate(whole(choice)).peak, choice
+    assert cut >= 10
