@@ -53,7 +53,7 @@ def _from_run(args: argparse.Namespace) -> None:
         args.hardware = "cpu"
     if args.hardware == "cpu" and run.hbm_budget is None:    # a budget of the weights, as the run takes it there
         from ..train.run_plan import cpu_budget
-        args.hbm_budget = cpu_budget(c, run)
+        args.hbm_budget = cpu_budget(c, run, args.images_per_row, args.image_size)
         print(f"  note           hbm_budget not given: {args.hbm_budget:.4g} GiB, as a run on the cpu backend takes "
               f"it (budget_fraction {c.budget_fraction:g} of the weights, or its smallest plan if more)", flush=True)
     args.host_source = "the run's host_budget"

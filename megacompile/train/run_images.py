@@ -92,11 +92,16 @@ def heaviest(c: RunConfig, model) -> RunImages | None:
 
 def _square(tokens, filled: int, count: int, largest: tuple[int, int]) -> int:
     """The side of a square image whose tokens, `count` times, are the fewest at least `filled`: the
-    largest side that fills them (the processor rounds sides to its patches), never above the side
-    of a square of the largest image's pixels, which holds every record's."""
+    largest side that fills them (the processor rounds sides to its patches), not above the side of
+    a square of the largest image's pixels where a smaller side fills them. A thin image may fill
+    more tokens than a square of its area (the processor rounds its short side up to a patch): the
+    square then grows past that side until it fills them, or until the processor's largest image
+    (image_max_pixels) holds no more."""
     top = _side_of_area(largest)
     side = max(1, math.isqrt(max(filled // count, 1)))
-    while side < top and count * tokens(side, side) < filled:
+    while count * tokens(side, side) < filled:
+        if side >= top and tokens(2 * side, 2 * side) <= tokens(side, side):
+            break
         side += 1
     while side < top and tokens(side + 1, side + 1) == tokens(side, side):
         side += 1

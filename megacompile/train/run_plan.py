@@ -107,13 +107,13 @@ def resolve(c: RunConfig) -> RunPlan:
                    steps=steps, epochs=c.epochs, stage_keys=keys, notes=notes, trained=trained, inputs=inputs)
 
 
-def cpu_budget(c: RunConfig, run: RunPlan) -> float:
+def cpu_budget(c: RunConfig, run: RunPlan, images_per_row: int | None = None, image_size: int | None = None) -> float:
     """GiB a run on the cpu backend takes without hbm_budget, as it takes it (model.device_budget):
     budget_fraction of the trained module's weights in the compute dtype, so that it streams, and
     never less than 1.02 x the smallest plan of its first micro-batch (a preference pair's two rows
-    each, a grpo micro-batch of rollouts; the reward model on the rows it scores). The heavier
-    micro-batches a run sizes the budget for too (more image tokens, kto's KL rows) are not
-    looked at here."""
+    each, a grpo micro-batch of rollouts; the reward model on the rows it scores), its rows holding
+    the images the plan plans (`images_per_row` of `image_size` px: the heaviest its data shows).
+    kto's KL rows, which the run sizes the budget for too, are not looked at here."""
     import torch
     from ..planner import minimum_budget
     from ..settings import Settings
@@ -130,7 +130,8 @@ def cpu_budget(c: RunConfig, run: RunPlan) -> float:
         smallest = minimum_budget(module, settings=settings, hardware="cpu", inputs=run.inputs(
             {"input_ids": ids, "labels": ids}, True))
     else:
-        smallest = minimum_budget(module, settings=settings, hardware="cpu", batch=rows, seq=width)
+        images = dict(images_per_row=images_per_row, image_size=image_size) if images_per_row or image_size else {}
+        smallest = minimum_budget(module, settings=settings, hardware="cpu", batch=rows, seq=width, **images)
     return max(weight_bytes * c.budget_fraction / 2**30, smallest * 1.02)
 
 

@@ -101,6 +101,21 @@ def test_a_qwen_run_plans_its_heaviest_record_not_its_most_images_beside_its_lar
     assert planned["vision"]["images"]["images_per_row"] == 2 and planned["vision"]["images"]["tokens_per_image"] == 16
 
 
+def test_a_cpu_run_without_a_budget_is_planned_at_the_budget_its_images_need(tmp_path, capsys):
+    """device: cpu without hbm_budget: the run takes the smallest plan of its heaviest rows when that
+    is more than budget_fraction of its weights, so its plan holds the images it plans: a 64 x 64
+    image (16 tokens against the others' 4) fits at the budget planned."""
+    path = _run_yaml(tmp_path, hbm_budget=None, budget_fraction=0.01, seq=40)
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(tmp_path / "images" / "big.png")
+    with open(tmp_path / "data.jsonl", "a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "<image> what colour is this"},
+                                         {"role": "assistant", "content": "this is red"}],
+                            "images": ["images/big.png"]}) + "\n")
+    planned, said = _plan(capsys, "--run", path)
+    assert "hbm_budget not given" in said and planned["vision"]["images"]["tokens_per_image"] == 16
+    assert planned["fits"], said
+
+
 def test_the_most_images_of_a_record_are_a_rows_and_a_text_run_plans_none(tmp_path, capsys):
     path = _run_yaml(tmp_path)
     with open(tmp_path / "data.jsonl", "a") as f:
@@ -134,3 +149,21 @@ def test_a_llava_run_plans_its_largest_images_longest_side(tmp_path, capsys, mon
                                     pixels.Limits(min_pixels=1024), pixels.Limits(max_pixels=300, min_pixels=290)])
 def test_the_size_read_from_a_header_is_the_size_the_run_scales_an_image_to(size, limits):
     assert pixels.fitted_size(*size, limits) == pixels.fit(Image.new("RGB", size), limits).size
+
+
+def test_a_thin_images_tokens_are_planned_on_a_square_that_fills_them():
+    """Qwen's processor rounds a 1000 x 15 image's short side up to a 28 px patch: 36 tokens, more than
+    a square of its pixels (123 px) fills; the square grows until it fills them, and stops where the
+    processor's largest image holds no more."""
+    from megacompile.train.run_images import _square
+
+    def tokens(w, h, most=28 * 28 * 64):         # 2 x 2 patches of 14 px merged into a token
+        w, h = max(28, round(w / 28) * 28), max(28, round(h / 28) * 28)
+        while w * h > most:
+            w, h = max(28, w - 28), max(28, h - 28)
+        return (w // 28) * (h // 28)
+    assert tokens(1000, 15) == 36 and tokens(123, 123) < 36
+    side = _square(tokens, 36, 1, (1000, 15))
+    assert tokens(side, side) >= 36 and tokens(side - 28, side - 28) < 36
+    capped = _square(tokens, 100, 1, (1000, 15))         # more than the processor's largest image makes
+    assert tokens(capped, capped) == 64
