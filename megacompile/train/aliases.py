@@ -100,6 +100,17 @@ def _do_train(value: Any) -> None:
                             "which its Trainer does not read)")
 
 
+def _sampling(value: Any) -> Any:
+    """transformers' train_sampling_strategy (KTOConfig's default: sequential, its KL rows paired in
+    the files' order): sequential is disable_shuffling; random, TrainingArguments' default, sets nothing."""
+    if value == "sequential":
+        return True
+    if value in ("random", None):
+        return _DROP
+    raise ArgumentError(f"train_sampling_strategy {value!r} is not supported: rows are shuffled by seed (random) "
+                        "or taken in the files' order (sequential, disable_shuffling: true), not grouped by length")
+
+
 def _strategy(key: str, own: str | None) -> Callable[[Any], Any]:
     """HF's *_strategy: `steps`; for eval and saves also `epoch` (at each epoch's end) and `no`
     (YAML reads a bare `no`, in a file or in a key=value override, as false)."""
@@ -159,6 +170,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "preprocessing_num_workers": ("tokenize_workers", _same),
     "dataset_num_proc": ("tokenize_workers", _same),
     "use_cpu": ("device", lambda value: "cpu" if value is True else _DROP),     # transformers' TrainingArguments
+    "train_sampling_strategy": ("disable_shuffling", _sampling),
 }
 
 # Read together with others below: adam_beta1/2 -> betas, lr_scheduler_type (+ _kwargs) ->

@@ -124,7 +124,7 @@ def off(value: Any, key: str | None = None) -> bool:
     """A value that asks for nothing (TRL's and LlamaFactory's defaults write most of these keys
     as null or false): such a key is accepted and does nothing."""
     if key in trainer_args.ASK_NOTHING and trainer_args.at_default(key, value):
-        return True                 # a dump's default: train_sampling_strategy: random, eos_token: <EOS_TOKEN>
+        return True                 # a dump's default: eos_token: <EOS_TOKEN>
     if key in ZERO_IS_OFF and not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0:
         return True
     if key in DEFAULT_IS_OFF:       # its default alone: use_fast_tokenizer: false asks for another tokenizer

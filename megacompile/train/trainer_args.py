@@ -53,7 +53,6 @@ ASK_NOTHING: dict[str, tuple[tuple, str]] = {
     "optim_target_modules": ((None,), "not supported: megacompile trains with AdamW"),
     "router_aux_loss_coef": ((None,), _ROUTER_LOSS),
     "precompute_ref_batch_size": ((None,), "the reference pass runs batch rows at a time"),
-    "train_sampling_strategy": (("random", "sequential"), "not supported: rows are ordered by seed, not by length"),
     # GRPO (TRL 1.16): what stage grpo does not do
     "use_adaptive_entropy": ((False,), "not supported: the entropy bonus's coefficient is entropy_coef, fixed "
                                        "through the run"),

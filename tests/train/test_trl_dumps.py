@@ -55,11 +55,20 @@ def test_a_trl_config_dump_loads_with_do_train_given(tmp_path, stage, capsys):
 def test_a_field_away_from_its_default_is_refused_or_named(tmp_path, capsys):
     with pytest.raises(ArgumentError, match=r"torch_compile -> megacompile compiles the step itself"):
         load(_keys(tmp_path, "sft", do_train=True, torch_compile=True), [])
-    with pytest.raises(ArgumentError, match=r"train_sampling_strategy -> not supported: rows are ordered by seed"):
+    with pytest.raises(ArgumentError, match=r"train_sampling_strategy 'group_by_length' is not supported: rows are "
+                                            r"shuffled by seed \(random\) or taken in the files' order"):
         load(_keys(tmp_path, "sft", do_train=True, train_sampling_strategy="group_by_length"), [])
-    load(_keys(tmp_path, "sft", do_train=True, train_sampling_strategy="sequential", disable_tqdm=True), [])
+    c = load(_keys(tmp_path, "sft", do_train=True, train_sampling_strategy="random", disable_tqdm=True), [])
     out = capsys.readouterr().out
     assert "disable_tqdm (the run's own progress lines and log.csv)" in out and "train_sampling_strategy" not in out
+    assert c.disable_shuffling is False
+
+
+def test_sequential_sampling_takes_the_files_order_as_ktos_default_does(tmp_path):
+    """KTOConfig's dump writes train_sampling_strategy: sequential (its KL rows are paired in the files'
+    order): the run takes its examples in that order, as disable_shuffling does."""
+    assert load(_keys(tmp_path, "kto", do_train=True), []).disable_shuffling is True
+    assert load(_keys(tmp_path, "sft", do_train=True, train_sampling_strategy="sequential"), []).disable_shuffling
 
 
 @pytest.mark.parametrize("strategy, packing", [("bfd", "isolated"), ("ffd", "isolated"), ("wrapped", True)])
