@@ -45,6 +45,7 @@ from .schedule import warmup_steps
 from .skip_streak import SkipStreak
 from .host_watch import watch_host
 from .stages import Stage, kind, open_stage
+from .stages.epochs import note as epochs_note
 from .stages.stage import CHECKPOINTS
 
 
@@ -243,6 +244,9 @@ def _checked_stage(c: RunConfig, run_dir: str, resume_from: str | None, saved, i
             resume.check_data(saved, stage.fingerprint, stage.same_rows)
         if c.steps is None:
             c.steps = stage.steps_for(c.epochs)
+            items = stage.epoch_items()
+            for line in [] if items is None else epochs_note(c, *items):
+                print(line, flush=True)
         c.warmup = warmup_steps(c.warmup, c.steps)      # a fraction of the steps, now that they are known
         intervals.resolve(c, stage.steps_for)
         best_model.check_intervals(c, list(stage.columns))

@@ -32,6 +32,7 @@ import os
 
 from ..io import durable
 from . import log
+from .stages import epochs
 from .trainer_log import epoch_of
 
 STATE = "trainer_state.json"
@@ -48,9 +49,13 @@ def finish(c, run_dir: str, result: dict, stage, model, best: dict | None, best_
     return f"  results        {', '.join(names)} in {run_dir} (as transformers' Trainer writes them)"
 
 
-def epoch_steps(c, stage) -> int | None:
-    """The steps of an epoch; None when streamed (an epoch's length is unknown)."""
-    return None if c.streaming else stage.steps_for(1.0)
+def epoch_steps(c, stage) -> float | None:
+    """The steps of an epoch, a fraction where an epoch is not whole steps (stages/epochs.py: the
+    logged epoch counts the items read); None when streamed (an epoch's length is unknown)."""
+    if c.streaming:
+        return None
+    items = stage.epoch_items()
+    return stage.steps_for(1.0) if items is None else items[0] / epochs.per_step(c)
 
 
 def counted_parameters(model) -> int:
@@ -109,7 +114,8 @@ def trainer_state(c, rows: list[dict], steps: int, steps_per_epoch: int | None, 
     tokens = sum(r.get("tokens") or 0 for r in rows if r["step"] > 0)
     return {
         "epoch": epoch_of(steps, steps_per_epoch).get("epoch"), "global_step": steps, "max_steps": c.steps,
-        "num_train_epochs": math.ceil(c.steps / steps_per_epoch) if steps_per_epoch else None,
+        "num_train_epochs": math.ceil(c.epochs) if c.epochs is not None else
+        math.ceil(c.steps / math.ceil(steps_per_epoch)) if steps_per_epoch else None,
         "logging_steps": c.log_every, "eval_steps": _interval(c.eval_every), "save_steps": _interval(c.save_every),
         "train_batch_size": c.batch, "num_input_tokens_seen": tokens, "total_flos": float(6 * params * tokens),
         "log_history": history(rows, c.log_every, steps_per_epoch, last),

@@ -44,6 +44,7 @@ from ..data.ranking import preference
 from ..data.reading import records
 from ..log import STEP_COLUMNS
 from .order import stream_items
+from .epochs import steps as epoch_steps
 from .handed_out import step_micro_batches
 from .keys import dpo_loss_terms, saved_keys
 from . import reference, truncation
@@ -121,7 +122,10 @@ class DPOStage(reference.ReferenceStage):
                 + f"; {self.c.steps} steps"] + self.cuts.lines()
 
     def steps_for(self, epochs: float) -> int:
-        return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
+        return epoch_steps(self.c, len(self.pairs), epochs)
+
+    def epoch_items(self) -> tuple[int, str] | None:
+        return len(self.pairs), "pairs"
 
     def objective(self, policy):
         return DPOObjective(policy, self.loss, hand_out=True)

@@ -43,6 +43,7 @@ from ..log import STEP_COLUMNS
 from .handed_out import step_micro_batches
 from .keys import saved_keys
 from .order import stream_items
+from .epochs import steps as epoch_steps
 from . import example_cuts, reference
 
 METRICS = ("rewards_chosen", "rewards_rejected", "kl")
@@ -183,7 +184,10 @@ class KTOStage(reference.ReferenceStage):
         return lines + self.cuts.lines()
 
     def steps_for(self, epochs: float) -> int:
-        return max(1, -(-int(epochs * len(self.examples)) // (self.c.batch * self.c.grad_accum)))
+        return epoch_steps(self.c, len(self.examples), epochs)
+
+    def epoch_items(self) -> tuple[int, str] | None:
+        return len(self.examples), "examples"
 
     def objective(self, policy):
         return KTOObjective(policy, self.loss, hand_out=True)

@@ -35,6 +35,7 @@ from ..model import check_positions
 from .handed_out import step_micro_batches
 from .keys import check_resume, saved_keys
 from .order import stream_items
+from .epochs import steps as epoch_steps
 from .reference import hold_out
 from .stage import Stage
 
@@ -154,7 +155,10 @@ class RMStage(Stage):
                 f"Bradley-Terry loss" + (f" + {center:g} x (r+ + r-)^2" if center else "") + f"; {self.c.steps} steps"]
 
     def steps_for(self, epochs: float) -> int:
-        return max(1, -(-int(epochs * len(self.pairs)) // (self.c.batch * self.c.grad_accum)))
+        return epoch_steps(self.c, len(self.pairs), epochs)
+
+    def epoch_items(self) -> tuple[int, str] | None:
+        return len(self.pairs), "pairs"
 
     def objective(self, model):
         return reward_model(self.c, model)

@@ -24,6 +24,7 @@ from ...posttrain import DFTObjective, EAFTObjective
 from . import held_out
 from .keys import check_resume, saved_keys
 from .stage import Stage
+from .epochs import steps as epoch_steps
 
 
 class SFTStage(Stage):
@@ -80,8 +81,10 @@ class SFTStage(Stage):
             raise
 
     def steps_for(self, epochs: float) -> int:
-        per_step = self.c.global_batch or self.c.batch * self.c.grad_accum
-        return max(1, math.ceil(epochs * self.rows.rows_per_epoch / per_step))
+        return epoch_steps(self.c, self.rows.rows_per_epoch, epochs)
+
+    def epoch_items(self) -> tuple[int, str] | None:
+        return None if self.c.streaming else (self.rows.rows_per_epoch, "rows")
 
     def commit(self, run_dir: str) -> None:
         for made in self.made:

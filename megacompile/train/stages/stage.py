@@ -24,6 +24,11 @@ class Stage:
     def steps_for(self, epochs: float) -> int:
         raise NotImplementedError
 
+    def epoch_items(self) -> tuple[int, str] | None:
+        """The items an epoch holds and what they are ("rows", "pairs"), where a step takes
+        epochs.per_step of them; None where an epoch's length is unknown or counted otherwise."""
+        return None
+
     def commit(self, run_dir: str) -> None:
         """Put what the stage made while reading its data in the run folder (every check passed)."""
 
