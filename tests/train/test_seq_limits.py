@@ -6,6 +6,7 @@ import pytest
 
 from megacompile.errors import ArgumentError
 from megacompile.train import load, run
+from megacompile.train.stages import open_stage
 from tests.train import files
 
 TINY = ["bundled_model.dim=32", "bundled_model.layers=1", "bundled_model.heads=2", "bundled_model.kv_heads=1",
@@ -40,3 +41,17 @@ def test_a_refusal_after_the_checks_names_the_key_as_the_run_yaml_wrote_it(tmp_p
         run(load(None, ["device=cpu", "steps=1", "cutoff_len=300", f"model={model}", f"data={notes}",
                         f"run_dir={tmp_path / 'run'}"]))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_seq_longer_than_records_one_a_row_is_a_cap_as_cutoff_len_is(tmp_path):
+    """LlamaFactory's cutoff_len caps a record: chats each in a row of their own train with a seq
+    longer than all of them together."""
+    model = files.model_dir(str(tmp_path / "model"))          # max_position_embeddings: 256
+    chats = files.chats(str(tmp_path / "chats.jsonl"), n=2)
+    path = files.run_yaml(str(tmp_path / "run.yaml"), model=model, data=[chats], seq=256, batch=1, steps=1,
+                          device="cpu", run_dir=str(tmp_path / "run"))
+    stage = open_stage(load(path, []), str(tmp_path / "run"), None)
+    assert stage.rows.rows_per_epoch == 2
+    stage.discard()
+    with pytest.raises(ArgumentError, match="seq 256 is longer than the training data"):     # packed, they would not
+        open_stage(load(path, ["packing=true"]), str(tmp_path / "packed"), None)

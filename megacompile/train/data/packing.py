@@ -66,6 +66,11 @@ class Rows:
         self.rows_per_epoch = self._ends[0]
         self.epoch_tokens = int((tokens.docs[order + 1] - tokens.docs[order]).sum())
 
+    @property
+    def one_a_row(self) -> bool:
+        """Every document fills a row of its own (records unpacked, or documents with images)."""
+        return self.packing in (None, False) and not (self.kinds == placement.TEXT).any()
+
     def _layout(self, epoch: int) -> tuple:
         """The epoch's document order, where each starts in the stream, and its row order."""
         if self._epoch is None or self._epoch[0] != epoch:

@@ -71,7 +71,8 @@ class SFTStage(Stage):
         try:
             self.each_rows = _each(self.eval_rows, self.names) if self.names else []
             available = self.rows.epoch_tokens
-            if available is not None and c.seq > available:
+            # records one a row are padded to seq whatever its length (trim_padding cuts the padding)
+            if available is not None and c.seq > available and not getattr(self.rows, "one_a_row", False):
                 raise ArgumentError(f"seq {c.seq:,} is longer than the training data, {available:,} tokens"
                                     f"{' (after eval_fraction)' if c.eval_fraction else ''}: every row would be "
                                     f"mostly padding; give seq <= {available:,}, or more data")
