@@ -103,7 +103,9 @@ def test_dpo_run_logs_margins_and_accuracy_and_evaluates_the_held_out_pairs(tmp_
         assert float(r["reward_margin"]) == pytest.approx(float(r["rewards_chosen"]) - float(r["rewards_rejected"]),
                                                           abs=1e-6)
         assert float(r["preference_accuracy"]) in (0.0, 0.5, 1.0)
+        assert float(r["logps_chosen"]) < 0 and float(r["logps_rejected"]) < 0      # summed over each completion
     assert [bool(r["eval_loss"]) for r in rows] == [False, True, True]      # eval_every 2, and the last step
+    assert all(float(r["eval_logps_chosen"]) < 0 for r in rows if r["eval_loss"])
     assert float(first["grad_norm"]) > 0
     assert os.path.isfile(str(tmp_path / "run" / "reference_logps.pt"))
     _board_holds_the_log(str(tmp_path / "run"), rows, ("reward_margin", "preference_accuracy", "eval_reward_margin"))
@@ -128,6 +130,9 @@ def test_simpo_and_orpo_train_the_policy_alone_named_as_llamafactory_names_them(
         # rewards are beta x log-probability per token: an untrained model's is about -log(vocabulary)
         vocab = len(json.load(open(os.path.join(work["model"], "tokenizer.json")))["model"]["vocab"])
         assert -2.0 * 2 * math.log(vocab) < float(runs["own"][0]["rewards_chosen"]) < 0
+        for row in runs["own"]:     # TRL's logps/chosen and /rejected: per token here, the rewards over beta
+            for side in ("chosen", "rejected"):
+                assert float(row[f"logps_{side}"]) == pytest.approx(float(row[f"rewards_{side}"]) / 2.0, rel=1e-5)
         if loss == "orpo":      # LlamaFactory's two terms, logged by its names: the loss is their sum
             for row in runs["own"]:
                 assert float(row["loss"]) == pytest.approx(float(row["sft_loss"]) + 2.0 * float(row["odds_ratio_loss"]),

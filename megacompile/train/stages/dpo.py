@@ -49,7 +49,8 @@ from .handed_out import step_micro_batches
 from .keys import dpo_loss_terms, saved_keys
 from . import reference, truncation
 
-METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")
+METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy", "logps_chosen",
+           "logps_rejected")
 # ORPO's two terms, as TRL's ORPO trainer and LlamaFactory's DPO trainer log them (dpo_losses.orpo_metrics)
 ORPO_METRICS = {"orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"), "orpo_per_pair": ("sft_loss", "odds_ratio_loss")}
 
@@ -210,6 +211,7 @@ class DPOStage(reference.ReferenceStage):
         rows = lambda ts: torch.cat([torch.cat([t[:b] for t in ts]), torch.cat([t[b:] for t in ts])])  # noqa: E731
         lengths = rows([(batch["labels"] != IGNORE).sum(-1).float() for batch, _ in micro])
         metrics = preference_metrics(rows(policy), rows([r for _, r in micro]), self.c.beta, self._per_token(lengths))
+        metrics.update(_logps(rows(policy), self._per_token(lengths)))
         for kind in self.orpo:
             both, half = rows(policy), len(lengths) // 2
             metrics.update(orpo_metrics(kind, both[:half], both[half:], lengths[:half], lengths[half:]))
@@ -233,6 +235,7 @@ class DPOStage(reference.ReferenceStage):
         losses = self.loss.pairs(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), lengths)
         both = preference_metrics(torch.cat([policy[:, 0], policy[:, 1]]), torch.cat([ref[:, 0], ref[:, 1]]), c.beta,
                                   self._per_token(lengths))
+        both.update(_logps(torch.cat([policy[:, 0], policy[:, 1]]), self._per_token(lengths)))
         return {"eval_loss": losses.mean().item(), **{f"eval_{k}": v for k, v in both.items()}}
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
@@ -240,6 +243,16 @@ class DPOStage(reference.ReferenceStage):
 
     def checkpoint_extra(self) -> dict:
         return {"stage": saved_keys(self.c)}
+
+
+def _logps(policy: torch.Tensor, tokens: torch.Tensor | None) -> dict[str, float]:
+    """The policy's mean log-probability of the chosen and of the rejected completions (the first
+    and second half of `policy`), as TRL logs logps/chosen and logps/rejected: summed over each
+    completion's tokens, or per token where the rewards are (`tokens`: the completions' lengths)."""
+    if tokens is not None:
+        policy = policy / tokens.clamp(min=1)
+    half = policy.shape[0] // 2
+    return {"logps_chosen": policy[:half].mean().item(), "logps_rejected": policy[half:].mean().item()}
 
 
 def _terms(loss: DPOLoss) -> str:
