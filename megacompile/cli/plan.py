@@ -158,12 +158,13 @@ def plan(args: argparse.Namespace) -> int:
     except HostMemoryError as e:    # the masters alone do not fit the host: the plan where they would
         print(host_line)
         print(f"  verdict        does NOT fit: {e}")
-        room = (None if args.global_batch is not None or "ranks" in kwargs else     # one plan, one process
-                _with_room(model, settings, kwargs, args.batch, e.facts, host_budget))
+        one = args.global_batch is None and "ranks" not in kwargs      # one plan, one process
+        room = _with_room(model, settings, kwargs, args.batch, e.facts, host_budget) if one else None
+        lora = _with_lora(args, settings, kwargs, e.facts, host_budget) if one else None
         if args.json:
             print(json.dumps({"fits": False, "host_budget_bytes": int(host_budget * 2**30),
-                              "host_budget_source": _host_source(args),
-                              "error": str(e), **e.facts, **({"with_room": room} if room else {})}),
+                              "host_budget_source": _host_source(args), "error": str(e), **e.facts,
+                              **({"with_room": room} if room else {}), **({"with_lora": lora} if lora else {})}),
                   file=args.json_out)
         return DOES_NOT_FIT
     except BudgetTooSmallError as e:
@@ -219,36 +220,78 @@ def plan(args: argparse.Namespace) -> int:
     return 0 if fits else DOES_NOT_FIT
 
 
-def _with_room(model, settings, kwargs: dict, batch: int, facts: dict, host_budget: float) -> dict | None:
+def _with_room(model, settings, kwargs: dict, batch: int, facts: dict, host_budget: float,
+               label: str = "with room", flags: str = "") -> dict | None:
     """After a host refusal: the plan at the host and disk budgets its advice leads to (the disk
     beside the host given, else the smallest host that fits), printed in a line, so the reader
     sees whether the device fits and how fast a step runs before buying RAM or a drive; its
     figures, or None."""
-    from ..errors import BudgetTooSmallError, HostMemoryError
-    from ..ir.printer import fmt_bytes, fmt_seconds
-    from ..planner.from_config import plan
+    from ..errors import HostMemoryError
     from ..planner.host_advice import fitting_budgets
-    from ..planner.step_bound import bound
     budgets = fitting_budgets(facts, host_budget, settings.nvme_budget)
     if budgets is None:
         return None
     host, nvme = budgets
-    flags = f"--host-budget {host:g}" + (f" --nvme-budget {nvme}" if nvme else "")
+    flags += f"--host-budget {host:.10g}" + (f" --nvme-budget {nvme}" if nvme else "")
     try:
-        result = plan(model, settings=settings.replace(host_budget=host, nvme_budget=nvme), batch=batch, **kwargs)
-    except BudgetTooSmallError as e:
-        print(f"  with room      {flags}: the device does NOT fit either, its smallest budget "
-              f"{fmt_bytes(e.minimum_bytes)} of the {fmt_bytes(settings.budget_bytes)} given")
-        return {"host_budget_gib": host, "nvme_budget_gib": nvme, "fits": False,
-                "smallest_budget_bytes": e.minimum_bytes}
+        planned = _planned_line(label, flags, model, settings.replace(host_budget=host, nvme_budget=nvme), kwargs,
+                                batch)
     except HostMemoryError:
         return None
+    return {"host_budget_gib": host, "nvme_budget_gib": nvme, **planned}
+
+
+# The rank a run's lora_rank defaults to (LlamaFactory's), planned when a refusal names LoRA.
+LORA_RANK = 8
+
+
+def _with_lora(args: argparse.Namespace, settings, kwargs: dict, facts: dict, host_budget: float) -> dict | None:
+    """After a host refusal that names LoRA (a full fine-tune's): LoRA of rank 8 on the --lora-target
+    modules planned whole, its adapters' state and offloaded activations with its base, at the
+    budgets given, or where they do not hold it at the budgets its own refusal leads to; printed in
+    a `with LoRA` line, so that the alternative named is one whose fit the reader sees; its
+    figures, or None (a run.yaml's model: the run says how it trains)."""
+    import os
+
+    from ..errors import HostMemoryError
+    from ..planner.from_config import model_from_config
+    from ..train.methods.lora import lora_for_plan
+    if "lora_base_bytes" not in facts or args.run_yaml is not None or not isinstance(args.config, (str, os.PathLike)):
+        return None
+    model = lora_for_plan(model_from_config(args.config), LORA_RANK, args.lora_target, DTYPES[args.dtype])
+    flags = f"--lora-rank {LORA_RANK}"
+    try:
+        planned = _planned_line("with LoRA", flags, model, settings, kwargs, args.batch)
+        planned = {"host_budget_gib": host_budget, "nvme_budget_gib": settings.nvme_budget, **planned}
+    except HostMemoryError as e:
+        planned = _with_room(model, settings, kwargs, args.batch, e.facts, host_budget, "with LoRA", flags + " ")
+        if planned is None:
+            print(f"  with LoRA      {flags}: does NOT fit the host either: {e}")
+            return {"lora_rank": LORA_RANK, "fits": False, "error": str(e)}
+    return {"lora_rank": LORA_RANK, **planned}
+
+
+def _planned_line(label: str, flags: str, model, settings, kwargs: dict, batch: int) -> dict:
+    """The plan at `settings`, in one line after `label` and the flags that ask for it: its device
+    peak and step, or the smallest budget its device needs; its figures. A host refusal is raised."""
+    from ..errors import BudgetTooSmallError
+    from ..ir.printer import fmt_bytes, fmt_need, fmt_seconds
+    from ..planner.from_config import plan
+    from ..planner.step_bound import bound
+    head = f"  {label:<15}{flags}: "
+    try:
+        result = plan(model, settings=settings, batch=batch, **kwargs)
+    except BudgetTooSmallError as e:
+        print(f"{head}the device does NOT fit either, its smallest budget {fmt_need(e.minimum_bytes)} of the "
+              f"{fmt_bytes(settings.budget_bytes)} given")
+        return {"fits": False, "smallest_budget_bytes": e.minimum_bytes}
     p = result.prediction
-    print(f"  with room      {flags}: device peak {fmt_bytes(result.predicted_peak_bytes)} of the "
-          f"{fmt_bytes(result.budget_bytes)} budget, {fmt_seconds(p.step_s)} per step, {p.tokens_per_s:,.0f} tok/s"
-          + "".join(f"; bound by {what}" for what, _ in filter(None, [bound(result)])))
-    return {"host_budget_gib": host, "nvme_budget_gib": nvme, "fits": result.fits_card,
-            "device_peak_bytes": result.predicted_peak_bytes, "predicted_step_s": p.step_s,
+    bound_by = "".join(f"; bound by {what}" for what, _ in filter(None, [bound(result)]))
+    print(f"{head}device peak {fmt_bytes(result.predicted_peak_bytes)} of the {fmt_bytes(result.budget_bytes)} "
+          f"budget, host memory {fmt_need(result.host_bytes + result.stash_bytes)}, {fmt_seconds(p.step_s)} per "
+          f"step, {p.tokens_per_s:,.0f} tok/s{bound_by}")
+    return {"fits": result.fits_card, "device_peak_bytes": result.predicted_peak_bytes,
+            "host_bytes": result.host_bytes + result.stash_bytes, "predicted_step_s": p.step_s,
             "predicted_tokens_per_s": p.tokens_per_s}
 
 
@@ -267,12 +310,12 @@ def _run_line(args: argparse.Namespace, step_s: float) -> float | None:
 
 def _verdict(result, refused: bool, given_bytes: int) -> str:
     """Whether the plan fits: the budget given, then the card's memory (a budget may be set above it)."""
-    from ..ir.printer import fmt_bytes
+    from ..ir.printer import fmt_bytes, fmt_need
     card = result.card_bytes
     if refused:
         need = result.minimum_budget_bytes
-        verdict = (f"does NOT fit: needs {fmt_bytes(need)} of device memory, {fmt_bytes(given_bytes)} given: "
-                   f"{fmt_bytes(need - given_bytes)} short")
+        verdict = (f"does NOT fit: needs {fmt_need(need)} of device memory, {fmt_bytes(given_bytes)} given: "
+                   f"{fmt_need(need - given_bytes)} short")
         if card is not None and need > card:
             verdict += (f"; that is more than the {fmt_bytes(card)} of the {result.hardware.name}: it fits that card "
                         "at no budget")
@@ -285,8 +328,8 @@ def _verdict(result, refused: bool, given_bytes: int) -> str:
     # card, its driver and ECC setting, may leave a little more or less.
     measure = ("" if name.endswith("(measured)") else ", or plan with a profile measured on the card (`megacompile "
                "calibrate`), which counts the memory torch sees under its own driver and ECC setting")
-    return (f"does NOT fit the {name}: the plan needs {fmt_bytes(need)} of device memory (its peak and reserve), the "
-            f"card has {fmt_bytes(card)}: {fmt_bytes(need - card)} short; the budget given is "
+    return (f"does NOT fit the {name}: the plan needs {fmt_need(need)} of device memory (its peak and reserve), the "
+            f"card has {fmt_bytes(card)}: {fmt_need(need - card)} short; the budget given is "
             f"more than the card: give one within it (without --hbm-budget, {DEVICE_SHARE:.0%} of it: "
             f"{DEVICE_SHARE * card / 2**30:.2f} GiB){measure}")
 

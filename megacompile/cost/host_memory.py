@@ -227,15 +227,15 @@ def choose_placement(costs: list[HostCost], host_budget: int | None, nvme_budget
 
 def why_not(costs: list[HostCost], host_budget: int, nvme_budget: int | None) -> str:
     """Why no placement fits, in words: what each level needs against the budgets."""
-    from ..ir.printer import fmt_bytes
+    from ..ir.printer import fmt_need
     parts = []
     for c in costs:
         if c.disk_bytes and nvme_budget is None:
-            parts.append(f"{c.placement.describe()}: {fmt_bytes(c.ram_bytes)} of RAM and {fmt_bytes(c.disk_bytes)} "
+            parts.append(f"{c.placement.describe()}: {fmt_need(c.ram_bytes)} of RAM and {fmt_need(c.disk_bytes)} "
                          "of disk (no disk tier given: pass nvme_dir / --nvme-budget)")
         else:
-            parts.append(f"{c.placement.describe()}: {fmt_bytes(c.ram_bytes)} of RAM "
-                         f"({c.ram_bytes_per_param:.3g} B/param), {fmt_bytes(c.disk_bytes)} of disk")
+            parts.append(f"{c.placement.describe()}: {fmt_need(c.ram_bytes)} of RAM "
+                         f"({c.ram_bytes_per_param:.3g} B/param), {fmt_need(c.disk_bytes)} of disk")
     budgets = f"host budget {host_budget / GiB:.4g} GiB" + (
         f", disk budget {nvme_budget / GiB:.4g} GiB" if nvme_budget is not None else ", no disk tier")
     return f"{budgets}; " + "; ".join(parts)

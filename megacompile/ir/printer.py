@@ -76,6 +76,39 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError
 
 
+def fmt_need(n: int) -> str:
+    """Bytes a reader may give back as a budget, as fmt_bytes writes them but rounded up at the
+    digit shown: 4,610,156,407 B is 4.2935 GiB, written 4.30 GiB (4.29 would be 3.6 MiB short)."""
+    for power, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB")):
+        if n < 1024 ** (power + 1) or unit == "TiB":
+            if unit == "B":
+                return f"{math.ceil(n)} B"
+            hundredths = -(-math.ceil(n * 100) // 1024 ** power)      # integer ceiling: no float rounding
+            return f"{hundredths // 100}.{hundredths % 100:02d} {unit}"
+    raise AssertionError
+
+
+def gib_need(n: int, digits: int = 4) -> str:
+    """Bytes as GiB to `digits` significant figures, rounded up: a budget given back in GiB
+    (hbm_budget=, --hbm-budget) that holds n bytes."""
+    return _gib(n, digits, up=True)
+
+
+def gib_within(n: int, digits: int = 4) -> str:
+    """Bytes as GiB to `digits` significant figures, rounded down: a budget given back in GiB that
+    stays within n bytes (a device's memory)."""
+    return _gib(n, digits, up=False)
+
+
+def _gib(n: int, digits: int, up: bool) -> str:
+    if n <= 0:
+        return "0"
+    decimals = max(0, digits - 1 - math.floor(math.log10(n / 2**30)))
+    units = -(-n * 10**decimals // 2**30) if up else n * 10**decimals // 2**30     # in 10^-decimals GiB, exact
+    text = f"{units // 10**decimals}.{units % 10**decimals:0{decimals}d}" if decimals else str(units)
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def fmt_seconds(s: float) -> str:
     """Seconds as s, ms or us, three significant digits, never an exponent."""
     if s == 0:

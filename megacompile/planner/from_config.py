@@ -197,11 +197,11 @@ def split_line(micro: int, k: int, outcome, seconds: float) -> str:
     """One split of a global batch as choose_micro_batch's on_split hears of it: its predicted step
     and tokens/s, or why it does not fit, and how long planning it took."""
     from ..errors import BudgetTooSmallError
-    from ..ir.printer import fmt_bytes
+    from ..ir.printer import fmt_need
     head = f"  split          {micro} row{'s' * (micro != 1)} x {k} accumulated".ljust(44)   # as `micro-batch` says it
     took = f" (planned in {seconds:.0f} s)"
     if isinstance(outcome, BudgetTooSmallError):
-        return f"{head}does not fit: its smallest budget is {fmt_bytes(outcome.minimum_bytes)}{took}"
+        return f"{head}does not fit: its smallest budget is {fmt_need(outcome.minimum_bytes)}{took}"
     if isinstance(outcome, Exception):
         return f"{head}does not fit the host: {str(outcome).split(';')[0][:160]}{took}"
     p = outcome.prediction

@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..cost.host_memory import HostCost
-from ..ir.printer import fmt_bytes
+from ..ir.printer import fmt_bytes, fmt_need
 
 GiB = 2**30
 
@@ -27,28 +27,40 @@ def disk_advice(costs: list[HostCost], host_budget: int, nvme_budget: int | None
         if nvme_budget is None and any(c.disk_bytes for c in costs):
             least = costs[-1]
             return (f", or give a disk tier (compile(..., nvme_dir=PATH), --nvme-budget GiB) for the AdamW moments and "
-                    f"masters, though even with both on disk {fmt_bytes(least.ram_bytes)} stays in RAM")
+                    f"masters, though even with both on disk {fmt_need(least.ram_bytes)} stays in RAM")
         return ""
     need = f"--nvme-budget {_gib_up(fitting.disk_bytes)}"
     if nvme_budget is None:
         return (f", or give a disk tier (compile(..., nvme_dir=PATH), --nvme-budget GiB) for the AdamW moments and "
-                f"masters: {need} puts {fitting.placement.describe()}, {fmt_bytes(fitting.ram_bytes)} of RAM left")
+                f"masters: {need} puts {fitting.placement.describe()}, {fmt_need(fitting.ram_bytes)} left in RAM")
     return (f", or a larger disk budget: {need} (of {fmt_bytes(nvme_budget)} given) puts "
-            f"{fitting.placement.describe()}, {fmt_bytes(fitting.ram_bytes)} of RAM left")
+            f"{fitting.placement.describe()}, {fmt_need(fitting.ram_bytes)} left in RAM")
 
 
-def lora_advice(captured, compute_dtype: torch.dtype, host_budget: int) -> str:
-    """For a full fine-tune: the RAM LoRA's frozen base takes, held in the compute dtype as a LoRA
-    run holds it (train/methods/lora.py), its adapters' state besides (a few per cent)."""
+def lora_base_bytes(captured, compute_dtype: torch.dtype) -> int | None:
+    """For a full fine-tune: the RAM LoRA's frozen base would take, held in the compute dtype as a
+    LoRA run holds it (train/methods/lora.py); None where the model has a frozen base already (LoRA,
+    frozen layers): its state is what it is."""
     state = captured.state.values()
     if any(not e.trainable and not e.is_buffer for e in state):
-        return ""           # already a frozen base (LoRA, frozen layers): its state is what it is
+        return None
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    base = sum(e.numel * (e.dtype.itemsize if e.is_buffer else itemsize) for e in state)
-    fits = "within" if base <= host_budget else "beyond"
-    return (f", or train LoRA adapters on the frozen base (--lora-rank R; a PEFT model in compile()): the base in "
-            f"{str(compute_dtype).replace('torch.', '')} takes {fmt_bytes(base)} of RAM, {fits} the host budget, "
-            "the adapters' state a little more")
+    return sum(e.numel * (e.dtype.itemsize if e.is_buffer else itemsize) for e in state)
+
+
+def lora_advice(base: int | None, compute_dtype: torch.dtype, host_budget: int) -> str:
+    """LoRA named beside the other changes, with what its base alone takes: the adapters' state
+    and their offloaded activations come on top, so a base within the budget is no promise of a fit
+    (`megacompile plan` plans LoRA whole in its `with LoRA` line)."""
+    if base is None:
+        return ""
+    dtype = str(compute_dtype).replace("torch.", "")
+    if base > host_budget:
+        return (f"; LoRA adapters on the frozen base (--lora-rank R; a PEFT model in compile()) would not fit "
+                f"either: the base alone in {dtype} takes {fmt_need(base)} of RAM")
+    return (f", or train LoRA adapters on the frozen base (--lora-rank R; a PEFT model in compile()): the base "
+            f"alone in {dtype} takes {fmt_need(base)} of RAM, leaving {fmt_bytes(host_budget - base)} of the host "
+            "budget for the adapters' AdamW state and the offloaded activations")
 
 
 def fitting_budgets(facts: dict, host_budget: float, nvme_budget: float | None) -> tuple[float, int | None] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..cost.model_flops import frozen_flop_weights
-from ..ir.printer import fmt_bytes, fmt_rate, fmt_seconds
+from ..ir.printer import fmt_bytes, fmt_need, fmt_rate, fmt_seconds
 from . import plan_blocks, plan_json
 from .measured import MeasuredRun
 from .step_bound import bound_line
@@ -137,7 +137,7 @@ def save_line(plan) -> list[str]:
     nbytes, what = plan_json.save_transient(plan)
     line = f"  saving         a checkpoint or export holds at most {fmt_bytes(nbytes)} more while it writes ({what})"
     if plan.host_budget_bytes is not None and plan.host_bytes + nbytes > plan.host_budget_bytes:
-        line += (f": {fmt_bytes(plan.host_bytes + nbytes - plan.host_budget_bytes)} over the host budget beside "
+        line += (f": {fmt_need(plan.host_bytes + nbytes - plan.host_budget_bytes)} over the host budget beside "
                  "the host state; give more host RAM or put state on disk (--nvme-budget)")
     return [line]
 
@@ -152,7 +152,7 @@ def host_lines(plan) -> list[str]:
     pool = f", disk tier pool {fmt_bytes(c.pool_bytes)}" if c.pool_bytes else ""
     lines = [f"  host tiers     {c.placement.describe()}: {c.ram_bytes_per_param:.3g} B/param in RAM; "
              f"RAM: {tier('ram')}{pool}" + (f", frozen weights and buffers {fmt_bytes(c.frozen_bytes)}"
-                                            if c.frozen_bytes else "")
+                                            f"{frozen_dtype(plan.captured)}" if c.frozen_bytes else "")
              + (f"; disk: {tier('disk')}" if c.disk_bytes else "")]
     if c.disk_bytes:
         need = plan.disk_bandwidth_needed
@@ -178,6 +178,25 @@ def host_lines(plan) -> list[str]:
     return lines
 
 
+def frozen_dtype(captured) -> str:
+    """The dtype the frozen weights are held in on the host, which is theirs as the model holds them
+    (a PEFT model loaded in float32 keeps a float32 base), and what those wider than the compute
+    dtype would take loaded in it: the device reads them in the compute dtype either way."""
+    frozen = [e for e in captured.state.values() if not e.trainable and not e.is_buffer]
+    if not frozen:
+        return ""
+    compute = captured.compute_dtype
+    names = ", ".join(sorted({str(e.dtype).replace("torch.", "") for e in frozen}))
+    wide = [e for e in frozen if e.dtype.is_floating_point and e.dtype.itemsize > compute.itemsize]
+    if not wide:
+        return f" (the frozen weights in {names})"
+    held = sum(e.numel * e.dtype.itemsize for e in wide)
+    name = str(compute).replace("torch.", "")
+    narrow = sum(e.numel for e in wide) * compute.itemsize
+    return (f" (the frozen weights in {names}: {fmt_bytes(held)} of them wider than the {name} compute reads; loaded "
+            f"in {name}, torch_dtype=torch.{name}, they take {fmt_bytes(narrow)})")
+
+
 def card_line(plan) -> list[str]:
     """The card's memory, where the plan needs more of it or was given a budget above it."""
     card, need = plan.card_bytes, plan.device_bytes_needed
@@ -186,9 +205,9 @@ def card_line(plan) -> list[str]:
         return []
     line = f"  card           {fmt_bytes(card)} of memory on the {plan.hardware.name}: "
     if need > card:
-        return [line + f"the plan needs {fmt_bytes(need)} (its peak and reserve), {fmt_bytes(need - card)} more: "
+        return [line + f"the plan needs {fmt_need(need)} (its peak and reserve), {fmt_need(need - card)} more: "
                        "it does NOT fit the card; plan at a budget within the card"]
-    return [line + f"the {fmt_bytes(budget)} budget is more than that; the plan needs {fmt_bytes(need)}, within "
+    return [line + f"the {fmt_bytes(budget)} budget is more than that; the plan needs {fmt_need(need)}, within "
                    "the card"]
 
 
@@ -204,8 +223,9 @@ def reserve_line(plan) -> list[str]:
 
 
 def smallest_line(plan) -> str:
+    """The smallest budget that fits, rounded up so that the figure given back fits (fmt_need)."""
     how = "all blocks recomputed, their inputs in host memory where the host budget allows, no prefetch overlap"
-    line = f"  smallest fit   {fmt_bytes(plan.minimum_budget_bytes)}"
+    line = f"  smallest fit   {fmt_need(plan.minimum_budget_bytes)}"
     if plan.minimum_over_chunks:
         return f"{line}: the smallest budget any plan fits ({how}; the blocks whole or over sequence chunks)"
     if plan.lowest_budget is None:
@@ -227,6 +247,6 @@ def peak_line(plan, measured: str) -> str:
                 f"({100 * plan.predicted_peak_bytes / plan.budget_bytes:.1f}%){laid_out}; {measured}")
     need = plan.minimum_budget_bytes
     return (f"  device peak    {peak} predicted{laid_out} + {fmt_bytes(plan.reserve.total)} reserve: needs "
-            f"{fmt_bytes(need)}, "
-            f"{fmt_bytes(need - given)} more than the {fmt_bytes(given)} budget given (the plan shown is the one "
-            f"at {fmt_bytes(need)}); {measured}")
+            f"{fmt_need(need)}, "
+            f"{fmt_need(need - given)} more than the {fmt_bytes(given)} budget given (the plan shown is the one "
+            f"at {fmt_need(need)}); {measured}")

@@ -51,7 +51,7 @@ from .. import arguments
 from ..cost.decode import BF16
 from ..cost.generation_memory import generate_transient_bytes
 from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
-from ..ir.printer import fmt_bytes, fmt_seconds
+from ..ir.printer import fmt_bytes, fmt_need, fmt_seconds
 from ..optim import AdamW
 from ..settings import Settings
 from .from_config import hardware_profile, model_from_config, plan
@@ -319,7 +319,7 @@ def plan_stage(model_or_config: Any, hbm_budget: float, stage: str = "sft", *, b
                 f"the generator holds {fmt_bytes(beside)} on the device for the whole run (its {place} copy, "
                 f"the rollout's key-value cache and the tensors its generate passes through), which leaves the "
                 f"engine's plans {fmt_bytes(max(0, arguments.budget_bytes('hbm_budget', hbm_budget) - beside))}, and their smallest "
-                f"needs {fmt_bytes(e.minimum_bytes)}: give hbm_budget >= {math.ceil(need / 2 ** 30 * 100) / 100:.2f}, "
+                f"needs {fmt_need(e.minimum_bytes)}: give hbm_budget >= {math.ceil(need / 2 ** 30 * 100) / 100:.2f}, "
                 "or fewer rollout rows or tokens (a smaller cache), or generator engine. The planner: " + str(e),
                 need) from e
     steps = keys["num_iterations"] if stage == "grpo" else 1

@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..capture import CapturedModel
 from ..errors import ArgumentError, BudgetTooSmallError, HostMemoryError
-from ..ir.printer import fmt_bytes
+from ..ir.printer import fmt_bytes, fmt_need, gib_need
 from ..ir.simulate import simulate
 from ..ir.verify import verify
 from ..capture.model_graph import owners
@@ -23,7 +23,7 @@ from .solve import solve
 from ..passes.lower import lower
 from ..passes.selective import with_selective
 from .shorten import Short, held_bytes, live_bytes, peak_with_cut, shorten, span
-from .host_advice import disk_advice, lora_advice
+from .host_advice import disk_advice, lora_advice, lora_base_bytes
 from .solve import Family, Selective, candidates, families, lowest
 from ..passes.baselines import baseline_choice
 from .chunk_count import plan_chunked
@@ -145,11 +145,11 @@ def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
                     "fragmentation" if at_minimum else "")
         refused = BudgetTooSmallError(
             f"hbm_budget of {budget_bytes / GiB:.4g} GiB is too small: the smallest budget that fits this model "
-            f"at these input shapes is {minimum / GiB:.4g} GiB ({fmt_bytes(minimum)}), with every block "
+            f"at these input shapes is {gib_need(minimum)} GiB ({fmt_need(minimum)}), with every block "
             f"recomputed (its input in host memory where the host budget allows) and no prefetch overlap{arena_note} "
             f"(the largest stage, {largest.name}, holds "
             f"{fmt_bytes(largest.template.weight_bytes)} of weights{reserved}). Raise hbm_budget to at least "
-            f"{minimum / GiB:.4g}, or lower the batch size or sequence length.", minimum)
+            f"{gib_need(minimum)}, or lower the batch size or sequence length.", minimum)
         if captured.rechunk is None:
             raise refused
         # Blocks run over sequence chunks (megacompile/planner/chunk_count.py) when they do not fit whole.
@@ -359,7 +359,7 @@ def require_host_room(host_bytes: int, host_budget_bytes: int | None, detail: st
     if host_budget_bytes is not None and host_bytes > host_budget_bytes:
         raise HostMemoryError(
             f"the host RAM budget of {host_budget_bytes / GiB:.4g} GiB cannot hold the fp32 masters, AdamW "
-            f"moments, gradients and compute copies, which take {fmt_bytes(host_bytes)}; raise the host budget, "
+            f"moments, gradients and compute copies, which take {fmt_need(host_bytes)}; raise the host budget, "
             f"or train a smaller model{detail}", facts)
 
 
@@ -392,15 +392,22 @@ def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, ho
     costs = host_costs(captured, compute_dtype, grad_accum, module_resident, borrowed)
     chosen = choose_placement(costs, host_budget_bytes, nvme_budget_bytes)
     if chosen is None:
+        base = lora_base_bytes(captured, compute_dtype)
         hint = (disk_advice(costs, host_budget_bytes, nvme_budget_bytes)
-                + lora_advice(captured, compute_dtype, host_budget_bytes))
+                + lora_advice(base, compute_dtype, host_budget_bytes))
         room = [c for c in costs if c.disk_bytes == 0 or (nvme_budget_bytes is not None and c.disk_bytes <= nvme_budget_bytes)]
         least = min(room, key=lambda c: c.ram_bytes)
-        smallest = (f". The smallest host budget that fits is {math.ceil(least.ram_bytes / GiB * 100) / 100:.2f} GiB "
-                    f"({least.placement.describe()})")
+        smallest = f"{math.ceil(least.ram_bytes / GiB * 100) / 100:.2f} GiB ({least.placement.describe()})"
+        placements = f". Placements: {why_not(costs, host_budget_bytes, nvme_budget_bytes)}"
+        facts = _host_facts(costs, least.ram_bytes) | ({} if base is None else {"lora_base_bytes": base})
+        if least.disk_bytes:
+            # The disk tier given takes part of the state: the RAM it leaves is the figure to act on.
+            raise HostMemoryError(
+                f"the host RAM budget of {host_budget_bytes / GiB:.4g} GiB cannot hold the host state even with the "
+                f"disk tier: the smallest host budget that fits is {smallest}, {fmt_need(costs[0].ram_bytes)} with "
+                f"all of it in RAM; raise the host budget, or train a smaller model{hint}{placements}", facts)
         require_host_room(costs[0].ram_bytes, host_budget_bytes,
-                          f"{hint}{smallest}. Placements: {why_not(costs, host_budget_bytes, nvme_budget_bytes)}",
-                          _host_facts(costs, least.ram_bytes))
+                          f"{hint}. The smallest host budget that fits is {smallest}{placements}", facts)
     return chosen
 
 

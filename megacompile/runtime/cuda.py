@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..errors import MegacompileError
-from ..ir.printer import fmt_bytes
+from ..ir.printer import fmt_bytes, gib_within
 from .allocator_conf import enable_expandable_segments
 from .backend import Backend, Event, coalesce
 from .page_locked import pinned_empty
@@ -63,7 +63,7 @@ class CudaBackend(Backend):
         if budget_bytes > total:
             raise MegacompileError(
                 f"hbm_budget of {budget_bytes / 2**30:.4g} GiB ({fmt_bytes(budget_bytes)}) is more than {device} has "
-                f"({total / 2**30:.4g} GiB, {fmt_bytes(total)}); lower hbm_budget to at most {total / 2**30:.4g}")
+                f"({total / 2**30:.4g} GiB, {fmt_bytes(total)}); lower hbm_budget to at most {gib_within(total)}")
         super().__init__(budget_bytes)
         self.device = device
         self.h2d_stream = torch.cuda.Stream(self.device)

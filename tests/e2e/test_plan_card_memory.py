@@ -14,7 +14,7 @@ from megacompile.cli import main
 from megacompile.cost import get_profile
 from megacompile.cost.hardware import H100_MEMORY, replace
 from megacompile.errors import BudgetTooSmallError
-from megacompile.ir.printer import fmt_bytes
+from megacompile.ir.printer import fmt_need
 from megacompile.planner import choose_micro_batch
 from megacompile.planner.from_config import card_bytes
 
@@ -46,13 +46,13 @@ def test_a_plan_that_needs_more_than_the_card_does_not_fit_it(tmp_path, capsys):
     assert rc == 3 and summary["fits"] is False and summary["card_bytes"] == 48 * MiB
     assert need > 48 * MiB and "shortfall_bytes" not in summary      # the budget itself was enough
     assert _line(text, "verdict") == (
-        f"verdict        does NOT fit the small card: the plan needs {fmt_bytes(need)} of device memory (its peak and "
-        f"reserve), the card has 48.00 MiB: {fmt_bytes(need - 48 * MiB)} short; the budget given is more "
+        f"verdict        does NOT fit the small card: the plan needs {fmt_need(need)} of device memory (its peak and "
+        f"reserve), the card has 48.00 MiB: {fmt_need(need - 48 * MiB)} short; the budget given is more "
         "than the card: give one within it (without --hbm-budget, 90% of it: 0.04 GiB), or plan with a profile "
         "measured on the card (`megacompile calibrate`), which counts the memory torch sees under its own driver "
         "and ECC setting")
     assert _line(text, "card") == (f"card           48.00 MiB of memory on the small card: the plan needs "
-                                   f"{fmt_bytes(need)} (its peak and reserve), {fmt_bytes(need - 48 * MiB)} more: it "
+                                   f"{fmt_need(need)} (its peak and reserve), {fmt_need(need - 48 * MiB)} more: it "
                                    "does NOT fit the card; plan at a budget within the card")
 
 

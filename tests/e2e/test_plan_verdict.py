@@ -15,7 +15,7 @@ import megacompile
 from megacompile.cli import main
 from megacompile.cost import host_memory
 from megacompile.errors import ArgumentError, BudgetTooSmallError
-from megacompile.ir.printer import describe_value, fmt_bytes
+from megacompile.ir.printer import describe_value, fmt_bytes, fmt_need
 from tests import models
 
 GiB = 2 ** 30
@@ -54,7 +54,7 @@ def test_the_smallest_fit_plans_and_a_little_less_does_not():
     # Without the search, the line says whose smallest budget it names.
     own = megacompile.plan(config, hbm_budget=1.0, seq=1024, hardware="h100")
     assert own.minimum_budget_bytes > smallest
-    assert f"{fmt_bytes(own.minimum_budget_bytes)} with the blocks whole" in _line(own.summary().splitlines(),
+    assert f"{fmt_need(own.minimum_budget_bytes)} with the blocks whole" in _line(own.summary().splitlines(),
                                                                                      "smallest fit")
 
 
@@ -113,8 +113,31 @@ def test_a_refusal_shows_the_budget_given_and_the_shortfall(tmp_path, capsys):
     given, needs = int(0.01 * GiB), data["minimum_budget_bytes"]
     assert data["budget_bytes"] == given and data["shortfall_bytes"] == needs - given > 0
     peak = _line(out, "device peak")
-    assert f"{fmt_bytes(needs - given)} more than the {fmt_bytes(given)} budget given" in peak
-    assert f"{fmt_bytes(given)} given: {fmt_bytes(needs - given)} short" in _line(out, "verdict")
+    assert f"{fmt_need(needs - given)} more than the {fmt_bytes(given)} budget given" in peak
+    assert f"{fmt_bytes(given)} given: {fmt_need(needs - given)} short" in _line(out, "verdict")
+
+
+@pytest.mark.slow      # five plans, about 20 s on 2 cores; tests/unit/test_budget_figures.py holds the rounding
+def test_every_budget_printed_to_be_given_back_fits_when_given_back():
+    """The smallest fit, a refusal's smallest budget (in GiB and in its own unit) and the verdict's
+    need are rounded up at the digit shown: 4.2935 GiB printed as 4.29 was refused, 3.6 MiB short.
+    At these shapes each figure rounded to the nearest would be below the bytes it names."""
+    def fits(gib: float) -> bool:
+        return megacompile.plan(SMALL_LLAMA, gib, hardware="h100", batch=2, seq=96).fits
+
+    def gib(figure: str, unit: str) -> float:
+        return float(figure) / {"KiB": 2**20, "MiB": 2**10, "GiB": 1}[unit]
+
+    roomy = megacompile.plan(SMALL_LLAMA, 1.0, hardware="h100", batch=2, seq=96)
+    smallest = re.search(r"smallest fit   ([0-9.]+) (\w+)", roomy.summary())
+    assert gib(*smallest.groups()) * GiB >= roomy.minimum_budget_bytes and fits(gib(*smallest.groups()))
+    with pytest.raises(BudgetTooSmallError) as refused:
+        megacompile.plan(SMALL_LLAMA, 0.01, hardware="h100", batch=2, seq=96)
+    named = re.search(r"these input shapes is ([0-9.]+) GiB \(([0-9.]+) (\w+)\).*at least ([0-9.]+),",
+                      str(refused.value))
+    assert named.group(1) == named.group(4)
+    for given in (float(named.group(1)), gib(*named.group(2, 3))):
+        assert given * GiB >= refused.value.minimum_bytes and fits(given)
 
 
 def test_the_values_at_the_peak_are_named_by_their_modules(tmp_path, capsys):
