@@ -7,7 +7,7 @@ Each family lays its images out its own way, as its processor writes them:
 - Idefics3 / SmolVLM: pixel_values are padded per row, [rows, most images in a row, 3, H, W], a
   missing image all zeros; each image fills (patches / scale_factor^2) image tokens between two
   `fake_token_around_image` tokens; pixel_attention_mask marks the real pixels.
-- Qwen2.5-VL: pixel_values hold the batch's patches flattened, image_grid_thw each image's grid of
+- Qwen2-VL, Qwen2.5-VL: pixel_values hold the batch's patches flattened, image_grid_thw each image's grid of
   patches, of two sizes here (see QWEN_GRIDS); mm_token_type_ids mark the image tokens.
 `images` gives the number of images of each row (0, 1 or 2).
 """
@@ -23,8 +23,8 @@ SEQ = 48
 IMAGE = 16                      # pixels per side, in 4 x 4 patches: 16 patches per image
 GEMMA3_TOKENS = 4               # Gemma 3 pools the 16 patches 2 x 2: 4 image tokens per image
 IDEFICS3_TOKENS = 4             # Idefics3 shuffles 2 x 2 patches into one: 4 image tokens per image
-FAMILIES = ("gemma3", "idefics3", "smolvlm", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
-QWEN = {"qwen2_5_vl", "qwen3_vl", "qwen3_5"}     # the families of Qwen's inputs (qwen_batch)
+FAMILIES = ("gemma3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+QWEN = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"}     # the families of Qwen's inputs (qwen_batch)
 
 
 def _text(config_cls, **extra):
@@ -63,7 +63,8 @@ def idefics3(seed: int = 0, family: str = "idefics3"):
 
 def model(family: str, seed: int = 0):
     if family in QWEN:
-        return {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "qwen3_5": qwen3_5_vl}[family](seed)
+        builders = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "qwen3_5": qwen3_5_vl}
+        return builders[family](seed)
     return gemma3(seed) if family == "gemma3" else idefics3(seed, family)
 
 
@@ -139,6 +140,24 @@ def qwen2_5_vl(seed: int = 0, depth: int = 2, full_attention: tuple[int, ...] = 
                               video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
                               vision_end_token_id=END_OF_IMAGE, use_cache=False)
     return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def qwen2_vl(seed: int = 0, depth: int = 2):
+    """Qwen2-VL: Qwen2.5-VL's inputs; its tower attends over whole images in every layer (no
+    windows), with LayerNorms and a GELU MLP, and its merger has a LayerNorm."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                bos_token_id=None, eos_token_id=None,
+                num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    # the tower's width (embed_dim) differs from the decoder's (hidden_size), which the merger maps to
+    vision = dict(depth=depth, embed_dim=16, hidden_size=32, mlp_ratio=4, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                           video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                           vision_end_token_id=END_OF_IMAGE, use_cache=False)
+    return Qwen2VLForConditionalGeneration(config)
 
 
 def qwen_batch(seed: int = 0, images: tuple[int, ...] = (1, 2), grids=QWEN_GRIDS) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Qwen2.5-VL's vision tower reads each image's or video's grid of patches (frames, rows, columns) in
 Python: its rotary table (`get_vision_position_ids`), the lengths its attention splits by
-(`cu_seqlens`, one per frame, read with `.tolist()` in every tower layer), its window index and
+(`cu_seqlens`, one per frame, read with `.tolist()` in every tower layer; Qwen2-VL's tower reads
+these two alone, every layer attending over whole images), its window index and
 window lengths, and the split of its features per image or video. None of that traces over a
 tensor whose values are unknown. The grids are known before the step runs, though: they describe
 the pixels' layout, as shapes do. So the capture takes them as constants: `GridTower` computes
@@ -33,7 +34,8 @@ from ..errors import CaptureError, InputMismatchError
 from .deepstack import splits_per_image
 
 # The model classes whose vision tower reads its grid's values; the names of those inputs.
-_FAMILIES = {("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel"),
+_FAMILIES = {("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLModel"),
+             ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel"),
              ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel"),
              ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeModel"),
              ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5Model"),
@@ -79,22 +81,24 @@ class GridConstants:
 
 
 def _vision_tables(visual: nn.Module, grid: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The grid-dependent tables the tower computes, from a real grid, on the host: Qwen2.5-VL's
-    windows, or Qwen3-VL's resampling of its learned position grid to each image's."""
+    """The grid-dependent tables the tower computes, from a real grid, on the host: its rotary
+    positions and the lengths its attention splits by, and Qwen2.5-VL's windows, or Qwen3-VL's
+    resampling of its learned position grid to each image's (Qwen2-VL's tower has neither)."""
     from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
                                            get_vision_position_ids, get_vision_window_index)
     config = visual.config
+    tables = {"position_ids": get_vision_position_ids(grid, config.spatial_merge_size),
+              "cu_seqlens": get_vision_cu_seqlens(grid)}
     if hasattr(visual, "num_grid_per_side"):      # Qwen3-VL, Qwen3.5
         indices, weights = get_vision_interpolation_indices_and_weights(
             grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
             align_corners=visual.interpolation_align_corners, spatial_merge_size=config.spatial_merge_size)
-        return {"position_ids": get_vision_position_ids(grid, config.spatial_merge_size),
-                "cu_seqlens": get_vision_cu_seqlens(grid), "interp_indices": indices, "interp_weights": weights}
-    window_index, cu_window_seqlens = get_vision_window_index(grid, config.spatial_merge_size, config.window_size,
-                                                              config.patch_size)
-    return {"position_ids": get_vision_position_ids(grid, config.spatial_merge_size),
-            "cu_seqlens": get_vision_cu_seqlens(grid), "window_index": window_index,
-            "cu_window_seqlens": cu_window_seqlens}
+        return tables | {"interp_indices": indices, "interp_weights": weights}
+    if getattr(visual, "window_size", None) is not None:     # Qwen2.5-VL
+        window_index, cu_window_seqlens = get_vision_window_index(grid, config.spatial_merge_size,
+                                                                  config.window_size, config.patch_size)
+        return tables | {"window_index": window_index, "cu_window_seqlens": cu_window_seqlens}
+    return tables
 
 
 # The inputs each kind of media comes in, as the model's forward names them: its patches, its grids.
@@ -110,7 +114,7 @@ def patch_width(vision_config) -> tuple[int, str] | None:
 
 
 class GridTower:
-    """The vision tower of `module` (Qwen2.5-VL, Qwen3-VL) run on tables computed from the step's
+    """The vision tower of `module` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) run on tables computed from the step's
     real grids, constants of the trace, each grid recorded in `found`. inputs(): the model's traced
     input tensors; real: the same inputs as given, values and all."""
 

@@ -17,7 +17,7 @@ mismatch is our InputMismatchError, as eager transformers would refuse it. Gemma
 LLaVA does (its bidirectional attention over an image is a mask computed from token_type_ids,
 which traces); Idefics3 checks and scatters in one `inputs_merger`, replaced the same way, and it
 and SmolVLM give features whose count is read from pixel_values' values (padded_images.py).
-Qwen2.5-VL and Qwen3-VL place images and videos, each kind over its own tokens, counted apart (one
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL place images and videos, each kind over its own tokens, counted apart (one
 `ImageTokens` a kind); their tower reads the grids' values, which capture takes as constants
 (grid_constants.py), and runs once a step over both kinds (grid_media.py).
 """
@@ -103,8 +103,8 @@ def _mergers(module: nn.Module) -> list[str]:
 
 def _supported(module: nn.Module) -> bool:
     """The families held to parity with images (tests/e2e/test_vlm.py, test_vlm_families.py): LLaVA,
-    Gemma 3, Idefics3, SmolVLM, Qwen2.5-VL, Qwen3-VL and Qwen3.5. Others place their features otherwise (several
-    media kinds, features added between decoder layers) and are not checked yet."""
+    Gemma 3, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5. Others place their features
+    otherwise (several media kinds, features added between decoder layers) and are not checked yet."""
     if getattr(getattr(module, "config", None), "image_token_id", None) is None:
         return False
     if pads_images(module) or keys_grids(module):
@@ -150,8 +150,8 @@ def static_image_merge(model: nn.Module, real: list[torch.Tensor] | None = None,
         def merge(*args, **kwargs):
             raise CaptureError(f"{type(module).__name__} ('{name}') merges image features in a way megacompile does "
                                "not train yet: of the vision-language models, LLaVA, Gemma 3, Idefics3, SmolVLM, "
-                               "Qwen2.5-VL, Qwen3-VL and Qwen3.5 train with images (docs/families.md); this model trains on "
-                               "text alone (no pixel_values)")
+                               "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 train with images (docs/families.md); "
+                               "this model trains on text alone (no pixel_values)")
         return merge
 
     def refuse_cross_attention(name: str, module: nn.Module):

@@ -38,10 +38,10 @@ from ..errors import ArgumentError
 
 # model_type -> how its processor lays images out: one tower-sized image per image, or tiles
 # padded per row.
-FAMILIES = {"llava": "resized", "gemma3": "resized", "idefics3": "tiled", "smolvlm": "tiled", "qwen2_5_vl": "grid",
-            "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid"}
-NAMES = ("LLaVA (llava), Gemma 3 (gemma3), Idefics3 (idefics3), SmolVLM (smolvlm), Qwen2.5-VL (qwen2_5_vl), "
-         "Qwen3-VL (qwen3_vl, qwen3_vl_moe) and Qwen3.5 (qwen3_5, qwen3_5_moe)")
+FAMILIES = {"llava": "resized", "gemma3": "resized", "idefics3": "tiled", "smolvlm": "tiled", "qwen2_vl": "grid",
+            "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid"}
+NAMES = ("LLaVA (llava), Gemma 3 (gemma3), Idefics3 (idefics3), SmolVLM (smolvlm), Qwen2-VL (qwen2_vl), "
+         "Qwen2.5-VL (qwen2_5_vl), Qwen3-VL (qwen3_vl, qwen3_vl_moe) and Qwen3.5 (qwen3_5, qwen3_5_moe)")
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def grid_tokens(model: nn.Module):
 
 def _grid_inputs(model: nn.Module, batch: int, seq: int, images_per_row: int,
                  image_size: int | None) -> tuple[dict[str, torch.Tensor], ImageSignature]:
-    """Qwen2.5-VL's and Qwen3-VL's images: flattened patches, each image's grid, its token types and 3D
+    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's images: flattened patches, each image's grid, its token types and 3D
     positions."""
     if image_size is None:
         raise ArgumentError(f"{type(model).__name__} keeps each image's size (its processor resizes it to "

@@ -1,12 +1,13 @@
-"""Gemma 3, Idefics3 / SmolVLM, Qwen2.5-VL, Qwen3-VL and Qwen3.5 train with images through megacompile as eagerly.
+"""Gemma 3, Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 train with images through megacompile as
+eagerly.
 
 Gemma 3 scatters its pooled image features over the image tokens and attends bidirectionally
 within each image (token_type_ids); Idefics3 and SmolVLM take pixel_values padded per row (an
 all-zero image is padding), which capture encodes at static shapes (capture/padded_images.py);
 Qwen2.5-VL's tower reads its images' grids, constants of the capture (capture/grid_constants.py),
 and its 3D positions are computed before the step (capture/rope_positions.py; test_qwen_vl.py);
-Qwen3-VL's and Qwen3.5's towers read them the same way. Each trains 3 steps on batches whose rows
-hold 0, 1 and 2 images, against eager torch.optim.AdamW in float32: losses to 1e-5, first-step
+Qwen2-VL's (no windows), Qwen3-VL's and Qwen3.5's towers read them the same way. Each trains 3 steps
+on batches whose rows hold 0, 1 and 2 images, against eager torch.optim.AdamW in float32: losses to 1e-5, first-step
 gradients to 1e-5 or their rounding floor (acceptance/parity.py), weights to the noise floor, at twice the weights' bytes and at the smallest budget the plan reports (harness in
 test_vlm.py): Qwen2.5-VL and Qwen3-VL in the default tier, the others in the slow one; with the
 vision tower frozen, at twice the weights' bytes (`-m slow`).
@@ -27,10 +28,12 @@ from tests.vlm_families import (FAMILIES, IDEFICS3_TOKENS, IMAGE_TOKEN, batch, i
                                 qwen3_5_vl)
 
 BLOCKS = {"gemma3": "model.language_model.layers", "idefics3": "model.text_model.layers",
-          "smolvlm": "model.text_model.layers", "qwen2_5_vl": "model.language_model.layers",
+          "smolvlm": "model.text_model.layers", "qwen2_vl": "model.language_model.layers",
+          "qwen2_5_vl": "model.language_model.layers",
           "qwen3_vl": "model.language_model.layers", "qwen3_5": "model.language_model.layers"}
 TOWERS = {"gemma3": "model.vision_tower.", "idefics3": "model.vision_model.", "smolvlm": "model.vision_model.",
-          "qwen2_5_vl": "model.visual.", "qwen3_vl": "model.visual.", "qwen3_5": "model.visual."}
+          "qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "qwen3_vl": "model.visual.",
+          "qwen3_5": "model.visual."}
 MIXED = (0, 1, 2)     # images per row
 
 

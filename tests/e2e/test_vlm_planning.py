@@ -84,13 +84,15 @@ def test_more_images_or_larger_images_raise_the_vision_share():
     assert large.vision.memory_share > small.vision.memory_share
 
 
-def _qwen(image_px: int, rows: int = 2) -> tuple:
-    """A tiny Qwen2.5-VL with the released models' 14-pixel patches (a 56 px image: 4 x 4 patches,
-    4 image tokens after the 2 x 2 merge), and the batch its processor would write: one image of
-    image_px pixels in each row."""
-    model = vlm_families.qwen2_5_vl()
+def _qwen(image_px: int, rows: int = 2, build=vlm_families.qwen2_5_vl) -> tuple:
+    """A tiny Qwen2.5-VL (or Qwen2-VL) with the released models' 14-pixel patches (a 56 px image: 4 x 4
+    patches, 4 image tokens after the 2 x 2 merge), and the batch its processor would write: one image
+    of image_px pixels in each row."""
+    model = build()
     config = model.config
-    config.vision_config.patch_size, config.vision_config.window_size = 14, 56
+    config.vision_config.patch_size = 14
+    if hasattr(config.vision_config, "window_size"):        # Qwen2-VL's tower has no windows
+        config.vision_config.window_size = 56
     torch.manual_seed(0)
     model = type(model)(config)
     side = image_px // 14
@@ -123,6 +125,14 @@ def test_qwen2_5_vl_plans_the_grid_its_processor_writes_and_measures_the_planned
     with pytest.raises(ArgumentError, match="planning its images needs image_size"):
         megacompile.plan(model.config.to_dict(), hbm_budget=1.0, batch=2, seq=vlm_families.SEQ, images_per_row=1,
                          **CPU)
+
+
+def test_qwen2_vl_plans_its_grid_as_qwen2_5_vl_does_and_measures_the_planned_peak():
+    model, batch, tokens = _qwen(56, build=vlm_families.qwen2_vl)
+    plan = megacompile.plan(model.config.to_dict(), hbm_budget=1.0, batch=2, seq=vlm_families.SEQ,
+                            images_per_row=1, image_size=56, **CPU)
+    assert plan.vision.images.tokens_per_image == tokens == 4
+    assert measured_peak(model, batch, 1.0) == plan.predicted_peak_bytes
 
 
 def test_a_vision_language_config_plans_its_text_path_without_images():

@@ -12,7 +12,7 @@ is not "\\n\\n" + "\\n"). The chat template writes string contents between role 
 - idefics3 / smolvlm: Idefics3Processor / SmolVLMProcessor, images resized to 32 pixels on their
   long side and cut into 16 x 16 crops (rows and columns tokens) plus the global image, each
   4 image tokens between `<fake_token_around_image>` tokens.
-- qwen2_5_vl / qwen3_vl: qwen_files.py's processor files (Qwen2VLImageProcessor, 4 x 4 patches
+- qwen2_vl / qwen2_5_vl / qwen3_vl: qwen_files.py's processor files (Qwen2VLImageProcessor, 4 x 4 patches
   merged 2 x 2) over this tokenizer with Qwen's vision tokens.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ import os
 
 from tests.train import files, qwen_files, vlm_files
 
-FAMILIES = ("llava", "gemma3", "idefics3", "smolvlm", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("llava", "gemma3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 GEMMA3_TOKENS = 4
@@ -94,9 +95,8 @@ def processor(family: str):
 def folder(path: str, family: str) -> str:
     """A folder holding the family's processor as its own class saves it (no weights)."""
     os.makedirs(path, exist_ok=True)
-    if family in ("qwen2_5_vl", "qwen3_vl"):
-        name = "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen3VLProcessor"
-        qwen_files._processor_files(path, tokenizer(qwen_files.VISION), name)
+    if family in QWEN_PROCESSORS:
+        qwen_files._processor_files(path, tokenizer(qwen_files.VISION), QWEN_PROCESSORS[family])
         with open(os.path.join(path, "chat_template.jinja"), "w") as f:
             f.write(TEMPLATE)
         return path
@@ -124,14 +124,14 @@ def smolvlm_files(path: str) -> str:
 
 
 def qwen_processor(path: str, family: str):
-    """Qwen2_5_VLProcessor / Qwen3VLProcessor over the folder's tokenizer and image processor.
+    """Qwen2VLProcessor / Qwen2_5_VLProcessor / Qwen3VLProcessor over the folder's tokenizer and image processor.
     transformers builds them only with a video processor (torchvision): without it, the
     constructor's class check is let pass for the absent video processor, the rest as it is."""
     import transformers
     from transformers.processing_utils import ProcessorMixin
     tok = transformers.AutoTokenizer.from_pretrained(path)
     images = transformers.AutoImageProcessor.from_pretrained(path, backend="pil")
-    cls = transformers.Qwen2_5_VLProcessor if family == "qwen2_5_vl" else transformers.Qwen3VLProcessor
+    cls = getattr(transformers, QWEN_PROCESSORS[family])
     check = ProcessorMixin.check_argument_for_proper_class
 
     def lenient(self, name, argument):

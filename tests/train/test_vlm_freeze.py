@@ -1,8 +1,9 @@
 """run.yaml's freeze_vision_tower, freeze_multi_modal_projector and freeze_language_model
 (LlamaFactory's names) on a tiny LLaVA trained from records with images: a frozen part's weights
 come out of the export bit for bit as they went in, the rest moves; under finetuning_type lora
-the adapters sit on the language model alone. On a text-only model the keys are refused by name,
-before anything is written."""
+the adapters sit on the language model alone, and on the tower's Linear modules too with
+freeze_vision_tower false. On a text-only model the keys are refused by name, before anything is
+written."""
 from __future__ import annotations
 
 import os
@@ -75,6 +76,20 @@ def test_lora_puts_adapters_on_the_language_model_alone(tmp_path, monkeypatch):
     assert any(k.startswith("vision_tower.") and "q_proj" in k.split(".") for k in before)
 
 
+def test_a_lora_runs_model_puts_adapters_on_the_tower_with_freeze_vision_tower_false(tmp_path, monkeypatch):
+    """The run's LoRA model, made from the folder as a run makes it: with freeze_vision_tower false
+    the tower's q_proj and v_proj take adapters beside the language model's (test_vlm_lora_tower.py:
+    LlamaFactory's choice in full); the projector none."""
+    from megacompile.train import methods
+    monkeypatch.chdir(tmp_path)
+    c = load(_run_yaml(tmp_path, "lora", finetuning_type="lora", lora_rank=2, lora_target="q_proj,v_proj",
+                       freeze_vision_tower=False), [])
+    adapted = {n for n, m in methods.lora_skeleton(c).named_modules() if hasattr(m, "lora_A")}
+    tower = {n for n in adapted if ".vision_tower." in n}
+    assert tower and {n.rsplit(".", 1)[-1] for n in tower} == {"q_proj", "v_proj"}
+    assert any(".language_model." in n for n in adapted) and not any("multi_modal_projector" in n for n in adapted)
+
+
 def test_the_keys_are_refused_where_they_cannot_apply_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     work = files.workspace(tmp_path / "text-model")
@@ -85,7 +100,7 @@ def test_the_keys_are_refused_where_they_cannot_apply_before_anything_is_written
         run(load(text, []))
     assert not os.path.exists(tmp_path / "text")
     for over, message in (({"freeze_vision_tower": "yes"}, "freeze_vision_tower must be true or false"),
-                          ({"finetuning_type": "lora", "freeze_vision_tower": False},
-                           "freeze_vision_tower: false: finetuning_type lora puts adapters on the language model")):
+                          ({"finetuning_type": "lora", "freeze_language_model": True},
+                           "freeze_language_model: true under finetuning_type lora leaves no part to put adapters on")):
         with pytest.raises(ArgumentError, match=message):
             load(_run_yaml(tmp_path, "bad", **over), [])

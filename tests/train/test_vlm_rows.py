@@ -17,11 +17,12 @@ from megacompile.train.data.tokens import load_tokenizer, token_file
 from tests import torchvision_env
 from tests.train import processor_files
 
-QWEN = ("qwen2_5_vl", "qwen3_vl")
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"     # what Qwen's chat templates write for an image
 # the tokens a family's processor writes for an image, besides the text's (none may be a target)
 IMAGE_TOKENS = {"llava": ["<image>"], "gemma3": list(processor_files.GEMMA3.values()),
                 "idefics3": processor_files.IDEFICS3, "smolvlm": processor_files.IDEFICS3,
+                "qwen2_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
                 "qwen2_5_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
                 "qwen3_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]}
 
@@ -125,6 +126,31 @@ def test_smolvlm_without_torchvision_is_refused_with_what_to_install(tmp_path, m
     with pytest.raises(ArgumentError, match=r"\(SmolVLMProcessor\) is built by transformers only with torchvision"
                                             r".*: pip install torchvision"):
         grid_images.media(model)
+
+
+@pytest.mark.parametrize("torchvision", [False, True])
+def test_a_processor_that_fails_to_load_is_refused_with_transformers_reason(tmp_path, monkeypatch, torchvision):
+    """transformers' ImportErrors open with a newline: the reason given is their first line that says
+    something, and torchvision is named only where it is missing and transformers failed for want of it."""
+    import importlib.util
+
+    import transformers
+    model = processor_files.folder(str(tmp_path / "model"), "llava")
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (find("torch") if torchvision else None) if name == "torchvision" else find(name, *a)))
+    wants = ImportError("\nLlavaVideoProcessor requires the Torchvision library but it was not found in your "
+                        "environment.\nPlease note that you may need to restart your runtime.")
+    other = ValueError("\n\nUnrecognized image processor: its torchvision backend holds no size")
+    for failure, advised in ((wants, not torchvision), (other, False)):
+        def fail(*args, failure=failure, **kwargs):
+            raise failure
+        monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", fail)
+        with pytest.raises(ArgumentError) as refused:
+            Media(model)
+        said, first = str(refused.value), str(failure).strip().splitlines()[0]
+        assert said.startswith(f"cannot load the processor from {model} (LlavaProcessor): {first}"), said
+        assert ("pip install torchvision" in said) == advised, said
 
 
 def test_a_template_that_drops_an_image_is_refused_naming_the_record(tmp_path):

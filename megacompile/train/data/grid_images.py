@@ -1,4 +1,4 @@
-"""Images whose size sets their token count: Qwen2.5-VL's processor, taken apart.
+"""Images whose size sets their token count: Qwen2.5-VL's processor (Qwen2-VL's, Qwen3-VL's), taken apart.
 
 Qwen2.5-VL keeps each image's size (its image processor resizes it to multiples of patch x merge
 pixels within a pixel budget) and cuts it into a grid of (t, h, w) patches: the image fills
@@ -8,7 +8,7 @@ image_grid_thw, and mm_token_type_ids marks the image tokens (1), from which the
 (`<|vision_start|><|image_pad|><|vision_end|>`, as LlamaFactory's Qwen2-VL plugin writes it), and
 the pad token is then widened to the image's tokens (images.Media.widen).
 
-transformers' Qwen2_5_VLProcessor cannot be built without torchvision: AutoProcessor hands
+transformers' Qwen2_5_VLProcessor (and Qwen2VLProcessor) cannot be built without torchvision: AutoProcessor hands
 `backend="pil"` to its image processor (Qwen2VLImageProcessorPil) but to its video processor too,
 which exists only for torchvision, and the processor's constructor checks the video processor's
 class even when it is None. A record with images alone is written with the processor in its
@@ -27,9 +27,9 @@ import shutil
 from ...errors import ArgumentError
 from . import pixels, videos
 from .grid_videos import GridVideos
-from .images import Media, has_processor, images_of, processor_class, targets_on, videos_of
+from .images import Media, has_processor, images_of, processor_class, reason, targets_on, videos_of
 
-GRID_PROCESSORS = ("Qwen2_5_VLProcessor", "Qwen3VLProcessor")
+GRID_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
 PAD, START, END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
 # what a Qwen2.5-VL folder holds of its processor, besides the tokenizer's files
@@ -87,7 +87,8 @@ class GridMedia(Media):
             self.template = ProcessorMixin.get_processor_dict(folder)[0].get("chat_template")
             self.own_template = False       # the run's chat_template in place of the folder's (use_template)
         except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
-            raise ArgumentError(f"cannot load the processor from {folder}: {str(e).splitlines()[0][:300]}") from e
+            raise ArgumentError(f"cannot load the processor from {folder} ({processor_class(folder)}): "
+                                f"{reason(e)}") from e
         self.merge = getattr(self.image_processor, "merge_size", None)
         if not isinstance(self.merge, int) or "image_grid_thw" not in self.image_processor.model_input_names:
             raise ArgumentError(f"the image processor in {folder} ({type(self.image_processor).__name__}) writes no "

@@ -27,6 +27,7 @@ from functools import lru_cache
 
 from ...errors import ArgumentError
 from . import videos
+from .images import reason
 
 
 class GridVideos:
@@ -51,7 +52,7 @@ class GridVideos:
             processor = AutoProcessor.from_pretrained(self.folder)
         except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
             raise ArgumentError(f"{where}: cannot load the processor from {self.folder} for its videos: "
-                                f"{str(e).splitlines()[0][:300]}") from e
+                                f"{reason(e)}") from e
         if getattr(processor, "video_processor", None) is None:
             raise ArgumentError(f"{where}: the processor in {self.folder} ({type(processor).__name__}) has no video "
                                 "processor (video_preprocessor_config.json): save the model's own processor there")
@@ -68,7 +69,7 @@ class GridVideos:
             return processor(**kwargs, do_sample_frames=False, return_tensors="pt")
         except Exception as e:  # noqa: BLE001 - transformers' own words, with the record named
             raise ArgumentError(f"{where}: the processor ({type(processor).__name__}) refused the record: "
-                                f"{str(e).splitlines()[0][:300]}") from e
+                                f"{reason(e)}") from e
 
     def row(self, text: str, pictures: list, paths: list[str], where: str) -> list[int]:
         """What the processor writes for the rendered text with these images (PIL) and videos."""

@@ -79,6 +79,22 @@ def processor_class(folder: str) -> str | None:
     return PROCESSOR_MAPPING_NAMES.get(model_type)
 
 
+def reason(e: BaseException, limit: int = 300) -> str:
+    """The first line of an exception that says something (transformers' ImportErrors open with a
+    newline), at most `limit` characters; its class's name where it says nothing."""
+    said = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return (said or type(e).__name__)[:limit]
+
+
+def _install_hint(e: BaseException) -> str:
+    """What to install where transformers could not build the processor for want of torchvision (an
+    ImportError naming it) and this environment lacks it; nothing for any other failure."""
+    if not isinstance(e, ImportError) or "torchvision" not in str(e).lower():
+        return ""
+    return "; pip install torchvision (the build that matches your torch)" \
+        if importlib.util.find_spec("torchvision") is None else ""
+
+
 def _missing(folder: str) -> list[str]:
     return [m for m in NEEDS.get(processor_class(folder) or "", ()) if importlib.util.find_spec(m) is None]
 
@@ -96,9 +112,8 @@ class Media:
             from transformers import AutoProcessor
             self.processor = AutoProcessor.from_pretrained(folder)
         except Exception as e:  # noqa: BLE001 - transformers' own message, with the folder named
-            hint = "; pip install torchvision" if "torchvision" in str(e).lower() else ""
-            raise ArgumentError(f"cannot load the processor from {folder}: {str(e).splitlines()[0][:300]}"
-                                f"{hint}") from e
+            raise ArgumentError(f"cannot load the processor from {folder} ({processor_class(folder)}): "
+                                f"{reason(e)}{_install_hint(e)}") from e
         token = getattr(self.processor, "image_token", None)
         tokenizer = getattr(self.processor, "tokenizer", None)
         if token is None or getattr(self.processor, "image_processor", None) is None or tokenizer is None:
@@ -257,7 +272,7 @@ class Media:
             out = self.processor(text=[text], images=[pictures], add_special_tokens=False)
         except Exception as e:  # noqa: BLE001 - transformers' own words, with the record named
             raise ArgumentError(f"{where}: the processor ({type(self.processor).__name__}) refused the record: "
-                                f"{str(e).splitlines()[0][:300]}") from e
+                                f"{reason(e)}") from e
         row = [int(t) for t in out["input_ids"][0]]
         for key in self.token_keys:
             written = [int(x) for x in out[key][0]]
@@ -318,7 +333,7 @@ class Media:
             with Image.open(path) as image:
                 image = image.convert("RGB")
         except Exception as e:  # noqa: BLE001 - PIL's own words, with the file named
-            raise ArgumentError(f"{where}: cannot read image {path}: {str(e).splitlines()[0][:200]}") from e
+            raise ArgumentError(f"{where}: cannot read image {path}: {reason(e, 200)}") from e
         if self.limits is None:
             return image
         from .pixels import fit

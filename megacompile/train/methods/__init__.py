@@ -12,7 +12,8 @@
             matched as LlamaFactory matches it, a substring of the parameters' names (freeze.py).
     A vision-language model's freeze_vision_tower, freeze_multi_modal_projector and
     freeze_language_model freeze those parts on top of either (vision_freeze.py); LoRA's adapters
-    go on its language model alone.
+    go on its language model, and on its tower (and projector) where their keys are false, as
+    LlamaFactory's LoRA puts them.
 
     full    every parameter trains: the model as it is.
 
@@ -46,12 +47,26 @@ LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_dora
              "additional_target", "merge_adapter")
 WHOLE_STAGES = ("sft", "pt")        # the stages whose objective trains additional_target's copies as PEFT does
 FREEZE_KEYS = ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules")
+# LlamaFactory's defaults of the two kinds' keys, which its dumps write whatever the finetuning_type
+# and which it does not read under the other kind: there they ask for nothing
+LLAMAFACTORY_DEFAULTS = {"lora_rank": 8, "lora_alpha": None, "lora_dropout": 0.0, "lora_target": "all",
+                         "use_dora": False, "use_rslora": False, "loraplus_lr_ratio": None, "additional_target": None,
+                         "freeze_trainable_layers": 2, "freeze_trainable_modules": "all", "freeze_extra_modules": None}
 
 
 def adapters(c) -> bool:
     """The run trains LoRA adapters over a frozen base (finetuning_type: lora); every room but
     this one and config.py asks this rather than reading finetuning_type."""
     return c.finetuning_type == "lora"
+
+
+def _llamafactory_default(key: str, value) -> bool:
+    if key not in LLAMAFACTORY_DEFAULTS:
+        return False
+    default = LLAMAFACTORY_DEFAULTS[key]
+    if isinstance(default, bool) or isinstance(value, bool) or not isinstance(default, (int, float)):
+        return type(value) is type(default) and value == default
+    return isinstance(value, (int, float)) and value == default     # lora_dropout: 0 or 0.0
 
 
 def check(c, raw: dict, files: bool = True) -> None:
@@ -61,7 +76,8 @@ def check(c, raw: dict, files: bool = True) -> None:
     if c.finetuning_type not in TYPES:
         raise ArgumentError(f"finetuning_type must be one of {', '.join(TYPES)}; got {c.finetuning_type!r}")
     for keys, kind in ((LORA_KEYS, "lora"), (FREEZE_KEYS, "freeze")):
-        stray = [k for k in keys if raw.get(k) is not None and c.finetuning_type != kind]
+        stray = [k for k in keys if raw.get(k) is not None and c.finetuning_type != kind
+                 and not _llamafactory_default(k, raw[k])]
         if stray:
             raise ArgumentError(f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} to "
                                 f"finetuning_type: {kind}, and this run is finetuning_type: {c.finetuning_type}; "
@@ -196,7 +212,7 @@ def apply(c, model: nn.Module, said: list[str] | None = None) -> nn.Module:
     if c.finetuning_type == "lora":
         wrapped = with_adapters(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target,
                                 base_dtype(c.compute_dtype), dora=c.use_dora, rslora=c.use_rslora,
-                                whole=c.additional_target)
+                                whole=c.additional_target, parts=vision_freeze.adapted(c))
         vision_freeze.apply(c, wrapped)
         return wrapped
     if c.finetuning_type == "freeze":

@@ -1,5 +1,6 @@
-"""finetuning_type: lora: PEFT's adapters on the Linear modules lora_target names (the language
-model's alone in a vision-language model), the base frozen and held in the dtype compute reads."""
+"""finetuning_type: lora: PEFT's adapters on the Linear modules lora_target names (in a
+vision-language model, those of the parts the freeze_* keys leave to adapt: vision_freeze.adapted),
+the base frozen and held in the dtype compute reads."""
 from __future__ import annotations
 
 import math
@@ -46,8 +47,11 @@ def base_dtype(compute_dtype: str | torch.dtype) -> torch.dtype:
 
 def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str,
                   base: torch.dtype = torch.float32, key: str = "lora_target", dora: bool = False,
-                  rslora: bool = False, whole: list[str] = (), initialised: bool = True) -> nn.Module:
-    """`model` wrapped by PEFT's LoRA on the Linear modules `target` names; `whole` (run.yaml's
+                  rslora: bool = False, whole: list[str] = (), initialised: bool = True,
+                  parts: frozenset[str] = vision_freeze.LANGUAGE_ONLY) -> nn.Module:
+    """`model` wrapped by PEFT's LoRA on the Linear modules `target` names (of a vision-language
+    model, those of `parts`, vision_freeze's keys; `all`: the decoder blocks' Linear modules, and
+    the tower's where it is among the parts); `whole` (run.yaml's
     additional_target): modules trained whole beside the adapters, PEFT's modules_to_save (a
     trained copy of each module whose name ends with one of them; the original stays frozen).
     initialised=False: the adapters are left as their Linear modules made them, to be set by the
@@ -56,17 +60,27 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
     _check_whole(model, whole, target)
     everywhere = linear_names(model)
     vision = vision_freeze.is_vision_language(model)
-    if target == ALL:
-        target = ([n for n in linear_names(model, _language_blocks(model)) if n != "lm_head"] if vision else
-                  linear_names(model, blocks(model)[1]))
+    if target == ALL and vision:
+        found = set(vision_freeze.tower_linear_names(model)) if vision_freeze.TOWER in parts else set()
+        if vision_freeze.LANGUAGE in parts:
+            found |= {n for n in linear_names(model, _language_blocks(model)) if n != "lm_head"}
+        target = sorted(found)
+    elif target == ALL:
+        target = linear_names(model, blocks(model)[1])
     unknown = [t for t in target if t not in everywhere]
     if unknown:
         raise ArgumentError(f"{key}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear "
                             f"module of {type(model).__name__}; its Linear modules are {', '.join(everywhere)} "
                             "(or all: every Linear of the decoder blocks)")
     modules = list(target)
-    if vision:      # the language model's modules alone: the vision tower has q_proj and the like too
-        modules = vision_freeze.language_model_names(model, modules)
+    if vision:      # the parts' modules alone: the vision tower has q_proj and the like too
+        modules = vision_freeze.adapted_names(model, modules, parts)
+        if not modules:
+            words = " and ".join(vision_freeze.WORDS[p] for p in sorted(parts))
+            raise ArgumentError(f"{key}: {', '.join(target)} name no Linear module of {words}, the parts that take "
+                                "adapters here: adapters go on the language model unless freeze_language_model is "
+                                "true, on the vision tower where freeze_vision_tower is false, on the projector where "
+                                "freeze_multi_modal_projector is false")
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=modules, use_dora=dora, use_rslora=rslora, modules_to_save=list(whole) or None,
                         init_lora_weights=initialised)
@@ -142,7 +156,8 @@ def lora_skeleton(c) -> nn.Module:
         base = auto_class(config).from_config(config, dtype=torch.float32)
         base.tie_weights()
     wrapped = with_adapters(base, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target, dora=c.use_dora,
-                            rslora=c.use_rslora, whole=c.additional_target, initialised=not c.pissa_init)
+                            rslora=c.use_rslora, whole=c.additional_target, initialised=not c.pissa_init,
+                            parts=vision_freeze.adapted(c))
     if c.use_dora:
         dora_magnitudes(wrapped, c.model)
     if c.additional_target:

@@ -5,8 +5,12 @@ A key set to true freezes its part after finetuning_type chose what trains (full
 freeze: some decoder blocks); unset or false leaves that choice alone. Unlike LlamaFactory, whose
 defaults freeze the tower and the projector, an unset key freezes nothing: a run without them
 trains what it trained before (set `freeze_vision_tower: true` and `freeze_multi_modal_projector:
-true` for LlamaFactory's defaults). Under finetuning_type lora the adapters go on the language
-model's Linear modules alone and every base weight is frozen: the keys may only say so.
+true` for LlamaFactory's defaults). Under finetuning_type lora every base weight is frozen and the
+keys say which parts' Linear modules take adapters, as LlamaFactory's LoRA chooses them (`adapted`):
+the language model's unless freeze_language_model is true; the tower's where freeze_vision_tower is
+false (`lora_target: all` then adds the tower's Linear names, LlamaFactory's
+find_all_linear_modules); the projector's where freeze_multi_modal_projector is false and
+lora_target names them (`all` leaves the projector out, as LlamaFactory's does).
 
 The parts are found by the module names transformers gives them (whole name components, under
 any prefix: `model.`, PEFT's `base_model.model.`):
@@ -37,8 +41,10 @@ TOWER, PROJECTOR, LANGUAGE = KEYS
 PARTS = {("vision_tower",): TOWER, ("vision_model",): TOWER, ("visual",): TOWER,
          ("multi_modal_projector",): PROJECTOR, ("connector",): PROJECTOR, ("visual", "merger"): PROJECTOR,
          ("language_model",): LANGUAGE, ("text_model",): LANGUAGE, ("lm_head",): LANGUAGE}
-# What finetuning_type lora holds each key to: the tower and projector frozen, adapters on the language model.
-UNDER_LORA = {"freeze_vision_tower": True, "freeze_multi_modal_projector": True, "freeze_language_model": False}
+# The parts whose Linear modules take LoRA adapters when no key says otherwise.
+LANGUAGE_ONLY = frozenset({LANGUAGE})
+# each part in words, as LoRA's errors name them
+WORDS = {TOWER: "the vision tower", PROJECTOR: "the projector", LANGUAGE: "the language model"}
 
 
 def check(c, adapters: bool) -> None:
@@ -49,12 +55,20 @@ def check(c, adapters: bool) -> None:
         if value is not None and not isinstance(value, bool):
             raise ArgumentError(f"{key} must be true or false (a vision-language model's part frozen or not); got "
                                 f"{value!r}")
-    if adapters:
-        against = [k for k in KEYS if getattr(c, k) is not None and getattr(c, k) != UNDER_LORA[k]]
-        if against:
-            raise ArgumentError(f"{', '.join(f'{k}: {str(getattr(c, k)).lower()}' for k in against)}: finetuning_type "
-                                "lora puts adapters on the language model and freezes the vision tower and the "
-                                "projector; use finetuning_type full (with freeze_* keys) to train those parts")
+    if adapters and not adapted(c):
+        raise ArgumentError("freeze_language_model: true under finetuning_type lora leaves no part to put adapters "
+                            "on: set freeze_vision_tower: false too (adapters on the vision tower's Linear modules, "
+                            "as LlamaFactory puts them), or leave freeze_language_model out")
+
+
+def adapted(c) -> frozenset[str]:
+    """The parts whose Linear modules take adapters under finetuning_type lora, as LlamaFactory's
+    LoRA leaves out the frozen ones (its get_forbidden_modules): the language model unless
+    freeze_language_model is true, the tower and the projector where their keys are false (unset,
+    they stay frozen without adapters, LlamaFactory's defaults)."""
+    parts = {LANGUAGE} if c.freeze_language_model is not True else set()
+    parts |= {k for k in (TOWER, PROJECTOR) if getattr(c, k) is False}
+    return frozenset(parts)
 
 
 def given(c) -> dict:
@@ -82,11 +96,16 @@ def names_of(key: str) -> list[str]:
     return [".".join(path) for path, k in PARTS.items() if k == key]
 
 
-def language_model_names(model: nn.Module, names: list[str]) -> list[str]:
-    """The full names of the language model's modules whose last name is one of `names` (LoRA's
-    targets on a vision-language model: the tower has q_proj and the like too)."""
-    return [n for n, _ in model.named_modules()
-            if n.rsplit(".", 1)[-1] in names and part_of(n) == "freeze_language_model"]
+def adapted_names(model: nn.Module, names: list[str], parts: frozenset[str]) -> list[str]:
+    """The full names of the modules of `parts` whose last name is one of `names` (LoRA's targets on
+    a vision-language model: the tower has q_proj and the like too)."""
+    return [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in names and part_of(n) in parts]
+
+
+def tower_linear_names(model: nn.Module) -> list[str]:
+    """The last names of the vision tower's nn.Linear modules (the projector's left out)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and part_of(n) == TOWER})
 
 
 def apply(c, model: nn.Module) -> None:
