@@ -192,12 +192,13 @@ def _skip(engine, compiled, loss: float, what: str, why: str, micro: int,
     step = state.steps_done + 1
     engine.last_step = StepRecord(step, loss, micro, True, skipped=what, reason=why,
                                   host_resident_bytes=resident_set_bytes())
-    message = (f"step {step} skipped: {why}; masters, AdamW moments and counters are unchanged"
-               + (f", and its {micro} earlier micro-batches dropped" if micro else ""))
+    unchanged = ("masters, AdamW moments and counters are unchanged"
+                 + (f", and its {micro} earlier micro-batches dropped" if micro else ""))
     if engine.on_nonfinite == "raise":
-        raise NonFiniteError(message + " (compile(..., on_nonfinite='skip') skips such steps with a warning)")
+        raise NonFiniteError(f"step {step} failed: {why}; nothing of it was applied: {unchanged} "
+                             "(compile(..., on_nonfinite='skip') skips such steps with a warning)")
     engine.skip_streak.skipped(engine.last_step)
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    warnings.warn(f"step {step} skipped: {why}; {unchanged}", RuntimeWarning, stacklevel=4)
     return loss
 
 

@@ -160,6 +160,19 @@ def _latest_trainer_checkpoint(run_dir: str) -> str | None:
     return found[-1][1] if found else None
 
 
+def _saved_on_stop(save_now: Callable[[], str], step: int, latest: tuple[int, str | None]
+                   ) -> tuple[tuple[int, str | None], str | None]:
+    """The checkpoint of the whole step `step` as the run stops on a fault that left the state
+    sound, unless `latest` holds it already (or no step ran): the newest (step, checkpoint), and
+    why it could not be written, or None."""
+    if step == latest[0]:
+        return latest, None
+    try:
+        return (step, save_now()), None
+    except CheckpointError as e:
+        return latest, f"the checkpoint of step {step} could not be written ({e})"
+
+
 def checkpoint_path(folder: str, step: int) -> str:
     return os.path.join(folder, f"step-{step:06d}")
 
@@ -439,9 +452,19 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
                 if patience.stop:
                     break
             preemption.stop(stop_signals, c, engine.steps_done, latest, save_now, run_dir)
-    # A save the disk refused; steps that kept being skipped; a step that failed after its first
-    # update (updates: as_gradients_land), which left the engine to be reloaded.
-    except (CheckpointError, NonFiniteError, PartialStepError) as e:
+    # A step with an inf or NaN under on_nonfinite: raise changed nothing (engine/step.py): the
+    # last whole step is saved first. `records`: where its rows came from, where the stage knows.
+    # Steps that kept being skipped save nothing: every step failed from that state, and the last
+    # checkpoint is of a step before them.
+    except NonFiniteError as e:
+        if c.on_nonfinite != "raise":
+            raise NonFiniteError(f"{e}; {resume.stopped(c, run_dir, engine.steps_done, latest)}") from e
+        latest, unsaved = _saved_on_stop(save_now, engine.steps_done, latest)
+        raise NonFiniteError(resume.failed_step(c, run_dir, engine.last_step, getattr(e, "records", None), latest,
+                                                unsaved)) from e
+    # A save the disk refused; a step that failed after its first update (updates:
+    # as_gradients_land), which left the engine to be reloaded.
+    except (CheckpointError, PartialStepError) as e:
         raise type(e)(f"{e}; {resume.stopped(c, run_dir, engine.steps_done, latest)}") from e
     except KeyboardInterrupt:       # Ctrl-C, SIGINT not among stop_signals: the step in flight left whole undone
         print(f"\n  interrupted    {resume.stopped(c, run_dir, engine.steps_done, latest)} (with SIGINT among "

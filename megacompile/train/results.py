@@ -3,7 +3,9 @@ scripts that read them:
 
     train_results.json   epoch, total_flos, train_loss, train_runtime, train_samples_per_second,
                          train_steps_per_second (Trainer.save_metrics("train", ...))
-    eval_results.json    the last step's evaluation (eval_loss, ...), where the last step evaluated
+    eval_results.json    the evaluation of the model the run leaves (eval_loss, ...): the last
+                         step's, where it evaluated; under load_best_model_at_end the best
+                         checkpoint's step's (its weights are the model written)
     all_results.json     both together
     trainer_state.json   TrainerState's fields: global_step, max_steps, epoch, num_train_epochs,
                          the intervals, train_batch_size, total_flos, best_metric, best_global_step
@@ -83,8 +85,7 @@ def write(c, run_dir: str, result: dict, steps_per_epoch: int | None, params: in
              "train_samples_per_second": round(ran * per_step / seconds, 3) if seconds > 0 else None,
              "train_steps_per_second": round(ran / seconds, 3) if seconds > 0 else None}
     train = {k: v for k, v in train.items() if v is not None}
-    last = rows[-1] if rows and rows[-1]["step"] == steps else {}
-    evaluated = {k: v for k, v in last.items() if k.startswith("eval_") and _finite(v)}
+    evaluated = final_evaluation(c, run_dir, rows, steps, best)
     written = {"train_results.json": train, "all_results.json": {**train, **evaluated}}
     if evaluated:
         written["eval_results.json"] = {**epoch_of(steps, steps_per_epoch), **evaluated}
@@ -93,6 +94,19 @@ def write(c, run_dir: str, result: dict, steps_per_epoch: int | None, params: in
     for name, content in written.items():
         durable.replace_text(os.path.join(run_dir, name), as_json(content))
     return written
+
+
+def final_evaluation(c, run_dir: str, rows: list[dict], steps: int, best: dict | None) -> dict:
+    """The evaluation of the model the run leaves, as LlamaFactory's Trainer.evaluate() after
+    train() measures it: under load_best_model_at_end, where that model is the best checkpoint's
+    (written to the model's folder), the evaluation of the best step, made on those very weights;
+    else the last step's, where it evaluated. {} where none did."""
+    from .trained_model import folder
+    at = steps
+    if c.load_best_model_at_end and best is not None and folder(c, run_dir) is not None:
+        at = best["step"]
+    row = next((r for r in reversed(rows) if r["step"] == at and not r["skipped"]), {})
+    return {k: v for k, v in row.items() if k.startswith("eval_") and _finite(v)}
 
 
 def checkpoint_files(c, run_dir: str, step: int, steps_per_epoch: int | None, params: int, best: dict | None,

@@ -9,16 +9,21 @@ engine exists and before any file of the run folder is written.
               the new schedule's (the note names the jump); batch, grad_accum, global_batch: the
               data goes on from the saved row, with other rows per step; betas, eps,
               weight_decay, max_grad_norm, compute_dtype: the AdamW state is kept, the new values
-              apply from the next step
+              apply from the next step; under load_best_model_at_end, what evaluates the
+              checkpoints (eval files, eval_batches, eval_batch, the metric and its direction):
+              the best is judged afresh among the resumed run's evaluations (best_model.py)
     complete  the checkpoint is at or past the last step: nothing to train
 
 A run stopped by a fault (a checkpoint it could not write, steps that kept being skipped) or a
-signal names the checkpoint it goes on from and the command that does it (stopped).
+signal names the checkpoint it goes on from and the command that does it (stopped); one stopped
+by a step with an inf or NaN under on_nonfinite: raise, also the records that step read and the
+setting that passes over such a step (failed_step).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from ..errors import ArgumentError
@@ -223,9 +228,11 @@ def _some(names: list[str], most: int = 3) -> str:
 
 def notes(c: RunConfig, saved: Saved) -> list[str]:
     """One line per group of changed settings, saying what the change does from the next step."""
+    from .best_model import resume_note
+    judged = resume_note(c, saved)
     before = saved.extra.get("settings")
     if not isinstance(before, dict):
-        return []       # a checkpoint of a run that saved no settings: nothing to compare
+        return judged       # a checkpoint of a run that saved no settings: nothing more to compare
     now, step = settings(c), saved.steps_done + 1
     out = []
 
@@ -251,7 +258,7 @@ def notes(c: RunConfig, saved: Saved) -> list[str]:
     optimizer = changed(OPTIMIZER)
     if optimizer:
         out.append(f"{', '.join(optimizer)}: the AdamW state is kept, and the new values apply from step {step}")
-    return out
+    return out + judged
 
 
 def _show(value) -> str:
@@ -269,14 +276,15 @@ def complete(c: RunConfig, saved: Saved, run_dir: str) -> str | None:
           else f"stopped early at step {saved.steps_done} of {c.steps}" if early
           else f"step {saved.steps_done}, past steps={c.steps}")
     line = f"the run in {run_dir} is already complete ({at}, checkpoint {saved.path})"
-    from .trained_model import folder, holds_model
+    from .trained_model import folder, missing
     place = folder(c, run_dir)
     if place is None:
         return f"{line}; nothing to do"
     what = "export" if c.export is not None else "model"
-    if holds_model(place):
+    gone = missing(place)
+    if gone is None:
         return f"{line}; its {what} is in {place}; nothing to do"
-    return f"{line}; its {what} is not in {place}: writing it from the checkpoint"
+    return f"{line}; its {what} {gone}: writing it from the checkpoint"
 
 
 def stopped(c: RunConfig, run_dir: str, step: int, latest: tuple[int, str | None]) -> str:
@@ -290,6 +298,59 @@ def stopped(c: RunConfig, run_dir: str, step: int, latest: tuple[int, str | None
     redo = ("" if step == at else f", training step {step} again" if step == at + 1
             else f", training steps {at + 1} to {step} again")
     return f"the run stopped after step {step}; {command} goes on from its last checkpoint, {checkpoint} (step {at}){redo}"
+
+
+NAMED = 32     # records a failed step's message names, at most
+
+
+def failed_step(c: RunConfig, run_dir: str, record, records: tuple[str, list[str]] | None,
+                latest: tuple[int, str | None], unsaved: str | None = None) -> str:
+    """A step whose loss or a gradient is inf or NaN under on_nonfinite: raise (`record`: its
+    engine.last_step): what failed; `records`: which rows ran it, in words, and where their
+    records came from (stages sft and pt); `latest`: the (step, path) of the newest checkpoint,
+    saved as the run stopped (`unsaved`: why it could not be); and what goes on past the step: the
+    same command alone would feed it the same data again."""
+    at, checkpoint = latest
+    done = record.step - 1
+    message = (f"step {record.step} failed: {record.reason}, and on_nonfinite: raise stops the run at such a step "
+               f"(nothing of step {record.step} was applied)")
+    if records is not None:
+        rows, where = records
+        message += f"; {rows} held the record{'s' if len(where) > 1 else ''} {_by_file(where)}"
+    if unsaved:
+        message += f"; {unsaved}"
+    skip = " ".join(["on_nonfinite=skip", *resume_overrides(c, run_dir)])
+    if checkpoint is None:
+        message += (f"; the run has no checkpoint yet: the same command with {skip} starts it again and passes over "
+                    "such steps with a warning (on_nonfinite: skip in run.yaml)")
+    else:
+        redo = ("" if at == done else f", training step {done} again" if at + 1 == done
+                else f", training steps {at + 1} to {done} again")
+        message += (f"; its last checkpoint is {checkpoint} (step {at}{redo}): the same command with {skip} goes on "
+                    "from it and passes over such steps with a warning (on_nonfinite: skip in run.yaml); as it "
+                    f"is, it would feed step {record.step} the same data again")
+    if records is not None:
+        message += "; or look at the records named, mend or drop the bad one, and start a new run_dir (a resume " \
+                   "refuses changed data)"
+    return message
+
+
+def _by_file(where: list[str]) -> str:
+    """Records' places (`file:line`, `file line N`, `file row N`: data/reading.py), a file's
+    together in order, `file (lines 3, 17, 40)`; NAMED of them at most."""
+    files: dict[tuple[str, str], list[int]] = {}
+    others = []
+    for w in where[:NAMED]:
+        found = re.fullmatch(r"(.*):(\d+)", w) or re.fullmatch(r"(.*) (line|row) (\d+)", w)
+        if found is None:
+            others.append(w)
+        else:
+            kind = "line" if found.lastindex == 2 else found[2]
+            files.setdefault((found[1], kind), []).append(int(found[found.lastindex]))
+    said = [f"{path}:{ns[0]}" if kind == "line" and len(ns) == 1 else f"{path} {kind} {ns[0]}" if len(ns) == 1
+            else f"{path} ({kind}s {', '.join(map(str, sorted(ns)))})" for (path, kind), ns in files.items()]
+    more = len(where) - NAMED
+    return ", ".join(said + others) + (f" and {more} more" if more > 0 else "")
 
 
 def broken_latest(path: str) -> str:

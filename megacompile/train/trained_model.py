@@ -16,6 +16,7 @@ The run's last printed line says where the model is (`last_line`).
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -35,7 +36,51 @@ def folder(c: RunConfig, run_dir: str) -> str | None:
 
 
 def holds_model(path: str) -> bool:
-    return bool(export_files(path))
+    return missing(path) is None
+
+
+def missing(path: str) -> str | None:
+    """What keeps the folder `path` from holding a whole export (a phrase after "its export"), or
+    None: its config (config.json, or an adapter's adapter_config.json) and every safetensors file
+    of its weights (each the index names), each file's header readable and its size that of the
+    header and the tensors it lists. Cheap: no tensor is read."""
+    from ..errors import WeightsFileError
+    from ..io.hf_layout import INDEX, SINGLE
+    from ..io.hf_save import ADAPTER
+    if not export_files(path):
+        return f"is not in {path}"
+    config, weights = "config.json", [SINGLE]
+    if os.path.isfile(os.path.join(path, INDEX)):
+        try:
+            with open(os.path.join(path, INDEX)) as f:
+                weights = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"in {path} is not whole: its {INDEX} cannot be read ({e})"
+    elif not os.path.isfile(os.path.join(path, SINGLE)) and os.path.isfile(os.path.join(path, ADAPTER[1])):
+        config, weights = ADAPTER[0], [ADAPTER[1]]
+    for name in (config, *weights):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"in {path} is not whole: {name} is missing"
+    for name in weights:
+        try:
+            _check_whole(os.path.join(path, name))
+        except WeightsFileError as e:
+            return f"in {path} is not whole: {e}"
+    return None
+
+
+def _check_whole(file: str) -> None:
+    """WeightsFileError unless the safetensors `file` ends where its last tensor does (its header
+    read alone)."""
+    from ..errors import WeightsFileError
+    from ..io.header import read_header
+    entries = read_header(file)     # raises for a header that cannot be read or a tensor past the end
+    size = os.path.getsize(file)
+    if not entries:
+        raise WeightsFileError(f"{file} holds no tensor")
+    end = max(e.end for e in entries.values())
+    if size != end:
+        raise WeightsFileError(f"{file} has {size} bytes, its header and tensors {end}")
 
 
 def check_new_run(c: RunConfig, run_dir: str, resume_from: str | None) -> None:

@@ -8,10 +8,13 @@ logs it; a line of its own for each evaluation; each with the steps done and to 
 and LlamaFactory's elapsed and remaining times (h:mm:ss, from this process's start). Keys without a
 value are left out, as LlamaFactory leaves them: `epoch` (the step over an epoch's steps, as
 trainer_state.json's log_history has it: results.py) is left out of a streamed run's, whose epoch
-length is unknown. A resumed run drops the lines past its checkpoint first, as log.csv drops its rows.
+length is unknown. A resumed run drops the lines past its checkpoint first, as log.csv drops its rows,
+and its first loss line averages the steps since the last line kept (their losses read back from
+log.csv), so the file is the uninterrupted run's.
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -28,8 +31,11 @@ class TrainerLog:
         """steps_per_epoch: the optimizer steps of an epoch (None: streamed, no epoch written)."""
         self.path = os.path.join(run_dir, NAME)
         self.steps, self.every, self.steps_per_epoch = steps, max(1, every), steps_per_epoch
-        self.started, self.losses = time.time(), []
+        self.started = time.time()
         _keep_steps_up_to(self.path, resume_step)
+        # the losses of the steps since the last line kept, which the uninterrupted run held when it
+        # saved the checkpoint: the resumed run's next line averages them too
+        self.losses = _unlogged_losses(run_dir, self.path, resume_step) if resume_step else []
 
     def write(self, row: dict, last: bool = False) -> None:
         """last: the run ends at this step before `steps` (early stopping), which logs as the last does."""
@@ -59,8 +65,28 @@ def _keep_steps_up_to(path: str, step: int) -> None:
     if not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:     # a line cut short by a kill is dropped too
-        kept = [line for line in f if (_step(line) or math.inf) <= step]
+        kept = [line for line in f if (at := _step(line)) is not None and at <= step]     # eval_on_start's: 0
     durable.replace_text(path, "".join(kept))
+
+
+def _unlogged_losses(run_dir: str, path: str, step: int) -> list[float]:
+    """The losses log.csv holds of the steps after the file's last loss line (not an evaluation's)
+    up to `step`, the steps that updated alone, as write() gathers them."""
+    last = 0
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            lines = [json.loads(line) for line in f]
+        last = max((x["current_steps"] for x in lines if "eval_loss" not in x), default=0)
+    csv_path, out = os.path.join(run_dir, "log.csv"), []
+    if not os.path.exists(csv_path):
+        return out
+    with open(csv_path, newline="") as f:
+        for r in csv.DictReader(f):
+            if last < int(r["step"]) <= step and r.get("skipped") in ("", None, "None", "False") and r.get("loss"):
+                loss = float(r["loss"])
+                if math.isfinite(loss):
+                    out.append(loss)
+    return out
 
 
 def _step(line: str) -> int | None:

@@ -2,6 +2,7 @@
 the OOM killer would end it), and the log rows a resumed run is compared by."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,10 +28,17 @@ def untimed(path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMED} for row in log.read(str(path))]
 
 
+def trainer_log(folder) -> list[dict]:
+    """A run folder's trainer_log.jsonl lines without their times."""
+    with open(os.path.join(folder, "trainer_log.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in ("elapsed_time", "remaining_time")}
+                for line in f]
+
+
 def resumes_as_whole(config, folder, steps: int, kill_at: int, kept: list[str]) -> list[dict]:
     """config(name) -> a run.yaml of `steps` steps whose run folder is folder/name: the run `whole`
     goes to its end; `cut` is killed after step `kill_at` (its checkpoints then `kept`) and resumed
-    with the same command, and writes whole's log. whole's rows, without timings."""
+    with the same command, and writes whole's log (and trainer_log.jsonl). whole's rows, without timings."""
     from megacompile.train import load, run
     assert run(load(config("whole"), []))["steps"] == steps
     kill_after(config("cut"), kill_at)
@@ -38,4 +46,5 @@ def resumes_as_whole(config, folder, steps: int, kill_at: int, kept: list[str]) 
     assert run(load(config("cut"), []))["steps"] == steps
     whole, cut = (untimed(os.path.join(folder, name, "log.csv")) for name in ("whole", "cut"))
     assert whole == cut
+    assert trainer_log(os.path.join(folder, "whole")) == trainer_log(os.path.join(folder, "cut"))
     return whole

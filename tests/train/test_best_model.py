@@ -49,6 +49,15 @@ def test_the_model_written_is_the_best_checkpoints(tmp_path, capsys):
         state = json.load(f)
     assert state["best_metric"] == losses[best - 1]
     assert state["best_model_checkpoint"] == os.path.join(c.run_dir, "checkpoints", f"step-{best:06d}")
+    # the final evaluation is the model written's, as LlamaFactory's Trainer.evaluate() after train() makes it:
+    # the best step's, made on those weights; the epoch the run's last
+    row = log.read(os.path.join(c.run_dir, "log.csv"))[best - 1]
+    evaluated = {"eval_loss": float(row["eval_loss"]), "eval_perplexity": float(row["eval_perplexity"])}
+    for name in ("eval_results.json", "all_results.json"):
+        with open(os.path.join(c.run_dir, name)) as f:
+            assert {k: v for k, v in json.load(f).items() if k.startswith("eval_")} == evaluated, name
+    with open(os.path.join(c.run_dir, "eval_results.json")) as f:
+        assert json.load(f)["epoch"] == state["epoch"]
 
 
 @pytest.mark.slow
@@ -122,3 +131,62 @@ def test_eval_on_start_without_evaluations_is_refused(tmp_path):
     del settings["eval_every"]
     with pytest.raises(ArgumentError, match="eval_on_start evaluates before the first step"):
         load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), [])
+
+
+def test_a_best_judged_by_other_evaluations_is_judged_afresh_on_resume(tmp_path):
+    from megacompile.train.best_model import Best, resume_note
+    from megacompile.train.resume import Saved
+
+    settings = _settings(tmp_path)
+
+    def config(**extra):
+        return load(files.run_yaml(str(tmp_path / "r.yaml"), **settings | extra), [])
+
+    first = Best(config(), None)
+    first.keep(first.proposed(2, {"eval_loss": 1.0}))
+    saved = Saved("ckpt", 2, {"best": first.state()})
+
+    same = Best(config(), saved.extra)
+    assert resume_note(config(), saved) == [] and same.proposed(4, {"eval_loss": 2.0}) == first.state()
+
+    # another metric: its values are not compared with the saved eval_loss
+    c = config(metric_for_best_model="perplexity")
+    (note,) = resume_note(c, saved)
+    assert note.startswith("metric_for_best_model eval_loss -> eval_perplexity, greater_is_better False -> True: "
+                           "the best checkpoint so far (step 2, eval_loss 1) was judged by other evaluations")
+    assert "the best is judged afresh from step 3" in note
+    best = Best(c, saved.extra)
+    assert best.kept(str) == ("2",)      # kept until an evaluation of this run's replaces it
+    best.keep(best.proposed(4, {"eval_perplexity": 7.0}))      # whatever its value, the first is the best
+    assert best.state()["step"] == 4 and best.kept(str) == ("4",)
+    assert best.proposed(6, {"eval_perplexity": 6.0})["step"] == 4      # and the next compared with it
+    assert resume_note(c, Saved("ckpt", 4, {"best": best.state()})) == []
+
+    # the same eval file, changed
+    with open(tmp_path / "chats.jsonl", "a") as f:
+        f.write('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    (note,) = resume_note(config(), saved)
+    assert note.startswith(f"eval: {tmp_path / 'chats.jsonl'} changed (another size or modification time)")
+    assert Best(config(), saved.extra).proposed(4, {"eval_loss": 2.0})["step"] == 4
+
+    # a checkpoint saved before the best kept what judged it: compared as before
+    old = {"best": {"step": 2, "value": 1.0}}
+    assert resume_note(config(), Saved("ckpt", 2, old)) == []
+    assert Best(config(), old).proposed(4, {"eval_loss": 2.0}) == {"step": 2, "value": 1.0, "under": None}
+
+
+@pytest.mark.slow
+def test_a_resume_under_another_metric_exports_the_best_of_its_own_evaluations(tmp_path, capsys):
+    settings = _settings(tmp_path, greater_is_better=True, steps=2, save_total_limit=None)
+    run(load(files.run_yaml(str(tmp_path / "r.yaml"), **settings | {"metric_for_best_model": "perplexity"}), []))
+    capsys.readouterr()
+    # step 1's perplexity (the best so far, the highest) is no loss the resumed run's could be compared with
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **settings | {"steps": 4, "resume": "auto"}), [])
+    run(c)
+    assert "metric_for_best_model eval_perplexity -> eval_loss: the best checkpoint so far (step 1" in \
+        capsys.readouterr().out
+    losses = [float(r["eval_loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    best = 3 + max(range(2), key=lambda i: losses[2 + i])
+    _exported_is_checkpoint(c, best)
+    with open(os.path.join(c.run_dir, "eval_results.json")) as f:
+        assert json.load(f)["eval_loss"] == losses[best - 1]

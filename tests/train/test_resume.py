@@ -13,7 +13,7 @@ import torch
 
 from megacompile.errors import ArgumentError
 from megacompile.train import load, log, run
-from tests.train import files
+from tests.train import files, killed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAME = ("step", "loss", "lr", "grad_norm", "tokens", "device_peak_bytes", "predicted_device_peak_bytes",
@@ -24,7 +24,7 @@ def _settings(work: dict, name: str) -> dict:
     return dict(model=work["model"], data=[work["chats"], work["notes"]], seq=24, packing="isolated", batch=2,
                 grad_accum=2, steps=7, lr=3e-3, warmup=2, schedule="cosine", min_lr=1e-4, max_grad_norm=1.0,
                 eval_fraction=0.2, eval_every=3, save_every=2, keep_last=2, device="cpu", resume="auto",
-                run_dir=name, export=f"{name}-export", log_every=1)
+                run_dir=name, export=f"{name}-export", log_every=3)
 
 
 def _weights(folder: str) -> dict:
@@ -52,6 +52,8 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_result(tmp_path):
     a, b = log.read(str(tmp_path / "whole" / "log.csv")), log.read(os.path.join(cut, "log.csv"))
     assert [{k: r[k] for k in SAME} for r in a] == [{k: r[k] for k in SAME} for r in b]
     assert sum(bool(r["eval_loss"]) for r in b) == 3            # after steps 3, 6 and the last
+    # LlamaFactory's log too: step 6's line averages steps 5 and 6, trained again, with step 4, trained before
+    assert killed.trainer_log(tmp_path / "whole") == killed.trainer_log(cut)
     ours, theirs = _weights(str(tmp_path / "whole-export")), _weights(cut + "-export")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -7,6 +7,7 @@ import os
 import warnings
 
 import pytest
+import torch
 
 from megacompile.errors import ArgumentError, WeightsFileError
 from megacompile.train import load, log, run
@@ -109,6 +110,44 @@ def test_a_finished_run_with_an_export_names_it(tmp_path, capsys):
     assert run(load(None, settings))["complete"]
     out = capsys.readouterr().out
     assert "already complete (step 1 of 1, checkpoint" in out and f"its export is in {tmp_path / 'export'}" in out
+    # weights cut short: config.json alone is no export; it is written again from the checkpoint
+    weights = tmp_path / "export" / "model.safetensors"
+    whole = weights.read_bytes()
+    os.truncate(weights, 1000)
+    run(load(None, settings))
+    out = capsys.readouterr().out
+    assert (f"its export in {tmp_path / 'export'} is not whole: {weights} is truncated" in out
+            and "writing it from the checkpoint" in out)
+    assert weights.read_bytes() == whole
+
+
+def test_an_export_is_whole_when_its_config_and_every_weights_file_are_there_and_whole(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from megacompile.train.trained_model import missing
+    folder = tmp_path / "export"
+    folder.mkdir()
+    assert missing(str(folder)) == f"is not in {folder}"
+    (folder / "config.json").write_text("{}")
+    assert missing(str(folder)) == f"in {folder} is not whole: model.safetensors is missing"
+    save_file({"a": torch.ones(4), "b": torch.zeros(2, 3)}, str(folder / "model.safetensors"))
+    assert missing(str(folder)) is None
+    whole = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(whole + b"\0" * 8)       # bytes past the last tensor
+    assert "model.safetensors has %d bytes, its header and tensors %d" % (len(whole) + 8, len(whole)) in \
+        missing(str(folder))
+    (folder / "model.safetensors").write_bytes(whole[:-4])
+    assert "is truncated: b needs bytes up to" in missing(str(folder))
+    # sharded: every file the index names
+    (folder / "model.safetensors").unlink()
+    save_file({"a": torch.ones(4)}, str(folder / "model-00001-of-00002.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert missing(str(folder)) == f"in {folder} is not whole: model-00002-of-00002.safetensors is missing"
+    save_file({"b": torch.zeros(2, 3)}, str(folder / "model-00002-of-00002.safetensors"))
+    assert missing(str(folder)) is None
 
 
 def test_a_committed_checkpoint_without_a_step_count_is_refused_by_name(tmp_path):

@@ -54,11 +54,20 @@ def test_a_streamed_run_writes_no_epoch(tmp_path, monkeypatch):
     assert [x["current_steps"] for x in lines] == [2] and "epoch" not in lines[0] and "loss" in lines[0]
 
 
-def test_a_resumed_run_drops_the_lines_past_its_checkpoint(tmp_path, monkeypatch):
+def test_a_resumed_run_drops_the_lines_past_its_checkpoint_and_writes_the_uninterrupted_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    _run(tmp_path, steps=5)
+    _run(tmp_path, steps=5, eval_on_start=True)
     with open(tmp_path / "run" / "trainer_log.jsonl", "a") as f:
         f.write('{"current_steps": 5, "lo')      # a line a kill cut short
-    _run(tmp_path, steps=6, resume=os.path.join("run", "checkpoints", "step-000003"))
-    steps = [x["current_steps"] for x in _lines(tmp_path)]
-    assert steps == [2, 3, 4, 6, 6]
+    _run(tmp_path, steps=6, eval_on_start=True, resume=os.path.join("run", "checkpoints", "step-000003"))
+    lines = _lines(tmp_path)
+    assert [x["current_steps"] for x in lines] == [0, 2, 3, 4, 6, 6]     # eval_on_start's line kept
+    # step 4's line averages steps 3 and 4, step 3 trained before the checkpoint, as trainer_state.json's
+    # log_history (and the uninterrupted run's line) has it
+    losses = {int(r["step"]): float(r["loss"]) for r in log.read(str(tmp_path / "run" / "log.csv")) if r["loss"]}
+    assert [x["loss"] for x in lines if "loss" in x] == [round((losses[1] + losses[2]) / 2, 4),
+                                                        round((losses[3] + losses[4]) / 2, 4),
+                                                        round((losses[5] + losses[6]) / 2, 4)]
+    with open(tmp_path / "run" / "trainer_state.json") as f:
+        history = [r for r in json.load(f)["log_history"] if "loss" in r]
+    assert [x["loss"] for x in lines if "loss" in x] == [r["loss"] for r in history]

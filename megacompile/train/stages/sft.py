@@ -11,12 +11,12 @@ import warnings
 import numpy as np
 import torch
 
-from ...errors import ArgumentError, RetraceWarning
+from ...errors import ArgumentError, NonFiniteError, RetraceWarning
 from ...ir import fmt_bytes
 from .. import intervals
 from .. import methods, router_loss, vocab
 from ..config import RunConfig
-from ..data import grid_images, images, mixture, packing, split, streaming, tokens, trim
+from ..data import grid_images, images, mixture, origins, packing, split, streaming, tokens, trim
 from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
@@ -165,13 +165,36 @@ class SFTStage(Stage):
             with warnings.catch_warnings():
                 if needed:      # the run's own few lengths (trim.PARTS), not inputs that keep changing
                     warnings.simplefilter("ignore", RetraceWarning)
-                losses.append(engine.weighted_step(weight, **self._scaled(inputs, 1.0 / weight)))
+                try:
+                    losses.append(engine.weighted_step(weight, **self._scaled(inputs, 1.0 / weight)))
+                except NonFiniteError as e:     # on_nonfinite: raise; the run's error names the records
+                    # A loss is its micro-batch's, when each ran alone; a gradient (or a loss of a
+                    # layer-major step, which ran them all at once) is the step's.
+                    alone = engine.last_step.skipped == "loss" and None not in losses
+                    e.records = self._records([after - self.batch] if alone else [a - self.batch for _, _, a in drawn])
+                    raise
             position = after
             record = engine.last_step
             count += record.tokens or 0      # a skipped step counts none
             if record.skipped:
                 break
         return {}, losses, count, position
+
+    def _records(self, firsts: list[int]) -> tuple[str, list[str]] | None:
+        """The micro-batches starting at rows `firsts`, in words, and where each of their records
+        came from (data/origins.py); None for streamed rows, or data that cannot be read again."""
+        made, c = self.made[0], self.c
+        if made is None:
+            return None
+        rows = [i for first in firsts for i in range(first, first + self.batch)]
+        span = f"row {rows[0]}" if len(rows) == 1 else f"rows {rows[0]} to {rows[-1]}"
+        what = "the micro-batch that failed" if len(firsts) == 1 else "the step's micro-batches"
+        found = origins.Origins(made, c.data, None if self.media is not None else self.tokenizer, c.train_on_prompt,
+                                c.seq + self.shifted)
+        try:
+            return f"{what} ({span} of the run)", found.of_rows(self.rows, rows)
+        except (OSError, ValueError):       # the data changed or is gone since it was tokenised
+            return None
 
     def step_loss(self, losses: list[float]) -> float:
         """The step's loss as the Trainer logs it: its micro-batches' losses weighted by their
