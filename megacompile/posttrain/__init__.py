@@ -20,6 +20,7 @@ from .preference_format import trl_record
 from .preference import Pair, pack, pack_rows, preference_metrics, read_pairs, to_pair, tokenised
 from .record_files import jsonl_records, present
 from .rendered import check_calls, check_texts, check_tools, render, texts
+from .reward_logs import RewardLogs
 from .reward_models import RewardModelFunction
 from .rewards import TrainerState
 from .rollout import EngineGenerator
@@ -34,7 +35,7 @@ __all__ = ["decoupled_advantages", "decoder_layers", "RewardModelFunction", "ref
            "DFTObjective", "EAFTObjective", "eaft_loss", "eaft_weights", "Filters", "orpo_metrics",
            "sampling_filters", "dft_loss", "DPOLoss", "DPOObjective", "dpo_loss", "GRPOLoss", "GRPOObjective",
            "group_advantages", "grpo_loss", "KTOLoss", "KTOObjective", "kl_estimate", "kto_loss", "pack_rows",
-           "tokenised", "trl_record", "RewardModel", "reward_loss", "sequence_logprobs", "token_logprobs", "IGNORE",
+           "tokenised", "trl_record", "RewardLogs", "RewardModel", "reward_loss", "sequence_logprobs", "token_logprobs", "IGNORE",
            "EngineGenerator", "HFGenerator", "MISSING", "Pair", "StreamedHFGenerator", "TrainerState",
            "VLLMGenerator", "VLLMServerGenerator", "nanstd", "pack", "preference_metrics", "read_pairs", "rewards",
            "rollout_batch", "to_pair", "jsonl_records", "present", "check_calls", "check_texts", "check_tools",

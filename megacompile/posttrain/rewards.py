@@ -1,15 +1,17 @@
 """Rewards as Python callables, called as TRL's GRPOTrainer calls them: with keywords only,
 
-    f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns) -> one reward each
+    f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns,
+      log_extra=..., log_metric=...) -> one reward each
 
 prompts: each completion's prompt as the record gave it (text, or a list of messages);
 completions: the decoded text, or, for a prompt given as messages, a list of one message
 [{"role": "assistant", "content": text}]; completion_ids: the completion's token ids (a list);
 trainer_state: a TrainerState (global_step, epoch, max_steps); columns: every other column of the
-records, one value per completion. A reward of None or NaN means "not scored by this function": it
-is left out of the weighted sum (a nansum over the functions), and a completion no function scored
-has the reward NaN (advantages.py gives it no advantage). `async def` functions are awaited
-together. Built in: an exact-match answer and a format check.
+records, one value per completion; log_extra and log_metric: TRL 1.16's callables for a column of
+the completions log and a scalar of the step's (reward_logs.py). A reward of None or NaN means
+"not scored by this function": it is left out of the weighted sum (a nansum over the functions),
+and a completion no function scored has the reward NaN (advantages.py gives it no advantage).
+`async def` functions are awaited together. Built in: an exact-match answer and a format check.
 
 A function is named `module:function` or, as TRL's scripts name it, `module.function`. A module
 not on the Python path is looked up in the working directory (TRL's scripts put it on sys.path)
@@ -34,6 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import ArgumentError
+from .reward_logs import RewardLogs
 from .reward_models import RewardModelFunction, is_reward_model
 
 RewardFn = Callable[..., Sequence[float | None]]
@@ -171,16 +174,19 @@ def name_of(f: RewardFn) -> str:
 
 
 def score(funcs: Sequence[RewardFn], weights: Sequence[float] | None, prompts, completions, *,
-          completion_ids=None, trainer_state: TrainerState | None = None,
+          completion_ids=None, trainer_state: TrainerState | None = None, reward_logs: RewardLogs | None = None,
           **columns) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted nansum of every function's rewards, (N,) (NaN where no function scored), and
-    each function's own (NaN where it did not score), by its name."""
+    each function's own (NaN where it did not score), by its name; what the functions log goes to
+    `reward_logs` (dropped where it is None)."""
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
         raise ArgumentError(f"reward_weights has {len(weights)} weights for {len(funcs)} reward functions")
     kwargs = {"prompts": list(prompts), "completions": list(completions),
               "completion_ids": [list(x) for x in completion_ids] if completion_ids is not None else None,
               "trainer_state": trainer_state if trainer_state is not None else TrainerState(), **columns}
+    logs = reward_logs if reward_logs is not None else RewardLogs()
+    kwargs.update(log_extra=logs.log_extra, log_metric=logs.log_metric)     # after the columns, as TRL adds them
     for f in funcs:
         _check_signature(f, kwargs)
     outputs = {i: f(**kwargs) for i, f in enumerate(funcs) if not inspect.iscoroutinefunction(f)}
@@ -205,13 +211,14 @@ def score(funcs: Sequence[RewardFn], weights: Sequence[float] | None, prompts, c
 
 
 KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
+LOGGING = ("log_extra", "log_metric")       # TRL 1.16's, handed after the data's columns
 
 
 def check_callable(funcs: Sequence[RewardFn], columns: Sequence[str] | None = None) -> None:
     """Each function takes TRL's keywords and, when `columns` (the data's, but the prompt) are
     given, those too: checked before the run folder is written, not at the first rollout. Without
-    columns, only TRL's four keywords are checked (a parameter may be a column)."""
-    kwargs = {k: None for k in KEYWORDS} | {k: None for k in columns or ()}
+    columns, only TRL's keywords are checked (a parameter may be a column)."""
+    kwargs = {k: None for k in KEYWORDS} | {k: None for k in columns or ()} | {k: None for k in LOGGING}
     for f in funcs:
         _check_signature(f, kwargs, partial=columns is None)
 
@@ -223,9 +230,9 @@ def _check_signature(f: RewardFn, kwargs: dict, partial: bool = False) -> None:
         signature = inspect.signature(f)
         signature.bind_partial(**kwargs) if partial else signature.bind(**kwargs)
     except TypeError as e:
-        columns = [k for k in kwargs if k not in KEYWORDS]
+        columns = [k for k in kwargs if k not in KEYWORDS + LOGGING]
         raise ArgumentError(f"reward function {name_of(f)} is called as TRL calls reward functions, with keywords "
-                            f"{', '.join(KEYWORDS)} and the data's columns"
+                            f"{', '.join(KEYWORDS + LOGGING)} and the data's columns"
                             + (f" ({', '.join(columns)})" if columns else "")
                             + f"; name its parameters prompts and completions and end them with **kwargs: {e}") from e
     except ValueError:

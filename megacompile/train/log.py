@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import errno
 import io
+import math
 import os
 import sys
 
@@ -70,6 +71,9 @@ class RunLog:
 
     def write(self, row: dict, last: bool = False) -> None:
         """last: the step early stopping ends the run at (trainer_log.jsonl logs it as the last step)."""
+        new = tuple(k for k in row if k not in self._columns)
+        if new:         # a figure first logged now (a reward function's log_metric): the header gains it
+            self._widen(new)
         # repr: floats written so that they read back to the same bits
         self._append(row["step"], {k: repr(v) if isinstance(v, float) else ("" if v is None else v)
                                    for k, v in row.items()})
@@ -86,6 +90,14 @@ class RunLog:
                 self._trainer.write(row, last)
             except OSError as e:
                 raise log_failed(self._trainer.path, row["step"], e) from e
+
+    def _widen(self, new: tuple) -> None:
+        """The log's columns and then `new`, the rows written so far rewritten under that header
+        (their new cells empty), in a copy renamed over the file."""
+        self._file.close()
+        self._columns = _keep_steps_up_to(self.path, math.inf, self._columns + new)
+        self.extra += new
+        self._file = open(self.path, "ab", buffering=0)
 
     def _append(self, step: int | None, fields: dict) -> None:
         text = io.StringIO()

@@ -10,6 +10,7 @@ import pytest
 
 from megacompile.train import load, run
 from megacompile.train.stages.completions_log import FILE, CompletionsLog
+from megacompile.train import log
 from tests.posttrain import stage_files
 from tests.train import files
 
@@ -66,3 +67,20 @@ def test_a_gdpo_run_trains_the_decoupled_advantages_of_the_logged_rewards(tmp_pa
                          for f in ("starts_like_prompt", "format_check")] for r in rows])
     want = decoupled_advantages(per, [1.0, 0.5], 4)
     assert [r["advantage"] for r in rows] == pytest.approx(want.tolist(), abs=1e-6)
+
+
+def test_trl_116_log_metric_goes_to_log_csv_and_log_extra_to_the_completions(tmp_path, capsys):
+    work = stage_files.workspace(tmp_path)
+    config = files.run_yaml(str(tmp_path / "run.yaml"), **stage_files.grpo(
+        work, str(tmp_path / "run"), steps=1, log_completions=True, num_completions_to_print=1,
+        reward_funcs=["tests.posttrain.trl_rewards:with_metric"], reward_weights=[1.0],
+        eval_fraction=0.2, eval_every=1))
+    run(load(config, []))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / FILE)]
+    chars = [r["rewards"]["with_metric"] for r in rows]
+    assert [r["extra"] for r in rows] == [{"chars": str(x)} for x in chars]
+    [row] = log.read(str(tmp_path / "run" / "log.csv"))
+    assert float(row["mean_chars"]) == pytest.approx(sum(chars) / len(chars))      # under the name TRL logs
+    assert float(row["eval_mean_chars"]) == pytest.approx(float(row["eval_reward"]))   # an evaluation's: eval_
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("completion ")]
+    assert f"| chars {chars[0]} |" in printed[0]

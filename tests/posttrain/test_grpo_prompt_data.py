@@ -90,6 +90,17 @@ def test_prompts_and_reward_columns_are_read_from_each_layout(work, tmp_path, so
         assert {k: v for k, v in record.items() if k != "prompt"} == columns
 
 
+def test_prompts_cut_at_max_prompt_length_are_counted_in_a_truncation_line(work, tmp_path):
+    # TRL 1.16 has no max_prompt_length and cuts no prompt: a run whose prompts are cut says so
+    tok, data = files.tokenizer(), str(work["dir"] / "text.jsonl")
+    stage = GRPOStage(_config(work, tmp_path, reward_funcs=["format_check"], data=data, max_prompt_length=2), tok)
+    assert stage.prompts == [_ids(tok, "cat sat")] * 8          # the prompt's last tokens, as older TRL kept them
+    [line] = stage.truncation_lines()
+    assert line.startswith(f"truncation     8 of the 8 prompts of {data} cut to their last 2 tokens "
+                           "(max_prompt_length") and "TRL 1.16 has no such key and cuts no prompt" in line
+    assert GRPOStage(_config(work, tmp_path, reward_funcs=["format_check"], data=data), tok).truncation_lines() == []
+
+
 def test_chat_template_kwargs_render_the_prompts_and_are_not_handed_to_the_rewards(work, tmp_path):
     tok = tool_files.tokenizer()        # its template writes "brief" first when asked
     prompt = "<|system|> we like to read books <|end|> <|user|> hello there <|end|> <|assistant|>"

@@ -78,8 +78,12 @@ def test_a_reward_module_found_nowhere_is_refused_saying_where_it_looked(work, t
 
 @pytest.mark.parametrize("body, message", [
     ("def f(p, c):\n    return [0.0] * len(c)\n", "got an unexpected keyword argument 'prompts'"),
-    # TRL hands every column of the data: `answer` here, which f neither names nor takes as **kwargs
+    # TRL 1.16 hands its logging callables to every function
     ("def f(prompts, completions, completion_ids, trainer_state):\n    return [0.0] * len(completions)\n",
+     r"log_extra, log_metric and the data's columns.*got an unexpected keyword argument 'log_extra'"),
+    # TRL hands every column of the data: `answer` here, which f neither names nor takes as **kwargs
+    ("def f(prompts, completions, completion_ids, trainer_state, log_extra, log_metric):\n"
+     "    return [0.0] * len(completions)\n",
      r"the data's columns \(answer\).*got an unexpected keyword argument 'answer'"),
 ])
 def test_a_reward_function_of_the_wrong_signature_is_refused_before_the_run_folder_is_written(

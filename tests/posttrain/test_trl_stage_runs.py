@@ -49,7 +49,7 @@ def test_a_trl_grpo_config_with_trl_reward_functions_runs_and_logs_each_reward(t
     rows = log.read(str(tmp_path / "run" / "log.csv"))
     assert len(rows) == 2 == len(trl_rewards.CALLS)
     for step, (row, call) in enumerate(zip(rows, trl_rewards.CALLS)):
-        assert call["keys"] == ["completion_ids", "prompts", "trainer_state"]
+        assert call["keys"] == ["completion_ids", "log_extra", "log_metric", "prompts", "trainer_state"]
         assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in call["completions"])
         assert all(isinstance(p, list) and p[0]["role"] == "user" for p in call["prompts"])
         assert all(isinstance(ids, list) and 1 <= len(ids) <= 4 for ids in call["completion_ids"])

@@ -27,3 +27,12 @@ async def never(completions, **kwargs):
 def says_the(completions, **kwargs):
     """A toy reward a tiny policy learns: 1.0 where the completion's first word is "the"."""
     return [1.0 if c[0]["content"].split()[:1] == ["the"] else 0.0 for c in completions]
+
+
+def with_metric(prompts, completions, log_metric, log_extra, **kwargs):
+    """TRL 1.16's logging keywords: each completion's length in characters, their mean as a metric and
+    each as a column of the completions log."""
+    lengths = [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]
+    log_metric("mean_chars", sum(lengths) / len(lengths))
+    log_extra("chars", [str(x) for x in lengths])
+    return lengths

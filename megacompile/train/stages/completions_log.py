@@ -1,6 +1,7 @@
 """TRL's `log_completions` for stage grpo: every rollout's completions, one JSON line each, in
 run_dir/completions.jsonl, with the step they train, the prompt as the record gave it, the decoded
-completion, its reward (null where no function scored it), each function's and its advantage; and
+completion, its reward (null where no function scored it), each function's, its advantage and the
+columns the reward functions added with TRL 1.16's log_extra (`extra`, where any did); and
 `num_completions_to_print` of them (all when not given) printed as the rollout is made, as TRL
 prints its sample table.
 
@@ -28,16 +29,19 @@ class CompletionsLog:
         durable.replace_text(self.path, "".join(kept))
 
     def write(self, step: int, prompts: list, texts: list[str], rewards: list[float], each: dict[str, list[float]],
-              advantages: list[float]) -> None:
+              advantages: list[float], extra: dict[str, list] | None = None) -> None:
+        """extra: log_extra's columns, one value per completion each."""
         rows = [{"step": step, "prompt": prompt, "completion": text, "reward": _number(reward),
                  "rewards": {name: _number(values[i]) for name, values in each.items()},
-                 "advantage": _number(advantages[i])}
+                 "advantage": _number(advantages[i]),
+                 **({"extra": {column: _cell(values[i]) for column, values in extra.items()}} if extra else {})}
                 for i, (prompt, text, reward) in enumerate(zip(prompts, texts, rewards))]
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        with open(self.path, "a", encoding="utf-8") as f:       # a value JSON has no form for, as its text
+            f.write("".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows))
         for row in rows[:len(rows) if self.shown is None else self.shown]:
             prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1].get("content", "")
-            print(f"  completion     step {step} | reward {_shown(row['reward'])} | {_line(prompt)} -> "
+            added = "".join(f" | {column} {_line(value, 20)}" for column, value in row.get("extra", {}).items())
+            print(f"  completion     step {step} | reward {_shown(row['reward'])}{added} | {_line(prompt)} -> "
                   f"{_line(row['completion'])}", flush=True)
 
 
@@ -52,6 +56,11 @@ def _step(line: str) -> float:
 def _number(x) -> float | None:
     x = float(x)
     return None if math.isnan(x) else x
+
+
+def _cell(x):
+    """A log_extra value as JSON holds it: NaN as null, as the rewards."""
+    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 def _shown(x: float | None) -> str:

@@ -8,7 +8,9 @@ reward_weights, nan-aware (posttrain/rewards.py), and trained by GRPO.
 
 A rollout batch (TRL's generation batch) is batch x steps_per_generation completions,
 num_generations of each prompt, in rows of max_prompt_length + max_completion_length tokens (a
-longer prompt keeps its last max_prompt_length tokens, as TRL cuts it). It is sampled, scored
+longer prompt keeps its last max_prompt_length tokens, as older TRL cut it; TRL 1.16 cuts none, so
+the start counts them). What the reward functions log (TRL 1.16's log_metric, log_extra) goes to
+the step's metrics and the completions log. It is sampled, scored
 and given its advantages whole, then (shuffled, when it is more than one micro-batch, as TRL
 shuffles it) cut into steps_per_generation micro-batches of `batch` rows; grad_accum of them make
 an optimizer step, and the rollout batch is trained num_iterations times. Every forward takes
@@ -54,7 +56,7 @@ import torch
 from ...errors import ArgumentError
 from ...errors import MegacompileError
 from ...planner import engine_generator_advice
-from ...posttrain import RewardModelFunction, check_texts, render
+from ...posttrain import RewardLogs, RewardModelFunction, check_texts, render
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, decoupled_advantages,
                           decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
                           sampling_correction, sampling_ratio, truncated)
@@ -100,6 +102,7 @@ class GRPOStage(Stage):
                                 "function's rewards by name; give each its own")
         # each prompt's record (its columns for the rewards), tokens and images (paths; () for none)
         self.records, self.prompts, self.shown = [], [], []
+        self.cut: dict[str, list[int]] = {}     # each file's prompts cut at max_prompt_length, and its prompts
         for entry in c.data:
             self._read(entry, self.records, self.prompts, self.shown)
         self.held_records, self.held_prompts, self.held_shown = [], [], []
@@ -182,6 +185,9 @@ class GRPOStage(Stage):
                 raise ArgumentError(f"{where}: the prompt has no tokens; give it text")
             records.append(record)
             prompts.append(ids[-self.c.max_prompt_length:])
+            counted = self.cut.setdefault(entry["path"], [0, 0])
+            counted[0] += len(ids) > self.c.max_prompt_length
+            counted[1] += 1
             shown.append(media)
         if not records:
             raise ArgumentError(f"{entry['path']} holds no prompts")
@@ -199,7 +205,17 @@ class GRPOStage(Stage):
                  f"{c.steps_per_generation} micro-batch(es) of {c.batch}, {self.per_rollout} optimizer step(s) each; "
                  f"rewards {', '.join(c.reward_funcs)}; {c.steps} steps"]
         advice = self._generator_advice(setup)
-        return lines + ([f"generator      {advice}"] if advice else [])
+        return lines + self.truncation_lines() + ([f"generator      {advice}"] if advice else [])
+
+    def truncation_lines(self) -> list[str]:
+        """What max_prompt_length cut, as stage dpo says its truncation: TRL 1.16 has no such key."""
+        cut = {path: n for path, n in self.cut.items() if n[0]}
+        if not cut:
+            return []
+        files = "; ".join(f"{n[0]} of the {n[1]} prompts of {path}" for path, n in cut.items())
+        return [f"truncation     {files} cut to their last {self.c.max_prompt_length} tokens (max_prompt_length, "
+                "as older TRL's GRPOConfig cut them; TRL 1.16 has no such key and cuts no prompt): raise "
+                "max_prompt_length to keep them whole"]
 
     def _generator_advice(self, setup) -> str | None:
         """With the engine generator: what a copy with a key-value cache would take instead, when the
@@ -335,8 +351,8 @@ class GRPOStage(Stage):
         completions = self._generate(engine, [self.prompts[i] for i in chosen], n, c.temperature,
                                      [self.shown[i] for i in chosen])
         state = TrainerState(engine.steps_done, position / len(self.prompts), c.steps)
-        rewards, each = self._score([self.records[i] for i in chosen for _ in range(n)], completions, state,
-                                    [self.shown[i] for i in chosen for _ in range(n)])
+        rewards, each, logged = self._score([self.records[i] for i in chosen for _ in range(n)], completions, state,
+                                            [self.shown[i] for i in chosen for _ in range(n)])
         masked = truncated(completions, self.stops, self.text.pad_token_id)
         batch = rollout_batch(completions, rewards, n, width=c.seq, pad_id=self.pad, scale=c.scale_rewards,
                               masked=masked if c.mask_truncated_completions else None)
@@ -357,7 +373,7 @@ class GRPOStage(Stage):
             texts = [self.text.decode(x.tokens, skip_special_tokens=True) for x in completions]
             self.completions.write(engine.steps_done + 1, [self.records[i]["prompt"] for i in chosen for _ in range(n)],
                                    texts, rewards.tolist(), {k: v.tolist() for k, v in each.items()},
-                                   batch["advantages"].tolist())
+                                   batch["advantages"].tolist(), logged.extra(len(completions)))
         lengths = torch.tensor([float(len(x.tokens)) for x in completions])
         # nan-aware, as TRL logs them: a function's mean over the completions it scored
         metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item()}
@@ -365,6 +381,7 @@ class GRPOStage(Stage):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(each[name]).item()
             metrics[f"rewards/{name}/std"] = nanstd(each[name]).item()
         metrics.update(completion_metrics(lengths, torch.tensor(masked), spread))
+        metrics.update(logged.metrics(own=self.columns))        # the functions' log_metric, as TRL logs them
         if self.correct:
             sampled = sampled_logps(completions, c.seq)
             if sampled is None:
@@ -414,9 +431,10 @@ class GRPOStage(Stage):
         return self.generator.generate(prompts, n, self.c.max_completion_length, temperature, **shape)
 
     def _score(self, records: list[dict], completions: list, state: TrainerState,
-               shown: list[tuple]) -> tuple[torch.Tensor, dict]:
+               shown: list[tuple]) -> tuple[torch.Tensor, dict, RewardLogs]:
         """The rewards of the completions of these records (`shown`: each one's prompt's images,
-        handed to the rewards as pictures in the record's image columns, as TRL hands them)."""
+        handed to the rewards as pictures in the record's image columns, as TRL hands them), and
+        what the functions logged (log_metric, log_extra)."""
         records = prompt_images.handed(records, shown)
         texts = [self.text.decode(x.tokens, skip_special_tokens=True) for x in completions]
         # TRL's conversational completions: the assistant's message, for a prompt given as messages
@@ -425,8 +443,11 @@ class GRPOStage(Stage):
         names = [k for k in dict.fromkeys(k for r in records for k in r)
                  if k not in ("prompt", "completion", "completion_ids")]
         columns = {k: [r.get(k) for r in records] for k in names}
-        return rewards.score(self.funcs, self.c.reward_weights, [r["prompt"] for r in records], shown,
-                     completion_ids=[list(x.tokens) for x in completions], trainer_state=state, **columns)
+        logged = RewardLogs()
+        total, each = rewards.score(self.funcs, self.c.reward_weights, [r["prompt"] for r in records], shown,
+                                    completion_ids=[list(x.tokens) for x in completions], trainer_state=state,
+                                    reward_logs=logged, **columns)
+        return total, each, logged
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         c = self.c
@@ -494,8 +515,8 @@ class GRPOStage(Stage):
         if sampler is not None:         # the next rollout draws what it would have drawn without evaluation
             self.generator.set_state(sampler)
         state = TrainerState(engine.steps_done, self.epoch, c.steps)
-        rewards, each = self._score([r for r in self.held_records[:count] for _ in range(n)], completions, state,
-                                    [s for s in self.held_shown[:count] for _ in range(n)])
+        rewards, each, logged = self._score([r for r in self.held_records[:count] for _ in range(n)], completions,
+                                            state, [s for s in self.held_shown[:count] for _ in range(n)])
         metrics = {"eval_reward": torch.nanmean(rewards).item(),
                    **{f"eval_rewards/{name}/mean": torch.nanmean(each[name]).item() for name in self.names},
                    "eval_completions/mean_length": sum(len(x.tokens) for x in completions) / len(completions)}
@@ -505,6 +526,9 @@ class GRPOStage(Stage):
                             **{f"eval_rewards/{name}/std": nanstd(each[name]).item() for name in self.names},
                             "eval_frac_reward_zero_std":
                                 torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()})
+        # log_metric's figures as eval_NAME, as TRL names an evaluation's; log_extra's columns go with
+        # the rollouts' completions alone
+        metrics.update(logged.metrics("eval_", own=self.columns))
         return metrics
 
     def progress(self, row: dict, budget_bytes: int) -> tuple[str, dict]:
