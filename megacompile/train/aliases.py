@@ -20,7 +20,7 @@ from ..errors import ArgumentError
 from . import intervals
 from .data.named_template import NAMES as LAYOUTS
 from . import their_llamafactory, trainer_args
-from .their_keys import NOT_TAKEN, ONLY_WITH, ZERO_IS_OFF, off
+from .their_keys import NOT_TAKEN, ONLY_WITH, ZERO_IS_OFF, off, stage_note
 
 _DROP = object()       # an alias value that sets nothing (HF's max_steps: -1, "use the epochs")
 
@@ -49,6 +49,14 @@ def _thinking(value: Any) -> Any:
     if not isinstance(value, bool):
         raise ArgumentError(f"enable_thinking must be true or false; got {value!r}")
     return {"enable_thinking": value}
+
+
+def _preserve(value: Any) -> Any:
+    """LlamaFactory's preserve_thinking: true keeps the earlier answers' thoughts under mask_history
+    (its reasoning layouts drop them, named_template.py); false, its default, sets nothing."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"preserve_thinking must be true or false; got {value!r}")
+    return {"preserve_thinking": True} if value else _DROP
 
 
 def _dft(value: Any) -> Any:
@@ -160,6 +168,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "val_size": ("eval_fraction", _val_size),
     "resume_from_checkpoint": ("resume", _resume),
     "enable_thinking": ("chat_template_kwargs", _thinking),
+    "preserve_thinking": ("chat_template_kwargs", _preserve),
     "use_dft_loss": ("loss_type", _dft),
     "use_eaft_loss": ("loss_type", _eaft),
     "kto_chosen_weight": ("desirable_weight", _same),       # LlamaFactory's names of TRL's KTO weights
@@ -263,8 +272,13 @@ class Translated:
         self.notes: list[str] = []
 
     def set(self, own: str, value: Any, spelled: str, written: Any) -> None:
-        """`written`: the value as the file gave it, `value` as the own key takes it."""
-        if own in self.keys and not _equal(self.keys[own], value):
+        """`written`: the value as the file gave it, `value` as the own key takes it. The chat
+        template's variables (chat_template_kwargs, enable_thinking, preserve_thinking) add up where
+        none is given twice with two values."""
+        if own == "chat_template_kwargs" and _disjoint(self.keys.get(own), value):
+            value = {**self.keys[own], **value}
+            self.written[own] = value
+        elif own in self.keys and not _equal(self.keys[own], value):
             raise ArgumentError(f"{self.spelled[own]}: {_show(self.written[own])} and {spelled}: {_show(written)} set "
                                 f"the same setting ({own}) to different values; give one of them")
         self.keys[own] = value
@@ -278,13 +292,19 @@ def translate(raw: dict, default_lr: float) -> Translated:
     out = Translated()
     ignored = [k for k in raw if k in IGNORED and not trainer_args.at_default(k, raw[k])]
     for key, value in raw.items():
-        if key in ALIASES:
+        if key == "max_length" and "cutoff_len" in raw:
+            _generation_length(raw, out)
+        elif _other_stages(key, value, raw.get("stage") or "sft"):
+            continue        # LlamaFactory's default of another stage's key (temperature: 0.95, pref_beta: 0.1)
+        elif key in ALIASES:
             own, convert = ALIASES[key]
             converted = convert(value)
             if converted is not _DROP:
                 out.set(own, converted, key, value)
         elif (key in NOT_TAKEN or key in ZERO_IS_OFF) and off(value, key):
             continue        # neat_packing: false, push_to_hub: false, quantization_bit: null ask for nothing
+        elif key in NOT_TAKEN and stage_note(key, raw.get("stage")):
+            out.notes.append(stage_note(key, raw.get("stage")))     # padding_free under dpo, kto: nothing more
         elif key in ONLY_WITH and off(raw.get(ONLY_WITH[key]), ONLY_WITH[key]):
             continue        # hub_model_id without push_to_hub: a recipe's name for an upload it does not ask for
         elif key not in SPECIAL and key not in IGNORED:
@@ -325,16 +345,38 @@ def translate(raw: dict, default_lr: float) -> Translated:
     return out
 
 
+def _other_stages(key: str, value: Any, stage: str) -> bool:
+    """`key` at LlamaFactory's default under a stage that does not read it (their_llamafactory.STAGE_KEYS)."""
+    default, stages = their_llamafactory.STAGE_KEYS.get(key, (None, (stage,)))
+    return stage not in stages and not isinstance(value, bool) and _equal(value, default)
+
+
+def _generation_length(raw: dict, out: Translated) -> None:
+    """max_length beside cutoff_len: LlamaFactory's generation length (its GeneratingArguments,
+    1024 by default), which its training does not read; cutoff_len is the row length. Alone,
+    max_length is TRL's row length (seq)."""
+    if not _equal(raw["max_length"], raw["cutoff_len"]):
+        out.notes.append(f"max_length {_show(raw['max_length'])} is not read: beside cutoff_len it is LlamaFactory's "
+                         "generation length, which its training does not read; cutoff_len "
+                         f"{_show(raw['cutoff_len'])} is the row length (seq)")
+
+
 # LlamaFactory's pref_loss values, each a loss type of stage dpo (orpo and simpo need no reference)
 PREF_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
+PREF_LOSS_DEFAULT = "sigmoid"      # LlamaFactory's, which its dumps write under every stage
 
 
 def _pref_loss(raw: dict, out: Translated) -> None:
     """LlamaFactory's pref_loss: stage dpo's loss_type where TRL has it; not read by stage kto,
-    whose loss is its own (as in LlamaFactory)."""
-    value = raw["pref_loss"]
-    if raw.get("stage") == "kto":
+    whose loss is its own, nor by the others (as in LlamaFactory): said in a note, except at its
+    default under them."""
+    value, stage = raw["pref_loss"], raw.get("stage") or "sft"
+    if stage == "kto":
         out.notes.append(f"pref_loss {value!r} is not read by stage kto (as in LlamaFactory: its loss is KTO's)")
+    elif stage != "dpo":
+        if value != PREF_LOSS_DEFAULT:
+            out.notes.append(f"pref_loss {value!r} is not read by stage {stage} (as in LlamaFactory: it is stage "
+                             "dpo's loss)")
     elif value in PREF_LOSSES:
         # LlamaFactory's ORPO takes each pair's chosen NLL over its own tokens (loss_type orpo is TRL's)
         out.set("loss_type", "orpo_per_pair" if value == "orpo" else value, "pref_loss", value)
@@ -508,6 +550,11 @@ def has_chat_template(folder: str) -> bool:
         except (OSError, ValueError, AttributeError):
             continue
     return False
+
+
+def _disjoint(a: Any, b: Any) -> bool:
+    """Two mappings that set no variable to two values."""
+    return isinstance(a, dict) and isinstance(b, dict) and all(_equal(a[k], b[k]) for k in a.keys() & b.keys())
 
 
 def _equal(a: Any, b: Any) -> bool:

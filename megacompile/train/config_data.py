@@ -92,6 +92,10 @@ def check_data(c, raw: dict, files: bool = True) -> None:
     c.mask_history = flag("mask_history", c.mask_history)
     for entry in c.data + c.eval:       # read where each record is tokenised (tokens.py, streaming.py)
         entry["mask_history"] = c.mask_history or None
+    if c.stage in ("sft", "kto"):       # LlamaFactory's converter skips them; grpo's prompts end on a user turn
+        for entry in c.data + c.eval:
+            if entry["formatting"] == "sharegpt":
+                entry["skip_broken"] = True     # conversations whose turns do not pair up (data/reading.py)
     c.streaming = flag("streaming", c.streaming)
     if c.streaming and c.eval_fraction:
         raise ArgumentError("streaming reads the data once, in order, and cannot hold out a fraction of it: give "

@@ -6,6 +6,8 @@ quietly differs (notes printed at the start).
                 its value is off: null, false, empty; 0 for ZERO_IS_OFF's keys; LlamaFactory's
                 default, and only it, for DEFAULT_IS_OFF's)
     notes(c)    the differences of meaning a run states at its start (packing)
+    stage_note  their key a stage takes, away from its default too, with a note (padding_free under
+                dpo and kto)
 """
 from __future__ import annotations
 
@@ -26,7 +28,11 @@ NOT_TAKEN = {
     "dataset_kwargs": "the record layout is found from the records' keys (docs/training.md, record layouts)",
     "tokenized_path": "token files are kept in the run folder (tokens/) and reused by a resumed run",
     # packing
-    "padding_free": "packing: isolated (documents packed without padding, kept apart by their position ids)",
+    "padding_free": "not taken: TRL's flattens each batch of records into one row of their summed length, a new "
+                    "shape at every step, and a run here plans one program per row shape (rows of seq); stage sft's "
+                    "rows without padding are packing: isolated (records packed into rows of seq, kept apart by their "
+                    "position ids); left out, a step's rows are cut after their longest record (trim_padding); "
+                    "stages dpo and kto take padding_free: true, with a note",
     # model and tokenizer
     "model_init_kwargs": "the model is built from its folder's config.json; compute_dtype sets the dtype",
     "pad_token": "the tokenizer's own padding token is used (its eos when it has none); padding is never counted",
@@ -94,7 +100,6 @@ NOT_TAKEN = {
     # logging
     "logging_dir": "TensorBoard's logs go to the run folder's tensorboard/ (log: [tensorboard])",
     "use_swanlab": "not supported: log: takes csv, tensorboard and wandb",
-    "swanlab_project": "not supported: log: takes csv, tensorboard and wandb",
     "ray_run_name": "not supported: a run is one process (or torchrun's, docs/distributed.md)",
     # DPO (LlamaFactory's names; pref_beta, pref_loss and dpo_label_smoothing are read: aliases.py)
 }
@@ -113,6 +118,21 @@ DEFAULT_IS_OFF = {"use_fast_tokenizer": True, "infer_backend": "huggingface", "i
                   "loraplus_lr_embedding": 1e-6, "asft_alpha": 0.1, "bnb_4bit_quant_type": "nf4",
                   **{k: default for k, (default, _) in their_llamafactory.KEYS.items()
                      if default is not None and default is not False}}
+
+
+# Keys a stage takes whatever their value, each with the note that says why it asks for nothing more there.
+_TRIMMED = ("a step's rows here are cut after their longest {unit}'s last token, to seq/8, seq/4, seq/2 or seq "
+            "(trim_padding, on by default)")
+BY_STAGE = {"padding_free": {
+    "dpo": "padding_free under stage dpo asks for nothing more: TRL 1.16's DPOTrainer turns it off (it warns and "
+           "pads each batch to its longest row), and " + _TRIMMED.format(unit="pair"),
+    "kto": "padding_free under stage kto asks for nothing more (KTOConfig has no such key; TRL's KTOTrainer pads "
+           "each batch to its longest row): " + _TRIMMED.format(unit="example")}}
+
+
+def stage_note(key: str, stage: Any) -> str | None:
+    """The note of a key of theirs `stage` takes (BY_STAGE), None where it does not."""
+    return BY_STAGE.get(key, {}).get(stage)
 
 
 # Keys that ask for nothing while the key they serve is off (a recipe names its hub repository

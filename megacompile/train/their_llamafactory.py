@@ -7,6 +7,11 @@ defaults, which ask for nothing.
     NO_EFFECT  key -> (its default, why): keys its training does not read either (its inference and
                export commands', the ones it derives): accepted, named in the run's note of
                ignored keys away from the default (aliases.py)
+    STAGE_KEYS key -> (its default, the stages that read it): keys of one stage that its dumps
+               write under every stage (pref_beta) or that are its generation keys and name stage
+               grpo's sampling keys (TRL's) too: at the default they ask for nothing under another
+               stage (aliases.py). `max_length`, its generation length too, is the row length (seq)
+               here unless cutoff_len is given beside it
     TEMPLATES  the names its `template:` takes (src/llamafactory/data/template.py's register_template,
                as of 2026-08): a name among them that megacompile does not render is noted, any
                other refused as LlamaFactory refuses it (aliases.py)
@@ -51,7 +56,7 @@ KEYS: dict[str, tuple[Any, str]] = {
     "swanlab_workspace": (None, _SWANLAB), "swanlab_run_name": (None, _SWANLAB), "swanlab_mode": ("cloud", _SWANLAB),
     "swanlab_api_key": (None, _SWANLAB), "swanlab_logdir": (None, _SWANLAB),
     "swanlab_lark_webhook_url": (None, _SWANLAB),
-    "swanlab_lark_secret": (None, _SWANLAB),
+    "swanlab_lark_secret": (None, _SWANLAB), "swanlab_project": ("llamafactory", _SWANLAB),
     "use_mca": (False, _PARALLEL), "use_megatron_bridge": (False, _PARALLEL), "megatron_bridge_args": (None, _PARALLEL),
     "use_hyper_parallel": (False, _PARALLEL), "hyper_parallel_args": (None, _PARALLEL),
     "hyper_parallel_cp_size": (1, _PARALLEL),
@@ -80,6 +85,9 @@ KEYS: dict[str, tuple[Any, str]] = {
 _EXPORT = "LlamaFactory's export command's; export: FOLDER writes the trained model"
 _INFERENCE = "LlamaFactory's inference's; serve the exported model with vLLM"
 _DERIVED = "derived by LlamaFactory from its other keys"
+_GENERATE = ("LlamaFactory's generation (its chat, and predict_with_generate's evaluation, which megacompile does "
+             "not run); stage grpo samples with TRL's keys")
+_SEQ2SEQ = "transformers' Seq2SeqTrainingArguments', read with predict_with_generate, which megacompile does not run"
 
 NO_EFFECT: dict[str, tuple[Any, str]] = {
     "include_effective_tokens_per_second": (False, "log.csv writes each step's tokens and tokens_per_s"),
@@ -97,6 +105,17 @@ NO_EFFECT: dict[str, tuple[Any, str]] = {
     "block_diag_attn": (False, _DERIVED + " (neat_packing: packing: isolated here)"),
     "master_addr": (None, "torchrun's rendezvous is read (docs/distributed.md)"),
     "master_port": (None, "torchrun's rendezvous is read (docs/distributed.md)"),
+    **{k: (d, _GENERATE) for k, d in (("do_sample", True), ("num_beams", 1), ("max_new_tokens", 1024),
+                                      ("length_penalty", 1.0), ("skip_special_tokens", True))},
+    **{k: (None, _SEQ2SEQ) for k in ("generation_max_length", "generation_num_beams", "generation_config")},
+    "sortish_sampler": (False, "transformers' Seq2SeqTrainingArguments', which its Trainer does not read"),
+}
+
+STAGE_KEYS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    **{k: (d, ("grpo",)) for k, d in (("temperature", 0.95), ("top_p", 0.7), ("top_k", 50),
+                                      ("repetition_penalty", 1.0))},
+    "pref_beta": (0.1, ("dpo", "kto", "grpo")), "dpo_label_smoothing": (0.0, ("dpo",)), "simpo_gamma": (0.5, ("dpo",)),
+    "kto_chosen_weight": (1.0, ("kto",)), "kto_rejected_weight": (1.0, ("kto",)),
 }
 
 TEMPLATES = frozenset((

@@ -29,7 +29,7 @@ def _config(tmp_path, work, **settings):
     ({"finetuning_type": "qlora"}, "finetuning_type must be one of full, lora, freeze; got 'qlora'"),
     ({"lora_rank": 16}, "lora_rank applies to finetuning_type: lora, and this run is finetuning_type: full"),
     ({"merge_adapter": True}, "merge_adapter applies to finetuning_type: lora"),
-    ({"finetuning_type": "lora", "freeze_trainable_layers": 2},
+    ({"finetuning_type": "lora", "freeze_trainable_layers": 3},     # at LlamaFactory's default, 2, it asks nothing
      "freeze_trainable_layers applies to finetuning_type: freeze, and this run is finetuning_type: lora"),
     ({"finetuning_type": "freeze", "lora_target": "q_proj"}, "lora_target applies to finetuning_type: lora"),
     ({"finetuning_type": "lora", "lora_rank": 0}, "lora_rank must be a whole number >= 1; got 0"),

@@ -58,18 +58,22 @@ LLAMA = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<think>", "<
 LAYOUT_TOKENS = {"deepseekr1": DEEPSEEK, "llama3": LLAMA}
 
 
-def _llamafactory(tok, messages: list, name: str, thinking: bool = True) -> tuple[list[int], list[int]]:
+def _llamafactory(tok, messages: list, name: str, thinking: bool = True, mask_history: bool = False,
+                  preserve: bool = False) -> tuple[list[int], list[int]]:
     """LlamaFactory's encode_multiturn under its template `name`: each message's slots encoded
     apart (deepseekr1's BOS and EOS as token ids); a reasoning template's answer without a think
-    block gets the empty one, in the answer (thinking) or at the end of the prompt."""
+    block gets the empty one, in the answer (thinking) or at the end of the prompt. `mask_history`
+    without `preserve` (its preserve_thinking): discarding_history_cot, the earlier answers' thoughts
+    removed and the empty block given to the last answer alone, which alone is a target."""
     def encode(text):
         return tok.encode(text, add_special_tokens=False)
     reasoning = name in ("qwen3", "deepseekr1")
+    discard = reasoning and mask_history and not preserve
     system, turns = (messages[0]["content"], messages[1:]) if messages[0]["role"] == "system" else ("", messages)
-    if reasoning and not thinking:
-        thought = re.compile(re.escape("<think>\n") + "(.*?)" + re.escape("\n</think>\n\n"), re.DOTALL)
-        turns = [{**m, "content": thought.sub("", m["content"]).lstrip("\n")} if m["role"] == "assistant" else m
-                 for m in turns]
+    thought = re.compile(re.escape("<think>\n") + "(.*?)" + re.escape("\n</think>\n\n"), re.DOTALL)
+    turns = [{**m, "content": thought.sub("", m["content"]).lstrip("\n")}
+             if m["role"] == "assistant" and reasoning and (not thinking or (discard and k < len(turns) - 1)) else m
+             for k, m in enumerate(turns)]
     encoded = []
     for i, m in enumerate(turns):
         if name == "deepseekr1":
@@ -89,7 +93,7 @@ def _llamafactory(tok, messages: list, name: str, thinking: bool = True) -> tupl
                      else f"{m['content']}<|im_end|>\n")
             ids = encode(text)
         encoded.append(ids)
-    for i in range(0, len(turns), 2):
+    for i in range(len(turns) - 2 if discard else 0, len(turns), 2):
         if reasoning and "<think>" not in turns[i + 1]["content"] and "</think>" not in turns[i + 1]["content"]:
             if thinking:
                 encoded[i + 1] = encode(EMPTY) + encoded[i + 1]
@@ -98,7 +102,7 @@ def _llamafactory(tok, messages: list, name: str, thinking: bool = True) -> tupl
     ids, targets = [], []
     for i, part in enumerate(encoded):
         ids += part
-        targets += [i % 2] * len(part)
+        targets += [i % 2 and (not mask_history or i == len(encoded) - 1)] * len(part)
     return ids, targets
 
 
@@ -123,6 +127,34 @@ def test_a_conversation_is_written_as_llamafactory_writes_it(name, thinking):
     else:
         assert "<think>" not in first
     assert ("itislate" in tok.decode(ids).replace(" ", "")) == (name not in ("qwen3", "deepseekr1") or thinking)
+
+
+@pytest.mark.parametrize("name, thinking, preserve", [("qwen3", True, False), ("qwen3", False, False),
+                                                      ("qwen3", True, True), ("deepseekr1", True, False),
+                                                      ("deepseekr1", False, True)])
+def test_mask_history_drops_the_earlier_answers_thoughts_as_llamafactory_does(name, thinking, preserve):
+    """LlamaFactory's mask_history under a reasoning template (without preserve_thinking): the
+    earlier answers are written without their think blocks and without the empty one, which the
+    last answer alone gets; preserve_thinking writes every answer as without mask_history."""
+    tok = named_template.apply(_tokenizer(special=LAYOUT_TOKENS.get(name, SPECIAL)), name)
+    options = {**({} if thinking else {"enable_thinking": False}), **({"preserve_thinking": True} if preserve else {})}
+    ids, targets = tokens.encode(tok, {"messages": CHAT, "chat_template_kwargs": options}, False, "x:1",
+                                 mask_history=True)
+    want_ids, want_targets = _llamafactory(tok, CHAT, name, thinking, mask_history=True, preserve=preserve)
+    assert ids == want_ids
+    assert list(map(int, targets)) == want_targets
+    written = tok.decode(ids).replace(" ", "")
+    assert ("itislate" in written) == (thinking and preserve)
+    assert written.count(EMPTY) == (1 if not preserve else 2 if thinking else 3)
+
+
+def test_an_alpaca_record_takes_the_chat_template_kwargs_a_chat_takes():
+    """enable_thinking (chat_template_kwargs) reaches an Alpaca record's rendering as a chat's."""
+    tok = named_template.apply(_tokenizer(), "qwen3")
+    quiet = {"chat_template_kwargs": {"enable_thinking": False}}
+    alpaca = tokens.encode(tok, {"instruction": "hello there", "output": "i am fine", **quiet}, False, "x:1")
+    chat = tokens.encode(tok, {"messages": CHAT[1:3], **quiet}, False, "x:1")
+    assert alpaca == chat and EMPTY not in tok.decode([i for i, t in zip(*alpaca) if t]).replace(" ", "")
 
 
 def test_the_official_template_cannot_be_split_and_the_named_layout_can():

@@ -51,7 +51,8 @@ def test_save_strategy_no_is_refused_for_the_bundled_model_whose_checkpoint_is_i
 
 
 @pytest.mark.parametrize("key, value, says", [
-    ("padding_free", True, r"padding_free -> packing: isolated"),
+    ("padding_free", True, r"padding_free -> not taken: TRL's flattens each batch .* one program per row shape "
+                           r".* stage sft's rows without padding are packing: isolated"),
     ("dataset_name", "trl-lib/Capybara", r"dataset_name -> give the data files as data:"),
     ("use_peft", True, r"use_peft -> finetuning_type: lora"),
     ("quantization_bit", 4, r"quantization_bit -> not supported: the weights train in float32 masters"),
@@ -63,8 +64,21 @@ def test_their_keys_megacompile_does_not_take_name_the_equivalent_or_why(tmp_pat
 
 
 def test_their_key_beside_an_unknown_one_names_both(tmp_path):
-    with pytest.raises(ArgumentError, match=r"padding_free -> packing: isolated.*; unknown key not_a_key"):
+    with pytest.raises(ArgumentError, match=r"padding_free -> not taken.*; unknown key not_a_key"):
         load(_yaml(tmp_path, padding_free=True, not_a_key=1))
+
+
+@pytest.mark.parametrize("stage, unit", [("dpo", "pair"), ("kto", "example")])
+def test_padding_free_under_the_preference_stages_is_taken_with_a_note(tmp_path, capsys, stage, unit):
+    # TRL 1.16's DPOTrainer warns and turns padding_free off; the rows here are cut after their longest already
+    record = ('{"prompt": "a", "chosen": "b", "rejected": "c"}' if stage == "dpo"
+              else '{"prompt": "a", "completion": "b", "label": true}')
+    (tmp_path / "p.jsonl").write_text(record + "\n")
+    files.model_dir(str(tmp_path / "model"))
+    load(_yaml(tmp_path, model="model", stage=stage, data="p.jsonl", batch=2, padding_free=True))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "padding_free" in line]
+    assert len(notes) == 1 and f"padding_free under stage {stage} asks for nothing more" in notes[0]
+    assert f"cut after their longest {unit}'s last token" in notes[0] and "trim_padding" in notes[0]
 
 
 def test_their_keys_asking_for_nothing_are_accepted(tmp_path):

@@ -2,8 +2,8 @@
 (LlamaFactory's names) on a tiny LLaVA trained from records with images: a frozen part's weights
 come out of the export bit for bit as they went in, the rest moves; under finetuning_type lora
 the adapters sit on the language model alone, and on the tower's Linear modules too with
-freeze_vision_tower false. On a text-only model the keys are refused by name, before anything is
-written."""
+freeze_vision_tower false. On a text-only model the keys away from LlamaFactory's defaults are
+refused by name, before anything is written."""
 from __future__ import annotations
 
 import os
@@ -94,7 +94,8 @@ def test_the_keys_are_refused_where_they_cannot_apply_before_anything_is_written
     monkeypatch.chdir(tmp_path)
     work = files.workspace(tmp_path / "text-model")
     text = files.run_yaml(str(tmp_path / "text.yaml"), model=work["model"], data=work["chats"], seq=32, batch=2,
-                          steps=1, device="cpu", run_dir="text", freeze_vision_tower=True)
+                          steps=1, device="cpu", run_dir="text", freeze_vision_tower=False,
+                          freeze_multi_modal_projector=True)      # LlamaFactory's default: asks for nothing here
     with pytest.raises(ArgumentError, match="freeze_vision_tower applies to a vision-language model; LlamaForCausalLM "
                                             "has no vision tower: leave it out"):
         run(load(text, []))
@@ -104,3 +105,18 @@ def test_the_keys_are_refused_where_they_cannot_apply_before_anything_is_written
                            "freeze_language_model: true under finetuning_type lora leaves no part to put adapters on")):
         with pytest.raises(ArgumentError, match=message):
             load(_run_yaml(tmp_path, "bad", **over), [])
+
+
+def test_llamafactorys_defaults_of_the_keys_ask_nothing_of_a_text_model():
+    """A LlamaFactory dump writes freeze_vision_tower: true, freeze_multi_modal_projector: true and
+    freeze_language_model: false whatever the model: on a text model they freeze nothing."""
+    from types import SimpleNamespace
+    from megacompile.train.methods import vision_freeze
+    from tests import models
+    model = models.hf_llama(layers=1, d=32)
+    vision_freeze.apply(SimpleNamespace(freeze_vision_tower=True, freeze_multi_modal_projector=True,
+                                        freeze_language_model=False), model)
+    assert all(p.requires_grad for p in model.parameters())
+    with pytest.raises(ArgumentError, match="freeze_language_model applies to a vision-language model"):
+        vision_freeze.apply(SimpleNamespace(freeze_vision_tower=True, freeze_multi_modal_projector=None,
+                                            freeze_language_model=True), model)

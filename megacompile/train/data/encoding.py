@@ -83,6 +83,7 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
                             "conversations) whose turns hold an <image> placeholder per image (<video> per video)")
     elif alpaca.is_alpaca(record):
         ids, targets, answers = masking.chat(tokenizer, alpaca.messages(record, where), train_on_prompt, where,
+                                             template_kwargs=tools.template_kwargs(record, where),
                                              last_only=mask_history)
     elif "prompt" in record or "completion" in record:
         prompt, completion = record.get("prompt"), record.get("completion")

@@ -53,7 +53,8 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     every token from the completion's first answer to the end is a target, what the template writes
     between and after its turns and its other turns (a tool's answer) too. `last_only` (LlamaFactory's
     mask_history): the last answer alone is a target, the earlier ones not even with
-    train_on_prompt; all are answers (cutoff.py)."""
+    train_on_prompt; all are answers (cutoff.py); the template is told so (`mask_history`: LlamaFactory's
+    reasoning layouts then drop the earlier answers' thoughts, named_template.py)."""
     if not isinstance(messages, list) or not messages or not all(_is_turn(m) for m in messages):
         raise ArgumentError(f"{where}: messages must be a non-empty list of {{role, content}} objects with string "
                             "values (ShareGPT's conversations: {from, value}; an assistant turn with tool_calls may "
@@ -62,7 +63,8 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
         raise ArgumentError(f"{where}: records with messages need the tokenizer's chat template, and this tokenizer "
                             "has none (chat_template in tokenizer_config.json); use prompt/completion records")
     messages = [{**m, "content": m.get("content") or ""} if m.get("tool_calls") else m for m in messages]
-    options = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    options = {**(template_kwargs or {}), **({"tools": tools} if tools else {}),
+               **({"mask_history": True} if last_only else {})}
     called = [call_names(m, where, k) for k, m in enumerate(messages)]
     text = _text(tokenizer, messages, False, options, where)
     check_tools(text, tools, where)

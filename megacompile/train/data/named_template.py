@@ -14,6 +14,9 @@ templates of our own that write LlamaFactory's layout and mark the assistant's t
     qwen3           templates/qwen3.jinja: each answer with its think block; enable_thinking
                     (LlamaFactory's, default true) trains an added empty block with the answer,
                     false writes it before the answer as prompt and leaves out every thought;
+                    under mask_history (LlamaFactory's discarding_history_cot) the earlier answers
+                    lose their think blocks and the last alone takes the empty one, unless the
+                    chat template's preserve_thinking (LlamaFactory's key) is true;
                     <|im_end|> closes each answer and becomes the EOS (its replace_eos)
     qwen3_nothink   the same file with `reasoning` false: each turn's text as it is
     deepseekr1      templates/deepseekr1.jinja: deepseek3's slots (BOS, <｜User｜>, <｜Assistant｜>,

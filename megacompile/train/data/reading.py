@@ -17,7 +17,10 @@ file's size more drawn at random with replacement; the draw is chosen by the run
 `limit` (max_samples) keeps the first records of what was drawn. An entry's
 `chat_template_kwargs` (run.yaml's) are laid under each record's own, and run.yaml's `tools` given to each
 conversation that names none (run_tools.py). Under stage pt each record is read as its text
-alone (pretrain.py).
+alone (pretrain.py). An entry marked `skip_broken` (a dataset of LlamaFactory's ShareGPT
+formatting, config_data.py) leaves out the conversations LlamaFactory's converter skips
+(sharegpt.broken; `limit` counts them, as max_samples counts them before LlamaFactory converts),
+and the run says once how many and why.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import numpy as np
 
 from ...errors import ArgumentError
 from ...posttrain import jsonl_records, present
-from . import pretrain, run_tools, system
+from . import pretrain, run_tools, sharegpt, system
 from .entries import BUNDLED, COLUMNS, folder_files
 
 
@@ -49,15 +52,38 @@ def records(entry: dict, readers: dict | None = None) -> Iterator[tuple[str, dic
     rows = _raw(path, kind, {} if readers is None else readers)
     if entry.get("num_samples"):
         rows = _drawn(list(rows), entry["num_samples"], entry.get("seed", 0))
-    for n, (where, record) in enumerate(rows):
-        if limit is not None and n >= limit:
-            return
+    skipped: dict[str, list] = {}       # why -> [count, the first record's where]
+    n = 0
+    for n, (where, record) in enumerate(rows, 1):
+        if limit is not None and n > limit:
+            n -= 1
+            break
         if entry.get("pretrain"):
             yield where, pretrain.record(rename(record), where)
             continue
-        record = system.with_default(rename(record), entry.get("default_system"))
+        record = rename(record)
+        why = sharegpt.broken(record) if entry.get("skip_broken") else None
+        if why is not None:
+            skipped.setdefault(why, [0, where])[0] += 1
+            continue
+        record = system.with_default(record, entry.get("default_system"))
         record = run_tools.with_run_tools(record, entry.get("tools"))
         yield where, _with_template_kwargs(record, entry.get("chat_template_kwargs"))
+    if skipped and (path, id(entry)) not in _TOLD:
+        _TOLD.add((path, id(entry)))
+        _tell_skipped(path, n, skipped)
+
+
+# (path, entry) whose skipped records were told: a stream reads its entries again every pass, and
+# starts again; the run's entries live as long as it does
+_TOLD: set = set()
+
+
+def _tell_skipped(path: str, read: int, skipped: dict) -> None:
+    count = sum(c for c, _ in skipped.values())
+    why = "; ".join(f"{c:,} {reason} (the first: {where})" for reason, (c, where) in skipped.items())
+    print(f"  warning        {count:,} of the {read:,} records of {path} skipped, as LlamaFactory's ShareGPT reading "
+          f"skips them: {why}", flush=True)
 
 
 def _with_template_kwargs(record: dict, run: dict | None) -> dict:

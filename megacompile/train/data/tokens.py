@@ -106,8 +106,8 @@ def _sources(items: list[dict], tokenizer_dir: str | None, train_on_prompt: bool
              model_dir: str | None = None) -> dict:
     files = [{"files": _stat(e["path"]), **{k: e.get(k) for k in ("kind", "columns", "tags", "formatting", "limit",
                                                                 "chat_template_kwargs", "mask_history")},
-              **{k: e[k] for k in ("chat_template", "media_dir", "default_system", "tools", "pretrain", "added_tokens")
-                 if e.get(k)},
+              **{k: e[k] for k in ("chat_template", "media_dir", "default_system", "tools", "pretrain", "added_tokens",
+                                   "skip_broken") if e.get(k)},
               **loss_keys(e),
               **({"num_samples": e["num_samples"], "seed": e.get("seed", 0)} if e.get("num_samples") else {})}
              for e in items]

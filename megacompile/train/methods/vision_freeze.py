@@ -37,6 +37,7 @@ from ...errors import ArgumentError
 
 KEYS = ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model")
 TOWER, PROJECTOR, LANGUAGE = KEYS
+LLAMAFACTORY_DEFAULTS = {TOWER: True, PROJECTOR: True, LANGUAGE: False}
 # module name (its components, in order) -> the key whose part it holds; the longest match wins
 PARTS = {("vision_tower",): TOWER, ("vision_model",): TOWER, ("visual",): TOWER,
          ("multi_modal_projector",): PROJECTOR, ("connector",): PROJECTOR, ("visual", "merger"): PROJECTOR,
@@ -110,8 +111,11 @@ def tower_linear_names(model: nn.Module) -> list[str]:
 
 def apply(c, model: nn.Module) -> None:
     """Freeze the parts whose key is true (in place); on a model without a vision tower, refuse
-    any key given."""
+    any key given away from LlamaFactory's default (which its dumps write, and which asks for
+    nothing of a text model)."""
     set_keys = [k for k in KEYS if getattr(c, k) is not None]
+    if not is_vision_language(model):
+        set_keys = [k for k in set_keys if getattr(c, k) != LLAMAFACTORY_DEFAULTS[k]]
     if not set_keys:
         return
     if not is_vision_language(model):

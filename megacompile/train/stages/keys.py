@@ -103,6 +103,8 @@ IMPLIED = ({k: v for stage in DEFAULTS.values() for k, v in stage.items()
                     "off_policy_mask_threshold", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
                     "truncation_mode")}
            | {"steps_per_generation": 1, "use_bias_correction_kl": False})
+# Their LlamaFactory defaults, which its dumps write under every stage: there they ask for nothing.
+LLAMAFACTORY_OFF = {"streaming": False, "train_on_prompt": False, "mix_strategy": "concat", "mask_history": False}
 # SFT keys whose meaning a post-training stage does not have (yet): refused rather than ignored.
 _SFT_LOSS = ("assistant_only_loss", "completion_only_loss")     # TRL's SFTConfig's
 NOT_FOR = {"dpo": ("global_batch", "streaming", "packing", "train_on_prompt", "mix_strategy", "interleave_probs",
@@ -148,7 +150,8 @@ def check(c, raw: dict, folder: str | None = None, files: bool = True) -> None:
         raise ArgumentError(f"loss_type {c.loss_type} (use_{c.loss_type}_loss) is stage sft's, a weighted supervised "
                             f"loss; stage {c.stage} takes its own loss types (docs/posttraining.md): leave it out, or "
                             "set stage: sft")
-    wrong = [k for k in NOT_FOR[c.stage] if k in raw and raw[k] is not None]
+    off = {k: v for k, v in LLAMAFACTORY_OFF.items() if type(raw.get(k)) is type(v) and raw[k] == v}
+    wrong = [k for k in NOT_FOR[c.stage] if k in raw and raw[k] is not None and k not in off]
     if wrong:
         raise ArgumentError(f"stage {c.stage}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not taken by "
                             f"{c.stage} (docs/posttraining.md lists its keys); leave "
