@@ -88,6 +88,15 @@ def case_rms_norm(dtype, s, gen):
     )
 
 
+def case_rms_norm_frozen(dtype, s, gen):
+    """The weight frozen (LoRA): the backward makes dx alone (WEIGHT_GRAD=False)."""
+    m, n = s["rows"]
+    x, w = _randn(m, n, dtype=dtype, gen=gen), _randn(n, dtype=dtype, gen=gen, scale=0.1, offset=1.0)
+    return compare_autograd(
+        lambda x, w: rms_norm(x, w, 1e-6), lambda x, w: ref.rms_norm_ref(x, w, 1e-6), (x, w), (0,)
+    )
+
+
 def case_layer_norm(dtype, s, gen):
     m, n = s["rows"]
     x = _randn(m, n, dtype=dtype, gen=gen, offset=0.5)
@@ -300,6 +309,7 @@ def case_scale(dtype, s, gen):
 # (table name, case, dtypes, tolerance per dtype)
 CASES = [
     ("rms_norm", case_rms_norm, DTYPES, TOLERANCE),
+    ("rms_norm(frozen w)", case_rms_norm_frozen, DTYPES, TOLERANCE),
     ("layer_norm", case_layer_norm, DTYPES, TOLERANCE),
     ("swiglu", case_swiglu, DTYPES, TOLERANCE),
     ("gelu(erf)", _case_gelu(False, "none"), DTYPES, TOLERANCE),

@@ -5,6 +5,7 @@ even). For x of M rows and N columns in a dtype of b bytes:
   forward  reads M*N*b (x) + N*b_w (w), writes M*N*b (y) + 4*M (rstd, saved for backward);
   backward reads 2*M*N*b (dy, x) + 4*M (rstd) + N*b_w, writes M*N*b (dx) + 4*P*N (dw partials,
   one fp32 row per program, P = SM count) - x is read once, dw is reduced from the P partial rows.
+  A frozen weight (LoRA) takes no gradient: WEIGHT_GRAD=False writes dx alone, no partials.
 Eager PyTorch makes a full pass per elementwise op (square, mean, scale, weight) and as many again
 in the backward.
 
@@ -56,12 +57,13 @@ def rms_norm_backward_kernel(
     x_ptr,  # *T [M, N] forward input
     w_ptr,  # *Tw [N] weight
     rstd_ptr,  # *fp32 [M] saved by the forward
-    dw_partial_ptr,  # *fp32 [P, N] out: this program's sum over its rows of dy * x_hat
+    dw_partial_ptr,  # *fp32 [P, N] out: this program's sum over its rows of dy * x_hat (if WEIGHT_GRAD)
     dx_row_stride,
     dy_row_stride,
     x_row_stride,
     n_rows,
     n_cols,
+    WEIGHT_GRAD: tl.constexpr,  # False: w is frozen, dw_partial_ptr is neither read nor written
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -86,8 +88,10 @@ def rms_norm_backward_kernel(
         c = tl.sum(wdy * x_hat, axis=1) / n_cols
         dx = (wdy - x_hat * c[:, None]) * rstd[:, None]
         tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
-        dw += tl.sum(dy * x_hat, axis=0)
-    tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=col_mask)
+        if WEIGHT_GRAD:
+            dw += tl.sum(dy * x_hat, axis=0)
+    if WEIGHT_GRAD:
+        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=col_mask)
 
 
 def rms_norm_forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,19 +109,22 @@ def rms_norm_forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torc
     return y.view(shape), rstd
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
-    """(dx [..., N] in x.dtype, dw [N] in w.dtype)."""
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
+                      weight_grad: bool = True):
+    """(dx [..., N] in x.dtype, dw [N] in w.dtype); weight_grad=False (w frozen): (dx, None)."""
     shape = x.shape
     x2, dy2 = as_rows(x), as_rows(dy)
     n_rows, n_cols = x2.shape
     dx = outputs.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps = row_tile(n_rows, n_cols)
     programs = persistent_programs(x.device, triton.cdiv(n_rows, block_m))
-    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
+    dw_partial = torch.empty((programs if weight_grad else 0, n_cols), dtype=torch.float32, device=x.device)
     rms_norm_backward_kernel[(programs,)](
         dx, dy2, x2, w, rstd, dw_partial, dx.stride(0), dy2.stride(0), x2.stride(0), n_rows, n_cols,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        WEIGHT_GRAD=weight_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
+    if not weight_grad:
+        return dx.view(shape), None
     dw = outputs.empty((n_cols,), dtype=w.dtype, device=w.device)
     return dx.view(shape), dw.copy_(dw_partial.sum(0))
 
@@ -132,7 +139,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy, x, w, rstd)
+        dx, dw = rms_norm_backward(dy, x, w, rstd, weight_grad=ctx.needs_input_grad[1])
         return dx, dw, None
 
 

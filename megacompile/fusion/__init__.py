@@ -6,8 +6,9 @@
 Each training template's forward and backward graphs are rewritten as a pair (contract.py), in
 this order, for these reasons:
 
-  fused_linear_cross_entropy  first: it changes what the forward saves (dh and dW instead of the
-                              log-softmax), and the later rewrites should see the final contract;
+  fused_linear_cross_entropy  first: it changes what the forward saves (dh and dW, or dh alone
+                              for a frozen head, instead of the log-softmax), and the later
+                              rewrites should see the final contract;
   linear_logprobs             the post-training losses' head, for the same reason (the fp32
                               logits leave the saved values; logprobs.py);
   backward patterns           before the forward ones: a fused backward reads only what its

@@ -5,6 +5,8 @@ Forward group (the epilogue):   logits = h @ W.T ; [views, cast to fp32] ; [div 
 Backward group:                 nll_loss_backward ; _log_softmax_backward_data ; [views, cast] ;
                                 [mul c, tanh_backward, div c] ; [views, cast] -> dlogits
                                 dW = dlogits.T @ h          dh = dlogits @ W
+                                (a frozen head, LoRA's: dh alone; frozen_head=True skips the dW
+                                matmul and saves dh alone, no fp32 dW)
 The bracketed cap is Gemma 2's final logit softcapping (c * tanh(logits / c)): the kernel caps each
 logit tile as it reads it and takes 1 - tanh^2 in the gradient, so the [N, V] tanh eager saves for
 its backward goes with the log-softmax.
@@ -41,33 +43,37 @@ aten = torch.ops.aten
 
 
 # -- launchers ----------------------------------------------------------------------------------
-def _forward_meta(h, w, labels, ignore_index, chunk_size, softcap=0.0):
+def _forward_meta(h, w, labels, ignore_index, chunk_size, softcap=0.0, frozen_head=False):
     n, hidden = h.shape
+    loss = torch.empty((), dtype=torch.float32, device=h.device)
+    dh = torch.empty((n, hidden), dtype=h.dtype, device=h.device)
+    tile = torch.empty((min(chunk_size, n), w.shape[0]), dtype=h.dtype, device=h.device)
+    if frozen_head:
+        return loss, dh, tile
     partial = dw_rows(chunk_size, n, w.shape[0]) if w.dtype != torch.float32 else 0
-    return (torch.empty((), dtype=torch.float32, device=h.device),
-            torch.empty((n, hidden), dtype=h.dtype, device=h.device),
-            torch.empty(w.shape, dtype=torch.float32, device=w.device),
-            torch.empty((min(chunk_size, n), w.shape[0]), dtype=h.dtype, device=h.device),
+    return (loss, dh, torch.empty(w.shape, dtype=torch.float32, device=w.device), tile,
             torch.empty((partial, hidden), dtype=h.dtype, device=h.device))
 
 
 @launcher("fused_linear_cross_entropy", _forward_meta)
-def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size, softcap=0.0):
+def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size, softcap=0.0, frozen_head=False):
     """(loss [] fp32, dh [N, H] in h.dtype, dw [V, H] fp32, the [chunk, V] logits tile, the
     [rows, H] dW partial) for h [N, H], w [V, H], labels [N]: mean cross-entropy of h @ w.T over
     non-ignored labels, with its gradients for an upstream gradient of 1. The tile and the partial
     are reused by every chunk; nothing reads them after, they are outputs so that the plan and the
-    runtime count them. The small per-token loss and count live only while the kernel runs."""
+    runtime count them. The small per-token loss and count live only while the kernel runs.
+    frozen_head (W takes no gradient: LoRA, a frozen head): (loss, dh, tile), no dW matmul, no dW."""
     n, hidden = h.shape
     vocab = w.shape[0]
     h, labels = h.contiguous(), labels.contiguous()
     n_valid = (labels != ignore_index).sum().to(torch.float32).reshape(1)
     loss_rows = torch.empty(n, dtype=torch.float32, device=h.device)
     dh = outputs.empty((n, hidden), dtype=h.dtype, device=h.device)
-    dw = outputs.zeros((vocab, hidden), dtype=torch.float32, device=w.device)
+    dw = None if frozen_head else outputs.zeros((vocab, hidden), dtype=torch.float32, device=w.device)
     tile = outputs.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
     rows = dw_rows(chunk_size, n, vocab) if w.dtype != torch.float32 else 0
-    partial = outputs.empty((rows, hidden), dtype=h.dtype, device=h.device)   # declared by the meta: kept on cuda too
+    # declared by the meta: kept on cuda too (where addmm's out_dtype makes it unneeded)
+    partial = None if frozen_head else outputs.empty((rows, hidden), dtype=h.dtype, device=h.device)
     block_m, block_v, num_warps = row_tile(chunk_size, min(vocab, BLOCK_V_MAX), tile=4 * BLOCK_V_MAX)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
@@ -79,12 +85,16 @@ def linear_cross_entropy_forward(h, w, labels, ignore_index, chunk_size, softcap
             SOFTCAP=bool(softcap), BLOCK_M=block_m, BLOCK_V=block_v, num_warps=num_warps,
         )
         torch.mm(logits, w, out=dh[start:end])                       # logits now hold d loss / d logits
-        accumulate_dw(dw, logits, h_chunk, partial)
+        if dw is not None:
+            accumulate_dw(dw, logits, h_chunk, partial)
     loss = outputs.empty((), dtype=torch.float32, device=h.device)
-    return torch.div(loss_rows.sum(), n_valid[0], out=loss), dh, dw, tile, partial
+    loss = torch.div(loss_rows.sum(), n_valid[0], out=loss)
+    return (loss, dh, tile) if frozen_head else (loss, dh, dw, tile, partial)
 
 
 def _backward_meta(tangent, dh, dw, w_dtype):
+    if dw is None:
+        return (torch.empty_like(dh),)
     return torch.empty_like(dh), torch.empty(dw.shape, dtype=w_dtype, device=dw.device)
 
 
@@ -92,7 +102,10 @@ def _backward_meta(tangent, dh, dw, w_dtype):
 def linear_cross_entropy_backward(tangent, dh, dw, w_dtype):
     """(dh * tangent, dw * tangent in w_dtype): new tensors, the saved ones are left as they are.
     Each product is taken in fp32 and rounded once (a tangent of 1/k, with grad_accum=k, is not
-    rounded to bf16 first), straight into its output: no [V, H] fp32 temporary."""
+    rounded to bf16 first), straight into its output: no [V, H] fp32 temporary. dw None (a frozen
+    head): (dh * tangent,)."""
+    if dw is None:
+        return (scale(dh, tangent),)
     return scale(dh, tangent), scale(dw, tangent, w_dtype)
 
 
@@ -206,7 +219,8 @@ def _forward_group(pair: StagePair):
 
 
 def _backward_group(pair: StagePair, fwd):
-    """(tangent, dh mm, dW mm, group nodes) of the loss backward for the forward group, or None."""
+    """(tangent, dh mm, dW mm, group nodes) of the loss backward for the forward group, or None;
+    dW mm None where the head is frozen (its backward makes dh alone)."""
     nll, mm, h, w, labels, ignore_index, _, cap, tanh = fwd
     logsm, w_in = nll.args[0], pair.backward_of(w)
     for node in pair.bwd.graph.nodes:
@@ -226,11 +240,11 @@ def _backward_group(pair: StagePair, fwd):
         if down is None or val(down[0]).dim() != 2:
             continue
         dlogits, chain = down
-        grads = head_grads(pair, dlogits, w_in, h)
+        grads = head_grads(pair, dlogits, w_in, h) or head_grads(pair, dlogits, w_in, h, frozen=True)
         if grads is None:
             continue
         dh, dw, transposes = grads
-        return peel(tangent), dh, dw, [node, back, *chain, *transposes, dh, dw]
+        return peel(tangent), dh, dw, [node, back, *chain, *transposes, dh, *([dw] if dw is not None else [])]
     return None
 
 
@@ -255,22 +269,27 @@ def fused_linear_cross_entropy(pair: StagePair) -> int:
         return 0
     nll, mm, h, w, labels, ignore_index, group, cap, _ = fwd
     tangent, dh_mm, dw_mm, bwd_group = bwd
+    frozen = dw_mm is None
     n_tokens, hidden = val(h).shape
     chunk = default_chunk_size(n_tokens, hidden, val(w).shape[0])
-    args, kwargs = (h, w, labels), {"ignore_index": int(ignore_index), "chunk_size": int(chunk), "softcap": cap}
+    args = (h, w, labels)
+    kwargs = {"ignore_index": int(ignore_index), "chunk_size": int(chunk), "softcap": cap, "frozen_head": frozen}
     fake = pair.fwd.fake(linear_cross_entropy_forward, args, kwargs)
 
     saved_dh = pair.add_saved("saved_ce_dh", fake[1])
-    saved_dw = pair.add_saved("saved_ce_dw", fake[2])
+    saved_dw = None if frozen else pair.add_saved("saved_ce_dw", fake[2])
+    grads = {0: dh_mm} if frozen else {0: dh_mm, 1: dw_mm}
     done = pair.bwd.replace(linear_cross_entropy_backward, (tangent, saved_dh, saved_dw, val(w).dtype), {},
-                            {0: dh_mm, 1: dw_mm}, bwd_group)
+                            grads, bwd_group)
     assert done, "the loss backward group was checked but could not be replaced"
-    pair.prune()   # the log-softmax, the capped logits' tanh, the labels' total weight and h leave the saved values
+    pair.prune()   # the log-softmax, the capped logits' tanh, the labels' total weight and h leave the saved
+    #                values; a frozen W leaves the backward's inputs
 
     loss = getitems(nll)[0]
     done = pair.fwd.replace(linear_cross_entropy_forward, args, kwargs, {0: loss}, group)
     assert done, "the lm-head group was checked but could not be replaced"
     _, items = done
     pair.set_saved(saved_dh, items[1])
-    pair.set_saved(saved_dw, items[2])
+    if not frozen:
+        pair.set_saved(saved_dw, items[2])
     return 1

@@ -40,10 +40,12 @@ def rms_norm_fwd(x, w, eps):
     return rms_norm_forward(x, w, eps)
 
 
-@launcher("rms_norm_backward", lambda dy, x, w, rstd: (_like(x), _like(w)))
-def rms_norm_bwd(dy, x, w, rstd):
-    """(dx [..., N] in x.dtype, dw [N] in w.dtype); rstd in any shape with M elements."""
-    return rms_norm_backward(dy, x, w, rstd.reshape(-1))
+@launcher("rms_norm_backward", lambda dy, x, w, rstd, weight_grad=True: (_like(x), _like(w))[:1 + weight_grad])
+def rms_norm_bwd(dy, x, w, rstd, weight_grad=True):
+    """(dx [..., N] in x.dtype, dw [N] in w.dtype); rstd in any shape with M elements. weight_grad=False
+    (a frozen norm): (dx,)."""
+    dx, dw = rms_norm_backward(dy, x, w, rstd.reshape(-1), weight_grad)
+    return (dx, dw) if weight_grad else (dx,)
 
 
 # -- LayerNorm ----------------------------------------------------------------------------------

@@ -50,10 +50,12 @@ def is_transpose_of(x: fx.Node, w: fx.Node, times: int) -> bool:
     return peel(x) is w
 
 
-def head_grads(pair: StagePair, dlogits: fx.Node, w_in: fx.Node, h: fx.Node
-               ) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+def head_grads(pair: StagePair, dlogits: fx.Node, w_in: fx.Node, h: fx.Node, frozen: bool = False
+               ) -> tuple[fx.Node, fx.Node | None, list[fx.Node]] | None:
     """(dh mm, dW mm, the transpose between) where the 2-d dlogits is read by exactly the lm head's
-    two gradient matmuls: dh = dlogits @ W (W reaching the backward as w_in) and dW = dlogits.T @ h."""
+    two gradient matmuls: dh = dlogits @ W (W reaching the backward as w_in) and dW = dlogits.T @ h.
+    frozen: a head W that takes no gradient (LoRA, a frozen head), dlogits read by the dh matmul
+    alone; (dh mm, None, [])."""
     dh = dw = None
     transposes = []
     for u in dlogits.users:
@@ -63,6 +65,8 @@ def head_grads(pair: StagePair, dlogits: fx.Node, w_in: fx.Node, h: fx.Node
             (v,) = u.users
             if is_call(v, aten.mm.default) and v.args[0] is u and pair.forward_of(v.args[1]) is h:
                 dw, transposes = v, [u]
+    if frozen:
+        return (dh, None, []) if dh is not None and len(dlogits.users) == 1 else None
     if dh is None or dw is None or len(dlogits.users) != 2:
         return None
     return dh, dw, transposes

@@ -13,6 +13,9 @@ residual gradient) and a sum for dw:
     dx = c * rstd + (sum(c * xf, -1) * -0.5 * rstd**3 / N) * (xf**1.0 * 2.0)
     dw = sum(dy * xhat, leading dims)           # xhat: the saved (xf * rstd).to(x.dtype)
 
+A frozen weight (LoRA) has no dw sum: the kernel then makes dx alone (weight_grad=False), reading
+the same x and rstd, so a frozen norm's saved values shrink as a trained one's do.
+
 LayerNorm is one ATen op each way (native_layer_norm, native_layer_norm_backward), mapped whole.
 The backward rewrites run first (see megacompile/fusion/__init__.py): they read only what the forward
 already saves (x, rstd), so the saved xhat falls out of the contract and the forward group is free.
@@ -97,15 +100,18 @@ def rms_norm_backward(pair: StagePair) -> int:
         term_a = next((u for u in c.users if u is not node and first_match(TERM_A, u, {"c": c, "rstd": rstd})), None)
         wdy_mul = next(n for n in wdy.nodes if is_call(n, aten.mul.Tensor))
         dw = _dw(pair, dy, wdy_mul, xf, rstd)
-        if term_a is None or dw is None or not pair.holds(RSTD, rstd, {"xf": xf}):
+        if term_a is None or not pair.holds(RSTD, rstd, {"xf": xf}):
             continue
-        if len(val(dw.nodes[0]).shape) != 1 or val(dw.nodes[0]).shape != val(w).shape:
+        if dw is not None and (len(val(dw.nodes[0]).shape) != 1 or val(dw.nodes[0]).shape != val(w).shape):
             continue
         dx = edit.sum_of(term_a, node)
         if dx is None:
             continue
-        group = list(b.nodes) + list(wdy.nodes) + [term_a] + list(dw.nodes) + [dx]
-        if edit.replace(rms_norm_bwd, (dy, _narrow(pair, xf), w, rstd), {}, {0: dx, 1: dw.nodes[0]}, group):
+        # no dw sum beside dx: a frozen weight (where one is there but not matched, it stays eager beside
+        # the kernel, which refuses only if the group's nodes are read outside it)
+        grads, weight_grad = ({0: dx}, False) if dw is None else ({0: dx, 1: dw.nodes[0]}, True)
+        group = list(b.nodes) + list(wdy.nodes) + [term_a] + (list(dw.nodes) if dw is not None else []) + [dx]
+        if edit.replace(rms_norm_bwd, (dy, _narrow(pair, xf), w, rstd, weight_grad), {}, grads, group):
             count += 1
     return count
 

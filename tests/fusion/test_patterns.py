@@ -101,6 +101,44 @@ def test_epilogue_saves_gradients_not_log_softmax():
     assert {(n_tokens, width), (vocab, width)} <= {m.shape for m in new.saved}   # dh, dW (fp32)
 
 
+def _frozen_head():
+    model = BUILDERS["llama"]()
+    model.lm_head.weight.requires_grad_(False)        # finetuning_type freeze, the head among the frozen
+    return model
+
+
+def _lora():
+    from megacompile.train.methods.lora import with_adapters
+    return with_adapters(BUILDERS["llama"](), 4, 8, 0.0, "all")   # the head and every norm frozen
+
+
+@pytest.mark.parametrize("build", [_frozen_head, _lora])
+def test_a_frozen_head_and_frozen_norms_are_matched(build):
+    """A head whose backward makes dh alone gets the fused loss without dW; a frozen norm's backward
+    gets the norm kernel without dw."""
+    after = fuse(captured(build))
+    assert counts(after, "epilogue") == LLAMA["epilogue"], fusion_report(after)
+    nodes = [n for t in after.templates if t.kind != "prologue"   # its cat builds the rotary table
+             for gm in (t.forward.gm, t.backward.gm) for n in gm.graph.nodes]
+    (loss,) = [n for n in nodes if n.meta.get("kernel") == "fused_linear_cross_entropy"]
+    assert loss.kwargs["frozen_head"] is True
+    norms = [n for n in nodes if n.meta.get("kernel") == "rms_norm_backward"]
+    assert norms and all(n.args[4] is (build is _frozen_head) for n in norms)   # dw only where w is trained
+    assert not {n.target for n in nodes} & GONE["llama"]
+
+
+def test_a_frozen_bf16_norm_saves_no_fp32_copy_of_x():
+    """Without dw the norm's backward still reads x in bf16: LoRA's blocks save no fp32 copy of it."""
+    before = captured(_lora, torch.bfloat16)
+    after = fuse(before)
+    width = 32
+    copies = lambda t: [m for m in t.saved if m.dtype == torch.float32 and m.shape[-1] == width]  # noqa: E731
+    for old, new in zip(before.templates, after.templates):
+        if old.kind == "block":
+            assert copies(old) and not copies(new)
+            assert sum(m.nbytes for m in new.saved) < sum(m.nbytes for m in old.saved)
+
+
 def test_bf16_norm_backward_reads_x_not_its_fp32_copy():
     """HF's RMSNorm saves x.float() for its backward; the kernel reads x in bf16, so the fused block
     keeps x itself (its input, or the residual sum at half the bytes) instead."""
