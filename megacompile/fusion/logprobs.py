@@ -10,6 +10,7 @@ Forward group:   logits = h @ W.T ; [views, / T, cast to fp32] -> x ; gather(x, 
                  logsumexp(x, [-1])
 Backward group:  exp(x - lse) * g_lse + scatter_add(zeros, -1, idx, g_pick) ; [cast, views] -> dlogits
                  [/ T] dW = dlogits.T @ h      dh = dlogits @ W
+                 (a frozen head, LoRA's: dh alone; frozen_head=True skips the dW matmul, no dW)
 
 The forward becomes one launcher over token chunks (kernels/linear_logprobs.py) that gives the
 picked logit and the logsumexp ([N] fp32); the saved fp32 logits leave the saved values, and the
@@ -64,33 +65,40 @@ def linear_logprobs_forward(h, w, idx, chunk_size, temperature=0.0, rounded=Fals
     return picked, lse, tile
 
 
-def _backward_meta(g_pick, g_lse, h, w, idx, lse, chunk_size, temperature=0.0, rounded=False):
+def _backward_meta(g_pick, g_lse, h, w, idx, lse, chunk_size, temperature=0.0, rounded=False, frozen_head=False):
     n, hidden = h.shape
     vocab = w.shape[0]
+    tile = torch.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
+    if frozen_head:
+        return torch.empty_like(h), tile
     exact = w.dtype == torch.float32
     partial = dw_rows(chunk_size, n, vocab) if h.dtype != torch.float32 else 0
-    return (torch.empty_like(h), torch.empty(w.shape, dtype=w.dtype, device=w.device),
-            torch.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device),
+    return (torch.empty_like(h), torch.empty(w.shape, dtype=w.dtype, device=w.device), tile,
             torch.empty((0 if exact else vocab, hidden), dtype=torch.float32, device=w.device),
             torch.empty((partial, hidden), dtype=h.dtype, device=h.device))
 
 
 @launcher("linear_logprobs_backward", _backward_meta)
-def linear_logprobs_backward(g_pick, g_lse, h, w, idx, lse, chunk_size, temperature=0.0, rounded=False):
+def linear_logprobs_backward(g_pick, g_lse, h, w, idx, lse, chunk_size, temperature=0.0, rounded=False,
+                             frozen_head=False):
     """(dh [N, H], dW [V, H] in w.dtype, the logits tile, the fp32 dW accumulator ([0, H] when W is
     fp32 and dW is summed in place), the [rows, H] dW partial) from the gradients of the picked
-    logits and of the logsumexps ([N] fp32 each, any shape)."""
+    logits and of the logsumexps ([N] fp32 each, any shape). frozen_head (W takes no gradient: LoRA,
+    a frozen head): (dh, the tile), no dW matmul, no dW, no accumulator or partial."""
     n, hidden = h.shape
     vocab = w.shape[0]
     h, idx, lse = h.contiguous(), idx.reshape(n), lse.reshape(n)
     g_pick, g_lse = g_pick.reshape(n), g_lse.reshape(n)
     dh = outputs.empty((n, hidden), dtype=h.dtype, device=h.device)
     exact = w.dtype == torch.float32                             # dW summed in place, else into acc
-    dw = (outputs.zeros if exact else outputs.empty)((vocab, hidden), dtype=w.dtype, device=w.device)
+    dw = acc = partial = None
+    if not frozen_head:
+        dw = (outputs.zeros if exact else outputs.empty)((vocab, hidden), dtype=w.dtype, device=w.device)
     tile = outputs.empty((min(chunk_size, n), vocab), dtype=h.dtype, device=h.device)
-    acc = outputs.zeros((0 if exact else vocab, hidden), dtype=torch.float32, device=w.device)
-    rows = dw_rows(chunk_size, n, vocab) if h.dtype != torch.float32 else 0
-    partial = outputs.empty((rows, hidden), dtype=h.dtype, device=h.device)
+    if not frozen_head:
+        acc = outputs.zeros((0 if exact else vocab, hidden), dtype=torch.float32, device=w.device)
+        rows = dw_rows(chunk_size, n, vocab) if h.dtype != torch.float32 else 0
+        partial = outputs.empty((rows, hidden), dtype=h.dtype, device=h.device)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         h_chunk, logits = h[start:end], tile[:end - start]
@@ -98,7 +106,10 @@ def linear_logprobs_backward(g_pick, g_lse, h, w, idx, lse, chunk_size, temperat
         logits_grad_(logits, idx[start:end], lse[start:end], g_pick[start:end], g_lse[start:end], chunk_size,
                      temperature, rounded)
         torch.mm(logits, w, out=dh[start:end])
-        accumulate_dw(dw if exact else acc, logits, h_chunk, partial)
+        if not frozen_head:
+            accumulate_dw(dw if exact else acc, logits, h_chunk, partial)
+    if frozen_head:
+        return dh, tile
     if not exact:
         dw.copy_(acc)                                            # one rounding of the fp32 sum
     return dh, dw, tile, acc, partial
@@ -193,7 +204,8 @@ def _passthrough(node: fx.Node) -> list[fx.Node]:
 
 
 def _backward_group(pair: StagePair, fwd):
-    """(g_pick, g_lse, dh mm, dW mm, group nodes) of the head's backward for the forward group, or None."""
+    """(g_pick, g_lse, dh mm, dW mm, group nodes) of the head's backward for the forward group, or None;
+    dW mm None where the head is frozen (its backward makes dh alone)."""
     lse, _, x, idx, _, h, w, _, scaling = fwd
     s_x = pair.backward_of(x)
     if s_x is None or len(s_x.users) != 1:
@@ -231,12 +243,13 @@ def _backward_group(pair: StagePair, fwd):
     if down is None:
         return None
     dlogits, chain = down
-    grads = head_grads(pair, dlogits, pair.backward_of(w), h)
+    w_in = pair.backward_of(w)
+    grads = head_grads(pair, dlogits, w_in, h) or head_grads(pair, dlogits, w_in, h, frozen=True)
     if grads is None:
         return None
     dh, dw, transposes = grads
     group = [sub, sub.args[1], *_passthrough(s_lse), exp, mul, g_lse_u, zeros, src, scatter, add, *chain,
-             *transposes, dh, dw]
+             *transposes, dh, *([dw] if dw is not None else [])]
     return g_pick, g_lse, dh, dw, group
 
 
@@ -271,11 +284,13 @@ def linear_logprobs(pair: StagePair) -> int:
         return 0
     lse, squeeze, _, idx, _, h, w, group, scaling = fwd
     g_pick, g_lse, dh_mm, dw_mm, bwd_group = bwd
+    frozen = dw_mm is None
     chunk = _chunk(h, w)
     args = (g_pick, g_lse, pair.input_for(h), pair.input_for(w), pair.input_for(idx), pair.input_for(lse), chunk)
-    done = pair.bwd.replace(linear_logprobs_backward, args, scaling, {0: dh_mm, 1: dw_mm}, bwd_group)
+    grads = {0: dh_mm} if frozen else {0: dh_mm, 1: dw_mm}
+    done = pair.bwd.replace(linear_logprobs_backward, args, {**scaling, "frozen_head": frozen}, grads, bwd_group)
     assert done, "the head's backward group was checked but could not be replaced"
-    pair.prune()   # the fp32 logits leave the saved values
+    pair.prune()   # the fp32 logits leave the saved values (a frozen head's h comes in their place)
     done = pair.fwd.replace(linear_logprobs_forward, (h, w, idx, chunk), scaling, {0: squeeze, 1: lse}, group)
     assert done, "the head's log-probability group was checked but could not be replaced"
     return 1

@@ -13,7 +13,10 @@ from megacompile.models.llama import LlamaConfig, TinyLlama
 from megacompile.posttrain import (DFTObjective, DPOLoss, DPOObjective, EAFTObjective, GRPOLoss, GRPOObjective, KTOLoss,
                                    KTOObjective, group_advantages, token_logprobs)
 from megacompile.posttrain.logprobs import IGNORE
+from megacompile.train.methods.lora import with_adapters
+from tests import models
 from tests.e2e.harness import assert_same_weights
+from tests.fusion.training import torch_attention
 
 GiB = 2**30
 PROMPT, T, V = 5, 12, 64
@@ -88,10 +91,10 @@ def _eager(objective, batches, moments=None):
     return losses
 
 
-def through_engine(module, batches: list[dict], budget: float):
+def through_engine(module, batches: list[dict], budget: float, fuse: bool | None = None):
     """`module` trained on `batches` through compile() on the cpu backend at `budget` GiB: its
     losses, the first step's exp_avg of each parameter, and the engine (still open)."""
-    engine = compile(module, hbm_budget=budget, device="cpu", compute_dtype=torch.float32,
+    engine = compile(module, hbm_budget=budget, device="cpu", compute_dtype=torch.float32, fuse=fuse,
                      optimizer=AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kernel="torch"))
     ours, moments = [], {}
     for i, batch in enumerate(batches):
@@ -178,4 +181,36 @@ def test_post_training_objective_trains_exactly_under_the_budget(case):
         # (1.03e-5 of the tensor's largest entry, 2.7x the floor): its weight reads the recomputed logits.
         assert_same_weights(engine, reference, noise=2 * noise if case in ("ipo", "eaft") else noise)
         assert engine.memory_stats()["device_peak_bytes"] == engine.plan.predicted_peak_bytes
+        engine.close()
+
+
+def _lora_dpo():
+    """DPO over a Llama with adapters on every Linear of its blocks (LoRA: the head and the norms frozen)."""
+    torch.manual_seed(0)
+    policy = with_adapters(models.hf_llama(layers=2, d=32, vocab=V), 4, 8, 0.0, "all")
+    for name, p in policy.named_parameters():     # B starts at zero: move it, so A gets a gradient
+        if "lora_B" in name:
+            p.data.normal_(0.0, 0.02)
+    return DPOObjective(policy, DPOLoss(beta=0.5, label_smoothing=0.1))
+
+
+def test_a_lora_policy_under_dpo_trains_exactly_through_the_fused_head():
+    """fuse=True: the frozen head's log-probabilities run on the kernels, dh alone (no dW); losses and
+    first gradients of the adapters within 1e-5 of eager torch.optim.AdamW, the peak as predicted."""
+    batches = []
+    for step in range(2):
+        ids, labels = _completions(4, 40 + step)
+        batches.append(dict(input_ids=ids, labels=labels, ref_logps=torch.linspace(-40.0, -30.0, 4) + step))
+    eager_moments = {}
+    losses = _eager(_lora_dpo(), batches, eager_moments)
+    with torch_attention():
+        ours, moments, engine = through_engine(_lora_dpo(), batches, 1.0, fuse=True)
+    try:
+        epilogue = next(t for t in engine.plan.captured.templates if t.kind == "epilogue")
+        (head,) = [n for n in epilogue.backward.gm.graph.nodes if n.meta.get("kernel") == "linear_logprobs_backward"]
+        assert head.kwargs["frozen_head"] is True
+        assert ours == pytest.approx(losses, rel=1e-5, abs=1e-7)
+        assert moment_error(moments, eager_moments) <= 1e-5
+        assert engine.memory_stats()["device_peak_bytes"] == engine.plan.predicted_peak_bytes
+    finally:
         engine.close()
