@@ -2,6 +2,7 @@
 beside it (LossAndOutputs)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -25,11 +26,14 @@ def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict)
     """The loss as the model's forward (or `loss_fn`) gives it: a 0-d floating tensor (that it
     depends on something trainable is checked once the stages are traced: require_gradient).
 
-    Accepted forms: a scalar tensor; an object with `.loss` (Hugging Face outputs); a tuple or
+    Accepted forms: a scalar tensor; an object with `.loss` (Hugging Face outputs); a dict (any
+    Mapping) with a "loss" key, which transformers' Trainer reads as outputs["loss"]; a tuple or
     list holding exactly one scalar floating tensor that needs a gradient, wherever it sits
     (nanoGPT's `(logits, loss)`, transformers' `return_dict=False` tuples `(loss, logits, ...)`,
     `(loss, accuracy)`); or `loss_fn(output, *args, **kwargs)`. A tuple with several such scalars
     (`(loss, z_loss)`) is ambiguous and refused: which one, or which sum, is the user's to say.
+    What else a dict, tuple or output object holds (logits) is not carried out of the step
+    (extract_outputs: LossAndOutputs names what is).
     """
     if loss_fn is not None:
         loss, where = loss_fn(output, *args, **kwargs), "loss_fn(output, *args, **kwargs)"
@@ -37,12 +41,14 @@ def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict)
         loss, where = output, "the model's output"
     elif getattr(output, "loss", None) is not None:
         loss, where = output.loss, "output.loss"
+    elif isinstance(output, Mapping) and output.get("loss") is not None:
+        loss, where = output["loss"], "output['loss']"
     elif isinstance(output, (tuple, list)) and output:
         loss, where = _from_sequence(output)
     else:
         raise LossError(
             f"cannot find a loss in the model's output of type {type(output).__name__}: return a "
-            "scalar tensor, an object with .loss, or a tuple holding the loss, or pass "
+            "scalar tensor, an object with .loss, a dict with a 'loss' key, or a tuple holding the loss, or pass "
             "loss_fn=callable(output, *args, **kwargs) to megacompile.compile()"
         )
     if not isinstance(loss, torch.Tensor):

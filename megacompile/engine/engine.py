@@ -41,6 +41,7 @@ from ..settings import Settings
 from ..state import TrainingState
 from ..io import model_params, state_dict
 from ..io.checkpoint import LocalCheckpoints
+from ..io.torch_adamw_state import TorchAdamWState
 from ..distributed import data_parallel_for
 from ..distributed.checkpoint import ShardedCheckpoints
 from .host_setup import build_host_state
@@ -85,7 +86,7 @@ class Engine(StateIO):
         # A model quantized in memory (bitsandbytes, GPTQ, AWQ, HQQ, torchao, FP8, ...) would train as wrong numbers.
         refuse_quantized_model(model)
         host_bytes = self.settings.host_budget_bytes
-        optimizer = given_optimizer(optimizer)
+        optimizer = given_optimizer(optimizer, model)
         # Data parallelism over torch.distributed (an initialised group of 2 or more, or process_group=).
         self.data_parallel = data_parallel_for(process_group)
         self.settings.check_updates(clip=optimizer.max_grad_norm not in (None, math.inf),
@@ -104,6 +105,7 @@ class Engine(StateIO):
         # distributed/ read and write (state/training.py).
         self.state = TrainingState(model, optimizer, compute_dtype=compute_dtype, grad_accum=grad_accum,
                                    data_parallel=self.data_parallel)
+        self.state.torch_optimizer.hold_state(TorchAdamWState(self.state))   # its state_dict: the moments
         self.loss_fn = loss_fn
         self.retrace = retrace
         self.dump_dir = dump_dir
@@ -141,11 +143,13 @@ class Engine(StateIO):
         self.fuse = fused(fuse, on_gpu=self.backend.name == "cuda")
         # Checkpoints: one process's folder writer, or each rank its share of it.
         self._checkpoints = LocalCheckpoints() if self.data_parallel is None else ShardedCheckpoints()
-        config = getattr(model, "config", None)
-        # A KV cache has no place in a training step; a vision-language model's text config holds its own flag.
-        for c in (config, getattr(config, "get_text_config", lambda: None)()):
-            if getattr(c, "use_cache", False):
-                c.use_cache = False
+        # A KV cache has no place in a training step: off on every config the model holds (a wrapper's
+        # inner Hugging Face model carries its own); a vision-language model's text config holds its own flag.
+        configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+        for config in configs.values():
+            for c in (config, getattr(config, "get_text_config", lambda: None)()):
+                if getattr(c, "use_cache", False):
+                    c.use_cache = False
         self.device = self.backend.device
         self._captured: dict[tuple, CapturedModel] = PlanCache()
         self._logged_blocks: dict = {}    # the blocks' calls its captures logged (capture.top.blocks_logged_before)
@@ -322,12 +326,17 @@ class Engine(StateIO):
         micro-batches by num_items_in_batch: weight = the micro-batch's counted tokens over the
         step's, so the step trains the mean over all its tokens rather than the mean of its
         micro-batches' means. A step's weights should add up to 1 (nothing checks it: a sum of
-        2 doubles the gradient). Under data parallelism each rank's gradient is still averaged
-        with the others' (docs/distributed.md)."""
+        2 doubles the gradient). A micro-batch with no counted token (every label -100) has no
+        loss to weigh (its mean is 0/0, NaN, whatever its weight, and the step is skipped): leave it
+        out and give the step's other micro-batches weights that add up to 1 over theirs, as
+        `megacompile train` does (a step is still grad_accum calls). Under data parallelism each
+        rank's gradient is still averaged with the others' (docs/distributed.md)."""
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
                 or weight <= 0:
             raise ArgumentError(f"weighted_step: weight must be a finite number > 0 (the micro-batch's share of the "
-                                f"step, such as its counted tokens over the step's); got {weight!r}")
+                                f"step, such as its counted tokens over the step's); got {weight!r}"
+                                + (". A micro-batch with no counted token (every label -100) is left out of the "
+                                   "step: run grad_accum others whose weights add up to 1" if weight == 0 else ""))
         self.last_outputs, self.accumulated_outputs = None, []
         self._input_limits.check(args, kwargs, self.backend.name)
         self.state.refuse_partial("step()")

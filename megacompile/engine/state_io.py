@@ -35,12 +35,14 @@ class StateIO:
         """(state_dict key, tensor), one at a time and not copied (io/unbuilt.py)."""
         return unbuilt.state_tensors(self.state)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load weights into the masters, whole or one part (a shard) at a time with strict=False;
-        strict=True (the last part, or {}) checks that every weight has been loaded. Every name,
-        shape, dtype and value of a call is checked before it writes anything. A model built on
-        meta trains once its parts are complete (its first step names what is missing)."""
-        state_dict.load(self.state, state, strict=strict)
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
+        """Load weights into the masters, whole (strict=True: the dict holds every trainable weight
+        and no key that names nothing of the model) or one part (a shard) at a time with
+        strict=False, which skips keys that name nothing of the model. Every name, shape, dtype and
+        value of a call is checked before it writes anything. Returns torch's
+        `_IncompatibleKeys(missing_keys, unexpected_keys)` (io/state_dict.py). A model built on meta
+        trains once its parts are complete (its first step names what is missing)."""
+        return state_dict.load(self.state, state, strict=strict)
 
     def save_checkpoint(self, path: str, *, extra: Any = None, keep_last: int | None = None,
                         keep: tuple[str, ...] = (), side_files: dict[str, str] | None = None) -> None:

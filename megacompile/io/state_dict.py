@@ -8,10 +8,14 @@ the flat layout comes from the trace) the parts are kept, by reference, until th
 prepare() builds it.
 
 Complete means every trainable parameter loaded and, for a model built on meta, every buffer
-and frozen weight it holds no values for. `strict=True` (the default: one whole dict) checks it
-once the call's own tensors are counted: pass the last part with strict=True, or end with
-`load_state_dict({})`. A model built on meta whose parts are incomplete is refused at its first
-step or forward, naming what is missing. A model with weights of its own may load any subset.
+and frozen weight it holds no values for. `strict=True` (the default: one whole dict) requires the
+call's own dict to be complete, whatever earlier calls loaded, and refuses a key that names nothing
+of the model, as torch's does; load parts with strict=False, each of them. strict=False, as
+torch's, skips keys that name nothing of the model. Both return torch's
+`_IncompatibleKeys(missing_keys, unexpected_keys)`: the model's state_dict keys whose tensor the
+call did not give (one name of a tied weight gives it) and the keys skipped. A model built on meta
+whose parts are incomplete is refused at its first step or forward, naming what is missing. A
+model with weights of its own may load any subset.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.modules.module import _IncompatibleKeys
 
 from ..errors import MegacompileError
 from ..runtime import HostState
@@ -50,7 +55,7 @@ class LoadedParts:
         self.kept = {}
 
 
-def load(state: "TrainingState", weights: dict, strict: bool = True) -> None:
+def load(state: "TrainingState", weights: dict, strict: bool = True) -> _IncompatibleKeys:
     if not isinstance(weights, dict):
         raise MegacompileError(f"load_state_dict takes a dict of tensors by parameter name, got {type(weights).__name__}")
     if not isinstance(strict, bool):
@@ -63,17 +68,20 @@ def load(state: "TrainingState", weights: dict, strict: bool = True) -> None:
     trainable, const = _expected(state)
     names = {key: state.canonical.get(key, key) for key in weights}
     unexpected = [k for k, n in names.items() if n not in trainable and n not in const]
+    names = {k: n for k, n in names.items() if k not in unexpected or strict}
     own = state.host if state.host is not None else checker(state, trainable)
-    bad = [p for k, t in weights.items() if names[k] not in unexpected
+    bad = [p for k, t in weights.items() if k in names and k not in unexpected
            for p in HostState.load_problems(own, {names[k]: t})]
-    missing = sorted(set(required(state, trainable, const)) - parts.loaded - set(names.values())) if strict else []
-    if missing or bad or unexpected:
+    missing = sorted(set(required(state, trainable, const)) - set(names.values())) if strict else []
+    if missing or bad or (unexpected and strict):
         raise MegacompileError(
             f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shapes, dtypes or values "
             f"{bad[:5]}; nothing was loaded"
-            + (f" (the {len(missing)} missing ones may come in other parts: load_state_dict(part, strict=False) "
-               "for each but the last)" if missing else "")
+            + (f" (strict=True: the dict must hold them all; load a model in parts with load_state_dict(part, "
+               "strict=False) for each part)" if missing else "")
+            + (" (strict=False skips keys that name nothing of the model)" if unexpected else "")
             + (f"; {META_HINT}" if any(n in const for n in missing) else ""))
+    weights = {k: t for k, t in weights.items() if k in names}
     _refuse_conflicting_ties(weights, names)
     tensors = {names[k]: t for k, t in weights.items()}
     if state.host is not None:
@@ -86,6 +94,8 @@ def load(state: "TrainingState", weights: dict, strict: bool = True) -> None:
         parts.kept.update(tensors)      # they wait, with the parts, for the host state
     parts.loaded |= set(tensors)
     state.parts_loaded(parts, complete=state.materialized or not missing_names(state, parts))
+    given = set(tensors)
+    return _IncompatibleKeys([k for k, n in state.canonical.items() if n not in given], unexpected)
 
 
 def _refuse_conflicting_ties(weights: dict, names: dict[str, str]) -> None:

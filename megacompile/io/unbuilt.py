@@ -5,7 +5,8 @@ Each tensor is a `Lazy`: its shape and dtype now, its values when called, read f
 are -- the weight files of a pending from_pretrained or load_checkpoint (a fused expert weight
 assembled from its per-expert tensors), the parts given to load_state_dict, or the model's own
 tensors -- and cast to fp32 for the trainable ones, as the masters would hold them. AdamW's
-moments are zeros until a checkpoint says otherwise. Only the tensor being written is in memory.
+moments are zeros until a checkpoint (or engine.torch_optimizer.load_state_dict) says otherwise.
+Only the tensor being written is in memory.
 """
 from __future__ import annotations
 
@@ -95,6 +96,10 @@ def tables(state: "TrainingState") -> tuple[dict[str, dict[str, Lazy]], dict[str
                                                                         memory)
     for name, t in kept.items():
         sources[MASTER][name] = lambda t=t: t
+    moments = state.pending_moments     # engine.torch_optimizer.load_state_dict's, after any checkpoint's
+    if isinstance(moments, PendingLoad):
+        for it in moments.items:
+            sources[it.table][it.name] = lambda it=it: moments.memory[it.path][it.key]
     out: dict[str, dict[str, Lazy]] = {}
     missing = [n for n in trainable if n not in sources[MASTER]]
     if missing:

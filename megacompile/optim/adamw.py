@@ -112,20 +112,19 @@ def _real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def given_optimizer(value) -> AdamW:
+def given_optimizer(value, model: torch.nn.Module | None = None) -> AdamW:
     """compile()'s and plan()'s `optimizer`: megacompile.AdamW, or None for its defaults. A torch
     optimizer holds the module's own parameters, which the engine does not update: it is refused,
-    with the AdamW to write instead."""
+    with the AdamW to write instead (its param groups as no_decay and lr_ratios, named by `model`'s
+    parameters where it is given: torch_groups.py)."""
     if value is None:
         return AdamW()
     if isinstance(value, AdamW):
         return value
     if isinstance(value, torch.optim.Optimizer):
-        g = value.param_groups[0]
-        same = (f"megacompile.AdamW(lr={g.get('lr')!r}, betas={tuple(g.get('betas', (0.9, 0.999)))!r}, "
-                f"eps={g.get('eps')!r}, weight_decay={g.get('weight_decay')!r})")
+        from .torch_groups import advice
         raise ArgumentError(f"optimizer takes a megacompile.AdamW, got a {type(value).__module__}."
                             f"{type(value).__name__}: the host AdamW updates megacompile's fp32 masters, not "
-                            f"the module's parameters; pass {same} (torch LR schedulers attach to "
+                            f"the module's parameters; {advice(value, model)} (torch LR schedulers attach to "
                             "engine.torch_optimizer)")
     raise ArgumentError(f"optimizer takes a megacompile.AdamW (or None), got {type(value).__name__}")

@@ -14,6 +14,9 @@ Weights are in one of four places (`where`), and only the transitions below move
     parts_loaded     a load_state_dict call's part: kept pending before the host state exists
     host_built       the host state exists: what was pending streams in, or the module's own
     restore          a checkpoint's load: its weights arrive, its counters and learning rate return
+    moments_arrive   AdamW's moments and step counts alone (engine.torch_optimizer.load_state_dict):
+                     into the host state now if it exists, else kept (`pending_moments`) to go in
+                     after the weights when it is built
 
 `materialized` says the weights are complete wherever they are (not missing); `weight_parts`
 records what load_state_dict calls have loaded. `canonical` maps every state_dict key to the
@@ -67,6 +70,7 @@ class TrainingState:
         self._complete = not any(p.is_meta for p in model.parameters())
         self._pending = None         # anything with apply(host, model): io.source.PendingLoad, ...
         self._parts = None           # io.state_dict.LoadedParts: what load_state_dict calls have loaded
+        self._pending_moments = None     # moments_arrive's load, waiting for the host state
         self._source_dir: str | None = None
         # The counters' weights_version the module's own tensors were last brought up to date at
         # (io/model_params.py).
@@ -85,6 +89,11 @@ class TrainingState:
     def pending_load(self):
         """Weights waiting to stream in when the host state is built (apply(host, model)), or None."""
         return self._pending
+
+    @property
+    def pending_moments(self):
+        """AdamW's moments waiting for the host state (apply(host, model)), or None: moments_arrive."""
+        return self._pending_moments
 
     @property
     def weight_parts(self):
@@ -146,18 +155,35 @@ class TrainingState:
             self._pending.apply(host, self.model)
         elif self._complete:
             host.load_module(self.model)
+        if self._pending_moments is not None:
+            self._pending_moments.apply(host, self.model)
         self.update.host = host
-        self._pending = None
+        self._pending = self._pending_moments = None
 
     def restore(self, weights: Any, counters: dict, *, param_group: dict | None = None) -> None:
         """What a checkpoint load read, applied in one go: its weights arrive (weights_arrive), the
         counters take its values (Counters.load_state_dict: those it holds), and the LR handle's
         param group its values (param_group: lr, initial_lr, betas, eps, weight_decay)."""
         self.weights_arrive(weights)
+        self._pending_moments = None      # the checkpoint's moments are the ones now
         self.partial_step = None
         self.counters.load_state_dict(counters)
         if param_group:
             self.torch_optimizer.param_groups[0].update(param_group)
+        self.counters.loaded()
+
+    def moments_arrive(self, moments: Any, counters: dict) -> None:
+        """AdamW's moments of every trainable parameter (anything with apply(host, model)) and the
+        counters that go with them (Counters.load_state_dict: steps done, missed steps): written
+        into the host state now if it exists, else kept to go in after the weights when it is built."""
+        if self.host is not None:
+            self.wait_updates()
+            moments.apply(self.host, self.model)
+            if self.host.disk is not None:
+                self.host.disk.settle()     # moments written into an owner read from the disk tier
+        else:
+            self._pending_moments = moments
+        self.counters.load_state_dict(counters)
         self.counters.loaded()
 
     @property

@@ -77,8 +77,17 @@ def _meta_engine():
 
 def _partial_load(c):
     engine = _meta_engine()
-    engine.load_state_dict({k: v for k, v in _tiny().state_dict().items() if k != "transformer.ln_f.bias"}, strict=False)
-    engine.load_state_dict({})
+    engine.load_state_dict(_tiny().state_dict(), strict=False)
+    engine.load_state_dict({k: v for k, v in _tiny().state_dict().items() if k != "transformer.ln_f.bias"})
+
+
+def _with_param_groups():
+    """torch's usual groups: biases and norms at weight decay 0, here at half the lr too."""
+    model = _tiny()
+    flat = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                             {"params": flat, "weight_decay": 0.0, "lr": 5e-4}], lr=1e-3)
+    megacompile.compile(model, 1.0, device="cpu", optimizer=opt)
 
 
 def _compile(**kw):
@@ -147,6 +156,10 @@ CASES = [
     Case("compile: optimizer=torch.optim.AdamW", ArgumentError, r"megacompile\.AdamW\(lr=0\.001",
          lambda c: megacompile.compile(_tiny(), 1.0, device="cpu",
                                        optimizer=torch.optim.AdamW(nn.Linear(2, 2).parameters()))),
+    Case("compile: optimizer=torch.optim.AdamW of two param groups", ArgumentError,
+         r"2 param groups \(group 0: .*weight_decay 0.1.*group 1: .*lr 0.0005, weight_decay 0.0.*\) are, exactly, "
+         r"megacompile\.AdamW\(lr=0\.001, .*weight_decay=0\.1, no_decay=megacompile\.hf_no_decay, lr_ratios=\{.*0\.5",
+         lambda c: _with_param_groups()),
     Case("compile: optimizer='adamw'", ArgumentError, r"megacompile\.AdamW.*str", _compile(optimizer="adamw")),
     Case("compile: compute_dtype=float16", ArgumentError, r"compute_dtype.*float16",
          _compile(compute_dtype=torch.float16)),
@@ -266,10 +279,10 @@ CASES = [
     Case("save_pretrained: merge_adapter=True on a model without adapters", ArgumentError,
          r"merge_adapter=True merges a PEFT model's LoRA adapter.*carries none",
          lambda c: c.engine.save_pretrained(os.path.join(c.tmp, "merged"), merge_adapter=True)),
-    Case("load_state_dict: a part, then strict=True", megacompile.MegacompileError,
-         r"missing \['transformer.ln_f.bias'\].*nothing was loaded.*other parts", _partial_load),
-    Case("load_state_dict: unknown name", megacompile.MegacompileError, r"unexpected \['nope'\]",
-         lambda c: _meta_engine().load_state_dict({"nope": torch.zeros(1)}, strict=False)),
+    Case("load_state_dict: a part with strict=True, after a whole load", megacompile.MegacompileError,
+         r"missing \['transformer.ln_f.bias'\].*nothing was loaded.*strict=False\) for each part", _partial_load),
+    Case("load_state_dict: unknown name with strict=True", megacompile.MegacompileError, r"unexpected \['nope'\]",
+         lambda c: _meta_engine().load_state_dict({"nope": torch.zeros(1)})),
     Case("load_checkpoint: a Hugging Face Trainer checkpoint", WeightsFileError,
          r"it is a Hugging Face Trainer checkpoint .*engine.load_trainer_checkpoint\('.*checkpoint-trainer_state.json"
          r".*'\) takes in its weights, AdamW moments and steps .*; or start a new run from its weights",

@@ -28,7 +28,8 @@ class Block(nn.Module):
 
 class Model(nn.Module):
     """returns: "loss", "loss_accuracy", "loss_z" (two scalars with gradients), "accuracy" (only a
-    metric), "hf_tuple" (transformers' return_dict=False: (loss, logits)). detach: "embedding" (the
+    metric), "hf_tuple" (transformers' return_dict=False: (loss, logits)), "dict" ({"loss": ..., "logits": ...},
+    which transformers' Trainer reads as outputs["loss"]). detach: "embedding" (the
     blocks' input), "head" (the head's input)."""
 
     def __init__(self, returns: str = "loss", detach: str = "", dropout: float = 0.0, unused: bool = False):
@@ -51,7 +52,8 @@ class Model(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         accuracy = (logits.argmax(-1) == labels).float().mean()
         return {"loss": loss, "loss_accuracy": (loss, accuracy), "loss_z": (loss, logits.logsumexp(-1).square().mean()),
-                "accuracy": (logits, accuracy), "hf_tuple": (loss, logits)}[self.returns]
+                "accuracy": (logits, accuracy), "hf_tuple": (loss, logits),
+                "dict": {"loss": loss, "logits": logits}}[self.returns]
 
 
 def batches(n: int, seed: int = 0) -> list[dict]:
@@ -99,13 +101,14 @@ def assert_same(engine, reference: nn.Module, losses, expected, tol: float = 1e-
         assert err <= tol, f"{name}: {err:.3g}"
 
 
-@pytest.mark.parametrize("returns", ["loss_accuracy", "hf_tuple"])
+@pytest.mark.parametrize("returns", ["loss_accuracy", "hf_tuple", "dict"])
 def test_the_loss_is_the_scalar_with_a_gradient(returns):
     """(loss, accuracy) and transformers' (loss, logits) train on the loss wherever it sits; the last
-    element used to be taken (the accuracy: every update weight decay alone)."""
+    element used to be taken (the accuracy: every update weight decay alone). A dict trains on its
+    "loss", as transformers' Trainer does."""
     model, steps = Model(returns), batches(3)
     reference = clone(model)
-    expected = eager(reference, steps, loss_of=lambda out: out[0])
+    expected = eager(reference, steps, loss_of=lambda out: out["loss"] if isinstance(out, dict) else out[0])
     losses, engine = ours(clone(model), steps)
     assert_same(engine, reference, losses, expected)
 

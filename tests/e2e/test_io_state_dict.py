@@ -46,9 +46,36 @@ def test_a_meta_model_loads_one_part_at_a_time_and_trains_exactly(when):
     parts = _parts(real.state_dict())
     for part in parts[:-1]:
         engine.load_state_dict(part, strict=False)
-    with pytest.raises(megacompile.MegacompileError, match="missing .*other parts"):
-        engine.load_state_dict({})                       # the explicit check: not complete yet
-    engine.load_state_dict(parts[-1])                    # the last part completes it (strict)
+    with pytest.raises(megacompile.MegacompileError, match="missing .*strict=True: the dict must hold them all"):
+        engine.load_state_dict(parts[-1])                # strict: this call's dict alone must be whole
+    engine.load_state_dict(parts[-1], strict=False)
+    assert engine.step(idx=_ids(), targets=_ids()) == _eager_loss(real)
+
+
+@pytest.mark.parametrize("before", ["nothing", "a whole load", "a part"])
+def test_strict_requires_every_weight_in_the_call_itself(before):
+    """strict=True is torch's: the call's dict is whole, whatever earlier calls loaded."""
+    real, engine = _real_and_meta_engine()
+    state = real.state_dict()
+    if before == "a whole load":
+        engine.load_state_dict(state)
+    elif before == "a part":
+        engine.load_state_dict({"transformer.ln_f.bias": state["transformer.ln_f.bias"]}, strict=False)
+    with pytest.raises(megacompile.MegacompileError, match=r"missing \['transformer.ln_f.bias'\]"):
+        engine.load_state_dict({k: v for k, v in state.items() if k != "transformer.ln_f.bias"})
+
+
+def test_strict_false_skips_unknown_keys_and_returns_torchs_incompatible_keys():
+    real, engine = _real_and_meta_engine()
+    state = real.state_dict()
+    result = engine.load_state_dict({**state, "head.extra": torch.zeros(3)}, strict=False)
+    assert result.unexpected_keys == ["head.extra"] and result.missing_keys == []
+    part = {k: v for k, v in state.items() if k != "transformer.ln_f.bias"}
+    result = engine.load_state_dict(part, strict=False)
+    assert result.missing_keys == ["transformer.ln_f.bias"] and result.unexpected_keys == []
+    assert repr(engine.load_state_dict(state)) == "<All keys matched successfully>"
+    with pytest.raises(megacompile.MegacompileError, match=r"unexpected \['head.extra'\]"):
+        engine.load_state_dict({**state, "head.extra": torch.zeros(3)})
     assert engine.step(idx=_ids(), targets=_ids()) == _eager_loss(real)
 
 
@@ -61,7 +88,7 @@ def test_an_incomplete_meta_model_is_refused_at_its_first_step_naming_what_is_mi
     with pytest.raises(megacompile.MegacompileError, match=r"wrong shapes.*transformer.ln_f.bias.*nothing was loaded"):
         engine.load_state_dict({"transformer.ln_f.bias": torch.zeros(3)}, strict=False)
     with pytest.raises(megacompile.MegacompileError, match=r"unexpected \['ln_g.bias'\]"):
-        engine.load_state_dict({"ln_g.bias": torch.zeros(32)}, strict=False)
+        engine.load_state_dict({"ln_g.bias": torch.zeros(32)})
     engine.load_state_dict({"transformer.ln_f.bias": state["transformer.ln_f.bias"]}, strict=False)
     assert engine.step(idx=_ids(), targets=_ids()) == _eager_loss(real)
 
@@ -112,7 +139,7 @@ def test_a_meta_model_with_host_state_but_no_weights_reads_and_saves_nothing(how
         with pytest.raises(megacompile.MegacompileError, match=r"no weights for lm_head.weight.* yet"):
             engine.save_pretrained(str(tmp_path / "hf"))
         assert list(tmp_path.iterdir()) == []
-    engine.load_state_dict({"lm_head.weight": state["lm_head.weight"]})
+    engine.load_state_dict({"lm_head.weight": state["lm_head.weight"]}, strict=False)
     assert torch.equal(engine.state_dict()["model.layers.1.mlp.down_proj.weight"],
                        state["model.layers.1.mlp.down_proj.weight"])
     engine.save_checkpoint(str(tmp_path / "ck"))

@@ -65,3 +65,12 @@ def test_a_weight_that_is_no_share_is_refused_before_anything_runs(weight):
         engine.weighted_step(weight, **make_inputs("llama", models.batch(model.config.vocab_size, 1, 8)))
     assert engine.state.micro_batches == 0
     engine.close()
+
+
+def test_weight_zero_says_to_leave_a_micro_batch_without_tokens_out():
+    model = models.hf_llama(layers=1, d=32)
+    engine = megacompile.compile(model, hbm_budget=1.0, device="cpu", grad_accum=K)
+    with pytest.raises(ArgumentError, match="no counted token .* is left out of the step: run grad_accum others "
+                                            "whose weights add up to 1"):
+        engine.weighted_step(0.0, **make_inputs("llama", models.batch(model.config.vocab_size, 1, 8)))
+    engine.close()
