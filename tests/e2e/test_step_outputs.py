@@ -135,3 +135,54 @@ def test_a_skipped_step_hands_out_its_own_forward_and_a_failed_one_none():
         engine.step(**{**good, "targets": torch.full_like(good["targets"], VOCAB + 5)})
     assert engine.last_outputs is None                      # not the skipped step's
     engine.close()
+
+
+class HandsOutLogits(nn.Module):
+    """A Hugging Face causal LM inside a wrapper: its loss, its logits handed out beside it."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, **batch):
+        out = self.lm(**batch)
+        return LossAndOutputs(out.loss, {"logits": out.logits})
+
+
+def _hf_batch(vocab: int) -> dict:
+    ids = torch.randint(3, vocab, (2, T), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def test_a_wrapped_hf_models_kv_cache_is_turned_off_as_the_root_ones():
+    """The inner model's config, not the wrapper's (it has none), says use_cache: the step has no cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=True))
+    batch = _hf_batch(VOCAB)
+    with torch.no_grad():
+        want = copy.deepcopy(lm)(**batch, use_cache=False).logits
+    engine = _engine(HandsOutLogits(lm))
+    assert lm.config.use_cache is False
+    engine.step(**batch)
+    assert torch.allclose(engine.last_outputs["logits"], want, rtol=1e-5, atol=1e-5)
+    engine.close()
+
+
+def test_an_moe_models_logits_come_out_beside_its_loss_with_the_router_loss_added_in_place():
+    """Mixtral adds its load-balancing loss to the loss in place (`loss += coef * aux_loss`), so its
+    epilogue is traced functionalized: the handed-out logits stay a detached value, with no gradient
+    through them, and the loss is eager's."""
+    from tests.families import FAMILIES
+    torch.manual_seed(0)
+    lm = FAMILIES["mixtral"]()
+    assert lm.config.output_router_logits
+    batch = _hf_batch(lm.config.vocab_size)
+    with torch.no_grad():
+        want = copy.deepcopy(lm)(**batch)
+    engine = _engine(HandsOutLogits(lm))
+    loss = engine.step(**batch)
+    assert loss == pytest.approx(want.loss.item(), rel=1e-5)
+    assert torch.allclose(engine.last_outputs["logits"], want.logits, rtol=1e-5, atol=1e-5)
+    engine.close()

@@ -4,6 +4,7 @@ the base frozen and held in the dtype compute reads."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import torch
@@ -69,9 +70,13 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
         target = linear_names(model, blocks(model)[1])
     unknown = [t for t in target if t not in everywhere]
     if unknown:
+        fused = [t for t in unknown if t in _PRE_FUSION and _fused_weights(model, [t])]
         raise ArgumentError(f"{key}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear "
                             f"module of {type(model).__name__}; its Linear modules are {', '.join(everywhere)} "
-                            "(or all: every Linear of the decoder blocks)")
+                            "(or all: every Linear of the decoder blocks)"
+                            + (f". {', '.join(fused)} name the routed experts' fused weights "
+                               f"({', '.join(_fused_weights(model, fused))}), which take no adapters here"
+                               if fused else ""))
     modules = list(target)
     if vision:      # the parts' modules alone: the vision tower has q_proj and the like too
         modules = vision_freeze.adapted_names(model, modules, parts)
@@ -88,11 +93,48 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
         # PEFT reads transformers' deprecated is_gradient_checkpointing: a warning between the two
         # libraries, which says nothing a run could change
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
+        fused = _fused_weights(model, modules)       # read before PEFT wraps them
+        try:
+            wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
+        except ValueError as e:
+            if "fused" not in str(e):
+                raise
+            wrapped = None
+    taken = getattr(wrapped.peft_config["default"], "target_parameters", None) if wrapped is not None else None
+    if wrapped is None or taken:
+        _refuse_fused(model, key, target, modules, fused)
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
             p.data = p.data.to(base)
     return wrapped
+
+
+# The names PEFT also gives the routed experts' fused weights (transformers' stacked gate_up_proj
+# and down_proj parameters, no Linear modules): a Linear of one of these names makes PEFT adapt
+# those bare parameters instead (its transformers_weight_conversion).
+_PRE_FUSION = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
+               "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
+
+
+_IN_BLOCK = re.compile(r"^.*?[.][0-9]+[.]")     # model.layers.0.: where a block's own path starts
+
+
+def _fused_weights(model: nn.Module, names: list[str]) -> list[str]:
+    """The fused experts' parameters (by their path within a block) that `names` stand for."""
+    wanted = {_PRE_FUSION[n] for n in names if n in _PRE_FUSION}
+    return sorted({_IN_BLOCK.sub("", f"{n}.{p}")
+                   for n, m in model.named_modules() if not isinstance(m, nn.Linear)
+                   for p, _ in m.named_parameters(recurse=False) if p in wanted})
+
+
+def _refuse_fused(model: nn.Module, key: str, target: list[str], modules: list[str], fused: list[str]) -> None:
+    colliding = [t for t in modules if t in _PRE_FUSION]
+    others = [t for t in target if t not in _PRE_FUSION]
+    raise ArgumentError(
+        f"{key}: {', '.join(colliding)} name Linear modules of {type(model).__name__} (its shared expert's) and "
+        f"also the routed experts' fused weights ({', '.join(fused)}), which PEFT would "
+        "adapt as bare parameters: those take no adapters here. Name the Linear modules to adapt without "
+        f"{', '.join(colliding)}" + (f", e.g. {key}: {','.join(others)}" if others else ""))
 
 
 def _check_whole(model: nn.Module, whole: list[str], target: list[str] | str) -> None:
