@@ -125,13 +125,18 @@ VISION_START = VOCAB - 4
 VIDEO_TOKEN = VOCAB - 5
 
 
+def _qwen2_text() -> dict:
+    """Qwen2-VL's and Qwen2.5-VL's decoder: 4 layers of 32, 3D rotary sections of 1, 1 and 2."""
+    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                bos_token_id=None, eos_token_id=None, num_key_value_heads=2, max_position_embeddings=64,
+                use_cache=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [1, 1, 2]})
+
+
 def qwen2_5_vl(seed: int = 0, depth: int = 2, full_attention: tuple[int, ...] = (1,), window: int = 8):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                bos_token_id=None, eos_token_id=None,
-                num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    text = _qwen2_text()
     # windows of 8 x 8 pixels (one merged token; `window`) in the first tower layer, full attention in the second
     vision = dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
                   temporal_patch_size=2, window_size=window, out_hidden_size=32,
@@ -147,10 +152,7 @@ def qwen2_vl(seed: int = 0, depth: int = 2):
     windows), with LayerNorms and a GELU MLP, and its merger has a LayerNorm."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                bos_token_id=None, eos_token_id=None,
-                num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    text = _qwen2_text()
     # the tower's width (embed_dim) differs from the decoder's (hidden_size), which the merger maps to
     vision = dict(depth=depth, embed_dim=16, hidden_size=32, mlp_ratio=4, num_heads=2, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2)
