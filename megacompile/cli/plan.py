@@ -66,6 +66,13 @@ def _from_run(args: argparse.Namespace) -> None:
     # The run computes the gradients' norm every step (to clip at max_grad_norm, or to log it at inf)
     args.max_grad_norm = math.inf if c.max_grad_norm is None else c.max_grad_norm
     args.trained, args.trained_inputs = run.trained, run.inputs     # stage rm: its reward model
+    if run.stage in ("sft", "pt") and run.trained is not None:      # the routers' whole term: the module trained
+        if run.global_batch is None and not args.images_per_row and args.image_size is None:
+            args.config, args.row_inputs = run.trained, run.inputs
+        else:
+            print("  note           the plan is of the model's own loss: the routers' term whole in each micro-batch "
+                  "(and the attention_mask its rows carry) is planned on rows of batch x seq tokens without images, "
+                  "given batch and grad_accum", flush=True)
     if run.stage not in ("sft", "pt"):
         args.stage = run.stage
         if run.stage == "grpo":     # its rows and width are its generation keys
@@ -125,6 +132,10 @@ def plan(args: argparse.Namespace) -> int:
         kwargs["optimizer"] = AdamW(max_grad_norm=args.max_grad_norm)
     if args.images_per_row or args.image_size is not None:    # a vision-language model's rows hold images
         kwargs.update(images_per_row=args.images_per_row, image_size=args.image_size)
+    row_inputs = getattr(args, "row_inputs", None)      # --run: the rows of the module the run trains
+    if row_inputs is not None:
+        ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
+        kwargs["inputs"] = row_inputs({"input_ids": ids, "labels": ids}, True)
     host_line = f"  host budget    {fmt_bytes(host_budget * 2**30)} checked: {host_source}"
     model = args.config
     if args.lora_rank is not None:      # the base frozen, LoRA adapters on it (train/methods/lora.py)

@@ -101,6 +101,18 @@ def note(c, model) -> str | None:
 SCALE = "router_scale"     # the input WholeTerm takes: 1 / the micro-batch's weight in its step
 
 
+def planned_rows(masked: bool):
+    """The inputs WholeTerm takes in place of a causal LM's `rows` (input_ids and labels on the meta
+    device, as the planner lays them out): its router_scale, and the attention_mask where the rows
+    carry one (not under isolated packing)."""
+    def rows_of(rows: dict, train: bool) -> dict:
+        ids = rows["input_ids"]
+        mask = {"attention_mask": torch.empty(ids.shape, dtype=torch.long, device=ids.device)} if masked else {}
+        # in the order a micro-batch gives them (stages/sft.py): the rows', the mask, the scale
+        return {**rows, **mask, SCALE: torch.empty((), dtype=torch.float32, device=ids.device)}
+    return rows_of
+
+
 class WholeTerm(nn.Module):
     """A mixture-of-experts causal LM whose loss holds its routers' term, for a step that weighs its
     micro-batches (Engine.weighted_step): forward(router_scale, **inputs) -> the model's output, its

@@ -4,7 +4,8 @@ The model is the one `megacompile train` builds, on the meta device: its config 
 (rope_scaling, added tokens, the router's loss), checked against the stage as the run checks it
 (seq against the positions, isolated packing), shaped by the fine-tuning method (LoRA's
 adapters, frozen layers, a vision tower held still), and under dft or eaft inside the objective the
-run trains; under stage rm the reward model the run trains (the decoder under a one-number score,
+run trains, with the routers' loss inside the term's wrapper (router_loss.WholeTerm, with its rows'
+attention_mask and scale); under stage rm the reward model the run trains (the decoder under a one-number score,
 without the lm_head), planned on the rows the run scores. The settings are the run's: its rows and
 width, its micro-batch and accumulation or its global batch, its dtype, its budgets, its stage's
 keys. Nothing is read of the weights, and nothing of the run is written. The data is read only
@@ -61,7 +62,8 @@ class RunPlan:
     stage_keys: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # the module the run's engine trains in place of `model` (stage rm's reward model: the decoder
-    # under a one-number score, no lm_head), and its inputs from the model's rows (plan_stage's)
+    # under a one-number score, no lm_head; the routers' whole term under sft and pt), and its inputs
+    # from the model's rows (plan_stage's)
     trained: nn.Module | None = None
     inputs: Callable[[dict, bool], dict] | None = None
 
@@ -100,6 +102,10 @@ def resolve(c: RunConfig) -> RunPlan:
     if c.stage == "rm":       # the run trains the model's reward model (stages/rm.py), not its causal LM
         from .stages.rm import planned_rows, reward_model
         trained, inputs = reward_model(c, model), planned_rows
+    elif c.stage in router_loss.STAGES and c.loss_type not in ("dft", "eaft") and router_loss.on(model):
+        # the routers' term whole in each micro-batch's loss, over rows that carry an attention_mask
+        # (stages/sft.py: WholeTerm), as the run trains it
+        trained, inputs = router_loss.WholeTerm(model), router_loss.planned_rows(c.packing != "isolated")
     steps = c.steps if c.steps is not None else epoch_steps(c, model)
     return RunPlan(model=model, stage=c.stage, compute_dtype=c.compute_dtype, seq=c.seq, batch=c.batch,
                    grad_accum=c.grad_accum, global_batch=c.global_batch, accumulation=c.accumulation,

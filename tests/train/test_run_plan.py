@@ -284,3 +284,22 @@ def test_the_plan_before_the_run_computes_the_gradients_norm_as_the_run_does(tmp
         ran = json.load(f)
     landing = "predicted_step_s_updates_as_gradients_land"
     assert landing in bare and landing not in ran and landing not in before
+
+
+def test_a_run_with_the_routers_loss_plans_the_term_whole_in_each_micro_batch(tmp_path, capsys):
+    """moe_aux_loss_coef: the run trains the model inside router_loss.WholeTerm, its rows carrying an
+    attention_mask and a router_scale; the plan before the run is that step's, not the bare model's."""
+    from tests.train.test_router_loss import _mixtral_dir
+    model = _mixtral_dir(str(tmp_path / "mixtral"))
+    path = files.run_yaml(str(tmp_path / "moe.yaml"), model=model, data=[files.chats(str(tmp_path / "c.jsonl"))],
+                          seq=16, batch=2, steps=1, device="cpu", moe_aux_loss_coef=0.01,
+                          run_dir=str(tmp_path / "run"))
+    before = _plan_json(capsys, "--run", path, "--hardware", "cpu")
+    bare = _plan_json(capsys, "--run", path, "--hardware", "cpu", "moe_aux_loss_coef=0")
+    assert main(["train", "--config", path]) == 0
+    capsys.readouterr()
+    with open(tmp_path / "run" / "plan" / "plan.json") as f:
+        ran = json.load(f)
+    shared = [k for k in ran if k in before and k not in TIMED]
+    assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
+    assert ran["measured_device_peak_bytes"] == before["device_peak_bytes"] != bare["device_peak_bytes"]
