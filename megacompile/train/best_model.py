@@ -92,7 +92,12 @@ def changes(c, saved: dict | None) -> list[str]:
     before = best.get("under")
     if not c.load_best_model_at_end or best.get("step") is None or not isinstance(before, dict):
         return []
-    now = judged_under(c)
+    return differences(before, judged_under(c))
+
+
+def differences(before: dict, now: dict) -> list[str]:
+    """How the evaluations judged_under() described as `now` differ from those it described as
+    `before`, a phrase each (early_stopping.py's too)."""
     out = [f"{k} {before[k]} -> {v}" for k, v in now.items() if k != "eval" and k in before and before[k] != v]
     if "eval" in before and before["eval"] != now["eval"]:
         out.append(_eval_change(before["eval"], now["eval"]))
@@ -162,9 +167,10 @@ class Best:
         """The checkpoint rotation leaves whatever its age."""
         return () if self.step is None else (checkpoint_path(self.step),)
 
-    def load(self, engine, checkpoint_path) -> str | None:
+    def load(self, engine, checkpoint_path, written: bool = True) -> str | None:
         """After the last step: the best checkpoint's weights into `engine`; the line the run prints
-        (None where the model is the last step's)."""
+        (None where the model is the last step's). `written`: whether the run writes its model (the
+        bundled model's is a checkpoint: the best one is then the model)."""
         if not self.c.load_best_model_at_end or self.step is None or self.step == engine.steps_done:
             return None
         path = checkpoint_path(self.step)
@@ -174,5 +180,8 @@ class Best:
                                 "are in the run's latest checkpoint")
         engine.load_checkpoint(path)
         metric = (self.judged or {}).get("metric_for_best_model", self.c.metric_for_best_model)
+        if not written:
+            return (f"  best           step {self.step} ({metric} {self.value:.6g}): its checkpoint, {path}, is the "
+                    "model (load_best_model_at_end; the bundled model is written nowhere else)")
         return (f"  best           step {self.step} ({metric} {self.value:.6g}): its checkpoint's "
                 "weights are the model written (load_best_model_at_end)")

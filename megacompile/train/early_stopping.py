@@ -11,12 +11,20 @@ as in the Trainer. When the count reaches the patience the run writes a checkpoi
 (marked stopped) and ends as a finished run ends: load_best_model_at_end loads its best checkpoint,
 the model is written, and the same command run again says the run is complete. The count and the
 best ride in each checkpoint, so a resumed run goes on counting.
+
+As the best model's (best_model.py), the best is judged by the evaluations that made it: a resume
+whose evaluations differ from them (other eval files, or the same files changed; eval_batches,
+eval_batch, metric_for_best_model, greater_is_better) says so (resume.notes) and counts afresh:
+its first evaluation is the best so far. What judged the best is best_model.judged_under()'s, read
+from the checkpoint's best model where that is the same, kept beside the count otherwise (a run
+without load_best_model_at_end, or whose best checkpoint was judged by other evaluations).
 """
 from __future__ import annotations
 
 import math
 
 from ..errors import ArgumentError
+from .best_model import differences, judged_under
 from .config_values import integer
 
 KEY = "early_stopping_patience"
@@ -55,10 +63,21 @@ class Patience:
     """The evaluations without improvement so far, and the best metric, kept in each checkpoint."""
 
     def __init__(self, c, saved: dict | None):
-        self.patience = c.early_stopping_patience
+        self.c, self.patience = c, c.early_stopping_patience
         self.name, self.greater = metric(c)
+        self._under = None
         found = (saved or {}).get("early_stopping") or {}
         self.best, self.waited = found.get("best"), found.get("waited", 0)
+        self.changed = changes(c, saved)
+        if self.changed:        # judged by other evaluations (resume_note): the next is the best
+            self.best, self.waited = None, 0
+
+    @property
+    def under(self) -> dict:
+        """What judges this run's evaluations (best_model.judged_under), its metric as read here."""
+        if self._under is None:
+            self._under = judged(self.c)
+        return self._under
 
     def evaluated(self, row: dict) -> None:
         """A training step's evaluation, `row` (its logged figures)."""
@@ -79,15 +98,50 @@ class Patience:
     def stop(self) -> bool:
         return self.patience is not None and self.waited >= self.patience
 
-    def extra(self) -> dict:
-        """What a checkpoint keeps of it (nothing where the run has no patience)."""
+    def extra(self, best: dict | None = None) -> dict:
+        """What a checkpoint keeps of it (nothing where the run has no patience); `best`: the best
+        model the same checkpoint keeps (best_model.Best.proposed), whose judged_under is reused."""
         if self.patience is None:
             return {}
-        return {"early_stopping": {"best": self.best, "waited": self.waited, "stopped": self.stop}}
+        kept = {"best": self.best, "waited": self.waited, "stopped": self.stop}
+        if (best or {}).get("under") != self.under:
+            kept["under"] = self.under
+        return {"early_stopping": kept}
 
     def line(self, step: int) -> str:
         return (f"  early stop     step {step}: {self.name} has not improved for {self.waited} evaluation"
                 f"{'s' * (self.waited != 1)} ({KEY} {self.patience}; best {self.best:.6g})")
+
+
+def judged(c) -> dict:
+    """best_model.judged_under(c), with the metric and its direction as metric() reads them (which
+    best_model.check sets alike under load_best_model_at_end)."""
+    name, greater = metric(c)
+    return {**judged_under(c), "metric_for_best_model": name, "greater_is_better": greater}
+
+
+def changes(c, saved: dict | None) -> list[str]:
+    """How this run's evaluations differ from those that judged the count's best in a checkpoint's
+    extra (`saved`), a phrase each; [] where they are alike, or where nothing says (no count, or a
+    checkpoint saved before the count kept what judged it)."""
+    found = (saved or {}).get("early_stopping") or {}
+    before = found.get("under", ((saved or {}).get("best") or {}).get("under"))
+    if c.early_stopping_patience is None or found.get("best") is None or not isinstance(before, dict):
+        return []
+    return differences(before, judged(c))
+
+
+def resume_note(c, saved) -> list[str]:
+    """The note of a resume from `saved` (resume.Saved) whose count was judged by other evaluations."""
+    changed = changes(c, saved.extra)
+    if not changed:
+        return []
+    found = saved.extra["early_stopping"]
+    waited = found.get("waited", 0)
+    return [f"{', '.join(changed)}: early stopping's best so far ({found['best']:.6g}, then {waited} evaluation"
+            f"{'s' * (waited != 1)} without improvement) was judged by other evaluations, and this run's are not "
+            f"compared with it: the count starts afresh from step {saved.steps_done + 1}, this run's first evaluation "
+            f"the best so far ({KEY})"]
 
 
 def stopped(extra: dict) -> bool:

@@ -271,6 +271,15 @@ def _checked_stage(c: RunConfig, run_dir: str, resume_from: str | None, saved, i
     return stage, meta, model_config
 
 
+def _model_checkpoint(c: RunConfig, saved, run_dir: str) -> str:
+    """The checkpoint that is a complete run's bundled model: its best under load_best_model_at_end
+    (best_model.py), else its last."""
+    step = (saved.extra.get("best") or {}).get("step")
+    if not c.load_best_model_at_end or step is None or step == saved.steps_done:
+        return saved.path
+    return checkpoint_path(os.path.join(run_dir, CHECKPOINTS), step)
+
+
 def _train_checked(c: RunConfig, run_dir: str, stage: Stage, resume_from: str | None, saved, imported: str | None,
                    meta, model_config: dict, trace: str | None) -> dict:
     try:
@@ -282,10 +291,11 @@ def _train_checked(c: RunConfig, run_dir: str, stage: Stage, resume_from: str | 
             print(f"  complete       {done}", flush=True)
             place = trained_model.folder(c, run_dir)
             if place is None or trained_model.holds_model(place):
-                print(trained_model.last_line(c, place, saved.path), flush=True)
+                model = place or _model_checkpoint(c, saved, run_dir)
+                print(trained_model.last_line(c, place, model), flush=True)
                 return {"steps": saved.steps_done, "skipped_steps": None, "run_dir": run_dir, "first_loss": None,
                         "final_loss": None, "seconds": 0.0, "last_checkpoint": saved.steps_done, "complete": True,
-                        "model": place or saved.path}
+                        "model": model}
         elif saved is not None:
             for note in resume.notes(c, saved):
                 print(f"  resume note    {note}", flush=True)
@@ -401,7 +411,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         made = save_checkpoint(c, engine, checkpoints, step, position, stage.fingerprint, force=force,
                                keep=best.kept(at) if proposed == best.state() else (), side_files=trainer_state,
                                **stage.checkpoint_extra(), **({"best": proposed} if proposed else {}),
-                               **patience.extra(), **{resume_model.KEY: model_config})
+                               **patience.extra(proposed), **{resume_model.KEY: model_config})
         if made:
             best.keep(proposed)
         return made
@@ -477,10 +487,12 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
     steps_done = engine.steps_done
     if patience.stop:
         print(patience.line(steps_done), flush=True)
-    said = best.load(engine, at)
+    place = trained_model.folder(c, run_dir)        # a post-training stage needs a Hugging Face model: never None
+    said = best.load(engine, at, written=place is not None)
     if said:
         print(said, flush=True)
-    place = trained_model.folder(c, run_dir)        # a post-training stage needs a Hugging Face model: never None
+    # the bundled model is a checkpoint: the last, or the best one loaded
+    model = place or (at(best.step) if said else latest[1])
     if place is not None:
         # overwrite: only a resumed run gets here with model files in the folder, its own (check_new_run)
         trained_model.write(c, engine, stage.tokenizer, place, overwrite=resume_from is not None,
@@ -494,7 +506,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
               "final_loss": losses_seen[-1] if losses_seen else None,
               "seconds": elapsed, "last_checkpoint": saved_at, "budget_bytes": plan.budget_bytes,
               "predicted_device_peak_bytes": plan.predicted_peak_bytes,
-              "measured_device_peak_bytes": measured, "model": place or latest[1], "steps_run": steps_done - start_step}
+              "measured_device_peak_bytes": measured, "model": model, "steps_run": steps_done - start_step}
     if losses_seen:
         name = "" if c.stage in ("sft", "pt") else f"{c.stage} "
         print(f"done: {name}loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {elapsed:.1f} s, "

@@ -9,9 +9,10 @@ engine exists and before any file of the run folder is written.
               the new schedule's (the note names the jump); batch, grad_accum, global_batch: the
               data goes on from the saved row, with other rows per step; betas, eps,
               weight_decay, max_grad_norm, compute_dtype: the AdamW state is kept, the new values
-              apply from the next step; under load_best_model_at_end, what evaluates the
-              checkpoints (eval files, eval_batches, eval_batch, the metric and its direction):
-              the best is judged afresh among the resumed run's evaluations (best_model.py)
+              apply from the next step; under load_best_model_at_end or early_stopping_patience,
+              what evaluates the checkpoints (eval files, eval_batches, eval_batch, the metric and
+              its direction): the best is judged afresh among the resumed run's evaluations
+              (best_model.py, early_stopping.py)
     complete  the checkpoint is at or past the last step: nothing to train
 
 A run stopped by a fault (a checkpoint it could not write, steps that kept being skipped) or a
@@ -228,8 +229,8 @@ def _some(names: list[str], most: int = 3) -> str:
 
 def notes(c: RunConfig, saved: Saved) -> list[str]:
     """One line per group of changed settings, saying what the change does from the next step."""
-    from .best_model import resume_note
-    judged = resume_note(c, saved)
+    from . import best_model, early_stopping
+    judged = best_model.resume_note(c, saved) + early_stopping.resume_note(c, saved)
     before = saved.extra.get("settings")
     if not isinstance(before, dict):
         return judged       # a checkpoint of a run that saved no settings: nothing more to compare

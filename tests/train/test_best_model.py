@@ -190,3 +190,26 @@ def test_a_resume_under_another_metric_exports_the_best_of_its_own_evaluations(t
     _exported_is_checkpoint(c, best)
     with open(os.path.join(c.run_dir, "eval_results.json")) as f:
         assert json.load(f)["eval_loss"] == losses[best - 1]
+
+
+def test_the_bundled_models_best_checkpoint_is_its_model(tmp_path, capsys):
+    """The bundled model is written nowhere but its checkpoints: the best one is the model the run
+    names, and names again once complete."""
+    tiny = dict(dim=32, layers=1, heads=2, kv_heads=1, ffn=64)
+    notes = files.text(str(tmp_path / "notes.txt"))
+    settings = dict(model="bundled", data=notes, eval=notes, bundled_model=tiny, seq=16, batch=2, steps=3,
+                    lr=1e-2, schedule="constant", device="cpu", run_dir=str(tmp_path / "run"), eval_every=1,
+                    eval_batches=1, save_every=1, load_best_model_at_end=True, metric_for_best_model="loss",
+                    greater_is_better=True, resume="auto")
+    c = load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), [])
+    result = run(c)
+    losses = [float(r["eval_loss"]) for r in log.read(os.path.join(c.run_dir, "log.csv"))]
+    best = 1 + max(range(len(losses)), key=lambda i: losses[i])
+    assert best != 3
+    at = os.path.join(c.run_dir, "checkpoints", f"step-{best:06d}")
+    out = capsys.readouterr().out
+    assert f"step {best} (eval_loss {losses[best - 1]:.6g}): its checkpoint, {at}, is the model" in out
+    assert "weights are the model written" not in out
+    assert result["model"] == at and f"model: {at} (the bundled model" in out
+    assert run(load(files.run_yaml(str(tmp_path / "r.yaml"), **settings), []))["model"] == at
+    assert f"model: {at} (the bundled model" in capsys.readouterr().out

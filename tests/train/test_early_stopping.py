@@ -101,3 +101,54 @@ def test_a_resumed_run_goes_on_counting(tmp_path, capsys):
     run(load(files.run_yaml(str(tmp_path / "a.yaml"), **settings, steps=2), []))
     assert run(load(files.run_yaml(str(tmp_path / "b.yaml"), **settings, steps=10), []))["steps"] == 3
     assert "early stop     step 3: eval_loss has not improved for 2 evaluations" in capsys.readouterr().out
+
+
+def test_a_count_judged_by_other_evaluations_starts_afresh_on_resume(tmp_path):
+    """As the best model's: a resume under another metric or other eval data does not compare its
+    evaluations with a best they do not measure alike; it says so and counts afresh."""
+    from megacompile.train import best_model, resume
+
+    work = files.workspace(tmp_path)
+    settings = dict(model=work["model"], data=work["chats"], eval=work["chats"], seq=24, batch=2, steps=4,
+                    eval_steps=1, early_stopping_steps=2, device="cpu", run_dir=str(tmp_path / "run"))
+
+    def config(**extra):
+        return load(files.run_yaml(str(tmp_path / "r.yaml"), **settings | extra), [])
+
+    first = early_stopping.Patience(config(), None)
+    for value in (1.0, 2.0):
+        first.evaluated({"eval_loss": value})
+    saved = resume.Saved("ckpt", 2, first.extra())
+    assert first.extra()["early_stopping"]["under"]["metric_for_best_model"] == "eval_loss"
+    same = early_stopping.Patience(config(), saved.extra)
+    assert resume.notes(config(), saved) == [] and (same.best, same.waited) == (1.0, 1)
+
+    # another metric: its values are not compared with the saved eval_loss
+    c = config(metric_for_best_model="perplexity")
+    (note,) = resume.notes(c, saved)
+    assert note.startswith("metric_for_best_model eval_loss -> eval_perplexity, greater_is_better False -> True: "
+                           "early stopping's best so far (1, then 1 evaluation without improvement) was judged by "
+                           "other evaluations")
+    assert "the count starts afresh from step 3" in note
+    again = early_stopping.Patience(c, saved.extra)
+    again.evaluated({"eval_perplexity": 7.0})      # whatever its value, the first is the best
+    assert (again.best, again.waited) == (7.0, 0)
+
+    # under load_best_model_at_end the best model's record of what judged it is read, not kept twice
+    c = config(load_best_model_at_end=True, save_every=1)
+    proposed = best_model.Best(c, None).proposed(2, {"eval_loss": 1.0})
+    counted = early_stopping.Patience(c, None)
+    counted.evaluated({"eval_loss": 1.0})
+    kept = counted.extra(proposed)
+    assert "under" not in kept["early_stopping"]
+    both = resume.Saved("ckpt", 2, {"best": proposed, **kept})
+    assert resume.notes(c, both) == []
+    with open(work["chats"], "a") as f:     # the same eval file, changed: both start afresh
+        f.write('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    assert [n.split(": ", 2)[2][:30] for n in resume.notes(c, both)] == [
+        "the best checkpoint so far (st", "early stopping's best so far ("]
+    assert early_stopping.Patience(c, both.extra).best is None
+
+    # a checkpoint saved before the count kept what judged it: counted on as before
+    old = {"early_stopping": {"best": 1.0, "waited": 1, "stopped": False}}
+    assert early_stopping.Patience(config(metric_for_best_model="perplexity"), old).waited == 1
