@@ -202,3 +202,41 @@ def test_a_token_file_with_images_is_reused_with_its_images(tmp_path):
                        media)
     assert again.staged is None and again.fingerprint == made.fingerprint
     assert again.images == made.images and len(again.images[0][1]) == 2
+
+
+# llava-hf's chat template: it reads only list contents, and writes nothing of a string
+LLAVA_HF = ("{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
+            "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+            "{{ '<image>\n' }}{% endfor %}{% if message['role'] != 'assistant' %}{% for content in message['content'] "
+            "| selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}{% endfor %}{% else %}"
+            "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{% generation %}"
+            "{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def test_placeholder_strings_for_a_template_that_reads_only_lists_are_its_parts_row(tmp_path):
+    """LlamaFactory's strings with <image> placeholders, for llava-hf's template: the row is what
+    the processor writes for the same turns as parts (text parts between image parts), and the
+    targets are the parts record's: the answer, no image token."""
+    from PIL import Image
+    model = processor_files.folder(str(tmp_path / "model"), "llava")
+    media = grid_images.media(model)
+    tokenizer = load_tokenizer(model)
+    tokenizer.chat_template = LLAVA_HF
+    rows = {}
+    for name, record in (("strings", processor_files.RECORD), ("parts", processor_files.PARTS)):
+        data = processor_files.data(str(tmp_path / f"{name}.jsonl"), [record])
+        tokens = token_file(str(tmp_path / f"tokens_{name}"), "train", [data], tokenizer, model, False, media)
+        rows[name] = (np.asarray(tokens.ids[tokens.docs[0]:tokens.docs[1]]).tolist(),
+                      np.asarray(tokens.targets[tokens.docs[0]:tokens.docs[1]]).astype(bool).tolist())
+    theirs = _theirs(model, "llava")
+    text = theirs.apply_chat_template(processor_files.PARTS["messages"], chat_template=LLAVA_HF, tokenize=False)
+    pictures = [Image.open(tmp_path / p).convert("RGB") for p in processor_files.RECORD["images"]]
+    written = theirs(text=[text], images=[pictures], add_special_tokens=False)["input_ids"][0]
+    row, targets = rows["strings"]
+    assert rows["strings"] == rows["parts"]
+    assert row == list(written) + [tokenizer.eos_token_id]
+    image = tokenizer.convert_tokens_to_ids("<image>")
+    assert row.count(image) > 2 and not any(on for t, on in zip(row, targets) if t == image)
+    assert tokenizer.decode([t for t, on in zip(row, targets) if on]).startswith("red, then blue")
+    assert "colour" not in tokenizer.decode([t for t, on in zip(row, targets) if on])

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import ArgumentError
-from . import alpaca, images, masking, parts, sharegpt, tools, turn_ends
+from . import alpaca, images, list_contents, masking, parts, sharegpt, tools, turn_ends
 from . import cutoff as cutoff_len
 
 
@@ -72,7 +72,7 @@ def document(tokenizer, record: dict, train_on_prompt: bool, where: str, media=N
         messages = parts.read(sharegpt.messages(record, where), media is not None, where)
         listed, options = tools.tools(record, where), tools.template_kwargs(record, where)
         if media is not None:
-            messages = media.messages(messages, paths, where)
+            messages = media.messages(messages, paths, where, list_contents.reads_lists_only(tokenizer))
         ids, targets, answers = masking.chat(tokenizer, messages, train_on_prompt or assistant_only_loss is False,
                                              where, listed, options, last_only=mask_history)
         if paths:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ...errors import ArgumentError
 from ...posttrain import check_texts, render
-from . import parts, sharegpt, tools
+from . import list_contents, parts, sharegpt, tools
 
 
 def image_prompt(record: dict, prompt, where: str, tokenizer, media, longest: int) -> tuple[list[int], tuple]:
@@ -28,7 +28,8 @@ def image_prompt(record: dict, prompt, where: str, tokenizer, media, longest: in
                             "or LlamaFactory's conversations) whose turns hold an image part or an <image> "
                             "placeholder per image; the prompt here is text")
     paths = media.paths(record, where)
-    messages = media.messages(parts.read(sharegpt.messages({"messages": prompt}, where), True, where), paths, where)
+    messages = media.messages(parts.read(sharegpt.messages({"messages": prompt}, where), True, where), paths, where,
+                              list_contents.reads_lists_only(tokenizer))
     listed, options = tools.tools(record, where), tools.template_kwargs(record, where)
     options = {**options, **({"tools": listed} if listed else {})}
     text = render(tokenizer, messages, where, "prompt", tokenize=False, add_generation_prompt=True, **options)

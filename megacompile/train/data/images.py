@@ -41,7 +41,7 @@ from collections import OrderedDict
 from difflib import SequenceMatcher
 
 from ...errors import ArgumentError
-from . import embedded, parts
+from . import embedded, list_contents, parts
 
 PLACEHOLDER = "<image>"     # what LLaVA's and LlamaFactory's records write for an image
 VIDEO = "<video>"           # and for a video (videos.py)
@@ -220,13 +220,17 @@ class Media:
         """Records with videos are read with these settings (videos.Settings); only a processor that
         takes videos (grid_images.GridMedia) has any."""
 
-    def messages(self, messages: list, paths: list, where: str) -> list:
+    def messages(self, messages: list, paths: list, where: str, lists_only: bool = False) -> list:
         """The turns with each `<image>` (`<video>`) written as the processor's image (video) token,
         after checking that the placeholders number the images (videos); a conversation that marks
-        none of its images is laid out as TRL lays it out (parts.images_first)."""
+        none of its images is laid out as TRL lays it out (parts.images_first). `lists_only`: the
+        chat template reads only list contents, and each string content is made the parts it stands
+        for (list_contents.py)."""
         if not isinstance(messages, list):
             return messages         # masking.chat refuses it with the line
         messages = parts.images_first(messages, len(images_of(paths)), PLACEHOLDER, where)
+        if lists_only:
+            messages = list_contents.as_parts(messages, {PLACEHOLDER: "image", VIDEO: "video"})
         texts = [m.get("content") for m in messages if isinstance(m, dict)]
         written = {}
         for placeholder, kind, files, token in ((PLACEHOLDER, "image", images_of(paths), self.written),

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 
-from ...errors import ArgumentError, NonFiniteError, RetraceWarning
+from ...errors import ArgumentError, NonFiniteError
 from ...ir import fmt_bytes
 from .. import intervals
 from .. import methods, router_loss, vocab
 from ..config import RunConfig
-from ..data import grid_images, images, mixture, origins, packing, split, streaming, tokens, trim
+from ..data import grid_images, image_plans, images, mixture, origins, packing, split, streaming, tokens, trim
 from ..data.tokens import TokenFile, load_tokenizer, token_file
 from ..log import COLUMNS
 from ..model import check_isolation, check_positions
@@ -68,6 +68,7 @@ class SFTStage(Stage):
             self.objective = router_loss.WholeTerm
         self.tokenizer, self.made, self.rows, self.eval_rows, self.fingerprint = _data(c, run_dir, c.seq + self.shifted)
         self.media = self.tokenizer if isinstance(self.tokenizer, images.Media) else None
+        self.plans = image_plans.ImagePlans() if self.media is not None else None
         try:
             self.each_rows = _each(self.eval_rows, self.names) if self.names else []
             available = self.rows.epoch_tokens
@@ -162,9 +163,8 @@ class SFTStage(Stage):
         self.weights = [counted / total for _, counted, _ in drawn]
         losses, count = [], 0
         for (inputs, _, after), weight in zip(drawn, self.weights):
-            with warnings.catch_warnings():
-                if needed:      # the run's own few lengths (trim.PARTS), not inputs that keep changing
-                    warnings.simplefilter("ignore", RetraceWarning)
+            # the run's own few lengths (trim.PARTS) and its images' sizes, said in its own words
+            with trim.own_lengths(bool(needed)), (self.plans.over(inputs) if self.plans else nullcontext()):
                 try:
                     losses.append(engine.weighted_step(weight, **self._scaled(inputs, 1.0 / weight)))
                 except NonFiniteError as e:     # on_nonfinite: raise; the run's error names the records
@@ -210,7 +210,8 @@ class SFTStage(Stage):
         # All the held-out data, then with eval_on_each_dataset each file on its own (its names' columns).
         for prefix, rows in [("eval", self.eval_rows)] + [(f"eval_{n}", r) for n, r in zip(self.names, self.each_rows)]:
             accuracy = [] if c.compute_accuracy else None
-            loss, perplexity = held_out.evaluate(engine, rows, self.batch, c.eval_batch or self.batch, c.eval_batches,
+            watched = image_plans.Watched(engine, self.plans) if self.plans else engine
+            loss, perplexity = held_out.evaluate(watched, rows, self.batch, c.eval_batch or self.batch, c.eval_batches,
                                                  self.shifted, self.padding_mask, accuracy, self._scaled)
             out |= {f"{prefix}_loss": loss, f"{prefix}_perplexity": perplexity,
                     **({f"{prefix}_accuracy": sum(accuracy) / len(accuracy) if accuracy else math.nan}
