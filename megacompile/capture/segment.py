@@ -64,14 +64,17 @@ class _Segment:
         self.gm = fx.GraphModule(top, graph)
         self.outputs = outputs
         # In-place writes into views of its own values (Qwen3-VL's rotary tables) read nowhere
-        # else: traced through functionalization, they become the values their readers take. Its
-        # views stay views: removed, a .detach() (LossAndOutputs' handed-out values, beside Mixtral's
-        # `loss += aux_loss`) would become detach_copy, which has no derivative.
+        # else: traced through functionalization, they become the values their readers take, and
+        # its views copies the plan places. A segment that hands a value out (a .detach():
+        # LossAndOutputs' handed-out values, beside Mixtral's `loss += aux_loss`) keeps its views as
+        # views: removed, the detach would become detach_copy, which has no derivative.
         self.writes = any(_writers(n) for n in members)
+        self.removed = "mutations" if any(n.target is torch.ops.aten.detach.default for n in members) \
+            else "mutations_and_views"
 
     def __call__(self, params: list[torch.Tensor], acts: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.writes:
-            return list(torch.func.functionalize(self.gm, remove="mutations")(*params, *acts))
+            return list(torch.func.functionalize(self.gm, remove=self.removed)(*params, *acts))
         return list(self.gm(*params, *acts))
 
 
