@@ -38,15 +38,16 @@ def advice(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> str:
                 "give the optimizer to compile(model, ...) to have them written out")
     names = {id(p): n for n, p in model.named_parameters()}
     decay = max(x.get("weight_decay", 0) for x in groups)
-    no_decay = [names.get(id(p), "?") for x in groups if x.get("weight_decay", 0) == 0 and decay > 0 for p in x["params"]]
+    no_decay = [names.get(id(p), "?") for x in groups if x.get("weight_decay", 0) == 0 and decay > 0
+                for p in x["params"]]
     ratios = {names.get(id(p), "?"): x["lr"] / base["lr"] for x in groups if x["lr"] != base["lr"]
               for p in x["params"]}
     grouped = {id(p) for x in groups for p in x["params"]}
     left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in grouped]
     no_decay_arg = ("megacompile.hf_no_decay" if no_decay and set(no_decay) == set(hf_no_decay(model))
                     else repr(no_decay))
-    same = (f"megacompile.AdamW(lr={base['lr']!r}, betas={tuple(base.get('betas', (0.9, 0.999)))!r}, eps={base['eps']!r}, "
-            f"weight_decay={decay!r}" + (f", no_decay={no_decay_arg}" if no_decay else "")
+    betas = tuple(base.get("betas", (0.9, 0.999)))
+    same = (f"megacompile.AdamW(lr={base['lr']!r}, betas={betas!r}, eps={base['eps']!r}, weight_decay={decay!r}" + (f", no_decay={no_decay_arg}" if no_decay else "")
             + (f", lr_ratios={ratios!r}" if ratios else "") + ")")
     return (f"{head} are, exactly, {same}"
             + (f"; {len(left)} trainable parameters in no group ({', '.join(left[:3])}) would train too: freeze "

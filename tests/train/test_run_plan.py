@@ -38,6 +38,17 @@ def _run_yaml(tmp_path, **more) -> str:
     return files.run_yaml(str(tmp_path / "r.yaml"), **{k: v for k, v in settings.items() if v is not None})
 
 
+def _ran_as_planned(tmp_path, capsys, path: str, before: dict) -> dict:
+    """The run's plan.json, after the run, its every untimed figure the plan's before it."""
+    assert main(["train", "--config", path]) == 0
+    capsys.readouterr()
+    with open(tmp_path / "run" / "plan" / "plan.json") as f:
+        ran = json.load(f)
+    shared = [k for k in ran if k in before and k not in TIMED]
+    assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
+    return ran
+
+
 def _plan_json(capsys, *argv) -> dict:
     assert main(["plan", *argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -222,12 +233,7 @@ def test_a_weighted_supervised_loss_plans_its_objective(tmp_path, capsys):
     before = _plan_json(capsys, "--run", path, "--hardware", "cpu")
     plain = _plan_json(capsys, "--run", path, "--hardware", "cpu", "loss_type=nll")
     assert not os.path.exists(tmp_path / "run")
-    assert main(["train", "--config", path]) == 0
-    capsys.readouterr()
-    with open(tmp_path / "run" / "plan" / "plan.json") as f:
-        ran = json.load(f)
-    shared = [k for k in ran if k in before and k not in TIMED]
-    assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
+    ran = _ran_as_planned(tmp_path, capsys, path, before)
     assert plain["arena_tensor_count"] != ran["arena_tensor_count"]
 
 
@@ -296,10 +302,5 @@ def test_a_run_with_the_routers_loss_plans_the_term_whole_in_each_micro_batch(tm
                           run_dir=str(tmp_path / "run"))
     before = _plan_json(capsys, "--run", path, "--hardware", "cpu")
     bare = _plan_json(capsys, "--run", path, "--hardware", "cpu", "moe_aux_loss_coef=0")
-    assert main(["train", "--config", path]) == 0
-    capsys.readouterr()
-    with open(tmp_path / "run" / "plan" / "plan.json") as f:
-        ran = json.load(f)
-    shared = [k for k in ran if k in before and k not in TIMED]
-    assert {k: before[k] for k in shared} == {k: ran[k] for k in shared}
+    ran = _ran_as_planned(tmp_path, capsys, path, before)
     assert ran["measured_device_peak_bytes"] == before["device_peak_bytes"] != bare["device_peak_bytes"]
