@@ -47,7 +47,8 @@ def advice(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> str:
     no_decay_arg = ("megacompile.hf_no_decay" if no_decay and set(no_decay) == set(hf_no_decay(model))
                     else repr(no_decay))
     betas = tuple(base.get("betas", (0.9, 0.999)))
-    same = (f"megacompile.AdamW(lr={base['lr']!r}, betas={betas!r}, eps={base['eps']!r}, weight_decay={decay!r}" + (f", no_decay={no_decay_arg}" if no_decay else "")
+    same = (f"megacompile.AdamW(lr={base['lr']!r}, betas={betas!r}, eps={base['eps']!r}, weight_decay={decay!r}"
+            + (f", no_decay={no_decay_arg}" if no_decay else "")
             + (f", lr_ratios={ratios!r}" if ratios else "") + ")")
     return (f"{head} are, exactly, {same}"
             + (f"; {len(left)} trainable parameters in no group ({', '.join(left[:3])}) would train too: freeze "
