@@ -15,7 +15,8 @@
 # important first:
 #   preflight       the machine as found (GPU, driver, versions, cores, RAM, the weights' disk), seconds
 #   calibrate       this GPU's profile (megacompile calibrate), which the rows are predicted under,
-#                   unless the shipped calibrated profile was measured on this card (an H100 80GB HBM3)
+#                   unless a shipped calibrated profile was measured on this card (an H100 80GB HBM3,
+#                   an H200: benchmarks/results/*/*-calibrated-profile.json)
 #   7b-streamed     the Llama-2-7B shape at 0.34x of its bf16 weights (the 100B ratio), megacompile
 #                   alone, 4 x 4096 tokens, beside its prediction under the calibrated profile; the
 #                   attention kernel is checked on the device first, and where it fails the row runs
@@ -53,7 +54,8 @@ order=(preflight calibrate 7b-streamed 3b-megacompile 3b-landing 3b-fsdp2 deepsp
 # Writing a shape's fp32 weights, a megacompile process's set-up (capture, plan, host state, the
 # first step's kernel compiles), its steps: 7b-streamed took 278 s in the second lease; in the
 # third (an H200) 3b-megacompile 164 s (the 3B weights written in it), 3b-fsdp2 122 s, deepspeed-op
-# 52 s, 3b-deepspeed 101 s, kernels-check 101 s, 3b-resident 58 s.
+# 52 s, 3b-deepspeed 101 s, kernels-check 101 s, 3b-resident 58 s; in the fourth (an H200) calibrate
+# 31 s, 7b-streamed 290 s, 3b-landing 119 s (the 3B weights written in it), 3b-deepspeed 83 s.
 declare -A NEED_S=([preflight]=20 [calibrate]=120 [7b-streamed]=330 [3b-megacompile]=180 [3b-landing]=120
                    [3b-fsdp2]=140 [deepspeed-op]=60 [3b-deepspeed]=130 [kernels-check]=120 [3b-resident]=75 [acceptance]=300 [kernels]=90)
 # The bench calls' tables: one with no measured row (every system skipped: the log says why) is
@@ -90,7 +92,10 @@ weights_folder() {
     return 1
 }
 weights=$(weights_folder) || exit 2
+# The calibrated profiles shipped, each measured on the card its name gives ("NVIDIA H200 (measured)");
+# the H100's is the one predicted under on a card with none of its own and no calibrate call.
 shipped=$root/benchmarks/results/peers-h100/h100-calibrated-profile.json
+shipped_for() { grep -lF "\"$1 (measured)\"" "$root"/benchmarks/results/*/*-calibrated-profile.json 2> /dev/null | head -1; }
 export TORCH_EXTENSIONS_DIR=$results/torch-extensions     # DeepSpeed's CPUAdam op, built once
 if [ -n "${LEASE_RESUME:-}" ]; then
     tar -xzf "$LEASE_RESUME" -C "$results" --skip-old-files
@@ -103,8 +108,13 @@ if ! $python -c "import megacompile.passes" 2> /dev/null && compgen -G "$root/.w
 fi
 
 left() { echo $(( deadline - SECONDS )); }
-# The profile the rows are predicted under: this card's, measured by the calibrate call, else the shipped one.
-profile() { if [ -e "$results/profile.json" ]; then echo "$results/profile.json"; else echo "$shipped"; fi; }
+# The profile the rows are predicted under: this card's, measured by the calibrate call or shipped
+# (named by it in shipped-profile.txt), else the shipped H100 one.
+profile() {
+    if [ -e "$results/profile.json" ]; then echo "$results/profile.json"
+    elif [ -s "$results/shipped-profile.txt" ]; then echo "$root/$(cat "$results/shipped-profile.txt")"
+    else echo "$shipped"; fi
+}
 # --minutes for a call: what is left, at most $1 minutes.
 minutes() { awk -v s="$(left)" -v cap="$1" 'BEGIN { m = s / 60 - 0.2; printf "%.2f", (m < cap ? m : cap) }'; }
 pack() {
@@ -113,9 +123,13 @@ pack() {
         mv "$out/lease.tar.gz.part" "$out/lease.tar.gz"
 }
 
-# The peers' rows are compared with 3b-megacompile's where it measured one.
+# The peers' rows are compared with 3b-megacompile's where it measured one, else with 3b-landing's
+# (the same updates, placed otherwise: the same losses).
 compare() {
-    if grep -q ",step_s," 3b/peers.csv 2> /dev/null; then echo "--compare-with 3b/peers.csv"; fi
+    local row
+    for row in 3b/peers.csv 3b-landing/peers.csv; do
+        if grep -q ",step_s," "$row" 2> /dev/null; then echo "--compare-with $row"; return; fi
+    done
 }
 # Exit status 1 from the bench or the validation is a finding (losses that disagree, a failed
 # check), written into its table like the rest; a call is done when its table is there.
@@ -135,10 +149,12 @@ call_preflight() {
     grep -q "^torch " preflight.txt
 }
 call_calibrate() {
-    local card
+    local card found
     card=$($python -c "import torch; print(torch.cuda.get_device_name())")
-    if grep -qF "\"$card (measured)\"" "$shipped"; then
-        echo "the shipped profile was measured on this card ($card): the rows are predicted under it"
+    found=$(shipped_for "$card")
+    if [ -n "$found" ]; then
+        echo "the shipped profile ${found#"$root"/} was measured on this card ($card): the rows are predicted under it"
+        echo "${found#"$root"/}" > shipped-profile.txt
         return 0
     fi
     echo "this card ($card) is not the shipped profile's: measuring its own"

@@ -124,16 +124,28 @@ def test_a_peer_waits_for_the_row_it_is_held_to_in_a_command_that_runs_it_and_ru
 
 
 def test_the_rows_are_predicted_under_a_profile_of_the_card_they_run_on(tmp_path):
-    """The shipped profile was measured on an H100 80GB HBM3; on another card (the third lease's was
-    an H200) the calibrate call measures that card's first."""
+    """The shipped profiles were measured on an H100 80GB HBM3 and an H200; on another card the
+    calibrate call measures that card's first."""
     out, calls = _lease(tmp_path, "calibrate", "3b-megacompile", LEASE_SECONDS="900")
     assert "measured on this card (NVIDIA H100 80GB HBM3)" in out and len(calls) == 1
-    assert "h100-calibrated-profile.json" in calls[0]
+    assert "peers-h100/h100-calibrated-profile.json" in calls[0]
     (tmp_path / "h200").mkdir()
     out, calls = _lease(tmp_path / "h200", "calibrate", "3b-megacompile", LEASE_SECONDS="900", GPU_NAME="NVIDIA H200")
+    assert "h200-calibrated-profile.json was measured on this card (NVIDIA H200)" in out and len(calls) == 1
+    assert f"--profile {ROOT}/benchmarks/results/peers-h200-2026-11-30/h200-calibrated-profile.json " in calls[0]
+    (tmp_path / "a100").mkdir()
+    out, calls = _lease(tmp_path / "a100", "calibrate", "3b-megacompile", LEASE_SECONDS="900",
+                        GPU_NAME="NVIDIA A100-SXM4-80GB")
     assert "not the shipped profile's" in out
     assert "megacompile calibrate --device cuda --out profile.json" in calls[0]
-    assert f"--profile {tmp_path / 'h200' / 'results' / 'profile.json'} " in calls[1]
+    assert f"--profile {tmp_path / 'a100' / 'results' / 'profile.json'} " in calls[1]
+
+
+def test_the_peers_are_held_to_the_landing_row_where_the_lease_measured_no_other(tmp_path):
+    out, calls = _lease(tmp_path, "3b-landing", "3b-fsdp2", LEASE_SECONDS="900")
+    assert "--compare-with" not in calls[0] and "--systems fsdp2 --compare-with 3b-landing/peers.csv" in calls[1]
+    out, calls = _lease(tmp_path, "3b-megacompile", "deepspeed-op", "3b-deepspeed", LEASE_SECONDS="900")
+    assert "--systems deepspeed --compare-with 3b/peers.csv" in calls[-1]
 
 
 def test_an_unknown_call_is_refused(tmp_path):
