@@ -104,6 +104,14 @@ def case_layer_norm(dtype, s, gen):
     return compare_autograd(layer_norm, ref.layer_norm_ref, (x, w, b), (0, 1, 2))
 
 
+def case_layer_norm_frozen(dtype, s, gen):
+    """The weight and bias frozen (LoRA, freeze): the backward makes dx alone (WEIGHT_GRAD=False)."""
+    m, n = s["rows"]
+    x = _randn(m, n, dtype=dtype, gen=gen, offset=0.5)
+    w, b = _randn(n, dtype=dtype, gen=gen, scale=0.1, offset=1.0), _randn(n, dtype=dtype, gen=gen, scale=0.1)
+    return compare_autograd(layer_norm, ref.layer_norm_ref, (x, w, b), (0,))
+
+
 def case_swiglu(dtype, s, gen):
     a, b = _randn(*s["rows"], dtype=dtype, gen=gen, scale=3.0), _randn(*s["rows"], dtype=dtype, gen=gen)
     return compare_autograd(swiglu, ref.swiglu_ref, (a, b), (0, 1))
@@ -311,6 +319,7 @@ CASES = [
     ("rms_norm", case_rms_norm, DTYPES, TOLERANCE),
     ("rms_norm(frozen w)", case_rms_norm_frozen, DTYPES, TOLERANCE),
     ("layer_norm", case_layer_norm, DTYPES, TOLERANCE),
+    ("layer_norm(frozen w)", case_layer_norm_frozen, DTYPES, TOLERANCE),
     ("swiglu", case_swiglu, DTYPES, TOLERANCE),
     ("gelu(erf)", _case_gelu(False, "none"), DTYPES, TOLERANCE),
     ("gelu(tanh)", _case_gelu(False, "tanh"), DTYPES, TOLERANCE),

@@ -5,6 +5,7 @@ columns in a dtype of b bytes:
   forward  reads M*N*b (x) + 2*N*b_w (w, b), writes M*N*b (y) + 8*M (mean, rstd for backward);
   backward reads 2*M*N*b (dy, x) + 8*M + N*b_w, writes M*N*b (dx) + 8*P*N (dw and db partials, one
   fp32 row each per program, P = SM count) - x is read once, dw and db are reduced from the partials.
+  A frozen weight and bias (LoRA, freeze) take no gradient: WEIGHT_GRAD=False writes dx alone, no partials.
 The variance is the biased one (divide by N), as torch.nn.functional.layer_norm uses.
 """
 import torch
@@ -59,13 +60,14 @@ def layer_norm_backward_kernel(
     w_ptr,  # *Tw [N] weight
     mean_ptr,  # *fp32 [M] saved by the forward
     rstd_ptr,  # *fp32 [M] saved by the forward
-    dw_partial_ptr,  # *fp32 [P, N] out: this program's sum over its rows of dy * x_hat
-    db_partial_ptr,  # *fp32 [P, N] out: this program's sum over its rows of dy
+    dw_partial_ptr,  # *fp32 [P, N] out: this program's sum over its rows of dy * x_hat (if WEIGHT_GRAD)
+    db_partial_ptr,  # *fp32 [P, N] out: this program's sum over its rows of dy (if WEIGHT_GRAD)
     dx_row_stride,
     dy_row_stride,
     x_row_stride,
     n_rows,
     n_cols,
+    WEIGHT_GRAD: tl.constexpr,  # False: w and b are frozen, the partials are neither read nor written
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -93,10 +95,12 @@ def layer_norm_backward_kernel(
         c2 = tl.sum(wdy, axis=1) / n_cols
         dx = (wdy - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
         tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
-        dw += tl.sum(dy * x_hat, axis=0)
-        db += tl.sum(dy, axis=0)
-    tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=col_mask)
-    tl.store(db_partial_ptr + pid * n_cols + cols, db, mask=col_mask)
+        if WEIGHT_GRAD:
+            dw += tl.sum(dy * x_hat, axis=0)
+            db += tl.sum(dy, axis=0)
+    if WEIGHT_GRAD:
+        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=col_mask)
+        tl.store(db_partial_ptr + pid * n_cols + cols, db, mask=col_mask)
 
 
 def layer_norm_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float):
@@ -115,20 +119,24 @@ def layer_norm_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: f
     return y.view(shape), mean, rstd
 
 
-def layer_norm_backward(dy, x, w, mean, rstd):
-    """(dx [..., N] in x.dtype, dw [N] and db [N] in w.dtype)."""
+def layer_norm_backward(dy, x, w, mean, rstd, weight_grad: bool = True):
+    """(dx [..., N] in x.dtype, dw [N] and db [N] in w.dtype); weight_grad=False (w and b frozen):
+    (dx, None, None)."""
     shape = x.shape
     x2, dy2 = as_rows(x), as_rows(dy)
     n_rows, n_cols = x2.shape
     dx = outputs.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps = row_tile(n_rows, n_cols)
     programs = persistent_programs(x.device, triton.cdiv(n_rows, block_m))
-    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
-    db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
+    partials = programs if weight_grad else 0
+    dw_partial = torch.empty((partials, n_cols), dtype=torch.float32, device=x.device)
+    db_partial = torch.empty((partials, n_cols), dtype=torch.float32, device=x.device)
     layer_norm_backward_kernel[(programs,)](
         dx, dy2, x2, w, mean, rstd, dw_partial, db_partial, dx.stride(0), dy2.stride(0), x2.stride(0),
-        n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        n_rows, n_cols, WEIGHT_GRAD=weight_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
+    if not weight_grad:
+        return dx.view(shape), None, None
     return dx.view(shape), dw_partial.sum(0).to(w.dtype), db_partial.sum(0).to(w.dtype)
 
 
@@ -142,7 +150,8 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layer_norm_backward(dy, x, w, mean, rstd)
+        # one flag for both sums: where w alone or b alone is frozen, both are made
+        dx, dw, db = layer_norm_backward(dy, x, w, mean, rstd, weight_grad=any(ctx.needs_input_grad[1:3]))
         return dx, dw, db, None
 
 

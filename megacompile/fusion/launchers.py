@@ -55,10 +55,13 @@ def layer_norm_fwd(x, w, b, eps):
     return layer_norm_forward(x, w, b, eps)
 
 
-@launcher("layer_norm_backward", lambda dy, x, w, mean, rstd: (_like(x), _like(w), _like(w)))
-def layer_norm_bwd(dy, x, w, mean, rstd):
-    """(dx, dw, db); mean and rstd in any shape with M elements, any float dtype."""
-    return layer_norm_backward(dy, x, w, mean.reshape(-1).float(), rstd.reshape(-1).float())
+@launcher("layer_norm_backward",
+          lambda dy, x, w, mean, rstd, weight_grad=True: (_like(x), _like(w), _like(w))[:1 + 2 * weight_grad])
+def layer_norm_bwd(dy, x, w, mean, rstd, weight_grad=True):
+    """(dx, dw, db); mean and rstd in any shape with M elements, any float dtype. weight_grad=False
+    (a frozen weight and bias): (dx,)."""
+    dx, dw, db = layer_norm_backward(dy, x, w, mean.reshape(-1).float(), rstd.reshape(-1).float(), weight_grad)
+    return (dx, dw, db) if weight_grad else (dx,)
 
 
 # -- SwiGLU, GELU, softmax ----------------------------------------------------------------------

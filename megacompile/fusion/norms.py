@@ -16,7 +16,8 @@ residual gradient) and a sum for dw:
 A frozen weight (LoRA) has no dw sum: the kernel then makes dx alone (weight_grad=False), reading
 the same x and rstd, so a frozen norm's saved values shrink as a trained one's do.
 
-LayerNorm is one ATen op each way (native_layer_norm, native_layer_norm_backward), mapped whole.
+LayerNorm is one ATen op each way (native_layer_norm, native_layer_norm_backward), mapped whole; a
+frozen weight and bias (output mask [True, False, False]) map to the kernel without the dw and db sums.
 The backward rewrites run first (see megacompile/fusion/__init__.py): they read only what the forward
 already saves (x, rstd), so the saved xhat falls out of the contract and the forward group is free.
 """
@@ -172,11 +173,15 @@ def layer_norm_backward(edit: GraphEdit) -> int:
         if not is_call(node, aten.native_layer_norm_backward.default):
             continue
         dy, x, shape, mean, rstd, w, b, mask = node.args
-        if w is None or b is None or list(shape) != [val(x).shape[-1]] or not all(mask):
+        # all three gradients, or dx alone: a frozen weight and bias (LoRA, freeze), whose kernel skips
+        # the dw and db sums; the other masks (one of w and b trained, or no dx) stay eager
+        weight_grad = list(mask) == [True, True, True]
+        if (w is None or b is None or list(shape) != [val(x).shape[-1]]
+                or not (weight_grad or list(mask) == [True, False, False])):
             continue
         items = getitems(node)
         if len(items) != len(node.users):
             continue
-        if edit.replace(layer_norm_bwd, (dy, x, w, mean, rstd), {}, items, [node, *items.values()]):
+        if edit.replace(layer_norm_bwd, (dy, x, w, mean, rstd, weight_grad), {}, items, [node, *items.values()]):
             count += 1
     return count

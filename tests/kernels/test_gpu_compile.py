@@ -65,6 +65,9 @@ def _compile(archs, head_dims, every_kernel: bool = True):
         rows = check.run("test", compile_gpu=False)
         assert not check.uncovered(rows), "kernels that no check case launches"
         launches = {x.key: x for r in rows for x in r.launches if x.module != "attention"}
+        # the frozen norms' backward (dx alone) is its own specialization
+        frozen = {x.kernel for x in launches.values() if x.constexprs.get("WEIGHT_GRAD") is False}
+        assert {"rms_norm_backward_kernel", "layer_norm_backward_kernel"} <= frozen, frozen
     # The targets compiled together launch attention alike (both hold three stages in shared memory).
     per_arch = {arch: [x for dims in head_dims for x in attention_launches(arch, *dims)] for arch in archs}
     assert all(per_arch[arch] == per_arch[archs[0]] for arch in archs)
