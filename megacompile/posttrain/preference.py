@@ -5,7 +5,7 @@ reference: one forward-only pass of the same engine, no second copy of the weigh
 held-out metrics: implicit-reward margins and preference accuracy."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +25,9 @@ class Pair:
     # a vision-language model's pair: the prompt's images (paths) and videos, in order, which the
     # chosen and the rejected rows each hold (train/data/image_answers.py)
     media: tuple = ()
+    # the record it was read from, as the run names a record (data/reading.py), for a failed step's
+    # error to name (train/stages/failed_records.py); two records' equal tokens are equal pairs
+    where: str = field(default="", compare=False)
 
 
 def read_pairs(path: str | Path, tokenizer) -> list[Pair]:

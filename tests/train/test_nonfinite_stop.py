@@ -87,7 +87,7 @@ def test_records_are_found_past_those_that_gave_no_document(tmp_path):
 
 
 def test_a_stage_that_names_no_records_still_says_what_goes_on():
-    # dpo, kto, rm and grpo draw pairs, examples and prompts, which keep no file and line
+    # a streamed run's rows and stage grpo's rollouts keep no file and line
     c = load(None, [*TINY, "grad_accum=2", "run_dir=RUN", "resume=auto"])
     record = StepRecord(4, 2.5, 1, True, skipped="gradient", reason="2 gradients hold inf or NaN (w, b)")
     said = resume.failed_step(c, "RUN", record, None, (2, "RUN/checkpoints/step-000002"),

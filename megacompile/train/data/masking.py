@@ -63,8 +63,8 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
         raise ArgumentError(f"{where}: records with messages need the tokenizer's chat template, and this tokenizer "
                             "has none (chat_template in tokenizer_config.json); use prompt/completion records")
     messages = [{**m, "content": m.get("content") or ""} if m.get("tool_calls") else m for m in messages]
-    options = {**(template_kwargs or {}), **({"tools": tools} if tools else {}),
-               **({"mask_history": True} if last_only else {})}
+    options = {**(masked_history(template_kwargs) if last_only else template_kwargs or {}),
+               **({"tools": tools} if tools else {})}
     called = [call_names(m, where, k) for k, m in enumerate(messages)]
     text = _text(tokenizer, messages, False, options, where)
     check_tools(text, tools, where)
@@ -92,6 +92,14 @@ def chat(tokenizer, messages: list, train_on_prompt: bool, where: str, tools: li
     if whole_completion and answers:
         targets[answers[0][0]:] = [True] * (len(ids) - answers[0][0])
     return ids, targets, answers
+
+
+def masked_history(template_kwargs: dict | None) -> dict:
+    """The chat template's settings with LlamaFactory's mask_history: the template is told that the
+    last answer alone is trained, and LlamaFactory's reasoning layouts (named_template.py) then write
+    the earlier answers without their thoughts, unless preserve_thinking is set. Other templates
+    ignore it."""
+    return {**(template_kwargs or {}), "mask_history": True}
 
 
 def _whole(tokenizer, text: str) -> tuple[list[int], list | None]:

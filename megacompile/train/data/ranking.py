@@ -12,14 +12,16 @@ TRL's {prompt, chosen, rejected} for posttrain/preference.py to tokenise.
                `messages` with role/content too): the turns mapped as sharegpt.py maps them
 
 A record's `tools` (TRL's column, LlamaFactory's tools column) reach the template with its pair
-(posttrain/preference.py); a chosen or rejected turn may call them (function_call).
+(posttrain/preference.py); a chosen or rejected turn may call them (function_call). Its chat
+template settings are preference_kwargs(): the prompt's earlier answers lose their thoughts under
+LlamaFactory's reasoning layouts, as its pairwise encoding drops them.
 A dataset_info.json entry's `columns` (prompt, query, chosen, rejected, messages, system, history)
 and `tags` rename a file's own names first (reading.py), as for supervised data.
 """
 from __future__ import annotations
 
 from ...errors import ArgumentError
-from . import alpaca, sharegpt
+from . import alpaca, masking, sharegpt, tools
 
 LAYOUTS = ("TRL's {prompt, chosen, rejected} (text or messages; the prompt may be left implicit), or "
            "LlamaFactory's ranking layouts: alpaca {instruction, input, chosen, rejected} or sharegpt "
@@ -59,6 +61,17 @@ def preference(record: dict, where: str) -> dict:
             out[k] = answer
         return out
     return record
+
+
+def preference_kwargs(record: dict, where: str) -> dict:
+    """The chat template settings a preference or feedback record (stages dpo and kto) is rendered
+    with: its own (tools.template_kwargs) and mask_history, as stage sft sets it (masking.py).
+    LlamaFactory's pairwise and feedback encodings (its ReasoningTemplate's encode_oneturn) write
+    the prompt's earlier answers without their thoughts unless preserve_thinking is set, whatever
+    enable_thinking says, and give them no empty think block; the answer keeps its own thoughts
+    (enable_thinking false drops them, and writes the empty block before it, as prompt). The
+    reasoning layouts (named_template.py) write that under mask_history, the answer being the last."""
+    return masking.masked_history(tools.template_kwargs(record, where))
 
 
 def _both(record: dict, where: str, layout: str) -> None:

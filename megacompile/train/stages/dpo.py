@@ -34,20 +34,20 @@ from dataclasses import replace
 
 import torch
 
-from ...errors import ArgumentError
+from ...errors import ArgumentError, NonFiniteError
 from ...posttrain import DPOLoss, DPOObjective
 from ...posttrain import IGNORE
 from ...posttrain import Pair, orpo_metrics, pack, preference_metrics, to_pair
 from ..data import grid_images, images, tools, trim
 from ..data.image_answers import heaviest, image_pair, media_digest, with_media
-from ..data.ranking import preference
+from ..data.ranking import preference, preference_kwargs
 from ..data.reading import records
 from ..log import STEP_COLUMNS
 from .order import stream_items
 from .epochs import steps as epoch_steps
 from .handed_out import step_micro_batches
 from .keys import dpo_loss_terms, saved_keys
-from . import reference, truncation
+from . import failed_records, reference, truncation
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy", "logps_chosen",
            "logps_rejected")
@@ -102,11 +102,11 @@ class DPOStage(reference.ReferenceStage):
                 else:
                     images.text_only(record, where, "dpo")
                     pair = to_pair(preference(record, where), tokenizer, where,
-                                   tools.template_kwargs(record, where), tools.tools(record, where))
+                                   preference_kwargs(record, where), tools.tools(record, where))
                 fitted = self.cuts.fit(pair.prompt, (pair.chosen, pair.rejected), where, bool(pair.media))
                 if fitted is not None:      # None: dropped, as TRL drops a prompt that fills the row
                     (prompt, (chosen, rejected)) = fitted
-                    pairs.append(replace(pair, prompt=prompt, chosen=chosen, rejected=rejected))
+                    pairs.append(replace(pair, prompt=prompt, chosen=chosen, rejected=rejected, where=where))
         if not pairs:
             raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no preference pairs"
                                 + self.cuts.none_left())
@@ -193,7 +193,7 @@ class DPOStage(reference.ReferenceStage):
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
         """One optimizer step: grad_accum micro-batches, whose training forwards hand out the policy's
         log-probabilities for the logged rewards (the policy the step starts from: handed_out.py)."""
-        drawn = []
+        drawn, first = [], position
         for _ in range(self.c.grad_accum):
             drawn.append(stream_items(len(self.pairs), self.c.seed, position, self.c.batch,
                                       not self.c.disable_shuffling))
@@ -204,7 +204,13 @@ class DPOStage(reference.ReferenceStage):
             micro = [(rows, torch.as_tensor(self.reference(**rows)).float().clone() if self.needs_reference
                       else torch.cat([self.table[chosen, 0], self.table[chosen, 1]]))
                      for rows, chosen in zip(packed, drawn)]
-            losses, tokens, outputs = step_micro_batches(engine, [{**batch, "ref_logps": ref} for batch, ref in micro])
+            try:
+                losses, tokens, outputs = step_micro_batches(engine, [{**batch, "ref_logps": ref}
+                                                                      for batch, ref in micro])
+            except NonFiniteError as e:     # on_nonfinite: raise; the run's error names the records
+                e.records = failed_records.named(engine, [[self.pairs[i].where for i in chosen] for chosen in drawn],
+                                                 first, self.c.batch, "pairs")
+                raise
         micro = micro[:len(outputs)]        # those whose forward ran: a skip ends the step
         policy = [o["logps"].float() for o in outputs]
         b = self.c.batch

@@ -30,21 +30,22 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ...errors import ArgumentError
+from ...errors import ArgumentError, NonFiniteError
 from ...posttrain import IGNORE, KTOLoss, KTOObjective, kl_estimate, pack_rows, tokenised
 from ..data import feedback, grid_images, images, tools, trim
 from ..data.image_answers import answered, heaviest, media_digest, with_media
+from ..data.ranking import preference_kwargs
 from ..data.reading import records
 from ..log import STEP_COLUMNS
 from .handed_out import step_micro_batches
 from .keys import saved_keys
 from .order import stream_items
 from .epochs import steps as epoch_steps
-from . import example_cuts, reference
+from . import example_cuts, failed_records, reference
 
 METRICS = ("rewards_chosen", "rewards_rejected", "kl")
 
@@ -59,12 +60,17 @@ class Example:
     desirable: bool
     kl: tuple[int, ...] | None = None       # its KL row's completion, where paired as LlamaFactory pairs
     media: tuple = ()       # a vision-language model's example: its prompt's images (paths), in order
+    # the records it and its KL row's completion were read from, as the run names a record
+    # (data/reading.py), for a failed step's error to name (failed_records.py)
+    where: str = field(default="", compare=False)
+    kl_where: str | None = field(default=None, compare=False)
 
 
 def with_kl(examples: list[Example], chunk: int) -> list[Example]:
     """`examples`, each with its KL row's completion: the one before it in its chunk (LlamaFactory's
     feedback processor, over its preprocessing batch)."""
-    return [replace(e, kl=examples[p].completion) for e, p in zip(examples, kl_partners(len(examples), chunk))]
+    return [replace(e, kl=examples[p].completion, kl_where=examples[p].where)
+            for e, p in zip(examples, kl_partners(len(examples), chunk))]
 
 
 def kl_partners(n: int, batch: int) -> list[int]:
@@ -153,13 +159,13 @@ class KTOStage(reference.ReferenceStage):
             shown = tuple(self.media.paths(record, where))
         else:
             prompt, (completion,) = tokenised(example["prompt"], {"completion": example["completion"]},
-                                              self.text_tokenizer, where, tools.template_kwargs(record, where),
+                                              self.text_tokenizer, where, preference_kwargs(record, where),
                                               tools.tools(record, where))
         fitted = self.cuts.fit(tuple(prompt), (tuple(completion),), where, bool(shown))
         if fitted is None:      # dropped, as TRL drops an example whose prompt fills the row
             return None
         (prompt, (completion,)) = fitted
-        return Example(prompt, completion, example["label"], media=shown)
+        return Example(prompt, completion, example["label"], media=shown, where=where)
 
     def describe(self, setup) -> list[str]:
         c, wanted = self.c, sum(e.desirable for e in self.examples)
@@ -261,10 +267,11 @@ class KTOStage(reference.ReferenceStage):
         rows (all of them before the step's first micro-batch: the KL estimate is an input of the
         loss); the training forwards hand out the rows' log-probabilities for the logged rewards
         (the policy the step starts from: handed_out.py)."""
-        micro = []
+        micro, drawn, first = [], [], position
         for _ in range(self.c.grad_accum):
             items = stream_items(len(self.examples), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
             position += self.c.batch
+            drawn.append(items)
             rows, kl_rows, desirable = self._rows(self.examples, items, self.partners)
             micro.append((rows, kl_rows, desirable, self.reference[items]))
         # the step's rows at one length, its KL rows at one length (data/trim.py): one program for each
@@ -272,14 +279,28 @@ class KTOStage(reference.ReferenceStage):
         micro = [(rows, kl_rows, desirable, ref) for (rows, kl_rows), (_, _, desirable, ref) in zip(cut, micro)]
         with trim.own_lengths(self.trim):
             kls = [self._kl(engine, kl_rows, ref[:, 1]) for _, kl_rows, _, ref in micro]
-            losses, tokens, outputs = step_micro_batches(
-                engine, [{**rows, "ref_logps": ref[:, 0], "desirable": desirable, "kl": kl}
-                         for (rows, _, desirable, ref), kl in zip(micro, kls)])
+            try:
+                losses, tokens, outputs = step_micro_batches(
+                    engine, [{**rows, "ref_logps": ref[:, 0], "desirable": desirable, "kl": kl}
+                             for (rows, _, desirable, ref), kl in zip(micro, kls)])
+            except NonFiniteError as e:     # on_nonfinite: raise; the run's error names the records
+                e.records = failed_records.named(engine, [self._wheres(items) for items in drawn], first,
+                                                 self.c.batch, "examples")
+                raise
         ran = micro[:len(outputs)]          # those whose forward ran: a skip ends the step
         metrics = self._metrics(torch.cat([o["logps"].float() for o in outputs]),
                                 torch.cat([r[:, 0] for *_, r in ran]), torch.cat([d for _, _, d, _ in ran]),
                                 torch.stack(kls))
         return metrics, losses, tokens, position
+
+    def _wheres(self, items: list[int]) -> list[str]:
+        """The records of the examples `items`, then those their KL rows' completions came from (the
+        KL estimate is an input of their loss)."""
+        own = [self.examples[i].where for i in items]
+        if not self.loss.needs_kl:
+            return own
+        return own + [self.examples[i].kl_where if self.examples[i].kl is not None
+                      else self.examples[self.partners[i]].where for i in items]
 
     def _metrics(self, policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kls: torch.Tensor) -> dict:
         """The mean implicit reward beta (log pi - log pi_ref) of the desirable and of the undesirable

@@ -19,19 +19,21 @@ causal, so the rewards are those of rows of seq."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
-from ...errors import ArgumentError
+from ...errors import ArgumentError, NonFiniteError
 from ...posttrain import Pair, RewardModel, preference_metrics, reward_loss, to_pair
 from .. import intervals
 from ..data import grid_images, images, tools, trim
 from ..data.image_answers import heaviest, image_pair, with_media
-from ..data.ranking import preference
+from ..data.ranking import preference, preference_kwargs
 from ..data.reading import records
 from ..data.tokens import fingerprint
 from ..log import STEP_COLUMNS
 from ..model import check_positions
+from . import failed_records
 from .handed_out import step_micro_batches
 from .keys import check_resume, saved_keys
 from .order import stream_items
@@ -140,9 +142,9 @@ class RMStage(Stage):
                                             "(image_max_pixels)")
                 else:
                     images.text_only(record, where, "rm")
-                    pair = to_pair(preference(ranked, where), self.text, where, tools.template_kwargs(record, where),
+                    pair = to_pair(preference(ranked, where), self.text, where, preference_kwargs(record, where),
                                    tools.tools(record, where))
-                out.append((pair, float(margin)))
+                out.append((replace(pair, where=where), float(margin)))
         if not out:
             raise ArgumentError(f"data: {', '.join(e['path'] for e in entries)} hold no preference pairs")
         return out
@@ -189,13 +191,19 @@ class RMStage(Stage):
             return torch.as_tensor(engine(**{k: v for k, v in rows.items() if k != "margin"})).float()
 
     def step(self, engine, position: int) -> tuple[dict, list, int, int]:
-        micro = []
+        micro, drawn, first = [], [], position
         for _ in range(self.c.grad_accum):
             items = stream_items(len(self.pairs), self.c.seed, position, self.c.batch, not self.c.disable_shuffling)
             position += self.c.batch
+            drawn.append(items)
             micro.append(self._rows([self.pairs[i] for i in items]))
         with trim.own_lengths(self.trim):      # every micro-batch of the step at one length: one program
-            losses, tokens, outputs = step_micro_batches(engine, trim.together(micro, self.trim))
+            try:
+                losses, tokens, outputs = step_micro_batches(engine, trim.together(micro, self.trim))
+            except NonFiniteError as e:     # on_nonfinite: raise; the run's error names the records
+                e.records = failed_records.named(engine, [[self.pairs[i][0].where for i in items] for items in drawn],
+                                                 first, self.c.batch, "pairs")
+                raise
         return _metrics([o["rewards"].float() for o in outputs]), losses, tokens, position
 
     def evaluate(self, engine, step: int) -> dict:
