@@ -65,11 +65,17 @@ class HardwareProfile:
 
 
 def _host(bw: float) -> tuple[float, float]:
-    """A server host: memory bandwidth and the AdamW rate it sustains (28 B/param at 85%)."""
+    """A host whose cores are all the GPU's (a Grace superchip): memory bandwidth and the AdamW rate
+    it sustains (28 B/param at 85%)."""
     return bw, 0.85 * bw / 28
 
 
-_H100_HOST = _host(300 * GB)
+def _share(name: str) -> tuple[float, float]:
+    """A cloud GPU's host (cost/host.py's server hosts, 16 cores): memory bandwidth and AdamW rate."""
+    return HOSTS[name].host_bw, HOSTS[name].host_adam_params_per_s
+
+
+_H100_HOST = _share("server")
 HOPPER_ATTENTION = 0.48
 # What torch reports an H100 80GB HBM3 to hold (get_device_properties().total_memory, measured on
 # one: benchmarks/results/peers-h100), 79.18 GiB: compile() takes its default budget from that
@@ -103,7 +109,7 @@ PROFILES: dict[str, HardwareProfile] = {
     # and "GPU 0 has a total capacity of 79.25 GiB" in reports from 80 GB A100s; older drivers gave 79.35
     # (github.com/MoonshotAI/Kimi-VL/issues/54, 8 x A100).
     "a100": HardwareProfile("a100 (SXM, 80 GB, PCIe Gen4 host link)", 81147 * MiB, 2.0e12, 312 * TFLOPS,
-                            19.5 * TFLOPS, 25 * GB, 25 * GB, *_host(200 * GB), 5e-6),
+                            19.5 * TFLOPS, 25 * GB, 25 * GB, *_share("server-ddr4"), 5e-6),
 }
 
 # Host links, per direction: PCIe Gen4 x16 is 32 GB/s raw and Gen5 x16 64 GB/s (PCI-SIG); pinned

@@ -31,6 +31,22 @@ def bandwidth_bound(name: str, bw: float) -> HostProfile:
     return HostProfile(name, bw, ADAM_BANDWIDTH_SHARE * bw / ADAM_BYTES_PER_PARAM)
 
 
+# What the host AdamW streams through memory on a cloud GPU's share of a server, 16 cores: the
+# calibrated AdamW of the H100 lease's host (5.82e9 params/s, 163 GB/s) and the H200 lease's
+# (4.90e9, 137 GB/s), each 16 cores of a two-socket server (benchmarks/results/peers-h100,
+# peers-h200-2026-11-30). Sixteen cores cannot pull a socket's bandwidth (each streams about
+# 9.4 GB/s), so a server's AdamW is bound by them, not by its DIMMs (docs/decisions.md).
+CLOUD_SHARE_STREAM = 150 * GB
+
+
+def cloud_share(name: str, bw: float) -> HostProfile:
+    """16 cores of a server socket with `bw` of memory bandwidth: the AdamW as bandwidth_bound's,
+    at most the CLOUD_SHARE_STREAM those cores stream."""
+    bound = bandwidth_bound(name, bw)
+    return replace(bound, host_adam_params_per_s=min(bound.host_adam_params_per_s,
+                                                     CLOUD_SHARE_STREAM / ADAM_BYTES_PER_PARAM))
+
+
 def ddr(channels: int, megatransfers: int) -> float:
     """Peak bandwidth of `channels` 64-bit DDR channels at `megatransfers` MT/s (JEDEC), B/s."""
     return channels * 8 * megatransfers * 1e6
@@ -44,11 +60,11 @@ HOSTS: dict[str, HostProfile] = {
     "desktop-ddr4": bandwidth_bound("desktop (DDR4-3200, 2 channels)", ddr(2, 3200)),
     # TRX50 / W790 workstation: DDR5-5200, four channels (166.4 GB/s)
     "workstation": bandwidth_bound("workstation (DDR5-5200, 4 channels)", ddr(4, 5200)),
-    # The host the H100/H200 server profiles have always assumed: one socket's share of a
-    # DDR5-4800 server (8 channels, 307 GB/s peak), 300 GB/s.
-    "server": bandwidth_bound("server (DDR5, 300 GB/s)", 300 * GB),
-    # The A100 profile's host: a DDR4-3200 server socket (8 channels, 204.8 GB/s peak), 200 GB/s.
-    "server-ddr4": bandwidth_bound("server (DDR4, 200 GB/s)", 200 * GB),
+    # The host of the H100/H200 profiles: 16 cores of a DDR5-4800 server socket (8 channels,
+    # 307 GB/s peak; 300 GB/s), as a cloud GPU is given, its AdamW bound by the cores.
+    "server": cloud_share("server (DDR5, 300 GB/s, 16 cores)", 300 * GB),
+    # The A100 profile's host: 16 cores of a DDR4-3200 server socket (8 channels, 204.8 GB/s peak).
+    "server-ddr4": cloud_share("server (DDR4, 200 GB/s, 16 cores)", 200 * GB),
 }
 
 

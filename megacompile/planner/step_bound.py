@@ -32,7 +32,8 @@ def bound(plan) -> tuple[str, str] | None:
     if updates >= max(link, WAIT_SHARE * step):
         disk = plan.host_cost is not None and plan.host_cost.disk_bytes and plan.disk_sets_pace
         pace = ("the disk tier's reads and writes (--nvme-bandwidth, or more --host-budget to keep the state in RAM)"
-                if disk else f"the host's memory bandwidth ({hw.host_bw / 1e9:.3g} GB/s, --host)")
+                if disk else f"the host AdamW's rate ({hw.host_adam_params_per_s / 1e9:.3g}e9 parameters/s from "
+                f"{hw.host_bw / 1e9:.3g} GB/s of memory; --host, or `megacompile calibrate` for this host's)")
         more = ("" if plan.grad_accum > 1 else
                 " (accumulated micro-batches: an fp32 sum and a landing buffer, 6 B/param more host RAM)")
         return (f"the host's AdamW updates: {fmt_seconds(updates)} of the {fmt_seconds(step)} waits on them "

@@ -43,8 +43,9 @@ def test_plan_takes_the_host_and_the_cards_memory(tmp_path, capsys):
     assert rc == 0 and desktop["fits"]
     assert desktop["budget_bytes"] == int(0.9 * H100_MEMORY)
     _, server = _plan(tmp_path, capsys, "--hardware", "h100")
-    # The same device plan, its host AdamW timed at a desktop's rate: 300 / 89.6 GB/s longer
-    assert desktop["host_busy_s"] == pytest.approx(server["host_busy_s"] * 300 / 89.6, rel=1e-6)
+    # The same device plan, its host AdamW timed at a desktop's rate: 85% of 89.6 GB/s against the
+    # 150 GB/s a server's 16 cores stream
+    assert desktop["host_busy_s"] == pytest.approx(server["host_busy_s"] * 150 / (0.85 * 89.6), rel=1e-6)
     _, card = _plan(tmp_path, capsys, "--hardware", "rtx4090", "--hbm-budget", "20")
     assert card["budget_bytes"] == 20 * 2**30
 
