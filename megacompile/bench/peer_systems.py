@@ -92,6 +92,10 @@ def deepspeed_config(workload: Workload) -> dict:
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         "optimizer": {"type": "AdamW", "params": {"lr": workload.lr, "weight_decay": workload.weight_decay,
                                                   "betas": [0.9, 0.999], "eps": 1e-8}},
+        # No clipping, as the other systems step: DeepSpeed clips the gradients' total norm to 1.0
+        # unless told otherwise (its default since 0.19.3), and a random-init model's norm is above
+        # it at every step, so each step's AdamW would see its gradients scaled by another factor.
+        "gradient_clipping": 0.0,
         "steps_per_print": 10**9, "wall_clock_breakdown": False,
     }
 
