@@ -8,10 +8,14 @@ from a budget that keeps more on the device; a compute-bound step only from a fa
 """
 from __future__ import annotations
 
+from ..cost.host import ADAM_BYTES_PER_PARAM
 from ..ir.printer import fmt_seconds
 
 # A wait below this share of the step is noise beside the compute: the step is compute-bound.
 WAIT_SHARE = 0.10
+# Updates started as their gradients land run beside the backward, and what the compute thread then
+# waits on is the link or nothing; a host busy this share of the step still sets its pace.
+HOST_BUSY_SHARE = 0.90
 
 
 def bound_line(plan) -> list[str]:
@@ -29,15 +33,20 @@ def bound(plan) -> tuple[str, str] | None:
         return None
     hw, step = plan.hardware, p.step_s
     updates, link = p.exposed_update_s, p.exposed_transfer_s
-    if updates >= max(link, WAIT_SHARE * step):
+    waited = updates >= max(link, WAIT_SHARE * step)
+    if waited or p.host_s >= HOST_BUSY_SHARE * step:
         disk = plan.host_cost is not None and plan.host_cost.disk_bytes and plan.disk_sets_pace
+        rate = hw.host_adam_params_per_s
         pace = ("the disk tier's reads and writes (--nvme-bandwidth, or more --host-budget to keep the state in RAM)"
-                if disk else f"the host AdamW's rate ({hw.host_adam_params_per_s / 1e9:.3g}e9 parameters/s from "
-                f"{hw.host_bw / 1e9:.3g} GB/s of memory; --host, or `megacompile calibrate` for this host's)")
+                if disk else f"the host AdamW's rate ({rate / 1e9:.3g}e9 parameters/s, moving "
+                f"{rate * ADAM_BYTES_PER_PARAM / 1e9:.3g} GB/s of its {ADAM_BYTES_PER_PARAM} B a parameter; --host, or "
+                "`megacompile calibrate` on the machine measures its own)")
         more = ("" if plan.grad_accum > 1 else
                 " (accumulated micro-batches: an fp32 sum and a landing buffer, 6 B/param more host RAM)")
-        return (f"the host's AdamW updates: {fmt_seconds(updates)} of the {fmt_seconds(step)} waits on them "
-                f"({updates / step:.0%}), paced by {pace}",
+        share = (f"{fmt_seconds(updates)} of the {fmt_seconds(step)} waits on them ({updates / step:.0%})" if waited
+                 else f"busy {fmt_seconds(p.host_s)} of the {fmt_seconds(step)} ({p.host_s / step:.0%}), beside the "
+                 "backward")
+        return (f"the host's AdamW updates: {share}, paced by {pace}",
                 "they run once per optimizer step whatever its tokens, so more sequences a step share them: --batch "
                 f"while the device budget holds them, or --global-batch N{more}; a larger --hbm-budget does not "
                 "shorten it")
