@@ -14,9 +14,8 @@
 # RESULTS is $LEASE_RESULTS, by default tmp/lease in the checkout (git-ignored). The calls, most
 # important first:
 #   preflight       the machine as found (GPU, driver, versions, cores, RAM, the weights' disk), seconds
-#   calibrate       this GPU's profile (megacompile calibrate), which the rows are predicted under,
-#                   unless a shipped calibrated profile was measured on this card (an H100 80GB HBM3,
-#                   an H200: benchmarks/results/*/*-calibrated-profile.json)
+#   calibrate       this machine's profile (megacompile calibrate: the GPU and its host's AdamW, which
+#                   differs from one rented host to the next), which the rows are predicted under
 #   7b-streamed     the Llama-2-7B shape at 0.34x of its bf16 weights (the 100B ratio), megacompile
 #                   alone, 4 x 4096 tokens, beside its prediction under the calibrated profile; the
 #                   attention kernel is checked on the device first, and where it fails the row runs
@@ -92,10 +91,8 @@ weights_folder() {
     return 1
 }
 weights=$(weights_folder) || exit 2
-# The calibrated profiles shipped, each measured on the card its name gives ("NVIDIA H200 (measured)");
-# the H100's is the one predicted under on a card with none of its own and no calibrate call.
+# The profile predicted under where no calibrate call measured this machine's: the first lease's H100.
 shipped=$root/benchmarks/results/peers-h100/h100-calibrated-profile.json
-shipped_for() { grep -lF "\"$1 (measured)\"" "$root"/benchmarks/results/*/*-calibrated-profile.json 2> /dev/null | head -1; }
 export TORCH_EXTENSIONS_DIR=$results/torch-extensions     # DeepSpeed's CPUAdam op, built once
 if [ -n "${LEASE_RESUME:-}" ]; then
     tar -xzf "$LEASE_RESUME" -C "$results" --skip-old-files
@@ -108,13 +105,8 @@ if ! $python -c "import megacompile.passes" 2> /dev/null && compgen -G "$root/.w
 fi
 
 left() { echo $(( deadline - SECONDS )); }
-# The profile the rows are predicted under: this card's, measured by the calibrate call or shipped
-# (named by it in shipped-profile.txt), else the shipped H100 one.
-profile() {
-    if [ -e "$results/profile.json" ]; then echo "$results/profile.json"
-    elif [ -s "$results/shipped-profile.txt" ]; then echo "$root/$(cat "$results/shipped-profile.txt")"
-    else echo "$shipped"; fi
-}
+# The profile the rows are predicted under: this machine's, measured by the calibrate call, else the shipped one.
+profile() { if [ -e "$results/profile.json" ]; then echo "$results/profile.json"; else echo "$shipped"; fi; }
 # --minutes for a call: what is left, at most $1 minutes.
 minutes() { awk -v s="$(left)" -v cap="$1" 'BEGIN { m = s / 60 - 0.2; printf "%.2f", (m < cap ? m : cap) }'; }
 pack() {
@@ -149,15 +141,8 @@ call_preflight() {
     grep -q "^torch " preflight.txt
 }
 call_calibrate() {
-    local card found
-    card=$($python -c "import torch; print(torch.cuda.get_device_name())")
-    found=$(shipped_for "$card")
-    if [ -n "$found" ]; then
-        echo "the shipped profile ${found#"$root"/} was measured on this card ($card): the rows are predicted under it"
-        echo "${found#"$root"/}" > shipped-profile.txt
-        return 0
-    fi
-    echo "this card ($card) is not the shipped profile's: measuring its own"
+    # Always measured: a shipped profile of the same card (benchmarks/results/*/*-calibrated-profile.json)
+    # holds another host's AdamW rate, and a rented host's cores and memory set the streamed step's pace.
     $python -m megacompile calibrate --device cuda --out profile.json     # written whole or not at all
 }
 call_7b_streamed() {
