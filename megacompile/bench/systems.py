@@ -40,6 +40,8 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     batches = workload.batches()
     engine, plan, gib, raised = engine_at(workload, asked, weights, batches[0], host_budget, fuse, updates)
     say(f"planned at {gib:.3f} GiB")
+    if trace:       # the plan this machine made (its reserve, schedule, prediction), beside `megacompile plan`'s
+        Path(plan_text(trace)).write_text(plan.summary() + "\n")
     out = {"hbm_budget_gib": gib, "fused": plan.fused, "asked_budget_gib": asked, "budget_raised_to_minimum": raised,
            "budget_share_of_bf16_weights": gib * GiB / (2 * workload.parameters),
            "recomputed_blocks": len(plan.recomputed), "predicted_device_peak_bytes": plan.predicted_peak_bytes,
@@ -158,6 +160,12 @@ def host_thread_sweep(engine, program, workload: Workload, counts: list[int]) ->
     finally:
         fused_adamw.set_num_threads(None)
     return out
+
+
+def plan_text(trace: str) -> str:
+    """Where the row's plan summary goes, beside its trace."""
+    stem = trace[:-len(".trace.json")] if trace.endswith(".trace.json") else trace
+    return stem + ".plan.txt"
 
 
 def alone_trace(trace: str) -> str:

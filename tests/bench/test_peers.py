@@ -116,6 +116,9 @@ def test_perturbed_data_in_one_system_fails_the_agreement(monkeypatch, tmp_path)
         measured = {e["pid"] for e in events
                     if e["name"] == "process_name" and e["args"]["name"].startswith("measured")}
         assert measured and any(e["ph"] == "X" and e["pid"] in measured for e in events), path
+    # The plan the row ran, as `megacompile plan` prints one (its reserve on a GPU): beside the CLI's.
+    summary = (tmp_path / "megacompile.plan.txt").read_text()
+    assert summary.startswith("megacompile plan (training step") and "  device peak " in summary
     # The arena's figures travel with the row: what escaped it on the device is what the lease reads.
     assert mine["device_arena_bytes"] > 0 and mine["device_allocations_last_step"] == 0
     assert mine["ledger_device_peak_bytes"] <= mine["device_arena_bytes"]
