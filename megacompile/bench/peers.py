@@ -1,5 +1,5 @@
 """`python -m megacompile.bench peers`: one model, one device, one table. megacompile at three
-budgets (every weight resident; half the bf16 weights; 0.34x of them, the ratio of 80 GiB to a 118B
+budgets (every weight resident; half the bf16 weights; 0.34x of them, the ratio of 80 GB to a 118B
 model's weights, so every block streams) beside DeepSpeed ZeRO-3 offload and FSDP2 CPU offload
 (fused host AdamW; its unfused row on request), on the same model, seed and batches. Each system
 runs in its own process (runner.py) with at least the time it needs (shares.py); one that cannot
