@@ -103,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--host", default=None, choices=list(HOSTS),
                    help="the host the card sits in: its memory bandwidth, AdamW rate and disk (default: the "
                         "--hardware profile's own; consumer cards a DDR5 desktop, data-centre cards a server)")
+    q.add_argument("--host-cores", type=int, default=None,
+                   help="the host cores the AdamW updates run on (default: the profile's host: a data-centre "
+                        "card's server host is the 16 cores a cloud GPU is given)")
     q.add_argument("--batch", type=int, default=None,
                    help="sequences per step (default 1); with --stage dpo, preference pairs (2 rows each)")
     q.add_argument("--global-batch", type=int, default=None,

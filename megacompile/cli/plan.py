@@ -112,7 +112,7 @@ def plan(args: argparse.Namespace) -> int:
     # The flags that are settings, checked as compile() checks them (megacompile/settings.py).
     host_budget, host_source = _host_budget(args)
     # The profile, resolved here once (measured for --hardware cpu when not cached yet).
-    hardware = hardware_profile(args.hardware, args.nvme_bandwidth, args.host)
+    hardware = hardware_profile(args.hardware, args.nvme_bandwidth, args.host, args.host_cores)
     if args.hbm_budget is None:     # the card's memory, as compile() takes a GPU's (settings.DEVICE_SHARE)
         from ..settings import DEVICE_SHARE
         args.hbm_budget = DEVICE_SHARE * hardware.device_bytes / 2**30
@@ -373,7 +373,7 @@ def _plan_stage(args: argparse.Namespace) -> int:
         from ..posttrain.dpo_losses import loss_types
         keys["loss_type"] = list(loss_types(keys["loss_type"].split(",")))
     from ..planner.from_config import hardware_profile
-    hardware = hardware_profile(args.hardware, host=args.host)
+    hardware = hardware_profile(args.hardware, host=args.host, host_cores=args.host_cores)
     if args.hbm_budget is None:     # the card's memory, as compile() takes a GPU's (settings.DEVICE_SHARE)
         from ..settings import DEVICE_SHARE
         args.hbm_budget = DEVICE_SHARE * hardware.device_bytes / 2**30

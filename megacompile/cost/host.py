@@ -37,6 +37,8 @@ def bandwidth_bound(name: str, bw: float) -> HostProfile:
 # peers-h200-2026-11-30). Sixteen cores cannot pull a socket's bandwidth (each streams about
 # 9.4 GB/s), so a server's AdamW is bound by them, not by its DIMMs (docs/decisions.md).
 CLOUD_SHARE_STREAM = 150 * GB
+CLOUD_SHARE_CORES = 16
+CORE_STREAM = CLOUD_SHARE_STREAM / CLOUD_SHARE_CORES    # what one core streams through the AdamW pass
 
 
 def cloud_share(name: str, bw: float) -> HostProfile:
@@ -79,6 +81,17 @@ def get_host(name: str) -> HostProfile:
         from ..errors import ArgumentError
         raise ArgumentError(f"unknown host '{name}': choose one of {', '.join(HOSTS)}")
     return HOSTS[name.lower()]
+
+
+def with_cores(profile, cores: int):
+    """`profile` with its host AdamW on `cores` cores: the lower of what they stream (CORE_STREAM
+    each) and ADAM_BANDWIDTH_SHARE of the host's memory bandwidth, 28 B a parameter."""
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+        from ..errors import ArgumentError
+        raise ArgumentError(f"--host-cores must be a whole number of cores, 1 or more; got {cores!r}")
+    stream = min(ADAM_BANDWIDTH_SHARE * profile.host_bw, cores * CORE_STREAM)
+    return replace(profile, name=f"{profile.name}; {cores} host cores",
+                   host_adam_params_per_s=stream / ADAM_BYTES_PER_PARAM)
 
 
 def with_host(profile, host: str | HostProfile):

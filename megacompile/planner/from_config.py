@@ -230,11 +230,13 @@ def split_fields(micro: int, k: int, outcome, seconds: float) -> dict:
 PLAN_SETTINGS = ("compute_dtype", "fuse", "host_budget", "nvme_budget", "grad_accum", "accumulation")
 
 
-def hardware_profile(hardware: Any, nvme_bandwidth: float | None = None, host: str | None = None) -> HardwareProfile:
+def hardware_profile(hardware: Any, nvme_bandwidth: float | None = None, host: str | None = None,
+                     host_cores: int | None = None) -> HardwareProfile:
     """plan()'s `hardware` as a profile: a HardwareProfile as it is, a name or a profile.json, or
     "cpu": this machine's, measured when not cached yet (megacompile/calibrate); `host` ("desktop",
-    "workstation", "server": cost/host.py) replaces its host side. The planner below only reads the
-    profile it is handed."""
+    "workstation", "server": cost/host.py) replaces its host side, and `host_cores` the cores its
+    AdamW runs on (a datasheet host's: a profile.json holds its host's measured rate). The planner
+    below only reads the profile it is handed."""
     if nvme_bandwidth is not None and (isinstance(nvme_bandwidth, bool) or not isinstance(nvme_bandwidth, (int, float))
                                        or not 0 < nvme_bandwidth < float("inf")):
         raise ArgumentError(f"nvme_bandwidth is the disk tier's disk bandwidth in GB/s, each way, and must be a "
@@ -251,6 +253,14 @@ def hardware_profile(hardware: Any, nvme_bandwidth: float | None = None, host: s
     if host is not None:
         from ..cost.host import with_host
         profile = with_host(profile, host)
+    if host_cores is not None:
+        if not isinstance(hardware, HardwareProfile) and os.fspath(hardware).lower().endswith(".json") \
+                and host is None:
+            raise ArgumentError(f"--host-cores {host_cores} with the measured profile {os.fspath(hardware)}: it "
+                                "holds its host's own AdamW rate, measured on its cores; leave --host-cores out, or "
+                                "give a datasheet host (--host server) to plan with another count")
+        from ..cost.host import with_cores
+        profile = with_cores(profile, host_cores)
     if nvme_bandwidth is not None:
         profile = replace(profile, disk_read_bw=nvme_bandwidth * 1e9, disk_write_bw=nvme_bandwidth * 1e9)
     return profile

@@ -39,8 +39,8 @@ def bound(plan) -> tuple[str, str] | None:
         rate = hw.host_adam_params_per_s
         pace = ("the disk tier's reads and writes (--nvme-bandwidth, or more --host-budget to keep the state in RAM)"
                 if disk else f"the host AdamW's rate ({rate / 1e9:.3g}e9 parameters/s, moving "
-                f"{rate * ADAM_BYTES_PER_PARAM / 1e9:.3g} GB/s of its {ADAM_BYTES_PER_PARAM} B a parameter; --host, or "
-                "`megacompile calibrate` on the machine measures its own)")
+                f"{rate * ADAM_BYTES_PER_PARAM / 1e9:.3g} GB/s of its {ADAM_BYTES_PER_PARAM} B a parameter; --host "
+                "and --host-cores, or `megacompile calibrate` on the machine measures its own)")
         more = ("" if plan.grad_accum > 1 else
                 " (accumulated micro-batches: an fp32 sum and a landing buffer, 6 B/param more host RAM)")
         share = (f"{fmt_seconds(updates)} of the {fmt_seconds(step)} waits on them ({updates / step:.0%})" if waited

@@ -58,3 +58,22 @@ def test_a_ddr4_desktop_times_the_host_adamw_at_its_bandwidth(tmp_path, capsys):
     assert rc == 0
     _, ddr5 = _plan(tmp_path, capsys, "--hardware", "rtx3090")
     assert ddr4["host_busy_s"] == pytest.approx(ddr5["host_busy_s"] * 89.6 / 51.2, rel=1e-6)
+
+
+def test_host_cores_plan_the_adamw_a_host_with_more_cores_runs(tmp_path, capsys):
+    """A cloud GPU's server host is 16 cores; 26 stream more (9.375 GB/s each), up to 85% of the
+    socket's bandwidth; a measured profile holds its own host's rate and takes no count."""
+    _, sixteen = _plan(tmp_path, capsys, "--hardware", "h200")
+    rc, more = _plan(tmp_path, capsys, "--hardware", "h200", "--host-cores", "26")
+    assert rc == 0
+    assert more["host_busy_s"] == pytest.approx(sixteen["host_busy_s"] * 150 / (26 * 150 / 16), rel=1e-6)
+    _, many = _plan(tmp_path, capsys, "--hardware", "h200", "--host-cores", "64")
+    assert many["host_busy_s"] == pytest.approx(sixteen["host_busy_s"] * 150 / (0.85 * 300), rel=1e-6)
+    with pytest.raises(ArgumentError, match="--host-cores must be a whole number of cores, 1 or more; got 0"):
+        hardware_profile("h200", host_cores=0)
+    measured = tmp_path / "profile.json"
+    measured.write_text(json.dumps(PROFILES["h200"].to_dict()))
+    with pytest.raises(ArgumentError, match="--host-cores 26 with the measured profile .*leave --host-cores out"):
+        hardware_profile(str(measured), host_cores=26)
+    assert hardware_profile(str(measured), host="server", host_cores=26).host_adam_params_per_s == \
+        pytest.approx(26 * 150e9 / 16 / 28)

@@ -34,7 +34,8 @@ def test_a_step_waiting_on_its_updates_is_told_to_take_more_tokens_a_step():
     line, p = _bound(slow_host)
     assert p.exposed_update_s > 0.5 * p.step_s
     assert "the host's AdamW updates" in line and "--global-batch N" in line and "does not shorten it" in line
-    assert "host AdamW's rate (0.001e9 parameters/s, moving 0.028 GB/s of its 28 B a parameter" in line
+    assert ("host AdamW's rate (0.001e9 parameters/s, moving 0.028 GB/s of its 28 B a parameter; --host and "
+            "--host-cores") in line
 
 
 def test_a_step_waiting_on_the_link_is_told_to_keep_more_on_the_device():
