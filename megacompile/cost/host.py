@@ -1,10 +1,11 @@
 """The host side of a profile: the machine a GPU sits in, apart from the GPU.
 
 Host memory bandwidth paces the host AdamW (about 28 B/param: fp32 master, m, v and gradient read,
-three written back), and the disk tier's disk paces a step whose state does not fit in RAM. A
-consumer card sits in a desktop (two DDR5 channels), a workstation card in a workstation, a
-data-centre card in a server: `megacompile plan --host desktop|workstation|server` plans a card
-with another host's figures, and `megacompile calibrate` measures the real one.
+three written back), or on a server the cores a GPU is given, which cannot pull all of it; the disk
+tier's disk paces a step whose state does not fit in RAM. A consumer card sits in a desktop (two
+DDR5 channels), a workstation card in a workstation, a data-centre card in 16 cores of a server:
+`megacompile plan --host desktop|workstation|server` plans a card with another host's figures,
+`--host-cores N` with another count of cores, and `megacompile calibrate` measures the real one.
 """
 from __future__ import annotations
 
