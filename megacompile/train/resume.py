@@ -308,7 +308,7 @@ def failed_step(c: RunConfig, run_dir: str, record, records: tuple[str, list[str
                 latest: tuple[int, str | None], unsaved: str | None = None) -> str:
     """A step whose loss or a gradient is inf or NaN under on_nonfinite: raise (`record`: its
     engine.last_step): what failed; `records`: which rows ran it, in words, and where their
-    records came from (stages sft, pt, dpo, kto and rm); `latest`: the (step, path) of the newest
+    records came from (stages sft, pt, dpo, kto, rm and grpo); `latest`: the (step, path) of the newest
     checkpoint, saved as the run stopped (`unsaved`: why it could not be); and what goes on past
     the step: the same command alone would feed it the same data again."""
     at, checkpoint = latest

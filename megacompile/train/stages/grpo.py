@@ -53,14 +53,13 @@ import os
 
 import torch
 
-from ...errors import ArgumentError
-from ...errors import MegacompileError
+from ...errors import ArgumentError, MegacompileError, NonFiniteError
 from ...planner import engine_generator_advice
 from ...posttrain import RewardLogs, RewardModelFunction, check_texts, render
 from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, TrainerState, decoupled_advantages,
                           decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
                           sampling_correction, sampling_ratio, truncated)
-from . import prompt_images, rollouts
+from . import failed_records, prompt_images, rollouts
 from .. import beside, intervals
 from ..data import grid_images, images, tools, trim, turn_ends
 from ..data.image_prompts import image_prompt
@@ -100,14 +99,16 @@ class GRPOStage(Stage):
         if len(set(self.names)) != len(self.names):
             raise ArgumentError(f"reward_funcs {c.reward_funcs}: two functions share a name, and the log keeps each "
                                 "function's rewards by name; give each its own")
-        # each prompt's record (its columns for the rewards), tokens and images (paths; () for none)
-        self.records, self.prompts, self.shown = [], [], []
+        # each prompt's record (its columns for the rewards), tokens, images (paths; () for none) and
+        # place (data/reading.py's `file:line`), kept beside the record, which the rewards get whole,
+        # for a failed step's error to name (failed_records.py)
+        self.records, self.prompts, self.shown, self.wheres = [], [], [], []
         self.cut: dict[str, list[int]] = {}     # each file's prompts cut at max_prompt_length, and its prompts
         for entry in c.data:
-            self._read(entry, self.records, self.prompts, self.shown)
+            self._read(entry, self.records, self.prompts, self.shown, self.wheres)
         self.held_records, self.held_prompts, self.held_shown = [], [], []
         for entry in c.eval:
-            self._read(entry, self.held_records, self.held_prompts, self.held_shown)
+            self._read(entry, self.held_records, self.held_prompts, self.held_shown, [])
         if c.eval_fraction:
             self._hold_out(c.eval_fraction)
         self.with_images = any(self.shown) or any(self.held_shown)
@@ -160,9 +161,9 @@ class GRPOStage(Stage):
         self.held_records, self.held_prompts = [self.records[i] for i in held], [self.prompts[i] for i in held]
         self.held_shown = [self.shown[i] for i in held]
         self.records, self.prompts = [self.records[i] for i in kept], [self.prompts[i] for i in kept]
-        self.shown = [self.shown[i] for i in kept]
+        self.shown, self.wheres = [self.shown[i] for i in kept], [self.wheres[i] for i in kept]
 
-    def _read(self, entry: dict, records: list, prompts: list, shown: list) -> None:
+    def _read(self, entry: dict, records: list, prompts: list, shown: list, wheres: list) -> None:
         names = file_names(entry)
         if self.media is not None:
             self.media.at(entry["path"], entry.get("media_dir"))
@@ -189,6 +190,7 @@ class GRPOStage(Stage):
             counted[0] += len(ids) > self.c.max_prompt_length
             counted[1] += 1
             shown.append(media)
+            wheres.append(where)
         if not records:
             raise ArgumentError(f"{entry['path']} holds no prompts")
 
@@ -365,6 +367,8 @@ class GRPOStage(Stage):
         else:
             spread = nanstd(rewards.view(-1, n), dim=1).repeat_interleave(n)
         shown = [self.shown[i] for i in chosen for _ in range(n)]      # each row's images
+        # each row's prompt: its place among the prompts the run drew, and its record's
+        drawn = [(position + r // n, self.wheres[chosen[r // n]]) for r in range(self.rows)]
         rows = {"input_ids": batch["input_ids"], "labels": batch["labels"],
                 "old_logps": self._logps(engine, batch, shown), "advantages": batch["advantages"]}
         if self.reference is not None:
@@ -399,14 +403,14 @@ class GRPOStage(Stage):
         if c.steps_per_generation > 1:      # TRL shuffles the generation batch before cutting it
             order = torch.randperm(self.rows, generator=torch.Generator().manual_seed(c.seed + engine.steps_done))
             rows = {k: v[order] for k, v in rows.items()}
-            shown = [shown[i] for i in order.tolist()]
+            shown, drawn = [shown[i] for i in order.tolist()], [drawn[i] for i in order.tolist()]
         # dapo, cispo, vespo: TRL divides each micro-batch's loss by the rollout batch's completion
         # tokens rescaled to one accumulation window, x grad_accum / steps_per_generation (its logged
         # loss the window's sum of them); the engine divides each micro-batch's gradient by grad_accum
         # and logs their mean, so the loss here divides by the count / steps_per_generation
         count = (batch["labels"] != IGNORE).sum().float() / c.steps_per_generation
-        self.rollout = {"rows": rows, "shown": shown, "metrics": metrics, "step": engine.steps_done,
-                        "token_count": count}
+        self.rollout = {"rows": rows, "shown": shown, "drawn": drawn, "metrics": metrics,
+                        "step": engine.steps_done, "token_count": count}
         self.epoch = (position + self.groups) / len(self.prompts)
         return position + self.groups
 
@@ -471,13 +475,17 @@ class GRPOStage(Stage):
         with trim.own_lengths(self.trim):
             # before the step moves the policy
             measured = [self._measure(engine, part, media) for part, media in zip(parts, shown)]
-            for part, media in zip(parts, shown):   # in first_inputs' order: the inputs of the step planned first
-                losses.append(engine.step(**part, **media))
-                record = engine.last_step
-                # a skipped step's record counts no tokens; the rollout's rows were read all the same
-                tokens += part["input_ids"].numel() if record.tokens is None else record.tokens
-                if record.skipped:
-                    break
+            try:
+                for part, media in zip(parts, shown):   # in first_inputs' order: the inputs of the step planned first
+                    losses.append(engine.step(**part, **media))
+                    record = engine.last_step
+                    # a skipped step's record counts no tokens; the rollout's rows were read all the same
+                    tokens += part["input_ids"].numel() if record.tokens is None else record.tokens
+                    if record.skipped:
+                        break
+            except NonFiniteError as e:     # on_nonfinite: raise; the run's error names the prompts' records
+                e.records = failed_records.prompts_named(engine, [self.rollout["drawn"][cut] for cut in at])
+                raise
         metrics = {**self.rollout["metrics"], **{k: sum(m[k] for m in measured) / len(measured) for k in self.clip}}
         if c.beta > 0:
             metrics["kl"] = sum(m["kl"] for m in measured) / len(measured)
