@@ -64,7 +64,7 @@ def preference(record: dict, where: str) -> dict:
 
 
 def preference_kwargs(record: dict, where: str) -> dict:
-    """The chat template settings a preference or feedback record (stages dpo and kto) is rendered
+    """The chat template settings a preference or feedback record (stages dpo, rm and kto) is rendered
     with: its own (tools.template_kwargs) and mask_history, as stage sft sets it (masking.py).
     LlamaFactory's pairwise and feedback encodings (its ReasoningTemplate's encode_oneturn) write
     the prompt's earlier answers without their thoughts unless preserve_thinking is set, whatever
