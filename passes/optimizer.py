@@ -14,6 +14,10 @@ With `as_gradients_land` (compile(..., updates="as_gradients_land")) each owner'
 right after the WAIT of the last gradient it needs instead, so the host AdamW runs beside the rest
 of the backward. The runtime starts it there, once that owner's gradients are on the host and
 finite; a step that fails after an update started cannot be undone (runtime/early_updates.py).
+The gradients land in reverse forward order, so a host slower than the backward is left with the
+embedding and the first blocks, which the next forward reads first; the planner may move the
+updates that start last to the end of the backward, in forward order
+(`updates_in_forward_order`, planner/update_order.py chooses how many).
 
 An update may still be running when the step ends; the next step reads a stage's masters only
 after a WAIT on them, placed before the stage's first prefetch. Plans that only accumulate
@@ -110,6 +114,24 @@ def updates_moved_to_landing(program: Program, owner_stages: dict[int, set[int]]
         out.append(n)
         out += after.get(i, [])
     return program.copy(out)
+
+
+def updates_in_forward_order(program: Program, tail: int) -> Program:
+    """The same schedule with the last `tail` of its updates to start (the owners whose gradients
+    land last) moved to where the last of them stands, after every gradient, in forward order: the
+    next forward then finds its first blocks' masters updated first, and the updates of the
+    blocks it reads last run beside it. Nothing else moves; the updates stay on the host stream in
+    program order, so which updates a non-finite gradient leaves applied is still the plan's."""
+    steps = [i for i, n in enumerate(program.nodes) if n.op is Op.OPTIMIZER_STEP]
+    if tail <= 1 or len(steps) < 2:
+        return program
+    moved = steps[-tail:]
+    nodes = [n for i, n in enumerate(program.nodes) if i not in set(moved[:-1]) and i != moved[-1]]
+    at = moved[-1] - (len(moved) - 1)      # where the last of them stood, the others taken out
+    tail_nodes = sorted((program.nodes[i] for i in moved), key=lambda n: n.stage)
+    tail_nodes = [replace(n, note="AdamW on the host fp32 masters, after the whole backward, in the order the "
+                          "next forward reads them") for n in tail_nodes]
+    return program.copy(nodes[:at] + tail_nodes + nodes[at:], updates_in_forward_order=len(moved))
 
 
 def _last_gradient(waited_at: dict[int, int], contributors: set[int]) -> int:

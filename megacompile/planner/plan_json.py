@@ -77,6 +77,10 @@ def updates_json(plan) -> dict:
     if kind is None or not plan.captured.train or not kind.update:
         return {}
     out = {"updates": kind.updates}
+    moved = plan.program.facts.get("updates_in_forward_order", 0)
+    if moved:       # the last updates to land, moved to the end of the backward (planner/update_order.py)
+        out["updates_in_forward_order"] = moved
+        out["predicted_step_s_strictly_as_gradients_land"] = plan.program.facts["step_s_strictly_as_gradients_land"]
     if plan.step_s_updates_as_gradients_land is not None:
         out["predicted_step_s_updates_as_gradients_land"] = plan.step_s_updates_as_gradients_land
     return out

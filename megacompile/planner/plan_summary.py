@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..cost.model_flops import frozen_flop_weights
+from ..ir.program import Op
 from ..ir.printer import fmt_bytes, fmt_need, fmt_rate, fmt_seconds
 from . import plan_blocks, plan_json
 from .measured import MeasuredRun
@@ -97,7 +98,7 @@ def updates_line(plan) -> list[str]:
     if kind.updates == "as_gradients_land":
         return ["  updates        as gradients land: each owner's host AdamW starts once its gradients are on the host "
                 "and finite, beside the rest of the backward; a step that fails after its first update stops the "
-                "engine until a checkpoint is loaded"]
+                "engine until a checkpoint is loaded" + forward_order_note(plan)]
     step_s, other = plan.prediction.step_s, plan.step_s_updates_as_gradients_land
     if other is None or other > 0.95 * step_s:
         return []
@@ -105,6 +106,23 @@ def updates_line(plan) -> list[str]:
             f"would take {per_step(plan, other)} ({other / step_s - 1:+.0%}): compile(..., "
             "updates='as_gradients_land') or --updates as_gradients_land (no clipping, one micro-batch per step, "
             "one process)"]
+
+
+def forward_order_note(plan) -> str:
+    """The updates the planner moved to the end of the backward (planner/update_order.py), if any."""
+    moved = plan.program.facts.get("updates_in_forward_order", 0)
+    if not moved:
+        return ""
+    steps = [n for n in plan.program.nodes if n.op is Op.OPTIMIZER_STEP][-moved:]
+    names = [plan.program.stage_names[n.stage] for n in steps]
+    landing_s = plan.program.facts["step_s_strictly_as_gradients_land"]
+    return (f"; the last {moved} to land ({_names(names)}) wait for the whole backward and run in the order the "
+            f"next forward reads them ({fmt_seconds(plan.prediction.step_s)} a step, against "
+            f"{fmt_seconds(landing_s)} taken strictly as they land)")
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ... {names[-1]}"
 
 
 def waiting(p) -> str:

@@ -192,7 +192,9 @@ class Plan:
             from ..capture.model_graph import owners
             from ..cost.predict import predict
             from ..passes.optimizer import updates_moved_to_landing
-            moved = updates_moved_to_landing(self.program, owners(self.captured)[1])
+            from .update_order import fastest_update_order
+            moved = fastest_update_order(updates_moved_to_landing(self.program, owners(self.captured)[1]),
+                                         self.captured, self.hardware)
             object.__setattr__(self, "_landing_s", predict(moved, self.captured, self.hardware).step_s)
         return self._landing_s
 

@@ -31,6 +31,7 @@ from .floor import compute_floor
 from .judged import judged_before
 from .request import PlanRequest
 from .result import Plan
+from .update_order import fastest_update_order
 
 GiB = 2 ** 30
 # The m of the families that recompute every m-th block of the offloaded stretch (solve.py).
@@ -157,9 +158,11 @@ def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
     arena_of(choice)
     program = laid_out[choice] if dump_dir is None else build_schedule(captured, choice, kind, check=True,
                                                                        dump_dir=dump_dir, arena=True)
+    captured = with_selective(captured, choice.selective)
+    if kind.updates == "as_gradients_land":
+        program = fastest_update_order(program, captured, hardware, disk_per_param)
     verify(program, budget_bytes=plan_bytes, owners=owners(captured)[1] if captured.train else None,
            arena_budget_bytes=arena_room)
-    captured = with_selective(captured, choice.selective)
     return Plan(program, captured, budget_bytes, host_bytes, backend, minimum, hardware=hardware,
                 prediction=predict(program, captured, hardware, disk_per_param), host_budget_bytes=host_budget_bytes,
                 reserve=reserve, host_cost=host_cost, grad_accum=grad_accum)

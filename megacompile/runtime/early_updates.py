@@ -4,8 +4,11 @@ The optimizer pass (passes/optimizer.py) puts each owner's OPTIMIZER_STEP right 
 the last gradient it needs. There the executor hands this owner's update to the host stream
 instead of staging it for commit(); the host AdamW then runs beside the rest of the backward.
 
-Each update first waits until its gradients are on the host (their landing checked them), and
-updates nothing if one of them holds an inf or NaN; nor does any update after it. The AdamW step
+Each update first waits until the gradients of every owner that has landed by its node are on the
+host (their landing checked them), and updates nothing if one of them holds an inf or NaN; nor
+does any update after it. The updates run on the host stream in program order: those the planner
+moved to the end of the backward (planner/update_order.py) find every gradient landed, so the
+first of them refuses the step's non-finite gradients before any of them applies. The AdamW step
 counts of the step (host.plan_updates) are fixed by the first update that runs, so a step in
 which none ran changes nothing and can still be skipped whole. One that failed after an update
 ran cannot be undone: `started` says so, and the engine then refuses to go on until a checkpoint
@@ -17,7 +20,7 @@ from typing import Callable
 
 from ..capture import CapturedModel
 from ..capture.model_graph import owners
-from ..ir.program import Op, Program
+from ..ir.program import Op, Program, grads
 from .backend import Backend, Event
 from .host import HostState
 
@@ -27,14 +30,26 @@ class EarlyUpdates:
         self.host = host
         contributors = owners(captured)[1]
         # Per host owner: the node its update starts at (its program's last OPTIMIZER_STEP for it,
-        # after every gradient it needs), and the stages whose gradients it waits for.
+        # after every gradient it needs), the stages whose gradients it needs, and the node of the
+        # WAIT on each stage's gradients.
         self.start_at: dict[int, int] = {}
-        self.waits_for: dict[int, set[int]] = {}
+        needs: dict[int, set[int]] = {}
+        landed_at: dict[int, int] = {}
         for i, n in enumerate(program.nodes):
             if n.op is Op.OPTIMIZER_STEP:
                 owner = owner_of(n.stage)
                 self.start_at[owner] = i
-                self.waits_for.setdefault(owner, set()).update(contributors.get(n.stage, {n.stage}))
+                needs.setdefault(owner, set()).update(contributors.get(n.stage, {n.stage}))
+            elif n.op is Op.WAIT and grads(n.stage) in n.reads:
+                landed_at[n.stage] = i
+        # What each update checks before it runs: every owner whose gradients have all landed by its
+        # node (its own among them), and the stages it waits for to read their checks.
+        self.checks: dict[int, list[int]] = {}
+        self.waits_for: dict[int, set[int]] = {}
+        for owner, at in self.start_at.items():
+            self.checks[owner] = sorted({owner} | {o for o, stages in needs.items()
+                                                   if all(landed_at.get(s, at) < at for s in stages)})
+            self.waits_for[owner] = set().union(*(needs[o] for o in self.checks[owner]))
         self.clear()
 
     def begin(self, step: int | None) -> None:
@@ -65,14 +80,14 @@ class EarlyUpdates:
             return False
         # Every stage it waits for offloaded its gradients before this node (passes/optimizer.py).
         events = [landed[s] for s in sorted(self.waits_for[owner])]
-        step, host, owners = self.this_step, self.host, sorted(self.start_at)
+        step, host, owners, checked = self.this_step, self.host, sorted(self.start_at), self.checks[owner]
 
         def run() -> None:
             for event in events:
                 event.wait()
             if step.refused is not None:
                 return
-            bad = host.nonfinite_in(owner, step.checks)
+            bad = [name for o in checked for name in host.nonfinite_in(o, step.checks)]
             if bad:
                 step.refused = f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})"
                 return
