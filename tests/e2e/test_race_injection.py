@@ -8,6 +8,10 @@ import pytest
 import torch
 
 import megacompile
+import megacompile.planner.search as search
+from megacompile.ir.program import Op
+from megacompile.passes.optimizer import updates_in_forward_order
+from megacompile.planner.update_order import fastest_update_order
 from megacompile.runtime.delays import ENV
 from tests import models
 from tests.e2e.harness import clone, eager_losses, make_inputs, megacompile_run, weight_bytes
@@ -29,19 +33,27 @@ def setup():
 
 # tight: offload, recompute and no prefetch overlap; roomy: prefetch two stages ahead and
 # updates running into the next step. grad_accum=2 adds gradient sums across micro-batches. Updates
-# as gradients land run during the backward, and the last step's may still run as the next begins.
+# as gradients land run during the backward, and the last step's may still run as the next begins;
+# "moved": half of them moved to the end of the backward, in forward order (planner/update_order.py).
 @pytest.mark.parametrize("budget, grad_accum, updates", [
-    ("tight", 1, "at_commit"), ("tight", 1, "as_gradients_land"),
+    ("tight", 1, "at_commit"), ("tight", 1, "as_gradients_land"), ("tight", 1, "moved"),
     pytest.param("roomy", 2, "at_commit", marks=pytest.mark.slow),
     pytest.param("roomy", 1, "as_gradients_land", marks=pytest.mark.slow)])
 def test_delays_change_no_bit(budget, grad_accum, updates, setup, monkeypatch):
     model, batches, minimum, eager = setup
+    if updates == "moved":
+        def half_moved(program, *args, **kwargs):
+            return updates_in_forward_order(program, sum(n.op is Op.OPTIMIZER_STEP for n in program.nodes) // 2)
+        monkeypatch.setattr(search, "fastest_update_order", half_moved)
+        updates = "as_gradients_land"
     budget_gib = minimum * 1.2 / GiB if budget == "tight" else 2 * weight_bytes(model) / GiB
     monkeypatch.delenv(ENV, raising=False)
     plain = megacompile_run(clone(model), batches, "llama", budget_gib, grad_accum=grad_accum, updates=updates)
     monkeypatch.setenv(ENV, "7")
     injected = megacompile_run(clone(model), batches, "llama", budget_gib, grad_accum=grad_accum, updates=updates)
     assert injected.engine.backend.host._delay is not None, "the switch did not reach the streams"
+    if search.fastest_update_order is not fastest_update_order:
+        assert injected.engine.plan.program.facts["updates_in_forward_order"] >= 2
     assert injected.losses == plain.losses
     ours, theirs = injected.engine.state_dict(), plain.engine.state_dict()
     for name in theirs:
