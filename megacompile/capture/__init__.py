@@ -14,6 +14,7 @@ from ..errors import CaptureError
 from .blocks import BlockStack, find_block_stack
 from .chunk import chunked
 from .experts import routed_fractions, spread_over_templates, static_experts
+from .flash_attention import flash_attention as flash_attention_op
 from .grid_constants import GridConstants
 from .hf_delta_rule import delta_rule_as_op
 from .hf_masks import causal_attention_without_mask
@@ -45,16 +46,20 @@ def model_state(model: nn.Module) -> dict[str, StateEntry]:
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device,
-            compute_dtype: torch.dtype, loss_fn: LossFn | None = None, train: bool = True) -> CapturedModel:
+            compute_dtype: torch.dtype, loss_fn: LossFn | None = None, train: bool = True,
+            flash_attention: bool = False) -> CapturedModel:
     """Trace `model(*args, **kwargs)` into stage templates, with fake tensors only.
 
     Floating parameters and buffers are traced in `compute_dtype` on `device`, as the device will
     hold them; the model's own tensors are never read, so a model on the meta device works.
     A training capture traces the backward whatever the caller's grad mode: under torch.no_grad()
     no probe would require a gradient and the backward would be traced as zeros.
+    `flash_attention`: attention is recorded as torch's FlashAttention op where torch would take
+    cuDNN's, the op the fusion rewrites (a capture for a fused plan; capture/flash_attention.py).
     """
     with _grad_mode(train):
-        return _capture(model, args, kwargs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train)
+        return _capture(model, args, kwargs, device=device, compute_dtype=compute_dtype, loss_fn=loss_fn, train=train,
+                        flash_attention=flash_attention)
 
 
 def _grad_mode(train: bool):
@@ -62,7 +67,8 @@ def _grad_mode(train: bool):
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device,
-             compute_dtype: torch.dtype, loss_fn: LossFn | None = None, train: bool = True) -> CapturedModel:
+             compute_dtype: torch.dtype, loss_fn: LossFn | None = None, train: bool = True,
+             flash_attention: bool = False) -> CapturedModel:
     start = time.perf_counter()
     state = model_state(model)
     if train and not any(e.trainable for e in state.values()):     # a frozen model still runs its forward
@@ -90,7 +96,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         fake_leaves.append(next(it) if isinstance(x, torch.Tensor) else x)
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
     grids: dict[str, GridConstants] = {}
-    with static_experts(model) as routed, span_attention(), batched_chunks(model), delta_rule_as_op(model):
+    with static_experts(model) as routed, span_attention(), batched_chunks(model), delta_rule_as_op(model), \
+            flash_attention_op(flash_attention):
         with causal_attention_without_mask(model, args, kwargs), spans_without_mask(), \
                 static_image_merge(model, tensor_leaves, grids) as image_tokens:
             top = trace_top(model, stack, fakes, fargs, fkwargs, loss_fn, train)
@@ -106,7 +113,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, *, device: torch.devic
         again (the smallest budget, then the user's) tries the same counts."""
         if n not in rechunked:
             with _grad_mode(train), static_experts(model), span_attention(), batched_chunks(model), \
-                    delta_rule_as_op(model), fake_mode, chunked(n):
+                    delta_rule_as_op(model), flash_attention_op(flash_attention), fake_mode, chunked(n):
                 again, _, _ = build_stages(top, model, stack, fakes, {k: e.trainable for k, e in state.items()},
                                            input_fakes, train)
             rechunked[n] = dataclasses.replace(captured, stages=again, rechunk=None)

@@ -34,6 +34,7 @@ from ..planner.quantized import refuse_quantized_model
 from ..cost import HardwareProfile, profile_for
 from ..cost.host_memory import default_host_budget_bytes
 from ..planner.request import PlanRequest, fused
+from ..planner.attention_choice import faster_attention_plan
 from ..planner.search import make_plan
 from ..runtime import Executor, HostState, make_backend, shutdown
 from ..runtime.host_heap import resident_set_bytes
@@ -256,7 +257,11 @@ class Engine(StateIO):
             plan = prepared.plan
         else:
             plan_start = time.perf_counter()
-            plan = make_plan(captured, request)
+
+            def flash() -> CapturedModel:     # the capture with FlashAttention's op, for a fused plan
+                return capture(self.model, args, kwargs, device=self.device, compute_dtype=self.compute_dtype,
+                               loss_fn=self.loss_fn, train=train, flash_attention=True)
+            plan = faster_attention_plan(lambda c: make_plan(c, request), captured, flash if self.fuse else None)
             self._spent("plan", plan_start)
         executor = Executor(plan.captured, plan.program, self.backend, self.host, self.state.update.adamw,
                             self.state.update.clip)

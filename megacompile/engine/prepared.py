@@ -22,6 +22,7 @@ from ..cost.host_memory import default_host_budget_bytes, module_resident
 from ..passes import StepKind
 from ..planner import Plan
 from ..planner.request import PlanRequest, disk_room, fused, host_accumulation
+from ..planner.attention_choice import faster_attention_plan
 from ..planner.search import make_plan, place_host_state
 from ..runtime import normalize_device
 from ..settings import Settings
@@ -57,11 +58,14 @@ class Prepared:
                 and torch.device(device) == self.device and compute_dtype == self.compute_dtype)
 
 
-def training_capture(module: nn.Module, inputs: dict, settings: Settings, train: bool = True) -> CapturedModel:
+def training_capture(module: nn.Module, inputs: dict, settings: Settings, train: bool = True,
+                     flash_attention: bool = False) -> CapturedModel:
     """The capture an engine with these settings makes of `module` at its first step with these
-    inputs (meta tensors lend their shapes); `train` False: at its first forward-only call."""
+    inputs (meta tensors lend their shapes); `train` False: at its first forward-only call.
+    `flash_attention`: the capture of a fused plan's other attention (planner/attention_choice.py)."""
     device = normalize_device(settings.device)      # as make_backend: cuda -> cuda:N, the one the engine runs on
-    return capture(module, (), inputs, device=device, compute_dtype=settings.compute_dtype, train=train)
+    return capture(module, (), inputs, device=device, compute_dtype=settings.compute_dtype, train=train,
+                   flash_attention=flash_attention)
 
 
 def prepare(module: nn.Module, inputs: dict, settings: Settings, clip: bool,
@@ -84,5 +88,6 @@ def prepare(module: nn.Module, inputs: dict, settings: Settings, clip: bool,
         host_bytes=host_cost.ram_bytes, host_cost=host_cost, host_budget_bytes=host_budget,
         fuse=fused(settings.fuse, on_gpu=backend == "cuda"), grad_accum=settings.grad_accum,
         accumulation=settings.accumulation)
+    flash = (lambda: training_capture(module, inputs, settings, flash_attention=True)) if request.fuse else None
     return Prepared(module, signature(module, (), inputs, True), device, settings.compute_dtype, captured, request,
-                    make_plan(captured, request))
+                    faster_attention_plan(lambda c: make_plan(c, request), captured, flash))

@@ -27,6 +27,7 @@ from .result import Plan
 from ..cost.hardware import replace
 from ..cost.host_memory import host_costs
 from ..settings import Settings, from_call
+from .attention_choice import faster_attention_plan, records_cudnn_attention
 from .image_inputs import image_inputs
 from .quantized import planning_note, refuse_quantized_model
 from .request import PlanRequest, fused, host_accumulation
@@ -447,19 +448,28 @@ class _Planned:
         # torch cannot run autograd on fake CUDA tensors, so it traces the CPU kernels instead.
         gpu = torch.cuda.is_available() and not profile.name.startswith("cpu")
         device = torch.device("cuda" if gpu else "cpu")
+        fuse = fused(settings.fuse, on_gpu=not profile.name.startswith("cpu"))     # as compile() would there
+
+        def traced(flash_attention: bool = False) -> CapturedModel:
+            with blocks_grouped_once():   # planning: the first blocks of each group stand for the rest
+                return capture(model, (), inputs, device=device, compute_dtype=settings.compute_dtype,
+                               loss_fn=loss_fn, train=train, flash_attention=flash_attention)
         if captured is None:
             # Qwen-VL's 3D rope positions are computed from the grids' values, as a step does.
             inputs = with_rope_positions(model, (), inputs)
-            with blocks_grouped_once():   # planning: the first blocks of each group stand for the rest
-                captured = capture(model, (), inputs, device=device, compute_dtype=settings.compute_dtype,
-                                   loss_fn=loss_fn, train=train)
+            captured = traced()
         clip = optimizer.max_grad_norm is not None
         if train:
             settings.check_updates(clip=optimizer.max_grad_norm not in (None, math.inf),
                                    ranks=1 if ranks is None else ranks[0])
         self.kind = StepKind(update=train, clip=clip, updates=settings.updates)
-        if fused(settings.fuse, on_gpu=not profile.name.startswith("cpu")):   # as compile() would there
+        # A fused plan traced with cuDNN's attention is also planned with FlashAttention's, and the
+        # faster of the two kept, as compile() does (planner/attention_choice.py).
+        self.flash_captured = None
+        if fuse:
             from ..fusion import fuse as fuse_stages
+            if records_cudnn_attention(captured):
+                self.flash_captured = fuse_stages(traced(flash_attention=True))
             captured = fuse_stages(captured)
         self.captured = captured
         self.host_cost = None
@@ -475,10 +485,13 @@ class _Planned:
                                   backend=f"planned for {self.profile.name}", hardware=self.profile)
 
     def at(self, budget: int) -> Plan:
-        return make_plan(self.captured, PlanRequest(
+        request = PlanRequest(
             budget, self.kind, f"planned for {self.profile.name}", self.profile, host_bytes=self.host_cost.ram_bytes,
             host_cost=self.host_cost, host_budget_bytes=self.host_budget_bytes, grad_accum=self.settings.grad_accum,
-            accumulation=self.accumulation))
+            accumulation=self.accumulation)
+        flash = self.flash_captured
+        return faster_attention_plan(lambda c: make_plan(c, request), self.captured,
+                                     None if flash is None else lambda: flash)
 
     def lowest(self) -> int:
         """Bytes: the smallest budget any plan fits (search.lowest_budget)."""
