@@ -34,7 +34,7 @@ from ..ir import fmt_bytes
 from ..report import write_run_views
 from ..io import trainer_checkpoint
 from . import (aliases, best_model, early_stopping, intervals, methods, preemption, resume, resume_model,
-               rope_scaling, results, router_loss, run_args, run_lock, trained_model, vocab)
+               rope_scaling, results, router_loss, run_args, run_lock, tokenized, trained_model, vocab)
 from .config import KEYS, RunConfig
 from .data.tokens import sources as fingerprint_sources
 from .log import Progress, RunLog
@@ -255,6 +255,7 @@ def _checked_stage(c: RunConfig, run_dir: str, resume_from: str | None, saved, i
     try:
         if saved is not None:
             resume.check_data(saved, stage.fingerprint, stage.same_rows)
+            tokenized.check(saved, stage.fingerprint, stage.tokenized)
         if c.steps is None:
             c.steps = stage.steps_for(c.epochs)
             items = stage.epoch_items()
@@ -411,6 +412,7 @@ def _train(c: RunConfig, setup, stage: Stage, run_dir: str, resume_from: str | N
         made = save_checkpoint(c, engine, checkpoints, step, position, stage.fingerprint, force=force,
                                keep=best.kept(at) if proposed == best.state() else (), side_files=trainer_state,
                                **stage.checkpoint_extra(), **({"best": proposed} if proposed else {}),
+                               **({tokenized.KEY: stage.tokenized} if stage.tokenized else {}),
                                **patience.extra(proposed), **{resume_model.KEY: model_config})
         if made:
             best.keep(proposed)

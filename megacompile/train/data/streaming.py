@@ -164,6 +164,26 @@ class StreamRows:
         hi = lo + self.row_len
         return fill(self.row_len, self.packing, self.pad_id, lo, (d for d in self.docs if d[0] < hi))
 
+    def first(self, count: int):
+        """The first `count` records of each data entry as the stream tokenises them: ((ids,
+        targets), where) each, read for this alone (what a checkpoint keeps of how the data
+        tokenizes: train/tokenized.py). An entry's records end at a bad one: the stream stops the
+        run at the step that reads it, with the checkpoints before it."""
+        entries, _, _, tokenizer, train_on_prompt, cutoff = self.args
+        for entry in entries:
+            read = records(entry)
+            try:
+                for k, (where, record) in enumerate(read):
+                    if k == count:
+                        break
+                    made = document(tokenizer, record, train_on_prompt, where, cutoff=cutoff,
+                                    mask_history=entry.get("mask_history", False), **loss_keys(entry))
+                    yield (made.ids, made.targets), where
+            except ArgumentError:
+                continue
+            finally:
+                read.close()
+
     def digest(self) -> dict | None:
         """What a checkpoint keeps of the rows read so far (stream_digest.py); None past the first pass."""
         return None if self.past_first else self.windows.through(self.read_to, self.row_len)

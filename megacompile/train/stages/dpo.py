@@ -43,6 +43,7 @@ from ..data.image_answers import heaviest, image_pair, media_digest, with_media
 from ..data.ranking import preference, preference_kwargs
 from ..data.reading import records
 from ..log import STEP_COLUMNS
+from .. import tokenized
 from .order import stream_items
 from .epochs import steps as epoch_steps
 from .handed_out import step_micro_batches
@@ -79,6 +80,8 @@ class DPOStage(reference.ReferenceStage):
             self.held = self._read(c.eval, tokenizer)
         elif c.eval_fraction:
             self.pairs, self.held = reference.hold_out(self.pairs, c.eval_fraction, c.seed, "pairs")
+        self.tokenized = tokenized.made({split: (((p.prompt, p.chosen, p.rejected), p.where) for p in pairs)
+                                         for split, pairs in (("train", self.pairs), ("eval", self.held))}, "pair")
         kinds, weights = dpo_loss_terms(c)
         self.loss = DPOLoss(c.beta, c.label_smoothing, kinds, weights, c.discopop_tau, c.simpo_gamma, c.pref_ftx or 0.0,
                             c.f_divergence_type, c.f_alpha_divergence_coef, c.use_weighting, c.ld_alpha)

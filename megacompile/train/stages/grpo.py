@@ -60,7 +60,7 @@ from ...posttrain import (IGNORE, EngineGenerator, GRPOLoss, GRPOObjective, Trai
                           decoupled_rewards, grpo_loss, nanstd, rewards, rollout_batch, sampled_logps,
                           sampling_correction, sampling_ratio, truncated)
 from . import failed_records, prompt_images, rollouts
-from .. import beside, intervals
+from .. import beside, intervals, tokenized
 from ..data import grid_images, images, tools, trim, turn_ends
 from ..data.image_prompts import image_prompt
 from ..data.prompts import file_names, prompt_record
@@ -111,6 +111,8 @@ class GRPOStage(Stage):
             self._read(entry, self.held_records, self.held_prompts, self.held_shown, [])
         if c.eval_fraction:
             self._hold_out(c.eval_fraction)
+        self.tokenized = tokenized.made({"train": (((p,), w) for p, w in zip(self.prompts, self.wheres)),
+                                         "eval": (((p,), None) for p in self.held_prompts)}, "prompt")
         self.with_images = any(self.shown) or any(self.held_shown)
         if self.with_images and c.use_vllm:
             raise ArgumentError("the prompts show images, and vLLM does not sample prompts with images here: leave "

@@ -41,6 +41,7 @@ from ..data.image_answers import answered, heaviest, media_digest, with_media
 from ..data.ranking import preference_kwargs
 from ..data.reading import records
 from ..log import STEP_COLUMNS
+from .. import tokenized
 from .handed_out import step_micro_batches
 from .keys import saved_keys
 from .order import stream_items
@@ -111,6 +112,10 @@ class KTOStage(reference.ReferenceStage):
                 self.held = with_kl(self.held, LLAMAFACTORY_CHUNK)
         elif c.eval_fraction:
             self.examples, self.held = reference.hold_out(self.examples, c.eval_fraction, c.seed, "examples")
+        self.tokenized = tokenized.made({split: (((e.prompt, e.completion, (int(e.desirable),)), e.where)
+                                                 for e in examples)
+                                         for split, examples in (("train", self.examples), ("eval", self.held))},
+                                        "example")
         self.loss = KTOLoss(c.beta, c.desirable_weight, c.undesirable_weight, c.loss_type, c.pref_ftx or 0.0)
         self.partners = kl_partners(len(self.examples), c.batch)
         self.held_partners = kl_partners(len(self.held), c.batch)

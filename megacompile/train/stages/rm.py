@@ -25,7 +25,7 @@ import torch
 
 from ...errors import ArgumentError, NonFiniteError
 from ...posttrain import Pair, RewardModel, preference_metrics, reward_loss, to_pair
-from .. import intervals
+from .. import intervals, tokenized
 from ..data import grid_images, images, tools, trim
 from ..data.image_answers import heaviest, image_pair, with_media
 from ..data.ranking import preference, preference_kwargs
@@ -117,6 +117,8 @@ class RMStage(Stage):
             self.held = self._read(c.eval)
         elif c.eval_fraction:
             self.pairs, self.held = hold_out(self.pairs, c.eval_fraction, c.seed, "pairs")
+        self.tokenized = tokenized.made({split: (((p.prompt, p.chosen, p.rejected), p.where) for p, _ in pairs)
+                                         for split, pairs in (("train", self.pairs), ("eval", self.held))}, "pair")
         self.columns = STEP_COLUMNS + METRICS + (("eval_loss",) + tuple(f"eval_{m}" for m in METRICS)
                                                  if self.held else ())
 

@@ -14,7 +14,7 @@ import torch
 from ...errors import ArgumentError, NonFiniteError
 from ...ir import fmt_bytes
 from .. import intervals
-from .. import methods, router_loss, vocab
+from .. import methods, router_loss, tokenized, vocab
 from ..config import RunConfig
 from ..data import grid_images, image_plans, images, mixture, origins, packing, split, streaming, tokens, trim
 from ..data.tokens import TokenFile, load_tokenizer, token_file
@@ -70,6 +70,8 @@ class SFTStage(Stage):
         self.media = self.tokenizer if isinstance(self.tokenizer, images.Media) else None
         self.plans = image_plans.ImagePlans() if self.media is not None else None
         try:
+            if c.streaming:     # a token file's fingerprint is its tokens' sha256; a stream's is its sources'
+                self.tokenized = tokenized.made({"train": self.rows.first(tokenized.FIRST)}, "record")
             self.each_rows = _each(self.eval_rows, self.names) if self.names else []
             available = self.rows.epoch_tokens
             # records one a row are padded to seq whatever its length (trim_padding cuts the padding)

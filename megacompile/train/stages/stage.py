@@ -10,6 +10,9 @@ class Stage:
     columns: tuple = ()         # the log's columns (log.COLUMNS and the stage's own figures)
     tokenizer = None            # what the trained model's folder saves beside it
     fingerprint: str = ""       # what the data position refers to (a resume checks it)
+    # how the data tokenizes (train/tokenized.py), which a resume checks too; None where the
+    # fingerprint is the tokens' own sha256 (a token file)
+    tokenized: dict | None = None
     needs_reference = False     # a second engine over the model as loaded, forward only (`reference`)
     media = None                # a vision-language run's processor (data/images.Media): its pixels are host memory
 
