@@ -45,7 +45,8 @@ def run_megacompile(workload: Workload, budget: str, weights: str, calibrated: s
     out = {"hbm_budget_gib": gib, "fused": plan.fused, "asked_budget_gib": asked, "budget_raised_to_minimum": raised,
            "budget_share_of_bf16_weights": gib * GiB / (2 * workload.parameters),
            "recomputed_blocks": len(plan.recomputed), "predicted_device_peak_bytes": plan.predicted_peak_bytes,
-           "updates": updates}
+           "updates": updates, "attention": plan.attention,
+           "updates_in_forward_order": plan.program.facts.get("updates_in_forward_order", 0)}
     if host_budget is not None:
         out["host_budget_gib"] = host_budget
     profiles = {"datasheet": profile_for("cuda" if cuda else "cpu")}

@@ -381,6 +381,17 @@ class Plan:
         return any("kernel" in n.meta for t in self.captured.templates
                    for prog in (t.forward, t.backward, t.inference) if prog is not None for n in prog.body)
 
+    @property
+    def attention(self) -> str | None:
+        """The attention the plan's stages run: "kernel" (megacompile's fused kernel), "cudnn"
+        (torch's cuDNN op, planner/attention_choice.py), "torch" (another ATen op), None if none."""
+        targets = {n.meta.get("kernel") or str(n.target) for t in self.captured.templates
+                   for prog in (t.forward, t.inference) if prog is not None for n in prog.gm.graph.nodes
+                   if n.op == "call_function" and "attention" in (n.meta.get("kernel") or str(n.target))}
+        if not targets:
+            return None
+        return "kernel" if "attention" in targets else "cudnn" if any("cudnn" in t for t in targets) else "torch"
+
     def dump(self, path: str) -> None:
         """Write `path`/plan.txt (the printed plan) and `path`/plan.json, and with fusion
         `path`/fusion.txt (which kernel covers which original nodes), atomically."""

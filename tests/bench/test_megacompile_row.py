@@ -135,6 +135,7 @@ def test_the_row_measures_the_wait_on_the_host_updates_beside_its_prediction(tmp
     monkeypatch.setenv("MEGACOMPILE_INJECT_DELAYS", "1")
     slowed = systems.run_megacompile(TINY, "resident", folder)
     assert "predicted_exposed_update_s_datasheet" in plain
+    assert plain["attention"] == "torch" and plain["updates_in_forward_order"] == 0     # unfused, at commit
     assert plain["step_s_host_threads_2"] > 0 and plain["step_s_host_threads_1"] > 0
     assert slowed["measured_wait_update_s"] > 0.03
     assert slowed["measured_wait_update_s"] > 3 * plain["measured_wait_update_s"]

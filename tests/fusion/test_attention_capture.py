@@ -58,6 +58,7 @@ def test_at_the_same_rate_a_fused_plan_takes_the_attention_kernel_and_frees_the_
     assert not any("cudnn" in t for t in targets), targets
     assert {"attention", "attention_backward"} <= targets
     assert "attention" not in plan.reserve.scratch_op
+    assert plan.attention == "kernel"
     assert torch.backends.cuda.cudnn_sdp_enabled()       # set back after the capture
 
 
@@ -67,9 +68,11 @@ def test_where_cudnn_is_the_faster_a_fused_plan_keeps_it(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", _sdpa_as_on_hopper)
     h100 = hardware_profile("h100")
     slow_kernel = dataclasses.replace(h100, fused_attention_efficiency=h100.attention_efficiency / 10)
-    targets = _attention_targets(_plan(fuse=True, hardware=slow_kernel, seq=4096))
+    plan = _plan(fuse=True, hardware=slow_kernel, seq=4096)
+    targets = _attention_targets(plan)
     assert "aten._scaled_dot_product_cudnn_attention_backward.default" in targets
     assert "attention_backward" not in targets
+    assert plan.attention == "cudnn" and plan.fused
 
 
 class _Planned:
@@ -107,8 +110,9 @@ def test_a_capture_without_cudnns_op_is_planned_once(monkeypatch):
 def test_an_unfused_plan_keeps_torchs_choice(monkeypatch):
     """The calibration times torch's attention as torch picks it."""
     monkeypatch.setattr(F, "scaled_dot_product_attention", _sdpa_as_on_hopper)
-    targets = _attention_targets(_plan(fuse=False))
-    assert "aten._scaled_dot_product_cudnn_attention_backward.default" in targets
+    plan = _plan(fuse=False)
+    assert "aten._scaled_dot_product_cudnn_attention_backward.default" in _attention_targets(plan)
+    assert plan.attention == "cudnn"
 
 
 def test_the_cudnn_flag_is_set_back_as_it_was():
