@@ -15,6 +15,12 @@ import torch
 # moments. Far past any host cache, as a large model's update is; a few tens of MB would sit in a
 # big server's last-level cache and run several times faster than the real update.
 HOST_ADAM_NUMEL = 2**30 // 16
+# The in-place update that times the host's memory bandwidth for the cpu profile: 32 MiB, as the
+# simulated device's working sets are. A GPU's host is timed over HOST_BW_BYTES instead: 32 MiB
+# sits in a server's last-level cache (the fourth lease's H200 host read 280 GB/s over it, twice
+# what its 16 cores' AdamW then streamed).
+CPU_BW_BYTES = 32 * 2**20
+HOST_BW_BYTES = 2**30
 
 from ..cost.hardware import HardwareProfile
 
@@ -30,16 +36,18 @@ def _median_seconds(fn, repeat: int = 5) -> float:
     return times[len(times) // 2]
 
 
-def measure(host_adam_numel: int = HOST_ADAM_NUMEL) -> HardwareProfile:
+def measure(host_adam_numel: int = HOST_ADAM_NUMEL, bandwidth_bytes: int = CPU_BW_BYTES) -> HardwareProfile:
     """The cpu profile's figures but the node overhead, which keeps its default until fitted.
-    host_adam_numel: the parameters the host AdamW is timed over."""
+    host_adam_numel: the parameters the host AdamW is timed over; bandwidth_bytes: the buffer the
+    in-place update that times the memory bandwidth runs over."""
     n = 512
     own = torch.Generator().manual_seed(0)     # the global stream is the model's dropout's, not ours
     a, b = torch.randn(n, n, generator=own), torch.randn(n, n, generator=own)
     matmul = 2 * n**3 / _median_seconds(lambda: a @ b)
-    big = torch.empty(32 * 2**20 // 4)
-    other = torch.empty_like(big)
+    big = torch.zeros(bandwidth_bytes // 4)     # zeros: the pages are touched before the timing
     inplace_bw = 2 * big.numel() * 4 / _median_seconds(lambda: big.mul_(1.0))
+    big = big[:CPU_BW_BYTES // 4]
+    other = torch.empty_like(big)
     link_bw = duplex_copy_bw(big, other)
     adam = host_adam_rate(host_adam_numel)
     overhead = _interpreter_overhead()

@@ -11,7 +11,7 @@ import warnings
 
 from ..cost.estimate import CAUSAL_SHARE, KERNEL_FLOPS
 from ..cost.hardware import HardwareProfile
-from .cpu import HOST_ADAM_NUMEL, host_adam_rate, measure
+from .cpu import HOST_ADAM_NUMEL, HOST_BW_BYTES, host_adam_rate, measure
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class GpuSizes:
     copy_bytes: int = 2**28                                   # 256 MiB each way
     attention: tuple[int, int, int, int] = (4, 32, 4096, 128)
     host_adam_numel: int = HOST_ADAM_NUMEL
+    host_bw_bytes: int = HOST_BW_BYTES                        # past a server's last-level cache
     repeat: int = 10
 
 
@@ -45,7 +46,7 @@ def measure_gpu(device: torch.device | None = None, sizes: GpuSizes = GpuSizes()
     other = torch.empty_like(big)
     device_bw = 2 * big.numel() / gpu_seconds(lambda: other.copy_(big), device, sizes.repeat)
     h2d, d2h = link_bandwidths(device, sizes.copy_bytes, sizes.repeat)
-    cpu = measure(host_adam_numel=sizes.host_adam_numel)
+    cpu = measure(host_adam_numel=sizes.host_adam_numel, bandwidth_bytes=sizes.host_bw_bytes)
     return HardwareProfile(f"{torch.cuda.get_device_name(device)} (measured)",
                            torch.cuda.get_device_properties(device).total_memory, device_bw,
                            peaks[torch.bfloat16], peaks[torch.float32], h2d, d2h, cpu.host_bw,

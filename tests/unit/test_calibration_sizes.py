@@ -13,7 +13,8 @@ import megacompile.calibrate.cpu as cpu
 import megacompile.calibrate.gpu as gpu
 from megacompile.optim import fused_adamw
 
-SMALL = gpu.GpuSizes(matmul=64, copy_bytes=2**16, attention=(1, 2, 64, 16), host_adam_numel=2**16, repeat=2)
+SMALL = gpu.GpuSizes(matmul=64, copy_bytes=2**16, attention=(1, 2, 64, 16), host_adam_numel=2**16,
+                     host_bw_bytes=2**20, repeat=2)
 
 
 def test_the_host_adamw_is_calibrated_on_a_gibibyte_of_state():
@@ -21,6 +22,25 @@ def test_the_host_adamw_is_calibrated_on_a_gibibyte_of_state():
     assert cpu.HOST_ADAM_NUMEL * state_bytes >= 2**30
     assert gpu.GpuSizes().host_adam_numel == cpu.HOST_ADAM_NUMEL
     assert gpu.GpuSizes().attention == (4, 32, 4096, 128)
+
+
+def test_a_gpus_host_bandwidth_is_timed_past_a_servers_cache(monkeypatch):
+    """The cpu profile times its bandwidth over 32 MiB, as the simulated device's tensors are; a GPU's
+    host over 1 GiB, which no last-level cache holds, as the host state a step updates."""
+    assert gpu.GpuSizes().host_bw_bytes >= 2**30 and cpu.CPU_BW_BYTES == 32 * 2**20
+    timed = []
+    mul = torch.Tensor.mul_
+
+    def seen(t, *args):
+        timed.append(t.numel() * t.element_size())
+        return mul(t, *args)
+    monkeypatch.setattr(torch.Tensor, "mul_", seen)
+    monkeypatch.setattr(cpu, "host_adam_rate", lambda numel, **kw: 1e9)
+    cpu.measure(host_adam_numel=2**16, bandwidth_bytes=2**22)
+    assert set(timed) == {2**22}
+    timed.clear()
+    cpu.measure(host_adam_numel=2**16)
+    assert set(timed) == {cpu.CPU_BW_BYTES}
 
 
 def test_the_host_adamw_rate_runs_on_the_size_it_is_given(monkeypatch):
@@ -126,7 +146,11 @@ def test_the_gpu_profile_through_a_stubbed_cuda(monkeypatch):
     attention = []
     measured = gpu.attention_flops_per_s
     monkeypatch.setattr(gpu, "attention_flops_per_s", lambda *a: attention.append(measured(*a)) or attention[-1])
+    bandwidth = []
+    measure = cpu.measure
+    monkeypatch.setattr(gpu, "measure", lambda **kw: bandwidth.append(kw["bandwidth_bytes"]) or measure(**kw))
     profile = gpu.measure_gpu(torch.device("cpu"), SMALL)
+    assert bandwidth == [SMALL.host_bw_bytes]
     assert profile.name == "Stub GPU (measured)" and profile.device_bytes == 80 * 2**30
     assert adam_sizes == [SMALL.host_adam_numel, (SMALL.host_adam_numel, {"compute_dtype": torch.bfloat16})]
     assert profile.host_adam_params_per_s == 5e8
