@@ -135,6 +135,7 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
     shapes = {n: tuple(t.shape) for n, t in list(params.items()) + list(buffers.items())}
     key_shapes = {k: shapes[n] for k, n in canonical.items() if n in shapes}
     parts: dict[str, set] = {}
+    stored_as: dict[str, str] = {}      # a fused tensor's module name -> its name in the files' terms
     for file, listed in shards.items():
         if not os.path.isfile(file):
             raise WeightsFileError(f"the shard {file} is missing; {INDEX} places {len(listed or [])} tensors in it "
@@ -148,8 +149,10 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
                 continue
             name, part = canonical.get(key), None
             if name is None:
-                name, part = layout.place(key, key_shapes) or (None, None)
-                name = canonical.get(name, name)
+                placed, part = layout.place(key, key_shapes) or (None, None)
+                name = canonical.get(placed, placed)
+                if part is not None:
+                    stored_as[name] = placed     # the layout's converters know the files' names alone
             if name is None and key.rsplit(".", 1)[-1] in computed:
                 continue
             own = params.get(name) if name is not None else None
@@ -173,7 +176,7 @@ def plan_items(canonical: dict[str, str], model: nn.Module, path: str,
                 parts.setdefault(name, set()).add(part)
     torn = []
     for name, got in parts.items():
-        whole = layout.parts_of(name, shapes[name])
+        whole = layout.parts_of(stored_as[name], shapes[name])
         if len(got) == whole:
             loaded.add(name)
         elif name not in loaded:

@@ -130,6 +130,10 @@ def check_config(model, path: str) -> None:
     if _targets(saved.get("target_modules")) != _targets(ours.target_modules):
         differences.append(f"target_modules {_targets(saved.get('target_modules'))} (this model "
                            f"{_targets(ours.target_modules)}; run.yaml lora_target)")
+    saved_weights, our_weights = (_targets(c.get("target_parameters") if isinstance(c, dict)
+                                           else getattr(c, "target_parameters", None)) for c in (saved, ours))
+    if saved_weights != our_weights:      # a mixture-of-experts' fused expert weights
+        differences.append(f"target_parameters {saved_weights} (this model {our_weights}; run.yaml lora_target)")
     if differences:
         raise WeightsFileError(f"the LoRA adapter in {path} is not this model's: {'; '.join(differences)}; nothing "
                                "was loaded")
@@ -152,7 +156,10 @@ def peft_model(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def _targets(value) -> str:
-    """target_modules as one comparable text: a list's or set's sorted names, a pattern as it is."""
+    """target_modules as one comparable text: a list's or set's sorted names, a pattern as it is
+    (none, or an empty list, as None)."""
+    if not value:
+        return "None"
     if isinstance(value, (list, tuple, set, frozenset)):
         return ", ".join(sorted(value))
     return str(value)

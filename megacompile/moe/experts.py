@@ -16,7 +16,8 @@ token count alone:
 
 The decorator's flags say the layout: `is_transposed` (weights [E, in, out]), `has_bias`
 (per-expert biases), `has_gate` (gate_up_proj and `_apply_gate`, else up_proj and `act_fn`),
-`has_post_expert_norm`.
+`has_post_expert_norm`. `weights` stands in for some of the module's own (by name, the same
+shapes): the experts' weights with LoRA adapters added (capture/experts.py).
 """
 from __future__ import annotations
 
@@ -44,8 +45,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, of
 
 
 def static_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
+                           top_k_weights: torch.Tensor, weights: dict[str, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """hidden_states [T, H], top_k_index [T, k] (expert ids), top_k_weights [T, k] -> [T, H]."""
+    weights = weights or {}
+
+    def weight(name: str) -> torch.Tensor:
+        return weights[name] if name in weights else getattr(self, name)
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.size(-1)
     ids, perm = torch.sort(top_k_index.reshape(-1))                       # [S]: pairs grouped by expert
@@ -53,13 +59,13 @@ def static_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     offs = torch.searchsorted(ids, experts, right=True, out_int32=True)   # [E]: end of each expert's rows
     x = hidden_states[perm // top_k]                                       # [S, H]
     if self.has_gate:
-        h = _linear(x, self.gate_up_proj, self.gate_up_proj_bias if self.has_bias else None, offs, ids,
+        h = _linear(x, weight("gate_up_proj"), self.gate_up_proj_bias if self.has_bias else None, offs, ids,
                     self.is_transposed)
         h = self._apply_gate(h)                                            # [S, I]
     else:
-        h = self.act_fn(_linear(x, self.up_proj, self.up_proj_bias if self.has_bias else None, offs, ids,
+        h = self.act_fn(_linear(x, weight("up_proj"), self.up_proj_bias if self.has_bias else None, offs, ids,
                                 self.is_transposed))
-    y = _linear(h, self.down_proj, self.down_proj_bias if self.has_bias else None, offs, ids, self.is_transposed)
+    y = _linear(h, weight("down_proj"), self.down_proj_bias if self.has_bias else None, offs, ids, self.is_transposed)
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)                  # [S, H], float32 with fp32 routing

@@ -14,7 +14,8 @@ under the base model's name (no `base_layer`, no adapters), made one tensor at a
 consumer asks for it, as TRL merges a PEFT policy before it hands vLLM the weights. With DoRA's
 magnitude m beside the adapter, that sum is scaled row by row to m, m / ||W + scaling B A|| (each
 output's norm over its inputs), as PEFT merges DoRA. The adapters' dropout is a training-time mask
-and plays no part. A PEFT layer of another tuner, or of several adapters, is refused.
+and plays no part. A PEFT layer of another tuner, or of several adapters, is refused, and so are
+adapters on a mixture-of-experts' fused expert weights (PEFT's target_parameters).
 """
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ def adapters(policy: nn.Module) -> dict[str, float]:
     for name, module in policy.named_modules():
         if not hasattr(module, "base_layer"):
             continue
+        if hasattr(module, "parameter_name"):
+            raise ArgumentError(
+                f"{name} carries LoRA adapters on the routed experts' fused {module.parameter_name} (PEFT's "
+                "target_parameters): a generation copy takes the weights merged, which is done for adapters on "
+                "Linear modules alone; sample with EngineGenerator, or leave the experts out of lora_target")
         names = list(getattr(module, "active_adapters", None) or [])
         if not hasattr(module, "lora_A") or len(names) != 1 or names[0] not in module.lora_A:
             raise ArgumentError(

@@ -44,8 +44,9 @@ NOT_TAKEN = {
     "use_peft": "finetuning_type: lora",
     "lora_r": "lora_rank",
     "lora_target_modules": "lora_target",
-    "lora_target_parameters": "not supported: adapters sit on Linear modules alone (lora_target), none on a bare "
-                              "parameter (a mixture-of-experts' stacked expert weights)",
+    "lora_target_parameters": "not supported as a key: adapters go where lora_target names them, a "
+                              "mixture-of-experts' stacked expert weights by their projections' names (gate_proj, "
+                              "up_proj, down_proj) or all",
     "load_in_8bit": _QUANTIZED,
     "load_in_4bit": _QUANTIZED,
     "bnb_4bit_quant_type": _QUANTIZED,

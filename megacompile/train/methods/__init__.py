@@ -3,9 +3,11 @@
     lora    the model wrapped by PEFT (LoraConfig + get_peft_model): the base weights frozen, only
             the adapters trained (fp32 masters and AdamW state for them alone); lora_target names
             the Linear modules (their last name: q_proj, ...) or `all`, every Linear of the
-            decoder blocks (not lm_head); additional_target names modules trained whole beside
-            them (PEFT's modules_to_save); pissa_init starts the adapters as each weight's principal
-            part, the base streaming as the residual (pissa.py).
+            decoder blocks (not lm_head), and a mixture-of-experts' routed experts (their fused
+            weights, PEFT's target_parameters) under `all` or their projections' names;
+            additional_target names modules trained whole beside them (PEFT's modules_to_save);
+            pissa_init starts the adapters as each weight's principal part, the base streaming as
+            the residual (pissa.py).
     freeze  freeze_trainable_layers N: the last N decoder blocks trained (-N: the first N);
             freeze_trainable_modules: which modules of those blocks (all, or names);
             freeze_extra_modules: modules trained besides (embed_tokens, lm_head, norm); each name
@@ -38,7 +40,7 @@ from ...errors import ArgumentError
 from ...optim import MAX_LR, MAX_RATIO
 from . import pissa, vision_freeze
 from .freeze import freeze
-from .lora import base_dtype, file_key, merged, require_peft, scaling, transposed, with_adapters
+from .lora import base_dtype, experts_adapted, file_key, merged, require_peft, scaling, transposed, with_adapters
 from .lora import lora_skeleton as _lora_skeleton
 from .names import names
 
@@ -213,6 +215,11 @@ def apply(c, model: nn.Module, said: list[str] | None = None) -> nn.Module:
         wrapped = with_adapters(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target,
                                 base_dtype(c.compute_dtype), dora=c.use_dora, rslora=c.use_rslora,
                                 whole=c.additional_target, parts=vision_freeze.adapted(c))
+        if c.stage == "rm" and experts_adapted(wrapped):
+            raise ArgumentError("stage rm writes the reward model with its adapters merged into the Linear weights "
+                                "they sit on, and lora_target adapts the routed experts' fused weights too (PEFT's "
+                                "target_parameters): leave the experts' projections out of lora_target (under all: "
+                                "name the Linear modules)")
         vision_freeze.apply(c, wrapped)
         return wrapped
     if c.finetuning_type == "freeze":

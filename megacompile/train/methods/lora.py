@@ -1,6 +1,8 @@
 """finetuning_type: lora: PEFT's adapters on the Linear modules lora_target names (in a
 vision-language model, those of the parts the freeze_* keys leave to adapt: vision_freeze.adapted),
-the base frozen and held in the dtype compute reads."""
+and on a mixture-of-experts' routed experts, whose projections are fused 3-D weights in
+transformers 5 (PEFT's target_parameters, as PEFT turns the projections' names onto them); the base
+frozen and held in the dtype compute reads."""
 from __future__ import annotations
 
 import math
@@ -52,7 +54,8 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
                   parts: frozenset[str] = vision_freeze.LANGUAGE_ONLY) -> nn.Module:
     """`model` wrapped by PEFT's LoRA on the Linear modules `target` names (of a vision-language
     model, those of `parts`, vision_freeze's keys; `all`: the decoder blocks' Linear modules, and
-    the tower's where it is among the parts); `whole` (run.yaml's
+    the tower's where it is among the parts), and on the routed experts' fused weights its names
+    stand for (expert_weights: PEFT's target_parameters); `whole` (run.yaml's
     additional_target): modules trained whole beside the adapters, PEFT's modules_to_save (a
     trained copy of each module whose name ends with one of them; the original stays frozen).
     initialised=False: the adapters are left as their Linear modules made them, to be set by the
@@ -61,6 +64,7 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
     _check_whole(model, whole, target)
     everywhere = linear_names(model)
     vision = vision_freeze.is_vision_language(model)
+    experts = {} if vision else expert_weights(model, target, key)
     if target == ALL and vision:
         found = set(vision_freeze.tower_linear_names(model)) if vision_freeze.TOWER in parts else set()
         if vision_freeze.LANGUAGE in parts:
@@ -68,16 +72,16 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
         target = sorted(found)
     elif target == ALL:
         target = linear_names(model, blocks(model)[1])
-    unknown = [t for t in target if t not in everywhere]
+    unknown = [t for t in target if t not in everywhere and not (t in _PRE_FUSION and _PRE_FUSION[t] in experts)]
     if unknown:
         fused = [t for t in unknown if t in _PRE_FUSION and _fused_weights(model, [t])]
         raise ArgumentError(f"{key}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear "
                             f"module of {type(model).__name__}; its Linear modules are {', '.join(everywhere)} "
                             "(or all: every Linear of the decoder blocks)"
                             + (f". {', '.join(fused)} name the routed experts' fused weights "
-                               f"({', '.join(_fused_weights(model, fused))}), which take no adapters here"
-                               if fused else ""))
-    modules = list(target)
+                               f"({', '.join(_fused_weights(model, fused))}), which take no adapters in a "
+                               "vision-language model here" if fused else ""))
+    modules = [t for t in target if t in everywhere]
     if vision:      # the parts' modules alone: the vision tower has q_proj and the like too
         modules = vision_freeze.adapted_names(model, modules, parts)
         if not modules:
@@ -86,55 +90,113 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
                                 "adapters here: adapters go on the language model unless freeze_language_model is "
                                 "true, on the vision tower where freeze_vision_tower is false, on the projector where "
                                 "freeze_multi_modal_projector is false")
+    if experts:
+        _check_expert_settings(key, experts, dropout, dora, initialised)
+    # Each fused weight at the rank and alpha PEFT gives it when it turns the projections' names onto
+    # it (its transformers_weight_conversion): gate_up_proj, two projections, at twice each.
+    patterns = {rf".*\.{re.escape(w)}": n for w, n in experts.items() if n > 1}
     config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=modules, use_dora=dora, use_rslora=rslora, modules_to_save=list(whole) or None,
-                        init_lora_weights=initialised)
+                        target_modules=modules, target_parameters=sorted(experts) or None,
+                        rank_pattern={p: n * rank for p, n in patterns.items()},
+                        alpha_pattern={p: n * alpha for p, n in patterns.items()}, use_dora=dora,
+                        use_rslora=rslora, modules_to_save=list(whole) or None, init_lora_weights=initialised)
     with warnings.catch_warnings():
         # PEFT reads transformers' deprecated is_gradient_checkpointing: a warning between the two
         # libraries, which says nothing a run could change
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        fused = _fused_weights(model, modules)       # read before PEFT wraps them
-        try:
-            wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
-        except ValueError as e:
-            if "fused" not in str(e):
-                raise
-            wrapped = None
-    taken = getattr(wrapped.peft_config["default"], "target_parameters", None) if wrapped is not None else None
-    if wrapped is None or taken:
-        _refuse_fused(model, key, target, modules, fused)
+        # PEFT matches rank_pattern against module names alone when it checks it, and says so of the
+        # fused weights' patterns, which it applies to them
+        warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match",
+                                category=RuntimeWarning)
+        wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
+    # PEFT turns the projections' names of some families' experts onto the fused weights, even where
+    # they name Linear modules (a shared expert's): it would load such an adapter that way too
+    adapted = [n for n, m in wrapped.named_modules() if hasattr(m, "lora_A") and not hasattr(m, "parameter_name")]
+    dropped = sorted({m.rsplit(".", 1)[-1] for m in modules if m.rsplit(".", 1)[-1] in _PRE_FUSION
+                      and not any(n.endswith("." + m) for n in adapted)})
+    if dropped:
+        _refuse_collision(model, key, target, dropped)
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
             p.data = p.data.to(base)
     return wrapped
 
 
-# The names PEFT also gives the routed experts' fused weights (transformers' stacked gate_up_proj
-# and down_proj parameters, no Linear modules): a Linear of one of these names makes PEFT adapt
-# those bare parameters instead (its transformers_weight_conversion).
+# The names the routed experts' projections had as Linear modules (transformers 4), and the fused
+# weights of transformers 5's experts that hold them (stacked 3-D parameters, no Linear modules):
+# PEFT's transformers_weight_conversion turns a LoRA on those names onto these weights.
 _PRE_FUSION = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
                "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
+# The projections one fused weight holds, named together or not at all.
+_FUSED_PAIRS = (("gate_proj", "up_proj"), ("w1", "w3"))
+_FUSED = {"gate_up_proj": 2, "up_proj": 1, "down_proj": 1}      # fused weight -> the projections it holds
 
 
 _IN_BLOCK = re.compile(r"^.*?[.][0-9]+[.]")     # model.layers.0.: where a block's own path starts
 
 
+def _experts_present(model: nn.Module) -> dict[str, int]:
+    """The model's fused expert weights by name (3-D parameters of modules other than Linear) ->
+    the projections each holds."""
+    return {p: _FUSED[p] for _, m in model.named_modules() if not isinstance(m, nn.Linear)
+            for p, t in m.named_parameters(recurse=False) if p in _FUSED and t.dim() == 3}
+
+
+def expert_weights(model: nn.Module, target: list[str] | str, key: str = "lora_target") -> dict[str, int]:
+    """The routed experts' fused weights that `target` adapts (PEFT's target_parameters) -> the
+    projections each holds: under `all` every one; else those its projections' names stand for
+    (Qwen3-MoE's gate_proj, up_proj, down_proj, Mixtral's w1, w3, w2), both of a fused pair named."""
+    present = _experts_present(model)
+    if target == ALL:
+        return present
+    named = {w for n in target if n in _PRE_FUSION for w in (_PRE_FUSION[n], n) if w in present}
+    if "gate_up_proj" in named:
+        for pair in _FUSED_PAIRS:
+            given = [n for n in pair if n in target]
+            if len(given) == 1:
+                other = pair[1 - pair.index(given[0])]
+                raise ArgumentError(f"{key}: {given[0]} names the routed experts' gate_up_proj, which holds {other} "
+                                    f"too (one fused weight takes one adapter): name both {given[0]} and {other}, "
+                                    "or neither")
+    return {w: present[w] for w in sorted(named)}
+
+
+def experts_adapted(model: nn.Module) -> bool:
+    """Whether `model` carries adapters on fused expert weights (PEFT's ParamWrapper)."""
+    return any(hasattr(m, "parameter_name") and hasattr(m, "lora_A") for m in model.modules())
+
+
+def _check_expert_settings(key: str, experts: dict[str, int], dropout: float, dora: bool, initialised: bool) -> None:
+    """What PEFT's adapters on a bare parameter (its ParamWrapper) do not take, refused by name."""
+    what = (f"{key} adapts the routed experts' fused weights ({', '.join(experts)}), whose adapters (PEFT's "
+            "target_parameters) take")
+    leave = "; or leave the experts' names out of " + key + " (all takes them in)"
+    if dropout:
+        raise ArgumentError(f"{what} no dropout: set lora_dropout: 0{leave}")
+    if dora:
+        raise ArgumentError(f"{what} no DoRA: leave use_dora out{leave}")
+    if not initialised:
+        raise ArgumentError(f"{what} no PiSSA start: leave pissa_init out{leave}")
+
+
 def _fused_weights(model: nn.Module, names: list[str]) -> list[str]:
     """The fused experts' parameters (by their path within a block) that `names` stand for."""
     wanted = {_PRE_FUSION[n] for n in names if n in _PRE_FUSION}
-    return sorted({_IN_BLOCK.sub("", f"{n}.{p}")
+    return sorted({_IN_BLOCK.sub("", _WRAPPERS.sub(".", f"{n}.{p}"))
                    for n, m in model.named_modules() if not isinstance(m, nn.Linear)
                    for p, _ in m.named_parameters(recurse=False) if p in wanted})
 
 
-def _refuse_fused(model: nn.Module, key: str, target: list[str], modules: list[str], fused: list[str]) -> None:
-    colliding = [t for t in modules if t in _PRE_FUSION]
+def _refuse_collision(model: nn.Module, key: str, target: list[str], colliding: list[str]) -> None:
     others = [t for t in target if t not in _PRE_FUSION]
+    family = getattr(getattr(model, "config", None), "model_type", "this model")
     raise ArgumentError(
         f"{key}: {', '.join(colliding)} name Linear modules of {type(model).__name__} (its shared expert's) and "
-        f"also the routed experts' fused weights ({', '.join(fused)}), which PEFT would "
-        "adapt as bare parameters: those take no adapters here. Name the Linear modules to adapt without "
-        f"{', '.join(colliding)}" + (f", e.g. {key}: {','.join(others)}" if others else ""))
+        f"also the routed experts' fused weights ({', '.join(_fused_weights(model, colliding))}): PEFT turns "
+        f"these names of {family} onto the fused weights alone, when it adapts the model and when it "
+        "loads an adapter, so one adapter cannot hold both. Name the Linear modules to adapt without "
+        f"{', '.join(colliding)} (the routed experts then take none)" + (f", e.g. {key}: {','.join(others)}"
+                                                                          if others else ""))
 
 
 def _check_whole(model: nn.Module, whole: list[str], target: list[str] | str) -> None:
@@ -237,7 +299,11 @@ def dora_magnitudes(wrapped: nn.Module, folder: str) -> None:
 def file_key(key: str) -> str:
     """A PEFT model's state_dict key as the wrapped model's files name it."""
     key = key.removeprefix("base_model.model.")
-    return key.replace(".base_layer.", ".").replace(".original_module.", ".")
+    # an experts module holds one wrapper per adapted weight: .base_layer.base_layer.gate_up_proj
+    return _WRAPPERS.sub(".", key).replace(".original_module.", ".")
+
+
+_WRAPPERS = re.compile(r"(?:[.]base_layer)+[.]")
 
 
 def scaling(config) -> float:
