@@ -160,8 +160,8 @@ def test_a_run_with_lora_target_all_on_a_mixtral_folder_trains_its_experts_as_ea
     from tests.train import files, finetune_runs
     model = _mixtral_dir(str(tmp_path / "mixtral"))
     notes = files.text(str(tmp_path / "notes.txt"))
-    c = load(files.run_yaml(str(tmp_path / "lora.yaml"), model=model, data=[notes], eval=[notes], seq=16, batch=2, steps=3,
-                            lr=1e-2, schedule="constant", max_grad_norm=None, device="cpu",
+    c = load(files.run_yaml(str(tmp_path / "lora.yaml"), model=model, data=[notes], eval=[notes], seq=16, batch=2,
+                            steps=3, lr=1e-2, schedule="constant", max_grad_norm=None, device="cpu",
                             run_dir=str(tmp_path / "run"), export=str(tmp_path / "out"), log_every=1, save_every=3,
                             finetuning_type="lora", lora_rank=RANK, lora_target="all", seed=3), [])
     run(c)
