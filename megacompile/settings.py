@@ -86,10 +86,11 @@ class Settings:
                 raise ArgumentError(f"updates='as_gradients_land' needs grad_accum=1 (an update starts as its owner's "
                                     f"gradient lands, which is the step's whole gradient only then); got grad_accum="
                                     f"{self.grad_accum}: use updates='at_commit' with accumulation")
-            if self.nvme_dir is not None:
-                raise ArgumentError("updates='as_gradients_land' is not built for the disk tier (nvme_dir), which "
+            if self.nvme_dir is not None or self.nvme_budget is not None:
+                given = "nvme_dir" if self.nvme_dir is not None else "nvme_budget"
+                raise ArgumentError(f"updates='as_gradients_land' is not built for the disk tier ({given}), which "
                                     "reads each owner's state ahead in the order the updates start at commit: drop "
-                                    "nvme_dir or use updates='at_commit'")
+                                    f"{given} or use updates='at_commit'")
 
     def check_updates(self, *, clip: bool, ranks: int = 1) -> None:
         """What `updates` needs of the optimizer and the process group: an update that starts as its

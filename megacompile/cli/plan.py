@@ -244,9 +244,12 @@ def _with_room(model, settings, kwargs: dict, batch: int, facts: dict, host_budg
         return None
     host, nvme = budgets
     flags += f"--host-budget {host:.10g}" + (f" --nvme-budget {nvme}" if nvme else "")
+    changes = {}
+    if nvme and settings.updates == "as_gradients_land":   # the disk tier takes updates at commit alone
+        flags, changes = flags + " --updates at_commit", {"updates": "at_commit"}
     try:
-        planned = _planned_line(label, flags, model, settings.replace(host_budget=host, nvme_budget=nvme), kwargs,
-                                batch)
+        planned = _planned_line(label, flags, model, settings.replace(host_budget=host, nvme_budget=nvme, **changes),
+                                kwargs, batch)
     except HostMemoryError:
         return None
     return {"host_budget_gib": host, "nvme_budget_gib": nvme, **planned}

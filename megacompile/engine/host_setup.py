@@ -28,7 +28,8 @@ def build_host_state(engine, captured: CapturedModel) -> None:
         engine.host_cost = place_host_state(captured, engine.compute_dtype, host_accum, room,
                                             disk_room(engine.nvme_dir, engine.nvme_budget_bytes),
                                             ranks=None if data_parallel is None else data_parallel.shape,
-                                            module_resident=module_resident(engine.model), borrowed=frozenset(lent))
+                                            module_resident=module_resident(engine.model), borrowed=frozenset(lent),
+                                            updates=engine.settings.updates)
     except HostMemoryError as e:
         if not shared:
             raise

@@ -81,7 +81,7 @@ def prepare(module: nn.Module, inputs: dict, settings: Settings, clip: bool,
     host_cost = place_host_state(captured, settings.compute_dtype,
                                  host_accumulation(settings.grad_accum, settings.accumulation), host_budget,
                                  disk_room(settings.nvme_dir, settings.nvme_budget_bytes),
-                                 module_resident=module_resident(module))
+                                 module_resident=module_resident(module), updates=settings.updates)
     request = PlanRequest(
         settings.budget_bytes, StepKind(update=True, clip=clip, updates=settings.updates), backend,
         profile_for(backend),

@@ -28,7 +28,8 @@ class StateIO:
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """float32 masters (and buffers) under the model's own names, tied names included: the
         trained ones, or before the first step the ones it will start from (a checkpoint or weights
-        loaded, else the model's own)."""
+        loaded, else the model's own). Refused after a step that left part of itself applied."""
+        self.state.refuse_partial("state_dict()")
         return OrderedDict((key, t.clone()) for key, t in self._state_tensors())
 
     def _state_tensors(self):

@@ -40,7 +40,9 @@ class StepRecord:
     the threads the host AdamW runs the step's update on (this rank's share of the cores it may
     use, optim/host_threads.py; an owner under 64K elements a thread takes fewer);
     host_resident_bytes: the process's resident set as the call returns (its host memory, the
-    interpreter, torch and the caller's data included).
+    interpreter, torch and the caller's data included); partial: the step failed after some of its
+    host updates had run (updates='as_gradients_land'): the masters hold part of it, `reason`
+    says how far it got, and the engine refuses to go on until a checkpoint is loaded.
     """
     step: int
     loss: float
@@ -56,9 +58,10 @@ class StepRecord:
     predicted_device_peak_bytes: int | None = None
     host_threads: int | None = None
     host_resident_bytes: int | None = None
+    partial: bool = False
 
     def __post_init__(self) -> None:
-        if self.skipped:
+        if self.skipped or self.partial:
             object.__setattr__(self, "updated", False)
 
 
@@ -95,7 +98,7 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
         _hand_out(engine, compiled.captured, e.outputs)     # the walk's own values: read, though dropped
         if dp is not None:   # the other ranks wait for this one's word
             dp.agree(host, e.loss, last)
-        _refuse_if_partial(engine, compiled, context, f"the loss is {e.loss}")
+        _refuse_if_partial(engine, compiled, context, f"the loss is {e.loss}", e.loss, micro)
         return _skip(engine, compiled, e.loss, "loss", f"the loss is {e.loss}", micro, earlier_committed)
     except BaseException as e:
         if dp is not None:
@@ -104,7 +107,7 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
         host.restore_copies()
         early = compiled.executor.early
         if early is not None and early.started:    # the failed walk waited for the updates it started
-            state.step_partly_applied(_partly(context, early, f"{type(e).__name__}: {e}"))
+            _partial(engine, context, _partly(context, early, f"{type(e).__name__}: {e}"), float("nan"), micro)
             e.add_note(f"megacompile: {state.partial_step}; load_checkpoint(path) to go on")
         raise
     finally:
@@ -119,7 +122,7 @@ def run_step(engine, compiled, inputs: list, *, micro: int, last: bool, tokens: 
     bad = host.nonfinite_grads() if last else []
     if bad:
         _refuse_if_partial(engine, compiled, context,
-                           f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})")
+                           f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})", loss, micro)
         return _skip(engine, compiled, loss, "gradient",
                      f"{len(bad)} gradients hold inf or NaN ({', '.join(bad[:3])})", micro, earlier_committed)
     host.commit_micro_batch()
@@ -164,7 +167,7 @@ def _seeds(weights: list[float | None] | None, micro_batches: int, grad_accum: i
     return seeds if micro_batches > 1 else seeds[0]
 
 
-def _refuse_if_partial(engine, compiled, context: dict, why: str) -> None:
+def _refuse_if_partial(engine, compiled, context: dict, why: str, loss: float, micro: int) -> None:
     """A step found unsound once its walk ended: skipped whole as always when none of its early
     updates ran (they are waited for first), else the state keeps part of it and the engine stops."""
     early = compiled.executor.early
@@ -172,8 +175,15 @@ def _refuse_if_partial(engine, compiled, context: dict, why: str) -> None:
         return
     engine.state.wait_updates()
     if early.started:
-        engine.state.step_partly_applied(_partly(context, early, why))
+        _partial(engine, context, _partly(context, early, why), loss, micro)
         raise PartialStepError(f"{engine.state.partial_step}; load_checkpoint(path) to go on")
+
+
+def _partial(engine, context: dict, why: str, loss: float, micro: int) -> None:
+    """The state holds part of the step: the engine stops, and its record says so."""
+    engine.state.step_partly_applied(why)
+    engine.last_step = StepRecord(context["step"], loss, micro, False, reason=why, lr=context.get("lr"),
+                                  host_resident_bytes=resident_set_bytes(), partial=True)
 
 
 def _partly(context: dict, early, why: str) -> str:

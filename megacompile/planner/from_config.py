@@ -477,7 +477,8 @@ class _Planned:
             # Layer-major lands one gradient sum per step: its host state is that of grad_accum=1.
             self.host_cost = place_host_state(captured, settings.compute_dtype,
                                               host_accumulation(settings.grad_accum, accumulation),
-                                              host_budget_bytes, settings.nvme_budget_bytes, ranks=ranks)
+                                              host_budget_bytes, settings.nvme_budget_bytes, ranks=ranks,
+                                              updates=settings.updates)
 
     def baseline(self, budget_bytes: int, style: str) -> Plan:
         host_bytes = host_costs(self.captured, self.settings.compute_dtype)[0].ram_bytes

@@ -19,9 +19,18 @@ def _gib_up(n: int) -> int:
     return max(1, math.ceil(n / GiB))
 
 
-def disk_advice(costs: list[HostCost], host_budget: int, nvme_budget: int | None) -> str:
+def disk_advice(costs: list[HostCost], host_budget: int, nvme_budget: int | None, updates: str = "at_commit") -> str:
     """The disk budget that holds the state with the rest in `host_budget` (the first placement that
-    spills least), or that no disk budget does."""
+    spills least), or that no disk budget does. Updates started as gradients land take no disk tier:
+    the advice then names updates at commit beside it."""
+    advice = _disk_advice(costs, host_budget, nvme_budget)
+    if advice and updates == "as_gradients_land":
+        advice += (" (with updates='at_commit', --updates at_commit: the disk tier reads each owner's state ahead "
+                   "in the order the updates start at commit)")
+    return advice
+
+
+def _disk_advice(costs: list[HostCost], host_budget: int, nvme_budget: int | None) -> str:
     fitting = next((c for c in costs if c.disk_bytes and c.ram_bytes <= host_budget), None)
     if fitting is None:
         if nvme_budget is None and any(c.disk_bytes for c in costs):

@@ -31,7 +31,7 @@ from .floor import compute_floor
 from .judged import judged_before
 from .request import PlanRequest
 from .result import Plan
-from .update_order import fastest_update_order
+from .update_order import fastest_step_s, fastest_update_order
 
 GiB = 2 ** 30
 # The m of the families that recompute every m-th block of the offloaded stretch (solve.py).
@@ -79,6 +79,8 @@ def make_plan(captured: CapturedModel, request: PlanRequest) -> Plan:
     floor_of = compute_floor(captured, hardware)
 
     def whole_step_s(c: ScheduleChoice) -> float:
+        if kind.updates == "as_gradients_land":     # timed with the updates as the plan will order them
+            return fastest_step_s(schedule(c), with_selective(captured, c.selective), hardware, disk_per_param)
         return predict(schedule(c), with_selective(captured, c.selective), hardware, disk_per_param).step_s
     exact_of = remembered(whole_step_s, judged_before(captured, "whole step", *timed))
 
@@ -377,14 +379,16 @@ def _host_facts(costs: list[HostCost], smallest_bytes: int) -> dict:
 
 def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, host_budget_bytes: int | None,
                      nvme_budget_bytes: int | None, ranks: tuple[int, int] | None = None,
-                     module_resident: frozenset[str] = frozenset(), borrowed: frozenset[str] = frozenset()) -> HostCost:
+                     module_resident: frozenset[str] = frozenset(), borrowed: frozenset[str] = frozenset(),
+                     updates: str = "at_commit") -> HostCost:
     """Where the masters and AdamW state live: all in host RAM if they fit the host budget, else
     the moments on disk, else the masters too (cost/host_memory.py); HostMemoryError, saying what
     each placement needs, when none fits both budgets. `ranks`: (R, L), data parallelism over R
     ranks, L per node: the rank's sharded figure against its budget (cost/host_shards.py).
     `module_resident`: the names of the user's module's tensors that hold real host memory, whose
     bytes count where the host state cannot share them (host_memory.module_bytes). `borrowed`: frozen
-    weights another engine holds for this one (runtime/host.py), not counted."""
+    weights another engine holds for this one (runtime/host.py), not counted. `updates`: compile()'s,
+    which a refusal's advice of a disk tier names (updates as gradients land take none)."""
     if ranks is not None:
         from ..cost.host_shards import sharded_host_cost
         module = sum(e.numel * e.dtype.itemsize for n, e in captured.state.items() if n in module_resident)
@@ -396,7 +400,7 @@ def place_host_state(captured: CapturedModel, compute_dtype, grad_accum: int, ho
     chosen = choose_placement(costs, host_budget_bytes, nvme_budget_bytes)
     if chosen is None:
         base = lora_base_bytes(captured, compute_dtype)
-        hint = (disk_advice(costs, host_budget_bytes, nvme_budget_bytes)
+        hint = (disk_advice(costs, host_budget_bytes, nvme_budget_bytes, updates)
                 + lora_advice(base, compute_dtype, host_budget_bytes))
         room = [c for c in costs if c.disk_bytes == 0 or (nvme_budget_bytes is not None and c.disk_bytes <= nvme_budget_bytes)]
         least = min(room, key=lambda c: c.ram_bytes)

@@ -227,8 +227,9 @@ class TrainingState:
     def refuse_partial(self, what: str) -> None:
         if self.partial_step is not None:
             raise PartialStepError(f"{what} refused: {self.partial_step}. The masters and AdamW moments hold part of "
-                                   "that step; load_checkpoint(path) puts a whole state back (or compile the model "
-                                   "again)")
+                                   "that step, and so do the model's own parameters (a new compile() of the model, "
+                                   "its state_dict() or its save_pretrained() would take it up); "
+                                   "load_checkpoint(path) puts a whole state back")
 
     def step_skipped(self, dropped_micro_batches: int) -> None:
         """A step dropped for an inf or NaN, with the micro-batches of it committed before."""

@@ -115,12 +115,17 @@ def test_a_step_that_fails_after_an_update_ran_stops_the_engine_until_a_load(tmp
     with pytest.raises(PartialStepError, match=r"step 2 failed \(1 gradients hold inf or NaN .*wpe.*\) after 3 of "
                                                r"its 4 owners' host updates had run"):
         e.step(**inputs(1, grad_poison=0.0))
+    record = e.last_step      # the step that failed, not the one before it
+    assert record.step == 2 and record.partial and not record.updated and "3 of its 4 owners" in record.reason
     for refused, call in (("step()", lambda: e.step(**inputs(2))),
                           ("save_checkpoint()", lambda: e.save_checkpoint(str(tmp_path / "partial"))),
-                          ("save_pretrained()", lambda: e.save_pretrained(str(tmp_path / "export")))):
+                          ("save_pretrained()", lambda: e.save_pretrained(str(tmp_path / "export"))),
+                          ("state_dict()", e.state_dict)):
         with pytest.raises(PartialStepError, match=rf"{refused.replace('(', '[(]').replace(')', '[)]')} refused: "
-                                                   r"step 2 failed .* load_checkpoint"):
+                                                   r"step 2 failed .* the model's own parameters .* load_checkpoint"
+                           ) as raised:
             call()
+        assert "compile the model again" not in str(raised.value)
     assert not (tmp_path / "partial").exists() and not (tmp_path / "export").exists()
     e.load_checkpoint(checkpoint)
     assert_same_state(expected, snapshot(e), grads=False)
@@ -143,6 +148,7 @@ def test_an_exception_after_an_update_ran_says_so(model, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected") as raised:
         e.step(**inputs(1))
     assert any("load_checkpoint" in note for note in raised.value.__notes__)
+    assert e.last_step.partial and e.last_step.step == 2 and "RuntimeError: injected" in e.last_step.reason
     monkeypatch.setattr(Executor, "_backward", backward)
     with pytest.raises(PartialStepError, match="RuntimeError: injected"):
         e.step(**inputs(1))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,3 +129,18 @@ def test_a_non_finite_gradient_landed_before_the_moved_updates_leaves_none_appli
     assert_same_state(before, snapshot(ours), grads=False)
     ours.step(**inputs(2))
     assert ours.steps_done == 2
+
+
+
+@pytest.mark.slow      # two plans of a 118B model, about 20 s
+def test_the_step_a_plan_at_commit_promises_as_gradients_land_is_what_that_setting_plans():
+    """The solver times its whole-stack candidates with their updates ordered as the plan will order
+    them: the schedule it keeps as gradients land is then as fast as the one kept at commit with its
+    updates moved so (before, it kept a schedule 2.3% slower: 26.8 s against the 26.2 s promised).
+    The short-stack estimates stay unordered, so the two may still part a little."""
+    config = json.loads(Path(__file__).parents[2].joinpath("benchmarks/configs/llama-118b.json").read_text())
+    h200 = hardware_profile("h200")
+    kw = dict(hardware=h200, batch=4, seq=4096, host_budget=2048)
+    at_commit = megacompile.plan(config, 0.9 * h200.device_bytes / 2**30, **kw)
+    landing = megacompile.plan(config, 0.9 * h200.device_bytes / 2**30, **kw, updates=LAND)
+    assert landing.prediction.step_s <= at_commit.step_s_updates_as_gradients_land * 1.005

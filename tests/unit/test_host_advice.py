@@ -114,3 +114,24 @@ def test_with_a_disk_tier_the_refusal_names_first_the_ram_it_leaves(tmp_path, ca
                       r"in RAM; raise", captured.err)
     assert first, captured.err
     assert 0 <= float(first.group(1)) * 2**30 - refusal["smallest_host_budget_bytes"] < 0.01 * 2**30
+
+
+def test_under_updates_as_gradients_land_the_disk_tier_is_advised_with_updates_at_commit(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Updates started as gradients land take no disk tier (compile() refuses nvme_dir with them, and
+    plan() nvme_budget): the refusal names the disk budget with updates at commit, the `with room` line
+    plans it so, and that plan is what the flags it names give."""
+    monkeypatch.setenv("MEGACOMPILE_TIER_PIECE", str(1 << 16))
+    args = _args(tmp_path) + ["--updates", "as_gradients_land"]
+    assert main(args) == 3
+    captured = capsys.readouterr()
+    assert re.search(r"--nvme-budget \d+ puts exp_avg and exp_avg_sq on disk, .* \(with updates='at_commit'",
+                     captured.err), captured.err
+    line = next(x for x in captured.err.splitlines() if x.startswith("  with room"))
+    room = json.loads(captured.out)["with_room"]
+    assert f"--nvme-budget {room['nvme_budget_gib']} --updates at_commit: device peak" in line
+    assert main(args + ["--nvme-budget", str(room["nvme_budget_gib"])]) == 2
+    assert "not built for the disk tier (nvme_budget)" in capsys.readouterr().err
+    args[args.index("as_gradients_land")] = "at_commit"
+    assert main(args + ["--nvme-budget", str(room["nvme_budget_gib"])]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted_step_s"] == room["predicted_step_s"]
