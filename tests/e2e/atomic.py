@@ -73,3 +73,15 @@ def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs by {(a[k].float() - b[k].float()).abs().max().item():.3g}"
+
+
+def assert_poisoned_step_skipped(engine: megacompile.Engine, seed: int) -> dict:
+    """Poisoned's NaN gradient of ln_f.weight in step `seed`: the step is skipped whole, with a
+    warning and a record naming it, and nothing of the state changed; the state, as it stands."""
+    import pytest
+    before = snapshot(engine)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        engine.step(**inputs(seed, grad_poison=0.0))
+    assert engine.last_step.skipped == "gradient" and "transformer.ln_f.weight" in engine.last_step.reason
+    assert_same_state(before, snapshot(engine), grads=False)
+    return before

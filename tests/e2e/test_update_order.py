@@ -25,7 +25,7 @@ from megacompile.passes.optimizer import updates_in_forward_order, updates_moved
 from megacompile.planner.from_config import hardware_profile
 from megacompile.planner.update_order import fastest_update_order
 from tests import models
-from tests.e2e.atomic import Poisoned, assert_bit_equal, assert_same_state, engine, inputs, masters, snapshot
+from tests.e2e.atomic import Poisoned, assert_bit_equal, assert_poisoned_step_skipped, engine, inputs, masters
 
 LAND = "as_gradients_land"
 CONFIG = {"model_type": "llama", "vocab_size": 512, "hidden_size": 1024, "intermediate_size": 2752,
@@ -122,11 +122,7 @@ def test_a_non_finite_gradient_landed_before_the_moved_updates_leaves_none_appli
     torch.manual_seed(0)
     ours = engine(Poisoned(layers=2, d=16), updates=LAND)
     ours.step(**inputs(0))
-    before = snapshot(ours)
-    with pytest.warns(RuntimeWarning, match="skipped"):
-        ours.step(**inputs(1, grad_poison=0.0))
-    assert ours.last_step.skipped == "gradient" and "transformer.ln_f.weight" in ours.last_step.reason
-    assert_same_state(before, snapshot(ours), grads=False)
+    assert_poisoned_step_skipped(ours, 1)
     ours.step(**inputs(2))
     assert ours.steps_done == 2
 

@@ -136,6 +136,7 @@ def test_what_differs_past_the_first_items_and_in_count():
     before = {"versions": versions, "train": split(40, ["a", "b", "c"]), "eval": split(3, ["d", "e", "f"])}
     assert tokenized.differences(before, {"versions": versions, "train": split(41, ["a", "b", "c"]),
                                           "eval": {**split(3, ["d", "e", "f"]), "digest": "other"}}) == [
-        "train: 40 examples -> 41 examples", "eval: the first 3 of 3 examples tokenize as before, a later one otherwise"]
+        "train: 40 examples -> 41 examples",
+        "eval: the first 3 of 3 examples tokenize as before, a later one otherwise"]
     assert tokenized.differences(before, {"versions": versions, "train": before["train"]}) == [
         "eval: 3 examples -> none"]
