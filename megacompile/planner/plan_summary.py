@@ -36,7 +36,7 @@ def summary(plan, measured: MeasuredRun | None = None) -> str:
     measured_peak = "not run yet" if peak is None else f"{fmt_bytes(peak)} measured in the last run"
     lines = [
         f"megacompile plan ({'training step' if c.train else 'forward only'}, {plan.backend} backend, "
-        f"compute {str(c.compute_dtype).replace('torch.', '')}, fp32 masters)",
+        f"compute {str(c.compute_dtype).replace('torch.', '')}, fp32 masters{kernels_note(plan)})",
         f"  model          {n_params:,} trainable parameters{routed}, {len(c.stages)} stages "
         f"({in_decoder} blocks of {c.block_path or 'none'}{towers} {shared})",
         peak_line(plan, measured_peak),
@@ -106,6 +106,14 @@ def updates_line(plan) -> list[str]:
             f"would take {per_step(plan, other)} ({other / step_s - 1:+.0%}): compile(..., "
             "updates='as_gradients_land') or --updates as_gradients_land (no clipping, one micro-batch per step, "
             "one process)"]
+
+
+def kernels_note(plan) -> str:
+    """The header's word on the kernels: fused ones, and where a fused plan's attention is cuDNN's
+    (planner/attention_choice.py: the faster plan here) rather than the attention kernel."""
+    if not plan.fused:
+        return ""
+    return ", fused kernels" + (" with cuDNN's attention" if plan.attention == "cudnn" else "")
 
 
 def forward_order_note(plan) -> str:

@@ -59,6 +59,7 @@ def test_at_the_same_rate_a_fused_plan_takes_the_attention_kernel_and_frees_the_
     assert {"attention", "attention_backward"} <= targets
     assert "attention" not in plan.reserve.scratch_op
     assert plan.attention == "kernel"
+    assert plan.summary().splitlines()[0].endswith("fp32 masters, fused kernels)")
     assert torch.backends.cuda.cudnn_sdp_enabled()       # set back after the capture
 
 
@@ -73,6 +74,7 @@ def test_where_cudnn_is_the_faster_a_fused_plan_keeps_it(monkeypatch):
     assert "aten._scaled_dot_product_cudnn_attention_backward.default" in targets
     assert "attention_backward" not in targets
     assert plan.attention == "cudnn" and plan.fused
+    assert "fp32 masters, fused kernels with cuDNN's attention)" in plan.summary().splitlines()[0]
 
 
 class _Planned:
@@ -113,6 +115,7 @@ def test_an_unfused_plan_keeps_torchs_choice(monkeypatch):
     plan = _plan(fuse=False)
     assert "aten._scaled_dot_product_cudnn_attention_backward.default" in _attention_targets(plan)
     assert plan.attention == "cudnn"
+    assert plan.summary().splitlines()[0].endswith("fp32 masters)")
 
 
 def test_the_cudnn_flag_is_set_back_as_it_was():
