@@ -141,7 +141,11 @@ def plan(args: argparse.Namespace) -> int:
     if args.lora_rank is not None:      # the base frozen, LoRA adapters on it (train/methods/lora.py)
         from ..planner.from_config import model_from_config
         from ..train.methods.lora import lora_for_plan
-        model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype])
+        said: list[str] = []
+        model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype],
+                              said)
+        for note in said:
+            print(f"  note           {note}", flush=True)
     accumulate, splits = args.grad_accum, []
     if args.gpus > 1 or args.nodes > 1:     # one rank's plan: its share of the host state, the node's budget
         from ..distributed.cost import check_gpus
@@ -387,7 +391,11 @@ def _plan_stage(args: argparse.Namespace) -> int:
     if args.lora_rank is not None:      # the base frozen, LoRA adapters on it, as a run with lora holds it
         from ..planner.from_config import model_from_config
         from ..train.methods.lora import lora_for_plan
-        model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype])
+        said: list[str] = []
+        model = lora_for_plan(model_from_config(args.config), args.lora_rank, args.lora_target, DTYPES[args.dtype],
+                              said)
+        for note in said:
+            print(f"  note           {note}", flush=True)
     try:
         staged = plan_stage(model, args.hbm_budget, args.stage, batch=args.batch, seq=args.seq,
                             hardware=hardware, compute_dtype=DTYPES[args.dtype], host_budget=host_budget,

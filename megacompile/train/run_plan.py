@@ -80,7 +80,9 @@ def resolve(c: RunConfig) -> RunPlan:
         meta = meta_model(c)      # built again with the grown vocabulary
     kind(c).check_model(c, meta)
     notes += [said for said in (router_loss.note(c, meta), rope_scaling.note(c)) if said]
-    model = methods.apply(c, meta)
+    said: list[str] = []
+    model = methods.apply(c, meta, said)
+    notes += [f"  note           {note}" for note in said]
     if c.stage == "sft" and c.loss_type in ("dft", "eaft"):
         # the weighted loss reads the whole logits (no fused cross-entropy): the run's objective
         from ..posttrain import DFTObjective, EAFTObjective

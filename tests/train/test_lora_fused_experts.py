@@ -2,8 +2,9 @@
 modules): `all` and the projections' names adapt them as PEFT's target_parameters, at the rank PEFT
 gives the names it turns onto them; trained through compile as eager PEFT trains them (losses and
 first-step moments to 1e-5); the adapter PEFT loads back and the merged model transformers loads
-give the engine's loss. Names PEFT cannot hold beside a shared expert's Linear modules, a fused pair
-named by half and settings PEFT's experts' adapters do not take are refused by name."""
+give the engine's loss. `all` beside Linear modules of the experts' names (a shared expert's, a
+dense layer's) leaves those out, as PEFT's all-linear does; a list naming them, a fused pair named by
+half, another family's names and settings PEFT's experts' adapters do not take are refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -122,15 +123,79 @@ def test_settings_the_experts_adapters_do_not_take_are_refused_by_name():
     with_adapters(_mixtral(), RANK, ALPHA, 0.1, ["q_proj", "v_proj"])        # no experts: dropout as before
 
 
+def _qwen3_moe_dense_first():
+    """Qwen3-MoE with a dense MLP layer first (mlp_only_layers), as GLM-4.5-Air and DeepSeek-V3 begin."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    with torch.device("meta"):
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=8, moe_intermediate_size=16, num_experts=4,
+                                                  num_experts_per_tok=2, mlp_only_layers=[0]))
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
-def test_all_on_a_shared_expert_model_is_refused_naming_the_collision():
-    """Qwen3-Next's shared expert has Linear modules of the projections' names: PEFT turns those
-    names onto the routed experts' fused weights alone, on wrapping and on loading an adapter."""
+@pytest.mark.parametrize("make, where", [(_qwen3_next, "of its shared expert"),
+                                         (_qwen3_moe_dense_first, "outside its routed experts")])
+def test_all_beside_linear_modules_of_the_experts_names_adapts_the_experts_as_peft_all_linear(make, where):
+    """Linear modules of the projections' names beside the routed experts (a shared expert's, a dense
+    MLP layer's): PEFT turns those names onto the fused weights alone, on wrapping and on loading an
+    adapter. `all` does as PEFT's all-linear does (the experts adapted, those modules left out, said
+    in a note); a list naming them is refused, naming where they sit."""
+    said: list[str] = []
+    model = with_adapters(make(), 2, 4, 0.0, "all", said=said)
+    config = model.peft_config["default"]
+    assert sorted(config.target_parameters) == ["down_proj", "gate_up_proj"]
+    assert not {"gate_proj", "up_proj", "down_proj"} & set(config.target_modules)
+    assert f"leaves out the Linear modules down_proj, gate_proj, up_proj {where}" in said[0]
     with pytest.raises(ArgumentError) as e:
-        with_adapters(_qwen3_next(), 2, 4, 0.0, "all")
-    said = str(e.value)
-    assert "down_proj, gate_proj, up_proj" in said and "mlp.experts.gate_up_proj" in said
-    assert "base_layer" not in said and "e.g. lora_target: " in said and "q_proj" in said.split("e.g.")[1]
+        with_adapters(make(), 2, 4, 0.0, ["q_proj", "gate_proj", "up_proj", "down_proj"])
+    message = str(e.value)
+    assert f"down_proj, gate_proj, up_proj name Linear modules {where}" in message
+    assert "mlp.experts.gate_up_proj" in message and "base_layer" not in message
+    assert "e.g. lora_target: q_proj" in message and ("shared expert" in message) == ("shared" in where)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_the_fused_weights_own_name_is_refused_naming_the_projections_names_that_adapt_it():
+    """PEFT's target_modules match nothing by gate_up_proj (a parameter): the refusal names the
+    names PEFT turns onto it for the family."""
+    with pytest.raises(ArgumentError, match=r"gate_up_proj is no Linear module.*fused weights \(down_proj, "
+                                            r"gate_up_proj\) take adapters by their projections' names, as PEFT "
+                                            r"turns them for qwen3_moe: gate_proj, up_proj, down_proj"):
+        with_adapters(_qwen3_moe(), RANK, ALPHA, 0.0, ["q_proj", "gate_up_proj", "down_proj"])
+    with pytest.raises(ArgumentError, match=r"as PEFT turns them for mixtral: w1, w3, w2"):
+        with_adapters(_mixtral(), RANK, ALPHA, 0.0, ["q_proj", "gate_up_proj"])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_another_familys_expert_names_are_refused_as_peft_matches_nothing_by_them():
+    with pytest.raises(ArgumentError, match=r"w1, w3 are no Linear module.*qwen3_moe: gate_proj, up_proj"):
+        with_adapters(_qwen3_moe(), RANK, ALPHA, 0.0, ["q_proj", "w1", "w3"])
+    with pytest.raises(ArgumentError, match=r"gate_proj, up_proj are no Linear module.*mixtral: w1, w3, w2"):
+        with_adapters(_mixtral(), RANK, ALPHA, 0.0, ["q_proj", "gate_proj", "up_proj"])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore:The following:RuntimeWarning")
+def test_what_takes_adapters_is_said_in_one_line():
+    said: list[str] = []
+    model = with_adapters(_mixtral(), RANK, ALPHA, 0.0, "all", said=said)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert said == [f"lora_target: adapters on k_proj, o_proj, q_proj, v_proj and the routed experts' fused "
+                    f"down_proj (rank {RANK}), gate_up_proj (rank {2 * RANK}): {trained:,} trainable parameters"]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_the_planned_model_refuses_a_pissa_start_on_the_experts_as_the_run_does():
+    """methods.apply (plan --run, the run's meta model) takes pissa_init as lora_skeleton does."""
+    from types import SimpleNamespace
+
+    from megacompile.train import methods
+    c = SimpleNamespace(finetuning_type="lora", lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.0, lora_target="all",
+                        compute_dtype="float32", use_dora=False, use_rslora=False, additional_target=[],
+                        pissa_init=True, stage="sft", freeze_language_model=None, freeze_vision_tower=None,
+                        freeze_multi_modal_projector=None)
+    with pytest.raises(ArgumentError, match=r"no PiSSA start: leave pissa_init out"):
+        methods.apply(c, _mixtral())
 
 
 def _mixtral_dir(path: str) -> str:
@@ -182,3 +247,15 @@ def test_an_adapter_start_without_the_experts_adapters_is_refused_naming_them(tm
     with_adapters(_qwen3_moe(), RANK, ALPHA, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"]).save_pretrained(tmp_path)
     with pytest.raises(WeightsFileError, match=r"target_parameters None \(this model down_proj, gate_up_proj; "):
         lora_adapter.check(with_adapters(_qwen3_moe(), RANK, ALPHA, 0.0, "all"), str(tmp_path))
+
+
+def test_a_peft_without_its_weight_conversion_table_is_refused_rather_than_adapting_nothing(monkeypatch):
+    """The experts' names are PEFT's per family: a PEFT release without that table would leave them
+    adapting nothing, so an MoE model is refused naming the upgrade; a dense model is not concerned."""
+    import sys
+
+    from megacompile.train.methods.lora import pre_fusion
+    monkeypatch.setitem(sys.modules, "peft.utils.transformers_weight_conversion", None)    # import fails
+    with pytest.raises(ArgumentError, match="routed experts are fused weights.*pip install -U peft"):
+        pre_fusion(_qwen3_moe())
+    assert pre_fusion(FAMILIES["llama"]()) == {}

@@ -210,11 +210,12 @@ def apply(c, model: nn.Module, said: list[str] | None = None) -> nn.Module:
     """The module to train as c.finetuning_type says (the PEFT wrapper for lora; `model` itself,
     its requires_grad set, for freeze). On the meta device too: the names are checked there.
     `said`, when given, gets freeze's notes (what LlamaFactory's substring matching trains beyond
-    the modules named), for the run to print once."""
+    the modules named) or LoRA's (what takes adapters), for the run to print once."""
     if c.finetuning_type == "lora":
         wrapped = with_adapters(model, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_target,
                                 base_dtype(c.compute_dtype), dora=c.use_dora, rslora=c.use_rslora,
-                                whole=c.additional_target, parts=vision_freeze.adapted(c))
+                                whole=c.additional_target, initialised=not c.pissa_init,
+                                parts=vision_freeze.adapted(c), said=said)
         if c.stage == "rm" and experts_adapted(wrapped):
             raise ArgumentError("stage rm writes the reward model with its adapters merged into the Linear weights "
                                 "they sit on, and lora_target adapts the routed experts' fused weights too (PEFT's "

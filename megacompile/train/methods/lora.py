@@ -51,7 +51,8 @@ def base_dtype(compute_dtype: str | torch.dtype) -> torch.dtype:
 def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, target: list[str] | str,
                   base: torch.dtype = torch.float32, key: str = "lora_target", dora: bool = False,
                   rslora: bool = False, whole: list[str] = (), initialised: bool = True,
-                  parts: frozenset[str] = vision_freeze.LANGUAGE_ONLY) -> nn.Module:
+                  parts: frozenset[str] = vision_freeze.LANGUAGE_ONLY,
+                  said: list[str] | None = None) -> nn.Module:
     """`model` wrapped by PEFT's LoRA on the Linear modules `target` names (of a vision-language
     model, those of `parts`, vision_freeze's keys; `all`: the decoder blocks' Linear modules, and
     the tower's where it is among the parts), and on the routed experts' fused weights its names
@@ -59,12 +60,15 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
     additional_target): modules trained whole beside the adapters, PEFT's modules_to_save (a
     trained copy of each module whose name ends with one of them; the original stays frozen).
     initialised=False: the adapters are left as their Linear modules made them, to be set by the
-    caller (PiSSA's, which PEFT makes without LoRA's own initialisation and its random draws)."""
+    caller (PiSSA's, which PEFT makes without LoRA's own initialisation and its random draws).
+    `said`, when given, gets what takes adapters (adapted_line) and what `all` leaves out."""
     from peft import LoraConfig, get_peft_model
     _check_whole(model, whole, target)
     everywhere = linear_names(model)
     vision = vision_freeze.is_vision_language(model)
     experts = {} if vision else expert_weights(model, target, key)
+    mapping = pre_fusion(model) if experts else {}
+    given = target
     if target == ALL and vision:
         found = set(vision_freeze.tower_linear_names(model)) if vision_freeze.TOWER in parts else set()
         if vision_freeze.LANGUAGE in parts:
@@ -72,16 +76,17 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
         target = sorted(found)
     elif target == ALL:
         target = linear_names(model, blocks(model)[1])
-    unknown = [t for t in target if t not in everywhere and not (t in _PRE_FUSION and _PRE_FUSION[t] in experts)]
+    unknown = [t for t in target if t not in everywhere and not (t in mapping and mapping[t] in experts)]
     if unknown:
-        fused = [t for t in unknown if t in _PRE_FUSION and _fused_weights(model, [t])]
-        raise ArgumentError(f"{key}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear "
-                            f"module of {type(model).__name__}; its Linear modules are {', '.join(everywhere)} "
-                            "(or all: every Linear of the decoder blocks)"
-                            + (f". {', '.join(fused)} name the routed experts' fused weights "
-                               f"({', '.join(_fused_weights(model, fused))}), which take no adapters in a "
-                               "vision-language model here" if fused else ""))
+        _refuse_unknown(model, key, unknown, everywhere, vision)
     modules = [t for t in target if t in everywhere]
+    # PEFT turns the experts' projections' names onto the fused weights alone, even where they name
+    # Linear modules too (a shared expert's, a dense MLP layer's): `all` leaves those out as PEFT's
+    # all-linear does; a list naming them asks for both, which one adapter cannot hold
+    colliding = sorted(t for t in modules if t in mapping)
+    if colliding and given != ALL:
+        _refuse_collision(model, key, target, colliding)
+    modules = [t for t in modules if t not in colliding]
     if vision:      # the parts' modules alone: the vision tower has q_proj and the like too
         modules = vision_freeze.adapted_names(model, modules, parts)
         if not modules:
@@ -109,27 +114,41 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
         warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match",
                                 category=RuntimeWarning)
         wrapped = get_peft_model(model, config)      # adapters in float32 (PEFT's autocast_adapter_dtype)
-    # PEFT turns the projections' names of some families' experts onto the fused weights, even where
-    # they name Linear modules (a shared expert's): it would load such an adapter that way too
-    adapted = [n for n, m in wrapped.named_modules() if hasattr(m, "lora_A") and not hasattr(m, "parameter_name")]
-    dropped = sorted({m.rsplit(".", 1)[-1] for m in modules if m.rsplit(".", 1)[-1] in _PRE_FUSION
-                      and not any(n.endswith("." + m) for n in adapted)})
-    if dropped:
-        _refuse_collision(model, key, target, dropped)
+    if said is not None:
+        if colliding:
+            said.append(f"{key} all leaves out the Linear modules {', '.join(colliding)} "
+                        f"{_whose(model, colliding)}: PEFT turns these names of {_family(model)} onto the routed "
+                        f"experts' fused weights ({', '.join(_fused_weights(model, colliding))}) alone, as its "
+                        "all-linear does, so they take no adapter")
+        said.append(adapted_line(wrapped, key))
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
             p.data = p.data.to(base)
     return wrapped
 
 
-# The names the routed experts' projections had as Linear modules (transformers 4), and the fused
-# weights of transformers 5's experts that hold them (stacked 3-D parameters, no Linear modules):
-# PEFT's transformers_weight_conversion turns a LoRA on those names onto these weights.
-_PRE_FUSION = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
-               "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
-# The projections one fused weight holds, named together or not at all.
-_FUSED_PAIRS = (("gate_proj", "up_proj"), ("w1", "w3"))
-_FUSED = {"gate_up_proj": 2, "up_proj": 1, "down_proj": 1}      # fused weight -> the projections it holds
+# The fused weights of transformers 5's routed experts (stacked 3-D parameters, no Linear modules) ->
+# the projections each holds.
+_FUSED = {"gate_up_proj": 2, "up_proj": 1, "down_proj": 1}
+
+
+def pre_fusion(model: nn.Module) -> dict[str, str]:
+    """The names the routed experts' projections had as Linear modules (transformers 4) -> the fused
+    weight that holds each, as PEFT's transformers_weight_conversion turns a LoRA on those names onto
+    it for the model's family (Qwen3-MoE's gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2); {}
+    for a family PEFT turns none of (its names adapt Linear modules alone). The router (`gate`, which
+    PEFT turns onto gate.weight) is left out: it takes no adapter here."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:
+        if not _experts_present(model):
+            return {}
+        import peft      # the table is PEFT's own: without it the experts' names would quietly adapt nothing
+        raise ArgumentError(f"{type(model).__name__}'s routed experts are fused weights, which take adapters through "
+                            "PEFT's transformers-5 weight conversion (peft.utils.transformers_weight_conversion); "
+                            f"peft {peft.__version__} has none: pip install -U peft") from None
+    family = _MODEL_TO_CONVERSION_PATTERN.get(getattr(getattr(model, "config", None), "model_type", None))
+    return {old: new for old, new in _MOE_TARGET_MODULE_MAPPING.get(family, {}).items() if new in _FUSED}
 
 
 _IN_BLOCK = re.compile(r"^.*?[.][0-9]+[.]")     # model.layers.0.: where a block's own path starts
@@ -149,15 +168,16 @@ def expert_weights(model: nn.Module, target: list[str] | str, key: str = "lora_t
     present = _experts_present(model)
     if target == ALL:
         return present
-    named = {w for n in target if n in _PRE_FUSION for w in (_PRE_FUSION[n], n) if w in present}
+    mapping = pre_fusion(model)
+    named = {mapping[n] for n in target if n in mapping and mapping[n] in present}
     if "gate_up_proj" in named:
-        for pair in _FUSED_PAIRS:
-            given = [n for n in pair if n in target]
-            if len(given) == 1:
-                other = pair[1 - pair.index(given[0])]
-                raise ArgumentError(f"{key}: {given[0]} names the routed experts' gate_up_proj, which holds {other} "
-                                    f"too (one fused weight takes one adapter): name both {given[0]} and {other}, "
-                                    "or neither")
+        pair = [n for n, w in mapping.items() if w == "gate_up_proj"]
+        given = [n for n in pair if n in target]
+        if len(given) == 1:
+            other = pair[1 - pair.index(given[0])]
+            raise ArgumentError(f"{key}: {given[0]} names the routed experts' gate_up_proj, which holds {other} "
+                                f"too (one fused weight takes one adapter): name both {given[0]} and {other}, "
+                                "or neither")
     return {w: present[w] for w in sorted(named)}
 
 
@@ -181,22 +201,67 @@ def _check_expert_settings(key: str, experts: dict[str, int], dropout: float, do
 
 def _fused_weights(model: nn.Module, names: list[str]) -> list[str]:
     """The fused experts' parameters (by their path within a block) that `names` stand for."""
-    wanted = {_PRE_FUSION[n] for n in names if n in _PRE_FUSION}
+    mapping = pre_fusion(model)
+    wanted = {mapping[n] for n in names if n in mapping}
     return sorted({_IN_BLOCK.sub("", _WRAPPERS.sub(".", f"{n}.{p}"))
                    for n, m in model.named_modules() if not isinstance(m, nn.Linear)
                    for p, _ in m.named_parameters(recurse=False) if p in wanted})
 
 
-def _refuse_collision(model: nn.Module, key: str, target: list[str], colliding: list[str]) -> None:
-    others = [t for t in target if t not in _PRE_FUSION]
-    family = getattr(getattr(model, "config", None), "model_type", "this model")
+def _family(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", "this model")
+
+
+def _whose(model: nn.Module, names: list[str]) -> str:
+    """Where the Linear modules of these last names sit: a shared expert, or else (a dense MLP layer)
+    the first of them by path."""
+    paths = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in names]
+    if paths and all("shared_expert" in n for n in paths):
+        return "of its shared expert"
+    return f"outside its routed experts (e.g. {paths[0].rsplit('.', 1)[0]}, a dense MLP layer)" if paths else ""
+
+
+def _refuse_unknown(model: nn.Module, key: str, unknown: list[str], everywhere: list[str], vision: bool) -> None:
+    mapping = pre_fusion(model)
+    present = _experts_present(model)
+    fused = [t for t in unknown if t in mapping and _fused_weights(model, [t])]
+    working = [n for n, w in mapping.items() if w in present]
+    own = [t for t in unknown if t in present and not vision]
     raise ArgumentError(
-        f"{key}: {', '.join(colliding)} name Linear modules of {type(model).__name__} (its shared expert's) and "
-        f"also the routed experts' fused weights ({', '.join(_fused_weights(model, colliding))}): PEFT turns "
-        f"these names of {family} onto the fused weights alone, when it adapts the model and when it "
-        "loads an adapter, so one adapter cannot hold both. Name the Linear modules to adapt without "
-        f"{', '.join(colliding)} (the routed experts then take none)" + (f", e.g. {key}: {','.join(others)}"
-                                                                          if others else ""))
+        f"{key}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear module of "
+        f"{type(model).__name__}; its Linear modules are {', '.join(everywhere)} (or all: every Linear of the "
+        "decoder blocks)"
+        + (f". {', '.join(fused)} name the routed experts' fused weights ({', '.join(_fused_weights(model, fused))}),"
+           " which take no adapters in a vision-language model here" if vision and fused else "")
+        + (f". Its routed experts' fused weights ({', '.join(sorted(present))}) take adapters by their projections' "
+           f"names, as PEFT turns them for {_family(model)}: {', '.join(working)}" if working and not vision else "")
+        + (f" ({', '.join(own)}: the fused weight's own name, which PEFT's target_modules match nothing by)"
+           if own and working else ""))
+
+
+def _refuse_collision(model: nn.Module, key: str, target: list[str], colliding: list[str]) -> None:
+    mapping = pre_fusion(model)
+    others = [t for t in target if t not in mapping]
+    raise ArgumentError(
+        f"{key}: {', '.join(colliding)} name Linear modules {_whose(model, colliding)} and also the routed experts' "
+        f"fused weights ({', '.join(_fused_weights(model, colliding))}): PEFT turns these names of {_family(model)} "
+        "onto the fused weights alone, when it adapts the model and when it loads an adapter, so one adapter cannot "
+        f"hold both. Name the Linear modules to adapt without {', '.join(colliding)} (the routed experts then take "
+        "none)" + (f", e.g. {key}: {','.join(others)}" if others else "")
+        + "; or give all (the routed experts, those Linear modules left out)")
+
+
+def adapted_line(wrapped: nn.Module, key: str) -> str:
+    """What takes adapters, in one line: the Linear modules by last name, the routed experts' fused
+    weights with their rank (gate_up_proj's doubled), and the trainable parameters in all."""
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in wrapped.named_modules()
+                     if hasattr(m, "lora_A") and not hasattr(m, "parameter_name")})
+    fused = {m.parameter_name: m.r[next(iter(m.r))] for m in wrapped.modules()
+             if hasattr(m, "parameter_name") and hasattr(m, "lora_A") and m.r}
+    trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    experts = ", ".join(f"{w} (rank {r})" for w, r in sorted(fused.items()))
+    return (f"{key}: adapters on {', '.join(linear) or 'no Linear module'}"
+            + (f" and the routed experts' fused {experts}" if experts else "") + f": {trained:,} trainable parameters")
 
 
 def _check_whole(model: nn.Module, whole: list[str], target: list[str] | str) -> None:
@@ -355,11 +420,12 @@ def release_frozen(model: nn.Module) -> None:
                 module._parameters[name] = moved[id(p)]
 
 
-def lora_for_plan(model: nn.Module, rank: int, target: str, compute_dtype: torch.dtype) -> nn.Module:
+def lora_for_plan(model: nn.Module, rank: int, target: str, compute_dtype: torch.dtype,
+                  said: list[str] | None = None) -> nn.Module:
     """`megacompile plan --lora-rank`: `model` (on meta) with LoRA adapters, as a run with
-    run.yaml's defaults and this compute dtype holds it."""
+    run.yaml's defaults and this compute dtype holds it (`said`: with_adapters' notes)."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ArgumentError(f"--lora-rank must be a whole number >= 1; got {rank!r}")
     require_peft("--lora-rank")
     return with_adapters(model, rank, 2 * rank, 0.0, names("--lora-target", target), base_dtype(compute_dtype),
-                         "--lora-target")
+                         "--lora-target", said=said)
