@@ -254,7 +254,7 @@ def test_a_peft_without_its_weight_conversion_table_is_refused_rather_than_adapt
     adapting nothing, so an MoE model is refused naming the upgrade; a dense model is not concerned."""
     import sys
 
-    from megacompile.train.methods.lora import pre_fusion
+    from megacompile.train.methods.lora_experts import pre_fusion
     monkeypatch.setitem(sys.modules, "peft.utils.transformers_weight_conversion", None)    # import fails
     with pytest.raises(ArgumentError, match="routed experts are fused weights.*pip install -U peft"):
         pre_fusion(_qwen3_moe())

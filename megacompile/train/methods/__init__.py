@@ -40,7 +40,8 @@ from ...errors import ArgumentError
 from ...optim import MAX_LR, MAX_RATIO
 from . import pissa, vision_freeze
 from .freeze import freeze
-from .lora import base_dtype, experts_adapted, file_key, merged, require_peft, scaling, transposed, with_adapters
+from .lora import base_dtype, file_key, merged, require_peft, scaling, transposed, with_adapters
+from .lora_experts import experts_adapted
 from .lora import lora_skeleton as _lora_skeleton
 from .names import names
 

@@ -16,6 +16,8 @@ from ...errors import ArgumentError
 from .. import model_config
 from . import vision_freeze
 from .freeze import blocks
+from .lora_experts import (WRAPPERS, check_expert_settings, family, fused_weights, refuse_collision,
+                           refuse_unknown, whose, expert_weights, pre_fusion)
 from .names import ALL, names
 
 
@@ -78,14 +80,14 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
         target = linear_names(model, blocks(model)[1])
     unknown = [t for t in target if t not in everywhere and not (t in mapping and mapping[t] in experts)]
     if unknown:
-        _refuse_unknown(model, key, unknown, everywhere, vision)
+        refuse_unknown(model, key, unknown, everywhere, vision)
     modules = [t for t in target if t in everywhere]
     # PEFT turns the experts' projections' names onto the fused weights alone, even where they name
     # Linear modules too (a shared expert's, a dense MLP layer's): `all` leaves those out as PEFT's
     # all-linear does; a list naming them asks for both, which one adapter cannot hold
     colliding = sorted(t for t in modules if t in mapping)
     if colliding and given != ALL:
-        _refuse_collision(model, key, target, colliding)
+        refuse_collision(model, key, target, colliding)
     modules = [t for t in modules if t not in colliding]
     if vision:      # the parts' modules alone: the vision tower has q_proj and the like too
         modules = vision_freeze.adapted_names(model, modules, parts)
@@ -96,7 +98,7 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
                                 "true, on the vision tower where freeze_vision_tower is false, on the projector where "
                                 "freeze_multi_modal_projector is false")
     if experts:
-        _check_expert_settings(key, experts, dropout, dora, initialised)
+        check_expert_settings(key, experts, dropout, dora, initialised)
     # Each fused weight at the rank and alpha PEFT gives it when it turns the projections' names onto
     # it (its transformers_weight_conversion): gate_up_proj, two projections, at twice each.
     patterns = {rf".*\.{re.escape(w)}": n for w, n in experts.items() if n > 1}
@@ -117,138 +119,14 @@ def with_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, tar
     if said is not None:
         if colliding:
             said.append(f"{key} all leaves out the Linear modules {', '.join(colliding)} "
-                        f"{_whose(model, colliding)}: PEFT turns these names of {_family(model)} onto the routed "
-                        f"experts' fused weights ({', '.join(_fused_weights(model, colliding))}) alone, as its "
+                        f"{whose(model, colliding)}: PEFT turns these names of {family(model)} onto the routed "
+                        f"experts' fused weights ({', '.join(fused_weights(model, colliding))}) alone, as its "
                         "all-linear does, so they take no adapter")
         said.append(adapted_line(wrapped, key))
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != base:
             p.data = p.data.to(base)
     return wrapped
-
-
-# The fused weights of transformers 5's routed experts (stacked 3-D parameters, no Linear modules) ->
-# the projections each holds.
-_FUSED = {"gate_up_proj": 2, "up_proj": 1, "down_proj": 1}
-
-
-def pre_fusion(model: nn.Module) -> dict[str, str]:
-    """The names the routed experts' projections had as Linear modules (transformers 4) -> the fused
-    weight that holds each, as PEFT's transformers_weight_conversion turns a LoRA on those names onto
-    it for the model's family (Qwen3-MoE's gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2); {}
-    for a family PEFT turns none of (its names adapt Linear modules alone). The router (`gate`, which
-    PEFT turns onto gate.weight) is left out: it takes no adapter here."""
-    try:
-        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
-    except ImportError:
-        if not _experts_present(model):
-            return {}
-        import peft      # the table is PEFT's own: without it the experts' names would quietly adapt nothing
-        raise ArgumentError(f"{type(model).__name__}'s routed experts are fused weights, which take adapters through "
-                            "PEFT's transformers-5 weight conversion (peft.utils.transformers_weight_conversion); "
-                            f"peft {peft.__version__} has none: pip install -U peft") from None
-    family = _MODEL_TO_CONVERSION_PATTERN.get(getattr(getattr(model, "config", None), "model_type", None))
-    return {old: new for old, new in _MOE_TARGET_MODULE_MAPPING.get(family, {}).items() if new in _FUSED}
-
-
-_IN_BLOCK = re.compile(r"^.*?[.][0-9]+[.]")     # model.layers.0.: where a block's own path starts
-
-
-def _experts_present(model: nn.Module) -> dict[str, int]:
-    """The model's fused expert weights by name (3-D parameters of modules other than Linear) ->
-    the projections each holds."""
-    return {p: _FUSED[p] for _, m in model.named_modules() if not isinstance(m, nn.Linear)
-            for p, t in m.named_parameters(recurse=False) if p in _FUSED and t.dim() == 3}
-
-
-def expert_weights(model: nn.Module, target: list[str] | str, key: str = "lora_target") -> dict[str, int]:
-    """The routed experts' fused weights that `target` adapts (PEFT's target_parameters) -> the
-    projections each holds: under `all` every one; else those its projections' names stand for
-    (Qwen3-MoE's gate_proj, up_proj, down_proj, Mixtral's w1, w3, w2), both of a fused pair named."""
-    present = _experts_present(model)
-    if target == ALL:
-        return present
-    mapping = pre_fusion(model)
-    named = {mapping[n] for n in target if n in mapping and mapping[n] in present}
-    if "gate_up_proj" in named:
-        pair = [n for n, w in mapping.items() if w == "gate_up_proj"]
-        given = [n for n in pair if n in target]
-        if len(given) == 1:
-            other = pair[1 - pair.index(given[0])]
-            raise ArgumentError(f"{key}: {given[0]} names the routed experts' gate_up_proj, which holds {other} "
-                                f"too (one fused weight takes one adapter): name both {given[0]} and {other}, "
-                                "or neither")
-    return {w: present[w] for w in sorted(named)}
-
-
-def experts_adapted(model: nn.Module) -> bool:
-    """Whether `model` carries adapters on fused expert weights (PEFT's ParamWrapper)."""
-    return any(hasattr(m, "parameter_name") and hasattr(m, "lora_A") for m in model.modules())
-
-
-def _check_expert_settings(key: str, experts: dict[str, int], dropout: float, dora: bool, initialised: bool) -> None:
-    """What PEFT's adapters on a bare parameter (its ParamWrapper) do not take, refused by name."""
-    what = (f"{key} adapts the routed experts' fused weights ({', '.join(experts)}), whose adapters (PEFT's "
-            "target_parameters) take")
-    leave = "; or leave the experts' names out of " + key + " (all takes them in)"
-    if dropout:
-        raise ArgumentError(f"{what} no dropout: set lora_dropout: 0{leave}")
-    if dora:
-        raise ArgumentError(f"{what} no DoRA: leave use_dora out{leave}")
-    if not initialised:
-        raise ArgumentError(f"{what} no PiSSA start: leave pissa_init out{leave}")
-
-
-def _fused_weights(model: nn.Module, names: list[str]) -> list[str]:
-    """The fused experts' parameters (by their path within a block) that `names` stand for."""
-    mapping = pre_fusion(model)
-    wanted = {mapping[n] for n in names if n in mapping}
-    return sorted({_IN_BLOCK.sub("", _WRAPPERS.sub(".", f"{n}.{p}"))
-                   for n, m in model.named_modules() if not isinstance(m, nn.Linear)
-                   for p, _ in m.named_parameters(recurse=False) if p in wanted})
-
-
-def _family(model: nn.Module) -> str:
-    return getattr(getattr(model, "config", None), "model_type", "this model")
-
-
-def _whose(model: nn.Module, names: list[str]) -> str:
-    """Where the Linear modules of these last names sit: a shared expert, or else (a dense MLP layer)
-    the first of them by path."""
-    paths = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in names]
-    if paths and all("shared_expert" in n for n in paths):
-        return "of its shared expert"
-    return f"outside its routed experts (e.g. {paths[0].rsplit('.', 1)[0]}, a dense MLP layer)" if paths else ""
-
-
-def _refuse_unknown(model: nn.Module, key: str, unknown: list[str], everywhere: list[str], vision: bool) -> None:
-    mapping = pre_fusion(model)
-    present = _experts_present(model)
-    fused = [t for t in unknown if t in mapping and _fused_weights(model, [t])]
-    working = [n for n, w in mapping.items() if w in present]
-    own = [t for t in unknown if t in present and not vision]
-    raise ArgumentError(
-        f"{key}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no Linear module of "
-        f"{type(model).__name__}; its Linear modules are {', '.join(everywhere)} (or all: every Linear of the "
-        "decoder blocks)"
-        + (f". {', '.join(fused)} name the routed experts' fused weights ({', '.join(_fused_weights(model, fused))}),"
-           " which take no adapters in a vision-language model here" if vision and fused else "")
-        + (f". Its routed experts' fused weights ({', '.join(sorted(present))}) take adapters by their projections' "
-           f"names, as PEFT turns them for {_family(model)}: {', '.join(working)}" if working and not vision else "")
-        + (f" ({', '.join(own)}: the fused weight's own name, which PEFT's target_modules match nothing by)"
-           if own and working else ""))
-
-
-def _refuse_collision(model: nn.Module, key: str, target: list[str], colliding: list[str]) -> None:
-    mapping = pre_fusion(model)
-    others = [t for t in target if t not in mapping]
-    raise ArgumentError(
-        f"{key}: {', '.join(colliding)} name Linear modules {_whose(model, colliding)} and also the routed experts' "
-        f"fused weights ({', '.join(_fused_weights(model, colliding))}): PEFT turns these names of {_family(model)} "
-        "onto the fused weights alone, when it adapts the model and when it loads an adapter, so one adapter cannot "
-        f"hold both. Name the Linear modules to adapt without {', '.join(colliding)} (the routed experts then take "
-        "none)" + (f", e.g. {key}: {','.join(others)}" if others else "")
-        + "; or give all (the routed experts, those Linear modules left out)")
 
 
 def adapted_line(wrapped: nn.Module, key: str) -> str:
@@ -365,10 +243,9 @@ def file_key(key: str) -> str:
     """A PEFT model's state_dict key as the wrapped model's files name it."""
     key = key.removeprefix("base_model.model.")
     # an experts module holds one wrapper per adapted weight: .base_layer.base_layer.gate_up_proj
-    return _WRAPPERS.sub(".", key).replace(".original_module.", ".")
+    return WRAPPERS.sub(".", key).replace(".original_module.", ".")
 
 
-_WRAPPERS = re.compile(r"(?:[.]base_layer)+[.]")
 
 
 def scaling(config) -> float:
